@@ -1,0 +1,59 @@
+"""An answer produced by one upstream call, in the form every layer shares and stores.
+
+Contract:
+- ``body`` is the complete response as a non-streaming client receives it, as bytes ready to send
+  (assembled from the chunks when the upstream streamed). ``frames`` are the SSE frames exactly as
+  the upstream streamed them (``None`` if it did not stream); a streaming client is served those,
+  or frames synthesized once from ``body``.
+- ``complete`` is true only for a 2xx answer in which every choice has a finish reason (embeddings:
+  every item has a vector). Only complete answers are stored or kept joinable after their flight.
+- ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
+- ``tokens`` is prompt + completion tokens of the call: what a hit or a joiner did not recompute.
+- An ``Answer`` is immutable once built; many clients read it at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .sse import frame, synthesize, usage_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Answer:
+    kind: str
+    body: bytes
+    complete: bool
+    tokens: int = 0
+    created: float = field(default_factory=time.time)
+    frames: list[bytes] | None = None
+    usage_frame: int | None = None          # index in frames of the usage-only chunk, if any
+    _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:
+        return cls(kind, raw, complete, usage_tokens(parsed))
+
+    @property
+    def size(self) -> int:
+        """Bytes this answer holds, for the cache budget."""
+        return len(self.body) + sum(len(f) for f in self.frames or ()) + 200
+
+    def sse(self, include_usage: bool) -> list[bytes]:
+        """The frames a streaming client receives (without the final ``[DONE]``)."""
+        if self.frames is not None:
+            if include_usage or self.usage_frame is None:
+                return self.frames
+            return [f for i, f in enumerate(self.frames) if i != self.usage_frame]
+        cached = self._synthesized.get(include_usage)
+        if cached is None:
+            chunks = synthesize(self.kind, orjson.loads(self.body), include_usage=include_usage)
+            cached = self._synthesized[include_usage] = [frame(orjson.dumps(c)) for c in chunks]
+        return cached
+
+    def age(self, now: float | None = None) -> float:
+        return max(0.0, (time.time() if now is None else now) - self.created)

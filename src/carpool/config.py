@@ -1,0 +1,243 @@
+"""One typed configuration for the whole gateway.
+
+Contract:
+- Every tunable lives here, with its unit and default in its description; no layer hides a literal.
+- Sources, strongest first: explicit overrides (CLI flags) > ``CARPOOL_*`` environment variables >
+  the YAML file > the defaults below. Nested keys in the environment use ``__``:
+  ``CARPOOL_CACHE__MAX_BYTES=1000``; values are read as YAML scalars (``true``, ``1.5``, ``[a, b]``).
+- Unknown keys are errors (a typo must not silently keep a default). ``load`` raises ``ConfigError``
+  naming the field and what is allowed; the CLI turns it into exit status 2.
+- Durations are seconds unless the name ends in ``_ms``; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "CARPOOL_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FingerprintConfig(_Section):
+    normalize_whitespace: bool = Field(
+        True, description="Trim text and collapse runs of white space before hashing (never inside "
+        "``` fenced code, nor for requests of type `code`).")
+
+
+class TypePolicy(_Section):
+    ttl: float = Field(..., ge=0, description="Seconds an answer of this type stays in the cache; "
+                       "0 = never stored (still coalesced while in flight and within the window).")
+
+
+DEFAULT_TYPES = {
+    "translation": {"ttl": 86400}, "faq": {"ttl": 3600}, "code": {"ttl": 1800},
+    "realtime": {"ttl": 300}, "factual": {"ttl": 0},
+}
+
+
+class CacheConfig(_Section):
+    default_ttl: float = Field(3600, ge=0, description="Seconds an answer stays cached when its "
+                               "request has no `x-carpool-type` (or an unknown one).")
+    max_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Budget of the in-process exact "
+                           "cache in bytes; least recently used answers are evicted beyond it.")
+    types: dict[str, TypePolicy] = Field(
+        default_factory=lambda: {k: TypePolicy(**v) for k, v in DEFAULT_TYPES.items()},
+        description="TTL policy per request type (`x-carpool-type`). Keys given in the file are "
+        "merged over the defaults.")
+
+    @field_validator("types", mode="before")
+    @classmethod
+    def _merge_default_types(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {**DEFAULT_TYPES, **value}
+        return value
+
+
+class CoalesceConfig(_Section):
+    window_ms: float = Field(1000, ge=0, description="Milliseconds a finished answer stays joinable "
+                             "by identical requests, even with ttl 0.")
+    adaptive: bool = Field(True, description="Widen or narrow the window per key class from the "
+                           "repeats observed (not implemented yet: the fixed window is used).")
+    join_timeout_ms: float = Field(30000, gt=0, description="Milliseconds a joiner waits for a "
+                                   "flight (its complete answer, or a streaming joiner's first "
+                                   "chunk) before it runs its own upstream call.")
+    finish_abandoned: bool = Field(False, description="Finish an upstream call whose clients all "
+                                   "left, to fill the cache, instead of cancelling it.")
+
+
+class SemanticConfig(_Section):
+    enabled: bool = Field(False, description="Serve near-duplicate prompts from the semantic cache "
+                          "(needs the [semantic] extra; not implemented yet).")
+    threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity above which a "
+                                    "candidate is considered; null = the calibrated default.")
+
+
+class TenantConfig(_Section):
+    header: str = Field("Authorization", min_length=1, description="Request header whose value "
+                        "(hashed, never stored raw) identifies the tenant.")
+    shared_namespaces: list[str] = Field(default_factory=list, description="Namespaces whose "
+                                         "answers are shared across tenants.")
+
+
+class IdempotencyConfig(_Section):
+    retention: float = Field(86400, gt=0, description="Seconds an idempotency record is kept.")
+    on_conflict: Literal["reject", "wait"] = Field("reject", description="Same key while the first "
+                                                   "is processing: 409 (reject) or wait for it.")
+
+
+class RoutingConfig(_Section):
+    policy: Literal["cache-aware", "round-robin", "least-loaded"] = Field(
+        "cache-aware", description="How a miss picks an upstream replica (round-robin is used "
+        "until the other policies land).")
+
+
+class BatchingConfig(_Section):
+    max_batch_size: int = Field(32, ge=1, description="Most items merged into one upstream call.")
+    max_batch_delay_ms: float = Field(5, ge=0, description="Longest wait for a batch to fill.")
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted; "
+                                "larger ones get 413.")
+    upstream_timeout: float = Field(600, gt=0, description="Seconds to wait for the upstream's "
+                                    "answer (for streams: between two chunks) before 504.")
+    upstream_connect_timeout: float = Field(10, gt=0, description="Seconds to wait for a "
+                                            "connection to the upstream before 502.")
+    upstream_max_connections: int = Field(1000, gt=0, description="Pooled connections per replica.")
+
+
+class UpstreamConfig(_Section):
+    stream_usage: bool = Field(True, description="Ask a streaming upstream for a final usage chunk "
+                               "(`stream_options.include_usage`) so tokens saved can be counted; "
+                               "clients that did not ask for it never see it.")
+
+
+class SimConfig(_Section):
+    """The embedded simulated engine: a cost model that behaves like a real one where it matters."""
+
+    replicas: int = Field(1, ge=1, description="Simulated replicas when no --upstream is given.")
+    max_concurrency: int = Field(32, ge=1, description="Sequences decoded at once per replica; "
+                                 "more queue.")
+    prefill_ms_per_token: float = Field(0.05, ge=0, description="Prefill cost per prompt token "
+                                        "not found in the replica's prefix cache (ms).")
+    decode_ms_per_token: float = Field(5.0, ge=0, description="Decode cost per output token (ms); "
+                                       "streams emit one chunk per token at this pace.")
+    default_max_tokens: int = Field(48, ge=1, description="Answer length cap when the request sets "
+                                    "none.")
+    prefix_cache_tokens: int = Field(200_000, ge=0, description="Prompt tokens each replica keeps "
+                                     "in its simulated KV (prefix) cache, LRU by block.")
+    block_tokens: int = Field(16, ge=1, description="Prefix-cache block size in tokens.")
+    embedding_dim: int = Field(64, ge=1, description="Length of the simulated embedding vectors.")
+
+
+class Config(_Section):
+    """The whole configuration. Build it with ``Config.load``; a plain ``Config()`` is all defaults."""
+
+    upstreams: list[str] = Field(default_factory=list, description="Base URLs ending in /v1 of "
+                                 "OpenAI-compatible replicas; empty = the embedded simulated engine.")
+    redis: str | None = Field(None, description="Redis/Valkey URL for the shared store (not "
+                              "implemented yet); null = in-process only.")
+    admin_token: str | None = Field(None, description="Bearer token that enables /admin/*.")
+    sampling: Literal["strict", "same-params"] = Field("strict", description="strict: sampled "
+                                                       "requests bypass unless they opt in; "
+                                                       "same-params: they share with identical "
+                                                       "parameters.")
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port the gateway listens on.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    fingerprint: FingerprintConfig = Field(default_factory=FingerprintConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    coalesce: CoalesceConfig = Field(default_factory=CoalesceConfig)
+    semantic: SemanticConfig = Field(default_factory=SemanticConfig)
+    tenant: TenantConfig = Field(default_factory=TenantConfig)
+    idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstreams_are_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL ending in /v1")
+        return [url.rstrip("/") for url in value]
+
+    def ttl_for(self, request_type: str | None) -> float:
+        """Seconds an answer of ``request_type`` may be stored (0 = never)."""
+        if request_type is not None:
+            policy = self.cache.types.get(request_type)
+            if policy is not None:
+                return policy.ttl
+        return self.cache.default_ttl
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> Config:
+        """Merge the file, the environment and explicit overrides over the defaults, then validate."""
+        merged: dict[str, Any] = {}
+        if path is not None:
+            try:
+                loaded = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise ConfigError(f"config file {path}: {exc}") from exc
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {path}: the top level must be a mapping")
+            _deep_merge(merged, loaded)
+        _deep_merge(merged, _from_env(os.environ if env is None else env))
+        _deep_merge(merged, dict(overrides or {}))
+        try:
+            return cls.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from exc
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == "CARPOOL_CONFIG":
+            continue
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _deep_merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        allowed = err.get("ctx", {}).get("expected")
+        message = err["msg"] if err["type"] != "extra_forbidden" else "unknown key"
+        lines.append(f"{field}: {message}" + (f" (allowed: {allowed})" if allowed else "")
+                     + f"; got {err.get('input')!r}")
+    return "invalid config: " + "; ".join(lines)

@@ -1,0 +1,134 @@
+"""carpool's error tree.
+
+Every error the gateway answers with is one of these, so the HTTP status and the OpenAI error body
+(``{"error": {"message", "type", "code"}}``) are decided in one place. Errors of the layer below
+(httpx, Redis, pydantic) are translated at the boundary, keeping the original as ``__cause__``.
+
+    CarpoolError                      base; never raised itself
+    ├── RequestError                  400: the client's request is malformed or invalid
+    │   └── BodyTooLarge              413: body over ``limits.max_body_bytes``
+    ├── UpstreamError                 the upstream call did not produce an answer
+    │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
+    │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
+    │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
+    │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
+    └── FlightAbandoned               499: every client of a flight left and its call was cancelled
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class CarpoolError(Exception):
+    """Base of every error carpool raises on purpose."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> bytes:
+        """The error as OpenAI's JSON error shape, ready to send."""
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json"}
+
+
+class RequestError(CarpoolError):
+    """The request cannot be served as sent: malformed JSON, wrong field types."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, code: str | None = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class BodyTooLarge(RequestError):
+    """The body is larger than ``limits.max_body_bytes``."""
+
+    status = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than the limit of {limit} bytes", "body_too_large")
+
+
+class UpstreamError(CarpoolError):
+    """The upstream call failed; every waiter of the flight receives the same error."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection to the upstream (refused, reset, name resolution)."""
+
+    status = 502
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream did not answer within ``limits.upstream_timeout`` seconds."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamStreamBroken(UpstreamError):
+    """A stream failed or ended before every choice had a finish reason."""
+
+    status = 502
+    code = "upstream_stream_broken"
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with a non-2xx status; its status and body reach the client as they are."""
+
+    def __init__(self, status: int, content: bytes, content_type: str = "application/json"):
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.content = content
+        self.content_type = content_type
+
+    def body(self) -> bytes:
+        return self.content
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": self.content_type}
+
+    def error_object(self) -> dict[str, Any]:
+        """The upstream's error as an OpenAI error object, for an SSE error event."""
+        try:
+            parsed = orjson.loads(self.content)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return parsed["error"]
+        return {"message": self.content.decode("utf-8", "replace")[:2000], "type": self.type,
+                "code": self.status}
+
+
+class FlightAbandoned(CarpoolError):
+    """Every client of a flight left, so its upstream call was cancelled. Nobody is left to see it."""
+
+    status = 499
+    type = "client_closed_request"
+    code = "flight_abandoned"
+
+
+def error_event(error: CarpoolError) -> bytes:
+    """The SSE frame that tells a streaming client its stream failed (OpenAI's SDK raises on it)."""
+    obj = error.error_object() if isinstance(error, UpstreamStatusError) else {
+        "message": error.message, "type": error.type, "code": error.code}
+    return b"data: " + orjson.dumps({"error": obj}) + b"\n\n"

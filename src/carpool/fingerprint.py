@@ -1,0 +1,161 @@
+"""The request fingerprint: what makes two requests "identical", and whether they may share at all.
+
+Contract (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants"):
+- Included: endpoint, model, the full input and every field that can change the output; unknown
+  fields too (a field we do not know might matter). Excluded: ``user``, ``stream``,
+  ``stream_options``, ``metadata``, request ids, and all transport headers.
+- Canonical: key order, number spelling (``0`` vs ``0.0``, ``1e0``) and Unicode composition (NFC)
+  never change a key. With ``fingerprint.normalize_whitespace`` the input text (message contents,
+  prompt, embedding input) is trimmed and runs of white space collapse to one space, except inside
+  ``` fenced code and in requests of type ``code``, where indentation is meaning.
+- Scoped: the tenant (a hash of the tenant header, never the raw value), the namespace, and the
+  freshness token are part of the key, so no answer crosses them, cached or in flight. A namespace
+  listed in ``tenant.shared_namespaces`` drops the tenant from the scope.
+- Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
+  1, or a ``seed``. An absent temperature is the upstream's default, which samples. Sampled requests
+  get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
+  ``x-carpool-share: sampled``; then they share only with identical parameters, which the key
+  already guarantees. Embeddings are always deterministic.
+- The key is a 32-hex-digit BLAKE2b digest: no input can collide with another by construction of
+  its text, or inject anything into a store key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .config import Config
+from .request import Request
+
+EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
+ANONYMOUS_TENANT = "anonymous"
+KEY_VERSION = 1
+_FENCE = "```"
+_WHITESPACE_RUN = re.compile(r"\s+")
+
+
+@dataclass(slots=True, frozen=True)
+class Fingerprint:
+    """The sharing decision for one request: ``key`` is None when it must bypass."""
+
+    key: str | None
+    tenant: str
+    namespace: str
+    bypass_reason: str | None = None
+
+
+def tenant_of(headers: Mapping[str, str], header: str) -> str:
+    """A stable, non-reversible id of the tenant: never the raw credential."""
+    value = headers.get(header.lower())
+    if not value:
+        return ANONYMOUS_TENANT
+    return hashlib.blake2b(value.encode(), digest_size=8, person=b"carpool-tenant").hexdigest()
+
+
+def is_deterministic(body: Mapping[str, Any]) -> bool:
+    """Whether the upstream gives the same output every time (CONTRACT.md "Sampling policy")."""
+    if body.get("seed") is not None:
+        return True
+    if body.get("top_k") == 1:
+        return True
+    temperature = body.get("temperature")
+    return temperature is not None and temperature == 0
+
+
+def fingerprint(request: Request, config: Config) -> Fingerprint:
+    controls = request.controls
+    namespace = controls.namespace
+    tenant = tenant_of(request.headers, config.tenant.header)
+    if namespace and namespace in config.tenant.shared_namespaces:
+        tenant = "*"
+    if request.kind != "embedding" and not is_deterministic(request.body):
+        if not (controls.share_sampled or config.sampling == "same-params"):
+            return Fingerprint(None, tenant, namespace, "sampled")
+    collapse = config.fingerprint.normalize_whitespace and controls.request_type != "code"
+    canonical = canonical_body(request.kind, request.body, collapse)
+    material = orjson.dumps(
+        [KEY_VERSION, tenant, namespace, controls.freshness, request.kind, canonical],
+        option=orjson.OPT_SORT_KEYS)
+    return Fingerprint(hashlib.blake2b(material, digest_size=16).hexdigest(), tenant, namespace)
+
+
+def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[str, Any]:
+    """The body with excluded fields dropped, numbers and text in canonical form."""
+    out: dict[str, Any] = {}
+    for name, value in body.items():
+        if name in EXCLUDED_FIELDS:
+            continue
+        if name == "messages" and isinstance(value, list):
+            out[name] = [_canonical_message(m, collapse) for m in value]
+        elif name in ("prompt", "input"):
+            out[name] = _canonical_text_field(value, collapse)
+        else:
+            out[name] = _canonical(value)
+    return out
+
+
+def _canonical_message(message: Any, collapse: bool) -> Any:
+    if not isinstance(message, dict):
+        return _canonical(message)
+    out = {}
+    for name, value in message.items():
+        if name == "content":
+            if isinstance(value, str):
+                out[name] = normalize_text(value, collapse)
+            elif isinstance(value, list):
+                out[name] = [_canonical_part(part, collapse) for part in value]
+            else:
+                out[name] = _canonical(value)
+        else:
+            out[name] = _canonical(value)
+    return out
+
+
+def _canonical_part(part: Any, collapse: bool) -> Any:
+    # {"type": "text", "text": "..."}: the text is input text; images etc. are kept exactly.
+    if isinstance(part, dict) and isinstance(part.get("text"), str):
+        return {**_canonical(part), "text": normalize_text(part["text"], collapse)}
+    return _canonical(part)
+
+
+def _canonical_text_field(value: Any, collapse: bool) -> Any:
+    if isinstance(value, str):
+        return normalize_text(value, collapse)
+    if isinstance(value, list):
+        return [normalize_text(v, collapse) if isinstance(v, str) else _canonical(v)
+                for v in value]
+    return _canonical(value)
+
+
+def normalize_text(text: str, collapse: bool) -> str:
+    """NFC, and (with ``collapse``) trimmed with white-space runs as one space outside ``` fences."""
+    if not text.isascii():
+        text = unicodedata.normalize("NFC", text)
+    if not collapse:
+        return text
+    if _FENCE not in text:
+        return " ".join(text.split())
+    # Even-numbered pieces are prose, odd-numbered ones are inside a fence and kept verbatim.
+    pieces = text.split(_FENCE)
+    return _FENCE.join(piece if i % 2 else _WHITESPACE_RUN.sub(" ", piece)
+                       for i, piece in enumerate(pieces)).strip()
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if value.isascii() else unicodedata.normalize("NFC", value)
+    if isinstance(value, float):
+        # 0 and 0.0 (and 1e0) are the same number; keep integral floats as ints in the key.
+        return int(value) if value.is_integer() and abs(value) < 2**53 else value
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value

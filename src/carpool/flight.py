@@ -1,0 +1,174 @@
+"""Single-flight: identical requests in flight share one upstream call.
+
+A *flight* is one upstream call for one fingerprint key. The first request for a key is its
+*leader*; requests for the same key that arrive while it runs (or within the coalescing window after
+it finished) are *joiners*. Each request holds a ``Ticket`` for as long as it is interested.
+
+Contract (each clause has a test of the same name in tests/test_flight.py):
+1. Concurrent identical requests make one upstream call and all get the same answer: ``acquire``
+   starts the call only when no flight for the key exists.
+2. A leader's error reaches every waiter and is never stored: the flight ends with the error, and
+   is dropped at once so the next request calls again.
+3. A finished flight stays joinable for the window, then is gone: a complete answer lingers
+   ``window`` seconds (joiners get it at once), an incomplete one does not linger at all.
+4. ``forget`` makes the next request start a fresh flight, and the old flight finishing never removes
+   the new one: the group only ever drops the flight it holds if it is the same object.
+5. The leader's client disconnecting does not cancel the call while others wait: the call runs in its
+   own task, not in any client's.
+6. When all its clients have gone the upstream call is cancelled (unless ``finish_abandoned``): the
+   last ``Ticket.release`` of an unfinished flight cancels its task and drops it, so a later request
+   starts afresh instead of joining a dying call.
+7. A joiner that waits longer than ``join_timeout`` runs its own call: ``Ticket.wait_*`` raise
+   ``JoinTimeout``; the caller then ``retake``s, which forgets the slow flight and leads a fresh one
+   (or joins the fresh one another timed-out joiner already started), once.
+8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
+   error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from .answer import Answer
+from .broadcast import Broadcast
+from .errors import CarpoolError, FlightAbandoned, UpstreamError
+
+log = logging.getLogger("carpool.flight")
+
+Lead = Callable[[Broadcast], Awaitable[Answer]]
+
+
+class JoinTimeout(TimeoutError):
+    """A joiner waited longer than ``coalesce.join_timeout_ms`` for the flight it joined."""
+
+
+class Flight:
+    __slots__ = ("key", "broadcast", "task", "clients", "finished_at")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.broadcast = Broadcast()
+        self.task: asyncio.Task[None] | None = None
+        self.clients = 0
+        self.finished_at: float | None = None
+
+
+class Ticket:
+    """One request's interest in a flight. Release it exactly when the request is done with it."""
+
+    __slots__ = ("group", "flight", "leader", "_released")
+
+    def __init__(self, group: FlightGroup, flight: Flight, leader: bool) -> None:
+        self.group = group
+        self.flight = flight
+        self.leader = leader
+        self._released = False
+
+    @property
+    def broadcast(self) -> Broadcast:
+        return self.flight.broadcast
+
+    async def wait_started(self, timeout: float | None) -> None:
+        """Until the first frame or the end; joiners give up after ``timeout`` seconds."""
+        await self._bounded(self.flight.broadcast.wait_started(), timeout)
+
+    async def wait_done(self, timeout: float | None) -> None:
+        await self._bounded(self.flight.broadcast.wait_done(), timeout)
+
+    async def _bounded(self, waiting: Awaitable[None], timeout: float | None) -> None:
+        if self.leader or timeout is None:
+            await waiting
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await waiting
+        except TimeoutError:
+            raise JoinTimeout(f"flight {self.flight.key} gave no answer within {timeout} s") from None
+
+    def retake(self, lead: Lead) -> Ticket:
+        """After a ``JoinTimeout``: leave the slow flight and lead (or join) a fresh one."""
+        self.release()
+        self.group.forget(self.flight.key, self.flight)
+        return self.group.acquire(self.flight.key, lead)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        flight = self.flight
+        flight.clients -= 1
+        self.group.waiters -= 1
+        if flight.clients == 0 and not flight.broadcast.done and not self.group.finish_abandoned:
+            self.group.forget(flight.key, flight)
+            if flight.task is not None:
+                flight.task.cancel()
+
+
+class FlightGroup:
+    """The flights in progress (and lingering within the window), by fingerprint key."""
+
+    def __init__(self, *, window: float, finish_abandoned: bool = False) -> None:
+        self.window = window
+        self.finish_abandoned = finish_abandoned
+        self.waiters = 0                     # tickets not yet released, for /stats and metrics
+        self._flights: dict[str, Flight] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def get(self, key: str) -> Flight | None:
+        return self._flights.get(key)
+
+    def acquire(self, key: str, lead: Lead, *, max_age: float | None = None) -> Ticket:
+        """Join the flight for ``key``, or lead a new one that runs ``lead`` in its own task.
+
+        ``max_age`` bounds how long ago a finished flight may have finished to be joined
+        (``Cache-Control: no-cache`` passes 0: only a call still in flight is joined).
+        """
+        flight = self._flights.get(key)
+        if flight is not None and flight.finished_at is not None and max_age is not None \
+                and time.monotonic() - flight.finished_at >= max_age:
+            self.forget(key, flight)
+            flight = None
+        leader = flight is None
+        if flight is None:
+            flight = self._flights[key] = Flight(key)
+            flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
+        flight.clients += 1
+        self.waiters += 1
+        return Ticket(self, flight, leader)
+
+    def forget(self, key: str, flight: Flight | None = None) -> None:
+        """Make the next request for ``key`` start a fresh flight (only if ``flight`` is current)."""
+        current = self._flights.get(key)
+        if current is not None and (flight is None or current is flight):
+            del self._flights[key]
+
+    async def _run(self, flight: Flight, lead: Lead) -> None:
+        broadcast = flight.broadcast
+        try:
+            answer = await lead(broadcast)
+        except asyncio.CancelledError:
+            broadcast.fail(FlightAbandoned("every client of this request left"))
+            self.forget(flight.key, flight)
+            return
+        except CarpoolError as error:
+            broadcast.fail(error)
+            self.forget(flight.key, flight)
+            return
+        except Exception as error:   # a bug must not leave waiters hanging
+            log.exception("flight %s failed unexpectedly", flight.key)
+            failure = UpstreamError(f"internal error while calling upstream: {error!r}")
+            failure.__cause__ = error
+            broadcast.fail(failure)
+            self.forget(flight.key, flight)
+            return
+        broadcast.finish(answer)
+        flight.finished_at = time.monotonic()
+        if answer.complete and self.window > 0:
+            asyncio.get_running_loop().call_later(self.window, self.forget, flight.key, flight)
+        else:
+            self.forget(flight.key, flight)

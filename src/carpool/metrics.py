@@ -1,0 +1,119 @@
+"""Counters for /stats and /metrics.
+
+Contract:
+- The hot path only increments plain integers on ``Stats`` (no locks, no label lookups); the
+  Prometheus collector reads them at scrape time, so /stats and /metrics can never disagree.
+- Metric names follow Prometheus conventions: ``carpool_`` prefix, ``_total`` for counters, base
+  units (seconds, bytes) in the name.
+- ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
+  reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .outcome import Outcome
+
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.outcomes: Counter[Outcome] = Counter()
+        self.routes: Counter[tuple[str, str]] = Counter()        # (route, outcome or "error")
+        self.rejected = 0                                         # 4xx from the gateway itself
+        self.upstream_calls = 0
+        self.upstream_errors = 0
+        self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
+        self.tokens_saved = 0
+
+    def count(self, route: str, outcome: Outcome) -> None:
+        self.outcomes[outcome] += 1
+        self.routes[(route, outcome.value)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        o = self.outcomes
+        saved = o[Outcome.HIT] + o[Outcome.SEMANTIC_HIT] + o[Outcome.COALESCED]
+        eligible = saved + o[Outcome.MISS]
+        return {
+            "requests": sum(o.values()) + self.rejected,
+            "hits": o[Outcome.HIT],
+            "semantic_hits": o[Outcome.SEMANTIC_HIT],
+            "coalesced": o[Outcome.COALESCED],
+            "misses": o[Outcome.MISS],
+            "bypass": o[Outcome.BYPASS],
+            "rejected": self.rejected,
+            "upstream_calls": self.upstream_calls,
+            "upstream_errors": self.upstream_errors,
+            "tokens_saved": self.tokens_saved,
+            "saved_fraction": round(saved / eligible, 6) if eligible else 0.0,
+        }
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats
+        requests = CounterMetricFamily("carpool_requests", "Requests by route and outcome.",
+                                       labels=["route", "outcome"])
+        for (route, outcome), n in sorted(s.routes.items()):
+            requests.add_metric([route, outcome], n)
+        yield requests
+        upstream = CounterMetricFamily("carpool_upstream_requests",
+                                       "Upstream calls by replica and HTTP status.",
+                                       labels=["replica", "status"])
+        for (replica, status), n in sorted(s.upstream_status.items()):
+            upstream.add_metric([replica, status], n)
+        yield upstream
+        yield CounterMetricFamily("carpool_upstream_errors", "Upstream calls that failed.",
+                                  value=s.upstream_errors)
+        yield CounterMetricFamily("carpool_tokens_saved", "Prompt + completion tokens not "
+                                  "recomputed thanks to hits and coalescing.", value=s.tokens_saved)
+        g = self.gauges()
+        yield GaugeMetricFamily("carpool_flights", "Upstream calls in flight (and lingering in "
+                                "the coalescing window).", value=g["flights"])
+        yield GaugeMetricFamily("carpool_flight_waiters", "Requests attached to a flight.",
+                                value=g["waiters"])
+        entries = GaugeMetricFamily("carpool_cache_entries", "Cached answers by layer.",
+                                    labels=["layer"])
+        size = GaugeMetricFamily("carpool_cache_bytes", "Bytes held by cached answers, by layer.",
+                                 labels=["layer"])
+        for layer, info in g["layers"].items():
+            entries.add_metric([layer], info["entries"])
+            size.add_metric([layer], info["bytes"])
+        yield entries
+        yield size
+        load = GaugeMetricFamily("carpool_upstream_in_flight", "Calls in flight per replica.",
+                                 labels=["replica"])
+        for replica, n in g["replicas"].items():
+            load.add_metric([replica], n)
+        yield load
+
+
+class Metrics:
+    """The gateway's Prometheus registry (one per gateway, so several can live in one process)."""
+
+    def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StatsCollector(stats, gauges))
+        self.duration = Histogram("carpool_request_duration_seconds",
+                                  "Time from request to the last byte of the answer, by outcome.",
+                                  ["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
+        self._observe = {o: self.duration.labels(o.value).observe for o in Outcome}
+
+    def observe(self, outcome: Outcome, seconds: float) -> None:
+        self._observe[outcome](seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

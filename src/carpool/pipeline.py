@@ -1,0 +1,353 @@
+"""The request's path through the layers, in order, as one function: ``Gateway.handle``.
+
+    parse -> fingerprint -> exact cache -> single-flight (lead or join) -> upstream -> store
+
+Contract:
+- ``handle`` never raises for a client's request: every outcome, bad input and upstream failure
+  included, is a ``Reply`` with a status, headers (``x-carpool`` on every cached endpoint) and a
+  body or an SSE stream. Only cancellation (the client left) propagates.
+- A streaming ``Reply`` holds the request's place in its flight until ``Reply.close()``; the
+  transport calls it when the stream ends or the client goes (which may cancel the upstream call).
+- The upstream call of a flight runs in the flight's own task (``_lead``), never in a client's:
+  it streams into the flight's broadcast, then stores a complete answer before the flight ends,
+  so a request that no longer finds the flight finds the answer in the cache.
+- Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``.
+- The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import orjson
+
+from .answer import Answer
+from .broadcast import Broadcast
+from .config import Config
+from .errors import (CarpoolError, RequestError, UpstreamError, UpstreamStatusError,
+                     UpstreamStreamBroken, error_event)
+from .fingerprint import Fingerprint, fingerprint
+from .flight import FlightGroup, JoinTimeout, Ticket
+from .metrics import Metrics, Stats
+from .outcome import Outcome
+from .request import ClientRequest, Request, parse
+from .sse import DONE, assemble, frame, is_complete, usage_tokens
+from .store import Entry, MemoryStore, Store
+from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
+
+log = logging.getLogger("carpool")
+
+JSON = (b"content-type", b"application/json")
+SSE = (b"content-type", b"text/event-stream")
+SSE_HEADERS = [SSE, (b"cache-control", b"no-cache")]
+PROMPT_PREFIX_CHARS = 1024
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the transport sends back: a complete body, or an SSE stream of frames."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    outcome: Outcome | None = None
+    on_close: Callable[[], None] | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+class Gateway:
+    """carpool's pipeline, transport-free. Build one per process; close it with ``aclose``."""
+
+    def __init__(self, config: Config | None = None, upstreams: Sequence[Upstream] = (),
+                 store: Store | None = None) -> None:
+        self.config = config or Config()
+        if not upstreams:
+            from .upstream import build_upstreams
+            upstreams = build_upstreams(self.config)
+        self.upstreams = list(upstreams)
+        self.store: Store = store or MemoryStore(self.config.cache.max_bytes)
+        self.flights = FlightGroup(window=self.config.coalesce.window_ms / 1000,
+                                   finish_abandoned=self.config.coalesce.finish_abandoned)
+        self.stats = Stats()
+        self.metrics = Metrics(self.stats, self.gauges)
+        self.load: dict[str, int] = {u.name: 0 for u in self.upstreams}
+        self._next_replica = itertools.cycle(self.upstreams).__next__
+        self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
+
+    # ---------------------------------------------------------------------------------------
+    # The request's path
+
+    async def handle(self, client: ClientRequest) -> Reply:
+        route = client.path
+        try:
+            request = parse(client, self.config.limits.max_body_bytes)
+        except RequestError as error:
+            self.stats.rejected += 1
+            # Every answer of a cached endpoint says what it was; a rejected one was not shared.
+            return _error_reply(error, Outcome.BYPASS)
+        key = fingerprint(request, self.config)
+        if key.key is None:
+            return await self._bypass(request, route)
+        controls = request.controls
+        if controls.may_read:
+            entry = await self.store.get(key.key)
+            if entry is not None and (controls.max_age is None
+                                      or entry.answer.age() < controls.max_age):
+                return self._served(route, Outcome.HIT, entry.answer, request)
+        lead = partial(self._lead, request, key)
+        ticket = self.flights.acquire(key.key, lead,
+                                      max_age=controls.max_age if controls.may_read else 0)
+        return await self._follow(route, ticket, request, lead)
+
+    async def _follow(self, route: str, ticket: Ticket, request: Request,
+                      lead: Callable[[Broadcast], Any]) -> Reply:
+        """Wait on a flight as its leader or a joiner, then reply from its broadcast."""
+        try:
+            try:
+                await self._wait(ticket, request, self._join_timeout)
+            except JoinTimeout:
+                ticket = ticket.retake(lead)
+                await self._wait(ticket, request, None)
+        except BaseException:
+            ticket.release()
+            raise
+        outcome = Outcome.MISS if ticket.leader else Outcome.COALESCED
+        broadcast = ticket.broadcast
+        if broadcast.frames and request.stream:
+            # A live stream: relay it; the ticket is released when this client's stream ends.
+            self.stats.count(route, outcome)
+            return Reply(200, [*SSE_HEADERS, outcome.header],
+                         stream=_relay(broadcast, request.include_usage), outcome=outcome,
+                         on_close=ticket.release)
+        ticket.release()
+        if broadcast.error is not None:
+            self.stats.count(route, outcome)
+            return _error_reply(broadcast.error, outcome)
+        assert broadcast.answer is not None
+        return self._served(route, outcome, broadcast.answer, request)
+
+    @staticmethod
+    async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:
+        if request.stream:
+            await ticket.wait_started(timeout)
+        else:
+            await ticket.wait_done(timeout)
+
+    async def _lead(self, request: Request, key: Fingerprint, broadcast: Broadcast) -> Answer:
+        """The flight's upstream call: runs in the flight's own task, never in a client's."""
+        body = request.body
+        if request.stream and self.config.upstream.stream_usage and not request.include_usage:
+            options = body.get("stream_options")
+            body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
+                                               "include_usage": True}}
+        response = await self._call(UpstreamRequest(request.upstream_path, body, request.headers,
+                                                    request.stream))
+        try:
+            if not 200 <= response.status < 300:
+                raise UpstreamStatusError(response.status, response.body,
+                                          response.headers.get("content-type", "application/json"))
+            if response.streaming:
+                answer = await _consume(request.kind, response, broadcast)
+            else:
+                answer = _complete(request.kind, response.body)
+        finally:
+            await response.aclose()
+        if answer.complete:
+            await self._store(request, key, answer)
+        return answer
+
+    async def _store(self, request: Request, key: Fingerprint, answer: Answer) -> None:
+        controls = request.controls
+        ttl = self.config.ttl_for(controls.request_type)
+        if controls.no_store or ttl <= 0 or key.key is None:
+            return
+        await self.store.put(key.key, Entry(answer, answer.created + ttl, controls.tags,
+                                            key.namespace, _prompt_prefix(request)))
+
+    async def _bypass(self, request: Request, route: str) -> Reply:
+        self.stats.count(route, Outcome.BYPASS)
+        header = Outcome.BYPASS.header
+        try:
+            response = await self._call(UpstreamRequest(request.upstream_path, request.body,
+                                                        request.headers, request.stream))
+        except CarpoolError as error:
+            return _error_reply(error, Outcome.BYPASS)
+        if response.streaming:
+            return Reply(response.status, [*SSE_HEADERS, header], stream=_pipe(response),
+                         outcome=Outcome.BYPASS)
+        ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+        return Reply(response.status, [(b"content-type", ctype), header], response.body,
+                     outcome=Outcome.BYPASS)
+
+    async def _call(self, upstream_request: UpstreamRequest) -> UpstreamResponse:
+        replica = self._next_replica()
+        self.stats.upstream_calls += 1
+        self.load[replica.name] += 1
+        try:
+            response = await replica.send(upstream_request)
+        except CarpoolError as error:
+            self.stats.upstream_errors += 1
+            self.stats.upstream_status[(replica.name, str(error.status))] += 1
+            raise
+        finally:
+            self.load[replica.name] -= 1
+        self.stats.upstream_status[(replica.name, str(response.status))] += 1
+        if response.status >= 400:
+            self.stats.upstream_errors += 1
+        return response
+
+    def _served(self, route: str, outcome: Outcome, answer: Answer, request: Request) -> Reply:
+        """A reply carrying a whole answer, as JSON or (for a streaming client) as SSE."""
+        self.stats.count(route, outcome)
+        if outcome.saved:
+            self.stats.tokens_saved += answer.tokens
+        headers = [JSON, outcome.header]
+        if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
+            headers.append((b"age", str(int(answer.age())).encode()))
+        if not request.stream:
+            return Reply(200, headers, answer.body, outcome=outcome)
+        headers[0] = SSE
+        return Reply(200, headers, b"".join(answer.sse(request.include_usage)) + DONE,
+                     outcome=outcome)
+
+    # ---------------------------------------------------------------------------------------
+    # Library API and introspection
+
+    async def request(self, path: str, body: Mapping[str, Any] | bytes,
+                      headers: Mapping[str, str] | None = None) -> Reply:
+        """Run one request through the pipeline without HTTP; a stream is read to the end."""
+        raw = body if isinstance(body, bytes) else orjson.dumps(body)
+        lowered = {k.lower(): v for k, v in (headers or {}).items()}
+        reply = await self.handle(ClientRequest(path, raw, lowered))
+        if reply.stream is not None:
+            try:
+                reply.body = b"".join([chunk async for chunk in reply.stream])
+                reply.stream = None
+            finally:
+                reply.close()
+        return reply
+
+    async def passthrough(self, method: str, path: str, query: bytes,
+                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+        """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached."""
+        return await self._next_replica().passthrough(method, path, query, headers, body)
+
+    async def invalidate(self, spec: Any) -> int:
+        """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``."""
+        if not isinstance(spec, dict) or len(spec) != 1:
+            raise RequestError('give exactly one of "tag", "namespace", "prefix" or "all"')
+        (name, value), = spec.items()
+        if name == "all" and value is True:
+            return await self.store.invalidate(everything=True)
+        if name in ("tag", "namespace", "prefix") and isinstance(value, str) and value:
+            return await self.store.invalidate(**{name: value})
+        raise RequestError(f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
+                           '(a non-empty string) or "all": true')
+
+    def gauges(self) -> dict[str, Any]:
+        return {
+            "flights": len(self.flights),
+            "waiters": self.flights.waiters,
+            "layers": {"exact": {"entries": self.store.entries, "bytes": self.store.bytes}},
+            "replicas": dict(self.load),
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """The /stats document."""
+        g = self.gauges()
+        return {**self.stats.snapshot(), "flights": g["flights"], "waiters": g["waiters"],
+                "layers": g["layers"],
+                "replicas": {name: {"in_flight": n} for name, n in g["replicas"].items()}}
+
+    async def aclose(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.aclose()
+        await self.store.aclose()
+
+
+async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast) -> Answer:
+    """Publish an upstream stream frame by frame; judge and assemble it once it ends."""
+    chunks: list[dict[str, Any]] = []
+    async for payload in response.events():
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
+        if not isinstance(chunk, dict):
+            raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise UpstreamStreamBroken(f"the upstream stream failed: {message}")
+        chunks.append(chunk)
+        if b"\n" in payload:                 # a multi-line data field: one line per frame
+            payload = orjson.dumps(chunk)
+        broadcast.publish(frame(payload), usage_only=not chunk.get("choices")
+                          and chunk.get("usage") is not None)
+    body = assemble(kind, chunks)
+    if not is_complete(kind, body):
+        raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
+    return Answer(kind, orjson.dumps(body), True, usage_tokens(body),
+                  frames=broadcast.frames, usage_frame=broadcast.usage_frame)
+
+
+def _complete(kind: str, raw: bytes) -> Answer:
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("the upstream answered with a body that is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise UpstreamError("the upstream answered with a body that is not a JSON object")
+    return Answer.from_body(kind, parsed, raw, is_complete(kind, parsed))
+
+
+async def _relay(broadcast: Broadcast, include_usage: bool) -> AsyncIterator[bytes]:
+    async for chunk in broadcast.follow(include_usage):
+        yield chunk
+    if broadcast.error is not None:
+        yield error_event(broadcast.error)
+    else:
+        yield DONE
+
+
+async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
+    """A bypassed stream, relayed as it comes; a failure part-way ends it with an error event."""
+    try:
+        async for payload in response.events():
+            yield frame(payload if b"\n" not in payload else payload.replace(b"\n", b"\ndata: "))
+        yield DONE
+    except UpstreamError as error:
+        yield error_event(error)
+    finally:
+        await response.aclose()
+
+
+def _error_reply(error: CarpoolError, outcome: Outcome | None) -> Reply:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers().items()]
+    if outcome is not None:
+        headers.append(outcome.header)
+    return Reply(error.status, headers, error.body(), outcome=outcome)
+
+
+def _prompt_prefix(request: Request) -> str:
+    body = request.body
+    if request.kind == "chat":
+        text = " ".join(m["content"] for m in body["messages"] if isinstance(m.get("content"), str))
+    else:
+        value = body.get("prompt" if request.kind == "completion" else "input")
+        text = value if isinstance(value, str) else ""
+    return text[:PROMPT_PREFIX_CHARS]
+

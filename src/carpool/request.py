@@ -1,0 +1,190 @@
+"""Parse a client's HTTP request into one ``Request`` the layers below can trust.
+
+Contract:
+- ``parse`` accepts the three cached endpoints (chat, completions, embeddings). It raises
+  ``RequestError`` (400) for malformed JSON, a body that is not a JSON object, a field of the wrong
+  type where the layers depend on it (``messages``, ``prompt``, ``input``, ``model``, ``stream``,
+  ``temperature``, ``top_k``, ``seed``, ``n``), and ``BodyTooLarge`` (413) over the size limit. It
+  does not re-implement the upstream's validation of everything else: unknown fields pass through
+  (and are part of the fingerprint).
+- ``Controls`` is what the request asks of the cache layers, read from its headers
+  (``Cache-Control``, ``x-carpool-*``). Malformed header values are 400, never silently ignored.
+- Nothing here touches a cache or the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .errors import BodyTooLarge, RequestError
+
+# The cached endpoints: gateway path -> (kind, path relative to the upstream's /v1 base).
+ENDPOINTS: dict[str, tuple[str, str]] = {
+    "/v1/chat/completions": ("chat", "/chat/completions"),
+    "/v1/completions": ("completion", "/completions"),
+    "/v1/embeddings": ("embedding", "/embeddings"),
+}
+
+MAX_TAGS = 32
+MAX_HEADER_TOKEN = 256
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    """What arrived from a client, independent of the transport (HTTP server or library call)."""
+
+    path: str
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)   # lower-case names
+
+
+@dataclass(slots=True)
+class Controls:
+    """The cache behaviour a request asks for (CONTRACT.md "Cache controls on a request")."""
+
+    no_cache: bool = False          # do not answer from cache; may join a call in flight; store
+    no_store: bool = False          # neither read nor write a cache; may still coalesce
+    max_age: float | None = None    # accept a cached answer only if younger than this (seconds)
+    namespace: str = ""
+    request_type: str | None = None
+    tags: tuple[str, ...] = ()
+    freshness: str = ""
+    share_sampled: bool = False
+
+    @property
+    def may_read(self) -> bool:
+        return not (self.no_cache or self.no_store)
+
+
+@dataclass(slots=True)
+class Request:
+    """A validated request to one of the cached endpoints."""
+
+    kind: str                       # "chat" | "completion" | "embedding"
+    upstream_path: str              # e.g. "/chat/completions"
+    body: dict[str, Any]
+    headers: Mapping[str, str]
+    controls: Controls
+    stream: bool
+    include_usage: bool             # the client asked for the final usage chunk
+
+
+def parse(client: ClientRequest, max_body_bytes: int) -> Request:
+    """Validate ``client`` for its endpoint; raise ``RequestError``/``BodyTooLarge`` when it is bad."""
+    kind, upstream_path = ENDPOINTS[client.path]
+    if len(client.body) > max_body_bytes:
+        raise BodyTooLarge(max_body_bytes)
+    try:
+        body = orjson.loads(client.body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", "invalid_body")
+    _validate_fields(kind, body)
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+    return Request(kind, upstream_path, body, client.headers, parse_controls(client.headers),
+                   stream, include_usage)
+
+
+def _validate_fields(kind: str, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("'model' must be a string", param="model")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of message objects",
+                               param="messages")
+        for message in messages:
+            if not isinstance(message, dict):
+                raise RequestError("each item of 'messages' must be an object", param="messages")
+    elif kind == "completion":
+        if not _is_text_or_tokens(body.get("prompt")):
+            raise RequestError("'prompt' must be a string, a list of strings or token lists",
+                               param="prompt")
+    elif kind == "embedding" and not _is_text_or_tokens(body.get("input")):
+        raise RequestError("'input' must be a string, a list of strings or token lists",
+                           param="input")
+    if kind != "embedding":
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise RequestError("'stream' must be a boolean", param="stream")
+        for name in ("temperature", "top_p"):
+            value = body.get(name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise RequestError(f"'{name}' must be a number", param=name)
+        for name in ("top_k", "seed", "n"):
+            value = body.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise RequestError(f"'{name}' must be an integer", param=name)
+
+
+def _is_text_or_tokens(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, str):
+        return all(isinstance(item, str) for item in value)
+    if isinstance(first, int):
+        return all(isinstance(item, int) for item in value)
+    return all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value)
+
+
+def parse_controls(headers: Mapping[str, str]) -> Controls:
+    """Read ``Cache-Control`` and the ``x-carpool-*`` headers; 400 on a malformed value."""
+    controls = Controls()
+    cache_control = headers.get("cache-control")
+    if cache_control:
+        for directive in cache_control.lower().split(","):
+            name, _, value = directive.strip().partition("=")
+            if name == "no-cache":
+                controls.no_cache = True
+            elif name == "no-store":
+                controls.no_store = True
+            elif name == "max-age":
+                try:
+                    controls.max_age = float(int(value.strip().strip('"')))
+                except ValueError:
+                    raise RequestError(f"Cache-Control max-age must be an integer, got {value!r}",
+                                       "invalid_header") from None
+                if controls.max_age < 0:
+                    raise RequestError("Cache-Control max-age must not be negative",
+                                       "invalid_header")
+    namespace = headers.get("x-carpool-namespace")
+    if namespace is not None:
+        controls.namespace = _token(namespace, "x-carpool-namespace")
+    request_type = headers.get("x-carpool-type")
+    if request_type is not None:
+        controls.request_type = _token(request_type, "x-carpool-type").lower() or None
+    tags = headers.get("x-carpool-tags")
+    if tags:
+        controls.tags = tuple(dict.fromkeys(
+            _token(t, "x-carpool-tags") for t in tags.split(",") if t.strip()))
+        if len(controls.tags) > MAX_TAGS:
+            raise RequestError(f"x-carpool-tags: at most {MAX_TAGS} tags", "invalid_header")
+    freshness = headers.get("x-carpool-freshness")
+    if freshness is not None:
+        controls.freshness = _token(freshness, "x-carpool-freshness")
+    share = headers.get("x-carpool-share")
+    if share is not None:
+        if share.strip().lower() != "sampled":
+            raise RequestError("x-carpool-share must be 'sampled'", "invalid_header")
+        controls.share_sampled = True
+    return controls
+
+
+def _token(value: str, header: str) -> str:
+    value = value.strip()
+    if len(value) > MAX_HEADER_TOKEN:
+        raise RequestError(f"{header}: value longer than {MAX_HEADER_TOKEN} characters",
+                           "invalid_header")
+    if not value.isprintable():
+        raise RequestError(f"{header}: value must be printable text", "invalid_header")
+    return value

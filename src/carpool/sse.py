@@ -1,0 +1,458 @@
+"""Server-sent events and OpenAI stream bodies: decoding, framing, assembling, synthesizing.
+
+Pure functions and one small state machine; no I/O. This module is on the gateway's hot path, so
+the decoder works on bytes and takes a fast path for the usual ``\\n``-terminated stream.
+
+Contract:
+
+- ``SSEDecoder().feed(data) -> list[tuple[str | None, bytes]]`` returns one ``(event, payload)``
+  pair per event completed by ``data``, in order. ``payload`` is the event's ``data`` lines joined
+  with ``b"\\n"`` (one optional space after ``data:`` stripped); ``event`` is the value of the
+  event's ``event:`` field, or ``None`` when it had none (or an empty one). An upstream error sent
+  mid-stream arrives as ``("error", payload)``. Comments and ``id:``/``retry:``/unknown fields are
+  ignored; an event without ``data`` lines yields nothing (as the SSE spec says). Lines may end in
+  ``\\r\\n``, ``\\r`` or ``\\n``, and input may be split at any byte. ``[DONE]`` is returned like
+  any payload: stopping on it is the caller's job.
+- ``SSEDecoder.close() -> list`` ends the stream. Per the SSE spec an event not terminated by a
+  blank line is *discarded*, so it always returns ``[]``; ``decoder.truncated`` then tells whether
+  such a partial event (or line) was thrown away, i.e. whether the stream was cut mid-event.
+- ``frame(payload)`` is one SSE event carrying ``payload``; ``DONE`` is the closing event.
+- ``assemble(kind, chunks)`` turns the parsed chunks of one OpenAI stream (``kind`` "chat" or
+  "completion") into the equivalent non-streaming body; ``synthesize(kind, body, include_usage=)``
+  does the reverse. ``assemble(kind, synthesize(kind, body, include_usage=True)) == body`` holds for
+  bodies of the usual shape, i.e. when:
+    * every choice has ``index``, ``finish_reason`` and ``logprobs`` (None or a dict), and chat
+      choices a ``message`` with a ``role``;
+    * a chat message's ``content`` is a string, or None only alongside non-empty ``tool_calls``,
+      a ``function_call`` or a non-empty ``refusal`` (a bare None comes back as ``""``, the text
+      of a stream that sent none);
+    * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} only, and appear
+      in index order; ``function_call`` has ``name`` and ``arguments``;
+    * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
+      standard one ("chat.completion" / "text_completion").
+  Any other top-level, choice or message field survives as well: top-level ones keep their first
+  non-null value, choice ones their last non-null value; message ones (``refusal``,
+  ``reasoning_content``, ...) concatenate when strings, else keep their last non-null value.
+  The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
+  input: copy before mutating those.
+- ``is_complete(kind, body)`` says whether a body is a complete, successful answer worth caching:
+  for "chat"/"completion" a non-empty ``choices`` whose every finish_reason is set (and is not
+  vLLM's "abort" or "error"); for "embedding" a non-empty ``data`` whose every item has an
+  ``embedding``. ``usage_tokens(body)`` is prompt + completion tokens. Neither ever raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+
+SSEEvent = tuple[str | None, bytes]     # (event name, data payload)
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def frame(payload: bytes) -> bytes:
+    """One SSE event carrying ``payload`` (which must not contain a line break)."""
+    return b"data: " + payload + b"\n\n"
+
+
+class SSEDecoder:
+    """Incremental decoder of an SSE byte stream; see the module docstring for the contract."""
+
+    __slots__ = ("_tail", "_skip_lf", "_started", "_data", "_event", "truncated")
+
+    def __init__(self) -> None:
+        self._tail: list[bytes] = []       # bytes of the current, unterminated line
+        self._skip_lf = False              # the last feed ended in "\r": a leading "\n" is its pair
+        self._started = False              # a first line was seen (a BOM may only precede it)
+        self._data: list[bytes] = []       # data lines of the current event
+        self._event: str | None = None     # event name of the current event
+        self.truncated = False             # set by close(): a partial event was discarded
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        if self._skip_lf:
+            self._skip_lf = False
+            if data[:1] == b"\n":
+                data = data[1:]
+        if b"\r" in data:
+            # Normalise to "\n"; a trailing "\r" may be the first half of a split "\r\n".
+            self._skip_lf = data[-1:] == b"\r"
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in data:
+            # No line ends here: keep the pieces, join them once (linear, however many feeds).
+            if data:
+                self._tail.append(data)
+            return []
+        if self._tail:
+            self._tail.append(data)
+            data = b"".join(self._tail)
+            self._tail = []
+        if not self._started:
+            self._started = True
+            if data.startswith(_BOM):
+                data = data[3:]
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if rest:
+            self._tail.append(rest)
+        out: list[SSEEvent] = []
+        for line in lines:
+            self._line(line, out)
+        return out
+
+    def _line(self, line: bytes, out: list[SSEEvent]) -> None:
+        if line.startswith(b"data:"):       # the common case first
+            value = line[5:]
+            self._data.append(value[1:] if value[:1] == b" " else value)
+        elif not line:
+            if self._data:
+                out.append((self._event, b"\n".join(self._data)))
+                self._data = []
+            self._event = None
+        elif line[:1] == b":":
+            pass                            # a comment (keep-alive)
+        else:
+            name, colon, value = line.partition(b":")
+            if value[:1] == b" ":
+                value = value[1:]
+            if name == b"data":             # "data" without a colon: an empty data line
+                self._data.append(value)
+            elif name == b"event":
+                self._event = value.decode("utf-8", "replace") or None
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream: an unterminated event is discarded (SSE spec), so this returns []."""
+        self.truncated = bool(self._tail or self._data)
+        self._tail, self._data, self._event, self._skip_lf = [], [], None, False
+        return []
+
+
+# ---------------------------------------------------------------------------------------------
+# assemble: stream chunks -> non-streaming body
+
+# Top-level fields every chunk repeats (synthesize copies them into each chunk).
+_IDENTITY = ("id", "created", "model", "system_fingerprint", "service_tier")
+_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+_CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+
+
+class _Merged:
+    """Values of one field seen over many chunks: strings concatenate, others keep the last."""
+
+    __slots__ = ("texts", "last")
+
+    def __init__(self) -> None:
+        self.texts: list[str] | None = None
+        self.last: Any = None
+
+    def add(self, value: Any) -> None:
+        if isinstance(value, str):
+            if self.texts is None:
+                self.texts = []
+            self.texts.append(value)
+        elif value is not None:
+            self.last = value
+
+    def value(self) -> Any:
+        return "".join(self.texts) if self.texts is not None else self.last
+
+
+def _merge_into(fields: dict[str, _Merged], source: dict, skip: frozenset[str]) -> None:
+    for key, value in source.items():
+        if key not in skip:
+            merged = fields.get(key)
+            if merged is None:
+                merged = fields[key] = _Merged()
+            merged.add(value)
+
+
+def _keep_last(fields: dict[str, Any], source: dict, skip: frozenset[str]) -> None:
+    """The last non-null value of each field; a field only ever null is kept as None."""
+    for key, value in source.items():
+        if key not in skip and (value is not None or key not in fields):
+            fields[key] = value
+
+
+def _merge_logprobs(parts: list[dict]) -> dict | None:
+    """Logprobs of one choice: lists (tokens, content, ...) concatenate, others keep the last."""
+    if not parts:
+        return None
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, list):
+                prior = merged.get(key)
+                merged[key] = (prior if isinstance(prior, list) else []) + value
+            elif value is not None or key not in merged:
+                merged[key] = value
+    return merged
+
+
+class _ToolCall:
+    __slots__ = ("id", "type", "name", "arguments")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.type: str | None = None
+        self.name: list[str] = []
+        self.arguments: list[str] = []
+
+    def add(self, delta: dict) -> None:
+        # id and type come once, in the first delta of a call; name and arguments may be split.
+        if self.id is None:
+            self.id = delta.get("id")
+        if self.type is None:
+            self.type = delta.get("type")
+        function = delta.get("function") or {}
+        if function.get("name"):
+            self.name.append(function["name"])
+        if function.get("arguments"):
+            self.arguments.append(function["arguments"])
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": self.type or "function",
+                "function": {"name": "".join(self.name), "arguments": "".join(self.arguments)}}
+
+
+class _Choice:
+    """One choice's state while its chunks are assembled."""
+
+    _CHAT_SKIP = frozenset(("index", "delta", "message", "logprobs", "finish_reason"))
+    _COMPLETION_SKIP = frozenset(("index", "text", "logprobs", "finish_reason"))
+    _DELTA_SKIP = frozenset(("role", "content", "tool_calls", "function_call"))
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+        self.finish_reason: Any = None
+        self.logprobs: list[dict] = []
+        self.extra: dict[str, Any] = {}          # other choice fields (vLLM's stop_reason, ...)
+        # chat
+        self.role: str | None = None
+        self.content: list[str] | None = None    # None: no content string ever came
+        self.fields: dict[str, _Merged] = {}     # other message fields (refusal, ...)
+        self.tool_calls: dict[Any, _ToolCall] | None = None
+        self.function_call: _ToolCall | None = None
+        # completion
+        self.text: list[str] = []
+
+    def add(self, kind: str, choice: dict) -> None:
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        if isinstance(choice.get("logprobs"), dict):
+            self.logprobs.append(choice["logprobs"])
+        if kind == "chat":
+            _keep_last(self.extra, choice, self._CHAT_SKIP)
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self._add_delta(delta)
+        else:
+            _keep_last(self.extra, choice, self._COMPLETION_SKIP)
+            if choice.get("text"):
+                self.text.append(choice["text"])
+
+    def _add_delta(self, delta: dict) -> None:
+        if self.role is None:
+            self.role = delta.get("role")
+        content = delta.get("content")
+        if isinstance(content, str):
+            if self.content is None:
+                self.content = []
+            self.content.append(content)
+        if delta.get("tool_calls") is not None:
+            self._add_tool_calls(delta["tool_calls"])
+        if delta.get("function_call") is not None:
+            if self.function_call is None:
+                self.function_call = _ToolCall()
+            self.function_call.add({"function": delta["function_call"]})
+        for key in ("tool_calls", "function_call"):
+            if key in delta and delta[key] is None:
+                self.fields.setdefault(key, _Merged())   # "tool_calls": null is kept as null
+        _merge_into(self.fields, delta, self._DELTA_SKIP)
+
+    def _add_tool_calls(self, deltas: Any) -> None:
+        if self.tool_calls is None:
+            self.tool_calls = {}
+        for delta in deltas:
+            if not isinstance(delta, dict):
+                continue
+            index = delta.get("index")
+            if index is None:
+                # Some servers omit the index and send whole calls: a new id starts a new call.
+                last = next(reversed(self.tool_calls.values()), None)
+                fresh = last is None or (delta.get("id") not in (None, last.id))
+                index = len(self.tool_calls) if fresh else next(reversed(self.tool_calls))
+            call = self.tool_calls.get(index)
+            if call is None:
+                call = self.tool_calls[index] = _ToolCall()
+            call.add(delta)
+
+    def body(self, kind: str) -> dict:
+        out: dict[str, Any] = {"index": self.index}
+        if kind == "chat":
+            out["message"] = self._message()
+            logprobs = _merge_logprobs(self.logprobs)
+            if logprobs is not None:
+                logprobs.setdefault("content", None)
+                logprobs.setdefault("refusal", None)
+        else:
+            out["text"] = "".join(self.text)
+            logprobs = _merge_logprobs(self.logprobs)
+        out["logprobs"] = logprobs
+        out["finish_reason"] = self.finish_reason
+        out.update(self.extra)
+        return out
+
+    def _message(self) -> dict:
+        message: dict[str, Any] = {"role": self.role or "assistant"}
+        fields = {key: merged.value() for key, merged in self.fields.items()}
+        if self.content is not None:
+            message["content"] = "".join(self.content)
+        elif self.tool_calls or self.function_call or fields.get("refusal"):
+            message["content"] = None        # what a non-streaming answer says: no text at all
+        else:
+            message["content"] = ""
+        message.update(fields)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [self.tool_calls[i].body()
+                                     for i in sorted(self.tool_calls, key=_sort_key)]
+        if self.function_call is not None:
+            call = self.function_call.body()["function"]
+            message["function_call"] = call
+        return message
+
+
+def assemble(kind: str, chunks: list[dict]) -> dict:
+    """The non-streaming body equivalent to the parsed chunks of one "chat"/"completion" stream."""
+    top: dict[str, Any] = {}
+    choices: dict[Any, _Choice] = {}
+    usage = None
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        for key, value in chunk.items():
+            if key in ("object", "choices", "usage"):
+                continue
+            if top.get(key) is None:         # the first non-null value; the key kept if ever seen
+                top[key] = value
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]           # the last one: vLLM's continuous usage is cumulative
+        choices_in = chunk.get("choices")
+        for choice in choices_in if isinstance(choices_in, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            state = choices.get(index)
+            if state is None:
+                state = choices[index] = _Choice(index)
+            state.add(kind, choice)
+    body: dict[str, Any] = {
+        "id": top.pop("id", None), "object": _OBJECT[kind], "created": top.pop("created", None),
+        "model": top.pop("model", None),
+        "choices": [choices[i].body(kind) for i in sorted(choices, key=_sort_key)],
+    }
+    body.update(top)
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def _sort_key(index: Any) -> tuple[int, Any]:
+    # Indices are ints; anything else sorts after them, by its text, instead of raising.
+    return (0, index) if isinstance(index, int) else (1, str(index))
+
+
+# ---------------------------------------------------------------------------------------------
+# synthesize: non-streaming body -> stream chunks
+
+
+def synthesize(kind: str, body: dict, *, include_usage: bool) -> list[dict]:
+    """Chunks a server could have streamed for ``body``: per choice a content chunk, then per
+    choice a finish chunk, then (``include_usage`` and the body has usage) a usage chunk."""
+    identity = {key: body[key] for key in _IDENTITY if key in body}
+    # Other top-level fields (vLLM's prompt_logprobs, ...) go once, in the first chunk.
+    extra = {key: value for key, value in body.items()
+             if key not in _IDENTITY and key not in ("object", "choices", "usage")}
+    head = {**identity, "object": _CHUNK_OBJECT[kind]}
+    if include_usage:
+        head["usage"] = None                 # as OpenAI does: null on all but the last chunk
+    choices = body.get("choices") or []
+    content = [_content_choice(kind, choice) for choice in choices]
+    finish = [_finish_choice(kind, choice) for choice in choices]
+    chunks = [{**head, "choices": [choice]} for choice in content + finish]
+    if chunks:
+        chunks[0].update(extra)
+    if include_usage and body.get("usage") is not None:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return chunks
+
+
+def _content_choice(kind: str, choice: dict) -> dict:
+    index = choice.get("index", 0)
+    logprobs = choice.get("logprobs")
+    if kind != "chat":
+        return {"index": index, "text": choice.get("text") or "", "logprobs": logprobs,
+                "finish_reason": None}
+    message = choice.get("message") or {}
+    delta = {key: value for key, value in message.items() if key != "tool_calls"}
+    if message.get("tool_calls") is not None:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    elif "tool_calls" in message:
+        delta["tool_calls"] = message["tool_calls"]
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
+def _finish_choice(kind: str, choice: dict) -> dict:
+    skip = ("index", "message", "text", "logprobs", "finish_reason")
+    out: dict[str, Any] = {"index": choice.get("index", 0)}
+    if kind == "chat":
+        out["delta"] = {}
+    else:
+        out["text"] = ""
+    out["logprobs"] = None
+    out["finish_reason"] = choice.get("finish_reason")
+    out.update((key, value) for key, value in choice.items() if key not in skip)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# judging bodies
+
+# vLLM reports a request it gave up on as finish_reason "abort"; such an answer is not complete.
+_FAILED = frozenset(("abort", "error"))
+
+
+def is_complete(kind: str, body: Any) -> bool:
+    """A complete, successful answer: every choice finished (chat/completion), or every item has
+    an embedding ("embedding"). Malformed bodies are simply not complete; never raises."""
+    try:
+        if kind in ("chat", "completion"):
+            choices = body["choices"]
+            return (isinstance(choices, list) and bool(choices)
+                    and all(isinstance(c, dict) and c.get("finish_reason") is not None
+                            and c["finish_reason"] not in _FAILED for c in choices))
+        if kind == "embedding":
+            data = body["data"]
+            return (isinstance(data, list) and bool(data)
+                    and all(isinstance(d, dict) and isinstance(d.get("embedding"), (list, str))
+                            for d in data))
+    except Exception:
+        return False
+    return False
+
+
+def usage_tokens(body: Any) -> int:
+    """prompt_tokens + completion_tokens of ``body["usage"]``; 0 for what is absent or not a
+    non-negative int. Never raises."""
+    try:
+        usage = body["usage"]
+        if not isinstance(usage, dict):
+            return 0
+    except Exception:
+        return 0
+    total = 0
+    for key in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(key)
+        if type(value) is int and value >= 0:
+            total += value
+    return total

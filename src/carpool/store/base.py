@@ -1,0 +1,49 @@
+"""The exact-cache store interface every backend implements.
+
+Contract:
+- ``get(key)`` returns the stored ``Entry`` or None; an expired entry is never returned.
+- ``put(key, entry)`` stores a complete answer until ``entry.expires`` (wall-clock seconds); it
+  replaces any entry under the same key. The caller has already decided the answer may be stored
+  (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
+- ``invalidate(...)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
+  returns how many it dropped.
+- ``entries`` and ``bytes`` report the current size, for /stats and /metrics.
+- Keys are fingerprint digests (hex): a backend may use them in its own key space as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..answer import Answer
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    answer: Answer
+    expires: float                      # wall-clock seconds
+    tags: tuple[str, ...] = ()
+    namespace: str = ""
+    prompt_prefix: str = ""             # the start of the prompt text, for prefix invalidation
+
+    @property
+    def size(self) -> int:
+        return self.answer.size + len(self.prompt_prefix) + sum(len(t) for t in self.tags)
+
+
+class Store(Protocol):
+    async def get(self, key: str) -> Entry | None: ...
+
+    async def put(self, key: str, entry: Entry) -> None: ...
+
+    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
+                         prefix: str | None = None, everything: bool = False) -> int: ...
+
+    @property
+    def entries(self) -> int: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,19 @@
+"""Upstream replicas: real ones over HTTP, or the embedded simulated engine."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
+
+
+def build_upstreams(config: Config) -> list[Upstream]:
+    """One ``Upstream`` per configured URL; none configured = the simulated engine's replicas."""
+    if config.upstreams:
+        from .http import HttpUpstream
+        return [HttpUpstream(url, config.limits) for url in config.upstreams]
+    from . import sim
+    return list(sim.build_upstreams(config.sim))
+
+
+__all__ = ["PassthroughResponse", "Upstream", "UpstreamRequest", "UpstreamResponse",
+           "build_upstreams"]

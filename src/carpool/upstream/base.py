@@ -1,0 +1,81 @@
+"""What the gateway needs from an OpenAI-compatible engine, whatever it is.
+
+Contract:
+- ``Upstream.send(request)`` makes one call and returns an ``UpstreamResponse``. A non-2xx answer
+  is *returned* (status + body), not raised: the pipeline passes it through. Transport failures are
+  raised as ``UpstreamUnreachable`` (502) or ``UpstreamTimeout`` (504), the cause kept.
+- A streaming response (``request.stream`` and a 2xx status) yields the ``data:`` payloads of the
+  SSE stream, as bytes, without the ``data: `` prefix, until ``[DONE]`` (not yielded) or the end of
+  the stream. A transport failure part-way raises ``UpstreamStreamBroken``. Whether the stream was
+  *complete* (every choice finished) is for the caller to judge.
+- ``aclose()`` on a response releases its connection; it is safe to call twice and after a
+  cancellation.
+- ``passthrough`` forwards any other ``/v1/...`` call unchanged and is never cached.
+- Implementations: ``carpool.upstream.http.HttpUpstream`` (a real server over pooled HTTP) and
+  ``carpool.upstream.sim.SimUpstream`` (the embedded simulated engine, no sockets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class UpstreamRequest:
+    """One call to an upstream replica."""
+
+    path: str                          # relative to the replica's /v1 base, e.g. "/chat/completions"
+    body: dict[str, Any]               # the JSON body to send
+    headers: Mapping[str, str] = field(default_factory=dict)  # forwarded, lower-case names
+    stream: bool = False
+
+
+class UpstreamResponse:
+    """An upstream's answer: a complete body, or (streaming, 2xx) an iterator of SSE payloads."""
+
+    __slots__ = ("status", "headers", "body", "_events", "_close")
+
+    def __init__(self, status: int, headers: Mapping[str, str] | None = None,
+                 body: bytes = b"", events: AsyncIterator[bytes] | None = None,
+                 close: Any = None) -> None:
+        self.status = status
+        self.headers = dict(headers or {})
+        self.body = body
+        self._events = events
+        self._close = close
+
+    @property
+    def streaming(self) -> bool:
+        return self._events is not None
+
+    def events(self) -> AsyncIterator[bytes]:
+        if self._events is None:
+            raise RuntimeError("not a streaming response")
+        return self._events
+
+    async def aclose(self) -> None:
+        close, self._close = self._close, None
+        if close is not None:
+            await close()
+
+
+@dataclass(slots=True)
+class PassthroughResponse:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: AsyncIterator[bytes]
+
+
+class Upstream(Protocol):
+    """One replica of an OpenAI-compatible deployment."""
+
+    name: str                          # a label for metrics and /stats, e.g. the base URL
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse: ...
+
+    async def passthrough(self, method: str, path: str, query: bytes,
+                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse: ...
+
+    async def aclose(self) -> None: ...

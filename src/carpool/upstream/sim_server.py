@@ -1,0 +1,165 @@
+"""The simulated engine over HTTP: each replica as its own OpenAI-compatible server.
+
+Contract:
+- ``create_app(replica)`` serves ``POST /v1/chat/completions``, ``/v1/completions``,
+  ``/v1/embeddings``, ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /sim/stats`` (the
+  replica's counters). Streams are SSE (``data: {...}\\n\\n`` frames, then ``data: [DONE]\\n\\n``).
+  Malformed JSON is a 400 and an unknown path a 404, in OpenAI's error shape. Every response carries
+  ``x-carpool-simulated: true``.
+- ``serve_replicas(config, host, port)`` runs ``config.replicas`` servers on ``port``, ``port+1``, ...
+  in one event loop until interrupted (SIGINT/SIGTERM stop them all), printing one line per replica
+  that says it is simulated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from carpool.config import SimConfig
+from carpool.upstream.sim import (
+    JSON_HEADERS,
+    SIMULATED_HEADER,
+    SimReplica,
+    SimReply,
+    build_replicas,
+    error_reply,
+    not_found_reply,
+)
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {SIMULATED_HEADER[0]: SIMULATED_HEADER[1], "cache-control": "no-cache"}
+
+
+def _json(status: int, payload: Any) -> Response:
+    return Response(orjson.dumps(payload), status, headers=JSON_HEADERS,
+                    media_type="application/json")
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    # Close the replica's stream however this one ends (client gone, server stopping), so its
+    # slot is freed now rather than when the generator is garbage-collected.
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    yield SSE_DONE
+
+
+def _to_response(reply: SimReply) -> Response:
+    if reply.chunks is not None:
+        return StreamingResponse(_sse(reply.chunks), reply.status, headers=SSE_HEADERS,
+                                 media_type="text/event-stream")
+    return _json(reply.status, reply.body)
+
+
+def create_app(replica: SimReplica) -> Starlette:
+    """An OpenAI-compatible app for one simulated replica."""
+
+    async def generate(request: Request) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            return _to_response(error_reply(400, f"the request body is not valid JSON: {exc}"))
+        return _to_response(await replica.handle(request.url.path, body))
+
+    async def models(request: Request) -> Response:
+        return _json(200, replica.models())
+
+    async def model(request: Request) -> Response:
+        return _json(200, replica.model_card(request.path_params["model"]))
+
+    async def stats(request: Request) -> Response:
+        return _json(200, replica.stats())
+
+    async def unknown(request: Request) -> Response:
+        return _to_response(not_found_reply(request.method, "/" + request.path_params["rest"]))
+
+    routes = [
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/embeddings", generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/sim/stats", stats, methods=["GET"]),
+        # Last: whatever the routes above do not serve (wrong path or method) is OpenAI's 404.
+        Route("/{rest:path}", unknown,
+              methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
+    ]
+    return Starlette(routes=routes)
+
+
+class _ReplicaServer(uvicorn.Server):
+    """A uvicorn server that leaves signals to ``serve_replicas``: uvicorn's own handlers would
+    each replace the previous one, so Ctrl-C would reach one replica at a time."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _stop_on_signals(servers: list[uvicorn.Server]) -> list[int]:
+    """Make SIGINT/SIGTERM stop every server; returns the signals handled."""
+    loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop_all)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread, or a platform without loop signal handlers
+    return handled
+
+
+async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
+    """Serve ``config.replicas`` simulated replicas on ports ``port``, ``port+1``, ... until stopped."""
+    replicas = build_replicas(config)
+    servers = [
+        _ReplicaServer(uvicorn.Config(create_app(replica), host=host, port=port + i if port else 0,
+                                      log_level="warning", lifespan="off"))
+        for i, replica in enumerate(replicas)
+    ]
+    handled = _stop_on_signals(servers)
+    tasks = [asyncio.create_task(server.serve()) for server in servers]
+    try:
+        await _announce_when_started(replicas, servers, tasks, host)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # When one replica stops (a signal, a failure, or this coroutine is cancelled), stop them
+        # all and wait for them, so no server outlives the call.
+        for server in servers:
+            server.should_exit = True
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def _announce_when_started(replicas: list[SimReplica], servers: list[uvicorn.Server],
+                                 tasks: list[asyncio.Task[None]], host: str) -> None:
+    """Print each replica's URL once it listens (the bound port, which matters for port 0)."""
+    for replica, server, task in zip(replicas, servers, tasks):
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if not server.started:
+            continue  # it failed to start; uvicorn has logged why, and the caller sees it end
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        print(f"carpool sim (SIMULATED engine, not a real model): replica {replica.name} on "
+              f"http://{host}:{bound}/v1", flush=True)

@@ -1,0 +1,418 @@
+"""Tests of the test infrastructure itself: serve_app and the fake OpenAI-compatible upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from .serving import serve_app, serve_app_with_server
+from .upstream import DEFAULT_FAIL_BODY, FakeUpstream
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(prompt: str = "hello world", **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}], **extra}
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeUpstream, httpx.AsyncClient]]:
+    upstream = FakeUpstream()
+    async with serve_app(upstream) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+            yield upstream, client
+
+
+async def read_sse(response: httpx.Response) -> list[Any]:
+    """The ``data:`` payloads of an SSE response: parsed JSON, or the string ``"[DONE]"``."""
+    events: list[Any] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+# ------------------------------------------------------------------ serving
+
+
+async def test_serve_app_gives_a_loopback_url_and_stops() -> None:
+    async with serve_app_with_server(FakeUpstream()) as served:
+        assert served.url == f"http://127.0.0.1:{served.port}"
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(served.url + "/v1/models")).status_code == 200
+    assert served.server.should_exit
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient() as client:
+            await client.get(served.url + "/v1/models")
+
+
+async def test_shutdown_does_not_wait_forever_for_a_hung_request() -> None:
+    upstream = FakeUpstream()
+    upstream.hang = True
+    client = httpx.AsyncClient(timeout=5.0)
+    try:
+        async with serve_app(upstream, shutdown_timeout=0.2) as url:
+            pending = asyncio.ensure_future(client.post(url + CHAT, json=chat_body()))
+            await upstream.wait_for_calls(1)
+        # The server closed the connection of the hung request and the handler saw it.
+        assert upstream.cancelled == 1 and upstream.in_flight == 0
+        with pytest.raises(httpx.HTTPError):
+            await pending
+    finally:
+        await client.aclose()
+
+
+# ------------------------------------------------------------------ answers and counting
+
+
+async def test_chat_answers_reveal_the_call_and_are_counted(fake) -> None:
+    upstream, client = fake
+    r1 = await client.post(CHAT, json=chat_body("hello world"),
+                           headers={"Authorization": "Bearer sk-test"})
+    r2 = await client.post(CHAT, json=chat_body("again"))
+    assert r1.status_code == 200 and r1.headers["content-type"] == "application/json"
+    assert r1.headers["x-fake-call"] == "1"
+    b1, b2 = r1.json(), r2.json()
+    assert b1 == {
+        "id": "chatcmpl-fake-1", "object": "chat.completion", "created": b1["created"],
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant",
+                                             "content": "answer 1 to hello world"},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7},
+        "system_fingerprint": "fp_fake",
+    }
+    assert b2["id"] == "chatcmpl-fake-2"
+    assert b2["choices"][0]["message"]["content"] == "answer 2 to again"
+    assert upstream.count() == 2 and upstream.count(CHAT) == 2 and upstream.count("/v1/x") == 0
+    first = upstream.calls[0]
+    assert first.path == CHAT and first.method == "POST" and first.number == 1
+    assert first.body == chat_body("hello world")
+    assert first.headers["authorization"] == "Bearer sk-test"
+    assert "authorization" not in upstream.calls[1].headers
+    assert upstream.completed == 2 and upstream.in_flight == 0 and upstream.cancelled == 0
+
+
+async def test_chat_content_parts_and_answer_override(fake) -> None:
+    upstream, client = fake
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    r = await client.post(CHAT, json={"model": "m", "messages": [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": parts}]})
+    assert r.json()["choices"][0]["message"]["content"] == "answer 1 to a b"
+    upstream.answer_text = lambda n, body: f"custom {n} {body['model']}"
+    r = await client.post(CHAT, json=chat_body())
+    assert r.json()["choices"][0]["message"]["content"] == "custom 2 m"
+
+
+async def test_completions(fake) -> None:
+    upstream, client = fake
+    body = (await client.post("/v1/completions", json={"model": "m", "prompt": "say hi"})).json()
+    assert body["id"] == "cmpl-fake-1" and body["object"] == "text_completion"
+    assert body["choices"] == [{"text": "answer 1 to say hi", "index": 0, "logprobs": None,
+                                "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    batch = (await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})).json()
+    assert [c["text"] for c in batch["choices"]] == ["answer 2 to a", "answer 2 to b"]
+    assert upstream.count("/v1/completions") == 2
+
+
+async def test_embeddings_are_deterministic_and_carry_the_call_in_model(fake) -> None:
+    upstream, client = fake
+    r1 = (await client.post("/v1/embeddings", json={"model": "e", "input": ["x", "y"]})).json()
+    r2 = (await client.post("/v1/embeddings", json={"model": "e", "input": "x"})).json()
+    assert r1["object"] == "list" and r1["model"] == "e#call1" and r2["model"] == "e#call2"
+    assert [d["index"] for d in r1["data"]] == [0, 1]
+    vx, vy = r1["data"][0]["embedding"], r1["data"][1]["embedding"]
+    assert len(vx) == 8 and vx == r2["data"][0]["embedding"] and vx != vy
+    assert abs(sum(v * v for v in vx) - 1.0) < 1e-9
+    r3 = (await client.post("/v1/embeddings", json={
+        "model": "e", "input": "x", "encoding_format": "base64"})).json()
+    decoded = struct.unpack("<8f", base64.b64decode(r3["data"][0]["embedding"]))
+    assert decoded == pytest.approx(vx, abs=1e-6)
+    r4 = (await client.post("/v1/embeddings", json={"model": "e", "input": "x",
+                                                    "dimensions": 3})).json()
+    assert len(r4["data"][0]["embedding"]) == 3
+    upstream.embedding_fn = lambda item: [1.0, 0.0]
+    r5 = (await client.post("/v1/embeddings", json={"model": "e", "input": "x"})).json()
+    assert r5["data"][0]["embedding"] == [1.0, 0.0]
+
+
+async def test_models_passthrough_echo_and_404(fake) -> None:
+    upstream, client = fake
+    models = (await client.get("/v1/models")).json()
+    assert models == {"object": "list", "data": [
+        {"id": "fake-model", "object": "model", "created": models["data"][0]["created"],
+         "owned_by": "fake-upstream"}]}
+    echo = (await client.post("/v1/moderations", json={"input": "hi"})).json()
+    assert echo == {"path": "/v1/moderations", "method": "POST", "query": "", "body": {"input": "hi"},
+                    "echo": True}
+    echo = (await client.get("/v1/files", params={"purpose": "batch"})).json()
+    assert echo == {"path": "/v1/files", "method": "GET", "query": "purpose=batch", "body": None,
+                    "echo": True}
+    r = await client.get("/health")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = await client.post(CHAT, content=b"not json")
+    assert r.status_code == 400
+    assert upstream.count() == 5 and upstream.count("/v1/files") == 1
+
+
+# ------------------------------------------------------------------ gate, waiting, delay
+
+
+async def test_gate_holds_every_request_until_set(fake) -> None:
+    upstream, client = fake
+    upstream.gate = asyncio.Event()
+    tasks = [asyncio.ensure_future(client.post(CHAT, json=chat_body(f"q{i}"))) for i in range(3)]
+    calls = await upstream.wait_for_calls(3)
+    assert len(calls) == 3 and upstream.arrived.is_set()
+    assert upstream.in_flight == 3 and not any(t.done() for t in tasks)
+    upstream.gate.set()
+    bodies = [r.json() for r in await asyncio.gather(*tasks)]
+    ids = sorted(b["id"] for b in bodies)
+    assert ids == ["chatcmpl-fake-1", "chatcmpl-fake-2", "chatcmpl-fake-3"]
+    for b in bodies:  # each answer names the call that produced it
+        n = b["id"].rsplit("-", 1)[1]
+        assert b["choices"][0]["message"]["content"].startswith(f"answer {n} to q")
+    await upstream.wait_idle()
+    assert upstream.completed == 3 and upstream.cancelled == 0
+
+
+async def test_wait_for_calls_times_out(fake) -> None:
+    upstream, _client = fake
+    with pytest.raises(TimeoutError, match="1 call"):
+        await upstream.wait_for_calls(1, timeout=0.05)
+
+
+async def test_delay(fake) -> None:
+    upstream, client = fake
+    upstream.delay = 0.05
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    r = await client.post(CHAT, json=chat_body())
+    assert r.status_code == 200 and loop.time() - start >= 0.05
+
+
+# ------------------------------------------------------------------ failures
+
+
+async def test_fail_status(fake) -> None:
+    upstream, client = fake
+    upstream.fail_status = 503
+    r = await client.post(CHAT, json=chat_body())
+    assert r.status_code == 503 and r.json() == DEFAULT_FAIL_BODY
+    upstream.fail_status, upstream.fail_body = 429, {"error": {"message": "slow down",
+                                                                "type": "rate_limit", "code": 42}}
+    r = await client.post(CHAT, json=chat_body(stream=True))
+    assert r.status_code == 429 and r.json()["error"]["code"] == 42
+    upstream.fail_status, upstream.fail_body, upstream.fail_times = 500, None, 1
+    assert (await client.get("/v1/models")).status_code == 500
+    assert (await client.get("/v1/models")).status_code == 200
+    assert upstream.count() == 4
+
+
+# ------------------------------------------------------------------ streaming
+
+
+async def test_stream_format(fake) -> None:
+    upstream, client = fake
+    async with client.stream("POST", CHAT, json=chat_body("hi there", stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream"
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["id"] == "chatcmpl-fake-1" and c["object"] == "chat.completion.chunk"
+               and "usage" not in c for c in chunks)
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]
+    words = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    assert words == ["answer", " 1", " to", " hi", " there"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": "stop"}]
+    assert upstream.calls[0].stream and upstream.completed == 1
+
+
+async def test_stream_include_usage(fake) -> None:
+    _upstream, client = fake
+    body = chat_body("hi", stream=True, stream_options={"include_usage": True})
+    async with client.stream("POST", CHAT, json=body) as r:
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+    assert all(c["usage"] is None for c in events[:-2])
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_completions_stream(fake) -> None:
+    _upstream, client = fake
+    body = {"model": "m", "prompt": "p", "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in events[:-1]) == "answer 1 to p"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["object"] == "text_completion" for c in events[:-1])
+
+
+async def test_omit_finish_reason_and_chunk_delay(fake) -> None:
+    upstream, client = fake
+    upstream.omit_finish_reason = True
+    upstream.chunk_delay = 0.001
+    async with client.stream("POST", CHAT, json=chat_body("x", stream=True)) as r:
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    assert all(c["choices"][0]["finish_reason"] is None for c in events[:-1])
+    r = await client.post(CHAT, json=chat_body("x"))
+    assert r.json()["choices"][0]["finish_reason"] is None
+
+
+async def test_chunk_gate_pauses_mid_stream(fake) -> None:
+    upstream, client = fake
+    upstream.chunk_gate = asyncio.Event()
+    upstream.chunk_gate_after = 2
+    received: list[Any] = []
+    async with client.stream("POST", CHAT, json=chat_body("a b c", stream=True)) as r:
+        lines = r.aiter_lines()
+        while len(received) < 3:  # role chunk + 2 content chunks
+            line = await anext(lines)
+            if line:
+                received.append(json.loads(line[len("data: "):]))
+        await asyncio.wait_for(upstream.chunk_gate_reached.wait(), 5)
+        assert [c["choices"][0]["delta"]["content"] for c in received[1:]] == ["answer", " 1"]
+        upstream.chunk_gate.set()
+        async for line in lines:
+            if line:
+                received.append(line[len("data: "):])
+    assert received[-1] == "[DONE]"
+    rest = [json.loads(x)["choices"][0]["delta"].get("content") for x in received[3:-1]]
+    assert rest == [" to", " a", " b", " c", None]
+
+
+async def test_cut_after_breaks_the_stream(fake) -> None:
+    upstream, client = fake
+    upstream.cut_after = 2
+    seen: list[str] = []
+    with pytest.raises(httpx.RemoteProtocolError):
+        async with client.stream("POST", CHAT, json=chat_body("a b c", stream=True)) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line:
+                    seen.append(line)
+    assert len(seen) == 3  # role chunk + 2 content chunks, then the connection dropped
+    assert not any("[DONE]" in s or '"finish_reason":"stop"' in s for s in seen)
+    await upstream.wait_idle()
+    assert upstream.cancelled == 0 and upstream.completed == 0
+    # The fake keeps working afterwards.
+    assert (await client.post(CHAT, json=chat_body())).status_code == 200
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+async def test_cancelled_when_client_task_is_cancelled_at_the_gate(fake) -> None:
+    upstream, client = fake
+    upstream.gate = asyncio.Event()
+    task = asyncio.ensure_future(client.post(CHAT, json=chat_body()))
+    await upstream.wait_for_calls(1)
+    task.cancel()
+    await asyncio.wait_for(upstream.cancel_seen.wait(), 5)
+    await upstream.wait_idle()
+    assert upstream.cancelled == 1 and upstream.completed == 0
+
+
+async def test_cancelled_when_client_closes_while_hanging() -> None:
+    upstream = FakeUpstream()
+    upstream.hang = True
+    async with serve_app(upstream) as url:
+        client = httpx.AsyncClient(base_url=url)
+        task = asyncio.ensure_future(client.post(CHAT, json=chat_body()))
+        await upstream.wait_for_calls(1)
+        await client.aclose()
+        await upstream.wait_for_cancelled(1)
+        task.cancel()
+        await asyncio.wait([task])
+    assert upstream.in_flight == 0
+
+
+async def test_cancelled_when_client_times_out(fake) -> None:
+    upstream, client = fake
+    upstream.hang = True
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post(CHAT, json=chat_body(), timeout=0.05)
+    await upstream.wait_for_cancelled(1)
+
+
+async def test_cancelled_when_client_leaves_mid_stream(fake) -> None:
+    upstream, client = fake
+    upstream.chunk_gate = asyncio.Event()
+    async with client.stream("POST", CHAT, json=chat_body("a b c", stream=True)) as r:
+        lines = r.aiter_lines()
+        await anext(lines)  # the role chunk has arrived
+        await asyncio.wait_for(upstream.chunk_gate_reached.wait(), 5)
+    # Leaving the block closed the response before its end: the connection is dropped.
+    await upstream.wait_for_cancelled(1)
+    upstream.chunk_gate.set()
+    await upstream.wait_idle()
+    assert upstream.completed == 0
+
+
+async def test_reset(fake) -> None:
+    upstream, client = fake
+    upstream.fail_status = 500
+    await client.get("/v1/models")
+    upstream.reset()
+    assert upstream.count() == 0 and upstream.fail_status is None
+    assert (await client.get("/v1/models")).headers["x-fake-call"] == "1"
+
+
+# ------------------------------------------------------------------ the official SDK
+
+
+async def test_openai_sdk_against_the_fake() -> None:
+    upstream = FakeUpstream()
+    async with serve_app(upstream) as url:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-x", max_retries=0)
+        try:
+            done = await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hello"}])
+            assert done.id == "chatcmpl-fake-1"
+            assert done.choices[0].message.content == "answer 1 to hello"
+            assert done.choices[0].finish_reason == "stop" and done.usage.total_tokens == 5
+
+            stream = await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hello"}], stream=True,
+                stream_options={"include_usage": True})
+            pieces, usage, finish = [], None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    pieces.append(chunk.choices[0].delta.content or "")
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage:
+                    usage = chunk.usage
+            assert "".join(pieces) == "answer 2 to hello" and finish == "stop"
+            assert usage is not None and usage.completion_tokens == 4
+
+            emb = await sdk.embeddings.create(model="e", input=["x"])  # SDK asks for base64
+            assert emb.model == "e#call3" and len(emb.data[0].embedding) == 8
+
+            with pytest.raises(openai.InternalServerError):
+                upstream.fail_status = 500
+                await sdk.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "x"}])
+            assert upstream.calls[0].headers["authorization"] == "Bearer sk-x"
+        finally:
+            await sdk.close()

@@ -1,0 +1,563 @@
+"""A controllable, counting, OpenAI-compatible fake upstream (a raw ASGI app).
+
+Serve it over real HTTP with ``tests.fakes.serving.serve_app`` and point clients at ``url + "/v1"``.
+
+Endpoints (all under ``/v1``):
+- ``POST /v1/chat/completions``   chat.completion, or a chat.completion.chunk SSE stream
+- ``POST /v1/completions``        text_completion (``prompt`` may be a string or a list), or a stream
+- ``POST /v1/embeddings``         a list of embeddings (``encoding_format`` float or base64)
+- ``GET  /v1/models``             the models in ``self.models``
+- anything else under ``/v1``     a JSON echo ``{"path", "method", "query", "body", "echo": true}``
+- outside ``/v1``                 404 with the OpenAI error shape
+
+Which upstream call produced an answer (call numbers are 1-based, over all recorded calls):
+- the answer text is ``f"answer {n} to {prompt}"`` (prompt: the last message's content, or the
+  completion prompt), unless ``answer_text(n, body)`` overrides it;
+- chat/completions ``id`` is ``f"chatcmpl-fake-{n}"``, completions ``id`` is ``f"cmpl-fake-{n}"``;
+- embeddings carry it in ``model``: ``f"{model}#call{n}"`` (the vectors themselves depend only on
+  the input, so they are equal across calls);
+- every response has the header ``x-fake-call: n``.
+
+Streams (``"stream": true``) are ``text/event-stream`` of ``data: {json}\\n\\n`` frames: (chat only) a
+first chunk with ``delta {"role": "assistant", "content": ""}``; one chunk per word of the answer
+(the word with its leading space, so the pieces join back to the answer); a chunk with an empty
+delta and ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
+``"choices": []`` and ``usage`` (and ``"usage": null`` on the others); then ``data: [DONE]``.
+
+Records:
+- ``calls: list[Call]``: every HTTP request, with ``path``, parsed JSON ``body`` (None when absent
+  or not JSON), lower-case ``headers``, ``method``, ``query``, 1-based ``number``.
+- ``count(path=None)``: number of calls (to ``path`` only, when given).
+- ``in_flight``: requests being processed now.
+- ``cancelled``: requests whose client went away (or whose handler was cancelled) before the answer
+  was fully sent; ``cancel_seen`` (an Event) is set at each increment.
+- ``arrived``: Event set at each recorded call (tests may ``clear()`` it).
+- ``chunk_gate_reached``: Event set when a stream stops at ``chunk_gate``.
+- ``completed``: responses fully sent.
+
+Controls (plain attributes; set them before or during a test; ``reset()`` restores the defaults):
+- ``gate: asyncio.Event | None``: each request, once recorded, waits for it before answering
+  anything (status and headers included, streams too). Requests read the gate when they arrive.
+- ``delay: float``: seconds to wait before answering (after the gate).
+- ``hang: bool``: never answer; the handler ends only when the client disconnects (counted in
+  ``cancelled``) or the server shuts down.
+- ``fail_status: int | None`` and ``fail_body: dict | None``: answer that status with the OpenAI
+  error shape (default body ``{"error": {"message": "fake upstream failure", "type":
+  "server_error", "code": None}}``), on every path. ``fail_times: int | None``: when set, only that
+  many more requests fail (it counts down), then answers are normal again.
+- ``chunk_delay: float``: seconds between streamed chunks.
+- ``chunk_gate: asyncio.Event | None`` and ``chunk_gate_after: int`` (default 2): a stream sends
+  that many content chunks, sets ``chunk_gate_reached``, then waits for the event before the rest.
+- ``cut_after: int | None``: a stream sends that many content chunks, then the connection is
+  dropped without the terminating chunk. With httpx the client sees ``httpx.RemoteProtocolError``
+  ("incomplete chunked read") while iterating the body, after the chunks already sent; no
+  ``finish_reason`` and no ``[DONE]`` ever arrive.
+- ``omit_finish_reason: bool``: streams end cleanly with ``[DONE]`` but no finish chunk;
+  non-streaming answers get ``finish_reason: null``.
+- ``finish_reason: str``: the finish reason used otherwise (default ``"stop"``).
+- ``answer_text: Callable[[int, dict], str] | None``: the answer text for call ``n`` and its body.
+- ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
+  (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
+- ``models: list[str]``: what ``GET /v1/models`` lists.
+
+Disconnects are seen in raw ASGI terms: once the request body is read, a watcher awaits
+``receive()``, which returns ``http.disconnect`` when the client goes away; every wait of the
+handler (gate, delay, hang, chunk gate, chunk delay) races against it, and each streamed chunk is
+followed by a check. (uvicorn's ``send`` silently does nothing after a disconnect, hence the watcher.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import math
+import re
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Call", "FakeUpstream", "DEFAULT_FAIL_BODY", "CREATED"]
+
+CREATED = 1_700_000_000  # fixed "created" timestamp: answers are fully deterministic
+DEFAULT_FAIL_BODY: dict[str, Any] = {
+    "error": {"message": "fake upstream failure", "type": "server_error", "code": None}
+}
+_WORD = re.compile(r"\s*\S+")
+
+
+@dataclass
+class Call:
+    """One request received by the fake."""
+
+    path: str
+    body: dict[str, Any] | None
+    headers: dict[str, str]                # lower-case names
+    method: str = "POST"
+    query: str = ""
+    number: int = 0                        # 1-based index among all calls
+    raw_body: bytes = field(default=b"", repr=False)
+
+    @property
+    def stream(self) -> bool:
+        return bool(isinstance(self.body, dict) and self.body.get("stream"))
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the answer was fully sent."""
+
+
+class _CutConnection(Exception):
+    """Raised on purpose (``cut_after``) so that uvicorn drops the connection mid-stream."""
+
+
+class _HideDeliberateCuts(logging.Filter):
+    """Keep uvicorn's "Exception in ASGI application" log quiet for deliberate cuts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, _CutConnection)
+
+
+logging.getLogger("uvicorn.error").addFilter(_HideDeliberateCuts())
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _text_of(content: Any) -> str:
+    """The text of a message's content: a string, or a list of parts (``{"type": "text"}``)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(
+            str(part.get("text", "")) if isinstance(part, dict) else str(part) for part in content
+        )
+    return str(content)
+
+
+def _count_words(text: str) -> int:
+    return len(text.split())
+
+
+def _hash_vector(item: Any, dims: int) -> list[float]:
+    data = item.encode() if isinstance(item, str) else _json(item)
+    raw = hashlib.shake_256(data).digest(2 * dims)
+    values = [v / 32767.5 - 1.0 for v in struct.unpack(f"<{dims}H", raw)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
+
+
+class FakeUpstream:
+    """An OpenAI-compatible ASGI app with counters and controls. See the module docstring."""
+
+    def __init__(self, *, models: list[str] | None = None) -> None:
+        self._default_models = list(models or ["fake-model"])
+        self.reset()
+
+    # ---------------------------------------------------------------- state, controls, waiting
+
+    def reset(self) -> None:
+        """Forget the calls and counters, restore every control to its default.
+
+        Meant for between tests: requests already waiting on old events keep waiting on them.
+        """
+        self.calls: list[Call] = []
+        self.in_flight = 0
+        self.cancelled = 0
+        self.completed = 0
+        self.arrived = asyncio.Event()
+        self.cancel_seen = asyncio.Event()
+        self.chunk_gate_reached = asyncio.Event()
+        self._changed = asyncio.Event()  # pulsed (set, then replaced) on every state change
+
+        self.models: list[str] = list(self._default_models)
+        self.gate: asyncio.Event | None = None
+        self.delay: float = 0.0
+        self.hang: bool = False
+        self.fail_status: int | None = None
+        self.fail_body: dict[str, Any] | None = None
+        self.fail_times: int | None = None
+        self.chunk_delay: float = 0.0
+        self.chunk_gate: asyncio.Event | None = None
+        self.chunk_gate_after: int = 2
+        self.cut_after: int | None = None
+        self.omit_finish_reason: bool = False
+        self.finish_reason: str = "stop"
+        self.answer_text: Callable[[int, dict[str, Any]], str] | None = None
+        self.embedding_fn: Callable[[Any], list[float]] | None = None
+
+    def count(self, path: str | None = None) -> int:
+        """Number of calls received (to ``path`` only, e.g. ``"/v1/chat/completions"``)."""
+        if path is None:
+            return len(self.calls)
+        return sum(1 for c in self.calls if c.path == path)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0,
+                         what: str = "condition") -> None:
+        """Return once ``predicate()`` is true (re-checked at each state change of the fake).
+
+        Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        async def _wait() -> None:
+            while not predicate():
+                await self._changed.wait()
+
+        try:
+            await asyncio.wait_for(_wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"fake upstream: {what} not reached within {timeout} s "
+                f"(calls={len(self.calls)}, in_flight={self.in_flight}, "
+                f"cancelled={self.cancelled}, completed={self.completed})"
+            ) from None
+
+    async def wait_for_calls(self, n: int, timeout: float = 5.0) -> list[Call]:
+        """Return (the first ``n`` calls) once at least ``n`` calls have been recorded."""
+        await self.wait_until(lambda: len(self.calls) >= n, timeout, f"{n} call(s)")
+        return self.calls[:n]
+
+    async def wait_for_cancelled(self, n: int = 1, timeout: float = 5.0) -> None:
+        """Return once at least ``n`` requests have been cancelled by their clients."""
+        await self.wait_until(lambda: self.cancelled >= n, timeout, f"{n} cancellation(s)")
+
+    async def wait_idle(self, timeout: float = 5.0) -> None:
+        """Return once no request is in flight."""
+        await self.wait_until(lambda: self.in_flight == 0, timeout, "no request in flight")
+
+    # ---------------------------------------------------------------- ASGI entry point
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return  # websockets are not part of the OpenAI API
+        await self._handle_http(scope, receive, send)
+
+    async def _handle_http(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
+                           send: Callable[[dict], Awaitable[None]]) -> None:
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before the request was even complete: not a call
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+
+        headers: dict[str, str] = {}
+        for name, value in scope.get("headers", []):
+            key, val = name.decode("latin-1").lower(), value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {val}" if key in headers else val
+        body: Any = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+        call = Call(
+            path=scope["path"], body=body if isinstance(body, dict) else None, headers=headers,
+            method=scope["method"], query=scope.get("query_string", b"").decode("latin-1"),
+            number=len(self.calls) + 1, raw_body=raw,
+        )
+        self.calls.append(call)
+        self.in_flight += 1
+        self.arrived.set()
+        self._notify()
+
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, gone))
+        try:
+            await self._respond(call, send, gone)
+            self.completed += 1
+        except _ClientGone:
+            self._count_cancel()
+        except asyncio.CancelledError:
+            self._count_cancel()
+            raise
+        finally:
+            watcher.cancel()
+            await asyncio.wait([watcher])
+            self.in_flight -= 1
+            self._notify()
+
+    @staticmethod
+    async def _watch_disconnect(receive: Callable[[], Awaitable[dict]],
+                                gone: asyncio.Event) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    def _count_cancel(self) -> None:
+        self.cancelled += 1
+        self.cancel_seen.set()
+
+    @staticmethod
+    async def _until(awaitable: Awaitable[Any], gone: asyncio.Event) -> None:
+        """Await ``awaitable`` unless the client disconnects first (then raise ``_ClientGone``)."""
+        if gone.is_set():
+            raise _ClientGone
+        work = asyncio.ensure_future(awaitable)
+        leave = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait({work, leave}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            work.cancel()
+            leave.cancel()
+            await asyncio.wait({work, leave})
+        if work in done and not work.cancelled():
+            work.result()
+            return
+        raise _ClientGone
+
+    # ---------------------------------------------------------------- answering
+
+    async def _respond(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                       gone: asyncio.Event) -> None:
+        gate = self.gate
+        if gate is not None and not gate.is_set():
+            await self._until(gate.wait(), gone)
+        if self.delay > 0:
+            await self._until(asyncio.sleep(self.delay), gone)
+        if self.hang:
+            await self._until(asyncio.Event().wait(), gone)  # only a disconnect ends this
+        if gone.is_set():
+            raise _ClientGone
+
+        if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
+            if self.fail_times is not None:
+                self.fail_times -= 1
+            await self._send_json(send, call, self.fail_status, self.fail_body or DEFAULT_FAIL_BODY)
+            return
+
+        path = call.path.rstrip("/") or "/"
+        method = call.method
+        if not (path == "/v1" or path.startswith("/v1/")):
+            await self._send_error(send, call, 404, f"no route for {method} {call.path}",
+                                   "invalid_request_error")
+            return
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions",
+                                         "/v1/embeddings"):
+            if call.body is None:
+                await self._send_error(send, call, 400, "the body must be a JSON object",
+                                       "invalid_request_error")
+                return
+            if path == "/v1/chat/completions":
+                await self._chat(call, send, gone)
+            elif path == "/v1/completions":
+                await self._completions(call, send, gone)
+            else:
+                await self._embeddings(call, send)
+            return
+        if method == "GET" and path == "/v1/models":
+            data = [{"id": m, "object": "model", "created": CREATED, "owned_by": "fake-upstream"}
+                    for m in self.models]
+            await self._send_json(send, call, 200, {"object": "list", "data": data})
+            return
+        await self._send_json(send, call, 200, {
+            "path": call.path, "method": method, "query": call.query, "body": call.body,
+            "echo": True,
+        })
+
+    def _answer(self, call: Call, prompt: str) -> str:
+        if self.answer_text is not None:
+            return self.answer_text(call.number, call.body or {})
+        return f"answer {call.number} to {prompt}"
+
+    def _finish(self) -> str | None:
+        return None if self.omit_finish_reason else self.finish_reason
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def _chat(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                    gone: asyncio.Event) -> None:
+        body = call.body or {}
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            await self._send_error(send, call, 400, "'messages' must be a non-empty list",
+                                   "invalid_request_error")
+            return
+        last = messages[-1] if isinstance(messages[-1], dict) else {}
+        text = self._answer(call, _text_of(last.get("content")))
+        model = body.get("model", "fake-model")
+        prompt_tokens = sum(_count_words(_text_of(m.get("content")))
+                            for m in messages if isinstance(m, dict))
+        usage = self._usage(prompt_tokens, _count_words(text))
+        cid = f"chatcmpl-fake-{call.number}"
+        if body.get("stream"):
+            await self._stream(call, send, gone, chat=True, cid=cid, model=model, texts=[text],
+                               usage=usage)
+            return
+        await self._send_json(send, call, 200, {
+            "id": cid, "object": "chat.completion", "created": CREATED, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": self._finish()}],
+            "usage": usage, "system_fingerprint": "fp_fake",
+        })
+
+    async def _completions(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                           gone: asyncio.Event) -> None:
+        body = call.body or {}
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+            prompts = [p if isinstance(p, str) else json.dumps(p) for p in prompt]  # a batch
+        else:
+            prompts = [prompt if isinstance(prompt, str) else json.dumps(prompt)]
+        texts = [self._answer(call, p) for p in prompts]
+        model = body.get("model", "fake-model")
+        usage = self._usage(sum(_count_words(p) for p in prompts),
+                            sum(_count_words(t) for t in texts))
+        cid = f"cmpl-fake-{call.number}"
+        if body.get("stream"):
+            await self._stream(call, send, gone, chat=False, cid=cid, model=model, texts=texts,
+                               usage=usage)
+            return
+        await self._send_json(send, call, 200, {
+            "id": cid, "object": "text_completion", "created": CREATED, "model": model,
+            "choices": [{"text": t, "index": i, "logprobs": None, "finish_reason": self._finish()}
+                        for i, t in enumerate(texts)],
+            "usage": usage, "system_fingerprint": "fp_fake",
+        })
+
+    async def _embeddings(self, call: Call, send: Callable[[dict], Awaitable[None]]) -> None:
+        body = call.body or {}
+        raw_input = body.get("input")
+        if isinstance(raw_input, str) or (
+            isinstance(raw_input, list) and raw_input and all(isinstance(x, int) for x in raw_input)
+        ):
+            items: list[Any] = [raw_input]
+        elif isinstance(raw_input, list) and raw_input:
+            items = raw_input
+        else:
+            await self._send_error(send, call, 400, "'input' must be a string or a non-empty list",
+                                   "invalid_request_error")
+            return
+        dims = body.get("dimensions") or 8
+        model = body.get("model", "fake-embedding")
+        data = []
+        for i, item in enumerate(items):
+            vector = (self.embedding_fn(item) if self.embedding_fn is not None
+                      else _hash_vector(item, int(dims)))
+            encoded: Any = vector
+            if body.get("encoding_format") == "base64":
+                encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": encoded})
+        tokens = sum(_count_words(x) if isinstance(x, str) else len(x) for x in items)
+        await self._send_json(send, call, 200, {
+            "object": "list", "data": data, "model": f"{model}#call{call.number}",
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })
+
+    async def _stream(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                      gone: asyncio.Event, *, chat: bool, cid: str, model: str,
+                      texts: list[str], usage: dict[str, int]) -> None:
+        body = call.body or {}
+        stream_options = body.get("stream_options")
+        include_usage = bool(isinstance(stream_options, dict)
+                             and stream_options.get("include_usage"))
+        chunk_gate = self.chunk_gate
+        gate_after = self.chunk_gate_after
+        cut_after = self.cut_after
+        chunk_delay = self.chunk_delay
+        finish = self._finish()
+
+        def frame(choices: list[dict[str, Any]], with_usage: dict[str, int] | None = None) -> bytes:
+            chunk: dict[str, Any] = {
+                "id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": CREATED, "model": model, "system_fingerprint": "fp_fake",
+                "choices": choices,
+            }
+            if include_usage:
+                chunk["usage"] = with_usage
+            return b"data: " + _json(chunk) + b"\n\n"
+
+        def choice(index: int, piece: str | None, finish_reason: str | None) -> dict[str, Any]:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                return {"index": index, "delta": delta, "logprobs": None,
+                        "finish_reason": finish_reason}
+            return {"text": piece or "", "index": index, "logprobs": None,
+                    "finish_reason": finish_reason}
+
+        async def emit(data: bytes) -> None:
+            if gone.is_set():
+                raise _ClientGone
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            if gone.is_set():
+                raise _ClientGone
+
+        sent = 0
+        gate_passed = False
+
+        async def checkpoint() -> None:
+            """Before a content chunk or the end: chunk_gate, cut_after, chunk_delay."""
+            nonlocal gate_passed
+            if chunk_gate is not None and not gate_passed and sent >= gate_after:
+                gate_passed = True
+                self.chunk_gate_reached.set()
+                self._notify()
+                if not chunk_gate.is_set():
+                    await self._until(chunk_gate.wait(), gone)
+            if cut_after is not None and sent >= cut_after:
+                raise _CutConnection(f"cut after {sent} content chunk(s)")
+            if chunk_delay > 0:
+                await self._until(asyncio.sleep(chunk_delay), gone)
+
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+            (b"x-fake-call", str(call.number).encode()),
+        ]})
+        if chat:
+            await emit(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}]))
+        for index, text in enumerate(texts):
+            for word in _WORD.findall(text):
+                await checkpoint()
+                await emit(frame([choice(index, word, None)]))
+                sent += 1
+        await checkpoint()
+        if finish is not None:
+            await emit(frame([choice(i, None, finish) for i in range(len(texts))]))
+        if include_usage:
+            await emit(frame([], usage))
+        await emit(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # ---------------------------------------------------------------- plain responses
+
+    async def _send_json(self, send: Callable[[dict], Awaitable[None]], call: Call, status: int,
+                         payload: Any) -> None:
+        data = _json(payload)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            (b"x-fake-call", str(call.number).encode()),
+        ]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def _send_error(self, send: Callable[[dict], Awaitable[None]], call: Call, status: int,
+                          message: str, kind: str) -> None:
+        await self._send_json(send, call, status,
+                              {"error": {"message": message, "type": kind, "code": None}})

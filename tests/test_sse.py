@@ -1,0 +1,396 @@
+"""carpool.sse: the SSE decoder, framing, and the stream <-> body conversions."""
+
+from __future__ import annotations
+
+import copy
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.sse import (
+    DONE,
+    SSEDecoder,
+    assemble,
+    frame,
+    is_complete,
+    synthesize,
+    usage_tokens,
+)
+
+# A stream exercising most of the format: a BOM, comments, ignored fields, multi-line data, a
+# payload without the optional space, a named error event, a split UTF-8 character, [DONE].
+STREAM = (
+    "\ufeff: keep-alive\n"
+    "id: 1\nretry: 100\n"
+    'data: {"a": 1}\n\n'
+    "data:line one\ndata: line two\n\n"
+    ": comment between events\n"
+    "event: error\n"
+    'data: {"error": {"message": "boom"}}\n\n'
+    'data: {"text": "h\u00e9llo \u2603 \U0001f600"}\n\n'
+    "event: \ndata\n\n"
+    "data: [DONE]\n\n"
+).encode()
+
+EXPECTED = [
+    (None, b'{"a": 1}'),
+    (None, b"line one\nline two"),
+    ("error", b'{"error": {"message": "boom"}}'),
+    (None, '{"text": "h\u00e9llo \u2603 \U0001f600"}'.encode()),
+    (None, b""),
+    (None, b"[DONE]"),
+]
+
+
+def decode(*pieces: bytes) -> list:
+    decoder = SSEDecoder()
+    events = []
+    for piece in pieces:
+        events += decoder.feed(piece)
+    events += decoder.close()
+    assert not decoder.truncated
+    return events
+
+
+# --- decoder ------------------------------------------------------------------------------------
+
+
+def test_decoder_returns_event_name_and_payload_pairs_of_a_whole_stream():
+    assert decode(STREAM) == EXPECTED
+
+
+def test_decoder_gives_the_same_events_whatever_byte_the_stream_is_split_at():
+    for cut in range(len(STREAM) + 1):
+        assert decode(STREAM[:cut], STREAM[cut:]) == EXPECTED, cut
+
+
+def test_decoder_gives_the_same_events_when_fed_one_byte_at_a_time():
+    assert decode(*(STREAM[i:i + 1] for i in range(len(STREAM)))) == EXPECTED
+
+
+def test_decoder_handles_crlf_line_ends_split_at_every_byte_including_between_cr_and_lf():
+    stream = STREAM.replace(b"\n", b"\r\n")
+    assert decode(stream) == EXPECTED
+    for cut in range(len(stream) + 1):
+        assert decode(stream[:cut], stream[cut:]) == EXPECTED, cut
+
+
+def test_decoder_handles_bare_cr_line_ends_split_at_every_byte():
+    stream = STREAM.replace(b"\n", b"\r")
+    for cut in range(len(stream) + 1):
+        assert decode(stream[:cut], stream[cut:]) == EXPECTED, cut
+
+
+def test_decoder_handles_mixed_line_ends_in_three_pieces():
+    stream = b'data: a\r\n\rdata: b\n\r\ndata: c\r\r'
+    for i in range(len(stream) + 1):
+        for j in range(i, len(stream) + 1):
+            assert decode(stream[:i], stream[i:j], stream[j:]) == [
+                (None, b"a"), (None, b"b"), (None, b"c")], (i, j)
+
+
+def test_decoder_ignores_comments_and_events_without_data():
+    assert decode(b": ping\n\n:\n\nevent: ping\n\nid: 3\n\ndata: x\n\n") == [(None, b"x")]
+
+
+def test_decoder_keeps_colons_and_extra_spaces_inside_payloads():
+    assert decode(b"data:  two spaces: kept\n\n") == [(None, b" two spaces: kept")]
+
+
+def test_decoder_names_error_events_and_forgets_the_name_after_the_event():
+    events = decode(b'event: error\ndata: {"e": 1}\n\ndata: {"ok": 1}\n\n')
+    assert events == [("error", b'{"e": 1}'), (None, b'{"ok": 1}')]
+
+
+def test_decoder_discards_an_unterminated_final_event_and_says_so():
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: one\n\ndata: cut of") == [(None, b"one")]
+    assert decoder.close() == []
+    assert decoder.truncated
+    decoder = SSEDecoder()
+    decoder.feed(b"data: one\n\ndata: two\n")        # a whole line, but no blank line after it
+    assert decoder.close() == [] and decoder.truncated
+
+
+def test_frame_and_done_are_decodable_sse_events():
+    payload = orjson.dumps({"x": "\u2603"})
+    assert frame(payload) == b"data: " + payload + b"\n\n"
+    assert decode(frame(payload) + DONE) == [(None, payload), (None, b"[DONE]")]
+
+
+# --- assemble -----------------------------------------------------------------------------------
+
+HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
+        "model": "m", "system_fingerprint": "fp_1"}
+
+
+def chunk(choices, **extra):
+    return {**HEAD, "choices": choices, **extra}
+
+
+def test_assemble_builds_the_non_streaming_body_of_a_realistic_chat_stream():
+    chunks = [
+        chunk([{"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
+                "logprobs": None, "finish_reason": None}], usage=None),
+        chunk([{"index": 0, "delta": {"content": "Hel"}, "logprobs": None,
+                "finish_reason": None}], usage=None),
+        chunk([{"index": 0, "delta": {"content": "lo \u2603"}, "logprobs": None,
+                "finish_reason": None}], usage=None),
+        chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}], usage=None),
+        chunk([], usage={"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}),
+    ]
+    assert assemble("chat", chunks) == {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
+        "system_fingerprint": "fp_1",
+        "choices": [{"index": 0,
+                     "message": {"role": "assistant", "content": "Hello \u2603", "refusal": None},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    }
+
+
+def test_assemble_without_a_usage_chunk_leaves_usage_out():
+    body = assemble("chat", [chunk([{"index": 0, "delta": {"content": "x"},
+                                     "finish_reason": "stop"}])])
+    assert "usage" not in body
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "x"}
+    assert body["choices"][0]["logprobs"] is None
+
+
+def test_assemble_merges_tool_call_deltas_split_over_chunks_into_whole_arguments():
+    def call(index, **fields):
+        return chunk([{"index": 0, "delta": {"tool_calls": [{"index": index, **fields}]},
+                       "finish_reason": None}])
+
+    chunks = [
+        chunk([{"index": 0, "delta": {"role": "assistant", "content": None},
+                "finish_reason": None}]),
+        call(0, id="call_a", type="function", function={"name": "get_", "arguments": ""}),
+        call(0, function={"name": "weather", "arguments": '{"ci'}),
+        call(1, id="call_b", type="function", function={"name": "now", "arguments": "{}"}),
+        call(0, function={"arguments": 'ty": "Par'}),
+        call(0, function={"arguments": 'is"}'}),
+        chunk([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+    ]
+    message = assemble("chat", chunks)["choices"][0]["message"]
+    assert message == {
+        "role": "assistant", "content": None,
+        "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+        ],
+    }
+
+
+def test_assemble_merges_legacy_function_call_deltas():
+    chunks = [
+        chunk([{"index": 0, "delta": {"role": "assistant",
+                                      "function_call": {"name": "f", "arguments": "{\"a\""}},
+                "finish_reason": None}]),
+        chunk([{"index": 0, "delta": {"function_call": {"arguments": ": 1}"}},
+                "finish_reason": "function_call"}]),
+    ]
+    message = assemble("chat", chunks)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None,
+                       "function_call": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def test_assemble_orders_interleaved_choices_and_concatenates_chat_logprobs():
+    def lp(token):
+        return {"content": [{"token": token, "logprob": -0.1, "bytes": None, "top_logprobs": []}],
+                "refusal": None}
+
+    chunks = [
+        chunk([{"index": 1, "delta": {"role": "assistant", "content": "B"}, "logprobs": lp("B"),
+                "finish_reason": None}]),
+        chunk([{"index": 0, "delta": {"role": "assistant", "content": "A"}, "logprobs": lp("A"),
+                "finish_reason": None}]),
+        chunk([{"index": 0, "delta": {"content": "a"}, "logprobs": lp("a"),
+                "finish_reason": "length"}]),
+        chunk([{"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}]),
+    ]
+    choices = assemble("chat", chunks)["choices"]
+    assert [c["message"]["content"] for c in choices] == ["Aa", "B"]
+    assert [c["finish_reason"] for c in choices] == ["length", "stop"]
+    assert [t["token"] for t in choices[0]["logprobs"]["content"]] == ["A", "a"]
+    assert choices[0]["logprobs"]["refusal"] is None
+
+
+def test_assemble_builds_a_completion_body_with_merged_logprobs():
+    def piece(text, offset, finish=None):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                             "logprobs": {"tokens": [text], "token_logprobs": [-1.0],
+                                          "top_logprobs": [{text: -1.0}],
+                                          "text_offset": [offset]}}]}
+
+    body = assemble("completion", [piece("Hel", 0), piece("lo", 3, "length")])
+    assert body == {
+        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "text": "Hello", "finish_reason": "length",
+                     "logprobs": {"tokens": ["Hel", "lo"], "token_logprobs": [-1.0, -1.0],
+                                  "top_logprobs": [{"Hel": -1.0}, {"lo": -1.0}],
+                                  "text_offset": [0, 3]}}],
+    }
+
+
+def test_synthesize_streams_usage_only_in_a_final_chunk_without_choices():
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                         "logprobs": None, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    chunks = synthesize("chat", body, include_usage=True)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    plain = synthesize("chat", body, include_usage=False)
+    assert all("usage" not in c for c in plain) and all(c["choices"] for c in plain)
+
+
+# --- round trip (property) ----------------------------------------------------------------------
+
+text = st.text(max_size=12)
+finish = st.sampled_from(["stop", "length", "tool_calls", "content_filter"])
+usage = st.fixed_dictionaries({"prompt_tokens": st.integers(0, 10**6),
+                               "completion_tokens": st.integers(0, 10**6),
+                               "total_tokens": st.integers(0, 10**6)})
+tool_call = st.fixed_dictionaries({
+    "id": text, "type": st.just("function"),
+    "function": st.fixed_dictionaries({"name": text, "arguments": text})})
+top_logprob = st.fixed_dictionaries({"token": text, "logprob": st.floats(-50, 0),
+                                     "bytes": st.none() | st.lists(st.integers(0, 255))})
+chat_logprobs = st.none() | st.fixed_dictionaries({
+    "content": st.lists(st.fixed_dictionaries({"token": text, "logprob": st.floats(-50, 0),
+                                               "bytes": st.none(),
+                                               "top_logprobs": st.lists(top_logprob, max_size=2)}),
+                        max_size=3),
+    "refusal": st.none()})
+
+
+@st.composite
+def chat_message(draw):
+    message = {"role": "assistant"}
+    calls = draw(st.none() | st.lists(tool_call, min_size=1, max_size=3))
+    refusal = draw(st.sampled_from(["absent", "null", "text"]))
+    if refusal == "null":
+        message["refusal"] = None
+    elif refusal == "text":
+        message["refusal"] = draw(st.text(min_size=1, max_size=12))
+    # content may be None only where a non-streaming answer would say so: beside calls/a refusal.
+    may_be_null = calls is not None or refusal == "text"
+    message["content"] = draw(st.none() | text) if may_be_null else draw(text)
+    if calls is not None:
+        message["tool_calls"] = calls
+    return message
+
+
+@st.composite
+def completion_logprobs(draw):
+    tokens = draw(st.lists(text, max_size=3))
+    return {"tokens": tokens,
+            "token_logprobs": [draw(st.floats(-50, 0)) for _ in tokens],
+            "top_logprobs": [draw(st.none() | st.dictionaries(text, st.floats(-50, 0),
+                                                               max_size=2)) for _ in tokens],
+            "text_offset": [draw(st.integers(0, 100)) for _ in tokens]}
+
+
+@st.composite
+def bodies(draw):
+    kind = draw(st.sampled_from(["chat", "completion"]))
+    n = draw(st.integers(1, 3))
+    if kind == "chat":
+        choices = [{"index": i, "message": draw(chat_message()), "logprobs": draw(chat_logprobs),
+                    "finish_reason": draw(finish)} for i in range(n)]
+    else:
+        choices = [{"index": i, "text": draw(text),
+                    "logprobs": draw(st.none() | completion_logprobs()),
+                    "finish_reason": draw(finish)} for i in range(n)]
+    body = {"id": draw(text), "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": draw(st.integers(0, 2**31)), "model": draw(text), "choices": choices}
+    if draw(st.booleans()):
+        body["system_fingerprint"] = draw(st.none() | text)
+    if draw(st.booleans()):
+        body["usage"] = draw(usage)
+    return kind, body
+
+
+@settings(max_examples=300, deadline=None)
+@given(bodies(), st.booleans())
+def test_assembling_a_synthesized_stream_gives_back_the_original_body(kind_body, include_usage):
+    kind, body = kind_body
+    original = copy.deepcopy(body)
+    chunks = synthesize(kind, body, include_usage=include_usage)
+    # The chunks survive the wire: JSON-encode them, frame, decode, parse.
+    wire = b"".join(frame(orjson.dumps(c)) for c in chunks) + DONE
+    payloads = [payload for _, payload in decode(wire)]
+    assert payloads[-1] == b"[DONE]"
+    parsed = [orjson.loads(p) for p in payloads[:-1]]
+    expected = dict(original)
+    if not include_usage:
+        expected.pop("usage", None)
+    assert assemble(kind, parsed) == expected
+    assert body == original                 # neither function mutates its input
+    assert is_complete(kind, assemble(kind, parsed))
+
+
+def test_round_trip_keeps_extra_fields_of_other_servers():
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+            "prompt_logprobs": None, "service_tier": "default",
+            "choices": [{"index": 0, "stop_reason": None, "logprobs": None, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "hi", "tool_calls": [],
+                                     "reasoning_content": "think", "annotations": []}}]}
+    assert assemble("chat", synthesize("chat", body, include_usage=True)) == body
+
+
+# --- is_complete, usage_tokens ------------------------------------------------------------------
+
+
+def test_is_complete_requires_every_choice_to_have_finished():
+    done = {"index": 0, "finish_reason": "stop"}
+    assert is_complete("chat", {"choices": [done]})
+    assert is_complete("completion", {"choices": [done, {**done, "index": 1}]})
+    assert not is_complete("chat", {"choices": [done, {"index": 1, "finish_reason": None}]})
+    assert not is_complete("chat", {"choices": [{"index": 0}]})
+    assert not is_complete("chat", {"choices": []})
+    assert not is_complete("chat", {})
+
+
+def test_is_complete_rejects_aborted_and_errored_choices():
+    assert not is_complete("chat", {"choices": [{"finish_reason": "abort"}]})
+    assert not is_complete("completion", {"choices": [{"finish_reason": "error"}]})
+
+
+def test_is_complete_requires_a_non_empty_list_of_embeddings():
+    assert is_complete("embedding", {"data": [{"embedding": [0.1, 0.2]}, {"embedding": "AAAA"}]})
+    assert not is_complete("embedding", {"data": []})
+    assert not is_complete("embedding", {"data": [{"embedding": [0.1]}, {"index": 1}]})
+    assert not is_complete("embedding", {"data": {"embedding": [0.1]}})
+
+
+def test_is_complete_is_false_for_garbage_and_never_raises():
+    garbage = [None, 3, "x", b"x", [], {"choices": None}, {"choices": "stop"},
+               {"choices": [None]}, {"choices": [["finish_reason"]]}, {"choices": {"0": 1}},
+               {"choices": [{"finish_reason": ["unhashable"]}]}, {"data": None},
+               {"data": [None]}, {"data": "embedding"}]
+    for body in garbage:
+        for kind in ("chat", "completion", "embedding", "unknown"):
+            assert is_complete(kind, body) is False, (kind, body)
+
+
+def test_usage_tokens_adds_prompt_and_completion_tokens():
+    assert usage_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5,
+                                   "total_tokens": 12}}) == 12
+    assert usage_tokens({"usage": {"prompt_tokens": 7, "total_tokens": 7}}) == 7   # embeddings
+
+
+def test_usage_tokens_is_zero_for_garbage_and_never_raises():
+    garbage = [None, 1, "usage", [], {}, {"usage": None}, {"usage": "10"}, {"usage": [1, 2]},
+               {"usage": {"prompt_tokens": "3", "completion_tokens": None}},
+               {"usage": {"prompt_tokens": True, "completion_tokens": -4}},
+               {"usage": {"prompt_tokens": 1.5}}]
+    for body in garbage:
+        assert usage_tokens(body) == 0, body

@@ -1,0 +1,504 @@
+"""The simulated engine: OpenAI-shaped answers, its cost model, prefix cache, counters, HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from carpool.config import SimConfig
+from carpool.upstream.base import UpstreamRequest
+from carpool.upstream.sim import PrefixCache, SimReplica, SimUpstream, build_replicas
+from carpool.upstream.sim_server import create_app, serve_replicas
+
+FAST = SimConfig(decode_ms_per_token=0.5, prefill_ms_per_token=0.01)
+
+
+def chat(content: str = "What is a carpool?", **fields: Any) -> dict[str, Any]:
+    return {"model": "test-model", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def replica(**overrides: Any) -> SimReplica:
+    return SimReplica("sim-0", FAST.model_copy(update=overrides))
+
+
+class RecordingSleep:
+    """Stands in for asyncio.sleep: records every sleep and still yields to the loop."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.log.append(("sleep", seconds))
+        await asyncio.sleep(0)
+
+
+async def answer(sim: SimReplica, body: dict[str, Any], path: str = "/chat/completions") -> dict:
+    reply = await sim.handle(path, body)
+    assert reply.status == 200, reply.body
+    return reply.body
+
+
+async def collect(sim: SimReplica, body: dict[str, Any], path: str = "/chat/completions") -> list:
+    reply = await sim.handle(path, {**body, "stream": True})
+    assert reply.chunks is not None
+    return [chunk async for chunk in reply.chunks]
+
+
+def text_of(body: dict[str, Any]) -> str:
+    return body["choices"][0]["message"]["content"]
+
+
+# --------------------------------------------------------------------------- text
+
+
+async def test_temperature_zero_text_is_deterministic():
+    first, second = replica(), replica()
+    a = await answer(first, chat(temperature=0))
+    b = await answer(second, chat(temperature=0))
+    assert text_of(a) == text_of(b)
+    assert text_of(a) != text_of(await answer(first, chat("Something else", temperature=0)))
+
+
+async def test_top_k_one_is_greedy_too():
+    sim = replica()
+    assert text_of(await answer(sim, chat(top_k=1, temperature=0.9))) == text_of(
+        await answer(sim, chat(temperature=0)))
+
+
+async def test_sampled_text_differs_between_calls():
+    sim = replica()
+    texts = {text_of(await answer(sim, chat(temperature=0.8))) for _ in range(5)}
+    texts |= {text_of(await answer(sim, chat())) for _ in range(5)}  # absent temperature samples
+    assert len(texts) == 10
+
+
+async def test_seed_makes_sampled_text_deterministic():
+    a = await answer(replica(), chat(temperature=0.8, seed=7))
+    b = await answer(replica(), chat(temperature=0.8, seed=7))
+    c = await answer(replica(), chat(temperature=0.8, seed=8))
+    assert text_of(a) == text_of(b) != text_of(c)
+
+
+async def test_max_tokens_is_honoured_with_finish_reason_length():
+    sim = replica()
+    full = await answer(sim, chat(temperature=0, max_tokens=1000))
+    capped = await answer(sim, chat(temperature=0, max_tokens=3))
+    newer_name = await answer(sim, chat(temperature=0, max_completion_tokens=3, max_tokens=50))
+    assert full["choices"][0]["finish_reason"] == "stop"
+    assert capped["choices"][0]["finish_reason"] == "length"
+    assert text_of(capped).split() == text_of(full).split()[:3]
+    assert text_of(newer_name) == text_of(capped)
+
+
+async def test_default_max_tokens_caps_the_answer():
+    body = await answer(replica(default_max_tokens=2), chat(temperature=0))
+    assert body["usage"]["completion_tokens"] == 2
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_usage_is_reported():
+    body = await answer(replica(), chat("one two three", temperature=0))
+    usage = body["usage"]
+    assert usage["completion_tokens"] == len(text_of(body).split())
+    assert usage["prompt_tokens"] > 3  # three words plus the chat template's framing
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def test_chat_answer_has_openai_shape_and_is_labelled_simulated():
+    body = await answer(replica(), chat(temperature=0))
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "test-model"
+    assert body["system_fingerprint"] == "carpool-sim"
+    assert isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    assert choice["message"]["role"] == "assistant"
+
+
+async def test_n_choices_are_indexed_and_decoded_together():
+    sleep = RecordingSleep()
+    sim = SimReplica("sim-0", FAST, sleep=sleep)
+    body = await answer(sim, chat(temperature=0, n=3, max_tokens=5))
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == 15
+    prefill, decode = (seconds for _, seconds in sleep.log)
+    assert decode == pytest.approx(5 * FAST.decode_ms_per_token / 1000)  # 5 steps, not 15
+
+
+async def test_completions_serve_a_list_of_prompts_with_n_choices_each():
+    body = await answer(replica(), {"model": "m", "prompt": ["say hi", [1, 2, 3]], "n": 2,
+                                    "temperature": 0}, path="/completions")
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]  # greedy: same for every n
+    assert body["choices"][0]["text"] != body["choices"][2]["text"]  # another prompt
+    assert body["usage"]["prompt_tokens"] == 2 + 3
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+async def test_stream_is_shaped_like_openai_and_matches_the_whole_answer():
+    sim = replica()
+    chunks = await collect(sim, chat(temperature=0, max_tokens=6))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == text_of(await answer(sim, chat(temperature=0, max_tokens=6)))
+
+
+async def test_stream_chunks_are_spread_over_time():
+    sleep = RecordingSleep()
+    sim = SimReplica("sim-0", FAST, sleep=sleep)
+    reply = await sim.handle("/chat/completions", chat(temperature=0, max_tokens=5, stream=True))
+    async for chunk in reply.chunks:
+        if chunk["choices"][0]["delta"].get("content"):
+            sleep.log.append(("token", chunk))
+    kinds = [kind for kind, _ in sleep.log]
+    # One prefill sleep, then a decode sleep before every token.
+    assert kinds == ["sleep"] + ["sleep", "token"] * 5
+
+
+async def test_stream_include_usage_adds_final_usage_chunk():
+    chunks = await collect(replica(), chat(temperature=0, max_tokens=4,
+                                           stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert all(c["usage"] is None for c in body)
+    assert last["choices"] == []
+    assert last["usage"]["completion_tokens"] == 4
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 4
+
+
+async def test_completions_stream_text_chunks():
+    chunks = await collect(replica(), {"prompt": "hello", "temperature": 0, "max_tokens": 3},
+                           path="/completions")
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert len(chunks) == 4  # three tokens, then the finish
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None,
+                                        "finish_reason": "length"}
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+async def test_prefix_cache_makes_second_prompt_prefill_cheaper():
+    sleep = RecordingSleep()
+    sim = SimReplica("sim-0", FAST, sleep=sleep)
+    system = {"role": "system", "content": " ".join(f"rule{i}" for i in range(100))}
+
+    def ask(question: str) -> dict[str, Any]:
+        return {"messages": [system, {"role": "user", "content": question}], "temperature": 0}
+
+    await answer(sim, ask("first question"))
+    assert sim.stats()["cached_prompt_tokens"] == 0
+    first_prefill = sleep.log[0][1]
+    second = await answer(sim, ask("another question entirely"))
+    cached = sim.stats()["cached_prompt_tokens"]
+    assert cached >= 96  # the shared system prompt's full blocks
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert sleep.log[2][1] < first_prefill / 5
+
+
+async def test_prefix_cache_is_a_bounded_lru_of_blocks():
+    cache = PrefixCache(capacity_tokens=8, block_tokens=4)
+    a = cache.block_ids("a b c d e f g h".split())
+    b = cache.block_ids("x y z w".split())
+    cache.touch(a)
+    assert cache.cached_tokens(a, 9) == 8
+    cache.touch(b)  # over capacity: a's tail block goes first, its head stays
+    assert len(cache) == 2
+    assert cache.cached_tokens(a, 9) == 4
+    assert cache.cached_tokens(a, 8) == 4
+    assert cache.cached_tokens(cache.block_ids("a b c d".split()), 4) == 3  # last token recomputed
+
+
+async def test_concurrency_limit_queues():
+    sim = replica(max_concurrency=2)
+    await asyncio.gather(*(answer(sim, chat(f"q{i}", temperature=0)) for i in range(7)))
+    stats = sim.stats()
+    assert stats["max_in_flight"] == 2
+    assert stats["queue_wait_seconds"] > 0
+    assert stats["in_flight"] == 0 and stats["waiting"] == 0
+    assert stats["calls"]["chat/completions"] == 7
+
+
+async def test_counters_add_up():
+    sim = replica()
+    body = await answer(sim, chat(temperature=0))
+    chunks = await collect(sim, chat("other", temperature=0, max_tokens=4))
+    stats = sim.stats()
+    assert stats["simulated"] is True and stats["replica"] == "sim-0"
+    assert stats["completion_tokens"] == body["usage"]["completion_tokens"] + 4
+    assert stats["ttft_count"] == 2 and stats["ttft_seconds_sum"] > 0
+    assert stats["busy_seconds"] > 0
+    assert len(chunks) == 6
+
+
+# --------------------------------------------------------------------------- the Upstream adapter
+
+
+async def test_sim_upstream_answers_and_streams_payload_bytes():
+    upstream = SimUpstream(SimReplica("sim-3", FAST))
+    assert upstream.name == "sim-3"
+    whole = await upstream.send(UpstreamRequest("/chat/completions", chat(temperature=0)))
+    assert whole.status == 200 and not whole.streaming
+    assert whole.headers["content-type"] == "application/json"
+    assert whole.headers["x-carpool-simulated"] == "true"
+    streamed = await upstream.send(UpstreamRequest("/chat/completions", chat(temperature=0),
+                                                   stream=True))
+    payloads = [orjson.loads(p) async for p in streamed.events()]
+    await streamed.aclose()
+    await streamed.aclose()  # safe twice
+    text = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads)
+    assert text == text_of(orjson.loads(whole.body))
+
+
+async def test_cancelled_stream_releases_slot():
+    sim = replica(max_concurrency=1, decode_ms_per_token=5)
+    upstream = SimUpstream(sim)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        response = await upstream.send(UpstreamRequest("/chat/completions",
+                                                       chat(max_tokens=40), stream=True))
+        async for _ in response.events():
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    assert sim.stats()["in_flight"] == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sim.stats()["in_flight"] == 0
+    await asyncio.wait_for(answer(sim, chat(max_tokens=2)), 1)  # the one slot is free again
+
+
+async def test_closed_stream_releases_slot():
+    sim = replica(max_concurrency=1)
+    upstream = SimUpstream(sim)
+    response = await upstream.send(UpstreamRequest("/chat/completions", chat(), stream=True))
+    await anext(response.events())
+    assert sim.stats()["in_flight"] == 1
+    await response.aclose()
+    assert sim.stats()["in_flight"] == 0
+
+
+async def test_cancelled_send_while_queued_releases_everything():
+    sim = replica(max_concurrency=1, decode_ms_per_token=5)
+    upstream = SimUpstream(sim)
+    first = asyncio.create_task(upstream.send(UpstreamRequest("/chat/completions", chat())))
+    queued = asyncio.create_task(upstream.send(UpstreamRequest("/chat/completions", chat())))
+    await asyncio.sleep(0.002)
+    assert sim.stats()["waiting"] == 1
+    queued.cancel()
+    first.cancel()
+    await asyncio.gather(first, queued, return_exceptions=True)
+    stats = sim.stats()
+    assert (stats["in_flight"], stats["waiting"]) == (0, 0)
+    await asyncio.wait_for(answer(sim, chat(max_tokens=2)), 1)
+
+
+async def test_passthrough_serves_models_and_404s_the_rest():
+    upstream = SimUpstream(SimReplica("sim-0", FAST))
+    models = await upstream.passthrough("GET", "/models", b"", {}, b"")
+    body = orjson.loads(b"".join([part async for part in models.body]))
+    assert models.status == 200 and body["data"][0]["id"] == "carpool-sim"
+    assert (b"x-carpool-simulated", b"true") in models.headers
+    missing = await upstream.passthrough("POST", "/files", b"", {}, b"{}")
+    error = orjson.loads(b"".join([part async for part in missing.body]))
+    assert missing.status == 404 and error["error"]["type"] == "invalid_request_error"
+
+
+def test_build_replicas_names_each_replica():
+    sims = build_replicas(SimConfig(replicas=3))
+    assert [s.name for s in sims] == ["sim-0", "sim-1", "sim-2"]
+
+
+# --------------------------------------------------------------------------- embeddings, errors
+
+
+async def test_embeddings_are_deterministic_unit_vectors():
+    sim = replica(embedding_dim=16)
+    body = await answer(sim, {"model": "e", "input": ["hello world", "bye"]}, path="/embeddings")
+    again = await answer(replica(embedding_dim=16), {"model": "e", "input": "hello world"},
+                         path="/embeddings")
+    assert body["object"] == "list" and body["model"] == "e"
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    first = body["data"][0]["embedding"]
+    assert len(first) == 16
+    assert math.isclose(sum(x * x for x in first), 1.0, rel_tol=1e-9)
+    assert again["data"][0]["embedding"] == first
+    assert body["data"][1]["embedding"] != first
+    assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+
+
+async def test_embeddings_accept_token_arrays_and_base64():
+    sim = replica(embedding_dim=8)
+    arrays = await answer(sim, {"input": [[1, 2], [3]]}, path="/embeddings")
+    assert len(arrays["data"]) == 2 and arrays["usage"]["prompt_tokens"] == 3
+    single = await answer(sim, {"input": [1, 2]}, path="/embeddings")
+    assert single["data"][0]["embedding"] == arrays["data"][0]["embedding"]
+    packed = await answer(sim, {"input": [1, 2], "encoding_format": "base64"}, path="/embeddings")
+    floats = struct.unpack("<8f", base64.b64decode(packed["data"][0]["embedding"]))
+    assert floats == pytest.approx(single["data"][0]["embedding"], rel=1e-6)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", {"model": "m"}),
+    ("/chat/completions", {"messages": []}),
+    ("/chat/completions", {"messages": ["hi"]}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}),
+    ("/completions", {"model": "m"}),
+    ("/completions", {"prompt": [1.5]}),
+    ("/embeddings", {"model": "m"}),
+    ("/embeddings", {"input": ""}),
+    ("/embeddings", {"input": []}),
+    ("/chat/completions", ["not", "an", "object"]),
+])
+async def test_invalid_bodies_get_openai_400(path, body):
+    sim = replica()
+    reply = await sim.handle(path, body)
+    assert reply.status == 400
+    assert reply.body["error"]["type"] == "invalid_request_error"
+    assert reply.body["error"]["message"]
+    assert sim.stats()["errors"] == 1
+
+
+async def test_unknown_path_is_openai_404():
+    reply = await replica().handle("/fine_tuning/jobs", {})
+    assert reply.status == 404
+    assert set(reply.body["error"]) == {"message", "type", "param", "code"}
+
+
+# --------------------------------------------------------------------------- HTTP server
+
+
+@pytest.fixture
+async def http_client():
+    sim = replica()
+    transport = httpx.ASGITransport(app=create_app(sim))
+    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
+        yield client
+
+
+async def test_http_server_answers_like_openai(http_client):
+    response = await http_client.post("/v1/chat/completions", json=chat(temperature=0))
+    assert response.status_code == 200
+    assert response.headers["x-carpool-simulated"] == "true"
+    assert response.json()["system_fingerprint"] == "carpool-sim"
+    models = await http_client.get("/v1/models")
+    assert models.json()["data"][0]["id"] == "carpool-sim"
+    embedded = await http_client.post("/v1/embeddings", json={"input": "hi"})
+    assert embedded.json()["data"][0]["object"] == "embedding"
+
+
+async def test_http_server_rejects_malformed_json_and_unknown_paths(http_client):
+    malformed = await http_client.post("/v1/chat/completions", content=b"{nope",
+                                       headers={"content-type": "application/json"})
+    assert malformed.status_code == 400
+    assert malformed.json()["error"]["type"] == "invalid_request_error"
+    missing = await http_client.get("/v1/nothing-here")
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong_method = await http_client.get("/v1/chat/completions")
+    assert wrong_method.status_code == 404 and "error" in wrong_method.json()
+
+
+async def test_sim_stats_endpoint_says_simulated(http_client):
+    await http_client.post("/v1/chat/completions", json=chat(temperature=0))
+    stats = (await http_client.get("/sim/stats")).json()
+    assert stats["simulated"] is True
+    assert stats["replica"] == "sim-0"
+    assert stats["calls"]["chat/completions"] == 1
+    assert stats["completion_tokens"] > 0
+
+
+@pytest.fixture
+async def live_server():
+    """The app on a real socket: SSE framing is only honest over HTTP."""
+    sim = replica()
+    server = uvicorn.Server(uvicorn.Config(create_app(sim), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "the server did not start"
+        await asyncio.sleep(0.005)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/v1", sim
+    server.should_exit = True
+    await task
+
+
+async def test_http_server_streams_sse_ending_with_done(live_server):
+    base_url, sim = live_server
+    async with httpx.AsyncClient() as client:
+        async with client.stream("POST", f"{base_url}/chat/completions",
+                                 json=chat(temperature=0, max_tokens=5, stream=True)) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["x-carpool-simulated"] == "true"
+            raw = b"".join([part async for part in response.aiter_bytes()])
+    frames = raw.decode().split("\n\n")
+    assert frames[-1] == ""  # every frame is terminated
+    assert frames[-2] == "data: [DONE]"
+    payloads = [orjson.loads(f.removeprefix("data: ")) for f in frames[:-2]]
+    assert all(f.startswith("data: {") for f in frames[:-2])
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(payloads) == 1 + 5 + 1
+    assert sim.stats()["in_flight"] == 0
+
+
+async def test_openai_sdk_works_against_the_sim_server(live_server):
+    openai = pytest.importorskip("openai")
+    base_url, _ = live_server
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    try:
+        whole = await client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hi"}], temperature=0)
+        stream = await client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hi"}], temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        pieces, usage = [], None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            pieces += [c.delta.content or "" for c in chunk.choices]
+        embedding = await client.embeddings.create(model="any", input="hi")  # base64 by default
+    finally:
+        await client.close()
+    assert whole.choices[0].message.content == "".join(pieces)
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert len(embedding.data[0].embedding) == FAST.embedding_dim
+
+
+async def test_serve_replicas_runs_one_labelled_server_per_replica(capsys):
+    task = asyncio.create_task(serve_replicas(FAST.model_copy(update={"replicas": 2}),
+                                              "127.0.0.1", 0))
+    lines: list[str] = []
+    while len(lines) < 2:
+        assert not task.done(), "serve_replicas ended early"
+        await asyncio.sleep(0.01)
+        lines += capsys.readouterr().out.splitlines()
+    try:
+        assert all("SIMULATED engine, not a real model" in line for line in lines)
+        urls = [line.rsplit(" ", 1)[1] for line in lines]
+        async with httpx.AsyncClient() as client:
+            names = [(await client.get(url.removesuffix("/v1") + "/sim/stats")).json()["replica"]
+                     for url in urls]
+        assert names == ["sim-0", "sim-1"]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
