@@ -73,6 +73,41 @@ async def test_shutdown_does_not_wait_forever_for_a_hung_request() -> None:
         await client.aclose()
 
 
+async def test_serve_app_runs_a_starlette_app_with_its_lifespan() -> None:
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    events: list[str] = []
+
+    @asynccontextmanager
+    async def lifespan(app):
+        events.append("startup")
+        yield
+        events.append("shutdown")
+
+    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))],
+                    lifespan=lifespan)
+    async with serve_app(app) as url:
+        assert events == ["startup"]
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(url + "/")).text == "ok"
+    assert events == ["startup", "shutdown"]
+
+
+async def test_serve_app_raises_when_startup_fails() -> None:
+    async def app(scope, receive, send):
+        assert scope["type"] == "lifespan"
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "nope"})
+
+    with pytest.raises(RuntimeError, match="failed to start"):
+        async with serve_app(app):
+            pass  # pragma: no cover
+
+
 # ------------------------------------------------------------------ answers and counting
 
 
@@ -155,8 +190,8 @@ async def test_models_passthrough_echo_and_404(fake) -> None:
         {"id": "fake-model", "object": "model", "created": models["data"][0]["created"],
          "owned_by": "fake-upstream"}]}
     echo = (await client.post("/v1/moderations", json={"input": "hi"})).json()
-    assert echo == {"path": "/v1/moderations", "method": "POST", "query": "", "body": {"input": "hi"},
-                    "echo": True}
+    assert echo == {"path": "/v1/moderations", "method": "POST", "query": "",
+                    "body": {"input": "hi"}, "echo": True}
     echo = (await client.get("/v1/files", params={"purpose": "batch"})).json()
     assert echo == {"path": "/v1/files", "method": "GET", "query": "purpose=batch", "body": None,
                     "echo": True}

@@ -4,7 +4,7 @@ Serve it over real HTTP with ``tests.fakes.serving.serve_app`` and point clients
 
 Endpoints (all under ``/v1``):
 - ``POST /v1/chat/completions``   chat.completion, or a chat.completion.chunk SSE stream
-- ``POST /v1/completions``        text_completion (``prompt`` may be a string or a list), or a stream
+- ``POST /v1/completions``        text_completion (``prompt``: a string or a list), or a stream
 - ``POST /v1/embeddings``         a list of embeddings (``encoding_format`` float or base64)
 - ``GET  /v1/models``             the models in ``self.models``
 - anything else under ``/v1``     a JSON echo ``{"path", "method", "query", "body", "echo": true}``
@@ -18,10 +18,10 @@ Which upstream call produced an answer (call numbers are 1-based, over all recor
   the input, so they are equal across calls);
 - every response has the header ``x-fake-call: n``.
 
-Streams (``"stream": true``) are ``text/event-stream`` of ``data: {json}\\n\\n`` frames: (chat only) a
-first chunk with ``delta {"role": "assistant", "content": ""}``; one chunk per word of the answer
-(the word with its leading space, so the pieces join back to the answer); a chunk with an empty
-delta and ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
+Streams (``"stream": true``) are ``text/event-stream`` of ``data: {json}\\n\\n`` frames:
+(chat only) a first chunk with ``delta {"role": "assistant", "content": ""}``; one chunk per word
+of the answer (the word with its leading space, so the pieces join back to the answer); a chunk
+with an empty delta and ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
 ``"choices": []`` and ``usage`` (and ``"usage": null`` on the others); then ``data: [DONE]``.
 
 Records:
@@ -63,7 +63,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 Disconnects are seen in raw ASGI terms: once the request body is read, a watcher awaits
 ``receive()``, which returns ``http.disconnect`` when the client goes away; every wait of the
 handler (gate, delay, hang, chunk gate, chunk delay) races against it, and each streamed chunk is
-followed by a check. (uvicorn's ``send`` silently does nothing after a disconnect, hence the watcher.)
+followed by a check. (uvicorn's ``send`` silently does nothing after a disconnect, hence the
+watcher.)
 """
 
 from __future__ import annotations

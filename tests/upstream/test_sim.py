@@ -1,4 +1,4 @@
-"""The simulated engine: OpenAI-shaped answers, its cost model, prefix cache, counters, HTTP server."""
+"""The simulated engine: OpenAI-shaped answers, cost model, prefix cache, counters, HTTP server."""
 
 from __future__ import annotations
 

@@ -1,34 +1,35 @@
 """The simulated engine: an OpenAI-compatible "model" with a realistic cost model, for demos,
-tests and benchmarks. It is labelled as a simulator wherever it appears (``system_fingerprint:
-"carpool-sim"`` in bodies, ``x-carpool-simulated: true`` in headers, ``"simulated": true`` in stats).
+tests and benchmarks. It is labelled as a simulator wherever it appears: ``system_fingerprint:
+"carpool-sim"`` in bodies, ``x-carpool-simulated: true`` in headers, ``"simulated": true`` in stats.
 
 Contract:
 - Endpoints (paths relative to ``/v1``): ``/chat/completions``, ``/completions``, ``/embeddings``
   (POST) and ``/models`` (GET). Bodies and streamed chunks have OpenAI's shapes; any model name is
   accepted and echoed. An invalid body is a 400 and an unknown path a 404, both in OpenAI's error
   shape ``{"error": {"message", "type", "param", "code"}}``.
-- Text: words of a fixed vocabulary; a token is one word. The answer's natural length (8..40 words)
-  and its words come from a generator seeded with a blake2b hash, so they are stable across
+- Text: words of a fixed vocabulary; a token is one word. The answer's natural length (8..40
+  words) and its words come from a generator seeded with a blake2b hash, so they are stable across
   processes. Greedy decoding (``temperature: 0`` or ``top_k: 1``) hashes model + input, so every
-  choice is the same; a ``seed`` (sampling) also hashes seed, temperature, top_p and the choice index;
-  otherwise (sampled, no seed) each call draws fresh text. ``max_completion_tokens`` / ``max_tokens``
-  (default ``SimConfig.default_max_tokens``) cut the answer to a prefix of the same text, with
-  ``finish_reason: "length"``; otherwise ``"stop"``.
+  choice is the same; a ``seed`` (sampling) also hashes seed, temperature, top_p and the choice
+  index; otherwise (sampled, no seed) each call draws fresh text. ``max_completion_tokens`` /
+  ``max_tokens`` (default ``SimConfig.default_max_tokens``) cut the answer to a prefix of the same
+  text, with ``finish_reason: "length"``; otherwise ``"stop"``.
 - Prompt tokens: the words of every message (its role, name and content, tool calls) plus a few
   framing tokens per message, as chat templates add; tools count as a prefix before the messages.
 - Cost model, per replica: at most ``max_concurrency`` requests are served at once, the rest queue
-  (FIFO, via an asyncio.Semaphore). A served request first pays prefill, ``prefill_ms_per_token`` for
-  each prompt token not in the replica's prefix cache, then decode, ``decode_ms_per_token`` per token
-  step (the n choices of a request decode together, one step per token, as a batch does). Streams
-  sleep before every token step, so chunks are spread over time; whole answers sleep once.
+  (FIFO, via an asyncio.Semaphore). A served request first pays prefill,
+  ``prefill_ms_per_token`` for each prompt token not in the replica's prefix cache, then decode,
+  ``decode_ms_per_token`` per token step (the n choices of a request decode together, one step per
+  token, as a batch does). Streams sleep before every token step, so chunks are spread over time;
+  whole answers sleep once. Time to first token = queue wait + prefill + one decode step.
 - Prefix (KV) cache: the prompt is cut into full blocks of ``block_tokens``; a block's id chains the
   previous block's id with its tokens, so equal ids mean equal prefixes. A request hits the leading
   blocks already present (never its very last token, which an engine always recomputes). After
   prefill all its blocks are touched in an LRU bounded by ``prefix_cache_tokens``.
 - Counters (``SimReplica.stats()``): calls by endpoint, errors, prompt / cached prompt / completion
   tokens, busy and queue-wait seconds, in-flight now and at most, time-to-first-token sum and count.
-- ``SimUpstream`` serves one replica through the ``Upstream`` protocol without sockets; a consumer that
-  cancels or closes a stream releases the replica's slot at once (every slot is held in try/finally).
+- ``SimUpstream`` serves one replica through the ``Upstream`` protocol without sockets. A consumer
+  that cancels or closes a stream frees the replica's slot at once (slots are held in try/finally).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _stable_dump(value: Any) -> bytes:
 
 
 def _content_tokens(content: Any) -> list[str]:
-    """Tokens of a message's content: a string, or a list of parts (text parts count their words)."""
+    """Tokens of a message's content: a string, or a list of parts (text parts give their words)."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -435,7 +436,8 @@ class SimReplica:
             "completion_tokens": self.completion_tokens,
             "busy_seconds": self.busy_seconds, "queue_wait_seconds": self.queue_wait_seconds,
             "ttft_seconds_sum": self.ttft_seconds_sum, "ttft_count": self.ttft_count,
-            "ttft_seconds_mean": self.ttft_seconds_sum / self.ttft_count if self.ttft_count else None,
+            "ttft_seconds_mean": (self.ttft_seconds_sum / self.ttft_count
+                                  if self.ttft_count else None),
             "waiting": self.waiting, "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight, "max_concurrency": self.config.max_concurrency,
             "prefix_cache_blocks": len(self.prefix_cache),

@@ -6,9 +6,9 @@ Contract:
   replica's counters). Streams are SSE (``data: {...}\\n\\n`` frames, then ``data: [DONE]\\n\\n``).
   Malformed JSON is a 400 and an unknown path a 404, in OpenAI's error shape. Every response carries
   ``x-carpool-simulated: true``.
-- ``serve_replicas(config, host, port)`` runs ``config.replicas`` servers on ``port``, ``port+1``, ...
-  in one event loop until interrupted (SIGINT/SIGTERM stop them all), printing one line per replica
-  that says it is simulated.
+- ``serve_replicas(config, host, port)`` runs ``config.replicas`` servers on ``port``,
+  ``port+1``, ... in one event loop until interrupted (SIGINT/SIGTERM stop them all), printing one
+  line per replica that says it is simulated.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def _stop_on_signals(servers: list[uvicorn.Server]) -> list[int]:
 
 
 async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
-    """Serve ``config.replicas`` simulated replicas on ports ``port``, ``port+1``, ... until stopped."""
+    """Serve ``config.replicas`` replicas on ports ``port``, ``port+1``, ... until stopped (port 0:
+    each replica on a free port)."""
     replicas = build_replicas(config)
     servers = [
         _ReplicaServer(uvicorn.Config(create_app(replica), host=host, port=port + i if port else 0,

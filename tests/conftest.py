@@ -1,0 +1,71 @@
+"""Shared fixtures: a counting fake upstream and a real gateway, both on loopback HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fakes.serving import serve_app
+from fakes.upstream import FakeUpstream
+
+from carpool.config import Config
+from carpool.pipeline import Gateway
+from carpool.server import create_app
+
+
+@dataclass
+class Served:
+    url: str                       # the gateway's base URL (no /v1)
+    gateway: Gateway
+    client: httpx.AsyncClient
+
+    async def chat(self, content: str = "What is carpool?", *, headers: dict | None = None,
+                   **body: Any) -> httpx.Response:
+        payload = {"model": "m", "messages": [{"role": "user", "content": content}],
+                   "temperature": 0, **body}
+        return await self.client.post("/v1/chat/completions", json=payload, headers=headers)
+
+    async def stream_chat(self, content: str = "What is carpool?", *,
+                          headers: dict | None = None, **body: Any) -> tuple[httpx.Response, str]:
+        """A streaming chat request read to the end: (response, raw SSE text)."""
+        payload = {"model": "m", "messages": [{"role": "user", "content": content}],
+                   "temperature": 0, "stream": True, **body}
+        async with self.client.stream("POST", "/v1/chat/completions", json=payload,
+                                      headers=headers) as response:
+            text = (await response.aread()).decode()
+        return response, text
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeUpstream]:
+    upstream = FakeUpstream()
+    async with serve_app(upstream) as url:
+        upstream.url = url + "/v1"
+        yield upstream
+
+
+@contextlib.asynccontextmanager
+async def run_gateway(upstreams: list[str], **config: Any) -> AsyncIterator[Served]:
+    gateway = Gateway(Config(upstreams=upstreams, **config))
+    async with serve_app(create_app(gateway)) as url:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+            yield Served(url, gateway, client)
+
+
+@pytest.fixture
+async def gw(fake: FakeUpstream) -> AsyncIterator[Served]:
+    async with run_gateway([fake.url]) as served:
+        yield served
+
+
+@pytest.fixture
+def gateway_with(fake: FakeUpstream):
+    """``async with gateway_with(**config) as served``: a gateway in front of ``fake``."""
+    def start(**config: Any):
+        return run_gateway(config.pop("upstreams", [fake.url]), **config)
+    return start

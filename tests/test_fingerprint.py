@@ -1,0 +1,168 @@
+"""The request fingerprint (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants")."""
+
+from __future__ import annotations
+
+import copy
+import unicodedata
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.config import Config
+from carpool.fingerprint import fingerprint, is_deterministic, normalize_text
+from carpool.request import ClientRequest, parse
+
+CHAT = "/v1/chat/completions"
+
+
+def key(body, headers=None, config=None, path=CHAT):
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    request = parse(ClientRequest(path, raw, headers or {}), 1 << 20)
+    return fingerprint(request, config or Config()).key
+
+
+def chat(content="How do I reset it?", **extra):
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            **extra}
+
+
+def test_key_order_does_not_change_the_key():
+    assert key(b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}]}') == \
+        key(b'{"messages":[{"content":"x","role":"user"}],"temperature":0,"model":"m"}')
+
+
+def test_number_spelling_does_not_change_the_key():
+    assert key(b'{"model":"m","temperature":0,"top_p":1,"messages":[{"role":"user","content":"x"}]}') \
+        == key(b'{"model":"m","temperature":0.0,"top_p":1e0,"messages":[{"role":"user","content":"x"}]}')
+
+
+def test_excluded_fields_do_not_change_the_key():
+    base = key(chat())
+    assert key(chat(user="alice")) == base
+    assert key(chat(stream=True, stream_options={"include_usage": True})) == base
+    assert key(chat(metadata={"trace": "1"}, request_id="abc")) == base
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model", "other"), ("max_tokens", 5), ("max_completion_tokens", 5), ("top_p", 0.5),
+    ("stop", ["\n"]), ("seed", 1), ("presence_penalty", 1), ("frequency_penalty", 1),
+    ("logit_bias", {"1": 2}), ("logprobs", True), ("n", 2), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "none"),
+    ("some_future_field", 1),
+])
+def test_every_output_affecting_field_changes_the_key(field, value):
+    assert key({**chat(), field: value}) != key(chat())
+
+
+def test_whitespace_runs_and_ends_do_not_change_the_key():
+    assert key(chat("How do I reset it? ")) == key(chat("How do I reset   it?"))
+
+
+def test_whitespace_is_kept_inside_fenced_code():
+    a = "Fix:\n```py\nif x:\n    y()\n```"
+    b = "Fix:\n```py\nif x:\n  y()\n```"
+    assert key(chat(a)) != key(chat(b))
+    assert key(chat("Fix:   \n" + a[5:])) == key(chat(a))
+
+
+def test_whitespace_is_kept_for_requests_of_type_code():
+    assert key(chat("a  b"), {"x-carpool-type": "code"}) != key(chat("a b"), {"x-carpool-type": "code"})
+
+
+def test_whitespace_normalisation_can_be_turned_off():
+    config = Config(fingerprint={"normalize_whitespace": False})
+    assert key(chat("a  b"), config=config) != key(chat("a b"), config=config)
+
+
+def test_unicode_composition_does_not_change_the_key():
+    composed, decomposed = "café", unicodedata.normalize("NFD", "café")
+    assert composed != decomposed
+    assert key(chat(composed)) == key(chat(decomposed))
+
+
+def test_tenants_never_share_a_key():
+    assert key(chat(), {"authorization": "Bearer a"}) != key(chat(), {"authorization": "Bearer b"})
+
+
+def test_the_tenant_is_a_hash_never_the_raw_credential():
+    request = parse(ClientRequest(CHAT, orjson.dumps(chat()), {"authorization": "Bearer sk-secret"}),
+                    1 << 20)
+    fp = fingerprint(request, Config())
+    assert "sk-secret" not in fp.tenant and "sk-secret" not in fp.key
+
+
+def test_a_configured_tenant_header_is_used():
+    config = Config(tenant={"header": "X-Team"})
+    assert key(chat(), {"x-team": "a"}, config) != key(chat(), {"x-team": "b"}, config)
+    assert key(chat(), {"x-team": "a", "authorization": "1"}, config) == \
+        key(chat(), {"x-team": "a", "authorization": "2"}, config)
+
+
+def test_namespaces_and_freshness_tokens_scope_the_key():
+    assert key(chat(), {"x-carpool-namespace": "a"}) != key(chat(), {"x-carpool-namespace": "b"})
+    assert key(chat(), {"x-carpool-freshness": "v1"}) != key(chat(), {"x-carpool-freshness": "v2"})
+
+
+def test_shared_namespace_is_shared_across_tenants():
+    config = Config(tenant={"shared_namespaces": ["docs"]})
+    a = key(chat(), {"authorization": "a", "x-carpool-namespace": "docs"}, config)
+    b = key(chat(), {"authorization": "b", "x-carpool-namespace": "docs"}, config)
+    assert a == b
+
+
+@pytest.mark.parametrize("params, shared", [
+    ({"temperature": 0}, True), ({"temperature": 0.7, "seed": 3}, True), ({"top_k": 1}, True),
+    ({"temperature": 0.7}, False), ({}, False), ({"temperature": 1, "seed": None}, False),
+])
+def test_sampling_policy_strict(params, shared):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
+    assert is_deterministic(body) is shared
+    assert (key(body) is not None) is shared
+
+
+def test_sampled_requests_share_when_opted_in_with_identical_parameters_only():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}
+    opt_in = {"x-carpool-share": "sampled"}
+    assert key(body, opt_in) is not None
+    assert key(body, opt_in) == key(body, opt_in)
+    assert key({**body, "temperature": 0.8}, opt_in) != key(body, opt_in)
+    assert key(body, config=Config(sampling="same-params")) is not None
+
+
+def test_embeddings_are_always_shareable():
+    assert key({"model": "e", "input": "hello"}, path="/v1/embeddings") is not None
+
+
+# --- properties -----------------------------------------------------------------------------
+
+texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(content=texts, temperature=st.sampled_from([0, 0.0, -0.0]), max_tokens=st.integers(1, 99))
+def test_property_spelling_never_changes_a_key(content, temperature, max_tokens):
+    body = {"model": "m", "messages": [{"role": "user", "content": content}],
+            "temperature": temperature, "max_tokens": max_tokens}
+    respelled = {"max_tokens": float(max_tokens), "temperature": 0.0,
+                 "messages": [{"content": unicodedata.normalize("NFD", content), "role": "user"}],
+                 "model": "m"}
+    assert key(body) == key(respelled)
+
+
+@settings(max_examples=150, deadline=None)
+@given(content=texts, other=texts)
+def test_property_any_change_of_input_text_changes_the_key(content, other):
+    same = normalize_text(content, True) == normalize_text(other, True)
+    assert (key(chat(content)) == key(chat(other))) is same
+
+
+@settings(max_examples=100, deadline=None)
+@given(field=st.sampled_from(["max_tokens", "top_p", "seed", "presence_penalty", "n"]),
+       a=st.integers(0, 50), b=st.integers(0, 50))
+def test_property_any_change_of_a_parameter_changes_the_key(field, a, b):
+    body = chat()
+    changed = copy.deepcopy(body)
+    body[field], changed[field] = a, b
+    assert (key(body) == key(changed)) is (a == b)

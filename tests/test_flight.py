@@ -1,0 +1,210 @@
+"""The single-flight contract of carpool.flight, one test per clause (see the module docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from carpool.answer import Answer
+from carpool.broadcast import Broadcast
+from carpool.errors import FlightAbandoned, UpstreamTimeout
+from carpool.flight import FlightGroup, JoinTimeout
+from fakes.waiting import eventually
+
+
+class Upstream:
+    """A lead function whose calls are counted and held until the test releases them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = 0
+        self.error: Exception | None = None
+        self.complete = True
+
+    async def __call__(self, broadcast: Broadcast) -> Answer:
+        self.calls += 1
+        n = self.calls
+        self.started.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.error is not None:
+            raise self.error
+        return Answer("chat", f"answer {n}".encode(), self.complete)
+
+
+async def wait_answer(ticket, timeout=None):
+    try:
+        await ticket.wait_done(timeout)
+        return ticket.broadcast.answer, ticket.broadcast.error
+    finally:
+        ticket.release()
+
+
+async def test_concurrent_identical_requests_make_one_upstream_call_and_share_the_answer():
+    group, upstream = FlightGroup(window=0), Upstream()
+    tickets = [group.acquire("k", upstream) for _ in range(100)]
+    assert [t.leader for t in tickets].count(True) == 1
+    waiting = [asyncio.create_task(wait_answer(t)) for t in tickets]
+    upstream.release.set()
+    results = await asyncio.gather(*waiting)
+    assert upstream.calls == 1
+    assert {answer.body for answer, _ in results} == {b"answer 1"}
+
+
+async def test_leader_error_reaches_every_waiter_and_is_never_kept():
+    group, upstream = FlightGroup(window=10), Upstream()
+    upstream.error = UpstreamTimeout("too slow")
+    tickets = [group.acquire("k", upstream) for _ in range(5)]
+    waiting = [asyncio.create_task(wait_answer(t)) for t in tickets]
+    upstream.release.set()
+    results = await asyncio.gather(*waiting)
+    assert all(answer is None and error is upstream.error for answer, error in results)
+    assert group.get("k") is None            # not joinable, not lingering: the next call is fresh
+    upstream.error = None
+    answer, _ = await wait_answer(group.acquire("k", upstream))
+    assert answer.body == b"answer 2"
+
+
+async def test_finished_flight_stays_joinable_for_the_window_then_is_gone():
+    group, upstream = FlightGroup(window=0.05), Upstream()
+    upstream.release.set()
+    first = group.acquire("k", upstream)
+    await wait_answer(first)
+    flight = group.get("k")
+    assert flight is not None and flight.broadcast.done
+    joiner = group.acquire("k", upstream)
+    assert not joiner.leader
+    assert (await wait_answer(joiner))[0].body == b"answer 1"
+    await eventually(lambda: group.get("k") is None, what="the window to close")
+    assert upstream.calls == 1
+    assert (await wait_answer(group.acquire("k", upstream)))[0].body == b"answer 2"
+
+
+async def test_incomplete_answer_does_not_linger_in_the_window():
+    group, upstream = FlightGroup(window=10), Upstream()
+    upstream.complete = False
+    upstream.release.set()
+    await wait_answer(group.acquire("k", upstream))
+    assert group.get("k") is None
+
+
+async def test_forget_starts_a_fresh_flight_and_the_old_one_finishing_never_removes_it():
+    group = FlightGroup(window=10)
+    old, new = Upstream(), Upstream()
+    old_ticket = group.acquire("k", old)
+    await old.started.wait()
+    group.forget("k")
+    new_ticket = group.acquire("k", new)
+    assert new_ticket.leader and new_ticket.flight is not old_ticket.flight
+    old.release.set()
+    await wait_answer(old_ticket)
+    assert group.get("k") is new_ticket.flight     # the old flight's end did not remove it
+    new.release.set()
+    await wait_answer(new_ticket)
+
+
+async def test_leader_client_leaving_does_not_cancel_the_call_while_others_wait():
+    group, upstream = FlightGroup(window=0), Upstream()
+    leader = group.acquire("k", upstream)
+    joiner = group.acquire("k", upstream)
+    await upstream.started.wait()
+    leader.release()                               # the leader's client disconnected
+    upstream.release.set()
+    answer, error = await wait_answer(joiner)
+    assert error is None and answer.body == b"answer 1"
+    assert upstream.cancelled == 0
+
+
+async def test_upstream_call_is_cancelled_when_all_clients_have_gone():
+    group, upstream = FlightGroup(window=0), Upstream()
+    tickets = [group.acquire("k", upstream) for _ in range(3)]
+    await upstream.started.wait()
+    flight = tickets[0].flight
+    for ticket in tickets:
+        ticket.release()
+    await flight.task
+    assert upstream.cancelled == 1
+    assert isinstance(flight.broadcast.error, FlightAbandoned)
+    assert group.get("k") is None                  # a later request starts afresh
+
+
+async def test_upstream_call_is_finished_when_all_clients_have_gone_with_finish_abandoned():
+    group, upstream = FlightGroup(window=10, finish_abandoned=True), Upstream()
+    ticket = group.acquire("k", upstream)
+    await upstream.started.wait()
+    ticket.release()
+    upstream.release.set()
+    await ticket.flight.task
+    assert upstream.cancelled == 0
+    assert ticket.flight.broadcast.answer.body == b"answer 1"
+
+
+async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call():
+    group, slow = FlightGroup(window=0), Upstream()
+    leader = group.acquire("k", slow)
+    joiner = group.acquire("k", slow)
+    await slow.started.wait()
+    with pytest.raises(JoinTimeout):
+        await joiner.wait_done(0.01)
+    fresh = Upstream()
+    fresh.release.set()
+    retaken = joiner.retake(fresh)
+    assert retaken.leader                          # it leads a fresh flight of its own
+    answer, _ = await wait_answer(retaken)
+    assert answer.body == b"answer 1" and fresh.calls == 1
+    slow.release.set()
+    assert (await wait_answer(leader))[0] is not None   # the slow leader still gets its answer
+
+
+async def test_timed_out_joiners_share_one_fresh_call():
+    group, slow, fresh = FlightGroup(window=0), Upstream(), Upstream()
+    group.acquire("k", slow)
+    joiners = [group.acquire("k", slow) for _ in range(3)]
+    for joiner in joiners:
+        with pytest.raises(JoinTimeout):
+            await joiner.wait_done(0.001)
+    retaken = [joiner.retake(fresh) for joiner in joiners]
+    assert [t.leader for t in retaken] == [True, False, False]
+    fresh.release.set()
+    await asyncio.gather(*(wait_answer(t) for t in retaken))
+    assert fresh.calls == 1
+    slow.release.set()
+
+
+@pytest.mark.parametrize("ending", ["answer", "error", "cancel", "bug"])
+async def test_no_waiter_hangs_on_any_exit_path(ending):
+    group = FlightGroup(window=0, finish_abandoned=False)
+    gate = asyncio.Event()
+
+    async def lead(broadcast: Broadcast) -> Answer:
+        broadcast.publish(b"data: {}\n\n")
+        await gate.wait()
+        if ending == "error":
+            raise UpstreamTimeout("slow")
+        if ending == "bug":
+            raise KeyError("a bug in the lead function")
+        return Answer("chat", b"{}", True)
+
+    tickets = [group.acquire("k", lead) for _ in range(10)]
+    waiting = [asyncio.create_task(wait_answer(t)) for t in tickets[1:]]
+    followers = [asyncio.create_task(_follow_all(t.broadcast)) for t in tickets[1:]]
+    await asyncio.sleep(0)
+    if ending == "cancel":
+        tickets[0].flight.task.cancel()
+    gate.set()
+    tickets[0].release()
+    async with asyncio.timeout(5):
+        results = await asyncio.gather(*waiting)
+        await asyncio.gather(*followers)
+    assert all((answer is None) != (error is None) for answer, error in results)
+    assert group.waiters == 0
+
+
+async def _follow_all(broadcast: Broadcast) -> list[bytes]:
+    return [frame async for frame in broadcast.follow(include_usage=True)]

@@ -1,0 +1,382 @@
+"""The gateway end to end: real HTTP on loopback to a counting fake upstream (CONTRACT.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import orjson
+import pytest
+from fakes.waiting import eventually
+
+CHAT = "/v1/chat/completions"
+
+
+def sse_text(raw: str) -> str:
+    """The assistant text carried by an SSE stream of chat chunks."""
+    text = []
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def flight_clients(served) -> int:
+    flights = list(served.gateway.flights._flights.values())
+    return sum(f.clients for f in flights)
+
+
+# --- coalescing -------------------------------------------------------------------------------
+
+async def test_200_concurrent_identical_requests_half_streaming_make_one_upstream_call(gw, fake):
+    fake.gate = asyncio.Event()
+
+    async def one(i: int):
+        if i % 2:
+            response, raw = await gw.stream_chat()
+            return response.headers["x-carpool"], sse_text(raw)
+        response = await gw.chat()
+        return response.headers["x-carpool"], response.json()["choices"][0]["message"]["content"]
+
+    clients = [asyncio.create_task(one(i)) for i in range(200)]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: flight_clients(gw) == 200, what="200 clients on the flight")
+    fake.gate.set()
+    results = await asyncio.gather(*clients)
+    assert fake.count() == 1
+    outcomes = [outcome for outcome, _ in results]
+    assert outcomes.count("miss") == 1 and outcomes.count("coalesced") == 199
+    assert {text for _, text in results} == {"answer 1 to What is carpool?"}
+
+
+async def test_streaming_client_joining_200ms_late_gets_the_whole_text(gw, fake):
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(gw.stream_chat("a long story"))
+    await fake.chunk_gate_reached.wait()          # the leader has received the first chunks
+    await asyncio.sleep(0.2)                      # the scenario: a joiner 200 ms late
+    joiner = asyncio.create_task(gw.stream_chat("a long story"))
+    await eventually(lambda: flight_clients(gw) == 2, what="the late joiner on the flight")
+    fake.chunk_gate.set()
+    (r1, raw1), (r2, raw2) = await asyncio.gather(leader, joiner)
+    assert r1.headers["x-carpool"] == "miss" and r2.headers["x-carpool"] == "coalesced"
+    assert sse_text(raw2) == sse_text(raw1) == "answer 1 to a long story"
+    assert raw2.rstrip().endswith("data: [DONE]")
+    assert fake.count() == 1
+
+
+async def test_40_distinct_prompts_times_5_duplicates_make_40_calls(gw, fake):
+    fake.gate = asyncio.Event()
+    clients = [asyncio.create_task(gw.chat(f"question {i}")) for i in range(40) for _ in range(5)]
+    await fake.wait_for_calls(40)
+    await eventually(lambda: flight_clients(gw) == 200, what="every request on a flight")
+    fake.gate.set()
+    responses = await asyncio.gather(*clients)
+    assert fake.count() == 40
+    for i in range(40):
+        texts = {r.json()["choices"][0]["message"]["content"] for r in responses[i * 5:i * 5 + 5]}
+        assert len(texts) == 1 and texts.pop().endswith(f"to question {i}")
+
+
+async def test_streaming_and_non_streaming_clients_share_one_call(gw, fake):
+    fake.gate = asyncio.Event()
+    streaming = asyncio.create_task(gw.stream_chat())
+    await fake.wait_for_calls(1)
+    plain = asyncio.create_task(gw.chat())
+    await eventually(lambda: flight_clients(gw) == 2)
+    fake.gate.set()
+    (_, raw), response = await asyncio.gather(streaming, plain)
+    assert sse_text(raw) == response.json()["choices"][0]["message"]["content"]
+    assert fake.count() == 1
+
+
+async def test_a_non_streaming_leader_serves_a_streaming_joiner_as_sse(gw, fake):
+    fake.gate = asyncio.Event()
+    plain = asyncio.create_task(gw.chat())
+    await fake.wait_for_calls(1)
+    streaming = asyncio.create_task(gw.stream_chat())
+    await eventually(lambda: flight_clients(gw) == 2)
+    fake.gate.set()
+    response, (joined, raw) = await asyncio.gather(plain, streaming)
+    assert joined.headers["content-type"].startswith("text/event-stream")
+    assert sse_text(raw) == response.json()["choices"][0]["message"]["content"]
+    assert fake.count() == 1
+
+
+async def test_a_slow_client_never_slows_the_others(gw, fake):
+    # 2 MB of answer: far more than the socket buffers hold for a client that does not read.
+    fake.answer_text = lambda n, body: " ".join(["x" * 40_000] * 50)
+    payload = {"model": "m", "messages": [{"role": "user", "content": "big"}], "temperature": 0,
+               "stream": True}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as slow_client:
+        async with slow_client.stream("POST", CHAT, json=payload) as stalled:
+            chunks = stalled.aiter_bytes()
+            first = await anext(chunks)                         # then it stops reading
+            assert first
+            _, raw = await gw.stream_chat("big")                # a reader finishes meanwhile
+            assert len(sse_text(raw)) == 50 * 40_000 + 49
+            rest = b"".join([chunk async for chunk in chunks])
+    assert sse_text((first + rest).decode()) == sse_text(raw)
+    assert fake.count() == 1
+
+
+async def test_leader_client_disconnecting_does_not_cancel_the_call_while_others_wait(gw, fake):
+    fake.gate = asyncio.Event()
+    leader = asyncio.create_task(gw.chat())
+    await fake.wait_for_calls(1)
+    joiner = asyncio.create_task(gw.chat())
+    await eventually(lambda: flight_clients(gw) == 2)
+    leader.cancel()                                            # the leading client goes away
+    await eventually(lambda: flight_clients(gw) == 1, what="the leader to leave")
+    fake.gate.set()
+    response = await joiner
+    assert response.json()["choices"][0]["message"]["content"] == "answer 1 to What is carpool?"
+    assert fake.cancelled == 0 and fake.count() == 1
+
+
+async def test_upstream_call_is_cancelled_when_every_client_has_gone(gw, fake):
+    fake.hang = True
+    clients = [asyncio.create_task(gw.chat()), asyncio.create_task(gw.stream_chat())]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: flight_clients(gw) == 2)
+    for client in clients:
+        client.cancel()
+    await fake.wait_for_cancelled(1)
+    await eventually(lambda: len(gw.gateway.flights) == 0 and gw.gateway.flights.waiters == 0)
+    assert gw.gateway.store.entries == 0
+
+
+async def test_abandoned_call_is_finished_to_fill_the_cache_with_finish_abandoned(fake, gateway_with):
+    async with gateway_with(coalesce={"finish_abandoned": True}) as gw:
+        fake.gate = asyncio.Event()
+        client = asyncio.create_task(gw.chat())
+        await fake.wait_for_calls(1)
+        await eventually(lambda: flight_clients(gw) == 1)
+        client.cancel()
+        await eventually(lambda: flight_clients(gw) == 0)
+        fake.gate.set()
+        await eventually(lambda: gw.gateway.store.entries == 1, what="the answer to be stored")
+        assert (await gw.chat()).headers["x-carpool"] == "hit"
+        assert fake.cancelled == 0 and fake.count() == 1
+
+
+async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call(fake, gateway_with):
+    async with gateway_with(coalesce={"join_timeout_ms": 100}) as gw:
+        fake.gate = asyncio.Event()
+        slow = asyncio.create_task(gw.chat())
+        await fake.wait_for_calls(1)
+        fake.gate = None                                   # the next call answers at once
+        response = await gw.chat()                         # joins, times out, runs its own call
+        assert response.headers["x-carpool"] == "miss"
+        assert response.json()["choices"][0]["message"]["content"] == "answer 2 to What is carpool?"
+        slow_gate = fake.calls[0]
+        assert slow_gate.number == 1 and fake.count() == 2
+        slow.cancel()
+
+
+# --- the exact cache --------------------------------------------------------------------------
+
+async def test_repeat_is_a_hit_with_age_whatever_user_key_order_or_number_spelling(gw, fake):
+    first = await gw.chat(user="alice")
+    assert first.headers["x-carpool"] == "miss"
+    raw = b'{"temperature":0.0,"messages":[{"content":"What is carpool?","role":"user"}],' \
+          b'"model":"m","user":"bob"}'
+    again = await gw.client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    assert again.headers["x-carpool"] == "hit"
+    assert int(again.headers["age"]) >= 0
+    assert again.json() == first.json()
+    assert fake.count() == 1
+
+
+async def test_cached_answers_are_served_to_streaming_clients_as_sse(gw, fake):
+    plain = await gw.chat()
+    response, raw = await gw.stream_chat(stream_options={"include_usage": True})
+    assert response.headers["x-carpool"] == "hit"
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert sse_text(raw) == plain.json()["choices"][0]["message"]["content"]
+    assert '"usage":{' in raw and raw.rstrip().endswith("data: [DONE]")
+
+
+async def test_a_streamed_answer_is_cached_and_replayed_to_both_kinds_of_client(gw, fake):
+    _, raw = await gw.stream_chat()
+    assert '"choices":[]' not in raw                 # the usage chunk it did not ask for is hidden
+    again, raw_again = await gw.stream_chat()
+    plain = await gw.chat()
+    assert again.headers["x-carpool"] == plain.headers["x-carpool"] == "hit"
+    assert sse_text(raw_again) == sse_text(raw) == plain.json()["choices"][0]["message"]["content"]
+    assert plain.json()["usage"]["total_tokens"] > 0
+    assert fake.count() == 1
+
+
+async def test_sampled_requests_bypass_and_seeded_ones_are_shared(gw, fake):
+    sampled = [await gw.chat(temperature=0.8) for _ in range(2)]
+    assert [r.headers["x-carpool"] for r in sampled] == ["bypass", "bypass"]
+    seeded = [await gw.chat(temperature=0.8, seed=7) for _ in range(2)]
+    assert [r.headers["x-carpool"] for r in seeded] == ["miss", "hit"]
+    absent = await gw.client.post(CHAT, json={"model": "m", "messages": [
+        {"role": "user", "content": "x"}]})
+    assert absent.headers["x-carpool"] == "bypass"      # no temperature: the upstream samples
+    assert fake.count() == 4
+
+
+async def test_identical_embeddings_requests_make_one_call(gw, fake):
+    fake.gate = asyncio.Event()
+    body = {"model": "e", "input": ["alpha", "beta"]}
+    clients = [asyncio.create_task(gw.client.post("/v1/embeddings", json=body)) for _ in range(10)]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: flight_clients(gw) == 10)
+    fake.gate.set()
+    responses = await asyncio.gather(*clients)
+    assert fake.count() == 1
+    assert len({r.content for r in responses}) == 1
+    assert (await gw.client.post("/v1/embeddings", json=body)).headers["x-carpool"] == "hit"
+
+
+async def test_completions_endpoint_is_cached_too(gw, fake):
+    body = {"model": "m", "prompt": "Say hi", "temperature": 0}
+    first = await gw.client.post("/v1/completions", json=body)
+    second = await gw.client.post("/v1/completions", json=body)
+    assert (first.headers["x-carpool"], second.headers["x-carpool"]) == ("miss", "hit")
+    assert first.json()["choices"][0]["text"] == "answer 1 to Say hi"
+
+
+async def test_stats_and_metrics_count_outcomes_and_tokens_saved(gw, fake):
+    await gw.chat()
+    await gw.chat()
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["misses"] == 1 and stats["hits"] == 1 and stats["upstream_calls"] == 1
+    assert stats["tokens_saved"] > 0 and stats["saved_fraction"] == 0.5
+    assert stats["layers"]["exact"]["entries"] == 1
+    assert fake.url in stats["replicas"]
+    metrics = (await gw.client.get("/metrics")).text
+    assert 'carpool_requests_total{outcome="hit",route="/v1/chat/completions"} 1.0' in metrics
+    assert "carpool_request_duration_seconds_bucket" in metrics
+    assert (await gw.client.get("/healthz")).status_code == 200
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+async def test_leader_error_reaches_every_waiter_and_is_never_stored(gw, fake):
+    fake.gate = asyncio.Event()
+    fake.fail_status = 500
+    clients = [asyncio.create_task(gw.chat()) for _ in range(5)]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: flight_clients(gw) == 5)
+    fake.gate.set()
+    responses = await asyncio.gather(*clients)
+    assert [r.status_code for r in responses] == [500] * 5
+    assert all(r.json()["error"]["message"] == "fake upstream failure" for r in responses)
+    assert fake.count() == 1 and gw.gateway.store.entries == 0
+    fake.fail_status = None
+    again = await gw.chat()
+    assert again.status_code == 200 and again.headers["x-carpool"] == "miss"
+
+
+async def test_a_stream_failing_part_way_reaches_every_client_as_an_error_and_is_never_stored(
+        gw, fake):
+    fake.chunk_gate = asyncio.Event()
+    fake.cut_after = 3
+    leader = asyncio.create_task(gw.stream_chat())
+    await fake.chunk_gate_reached.wait()
+    joiners = [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat())]
+    await eventually(lambda: flight_clients(gw) == 3)
+    fake.chunk_gate.set()
+    (_, raw_leader), (_, raw_joiner), plain = await asyncio.gather(leader, *joiners)
+    for raw in (raw_leader, raw_joiner):
+        assert '"error"' in raw.splitlines()[-2] and "[DONE]" not in raw
+    assert plain.status_code == 502 and plain.headers["x-carpool"] == "coalesced"
+    assert gw.gateway.store.entries == 0
+    fake.cut_after = None
+    fake.chunk_gate = None
+    assert (await gw.chat()).headers["x-carpool"] == "miss"
+
+
+async def test_a_stream_without_finish_reason_is_never_stored(gw, fake):
+    fake.omit_finish_reason = True
+    _, raw = await gw.stream_chat()
+    assert '"error"' in raw
+    assert gw.gateway.store.entries == 0
+
+
+async def test_incomplete_non_streaming_answer_is_served_but_not_stored(gw, fake):
+    fake.omit_finish_reason = True
+    first = await gw.chat()
+    assert first.status_code == 200
+    assert (await gw.chat()).headers["x-carpool"] == "miss"
+    assert fake.count() == 2
+
+
+async def test_unreachable_upstream_is_502(gateway_with):
+    async with gateway_with(upstreams=["http://127.0.0.1:9/v1"]) as gw:
+        response = await gw.chat()
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "upstream_unreachable"
+
+
+async def test_upstream_timeout_is_504(fake, gateway_with):
+    fake.hang = True
+    async with gateway_with(limits={"upstream_timeout": 0.2}) as gw:
+        response = await gw.chat()
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "upstream_timeout"
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, code", [
+    (b"{not json", "invalid_json"), (b"[1, 2]", "invalid_body"), (b'"text"', "invalid_body"),
+    (b'{"model": "m", "messages": "hi"}', "invalid_request"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "0"}',
+     "invalid_request"),
+])
+async def test_malformed_requests_get_400_in_openai_error_shape(gw, fake, body, code):
+    response = await gw.client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
+    assert response.headers["x-carpool"] == "bypass"
+    assert fake.count() == 0
+
+
+async def test_body_over_the_limit_is_413(fake, gateway_with):
+    async with gateway_with(limits={"max_body_bytes": 1000}) as gw:
+        response = await gw.chat("x" * 2000)
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "body_too_large"
+        assert (await gw.chat("short")).status_code == 200
+        assert fake.count() == 1
+
+
+# --- pass-through and headers -----------------------------------------------------------------
+
+async def test_other_v1_paths_and_models_pass_through_uncached(gw, fake):
+    models = await gw.client.get("/v1/models")
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
+    moderation = await gw.client.post("/v1/moderations?x=1", json={"input": "hi"})
+    assert moderation.json()["path"] == "/v1/moderations" and moderation.json()["query"] == "x=1"
+    await gw.client.post("/v1/moderations?x=1", json={"input": "hi"})
+    assert fake.count() == 3
+
+
+async def test_request_headers_are_forwarded_upstream(gw, fake):
+    await gw.chat(headers={"Authorization": "Bearer sk-abc", "X-Custom": "1",
+                           "x-carpool-namespace": "n"})
+    headers = fake.calls[0].headers
+    assert headers["authorization"] == "Bearer sk-abc" and headers["x-custom"] == "1"
+    assert "x-carpool-namespace" not in headers
+
+
+async def test_tenants_do_not_share_answers(gw, fake):
+    a = await gw.chat(headers={"Authorization": "Bearer a"})
+    b = await gw.chat(headers={"Authorization": "Bearer b"})
+    assert a.headers["x-carpool"] == b.headers["x-carpool"] == "miss"
+    assert fake.count() == 2
+
+
+async def test_every_response_of_a_cached_endpoint_carries_x_carpool(gw, fake):
+    responses = [await gw.chat(), await gw.chat(), await gw.chat(temperature=1),
+                 await gw.client.post(CHAT, content=b"{")]
+    assert [r.headers["x-carpool"] for r in responses] == ["miss", "hit", "bypass", "bypass"]
+    assert orjson.loads(responses[0].content) == orjson.loads(responses[1].content)
