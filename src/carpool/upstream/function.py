@@ -1,0 +1,39 @@
+"""Any async function as an upstream: carpool as a library, without HTTP on either side.
+
+Contract: ``FunctionUpstream(call)`` wraps ``async def call(path: str, body: dict) -> dict``,
+where ``path`` is relative to ``/v1`` (``"/chat/completions"``) and the returned dict is the
+complete OpenAI-shaped response. The function is never asked to stream (``stream`` and
+``stream_options`` are removed from ``body``); streaming clients get the answer as SSE. An
+exception it raises reaches every waiter of the flight as a 502 and is never stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+
+from ..errors import UpstreamUnreachable
+from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse
+
+Call = Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]]
+
+
+class FunctionUpstream:
+    def __init__(self, call: Call, name: str = "function") -> None:
+        self.call = call
+        self.name = name
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        body = {k: v for k, v in request.body.items() if k not in ("stream", "stream_options")}
+        result = await self.call(request.path, body)
+        return UpstreamResponse(200, {"content-type": "application/json"},
+                                body=orjson.dumps(result))
+
+    async def passthrough(self, method: str, path: str, query: bytes,
+                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+        raise UpstreamUnreachable(f"{self.name} serves only the cached endpoints, not {path}")
+
+    async def aclose(self) -> None:
+        return None

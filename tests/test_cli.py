@@ -1,0 +1,59 @@
+"""The command line: `carpool serve` on the embedded simulator, and config errors exit 2."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def carpool(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "carpool.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, **kw)
+
+
+def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
+    port = free_port()
+    process = carpool("serve", "--port", str(port))
+    try:
+        first_line = process.stdout.readline()
+        assert "SIMULATED" in first_line
+        for line in process.stdout:                 # the server's own log says when it is up
+            if "Uvicorn running on" in line:
+                break
+        else:
+            raise AssertionError("carpool serve exited before listening")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+        body = {"model": "m", "temperature": 0, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "miss"
+        assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "hit"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_a_bad_config_value_exits_2_naming_the_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("coalesce:\n  window_ms: -5\n")
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "coalesce.window_ms" in result.stderr and "greater than or equal to 0" in result.stderr
+
+
+def test_a_bad_environment_value_exits_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve"], capture_output=True,
+                            text=True, timeout=30, env={**os.environ, "CARPOOL_SAMPLING": "x"})
+    assert result.returncode == 2 and "sampling" in result.stderr

@@ -1,0 +1,75 @@
+"""carpool as a library: the same pipeline without HTTP, and a pinned public surface."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import carpool
+from carpool import Config, FunctionUpstream, Gateway, Outcome
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_public_surface_is_pinned():
+    assert carpool.__all__ == sorted(carpool.__all__)
+    assert set(carpool.__all__) == {
+        "BodyTooLarge", "CarpoolError", "Config", "ConfigError", "FlightAbandoned",
+        "FunctionUpstream", "Gateway", "Outcome", "Reply", "RequestError", "UpstreamError",
+        "UpstreamStatusError", "UpstreamStreamBroken", "UpstreamTimeout", "UpstreamUnreachable",
+        "create_app"}
+
+
+def test_readme_library_example_runs():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "library.py")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "model calls: 1" in out and "miss=1 coalesced=49, then hit" in out
+
+
+async def test_wrapped_function_is_coalesced_and_cached():
+    gate, calls = asyncio.Event(), []
+
+    async def call(path, body):
+        calls.append(body)
+        await gate.wait()
+        return {"object": "chat.completion", "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}
+
+    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    waiting = [asyncio.create_task(gateway.request("/v1/chat/completions", body)) for _ in range(5)]
+    await asyncio.sleep(0)
+    gate.set()
+    replies = await asyncio.gather(*waiting)
+    streamed = await gateway.request("/v1/chat/completions", {**body, "stream": True})
+    assert len(calls) == 1 and "stream" not in calls[0]
+    assert sorted(r.outcome for r in replies) == sorted([Outcome.MISS] + [Outcome.COALESCED] * 4)
+    assert streamed.outcome is Outcome.HIT and b'"content":"hi"' in streamed.body
+    assert streamed.body.endswith(b"data: [DONE]\n\n")
+    await gateway.aclose()
+
+
+async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored():
+    async def call(path, body):
+        raise RuntimeError("model exploded")
+
+    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    replies = await asyncio.gather(*(gateway.request("/v1/chat/completions", body)
+                                     for _ in range(3)))
+    assert [r.status for r in replies] == [502] * 3
+    assert gateway.store.entries == 0
+    await gateway.aclose()
+
+
+async def test_embedded_simulated_engine_is_the_default_upstream():
+    gateway = Gateway(Config(sim={"decode_ms_per_token": 0.1}))
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    first = await gateway.request("/v1/chat/completions", body)
+    second = await gateway.request("/v1/chat/completions", {**body, "stream": True})
+    assert first.outcome is Outcome.MISS and second.outcome is Outcome.HIT
+    assert first.json()["system_fingerprint"] == "carpool-sim"
+    assert gateway.upstreams[0].name == "sim-0"
+    await gateway.aclose()

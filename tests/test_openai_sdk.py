@@ -1,0 +1,81 @@
+"""The official openai SDK pointed at the gateway works unchanged, streaming and not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from fakes.waiting import eventually
+
+MESSAGES = [{"role": "user", "content": "What is carpool?"}]
+
+
+@pytest.fixture
+def sdk(gw):
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+async def test_openai_sdk_non_streaming_miss_then_hit(sdk, fake):
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model="m", messages=MESSAGES, temperature=0)
+    first = raw.parse()
+    assert raw.headers["x-carpool"] == "miss"
+    assert first.choices[0].message.content == "answer 1 to What is carpool?"
+    assert first.usage.total_tokens > 0
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model="m", messages=MESSAGES, temperature=0)
+    assert raw.headers["x-carpool"] == "hit"
+    assert raw.parse().choices[0].message.content == first.choices[0].message.content
+    assert fake.calls[0].headers["authorization"] == "Bearer sk-test"
+
+
+async def test_openai_sdk_streaming_coalesced_and_hit(sdk, gw, fake):
+    fake.chunk_gate = asyncio.Event()
+
+    async def read_stream():
+        stream = await sdk.chat.completions.create(
+            model="m", messages=MESSAGES, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        text, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return "".join(text), usage
+
+    leader = asyncio.create_task(read_stream())
+    await fake.chunk_gate_reached.wait()
+    joiner = asyncio.create_task(read_stream())
+    await eventually(lambda: sum(f.clients for f in gw.gateway.flights._flights.values()) == 2)
+    fake.chunk_gate.set()
+    (text1, usage1), (text2, usage2) = await asyncio.gather(leader, joiner)
+    assert text1 == text2 == "answer 1 to What is carpool?"
+    assert usage1 is not None and usage1.total_tokens == usage2.total_tokens > 0
+    hit_text, _ = await read_stream()
+    assert hit_text == text1 and fake.count() == 1
+
+
+async def test_openai_sdk_embeddings_and_completions(sdk, fake):
+    first = await sdk.embeddings.create(model="e", input=["a", "b"])
+    second = await sdk.embeddings.create(model="e", input=["a", "b"])
+    assert len(first.data) == 2 and first.data[0].embedding == second.data[0].embedding
+    completion = await sdk.completions.create(model="m", prompt="Say hi", temperature=0)
+    assert completion.choices[0].text == "answer 2 to Say hi"
+    assert fake.count() == 2
+
+
+async def test_openai_sdk_raises_on_a_stream_that_fails_part_way(sdk, fake):
+    fake.cut_after = 2
+    stream = await sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0,
+                                               stream=True)
+    with pytest.raises(openai.APIError):
+        async for _ in stream:
+            pass
+
+
+async def test_openai_sdk_sees_upstream_errors_with_their_status(sdk, fake):
+    fake.fail_status = 429
+    with pytest.raises(openai.RateLimitError):
+        await sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0)
