@@ -208,3 +208,21 @@ async def test_no_waiter_hangs_on_any_exit_path(ending):
 
 async def _follow_all(broadcast: Broadcast) -> list[bytes]:
     return [frame async for frame in broadcast.follow(include_usage=True)]
+
+
+async def test_a_flight_acquired_without_linger_is_gone_as_soon_as_it_finishes():
+    group, upstream = FlightGroup(window=10), Upstream()
+    upstream.release.set()
+    await wait_answer(group.acquire("k", upstream, linger=False))
+    assert group.get("k") is None
+
+
+async def test_forget_finished_drops_lingering_flights_only():
+    group, done, running = FlightGroup(window=10), Upstream(), Upstream()
+    done.release.set()
+    await wait_answer(group.acquire("a", done))
+    ticket = group.acquire("b", running)
+    assert group.forget_finished() == 1
+    assert group.get("a") is None and group.get("b") is ticket.flight
+    running.release.set()
+    await wait_answer(ticket)

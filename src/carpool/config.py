@@ -71,9 +71,9 @@ class CoalesceConfig(_Section):
                              "by identical requests, even with ttl 0.")
     adaptive: bool = Field(True, description="Widen or narrow the window per key class from the "
                            "repeats observed (not implemented yet: the fixed window is used).")
-    join_timeout_ms: float = Field(30000, gt=0, description="Milliseconds a joiner waits for a "
-                                   "flight (its complete answer, or a streaming joiner's first "
-                                   "chunk) before it runs its own upstream call.")
+    join_timeout_ms: float = Field(30000, gt=0, description="Milliseconds a joiner waits for "
+                                   "the flight's first output (its first streamed chunk, or its "
+                                   "whole answer) before it runs its own upstream call.")
     finish_abandoned: bool = Field(False, description="Finish an upstream call whose clients all "
                                    "left, to fill the cache, instead of cancelling it.")
 

@@ -46,10 +46,11 @@ class JoinTimeout(TimeoutError):
 
 
 class Flight:
-    __slots__ = ("key", "broadcast", "task", "clients", "finished_at")
+    __slots__ = ("key", "broadcast", "task", "clients", "finished_at", "linger")
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, linger: bool = True) -> None:
         self.key = key
+        self.linger = linger                 # may stay joinable within the window once finished
         self.broadcast = Broadcast()
         self.task: asyncio.Task[None] | None = None
         self.clients = 0
@@ -122,11 +123,14 @@ class FlightGroup:
     def get(self, key: str) -> Flight | None:
         return self._flights.get(key)
 
-    def acquire(self, key: str, lead: Lead, *, max_age: float | None = None) -> Ticket:
+    def acquire(self, key: str, lead: Lead, *, max_age: float | None = None,
+                linger: bool = True) -> Ticket:
         """Join the flight for ``key``, or lead a new one that runs ``lead`` in its own task.
 
         ``max_age`` bounds how long ago a finished flight may have finished to be joined
         (``Cache-Control: no-cache`` passes 0: only a call still in flight is joined).
+        ``linger`` (for a new flight) allows its answer to stay joinable within the window; a
+        ``no-store`` leader passes False, as lingering would be a form of storing.
         """
         flight = self._flights.get(key)
         if flight is not None and flight.finished_at is not None and max_age is not None \
@@ -135,7 +139,7 @@ class FlightGroup:
             flight = None
         leader = flight is None
         if flight is None:
-            flight = self._flights[key] = Flight(key)
+            flight = self._flights[key] = Flight(key, linger)
             flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
         flight.clients += 1
         self.waiters += 1
@@ -146,6 +150,13 @@ class FlightGroup:
         current = self._flights.get(key)
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
+
+    def forget_finished(self) -> int:
+        """Drop every finished flight lingering in the window (after an invalidation)."""
+        done = [f for f in self._flights.values() if f.finished_at is not None]
+        for flight in done:
+            self.forget(flight.key, flight)
+        return len(done)
 
     async def _run(self, flight: Flight, lead: Lead) -> None:
         broadcast = flight.broadcast
@@ -168,7 +179,7 @@ class FlightGroup:
             return
         broadcast.finish(answer)
         flight.finished_at = time.monotonic()
-        if answer.complete and self.window > 0:
+        if answer.complete and flight.linger and self.window > 0:
             asyncio.get_running_loop().call_later(self.window, self.forget, flight.key, flight)
         else:
             self.forget(flight.key, flight)

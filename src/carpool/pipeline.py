@@ -109,7 +109,8 @@ class Gateway:
                 return self._served(route, Outcome.HIT, entry.answer, request)
         lead = partial(self._lead, request, key)
         ticket = self.flights.acquire(key.key, lead,
-                                      max_age=controls.max_age if controls.may_read else 0)
+                                      max_age=controls.max_age if controls.may_read else 0,
+                                      linger=not controls.no_store)
         return await self._follow(route, ticket, request, lead)
 
     async def _follow(self, route: str, ticket: Ticket, request: Request,
@@ -141,10 +142,11 @@ class Gateway:
 
     @staticmethod
     async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:
-        if request.stream:
-            await ticket.wait_started(timeout)
-        else:
-            await ticket.wait_done(timeout)
+        # The join timeout bounds the wait for the flight's first sign of life (a frame, or the
+        # whole answer): a leader that is streaming is not stuck, however long its answer.
+        await ticket.wait_started(timeout)
+        if not request.stream:
+            await ticket.wait_done(None)
 
     async def _lead(self, request: Request, key: Fingerprint, broadcast: Broadcast) -> Answer:
         """The flight's upstream call: runs in the flight's own task, never in a client's."""
@@ -251,9 +253,16 @@ class Gateway:
             raise RequestError('give exactly one of "tag", "namespace", "prefix" or "all"')
         (name, value), = spec.items()
         if name == "all" and value is True:
-            return await self.store.invalidate(everything=True)
-        if name in ("tag", "namespace", "prefix") and isinstance(value, str) and value:
-            return await self.store.invalidate(**{name: value})
+            selector: dict[str, Any] = {"everything": True}
+        elif name in ("tag", "namespace", "prefix") and isinstance(value, str) and value:
+            selector = {name: value}
+        else:
+            selector = {}
+        if selector:
+            # Answers lingering in the coalescing window are a layer too; flights do not know
+            # their tags, so all finished ones go (at worst one extra upstream call per key).
+            self.flights.forget_finished()
+            return await self.store.invalidate(**selector)
         raise RequestError(f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
                            '(a non-empty string) or "all": true')
 

@@ -1,0 +1,207 @@
+"""Coalescing: many identical requests in flight at once cost one upstream call.
+
+Two variants:
+- ``http``: 1,000 concurrent identical chat requests (temperature 0) from a load generator process
+  to the real gateway (uvicorn subprocess) in front of the counting upstream app (another
+  subprocess) that holds its answer until every request has joined the flight (the gateway's
+  ``/stats`` shows 1,000 waiters). Reports upstream calls (must be 1), the ``x-carpool``
+  outcomes (1 miss + 999 coalesced), wall time, and the time from the upstream sending its answer
+  to the last client having its whole answer.
+- ``inprocess``: 10,000 concurrent ``gateway.request(...)`` waiters against an in-process upstream
+  that waits on a gate (``asyncio.Event``); once all 10,000 have joined, the gate opens. Reports
+  the time to release them all, and the memory they hold (RSS delta; tracemalloc in a separate run,
+  since tracing slows everything down).
+
+    .venv/bin/python benchmarks/bench_coalesce.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import gc
+import json
+import sys
+import time
+import tracemalloc
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+HTTP_N = 1000
+INPROC_N = 10_000
+
+
+# ------------------------------------------------------------------------------------------------
+# Over HTTP
+
+def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
+    runs = []
+    with c.upstream_server(hold=True) as up, c.gateway_server(up) as gw:
+        for _ in range(repeats):
+            body = c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]")
+            runs.append(c.loadgen("coalesce", {"gateway_port": gw, "upstream_port": up, "n": n,
+                                               "body": body}))
+    ok = all(r["upstream_calls"] == 1 and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
+             and r["statuses"] == {"200": n} and r["distinct_bodies"] == 1 and r["all_joined"]
+             for r in runs)
+    med = lambda k: round(c.median([r[k] for r in runs]), 6)  # noqa: E731
+    return {
+        "n": n, "repeats": repeats, "ok": ok,
+        "upstream_calls": [r["upstream_calls"] for r in runs],
+        "outcomes": runs[-1]["outcomes"],
+        "join_s_median": med("join_s"),
+        "wall_s_median": med("wall_s"),
+        "release_last_s_median": med("release_last_s"),
+        "release_first_s_median": med("release_first_s"),
+        "runs": runs,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# In process
+
+class GateUpstream:
+    """An in-process upstream (the ``Upstream`` protocol) that answers once its gate opens."""
+
+    name = "gate"
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.gate = asyncio.Event()
+        self.calls = 0
+        self.answered_at = 0.0
+
+    async def send(self, request: Any) -> Any:
+        from carpool.upstream.base import UpstreamResponse
+        self.calls += 1
+        await self.gate.wait()
+        self.answered_at = time.perf_counter()
+        return UpstreamResponse(200, {"content-type": "application/json"}, body=self.body)
+
+    async def passthrough(self, method: str, path: str, query: bytes,
+                          headers: Mapping[str, str], body: bytes) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        import os
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
+    from carpool.config import Config
+    from carpool.pipeline import Gateway
+
+    upstream = GateUpstream(c.ANSWER)
+    gateway = Gateway(Config(), upstreams=[upstream])
+    raw = c.json_bytes(c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]"))
+    headers = {"authorization": "Bearer bench"}
+    gc.collect()
+    rss0 = _rss()
+    if trace:
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    tasks = [asyncio.ensure_future(gateway.request(c.CHAT, raw, headers)) for _ in range(n)]
+    while gateway.flights.waiters < n:
+        await asyncio.sleep(0.001)
+    t_joined = time.perf_counter()
+    held = (tracemalloc.get_traced_memory()[0] - base) if trace else None
+    rss_held = _rss() - rss0
+    t_open = time.perf_counter()
+    upstream.gate.set()
+    replies = await asyncio.gather(*tasks)
+    t_done = time.perf_counter()
+    peak = (tracemalloc.get_traced_memory()[1] - base) if trace else None
+    if trace:
+        tracemalloc.stop()
+    outcomes = collections.Counter(r.outcome.value if r.outcome else "(none)" for r in replies)
+    statuses = collections.Counter(r.status for r in replies)
+    bodies = len({r.body for r in replies})
+    await gateway.aclose()
+    result = {
+        "n": n, "upstream_calls": upstream.calls, "outcomes": dict(outcomes),
+        "statuses": {str(k): v for k, v in statuses.items()}, "distinct_bodies": bodies,
+        "join_s": round(t_joined - t0, 6),
+        "release_s": round(t_done - t_open, 6),                 # gate opens -> all replied
+        "release_per_waiter_us": round((t_done - t_open) / n * 1e6, 3),
+        "rss_held_bytes": rss_held,
+    }
+    if trace:
+        result.update(traced_held_bytes=held, traced_peak_bytes=peak,
+                      traced_bytes_per_waiter=round(held / n) if held is not None else None)
+    return result
+
+
+def run_inprocess(n: int = INPROC_N, repeats: int = 3) -> dict[str, Any]:
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover
+        factory = None
+    runs = []
+    for _ in range(repeats):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runs.append(runner.run(_inprocess_once(n, trace=False)))
+    with asyncio.Runner(loop_factory=factory) as runner:
+        traced = runner.run(_inprocess_once(n, trace=True))
+    ok = all(r["upstream_calls"] == 1 and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
+             and r["distinct_bodies"] == 1 for r in [*runs, traced])
+    return {
+        "n": n, "repeats": repeats, "ok": ok,
+        "upstream_calls": [r["upstream_calls"] for r in runs],
+        "outcomes": runs[-1]["outcomes"],
+        "join_s_median": round(c.median([r["join_s"] for r in runs]), 6),
+        "release_s_median": round(c.median([r["release_s"] for r in runs]), 6),
+        "release_per_waiter_us_median": round(
+            c.median([r["release_per_waiter_us"] for r in runs]), 3),
+        "rss_held_bytes_median": int(c.median([r["rss_held_bytes"] for r in runs])),
+        "traced_held_bytes": traced["traced_held_bytes"],
+        "traced_peak_bytes": traced["traced_peak_bytes"],
+        "traced_bytes_per_waiter": traced["traced_bytes_per_waiter"],
+        "runs": runs, "traced_run": traced,
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    return {"http": run_http(repeats=1 if quick else 3),
+            "inprocess": run_inprocess(repeats=1 if quick else 3)}
+
+
+def summarize(result: dict[str, Any]) -> list[str]:
+    h, p = result["http"], result["inprocess"]
+    return [
+        f"coalesce/http      {h['n']} concurrent: upstream calls {h['upstream_calls']}, "
+        f"outcomes {h['outcomes']}, wall {h['wall_s_median'] * 1000:.0f} ms, upstream answer -> "
+        f"last client {h['release_last_s_median'] * 1000:.1f} ms  [{'OK' if h['ok'] else 'FAIL'}]",
+        f"coalesce/inprocess {p['n']} waiters: upstream calls {p['upstream_calls']}, release all "
+        f"{p['release_s_median'] * 1000:.1f} ms ({p['release_per_waiter_us_median']:.1f} us each), "
+        f"held {p['traced_held_bytes'] / 2**20:.1f} MiB traced "
+        f"({p['traced_bytes_per_waiter']} B/waiter), RSS +{p['rss_held_bytes_median'] / 2**20:.1f}"
+        f" MiB  [{'OK' if p['ok'] else 'FAIL'}]",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the full result")
+    args = parser.parse_args()
+    result = run(args.quick)
+    print("\n".join(summarize(result)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

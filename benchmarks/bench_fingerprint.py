@@ -1,0 +1,142 @@
+"""Fingerprint + exact lookup of a ~1 KB chat body, in process: the work every request pays before
+the cache can answer.
+
+Per call, median over several ``timeit`` repeats, in microseconds:
+- ``total``: ``parse`` (which runs ``orjson.loads`` and validates) + ``fingerprint`` +
+  ``MemoryStore.get_now`` of a present key: the whole hot path up to a hit.
+- the split: ``loads`` (``orjson.loads`` alone), ``parse`` (``parse`` minus ``loads``: validation,
+  header controls), ``fingerprint``, ``lookup``; and inside ``fingerprint``: ``tenant`` (hash of the
+  Authorization header), ``canonical`` (``canonical_body``), ``digest`` (``orjson.dumps`` of the
+  key material + BLAKE2b).
+
+Target: total <= 20 us.
+
+    .venv/bin/python benchmarks/bench_fingerprint.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+TARGET_US = 20.0
+HEADERS = {"authorization": "Bearer sk-bench-0123456789abcdef0123456789abcdef",
+           "content-type": "application/json", "accept": "application/json",
+           "user-agent": "OpenAI/Python 1.40.0", "host": "127.0.0.1:8080",
+           "content-length": "1000"}
+
+
+def _time(fn: Callable[[], Any], number: int, repeat: int) -> float:
+    """Median seconds per call over ``repeat`` runs of ``number`` calls."""
+    return c.median(timeit.Timer(fn).repeat(repeat=repeat, number=number)) / number
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import orjson
+
+    from carpool.answer import Answer
+    from carpool.config import Config
+    from carpool.fingerprint import canonical_body, fingerprint, tenant_of
+    from carpool.request import ClientRequest, parse
+    from carpool.store import Entry, MemoryStore
+
+    config = Config()
+    raw = c.json_bytes(c.chat_body(0))
+    client = ClientRequest(c.CHAT, raw, HEADERS)
+    max_body = config.limits.max_body_bytes
+    request = parse(client, max_body)
+    key = fingerprint(request, config)
+    assert key.key is not None
+    store = MemoryStore(config.cache.max_bytes)
+    answer = Answer.from_body("chat", orjson.loads(c.ANSWER), c.ANSWER, True)
+
+    async def fill() -> None:             # other entries too, as in a live cache
+        for i in range(10_000):
+            await store.put(f"{i:032x}", Entry(answer, 2e10))
+        await store.put(key.key, Entry(answer, 2e10))  # type: ignore[arg-type]
+    asyncio.run(fill())
+
+    def total() -> Any:
+        r = parse(client, max_body)
+        return store.get_now(fingerprint(r, config).key)  # type: ignore[arg-type]
+
+    assert total() is not None, "the key must be present"
+    collapse = config.fingerprint.normalize_whitespace
+    canonical = canonical_body("chat", request.body, collapse)
+    tenant = tenant_of(HEADERS, config.tenant.header)
+    controls = request.controls
+
+    def digest() -> str:
+        material = orjson.dumps([1, tenant, "", controls.freshness, "chat", canonical],
+                                option=orjson.OPT_SORT_KEYS)
+        return hashlib.blake2b(material, digest_size=16).hexdigest()
+
+    number, repeat = (5_000, 5) if quick else (20_000, 9)
+    parts = {
+        "total": total,
+        "loads": lambda: orjson.loads(raw),
+        "parse_incl_loads": lambda: parse(client, max_body),
+        "fingerprint": lambda: fingerprint(request, config),
+        "lookup": lambda: store.get_now(key.key),  # type: ignore[arg-type]
+        "tenant": lambda: tenant_of(HEADERS, config.tenant.header),
+        "canonical": lambda: canonical_body("chat", request.body, collapse),
+        "digest": digest,
+    }
+    for fn in parts.values():                 # warm up
+        for _ in range(1000):
+            fn()
+    # Interleave the measurements so that noise spreads over all of them.
+    samples: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(repeat):
+        for name, fn in parts.items():
+            samples[name].append(_time(fn, number, 1))
+    us = {name: round(c.median(v) * 1e6, 3) for name, v in samples.items()}
+    return {
+        "body_bytes": len(raw),
+        "number": number, "repeat": repeat,
+        "total_us": us["total"],
+        "target_us": TARGET_US,
+        "meets_target": us["total"] <= TARGET_US,
+        "split_us": {"loads": us["loads"], "parse": round(us["parse_incl_loads"] - us["loads"], 3),
+                     "fingerprint": us["fingerprint"], "lookup": us["lookup"]},
+        "fingerprint_split_us": {"tenant": us["tenant"], "canonical": us["canonical"],
+                                 "digest": us["digest"]},
+        "samples_us": {name: [round(s * 1e6, 3) for s in v] for name, v in samples.items()},
+    }
+
+
+def summarize(result: dict[str, Any]) -> list[str]:
+    s, f = result["split_us"], result["fingerprint_split_us"]
+    return [
+        f"fingerprint        {result['body_bytes']} B chat body: {result['total_us']:.1f} us per "
+        f"request (target <= {result['target_us']:.0f} us) "
+        f"[{'OK' if result['meets_target'] else 'OVER'}]",
+        f"                   split: loads {s['loads']:.1f} + parse {s['parse']:.1f} + fingerprint "
+        f"{s['fingerprint']:.1f} (tenant {f['tenant']:.1f}, canonical {f['canonical']:.1f}, "
+        f"digest {f['digest']:.1f}) + lookup {s['lookup']:.2f} us",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the full result")
+    args = parser.parse_args()
+    result = run(args.quick)
+    print("\n".join(summarize(result)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""What the gateway adds on top of the upstream, over real HTTP on loopback.
+
+Three processes: the upstream app (answers a fixed chat completion at once; uvicorn + uvloop +
+httptools), the real gateway in front of it (``gateway_server.py``, same stack), and the load
+generator (``loadgen.py``), which is the same client for both sides of every comparison.
+
+- ``latency``: sequential requests on one keep-alive connection, on the *bypass* path (temperature
+  0.7, no seed: ``x-carpool: bypass``, so every request goes through the gateway to the upstream),
+  direct vs via the gateway, in alternating blocks. Reports p50/p90/p99 of both and the added p50
+  (target <= 1 ms), also as the median of the per-block differences.
+- ``throughput``: ``concurrency`` connections sending back to back, the same temperature-0 body
+  (an exact hit after the first request) to the gateway vs the same body to the raw upstream app;
+  alternating rounds; requests/s and the ratio gateway-hit / upstream.
+
+    .venv/bin/python benchmarks/bench_overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+TARGET_ADDED_P50_MS = 1.0
+
+
+def _latency(up: int, gw: int, n: int, warmup: int, block: int) -> dict[str, Any]:
+    body = c.chat_body(0.7)                 # sampled, no seed: the bypass path
+    raw = c.loadgen("latency", {"n": n, "warmup": warmup, "block": block, "targets": [
+        {"name": "direct", "port": up, "body": body},
+        {"name": "gateway", "port": gw, "body": body},
+    ]})
+    direct, via = raw["direct"]["samples_s"], raw["gateway"]["samples_s"]
+    blocks = [c.median(via[i:i + block]) - c.median(direct[i:i + block])
+              for i in range(0, min(len(direct), len(via)), block)]
+    d, g = c.summary_ms(direct), c.summary_ms(via)
+    added = round(g["p50_ms"] - d["p50_ms"], 4)
+    return {
+        "n": n, "warmup": warmup, "block": block,
+        "direct": d, "gateway": g,
+        "added_p50_ms": added,
+        "added_p90_ms": round(g["p90_ms"] - d["p90_ms"], 4),
+        "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 4),
+        "added_p50_blockwise_median_ms": round(c.median(blocks) * 1000, 4),
+        "target_added_p50_ms": TARGET_ADDED_P50_MS,
+        "meets_target": added <= TARGET_ADDED_P50_MS,
+        "gateway_outcomes": raw["gateway"]["outcomes"],
+        "non_200": {"direct": raw["direct"]["non_200"], "gateway": raw["gateway"]["non_200"]},
+    }
+
+
+def _throughput(up: int, gw: int, concurrency: int, seconds: float, rounds: int) -> dict[str, Any]:
+    body = c.chat_body(0)                   # temperature 0: a hit after the first request
+    raw = c.loadgen("throughput", {
+        "concurrency": concurrency, "seconds": seconds, "rounds": rounds, "warmup_s": 0.5,
+        "targets": [{"name": "upstream", "port": up, "body": body},
+                    {"name": "gateway_hit", "port": gw, "body": body}]})
+    up_rps, hit_rps = raw["upstream"]["rps"], raw["gateway_hit"]["rps"]
+    ratios = [h / u for h, u in zip(hit_rps, up_rps)]
+    return {
+        "concurrency": concurrency, "seconds": seconds, "rounds": rounds,
+        "upstream_rps_median": round(c.median(up_rps)),
+        "gateway_hit_rps_median": round(c.median(hit_rps)),
+        "ratio_hit_over_upstream": round(c.median(hit_rps) / c.median(up_rps), 3),
+        "ratio_per_round_median": round(c.median(ratios), 3),
+        "upstream_rps": [round(x) for x in up_rps],
+        "gateway_hit_rps": [round(x) for x in hit_rps],
+        "gateway_outcomes": raw["gateway_hit"]["outcomes"],
+        "non_200": {"upstream": raw["upstream"]["non_200"],
+                    "gateway_hit": raw["gateway_hit"]["non_200"]},
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    with c.upstream_server() as up, c.gateway_server(up) as gw:
+        if quick:
+            latency = _latency(up, gw, n=600, warmup=100, block=50)
+            throughput = _throughput(up, gw, concurrency=64, seconds=1.0, rounds=2)
+        else:
+            latency = _latency(up, gw, n=2000, warmup=200, block=100)
+            throughput = _throughput(up, gw, concurrency=64, seconds=2.0, rounds=4)
+    ok = (latency["gateway_outcomes"] == {"bypass": latency["n"]}
+          and set(throughput["gateway_outcomes"]) == {"hit"}
+          and not any(latency["non_200"].values()) and not any(throughput["non_200"].values()))
+    return {"ok": ok, "latency": latency, "throughput": throughput}
+
+
+def summarize(result: dict[str, Any]) -> list[str]:
+    lat, thr = result["latency"], result["throughput"]
+    d, g = lat["direct"], lat["gateway"]
+    return [
+        f"overhead/bypass    p50/p90/p99 ms: direct {d['p50_ms']:.3f}/{d['p90_ms']:.3f}/"
+        f"{d['p99_ms']:.3f}, via gateway {g['p50_ms']:.3f}/{g['p90_ms']:.3f}/{g['p99_ms']:.3f}; "
+        f"added p50 {lat['added_p50_ms']:.3f} ms (blockwise {lat['added_p50_blockwise_median_ms']:.3f};"
+        f" target <= {lat['target_added_p50_ms']:.0f} ms) "
+        f"[{'OK' if lat['meets_target'] else 'OVER'}]",
+        f"overhead/hit-rps   concurrency {thr['concurrency']}: gateway hits "
+        f"{thr['gateway_hit_rps_median']} req/s vs raw upstream app {thr['upstream_rps_median']} "
+        f"req/s: ratio {thr['ratio_hit_over_upstream']:.2f}  [{'OK' if result['ok'] else 'FAIL'}]",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the full result")
+    args = parser.parse_args()
+    result = run(args.quick)
+    print("\n".join(summarize(result)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

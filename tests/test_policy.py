@@ -1,0 +1,216 @@
+"""Cache controls, per-type TTLs, freshness tokens, tags, tenants and namespaces over HTTP
+(CONTRACT.md "Cache controls on a request", "Tenants", "Admin")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes.waiting import eventually
+
+
+def clients_on_flights(served) -> int:
+    return sum(f.clients for f in served.gateway.flights._flights.values())
+
+
+async def outcome(served, content="What is carpool?", **headers) -> str:
+    response = await served.chat(content, headers=headers or None)
+    assert response.status_code == 200, response.text
+    return response.headers["x-carpool"]
+
+
+# --- Cache-Control ----------------------------------------------------------------------------
+
+async def test_no_cache_calls_upstream_and_stores_the_result(gw, fake):
+    assert await outcome(gw) == "miss"
+    assert await outcome(gw, **{"Cache-Control": "no-cache"}) == "miss"
+    fresh = await gw.chat()
+    assert fresh.headers["x-carpool"] == "hit"
+    assert fresh.json()["choices"][0]["message"]["content"].startswith("answer 2")
+
+
+async def test_no_cache_still_joins_a_call_in_flight(gw, fake):
+    fake.gate = asyncio.Event()
+    first = asyncio.create_task(gw.chat())
+    await fake.wait_for_calls(1)
+    second = asyncio.create_task(gw.chat(headers={"Cache-Control": "no-cache"}))
+    await eventually(lambda: clients_on_flights(gw) == 2)
+    fake.gate.set()
+    assert [r.headers["x-carpool"] for r in await asyncio.gather(first, second)] == \
+        ["miss", "coalesced"]
+    assert fake.count() == 1
+
+
+async def test_no_store_neither_reads_nor_writes_the_cache(gw, fake):
+    assert await outcome(gw, **{"Cache-Control": "no-store"}) == "miss"
+    assert gw.gateway.store.entries == 0
+    assert await outcome(gw) == "miss"                     # nothing was stored
+    assert await outcome(gw, **{"Cache-Control": "no-store"}) == "miss"   # nothing is read
+    assert fake.count() == 3
+
+
+async def test_no_store_may_still_coalesce_with_a_call_in_flight(gw, fake):
+    fake.gate = asyncio.Event()
+    first = asyncio.create_task(gw.chat())
+    await fake.wait_for_calls(1)
+    second = asyncio.create_task(gw.chat(headers={"Cache-Control": "no-store"}))
+    await eventually(lambda: clients_on_flights(gw) == 2)
+    fake.gate.set()
+    assert (await second).headers["x-carpool"] == "coalesced"
+    assert fake.count() == 1
+
+
+async def test_max_age_refuses_an_answer_older_than_n_seconds(gw, fake):
+    assert await outcome(gw) == "miss"
+    assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "hit"
+    await asyncio.sleep(1.3)                                # the scenario: a 1.3 s old answer
+    assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "miss"
+    assert await outcome(gw, **{"Cache-Control": "max-age=60"}) == "hit"
+
+
+@pytest.mark.parametrize("value", ["max-age=abc", "max-age=-1"])
+async def test_a_malformed_cache_control_is_400(gw, fake, value):
+    response = await gw.chat(headers={"Cache-Control": value})
+    assert response.status_code == 400 and fake.count() == 0
+
+
+# --- per-type TTL -----------------------------------------------------------------------------
+
+async def test_a_type_with_ttl_1s_expires(fake, gateway_with):
+    async with gateway_with(cache={"types": {"short": {"ttl": 1}}}) as gw:
+        assert await outcome(gw, **{"x-carpool-type": "short"}) == "miss"
+        assert await outcome(gw, **{"x-carpool-type": "short"}) == "hit"
+        await asyncio.sleep(1.1)                            # the scenario: past its ttl
+        assert await outcome(gw, **{"x-carpool-type": "short"}) == "miss"
+
+
+async def test_factual_is_never_stored_but_coalesced_in_flight_and_within_the_window(gw, fake):
+    factual = {"x-carpool-type": "factual"}
+    fake.gate = asyncio.Event()
+    first = asyncio.create_task(gw.chat(headers=factual))
+    await fake.wait_for_calls(1)
+    second = asyncio.create_task(gw.chat(headers=factual))
+    await eventually(lambda: clients_on_flights(gw) == 2)
+    fake.gate.set()
+    assert [r.headers["x-carpool"] for r in await asyncio.gather(first, second)] == \
+        ["miss", "coalesced"]
+    assert await outcome(gw, **factual) == "coalesced"      # within the 1 s window
+    assert gw.gateway.store.entries == 0 and fake.count() == 1
+
+
+async def test_factual_after_the_window_calls_upstream_again(fake, gateway_with):
+    async with gateway_with(coalesce={"window_ms": 50}) as gw:
+        assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
+        await eventually(lambda: len(gw.gateway.flights) == 0, what="the window to close")
+        assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
+
+
+# --- freshness tokens -------------------------------------------------------------------------
+
+async def test_an_answer_stored_under_one_freshness_token_is_never_served_under_another(gw, fake):
+    assert await outcome(gw, **{"x-carpool-freshness": "faq-2026-11-01"}) == "miss"
+    assert await outcome(gw, **{"x-carpool-freshness": "faq-2026-11-01"}) == "hit"
+    assert await outcome(gw, **{"x-carpool-freshness": "faq-2026-11-29"}) == "miss"
+    assert await outcome(gw) == "miss"                      # no token is another token too
+
+
+async def test_different_freshness_tokens_do_not_coalesce(gw, fake):
+    fake.gate = asyncio.Event()
+    a = asyncio.create_task(gw.chat(headers={"x-carpool-freshness": "v1"}))
+    b = asyncio.create_task(gw.chat(headers={"x-carpool-freshness": "v2"}))
+    await fake.wait_for_calls(2)
+    fake.gate.set()
+    await asyncio.gather(a, b)
+    assert fake.count() == 2
+
+
+# --- tags and invalidation --------------------------------------------------------------------
+
+ADMIN = {"Authorization": "Bearer s3cret"}
+
+
+async def test_invalidation_by_tag_makes_the_next_request_a_miss(fake, gateway_with):
+    async with gateway_with(admin_token="s3cret") as gw:
+        assert await outcome(gw, "q1", **{"x-carpool-tags": "faq, pricing"}) == "miss"
+        assert await outcome(gw, "q2", **{"x-carpool-tags": "other"}) == "miss"
+        response = await gw.client.post("/admin/invalidate", json={"tag": "pricing"}, headers=ADMIN)
+        assert response.status_code == 200 and response.json() == {"invalidated": 1}
+        assert await outcome(gw, "q1") == "miss"
+        assert await outcome(gw, "q2") == "hit"
+
+
+async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
+    async with gateway_with(admin_token="s3cret") as gw:
+        await gw.chat("How do I reset it?", headers={"x-carpool-namespace": "docs"})
+        await gw.chat("How do I pay?")
+        await gw.chat("What is new?")
+        post = lambda body: gw.client.post("/admin/invalidate", json=body, headers=ADMIN)  # noqa
+        assert (await post({"namespace": "docs"})).json() == {"invalidated": 1}
+        assert (await post({"prefix": "How do"})).json() == {"invalidated": 1}
+        assert (await post({"all": True})).json() == {"invalidated": 1}
+        assert gw.gateway.store.entries == 0
+
+
+async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gateway_with):
+    async with gateway_with(admin_token="s3cret") as gw:
+        wrong = await gw.client.post("/admin/invalidate", json={"all": True},
+                                     headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        bad = await gw.client.post("/admin/invalidate", json={"colour": "red"}, headers=ADMIN)
+        assert bad.status_code == 400
+    async with gateway_with() as gw:
+        assert (await gw.client.post("/admin/invalidate", json={"all": True},
+                                     headers=ADMIN)).status_code == 404
+
+
+# --- tenants and namespaces -------------------------------------------------------------------
+
+async def test_two_tenants_asking_the_same_question_at_the_same_moment_cause_two_calls(gw, fake):
+    fake.gate = asyncio.Event()
+    a = asyncio.create_task(gw.chat(headers={"Authorization": "Bearer tenant-a"}))
+    b = asyncio.create_task(gw.chat(headers={"Authorization": "Bearer tenant-b"}))
+    await fake.wait_for_calls(2)
+    fake.gate.set()
+    responses = await asyncio.gather(a, b)
+    assert [r.headers["x-carpool"] for r in responses] == ["miss", "miss"]
+    assert await outcome(gw, **{"Authorization": "Bearer tenant-a"}) == "hit"
+    assert fake.count() == 2
+
+
+async def test_a_configured_shared_namespace_is_shared_across_tenants(fake, gateway_with):
+    async with gateway_with(tenant={"shared_namespaces": ["public-faq"]}) as gw:
+        shared = {"x-carpool-namespace": "public-faq"}
+        assert await outcome(gw, **{"Authorization": "Bearer a", **shared}) == "miss"
+        assert await outcome(gw, **{"Authorization": "Bearer b", **shared}) == "hit"
+        assert await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "x"}) == \
+            "miss"
+
+
+async def test_namespaces_are_separate_partitions(gw, fake):
+    assert await outcome(gw, **{"x-carpool-namespace": "a"}) == "miss"
+    assert await outcome(gw, **{"x-carpool-namespace": "b"}) == "miss"
+    assert await outcome(gw, **{"x-carpool-namespace": "a"}) == "hit"
+
+
+async def test_a_configured_tenant_header_separates_tenants(fake, gateway_with):
+    async with gateway_with(tenant={"header": "X-Team"}) as gw:
+        assert await outcome(gw, **{"X-Team": "red"}) == "miss"
+        assert await outcome(gw, **{"X-Team": "blue"}) == "miss"
+        assert await outcome(gw, **{"X-Team": "red", "Authorization": "Bearer other"}) == "hit"
+
+
+# --- sampling policies ------------------------------------------------------------------------
+
+async def test_x_carpool_share_sampled_shares_only_identical_parameters(gw, fake):
+    opt_in = {"x-carpool-share": "sampled"}
+    first = await gw.chat(temperature=0.9, headers=opt_in)
+    assert first.headers["x-carpool"] == "miss"
+    assert (await gw.chat(temperature=0.9, headers=opt_in)).headers["x-carpool"] == "hit"
+    assert (await gw.chat(temperature=0.8, headers=opt_in)).headers["x-carpool"] == "miss"
+    assert (await gw.chat(temperature=0.9)).headers["x-carpool"] == "bypass"
+
+
+async def test_same_params_sampling_policy_shares_sampled_requests(fake, gateway_with):
+    async with gateway_with(sampling="same-params") as gw:
+        assert (await gw.chat(temperature=0.9)).headers["x-carpool"] == "miss"
+        assert (await gw.chat(temperature=0.9)).headers["x-carpool"] == "hit"
