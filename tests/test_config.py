@@ -46,3 +46,13 @@ def test_ttl_for_a_type_falls_back_to_the_default():
     config = Config()
     assert config.ttl_for("factual") == 0 and config.ttl_for("unknown") == 3600
     assert config.ttl_for(None) == 3600
+
+
+def test_the_config_reference_in_docs_is_generated_from_the_model():
+    from pathlib import Path
+
+    from carpool.config import reference_markdown
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    assert committed == reference_markdown(), "run: carpool config-reference > docs/config.md"
+    for name in Config.model_fields:
+        assert f"`{name}" in committed

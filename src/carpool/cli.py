@@ -97,5 +97,13 @@ def sim(host: str, port: int, replicas: int | None, config_file: str | None,
     asyncio.run(serve_replicas(config.sim, host, port))
 
 
+@main.command("config-reference")
+def config_reference() -> None:
+    """Print the configuration reference (Markdown), generated from the typed config model."""
+    from .config import reference_markdown
+
+    click.echo(reference_markdown(), nl=False)
+
+
 if __name__ == "__main__":
     main()
