@@ -174,7 +174,7 @@ def run_inprocess(n: int = INPROC_N, repeats: int = 3) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    return {"http": run_http(repeats=1 if quick else 3),
+    return {"http": run_http(repeats=1 if quick else 5),
             "inprocess": run_inprocess(repeats=1 if quick else 3)}
 
 

@@ -7,7 +7,8 @@ generator (``loadgen.py``), which is the same client for both sides of every com
 - ``latency``: sequential requests on one keep-alive connection, on the *bypass* path (temperature
   0.7, no seed: ``x-carpool: bypass``, so every request goes through the gateway to the upstream),
   direct vs via the gateway, in alternating blocks. Reports p50/p90/p99 of both and the added p50
-  (target <= 1 ms), also as the median of the per-block differences.
+  (target <= 1 ms), also as the median of the per-block differences. A third target in the same
+  rotation, the temperature-0 body via the gateway (an exact hit), gives the hit latency.
 - ``throughput``: ``concurrency`` connections sending back to back, the same temperature-0 body
   (an exact hit after the first request) to the gateway vs the same body to the raw upstream app;
   alternating rounds; requests/s and the ratio gateway-hit / upstream.
@@ -31,10 +32,13 @@ TARGET_ADDED_P50_MS = 1.0
 
 def _latency(up: int, gw: int, n: int, warmup: int, block: int) -> dict[str, Any]:
     body = c.chat_body(0.7)                 # sampled, no seed: the bypass path
+    hit = c.chat_body(0)                    # for reference: an exact hit (after the warm-up)
     raw = c.loadgen("latency", {"n": n, "warmup": warmup, "block": block, "targets": [
         {"name": "direct", "port": up, "body": body},
         {"name": "gateway", "port": gw, "body": body},
+        {"name": "gateway_hit", "port": gw, "body": hit},
     ]})
+    hit_samples = raw["gateway_hit"]["samples_s"]
     direct, via = raw["direct"]["samples_s"], raw["gateway"]["samples_s"]
     blocks = [c.median(via[i:i + block]) - c.median(direct[i:i + block])
               for i in range(0, min(len(direct), len(via)), block)]
@@ -49,8 +53,10 @@ def _latency(up: int, gw: int, n: int, warmup: int, block: int) -> dict[str, Any
         "added_p50_blockwise_median_ms": round(c.median(blocks) * 1000, 4),
         "target_added_p50_ms": TARGET_ADDED_P50_MS,
         "meets_target": added <= TARGET_ADDED_P50_MS,
+        "gateway_hit": c.summary_ms(hit_samples),
         "gateway_outcomes": raw["gateway"]["outcomes"],
-        "non_200": {"direct": raw["direct"]["non_200"], "gateway": raw["gateway"]["non_200"]},
+        "gateway_hit_outcomes": raw["gateway_hit"]["outcomes"],
+        "non_200": {name: raw[name]["non_200"] for name in ("direct", "gateway", "gateway_hit")},
     }
 
 
@@ -83,8 +89,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             throughput = _throughput(up, gw, concurrency=64, seconds=1.0, rounds=2)
         else:
             latency = _latency(up, gw, n=2000, warmup=200, block=100)
-            throughput = _throughput(up, gw, concurrency=64, seconds=2.0, rounds=4)
+            throughput = _throughput(up, gw, concurrency=64, seconds=2.0, rounds=6)
     ok = (latency["gateway_outcomes"] == {"bypass": latency["n"]}
+          and latency["gateway_hit_outcomes"] == {"hit": latency["n"]}
           and set(throughput["gateway_outcomes"]) == {"hit"}
           and not any(latency["non_200"].values()) and not any(throughput["non_200"].values()))
     return {"ok": ok, "latency": latency, "throughput": throughput}
@@ -92,13 +99,15 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def summarize(result: dict[str, Any]) -> list[str]:
     lat, thr = result["latency"], result["throughput"]
-    d, g = lat["direct"], lat["gateway"]
+    d, g, h = lat["direct"], lat["gateway"], lat["gateway_hit"]
     return [
         f"overhead/bypass    p50/p90/p99 ms: direct {d['p50_ms']:.3f}/{d['p90_ms']:.3f}/"
         f"{d['p99_ms']:.3f}, via gateway {g['p50_ms']:.3f}/{g['p90_ms']:.3f}/{g['p99_ms']:.3f}; "
         f"added p50 {lat['added_p50_ms']:.3f} ms (blockwise {lat['added_p50_blockwise_median_ms']:.3f};"
         f" target <= {lat['target_added_p50_ms']:.0f} ms) "
         f"[{'OK' if lat['meets_target'] else 'OVER'}]",
+        f"overhead/hit-lat   exact hit via gateway p50/p90/p99 ms: {h['p50_ms']:.3f}/"
+        f"{h['p90_ms']:.3f}/{h['p99_ms']:.3f}",
         f"overhead/hit-rps   concurrency {thr['concurrency']}: gateway hits "
         f"{thr['gateway_hit_rps_median']} req/s vs raw upstream app {thr['upstream_rps_median']} "
         f"req/s: ratio {thr['ratio_hit_over_upstream']:.2f}  [{'OK' if result['ok'] else 'FAIL'}]",

@@ -69,8 +69,17 @@ class CacheConfig(_Section):
 class CoalesceConfig(_Section):
     window_ms: float = Field(1000, ge=0, description="Milliseconds a finished answer stays joinable "
                              "by identical requests, even with ttl 0.")
-    adaptive: bool = Field(True, description="Widen or narrow the window per key class from the "
-                           "repeats observed (not implemented yet: the fixed window is used).")
+    adaptive: bool = Field(True, description="Adapt the window per key to how often it is "
+                           "asked: sqrt(T^2 + adaptive_tradeoff x gap) - T for a call of T "
+                           "seconds and a mean gap between arrivals of gap seconds, within "
+                           "[min_window_ms, max_window_ms]; window_ms until the key has repeated "
+                           "3 times (rule and derivation in carpool/window.py).")
+    adaptive_tradeoff: float = Field(8.0, gt=0, description="Seconds; how much answer age the "
+                                     "adaptive window accepts to save an upstream call (larger: "
+                                     "more sharing, older answers).")
+    min_window_ms: float = Field(50, ge=0, description="Shortest adaptive window (ms).")
+    max_window_ms: float = Field(3000, ge=0, description="Longest adaptive window (ms): the "
+                                 "staleness bound, no lingering answer is shared older than this.")
     join_timeout_ms: float = Field(30000, gt=0, description="Milliseconds a joiner waits for "
                                    "the flight's first output (its first streamed chunk, or its "
                                    "whole answer) before it runs its own upstream call.")

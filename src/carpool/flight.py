@@ -10,7 +10,8 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
 2. A leader's error reaches every waiter and is never stored: the flight ends with the error, and
    is dropped at once so the next request calls again.
 3. A finished flight stays joinable for the window, then is gone: a complete answer lingers
-   ``window`` seconds (joiners get it at once), an incomplete one does not linger at all.
+   for the window its ``WindowPolicy`` gives (joiners get it at once; see ``window.py``), an
+   incomplete one (or one led by a ``no-store`` request) does not linger at all.
 4. ``forget`` makes the next request start a fresh flight, and the old flight finishing never removes
    the new one: the group only ever drops the flight it holds if it is the same object.
 5. The leader's client disconnecting does not cancel the call while others wait: the call runs in its
@@ -35,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from .answer import Answer
 from .broadcast import Broadcast
 from .errors import CarpoolError, FlightAbandoned, UpstreamError
+from .window import FixedWindow, WindowPolicy
 
 log = logging.getLogger("carpool.flight")
 
@@ -46,7 +48,7 @@ class JoinTimeout(TimeoutError):
 
 
 class Flight:
-    __slots__ = ("key", "broadcast", "task", "clients", "finished_at", "linger")
+    __slots__ = ("key", "broadcast", "task", "clients", "started_at", "finished_at", "linger")
 
     def __init__(self, key: str, linger: bool = True) -> None:
         self.key = key
@@ -54,6 +56,7 @@ class Flight:
         self.broadcast = Broadcast()
         self.task: asyncio.Task[None] | None = None
         self.clients = 0
+        self.started_at = time.monotonic()
         self.finished_at: float | None = None
 
 
@@ -111,8 +114,9 @@ class Ticket:
 class FlightGroup:
     """The flights in progress (and lingering within the window), by fingerprint key."""
 
-    def __init__(self, *, window: float, finish_abandoned: bool = False) -> None:
-        self.window = window
+    def __init__(self, *, window: float | WindowPolicy, finish_abandoned: bool = False) -> None:
+        self.windows: WindowPolicy = FixedWindow(window) if isinstance(window, (int, float)) \
+            else window
         self.finish_abandoned = finish_abandoned
         self.waiters = 0                     # tickets not yet released, for /stats and metrics
         self._flights: dict[str, Flight] = {}
@@ -133,10 +137,12 @@ class FlightGroup:
         ``no-store`` leader passes False, as lingering would be a form of storing.
         """
         flight = self._flights.get(key)
-        if flight is not None and flight.finished_at is not None and max_age is not None \
-                and time.monotonic() - flight.finished_at >= max_age:
-            self.forget(key, flight)
-            flight = None
+        if flight is None or flight.finished_at is not None:
+            now = time.monotonic()
+            self.windows.arrival(key, now)
+            if flight is not None and max_age is not None and now - flight.finished_at >= max_age:
+                self.forget(key, flight)
+                flight = None
         leader = flight is None
         if flight is None:
             flight = self._flights[key] = Flight(key, linger)
@@ -178,8 +184,10 @@ class FlightGroup:
             self.forget(flight.key, flight)
             return
         broadcast.finish(answer)
-        flight.finished_at = time.monotonic()
-        if answer.complete and flight.linger and self.window > 0:
-            asyncio.get_running_loop().call_later(self.window, self.forget, flight.key, flight)
+        flight.finished_at = now = time.monotonic()
+        window = self.windows.window(flight.key, now, now - flight.started_at) \
+            if answer.complete and flight.linger else 0
+        if window > 0:
+            asyncio.get_running_loop().call_later(window, self.forget, flight.key, flight)
         else:
             self.forget(flight.key, flight)

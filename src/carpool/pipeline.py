@@ -28,7 +28,7 @@ import orjson
 
 from .answer import Answer
 from .broadcast import Broadcast
-from .config import Config
+from .config import CoalesceConfig, Config
 from .errors import (CarpoolError, RequestError, UpstreamError, UpstreamStatusError,
                      UpstreamStreamBroken, error_event)
 from .fingerprint import Fingerprint, fingerprint
@@ -38,6 +38,7 @@ from .outcome import Outcome
 from .request import ClientRequest, Request, parse
 from .sse import DONE, assemble, frame, is_complete, usage_tokens
 from .store import Entry, MemoryStore, Store
+from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger("carpool")
@@ -79,8 +80,9 @@ class Gateway:
             upstreams = build_upstreams(self.config)
         self.upstreams = list(upstreams)
         self.store: Store = store or MemoryStore(self.config.cache.max_bytes)
-        self.flights = FlightGroup(window=self.config.coalesce.window_ms / 1000,
-                                   finish_abandoned=self.config.coalesce.finish_abandoned)
+        coalesce = self.config.coalesce
+        self.flights = FlightGroup(window=window_policy(coalesce),
+                                   finish_abandoned=coalesce.finish_abandoned)
         self.stats = Stats()
         self.metrics = Metrics(self.stats, self.gauges)
         self.load: dict[str, int] = {u.name: 0 for u in self.upstreams}
@@ -285,6 +287,13 @@ class Gateway:
         for upstream in self.upstreams:
             await upstream.aclose()
         await self.store.aclose()
+
+
+def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
+    if coalesce.adaptive:
+        return AdaptiveWindow(coalesce.window_ms / 1000, coalesce.min_window_ms / 1000,
+                              coalesce.max_window_ms / 1000, coalesce.adaptive_tradeoff)
+    return FixedWindow(coalesce.window_ms / 1000)
 
 
 async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast) -> Answer:

@@ -1,0 +1,122 @@
+"""Run every core benchmark in one go and write ``benchmarks/results/core.json``.
+
+    .venv/bin/python benchmarks/run.py            # full run (a few minutes at most)
+    .venv/bin/python benchmarks/run.py --quick    # smaller samples (well under a minute)
+
+See benchmarks/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+import bench_coalesce  # noqa: E402
+import bench_fingerprint  # noqa: E402
+import bench_overhead  # noqa: E402
+
+BENCHMARKS = {
+    "fingerprint": bench_fingerprint,
+    "coalesce": bench_coalesce,
+    "overhead": bench_overhead,
+}
+
+
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """The figures the gateway's issue asks for, flat, for a quick look or a diff."""
+    out: dict[str, Any] = {}
+    if "fingerprint" in results:
+        f = results["fingerprint"]
+        out.update(fingerprint_lookup_us=f["total_us"], fingerprint_split_us=f["split_us"],
+                   fingerprint_target_us=f["target_us"])
+    if "coalesce" in results:
+        h, p = results["coalesce"]["http"], results["coalesce"]["inprocess"]
+        out.update(coalesce_http_n=h["n"], coalesce_http_upstream_calls=h["upstream_calls"],
+                   coalesce_http_outcomes=h["outcomes"],
+                   coalesce_http_wall_ms=round(h["wall_s_median"] * 1000, 2),
+                   coalesce_http_answer_to_last_client_ms=round(
+                       h["release_last_s_median"] * 1000, 2),
+                   coalesce_inprocess_n=p["n"],
+                   coalesce_inprocess_upstream_calls=p["upstream_calls"],
+                   coalesce_inprocess_release_ms=round(p["release_s_median"] * 1000, 2),
+                   coalesce_inprocess_traced_bytes=p["traced_held_bytes"],
+                   coalesce_inprocess_bytes_per_waiter=p["traced_bytes_per_waiter"],
+                   coalesce_inprocess_rss_delta_bytes=p["rss_held_bytes_median"])
+    if "overhead" in results:
+        lat, thr = results["overhead"]["latency"], results["overhead"]["throughput"]
+        out.update(bypass_direct_ms={k: lat["direct"][k] for k in ("p50_ms", "p90_ms", "p99_ms")},
+                   bypass_gateway_ms={k: lat["gateway"][k] for k in ("p50_ms", "p90_ms", "p99_ms")},
+                   bypass_added_p50_ms=lat["added_p50_ms"],
+                   bypass_added_p50_target_ms=lat["target_added_p50_ms"],
+                   hit_gateway_ms={k: lat["gateway_hit"][k] for k in ("p50_ms", "p90_ms", "p99_ms")},
+                   hit_rps=thr["gateway_hit_rps_median"], upstream_rps=thr["upstream_rps_median"],
+                   hit_rps_ratio=thr["ratio_hit_over_upstream"],
+                   throughput_concurrency=thr["concurrency"])
+    return out
+
+
+def ok_of(name: str, result: dict[str, Any]) -> bool:
+    if name == "coalesce":
+        return result["http"]["ok"] and result["inprocess"]["ok"]
+    if name == "overhead":
+        return result["ok"]
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
+    parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
+                        help="run only this benchmark (repeatable)")
+    parser.add_argument("--out", type=Path, default=c.RESULTS / "core.json")
+    args = parser.parse_args()
+
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    durations: dict[str, float] = {}
+    lines: list[str] = []
+    for name, module in BENCHMARKS.items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.monotonic()
+        print(f"[{name}] running ...", file=sys.stderr, flush=True)
+        try:
+            results[name] = module.run(args.quick)
+            lines += module.summarize(results[name])
+            if not ok_of(name, results[name]):
+                errors[name] = "a correctness check failed (see its result)"
+        except Exception:
+            errors[name] = traceback.format_exc()
+            print(errors[name], file=sys.stderr)
+        durations[name] = round(time.monotonic() - t0, 2)
+
+    document = {
+        **c.machine(),
+        "mode": "quick" if args.quick else "full",
+        "duration_s": round(time.monotonic() - started, 2),
+        "durations_s": durations,
+        "ok": not errors,
+        "errors": errors,
+        "figures": headline(results),
+        "results": results,
+    }
+    c.write_json(args.out, document)
+    print(f"carpool benchmarks ({document['mode']}), {document['date']}, {document['machine']}, "
+          f"{document['cpu_count']} CPUs, Python {document['python']}, "
+          f"{document['duration_s']:.0f} s")
+    print("\n".join(lines))
+    for name, error in errors.items():
+        print(f"{name}: FAILED: {error.strip().splitlines()[-1]}")
+    print(f"-> {args.out}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""How long a finished answer stays joinable: the coalescing window, fixed or adaptive.
+
+A finished flight lingers for a window so that identical requests arriving just after it get its
+answer (``coalesced``) even when the answer is not stored (``factual`` ttl 0, ``no-cache``, a full
+cache). The window trades upstream calls against the age of the answers it shares: every request
+served from a lingering answer receives an answer as old as the time since it finished.
+
+Contract:
+- ``arrival(key, now)`` is called for every request that finds no call *running* for its key
+  (it leads one, or joins a lingering answer): requests that join a running call are shared
+  whatever the window, so they say nothing about it. ``window(key, now, duration)`` is asked
+  when a flight for ``key`` finishes after a call of ``duration`` seconds; it answers seconds.
+- ``FixedWindow`` always answers ``coalesce.window_ms``.
+- ``AdaptiveWindow`` (``coalesce.adaptive: true``) answers, per key class (the fingerprint key:
+  the finest class there is, so one hot question never decides the window of a rare one):
+
+      window = clamp(sqrt(T^2 + C x gap) - T,  min_window_ms, max_window_ms)
+
+  with ``T`` the duration of the call that just finished, ``gap`` an exponentially weighted mean
+  of the gaps between the key's arrivals (weight ``ALPHA`` on the newest) and ``C`` =
+  ``coalesce.adaptive_tradeoff`` seconds. A key with fewer than ``MIN_GAPS`` gaps seen gets the
+  configured ``window_ms``, so a key's first repeats always see the documented window.
+
+  Why: while a key is asked every ``gap`` seconds, each cycle of ``T + W`` seconds costs one
+  upstream call, and the requests served from the window (``W / gap`` of them) receive answers
+  ``W / 2`` old on average. Minimising calls per second + (2 / C) x answer-age per second gives
+  ``W^2 + 2TW = C x gap``, the rule above. A hot key (small gap) already shares through the
+  requests that join its running call, so it gets a short window and fresh answers; a rare key
+  (large gap) is shared only through the window, so it gets a long one. ``max_window_ms`` is the
+  staleness bound: no lingering answer is ever shared older than it.
+- Memory is bounded: the gap table keeps the ``capacity`` most recently seen keys.
+- The rule is measured against fixed windows in ``benchmarks/bench_window.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Protocol
+
+ALPHA = 0.3
+MIN_GAPS = 3
+
+
+class WindowPolicy(Protocol):
+    def arrival(self, key: str, now: float) -> None: ...
+
+    def window(self, key: str, now: float, duration: float) -> float: ...
+
+
+class FixedWindow:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def arrival(self, key: str, now: float) -> None:
+        return None
+
+    def window(self, key: str, now: float, duration: float) -> float:
+        return self.seconds
+
+
+class AdaptiveWindow:
+    def __init__(self, base: float, low: float, high: float, tradeoff: float,
+                 capacity: int = 100_000) -> None:
+        self.base, self.low, self.high, self.tradeoff = base, low, max(low, high), tradeoff
+        self.capacity = capacity
+        # key -> [last arrival, mean gap, gaps seen]
+        self._keys: OrderedDict[str, list[float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def arrival(self, key: str, now: float) -> None:
+        seen = self._keys.get(key)
+        if seen is None:
+            self._keys[key] = [now, 0.0, 0]
+            if len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+            return
+        gap = now - seen[0]
+        seen[1] = gap if seen[2] == 0 else ALPHA * gap + (1 - ALPHA) * seen[1]
+        seen[0] = now
+        seen[2] += 1
+        self._keys.move_to_end(key)
+
+    def window(self, key: str, now: float, duration: float) -> float:
+        seen = self._keys.get(key)
+        if seen is None or seen[2] < MIN_GAPS:
+            return self.base
+        best = math.sqrt(duration * duration + self.tradeoff * seen[1]) - duration
+        return min(self.high, max(self.low, best))
