@@ -37,7 +37,7 @@ def machine() -> dict[str, Any]:
     except ImportError:  # pragma: no cover
         loop = "asyncio"
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),

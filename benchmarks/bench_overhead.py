@@ -67,7 +67,7 @@ def _throughput(up: int, gw: int, concurrency: int, seconds: float, rounds: int)
         "targets": [{"name": "upstream", "port": up, "body": body},
                     {"name": "gateway_hit", "port": gw, "body": body}]})
     up_rps, hit_rps = raw["upstream"]["rps"], raw["gateway_hit"]["rps"]
-    ratios = [h / u for h, u in zip(hit_rps, up_rps)]
+    ratios = [h / u for h, u in zip(hit_rps, up_rps, strict=True)]
     return {
         "concurrency": concurrency, "seconds": seconds, "rounds": rounds,
         "upstream_rps_median": round(c.median(up_rps)),
@@ -103,7 +103,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
     return [
         f"overhead/bypass    p50/p90/p99 ms: direct {d['p50_ms']:.3f}/{d['p90_ms']:.3f}/"
         f"{d['p99_ms']:.3f}, via gateway {g['p50_ms']:.3f}/{g['p90_ms']:.3f}/{g['p99_ms']:.3f}; "
-        f"added p50 {lat['added_p50_ms']:.3f} ms (blockwise {lat['added_p50_blockwise_median_ms']:.3f};"
+        f"added p50 {lat['added_p50_ms']:.3f} ms "
+        f"(blockwise {lat['added_p50_blockwise_median_ms']:.3f};"
         f" target <= {lat['target_added_p50_ms']:.0f} ms) "
         f"[{'OK' if lat['meets_target'] else 'OVER'}]",
         f"overhead/hit-lat   exact hit via gateway p50/p90/p99 ms: {h['p50_ms']:.3f}/"

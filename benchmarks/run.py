@@ -49,12 +49,13 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
                    coalesce_inprocess_bytes_per_waiter=p["traced_bytes_per_waiter"],
                    coalesce_inprocess_rss_delta_bytes=p["rss_held_bytes_median"])
     if "overhead" in results:
+        pcts = ("p50_ms", "p90_ms", "p99_ms")
         lat, thr = results["overhead"]["latency"], results["overhead"]["throughput"]
-        out.update(bypass_direct_ms={k: lat["direct"][k] for k in ("p50_ms", "p90_ms", "p99_ms")},
-                   bypass_gateway_ms={k: lat["gateway"][k] for k in ("p50_ms", "p90_ms", "p99_ms")},
+        out.update(bypass_direct_ms={k: lat["direct"][k] for k in pcts},
+                   bypass_gateway_ms={k: lat["gateway"][k] for k in pcts},
                    bypass_added_p50_ms=lat["added_p50_ms"],
                    bypass_added_p50_target_ms=lat["target_added_p50_ms"],
-                   hit_gateway_ms={k: lat["gateway_hit"][k] for k in ("p50_ms", "p90_ms", "p99_ms")},
+                   hit_gateway_ms={k: lat["gateway_hit"][k] for k in pcts},
                    hit_rps=thr["gateway_hit_rps_median"], upstream_rps=thr["upstream_rps_median"],
                    hit_rps_ratio=thr["ratio_hit_over_upstream"],
                    throughput_concurrency=thr["concurrency"])

@@ -166,3 +166,10 @@ def test_property_any_change_of_a_parameter_changes_the_key(field, a, b):
     changed = copy.deepcopy(body)
     body[field], changed[field] = a, b
     assert (key(body) == key(changed)) is (a == b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\xa0é")),
+                    max_size=20))
+def test_property_the_fast_path_agrees_with_split_and_join(text):
+    assert normalize_text(text, True) == " ".join(unicodedata.normalize("NFC", text).split())

@@ -2,7 +2,7 @@
 
 Every error the gateway answers with is one of these, so the HTTP status and the OpenAI error body
 (``{"error": {"message", "type", "code"}}``) are decided in one place. Errors of the layer below
-(httpx, Redis, pydantic) are translated at the boundary, keeping the original as ``__cause__``.
+(aiohttp, Redis, pydantic) are translated at the boundary, keeping the original as ``__cause__``.
 
     CarpoolError                      base; never raised itself
     ├── RequestError                  400: the client's request is malformed or invalid

@@ -141,11 +141,23 @@ def normalize_text(text: str, collapse: bool) -> str:
     if not collapse:
         return text
     if _FENCE not in text:
+        if text.isascii():
+            text = text.strip()
+            if not _needs_collapse(text):
+                return text                   # the common case: no inner runs to collapse
         return " ".join(text.split())
     # Even-numbered pieces are prose, odd-numbered ones are inside a fence and kept verbatim.
     pieces = text.split(_FENCE)
     return _FENCE.join(piece if i % 2 else _WHITESPACE_RUN.sub(" ", piece)
                        for i, piece in enumerate(pieces)).strip()
+
+
+def _needs_collapse(text: str) -> bool:
+    """For stripped ASCII text: is there any inner white space other than single spaces?"""
+    # A handful of C-speed substring scans is ~4x faster than split/join on a 600-char prompt.
+    return ("  " in text or "\n" in text or "\t" in text
+            or "\r" in text or "\x0b" in text or "\x0c" in text or "\x1c" in text
+            or "\x1d" in text or "\x1e" in text or "\x1f" in text)
 
 
 def _canonical(value: Any) -> Any:

@@ -102,6 +102,7 @@ class Gateway:
             return _error_reply(error, Outcome.BYPASS)
         key = fingerprint(request, self.config)
         if key.key is None:
+            _waiting(client)
             return await self._bypass(request, route)
         controls = request.controls
         if controls.may_read:
@@ -109,6 +110,7 @@ class Gateway:
             if entry is not None and (controls.max_age is None
                                       or entry.answer.age() < controls.max_age):
                 return self._served(route, Outcome.HIT, entry.answer, request)
+        _waiting(client)
         lead = partial(self._lead, request, key)
         ticket = self.flights.acquire(key.key, lead,
                                       max_age=controls.max_age if controls.may_read else 0,
@@ -351,6 +353,11 @@ async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
         yield error_event(error)
     finally:
         await response.aclose()
+
+
+def _waiting(client: ClientRequest) -> None:
+    if client.on_wait is not None:
+        client.on_wait()
 
 
 def _error_reply(error: CarpoolError, outcome: Outcome | None) -> Reply:

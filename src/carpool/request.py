@@ -14,7 +14,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,9 @@ class ClientRequest:
     path: str
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)   # lower-case names
+    # Called once the request must wait (on a flight or the upstream), so that a transport can
+    # start watching for its client leaving only then: an immediate hit never pays for it.
+    on_wait: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)

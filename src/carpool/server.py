@@ -63,21 +63,20 @@ class GatewayApp:
             return
         if body is None:
             return                                  # the client left before sending its body
-        task = asyncio.current_task()
-        assert task is not None
-        state = _Watch()
-        watcher = asyncio.get_running_loop().create_task(_watch(receive, task, state))
+        state = _Watch(receive)
         reply: Reply | None = None
         try:
-            reply = await self.gateway.handle(ClientRequest(scope["path"], body, headers))
+            reply = await self.gateway.handle(
+                ClientRequest(scope["path"], body, headers, on_wait=state.start))
+            if reply.stream is not None:
+                state.start()
             await _send_reply(send, reply, state)
         except asyncio.CancelledError:
             if not state.client_left:
                 raise
-            task.uncancel()                         # we cancelled ourselves: the client left
+            asyncio.current_task().uncancel()       # type: ignore[union-attr]  # we did it
         finally:
-            state.finished = True
-            watcher.cancel()
+            state.stop()
             if reply is not None:
                 reply.close()
                 if reply.outcome is not None:
@@ -86,22 +85,39 @@ class GatewayApp:
 
 
 class _Watch:
-    __slots__ = ("finished", "client_left")
+    """Cancels the request's task if its client disconnects before the reply is complete.
 
-    def __init__(self) -> None:
+    Started only when the request has to wait or stream (``start``): an immediate answer never
+    creates the watcher task.
+    """
+
+    __slots__ = ("receive", "task", "watcher", "finished", "client_left")
+
+    def __init__(self, receive: Any) -> None:
+        self.receive = receive
+        self.task: asyncio.Task[Any] | None = None
+        self.watcher: asyncio.Task[None] | None = None
         self.finished = False
         self.client_left = False
 
+    def start(self) -> None:
+        if self.watcher is None:
+            self.task = asyncio.current_task()
+            self.watcher = asyncio.get_running_loop().create_task(self._watch())
 
-async def _watch(receive: Any, task: asyncio.Task[Any], state: _Watch) -> None:
-    """Cancel the request's task when its client disconnects before the reply is complete."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not state.finished:
-                state.client_left = True
-                task.cancel()
-            return
+    def stop(self) -> None:
+        self.finished = True
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                if not self.finished and self.task is not None:
+                    self.client_left = True
+                    self.task.cancel()
+                return
 
 
 async def _read_body(receive: Any, headers: dict[str, str], limit: int) -> bytes | None:
