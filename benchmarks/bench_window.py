@@ -119,7 +119,24 @@ def policies() -> dict[str, object]:
     return out
 
 
-def run(seconds: float = 600, seeds: int = 5, call_s: float = 0.8) -> dict[str, object]:
+def run(quick: bool = False) -> dict[str, object]:
+    """For benchmarks/run.py: the full comparison, or a smaller one with ``quick``."""
+    return simulate(120 if quick else 600, 2 if quick else 5)
+
+
+def summarize(result: dict[str, object]) -> list[str]:
+    lines = []
+    for name, row in result["policies"].items():  # type: ignore[union-attr]
+        lines.append(f"window/{name:<14} shared {row['shared']:.4f}, mean age "
+                     f"{row['mean_age_ms']:.0f} ms, p95 age {row['p95_age_ms']:.0f} ms")
+    verdict = result["verdict"]
+    lines.append(f"window/verdict      vs {verdict['best_fixed_by_share']} (best share): adaptive "
+                 f"shares at least as much: {verdict['adaptive_shares_at_least_as_much']}, "
+                 f"answers no older: {verdict['adaptive_answers_no_older']}")
+    return lines
+
+
+def simulate(seconds: float = 600, seeds: int = 5, call_s: float = 0.8) -> dict[str, object]:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in policies()}
     for seed in range(seeds):
         trace = bursty_zipf_trace(seed, seconds)
@@ -144,7 +161,7 @@ def main() -> None:
     parser.add_argument("--call-s", type=float, default=0.8)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    result = run(args.seconds, args.seeds, args.call_s)
+    result = simulate(args.seconds, args.seeds, args.call_s)
     print(f"{'policy':<16}{'shared':>10}{'mean age ms':>14}{'p95 age ms':>12}{'calls':>9}")
     for name, row in result["policies"].items():
         print(f"{name:<16}{row['shared']:>10.4f}{row['mean_age_ms']:>14.1f}"

@@ -20,11 +20,13 @@ import _common as c  # noqa: E402
 import bench_coalesce  # noqa: E402
 import bench_fingerprint  # noqa: E402
 import bench_overhead  # noqa: E402
+import bench_window  # noqa: E402
 
 BENCHMARKS = {
     "fingerprint": bench_fingerprint,
     "coalesce": bench_coalesce,
     "overhead": bench_overhead,
+    "window": bench_window,
 }
 
 
@@ -59,6 +61,9 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
                    hit_rps=thr["gateway_hit_rps_median"], upstream_rps=thr["upstream_rps_median"],
                    hit_rps_ratio=thr["ratio_hit_over_upstream"],
                    throughput_concurrency=thr["concurrency"])
+    if "window" in results:
+        out.update(window_policies=results["window"]["policies"],
+                   window_verdict=results["window"]["verdict"])
     return out
 
 
