@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import orjson
-
 from _common import ANSWER
 
 JSON_HEADERS = [(b"content-type", b"application/json"),

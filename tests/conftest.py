@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes.serving import serve_app
-from fakes.upstream import FakeUpstream
 
 from carpool.config import Config
 from carpool.pipeline import Gateway
 from carpool.server import create_app
+from fakes.serving import serve_app
+from fakes.upstream import FakeUpstream
 
 
 @dataclass

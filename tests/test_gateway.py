@@ -8,6 +8,7 @@ import json
 import httpx
 import orjson
 import pytest
+
 from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"

@@ -6,6 +6,7 @@ import asyncio
 
 import openai
 import pytest
+
 from fakes.waiting import eventually
 
 MESSAGES = [{"role": "user", "content": "What is carpool?"}]

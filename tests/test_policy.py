@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from fakes.waiting import eventually
 
 
@@ -56,6 +57,7 @@ async def test_no_store_may_still_coalesce_with_a_call_in_flight(gw, fake):
     second = asyncio.create_task(gw.chat(headers={"Cache-Control": "no-store"}))
     await eventually(lambda: clients_on_flights(gw) == 2)
     fake.gate.set()
+    assert (await first).headers["x-carpool"] == "miss"
     assert (await second).headers["x-carpool"] == "coalesced"
     assert fake.count() == 1
 

@@ -4,9 +4,17 @@ The public surface is this sorted list; everything else is an implementation mod
 """
 
 from .config import Config, ConfigError
-from .errors import (BodyTooLarge, CarpoolError, FlightAbandoned, RequestError, UpstreamError,
-                     UpstreamStatusError, UpstreamStreamBroken, UpstreamTimeout,
-                     UpstreamUnreachable)
+from .errors import (
+                     BodyTooLarge,
+                     CarpoolError,
+                     FlightAbandoned,
+                     RequestError,
+                     UpstreamError,
+                     UpstreamStatusError,
+                     UpstreamStreamBroken,
+                     UpstreamTimeout,
+                     UpstreamUnreachable,
+)
 from .outcome import Outcome
 from .pipeline import Gateway, Reply
 from .server import create_app

@@ -77,6 +77,8 @@ class CoalesceConfig(_Section):
     adaptive_tradeoff: float = Field(8.0, gt=0, description="Seconds; how much answer age the "
                                      "adaptive window accepts to save an upstream call (larger: "
                                      "more sharing, older answers).")
+    adaptive_keys: int = Field(100_000, ge=1, description="Keys whose arrival gaps the adaptive "
+                               "window remembers (least recently seen forgotten first).")
     min_window_ms: float = Field(50, ge=0, description="Shortest adaptive window (ms).")
     max_window_ms: float = Field(3000, ge=0, description="Longest adaptive window (ms): the "
                                  "staleness bound, no lingering answer is shared older than this.")

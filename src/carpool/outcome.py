@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     HIT = "hit"                       # served from the exact cache
     SEMANTIC_HIT = "semantic-hit"     # served from the semantic cache
     COALESCED = "coalesced"           # shared an identical request's upstream call

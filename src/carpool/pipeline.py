@@ -29,8 +29,14 @@ import orjson
 from .answer import Answer
 from .broadcast import Broadcast
 from .config import CoalesceConfig, Config
-from .errors import (CarpoolError, RequestError, UpstreamError, UpstreamStatusError,
-                     UpstreamStreamBroken, error_event)
+from .errors import (
+    CarpoolError,
+    RequestError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+    error_event,
+)
 from .fingerprint import Fingerprint, fingerprint
 from .flight import FlightGroup, JoinTimeout, Ticket
 from .metrics import Metrics, Stats
@@ -38,8 +44,8 @@ from .outcome import Outcome
 from .request import ClientRequest, Request, parse
 from .sse import DONE, assemble, frame, is_complete, usage_tokens
 from .store import Entry, MemoryStore, Store
-from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
+from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 log = logging.getLogger("carpool")
 
@@ -294,7 +300,8 @@ class Gateway:
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
     if coalesce.adaptive:
         return AdaptiveWindow(coalesce.window_ms / 1000, coalesce.min_window_ms / 1000,
-                              coalesce.max_window_ms / 1000, coalesce.adaptive_tradeoff)
+                              coalesce.max_window_ms / 1000, coalesce.adaptive_tradeoff,
+                              coalesce.adaptive_keys)
     return FixedWindow(coalesce.window_ms / 1000)
 
 

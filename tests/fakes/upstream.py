@@ -216,7 +216,7 @@ class FakeUpstream:
 
         try:
             await asyncio.wait_for(_wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(
                 f"fake upstream: {what} not reached within {timeout} s "
                 f"(calls={len(self.calls)}, in_flight={self.in_flight}, "

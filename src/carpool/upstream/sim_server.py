@@ -156,7 +156,7 @@ async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
 async def _announce_when_started(replicas: list[SimReplica], servers: list[uvicorn.Server],
                                  tasks: list[asyncio.Task[None]], host: str) -> None:
     """Print each replica's URL once it listens (the bound port, which matters for port 0)."""
-    for replica, server, task in zip(replicas, servers, tasks):
+    for replica, server, task in zip(replicas, servers, tasks, strict=True):
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if not server.started:
