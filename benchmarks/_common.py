@@ -201,3 +201,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
+
+
+def standalone(doc: str, run: Any, summarize: Any) -> None:
+    """The command line every benchmark module shares when run alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the full result")
+    args = parser.parse_args()
+    result = run(args.quick)
+    print("\n".join(summarize(result)))
+    if args.json:
+        print(json.dumps(result, indent=2))

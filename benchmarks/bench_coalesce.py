@@ -17,11 +17,9 @@ Two variants:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import gc
-import json
 import sys
 import time
 import tracemalloc
@@ -193,14 +191,7 @@ def summarize(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="also print the full result")
-    args = parser.parse_args()
-    result = run(args.quick)
-    print("\n".join(summarize(result)))
-    if args.json:
-        print(json.dumps(result, indent=2))
+    c.standalone(__doc__, run, summarize)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ generator (``loadgen.py``), which is the same client for both sides of every com
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,14 +114,7 @@ def summarize(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="also print the full result")
-    args = parser.parse_args()
-    result = run(args.quick)
-    print("\n".join(summarize(result)))
-    if args.json:
-        print(json.dumps(result, indent=2))
+    c.standalone(__doc__, run, summarize)
 
 
 if __name__ == "__main__":
