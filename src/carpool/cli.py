@@ -60,14 +60,25 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
                  config.sim.replicas)
     if config.redis:
         log.warning("carpool: --redis is not implemented yet; using the in-process store")
-    if config.semantic.enabled:
-        log.warning("carpool: the semantic cache is not implemented yet; it stays off")
     import uvicorn
 
     from .pipeline import Gateway
     from .server import create_app
 
-    app = create_app(Gateway(config))
+    try:
+        gateway = Gateway(config)
+    except ImportError as error:
+        click.echo(f"carpool: semantic.enabled needs the semantic extra: "
+                   f"pip install 'carpool[semantic]' ({error})", err=True)
+        sys.exit(2)
+    if gateway.semantic is None:
+        log.info("carpool: semantic cache off (turn it on with semantic.enabled: true, or "
+                 "CARPOOL_SEMANTIC__ENABLED=true; needs pip install 'carpool[semantic]')")
+    else:
+        log.info("carpool: semantic cache on (mode %s, threshold %.2f, embedder %s)",
+                 config.semantic.mode, gateway.semantic.threshold,
+                 gateway.semantic.embedder.name)
+    app = create_app(gateway)
     log.info("carpool: listening on http://%s:%d/v1", config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                 access_log=False, loop="auto", http="auto")
@@ -95,6 +106,41 @@ def sim(host: str, port: int, replicas: int | None, config_file: str | None,
     from .upstream.sim_server import serve_replicas
 
     asyncio.run(serve_replicas(config.sim, host, port))
+
+
+@main.command("eval-semantic")
+@click.option("--pairs", "pair_files", multiple=True, required=True,
+              type=click.Path(exists=True, dir_okay=False),
+              help="JSONL of {a, b, same_answer[, category]} (repeatable).")
+@click.option("--decisions", type=click.Path(dir_okay=False), default=None,
+              help="Write one JSONL row per pair with its decision.")
+@click.option("--threshold", type=float, default=None,
+              help="Similarity threshold [the calibrated default].")
+@click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
+def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold: float | None,
+                  sweep: bool) -> None:
+    """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
+    from pathlib import Path
+
+    try:
+        from .semantic.cache import CALIBRATED_THRESHOLD
+        from .semantic.embed import default_embedder
+        from .semantic.evaluate import Evaluator, format_report, load_pairs, write_decisions
+        embedder = default_embedder()
+    except ImportError as error:
+        click.echo(f"carpool: the semantic cache needs its extra: pip install 'carpool[semantic]'"
+                   f" ({error})", err=True)
+        sys.exit(2)
+    threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
+    evaluator = Evaluator(load_pairs(pair_files), embedder)
+    click.echo(format_report(evaluator.report(threshold), threshold))
+    if sweep:
+        click.echo(f"\n{'threshold':>10}{'served':>9}{'wrong':>8}")
+        for row in evaluator.sweep([round(0.60 + 0.01 * i, 2) for i in range(36)]):
+            click.echo(f"{row['threshold']:>10.2f}{100 * (row['hit_rate'] or 0):>8.1f}%"
+                       f"{100 * (row['wrong_rate'] or 0):>7.1f}%")
+    if decisions:
+        write_decisions(evaluator, threshold, Path(decisions))
 
 
 @main.command("config-reference")

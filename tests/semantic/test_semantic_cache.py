@@ -1,0 +1,128 @@
+"""The semantic cache over HTTP: near-duplicates served, meaning changes and other scopes refused."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("usearch")
+
+from fakes.waiting import eventually  # noqa: E402
+
+SEMANTIC = {"semantic": {"enabled": True}}
+
+
+async def ask(gw, content, *, system=None, history=(), headers=None, **body):
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history) + \
+        [{"role": "user", "content": content}]
+    response = await gw.client.post("/v1/chat/completions", headers=headers, json={
+        "model": "m", "temperature": 0, "messages": messages, **body})
+    assert response.status_code == 200, response.text
+    return response
+
+
+async def stored(gw, n=1):
+    await eventually(lambda: gw.gateway.semantic.entries >= n, what="the semantic insert")
+
+
+@pytest.fixture
+async def sgw(gateway_with):
+    async with gateway_with(**SEMANTIC) as served:
+        yield served
+
+
+async def test_a_paraphrase_is_a_semantic_hit_with_its_similarity(sgw, fake):
+    first = await ask(sgw, "How do I reset my router?")
+    await stored(sgw)
+    again = await ask(sgw, "how can i reset my router")
+    assert again.headers["x-carpool"] == "semantic-hit"
+    assert 0 < float(again.headers["x-carpool-similarity"]) <= 1
+    assert "age" in again.headers
+    assert again.json() == first.json() and fake.count() == 1
+    stats = (await sgw.client.get("/stats")).json()
+    assert stats["semantic_hits"] == 1 and stats["layers"]["semantic"]["entries"] == 1
+
+
+async def test_a_negation_is_never_served(sgw, fake):
+    await ask(sgw, "Is ibuprofen safe to take with alcohol?")
+    await stored(sgw)
+    response = await ask(sgw, "Is ibuprofen unsafe to take with alcohol?")
+    assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_a_changed_number_is_never_served(sgw, fake):
+    await ask(sgw, "What is the baggage allowance for 2 passengers?")
+    await stored(sgw)
+    response = await ask(sgw, "What is the baggage allowance for 3 passengers?")
+    assert response.headers["x-carpool"] == "miss"
+
+
+async def test_only_the_last_user_turn_is_compared_earlier_turns_must_match(sgw, fake):
+    gym = [{"role": "user", "content": "I have a gym membership."},
+           {"role": "assistant", "content": "Great, how can I help?"}]
+    phone = [{"role": "user", "content": "I have a phone plan."},
+             {"role": "assistant", "content": "Great, how can I help?"}]
+    await ask(sgw, "How do I cancel it?", history=gym)
+    await stored(sgw)
+    assert (await ask(sgw, "How do I cancel it?", history=phone)).headers["x-carpool"] == "miss"
+    assert (await ask(sgw, "how can I cancel it", history=gym)).headers["x-carpool"] == \
+        "semantic-hit"
+
+
+async def test_a_different_system_prompt_or_parameter_is_another_scope(sgw, fake):
+    await ask(sgw, "How do I reset my router?", system="You are terse.")
+    await stored(sgw)
+    assert (await ask(sgw, "how can i reset my router", system="You are verbose.")
+            ).headers["x-carpool"] == "miss"
+    assert (await ask(sgw, "how can i reset my router", system="You are terse.", max_tokens=5)
+            ).headers["x-carpool"] == "miss"
+
+
+async def test_tenants_never_share_semantic_entries(sgw, fake):
+    await ask(sgw, "How do I reset my router?", headers={"Authorization": "Bearer a"})
+    await stored(sgw)
+    response = await ask(sgw, "how can i reset my router", headers={"Authorization": "Bearer b"})
+    assert response.headers["x-carpool"] == "miss"
+
+
+async def test_no_cache_does_not_read_and_no_store_does_not_write_the_semantic_cache(sgw, fake):
+    await ask(sgw, "How do I reset my router?")
+    await stored(sgw)
+    response = await ask(sgw, "how can i reset my router", headers={"Cache-Control": "no-cache"})
+    assert response.headers["x-carpool"] == "miss"
+    await stored(sgw, 2)                          # no-cache still stores what it fetched
+    await ask(sgw, "Where is my parcel right now?", headers={"Cache-Control": "no-store"})
+    await ask(sgw, "What time do you open on Sundays?", headers={"x-carpool-type": "factual"})
+    assert not sgw.gateway._background            # no insert was even started for those two
+    assert sgw.gateway.semantic.entries == 2
+
+
+async def test_max_age_applies_to_semantic_hits(sgw, fake):
+    await ask(sgw, "How do I reset my router?")
+    await stored(sgw)
+    response = await ask(sgw, "how can i reset my router", headers={"Cache-Control": "max-age=0"})
+    assert response.headers["x-carpool"] == "miss"
+
+
+async def test_invalidation_by_tag_reaches_the_semantic_cache(fake, gateway_with):
+    async with gateway_with(admin_token="t", **SEMANTIC) as gw:
+        await ask(gw, "How do I reset my router?", headers={"x-carpool-tags": "router"})
+        await stored(gw)
+        dropped = await gw.client.post("/admin/invalidate", json={"tag": "router"},
+                                       headers={"Authorization": "Bearer t"})
+        assert dropped.json() == {"invalidated": 2}      # exact + semantic
+        assert (await ask(gw, "how can i reset my router")).headers["x-carpool"] == "miss"
+
+
+async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fake, gateway_with):
+    async with gateway_with(semantic={"enabled": True, "mode": "mark"}) as gw:
+        await ask(gw, "How do I reset my router?")
+        await stored(gw)
+        response = await ask(gw, "how can i reset my router")
+        assert response.headers["x-carpool"] == "miss"
+        assert float(response.headers["x-carpool-similarity"]) > 0.8
+        assert response.headers["x-carpool-semantic-verdict"] == "serve"
+        assert response.headers["x-carpool-semantic-nearest"] == "How%20do%20I%20reset%20my%20router%3F"
+        negated = await ask(gw, "How do I not reset my router?")
+        assert negated.headers["x-carpool-semantic-verdict"].startswith("guard:")
+        assert fake.count() == 3
