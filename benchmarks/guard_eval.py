@@ -9,6 +9,7 @@ turns are scoped by exact match elsewhere).
     .venv/bin/python benchmarks/guard_eval.py --half odd      # held-out half (odd line numbers)
     .venv/bin/python benchmarks/guard_eval.py --half even --errors 30 --file semantoneg
     .venv/bin/python benchmarks/guard_eval.py --json          # machine-readable summary
+    .venv/bin/python benchmarks/guard_eval.py --timing        # time per pair, per file
 
 Line numbers count from 0: ``--half even`` is lines 0, 2, 4, ... (the development half),
 ``--half odd`` lines 1, 3, 5, ... (the check half).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -66,6 +68,38 @@ def load(data_dir: Path, half: str | None, only: str | None) -> dict[str, list[d
     return out
 
 
+def timing(rows: list[dict], limit: int = 2000, repeats: int = 5) -> dict[str, float]:
+    """check() cost per pair: both texts never seen (each analysed), only the new one unseen
+    (the cached prompt's analysis memoised, the usual case), and both memoised. Word-level
+    caches are warm, as in a running server."""
+    pairs = [(last_user_turn(r["a"]), last_user_turn(r["b"])) for r in rows[:limit]]
+    for a, b in pairs:                          # warm the word caches
+        guard.check(a, b)
+    out: dict[str, list[float]] = {"cold": [], "one_new": [], "warm": []}
+    for _ in range(repeats):
+        guard._analyse.cache_clear()
+        t0 = time.perf_counter()
+        for a, b in pairs:
+            guard.check(a, b)
+        out["cold"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for a, b in pairs:
+            guard.check(a, b)
+        out["warm"].append(time.perf_counter() - t0)
+        guard._analyse.cache_clear()
+        for _a, b in pairs:
+            guard._analyse(b)
+        t0 = time.perf_counter()
+        for a, b in pairs:
+            guard._analyse(b)
+            guard.check(a + " ", b)             # a text not seen before, same meaning
+        out["one_new"].append(time.perf_counter() - t0)
+    words = sum(len(guard._analyse(a).bases) + len(guard._analyse(b).bases) for a, b in pairs)
+    res = {k: round(statistics.median(v) / len(pairs) * 1e6, 1) for k, v in out.items()}
+    res["words_per_text"] = round(words / (2 * len(pairs)), 1)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=None, help="folder of *.jsonl pair files")
@@ -74,6 +108,8 @@ def main() -> int:
     ap.add_argument("--errors", type=int, default=0, help="print up to N errors of each kind")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--timing", action="store_true",
+                    help="also time check() per file: both texts new, and with analyses memoised")
     args = ap.parse_args()
 
     data_dir = args.data or next((d for d in DATA_CANDIDATES if d.is_dir()), None)
@@ -114,6 +150,9 @@ def main() -> int:
     summary["pairs"] = total_pairs
     summary["us_per_pair_first_seen"] = round(total_time / max(1, total_pairs) * 1e6, 1)
 
+    if args.timing:
+        summary["timing_us"] = {name: timing(rows) for name, rows in files.items()}
+
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -125,6 +164,12 @@ def main() -> int:
                 what = "accept" if "accept" in s else "reject"
                 reasons = ", ".join(f"{k} {v}" for k, v in s["reasons"].items())
                 print(f"  {cat:34s} n={s['n']:5d}  {what} {100 * s[what]:5.1f}%   {reasons}")
+    if args.timing and not args.json:
+        print("\ntiming, us per pair (median of 5 runs over up to 2,000 pairs):")
+        for name, t in summary["timing_us"].items():
+            print(f"  {name:16s} words/text {t['words_per_text']:5.1f}   both texts new "
+                  f"{t['cold']:6.1f}   cached prompt memoised {t['one_new']:6.1f}   both memoised "
+                  f"{t['warm']:6.1f}")
     if args.errors:
         rng = random.Random(args.seed)
         for kind, lines in sorted(errors.items()):

@@ -4,85 +4,103 @@ The semantic cache finds candidates by embedding similarity, and embeddings are 
 edits that flip an answer: "Is ibuprofen safe with alcohol?" and "...unsafe with alcohol?" score
 0.99. :func:`check` runs on every candidate pair (new prompt, cached prompt) that passed the
 similarity threshold and rejects the pair when the two prompts differ in something that changes
-the answer. It is pure, deterministic and fast (tens of microseconds for short prompts; each text's
-analysis is memoised), and uses no model: rules and the word lists in :mod:`guard_words`.
+the answer. It is pure, deterministic and fast (a few tens of microseconds for short prompts; each
+text's analysis is memoised, so a cached prompt is analysed once), and uses no model: rules, and
+the word lists in :mod:`carpool.semantic.guard_words`.
 
 Contract
 --------
-``check(new, cached) -> Verdict(ok, reason)``; ``reason`` is ``None`` when ``ok``, else one short
-code (the first rule that fired, in the order below), used as a metric label. The rules are
-symmetric: ``check(a, b).ok == check(b, a).ok``.
+``check(new, cached) -> Verdict(ok, reason)``; ``reason`` is ``None`` when ``ok``, else one code of
+:data:`REASONS` (the first rule that fired, in the order below), used as a metric label. The
+verdict is symmetric: ``check(a, b) == check(b, a)``. For a conversation, pass the last user turn
+of each side (earlier turns are scoped by exact match elsewhere).
 
-Normalisation (never a change of meaning): Unicode NFKC, curly quotes, case (except to find named
-entities), white space, punctuation, politeness ("please", "thanks", "hi", "could you"), the
-articles, contractions ("isn't" -> "is not", "what's" -> "what is", "child's" -> "child" + a
-possessive mark), British/American spellings, inflection ("branches"/"branch", "thicker"/"thick"),
-and typos: two words of five letters or more, with the same first letter, one edit apart (two for
-words of nine letters or more), are the same word -- except numbers, identifiers, entities and
-words of the closed lists below (an antonym, a number word, a scope word is never a typo).
+Normalisation, never a change of meaning: Unicode NFKC, curly quotes, case (except to find named
+entities and acronyms), white space and punctuation, politeness ("please", "thanks", "hi", "could
+you"), articles, contractions ("isn't" -> "is not", "what's" -> "what is", "child's" -> "child"
+with a possessive mark, also without apostrophe: "dont"), hyphens ("hash-map" = "hash map";
+"non-zero" = "nonzero"), British/American spelling, inflection ("branches"/"branch",
+"thicker"/"thick", "slowly"/"slow"), derivation ("text"/"textual"), listed synonyms
+("PC"/"computer", "returns"/"yields") and typos: two words of five letters or more with the same
+first letter, one edit apart (two from nine letters), unless one is a word of a closed list
+(numbers, dates, negations, scope and quantity words, audience nouns) or both are known words
+("quiet"/"quite").
 
 Rules, in order; the first that fires names the reason:
 
 ``quoted``
-    A quoted string ('...', "...") on one side does not appear, as the same words, on the other.
+    A quoted string ('...', "...") on one side does not occur, as the same words, on the other.
 ``number``
     The multisets of numbers differ: digits ("1,000", "3.5", "20k"), spelled-out numbers ("twenty
-    five"), ordinals ("3rd", "third"), times ("7pm" = "19:00"), percentages, money. "one" against
-    an article on the other side ("one item" / "an item") is not a difference, nor is "one" used as
-    a pronoun ("which one").
+    five"), ordinals of a thing ("the 3rd", "the third floor"; not the adverb "first"), times
+    ("7pm" = "19:00"), versions ("v2.1" = "version 2.1"), codes of digits ("7734-991"). A spelled
+    "one" only counts against another number ("for one" vs "for two"); against an article ("one
+    week" / "a week") or as a pronoun ("which one") it is no number.
 ``unit``
-    The units or currencies next to the numbers differ ("miles" vs "km", "$" vs "EUR").
+    Units or currencies differ ("miles" vs "km", "$" vs "EUR"; "$5" = "5 dollars").
 ``date``
-    Calendar words differ: months, week days, "today/tomorrow/yesterday/tonight", seasons,
-    "daily/weekly", and anchored periods ("last week" vs "last month"). A date on one side only
-    counts when it is specific (a month, a week day, "tomorrow", an anchored period).
+    Calendar words differ: months, week days, today/tomorrow/yesterday/tonight, seasons,
+    daily/weekly, periods anchored by last/next/this/per or a number ("last week" vs "last
+    month"). A date on one side only counts when it is specific (a month, a week day,
+    "tomorrow", an anchored period).
 ``identifier``
     A code or identifier on one side is absent from the other: words with digits ("S24",
-    "python3", "7734-991"), snake_case, dotted names, ALLCAPS acronyms, ``code spans``, e-mails,
-    URLs, paths. Compared exactly (case aside); an acronym matches the initials of a capitalised
-    run on the other side ("HF" = "Hugging Face").
+    "python3"), snake_case, dotted names, ALLCAPS acronyms, ``code spans``, e-mails, URLs, paths.
+    Case-insensitive; a dotted name matches its parts, an acronym the initials of a capitalised run
+    or of a CamelCase word ("HF" = "Hugging Face", "JS" = "JavaScript").
 ``entity``
     A named entity (a capitalised word that does not start a sentence, or a mixed-case one like
-    "iPhone") on one side does not appear on the other in any casing, nor glued to its neighbour
-    ("HuggingFace" = "Hugging Face"). Text that is mostly capitalised (titles, shouting) names no
-    entities by case.
+    "iPhone"; known common words excepted) on one side does not occur on the other in any casing,
+    glued to its neighbour ("HuggingFace" = "Hugging Face"), as an acronym, or as the same name
+    with a demonym or plural ending ("India"/"Indians"). A text that is mostly capitalised (a
+    headline, shouting) names no entities by case.
 ``negation`` / ``antonym``
     Polarity. Each side counts its negation cues (not, no, never, n't, without, none, nothing,
-    hardly, ...). Antonym swaps are counted between words present on one side only: listed pairs
-    (safe/dangerous, increase/decrease, buy/sell, before/after, max/min, enable/disable, ...),
-    prefix antonyms by rule (un-, in-, im-, il-, ir-, dis-, non-, de-, anti-, mis-, ...:
-    "unsafe" vs "safe" when "safe" is on the other side) and -ful/-less. The pair passes only when
-    the number of antonym swaps equals the difference of negation counts, i.e. each swap is
-    cancelled by a negation ("not safe" = "dangerous", "not unfair" = "fair"); otherwise the
-    reason is ``antonym`` if there was a swap, else ``negation``.
+    hardly, ...), except an opening "No," interjection, "whether ... or not", "not only", and the
+    mirrored negation of a tag question (", aren't you?"). Antonym swaps are counted between words
+    present on one side only: listed pairs (safe/dangerous, increase/decrease, buy/sell,
+    before/after, max/min, enable/disable, ..., about 570), prefix antonyms by rule (un-, in-,
+    im-, il-, ir-, dis-, non-, de-, ab-, anti-, mis-, ...: "unsafe" when "safe" is on the other
+    side), -ful/-less, one listed synonym away ("right" ~ "correct" / "incorrect"), and flipped
+    particles after the same verb ("turn up"/"turn down", "log in"/"log out"). A word that has a
+    synonym on the other side is not swapped. The pair passes only when the number of swaps equals
+    the difference of negation counts: each swap is cancelled by a negation ("not safe" =
+    "dangerous", "not unfair" = "fair"). Without a swap, one negation may also be cancelled by an
+    implicit negator on the other side (avoid, prevent, omit, lack, missing, except, unless, "too
+    X to": "won't fit" = "too big to fit"). Otherwise the reason is ``antonym`` if there was a
+    swap, else ``negation``.
 ``scope``
     Who or what the answer is for: audience nouns (child/kid, adult, baby, senior, woman, dog,
-    student, employee, company, resident, visitor, ...) of different groups on the two sides, or
-    a "strong" audience noun (child, baby, teen, adult, senior, woman/man, pregnant, pets, ...) on
-    one side only; or a scope word on one side only (only, except, excluding, outside, besides,
-    else, ...).
+    student, employee, company, resident, visitor, son, ...) of a group on one side only against a
+    group on the other side only, or a "strong" audience noun (child, baby, teen, adult, senior,
+    man/woman, pregnant, pets, family members, ...) on one side only; or a scope word on one side
+    only (except, excluding, outside).
 ``possessor``
-    Whose thing it is: first/second person ("my", "your", "own") on one side against a third
-    person ("his", "her", "their", "someone's", "another user's") on the other. "my" vs "your" is
-    not a change (people write "your" for a generic reader).
+    Whose thing it is: first or second person ("my", "your", "own") on one side against third
+    person only ("his", "her", "their", "someone's", "another user's") on the other. "my" vs
+    "your" is no change (people write "your" for a generic reader).
 ``quantity``
-    Quantifier groups present on both sides but different: universal (all, every, whole, entire),
-    single (one, single, particular), dual (both, either), partial (part, some, few, half).
+    Conflicting quantifiers: universal (all, every, whole, entire, everyone) against single (one,
+    single) or partial (part, portion, half), or dual (both) against single.
 ``order``
-    The same two things swapped around a directional word (to/into, from, than): "convert miles to
-    km" vs "convert km to miles", "is A better than B" vs "is B better than A".
+    The same things swapped around a directional word (to/into, from, than): "convert miles to km"
+    vs "convert km to miles", "is A better than B" vs "is B better than A".
 ``question``
-    Different question words among when/where/who/why ("when does it open" vs "where is it").
+    Different question words opening a question among when/where/who/why, or one of these against
+    "how" ("when did it begin" vs "how did it begin").
 ``content_word``
-    The two prompts are the same sequence of words except one slot, where one to three content
-    words on one side stand for one to three on the other that are not the same word, a listed
-    synonym, an inflection or a typo ("mobile startup" vs "web startup", "not natural" vs "not
-    sharp"). Rewordings that change more than one slot are left to the embedding threshold.
+    The two prompts are the same sequence of words except one slot, where one to three words on
+    each side differ and each side has a content word with no counterpart (same word, inflection,
+    derivation, listed synonym or typo) anywhere on the other ("mobile startup" vs "web startup",
+    "not natural" vs "not sharp"). Evaluative words (good, best, interesting, ...) are not content.
+    Rewordings that change more than one slot are left to the embedding threshold.
 
 Known limits: no syntax (negation scope is the whole prompt, so two negations in different clauses
-cancel), no world knowledge (lower-case entity names are ordinary words; an unlisted synonym in a
-one-slot swap is rejected; a paraphrase that turns a word into its negated antonym, "it expired"
-vs "it no longer works", is rejected as a negation).
+cancel), no world knowledge (a lower-case name is an ordinary word; an unlisted synonym in a
+one-slot rewording is rejected; a paraphrase that turns a word into its negated antonym without a
+listed pair, "it expired" vs "it no longer works", is rejected as a negation; a detail added to
+one side, "best books" vs "best books in Java", is not a change unless it is a number, date,
+entity, identifier or scope word).
 """
 
 from __future__ import annotations
@@ -247,7 +265,8 @@ _STRONG_AUDIENCE = frozenset(
     _AUDIENCE[w] for w in ("child", "baby", "teen", "adult", "senior", "man", "woman", "boy",
                            "girl", "male", "female", "pregnant", "dog", "cat", "horse", "bird",
                            "rabbit", "pet", "diabetic", "smoker", "vegetarian", "veteran",
-                           "pregnancy")
+                           "pregnancy", "son", "daughter", "brother", "sister", "parent",
+                           "grandparent", "grandchild")
 )
 
 _STOP = W.STOP_WORDS | W.POLITENESS
@@ -265,6 +284,21 @@ _CLOSED = (_ANTONYM_WORDS | frozenset(W.NUMBER_WORDS) | frozenset(W.ORDINAL_WORD
            | frozenset(W.DATE_WORDS) | frozenset(W.TIME_UNITS) | W.SCOPE_WORDS
            | W.QUANT_UNIVERSAL | W.QUANT_SINGLE | W.QUANT_DUAL | W.QUANT_PARTIAL
            | W.POSSESSOR_SELF | W.POSSESSOR_OTHER | _STOP)
+#: Evaluative and degree words: swapping one for another ("best" / "most interesting") is not a
+#: change of topic, so the one-slot rule does not count them as content.
+_EVALUATIVE = frozenset("""
+    good great best top nice cool awesome excellent amazing fantastic wonderful interesting
+    fascinating important main major key effective efficient useful helpful ideal perfect
+    popular famous favorite favourite greatest biggest actual really totally
+""".split())
+_SOFT_BASES = frozenset(_base(w) for w in _STOP | _EVALUATIVE) | _STOP | _EVALUATIVE
+_FUNCTION_BASES = frozenset(_base(w) for w in _FUNCTION) | _FUNCTION
+#: Words that are never a typo of another word.
+_NO_TYPO = (frozenset(W.NUMBER_WORDS) | frozenset(W.ORDINAL_WORDS) | frozenset(_AUDIENCE)
+            | W.NEGATION_CUES | frozenset(W.MONTHS) | frozenset(W.WEEKDAYS)
+            | frozenset(W.DATE_WORDS) | frozenset(W.TIME_UNITS) | W.SCOPE_WORDS
+            | W.QUANT_UNIVERSAL | W.QUANT_SINGLE | W.QUANT_DUAL | W.QUANT_PARTIAL
+            | W.POSSESSOR_SELF | W.POSSESSOR_OTHER)
 #: Words known to be ordinary English (a capitalised one is not taken for a named entity).
 _COMMON = (_CLOSED | frozenset(_SYNONYMS) | frozenset(w for g in W.SYNONYM_GROUPS for w in g)
            | frozenset(W.IRREGULAR) | W.IMPLICIT_NEGATORS) - frozenset(
@@ -312,27 +346,48 @@ def _within(a: str, b: str, limit: int) -> bool:
 
 
 def _typo(a: str, b: str) -> bool:
-    """``a`` and ``b`` are one word, mistyped (both plain words, neither in a closed list)."""
+    """``a`` and ``b`` are one word, mistyped: same first letter, five letters or more, one edit
+    apart (two from nine letters), neither in a closed list (numbers, dates, negations, scope
+    words), and not both known words ("quiet"/"quite" are two words)."""
     if a[0] != b[0] or not a.isalpha() or not b.isalpha():
         return False
     n = min(len(a), len(b))
-    if n < 5 or a in _CLOSED or b in _CLOSED:
+    if n < 5 or a in _NO_TYPO or b in _NO_TYPO or (a in _COMMON and b in _COMMON):
         return False
     return _within(a, b, 2 if n >= 9 else 1)
 
 
+@lru_cache(maxsize=65536)
 def _same_word(a: str, b: str) -> bool:
+    """``a`` and ``b`` (words or base forms) are one word: equal, inflections, derivations
+    ("text"/"textual"), listed synonyms, or a typo."""
     if a == b:
         return True
     ba, bb = _base(a), _base(b)
     if ba == bb:
         return True
-    sa = _SYNONYMS.get(ba)
+    sa = _SYNONYMS.get(a) or _SYNONYMS.get(ba)
     if sa is not None:
-        sb = _SYNONYMS.get(bb)
-        if sb is not None and sa & sb:
+        sb = _SYNONYMS.get(b) or _SYNONYMS.get(bb)
+        if sb is not None and not sa.isdisjoint(sb):
             return True
+    if _derived(a, b) or _derived(b, a):
+        return True
     return _typo(a, b)
+
+
+_DERIVATIONS = ("al", "ual", "ic", "ical", "ity", "ness", "ment", "tion", "ation", "ive", "ly",
+                "ous", "ist", "ism", "ize", "ise", "ization", "isation", "ally", "er", "or")
+
+
+def _derived(a: str, b: str) -> bool:
+    """``b`` is ``a`` with a derivational suffix ("text"/"textual", "nation"/"national")."""
+    if len(a) < 4 or not b.startswith(a[:-1]) or a in _NO_TYPO or b in _NO_TYPO:
+        return False
+    for stem in (a, a[:-1]):
+        if b.startswith(stem) and b[len(stem):] in _DERIVATIONS:
+            return True
+    return False
 
 
 # ================================================================================================
@@ -384,10 +439,11 @@ class _Side:
     __slots__ = ("keys", "bases", "neg", "numbers", "ones", "units", "dates", "specific_dates",
                  "idents", "entities", "runs", "quoted", "vocab", "audience", "scope", "poss_self",
                  "poss_other", "quant", "wh", "bindings", "seq", "text_norm", "articles",
-                 "particles", "implicit", "how", "roots")
+                 "particles", "implicit", "how", "roots", "bag")
 
     def __init__(self) -> None:
         self.bases: list[str] = []          # base form of every word, in order
+        self.bag: frozenset[str] = frozenset()
         self.neg = 0
         self.implicit = 0                   # words that negate without a cue ("avoid", "too")
         self.numbers: Counter[str] = Counter()
@@ -451,7 +507,6 @@ def _expand(low: str) -> tuple[list[str], bool]:
     return [low.replace("'", "")], False
 
 
-_TOKEN_WORDS = 1        # shape codes of a word token
 _SHAPE_LOWER, _SHAPE_CAPITAL, _SHAPE_CAPS, _SHAPE_MIXED, _SHAPE_LOWER_MIXED = range(5)
 _RUN_GLUE = frozenset(("of", "and", "the", "for", "de", "la", "von", "van"))
 
@@ -555,7 +610,7 @@ def _analyse(text: str) -> _Side:
     infos = [_token(tok) for tok in toks]
     # Is case informative on this side (not a Title Case headline, not shouting)?
     n_alpha = caps = 0
-    for info, ini in zip(infos, initials):
+    for info, ini in zip(infos, initials, strict=True):
         if info[0] == "w" and not ini:
             n_alpha += 1
             if info[3] in (_SHAPE_CAPITAL, _SHAPE_CAPS, _SHAPE_MIXED):
@@ -570,7 +625,7 @@ def _analyse(text: str) -> _Side:
     run_words: list[str] = []
     entities = side.entities
 
-    for info, initial in zip(infos, initials):
+    for info, initial in zip(infos, initials, strict=True):
         kind = info[0]
         if kind == "w":
             _kind, pieces, is_poss, shape, head, humps = info
@@ -768,7 +823,7 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
         vocab.add(w)
         if kind != "w":
             bases.append(w)
-            seq.append(w)
+            seq.append(_NUM if kind == "n" else w)
             keys.append(w)
             prev, prev_kind = w, kind
             i += 1
@@ -801,6 +856,7 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
                 if prev not in W.ONE_PRONOUN_BEFORE and not (
                         i + 1 < n and words[i + 1] in ("of", "another", "by", "day")):
                     side.ones += 1
+                    seq[-1] = _NUM
             elif w in nw or prev in _ARTICLES:
                 total, current, j = 0.0, 0.0, i
                 while j < n and kinds[j] == "w" and (
@@ -818,10 +874,10 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
                     vocab.add(x)
                     j += 1
                 numbers[_num_str(total + current)] += 1
+                seq[-1] = _NUM
                 for x in words[i + 1:j]:
                     bx = _base(x)
                     bases.append(bx)
-                    seq.append(bx)
                     keys.append(bx)
                 prev, prev_kind = words[j - 1], "w"
                 i = j
@@ -843,13 +899,16 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
             side.dates[f.date] += 1
             if w in ("today", "tonight", "tomorrow", "yesterday"):
                 side.specific_dates += 1
-        elif f.time_unit and (prev in W.PERIOD_ANCHORS or prev_kind == "n" or prev in nw):
-            side.dates["p" + f.time_unit] += 1
+        elif f.time_unit and (prev in W.PERIOD_ANCHORS or prev_kind == "n" or prev in nw
+                              or prev in _ARTICLES):
+            side.dates["p" + f.time_unit] += 1          # "last week", "3 days", "a day"
             if prev in W.PERIOD_ANCHORS:
                 side.specific_dates += 1
         # units of measure
         if f.unit and (prev_kind == "n" or prev in nw or not f.unit_ambiguous):
             side.units[f.unit] += 1
+            if f.in_seq:
+                seq[-1] = "<" + f.unit + ">"
         # audience and scope
         if f.audience is not None:
             side.audience.add(f.audience)
@@ -892,16 +951,18 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
             continue
         for j in range(i + 1, min(n, i + 4)):
             x = words[j]
-            if kinds[j] != "w" or x in side.entities or x in side.idents or x in W.UNITS:
+            if kinds[j] != "w" or x in side.entities or x in side.idents or _facts(x).unit:
                 side.bindings.setdefault(d, set()).add(x if kinds[j] != "w" else _base(x))
                 break
             if x not in _STOP:
                 break
     side.seq = tuple(seq)
     side.keys = tuple(keys)
+    side.bag = frozenset(bases)
 
 
 _INTERJECTION_GAP = frozenset(",.!;:")
+_NUM = "<n>"                # a number in the word sequence (compared by the number rule)
 _WH_LEAD = frozenset("from to in at for by of with and so but then".split())
 _WH_ALL = frozenset("how when where who why what which".split())
 _TAG_AUX = frozenset("is are am was were do does did have has had can could will would should "
@@ -950,6 +1011,12 @@ def _present(token: str, other: _Side) -> bool:
         return True
     if len(parts) > 1 and all(p in vocab for p in parts):
         return True
+    syn = _SYNONYMS.get(token)
+    if syn is not None:                     # "PC" ~ "computer"
+        for w in vocab:
+            other_syn = _SYNONYMS.get(w)
+            if other_syn is not None and not syn.isdisjoint(other_syn):
+                return True
     if not any(c.isdigit() for c in compact) and len(compact) >= 4:
         for ident in other.idents:
             c = _compact(ident)
@@ -979,7 +1046,7 @@ def _numbers_differ(a: _Side, b: _Side) -> bool:
     da = a.numbers - b.numbers
     db = b.numbers - a.numbers
     # "one" spelled out: a number only against another number ("for one" vs "for two")
-    for d, other, mine in ((da, b, a), (db, a, b)):
+    for d, other in ((da, b), (db, a)):
         ones = d.get("1", 0)
         if ones:
             ones -= other.ones + other.articles
@@ -1003,9 +1070,9 @@ def _compare(a: _Side, b: _Side, cached_a: str = "", cached_b: str = "") -> str 
                     return "quoted"
     if (a.numbers or b.numbers or a.ones != b.ones) and _numbers_differ(a, b):
         return "number"
-    if a.units.keys() != b.units.keys():
+    if (a.units or b.units) and a.units.keys() != b.units.keys():
         return "unit"
-    if a.dates != b.dates and a.dates.keys() != b.dates.keys():
+    if (a.dates or b.dates) and a.dates.keys() != b.dates.keys():
         if (a.dates and b.dates) or a.specific_dates or b.specific_dates:
             return "date"
     for x, y in ((a, b), (b, a)):
@@ -1056,22 +1123,29 @@ def _compare(a: _Side, b: _Side, cached_a: str = "", cached_b: str = "") -> str 
 def _polarity(a: _Side, b: _Side) -> tuple[str | None, frozenset[str]]:
     """Negation counts and antonym swaps; see the module docstring. Also returns the words that a
     cancelled swap explains (they are not a content change)."""
-    ca = Counter(a.bases)
-    cb = Counter(b.bases)
-    only_a = ca - cb
-    only_b = cb - ca
+    if len(a.bag) == len(a.bases) and len(b.bag) == len(b.bases):
+        only_a = a.bag - b.bag
+        only_b = b.bag - a.bag
+    else:                                   # repeated words: "guilty or guilty"
+        ca, cb = Counter(a.bases), Counter(b.bases)
+        only_a = frozenset(ca - cb)
+        only_b = frozenset(cb - ca)
     swaps = 0
     explained: set[str] = set()
-    if only_a and only_b:
+    if only_a and only_b and _may_swap(only_a, only_b):
         for x in only_a:
             if x in W.NEGATION_CUES or x in _PARTICLES:
                 continue
             partner = _antonym_in(x, only_b, explained)
+            if partner is not None and (
+                    any(_same_word(x, y) for y in only_b if y != partner)
+                    or any(_same_word(partner, y) for y in only_a if y != x)):
+                partner = None          # x has a synonym on the other side: not a swap
             if partner is not None:
                 explained.add(partner)
                 explained.add(x)
                 swaps += 1
-    if a.particles != b.particles:
+    if (a.particles or b.particles) and a.particles != b.particles:
         pa = a.particles - b.particles
         pb = b.particles - a.particles
         for (head, particle) in pa:
@@ -1086,9 +1160,25 @@ def _polarity(a: _Side, b: _Side) -> tuple[str | None, frozenset[str]]:
     return ("antonym" if swaps else "negation"), frozenset()
 
 
-def _antonym_in(x: str, pool: Counter[str], used: set[str]) -> str | None:
+def _may_swap(only_a: frozenset[str], only_b: frozenset[str]) -> bool:
+    """A quick superset test of "some word of only_a is an antonym of some word of only_b"."""
+    ka: set[str] = set()
+    ya: set[str] = set()
+    for x in only_a:
+        ax, sx, yx = _ant_facts(x)
+        ka.update(ax)
+        ka.update(sx)
+        ya.update(yx)
+    for y in only_b:
+        ay, sy, yy = _ant_facts(y)
+        if not ka.isdisjoint(yy) or not ya.isdisjoint(ay) or not ya.isdisjoint(sy):
+            return True
+    return False
+
+
+def _antonym_in(x: str, pool: frozenset[str], used: set[str]) -> str | None:
     for y in pool:
-        if y not in used and y not in _STOP and y not in W.NEGATION_CUES and _antonyms(x, y):
+        if y not in used and y not in _PARTICLES and y not in W.NEGATION_CUES and _antonyms(x, y):
             return y
     return None
 
@@ -1155,18 +1245,19 @@ def _one_slot_swap(sa: tuple[str, ...], sb: tuple[str, ...], explained: frozense
         return False
     if p + s < 2 and not (p + s == 1 and max(la, lb) <= 3):
         return False
-    content_a = [w for w in mid_a if w not in _STOP]
-    content_b = [w for w in mid_b if w not in _STOP]
+    content_a = [w for w in mid_a if w not in _SOFT_BASES and w[0] != "<"]
+    content_b = [w for w in mid_b if w not in _SOFT_BASES and w[0] != "<"]
     if not content_a and not content_b:
         return False
-    if not content_a and all(w in _FUNCTION for w in mid_a):
+    # a slot of function words against a content word: "not sick" vs "not well"
+    if not content_a:
+        content_a = [w for w in mid_a if w not in _FUNCTION_BASES and w[0] != "<"]
+    if not content_b:
+        content_b = [w for w in mid_b if w not in _FUNCTION_BASES and w[0] != "<"]
+    # "how long" vs "how many days"
+    if (content_a == ["long"] and all(_facts(x).time_unit for x in content_b)) or (
+            content_b == ["long"] and all(_facts(x).time_unit for x in content_a)):
         return False
-    if not content_b and all(w in _FUNCTION for w in mid_b):
-        return False
-    content_a = content_a or list(mid_a)
-    content_b = content_b or list(mid_b)
-    # words moved within the slot, or found elsewhere on the other side
-    if all(any(_same_word(x, y) for y in sb) for x in content_a) and all(
-            any(_same_word(y, x) for x in sa) for y in content_b):
-        return False
-    return True
+    # a swap needs a word on each side that has no counterpart anywhere on the other side
+    return any(not any(_same_word(x, y) for y in sb) for x in content_a) and any(
+        not any(_same_word(y, x) for x in sa) for y in content_b)

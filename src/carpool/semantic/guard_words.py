@@ -69,166 +69,99 @@ SUFFIX_CONTRACTIONS = {"'re": "are", "'ve": "have", "'ll": "will", "'d": "would"
 #: mis-) and -ful/-less are found by rule and need no entry here.
 ANTONYM_PAIRS = _pairs("""
     safe/dangerous safe/unsafe safe/risky safe/harmful safe/toxic safe/hazardous safety/danger
-    secure/insecure secure/vulnerable
-    increase/decrease increase/reduce increase/lower increase/cut raise/lower raise/reduce
-    rise/fall rise/drop rise/decline grow/shrink expand/shrink expand/contract expand/collapse
-    inflate/deflate inflation/deflation appreciate/depreciate gain/lose gain/loss profit/loss
-    boost/reduce boost/lower accelerate/decelerate accelerate/slow
-    improve/worsen improve/degrade improve/deteriorate improvement/deterioration
-    better/worse
+    secure/insecure secure/vulnerable increase/decrease increase/reduce increase/lower increase/cut
+    raise/lower raise/reduce rise/fall rise/drop rise/decline grow/shrink expand/shrink
+    expand/contract expand/collapse inflate/deflate inflation/deflation appreciate/depreciate
+    gain/lose gain/loss profit/loss boost/reduce boost/lower accelerate/decelerate accelerate/slow
+    improve/worsen improve/degrade improve/deteriorate improvement/deterioration better/worse
     before/after prior/after earlier/later early/late previous/next last/next past/future
-    yesterday/tomorrow ancient/modern old/new old/young
-    beginning/end start/end start/finish start/stop begin/end begin/finish first/last
-    open/close open/closed open/shut opening/closing
+    yesterday/tomorrow ancient/modern old/new old/young beginning/end start/end start/finish
+    start/stop begin/end begin/finish first/last open/close open/closed open/shut opening/closing
     cheap/expensive cheap/costly cheap/pricey inexpensive/expensive affordable/expensive
-    low-cost/expensive budget/premium free/paid
-    max/min maximum/minimum maximize/minimize maximise/minimise highest/lowest most/least
-    most/fewest more/less more/fewer many/few much/little majority/minority
-    add/remove add/delete add/subtract addition/subtraction plus/minus insert/delete
-    insert/remove append/remove create/delete create/destroy build/destroy
-    enable/disable allow/block allow/deny allow/forbid allow/prohibit allow/prevent
-    permit/forbid permit/prohibit permit/deny grant/deny grant/revoke approve/reject
-    approve/deny approve/decline accept/reject accept/decline accept/refuse admit/deny
-    confirm/deny agree/disagree agree/refuse support/oppose  pro/anti 
-    include/exclude inclusive/exclusive including/excluding include/omit
-    buy/sell purchase/sell buyer/seller buying/selling import/export importer/exporter
-    hot/cold warm/cold warm/cool hot/cool heat/cool heating/cooling heater/cooler
-    boil/freeze freeze/thaw freeze/melt summer/winter
-    high/low tall/short long/short big/small large/small huge/tiny giant/tiny
-    wide/narrow broad/narrow thick/thin fat/thin fat/skinny fat/lean deep/shallow
-    heavy/light strong/weak hard/soft hard/easy easy/difficult simple/complex
-    simple/complicated simple/difficult basic/advanced beginner/advanced beginner/expert
-    novice/expert amateur/professional junior/senior senior/junior major/minor
-    superior/inferior upper/lower top/bottom above/below  
-    overestimate/underestimate overweight/underweight overpaid/underpaid overrate/underrate
-    overcook/undercook overflow/underflow
-    inside/outside internal/external inner/outer indoor/outdoor interior/exterior
-      
-    input/output incoming/outgoing inbound/outbound upload/download upstream/downstream
-    uplink/downlink upgrade/downgrade upvote/downvote upside/downside uphill/downhill
-    upstairs/downstairs upward/downward ascend/descend ascending/descending
-    push/pull send/receive sender/recipient sender/receiver  
-     deposit/withdraw deposit/withdrawal credit/debit income/expense
-    income/expenditure revenue/expense asset/liability creditor/debtor
-    arrive/depart arrive/leave arrival/departure  enter/exit enter/leave entrance/exit
-    entry/exit login/logout log_in/log_out sign_in/sign_out check_in/check_out opt_in/opt_out
-    connect/disconnect attach/detach mount/unmount plug/unplug install/uninstall
-    lock/unlock encrypt/decrypt encryption/decryption compress/decompress encode/decode
-    encoder/decoder zip/unzip pack/unpack load/unload subscribe/unsubscribe follow/unfollow
-    block/unblock activate/deactivate freeze/unfreeze mute/unmute pin/unpin hide/show
-    hide/reveal show/conceal visible/hidden visible/invisible public/private 
+    low-cost/expensive budget/premium free/paid max/min maximum/minimum maximize/minimize
+    maximise/minimise highest/lowest most/least most/fewest more/less more/fewer many/few
+    much/little majority/minority add/remove add/delete add/subtract addition/subtraction
+    plus/minus insert/delete insert/remove append/remove create/delete create/destroy build/destroy
+    enable/disable allow/block allow/deny allow/forbid allow/prohibit allow/prevent permit/forbid
+    permit/prohibit permit/deny grant/deny grant/revoke approve/reject approve/deny approve/decline
+    accept/reject accept/decline accept/refuse admit/deny confirm/deny agree/disagree agree/refuse
+    support/oppose pro/anti include/exclude inclusive/exclusive including/excluding include/omit
+    buy/sell purchase/sell buyer/seller buying/selling import/export importer/exporter hot/cold
+    warm/cold warm/cool hot/cool heat/cool heating/cooling heater/cooler boil/freeze freeze/thaw
+    freeze/melt summer/winter high/low tall/short long/short big/small large/small huge/tiny
+    giant/tiny wide/narrow broad/narrow thick/thin fat/thin fat/skinny fat/lean deep/shallow
+    heavy/light strong/weak hard/soft hard/easy easy/difficult simple/complex simple/complicated
+    simple/difficult basic/advanced beginner/advanced beginner/expert novice/expert
+    amateur/professional junior/senior major/minor superior/inferior upper/lower top/bottom
+    above/below overestimate/underestimate overweight/underweight overpaid/underpaid
+    overrate/underrate overcook/undercook overflow/underflow inside/outside internal/external
+    inner/outer indoor/outdoor interior/exterior input/output incoming/outgoing inbound/outbound
+    upload/download upstream/downstream uplink/downlink upgrade/downgrade upvote/downvote
+    upside/downside uphill/downhill upstairs/downstairs upward/downward ascend/descend
+    ascending/descending push/pull send/receive sender/recipient sender/receiver deposit/withdraw
+    deposit/withdrawal credit/debit income/expense income/expenditure revenue/expense
+    asset/liability creditor/debtor arrive/depart arrive/leave arrival/departure enter/exit
+    enter/leave entrance/exit entry/exit login/logout log_in/log_out sign_in/sign_out
+    check_in/check_out opt_in/opt_out connect/disconnect attach/detach mount/unmount plug/unplug
+    install/uninstall lock/unlock encrypt/decrypt encryption/decryption compress/decompress
+    encode/decode encoder/decoder zip/unzip pack/unpack load/unload subscribe/unsubscribe
+    follow/unfollow block/unblock activate/deactivate freeze/unfreeze mute/unmute pin/unpin
+    hide/show hide/reveal show/conceal visible/hidden visible/invisible public/private
     mandatory/optional required/optional compulsory/optional necessary/unnecessary
     possible/impossible likely/unlikely probable/improbable able/unable capable/incapable
-    always/sometimes usually/rarely often/rarely often/seldom frequently/rarely
-    frequent/rare common/rare common/uncommon usual/unusual
-    promote/demote hire/fire employ/dismiss employed/unemployed 
-    married/single married/unmarried marry/divorce marriage/divorce
-        husband/wife father/mother son/daughter
-    brother/sister uncle/aunt nephew/niece king/queen prince/princess 
-    masculine/feminine
-         
-         rent/buy 
-      
-    attack/defend attack/defense offense/defense offensive/defensive war/peace friend/enemy
-    ally/enemy ally/foe hero/villain victory/defeat win/lose winner/loser  success/failure
-    succeed/fail pass/fail strength/weakness advantage/disadvantage benefit/drawback
-    benefit/harm  pros/cons merit/demerit positive/negative optimist/pessimist
-    optimistic/pessimistic optimism/pessimism bullish/bearish bull/bear
-    love/hate like/dislike  happy/sad happy/unhappy joy/sorrow glad/sorry
-    laugh/cry smile/frown praise/criticize praise/blame reward/punish reward/punishment
-    alive/dead live/die life/death birth/death born/died healthy/sick healthy/ill
-    healthy/unhealthy  health/disease 
-    rich/poor wealthy/poor wealth/poverty full/empty wet/dry clean/dirty clean/dirty
-    light/dark bright/dark bright/dim day/night morning/evening dawn/dusk sunrise/sunset
-    daytime/nighttime weekday/weekend
-    north/south east/west northern/southern eastern/western left/right front/back
-    forward/backward forwards/backwards ahead/behind head/tail horizontal/vertical
-    row/column odd/even true/false right/wrong correct/incorrect correct/wrong accurate/inaccurate
-    valid/invalid legal/illegal lawful/unlawful moral/immoral ethical/unethical
-    honest/dishonest loyal/disloyal fair/unfair fair/foul   
-    polite/rude polite/impolite polite/uncivil civil/uncivil generous/stingy generous/selfish
-    brave/cowardly courage/cowardice wise/foolish smart/stupid smart/dumb clever/stupid
-    intelligent/stupid genius/idiot sane/insane
-    beautiful/ugly pretty/ugly attractive/unattractive handsome/ugly interesting/boring
-    exciting/boring fun/boring funny/serious serious/playful serious/frivolous formal/informal
-    formal/casual good/bad good/evil good/poor best/worst excellent/terrible great/terrible
-    nice/nasty positive/negative benign/malignant beneficial/harmful helpful/harmful
-    natural/artificial natural/synthetic natural/unnatural natural/supernatural organic/synthetic
-    real/fake real/unreal real/imaginary genuine/fake authentic/fake original/fake original/copy
-    actual/possible  physical/virtual physical/digital 
-    raw/cooked fresh/stale fresh/rotten fresh/frozen solid/liquid  liquid/gas
-    acid/base acidic/alkaline acidic/basic sweet/sour sweet/bitter  soft/loud
-    smooth/rough loud/quiet noisy/quiet sharp/dull sharp/blunt sharp/flat tight/loose
-    tighten/loosen fixed/variable constant/variable static/dynamic manual/automatic
-    manually/automatically synchronous/asynchronous sync/async online/offline remote/local
-    global/local urban/rural domestic/international domestic/foreign native/foreign
-    local/foreign national/international permanent/temporary permanent/temporarily
-    temporary/permanent short-term/long-term
-    busy/idle busy/free busy/quiet available/unavailable occupied/vacant asleep/awake
-    sleep/wake   
-    remember/forget find/lose found/lost lost/found  
-          
-      import/export  join/leave  stay/leave stay/left
-      continue/stop continue/cancel resume/pause play/pause start/pause
-    subscribe/cancel
-    attract/repel     acid/alkali
-    vowel/consonant singular/plural  active/passive active/inactive transitive/intransitive
-    voiced/voiceless voiced/unvoiced voiced/hard hard/soft
-    fast/slow quick/slow rapid/slow speed_up/slow_down quickly/slowly fast/slowly
-     near/far close/far nearby/distant closer/further
-    same/different same/other similar/different alike/different identical/different
-    equal/unequal like/unlike
-    covert/overt covert/open hidden/open secret/public
-    certain/uncertain sure/unsure sure/uncertain known/unknown familiar/unfamiliar
-    clear/unclear clear/vague  clear/opaque transparent/opaque
-    wet/dry humid/dry sunny/rainy  calm/stormy  calm/nervous
-    calm/anxious relaxed/tense relaxed/stressed
-      maximum/minimal  uppercase/lowercase 
-     
-    encourage/discourage
-    import/export
-    ascend/descend
-    
-    sunrise/sunset
-    import/export
-       
-    approve/disapprove
-    include/exclude
-    interesting/dull
-    inhale/exhale
-    implicit/explicit explicitly/implicitly
-    innocent/guilty guilty/innocent
-    lazy/diligent lazy/hardworking
-    
-    cause/prevent
-    obey/disobey
-    maximal/minimal
-    comedy/tragedy
-    heaven/hell angel/devil god/devil
-    thick/thin
-    mature/immature
-    strict/lenient strict/loose
-    sufficient/insufficient enough/insufficient
-    adequate/inadequate
-    reliable/unreliable stable/unstable stable/volatile
+    always/sometimes usually/rarely often/rarely often/seldom frequently/rarely frequent/rare
+    common/rare common/uncommon usual/unusual promote/demote hire/fire employ/dismiss
+    employed/unemployed married/single married/unmarried marry/divorce marriage/divorce
+    husband/wife father/mother son/daughter brother/sister uncle/aunt nephew/niece king/queen
+    prince/princess masculine/feminine rent/buy attack/defend attack/defense offense/defense
+    offensive/defensive war/peace friend/enemy ally/enemy ally/foe hero/villain victory/defeat
+    win/lose winner/loser success/failure succeed/fail pass/fail strength/weakness
+    advantage/disadvantage benefit/drawback benefit/harm pros/cons merit/demerit positive/negative
+    optimist/pessimist optimistic/pessimistic optimism/pessimism bullish/bearish bull/bear
+    love/hate like/dislike happy/sad happy/unhappy joy/sorrow glad/sorry laugh/cry smile/frown
+    praise/criticize praise/blame reward/punish reward/punishment alive/dead live/die life/death
+    birth/death born/died healthy/sick healthy/ill healthy/unhealthy health/disease rich/poor
+    wealthy/poor wealth/poverty full/empty wet/dry clean/dirty light/dark bright/dark bright/dim
+    day/night morning/evening dawn/dusk sunrise/sunset daytime/nighttime weekday/weekend
+    north/south east/west northern/southern eastern/western left/right front/back forward/backward
+    forwards/backwards ahead/behind head/tail horizontal/vertical row/column odd/even true/false
+    right/wrong correct/incorrect correct/wrong accurate/inaccurate valid/invalid legal/illegal
+    lawful/unlawful moral/immoral ethical/unethical honest/dishonest loyal/disloyal fair/unfair
+    fair/foul polite/rude polite/impolite polite/uncivil civil/uncivil generous/stingy
+    generous/selfish brave/cowardly courage/cowardice wise/foolish smart/stupid smart/dumb
+    clever/stupid intelligent/stupid genius/idiot sane/insane beautiful/ugly pretty/ugly
+    attractive/unattractive handsome/ugly interesting/boring exciting/boring fun/boring
+    funny/serious serious/playful serious/frivolous formal/informal formal/casual good/bad
+    good/evil good/poor best/worst excellent/terrible great/terrible nice/nasty benign/malignant
+    beneficial/harmful helpful/harmful natural/artificial natural/synthetic natural/unnatural
+    natural/supernatural organic/synthetic real/fake real/unreal real/imaginary genuine/fake
+    authentic/fake original/fake original/copy actual/possible physical/virtual physical/digital
+    raw/cooked fresh/stale fresh/rotten fresh/frozen solid/liquid liquid/gas acid/base
+    acidic/alkaline acidic/basic sweet/sour sweet/bitter soft/loud smooth/rough loud/quiet
+    noisy/quiet sharp/dull sharp/blunt sharp/flat tight/loose tighten/loosen fixed/variable
+    constant/variable static/dynamic manual/automatic manually/automatically
+    synchronous/asynchronous sync/async online/offline remote/local global/local urban/rural
+    domestic/international domestic/foreign native/foreign local/foreign national/international
+    permanent/temporary permanent/temporarily short-term/long-term busy/idle busy/free busy/quiet
+    available/unavailable occupied/vacant asleep/awake sleep/wake remember/forget find/lose
+    found/lost join/leave stay/leave stay/left continue/stop continue/cancel resume/pause
+    play/pause start/pause subscribe/cancel attract/repel acid/alkali vowel/consonant
+    singular/plural active/passive active/inactive transitive/intransitive voiced/voiceless
+    voiced/unvoiced voiced/hard fast/slow quick/slow rapid/slow speed_up/slow_down quickly/slowly
+    fast/slowly near/far close/far nearby/distant closer/further same/different same/other
+    similar/different alike/different identical/different equal/unequal like/unlike like/different
+    covert/overt covert/open hidden/open secret/public certain/uncertain sure/unsure sure/uncertain
+    known/unknown familiar/unfamiliar clear/unclear clear/vague clear/opaque transparent/opaque
+    humid/dry sunny/rainy calm/stormy calm/nervous calm/anxious relaxed/tense relaxed/stressed
+    maximum/minimal uppercase/lowercase encourage/discourage approve/disapprove interesting/dull
+    inhale/exhale implicit/explicit explicitly/implicitly innocent/guilty lazy/diligent
+    lazy/hardworking cause/prevent obey/disobey maximal/minimal comedy/tragedy heaven/hell
+    angel/devil god/devil mature/immature strict/lenient strict/loose sufficient/insufficient
+    enough/insufficient adequate/inadequate reliable/unreliable stable/unstable stable/volatile
     relevant/irrelevant significant/insignificant important/unimportant crucial/noncrucial
-    typical/atypical symmetric/asymmetric synchronous/asynchronous moral/amoral political/apolitical
-    breathing/breathless active/dormant active/inactive deaf/hearing
-    important/trivial
-    visible/invisible
-    
-    
-    
-    
-    
-    
-    fertile/infertile fertile/barren
-    
-    
-    entrance/exit
-    
+    typical/atypical symmetric/asymmetric moral/amoral political/apolitical breathing/breathless
+    active/dormant deaf/hearing important/trivial fertile/infertile fertile/barren
     primary/secondary
-    
 """)
 
 #: Prefixes that make an antonym when the rest is a word on the other side ("unsafe"/"safe").
@@ -306,7 +239,7 @@ DATE_WORDS = {
     "now": "now", "currently": "now", "weekend": "weekend", "weekday": "weekday",
     "weekdays": "weekday", "weekends": "weekend", "morning": "morning",
     "afternoon": "afternoon", "evening": "evening", "midnight": "midnight", "noon": "noon",
-    "midday": "noon", "overnight": "overnight",
+    "midday": "noon", "overnight": "overnight", "night": "night", "nighttime": "night",
     "spring": "spring", "summer": "summer", "autumn": "autumn", "winter": "winter",
     "daily": "day", "weekly": "week", "monthly": "month", "yearly": "year", "annual": "year",
     "annually": "year", "hourly": "hour", "quarterly": "quarter", "biweekly": "2week",
@@ -382,6 +315,12 @@ AUDIENCE_GROUPS = _groups("""
     student students pupil pupils
     teacher teachers tutor tutors
     parent parents mom mum mother father dad
+    son sons
+    daughter daughters
+    brother brothers
+    sister sisters
+    grandparent grandparents grandmother grandfather grandma grandpa
+    grandchild grandchildren grandson granddaughter
     employee employees staff worker workers
     employer employers
     manager managers boss
@@ -684,6 +623,104 @@ SYNONYM_GROUPS = _groups("""
     record row entry
     segment chunk piece part portion
     characteristic attribute property feature trait
+    illustrate depict portray show display demonstrate
+    elaborate clarify explain describe outline detail
+    harness leverage utilize employ apply use
+    establish form create construct produce generate
+    procure acquire obtain gain secure
+    grant give offer furnish supply provide deliver
+    output yield return produce
+    empower enable allow permit
+    facilitate support assist help aid
+    necessitate require demand need
+    detect identify spot discover locate find
+    elect opt choose select pick
+    initiate commence begin start
+    terminate conclude finish complete end
+    validate verify confirm ensure check examine inspect
+    incorporate include contain comprise encompass hold
+    persist preserve retain store save keep cache
+    ingest load read import
+    separate partition segment divide split
+    unify integrate consolidate combine merge join concatenate unite
+    discard strip eliminate erase remove delete
+    append attach insert add
+    invoke call execute run perform conduct
+    configure set specify define declare designate indicate determine
+    traverse loop cycle iterate
+    optimize optimise improve enhance boost
+    minimize minimise shrink diminish reduce decrease
+    denote signify represent indicate mean
+    calculate compute determine evaluate estimate measure assess
+    publish distribute share
+    characterize characterise portray describe
+    regard consider view
+    accommodate handle support accept
+    mention note state say indicate
+    notify inform tell
+    inquire enquire query ask request
+    attempt try
+    address resolve solve fix repair correct troubleshoot
+    deploy install setup configure
+    trigger cause produce
+    affect impact influence
+    maintain preserve retain keep
+    comply adhere follow obey
+    relate associate link connect tie
+    arrange organize organise sort order rank
+    sift screen filter
+    randomize randomise shuffle mix
+    forecast predict estimate
+    routine procedure function method
+    argument parameter option setting flag
+    toolkit framework library package module
+    functionality capability ability feature
+    variety kind sort type class category
+    illustration instance example sample
+    glitch fault bug error issue problem
+    directory folder
+    dimension size length
+    quantity amount count number total
+    label title name
+    walkthrough tutorial guide instructions
+    details information info data
+    objective aim goal purpose intent intention
+    outcome result output
+    format layout structure schema
+    field attribute column
+    record row entry
+    element item entry member object
+    particular specific certain given designated specified indicated
+    corresponding related associated relevant matching
+    substantial sizable large big huge massive
+    minor little tiny small compact
+    swift speedy rapid quick fast
+    effortless simple straightforward easy
+    challenging tough difficult hard
+    principal chief central primary main key
+    entire whole complete full total
+    numerous multiple several various many
+    mandatory required necessary essential needed compulsory
+    capable able
+    feasible possible
+    advantageous beneficial valuable useful helpful
+    comparable similar alike
+    distinct diverse different various
+    preceding former prior previous earlier
+    subsequent following next upcoming
+    existing present current
+    preset default standard
+    supplementary additional extra further
+    fitting suitable appropriate proper
+    distinctive unique distinct
+    obtainable accessible available
+    furthermore moreover additionally also
+    designed intended meant
+    primarily mainly mostly chiefly largely
+    precisely exactly accurately
+    automatically automatic
+    typically usually generally commonly normally
+    latest newest recent
 """)
 
 #: British and American spellings (beyond -ise/-ize and -our/-or, which are handled by rule).
