@@ -177,11 +177,11 @@ def upstream_server(*, hold: bool = False, delay_ms: float = 0) -> Iterator[int]
 
 
 @contextlib.contextmanager
-def gateway_server(upstream_port: int) -> Iterator[int]:
+def gateway_server(upstream_port: int, *extra: str) -> Iterator[int]:
     """The real gateway (``create_app(Gateway(config))`` on uvicorn) on a free port."""
     port = free_port()
     args = [str(HERE / "gateway_server.py"), "--port", str(port),
-            "--upstream", f"http://{HOST}:{upstream_port}/v1"]
+            "--upstream", f"http://{HOST}:{upstream_port}/v1", *extra]
     with server(args, port):
         yield port
 

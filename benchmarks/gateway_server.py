@@ -16,6 +16,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="base URL ending in /v1")
+    parser.add_argument("--semantic", action="store_true", help="turn the semantic cache on")
     args = parser.parse_args()
 
     import uvicorn
@@ -25,7 +26,7 @@ def main() -> None:
     from carpool.server import create_app
 
     config = Config(upstreams=[args.upstream], host=args.host, port=args.port,
-                    log_level="warning")
+                    log_level="warning", semantic={"enabled": args.semantic})
     uvicorn.run(create_app(Gateway(config)), host=args.host, port=args.port, loop="uvloop",
                 http="httptools", log_level="warning", access_log=False, backlog=4096)
 

@@ -20,6 +20,7 @@ import _common as c  # noqa: E402
 import bench_coalesce  # noqa: E402
 import bench_fingerprint  # noqa: E402
 import bench_overhead  # noqa: E402
+import bench_semantic  # noqa: E402
 import bench_window  # noqa: E402
 
 BENCHMARKS = {
@@ -27,6 +28,7 @@ BENCHMARKS = {
     "coalesce": bench_coalesce,
     "overhead": bench_overhead,
     "window": bench_window,
+    "semantic": bench_semantic,
 }
 
 
@@ -64,6 +66,13 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     if "window" in results:
         out.update(window_policies=results["window"]["policies"],
                    window_verdict=results["window"]["verdict"])
+    if "semantic" in results:
+        sem = results["semantic"]
+        out.update(semantic_embed_p50_ms=sem["embed"]["single"]["p50_ms"],
+                   semantic_ann_entries=sem["ann"]["entries"],
+                   semantic_ann_p50_ms=sem["ann"]["lookup"]["p50_ms"],
+                   semantic_bytes_per_entry=sem["entry"]["total_bytes_per_entry"],
+                   semantic_hit_p50_ms=sem["hit"]["semantic_hit"]["p50_ms"])
     return out
 
 
@@ -72,6 +81,8 @@ def ok_of(name: str, result: dict[str, Any]) -> bool:
         return result["http"]["ok"] and result["inprocess"]["ok"]
     if name == "overhead":
         return result["ok"]
+    if name == "semantic":
+        return result["hit"]["ok"]
     return True
 
 

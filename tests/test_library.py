@@ -73,3 +73,13 @@ async def test_embedded_simulated_engine_is_the_default_upstream():
     assert first.json()["system_fingerprint"] == "carpool-sim"
     assert gateway.upstreams[0].name == "sim-0"
     await gateway.aclose()
+
+
+def test_the_core_gateway_does_not_import_the_semantic_dependencies():
+    code = ("import sys, carpool, carpool.cli, carpool.server, carpool.pipeline; "
+            "g = carpool.Gateway(); "
+            "print(sorted(m for m in ('numpy', 'onnxruntime', 'usearch', 'tokenizers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"

@@ -34,6 +34,10 @@ class VectorIndex:
             self._index.remove(key)
         self._index.add(key, vector)
 
+    def add_many(self, keys: Any, vectors: Any) -> None:
+        """Bulk insert of new keys (uses every core); for loading and benchmarks."""
+        self._index.add(keys, vectors)
+
     def remove(self, key: int) -> None:
         if key in self._index:
             self._index.remove(key)
