@@ -10,6 +10,8 @@ turns are scoped by exact match elsewhere).
     .venv/bin/python benchmarks/guard_eval.py --half even --errors 30 --file semantoneg
     .venv/bin/python benchmarks/guard_eval.py --json          # machine-readable summary
     .venv/bin/python benchmarks/guard_eval.py --timing        # time per pair, per file
+    .venv/bin/python benchmarks/guard_eval.py --strict        # the guard in strict mode (the
+                                                              # cache's lower similarity band)
 
 Line numbers count from 0: ``--half even`` is lines 0, 2, 4, ... (the development half),
 ``--half odd`` lines 1, 3, 5, ... (the check half).
@@ -68,23 +70,24 @@ def load(data_dir: Path, half: str | None, only: str | None) -> dict[str, list[d
     return out
 
 
-def timing(rows: list[dict], limit: int = 2000, repeats: int = 5) -> dict[str, float]:
+def timing(rows: list[dict], limit: int = 2000, repeats: int = 5,
+           strict: bool = False) -> dict[str, float]:
     """check() cost per pair: both texts never seen (each analysed), only the new one unseen
     (the cached prompt's analysis memoised, the usual case), and both memoised. Word-level
     caches are warm, as in a running server."""
     pairs = [(last_user_turn(r["a"]), last_user_turn(r["b"])) for r in rows[:limit]]
     for a, b in pairs:                          # warm the word caches
-        guard.check(a, b)
+        guard.check(a, b, strict=strict)
     out: dict[str, list[float]] = {"cold": [], "one_new": [], "warm": []}
     for _ in range(repeats):
         guard._analyse.cache_clear()
         t0 = time.perf_counter()
         for a, b in pairs:
-            guard.check(a, b)
+            guard.check(a, b, strict=strict)
         out["cold"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for a, b in pairs:
-            guard.check(a, b)
+            guard.check(a, b, strict=strict)
         out["warm"].append(time.perf_counter() - t0)
         guard._analyse.cache_clear()
         for _a, b in pairs:
@@ -92,7 +95,7 @@ def timing(rows: list[dict], limit: int = 2000, repeats: int = 5) -> dict[str, f
         t0 = time.perf_counter()
         for a, b in pairs:
             guard._analyse(b)
-            guard.check(a + " ", b)             # a text not seen before, same meaning
+            guard.check(a + " ", b, strict=strict)  # a text not seen before, same meaning
         out["one_new"].append(time.perf_counter() - t0)
     words = sum(len(guard._analyse(a).bases) + len(guard._analyse(b).bases) for a, b in pairs)
     res = {k: round(statistics.median(v) / len(pairs) * 1e6, 1) for k, v in out.items()}
@@ -110,6 +113,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--timing", action="store_true",
                     help="also time check() per file: both texts new, and with analyses memoised")
+    ap.add_argument("--strict", action="store_true",
+                    help="judge with check(..., strict=True), as in the lower similarity band")
     args = ap.parse_args()
 
     data_dir = args.data or next((d for d in DATA_CANDIDATES if d.is_dir()), None)
@@ -117,7 +122,7 @@ def main() -> int:
         print("no data folder found; pass --data", file=sys.stderr)
         return 2
     files = load(data_dir, args.half, args.file)
-    summary: dict[str, Any] = {"half": args.half or "all", "files": {}}
+    summary: dict[str, Any] = {"half": args.half or "all", "strict": args.strict, "files": {}}
     errors: dict[str, list[str]] = defaultdict(list)
     total_pairs = 0
     total_time = 0.0
@@ -127,7 +132,7 @@ def main() -> int:
         for r in rows:
             a, b = last_user_turn(r["a"]), last_user_turn(r["b"])
             t0 = time.perf_counter()
-            v = guard.check(a, b)
+            v = guard.check(a, b, strict=args.strict)
             total_time += time.perf_counter() - t0
             total_pairs += 1
             key = (r["category"], r["same_answer"])
@@ -151,12 +156,14 @@ def main() -> int:
     summary["us_per_pair_first_seen"] = round(total_time / max(1, total_pairs) * 1e6, 1)
 
     if args.timing:
-        summary["timing_us"] = {name: timing(rows) for name, rows in files.items()}
+        summary["timing_us"] = {name: timing(rows, strict=args.strict)
+                                for name, rows in files.items()}
 
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"guard alone, half={summary['half']}, {total_pairs} pairs, "
+        mode = "strict" if args.strict else "normal"
+        print(f"guard alone ({mode}), half={summary['half']}, {total_pairs} pairs, "
               f"{summary['us_per_pair_first_seen']} us/pair (first sight of each text)")
         for name, fsum in summary["files"].items():
             print(f"\n{name}")

@@ -99,6 +99,11 @@ class SemanticConfig(_Section):
     threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity at or above "
                                     "which a candidate is considered; null = the calibrated "
                                     "default (README, Semantic cache).")
+    strict_below: float | None = Field(None, ge=0, le=1, description="Cosine similarity below "
+                                       "which a candidate that passed the threshold must also "
+                                       "pass the guard's strict rules (added detail, changed "
+                                       "question intent); null = the calibrated default "
+                                       "(semantic.cache.STRICT_ABOVE); 0 = never strict.")
     embedder: Literal["local", "upstream"] = Field("local", description="local: the packaged "
                                                    "sentence model; upstream: the upstream's "
                                                    "/v1/embeddings with `embedding_model`.")

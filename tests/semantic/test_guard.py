@@ -15,16 +15,16 @@ import pytest
 from carpool.semantic.guard import REASONS, Verdict, check
 
 
-def rejected(a: str, b: str) -> str | None:
+def rejected(a: str, b: str, strict: bool = False) -> str | None:
     """The reason, checked in both directions (the guard is symmetric)."""
-    v, w = check(a, b), check(b, a)
+    v, w = check(a, b, strict=strict), check(b, a, strict=strict)
     assert v == w, (v, w)
     assert not v.ok, f"accepted: {a!r} / {b!r}"
     return v.reason
 
 
-def accepted(a: str, b: str) -> bool:
-    v, w = check(a, b), check(b, a)
+def accepted(a: str, b: str, strict: bool = False) -> bool:
+    v, w = check(a, b, strict=strict), check(b, a, strict=strict)
     assert v == w, (v, w)
     return v.ok
 
@@ -159,6 +159,10 @@ def test_swapped_direction_is_rejected():
     assert rejected("Convert 100 euros to dollars.", "Convert 100 dollars to euros.") == "order"
     assert rejected("Translate this letter from German to French.",
                     "Translate this letter from French to German.") == "order"
+    assert rejected("How do I convert ethanol to acetic acid?",
+                    "How do I convert acetic acid to ethanol?") == "order"
+    assert accepted("How do I get from the station to the museum?",
+                    "How do I get to the museum from the station?")
 
 
 def test_a_different_question_word_is_rejected():
@@ -166,6 +170,92 @@ def test_a_different_question_word_is_rejected():
                     "Why was the Eiffel Tower built?") == "question"
     assert rejected("Where is the nearest pharmacy?",
                     "How is the nearest pharmacy?") == "question"
+
+
+def test_a_question_word_against_another_question_is_rejected():
+    assert rejected("When will the price of the Model Y drop?",
+                    "What is the price of the Model Y?") == "question"
+    assert rejected("Was it wise for the city to sell the stadium?",
+                    "Why did the city sell the stadium?") == "question"
+    # unless the other side names what the question word asks for
+    assert accepted("When does the pharmacy close?", "What time does the pharmacy close?")
+    assert accepted("Why does bread go stale?", "What makes bread go stale?")
+    assert accepted("Why is the sky blue?", "What is the reason the sky is blue?")
+
+
+def test_strict_mode_rejects_a_yes_no_question_against_a_how_question():
+    assert accepted("Should I learn Rust?", "How do I learn Rust?")
+    assert rejected("Should I learn Rust?", "How do I learn Rust?", strict=True) == "question"
+    assert rejected("Is oat milk healthy?", "What is oat milk?", strict=True) == "question"
+    # asking whether something can be done is asking how
+    assert accepted("Can I pause my plan?", "How do I pause my plan?", strict=True)
+    assert accepted("Is there a way to pause my plan?", "How do I pause my plan?", strict=True)
+    assert accepted("Is it possible to pause my plan?", "How can I pause my plan?", strict=True)
+
+
+def test_an_added_qualifier_is_rejected():
+    assert rejected("How do I cancel my subscription?",
+                    "How do I cancel my subscription from abroad?") == "detail"
+    assert rejected("How do I reset my router?",
+                    "How do I reset my router during a power outage?") == "detail"
+    assert rejected("What is the best hiking trail?",
+                    "What is the best hiking trail near me?") == "detail"
+    # a restrictive word counts even inside a rewording
+    assert rejected("Where can I buy running shoes?",
+                    "Where can I buy cheap running shoes?") == "detail"
+    assert rejected("What are good books to learn Python?",
+                    "What are good books to learn Python for beginners?") == "detail"
+    assert rejected("Which stores sell laptops?",
+                    "What are some stores selling refurbished laptops?") == "detail"
+
+
+def test_an_added_modifier_or_item_is_rejected():
+    assert rejected("How long do cats live?", "How long do outdoor cats live?") == "detail"
+    assert rejected("How do I get a visa?", "How do I get a work visa?") == "detail"
+    assert rejected("How do I learn mechanical engineering?",
+                    "How do I learn mechanical and electrical engineering?") == "detail"
+
+
+def test_strict_mode_rejects_any_added_content_word():
+    assert accepted("What is a heat pump?", "What is a heat pump dryer?")
+    assert rejected("What is a heat pump?", "What is a heat pump dryer?", strict=True) == "detail"
+    # but not an adverb, nor a verb that restates the question
+    assert accepted("How do I learn to type?", "How do I learn to type quickly?", strict=True)
+    assert accepted("How do I reset my password?", "How do I go about resetting my password?",
+                    strict=True)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_politeness_filler_and_voice_are_no_detail(strict):
+    base = "How do I cancel my subscription?"
+    for other in ("How do you cancel your subscription?",
+                  "How does one cancel a subscription?",
+                  "Could you please tell me exactly how I can cancel my subscription? Thanks!",
+                  "What are the steps to cancel my subscription?",
+                  "What is the best way to cancel my subscription?",
+                  "Can you really tell me how to cancel my subscription?"):
+        assert accepted(base, other, strict=strict), other
+    assert accepted("What are some of the tips for saving money?", "What are tips for saving money?",
+                    strict=strict)
+
+
+def test_a_rewording_is_no_detail_even_in_strict_mode():
+    assert accepted("How do I repair my car?", "How do I fix my vehicle?", strict=True)
+    assert accepted("Why is my laptop so slow?", "What makes my laptop run so slowly?",
+                    strict=True)
+    assert accepted("How do I make my PC faster?", "How do I really make my computer faster?",
+                    strict=True)
+    assert accepted("Who wrote Hamlet?", "Who is the author of Hamlet?", strict=True)
+
+
+def test_a_long_reworded_text_is_left_to_the_embedding():
+    a = ("The export function writes every record of the table to one CSV file, one row per "
+         "record, and keeps the header line.")
+    b = ("The export function writes all records of the table into one CSV file, with a row for "
+         "each record, keeping the header line in the output.")
+    assert accepted(a, b, strict=True)     # "in the output" added; in a short text, a detail
+    assert rejected("How do I export the table to CSV?",
+                    "How do I export the table to CSV with the header line?") == "detail"
 
 
 def test_one_swapped_content_word_is_rejected():

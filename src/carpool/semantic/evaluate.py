@@ -6,7 +6,8 @@ Contract:
 - Each pair is decided exactly as the gateway decides it: both sides become chat requests
   (``temperature: 0``, one model) and go through ``fingerprint.semantic_view``; a different scope
   (system prompt, earlier turns) is a miss; otherwise the cosine similarity of the last user turns
-  must reach the threshold and the pair must pass ``guard.check(new=b, cached=a)``.
+  must reach the threshold and the pair must pass ``guard.check(new=b, cached=a, strict=...)``,
+  strict below ``semantic.strict_below`` or ``cache.STRICT_ABOVE`` (the cache's two bands).
 - Output: per category and overall, the share of should-hit pairs served ("hit rate") and of
   should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
   ``--sweep`` prints both rates over a range of thresholds (the guard included), which is how the
@@ -27,6 +28,7 @@ import orjson
 from ..config import Config
 from ..fingerprint import fingerprint, semantic_view
 from ..request import ClientRequest, parse
+from .cache import STRICT_ABOVE
 from .guard import check
 
 
@@ -64,11 +66,16 @@ def _view(side: Any, config: Config):
 
 
 class Evaluator:
-    """Embeds every distinct text once, then decides pairs at any threshold."""
+    """Embeds every distinct text once, then decides pairs at any threshold (the strict band's
+    upper edge is fixed: ``strict_above``, else ``semantic.strict_below`` or ``STRICT_ABOVE``)."""
 
-    def __init__(self, pairs: Sequence[Pair], embedder: Any, config: Config | None = None):
+    def __init__(self, pairs: Sequence[Pair], embedder: Any, config: Config | None = None,
+                 strict_above: float | None = None):
         self.pairs = pairs
         config = config or Config()
+        if strict_above is None:
+            strict_above = config.semantic.strict_below
+        self.strict_above = STRICT_ABOVE if strict_above is None else strict_above
         views = [(_view(p.a, config), _view(p.b, config)) for p in pairs]
         texts = sorted({v.text for pair in views for v in pair if v is not None})
         vectors = embedder.encode(texts) if texts else []
@@ -93,7 +100,8 @@ class Evaluator:
         verdict = self._verdicts.get(i)
         if verdict is None:
             cached, new = self.texts[i]  # type: ignore[misc]
-            verdict = self._verdicts[i] = check(new, cached)
+            verdict = self._verdicts[i] = check(new, cached,
+                                                strict=similarity < self.strict_above)
         return Decision(verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason))
 
     def report(self, threshold: float) -> dict[str, Any]:

@@ -10,10 +10,17 @@ the word lists in :mod:`carpool.semantic.guard_words`.
 
 Contract
 --------
-``check(new, cached) -> Verdict(ok, reason)``; ``reason`` is ``None`` when ``ok``, else one code of
-:data:`REASONS` (the first rule that fired, in the order below), used as a metric label. The
-verdict is symmetric: ``check(a, b) == check(b, a)``. For a conversation, pass the last user turn
-of each side (earlier turns are scoped by exact match elsewhere).
+``check(new, cached, strict=False) -> Verdict(ok, reason)``; ``reason`` is ``None`` when ``ok``,
+else one code of :data:`REASONS` (the first rule that fired, in the order below), used as a metric
+label. The verdict is symmetric: ``check(a, b) == check(b, a)``. For a conversation, pass the last
+user turn of each side (earlier turns are scoped by exact match elsewhere).
+
+``strict`` is for the less similar candidates: the cache passes ``strict=True`` when the
+similarity is below ``cache.STRICT_ABOVE`` (two bands: in [threshold, STRICT_ABOVE) the strict
+guard, above it the normal one). Very similar pairs rarely differ in more than the edits every
+rule looks for, and there a stricter test mostly rejects harmless rewordings; in the lower band,
+"related but different question" pairs are common, and strict mode adds the rules marked
+*(strict)* below.
 
 Normalisation, never a change of meaning: Unicode NFKC, curly quotes, case (except to find named
 entities and acronyms), white space and punctuation, politeness ("please", "thanks", "hi", "could
@@ -84,23 +91,60 @@ Rules, in order; the first that fires names the reason:
     single) or partial (part, portion, half), or dual (both) against single.
 ``order``
     The same things swapped around a directional word (to/into, from, than): "convert miles to km"
-    vs "convert km to miles", "is A better than B" vs "is B better than A".
+    vs "convert km to miles", "is A better than B" vs "is B better than A", and for any words, the
+    content words just before and just after a directional word swapped ("convert amphetamine to
+    methamphetamine" vs "convert methamphetamine to amphetamine").
 ``question``
     Different question words opening a question among when/where/who/why, or one of these against
-    "how" ("when did it begin" vs "how did it begin").
+    "how" ("when did it begin" vs "how did it begin"). Also when/where/who/why on one side against
+    a question opening with what/which/how or an auxiliary on the other, unless that side names
+    what the question word asks for ("when" ~ "what time", "why" ~ "what is the reason", "what
+    makes", "the benefits"; "where" ~ "which place"): "When will the price drop?" vs "What is the
+    price?", "Was it wise to sell?" vs "Why did they sell?". *(strict)* A yes/no question ("Should
+    I ...?", "Is X good?") against a what/how/wh question ("How do I ...?", "What is X?"), unless
+    it asks whether something can be done ("Can I ...?", "Is there a way to ...?", "Is it possible
+    to ...?"), which a "how" answers.
 ``content_word``
     The two prompts are the same sequence of words except one slot, where one to three words on
     each side differ and each side has a content word with no counterpart (same word, inflection,
     derivation, listed synonym or typo) anywhere on the other ("mobile startup" vs "web startup",
     "not natural" vs "not sharp"). Evaluative words (good, best, interesting, ...) are not content.
-    Rewordings that change more than one slot are left to the embedding threshold.
+    Rewordings that change more than one slot are left to the embedding threshold. A slot of a
+    question word against the noun it asks for ("what time" / "when") is no swap.
+``detail``
+    A kind of scope change: one side carries a qualifier that the other lacks. The words compared
+    are the content words with no counterpart on the other side (same word, inflection,
+    derivation, listed synonym or typo), leaving out neutral words: what a question asks for in
+    general ("the best way", "some tips", "the steps"), hedges, asking and opinion verbs
+    (:data:`~carpool.semantic.guard_words.DETAIL_NEUTRAL`), evaluative words, politeness and
+    filler, articles and pronouns (so "How do I" / "How do you" / "How does one" never differ).
+    It fires when
+
+    - a restrictive word (:data:`~carpool.semantic.guard_words.DETAIL_QUALIFIERS`: cheap, free,
+      beginner, advanced, abroad, overseas, online, local, private, used, ...) is on one side
+      only, wherever it stands ("cheap shopping sites" vs "best sites for clothes shopping");
+    - or the other side has no such word at all (a pure addition), and an added word is in a
+      phrase opened by a qualifying preposition (in, for, from, with, during, at, on, using, ...:
+      "cancel my subscription" vs "... from abroad", "unethical behaviour" vs "... in the
+      workplace", "near me"), or modifies or is coordinated with a shared word ("attack dogs" vs
+      "dogs", "mechanical engineering" vs "mechanical and electrical engineering") when the
+      shorter side has at most 8 words or in strict mode;
+    - *(strict)* or, in a pure addition, any added content word that is not an adverb in -ly or
+      in a verb's place (after a pronoun, an auxiliary or "to").
+
+    A rewording changes words on both sides, and then only the restrictive words count: the
+    rest is left to the embedding. Light words (:data:`~carpool.semantic.guard_words.DETAIL_LIGHT`:
+    use, make, get, process, order, size, ...) are never a detail but, left unmatched, mark their
+    side as reworded. Texts of more than 12 words on both sides (filler left out) are left alone: a
+    reworded paragraph routinely adds or drops a phrase.
 
 Known limits: no syntax (negation scope is the whole prompt, so two negations in different clauses
 cancel), no world knowledge (a lower-case name is an ordinary word; an unlisted synonym in a
 one-slot rewording is rejected; a paraphrase that turns a word into its negated antonym without a
-listed pair, "it expired" vs "it no longer works", is rejected as a negation; a detail added to
-one side, "best books" vs "best books in Java", is not a change unless it is a number, date,
-entity, identifier or scope word).
+listed pair, "it expired" vs "it no longer works", is rejected as a negation; an added word
+that restates the other side without a listed synonym, "change my flight" vs "change my flight
+booking", is a detail in strict mode; a detail added inside a rewording, with other words
+changed on both sides, is left to the embedding unless it is a restrictive word).
 """
 
 from __future__ import annotations
@@ -117,7 +161,7 @@ __all__ = ["Verdict", "check", "REASONS"]
 
 #: Every reason code :func:`check` can return.
 REASONS = ("quoted", "number", "unit", "date", "identifier", "entity", "negation", "antonym",
-           "scope", "possessor", "quantity", "order", "question", "content_word")
+           "scope", "possessor", "quantity", "order", "question", "content_word", "detail")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +179,14 @@ _OK = Verdict(True, None)
 _VERDICTS = {r: Verdict(False, r) for r in REASONS}
 
 
-def check(new: str, cached: str) -> Verdict:
-    """Judge whether the answer cached for ``cached`` answers ``new``; see the module docstring."""
+def check(new: str, cached: str, strict: bool = False) -> Verdict:
+    """Judge whether the answer cached for ``cached`` answers ``new``; see the module docstring.
+    ``strict`` adds the rules meant for the less similar pairs (``detail`` in full)."""
     a = _analyse(new)
     b = _analyse(cached)
     if a.keys == b.keys:
         return _OK
-    reason = _compare(a, b, new, cached)
+    reason = _compare(a, b, new, cached, strict)
     return _OK if reason is None else _VERDICTS[reason]
 
 
@@ -439,7 +484,8 @@ class _Side:
     __slots__ = ("keys", "bases", "neg", "numbers", "ones", "units", "dates", "specific_dates",
                  "idents", "entities", "runs", "quoted", "vocab", "audience", "scope", "poss_self",
                  "poss_other", "quant", "wh", "bindings", "seq", "text_norm", "articles",
-                 "particles", "implicit", "how", "roots", "bag")
+                 "particles", "implicit", "how", "roots", "bag", "seqw", "polar", "what",
+                 "lbindings")
 
     def __init__(self) -> None:
         self.bases: list[str] = []          # base form of every word, in order
@@ -464,6 +510,11 @@ class _Side:
         self.wh: set[str] = set()
         self.bindings: dict[str, set[str]] = {}
         self.seq: tuple[str, ...] = ()
+        self.seqw: tuple[str, ...] = ()     # the word of each ``seq`` slot, as written (lower)
+        self.polar = ""                     # the auxiliary opening a sentence ("Is it ...?")
+        self.what = False                   # a sentence opens with "what" or "which"
+        # content words (before, after) around each to/from/than
+        self.lbindings: dict[str, list[tuple[frozenset[str], frozenset[str]]]] = {}
         self.keys: tuple[str, ...] = ()
         self.text_norm = ""
         self.articles = 0
@@ -807,6 +858,7 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
     vocab = side.vocab
     bases = side.bases
     seq: list[str] = []
+    seqw: list[str] = []
     keys: list[str] = []
     numbers = side.numbers
     nw = W.NUMBER_WORDS
@@ -824,6 +876,7 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
         if kind != "w":
             bases.append(w)
             seq.append(_NUM if kind == "n" else w)
+            seqw.append(w)
             keys.append(w)
             prev, prev_kind = w, kind
             i += 1
@@ -834,6 +887,12 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
         bases.append(b)
         if f.in_seq:
             seq.append(b)
+            seqw.append(w)
+        if i in starts and i + 1 < n:
+            if w in _TAG_AUX:
+                side.polar = side.polar or w
+            elif w in _WHAT:
+                side.what = True
         if f.in_keys:
             keys.append(b)
         if f.plain:
@@ -932,6 +991,8 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
                 side.wh.add(w)
             elif not (i + 1 < n and words[i + 1] == "come"):
                 side.how = True
+            else:
+                side.wh.add("why")              # "how come" asks why
         if f.particle and prev and prev_kind == "w":
             side.particles[(_base(prev), w)] += 1
         prev, prev_kind = w, kind
@@ -956,7 +1017,13 @@ def _features(side: _Side, words: list[str], kinds: list[str], poss: list[bool],
                 break
             if x not in _STOP:
                 break
+        # the (up to two) content words just before and just after, for plain words
+        after = _content_near(words, kinds, range(i + 1, min(n, i + 4)))
+        before = _content_near(words, kinds, range(i - 1, max(-1, i - 4), -1))
+        if after and before:
+            side.lbindings.setdefault(d, []).append((before, after))
     side.seq = tuple(seq)
+    side.seqw = tuple(seqw)
     side.keys = tuple(keys)
     side.bag = frozenset(bases)
 
@@ -965,6 +1032,7 @@ _INTERJECTION_GAP = frozenset(",.!;:")
 _NUM = "<n>"                # a number in the word sequence (compared by the number rule)
 _WH_LEAD = frozenset("from to in at for by of with and so but then".split())
 _WH_ALL = frozenset("how when where who why what which".split())
+_WHAT = frozenset(("what", "which"))
 _TAG_AUX = frozenset("is are am was were do does did have has had can could will would should "
                      "shall must might may".split())
 _TAG_PRONOUNS = frozenset("i you he she it we they there".split())
@@ -1061,7 +1129,8 @@ def _numbers_differ(a: _Side, b: _Side) -> bool:
     return False
 
 
-def _compare(a: _Side, b: _Side, cached_a: str = "", cached_b: str = "") -> str | None:
+def _compare(a: _Side, b: _Side, cached_a: str = "", cached_b: str = "",
+             strict: bool = False) -> str | None:
     for x, y, other_text in ((a, b, cached_b), (b, a, cached_a)):
         if x.quoted:
             norm = y.text_norm or " " + _squash(other_text) + " "
@@ -1110,14 +1179,56 @@ def _compare(a: _Side, b: _Side, cached_a: str = "", cached_b: str = "") -> str 
                 xa, xb = ta - tb, tb - ta
                 if xa and xb and all(x in b.vocab for x in xa) and all(x in a.vocab for x in xb):
                     return "order"
+    if a.lbindings and b.lbindings:           # "convert A to B" vs "convert B to A"
+        for d, ta in a.lbindings.items():
+            tb = b.lbindings.get(d)
+            if tb is not None and _swapped(ta, tb):
+                return "order"
     if a.wh != b.wh:
         if (a.wh and b.wh and not (a.wh & b.wh)) or (
                 a.wh and not a.how and not b.wh and b.how) or (
                 b.wh and not b.how and not a.wh and a.how):
             return "question"
+        if _wh_changed(a, b) or _wh_changed(b, a):
+            return "question"
+    if strict and (a.polar or b.polar) and not (a.polar and b.polar) and (
+            _polar_changed(a, b) or _polar_changed(b, a)):
+        return "question"
     if _one_slot_swap(a.seq, b.seq, explained):
         return "content_word"
+    if _detail(a, b, explained, strict):
+        return "detail"
     return None
+
+
+def _content_near(words: list[str], kinds: list[str], span: range) -> frozenset[str]:
+    """The first one or two content words (base forms) in ``span``, stopping at a stop word that
+    follows a content word."""
+    out: list[str] = []
+    for j in span:
+        if kinds[j] != "w":
+            break
+        if words[j] in _STOP:
+            if out:
+                break
+            continue
+        out.append(_base(words[j]))
+        if len(out) == 2:
+            break
+    return frozenset(out)
+
+
+def _swapped(ta: list[tuple[frozenset[str], frozenset[str]]],
+             tb: list[tuple[frozenset[str], frozenset[str]]]) -> bool:
+    """Words before a directional word on one side come after it on the other, and the other way
+    round ("ethanol to acetic acid" vs "acetic acid to ethanol")."""
+    for before_a, after_a in ta:
+        for before_b, after_b in tb:
+            x = before_a & after_b
+            y = after_a & before_b
+            if x and y and x.isdisjoint(before_b) and y.isdisjoint(after_b):
+                return True
+    return False
 
 
 def _polarity(a: _Side, b: _Side) -> tuple[str | None, frozenset[str]]:
@@ -1254,6 +1365,10 @@ def _one_slot_swap(sa: tuple[str, ...], sb: tuple[str, ...], explained: frozense
         content_a = [w for w in mid_a if w not in _FUNCTION_BASES and w[0] != "<"]
     if not content_b:
         content_b = [w for w in mid_b if w not in _FUNCTION_BASES and w[0] != "<"]
+    # "what time" vs "when", "which place" vs "where"
+    for ca, cb in ((content_a, content_b), (content_b, content_a)):
+        if len(cb) == 1 and cb[0] in _WH_LIKE and ca and all(x in _WH_LIKE[cb[0]] for x in ca):
+            return False
     # "how long" vs "how many days"
     if (content_a == ["long"] and all(_facts(x).time_unit for x in content_b)) or (
             content_b == ["long"] and all(_facts(x).time_unit for x in content_a)):
@@ -1261,3 +1376,158 @@ def _one_slot_swap(sa: tuple[str, ...], sb: tuple[str, ...], explained: frozense
     # a swap needs a word on each side that has no counterpart anywhere on the other side
     return any(not any(_same_word(x, y) for y in sb) for x in content_a) and any(
         not any(_same_word(y, x) for x in sa) for y in content_b)
+
+
+# ================================================================================================
+# Added detail
+
+_DETAIL_PREPS = W.DETAIL_PREPOSITIONS
+_DETAIL_NEUTRAL = W.DETAIL_NEUTRAL | W.NEGATION_CUES
+#: Words that may stand between a preposition and the word it introduces ("in *the* workplace").
+_NP_GLUE = (W.DETERMINERS | W.POSSESSOR_SELF | W.POSSESSOR_OTHER
+            | frozenset("some any no which what whose this that these those".split()))
+_COORD = frozenset(("and", "or", "&", "plus", "nor"))
+#: Words after which a word is most likely a verb ("how do I *keep* ...", "to *eat*").
+_VERB_SLOT = frozenset("""i you we they he she it one people someone to can could should would will
+    shall do does did may might must not never also just then and or""".split())
+#: Texts longer than this (in words, politeness and filler left out) on both sides are left to the
+#: embedding: a reworded paragraph routinely adds or drops a phrase.
+_DETAIL_MAX_WORDS = 12
+_HERE = frozenset(("me", "us", "here", "home"))
+#: Auxiliaries after which a word before a shared noun starts a noun phrase ("do *attack* dogs"),
+#: not a verb.
+_BE_DO = frozenset("is are was were do does did".split())
+#: Up to this many words (the shorter side), a modifier is a detail at any similarity.
+_DETAIL_SHORT = 8
+
+
+def _extras(x: _Side, y: _Side, explained: frozenset[str]) -> tuple[list[int], bool]:
+    """Positions in ``x.seq`` of content words with no counterpart on ``y`` (same word,
+    inflection, derivation, listed synonym or typo), and whether a light word of ``x`` has none
+    (see :data:`W.DETAIL_LIGHT`). Neutral words, evaluative words and the words of a cancelled
+    antonym swap do not count."""
+    out = []
+    light = False
+    ybag = y.bag
+    for i, w in enumerate(x.seq):
+        raw = x.seqw[i]
+        if (w[0] == "<" or len(w) < 3 or not w.isalpha() or w in explained or w in ybag
+                or w in _SOFT_BASES or w in _FUNCTION_BASES or w in _DETAIL_NEUTRAL
+                or raw in _DETAIL_NEUTRAL or raw in y.vocab or raw in x.entities):
+            continue
+        if any(_same_word(w, v) for v in ybag):
+            continue
+        if raw in W.DETAIL_LIGHT or w in W.DETAIL_LIGHT:
+            light = True
+            continue
+        out.append(i)
+    return out, light
+
+
+def _detail(a: _Side, b: _Side, explained: frozenset[str], strict: bool) -> bool:
+    """One side carries a qualifier the other lacks; see the module docstring."""
+    size = min(len(a.seq), len(b.seq))
+    if size > _DETAIL_MAX_WORDS:
+        return False
+    short = size <= _DETAIL_SHORT
+    ea, la = _extras(a, b, explained)
+    eb, lb = _extras(b, a, explained)
+    if not ea and not eb:
+        return False
+    for x, ex, ey, ly in ((a, ea, eb, lb), (b, eb, ea, la)):
+        if not ex:
+            continue
+        words = x.seqw
+        n = len(words)
+        for i in ex:                        # "cheap", "for beginners", "abroad"
+            if words[i] in W.DETAIL_QUALIFIERS and (i + 1 == n or words[i + 1] not in _PARTICLES):
+                return True
+        if ey or ly:                        # both sides reworded: left to the embedding
+            continue
+        for i in ex:
+            if _after_preposition(x, i, ex) or (
+                    words[i] in _DETAIL_PREPS and i + 1 < n and words[i + 1] in _HERE):
+                return True                 # "... from abroad", "... near me"
+            if (strict or short or (i and words[i - 1] in _COORD)) and _modifier(x, i, ex):
+                return True                 # "attack dogs", "concentration and confidence"
+        if strict:
+            for i in ex:                    # any other content word, but adverbs and verbs
+                if not words[i].endswith("ly") and not (i and words[i - 1] in _VERB_SLOT):
+                    return True
+    return False
+
+
+def _after_preposition(x: _Side, i: int, ex: list[int]) -> bool:
+    """The word at ``i`` is in a phrase opened by a qualifying preposition ("from abroad", "in a
+    private school")."""
+    for j in range(i - 1, max(-1, i - 4), -1):
+        w = x.seqw[j]
+        if w in _DETAIL_PREPS:
+            return True
+        if w in _NP_GLUE or j in ex:
+            continue
+        return False
+    return False
+
+
+def _modifier(x: _Side, i: int, ex: list[int]) -> bool:
+    """The word at ``i`` modifies or is coordinated with a word the two sides share ("attack
+    dogs", "tech news", "concentration and confidence")."""
+    seq, seqw = x.seq, x.seqw
+    prev = seqw[i - 1] if i else ""
+    if prev in _COORD:
+        return True
+    if i + 1 < len(seq) and i + 1 not in ex:
+        nxt = seq[i + 1]
+        if (nxt[0] != "<" and nxt.isalpha() and nxt not in _FUNCTION_BASES
+                and nxt not in _SOFT_BASES and nxt not in _DETAIL_NEUTRAL):
+            return prev not in _VERB_SLOT or prev in _BE_DO
+    return False
+
+
+# ================================================================================================
+# Question intent
+
+_WH_LIKE = {
+    "why": frozenset("reason cause purpose point motive motivation rationale explanation "
+                     "make makes made causes caused lead leads led benefit benefits advantage "
+                     "advantages importance use".split()),
+    "when": frozenset("time date day year month hour age period moment season deadline "
+                      "schedule soon long".split()),
+    "where": frozenset("place location country city address area region site website store "
+                       "shop source destination spot find located locate".split()),
+    "who": frozenset("person people author company name inventor founder owner writer creator "
+                     "responsible".split()),
+}
+
+
+_WH_LIKE = {k: v | frozenset(_base(w) for w in v) for k, v in _WH_LIKE.items()}
+
+
+def _wh_changed(x: _Side, y: _Side) -> bool:
+    """``x`` asks when/where/who/why and ``y`` asks another question (opening with what, which,
+    how or an auxiliary) without that question word or a noun that stands for it ("what time",
+    "what is the reason")."""
+    only = x.wh - y.wh
+    if not only or not (y.what or y.how or y.polar or y.wh):
+        return False
+    for w in only:
+        like = _WH_LIKE.get(w)
+        if like is not None and not (like & y.bag):
+            return True
+    return False
+
+
+#: Auxiliaries whose yes/no question asks for a way or a possibility, which a "how" answers
+#: ("Can I pause my plan?" ~ "How do I pause my plan?").
+_POLAR_ABILITY = frozenset(("can", "could"))
+_POLAR_HOW = frozenset(("way", "ways", "possible", "possibly"))
+
+
+def _polar_changed(x: _Side, y: _Side) -> bool:
+    """(strict) ``x`` is a yes/no question ("Should I ...?", "Is X good?") and ``y`` asks what,
+    how, when, ... instead, unless ``x`` asks whether something can be done ("Can I ...?", "Is
+    there a way to ...?", "Is it possible to ...?")."""
+    if not x.polar or y.polar or x.what or x.how or x.wh or not (y.what or y.how or y.wh):
+        return False
+    return not (x.polar in _POLAR_ABILITY or not _POLAR_HOW.isdisjoint(x.vocab))

@@ -419,6 +419,60 @@ POLITENESS = _words("""
 #: are not interchangeable with each other.
 WH_DISTINCT = _words("when where who why")
 
+
+# --------------------------------------------------------------------------------------------
+# Added detail: a qualifier on one side only narrows what is asked ("...from abroad")
+
+#: Words that open a qualifying phrase: "cancel my subscription" vs "... from abroad", "... for
+#: beginners", "... during a layoff", "... using Excel".
+DETAIL_PREPOSITIONS = _words("""
+    in for from with without during at on under over within via using through throughout
+    inside near among while whilst until till amid amidst across against per
+""")
+
+#: Words that restrict what is asked on their own wherever they stand, when the other side has no
+#: counterpart: price and access (cheap, free), level (beginner, advanced), place (abroad, local,
+#: online), ownership and status (private, used, official), make (homemade, wireless, electric).
+DETAIL_QUALIFIERS = _words("""
+    cheap cheapest free budget premium discounted beginner beginners introductory intermediate
+    advanced latest newest secondhand refurbished online offline abroad overseas foreign
+    international domestic local locally nearby remote remotely private public personal
+    commercial corporate official unofficial homemade handmade organic portable wireless wired
+    electric electronic manual automatic temporary permanent permanently legal legally illegal
+    illegally professional amateur
+""")
+
+#: Words that never make a detail and never count as a rewording: what a question asks for in
+#: general ("the best way to", "some tips on", "the steps to"), hedges and intensifiers, asking
+#: and opinion ("tell me", "do you think"), generic people ("someone").
+DETAIL_NEUTRAL = _words("""
+    way ways method methods step steps procedure procedures tip tips advice guide guides guidance
+    idea ideas thing things stuff question questions answer answers info information detail
+    details instruction instructions tutorial tutorials example examples reason reasons option
+    options suggestion suggestions recommendation recommendations approach strategy strategies
+    technique techniques solution solutions list overview summary explanation meaning yes
+    really truly ever generally usually typically normally actually exact actual real certain
+    sure possible able likely best better good ideal ideally proper properly correct correctly
+    right effective effectively efficient efficiently ok okay fine
+    person people someone somebody anyone anybody everyone everybody
+    think believe feel guess suppose wonder wondering curious opinion view
+    tell know explain describe show help recommend suggest advise please mean want wants like
+    would need needs needed
+""")
+
+#: Light words: never a detail themselves, but one left unmatched on a side means that side was
+#: reworded, so the other side's extra words may be its rewording, not an addition ("how to
+#: *handle* a dataset" vs "how to *process* a dataset", "in numerical *sequence*" vs "in
+#: numerical *order*").
+DETAIL_LIGHT = _words("""
+    go going goes went try trying tried use using used usage utilization utilisation do doing
+    done get getting make making find finding learn start begin proceed manage process run runs
+    works happen happens exist exists existing available easy easiest easily simple simplest
+    simply quick quickly fast fastest order terms regard regards respect relation general
+    particular addition fact case basis manner practice time times once size number amount
+    total place version name
+""")
+
 # --------------------------------------------------------------------------------------------
 # Synonyms (for the content-word check only: a word replaced by a listed synonym is no change)
 
@@ -721,6 +775,7 @@ SYNONYM_GROUPS = _groups("""
     automatically automatic
     typically usually generally commonly normally
     latest newest recent
+    author write writer
 """)
 
 #: British and American spellings (beyond -ise/-ize and -our/-or, which are handled by rule).

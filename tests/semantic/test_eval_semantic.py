@@ -1,0 +1,45 @@
+"""`carpool eval-semantic`: hit rate on should-hit pairs, wrong-hit rate on should-miss pairs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+PAIRS = [
+    {"a": "How do I reset my router?", "b": "how do i reset my router", "same_answer": True,
+     "category": "near_repeat"},
+    {"a": "Where can I download my invoice?", "b": "Where can I download my invoice? Thanks!",
+     "same_answer": True, "category": "near_repeat"},
+    {"a": "Is this jacket waterproof?", "b": "Is this jacket not waterproof?",
+     "same_answer": False, "category": "negation"},
+    {"a": "What is the weather in Paris today?", "b": "What is the weather in Rome today?",
+     "same_answer": False, "category": "entity_swap"},
+    {"a": [{"role": "user", "content": "I have a gym membership."},
+           {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Cancel it."}],
+     "b": [{"role": "user", "content": "I have a phone plan."},
+           {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Cancel it."}],
+     "same_answer": False, "category": "conversation"},
+]
+
+
+def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    decisions = tmp_path / "decisions.jsonl"
+    out = subprocess.run([sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs",
+                          str(pairs), "--decisions", str(decisions), "--sweep"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert lines["near_repeat"][1:3] == ["2", "100.0%"]
+    assert lines["negation"][3:5] == ["1", "0.0%"]
+    assert lines["all"][1:] == ["2", "100.0%", "3", "0.0%"]
+    rows = [json.loads(line) for line in decisions.read_text().splitlines()]
+    assert [r["decision"] for r in rows] == ["hit", "hit", "miss", "miss", "miss"]
+    assert rows[4]["reason"] == "scope" and rows[2]["reason"] == "negation"
+    assert all(r["correct"] for r in rows)
+    assert "threshold" in out and "0.60" in out
