@@ -126,9 +126,9 @@ Rules, in order; the first that fires names the reason:
     - or the other side has no such word at all (a pure addition), and an added word is in a
       phrase opened by a qualifying preposition (in, for, from, with, during, at, on, using, ...:
       "cancel my subscription" vs "... from abroad", "unethical behaviour" vs "... in the
-      workplace", "near me"), or modifies or is coordinated with a shared word ("attack dogs" vs
-      "dogs", "mechanical engineering" vs "mechanical and electrical engineering") when the
-      shorter side has at most 8 words or in strict mode;
+      workplace", "near me"), or is coordinated with a shared word ("mechanical engineering" vs
+      "mechanical and electrical engineering"), or modifies one ("attack dogs" vs "dogs") when
+      the shorter side has at most 8 words or in strict mode;
     - *(strict)* or, in a pure addition, any added content word that is not an adverb in -ly or
       in a verb's place (after a pronoun, an auxiliary or "to").
 
@@ -1488,7 +1488,8 @@ def _modifier(x: _Side, i: int, ex: list[int]) -> bool:
 # ================================================================================================
 # Question intent
 
-_WH_LIKE = {
+#: Nouns and verbs that name what a question word asks for ("what time" ~ "when").
+_WH_LIKE_WORDS = {
     "why": frozenset("reason cause purpose point motive motivation rationale explanation "
                      "make makes made causes caused lead leads led benefit benefits advantage "
                      "advantages importance use".split()),
@@ -1500,8 +1501,7 @@ _WH_LIKE = {
                      "responsible".split()),
 }
 
-
-_WH_LIKE = {k: v | frozenset(_base(w) for w in v) for k, v in _WH_LIKE.items()}
+_WH_LIKE = {k: v | frozenset(_base(w) for w in v) for k, v in _WH_LIKE_WORDS.items()}
 
 
 def _wh_changed(x: _Side, y: _Side) -> bool:

@@ -432,7 +432,7 @@ DETAIL_PREPOSITIONS = _words("""
 
 #: Words that restrict what is asked on their own wherever they stand, when the other side has no
 #: counterpart: price and access (cheap, free), level (beginner, advanced), place (abroad, local,
-#: online), ownership and status (private, used, official), make (homemade, wireless, electric).
+#: online), ownership and status (private, refurbished, official), make (homemade, electric).
 DETAIL_QUALIFIERS = _words("""
     cheap cheapest free budget premium discounted beginner beginners introductory intermediate
     advanced latest newest secondhand refurbished online offline abroad overseas foreign
