@@ -9,6 +9,9 @@ Contract:
   returns how many it dropped.
 - ``entries`` and ``bytes`` report the current size, for /stats and /metrics.
 - Keys are fingerprint digests (hex): a backend may use them in its own key space as they are.
+- A backend that lives outside the process (Redis) raises ``StoreUnavailable`` when it cannot be
+  reached or does not answer in time, promptly and never by hanging, so that the caller can
+  degrade to the in-process layers; in-process backends never raise it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..answer import Answer
+from ..errors import CarpoolError
 
 
 @dataclass(slots=True, eq=False)
@@ -47,3 +51,15 @@ class Store(Protocol):
     def bytes(self) -> int: ...
 
     async def aclose(self) -> None: ...
+
+
+class StoreUnavailable(CarpoolError):
+    """503: a shared store (Redis/Valkey) is down, unreachable, too slow, or refused a command.
+
+    Raised by every operation of an out-of-process backend instead of the client library's
+    errors, which are kept as ``__cause__``. The operation may or may not have taken effect.
+    """
+
+    status = 503
+    type = "server_error"
+    code = "store_unavailable"

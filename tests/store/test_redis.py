@@ -1,0 +1,198 @@
+"""The Redis/Valkey store beyond the shared contract: key layout, counts, failures.
+
+The contract itself (get/put/replace/expiry/invalidate, several instances) is in
+test_store_contract.py; these run against a real server (tests/fakes/redis_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aredis
+from redis.exceptions import RedisError
+
+from carpool.answer import Answer
+from carpool.store import Entry
+from carpool.store.base import StoreUnavailable
+from carpool.store.redis import RedisStore
+from fakes.redis_server import RedisServer
+from fakes.waiting import eventually
+
+FINGERPRINT = "0123456789abcdef0123456789abcdef"
+EVIL = "x} *evil"
+
+
+def entry(ttl: float = 60.0, **kw) -> Entry:
+    return Entry(Answer("chat", b"x" * 100, True, frames=[b"a"]), time.time() + ttl, **kw)
+
+
+def digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+    s = RedisStore(redis_server.url)
+    yield s
+    await s.aclose()
+
+
+async def keys(raw: aredis.Redis) -> set[str]:
+    return {key.decode() for key in await raw.keys("*")}
+
+
+# --------------------------------------------------------------------------- key layout
+
+async def test_keys_follow_the_layout_and_hold_no_raw_user_input(store: RedisStore,
+                                                                 raw: aredis.Redis) -> None:
+    await store.put(FINGERPRINT, entry(tags=(EVIL, "faq"), namespace="ns {1}\n*",
+                                       prompt_prefix="How do I " + EVIL))
+    assert await keys(raw) == {
+        f"carpool:e:{{{FINGERPRINT}}}",                  # the fingerprint as it is, hash-tagged
+        f"carpool:tag:{digest(EVIL)}", f"carpool:tag:{digest('faq')}",
+        f"carpool:ns:{digest('ns {1}' + chr(10) + '*')}",
+        "carpool:prefixes",
+        "carpool:{stats}:live", "carpool:{stats}:size", "carpool:{stats}:bytes",
+    }
+    assert not any(text in key for key in await keys(raw) for text in (EVIL, "evil", "faq", "{1}"))
+    assert 59_000 < await raw.pttl(f"carpool:e:{{{FINGERPRINT}}}") <= 60_001
+    assert 59_000 < await raw.pttl(f"carpool:tag:{digest(EVIL)}") <= 60_001
+
+
+async def test_a_key_that_is_not_a_fingerprint_is_hashed(store: RedisStore,
+                                                         raw: aredis.Redis) -> None:
+    await store.put(EVIL, entry())
+    await store.put(FINGERPRINT.upper(), entry())
+    entry_keys = {key for key in await keys(raw) if key.startswith("carpool:e:")}
+    assert len(entry_keys) == 2
+    assert all(len(key) == len("carpool:e:{}") + 40 for key in entry_keys)
+    assert await store.get(EVIL) is not None and await store.get(FINGERPRINT) is None
+
+
+async def test_index_keys_expire_with_their_entries_and_counts_go_to_zero(
+        store: RedisStore, raw: aredis.Redis) -> None:
+    await store.put(FINGERPRINT, entry(ttl=0.08, tags=("faq",), namespace="docs"))
+    assert store.entries == 1
+    index_keys = {"carpool:prefixes", f"carpool:tag:{digest('faq')}",
+                  f"carpool:ns:{digest('docs')}", f"carpool:e:{{{FINGERPRINT}}}"}
+    deadline = time.monotonic() + 2
+    while await keys(raw) & index_keys:
+        assert time.monotonic() < deadline, await keys(raw)
+        await asyncio.sleep(0.005)
+    await store.refresh_stats()                     # reaps the expired entry from the counts
+    assert store.entries == 0 and store.bytes == 0
+    assert await keys(raw) == set()
+
+
+async def test_a_prefix_separates_stores_on_one_server(redis_server: RedisServer,
+                                                       raw: aredis.Redis) -> None:
+    a, b = RedisStore(redis_server.url, prefix="a*:"), RedisStore(redis_server.url, prefix="b:")
+    try:
+        await a.put("k", entry(tags=("t",)))
+        await b.put("k", entry(tags=("t",)))
+        assert await a.invalidate(everything=True) == 1
+        assert await a.get("k") is None and await b.get("k") is not None
+        assert await a.invalidate(tag="t") == 0
+        assert all(key.startswith("b:") for key in await keys(raw))
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+def test_a_prefix_with_a_hash_tag_brace_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        RedisStore("redis://127.0.0.1:1/0", prefix="{carpool}:")
+
+
+async def test_a_client_that_decodes_responses_is_refused(redis_server: RedisServer) -> None:
+    client = aredis.Redis.from_url(redis_server.url, decode_responses=True)
+    with pytest.raises(ValueError, match="decode"):
+        RedisStore(redis_server.url, client=client)
+    await client.aclose()
+
+
+async def test_a_client_passed_in_stays_open_after_aclose(redis_server: RedisServer,
+                                                          raw: aredis.Redis) -> None:
+    store = RedisStore(redis_server.url, client=raw)
+    await store.put("k", entry())
+    await store.aclose()
+    assert await raw.ping() is True
+
+
+# --------------------------------------------------------------------------- counts
+
+async def test_counts_are_the_whole_shared_cache_refreshed_by_gets(
+        redis_server: RedisServer) -> None:
+    a = RedisStore(redis_server.url)
+    b = RedisStore(redis_server.url, stats_interval=0)
+    try:
+        e = entry(tags=("t",))
+        await a.put("1", e)
+        await a.put("2", e)
+        assert (a.entries, a.bytes) == (2, 2 * e.size)
+        await b.get("1")                           # refreshes b's counts in the background
+        await eventually(lambda: (b.entries, b.bytes) == (2, 2 * e.size), timeout=2,
+                         what="b's counts")
+        await b.invalidate(tag="t")
+        await a.refresh_stats()
+        assert (a.entries, a.bytes) == (0, 0)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+# --------------------------------------------------------------------------- failures
+
+async def test_a_dead_server_makes_every_call_fail_fast_then_a_restart_heals(
+        redis_server: RedisServer, store: RedisStore) -> None:
+    await store.put("k", entry(tags=("t",)))
+    redis_server.kill()
+    calls = [store.get("k"), store.put("k", entry()), store.invalidate(tag="t"),
+             store.invalidate(prefix="x"), store.invalidate(everything=True),
+             store.refresh_stats()]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as raised:
+            await asyncio.wait_for(call, 5)
+        assert time.monotonic() - started < 1.0
+        assert isinstance(raised.value.__cause__, RedisError)
+        assert raised.value.status == 503
+    assert store.entries == 1                      # the last value seen
+    redis_server.restart()                         # empty: nothing is persisted
+    assert await store.get("k") is None
+    await store.put("k", entry())
+    assert await store.get("k") is not None
+
+
+async def test_a_hung_server_fails_a_call_within_the_socket_timeout(
+        redis_server: RedisServer, raw: aredis.Redis) -> None:
+    store = RedisStore(redis_server.url, socket_timeout=0.2)
+    try:
+        await store.put("k", entry())
+        await raw.execute_command("CLIENT", "PAUSE", 400, "ALL")
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="Timeout"):
+            await asyncio.wait_for(store.get("k"), 5)
+        assert time.monotonic() - started < 0.5     # one timeout: a timeout is not retried
+        await raw.ping()                            # answered once the pause is over
+        assert await store.get("k") is not None
+    finally:
+        await store.aclose()
+
+
+async def test_a_command_redis_refuses_raises_store_unavailable(store: RedisStore,
+                                                                raw: aredis.Redis) -> None:
+    await raw.set("carpool:prefixes", "not a sorted set")
+    with pytest.raises(StoreUnavailable, match="WRONGTYPE"):
+        await store.put("k", entry())

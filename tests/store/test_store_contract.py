@@ -1,0 +1,238 @@
+"""The ``Store`` contract (store/base.py), run against every backend through one fixture.
+
+Backend-specific behaviour lives beside it: test_memory.py (LRU, byte budget), test_redis.py
+(key layout, failures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from carpool.answer import Answer
+from carpool.store import Entry, MemoryStore, Store
+from carpool.store.redis import RedisStore
+
+BACKENDS = ["memory", "redis"]
+SHARED_BACKENDS = ["redis"]       # backends that several gateway instances share
+
+# User input that must work as a tag or namespace and never collide with another.
+ODD_NAMES = ["", " ", "a", "a ", "A", "a b", "{", "}", "{x}", "x} *evil", ":", "a:b", "*", "?",
+             "[a]", "\\", "\n", "x\ny", "tag:a", "carpool:", ",", "a,b", "ünïcödé", "日本語", "🙂"]
+
+
+@pytest.fixture(params=BACKENDS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        backend: Store = MemoryStore(100_000_000)
+    else:
+        backend = RedisStore(request.getfixturevalue("redis_server").url)
+    yield backend
+    await backend.aclose()
+
+
+@pytest.fixture(params=SHARED_BACKENDS)
+async def two_instances(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Store, Store]]:
+    url = request.getfixturevalue("redis_server").url
+    a, b = RedisStore(url), RedisStore(url)
+    yield a, b
+    await a.aclose()
+    await b.aclose()
+
+
+def entry(body: bytes = b"x" * 100, ttl: float = 60.0, *, frames: list[bytes] | None = None,
+          **kw) -> Entry:
+    return Entry(Answer("chat", body, True, frames=frames), time.time() + ttl, **kw)
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 2.0) -> None:
+    """Return once ``await condition()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, f"not true within {timeout} s"
+        await asyncio.sleep(0.005)
+
+
+def assert_same(got: Entry | None, put: Entry) -> None:
+    assert got is not None
+    a, b = got.answer, put.answer
+    assert (a.kind, a.body, a.complete, a.tokens, a.created, a.frames, a.usage_frame) == \
+        (b.kind, b.body, b.complete, b.tokens, b.created, b.frames, b.usage_frame)
+    assert type(a.body) is bytes
+    assert (got.expires, got.tags, got.namespace, got.prompt_prefix) == \
+        (put.expires, put.tags, put.namespace, put.prompt_prefix)
+
+
+# --------------------------------------------------------------------------- get / put
+
+async def test_get_returns_what_was_put_byte_exact(store: Store) -> None:
+    frames = [b"data: {\"a\":1}\n\n", b"", bytes(range(256)), b"data: \xff\xfe\r\n\r\n"]
+    put = Entry(Answer("completion", bytes(range(256)) * 3 + b"\r\n\x00", True, tokens=42,
+                       created=1712345678.1234567, frames=frames, usage_frame=2),
+                time.time() + 60, ("faq", "news"), "docs", "How do I ünïcödé\n{*}")
+    await store.put("0123456789abcdef0123456789abcdef", put)
+    assert_same(await store.get("0123456789abcdef0123456789abcdef"), put)
+    assert store.entries == 1 and store.bytes == put.size
+
+
+async def test_an_answer_that_did_not_stream_has_no_frames(store: Store) -> None:
+    for key, frames in (("none", None), ("empty", [])):
+        put = entry(b'{"ok": true}', frames=frames)
+        await store.put(key, put)
+        got = await store.get(key)
+        assert_same(got, put)
+        assert got is not None and got.answer.frames == frames
+
+
+async def test_a_miss_returns_none(store: Store) -> None:
+    assert await store.get("0123456789abcdef0123456789abcdef") is None
+    assert await store.get("never put") is None
+    assert store.entries == 0 and store.bytes == 0
+
+
+async def test_an_already_expired_entry_is_never_returned(store: Store) -> None:
+    await store.put("k", entry(ttl=-1))
+    assert await store.get("k") is None
+
+
+async def test_an_entry_is_not_returned_once_its_ttl_has_passed(store: Store) -> None:
+    put = entry(ttl=0.08)
+    await store.put("k", put)
+    assert_same(await store.get("k"), put)
+
+    async def gone() -> bool:
+        return await store.get("k") is None
+
+    await until(gone)
+    assert time.time() >= put.expires
+
+
+async def test_put_replaces_the_entry_and_its_tags(store: Store) -> None:
+    await store.put("k", entry(b"old", frames=[b"o"], tags=("old",), namespace="a",
+                               prompt_prefix="old prompt"))
+    new = entry(b"new", tags=("new",), namespace="b", prompt_prefix="new prompt")
+    await store.put("k", new)
+    assert_same(await store.get("k"), new)
+    assert store.entries == 1 and store.bytes == new.size
+    # The old entry's tag, namespace and prefix no longer reach the new one.
+    assert await store.invalidate(tag="old") == 0
+    assert await store.invalidate(namespace="a") == 0
+    assert await store.invalidate(prefix="old") == 0
+    assert_same(await store.get("k"), new)
+    assert await store.invalidate(tag="new") == 1
+
+
+async def test_putting_an_expired_entry_replaces_the_live_one(store: Store) -> None:
+    await store.put("k", entry())
+    await store.put("k", entry(ttl=-1))
+    assert await store.get("k") is None
+
+
+# --------------------------------------------------------------------------- invalidate
+
+async def fill(store: Store) -> None:
+    await store.put("1", entry(tags=("faq", "shared"), namespace="docs", prompt_prefix="How do I"))
+    await store.put("2", entry(tags=("news",), namespace="docs", prompt_prefix="What is"))
+    await store.put("3", entry(tags=("shared",), namespace="code", prompt_prefix="How do I"))
+    await store.put("4", entry(namespace="code", prompt_prefix="Why"))
+
+
+async def present(store: Store) -> set[str]:
+    return {key for key in "1234" if await store.get(key) is not None}
+
+
+async def test_invalidate_by_tag_drops_only_that_tag(store: Store) -> None:
+    await fill(store)
+    assert await store.invalidate(tag="shared") == 2
+    assert await present(store) == {"2", "4"}
+    assert await store.invalidate(tag="shared") == 0
+    assert await store.invalidate(tag="nope") == 0
+    assert store.entries == 2 and store.bytes == 2 * entry().size + len("What is") \
+        + len("news") + len("Why")
+
+
+async def test_invalidate_by_namespace_drops_only_that_namespace(store: Store) -> None:
+    await fill(store)
+    assert await store.invalidate(namespace="docs") == 2
+    assert await present(store) == {"3", "4"}
+    assert await store.invalidate(namespace="doc") == 0
+    assert store.entries == 2
+
+
+async def test_invalidate_by_prompt_prefix_drops_the_prompts_that_start_with_it(
+        store: Store) -> None:
+    await fill(store)
+    assert await store.invalidate(prefix="How do") == 2
+    assert await present(store) == {"2", "4"}
+    assert await store.invalidate(prefix="how") == 0        # case matters
+    assert await store.invalidate(prefix="What is it") == 0  # longer than the stored prefix
+    assert await store.invalidate(prefix="*") == 0           # literal, not a pattern
+    assert await store.invalidate(prefix="W") == 2
+    assert store.entries == 0 and store.bytes == 0
+
+
+async def test_invalidate_everything_drops_all_and_the_store_keeps_working(store: Store) -> None:
+    await fill(store)
+    assert await store.invalidate(everything=True) == 4
+    assert await present(store) == set()
+    assert store.entries == 0 and store.bytes == 0
+    assert await store.invalidate(everything=True) == 0
+    put = entry(tags=("faq",))
+    await store.put("1", put)
+    assert_same(await store.get("1"), put)
+    assert await store.invalidate(tag="faq") == 1
+
+
+async def test_expired_entries_are_not_counted_by_invalidate(store: Store) -> None:
+    await store.put("short", entry(ttl=0.05, tags=("t",)))
+    await store.put("long", entry(tags=("t",)))
+
+    async def expired() -> bool:
+        return await store.get("short") is None
+
+    await until(expired)
+    assert await store.invalidate(tag="t") == 1
+
+
+async def test_odd_tags_and_namespaces_work_and_never_collide(store: Store) -> None:
+    for i, name in enumerate(ODD_NAMES):
+        await store.put(f"t{i}", entry(tags=(name,), namespace="tagged"))
+        await store.put(f"n{i}", entry(namespace=name))
+    for i, name in enumerate(ODD_NAMES):
+        assert await store.invalidate(tag=name) == 1, repr(name)
+        assert await store.get(f"t{i}") is None
+        assert await store.invalidate(namespace=name) == 1, repr(name)
+        assert await store.get(f"n{i}") is None
+        rest = [f"{kind}{j}" for kind in "tn" for j in range(i + 1, len(ODD_NAMES))]
+        assert all([await store.get(key) is not None for key in rest]), repr(name)
+
+
+async def test_odd_prompt_prefixes_are_matched_literally(store: Store) -> None:
+    for i, name in enumerate(ODD_NAMES):
+        await store.put(f"p{i}", entry(prompt_prefix=name + "|rest"))
+    for i, name in enumerate(ODD_NAMES):
+        assert await store.invalidate(prefix=name + "|") == 1, repr(name)
+        assert await store.get(f"p{i}") is None
+
+
+# --------------------------------------------------------------------------- shared backends
+
+async def test_two_instances_see_each_others_entries_and_invalidations(
+        two_instances: tuple[Store, Store]) -> None:
+    a, b = two_instances
+    put = entry(frames=[b"f"], tags=("faq",), namespace="docs", prompt_prefix="How")
+    await a.put("k", put)
+    assert_same(await b.get("k"), put)
+    await b.put("j", entry(tags=("faq",)))
+    assert await a.get("j") is not None
+    assert await b.invalidate(tag="faq") == 2
+    assert await a.get("k") is None and await a.get("j") is None
+    await a.put("k", put)
+    assert await b.invalidate(namespace="docs") == 1 and await a.get("k") is None
+    await a.put("k", put)
+    assert await b.invalidate(prefix="Ho") == 1 and await a.get("k") is None
+    await a.put("k", put)
+    assert await b.invalidate(everything=True) == 1 and await a.get("k") is None
