@@ -161,6 +161,14 @@ def _glob_escape(text: str) -> str:
 
 
 class RedisStore:
+    """The exact cache in Redis/Valkey at ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+    ``client``: an existing ``redis.asyncio`` client to use instead (then ``url`` is only a
+    label, the timeouts and retries are the client's, and ``aclose`` leaves it open); it must
+    not decode responses. ``socket_timeout``/``connect_timeout`` (s), ``retries`` (immediate
+    retries of a failed connection) and ``stats_interval`` (s) default to the constants above.
+    """
+
     def __init__(self, url: str, *, prefix: str = "carpool:",
                  client: aredis.Redis | None = None,
                  socket_timeout: float = SOCKET_TIMEOUT,
