@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from carpool.semantic import guard  # noqa: E402
+from carpool.semantic import analysis, guard  # noqa: E402
 
 DATA_CANDIDATES = (ROOT / "shared" / "data" / "semantic", ROOT.parent / "shared" / "data" / "semantic")
 
@@ -80,7 +80,7 @@ def timing(rows: list[dict], limit: int = 2000, repeats: int = 5,
         guard.check(a, b, strict=strict)
     out: dict[str, list[float]] = {"cold": [], "one_new": [], "warm": []}
     for _ in range(repeats):
-        guard._analyse.cache_clear()
+        analysis.analyse.cache_clear()
         t0 = time.perf_counter()
         for a, b in pairs:
             guard.check(a, b, strict=strict)
@@ -89,15 +89,15 @@ def timing(rows: list[dict], limit: int = 2000, repeats: int = 5,
         for a, b in pairs:
             guard.check(a, b, strict=strict)
         out["warm"].append(time.perf_counter() - t0)
-        guard._analyse.cache_clear()
+        analysis.analyse.cache_clear()
         for _a, b in pairs:
-            guard._analyse(b)
+            analysis.analyse(b)
         t0 = time.perf_counter()
         for a, b in pairs:
-            guard._analyse(b)
+            analysis.analyse(b)
             guard.check(a + " ", b, strict=strict)  # a text not seen before, same meaning
         out["one_new"].append(time.perf_counter() - t0)
-    words = sum(len(guard._analyse(a).bases) + len(guard._analyse(b).bases) for a, b in pairs)
+    words = sum(len(analysis.analyse(a).bases) + len(analysis.analyse(b).bases) for a, b in pairs)
     res = {k: round(statistics.median(v) / len(pairs) * 1e6, 1) for k, v in out.items()}
     res["words_per_text"] = round(words / (2 * len(pairs)), 1)
     return res

@@ -42,8 +42,8 @@ def main() -> None:
 @click.option("--port", type=int, default=None, help="Port to listen on [8080].")
 @click.option("--config", "config_file", default=None, type=click.Path(dir_okay=False),
               help="YAML config file (also CARPOOL_CONFIG).")
-@click.option("--redis", default=None, metavar="URL", help="Redis/Valkey URL (not implemented "
-              "yet).")
+@click.option("--redis", default=None, metavar="URL",
+              help="Redis/Valkey URL of the store shared by every instance.")
 def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
           config_file: str | None, redis: str | None) -> None:
     """Run the gateway."""
@@ -59,7 +59,9 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
                  "(%d replica(s)); its answers are synthetic text, not a real model",
                  config.sim.replicas)
     if config.redis:
-        log.warning("carpool: --redis is not implemented yet; using the in-process store")
+        log.info("carpool: exact answers shared through Redis at %s (in-process fallback while "
+                 "it is unreachable); coalescing and the semantic cache are per instance for now",
+                 config.redis)
     import uvicorn
 
     from .pipeline import Gateway

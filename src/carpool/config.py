@@ -157,6 +157,20 @@ class LimitsConfig(_Section):
     upstream_max_connections: int = Field(1000, gt=0, description="Pooled connections per replica.")
 
 
+class DistributedConfig(_Section):
+    """How instances share Redis/Valkey (used when `redis` is set)."""
+
+    key_prefix: str = Field("carpool:", min_length=1, description="Prefix of every key carpool "
+                            "writes (no `{` or `}`: they are Redis Cluster hash tags).")
+    timeout: float = Field(0.5, gt=0, description="Seconds a Redis call may take before the "
+                           "instance treats Redis as unavailable.")
+    connect_timeout: float = Field(0.25, gt=0, description="Seconds to connect to Redis.")
+    retry_interval: float = Field(1.0, gt=0, description="While Redis is unavailable, seconds "
+                                  "between two attempts to use it again.")
+    log_interval: float = Field(30.0, gt=0, description="Seconds between two log lines about "
+                                "Redis being unavailable.")
+
+
 class UpstreamConfig(_Section):
     stream_usage: bool = Field(True, description="Ask a streaming upstream for a final usage chunk "
                                "(`stream_options.include_usage`) so tokens saved can be counted; "
@@ -186,8 +200,8 @@ class Config(_Section):
 
     upstreams: list[str] = Field(default_factory=list, description="Base URLs ending in /v1 of "
                                  "OpenAI-compatible replicas; empty = the embedded simulated engine.")
-    redis: str | None = Field(None, description="Redis/Valkey URL for the shared store (not "
-                              "implemented yet); null = in-process only.")
+    redis: str | None = Field(None, description="Redis/Valkey URL (redis://host:port/db) of the "
+                              "store shared by every instance; null = in-process only.")
     admin_token: str | None = Field(None, description="Bearer token that enables /admin/*.")
     sampling: Literal["strict", "same-params"] = Field("strict", description="strict: sampled "
                                                        "requests bypass unless they opt in; "
@@ -206,6 +220,7 @@ class Config(_Section):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
 
     @field_validator("upstreams")

@@ -90,7 +90,7 @@ class Gateway:
             from .upstream import build_upstreams
             upstreams = build_upstreams(self.config)
         self.upstreams = list(upstreams)
-        self.store: Store = store or MemoryStore(self.config.cache.max_bytes)
+        self.store: Store = store or build_store(self.config)
         coalesce = self.config.coalesce
         self.flights = FlightGroup(window=window_policy(coalesce),
                                    finish_abandoned=coalesce.finish_abandoned)
@@ -328,7 +328,13 @@ class Gateway:
         g = self.gauges()
         return {**self.stats.snapshot(), "flights": g["flights"], "waiters": g["waiters"],
                 "layers": g["layers"],
-                "replicas": {name: {"in_flight": n} for name, n in g["replicas"].items()}}
+                "replicas": {name: {"in_flight": n} for name, n in g["replicas"].items()},
+                "redis": self.redis_health()}
+
+    def redis_health(self) -> dict[str, Any]:
+        """``{"state": "off" | "up" | "degraded", ...}`` for /stats and /healthz."""
+        health = getattr(self.store, "health", None)
+        return health() if health is not None else {"state": "off"}
 
     async def aclose(self) -> None:
         for upstream in self.upstreams:
@@ -399,6 +405,20 @@ async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
         yield error_event(error)
     finally:
         await response.aclose()
+
+
+def build_store(config: Config) -> Store:
+    """The in-process exact cache, or (with ``redis``) the shared one that degrades to it."""
+    local = MemoryStore(config.cache.max_bytes)
+    if not config.redis:
+        return local
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
+
+    d = config.distributed
+    return SharedStore(RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                                  connect_timeout=d.connect_timeout),
+                       local, retry_interval=d.retry_interval, log_interval=d.log_interval)
 
 
 def build_semantic(config: Config, upstreams: Sequence[Upstream]) -> SemanticCache | None:

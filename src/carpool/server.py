@@ -164,7 +164,10 @@ async def _send_reply(send: Any, reply: Reply, state: _Watch) -> None:
 
 def _control_app(gateway: Gateway) -> Starlette:
     async def healthz(_: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok"})
+        # Serving is what health means: a Redis outage degrades the gateway, it does not stop it.
+        redis = gateway.redis_health()
+        return JSONResponse({"status": "degraded" if redis["state"] == "degraded" else "ok",
+                             "redis": redis})
 
     async def stats(_: HttpRequest) -> Response:
         return Response(orjson.dumps(gateway.snapshot()), media_type="application/json")

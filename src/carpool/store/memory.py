@@ -72,6 +72,9 @@ class MemoryStore:
         entry = self._entries.pop(key)
         self._bytes -= entry.size
 
-    async def aclose(self) -> None:
+    def clear(self) -> None:
         self._entries.clear()
         self._bytes = 0
+
+    async def aclose(self) -> None:
+        self.clear()

@@ -32,7 +32,7 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
                                         tags, namespace), b = body bytes, f = the frames
                                         concatenated (absent when the answer did not stream),
                                         tg = ",D1,D2," tag digests, ns = namespace digest,
-                                        pp = prompt prefix (the last three for the Lua checks)
+                                        pp = prompt prefix, xm = expiry in ms (for the Lua checks)
     P tag:D           ZSET ID -> expires_ms    candidates for a tag (D = its digest)
     P ns:D            ZSET ID -> expires_ms    candidates for a namespace
     P prefixes        ZSET "ID\\nprompt prefix" -> expires_ms    candidates for prefix invalidation
@@ -105,9 +105,15 @@ return 1
 """
 
 # Drop the entry if it still matches: ARGV = mode (t: tag digest, n: namespace digest,
-# p: prompt prefix), value. 1 if dropped.
+# p: prompt prefix), value, now (ms). 1 if a live entry was dropped; an entry already expired by
+# NOW (its PX may run a round trip later than its own expiry) is dropped but not counted.
 _DROP = """
 local mode, value = ARGV[1], ARGV[2]
+local expires = redis.call('HGET', KEYS[1], 'xm')
+if expires and tonumber(expires) <= tonumber(ARGV[3]) then
+  redis.call('UNLINK', KEYS[1])
+  return 0
+end
 local field = redis.call('HGET', KEYS[1], mode == 't' and 'tg' or mode == 'n' and 'ns' or 'pp')
 if not field then return 0 end
 if mode == 't' then
@@ -268,7 +274,7 @@ class RedisStore:
         fields: list[Any] = [
             "m", header, "b", answer.body,
             "tg", "," + "".join(_digest(t) + "," for t in entry.tags),
-            "ns", _digest(entry.namespace), "pp", entry.prompt_prefix]
+            "ns", _digest(entry.namespace), "pp", entry.prompt_prefix, "xm", expires_ms]
         if answer.frames is not None:
             fields += ["f", b"".join(answer.frames)]
         indexes = [(self._tag_key(tag), entry_id) for tag in dict.fromkeys(entry.tags)]
@@ -343,9 +349,9 @@ class RedisStore:
 
     async def _drop(self, ids: list[str], mode: str = "p", value: str = "") -> int:
         """Drop the entries among ``ids`` that match (mode ``p`` with ``""`` matches all)."""
-        pipe = self._client.pipeline(transaction=False)
+        pipe, now_ms = self._client.pipeline(transaction=False), time.time() * 1000
         for entry_id in ids:
-            pipe.eval(_DROP, 1, self._entry_key(entry_id), mode, value)
+            pipe.eval(_DROP, 1, self._entry_key(entry_id), mode, value, now_ms)
         results = await pipe.execute()
         gone = [entry_id for entry_id, hit in zip(ids, results, strict=True) if hit]
         if gone:

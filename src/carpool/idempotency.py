@@ -1,0 +1,639 @@
+"""Idempotency keys (draft-ietf-httpapi-idempotency-key-header semantics, as Stripe's): the records.
+
+A client that sends ``Idempotency-Key: "K"`` (or ``X-Idempotency-Key``) may retry the same request
+safely: it is processed at most once while its record lives, and a retry gets the first answer.
+
+The key
+- ``parse_key(headers)`` reads ``idempotency-key``, else ``x-idempotency-key``; None when neither
+  is sent. The value is a structured-field string (``"..."``, with ``\\"`` and ``\\\\`` escapes)
+  or, leniently, the bare text. It is refused with ``IdempotencyKeyInvalid`` (400) when it is
+  empty (or blank), longer than 255 characters once unquoted, or not a valid header string
+  (anything outside printable ASCII 0x20-0x7E, a malformed quoted string).
+- The records take the key already scoped by the caller (tenant + the raw key): records never
+  cross tenants. A backend outside the process hashes it before it goes into its key space.
+
+One record per key, with the fingerprint of the request that created it:
+
+    (none) --begin--> PROCESSING --finish(2xx)----> SUCCESS  } kept ``retention`` s from the
+                          |      --finish(other)--> FAILED   } finish, then (none) again
+                          |--abandon--> (none)
+                          '--lease (``processing_ttl``) runs out--> (none)
+
+- ``begin(key, fingerprint)``, atomic (one winner among any number of concurrent callers, on any
+  number of instances sharing the backend):
+  * no record (or an expired one): a PROCESSING record with a fresh owner token -> ``"new"``
+    with the token; the caller processes the request and must end with ``finish`` or ``abandon``;
+  * a record with another fingerprint, whatever its state -> ``"mismatch"`` (422);
+  * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
+  * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed as it is (status,
+    headers, body byte for byte) plus ``idempotent-replayed: true``, without calling upstream.
+- ``finish(key, token, response)``: only the owner token of a live PROCESSING record may finish;
+  the record becomes SUCCESS (2xx) or FAILED (any other status: an upstream error is replayed
+  too) and is kept ``retention`` seconds from now. Returns whether it was stored (False: not the
+  owner, or the lease ran out / the record was evicted, so the answer is not kept).
+- ``abandon(key, token)``: the owner gives up without a final answer (its client left and the
+  call was cancelled, the gateway failed before an answer): the record is dropped, so a retry
+  runs as ``"new"``. Returns whether there was a record to drop.
+- ``renew(key, token)``: extends the owner's lease to ``processing_ttl`` from now; False when the
+  record is no longer this owner's (then it may already run elsewhere). A PROCESSING record whose
+  lease runs out (its owner died, or did not renew) is gone: the next ``begin`` takes over as
+  ``"new"``, and the old owner's ``finish`` is refused.
+- ``wait(key, timeout)``: for ``idempotency.on_conflict: wait``. Returns the stored response once
+  the record is finished; None when the timeout passes, when there is no record (abandoned,
+  lease run out, expired), or when the record now belongs to another fingerprint. On None the
+  caller should ``begin`` again (it may now be ``"new"``, ``"mismatch"``...), not assume a 409.
+- Retention: SUCCESS and FAILED records live ``retention`` seconds (config
+  ``idempotency.retention``, default 24 h) from their finish; then the key is free again.
+
+Backends: ``MemoryIdempotencyRecords`` (one process; bounded: expired records are swept lazily
+and the oldest are evicted beyond ``max_records``/``max_bytes``) and ``RedisIdempotencyRecords``
+(shared by every instance; layout in its docstring). A Redis failure raises ``StoreUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import secrets
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import orjson
+
+from .errors import CarpoolError
+from .store.base import StoreUnavailable
+
+if TYPE_CHECKING:
+    import redis.asyncio as aredis
+
+__all__ = [
+    "HEADER",
+    "HEADER_ALIAS",
+    "MAX_KEY_LENGTH",
+    "REPLAYED_HEADER",
+    "Begin",
+    "IdempotencyConflict",
+    "IdempotencyError",
+    "IdempotencyKeyInvalid",
+    "IdempotencyMismatch",
+    "IdempotencyRecords",
+    "MemoryIdempotencyRecords",
+    "RedisIdempotencyRecords",
+    "StoredResponse",
+    "parse_key",
+]
+
+HEADER = "idempotency-key"
+HEADER_ALIAS = "x-idempotency-key"
+MAX_KEY_LENGTH = 255
+REPLAYED_HEADER = (b"idempotent-replayed", b"true")   # added to every replayed response
+
+PROCESSING_TTL = 660.0    # s: the default upstream timeout (600) + a margin
+PROBLEM_TYPE = "https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/"
+
+
+# --------------------------------------------------------------------------- errors
+
+class IdempotencyError(CarpoolError):
+    """An idempotency error, answered as RFC 9457 problem details (``application/problem+json``)."""
+
+    type = "invalid_request_error"        # OpenAI's type, for an SSE error event
+    problem_type = PROBLEM_TYPE
+    title = "Idempotency-Key error"
+
+    def body(self) -> bytes:
+        return orjson.dumps({"type": self.problem_type, "title": self.title,
+                             "status": self.status, "detail": self.message})
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/problem+json"}
+
+
+class IdempotencyKeyInvalid(IdempotencyError):
+    """400: the key is empty, longer than 255 characters, or not a valid header string."""
+
+    status = 400
+    code = "idempotency_key_invalid"
+    title = "Idempotency-Key is invalid"
+
+
+class IdempotencyConflict(IdempotencyError):
+    """409: a request with this key is still being processed."""
+
+    status = 409
+    code = "idempotency_conflict"
+    title = "A request is outstanding for this Idempotency-Key"
+
+    def __init__(self, message: str = "A request with the same Idempotency-Key is still being "
+                 "processed; retry once it has finished.") -> None:
+        super().__init__(message)
+
+
+class IdempotencyMismatch(IdempotencyError):
+    """422: this key was already used with a different request."""
+
+    status = 422
+    code = "idempotency_mismatch"
+    title = "Idempotency-Key is already used"
+
+    def __init__(self, message: str = "This Idempotency-Key was already used with a different "
+                 "request; a new request needs a new key.") -> None:
+        super().__init__(message)
+
+
+# --------------------------------------------------------------------------- the header
+
+def parse_key(headers: Mapping[str, str]) -> str | None:
+    """The idempotency key of a request, or None if it has none (header names lower-case).
+
+    ``Idempotency-Key`` wins over ``X-Idempotency-Key``. Raises ``IdempotencyKeyInvalid``.
+    """
+    name = HEADER
+    raw = headers.get(HEADER)
+    if raw is None:
+        name = HEADER_ALIAS
+        raw = headers.get(HEADER_ALIAS)
+        if raw is None:
+            return None
+    label = "Idempotency-Key" if name == HEADER else "X-Idempotency-Key"
+    value = raw.strip(" \t")
+    for char in value:
+        if not " " <= char <= "~":
+            raise IdempotencyKeyInvalid(
+                f"The {label} header holds a character that is not printable ASCII "
+                f"(U+{ord(char):04X}).")
+    if value.startswith('"'):
+        value = _sf_string(value, label)
+    if not value.strip():
+        raise IdempotencyKeyInvalid(f"The {label} header is empty.")
+    if len(value) > MAX_KEY_LENGTH:
+        raise IdempotencyKeyInvalid(
+            f"The {label} header is {len(value)} characters long; at most {MAX_KEY_LENGTH} "
+            "are allowed.")
+    return value
+
+
+def _sf_string(text: str, label: str) -> str:
+    """The content of a structured-field string (RFC 8941 §3.3.3), printable ASCII already."""
+    out: list[str] = []
+    i, end = 1, len(text)
+    while i < end:
+        char = text[i]
+        if char == "\\":
+            if i + 1 < end and text[i + 1] in '"\\':
+                out.append(text[i + 1])
+                i += 2
+                continue
+            break
+        if char == '"':
+            if i == end - 1:
+                return "".join(out)
+            break
+        out.append(char)
+        i += 1
+    raise IdempotencyKeyInvalid(f"The {label} header is not a valid string: a quoted value "
+                                'must end with its closing quote and escape only \\" and \\\\.')
+
+
+# --------------------------------------------------------------------------- the records
+
+@dataclass(slots=True)
+class StoredResponse:
+    """A final response, replayed as it is: status, headers (raw ASGI pairs), body bytes."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + sum(len(n) + len(v) for n, v in self.headers)
+
+
+@dataclass(slots=True)
+class Begin:
+    """What ``begin`` found: ``new`` (``token``: the owner's), ``processing``, ``mismatch``, or
+    ``done`` (``response``: the stored one, to replay)."""
+
+    state: Literal["new", "processing", "mismatch", "done"]
+    token: str | None = None
+    response: StoredResponse | None = None
+
+
+class IdempotencyRecords(Protocol):
+    async def begin(self, key: str, fingerprint: str) -> Begin: ...
+
+    async def finish(self, key: str, token: str, response: StoredResponse) -> bool: ...
+
+    async def abandon(self, key: str, token: str) -> bool: ...
+
+    async def renew(self, key: str, token: str) -> bool: ...
+
+    async def wait(self, key: str, timeout: float) -> StoredResponse | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _new_token() -> str:
+    return secrets.token_hex(16)
+
+
+# --------------------------------------------------------------------------- in process
+
+@dataclass(slots=True, eq=False)
+class _Record:
+    fingerprint: str
+    token: str
+    expires: float                          # monotonic: the lease, then the retention
+    response: StoredResponse | None = None  # None while PROCESSING
+    changed: asyncio.Event | None = None    # created by the first waiter; set on any change
+    size: int = 0
+
+    def wake(self) -> None:
+        if self.changed is not None:
+            self.changed.set()
+
+
+class MemoryIdempotencyRecords:
+    """The records in this process. ``retention``/``processing_ttl`` in seconds.
+
+    Bounded: expired records are dropped when met and swept every ``sweep_interval`` seconds;
+    beyond ``max_records`` records or ``max_bytes`` of stored responses the oldest records (by
+    creation or finish) are evicted, finished or not (an evicted key is free again, and its
+    owner's ``finish`` is refused). A response larger than ``max_bytes`` is not kept.
+    """
+
+    def __init__(self, retention: float, processing_ttl: float = PROCESSING_TTL, *,
+                 max_records: int = 100_000, max_bytes: int = 256 * 1024 * 1024,
+                 sweep_interval: float = 30.0) -> None:
+        if retention <= 0 or processing_ttl <= 0:
+            raise ValueError("retention and processing_ttl must be positive")
+        self.retention = retention
+        self.processing_ttl = processing_ttl
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.sweep_interval = sweep_interval
+        self._records: OrderedDict[str, _Record] = OrderedDict()
+        self._bytes = 0
+        self._next_sweep = time.monotonic() + sweep_interval
+        self.waiters = 0          # tasks inside ``wait`` now
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    async def begin(self, key: str, fingerprint: str) -> Begin:
+        now = time.monotonic()
+        self._sweep(now)
+        record = self._live(key, now)
+        if record is None:
+            token = _new_token()
+            self._records[key] = _Record(fingerprint, token, now + self.processing_ttl)
+            self._bound()
+            return Begin("new", token)
+        if record.fingerprint != fingerprint:
+            return Begin("mismatch")
+        if record.response is None:
+            return Begin("processing")
+        return Begin("done", response=_copy(record.response))
+
+    async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
+        now = time.monotonic()
+        record = self._owned(key, token, now)
+        if record is None:
+            return False
+        if response.size > self.max_bytes:     # too large to keep: the key is free again
+            self._drop(key)
+            return False
+        record.response = _copy(response)
+        record.size = response.size
+        record.expires = now + self.retention
+        self._bytes += record.size
+        self._records.move_to_end(key)
+        record.wake()
+        self._bound()
+        return key in self._records
+
+    async def abandon(self, key: str, token: str) -> bool:
+        if self._owned(key, token, time.monotonic()) is None:
+            return False
+        self._drop(key)
+        return True
+
+    async def renew(self, key: str, token: str) -> bool:
+        now = time.monotonic()
+        record = self._owned(key, token, now)
+        if record is None:
+            return False
+        record.expires = now + self.processing_ttl
+        return True
+
+    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
+        deadline = time.monotonic() + timeout
+        fingerprint: str | None = None
+        self.waiters += 1
+        try:
+            while True:
+                now = time.monotonic()
+                record = self._live(key, now)
+                if record is None:
+                    return None
+                if fingerprint is None:
+                    fingerprint = record.fingerprint
+                elif record.fingerprint != fingerprint:
+                    return None
+                if record.response is not None:
+                    return _copy(record.response)
+                left = deadline - now
+                if left <= 0:
+                    return None
+                if record.changed is None:
+                    record.changed = asyncio.Event()
+                changed = record.changed
+                # Wake at the latest when the lease runs out, to see the record gone.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(),
+                                           max(0.0, min(left, record.expires - now)) + 0.001)
+        finally:
+            self.waiters -= 1
+
+    async def aclose(self) -> None:
+        for key in list(self._records):
+            self._drop(key)
+
+    # ------------------------------------------------------------------ internals
+
+    def _live(self, key: str, now: float) -> _Record | None:
+        record = self._records.get(key)
+        if record is not None and record.expires <= now:
+            self._drop(key)
+            return None
+        return record
+
+    def _owned(self, key: str, token: str, now: float) -> _Record | None:
+        record = self._live(key, now)
+        if record is None or record.response is not None or record.token != token:
+            return None
+        return record
+
+    def _drop(self, key: str) -> None:
+        record = self._records.pop(key, None)
+        if record is not None:
+            self._bytes -= record.size
+            record.wake()
+
+    def _sweep(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.sweep_interval
+        for key in [k for k, r in self._records.items() if r.expires <= now]:
+            self._drop(key)
+
+    def _bound(self) -> None:
+        """Evict the oldest records while over a bound (expired ones went at the last sweep)."""
+        while self._records and (len(self._records) > self.max_records
+                                 or self._bytes > self.max_bytes):
+            self._drop(next(iter(self._records)))
+            self.evictions += 1
+
+
+def _copy(response: StoredResponse) -> StoredResponse:
+    return StoredResponse(response.status, list(response.headers), response.body)
+
+
+# --------------------------------------------------------------------------- Redis/Valkey
+
+SOCKET_TIMEOUT = 0.5      # as the Redis store: s per command
+CONNECT_TIMEOUT = 0.25    # s per connection attempt
+RETRIES = 1               # immediate retries on a refused/reset connection (never on a timeout)
+POLL_MIN = 0.005          # s: first pause of ``wait`` between two reads of the record
+POLL_MAX = 0.25           # s: longest pause (the back-off grows by half each time)
+
+# KEYS[1] = the record; ARGV = fingerprint, token, lease ms.
+_BEGIN = """
+local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 't')
+if not rec[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 't', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {'new'}
+end
+if rec[2] ~= ARGV[1] then return {'mismatch'} end
+if rec[1] == 'p' then
+  if rec[3] == ARGV[2] then return {'new'} end   -- this very call, retried after a lost reply
+  return {'processing'}
+end
+local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b')
+return {'done', r[1], r[2], r[3]}
+"""
+
+# ARGV = token, state (s|f), retention ms, status, headers, body. 1 if stored.
+_FINISH = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[2] ~= ARGV[1] then return 0 end
+if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
+redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# ARGV = token. 1 if dropped.
+_ABANDON = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# ARGV = token, lease ms. 1 if renewed.
+_RENEW = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+class RedisIdempotencyRecords:
+    """The records in Redis/Valkey, shared by every gateway instance.
+
+    ``target``: a URL (``redis://``, ``rediss://``, ``unix://``) or an existing ``redis.asyncio``
+    client (not decoding responses; then its timeouts/retries apply and ``aclose`` leaves it
+    open: the exact cache's client can be shared).
+
+    Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Cluster hash tag):
+
+        P idem:{ID}    HASH, PX = lease, then retention
+                       s  = p (PROCESSING) | s (SUCCESS) | f (FAILED)
+                       fp = the request fingerprint       t = the owner token
+                       st = status (decimal)              h = headers, orjson [[name, value]...]
+                       b  = body bytes                        (latin-1 strings: byte-exact)
+
+    - ``ID`` is the 40-hex BLAKE2b digest of the (scoped) key: no user input in key names.
+    - Every operation is one Lua script on one key (atomic, Cluster-safe). The lease is the key's
+      PX while PROCESSING, so Redis itself drops the record of a dead owner. ``begin`` retried
+      after a lost reply recognises its own token and still answers ``new``.
+    - ``wait`` polls the record (back-off ``POLL_MIN`` to ``POLL_MAX``, bounded by the
+      timeout); a ``finish``/``abandon`` by this same instance wakes its waiters at once.
+    - Every Redis or network failure, and any answer slower than ``socket_timeout``, raises
+      ``StoreUnavailable`` (the client library's error is its ``__cause__``); a refused
+      connection is retried once at once, a timeout never.
+    """
+
+    def __init__(self, target: str | aredis.Redis, *, retention: float,
+                 processing_ttl: float = PROCESSING_TTL, prefix: str = "carpool:",
+                 socket_timeout: float = SOCKET_TIMEOUT,
+                 connect_timeout: float = CONNECT_TIMEOUT, retries: int = RETRIES,
+                 poll_max: float = POLL_MAX) -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
+        if retention <= 0 or processing_ttl <= 0:
+            raise ValueError("retention and processing_ttl must be positive")
+        self.retention = retention
+        self.processing_ttl = processing_ttl
+        self.prefix = prefix
+        self.poll_max = poll_max
+        if isinstance(target, str):
+            try:
+                import redis.asyncio as aredis
+                from redis.asyncio.retry import Retry
+                from redis.backoff import NoBackoff
+                from redis.exceptions import ConnectionError as RedisConnectionError
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                raise ImportError("Redis idempotency records need the redis extra: "
+                                  "pip install 'carpool[redis]'") from exc
+            self.url = target
+            client = aredis.Redis.from_url(
+                target, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                retry=Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,)))
+            self._owns_client = True
+        else:
+            client = target
+            self.url = repr(client)
+            self._owns_client = False
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("the Redis client must not decode responses: bodies are bytes")
+        self._client = client
+        self._begin = client.register_script(_BEGIN)
+        self._finish = client.register_script(_FINISH)
+        self._abandon = client.register_script(_ABANDON)
+        self._renew = client.register_script(_RENEW)
+        # Local wake-ups: waiters of this instance, set by this instance's finish/abandon.
+        self._changed: weakref.WeakValueDictionary[str, asyncio.Event] = \
+            weakref.WeakValueDictionary()
+        self.waiters = 0
+
+    def __repr__(self) -> str:
+        return f"<RedisIdempotencyRecords {self.url} prefix={self.prefix!r}>"
+
+    def record_key(self, key: str) -> str:
+        """The Redis key of the record for ``key``."""
+        digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20)
+        return f"{self.prefix}idem:{{{digest.hexdigest()}}}"
+
+    async def begin(self, key: str, fingerprint: str) -> Begin:
+        token = _new_token()
+        with _unavailable("begin"):
+            reply = await self._begin(keys=[self.record_key(key)],
+                                      args=[fingerprint, token, _ms(self.processing_ttl)])
+        state = reply[0].decode()
+        if state == "new":
+            return Begin("new", token)
+        if state == "done":
+            return Begin("done", response=_decode(reply[1], reply[2], reply[3]))
+        return Begin(state)  # type: ignore[arg-type]
+
+    async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
+        record_key = self.record_key(key)
+        headers = orjson.dumps([[n.decode("latin-1"), v.decode("latin-1")]
+                                for n, v in response.headers])
+        state = "s" if 200 <= response.status < 300 else "f"
+        with _unavailable("finish"):
+            done = await self._finish(keys=[record_key], args=[
+                token, state, _ms(self.retention), response.status, headers, response.body])
+        self._wake(record_key)
+        return bool(done)
+
+    async def abandon(self, key: str, token: str) -> bool:
+        record_key = self.record_key(key)
+        with _unavailable("abandon"):
+            dropped = await self._abandon(keys=[record_key], args=[token])
+        self._wake(record_key)
+        return bool(dropped)
+
+    async def renew(self, key: str, token: str) -> bool:
+        with _unavailable("renew"):
+            return bool(await self._renew(keys=[self.record_key(key)],
+                                          args=[token, _ms(self.processing_ttl)]))
+
+    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
+        record_key = self.record_key(key)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        fingerprint: bytes | None = None
+        pause = POLL_MIN
+        self.waiters += 1
+        try:
+            while True:
+                changed = self._changed.get(record_key)
+                if changed is None:
+                    changed = self._changed[record_key] = asyncio.Event()
+                with _unavailable("wait"):
+                    state, found, status, headers, body = await self._client.hmget(
+                        record_key, "s", "fp", "st", "h", "b")
+                if state is None:
+                    return None
+                if fingerprint is None:
+                    fingerprint = found
+                elif found != fingerprint:
+                    return None
+                if state != b"p":
+                    return _decode(status, headers, body)
+                left = deadline - loop.time()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(pause, left))
+                pause = min(pause * 1.5, self.poll_max)
+        finally:
+            self.waiters -= 1
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    def _wake(self, record_key: str) -> None:
+        changed = self._changed.pop(record_key, None)
+        if changed is not None:
+            changed.set()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _decode(status: Any, headers: Any, body: Any) -> StoredResponse:
+    return StoredResponse(int(status), [(n.encode("latin-1"), v.encode("latin-1"))
+                                        for n, v in orjson.loads(headers)], bytes(body))
+
+
+@contextlib.contextmanager
+def _unavailable(operation: str) -> Iterator[None]:
+    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
+    from redis.exceptions import RedisError
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(f"the Redis idempotency records failed to {operation}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+

@@ -1,0 +1,114 @@
+"""The shared store with a way down: Redis when it answers, this process's memory when it does not.
+
+Contract (on top of ``store.base``):
+- While Redis answers, every operation goes to Redis only (``store.redis``): nothing is kept
+  locally, so an invalidation by any instance reaches every instance.
+- When a Redis call fails (``StoreUnavailable``), the store is *degraded*: the call is answered by
+  the in-process ``MemoryStore`` instead (a get finds what this instance stored meanwhile; a put
+  stores there), so no client request fails because Redis did. While degraded, Redis is tried
+  again at most once per ``retry_interval`` (a request never waits on a dead Redis twice in a
+  row); the first success ends the degraded period and empties the local store, whose entries may
+  have missed invalidations made elsewhere in the meantime.
+- Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
+  ``health()`` for ``/stats`` and ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .base import Entry, StoreUnavailable
+from .memory import MemoryStore
+from .redis import RedisStore
+
+log = logging.getLogger("carpool.store")
+
+
+class SharedStore:
+    def __init__(self, redis: RedisStore, local: MemoryStore, *, retry_interval: float = 1.0,
+                 log_interval: float = 30.0) -> None:
+        self.redis = redis
+        self.local = local
+        self.retry_interval = retry_interval
+        self.log_interval = log_interval
+        self.errors = 0
+        self.down_since: float | None = None     # wall clock, for /stats
+        self._next_try = 0.0                     # monotonic
+        self._last_log = float("-inf")
+
+    @property
+    def degraded(self) -> bool:
+        return self.down_since is not None
+
+    @property
+    def entries(self) -> int:
+        return self.local.entries if self.degraded else self.redis.entries
+
+    @property
+    def bytes(self) -> int:
+        return self.local.bytes if self.degraded else self.redis.bytes
+
+    def health(self) -> dict[str, Any]:
+        return {"state": "degraded" if self.degraded else "up", "errors": self.errors,
+                "down_since": self.down_since}
+
+    async def get(self, key: str) -> Entry | None:
+        if self._skip_redis():
+            return self.local.get_now(key)
+        try:
+            entry = await self.redis.get(key)
+        except StoreUnavailable as error:
+            self._failed(error)
+            return self.local.get_now(key)
+        self._answered()
+        return entry
+
+    async def put(self, key: str, entry: Entry) -> None:
+        if not self._skip_redis():
+            try:
+                await self.redis.put(key, entry)
+            except StoreUnavailable as error:
+                self._failed(error)
+            else:
+                self._answered()
+                return
+        await self.local.put(key, entry)
+
+    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
+                         prefix: str | None = None, everything: bool = False) -> int:
+        selector = {"tag": tag, "namespace": namespace, "prefix": prefix, "everything": everything}
+        dropped = await self.local.invalidate(**selector)
+        try:
+            dropped += await self.redis.invalidate(**selector)
+        except StoreUnavailable as error:
+            self._failed(error)
+        else:
+            self._answered()
+        return dropped
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        await self.local.aclose()
+
+    def _skip_redis(self) -> bool:
+        return self.degraded and time.monotonic() < self._next_try
+
+    def _failed(self, error: StoreUnavailable) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        self._next_try = now + self.retry_interval
+        if self.down_since is None:
+            self.down_since = time.time()
+        if now - self._last_log >= self.log_interval:
+            self._last_log = now
+            log.warning("redis unavailable, serving from this instance's memory (%d errors so "
+                        "far): %s", self.errors, error.__cause__ or error)
+
+    def _answered(self) -> None:
+        if self.down_since is not None:
+            log.warning("redis is back after %.1f s; dropping %d entries kept locally meanwhile",
+                        time.time() - self.down_since, self.local.entries)
+            self.down_since = None
+            self.local.clear()
