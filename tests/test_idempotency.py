@@ -1,0 +1,440 @@
+"""Idempotency keys: the header (``parse_key``), the problem+json errors, and the records contract
+run against every backend through one fixture (memory, and a real Valkey per test for Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+import pytest
+import redis.asyncio as aredis
+from redis.exceptions import RedisError
+
+from carpool.errors import CarpoolError
+from carpool.idempotency import (
+    Begin,
+    IdempotencyConflict,
+    IdempotencyKeyInvalid,
+    IdempotencyMismatch,
+    IdempotencyRecords,
+    MemoryIdempotencyRecords,
+    RedisIdempotencyRecords,
+    StoredResponse,
+    parse_key,
+)
+from carpool.store.base import StoreUnavailable
+from fakes.redis_server import RedisServer
+from fakes.waiting import eventually
+
+BACKENDS = ["memory", "redis"]
+FP, OTHER_FP = "f" * 32, "0" * 32
+
+OK = StoredResponse(200, [(b"content-type", b"application/json"), (b"x-request-id", b"r1"),
+                          (b"set-cookie", b"a=1"), (b"set-cookie", b"b=\xff\xe9")],
+                    b'{"id":"chatcmpl-1","choices":[]}\n' + bytes(range(256)))
+BAD_GATEWAY = StoredResponse(502, [(b"content-type", b"application/json")],
+                             b'{"error":{"message":"upstream \xc3\xa9chou\xc3\xa9","type":null}}')
+
+
+# --------------------------------------------------------------------------- parse_key
+
+@pytest.mark.parametrize(("headers", "key"), [
+    ({}, None),
+    ({"content-type": "application/json"}, None),
+    ({"idempotency-key": '"8e03978e-40d5-43e8-bc93-6894a57f9324"'},
+     "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+    ({"idempotency-key": "8e03978e-40d5"}, "8e03978e-40d5"),                  # bare
+    ({"idempotency-key": '  "abc"  '}, "abc"),                                 # OWS around
+    ({"idempotency-key": '"a \\"quoted\\" \\\\ key"'}, 'a "quoted" \\ key'),   # sf-string escapes
+    ({"idempotency-key": "a b"}, "a b"),
+    ({"idempotency-key": '"' + "k" * 255 + '"'}, "k" * 255),
+    ({"idempotency-key": "k" * 255}, "k" * 255),
+    ({"x-idempotency-key": '"alias"'}, "alias"),                               # the X- alias
+    ({"x-idempotency-key": "alias"}, "alias"),
+    ({"idempotency-key": "main", "x-idempotency-key": "alias"}, "main"),       # the real one wins
+])
+def test_parse_key_reads_the_header(headers: dict[str, str], key: str | None) -> None:
+    assert parse_key(headers) == key
+
+
+@pytest.mark.parametrize("value", [
+    "", '""', "   ", '"   "',                                   # empty
+    "k" * 256, '"' + "k" * 256 + '"',                           # 256 characters
+    "a\tb", "a\x00b", "a\x1fb", "a\x7fb", '"a\nb"', "ké", "日本",  # not printable ASCII
+    '"abc', '"ab"c"', '"a\\nb"', '"a\\"',                      # malformed sf-strings
+])
+@pytest.mark.parametrize("name", ["idempotency-key", "x-idempotency-key"])
+def test_parse_key_refuses_an_invalid_key_with_a_400(name: str, value: str) -> None:
+    with pytest.raises(IdempotencyKeyInvalid) as raised:
+        parse_key({name: value})
+    assert raised.value.status == 400
+
+
+def test_an_empty_main_header_is_refused_even_with_a_valid_alias() -> None:
+    with pytest.raises(IdempotencyKeyInvalid, match="empty"):
+        parse_key({"idempotency-key": "", "x-idempotency-key": "fine"})
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (IdempotencyKeyInvalid("The Idempotency-Key header is empty."), 400),
+    (IdempotencyConflict(), 409),
+    (IdempotencyMismatch(), 422),
+])
+def test_errors_are_problem_details(error: CarpoolError, status: int) -> None:
+    assert isinstance(error, CarpoolError)
+    assert error.status == status
+    assert error.headers() == {"content-type": "application/problem+json"}
+    body = orjson.loads(error.body())
+    assert set(body) == {"type", "title", "status", "detail"}
+    assert body["status"] == status and body["detail"] == error.message
+    assert body["type"].startswith("https://") and body["title"]
+
+
+def test_the_three_errors_have_distinct_titles_and_codes() -> None:
+    errors = [IdempotencyKeyInvalid("x"), IdempotencyConflict(), IdempotencyMismatch()]
+    assert len({e.title for e in errors}) == len({e.code for e in errors}) == 3
+
+
+# --------------------------------------------------------------------------- the records contract
+
+Make = Callable[..., IdempotencyRecords]
+
+
+@pytest.fixture(params=BACKENDS)
+async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
+    """``make(retention=60, processing_ttl=60)``: records of the backend under test; the Redis
+    ones made by one test share one server, as gateway instances do."""
+    made: list[IdempotencyRecords] = []
+
+    def build(retention: float = 60.0, processing_ttl: float = 60.0) -> IdempotencyRecords:
+        if request.param == "memory":
+            records: IdempotencyRecords = MemoryIdempotencyRecords(retention, processing_ttl)
+        else:
+            url = request.getfixturevalue("redis_server").url
+            records = RedisIdempotencyRecords(url, retention=retention,
+                                              processing_ttl=processing_ttl)
+        made.append(records)
+        return records
+
+    yield build
+    for records in made:
+        await records.aclose()
+
+
+@pytest.fixture
+def records(make: Make) -> IdempotencyRecords:
+    return make()
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 2.0) -> None:
+    """Return once ``await condition()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, f"not true within {timeout} s"
+        await asyncio.sleep(0.005)
+
+
+async def begin_new(records: IdempotencyRecords, key: str = "k", fp: str = FP) -> str:
+    began = await records.begin(key, fp)
+    assert began.state == "new" and began.token and began.response is None
+    return began.token
+
+
+@pytest.mark.parametrize("response", [OK, BAD_GATEWAY], ids=["200", "502"])
+async def test_new_then_processing_then_done_replays_byte_exact(
+        records: IdempotencyRecords, response: StoredResponse) -> None:
+    token = await begin_new(records)
+    assert await records.begin("k", FP) == Begin("processing")
+    assert await records.finish("k", token, response) is True
+    for _ in range(2):                                   # replayed as often as asked
+        done = await records.begin("k", FP)
+        assert done.state == "done" and done.token is None
+        assert done.response == response
+        assert type(done.response.body) is bytes
+        assert all(type(n) is bytes and type(v) is bytes for n, v in done.response.headers)
+
+
+async def test_keys_are_independent(records: IdempotencyRecords) -> None:
+    a = await begin_new(records, "a")
+    await begin_new(records, "b")
+    await records.finish("a", a, OK)
+    assert (await records.begin("a", FP)).state == "done"
+    assert (await records.begin("b", FP)).state == "processing"
+    await begin_new(records, "a\n{x} *")                 # any text is a key
+
+
+async def test_another_fingerprint_is_a_mismatch_while_processing_and_once_done(
+        records: IdempotencyRecords) -> None:
+    token = await begin_new(records)
+    assert await records.begin("k", OTHER_FP) == Begin("mismatch")
+    await records.finish("k", token, OK)
+    assert await records.begin("k", OTHER_FP) == Begin("mismatch")
+    assert (await records.begin("k", FP)).response == OK
+
+
+async def test_abandon_lets_a_retry_start_new(records: IdempotencyRecords) -> None:
+    token = await begin_new(records)
+    assert await records.abandon("k", "not the owner") is False
+    assert (await records.begin("k", FP)).state == "processing"
+    assert await records.abandon("k", token) is True
+    retry = await begin_new(records, fp=OTHER_FP)      # the key is free: any request may use it
+    assert retry != token
+    assert await records.abandon("k", token) is False  # the old owner cannot drop the new one
+    assert (await records.begin("k", OTHER_FP)).state == "processing"
+
+
+async def test_only_the_owner_token_finishes(records: IdempotencyRecords) -> None:
+    token = await begin_new(records)
+    assert await records.finish("k", "not the owner", OK) is False
+    assert await records.finish("never begun", token, OK) is False
+    assert (await records.begin("k", FP)).state == "processing"
+    assert await records.finish("k", token, BAD_GATEWAY) is True
+    assert await records.finish("k", "not the owner", OK) is False
+    assert await records.abandon("k", token) is False     # a finished record stays
+    assert await records.renew("k", token) is False
+    assert (await records.begin("k", FP)).response == BAD_GATEWAY
+
+
+async def test_concurrent_begins_have_exactly_one_winner(make: Make) -> None:
+    a = make()
+    b = make() if isinstance(a, RedisIdempotencyRecords) else a   # two instances, one server
+    began = await asyncio.gather(*(r.begin("k", FP) for r in (a, b) * 10))
+    assert sorted(x.state for x in began) == ["new"] + ["processing"] * 19
+
+
+async def test_a_finished_record_expires_after_the_retention(make: Make) -> None:
+    records = make(retention=0.1)
+    token = await begin_new(records)
+    await records.finish("k", token, OK)
+    finished = time.monotonic()
+    assert (await records.begin("k", FP)).state == "done"
+    seen: list[str] = []
+
+    async def expired() -> bool:
+        seen.append((await records.begin("k", OTHER_FP)).state)
+        return seen[-1] == "new"
+
+    await until(expired)
+    assert time.monotonic() - finished >= 0.09
+    assert set(seen[:-1]) <= {"mismatch"}
+
+
+async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make) -> None:
+    records = make(processing_ttl=0.1)
+    dead = await begin_new(records)                       # its owner never comes back
+    started = time.monotonic()
+    tokens: list[str | None] = []
+
+    async def taken_over() -> bool:
+        began = await records.begin("k", FP)
+        tokens.append(began.token)
+        return began.state == "new"
+
+    await until(taken_over)
+    assert time.monotonic() - started >= 0.09
+    owner = tokens[-1]
+    assert owner is not None and owner != dead
+    assert await records.finish("k", dead, BAD_GATEWAY) is False   # too late for the old owner
+    assert await records.renew("k", dead) is False
+    assert await records.finish("k", owner, OK) is True
+    assert (await records.begin("k", FP)).response == OK
+
+
+async def test_renew_keeps_the_lease_alive(make: Make) -> None:
+    records = make(processing_ttl=0.1)
+    token = await begin_new(records)
+    started = time.monotonic()
+    while time.monotonic() - started < 0.25:              # 2.5 leases, renewed meanwhile
+        assert await records.renew("k", token) is True
+        assert (await records.begin("k", FP)).state == "processing"
+        await asyncio.sleep(0.02)
+    assert await records.finish("k", token, OK) is True
+
+
+async def test_wait_returns_the_response_when_another_task_finishes(
+        records: IdempotencyRecords) -> None:
+    token = await begin_new(records)
+    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
+    assert not waiter.done()
+    started = time.monotonic()
+    await records.finish("k", token, OK)
+    assert await asyncio.wait_for(waiter, 2) == OK
+    assert time.monotonic() - started < 0.5
+    assert records.waiters == 0                           # type: ignore[attr-defined]
+
+
+async def test_wait_returns_none_on_timeout(records: IdempotencyRecords) -> None:
+    await begin_new(records)
+    started = time.monotonic()
+    assert await records.wait("k", timeout=0.1) is None
+    assert 0.09 <= time.monotonic() - started < 1.0
+    assert (await records.begin("k", FP)).state == "processing"   # waiting changed nothing
+
+
+async def test_wait_returns_none_without_a_record_or_once_abandoned(
+        records: IdempotencyRecords) -> None:
+    started = time.monotonic()
+    assert await records.wait("nothing", timeout=5) is None
+    assert time.monotonic() - started < 0.5
+    token = await begin_new(records)
+    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
+    await records.abandon("k", token)
+    assert await asyncio.wait_for(waiter, 2) is None
+
+
+async def test_wait_returns_at_once_when_already_done(records: IdempotencyRecords) -> None:
+    token = await begin_new(records)
+    await records.finish("k", token, BAD_GATEWAY)
+    assert await records.wait("k", timeout=0) == BAD_GATEWAY
+
+
+async def test_wait_does_not_return_the_answer_to_another_request(make: Make) -> None:
+    records = make(processing_ttl=0.1)
+    await begin_new(records)                               # dies: its lease runs out
+    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
+
+    async def taken_over() -> bool:
+        return (await records.begin("k", OTHER_FP)).state == "new"
+
+    await until(taken_over)
+    assert await asyncio.wait_for(waiter, 2) is None       # the key now holds another request
+
+
+# --------------------------------------------------------------------------- several instances
+
+@pytest.fixture
+async def two(redis_server: RedisServer) -> AsyncIterator[tuple[RedisIdempotencyRecords,
+                                                                 RedisIdempotencyRecords]]:
+    a = RedisIdempotencyRecords(redis_server.url, retention=60)
+    b = RedisIdempotencyRecords(redis_server.url, retention=60)
+    yield a, b
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_two_instances_see_each_other(
+        two: tuple[RedisIdempotencyRecords, RedisIdempotencyRecords]) -> None:
+    a, b = two
+    token = await begin_new(a)
+    assert await b.begin("k", FP) == Begin("processing")
+    assert await b.begin("k", OTHER_FP) == Begin("mismatch")
+    waiter = asyncio.create_task(b.wait("k", timeout=10))
+    await eventually(lambda: b.waiters == 1, timeout=2, what="b's waiter")
+    assert await a.finish("k", token, OK) is True
+    assert await asyncio.wait_for(waiter, 2) == OK        # b polls: no wake-up from a
+    assert (await b.begin("k", FP)).response == OK
+    # An abandon on one instance frees the key on the other.
+    token = await begin_new(b, "k2")
+    assert await a.begin("k2", FP) == Begin("processing")
+    assert await b.abandon("k2", token) is True
+    await begin_new(a, "k2")
+
+
+# --------------------------------------------------------------------------- memory only
+
+async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
+    records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * OK.size)
+    for key in "abcde":
+        await records.finish(key, await begin_new(records, key), OK)
+    assert len(records) <= 3 and records.bytes <= 2 * OK.size
+    assert (await records.begin("e", FP)).state == "done"        # the newest stay
+    assert (await records.begin("a", FP)).state == "new"         # the oldest went
+    assert records.evictions >= 2
+    big = StoredResponse(200, [], b"x" * (2 * OK.size + 1))
+    token = await begin_new(records, "big")
+    assert await records.finish("big", token, big) is False      # too large: not kept...
+    assert (await records.begin("e", FP)).state == "done"        # ...and evicts nothing
+    await records.aclose()
+    assert len(records) == 0 and records.bytes == 0
+
+
+async def test_memory_records_sweep_what_expired() -> None:
+    records = MemoryIdempotencyRecords(0.05, processing_ttl=0.05, sweep_interval=0)
+    for key in "abc":
+        await begin_new(records, key)
+    await records.finish("c", await begin_new(records, "d"), OK)  # wrong key: refused
+    start = time.monotonic()
+    while time.monotonic() - start < 0.06:                        # let the leases run out
+        await asyncio.sleep(0.01)
+    await begin_new(records, "z")                                 # sweeps
+    assert len(records) == 1 and records.bytes == 0
+
+
+# --------------------------------------------------------------------------- Redis only
+
+def record_key(key: str) -> str:
+    return "carpool:idem:{" + hashlib.blake2b(key.encode(), digest_size=20).hexdigest() + "}"
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def test_redis_layout_one_hashed_key_per_record_with_its_ttl(
+        redis_server: RedisServer, raw: aredis.Redis) -> None:
+    records = RedisIdempotencyRecords(redis_server.url, retention=3600, processing_ttl=60)
+    try:
+        user_key = "tenant\n{evil} *key*"
+        token = await begin_new(records, user_key)
+        assert await raw.keys("*") == [record_key(user_key).encode()]
+        assert records.record_key(user_key) == record_key(user_key)
+        assert 59_000 < await raw.pttl(record_key(user_key)) <= 60_000
+        assert await raw.hgetall(record_key(user_key)) == {
+            b"s": b"p", b"fp": FP.encode(), b"t": token.encode()}
+        await records.finish(user_key, token, BAD_GATEWAY)
+        assert 3_599_000 < await raw.pttl(record_key(user_key)) <= 3_600_000
+        stored = await raw.hgetall(record_key(user_key))
+        assert stored[b"s"] == b"f" and stored[b"st"] == b"502" and \
+            stored[b"b"] == BAD_GATEWAY.body
+        token = await begin_new(records, "ok")
+        await records.finish("ok", token, OK)
+        assert await raw.hget(record_key("ok"), "s") == b"s"
+        await records.renew("ok", token)                              # a done record keeps its ttl
+        assert await raw.pttl(record_key("ok")) > 3_599_000
+    finally:
+        await records.aclose()
+
+
+async def test_redis_a_prefix_and_a_client_passed_in(redis_server: RedisServer,
+                                                     raw: aredis.Redis) -> None:
+    records = RedisIdempotencyRecords(raw, retention=60, prefix="x:")
+    await begin_new(records)
+    await records.aclose()
+    assert await raw.ping() is True                                  # still open
+    assert [k.decode() for k in await raw.keys("*")] == ["x" + record_key("k")[7:]]
+    with pytest.raises(ValueError, match="prefix"):
+        RedisIdempotencyRecords(raw, retention=60, prefix="{x}:")
+    decoding = aredis.Redis.from_url(redis_server.url, decode_responses=True)
+    with pytest.raises(ValueError, match="decode"):
+        RedisIdempotencyRecords(decoding, retention=60)
+    await decoding.aclose()
+
+
+async def test_redis_a_dead_server_fails_every_call_fast(redis_server: RedisServer) -> None:
+    records = RedisIdempotencyRecords(redis_server.url, retention=60)
+    try:
+        token = await begin_new(records)
+        redis_server.kill()
+        calls = [records.begin("k", FP), records.finish("k", token, OK),
+                 records.abandon("k", token), records.renew("k", token),
+                 records.wait("k", timeout=5)]
+        for call in calls:
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable) as raised:
+                await asyncio.wait_for(call, 5)
+            assert time.monotonic() - started < 1.0
+            assert isinstance(raised.value.__cause__, RedisError)
+            assert raised.value.status == 503
+        redis_server.restart()                                       # empty: the key is free
+        await begin_new(records)
+    finally:
+        await records.aclose()
