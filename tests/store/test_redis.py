@@ -196,3 +196,12 @@ async def test_a_command_redis_refuses_raises_store_unavailable(store: RedisStor
     await raw.set("carpool:prefixes", "not a sorted set")
     with pytest.raises(StoreUnavailable, match="WRONGTYPE"):
         await store.put("k", entry())
+
+
+async def test_invalidating_everything_drops_only_the_stores_own_keys(store: RedisStore,
+                                                                      raw: aredis.Redis) -> None:
+    await store.put("a" * 32, entry(tags=("t",), namespace="n"))
+    # Other layers keep their records under the same prefix: an idempotency record must survive.
+    await raw.set("carpool:idem:{" + "b" * 40 + "}", b"record")
+    assert await store.invalidate(everything=True) == 1
+    assert await raw.keys("carpool:*") == [b"carpool:idem:{" + b"b" * 40 + b"}"]

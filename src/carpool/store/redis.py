@@ -372,12 +372,16 @@ class RedisStore:
             return sum(n for key, n in zip(batch, results, strict=True)
                        if key.startswith(entry_key))
 
-        async for key in self._client.scan_iter(match=_glob_escape(self.prefix) + "*",
-                                                count=BATCH):
-            batch.append(key)
-            if len(batch) >= BATCH:
-                dropped += await unlink()
-                batch = []
+        # Only this store's own key families: other layers (idempotency records, flights) share
+        # the prefix, and dropping cached answers must never forget that a request already ran.
+        prefix = _glob_escape(self.prefix)
+        for family in ("e:*", "tag:*", "ns:*", "prefixes", "{stats}:*"):
+            # (Redis globs give braces no meaning: the families are patterns as they are.)
+            async for key in self._client.scan_iter(match=prefix + family, count=BATCH):
+                batch.append(key)
+                if len(batch) >= BATCH:
+                    dropped += await unlink()
+                    batch = []
         if batch:
             dropped += await unlink()
         self._counted([0, 0])
