@@ -86,6 +86,20 @@ def fingerprint(request: Request, config: Config) -> Fingerprint:
     return Fingerprint(hashlib.blake2b(material, digest_size=16).hexdigest(), tenant, namespace)
 
 
+def request_digest(request: Request, key: Fingerprint, config: Config) -> str:
+    """What identifies a request for its idempotency record: its canonical body in its scope.
+
+    Unlike ``Fingerprint.key`` it exists for sampled requests too: a retry of a sampled request
+    must not run twice either.
+    """
+    collapse = config.fingerprint.normalize_whitespace and request.controls.request_type != "code"
+    material = orjson.dumps(
+        [KEY_VERSION, "request", key.tenant, key.namespace, request.controls.freshness,
+         request.kind, canonical_body(request.kind, request.body, collapse)],
+        option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(material, digest_size=16).hexdigest()
+
+
 @dataclass(slots=True, frozen=True)
 class SemanticView:
     """What the semantic cache compares: ``text`` by meaning, everything else by ``scope``."""

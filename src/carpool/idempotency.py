@@ -637,3 +637,61 @@ def _unavailable(operation: str) -> Iterator[None]:
         raise StoreUnavailable(f"the Redis idempotency records failed to {operation}: "
                                f"{type(exc).__name__}: {exc}") from exc
 
+
+
+class FallbackRecords:
+    """Shared records that fall back to this process's records while the shared backend is down.
+
+    A record begun locally (Redis unreachable) is finished, abandoned and renewed locally: its
+    owner token says where it lives. Retries that reach the same instance stay protected while
+    Redis is down; retries on other instances then are not (stated in the README).
+    """
+
+    def __init__(self, shared: IdempotencyRecords, local: MemoryIdempotencyRecords) -> None:
+        self.shared = shared
+        self.local = local
+        self._local_tokens: set[str] = set()
+
+    async def begin(self, key: str, fingerprint: str) -> Begin:
+        try:
+            return await self.shared.begin(key, fingerprint)
+        except StoreUnavailable:
+            begin = await self.local.begin(key, fingerprint)
+            if begin.token is not None:
+                self._local_tokens.add(begin.token)
+            return begin
+
+    def _owner(self, token: str) -> IdempotencyRecords:
+        return self.local if token in self._local_tokens else self.shared
+
+    async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
+        try:
+            return await self._owner(token).finish(key, token, response)
+        except StoreUnavailable:
+            return False
+        finally:
+            self._local_tokens.discard(token)
+
+    async def abandon(self, key: str, token: str) -> bool:
+        try:
+            return await self._owner(token).abandon(key, token)
+        except StoreUnavailable:
+            return False
+        finally:
+            self._local_tokens.discard(token)
+
+    async def renew(self, key: str, token: str) -> bool:
+        try:
+            return await self._owner(token).renew(key, token)
+        except StoreUnavailable:
+            return False
+
+    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
+        try:
+            return await self.shared.wait(key, timeout)
+        except StoreUnavailable:
+            return await self.local.wait(key, timeout)
+
+    async def aclose(self) -> None:
+        await self.shared.aclose()
+        await self.local.aclose()

@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -39,8 +40,20 @@ from .errors import (
     UpstreamStreamBroken,
     error_event,
 )
-from .fingerprint import Fingerprint, SemanticView, fingerprint, semantic_view
+from .fingerprint import Fingerprint, SemanticView, fingerprint, request_digest, semantic_view
 from .flight import FlightGroup, JoinTimeout, Ticket
+from .idempotency import (
+    REPLAYED_HEADER,
+    FallbackRecords,
+    IdempotencyConflict,
+    IdempotencyError,
+    IdempotencyMismatch,
+    IdempotencyRecords,
+    MemoryIdempotencyRecords,
+    RedisIdempotencyRecords,
+    StoredResponse,
+    parse_key,
+)
 from .metrics import Metrics, Stats
 from .outcome import Outcome
 from .request import ClientRequest, Request, parse
@@ -102,6 +115,7 @@ class Gateway:
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
             build_semantic(self.config, self.upstreams)
         self._background: set[asyncio.Task[Any]] = set()
+        self.idempotency: IdempotencyRecords = build_idempotency(self.config)
 
     # ---------------------------------------------------------------------------------------
     # The request's path
@@ -110,11 +124,19 @@ class Gateway:
         route = client.path
         try:
             request = parse(client, self.config.limits.max_body_bytes)
-        except RequestError as error:
+            idempotency_key = parse_key(client.headers)
+        except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
             # Every answer of a cached endpoint says what it was; a rejected one was not shared.
             return _error_reply(error, Outcome.BYPASS)
         key = fingerprint(request, self.config)
+        if idempotency_key is not None:
+            return await self._idempotent(client, request, key, idempotency_key, route)
+        return await self._answer(client, request, key, route)
+
+    async def _answer(self, client: ClientRequest, request: Request, key: Fingerprint,
+                      route: str) -> Reply:
+        """Bypass, or: exact cache -> a flight in progress -> semantic cache -> lead a flight."""
         if key.key is None:
             _waiting(client)
             return await self._bypass(request, route)
@@ -140,6 +162,41 @@ class Gateway:
         reply = await self._follow(route, ticket, request, lead)
         if probe is not None and probe.nearest is not None:     # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
+        return reply
+
+    async def _idempotent(self, client: ClientRequest, request: Request, key: Fingerprint,
+                          idempotency_key: str, route: str) -> Reply:
+        """A request with an Idempotency-Key runs at most once; retries get its first answer."""
+        records = self.idempotency
+        scoped, digest = f"{key.tenant}\n{idempotency_key}", request_digest(request, key,
+                                                                            self.config)
+        begin = await records.begin(scoped, digest)
+        if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
+            _waiting(client)
+            await records.wait(scoped, self._join_timeout)
+            begin = await records.begin(scoped, digest)
+        if begin.state == "mismatch":
+            return _error_reply(IdempotencyMismatch(), Outcome.BYPASS)
+        if begin.state == "processing":
+            return _error_reply(IdempotencyConflict(), Outcome.BYPASS)
+        if begin.state == "done":
+            assert begin.response is not None
+            self.stats.count(route, Outcome.HIT)
+            stored = begin.response
+            return Reply(stored.status, [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
+                         stored.body, outcome=Outcome.HIT)
+        token = begin.token
+        assert token is not None
+        try:
+            reply = await self._answer(client, request, key, route)
+        except BaseException:
+            await _shielded(records.abandon(scoped, token))
+            raise
+        if reply.stream is None:
+            await records.finish(scoped, token, StoredResponse(
+                reply.status, _replayable(reply.headers), reply.body))
+        else:
+            reply.stream = _recorded(reply.stream, records, scoped, token)
         return reply
 
     async def _follow(self, route: str, ticket: Ticket, request: Request,
@@ -340,6 +397,7 @@ class Gateway:
         for upstream in self.upstreams:
             await upstream.aclose()
         await self.store.aclose()
+        await self.idempotency.aclose()
 
 
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
@@ -421,6 +479,19 @@ def build_store(config: Config) -> Store:
                        local, retry_interval=d.retry_interval, log_interval=d.log_interval)
 
 
+def build_idempotency(config: Config) -> IdempotencyRecords:
+    """Idempotency records: in process, or shared through Redis with an in-process fallback."""
+    local = MemoryIdempotencyRecords(config.idempotency.retention,
+                                     config.limits.upstream_timeout + 60)
+    if not config.redis:
+        return local
+    d = config.distributed
+    return FallbackRecords(RedisIdempotencyRecords(
+        config.redis, retention=config.idempotency.retention,
+        processing_ttl=config.limits.upstream_timeout + 60, prefix=d.key_prefix,
+        socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
+
+
 def build_semantic(config: Config, upstreams: Sequence[Upstream]) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra)."""
     if not config.semantic.enabled:
@@ -458,6 +529,32 @@ def _nearest(candidate: Candidate) -> list[tuple[bytes, bytes]]:
     return [*_similarity(candidate),
             (b"x-carpool-semantic-nearest", quote(candidate.entry.text[:200]).encode()),
             (b"x-carpool-semantic-verdict", verdict.encode())]
+
+
+def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """What a replay repeats of the first answer's headers: its content type, not its outcome."""
+    return [(name, value) for name, value in headers if name == b"content-type"]
+
+
+async def _recorded(frames: AsyncIterator[bytes], records: IdempotencyRecords, key: str,
+                    token: str) -> AsyncIterator[bytes]:
+    """Relay a stream and keep it whole: the record stores what the client received."""
+    sent: list[bytes] = []
+    try:
+        async for frame in frames:
+            sent.append(frame)
+            yield frame
+    except BaseException:
+        await _shielded(records.abandon(key, token))
+        raise
+    await records.finish(key, token, StoredResponse(200, [SSE], b"".join(sent)))
+
+
+async def _shielded(work: Any) -> None:
+    """Run a record update to its end even though the task around it is being cancelled."""
+    task = asyncio.ensure_future(work)
+    with contextlib.suppress(BaseException):
+        await asyncio.shield(task)
 
 
 def _waiting(client: ClientRequest) -> None:

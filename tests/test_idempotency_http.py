@@ -1,0 +1,123 @@
+"""Idempotency keys over HTTP (CONTRACT.md "Idempotency"): client retries never run twice."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import run_gateway
+from fakes.waiting import eventually
+
+KEY = {"Idempotency-Key": '"order-42"'}
+
+
+def text(response) -> str:
+    return response.json()["choices"][0]["message"]["content"]
+
+
+async def test_a_retry_after_completion_is_replayed_without_calling_upstream(gw, fake):
+    first = await gw.chat(temperature=0.9, headers=KEY)      # sampled: would differ if re-run
+    retry = await gw.chat(temperature=0.9, headers=KEY)
+    assert first.status_code == retry.status_code == 200
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    assert retry.content == first.content and fake.count() == 1
+
+
+async def test_an_upstream_error_is_stored_and_replayed_too(gw, fake):
+    fake.fail_status = 503
+    first = await gw.chat(headers=KEY)
+    fake.fail_status = None
+    retry = await gw.chat(headers=KEY)
+    assert first.status_code == retry.status_code == 503
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    assert fake.count() == 1
+
+
+async def test_the_same_key_while_processing_is_409_problem_json(gw, fake):
+    fake.gate = asyncio.Event()
+    first = asyncio.create_task(gw.chat(headers=KEY))
+    await fake.wait_for_calls(1)
+    conflict = await gw.chat(headers=KEY)
+    assert conflict.status_code == 409
+    assert conflict.headers["content-type"].startswith("application/problem+json")
+    assert conflict.json()["status"] == 409
+    fake.gate.set()
+    assert (await first).status_code == 200 and fake.count() == 1
+
+
+async def test_the_same_key_while_processing_waits_when_configured(fake, gateway_with):
+    async with gateway_with(idempotency={"on_conflict": "wait"}) as gw:
+        fake.gate = asyncio.Event()
+        first = asyncio.create_task(gw.chat(headers=KEY))
+        await fake.wait_for_calls(1)
+        second = asyncio.create_task(gw.chat(headers=KEY))
+        await eventually(lambda: gw.gateway.idempotency.waiters >= 1, what="the waiting retry")
+        fake.gate.set()
+        a, b = await asyncio.gather(first, second)
+        assert b.status_code == 200 and b.headers["idempotent-replayed"] == "true"
+        assert b.content == a.content and fake.count() == 1
+
+
+async def test_the_same_key_with_a_different_request_is_422(gw, fake):
+    await gw.chat("first question", headers=KEY)
+    other = await gw.chat("another question", headers=KEY)
+    assert other.status_code == 422
+    assert other.headers["content-type"].startswith("application/problem+json")
+    assert fake.count() == 1
+
+
+@pytest.mark.parametrize("value", ['""', "", "x" * 256, "bad\x01key"])
+async def test_an_invalid_key_is_400_and_nothing_is_stored(gw, fake, value):
+    response = await gw.client.post("/v1/chat/completions", headers={"Idempotency-Key": value},
+                                    json={"model": "m", "messages": [
+                                        {"role": "user", "content": "x"}], "temperature": 0})
+    assert response.status_code == 400 and fake.count() == 0
+
+
+async def test_x_idempotency_key_is_an_alias(gw, fake):
+    await gw.chat(headers={"X-Idempotency-Key": "k1"})
+    retry = await gw.chat(headers={"X-Idempotency-Key": "k1"})
+    assert retry.headers["idempotent-replayed"] == "true" and fake.count() == 1
+
+
+async def test_keys_are_scoped_by_tenant(gw, fake):
+    a = await gw.chat(temperature=0.9, headers={**KEY, "Authorization": "Bearer a"})
+    b = await gw.chat(temperature=0.9, headers={**KEY, "Authorization": "Bearer b"})
+    assert "idempotent-replayed" not in b.headers and fake.count() == 2
+    assert text(a) != text(b)
+
+
+async def test_a_streamed_answer_is_replayed_as_the_same_stream(gw, fake):
+    _, first = await gw.stream_chat(headers=KEY)
+    response, retry = await gw.stream_chat(headers=KEY)
+    assert response.headers["idempotent-replayed"] == "true"
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert retry == first and fake.count() == 1
+
+
+async def test_a_request_whose_client_left_before_an_answer_can_be_retried(gw, fake):
+    fake.hang = True
+    first = asyncio.create_task(gw.chat(headers=KEY))
+    await fake.wait_for_calls(1)
+    first.cancel()
+    await fake.wait_for_cancelled(1)
+    await eventually(lambda: gw.gateway.flights.waiters == 0)
+    fake.hang = False
+    retry = await gw.chat(headers=KEY)
+    assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
+
+
+async def test_idempotency_records_are_shared_across_instances(fake, redis_server):
+    config = {"redis": redis_server.url}
+    async with run_gateway([fake.url], **config) as a, run_gateway([fake.url], **config) as b:
+        fake.gate = asyncio.Event()
+        first = asyncio.create_task(a.chat(temperature=0.9, headers=KEY))
+        await fake.wait_for_calls(1)
+        assert (await b.chat(temperature=0.9, headers=KEY)).status_code == 409
+        fake.gate.set()
+        original = await first
+        retry = await b.chat(temperature=0.9, headers=KEY)
+        assert retry.headers["idempotent-replayed"] == "true"
+        assert retry.content == original.content and fake.count() == 1
+        assert (await b.chat("other", headers=KEY)).status_code == 422
