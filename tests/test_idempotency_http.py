@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from conftest import run_gateway
 from fakes.waiting import eventually
 
