@@ -60,14 +60,14 @@ import secrets
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
 from .errors import CarpoolError
-from .store.base import StoreUnavailable
+from .store.base import StoreUnavailable, redis_unavailable
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -627,15 +627,8 @@ def _decode(status: Any, headers: Any, body: Any) -> StoredResponse:
                                         for n, v in orjson.loads(headers)], bytes(body))
 
 
-@contextlib.contextmanager
-def _unavailable(operation: str) -> Iterator[None]:
-    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
-    from redis.exceptions import RedisError
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"the Redis idempotency records failed to {operation}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
+    return redis_unavailable(f"the Redis idempotency records failed to {operation}")
 
 
 

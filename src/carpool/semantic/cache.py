@@ -62,6 +62,7 @@ from typing import Any
 from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
+from ..store.base import selected
 from .guard import Verdict, check
 from .index import VectorIndex
 
@@ -182,10 +183,8 @@ class SemanticCache:
     async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
                          prefix: str | None = None, everything: bool = False) -> int:
         doomed = [e for e in self._entries.values()
-                  if everything
-                  or (tag is not None and tag in e.tags)
-                  or (namespace is not None and e.namespace == namespace)
-                  or (prefix is not None and e.prompt_prefix.startswith(prefix))]
+                  if selected(e, tag=tag, namespace=namespace, prefix=prefix,
+                              everything=everything)]
         for entry in doomed:
             self._drop(entry)
         return len(doomed)

@@ -16,8 +16,10 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..answer import Answer
 from ..errors import CarpoolError
@@ -63,3 +65,25 @@ class StoreUnavailable(CarpoolError):
     status = 503
     type = "server_error"
     code = "store_unavailable"
+
+
+@contextlib.contextmanager
+def redis_unavailable(what: str) -> Iterator[None]:
+    """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``."""
+    from redis.exceptions import RedisError
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def selected(entry: Any, *, tag: str | None = None, namespace: str | None = None,
+             prefix: str | None = None, everything: bool = False) -> bool:
+    """Whether an invalidation selector (admin ``/admin/invalidate``) picks this entry.
+
+    ``entry`` is anything with ``tags``, ``namespace`` and ``prompt_prefix`` (exact or semantic).
+    """
+    return (everything
+            or (tag is not None and tag in entry.tags)
+            or (namespace is not None and entry.namespace == namespace)
+            or (prefix is not None and entry.prompt_prefix.startswith(prefix)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from .base import Entry
+from .base import Entry, selected
 
 
 class MemoryStore:
@@ -60,10 +60,8 @@ class MemoryStore:
     async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
                          prefix: str | None = None, everything: bool = False) -> int:
         doomed = [key for key, entry in self._entries.items()
-                  if everything
-                  or (tag is not None and tag in entry.tags)
-                  or (namespace is not None and entry.namespace == namespace)
-                  or (prefix is not None and entry.prompt_prefix.startswith(prefix))]
+                  if selected(entry, tag=tag, namespace=namespace, prefix=prefix,
+                              everything=everything)]
         for key in doomed:
             self._drop(key)
         return len(doomed)

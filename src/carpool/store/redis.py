@@ -62,13 +62,12 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ..answer import Answer
-from .base import Entry, StoreUnavailable
+from .base import Entry, StoreUnavailable, redis_unavailable
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -418,12 +417,5 @@ def _split(joined: bytes, lengths: list[int] | None) -> list[bytes] | None:
     return frames
 
 
-@contextlib.contextmanager
-def _unavailable(operation: str) -> Iterator[None]:
-    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
-    from redis.exceptions import RedisError
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"the Redis store failed to {operation}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
+    return redis_unavailable(f"the Redis store failed to {operation}")
