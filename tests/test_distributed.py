@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
 
+import httpx
 import pytest
 
 from conftest import run_gateway
+from fakes.waiting import eventually
 
 pytest.importorskip("redis")
 
@@ -64,3 +72,296 @@ async def until_redis_is_back(served, timeout: float = 5.0) -> None:
         assert loop.time() < deadline, "the gateway never reconnected to Redis"
         await served.chat("probe")
         await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-instance coalescing (carpool/flight_shared.py)
+
+QUESTION = "What is carpool?"
+ANSWER_1 = f"answer 1 to {QUESTION}"
+
+
+def sse_text(raw: str) -> str:
+    """The text a streaming client received (chat deltas joined); fails on an error event."""
+    text = []
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            text.append(choice["delta"].get("content") or "")
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    return "".join(text)
+
+
+def content(response) -> str:
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def shared(*gateways):
+    return [served.gateway.shared_flights for served in gateways]
+
+
+async def test_100_identical_requests_over_two_instances_make_one_upstream_call(fake,
+                                                                                redis_server):
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.gate = asyncio.Event()
+
+        async def one(i: int) -> tuple[str, str]:
+            served = (a, b)[i % 2]
+            if (i // 2) % 2:                 # half of them stream, on both instances
+                response, raw = await served.stream_chat(QUESTION)
+                assert response.status_code == 200
+                return response.headers["x-carpool"], sse_text(raw)
+            response = await served.chat(QUESTION)
+            assert response.status_code == 200, response.text
+            return response.headers["x-carpool"], content(response)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(100)]
+
+        def all_attached() -> bool:
+            flights = shared(a, b)
+            return (a.gateway.flights.waiters + b.gateway.flights.waiters == 100
+                    and [f.leading for f in flights] in ([1, 0], [0, 1])
+                    and sum(f.following for f in flights) == 1)
+
+        await fake.wait_for_calls(1)
+        await eventually(all_attached, what="100 clients attached, one instance following")
+        assert fake.count() == 1
+        fake.gate.set()
+        results = await asyncio.gather(*tasks)
+    assert {text for _, text in results} == {ANSWER_1}
+    assert collections.Counter(outcome for outcome, _ in results) == \
+        {"miss": 1, "coalesced": 99}
+    assert fake.count() == 1
+
+
+async def test_a_late_streaming_joiner_on_another_instance_gets_the_whole_text(fake,
+                                                                              redis_server):
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.chunk_gate = asyncio.Event()    # the leader streams 2 words, then waits
+        first = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        # The first frames (role chunk + 2 words) are in Redis before the joiner arrives...
+        await eventually(lambda: a.gateway.shared_flights.counts["frames_published"] >= 3)
+        late = asyncio.create_task(b.stream_chat(QUESTION))
+        # ...it replays them while the rest does not exist yet...
+        await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3)
+        assert not late.done()
+        fake.chunk_gate.set()                # ...then gets the rest live.
+        (response_a, raw_a), (response_b, raw_b) = await asyncio.gather(first, late)
+    assert sse_text(raw_b) == sse_text(raw_a) == ANSWER_1
+    assert (response_a.headers["x-carpool"], response_b.headers["x-carpool"]) == \
+        ("miss", "coalesced")
+    assert fake.count() == 1
+
+
+async def test_a_joiner_after_older_chunks_were_trimmed_still_gets_the_whole_answer(
+        fake, redis_server):
+    """stream_maxlen 1: Redis drops the first node of 100 chunks; the late joiner on B relays
+    nothing and serves the answer whole once it is complete (as SSE synthesized from it)."""
+    words = " ".join(f"w{i}" for i in range(150))
+    fake.answer_text = lambda n, body: f"{words} ({n})"
+    fake.chunk_gate, fake.chunk_gate_after = asyncio.Event(), 140
+    async with two_gateways(fake, redis_server, distributed={
+            "retry_interval": 0.05, "stream_maxlen": 1}) as (a, b):
+        first = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        await eventually(lambda: a.gateway.shared_flights.counts["frames_published"] >= 141)
+        late = asyncio.create_task(b.stream_chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.following == 1)
+        fake.chunk_gate.set()
+        (_, raw_a), (response_b, raw_b) = await asyncio.gather(first, late)
+    assert sse_text(raw_b) == sse_text(raw_a) == f"{words} (1)"
+    assert response_b.headers["x-carpool"] == "coalesced"
+    assert b.gateway.shared_flights.counts["frames_relayed"] == 0 and fake.count() == 1
+
+
+async def test_a_leaders_error_reaches_the_waiters_on_the_other_instance_and_is_not_stored(
+        fake, redis_server):
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.gate = asyncio.Event()
+        fake.fail_status, fake.fail_times = 503, 1
+        fake.fail_body = {"error": {"message": "overloaded", "type": "server_error",
+                                    "code": "busy"}}
+        first = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(1)
+        waiters = [asyncio.create_task(b.chat(QUESTION)),
+                   asyncio.create_task(b.stream_chat(QUESTION))]
+        await eventually(lambda: b.gateway.flights.waiters == 2
+                         and b.gateway.shared_flights.following == 1)
+        fake.gate.set()
+        led, plain, (streamed, _) = await asyncio.gather(first, *waiters)
+        assert [r.status_code for r in (led, plain, streamed)] == [503, 503, 503]
+        assert plain.content == led.content and plain.json() == fake.fail_body
+        assert streamed.json() == fake.fail_body
+        assert [r.headers["x-carpool"] for r in (led, plain, streamed)] == \
+            ["miss", "coalesced", "coalesced"]
+        # Nothing stored, nothing lingering: the next request, on either instance, calls again.
+        again = await b.chat(QUESTION)
+        assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
+        assert content(again) == f"answer 2 to {QUESTION}" and fake.count() == 2
+
+
+async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a_full_answer(
+        fake, redis_server, tmp_path):
+    lease_ms, join_timeout_ms = 600, 5000
+    settings = {"distributed": {"lease_ms": lease_ms, "retry_interval": 0.05},
+                "coalesce": {"join_timeout_ms": join_timeout_ms}}
+    port = free_port()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
+    env.update(CARPOOL_DISTRIBUTED__LEASE_MS=str(lease_ms),
+               CARPOOL_COALESCE__JOIN_TIMEOUT_MS=str(join_timeout_ms),
+               CARPOOL_LOG_LEVEL="warning")
+    log = tmp_path / "instance-a.log"
+    fake.gate = asyncio.Event()              # call 1 (instance A's) hangs until A is gone
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "carpool.cli", "serve", "--upstream", fake.url,
+             "--redis", redis_server.url, "--port", str(port)],
+            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as a, \
+                run_gateway([fake.url], redis=redis_server.url, **settings) as b:
+            await until_serving(a, proc, log)
+            body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}],
+                    "temperature": 0}
+            lost = asyncio.create_task(a.post("/v1/chat/completions", json=body))
+            await fake.wait_for_calls(1)
+            fake.gate = None                 # the next call (B's takeover) answers at once
+            waiter = asyncio.create_task(b.chat(QUESTION))
+            await eventually(lambda: b.gateway.shared_flights.following == 1,
+                             what="instance B following A's call")
+            proc.kill()
+            proc.wait()
+            loop = asyncio.get_running_loop()
+            killed = loop.time()
+            response = await asyncio.wait_for(waiter, (lease_ms + join_timeout_ms) / 1000)
+            elapsed = loop.time() - killed
+            with contextlib.suppress(httpx.HTTPError):
+                await lost
+    finally:
+        proc.kill()
+        proc.wait()
+    assert response.status_code == 200, response.text
+    assert content(response) == f"answer 2 to {QUESTION}"
+    assert response.headers["x-carpool"] == "miss"      # B's client's request led call 2
+    assert b.gateway.shared_flights.counts["takeovers"] == 1
+    assert elapsed < (lease_ms + join_timeout_ms) / 1000
+    assert fake.count() == 2
+
+
+async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed(fake,
+                                                                              redis_server):
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.gate = asyncio.Event()
+        leading = [asyncio.create_task(a.chat(QUESTION)),
+                   asyncio.create_task(a.stream_chat(QUESTION))]
+        await fake.wait_for_calls(1)
+        following = [asyncio.create_task(b.chat(QUESTION)),
+                     asyncio.create_task(b.stream_chat(QUESTION))]
+        await eventually(lambda: b.gateway.flights.waiters == 2
+                         and b.gateway.shared_flights.following == 1)
+        redis_server.kill()
+        fake.gate.set()
+        led, (led_stream, raw_a), followed, (followed_stream, raw_b) = \
+            await asyncio.gather(*leading, *following)
+        assert [r.status_code for r in (led, led_stream, followed, followed_stream)] == [200] * 4
+        assert content(led) == sse_text(raw_a) == ANSWER_1
+        # B could no longer follow A's call through Redis: it made its own.
+        assert content(followed) == sse_text(raw_b) == f"answer 2 to {QUESTION}"
+        for served in (a, b):
+            after = await served.chat("after")
+            assert after.status_code == 200 and content(after).startswith("answer ")
+
+
+async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhere(
+        fake, redis_server):
+    """Nothing relayed yet: the waiter takes over at once (the leader records that it left)."""
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(1)
+        waiter = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.following == 1)
+        fake.gate = None                     # the takeover's call answers at once
+        leader.cancel()                      # A's only client goes: A's call is cancelled
+        await fake.wait_for_cancelled(1)
+        response = await waiter
+        assert (response.status_code, response.headers["x-carpool"]) == (200, "miss")
+        assert content(response) == f"answer 2 to {QUESTION}"
+        assert b.gateway.shared_flights.counts["takeovers"] == 1
+
+
+async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader_goes(
+        fake, redis_server):
+    """Frames already relayed cannot be taken back: the stream fails, its clients retry."""
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        follower = asyncio.create_task(b.stream_chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3)
+        leader.cancel()
+        response, raw = await asyncio.wait_for(follower, 5)
+        assert response.status_code == 200 and response.headers["x-carpool"] == "coalesced"
+        assert "data: [DONE]" not in raw
+        last = json.loads(raw.strip().splitlines()[-1][len("data: "):])
+        assert last["error"]["code"] == "upstream_stream_broken"
+        assert b.gateway.shared_flights.counts["broken"] == 1
+        retry = await b.chat(QUESTION)       # the retry coalesces as usual: here, a new call
+        assert retry.status_code == 200 and content(retry) == f"answer 2 to {QUESTION}"
+
+
+async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_call(
+        fake, redis_server):
+    async with two_gateways(fake, redis_server, coalesce={"join_timeout_ms": 300}) as (a, b):
+        gate = fake.gate = asyncio.Event()
+        slow = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(1)
+        fake.gate = None                     # the next call answers at once
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        response = await b.chat(QUESTION)    # follows A's call, gives up after 300 ms
+        assert loop.time() - started < 2
+        assert (response.status_code, response.headers["x-carpool"]) == (200, "miss")
+        assert content(response) == f"answer 2 to {QUESTION}"
+        assert b.gateway.shared_flights.counts["alone"] == 1
+        gate.set()
+        assert content(await slow) == ANSWER_1
+
+
+async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_window(
+        fake, redis_server):
+    """ttl 0 (type factual): never stored, but joinable within the window, on every instance."""
+    async with two_gateways(fake, redis_server) as (a, b):
+        factual = {"x-carpool-type": "factual"}
+        first = await a.chat(QUESTION, headers=factual)
+        again = await b.chat(QUESTION, headers=factual)
+        assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "coalesced")
+        assert again.json() == first.json()
+        # no-cache joins only a call still running: a finished one is not replayed.
+        fresh = await b.chat(QUESTION, headers={**factual, "Cache-Control": "no-cache"})
+        assert fresh.headers["x-carpool"] == "miss"
+        assert content(fresh) == f"answer 2 to {QUESTION}" and fake.count() == 2
+
+
+async def until_serving(client: httpx.AsyncClient, proc: subprocess.Popen, log,
+                        timeout: float = 10.0) -> None:
+    """Until the gateway in ``proc`` answers /healthz (it exits, or takes too long: fail)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        assert proc.poll() is None, f"instance A exited: {log.read_text()[-2000:]}"
+        with contextlib.suppress(httpx.TransportError):
+            if (await client.get("/healthz", timeout=0.5)).status_code == 200:
+                return
+        assert loop.time() < deadline, f"instance A did not start: {log.read_text()[-2000:]}"
+        await asyncio.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

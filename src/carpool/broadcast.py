@@ -10,25 +10,31 @@ Contract (CONTRACT.md "Streaming"):
 - Frames are kept in one shared list, not copied per client: memory is one answer, not N.
 - ``wait_started`` returns once there is a frame or an ending; ``wait_done`` once there is an
   ending. Both can be bounded by the caller with ``asyncio.timeout``.
+- ``on_publish`` (optional, sync, must not raise) is called after each frame is published: the
+  cross-instance leader (``flight_shared.py``) uses it to forward frames to Redis.
+- ``remote`` is true when the frames and the ending were relayed from a call that another gateway
+  instance made (this instance's clients of the flight are then all ``coalesced``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from .answer import Answer
 from .errors import CarpoolError
 
 
 class Broadcast:
-    __slots__ = ("frames", "usage_frame", "answer", "error", "_changed")
+    __slots__ = ("frames", "usage_frame", "answer", "error", "remote", "on_publish", "_changed")
 
     def __init__(self) -> None:
         self.frames: list[bytes] = []
         self.usage_frame: int | None = None
         self.answer: Answer | None = None
         self.error: CarpoolError | None = None
+        self.remote = False
+        self.on_publish: Callable[[], None] | None = None
         self._changed = asyncio.Event()
 
     @property
@@ -40,6 +46,8 @@ class Broadcast:
             self.usage_frame = len(self.frames)
         self.frames.append(frame)
         self._wake()
+        if self.on_publish is not None:
+            self.on_publish()
 
     def finish(self, answer: Answer) -> None:
         if not self.done:

@@ -59,8 +59,9 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
                  "(%d replica(s)); its answers are synthetic text, not a real model",
                  config.sim.replicas)
     if config.redis:
-        log.info("carpool: exact answers shared through Redis at %s (in-process fallback while "
-                 "it is unreachable); coalescing and the semantic cache are per instance for now",
+        log.info("carpool: exact answers%s shared through Redis at %s (in-process fallback "
+                 "while it is unreachable); the semantic cache is per instance for now",
+                 " and calls in flight" if config.distributed.shared_flights else "",
                  config.redis)
     import uvicorn
 

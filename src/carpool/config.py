@@ -169,6 +169,18 @@ class DistributedConfig(_Section):
                                   "between two attempts to use it again.")
     log_interval: float = Field(30.0, gt=0, description="Seconds between two log lines about "
                                 "Redis being unavailable.")
+    shared_flights: bool = Field(True, description="Coalesce identical requests across instances: "
+                                 "one instance makes the upstream call, the others follow it "
+                                 "through Redis (false: each instance coalesces only its own "
+                                 "requests).")
+    lease_ms: float = Field(5000, ge=30, description="Milliseconds the lock of a cross-instance "
+                            "flight's leader lives unless renewed (it is renewed every "
+                            "lease_ms/3 while the call runs): an instance that dies mid-call is "
+                            "taken over by a waiting instance within about this long.")
+    stream_maxlen: int = Field(10000, ge=1, description="Most entries (streamed chunks) kept in a "
+                               "cross-instance flight's Redis stream (XADD MAXLEN ~); an instance "
+                               "that joins after older chunks were trimmed gets the answer whole "
+                               "once it is complete.")
 
 
 class UpstreamConfig(_Section):

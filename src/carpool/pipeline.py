@@ -12,6 +12,9 @@ Contract:
   it streams into the flight's broadcast, then stores a complete answer before the flight ends,
   so a request that no longer finds the flight finds the answer in the cache.
 - Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``.
+- With ``redis``, identical requests on different instances share one call too: the lead of each
+  instance's flight leads it for all of them or relays it from the instance that does
+  (``flight_shared.py``); whatever Redis does, the flight still gets its answer.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
 """
 
@@ -63,6 +66,7 @@ from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, Upstr
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
+    from .flight_shared import SharedFlights
     from .semantic.cache import Candidate, Probe, SemanticCache
 
 log = logging.getLogger("carpool")
@@ -104,6 +108,7 @@ class Gateway:
             upstreams = build_upstreams(self.config)
         self.upstreams = list(upstreams)
         self.store: Store = store or build_store(self.config)
+        self.shared_flights: SharedFlights | None = build_shared_flights(self.config, self.store)
         coalesce = self.config.coalesce
         self.flights = FlightGroup(window=window_policy(coalesce),
                                    finish_abandoned=coalesce.finish_abandoned)
@@ -159,7 +164,8 @@ class Gateway:
         lead = partial(self._lead, request, key, view, probe)
         ticket = self.flights.acquire(key.key, lead, max_age=join_age,
                                       linger=not controls.no_store)
-        reply = await self._follow(route, ticket, request, lead)
+        # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
+        reply = await self._follow(route, ticket, request, partial(lead, alone=True))
         if probe is not None and probe.nearest is not None:     # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
         return reply
@@ -211,8 +217,9 @@ class Gateway:
         except BaseException:
             ticket.release()
             raise
-        outcome = Outcome.MISS if ticket.leader else Outcome.COALESCED
         broadcast = ticket.broadcast
+        # A flight led here but relayed from another instance's call is shared, not a miss.
+        outcome = Outcome.MISS if ticket.leader and not broadcast.remote else Outcome.COALESCED
         if broadcast.frames and request.stream:
             # A live stream: relay it; the ticket is released when this client's stream ends.
             self.stats.count(route, outcome)
@@ -235,8 +242,26 @@ class Gateway:
             await ticket.wait_done(None)
 
     async def _lead(self, request: Request, key: Fingerprint, view: SemanticView | None,
-                    probe: Probe | None, broadcast: Broadcast) -> Answer:
-        """The flight's upstream call: runs in the flight's own task, never in a client's."""
+                    probe: Probe | None, broadcast: Broadcast, *, alone: bool = False) -> Answer:
+        """The flight's answer: runs in the flight's own task, never in a client's.
+
+        The upstream call streams into ``broadcast``; a complete answer is stored before the
+        flight ends. With shared flights (``redis``) the call is made by the one instance that
+        leads it for all, and followed by the others (``flight_shared.py``); ``alone``: here.
+        """
+        call = partial(self._call_upstream, request)
+        store = partial(self._store, request, key, view=view, probe=probe)
+        if self.shared_flights is None or alone or key.key is None:
+            answer = await call(broadcast)
+            await store(answer)
+            return answer
+        controls = request.controls
+        return await self.shared_flights.run(
+            key.key, broadcast, call, store, max_age=controls.max_age if controls.may_read else 0,
+            linger=not controls.no_store)
+
+    async def _call_upstream(self, request: Request, broadcast: Broadcast) -> Answer:
+        """The upstream call: streamed into ``broadcast`` frame by frame, then assembled."""
         body = request.body
         if request.stream and self.config.upstream.stream_usage and not request.include_usage:
             options = body.get("stream_options")
@@ -254,15 +279,14 @@ class Gateway:
                 answer = _complete(request.kind, response.body)
         finally:
             await response.aclose()
-        if answer.complete:
-            await self._store(request, key, answer, view, probe)
         return answer
 
     async def _store(self, request: Request, key: Fingerprint, answer: Answer,
                      view: SemanticView | None, probe: Probe | None) -> None:
+        """Store a complete answer (unless its request or its type's ttl says not to)."""
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
-        if controls.no_store or ttl <= 0 or key.key is None:
+        if not answer.complete or controls.no_store or ttl <= 0 or key.key is None:
             return
         expires, prefix = answer.created + ttl, _prompt_prefix(request)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
@@ -363,6 +387,8 @@ class Gateway:
             # Answers lingering in the coalescing window are a layer too; flights do not know
             # their tags, so all finished ones go (at worst one extra upstream call per key).
             self.flights.forget_finished()
+            if self.shared_flights is not None:      # and those lingering on every instance
+                await self.shared_flights.forget_finished()
             dropped = await self.store.invalidate(**selector)
             if self.semantic is not None:
                 dropped += await self.semantic.invalidate(**selector)
@@ -391,9 +417,14 @@ class Gateway:
     def redis_health(self) -> dict[str, Any]:
         """``{"state": "off" | "up" | "degraded", ...}`` for /stats and /healthz."""
         health = getattr(self.store, "health", None)
-        return health() if health is not None else {"state": "off"}
+        report = health() if health is not None else {"state": "off"}
+        if self.shared_flights is not None:
+            report = {**report, "flights": self.shared_flights.snapshot()}
+        return report
 
     async def aclose(self) -> None:
+        if self.shared_flights is not None:
+            await self.shared_flights.aclose()
         for upstream in self.upstreams:
             await upstream.aclose()
         await self.store.aclose()
@@ -477,6 +508,28 @@ def build_store(config: Config) -> Store:
     return SharedStore(RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
                                   connect_timeout=d.connect_timeout),
                        local, retry_interval=d.retry_interval, log_interval=d.log_interval)
+
+
+def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
+    """Cross-instance flights (with ``redis``), on the shared store's client when there is one."""
+    d = config.distributed
+    if not config.redis or not d.shared_flights:
+        return None
+    from .flight_shared import SharedFlights
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
+
+    if isinstance(store, SharedStore):
+        redis, health, owned = store.redis, store, False
+    else:
+        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                           connect_timeout=d.connect_timeout)
+        health, owned = None, True
+    return SharedFlights(redis.client, prefix=d.key_prefix, lease_ms=d.lease_ms,
+                         stream_maxlen=d.stream_maxlen,
+                         join_timeout=config.coalesce.join_timeout_ms / 1000,
+                         linger_ms=config.coalesce.window_ms, socket_timeout=d.timeout,
+                         health=health, owns_client=owned)
 
 
 def build_idempotency(config: Config) -> IdempotencyRecords:

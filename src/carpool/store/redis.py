@@ -214,6 +214,16 @@ class RedisStore:
     def __repr__(self) -> str:
         return f"<RedisStore {self.url} prefix={self.prefix!r}>"
 
+    @property
+    def client(self) -> aredis.Redis:
+        """The ``redis.asyncio`` client, for other layers sharing this Redis (do not close it)."""
+        return self._client
+
+    @staticmethod
+    def key_id(key: str) -> str:
+        """The ``ID`` of ``key`` in Redis key names: its hash tag (see the key layout)."""
+        return RedisStore._id(key)
+
     # ------------------------------------------------------------------ keys
 
     @staticmethod
@@ -273,7 +283,9 @@ class RedisStore:
         fields: list[Any] = [
             "m", header, "b", answer.body,
             "tg", "," + "".join(_digest(t) + "," for t in entry.tags),
-            "ns", _digest(entry.namespace), "pp", entry.prompt_prefix, "xm", expires_ms]
+            "ns", _digest(entry.namespace), "pp", entry.prompt_prefix,
+            # The exact expiry (not rounded up), so the drop script and get agree on "expired".
+            "xm", f"{entry.expires * 1000:.3f}"]
         if answer.frames is not None:
             fields += ["f", b"".join(answer.frames)]
         indexes = [(self._tag_key(tag), entry_id) for tag in dict.fromkeys(entry.tags)]

@@ -11,6 +11,8 @@ Contract (on top of ``store.base``):
   have missed invalidations made elsewhere in the meantime.
 - Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
   ``health()`` for ``/stats`` and ``/healthz``.
+- Other layers that use the same Redis (cross-instance flights) share this state: they ask
+  ``usable()`` before a Redis call and ``report()`` its failure or success.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ class SharedStore:
     def health(self) -> dict[str, Any]:
         return {"state": "degraded" if self.degraded else "up", "errors": self.errors,
                 "down_since": self.down_since}
+
+    def usable(self) -> bool:
+        """Whether Redis should be tried now (up, or degraded and due for another attempt)."""
+        return not self._skip_redis()
+
+    def report(self, error: StoreUnavailable | None) -> None:
+        """Another layer's Redis call failed with ``error``, or (None) succeeded."""
+        if error is None:
+            self._answered()
+        else:
+            self._failed(error)
 
     async def get(self, key: str) -> Entry | None:
         if self._skip_redis():

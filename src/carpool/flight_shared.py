@@ -1,0 +1,641 @@
+"""Cross-instance single-flight: identical requests on different gateway instances share one
+upstream call, through Redis/Valkey (when ``redis`` is set and ``distributed.shared_flights``).
+
+``flight.py`` coalesces the requests of one instance into one *local flight*. The lead function
+of a local flight (``Gateway._lead``) calls ``SharedFlights.run(key, broadcast, call, store)``,
+which coalesces the local flights of every instance:
+
+- Lead or follow, decided by one atomic script (``claim``): with no live lock for the key, this
+  instance becomes the GLOBAL leader (``SET P lock:{ID} TOKEN PX lease_ms``, in the script) and
+  runs ``call`` (the upstream call, the assembly, the publishing into the local broadcast) then
+  ``store`` (the shared exact store), as it would without Redis. Otherwise it FOLLOWS the leader
+  that the lock names.
+- The leader forwards each SSE frame its local broadcast receives to its own Redis stream (XADD
+  MAXLEN ~ ``stream_maxlen``; frames that arrive during a round trip go together in the next
+  one) and renews its lock and the stream's expiry every lease/3 while the call runs. Once
+  ``call`` has returned, one script adds the final record and releases the lock, in the same
+  round-trip time as ``store`` (they run at once). The final record is the answer (body, kind,
+  complete, tokens, created, the usage frame's index, the frame count: the frames are already in
+  the stream) or the error (an ``UpstreamStatusError`` as status, content type and body exactly
+  as the upstream sent them; any other error as class, status, message and code). Both finish
+  before the local flight ends: once any client has its answer, the answer is stored and every
+  instance sees the call as finished (an invalidation drops its lingering answer; a retry after
+  an error makes a new call).
+- A complete answer of a request that may linger (no ``no-store``) leaves the lock as
+  ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
+  the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
+  running), as a finished local flight lingers. Any other ending deletes the lock: the next
+  request leads a new call. ``forget_finished`` (``/admin/invalidate``) deletes every lingering
+  lock, whichever instance made it.
+- A follower reads the stream from its start (replay), then blocks for new entries (XREAD BLOCK
+  of at most min(lease/3, ``distributed.timeout``/2), so that the client's socket timeout never
+  cuts a block), publishing each frame into its LOCAL broadcast: every local client of the
+  flight, streaming or not, early or late, is served exactly as if this instance led. On the
+  final record it returns the same ``Answer`` (or raises the same error); it never stores it (the
+  leader does). The local broadcast is marked ``remote``: this instance's clients are all
+  ``coalesced``.
+
+Failure rules. A leader's death is noticed through its lock, read in the same round trip as each
+XREAD: the lock is gone or names another leader, and one more read finds no final record (so
+within lease_ms + one block of the death).
+- Frames already relayed to clients cannot be taken back. A follower that has relayed NOTHING (a
+  non-streaming leader, or no chunk yet) takes over transparently: it claims again, and leads
+  (runs ``call`` and ``store``) or follows whichever instance claimed first (at most
+  ``MAX_TAKEOVERS`` times, then it runs them alone). A follower that HAS relayed frames ends its
+  flight with ``UpstreamStreamBroken`` (502; for streaming clients an SSE error event, then the
+  end of the stream): its clients retry, and the retry coalesces as usual.
+- A leader whose local clients all left (its flight is cancelled) records ``gone`` at once;
+  followers treat it as a death without waiting for the lease.
+- Join timeout: a follower that has received nothing (no frame, no final record) within
+  ``coalesce.join_timeout_ms`` of the start of ``run`` runs ``call`` and ``store`` itself,
+  without the lock and publishing nothing, as a local joiner that times out runs its own call
+  (``flight.JoinTimeout``; such a local joiner's fresh call is made directly, not through Redis).
+  So no waiter waits on another instance longer than the join timeout for a first sign of life.
+- Redis unreachable, refusing commands or slower than ``distributed.timeout``: no request fails
+  because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
+  is not even tried): ``call`` runs here, as without Redis. Failing while leading: publishing and
+  renewing stop, the call goes on for this instance's clients, the final record is still tried
+  (followers get the answer, or see a death). Failing while following: nothing relayed -> the
+  call runs here; frames relayed -> ``UpstreamStreamBroken``, as for a death. Failures go to the
+  shared store's health (``/stats``, ``/healthz``, the log, degraded mode); successes end a
+  degraded period.
+- Entries trimmed by MAXLEN before a follower read them (it joined late, or fell that far
+  behind): with nothing relayed, it skips the frames and serves the answer whole from the final
+  record (streaming clients get frames synthesized from it); with frames relayed,
+  ``UpstreamStreamBroken``. So is a final record whose frame count is not what was relayed (the
+  leader's publishing broke).
+
+Key layout (``P`` = ``distributed.key_prefix``; ``ID`` = the exact store's ID of the same
+fingerprint, ``RedisStore.key_id``: ``{ID}`` puts every key of a fingerprint, its cached entry
+included, in one Redis Cluster slot; every script and pipeline touches the keys of one ID only):
+
+    P lock:{ID}            STRING  TOKEN (16 hex) while the leader's call runs: PX lease_ms,
+                                   renewed every lease/3 (compare-and-expire); then, for a
+                                   complete answer that may linger, "=TOKEN:MS" (MS = Redis
+                                   time of the end, for max_age) with PX coalesce.window_ms;
+                                   otherwise deleted (compare-and-delete) at the end
+    P flight:{ID}:TOKEN    STREAM  one leader's output. One stream per leader: a follower never
+                                   mixes two calls, and a new leader never deletes what another
+                                   instance is still reading. Entries: one per frame {i: index,
+                                   f: frame bytes, u: 1 for the usage-only chunk}, then one final
+                                   record {e: a (answer) | x (error) | g (gone), m: orjson meta,
+                                   b: body}. Created by the first frame (or the final record);
+                                   MAXLEN ~ stream_maxlen; PX 2 x lease_ms while the call runs
+                                   (renewed with the lock), then window_ms + lease_ms (lease_ms
+                                   if it may not linger): time for followers to read the end
+
+Round trips (measured by benchmarks/bench_distributed.py): a leader makes 1 (claim) + 1 per
+batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's); a
+follower 1 (claim) + 1 per XREAD (each returns as soon as entries arrive, or after the block
+time); none while Redis is degraded. Needs Redis >= 5 (streams; scripts that call TIME before
+writing) or Valkey.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+from .answer import Answer
+from .broadcast import Broadcast
+from .errors import (
+    CarpoolError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from .store.base import StoreUnavailable
+from .store.redis import RedisStore
+
+if TYPE_CHECKING:
+    import redis.asyncio as aredis
+
+__all__ = ["SharedFlights"]
+
+log = logging.getLogger("carpool.flight")
+
+Call = Callable[[Broadcast], Awaitable[Answer]]
+Store = Callable[[Answer], Awaitable[None]]
+
+READ_COUNT = 1000         # entries per XREAD
+MAX_TAKEOVERS = 3         # claims after a leader's death, within one run, before running alone
+
+# KEYS: lock. ARGV: token, lease ms, max age ms (-1: any age).
+# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN}.
+_CLAIM = """
+local holder = redis.call('GET', KEYS[1])
+if holder then
+  if string.sub(holder, 1, 1) ~= '=' then return {'follow', holder} end
+  local sep = string.find(holder, ':', 2, true)
+  local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
+  if max_age < 0 then return {'replay', leader} end
+  local now = redis.call('TIME')
+  local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    - tonumber(string.sub(holder, sep + 1))
+  if age < max_age then return {'replay', leader} end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {'lead'}
+"""
+
+# KEYS: lock, stream. ARGV: token, lease ms, stream PX ms. 1 if renewed, 0 if the lock is lost.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS: lock, stream. ARGV: token, linger ms (0: none), stream PX ms, MAXLEN, then the final
+# record's field, value pairs. The record always goes to this leader's own stream; the lock is
+# changed only if it is still this leader's.
+_END = """
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if tonumber(ARGV[2]) > 0 then
+    local now = redis.call('TIME')
+    local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    redis.call('SET', KEYS[1], '=' .. ARGV[1] .. ':' .. string.format('%.0f', ms), 'PX', ARGV[2])
+  else
+    redis.call('DEL', KEYS[1])
+  end
+end
+return 1
+"""
+
+# KEYS: lock. Drop it if it is a finished call's (lingering in the window). 1 if dropped.
+_FORGET = """
+local holder = redis.call('GET', KEYS[1])
+if holder and string.sub(holder, 1, 1) == '=' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+# Why a follow ended without an answer.
+_GONE = "gone"            # the leader died or left: claim again (nothing was relayed)
+_TIMEOUT = "timeout"      # nothing within the join timeout: run the call here
+_DOWN = "unavailable"     # Redis failed: run the call here
+
+_ERRORS: dict[str, type[UpstreamError]] = {
+    cls.__name__: cls for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout,
+                                  UpstreamStreamBroken)}
+
+
+class Health(Protocol):
+    """The Redis health shared with the exact store (``SharedStore``)."""
+
+    def usable(self) -> bool: ...
+
+    def report(self, error: StoreUnavailable | None) -> None: ...
+
+
+class SharedFlights:
+    """Cross-instance flights on ``client`` (a ``redis.asyncio`` client that does not decode
+    responses). ``lease_ms``, ``stream_maxlen``: see the config; ``join_timeout`` (s): the
+    coalescing join timeout; ``linger_ms``: the coalescing window (``coalesce.window_ms``);
+    ``socket_timeout`` (s): the client's, which bounds the XREAD block; ``health``: the shared
+    store, told of failures and asked before each claim; ``owns_client``: ``aclose`` closes it.
+    """
+
+    def __init__(self, client: aredis.Redis, *, prefix: str = "carpool:",
+                 lease_ms: float = 5000, stream_maxlen: int = 10_000,
+                 join_timeout: float = 30.0, linger_ms: float = 1000,
+                 socket_timeout: float = 0.5, health: Health | None = None,
+                 owns_client: bool = False) -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
+        self.prefix = prefix
+        self.lease_ms = max(1, int(lease_ms))
+        self.maxlen = stream_maxlen
+        self.join_timeout = join_timeout
+        self.linger_ms = max(0, int(linger_ms))
+        self.block_ms = max(1, int(min(lease_ms / 3, socket_timeout * 1000 / 2)))
+        self.health = health
+        self._client = client
+        self._owns_client = owns_client
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._end = client.register_script(_END)
+        self._background: set[asyncio.Task[Any]] = set()
+        self.leading = 0                     # flights this instance leads now
+        self.following = 0                   # flights this instance follows now
+        self.counts = dict.fromkeys((
+            "led",               # calls led for every instance
+            "followed",          # calls followed while running on another instance
+            "replayed",          # finished calls replayed within the window
+            "takeovers",         # calls led after their leader died
+            "alone",             # calls run without Redis: unavailable, join timeout
+            "broken",            # follows failed after frames were relayed
+            "errors",            # Redis failures
+            "frames_published",  # frames sent to Redis as leader
+            "frames_relayed",    # frames relayed from Redis as follower
+        ), 0)
+
+    def __repr__(self) -> str:
+        return f"<SharedFlights prefix={self.prefix!r} lease={self.lease_ms} ms>"
+
+    def snapshot(self) -> dict[str, int]:
+        return {**self.counts, "leading": self.leading, "following": self.following}
+
+    async def forget_finished(self) -> int:
+        """Stop replaying every finished call (after an invalidation); calls running go on.
+
+        Scans the locks (one per call running or lingering, on every instance); returns how
+        many finished ones it dropped (those it could: a Redis failure is reported, not raised).
+        """
+        pattern = _glob_escape(self.prefix) + "lock:*"
+        dropped = 0
+        try:
+            with _unavailable("forget finished flights"):
+                batch: list[bytes] = []
+                async for lock in self._client.scan_iter(match=pattern, count=500):
+                    batch.append(lock)
+                    if len(batch) >= 500:
+                        dropped += await self._forget_batch(batch)
+                        batch = []
+                if batch:
+                    dropped += await self._forget_batch(batch)
+        except StoreUnavailable as error:
+            self._failed(error)
+        return dropped
+
+    async def _forget_batch(self, locks: list[bytes]) -> int:
+        pipe = self._client.pipeline(transaction=False)
+        for lock in locks:
+            pipe.eval(_FORGET, 1, lock)
+        return sum(await pipe.execute())
+
+    async def aclose(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=1.0)
+        if self._owns_client:
+            await self._client.aclose()
+
+    # ------------------------------------------------------------------ the one entry point
+
+    async def run(self, key: str, broadcast: Broadcast, call: Call, store: Store, *,
+                  max_age: float | None = None, linger: bool = True) -> Answer:
+        """The answer for ``key``: led here (``call`` runs, its output is shared, ``store``
+        keeps it), followed from the instance that leads it (which stores it), or (Redis
+        failing, join timeout) computed and stored here alone.
+
+        ``max_age``: how long ago a finished call may have ended to be replayed (None: within
+        the window; 0: only a call still running is joined). ``linger``: whether this
+        instance's answer may be replayed once finished (False for ``no-store``).
+        """
+        if self.health is not None and not self.health.usable():
+            return await self._alone(call, store, broadcast)
+        ident = RedisStore.key_id(key)
+        lock, streams = f"{self.prefix}lock:{{{ident}}}", f"{self.prefix}flight:{{{ident}}}:"
+        deadline = asyncio.get_running_loop().time() + self.join_timeout
+        age_ms = -1 if max_age is None else int(max_age * 1000)
+        for attempt in range(MAX_TAKEOVERS + 1):
+            token = secrets.token_hex(8)
+            try:
+                with _unavailable("claim a flight"):
+                    reply = await self._claim(keys=[lock], args=[token, self.lease_ms, age_ms])
+            except StoreUnavailable as error:
+                self._failed(error)
+                return await self._alone(call, store, broadcast)
+            self._answered()
+            if reply[0] == b"lead":
+                self.counts["takeovers" if attempt else "led"] += 1
+                return await self._lead(lock, streams + token, token, broadcast, call, store,
+                                        linger)
+            leader = reply[1].decode()
+            self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
+            result = await self._follow(lock, streams + leader, leader, broadcast, deadline)
+            if isinstance(result, Answer):
+                return result
+            if result != _GONE:
+                break
+        return await self._alone(call, store, broadcast)
+
+    async def _alone(self, call: Call, store: Store, broadcast: Broadcast) -> Answer:
+        self.counts["alone"] += 1
+        answer = await call(broadcast)
+        await store(answer)
+        return answer
+
+    # ------------------------------------------------------------------ leading
+
+    async def _lead(self, lock: str, stream: str, token: str, broadcast: Broadcast, call: Call,
+                    store: Store, linger: bool) -> Answer:
+        publisher = _Publisher(self, lock, stream, token, broadcast)
+        self.leading += 1
+        try:
+            answer = await call(broadcast)
+        except asyncio.CancelledError:
+            # Every local client left: tell the followers now rather than by the lease.
+            publisher.abort()
+            self._spawn(self._finish(lock, stream, token, {"e": "g"}, 0))
+            raise
+        except CarpoolError as error:
+            await self._close(publisher, lock, stream, token, _error_record(error), 0)
+            raise
+        except Exception as error:   # a bug: followers get what the local clients get
+            failure = UpstreamError(f"internal error while calling upstream: {error!r}")
+            await self._close(publisher, lock, stream, token, _error_record(failure), 0)
+            raise
+        finally:
+            self.leading -= 1
+        # Stored and ended (for the followers) at once; both before the local clients have it.
+        lingers = linger and answer.complete and self.linger_ms > 0
+        await asyncio.gather(store(answer), self._close(
+            publisher, lock, stream, token, _answer_record(answer), self.linger_ms if lingers else 0))
+        return answer
+
+    async def _close(self, publisher: _Publisher, lock: str, stream: str, token: str,
+                     record: dict[str, Any], linger_ms: int) -> None:
+        """The end of the flight, finished even if the local flight is cancelled meanwhile."""
+        await asyncio.shield(self._spawn(self._end_with(publisher, lock, stream, token, record,
+                                                        linger_ms)))
+
+    async def _end_with(self, publisher: _Publisher, lock: str, stream: str, token: str,
+                        record: dict[str, Any], linger_ms: int) -> None:
+        """The last frames, then the final record and the lock's release."""
+        try:
+            await publisher.close()
+        finally:
+            publisher.broadcast.on_publish = None
+        await self._finish(lock, stream, token, record, linger_ms)
+
+    async def _finish(self, lock: str, stream: str, token: str, record: dict[str, Any],
+                      linger_ms: int) -> None:
+        args: list[Any] = [token, linger_ms, linger_ms + self.lease_ms, self.maxlen]
+        for name, value in record.items():
+            args += [name, value]
+        try:
+            with _unavailable("end a flight"):
+                await self._end(keys=[lock, stream], args=args)
+        except StoreUnavailable as error:
+            self._failed(error)
+        else:
+            self._answered()
+
+    # ------------------------------------------------------------------ following
+
+    async def _follow(self, lock: str, stream: str, token: str, broadcast: Broadcast,
+                      deadline: float) -> Answer | str:
+        """Relay the leader's stream into ``broadcast`` until its final record."""
+        loop = asyncio.get_running_loop()
+        ours, ended = token.encode(), b"=" + token.encode() + b":"
+        last: bytes | str = b"0-0"     # (XREAD BLOCK waits for the stream to exist)
+        relayed = 0          # frames published into the local broadcast (= next frame index)
+        seen = 0             # frame records read, relayed or not: signs of life
+        skipping = False     # frames were trimmed before we read them: serve the answer whole
+        suspect = False      # the lock looked gone: read once more without blocking
+        self.following += 1
+        try:
+            while True:
+                block: int | None = None if suspect else self.block_ms
+                if not seen and block is not None:
+                    left_ms = int((deadline - loop.time()) * 1000)
+                    block = min(block, left_ms) if left_ms >= 1 else None
+                pipe = self._client.pipeline(transaction=False)
+                pipe.xread({stream: last}, count=READ_COUNT, block=block)
+                pipe.get(lock)
+                try:
+                    with _unavailable("follow a flight"):
+                        reply, holder = await pipe.execute()
+                except StoreUnavailable as error:
+                    self._failed(error)
+                    if relayed:
+                        raise self._broken(f"lost the stream from the instance leading this "
+                                           f"call: {error.message}") from None
+                    return _DOWN
+                records = _records(reply)
+                for entry_id, fields in records:
+                    last = entry_id
+                    if b"f" in fields:
+                        seen += 1
+                        index = int(fields[b"i"])
+                        if skipping or index < relayed:
+                            continue
+                        if index > relayed:      # trimmed (MAXLEN) before we read it
+                            if relayed:
+                                raise self._broken("fell behind the stream of the instance "
+                                                   "leading this call")
+                            skipping = True
+                            continue
+                        broadcast.remote = True
+                        broadcast.publish(fields[b"f"], usage_only=b"u" in fields)
+                        relayed += 1
+                        self.counts["frames_relayed"] += 1
+                    else:
+                        return self._ending(fields, broadcast, relayed)
+                if records:
+                    suspect = False
+                    continue
+                if holder != ours and not (holder or b"").startswith(ended):
+                    if suspect:                  # gone, and no final record came after all
+                        if relayed:
+                            raise self._broken("the instance leading this call stopped")
+                        return _GONE
+                    suspect = True
+                    continue
+                suspect = False
+                if not seen and loop.time() >= deadline:
+                    return _TIMEOUT
+        finally:
+            self.following -= 1
+
+    def _ending(self, fields: dict[bytes, bytes], broadcast: Broadcast,
+                relayed: int) -> Answer | str:
+        """The answer or error of a final record (or ``_GONE``)."""
+        kind = fields[b"e"]
+        if kind == b"g":
+            if relayed:
+                raise self._broken("the instance leading this call left it")
+            return _GONE
+        meta = orjson.loads(fields[b"m"])
+        body = fields.get(b"b", b"")
+        if kind == b"x":
+            broadcast.remote = True
+            raise _error_from(meta, body)
+        count = meta["fl"]
+        if relayed and relayed != count:
+            raise self._broken("the stream of the instance leading this call has gaps")
+        broadcast.remote = True
+        frames = broadcast.frames if count is not None and relayed == count else None
+        return Answer(meta["k"], body, meta["c"], meta["t"], meta["cr"], frames,
+                      meta["u"] if frames is not None else None)
+
+    def _broken(self, message: str) -> UpstreamStreamBroken:
+        self.counts["broken"] += 1
+        return UpstreamStreamBroken(message)
+
+    # ------------------------------------------------------------------ health, tasks
+
+    def _failed(self, error: StoreUnavailable) -> None:
+        self.counts["errors"] += 1
+        if self.health is not None:
+            self.health.report(error)
+        else:
+            log.debug("shared flights: %s", error)
+
+    def _answered(self) -> None:
+        if self.health is not None:
+            self.health.report(None)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("shared flight cleanup failed", exc_info=task.exception())
+
+
+class _Publisher:
+    """The leader's side: frames to the stream as they come (batched), the lease renewed."""
+
+    def __init__(self, flights: SharedFlights, lock: str, stream: str, token: str,
+                 broadcast: Broadcast) -> None:
+        self.flights = flights
+        self.lock = lock
+        self.stream = stream
+        self.token = token
+        self.broadcast = broadcast
+        self.sent = 0
+        self.closing = False
+        self.broken = False                  # Redis failed: publish and renew no more
+        self.renewing = True                 # False once the lock is lost
+        self._wake = asyncio.Event()
+        broadcast.on_publish = self._wake.set
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Publish what is left, stop."""
+        self.closing = True
+        self._wake.set()
+        await self._task
+
+    def abort(self) -> None:
+        self.broadcast.on_publish = None
+        self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.flights.lease_ms / 3000
+        renew_at = loop.time() + interval
+        try:
+            while not self.broken:
+                if not self._wake.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(max(0.0, renew_at - loop.time())):
+                            await self._wake.wait()
+                self._wake.clear()
+                await self._flush()
+                if self.closing:
+                    return
+                if loop.time() >= renew_at:
+                    await self._renew()
+                    renew_at = loop.time() + interval
+        except Exception:    # never let a bug here break the call itself
+            log.exception("publishing flight %s failed", self.stream)
+
+    async def _flush(self) -> None:
+        frames, start = self.broadcast.frames, self.sent
+        end = len(frames)
+        if start >= end or self.broken:
+            return
+        usage, flights = self.broadcast.usage_frame, self.flights
+        pipe = flights._client.pipeline(transaction=False)
+        for index in range(start, end):
+            fields: dict[str, Any] = {"i": index, "f": frames[index]}
+            if index == usage:
+                fields["u"] = 1
+            pipe.xadd(self.stream, fields, maxlen=flights.maxlen, approximate=True)
+        if not start:          # the stream exists from now on: it must expire if we die
+            pipe.pexpire(self.stream, 2 * flights.lease_ms)
+        self.sent = end
+        try:
+            with _unavailable("publish frames"):
+                await pipe.execute()
+        except StoreUnavailable as error:
+            self.broken = True
+            flights._failed(error)
+            return
+        flights.counts["frames_published"] += end - start
+
+    async def _renew(self) -> None:
+        if not self.renewing:
+            return
+        flights = self.flights
+        try:
+            with _unavailable("renew a flight's lock"):
+                held = await flights._renew(keys=[self.lock, self.stream], args=[
+                    self.token, flights.lease_ms, 2 * flights.lease_ms])
+        except StoreUnavailable as error:
+            self.broken = True
+            flights._failed(error)
+            return
+        if not held:       # expired (a long pause) or taken over: followers have moved on
+            self.renewing = False
+
+
+# ---------------------------------------------------------------------- records
+
+def _answer_record(answer: Answer) -> dict[str, Any]:
+    meta = {"k": answer.kind, "c": answer.complete, "t": answer.tokens, "cr": answer.created,
+            "fl": None if answer.frames is None else len(answer.frames),
+            "u": answer.usage_frame}
+    return {"e": "a", "m": orjson.dumps(meta), "b": answer.body}
+
+
+def _error_record(error: CarpoolError) -> dict[str, Any]:
+    if isinstance(error, UpstreamStatusError):
+        return {"e": "x", "m": orjson.dumps({"c": "status", "s": error.status,
+                                             "ct": error.content_type}), "b": error.content}
+    return {"e": "x", "m": orjson.dumps({"c": type(error).__name__, "s": error.status,
+                                         "ty": error.type, "co": error.code,
+                                         "msg": error.message})}
+
+
+def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
+    """The leader's error, as the same class with the same status, type, code and message."""
+    if meta["c"] == "status":
+        return UpstreamStatusError(meta["s"], body, meta["ct"])
+    error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
+    error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
+    return error
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def _records(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The entries of a one-stream XREAD reply (RESP2: a list; RESP3: a map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values()))[0] if reply else []
+    return reply[0][1]
+
+
+@contextlib.contextmanager
+def _unavailable(operation: str) -> Iterator[None]:
+    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
+    from redis.exceptions import RedisError
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(f"the Redis flights failed to {operation}: "
+                               f"{type(exc).__name__}: {exc}") from exc
