@@ -18,6 +18,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 import bench_coalesce  # noqa: E402
+import bench_distributed  # noqa: E402
 import bench_fingerprint  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_semantic  # noqa: E402
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "overhead": bench_overhead,
     "window": bench_window,
     "semantic": bench_semantic,
+    "distributed": bench_distributed,
 }
 
 
@@ -91,8 +93,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
     parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
                         help="run only this benchmark (repeatable)")
-    parser.add_argument("--out", type=Path, default=c.RESULTS / "core.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="[results/core.json; with --only: results/<names>.json]")
     args = parser.parse_args()
+    if args.out is None:      # a partial run never overwrites the full run's figures
+        args.out = c.RESULTS / ("-".join(args.only) + ".json" if args.only else "core.json")
 
     started = time.monotonic()
     results: dict[str, Any] = {}
