@@ -14,7 +14,8 @@ Contract:
 - Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``.
 - With ``redis``, identical requests on different instances share one call too: the lead of each
   instance's flight leads it for all of them or relays it from the instance that does
-  (``flight_shared.py``); whatever Redis does, the flight still gets its answer.
+  (``flight_shared.py``); whatever Redis does, the flight still gets its answer. Semantic
+  entries are shared too (``semantic/shared.py``): each instance's index is fed by the others'.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
 """
 
@@ -118,7 +119,7 @@ class Gateway:
         self._next_replica = itertools.cycle(self.upstreams).__next__
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
-            build_semantic(self.config, self.upstreams)
+            build_semantic(self.config, self.upstreams, self.store)
         self._background: set[asyncio.Task[Any]] = set()
         self.idempotency: IdempotencyRecords = build_idempotency(self.config)
 
@@ -159,7 +160,8 @@ class Gateway:
         if view is not None and controls.may_read and not self.flights.joinable(key.key, join_age):
             probe = await self.semantic.probe(view, controls.max_age)  # type: ignore[union-attr]
             if probe.match is not None and self.config.semantic.mode == "serve":
-                return self._served(route, Outcome.SEMANTIC_HIT, probe.match.entry.answer,
+                assert probe.match.answer is not None
+                return self._served(route, Outcome.SEMANTIC_HIT, probe.match.answer,
                                     request, _similarity(probe.match))
         lead = partial(self._lead, request, key, view, probe)
         ticket = self.flights.acquire(key.key, lead, max_age=join_age,
@@ -293,7 +295,7 @@ class Gateway:
         if view is not None and self.semantic is not None:
             # Off the flight's path: embedding the prompt must not delay its clients.
             insert = self.semantic.insert(view, probe.vector if probe else None, answer, expires,
-                                          controls.tags, key.namespace, prefix)
+                                          controls.tags, key.namespace, prefix, key=key.key)
             task = asyncio.get_running_loop().create_task(insert)
             self._background.add(task)
             task.add_done_callback(self._background_done)
@@ -420,9 +422,21 @@ class Gateway:
         report = health() if health is not None else {"state": "off"}
         if self.shared_flights is not None:
             report = {**report, "flights": self.shared_flights.snapshot()}
+        shared_semantic = getattr(self.semantic, "snapshot", None)
+        if shared_semantic is not None:
+            report = {**report, "semantic": shared_semantic()}
         return report
 
+    def start(self) -> None:
+        """Start background work that needs the event loop (the server calls it at startup;
+        it also starts lazily on first use)."""
+        start = getattr(self.semantic, "start", None)
+        if start is not None:
+            start()
+
     async def aclose(self) -> None:
+        if self.semantic is not None:
+            await self.semantic.aclose()
         if self.shared_flights is not None:
             await self.shared_flights.aclose()
         for upstream in self.upstreams:
@@ -545,17 +559,49 @@ def build_idempotency(config: Config) -> IdempotencyRecords:
         socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
 
 
-def build_semantic(config: Config, upstreams: Sequence[Upstream]) -> SemanticCache | None:
-    """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra)."""
+def build_semantic(config: Config, upstreams: Sequence[Upstream],
+                   store: Store | None = None) -> SemanticCache | None:
+    """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
+    with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
+    shared with every instance (``semantic/shared.py``)."""
     if not config.semantic.enabled:
         return None
-    from .semantic.cache import SemanticCache
+    embedder = _embedder(config, upstreams)
+    if not config.redis or store is None:
+        from .semantic.cache import SemanticCache
+        return SemanticCache(config.semantic, embedder)
+    from .semantic.shared import SharedSemanticCache
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
+
+    d = config.distributed
+    if isinstance(store, SharedStore):
+        redis, health, owned = store.redis, store, False
+    else:
+        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                           connect_timeout=d.connect_timeout)
+        health, owned = None, True
+    shared_store = store
+
+    async def resolve(key: str) -> Answer | None:
+        entry = await shared_store.get(key)
+        if entry is None and health is not None and not health.usable():
+            from .store.base import StoreUnavailable
+            raise StoreUnavailable("redis degraded: another instance's answer is unknown")
+        return entry.answer if entry is not None else None
+
+    return SharedSemanticCache(config.semantic, embedder, resolve, redis.client,
+                               prefix=d.key_prefix, maxlen=d.stream_maxlen,
+                               socket_timeout=d.timeout, retry_interval=d.retry_interval,
+                               health=health, owns_client=owned)
+
+
+def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
     from .semantic.embed import LocalEmbedder, UpstreamEmbedder
 
     s = config.semantic
     if s.embedder == "local":
-        return SemanticCache(s, LocalEmbedder(max_batch=s.batch_size,
-                                              max_delay_s=s.batch_delay_ms / 1000))
+        return LocalEmbedder(max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
     replicas = itertools.cycle(upstreams).__next__
 
     async def embeddings(texts: list[str]) -> list[list[float]]:
@@ -566,10 +612,8 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream]) -> SemanticCac
         data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
         return [item["embedding"] for item in data]
 
-    return SemanticCache(s, UpstreamEmbedder(embeddings, s.embedding_dim,
-                                             name=f"upstream:{s.embedding_model}",
-                                             max_batch=s.batch_size,
-                                             max_delay_s=s.batch_delay_ms / 1000))
+    return UpstreamEmbedder(embeddings, s.embedding_dim, name=f"upstream:{s.embedding_model}",
+                            max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
 
 
 def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:

@@ -207,6 +207,7 @@ def _control_app(gateway: Gateway) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        gateway.start()
         yield
         await gateway.aclose()
 

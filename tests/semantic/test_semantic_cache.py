@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import pytest
 
 pytest.importorskip("onnxruntime")
@@ -126,3 +130,100 @@ async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fa
         negated = await ask(gw, "How do I not reset my router?")
         assert negated.headers["x-carpool-semantic-verdict"].startswith("guard:")
         assert fake.count() == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Semantic entries shared across instances through Redis (carpool/semantic/shared.py)
+
+PROPAGATION = 1.0         # s: the issue's bound for a stored answer to reach the other instances
+
+
+@pytest.fixture
+def two_semantic(fake, redis_server):
+    pytest.importorskip("redis")
+    from conftest import run_gateway
+
+    @contextlib.asynccontextmanager
+    async def start(**extra):
+        shared = {"redis": redis_server.url, "admin_token": "t",
+                  "distributed": {"retry_interval": 0.05}, **SEMANTIC, **extra}
+        async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
+            for served in (a, b):            # the readers are positioned at the stream's end
+                await asyncio.wait_for(served.gateway.semantic.ready.wait(), 5)
+            yield a, b
+    return start
+
+
+async def propagated(gw, n=1, since=None):
+    """Wait (bounded by the issue's 1 s) for ``n`` entries on ``gw``; the delay in s since
+    ``since`` (a ``time.perf_counter()``, default now)."""
+    started = time.perf_counter() if since is None else since
+    await eventually(lambda: gw.gateway.semantic.entries >= n,
+                     timeout=PROPAGATION - (time.perf_counter() - started),
+                     what="the semantic entry from the other instance")
+    return time.perf_counter() - started
+
+
+async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(two_semantic,
+                                                                                fake):
+    async with two_semantic() as (a, b):
+        first = await ask(a, "How do I reset my router?")
+        answered = time.perf_counter()       # A's client has its answer; A embeds, publishes
+        delay = await propagated(b, since=answered)
+        print(f"semantic propagation, A's answer -> B's index: {delay * 1000:.1f} ms")
+        again = await ask(b, "how can i reset my router")
+        assert again.headers["x-carpool"] == "semantic-hit"
+        assert again.json() == first.json() and fake.count() == 1
+        assert (await b.client.get("/stats")).json()["redis"]["semantic"]["received"] == 1
+        assert a.gateway.semantic.counts["received"] == 0    # its own record is skipped
+
+
+async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic, fake):
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I reset my router?")
+        await stored(a)
+        await propagated(b)
+        # Gone from the shared exact store (as by expiry): B's reference is dead.
+        await a.gateway.store.redis.invalidate(everything=True)
+        assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+        assert fake.count() == 2
+
+
+async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_entries(
+        two_semantic, fake):
+    async with two_semantic() as (a, b):
+        await ask(b, "How do I reset my router?", headers={"x-carpool-tags": "router"})
+        await stored(b)                      # B holds it with its answer, A as a reference
+        await propagated(a)
+        dropped = await a.client.post("/admin/invalidate", json={"tag": "router"},
+                                      headers={"Authorization": "Bearer t"})
+        assert dropped.status_code == 200
+        await eventually(lambda: b.gateway.semantic.entries == 0, timeout=PROPAGATION,
+                         what="the invalidation to reach the other instance")
+        assert a.gateway.semantic.entries == 0
+        assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+
+
+async def test_tenants_never_share_semantic_entries_across_instances(two_semantic, fake):
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I reset my router?", headers={"Authorization": "Bearer a"})
+        await stored(a)
+        await propagated(b)
+        response = await ask(b, "how can i reset my router", headers={"Authorization": "Bearer b"})
+        assert response.headers["x-carpool"] == "miss"
+        same = await ask(b, "how can i reset my router", headers={"Authorization": "Bearer a"})
+        assert same.headers["x-carpool"] == "semantic-hit"
+
+
+async def test_redis_killed_the_semantic_cache_still_works_locally(two_semantic, fake,
+                                                                  redis_server):
+    async with two_semantic() as (a, b):
+        redis_server.kill()
+        first = await ask(a, "How do I reset my router?")
+        assert first.status_code == 200
+        await stored(a)
+        again = await ask(a, "how can i reset my router")
+        assert again.headers["x-carpool"] == "semantic-hit"
+        assert again.json() == first.json()
+        assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+        assert (await a.client.get("/healthz")).json()["status"] == "degraded"

@@ -14,6 +14,13 @@ Contract:
   the same scope replaces the older entry. At most ``semantic.max_entries`` entries: the least
   recently used go first.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
+- An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
+  instance: ``semantic/shared.py``) a *reference*: the exact-cache key of its answer, fetched by
+  ``await resolve(KEY)`` only when the entry passes every check. ``None`` from ``resolve`` means
+  the answer is gone (expired, invalidated): the entry is dropped and the walk goes on with the
+  next candidate; ``StoreUnavailable`` from it means unknown for now: the candidate is skipped,
+  the entry kept. ``Candidate.answer`` is the answer to serve (None for a reference not resolved:
+  ``nearest`` in mark mode).
 - The threshold is ``semantic.threshold``, or ``CALIBRATED_THRESHOLD``. Two bands: a candidate
   with a similarity in [threshold, strict_above) must pass the guard in strict mode
   (``check(..., strict=True)``: also the added-detail and question-intent rules meant for
@@ -56,13 +63,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
-from ..store.base import selected
+from ..store.base import StoreUnavailable, selected
 from .guard import Verdict, check
 from .index import VectorIndex
 
@@ -77,12 +85,14 @@ class SemanticEntry:
     id: int
     scope: str
     text: str
-    answer: Answer
+    answer: Answer | None                   # None: a reference (``ref``) to the exact cache
     expires: float
     tags: tuple[str, ...] = ()
     namespace: str = ""
     prompt_prefix: str = ""
     size: int = 0                           # bytes, set by the cache when inserted
+    ref: str | None = None                  # the exact-cache key of the answer, if remote
+    created: float = 0.0                    # when the answer was made (for max_age)
 
 
 @dataclass(slots=True)
@@ -90,6 +100,7 @@ class Candidate:
     entry: SemanticEntry
     similarity: float
     verdict: Verdict
+    answer: Answer | None = None            # what to serve (set for the match)
 
 
 @dataclass(slots=True)
@@ -102,9 +113,11 @@ class Probe:
 
 
 class SemanticCache:
-    def __init__(self, config: SemanticConfig, embedder: Any) -> None:
+    def __init__(self, config: SemanticConfig, embedder: Any,
+                 resolve: Callable[[str], Awaitable[Answer | None]] | None = None) -> None:
         self.config = config
         self.embedder = embedder
+        self.resolve = resolve
         self.threshold = config.threshold if config.threshold is not None else CALIBRATED_THRESHOLD
         self.strict_above = (config.strict_below if config.strict_below is not None
                              else STRICT_ABOVE)
@@ -142,30 +155,60 @@ class SemanticCache:
                 continue
             if similarity < self.threshold:
                 break
-            if max_age is not None and entry.answer.age(now) >= max_age:
+            if max_age is not None and now - entry.created >= max_age:
                 continue
             verdict = check(view.text, entry.text, strict=similarity < self.strict_above)
-            candidate = Candidate(entry, similarity, verdict)
+            candidate = Candidate(entry, similarity, verdict, entry.answer)
             if probe.nearest is None:
                 probe.nearest = candidate
             if verdict.ok:
+                if candidate.answer is None:
+                    candidate.answer = await self._resolved(entry)
+                    if candidate.answer is None:
+                        continue
+                    if max_age is not None and candidate.answer.age() >= max_age:
+                        continue
                 probe.match = candidate
-                self._entries.move_to_end(entry.id)
+                if entry.id in self._entries:
+                    self._entries.move_to_end(entry.id)
                 break
             reason = verdict.reason or "rejected"
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
         return probe
 
-    async def insert(self, view: SemanticView, vector: Any, answer: Answer, expires: float,
-                     tags: tuple[str, ...] = (), namespace: str = "",
-                     prompt_prefix: str = "") -> None:
+    async def _resolved(self, entry: SemanticEntry) -> Answer | None:
+        """A reference's answer from the exact cache; None (and the entry dropped) if gone."""
+        if self.resolve is None or entry.ref is None:
+            self._drop(entry)
+            return None
+        try:
+            answer = await self.resolve(entry.ref)
+        except StoreUnavailable:
+            return None                     # unknown for now: skip it, keep the entry
+        if answer is None:
+            self._drop(entry)
+        return answer
+
+    async def insert(self, view: SemanticView, vector: Any, answer: Answer | None,
+                     expires: float, tags: tuple[str, ...] = (), namespace: str = "",
+                     prompt_prefix: str = "", *, key: str | None = None,
+                     ref: str | None = None, created: float | None = None) -> None:
+        """Store ``answer`` (or, with ``answer=None``, the reference ``ref``) under the view.
+
+        ``key``: the answer's exact-cache key (unused here; ``SharedSemanticCache`` publishes it).
+        ``created``: when the answer was made (default: ``answer.created``).
+        """
+        if answer is None and ref is None:
+            raise ValueError("an entry needs an answer or a reference")
         if vector is None:
             vector = await self.embedder.embed(view.text)
         old = self._by_text.get((view.scope, view.text))
         if old is not None and old in self._entries:
             self._drop(self._entries[old])
+        if created is None:
+            created = answer.created if answer is not None else time.time()
         entry = SemanticEntry(next(self._ids), view.scope, view.text, answer, expires, tags,
-                              namespace, prompt_prefix)
+                              namespace, prompt_prefix, ref=ref, created=created)
         index = self._scopes.get(view.scope)
         if index is None:
             index = self._scopes[view.scope] = VectorIndex(
@@ -173,7 +216,8 @@ class SemanticCache:
                 self.config.index_expansion_add, self.config.index_expansion_search)
         index.add(entry.id, vector)
         # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
-        entry.size = answer.size + len(view.text) + len(prompt_prefix) + 8 * self.embedder.dim
+        held = answer.size if answer is not None else len(ref or "")
+        entry.size = held + len(view.text) + len(prompt_prefix) + 8 * self.embedder.dim
         self._entries[entry.id] = entry
         self._by_text[(view.scope, view.text)] = entry.id
         self._bytes += entry.size
@@ -188,6 +232,9 @@ class SemanticCache:
         for entry in doomed:
             self._drop(entry)
         return len(doomed)
+
+    async def aclose(self) -> None:
+        """Nothing to release here (``SharedSemanticCache`` stops its reader)."""
 
     def _drop(self, entry: SemanticEntry) -> None:
         if self._entries.pop(entry.id, None) is None:

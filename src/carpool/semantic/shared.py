@@ -1,0 +1,294 @@
+"""Semantic entries shared by every gateway instance, through a Redis/Valkey stream.
+
+Each instance keeps its own ANN index (``SemanticCache``); ``SharedSemanticCache`` feeds it with
+what the other instances store, so that an answer stored via one instance is a semantic candidate
+on all of them (typically within a few milliseconds; the goal is 1 s).
+
+Contract:
+- ``insert(..., key=FINGERPRINT_KEY)`` stores the entry locally (with its answer), then appends
+  a ``put`` record to the stream ``P semantic`` (``P`` = ``distributed.key_prefix``; ``XADD
+  MAXLEN ~ distributed.stream_maxlen``). An insert without ``key`` stays local.
+- A reader task per instance (started by ``start()``, from the server's startup or lazily by the
+  first ``probe``/``insert``/``invalidate``, inside the event loop; stopped by ``aclose``) reads
+  the stream from its end at start (new records only: nothing older is backfilled), with ``XREAD
+  BLOCK`` of at most half the client's socket timeout, and applies the records of the OTHER
+  instances (its own carry its instance id and are skipped):
+  - ``put``: the entry goes into the local index as a *reference* to the exact cache (the
+    answer itself never travels on the stream). When a probe's candidate passes every check,
+    its answer is fetched with ``resolve(key)`` (``Gateway.store.get``, the exact store shared
+    by all instances): a miss there means the answer is gone (expired, invalidated anywhere):
+    the entry is dropped and the next candidate is tried. Records already expired, or of another
+    embedding model or dimension, are ignored.
+  - ``invalidate``: ``invalidate(tag|namespace|prefix|everything)`` of the local index, so that
+    the entries each instance holds *with their answer* go too (remote ones would die at
+    resolution anyway, since the exact store is shared and invalidated everywhere).
+- ``invalidate`` applies locally and publishes an ``invalidate`` record.
+- Redis never fails a request: a failed publish is counted (``errors``) and reported to the
+  shared store's health (``SharedStore.report``: /stats, /healthz, degraded mode, the log); while
+  that health says Redis is not to be tried, nothing is published (local-only behaviour). The
+  reader backs off on failures (``BACKOFF_MIN`` doubling up to ``retry_interval``) and resumes
+  from the stream's end again after one: records published while it was cut off are not replayed.
+  ``ready`` is set each time the reader has positioned itself (tests wait on it).
+
+Record layout (one stream entry, all values bytes):
+
+    P semantic          STREAM, MAXLEN ~ distributed.stream_maxlen
+      op   "put" | "invalidate"
+      src  the publishing instance's id (16 hex, random per process)
+    put:
+      s    the scope (``SemanticView.scope``, a digest: tenant, namespace, freshness, params...)
+      t    the compared text (``SemanticView.text``)
+      v    the embedding: ``dim`` float32 values, little-endian (4 * dim bytes)
+      e    the embedder's name (model); with the dimension, must match the reader's
+      k    the exact-cache key of the answer (the fingerprint; resolved by ``store.get``)
+      x    expiry, wall-clock seconds (decimal)
+      c    when the answer was created, wall-clock seconds (decimal; for max_age)
+      g    the tags, a JSON list of strings
+      n    the namespace
+      p    the prompt prefix (for prefix invalidation)
+    invalidate:
+      sel  "tag" | "namespace" | "prefix" | "all"
+      val  the tag, namespace or prefix ("" for all)
+
+The stream is one key (one Redis Cluster slot): every instance reads it; the load is one XADD
+per stored answer, which is the rate of upstream calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+from ..answer import Answer
+from ..config import SemanticConfig
+from ..fingerprint import SemanticView
+from ..store.base import StoreUnavailable
+from .cache import SemanticCache
+
+if TYPE_CHECKING:
+    import redis.asyncio as aredis
+
+log = logging.getLogger("carpool.semantic")
+
+BACKOFF_MIN = 0.05        # s before the reader's first retry after a Redis failure
+READ_COUNT = 256          # records per XREAD
+
+_SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
+
+
+class Health(Protocol):
+    """The Redis health shared with the exact store (``SharedStore``)."""
+
+    def usable(self) -> bool: ...
+
+    def report(self, error: StoreUnavailable | None) -> None: ...
+
+
+class SharedSemanticCache(SemanticCache):
+    """A ``SemanticCache`` fed by, and feeding, every instance through the stream ``P semantic``.
+
+    ``client``: a ``redis.asyncio`` client that does not decode responses (the shared store's);
+    ``socket_timeout`` (s): the client's, which bounds the XREAD block; ``retry_interval``: the
+    reader's longest backoff; ``health``: the shared store; ``owns_client``: ``aclose`` closes it.
+    """
+
+    def __init__(self, config: SemanticConfig, embedder: Any,
+                 resolve: Callable[[str], Awaitable[Answer | None]] | None,
+                 client: aredis.Redis, *, prefix: str = "carpool:", maxlen: int = 10_000,
+                 socket_timeout: float = 0.5, retry_interval: float = 1.0,
+                 health: Health | None = None, owns_client: bool = False) -> None:
+        super().__init__(config, embedder, resolve)
+        self.stream = prefix + "semantic"
+        self.instance = secrets.token_hex(8).encode()
+        self.maxlen = maxlen
+        self.block_ms = max(1, int(socket_timeout * 1000 / 2))
+        self.retry_interval = retry_interval
+        self.health = health
+        self.ready = asyncio.Event()
+        self.counts = dict.fromkeys(("published", "received", "invalidations_received",
+                                     "ignored", "errors"), 0)
+        self._client = client
+        self._owns_client = owns_client
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<SharedSemanticCache stream={self.stream!r} instance={self.instance.decode()}>"
+
+    # ------------------------------------------------------------------ the cache's interface
+
+    async def probe(self, view: SemanticView, max_age: float | None = None) -> Any:
+        self.start()
+        return await super().probe(view, max_age)
+
+    async def insert(self, view: SemanticView, vector: Any, answer: Answer | None,
+                     expires: float, tags: tuple[str, ...] = (), namespace: str = "",
+                     prompt_prefix: str = "", *, key: str | None = None,
+                     ref: str | None = None, created: float | None = None) -> None:
+        self.start()
+        if vector is None:
+            vector = await self.embedder.embed(view.text)
+        await super().insert(view, vector, answer, expires, tags, namespace, prompt_prefix,
+                             ref=ref, created=created)
+        if key is None:
+            return
+        import numpy as np
+        if created is None:
+            created = answer.created if answer is not None else time.time()
+        await self._publish({
+            b"op": b"put", b"src": self.instance, b"s": view.scope.encode(),
+            b"t": view.text.encode(),
+            b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
+            b"e": str(getattr(self.embedder, "name", "")).encode(), b"k": key.encode(),
+            b"x": repr(float(expires)).encode(), b"c": repr(float(created)).encode(),
+            b"g": orjson.dumps(list(tags)), b"n": namespace.encode(),
+            b"p": prompt_prefix.encode()})
+
+    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
+                         prefix: str | None = None, everything: bool = False) -> int:
+        self.start()
+        dropped = await super().invalidate(tag=tag, namespace=namespace, prefix=prefix,
+                                           everything=everything)
+        if everything:
+            sel, val = "all", ""
+        elif tag is not None:
+            sel, val = "tag", tag
+        elif namespace is not None:
+            sel, val = "namespace", namespace
+        elif prefix is not None:
+            sel, val = "prefix", prefix
+        else:
+            return dropped
+        await self._publish({b"op": b"invalidate", b"src": self.instance,
+                             b"sel": sel.encode(), b"val": val.encode()})
+        return dropped
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.counts, "reading": self._reader is not None and not self._reader.done()}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the reader (idempotent; needs a running event loop)."""
+        if self._reader is None and not self._closed:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def aclose(self) -> None:
+        self._closed = True
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+        if self._owns_client:
+            await self._client.aclose()
+
+    # ------------------------------------------------------------------ publishing, reading
+
+    async def _publish(self, fields: dict[bytes, bytes]) -> None:
+        if self.health is not None and not self.health.usable():
+            return                                   # Redis degraded: local only for now
+        try:
+            with _unavailable("publish a semantic entry"):
+                await self._client.xadd(self.stream, fields, maxlen=self.maxlen,
+                                        approximate=True)
+        except StoreUnavailable as error:
+            self._failed(error)
+        else:
+            self.counts["published"] += 1
+            if self.health is not None:
+                self.health.report(None)
+
+    async def _read(self) -> None:
+        last: bytes | None = None
+        backoff = BACKOFF_MIN
+        while True:
+            try:
+                with _unavailable("read the semantic stream"):
+                    if last is None:
+                        top = await self._client.xrevrange(self.stream, count=1)
+                        last = top[0][0] if top else b"0-0"
+                        self.ready.set()
+                        if self.health is not None:
+                            self.health.report(None)
+                    reply = await self._client.xread({self.stream: last}, count=READ_COUNT,
+                                                     block=self.block_ms)
+                backoff = BACKOFF_MIN
+                for ident, fields in _records(reply):
+                    last = ident
+                    try:
+                        await self._apply(fields)
+                    except Exception:                # a malformed record never stops the reader
+                        self.counts["ignored"] += 1
+                        log.warning("ignoring a malformed semantic record %r", ident,
+                                    exc_info=True)
+            except StoreUnavailable as error:
+                self._failed(error)
+                self.ready.clear()
+                last = None                          # resume from the end: Redis may be new
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, max(self.retry_interval, BACKOFF_MIN))
+
+    async def _apply(self, fields: dict[bytes, bytes]) -> None:
+        if fields.get(b"src") == self.instance:
+            return
+        op = fields.get(b"op")
+        if op == b"invalidate":
+            name = _SELECTORS.get(fields[b"sel"].decode())
+            if name is None:
+                self.counts["ignored"] += 1
+                return
+            self.counts["invalidations_received"] += 1
+            value: Any = True if name == "everything" else fields[b"val"].decode()
+            await super().invalidate(**{name: value})
+            return
+        if op != b"put":
+            self.counts["ignored"] += 1
+            return
+        import numpy as np
+        vector = np.frombuffer(fields[b"v"], dtype="<f4").astype(np.float32)
+        expires = float(fields[b"x"])
+        if (vector.shape != (self.embedder.dim,) or expires <= time.time()
+                or fields.get(b"e", b"").decode() != str(getattr(self.embedder, "name", ""))):
+            self.counts["ignored"] += 1
+            return
+        self.counts["received"] += 1
+        view = SemanticView(fields[b"s"].decode(), fields[b"t"].decode())
+        await super().insert(view, vector, None, expires,
+                             tuple(orjson.loads(fields.get(b"g", b"[]"))),
+                             fields.get(b"n", b"").decode(), fields.get(b"p", b"").decode(),
+                             ref=fields[b"k"].decode(), created=float(fields[b"c"]))
+
+    def _failed(self, error: StoreUnavailable) -> None:
+        self.counts["errors"] += 1
+        if self.health is not None:
+            self.health.report(error)
+        else:
+            log.debug("shared semantic cache: %s", error)
+
+
+def _records(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The entries of a one-stream XREAD reply (RESP2: a list; RESP3: a map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values()))[0] if reply else []
+    return reply[0][1]
+
+
+@contextlib.contextmanager
+def _unavailable(operation: str) -> Iterator[None]:
+    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
+    from redis.exceptions import RedisError
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(f"the shared semantic cache failed to {operation}: "
+                               f"{type(exc).__name__}: {exc}") from exc
