@@ -96,9 +96,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -113,8 +112,8 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from .store.base import StoreUnavailable
-from .store.redis import RedisStore
+from .store.base import StoreUnavailable, redis_unavailable
+from .store.redis import RedisStore, glob_escape, xread_entries
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -255,7 +254,7 @@ class SharedFlights:
         Scans the locks (one per call running or lingering, on every instance); returns how
         many finished ones it dropped (those it could: a Redis failure is reported, not raised).
         """
-        pattern = _glob_escape(self.prefix) + "lock:*"
+        pattern = glob_escape(self.prefix) + "lock:*"
         dropped = 0
         try:
             with _unavailable("forget finished flights"):
@@ -416,7 +415,7 @@ class SharedFlights:
                         raise self._broken(f"lost the stream from the instance leading this "
                                            f"call: {error.message}") from None
                     return _DOWN
-                records = _records(reply)
+                records = xread_entries(reply)
                 for entry_id, fields in records:
                     last = entry_id
                     if b"f" in fields:
@@ -617,25 +616,7 @@ def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
     return error
 
 
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
-def _records(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """The entries of a one-stream XREAD reply (RESP2: a list; RESP3: a map)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return next(iter(reply.values()))[0] if reply else []
-    return reply[0][1]
-
-
-@contextlib.contextmanager
-def _unavailable(operation: str) -> Iterator[None]:
-    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
-    from redis.exceptions import RedisError
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"the Redis flights failed to {operation}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
+    return redis_unavailable(f"the Redis flights failed to {operation}")

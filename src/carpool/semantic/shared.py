@@ -61,7 +61,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -69,7 +69,8 @@ import orjson
 from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
-from ..store.base import StoreUnavailable
+from ..store.base import StoreUnavailable, redis_unavailable
+from ..store.redis import xread_entries
 from .cache import SemanticCache
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class SharedSemanticCache(SemanticCache):
                     reply = await self._client.xread({self.stream: last}, count=READ_COUNT,
                                                      block=self.block_ms)
                 backoff = BACKOFF_MIN
-                for ident, fields in _records(reply):
+                for ident, fields in xread_entries(reply):
                     last = ident
                     try:
                         await self._apply(fields)
@@ -274,21 +275,7 @@ class SharedSemanticCache(SemanticCache):
             log.debug("shared semantic cache: %s", error)
 
 
-def _records(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """The entries of a one-stream XREAD reply (RESP2: a list; RESP3: a map)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return next(iter(reply.values()))[0] if reply else []
-    return reply[0][1]
 
 
-@contextlib.contextmanager
-def _unavailable(operation: str) -> Iterator[None]:
-    """Translate the client library's errors (and timeouts) into ``StoreUnavailable``."""
-    from redis.exceptions import RedisError
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"the shared semantic cache failed to {operation}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
+    return redis_unavailable(f"the shared semantic cache failed to {operation}")

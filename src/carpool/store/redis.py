@@ -161,8 +161,18 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """``text`` matched literally in a SCAN/KEYS pattern."""
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def xread_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The entries of a one-stream XREAD reply (RESP2: a list; RESP3: a map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values()))[0] if reply else []
+    return reply[0][1]
 
 
 class RedisStore:
@@ -385,7 +395,7 @@ class RedisStore:
 
         # Only this store's own key families: other layers (idempotency records, flights) share
         # the prefix, and dropping cached answers must never forget that a request already ran.
-        prefix = _glob_escape(self.prefix)
+        prefix = glob_escape(self.prefix)
         for family in ("e:*", "tag:*", "ns:*", "prefixes", "{stats}:*"):
             # (Redis globs give braces no meaning: the families are patterns as they are.)
             async for key in self._client.scan_iter(match=prefix + family, count=BATCH):
