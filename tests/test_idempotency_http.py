@@ -122,3 +122,31 @@ async def test_idempotency_records_are_shared_across_instances(fake, redis_serve
         assert retry.headers["idempotent-replayed"] == "true"
         assert retry.content == original.content and fake.count() == 1
         assert (await b.chat("other", headers=KEY)).status_code == 422
+
+
+async def test_a_list_input_is_tracked_item_by_item_so_a_retry_recomputes_only_failed_items(
+        fake, gateway_with):
+    # ttl 0 and no window: nothing but the idempotency records can spare a recomputation.
+    async with gateway_with(coalesce={"window_ms": 0}) as gw:
+        headers = {**KEY, "x-carpool-type": "factual"}
+        body = {"model": "e", "input": ["alpha", "beta", "gamma"]}
+        fake.fail_status, fake.fail_times = 500, 1          # exactly one item's call fails
+        first = await gw.client.post("/v1/embeddings", json=body, headers=headers)
+        assert first.status_code == 500 and fake.count() == 3
+        retry = await gw.client.post("/v1/embeddings", json=body, headers=headers)
+        assert retry.status_code == 200 and fake.count() == 4     # only the failed item again
+        data = retry.json()["data"]
+        assert [d["index"] for d in data] == [0, 1, 2]
+        alone = await gw.client.post("/v1/embeddings", json={"model": "e", "input": ["beta"]})
+        assert data[1]["embedding"] == alone.json()["data"][0]["embedding"]
+        again = await gw.client.post("/v1/embeddings", json=body, headers=headers)
+        assert again.headers["idempotent-replayed"] == "true" and again.content == retry.content
+
+
+async def test_a_list_prompt_is_answered_in_order_from_its_items(gw, fake):
+    body = {"model": "m", "prompt": ["one", "two"], "temperature": 0}
+    response = await gw.client.post("/v1/completions", json=body, headers=KEY)
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["text"].split(" to ")[1] for c in choices] == ["one", "two"]
+    assert response.json()["usage"]["total_tokens"] > 0

@@ -60,7 +60,7 @@ from .idempotency import (
 )
 from .metrics import Metrics, Stats
 from .outcome import Outcome
-from .request import ClientRequest, Request, parse
+from .request import ClientRequest, Request, list_items, merge_items, parse
 from .sse import DONE, assemble, frame, is_complete, usage_tokens
 from .store import Entry, MemoryStore, Store
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
@@ -195,17 +195,64 @@ class Gateway:
                          stored.body, outcome=Outcome.HIT)
         token = begin.token
         assert token is not None
+        items = list_items(request)
         try:
-            reply = await self._answer(client, request, key, route)
+            if items is None:
+                reply = await self._answer(client, request, key, route)
+            else:
+                reply = await self._items(client, items, scoped, route)
         except BaseException:
             await _shielded(records.abandon(scoped, token))
             raise
-        if reply.stream is None:
+        if items is not None and reply.status >= 300:
+            # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
+            await records.abandon(scoped, token)
+        elif reply.stream is None:
             await records.finish(scoped, token, StoredResponse(
                 reply.status, _replayable(reply.headers), reply.body))
         else:
             reply.stream = _recorded(reply.stream, records, scoped, token)
         return reply
+
+    async def _items(self, client: ClientRequest, items: list[Request], scoped: str,
+                     route: str) -> Reply:
+        """A list input under one Idempotency-Key: each item is a sub-request with its record."""
+        records = self.idempotency
+
+        async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome]:
+            key = fingerprint(request, self.config)
+            item_key = f"{scoped}\n{i}"
+            begin = await records.begin(item_key, request_digest(request, key, self.config))
+            if begin.state == "done":
+                assert begin.response is not None
+                return begin.response, Outcome.HIT
+            if begin.state != "new" or begin.token is None:
+                error = IdempotencyMismatch() if begin.state == "mismatch" \
+                    else IdempotencyConflict()
+                return StoredResponse(error.status, _replayable(_error_reply(error, None).headers),
+                                      error.body()), Outcome.BYPASS
+            try:
+                reply = await self._answer(client, request, key, route)
+            except BaseException:
+                await _shielded(records.abandon(item_key, begin.token))
+                raise
+            stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body)
+            if reply.status < 300:
+                await records.finish(item_key, begin.token, stored)
+            else:
+                await records.abandon(item_key, begin.token)
+            return stored, reply.outcome or Outcome.MISS
+
+        results = await asyncio.gather(*(item(i, request) for i, request in enumerate(items)))
+        for stored, outcome in results:
+            if stored.status >= 300:
+                return Reply(stored.status, [*stored.headers, outcome.header], stored.body,
+                             outcome=outcome)
+        outcomes = {outcome for _, outcome in results}
+        outcome = Outcome.MISS if Outcome.MISS in outcomes else \
+            Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED
+        body = merge_items(items[0].kind, [orjson.loads(stored.body) for stored, _ in results])
+        return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
 
     async def _follow(self, route: str, ticket: Ticket, request: Request,
                       lead: Callable[[Broadcast], Any]) -> Reply:

@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,3 +192,37 @@ def _token(value: str, header: str) -> str:
     if not value.isprintable():
         raise RequestError(f"{header}: value must be printable text", "invalid_header")
     return value
+
+
+def list_items(request: Request) -> list[Request] | None:
+    """A list input split into one request per item, or None when it is not a list of several.
+
+    ``/v1/embeddings`` with a list ``input`` and ``/v1/completions`` with a list ``prompt``
+    (strings, or token arrays: a flat list of ints is *one* prompt); not streams.
+    """
+    name = {"embedding": "input", "completion": "prompt"}.get(request.kind)
+    value = request.body.get(name) if name else None
+    if request.stream or not isinstance(value, list) or len(value) < 2 \
+            or isinstance(value[0], int):
+        return None
+    return [dataclasses.replace(request, body={**request.body, name: [item]}) for item in value]
+
+
+def merge_items(kind: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response to a list request, from the responses to its items, in order."""
+    first = bodies[0]
+    usage: dict[str, int] = {}
+    for body in bodies:
+        for name, count in (body.get("usage") or {}).items():
+            if isinstance(count, int):
+                usage[name] = usage.get(name, 0) + count
+    if kind == "embedding":
+        data = [{**item, "index": i} for i, body in enumerate(bodies) for item in body["data"]]
+        return {**first, "data": data, "usage": usage}
+    # OpenAI numbers the choices of a list prompt prompt by prompt: index = prompt * n + choice.
+    choices = []
+    for i, body in enumerate(bodies):
+        n = len(body["choices"])
+        choices += [{**choice, "index": i * n + choice.get("index", 0)}
+                    for choice in body["choices"]]
+    return {**first, "choices": choices, "usage": usage}
