@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from carpool.config import CoalesceConfig  # noqa: E402
-from carpool.pipeline import window_policy  # noqa: E402
 from carpool.window import FixedWindow  # noqa: E402
+from carpool.wiring import window_policy  # noqa: E402
 
 FIXED_MS = (100, 500, 1000, 2000)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 from carpool.config import CoalesceConfig
-from carpool.pipeline import window_policy
 from carpool.window import MIN_GAPS, AdaptiveWindow, FixedWindow
+from carpool.wiring import window_policy
 
 
 def test_fixed_window_is_always_window_ms():

@@ -35,7 +35,7 @@ import orjson
 
 from .answer import Answer
 from .broadcast import Broadcast
-from .config import CoalesceConfig, Config
+from .config import Config
 from .errors import (
     CarpoolError,
     RequestError,
@@ -48,13 +48,10 @@ from .fingerprint import Fingerprint, SemanticView, fingerprint, request_digest,
 from .flight import FlightGroup, JoinTimeout, Ticket
 from .idempotency import (
     REPLAYED_HEADER,
-    FallbackRecords,
     IdempotencyConflict,
     IdempotencyError,
     IdempotencyMismatch,
     IdempotencyRecords,
-    MemoryIdempotencyRecords,
-    RedisIdempotencyRecords,
     StoredResponse,
     parse_key,
 )
@@ -62,9 +59,15 @@ from .metrics import Metrics, Stats
 from .outcome import Outcome
 from .request import ClientRequest, Request, list_items, merge_items, parse
 from .sse import DONE, assemble, frame, is_complete, usage_tokens
-from .store import Entry, MemoryStore, Store
+from .store import Entry, Store
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
-from .window import AdaptiveWindow, FixedWindow, WindowPolicy
+from .wiring import (
+    build_idempotency,
+    build_semantic,
+    build_shared_flights,
+    build_store,
+    window_policy,
+)
 
 if TYPE_CHECKING:
     from .flight_shared import SharedFlights
@@ -492,14 +495,6 @@ class Gateway:
         await self.idempotency.aclose()
 
 
-def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
-    if coalesce.adaptive:
-        return AdaptiveWindow(coalesce.window_ms / 1000, coalesce.min_window_ms / 1000,
-                              coalesce.max_window_ms / 1000, coalesce.adaptive_tradeoff,
-                              coalesce.adaptive_keys)
-    return FixedWindow(coalesce.window_ms / 1000)
-
-
 async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast) -> Answer:
     """Publish an upstream stream frame by frame; judge and assemble it once it ends."""
     chunks: list[dict[str, Any]] = []
@@ -555,112 +550,6 @@ async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
         yield error_event(error)
     finally:
         await response.aclose()
-
-
-def build_store(config: Config) -> Store:
-    """The in-process exact cache, or (with ``redis``) the shared one that degrades to it."""
-    local = MemoryStore(config.cache.max_bytes)
-    if not config.redis:
-        return local
-    from .store.redis import RedisStore
-    from .store.shared import SharedStore
-
-    d = config.distributed
-    return SharedStore(RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                                  connect_timeout=d.connect_timeout),
-                       local, retry_interval=d.retry_interval, log_interval=d.log_interval)
-
-
-def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
-    """Cross-instance flights (with ``redis``), on the shared store's client when there is one."""
-    d = config.distributed
-    if not config.redis or not d.shared_flights:
-        return None
-    from .flight_shared import SharedFlights
-    from .store.redis import RedisStore
-    from .store.shared import SharedStore
-
-    if isinstance(store, SharedStore):
-        redis, health, owned = store.redis, store, False
-    else:
-        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                           connect_timeout=d.connect_timeout)
-        health, owned = None, True
-    return SharedFlights(redis.client, prefix=d.key_prefix, lease_ms=d.lease_ms,
-                         stream_maxlen=d.stream_maxlen,
-                         join_timeout=config.coalesce.join_timeout_ms / 1000,
-                         linger_ms=config.coalesce.window_ms, socket_timeout=d.timeout,
-                         health=health, owns_client=owned)
-
-
-def build_idempotency(config: Config) -> IdempotencyRecords:
-    """Idempotency records: in process, or shared through Redis with an in-process fallback."""
-    local = MemoryIdempotencyRecords(config.idempotency.retention,
-                                     config.limits.upstream_timeout + 60)
-    if not config.redis:
-        return local
-    d = config.distributed
-    return FallbackRecords(RedisIdempotencyRecords(
-        config.redis, retention=config.idempotency.retention,
-        processing_ttl=config.limits.upstream_timeout + 60, prefix=d.key_prefix,
-        socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
-
-
-def build_semantic(config: Config, upstreams: Sequence[Upstream],
-                   store: Store | None = None) -> SemanticCache | None:
-    """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
-    with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
-    shared with every instance (``semantic/shared.py``)."""
-    if not config.semantic.enabled:
-        return None
-    embedder = _embedder(config, upstreams)
-    if not config.redis or store is None:
-        from .semantic.cache import SemanticCache
-        return SemanticCache(config.semantic, embedder)
-    from .semantic.shared import SharedSemanticCache
-    from .store.redis import RedisStore
-    from .store.shared import SharedStore
-
-    d = config.distributed
-    if isinstance(store, SharedStore):
-        redis, health, owned = store.redis, store, False
-    else:
-        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                           connect_timeout=d.connect_timeout)
-        health, owned = None, True
-    shared_store = store
-
-    async def resolve(key: str) -> Answer | None:
-        entry = await shared_store.get(key)
-        if entry is None and health is not None and not health.usable():
-            from .store.base import StoreUnavailable
-            raise StoreUnavailable("redis degraded: another instance's answer is unknown")
-        return entry.answer if entry is not None else None
-
-    return SharedSemanticCache(config.semantic, embedder, resolve, redis.client,
-                               prefix=d.key_prefix, maxlen=d.stream_maxlen,
-                               socket_timeout=d.timeout, retry_interval=d.retry_interval,
-                               health=health, owns_client=owned)
-
-
-def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
-    from .semantic.embed import LocalEmbedder, UpstreamEmbedder
-
-    s = config.semantic
-    if s.embedder == "local":
-        return LocalEmbedder(max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
-    replicas = itertools.cycle(upstreams).__next__
-
-    async def embeddings(texts: list[str]) -> list[list[float]]:
-        response = await replicas().send(UpstreamRequest(
-            "/embeddings", {"model": s.embedding_model, "input": texts}, {}, False))
-        if response.status != 200:
-            raise UpstreamStatusError(response.status, response.body)
-        data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
-        return [item["embedding"] for item in data]
-
-    return UpstreamEmbedder(embeddings, s.embedding_dim, name=f"upstream:{s.embedding_model}",
-                            max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
 
 
 def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:

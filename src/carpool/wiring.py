@@ -1,0 +1,145 @@
+"""Each layer of the gateway built from the one config: what ``Gateway.__init__`` assembles.
+
+Contract: every function here only constructs (no I/O, nothing started); a layer whose config is
+off is ``None``; optional layers import their dependencies (the ``semantic`` and ``redis``
+extras) only when they are on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .answer import Answer
+from .config import CoalesceConfig, Config
+from .errors import UpstreamStatusError
+from .idempotency import (
+    FallbackRecords,
+    IdempotencyRecords,
+    MemoryIdempotencyRecords,
+    RedisIdempotencyRecords,
+)
+from .store import MemoryStore, Store
+from .upstream.base import Upstream, UpstreamRequest
+from .window import AdaptiveWindow, FixedWindow, WindowPolicy
+
+if TYPE_CHECKING:
+    from .flight_shared import SharedFlights
+    from .semantic.cache import SemanticCache
+
+
+def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
+    if coalesce.adaptive:
+        return AdaptiveWindow(coalesce.window_ms / 1000, coalesce.min_window_ms / 1000,
+                              coalesce.max_window_ms / 1000, coalesce.adaptive_tradeoff,
+                              coalesce.adaptive_keys)
+    return FixedWindow(coalesce.window_ms / 1000)
+
+
+def build_store(config: Config) -> Store:
+    """The in-process exact cache, or (with ``redis``) the shared one that degrades to it."""
+    local = MemoryStore(config.cache.max_bytes)
+    if not config.redis:
+        return local
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
+
+    d = config.distributed
+    return SharedStore(RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                                  connect_timeout=d.connect_timeout),
+                       local, retry_interval=d.retry_interval, log_interval=d.log_interval)
+
+
+def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
+    """Cross-instance flights (with ``redis``), on the shared store's client when there is one."""
+    d = config.distributed
+    if not config.redis or not d.shared_flights:
+        return None
+    from .flight_shared import SharedFlights
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
+
+    if isinstance(store, SharedStore):
+        redis, health, owned = store.redis, store, False
+    else:
+        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                           connect_timeout=d.connect_timeout)
+        health, owned = None, True
+    return SharedFlights(redis.client, prefix=d.key_prefix, lease_ms=d.lease_ms,
+                         stream_maxlen=d.stream_maxlen,
+                         join_timeout=config.coalesce.join_timeout_ms / 1000,
+                         linger_ms=config.coalesce.window_ms, socket_timeout=d.timeout,
+                         health=health, owns_client=owned)
+
+
+def build_idempotency(config: Config) -> IdempotencyRecords:
+    """Idempotency records: in process, or shared through Redis with an in-process fallback."""
+    local = MemoryIdempotencyRecords(config.idempotency.retention,
+                                     config.limits.upstream_timeout + 60)
+    if not config.redis:
+        return local
+    d = config.distributed
+    return FallbackRecords(RedisIdempotencyRecords(
+        config.redis, retention=config.idempotency.retention,
+        processing_ttl=config.limits.upstream_timeout + 60, prefix=d.key_prefix,
+        socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
+
+
+def build_semantic(config: Config, upstreams: Sequence[Upstream],
+                   store: Store | None = None) -> SemanticCache | None:
+    """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
+    with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
+    shared with every instance (``semantic/shared.py``)."""
+    if not config.semantic.enabled:
+        return None
+    embedder = _embedder(config, upstreams)
+    if not config.redis or store is None:
+        from .semantic.cache import SemanticCache
+        return SemanticCache(config.semantic, embedder)
+    from .semantic.shared import SharedSemanticCache
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
+
+    d = config.distributed
+    if isinstance(store, SharedStore):
+        redis, health, owned = store.redis, store, False
+    else:
+        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                           connect_timeout=d.connect_timeout)
+        health, owned = None, True
+    shared_store = store
+
+    async def resolve(key: str) -> Answer | None:
+        entry = await shared_store.get(key)
+        if entry is None and health is not None and not health.usable():
+            from .store.base import StoreUnavailable
+            raise StoreUnavailable("redis degraded: another instance's answer is unknown")
+        return entry.answer if entry is not None else None
+
+    return SharedSemanticCache(config.semantic, embedder, resolve, redis.client,
+                               prefix=d.key_prefix, maxlen=d.stream_maxlen,
+                               socket_timeout=d.timeout, retry_interval=d.retry_interval,
+                               health=health, owns_client=owned)
+
+
+def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
+    from .semantic.embed import LocalEmbedder, UpstreamEmbedder
+
+    s = config.semantic
+    if s.embedder == "local":
+        return LocalEmbedder(max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
+    replicas = itertools.cycle(upstreams).__next__
+
+    async def embeddings(texts: list[str]) -> list[list[float]]:
+        response = await replicas().send(UpstreamRequest(
+            "/embeddings", {"model": s.embedding_model, "input": texts}, {}, False))
+        if response.status != 200:
+            raise UpstreamStatusError(response.status, response.body)
+        data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
+        return [item["embedding"] for item in data]
+
+    return UpstreamEmbedder(embeddings, s.embedding_dim, name=f"upstream:{s.embedding_model}",
+                            max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
