@@ -137,14 +137,61 @@ class IdempotencyConfig(_Section):
 
 
 class RoutingConfig(_Section):
+    """Routing of misses across replicas and replica health (carpool.routing)."""
+
     policy: Literal["cache-aware", "round-robin", "least-loaded"] = Field(
-        "cache-aware", description="How a miss picks an upstream replica (round-robin is used "
-        "until the other policies land).")
+        "cache-aware", description="How a miss picks an upstream replica when there are several: "
+        "cache-aware (the replica that already holds the prompt's prefix in its KV cache, unless "
+        "load is imbalanced), round-robin, least-loaded (fewest calls in flight).")
+    cache_threshold: float = Field(
+        0.5, ge=0, le=1,
+        description="cache-aware: the least match rate (prefix characters already sent to a "
+        "replica / prompt characters) that routes by affinity; below it the request goes to the "
+        "least-loaded replica. Lower: more affinity, also for weak matches, at the cost of "
+        "balance; higher: only long shared prefixes (system prompts, documents) pin a replica. "
+        "0.5: a shared prefix must be at least half the prompt to be worth a busier replica.")
+    balance_abs_threshold: int = Field(
+        32, ge=0,
+        description="cache-aware: load is imbalanced (affinity overruled, least-loaded used) only "
+        "when the busiest replica has more than this many requests in flight more than the "
+        "least busy one (and balance_rel_threshold holds too). Lower: tighter balance, more "
+        "prefix recomputation; higher: more cache hits, longer queues on hot replicas. 32: about "
+        "one engine batch of headroom, as in SGLang's router.")
+    balance_rel_threshold: float = Field(
+        1.5, ge=1,
+        description="cache-aware: ... and when the busiest replica's in-flight count is above this "
+        "multiple of the least busy one's. Guards against reacting to absolute gaps that are "
+        "small relative to a high overall load. 1.5: SGLang's router default.")
+    tree_budget_chars: int = Field(
+        2_000_000, gt=0,
+        description="cache-aware: prompt characters remembered per replica; the least recently "
+        "sent prefixes are evicted beyond it. Should approximate the engine's KV-cache capacity "
+        "(~4 characters a token): too high and the router believes in prefixes the engine has "
+        "already evicted; too low and it forgets ones the engine still holds. Memory: about 100 "
+        "bytes per block_chars characters. 2,000,000: ~500k tokens, one large engine's KV cache.")
+    block_chars: int = Field(
+        64, ge=1,
+        description="cache-aware: prefix granularity; prompts are matched in whole blocks of this "
+        "many characters (a partial last block never matches). Smaller: finer matches, more "
+        "memory and hashing; larger: cheaper, coarser. 64: ~16 tokens, vLLM's KV block size.")
+    backoff_s: float = Field(
+        5.0, gt=0,
+        description="Seconds a replica is left out after a connection failure, timeout or 5xx; "
+        "doubled on each further consecutive failure up to backoff_max_s. Shorter: a recovered "
+        "replica rejoins sooner, a dead one costs more failed probes (each retried once on "
+        "another replica, so only latency).")
+    backoff_max_s: float = Field(
+        60.0, gt=0,
+        description="The longest back-off after repeated failures: how long a replica that keeps "
+        "failing waits between probes. 60: a dead replica costs at most one probe a minute.")
 
 
 class BatchingConfig(_Section):
-    max_batch_size: int = Field(32, ge=1, description="Most items merged into one upstream call.")
+    max_batch_size: int = Field(32, ge=1, description="Most distinct items merged into one "
+                                "upstream /v1/embeddings call (identical items take one slot).")
     max_batch_delay_ms: float = Field(5, ge=0, description="Longest wait for a batch to fill.")
+    max_batch_tokens: int = Field(8192, ge=1, description="Token budget of one batch "
+                                  "(approximated as characters / 4).")
 
 
 class LimitsConfig(_Section):
@@ -205,6 +252,11 @@ class SimConfig(_Section):
                                      "in its simulated KV (prefix) cache, LRU by block.")
     block_tokens: int = Field(16, ge=1, description="Prefix-cache block size in tokens.")
     embedding_dim: int = Field(64, ge=1, description="Length of the simulated embedding vectors.")
+    embedding_call_ms: float = Field(2.0, ge=0, description="Fixed cost of one embeddings "
+                                     "forward pass (ms); its items are computed together, "
+                                     "padded to the longest, at prefill_ms_per_token.")
+    embedding_concurrency: int = Field(1, ge=1, description="Embeddings forward passes run at "
+                                       "once per replica; more calls queue.")
 
 
 class Config(_Section):

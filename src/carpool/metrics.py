@@ -34,6 +34,7 @@ class Stats:
         self.upstream_errors = 0
         self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
         self.tokens_saved = 0
+        self.routing: Counter[str] = Counter()                    # routing decision -> calls
 
     def count(self, route: str, outcome: Outcome) -> None:
         self.outcomes[outcome] += 1
@@ -78,6 +79,12 @@ class _StatsCollector(Collector):
         yield upstream
         yield CounterMetricFamily("carpool_upstream_errors", "Upstream calls that failed.",
                                   value=s.upstream_errors)
+        routing = CounterMetricFamily("carpool_routing_decisions", "Upstream calls by routing "
+                                      "decision (prefix_match, least_loaded, failover...).",
+                                      labels=["decision"])
+        for decision, n in sorted(s.routing.items()):
+            routing.add_metric([decision], n)
+        yield routing
         yield CounterMetricFamily("carpool_tokens_saved", "Prompt + completion tokens not "
                                   "recomputed thanks to hits and coalescing.", value=s.tokens_saved)
         g = self.gauges()
@@ -111,6 +118,9 @@ class Metrics:
                                   "Time from request to the last byte of the answer, by outcome.",
                                   ["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
         self._observe = {o: self.duration.labels(o.value).observe for o in Outcome}
+        self.batch_wait = Histogram("carpool_batch_wait_seconds", "Time an embeddings request "
+                                    "waited in the batch buffer.", buckets=DURATION_BUCKETS,
+                                    registry=self.registry)
 
     def observe(self, outcome: Outcome, seconds: float) -> None:
         self._observe[outcome](seconds)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from urllib.parse import quote
 import orjson
 
 from .answer import Answer
+from .batching import EmbeddingBatcher
 from .broadcast import Broadcast
 from .config import Config
 from .errors import (
@@ -63,6 +63,7 @@ from .store import Entry, Store
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 from .wiring import (
     build_idempotency,
+    build_replicas,
     build_semantic,
     build_shared_flights,
     build_store,
@@ -118,8 +119,14 @@ class Gateway:
                                    finish_abandoned=coalesce.finish_abandoned)
         self.stats = Stats()
         self.metrics = Metrics(self.stats, self.gauges)
-        self.load: dict[str, int] = {u.name: 0 for u in self.upstreams}
-        self._next_replica = itertools.cycle(self.upstreams).__next__
+        self.replicas = build_replicas(self.config, self.upstreams, self._observe_attempt)
+        # Single embeddings are merged into list calls; identical ones were coalesced before.
+        self.batcher = EmbeddingBatcher(
+            lambda upstream_request: self._call(upstream_request, ""),
+            max_batch_size=self.config.batching.max_batch_size,
+            max_batch_delay_s=self.config.batching.max_batch_delay_ms / 1000,
+            max_batch_tokens=self.config.batching.max_batch_tokens,
+            observe_wait=self.metrics.batch_wait.observe)
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
             build_semantic(self.config, self.upstreams, self.store)
@@ -319,8 +326,12 @@ class Gateway:
             options = body.get("stream_options")
             body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
                                                "include_usage": True}}
-        response = await self._call(UpstreamRequest(request.upstream_path, body, request.headers,
-                                                    request.stream))
+        upstream_request = UpstreamRequest(request.upstream_path, body, request.headers,
+                                           request.stream)
+        if request.kind == "embedding":
+            response = await self.batcher.embed(upstream_request)
+        else:
+            response = await self._call(upstream_request, _routing_text(request))
         try:
             if not 200 <= response.status < 300:
                 raise UpstreamStatusError(response.status, response.body,
@@ -360,7 +371,8 @@ class Gateway:
         header = Outcome.BYPASS.header
         try:
             response = await self._call(UpstreamRequest(request.upstream_path, request.body,
-                                                        request.headers, request.stream))
+                                                        request.headers, request.stream),
+                                        _routing_text(request))
         except CarpoolError as error:
             return _error_reply(error, Outcome.BYPASS)
         if response.streaming:
@@ -370,22 +382,18 @@ class Gateway:
         return Reply(response.status, [(b"content-type", ctype), header], response.body,
                      outcome=Outcome.BYPASS)
 
-    async def _call(self, upstream_request: UpstreamRequest) -> UpstreamResponse:
-        replica = self._next_replica()
+    async def _call(self, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
+        """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
         self.stats.upstream_calls += 1
-        self.load[replica.name] += 1
-        try:
-            response = await replica.send(upstream_request)
-        except CarpoolError as error:
-            self.stats.upstream_errors += 1
-            self.stats.upstream_status[(replica.name, str(error.status))] += 1
-            raise
-        finally:
-            self.load[replica.name] -= 1
-        self.stats.upstream_status[(replica.name, str(response.status))] += 1
-        if response.status >= 400:
-            self.stats.upstream_errors += 1
+        response, _, decision = await self.replicas.send(upstream_request, text)
+        self.stats.routing[decision.value] += 1
         return response
+
+    def _observe_attempt(self, replica: Any, status: int, decision: Any) -> None:
+        """Every attempt on a replica (failed-over ones too), for /stats and /metrics."""
+        self.stats.upstream_status[(replica.name, str(status))] += 1
+        if status >= 400:
+            self.stats.upstream_errors += 1
 
     def _served(self, route: str, outcome: Outcome, answer: Answer, request: Request,
                 extra: Sequence[tuple[bytes, bytes]] = ()) -> Reply:
@@ -422,7 +430,8 @@ class Gateway:
     async def passthrough(self, method: str, path: str, query: bytes,
                           headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached."""
-        return await self._next_replica().passthrough(method, path, query, headers, body)
+        replica, _ = self.replicas.choose("")
+        return await replica.upstream.passthrough(method, path, query, headers, body)
 
     async def invalidate(self, spec: Any) -> int:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``."""
@@ -455,7 +464,7 @@ class Gateway:
             "layers": {"exact": {"entries": self.store.entries, "bytes": self.store.bytes},
                        **({"semantic": {"entries": self.semantic.entries,
                                         "bytes": self.semantic.bytes}} if self.semantic else {})},
-            "replicas": dict(self.load),
+            "replicas": {name: r["in_flight"] for name, r in self.replicas.snapshot().items()},
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -463,7 +472,8 @@ class Gateway:
         g = self.gauges()
         return {**self.stats.snapshot(), "flights": g["flights"], "waiters": g["waiters"],
                 "layers": g["layers"],
-                "replicas": {name: {"in_flight": n} for name, n in g["replicas"].items()},
+                "replicas": self.replicas.snapshot(), "routing": dict(self.stats.routing),
+                "batching": self.batcher.stats(),
                 "redis": self.redis_health()}
 
     def redis_health(self) -> dict[str, Any]:
@@ -600,6 +610,16 @@ def _error_reply(error: CarpoolError, outcome: Outcome | None) -> Reply:
     if outcome is not None:
         headers.append(outcome.header)
     return Reply(error.status, headers, error.body(), outcome=outcome)
+
+
+def _routing_text(request: Request) -> str:
+    """The prompt as the engine sees it, system prompt first: what its prefix cache holds."""
+    body = request.body
+    if request.kind == "chat":
+        return "\n".join(m["content"] for m in body["messages"]
+                         if isinstance(m.get("content"), str))
+    value = body.get("prompt" if request.kind == "completion" else "input")
+    return value if isinstance(value, str) else ""
 
 
 def _prompt_prefix(request: Request) -> str:

@@ -28,6 +28,7 @@ from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
     from .flight_shared import SharedFlights
+    from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
 
 
@@ -143,3 +144,15 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
 
     return UpstreamEmbedder(embeddings, s.embedding_dim, name=f"upstream:{s.embedding_model}",
                             max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
+
+
+def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) -> ReplicaSet:
+    """The replicas with their routing policy (cache-aware by default with several) and health."""
+    from .routing import build_policy
+    from .routing.replicas import ReplicaSet
+
+    routing = config.routing
+    policy = build_policy(routing.policy if len(upstreams) > 1 else "round-robin",
+                          **routing.model_dump())
+    return ReplicaSet(upstreams, policy, backoff_s=routing.backoff_s,
+                      backoff_max_s=routing.backoff_max_s, observe=observe)

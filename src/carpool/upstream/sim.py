@@ -384,6 +384,7 @@ class SimReplica:
         self.config = config or SimConfig()
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.block_tokens)
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        self._embedding_passes = asyncio.Semaphore(self.config.embedding_concurrency)
         self._sleep = sleep      # injectable so tests can observe the pacing without wall clocks
         self._clock = clock
         self.calls: dict[str, int] = {}
@@ -468,11 +469,13 @@ class SimReplica:
     # -- the cost model
 
     @asynccontextmanager
-    async def _slot(self, arrived: float) -> AsyncIterator[None]:
+    async def _slot(self, arrived: float, slots: asyncio.Semaphore | None = None
+                    ) -> AsyncIterator[None]:
         """Hold one of ``max_concurrency`` slots; the time spent waiting for it is queue wait."""
+        slots = slots or self._slots
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            await slots.acquire()
         finally:
             self.waiting -= 1
         started = self._clock()
@@ -484,7 +487,7 @@ class SimReplica:
         finally:
             self.in_flight -= 1
             self.busy_seconds += self._clock() - started
-            self._slots.release()
+            slots.release()
 
     async def _prefill(self, prompts: list[list[str]]) -> int:
         """Sleep for the prompt tokens not in the prefix cache, then cache them; returns hits."""
@@ -548,12 +551,16 @@ class SimReplica:
             raise RequestError("'encoding_format' must be 'float' or 'base64'",
                                param="encoding_format")
         dim = body.get("dimensions") or self.config.embedding_dim
-        tokens = sum(len(input_tokens(item)) for item in items)
+        lengths = [len(input_tokens(item)) for item in items]
+        tokens = sum(lengths)
         arrived = self._clock()
-        async with self._slot(arrived):
-            # Embedding models share no KV cache with chat: every token is prefilled.
+        async with self._slot(arrived, self._embedding_passes):
+            # One forward pass computes every item of a call together (padded to the longest),
+            # as an embedding server on a GPU does: a fixed cost per pass, then the longest item.
+            # So a batch of items costs about what one item does: what makes batching pay.
             self.prompt_tokens += tokens
-            await self._sleep(tokens * self.config.prefill_ms_per_token / 1000)
+            await self._sleep((self.config.embedding_call_ms
+                               + max(lengths) * self.config.prefill_ms_per_token) / 1000)
             self._first_token(arrived)
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL_ID
         data = []

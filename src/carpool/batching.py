@@ -1,0 +1,454 @@
+"""Dynamic batching with dedup: many concurrent single-item requests become one upstream call.
+
+Contract
+--------
+:class:`KeyedBatcher` is the generic scheduler (it does not know about HTTP or embeddings):
+
+- ``await submit(group, key, item, cost=1) -> result``. Items of the same ``group`` (any hashable:
+  everything that must be equal for two items to share a call) that arrive within
+  ``max_batch_delay_s`` of the first one waiting are passed together to
+  ``compute(group, items) -> results`` (one result per item, same order). ``key`` identifies the
+  item: submits with an equal ``key`` in the same group take *one* slot and share its result, and
+  so does a submit whose item is already in a batch that was sent and is not finished yet
+  (``join_running``). Every caller gets the result of its own item.
+- A batch is closed and sent when it holds ``max_batch_size`` distinct items, when adding an item
+  would take its ``cost`` over ``max_batch_cost`` (the waiting batch leaves and the item starts
+  the next; an item dearer than the budget goes alone), when its cost reaches the budget, or
+  ``max_batch_delay_s`` after its first item arrived (0: on the next turn of the event loop).
+  With ``max_in_flight`` set, at most that many batches run at once; closed batches queue (FIFO)
+  and leave as running ones finish.
+- If ``compute`` raises (or returns the wrong number of results), every caller of that batch gets
+  the exception. A cancelled caller never cancels the batch for the others; an item whose every
+  caller left before its batch was sent is dropped from it.
+- ``observe_wait(seconds)`` (optional) is called exactly once per ``submit``: the time it waited in
+  the buffer before its batch was sent (0 when it joined a running batch; up to its cancellation
+  for a caller that left before).
+- Counters: ``batches`` (calls to ``compute``), ``items_sent`` (distinct items in them),
+  ``requests`` (``submit`` calls), ``max_items_seen`` (largest batch).
+- One batcher serves one event loop.
+
+``semantic.embed._MicroBatcher`` is this scheduler with a single group, ``key = item = text``,
+``cost = 1`` and ``max_in_flight`` set; it could be replaced by it (left as it is for now).
+
+:class:`EmbeddingBatcher` uses it for the gateway's ``/embeddings``:
+
+- ``await embed(request) -> UpstreamResponse``. A request is *batchable* when it is a non-stream
+  POST to ``/embeddings`` whose JSON body has a ``model`` string and an ``input`` that is a single
+  non-empty string or a single non-empty list of token ids. Anything else (a list of inputs, a
+  stream, an unknown shape) goes straight to ``send`` unchanged and is counted in ``bypassed``.
+- Batch-compatible means: same path, same body apart from ``input`` and ``user`` (so the same
+  ``model``, ``dimensions``, ``encoding_format``...), and the same values of the identity headers
+  (``key_headers``: ``authorization``, ``api-key``, ``x-api-key``, ``openai-organization``,
+  ``openai-project``), so tenants' credentials are never mixed. The merged call carries that
+  body with a list ``input`` (its ``user`` dropped, as callers may differ) and only those
+  identity headers. The token budget (``max_batch_tokens``) counts approximate tokens: a string's
+  characters / 4 (rounded up, at least 1), a token list's length.
+- Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
+  send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
+  "model": ..., "usage": {"prompt_tokens", "total_tokens"}}``, the upstream's usage apportioned
+  to the distinct items in proportion to their approximate tokens (integer shares by largest
+  remainder, summing to the upstream's figures; a duplicate caller is charged its item's share).
+  Response headers are the upstream's, less framing ones (``content-length``...), with
+  ``content-type: application/json``.
+- A non-2xx upstream answer reaches every caller of the batch as the same status, headers and
+  body; an exception from ``send`` is raised to every caller; a 2xx answer that does not hold one
+  embedding per input is an ``UpstreamError`` (502) for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import orjson
+
+from carpool.errors import UpstreamError
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+
+__all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "approx_tokens"]
+
+I = TypeVar("I")  # noqa: E741 - an item
+R = TypeVar("R")  # a result
+
+DEFAULT_KEY_HEADERS = ("authorization", "api-key", "x-api-key", "openai-organization",
+                       "openai-project")
+_DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding",
+                                       "content-encoding", "connection", "keep-alive"})
+
+
+# ------------------------------------------------------------------------------------------------
+# The generic scheduler
+
+
+class _Entry:
+    """One distinct item of a batch and the callers waiting for it."""
+
+    __slots__ = ("item", "cost", "future", "arrivals", "sent")
+
+    def __init__(self, item: Any, cost: float, future: asyncio.Future[Any]) -> None:
+        self.item = item
+        self.cost = cost
+        self.future = future
+        self.arrivals: list[float] = []     # loop time each still-buffered caller arrived
+        self.sent = False
+
+
+class _Batch:
+    __slots__ = ("group", "entries", "cost", "timer")
+
+    def __init__(self, group: Hashable) -> None:
+        self.group = group
+        self.entries: dict[Hashable, _Entry] = {}
+        self.cost = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class KeyedBatcher(Generic[I, R]):
+    """Coalesces concurrent ``submit`` calls into ``compute(group, items)`` calls; see the module
+    docstring."""
+
+    def __init__(self, compute: Callable[[Any, list[I]], Awaitable[Sequence[R]]], *,
+                 max_batch_size: int, max_batch_delay_s: float,
+                 max_batch_cost: float = math.inf, max_in_flight: int | None = None,
+                 join_running: bool = True,
+                 observe_wait: Callable[[float], None] | None = None) -> None:
+        if max_batch_size < 1 or max_batch_delay_s < 0 or max_batch_cost <= 0 or (
+                max_in_flight is not None and max_in_flight < 1):
+            raise ValueError("max_batch_size and max_in_flight must be >= 1, "
+                             "max_batch_delay_s >= 0 and max_batch_cost > 0")
+        self._compute = compute
+        self.max_batch_size = max_batch_size
+        self.max_batch_delay_s = max_batch_delay_s
+        self.max_batch_cost = max_batch_cost
+        self.max_in_flight = max_in_flight
+        self.join_running = join_running
+        self.observe_wait = observe_wait
+        self._open: dict[Hashable, _Batch] = {}                 # group -> batch still filling
+        self._queued: deque[_Batch] = deque()                   # closed, waiting for a slot
+        self._sent: dict[tuple[Hashable, Hashable], _Entry] = {}  # closed, not finished
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batches = 0
+        self.items_sent = 0
+        self.requests = 0
+        self.max_items_seen = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def submit(self, group: Hashable, key: Hashable, item: I, cost: float = 1.0) -> R:
+        loop = asyncio.get_running_loop()
+        self.requests += 1
+        now = loop.time()
+        if self.join_running:
+            entry = self._sent.get((group, key))
+            if entry is not None:
+                if entry.sent:
+                    self._observe(0.0)
+                    return await asyncio.shield(entry.future)
+                entry.arrivals.append(now)        # closed but queued: still in the buffer
+                return await self._wait(entry, None, now)
+        batch = self._open.get(group)
+        entry = batch.entries.get(key) if batch is not None else None
+        if entry is None:
+            if batch is not None and batch.entries and batch.cost + cost > self.max_batch_cost:
+                self._close(batch)
+                batch = None
+            if batch is None:
+                batch = self._open[group] = _Batch(group)
+            future: asyncio.Future[R] = loop.create_future()
+            future.add_done_callback(_consume)
+            entry = batch.entries[key] = _Entry(item, cost, future)
+            batch.cost += cost
+        entry.arrivals.append(now)
+        if len(batch.entries) >= self.max_batch_size or batch.cost >= self.max_batch_cost:
+            self._close(batch)
+        elif batch.timer is None:
+            batch.timer = loop.call_later(self.max_batch_delay_s, self._close, batch)
+        return await self._wait(entry, batch, now)
+
+    async def _wait(self, entry: _Entry, batch: _Batch | None, arrived: float) -> R:
+        try:
+            # shield: a caller that is cancelled must not cancel the batch its item is in.
+            return await asyncio.shield(entry.future)
+        except asyncio.CancelledError:
+            if not entry.sent and arrived in entry.arrivals:
+                entry.arrivals.remove(arrived)
+                self._observe(asyncio.get_running_loop().time() - arrived)
+                if not entry.arrivals and batch is not None and self._open.get(batch.group) is batch:
+                    self._drop(batch, entry)
+            raise
+
+    def _drop(self, batch: _Batch, entry: _Entry) -> None:
+        """Every caller of an item still in an open batch left: take it out."""
+        for key, candidate in batch.entries.items():
+            if candidate is entry:
+                del batch.entries[key]
+                batch.cost -= entry.cost
+                entry.future.cancel()
+                break
+        if not batch.entries:
+            if batch.timer is not None:
+                batch.timer.cancel()
+            del self._open[batch.group]
+
+    def _close(self, batch: _Batch) -> None:
+        """The batch takes no more items: send it, or queue it while ``max_in_flight`` run."""
+        if batch.timer is not None:
+            batch.timer.cancel()
+            batch.timer = None
+        if self._open.get(batch.group) is not batch:
+            return                                   # already closed (a late timer)
+        del self._open[batch.group]
+        for key, entry in batch.entries.items():
+            self._sent[(batch.group, key)] = entry
+        self._queued.append(batch)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queued and (self.max_in_flight is None or self._in_flight < self.max_in_flight):
+            batch = self._queued.popleft()
+            live = {k: e for k, e in batch.entries.items() if e.arrivals or not e.future.done()}
+            now = loop.time()
+            for entry in live.values():
+                entry.sent = True
+                for arrived in entry.arrivals:
+                    self._observe(now - arrived)
+                entry.arrivals.clear()
+            if not live:
+                continue
+            batch.entries = live
+            self._in_flight += 1
+            task = loop.create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: _Batch) -> None:
+        entries = list(batch.entries.values())
+        self.batches += 1
+        self.items_sent += len(entries)
+        self.max_items_seen = max(self.max_items_seen, len(entries))
+        try:
+            results = await self._compute(batch.group, [entry.item for entry in entries])
+            if len(results) != len(entries):
+                raise ValueError(f"compute returned {len(results)} results for "
+                                 f"{len(entries)} items")
+        except asyncio.CancelledError:
+            for entry in entries:
+                entry.future.cancel()
+            raise
+        except Exception as exc:
+            for entry in entries:
+                if not entry.future.done():
+                    entry.future.set_exception(exc)
+        else:
+            for entry, result in zip(entries, results, strict=True):
+                if not entry.future.done():
+                    entry.future.set_result(result)
+        finally:
+            for key, entry in batch.entries.items():
+                if self._sent.get((batch.group, key)) is entry:
+                    del self._sent[(batch.group, key)]
+            self._in_flight -= 1
+            if self._queued:
+                self._dispatch()
+
+    def _observe(self, seconds: float) -> None:
+        if self.observe_wait is not None:
+            self.observe_wait(max(0.0, seconds))
+
+    async def wait_idle(self) -> None:
+        """Wait until every batch started so far has finished."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Mark a batch future's exception as retrieved, even if every caller was cancelled."""
+    if not future.cancelled():
+        future.exception()
+
+
+# ------------------------------------------------------------------------------------------------
+# /embeddings
+
+
+class _BatchFailed(Exception):
+    """The upstream answered the merged call with a non-2xx status: every caller gets it."""
+
+    def __init__(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.headers = dict(headers)
+        self.body = body
+
+
+def approx_tokens(item: str | Sequence[int]) -> int:
+    """Approximate tokens of one input: characters / 4 (at least 1) or a token list's length."""
+    if isinstance(item, str):
+        return max(1, math.ceil(len(item) / 4))
+    return max(1, len(item))
+
+
+def _single_item(value: Any) -> str | tuple[int, ...] | None:
+    if isinstance(value, str):
+        return value if value else None
+    if isinstance(value, list) and value and all(
+            type(token) is int for token in value):
+        return tuple(value)
+    return None
+
+
+def _apportion(total: int, weights: Sequence[int]) -> list[int]:
+    """Integer shares of ``total`` in proportion to ``weights`` (largest remainder)."""
+    weight_sum = sum(weights)
+    if weight_sum <= 0:
+        return [0] * len(weights)
+    exact = [total * w / weight_sum for w in weights]
+    shares = [math.floor(x) for x in exact]
+    left = total - sum(shares)
+    for i in sorted(range(len(weights)), key=lambda i: shares[i] - exact[i])[:left]:
+        shares[i] += 1
+    return shares
+
+
+class EmbeddingBatcher:
+    """Dynamic batching with dedup for ``/embeddings``; see the module docstring."""
+
+    def __init__(self, send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]], *,
+                 max_batch_size: int = 32, max_batch_delay_s: float = 0.005,
+                 max_batch_tokens: int = 8192,
+                 observe_wait: Callable[[float], None] | None = None,
+                 max_in_flight: int | None = None,
+                 key_headers: Iterable[str] = DEFAULT_KEY_HEADERS) -> None:
+        self._send = send
+        self.key_headers = tuple(name.lower() for name in key_headers)
+        self.bypassed = 0
+        self._core: KeyedBatcher[str | tuple[int, ...], tuple[bytes, dict[str, str]]] = \
+            KeyedBatcher(self._compute, max_batch_size=max_batch_size,
+                         max_batch_delay_s=max_batch_delay_s, max_batch_cost=max_batch_tokens,
+                         max_in_flight=max_in_flight, observe_wait=observe_wait)
+
+    @classmethod
+    def from_config(cls, send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+                    config: Any, *, max_batch_tokens: int = 8192,
+                    observe_wait: Callable[[float], None] | None = None) -> EmbeddingBatcher:
+        """From a ``BatchingConfig`` (``max_batch_size``, ``max_batch_delay_ms``)."""
+        return cls(send, max_batch_size=config.max_batch_size,
+                   max_batch_delay_s=config.max_batch_delay_ms / 1000,
+                   max_batch_tokens=getattr(config, "max_batch_tokens", max_batch_tokens),
+                   observe_wait=observe_wait)
+
+    # counters of the scheduler
+    @property
+    def batches(self) -> int:
+        return self._core.batches
+
+    @property
+    def items_sent(self) -> int:
+        return self._core.items_sent
+
+    @property
+    def requests(self) -> int:
+        return self._core.requests
+
+    @property
+    def max_items_seen(self) -> int:
+        return self._core.max_items_seen
+
+    def stats(self) -> dict[str, int]:
+        return {"batches": self.batches, "items_sent": self.items_sent,
+                "requests": self.requests, "max_items_seen": self.max_items_seen,
+                "bypassed": self.bypassed}
+
+    async def wait_idle(self) -> None:
+        await self._core.wait_idle()
+
+    def _plan(self, request: UpstreamRequest) -> tuple[Hashable, str | tuple[int, ...]] | None:
+        """(group, item) of a batchable request, else None."""
+        path = "/" + request.path.lstrip("/")
+        if path.startswith("/v1/"):
+            path = path[3:]
+        body = request.body
+        if request.stream or path != "/embeddings" or not isinstance(body, Mapping):
+            return None
+        if body.get("stream") or not isinstance(body.get("model"), str):
+            return None
+        item = _single_item(body.get("input"))
+        if item is None:
+            return None
+        rest = {k: v for k, v in body.items() if k not in ("input", "user")}
+        try:
+            template = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            return None
+        lowered = {k.lower(): v for k, v in request.headers.items()}
+        identity = tuple((name, lowered[name]) for name in self.key_headers if name in lowered)
+        return (path, identity, template), item
+
+    async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
+        plan = self._plan(request)
+        if plan is None:
+            self.bypassed += 1
+            return await self._send(request)
+        group, item = plan
+        key = (type(item).__name__, item)
+        try:
+            body, headers = await self._core.submit(group, key, item, approx_tokens(item))
+        except _BatchFailed as failed:
+            return UpstreamResponse(failed.status, failed.headers, failed.body)
+        return UpstreamResponse(200, headers, body)
+
+    async def _compute(self, group: Any, items: list[str | tuple[int, ...]]
+                       ) -> list[tuple[bytes, dict[str, str]]]:
+        path, identity, template = group
+        body = orjson.loads(template)
+        body["input"] = [item if isinstance(item, str) else list(item) for item in items]
+        response = await self._send(UpstreamRequest(path, body, dict(identity), False))
+        try:
+            if response.streaming:
+                raise UpstreamError("the upstream answered an embeddings call with a stream")
+            if not 200 <= response.status < 300:
+                raise _BatchFailed(response.status, response.headers, response.body)
+            return self._split(response, items, body["model"])
+        finally:
+            await response.aclose()
+
+    @staticmethod
+    def _split(response: UpstreamResponse, items: list[str | tuple[int, ...]],
+               model: str) -> list[tuple[bytes, dict[str, str]]]:
+        try:
+            parsed = orjson.loads(response.body)
+            data = sorted(parsed["data"], key=lambda row: row["index"])
+            embeddings = [row["embedding"] for row in data]
+            if [row["index"] for row in data] != list(range(len(items))):
+                raise ValueError("indexes")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise UpstreamError(f"the upstream's embeddings answer for {len(items)} inputs is "
+                                "malformed") from exc
+        weights = [approx_tokens(item) for item in items]
+        usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
+        prompt = usage.get("prompt_tokens")
+        prompt = prompt if type(prompt) is int and prompt >= 0 else sum(weights)
+        total = usage.get("total_tokens")
+        total = total if type(total) is int and total >= 0 else prompt
+        prompt_shares = _apportion(prompt, weights)
+        total_shares = _apportion(total, weights)
+        model_name = parsed.get("model") if isinstance(parsed.get("model"), str) else model
+        headers = {k: v for k, v in response.headers.items()
+                   if k.lower() not in _DROPPED_RESPONSE_HEADERS}
+        headers["content-type"] = "application/json"
+        out = []
+        for embedding, p, t in zip(embeddings, prompt_shares, total_shares, strict=True):
+            out.append((orjson.dumps({
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
+                "model": model_name,
+                "usage": {"prompt_tokens": p, "total_tokens": t},
+            }), headers))
+        return out

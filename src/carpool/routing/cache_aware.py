@@ -1,0 +1,149 @@
+"""``cache-aware``: send a prompt where its prefix was sent before, unless that unbalances the load.
+
+vLLM and SGLang reuse the KV cache of a prefix only on the replica that computed it, so a request
+whose system prompt / document / few-shot block went to replica A before is cheaper on A. Like
+SGLang's router, this policy keeps an *approximate* record of the prompt text sent to each replica
+and decides per request:
+
+1. load imbalanced (``max - min > balance_abs_threshold`` AND ``max > balance_rel_threshold *
+   min``, in-flight counts over the eligible replicas)  ->  the least-loaded replica
+   (``Decision.IMBALANCED`` if that overrules a prefix match);
+2. best match rate (matched characters / prompt characters) ``>= cache_threshold``  ->  the
+   best-matching replica (``Decision.PREFIX_MATCH``; ties: least loaded);
+3. otherwise  ->  the least-loaded replica (``Decision.LEAST_LOADED``; ties: the replica that
+   remembers the fewest characters, i.e. has the most cache room, then fewest calls: a new
+   prefix goes where it displaces least, which also spreads distinct prefixes over replicas).
+
+The record is a **hashed-block chain** rather than a character trie: a prompt is cut into blocks
+of ``block_chars`` characters and block *i* is keyed by ``hash((key of block i-1, text of block
+i))``, so a key names a whole prefix (as vLLM's block hashes do). A replica's record is an LRU
+of such keys; a shared index maps each key to the replicas that hold it. Matching walks the
+prompt's keys once, narrowing the set of replicas holding every key so far; the set that
+survives deepest is the best match. Costs: O(len(text) / block_chars) per request, ~100 bytes
+per remembered block. Approximations: matches are whole blocks (a partial last block never
+matches, so prompts shorter than a block never match); hash collisions (64-bit) are ignored;
+and the engine's real cache may hold more or less than the record (``tree_budget_chars`` should
+approximate its KV capacity).
+
+Eviction keeps each replica's record prefix-closed: when a prompt is recorded its keys are
+touched from the deepest block to the first, so a block is always more recently used than every
+block below it and LRU eviction (per replica, beyond ``tree_budget_chars``) removes leaves first:
+deep, rarely shared tails go before the shared system prompt they hang off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from carpool.routing import Decision, RoutingPolicy
+from carpool.routing.replicas import ReplicaState
+
+_ROOT = 0x6361727030306C  # the key "before" the first block
+
+
+class PrefixRecord:
+    """The approximate prefix tree: per-replica LRU of block-chain keys plus a shared index."""
+
+    def __init__(self, budget_chars: int = 2_000_000, block_chars: int = 64) -> None:
+        if block_chars < 1 or budget_chars < 1:
+            raise ValueError("budget_chars and block_chars must be positive")
+        self.block_chars = block_chars
+        self.budget_blocks = max(1, budget_chars // block_chars)
+        self._lru: dict[str, OrderedDict[int, None]] = {}  # replica -> keys, oldest first
+        self._index: dict[int, set[str]] = {}               # key -> replicas holding it
+
+    def keys(self, text: str) -> list[int]:
+        """The chain keys of ``text``'s whole blocks, first block first."""
+        size, key, out = self.block_chars, _ROOT, []
+        for start in range(0, len(text) - size + 1, size):
+            key = hash((key, text[start:start + size]))
+            out.append(key)
+        return out
+
+    def match(self, text: str, names: Sequence[str] | None = None) -> tuple[int, set[str]]:
+        """(matched characters, the replicas among ``names`` matching that many): the best match."""
+        alive = set(names) if names is not None else set(self._lru)
+        best: set[str] = set()
+        depth = 0
+        for key in self.keys(text):
+            holders = self._index.get(key)
+            if not holders:
+                break
+            alive &= holders
+            if not alive:
+                break
+            best, depth = set(alive), depth + 1
+        return depth * self.block_chars, best
+
+    def insert(self, text: str, replica: str) -> None:
+        """Record that ``text`` was sent to ``replica`` (touching its prefix), then evict."""
+        lru = self._lru.setdefault(replica, OrderedDict())
+        for key in reversed(self.keys(text)):       # deepest first: prefixes end up most recent
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                self._index.setdefault(key, set()).add(replica)
+        while len(lru) > self.budget_blocks:
+            key, _ = lru.popitem(last=False)
+            holders = self._index[key]
+            holders.discard(replica)
+            if not holders:
+                del self._index[key]
+
+    def forget(self, replica: str) -> None:
+        """Drop everything recorded for ``replica`` (e.g. it restarted with an empty cache)."""
+        for key in self._lru.pop(replica, ()):
+            holders = self._index[key]
+            holders.discard(replica)
+            if not holders:
+                del self._index[key]
+
+    def size_chars(self, replica: str) -> int:
+        """Characters remembered for ``replica``."""
+        lru = self._lru.get(replica)
+        return len(lru) * self.block_chars if lru else 0
+
+    def holds(self, text: str, replica: str) -> int:
+        """Characters of ``text``'s prefix recorded for ``replica``."""
+        return self.match(text, [replica])[0]
+
+
+class CacheAware(RoutingPolicy):
+    name = "cache-aware"
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+                 balance_rel_threshold: float = 1.5, tree_budget_chars: int = 2_000_000,
+                 block_chars: int = 64) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.record = PrefixRecord(tree_budget_chars, block_chars)
+
+    def imbalanced(self, replicas: Sequence[ReplicaState]) -> bool:
+        """SGLang's rule: both the absolute and the relative gap in in-flight counts are exceeded."""
+        loads = [r.in_flight for r in replicas]
+        high, low = max(loads), min(loads)
+        return (high - low > self.balance_abs_threshold
+                and high > self.balance_rel_threshold * low)
+
+    def select(self, text: str, replicas: Sequence[ReplicaState]) -> tuple[ReplicaState, Decision]:
+        matched, holders = self.record.match(text, [r.name for r in replicas])
+        rate = matched / len(text) if text else 0.0
+        least = min(replicas, key=lambda r: (r.in_flight, self.record.size_chars(r.name), r.calls))
+        if text and rate >= self.cache_threshold and holders:
+            best = min((r for r in replicas if r.name in holders),
+                       key=lambda r: (r.in_flight, r.calls))
+            if not self.imbalanced(replicas):
+                return best, Decision.PREFIX_MATCH
+            if best is least or best.in_flight == least.in_flight:
+                return best, Decision.PREFIX_MATCH   # the match is (one of) the least loaded anyway
+            return least, Decision.IMBALANCED
+        return least, Decision.LEAST_LOADED
+
+    def on_sent(self, text: str, replica: ReplicaState) -> None:
+        # Recorded when sent, before the engine has computed it: the next request sharing the
+        # prefix should follow it (SGLang inserts at selection too).
+        if text:
+            self.record.insert(text, replica.name)

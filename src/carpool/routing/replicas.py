@@ -1,0 +1,229 @@
+"""The upstream replicas of one deployment: health, back-off, probing, failover and load.
+
+``ReplicaSet.send(request, text)`` picks a replica with the routing policy among the eligible ones,
+sends, and returns ``(response, replica, decision)``:
+
+- Eligible: healthy replicas, plus downed ones whose back-off is over and that are not already
+  being probed. One such request is the *probe*: success makes the replica healthy again, failure
+  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). When
+  nothing is eligible, the replica whose back-off ends first is tried anyway (``Decision.PROBE``)
+  rather than failing the request without trying. A single eligible replica is
+  ``Decision.ONLY_HEALTHY``.
+- Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout``, or a 5xx answer before any byte was
+  streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
+  and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
+  raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
+  the client) and does not down the replica. Every 5xx downs its replica, also one the engine
+  returns for this input only: with several replicas that costs a retry and a back-off, not the
+  request. 4xx answers count as healthy (the replica answered).
+- In flight: counted from the send until the answer is complete: for a complete body, when
+  ``send`` returns; for a stream, until the returned response's ``aclose()`` (the caller must close
+  every streaming response, as ``Gateway`` does; ``aclose`` is safe to call twice). Counts are
+  released on every path: success, error, cancellation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from carpool.errors import UpstreamTimeout, UpstreamUnreachable
+from carpool.routing import Decision, RoutingPolicy
+from carpool.upstream.base import Upstream, UpstreamRequest, UpstreamResponse
+
+_RETRYABLE = (UpstreamUnreachable, UpstreamTimeout)
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    """One replica and what the gateway knows of it."""
+
+    upstream: Upstream
+    name: str = ""                 # defaults to upstream.name
+    in_flight: int = 0             # requests sent and not finished (streams: not yet closed)
+    calls: int = 0                 # attempts sent, failed ones and failovers included
+    errors: int = 0                # attempts that failed (transport error or 5xx)
+    failures: int = 0              # consecutive failures; 0 once healthy
+    healthy: bool = True
+    down_until: float = 0.0       # clock value when the back-off ends (meaningful when not healthy)
+    probing: bool = field(default=False, repr=False)   # a probe request is in flight
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = self.upstream.name
+
+    def eligible(self, now: float) -> bool:
+        return self.healthy or (not self.probing and now >= self.down_until)
+
+
+Observer = Callable[[ReplicaState, int, Decision], None]
+
+
+class ReplicaSet:
+    """Routes, sends, fails over, and keeps per-replica load and health."""
+
+    def __init__(self, upstreams: Sequence[Upstream], policy: RoutingPolicy, *,
+                 backoff_s: float = 5.0, backoff_max_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 observe: Observer | None = None) -> None:
+        """``observe(replica, status, decision)`` is called once per attempt (status: the HTTP
+        status answered, or the error's status, 502/504, for a transport failure), e.g. for the
+        per-replica status counters of ``/stats``."""
+        if not upstreams:
+            raise ValueError("at least one upstream is needed")
+        self.replicas = [ReplicaState(u) for u in upstreams]
+        if len({r.name for r in self.replicas}) != len(self.replicas):
+            raise ValueError("upstream names must be distinct")
+        self.policy = policy
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
+        self.observe = observe
+
+    def __getitem__(self, name: str) -> ReplicaState:
+        for replica in self.replicas:
+            if replica.name == name:
+                return replica
+        raise KeyError(name)
+
+    # -------------------------------------------------------------------------------------
+    # Choosing
+
+    def choose(self, text: str, exclude: Sequence[ReplicaState] = ()
+               ) -> tuple[ReplicaState, Decision] | None:
+        """The replica for the next attempt and why, or None when every replica is excluded."""
+        now = self.clock()
+        pool = [r for r in self.replicas if r not in exclude]
+        if not pool:
+            return None
+        eligible = [r for r in pool if r.eligible(now)]
+        if not eligible:
+            return min(pool, key=lambda r: r.down_until), Decision.PROBE
+        if len(eligible) == 1:
+            replica, decision = eligible[0], Decision.ONLY_HEALTHY
+        else:
+            replica, decision = self.policy.select(text, eligible)
+        if not replica.healthy:
+            decision = Decision.PROBE
+        return replica, decision
+
+    # -------------------------------------------------------------------------------------
+    # Sending
+
+    async def send(self, request: UpstreamRequest, text: str = ""
+                   ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
+        """Send ``request`` (prompt ``text``) to a replica, failing over once; see the module doc.
+
+        Raises the last ``UpstreamUnreachable`` / ``UpstreamTimeout`` when every attempt failed.
+        """
+        chosen = self.choose(text)
+        assert chosen is not None
+        replica, decision = chosen
+        tried: list[ReplicaState] = []
+        while True:
+            tried.append(replica)
+            try:
+                response = await self._attempt(replica, request, text)
+            except _RETRYABLE as error:
+                self._failed(replica)
+                self._observe(replica, error.status, decision)
+                retry = self.choose(text, tried) if len(tried) < 2 else None
+                if retry is None:
+                    raise
+                replica, decision = retry[0], Decision.FAILOVER
+                continue
+            except BaseException:
+                replica.probing = False             # cancelled or unexpected: no verdict
+                raise
+            self._observe(replica, response.status, decision)
+            if response.status < 500:
+                self._succeeded(replica)
+                return response, replica, decision
+            self._failed(replica)
+            retry = self.choose(text, tried) if len(tried) < 2 else None
+            if retry is None:
+                return response, replica, decision
+            await response.aclose()
+            replica, decision = retry[0], Decision.FAILOVER
+
+    async def _attempt(self, replica: ReplicaState, request: UpstreamRequest,
+                       text: str) -> UpstreamResponse:
+        """One call, counted in flight until its answer is complete (or its stream closed)."""
+        if not replica.healthy:
+            replica.probing = True
+        replica.in_flight += 1
+        replica.calls += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                replica.in_flight -= 1
+                self.policy.on_done(replica)
+
+        try:
+            self.policy.on_sent(text, replica)
+            response = await replica.upstream.send(request)
+        except BaseException:
+            release()
+            raise
+        if not response.streaming:
+            release()
+            return response
+
+        async def close() -> None:
+            try:
+                await response.aclose()
+            finally:
+                release()
+
+        return UpstreamResponse(response.status, response.headers, response.body,
+                                response.events(), close)
+
+    def _succeeded(self, replica: ReplicaState) -> None:
+        replica.healthy, replica.probing, replica.failures = True, False, 0
+
+    def _failed(self, replica: ReplicaState) -> None:
+        replica.errors += 1
+        replica.failures += 1
+        replica.healthy, replica.probing = False, False
+        backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
+        replica.down_until = self.clock() + backoff
+
+    def _observe(self, replica: ReplicaState, status: int, decision: Decision) -> None:
+        if self.observe is not None:
+            self.observe(replica, status, decision)
+
+    # -------------------------------------------------------------------------------------
+    # Introspection
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per replica, for ``/stats``: load and state (healthy | probing | down)."""
+        now = self.clock()
+        out: dict[str, dict[str, Any]] = {}
+        for r in self.replicas:
+            if r.healthy:
+                state = "healthy"
+            elif r.probing or now >= r.down_until:
+                state = "probing"                # back-off over: the next request probes it
+            else:
+                state = "down"
+            out[r.name] = {
+                "state": state, "in_flight": r.in_flight, "calls": r.calls, "errors": r.errors,
+                "failures": r.failures,
+                "down_until": None if r.healthy else r.down_until,
+                "down_for_s": 0.0 if r.healthy else round(max(0.0, r.down_until - now), 3),
+            }
+        return out
+
+    async def aclose(self) -> None:
+        """Close every replica's upstream."""
+        for replica in self.replicas:
+            await replica.upstream.aclose()

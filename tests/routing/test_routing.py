@@ -1,0 +1,384 @@
+"""Routing policies and replica health, with in-process fake upstreams (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Mapping
+
+import pytest
+
+from carpool.errors import UpstreamTimeout, UpstreamUnreachable
+from carpool.routing import Decision, RoutingSettings, build_policy
+from carpool.routing.cache_aware import CacheAware, PrefixRecord
+from carpool.routing.least_loaded import LeastLoaded
+from carpool.routing.replicas import ReplicaSet, ReplicaState
+from carpool.routing.round_robin import RoundRobin
+from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
+
+REQUEST = UpstreamRequest("/chat/completions", {"model": "m"})
+STREAM = UpstreamRequest("/chat/completions", {"model": "m", "stream": True}, stream=True)
+
+
+class Fake:
+    """An in-process ``Upstream``: ``mode`` decides what the next call does."""
+
+    def __init__(self, name: str, mode: str = "ok") -> None:
+        self.name = name
+        self.mode = mode          # ok | unreachable | timeout | 5xx | hang
+        self.sent = 0
+        self.closed_streams = 0
+        self.started = asyncio.Event()
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.sent += 1
+        self.started.set()
+        if self.mode == "unreachable":
+            raise UpstreamUnreachable(f"{self.name}: connection refused")
+        if self.mode == "timeout":
+            raise UpstreamTimeout(f"{self.name}: no answer")
+        if self.mode == "5xx":
+            return UpstreamResponse(503, {"content-type": "application/json"}, b'{"error": {}}')
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        if request.stream:
+            async def events() -> AsyncIterator[bytes]:
+                yield b'{"from": "%s"}' % self.name.encode()
+
+            async def close() -> None:
+                self.closed_streams += 1
+
+            return UpstreamResponse(200, {}, events=events(), close=close)
+        return UpstreamResponse(200, {"content-type": "application/json"},
+                                b'{"from": "%s"}' % self.name.encode())
+
+    async def passthrough(self, method: str, path: str, query: bytes,
+                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def states(*names: str) -> list[ReplicaState]:
+    return [ReplicaState(Fake(n)) for n in names]
+
+
+def replica_set(*modes: str, policy: str = "round-robin", **kw) -> tuple[ReplicaSet, list[Fake],
+                                                                          Clock]:
+    fakes = [Fake(f"r{i}", mode) for i, mode in enumerate(modes)]
+    clock = Clock()
+    return ReplicaSet(fakes, build_policy(policy), clock=clock, **kw), fakes, clock
+
+
+# ------------------------------------------------------------------------------------------
+# Policies
+
+
+def test_round_robin_cycles():
+    policy, replicas = RoundRobin(), states("a", "b", "c")
+    picks = [policy.select("", replicas) for _ in range(7)]
+    assert [r.name for r, _ in picks] == ["a", "b", "c", "a", "b", "c", "a"]
+    assert {d for _, d in picks} == {Decision.ROUND_ROBIN}
+
+
+def test_least_loaded_picks_fewest_in_flight():
+    policy, (a, b, c) = LeastLoaded(), states("a", "b", "c")
+    a.in_flight, b.in_flight, c.in_flight = 5, 1, 3
+    assert policy.select("x", [a, b, c]) == (b, Decision.LEAST_LOADED)
+    b.in_flight = 9
+    assert policy.select("x", [a, b, c]) == (c, Decision.LEAST_LOADED)
+    c.in_flight, c.calls, a.calls = 5, 2, 7      # a tie on load: fewer calls wins
+    assert policy.select("x", [a, b, c]) == (c, Decision.LEAST_LOADED)
+
+
+def test_build_policy_and_settings():
+    assert isinstance(build_policy("round-robin"), RoundRobin)
+    assert isinstance(build_policy("least_loaded"), LeastLoaded)
+    policy = build_policy("cache-aware", policy="cache-aware", cache_threshold=0.7,
+                          tree_budget_chars=1000, block_chars=10, backoff_s=1)
+    assert isinstance(policy, CacheAware)
+    assert policy.cache_threshold == 0.7 and policy.record.budget_blocks == 100
+    with pytest.raises(ValueError):
+        build_policy("random")
+    with pytest.raises(ValueError):
+        build_policy("cache-aware", cache_treshold=0.7)    # a typo is an error
+    fields = RoutingSettings.model_fields
+    assert all(f.description for f in fields.values())
+    assert {"cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
+            "tree_budget_chars", "backoff_s", "backoff_max_s"} <= set(fields)
+
+
+def _system_prompts(rng: random.Random, count: int, chars: int = 2000) -> list[str]:
+    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "router", "prefix", "engine"]
+    out = []
+    for i in range(count):
+        text = f"System prompt {i}. "
+        while len(text) < chars:
+            text += rng.choice(words) + " "
+        out.append(text)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cache_aware_affinity_with_balance(seed):
+    """6 long system prompts x 100 distinct suffixes, shuffled, over 3 replicas under load."""
+    rng = random.Random(seed)
+    prompts = _system_prompts(rng, 6)
+    work = [(p, f"\nUser {u}: please answer question number {u * 7919 % 1000} for me.")
+            for p in range(6) for u in range(100)]
+    rng.shuffle(work)
+    policy, replicas = CacheAware(), states("a", "b", "c")
+    finishing: list[tuple[int, ReplicaState]] = []      # (step it finishes, replica)
+    placed: dict[int, Counter[str]] = defaultdict(Counter)
+    decisions: Counter[Decision] = Counter()
+    for step, (p, suffix) in enumerate(work):
+        for item in [f for f in finishing if f[0] <= step]:
+            finishing.remove(item)
+            item[1].in_flight -= 1
+        text = prompts[p] + suffix
+        replica, decision = policy.select(text, replicas)
+        policy.on_sent(text, replica)
+        replica.in_flight += 1
+        replica.calls += 1
+        finishing.append((step + rng.randint(5, 60), replica))   # ~32 in flight on average
+        placed[p][replica.name] += 1
+        decisions[decision] += 1
+    affinity = sum(max(c.values()) / sum(c.values()) for c in placed.values()) / len(placed)
+    calls = [r.calls for r in replicas]
+    assert affinity >= 0.8, (affinity, placed)
+    assert max(calls) / min(calls) <= 2.5, calls
+    assert decisions[Decision.PREFIX_MATCH] >= 500, decisions
+    assert decisions[Decision.LEAST_LOADED] >= 6      # each prompt's first request had no match
+
+
+def test_cache_aware_hot_prefix_is_spread_by_the_load_guard():
+    """One prompt takes most of the traffic under high load: the guard overrules its affinity."""
+    rng = random.Random(7)
+    prompts = _system_prompts(rng, 4)
+    work = [0] * 450 + [1, 2, 3] * 50
+    rng.shuffle(work)
+    policy, replicas = CacheAware(), states("a", "b", "c")
+    finishing: list[tuple[int, ReplicaState]] = []
+    decisions: Counter[Decision] = Counter()
+    for step, p in enumerate(work):
+        for item in [f for f in finishing if f[0] <= step]:
+            finishing.remove(item)
+            item[1].in_flight -= 1
+        text = prompts[p] + f" question {step}"
+        replica, decision = policy.select(text, replicas)
+        policy.on_sent(text, replica)
+        replica.in_flight += 1
+        replica.calls += 1
+        finishing.append((step + rng.randint(60, 180), replica))   # ~120 in flight
+        decisions[decision] += 1
+        loads = [r.in_flight for r in replicas]
+        assert max(loads) - min(loads) <= 32 + 1 or max(loads) <= 1.5 * min(loads) + 1
+    calls = [r.calls for r in replicas]
+    assert decisions[Decision.IMBALANCED] > 0 and decisions[Decision.PREFIX_MATCH] > 300
+    assert max(calls) / min(calls) <= 2.5, (calls, decisions)
+
+
+def test_cache_aware_prefix_match_and_threshold():
+    policy, (a, b) = CacheAware(cache_threshold=0.5, block_chars=16), states("a", "b")
+    system = "s" * 320
+    policy.on_sent(system + "first question", b)
+    assert policy.select(system + "another question", [a, b]) == (b, Decision.PREFIX_MATCH)
+    # A shared prefix under the threshold's share of the prompt: least loaded instead.
+    short = system[:32] + "q" * 400
+    a.in_flight = 0
+    b.in_flight = 1
+    assert policy.select(short, [a, b]) == (a, Decision.LEAST_LOADED)
+    # Prompts shorter than a block never match.
+    assert policy.select("hi", [a, b]) == (a, Decision.LEAST_LOADED)
+
+
+def test_imbalance_overrules_affinity():
+    policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=1.5, block_chars=16)
+    a, b, c = states("a", "b", "c")
+    text = "shared system prompt " * 50
+    policy.on_sent(text, a)
+    a.in_flight, b.in_flight, c.in_flight = 40, 5, 20
+    assert policy.select(text, [a, b, c]) == (b, Decision.IMBALANCED)
+    # Gap over abs but under the relative factor (80 <= 1.5 * 60): balanced enough.
+    a.in_flight, b.in_flight, c.in_flight = 80, 60, 70
+    assert policy.select(text, [a, b, c]) == (a, Decision.PREFIX_MATCH)
+    # Relative over but absolute gap within 32: balanced.
+    a.in_flight, b.in_flight, c.in_flight = 30, 0, 10
+    assert policy.select(text, [a, b, c]) == (a, Decision.PREFIX_MATCH)
+    # Imbalanced, but the matching replica is itself the least loaded: still a prefix match.
+    a.in_flight, b.in_flight, c.in_flight = 1, 50, 20
+    assert policy.select(text, [a, b, c]) == (a, Decision.PREFIX_MATCH)
+    # Imbalanced with no match: plain least loaded.
+    a.in_flight, b.in_flight, c.in_flight = 40, 5, 20
+    assert policy.select("unrelated " * 40, [a, b, c]) == (b, Decision.LEAST_LOADED)
+
+
+def test_prefix_record_evicts_within_budget_leaves_first():
+    record = PrefixRecord(budget_chars=160, block_chars=16)   # 10 blocks per replica
+    shared = "S" * 64                                          # 4 blocks
+    for i in range(6):
+        record.insert(shared + f"{i:x}" * 64, "a")             # 4 + 4 blocks each
+        assert record.size_chars("a") <= 160
+    # The shared prefix (touched last on every insert) survives; old tails are gone.
+    assert record.holds(shared + "5" * 64, "a") == 128
+    assert record.holds(shared + "0" * 64, "a") == 64
+    assert record.match(shared + "0" * 64)[1] == {"a"}
+    # Eviction keeps the index consistent: nothing recorded for b, and forget drops a.
+    assert record.holds(shared, "b") == 0
+    record.forget("a")
+    assert record.size_chars("a") == 0 and record.match(shared) == (0, set())
+    # A text longer than the whole budget keeps its first blocks.
+    record.insert("L" * 16 * 30, "b")
+    assert record.size_chars("b") == 160 and record.holds("L" * 16 * 30, "b") == 160
+
+
+def test_cache_aware_policy_respects_budget():
+    policy = build_policy("cache-aware", tree_budget_chars=1000, block_chars=50)
+    a, b = states("a", "b")
+    rng = random.Random(3)
+    for prompt in _system_prompts(rng, 20, chars=400):
+        replica, _ = policy.select(prompt, [a, b])
+        policy.on_sent(prompt, replica)
+        assert policy.record.size_chars("a") <= 1000 and policy.record.size_chars("b") <= 1000
+
+
+# ------------------------------------------------------------------------------------------
+# Replica health
+
+
+async def test_unreachable_fails_over_then_backoff_then_probe():
+    replicas, (r0, r1, r2), clock = replica_set("unreachable", "ok", "ok", backoff_s=5,
+                                                backoff_max_s=12)
+    response, replica, decision = await replicas.send(REQUEST)
+    assert response.status == 200 and replica.name != "r0" and decision is Decision.FAILOVER
+    snap = replicas.snapshot()
+    assert snap["r0"]["state"] == "down" and snap["r0"]["failures"] == 1
+    assert snap["r0"]["down_for_s"] == 5
+    # During the back-off r0 is skipped.
+    names = [(await replicas.send(REQUEST))[1].name for _ in range(6)]
+    assert "r0" not in names and r0.sent == 1
+    # Back-off over, still dead: the probe fails over; back-off doubles.
+    clock.now += 5
+    while True:
+        _, replica, decision = await replicas.send(REQUEST)
+        if r0.sent == 2:
+            break
+    assert decision is Decision.FAILOVER and replicas.snapshot()["r0"]["down_for_s"] == 10
+    clock.now += 10
+    r0.mode = "5xx"
+    while r0.sent < 3:
+        await replicas.send(REQUEST)
+    assert replicas.snapshot()["r0"]["down_for_s"] == 12           # capped at backoff_max_s
+    # Back-off over and alive again: the next request routed to it is the probe, then healthy.
+    clock.now += 12
+    r0.mode = "ok"
+    assert replicas.snapshot()["r0"]["state"] == "probing"
+    decisions = []
+    while r0.sent < 4:
+        _, replica, decision = await replicas.send(REQUEST)
+        decisions.append((replica.name, decision))
+    assert decisions[-1] == ("r0", Decision.PROBE)
+    snap = replicas.snapshot()["r0"]
+    assert snap["state"] == "healthy" and snap["failures"] == 0 and snap["errors"] == 3
+    assert [(await replicas.send(REQUEST))[2] for _ in range(3)] == [Decision.ROUND_ROBIN] * 3
+    assert replicas.in_flight == 0
+
+
+async def test_5xx_before_any_byte_fails_over():
+    replicas, (r0, r1), _ = replica_set("5xx", "ok")
+    response, replica, decision = await replicas.send(REQUEST)
+    assert (response.status, replica.name, decision) == (200, "r1", Decision.FAILOVER)
+    assert replicas.snapshot()["r0"]["state"] == "down"
+    # A stream request answered with a 5xx status fails over too.
+    r0.mode, r1.mode = "ok", "5xx"
+    replicas["r0"].healthy = True
+    response, replica, decision = await replicas.send(STREAM)
+    assert (response.status, replica.name, decision) == (200, "r0", Decision.FAILOVER)
+    assert response.streaming and replicas["r0"].in_flight == 1      # a stream, open
+    assert [e async for e in response.events()] == [b'{"from": "r0"}']
+    await response.aclose()
+    await response.aclose()                                           # safe twice
+    assert r0.closed_streams == 1 and replicas.in_flight == 0
+
+
+async def test_timeout_fails_over_and_every_replica_failing_raises():
+    replicas, (r0, r1), _ = replica_set("timeout", "ok", policy="least-loaded")
+    assert (await replicas.send(REQUEST))[2] is Decision.FAILOVER
+    replicas2, _, _ = replica_set("unreachable", "timeout")
+    with pytest.raises(UpstreamTimeout):
+        await replicas2.send(REQUEST)                   # tried once each, the last error raised
+    assert [r.calls for r in replicas2.replicas] == [1, 1] and replicas2.in_flight == 0
+    # Both down: the one whose back-off ends first is still tried.
+    replicas2.replicas[1].upstream.mode = "ok"
+    response, replica, decision = await replicas2.send(REQUEST)
+    assert (replica.name, decision) in {("r0", Decision.PROBE), ("r1", Decision.FAILOVER)}
+
+
+async def test_single_replica_5xx_is_returned_and_error_raised():
+    replicas, (r0,), _ = replica_set("5xx")
+    response, replica, decision = await replicas.send(REQUEST)
+    assert response.status == 503 and decision is Decision.ONLY_HEALTHY
+    r0.mode = "unreachable"
+    with pytest.raises(UpstreamUnreachable):
+        await replicas.send(REQUEST)
+    assert replicas.in_flight == 0 and r0.sent == 2
+
+
+async def test_in_flight_counts_on_every_path():
+    replicas, (r0, r1), _ = replica_set("hang", "ok")
+    observed: list[tuple[str, int, Decision]] = []
+    replicas.observe = lambda r, status, d: observed.append((r.name, status, d))
+    # Cancellation while the upstream call is pending.
+    task = asyncio.create_task(replicas.send(REQUEST))
+    await r0.started.wait()
+    assert replicas["r0"].in_flight == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert replicas.in_flight == 0 and replicas["r0"].healthy     # no verdict on a cancel
+    # Streams stay in flight until closed; plain answers end with send.
+    r0.mode = "ok"
+    responses = [(await replicas.send(STREAM))[0] for _ in range(4)]
+    assert [r.in_flight for r in replicas.replicas] == [2, 2]
+    await (await replicas.send(REQUEST))[0].aclose()
+    assert replicas.in_flight == 4
+    for response in responses:
+        await response.aclose()
+    assert replicas.in_flight == 0
+    # Errors and failover.
+    r0.mode = "unreachable"
+    await replicas.send(REQUEST)
+    assert replicas.in_flight == 0
+    assert observed[-2:] == [("r0", 502, Decision.ROUND_ROBIN), ("r1", 200, Decision.FAILOVER)]
+
+
+async def test_cache_aware_replica_set_end_to_end():
+    replicas, fakes, _ = replica_set("ok", "ok", "ok", policy="cache-aware")
+    prompts = _system_prompts(random.Random(5), 3)
+    homes = {}
+    for p in prompts:
+        _, replica, decision = await replicas.send(REQUEST, p + " first")
+        assert decision is Decision.LEAST_LOADED
+        homes[p] = replica.name
+    assert len(set(homes.values())) == 3                   # new prefixes spread over replicas
+    for p in prompts:
+        _, replica, decision = await replicas.send(REQUEST, p + " again")
+        assert (replica.name, decision) == (homes[p], Decision.PREFIX_MATCH)
+    # Its home down: the prompt fails over elsewhere (no unhandled error), then sticks there.
+    p = prompts[0]
+    replicas[homes[p]].upstream.mode = "unreachable"
+    _, replica, decision = await replicas.send(REQUEST, p + " third")
+    assert decision is Decision.FAILOVER and replica.name != homes[p]
+    _, again, decision = await replicas.send(REQUEST, p + " fourth")
+    assert (again.name, decision) == (replica.name, Decision.PREFIX_MATCH)
+    assert replicas.in_flight == 0

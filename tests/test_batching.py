@@ -1,0 +1,305 @@
+"""Dynamic batching with dedup for /embeddings (carpool.batching)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+import orjson
+import pytest
+
+from carpool.batching import EmbeddingBatcher, KeyedBatcher, approx_tokens
+from carpool.errors import UpstreamUnreachable
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+
+
+def vector(model: str, item: Any) -> list[float]:
+    """The fake engine's embedding: a function of the model and the input."""
+    digest = hashlib.blake2b(orjson.dumps([model, item]), digest_size=8).digest()
+    return [float(b) for b in digest]
+
+
+class FakeSend:
+    """Counts calls and items; answers list inputs; can hold calls on a gate or fail."""
+
+    def __init__(self, *, gate: asyncio.Event | None = None, status: int = 200,
+                 raises: Exception | None = None) -> None:
+        self.calls: list[UpstreamRequest] = []
+        self.gate = gate
+        self.status = status
+        self.raises = raises
+        self.entered = asyncio.Event()
+
+    @property
+    def items(self) -> list[list[Any]]:
+        return [call.body["input"] for call in self.calls]
+
+    async def __call__(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.calls.append(request)
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.raises is not None:
+            raise self.raises
+        if self.status != 200:
+            return UpstreamResponse(self.status, {"content-type": "application/json"},
+                                    b'{"error": {"message": "boom", "type": "server_error"}}')
+        body = request.body
+        if "input" not in body or "model" not in body:
+            return UpstreamResponse(200, {}, b"{}")
+        inputs = body["input"] if isinstance(body["input"], list) and body["input"] and not \
+            isinstance(body["input"][0], int) else [body["input"]]
+        tokens = [approx_tokens(item) for item in inputs]
+        data = [{"object": "embedding", "index": i, "embedding": vector(body["model"], item)}
+                for i, item in enumerate(inputs)]
+        data.reverse()  # the batcher must sort by index
+        payload = {"object": "list", "data": data, "model": body["model"],
+                   "usage": {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}}
+        return UpstreamResponse(200, {"content-type": "application/json", "content-length": "1",
+                                      "x-up": "1"}, orjson.dumps(payload))
+
+
+def req(text: Any, model: str = "emb", auth: str = "Bearer a", **extra: Any) -> UpstreamRequest:
+    return UpstreamRequest("/embeddings", {"model": model, "input": text, **extra},
+                           {"authorization": auth, "x-request-id": str(id(text))})
+
+
+def own(response: UpstreamResponse) -> dict[str, Any]:
+    assert response.status == 200
+    parsed = orjson.loads(response.body)
+    assert parsed["object"] == "list"
+    assert len(parsed["data"]) == 1
+    assert parsed["data"][0]["object"] == "embedding" and parsed["data"][0]["index"] == 0
+    assert set(parsed["usage"]) == {"prompt_tokens", "total_tokens"}
+    return parsed
+
+
+async def test_96_concurrent_of_16_distinct_texts() -> None:
+    send = FakeSend()
+    waits: list[float] = []
+    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.02,
+                               max_batch_tokens=8192, observe_wait=waits.append)
+    texts = [f"text number {i} " * (i + 1) for i in range(16)]
+    asked = [texts[i % 16] for i in range(96)]
+    responses = await asyncio.gather(*(batcher.embed(req(text)) for text in asked))
+
+    assert 1 <= len(send.calls) <= 12
+    assert sum(len(items) for items in send.items) <= 16
+    for items in send.items:
+        assert len(items) == len(set(items))            # distinct items only
+    for text, response in zip(asked, responses, strict=True):
+        parsed = own(response)
+        assert parsed["data"][0]["embedding"] == vector("emb", text)
+        assert parsed["model"] == "emb"
+        assert parsed["usage"]["prompt_tokens"] == approx_tokens(text)
+        assert response.headers["content-type"] == "application/json"
+        assert "content-length" not in response.headers and response.headers["x-up"] == "1"
+    assert batcher.requests == 96 and batcher.items_sent == 16
+    assert batcher.batches == len(send.calls) and batcher.max_items_seen == 16
+    assert len(waits) == 96 and all(w >= 0 for w in waits)
+    # the merged call: a list input, identity headers only, no user
+    assert send.calls[0].headers == {"authorization": "Bearer a"}
+
+
+async def test_models_and_credentials_are_never_mixed() -> None:
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.01,
+                               max_batch_tokens=8192)
+    combos = [(m, a) for m in ("m1", "m2") for a in ("Bearer a", "Bearer b")]
+    jobs = [(f"t{i % 5}", m, a) for i in range(40) for (m, a) in [combos[i % 4]]]
+    extra = [("t0", "m1", "Bearer a", {"dimensions": 8}),
+             ("t0", "m1", "Bearer a", {"encoding_format": "base64"})]
+    responses = await asyncio.gather(
+        *(batcher.embed(req(t, m, a)) for t, m, a in jobs),
+        *(batcher.embed(req(t, m, a, **x)) for t, m, a, x in extra))
+    assert len(send.calls) == 6
+    seen = set()
+    for call in send.calls:
+        key = (call.body["model"], call.headers["authorization"],
+               call.body.get("dimensions"), call.body.get("encoding_format"))
+        assert key not in seen
+        seen.add(key)
+    for (t, m, _), response in zip(jobs, responses[:len(jobs)], strict=True):
+        assert own(response)["data"][0]["embedding"] == vector(m, t)
+
+
+async def test_user_does_not_split_a_batch_and_is_not_forwarded() -> None:
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    await asyncio.gather(batcher.embed(req("a", user="u1")), batcher.embed(req("b", user="u2")))
+    assert len(send.calls) == 1 and "user" not in send.calls[0].body
+
+
+async def test_upstream_error_reaches_every_caller() -> None:
+    send = FakeSend(status=500)
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    responses = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)))
+    assert len(send.calls) == 1
+    assert {r.status for r in responses} == {500}
+    assert {r.body for r in responses} == {b'{"error": {"message": "boom", "type": "server_error"}}'}
+
+
+async def test_upstream_exception_reaches_every_caller() -> None:
+    send = FakeSend(raises=UpstreamUnreachable("refused"))
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    results = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)),
+                                   return_exceptions=True)
+    assert len(send.calls) == 1
+    assert all(isinstance(r, UpstreamUnreachable) for r in results)
+
+
+async def test_malformed_answer_is_an_upstream_error_for_all() -> None:
+    async def bad(request: UpstreamRequest) -> UpstreamResponse:
+        return UpstreamResponse(200, {}, b'{"data": [{"index": 0, "embedding": [1]}]}')
+
+    batcher = EmbeddingBatcher(bad, max_batch_delay_s=0.01)
+    results = await asyncio.gather(batcher.embed(req("a")), batcher.embed(req("b")),
+                                   return_exceptions=True)
+    assert all(getattr(r, "status", None) == 502 for r in results)
+
+
+async def test_a_cancelled_caller_does_not_break_the_batch() -> None:
+    gate = asyncio.Event()
+    send = FakeSend(gate=gate)
+    waits: list[float] = []
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.005, observe_wait=waits.append)
+    tasks = [asyncio.create_task(batcher.embed(req(f"t{i % 4}"))) for i in range(8)]
+    await send.entered.wait()                       # the batch is at the upstream
+    tasks[0].cancel()
+    tasks[1].cancel()
+    gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert isinstance(results[1], asyncio.CancelledError)
+    for i, response in enumerate(results[2:], start=2):
+        assert own(response)["data"][0]["embedding"] == vector("emb", f"t{i % 4}")
+    assert len(send.calls) == 1 and len(waits) == 8
+
+
+async def test_an_item_whose_callers_all_left_before_sending_is_dropped() -> None:
+    send = FakeSend()
+    waits: list[float] = []
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01, observe_wait=waits.append)
+    leaving = asyncio.create_task(batcher.embed(req("gone")))
+    staying = asyncio.create_task(batcher.embed(req("kept")))
+    await asyncio.sleep(0)                          # both are in the buffer
+    leaving.cancel()
+    response = await staying
+    assert own(response)["data"][0]["embedding"] == vector("emb", "kept")
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert send.items == [["kept"]] and len(waits) == 2
+
+
+async def test_a_request_joins_a_running_batch_of_its_item() -> None:
+    gate = asyncio.Event()
+    send = FakeSend(gate=gate)
+    waits: list[float] = []
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.0, observe_wait=waits.append)
+    first = asyncio.create_task(batcher.embed(req("same")))
+    await send.entered.wait()
+    second = asyncio.create_task(batcher.embed(req("same")))
+    await asyncio.sleep(0)
+    gate.set()
+    a, b = await asyncio.gather(first, second)
+    assert a.body == b.body and len(send.calls) == 1
+    assert waits[-1] == 0.0 and len(waits) == 2
+
+
+async def test_non_batchable_requests_bypass_the_batcher() -> None:
+    send = FakeSend()
+    waits: list[float] = []
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=10.0, observe_wait=waits.append)
+    odd = [
+        req(["a", "b"]),                                         # a list of inputs
+        req([[1, 2], [3]]),                                      # a list of token lists
+        UpstreamRequest("/embeddings", {"model": "emb", "input": "a"}, {}, stream=True),
+        req("a", stream=True),
+        UpstreamRequest("/chat/completions", {"model": "m", "messages": []}),
+        UpstreamRequest("/embeddings", {"input": "no model"}),
+        req(""),
+        req({"not": "an input"}),
+    ]
+    for request in odd:
+        send.calls.clear()
+        await asyncio.wait_for(batcher.embed(request), 1)
+        assert send.calls == [request] and send.calls[0] is request
+    assert batcher.bypassed == len(odd) and batcher.requests == 0 and waits == []
+
+
+async def test_a_single_token_list_is_batched() -> None:
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    a, b, c = await asyncio.gather(batcher.embed(req([1, 2, 3])), batcher.embed(req("1 2 3")),
+                                   batcher.embed(req([1, 2, 3])))
+    assert send.items == [[[1, 2, 3], "1 2 3"]]
+    assert own(a)["data"][0]["embedding"] == vector("emb", [1, 2, 3])
+    assert own(b)["data"][0]["embedding"] == vector("emb", "1 2 3")
+    assert a.body == c.body
+
+
+async def test_size_flushes_without_waiting_for_the_timer() -> None:
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_size=4, max_batch_delay_s=30.0)
+    await asyncio.wait_for(asyncio.gather(*(batcher.embed(req(f"t{i}")) for i in range(8))), 1)
+    assert [len(items) for items in send.items] == [4, 4]
+    assert batcher.max_items_seen == 4
+
+
+async def test_token_budget_flushes() -> None:
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=30.0,
+                               max_batch_tokens=10)
+    five = [chr(ord("a") + i) * 20 for i in range(6)]           # 5 approximate tokens each
+    await asyncio.wait_for(asyncio.gather(*(batcher.embed(req(t)) for t in five)), 1)
+    assert [len(items) for items in send.items] == [2, 2, 2]
+    # an item dearer than the budget goes alone, after what was waiting
+    send.calls.clear()
+    big = "x" * 400
+    await asyncio.wait_for(asyncio.gather(batcher.embed(req("small")), batcher.embed(req(big))), 1)
+    assert send.items == [["small"], [big]]
+
+
+async def test_the_delay_timer_flushes() -> None:
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.005)
+    await asyncio.wait_for(batcher.embed(req("alone")), 1)
+    assert send.items == [["alone"]]
+
+
+async def test_usage_is_apportioned_across_distinct_items() -> None:
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        n = len(request.body["input"])
+        data = [{"object": "embedding", "index": i, "embedding": [float(i)]} for i in range(n)]
+        return UpstreamResponse(200, {}, orjson.dumps(
+            {"object": "list", "data": data, "model": "emb",
+             "usage": {"prompt_tokens": 100, "total_tokens": 100}}))
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    texts = ["a" * 4, "b" * 8, "c" * 12, "a" * 4]              # 1, 2, 3 approximate tokens
+    responses = await asyncio.gather(*(batcher.embed(req(t)) for t in texts))
+    shares = [orjson.loads(r.body)["usage"]["prompt_tokens"] for r in responses]
+    assert sum(shares[:3]) == 100 and shares[0] == shares[3]
+    assert shares == [17, 33, 50, 17]
+
+
+async def test_generic_batcher_with_in_flight_limit() -> None:
+    """The scheduler alone, as the semantic layer's embedder would use it."""
+    gate = asyncio.Event()
+    seen: list[list[str]] = []
+
+    async def compute(group: Any, items: list[str]) -> list[str]:
+        seen.append(items)
+        await gate.wait()
+        return [item.upper() for item in items]
+
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=2,
+                                                   max_batch_delay_s=0.0, max_in_flight=1)
+    tasks = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("a", "b", "c", "a")]
+    while not seen:
+        await asyncio.sleep(0)
+    assert seen == [["a", "b"]] and batcher.in_flight == 1       # "c" waits for the slot
+    gate.set()
+    assert await asyncio.gather(*tasks) == ["A", "B", "C", "A"]
+    assert seen == [["a", "b"], ["c"]] and batcher.requests == 4 and batcher.items_sent == 3

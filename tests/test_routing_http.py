@@ -1,0 +1,74 @@
+"""Routing across replicas and embeddings batching, end to end over HTTP (issue 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from conftest import run_gateway
+from fakes.serving import serve_app
+from fakes.upstream import FakeUpstream
+
+
+@contextlib.asynccontextmanager
+async def replicas(n: int):
+    async with contextlib.AsyncExitStack() as stack:
+        fakes = []
+        for _ in range(n):
+            fake = FakeUpstream()
+            fake.url = await stack.enter_async_context(serve_app(fake)) + "/v1"
+            fakes.append(fake)
+        yield fakes
+
+
+async def test_a_dead_replica_fails_over_and_every_request_succeeds():
+    async with replicas(2) as (a, b):
+        dead = "http://127.0.0.1:9/v1"                       # nothing listens there
+        async with run_gateway([dead, a.url, b.url], routing={"policy": "round-robin"}) as gw:
+            responses = [await gw.chat(f"question {i}") for i in range(9)]
+            assert [r.status_code for r in responses] == [200] * 9
+            assert a.count() + b.count() == 9
+            stats = (await gw.client.get("/stats")).json()
+            assert stats["replicas"][dead]["state"] == "down"
+            assert stats["routing"].get("failover", 0) >= 1
+
+
+async def test_misses_sharing_a_long_system_prompt_stay_on_one_replica():
+    async with replicas(3) as fakes:
+        async with run_gateway([f.url for f in fakes]) as gw:              # cache-aware default
+            system = "You are the support assistant of ACME. " * 60       # ~2.3 KB
+            for i in range(12):
+                await gw.client.post("/v1/chat/completions", json={
+                    "model": "m", "temperature": 0, "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"question number {i}"}]})
+            counts = sorted(f.count() for f in fakes)
+            assert counts[-1] >= 11                          # affinity: one replica serves them
+            assert (await gw.client.get("/stats")).json()["routing"]["prefix_match"] >= 10
+
+
+async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_its_own_vector(
+        fake, gateway_with):
+    async with gateway_with(batching={"max_batch_delay_ms": 20}) as gw:
+        texts = [f"text number {i}" for i in range(16)]
+
+        async def embed(text):
+            response = await gw.client.post("/v1/embeddings", json={"model": "e", "input": text})
+            assert response.status_code == 200, response.text
+            return text, response.json()["data"][0]["embedding"]
+
+        results = await asyncio.gather(*(embed(texts[i % 16]) for i in range(96)))
+        calls = [c for c in fake.calls if c.path == "/v1/embeddings"]
+        assert len(calls) <= 12
+        assert sum(len(c.body["input"]) if isinstance(c.body["input"], list) else 1
+                   for c in calls) <= 16
+        singles = {}
+        for text in texts:                                   # each text's own vector, asked alone
+            alone = await gw.client.post("/v1/embeddings", json={
+                "model": "e", "input": text}, headers={"Cache-Control": "no-cache"})
+            singles[text] = alone.json()["data"][0]["embedding"]
+        assert all(vector == singles[text] for text, vector in results)
+        stats = (await gw.client.get("/stats")).json()["batching"]
+        assert stats["batches"] >= 1 and stats["max_items_seen"] > 1
+        metrics = (await gw.client.get("/metrics")).text
+        assert "carpool_batch_wait_seconds_count" in metrics
