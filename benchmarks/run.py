@@ -21,6 +21,7 @@ import bench_coalesce  # noqa: E402
 import bench_distributed  # noqa: E402
 import bench_fingerprint  # noqa: E402
 import bench_overhead  # noqa: E402
+import bench_routing  # noqa: E402
 import bench_semantic  # noqa: E402
 import bench_window  # noqa: E402
 
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "window": bench_window,
     "semantic": bench_semantic,
     "distributed": bench_distributed,
+    "routing": bench_routing,
 }
 
 
