@@ -303,3 +303,29 @@ async def test_generic_batcher_with_in_flight_limit() -> None:
     gate.set()
     assert await asyncio.gather(*tasks) == ["A", "B", "C", "A"]
     assert seen == [["a", "b"], ["c"]] and batcher.requests == 4 and batcher.items_sent == 3
+
+
+async def test_grow_while_busy_keeps_a_due_batch_open_until_a_slot_frees() -> None:
+    gate = asyncio.Event()
+    seen: list[list[str]] = []
+
+    async def compute(group: Any, items: list[str]) -> list[str]:
+        seen.append(items)
+        await gate.wait()
+        return [item.upper() for item in items]
+
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=8,
+                                                   max_batch_delay_s=0.0, max_in_flight=1,
+                                                   grow_while_busy=True)
+    first = asyncio.create_task(batcher.submit(None, "a", "a"))
+    while not seen:
+        await asyncio.sleep(0)
+    later = []
+    for t in ("b", "c", "a", "b"):                     # each after the previous one's delay
+        later.append(asyncio.create_task(batcher.submit(None, t, t)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+    assert seen == [["a"]]                             # "b", "c" wait together, "a" joins
+    gate.set()
+    assert await asyncio.gather(first, *later) == ["A", "B", "C", "A", "B"]
+    assert seen == [["a"], ["b", "c"]] and batcher.batches == 2 and batcher.idle

@@ -16,7 +16,10 @@ Contract
   the next; an item dearer than the budget goes alone), when its cost reaches the budget, or
   ``max_batch_delay_s`` after its first item arrived (0: on the next turn of the event loop).
   With ``max_in_flight`` set, at most that many batches run at once; closed batches queue (FIFO)
-  and leave as running ones finish.
+  and leave as running ones finish. With ``grow_while_busy`` too, a batch whose delay is over
+  while no slot is free is not closed: it stays open, still taking items (up to
+  ``max_batch_size`` / ``max_batch_cost``), and leaves as soon as a slot frees (after the
+  queued ones), so that under load the batches grow by themselves.
 - If ``compute`` raises (or returns the wrong number of results), every caller of that batch gets
   the exception. A cancelled caller never cancels the batch for the others; an item whose every
   caller left before its batch was sent is dropped from it.
@@ -27,8 +30,8 @@ Contract
   ``requests`` (``submit`` calls), ``max_items_seen`` (largest batch).
 - One batcher serves one event loop.
 
-``semantic.embed._MicroBatcher`` is this scheduler with a single group, ``key = item = text``,
-``cost = 1`` and ``max_in_flight`` set; it could be replaced by it (left as it is for now).
+``semantic.embed``'s embedders use this scheduler with a single group, ``key = item = text``,
+``cost = 1``, ``max_in_flight`` and ``grow_while_busy`` set.
 
 :class:`EmbeddingBatcher` uses it for the gateway's ``/embeddings``:
 
@@ -97,13 +100,14 @@ class _Entry:
 
 
 class _Batch:
-    __slots__ = ("group", "entries", "cost", "timer")
+    __slots__ = ("group", "entries", "cost", "timer", "due")
 
     def __init__(self, group: Hashable) -> None:
         self.group = group
         self.entries: dict[Hashable, _Entry] = {}
         self.cost = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.due = False            # delay over, kept open while no slot is free
 
 
 class KeyedBatcher(Generic[I, R]):
@@ -113,7 +117,7 @@ class KeyedBatcher(Generic[I, R]):
     def __init__(self, compute: Callable[[Any, list[I]], Awaitable[Sequence[R]]], *,
                  max_batch_size: int, max_batch_delay_s: float,
                  max_batch_cost: float = math.inf, max_in_flight: int | None = None,
-                 join_running: bool = True,
+                 join_running: bool = True, grow_while_busy: bool = False,
                  observe_wait: Callable[[float], None] | None = None) -> None:
         if max_batch_size < 1 or max_batch_delay_s < 0 or max_batch_cost <= 0 or (
                 max_in_flight is not None and max_in_flight < 1):
@@ -125,6 +129,7 @@ class KeyedBatcher(Generic[I, R]):
         self.max_batch_cost = max_batch_cost
         self.max_in_flight = max_in_flight
         self.join_running = join_running
+        self.grow_while_busy = grow_while_busy
         self.observe_wait = observe_wait
         self._open: dict[Hashable, _Batch] = {}                 # group -> batch still filling
         self._queued: deque[_Batch] = deque()                   # closed, waiting for a slot
@@ -139,6 +144,11 @@ class KeyedBatcher(Generic[I, R]):
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def idle(self) -> bool:
+        """Nothing buffered, queued or running."""
+        return not (self._open or self._queued or self._tasks)
 
     async def submit(self, group: Hashable, key: Hashable, item: I, cost: float = 1.0) -> R:
         loop = asyncio.get_running_loop()
@@ -167,8 +177,8 @@ class KeyedBatcher(Generic[I, R]):
         entry.arrivals.append(now)
         if len(batch.entries) >= self.max_batch_size or batch.cost >= self.max_batch_cost:
             self._close(batch)
-        elif batch.timer is None:
-            batch.timer = loop.call_later(self.max_batch_delay_s, self._close, batch)
+        elif batch.timer is None and not batch.due:
+            batch.timer = loop.call_later(self.max_batch_delay_s, self._timeout, batch)
         return await self._wait(entry, batch, now)
 
     async def _wait(self, entry: _Entry, batch: _Batch | None, arrived: float) -> R:
@@ -195,6 +205,14 @@ class KeyedBatcher(Generic[I, R]):
             if batch.timer is not None:
                 batch.timer.cancel()
             del self._open[batch.group]
+
+    def _timeout(self, batch: _Batch) -> None:
+        batch.timer = None
+        if (self.grow_while_busy and self.max_in_flight is not None
+                and self._in_flight >= self.max_in_flight):
+            batch.due = True                         # grows until a slot frees
+            return
+        self._close(batch)
 
     def _close(self, batch: _Batch) -> None:
         """The batch takes no more items: send it, or queue it while ``max_in_flight`` run."""
@@ -257,6 +275,10 @@ class KeyedBatcher(Generic[I, R]):
             self._in_flight -= 1
             if self._queued:
                 self._dispatch()
+            for due in [b for b in self._open.values() if b.due]:
+                if self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
+                    break
+                self._close(due)
 
     def _observe(self, seconds: float) -> None:
         if self.observe_wait is not None:

@@ -17,8 +17,10 @@ always share a call, and under load the batches grow by themselves. Identical te
 once: within a batch, and also when a text is asked for again while a batch holding it is still
 being computed. ``model_calls`` counts the batches sent to the model, ``texts_computed`` the
 distinct texts in them, ``requests`` the texts asked for. If the model call fails, every caller
-of that batch gets the exception; a cancelled caller does not cancel the batch. One embedder
-serves one event loop at a time.
+of that batch gets the exception; a cancelled caller does not cancel the batch (a text whose
+every caller left before its batch was sent is dropped from it). The scheduling is
+:class:`carpool.batching.KeyedBatcher` (one group, the text as key and item, ``grow_while_busy``).
+One embedder serves one event loop at a time.
 
 - :class:`LocalEmbedder` runs all-MiniLM-L6-v2 (384 dims, English, uncased, max 256 tokens: a
   longer text is embedded from its first 256) in process, on one dedicated worker thread, so the
@@ -107,6 +109,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from carpool.batching import KeyedBatcher
+
 try:  # numpy is in the "semantic" extra: this module must import without it.
     import numpy as np
 except ImportError:  # pragma: no cover - exercised only without the extra
@@ -193,127 +197,55 @@ class Embedder(Protocol):
 # Micro-batching, shared by both embedders
 
 
-class _MicroBatcher:
-    """Coalesces concurrent ``submit(text)`` calls into ``compute(texts) -> (n, dim)`` calls.
+class _BatchingEmbedder:
+    """``embed``/``embed_many`` and the counters, over a :class:`carpool.batching.KeyedBatcher`
+    (one group; ``key = item = text``) bound to the running event loop."""
 
-    A batch starts when ``max_batch`` distinct texts wait, or ``max_delay_s`` after the first of
-    them arrived, or as soon as a running batch ends, whichever is first, and never while
-    ``max_in_flight`` batches are running. A text already waiting or being computed is joined.
-    """
+    dim: int
+    name: str
 
-    def __init__(self, compute: Callable[[list[str]], Awaitable[Any]], *, dim: int,
-                 max_batch: int, max_delay_s: float, max_in_flight: int) -> None:
+    def _init_batching(self, compute: Callable[[list[str]], Awaitable[Any]], *, max_batch: int,
+                       max_delay_s: float, max_in_flight: int) -> None:
         if max_batch < 1 or max_in_flight < 1 or max_delay_s < 0:
             raise ValueError("max_batch and max_in_flight must be >= 1, max_delay_s >= 0")
-        self._compute = compute
-        self._dim = dim
-        self.max_batch = max_batch
-        self.max_delay_s = max_delay_s
-        self.max_in_flight = max_in_flight
-        self._pending: dict[str, asyncio.Future[Any]] = {}
-        self._running: dict[str, asyncio.Future[Any]] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self._model_compute = compute
+        self._batch_settings = {"max_batch_size": max_batch, "max_batch_delay_s": max_delay_s,
+                                "max_in_flight": max_in_flight}
+        self._batcher: KeyedBatcher[str, Any] = self._new_batcher()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.calls = 0          # batches sent to compute
-        self.texts = 0          # distinct texts in them
-        self.requests = 0       # texts asked for
 
-    async def submit(self, text: str) -> Vector:
+    def _new_batcher(self) -> KeyedBatcher[str, Any]:
+        return KeyedBatcher(self._compute_checked, grow_while_busy=True, **self._batch_settings)
+
+    async def _compute_checked(self, group: Any, texts: list[str]) -> Any:
+        vectors = await self._model_compute(texts)
+        if vectors.shape != (len(texts), self.dim):
+            raise ValueError(f"the model returned shape {vectors.shape} for {len(texts)} "
+                             f"texts, expected ({len(texts)}, {self.dim})")
+        return vectors
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve ``loop`` from now on. Work left behind by a closed loop is dropped (it can never
+        finish); a loop that is still running with work in flight keeps the embedder."""
+        old = self._batcher
+        if not old.idle and self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("an embedder serves one event loop at a time")
+        new = self._new_batcher()
+        new.batches, new.items_sent, new.requests = old.batches, old.items_sent, old.requests
+        new.max_items_seen = old.max_items_seen
+        self._batcher, self._loop = new, loop
+
+    async def _submit(self, text: str) -> Vector:
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
-        self.requests += 1
-        future = self._running.get(text) or self._pending.get(text)
-        if future is None:
-            future = loop.create_future()
-            future.add_done_callback(_consume)
-            self._pending[text] = future
-            if len(self._pending) >= self.max_batch:
-                self._flush()
-            elif self._timer is None:
-                self._timer = loop.call_later(self.max_delay_s, self._flush)
-        # shield: a caller that is cancelled must not cancel the batch its text is in.
-        vector = await asyncio.shield(future)
+        vector = await self._batcher.submit(None, text, text)
         return vector.copy()
 
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve ``loop`` from now on. Work left behind by a closed loop is dropped (it can never
-        finish); a loop that is still running with work in flight keeps the embedder."""
-        busy = self._pending or self._running or self._tasks
-        if busy and self._loop is not None and not self._loop.is_closed():
-            raise RuntimeError("an embedder serves one event loop at a time")
-        self._pending, self._running, self._tasks = {}, {}, set()
-        self._timer, self._in_flight, self._loop = None, 0, loop
-
-    def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        while self._pending and self._in_flight < self.max_in_flight:
-            texts = list(itertools.islice(self._pending, self.max_batch))
-            batch = {text: self._pending.pop(text) for text in texts}
-            self._running.update(batch)
-            self._in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._run(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, batch: dict[str, asyncio.Future[Any]]) -> None:
-        texts = list(batch)
-        self.calls += 1
-        self.texts += len(texts)
-        try:
-            vectors = await self._compute(texts)
-            if vectors.shape != (len(texts), self._dim):
-                raise ValueError(f"the model returned shape {vectors.shape} for {len(texts)} "
-                                 f"texts, expected ({len(texts)}, {self._dim})")
-        except asyncio.CancelledError:
-            for future in batch.values():
-                future.cancel()
-            raise
-        except Exception as exc:
-            for future in batch.values():
-                if not future.done():
-                    future.set_exception(exc)
-        else:
-            for row, future in zip(vectors, batch.values(), strict=True):
-                if not future.done():
-                    future.set_result(row)
-        finally:
-            for text, future in batch.items():
-                if self._running.get(text) is future:
-                    del self._running[text]
-            self._in_flight -= 1
-            if self._pending and self._timer is None:
-                # The model is free again: what waited for it goes now (texts whose
-                # max_delay_s is still running wait for their timer).
-                self._flush()
-
-    async def wait_idle(self) -> None:
-        """Wait until every batch started so far has finished."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    """Mark a batch future's exception as retrieved, even if every caller was cancelled."""
-    if not future.cancelled():
-        future.exception()
-
-
-class _BatchingEmbedder:
-    """``embed``/``embed_many`` and the counters, over a :class:`_MicroBatcher`."""
-
-    dim: int
-    name: str
-    _batcher: _MicroBatcher
-
     async def embed(self, text: str) -> Vector:
-        return await self._batcher.submit(text)
+        return await self._submit(text)
 
     async def embed_many(self, texts: Sequence[str]) -> Vector:
         numpy = _require_numpy()
@@ -321,18 +253,18 @@ class _BatchingEmbedder:
             raise TypeError("embed_many takes a list of texts, not one str")
         if not texts:
             return numpy.empty((0, self.dim), dtype=numpy.float32)
-        vectors = await asyncio.gather(*(self._batcher.submit(t) for t in texts))
+        vectors = await asyncio.gather(*(self._submit(t) for t in texts))
         return numpy.stack(vectors)
 
     @property
     def model_calls(self) -> int:
         """Batches sent to the model so far."""
-        return self._batcher.calls
+        return self._batcher.batches
 
     @property
     def texts_computed(self) -> int:
         """Distinct texts computed so far (summed over batches)."""
-        return self._batcher.texts
+        return self._batcher.items_sent
 
     @property
     def requests(self) -> int:
@@ -747,8 +679,8 @@ class LocalEmbedder(_BatchingEmbedder):
         self.name = MODEL_NAME if verify else f"{MODEL_NAME}@{directory}"
         self.max_batch = max_batch
         self._executor: ThreadPoolExecutor | None = None
-        self._batcher = _MicroBatcher(self._compute, dim=self.dim, max_batch=max_batch,
-                                      max_delay_s=max_delay_s, max_in_flight=1)
+        self._init_batching(self._compute, max_batch=max_batch, max_delay_s=max_delay_s,
+                            max_in_flight=1)
 
     def encode(self, texts: Sequence[str], batch_size: int | None = None) -> Vector:
         """Synchronous embeddings ``(len(texts), dim)``, for offline tools (not batched with
@@ -794,8 +726,8 @@ class UpstreamEmbedder(_BatchingEmbedder):
         self._call = call
         self.dim = dim
         self.name = name
-        self._batcher = _MicroBatcher(self._compute, dim=dim, max_batch=max_batch,
-                                      max_delay_s=max_delay_s, max_in_flight=max_in_flight)
+        self._init_batching(self._compute, max_batch=max_batch, max_delay_s=max_delay_s,
+                            max_in_flight=max_in_flight)
 
     async def _compute(self, texts: list[str]) -> Vector:
         raw = await self._call(texts)
