@@ -22,8 +22,11 @@ pytest.importorskip("redis")
 
 @contextlib.asynccontextmanager
 async def two_gateways(fake, redis_server, **config):
+    # Generous Redis timeouts: 100 connections opening at once on a busy 2-core machine must
+    # not count as an outage (which would rightly make each instance call upstream itself).
     shared = {"redis": redis_server.url, "admin_token": "t",
-              "distributed": {"retry_interval": 0.05}, **config}
+              "distributed": {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0},
+              **config}
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         yield a, b
 
