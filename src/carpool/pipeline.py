@@ -131,7 +131,7 @@ class Gateway:
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
             build_semantic(self.config, self.upstreams, self.store)
         self._background: set[asyncio.Task[Any]] = set()
-        self.idempotency: IdempotencyRecords = build_idempotency(self.config)
+        self.idempotency: IdempotencyRecords = build_idempotency(self.config, self.store)
 
     # ---------------------------------------------------------------------------------------
     # The request's path

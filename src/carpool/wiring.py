@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from .flight_shared import SharedFlights
     from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
+    from .store.redis import RedisStore
+    from .store.shared import SharedStore
 
 
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
@@ -45,13 +47,30 @@ def build_store(config: Config) -> Store:
     local = MemoryStore(config.cache.max_bytes)
     if not config.redis:
         return local
-    from .store.redis import RedisStore
     from .store.shared import SharedStore
 
     d = config.distributed
-    return SharedStore(RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                                  connect_timeout=d.connect_timeout),
-                       local, retry_interval=d.retry_interval, log_interval=d.log_interval)
+    return SharedStore(_redis_store(config), local, retry_interval=d.retry_interval,
+                       log_interval=d.log_interval)
+
+
+def _redis_store(config: Config) -> RedisStore:
+    from .store.redis import RedisStore
+
+    d = config.distributed
+    return RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
+                      connect_timeout=d.connect_timeout)
+
+
+def _shared_redis(config: Config, store: Store | None) -> tuple[RedisStore, SharedStore | None,
+                                                                 bool]:
+    """The Redis connection a layer should use: the shared store's, with its health (so every
+    layer sees one degraded mode), or, without a shared store, a new one the layer owns."""
+    from .store.shared import SharedStore
+
+    if isinstance(store, SharedStore):
+        return store.redis, store, False
+    return _redis_store(config), None, True
 
 
 def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
@@ -60,15 +79,8 @@ def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
     if not config.redis or not d.shared_flights:
         return None
     from .flight_shared import SharedFlights
-    from .store.redis import RedisStore
-    from .store.shared import SharedStore
 
-    if isinstance(store, SharedStore):
-        redis, health, owned = store.redis, store, False
-    else:
-        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                           connect_timeout=d.connect_timeout)
-        health, owned = None, True
+    redis, health, owned = _shared_redis(config, store)
     return SharedFlights(redis.client, prefix=d.key_prefix, lease_ms=d.lease_ms,
                          stream_maxlen=d.stream_maxlen,
                          join_timeout=config.coalesce.join_timeout_ms / 1000,
@@ -76,17 +88,19 @@ def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
                          health=health, owns_client=owned)
 
 
-def build_idempotency(config: Config) -> IdempotencyRecords:
+def build_idempotency(config: Config, store: Store | None = None) -> IdempotencyRecords:
     """Idempotency records: in process, or shared through Redis with an in-process fallback."""
-    local = MemoryIdempotencyRecords(config.idempotency.retention,
-                                     config.limits.upstream_timeout + 60)
+    processing_ttl = config.limits.upstream_timeout + 60
+    local = MemoryIdempotencyRecords(config.idempotency.retention, processing_ttl)
     if not config.redis:
         return local
+    redis, _, owned = _shared_redis(config, store)
+    # On the shared store's connection pool when there is one (the records then leave it open).
+    target = config.redis if owned else redis.client
     d = config.distributed
     return FallbackRecords(RedisIdempotencyRecords(
-        config.redis, retention=config.idempotency.retention,
-        processing_ttl=config.limits.upstream_timeout + 60, prefix=d.key_prefix,
-        socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
+        target, retention=config.idempotency.retention, processing_ttl=processing_ttl,
+        prefix=d.key_prefix, socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
 
 
 def build_semantic(config: Config, upstreams: Sequence[Upstream],
@@ -101,16 +115,9 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
         from .semantic.cache import SemanticCache
         return SemanticCache(config.semantic, embedder)
     from .semantic.shared import SharedSemanticCache
-    from .store.redis import RedisStore
-    from .store.shared import SharedStore
 
     d = config.distributed
-    if isinstance(store, SharedStore):
-        redis, health, owned = store.redis, store, False
-    else:
-        redis = RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                           connect_timeout=d.connect_timeout)
-        health, owned = None, True
+    redis, health, owned = _shared_redis(config, store)
     shared_store = store
 
     async def resolve(key: str) -> Answer | None:
