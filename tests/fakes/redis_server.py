@@ -432,3 +432,23 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     yield make
     for server in reversed(servers):
         server.stop()
+
+
+async def assert_each_fails_fast(calls, limit: float = 1.0) -> None:
+    """Each awaitable raises ``StoreUnavailable`` (a 503, caused by a redis-py error) within
+    ``limit`` seconds: a dead Redis never makes a caller hang."""
+    import asyncio
+    import time
+
+    import pytest
+    from redis.exceptions import RedisError
+
+    from carpool.store.base import StoreUnavailable
+
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as raised:
+            await asyncio.wait_for(call, 5)
+        assert time.monotonic() - started < limit
+        assert isinstance(raised.value.__cause__, RedisError)
+        assert raised.value.status == 503
