@@ -26,6 +26,7 @@ Contract
 - ``observe_wait(seconds)`` (optional) is called exactly once per ``submit``: the time it waited in
   the buffer before its batch was sent (0 when it joined a running batch; up to its cancellation
   for a caller that left before).
+- ``observe_size(items)`` (optional) is called once per ``compute`` call with its item count.
 - Counters: ``batches`` (calls to ``compute``), ``items_sent`` (distinct items in them),
   ``requests`` (``submit`` calls), ``max_items_seen`` (largest batch).
 - One batcher serves one event loop.
@@ -118,7 +119,8 @@ class KeyedBatcher(Generic[I, R]):
                  max_batch_size: int, max_batch_delay_s: float,
                  max_batch_cost: float = math.inf, max_in_flight: int | None = None,
                  join_running: bool = True, grow_while_busy: bool = False,
-                 observe_wait: Callable[[float], None] | None = None) -> None:
+                 observe_wait: Callable[[float], None] | None = None,
+                 observe_size: Callable[[int], None] | None = None) -> None:
         if max_batch_size < 1 or max_batch_delay_s < 0 or max_batch_cost <= 0 or (
                 max_in_flight is not None and max_in_flight < 1):
             raise ValueError("max_batch_size and max_in_flight must be >= 1, "
@@ -131,6 +133,7 @@ class KeyedBatcher(Generic[I, R]):
         self.join_running = join_running
         self.grow_while_busy = grow_while_busy
         self.observe_wait = observe_wait
+        self.observe_size = observe_size
         self._open: dict[Hashable, _Batch] = {}                 # group -> batch still filling
         self._queued: deque[_Batch] = deque()                   # closed, waiting for a slot
         self._sent: dict[tuple[Hashable, Hashable], _Entry] = {}  # closed, not finished
@@ -251,6 +254,8 @@ class KeyedBatcher(Generic[I, R]):
         self.batches += 1
         self.items_sent += len(entries)
         self.max_items_seen = max(self.max_items_seen, len(entries))
+        if self.observe_size is not None:
+            self.observe_size(len(entries))
         try:
             results = await self._compute(batch.group, [entry.item for entry in entries])
             if len(results) != len(entries):
@@ -346,6 +351,7 @@ class EmbeddingBatcher:
                  max_batch_size: int = 32, max_batch_delay_s: float = 0.005,
                  max_batch_tokens: int = 8192,
                  observe_wait: Callable[[float], None] | None = None,
+                 observe_size: Callable[[int], None] | None = None,
                  max_in_flight: int | None = None,
                  key_headers: Iterable[str] = DEFAULT_KEY_HEADERS) -> None:
         self._send = send
@@ -354,7 +360,8 @@ class EmbeddingBatcher:
         self._core: KeyedBatcher[str | tuple[int, ...], tuple[bytes, dict[str, str]]] = \
             KeyedBatcher(self._compute, max_batch_size=max_batch_size,
                          max_batch_delay_s=max_batch_delay_s, max_batch_cost=max_batch_tokens,
-                         max_in_flight=max_in_flight, observe_wait=observe_wait)
+                         max_in_flight=max_in_flight, observe_wait=observe_wait,
+                         observe_size=observe_size)
 
     @classmethod
     def from_config(cls, send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],

@@ -274,6 +274,10 @@ class Config(_Section):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8080, ge=0, le=65535, description="Port the gateway listens on.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    tracing: Literal["auto", "on", "off"] = Field("auto", description="OpenTelemetry spans per "
+                                                  "layer (extra otel). auto: when a tracer "
+                                                  "provider is installed (e.g. by "
+                                                  "opentelemetry-instrument).")
     fingerprint: FingerprintConfig = Field(default_factory=FingerprintConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     coalesce: CoalesceConfig = Field(default_factory=CoalesceConfig)

@@ -5,22 +5,27 @@ Contract:
   Prometheus collector reads them at scrape time, so /stats and /metrics can never disagree.
 - Metric names follow Prometheus conventions: ``carpool_`` prefix, ``_total`` for counters, base
   units (seconds, bytes) in the name.
+- ``latency_ms`` in /stats: p50/p95/p99 per outcome over the last ``RECENT`` requests of that
+  outcome (a ring per outcome: the dashboard wants "now", not the histogram's whole history).
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .outcome import Outcome
 
+RECENT = 1024
+SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, float("inf"))
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf"))
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0, float("inf"))
 
@@ -35,6 +40,7 @@ class Stats:
         self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
         self.tokens_saved = 0
         self.routing: Counter[str] = Counter()                    # routing decision -> calls
+        self.recent: dict[Outcome, deque[float]] = {o: deque(maxlen=RECENT) for o in Outcome}
 
     def count(self, route: str, outcome: Outcome) -> None:
         self.outcomes[outcome] += 1
@@ -56,7 +62,18 @@ class Stats:
             "upstream_errors": self.upstream_errors,
             "tokens_saved": self.tokens_saved,
             "saved_fraction": round(saved / eligible, 6) if eligible else 0.0,
+            "latency_ms": {o.value: _percentiles(ring) for o, ring in self.recent.items() if ring},
         }
+
+
+def _percentiles(seconds: deque[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    last = len(ordered) - 1
+
+    def at(q: float) -> float:
+        return round(ordered[round(q * last)] * 1000, 3)
+
+    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99), "count": len(ordered)}
 
 
 class _StatsCollector(Collector):
@@ -88,6 +105,12 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("carpool_tokens_saved", "Prompt + completion tokens not "
                                   "recomputed thanks to hits and coalescing.", value=s.tokens_saved)
         g = self.gauges()
+        redis = CounterMetricFamily("carpool_redis_errors", "Redis calls that failed, by "
+                                    "component (the gateway served from its own memory "
+                                    "meanwhile).", labels=["component"])
+        for component, n in g["redis_errors"].items():
+            redis.add_metric([component], n)
+        yield redis
         yield GaugeMetricFamily("carpool_flights", "Upstream calls in flight (and lingering in "
                                 "the coalescing window).", value=g["flights"])
         yield GaugeMetricFamily("carpool_flight_waiters", "Requests attached to a flight.",
@@ -112,18 +135,29 @@ class Metrics:
     """The gateway's Prometheus registry (one per gateway, so several can live in one process)."""
 
     def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
+        # A `_created` gauge beside every histogram doubles the series for a timestamp nobody
+        # graphs (the process start is in process_start_time_seconds); the switch is global.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(stats, gauges))
         self.duration = Histogram("carpool_request_duration_seconds",
                                   "Time from request to the last byte of the answer, by outcome.",
                                   ["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
         self._observe = {o: self.duration.labels(o.value).observe for o in Outcome}
+        self._recent = stats.recent
+        self.similarity = Histogram("carpool_semantic_similarity", "Cosine similarity of the "
+                                    "semantic cache's served hits.", buckets=SIMILARITY_BUCKETS,
+                                    registry=self.registry)
+        self.batch_size = Histogram("carpool_batch_size", "Distinct items per batched upstream "
+                                    "call (embeddings).", buckets=BATCH_SIZE_BUCKETS,
+                                    registry=self.registry)
         self.batch_wait = Histogram("carpool_batch_wait_seconds", "Time an embeddings request "
                                     "waited in the batch buffer.", buckets=DURATION_BUCKETS,
                                     registry=self.registry)
 
     def observe(self, outcome: Outcome, seconds: float) -> None:
         self._observe[outcome](seconds)
+        self._recent[outcome].append(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -60,6 +60,7 @@ from .outcome import Outcome
 from .request import ClientRequest, Request, list_items, merge_items, parse
 from .sse import DONE, assemble, frame, is_complete, usage_tokens
 from .store import Entry, Store
+from .tracing import Tracer
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 from .wiring import (
     build_idempotency,
@@ -118,6 +119,7 @@ class Gateway:
         self.flights = FlightGroup(window=window_policy(coalesce),
                                    finish_abandoned=coalesce.finish_abandoned)
         self.stats = Stats()
+        self.tracer = Tracer(self.config.tracing)
         self.metrics = Metrics(self.stats, self.gauges)
         self.replicas = build_replicas(self.config, self.upstreams, self._observe_attempt)
         # Single embeddings are merged into list calls; identical ones were coalesced before.
@@ -126,7 +128,8 @@ class Gateway:
             max_batch_size=self.config.batching.max_batch_size,
             max_batch_delay_s=self.config.batching.max_batch_delay_ms / 1000,
             max_batch_tokens=self.config.batching.max_batch_tokens,
-            observe_wait=self.metrics.batch_wait.observe)
+            observe_wait=self.metrics.batch_wait.observe,
+            observe_size=self.metrics.batch_size.observe)
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
             build_semantic(self.config, self.upstreams, self.store)
@@ -137,6 +140,12 @@ class Gateway:
     # The request's path
 
     async def handle(self, client: ClientRequest) -> Reply:
+        with self.tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
+            reply = await self._handle(client)
+            span.set_attribute("carpool.outcome", reply.outcome.value if reply.outcome else "")
+            return reply
+
+    async def _handle(self, client: ClientRequest) -> Reply:
         route = client.path
         try:
             request = parse(client, self.config.limits.max_body_bytes)
@@ -158,7 +167,8 @@ class Gateway:
             return await self._bypass(request, route)
         controls = request.controls
         if controls.may_read:
-            entry = await self.store.get(key.key)
+            with self.tracer.span("carpool.exact"):
+                entry = await self.store.get(key.key)
             if entry is not None and (controls.max_age is None
                                       or entry.answer.age() < controls.max_age):
                 return self._served(route, Outcome.HIT, entry.answer, request)
@@ -168,9 +178,13 @@ class Gateway:
             and not controls.no_store else None
         probe = None
         if view is not None and controls.may_read and not self.flights.joinable(key.key, join_age):
-            probe = await self.semantic.probe(view, controls.max_age)  # type: ignore[union-attr]
+            with self.tracer.span("carpool.semantic") as span:
+                probe = await self.semantic.probe(view, controls.max_age)  # type: ignore[union-attr]
+                if probe.match is not None:
+                    span.set_attribute("carpool.similarity", probe.match.similarity)
             if probe.match is not None and self.config.semantic.mode == "serve":
                 assert probe.match.answer is not None
+                self.metrics.similarity.observe(probe.match.similarity)
                 return self._served(route, Outcome.SEMANTIC_HIT, probe.match.answer,
                                     request, _similarity(probe.match))
         lead = partial(self._lead, request, key, view, probe)
@@ -268,11 +282,13 @@ class Gateway:
                       lead: Callable[[Broadcast], Any]) -> Reply:
         """Wait on a flight as its leader or a joiner, then reply from its broadcast."""
         try:
-            try:
-                await self._wait(ticket, request, self._join_timeout)
-            except JoinTimeout:
-                ticket = ticket.retake(lead)
-                await self._wait(ticket, request, None)
+            with self.tracer.span("carpool.flight", **{
+                    "carpool.role": "leader" if ticket.leader else "joiner"}):
+                try:
+                    await self._wait(ticket, request, self._join_timeout)
+                except JoinTimeout:
+                    ticket = ticket.retake(lead)
+                    await self._wait(ticket, request, None)
         except BaseException:
             ticket.release()
             raise
@@ -385,7 +401,10 @@ class Gateway:
     async def _call(self, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
         """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
         self.stats.upstream_calls += 1
-        response, _, decision = await self.replicas.send(upstream_request, text)
+        with self.tracer.span("carpool.upstream") as span:
+            response, replica, decision = await self.replicas.send(upstream_request, text)
+            span.set_attribute("carpool.replica", replica.name)
+            span.set_attribute("carpool.decision", decision.value)
         self.stats.routing[decision.value] += 1
         return response
 
@@ -465,6 +484,9 @@ class Gateway:
                        **({"semantic": {"entries": self.semantic.entries,
                                         "bytes": self.semantic.bytes}} if self.semantic else {})},
             "replicas": {name: r["in_flight"] for name, r in self.replicas.snapshot().items()},
+            "redis_errors": {"store": getattr(self.store, "errors", 0),
+                             **({"flights": self.shared_flights.counts["errors"]}
+                                if self.shared_flights is not None else {})},
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -490,6 +512,7 @@ class Gateway:
     def start(self) -> None:
         """Start background work that needs the event loop (the server calls it at startup;
         it also starts lazily on first use)."""
+        self.tracer.refresh()
         start = getattr(self.semantic, "start", None)
         if start is not None:
             start()

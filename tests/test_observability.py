@@ -1,0 +1,149 @@
+"""Prometheus metrics, /stats latency and OpenTelemetry spans (issue 7, part 3)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from carpool.tracing import NO_SPAN, Tracer
+from fakes.waiting import eventually
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """``{'<labels>': value}`` of every sample line of metric ``name`` in a Prometheus text page."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line[len(name):].rsplit(" ", 1)
+            out[labels] = float(value)
+    return out
+
+
+async def test_metrics_follow_prometheus_naming_conventions(gw):
+    await gw.chat()
+    text = (await gw.client.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert name.startswith("carpool_"), name
+            if kind == "counter":
+                assert name.endswith("_total") or f"{name}_total " in text   # counters: _total
+            if kind == "histogram":
+                assert f"{name}_bucket" in text and f"{name}_sum" in text
+            if {"duration", "wait"} & set(name.split("_")):
+                assert name.endswith("_seconds"), name    # base units in the name
+    assert (await gw.client.get("/metrics")).headers["content-type"].startswith("text/plain")
+
+
+async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by_replica_and_status(
+        gw, fake):
+    await gw.chat("a")
+    await gw.chat("a")
+    fake.fail_status, fake.fail_times = 500, 1
+    assert (await gw.chat("b")).status_code == 500
+    text = (await gw.client.get("/metrics")).text
+    requests = samples(text, "carpool_requests_total")
+    assert requests['{outcome="miss",route="/v1/chat/completions"}'] == 2
+    assert requests['{outcome="hit",route="/v1/chat/completions"}'] == 1
+    upstream = samples(text, "carpool_upstream_requests_total")
+    assert upstream[f'{{replica="{fake.url}",status="200"}}'] == 1
+    assert upstream[f'{{replica="{fake.url}",status="500"}}'] == 1
+    durations = samples(text, "carpool_request_duration_seconds_count")
+    assert durations['{outcome="hit"}'] == 1 and durations['{outcome="miss"}'] == 2
+    assert samples(text, "carpool_tokens_saved_total")[""] > 0
+    assert samples(text, "carpool_cache_entries")['{layer="exact"}'] == 1
+    assert samples(text, "carpool_cache_bytes")['{layer="exact"}'] > 0
+    assert samples(text, "carpool_redis_errors_total") == {'{component="store"}': 0}
+
+
+async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
+    fake.gate = asyncio.Event()
+    calls = [asyncio.create_task(gw.chat("held")) for _ in range(3)]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: gw.gateway.flights.waiters == 3, what="three waiters")
+    text = (await gw.client.get("/metrics")).text
+    assert samples(text, "carpool_flights")[""] == 1
+    assert samples(text, "carpool_flight_waiters")[""] == 3
+    fake.gate.set()
+    await asyncio.gather(*calls)
+
+
+async def test_metrics_show_batch_sizes_and_batch_wait(gateway_with, fake):
+    async with gateway_with(batching={"max_batch_delay_ms": 20}) as gw:
+        await asyncio.gather(*(gw.client.post("/v1/embeddings", json={
+            "model": "e", "input": f"text {i}"}) for i in range(8)))
+        text = (await gw.client.get("/metrics")).text
+    calls = [c for c in fake.calls if c.path == "/v1/embeddings"]
+    assert samples(text, "carpool_batch_size_count")[""] == len(calls)
+    assert samples(text, "carpool_batch_size_sum")[""] == 8          # every item sent once
+    assert samples(text, "carpool_batch_wait_seconds_count")[""] == 8
+
+
+async def test_metrics_show_the_similarity_of_semantic_hits(gateway_with, fake):
+    pytest.importorskip("onnxruntime")
+    async with gateway_with(semantic={"enabled": True}) as gw:
+        await gw.chat("How do I reset my router?")
+        await eventually(lambda: gw.gateway.semantic.entries >= 1, what="the semantic insert")
+        hit = await gw.chat("how can i reset my router")
+        assert hit.headers["x-carpool"] == "semantic-hit"
+        text = (await gw.client.get("/metrics")).text
+    similarity = float(hit.headers["x-carpool-similarity"])
+    assert samples(text, "carpool_semantic_similarity_count")[""] == 1
+    assert samples(text, "carpool_semantic_similarity_sum")[""] == pytest.approx(similarity,
+                                                                                  abs=1e-4)
+    assert samples(text, "carpool_cache_entries")['{layer="semantic"}'] == 1
+
+
+async def test_stats_report_latency_percentiles_per_outcome(gw):
+    for _ in range(3):
+        await gw.chat()
+    latency = (await gw.client.get("/stats")).json()["latency_ms"]
+    assert set(latency) == {"miss", "hit"}
+    assert latency["hit"]["count"] == 2 and latency["miss"]["count"] == 1
+    for figures in latency.values():
+        assert 0 < figures["p50"] <= figures["p95"] <= figures["p99"]
+
+
+# --- OpenTelemetry ------------------------------------------------------------------------------
+
+def test_tracing_costs_nothing_when_no_tracer_provider_is_installed():
+    tracer = Tracer("auto")                       # the test process installs no global provider
+    assert not tracer.enabled and tracer.span("carpool.exact") is NO_SPAN
+    assert not Tracer("off").enabled
+
+
+@pytest.fixture
+def spans():
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fake, spans):
+    provider, exporter = spans
+    gw.gateway.tracer = Tracer("on", provider=provider)
+    secret_prompt = "a prompt that must never be a span attribute"
+    await gw.chat(secret_prompt, headers={"authorization": "Bearer sk-secret"})
+    miss = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(miss) == {"carpool.request", "carpool.exact", "carpool.flight", "carpool.upstream"}
+    root = miss["carpool.request"]
+    assert root.attributes["carpool.outcome"] == "miss"
+    assert root.attributes["carpool.route"] == "/v1/chat/completions"
+    for name in ("carpool.exact", "carpool.flight"):
+        assert miss[name].parent.span_id == root.context.span_id
+    assert miss["carpool.flight"].attributes["carpool.role"] == "leader"
+    assert miss["carpool.upstream"].attributes["carpool.replica"] == fake.url
+    assert miss["carpool.upstream"].context.trace_id == root.context.trace_id
+    for span in miss.values():
+        assert not any(secret_prompt in str(v) or "sk-secret" in str(v)
+                       for v in span.attributes.values())
+    exporter.clear()
+    await gw.chat(secret_prompt, headers={"authorization": "Bearer sk-secret"})
+    hit = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(hit) == {"carpool.request", "carpool.exact"}
+    assert hit["carpool.request"].attributes["carpool.outcome"] == "hit"
