@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
+from importlib import resources
 from typing import Any
 
 import orjson
@@ -229,7 +230,6 @@ def create_app(gateway: Gateway | None = None) -> GatewayApp:
     return GatewayApp(gateway or Gateway())
 
 
-_DASHBOARD = """<!doctype html><html><head><meta charset="utf-8"><title>carpool</title></head>
-<body><h1>carpool</h1><pre id="stats">loading…</pre><script>
-async function tick(){const r=await fetch('/stats');document.getElementById('stats').textContent=
-JSON.stringify(await r.json(),null,2);}tick();setInterval(tick,1000);</script></body></html>"""
+# The live dashboard: one self-contained page (inline CSS and JS, no external resources) that
+# polls /stats; a package file, read once at import.
+_DASHBOARD = resources.files("carpool").joinpath("dashboard.html").read_text(encoding="utf-8")

@@ -1,0 +1,263 @@
+"""The live /dashboard, rendered by a real browser in front of a real gateway (CONTRACT.md, /stats).
+
+Debian's ``chromium`` is driven by Playwright's async API (no browser is ever downloaded); the
+gateway runs over loopback in front of the counting fake upstream. The page polls the relative URL
+``stats`` and exposes what it drew as ``window.carpoolDashboard``; the tests compare that, the
+headline tiles and the canvases' pixels with the live ``/stats`` numbers.
+
+Without chromium the browser test is skipped, unless ``CARPOOL_REQUIRE_BROWSER`` is set (CI sets
+it), in which case it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from fakes.waiting import eventually
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+REQUIRE_BROWSER = os.environ.get("CARPOOL_REQUIRE_BROWSER", "") not in ("", "0")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-extensions", "--disable-dev-shm-usage"]
+POLL_MS = 150                       # ?interval= : the page polls faster than its default 1 s
+WAIT_MS = 5000                      # bound of every wait_for_function
+
+# The page's outcome keys (x-carpool values) and the /stats counters they chart.
+STAT = {"hit": "hits", "semantic-hit": "semantic_hits", "coalesced": "coalesced",
+        "miss": "misses", "bypass": "bypass"}
+COLOR = {"hit": (0x3F, 0xB9, 0x50), "coalesced": (0xA3, 0x71, 0xF7), "miss": (0xF0, 0x88, 0x3E),
+         "bypass": (0x8B, 0x94, 0x9E)}
+
+# One consistent view of the page (JS runs to completion: no poll lands in the middle): the
+# dashboard's record of what it drew, the headline tiles, each chart's data attributes and, when
+# asked (``colors``), its opaque pixels: all, "saturated" ones (series colours; axes, grid and
+# labels are grey) and those near each given colour.
+SNAPSHOT_JS = """(colors) => {
+  const tiles = {}, charts = {};
+  for (const t of document.querySelectorAll('.tile')) {
+    const v = t.querySelector('.value');
+    tiles[t.id] = {text: v.textContent, value: v.dataset.value, entries: t.dataset.entries,
+                   bytes: t.dataset.bytes};
+  }
+  for (const c of document.querySelectorAll('canvas[data-chart]')) {
+    const chart = charts[c.dataset.chart] = {points: Number(c.dataset.points)};
+    if (!colors) continue;
+    const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, near = {};
+    const targets = Object.entries(colors);
+    let opaque = 0, saturated = 0;
+    for (const [k] of targets) near[k] = 0;
+    for (let i = 0; i < d.length; i += 4) {
+      if (d[i + 3] < 128) continue;
+      opaque++;
+      if (Math.max(d[i], d[i + 1], d[i + 2]) - Math.min(d[i], d[i + 1], d[i + 2]) > 60) saturated++;
+      for (const [k, [r, g, b]] of targets) {
+        if (Math.abs(d[i] - r) + Math.abs(d[i + 1] - g) + Math.abs(d[i + 2] - b) < 60) near[k]++;
+      }
+    }
+    Object.assign(chart, {opaque, saturated, near});
+  }
+  return {board: window.carpoolDashboard, tiles, charts};
+}"""
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    if CHROMIUM is None:
+        message = "chromium is not on PATH (apt-get install chromium)"
+        if REQUIRE_BROWSER:
+            pytest.fail(f"{message}, and CARPOOL_REQUIRE_BROWSER is set")
+        pytest.skip(f"{message}; set CARPOOL_REQUIRE_BROWSER=1 to make this a failure")
+    if not REQUIRE_BROWSER:
+        pytest.importorskip("playwright.async_api", reason="playwright is not installed")
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:            # a fresh temporary profile each time
+        launched = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def traffic(gw, fake, tag: str) -> Counter[str]:
+    """Misses, hits, coalesced answers (one streamed) and a bypass; the outcomes, from headers."""
+    outcomes: Counter[str] = Counter()
+    for _ in range(3):                                       # a miss, then two hits
+        outcomes[(await gw.chat(f"{tag}: repeated")).headers["x-carpool"]] += 1
+    fake.gate = asyncio.Event()                              # four at once: one call, three join
+
+    async def together(i: int) -> str:
+        if i == 3:
+            response, _ = await gw.stream_chat(f"{tag}: together")
+            return response.headers["x-carpool"]
+        return (await gw.chat(f"{tag}: together")).headers["x-carpool"]
+
+    calls = fake.count()
+    clients = [asyncio.create_task(together(i)) for i in range(4)]
+    await fake.wait_for_calls(calls + 1)
+    await eventually(lambda: gw.gateway.flights.waiters == 4, what="4 clients on the flight")
+    fake.gate.set()
+    outcomes.update(await asyncio.gather(*clients))
+    fake.gate = None
+    outcomes[(await gw.chat(f"{tag}: sampled", temperature=0.9)).headers["x-carpool"]] += 1
+    assert outcomes == {"miss": 2, "hit": 2, "coalesced": 3, "bypass": 1}
+    return outcomes
+
+
+async def stats(gw) -> dict[str, Any]:
+    response = await gw.client.get("/stats")
+    assert response.status_code == 200
+    return response.json()
+
+
+def check_tiles(tiles: dict[str, dict], live: dict[str, Any], polled: dict[str, Any]) -> None:
+    """The headline numbers are /stats' numbers, as data and as text: the counters those of the
+    test's own /stats (no request since), the gauges those of the page's last poll."""
+    for tile, key, source in [("tile-requests", "requests", live),
+                              ("tile-upstream", "upstream_calls", live),
+                              ("tile-tokens", "tokens_saved", live),
+                              ("tile-flights", "flights", polled)]:   # lingering flights expire
+        assert int(tiles[tile]["value"]) == source[key], tile
+        assert int(tiles[tile]["text"].replace(",", "")) == source[key], tile
+    assert float(tiles["tile-saved"]["value"]) == live["saved_fraction"]
+    assert tiles["tile-saved"]["text"] == f"{100 * live['saved_fraction']:.1f}%"
+    for layer, info in live["layers"].items():
+        shown = tiles[f"tile-layer-{layer}"]
+        assert int(shown["entries"]) == info["entries"] and int(shown["bytes"]) == info["bytes"]
+    assert tiles["tile-redis"]["text"] == live["redis"]["state"]
+
+
+def check_latency(drawn: dict[str, Any], doc: dict[str, Any]) -> None:
+    """The latency bars are the document's percentiles, or the page says they are missing."""
+    latency = doc.get("latency_ms")
+    if latency is None:                     # a gateway without the field: handled, not drawn
+        assert drawn == {"available": False, "points": 0, "lastValue": None, "outcomes": {}}
+        return
+    shown = {k: v for k, v in latency.items() if v.get("count")}
+    assert drawn["available"] and drawn["points"] == len(shown)
+    assert {k.replace("_", "-"): v for k, v in shown.items()} == drawn["outcomes"]
+
+
+async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, browser):
+    before = await traffic(gw, fake, "before")               # the page opens on a busy gateway
+    problems: list[str] = []
+    requested: list[str] = []
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(
+        f"console {m.type}: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+    page.on("request", lambda r: requested.append(r.url))
+    response = await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    assert response is not None and response.status == 200
+    assert "carpool" in await page.title() and await page.inner_text(".logo") == "carpool"
+
+    await page.wait_for_function("() => (window.carpoolDashboard || {}).ticks >= 2",
+                                 timeout=WAIT_MS)
+    first = await stats(gw)
+    assert first["requests"] == sum(before.values())
+    view = await page.evaluate(SNAPSHOT_JS, None)
+    board = view["board"]
+    assert board["errors"] == 0
+    assert {STAT[o]: n for o, n in before.items()}.items() <= board["last"].items()
+    check_tiles(view["tiles"], first, board["last"])
+    saved = board["drawn"]["saved"]
+    assert saved["points"] == board["ticks"] and saved["lastValue"] == first["saved_fraction"]
+    replicas = board["drawn"]["replicas"]
+    assert replicas["names"] == list(first["replicas"]) and replicas["points"] == board["ticks"]
+    for name, info in first["replicas"].items():
+        assert replicas["series"][name]["calls"] == info["calls"] == fake.count()
+        assert replicas["series"][name]["lastValue"] == info["in_flight"] == 0
+    check_latency(board["drawn"]["latency"], board["last"])
+
+    after = await traffic(gw, fake, "after")                 # then the page follows new traffic
+    second = await stats(gw)
+    assert second["requests"] == first["requests"] + sum(after.values())
+    await page.wait_for_function(
+        "n => { const d = window.carpoolDashboard; return d.last.requests === n "
+        "&& d.drawn.outcomes.series.miss.total > 0 }", arg=second["requests"], timeout=WAIT_MS)
+    view = await page.evaluate(SNAPSHOT_JS, {k: list(rgb) for k, rgb in COLOR.items()})
+    board = view["board"]
+    assert board["errors"] == 0
+    check_tiles(view["tiles"], second, board["last"])
+    outcomes = board["drawn"]["outcomes"]
+    assert outcomes["points"] == board["ticks"] - 1 >= 2
+    for outcome, stat in STAT.items():
+        series = outcomes["series"][outcome]
+        assert series["base"] == first[stat]                          # the page's first poll
+        assert series["total"] == second[stat] - first[stat] == after[outcome]  # its deltas
+        assert (series["max"] > 0) == (after[outcome] > 0)            # drawn as a rate
+    assert board["drawn"]["saved"]["lastValue"] == second["saved_fraction"]
+    check_latency(board["drawn"]["latency"], board["last"])
+
+    # What was drawn reached the pixels: every chart has coloured series, each outcome its own.
+    charts = view["charts"]
+    for chart in ("outcomes", "saved", "replicas") + (
+            ("latency",) if board["drawn"]["latency"]["available"] else ()):
+        assert charts[chart]["points"] == board["drawn"][chart]["points"] > 0, chart
+        assert charts[chart]["saturated"] > 20, (chart, charts[chart])
+    for outcome in COLOR:
+        assert charts["outcomes"]["near"][outcome] >= 3, (outcome, charts["outcomes"])
+
+    assert problems == []                   # no console error or warning, no failed request
+    assert requested and all(url.startswith(gw.url + "/") for url in requested), requested
+    assert {url.split("?")[0] for url in requested} == {f"{gw.url}/dashboard", f"{gw.url}/stats"}
+    await page.close()
+
+
+async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, browser):
+    """An older gateway (no latency_ms, no replicas, no layers) and a failed poll: the page says
+    so, draws what it has, keeps polling, and throws nothing."""
+    docs = [{"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.333333}, None,
+            {"requests": 5, "hits": 2, "misses": 3, "saved_fraction": 0.4}]
+    polls = 0
+
+    async def stats_route(route) -> None:
+        nonlocal polls
+        doc = docs[min(polls, len(docs) - 1)]
+        polls += 1
+        if doc is None:
+            await route.fulfill(status=503, body="unavailable")
+        else:
+            await route.fulfill(status=200, content_type="application/json", body=json.dumps(doc))
+
+    page = await browser.new_page()
+    thrown: list[str] = []
+    page.on("pageerror", lambda e: thrown.append(str(e)))
+    await page.route("**/stats", stats_route)
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => { const d = window.carpoolDashboard; "
+                                 "return d.errors >= 1 && d.ticks >= 2 }", timeout=WAIT_MS)
+    view = await page.evaluate(SNAPSHOT_JS, None)
+    board = view["board"]
+    assert thrown == [] and "503" in board["lastError"]
+    assert board["last"]["requests"] == 5 and view["tiles"]["tile-requests"]["text"] == "5"
+    assert view["tiles"]["tile-saved"]["text"] == "40.0%"
+    assert board["drawn"]["latency"] == {"available": False, "points": 0, "lastValue": None,
+                                         "outcomes": {}}
+    assert board["drawn"]["replicas"]["names"] == []
+    assert board["drawn"]["outcomes"]["series"]["miss"]["total"] == 1
+    assert "live" in await page.inner_text("#status")
+    await page.close()
+
+
+async def test_dashboard_is_one_self_contained_html_page(gw):
+    response = await gw.client.get("/dashboard")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    html = response.text
+    assert "<title>carpool" in html and "carpool" in html
+    assert not re.search(r"https?://", html, re.IGNORECASE)            # no CDN, no web font
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*//""", html)   # nor protocol-relative
+    assert not re.search(r"@import|<script[^>]+src=|<link[^>]+stylesheet", html)
+    assert re.search(r"""fetch\(\s*['"]stats['"]""", html)             # relative: any host/prefix
