@@ -1,0 +1,168 @@
+"""The oracle: the fewest upstream calls any correct deduplicator could make on a workload.
+
+Contract:
+- Computed from the workload alone (its requests and their arrival times), never from what the
+  gateway reported, so it can judge the gateway's ``upstream_calls``.
+- "Identical" is the gateway's own definition, reused rather than re-implemented: each request is
+  parsed with ``carpool.request.parse`` and keyed with ``carpool.fingerprint.fingerprint`` under
+  the run's config (tenant header, namespaces, sampling policy, white-space normalisation). So the
+  oracle measures how well carpool deduplicates, not whether its fingerprint is right (the
+  fingerprint has its own tests).
+- One call per distinct fingerprint among shareable requests while its answer lives, plus one per
+  unshareable request (sampled without a seed, unless the policy shares those): the policy's
+  lower bound. A request the gateway rejects (400/413/bad idempotency key) costs nothing; a
+  request reusing an ``Idempotency-Key`` already seen for its tenant costs nothing (replay or
+  refusal).
+- Lifetimes, per fingerprint, from the call that produced the answer: stored answers live their
+  type's TTL (``config.ttl_for``; 0 = never stored), readable unless the request says
+  ``no-cache``/``no-store`` or its ``max-age`` is shorter; an answer in flight is joinable for
+  ``call_seconds`` (the assumed duration of one upstream call; the report passes the run's median
+  miss latency) and lingers joinable for the longest coalescing window (``max_window_ms`` when
+  adaptive, else ``window_ms``), except after a ``no-store`` leader. When the run is shorter than
+  every TTL none of this matters: the oracle is distinct fingerprints + unshareable requests.
+- Not modelled (stated in the report): cache evictions (``cache.max_bytes`` is assumed large
+  enough), the semantic layer (it may go below this exact-match oracle: paraphrases count as new
+  fingerprints here), and the embeddings batcher (it merges distinct embeddings into one call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Config
+from ..errors import RequestError
+from ..fingerprint import fingerprint
+from ..idempotency import IdempotencyError, parse_key
+from ..request import ClientRequest, parse
+from .workloads import BenchRequest, Workload
+
+
+def _parsed(request: BenchRequest, config: Config) -> tuple[Any, Any, str | None] | None:
+    """(Request, Fingerprint, idempotency key), or None when the gateway would reject it."""
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    try:
+        parsed = parse(ClientRequest(request.endpoint, request.payload(), headers),
+                       config.limits.max_body_bytes)
+        idempotency_key = parse_key(headers)
+    except (RequestError, IdempotencyError):
+        return None
+    return parsed, fingerprint(parsed, config), idempotency_key
+
+
+def request_key(request: BenchRequest, config: Config) -> str | None:
+    """The request's fingerprint key; None when it is unshareable or rejected."""
+    parsed = _parsed(request, config)
+    return None if parsed is None else parsed[1].key
+
+
+@dataclass(slots=True)
+class _Life:
+    flight_end: float = float("-inf")     # the last call's answer was ready then
+    linger: bool = True
+    cache_produced: float = float("-inf")
+    cache_until: float = float("-inf")
+
+
+@dataclass(slots=True)
+class Oracle:
+    calls: int = 0
+    distinct: int = 0                 # distinct fingerprints among shareable requests
+    unshareable: int = 0              # one call each
+    refreshes: int = 0                # further calls of a fingerprint whose answer had expired
+    rejected: int = 0                 # the gateway answers these itself: no call
+    replays: int = 0                  # a reused Idempotency-Key: no call
+    needs_call: list[bool] = field(default_factory=list)   # per request, in workload order
+    assumptions: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"calls": self.calls, "distinct_fingerprints": self.distinct,
+                "unshareable": self.unshareable, "refreshes": self.refreshes,
+                "rejected": self.rejected, "idempotent_replays": self.replays,
+                "method": "carpool.fingerprint.fingerprint under the run's config; one call per "
+                          "distinct fingerprint while its answer lives + one per unshareable "
+                          "request",
+                "assumptions": self.assumptions}
+
+
+def oracle(workload: Workload, config: Config, times: Sequence[float] | None = None,
+           call_seconds: float = 0.0) -> Oracle:
+    """The oracle for ``workload`` with requests arriving at ``times`` (default: their ``t``)."""
+    requests = workload.requests
+    times = [r.t for r in requests] if times is None else list(times)
+    if len(times) != len(requests):
+        raise ValueError("one time per request")
+    coalesce = config.coalesce
+    window = max(coalesce.window_ms, coalesce.max_window_ms if coalesce.adaptive else 0) / 1000
+    result = Oracle(needs_call=[False] * len(requests))
+    lives: dict[str, _Life] = {}
+    idempotency_seen: set[tuple[str, str]] = set()
+    ttls_used: set[float] = set()
+    for i in sorted(range(len(requests)), key=lambda i: (times[i], i)):
+        t = times[i]
+        parsed = _parsed(requests[i], config)
+        if parsed is None:
+            result.rejected += 1
+            continue
+        request, key, idempotency_key = parsed
+        if idempotency_key is not None:
+            scoped = (key.tenant, idempotency_key)
+            if scoped in idempotency_seen:
+                result.replays += 1
+                continue
+            idempotency_seen.add(scoped)
+        if key.key is None:
+            result.unshareable += 1
+            result.calls += 1
+            result.needs_call[i] = True
+            continue
+        controls = request.controls
+        ttl = config.ttl_for(controls.request_type)
+        ttls_used.add(ttl)
+        life = lives.get(key.key)
+        if life is None:
+            result.distinct += 1
+            life = lives[key.key] = _Life()
+        elif _served(life, t, controls, window):
+            continue
+        else:
+            result.refreshes += 1
+        result.calls += 1
+        result.needs_call[i] = True
+        life.flight_end = t + call_seconds
+        life.linger = not controls.no_store
+        if not controls.no_store and ttl > 0:
+            life.cache_produced = t + call_seconds
+            life.cache_until = life.cache_produced + ttl
+    span = max(times) - min(times) if times else 0.0
+    shortest = min(ttls_used) if ttls_used else None
+    notes = [f"cache entries are never evicted (cache.max_bytes = {config.cache.max_bytes} is "
+             "assumed large enough)",
+             "exact matches only: semantic hits can bring upstream_calls below this oracle",
+             "embeddings requests count one call per distinct input request; the gateway's "
+             "batcher may merge several into one upstream call"]
+    if shortest is not None and shortest < span:
+        notes.append(f"some answers expire during the run (ttl {shortest:g} s < run {span:.1f} "
+                     f"s): each is refreshed by one call at its first request after expiry; "
+                     f"a call is assumed to take {call_seconds * 1000:.0f} ms and a finished "
+                     f"answer stays joinable {window * 1000:.0f} ms (the longest coalescing "
+                     f"window)")
+    else:
+        notes.append(f"every answer outlives the run (shortest ttl "
+                     f"{'n/a' if shortest is None else f'{shortest:g} s'} >= run "
+                     f"{span:.1f} s): no refreshes")
+    result.assumptions = notes
+    return result
+
+
+def _served(life: _Life, t: float, controls: Any, window: float) -> bool:
+    """Could a request at ``t`` be answered without a call of its own?"""
+    if t <= life.flight_end:                                    # joins the call in flight
+        return True
+    join_age = controls.max_age if controls.may_read else 0.0
+    since = t - life.flight_end
+    if life.linger and since <= window and (join_age is None or since < join_age):
+        return True                                             # within the coalescing window
+    return (controls.may_read and t < life.cache_until
+            and (controls.max_age is None or t - life.cache_produced < controls.max_age))

@@ -1,0 +1,139 @@
+"""The plots of a ``carpool bench`` report (PNG, matplotlib's Agg backend, no display needed).
+
+Contract:
+- ``draw(run, needs_call, out_dir)`` writes three PNGs and returns their file names:
+  * ``outcomes_over_time.png``: requests per second by outcome (stacked), by send time;
+  * ``latency_cdf.png``: the latency CDF per outcome (log x), and beside it the time to first
+    byte of the streaming requests per outcome;
+  * ``upstream_vs_oracle.png``: cumulative upstream calls over the run, from the gateway's
+    ``/stats`` (polled), against the oracle's calls and the requests sent.
+- matplotlib is the optional ``bench`` extra: ``available()`` says whether it can be imported, and
+  ``MISSING`` is the sentence the report prints when it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .replay import Run
+
+MISSING = ("Plots need matplotlib, which is not installed: `pip install 'carpool[bench]'`, then "
+           "run the benchmark again.")
+COLORS = {"hit": "#2ca02c", "semantic_hit": "#17becf", "coalesced": "#1f77b4",
+          "miss": "#ff7f0e", "bypass": "#7f7f7f", "error": "#d62728"}
+ORDER = ("hit", "semantic_hit", "coalesced", "miss", "bypass", "error")
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def draw(run: Run, needs_call: Sequence[bool], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from .report import outcome_of
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    for name, figure in (("outcomes_over_time.png", _outcomes(plt, run, outcome_of)),
+                         ("latency_cdf.png", _latency(plt, run, outcome_of)),
+                         ("upstream_vs_oracle.png", _calls(plt, run, needs_call))):
+        figure.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(figure)
+        names.append(name)
+    return names
+
+
+def _outcomes(plt, run: Run, outcome_of):
+    results = run.results
+    span = max((r.sent for r in results), default=0.0)
+    width = max(1.0, span / 60)                       # at most ~60 bars
+    bins = int(span / width) + 1
+    counts = {name: [0] * bins for name in ORDER}
+    for r in results:
+        counts[outcome_of(r)][min(int(r.sent / width), bins - 1)] += 1
+    figure, ax = plt.subplots(figsize=(9, 4.2))
+    x = [i * width for i in range(bins)]
+    bottom = [0.0] * bins
+    for name in ORDER:
+        series = [c / width for c in counts[name]]
+        if not any(series):
+            continue
+        ax.bar(x, series, width=width * 0.95, bottom=bottom, align="edge", color=COLORS[name],
+               label=f"{name} ({sum(counts[name]):,})")
+        bottom = [b + s for b, s in zip(bottom, series, strict=True)]
+    ax.set_xlabel("seconds since start (send time)")
+    ax.set_ylabel("requests / s")
+    ax.set_title("Outcome mix over time (x-carpool header)")
+    ax.legend(loc="upper left", fontsize=8, ncols=3)
+    ax.set_xlim(0, bins * width)
+    ax.grid(axis="y", alpha=0.3)
+    return figure
+
+
+def _cdf(ax, values_ms: list[float], name: str, style: str = "-") -> None:
+    data = sorted(max(v, 1e-3) for v in values_ms)
+    n = len(data)
+    ys = [(i + 1) / n for i in range(n)]
+    median = data[(n - 1) // 2]
+    ax.step(data, ys, style, where="post", color=COLORS[name],
+            label=f"{name} (n={n:,}, p50 {median:,.1f} ms)")
+
+
+def _latency(plt, run: Run, outcome_of):
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, attr, results, title in (
+            (left, "latency", run.results, "Latency to the last byte, per outcome"),
+            (right, "ttfb", [r for r in run.results if r.stream],
+             "Streams: time to first byte, per outcome")):
+        drawn = False
+        for name in ORDER:
+            values = [getattr(r, attr) * 1000 for r in results
+                      if outcome_of(r) == name and r.ok and getattr(r, attr) is not None]
+            if values:
+                _cdf(ax, values, name)
+                drawn = True
+        ax.set_xscale("log")
+        ax.set_xlabel("milliseconds (log scale)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(which="both", alpha=0.3)
+        if drawn:
+            ax.legend(loc="lower right", fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no streaming requests", ha="center", transform=ax.transAxes)
+    left.set_ylabel("share of requests at or below")
+    left.set_ylim(0, 1.01)
+    return figure
+
+
+def _calls(plt, run: Run, needs_call: Sequence[bool]):
+    figure, ax = plt.subplots(figsize=(9, 4.5))
+    base = run.stats_before.get("upstream_calls", 0)
+    xs = [t for t, _ in run.stats_series]
+    ys = [s.get("upstream_calls", base) - base for _, s in run.stats_series]
+    order = sorted(range(len(run.results)), key=lambda i: run.results[i].sent)
+    sent = [run.results[i].sent for i in order]
+    oracle, total = [], 0
+    for i in order:
+        total += bool(needs_call[i])
+        oracle.append(total)
+    ax.plot(sent, range(1, len(sent) + 1), color="#bbbbbb", lw=1.5, label=f"requests sent "
+            f"({len(sent):,})")
+    ax.step(xs, ys, where="post", color=COLORS["miss"], lw=2,
+            label=f"upstream calls, gateway /stats ({ys[-1] if ys else 0:,})")
+    ax.step(sent, oracle, "--", where="post", color="black", lw=1.5,
+            label=f"oracle: fewest possible ({total:,})")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("cumulative count")
+    ax.set_title("Upstream calls vs the oracle")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    return figure

@@ -1,0 +1,234 @@
+"""Replay a workload against a gateway over HTTP and time every answer.
+
+Contract:
+- ``replay(workload, url, arrivals=..., concurrency=...)`` sends every request of the workload
+  to ``url`` (the gateway's base URL, without ``/v1``) and returns a ``Run``: one ``Result`` per
+  request, in workload order, plus the gateway's ``/stats`` before, during (polled every
+  ``poll_s``) and after the run.
+- Open loop (``arrivals``: one offset in seconds per request): request i is sent at
+  ``start + arrivals[i]`` whether or not earlier ones have been answered, as independent users
+  do; the lag between the planned and the actual send is recorded. Closed loop (``concurrency``
+  C): C workers each send the next request as soon as their previous one is answered.
+- Per request: the send time (seconds from the start), latency to the last byte, time to first
+  byte of the body for streams (the first SSE bytes), status, ``x-carpool`` outcome (``-`` spelt
+  ``_``: ``semantic_hit``), usage tokens of the answer when it carries them, and an error text for
+  a transport failure, a non-2xx status, or a stream that did not end with ``data: [DONE]`` or
+  carried an error event. A failure never stops the run.
+- ``on_result`` is called once per finished request (the progress bar).
+- The client is aiohttp with one pooled session (no connection limit), so keep-alive connections
+  are reused as a real client fleet's would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .workloads import BenchRequest, Workload
+
+DONE = b"data: [DONE]"
+
+
+@dataclass(slots=True)
+class Result:
+    index: int
+    stream: bool
+    sent: float = 0.0                  # seconds from the start of the run
+    lag: float = 0.0                   # open loop: actual send - planned send
+    latency: float | None = None       # seconds to the last byte
+    ttfb: float | None = None          # streams: seconds to the first body bytes
+    status: int | None = None
+    outcome: str | None = None         # hit | semantic_hit | coalesced | miss | bypass
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class Run:
+    results: list[Result]
+    started_at: float                  # wall clock (time.time()) at the start
+    duration: float                    # seconds from the first send to the last answer
+    stats_before: dict[str, Any]
+    stats_after: dict[str, Any]
+    stats_series: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    sim_before: dict[str, Any] | None = None
+    sim_after: dict[str, Any] | None = None
+
+
+class GatewayUnreachable(RuntimeError):
+    """The gateway's /stats did not answer."""
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as response:
+        if response.status != 200:
+            raise GatewayUnreachable(f"GET {url}: HTTP {response.status}")
+        return orjson.loads(await response.read())
+
+
+async def _optional_json(session: aiohttp.ClientSession, url: str) -> Any:
+    try:
+        return await get_json(session, url)
+    except (aiohttp.ClientError, GatewayUnreachable, orjson.JSONDecodeError):
+        return None
+
+
+async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | None = None,
+                 concurrency: int | None = None, poll_s: float = 0.5,
+                 on_result: Callable[[Result], None] | None = None,
+                 request_timeout_s: float = 300.0) -> Run:
+    if (arrivals is None) == (concurrency is None):
+        raise ValueError("give either arrivals (open loop) or concurrency (closed loop)")
+    requests = workload.requests
+    results = [Result(i, r.stream) for i, r in enumerate(requests)]
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                     auto_decompress=False) as session:
+        try:
+            before = await get_json(session, url + "/stats")
+        except (aiohttp.ClientError, orjson.JSONDecodeError) as error:
+            raise GatewayUnreachable(f"cannot read {url}/stats: {error}") from None
+        sim_before = await _optional_json(session, url + "/sim/stats")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        started_at = time.time()
+        series: list[tuple[float, dict[str, Any]]] = [(0.0, before)]
+        stop = asyncio.Event()
+        poller = loop.create_task(_poll(session, url, start, poll_s, series, stop))
+
+        async def one(i: int) -> None:
+            await _send(session, url, requests[i], results[i], start)
+            if on_result is not None:
+                on_result(results[i])
+
+        try:
+            if arrivals is not None:
+                tasks = []
+                for i in sorted(range(len(requests)), key=lambda i: (arrivals[i], i)):
+                    delay = start + arrivals[i] - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    results[i].lag = max(0.0, loop.time() - start - arrivals[i])
+                    tasks.append(loop.create_task(one(i)))
+                await asyncio.gather(*tasks)
+            else:
+                assert concurrency is not None
+                queue = iter(range(len(requests)))
+
+                async def worker() -> None:
+                    for i in queue:
+                        await one(i)
+
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+        finally:
+            stop.set()
+            await poller
+        end = loop.time()
+        after = await get_json(session, url + "/stats")
+        series.append((end - start, after))
+        sim_after = await _optional_json(session, url + "/sim/stats") if sim_before else None
+    first = min((r.sent for r in results), default=0.0)
+    return Run(results, started_at, end - start - first, before, after, series, sim_before,
+               sim_after)
+
+
+async def _poll(session: aiohttp.ClientSession, url: str, start: float, every: float,
+                series: list[tuple[float, dict[str, Any]]], stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except TimeoutError:
+            stats = await _optional_json(session, url + "/stats")
+            if stats is not None:
+                series.append((loop.time() - start, stats))
+
+
+async def _send(session: aiohttp.ClientSession, url: str, request: BenchRequest, result: Result,
+                start: float) -> None:
+    loop = asyncio.get_running_loop()
+    headers = {"content-type": "application/json", **request.headers}
+    sent = loop.time()
+    result.sent = sent - start
+    try:
+        async with session.post(url + request.endpoint, data=request.payload(),
+                                headers=headers) as response:
+            result.status = response.status
+            outcome = response.headers.get("x-carpool")
+            result.outcome = outcome.replace("-", "_") if outcome else None
+            if response.content_type == "text/event-stream":
+                parts = []
+                async for chunk in response.content.iter_any():
+                    if result.ttfb is None:
+                        result.ttfb = loop.time() - sent
+                    parts.append(chunk)
+                raw = b"".join(parts)
+                result.latency = loop.time() - sent
+                _read_stream(raw, result)
+            else:
+                raw = await response.read()
+                result.latency = loop.time() - sent
+                _read_body(raw, result)
+    except (TimeoutError, aiohttp.ClientError) as error:
+        result.latency = loop.time() - sent
+        result.error = f"{type(error).__name__}: {error}"[:300]
+
+
+def _usage(result: Result, usage: Any) -> None:
+    if isinstance(usage, dict):
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        result.prompt_tokens = prompt if isinstance(prompt, int) else None
+        result.completion_tokens = completion if isinstance(completion, int) else 0
+
+
+def _read_body(raw: bytes, result: Result) -> None:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    if result.status is None or not 200 <= result.status < 300:
+        message = body.get("error") if isinstance(body, dict) else None
+        if isinstance(message, dict):
+            message = message.get("message")
+        result.error = f"HTTP {result.status}: {message or raw[:200]!r}"[:300]
+        return
+    if isinstance(body, dict):
+        _usage(result, body.get("usage"))
+    else:
+        result.error = "the answer is not a JSON object"
+
+
+def _read_stream(raw: bytes, result: Result) -> None:
+    if result.status is None or not 200 <= result.status < 300:
+        result.error = f"HTTP {result.status}: {raw[:200]!r}"
+        return
+    frames = [f.strip() for f in raw.split(b"\n\n") if f.strip()]
+    if not frames or frames[-1] != DONE:
+        result.error = "the stream did not end with data: [DONE]"
+    usage_seen = False
+    for payload in reversed(frames):
+        if not payload.startswith(b"data: {") or (
+                b'"error"' not in payload and (usage_seen or b'"usage"' not in payload)):
+            continue
+        try:
+            chunk = orjson.loads(payload[6:])
+        except orjson.JSONDecodeError:
+            result.error = "a stream chunk is not valid JSON"
+            continue
+        if "error" in chunk:
+            result.error = f"error event: {orjson.dumps(chunk['error'])[:200].decode()}"
+        elif chunk.get("usage") and not usage_seen:
+            _usage(result, chunk["usage"])
+            usage_seen = True

@@ -1,0 +1,280 @@
+"""The report of a ``carpool bench`` run: ``report.json`` for machines, ``report.md`` for people.
+
+Contract:
+- ``build(...)`` returns one JSON-able dict. Top-level keys: ``requests`` (sent), ``upstream_calls``
+  (the gateway's ``/stats`` delta over the run), ``oracle_calls`` (``oracle.py``),
+  ``upstream_over_oracle``, ``errors``, ``outcomes`` (counts by ``x-carpool``),
+  ``outcomes_by_label`` (synthetic workloads: per request label), ``latency_ms`` and
+  ``ttfb_ms`` (streams only) per outcome and ``all`` (count, p50, p95, p99, mean, max),
+  ``tokens_saved`` (``/stats`` delta), ``gpu_seconds_saved`` with its ``cost_model``,
+  ``throughput_rps``, ``arrival_lag_ms`` (open loop), ``oracle`` (breakdown and assumptions),
+  ``engine`` (the embedded simulator's own counters, delta), ``stats_delta`` (every numeric
+  ``/stats`` counter), ``workload`` (name, source, parameters, measured traits), ``params`` (the
+  run's parameters) and ``plots``.
+- Percentiles interpolate linearly between closest ranks; times are milliseconds, rounded to µs.
+- The cost model: a saved request would have cost its prompt tokens x ``prefill_ms_per_token``
+  plus its completion tokens x ``decode_ms_per_token`` (``config.sim``: the simulator's own cost
+  model, or the values of ``--config`` for a real engine) of engine time for one sequence. The
+  ``/stats`` ``tokens_saved`` (prompt + completion) is split in the proportion of the prompt and
+  completion tokens of the saved answers the client received. This counts sequence-seconds, as
+  if the saved calls had run alone; an engine batching B sequences spends about 1/B of that in
+  GPU time on decode, and a prefix cache may have spared part of the prefill: an upper bound.
+- ``write(report, out_dir)`` writes ``report.json`` and ``report.md`` (a table per outcome, the
+  headline numbers, and the plots linked, or how to get them when matplotlib is missing);
+  ``write_results`` writes ``requests.jsonl``, one row per request (send time, outcome, status,
+  latency, TTFB, tokens, error), for analyses of your own.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..config import Config
+from .oracle import Oracle
+from .replay import Result, Run
+from .workloads import Workload
+
+OUTCOMES = ("hit", "semantic_hit", "coalesced", "miss", "bypass")
+SAVED = ("hit", "semantic_hit", "coalesced")
+TOLERANCE = 0.05
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    data = sorted(values)
+    if not data:
+        return math.nan
+    k = (len(data) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, Any]:
+    if not seconds:
+        return {"count": 0}
+    ms = [s * 1000 for s in seconds]
+    return {"count": len(ms), "p50": round(percentile(ms, 50), 3),
+            "p95": round(percentile(ms, 95), 3), "p99": round(percentile(ms, 99), 3),
+            "mean": round(statistics.fmean(ms), 3), "max": round(max(ms), 3)}
+
+
+def outcome_of(result: Result) -> str:
+    """The outcome a result is filed under: its ``x-carpool``, or ``error`` without one."""
+    if result.outcome in OUTCOMES:
+        return result.outcome
+    return "error"
+
+
+def _per_outcome(results: Sequence[Result], attr: str) -> dict[str, Any]:
+    groups: dict[str, list[float]] = {}
+    for r in results:
+        value = getattr(r, attr)
+        if value is not None and r.ok:
+            groups.setdefault(outcome_of(r), []).append(value)
+            groups.setdefault("all", []).append(value)
+    order = [*OUTCOMES, "error", "all"]
+    return {name: summary_ms(groups[name]) for name in order if name in groups}
+
+
+def _by_label(workload: Workload, results: Sequence[Result]) -> dict[str, dict[str, int]] | None:
+    """Synthetic workloads: outcomes per request label (a ``semantic_hit`` on a ``new`` question
+    answered it with a different question's answer)."""
+    if not any(r.label for r in workload.requests):
+        return None
+    table: dict[str, Counter[str]] = {}
+    for request, result in zip(workload.requests, results, strict=True):
+        table.setdefault(request.label, Counter())[outcome_of(result)] += 1
+    return {label: dict(counts) for label, counts in table.items()}
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after - before`` for every top-level numeric counter of /stats."""
+    out = {}
+    gauges = ("saved_fraction", "flights", "waiters")         # not counters: no delta
+    for name, value in after.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and isinstance(before.get(name), (int, float)) and name not in gauges:
+            out[name] = value - before[name]
+    return out
+
+
+def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The simulated replicas' counters over the run, summed over replicas."""
+    if not before or not after or not after.get("replicas"):
+        return None
+    totals: Counter[str] = Counter()
+    for sign, snapshot in ((-1, before), (1, after)):
+        for replica in snapshot["replicas"]:
+            totals["calls"] += sign * sum(replica["calls"].get(e, 0) for e in
+                                          ("chat/completions", "completions", "embeddings"))
+            for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens",
+                         "busy_seconds", "queue_wait_seconds", "errors"):
+                totals[name] += sign * replica[name]
+    out: dict[str, Any] = {"simulated": True, "replicas": len(after["replicas"])}
+    out.update({k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()})
+    return out
+
+
+def cost_model(config: Config) -> dict[str, Any]:
+    return {"prefill_ms_per_token": config.sim.prefill_ms_per_token,
+            "decode_ms_per_token": config.sim.decode_ms_per_token,
+            "source": "config.sim (the simulated engine's cost model)",
+            "meaning": "engine time of one sequence: prompt tokens x prefill + completion tokens "
+                       "x decode; tokens_saved split by the prompt/completion mix of the saved "
+                       "answers received; an upper bound on GPU time (batching and prefix "
+                       "caching share part of it)"}
+
+
+def gpu_seconds_saved(results: Sequence[Result], tokens_saved: int, config: Config) -> float:
+    prompt = sum(r.prompt_tokens or 0 for r in results if r.ok and r.outcome in SAVED)
+    completion = sum(r.completion_tokens or 0 for r in results if r.ok and r.outcome in SAVED)
+    if tokens_saved <= 0:
+        return 0.0
+    share = prompt / (prompt + completion) if prompt + completion else 0.5
+    ms = (tokens_saved * share * config.sim.prefill_ms_per_token
+          + tokens_saved * (1 - share) * config.sim.decode_ms_per_token)
+    return round(ms / 1000, 3)
+
+
+def build(*, workload: Workload, workload_traits: dict[str, Any], run: Run, oracle: Oracle,
+          config: Config, params: dict[str, Any]) -> dict[str, Any]:
+    results = run.results
+    delta = stats_delta(run.stats_before, run.stats_after)
+    upstream = int(delta.get("upstream_calls", 0))
+    errors = [r for r in results if not r.ok]
+    outcomes = Counter(outcome_of(r) for r in results)
+    tokens_saved = int(delta.get("tokens_saved", 0))
+    lags = [r.lag for r in results]
+    report: dict[str, Any] = {
+        "requests": len(results),
+        "upstream_calls": upstream,
+        "oracle_calls": oracle.calls,
+        "upstream_over_oracle": round(upstream / oracle.calls, 4) if oracle.calls else None,
+        "within_5pct_of_oracle": (abs(upstream - oracle.calls) <= TOLERANCE * oracle.calls
+                                  if oracle.calls else upstream == 0),
+        "errors": len(errors),
+        "error_samples": dict(Counter(r.error for r in errors).most_common(5)),
+        "outcomes": {name: outcomes[name] for name in [*OUTCOMES, "error"] if outcomes[name]},
+        "outcomes_by_label": _by_label(workload, results),
+        "latency_ms": _per_outcome(results, "latency"),
+        "ttfb_ms": _per_outcome([r for r in results if r.stream], "ttfb"),
+        "tokens_saved": tokens_saved,
+        "gpu_seconds_saved": gpu_seconds_saved(results, tokens_saved, config),
+        "cost_model": cost_model(config),
+        "saved_fraction": round(sum(outcomes[o] for o in SAVED) / len(results), 4)
+        if results else 0.0,
+        "duration_s": round(run.duration, 3),
+        "throughput_rps": round(len(results) / run.duration, 2) if run.duration > 0 else None,
+        "arrival_lag_ms": summary_ms(lags) if params.get("mode") == "open-loop" else None,
+        "oracle": oracle.summary(),
+        "engine": engine_delta(run.sim_before, run.sim_after),
+        "stats_delta": delta,
+        "workload": {"name": workload.name, "source": workload.source,
+                     "params": workload.params, "traits": workload_traits},
+        "params": params,
+        "plots": [],
+    }
+    return report
+
+
+def write_results(workload: Workload, run: Run, out: Path) -> None:
+    """``requests.jsonl``: one row per request, in workload order, for your own analysis."""
+    rows = []
+    for request, r in zip(workload.requests, run.results, strict=True):
+        rows.append(orjson.dumps({
+            "i": r.index, "t": request.t, "sent": round(r.sent, 6), "endpoint": request.endpoint,
+            "tenant": request.tenant, "label": request.label or None, "stream": r.stream,
+            "status": r.status, "outcome": r.outcome,
+            "latency_ms": None if r.latency is None else round(r.latency * 1000, 3),
+            "ttfb_ms": None if r.ttfb is None else round(r.ttfb * 1000, 3),
+            "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "error": r.error}))
+    (out / "requests.jsonl").write_bytes(b"\n".join(rows) + b"\n")
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2
+                                                   | orjson.OPT_SERIALIZE_NUMPY))
+    (out / "report.md").write_text(markdown(report))
+
+
+def _ms(summary: dict[str, Any], key: str) -> str:
+    value = summary.get(key)
+    return "" if value is None else f"{value:,.1f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    p = report["params"]
+    traits = report["workload"]["traits"]
+    target = "embedded gateway + simulated engine" if p["target"] == "embedded" \
+        else f"`{p['gateway_url']}`"
+    arrival = f"open loop, {p['rate']:g} req/s mean" if p["mode"] == "open-loop" \
+        else f"closed loop, {p['concurrency']} clients"
+    if p["mode"] == "open-loop" and p.get("recorded_timestamps"):
+        arrival = "open loop, recorded timestamps" + (f" rescaled to {p['rate']:g} req/s"
+                                                      if p.get("rate") else "")
+    ratio = report["upstream_over_oracle"]
+    lines = [
+        f"# carpool bench: `{report['workload']['name']}`", "",
+        f"{report['requests']:,} requests against the {target}; {arrival}; seed {p['seed']}; "
+        f"{report['duration_s']:.1f} s ({report['throughput_rps'] or 0:.1f} req/s achieved).", "",
+        "| | |", "|---|---|",
+        f"| upstream calls (gateway `/stats`) | **{report['upstream_calls']:,}** |",
+        f"| oracle: fewest calls any correct deduplicator could make | **{report['oracle_calls']:,}** |",
+        f"| upstream / oracle | {ratio if ratio is not None else 'n/a'} "
+        f"({'within' if report['within_5pct_of_oracle'] else 'NOT within'} 5%) |",
+        f"| requests that did not reach upstream | {100 * report['saved_fraction']:.1f}% |",
+        f"| tokens saved | {report['tokens_saved']:,} |",
+        f"| engine seconds saved (cost model below) | {report['gpu_seconds_saved']:,.1f} |",
+        f"| errors | {report['errors']} |",
+    ]
+    if report.get("engine"):
+        e = report["engine"]
+        lines.append(f"| calls the simulated engine received | {e['calls']:,} |")
+    lines += ["", "| outcome | requests | share | p50 ms | p95 ms | p99 ms | stream TTFB p50 ms |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    latency, ttfb = report["latency_ms"], report["ttfb_ms"]
+    n = report["requests"] or 1
+    for name in [*OUTCOMES, "error", "all"]:
+        count = report["requests"] if name == "all" else report["outcomes"].get(name, 0)
+        if not count:
+            continue
+        lat = latency.get(name, {})
+        lines.append(f"| {name} | {count:,} | {100 * count / n:.1f}% | {_ms(lat, 'p50')} | "
+                     f"{_ms(lat, 'p95')} | {_ms(lat, 'p99')} | {_ms(ttfb.get(name, {}), 'p50')} |")
+    lines += ["", "## Workload", "",
+              f"Source: {report['workload']['source']}. {traits['requests']:,} requests, "
+              f"{traits['tenants']} tenant(s), {100 * traits['stream_share']:.0f}% streaming, "
+              f"{100 * traits['shareable_share']:.0f}% shareable, of which "
+              f"{100 * traits['duplicate_share']:.0f}% exact repeats; "
+              f"{traits['distinct_fingerprints']:,} distinct fingerprints."]
+    if traits.get("labels"):
+        lines.append("Labels: " + ", ".join(f"{k} {v:,}" for k, v in traits["labels"].items())
+                     + ".")
+    wrong = (report.get("outcomes_by_label") or {}).get("new", {}).get("semantic_hit", 0)
+    if wrong:
+        lines.append(f"**{wrong:,} new questions were served from the semantic cache**, i.e. with "
+                     "the answer to a different catalog question (see `outcomes_by_label`).")
+    lines += ["", "## Oracle", "",
+              f"{report['oracle']['calls']:,} = {report['oracle']['distinct_fingerprints']:,} "
+              f"distinct fingerprints + {report['oracle']['unshareable']:,} unshareable requests "
+              f"+ {report['oracle']['refreshes']:,} refreshes after expiry. "
+              f"Method: {report['oracle']['method']}.", ""]
+    lines += [f"- {note}" for note in report["oracle"]["assumptions"]]
+    cm = report["cost_model"]
+    lines += ["", "## Cost model", "",
+              f"{cm['prefill_ms_per_token']} ms per prompt token, {cm['decode_ms_per_token']} ms "
+              f"per completion token ({cm['source']}): {cm['meaning']}.", "", "## Plots", ""]
+    if report["plots"]:
+        lines += [f"![{name}]({name})" for name in report["plots"]]
+    else:
+        lines.append(report.get("plots_missing") or "No plots.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,205 @@
+"""One ``carpool bench`` run from end to end: workload -> gateway -> replay -> oracle -> report.
+
+Contract:
+- ``run_bench(options)`` builds the workload (``workloads.py``), starts the embedded gateway
+  (``embedded.py``) unless ``options.url`` names one, replays the workload (``replay.py``),
+  computes the oracle (``oracle.py``), and writes ``report.json``, ``report.md``,
+  ``requests.jsonl`` and the plots (``report.py``, ``plots.py``) to ``options.out`` (and
+  ``gateway.log``, the embedded gateway's log); it returns the report dict.
+- Arrivals: ``concurrency`` set = closed loop. Otherwise open loop: a synthetic workload is drawn at
+  ``rate`` (default ``DEFAULT_RATE``); a recorded one follows its timestamps, rescaled to a mean of
+  ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none.
+- Sizes: ``requests`` (default ``FULL_REQUESTS``, or ``QUICK_REQUESTS`` with ``quick``); for a
+  recorded workload it keeps the first ``requests`` lines (all of them by default, the first
+  ``QUICK_REQUESTS`` with ``quick``).
+- The oracle sees the planned arrival times (open loop) or the actual send times (closed loop),
+  and assumes a call lasts the run's median ``miss`` latency (it matters only for answers that
+  expire during the run).
+- Errors a user can fix raise ``WorkloadError`` (bad workload: exit 2 in the CLI),
+  ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from . import plots, report
+from .embedded import embedded_gateway
+from .oracle import oracle
+from .replay import Result, replay
+from .workloads import Workload, WorkloadError, load_jsonl, synthetic, traits
+
+DEFAULT_RATE = 40.0
+FULL_REQUESTS = 3000
+QUICK_REQUESTS = 600
+
+
+@dataclass
+class BenchOptions:
+    out: Path
+    config: Config = field(default_factory=Config)
+    url: str | None = None
+    workload: str = "mixed"
+    workload_file: str | None = None
+    requests: int | None = None
+    rate: float | None = None
+    concurrency: int | None = None
+    seed: int = 0
+    quick: bool = False
+    spec: dict[str, Any] = field(default_factory=dict)     # Spec overrides
+    progress: bool = True
+    config_file: str | None = None
+
+
+def default_out() -> Path:
+    return Path(f"carpool-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+def build_workload(options: BenchOptions) -> Workload:
+    size = options.requests or (QUICK_REQUESTS if options.quick else FULL_REQUESTS)
+    header = options.config.tenant.header
+    if options.workload_file:
+        workload = load_jsonl(options.workload_file, header)
+        keep = options.requests or (QUICK_REQUESTS if options.quick else None)
+        if keep:
+            workload.requests = workload.requests[:keep]
+        return workload
+    return synthetic(options.workload, size, options.rate or DEFAULT_RATE, options.seed,
+                     tenant_header=header, **options.spec)
+
+
+def arrival_times(workload: Workload, options: BenchOptions) -> list[float] | None:
+    """Open-loop send offsets, or None for a closed loop."""
+    if options.concurrency is not None:
+        return None
+    times = [r.t for r in workload.requests]
+    if workload.source == "synthetic":
+        return times
+    rate = options.rate
+    if not workload.timed or (rate and workload.span == 0):
+        every = 1 / (rate or DEFAULT_RATE)
+        return [i * every for i in range(len(times))]
+    if rate:
+        scale = (len(times) / workload.span) / rate
+        return [t * scale for t in times]
+    return times
+
+
+def _normalise_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+async def run_bench(options: BenchOptions) -> dict[str, Any]:
+    if options.rate is not None and options.rate <= 0:
+        raise WorkloadError(f"--rate must be > 0, got {options.rate}")
+    if options.concurrency is not None and options.concurrency < 1:
+        raise WorkloadError(f"--concurrency must be >= 1, got {options.concurrency}")
+    workload = build_workload(options)
+    arrivals = arrival_times(workload, options)
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    with _Progress(len(workload), options.progress, workload.name) as progress:
+        if options.url:
+            url = _normalise_url(options.url)
+            run = await replay(workload, url, arrivals=arrivals,
+                               concurrency=options.concurrency, on_result=progress.advance)
+        else:
+            async with embedded_gateway(options.config, out / "gateway.log") as url:
+                run = await replay(workload, url, arrivals=arrivals,
+                                   concurrency=options.concurrency, on_result=progress.advance)
+    misses = [r.latency for r in run.results if r.outcome == "miss" and r.latency is not None]
+    call_seconds = statistics.median(misses) if misses else 0.0
+    times = arrivals if arrivals is not None else [r.sent for r in run.results]
+    best = oracle(workload, options.config, times, call_seconds)
+    mode = "closed-loop" if options.concurrency is not None else "open-loop"
+    params = {
+        "workload": workload.name, "workload_file": options.workload_file,
+        "seed": options.seed, "mode": mode, "rate": _rate(options, workload, arrivals),
+        "concurrency": options.concurrency, "requests": len(workload),
+        "recorded_timestamps": workload.source != "synthetic" and workload.timed
+        and arrivals is not None,
+        "quick": options.quick, "duration_s": round(run.duration, 3),
+        "target": "url" if options.url else "embedded",
+        "gateway_url": _normalise_url(options.url) if options.url else url,
+        "config_file": options.config_file,
+        "semantic_enabled": options.config.semantic.enabled,
+        "started_at": _dt.datetime.fromtimestamp(run.started_at, _dt.UTC).isoformat(
+            timespec="seconds"),
+        "carpool_version": _version(),
+    }
+    result = report.build(workload=workload, workload_traits=traits(workload, options.config),
+                          run=run, oracle=best, config=options.config, params=params)
+    if plots.available():
+        result["plots"] = plots.draw(run, best.needs_call, out)
+    else:
+        result["plots_missing"] = plots.MISSING
+    report.write(result, out)
+    report.write_results(workload, run, out)
+    return result
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("carpool")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _rate(options: BenchOptions, workload: Workload, arrivals: list[float] | None) -> float | None:
+    if arrivals is None:
+        return None
+    if options.rate:
+        return options.rate
+    if workload.source == "synthetic":
+        return DEFAULT_RATE
+    span = max(arrivals) if arrivals else 0.0
+    return round(len(arrivals) / span, 3) if span > 0 else None
+
+
+class _Progress:
+    """A rich progress bar on stderr with the outcome counts so far (nothing when disabled)."""
+
+    def __init__(self, total: int, enabled: bool, name: str) -> None:
+        self.total, self.enabled, self.name = total, enabled, name
+        self.counts: dict[str, int] = {}
+        self.progress: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(),
+                                     TextColumn("{task.fields[outcomes]}"),
+                                     console=Console(stderr=True), transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task(f"bench {self.name}", total=self.total,
+                                               outcomes="")
+        return self
+
+    def advance(self, result: Result) -> None:
+        if self.progress is None:
+            return
+        name = report.outcome_of(result) if result.ok else "error"
+        self.counts[name] = self.counts.get(name, 0) + 1
+        text = " ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+        self.progress.update(self.task, advance=1, outcomes=text)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()

@@ -1,0 +1,499 @@
+"""What ``carpool bench`` replays: built-in synthetic workloads, or a recorded JSONL file.
+
+Contract:
+- A ``Workload`` is an ordered list of ``BenchRequest`` (arrival offset ``t`` in seconds from the
+  start of the run, endpoint path, JSON body, headers to send, tenant label) with its name, source
+  and the parameters it was made with. Requests are sorted by ``t``.
+- ``synthetic(name, requests, rate, seed, ...)`` is deterministic: the same arguments give the same
+  bodies, headers and timestamps in any process (one ``random.Random(seed)``, no wall clock, no
+  ``hash()``). Its traits, per ``Spec`` (each a probability per request, so a workload of a few
+  hundred requests already shows them):
+  * Zipf-popular questions from a catalog of support questions; ``duplicate_rate`` of the shareable
+    requests repeat an earlier request of the same tenant exactly (same fingerprint), picked by
+    Zipf popularity, or (``trending_share`` of repeats) one of the tenant's 3 newest questions, so
+    that repeats also arrive while the first call is in flight (coalescing);
+  * several tenants (``tenants``, Zipf-weighted), each with its own tenant header value: answers
+    never cross tenants, so the same question asked by two tenants is two fingerprints;
+  * shared prefixes: every chat request starts with one of its tenant's long system prompts
+    (``system_prompt_words`` words); ``completions_share`` go to ``/v1/completions`` with the
+    system prompt as the head of the prompt;
+  * a streaming mix: ``stream_share`` of requests stream (with ``stream_options.include_usage``);
+    the stream flag is drawn per request, so streaming and non-streaming copies share;
+  * sampling: ``sampled_share`` are sampled without a seed (``temperature`` 0.8, unshareable:
+    ``bypass``), ``seeded_share`` of new questions are sampled with a seed (shareable);
+  * paraphrases: ``paraphrase_rate`` of the shareable requests reword an earlier question of the
+    tenant in a form not asked before (a new fingerprint, a near duplicate for the semantic
+    layer); ``whitespace_noise`` of exact repeats add white space that the fingerprint removes;
+  * bursty open-loop arrivals at mean ``rate`` req/s: a two-state Markov-modulated Poisson process
+    (``burst_factor`` times the calm rate for ``burst_fraction`` of the time); 1 = plain Poisson.
+  Each request carries a ``label``: new | repeat | trending | paraphrase | sampled.
+- ``PRESETS`` name the built-in workloads (``mixed`` is the default); ``Spec`` fields can be
+  overridden on top of a preset.
+- ``load_jsonl(path, tenant_header)`` reads the recorded format (docs/bench.md); a malformed file
+  raises ``WorkloadError`` naming the file, the line and what is wrong. Either every line has a
+  timestamp ``t`` or none does (then ``timed`` is False and the run needs a rate or concurrency).
+- ``traits(workload, config)`` measures what a workload holds (shares, tenants, duplicates by the
+  gateway's own fingerprint), for the report and the tests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..config import Config
+from ..request import ENDPOINTS
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MODEL = "carpool-bench"
+LABELS = ("new", "repeat", "trending", "paraphrase", "sampled")
+
+
+class WorkloadError(ValueError):
+    """A workload cannot be built or read; the message says where and why."""
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    t: float                                  # arrival offset (s) from the start of the run
+    endpoint: str                             # one of the gateway's cached endpoints
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    tenant: str | None = None
+    label: str = ""                           # synthetic: new | repeat | ... ; recorded: ""
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    def payload(self) -> bytes:
+        return orjson.dumps(self.body)
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+    source: str = "synthetic"                 # "synthetic" or the recorded file's path
+    params: dict[str, Any] = field(default_factory=dict)
+    timed: bool = True                        # the requests carry meaningful timestamps
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def span(self) -> float:
+        return self.requests[-1].t if self.requests else 0.0
+
+
+# ------------------------------------------------------------------------------------ synthetic
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """The traits of a synthetic workload (module docstring)."""
+
+    tenants: int = 4
+    duplicate_rate: float = 0.6
+    trending_share: float = 0.3
+    paraphrase_rate: float = 0.06
+    whitespace_noise: float = 0.1
+    sampled_share: float = 0.04
+    seeded_share: float = 0.05
+    stream_share: float = 0.3
+    completions_share: float = 0.1
+    zipf_s: float = 1.1
+    system_prompt_words: int = 300
+    system_prompts_per_tenant: int = 2
+    max_tokens: int = 64
+    burst_factor: float = 4.0
+    burst_fraction: float = 0.2
+    burst_mean_s: float = 1.0
+
+    def check(self) -> None:
+        for name in ("duplicate_rate", "trending_share", "paraphrase_rate", "whitespace_noise",
+                     "sampled_share", "seeded_share", "stream_share", "completions_share",
+                     "burst_fraction"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise WorkloadError(f"{name} must be between 0 and 1, got {value}")
+        if self.duplicate_rate + self.paraphrase_rate > 1:
+            raise WorkloadError("duplicate_rate + paraphrase_rate must not exceed 1")
+        if self.tenants < 1 or self.system_prompts_per_tenant < 1 or self.max_tokens < 1:
+            raise WorkloadError("tenants, system_prompts_per_tenant and max_tokens must be >= 1")
+        if self.burst_factor < 1 or self.burst_mean_s <= 0 or self.zipf_s < 0:
+            raise WorkloadError("burst_factor must be >= 1, burst_mean_s > 0, zipf_s >= 0")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Every trait at once, semantic-layer traffic included (it is off by default: paraphrases are
+    # then new fingerprints). The default.
+    "mixed": {},
+    # One tenant's FAQ bot: Zipf questions and their repeats, steady Poisson arrivals, no streams.
+    "faq": {"tenants": 1, "duplicate_rate": 0.7, "paraphrase_rate": 0.0, "sampled_share": 0.0,
+            "seeded_share": 0.0, "stream_share": 0.0, "completions_share": 0.0,
+            "burst_factor": 1.0, "system_prompt_words": 60},
+    # Flash crowds: strong bursts, repeats mostly of the newest questions (coalescing).
+    "bursty": {"burst_factor": 8.0, "burst_fraction": 0.15, "trending_share": 0.7},
+    # Many tenants asking the same catalog: isolation keeps their answers apart.
+    "tenants": {"tenants": 16, "duplicate_rate": 0.5},
+    # Mostly streaming clients: time to first byte of shared streams.
+    "streaming": {"stream_share": 0.9, "completions_share": 0.0},
+    # Long shared system prompts and no repeats at all: nothing to deduplicate (oracle = requests),
+    # only the engine's prefix cache helps.
+    "prefix": {"duplicate_rate": 0.0, "paraphrase_rate": 0.0, "system_prompt_words": 800,
+               "system_prompts_per_tenant": 1, "sampled_share": 0.0},
+    # Reworded questions, for the semantic layer (turn it on with --config).
+    "paraphrase": {"duplicate_rate": 0.3, "paraphrase_rate": 0.4, "sampled_share": 0.0},
+}
+
+ACTIONS = ("reset", "change", "cancel", "update", "export", "delete", "recover", "share",
+           "renew", "upgrade", "downgrade", "transfer", "verify", "unlock", "pause", "merge",
+           "rename", "restore", "back up", "archive")
+OBJECTS = ("my password", "my subscription", "the billing address", "two-factor authentication",
+           "my order", "the shipping address", "my invoices", "my account", "the team workspace",
+           "my payment method", "the API key", "my email address", "the mobile number",
+           "a shared folder", "my profile photo", "the data export", "a support ticket",
+           "my gift card", "the delivery slot", "my loyalty points", "the device list",
+           "my notification settings", "the return label", "a saved cart", "my tax documents",
+           "the admin role", "my security questions", "the warranty", "my username",
+           "the trial plan")
+CONTEXTS = ("", " on the mobile app", " from the web dashboard", " for a team account",
+            " after a failed payment", " without logging in", " in bulk", " on a new phone")
+PARAPHRASES = ("What is the best way to {q}?", "Can you tell me how to {q}?", "how to {q}",
+               "I need to {q}. How?", "Steps to {q}, please.")
+COMPANIES = ("Northwind", "Acme", "Globex", "Initech", "Umbrella", "Hooli", "Vandelay",
+             "Stark", "Wayne", "Tyrell", "Soylent", "Cyberdyne", "Wonka", "Gringotts", "Oscorp",
+             "Monarch")
+POLICY_WORDS = ("customer", "account", "order", "refund", "policy", "secure", "verify", "help",
+                "clearly", "briefly", "always", "never", "escalate", "agent", "privacy", "data",
+                "billing", "delivery", "return", "warranty", "polite", "accurate", "steps",
+                "link", "support", "hours", "region", "language", "summary", "confirm")
+
+
+def _question(index: int) -> tuple[str, str]:
+    """Catalog entry ``index``: (the canonical question, its core phrase for paraphrases)."""
+    per_round = len(ACTIONS) * len(OBJECTS) * len(CONTEXTS)
+    rounds, rest = divmod(index, per_round)
+    action = ACTIONS[rest % len(ACTIONS)]
+    rest //= len(ACTIONS)
+    obj = OBJECTS[rest % len(OBJECTS)]
+    context = CONTEXTS[rest // len(OBJECTS)]
+    core = f"{action} {obj}{context}" + (f" (case {rounds + 1})" if rounds else "")
+    return f"How do I {core}?", core
+
+
+def _system_prompt(rng: random.Random, tenant: int, variant: int, words: int) -> str:
+    company = COMPANIES[tenant % len(COMPANIES)]
+    head = (f"You are the support assistant of {company} (tenant {tenant + 1}, policy "
+            f"{variant + 1}). Follow these rules exactly.")
+    body = [rng.choice(POLICY_WORDS) for _ in range(max(0, words - len(head.split())))]
+    sentences = [" ".join(body[i:i + 12]).capitalize() + "." for i in range(0, len(body), 12)]
+    return " ".join([head, *sentences])
+
+
+def tenant_header_value(header: str, tenant: str) -> str:
+    """What a tenant sends in the tenant header (a Bearer token when it is Authorization)."""
+    return f"Bearer {tenant}" if header.lower() == "authorization" else tenant
+
+
+class _Zipf:
+    """Draws catalog ranks by Zipf weight; ``pick_issued`` among those a tenant already asked."""
+
+    def __init__(self, rng: random.Random, size: int, s: float) -> None:
+        self.rng, self.size = rng, size
+        weights = [1.0 / (rank ** s) for rank in range(1, size + 1)]
+        self.cumulative = list(_accumulate(weights))
+        self.weights = weights
+
+    def draw(self) -> int:
+        return bisect.bisect_left(self.cumulative, self.rng.random() * self.cumulative[-1])
+
+    def draw_new(self, issued: set[int]) -> int:
+        for _ in range(64):
+            rank = self.draw()
+            if rank not in issued:
+                return rank
+        return next(r for r in range(self.size) if r not in issued)
+
+
+def _accumulate(values: list[float]) -> list[float]:
+    total, out = 0.0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+@dataclass(slots=True)
+class _Item:
+    """A shareable request a tenant has made: what an exact repeat copies."""
+
+    rank: int
+    endpoint: str
+    body: dict[str, Any]
+    text: str                       # the question as asked
+
+
+@dataclass(slots=True)
+class _Tenant:
+    name: str
+    systems: list[str]
+    items: list[_Item] = field(default_factory=list)
+    cumulative: list[float] = field(default_factory=list)   # Zipf weights of items, summed
+    issued: set[int] = field(default_factory=set)
+    phrasings: set[tuple[int, int]] = field(default_factory=set)  # (rank, paraphrase) asked
+
+
+def arrivals(rng: random.Random, n: int, rate: float, spec: Spec) -> list[float]:
+    """``n`` arrival offsets: a two-state Markov-modulated Poisson process of mean ``rate``."""
+    if rate <= 0:
+        raise WorkloadError(f"rate must be > 0, got {rate}")
+    if spec.burst_factor == 1 or spec.burst_fraction in (0, 1):
+        calm = burst = rate
+    else:
+        calm = rate / (1 - spec.burst_fraction + spec.burst_fraction * spec.burst_factor)
+        burst = calm * spec.burst_factor
+    burst_mean = spec.burst_mean_s
+    calm_mean = burst_mean * (1 - spec.burst_fraction) / max(spec.burst_fraction, 1e-9)
+    t, in_burst = 0.0, False
+    state_end = rng.expovariate(1 / calm_mean)
+    out: list[float] = []
+    while len(out) < n:
+        step = rng.expovariate(burst if in_burst else calm)
+        if t + step > state_end:          # memoryless: restart the draw in the next state
+            t = state_end
+            in_burst = not in_burst
+            state_end = t + rng.expovariate(1 / (burst_mean if in_burst else calm_mean))
+            continue
+        t += step
+        out.append(t)
+    # A short run sees few calm/burst cycles, so its mean rate would wander: rescale it to the
+    # mean asked for (the last request arrives at n / rate), which keeps the bursts' shape.
+    scale = (n / rate) / out[-1] if out and out[-1] > 0 else 1.0
+    return [round(x * scale, 6) for x in out]
+
+
+def synthetic(name: str = "mixed", requests: int = 3000, rate: float = 40.0, seed: int = 0,
+              tenant_header: str = "Authorization", **overrides: Any) -> Workload:
+    """The built-in workload ``name`` (``PRESETS``) with ``overrides`` of ``Spec`` fields."""
+    if name not in PRESETS:
+        raise WorkloadError(f"unknown workload {name!r}; built-in: {', '.join(PRESETS)}")
+    if requests < 1:
+        raise WorkloadError(f"requests must be >= 1, got {requests}")
+    try:
+        spec = Spec(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
+    except TypeError as error:
+        raise WorkloadError(str(error)) from None
+    spec.check()
+    rng = random.Random(f"carpool-bench/{name}/{seed}")
+    tenants = [_Tenant(f"bench-tenant-{k + 1}",
+                       [_system_prompt(rng, k, v, spec.system_prompt_words)
+                        for v in range(spec.system_prompts_per_tenant)])
+               for k in range(spec.tenants)]
+    tenant_weights = list(_accumulate([1.0 / (k + 1) ** 0.7 for k in range(spec.tenants)]))
+    catalog = _Zipf(rng, max(2 * requests, 1000), spec.zipf_s)
+    times = arrivals(rng, requests, rate, spec)
+    out: list[BenchRequest] = []
+    for t in times:
+        tenant = tenants[bisect.bisect_left(tenant_weights, rng.random() * tenant_weights[-1])]
+        stream = rng.random() < spec.stream_share
+        if rng.random() < spec.sampled_share:
+            label, endpoint, body = "sampled", *_fresh_body(rng, spec, tenant, catalog.draw(),
+                                                            sampled=True)
+        else:
+            label, endpoint, body = _shareable(rng, spec, tenant, catalog)
+        body = dict(body)
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        headers = {tenant_header: tenant_header_value(tenant_header, tenant.name)}
+        out.append(BenchRequest(t, endpoint, body, headers, tenant.name, label))
+    params = {"preset": name, "requests": requests, "rate": rate, "seed": seed,
+              "spec": dataclasses.asdict(spec), "tenant_header": tenant_header}
+    return Workload(name, out, "synthetic", params, timed=True)
+
+
+def _shareable(rng: random.Random, spec: Spec, tenant: _Tenant,
+               catalog: _Zipf) -> tuple[str, str, dict[str, Any]]:
+    draw = rng.random()
+    if draw < spec.duplicate_rate and tenant.items:
+        if rng.random() < spec.trending_share:
+            item, label = rng.choice(tenant.items[-3:]), "trending"
+        else:
+            index = bisect.bisect_left(tenant.cumulative, rng.random() * tenant.cumulative[-1])
+            item, label = tenant.items[min(index, len(tenant.items) - 1)], "repeat"
+        body = item.body
+        if rng.random() < spec.whitespace_noise:
+            body = _with_text(item.endpoint, body, tenant, "  " + item.text.replace(" ", "  ", 1)
+                              + " \n")
+        return label, item.endpoint, body
+    if draw < spec.duplicate_rate + spec.paraphrase_rate and tenant.items:
+        for _ in range(8):
+            item = rng.choice(tenant.items)
+            variant = rng.randrange(len(PARAPHRASES))
+            if (item.rank, variant) not in tenant.phrasings:
+                tenant.phrasings.add((item.rank, variant))
+                text = PARAPHRASES[variant].format(q=_question(item.rank)[1])
+                body = _with_text(item.endpoint, item.body, tenant, text)
+                _remember(tenant, item.rank, item.endpoint, body, text, catalog)
+                return "paraphrase", item.endpoint, body
+    rank = catalog.draw_new(tenant.issued)
+    tenant.issued.add(rank)
+    endpoint, body = _fresh_body(rng, spec, tenant, rank, sampled=False)
+    tenant.phrasings.add((rank, -1))
+    _remember(tenant, rank, endpoint, body, _question(rank)[0], catalog)
+    return "new", endpoint, body
+
+
+def _remember(tenant: _Tenant, rank: int, endpoint: str, body: dict[str, Any], text: str,
+              catalog: _Zipf) -> None:
+    tenant.items.append(_Item(rank, endpoint, body, text))
+    last = tenant.cumulative[-1] if tenant.cumulative else 0.0
+    tenant.cumulative.append(last + catalog.weights[rank])
+
+
+def _fresh_body(rng: random.Random, spec: Spec, tenant: _Tenant, rank: int,
+                sampled: bool) -> tuple[str, dict[str, Any]]:
+    system = rng.choice(tenant.systems)
+    text = _question(rank)[0]
+    params: dict[str, Any] = {"model": MODEL, "max_tokens": spec.max_tokens}
+    if sampled:
+        params["temperature"] = 0.8
+    elif rng.random() < spec.seeded_share:
+        params.update(temperature=0.8, seed=rng.randrange(1, 1000))
+    else:
+        params["temperature"] = 0
+    if rng.random() < spec.completions_share:
+        return COMPLETIONS, {**params, "prompt": _completion_prompt(system, text)}
+    return CHAT, {**params, "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": text}]}
+
+
+def _completion_prompt(system: str, text: str) -> str:
+    return f"{system}\n\nQuestion: {text}\nAnswer:"
+
+
+def _with_text(endpoint: str, body: dict[str, Any], tenant: _Tenant,
+               text: str) -> dict[str, Any]:
+    """``body`` asking ``text`` instead (same system prompt and parameters)."""
+    if endpoint == CHAT:
+        return {**body, "messages": [body["messages"][0], {"role": "user", "content": text}]}
+    system = body["prompt"].split("\n\nQuestion: ", 1)[0]
+    return {**body, "prompt": _completion_prompt(system, text)}
+
+
+# ------------------------------------------------------------------------------------- recorded
+
+
+def load_jsonl(path: str | Path, tenant_header: str = "Authorization") -> Workload:
+    """Read a recorded workload: one JSON object per line (docs/bench.md)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise WorkloadError(f"{path}: cannot read it: {error}") from None
+    requests: list[BenchRequest] = []
+    timed: list[bool] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError as error:
+            raise WorkloadError(f"{where}: not valid JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise WorkloadError(f"{where}: each line must be a JSON object")
+        requests.append(_row(row, where, tenant_header))
+        timed.append("t" in row and row["t"] is not None)
+    if not requests:
+        raise WorkloadError(f"{path}: no requests in the file")
+    if any(timed) and not all(timed):
+        missing = next(i for i, has in enumerate(timed) if not has)
+        raise WorkloadError(f"{path}: request {missing + 1} has no timestamp 't' although others "
+                            "do; give every line a 't' or none")
+    if all(timed):
+        start = min(r.t for r in requests)
+        for r in requests:
+            r.t = round(r.t - start, 6)
+        requests.sort(key=lambda r: r.t)          # stable: ties keep the file's order
+    return Workload(path.stem, requests, str(path), {"file": str(path),
+                                                     "tenant_header": tenant_header},
+                    timed=all(timed))
+
+
+def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
+    t = row.get("t")
+    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)
+                          or not math.isfinite(t) or t < 0):
+        raise WorkloadError(f"{where}: 't' must be a number of seconds >= 0, got {t!r}")
+    body = row.get("body")
+    if not isinstance(body, dict):
+        raise WorkloadError(f"{where}: 'body' must be a JSON object (the request body), got "
+                            f"{type(body).__name__}")
+    endpoint = row.get("endpoint", CHAT)
+    if endpoint not in ENDPOINTS:
+        raise WorkloadError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got "
+                            f"{endpoint!r}")
+    headers = row.get("headers") or {}
+    if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise WorkloadError(f"{where}: 'headers' must be an object of strings")
+    tenant = row.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        raise WorkloadError(f"{where}: 'tenant' must be a string, got {tenant!r}")
+    headers = dict(headers)
+    if tenant and tenant_header.lower() not in {k.lower() for k in headers}:
+        headers[tenant_header] = tenant_header_value(tenant_header, tenant)
+    return BenchRequest(float(t or 0.0), endpoint, body, headers, tenant)
+
+
+# --------------------------------------------------------------------------------------- traits
+
+
+def traits(workload: Workload, config: Config | None = None) -> dict[str, Any]:
+    """What the workload holds: shares, tenants, and duplicates by the gateway's fingerprint."""
+    from .oracle import request_key
+
+    config = config or Config()
+    n = len(workload)
+    seen: set[str] = set()
+    shareable = duplicates = 0
+    for request in workload.requests:
+        key = request_key(request, config)
+        if key is None:
+            continue
+        shareable += 1
+        if key in seen:
+            duplicates += 1
+        seen.add(key)
+    labels = Counter(r.label for r in workload.requests if r.label)
+    span = workload.span
+    per_second = Counter(int(r.t) for r in workload.requests)
+    return {
+        "requests": n,
+        "tenants": len({r.tenant for r in workload.requests}),
+        "stream_share": _share(sum(r.stream for r in workload.requests), n),
+        "endpoints": dict(Counter(r.endpoint for r in workload.requests)),
+        "shareable_share": _share(shareable, n),
+        "duplicate_share": _share(duplicates, shareable),   # of shareable requests
+        "distinct_fingerprints": len(seen),
+        "labels": {label: labels[label] for label in LABELS if labels[label]},
+        "span_s": round(span, 3),
+        "mean_rate_rps": round(n / span, 3) if span > 0 and workload.timed else None,
+        "peak_rate_rps_1s": max(per_second.values()) if workload.timed else None,
+    }
+
+
+def _share(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
