@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import tempfile
 from typing import Any
 
 import click
@@ -44,11 +45,13 @@ def main() -> None:
               help="YAML config file (also CARPOOL_CONFIG).")
 @click.option("--redis", default=None, metavar="URL",
               help="Redis/Valkey URL of the store shared by every instance.")
+@click.option("--workers", type=int, default=None,
+              help="Gateway processes on this port [1]; with --redis they share one cache.")
 def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
-          config_file: str | None, redis: str | None) -> None:
+          config_file: str | None, redis: str | None, workers: int | None) -> None:
     """Run the gateway."""
     config = _load(config_file, {"upstreams": list(upstreams) or None, "host": host,
-                                 "port": port, "redis": redis})
+                                 "port": port, "redis": redis, "workers": workers})
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("carpool")
     if config.upstreams:
@@ -81,10 +84,23 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
         log.info("carpool: semantic cache on (mode %s, threshold %.2f, embedder %s)",
                  config.semantic.mode, gateway.semantic.threshold,
                  gateway.semantic.embedder.name)
-    app = create_app(gateway)
     log.info("carpool: listening on http://%s:%d/v1", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                access_log=False, loop="auto", http="auto")
+    if config.workers == 1:
+        uvicorn.run(create_app(gateway), host=config.host, port=config.port,
+                    log_level=config.log_level, access_log=False, loop="auto", http="auto")
+        return
+    # Several processes: each builds its own gateway from the resolved config, written once.
+    if not config.redis:
+        log.warning("carpool: %d workers without --redis: each has its own cache and flights, "
+                    "so identical requests landing on different workers are computed once per "
+                    "worker", config.workers)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
+        resolved.write(config.model_dump_json())
+        resolved.flush()
+        os.environ["CARPOOL_CONFIG"] = resolved.name
+        uvicorn.run("carpool.server:create_worker_app", factory=True, workers=config.workers,
+                    host=config.host, port=config.port, log_level=config.log_level,
+                    access_log=False, loop="auto", http="auto")
 
 
 @main.command()

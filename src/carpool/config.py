@@ -35,6 +35,9 @@ class FingerprintConfig(_Section):
     normalize_whitespace: bool = Field(
         True, description="Trim text and collapse runs of white space before hashing (never inside "
         "``` fenced code, nor for requests of type `code`).")
+    repeat_memo_bytes: int = Field(
+        16 * 1024 * 1024, ge=0, description="Budget (bytes of request bodies) of the memo that "
+        "lets a byte-identical repeat reach the exact cache without being parsed again; 0 = off.")
 
 
 class TypePolicy(_Section):
@@ -272,6 +275,9 @@ class Config(_Section):
                                                        "same-params: they share with identical "
                                                        "parameters.")
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    workers: int = Field(1, ge=1, le=256, description="Gateway processes serving one port. Each "
+                         "has its own caches and flights unless `redis` is set, which they then "
+                         "share.")
     port: int = Field(8080, ge=0, le=65535, description="Port the gateway listens on.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     tracing: Literal["auto", "on", "off"] = Field("auto", description="OpenTelemetry spans per "

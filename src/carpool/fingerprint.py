@@ -10,7 +10,8 @@ Contract (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants"):
   ``` fenced code and in requests of type ``code``, where indentation is meaning.
 - Scoped: the tenant (a hash of the tenant header, never the raw value), the namespace, and the
   freshness token are part of the key, so no answer crosses them, cached or in flight. A namespace
-  listed in ``tenant.shared_namespaces`` drops the tenant from the scope.
+  listed in ``tenant.shared_namespaces`` drops the tenant from the scope (``tenant`` is ``*``);
+  ``owner`` is still the requester's tenant, which scopes what is never shared (idempotency keys).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
   1, or a ``seed``. An absent temperature is the upstream's default, which samples. Sampled requests
   get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
@@ -32,13 +33,17 @@ from typing import Any
 import orjson
 
 from .config import Config
-from .request import Request
+from .idempotency import HEADER, HEADER_ALIAS
+from .request import CONTROL_HEADERS, ClientRequest, Request
 
 EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
 ANONYMOUS_TENANT = "anonymous"
 KEY_VERSION = 1
+# A request carrying one must be checked against its record first (idempotency.parse_key).
+IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
 _FENCE = "```"
 _WHITESPACE_RUN = re.compile(r"\s+")
+_INT_MIN, _INT_END = -2**63, 2**64        # the integers orjson parses (and writes) as integers
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,9 +51,10 @@ class Fingerprint:
     """The sharing decision for one request: ``key`` is None when it must bypass."""
 
     key: str | None
-    tenant: str
+    tenant: str                     # the sharing scope: "*" in a shared namespace
     namespace: str
     bypass_reason: str | None = None
+    owner: str = ""                 # the requester's own tenant, even in a shared namespace
 
 
 def tenant_of(headers: Mapping[str, str], header: str) -> str:
@@ -72,18 +78,75 @@ def is_deterministic(body: Mapping[str, Any]) -> bool:
 def fingerprint(request: Request, config: Config) -> Fingerprint:
     controls = request.controls
     namespace = controls.namespace
-    tenant = tenant_of(request.headers, config.tenant.header)
+    tenant = owner = tenant_of(request.headers, config.tenant.header)
     if namespace and namespace in config.tenant.shared_namespaces:
         tenant = "*"
     if request.kind != "embedding" and not is_deterministic(request.body):
         if not (controls.share_sampled or config.sampling == "same-params"):
-            return Fingerprint(None, tenant, namespace, "sampled")
+            return Fingerprint(None, tenant, namespace, "sampled", owner)
     collapse = config.fingerprint.normalize_whitespace and controls.request_type != "code"
     canonical = canonical_body(request.kind, request.body, collapse)
     material = orjson.dumps(
         [KEY_VERSION, tenant, namespace, controls.freshness, request.kind, canonical],
         option=orjson.OPT_SORT_KEYS)
-    return Fingerprint(hashlib.blake2b(material, digest_size=16).hexdigest(), tenant, namespace)
+    return Fingerprint(hashlib.blake2b(material, digest_size=16).hexdigest(), tenant, namespace,
+                       owner=owner)
+
+
+@dataclass(slots=True, frozen=True)
+class Repeat:
+    """What a byte-identical repeat needs to be answered from the exact cache."""
+
+    key: str
+    stream: bool
+    include_usage: bool
+    max_age: float | None
+
+
+class RepeatMemo:
+    """Byte-identical repeats skip parsing and the canonical form: raw request -> ``Repeat``.
+
+    Contract:
+    - The memo key is every input of ``fingerprint`` that is not configuration: the endpoint, the
+      body's bytes themselves and the value of each header that ``parse_controls`` and
+      ``tenant_of`` read. Equal memo keys therefore mean equal fingerprints, exactly (no digest
+      of the body, so no collision is possible).
+    - Remembered only for a request that parsed, is shareable and may read the cache; a request
+      carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
+    - Bounded by ``max_bytes`` of bodies (oldest out first) and bodies of at most ``max_body``
+      bytes; a forgotten repeat costs one parse, nothing else.
+    """
+
+    def __init__(self, tenant_header: str, max_bytes: int, max_body: int = 64 * 1024) -> None:
+        self.names = (*CONTROL_HEADERS, tenant_header.lower())
+        self.max_bytes = max_bytes
+        self.max_body = max_body
+        self.bytes = 0
+        self._memo: dict[tuple[Any, ...], Repeat] = {}
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def key_of(self, client: ClientRequest) -> tuple[Any, ...] | None:
+        headers = client.headers
+        if IDEMPOTENCY_HEADERS & headers.keys() or len(client.body) > self.max_body \
+                or not self.max_bytes:
+            return None
+        return (client.path, client.body, *map(headers.get, self.names))
+
+    def get(self, memo_key: tuple[Any, ...]) -> Repeat | None:
+        return self._memo.get(memo_key)
+
+    def remember(self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint) -> None:
+        if key.key is None or not request.controls.may_read or memo_key in self._memo:
+            return
+        self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage,
+                                      request.controls.max_age)
+        self.bytes += len(memo_key[1])
+        while self.bytes > self.max_bytes:
+            oldest = next(iter(self._memo))
+            del self._memo[oldest]
+            self.bytes -= len(oldest[1])
 
 
 def request_digest(request: Request, key: Fingerprint, config: Config) -> str:
@@ -230,8 +293,10 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, str):
         return value if value.isascii() else unicodedata.normalize("NFC", value)
     if isinstance(value, float):
-        # 0 and 0.0 (and 1e0) are the same number; keep integral floats as ints in the key.
-        return int(value) if value.is_integer() and abs(value) < 2**53 else value
+        # 0 and 0.0 (and 1e0) are the same number; keep integral floats as ints in the key,
+        # over the whole range the parser reads as integers (i64 and u64; past it, every
+        # spelling is parsed as the same double), so 2**60 and 1152921504606846976.0 are one.
+        return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
     if isinstance(value, dict):
         return {k: _canonical(v) for k, v in value.items()}
     if isinstance(value, list):

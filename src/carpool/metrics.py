@@ -13,13 +13,15 @@ Contract:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .outcome import Outcome
 
@@ -131,32 +133,74 @@ class _StatsCollector(Collector):
         yield load
 
 
+class Buckets:
+    """A histogram of plain numbers: ``observe`` is a bisect and two additions, no lock.
+
+    (prometheus_client's Histogram takes a lock per bucket; the gateway runs on one event loop,
+    so nothing races, and the request path should not pay for it.)
+    """
+
+    __slots__ = ("name", "help", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.help = name, help_text
+        self.bounds = tuple(b for b in bounds if b != float("inf"))
+        self.counts = [0] * (len(self.bounds) + 1)          # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts,
+                            strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+class _BucketsCollector(Collector):
+    def __init__(self, unlabelled: list[Buckets], by_outcome: dict[Outcome, Buckets],
+                 name: str, help_text: str) -> None:
+        self.unlabelled, self.by_outcome = unlabelled, by_outcome
+        self.name, self.help = name, help_text
+
+    def collect(self) -> Iterator[Any]:
+        for buckets in self.unlabelled:
+            family = HistogramMetricFamily(buckets.name, buckets.help)
+            family.add_metric([], buckets.cumulative(), buckets.sum)
+            yield family
+        family = HistogramMetricFamily(self.name, self.help, labels=["outcome"])
+        for outcome, buckets in self.by_outcome.items():
+            if any(buckets.counts):
+                family.add_metric([outcome.value], buckets.cumulative(), buckets.sum)
+        yield family
+
+
 class Metrics:
     """The gateway's Prometheus registry (one per gateway, so several can live in one process)."""
 
     def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
-        # A `_created` gauge beside every histogram doubles the series for a timestamp nobody
-        # graphs (the process start is in process_start_time_seconds); the switch is global.
-        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(stats, gauges))
-        self.duration = Histogram("carpool_request_duration_seconds",
-                                  "Time from request to the last byte of the answer, by outcome.",
-                                  ["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
-        self._observe = {o: self.duration.labels(o.value).observe for o in Outcome}
+        self.duration = {o: Buckets("carpool_request_duration_seconds", "", DURATION_BUCKETS)
+                         for o in Outcome}
         self._recent = stats.recent
-        self.similarity = Histogram("carpool_semantic_similarity", "Cosine similarity of the "
-                                    "semantic cache's served hits.", buckets=SIMILARITY_BUCKETS,
-                                    registry=self.registry)
-        self.batch_size = Histogram("carpool_batch_size", "Distinct items per batched upstream "
-                                    "call (embeddings).", buckets=BATCH_SIZE_BUCKETS,
-                                    registry=self.registry)
-        self.batch_wait = Histogram("carpool_batch_wait_seconds", "Time an embeddings request "
-                                    "waited in the batch buffer.", buckets=DURATION_BUCKETS,
-                                    registry=self.registry)
+        self.similarity = Buckets("carpool_semantic_similarity", "Cosine similarity of the "
+                                  "semantic cache's served hits.", SIMILARITY_BUCKETS)
+        self.batch_size = Buckets("carpool_batch_size", "Distinct items per batched upstream "
+                                  "call (embeddings).", BATCH_SIZE_BUCKETS)
+        self.batch_wait = Buckets("carpool_batch_wait_seconds", "Time an embeddings request "
+                                  "waited in the batch buffer.", DURATION_BUCKETS)
+        self.registry.register(_BucketsCollector(
+            [self.similarity, self.batch_size, self.batch_wait], self.duration,
+            "carpool_request_duration_seconds",
+            "Time from request to the last byte of the answer, by outcome."))
 
     def observe(self, outcome: Outcome, seconds: float) -> None:
-        self._observe[outcome](seconds)
+        self.duration[outcome].observe(seconds)
         self._recent[outcome].append(seconds)
 
     def render(self) -> bytes:

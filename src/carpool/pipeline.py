@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,7 +45,14 @@ from .errors import (
     UpstreamStreamBroken,
     error_event,
 )
-from .fingerprint import Fingerprint, SemanticView, fingerprint, request_digest, semantic_view
+from .fingerprint import (
+    Fingerprint,
+    RepeatMemo,
+    SemanticView,
+    fingerprint,
+    request_digest,
+    semantic_view,
+)
 from .flight import FlightGroup, JoinTimeout, Ticket
 from .idempotency import (
     REPLAYED_HEADER,
@@ -120,6 +128,9 @@ class Gateway:
                                    finish_abandoned=coalesce.finish_abandoned)
         self.stats = Stats()
         self.tracer = Tracer(self.config.tracing)
+        self.repeats = RepeatMemo(self.config.tenant.header,
+                                  self.config.fingerprint.repeat_memo_bytes,
+                                  min(64 * 1024, self.config.limits.max_body_bytes))
         self.metrics = Metrics(self.stats, self.gauges)
         self.replicas = build_replicas(self.config, self.upstreams, self._observe_attempt)
         # Single embeddings are merged into list calls; identical ones were coalesced before.
@@ -147,6 +158,17 @@ class Gateway:
 
     async def _handle(self, client: ClientRequest) -> Reply:
         route = client.path
+        # A byte-identical repeat of a request parsed before goes straight to the exact cache:
+        # the same bytes and control headers always make the same fingerprint.
+        memo_key = self.repeats.key_of(client)
+        repeat = self.repeats.get(memo_key) if memo_key is not None else None
+        if repeat is not None:
+            with self.tracer.span("carpool.exact"):
+                entry = await self.store.get(repeat.key)
+            if entry is not None and (repeat.max_age is None
+                                      or entry.answer.age() < repeat.max_age):
+                return self._served(route, Outcome.HIT, entry.answer, repeat.stream,
+                                    repeat.include_usage)
         try:
             request = parse(client, self.config.limits.max_body_bytes)
             idempotency_key = parse_key(client.headers)
@@ -155,6 +177,8 @@ class Gateway:
             # Every answer of a cached endpoint says what it was; a rejected one was not shared.
             return _error_reply(error, Outcome.BYPASS)
         key = fingerprint(request, self.config)
+        if memo_key is not None:
+            self.repeats.remember(memo_key, request, key)
         if idempotency_key is not None:
             return await self._idempotent(client, request, key, idempotency_key, route)
         return await self._answer(client, request, key, route)
@@ -171,7 +195,8 @@ class Gateway:
                 entry = await self.store.get(key.key)
             if entry is not None and (controls.max_age is None
                                       or entry.answer.age() < controls.max_age):
-                return self._served(route, Outcome.HIT, entry.answer, request)
+                return self._served(route, Outcome.HIT, entry.answer, request.stream,
+                                    request.include_usage)
         _waiting(client)
         join_age = controls.max_age if controls.may_read else 0
         view = semantic_view(request, key, self.config) if self.semantic is not None \
@@ -186,7 +211,8 @@ class Gateway:
                 assert probe.match.answer is not None
                 self.metrics.similarity.observe(probe.match.similarity)
                 return self._served(route, Outcome.SEMANTIC_HIT, probe.match.answer,
-                                    request, _similarity(probe.match))
+                                    request.stream, request.include_usage,
+                                    _similarity(probe.match))
         lead = partial(self._lead, request, key, view, probe)
         ticket = self.flights.acquire(key.key, lead, max_age=join_age,
                                       linger=not controls.no_store)
@@ -200,7 +226,7 @@ class Gateway:
                           idempotency_key: str, route: str) -> Reply:
         """A request with an Idempotency-Key runs at most once; retries get its first answer."""
         records = self.idempotency
-        scoped, digest = f"{key.tenant}\n{idempotency_key}", request_digest(request, key,
+        scoped, digest = f"{key.owner}\n{idempotency_key}", request_digest(request, key,
                                                                             self.config)
         begin = await records.begin(scoped, digest)
         if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
@@ -306,7 +332,8 @@ class Gateway:
             self.stats.count(route, outcome)
             return _error_reply(broadcast.error, outcome)
         assert broadcast.answer is not None
-        return self._served(route, outcome, broadcast.answer, request)
+        return self._served(route, outcome, broadcast.answer, request.stream,
+                            request.include_usage)
 
     @staticmethod
     async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:
@@ -414,19 +441,20 @@ class Gateway:
         if status >= 400:
             self.stats.upstream_errors += 1
 
-    def _served(self, route: str, outcome: Outcome, answer: Answer, request: Request,
-                extra: Sequence[tuple[bytes, bytes]] = ()) -> Reply:
-        """A reply carrying a whole answer, as JSON or (for a streaming client) as SSE."""
+    def _served(self, route: str, outcome: Outcome, answer: Answer, stream: bool,
+                include_usage: bool, extra: Sequence[tuple[bytes, bytes]] = ()) -> Reply:
+        """A reply carrying a whole answer, as JSON or (for a streaming client, ``stream``) as
+        SSE, with the final usage chunk if it asked for it (``include_usage``)."""
         self.stats.count(route, outcome)
         if outcome.saved:
             self.stats.tokens_saved += answer.tokens
         headers = [JSON, outcome.header, *extra]
         if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
             headers.append((b"age", str(int(answer.age())).encode()))
-        if not request.stream:
+        if not stream:
             return Reply(200, headers, answer.body, outcome=outcome)
         headers[0] = SSE
-        return Reply(200, headers, b"".join(answer.sse(request.include_usage)) + DONE,
+        return Reply(200, headers, b"".join(answer.sse(include_usage)) + DONE,
                      outcome=outcome)
 
     # ---------------------------------------------------------------------------------------
@@ -492,7 +520,8 @@ class Gateway:
     def snapshot(self) -> dict[str, Any]:
         """The /stats document."""
         g = self.gauges()
-        return {**self.stats.snapshot(), "flights": g["flights"], "waiters": g["waiters"],
+        return {**self.stats.snapshot(), "pid": os.getpid(),
+                "flights": g["flights"], "waiters": g["waiters"],
                 "layers": g["layers"],
                 "replicas": self.replicas.snapshot(), "routing": dict(self.stats.routing),
                 "batching": self.batcher.stats(),

@@ -4,9 +4,9 @@ Contract:
 - ``parse`` accepts the three cached endpoints (chat, completions, embeddings). It raises
   ``RequestError`` (400) for malformed JSON, a body that is not a JSON object, a field of the wrong
   type where the layers depend on it (``messages``, ``prompt``, ``input``, ``model``, ``stream``,
-  ``temperature``, ``top_k``, ``seed``, ``n``), and ``BodyTooLarge`` (413) over the size limit. It
-  does not re-implement the upstream's validation of everything else: unknown fields pass through
-  (and are part of the fingerprint).
+  ``temperature``, ``top_k``, ``seed``, ``n``), a missing ``model``, and ``BodyTooLarge`` (413)
+  over the size limit. It does not re-implement the upstream's validation of everything else:
+  unknown fields pass through (and are part of the fingerprint).
 - ``Controls`` is what the request asks of the cache layers, read from its headers
   (``Cache-Control``, ``x-carpool-*``). Malformed header values are 400, never silently ignored.
 - Nothing here touches a cache or the network.
@@ -32,6 +32,11 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
 
 MAX_TAGS = 32
 MAX_HEADER_TOKEN = 256
+MAX_AGE = 2**31
+# Every request header ``parse_controls`` reads. A byte-identical repeat (fingerprint.RepeatMemo)
+# must agree on each of them, so a new control header belongs here too (a test reads the source).
+CONTROL_HEADERS = ("cache-control", "x-carpool-namespace", "x-carpool-type", "x-carpool-tags",
+                   "x-carpool-freshness", "x-carpool-share")
 
 
 @dataclass(slots=True)
@@ -98,8 +103,9 @@ def parse(client: ClientRequest, max_body_bytes: int) -> Request:
 
 def _validate_fields(kind: str, body: dict[str, Any]) -> None:
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError("'model' must be a string", param="model")
+    if not isinstance(model, str):
+        # Required by the OpenAI API on all three endpoints (its SDK always sends it).
+        raise RequestError("'model' is required and must be a string", param="model")
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -154,10 +160,11 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
                 controls.no_store = True
             elif name == "max-age":
                 try:
-                    controls.max_age = float(int(value.strip().strip('"')))
+                    # RFC 9111 1.2.2: a delta-seconds too large to represent counts as 2**31.
+                    controls.max_age = float(min(int(value.strip().strip('"')), MAX_AGE))
                 except ValueError:
-                    raise RequestError(f"Cache-Control max-age must be an integer, got {value!r}",
-                                       "invalid_header") from None
+                    raise RequestError("Cache-Control max-age must be an integer, got "
+                                       f"{value[:64]!r}", "invalid_header") from None
                 if controls.max_age < 0:
                     raise RequestError("Cache-Control max-age must not be negative",
                                        "invalid_header")

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -27,7 +28,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .config import Config
 from .errors import BodyTooLarge, CarpoolError, RequestError
+from .openapi import document as openapi_document
 from .outcome import Outcome
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
@@ -96,14 +99,15 @@ class _Watch:
 
     def __init__(self, receive: Any) -> None:
         self.receive = receive
-        self.task: asyncio.Task[Any] | None = None
+        # The request's task (the watch is made in it), not the first task that waits: the items
+        # of a list input wait in tasks of their own, and every one of them must be cancelled.
+        self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.watcher: asyncio.Task[None] | None = None
         self.finished = False
         self.client_left = False
 
     def start(self) -> None:
         if self.watcher is None:
-            self.task = asyncio.current_task()
             self.watcher = asyncio.get_running_loop().create_task(self._watch())
 
     def stop(self) -> None:
@@ -180,6 +184,9 @@ def _control_app(gateway: Gateway) -> Starlette:
     async def dashboard(_: HttpRequest) -> Response:
         return HTMLResponse(_DASHBOARD)
 
+    async def openapi(_: HttpRequest) -> Response:
+        return Response(orjson.dumps(openapi_document()), media_type="application/json")
+
     async def invalidate(request: HttpRequest) -> Response:
         token = gateway.config.admin_token
         if not token:
@@ -216,6 +223,7 @@ def _control_app(gateway: Gateway) -> Starlette:
     return Starlette(routes=[
         Route("/healthz", healthz), Route("/stats", stats), Route("/metrics", metrics),
         Route("/dashboard", dashboard), Route("/admin/invalidate", invalidate, methods=["POST"]),
+        Route("/openapi.json", openapi),
         Route("/v1/{path:path}", passthrough, methods=methods),
     ], lifespan=lifespan)
 
@@ -228,6 +236,12 @@ def _error(status: int, message: str, code: str) -> Response:
 
 def create_app(gateway: Gateway | None = None) -> GatewayApp:
     return GatewayApp(gateway or Gateway())
+
+
+def create_worker_app() -> GatewayApp:
+    """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
+    the config file the parent wrote (``CARPOOL_CONFIG``)."""
+    return GatewayApp(Gateway(Config.load(os.environ.get("CARPOOL_CONFIG"))))
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

@@ -1,0 +1,73 @@
+"""The byte-identical fast path (fingerprint.RepeatMemo): a repeat skips parsing, never the rules."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from carpool import request as request_module
+from carpool.config import Config
+from carpool.fingerprint import RepeatMemo, fingerprint
+from carpool.request import CONTROL_HEADERS, ClientRequest, parse
+
+CHAT = "/v1/chat/completions"
+BODY = b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"hi"}]}'
+
+
+def test_every_header_parse_controls_reads_is_a_control_header_of_the_memo():
+    source = inspect.getsource(request_module.parse_controls)
+    read = set(re.findall(r'headers\.get\("([a-z0-9-]+)"\)', source))
+    assert read and read == set(CONTROL_HEADERS)
+
+
+async def test_a_byte_identical_repeat_is_a_hit_through_the_memo(gw, fake):
+    first = await gw.chat("hello")
+    assert len(gw.gateway.repeats) == 1
+    again = await gw.chat("hello")
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
+    assert again.json() == first.json() and fake.count() == 1
+    streamed, text = await gw.stream_chat("hello")           # other bytes: parsed, then a hit
+    assert streamed.headers["x-carpool"] == "hit" and text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_repeat_with_another_control_header_or_tenant_is_not_the_same_request(gw, fake):
+    await gw.chat("hello", headers={"x-carpool-namespace": "a"})
+    other_namespace = await gw.chat("hello", headers={"x-carpool-namespace": "b"})
+    other_tenant = await gw.chat("hello", headers={"x-carpool-namespace": "a",
+                                                   "authorization": "Bearer someone-else"})
+    no_cache = await gw.chat("hello", headers={"x-carpool-namespace": "a",
+                                               "cache-control": "no-cache"})
+    assert [r.headers["x-carpool"] for r in (other_namespace, other_tenant, no_cache)] == \
+        ["miss", "miss", "miss"]
+    assert fake.count() == 4
+
+
+@pytest.mark.parametrize("header", ["idempotency-key", "x-idempotency-key"])
+async def test_a_repeat_carrying_an_idempotency_key_goes_through_its_record(gw, fake, header):
+    await gw.chat("hello")
+    keyed = await gw.chat("hello", headers={header: "k-1"})
+    assert keyed.headers["x-carpool"] == "hit" and fake.count() == 1
+    replay = await gw.chat("hello", headers={header: "k-1"})
+    assert replay.headers.get("idempotent-replayed") == "true"
+
+
+def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_budget():
+    config = Config()
+    memo = RepeatMemo("authorization", max_bytes=3 * len(BODY))
+
+    def remember(body: bytes, headers: dict[str, str]) -> None:
+        client = ClientRequest(CHAT, body, headers)
+        request = parse(client, 1 << 20)
+        memo.remember(memo.key_of(client), request, fingerprint(request, config))
+
+    remember(BODY.replace(b'"temperature":0', b'"temperature":0.7'), {})     # sampled
+    remember(BODY, {"cache-control": "no-store"})
+    assert len(memo) == 0
+    assert memo.key_of(ClientRequest(CHAT, BODY, {"idempotency-key": "k"})) is None
+    for i in range(5):
+        remember(BODY.replace(b"hi", f"hi {i}".encode()), {})
+    assert len(memo) == 2 and memo.bytes <= memo.max_bytes         # the oldest went first
+    newest = ClientRequest(CHAT, BODY.replace(b"hi", b"hi 4"), {})
+    assert memo.get(memo.key_of(newest)) is not None

@@ -1,0 +1,46 @@
+"""`carpool serve --workers N`: several processes on one port, sharing one Redis (issue 9)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+from test_distributed import free_port, until_serving
+
+QUESTION = "What do the workers share?"
+
+
+async def test_workers_on_one_port_share_the_cache_through_redis(fake, redis_server, tmp_path):
+    port = free_port()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
+    env["CARPOOL_LOG_LEVEL"] = "warning"
+    log = tmp_path / "workers.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "carpool.cli", "serve", "--upstream", fake.url, "--redis",
+             redis_server.url, "--port", str(port), "--workers", "2"],
+            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            await until_serving(probe, proc, log)
+        body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}],
+                "temperature": 0}
+        pids, outcomes = set(), []
+        # A new connection per request, so the kernel spreads them over both workers.
+        for _ in range(200):
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+                outcomes.append(response.headers["x-carpool"])
+                pids.add((await client.get("/stats")).json()["pid"])
+            if len(pids) == 2 and len(outcomes) >= 20:
+                break
+        assert len(pids) == 2, "every request landed on one worker"
+        assert outcomes[0] == "miss" and set(outcomes[1:]) == {"hit"}
+        assert fake.count() == 1             # one upstream call for both workers
+    finally:
+        proc.terminate()
+        proc.wait(10)
