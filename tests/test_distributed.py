@@ -77,6 +77,82 @@ async def until_redis_is_back(served, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def test_the_invalidation_subscriber_survives_redis_restarting_and_delivers_again(
+        fake, redis_server):
+    """carpool/invalidation.py: each instance's subscriber reconnects by itself; subscribed
+    again, it forgets what lingered meanwhile (pub/sub replays nothing: an invalidation may have
+    been missed), then delivers as before. The window is long: only invalidations end it."""
+    admin = {"Authorization": "Bearer t"}
+    async with two_gateways(fake, redis_server, coalesce={"window_ms": 60_000}) as (a, b):
+        ia, ib = a.gateway.invalidations, b.gateway.invalidations
+        await eventually(lambda: ia.listening and ib.listening, what="both instances subscribed")
+        redis_server.kill()
+        await eventually(lambda: not ia.listening and not ib.listening,
+                         what="both subscribers cut off")
+        assert ia.counts["errors"] >= 1 and ib.counts["errors"] >= 1
+        # Redis down: A answers alone, and the answer lingers in A's own window.
+        assert (await a.chat("while down")).headers["x-carpool"] == "miss"
+        assert len(a.gateway.flights) == 1
+        # An invalidation on B while Redis is down fails nothing and returns at once.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        response = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert response.status_code == 200 and loop.time() - started < 1.0
+        assert ib.counts["unsent"] == 1 and ib.counts["published"] == 0
+        redis_server.restart()
+        await eventually(lambda: ia.listening and ib.listening, timeout=10,
+                         what="both instances subscribed again")
+        assert ia.counts["resubscribed"] >= 1 and ia.counts["forgotten"] >= 1
+        assert len(a.gateway.flights) == 0            # the missed invalidation cost nothing
+        assert (await a.chat("while down")).headers["x-carpool"] == "miss"
+
+        # Delivering again: an answer lingering on A, invalidated on B.
+        received = ia.counts["received"]
+        tagged = {"x-carpool-tags": "faq"}
+        assert (await a.chat("after", headers=tagged)).headers["x-carpool"] == "miss"
+        response = await b.client.post("/admin/invalidate", json={"tag": "faq"}, headers=admin)
+        assert response.json() == {"invalidated": 1} and ib.counts["published"] == 1
+        await eventually(lambda: ia.counts["received"] == received + 1,
+                         what="instance A told of the invalidation")
+        assert len(a.gateway.flights) == 0
+        assert (await a.chat("after", headers=tagged)).headers["x-carpool"] == "miss"
+        assert fake.count() == 4
+
+
+async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive(
+        redis_server, monkeypatch):
+    """A Redis that stops answering (SIGSTOP) closes no connection: the subscriber's PING goes
+    unanswered, it subscribes again once Redis answers, and forgets what lingered meanwhile."""
+    import signal
+
+    import redis.asyncio as aredis
+
+    from carpool import invalidation
+
+    monkeypatch.setattr(invalidation, "KEEPALIVE", 0.1)
+    monkeypatch.setattr(invalidation, "WAIT", 0.05)
+    client = aredis.Redis.from_url(redis_server.url, socket_timeout=0.3)
+    forgotten: list[int] = []
+    channel = invalidation.InvalidationChannel(client, lambda: forgotten.append(1) or 1,
+                                               socket_timeout=0.3, retry_interval=0.05,
+                                               owns_client=True)
+    try:
+        channel.start()
+        await eventually(lambda: channel.listening, what="subscribed")
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: not channel.listening, what="the hang noticed")
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        await eventually(lambda: channel.listening, what="subscribed again")
+        assert channel.counts["resubscribed"] == 1 and forgotten == [1]
+        assert await client.publish(channel.channel, b"another instance") == 1
+        await eventually(lambda: channel.counts["received"] == 1, what="delivered again")
+        assert forgotten == [1, 1] and channel.counts["errors"] >= 1
+    finally:
+        await channel.aclose()
+
+
 # ------------------------------------------------------------------------------------------------
 # Cross-instance coalescing (carpool/flight_shared.py)
 
@@ -244,6 +320,14 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
             elapsed = loop.time() - killed
             with contextlib.suppress(httpx.HTTPError):
                 await lost
+            # Nothing left behind on the surviving instance (test_faults.py's bookkeeping): no
+            # waiter, no flight in progress, no shared flight led or followed.
+            flights, shared = b.gateway.flights, b.gateway.shared_flights
+            await eventually(lambda: flights.waiters == 0 and shared.leading == shared.following
+                             == 0 and all(f.broadcast.done and f.task.done()
+                                          for f in flights._flights.values()),
+                             what="instance B settled")
+            assert (await b.client.get("/stats")).json()["waiters"] == 0
     finally:
         proc.kill()
         proc.wait()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+
 from test_distributed import free_port, until_serving
 
 QUESTION = "What do the workers share?"

@@ -72,6 +72,7 @@ from .tracing import Tracer
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 from .wiring import (
     build_idempotency,
+    build_invalidations,
     build_replicas,
     build_semantic,
     build_shared_flights,
@@ -81,6 +82,7 @@ from .wiring import (
 
 if TYPE_CHECKING:
     from .flight_shared import SharedFlights
+    from .invalidation import InvalidationChannel
     from .semantic.cache import Candidate, Probe, SemanticCache
 
 log = logging.getLogger("carpool")
@@ -126,6 +128,9 @@ class Gateway:
         coalesce = self.config.coalesce
         self.flights = FlightGroup(window=window_policy(coalesce),
                                    finish_abandoned=coalesce.finish_abandoned)
+        # With redis: an invalidation anywhere forgets the flights lingering on every instance.
+        self.invalidations: InvalidationChannel | None = build_invalidations(
+            self.config, self.store, self.flights.forget_finished)
         self.stats = Stats()
         self.tracer = Tracer(self.config.tracing)
         self.repeats = RepeatMemo(self.config.tenant.header,
@@ -353,6 +358,8 @@ class Gateway:
         """
         call = partial(self._call_upstream, request)
         store = partial(self._store, request, key, view=view, probe=probe)
+        if self.invalidations is not None:               # (lazily, without the server)
+            self.invalidations.start()
         if self.shared_flights is None or alone or key.key is None:
             answer = await call(broadcast)
             await store(answer)
@@ -500,6 +507,8 @@ class Gateway:
             dropped = await self.store.invalidate(**selector)
             if self.semantic is not None:
                 dropped += await self.semantic.invalidate(**selector)
+            if self.invalidations is not None:       # last: the other instances' windows
+                await self.invalidations.publish()
             return dropped
         raise RequestError(f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
                            '(a non-empty string) or "all": true')
@@ -514,7 +523,9 @@ class Gateway:
             "replicas": {name: r["in_flight"] for name, r in self.replicas.snapshot().items()},
             "redis_errors": {"store": getattr(self.store, "errors", 0),
                              **({"flights": self.shared_flights.counts["errors"]}
-                                if self.shared_flights is not None else {})},
+                                if self.shared_flights is not None else {}),
+                             **({"invalidations": self.invalidations.counts["errors"]}
+                                if self.invalidations is not None else {})},
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -533,6 +544,8 @@ class Gateway:
         report = health() if health is not None else {"state": "off"}
         if self.shared_flights is not None:
             report = {**report, "flights": self.shared_flights.snapshot()}
+        if self.invalidations is not None:
+            report = {**report, "invalidations": self.invalidations.snapshot()}
         shared_semantic = getattr(self.semantic, "snapshot", None)
         if shared_semantic is not None:
             report = {**report, "semantic": shared_semantic()}
@@ -545,8 +558,12 @@ class Gateway:
         start = getattr(self.semantic, "start", None)
         if start is not None:
             start()
+        if self.invalidations is not None:
+            self.invalidations.start()
 
     async def aclose(self) -> None:
+        if self.invalidations is not None:
+            await self.invalidations.aclose()
         if self.semantic is not None:
             await self.semantic.aclose()
         if self.shared_flights is not None:

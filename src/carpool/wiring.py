@@ -8,7 +8,7 @@ extras) only when they are on.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -28,6 +28,7 @@ from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
     from .flight_shared import SharedFlights
+    from .invalidation import InvalidationChannel
     from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
     from .store.redis import RedisStore
@@ -86,6 +87,20 @@ def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
                          join_timeout=config.coalesce.join_timeout_ms / 1000,
                          linger_ms=config.coalesce.window_ms, socket_timeout=d.timeout,
                          health=health, owns_client=owned)
+
+
+def build_invalidations(config: Config, store: Store,
+                        forget: Callable[[], int]) -> InvalidationChannel | None:
+    """With ``redis``: the channel that makes an invalidation on any instance ``forget`` (the
+    finished flights lingering in the coalescing window) on every other one."""
+    if not config.redis:
+        return None
+    from .invalidation import InvalidationChannel
+
+    d = config.distributed
+    redis, health, owned = _shared_redis(config, store)
+    return InvalidationChannel(redis.client, forget, prefix=d.key_prefix, socket_timeout=d.timeout,
+                               retry_interval=d.retry_interval, health=health, owns_client=owned)
 
 
 def build_idempotency(config: Config, store: Store | None = None) -> IdempotencyRecords:

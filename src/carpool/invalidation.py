@@ -1,0 +1,202 @@
+"""Invalidations reach every instance's coalescing window, through Redis pub/sub.
+
+An admin invalidation (``Gateway.invalidate``) drops what the shared layers hold (the exact
+store, the shared flights' lingering locks, the semantic stream), but each instance also keeps
+its finished local flights lingering in its own coalescing window (``flight.FlightGroup``: up to
+``coalesce.window_ms``, or ``max_window_ms`` when adaptive), which only that instance can forget.
+``InvalidationChannel`` tells every instance to forget them.
+
+Contract:
+- ``publish()`` (the end of ``Gateway.invalidate``, once every layer is invalidated): ``PUBLISH
+  P invalidations ID`` (``P`` = ``distributed.key_prefix``, ``ID`` this instance's random id). It
+  returns once Redis has accepted the message (the admin endpoint answers after that), with the
+  number of subscribers Redis handed it to; it does not wait for them to apply it (each does
+  within milliseconds: tests wait on ``counts["received"]``).
+- One subscriber task per instance (``start()``: the server's startup, or lazily the first flight
+  led; stopped by ``aclose``) subscribes to that channel on its own connection and, for every
+  message of ANOTHER instance, calls ``forget()`` (``FlightGroup.forget_finished``). The
+  publisher's own messages are skipped: ``Gateway.invalidate`` forgot its flights already.
+- Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
+  (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
+  log); while that health says Redis is not to be tried, nothing is sent (``unsent``) and
+  ``publish`` returns at once. The other instances then keep their lingering answers for at most
+  one window: the cost of a missed message.
+- The subscriber reconnects by itself: after a failure (Redis killed, the connection reset, no
+  answer to a keepalive PING within ``socket_timeout``: a Redis that hangs or vanished
+  silently) it waits ``BACKOFF_MIN``, doubling up to ``retry_interval``, and subscribes again.
+  Messages published while it was cut off are lost (pub/sub keeps nothing), so each time it is
+  subscribed AGAIN it forgets every finished flight once (``resubscribed``): at most one extra
+  upstream call per key, instead of answers that may have been invalidated meanwhile. The first
+  subscription forgets nothing (at startup nothing lingers yet). ``listening`` is true while it is
+  subscribed (tests wait on it). Its failures and successes go to the shared health too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .store.base import StoreUnavailable, redis_unavailable
+
+if TYPE_CHECKING:
+    import redis.asyncio as aredis
+
+__all__ = ["InvalidationChannel"]
+
+log = logging.getLogger("carpool.invalidation")
+
+BACKOFF_MIN = 0.05        # s before the subscriber's first retry after a Redis failure
+WAIT = 1.0                # s of one wait for a message (then the keepalive is considered)
+KEEPALIVE = 5.0           # s without any message before the subscriber PINGs Redis
+
+
+class Health(Protocol):
+    """The Redis health shared with the exact store (``SharedStore``)."""
+
+    def usable(self) -> bool: ...
+
+    def report(self, error: StoreUnavailable | None) -> None: ...
+
+
+class InvalidationChannel:
+    """Invalidations published to, and received from, every instance on ``client`` (a
+    ``redis.asyncio`` client that does not decode responses). ``forget``: what a message of
+    another instance does here (returns how many flights it forgot); ``socket_timeout`` (s): how
+    long a keepalive PING may go unanswered; ``retry_interval``: the subscriber's longest
+    backoff; ``health``: the shared store; ``owns_client``: ``aclose`` closes the client.
+    """
+
+    def __init__(self, client: aredis.Redis, forget: Callable[[], int], *,
+                 prefix: str = "carpool:", socket_timeout: float = 0.5,
+                 retry_interval: float = 1.0, health: Health | None = None,
+                 owns_client: bool = False) -> None:
+        self.channel = (prefix + "invalidations").encode()
+        self.instance = secrets.token_hex(8).encode()
+        self.forget = forget
+        self.socket_timeout = socket_timeout
+        self.retry_interval = retry_interval
+        self.health = health
+        self.listening = False
+        self.counts = dict.fromkeys((
+            "published",      # invalidations accepted by Redis
+            "unsent",         # not sent: Redis degraded (the others keep at most one window)
+            "received",       # invalidations of other instances applied here
+            "forgotten",      # finished flights forgotten on their account
+            "resubscribed",   # subscriptions made again after a failure (each forgets all)
+            "errors",         # Redis failures (publishing and subscribing)
+        ), 0)
+        self._client = client
+        self._owns_client = owns_client
+        self._subscriber: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<InvalidationChannel {self.channel.decode()!r} instance={self.instance.decode()}>"
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.counts, "listening": self.listening}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the subscriber (idempotent; needs a running event loop)."""
+        if self._subscriber is None and not self._closed:
+            self._subscriber = asyncio.get_running_loop().create_task(self._subscribe())
+
+    async def aclose(self) -> None:
+        self._closed = True
+        subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None:
+            subscriber.cancel()
+            with contextlib.suppress(BaseException):
+                await subscriber
+        if self._owns_client:
+            await self._client.aclose()
+
+    # ------------------------------------------------------------------ publishing
+
+    async def publish(self) -> int:
+        """Tell every other instance to forget its finished flights; how many subscribers Redis
+        handed the message to (this instance's own included), 0 if it could not be sent."""
+        if self.health is not None and not self.health.usable():
+            self.counts["unsent"] += 1
+            return 0
+        try:
+            with _unavailable("publish an invalidation"):
+                receivers = await self._client.publish(self.channel, self.instance)
+        except StoreUnavailable as error:
+            self.counts["unsent"] += 1
+            self._failed(error)
+            return 0
+        self.counts["published"] += 1
+        if self.health is not None:
+            self.health.report(None)
+        return int(receivers)
+
+    # ------------------------------------------------------------------ subscribing
+
+    async def _subscribe(self) -> None:
+        backoff = BACKOFF_MIN
+        subscribed_before = False
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                with _unavailable("listen for invalidations"):
+                    await pubsub.subscribe(self.channel)
+                    loop = asyncio.get_running_loop()
+                    heard = loop.time()              # when Redis last sent anything
+                    pinged: float | None = None      # when an unanswered PING was sent
+                    while True:
+                        message = await pubsub.get_message(timeout=WAIT)
+                        now = loop.time()
+                        if message is None:
+                            if pinged is not None and now - pinged > self.socket_timeout:
+                                raise TimeoutError("no answer to a keepalive PING")
+                            if pinged is None and now - heard >= KEEPALIVE:
+                                await pubsub.ping()
+                                pinged = now
+                            continue
+                        heard, pinged = now, None
+                        kind = message.get("type")
+                        if kind == "subscribe":      # the first time, or redis-py reconnected
+                            self.listening = True
+                            backoff = BACKOFF_MIN
+                            if subscribed_before:
+                                self.counts["resubscribed"] += 1
+                                self.counts["forgotten"] += self.forget()
+                            subscribed_before = True
+                            if self.health is not None:
+                                self.health.report(None)
+                        elif kind == "message" and message.get("data") != self.instance:
+                            self.counts["received"] += 1
+                            self.counts["forgotten"] += self.forget()
+            except StoreUnavailable as error:
+                self.listening = False
+                self._failed(error)
+                await _quietly(pubsub.aclose())
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, max(self.retry_interval, BACKOFF_MIN))
+            except BaseException:
+                self.listening = False
+                await _quietly(pubsub.aclose())
+                raise
+
+    def _failed(self, error: StoreUnavailable) -> None:
+        self.counts["errors"] += 1
+        if self.health is not None:
+            self.health.report(error)
+        else:
+            log.debug("invalidation channel: %s", error)
+
+
+async def _quietly(closing: Any) -> None:
+    with contextlib.suppress(Exception):
+        await closing
+
+
+def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
+    return redis_unavailable(f"the invalidation channel failed to {operation}")
