@@ -9,7 +9,8 @@ Contract:
   every item has a vector). Only complete answers are stored or kept joinable after their flight.
 - ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
 - ``tokens`` is prompt + completion tokens of the call: what a hit or a joiner did not recompute.
-- An ``Answer`` is immutable once built; many clients read it at once.
+- An ``Answer`` is immutable once built; many clients read it at once. Its ``body`` is a copy
+  of exactly its length (see ``__post_init__``), so ``size`` is what it really holds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ class Answer:
     frames: list[bytes] | None = None
     usage_frame: int | None = None          # index in frames of the usage-only chunk, if any
     _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A copy holds exactly its length. orjson (>= 3.12) returns bytes whose buffer is at
+        # least 4 KB whatever their length, and never shrinks it: kept in the cache, a 300-byte
+        # answer built by orjson.dumps (an assembled stream, an embeddings batch's share) would
+        # hold over ten times what the cache's byte budget counts (``size``).
+        self.body = bytes(memoryview(self.body))
 
     @classmethod
     def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:

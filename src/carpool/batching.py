@@ -22,7 +22,8 @@ Contract
   queued ones), so that under load the batches grow by themselves.
 - If ``compute`` raises (or returns the wrong number of results), every caller of that batch gets
   the exception. A cancelled caller never cancels the batch for the others; an item whose every
-  caller left before its batch was sent is dropped from it.
+  caller left before its batch was sent is dropped from it, and a sent batch whose every caller
+  (of every item) has left is cancelled.
 - ``observe_wait(seconds)`` (optional) is called exactly once per ``submit``: the time it waited in
   the buffer before its batch was sent (0 when it joined a running batch; up to its cancellation
   for a caller that left before).
@@ -90,7 +91,7 @@ _DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "content-type", "transf
 class _Entry:
     """One distinct item of a batch and the callers waiting for it."""
 
-    __slots__ = ("item", "cost", "future", "arrivals", "sent")
+    __slots__ = ("item", "cost", "future", "arrivals", "sent", "waiting", "batch")
 
     def __init__(self, item: Any, cost: float, future: asyncio.Future[Any]) -> None:
         self.item = item
@@ -98,10 +99,12 @@ class _Entry:
         self.future = future
         self.arrivals: list[float] = []     # loop time each still-buffered caller arrived
         self.sent = False
+        self.waiting = 0                    # callers awaiting the result now
+        self.batch: _Batch | None = None    # once sent: the batch it went in
 
 
 class _Batch:
-    __slots__ = ("group", "entries", "cost", "timer", "due")
+    __slots__ = ("group", "entries", "cost", "timer", "due", "task")
 
     def __init__(self, group: Hashable) -> None:
         self.group = group
@@ -109,6 +112,7 @@ class _Batch:
         self.cost = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.due = False            # delay over, kept open while no slot is free
+        self.task: asyncio.Task[None] | None = None     # once sent: the task computing it
 
 
 class KeyedBatcher(Generic[I, R]):
@@ -162,7 +166,7 @@ class KeyedBatcher(Generic[I, R]):
             if entry is not None:
                 if entry.sent:
                     self._observe(0.0)
-                    return await asyncio.shield(entry.future)
+                    return await self._wait(entry, None, now)
                 entry.arrivals.append(now)        # closed but queued: still in the buffer
                 return await self._wait(entry, None, now)
         batch = self._open.get(group)
@@ -185,6 +189,7 @@ class KeyedBatcher(Generic[I, R]):
         return await self._wait(entry, batch, now)
 
     async def _wait(self, entry: _Entry, batch: _Batch | None, arrived: float) -> R:
+        entry.waiting += 1
         try:
             # shield: a caller that is cancelled must not cancel the batch its item is in.
             return await asyncio.shield(entry.future)
@@ -195,6 +200,16 @@ class KeyedBatcher(Generic[I, R]):
                 if not entry.arrivals and batch is not None and self._open.get(batch.group) is batch:
                     self._drop(batch, entry)
             raise
+        finally:
+            entry.waiting -= 1
+            sent = entry.batch
+            if sent is not None and sent.task is not None and not entry.future.done() \
+                    and not any(e.waiting for e in sent.entries.values()):
+                # Every caller of the batch has left: cancel it, and let no new caller join it.
+                for key, candidate in sent.entries.items():
+                    if self._sent.get((sent.group, key)) is candidate:
+                        del self._sent[(sent.group, key)]
+                sent.task.cancel()
 
     def _drop(self, batch: _Batch, entry: _Entry) -> None:
         """Every caller of an item still in an open batch left: take it out."""
@@ -244,8 +259,10 @@ class KeyedBatcher(Generic[I, R]):
             if not live:
                 continue
             batch.entries = live
+            for entry in live.values():
+                entry.batch = batch
             self._in_flight += 1
-            task = loop.create_task(self._run(batch))
+            task = batch.task = loop.create_task(self._run(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

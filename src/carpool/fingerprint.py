@@ -140,6 +140,10 @@ class RepeatMemo:
     def remember(self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint) -> None:
         if key.key is None or not request.controls.may_read or memo_key in self._memo:
             return
+        # The body kept is a copy of exactly its length: one built by orjson.dumps (the library
+        # API's ``Gateway.request``) has a 4 KB buffer whatever its length, which ``bytes``
+        # (its len) would not count.
+        memo_key = (memo_key[0], bytes(memoryview(memo_key[1])), *memo_key[2:])
         self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage,
                                       request.controls.max_age)
         self.bytes += len(memo_key[1])

@@ -26,7 +26,8 @@ with an empty delta and ``finish_reason``; with ``stream_options.include_usage``
 
 Records:
 - ``calls: list[Call]``: every HTTP request, with ``path``, parsed JSON ``body`` (None when absent
-  or not JSON), lower-case ``headers``, ``method``, ``query``, 1-based ``number``.
+  or not JSON), lower-case ``headers``, ``method``, ``query``, 1-based ``number``, ``peer`` (the
+  client's host and port: calls with the same ``peer`` came on the same connection).
 - ``count(path=None)``: number of calls (to ``path`` only, when given).
 - ``in_flight``: requests being processed now.
 - ``cancelled``: requests whose client went away (or whose handler was cancelled) before the answer
@@ -101,6 +102,7 @@ class Call:
     query: str = ""
     number: int = 0                        # 1-based index among all calls
     raw_body: bytes = field(default=b"", repr=False)
+    peer: tuple[str, int] | None = None    # the client's (host, port): which connection it came on
 
     @property
     def stream(self) -> bool:
@@ -278,6 +280,7 @@ class FakeUpstream:
             path=scope["path"], body=body if isinstance(body, dict) else None, headers=headers,
             method=scope["method"], query=scope.get("query_string", b"").decode("latin-1"),
             number=len(self.calls) + 1, raw_body=raw,
+            peer=tuple(scope["client"]) if scope.get("client") else None,
         )
         self.calls.append(call)
         self.in_flight += 1

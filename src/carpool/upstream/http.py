@@ -38,6 +38,12 @@ NOT_FORWARDED = frozenset({
 NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
+# Idle pooled connections are dropped after this many seconds: before the upstream server drops
+# them itself (uvicorn, hence vLLM and SGLang, llama.cpp's server and Node do after 5 s). Reusing
+# a connection that the server is closing at that very moment makes the request fail with a
+# reset (a 502), which a busy gateway, reusing its oldest idle connection first, hit 2-3 times
+# in 2,000 requests with aiohttp's default of 15 s.
+KEEPALIVE_S = 4.0
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -56,7 +62,7 @@ class HttpUpstream:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.limits.upstream_max_connections,
-                                               limit_per_host=0),
+                                               limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None,
                                               sock_connect=self.limits.upstream_connect_timeout,
                                               sock_read=self.limits.upstream_timeout),

@@ -1,0 +1,676 @@
+"""Fault injection on loopback (issue #8): what every client gets, what is stored, what is left.
+
+Each case injects one fault through the fake upstream (``fakes/upstream.py``), a client, Redis or
+a gateway process, and then checks three things:
+
+1. what every client of the affected requests receives: the status, the OpenAI error shape, the
+   whole text, or (for a stream that had started) an SSE error event and no ``[DONE]``;
+2. what is stored: nothing after a failure (a later identical request is a ``miss`` that calls
+   upstream again), the complete answer after a success (a later identical request is a ``hit``);
+3. that nothing is left behind (``nothing_left``): no ticket (``waiters``, also as /stats reports
+   it), no flight in progress (a failed flight is gone at once; a successful one may only linger,
+   finished, for the coalescing window), no request in flight on a replica or at the fake
+   upstream, no shared-flight bookkeeping, and no asyncio task beyond those alive before the
+   case. Every wait is on an event or a condition (``eventually``), bounded; none is a fixed
+   sleep standing for "long enough".
+
+A gateway instance killed mid-call is ``test_distributed.py``'s
+``test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a_full_answer`` (which
+checks the same bookkeeping on the surviving instance).
+
+The issue's "Must show" pair comes first. Some cases are regressions of bugs this suite and the
+soak benchmark (``benchmarks/bench_soak.py``) found: item sub-requests of a list input left
+running when their client went; an embeddings batch whose every caller left still computed (and
+a caller arriving just then was cancelled with it); pooled upstream connections reused as the
+upstream closed them (502 under load); cached answers (and remembered request bodies) holding
+ten times the bytes their budget counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import random
+import socket
+import tracemalloc
+from typing import Any
+
+import aiohttp
+import aiohttp.connector
+import httpx
+import orjson
+import pytest
+
+from carpool.answer import Answer
+from carpool.batching import KeyedBatcher
+from carpool.config import Config
+from carpool.fingerprint import RepeatMemo, fingerprint
+from carpool.request import ClientRequest, parse
+from conftest import Served, run_gateway
+from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
+from fakes.waiting import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+CHAT = "/v1/chat/completions"
+QUESTION = "What is carpool?"
+
+
+# ------------------------------------------------------------------------------------------------
+# What a client received
+
+def sse_events(raw: str) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON payloads of an SSE stream, and whether it ended with ``data: [DONE]``."""
+    payloads, done = [], False
+    for line in raw.splitlines():
+        if not line.startswith("data: "):
+            continue
+        assert not done, f"a frame after [DONE]: {line[:200]}"
+        if line == "data: [DONE]":
+            done = True
+            continue
+        payloads.append(json.loads(line[len("data: "):]))
+    return payloads, done
+
+
+def sse_text(raw: str) -> str:
+    """The text of a complete stream (which must end with ``[DONE]``, without an error)."""
+    payloads, done = sse_events(raw)
+    assert done and not any("error" in p for p in payloads), raw[-300:]
+    return "".join(choice["delta"].get("content") or ""
+                   for p in payloads for choice in p["choices"])
+
+
+def sse_failure(raw: str) -> tuple[str, dict[str, Any]]:
+    """(the text received before the failure, the error) of a stream that failed part-way."""
+    payloads, done = sse_events(raw)
+    assert not done, "a failed stream must not end with [DONE]"
+    *chunks, last = payloads
+    assert set(last) == {"error"}, last
+    assert not any("error" in chunk for chunk in chunks)
+    error = last["error"]
+    assert error["message"] and error["type"] and "code" in error
+    text = "".join(choice["delta"].get("content") or ""
+                   for chunk in chunks for choice in chunk["choices"])
+    return text, error
+
+
+def content(response: httpx.Response) -> str:
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+# ------------------------------------------------------------------------------------------------
+# What is left behind
+
+class Baseline:
+    """The asyncio tasks alive before a case (the servers, the fixtures): what may remain.
+
+    Besides those, only the in-loop uvicorn servers' tick comes and goes by itself
+    (``serving.py``: ``wait_for(self._wake.wait(), 1.0)``, which Python 3.11 runs in a task):
+    an ``Event.wait`` task on the ``_wake`` event of a server running at the baseline.
+    """
+
+    def __init__(self) -> None:
+        self.tasks = set(asyncio.all_tasks())
+        self.ticks = set()
+        for task in self.tasks:
+            frame = getattr(task.get_coro(), "cr_frame", None)
+            wake = getattr(frame and frame.f_locals.get("server"), "_wake", None)
+            if wake is not None:
+                self.ticks.add(id(wake))
+
+    def _tick(self, task: asyncio.Task[Any]) -> bool:
+        coro = task.get_coro()
+        frame = getattr(coro, "cr_frame", None)
+        return getattr(coro, "__qualname__", "") == "Event.wait" and frame is not None \
+            and id(frame.f_locals.get("self")) in self.ticks
+
+    def leftovers(self) -> list[asyncio.Task[Any]]:
+        current = asyncio.current_task()
+        return [task for task in asyncio.all_tasks()
+                if task not in self.tasks and task is not current and not self._tick(task)]
+
+
+def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None,
+              failed: bool) -> list[str]:
+    problems = []
+    for served in gateways:
+        gateway, name = served.gateway, served.url
+        if gateway.flights.waiters:
+            problems.append(f"{name}: {gateway.flights.waiters} waiter(s) left")
+        flights = list(gateway.flights._flights.values())
+        running = [f.key for f in flights if f.clients or not f.broadcast.done
+                   or f.task is None or not f.task.done() or f.finished_at is None]
+        if running:
+            problems.append(f"{name}: flight(s) in progress or failed: {running}")
+        if failed and flights:
+            problems.append(f"{name}: {len(flights)} flight(s) kept after a failure")
+        if gateway.replicas.in_flight:
+            problems.append(f"{name}: {gateway.replicas.in_flight} upstream call(s) in flight")
+        shared = gateway.shared_flights
+        if shared is not None and (shared.leading or shared.following or shared._background):
+            problems.append(f"{name}: shared flights leading={shared.leading} following="
+                            f"{shared.following} background={len(shared._background)}")
+    if fake is not None and fake.in_flight:
+        problems.append(f"fake upstream: {fake.in_flight} request(s) still in flight")
+    return problems
+
+
+async def nothing_left(baseline: Baseline, *gateways: Served, fake: FakeUpstream | None = None,
+                       failed: bool = False) -> None:
+    """No waiter, no flight in progress (none at all after a failure), no upstream call, no task
+    beyond the baseline: waited for (bounded), then checked through /stats too."""
+    try:
+        await eventually(lambda: not _problems(gateways, fake, failed), timeout=10,
+                         what="the flights and waiters to be gone")
+    except AssertionError:
+        raise AssertionError(_problems(gateways, fake, failed)) from None
+    for served in gateways:
+        stats = (await served.client.get("/stats")).json()
+        assert stats["waiters"] == 0
+        assert stats["flights"] == len(served.gateway.flights)
+        if failed:
+            assert stats["flights"] == 0
+    try:
+        await eventually(lambda: not baseline.leftovers(), timeout=10, what="no task left")
+    except AssertionError:
+        raise AssertionError(f"tasks left behind: {baseline.leftovers()}") from None
+
+
+def flight_clients(served: Served) -> int:
+    return sum(f.clients for f in served.gateway.flights._flights.values())
+
+
+async def gone(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel client tasks (their connections close) and wait until they have ended."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound then released): connecting is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# The issue's "Must show" pair
+
+async def test_2000_requests_at_concurrency_200_with_30_percent_duplicates_no_errors_and_calls_equal_distinct_prompts(  # noqa: E501
+        gw, fake):
+    distinct, total, concurrency = 1400, 2000, 200
+    rng = random.Random(8)
+    prompts = [f"question {i}" for i in range(distinct)]
+    prompts += [rng.choice(prompts) for _ in range(total - distinct)]      # 600 duplicates: 30 %
+    rng.shuffle(prompts)
+    baseline = Baseline()
+    queue = collections.deque(enumerate(prompts))
+    results: list[tuple[int, str, str, str]] = []
+
+    # aiohttp rather than httpx here: httpx's pool costs ~10x more CPU per request at this
+    # concurrency, which alone would make this test last 15-30 s on a 2-core machine.
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue:
+            i, prompt = queue.popleft()
+            stream = i % 4 == 0                          # a quarter of them stream
+            body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
+                    "temperature": 0, "stream": stream}
+            async with session.post(CHAT, json=body) as response:
+                raw = (await response.read()).decode()
+            text = raw if response.status != 200 else \
+                sse_text(raw) if stream else json.loads(raw)["choices"][0]["message"]["content"]
+            results.append((response.status, response.headers["x-carpool"], prompt, text))
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(gw.url, connector=connector) as session, \
+            asyncio.timeout(60):
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    assert len(results) == total
+    assert collections.Counter(status for status, *_ in results) == {200: total}, \
+        [r for r in results if r[0] != 200][:5]
+    for _, _, prompt, text in results:                   # each got the answer to its own prompt
+        assert text.startswith("answer ") and text.endswith(f" to {prompt}"), (prompt, text)
+    assert fake.count() == distinct == len({call.body["messages"][-1]["content"]
+                                            for call in fake.calls})
+    outcomes = collections.Counter(outcome for _, outcome, *_ in results)
+    assert outcomes["miss"] == distinct
+    assert outcomes["hit"] + outcomes["coalesced"] == total - distinct
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["upstream_calls"] == distinct and stats["upstream_errors"] == 0
+    assert stats["layers"]["exact"]["entries"] == distinct
+    await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_10_concurrent_requests_on_a_failing_upstream_make_1_call_all_get_the_error_and_the_next_calls_again(  # noqa: E501
+        gw, fake):
+    baseline = Baseline()
+    fake.gate = asyncio.Event()
+    fake.fail_status = 503
+    fake.fail_body = {"error": {"message": "overloaded", "type": "server_error", "code": "busy"}}
+    clients = [asyncio.create_task(gw.stream_chat() if i % 3 == 0 else gw.chat())
+               for i in range(10)]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: flight_clients(gw) == 10, what="10 clients on one flight")
+    fake.gate.set()
+    async with asyncio.timeout(10):
+        replies = await asyncio.gather(*clients)
+    responses = [r[0] if isinstance(r, tuple) else r for r in replies]
+    assert fake.count() == 1
+    # Every client, streaming or not, gets the upstream's status and body as they were.
+    assert [r.status_code for r in responses] == [503] * 10
+    assert all(r.json() == fake.fail_body for r in responses)
+    assert collections.Counter(r.headers["x-carpool"] for r in responses) == \
+        {"miss": 1, "coalesced": 9}
+    assert gw.gateway.store.entries == 0
+    await nothing_left(baseline, gw, fake=fake, failed=True)
+
+    # The upstream is well again: the next 10 identical requests make one new call together.
+    fake.fail_status = None
+    fake.gate = asyncio.Event()
+    again = [asyncio.create_task(gw.chat()) for _ in range(10)]
+    await fake.wait_for_calls(2)
+    await eventually(lambda: flight_clients(gw) == 10)
+    fake.gate.set()
+    async with asyncio.timeout(10):
+        responses = await asyncio.gather(*again)
+    assert [r.status_code for r in responses] == [200] * 10
+    assert {content(r) for r in responses} == {f"answer 2 to {QUESTION}"}
+    assert fake.count() == 2 and gw.gateway.store.entries == 1
+    assert (await gw.chat()).headers["x-carpool"] == "hit"
+    await nothing_left(baseline, gw, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream faults
+
+async def test_upstream_500_on_a_stream_request_reaches_every_client_and_nothing_is_stored(
+        gw, fake):
+    baseline = Baseline()
+    fake.gate = asyncio.Event()
+    fake.fail_status, fake.fail_times = 500, 1
+    clients = [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat()),
+               asyncio.create_task(gw.stream_chat())]
+    await fake.wait_for_calls(1)
+    await eventually(lambda: flight_clients(gw) == 3)
+    fake.gate.set()
+    (first, _), plain, (joiner, _) = await asyncio.gather(*clients)
+    for response in (first, plain, joiner):
+        assert response.status_code == 500 and response.json() == DEFAULT_FAIL_BODY
+        assert response.headers["content-type"].startswith("application/json")
+    assert gw.gateway.store.entries == 0
+    await nothing_left(baseline, gw, fake=fake, failed=True)
+    response, raw = await gw.stream_chat()
+    assert response.headers["x-carpool"] == "miss" and sse_text(raw) == f"answer 2 to {QUESTION}"
+    assert fake.count() == 2
+    await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_upstream_timeout_is_504_for_every_client_and_the_hung_call_is_closed(
+        fake, gateway_with):
+    fake.hang = True
+    async with gateway_with(limits={"upstream_timeout": 0.5}) as gw:
+        baseline = Baseline()
+        async with asyncio.timeout(10):
+            replies = await asyncio.gather(gw.chat(), gw.stream_chat(), gw.chat())
+        responses = [r[0] if isinstance(r, tuple) else r for r in replies]
+        assert [r.status_code for r in responses] == [504] * 3
+        assert {error_of(r)["code"] for r in responses} == {"upstream_timeout"}
+        # However many flights the three made (one, unless a client came late), each of them was
+        # one call, and the gateway closed every hung connection.
+        outcomes = [r.headers["x-carpool"] for r in responses]
+        assert outcomes.count("miss") == fake.count() >= 1
+        await fake.wait_until(lambda: fake.cancelled == fake.count(), what="hung calls closed")
+        assert gw.gateway.store.entries == 0
+        await nothing_left(baseline, gw, fake=fake, failed=True)
+        fake.hang = False
+        calls = fake.count()
+        again = await gw.chat()
+        assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
+        assert fake.count() == calls + 1
+        await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_event(
+        fake, gateway_with):
+    fake.chunk_gate = asyncio.Event()            # 2 words, then nothing: the stream stalls
+    async with gateway_with(limits={"upstream_timeout": 0.5}) as gw:
+        baseline = Baseline()
+        async with asyncio.timeout(10):
+            (r1, raw1), (r2, raw2), plain = await asyncio.gather(
+                gw.stream_chat(), gw.stream_chat(), gw.chat())
+        for response, raw in ((r1, raw1), (r2, raw2)):
+            assert response.status_code == 200
+            text, error = sse_failure(raw)
+            assert f"answer 1 to {QUESTION}".startswith(text)
+            assert error["code"] == "upstream_stream_broken"
+        assert plain.status_code == 502 and error_of(plain)["code"] == "upstream_stream_broken"
+        await fake.wait_for_cancelled(fake.count())
+        assert gw.gateway.store.entries == 0
+        await nothing_left(baseline, gw, fake=fake, failed=True)
+        fake.chunk_gate = None
+        calls = fake.count()
+        response, raw = await gw.stream_chat()
+        assert response.headers["x-carpool"] == "miss"
+        assert sse_text(raw) == f"answer {calls + 1} to {QUESTION}"
+        await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_refused_connection_is_502_for_every_client_and_the_next_request_tries_again(
+        fake, gateway_with):
+    async with gateway_with(upstreams=[f"http://127.0.0.1:{closed_port()}/v1"]) as gw:
+        baseline = Baseline()
+        async with asyncio.timeout(10):
+            replies = await asyncio.gather(gw.chat(), gw.stream_chat(), gw.chat())
+        responses = [r[0] if isinstance(r, tuple) else r for r in replies]
+        assert [r.status_code for r in responses] == [502] * 3
+        assert {error_of(r)["code"] for r in responses} == {"upstream_unreachable"}
+        calls = gw.gateway.stats.upstream_calls
+        assert [r.headers["x-carpool"] for r in responses].count("miss") == calls
+        assert gw.gateway.store.entries == 0
+        await nothing_left(baseline, gw, failed=True)
+        again = await gw.chat()                       # not stored, not lingering: tried again
+        assert again.status_code == 502 and again.headers["x-carpool"] == "miss"
+        assert gw.gateway.stats.upstream_calls == calls + 1
+        await nothing_left(baseline, gw, failed=True)
+
+
+async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothing_is_stored(
+        gw, fake):
+    baseline = Baseline()
+    fake.chunk_gate, fake.cut_after = asyncio.Event(), 3
+    leader = asyncio.create_task(gw.stream_chat())
+    await fake.chunk_gate_reached.wait()
+    joiners = [asyncio.create_task(gw.stream_chat(stream_options={"include_usage": True})),
+               asyncio.create_task(gw.chat())]
+    await eventually(lambda: flight_clients(gw) == 3)
+    fake.chunk_gate.set()
+    async with asyncio.timeout(10):
+        (r1, raw1), (r2, raw2), plain = await asyncio.gather(leader, *joiners)
+    for response, raw in ((r1, raw1), (r2, raw2)):
+        assert response.status_code == 200
+        text, error = sse_failure(raw)
+        assert text == "answer 1 to"                  # the 3 words sent before the cut, no more
+        assert error["code"] == "upstream_stream_broken"
+    assert [r.headers["x-carpool"] for r in (r1, r2, plain)] == ["miss", "coalesced", "coalesced"]
+    assert plain.status_code == 502 and error_of(plain)["code"] == "upstream_stream_broken"
+    assert gw.gateway.store.entries == 0
+    await nothing_left(baseline, gw, fake=fake, failed=True)
+    fake.cut_after = fake.chunk_gate = None
+    again = await gw.chat()
+    assert again.headers["x-carpool"] == "miss" and content(again) == f"answer 2 to {QUESTION}"
+    await nothing_left(baseline, gw, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------
+# Client faults
+
+BIG_WORDS, BIG_WORD = 200, "x" * 40_000        # an 8 MB answer: far beyond what sockets buffer
+
+
+async def test_slow_and_stalled_readers_do_not_hold_back_the_other_clients_of_the_flight(gw, fake):
+    fake.answer_text = lambda n, body: " ".join([BIG_WORD] * BIG_WORDS)
+    full = BIG_WORDS * len(BIG_WORD) + BIG_WORDS - 1
+    payload = {"model": "m", "messages": [{"role": "user", "content": "big"}], "temperature": 0,
+               "stream": True}
+    baseline = Baseline()
+    stalled_clients = [httpx.AsyncClient(base_url=gw.url, timeout=30) for _ in range(2)]
+    async with contextlib.AsyncExitStack() as stack:
+        for client in stalled_clients:
+            await stack.enter_async_context(client)
+        # Two clients read one chunk each, then stop reading.
+        stalled = [await stack.enter_async_context(client.stream("POST", CHAT, json=payload))
+                   for client in stalled_clients]
+        readers = [response.aiter_raw() for response in stalled]
+        firsts = [await anext(reader) for reader in readers]
+
+        async def slow_reader() -> str:
+            async with gw.client.stream("POST", CHAT, json=payload) as response:
+                parts = []
+                async for part in response.aiter_bytes():
+                    parts.append(part)
+                    await asyncio.sleep(0.001)        # the behaviour under test: a slow reader
+                return b"".join(parts).decode()
+
+        async with asyncio.timeout(20):
+            slow = asyncio.create_task(slow_reader())
+            (_, fast), plain = await asyncio.gather(gw.stream_chat("big"),
+                                                    gw.chat("big"))
+            assert len(sse_text(fast)) == len(content(plain)) == full
+            slow_raw = await slow
+        assert sse_text(slow_raw) == sse_text(fast)
+        # The stalled ones have not received their answer, and still hold their places...
+        assert gw.gateway.flights.waiters == 2
+        # ...one resumes and gets all of it; the other goes away without reading.
+        rest = b"".join([part async for part in readers[0]])
+        assert sse_text((firsts[0] + rest).decode()) == sse_text(fast)
+        await stalled[1].aclose()
+        await stalled_clients[1].aclose()
+    assert fake.count() == 1 and fake.cancelled == 0
+    assert (await gw.chat("big")).headers["x-carpool"] == "hit"
+    await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_the_leading_client_leaving_mid_stream_the_joiners_get_the_whole_answer(gw, fake):
+    baseline = Baseline()
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(gw.stream_chat())
+    await fake.chunk_gate_reached.wait()              # the leader has received 2 words
+    joiners = [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat())]
+    await eventually(lambda: flight_clients(gw) == 3)
+    await gone(leader)
+    await eventually(lambda: flight_clients(gw) == 2, what="the leader to leave")
+    fake.chunk_gate.set()
+    async with asyncio.timeout(10):
+        (streamed, raw), plain = await asyncio.gather(*joiners)
+    assert sse_text(raw) == content(plain) == f"answer 1 to {QUESTION}"
+    assert streamed.headers["x-carpool"] == plain.headers["x-carpool"] == "coalesced"
+    assert fake.count() == 1 and fake.cancelled == 0
+    await nothing_left(baseline, gw, fake=fake)
+    hit = await gw.chat()
+    assert hit.headers["x-carpool"] == "hit" and content(hit) == f"answer 1 to {QUESTION}"
+
+
+async def test_every_client_leaving_mid_stream_cancels_the_upstream_call(gw, fake):
+    baseline = Baseline()
+    fake.chunk_gate = asyncio.Event()
+    clients = [asyncio.create_task(gw.stream_chat())]
+    await fake.chunk_gate_reached.wait()
+    clients += [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat())]
+    await eventually(lambda: flight_clients(gw) == 3)
+    await gone(*clients)
+    await fake.wait_for_cancelled(1)                  # the upstream saw its connection close
+    assert fake.count() == 1 and fake.completed == 0
+    assert gw.gateway.store.entries == 0
+    await nothing_left(baseline, gw, fake=fake, failed=True)
+    fake.chunk_gate = None                            # a later identical request calls again
+    response, raw = await gw.stream_chat()
+    assert response.headers["x-carpool"] == "miss" and sse_text(raw) == f"answer 2 to {QUESTION}"
+    await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_a_client_leaving_an_idempotent_list_request_cancels_every_item_call(gw, fake):
+    """Each item of a list input is a sub-request in a task of its own: the client leaving must
+    cancel all of them (and so their upstream calls), not only the first to start waiting."""
+    baseline = Baseline()
+    fake.hang = True
+    body = {"model": "m", "prompt": ["alpha", "beta", "gamma"], "temperature": 0}
+    key = {"Idempotency-Key": "list-1"}
+    client = asyncio.create_task(gw.client.post("/v1/completions", json=body, headers=key))
+    await fake.wait_for_calls(3)
+    await eventually(lambda: gw.gateway.flights.waiters == 3)
+    await gone(client)
+    await fake.wait_for_cancelled(3)                  # every item's call, not one of them
+    await nothing_left(baseline, gw, fake=fake, failed=True)
+    fake.hang = False                                 # the record was dropped: a retry runs
+    retry = await gw.client.post("/v1/completions", json=body, headers=key)
+    assert retry.status_code == 200 and retry.headers["x-carpool"] == "miss"
+    texts = [choice["text"] for choice in retry.json()["choices"]]
+    assert [text.split(" to ")[1] for text in texts] == body["prompt"]
+    assert fake.count() == 6                          # the three items, each called again
+    await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_every_client_of_an_embeddings_batch_leaving_cancels_the_batched_call(gw, fake):
+    baseline = Baseline()
+    fake.hang = True
+    clients = [asyncio.create_task(gw.client.post("/v1/embeddings",
+                                                  json={"model": "e", "input": f"text {i}"}))
+               for i in range(3)]
+    calls = await fake.wait_for_calls(1)
+    await eventually(lambda: gw.gateway.flights.waiters == 3)
+    assert len(calls[0].body["input"]) == 3           # one merged call for the three
+    await gone(*clients)
+    await fake.wait_for_cancelled(1)
+    await nothing_left(baseline, gw, fake=fake, failed=True)
+    fake.hang = False
+    again = await gw.client.post("/v1/embeddings", json={"model": "e", "input": "text 0"})
+    assert again.status_code == 200 and again.headers["x-carpool"] == "miss"
+    assert fake.count() == 2
+    await nothing_left(baseline, gw, fake=fake)
+
+
+async def test_a_request_arriving_as_an_abandoned_batch_is_cancelled_gets_a_call_of_its_own():
+    """Found by the soak (an embeddings request answered 499 although its client stayed): the
+    cancelled batch must take no new caller, or that caller is cancelled with it."""
+    calls: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def compute(group: str, items: list[str]) -> list[str]:
+        calls.append(items)
+        await release.wait()
+        return [f"call {len(calls)}: {item}" for item in items]
+
+    batcher = KeyedBatcher(compute, max_batch_size=8, max_batch_delay_s=0)
+    first = asyncio.create_task(batcher.submit("g", "x", "x"))
+    await eventually(lambda: len(calls) == 1)
+    first.cancel()                                    # its only caller leaves: cancelled...
+    second = asyncio.create_task(batcher.submit("g", "x", "x"))   # ...as an identical one comes
+    await eventually(lambda: len(calls) == 2, what="a call for the newcomer")
+    release.set()
+    assert await asyncio.wait_for(second, 5) == "call 2: x"
+    assert first.cancelled()
+    await asyncio.wait_for(batcher.wait_idle(), 5)
+
+
+async def test_an_upstream_connection_idle_for_as_long_as_the_upstream_keeps_it_is_not_reused(
+        gw, fake, monkeypatch):
+    """The keep-alive race: uvicorn (vLLM, SGLang...) closes a connection idle for 5 s; a gateway
+    that reuses it at that moment sees a reset and answers 502. The pool drops it first."""
+    await gw.chat("one")
+    await gw.chat("two")
+    assert fake.calls[1].peer == fake.calls[0].peer   # a pooled connection is reused...
+    real = aiohttp.connector.monotonic
+    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: real() + 4.5)
+    await gw.chat("three")                            # ...but not once idle for 4.5 s
+    assert fake.calls[2].peer != fake.calls[1].peer
+
+
+def test_cached_answers_hold_no_more_memory_than_the_cache_budget_counts():
+    """Found by the soak (bench_soak.py: gateway RSS 30 % up after warm-up): orjson returns
+    bytes with a 4 KB buffer whatever their length, so the 8 MiB exact cache of 300-byte
+    streamed answers (assembled with orjson.dumps) really held ~70 MiB."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        answers = [Answer("chat", orjson.dumps({"id": i, "text": "x" * 200}), True)
+                   for i in range(2000)]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    counted = sum(answer.size for answer in answers)
+    assert held < 1.5 * counted, (held, counted)
+
+
+def test_the_repeat_memo_holds_no_more_memory_than_its_budget_counts():
+    """The same orjson buffers, in the memo of raw request bodies: the library API builds them
+    with orjson.dumps, so each entry held 4.3 KB more than counted (the default 16 MiB budget of
+    150-byte bodies: ~110,000 entries, about half a GiB)."""
+    config, memo = Config(), RepeatMemo("authorization", max_bytes=1 << 30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(2000):                         # each request over, its memo entry kept
+            client = ClientRequest(CHAT, orjson.dumps({"model": "m", "temperature": 0,
+                                                       "messages": [{"role": "user",
+                                                                     "content": f"q {i}"}]}), {})
+            request = parse(client, 1 << 20)
+            memo.remember(memo.key_of(client), request, fingerprint(request, config))
+        del client, request
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(memo) == 2000
+    per_entry = (held - memo.bytes) / 2000          # besides the bodies the budget counts
+    assert per_entry < 1000, (held, memo.bytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Infrastructure faults
+
+async def until_redis_is_back(served: Served, prompt: str) -> None:
+    """Requests try Redis again once per retry_interval; the first success ends degraded mode."""
+    async with asyncio.timeout(10):
+        while served.gateway.redis_health()["state"] != "up":
+            assert (await served.chat(prompt)).status_code == 200
+            await asyncio.sleep(0.01)          # the polling interval (bounded by the timeout)
+
+
+async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_answer_as_success(
+        fake, redis_server):
+    pytest.importorskip("redis")
+    shared = {"redis": redis_server.url,
+              "distributed": {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0}}
+    async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
+        baseline = Baseline()
+        assert (await a.chat("before")).headers["x-carpool"] == "miss"
+        assert (await b.chat("before")).headers["x-carpool"] == "hit"
+        # A leads a stream; B relays its first frames to two clients of its own.
+        fake.chunk_gate = asyncio.Event()
+        led = asyncio.create_task(a.stream_chat())
+        await fake.chunk_gate_reached.wait()
+        await eventually(lambda: a.gateway.shared_flights.counts["frames_published"] >= 3)
+        relayed = [asyncio.create_task(b.stream_chat()), asyncio.create_task(b.chat())]
+        await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3
+                         and b.gateway.flights.waiters == 2, what="B relaying A's stream")
+        redis_server.kill()
+        fake.chunk_gate.set()
+        async with asyncio.timeout(20):
+            (response_a, raw_a), (response_b, raw_b), plain_b = \
+                await asyncio.gather(led, *relayed)
+        # A's client, whose call ran here, has all of it; B's, which had part of a stream it can
+        # no longer follow, get an error (an SSE error event; 502), never a cut answer as success.
+        assert sse_text(raw_a) == f"answer 2 to {QUESTION}"
+        assert response_b.status_code == 200
+        text, error = sse_failure(raw_b)
+        assert text == "answer 2" and error["code"] == "upstream_stream_broken"
+        assert plain_b.status_code == 502
+        assert error_of(plain_b)["code"] == "upstream_stream_broken"
+        assert fake.count() == 2
+        await nothing_left(baseline, a, fake=fake)
+        await nothing_left(baseline, b, failed=True)
+
+        redis_server.restart()
+        for served in (a, b):
+            await until_redis_is_back(served, "probe")
+        # Nothing broken was kept: Redis came back empty, and what A kept in its own memory
+        # meanwhile was dropped. The retry calls again, then it is shared by both instances.
+        calls = fake.count()
+        retry = await b.chat()
+        assert (retry.status_code, retry.headers["x-carpool"]) == (200, "miss")
+        assert content(retry) == f"answer {calls + 1} to {QUESTION}"
+        again = await a.chat()
+        assert again.headers["x-carpool"] == "hit" and again.json() == retry.json()
+        await nothing_left(baseline, a, b, fake=fake)
