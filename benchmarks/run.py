@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/run.py            # full run (a few minutes at most)
     .venv/bin/python benchmarks/run.py --quick    # smaller samples (well under a minute)
+    .venv/bin/python benchmarks/run.py --all      # also the side-by-side with LiteLLM, GPTCache
 
 See benchmarks/README.md for what each figure means.
 """
@@ -21,8 +22,10 @@ import bench_coalesce  # noqa: E402
 import bench_distributed  # noqa: E402
 import bench_fingerprint  # noqa: E402
 import bench_overhead  # noqa: E402
+import bench_peers  # noqa: E402
 import bench_routing  # noqa: E402
 import bench_semantic  # noqa: E402
+import bench_soak  # noqa: E402
 import bench_window  # noqa: E402
 
 BENCHMARKS = {
@@ -33,7 +36,13 @@ BENCHMARKS = {
     "semantic": bench_semantic,
     "distributed": bench_distributed,
     "routing": bench_routing,
+    "peers": bench_peers,
+    "soak": bench_soak,
 }
+# Run only when named (--only peers) or with --all: they install LiteLLM and GPTCache into
+# benchmarks/.envs/ on first use (a few minutes, from PyPI) and take a few minutes each run.
+# soak: 50,000 requests with faults injected, several minutes.
+OPTIONAL = {"peers", "soak"}
 
 
 def headline(results: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +86,10 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
                    semantic_ann_p50_ms=sem["ann"]["lookup"]["p50_ms"],
                    semantic_bytes_per_entry=sem["entry"]["total_bytes_per_entry"],
                    semantic_hit_p50_ms=sem["hit"]["semantic_hit"]["p50_ms"])
+    if "peers" in results:
+        out["peers"] = results["peers"]["figures"]
+    if "soak" in results:
+        out.update(bench_soak.headline(results["soak"]))
     return out
 
 
@@ -87,6 +100,8 @@ def ok_of(name: str, result: dict[str, Any]) -> bool:
         return result["ok"]
     if name == "semantic":
         return result["hit"]["ok"]
+    if name in ("peers", "soak"):
+        return result["ok"]
     return True
 
 
@@ -95,6 +110,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
     parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
                         help="run only this benchmark (repeatable)")
+    parser.add_argument("--all", action="store_true",
+                        help=f"also the optional ones ({', '.join(sorted(OPTIONAL))})")
     parser.add_argument("--out", type=Path, default=None,
                         help="[results/core.json; with --only: results/<names>.json]")
     args = parser.parse_args()
@@ -108,6 +125,8 @@ def main() -> int:
     lines: list[str] = []
     for name, module in BENCHMARKS.items():
         if args.only and name not in args.only:
+            continue
+        if not args.only and not args.all and name in OPTIONAL:
             continue
         t0 = time.monotonic()
         print(f"[{name}] running ...", file=sys.stderr, flush=True)
