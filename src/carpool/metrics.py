@@ -46,7 +46,7 @@ class Stats:
 
     def count(self, route: str, outcome: Outcome) -> None:
         self.outcomes[outcome] += 1
-        self.routes[(route, outcome.value)] += 1
+        self.routes[(route, outcome)] += 1           # a StrEnum: its own label value
 
     def snapshot(self) -> dict[str, Any]:
         o = self.outcomes

@@ -12,14 +12,12 @@ class Outcome(StrEnum):
     MISS = "miss"                     # led an upstream call
     BYPASS = "bypass"                 # not eligible for sharing; sent upstream on its own
 
-    @property
-    def header(self) -> tuple[bytes, bytes]:
-        return _HEADERS[self]
+    header: tuple[bytes, bytes]       # the ``x-carpool`` response header saying it
+    saved: bool                       # the request did not cost an upstream call of its own
 
-    @property
-    def saved(self) -> bool:
-        """The request did not cost an upstream call of its own."""
-        return self in (Outcome.HIT, Outcome.SEMANTIC_HIT, Outcome.COALESCED)
+    def __init__(self, value: str) -> None:
+        # Plain attributes, not properties: every reply reads them.
+        self.header = (b"x-carpool", value.encode())
+        self.saved = value in ("hit", "semantic-hit", "coalesced")
 
 
-_HEADERS = {outcome: (b"x-carpool", outcome.value.encode()) for outcome in Outcome}

@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -57,7 +58,7 @@ class GatewayApp:
     async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any) -> None:
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"]}
-        started = asyncio.get_running_loop().time()
+        started = time.monotonic()
         try:
             body = await _read_body(receive, headers, self.max_body)
         except RequestError as error:
@@ -84,8 +85,7 @@ class GatewayApp:
             if reply is not None:
                 reply.close()
                 if reply.outcome is not None:
-                    self.gateway.metrics.observe(
-                        reply.outcome, asyncio.get_running_loop().time() - started)
+                    self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
 
 
 class _Watch:
