@@ -5,7 +5,7 @@ gateway runs over loopback in front of the counting fake upstream. The page poll
 ``stats`` and exposes what it drew as ``window.carpoolDashboard``; the tests compare that, the
 headline tiles and the canvases' pixels with the live ``/stats`` numbers.
 
-Without chromium the browser test is skipped, unless ``CARPOOL_REQUIRE_BROWSER`` is set (CI sets
+Without chromium the browser test is skipped, unless ``REQUIRE_CHROMIUM`` is set (CI sets
 it), in which case it fails.
 """
 
@@ -25,7 +25,7 @@ import pytest
 from fakes.waiting import eventually
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-REQUIRE_BROWSER = os.environ.get("CARPOOL_REQUIRE_BROWSER", "") not in ("", "0")
+REQUIRE_BROWSER = os.environ.get("REQUIRE_CHROMIUM", "") not in ("", "0")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-extensions", "--disable-dev-shm-usage"]
@@ -75,8 +75,8 @@ async def browser() -> AsyncIterator[Any]:
     if CHROMIUM is None:
         message = "chromium is not on PATH (apt-get install chromium)"
         if REQUIRE_BROWSER:
-            pytest.fail(f"{message}, and CARPOOL_REQUIRE_BROWSER is set")
-        pytest.skip(f"{message}; set CARPOOL_REQUIRE_BROWSER=1 to make this a failure")
+            pytest.fail(f"{message}, and REQUIRE_CHROMIUM is set")
+        pytest.skip(f"{message}; set REQUIRE_CHROMIUM=1 to make this a failure")
     if not REQUIRE_BROWSER:
         pytest.importorskip("playwright.async_api", reason="playwright is not installed")
     from playwright.async_api import async_playwright

@@ -101,6 +101,25 @@ def test_batching_and_padding_do_not_change_a_vector(local):
         np.testing.assert_allclose(local.encode(texts, batch_size=batch_size), alone, atol=1e-5)
 
 
+def test_a_long_text_never_pads_short_ones_to_its_length(local):
+    # One 256-token prompt padded 31 short questions to 256 tokens: ~20x the work.
+    texts = ["short one", "short two", LOREM, "a short third one"]
+    calls = local._model.calls
+    vectors = local.encode(texts)
+    assert local._model.calls - calls == 2           # the short ones together, the long alone
+    alone = np.stack([local.encode([t])[0] for t in texts])
+    np.testing.assert_allclose(vectors, alone, atol=1e-5)
+    assert E._length_chunks([0, 1, 2, 3], [5, 6, 9, 200], 32) == [[0, 1, 2], [3]]
+    assert E._length_chunks([0, 1, 2, 3, 4], [10] * 5, 2) == [[0, 1], [2, 3], [4]]
+    assert E._length_chunks([], [], 32) == []
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (64, 4)])
+def test_onnx_runtime_leaves_cores_to_the_event_loop(monkeypatch, cores, threads):
+    monkeypatch.setattr(E.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert E.default_threads() == threads
+
+
 def test_onnxruntime_and_numpy_runtimes_agree(model_dir):
     pytest.importorskip("onnxruntime")
     texts = [ROUTER, "Cancel my subscription please.", LOREM[:200], "日本語", ""]

@@ -258,6 +258,26 @@ def test_a_long_reworded_text_is_left_to_the_embedding():
                     "How do I export the table to CSV with the header line?") == "detail"
 
 
+def test_strict_mode_rejects_a_setting_added_to_a_reworded_question():
+    # Each edit alone is already rejected (a swapped verb, an added setting); together they
+    # made a rewording "on both sides" that was left to the embedding (0.70-0.80 here).
+    for a, b in (("How do I restore my subscription?",
+                  "How do I recover my subscription from the web dashboard?"),
+                 ("How do I update my gift card?",
+                  "How do I upgrade my gift card on the mobile app?"),
+                 ("How do I update two-factor authentication?",
+                  "How do I restore two-factor authentication on the mobile app?"),
+                 ("Steps to renew the API key, please.",
+                  "How do I reset the API key for a team account?")):
+        assert rejected(a, b, strict=True) == "detail", (a, b)
+    # Above the strict band a rewording stays the embedding's call.
+    assert accepted("How do I restore my subscription?",
+                    "How do I recover my subscription from the web dashboard?")
+    # A one-word phrase is often part of an idiom, not a setting.
+    assert accepted("Is it possible to pause my order?", "Can I put my order on hold?",
+                    strict=True)
+
+
 def test_one_swapped_content_word_is_rejected():
     assert rejected("What is the best font for a resume?",
                     "What is the best font for a poster?") == "content_word"

@@ -82,6 +82,57 @@ async def test_a_different_system_prompt_or_parameter_is_another_scope(sgw, fake
             ).headers["x-carpool"] == "miss"
 
 
+HEAD = ("You are the support assistant of Example Shop. Answer in two short paragraphs, in "
+        "plain English, without links. Be polite and accurate, never promise a refund, and ask "
+        "for the order number when the customer has not given one. Escalate legal questions.")
+
+
+async def complete(gw, prompt):
+    response = await gw.client.post("/v1/completions", json={
+        "model": "m", "temperature": 0, "prompt": prompt})
+    assert response.status_code == 200, response.text
+    return response
+
+
+async def test_a_long_prompt_head_must_match_exactly_and_only_the_question_is_compared(sgw, fake):
+    # Compared whole, two prompts sharing a long head embed alike whatever their question (a
+    # 256-token head: similarity 1.0), and the guard leaves long texts to the embedding.
+    def ask_(question, head=HEAD):
+        return complete(sgw, f"{head}\n\nQuestion: {question}\nAnswer:")
+    await ask_("How do I update my password?")
+    await stored(sgw)
+    assert (await ask_("How do I back up my email address?")).headers["x-carpool"] == "miss"
+    await stored(sgw, 2)
+    assert (await ask_("how can I update my password?")).headers["x-carpool"] == "semantic-hit"
+    other = HEAD.replace("Example Shop", "Other Shop")
+    assert (await ask_("how can I update my password?", other)).headers["x-carpool"] == "miss"
+    assert fake.count() == 3
+
+
+def test_focus_moves_a_long_head_into_the_scope():
+    from carpool.fingerprint import SemanticView
+    from carpool.semantic.cache import focus
+
+    question = "Question: How do I update my password? Answer:"
+    view = SemanticView("s", f"{HEAD} {question}")
+    focused = focus(view)
+    assert focused.text == question and focused.scope != "s"
+    assert focus(focused) == focused                                # idempotent
+    assert focus(SemanticView("s", f"{HEAD} Question: Why? Answer:")).text == \
+        "Escalate legal questions. Question: Why? Answer:"          # a tail of 4 words at least
+    assert focus(SemanticView("t", f"{HEAD} {question}")).scope != focused.scope
+    short = SemanticView("s", "How do I update my password? I use the mobile app.")
+    assert focus(short) == short                                    # no long head
+    # A paragraph whose last sentence is one of several of its own stays whole...
+    paragraph = SemanticView("s", " ".join(["The export writes every record to one file."] * 5)
+                             + " " + " ".join(["It keeps the header line"] * 3) + ".")
+    assert focus(paragraph) == paragraph
+    # ...unless it is longer than the model reads.
+    long = SemanticView("s", " ".join(["The export writes every record to one file."] * 20)
+                        + " " + " ".join(["It keeps the header line"] * 3) + ".")
+    assert focus(long).text == " ".join(["It keeps the header line"] * 3) + "."
+
+
 async def test_tenants_never_share_semantic_entries(sgw, fake):
     await ask(sgw, "How do I reset my router?", headers={"Authorization": "Bearer a"})
     await stored(sgw)

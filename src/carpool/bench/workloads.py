@@ -156,9 +156,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paraphrase": {"duplicate_rate": 0.3, "paraphrase_rate": 0.4, "sampled_share": 0.0},
 }
 
-ACTIONS = ("reset", "change", "cancel", "update", "export", "delete", "recover", "share",
+# No two synonyms ("change"/"update", "recover"/"restore"): two catalog questions must never
+# have the same answer, or a correct semantic hit would look like a wrong one in the report.
+ACTIONS = ("reset", "change", "cancel", "export", "delete", "recover", "share",
            "renew", "upgrade", "downgrade", "transfer", "verify", "unlock", "pause", "merge",
-           "rename", "restore", "back up", "archive")
+           "rename", "back up", "archive")
 OBJECTS = ("my password", "my subscription", "the billing address", "two-factor authentication",
            "my order", "the shipping address", "my invoices", "my account", "the team workspace",
            "my payment method", "the API key", "my email address", "the mobile number",

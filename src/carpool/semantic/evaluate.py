@@ -4,10 +4,11 @@ Contract:
 - Input: JSONL rows ``{"a", "b", "same_answer", "category"?}``; ``a``/``b`` a string (one user
   turn) or a list of chat messages. ``a`` plays the cached request, ``b`` the new one.
 - Each pair is decided exactly as the gateway decides it: both sides become chat requests
-  (``temperature: 0``, one model) and go through ``fingerprint.semantic_view``; a different scope
-  (system prompt, earlier turns) is a miss; otherwise the cosine similarity of the last user turns
-  must reach the threshold and the pair must pass ``guard.check(new=b, cached=a, strict=...)``,
-  strict below ``semantic.strict_below`` or ``cache.STRICT_ABOVE`` (the cache's two bands).
+  (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` and
+  ``cache.focus``; a different scope (system prompt, earlier turns, a long head) is a miss;
+  otherwise the cosine similarity of the last user turns (their tails) must reach the threshold
+  and the pair must pass ``guard.check(new=b, cached=a, strict=...)``, strict below
+  ``semantic.strict_below`` or ``cache.STRICT_ABOVE`` (the cache's two bands).
 - Output: per category and overall, the share of should-hit pairs served ("hit rate") and of
   should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
   ``--sweep`` prints both rates over a range of thresholds (the guard included), which is how the
@@ -28,7 +29,7 @@ import orjson
 from ..config import Config
 from ..fingerprint import fingerprint, semantic_view
 from ..request import ClientRequest, parse
-from .cache import STRICT_ABOVE
+from .cache import STRICT_ABOVE, focus
 from .guard import check
 
 
@@ -62,7 +63,8 @@ def _view(side: Any, config: Config):
     messages = [{"role": "user", "content": side}] if isinstance(side, str) else side
     body = orjson.dumps({"model": "m", "temperature": 0, "messages": messages})
     request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 30)
-    return semantic_view(request, fingerprint(request, config), config)
+    view = semantic_view(request, fingerprint(request, config), config)
+    return focus(view) if view is not None else None
 
 
 class Evaluator:

@@ -129,10 +129,15 @@ Rules, in order; the first that fires names the reason:
       in a verb's place (after a pronoun, an auxiliary or "to").
 
     A rewording changes words on both sides, and then only the restrictive words count: the
-    rest is left to the embedding. Light words (:data:`~carpool.semantic.guard_words.DETAIL_LIGHT`:
-    use, make, get, process, order, size, ...) are never a detail but, left unmatched, mark their
-    side as reworded. Texts of more than 12 words on both sides (filler left out) are left alone: a
-    reworded paragraph routinely adds or drops a phrase.
+    rest is left to the embedding; *(strict)* except a qualifying phrase added on its own: with
+    the two word sequences aligned, a run of words inserted between shared words (replacing
+    nothing) that opens with a qualifying preposition and holds two or more content words the
+    other side lacks ("restore my subscription" vs "recover my subscription from the web
+    dashboard"; a one-word phrase, often idiomatic, "on hold", is left alone). Light words
+    (:data:`~carpool.semantic.guard_words.DETAIL_LIGHT`: use, make, get, process, order, size,
+    ...) are never a detail but, left unmatched, mark their side as reworded. Texts of more
+    than 12 words on both sides (filler left out) are left alone: a reworded paragraph routinely
+    adds or drops a phrase.
 
 Known limits: no syntax (negation scope is the whole prompt, so two negations in different clauses
 cancel), no world knowledge (a lower-case name is an ordinary word; an unlisted synonym in a
@@ -140,12 +145,18 @@ one-slot rewording is rejected; a paraphrase that turns a word into its negated 
 listed pair, "it expired" vs "it no longer works", is rejected as a negation; an added word
 that restates the other side without a listed synonym, "change my flight" vs "change my flight
 booking", is a detail in strict mode; a detail added inside a rewording, with other words
-changed on both sides, is left to the embedding unless it is a restrictive word).
+changed on both sides, is left to the embedding unless it is a restrictive word or, in strict
+mode, a phrase of two content words or more). A reworded frame around a swapped verb ("How do I
+delete my password?" vs "What is the best way to reset my password?", 0.74) is left to the
+embedding too: on the development pairs, a rule for it (or for a swapped verb plus any added
+word) rejected more true rewordings with an unlisted synonym ("thaw" / "defrost", "earn" / "make
+money") than different questions, and single-word embeddings do not tell the two apart either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 
 from carpool.semantic import guard_words as W
 from carpool.semantic.analysis import (
@@ -427,6 +438,8 @@ _HERE = frozenset(("me", "us", "here", "home"))
 _BE_DO = frozenset("is are was were do does did".split())
 #: Up to this many words (the shorter side), a modifier is a detail at any similarity.
 _DETAIL_SHORT = 8
+#: Content words an added qualifying phrase needs to be a detail inside a rewording.
+_PHRASE_MIN_EXTRAS = 2
 
 
 def _extras(x: Analysis, y: Analysis, explained: frozenset[str]) -> tuple[list[int], bool]:
@@ -462,7 +475,8 @@ def _detail(a: Analysis, b: Analysis, explained: frozenset[str], strict: bool) -
     eb, lb = _extras(b, a, explained)
     if not ea and not eb:
         return False
-    for x, ex, ey, ly in ((a, ea, eb, lb), (b, eb, ea, la)):
+    added: tuple[list[range], list[range]] | None = None
+    for side, (x, ex, ey, ly) in enumerate(((a, ea, eb, lb), (b, eb, ea, la))):
         if not ex:
             continue
         words = x.seqw
@@ -470,7 +484,12 @@ def _detail(a: Analysis, b: Analysis, explained: frozenset[str], strict: bool) -
         for i in ex:                        # "cheap", "for beginners", "abroad"
             if words[i] in W.DETAIL_QUALIFIERS and (i + 1 == n or words[i + 1] not in PARTICLES):
                 return True
-        if ey or ly:                        # both sides reworded: left to the embedding
+        if ey or ly:                        # both sides reworded: left to the embedding,
+            if strict:                      # but for a qualifying phrase added on its own
+                if added is None:
+                    added = _additions(a.seq, b.seq)
+                if _qualifying_addition(x, ex, added[side]):
+                    return True             # "restore X" / "recover X on the mobile app"
             continue
         for i in ex:
             if _after_preposition(x, i, ex) or (
@@ -482,6 +501,37 @@ def _detail(a: Analysis, b: Analysis, explained: frozenset[str], strict: bool) -
             for i in ex:                    # any other content word, but adverbs and verbs
                 if not words[i].endswith("ly") and not (i and words[i - 1] in _VERB_SLOT):
                     return True
+    return False
+
+
+def _additions(sa: tuple[str, ...], sb: tuple[str, ...]) -> tuple[list[range], list[range]]:
+    """The pure additions of each side when the two word sequences are aligned (runs of words
+    inserted between shared words, replacing nothing): positions in ``sa``, then in ``sb``. One
+    alignment for both orders of the pair, so that the verdict stays symmetric."""
+    flip = sb < sa
+    first, second = (sb, sa) if flip else (sa, sb)
+    only_first: list[range] = []
+    only_second: list[range] = []
+    for tag, i1, i2, j1, j2 in SequenceMatcher(None, first, second,
+                                               autojunk=False).get_opcodes():
+        if tag == "delete":
+            only_first.append(range(i1, i2))
+        elif tag == "insert":
+            only_second.append(range(j1, j2))
+    return (only_second, only_first) if flip else (only_first, only_second)
+
+
+def _qualifying_addition(x: Analysis, ex: list[int], additions: list[range]) -> bool:
+    """(strict) One of ``x``'s pure additions is a qualifying phrase: it opens with a qualifying
+    preposition and holds at least ``_PHRASE_MIN_EXTRAS`` content words that the other side lacks
+    ("on the mobile app", "from the web dashboard", "for a team account"). A reworded verb
+    elsewhere does not make the added setting part of the same question. A one-word phrase is
+    often idiomatic ("on hold", "in bulk", "at once") and is left alone."""
+    extras = set(ex)
+    for span in additions:
+        if x.seqw[span.start] in _DETAIL_PREPS and sum(
+                i in extras for i in span) >= _PHRASE_MIN_EXTRAS:
+            return True
     return False
 
 

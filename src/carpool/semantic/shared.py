@@ -71,7 +71,7 @@ from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..store.base import StoreUnavailable, redis_unavailable
 from ..store.redis import xread_entries
-from .cache import SemanticCache
+from .cache import SemanticCache, focus
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -135,7 +135,7 @@ class SharedSemanticCache(SemanticCache):
                      ref: str | None = None, created: float | None = None) -> None:
         self.start()
         if vector is None:
-            vector = await self.embedder.embed(view.text)
+            vector = await self.embedder.embed(focus(view).text)
         await super().insert(view, vector, answer, expires, tags, namespace, prompt_prefix,
                              ref=ref, created=created)
         if key is None:
