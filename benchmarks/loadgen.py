@@ -276,7 +276,7 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
 MODES = {"coalesce": coalesce, "latency": latency, "throughput": throughput}
 
 
-def main() -> None:
+def main(modes: dict[str, Any] = MODES) -> None:
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
     try:
         import uvloop
@@ -284,7 +284,7 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
-        result = runner.run(MODES[mode](spec))
+        result = runner.run(modes[mode](spec))
     sys.stdout.write(json.dumps(result))
 
 

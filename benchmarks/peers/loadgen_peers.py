@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import sys
 import time
 from pathlib import Path
@@ -154,15 +153,7 @@ MODES = {"latency": latency, "throughput": throughput}
 
 
 def main() -> None:
-    mode, spec = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        result = runner.run(MODES[mode](spec))
-    sys.stdout.write(json.dumps(result))
+    lg.main(MODES)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ class Gateway:
     # The request's path
 
     async def handle(self, client: ClientRequest) -> Reply:
+        """One request to a cached endpoint, from its raw bytes to the reply (see ``_handle``)."""
         with self.tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
             reply = await self._handle(client)
             span.set_attribute("carpool.outcome", reply.outcome.value if reply.outcome else "")
@@ -168,11 +169,9 @@ class Gateway:
         memo_key = self.repeats.key_of(client)
         repeat = self.repeats.get(memo_key) if memo_key is not None else None
         if repeat is not None:
-            with self.tracer.span("carpool.exact"):
-                entry = await self.store.get(repeat.key)
-            if entry is not None and (repeat.max_age is None
-                                      or entry.answer.age() < repeat.max_age):
-                return self._served(route, Outcome.HIT, entry.answer, repeat.stream,
+            answer = await self._cached(repeat.key, repeat.max_age)
+            if answer is not None:
+                return self._served(route, Outcome.HIT, answer, repeat.stream,
                                     repeat.include_usage)
         try:
             request = parse(client, self.config.limits.max_body_bytes)
@@ -196,11 +195,9 @@ class Gateway:
             return await self._bypass(request, route)
         controls = request.controls
         if controls.may_read:
-            with self.tracer.span("carpool.exact"):
-                entry = await self.store.get(key.key)
-            if entry is not None and (controls.max_age is None
-                                      or entry.answer.age() < controls.max_age):
-                return self._served(route, Outcome.HIT, entry.answer, request.stream,
+            answer = await self._cached(key.key, controls.max_age)
+            if answer is not None:
+                return self._served(route, Outcome.HIT, answer, request.stream,
                                     request.include_usage)
         _waiting(client)
         join_age = controls.max_age if controls.may_read else 0
@@ -226,6 +223,14 @@ class Gateway:
         if probe is not None and probe.nearest is not None:     # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
         return reply
+
+    async def _cached(self, key: str, max_age: float | None) -> Answer | None:
+        """The exact cache's answer for ``key``, if it has one younger than ``max_age``."""
+        with self.tracer.span("carpool.exact"):
+            entry = await self.store.get(key)
+        if entry is None or (max_age is not None and entry.answer.age() >= max_age):
+            return None
+        return entry.answer
 
     async def _idempotent(self, client: ClientRequest, request: Request, key: Fingerprint,
                           idempotency_key: str, route: str) -> Reply:
