@@ -200,6 +200,9 @@ class BatchingConfig(_Section):
 class LimitsConfig(_Section):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted; "
                                 "larger ones get 413.")
+    max_header_bytes: int = Field(64 * 1024, gt=0, description="Largest total size of a request's "
+                                  "header names and values; larger ones get 431 (the gateway "
+                                  "forwards headers upstream, and the HTTP server sets no limit).")
     upstream_timeout: float = Field(600, gt=0, description="Seconds to wait for the upstream's "
                                     "answer (for streams: between two chunks) before 504.")
     upstream_connect_timeout: float = Field(10, gt=0, description="Seconds to wait for a "

@@ -64,6 +64,16 @@ class BodyTooLarge(RequestError):
         super().__init__(f"request body is larger than the limit of {limit} bytes", "body_too_large")
 
 
+class HeadersTooLarge(RequestError):
+    """The request's headers are larger than ``limits.max_header_bytes`` (RFC 6585: 431)."""
+
+    status = 431
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request headers are larger than the limit of {limit} bytes",
+                         "headers_too_large")
+
+
 class UpstreamError(CarpoolError):
     """The upstream call failed; every waiter of the flight receives the same error."""
 

@@ -85,6 +85,7 @@ def _cached_endpoint(summary: str, request: str, answer: str, streams: bool) -> 
         "409": "A request with the same Idempotency-Key is still being processed.",
         "413": "The body is larger than `limits.max_body_bytes`.",
         "422": "The Idempotency-Key was already used with a different request.",
+        "431": "The headers are larger than `limits.max_header_bytes`.",
         "502": "The upstream is unreachable, or its stream broke part-way.",
         "504": "The upstream did not answer within `limits.upstream_timeout`.",
     }

@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -30,7 +31,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from .config import Config
-from .errors import BodyTooLarge, CarpoolError, RequestError
+from .errors import BodyTooLarge, CarpoolError, HeadersTooLarge, RequestError
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .pipeline import Gateway, Reply
@@ -47,10 +48,21 @@ class GatewayApp:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.max_body = gateway.config.limits.max_body_bytes
+        self.max_headers = gateway.config.limits.max_header_bytes
         self.other = _control_app(gateway)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in ENDPOINTS and scope["method"] == "POST":
+        if scope["type"] == "http" and \
+                sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers:
+            # Checked here because httptools accepts headers of any size, and they go upstream.
+            cached = scope["path"] in ENDPOINTS
+            if cached:
+                self.gateway.stats.rejected += 1
+            error = HeadersTooLarge(self.max_headers)
+            await _send_whole(send, error.status, [(b"content-type", b"application/json"),
+                                                   *([Outcome.BYPASS.header] if cached else [])],
+                              error.body())
+        elif scope["type"] == "http" and scope["path"] in ENDPOINTS and scope["method"] == "POST":
             await self._cached_endpoint(scope, receive, send)
         else:
             await self.other(scope, receive, send)
