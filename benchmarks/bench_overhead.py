@@ -9,6 +9,8 @@ generator (``loadgen.py``), which is the same client for both sides of every com
   direct vs via the gateway, in alternating blocks. Reports p50/p90/p99 of both and the added p50
   (target <= 1 ms), also as the median of the per-block differences. A third target in the same
   rotation, the temperature-0 body via the gateway (an exact hit), gives the hit latency.
+- ``openloop``: the same temperature-0 body scheduled at fixed rates (2k-15k req/s, 3 s each) on
+  256 connections, gateway hit vs raw upstream app; latency from the scheduled time.
 - ``throughput``: ``concurrency`` connections sending back to back, the same temperature-0 body
   (an exact hit after the first request) to the gateway vs the same body to the raw upstream app;
   alternating rounds; requests/s and the ratio gateway-hit / upstream.
@@ -80,19 +82,32 @@ def _throughput(up: int, gw: int, concurrency: int, seconds: float, rounds: int)
     }
 
 
+def _openloop(up: int, gw: int, rates: list[int], seconds: float) -> dict[str, Any]:
+    """Exact hits under load: the same request scheduled at fixed rates (open loop)."""
+    body = c.chat_body(0)
+    raw = c.loadgen("openloop", {
+        "rates": rates, "seconds": seconds, "connections": 256,
+        "targets": [{"name": "upstream", "port": up, "body": body},
+                    {"name": "gateway_hit", "port": gw, "body": body}]})
+    return {"rates": rates, "seconds": seconds, "connections": 256, **raw}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     with c.upstream_server() as up, c.gateway_server(up) as gw:
         if quick:
             latency = _latency(up, gw, n=600, warmup=100, block=50)
             throughput = _throughput(up, gw, concurrency=64, seconds=1.0, rounds=2)
+            openloop = _openloop(up, gw, rates=[2000, 5000], seconds=1.0)
         else:
             latency = _latency(up, gw, n=2000, warmup=200, block=100)
             throughput = _throughput(up, gw, concurrency=64, seconds=2.0, rounds=6)
+            openloop = _openloop(up, gw, rates=[2000, 5000, 10000, 15000], seconds=3.0)
     ok = (latency["gateway_outcomes"] == {"bypass": latency["n"]}
           and latency["gateway_hit_outcomes"] == {"hit": latency["n"]}
           and set(throughput["gateway_outcomes"]) == {"hit"}
-          and not any(latency["non_200"].values()) and not any(throughput["non_200"].values()))
-    return {"ok": ok, "latency": latency, "throughput": throughput}
+          and not any(latency["non_200"].values()) and not any(throughput["non_200"].values())
+          and all(set(r["outcomes"]) == {"hit"} for r in openloop["gateway_hit"].values()))
+    return {"ok": ok, "latency": latency, "throughput": throughput, "openloop": openloop}
 
 
 def summarize(result: dict[str, Any]) -> list[str]:
@@ -110,6 +125,13 @@ def summarize(result: dict[str, Any]) -> list[str]:
         f"overhead/hit-rps   concurrency {thr['concurrency']}: gateway hits "
         f"{thr['gateway_hit_rps_median']} req/s vs raw upstream app {thr['upstream_rps_median']} "
         f"req/s: ratio {thr['ratio_hit_over_upstream']:.2f}  [{'OK' if result['ok'] else 'FAIL'}]",
+        *(f"overhead/open-loop {rate:>6} req/s scheduled: gateway hits p50/p99 "
+          f"{result['openloop']['gateway_hit'][str(rate)]['p50_ms']:.3f}/"
+          f"{result['openloop']['gateway_hit'][str(rate)]['p99_ms']:.3f} ms (achieved "
+          f"{result['openloop']['gateway_hit'][str(rate)]['achieved_rps']}), raw upstream app "
+          f"{result['openloop']['upstream'][str(rate)]['p50_ms']:.3f}/"
+          f"{result['openloop']['upstream'][str(rate)]['p99_ms']:.3f} ms"
+          for rate in result["openloop"]["rates"]),
     ]
 
 

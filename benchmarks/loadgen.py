@@ -12,6 +12,11 @@ Modes:
   the targets so that machine noise hits every target alike; percentiles per target.
 - ``throughput``: ``concurrency`` connections per target, each sending requests back to back for
   ``seconds``; several rounds alternating the targets; requests/s per round.
+- ``openloop``: requests *scheduled* at a fixed rate (``rates``, req/s, each for ``seconds``), sent
+  on a pool of ``connections`` whatever the answers are doing; latency counts from the scheduled
+  time, so a server that falls behind pays for the queue it causes (no coordinated omission).
+  Per target and rate: achieved rate, latency percentiles, requests still waiting for a
+  connection.
 
 Times are ``time.monotonic()`` (CLOCK_MONOTONIC, system-wide on Linux), so they compare with the
 upstream app's ``answered_at``.
@@ -273,7 +278,66 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
             for i, t in enumerate(targets)}
 
 
-MODES = {"coalesce": coalesce, "latency": latency, "throughput": throughput}
+async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
+    targets, rates, seconds = spec["targets"], spec["rates"], spec["seconds"]
+    pools = [await connect_many(t["port"], spec["connections"]) for t in targets]
+    raws = [_raw(t) for t in targets]
+    for i, pool in enumerate(pools):        # prime: the first identical request fills the cache
+        await pool[0].request(raws[i])
+    results: dict[str, dict[str, Any]] = {t["name"]: {} for t in targets}
+
+    async def run(i: int, rate: float) -> dict[str, Any]:
+        idle: asyncio.Queue[Conn] = asyncio.Queue()
+        for conn in pools[i]:
+            idle.put_nowait(conn)
+        latencies: list[float] = []
+        outcomes: collections.Counter[str] = collections.Counter()
+        raw, loop = raws[i], asyncio.get_running_loop()
+
+        async def one(scheduled: float) -> None:
+            conn = await idle.get()
+            try:
+                response = await conn.request(raw)
+            finally:
+                idle.put_nowait(conn)
+            latencies.append(response.at - scheduled)
+            outcomes[response.carpool or "(none)" if response.status == 200
+                     else f"status {response.status}"] += 1
+
+        total = int(rate * seconds)
+        t0 = time.monotonic()
+        tasks, sent = [], 0
+        while sent < total:
+            due = min(total, int((time.monotonic() - t0) * rate) + 1)
+            for k in range(sent, due):
+                tasks.append(loop.create_task(one(t0 + k / rate)))
+            sent = due
+            await asyncio.sleep(0)               # let answers in between dispatches
+            if sent < total:
+                await asyncio.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        ordered = sorted(latencies)
+
+        def at(q: float) -> float:
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 4)
+
+        return {"rate": rate, "achieved_rps": round(total / elapsed), "n": total,
+                "p50_ms": at(0.50), "p90_ms": at(0.90), "p99_ms": at(0.99),
+                "max_ms": round(ordered[-1] * 1000, 4), "outcomes": dict(outcomes)}
+
+    for rate in rates:
+        for i, t in enumerate(targets):        # same rate, targets one after the other
+            results[t["name"]][str(rate)] = await run(i, rate)
+    for pool in pools:
+        for c in pool:
+            assert c.transport is not None
+            c.transport.close()
+    return results
+
+
+MODES = {"coalesce": coalesce, "latency": latency, "throughput": throughput,
+         "openloop": openloop}
 
 
 def main(modes: dict[str, Any] = MODES) -> None:

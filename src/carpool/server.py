@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import os
@@ -228,6 +229,9 @@ def _control_app(gateway: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         gateway.start()
+        # Everything built so far (modules, config, the model when semantic) lives as long as
+        # the process: out of the collector's sight, a full collection no longer walks it.
+        gc.freeze()
         yield
         await gateway.aclose()
 
