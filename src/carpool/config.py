@@ -240,6 +240,13 @@ class UpstreamConfig(_Section):
     stream_usage: bool = Field(True, description="Ask a streaming upstream for a final usage chunk "
                                "(`stream_options.include_usage`) so tokens saved can be counted; "
                                "clients that did not ask for it never see it.")
+    stream_flights: bool = Field(False, description="Ask the upstream to stream every chat or "
+                                 "completions call the gateway shares, even when the client "
+                                 "leading it did not ask to: streaming clients that join it get "
+                                 "its tokens live, non-streaming ones the assembled answer (an "
+                                 "unfinished one is then a 502, not served). Not for completions "
+                                 "with `best_of` or `echo`. Off: the call streams only when its "
+                                 "leader asked to.")
 
 
 class SimConfig(_Section):

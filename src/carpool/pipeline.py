@@ -376,13 +376,15 @@ class Gateway:
 
     async def _call_upstream(self, request: Request, broadcast: Broadcast) -> Answer:
         """The upstream call: streamed into ``broadcast`` frame by frame, then assembled."""
-        body = request.body
-        if request.stream and self.config.upstream.stream_usage and not request.include_usage:
+        body, stream = request.body, request.stream
+        if not stream and self._streams(request):
+            # Streamed anyway, so that streaming clients joining this call get it live.
+            body, stream = {**body, "stream": True}, True
+        if stream and self.config.upstream.stream_usage and not request.include_usage:
             options = body.get("stream_options")
             body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
                                                "include_usage": True}}
-        upstream_request = UpstreamRequest(request.upstream_path, body, request.headers,
-                                           request.stream)
+        upstream_request = UpstreamRequest(request.upstream_path, body, request.headers, stream)
         if request.kind == "embedding":
             response = await self.batcher.embed(upstream_request)
         else:
@@ -398,6 +400,15 @@ class Gateway:
         finally:
             await response.aclose()
         return answer
+
+    def _streams(self, request: Request) -> bool:
+        """Whether a non-streaming request's shared call is asked of the upstream as a stream."""
+        if not self.config.upstream.stream_flights or request.kind == "embedding":
+            return False
+        body = request.body
+        # A completion's best_of picks among candidates at the end, and echo repeats the prompt:
+        # engines refuse or change them when streamed.
+        return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def _store(self, request: Request, key: Fingerprint, answer: Answer,
                      view: SemanticView | None, probe: Probe | None) -> None:
