@@ -186,6 +186,17 @@ def gateway_server(upstream_port: int, *extra: str) -> Iterator[int]:
         yield port
 
 
+async def lifespan(receive: Any, send: Any) -> None:
+    """The ASGI lifespan protocol of the benchmarks' plain apps: nothing to start or stop."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 def loadgen(mode: str, spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Run ``loadgen.py`` in its own process; return the JSON it prints."""
     done = subprocess.run([PY, str(HERE / "loadgen.py"), mode, json.dumps(spec)], env=_env(),

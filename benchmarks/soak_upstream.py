@@ -40,6 +40,7 @@ import re
 from typing import Any
 
 import orjson
+from _common import lifespan
 
 CREATED = 1_700_000_000
 _WORD = re.compile(r"\s*\S+")
@@ -94,13 +95,8 @@ class App:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         parts, more = [], True

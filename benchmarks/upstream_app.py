@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import orjson
-from _common import ANSWER
+from _common import ANSWER, lifespan
 
 JSON_HEADERS = [(b"content-type", b"application/json"),
                 (b"content-length", str(len(ANSWER)).encode())]
@@ -43,13 +43,8 @@ class App:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         more = True
