@@ -329,3 +329,29 @@ async def test_grow_while_busy_keeps_a_due_batch_open_until_a_slot_frees() -> No
     gate.set()
     assert await asyncio.gather(first, *later) == ["A", "B", "C", "A", "B"]
     assert seen == [["a"], ["b", "c"]] and batcher.batches == 2 and batcher.idle
+
+
+async def test_a_queued_batch_whose_every_caller_left_is_never_sent() -> None:
+    gate = asyncio.Event()
+    seen: list[list[str]] = []
+
+    async def compute(group: Any, items: list[str]) -> list[str]:
+        seen.append(items)
+        await gate.wait()
+        return [item.upper() for item in items]
+
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=2,
+                                                   max_batch_delay_s=0.0, max_in_flight=1)
+    running = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("a", "b")]
+    queued = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("c", "d")]
+    while not seen:
+        await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)                         # "c", "d": a closed batch, queued
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+    gate.set()
+    assert await asyncio.gather(*running) == ["A", "B"]
+    assert await batcher.submit(None, "c", "c") == "C"  # a new caller of a dropped item: a call
+    assert seen == [["a", "b"], ["c"]] and batcher.idle

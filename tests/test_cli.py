@@ -57,3 +57,23 @@ def test_a_bad_environment_value_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve"], capture_output=True,
                             text=True, timeout=30, env={**os.environ, "CARPOOL_SAMPLING": "x"})
     assert result.returncode == 2 and "sampling" in result.stderr
+
+
+def test_serve_never_logs_the_credentials_in_a_redis_or_upstream_url():
+    port = free_port()
+    process = carpool("serve", "--port", str(port), "--redis",
+                      f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0",
+                      "--upstream", "http://user:s3cret-up@127.0.0.1:9/v1")
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                break
+        else:
+            raise AssertionError("carpool serve exited before listening:\n" + "".join(lines))
+    finally:
+        process.terminate()
+        process.wait(10)
+    log = "".join(lines)
+    assert "s3cret" not in log and "redis://***@127.0.0.1:" in log

@@ -9,7 +9,7 @@ import pytest
 
 from carpool import request as request_module
 from carpool.config import Config
-from carpool.fingerprint import RepeatMemo, fingerprint
+from carpool.fingerprint import _ENTRY_OVERHEAD, MAX_MEMO_HEADERS, RepeatMemo, fingerprint
 from carpool.request import CONTROL_HEADERS, ClientRequest, parse
 
 CHAT = "/v1/chat/completions"
@@ -55,7 +55,7 @@ async def test_a_repeat_carrying_an_idempotency_key_goes_through_its_record(gw, 
 
 def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_budget():
     config = Config()
-    memo = RepeatMemo("authorization", max_bytes=3 * len(BODY))
+    memo = RepeatMemo("authorization", max_bytes=2 * (_ENTRY_OVERHEAD + len(BODY) + 2) + 10)
 
     def remember(body: bytes, headers: dict[str, str]) -> None:
         client = ClientRequest(CHAT, body, headers)
@@ -64,6 +64,7 @@ def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_b
 
     remember(BODY.replace(b'"temperature":0', b'"temperature":0.7'), {})     # sampled
     remember(BODY, {"cache-control": "no-store"})
+    remember(BODY, {"authorization": "Bearer " + "k" * MAX_MEMO_HEADERS})  # too large to keep
     assert len(memo) == 0
     assert memo.key_of(ClientRequest(CHAT, BODY, {"idempotency-key": "k"})) is None
     for i in range(5):

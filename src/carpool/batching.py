@@ -249,7 +249,13 @@ class KeyedBatcher(Generic[I, R]):
         loop = asyncio.get_running_loop()
         while self._queued and (self.max_in_flight is None or self._in_flight < self.max_in_flight):
             batch = self._queued.popleft()
-            live = {k: e for k, e in batch.entries.items() if e.arrivals or not e.future.done()}
+            live = {k: e for k, e in batch.entries.items()
+                    if (e.arrivals or e.waiting) and not e.future.done()}
+            for key, entry in batch.entries.items():
+                if key not in live:                  # every caller left while it was queued
+                    if self._sent.get((batch.group, key)) is entry:
+                        del self._sent[(batch.group, key)]
+                    entry.future.cancel()
             now = loop.time()
             for entry in live.values():
                 entry.sent = True

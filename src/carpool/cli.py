@@ -14,10 +14,21 @@ import os
 import sys
 import tempfile
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 
 from .config import Config, ConfigError
+
+
+def _without_credentials(url: str) -> str:
+    """A URL fit for a log line: any user and password in it replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _load(config_file: str | None, overrides: dict[str, Any]) -> Config:
@@ -56,16 +67,16 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
     log = logging.getLogger("carpool")
     if config.upstreams:
         log.info("carpool: fronting %d upstream replica(s): %s", len(config.upstreams),
-                 ", ".join(config.upstreams))
+                 ", ".join(map(_without_credentials, config.upstreams)))
     else:
         log.info("carpool: no --upstream given, using the embedded SIMULATED engine "
                  "(%d replica(s)); its answers are synthetic text, not a real model",
                  config.sim.replicas)
     if config.redis:
         log.info("carpool: exact answers%s shared through Redis at %s (in-process fallback "
-                 "while it is unreachable); the semantic cache is per instance for now",
-                 " and calls in flight" if config.distributed.shared_flights else "",
-                 config.redis)
+                 "while it is unreachable)",
+                 ", semantic entries and calls in flight" if config.distributed.shared_flights
+                 else " and semantic entries", _without_credentials(config.redis))
     import uvicorn
 
     from .pipeline import Gateway
@@ -89,7 +100,10 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
         uvicorn.run(create_app(gateway), host=config.host, port=config.port,
                     log_level=config.log_level, access_log=False, loop="auto", http="auto")
         return
-    # Several processes: each builds its own gateway from the resolved config, written once.
+    # Several processes: each builds its own gateway from the resolved config, written once;
+    # the one built here only checked the config (and would hold the embedding model).
+    asyncio.run(gateway.aclose())
+    del gateway
     if not config.redis:
         log.warning("carpool: %d workers without --redis: each has its own cache and flights, "
                     "so identical requests landing on different workers are computed once per "

@@ -113,8 +113,9 @@ class RepeatMemo:
       of the body, so no collision is possible).
     - Remembered only for a request that parsed, is shareable and may read the cache; a request
       carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
-    - Bounded by ``max_bytes`` of bodies (oldest out first) and bodies of at most ``max_body``
-      bytes; a forgotten repeat costs one parse, nothing else.
+    - Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
+      (oldest out first); bodies over ``max_body`` bytes and header values over
+      ``MAX_MEMO_HEADERS`` bytes in all are not remembered. A forgotten repeat costs one parse.
     """
 
     def __init__(self, tenant_header: str, max_bytes: int, max_body: int = 64 * 1024) -> None:
@@ -144,13 +145,27 @@ class RepeatMemo:
         # API's ``Gateway.request``) has a 4 KB buffer whatever its length, which ``bytes``
         # (its len) would not count.
         memo_key = (memo_key[0], bytes(memoryview(memo_key[1])), *memo_key[2:])
+        if _header_bytes(memo_key) > MAX_MEMO_HEADERS:
+            return                     # a large credential or cache-control: not worth its room
         self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage,
                                       request.controls.max_age)
-        self.bytes += len(memo_key[1])
+        self.bytes += _size(memo_key)
         while self.bytes > self.max_bytes:
             oldest = next(iter(self._memo))
             del self._memo[oldest]
-            self.bytes -= len(oldest[1])
+            self.bytes -= _size(oldest)
+
+
+MAX_MEMO_HEADERS = 4096
+_ENTRY_OVERHEAD = 400           # the key tuple, the Repeat and the dict slot, roughly (bytes)
+
+
+def _header_bytes(memo_key: tuple[Any, ...]) -> int:
+    return sum(len(value) for value in memo_key[2:] if value)
+
+
+def _size(memo_key: tuple[Any, ...]) -> int:
+    return _ENTRY_OVERHEAD + len(memo_key[1]) + _header_bytes(memo_key)
 
 
 def request_digest(request: Request, key: Fingerprint, config: Config) -> str:

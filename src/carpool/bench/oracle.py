@@ -107,7 +107,7 @@ def oracle(workload: Workload, config: Config, times: Sequence[float] | None = N
             continue
         request, key, idempotency_key = parsed
         if idempotency_key is not None:
-            scoped = (key.tenant, idempotency_key)
+            scoped = (key.owner, idempotency_key)     # as the gateway: the requester's own
             if scoped in idempotency_seen:
                 result.replays += 1
                 continue
