@@ -324,6 +324,8 @@ def test_an_embedder_outlives_its_event_loop():
         task = asyncio.create_task(embedder.embed("a"))
         await asyncio.sleep(0.01)                    # "a" is being computed
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)   # (the abandoned batch is cancelled
+        await asyncio.sleep(0)                               # with it; let that finish)
 
     loop = asyncio.new_event_loop()
     try:
