@@ -284,8 +284,8 @@ async def test_usage_is_apportioned_across_distinct_items() -> None:
     assert shares == [17, 33, 50, 17]
 
 
-async def test_generic_batcher_with_in_flight_limit() -> None:
-    """The scheduler alone, as the semantic layer's embedder would use it."""
+def gated_upper() -> tuple[asyncio.Event, list[list[str]], Any]:
+    """A compute that records each batch, waits for the gate, then upper-cases the items."""
     gate = asyncio.Event()
     seen: list[list[str]] = []
 
@@ -294,6 +294,12 @@ async def test_generic_batcher_with_in_flight_limit() -> None:
         await gate.wait()
         return [item.upper() for item in items]
 
+    return gate, seen, compute
+
+
+async def test_generic_batcher_with_in_flight_limit() -> None:
+    """The scheduler alone, as the semantic layer's embedder would use it."""
+    gate, seen, compute = gated_upper()
     batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=2,
                                                    max_batch_delay_s=0.0, max_in_flight=1)
     tasks = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("a", "b", "c", "a")]
@@ -306,14 +312,7 @@ async def test_generic_batcher_with_in_flight_limit() -> None:
 
 
 async def test_grow_while_busy_keeps_a_due_batch_open_until_a_slot_frees() -> None:
-    gate = asyncio.Event()
-    seen: list[list[str]] = []
-
-    async def compute(group: Any, items: list[str]) -> list[str]:
-        seen.append(items)
-        await gate.wait()
-        return [item.upper() for item in items]
-
+    gate, seen, compute = gated_upper()
     batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=8,
                                                    max_batch_delay_s=0.0, max_in_flight=1,
                                                    grow_while_busy=True)
@@ -332,14 +331,7 @@ async def test_grow_while_busy_keeps_a_due_batch_open_until_a_slot_frees() -> No
 
 
 async def test_a_queued_batch_whose_every_caller_left_is_never_sent() -> None:
-    gate = asyncio.Event()
-    seen: list[list[str]] = []
-
-    async def compute(group: Any, items: list[str]) -> list[str]:
-        seen.append(items)
-        await gate.wait()
-        return [item.upper() for item in items]
-
+    gate, seen, compute = gated_upper()
     batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=2,
                                                    max_batch_delay_s=0.0, max_in_flight=1)
     running = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("a", "b")]
