@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from carpool.config import Config
+from carpool.pipeline import Gateway
 from carpool.tracing import NO_SPAN, Tracer
 from fakes.waiting import eventually
 
@@ -147,3 +149,18 @@ async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fak
     hit = {s.name: s for s in exporter.get_finished_spans()}
     assert set(hit) == {"carpool.request", "carpool.exact"}
     assert hit["carpool.request"].attributes["carpool.outcome"] == "hit"
+
+
+async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_once_it_starts(
+        spans):
+    provider, exporter = spans
+    gateway = Gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))
+    assert not gateway.tracer.enabled                  # nobody collects yet
+    gateway.tracer.provider = provider                 # as opentelemetry's global one would be
+    gateway.start()
+    try:
+        assert gateway.tracer.enabled
+        assert (await gateway.request("/v1/chat/completions", b"not json")).status == 400
+        assert [s.name for s in exporter.get_finished_spans()] == ["carpool.request"]
+    finally:
+        await gateway.aclose()
