@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from carpool.config import Config
+from carpool.metrics import Buckets
 from carpool.pipeline import Gateway
 from carpool.tracing import NO_SPAN, Tracer
 from fakes.waiting import eventually
@@ -164,3 +165,11 @@ async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_on
         assert [s.name for s in exporter.get_finished_spans()] == ["carpool.request"]
     finally:
         await gateway.aclose()
+
+
+def test_buckets_count_a_value_on_a_bound_in_that_bucket_and_are_cumulative_up_to_inf():
+    buckets = Buckets("x", "", (0.1, 1.0, float("inf")))
+    for value in (0.05, 0.1, 0.5, 1.0, 7.0):
+        buckets.observe(value)
+    assert buckets.cumulative() == [("0.1", 2), ("1.0", 4), ("+Inf", 5)]
+    assert buckets.sum == pytest.approx(8.65)
