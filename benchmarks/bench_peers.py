@@ -175,12 +175,7 @@ def _process(cmd: list[str], port: int, env: dict[str, str], log: Path, cwd: Pat
             raise RuntimeError(f"{exc}; log tail:\n{tail}") from exc
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        c.stop(proc, 15)
 
 
 def litellm_config(upstream_port: int, cache: bool) -> str:
