@@ -48,7 +48,13 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     from carpool.answer import Answer
     from carpool.config import Config
-    from carpool.fingerprint import RepeatMemo, canonical_body, fingerprint, tenant_of
+    from carpool.fingerprint import (
+        RepeatMemo,
+        canonical_body,
+        fingerprint,
+        names_of,
+        requester,
+    )
     from carpool.request import ClientRequest, parse
     from carpool.store import Entry, MemoryStore
 
@@ -73,8 +79,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         return store.get_now(fingerprint(r, config).key)  # type: ignore[arg-type]
 
     assert total() is not None, "the key must be present"
-    memo = RepeatMemo(config.tenant.header, config.fingerprint.repeat_memo_bytes)
-    memo.remember(memo.key_of(client), request, key)   # type: ignore[arg-type]
+    memo = RepeatMemo(names_of(config.tenant), config.fingerprint.repeat_memo_bytes)
+    memo.remember(memo.key_of(client), request, key, None)   # type: ignore[arg-type]
 
     def repeat_total() -> Any:
         # A new bytes object each time, as a server delivers: its hash is not cached yet.
@@ -85,7 +91,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     assert repeat_total() is not None, "the repeat must be remembered"
     collapse = config.fingerprint.normalize_whitespace
     canonical = canonical_body("chat", request.body, collapse)
-    tenant = tenant_of(HEADERS, config.tenant.header)
+    tenant = requester(HEADERS, config)
     controls = request.controls
 
     def digest() -> str:
@@ -101,7 +107,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "parse_incl_loads": lambda: parse(client, max_body),
         "fingerprint": lambda: fingerprint(request, config),
         "lookup": lambda: store.get_now(key.key),  # type: ignore[arg-type]
-        "tenant": lambda: tenant_of(HEADERS, config.tenant.header),
+        "tenant": lambda: requester(HEADERS, config),
         "canonical": lambda: canonical_body("chat", request.body, collapse),
         "digest": digest,
     }

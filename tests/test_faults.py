@@ -598,7 +598,7 @@ def test_the_repeat_memo_holds_no_more_memory_than_its_budget_counts():
     """The same orjson buffers, in the memo of raw request bodies: the library API builds them
     with orjson.dumps, so each entry held 4.3 KB more than counted (the default 16 MiB budget of
     150-byte bodies: ~110,000 entries, about half a GiB)."""
-    config, memo = Config(), RepeatMemo("authorization", max_bytes=1 << 30)
+    config, memo = Config(), RepeatMemo(("authorization",), max_bytes=1 << 30)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -609,7 +609,7 @@ def test_the_repeat_memo_holds_no_more_memory_than_its_budget_counts():
                                    {"authorization": f"Bearer sk-{i:0>100}",
                                     "cache-control": "max-age=60"})
             request = parse(client, 1 << 20)
-            memo.remember(memo.key_of(client), request, fingerprint(request, config))
+            memo.remember(memo.key_of(client), request, fingerprint(request, config), None)
         del client, request
         held = tracemalloc.get_traced_memory()[0] - before
     finally:

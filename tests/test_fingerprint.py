@@ -56,24 +56,36 @@ def test_every_output_affecting_field_changes_the_key(field, value):
     assert key({**chat(), field: value}) != key(chat())
 
 
-def test_whitespace_runs_and_ends_do_not_change_the_key():
-    assert key(chat("How do I reset it? ")) == key(chat("How do I reset   it?"))
+COLLAPSE = Config(fingerprint={"normalize_whitespace": True})
 
 
-def test_whitespace_is_kept_inside_fenced_code():
+def test_whitespace_collapse_is_an_opt_in_that_merges_runs_and_ends():
+    assert key(chat("How do I reset it? "), config=COLLAPSE) == \
+        key(chat("How do I reset   it?"), config=COLLAPSE)
+
+
+def test_whitespace_is_kept_inside_fenced_code_even_with_collapse():
     a = "Fix:\n```py\nif x:\n    y()\n```"
     b = "Fix:\n```py\nif x:\n  y()\n```"
-    assert key(chat(a)) != key(chat(b))
-    assert key(chat("Fix:   \n" + a[5:])) == key(chat(a))
+    assert key(chat(a), config=COLLAPSE) != key(chat(b), config=COLLAPSE)
+    assert key(chat("Fix:   \n" + a[5:]), config=COLLAPSE) == key(chat(a), config=COLLAPSE)
 
 
-def test_whitespace_is_kept_for_requests_of_type_code():
-    assert key(chat("a  b"), {"x-carpool-type": "code"}) != key(chat("a b"), {"x-carpool-type": "code"})
+def test_whitespace_is_kept_for_requests_of_type_code_even_with_collapse():
+    code = {"x-carpool-type": "code"}
+    assert key(chat("a  b"), code, COLLAPSE) != key(chat("a b"), code, COLLAPSE)
 
 
-def test_whitespace_normalisation_can_be_turned_off():
-    config = Config(fingerprint={"normalize_whitespace": False})
-    assert key(chat("a  b"), config=config) != key(chat("a b"), config=config)
+def test_whitespace_is_kept_for_embeddings_inputs_even_with_collapse():
+    def embed(text):
+        return key({"model": "e", "input": text}, config=COLLAPSE, path="/v1/embeddings")
+    assert embed("a  b") != embed("a b")
+    assert embed(["a\tb", "c"]) != embed(["a b", "c"])
+
+
+def test_whitespace_is_meaning_by_default():
+    assert key(chat("a  b")) != key(chat("a b"))
+    assert key(chat("x ")) != key(chat("x"))
 
 
 def test_unicode_composition_does_not_change_the_key():
@@ -93,11 +105,14 @@ def test_the_tenant_is_a_hash_never_the_raw_credential():
     assert "sk-secret" not in fp.tenant and "sk-secret" not in fp.key
 
 
-def test_a_configured_tenant_header_is_used():
+def test_a_configured_tenant_header_is_used_beside_the_credential_headers():
     config = Config(tenant={"header": "X-Team"})
     assert key(chat(), {"x-team": "a"}, config) != key(chat(), {"x-team": "b"}, config)
-    assert key(chat(), {"x-team": "a", "authorization": "1"}, config) == \
+    assert key(chat(), {"x-team": "a", "authorization": "1"}, config) != \
         key(chat(), {"x-team": "a", "authorization": "2"}, config)
+    only_team = Config(tenant={"header": "X-Team", "credential_headers": []})
+    assert key(chat(), {"x-team": "a", "authorization": "1"}, only_team) == \
+        key(chat(), {"x-team": "a", "authorization": "2"}, only_team)
 
 
 def test_namespaces_and_freshness_tokens_scope_the_key():

@@ -217,12 +217,16 @@ async def test_a_flight_acquired_without_linger_is_gone_as_soon_as_it_finishes()
     assert group.get("k") is None
 
 
-async def test_forget_finished_drops_lingering_flights_only():
+async def test_forget_all_drops_running_and_lingering_flights_and_moves_the_epoch_on():
     group, done, running = FlightGroup(window=10), Upstream(), Upstream()
     done.release.set()
     await wait_answer(group.acquire("a", done))
     ticket = group.acquire("b", running)
-    assert group.forget_finished() == 1
-    assert group.get("a") is None and group.get("b") is ticket.flight
+    assert group.forget_all() == 2 and group.epoch == 1
+    assert group.get("a") is None and group.get("b") is None
+    # The running call goes on for the client it had; a new request leads a fresh one.
+    fresh = group.acquire("b", running)
+    assert fresh.leader and fresh.flight is not ticket.flight
     running.release.set()
     await wait_answer(ticket)
+    await wait_answer(fresh)

@@ -183,6 +183,9 @@ async def test_a_configured_shared_namespace_is_shared_across_tenants(fake, gate
     async with gateway_with(tenant={"shared_namespaces": ["public-faq"]}) as gw:
         shared = {"x-carpool-namespace": "public-faq"}
         assert await outcome(gw, **{"Authorization": "Bearer a", **shared}) == "miss"
+        # b reads the shared namespace once the upstream has accepted its key.
+        assert await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "own"}) \
+            == "miss"
         assert await outcome(gw, **{"Authorization": "Bearer b", **shared}) == "hit"
         assert await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "x"}) == \
             "miss"
@@ -198,7 +201,9 @@ async def test_a_configured_tenant_header_separates_tenants(fake, gateway_with):
     async with gateway_with(tenant={"header": "X-Team"}) as gw:
         assert await outcome(gw, **{"X-Team": "red"}) == "miss"
         assert await outcome(gw, **{"X-Team": "blue"}) == "miss"
-        assert await outcome(gw, **{"X-Team": "red", "Authorization": "Bearer other"}) == "hit"
+        assert await outcome(gw, **{"X-Team": "red"}) == "hit"
+        # Authorization is still a credential beside it: another key is another tenant.
+        assert await outcome(gw, **{"X-Team": "red", "Authorization": "Bearer other"}) == "miss"
 
 
 # --- sampling policies ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ the freshness token. And what the parser does with anything at all: a ``Request`
 
 Each property is compared with a reference equality written here, independently of
 ``fingerprint.py``: numbers by value (``1 == 1.0``, booleans apart), strings after NFC, message
-text after NFC and white-space collapsing.
+text after NFC only: white space is meaning (collapsing it is an opt-in, checked on its own).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def ref(value: Any, *, text: bool = False) -> Any:
         return ("number", value)                 # Python compares int and float exactly
     if isinstance(value, str):
         value = unicodedata.normalize("NFC", value)
-        return ("text", " ".join(value.split()) if text else value)
+        return ("text", value)
     if isinstance(value, list):
         return ("list", tuple(ref(v, text=text) for v in value))
     return ("object", tuple(sorted((k, ref(v, text=text)) for k, v in value.items())))
@@ -236,14 +236,47 @@ def test_canonically_equivalent_prompts_are_one_fingerprint_on_every_endpoint(te
         key({"model": "e", "input": [nfc, "b"]}, path="/v1/embeddings")
 
 
+SPACES = st.sampled_from([" ", "  ", "\n", "\t", " \n ", "\u00a0", "\u3000", "  \n", "\r\n",
+                          "\x0b", "\x1f"])
+
+
+def _respaced(body: dict[str, Any], pad: list[str]) -> dict[str, Any]:
+    return {**body, "messages": [
+        {**m, "content": pad[0] + m["content"].replace(" ", pad[1]) + pad[2]}
+        if isinstance(m["content"], str) else m for m in body["messages"]]}
+
+
+@PROPERTY
+@given(body=chat_bodies, pad=st.lists(SPACES, min_size=3, max_size=3))
+def test_white_space_is_meaning_any_change_of_it_changes_a_fingerprint(body, pad):
+    respaced = _respaced(body, pad)
+    assert (key(respaced) == key(body)) is (ref_field("messages", respaced["messages"])
+                                            == ref_field("messages", body["messages"]))
+
+
 @PROPERTY
 @given(body=chat_bodies, pad=st.lists(st.sampled_from([" ", "  ", "\n", "\t", " \n "]),
                                       min_size=3, max_size=3))
-def test_white_space_runs_and_ends_never_change_a_fingerprint(body, pad):
-    respaced = {**body, "messages": [
-        {**m, "content": pad[0] + m["content"].replace(" ", pad[1]) + pad[2]}
-        if isinstance(m["content"], str) else m for m in body["messages"]]}
-    assert key(respaced) == key(body)
+def test_with_collapse_opted_in_white_space_runs_and_ends_never_change_a_fingerprint(body, pad):
+    collapse = Config(fingerprint={"normalize_whitespace": True})
+
+    def collapsed(body: dict[str, Any]) -> str | None:
+        return fingerprint(request_of(body), collapse).key
+    assert collapsed(_respaced(body, pad)) == collapsed(body)
+
+
+@PROPERTY
+@given(body=chat_bodies, name=st.sampled_from(["authorization", "api-key", "x-api-key",
+                                               "openai-organization", "openai-project"]),
+       a=st.text(string.ascii_letters + string.digits + "-_ ", min_size=1, max_size=20),
+       b=st.text(string.ascii_letters + string.digits + "-_ ", min_size=1, max_size=20),
+       other=st.dictionaries(st.sampled_from(["authorization", "api-key", "x-api-key"]),
+                             st.sampled_from(["k1", "k2"]), max_size=2))
+def test_any_credential_header_makes_the_tenant(body, name, a, b, other):
+    base = {k: v for k, v in other.items() if k != name}
+    assert (key(body, {**base, name: a.strip() or "x"}) == key(body, {**base, name: b.strip() or "x"})) \
+        is ((a.strip() or "x") == (b.strip() or "x"))
+    assert key(body, {**base, name: "k"}) != key(body, base)      # present vs absent
 
 
 excluded = st.fixed_dictionaries({}, optional={
@@ -252,7 +285,7 @@ excluded = st.fixed_dictionaries({}, optional={
         {"include_usage": st.booleans()})), "metadata": json_values, "request_id": json_values})
 transport = st.dictionaries(st.sampled_from([
     "x-request-id", "user-agent", "traceparent", "tracestate", "x-stainless-lang",
-    "x-stainless-retry-count", "openai-organization", "accept", "accept-encoding",
+    "x-stainless-retry-count", "accept", "accept-encoding",
     "content-type", "cache-control", "x-carpool-tags", "connection", "x-forwarded-for"]),
     st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=1, max_size=12),
     max_size=5)

@@ -55,12 +55,12 @@ async def test_a_repeat_carrying_an_idempotency_key_goes_through_its_record(gw, 
 
 def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_budget():
     config = Config()
-    memo = RepeatMemo("authorization", max_bytes=2 * (_ENTRY_OVERHEAD + len(BODY) + 2) + 10)
+    memo = RepeatMemo(("authorization",), max_bytes=2 * (_ENTRY_OVERHEAD + len(BODY) + 2) + 10)
 
     def remember(body: bytes, headers: dict[str, str]) -> None:
         client = ClientRequest(CHAT, body, headers)
         request = parse(client, 1 << 20)
-        memo.remember(memo.key_of(client), request, fingerprint(request, config))
+        memo.remember(memo.key_of(client), request, fingerprint(request, config), None)
 
     remember(BODY.replace(b'"temperature":0', b'"temperature":0.7'), {})     # sampled
     remember(BODY, {"cache-control": "no-store"})

@@ -42,11 +42,11 @@ Contract
   non-empty string or a single non-empty list of token ids. Anything else (a list of inputs, a
   stream, an unknown shape) goes straight to ``send`` unchanged and is counted in ``bypassed``.
 - Batch-compatible means: same path, same body apart from ``input`` and ``user`` (so the same
-  ``model``, ``dimensions``, ``encoding_format``...), and the same values of the identity headers
-  (``key_headers``: ``authorization``, ``api-key``, ``x-api-key``, ``openai-organization``,
-  ``openai-project``), so tenants' credentials are never mixed. The merged call carries that
-  body with a list ``input`` (its ``user`` dropped, as callers may differ) and only those
-  identity headers. The token budget (``max_batch_tokens``) counts approximate tokens: a string's
+  ``model``, ``dimensions``, ``encoding_format``...), the same query string, and the same values
+  of the identity headers (``key_headers``: the gateway passes the tenant's credential headers,
+  ``identity.py``), so tenants' credentials are never mixed. The merged call carries that body
+  with a list ``input`` (its ``user`` dropped, as callers may differ), that query string and only
+  those identity headers. The token budget (``max_batch_tokens``) counts approximate tokens: a string's
   characters / 4 (rounded up, at least 1), a token list's length.
 - Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
   send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
@@ -71,6 +71,7 @@ from typing import Any, Generic, TypeVar
 import orjson
 
 from carpool.errors import UpstreamError
+from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
 
 __all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "approx_tokens"]
@@ -78,8 +79,7 @@ __all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "approx_to
 I = TypeVar("I")  # noqa: E741 - an item
 R = TypeVar("R")  # a result
 
-DEFAULT_KEY_HEADERS = ("authorization", "api-key", "x-api-key", "openai-organization",
-                       "openai-project")
+DEFAULT_KEY_HEADERS = DEFAULT_CREDENTIAL_HEADERS
 _DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding",
                                        "content-encoding", "connection", "keep-alive"})
 
@@ -441,7 +441,7 @@ class EmbeddingBatcher:
             return None
         lowered = {k.lower(): v for k, v in request.headers.items()}
         identity = tuple((name, lowered[name]) for name in self.key_headers if name in lowered)
-        return (path, identity, template), item
+        return (path, identity, template, request.query), item
 
     async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
         plan = self._plan(request)
@@ -458,10 +458,10 @@ class EmbeddingBatcher:
 
     async def _compute(self, group: Any, items: list[str | tuple[int, ...]]
                        ) -> list[tuple[bytes, dict[str, str]]]:
-        path, identity, template = group
+        path, identity, template, query = group
         body = orjson.loads(template)
         body["input"] = [item if isinstance(item, str) else list(item) for item in items]
-        response = await self._send(UpstreamRequest(path, body, dict(identity), False))
+        response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
         try:
             if response.streaming:
                 raise UpstreamError("the upstream answered an embeddings call with a stream")

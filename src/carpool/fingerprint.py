@@ -5,13 +5,19 @@ Contract (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants"):
   fields too (a field we do not know might matter). Excluded: ``user``, ``stream``,
   ``stream_options``, ``metadata``, request ids, and all transport headers.
 - Canonical: key order, number spelling (``0`` vs ``0.0``, ``1e0``) and Unicode composition (NFC)
-  never change a key. With ``fingerprint.normalize_whitespace`` the input text (message contents,
-  prompt, embedding input) is trimmed and runs of white space collapse to one space, except inside
-  ``` fenced code and in requests of type ``code``, where indentation is meaning.
-- Scoped: the tenant (a hash of the tenant header, never the raw value), the namespace, and the
-  freshness token are part of the key, so no answer crosses them, cached or in flight. A namespace
-  listed in ``tenant.shared_namespaces`` drops the tenant from the scope (``tenant`` is ``*``);
-  ``owner`` is still the requester's tenant, which scopes what is never shared (idempotency keys).
+  never change a key. Text is otherwise exact: white space is meaning (Python indentation, counted
+  spaces, tabs, Markdown hard breaks, non-ASCII spaces, control characters). Only with the opt-in
+  ``fingerprint.normalize_whitespace`` is the input text (message contents, prompt) trimmed and
+  are runs of white space collapsed to one space, except inside ``` fenced code, in requests of
+  type ``code`` and in embeddings inputs (a vector of different text is a different vector).
+- Scoped: the tenant (``identity.tenant_of``: a digest of every credential header, never the raw
+  value), the namespace, the freshness token, the request type (``x-carpool-type``: it picks
+  what may be stored and for how long) and the query string (Azure's ``api-version``...) are part
+  of the key, so no answer crosses them, cached or in flight. A namespace listed in
+  ``tenant.shared_namespaces`` drops the tenant from the scope (``tenant`` is ``*``), but only
+  for a tenant in ``accepted`` (the upstream answered it recently): any other is scoped to
+  itself. ``owner`` is always the requester's tenant, which scopes what is never shared
+  (idempotency keys).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
   1, or a ``seed``. An absent temperature is the upstream's default, which samples. Sampled requests
   get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
@@ -23,22 +29,26 @@ Contract (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants"):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .config import Config
+from .config import Config, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
+from .identity import ANONYMOUS_TENANT, credential_headers, tenant_of
 from .request import CONTROL_HEADERS, ClientRequest, Request
 
+__all__ = ["ANONYMOUS_TENANT", "Fingerprint", "RepeatMemo", "SemanticView", "canonical_body",
+           "fingerprint", "is_deterministic", "request_digest", "requester", "semantic_view"]
+
 EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
-ANONYMOUS_TENANT = "anonymous"
-KEY_VERSION = 1
+KEY_VERSION = 2
 # A request carrying one must be checked against its record first (idempotency.parse_key).
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
 _FENCE = "```"
@@ -55,14 +65,25 @@ class Fingerprint:
     namespace: str
     bypass_reason: str | None = None
     owner: str = ""                 # the requester's own tenant, even in a shared namespace
+    # In a shared namespace, for a requester not (yet) accepted by the upstream: the key it
+    # would have there. It reads nothing under it, but its answer, once the upstream accepted
+    # it, is stored under it for the others.
+    shared_key: str | None = None
 
 
-def tenant_of(headers: Mapping[str, str], header: str) -> str:
-    """A stable, non-reversible id of the tenant: never the raw credential."""
-    value = headers.get(header.lower())
-    if not value:
-        return ANONYMOUS_TENANT
-    return hashlib.blake2b(value.encode(), digest_size=8, person=b"carpool-tenant").hexdigest()
+@functools.lru_cache(maxsize=16)
+def _names(header: str, others: tuple[str, ...]) -> tuple[str, ...]:
+    return credential_headers(header, others)
+
+
+def names_of(tenant: TenantConfig) -> tuple[str, ...]:
+    """The lower-case credential header names that make the tenant under this config."""
+    return _names(tenant.header, tuple(tenant.credential_headers))
+
+
+def requester(headers: Mapping[str, str], config: Config) -> str:
+    """The tenant of whoever sent ``headers`` (identity.tenant_of over the configured names)."""
+    return tenant_of(headers, names_of(config.tenant))
 
 
 def is_deterministic(body: Mapping[str, Any]) -> bool:
@@ -75,22 +96,43 @@ def is_deterministic(body: Mapping[str, Any]) -> bool:
     return temperature is not None and temperature == 0
 
 
-def fingerprint(request: Request, config: Config) -> Fingerprint:
+def fingerprint(request: Request, config: Config,
+                accepted: Container[str] | None = None) -> Fingerprint:
+    """The request's key and scope. ``accepted``: the tenants the upstream has recently answered
+    (``identity.AcceptedCredentials``); None trusts every tenant (offline tools: the bench
+    oracle, eval-semantic), never the gateway."""
     controls = request.controls
     namespace = controls.namespace
-    tenant = owner = tenant_of(request.headers, config.tenant.header)
-    if namespace and namespace in config.tenant.shared_namespaces:
-        tenant = "*"
+    tenant = owner = requester(request.headers, config)
+    shared = bool(namespace) and namespace in config.tenant.shared_namespaces
+    if shared and (accepted is None or owner in accepted):
+        tenant, shared = "*", False
     if request.kind != "embedding" and not is_deterministic(request.body):
         if not (controls.share_sampled or config.sampling == "same-params"):
             return Fingerprint(None, tenant, namespace, "sampled", owner)
-    collapse = config.fingerprint.normalize_whitespace and controls.request_type != "code"
-    canonical = canonical_body(request.kind, request.body, collapse)
-    material = orjson.dumps(
-        [KEY_VERSION, tenant, namespace, controls.freshness, request.kind, canonical],
-        option=orjson.OPT_SORT_KEYS)
-    return Fingerprint(hashlib.blake2b(material, digest_size=16).hexdigest(), tenant, namespace,
-                       owner=owner)
+    canonical = canonical_body(request.kind, request.body, _collapse(request, config))
+    return Fingerprint(_digest(request, tenant, namespace, canonical), tenant, namespace,
+                       owner=owner,
+                       shared_key=_digest(request, "*", namespace, canonical) if shared else None)
+
+
+def _digest(request: Request, tenant: str, namespace: str, canonical: dict[str, Any]) -> str:
+    material = orjson.dumps([*_scope(request, "answer", tenant, namespace), canonical],
+                            option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(material, digest_size=16).hexdigest()
+
+
+def _scope(request: Request, label: str, tenant: str, namespace: str) -> list[Any]:
+    """Everything besides the body that decides which answer a request may get."""
+    controls = request.controls
+    return [KEY_VERSION, label, tenant, namespace, controls.freshness,
+            controls.request_type or "", request.query, request.kind]
+
+
+def _collapse(request: Request, config: Config) -> bool:
+    """Whether white space is collapsed: an opt-in, never for code or embeddings inputs."""
+    return config.fingerprint.normalize_whitespace and request.kind != "embedding" \
+        and request.controls.request_type != "code"
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +142,8 @@ class Repeat:
     key: str
     stream: bool
     include_usage: bool
-    max_age: float | None
+    max_age: float | None           # the reader's bound: Cache-Control max-age and its type's TTL
+    shared_by: str | None = None    # in a shared namespace: the requester, to check it is accepted
 
 
 class RepeatMemo:
@@ -108,9 +151,11 @@ class RepeatMemo:
 
     Contract:
     - The memo key is every input of ``fingerprint`` that is not configuration: the endpoint, the
-      body's bytes themselves and the value of each header that ``parse_controls`` and
-      ``tenant_of`` read. Equal memo keys therefore mean equal fingerprints, exactly (no digest
-      of the body, so no collision is possible).
+      query string, the body's bytes themselves and the value of each header that
+      ``parse_controls`` and ``requester`` read. Equal memo keys therefore mean equal
+      fingerprints, exactly (no digest of the body, so no collision is possible), except for the
+      one input that changes over time, whether the upstream accepts the requester: a repeat in
+      a shared namespace carries its requester (``shared_by``) to be checked again.
     - Remembered only for a request that parsed, is shareable and may read the cache; a request
       carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
     - Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
@@ -118,8 +163,9 @@ class RepeatMemo:
       ``MAX_MEMO_HEADERS`` bytes in all are not remembered. A forgotten repeat costs one parse.
     """
 
-    def __init__(self, tenant_header: str, max_bytes: int, max_body: int = 64 * 1024) -> None:
-        self.names = (*CONTROL_HEADERS, tenant_header.lower())
+    def __init__(self, tenant_headers: tuple[str, ...], max_bytes: int,
+                 max_body: int = 64 * 1024) -> None:
+        self.names = (*CONTROL_HEADERS, *tenant_headers)
         self.max_bytes = max_bytes
         self.max_body = max_body
         self.bytes = 0
@@ -133,13 +179,16 @@ class RepeatMemo:
         if IDEMPOTENCY_HEADERS & headers.keys() or len(client.body) > self.max_body \
                 or not self.max_bytes:
             return None
-        return (client.path, client.body, *map(headers.get, self.names))
+        return (client.path, client.body, client.query, *map(headers.get, self.names))
 
     def get(self, memo_key: tuple[Any, ...]) -> Repeat | None:
         return self._memo.get(memo_key)
 
-    def remember(self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint) -> None:
-        if key.key is None or not request.controls.may_read or memo_key in self._memo:
+    def remember(self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint,
+                 max_age: float | None) -> None:
+        """``max_age``: the oldest answer the request accepts (its max-age and its type's TTL)."""
+        if key.key is None or not request.controls.may_read or memo_key in self._memo \
+                or (max_age is not None and max_age <= 0):
             return
         # The body kept is a copy of exactly its length: one built by orjson.dumps (the library
         # API's ``Gateway.request``) has a 4 KB buffer whatever its length, which ``bytes``
@@ -147,8 +196,8 @@ class RepeatMemo:
         memo_key = (memo_key[0], bytes(memoryview(memo_key[1])), *memo_key[2:])
         if _header_bytes(memo_key) > MAX_MEMO_HEADERS:
             return                     # a large credential or cache-control: not worth its room
-        self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage,
-                                      request.controls.max_age)
+        self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage, max_age,
+                                      key.owner if key.tenant == "*" else None)
         self.bytes += _size(memo_key)
         while self.bytes > self.max_bytes:
             oldest = next(iter(self._memo))
@@ -161,11 +210,11 @@ _ENTRY_OVERHEAD = 400           # the key tuple, the Repeat and the dict slot, r
 
 
 def _header_bytes(memo_key: tuple[Any, ...]) -> int:
-    return sum(len(value) for value in memo_key[2:] if value)
+    return sum(len(value) for value in memo_key[3:] if value)
 
 
 def _size(memo_key: tuple[Any, ...]) -> int:
-    return _ENTRY_OVERHEAD + len(memo_key[1]) + _header_bytes(memo_key)
+    return _ENTRY_OVERHEAD + len(memo_key[1]) + len(memo_key[2]) + _header_bytes(memo_key)
 
 
 def request_digest(request: Request, key: Fingerprint, config: Config) -> str:
@@ -174,10 +223,9 @@ def request_digest(request: Request, key: Fingerprint, config: Config) -> str:
     Unlike ``Fingerprint.key`` it exists for sampled requests too: a retry of a sampled request
     must not run twice either.
     """
-    collapse = config.fingerprint.normalize_whitespace and request.controls.request_type != "code"
     material = orjson.dumps(
-        [KEY_VERSION, "request", key.tenant, key.namespace, request.controls.freshness,
-         request.kind, canonical_body(request.kind, request.body, collapse)],
+        [*_scope(request, "request", key.tenant, key.namespace),
+         canonical_body(request.kind, request.body, _collapse(request, config))],
         option=orjson.OPT_SORT_KEYS)
     return hashlib.blake2b(material, digest_size=16).hexdigest()
 
@@ -215,10 +263,10 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         rest = {k: v for k, v in body.items() if k != "prompt"}
     else:
         return None
-    collapse = config.fingerprint.normalize_whitespace and request.controls.request_type != "code"
+    collapse = _collapse(request, config)
     material = orjson.dumps(
-        [KEY_VERSION, "semantic", key.tenant, key.namespace, request.controls.freshness,
-         request.kind, canonical_body(request.kind, rest, collapse)],
+        [*_scope(request, "semantic", key.tenant, key.namespace),
+         canonical_body(request.kind, rest, collapse)],
         option=orjson.OPT_SORT_KEYS)
     return SemanticView(hashlib.blake2b(material, digest_size=16).hexdigest(),
                         normalize_text(text, collapse))

@@ -14,6 +14,8 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    incomplete one (or one led by a ``no-store`` request) does not linger at all.
 4. ``forget`` makes the next request start a fresh flight, and the old flight finishing never removes
    the new one: the group only ever drops the flight it holds if it is the same object.
+   ``forget_all`` (an invalidation) forgets every flight, running ones too (their clients keep
+   their call), and moves ``epoch`` on: a call that began in an older epoch must not be stored.
 5. The leader's client disconnecting does not cancel the call while others wait: the call runs in its
    own task, not in any client's.
 6. When all its clients have gone the upstream call is cancelled (unless ``finish_abandoned``): the
@@ -119,6 +121,7 @@ class FlightGroup:
             else window
         self.finish_abandoned = finish_abandoned
         self.waiters = 0                     # tickets not yet released, for /stats and metrics
+        self.epoch = 0                       # invalidations so far (``forget_all``)
         self._flights: dict[str, Flight] = {}
 
     def __len__(self) -> int:
@@ -164,12 +167,13 @@ class FlightGroup:
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
 
-    def forget_finished(self) -> int:
-        """Drop every finished flight lingering in the window (after an invalidation)."""
-        done = [f for f in self._flights.values() if f.finished_at is not None]
-        for flight in done:
-            self.forget(flight.key, flight)
-        return len(done)
+    def forget_all(self) -> int:
+        """After an invalidation: no request joins any flight there is now, running or
+        lingering; the running ones go on for the clients they have. Returns how many."""
+        self.epoch += 1
+        dropped = len(self._flights)
+        self._flights.clear()
+        return dropped
 
     async def _run(self, flight: Flight, lead: Lead) -> None:
         broadcast = flight.broadcast

@@ -25,7 +25,7 @@ which coalesces the local flights of every instance:
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
-  request leads a new call. ``forget_finished`` (``/admin/invalidate``) deletes every lingering
+  request leads a new call. ``forget_all`` (``/admin/invalidate``) deletes every lingering
   lock, whichever instance made it.
 - A follower reads the stream from its start (replay), then blocks for new entries (XREAD BLOCK
   of at most min(lease/3, ``distributed.timeout``/2), so that the client's socket timeout never
@@ -133,7 +133,9 @@ MAX_TAKEOVERS = 3         # claims after a leader's death, within one run, befor
 _CLAIM = """
 local holder = redis.call('GET', KEYS[1])
 if holder then
-  if string.sub(holder, 1, 1) ~= '=' then return {'follow', holder} end
+  local mark = string.sub(holder, 1, 1)
+  if mark == '~' then return {'alone'} end
+  if mark ~= '=' then return {'follow', holder} end
   local sep = string.find(holder, ':', 2, true)
   local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
   if max_age < 0 then return {'replay', leader} end
@@ -148,7 +150,8 @@ return {'lead'}
 
 # KEYS: lock, stream. ARGV: token, lease ms, stream PX ms. 1 if renewed, 0 if the lock is lost.
 _RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder ~= ARGV[1] and holder ~= '~' .. ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
@@ -160,7 +163,10 @@ return 1
 _END = """
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == '~' .. ARGV[1] then
+  redis.call('DEL', KEYS[1])
+elseif holder == ARGV[1] then
   if tonumber(ARGV[2]) > 0 then
     local now = redis.call('TIME')
     local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -172,11 +178,19 @@ end
 return 1
 """
 
-# KEYS: lock. Drop it if it is a finished call's (lingering in the window). 1 if dropped.
+# KEYS: lock. Drop it if it is a finished call's (lingering in the window); mark a running
+# call's "~TOKEN" (stale: its followers stay, nobody new follows it, it is not replayed once
+# finished). 1 if either.
 _FORGET = """
 local holder = redis.call('GET', KEYS[1])
-if holder and string.sub(holder, 1, 1) == '=' then
+if not holder then return 0 end
+local mark = string.sub(holder, 1, 1)
+if mark == '=' then
   redis.call('DEL', KEYS[1])
+  return 1
+end
+if mark ~= '~' then
+  redis.call('SET', KEYS[1], '~' .. holder, 'KEEPTTL')
   return 1
 end
 return 0
@@ -248,11 +262,13 @@ class SharedFlights:
     def snapshot(self) -> dict[str, int]:
         return {**self.counts, "leading": self.leading, "following": self.following}
 
-    async def forget_finished(self) -> int:
-        """Stop replaying every finished call (after an invalidation); calls running go on.
+    async def forget_all(self) -> int:
+        """After an invalidation: stop replaying every finished call, and mark every running
+        one stale, so that no request on any instance follows it (a request that finds a stale
+        call runs its own, alone); its followers keep it, and it is not replayed once finished.
 
         Scans the locks (one per call running or lingering, on every instance); returns how
-        many finished ones it dropped (those it could: a Redis failure is reported, not raised).
+        many it dropped or marked (those it could: a Redis failure is reported, not raised).
         """
         pattern = glob_escape(self.prefix) + "lock:*"
         dropped = 0
@@ -313,6 +329,8 @@ class SharedFlights:
                 self.counts["takeovers" if attempt else "led"] += 1
                 return await self._lead(lock, streams + token, token, broadcast, call, store,
                                         linger)
+            if reply[0] == b"alone":      # the call running began before an invalidation
+                break
             leader = reply[1].decode()
             self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
             result = await self._follow(lock, streams + leader, leader, broadcast, deadline)
@@ -390,7 +408,8 @@ class SharedFlights:
                       deadline: float) -> Answer | str:
         """Relay the leader's stream into ``broadcast`` until its final record."""
         loop = asyncio.get_running_loop()
-        ours, ended = token.encode(), b"=" + token.encode() + b":"
+        ours, stale = token.encode(), b"~" + token.encode()
+        ended = b"=" + ours + b":"
         last: bytes | str = b"0-0"     # (XREAD BLOCK waits for the stream to exist)
         relayed = 0          # frames published into the local broadcast (= next frame index)
         seen = 0             # frame records read, relayed or not: signs of life
@@ -438,7 +457,7 @@ class SharedFlights:
                 if records:
                     suspect = False
                     continue
-                if holder != ours and not (holder or b"").startswith(ended):
+                if holder != ours and holder != stale and not (holder or b"").startswith(ended):
                     if suspect:                  # gone, and no final record came after all
                         if relayed:
                             raise self._broken("the instance leading this call stopped")

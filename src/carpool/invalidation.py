@@ -14,7 +14,7 @@ Contract:
   within milliseconds: tests wait on ``counts["received"]``).
 - One subscriber task per instance (``start()``: the server's startup, or lazily the first flight
   led; stopped by ``aclose``) subscribes to that channel on its own connection and, for every
-  message of ANOTHER instance, calls ``forget()`` (``FlightGroup.forget_finished``). The
+  message of ANOTHER instance, calls ``forget()`` (``FlightGroup.forget_all``). The
   publisher's own messages are skipped: ``Gateway.invalidate`` forgot its flights already.
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
