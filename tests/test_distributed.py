@@ -37,7 +37,8 @@ async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, redis
         again = await b.chat()
         assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
         assert again.json() == first.json() and fake.count() == 1
-        assert (await b.client.get("/stats")).json()["redis"]["state"] == "up"
+        stats = await b.client.get("/stats", headers={"Authorization": "Bearer t"})
+        assert stats.json()["redis"]["state"] == "up"
 
 
 async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, redis_server):
@@ -47,6 +48,26 @@ async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, redi
                                       headers={"Authorization": "Bearer t"})
         assert dropped.json() == {"invalidated": 1}
         assert (await b.chat()).headers["x-carpool"] == "miss"
+
+
+async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(fake,
+                                                                              redis_server):
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.gate = asyncio.Event()
+        before = asyncio.create_task(a.chat("running"))
+        await fake.wait_until(lambda: fake.count() == 1, what="the call led by A")
+        response = await b.client.post("/admin/invalidate", json={"all": True},
+                                       headers={"Authorization": "Bearer t"})
+        assert response.status_code == 200
+        after_b = asyncio.create_task(b.chat("running"))
+        await fake.wait_until(lambda: fake.count() == 2, what="B's own call")
+        fake.gate.set()
+        first, second = await before, await after_b
+        assert second.headers["x-carpool"] == "miss"
+        assert first.json()["id"] != second.json()["id"]
+        # The stale call's answer is replayed to nobody: the next request gets the fresh one.
+        third = await a.chat("running")
+        assert third.json()["id"] == second.json()["id"] and fake.count() == 2
 
 
 async def test_redis_killed_requests_still_succeed_and_health_says_degraded(fake, redis_server):

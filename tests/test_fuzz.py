@@ -134,8 +134,8 @@ async def test_fuzzing_the_http_surface_gets_only_well_formed_2xx_and_4xx_and_th
 async def test_the_openapi_document_describes_every_route_of_the_gateway(gw):
     document = (await gw.client.get("/openapi.json")).json()
     assert set(document["paths"]) == {
-        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/healthz", "/stats",
-        "/metrics", "/dashboard", "/openapi.json", "/admin/invalidate"}
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/healthz", "/readyz",
+        "/stats", "/metrics", "/dashboard", "/openapi.json", "/admin/invalidate"}
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "413", "502", "504"} <= set(chat["responses"])
     request = document["components"]["schemas"]["ChatCompletionRequest"]

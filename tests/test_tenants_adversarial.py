@@ -296,7 +296,8 @@ async def test_an_answer_invalidated_on_one_instance_is_not_served_from_anothers
                          what="instance A told of the invalidation")
         assert invalidations_of(a)["forgotten"] == 1 and len(a.gateway.flights) == 0
         assert invalidations_of(b)["published"] == 1 and invalidations_of(b)["received"] == 0
-        stats = (await a.client.get("/stats")).json()["redis"]["invalidations"]
+        stats = (await a.client.get("/stats", headers={"Authorization": f"Bearer {ADMIN}"})
+                 ).json()["redis"]["invalidations"]
         assert stats["received"] == 1 and stats["listening"] is True
         assert (await a.chat(headers={"x-carpool-tags": "faq"})).headers["x-carpool"] == "miss"
         assert fake.count() == 2

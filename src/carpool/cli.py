@@ -3,7 +3,8 @@
 Contract: every option can also come from the config file and ``CARPOOL_*`` variables (flags win);
 a bad configuration exits with status 2 and a message naming the field and what is allowed. The
 first log line of ``carpool serve`` says which engine it fronts, so nobody mistakes the simulator
-for a real model.
+for a real model. No log line carries a URL's credentials or query: upstreams are logged by their
+replica names (``upstream.http.replica_names``), other URLs without user, password and query.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from .config import Config, ConfigError
 
 
 def _without_credentials(url: str) -> str:
-    """A URL fit for a log line: any user and password in it replaced by ``***``."""
-    parts = urlsplit(url)
+    """A URL fit for a log line: any user and password in it replaced by ``***``, and no query
+    or fragment (where some services take their keys)."""
+    parts = urlsplit(url)._replace(query="", fragment="")
     if parts.username is None and parts.password is None:
-        return url
+        return urlunsplit(parts)
     host = parts.hostname or ""
     netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
@@ -66,8 +68,12 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("carpool")
     if config.upstreams:
+        from .upstream.http import replica_names
+
+        # By the names /stats, /metrics and the failure warnings will use.
         log.info("carpool: fronting %d upstream replica(s): %s", len(config.upstreams),
-                 ", ".join(map(_without_credentials, config.upstreams)))
+                 ", ".join(name for name, _ in replica_names(config.upstreams,
+                                                             config.upstream_names)))
     else:
         log.info("carpool: no --upstream given, using the embedded SIMULATED engine "
                  "(%d replica(s)); its answers are synthetic text, not a real model",

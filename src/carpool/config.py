@@ -33,8 +33,10 @@ class _Section(BaseModel):
 
 class FingerprintConfig(_Section):
     normalize_whitespace: bool = Field(
-        True, description="Trim text and collapse runs of white space before hashing (never inside "
-        "``` fenced code, nor for requests of type `code`).")
+        False, description="Opt-in: trim text and collapse runs of white space before hashing "
+        "(never inside ``` fenced code, for requests of type `code`, or for embeddings inputs). "
+        "Off, text is exact after Unicode NFC: white space is meaning (indentation, counted "
+        "spaces, tabs, Markdown hard breaks).")
     repeat_memo_bytes: int = Field(
         16 * 1024 * 1024, ge=0, description="Budget (bytes of request bodies) of the memo that "
         "lets a byte-identical repeat reach the exact cache without being parsed again; 0 = off.")
@@ -97,8 +99,9 @@ class SemanticConfig(_Section):
                           "(needs the [semantic] extra: pip install 'carpool[semantic]').")
     mode: Literal["serve", "mark"] = Field("serve", description="serve: answer from a passing "
                                            "candidate; mark: never serve, only annotate the "
-                                           "response with the nearest prior request and its score "
-                                           "(to measure before trusting).")
+                                           "response with an opaque id of the nearest entry (never "
+                                           "its text), its score and the guard's verdict (to "
+                                           "measure before trusting).")
     threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity at or above "
                                     "which a candidate is considered; null = the calibrated "
                                     "default (README, Semantic cache).")
@@ -127,10 +130,26 @@ class SemanticConfig(_Section):
 
 
 class TenantConfig(_Section):
-    header: str = Field("Authorization", min_length=1, description="Request header whose value "
-                        "(hashed, never stored raw) identifies the tenant.")
+    header: str = Field("Authorization", min_length=1, description="The primary credential "
+                        "header. The tenant is a keyed digest (never the raw value) of this "
+                        "header and every one in `credential_headers` that the client sends.")
+    credential_headers: list[str] = Field(
+        default_factory=lambda: ["Authorization", "api-key", "x-api-key", "OpenAI-Organization",
+                                 "OpenAI-Project"],
+        description="Every request header that carries a credential or selects the account an "
+        "upstream bills (OpenAI's `Authorization`, Azure's `api-key`, Anthropic-style "
+        "`x-api-key`, OpenAI's organization and project): all of them, with `header`, make the "
+        "tenant. Remove one only if the upstream never reads it.")
     shared_namespaces: list[str] = Field(default_factory=list, description="Namespaces whose "
-                                         "answers are shared across tenants.")
+                                         "answers are shared across tenants, but only with a "
+                                         "tenant the upstream has accepted within "
+                                         "`accepted_ttl`; others are scoped to themselves.")
+    accepted_ttl: float = Field(600, gt=0, description="Seconds a tenant counts as accepted by "
+                                "the upstream after its last 2xx answer on a cached endpoint "
+                                "(what lets it read a shared namespace).")
+    accepted_max_entries: int = Field(100_000, ge=1, description="Most accepted tenants "
+                                      "remembered (oldest out: a forgotten one is scoped to "
+                                      "itself until its next 2xx).")
 
 
 class IdempotencyConfig(_Section):
@@ -187,6 +206,11 @@ class RoutingConfig(_Section):
         60.0, gt=0,
         description="The longest back-off after repeated failures: how long a replica that keeps "
         "failing waits between probes. 60: a dead replica costs at most one probe a minute.")
+    log_interval: float = Field(
+        30.0, gt=0,
+        description="Seconds between two warnings about one replica's failures (unreachable, "
+        "timed out, 5xx); the next warning counts the failures not logged in between. The "
+        "first failure after a quiet period is always logged.")
 
 
 class BatchingConfig(_Section):
@@ -208,6 +232,14 @@ class LimitsConfig(_Section):
     upstream_connect_timeout: float = Field(10, gt=0, description="Seconds to wait for a "
                                             "connection to the upstream before 502.")
     upstream_max_connections: int = Field(1000, gt=0, description="Pooled connections per replica.")
+    body_read_timeout: float = Field(30, gt=0, description="Seconds a client may take to send "
+                                     "a whole request body (cached endpoints, pass-through, "
+                                     "admin); a body still trickling in after that gets 408 and "
+                                     "nothing is sent upstream.")
+    max_json_depth: int = Field(64, ge=2, le=200, description="Deepest nesting of arrays and "
+                                "objects accepted in a request body; deeper gets 400 "
+                                "(`too_deep`). At most 200: the body is re-serialised for the "
+                                "upstream, and a JSON encoder stops at 255 levels.")
 
 
 class DistributedConfig(_Section):
@@ -249,6 +281,33 @@ class UpstreamConfig(_Section):
                                  "leader asked to.")
 
 
+class PassthroughConfig(_Section):
+    """Which other `/v1/...` paths are forwarded to an upstream (never cached)."""
+
+    allow: list[str] = Field(
+        default_factory=lambda: ["/"], description="Path prefixes, relative to the upstream's "
+        "/v1, that pass-through forwards, matched by whole segments (`/models` allows "
+        "`/v1/models` and `/v1/models/x`, not `/v1/modelsx`); other paths get 403. `/` = "
+        "everything under /v1; [] = pass-through off. Whatever the list, a path with a dot "
+        "segment, an encoded `/` or `\\`, a backslash, a control character or an empty segment "
+        "is refused (400), and nothing outside the upstream's /v1 is ever reached.")
+
+    @field_validator("allow")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        out = []
+        for prefix in value:
+            inner = prefix[1:].removesuffix("/")
+            segments = inner.split("/") if inner else []
+            if not prefix.startswith("/") or any(
+                    s in ("", ".", "..") or not s.isprintable() or set(s) & set("%\\?#")
+                    for s in segments):
+                raise ValueError(f"{prefix!r} must be a path like /models: starting with /, "
+                                 "without dot or empty segments, %, \\, ? or #")
+            out.append("/" + "/".join(segments))
+        return out
+
+
 class SimConfig(_Section):
     """The embedded simulated engine: a cost model that behaves like a real one where it matters."""
 
@@ -277,6 +336,12 @@ class Config(_Section):
 
     upstreams: list[str] = Field(default_factory=list, description="Base URLs ending in /v1 of "
                                  "OpenAI-compatible replicas; empty = the embedded simulated engine.")
+    upstream_names: list[str] = Field(
+        default_factory=list, description="Names of the `upstreams`, in the same order (as "
+        "many): how /stats, /metrics, /healthz, the logs and error messages call each replica. "
+        "Empty = operators see the URL without its user, password, query and fragment (made "
+        "unique with `#2`, `#3`...), and /healthz and error bodies, which clients can read, "
+        "say `replica-0`, `replica-1`... Each name: 1-64 printable characters, all distinct.")
     redis: str | None = Field(None, description="Redis/Valkey URL (redis://host:port/db) of the "
                               "store shared by every instance; null = in-process only.")
     admin_token: str | None = Field(None, description="Bearer token that enables /admin/*.")
@@ -304,6 +369,7 @@ class Config(_Section):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    passthrough: PassthroughConfig = Field(default_factory=PassthroughConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
 
@@ -314,6 +380,19 @@ class Config(_Section):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http(s) URL ending in /v1")
         return [url.rstrip("/") for url in value]
+
+    @field_validator("upstream_names")
+    @classmethod
+    def _one_name_per_upstream(cls, value: list[str], info: Any) -> list[str]:
+        upstreams = info.data.get("upstreams")
+        if value and upstreams is not None and len(value) != len(upstreams):
+            raise ValueError(f"give one name per upstream ({len(upstreams)}), or none")
+        for name in value:
+            if not 1 <= len(name) <= 64 or not name.isprintable():
+                raise ValueError(f"{name!r} must be 1-64 printable characters")
+        if len(set(value)) != len(value):
+            raise ValueError("the names must be distinct")
+        return value
 
     def ttl_for(self, request_type: str | None) -> float:
         """Seconds an answer of ``request_type`` may be stored (0 = never)."""

@@ -4,9 +4,18 @@ Every error the gateway answers with is one of these, so the HTTP status and the
 (``{"error": {"message", "type", "code"}}``) are decided in one place. Errors of the layer below
 (aiohttp, Redis, pydantic) are translated at the boundary, keeping the original as ``__cause__``.
 
+A message reaches the client, so it says what happened in words and nothing private: no
+exception repr, no address or URL, no credential. An upstream is called by its public label
+(``replica-0``, or the configured name); the detail (the cause) goes to the log.
+
     CarpoolError                      base; never raised itself
     ├── RequestError                  400: the client's request is malformed or invalid
-    │   └── BodyTooLarge              413: body over ``limits.max_body_bytes``
+    │   ├── BodyTooLarge              413: body over ``limits.max_body_bytes``
+    │   ├── HeadersTooLarge           431: headers over ``limits.max_header_bytes``
+    │   ├── BodyTimeout               408: body not received within ``limits.body_read_timeout``
+    │   ├── PathRefused               400: a pass-through path that could leave the upstream's /v1
+    │   └── PathNotAllowed            403: a pass-through path outside ``passthrough.allow``
+    ├── AdminRequired                 401: /stats, /metrics, /dashboard without the admin token
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
@@ -72,6 +81,49 @@ class HeadersTooLarge(RequestError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"request headers are larger than the limit of {limit} bytes",
                          "headers_too_large")
+
+
+class BodyTimeout(RequestError):
+    """The body did not arrive within ``limits.body_read_timeout`` seconds (RFC 9110: 408). The
+    connection is closed after the answer: the rest of the body may still be on its way."""
+
+    status = 408
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"the request body was not received within {timeout:g} seconds",
+                         "body_timeout")
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
+
+
+class PathRefused(RequestError):
+    """A pass-through path that could reach outside the upstream's ``/v1`` (``paths.confine``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "invalid_path")
+
+
+class PathNotAllowed(RequestError):
+    """A pass-through path that ``passthrough.allow`` does not list."""
+
+    status = 403
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"/v1{path[:200]} is not forwarded by this gateway", "path_not_allowed")
+
+
+class AdminRequired(CarpoolError):
+    """An admin surface asked for without the admin token (``Authorization: Bearer <token>``,
+    or Basic with the token as password, which lets a browser open /dashboard)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json",
+                "www-authenticate": 'Bearer realm="carpool admin"'}
 
 
 class UpstreamError(CarpoolError):

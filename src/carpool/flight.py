@@ -189,7 +189,8 @@ class FlightGroup:
             return
         except Exception as error:   # a bug must not leave waiters hanging
             log.exception("flight %s failed unexpectedly", flight.key)
-            failure = UpstreamError(f"internal error while calling upstream: {error!r}")
+            # The client hears what happened, not how: the exception is in the log above.
+            failure = UpstreamError("internal error while calling upstream")
             failure.__cause__ = error
             broadcast.fail(failure)
             self.forget(flight.key, flight)

@@ -362,8 +362,8 @@ class SharedFlights:
         except CarpoolError as error:
             await self._close(publisher, lock, stream, token, _error_record(error), 0)
             raise
-        except Exception as error:   # a bug: followers get what the local clients get
-            failure = UpstreamError(f"internal error while calling upstream: {error!r}")
+        except Exception:   # a bug: followers get what the local clients get
+            failure = UpstreamError("internal error while calling upstream")
             await self._close(publisher, lock, stream, token, _error_record(failure), 0)
             raise
         finally:

@@ -25,12 +25,15 @@ One record per key, with the fingerprint of the request that created it:
     with the token; the caller processes the request and must end with ``finish`` or ``abandon``;
   * a record with another fingerprint, whatever its state -> ``"mismatch"`` (422);
   * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
-  * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed as it is (status,
-    headers, body byte for byte) plus ``idempotent-replayed: true``, without calling upstream.
+  * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format:
+    status, headers, body byte for byte; see ``replay_as``) plus ``idempotent-replayed: true``,
+    without calling upstream.
 - ``finish(key, token, response)``: only the owner token of a live PROCESSING record may finish;
   the record becomes SUCCESS (2xx) or FAILED (any other status: an upstream error is replayed
-  too) and is kept ``retention`` seconds from now. Returns whether it was stored (False: not the
-  owner, or the lease ran out / the record was evicted, so the answer is not kept).
+  too) and is kept ``retention`` seconds from now, with ``response.streamed``. The records
+  store what they are given: telling final from retryable (``is_final``) is the caller's job.
+  Returns whether it was stored (False: not the owner, or the lease ran out / the record was
+  evicted, so the answer is not kept).
 - ``abandon(key, token)``: the owner gives up without a final answer (its client left and the
   call was cancelled, the gateway failed before an answer): the record is dropped, so a retry
   runs as ``"new"``. Returns whether there was a record to drop.
@@ -44,6 +47,37 @@ One record per key, with the fingerprint of the request that created it:
   caller should ``begin`` again (it may now be ``"new"``, ``"mismatch"``...), not assume a 409.
 - Retention: SUCCESS and FAILED records live ``retention`` seconds (config
   ``idempotency.retention``, default 24 h) from their finish; then the key is free again.
+
+Final or retryable (``is_final``; the table is its docstring)
+- Only a request the upstream executed is frozen as its final answer (the draft's and Stripe's
+  rule: a result is saved only once the request began executing): a complete 2xx answer, or an
+  error of the upstream for a request it executed and refused or failed (most 4xx, 500). The
+  caller ``finish``es with those only. A 500 is final as Stripe keeps it: the engine ran the
+  request and failed on it, and the contract replays "success or upstream error"; a client that
+  wants another try after one uses a new key.
+- Everything else is retryable, and the caller ``abandon``s the record, so that a retry with the
+  same key runs again: the gateway's own refusals, an unreachable upstream (502), a timeout
+  (504), 408/409/425/429, a proxy's 502/503/504, a flight abandoned (499), a 200 that is not a
+  complete answer (an error body, a body cut or not JSON, a stream that ended with an error
+  event or without ``[DONE]``). A timeout is retryable although the engine may have run the
+  request: the gateway has no answer to replay, freezing the 504 for the retention would turn a
+  slow moment into a day-long failure, and running an LLM call twice costs tokens but has no
+  other effect; so a timed-out request is run at least once, not at most once.
+- A record is taken before the request runs, so the gateway's refusals of a request as sent
+  (400 bad body or fields, 413, 431, an invalid key: ``parse``/``parse_key``) never reach it.
+- A list input (the caller's ``list_items``) has one record for the list and one per item
+  (``key`` + ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer,
+  and the list's only when every item has one; otherwise the list's record is dropped and a
+  retry recomputes just the items without an answer.
+
+The format
+- ``StoredResponse.streamed`` is the format of the request that made the record (``stream``
+  is outside the request digest, so a retry may ask for the other one). ``replay_as`` gives the
+  stored response in the format a retry asks for: as it is in the same format; a complete 2xx
+  chat/completion answer converted (JSON synthesized into SSE chunks, SSE assembled into the
+  JSON body); otherwise None, and the caller answers ``IdempotencyFormatMismatch`` (422): an
+  error or an embedding stored for one format is never replayed in the other, and a client
+  never gets JSON on a stream or SSE for a non-streaming request.
 
 Backends: ``MemoryIdempotencyRecords`` (one process; bounded: expired records are swept lazily
 and the oldest are evicted beyond ``max_records``/``max_bytes``) and ``RedisIdempotencyRecords``
@@ -67,6 +101,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 
 from .errors import CarpoolError
+from .sse import DONE, SSEDecoder, assemble, frame, is_complete, synthesize
 from .store.base import StoreUnavailable, redis_unavailable
 
 if TYPE_CHECKING:
@@ -80,13 +115,16 @@ __all__ = [
     "Begin",
     "IdempotencyConflict",
     "IdempotencyError",
+    "IdempotencyFormatMismatch",
     "IdempotencyKeyInvalid",
     "IdempotencyMismatch",
     "IdempotencyRecords",
     "MemoryIdempotencyRecords",
     "RedisIdempotencyRecords",
     "StoredResponse",
+    "is_final",
     "parse_key",
+    "replay_as",
 ]
 
 HEADER = "idempotency-key"
@@ -147,6 +185,21 @@ class IdempotencyMismatch(IdempotencyError):
         super().__init__(message)
 
 
+class IdempotencyFormatMismatch(IdempotencyMismatch):
+    """422: the stored response cannot be replayed in the format (stream or not) the retry asks
+    for, e.g. an error stored for a streaming request, retried without ``stream``."""
+
+    code = "idempotency_format_mismatch"
+    title = "Idempotency-Key's response is in another format"
+
+    def __init__(self, streamed: bool) -> None:
+        stored, asked = ("a stream", "without") if streamed else ("not a stream", "with")
+        super().__init__(
+            f"This Idempotency-Key holds the response to the same request as {stored}; it "
+            f"cannot be replayed to a request {asked} \"stream\": true. Retry in the first "
+            "request's format, or use a new key.")
+
+
 # --------------------------------------------------------------------------- the header
 
 def parse_key(headers: Mapping[str, str]) -> str | None:
@@ -205,11 +258,13 @@ def _sf_string(text: str, label: str) -> str:
 
 @dataclass(slots=True)
 class StoredResponse:
-    """A final response, replayed as it is: status, headers (raw ASGI pairs), body bytes."""
+    """A final response, replayed as it is: status, headers (raw ASGI pairs), body bytes, and
+    ``streamed``: whether the request that made it asked for a stream (see ``replay_as``)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+    streamed: bool = False
 
     @property
     def size(self) -> int:
@@ -242,6 +297,124 @@ class IdempotencyRecords(Protocol):
 
 def _new_token() -> str:
     return secrets.token_hex(16)
+
+
+# --------------------------------------------------------------------------- final or retryable
+
+SSE_TYPE = b"text/event-stream"
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", SSE_TYPE)]
+_RETRY_MEANT = frozenset((408, 409, 425, 429, 499))
+_NOT_REACHED = frozenset((502, 503, 504))
+_STREAMS = frozenset(("chat", "completion"))      # the kinds whose answer has both formats
+
+
+def is_final(kind: str, response: StoredResponse) -> bool:
+    """Whether ``response`` (to a request of ``kind``: "chat", "completion", "embedding") is the
+    request's final answer, kept for the retention and replayed; if not, it is retryable and a
+    retry with the same key runs again.
+
+        status            final  why
+        2xx, complete     yes    executed and answered (JSON: ``sse.is_complete``; a stream:
+                                 it ended with [DONE], no error event, every choice finished)
+        2xx, incomplete   no     not an answer: an error body, a body cut or not JSON, a stream
+                                 that failed part-way (error event) or was cut (no [DONE])
+        4xx but below     yes    executed and refused by the upstream (400 bad parameters,
+                                 401/403, 404 no such model, 413, 422...): the same request is
+                                 refused again, so replaying the error is the answer
+        408 409 425 429   no     not executed, the upstream asks for a retry (request timeout,
+                                 conflict, too early, rate limited); 409 is also the gateway's
+                                 "an item is still processing"
+        499               no     the flight was abandoned: every client left, the call was
+                                 cancelled
+        500 501 505-511   yes    executed and failed in the engine: replayed, as Stripe does
+                                 (it keeps 500s); a client that wants another try uses a new key
+        502 503 504       no     not reached or not executed: the gateway's own "unreachable",
+                                 "stream broken", "malformed answer" (502), "store unavailable"
+                                 (503), "timeout" (504: see the module docstring), or a proxy in
+                                 front of the engine saying the same
+        other (1xx, 3xx,  no     not an answer of the engine (512-599: proxies' own codes such
+        512-599)                 as 520-524)
+
+    The gateway's own refusals of a request as sent (400, 413, 431, an invalid key) come before
+    its record is begun; what it answers after that (409, 499, 502, 503, 504) is in the "no"
+    rows. Never raises.
+    """
+    status = response.status
+    if 200 <= status < 300:
+        return _answered(kind, response)
+    if 400 <= status < 500:
+        return status not in _RETRY_MEANT
+    return 500 <= status <= 511 and status not in _NOT_REACHED
+
+
+def replay_as(response: StoredResponse, kind: str, stream: bool,
+              include_usage: bool) -> StoredResponse | None:
+    """``response`` in the format a retry asks for (``stream``), or None when it has no faithful
+    form in it (then: ``IdempotencyFormatMismatch``). Same format: as it is. Another format: a
+    complete 2xx chat/completion answer, its JSON body synthesized into SSE chunks (with the
+    usage chunk if ``include_usage``) or its stream assembled into the JSON body. An error, or
+    an answer of another kind, stored for one format is not replayed in the other: the upstream
+    might have answered the other format differently."""
+    if response.streamed == stream:
+        return response
+    if not 200 <= response.status < 300 or kind not in _STREAMS:
+        return None
+    if stream:
+        body = _json_body(response.body)
+        if body is None or not is_complete(kind, body):
+            return None
+        chunks = synthesize(kind, body, include_usage=include_usage)
+        return StoredResponse(response.status, list(_SSE_HEADERS), b"".join(
+            frame(orjson.dumps(chunk)) for chunk in chunks) + DONE, True)
+    chunks = _stream_chunks(response.body)
+    if chunks is None:
+        return None
+    assembled = assemble(kind, chunks)
+    if not is_complete(kind, assembled):
+        return None
+    return StoredResponse(response.status, list(_JSON_HEADERS), orjson.dumps(assembled), False)
+
+
+def _answered(kind: str, response: StoredResponse) -> bool:
+    """A 2xx response is a complete answer (see ``is_final``)."""
+    if any(name == b"content-type" and value.startswith(SSE_TYPE)
+           for name, value in response.headers):
+        chunks = _stream_chunks(response.body)
+        if chunks is None:
+            return False
+        return is_complete(kind, assemble(kind, chunks)) if kind in _STREAMS else True
+    body = _json_body(response.body)
+    if body is None:
+        return False
+    if kind in _STREAMS or kind == "embedding":
+        return is_complete(kind, body)
+    return "error" not in body                    # another endpoint: its shape is unknown here
+
+
+def _json_body(raw: bytes) -> dict[str, Any] | None:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _stream_chunks(raw: bytes) -> list[dict[str, Any]] | None:
+    """The chunks of a whole SSE body: None unless it ended with ``[DONE]``, and every event
+    before it is a JSON object without ``error`` (an error event means the stream failed)."""
+    decoder = SSEDecoder()
+    events = decoder.feed(raw)
+    decoder.close()
+    if decoder.truncated or not events or events[-1][1] != b"[DONE]":
+        return None
+    chunks = []
+    for event, payload in events[:-1]:
+        chunk = _json_body(payload) if event != "error" else None
+        if chunk is None or "error" in chunk:
+            return None
+        chunks.append(chunk)
+    return chunks
 
 
 # --------------------------------------------------------------------------- in process
@@ -408,7 +581,8 @@ class MemoryIdempotencyRecords:
 
 
 def _copy(response: StoredResponse) -> StoredResponse:
-    return StoredResponse(response.status, list(response.headers), response.body)
+    return StoredResponse(response.status, list(response.headers), response.body,
+                          response.streamed)
 
 
 # --------------------------------------------------------------------------- Redis/Valkey
@@ -433,16 +607,17 @@ if rec[1] == 'p' then
   if rec[3] == ARGV[2] then return {'new'} end   -- this very call, retried after a lost reply
   return {'processing'}
 end
-local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b')
-return {'done', r[1], r[2], r[3]}
+local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm')
+return {'done', r[1], r[2], r[3], r[4]}
 """
 
-# ARGV = token, state (s|f), retention ms, status, headers, body. 1 if stored.
+# ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0). 1 if stored.
 _FINISH = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[2] ~= ARGV[1] then return 0 end
 if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
-redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6])
+redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6],
+           'm', ARGV[7])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
@@ -478,6 +653,8 @@ class RedisIdempotencyRecords:
                        fp = the request fingerprint       t = the owner token
                        st = status (decimal)              h = headers, orjson [[name, value]...]
                        b  = body bytes                        (latin-1 strings: byte-exact)
+                       m  = 1 if the request streamed, else 0 (absent in records written
+                            before it existed: then the stored content type says)
 
     - ``ID`` is the 40-hex BLAKE2b digest of the (scoped) key: no user input in key names.
     - Every operation is one Lua script on one key (atomic, Cluster-safe). The lease is the key's
@@ -550,7 +727,8 @@ class RedisIdempotencyRecords:
         if state == "new":
             return Begin("new", token)
         if state == "done":
-            return Begin("done", response=_decode(reply[1], reply[2], reply[3]))
+            return Begin("done", response=_decode(reply[1], reply[2], reply[3],
+                                                  reply[4] if len(reply) > 4 else None))
         return Begin(state)  # type: ignore[arg-type]
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
@@ -560,7 +738,8 @@ class RedisIdempotencyRecords:
         state = "s" if 200 <= response.status < 300 else "f"
         with _unavailable("finish"):
             done = await self._finish(keys=[record_key], args=[
-                token, state, _ms(self.retention), response.status, headers, response.body])
+                token, state, _ms(self.retention), response.status, headers, response.body,
+                int(response.streamed)])
         self._wake(record_key)
         return bool(done)
 
@@ -589,8 +768,8 @@ class RedisIdempotencyRecords:
                 if changed is None:
                     changed = self._changed[record_key] = asyncio.Event()
                 with _unavailable("wait"):
-                    state, found, status, headers, body = await self._client.hmget(
-                        record_key, "s", "fp", "st", "h", "b")
+                    state, found, status, headers, body, streamed = await self._client.hmget(
+                        record_key, "s", "fp", "st", "h", "b", "m")
                 if state is None:
                     return None
                 if fingerprint is None:
@@ -598,7 +777,7 @@ class RedisIdempotencyRecords:
                 elif found != fingerprint:
                     return None
                 if state != b"p":
-                    return _decode(status, headers, body)
+                    return _decode(status, headers, body, streamed)
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
@@ -622,9 +801,11 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-def _decode(status: Any, headers: Any, body: Any) -> StoredResponse:
-    return StoredResponse(int(status), [(n.encode("latin-1"), v.encode("latin-1"))
-                                        for n, v in orjson.loads(headers)], bytes(body))
+def _decode(status: Any, headers: Any, body: Any, streamed: Any) -> StoredResponse:
+    pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(headers)]
+    if streamed is None:        # written before the field existed: the content type says
+        streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
+    return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"))
 
 
 def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:

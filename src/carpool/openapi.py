@@ -3,8 +3,8 @@
 Contract:
 - It describes what the gateway itself accepts and answers: the three cached endpoints (their
   main request fields, the cache-control headers, the idempotency key, every status the gateway
-  produces), the control endpoints (``/healthz``, ``/stats``, ``/metrics``, ``/dashboard``,
-  ``/openapi.json``) and ``POST /admin/invalidate``. Upstream errors pass through with the
+  produces), the control endpoints (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``,
+  ``/dashboard``, ``/openapi.json``) and ``POST /admin/invalidate``. Upstream errors pass through with the
   upstream's status and body: that is the ``default`` response of the cached endpoints.
 - Request schemas name the main OpenAI fields and allow any other (``additionalProperties``):
   the gateway passes unknown fields through (and fingerprints them). The limits stated in it
@@ -80,8 +80,10 @@ def _cached_endpoint(summary: str, request: str, answer: str, streams: bool) -> 
                                              "`[DONE]` last, or an `{\"error\": ...}` object.",
             "required": ["data"], "properties": {"data": {"type": "string"}}}}
     errors = {
-        "400": ("The body is not valid JSON, not an object, or a field has the wrong type; or "
-                "a cache-control header or the Idempotency-Key is malformed (problem+json)."),
+        "400": ("The body is not valid JSON, not an object, nested deeper than "
+                "`limits.max_json_depth`, or a field has the wrong type; or a cache-control "
+                "header or the Idempotency-Key is malformed (problem+json)."),
+        "408": "The body did not arrive within `limits.body_read_timeout` seconds.",
         "409": "A request with the same Idempotency-Key is still being processed.",
         "413": "The body is larger than `limits.max_body_bytes`.",
         "422": "The Idempotency-Key was already used with a different request.",
@@ -228,6 +230,15 @@ _SCHEMAS: dict[str, Any] = {
 def document() -> dict[str, Any]:
     """The OpenAPI document (built once; do not mutate it)."""
     error = _ref("Error")
+    # With an admin token configured; open (the empty requirement) without one.
+    admin = [{"adminToken": []}, {"adminBasic": []}, {}]
+    replicas = {"type": "object", "additionalProperties": {
+        "type": "object", "required": ["healthy", "state"], "properties": {
+            "healthy": {"type": "boolean"},
+            "state": {"type": "string", "enum": ["healthy", "probing", "down"]},
+            "failures": {"type": "integer", "minimum": 0}}}}
+    ready = {"type": "object", "required": ["ready", "replicas"], "properties": {
+        "ready": {"type": "boolean"}, "replicas": replicas}}
     return {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "carpool gateway", "version": "1",
@@ -244,20 +255,30 @@ def document() -> dict[str, Any]:
                 "Embeddings (cached, coalesced, batched)", "EmbeddingRequest", "EmbeddingList",
                 streams=False),
             "/healthz": {"get": {"summary": "200 while the gateway serves", "responses": {
-                "200": _json({"type": "object", "required": ["status", "redis"], "properties": {
-                    "status": {"type": "string", "enum": ["ok", "degraded"]},
-                    "redis": {"type": "object"}}}, "The gateway serves.")}}},
-            "/stats": {"get": {"summary": "JSON counters", "responses": {
+                "200": _json({"type": "object", "required": ["status", "replicas", "redis"],
+                              "properties": {
+                                  "status": {"type": "string", "enum": ["ok", "degraded"]},
+                                  "replicas": replicas, "redis": {"type": "object"}}},
+                             "The gateway serves; degraded: Redis or a replica is down.")}}},
+            "/readyz": {"get": {"summary": "200 while some replica is reachable", "responses": {
+                "200": _json(ready, "Ready."),
+                "503": _json(ready, "No replica is believed reachable.")}}},
+            "/stats": {"get": {"summary": "JSON counters", "security": admin, "responses": {
                 "200": _json({"type": "object", "required": [
                     "requests", "hits", "semantic_hits", "coalesced", "misses", "bypass",
                     "upstream_calls", "upstream_errors", "tokens_saved", "saved_fraction",
-                    "layers", "replicas"]}, "The counters.")}}},
-            "/metrics": {"get": {"summary": "Prometheus text format", "responses": {
+                    "layers", "replicas"]}, "The counters."),
+                "401": _json(error, "An admin token is configured and was not given.")}}},
+            "/metrics": {"get": {"summary": "Prometheus text format", "security": admin,
+                                 "responses": {
                 "200": {"description": "The metrics.",
-                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/dashboard": {"get": {"summary": "A live HTML page", "responses": {
+                        "content": {"text/plain": {"schema": {"type": "string"}}}},
+                "401": _json(error, "An admin token is configured and was not given.")}}},
+            "/dashboard": {"get": {"summary": "A live HTML page", "security": admin,
+                                   "responses": {
                 "200": {"description": "The page.",
-                        "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+                        "content": {"text/html": {"schema": {"type": "string"}}}},
+                "401": _json(error, "An admin token is configured and was not given.")}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": _json({"type": "object"}, "The OpenAPI document.")}}},
             "/admin/invalidate": {"post": {
@@ -276,6 +297,9 @@ def document() -> dict[str, Any]:
         },
         "components": {
             "schemas": _SCHEMAS,
-            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"},
+                                "adminBasic": {"type": "http", "scheme": "basic",
+                                               "description": "The admin token as the password "
+                                                              "(any user): for browsers."}},
         },
     }

@@ -12,6 +12,10 @@ Contract:
   it streams into the flight's broadcast, then stores a complete answer before the flight ends,
   so a request that no longer finds the flight finds the answer in the cache.
 - Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``.
+  Complete: a stream that ended with ``[DONE]`` and a finish for every choice asked for (``n``
+  per prompt: ``sse.expected_choices``); anything less fails the flight (``_consume``: an SSE
+  error event for streaming clients, a 502 for the others). A whole JSON body with fewer
+  choices is served as the upstream sent it, but not stored (``_complete``).
 - With ``redis``, identical requests on different instances share one call too: the lead of each
   instance's flight leads it for all of them or relays it from the instance that does
   (``flight_shared.py``); whatever Redis does, the flight still gets its answer. Semantic
@@ -23,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import orjson
 
@@ -50,7 +54,9 @@ from .fingerprint import (
     RepeatMemo,
     SemanticView,
     fingerprint,
+    names_of,
     request_digest,
+    requester,
     semantic_view,
 )
 from .flight import FlightGroup, JoinTimeout, Ticket
@@ -58,15 +64,19 @@ from .idempotency import (
     REPLAYED_HEADER,
     IdempotencyConflict,
     IdempotencyError,
+    IdempotencyFormatMismatch,
     IdempotencyMismatch,
     IdempotencyRecords,
     StoredResponse,
+    is_final,
     parse_key,
+    replay_as,
 )
+from .identity import AcceptedCredentials
 from .metrics import Metrics, Stats
 from .outcome import Outcome
 from .request import ClientRequest, Request, list_items, merge_items, parse
-from .sse import DONE, assemble, frame, is_complete, usage_tokens
+from .sse import DONE, assemble, expected_choices, frame, is_complete, usage_tokens
 from .store import Entry, Store
 from .tracing import Tracer
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
@@ -128,12 +138,16 @@ class Gateway:
         coalesce = self.config.coalesce
         self.flights = FlightGroup(window=window_policy(coalesce),
                                    finish_abandoned=coalesce.finish_abandoned)
-        # With redis: an invalidation anywhere forgets the flights lingering on every instance.
+        # With redis: an invalidation anywhere forgets the flights on every instance, running
+        # ones included (their answers are no longer stored).
         self.invalidations: InvalidationChannel | None = build_invalidations(
-            self.config, self.store, self.flights.forget_finished)
+            self.config, self.store, self.flights.forget_all)
+        # The tenants the upstream answered recently: only they read a shared namespace.
+        tenant = self.config.tenant
+        self.accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries)
         self.stats = Stats()
         self.tracer = Tracer(self.config.tracing)
-        self.repeats = RepeatMemo(self.config.tenant.header,
+        self.repeats = RepeatMemo(names_of(self.config.tenant),
                                   self.config.fingerprint.repeat_memo_bytes,
                                   min(64 * 1024, self.config.limits.max_body_bytes))
         self.metrics = Metrics(self.stats, self.gauges)
@@ -145,7 +159,8 @@ class Gateway:
             max_batch_delay_s=self.config.batching.max_batch_delay_ms / 1000,
             max_batch_tokens=self.config.batching.max_batch_tokens,
             observe_wait=self.metrics.batch_wait.observe,
-            observe_size=self.metrics.batch_size.observe)
+            observe_size=self.metrics.batch_size.observe,
+            key_headers=names_of(self.config.tenant))
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
             build_semantic(self.config, self.upstreams, self.store)
@@ -168,21 +183,22 @@ class Gateway:
         # the same bytes and control headers always make the same fingerprint.
         memo_key = self.repeats.key_of(client)
         repeat = self.repeats.get(memo_key) if memo_key is not None else None
-        if repeat is not None:
+        if repeat is not None and (repeat.shared_by is None or repeat.shared_by in self.accepted):
             answer = await self._cached(repeat.key, repeat.max_age)
             if answer is not None:
                 return self._served(route, Outcome.HIT, answer, repeat.stream,
                                     repeat.include_usage)
         try:
-            request = parse(client, self.config.limits.max_body_bytes)
+            request = parse(client, self.config.limits.max_body_bytes,
+                            self.config.limits.max_json_depth)
             idempotency_key = parse_key(client.headers)
         except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
             # Every answer of a cached endpoint says what it was; a rejected one was not shared.
             return _error_reply(error, Outcome.BYPASS)
-        key = fingerprint(request, self.config)
+        key = fingerprint(request, self.config, self.accepted)
         if memo_key is not None:
-            self.repeats.remember(memo_key, request, key)
+            self.repeats.remember(memo_key, request, key, self._read_age(request))
         if idempotency_key is not None:
             return await self._idempotent(client, request, key, idempotency_key, route)
         return await self._answer(client, request, key, route)
@@ -194,8 +210,9 @@ class Gateway:
             _waiting(client)
             return await self._bypass(request, route)
         controls = request.controls
-        if controls.may_read:
-            answer = await self._cached(key.key, controls.max_age)
+        read_age = self._read_age(request)
+        if controls.may_read and read_age != 0:
+            answer = await self._cached(key.key, read_age)
             if answer is not None:
                 return self._served(route, Outcome.HIT, answer, request.stream,
                                     request.include_usage)
@@ -204,9 +221,10 @@ class Gateway:
         view = semantic_view(request, key, self.config) if self.semantic is not None \
             and not controls.no_store else None
         probe = None
-        if view is not None and controls.may_read and not self.flights.joinable(key.key, join_age):
+        if view is not None and controls.may_read and read_age != 0 \
+                and not self.flights.joinable(key.key, join_age):
             with self.tracer.span("carpool.semantic") as span:
-                probe = await self.semantic.probe(view, controls.max_age)  # type: ignore[union-attr]
+                probe = await self.semantic.probe(view, read_age)  # type: ignore[union-attr]
                 if probe.match is not None:
                     span.set_attribute("carpool.similarity", probe.match.similarity)
             if probe.match is not None and self.config.semantic.mode == "serve":
@@ -215,7 +233,9 @@ class Gateway:
                 return self._served(route, Outcome.SEMANTIC_HIT, probe.match.answer,
                                     request.stream, request.include_usage,
                                     _similarity(probe.match))
-        lead = partial(self._lead, request, key, view, probe)
+        # The epoch of invalidations this call begins in: its answer is stored only if no
+        # invalidation came before it ended (``_store``).
+        lead = partial(self._lead, request, key, view, probe, epoch=self.flights.epoch)
         ticket = self.flights.acquire(key.key, lead, max_age=join_age,
                                       linger=not controls.no_store)
         # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
@@ -223,6 +243,13 @@ class Gateway:
         if probe is not None and probe.nearest is not None:     # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
         return reply
+
+    def _read_age(self, request: Request) -> float | None:
+        """The oldest cached answer ``request`` accepts: its ``max-age``, bounded by its type's TTL
+        (the reader's policy holds whoever wrote the answer); 0: none at all."""
+        ttl = self.config.ttl_for(request.controls.request_type)
+        max_age = request.controls.max_age
+        return ttl if max_age is None or ttl < max_age else max_age
 
     async def _cached(self, key: str, max_age: float | None) -> Answer | None:
         """The exact cache's answer for ``key``, if it has one younger than ``max_age``."""
@@ -234,7 +261,12 @@ class Gateway:
 
     async def _idempotent(self, client: ClientRequest, request: Request, key: Fingerprint,
                           idempotency_key: str, route: str) -> Reply:
-        """A request with an Idempotency-Key runs at most once; retries get its first answer."""
+        """A request with an Idempotency-Key runs at most once; retries get its first answer.
+
+        Only a final answer is kept (``idempotency.is_final``): after a retryable one (not
+        executed, not a complete answer, a stream that failed) the record is dropped and a
+        retry runs again. A replay comes in the retry's format, or is a 422 (``replay_as``).
+        """
         records = self.idempotency
         scoped, digest = f"{key.owner}\n{idempotency_key}", request_digest(request, key,
                                                                             self.config)
@@ -249,8 +281,12 @@ class Gateway:
             return _error_reply(IdempotencyConflict(), Outcome.BYPASS)
         if begin.state == "done":
             assert begin.response is not None
+            stored = replay_as(begin.response, request.kind, request.stream,
+                               request.include_usage)
+            if stored is None:
+                return _error_reply(IdempotencyFormatMismatch(begin.response.streamed),
+                                    Outcome.BYPASS)
             self.stats.count(route, Outcome.HIT)
-            stored = begin.response
             return Reply(stored.status, [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
                          stored.body, outcome=Outcome.HIT)
         token = begin.token
@@ -268,10 +304,17 @@ class Gateway:
             # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
             await records.abandon(scoped, token)
         elif reply.stream is None:
-            await records.finish(scoped, token, StoredResponse(
-                reply.status, _replayable(reply.headers), reply.body))
+            stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body,
+                                    request.stream)
+            if is_final(request.kind, stored):
+                await records.finish(scoped, token, stored)
+            else:
+                await records.abandon(scoped, token)      # retryable: a retry runs again
         else:
-            reply.stream = _recorded(reply.stream, records, scoped, token)
+            recorded = _Recorded(records, scoped, token, request.kind, StoredResponse(
+                reply.status, _replayable(reply.headers), b"", request.stream))
+            reply.stream = _recorded(reply.stream, recorded)
+            reply.on_close = partial(recorded.close, reply.on_close)
         return reply
 
     async def _items(self, client: ClientRequest, items: list[Request], scoped: str,
@@ -280,7 +323,7 @@ class Gateway:
         records = self.idempotency
 
         async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome]:
-            key = fingerprint(request, self.config)
+            key = fingerprint(request, self.config, self.accepted)
             item_key = f"{scoped}\n{i}"
             begin = await records.begin(item_key, request_digest(request, key, self.config))
             if begin.state == "done":
@@ -297,13 +340,21 @@ class Gateway:
                 await _shielded(records.abandon(item_key, begin.token))
                 raise
             stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body)
-            if reply.status < 300:
+            outcome = reply.outcome or Outcome.MISS
+            # Only a good answer is kept: whatever else the item got (an error, final or not,
+            # or a 200 that is no answer) is computed again by a retry.
+            if reply.status < 300 and is_final(request.kind, stored):
                 await records.finish(item_key, begin.token, stored)
-            else:
-                await records.abandon(item_key, begin.token)
-            return stored, reply.outcome or Outcome.MISS
+                return stored, outcome
+            await records.abandon(item_key, begin.token)
+            if reply.status < 300:
+                # A 200 that is not an answer (an error body, no data, not JSON) fails the list
+                # as the upstream's failure, never as the gateway's crash in merge_items.
+                return _item_failed(i), outcome
+            return stored, outcome
 
         results = await asyncio.gather(*(item(i, request) for i, request in enumerate(items)))
+        kind = items[0].kind
         for stored, outcome in results:
             if stored.status >= 300:
                 return Reply(stored.status, [*stored.headers, outcome.header], stored.body,
@@ -311,7 +362,14 @@ class Gateway:
         outcomes = {outcome for _, outcome in results}
         outcome = Outcome.MISS if Outcome.MISS in outcomes else \
             Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED
-        body = merge_items(items[0].kind, [orjson.loads(stored.body) for stored, _ in results])
+        try:
+            body = merge_items(kind, [orjson.loads(stored.body) for stored, _ in results])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            # Complete answers of an odd shape (say, a choice index that is not a number), or
+            # an item kept by an older gateway that did not check its answer.
+            stored = _item_failed(None)
+            return Reply(stored.status, [*stored.headers, outcome.header], stored.body,
+                         outcome=outcome)
         return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
 
     async def _follow(self, route: str, ticket: Ticket, request: Request,
@@ -354,7 +412,8 @@ class Gateway:
             await ticket.wait_done(None)
 
     async def _lead(self, request: Request, key: Fingerprint, view: SemanticView | None,
-                    probe: Probe | None, broadcast: Broadcast, *, alone: bool = False) -> Answer:
+                    probe: Probe | None, broadcast: Broadcast, *, epoch: int,
+                    alone: bool = False) -> Answer:
         """The flight's answer: runs in the flight's own task, never in a client's.
 
         The upstream call streams into ``broadcast``; a complete answer is stored before the
@@ -362,7 +421,7 @@ class Gateway:
         leads it for all, and followed by the others (``flight_shared.py``); ``alone``: here.
         """
         call = partial(self._call_upstream, request)
-        store = partial(self._store, request, key, view=view, probe=probe)
+        store = partial(self._store, request, key, view=view, probe=probe, epoch=epoch)
         if self.invalidations is not None:               # (lazily, without the server)
             self.invalidations.start()
         if self.shared_flights is None or alone or key.key is None:
@@ -384,19 +443,22 @@ class Gateway:
             options = body.get("stream_options")
             body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
                                                "include_usage": True}}
-        upstream_request = UpstreamRequest(request.upstream_path, body, request.headers, stream)
+        upstream_request = UpstreamRequest(request.upstream_path, body, request.headers, stream,
+                                           request.query)
         if request.kind == "embedding":
             response = await self.batcher.embed(upstream_request)
         else:
             response = await self._call(upstream_request, _routing_text(request))
+        if 200 <= response.status < 300:
+            self.accepted.accept(requester(request.headers, self.config))
         try:
             if not 200 <= response.status < 300:
                 raise UpstreamStatusError(response.status, response.body,
                                           response.headers.get("content-type", "application/json"))
             if response.streaming:
-                answer = await _consume(request.kind, response, broadcast)
+                answer = await _consume(request.kind, response, broadcast, body)
             else:
-                answer = _complete(request.kind, response.body)
+                answer = _complete(request.kind, response.body, body)
         finally:
             await response.aclose()
         return answer
@@ -411,12 +473,20 @@ class Gateway:
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def _store(self, request: Request, key: Fingerprint, answer: Answer,
-                     view: SemanticView | None, probe: Probe | None) -> None:
-        """Store a complete answer (unless its request or its type's ttl says not to)."""
+                     view: SemanticView | None, probe: Probe | None, epoch: int) -> None:
+        """Store a complete answer (unless its request or its type's ttl says not to, or an
+        invalidation came after its call began: it may predate what was invalidated)."""
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
-        if not answer.complete or controls.no_store or ttl <= 0 or key.key is None:
+        if not answer.complete or controls.no_store or ttl <= 0 or key.key is None \
+                or epoch != self.flights.epoch:
             return
+        if key.shared_key is not None:
+            # A shared namespace's requester the upstream had not accepted yet: it just did, so
+            # the answer is stored where the others read it.
+            key = dataclasses.replace(key, key=key.shared_key, tenant="*", shared_key=None)
+            view = semantic_view(request, key, self.config) if view is not None else None
+            probe = None
         expires, prefix = answer.created + ttl, _prompt_prefix(request)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
         if view is not None and self.semantic is not None:
@@ -437,10 +507,13 @@ class Gateway:
         header = Outcome.BYPASS.header
         try:
             response = await self._call(UpstreamRequest(request.upstream_path, request.body,
-                                                        request.headers, request.stream),
+                                                        request.headers, request.stream,
+                                                        request.query),
                                         _routing_text(request))
         except CarpoolError as error:
             return _error_reply(error, Outcome.BYPASS)
+        if 200 <= response.status < 300:
+            self.accepted.accept(requester(request.headers, self.config))
         if response.streaming:
             return Reply(response.status, [*SSE_HEADERS, header], stream=_pipe(response),
                          outcome=Outcome.BYPASS)
@@ -484,11 +557,12 @@ class Gateway:
     # Library API and introspection
 
     async def request(self, path: str, body: Mapping[str, Any] | bytes,
-                      headers: Mapping[str, str] | None = None) -> Reply:
-        """Run one request through the pipeline without HTTP; a stream is read to the end."""
+                      headers: Mapping[str, str] | None = None, query: str = "") -> Reply:
+        """Run one request through the pipeline without HTTP; a stream is read to the end.
+        ``query``: the query string (forwarded upstream and part of the key), without ``?``."""
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         lowered = {k.lower(): v for k, v in (headers or {}).items()}
-        reply = await self.handle(ClientRequest(path, raw, lowered))
+        reply = await self.handle(ClientRequest(path, raw, lowered, query.encode("latin-1")))
         if reply.stream is not None:
             try:
                 reply.body = b"".join([chunk async for chunk in reply.stream])
@@ -499,9 +573,10 @@ class Gateway:
 
     async def passthrough(self, method: str, path: str, query: bytes,
                           headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
-        """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached."""
-        replica, _ = self.replicas.choose("")
-        return await replica.upstream.passthrough(method, path, query, headers, body)
+        """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
+        ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
+        a transport failure downs the replica (``ReplicaSet.passthrough``)."""
+        return await self.replicas.passthrough(method, path, query, headers, body)
 
     async def invalidate(self, spec: Any) -> int:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``."""
@@ -515,11 +590,12 @@ class Gateway:
         else:
             selector = {}
         if selector:
-            # Answers lingering in the coalescing window are a layer too; flights do not know
-            # their tags, so all finished ones go (at worst one extra upstream call per key).
-            self.flights.forget_finished()
-            if self.shared_flights is not None:      # and those lingering on every instance
-                await self.shared_flights.forget_finished()
+            # Flights are a layer too, running ones included: no request joins a call begun
+            # before the invalidation, and that call's answer is not stored. Flights do not
+            # know their tags, so all go (at worst one extra upstream call per key).
+            self.flights.forget_all()
+            if self.shared_flights is not None:      # and those of every instance
+                await self.shared_flights.forget_all()
             dropped = await self.store.invalidate(**selector)
             if self.semantic is not None:
                 dropped += await self.semantic.invalidate(**selector)
@@ -590,8 +666,15 @@ class Gateway:
         await self.idempotency.aclose()
 
 
-async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast) -> Answer:
-    """Publish an upstream stream frame by frame; judge and assemble it once it ends."""
+async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,
+                   asked: Mapping[str, Any]) -> Answer:
+    """Publish an upstream stream frame by frame; judge and assemble it once it ends.
+
+    Only a whole answer comes back: the stream ended (``[DONE]``: ``response.events()`` raises
+    ``UpstreamStreamBroken`` otherwise) and every choice that ``asked`` (the request body sent)
+    asked for finished. Anything less raises ``UpstreamStreamBroken``: the flight fails, so every
+    client gets an error (streaming ones an SSE error event) and nothing is stored.
+    """
     chunks: list[dict[str, Any]] = []
     async for payload in response.events():
         try:
@@ -610,20 +693,24 @@ async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast) 
         broadcast.publish(frame(payload), usage_only=not chunk.get("choices")
                           and chunk.get("usage") is not None)
     body = assemble(kind, chunks)
-    if not is_complete(kind, body):
+    if not is_complete(kind, body, expected_choices(kind, asked)):
         raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
     return Answer(kind, orjson.dumps(body), True, usage_tokens(body),
                   frames=broadcast.frames, usage_frame=broadcast.usage_frame)
 
 
-def _complete(kind: str, raw: bytes) -> Answer:
+def _complete(kind: str, raw: bytes, asked: Mapping[str, Any]) -> Answer:
+    """A whole upstream body as an ``Answer``: ``complete`` (storable) only when every choice
+    that ``asked`` (the request body sent) asked for is there and finished. An incomplete one is
+    still the upstream's own 2xx answer: its clients get it as it came; it is never stored."""
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise UpstreamError("the upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamError("the upstream answered with a body that is not a JSON object")
-    return Answer.from_body(kind, parsed, raw, is_complete(kind, parsed))
+    return Answer.from_body(kind, parsed, raw,
+                            is_complete(kind, parsed, expected_choices(kind, asked)))
 
 
 async def _relay(broadcast: Broadcast, include_usage: bool) -> AsyncIterator[bytes]:
@@ -636,10 +723,14 @@ async def _relay(broadcast: Broadcast, include_usage: bool) -> AsyncIterator[byt
 
 
 async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
-    """A bypassed stream, relayed as it comes; a failure part-way ends it with an error event."""
+    """A bypassed stream, relayed as it comes; a failure part-way (a stream that stops without
+    ``[DONE]`` included) ends it with an error event. It is not judged further: nothing stores
+    it, and a client of its own gets what the upstream sent."""
     try:
         async for payload in response.events():
             yield frame(payload if b"\n" not in payload else payload.replace(b"\n", b"\ndata: "))
+            if b'"error"' in payload and _is_error(payload):
+                return               # the upstream's own error event ends it: no second one
         yield DONE
     except UpstreamError as error:
         yield error_event(error)
@@ -647,15 +738,34 @@ async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
         await response.aclose()
 
 
+def _is_error(payload: bytes) -> bool:
+    """Whether a stream payload is an error object (``{"error": ...}``), not a chunk."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and "error" in parsed and not parsed.get("choices")
+
+
 def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:
-    return [(b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode())]
+    """A semantic hit's own headers: its score and the opaque id of the entry it was served from
+    (``SemanticEntry.public_id``; never the entry's text, which another request sent)."""
+    return [(b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
+            (b"x-carpool-entry", candidate.entry.public_id.encode())]
 
 
 def _nearest(candidate: Candidate) -> list[tuple[bytes, bytes]]:
-    """``semantic.mode: mark``: what would have been served, and why not if it would not."""
+    """``semantic.mode: mark``: what would have been served, and why not if it would not.
+
+    The nearest entry is named by its opaque id only: its text is another request's prompt
+    (another tenant's, in a shared namespace), so it goes to the debug log, never to the client.
+    """
     verdict = "serve" if candidate.verdict.ok else f"guard:{candidate.verdict.reason}"
-    return [*_similarity(candidate),
-            (b"x-carpool-semantic-nearest", quote(candidate.entry.text[:200]).encode()),
+    nearest = candidate.entry.public_id
+    log.debug("semantic mark: nearest entry %s (similarity %.4f, %s): %r", nearest,
+              candidate.similarity, verdict, candidate.entry.text[:200])
+    return [(b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
+            (b"x-carpool-semantic-nearest", nearest.encode()),
             (b"x-carpool-semantic-verdict", verdict.encode())]
 
 
@@ -664,18 +774,72 @@ def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
     return [(name, value) for name, value in headers if name == b"content-type"]
 
 
-async def _recorded(frames: AsyncIterator[bytes], records: IdempotencyRecords, key: str,
-                    token: str) -> AsyncIterator[bytes]:
-    """Relay a stream and keep it whole: the record stores what the client received."""
+class _Recorded:
+    """The idempotency record of a stream being relayed (``_recorded``), settled once: finished
+    with what the client received if that is final (``is_final``), else dropped (the stream
+    ended with an error event, or its client left), so that a retry runs again."""
+
+    __slots__ = ("records", "key", "token", "kind", "head", "settled")
+
+    def __init__(self, records: IdempotencyRecords, key: str, token: str, kind: str,
+                 head: StoredResponse) -> None:
+        self.records, self.key, self.token, self.kind = records, key, token, kind
+        self.head = head                    # status, headers and format; the frames are the body
+        self.settled = False
+
+    async def end(self, frames: list[bytes]) -> None:
+        self.settled = True
+        head = self.head
+        stored = StoredResponse(head.status, head.headers, b"".join(frames), head.streamed)
+        if is_final(self.kind, stored):
+            await self.records.finish(self.key, self.token, stored)
+        else:
+            await self.records.abandon(self.key, self.token)
+
+    async def drop(self) -> None:
+        self.settled = True
+        with contextlib.suppress(Exception):
+            await self.records.abandon(self.key, self.token)
+
+    def close(self, on_close: Callable[[], None] | None) -> None:
+        """``Reply.close``: a stream closed before its end was not received whole. A client that
+        left while its stream waited to send a frame (or before the first) leaves ``_recorded``
+        suspended or never started: the record is dropped now, not when (or if) the generator is
+        collected, and not when its lease runs out."""
+        if on_close is not None:
+            on_close()
+        if not self.settled:
+            try:
+                task = asyncio.get_running_loop().create_task(self.drop())
+            except RuntimeError:         # closed outside a loop: the lease will run out instead
+                return
+            _DROPPING.add(task)
+            task.add_done_callback(_DROPPING.discard)
+
+
+_DROPPING: set[asyncio.Task[None]] = set()     # strong references to the drops under way
+
+
+async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncIterator[bytes]:
+    """Relay a stream and keep it whole: the record stores what the client received, if final."""
     sent: list[bytes] = []
     try:
         async for frame in frames:
             sent.append(frame)
             yield frame
     except BaseException:
-        await _shielded(records.abandon(key, token))
+        await _shielded(recorded.drop())
         raise
-    await records.finish(key, token, StoredResponse(200, [SSE], b"".join(sent)))
+    await recorded.end(sent)
+
+
+def _item_failed(index: int | None) -> StoredResponse:
+    """What a list request answers when the upstream's 200 for an item is not an answer."""
+    which = f"item {index}" if index is not None else "an item"
+    error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete "
+                          "answer")
+    return StoredResponse(error.status, _replayable(_error_reply(error, None).headers),
+                          error.body())
 
 
 async def _shielded(work: Any) -> None:

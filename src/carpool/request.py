@@ -46,6 +46,9 @@ class ClientRequest:
     path: str
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)   # lower-case names
+    # The raw query string (Azure's ``api-version``, deployment parameters): forwarded to the
+    # upstream, and part of the fingerprint, since the upstream may answer differently.
+    query: bytes = b""
     # Called once the request must wait (on a flight or the upstream), so that a transport can
     # start watching for its client leaving only then: an immediate hit never pays for it.
     on_wait: Callable[[], None] | None = None
@@ -80,9 +83,10 @@ class Request:
     controls: Controls
     stream: bool
     include_usage: bool             # the client asked for the final usage chunk
+    query: str = ""                 # the query string, forwarded as it came
 
 
-def parse(client: ClientRequest, max_body_bytes: int) -> Request:
+def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) -> Request:
     """Validate ``client`` for its endpoint; raise ``RequestError``/``BodyTooLarge`` when it is bad."""
     kind, upstream_path = ENDPOINTS[client.path]
     if len(client.body) > max_body_bytes:
@@ -93,12 +97,46 @@ def parse(client: ClientRequest, max_body_bytes: int) -> Request:
         raise RequestError(f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", "invalid_body")
+    check_json_depth(client.body, body, max_json_depth)
     _validate_fields(kind, body)
     stream = body.get("stream") is True
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
     return Request(kind, upstream_path, body, client.headers, parse_controls(client.headers),
-                   stream, include_usage)
+                   stream, include_usage, _query(client.query))
+
+
+def _query(raw: bytes) -> str:
+    try:
+        query = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise RequestError("the query string must be ASCII (percent-encode the rest)",
+                           "invalid_query") from None
+    if not query.isprintable() or " " in query or "#" in query:
+        raise RequestError("the query string holds characters a URL cannot", "invalid_query")
+    return query
+
+
+def check_json_depth(raw: bytes, value: Any, max_depth: int) -> None:
+    """Raise ``RequestError`` (400, ``too_deep``) when ``value``, parsed from ``raw``, nests
+    arrays and objects more than ``max_depth`` levels deep (``limits.max_json_depth``).
+
+    A loop over an explicit stack, never recursion: its job is to refuse, before any recursive
+    walker (the fingerprint, the JSON encoder of the upstream call) sees it, a body that would
+    exhaust the interpreter's stack and turn bad input into a 500.
+    """
+    # No more brackets than the limit cannot nest deeper: nearly every body stops here, unwalked.
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                if depth >= max_depth:
+                    raise RequestError(f"the JSON body is nested deeper than {max_depth} levels",
+                                       "too_deep")
+                stack.append((child, depth + 1))
 
 
 def _validate_fields(kind: str, body: dict[str, Any]) -> None:

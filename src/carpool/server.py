@@ -2,25 +2,42 @@
 
 Contract:
 - The three cached endpoints are served by a raw ASGI path (no framework on the hot path): read the
-  body within ``limits.max_body_bytes`` (413 beyond it, without reading the rest), hand it to the
-  pipeline, send the ``Reply``.
+  body within ``limits.max_body_bytes`` (413 beyond it, without reading the rest) and within
+  ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
+  trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
+  Pass-through and admin bodies are read under the same two limits.
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
   cancels the upstream call). A client leaving is not an error and is not logged as one.
-- Everything else (``/healthz``, ``/stats``, ``/metrics``, ``/dashboard``, ``/admin/*`` and
-  pass-through of other ``/v1/*`` paths) is a small Starlette app.
+- Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
+  ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app.
+- Pass-through is confined to the upstream's ``/v1``: the path is judged as it came on the wire
+  (ASGI ``raw_path``) by ``paths.confine`` (dot segments, encoded separators, control characters,
+  empty segments: 400; outside ``passthrough.allow``: 403) before anything is read or sent; what
+  is forwarded is the upstream's base URL plus the confined relative path, and the query string
+  as it came.
+- With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
+  OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
+  with the token as the password, so that a browser asks for it and then sends it with the
+  dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+- ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
+  or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
+  while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
+  gateway is draining (``gateway.draining``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import gc
 import hmac
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from importlib import resources
 from itertools import chain
 from typing import Any
@@ -32,9 +49,17 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from .config import Config
-from .errors import BodyTooLarge, CarpoolError, HeadersTooLarge, RequestError
+from .errors import (
+    AdminRequired,
+    BodyTimeout,
+    BodyTooLarge,
+    CarpoolError,
+    HeadersTooLarge,
+    RequestError,
+)
 from .openapi import document as openapi_document
 from .outcome import Outcome
+from .paths import confine
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
 
@@ -50,7 +75,9 @@ class GatewayApp:
         self.gateway = gateway
         self.max_body = gateway.config.limits.max_body_bytes
         self.max_headers = gateway.config.limits.max_header_bytes
-        self.other = _control_app(gateway)
+        self.deadlines = _Deadlines(gateway.config.limits.body_read_timeout)
+        self.allow = gateway.config.passthrough.allow
+        self.other = _control_app(gateway, self.deadlines)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and \
@@ -65,6 +92,15 @@ class GatewayApp:
                               error.body())
         elif scope["type"] == "http" and scope["path"] in ENDPOINTS and scope["method"] == "POST":
             await self._cached_endpoint(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            # Judged here, before routing: a decoded path the router would not match (a
+            # newline in it) still gets the 400 in OpenAI's shape, not a bare 404.
+            try:
+                _passthrough_path(scope, self.allow)
+            except RequestError as error:
+                await _send_whole(send, error.status, _raw(error.headers()), error.body())
+                return
+            await self.other(scope, receive, send)
         else:
             await self.other(scope, receive, send)
 
@@ -73,11 +109,11 @@ class GatewayApp:
                    for name, value in scope["headers"]}
         started = time.monotonic()
         try:
-            body = await _read_body(receive, headers, self.max_body)
+            body = await _read_body(receive, headers, self.max_body, self.deadlines)
         except RequestError as error:
             self.gateway.stats.rejected += 1
-            await _send_whole(send, error.status, [(b"content-type", b"application/json"),
-                                                   Outcome.BYPASS.header], error.body())
+            await _send_whole(send, error.status, [*_raw(error.headers()), Outcome.BYPASS.header],
+                              error.body())
             return
         if body is None:
             return                                  # the client left before sending its body
@@ -85,7 +121,8 @@ class GatewayApp:
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(
-                ClientRequest(scope["path"], body, headers, on_wait=state.start))
+                ClientRequest(scope["path"], body, headers, scope.get("query_string", b""),
+                              on_wait=state.start))
             if reply.stream is not None:
                 state.start()
             await _send_reply(send, reply, state)
@@ -138,23 +175,88 @@ class _Watch:
                 return
 
 
-async def _read_body(receive: Any, headers: dict[str, str], limit: int) -> bytes | None:
+async def _read_body(receive: Any, headers: Mapping[str, str], limit: int,
+                     deadlines: _Deadlines) -> bytes | None:
+    """The whole body (None: the client left), within ``limit`` bytes (``BodyTooLarge``) and
+    ``deadlines.timeout`` seconds from now (``BodyTimeout``)."""
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     parts: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+    task = deadlines.enter()
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+    except asyncio.CancelledError:
+        if not deadlines.expired(task) or task.cancelling() > 1:
+            raise                                   # not (only) ours: a shutdown, say
+        task.uncancel()                             # we did it: the deadline passed
+        raise BodyTimeout(deadlines.timeout) from None
+    finally:
+        deadlines.leave(task)
+
+
+class _Deadlines:
+    """Cuts body reads that last longer than ``timeout`` seconds (``limits.body_read_timeout``).
+
+    One timer for every read in progress, ticking only while there are some, rather than one
+    per request: ``asyncio.timeout`` costs about 5 µs a request, this a dict entry. A read is cut
+    (its task cancelled, which ``_read_body`` turns into ``BodyTimeout``) at the first tick after
+    its deadline: between ``timeout`` and ``1.25 x timeout`` seconds after it started.
+    """
+
+    __slots__ = ("timeout", "reading", "cut", "timer")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.reading: dict[asyncio.Task[Any], float] = {}
+        self.cut: set[asyncio.Task[Any]] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def enter(self) -> asyncio.Task[Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = task.get_loop()
+        self.reading[task] = loop.time() + self.timeout
+        if self.timer is None:
+            self.timer = loop.call_later(self.timeout / 4, self._tick, loop)
+        return task
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self.reading.pop(task, None)
+        self.cut.discard(task)
+
+    def expired(self, task: asyncio.Task[Any]) -> bool:
+        return task in self.cut
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        for task in [t for t, deadline in self.reading.items() if deadline <= now]:
+            del self.reading[task]
+            self.cut.add(task)
+            task.cancel()
+        self.timer = loop.call_later(self.timeout / 4, self._tick, loop) if self.reading \
+            else None
+
+
+def _passthrough_path(scope: Scope, allow: list[str]) -> str:
+    """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
+    as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
+    return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
+
+
+def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 async def _send_whole(send: Any, status: int, headers: list[tuple[bytes, bytes]],
@@ -180,21 +282,43 @@ async def _send_reply(send: Any, reply: Reply, state: _Watch) -> None:
 # Everything that is not a cached endpoint
 
 
-def _control_app(gateway: Gateway) -> Starlette:
+def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
+    limits = gateway.config.limits
+    allow = gateway.config.passthrough.allow
+
+    async def body_of(request: HttpRequest) -> bytes | None:
+        return await _read_body(request.receive, request.headers, limits.max_body_bytes,
+                                deadlines)
+
     async def healthz(_: HttpRequest) -> Response:
-        # Serving is what health means: a Redis outage degrades the gateway, it does not stop it.
+        # Serving is what health means: a Redis outage or a dead replica degrades the gateway,
+        # it does not stop it (readiness is /readyz).
         redis = gateway.redis_health()
-        return JSONResponse({"status": "degraded" if redis["state"] == "degraded" else "ok",
+        replicas = gateway.replicas.health()
+        degraded = redis["state"] == "degraded" or not all(r["healthy"] for r in replicas.values())
+        return JSONResponse({"status": "degraded" if degraded else "ok", "replicas": replicas,
                              "redis": redis})
 
-    async def stats(_: HttpRequest) -> Response:
+    async def readyz(_: HttpRequest) -> Response:
+        # ``draining``: for whoever stops the gateway gracefully (CONTRACT: 503 while draining).
+        ready = gateway.replicas.ready() and not getattr(gateway, "draining", False)
+        return JSONResponse({"ready": ready, "replicas": gateway.replicas.health()},
+                            200 if ready else 503)
+
+    async def stats(request: HttpRequest) -> Response:
+        if (refusal := _admin_refusal(gateway, request)) is not None:
+            return refusal
         return Response(orjson.dumps(gateway.snapshot()), media_type="application/json")
 
-    async def metrics(_: HttpRequest) -> Response:
+    async def metrics(request: HttpRequest) -> Response:
+        if (refusal := _admin_refusal(gateway, request)) is not None:
+            return refusal
         return Response(gateway.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def dashboard(_: HttpRequest) -> Response:
+    async def dashboard(request: HttpRequest) -> Response:
+        if (refusal := _admin_refusal(gateway, request)) is not None:
+            return refusal
         return HTMLResponse(_DASHBOARD)
 
     async def openapi(_: HttpRequest) -> Response:
@@ -208,19 +332,29 @@ def _control_app(gateway: Gateway) -> Starlette:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             return _error(401, "admin token required", "unauthorized")
         try:
-            spec = orjson.loads(await request.body())
+            raw = await body_of(request)
+            if raw is None:
+                return Response(status_code=499)    # the client left
+            spec = orjson.loads(raw)
             dropped = await gateway.invalidate(spec)
+        except (BodyTooLarge, BodyTimeout) as error:
+            return _carpool_error(error)
         except (orjson.JSONDecodeError, RequestError) as error:
             return _error(400, str(error), "invalid_request")
         return JSONResponse({"invalidated": dropped})
 
     async def passthrough(request: HttpRequest) -> Response:
+        scope = request.scope
         try:
-            upstream = await gateway.passthrough(
-                request.method, "/" + request.path_params["path"], request.url.query.encode(),
-                {k.lower(): v for k, v in request.headers.items()}, await request.body())
+            path = _passthrough_path(scope, allow)
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            body = await body_of(request)
+            if body is None:
+                return Response(status_code=499)    # the client left
+            upstream = await gateway.passthrough(request.method, path,
+                                                 scope.get("query_string", b""), headers, body)
         except CarpoolError as error:
-            return Response(error.body(), error.status, headers=error.headers())
+            return _carpool_error(error)
         response = StreamingResponse(upstream.body, upstream.status)
         response.raw_headers = [h for h in upstream.headers
                                 if h[0].lower() not in (b"content-length", b"transfer-encoding")]
@@ -237,7 +371,8 @@ def _control_app(gateway: Gateway) -> Starlette:
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     return Starlette(routes=[
-        Route("/healthz", healthz), Route("/stats", stats), Route("/metrics", metrics),
+        Route("/healthz", healthz), Route("/readyz", readyz), Route("/stats", stats),
+        Route("/metrics", metrics),
         Route("/dashboard", dashboard), Route("/admin/invalidate", invalidate, methods=["POST"]),
         Route("/openapi.json", openapi),
         Route("/v1/{path:path}", passthrough, methods=methods),
@@ -248,6 +383,34 @@ def _error(status: int, message: str, code: str) -> Response:
     return Response(orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
                                             "code": code}}), status,
                     media_type="application/json")
+
+
+def _carpool_error(error: CarpoolError) -> Response:
+    return Response(error.body(), error.status, headers=error.headers())
+
+
+def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
+    """None when the request may see the admin surfaces (no token configured, or it presents
+    it); else the 401, with challenges for API clients (Bearer) and for browsers (Basic)."""
+    token = gateway.config.admin_token
+    if not token:
+        return None
+    expected = token.encode("utf-8")
+    # Header values arrive decoded as latin-1: back to the bytes the client sent.
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    given = b""
+    if scheme == "Bearer":
+        given = credentials.encode("latin-1")
+    elif scheme == "Basic":
+        with contextlib.suppress(binascii.Error, ValueError):
+            given = base64.b64decode(credentials, validate=True).partition(b":")[2]
+    if given and hmac.compare_digest(given, expected):
+        return None
+    refusal = _carpool_error(AdminRequired("this needs the admin token: Authorization: Bearer "
+                                           "<admin token>"))
+    refusal.raw_headers.append((b"www-authenticate", b'Basic realm="carpool admin", '
+                                                      b'charset="UTF-8"'))
+    return refusal
 
 
 def create_app(gateway: Gateway | None = None) -> GatewayApp:

@@ -177,4 +177,5 @@ def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) 
     policy = build_policy(routing.policy if len(upstreams) > 1 else "round-robin",
                           **routing.model_dump())
     return ReplicaSet(upstreams, policy, backoff_s=routing.backoff_s,
-                      backoff_max_s=routing.backoff_max_s, observe=observe)
+                      backoff_max_s=routing.backoff_max_s, observe=observe,
+                      log_interval=routing.log_interval)

@@ -18,11 +18,16 @@ Which upstream call produced an answer (call numbers are 1-based, over all recor
   the input, so they are equal across calls);
 - every response has the header ``x-fake-call: n``.
 
+Choices: ``n`` (a positive integer, default 1) choices per prompt, all with the same text, indexed
+prompt-major as OpenAI does (``index = prompt * n + choice``; a completion's list ``prompt`` is one
+prompt per item). ``best_of`` is ignored.
+
 Streams (``"stream": true``) are ``text/event-stream`` of ``data: {json}\\n\\n`` frames:
-(chat only) a first chunk with ``delta {"role": "assistant", "content": ""}``; one chunk per word
-of the answer (the word with its leading space, so the pieces join back to the answer); a chunk
-with an empty delta and ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
-``"choices": []`` and ``usage`` (and ``"usage": null`` on the others); then ``data: [DONE]``.
+(chat only) a first chunk with ``delta {"role": "assistant", "content": ""}`` for each choice; one
+chunk per word of each choice's answer, choice after choice (the word with its leading space, so
+the pieces join back to the answer); a chunk with an empty delta and ``finish_reason`` for every
+choice; with ``stream_options.include_usage`` a last chunk with ``"choices": []`` and ``usage``
+(and ``"usage": null`` on the others); then ``data: [DONE]``.
 
 Records:
 - ``calls: list[Call]``: every HTTP request, with ``path``, parsed JSON ``body`` (None when absent
@@ -56,10 +61,20 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 - ``omit_finish_reason: bool``: streams end cleanly with ``[DONE]`` but no finish chunk;
   non-streaming answers get ``finish_reason: null``.
 - ``finish_reason: str``: the finish reason used otherwise (default ``"stop"``).
+- ``omit_done: bool``: streams end cleanly (the whole HTTP body sent, the connection kept) after
+  their last chunk, finish and usage chunks included, but without ``data: [DONE]``.
+- ``drop_choices: set[int]``: choice indices that never appear: no chunk of a stream, no item of
+  a non-streaming body's ``choices`` (the others keep their indices).
+- ``unfinished_choices: set[int]``: choice indices whose finish never comes: a stream sends their
+  text but leaves them out of the finish chunk (still ending with ``[DONE]``); a non-streaming
+  body gives them ``finish_reason: null``.
 - ``answer_text: Callable[[int, dict], str] | None``: the answer text for call ``n`` and its body.
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
   (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
 - ``models: list[str]``: what ``GET /v1/models`` lists.
+- ``valid_keys: set[str] | None``: when set, a request is answered only if it presents at least
+  one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``) and every key it
+  presents is in the set; otherwise 401 ``invalid_api_key`` (recorded as a call like any other).
 
 Disconnects are seen in raw ASGI terms: once the request body is read, a watcher awaits
 ``receive()``, which returns ``http.disconnect`` when the client goes away; every wait of the
@@ -193,8 +208,20 @@ class FakeUpstream:
         self.cut_after: int | None = None
         self.omit_finish_reason: bool = False
         self.finish_reason: str = "stop"
+        self.omit_done: bool = False
+        self.drop_choices: set[int] = set()
+        self.unfinished_choices: set[int] = set()
         self.answer_text: Callable[[int, dict[str, Any]], str] | None = None
         self.embedding_fn: Callable[[Any], list[float]] | None = None
+        self.valid_keys: set[str] | None = None
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        """Like OpenAI and Azure: one presented key, and every key presented, must be valid."""
+        keys = [headers["authorization"].removeprefix("Bearer ")] \
+            if "authorization" in headers else []
+        keys += [headers[name] for name in ("api-key", "x-api-key") if name in headers]
+        assert self.valid_keys is not None
+        return bool(keys) and all(key in self.valid_keys for key in keys)
 
     def count(self, path: str | None = None) -> int:
         """Number of calls received (to ``path`` only, e.g. ``"/v1/chat/completions"``)."""
@@ -346,6 +373,11 @@ class FakeUpstream:
         if gone.is_set():
             raise _ClientGone
 
+        if self.valid_keys is not None and not self._authorized(call.headers):
+            await self._send_json(send, call, 401, {"error": {
+                "message": "Incorrect API key provided", "type": "invalid_request_error",
+                "code": "invalid_api_key"}})
+            return
         if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
             if self.fail_times is not None:
                 self.fail_times -= 1
@@ -386,8 +418,15 @@ class FakeUpstream:
             return self.answer_text(call.number, call.body or {})
         return f"answer {call.number} to {prompt}"
 
-    def _finish(self) -> str | None:
-        return None if self.omit_finish_reason else self.finish_reason
+    def _finish(self, index: int = 0) -> str | None:
+        if self.omit_finish_reason or index in self.unfinished_choices:
+            return None
+        return self.finish_reason
+
+    @staticmethod
+    def _n(body: dict[str, Any]) -> int:
+        n = body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -407,16 +446,18 @@ class FakeUpstream:
         model = body.get("model", "fake-model")
         prompt_tokens = sum(_count_words(_text_of(m.get("content")))
                             for m in messages if isinstance(m, dict))
-        usage = self._usage(prompt_tokens, _count_words(text))
+        texts = [text] * self._n(body)
+        usage = self._usage(prompt_tokens, sum(_count_words(t) for t in texts))
         cid = f"chatcmpl-fake-{call.number}"
         if body.get("stream"):
-            await self._stream(call, send, gone, chat=True, cid=cid, model=model, texts=[text],
+            await self._stream(call, send, gone, chat=True, cid=cid, model=model, texts=texts,
                                usage=usage)
             return
         await self._send_json(send, call, 200, {
             "id": cid, "object": "chat.completion", "created": CREATED, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": self._finish()}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t},
+                         "logprobs": None, "finish_reason": self._finish(i)}
+                        for i, t in enumerate(texts) if i not in self.drop_choices],
             "usage": usage, "system_fingerprint": "fp_fake",
         })
 
@@ -428,7 +469,7 @@ class FakeUpstream:
             prompts = [p if isinstance(p, str) else json.dumps(p) for p in prompt]  # a batch
         else:
             prompts = [prompt if isinstance(prompt, str) else json.dumps(prompt)]
-        texts = [self._answer(call, p) for p in prompts]
+        texts = [self._answer(call, p) for p in prompts for _ in range(self._n(body))]
         model = body.get("model", "fake-model")
         usage = self._usage(sum(_count_words(p) for p in prompts),
                             sum(_count_words(t) for t in texts))
@@ -439,8 +480,9 @@ class FakeUpstream:
             return
         await self._send_json(send, call, 200, {
             "id": cid, "object": "text_completion", "created": CREATED, "model": model,
-            "choices": [{"text": t, "index": i, "logprobs": None, "finish_reason": self._finish()}
-                        for i, t in enumerate(texts)],
+            "choices": [{"text": t, "index": i, "logprobs": None,
+                         "finish_reason": self._finish(i)}
+                        for i, t in enumerate(texts) if i not in self.drop_choices],
             "usage": usage, "system_fingerprint": "fp_fake",
         })
 
@@ -484,7 +526,9 @@ class FakeUpstream:
         gate_after = self.chunk_gate_after
         cut_after = self.cut_after
         chunk_delay = self.chunk_delay
-        finish = self._finish()
+        omit_done = self.omit_done
+        shown = [i for i in range(len(texts)) if i not in self.drop_choices]
+        finishing = [(i, reason) for i in shown if (reason := self._finish(i)) is not None]
 
         def frame(choices: list[dict[str, Any]], with_usage: dict[str, int] | None = None) -> bytes:
             chunk: dict[str, Any] = {
@@ -533,20 +577,21 @@ class FakeUpstream:
             (b"cache-control", b"no-cache"),
             (b"x-fake-call", str(call.number).encode()),
         ]})
-        if chat:
-            await emit(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]))
-        for index, text in enumerate(texts):
-            for word in _WORD.findall(text):
+        if chat and shown:
+            await emit(frame([{"index": i, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None} for i in shown]))
+        for index in shown:
+            for word in _WORD.findall(texts[index]):
                 await checkpoint()
                 await emit(frame([choice(index, word, None)]))
                 sent += 1
         await checkpoint()
-        if finish is not None:
-            await emit(frame([choice(i, None, finish) for i in range(len(texts))]))
+        if finishing:
+            await emit(frame([choice(i, None, reason) for i, reason in finishing]))
         if include_usage:
             await emit(frame([], usage))
-        await emit(b"data: [DONE]\n\n")
+        if not omit_done:
+            await emit(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------- plain responses

@@ -70,16 +70,18 @@ class GatewayUnreachable(RuntimeError):
     """The gateway's /stats did not answer."""
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url) as response:
+async def get_json(session: aiohttp.ClientSession, url: str,
+                   headers: dict[str, str] | None = None) -> Any:
+    async with session.get(url, headers=headers) as response:
         if response.status != 200:
             raise GatewayUnreachable(f"GET {url}: HTTP {response.status}")
         return orjson.loads(await response.read())
 
 
-async def _optional_json(session: aiohttp.ClientSession, url: str) -> Any:
+async def _optional_json(session: aiohttp.ClientSession, url: str,
+                         headers: dict[str, str] | None = None) -> Any:
     try:
-        return await get_json(session, url)
+        return await get_json(session, url, headers)
     except (aiohttp.ClientError, GatewayUnreachable, orjson.JSONDecodeError):
         return None
 
@@ -87,17 +89,20 @@ async def _optional_json(session: aiohttp.ClientSession, url: str) -> Any:
 async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | None = None,
                  concurrency: int | None = None, poll_s: float = 0.5,
                  on_result: Callable[[Result], None] | None = None,
-                 request_timeout_s: float = 300.0) -> Run:
+                 request_timeout_s: float = 300.0, admin_token: str | None = None) -> Run:
+    """``admin_token``: the gateway's, sent with each read of its /stats (and only there: the
+    workload's requests carry their own tenants' headers)."""
     if (arrivals is None) == (concurrency is None):
         raise ValueError("give either arrivals (open loop) or concurrency (closed loop)")
     requests = workload.requests
     results = [Result(i, r.stream) for i, r in enumerate(requests)]
+    admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout,
                                      auto_decompress=False) as session:
         try:
-            before = await get_json(session, url + "/stats")
+            before = await get_json(session, url + "/stats", admin)
         except (aiohttp.ClientError, orjson.JSONDecodeError) as error:
             raise GatewayUnreachable(f"cannot read {url}/stats: {error}") from None
         sim_before = await _optional_json(session, url + "/sim/stats")
@@ -106,7 +111,7 @@ async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | No
         started_at = time.time()
         series: list[tuple[float, dict[str, Any]]] = [(0.0, before)]
         stop = asyncio.Event()
-        poller = loop.create_task(_poll(session, url, start, poll_s, series, stop))
+        poller = loop.create_task(_poll(session, url, start, poll_s, series, stop, admin))
 
         async def one(i: int) -> None:
             await _send(session, url, requests[i], results[i], start)
@@ -136,7 +141,7 @@ async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | No
             stop.set()
             await poller
         end = loop.time()
-        after = await get_json(session, url + "/stats")
+        after = await get_json(session, url + "/stats", admin)
         series.append((end - start, after))
         sim_after = await _optional_json(session, url + "/sim/stats") if sim_before else None
     first = min((r.sent for r in results), default=0.0)
@@ -145,13 +150,14 @@ async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | No
 
 
 async def _poll(session: aiohttp.ClientSession, url: str, start: float, every: float,
-                series: list[tuple[float, dict[str, Any]]], stop: asyncio.Event) -> None:
+                series: list[tuple[float, dict[str, Any]]], stop: asyncio.Event,
+                admin: dict[str, str] | None = None) -> None:
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), every)
         except TimeoutError:
-            stats = await _optional_json(session, url + "/stats")
+            stats = await _optional_json(session, url + "/stats", admin)
             if stats is not None:
                 series.append((loop.time() - start, stats))
 

@@ -108,11 +108,13 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         if options.url:
             url = _normalise_url(options.url)
             run = await replay(workload, url, arrivals=arrivals,
-                               concurrency=options.concurrency, on_result=progress.advance)
+                               concurrency=options.concurrency, on_result=progress.advance,
+                               admin_token=options.config.admin_token)
         else:
             async with embedded_gateway(options.config, out / "gateway.log") as url:
                 run = await replay(workload, url, arrivals=arrivals,
-                                   concurrency=options.concurrency, on_result=progress.advance)
+                                   concurrency=options.concurrency, on_result=progress.advance,
+                                   admin_token=options.config.admin_token)
     misses = [r.latency for r in run.results if r.outcome == "miss" and r.latency is not None]
     call_seconds = statistics.median(misses) if misses else 0.0
     times = arrivals if arrivals is not None else [r.sent for r in run.results]

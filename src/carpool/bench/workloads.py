@@ -23,7 +23,8 @@ Contract:
     ``bypass``), ``seeded_share`` of new questions are sampled with a seed (shareable);
   * paraphrases: ``paraphrase_rate`` of the shareable requests reword an earlier question of the
     tenant in a form not asked before (a new fingerprint, a near duplicate for the semantic
-    layer); ``whitespace_noise`` of exact repeats add white space that the fingerprint removes;
+    layer); ``whitespace_noise`` of exact repeats add white space (0 by default: white space is
+    meaning, so such a repeat is a new request unless ``fingerprint.normalize_whitespace``);
   * bursty open-loop arrivals at mean ``rate`` req/s: a two-state Markov-modulated Poisson process
     (``burst_factor`` times the calm rate for ``burst_fraction`` of the time); 1 = plain Poisson.
   Each request carries a ``label``: new | repeat | trending | paraphrase | sampled.
@@ -106,7 +107,7 @@ class Spec:
     duplicate_rate: float = 0.6
     trending_share: float = 0.3
     paraphrase_rate: float = 0.06
-    whitespace_noise: float = 0.1
+    whitespace_noise: float = 0.0
     sampled_share: float = 0.04
     seeded_share: float = 0.05
     stream_share: float = 0.3

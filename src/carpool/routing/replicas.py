@@ -20,18 +20,31 @@ sends, and returns ``(response, replica, decision)``:
   ``send`` returns; for a stream, until the returned response's ``aclose()`` (the caller must close
   every streaming response, as ``Gateway`` does; ``aclose`` is safe to call twice). Counts are
   released on every path: success, error, cancellation.
+- ``passthrough`` (other ``/v1/...`` calls): one attempt on the chosen replica, no failover (the
+  method may not be idempotent); a transport failure downs the replica like any other, an answer
+  of any status is relayed as it is and heals a downed replica.
+- Operators see every failure: a warning on the ``carpool.routing`` logger naming the replica
+  (``name``: never its credentials) and what happened, at most one per replica per
+  ``log_interval`` seconds; the next one counts those left out. A downed replica that answers
+  again is logged at info.
+- ``health()`` (``/healthz``) and ``ready()`` (``/readyz``): per replica by its public ``label``;
+  ready while some replica is healthy or its back-off is over (then the next request probes it:
+  reporting not-ready then would keep away the traffic that finds out it is back).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.errors import UpstreamTimeout, UpstreamUnreachable
 from carpool.routing import Decision, RoutingPolicy
-from carpool.upstream.base import Upstream, UpstreamRequest, UpstreamResponse
+from carpool.upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
+
+log = logging.getLogger("carpool.routing")
 
 _RETRYABLE = (UpstreamUnreachable, UpstreamTimeout)
 
@@ -41,7 +54,8 @@ class ReplicaState:
     """One replica and what the gateway knows of it."""
 
     upstream: Upstream
-    name: str = ""                 # defaults to upstream.name
+    name: str = ""                 # defaults to upstream.name (operators: /stats, metrics, logs)
+    label: str = ""                # defaults to upstream.label, else name (clients: /healthz)
     in_flight: int = 0             # requests sent and not finished (streams: not yet closed)
     calls: int = 0                 # attempts sent, failed ones and failovers included
     errors: int = 0                # attempts that failed (transport error or 5xx)
@@ -49,10 +63,14 @@ class ReplicaState:
     healthy: bool = True
     down_until: float = 0.0       # clock value when the back-off ends (meaningful when not healthy)
     probing: bool = field(default=False, repr=False)   # a probe request is in flight
+    logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
+    unlogged: int = field(default=0, repr=False)       # failures since, not logged
 
     def __post_init__(self) -> None:
         if not self.name:
             self.name = self.upstream.name
+        if not self.label:
+            self.label = getattr(self.upstream, "label", None) or self.name
 
     def eligible(self, now: float) -> bool:
         return self.healthy or (not self.probing and now >= self.down_until)
@@ -67,20 +85,25 @@ class ReplicaSet:
     def __init__(self, upstreams: Sequence[Upstream], policy: RoutingPolicy, *,
                  backoff_s: float = 5.0, backoff_max_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
-                 observe: Observer | None = None) -> None:
+                 observe: Observer | None = None, log_interval: float = 30.0) -> None:
         """``observe(replica, status, decision)`` is called once per attempt (status: the HTTP
         status answered, or the error's status, 502/504, for a transport failure), e.g. for the
-        per-replica status counters of ``/stats``."""
+        per-replica status counters of ``/stats``. ``log_interval``: seconds between two
+        failure warnings about one replica."""
         if not upstreams:
             raise ValueError("at least one upstream is needed")
         self.replicas = [ReplicaState(u) for u in upstreams]
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("upstream names must be distinct")
+        if len({r.label for r in self.replicas}) != len(self.replicas):
+            for i, replica in enumerate(self.replicas):     # upstreams built without labels
+                replica.label = f"replica-{i}"
         self.policy = policy
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.clock = clock
         self.observe = observe
+        self.log_interval = log_interval
 
     def __getitem__(self, name: str) -> ReplicaState:
         for replica in self.replicas:
@@ -127,7 +150,7 @@ class ReplicaSet:
             try:
                 response = await self._attempt(replica, request, text)
             except _RETRYABLE as error:
-                self._failed(replica)
+                self._failed(replica, _what(error))
                 self._observe(replica, error.status, decision)
                 retry = self.choose(text, tried) if len(tried) < 2 else None
                 if retry is None:
@@ -141,7 +164,7 @@ class ReplicaSet:
             if response.status < 500:
                 self._succeeded(replica)
                 return response, replica, decision
-            self._failed(replica)
+            self._failed(replica, f"answered {response.status}")
             retry = self.choose(text, tried) if len(tried) < 2 else None
             if retry is None:
                 return response, replica, decision
@@ -183,15 +206,57 @@ class ReplicaSet:
         return UpstreamResponse(response.status, response.headers, response.body,
                                 response.events(), close)
 
+    async def passthrough(self, method: str, path: str, query: bytes,
+                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+        """Another ``/v1/...`` call on one replica, not retried; see the module doc."""
+        chosen = self.choose("")
+        assert chosen is not None
+        replica = chosen[0]
+        if not replica.healthy:
+            replica.probing = True
+        try:
+            response = await replica.upstream.passthrough(method, path, query, headers, body)
+        except _RETRYABLE as error:
+            self._failed(replica, _what(error))
+            raise
+        except BaseException:
+            replica.probing = False
+            raise
+        if not replica.healthy:
+            self._succeeded(replica)
+        return response
+
     def _succeeded(self, replica: ReplicaState) -> None:
+        if not replica.healthy:
+            log.info("upstream %s answers again after %d failure(s)%s", self._called(replica),
+                     replica.failures, self._unlogged(replica))
+            replica.logged_at, replica.unlogged = None, 0
         replica.healthy, replica.probing, replica.failures = True, False, 0
 
-    def _failed(self, replica: ReplicaState) -> None:
+    def _failed(self, replica: ReplicaState, what: str) -> None:
         replica.errors += 1
         replica.failures += 1
         replica.healthy, replica.probing = False, False
         backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
-        replica.down_until = self.clock() + backoff
+        now = self.clock()
+        replica.down_until = now + backoff
+        if replica.logged_at is not None and now - replica.logged_at < self.log_interval:
+            replica.unlogged += 1
+            return
+        log.warning("upstream %s failed, left out for %.3g s%s: %s", self._called(replica),
+                    backoff, self._unlogged(replica), what)
+        replica.logged_at, replica.unlogged = now, 0
+
+    def _called(self, replica: ReplicaState) -> str:
+        # Both names: clients quote the label (error bodies), operators know the name.
+        return replica.name if replica.label == replica.name else \
+            f"{replica.label} ({replica.name})"
+
+    def _unlogged(self, replica: ReplicaState) -> str:
+        if not replica.unlogged or replica.logged_at is None:
+            return ""
+        return (f" ({replica.unlogged} more failure(s) not logged in the last "
+                f"{self.clock() - replica.logged_at:.0f} s)")
 
     def _observe(self, replica: ReplicaState, status: int, decision: Decision) -> None:
         if self.observe is not None:
@@ -223,7 +288,28 @@ class ReplicaSet:
             }
         return out
 
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per replica, by public label, for ``/healthz``: nothing an operator keeps private."""
+        states = self.snapshot()
+        return {r.label: {"healthy": r.healthy, "state": states[r.name]["state"],
+                          "failures": r.failures} for r in self.replicas}
+
+    def ready(self) -> bool:
+        """Whether some replica is believed reachable (healthy, or its back-off is over)."""
+        now = self.clock()
+        return any(r.healthy or now >= r.down_until for r in self.replicas)
+
     async def aclose(self) -> None:
         """Close every replica's upstream."""
         for replica in self.replicas:
             await replica.upstream.aclose()
+
+
+def _what(error: BaseException) -> str:
+    """A failure for the log: the client's message, plus the cause's type and text (operators
+    only; the URL in it has no credentials, see ``upstream.http``)."""
+    cause = error.__cause__
+    if cause is None:
+        return str(error)
+    detail = str(cause)
+    return f"{error} [{type(cause).__name__}" + (f": {detail[:300]}]" if detail else "]")

@@ -29,6 +29,11 @@ Contract:
   next candidate; ``StoreUnavailable`` from it means unknown for now: the candidate is skipped,
   the entry kept. ``Candidate.answer`` is the answer to serve (None for a reference not resolved:
   ``nearest`` in mark mode).
+- No reply carries an entry's text (another request's prompt). An entry is named to clients by
+  ``SemanticEntry.public_id`` only (``x-carpool-entry`` on a semantic hit, the nearest entry in
+  ``semantic.mode: mark``): a digest of its scope and text keyed with a random secret of this
+  process (``_ENTRY_ID_KEY``), so it cannot be reversed, nor confirmed by hashing a guessed
+  prompt; it is stable for the life of the process, and differs across instances and restarts.
 - The threshold is ``semantic.threshold``, or ``CALIBRATED_THRESHOLD``. Two bands: a candidate
   with a similarity in [threshold, strict_above) must pass the guard in strict mode
   (``check(..., strict=True)``: also the added-detail and question-intent rules meant for
@@ -71,10 +76,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..answer import Answer
@@ -137,6 +143,10 @@ def focus(view: SemanticView) -> SemanticView:
     return view
 
 
+#: The secret that keys entry ids (``SemanticEntry.public_id``): random, per process, never sent.
+_ENTRY_ID_KEY = secrets.token_bytes(32)
+
+
 @dataclass(slots=True, eq=False)
 class SemanticEntry:
     id: int
@@ -150,6 +160,12 @@ class SemanticEntry:
     size: int = 0                           # bytes, set by the cache when inserted
     ref: str | None = None                  # the exact-cache key of the answer, if remote
     created: float = 0.0                    # when the answer was made (for max_age)
+    public_id: str = field(default="", init=False)  # what clients see of it: an opaque id
+
+    def __post_init__(self) -> None:
+        # Keyed: a plain hash of the prompt could be confirmed by anyone who guesses the prompt.
+        self.public_id = hashlib.blake2b(f"{self.scope}\x00{self.text}".encode(),
+                                         key=_ENTRY_ID_KEY, digest_size=12).hexdigest()
 
 
 @dataclass(slots=True)

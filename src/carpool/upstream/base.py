@@ -5,9 +5,13 @@ Contract:
   is *returned* (status + body), not raised: the pipeline passes it through. Transport failures are
   raised as ``UpstreamUnreachable`` (502) or ``UpstreamTimeout`` (504), the cause kept.
 - A streaming response (``request.stream`` and a 2xx status) yields the ``data:`` payloads of the
-  SSE stream, as bytes, without the ``data: `` prefix, until ``[DONE]`` (not yielded) or the end of
-  the stream. A transport failure part-way raises ``UpstreamStreamBroken``. Whether the stream was
-  *complete* (every choice finished) is for the caller to judge.
+  SSE stream, as bytes, without the ``data: `` prefix, until ``[DONE]`` (not yielded). The
+  iterator ends normally only for a stream that ended whole: with ``[DONE]`` from an HTTP server,
+  at the end of its stream for an in-process engine. A stream that stops without ``[DONE]`` (the
+  body ended cleanly, or was cut) or a transport failure part-way raises ``UpstreamStreamBroken``,
+  after the payloads that did arrive: so the caller can tell an answer that ended from one that
+  merely stopped. Whether the answer was *complete* (every choice asked for finished:
+  ``sse.is_complete``) is for the caller to judge.
 - ``aclose()`` on a response releases its connection; it is safe to call twice and after a
   cancellation.
 - ``passthrough`` forwards any other ``/v1/...`` call unchanged and is never cached.
@@ -30,6 +34,7 @@ class UpstreamRequest:
     body: dict[str, Any]               # the JSON body to send
     headers: Mapping[str, str] = field(default_factory=dict)  # forwarded, lower-case names
     stream: bool = False
+    query: str = ""                    # the client's query string, forwarded as it came
 
 
 class UpstreamResponse:

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from ..errors import UpstreamUnreachable
+from ..errors import PathNotAllowed
 from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]]
@@ -33,7 +33,8 @@ class FunctionUpstream:
 
     async def passthrough(self, method: str, path: str, query: bytes,
                           headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
-        raise UpstreamUnreachable(f"{self.name} serves only the cached endpoints, not {path}")
+        # Not a transport failure (which would down the replica): a path it does not serve.
+        raise PathNotAllowed(path)
 
     async def aclose(self) -> None:
         return None

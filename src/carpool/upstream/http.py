@@ -7,7 +7,17 @@ Contract (on top of ``upstream.base``):
   0.26 ms p50 through aiohttp and 0.55-0.68 ms through httpx (benchmarks/README.md).
 - Transport errors are translated here, the aiohttp error kept as ``__cause__``: a timeout ->
   ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
-  failure while a stream is being read -> ``UpstreamStreamBroken`` (502).
+  failure while a stream is being read, or a stream that ends without ``[DONE]`` ->
+  ``UpstreamStreamBroken`` (502). Their messages reach
+  clients: they name the replica by its ``label`` and say what happened in words
+  (``reason``), never an exception repr, an address or a credential.
+- Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
+  configured one, or the URL without user, password, query and fragment; ``label`` is what
+  clients may see (/healthz, error bodies): the configured name, or ``replica-<i>``.
+- A user and password in the URL are not sent as part of it: they become the ``Authorization:
+  Basic`` header of every call, in place of the client's (aiohttp refuses both at once).
+- Pass-through sends the path it is given (already confined by ``carpool.paths``) verbatim under
+  the base URL: checked once more here, and never re-quoted or dot-resolved on the way.
 - Request headers are forwarded except hop-by-hop ones and carpool's own controls; an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error.
@@ -18,13 +28,18 @@ Contract (on top of ``upstream.base``):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import base64
+import errno
+from collections.abc import AsyncIterator, Mapping, Sequence
+from urllib.parse import quote
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from ..config import LimitsConfig
 from ..errors import UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
+from ..paths import confine
 from ..sse import SSEDecoder
 from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 
@@ -44,6 +59,9 @@ _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 # reset (a 502), which a busy gateway, reusing its oldest idle connection first, hit 2-3 times
 # in 2,000 requests with aiohttp's default of 15 s.
 KEEPALIVE_S = 4.0
+# The query string is forwarded as it came; only what a URL cannot hold (space, control, non-ASCII
+# bytes, "#") is percent-encoded, since the URL is handed to aiohttp as already encoded.
+_QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -51,10 +69,66 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
             if name not in NOT_FORWARDED and not name.startswith("x-carpool-")}
 
 
+def public_url(url: str) -> str:
+    """``url`` without user, password, query and fragment: fit for /stats, metrics and logs."""
+    try:
+        parsed = URL(url)
+        return str(parsed.with_user(None).with_query(None).with_fragment(None)).rstrip("/")
+    except ValueError:
+        return "upstream"
+
+
+def replica_names(urls: Sequence[str], names: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """``(name, label)`` of each upstream (``upstream_names``, else derived; see the module doc).
+    Derived names are made distinct: two URLs may differ only in their credentials or query."""
+    if names:
+        return [(name, name) for name in names]
+    out: list[tuple[str, str]] = []
+    seen: dict[str, int] = {}
+    for i, url in enumerate(urls):
+        name = public_url(url)
+        seen[name] = count = seen.get(name, 0) + 1
+        out.append((name if count == 1 else f"{name}#{count}", f"replica-{i}"))
+    return out
+
+
+def reason(error: BaseException) -> str:
+    """What went wrong, in a few words fit for a client (no repr, no address)."""
+    if isinstance(error, _TIMEOUTS):
+        return "timed out"
+    if isinstance(error, aiohttp.ClientConnectorDNSError):
+        return "name not resolved"
+    if isinstance(error, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError)):
+        return "TLS handshake failed"
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return "connection closed by the upstream"
+    if isinstance(error, aiohttp.ClientPayloadError):
+        return "malformed or truncated answer"
+    cause = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
+    number = getattr(cause, "errno", None)
+    if isinstance(cause, ConnectionRefusedError) or number == errno.ECONNREFUSED:
+        return "connection refused"
+    if isinstance(cause, ConnectionResetError) or number == errno.ECONNRESET:
+        return "connection reset"
+    if number in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "host unreachable"
+    if isinstance(error, aiohttp.ClientConnectionError):
+        return "connection failed"
+    return "transport error"
+
+
 class HttpUpstream:
-    def __init__(self, base_url: str, limits: LimitsConfig) -> None:
-        self.name = base_url
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: str, limits: LimitsConfig, name: str | None = None,
+                 label: str | None = None) -> None:
+        self.name = name or public_url(base_url)
+        self.label = label or name or "replica"
+        url = URL(base_url.rstrip("/"))
+        # Credentials in the URL: a header of every call, never part of a URL aiohttp sees
+        # (nor of one that could reach an error message or a log line).
+        self._auth = "Basic " + base64.b64encode(
+            f"{url.user or ''}:{url.password or ''}".encode()).decode("ascii") \
+            if url.user is not None or url.password is not None else None
+        self.base_url = str(url.with_user(None)) if self._auth else base_url.rstrip("/")
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None
 
@@ -73,8 +147,8 @@ class HttpUpstream:
         headers = forwarded_headers(request.headers)
         headers["content-type"] = "application/json"
         headers["accept-encoding"] = "identity"
-        response = await self._open("POST", self.base_url + request.path,
-                                    orjson.dumps(request.body), headers)
+        url = self.base_url + request.path + ("?" + request.query if request.query else "")
+        response = await self._open("POST", url, orjson.dumps(request.body), headers)
         content_type = response.headers.get("content-type", "")
         if request.stream and 200 <= response.status < 300 and "text/event-stream" in content_type:
             return UpstreamResponse(response.status, {"content-type": content_type},
@@ -82,21 +156,26 @@ class HttpUpstream:
         try:
             body = await response.read()
         except _TIMEOUTS as exc:
-            raise UpstreamTimeout(f"upstream {self.name} timed out sending its answer") from exc
+            raise UpstreamTimeout(f"upstream {self.label} timed out sending its answer") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream {self.name} failed mid-answer: {exc!r}") from exc
+            raise UpstreamUnreachable(
+                f"upstream {self.label} failed mid-answer ({reason(exc)})") from exc
         finally:
             response.release()
         return UpstreamResponse(response.status, {"content-type": content_type}, body=body)
 
-    async def _open(self, method: str, url: str, body: bytes | None,
+    async def _open(self, method: str, url: str | URL, body: bytes | None,
                     headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        if self._auth is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["authorization"] = self._auth
         try:
             return await self._client().request(method, url, data=body, headers=headers)
         except _TIMEOUTS as exc:
-            raise UpstreamTimeout(f"upstream {self.name} did not answer in time") from exc
+            raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream {self.name} is unreachable: {exc!r}") from exc
+            raise UpstreamUnreachable(
+                f"upstream {self.label} is unreachable ({reason(exc)})") from exc
 
     async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         decoder = SSEDecoder()
@@ -108,10 +187,13 @@ class HttpUpstream:
                     if event == "error" and not payload.startswith(b'{"error"'):
                         payload = b'{"error":' + payload + b"}"
                     yield payload
+            # The body ended cleanly but the stream did not: a server that stopped (a crash, a
+            # proxy's cut) reads just like this. Without [DONE] nothing says the answer is whole.
+            raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without [DONE]")
         except _TIMEOUTS as exc:
-            raise UpstreamStreamBroken(f"upstream {self.name} stalled mid-stream") from exc
+            raise UpstreamStreamBroken(f"upstream {self.label} stalled mid-stream") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamStreamBroken(f"upstream {self.name} stream broke: {exc!r}") from exc
+            raise UpstreamStreamBroken(f"upstream {self.label} stream broke ({reason(exc)})") from exc
         finally:
             response.close()
 
@@ -123,7 +205,10 @@ class HttpUpstream:
                 out_headers[name] = headers[name]
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
-        url = self.base_url + path + ("?" + query.decode("latin-1") if query else "")
+        # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
+        path = confine(b"/v1" + path.encode("ascii", "replace"))
+        url = URL(self.base_url + path + ("?" + quote(query, safe=_QUERY_SAFE) if query else ""),
+                  encoded=True)
         response = await self._open(method, url, body or None, out_headers)
         relayed = [(k, v) for k, v in response.raw_headers
                    if k.decode("latin-1").lower() not in NOT_RELAYED]

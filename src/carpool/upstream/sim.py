@@ -30,6 +30,9 @@ Contract:
   tokens, busy and queue-wait seconds, in-flight now and at most, time-to-first-token sum and count.
 - ``SimUpstream`` serves one replica through the ``Upstream`` protocol without sockets. A consumer
   that cancels or closes a stream frees the replica's slot at once (slots are held in try/finally).
+  Its stream has no ``[DONE]`` to send: the iterator ending normally is the in-process ``[DONE]``
+  (``upstream.base``), and it ends so only after every choice's finish chunk (and the usage chunk).
+  Over HTTP (``sim_server.py``) every stream ends with ``data: [DONE]``.
 """
 
 from __future__ import annotations

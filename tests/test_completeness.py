@@ -1,0 +1,285 @@
+"""Only complete answers are stored (issue 13, CONTRACT.md "Streaming").
+
+An answer is complete when the upstream's stream ended with ``data: [DONE]`` and every choice the
+request asked for (``n`` per prompt, whatever ``best_of``) is there with a finish reason. An
+incomplete stream reaches every client of its flight as an error (streaming clients: an SSE error
+event, then the end of the stream; the others: a 502 in OpenAI's error shape) and is not stored,
+so the next identical request is a fresh upstream call. An incomplete non-streaming body is the
+upstream's own 2xx answer: its clients get it as it came, and it is not stored either.
+
+Joiners get into a flight through the fake's ``chunk_gate`` (the upstream pauses mid-stream until
+every client is in), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from carpool.errors import UpstreamStreamBroken
+from carpool.pipeline import _pipe
+from carpool.sse import expected_choices, is_complete
+from carpool.upstream.base import UpstreamResponse
+from fakes.waiting import eventually
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+STREAMED = {"upstream": {"stream_flights": True}}
+
+
+def chat_body(content: str = "What is carpool?", **extra) -> dict:
+    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}],
+            **extra}
+
+
+def data_lines(raw: str) -> list[str]:
+    return [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def assert_failed_stream(response: httpx.Response, raw: str) -> None:
+    """A stream that ended with an SSE error event (the last event), and no [DONE]."""
+    assert response.status_code == 200
+    events = data_lines(raw)
+    assert "[DONE]" not in events, raw[-300:]
+    assert set(json.loads(events[-1])) == {"error"}, raw[-300:]
+
+
+def assert_openai_error(response: httpx.Response, status: int = 502) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and "type" in error and "code" in error
+
+
+def flight_clients(served) -> int:
+    return sum(f.clients for f in served.gateway.flights._flights.values())
+
+
+async def stream(served, path: str, body: dict) -> tuple[httpx.Response, str]:
+    async with served.client.stream("POST", path, json={**body, "stream": True}) as response:
+        return response, (await response.aread()).decode()
+
+
+async def leader_and_joiners(served, fake, path: str, body: dict, *, leader_streams: bool = True
+                             ) -> tuple[tuple[httpx.Response, str] | httpx.Response,
+                                        tuple[httpx.Response, str], httpx.Response]:
+    """A leader, then a streaming and a non-streaming joiner of its flight, all to the end.
+
+    The upstream holds its stream after two chunks until the three clients are in the flight.
+    """
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(stream(served, path, body) if leader_streams
+                                 else served.client.post(path, json=body))
+    await fake.chunk_gate_reached.wait()
+    streaming = asyncio.create_task(stream(served, path, body))
+    plain = asyncio.create_task(served.client.post(path, json=body))
+    await eventually(lambda: flight_clients(served) == 3, what="three clients in the flight")
+    fake.chunk_gate.set()
+    results = await asyncio.gather(leader, streaming, plain)
+    fake.chunk_gate = None
+    return results[0], results[1], results[2]
+
+
+async def assert_fresh_call_next(served, fake, path: str, body: dict, calls: int) -> None:
+    """Nothing was stored: the same request, upstream healthy again, is a new upstream call."""
+    assert served.gateway.store.entries == 0
+    fake.omit_done, fake.drop_choices, fake.unfinished_choices = False, set(), set()
+    again = await served.client.post(path, json=body)
+    assert again.status_code == 200 and again.headers["x-carpool"] == "miss"
+    assert fake.count() == calls + 1
+
+
+# --- streams -----------------------------------------------------------------------------------
+
+async def test_a_stream_without_done_is_not_stored_and_every_client_gets_an_error(gw, fake):
+    fake.omit_done = True                  # every choice finished, but the stream just stopped
+    body = chat_body()
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
+    assert leader.headers["x-carpool"] == "miss"
+    assert_failed_stream(leader, raw)
+    assert '"finish_reason":"stop"' in raw          # the finish came; the [DONE] did not
+    assert joiner.headers["x-carpool"] == "coalesced"
+    assert_failed_stream(joiner, joined)
+    assert plain.headers["x-carpool"] == "coalesced"
+    assert_openai_error(plain)
+    assert fake.count() == 1
+    await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_stream_with_fewer_finished_choices_than_n_is_not_stored(gw, fake):
+    fake.unfinished_choices = {2}          # choices 0 and 1 finish; choice 2 never does
+    body = chat_body(n=3)
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
+    assert_failed_stream(leader, raw)
+    assert_failed_stream(joiner, joined)
+    assert_openai_error(plain)
+    await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_stream_where_a_choice_never_appears_is_not_stored(gw, fake):
+    fake.drop_choices = {2}                # n: 3, and the upstream sent choices 0 and 1 only
+    body = chat_body(n=3)
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
+    assert '"index":2' not in raw and '"finish_reason":"stop"' in raw
+    assert_failed_stream(leader, raw)
+    assert_failed_stream(joiner, joined)
+    assert_openai_error(plain)
+    await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_complete_stream_with_n_choices_is_stored_and_replayed(gw, fake):
+    body = chat_body(n=3)
+    first, raw = await stream(gw, CHAT, body)
+    assert data_lines(raw)[-1] == "[DONE]"
+    hit = await gw.client.post(CHAT, json=body)
+    assert hit.headers["x-carpool"] == "hit" and fake.count() == 1
+    assert [c["index"] for c in hit.json()["choices"]] == [0, 1, 2]
+
+
+async def test_a_completions_stream_needs_n_choices_for_each_prompt_of_a_list(gw, fake):
+    body = {"model": "m", "temperature": 0, "prompt": ["one", "two"], "n": 2}
+    fake.drop_choices = {3}                # the second prompt's second choice never came
+    response, raw = await stream(gw, COMPLETIONS, body)
+    assert_failed_stream(response, raw)
+    await assert_fresh_call_next(gw, fake, COMPLETIONS, body, calls=1)
+    whole, raw = await stream(gw, COMPLETIONS, {**body, "prompt": ["three", "four"]})
+    assert data_lines(raw)[-1] == "[DONE]"             # all four: complete, stored
+    again = await gw.client.post(COMPLETIONS, json={**body, "prompt": ["three", "four"]})
+    assert again.headers["x-carpool"] == "hit"
+
+
+async def test_a_bypassed_stream_without_done_ends_with_an_error_event(gw, fake):
+    fake.omit_done = True
+    response, raw = await stream(gw, CHAT, chat_body(temperature=1))
+    assert response.headers["x-carpool"] == "bypass"
+    assert_failed_stream(response, raw)
+
+
+# --- non-streaming leaders ---------------------------------------------------------------------
+
+async def test_a_non_streaming_leader_of_a_streamed_call_without_done_gets_a_502(gateway_with,
+                                                                                  fake):
+    async with gateway_with(**STREAMED) as gw:
+        fake.omit_done = True
+        body = chat_body()
+        leader, (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body,
+                                                                   leader_streams=False)
+        assert fake.calls[0].body["stream"] is True          # streamed for the others
+        assert leader.headers["x-carpool"] == "miss"
+        assert_openai_error(leader)
+        assert_failed_stream(joiner, joined)
+        assert_openai_error(plain)
+        await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_non_streaming_leader_of_a_streamed_call_missing_a_choice_gets_a_502(
+        gateway_with, fake):
+    async with gateway_with(**STREAMED) as gw:
+        fake.unfinished_choices = {1}
+        body = chat_body(n=2)
+        leader, (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body,
+                                                                   leader_streams=False)
+        assert_openai_error(leader)
+        assert_failed_stream(joiner, joined)
+        assert_openai_error(plain)
+        await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_body_with_fewer_choices_than_n_is_served_as_it_came_but_not_stored(gw, fake):
+    # Not a broken transfer: the upstream's whole 2xx answer. Its client gets it unchanged (as
+    # without the gateway), but it is never stored nor kept joinable.
+    fake.drop_choices = {1}
+    body = chat_body(n=2)
+    first = await gw.client.post(CHAT, json=body)
+    assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
+    assert [c["index"] for c in first.json()["choices"]] == [0]
+    await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_best_of_does_not_change_the_number_of_choices_a_complete_answer_has(gw, fake):
+    body = {"model": "m", "temperature": 0, "prompt": "pick", "best_of": 3}
+    first = await gw.client.post(COMPLETIONS, json=body)
+    assert len(first.json()["choices"]) == 1
+    again = await gw.client.post(COMPLETIONS, json=body)
+    assert again.headers["x-carpool"] == "hit" and fake.count() == 1
+
+
+# --- the embedded simulator --------------------------------------------------------------------
+
+async def test_the_embedded_simulators_streams_are_complete_and_stored():
+    from carpool import Config, Gateway, Outcome
+
+    gateway = Gateway(Config())
+    try:
+        body = {**chat_body("sim", n=2), "stream": True}
+        first = await gateway.request(CHAT, body)
+        assert first.outcome is Outcome.MISS and first.body.endswith(b"data: [DONE]\n\n")
+        again = await gateway.request(CHAT, {**body, "stream": False})
+        assert again.outcome is Outcome.HIT and len(again.json()["choices"]) == 2
+    finally:
+        await gateway.aclose()
+
+
+# --- the rules, unit by unit -------------------------------------------------------------------
+
+DONE_CHOICE = {"index": 0, "finish_reason": "stop"}
+
+
+def test_every_choice_asked_for_must_be_there_and_finished():
+    two = {"choices": [DONE_CHOICE, {**DONE_CHOICE, "index": 1}]}
+    assert is_complete("chat", two, 2) and is_complete("chat", two, 1)
+    assert not is_complete("chat", two, 3)
+    assert not is_complete("chat", {"choices": [DONE_CHOICE, DONE_CHOICE]}, 2)   # index 1 missing
+    assert not is_complete("chat", {"choices": [DONE_CHOICE, {"index": 1,
+                                                              "finish_reason": "abort"}]}, 2)
+    # Without an index, a choice counts at its position.
+    assert is_complete("completion", {"choices": [{"finish_reason": "stop"}] * 2}, 2)
+
+
+def test_the_choices_expected_are_n_per_prompt_whatever_best_of():
+    assert expected_choices("chat", {"messages": []}) == 1
+    assert expected_choices("chat", {"n": 3}) == 3
+    assert expected_choices("completion", {"prompt": "x", "n": 2, "best_of": 5}) == 2
+    assert expected_choices("completion", {"prompt": ["a", "b", "c"], "n": 2}) == 6
+    assert expected_choices("completion", {"prompt": [[1, 2], [3]]}) == 2
+    assert expected_choices("completion", {"prompt": [1, 2, 3]}) == 1     # one token prompt
+    assert expected_choices("chat", {"n": 0}) is None
+    assert expected_choices("embedding", {"input": ["a", "b"]}) is None
+
+
+async def test_an_upstream_error_event_ends_a_bypassed_stream_without_a_second_one():
+    async def events() -> AsyncIterator[bytes]:
+        yield b'{"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+        yield b'{"error":{"message":"engine died"}}'
+        raise UpstreamStreamBroken("ended without [DONE]")
+
+    frames = [f async for f in _pipe(UpstreamResponse(200, events=events()))]
+    assert len(frames) == 2 and b"engine died" in frames[1]
+
+
+async def test_an_http_stream_that_stops_without_done_raises_after_what_came(fake):
+    """``HttpUpstream``: a body that ends cleanly without [DONE] is a broken stream."""
+    from carpool.config import LimitsConfig
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    fake.omit_done = True
+    upstream = HttpUpstream(fake.url, LimitsConfig())
+    body = chat_body("a b", stream=True)
+    try:
+        response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
+        got = []
+        with pytest.raises(UpstreamStreamBroken, match="without \\[DONE\\]"):
+            async for payload in response.events():
+                got.append(json.loads(payload))
+        await response.aclose()
+        assert got[-1]["choices"][0]["finish_reason"] == "stop"    # everything but the [DONE]
+        fake.omit_done = False
+        response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
+        assert len([payload async for payload in response.events()]) == len(got)
+        await response.aclose()
+    finally:
+        await upstream.aclose()

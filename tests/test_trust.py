@@ -1,0 +1,254 @@
+"""Sharing is safe: a client gets exactly the answer its own request would have got, and only if it
+could have got it (issue 13: identity, what is in the key, white space, invalidation of flights).
+
+Every test talks HTTP to a real gateway in front of the counting fake upstream, whose answers
+name the call that made them (``answer N to ...``): a client served another request's answer is
+seen in the text, and every call that should have been made is seen in ``fake.count()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from carpool.answer import Answer
+from carpool.store import Entry
+
+CREDENTIALS = ["authorization", "api-key", "x-api-key", "openai-organization", "openai-project"]
+ADMIN = "admin-token"
+PROPERTY = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+def text(response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+# --- 1. identity comes from every credential a client presents ------------------------------------
+
+@PROPERTY
+@given(name=st.sampled_from(CREDENTIALS), other=st.sampled_from([None, *CREDENTIALS]),
+       value=st.sampled_from(["k1", "Bearer k1", "wrong", "valid2"]))
+async def test_any_credential_header_that_differs_gets_its_own_answer(gw, fake, name, other,
+                                                                      value):
+    fake.reset()
+    await gw.gateway.invalidate({"all": True})
+    prompt = f"identity {name} {other} {value!r}"
+    first = await gw.chat(prompt, headers={name: "valid"})
+    # The same request with another value of that header, or with another credential besides,
+    # is another tenant: its own upstream call.
+    headers = {name: value} if other is None or other == name else {name: "valid", other: value}
+    second = await gw.chat(prompt, headers=headers)
+    assert second.headers["x-carpool"] == "miss"
+    assert text(first) != text(second) and fake.count() == 2
+    assert (await gw.chat(prompt)).headers["x-carpool"] == "miss"       # and no key at all
+    assert (await gw.chat(prompt, headers={name: "valid"})).headers["x-carpool"] == "hit"
+
+
+async def test_a_client_with_a_wrong_key_never_joins_a_call_in_flight(gw, fake):
+    fake.gate = asyncio.Event()
+    leader = asyncio.create_task(gw.chat("in flight", headers={"api-key": "valid"}))
+    await fake.wait_until(lambda: fake.count() == 1, what="the leader's call")
+    wrong = asyncio.create_task(gw.chat("in flight", headers={"api-key": "made-up"}))
+    anonymous = asyncio.create_task(gw.chat("in flight"))
+    await fake.wait_until(lambda: fake.count() == 3, what="a call for each credential")
+    fake.gate.set()
+    answers = {text(r) for r in await asyncio.gather(leader, wrong, anonymous)}
+    assert len(answers) == 3
+
+
+async def test_an_idempotency_key_is_scoped_by_every_credential(gw, fake):
+    key = {"Idempotency-Key": '"order-1"'}
+    first = await gw.chat("pay", headers={**key, "x-api-key": "valid"})
+    replay = await gw.chat("pay", headers={**key, "x-api-key": "valid"})
+    other = await gw.chat("pay", headers={**key, "x-api-key": "other"})
+    assert replay.headers.get("idempotent-replayed") == "true" and text(replay) == text(first)
+    assert "idempotent-replayed" not in other.headers and text(other) != text(first)
+    assert fake.count() == 2
+
+
+async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, gateway_with):
+    fake.valid_keys = {"good-1", "good-2"}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        first = await gw.chat("shared", headers={"Authorization": "Bearer good-1", **shared})
+        assert first.headers["x-carpool"] == "miss"
+        for made_up in ({"Authorization": "Bearer forged"}, {"api-key": "forged"},
+                        {"x-api-key": "forged"}, {}):
+            response = await gw.chat("shared", headers={**made_up, **shared})
+            assert response.status_code == 401 and response.headers["x-carpool"] == "miss"
+        # A valid key the upstream has accepted reads it.
+        await gw.chat("something else", headers={"Authorization": "Bearer good-2"})
+        hit = await gw.chat("shared", headers={"Authorization": "Bearer good-2", **shared})
+        assert hit.headers["x-carpool"] == "hit" and text(hit) == text(first)
+        assert fake.count() == 6
+
+
+async def test_in_a_shared_namespace_a_made_up_key_never_joins_a_call_in_flight(fake,
+                                                                                 gateway_with):
+    fake.valid_keys = {"good"}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        await gw.chat("warm up", headers={"Authorization": "Bearer good"})
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(
+            gw.chat("flight", headers={"Authorization": "Bearer good", **shared}))
+        await fake.wait_until(lambda: fake.count() == 2, what="the leader's call")
+        forged = asyncio.create_task(
+            gw.chat("flight", headers={"Authorization": "Bearer forged", **shared}))
+        await fake.wait_until(lambda: fake.count() == 3, what="the forged key's own call")
+        fake.gate.set()
+        assert (await leader).status_code == 200 and (await forged).status_code == 401
+
+
+async def test_a_shared_namespace_is_filled_by_the_first_accepted_answer(fake, gateway_with):
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        first = await gw.chat("fill", headers={"Authorization": "Bearer a", **shared})
+        await gw.chat("other", headers={"Authorization": "Bearer b"})
+        hit = await gw.chat("fill", headers={"Authorization": "Bearer b", **shared})
+        assert hit.headers["x-carpool"] == "hit" and text(hit) == text(first)
+
+
+async def test_the_credentials_are_never_stored_or_shown(gw, fake):
+    await gw.chat("secret", headers={"Authorization": "Bearer sk-very-secret"})
+    stats = await gw.client.get("/stats")
+    metrics = await gw.client.get("/metrics")
+    assert "sk-very-secret" not in stats.text and "sk-very-secret" not in metrics.text
+
+
+# --- 3. everything that changes what may be served is in the key or checked at read time --------
+
+async def test_the_request_type_is_in_the_key(gw, fake):
+    untyped = await gw.chat("typed")
+    factual = await gw.chat("typed", headers={"x-carpool-type": "factual"})
+    code = await gw.chat("typed", headers={"x-carpool-type": "code"})
+    assert [r.headers["x-carpool"] for r in (untyped, factual, code)] == ["miss"] * 3
+    assert len({text(untyped), text(factual), text(code)}) == 3
+    # factual (ttl 0) is never stored, so never served from the cache.
+    again = await gw.chat("typed", headers={"x-carpool-type": "factual"})
+    assert again.headers["x-carpool"] in ("miss", "coalesced")
+    assert (await gw.chat("typed", headers={"x-carpool-type": "code"})).headers["x-carpool"] \
+        == "hit"
+
+
+async def test_the_readers_type_ttl_bounds_what_it_is_served_whoever_wrote_it(gw, fake):
+    realtime = {"x-carpool-type": "realtime"}        # ttl 300 s
+    first = await gw.chat("news", headers=realtime)
+    assert (await gw.chat("news", headers=realtime)).headers["x-carpool"] == "hit"
+    # An instance with a longer TTL for the type (or an older config) stored it 10 minutes ago.
+    store = gw.gateway.store
+    (key, entry), = [(k, e) for k, e in store._entries.items()]   # noqa: SLF001
+    old = Answer(entry.answer.kind, entry.answer.body, True, entry.answer.tokens,
+                 created=time.time() - 600)
+    await store.put(key, Entry(old, time.time() + 3600, entry.tags, entry.namespace,
+                               entry.prompt_prefix))
+    gw.gateway.flights.forget_all()
+    late = await gw.chat("news", headers=realtime)
+    assert late.headers["x-carpool"] == "miss" and text(late) != text(first)
+
+
+async def test_the_query_string_is_forwarded_and_in_the_key(gw, fake):
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}], "temperature": 0}
+
+    async def ask(query: str):
+        return await gw.client.post("/v1/chat/completions" + query, json=body)
+    one = await ask("?api-version=2024-10-21")
+    assert fake.calls[-1].query == "api-version=2024-10-21"
+    two = await ask("?api-version=2025-01-01")
+    assert fake.calls[-1].query == "api-version=2025-01-01"
+    bare = await ask("")
+    assert fake.calls[-1].query == ""
+    assert [r.headers["x-carpool"] for r in (one, two, bare)] == ["miss"] * 3
+    assert (await ask("?api-version=2024-10-21")).headers["x-carpool"] == "hit"
+    assert fake.count() == 3
+
+
+async def test_the_query_string_reaches_batched_embeddings(gw, fake):
+    response = await gw.client.post("/v1/embeddings?api-version=1",
+                                    json={"model": "e", "input": "x"})
+    assert response.status_code == 200 and fake.calls[-1].query == "api-version=1"
+
+
+# --- 4. white space is meaning ------------------------------------------------------------------
+
+WHITE_SPACE_PAIRS = [
+    ("def f():\n    return 1", "def f():\n  return 1"),            # Python indentation
+    ("a    b", "a b"),                                               # counted spaces
+    ("col1\tcol2", "col1 col2"),                                     # tabs
+    ("line one  \nline two", "line one\nline two"),                  # Markdown hard break
+    ("~~~\nx  = 1\n~~~", "~~~\nx = 1\n~~~"),                         # ~~~ fences
+    ("text\n\n    indented code", "text\n\n indented code"),        # indented code blocks
+    ("a\u00a0b", "a b"),                                             # non-ASCII space
+    ("a\u3000b", "a b"),
+    ("a\x0bb", "a b"),                                               # control characters
+    ("trailing ", "trailing"),
+]
+
+
+@pytest.mark.parametrize("a, b", WHITE_SPACE_PAIRS)
+async def test_white_space_is_meaning_prompts_that_differ_in_it_are_not_merged(gw, fake, a, b):
+    first, second = await gw.chat(a), await gw.chat(b)
+    assert [first.headers["x-carpool"], second.headers["x-carpool"]] == ["miss", "miss"]
+    assert fake.count() == 2
+
+
+@PROPERTY
+@given(words=st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=2, max_size=5),
+       spaces=st.lists(st.sampled_from([" ", "  ", "\t", "\n", "\u00a0", " \n", "\r\n"]),
+                       min_size=2, max_size=2))
+async def test_any_change_of_white_space_is_another_request(gw, fake, words, spaces):
+    a, b = spaces[0].join(words), spaces[1].join(words)
+    fake.reset()
+    await gw.gateway.invalidate({"all": True})
+    await gw.chat(a)
+    await gw.chat(b)
+    assert fake.count() == (1 if a == b else 2)
+
+
+async def test_embeddings_inputs_keep_their_white_space_even_with_collapse(fake, gateway_with):
+    async with gateway_with(fingerprint={"normalize_whitespace": True}) as gw:
+        for text_ in ("a  b", "a b", " a b", "a\tb"):
+            response = await gw.client.post("/v1/embeddings", json={"model": "e", "input": text_})
+            assert response.headers["x-carpool"] == "miss", text_
+
+
+# --- 7. invalidation covers calls in flight ------------------------------------------------------
+
+async def test_after_an_invalidation_no_request_joins_a_call_begun_before_it(fake, gateway_with):
+    async with gateway_with(admin_token=ADMIN) as gw:
+        fake.gate = asyncio.Event()
+        before = asyncio.create_task(gw.chat("invalidated"))
+        await fake.wait_until(lambda: fake.count() == 1, what="the first call")
+        response = await gw.client.post("/admin/invalidate", json={"all": True},
+                                        headers={"Authorization": f"Bearer {ADMIN}"})
+        assert response.status_code == 200
+        after = asyncio.create_task(gw.chat("invalidated"))
+        await fake.wait_until(lambda: fake.count() == 2, what="a fresh call after invalidation")
+        fake.gate.set()
+        first, second = await before, await after
+        assert second.headers["x-carpool"] == "miss" and text(first) != text(second)
+        # The call begun before the invalidation was not stored; the one after it was.
+        third = await gw.chat("invalidated")
+        assert third.headers["x-carpool"] in ("hit", "coalesced")
+        assert text(third) == text(second) and fake.count() == 2
+
+
+async def test_a_call_in_flight_during_an_invalidation_is_not_stored(fake, gateway_with):
+    async with gateway_with(admin_token=ADMIN, coalesce={"window_ms": 0, "adaptive": False}) \
+            as gw:
+        fake.gate = asyncio.Event()
+        before = asyncio.create_task(gw.chat("stale"))
+        await fake.wait_until(lambda: fake.count() == 1, what="the first call")
+        await gw.client.post("/admin/invalidate", json={"tag": "anything"},
+                             headers={"Authorization": f"Bearer {ADMIN}"})
+        fake.gate.set()
+        assert (await before).status_code == 200
+        again = await gw.chat("stale")
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
