@@ -175,9 +175,11 @@ async def nothing_left(baseline: Baseline, *gateways: Served, fake: FakeUpstream
     except AssertionError:
         raise AssertionError(_problems(gateways, fake, failed)) from None
     for served in gateways:
+        # Lingering flights leave as their windows end, even during the request: between.
+        before = len(served.gateway.flights)
         stats = (await served.client.get("/stats")).json()
         assert stats["waiters"] == 0
-        assert stats["flights"] == len(served.gateway.flights)
+        assert len(served.gateway.flights) <= stats["flights"] <= before
         if failed:
             assert stats["flights"] == 0
     try:

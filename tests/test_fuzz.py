@@ -67,7 +67,9 @@ def _check_cached_endpoint(case: Any, response: Any) -> None:
     content_type = _header(response, "content-type") or ""
     if response.status_code < 400:
         if content_type.startswith("text/event-stream"):
-            assert response.text.rstrip().endswith("data: [DONE]")
+            # schemathesis stops reading a stream after its first events (``stream_cut_short``):
+            # only a stream it read to its end must end with [DONE].
+            assert response.stream_cut_short or response.text.rstrip().endswith("data: [DONE]")
         else:
             orjson.loads(response.content)
         return
