@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from carpool.answer import Answer
 from carpool.store import Entry
+from fakes.waiting import eventually
 
 CREDENTIALS = ["authorization", "api-key", "x-api-key", "openai-organization", "openai-project"]
 ADMIN = "admin-token"
@@ -252,3 +253,28 @@ async def test_a_call_in_flight_during_an_invalidation_is_not_stored(fake, gatew
         assert (await before).status_code == 200
         again = await gw.chat("stale")
         assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_the_semantic_cache_uses_the_same_identity(fake, gateway_with):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("usearch")
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(semantic={"enabled": True},
+                            tenant={"shared_namespaces": ["docs"]}) as gw:
+        semantic = gw.gateway.semantic
+        first = await gw.chat("How do I reset my router?", headers={"api-key": "valid"})
+        await eventually(lambda: semantic.entries >= 1, what="the semantic insert")
+        # Another credential in any header: no semantic hit across tenants.
+        for other in ({"api-key": "made-up"}, {"x-api-key": "valid"}, {}):
+            response = await gw.chat("how can i reset my router", headers=other)
+            assert response.headers["x-carpool"] == "miss", other
+        # In a shared namespace: only once the upstream has accepted the credential.
+        modem = await gw.chat("How do I reset my modem?", headers={"api-key": "a", **shared})
+        await eventually(lambda: semantic.entries >= 2, what="the semantic insert")
+        fake.valid_keys = {"a", "b"}
+        forged = await gw.chat("how can i reset my modem", headers={"api-key": "forged", **shared})
+        assert forged.status_code == 401
+        await gw.chat("warm up", headers={"api-key": "b"})
+        hit = await gw.chat("how can i reset my modem", headers={"api-key": "b", **shared})
+        assert hit.headers["x-carpool"] == "semantic-hit"
+        assert text(hit) == text(modem) != text(first)
