@@ -268,9 +268,10 @@ async def test_the_semantic_cache_uses_the_same_identity(fake, gateway_with):
         for other in ({"api-key": "made-up"}, {"x-api-key": "valid"}, {}):
             response = await gw.chat("how can i reset my router", headers=other)
             assert response.headers["x-carpool"] == "miss", other
+        await eventually(lambda: semantic.entries >= 4, what="their own semantic inserts")
         # In a shared namespace: only once the upstream has accepted the credential.
         modem = await gw.chat("How do I reset my modem?", headers={"api-key": "a", **shared})
-        await eventually(lambda: semantic.entries >= 2, what="the semantic insert")
+        await eventually(lambda: semantic.entries >= 5, what="the semantic insert")
         fake.valid_keys = {"a", "b"}
         forged = await gw.chat("how can i reset my modem", headers={"api-key": "forged", **shared})
         assert forged.status_code == 401
