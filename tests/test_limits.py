@@ -21,6 +21,7 @@ import pytest
 
 from carpool.idempotency import MAX_KEY_LENGTH
 from carpool.request import MAX_HEADER_TOKEN, MAX_TAGS
+from fakes.errors import assert_openai_error as assert_error
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -30,17 +31,7 @@ MESSAGES = [{"role": "user", "content": "What is carpool?"}]
 
 
 def assert_openai_error(response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert {"message", "type", "code"} <= set(error)
-    assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] == "invalid_request_error"
-    if code is not None:
-        assert error["code"] == code
-    return error
+    return assert_error(response, status, code, "invalid_request_error")
 
 
 def assert_problem(response, status: int = 400) -> dict:

@@ -37,6 +37,7 @@ from carpool.routing.replicas import ReplicaSet
 from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 from carpool.upstream.http import HttpUpstream, replica_names
 from conftest import run_gateway
+from fakes.errors import assert_openai_error
 
 ADMIN = "perimeter-admin-token"
 BEARER = {"Authorization": f"Bearer {ADMIN}"}
@@ -81,17 +82,6 @@ async def raw_request(url: str, method: str, target: bytes, body: bytes = b"",
     return Raw(raw)
 
 
-def assert_openai_error(response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert {"message", "type", "code"} <= set(error)
-    assert isinstance(error["message"], str) and error["message"]
-    if code is not None:
-        assert error["code"] == code, error
-    return error
 
 
 def closed_port() -> int:
