@@ -279,3 +279,125 @@ async def test_the_semantic_cache_uses_the_same_identity(fake, gateway_with):
         hit = await gw.chat("how can i reset my modem", headers={"api-key": "b", **shared})
         assert hit.headers["x-carpool"] == "semantic-hit"
         assert text(hit) == text(modem) != text(first)
+
+
+async def test_acceptance_is_per_grant_a_key_refused_a_model_never_reads_its_answers(
+        fake, gateway_with):
+    fake.valid_keys = {"good": {"premium", "small"}, "cheap": {"small"}}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        secret = await gw.chat("secret", model="premium",
+                               headers={"Authorization": "Bearer good", **shared})
+        assert secret.status_code == 200
+        small = await gw.chat("hello", model="small", headers={"Authorization": "Bearer cheap"})
+        assert small.status_code == 200                   # accepted, for the small model only
+        premium = await gw.chat("secret", model="premium",
+                                headers={"Authorization": "Bearer cheap", **shared})
+        assert premium.status_code == 401 and premium.headers["x-carpool"] == "miss"
+
+
+async def test_a_key_the_upstream_refuses_is_accepted_for_nothing_any_more(fake, gateway_with):
+    fake.valid_keys = {"good"}
+    shared = {"x-carpool-namespace": "docs"}
+    # No coalescing window: a key's own answers linger in it, whatever the namespace.
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]},
+                            coalesce={"window_ms": 0, "adaptive": False}) as gw:
+        await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})
+        assert (await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})) \
+            .headers["x-carpool"] == "hit"
+        fake.valid_keys = set()                              # revoked upstream
+        assert (await gw.chat("other", headers={"Authorization": "Bearer good"})).status_code \
+            == 401
+        again = await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})
+        assert again.status_code == 401 and again.headers["x-carpool"] == "miss"
+
+
+async def test_in_a_shared_namespace_another_tenants_refusal_is_not_handed_to_a_joiner(
+        fake, gateway_with):
+    fake.valid_keys = {"a", "b"}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):
+            await gw.chat("warm up " + key, headers={"Authorization": f"Bearer {key}"})
+        fake.valid_keys = {"b"}                               # a's key revoked, not yet known
+        fake.gate = asyncio.Event()
+        calls = fake.count()
+        led = asyncio.create_task(gw.chat("q", headers={"Authorization": "Bearer a", **shared}))
+        await fake.wait_until(lambda: fake.count() == calls + 1, what="a's call")
+        joined = asyncio.create_task(
+            gw.chat("q", headers={"Authorization": "Bearer b", **shared}))
+        await eventually(lambda: gw.gateway.flights.waiters == 2, what="b joining a's call")
+        fake.gate.set()
+        assert (await led).status_code == 401
+        own = await joined
+        assert own.status_code == 200 and fake.count() == calls + 2
+
+
+async def test_an_idempotent_retry_is_replayed_even_after_the_key_became_accepted(
+        fake, gateway_with):
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        headers = {"Authorization": "Bearer new", "Idempotency-Key": '"k1"', **shared}
+        first = await gw.chat("pay", headers=headers)
+        retry = await gw.chat("pay", headers=headers)
+        assert retry.status_code == 200 and retry.headers.get("idempotent-replayed") == "true"
+        assert text(retry) == text(first) and fake.count() == 1
+
+
+async def test_a_forwarded_header_that_may_change_the_answer_is_in_the_key(gw, fake):
+    large = await gw.chat("deploy", headers={"azureml-model-deployment": "large"})
+    tiny = await gw.chat("deploy", headers={"azureml-model-deployment": "tiny"})
+    assert [r.headers["x-carpool"] for r in (large, tiny)] == ["miss", "miss"]
+    assert fake.calls[-1].headers["azureml-model-deployment"] == "tiny"
+    beta = await gw.chat("deploy", headers={"OpenAI-Beta": "assistants=v2"})
+    assert beta.headers["x-carpool"] == "miss" and fake.count() == 3
+    # Transport, tracing and SDK telemetry headers are not: the same request.
+    same = await gw.chat("deploy", headers={"user-agent": "other/1.0", "traceparent": "00-1-2-01",
+                                            "x-stainless-retry-count": "1",
+                                            "azureml-model-deployment": "tiny"})
+    assert same.headers["x-carpool"] == "hit" and text(same) == text(tiny)
+
+
+async def test_embeddings_are_batched_only_with_the_same_forwarded_headers(gw, fake):
+    bodies = [("openai-beta", "x"), ("openai-beta", "y"), ("azureml-model-deployment", "z")]
+    responses = await asyncio.gather(*(
+        gw.client.post("/v1/embeddings", json={"model": "e", "input": f"item {i}"},
+                       headers={name: value})
+        for i, (name, value) in enumerate(bodies)))
+    assert all(r.status_code == 200 for r in responses)
+    seen = sorted((c.headers.get("openai-beta", ""), c.headers.get("azureml-model-deployment", ""))
+                  for c in fake.calls)
+    assert seen == sorted([("x", ""), ("y", ""), ("", "z")])
+
+
+async def test_a_cached_endpoint_with_a_trailing_slash_is_the_same_endpoint(gw, fake):
+    body = {"model": "m", "messages": [{"role": "user", "content": "slash"}], "temperature": 0}
+    first = await gw.client.post("/v1/chat/completions", json=body)
+    slash = await gw.client.post("/v1/chat/completions/", json=body)
+    assert slash.headers["x-carpool"] == "hit" and slash.json() == first.json()
+    assert [c.path for c in fake.calls] == ["/v1/chat/completions"]
+
+
+async def test_an_answer_being_embedded_during_an_invalidation_is_not_added(fake, gateway_with):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("usearch")
+    async with gateway_with(semantic={"enabled": True}, admin_token=ADMIN) as gw:
+        semantic = gw.gateway.semantic
+        embedding, release = asyncio.Event(), asyncio.Event()
+        vector = semantic.vector
+
+        async def slow_vector(view):
+            embedding.set()
+            await release.wait()
+            return await vector(view)
+        semantic.vector = slow_vector
+        # no-cache: no probe, so the vector is computed after the answer, in the background.
+        await gw.chat("How do I reset my router?", headers={"Cache-Control": "no-cache"})
+        await embedding.wait()
+        await gw.client.post("/admin/invalidate", json={"all": True},
+                             headers={"Authorization": f"Bearer {ADMIN}"})
+        release.set()
+        await asyncio.gather(*gw.gateway._background)
+        assert semantic.entries == 0
+        again = await gw.chat("how can i reset my router")
+        assert again.headers["x-carpool"] == "miss"

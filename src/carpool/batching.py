@@ -44,9 +44,10 @@ Contract
 - Batch-compatible means: same path, same body apart from ``input`` and ``user`` (so the same
   ``model``, ``dimensions``, ``encoding_format``...), the same query string, and the same values
   of the identity headers (``key_headers``: the gateway passes the tenant's credential headers,
-  ``identity.py``), so tenants' credentials are never mixed. The merged call carries that body
-  with a list ``input`` (its ``user`` dropped, as callers may differ), that query string and only
-  those identity headers. The token budget (``max_batch_tokens``) counts approximate tokens: a string's
+  ``identity.py``) and of every other forwarded header that might change the answer
+  (``fingerprint.varying_headers``), so tenants' credentials and callers' options are never
+  mixed. The merged call carries that body with a list ``input`` (its ``user`` dropped, as
+  callers may differ), that query string and only those headers. The token budget (``max_batch_tokens``) counts approximate tokens: a string's
   characters / 4 (rounded up, at least 1), a token list's length.
 - Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
   send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
@@ -71,6 +72,7 @@ from typing import Any, Generic, TypeVar
 import orjson
 
 from carpool.errors import UpstreamError
+from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
 
@@ -440,7 +442,10 @@ class EmbeddingBatcher:
         except TypeError:
             return None
         lowered = {k.lower(): v for k, v in request.headers.items()}
-        identity = tuple((name, lowered[name]) for name in self.key_headers if name in lowered)
+        # The credentials, and every forwarded header that might change the answer: the merged
+        # call carries them, so only requests that agree on them share it.
+        identity = tuple((name, lowered[name]) for name in self.key_headers if name in lowered) \
+            + varying_headers(lowered, self.key_headers)
         return (path, identity, template, request.query), item
 
     async def embed(self, request: UpstreamRequest) -> UpstreamResponse:

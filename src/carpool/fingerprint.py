@@ -13,11 +13,14 @@ Contract (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants"):
 - Scoped: the tenant (``identity.tenant_of``: a digest of every credential header, never the raw
   value), the namespace, the freshness token, the request type (``x-carpool-type``: it picks
   what may be stored and for how long) and the query string (Azure's ``api-version``...) are part
-  of the key, so no answer crosses them, cached or in flight. A namespace listed in
-  ``tenant.shared_namespaces`` drops the tenant from the scope (``tenant`` is ``*``), but only
-  for a tenant in ``accepted`` (the upstream answered it recently): any other is scoped to
-  itself. ``owner`` is always the requester's tenant, which scopes what is never shared
-  (idempotency keys).
+  of the key, so no answer crosses them, cached or in flight. So is every other request header
+  that reaches the upstream and might change its answer (``OpenAI-Beta``, a deployment
+  selector...): all forwarded headers but the ``NEUTRAL_HEADERS`` of transport, tracing and
+  client telemetry (``varying_headers``). A namespace listed in ``tenant.shared_namespaces``
+  drops the tenant from the scope (``tenant`` is ``*``), but only for a tenant ``accepted`` for
+  the request's grant (the upstream answered it recently for this endpoint, model and query
+  string): any other is scoped to itself. ``owner`` is always the requester's tenant, which
+  scopes what is never shared (idempotency records).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
   1, or a ``seed``. An absent temperature is the upstream's default, which samples. Sampled requests
   get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
@@ -43,11 +46,22 @@ from .config import Config, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import ANONYMOUS_TENANT, credential_headers, tenant_of
 from .request import CONTROL_HEADERS, ClientRequest, Request
+from .upstream.base import NOT_FORWARDED
 
 __all__ = ["ANONYMOUS_TENANT", "Fingerprint", "RepeatMemo", "SemanticView", "canonical_body",
            "fingerprint", "is_deterministic", "request_digest", "requester", "semantic_view"]
 
 EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
+# Request headers that reach the upstream but never change its answer: transport, tracing and
+# client telemetry (the SDKs' ``x-stainless-*``). Any other forwarded header is in the key.
+NEUTRAL_HEADERS = frozenset({
+    "user-agent", "accept", "traceparent", "tracestate", "baggage", "x-request-id", "request-id",
+    "x-client-request-id", "x-correlation-id", "x-forwarded-for", "x-forwarded-proto",
+    "x-forwarded-host", "x-forwarded-port", "x-real-ip", "forwarded", "via", "origin",
+    "referer", "dnt", "pragma", "priority", "x-amzn-trace-id", "x-cloud-trace-context",
+    "cdn-loop", "true-client-ip",
+})
+NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-", "cf-")
 KEY_VERSION = 2
 # A request carrying one must be checked against its record first (idempotency.parse_key).
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
@@ -74,6 +88,35 @@ class Fingerprint:
 @functools.lru_cache(maxsize=16)
 def _names(header: str, others: tuple[str, ...]) -> tuple[str, ...]:
     return credential_headers(header, others)
+
+
+_VARYING: dict[str, bool] = {}        # header name -> whether it varies the key (a cache)
+
+
+def _varies(name: str, names: tuple[str, ...]) -> bool:
+    varies = _VARYING.get(name)
+    if varies is None:
+        varies = not (name in NEUTRAL_HEADERS or name in NOT_FORWARDED or name in names
+                      or name in CONTROL_HEADERS or name in IDEMPOTENCY_HEADERS
+                      or name.startswith(NEUTRAL_PREFIXES))
+        if len(_VARYING) < 4096:                # names are few; a flood of made-up ones is not
+            _VARYING[name] = varies
+    return varies
+
+
+def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The forwarded headers that might change the answer, besides the credentials (``names``,
+    the tenant) and the controls: name and value, in a canonical order."""
+    found = [(name, value) for name, value in headers.items() if _varies(name, names)]
+    if len(found) > 1:
+        found.sort()
+    return tuple(found)
+
+
+def grant_of(request: Request) -> tuple[str, Any, str]:
+    """What an upstream may allow one key and refuse another: the endpoint, the model, the
+    query string (``identity.AcceptedCredentials``)."""
+    return request.kind, request.body.get("model"), request.query
 
 
 def names_of(tenant: TenantConfig) -> tuple[str, ...]:
@@ -105,28 +148,31 @@ def fingerprint(request: Request, config: Config,
     namespace = controls.namespace
     tenant = owner = requester(request.headers, config)
     shared = bool(namespace) and namespace in config.tenant.shared_namespaces
-    if shared and (accepted is None or owner in accepted):
+    if shared and (accepted is None or (owner, grant_of(request)) in accepted):
         tenant, shared = "*", False
     if request.kind != "embedding" and not is_deterministic(request.body):
         if not (controls.share_sampled or config.sampling == "same-params"):
             return Fingerprint(None, tenant, namespace, "sampled", owner)
     canonical = canonical_body(request.kind, request.body, _collapse(request, config))
-    return Fingerprint(_digest(request, tenant, namespace, canonical), tenant, namespace,
-                       owner=owner,
-                       shared_key=_digest(request, "*", namespace, canonical) if shared else None)
+    return Fingerprint(_digest(request, config, tenant, namespace, canonical), tenant, namespace,
+                       owner=owner, shared_key=_digest(request, config, "*", namespace, canonical)
+                       if shared else None)
 
 
-def _digest(request: Request, tenant: str, namespace: str, canonical: dict[str, Any]) -> str:
-    material = orjson.dumps([*_scope(request, "answer", tenant, namespace), canonical],
+def _digest(request: Request, config: Config, tenant: str, namespace: str,
+            canonical: dict[str, Any]) -> str:
+    material = orjson.dumps([*_scope(request, config, "answer", tenant, namespace), canonical],
                             option=orjson.OPT_SORT_KEYS)
     return hashlib.blake2b(material, digest_size=16).hexdigest()
 
 
-def _scope(request: Request, label: str, tenant: str, namespace: str) -> list[Any]:
+def _scope(request: Request, config: Config, label: str, tenant: str,
+           namespace: str) -> list[Any]:
     """Everything besides the body that decides which answer a request may get."""
     controls = request.controls
     return [KEY_VERSION, label, tenant, namespace, controls.freshness,
-            controls.request_type or "", request.query, request.kind]
+            controls.request_type or "", request.query, request.kind,
+            varying_headers(request.headers, names_of(config.tenant))]
 
 
 def _collapse(request: Request, config: Config) -> bool:
@@ -143,7 +189,8 @@ class Repeat:
     stream: bool
     include_usage: bool
     max_age: float | None           # the reader's bound: Cache-Control max-age and its type's TTL
-    shared_by: str | None = None    # in a shared namespace: the requester, to check it is accepted
+    # In a shared namespace: (requester, grant), checked against ``AcceptedCredentials`` again.
+    shared_by: tuple[str, Any] | None = None
 
 
 class RepeatMemo:
@@ -166,6 +213,7 @@ class RepeatMemo:
     def __init__(self, tenant_headers: tuple[str, ...], max_bytes: int,
                  max_body: int = 64 * 1024) -> None:
         self.names = (*CONTROL_HEADERS, *tenant_headers)
+        self.tenant_headers = tenant_headers
         self.max_bytes = max_bytes
         self.max_body = max_body
         self.bytes = 0
@@ -179,7 +227,8 @@ class RepeatMemo:
         if IDEMPOTENCY_HEADERS & headers.keys() or len(client.body) > self.max_body \
                 or not self.max_bytes:
             return None
-        return (client.path, client.body, client.query, *map(headers.get, self.names))
+        return (client.path, client.body, client.query,
+                varying_headers(headers, self.tenant_headers), *map(headers.get, self.names))
 
     def get(self, memo_key: tuple[Any, ...]) -> Repeat | None:
         return self._memo.get(memo_key)
@@ -188,8 +237,8 @@ class RepeatMemo:
                  max_age: float | None) -> None:
         """``max_age``: the oldest answer the request accepts (its max-age and its type's TTL)."""
         if key.key is None or not request.controls.may_read or memo_key in self._memo \
-                or (max_age is not None and max_age <= 0):
-            return
+                or (max_age is not None and max_age <= 0) or key.shared_key is not None:
+            return                      # (a requester not yet accepted: its key will change)
         # The body kept is a copy of exactly its length: one built by orjson.dumps (the library
         # API's ``Gateway.request``) has a 4 KB buffer whatever its length, which ``bytes``
         # (its len) would not count.
@@ -197,7 +246,8 @@ class RepeatMemo:
         if _header_bytes(memo_key) > MAX_MEMO_HEADERS:
             return                     # a large credential or cache-control: not worth its room
         self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage, max_age,
-                                      key.owner if key.tenant == "*" else None)
+                                      (key.owner, grant_of(request)) if key.tenant == "*"
+                                      else None)
         self.bytes += _size(memo_key)
         while self.bytes > self.max_bytes:
             oldest = next(iter(self._memo))
@@ -210,7 +260,8 @@ _ENTRY_OVERHEAD = 400           # the key tuple, the Repeat and the dict slot, r
 
 
 def _header_bytes(memo_key: tuple[Any, ...]) -> int:
-    return sum(len(value) for value in memo_key[3:] if value)
+    return sum(len(value) for value in memo_key[4:] if value) \
+        + sum(len(name) + len(value) for name, value in memo_key[3])
 
 
 def _size(memo_key: tuple[Any, ...]) -> int:
@@ -223,8 +274,10 @@ def request_digest(request: Request, key: Fingerprint, config: Config) -> str:
     Unlike ``Fingerprint.key`` it exists for sampled requests too: a retry of a sampled request
     must not run twice either.
     """
+    # The requester's own scope (``owner``), not the sharing scope: the same request must map
+    # to the same record whether or not the upstream has accepted its key meanwhile.
     material = orjson.dumps(
-        [*_scope(request, "request", key.tenant, key.namespace),
+        [*_scope(request, config, "request", key.owner, key.namespace),
          canonical_body(request.kind, request.body, _collapse(request, config))],
         option=orjson.OPT_SORT_KEYS)
     return hashlib.blake2b(material, digest_size=16).hexdigest()
@@ -265,7 +318,7 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         return None
     collapse = _collapse(request, config)
     material = orjson.dumps(
-        [*_scope(request, "semantic", key.tenant, key.namespace),
+        [*_scope(request, config, "semantic", key.tenant, key.namespace),
          canonical_body(request.kind, rest, collapse)],
         option=orjson.OPT_SORT_KEYS)
     return SemanticView(hashlib.blake2b(material, digest_size=16).hexdigest(),

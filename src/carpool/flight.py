@@ -50,11 +50,13 @@ class JoinTimeout(TimeoutError):
 
 
 class Flight:
-    __slots__ = ("key", "broadcast", "task", "clients", "started_at", "finished_at", "linger")
+    __slots__ = ("key", "broadcast", "task", "clients", "started_at", "finished_at", "linger",
+                 "owner")
 
-    def __init__(self, key: str, linger: bool = True) -> None:
+    def __init__(self, key: str, linger: bool = True, owner: str = "") -> None:
         self.key = key
         self.linger = linger                 # may stay joinable within the window once finished
+        self.owner = owner                   # who leads it (the leader's tenant), for the caller
         self.broadcast = Broadcast()
         self.task: asyncio.Task[None] | None = None
         self.clients = 0
@@ -94,11 +96,12 @@ class Ticket:
         except TimeoutError:
             raise JoinTimeout(f"flight {self.flight.key} gave no answer within {timeout} s") from None
 
-    def retake(self, lead: Lead) -> Ticket:
-        """After a ``JoinTimeout``: leave the slow flight and lead (or join) a fresh one."""
+    def retake(self, lead: Lead, owner: str = "") -> Ticket:
+        """After a ``JoinTimeout`` (or an answer that was not for this request): leave the
+        flight and lead (or join) a fresh one."""
         self.release()
         self.group.forget(self.flight.key, self.flight)
-        return self.group.acquire(self.flight.key, lead)
+        return self.group.acquire(self.flight.key, lead, owner=owner)
 
     def release(self) -> None:
         if self._released:
@@ -138,13 +141,14 @@ class FlightGroup:
         return max_age is None or time.monotonic() - flight.finished_at < max_age
 
     def acquire(self, key: str, lead: Lead, *, max_age: float | None = None,
-                linger: bool = True) -> Ticket:
+                linger: bool = True, owner: str = "") -> Ticket:
         """Join the flight for ``key``, or lead a new one that runs ``lead`` in its own task.
 
         ``max_age`` bounds how long ago a finished flight may have finished to be joined
         (``Cache-Control: no-cache`` passes 0: only a call still in flight is joined).
         ``linger`` (for a new flight) allows its answer to stay joinable within the window; a
-        ``no-store`` leader passes False, as lingering would be a form of storing.
+        ``no-store`` leader passes False, as lingering would be a form of storing. ``owner``
+        (for a new flight) is kept as ``Flight.owner``.
         """
         flight = self._flights.get(key)
         if flight is None or flight.finished_at is not None:
@@ -155,7 +159,7 @@ class FlightGroup:
                 flight = None
         leader = flight is None
         if flight is None:
-            flight = self._flights[key] = Flight(key, linger)
+            flight = self._flights[key] = Flight(key, linger, owner)
             flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
         flight.clients += 1
         self.waiters += 1

@@ -10,11 +10,14 @@ Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
   truncated; the raw value is never stored or shown.
 - A client with no credential at all is the tenant ``anonymous``: it shares only with other
   clients that present nothing, which the upstream treats alike.
-- ``AcceptedCredentials`` remembers the tenants the upstream has recently answered with a 2xx on
-  a cached endpoint. In a namespace shared across tenants, only such a tenant reads what others
-  computed (cache, flights, semantic entries); any other request is scoped to its own tenant
-  until the upstream accepts it, so a made-up key never reads anything it was not given.
-  Bounded (``max_entries``, oldest out) and forgetful (``ttl`` seconds after the last 2xx).
+- ``AcceptedCredentials`` remembers what the upstream has recently answered with a 2xx on a
+  cached endpoint: a tenant for one *grant* (the endpoint, the model and the query string, since
+  an upstream may give a key one model and not another). In a namespace shared across tenants,
+  only a tenant accepted for the request's grant reads what others computed (cache, flights,
+  semantic entries); any other request is scoped to its own tenant until the upstream accepts
+  it, so a made-up, revoked or under-privileged key never reads anything it was not given. A 401
+  or 403 for a tenant forgets every grant of it at once (``refuse``). Bounded (``max_entries``,
+  oldest out) and forgetful (``ttl`` seconds after the last 2xx).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 
 ANONYMOUS_TENANT = "anonymous"
 # What an OpenAI-compatible, Azure OpenAI or Anthropic-compatible upstream reads as credentials.
@@ -50,27 +53,44 @@ def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:
 
 
 class AcceptedCredentials:
-    """Tenants whose credentials the upstream accepted within the last ``ttl`` seconds."""
+    """(tenant, grant) pairs the upstream accepted within the last ``ttl`` seconds."""
 
     def __init__(self, ttl: float, max_entries: int = 100_000) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
-        self._last: OrderedDict[str, float] = OrderedDict()
+        self._last: OrderedDict[tuple[str, Hashable], float] = OrderedDict()
+        self._grants: dict[str, set[Hashable]] = {}     # tenant -> its grants, for ``refuse``
 
     def __len__(self) -> int:
         return len(self._last)
 
-    def accept(self, tenant: str) -> None:
-        self._last[tenant] = time.monotonic()
-        self._last.move_to_end(tenant)
+    def accept(self, tenant: str, grant: Hashable) -> None:
+        pair = (tenant, grant)
+        self._last[pair] = time.monotonic()
+        self._last.move_to_end(pair)
+        self._grants.setdefault(tenant, set()).add(grant)
         while len(self._last) > self.max_entries:
-            self._last.popitem(last=False)
+            self._forget(next(iter(self._last)))
 
-    def __contains__(self, tenant: object) -> bool:
-        seen = self._last.get(tenant)  # type: ignore[call-overload]
+    def refuse(self, tenant: str) -> None:
+        """The upstream refused the tenant's credential (401, 403): it is accepted for nothing."""
+        for grant in list(self._grants.get(tenant, ())):
+            self._forget((tenant, grant))
+
+    def __contains__(self, pair: object) -> bool:
+        seen = self._last.get(pair)  # type: ignore[call-overload]
         if seen is None:
             return False
         if time.monotonic() - seen >= self.ttl:
-            del self._last[tenant]     # type: ignore[arg-type]
+            self._forget(pair)       # type: ignore[arg-type]
             return False
         return True
+
+    def _forget(self, pair: tuple[str, Hashable]) -> None:
+        del self._last[pair]
+        tenant, grant = pair
+        grants = self._grants.get(tenant)
+        if grants is not None:
+            grants.discard(grant)
+            if not grants:
+                del self._grants[tenant]

@@ -54,6 +54,7 @@ from .fingerprint import (
     RepeatMemo,
     SemanticView,
     fingerprint,
+    grant_of,
     names_of,
     request_digest,
     requester,
@@ -237,9 +238,9 @@ class Gateway:
         # invalidation came before it ended (``_store``).
         lead = partial(self._lead, request, key, view, probe, epoch=self.flights.epoch)
         ticket = self.flights.acquire(key.key, lead, max_age=join_age,
-                                      linger=not controls.no_store)
+                                      linger=not controls.no_store, owner=key.owner)
         # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
-        reply = await self._follow(route, ticket, request, partial(lead, alone=True))
+        reply = await self._follow(route, ticket, request, key, partial(lead, alone=True))
         if probe is not None and probe.nearest is not None:     # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
         return reply
@@ -372,7 +373,7 @@ class Gateway:
                          outcome=outcome)
         return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
 
-    async def _follow(self, route: str, ticket: Ticket, request: Request,
+    async def _follow(self, route: str, ticket: Ticket, request: Request, key: Fingerprint,
                       lead: Callable[[Broadcast], Any]) -> Reply:
         """Wait on a flight as its leader or a joiner, then reply from its broadcast."""
         try:
@@ -381,7 +382,10 @@ class Gateway:
                 try:
                     await self._wait(ticket, request, self._join_timeout)
                 except JoinTimeout:
-                    ticket = ticket.retake(lead)
+                    ticket = ticket.retake(lead, key.owner)
+                    await self._wait(ticket, request, None)
+                if _refused_another(ticket, key):
+                    ticket = ticket.retake(lead, key.owner)
                     await self._wait(ticket, request, None)
         except BaseException:
             ticket.release()
@@ -449,8 +453,7 @@ class Gateway:
             response = await self.batcher.embed(upstream_request)
         else:
             response = await self._call(upstream_request, _routing_text(request))
-        if 200 <= response.status < 300:
-            self.accepted.accept(requester(request.headers, self.config))
+        self._judged(request, response.status)
         try:
             if not 200 <= response.status < 300:
                 raise UpstreamStatusError(response.status, response.body,
@@ -491,11 +494,22 @@ class Gateway:
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
         if view is not None and self.semantic is not None:
             # Off the flight's path: embedding the prompt must not delay its clients.
-            insert = self.semantic.insert(view, probe.vector if probe else None, answer, expires,
-                                          controls.tags, key.namespace, prefix, key=key.key)
+            insert = self._insert_semantic(view, probe.vector if probe else None, answer, expires,
+                                           controls.tags, key.namespace, prefix, key.key, epoch)
             task = asyncio.get_running_loop().create_task(insert)
             self._background.add(task)
             task.add_done_callback(self._background_done)
+
+    async def _insert_semantic(self, view: SemanticView, vector: Any, answer: Answer,
+                               expires: float, tags: tuple[str, ...], namespace: str,
+                               prefix: str, key: str, epoch: int) -> None:
+        assert self.semantic is not None
+        if vector is None:
+            vector = await self.semantic.vector(view)
+        # Checked again once the prompt is embedded: an invalidation may have come meanwhile.
+        if epoch == self.flights.epoch:
+            await self.semantic.insert(view, vector, answer, expires, tags, namespace, prefix,
+                                       key=key)
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -512,14 +526,20 @@ class Gateway:
                                         _routing_text(request))
         except CarpoolError as error:
             return _error_reply(error, Outcome.BYPASS)
-        if 200 <= response.status < 300:
-            self.accepted.accept(requester(request.headers, self.config))
+        self._judged(request, response.status)
         if response.streaming:
             return Reply(response.status, [*SSE_HEADERS, header], stream=_pipe(response),
                          outcome=Outcome.BYPASS)
         ctype = response.headers.get("content-type", "application/json").encode("latin-1")
         return Reply(response.status, [(b"content-type", ctype), header], response.body,
                      outcome=Outcome.BYPASS)
+
+    def _judged(self, request: Request, status: int) -> None:
+        """What the upstream's answer says of the requester's credentials (``identity.py``)."""
+        if 200 <= status < 300:
+            self.accepted.accept(requester(request.headers, self.config), grant_of(request))
+        elif status in (401, 403):
+            self.accepted.refuse(requester(request.headers, self.config))
 
     async def _call(self, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
         """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
@@ -664,6 +684,20 @@ class Gateway:
             await upstream.aclose()
         await self.store.aclose()
         await self.idempotency.aclose()
+
+
+# What an upstream answers about the requester rather than the request.
+_CREDENTIAL_ERRORS = frozenset({401, 403, 407, 429})
+
+
+def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:
+    """Whether the flight ended with a refusal of someone else's credentials, or their rate
+    limit: in a shared namespace, a call led by another tenant (here, or on another instance).
+    That is not this request's answer, which makes its own call."""
+    error = ticket.broadcast.error
+    return key.tenant == "*" and isinstance(error, UpstreamStatusError) \
+        and error.status in _CREDENTIAL_ERRORS \
+        and (ticket.broadcast.remote or ticket.flight.owner != key.owner)
 
 
 async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,

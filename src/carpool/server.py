@@ -90,8 +90,10 @@ class GatewayApp:
             await _send_whole(send, error.status, [(b"content-type", b"application/json"),
                                                    *([Outcome.BYPASS.header] if cached else [])],
                               error.body())
-        elif scope["type"] == "http" and scope["path"] in ENDPOINTS and scope["method"] == "POST":
-            await self._cached_endpoint(scope, receive, send)
+        elif scope["type"] == "http" and scope["method"] == "POST" and (
+                scope["path"] in ENDPOINTS or scope["path"][:-1] in ENDPOINTS):
+            # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
+            await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
         elif scope["type"] == "http" and scope["path"].startswith("/v1/"):
             # Judged here, before routing: a decoded path the router would not match (a
             # newline in it) still gets the 400 in OpenAI's shape, not a bare 404.
@@ -104,7 +106,7 @@ class GatewayApp:
         else:
             await self.other(scope, receive, send)
 
-    async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any, path: str) -> None:
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"]}
         started = time.monotonic()
@@ -121,7 +123,7 @@ class GatewayApp:
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(
-                ClientRequest(scope["path"], body, headers, scope.get("query_string", b""),
+                ClientRequest(path, body, headers, scope.get("query_string", b""),
                               on_wait=state.start))
             if reply.stream is not None:
                 state.start()

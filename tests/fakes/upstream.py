@@ -72,9 +72,11 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
   (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
 - ``models: list[str]``: what ``GET /v1/models`` lists.
-- ``valid_keys: set[str] | None``: when set, a request is answered only if it presents at least
-  one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``) and every key it
-  presents is in the set; otherwise 401 ``invalid_api_key`` (recorded as a call like any other).
+- ``valid_keys: set[str] | dict[str, set[str]] | None``: when set, a request is answered only if
+  it presents at least one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``)
+  and every key it presents is valid: in the set, or (a dict) mapped to a set of models that
+  holds the body's ``model``; otherwise 401 ``invalid_api_key`` (recorded as a call like any
+  other).
 
 Disconnects are seen in raw ASGI terms: once the request body is read, a watcher awaits
 ``receive()``, which returns ``http.disconnect`` when the client goes away; every wait of the
@@ -213,15 +215,19 @@ class FakeUpstream:
         self.unfinished_choices: set[int] = set()
         self.answer_text: Callable[[int, dict[str, Any]], str] | None = None
         self.embedding_fn: Callable[[Any], list[float]] | None = None
-        self.valid_keys: set[str] | None = None
+        self.valid_keys: set[str] | dict[str, set[str]] | None = None
 
-    def _authorized(self, headers: dict[str, str]) -> bool:
-        """Like OpenAI and Azure: one presented key, and every key presented, must be valid."""
+    def _authorized(self, headers: dict[str, str], body: Any) -> bool:
+        """Like OpenAI and Azure: one presented key, and every key presented, must be valid (for
+        the body's model, when ``valid_keys`` maps keys to models)."""
         keys = [headers["authorization"].removeprefix("Bearer ")] \
             if "authorization" in headers else []
         keys += [headers[name] for name in ("api-key", "x-api-key") if name in headers]
-        assert self.valid_keys is not None
-        return bool(keys) and all(key in self.valid_keys for key in keys)
+        valid = self.valid_keys
+        assert valid is not None
+        model = body.get("model") if isinstance(body, dict) else None
+        return bool(keys) and all(key in valid and (isinstance(valid, set) or model in valid[key])
+                                  for key in keys)
 
     def count(self, path: str | None = None) -> int:
         """Number of calls received (to ``path`` only, e.g. ``"/v1/chat/completions"``)."""
@@ -373,7 +379,7 @@ class FakeUpstream:
         if gone.is_set():
             raise _ClientGone
 
-        if self.valid_keys is not None and not self._authorized(call.headers):
+        if self.valid_keys is not None and not self._authorized(call.headers, call.body):
             await self._send_json(send, call, 401, {"error": {
                 "message": "Incorrect API key provided", "type": "invalid_request_error",
                 "code": "invalid_api_key"}})

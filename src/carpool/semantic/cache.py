@@ -212,6 +212,10 @@ class SemanticCache:
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes
 
+    async def vector(self, view: SemanticView) -> Any:
+        """The embedding ``insert`` would compute for ``view`` (``focus(view).text``)."""
+        return await self.embedder.embed(focus(view).text)
+
     async def probe(self, view: SemanticView, max_age: float | None = None) -> Probe:
         view = focus(view)
         index = self._scopes.get(view.scope)

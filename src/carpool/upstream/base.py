@@ -25,6 +25,14 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# Request headers that describe one hop, or that are addressed to carpool itself, are not
+# forwarded (nor are carpool's own ``x-carpool-*`` controls); every other one is.
+NOT_FORWARDED = frozenset({
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+    "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "cache-control",
+    "idempotency-key", "x-idempotency-key", "content-type",
+})
+
 
 @dataclass(slots=True)
 class UpstreamRequest:

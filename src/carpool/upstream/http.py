@@ -41,14 +41,8 @@ from ..config import LimitsConfig
 from ..errors import UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
 from ..paths import confine
 from ..sse import SSEDecoder
-from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse
+from .base import NOT_FORWARDED, PassthroughResponse, UpstreamRequest, UpstreamResponse
 
-# Headers that describe one hop, or that are addressed to carpool itself, are not forwarded.
-NOT_FORWARDED = frozenset({
-    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-    "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "cache-control",
-    "idempotency-key", "x-idempotency-key", "content-type",
-})
 # Response headers not relayed by pass-through (the ASGI server frames the body itself).
 NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 
