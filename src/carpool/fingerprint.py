@@ -90,24 +90,31 @@ def _names(header: str, others: tuple[str, ...]) -> tuple[str, ...]:
     return credential_headers(header, others)
 
 
-_VARYING: dict[str, bool] = {}        # header name -> whether it varies the key (a cache)
+# Per set of credential names: header names seen that never vary the key (grows to a bound).
+_STEADY: dict[tuple[str, ...], set[str]] = {}
 
 
 def _varies(name: str, names: tuple[str, ...]) -> bool:
-    varies = _VARYING.get(name)
-    if varies is None:
-        varies = not (name in NEUTRAL_HEADERS or name in NOT_FORWARDED or name in names
-                      or name in CONTROL_HEADERS or name in IDEMPOTENCY_HEADERS
-                      or name.startswith(NEUTRAL_PREFIXES))
-        if len(_VARYING) < 4096:                # names are few; a flood of made-up ones is not
-            _VARYING[name] = varies
-    return varies
+    return not (name in NEUTRAL_HEADERS or name in NOT_FORWARDED or name in names
+                or name in CONTROL_HEADERS or name in IDEMPOTENCY_HEADERS
+                or name.startswith(NEUTRAL_PREFIXES))
 
 
 def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple[Any, ...]:
     """The forwarded headers that might change the answer, besides the credentials (``names``,
     the tenant) and the controls: name and value, in a canonical order."""
-    found = [(name, value) for name, value in headers.items() if _varies(name, names)]
+    steady = _STEADY.get(names)
+    if steady is None:
+        steady = _STEADY.setdefault(names, set())
+    rest = headers.keys() - steady          # one C-speed set difference in the common case
+    if not rest:
+        return ()
+    found = []
+    for name in rest:
+        if _varies(name, names):
+            found.append((name, headers[name]))
+        elif len(steady) < 4096:            # names are few; a flood of made-up ones is not
+            steady.add(name)
     if len(found) > 1:
         found.sort()
     return tuple(found)
