@@ -261,3 +261,23 @@ async def test_dashboard_is_one_self_contained_html_page(gw):
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*//""", html)   # nor protocol-relative
     assert not re.search(r"@import|<script[^>]+src=|<link[^>]+stylesheet", html)
     assert re.search(r"""fetch\(\s*['"]stats['"]""", html)             # relative: any host/prefix
+
+
+async def test_with_an_admin_token_the_dashboard_asks_for_it_and_then_polls_stats(
+        fake, gateway_with, browser):
+    token = "dash-token"
+    async with gateway_with(admin_token=token) as gw:
+        await gw.chat("counted")
+        refused = await gw.client.get("/dashboard")
+        assert refused.status_code == 401 and "basic" in refused.headers["www-authenticate"].lower()
+        # What a browser does once its user typed the token into the login prompt.
+        context = await browser.new_context(
+            http_credentials={"username": "admin", "password": token})
+        page = await context.new_page()
+        response = await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+        assert response is not None and response.status == 200
+        await page.wait_for_function("() => (window.carpoolDashboard || {}).ticks >= 2",
+                                     timeout=WAIT_MS)
+        board = await page.evaluate("() => window.carpoolDashboard")
+        assert board["errors"] == 0 and board["last"]["requests"] == 1
+        await context.close()
