@@ -445,7 +445,8 @@ async def test_a_dead_upstream_is_logged_named_without_credentials_and_healthz_r
     port = closed_port()
     url = f"http://{SECRET_USER}:{SECRET_PASSWORD}@127.0.0.1:{port}/v1"
     async with run_gateway([url], routing={"backoff_s": 60}) as gw:
-        assert (await gw.client.get("/readyz")).status_code == 200         # nothing known yet
+        # Nothing known yet: /readyz asks the replica itself, and finds it dead.
+        assert (await gw.client.get("/readyz")).status_code == 503
         assert_openai_error(await gw.chat(), 502, "upstream_unreachable")
         warnings = [r for r in caplog.records
                     if r.name == "carpool.routing" and r.levelno == logging.WARNING]
@@ -514,4 +515,6 @@ async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with
     await fail_at(1031)
     second = caplog.records[-1].getMessage()
     assert len(caplog.records) == 2 and "4 more failure(s) not logged in the last 31 s" in second
-    assert replicas.replicas[0].errors == 6 and not replicas.ready()
+    assert replicas.replicas[0].errors == 6 and not await replicas.ready()
+    now[0] = 5000                                # back-off over: /readyz probes it, in vain
+    assert not await replicas.ready() and replicas.replicas[0].errors == 7

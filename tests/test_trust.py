@@ -401,3 +401,40 @@ async def test_an_answer_being_embedded_during_an_invalidation_is_not_added(fake
         assert semantic.entries == 0
         again = await gw.chat("how can i reset my router")
         assert again.headers["x-carpool"] == "miss"
+
+
+async def test_acceptance_covers_the_forwarded_headers_a_key_may_be_refused(fake, gateway_with):
+    shared = {"x-carpool-namespace": "docs"}
+    premium = {"azureml-model-deployment": "premium"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        await gw.chat("warm", headers={"Authorization": "Bearer cheap"})     # accepted, plain
+        secret = await gw.chat("secret", headers={"Authorization": "Bearer good", **premium,
+                                                  **shared})
+        assert secret.headers["x-carpool"] == "miss"
+        # cheap was never answered with that deployment: it reads nothing made with it.
+        asked = await gw.chat("secret", headers={"Authorization": "Bearer cheap", **premium,
+                                                 **shared})
+        assert asked.headers["x-carpool"] == "miss" and fake.count() == 3
+
+
+async def test_a_joiner_refused_by_proxy_twice_still_gets_its_own_answer(fake, gateway_with):
+    fake.valid_keys = {"a", "b", "c"}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in "abc":
+            await gw.chat("warm up " + key, headers={"Authorization": f"Bearer {key}"})
+        fake.valid_keys = {"c"}                       # a and b revoked upstream, not yet known
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(gw.chat("q", headers={"Authorization": "Bearer a", **shared}))
+        await fake.wait_until(lambda: fake.count() == 4, what="a's call")
+        b = asyncio.create_task(gw.stream_chat("q", headers={"Authorization": "Bearer b",
+                                                             **shared}))
+        c = asyncio.create_task(gw.stream_chat("q", headers={"Authorization": "Bearer c",
+                                                             **shared}))
+        await eventually(lambda: gw.gateway.flights.waiters == 3, what="b and c joining")
+        fake.gate.set()
+        assert (await led).status_code == 401
+        (b_response, _), (c_response, c_text) = await b, await c
+        assert b_response.status_code == 401
+        assert c_response.status_code == 200 and c_text.rstrip().endswith("data: [DONE]")
+        await eventually(lambda: gw.gateway.flights.waiters == 0, what="no waiter left")

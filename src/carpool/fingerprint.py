@@ -120,10 +120,12 @@ def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple
     return tuple(found)
 
 
-def grant_of(request: Request) -> tuple[str, Any, str]:
+def grant_of(request: Request, names: tuple[str, ...]) -> tuple[str, Any, str, tuple[Any, ...]]:
     """What an upstream may allow one key and refuse another: the endpoint, the model, the
-    query string (``identity.AcceptedCredentials``)."""
-    return request.kind, request.body.get("model"), request.query
+    query string and the forwarded headers that may change the answer (a deployment, a beta
+    feature) (``identity.AcceptedCredentials``). ``names``: the credential headers."""
+    return (request.kind, request.body.get("model"), request.query,
+            varying_headers(request.headers, names))
 
 
 def names_of(tenant: TenantConfig) -> tuple[str, ...]:
@@ -155,7 +157,7 @@ def fingerprint(request: Request, config: Config,
     namespace = controls.namespace
     tenant = owner = requester(request.headers, config)
     shared = bool(namespace) and namespace in config.tenant.shared_namespaces
-    if shared and (accepted is None or (owner, grant_of(request)) in accepted):
+    if shared and (accepted is None or (owner, grant_of(request, names_of(config.tenant))) in accepted):
         tenant, shared = "*", False
     if request.kind != "embedding" and not is_deterministic(request.body):
         if not (controls.share_sampled or config.sampling == "same-params"):
@@ -253,7 +255,8 @@ class RepeatMemo:
         if _header_bytes(memo_key) > MAX_MEMO_HEADERS:
             return                     # a large credential or cache-control: not worth its room
         self._memo[memo_key] = Repeat(key.key, request.stream, request.include_usage, max_age,
-                                      (key.owner, grant_of(request)) if key.tenant == "*"
+                                      (key.owner, grant_of(request, self.tenant_headers))
+                                      if key.tenant == "*"
                                       else None)
         self.bytes += _size(memo_key)
         while self.bytes > self.max_bytes:

@@ -17,7 +17,8 @@ Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
   semantic entries); any other request is scoped to its own tenant until the upstream accepts
   it, so a made-up, revoked or under-privileged key never reads anything it was not given. A 401
   or 403 for a tenant forgets every grant of it at once (``refuse``). Bounded (``max_entries``,
-  oldest out) and forgetful (``ttl`` seconds after the last 2xx).
+  oldest out, and at most ``per_tenant`` grants a tenant, so that one key making up query
+  strings cannot push the others out) and forgetful (``ttl`` seconds after the last 2xx).
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:
 class AcceptedCredentials:
     """(tenant, grant) pairs the upstream accepted within the last ``ttl`` seconds."""
 
-    def __init__(self, ttl: float, max_entries: int = 100_000) -> None:
+    def __init__(self, ttl: float, max_entries: int = 100_000, per_tenant: int = 64) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
+        self.per_tenant = per_tenant
         self._last: OrderedDict[tuple[str, Hashable], float] = OrderedDict()
-        self._grants: dict[str, set[Hashable]] = {}     # tenant -> its grants, for ``refuse``
+        # tenant -> its grants, oldest first (a dict as an ordered set), for ``refuse``
+        self._grants: dict[str, dict[Hashable, None]] = {}
 
     def __len__(self) -> int:
         return len(self._last)
@@ -68,7 +71,11 @@ class AcceptedCredentials:
         pair = (tenant, grant)
         self._last[pair] = time.monotonic()
         self._last.move_to_end(pair)
-        self._grants.setdefault(tenant, set()).add(grant)
+        grants = self._grants.setdefault(tenant, {})
+        grants.pop(grant, None)
+        grants[grant] = None
+        if len(grants) > self.per_tenant:
+            self._forget((tenant, next(iter(grants))))
         while len(self._last) > self.max_entries:
             self._forget(next(iter(self._last)))
 
@@ -91,6 +98,6 @@ class AcceptedCredentials:
         tenant, grant = pair
         grants = self._grants.get(tenant)
         if grants is not None:
-            grants.discard(grant)
+            grants.pop(grant, None)
             if not grants:
                 del self._grants[tenant]

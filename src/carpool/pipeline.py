@@ -385,7 +385,11 @@ class Gateway:
                     ticket = ticket.retake(lead, key.owner)
                     await self._wait(ticket, request, None)
                 if _refused_another(ticket, key):
-                    ticket = ticket.retake(lead, key.owner)
+                    # Its own call, on a flight only its own tenant can join: another refused
+                    # tenant's fresh call is not joined either.
+                    ticket.release()
+                    ticket = self.flights.acquire(f"{key.key}\n{key.owner}", lead, max_age=0,
+                                                  linger=False, owner=key.owner)
                     await self._wait(ticket, request, None)
         except BaseException:
             ticket.release()
@@ -537,7 +541,8 @@ class Gateway:
     def _judged(self, request: Request, status: int) -> None:
         """What the upstream's answer says of the requester's credentials (``identity.py``)."""
         if 200 <= status < 300:
-            self.accepted.accept(requester(request.headers, self.config), grant_of(request))
+            self.accepted.accept(requester(request.headers, self.config),
+                                 grant_of(request, names_of(self.config.tenant)))
         elif status in (401, 403):
             self.accepted.refuse(requester(request.headers, self.config))
 
@@ -686,8 +691,9 @@ class Gateway:
         await self.idempotency.aclose()
 
 
-# What an upstream answers about the requester rather than the request.
-_CREDENTIAL_ERRORS = frozenset({401, 403, 407, 429})
+# What an upstream answers about the requester rather than the request: its key refused, out of
+# credit, not allowed the model (OpenAI says 404 model_not_found), rate-limited.
+_CREDENTIAL_ERRORS = frozenset({401, 402, 403, 404, 407, 429})
 
 
 def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:

@@ -303,7 +303,7 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
 
     async def readyz(_: HttpRequest) -> Response:
         # ``draining``: for whoever stops the gateway gracefully (CONTRACT: 503 while draining).
-        ready = gateway.replicas.ready() and not getattr(gateway, "draining", False)
+        ready = not getattr(gateway, "draining", False) and await gateway.replicas.ready()
         return JSONResponse({"ready": ready, "replicas": gateway.replicas.health()},
                             200 if ready else 503)
 

@@ -34,13 +34,14 @@ sends, and returns ``(response, replica, decision)``:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.errors import UpstreamTimeout, UpstreamUnreachable
+from carpool.errors import PathNotAllowed, UpstreamTimeout, UpstreamUnreachable
 from carpool.routing import Decision, RoutingPolicy
 from carpool.upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 
@@ -61,6 +62,7 @@ class ReplicaState:
     errors: int = 0                # attempts that failed (transport error or 5xx)
     failures: int = 0              # consecutive failures; 0 once healthy
     healthy: bool = True
+    answered: bool = False         # it has answered since it last failed (reachable, proven)
     down_until: float = 0.0       # clock value when the back-off ends (meaningful when not healthy)
     probing: bool = field(default=False, repr=False)   # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
@@ -193,6 +195,7 @@ class ReplicaSet:
         except BaseException:
             release()
             raise
+        replica.answered = True
         if not response.streaming:
             release()
             return response
@@ -222,6 +225,7 @@ class ReplicaSet:
         except BaseException:
             replica.probing = False
             raise
+        replica.answered = True
         if not replica.healthy:
             self._succeeded(replica)
         return response
@@ -236,7 +240,7 @@ class ReplicaSet:
     def _failed(self, replica: ReplicaState, what: str) -> None:
         replica.errors += 1
         replica.failures += 1
-        replica.healthy, replica.probing = False, False
+        replica.healthy, replica.probing, replica.answered = False, False, False
         backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
         now = self.clock()
         replica.down_until = now + backoff
@@ -294,10 +298,31 @@ class ReplicaSet:
         return {r.label: {"healthy": r.healthy, "state": states[r.name]["state"],
                           "failures": r.failures} for r in self.replicas}
 
-    def ready(self) -> bool:
-        """Whether some replica is believed reachable (healthy, or its back-off is over)."""
-        now = self.clock()
-        return any(r.healthy or now >= r.down_until for r in self.replicas)
+    async def ready(self, timeout: float = 2.0) -> bool:
+        """For ``/readyz``: whether some replica is reachable. One that has answered and not
+        failed since is; otherwise each replica not in back-off is asked ``GET /models`` now
+        (any HTTP answer proves it reachable; a failure starts its back-off), so that a dead
+        upstream is not ready before any request has failed on it, nor once its back-off ends."""
+        if any(r.healthy and r.answered for r in self.replicas):
+            return True
+        for replica in self.replicas:
+            if not replica.eligible(self.clock()):
+                continue
+            try:
+                async with asyncio.timeout(timeout):
+                    response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
+                    async for _ in response.body:
+                        pass
+            except PathNotAllowed:
+                pass                                # an in-process upstream: no /models, but up
+            except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
+                self._failed(replica, f"readiness probe: {_what(error)}")
+                continue
+            replica.answered = True
+            if not replica.healthy:
+                self._succeeded(replica)
+            return True
+        return False
 
     async def aclose(self) -> None:
         """Close every replica's upstream."""
