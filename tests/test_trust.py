@@ -378,7 +378,7 @@ async def test_a_cached_endpoint_with_a_trailing_slash_is_the_same_endpoint(gw, 
     assert [c.path for c in fake.calls] == ["/v1/chat/completions"]
 
 
-async def test_an_answer_being_embedded_during_an_invalidation_is_not_added(fake, gateway_with):
+async def test_an_answer_whose_prompt_is_embedded_during_an_invalidation_is_not_added(fake, gateway_with):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("usearch")
     async with gateway_with(semantic={"enabled": True}, admin_token=ADMIN) as gw:
@@ -391,13 +391,15 @@ async def test_an_answer_being_embedded_during_an_invalidation_is_not_added(fake
             await release.wait()
             return await vector(view)
         semantic.vector = slow_vector
-        # no-cache: no probe, so the vector is computed after the answer, in the background.
-        await gw.chat("How do I reset my router?", headers={"Cache-Control": "no-cache"})
+        # no-cache: no probe, so the prompt is embedded while the upstream answers, and the
+        # entry goes in once the embedding is done, before the flight ends.
+        asked = asyncio.create_task(
+            gw.chat("How do I reset my router?", headers={"Cache-Control": "no-cache"}))
         await embedding.wait()
         await gw.client.post("/admin/invalidate", json={"all": True},
                              headers={"Authorization": f"Bearer {ADMIN}"})
         release.set()
-        await asyncio.gather(*gw.gateway._background)
+        assert (await asked).status_code == 200
         assert semantic.entries == 0
         again = await gw.chat("how can i reset my router")
         assert again.headers["x-carpool"] == "miss"

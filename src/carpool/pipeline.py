@@ -427,19 +427,31 @@ class Gateway:
         The upstream call streams into ``broadcast``; a complete answer is stored before the
         flight ends. With shared flights (``redis``) the call is made by the one instance that
         leads it for all, and followed by the others (``flight_shared.py``); ``alone``: here.
+        With the semantic cache, the prompt is embedded while the upstream answers (unless the
+        probe did already), so that its entry too is in before the flight ends.
         """
+        embedding = None
+        if view is not None and self.semantic is not None and (probe is None or probe.vector
+                                                               is None):
+            embedding = asyncio.get_running_loop().create_task(self.semantic.vector(view))
         call = partial(self._call_upstream, request)
-        store = partial(self._store, request, key, view=view, probe=probe, epoch=epoch)
+        store = partial(self._store, request, key, view=view, probe=probe, epoch=epoch,
+                        embedding=embedding)
         if self.invalidations is not None:               # (lazily, without the server)
             self.invalidations.start()
-        if self.shared_flights is None or alone or key.key is None:
-            answer = await call(broadcast)
-            await store(answer)
-            return answer
-        controls = request.controls
-        return await self.shared_flights.run(
-            key.key, broadcast, call, store, max_age=controls.max_age if controls.may_read else 0,
-            linger=not controls.no_store)
+        try:
+            if self.shared_flights is None or alone or key.key is None:
+                answer = await call(broadcast)
+                await store(answer)
+                return answer
+            controls = request.controls
+            return await self.shared_flights.run(
+                key.key, broadcast, call, store,
+                max_age=controls.max_age if controls.may_read else 0,
+                linger=not controls.no_store)
+        finally:
+            if embedding is not None:                    # not stored (a failure, a follower)
+                _discard(embedding)
 
     async def _call_upstream(self, request: Request, broadcast: Broadcast) -> Answer:
         """The upstream call: streamed into ``broadcast`` frame by frame, then assembled."""
@@ -480,9 +492,12 @@ class Gateway:
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def _store(self, request: Request, key: Fingerprint, answer: Answer,
-                     view: SemanticView | None, probe: Probe | None, epoch: int) -> None:
+                     view: SemanticView | None, probe: Probe | None, epoch: int,
+                     embedding: asyncio.Task[Any] | None = None) -> None:
         """Store a complete answer (unless its request or its type's ttl says not to, or an
-        invalidation came after its call began: it may predate what was invalidated)."""
+        invalidation came after its call began: it may predate what was invalidated), in the
+        exact cache and, with its prompt's embedding (the probe's, or ``embedding``, begun with
+        the call), in the semantic index: both before the flight ends (read-your-writes)."""
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
         if not answer.complete or controls.no_store or ttl <= 0 or key.key is None \
@@ -492,17 +507,31 @@ class Gateway:
             # A shared namespace's requester the upstream had not accepted yet: it just did, so
             # the answer is stored where the others read it.
             key = dataclasses.replace(key, key=key.shared_key, tenant="*", shared_key=None)
+            # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
-            probe = None
         expires, prefix = answer.created + ttl, _prompt_prefix(request)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
-        if view is not None and self.semantic is not None:
-            # Off the flight's path: embedding the prompt must not delay its clients.
-            insert = self._insert_semantic(view, probe.vector if probe else None, answer, expires,
-                                           controls.tags, key.namespace, prefix, key.key, epoch)
-            task = asyncio.get_running_loop().create_task(insert)
-            self._background.add(task)
-            task.add_done_callback(self._background_done)
+        if view is None or self.semantic is None:
+            return
+        vector = probe.vector if probe is not None else None
+        if vector is None and embedding is not None:
+            try:
+                vector = await embedding               # mostly done: the upstream took longer
+            except Exception:
+                log.exception("embedding a prompt for the semantic cache failed")
+                return
+        insert = self._insert_semantic(view, vector, answer, expires, controls.tags,
+                                       key.namespace, prefix, key.key, epoch)
+        if vector is not None:
+            try:
+                await insert
+            except Exception:
+                log.exception("semantic insert failed")
+            return
+        # No embedding yet (none was begun): off the flight's path, not to delay its clients.
+        task = asyncio.get_running_loop().create_task(insert)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
 
     async def _insert_semantic(self, view: SemanticView, vector: Any, answer: Answer,
                                expires: float, tags: tuple[str, ...], namespace: str,
@@ -694,6 +723,15 @@ class Gateway:
 # What an upstream answers about the requester rather than the request: its key refused, out of
 # credit, not allowed the model (OpenAI says 404 model_not_found), rate-limited.
 _CREDENTIAL_ERRORS = frozenset({401, 402, 403, 404, 407, 429})
+
+
+def _discard(task: asyncio.Task[Any]) -> None:
+    """Drop a helper task whose result nobody needs: cancel it, or read its error (so that it is
+    not reported as never retrieved)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:

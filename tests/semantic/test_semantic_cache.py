@@ -36,6 +36,20 @@ async def sgw(gateway_with):
         yield served
 
 
+@pytest.mark.parametrize("leader_headers", [None, {"Cache-Control": "no-cache"}],
+                         ids=["probed", "not-probed"])
+async def test_a_paraphrase_sent_the_moment_the_first_answer_is_returned_is_a_semantic_hit(
+        sgw, fake, leader_headers):
+    # Read-your-writes: the entry is in the index before the first client has its answer (its
+    # prompt embedded by the probe, or while the upstream answered when nothing probed).
+    for i in range(10):
+        first = await ask(sgw, f"How do I reset router number {i}?", headers=leader_headers)
+        again = await ask(sgw, f"how can i reset router number {i}")
+        assert again.headers["x-carpool"] == "semantic-hit", i
+        assert again.json() == first.json()
+    assert fake.count() == 10
+
+
 async def test_a_paraphrase_is_a_semantic_hit_with_its_similarity(sgw, fake):
     first = await ask(sgw, "How do I reset my router?")
     await stored(sgw)

@@ -5,9 +5,11 @@ what the other instances store, so that an answer stored via one instance is a s
 on all of them (typically within a few milliseconds; the goal is 1 s).
 
 Contract:
-- ``insert(..., key=FINGERPRINT_KEY)`` stores the entry locally (with its answer), then appends
-  a ``put`` record to the stream ``P semantic`` (``P`` = ``distributed.key_prefix``; ``XADD
-  MAXLEN ~ distributed.stream_maxlen``). An insert without ``key`` stays local.
+- ``insert(..., key=FINGERPRINT_KEY)`` stores the entry locally (with its answer) and returns,
+  then appends a ``put`` record to the stream ``P semantic`` (``P`` = ``distributed.key_prefix``;
+  ``XADD MAXLEN ~ distributed.stream_maxlen``) in a task of its own, which ``aclose`` lets
+  finish: the caller (the flight, before it ends) never waits for Redis. An insert without
+  ``key`` stays local.
 - A reader task per instance (started by ``start()``, from the server's startup or lazily by the
   first ``probe``/``insert``/``invalidate``, inside the event loop; stopped by ``aclose``) reads
   the stream from its end at start (new records only: nothing older is backfilled), with ``XREAD
@@ -118,6 +120,7 @@ class SharedSemanticCache(SemanticCache):
         self._client = client
         self._owns_client = owns_client
         self._reader: asyncio.Task[None] | None = None
+        self._publishing: set[asyncio.Task[None]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -143,14 +146,21 @@ class SharedSemanticCache(SemanticCache):
         import numpy as np
         if created is None:
             created = answer.created if answer is not None else time.time()
-        await self._publish({
+        # In this instance's index already (the caller waits for that: read-your-writes); the
+        # others get it from the stream, published off the caller's path.
+        self._spawn(self._publish({
             b"op": b"put", b"src": self.instance, b"s": view.scope.encode(),
             b"t": view.text.encode(),
             b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
             b"e": str(getattr(self.embedder, "name", "")).encode(), b"k": key.encode(),
             b"x": repr(float(expires)).encode(), b"c": repr(float(created)).encode(),
             b"g": orjson.dumps(list(tags)), b"n": namespace.encode(),
-            b"p": prompt_prefix.encode()})
+            b"p": prompt_prefix.encode()}))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
                          prefix: str | None = None, everything: bool = False) -> int:
@@ -183,6 +193,8 @@ class SharedSemanticCache(SemanticCache):
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._publishing:                 # entries being published: let them go out
+            await asyncio.gather(*self._publishing, return_exceptions=True)
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.cancel()
