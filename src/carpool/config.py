@@ -102,6 +102,14 @@ class SemanticConfig(_Section):
                                            "response with an opaque id of the nearest entry (never "
                                            "its text), its score and the guard's verdict (to "
                                            "measure before trusting).")
+    scripts: list[str] = Field(
+        default_factory=lambda: ["Latin"],
+        description="The writing systems the embedding model and the guard read (Unicode script "
+        "names: Latin, Greek, Cyrillic, Han, Hiragana, Katakana, Hangul, Arabic, Hebrew, "
+        "Devanagari, Thai...; `*`: any). A prompt with a letter of another script gets no "
+        "semantic view: exact matching only, never a guess (the packaged English model maps "
+        "most Chinese characters to one unknown token). Widen it with a multilingual model "
+        "(`embedder: upstream`).")
     threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity at or above "
                                     "which a candidate is considered; null = the calibrated "
                                     "default (README, Semantic cache).")

@@ -307,7 +307,9 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     Only the last user turn is compared by meaning; the model, every parameter, the system prompt
     and the earlier turns must be identical (they are in the scope), so "cancel it" in a chat
     about a gym never matches "cancel it" in a chat about a phone plan. Embeddings requests,
-    multimodal last turns and list prompts have no semantic view.
+    multimodal last turns and list prompts have no semantic view; nor has a text with a letter
+    of a script the model does not read (``semantic.scripts``): it is matched exactly, never
+    guessed at.
     """
     if key.key is None:
         return None
@@ -326,6 +328,8 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         rest = {k: v for k, v in body.items() if k != "prompt"}
     else:
         return None
+    if not readable(text, config.semantic.scripts):
+        return None
     collapse = _collapse(request, config)
     material = orjson.dumps(
         [*_scope(request, config, "semantic", key.tenant, key.namespace),
@@ -333,6 +337,25 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         option=orjson.OPT_SORT_KEYS)
     return SemanticView(hashlib.blake2b(material, digest_size=16).hexdigest(),
                         normalize_text(text, collapse))
+
+
+def readable(text: str, scripts: list[str]) -> bool:
+    """Whether every letter of ``text`` is of one of ``scripts`` (``*``: any)."""
+    if text.isascii() or "*" in scripts:
+        return True
+    allowed = frozenset(name.upper() for name in scripts)
+    return all(_script(ch) in allowed for ch in set(text) if ch.isalpha())
+
+
+@functools.lru_cache(maxsize=4096)
+def _script(ch: str) -> str:
+    """A letter's script, from its Unicode name: "LATIN SMALL LETTER E WITH ACUTE" -> LATIN."""
+    name = unicodedata.name(ch, "")
+    if name.startswith(("CJK ", "KANGXI")):
+        return "HAN"
+    if name.startswith(("FULLWIDTH LATIN", "MODIFIER LETTER SMALL")):
+        return "LATIN"
+    return name.split(" ", 1)[0]
 
 
 def _plain_text(content: Any) -> str | None:

@@ -296,3 +296,26 @@ async def test_redis_killed_the_semantic_cache_still_works_locally(two_semantic,
         assert again.json() == first.json()
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
         assert (await a.client.get("/healthz")).json()["status"] == "degraded"
+
+
+@pytest.mark.parametrize("first, second", [
+    ("如何删除我的账户？", "如何恢复我的账户？"),          # delete vs recover my account
+    ("锻炼有哪些好处？", "锻炼有哪些坏处？"),              # benefits vs harms of exercise
+    ("Как удалить мой аккаунт?", "Как восстановить мой аккаунт?"),
+    ("アカウントを削除する方法", "アカウントを復元する方法"),
+])
+async def test_a_script_the_model_cannot_read_gets_no_semantic_hit_at_all(sgw, fake, first,
+                                                                          second):
+    await ask(sgw, first)
+    again = await ask(sgw, second)
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.entries == 0                 # nothing of it is even indexed
+    assert (await ask(sgw, first)).headers["x-carpool"] == "hit"      # exact matching still
+
+
+def test_readable_scripts_are_those_configured():
+    from carpool.fingerprint import readable
+    assert readable("café, naïve, Ångström, œuvre, straße, Łódź", ["Latin"])
+    assert not readable("如何删除我的账户", ["Latin"]) and readable("如何删除我的账户", ["Latin", "Han"])
+    assert not readable("Привет", ["Latin"]) and readable("Привет", ["*"])
+    assert not readable("cost in αβ units", ["Latin"])
