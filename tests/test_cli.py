@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -77,3 +78,27 @@ def test_serve_never_logs_the_credentials_in_a_redis_or_upstream_url():
         process.wait(10)
     log = "".join(lines)
     assert "s3cret" not in log and "redis://***@127.0.0.1:" in log
+
+
+def test_fetch_model_prints_the_checked_directory_and_fails_clearly(monkeypatch, tmp_path):
+    pytest.importorskip("numpy")
+    from click.testing import CliRunner
+
+    from carpool import cli
+    from carpool.semantic import embed
+
+    monkeypatch.setattr(embed, "fetch_model", lambda cache_dir=None: tmp_path)
+    result = CliRunner().invoke(cli.main, ["fetch-model"])
+    assert result.exit_code == 0 and str(tmp_path) in result.output
+
+    def tampered(cache_dir=None):
+        raise ValueError("tokenizer.json: SHA-256 differs from the pinned digest; removed")
+    monkeypatch.setattr(embed, "fetch_model", tampered)
+    result = CliRunner().invoke(cli.main, ["fetch-model"])
+    assert result.exit_code == 1 and "SHA-256 differs" in result.output
+
+    def offline(cache_dir=None):
+        raise OSError("no network")
+    monkeypatch.setattr(embed, "fetch_model", offline)
+    result = CliRunner().invoke(cli.main, ["fetch-model"])
+    assert result.exit_code == 1 and "could not fetch the model" in result.output

@@ -91,8 +91,8 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
     try:
         gateway = Gateway(config)
     except ImportError as error:
-        click.echo(f"carpool: semantic.enabled needs the semantic extra: "
-                   f"pip install 'carpool[semantic]' ({error})", err=True)
+        click.echo(f"carpool: semantic.enabled needs the semantic extra "
+                   f"(pip install 'carpool[semantic]') and its model ({error})", err=True)
         sys.exit(2)
     if gateway.semantic is None:
         log.info("carpool: semantic cache off (turn it on with semantic.enabled: true, or "
@@ -260,6 +260,38 @@ def config_reference() -> None:
     from .config import reference_markdown
 
     click.echo(reference_markdown(), nl=False)
+
+
+@main.command("fetch-model")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where to keep it [the Hugging Face cache: $HF_HOME or ~/.cache/huggingface].")
+def fetch_model(cache_dir: str | None) -> None:
+    """Download the semantic cache's model (all-MiniLM-L6-v2 at its pinned revision) with the
+    Hugging Face hub client, check its SHA-256 digests and print its directory. The only command
+    that downloads it: the gateway never does."""
+    try:
+        from .semantic.embed import MODEL_REPO, MODEL_REVISION, SemanticDependencyError
+        from .semantic.embed import fetch_model as fetch
+    except ImportError as error:
+        click.echo(f"carpool: fetching the model needs the semantic extra: pip install "
+                   f"'carpool[semantic]' ({error})", err=True)
+        sys.exit(2)
+    click.echo(f"fetching {MODEL_REPO} at revision {MODEL_REVISION}", err=True)
+    try:
+        directory = fetch(cache_dir)
+    except SemanticDependencyError as error:
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(2)
+    except ValueError as error:                        # a digest differs
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(1)
+    except OSError as error:                           # no network, no such revision...
+        click.echo(f"carpool: could not fetch the model: {error}", err=True)
+        sys.exit(1)
+    click.echo(str(directory))
+    if cache_dir is not None:
+        click.echo(f"(outside the default cache: set semantic.model_dir to {directory})",
+                   err=True)
 
 
 if __name__ == "__main__":

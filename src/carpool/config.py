@@ -102,6 +102,11 @@ class SemanticConfig(_Section):
                                            "response with an opaque id of the nearest entry (never "
                                            "its text), its score and the guard's verdict (to "
                                            "measure before trusting).")
+    model_dir: str | None = Field(
+        None, description="embedder local: a directory holding all-MiniLM-L6-v2's "
+        "model.safetensors and tokenizer.json (checked against their SHA-256 digests). null: "
+        "the Hugging Face cache at the pinned revision, filled by `carpool fetch-model` (the only "
+        "thing that ever downloads it).")
     scripts: list[str] = Field(
         default_factory=lambda: ["Latin"],
         description="The writing systems the embedding model and the guard read (Unicode script "

