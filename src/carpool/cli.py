@@ -228,8 +228,10 @@ def bench(url: str | None, workload: str, workload_file: str | None, requests_: 
 @click.option("--threshold", type=float, default=None,
               help="Similarity threshold [the calibrated default].")
 @click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
+@click.option("--half", type=click.Choice(["even", "odd"]), default=None,
+              help="Only the even (development) or odd (held-out) rows of each file [all].")
 def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold: float | None,
-                  sweep: bool) -> None:
+                  sweep: bool, half: str | None) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     from pathlib import Path
 
@@ -243,7 +245,7 @@ def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold:
                    f" ({error})", err=True)
         sys.exit(2)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
-    evaluator = Evaluator(load_pairs(pair_files), embedder)
+    evaluator = Evaluator(load_pairs(pair_files, half), embedder)
     click.echo(format_report(evaluator.report(threshold), threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'served':>9}{'wrong':>8}")

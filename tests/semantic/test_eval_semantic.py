@@ -43,3 +43,19 @@ def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
     assert rows[4]["reason"] == "scope" and rows[2]["reason"] == "negation"
     assert all(r["correct"] for r in rows)
     assert "threshold" in out and "0.60" in out
+
+
+def test_eval_semantic_reports_conversations_and_scores_one_half(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+
+    def run(*extra: str) -> dict[str, list[str]]:
+        out = subprocess.run([sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs",
+                              str(pairs), *extra], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        return {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    every = run()
+    assert every["conversations"][1:] == ["0", "-", "1", "0.0%"]
+    even, odd = run("--half", "even"), run("--half", "odd")       # rows 0, 2, 4 and 1, 3
+    assert even["all"][1:] == ["1", "100.0%", "2", "0.0%"] and "conversations" in even
+    assert odd["all"][1:] == ["1", "100.0%", "1", "0.0%"] and "conversations" not in odd

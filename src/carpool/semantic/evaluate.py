@@ -9,7 +9,11 @@ Contract:
   otherwise the cosine similarity of the last user turns (their tails) must reach the threshold
   and the pair must pass ``guard.check(new=b, cached=a, strict=...)``, strict below
   ``semantic.strict_below`` or ``cache.STRICT_ABOVE`` (the cache's two bands).
-- Output: per category and overall, the share of should-hit pairs served ("hit rate") and of
+- ``half``: ``even`` (the development half: lines 0, 2, 4... of each file) or ``odd`` (the
+  held-out half), or every pair (None): rules and settings are tuned on one half and reported on
+  the other.
+- Output: per category, for conversations (pairs where either side has more than one turn
+  besides a system prompt) and overall, the share of should-hit pairs served ("hit rate") and of
   should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
   ``--sweep`` prints both rates over a range of thresholds (the guard included), which is how the
   default threshold was calibrated.
@@ -40,6 +44,12 @@ class Pair:
     same_answer: bool
     category: str
 
+    @property
+    def conversation(self) -> bool:
+        return any(isinstance(side, list) and
+                   sum(1 for m in side if isinstance(m, dict) and m.get("role") != "system") > 1
+                   for side in (self.a, self.b))
+
 
 @dataclass(slots=True)
 class Decision:
@@ -48,14 +58,23 @@ class Decision:
     reason: str          # "served", "scope", "below_threshold" or the guard's reason
 
 
-def load_pairs(paths: Iterable[str | Path]) -> list[Pair]:
+HALVES = ("even", "odd")
+
+
+def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pair]:
+    """The pairs of every file, or of one ``half`` of each (``even``/``odd`` rows, counting the
+    non-empty lines of each file from 0)."""
+    if half is not None and half not in HALVES:
+        raise ValueError(f"half must be one of {HALVES}, got {half!r}")
     pairs = []
     for path in paths:
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                pairs.append(Pair(row["a"], row["b"], bool(row["same_answer"]),
-                                  str(row.get("category") or Path(path).stem)))
+        rows = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        for i, line in enumerate(rows):
+            if half is not None and i % 2 != HALVES.index(half):
+                continue
+            row = json.loads(line)
+            pairs.append(Pair(row["a"], row["b"], bool(row["same_answer"]),
+                              str(row.get("category") or Path(path).stem)))
     return pairs
 
 
@@ -110,7 +129,9 @@ class Evaluator:
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         for i, pair in enumerate(self.pairs):
             hit = self.decide(i, threshold).hit
-            for name in (pair.category, "all"):
+            names = (pair.category, "conversations", "all") if pair.conversation \
+                else (pair.category, "all")
+            for name in names:
                 c = counts[name]
                 if pair.same_answer:
                     c[0] += 1
@@ -120,7 +141,9 @@ class Evaluator:
                     c[3] += hit
         return {name: {"should_hit": c[0], "hit_rate": c[1] / c[0] if c[0] else None,
                        "should_miss": c[2], "wrong_rate": c[3] / c[2] if c[2] else None}
-                for name, c in sorted(counts.items(), key=lambda kv: (kv[0] == "all", kv[0]))}
+                for name, c in sorted(counts.items(),
+                                      key=lambda kv: (kv[0] in ("conversations", "all"),
+                                                      kv[0] == "all", kv[0]))}
 
     def sweep(self, thresholds: Sequence[float]) -> list[dict[str, Any]]:
         return [{"threshold": t, **self.report(t)["all"]} for t in thresholds]
