@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import struct
 from typing import Any
 
 import orjson
 import pytest
 
-from carpool.batching import EmbeddingBatcher, KeyedBatcher, approx_tokens
+from carpool.batching import (
+    PROBE_INPUTS,
+    EmbeddingBatcher,
+    KeyedBatcher,
+    ListCheck,
+    approx_tokens,
+    probe_lists,
+)
 from carpool.errors import UpstreamUnreachable
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
 
@@ -347,3 +356,139 @@ async def test_a_queued_batch_whose_every_caller_left_is_never_sent() -> None:
     assert await asyncio.gather(*running) == ["A", "B"]
     assert await batcher.submit(None, "c", "c") == "C"  # a new caller of a dropped item: a call
     assert seen == [["a", "b"], ["c"]] and batcher.idle
+
+
+# --- merging must not change an answer (issue 15) -----------------------------------------------
+
+
+class Replica:
+    """An upstream replica answering like ``FakeSend``; ``broken``: a list's items after the
+    first get another text's vector (llama-cpp-python's server); ``status``/``list_status``:
+    every call / list calls only answered so."""
+
+    def __init__(self, *, broken: bool = False, status: int = 200,
+                 list_status: int = 200, base64: bool = False) -> None:
+        self.name = "replica"
+        self.right = FakeSend(status=status)
+        self.broken, self.list_status, self.base64 = broken, list_status, base64
+        self.calls: list[UpstreamRequest] = []
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.calls.append(request)
+        listed = isinstance(request.body["input"], list)
+        if listed and self.list_status != 200:
+            return UpstreamResponse(self.list_status, {}, b'{"error": {"message": "no"}}')
+        response = await self.right(request)
+        if response.status != 200:
+            return response
+        parsed = orjson.loads(response.body)
+        for row in parsed["data"]:
+            if self.broken and listed and row["index"] > 0:
+                row["embedding"] = vector("wrong", row["index"])
+            if self.base64:
+                row["embedding"] = base64.b64encode(
+                    struct.pack(f"<{len(row['embedding'])}f", *row["embedding"])).decode()
+        return UpstreamResponse(200, response.headers, orjson.dumps(parsed))
+
+
+GROUP = ("/embeddings", (("authorization", "Bearer a"),), orjson.dumps({"model": "emb"}), "")
+
+
+@pytest.mark.parametrize(("replica", "verdict"), [
+    (Replica(), True),
+    (Replica(base64=True), True),                      # base64 answers are decoded to compare
+    (Replica(broken=True), False),                     # every item but the first is wrong
+    (Replica(list_status=400), False),                 # lists refused: never merged
+    (Replica(list_status=503), None),                  # the list failed: undecided
+    (Replica(list_status=429), None),
+    (Replica(status=500), None),                       # no single answer to compare with
+])
+async def test_the_probe_compares_a_two_item_list_with_its_items_alone(replica, verdict) -> None:
+    assert await probe_lists(replica, GROUP) is verdict
+    inputs = [call.body["input"] for call in replica.calls]
+    assert sorted(inputs, key=str) == sorted([list(PROBE_INPUTS), *PROBE_INPUTS], key=str)
+    assert all(call.headers == {"authorization": "Bearer a"} for call in replica.calls)
+
+
+async def test_a_group_is_merged_only_once_every_replica_answers_lists_item_by_item() -> None:
+    right, broken = Replica(), Replica(broken=True)
+    for replicas, verdict in (([right], True), ([right, broken], False)):
+        lists = ListCheck("auto", replicas)
+        assert lists.verdict(GROUP) is None
+        lists.probe(GROUP)
+        lists.probe(GROUP)                              # one probe per replica at a time
+        await lists.wait_idle()
+        assert lists.verdict(GROUP) is verdict and lists.probes == len(replicas)
+        other = (GROUP[0], GROUP[1], orjson.dumps({"model": "other"}), "")
+        assert lists.verdict(other) is None             # per model and parameters
+    assert ListCheck("on", [broken]).verdict(GROUP) is True
+    assert ListCheck("off", [right]).verdict(GROUP) is False
+
+
+async def test_an_undecided_probe_is_tried_again_only_after_the_retry_delay() -> None:
+    now = [0.0]
+    replica = Replica(status=500)
+    lists = ListCheck("auto", [replica], retry_s=30, clock=lambda: now[0])
+    lists.probe(GROUP)
+    await lists.wait_idle()
+    assert lists.verdict(GROUP) is None and len(replica.calls) == 3
+    now[0] = 29.0
+    lists.probe(GROUP)
+    assert len(replica.calls) == 3 and lists.probes == 1
+    now[0] = 30.0
+    replica.right.status = 200
+    lists.probe(GROUP)
+    await lists.wait_idle()
+    assert lists.verdict(GROUP) is True and lists.probes == 2
+
+
+async def test_items_are_sent_alone_until_lists_are_known_to_be_answered_item_by_item() -> None:
+    replica = Replica(broken=True)
+    batcher = EmbeddingBatcher(replica.send, max_batch_size=3, max_batch_delay_s=30.0,
+                               lists=ListCheck("auto", [replica]))
+    texts = ["a", "b", "c"]
+    responses = await asyncio.gather(*(batcher.embed(req(t)) for t in texts))
+    # Each caller got the upstream's own answer to its own item, sent alone.
+    assert [orjson.loads(r.body)["data"][0]["embedding"] for r in responses] == \
+        [vector("emb", t) for t in texts]
+    assert all("content-length" not in r.headers for r in responses)
+    await batcher.wait_idle()                           # the probe the batch started
+    assert batcher.lists is not None and batcher.lists.verdict(GROUP) is False
+    sent = [c.body["input"] for c in replica.calls if c.body["model"] == "emb"]
+    assert sorted(sent, key=str) == sorted([*texts, list(PROBE_INPUTS), *PROBE_INPUTS], key=str)
+    request = req("d")                                  # known wrong: not even buffered
+    replica.calls.clear()
+    response = await asyncio.wait_for(batcher.embed(request), 1)
+    assert replica.calls == [request] and response.status == 200
+    assert batcher.stats()["alone"] == 4 and batcher.stats()["lists"]["lists_wrong"] == 1
+
+
+async def test_an_item_sent_alone_gets_its_own_status_and_its_own_failure() -> None:
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        if request.body["input"] == "refused":
+            return UpstreamResponse(400, {"content-type": "application/json"},
+                                    b'{"error": {"message": "bad input"}}')
+        if request.body["input"] == "unreachable":
+            raise UpstreamUnreachable("refused")
+        return await FakeSend()(request)
+
+    batcher = EmbeddingBatcher(send, max_batch_size=3, max_batch_delay_s=30.0,
+                               lists=ListCheck("auto", []))   # no verdict: alone
+    ok, refused, unreachable = await asyncio.gather(
+        batcher.embed(req("fine")), batcher.embed(req("refused")),
+        batcher.embed(req("unreachable")), return_exceptions=True)
+    assert ok.status == 200 and own(ok)["data"][0]["embedding"] == vector("emb", "fine")
+    assert refused.status == 400 and b"bad input" in refused.body
+    assert isinstance(unreachable, UpstreamUnreachable)
+
+
+async def test_usage_the_upstream_did_not_report_is_not_invented() -> None:
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        data = [{"object": "embedding", "index": i, "embedding": [1.0]}
+                for i in range(len(request.body["input"]))]
+        return UpstreamResponse(200, {}, orjson.dumps({"object": "list", "data": data,
+                                                       "model": "emb"}))
+
+    batcher = EmbeddingBatcher(send, max_batch_size=2, max_batch_delay_s=30.0)
+    responses = await asyncio.gather(batcher.embed(req("a")), batcher.embed(req("b")))
+    assert all("usage" not in orjson.loads(r.body) for r in responses)

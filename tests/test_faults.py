@@ -525,7 +525,14 @@ async def test_a_client_leaving_an_idempotent_list_request_cancels_every_item_ca
     await nothing_left(baseline, gw, fake=fake)
 
 
-async def test_every_client_of_an_embeddings_batch_leaving_cancels_the_batched_call(gw, fake):
+async def test_every_client_of_an_embeddings_batch_leaving_cancels_the_batched_call(
+        gateway_with, fake):
+    # "on": merged without a probe (a probe would hang on the hanging fake too).
+    async with gateway_with(batching={"embeddings": "on"}) as gw:
+        await _every_client_of_a_batch_leaving_cancels_its_call(gw, fake)
+
+
+async def _every_client_of_a_batch_leaving_cancels_its_call(gw, fake):
     baseline = Baseline()
     fake.hang = True
     clients = [asyncio.create_task(gw.client.post("/v1/embeddings",

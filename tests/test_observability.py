@@ -73,7 +73,8 @@ async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
 
 
 async def test_metrics_show_batch_sizes_and_batch_wait(gateway_with, fake):
-    async with gateway_with(batching={"max_batch_delay_ms": 20}) as gw:
+    # "on": merged at once (with "auto" the first batch goes alone while the probe runs).
+    async with gateway_with(batching={"max_batch_delay_ms": 20, "embeddings": "on"}) as gw:
         await asyncio.gather(*(gw.client.post("/v1/embeddings", json={
             "model": "e", "input": f"text {i}"}) for i in range(8)))
         text = (await gw.client.get("/metrics")).text

@@ -49,7 +49,8 @@ async def test_misses_sharing_a_long_system_prompt_stay_on_one_replica():
 
 async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_its_own_vector(
         fake, gateway_with):
-    async with gateway_with(batching={"max_batch_delay_ms": 20}) as gw:
+    # "on": the fake answers lists item by item (test_embeddings_lists.py tests the probe).
+    async with gateway_with(batching={"max_batch_delay_ms": 20, "embeddings": "on"}) as gw:
         texts = [f"text number {i}" for i in range(16)]
 
         async def embed(text):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import orjson
 from hypothesis import given, settings
@@ -280,8 +281,12 @@ def chat_message(draw):
         message["refusal"] = None
     elif refusal == "text":
         message["refusal"] = draw(st.text(min_size=1, max_size=12))
-    # content may be None only where a non-streaming answer would say so: beside calls/a refusal.
-    may_be_null = calls is not None or refusal == "text"
+    reasoning = draw(st.booleans())
+    if reasoning:                          # a reasoning model's separate text (vLLM, DeepSeek)
+        message["reasoning_content"] = draw(st.text(min_size=1, max_size=12))
+    # content may be None only where a non-streaming answer would say so: beside calls, a
+    # refusal or reasoning.
+    may_be_null = calls is not None or refusal == "text" or reasoning
     message["content"] = draw(st.none() | text) if may_be_null else draw(text)
     if calls is not None:
         message["tool_calls"] = calls
@@ -335,6 +340,143 @@ def test_assembling_a_synthesized_stream_gives_back_the_original_body(kind_body,
     assert assemble(kind, parsed) == expected
     assert body == original                 # neither function mutates its input
     assert is_complete(kind, assemble(kind, parsed))
+
+
+# --- streams as engines send them (issue 15): the assembled body is the engine's own -------------
+
+call_name = st.text(min_size=1, max_size=12)
+arguments = st.text(max_size=24)
+
+
+@st.composite
+def pieces(draw, value: str) -> list[str]:
+    """``value`` cut at arbitrary points (one piece, maybe empty, at least)."""
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, len(value) - 1)), max_size=4))) \
+        if len(value) > 1 else []
+    bounds = [0, *cuts, len(value)]
+    return [value[a:b] for a, b in itertools.pairwise(bounds) if b > a] or [""]
+
+
+def finish_chunk(reason: str, delta: dict | None = None) -> dict:
+    return chunk([{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": reason}])
+
+
+def delta_chunk(delta: dict) -> dict:
+    return chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+
+def non_streaming(message: dict, reason: str = "tool_calls", **extra) -> dict:
+    return {"id": HEAD["id"], "object": "chat.completion", "created": HEAD["created"],
+            "model": "m", "system_fingerprint": "fp_1",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": reason}], **extra}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.lists(st.tuples(call_name, arguments), min_size=1, max_size=3))
+def test_tool_calls_assemble_to_the_engines_answer_whether_the_name_comes_once_or_every_chunk(
+        data, calls):
+    # OpenAI and vLLM: id, type and the whole name once, in a call's first delta, then the
+    # arguments in pieces. Other engines repeat id, type and name whole in every delta.
+    repeat = data.draw(st.booleans(), label="repeat id, type and name in every delta")
+    chunks = [delta_chunk({"role": "assistant", "content": None})]
+    for i, (name, args) in enumerate(calls):
+        for n, piece in enumerate(data.draw(pieces(args), label=f"arguments {i}")):
+            call = {"index": i, "function": {"arguments": piece}}
+            if repeat or n == 0:
+                call = {"index": i, "id": f"call_{i}", "type": "function",
+                        "function": {"name": name, "arguments": piece}}
+            chunks.append(delta_chunk({"tool_calls": [call]}))
+    chunks.append(finish_chunk("tool_calls"))
+    expected = non_streaming({"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+        for i, (name, args) in enumerate(calls)]})
+    assert assemble("chat", chunks) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), call_name, arguments)
+def test_a_llama_cpp_tool_call_stream_assembles_to_its_non_streaming_answer(data, name, args):
+    """llama-cpp-python's server on a forced tool choice: every chunk repeats the call's id,
+    type and name, and the legacy function_call's name, beside a piece of the arguments;
+    role and content are null after the first chunk, all four null in the last one."""
+    nulls = {"role": None, "content": None, "function_call": None, "tool_calls": None}
+    chunks = [delta_chunk({**nulls, "role": "assistant"})]
+    for piece in data.draw(pieces(args)):
+        chunks.append(delta_chunk({
+            "role": None, "content": None,
+            "function_call": {"name": name, "arguments": piece},
+            "tool_calls": [{"index": 0, "id": "call__0_f_cmpl-1", "type": "function",
+                            "function": {"name": name, "arguments": piece}}]}))
+    chunks.append(finish_chunk("tool_calls", dict(nulls)))
+    assert assemble("chat", chunks) == non_streaming({
+        "role": "assistant", "content": None,
+        "function_call": {"name": name, "arguments": args},
+        "tool_calls": [{"id": "call__0_f_cmpl-1", "type": "function",
+                        "function": {"name": name, "arguments": args}}]})
+
+
+def test_a_name_streamed_in_pieces_is_joined_and_a_repeated_whole_name_is_not():
+    def call(**fields):
+        return delta_chunk({"tool_calls": [{"index": 0, **fields}]})
+
+    split = [call(id="c", type="function", function={"name": "get_", "arguments": ""}),
+             call(function={"name": "weather", "arguments": "{}"})]
+    repeated = [call(id="c", type="function", function={"name": "get_weather", "arguments": "{"}),
+                call(id="c", type="function", function={"name": "get_weather", "arguments": "}"})]
+    for chunks in (split, repeated):
+        message = assemble("chat", [*chunks, finish_chunk("tool_calls")])["choices"][0]["message"]
+        assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
+
+
+def test_chat_logprobs_keep_exactly_the_keys_the_engine_sent():
+    def token(t):
+        return {"token": t, "logprob": -0.5, "bytes": None, "top_logprobs": []}
+
+    # vLLM: "content" only, in its non-streaming answer too.
+    vllm = [chunk([{"index": 0, "delta": {"content": t}, "logprobs": {"content": [token(t)]},
+                    "finish_reason": None}]) for t in ("a", "b")] + [finish_chunk("stop")]
+    assert assemble("chat", vllm)["choices"][0]["logprobs"] == {
+        "content": [token("a"), token("b")]}
+    # OpenAI: "content" and "refusal" in every chunk and in its non-streaming answer.
+    openai = [chunk([{"index": 0, "delta": {"content": t},
+                      "logprobs": {"content": [token(t)], "refusal": None},
+                      "finish_reason": None}]) for t in ("a", "b")] + [finish_chunk("stop")]
+    assert assemble("chat", openai)["choices"][0]["logprobs"] == {
+        "content": [token("a"), token("b")], "refusal": None}
+
+
+def test_reasoning_streamed_apart_is_kept_in_the_message_as_the_engine_answers_it():
+    # vLLM / DeepSeek: the reasoning comes in its own delta field, then the answer.
+    chunks = [delta_chunk({"role": "assistant", "content": ""}),
+              delta_chunk({"reasoning_content": "Two and "}),
+              delta_chunk({"reasoning_content": "two: four."}),
+              delta_chunk({"content": "4"}), finish_chunk("stop")]
+    assert assemble("chat", chunks)["choices"][0]["message"] == {
+        "role": "assistant", "content": "4", "reasoning_content": "Two and two: four."}
+    # Cut off while reasoning: no answer text at all, as the non-streaming answer says (null).
+    cut = [delta_chunk({"role": "assistant"}), delta_chunk({"reasoning_content": "Hmm"}),
+           finish_chunk("length")]
+    assert assemble("chat", cut)["choices"][0]["message"] == {
+        "role": "assistant", "content": None, "reasoning_content": "Hmm"}
+
+
+def test_a_refusal_streamed_in_pieces_is_whole_and_content_null():
+    chunks = [delta_chunk({"role": "assistant", "content": None, "refusal": None}),
+              delta_chunk({"refusal": "I can't "}), delta_chunk({"refusal": "help with that."}),
+              finish_chunk("stop")]
+    assert assemble("chat", chunks)["choices"][0]["message"] == {
+        "role": "assistant", "content": None, "refusal": "I can't help with that."}
+
+
+def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins():
+    text = [delta_chunk({"role": "assistant", "content": "hi"}), finish_chunk("stop")]
+    assert "usage" not in assemble("chat", text)                 # none invented
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    # vLLM's continuous usage: every chunk carries the usage so far; the last is the total.
+    running = [{**c, "usage": {**usage, "completion_tokens": i, "total_tokens": 3 + i}}
+               for i, c in enumerate(text)] + [chunk([], usage=usage)]
+    assert assemble("chat", running)["usage"] == usage
 
 
 def test_round_trip_keeps_extra_fields_of_other_servers():

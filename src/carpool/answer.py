@@ -8,7 +8,10 @@ Contract:
 - ``complete`` is true only for a 2xx answer in which every choice has a finish reason (embeddings:
   every item has a vector). Only complete answers are stored or kept joinable after their flight.
 - ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
-- ``tokens`` is prompt + completion tokens of the call: what a hit or a joiner did not recompute.
+- ``tokens`` is prompt + completion tokens of the call: what a hit or a joiner did not recompute,
+  as the upstream reported them (``usage``); 0 when it reported none. ``usage_missing`` says
+  that the body has no ``usage`` at all (e.g. assembled from the stream of an engine that
+  ignores ``stream_options.include_usage``): nothing is invented in its place.
 - An ``Answer`` is immutable once built; many clients read it at once. Its ``body`` is a copy
   of exactly its length (see ``__post_init__``), so ``size`` is what it really holds.
 """
@@ -34,6 +37,7 @@ class Answer:
     frames: list[bytes] | None = None
     usage_frame: int | None = None          # index in frames of the usage-only chunk, if any
     _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
+    _usage_missing: bool | None = None      # computed on first use (``usage_missing``)
 
     def __post_init__(self) -> None:
         # A copy holds exactly its length. orjson (>= 3.12) returns bytes whose buffer is at
@@ -45,6 +49,21 @@ class Answer:
     @classmethod
     def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:
         return cls(kind, raw, complete, usage_tokens(parsed))
+
+    @property
+    def usage_missing(self) -> bool:
+        """Whether the body has no ``usage`` object (the upstream reported none)."""
+        if self.tokens > 0:                     # the usual case, without parsing the body
+            return False
+        missing = self._usage_missing
+        if missing is None:
+            try:
+                parsed = orjson.loads(self.body)
+                missing = not (isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict))
+            except orjson.JSONDecodeError:
+                missing = False
+            self._usage_missing = missing
+        return missing
 
     @property
     def size(self) -> int:

@@ -59,12 +59,42 @@ Contract
 - A non-2xx upstream answer reaches every caller of the batch as the same status, headers and
   body; an exception from ``send`` is raised to every caller; a 2xx answer that does not hold one
   embedding per input is an ``UpstreamError`` (502) for all of them.
+- Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
+  ``total_tokens``, each when it is there); an upstream that reported none gives answers
+  without ``usage``: nothing is invented.
+
+Merging must not change an answer (issue 15): some engines answer a list of inputs wrongly
+(llama-cpp-python's server: every item but the first gets a wrong vector), though they answer
+each input alone right. So merging is asked of a :class:`ListCheck` (``lists``; None: always
+merge, for an upstream known to be right):
+
+- ``ListCheck.verdict(group)`` is True when merging the group's items is known safe on every
+  replica, False when it is known unsafe on one (or ``mode`` is ``off``), None while unknown.
+  ``mode`` ``on`` is always True. With ``auto``, a replica is known safe for a group's path,
+  model, parameters and query string once a *probe* has sent it a 2-item list of two fixed
+  sentences and each of them alone (with the group's credentials) and the list's vectors
+  matched the single ones (cosine >= ``SAME_VECTOR``, same length). A list answered wrongly,
+  malformed, or refused with a 4xx other than 408/409/429 makes it unsafe for good; a probe
+  that cannot decide (a single answered non-2xx, a transport failure, a 5xx) is tried again
+  after ``retry_s``. Verdicts are kept per replica for the process's life. Probes run in the
+  background (``probe(group)``, at most one per replica and group at a time), started by the
+  first batch of two or more items that could not be merged; their answers never reach a
+  client. ``aclose()`` cancels those still running; ``wait_idle()`` waits for them.
+- ``embed``: a group whose verdict is False is not buffered at all: the request goes to
+  ``send`` as it came (counted in ``alone``). A batch closed while its verdict is not True is
+  sent item by item, each item's body with its own single ``input``, concurrently, and each
+  caller gets the upstream's own answer to its item, status included (an exception from
+  ``send`` reaches the callers of that item only). A batch of one item is a list of one
+  when merging is safe, the item alone otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
+import struct
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -74,9 +104,10 @@ import orjson
 from carpool.errors import UpstreamError
 from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
-from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+from carpool.upstream.base import Upstream, UpstreamRequest, UpstreamResponse
 
-__all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "approx_tokens"]
+__all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "ListCheck",
+           "approx_tokens"]
 
 I = TypeVar("I")  # noqa: E741 - an item
 R = TypeVar("R")  # a result
@@ -369,6 +400,148 @@ def _apportion(total: int, weights: Sequence[int]) -> list[int]:
     return shares
 
 
+# The probe's two inputs: unrelated sentences, so that one's vector given for the other (the
+# usual way a broken list goes wrong) cannot pass for right.
+PROBE_INPUTS = ("carpool checks that a list of inputs is answered item by item.",
+                "Zwei völlig andere Wörter: 42 Äpfel, drei Birnen.")
+# Two vectors of one input are the same answer at this cosine or above: engines that batch on a
+# GPU differ from their single answers in the last digits (padding, kernel order), far above
+# this; a wrong item is another text's vector, far below it.
+SAME_VECTOR = 0.99
+# A list refused with these is not an answer about lists: the probe is tried again later.
+_UNDECIDED = frozenset({408, 409, 429})
+
+
+class ListCheck:
+    """Whether merging embeddings inputs into one list call keeps every answer what it is alone,
+    per replica; see the module docstring."""
+
+    def __init__(self, mode: str, upstreams: Sequence[Upstream], *, retry_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"mode must be auto, on or off, not {mode!r}")
+        self.mode = mode
+        self.upstreams = list(upstreams)
+        self.retry_s = retry_s
+        self.clock = clock
+        self._verdicts: dict[tuple[int, Hashable], bool] = {}
+        self._retry_at: dict[tuple[int, Hashable], float] = {}
+        self._probes: dict[tuple[int, Hashable], asyncio.Task[None]] = {}
+        self.probes = 0                    # probes run (each: three upstream calls)
+
+    @staticmethod
+    def _key(group: Any) -> Hashable:
+        path, _identity, template, query = group
+        return path, template, query       # what the engine answers: not who asks
+
+    def verdict(self, group: Any) -> bool | None:
+        if self.mode != "auto":
+            return self.mode == "on"
+        key = self._key(group)
+        found = [self._verdicts.get((i, key)) for i in range(len(self.upstreams))]
+        if False in found:
+            return False
+        return True if found and all(found) else None
+
+    def probe(self, group: Any) -> None:
+        """Start the probes this group still needs (never more than one per replica)."""
+        if self.mode != "auto":
+            return
+        key, now = self._key(group), self.clock()
+        for i, upstream in enumerate(self.upstreams):
+            slot = (i, key)
+            if slot in self._verdicts or slot in self._probes \
+                    or now < self._retry_at.get(slot, 0.0):
+                continue
+            task = asyncio.get_running_loop().create_task(self._probe(slot, upstream, group))
+            self._probes[slot] = task
+
+    async def _probe(self, slot: tuple[int, Hashable], upstream: Upstream, group: Any) -> None:
+        self.probes += 1
+        try:
+            verdict = await probe_lists(upstream, group)
+        finally:
+            del self._probes[slot]
+        if verdict is None:
+            self._retry_at[slot] = self.clock() + self.retry_s
+        else:
+            self._verdicts[slot] = verdict
+
+    def stats(self) -> dict[str, Any]:
+        verdicts = list(self._verdicts.values())
+        return {"mode": self.mode, "probes": self.probes,
+                "lists_right": verdicts.count(True), "lists_wrong": verdicts.count(False)}
+
+    async def wait_idle(self) -> None:
+        while self._probes:
+            await asyncio.gather(*list(self._probes.values()), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
+        await self.wait_idle()
+
+
+async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
+    """Whether ``upstream`` answers a 2-item list as it answers each item alone, for the
+    group's path, body template, credentials and query: True, False, or None (undecided)."""
+    path, identity, template, query = group
+    body = orjson.loads(template)
+    body.pop("encoding_format", None)           # floats, to compare
+
+    async def ask(value: Any) -> tuple[int, bytes]:
+        response = await upstream.send(UpstreamRequest(path, {**body, "input": value},
+                                                       dict(identity), False, query))
+        try:
+            if response.streaming:
+                return 502, b""
+            return response.status, response.body
+        finally:
+            await response.aclose()
+
+    answers = await asyncio.gather(ask(list(PROBE_INPUTS)), *(ask(t) for t in PROBE_INPUTS),
+                                   return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, asyncio.CancelledError):
+            raise answer
+    if any(isinstance(answer, BaseException) for answer in answers):
+        return None                             # unreachable, timed out: undecided
+    (listed_status, listed_body), *singles = answers
+    alone = [_vectors(raw, 1) if 200 <= status < 300 else None for status, raw in singles]
+    if any(vectors is None for vectors in alone):
+        return None                             # the singles are the reference: none, no verdict
+    if not 200 <= listed_status < 300:
+        return None if listed_status in _UNDECIDED or listed_status >= 500 else False
+    listed = _vectors(listed_body, len(PROBE_INPUTS))
+    return listed is not None and all(_same(one[0], item)  # type: ignore[index]
+                                      for one, item in zip(alone, listed, strict=True))
+
+
+def _vectors(raw: bytes, count: int) -> list[list[float]] | None:
+    """The ``count`` vectors of an embeddings answer in index order, or None if it has not."""
+    try:
+        data = sorted(orjson.loads(raw)["data"], key=lambda row: row["index"])
+        if [row["index"] for row in data] != list(range(count)):
+            return None
+        out = []
+        for row in data:
+            value = row["embedding"]
+            if isinstance(value, str):           # base64 little-endian float32
+                packed = base64.b64decode(value)
+                value = list(struct.unpack(f"<{len(packed) // 4}f", packed))
+            out.append([float(x) for x in value])
+        return out
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, struct.error):
+        return None
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    if len(a) != len(b) or not a:
+        return False
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return norms > 0 and sum(x * y for x, y in zip(a, b, strict=True)) / norms >= SAME_VECTOR
+
+
 class EmbeddingBatcher:
     """Dynamic batching with dedup for ``/embeddings``; see the module docstring."""
 
@@ -378,11 +551,14 @@ class EmbeddingBatcher:
                  observe_wait: Callable[[float], None] | None = None,
                  observe_size: Callable[[int], None] | None = None,
                  max_in_flight: int | None = None,
-                 key_headers: Iterable[str] = DEFAULT_KEY_HEADERS) -> None:
+                 key_headers: Iterable[str] = DEFAULT_KEY_HEADERS,
+                 lists: ListCheck | None = None) -> None:
         self._send = send
         self.key_headers = tuple(name.lower() for name in key_headers)
+        self.lists = lists
         self.bypassed = 0
-        self._core: KeyedBatcher[str | tuple[int, ...], tuple[bytes, dict[str, str]]] = \
+        self.alone = 0                      # batchable requests/items sent alone, not merged
+        self._core: KeyedBatcher[str | tuple[int, ...], Any] = \
             KeyedBatcher(self._compute, max_batch_size=max_batch_size,
                          max_batch_delay_s=max_batch_delay_s, max_batch_cost=max_batch_tokens,
                          max_in_flight=max_in_flight, observe_wait=observe_wait,
@@ -415,13 +591,22 @@ class EmbeddingBatcher:
     def max_items_seen(self) -> int:
         return self._core.max_items_seen
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {"batches": self.batches, "items_sent": self.items_sent,
                 "requests": self.requests, "max_items_seen": self.max_items_seen,
-                "bypassed": self.bypassed}
+                "bypassed": self.bypassed, "alone": self.alone,
+                **({"lists": self.lists.stats()} if self.lists is not None else {})}
 
     async def wait_idle(self) -> None:
+        """Wait until every batch and every list probe started so far has finished."""
         await self._core.wait_idle()
+        if self.lists is not None:
+            await self.lists.wait_idle()
+
+    async def aclose(self) -> None:
+        """Cancel the list probes still running (before the upstreams close)."""
+        if self.lists is not None:
+            await self.lists.aclose()
 
     def _plan(self, request: UpstreamRequest) -> tuple[Hashable, str | tuple[int, ...]] | None:
         """(group, item) of a batchable request, else None."""
@@ -454,25 +639,53 @@ class EmbeddingBatcher:
             self.bypassed += 1
             return await self._send(request)
         group, item = plan
+        if self.lists is not None and self.lists.verdict(group) is False:
+            # Known unsafe to merge: not even buffered, sent as the client sent it.
+            self.alone += 1
+            return await self._send(request)
         key = (type(item).__name__, item)
         try:
-            body, headers = await self._core.submit(group, key, item, approx_tokens(item))
+            result = await self._core.submit(group, key, item, approx_tokens(item))
         except _BatchFailed as failed:
             return UpstreamResponse(failed.status, failed.headers, failed.body)
-        return UpstreamResponse(200, headers, body)
+        if isinstance(result, BaseException):        # this item's own call failed
+            raise result
+        return result
 
     async def _compute(self, group: Any, items: list[str | tuple[int, ...]]
-                       ) -> list[tuple[bytes, dict[str, str]]]:
+                       ) -> list[UpstreamResponse | BaseException]:
+        if self.lists is not None and self.lists.verdict(group) is not True:
+            if len(items) > 1:
+                self.lists.probe(group)          # in the background: these go alone now
+            self.alone += len(items)
+            return await asyncio.gather(*(self._one(group, item) for item in items),
+                                        return_exceptions=True)
         path, identity, template, query = group
         body = orjson.loads(template)
-        body["input"] = [item if isinstance(item, str) else list(item) for item in items]
+        body["input"] = [_value(item) for item in items]
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
         try:
             if response.streaming:
                 raise UpstreamError("the upstream answered an embeddings call with a stream")
             if not 200 <= response.status < 300:
                 raise _BatchFailed(response.status, response.headers, response.body)
-            return self._split(response, items, body["model"])
+            return [UpstreamResponse(200, headers, answer)
+                    for answer, headers in self._split(response, items, body["model"])]
+        finally:
+            await response.aclose()
+
+    async def _one(self, group: Any, item: str | tuple[int, ...]) -> UpstreamResponse:
+        """One item in a call of its own: the upstream's answer to it, as it came."""
+        path, identity, template, query = group
+        body = orjson.loads(template)
+        body["input"] = _value(item)
+        response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
+        try:
+            if response.streaming:
+                raise UpstreamError("the upstream answered an embeddings call with a stream")
+            if not 200 <= response.status < 300:
+                return UpstreamResponse(response.status, response.headers, response.body)
+            return UpstreamResponse(response.status, _answer_headers(response), response.body)
         finally:
             await response.aclose()
 
@@ -490,22 +703,31 @@ class EmbeddingBatcher:
                                 "malformed") from exc
         weights = [approx_tokens(item) for item in items]
         usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
-        prompt = usage.get("prompt_tokens")
-        prompt = prompt if type(prompt) is int and prompt >= 0 else sum(weights)
-        total = usage.get("total_tokens")
-        total = total if type(total) is int and total >= 0 else prompt
-        prompt_shares = _apportion(prompt, weights)
-        total_shares = _apportion(total, weights)
+        # Only what the upstream reported is shared out: a figure it did not give is not made up.
+        shares = {name: _apportion(value, weights) for name in ("prompt_tokens", "total_tokens")
+                  if type(value := usage.get(name)) is int and value >= 0}
         model_name = parsed.get("model") if isinstance(parsed.get("model"), str) else model
-        headers = {k: v for k, v in response.headers.items()
-                   if k.lower() not in _DROPPED_RESPONSE_HEADERS}
-        headers["content-type"] = "application/json"
+        headers = _answer_headers(response)
         out = []
-        for embedding, p, t in zip(embeddings, prompt_shares, total_shares, strict=True):
-            out.append((orjson.dumps({
+        for i, embedding in enumerate(embeddings):
+            answer: dict[str, Any] = {
                 "object": "list",
                 "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
                 "model": model_name,
-                "usage": {"prompt_tokens": p, "total_tokens": t},
-            }), headers))
+            }
+            if shares:
+                answer["usage"] = {name: values[i] for name, values in shares.items()}
+            out.append((orjson.dumps(answer), headers))
         return out
+
+
+def _value(item: str | tuple[int, ...]) -> str | list[int]:
+    return item if isinstance(item, str) else list(item)
+
+
+def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
+    """The upstream's headers for a JSON answer we send as bytes: framing ones dropped."""
+    headers = {k: v for k, v in response.headers.items()
+               if k.lower() not in _DROPPED_RESPONSE_HEADERS}
+    headers["content-type"] = "application/json"
+    return headers

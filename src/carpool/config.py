@@ -232,6 +232,19 @@ class BatchingConfig(_Section):
     max_batch_delay_ms: float = Field(5, ge=0, description="Longest wait for a batch to fill.")
     max_batch_tokens: int = Field(8192, ge=1, description="Token budget of one batch "
                                   "(approximated as characters / 4).")
+    embeddings: Literal["auto", "on", "off"] = Field(
+        "auto", description="Whether concurrent single-input /v1/embeddings requests are merged "
+        "into one list-input call. Merging must not change an answer, and some engines answer "
+        "a list wrongly (llama-cpp-python's server: every item but the first). auto: merged "
+        "only once a probe has shown that every replica answers a list item by item as it "
+        "answers single inputs (per model and parameters: a 2-item list and its two items alone, "
+        "vectors compared, sent at the first batch; until then, and for good if a replica "
+        "fails it, each request is sent alone); on: always merged (an engine known to be "
+        "right); off: never merged.")
+    embeddings_probe_retry: float = Field(
+        30, ge=0, description="Seconds before the embeddings list probe (`embeddings: auto`) "
+        "is tried again on a replica when it could not decide (the replica failed, refused the "
+        "credentials or timed out); requests are sent alone meanwhile.")
 
 
 class LimitsConfig(_Section):

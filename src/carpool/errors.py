@@ -21,6 +21,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
+    │                                 (the engine took the call: ``x-should-retry: false``)
     └── FlightAbandoned               499: every client of a flight left and its call was cancelled
 """
 
@@ -42,11 +43,13 @@ class CarpoolError(Exception):
         super().__init__(message)
         self.message = message
 
+    def error_object(self) -> dict[str, Any]:
+        """The error as an OpenAI error object (the value of ``"error"``)."""
+        return {"message": self.message, "type": self.type, "code": self.code}
+
     def body(self) -> bytes:
         """The error as OpenAI's JSON error shape, ready to send."""
-        return orjson.dumps(
-            {"error": {"message": self.message, "type": self.type, "code": self.code}}
-        )
+        return orjson.dumps({"error": self.error_object()})
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json"}
@@ -148,10 +151,28 @@ class UpstreamTimeout(UpstreamError):
 
 
 class UpstreamStreamBroken(UpstreamError):
-    """A stream failed or ended before every choice had a finish reason."""
+    """A stream failed or ended before every choice had a finish reason.
+
+    The upstream took the call (it answered 2xx and began a stream, an empty one included), so
+    an automatic retry would run it again: the reply says ``x-should-retry: false``, which the
+    ``openai`` and ``anthropic`` SDKs obey (they retry a 5xx otherwise). ``upstream_error`` is
+    the engine's own error object when it reported one in the stream: clients get it as it is.
+    """
 
     status = 502
     code = "upstream_stream_broken"
+
+    def __init__(self, message: str, upstream_error: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.upstream_error = upstream_error
+
+    def error_object(self) -> dict[str, Any]:
+        if self.upstream_error is not None:
+            return self.upstream_error
+        return super().error_object()
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "x-should-retry": "false"}
 
 
 class UpstreamStatusError(UpstreamError):
@@ -191,6 +212,4 @@ class FlightAbandoned(CarpoolError):
 
 def error_event(error: CarpoolError) -> bytes:
     """The SSE frame that tells a streaming client its stream failed (OpenAI's SDK raises on it)."""
-    obj = error.error_object() if isinstance(error, UpstreamStatusError) else {
-        "message": error.message, "type": error.type, "code": error.code}
-    return b"data: " + orjson.dumps({"error": obj}) + b"\n\n"
+    return b"data: " + orjson.dumps({"error": error.error_object()}) + b"\n\n"

@@ -7,6 +7,9 @@ Contract:
   units (seconds, bytes) in the name.
 - ``latency_ms`` in /stats: p50/p95/p99 per outcome over the last ``RECENT`` requests of that
   outcome (a ring per outcome: the dashboard wants "now", not the histogram's whole history).
+- ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
+  hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
+  ``tokens_saved`` is a lower bound whenever that is not 0.
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
 """
@@ -41,6 +44,7 @@ class Stats:
         self.upstream_errors = 0
         self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
         self.tokens_saved = 0
+        self.saved_without_usage = 0      # answers saved whose usage the upstream never reported
         self.routing: Counter[str] = Counter()                    # routing decision -> calls
         self.recent: dict[Outcome, deque[float]] = {o: deque(maxlen=RECENT) for o in Outcome}
 
@@ -63,6 +67,7 @@ class Stats:
             "upstream_calls": self.upstream_calls,
             "upstream_errors": self.upstream_errors,
             "tokens_saved": self.tokens_saved,
+            "saved_without_usage": self.saved_without_usage,
             "saved_fraction": round(saved / eligible, 6) if eligible else 0.0,
             "latency_ms": {o.value: _percentiles(ring) for o, ring in self.recent.items() if ring},
         }

@@ -88,7 +88,9 @@ def _cached_endpoint(summary: str, request: str, answer: str, streams: bool) -> 
         "413": "The body is larger than `limits.max_body_bytes`.",
         "422": "The Idempotency-Key was already used with a different request.",
         "431": "The headers are larger than `limits.max_header_bytes`.",
-        "502": "The upstream is unreachable, or its stream broke part-way.",
+        "502": ("The upstream is unreachable, or its stream broke (for a non-streaming "
+                "client: a streaming one gets a 200 and an SSE error event); a broken stream "
+                "carries `x-should-retry: false`."),
         "504": "The upstream did not answer within `limits.upstream_timeout`.",
     }
     responses: dict[str, Any] = {"200": {
@@ -97,7 +99,11 @@ def _cached_endpoint(summary: str, request: str, answer: str, streams: bool) -> 
                     "age": {"description": "On hits: seconds since the answer was produced.",
                             "schema": {"type": "integer"}},
                     "idempotent-replayed": {"description": "`true` on a replayed response.",
-                                            "schema": {"type": "string"}}},
+                                            "schema": {"type": "string"}},
+                    "x-carpool-usage": {"description": "`missing`: the answer has no `usage` "
+                                        "because the upstream reported none (it ignored "
+                                        "`stream_options.include_usage`); none is invented.",
+                                        "schema": {"type": "string", "enum": ["missing"]}}},
         "content": ok_content}}
     for status, description in errors.items():
         content: dict[str, Any] = {"application/json": {"schema": _ref("Error")}}

@@ -16,6 +16,17 @@ Contract:
   per prompt: ``sse.expected_choices``); anything less fails the flight (``_consume``: an SSE
   error event for streaming clients, a 502 for the others). A whole JSON body with fewer
   choices is served as the upstream sent it, but not stored (``_complete``).
+- Errors do not multiply calls: a flight whose stream failed, even before its first chunk (an
+  engine's empty 200 stream), ends a streaming client's reply as a 200 SSE stream with an error
+  event, and a non-streaming client's as a 502 with ``x-should-retry: false``: a retried 5xx
+  would make one client call several engine calls. An error the engine reported keeps its
+  status and body (before the stream) or its error object (in the stream). Unreachable (502)
+  and timed-out (504) upstreams keep their statuses, for every client.
+- An answer served whole (JSON, or SSE to a client that asked for usage) whose body has no
+  ``usage`` because the engine reported none carries ``x-carpool-usage: missing``; nothing is
+  invented. ``tokens_saved`` counts what the engine reported for the answers of hits and
+  joiners (streaming joiners once their stream ended whole); ``saved_without_usage`` counts the
+  others.
 - With ``redis``, identical requests on different instances share one call too: the lead of each
   instance's flight leads it for all of them or relays it from the instance that does
   (``flight_shared.py``); whatever Redis does, the flight still gets its answer. Semantic
@@ -38,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .answer import Answer
-from .batching import EmbeddingBatcher
+from .batching import EmbeddingBatcher, ListCheck
 from .broadcast import Broadcast
 from .config import Config
 from .errors import (
@@ -101,6 +112,8 @@ log = logging.getLogger("carpool")
 JSON = (b"content-type", b"application/json")
 SSE = (b"content-type", b"text/event-stream")
 SSE_HEADERS = [SSE, (b"cache-control", b"no-cache")]
+# On an answer whose body has no usage because the engine reported none (README, Streaming).
+USAGE_MISSING = (b"x-carpool-usage", b"missing")
 PROMPT_PREFIX_CHARS = 1024
 
 
@@ -153,15 +166,20 @@ class Gateway:
                                   min(64 * 1024, self.config.limits.max_body_bytes))
         self.metrics = Metrics(self.stats, self.gauges)
         self.replicas = build_replicas(self.config, self.upstreams, self._observe_attempt)
-        # Single embeddings are merged into list calls; identical ones were coalesced before.
+        # Single embeddings are merged into list calls (identical ones were coalesced before),
+        # but only where every replica is known to answer a list as it answers each item alone
+        # (batching.embeddings; ``ListCheck``): merging must not change an answer.
+        batching = self.config.batching
         self.batcher = EmbeddingBatcher(
             lambda upstream_request: self._call(upstream_request, ""),
-            max_batch_size=self.config.batching.max_batch_size,
-            max_batch_delay_s=self.config.batching.max_batch_delay_ms / 1000,
-            max_batch_tokens=self.config.batching.max_batch_tokens,
+            max_batch_size=batching.max_batch_size,
+            max_batch_delay_s=batching.max_batch_delay_ms / 1000,
+            max_batch_tokens=batching.max_batch_tokens,
             observe_wait=self.metrics.batch_wait.observe,
             observe_size=self.metrics.batch_size.observe,
-            key_headers=names_of(self.config.tenant))
+            key_headers=names_of(self.config.tenant),
+            lists=ListCheck(batching.embeddings, self.upstreams,
+                            retry_s=batching.embeddings_probe_retry))
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         self.semantic: SemanticCache | None = semantic if semantic is not None else \
             build_semantic(self.config, self.upstreams, self.store)
@@ -397,12 +415,17 @@ class Gateway:
         broadcast = ticket.broadcast
         # A flight led here but relayed from another instance's call is shared, not a miss.
         outcome = Outcome.MISS if ticket.leader and not broadcast.remote else Outcome.COALESCED
-        if broadcast.frames and request.stream:
+        if request.stream and (broadcast.frames
+                               or isinstance(broadcast.error, UpstreamStreamBroken)):
             # A live stream: relay it; the ticket is released when this client's stream ends.
+            # A stream that failed before its first chunk (an engine's empty 200 stream, e.g.
+            # a prompt over its context) ends the same way, as an SSE error event after a 200:
+            # a 502 would be retried by the SDKs, one client call making three engine calls.
             self.stats.count(route, outcome)
+            saved = partial(self._saved, outcome) if outcome.saved else None
             return Reply(200, [*SSE_HEADERS, outcome.header],
-                         stream=_relay(broadcast, request.include_usage), outcome=outcome,
-                         on_close=ticket.release)
+                         stream=_relay(broadcast, request.include_usage, saved),
+                         outcome=outcome, on_close=ticket.release)
         ticket.release()
         if broadcast.error is not None:
             self.stats.count(route, outcome)
@@ -597,15 +620,27 @@ class Gateway:
         SSE, with the final usage chunk if it asked for it (``include_usage``)."""
         self.stats.count(route, outcome)
         if outcome.saved:
-            self.stats.tokens_saved += answer.tokens
+            self._saved(outcome, answer)
         headers = [JSON, outcome.header, *extra]
         if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
             headers.append((b"age", str(int(answer.age())).encode()))
+        if (not stream or include_usage) and answer.usage_missing:
+            # The engine reported no usage for this answer (it ignored include_usage on the
+            # stream it was assembled from): said so, rather than dropped silently or invented.
+            headers.append(USAGE_MISSING)
         if not stream:
             return Reply(200, headers, answer.body, outcome=outcome)
         headers[0] = SSE
         return Reply(200, headers, b"".join(answer.sse(include_usage)) + DONE,
                      outcome=outcome)
+
+    def _saved(self, outcome: Outcome, answer: Answer) -> None:
+        """A request answered without a call of its own: the tokens the engine reported for the
+        answer were not recomputed. An answer it reported none for is counted apart, so that
+        ``tokens_saved`` reads as what it is, a lower bound."""
+        self.stats.tokens_saved += answer.tokens
+        if answer.usage_missing:
+            self.stats.saved_without_usage += 1
 
     # ---------------------------------------------------------------------------------------
     # Library API and introspection
@@ -708,6 +743,7 @@ class Gateway:
             self.invalidations.start()
 
     async def aclose(self) -> None:
+        await self.batcher.aclose()              # its probes use the upstreams closed below
         if self.invalidations is not None:
             await self.invalidations.aclose()
         if self.semantic is not None:
@@ -764,7 +800,10 @@ async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,
         if "error" in chunk:
             error = chunk["error"]
             message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamStreamBroken(f"the upstream stream failed: {message}")
+            # The engine's own error object reaches the clients as it is (its message, type
+            # and code), not a paraphrase.
+            raise UpstreamStreamBroken(f"the upstream stream failed: {message}",
+                                       error if isinstance(error, dict) else None)
         chunks.append(chunk)
         if b"\n" in payload:                 # a multi-line data field: one line per frame
             payload = orjson.dumps(chunk)
@@ -791,12 +830,16 @@ def _complete(kind: str, raw: bytes, asked: Mapping[str, Any]) -> Answer:
                             is_complete(kind, parsed, expected_choices(kind, asked)))
 
 
-async def _relay(broadcast: Broadcast, include_usage: bool) -> AsyncIterator[bytes]:
+async def _relay(broadcast: Broadcast, include_usage: bool,
+                 saved: Callable[[Answer], None] | None = None) -> AsyncIterator[bytes]:
+    """A flight's stream for one client; ``saved`` (a joiner's) is told the answer it got."""
     async for chunk in broadcast.follow(include_usage):
         yield chunk
     if broadcast.error is not None:
         yield error_event(broadcast.error)
     else:
+        if saved is not None and broadcast.answer is not None:
+            saved(broadcast.answer)
         yield DONE
 
 

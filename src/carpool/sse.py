@@ -24,8 +24,8 @@ Contract:
     * every choice has ``index``, ``finish_reason`` and ``logprobs`` (None or a dict), and chat
       choices a ``message`` with a ``role``;
     * a chat message's ``content`` is a string, or None only alongside non-empty ``tool_calls``,
-      a ``function_call`` or a non-empty ``refusal`` (a bare None comes back as ``""``, the text
-      of a stream that sent none);
+      a ``function_call``, or a non-empty ``refusal`` or reasoning text (``reasoning_content``,
+      ``reasoning``) (a bare None comes back as ``""``, the text of a stream that sent none);
     * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} only, and appear
       in index order; ``function_call`` has ``name`` and ``arguments``;
     * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
@@ -33,6 +33,16 @@ Contract:
   Any other top-level, choice or message field survives as well: top-level ones keep their first
   non-null value, choice ones their last non-null value; message ones (``refusal``,
   ``reasoning_content``, ...) concatenate when strings, else keep their last non-null value.
+  Logprobs keep exactly the keys the chunks sent (lists concatenate).
+- Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
+  only for ``synthesize``'s: a tool call's (or legacy ``function_call``'s) ``id`` and ``type``
+  are kept from their first delta, and its ``name`` is sent once (OpenAI, vLLM), in pieces, or
+  repeated whole in every delta (llama.cpp's server, which repeats ``id``, ``type`` and ``name``
+  with each piece of the arguments): a name delta equal to the whole name so far is a repeat,
+  not more of the name (so a name streamed as two equal halves, ``"ab"`` + ``"ab"``, reads as
+  ``"ab"``: no engine is known to split names so). ``arguments`` always concatenate. A stream
+  without a usage chunk (an engine that ignores ``stream_options.include_usage``) assembles
+  without ``usage``: nothing is invented.
   The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
   input: copy before mutating those.
 - ``is_complete(kind, body, choices=None)`` says whether a body is a complete, successful answer
@@ -200,24 +210,28 @@ class _ToolCall:
     def __init__(self) -> None:
         self.id: str | None = None
         self.type: str | None = None
-        self.name: list[str] = []
+        self.name = ""
         self.arguments: list[str] = []
 
     def add(self, delta: dict) -> None:
-        # id and type come once, in the first delta of a call; name and arguments may be split.
+        # id and type come in the first delta of a call (some engines repeat them: the first
+        # is kept). The name comes once, whole, from OpenAI and vLLM, but llama.cpp's server
+        # repeats it whole in every delta, with each piece of the arguments: a piece equal to
+        # the whole name so far is that repeat, not more of the name.
         if self.id is None:
             self.id = delta.get("id")
         if self.type is None:
             self.type = delta.get("type")
         function = delta.get("function") or {}
-        if function.get("name"):
-            self.name.append(function["name"])
+        name = function.get("name")
+        if isinstance(name, str) and name and name != self.name:
+            self.name += name
         if function.get("arguments"):
             self.arguments.append(function["arguments"])
 
     def body(self) -> dict:
         return {"id": self.id, "type": self.type or "function",
-                "function": {"name": "".join(self.name), "arguments": "".join(self.arguments)}}
+                "function": {"name": self.name, "arguments": "".join(self.arguments)}}
 
 
 class _Choice:
@@ -296,10 +310,9 @@ class _Choice:
         out: dict[str, Any] = {"index": self.index}
         if kind == "chat":
             out["message"] = self._message()
+            # Exactly the keys the engine sent: OpenAI sends "content" and "refusal" in every
+            # chunk (and in its non-streaming answer), vLLM "content" only.
             logprobs = _merge_logprobs(self.logprobs)
-            if logprobs is not None:
-                logprobs.setdefault("content", None)
-                logprobs.setdefault("refusal", None)
         else:
             out["text"] = "".join(self.text)
             logprobs = _merge_logprobs(self.logprobs)
@@ -313,8 +326,11 @@ class _Choice:
         fields = {key: merged.value() for key, merged in self.fields.items()}
         if self.content is not None:
             message["content"] = "".join(self.content)
-        elif self.tool_calls or self.function_call or fields.get("refusal"):
-            message["content"] = None        # what a non-streaming answer says: no text at all
+        elif self.tool_calls or self.function_call or any(
+                fields.get(key) for key in ("refusal", "reasoning_content", "reasoning")):
+            # What a non-streaming answer says when something else is the answer (calls, a
+            # refusal, a reasoning model cut off before its answer): no text at all.
+            message["content"] = None
         else:
             message["content"] = ""
         message.update(fields)

@@ -451,3 +451,73 @@ async def test_openai_sdk_against_the_fake() -> None:
             assert upstream.calls[0].headers["authorization"] == "Bearer sk-x"
         finally:
             await sdk.close()
+
+
+# ------------------------------------------------------------------ llama.cpp's server, imitated
+
+
+async def stream_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
+    async with client.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        return await read_sse(response)
+
+
+async def test_tool_call_answers_and_their_two_stream_styles(fake) -> None:
+    upstream, client = fake
+    upstream.tool_call = ("get_weather", '{"city": "Paris"}')
+    whole = (await client.post(CHAT, json=chat_body())).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_fake_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    openai_style = await stream_events(client, chat_body())
+    calls = [e["choices"][0]["delta"]["tool_calls"][0] for e in openai_style[:-1]
+             if e["choices"][0]["delta"].get("tool_calls")]
+    assert [c["function"].get("name") for c in calls] == ["get_weather", None, None]
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    upstream.tool_call_style = "llama.cpp"
+    llama = await stream_events(client, chat_body())
+    deltas = [e["choices"][0]["delta"] for e in llama[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": None, "function_call": None,
+                         "tool_calls": None}
+    repeated = [d for d in deltas[1:] if d.get("tool_calls")]
+    assert len(repeated) == 2 and all(
+        d["tool_calls"][0]["function"]["name"] == d["function_call"]["name"] == "get_weather"
+        and d["tool_calls"][0]["id"] == "call_fake_3" for d in repeated)
+    assert deltas[-1] == {"role": None, "content": None, "function_call": None,
+                          "tool_calls": None}
+    assert llama[-2]["choices"][0]["finish_reason"] == "tool_calls" and llama[-1] == "[DONE]"
+    whole = (await client.post(CHAT, json=chat_body())).json()["choices"][0]["message"]
+    assert whole["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+async def test_ignore_include_usage_leaves_usage_out_of_streams_only(fake) -> None:
+    upstream, client = fake
+    upstream.ignore_include_usage = True
+    events = await stream_events(client, chat_body(stream_options={"include_usage": True}))
+    assert all("usage" not in e for e in events[:-1])
+    assert "usage" in (await client.post(CHAT, json=chat_body())).json()
+
+
+async def test_empty_stream_is_a_200_event_stream_with_nothing_in_it(fake) -> None:
+    upstream, client = fake
+    upstream.empty_stream = True
+    async with client.stream("POST", CHAT, json={**chat_body(), "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream"
+        assert await response.aread() == b""
+
+
+async def test_broken_list_embeddings_answer_only_a_lists_first_item_right(fake) -> None:
+    upstream, client = fake
+
+    async def vectors(value: Any) -> list[list[float]]:
+        response = await client.post("/v1/embeddings", json={"model": "e", "input": value})
+        return [row["embedding"] for row in response.json()["data"]]
+
+    right = [(await vectors(text))[0] for text in ("a", "b", "c")]
+    assert await vectors(["a", "b", "c"]) == right
+    upstream.broken_list_embeddings = True
+    listed = await vectors(["a", "b", "c"])
+    assert listed[0] == right[0] and listed[1] != right[1] and listed[2] != right[2]
+    assert await vectors("b") == [right[1]] and await vectors(["b"]) == [right[1]]

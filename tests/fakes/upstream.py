@@ -69,6 +69,28 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   text but leaves them out of the finish chunk (still ending with ``[DONE]``); a non-streaming
   body gives them ``finish_reason: null``.
 - ``answer_text: Callable[[int, dict], str] | None``: the answer text for call ``n`` and its body.
+- ``tool_call: tuple[str, str] | None``: (name, arguments): every chat choice answers with one
+  call of that function instead of text: ``message {"role": "assistant", "content": null,
+  "tool_calls": [{"id": f"call_fake_{n}", "type": "function", "function": {"name",
+  "arguments"}}]}`` and ``finish_reason: "tool_calls"``. Streamed as ``tool_call_style`` says.
+- ``tool_call_style: str``: how a tool call is streamed. ``"openai"`` (default): a first delta
+  ``{"role": "assistant", "content": null}``, then one delta with the call's ``index``, ``id``,
+  ``type``, ``name`` and ``arguments: ""``, then the arguments in pieces (one per word) with only
+  ``index`` and ``function.arguments``. ``"llama.cpp"``, as llama-cpp-python's server streams a
+  forced tool choice: a first delta ``{"role": "assistant", "content": null, "function_call":
+  null, "tool_calls": null}``, then per piece of the arguments a delta ``{"role": null,
+  "content": null, "function_call": {"name", "arguments": piece}, "tool_calls": [{"index": 0,
+  "id", "type", "function": {"name", "arguments": piece}}]}`` (the name, id and type repeated
+  in every chunk), and the finish chunk's delta has all four null; its non-streaming answer
+  carries the legacy ``function_call`` beside ``tool_calls``.
+- ``ignore_include_usage: bool``: streams never carry usage, whatever ``stream_options`` says
+  (llama-cpp-python's server); non-streaming answers still have it.
+- ``empty_stream: bool``: a stream is answered 200 ``text/event-stream`` with no event at all,
+  not even ``[DONE]``, and ends (llama-cpp-python's server on a prompt over its context).
+- ``broken_list_embeddings: bool``: an embeddings call with a list of several inputs answers
+  the first one's right vector and, for every other item, a wrong one (a deterministic vector
+  of the item's index and the whole list), as llama-cpp-python's server does; a single input
+  (or a list of one) is answered right.
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
   (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
 - ``models: list[str]``: what ``GET /v1/models`` lists.
@@ -214,6 +236,11 @@ class FakeUpstream:
         self.drop_choices: set[int] = set()
         self.unfinished_choices: set[int] = set()
         self.answer_text: Callable[[int, dict[str, Any]], str] | None = None
+        self.tool_call: tuple[str, str] | None = None
+        self.tool_call_style: str = "openai"
+        self.ignore_include_usage: bool = False
+        self.empty_stream: bool = False
+        self.broken_list_embeddings: bool = False
         self.embedding_fn: Callable[[Any], list[float]] | None = None
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
 
@@ -427,7 +454,17 @@ class FakeUpstream:
     def _finish(self, index: int = 0) -> str | None:
         if self.omit_finish_reason or index in self.unfinished_choices:
             return None
-        return self.finish_reason
+        return "tool_calls" if self.tool_call is not None else self.finish_reason
+
+    def _tool_call_message(self, call: Call) -> dict[str, Any]:
+        assert self.tool_call is not None
+        name, arguments = self.tool_call
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_fake_{call.number}", "type": "function",
+             "function": {"name": name, "arguments": arguments}}]}
+        if self.tool_call_style == "llama.cpp":
+            message["function_call"] = {"name": name, "arguments": arguments}
+        return message
 
     @staticmethod
     def _n(body: dict[str, Any]) -> int:
@@ -448,7 +485,8 @@ class FakeUpstream:
                                    "invalid_request_error")
             return
         last = messages[-1] if isinstance(messages[-1], dict) else {}
-        text = self._answer(call, _text_of(last.get("content")))
+        text = self._answer(call, _text_of(last.get("content"))) if self.tool_call is None \
+            else self.tool_call[1]
         model = body.get("model", "fake-model")
         prompt_tokens = sum(_count_words(_text_of(m.get("content")))
                             for m in messages if isinstance(m, dict))
@@ -461,7 +499,8 @@ class FakeUpstream:
             return
         await self._send_json(send, call, 200, {
             "id": cid, "object": "chat.completion", "created": CREATED, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t},
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t}
+                         if self.tool_call is None else self._tool_call_message(call),
                          "logprobs": None, "finish_reason": self._finish(i)}
                         for i, t in enumerate(texts) if i not in self.drop_choices],
             "usage": usage, "system_fingerprint": "fp_fake",
@@ -511,6 +550,8 @@ class FakeUpstream:
         for i, item in enumerate(items):
             vector = (self.embedding_fn(item) if self.embedding_fn is not None
                       else _hash_vector(item, int(dims)))
+            if self.broken_list_embeddings and i > 0:
+                vector = _hash_vector(["wrong", i, items], len(vector))
             encoded: Any = vector
             if body.get("encoding_format") == "base64":
                 encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -527,7 +568,11 @@ class FakeUpstream:
         body = call.body or {}
         stream_options = body.get("stream_options")
         include_usage = bool(isinstance(stream_options, dict)
-                             and stream_options.get("include_usage"))
+                             and stream_options.get("include_usage")) \
+            and not self.ignore_include_usage
+        tool_call = self.tool_call if chat else None
+        llama = self.tool_call_style == "llama.cpp"
+        nulls = {"role": None, "content": None, "function_call": None, "tool_calls": None}
         chunk_gate = self.chunk_gate
         gate_after = self.chunk_gate_after
         cut_after = self.cut_after
@@ -546,9 +591,29 @@ class FakeUpstream:
                 chunk["usage"] = with_usage
             return b"data: " + _json(chunk) + b"\n\n"
 
+        def tool_delta(piece: str, first: bool) -> dict[str, Any]:
+            assert tool_call is not None
+            name, _ = tool_call
+            if llama:                                # id, type and name in every chunk
+                return {"role": None, "content": None,
+                        "function_call": {"name": name, "arguments": piece},
+                        "tool_calls": [{"index": 0, "id": f"call_fake_{call.number}",
+                                        "type": "function",
+                                        "function": {"name": name, "arguments": piece}}]}
+            if first:
+                return {"tool_calls": [{"index": 0, "id": f"call_fake_{call.number}",
+                                        "type": "function",
+                                        "function": {"name": name, "arguments": ""}}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+
         def choice(index: int, piece: str | None, finish_reason: str | None) -> dict[str, Any]:
             if chat:
-                delta = {} if piece is None else {"content": piece}
+                if piece is None:
+                    delta = dict(nulls) if tool_call is not None and llama else {}
+                elif tool_call is not None:
+                    delta = tool_delta(piece, False)
+                else:
+                    delta = {"content": piece}
                 return {"index": index, "delta": delta, "logprobs": None,
                         "finish_reason": finish_reason}
             return {"text": piece or "", "index": index, "logprobs": None,
@@ -583,10 +648,20 @@ class FakeUpstream:
             (b"cache-control", b"no-cache"),
             (b"x-fake-call", str(call.number).encode()),
         ]})
+        if self.empty_stream:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         if chat and shown:
-            await emit(frame([{"index": i, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None} for i in shown]))
+            first: dict[str, Any] = {"role": "assistant", "content": ""}
+            if tool_call is not None:
+                first = {**nulls, "role": "assistant"} if llama \
+                    else {"role": "assistant", "content": None}
+            await emit(frame([{"index": i, "delta": first, "logprobs": None,
+                               "finish_reason": None} for i in shown]))
         for index in shown:
+            if tool_call is not None and not llama:
+                await emit(frame([{"index": index, "delta": tool_delta("", True),
+                                   "logprobs": None, "finish_reason": None}]))
             for word in _WORD.findall(texts[index]):
                 await checkpoint()
                 await emit(frame([choice(index, word, None)]))

@@ -7,9 +7,9 @@ Contract (on top of ``upstream.base``):
   0.26 ms p50 through aiohttp and 0.55-0.68 ms through httpx (benchmarks/README.md).
 - Transport errors are translated here, the aiohttp error kept as ``__cause__``: a timeout ->
   ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
-  failure while a stream is being read, or a stream that ends without ``[DONE]`` ->
-  ``UpstreamStreamBroken`` (502). Their messages reach
-  clients: they name the replica by its ``label`` and say what happened in words
+  failure while a stream is being read, or a stream that ends without ``[DONE]`` (an empty one
+  included: its message says it sent nothing) -> ``UpstreamStreamBroken`` (502). Their messages
+  reach clients: they name the replica by its ``label`` and say what happened in words
   (``reason``), never an exception repr, an address or a credential.
 - Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
   configured one, or the URL without user, password, query and fragment; ``label`` is what
@@ -173,6 +173,7 @@ class HttpUpstream:
 
     async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         decoder = SSEDecoder()
+        sent = False
         try:
             async for data in response.content.iter_any():
                 for event, payload in decoder.feed(data):
@@ -180,9 +181,14 @@ class HttpUpstream:
                         return
                     if event == "error" and not payload.startswith(b'{"error"'):
                         payload = b'{"error":' + payload + b"}"
+                    sent = True
                     yield payload
             # The body ended cleanly but the stream did not: a server that stopped (a crash, a
             # proxy's cut) reads just like this. Without [DONE] nothing says the answer is whole.
+            if not sent:
+                # llama.cpp's server answers a prompt over its context so: 200, then nothing.
+                raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without "
+                                           "sending anything (an input it could not take?)")
             raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without [DONE]")
         except _TIMEOUTS as exc:
             raise UpstreamStreamBroken(f"upstream {self.label} stalled mid-stream") from exc

@@ -1,0 +1,311 @@
+"""What clients get through carpool is what the engine gives them directly (issue 15, items 2-4).
+
+The fake upstream imitates llama-cpp-python's server where it differs from OpenAI
+(``tests/fakes/upstream.py``: ``tool_call_style = "llama.cpp"``, ``ignore_include_usage``,
+``empty_stream``, ``broken_list_embeddings``), and each rule is checked against the engine's own
+answer, asked directly:
+
+- an answer assembled from a stream is the engine's non-streaming answer (tool calls whose name
+  the engine repeats in every chunk included), for the client that led the call, the clients
+  that joined it and every later hit;
+- where the engine reports no usage on a stream, the answers built from it say so
+  (``x-carpool-usage: missing``) and ``tokens_saved`` counts only what the engine reported;
+- a stream that fails before its first chunk is one engine call per client call, with the
+  official ``openai`` SDK's retries on; an error the engine reported keeps its status and
+  message;
+- single embeddings are merged into list calls only once a probe has shown that the engine
+  answers lists item by item; an engine that does not never has its list answers served.
+
+Joiners get into a flight through the fake's ``chunk_gate`` (the upstream pauses mid-stream until
+every client is in), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from carpool.batching import PROBE_INPUTS
+from carpool.broadcast import Broadcast
+from carpool.errors import UpstreamStreamBroken, error_event
+from carpool.pipeline import _consume
+from carpool.upstream.base import UpstreamResponse
+from fakes.waiting import eventually
+
+CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+
+
+def tool_body(content: str = "Weather in Paris?") -> dict[str, Any]:
+    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}],
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+
+async def direct(fake, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own non-streaming answer, asked without the gateway."""
+    async with httpx.AsyncClient(base_url=fake.url, timeout=10) as client:
+        response = await client.post(path.removeprefix("/v1"), json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def without_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with what differs from one engine call to the next (ids) taken out."""
+    body = json.loads(json.dumps(body))
+    body.pop("id", None)
+    for choice in body.get("choices", []):
+        for call in (choice.get("message") or {}).get("tool_calls") or []:
+            call.pop("id", None)
+    return body
+
+
+def flight_clients(served) -> int:
+    return sum(f.clients for f in served.gateway.flights._flights.values())
+
+
+async def stream(served, body: dict[str, Any]) -> tuple[httpx.Response, str]:
+    async with served.client.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        return response, (await response.aread()).decode()
+
+
+async def leader_and_joiners(served, fake, body: dict[str, Any]
+                             ) -> tuple[tuple[httpx.Response, str], tuple[httpx.Response, str],
+                                        httpx.Response]:
+    """A streaming leader, then a streaming and a non-streaming joiner of its flight."""
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(stream(served, body))
+    await fake.chunk_gate_reached.wait()
+    streaming = asyncio.create_task(stream(served, body))
+    plain = asyncio.create_task(served.client.post(CHAT, json=body))
+    await eventually(lambda: flight_clients(served) == 3, what="three clients in the flight")
+    fake.chunk_gate.set()
+    results = await asyncio.gather(leader, streaming, plain)
+    fake.chunk_gate = None
+    return results[0], results[1], results[2]
+
+
+def events(raw: str) -> list[Any]:
+    return [json.loads(line[6:]) for line in raw.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+async def stats(served) -> dict[str, Any]:
+    return (await served.client.get("/stats")).json()
+
+
+# --- 2. assembly that matches the engine --------------------------------------------------------
+
+@pytest.mark.parametrize("style", ["openai", "llama.cpp"])
+async def test_a_streamed_tool_call_is_served_as_the_engines_own_non_streaming_answer(
+        gw, fake, style):
+    fake.tool_call, fake.tool_call_style = CALL, style
+    body = tool_body()
+    engine = await direct(fake, CHAT, body)
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, body)
+    assert fake.count() == 2                                    # the direct call, then one
+    assert leader.headers["x-carpool"] == "miss" and joiner.headers["x-carpool"] == "coalesced"
+    assert events(joined) == events(raw)                        # the engine's own frames
+    if style == "llama.cpp":                                    # ...the name in every chunk
+        assert sum('"name":"get_weather"' in json.dumps(e, separators=(",", ":"))
+                   for e in events(raw)) > 2
+    assert plain.headers["x-carpool"] == "coalesced"
+    assert without_ids(plain.json()) == without_ids(engine)
+    message = plain.json()["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"] == {"name": CALL[0], "arguments": CALL[1]}
+    hit = await gw.client.post(CHAT, json=body)
+    assert hit.headers["x-carpool"] == "hit" and hit.json() == plain.json()
+    assert fake.count() == 2
+
+
+async def test_an_engine_that_ignores_include_usage_gives_answers_that_say_usage_is_missing(
+        gw, fake):
+    fake.tool_call, fake.tool_call_style, fake.ignore_include_usage = CALL, "llama.cpp", True
+    body = tool_body()
+    engine = await direct(fake, CHAT, body)
+    assert "usage" in engine                                   # its non-streaming answer has it
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, body)
+    assert not any("usage" in e and e["usage"] for e in events(raw))
+    assert plain.headers["x-carpool-usage"] == "missing" and "usage" not in plain.json()
+    engine.pop("usage")
+    assert without_ids(plain.json()) == without_ids(engine)    # nothing else differs
+    hit = await gw.client.post(CHAT, json=body)
+    assert hit.headers["x-carpool-usage"] == "missing" and "usage" not in hit.json()
+    with_usage, raw = await stream(gw, {**body, "stream_options": {"include_usage": True}})
+    assert with_usage.headers["x-carpool"] == "hit"
+    assert with_usage.headers["x-carpool-usage"] == "missing"
+    without, _ = await stream(gw, body)                        # it did not ask for usage
+    assert "x-carpool-usage" not in without.headers
+
+
+async def test_answers_with_the_engines_usage_carry_no_usage_header(gw, fake):
+    (leader, _), (joiner, _), plain = await leader_and_joiners(gw, fake, tool_body("usage"))
+    assert "usage" in plain.json() and "x-carpool-usage" not in plain.headers
+    hit = await gw.client.post(CHAT, json=tool_body("usage"))
+    assert "x-carpool-usage" not in hit.headers
+
+
+async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
+    # Reported: the streaming joiner, the non-streaming joiner and a hit each saved the call.
+    body = tool_body("reported")
+    await leader_and_joiners(gw, fake, body)
+    await gw.client.post(CHAT, json=body)
+    usage = (await direct(fake, CHAT, body))["usage"]
+    counted = await stats(gw)
+    assert counted["tokens_saved"] == 3 * usage["total_tokens"] > 0
+    assert counted["saved_without_usage"] == 0
+    # Not reported: nothing is added, and the answers saved without it are counted apart.
+    fake.ignore_include_usage = True
+    body = tool_body("not reported")
+    await leader_and_joiners(gw, fake, body)
+    await gw.client.post(CHAT, json=body)
+    after = await stats(gw)
+    assert after["tokens_saved"] == counted["tokens_saved"]
+    assert after["saved_without_usage"] == 3
+
+
+# --- 4. errors that do not multiply calls -------------------------------------------------------
+
+@pytest.fixture
+def sdk(gw):
+    # The SDK's own retries on (its default is 2): the point is that they are not triggered.
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=2)
+
+
+async def test_an_empty_200_stream_is_one_engine_call_for_one_streaming_sdk_call(sdk, gw, fake):
+    fake.empty_stream = True                  # llama.cpp's server on a prompt over its context
+    with pytest.raises(openai.APIError, match="without sending anything"):
+        stream = await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "too long"}], temperature=0,
+            stream=True)
+        async for _ in stream:
+            pass
+    assert fake.count() == 1
+    response, raw = await stream_raw(gw, "too long")
+    assert response.status_code == 200 and events(raw)[-1].keys() == {"error"}
+    assert "data: [DONE]" not in raw and fake.count() == 2
+    assert gw.gateway.store.entries == 0
+
+
+async def stream_raw(served, content: str) -> tuple[httpx.Response, str]:
+    return await stream(served, {"model": "m", "temperature": 0,
+                                 "messages": [{"role": "user", "content": content}]})
+
+
+async def test_an_empty_stream_led_for_a_non_streaming_sdk_call_is_not_retried(
+        gateway_with, fake):
+    async with gateway_with(upstream={"stream_flights": True}) as gw:
+        sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=2)
+        fake.empty_stream = True
+        with pytest.raises(openai.APIStatusError) as raised:
+            await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "too long"}], temperature=0)
+        assert raised.value.status_code == 502                    # the status kept...
+        assert raised.value.response.headers["x-should-retry"] == "false"   # ...not retried
+        assert fake.count() == 1
+
+
+@pytest.mark.parametrize("status", [400, 500])
+async def test_an_error_the_engine_reported_keeps_its_status_and_message_for_a_stream(
+        gw, fake, status):
+    fake.fail_status = status
+    fake.fail_body = {"error": {"message": "the prompt is longer than the context (4096)",
+                                "type": "invalid_request_error", "code": "context_length_exceeded"}}
+    sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "too long"}], temperature=0,
+            stream=True)
+    assert raised.value.status_code == status
+    assert raised.value.body["message"] == "the prompt is longer than the context (4096)"
+    assert raised.value.body["code"] == "context_length_exceeded"
+    assert fake.count() == 1
+
+
+async def test_an_error_the_engine_reports_in_its_stream_reaches_clients_as_it_is():
+    engine_error = {"message": "the prompt is longer than the context", "type": "BadRequestError",
+                    "code": 400}
+
+    async def events() -> AsyncIterator[bytes]:
+        yield json.dumps({"error": engine_error}).encode()      # vLLM: then [DONE]
+
+    with pytest.raises(UpstreamStreamBroken) as raised:
+        await _consume("chat", UpstreamResponse(200, events=events()), Broadcast(), {})
+    assert json.loads(error_event(raised.value)[6:]) == {"error": engine_error}
+    assert json.loads(raised.value.body()) == {"error": engine_error}
+    assert raised.value.headers()["x-should-retry"] == "false"
+
+
+# --- 3. batching that cannot change an answer ---------------------------------------------------
+
+# Four concurrent requests close a batch by its size: no timer decides what is merged.
+BATCH = {"max_batch_size": 4, "max_batch_delay_ms": 60_000}
+
+
+async def embed_all(served, texts: list[str]) -> list[httpx.Response]:
+    responses = await asyncio.gather(*(served.client.post(EMBEDDINGS, json={
+        "model": "e", "input": text}) for text in texts))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return responses
+
+
+def vector(response: httpx.Response) -> list[float]:
+    return response.json()["data"][0]["embedding"]
+
+
+def list_calls(fake) -> list[list[Any]]:
+    return [c.body["input"] for c in fake.calls
+            if c.path == EMBEDDINGS and isinstance(c.body["input"], list)]
+
+
+async def test_singles_are_never_merged_for_an_engine_that_answers_lists_wrongly(
+        gateway_with, fake):
+    fake.broken_list_embeddings = True
+    texts = [f"text {i}" for i in range(8)]
+    alone = {t: (await direct(fake, EMBEDDINGS, {"model": "e", "input": t}))["data"][0]
+             ["embedding"] for t in texts}
+    async with gateway_with(batching=BATCH) as gw:
+        first = await embed_all(gw, texts[:4])            # a batch of four: sent item by item
+        await gw.gateway.batcher.wait_idle()              # the probe it started has decided
+        assert gw.gateway.batcher.stats()["lists"]["lists_wrong"] == 1
+        second = await embed_all(gw, texts[4:])           # not even buffered: sent as it came
+        assert [vector(r) for r in first + second] == [alone[t] for t in texts]
+        assert list_calls(fake) == [list(PROBE_INPUTS)]   # the probe's list, and no other
+        hits = await embed_all(gw, texts)
+        assert all(r.headers["x-carpool"] == "hit" for r in hits)
+        assert [vector(r) for r in hits] == [alone[t] for t in texts]
+
+
+async def test_singles_are_merged_once_the_probe_shows_lists_are_answered_item_by_item(
+        gateway_with, fake):
+    texts = [f"text {i}" for i in range(8)]
+    async with gateway_with(batching=BATCH) as gw:
+        first = await embed_all(gw, texts[:4])
+        assert list_calls(fake) in ([], [list(PROBE_INPUTS)])   # none merged before the verdict
+        await gw.gateway.batcher.wait_idle()
+        assert gw.gateway.batcher.stats()["lists"]["lists_right"] == 1
+        second = await embed_all(gw, texts[4:])
+        assert list_calls(fake)[-1] == texts[4:]            # one merged call for the four
+        calls = fake.count()
+    alone = [(await direct(fake, EMBEDDINGS, {"model": "e", "input": t}))["data"][0]["embedding"]
+             for t in texts]
+    assert [vector(r) for r in first + second] == alone
+    assert calls == 4 + 3 + 1                               # alone, the probe, one merged
+
+
+async def test_with_embeddings_batching_off_nothing_is_merged_nor_probed(gateway_with, fake):
+    async with gateway_with(batching={**BATCH, "embeddings": "off"}) as gw:
+        await embed_all(gw, [f"text {i}" for i in range(4)])
+        await gw.gateway.batcher.wait_idle()
+        assert list_calls(fake) == [] and fake.count() == 4
+        assert gw.gateway.batcher.stats()["lists"]["probes"] == 0
