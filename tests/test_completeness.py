@@ -13,7 +13,6 @@ every client is in), never by sleeping.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -24,7 +23,7 @@ from carpool.errors import UpstreamStreamBroken
 from carpool.pipeline import _pipe
 from carpool.sse import expected_choices, is_complete
 from carpool.upstream.base import UpstreamResponse
-from fakes.waiting import eventually
+from fakes.flights import leader_and_joiners, stream
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -52,35 +51,6 @@ def assert_openai_error(response: httpx.Response, status: int = 502) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and "type" in error and "code" in error
-
-
-def flight_clients(served) -> int:
-    return sum(f.clients for f in served.gateway.flights._flights.values())
-
-
-async def stream(served, path: str, body: dict) -> tuple[httpx.Response, str]:
-    async with served.client.stream("POST", path, json={**body, "stream": True}) as response:
-        return response, (await response.aread()).decode()
-
-
-async def leader_and_joiners(served, fake, path: str, body: dict, *, leader_streams: bool = True
-                             ) -> tuple[tuple[httpx.Response, str] | httpx.Response,
-                                        tuple[httpx.Response, str], httpx.Response]:
-    """A leader, then a streaming and a non-streaming joiner of its flight, all to the end.
-
-    The upstream holds its stream after two chunks until the three clients are in the flight.
-    """
-    fake.chunk_gate = asyncio.Event()
-    leader = asyncio.create_task(stream(served, path, body) if leader_streams
-                                 else served.client.post(path, json=body))
-    await fake.chunk_gate_reached.wait()
-    streaming = asyncio.create_task(stream(served, path, body))
-    plain = asyncio.create_task(served.client.post(path, json=body))
-    await eventually(lambda: flight_clients(served) == 3, what="three clients in the flight")
-    fake.chunk_gate.set()
-    results = await asyncio.gather(leader, streaming, plain)
-    fake.chunk_gate = None
-    return results[0], results[1], results[2]
 
 
 async def assert_fresh_call_next(served, fake, path: str, body: dict, calls: int) -> None:

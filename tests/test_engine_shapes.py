@@ -36,7 +36,7 @@ from carpool.broadcast import Broadcast
 from carpool.errors import UpstreamStreamBroken, error_event
 from carpool.pipeline import _consume
 from carpool.upstream.base import UpstreamResponse
-from fakes.waiting import eventually
+from fakes.flights import leader_and_joiners, stream
 
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
@@ -70,31 +70,6 @@ def without_ids(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def flight_clients(served) -> int:
-    return sum(f.clients for f in served.gateway.flights._flights.values())
-
-
-async def stream(served, body: dict[str, Any]) -> tuple[httpx.Response, str]:
-    async with served.client.stream("POST", CHAT, json={**body, "stream": True}) as response:
-        return response, (await response.aread()).decode()
-
-
-async def leader_and_joiners(served, fake, body: dict[str, Any]
-                             ) -> tuple[tuple[httpx.Response, str], tuple[httpx.Response, str],
-                                        httpx.Response]:
-    """A streaming leader, then a streaming and a non-streaming joiner of its flight."""
-    fake.chunk_gate = asyncio.Event()
-    leader = asyncio.create_task(stream(served, body))
-    await fake.chunk_gate_reached.wait()
-    streaming = asyncio.create_task(stream(served, body))
-    plain = asyncio.create_task(served.client.post(CHAT, json=body))
-    await eventually(lambda: flight_clients(served) == 3, what="three clients in the flight")
-    fake.chunk_gate.set()
-    results = await asyncio.gather(leader, streaming, plain)
-    fake.chunk_gate = None
-    return results[0], results[1], results[2]
-
-
 def events(raw: str) -> list[Any]:
     return [json.loads(line[6:]) for line in raw.splitlines()
             if line.startswith("data: ") and line != "data: [DONE]"]
@@ -112,7 +87,7 @@ async def test_a_streamed_tool_call_is_served_as_the_engines_own_non_streaming_a
     fake.tool_call, fake.tool_call_style = CALL, style
     body = tool_body()
     engine = await direct(fake, CHAT, body)
-    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, body)
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert fake.count() == 2                                    # the direct call, then one
     assert leader.headers["x-carpool"] == "miss" and joiner.headers["x-carpool"] == "coalesced"
     assert events(joined) == events(raw)                        # the engine's own frames
@@ -134,22 +109,22 @@ async def test_an_engine_that_ignores_include_usage_gives_answers_that_say_usage
     body = tool_body()
     engine = await direct(fake, CHAT, body)
     assert "usage" in engine                                   # its non-streaming answer has it
-    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, body)
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert not any("usage" in e and e["usage"] for e in events(raw))
     assert plain.headers["x-carpool-usage"] == "missing" and "usage" not in plain.json()
     engine.pop("usage")
     assert without_ids(plain.json()) == without_ids(engine)    # nothing else differs
     hit = await gw.client.post(CHAT, json=body)
     assert hit.headers["x-carpool-usage"] == "missing" and "usage" not in hit.json()
-    with_usage, raw = await stream(gw, {**body, "stream_options": {"include_usage": True}})
+    with_usage, raw = await stream(gw, CHAT, {**body, "stream_options": {"include_usage": True}})
     assert with_usage.headers["x-carpool"] == "hit"
     assert with_usage.headers["x-carpool-usage"] == "missing"
-    without, _ = await stream(gw, body)                        # it did not ask for usage
+    without, _ = await stream(gw, CHAT, body)                        # it did not ask for usage
     assert "x-carpool-usage" not in without.headers
 
 
 async def test_answers_with_the_engines_usage_carry_no_usage_header(gw, fake):
-    (leader, _), (joiner, _), plain = await leader_and_joiners(gw, fake, tool_body("usage"))
+    (leader, _), (joiner, _), plain = await leader_and_joiners(gw, fake, CHAT, tool_body("usage"))
     assert "usage" in plain.json() and "x-carpool-usage" not in plain.headers
     hit = await gw.client.post(CHAT, json=tool_body("usage"))
     assert "x-carpool-usage" not in hit.headers
@@ -158,7 +133,7 @@ async def test_answers_with_the_engines_usage_carry_no_usage_header(gw, fake):
 async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
     # Reported: the streaming joiner, the non-streaming joiner and a hit each saved the call.
     body = tool_body("reported")
-    await leader_and_joiners(gw, fake, body)
+    await leader_and_joiners(gw, fake, CHAT, body)
     await gw.client.post(CHAT, json=body)
     usage = (await direct(fake, CHAT, body))["usage"]
     counted = await stats(gw)
@@ -167,7 +142,7 @@ async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
     # Not reported: nothing is added, and the answers saved without it are counted apart.
     fake.ignore_include_usage = True
     body = tool_body("not reported")
-    await leader_and_joiners(gw, fake, body)
+    await leader_and_joiners(gw, fake, CHAT, body)
     await gw.client.post(CHAT, json=body)
     after = await stats(gw)
     assert after["tokens_saved"] == counted["tokens_saved"]
@@ -198,7 +173,7 @@ async def test_an_empty_200_stream_is_one_engine_call_for_one_streaming_sdk_call
 
 
 async def stream_raw(served, content: str) -> tuple[httpx.Response, str]:
-    return await stream(served, {"model": "m", "temperature": 0,
+    return await stream(served, CHAT, {"model": "m", "temperature": 0,
                                  "messages": [{"role": "user", "content": content}]})
 
 
