@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from carpool.apis import api_of
 from carpool.errors import UpstreamStreamBroken
 from carpool.pipeline import _pipe
 from carpool.sse import expected_choices, is_complete
@@ -226,7 +227,7 @@ async def test_an_upstream_error_event_ends_a_bypassed_stream_without_a_second_o
         yield b'{"error":{"message":"engine died"}}'
         raise UpstreamStreamBroken("ended without [DONE]")
 
-    frames = [f async for f in _pipe(UpstreamResponse(200, events=events()))]
+    frames = [f async for f in _pipe(api_of("chat"), UpstreamResponse(200, events=events()))]
     assert len(frames) == 2 and b"engine died" in frames[1]
 
 

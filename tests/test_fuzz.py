@@ -38,7 +38,11 @@ from schemathesis.checks import (  # noqa: E402
 
 MAX_EXAMPLES = 150
 ADMIN = "fuzz-admin-token"
-CACHED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+CACHED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+          "/v1/messages"}
+# The typed streams (no [DONE]) and the event each ends with when whole.
+LAST_EVENT = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed"),
+              "/v1/messages": ("message_stop",)}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
 
@@ -68,8 +72,16 @@ def _check_cached_endpoint(case: Any, response: Any) -> None:
     if response.status_code < 400:
         if content_type.startswith("text/event-stream"):
             # schemathesis stops reading a stream after its first events (``stream_cut_short``):
-            # only a stream it read to its end must end with [DONE].
-            assert response.stream_cut_short or response.text.rstrip().endswith("data: [DONE]")
+            # only a stream it read to its end must end with [DONE] (with its last event, for
+            # a typed stream).
+            text = response.text.rstrip()
+            if case.path in LAST_EVENT:
+                last = text.rpartition("\n\n")[2]
+                assert response.stream_cut_short or (
+                    "[DONE]" not in text and last.startswith(tuple(
+                        f"event: {name}\n" for name in LAST_EVENT[case.path]))), text[-300:]
+            else:
+                assert response.stream_cut_short or text.endswith("data: [DONE]")
         else:
             orjson.loads(response.content)
         return
@@ -79,6 +91,11 @@ def _check_cached_endpoint(case: Any, response: Any) -> None:
         assert {"type", "title", "status", "detail"} <= set(body)
         return
     assert content_type.startswith("application/json")
+    if case.path == "/v1/messages":              # Anthropic's error shape
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+        assert isinstance(body["error"]["type"], str)
+        return
     assert set(body) == {"error"}, body
     error = body["error"]
     assert isinstance(error["message"], str) and error["message"]
@@ -136,8 +153,9 @@ async def test_fuzzing_the_http_surface_gets_only_well_formed_2xx_and_4xx_and_th
 async def test_the_openapi_document_describes_every_route_of_the_gateway(gw):
     document = (await gw.client.get("/openapi.json")).json()
     assert set(document["paths"]) == {
-        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/healthz", "/readyz",
-        "/stats", "/metrics", "/dashboard", "/openapi.json", "/admin/invalidate"}
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+        "/v1/messages", "/healthz", "/readyz", "/stats", "/metrics", "/dashboard",
+        "/openapi.json", "/admin/invalidate"}
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "413", "502", "504"} <= set(chat["responses"])
     request = document["components"]["schemas"]["ChatCompletionRequest"]

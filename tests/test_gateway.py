@@ -235,6 +235,16 @@ async def test_identical_embeddings_requests_make_one_call(gw, fake):
     assert (await gw.client.post("/v1/embeddings", json=body)).headers["x-carpool"] == "hit"
 
 
+async def test_embeddings_asked_to_stream_are_answered_as_json(gw, fake):
+    # Embeddings have no stream form: ``stream: true`` is no reason to crash on a hit.
+    body = {"model": "e", "input": "alpha", "stream": True}
+    first = await gw.client.post("/v1/embeddings", json=body)
+    again = await gw.client.post("/v1/embeddings", json=body)
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
+    assert again.headers["content-type"].startswith("application/json")
+    assert again.json() == first.json() and fake.count() == 1
+
+
 async def test_completions_endpoint_is_cached_too(gw, fake):
     body = {"model": "m", "prompt": "Say hi", "temperature": 0}
     first = await gw.client.post("/v1/completions", json=body)

@@ -1,12 +1,15 @@
 """An answer produced by one upstream call, in the form every layer shares and stores.
 
 Contract:
-- ``body`` is the complete response as a non-streaming client receives it, as bytes ready to send
-  (assembled from the chunks when the upstream streamed). ``frames`` are the SSE frames exactly as
-  the upstream streamed them (``None`` if it did not stream); a streaming client is served those,
-  or frames synthesized once from ``body``.
-- ``complete`` is true only for a 2xx answer in which every choice has a finish reason (embeddings:
-  every item has a vector). Only complete answers are stored or kept joinable after their flight.
+- ``kind`` is its API's (``carpool.apis``). ``body`` is the complete response as a non-streaming
+  client receives it, as bytes ready to send (assembled from the chunks when the upstream
+  streamed). ``frames`` are the SSE frames as the upstream streamed them (``None`` if it did not
+  stream); a streaming client is served those, or frames synthesized once from ``body`` by its
+  API (``Api.synthesize``: chat chunks, or the typed events of Responses and Messages).
+- ``complete`` is true only for a 2xx answer its API judges complete (``Api.complete``: every
+  choice has a finish reason; embeddings: every item has a vector; Responses: status
+  ``completed``; Messages: a ``stop_reason``). Only complete answers are stored or kept joinable
+  after their flight.
 - ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
 - ``tokens`` is prompt + completion tokens of the call: what a hit or a joiner did not recompute,
   as the upstream reported them (``usage``); 0 when it reported none. ``usage_missing`` says
@@ -24,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from .sse import frame, synthesize, usage_tokens
+from .apis import api_of
 
 
 @dataclass(slots=True, eq=False)
@@ -48,7 +51,7 @@ class Answer:
 
     @classmethod
     def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:
-        return cls(kind, raw, complete, usage_tokens(parsed))
+        return cls(kind, raw, complete, api_of(kind).usage_tokens(parsed))
 
     @property
     def usage_missing(self) -> bool:
@@ -71,15 +74,16 @@ class Answer:
         return len(self.body) + sum(len(f) for f in self.frames or ()) + 200
 
     def sse(self, include_usage: bool) -> list[bytes]:
-        """The frames a streaming client receives (without the final ``[DONE]``)."""
+        """The frames a streaming client receives (without the API's ``stream_end``, the final
+        ``[DONE]`` of OpenAI's classic streams)."""
         if self.frames is not None:
             if include_usage or self.usage_frame is None:
                 return self.frames
             return [f for i, f in enumerate(self.frames) if i != self.usage_frame]
         cached = self._synthesized.get(include_usage)
         if cached is None:
-            chunks = synthesize(self.kind, orjson.loads(self.body), include_usage=include_usage)
-            cached = self._synthesized[include_usage] = [frame(orjson.dumps(c)) for c in chunks]
+            cached = self._synthesized[include_usage] = api_of(self.kind).synthesize(
+                orjson.loads(self.body), include_usage)
         return cached
 
     def age(self, now: float | None = None) -> float:

@@ -22,7 +22,10 @@ Contract (CONTRACT.md "Request fingerprint", "Sampling policy", "Tenants"):
   string): any other is scoped to itself. ``owner`` is always the requester's tenant, which
   scopes what is never shared (idempotency records).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
-  1, or a ``seed``. An absent temperature is the upstream's default, which samples. Sampled requests
+  1, or a ``seed`` (``Api.deterministic``). An absent temperature is the upstream's default, which
+  samples (Anthropic's default is 1). A request whose API says it never shares
+  (``Api.never_shared``: Responses' ``background`` and ``conversation``) bypasses whatever the
+  controls say. Sampled requests
   get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
   ``x-carpool-share: sampled``; then they share only with identical parameters, which the key
   already guarantees. Embeddings are always deterministic.
@@ -42,6 +45,7 @@ from typing import Any
 
 import orjson
 
+from .apis.base import is_deterministic
 from .config import Config, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import ANONYMOUS_TENANT, credential_headers, tenant_of
@@ -138,16 +142,6 @@ def requester(headers: Mapping[str, str], config: Config) -> str:
     return tenant_of(headers, names_of(config.tenant))
 
 
-def is_deterministic(body: Mapping[str, Any]) -> bool:
-    """Whether the upstream gives the same output every time (CONTRACT.md "Sampling policy")."""
-    if body.get("seed") is not None:
-        return True
-    if body.get("top_k") == 1:
-        return True
-    temperature = body.get("temperature")
-    return temperature is not None and temperature == 0
-
-
 def fingerprint(request: Request, config: Config,
                 accepted: Container[str] | None = None) -> Fingerprint:
     """The request's key and scope. ``accepted``: the tenants the upstream has recently answered
@@ -159,7 +153,11 @@ def fingerprint(request: Request, config: Config,
     shared = bool(namespace) and namespace in config.tenant.shared_namespaces
     if shared and (accepted is None or (owner, grant_of(request, names_of(config.tenant))) in accepted):
         tenant, shared = "*", False
-    if request.kind != "embedding" and not is_deterministic(request.body):
+    api = request.api
+    never = api.never_shared(request.body)          # (Responses' background, conversation)
+    if never is not None:
+        return Fingerprint(None, tenant, namespace, never, owner)
+    if not api.deterministic(request.body):
         if not (controls.share_sampled or config.sampling == "same-params"):
             return Fingerprint(None, tenant, namespace, "sampled", owner)
     canonical = canonical_body(request.kind, request.body, _collapse(request, config))
@@ -304,30 +302,21 @@ class SemanticView:
 def semantic_view(request: Request, key: Fingerprint, config: Config) -> SemanticView | None:
     """Split a shareable request into its scope and the text compared by meaning, if it has one.
 
-    Only the last user turn is compared by meaning; the model, every parameter, the system prompt
-    and the earlier turns must be identical (they are in the scope), so "cancel it" in a chat
-    about a gym never matches "cancel it" in a chat about a phone plan. Embeddings requests,
-    multimodal last turns and list prompts have no semantic view; nor has a text with a letter
+    Only the last user turn is compared by meaning (each API's ``semantic_split``: chat and
+    Messages' last user message, a completion's prompt, Responses' last user input); the model,
+    every parameter, the system prompt (instructions) and the earlier turns must be identical
+    (they are in the scope), so "cancel it" in a chat about a gym never matches "cancel it" in a
+    chat about a phone plan. Embeddings requests, multimodal last turns and list prompts have no
+    semantic view; nor has a text with a letter
     of a script the model does not read (``semantic.scripts``): it is matched exactly, never
     guessed at.
     """
     if key.key is None:
         return None
-    body = request.body
-    if request.kind == "chat":
-        last = body["messages"][-1]
-        if last.get("role") != "user":
-            return None
-        text = _plain_text(last.get("content"))
-        if text is None:
-            return None
-        rest = {**body, "messages": [*body["messages"][:-1],
-                                     {k: v for k, v in last.items() if k != "content"}]}
-    elif request.kind == "completion" and isinstance(body.get("prompt"), str):
-        text = body["prompt"]
-        rest = {k: v for k, v in body.items() if k != "prompt"}
-    else:
+    split = request.api.semantic_split(request.body)
+    if split is None:
         return None
+    text, rest = split
     if not readable(text, config.semantic.scripts):
         return None
     collapse = _collapse(request, config)
@@ -356,16 +345,6 @@ def _script(ch: str) -> str:
     if name.startswith(("FULLWIDTH LATIN", "MODIFIER LETTER SMALL")):
         return "LATIN"
     return name.split(" ", 1)[0]
-
-
-def _plain_text(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "\n".join(p["text"] for p in content)
-    return None
 
 
 def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[str, Any]:

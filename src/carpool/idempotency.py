@@ -100,8 +100,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
-from .errors import CarpoolError
-from .sse import DONE, SSEDecoder, assemble, frame, is_complete, synthesize
+from .apis import APIS, Api
+from .errors import CarpoolError, UpstreamStreamBroken
 from .store.base import StoreUnavailable, redis_unavailable
 
 if TYPE_CHECKING:
@@ -306,19 +306,20 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", SSE_TYPE)]
 _RETRY_MEANT = frozenset((408, 409, 425, 429, 499))
 _NOT_REACHED = frozenset((502, 503, 504))
-_STREAMS = frozenset(("chat", "completion"))      # the kinds whose answer has both formats
 
 
 def is_final(kind: str, response: StoredResponse) -> bool:
-    """Whether ``response`` (to a request of ``kind``: "chat", "completion", "embedding") is the
-    request's final answer, kept for the retention and replayed; if not, it is retryable and a
+    """Whether ``response`` (to a request of ``kind``: "chat", "responses"..., ``carpool.apis``)
+    is the request's final answer, kept for the retention and replayed; if not, it is retryable and a
     retry with the same key runs again.
 
         status            final  why
-        2xx, complete     yes    executed and answered (JSON: ``sse.is_complete``; a stream:
-                                 it ended with [DONE], no error event, every choice finished)
+        2xx, complete     yes    executed and answered (JSON: ``Api.complete``; a stream:
+                                 it ended whole ([DONE] or its last event), no error event,
+                                 complete)
         2xx, incomplete   no     not an answer: an error body, a body cut or not JSON, a stream
-                                 that failed part-way (error event) or was cut (no [DONE])
+                                 that failed part-way (error event) or was cut (no [DONE],
+                                 no last event)
         4xx but below     yes    executed and refused by the upstream (400 bad parameters,
                                  401/403, 404 no such model, 413, 422...): the same request is
                                  refused again, so replaying the error is the answer
@@ -352,44 +353,55 @@ def replay_as(response: StoredResponse, kind: str, stream: bool,
               include_usage: bool) -> StoredResponse | None:
     """``response`` in the format a retry asks for (``stream``), or None when it has no faithful
     form in it (then: ``IdempotencyFormatMismatch``). Same format: as it is. Another format: a
-    complete 2xx chat/completion answer, its JSON body synthesized into SSE chunks (with the
-    usage chunk if ``include_usage``) or its stream assembled into the JSON body. An error, or
-    an answer of another kind, stored for one format is not replayed in the other: the upstream
-    might have answered the other format differently."""
+    complete 2xx answer of an API with streams (``carpool.apis``: chat, completions, Responses,
+    Messages), its JSON body synthesized into the API's stream (with the usage chunk if
+    ``include_usage``) or its stream assembled into the JSON body. An error, or an answer of
+    another kind, stored for one format is not replayed in the other: the upstream might have
+    answered the other format differently."""
     if response.streamed == stream:
         return response
-    if not 200 <= response.status < 300 or kind not in _STREAMS:
+    api = APIS.get(kind)
+    if not 200 <= response.status < 300 or api is None or not api.streams:
         return None
     if stream:
         body = _json_body(response.body)
-        if body is None or not is_complete(kind, body):
+        if body is None or not api.complete(body):
             return None
-        chunks = synthesize(kind, body, include_usage=include_usage)
         return StoredResponse(response.status, list(_SSE_HEADERS), b"".join(
-            frame(orjson.dumps(chunk)) for chunk in chunks) + DONE, True)
-    chunks = _stream_chunks(response.body)
-    if chunks is None:
-        return None
-    assembled = assemble(kind, chunks)
-    if not is_complete(kind, assembled):
+            api.synthesize(body, include_usage)) + api.stream_end, True)
+    assembled = _assembled(api, response.body)
+    if assembled is None:
         return None
     return StoredResponse(response.status, list(_JSON_HEADERS), orjson.dumps(assembled), False)
 
 
 def _answered(kind: str, response: StoredResponse) -> bool:
     """A 2xx response is a complete answer (see ``is_final``)."""
+    api = APIS.get(kind)
     if any(name == b"content-type" and value.startswith(SSE_TYPE)
            for name, value in response.headers):
-        chunks = _stream_chunks(response.body)
-        if chunks is None:
+        if api is None or not api.streams:
             return False
-        return is_complete(kind, assemble(kind, chunks)) if kind in _STREAMS else True
+        return _assembled(api, response.body) is not None
     body = _json_body(response.body)
     if body is None:
         return False
-    if kind in _STREAMS or kind == "embedding":
-        return is_complete(kind, body)
+    if api is not None:
+        return api.complete(body)
     return "error" not in body                    # another endpoint: its shape is unknown here
+
+
+def _assembled(api: Api, raw: bytes) -> dict[str, Any] | None:
+    """The complete answer a whole SSE body makes: None unless it ended as the API's streams
+    end (``[DONE]``, or its last event), no event in it is an error, and it is complete."""
+    chunks = api.stream_chunks(raw)
+    if chunks is None:
+        return None
+    try:
+        body, complete = api.judge_stream(chunks, None)
+    except UpstreamStreamBroken:
+        return None
+    return body if complete else None
 
 
 def _json_body(raw: bytes) -> dict[str, Any] | None:
@@ -398,23 +410,6 @@ def _json_body(raw: bytes) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         return None
     return body if isinstance(body, dict) else None
-
-
-def _stream_chunks(raw: bytes) -> list[dict[str, Any]] | None:
-    """The chunks of a whole SSE body: None unless it ended with ``[DONE]``, and every event
-    before it is a JSON object without ``error`` (an error event means the stream failed)."""
-    decoder = SSEDecoder()
-    events = decoder.feed(raw)
-    decoder.close()
-    if decoder.truncated or not events or events[-1][1] != b"[DONE]":
-        return None
-    chunks = []
-    for event, payload in events[:-1]:
-        chunk = _json_body(payload) if event != "error" else None
-        if chunk is None or "error" in chunk:
-            return None
-        chunks.append(chunk)
-    return chunks
 
 
 # --------------------------------------------------------------------------- in process

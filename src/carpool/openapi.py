@@ -1,8 +1,9 @@
 """The OpenAPI 3 document of the gateway's own HTTP surface, served at ``GET /openapi.json``.
 
 Contract:
-- It describes what the gateway itself accepts and answers: the three cached endpoints (their
-  main request fields, the cache-control headers, the idempotency key, every status the gateway
+- It describes what the gateway itself accepts and answers: the cached endpoints (chat,
+  completions, embeddings, OpenAI's Responses API, Anthropic's Messages API; their main request
+  fields, the cache-control headers, the idempotency key, every status the gateway
   produces), the control endpoints (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``,
   ``/dashboard``, ``/openapi.json``) and ``POST /admin/invalidate``. Upstream errors pass through with the
   upstream's status and body: that is the ``default`` response of the cached endpoints.
@@ -72,13 +73,23 @@ _OUTCOME_HEADER = {
 }
 
 
-def _cached_endpoint(summary: str, request: str, answer: str, streams: bool) -> dict[str, Any]:
+_CHUNKS = "One event: `data` is a chunk (JSON), or `[DONE]` last, or an `{\"error\": ...}` object."
+
+
+def _typed_events(last: str) -> str:
+    return (f"One typed event: `event` names it and `data` is its JSON object, whose `type` is "
+            f"the same name. No `[DONE]`: the stream ends with `{last}`, or with an `error` "
+            "event when it failed.")
+
+
+def _cached_endpoint(summary: str, request: str, answer: str, streams: bool,
+                     events: str = _CHUNKS, error_schema: str = "Error") -> dict[str, Any]:
     ok_content: dict[str, Any] = {"application/json": {"schema": _ref(answer)}}
     if streams:
         ok_content["text/event-stream"] = {"schema": {
-            "type": "object", "description": "One event: `data` is a chunk (JSON), or "
-                                             "`[DONE]` last, or an `{\"error\": ...}` object.",
-            "required": ["data"], "properties": {"data": {"type": "string"}}}}
+            "type": "object", "description": events,
+            "required": ["data"], "properties": {"event": {"type": "string"},
+                                                 "data": {"type": "string"}}}}
     errors = {
         "400": ("The body is not valid JSON, not an object, nested deeper than "
                 "`limits.max_json_depth`, or a field has the wrong type; or a cache-control "
@@ -106,7 +117,7 @@ def _cached_endpoint(summary: str, request: str, answer: str, streams: bool) -> 
                                         "schema": {"type": "string", "enum": ["missing"]}}},
         "content": ok_content}}
     for status, description in errors.items():
-        content: dict[str, Any] = {"application/json": {"schema": _ref("Error")}}
+        content: dict[str, Any] = {"application/json": {"schema": _ref(error_schema)}}
         if status in ("400", "409", "422"):
             content["application/problem+json"] = {"schema": _ref("Problem")}
         responses[status] = {"description": description, "headers": _OUTCOME_HEADER,
@@ -218,6 +229,81 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {"object": {"type": "string"}, "model": {"type": "string"},
                        "data": {"type": "array", "items": {"type": "object"}},
                        "usage": {"type": "object", "nullable": True}}},
+    "ResponseRequest": {
+        "type": "object", "additionalProperties": True,
+        "properties": {
+            "model": {"type": "string"},
+            "input": {"oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object", "properties": {
+                    "role": {"type": "string",
+                             "enum": ["user", "assistant", "system", "developer"]},
+                    "type": {"type": "string"},
+                    "content": {"oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {
+                            "type": "object", "required": ["type"],
+                            "properties": {"type": {"type": "string"},
+                                           "text": {"type": "string"}}}}]}}}}]},
+            "instructions": {"type": "string"},
+            "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+            "max_output_tokens": {"type": "integer", "minimum": 1},
+            "stream": {"type": "boolean"},
+            "background": {"type": "boolean"},
+            "store": {"type": "boolean"},
+            "previous_response_id": {"type": "string"},
+            "tools": {"type": "array", "items": {"type": "object"}},
+            "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+            "text": {"type": "object"},
+            "reasoning": {"type": "object"},
+            "metadata": {"type": "object"}}},
+    "Response": {
+        "type": "object", "required": ["output"],
+        "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                       "status": {"type": "string"}, "model": {"type": "string"},
+                       "output": {"type": "array", "items": {"type": "object"}},
+                       "usage": {"type": "object", "nullable": True}}},
+    "MessageRequest": {
+        "type": "object", "required": ["model", "messages", "max_tokens"],
+        "additionalProperties": True,
+        "properties": {
+            "model": {"type": "string"},
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "messages": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["role", "content"],
+                "properties": {
+                    "role": {"type": "string", "enum": ["user", "assistant"]},
+                    "content": {"oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {
+                            "type": "object", "required": ["type"],
+                            "properties": {"type": {"type": "string"},
+                                           "text": {"type": "string"}}}}]}}}},
+            "system": {"oneOf": [{"type": "string"},
+                                 {"type": "array", "items": {"type": "object"}}]},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_p": _SAMPLING["top_p"],
+            "top_k": {"type": "integer", "minimum": 1},
+            "stop_sequences": {"type": "array", "items": {"type": "string"}},
+            "stream": {"type": "boolean"},
+            "tools": {"type": "array", "items": {"type": "object"}},
+            "tool_choice": {"type": "object"},
+            "thinking": {"type": "object"},
+            "metadata": {"type": "object"}}},
+    "Message": {
+        "type": "object", "required": ["content"],
+        "properties": {"id": {"type": "string"}, "type": {"type": "string"},
+                       "role": {"type": "string"}, "model": {"type": "string"},
+                       "content": {"type": "array", "items": {"type": "object"}},
+                       "stop_reason": {"type": "string", "nullable": True},
+                       "usage": {"type": "object"}}},
+    "AnthropicError": {
+        "type": "object", "required": ["type", "error"],
+        "description": "Anthropic's error shape, on /v1/messages.",
+        "properties": {"type": {"type": "string", "enum": ["error"]},
+                       "error": {"type": "object", "required": ["type", "message"],
+                                 "properties": {"type": {"type": "string"},
+                                                "message": {"type": "string"}}}}},
     "Invalidate": {
         "description": "Exactly one selector: a tag, a namespace, a prompt prefix, or all.",
         "oneOf": [
@@ -260,6 +346,16 @@ def document() -> dict[str, Any]:
             "/v1/embeddings": _cached_endpoint(
                 "Embeddings (cached, coalesced, batched)", "EmbeddingRequest", "EmbeddingList",
                 streams=False),
+            "/v1/responses": _cached_endpoint(
+                "OpenAI Responses API (cached, coalesced; `background` and `conversation` "
+                "pass through unshared; `GET /v1/responses/{id}` passes through)",
+                "ResponseRequest", "Response", streams=True,
+                events=_typed_events("response.completed` (or `response.incomplete`, "
+                                     "`response.failed")),
+            "/v1/messages": _cached_endpoint(
+                "Anthropic Messages API (cached, coalesced; errors in Anthropic's shape)",
+                "MessageRequest", "Message", streams=True,
+                events=_typed_events("message_stop"), error_schema="AnthropicError"),
             "/healthz": {"get": {"summary": "200 while the gateway serves", "responses": {
                 "200": _json({"type": "object", "required": ["status", "replicas", "redis"],
                               "properties": {

@@ -11,11 +11,16 @@ Contract:
 - The upstream call of a flight runs in the flight's own task (``_lead``), never in a client's:
   it streams into the flight's broadcast, then stores a complete answer before the flight ends,
   so a request that no longer finds the flight finds the answer in the cache.
+- Every API's own knowledge (validation, sharing, framing, judging, assembling, synthesizing,
+  error shapes) is its ``carpool.apis.Api`` (``request.api``): chat, completions, embeddings,
+  OpenAI's Responses API and Anthropic's Messages API go through this same path.
 - Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``.
-  Complete: a stream that ended with ``[DONE]`` and a finish for every choice asked for (``n``
-  per prompt: ``sse.expected_choices``); anything less fails the flight (``_consume``: an SSE
-  error event for streaming clients, a 502 for the others). A whole JSON body with fewer
-  choices is served as the upstream sent it, but not stored (``_complete``).
+  Complete: a chat/completions stream that ended with ``[DONE]`` and a finish for every choice
+  asked for (``n`` per prompt: ``sse.expected_choices``), a typed stream (Responses, Messages)
+  that ended with its last event and completed (``Api.judge_stream``). A stream that stopped
+  short fails the flight (``_consume``: an SSE error event for streaming clients, a 502 for the
+  others). A whole JSON body with fewer choices, or a typed answer that ended without
+  completing (Responses ``incomplete``), is served as the upstream sent it, but not stored.
 - Errors do not multiply calls: a flight whose stream failed, even before its first chunk (an
   engine's empty 200 stream), ends a streaming client's reply as a 200 SSE stream with an error
   event, and a non-streaming client's as a 502 with ``x-should-retry: false``: a retried 5xx
@@ -49,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .answer import Answer
+from .apis import BY_PATH, Api, api_of
 from .batching import EmbeddingBatcher, ListCheck
 from .broadcast import Broadcast
 from .config import Config
@@ -58,7 +64,6 @@ from .errors import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamStreamBroken,
-    error_event,
 )
 from .fingerprint import (
     Fingerprint,
@@ -88,7 +93,6 @@ from .identity import AcceptedCredentials
 from .metrics import Metrics, Stats
 from .outcome import Outcome
 from .request import ClientRequest, Request, list_items, merge_items, parse
-from .sse import DONE, assemble, expected_choices, frame, is_complete, usage_tokens
 from .store import Entry, Store
 from .tracing import Tracer
 from .upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
@@ -214,7 +218,7 @@ class Gateway:
         except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
             # Every answer of a cached endpoint says what it was; a rejected one was not shared.
-            return _error_reply(error, Outcome.BYPASS)
+            return _error_reply(error, Outcome.BYPASS, BY_PATH[route])
         key = fingerprint(request, self.config, self.accepted)
         if memo_key is not None:
             self.repeats.remember(memo_key, request, key, self._read_age(request))
@@ -295,16 +299,16 @@ class Gateway:
             await records.wait(scoped, self._join_timeout)
             begin = await records.begin(scoped, digest)
         if begin.state == "mismatch":
-            return _error_reply(IdempotencyMismatch(), Outcome.BYPASS)
+            return _error_reply(IdempotencyMismatch(), Outcome.BYPASS, request.api)
         if begin.state == "processing":
-            return _error_reply(IdempotencyConflict(), Outcome.BYPASS)
+            return _error_reply(IdempotencyConflict(), Outcome.BYPASS, request.api)
         if begin.state == "done":
             assert begin.response is not None
             stored = replay_as(begin.response, request.kind, request.stream,
                                request.include_usage)
             if stored is None:
                 return _error_reply(IdempotencyFormatMismatch(begin.response.streamed),
-                                    Outcome.BYPASS)
+                                    Outcome.BYPASS, request.api)
             self.stats.count(route, Outcome.HIT)
             return Reply(stored.status, [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
                          stored.body, outcome=Outcome.HIT)
@@ -424,12 +428,12 @@ class Gateway:
             self.stats.count(route, outcome)
             saved = partial(self._saved, outcome) if outcome.saved else None
             return Reply(200, [*SSE_HEADERS, outcome.header],
-                         stream=_relay(broadcast, request.include_usage, saved),
+                         stream=_relay(request.api, broadcast, request.include_usage, saved),
                          outcome=outcome, on_close=ticket.release)
         ticket.release()
         if broadcast.error is not None:
             self.stats.count(route, outcome)
-            return _error_reply(broadcast.error, outcome)
+            return _error_reply(broadcast.error, outcome, request.api)
         assert broadcast.answer is not None
         return self._served(route, outcome, broadcast.answer, request.stream,
                             request.include_usage)
@@ -478,16 +482,14 @@ class Gateway:
 
     async def _call_upstream(self, request: Request, broadcast: Broadcast) -> Answer:
         """The upstream call: streamed into ``broadcast`` frame by frame, then assembled."""
-        body, stream = request.body, request.stream
-        if not stream and self._streams(request):
-            # Streamed anyway, so that streaming clients joining this call get it live.
-            body, stream = {**body, "stream": True}, True
-        if stream and self.config.upstream.stream_usage and not request.include_usage:
-            options = body.get("stream_options")
-            body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
-                                               "include_usage": True}}
+        api, body, stream = request.api, request.body, request.stream
+        # Streamed anyway when the config says so (``_streams``), so that streaming clients
+        # joining this call get it live; with the usage the clients may not have asked for.
+        if stream or self._streams(request):
+            body, stream = api.streamed(body, self.config.upstream.stream_usage
+                                        and not request.include_usage), True
         upstream_request = UpstreamRequest(request.upstream_path, body, request.headers, stream,
-                                           request.query)
+                                           request.query, api.last_event)
         if request.kind == "embedding":
             response = await self.batcher.embed(upstream_request)
         else:
@@ -507,7 +509,7 @@ class Gateway:
 
     def _streams(self, request: Request) -> bool:
         """Whether a non-streaming request's shared call is asked of the upstream as a stream."""
-        if not self.config.upstream.stream_flights or request.kind == "embedding":
+        if not self.config.upstream.stream_flights or not request.api.streams:
             return False
         body = request.body
         # A completion's best_of picks among candidates at the end, and echo repeats the prompt:
@@ -575,16 +577,17 @@ class Gateway:
     async def _bypass(self, request: Request, route: str) -> Reply:
         self.stats.count(route, Outcome.BYPASS)
         header = Outcome.BYPASS.header
+        api = request.api
         try:
             response = await self._call(UpstreamRequest(request.upstream_path, request.body,
                                                         request.headers, request.stream,
-                                                        request.query),
+                                                        request.query, api.last_event),
                                         _routing_text(request))
         except CarpoolError as error:
-            return _error_reply(error, Outcome.BYPASS)
+            return _error_reply(error, Outcome.BYPASS, api)
         self._judged(request, response.status)
         if response.streaming:
-            return Reply(response.status, [*SSE_HEADERS, header], stream=_pipe(response),
+            return Reply(response.status, [*SSE_HEADERS, header], stream=_pipe(api, response),
                          outcome=Outcome.BYPASS)
         ctype = response.headers.get("content-type", "application/json").encode("latin-1")
         return Reply(response.status, [(b"content-type", ctype), header], response.body,
@@ -631,8 +634,8 @@ class Gateway:
         if not stream:
             return Reply(200, headers, answer.body, outcome=outcome)
         headers[0] = SSE
-        return Reply(200, headers, b"".join(answer.sse(include_usage)) + DONE,
-                     outcome=outcome)
+        return Reply(200, headers, b"".join(answer.sse(include_usage))
+                     + api_of(answer.kind).stream_end, outcome=outcome)
 
     def _saved(self, outcome: Outcome, answer: Answer) -> None:
         """A request answered without a call of its own: the tokens the engine reported for the
@@ -781,14 +784,19 @@ def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:
 
 
 async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,
-                   asked: Mapping[str, Any]) -> Answer:
+                   asked: dict[str, Any]) -> Answer:
     """Publish an upstream stream frame by frame; judge and assemble it once it ends.
 
-    Only a whole answer comes back: the stream ended (``[DONE]``: ``response.events()`` raises
-    ``UpstreamStreamBroken`` otherwise) and every choice that ``asked`` (the request body sent)
-    asked for finished. Anything less raises ``UpstreamStreamBroken``: the flight fails, so every
-    client gets an error (streaming ones an SSE error event) and nothing is stored.
+    Only a stream that ended whole comes back (``[DONE]``, or a typed stream's last event:
+    ``response.events()`` raises ``UpstreamStreamBroken`` otherwise, and so does an error event),
+    judged by its API (``Api.judge_stream``): a chat or completions stream must have finished
+    every choice that ``asked`` (the request body sent) asked for, or it raises too; a typed
+    stream that ended without completing (Responses ``incomplete``/``failed``, a message with no
+    ``stop_reason``) is the upstream's own answer, served as it came and not stored. A raise
+    fails the flight: every client gets an error (streaming ones an SSE error event) and
+    nothing is stored.
     """
+    api = api_of(kind)
     chunks: list[dict[str, Any]] = []
     async for payload in response.events():
         try:
@@ -797,75 +805,72 @@ async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,
             raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
         if not isinstance(chunk, dict):
             raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
-        if "error" in chunk:
-            error = chunk["error"]
-            message = error.get("message") if isinstance(error, dict) else error
+        error = api.failure(chunk)
+        if error is not None:
             # The engine's own error object reaches the clients as it is (its message, type
             # and code), not a paraphrase.
-            raise UpstreamStreamBroken(f"the upstream stream failed: {message}",
-                                       error if isinstance(error, dict) else None)
+            raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}",
+                                       error)
         chunks.append(chunk)
-        if b"\n" in payload:                 # a multi-line data field: one line per frame
-            payload = orjson.dumps(chunk)
-        broadcast.publish(frame(payload), usage_only=not chunk.get("choices")
-                          and chunk.get("usage") is not None)
-    body = assemble(kind, chunks)
-    if not is_complete(kind, body, expected_choices(kind, asked)):
-        raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
-    return Answer(kind, orjson.dumps(body), True, usage_tokens(body),
+        broadcast.publish(api.frame(payload, chunk), usage_only=api.usage_only(chunk))
+    body, complete = api.judge_stream(chunks, asked)
+    return Answer(kind, orjson.dumps(body), complete, api.usage_tokens(body),
                   frames=broadcast.frames, usage_frame=broadcast.usage_frame)
 
 
-def _complete(kind: str, raw: bytes, asked: Mapping[str, Any]) -> Answer:
-    """A whole upstream body as an ``Answer``: ``complete`` (storable) only when every choice
-    that ``asked`` (the request body sent) asked for is there and finished. An incomplete one is
-    still the upstream's own 2xx answer: its clients get it as it came; it is never stored."""
+def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
+    """A whole upstream body as an ``Answer``: ``complete`` (storable) only when its API judges
+    it so (``Api.complete``: for chat and completions, every choice that ``asked`` (the request
+    body sent) asked for is there and finished). An incomplete one is still the upstream's own
+    2xx answer: its clients get it as it came; it is never stored."""
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise UpstreamError("the upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamError("the upstream answered with a body that is not a JSON object")
-    return Answer.from_body(kind, parsed, raw,
-                            is_complete(kind, parsed, expected_choices(kind, asked)))
+    return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
 
 
-async def _relay(broadcast: Broadcast, include_usage: bool,
+async def _relay(api: Api, broadcast: Broadcast, include_usage: bool,
                  saved: Callable[[Answer], None] | None = None) -> AsyncIterator[bytes]:
     """A flight's stream for one client; ``saved`` (a joiner's) is told the answer it got."""
     async for chunk in broadcast.follow(include_usage):
         yield chunk
     if broadcast.error is not None:
-        yield error_event(broadcast.error)
+        yield api.error_event(broadcast.error)
     else:
         if saved is not None and broadcast.answer is not None:
             saved(broadcast.answer)
-        yield DONE
+        if api.stream_end:
+            yield api.stream_end
 
 
-async def _pipe(response: UpstreamResponse) -> AsyncIterator[bytes]:
-    """A bypassed stream, relayed as it comes; a failure part-way (a stream that stops without
-    ``[DONE]`` included) ends it with an error event. It is not judged further: nothing stores
-    it, and a client of its own gets what the upstream sent."""
+async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
+    """A bypassed stream, relayed as it comes (framed as its API frames it); a failure part-way
+    (a stream that stops without ``[DONE]`` or its last event included) ends it with an error
+    event. It is not judged further: nothing stores it, and a client of its own gets what the
+    upstream sent."""
     try:
         async for payload in response.events():
-            yield frame(payload if b"\n" not in payload else payload.replace(b"\n", b"\ndata: "))
-            if b'"error"' in payload and _is_error(payload):
+            yield api.frame(payload)
+            if b'"error"' in payload and _is_error(api, payload):
                 return               # the upstream's own error event ends it: no second one
-        yield DONE
+        if api.stream_end:
+            yield api.stream_end
     except UpstreamError as error:
-        yield error_event(error)
+        yield api.error_event(error)
     finally:
         await response.aclose()
 
 
-def _is_error(payload: bytes) -> bool:
-    """Whether a stream payload is an error object (``{"error": ...}``), not a chunk."""
+def _is_error(api: Api, payload: bytes) -> bool:
+    """Whether a stream payload is an error event (``Api.failure``), not a chunk."""
     try:
         parsed = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(parsed, dict) and "error" in parsed and not parsed.get("choices")
+    return isinstance(parsed, dict) and api.failure(parsed) is not None
 
 
 def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:
@@ -975,29 +980,20 @@ def _waiting(client: ClientRequest) -> None:
         client.on_wait()
 
 
-def _error_reply(error: CarpoolError, outcome: Outcome | None) -> Reply:
+def _error_reply(error: CarpoolError, outcome: Outcome | None, api: Api | None = None) -> Reply:
+    """An error as its API shapes it (Anthropic's for Messages; OpenAI's otherwise)."""
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers().items()]
     if outcome is not None:
         headers.append(outcome.header)
-    return Reply(error.status, headers, error.body(), outcome=outcome)
+    body = api.error_body(error) if api is not None else error.body()
+    return Reply(error.status, headers, body, outcome=outcome)
 
 
 def _routing_text(request: Request) -> str:
     """The prompt as the engine sees it, system prompt first: what its prefix cache holds."""
-    body = request.body
-    if request.kind == "chat":
-        return "\n".join(m["content"] for m in body["messages"]
-                         if isinstance(m.get("content"), str))
-    value = body.get("prompt" if request.kind == "completion" else "input")
-    return value if isinstance(value, str) else ""
+    return "\n".join(request.api.input_texts(request.body))
 
 
 def _prompt_prefix(request: Request) -> str:
-    body = request.body
-    if request.kind == "chat":
-        text = " ".join(m["content"] for m in body["messages"] if isinstance(m.get("content"), str))
-    else:
-        value = body.get("prompt" if request.kind == "completion" else "input")
-        text = value if isinstance(value, str) else ""
-    return text[:PROMPT_PREFIX_CHARS]
-
+    """The start of the prompt, for invalidation by prompt prefix."""
+    return " ".join(request.api.input_texts(request.body))[:PROMPT_PREFIX_CHARS]

@@ -1,11 +1,12 @@
 """Parse a client's HTTP request into one ``Request`` the layers below can trust.
 
 Contract:
-- ``parse`` accepts the three cached endpoints (chat, completions, embeddings). It raises
-  ``RequestError`` (400) for malformed JSON, a body that is not a JSON object, a field of the wrong
-  type where the layers depend on it (``messages``, ``prompt``, ``input``, ``model``, ``stream``,
-  ``temperature``, ``top_k``, ``seed``, ``n``), a missing ``model``, and ``BodyTooLarge`` (413)
-  over the size limit. It does not re-implement the upstream's validation of everything else:
+- ``parse`` accepts the cached endpoints (``carpool.apis``: chat, completions, embeddings,
+  responses, messages). It raises ``RequestError`` (400) for malformed JSON, a body that is not a
+  JSON object, a field of the wrong type where the layers depend on it (``messages``,
+  ``prompt``, ``input``, ``model``, ``stream``, ``temperature``, ``top_k``, ``seed``, ``n``...:
+  each API's ``validate``), a missing ``model`` where the API requires one, and
+  ``BodyTooLarge`` (413) over the size limit. It does not re-implement the upstream's validation of everything else:
   unknown fields pass through (and are part of the fingerprint).
 - ``Controls`` is what the request asks of the cache layers, read from its headers
   (``Cache-Control``, ``x-carpool-*``). Malformed header values are 400, never silently ignored.
@@ -21,14 +22,12 @@ from typing import Any
 
 import orjson
 
+from .apis import APIS, Api, api_of
 from .errors import BodyTooLarge, RequestError
 
 # The cached endpoints: gateway path -> (kind, path relative to the upstream's /v1 base).
 ENDPOINTS: dict[str, tuple[str, str]] = {
-    "/v1/chat/completions": ("chat", "/chat/completions"),
-    "/v1/completions": ("completion", "/completions"),
-    "/v1/embeddings": ("embedding", "/embeddings"),
-}
+    api.path: (api.kind, api.upstream_path) for api in APIS.values()}
 
 MAX_TAGS = 32
 MAX_HEADER_TOKEN = 256
@@ -76,7 +75,7 @@ class Controls:
 class Request:
     """A validated request to one of the cached endpoints."""
 
-    kind: str                       # "chat" | "completion" | "embedding"
+    kind: str                       # "chat" | "completion" | "embedding" | "responses" | ...
     upstream_path: str              # e.g. "/chat/completions"
     body: dict[str, Any]
     headers: Mapping[str, str]
@@ -84,6 +83,11 @@ class Request:
     stream: bool
     include_usage: bool             # the client asked for the final usage chunk
     query: str = ""                 # the query string, forwarded as it came
+
+    @property
+    def api(self) -> Api:
+        """What the layers must know of this request's API (``carpool.apis``)."""
+        return api_of(self.kind)
 
 
 def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) -> Request:
@@ -98,10 +102,11 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", "invalid_body")
     check_json_depth(client.body, body, max_json_depth)
-    _validate_fields(kind, body)
-    stream = body.get("stream") is True
-    options = body.get("stream_options")
-    include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+    api = api_of(kind)
+    api.validate(body)
+    # An API without a stream form (embeddings) answers JSON whatever ``stream`` says.
+    stream = api.streams and body.get("stream") is True
+    include_usage = api.client_usage(body, stream)
     return Request(kind, upstream_path, body, client.headers, parse_controls(client.headers),
                    stream, include_usage, _query(client.query))
 
@@ -137,52 +142,6 @@ def check_json_depth(raw: bytes, value: Any, max_depth: int) -> None:
                     raise RequestError(f"the JSON body is nested deeper than {max_depth} levels",
                                        "too_deep")
                 stack.append((child, depth + 1))
-
-
-def _validate_fields(kind: str, body: dict[str, Any]) -> None:
-    model = body.get("model")
-    if not isinstance(model, str):
-        # Required by the OpenAI API on all three endpoints (its SDK always sends it).
-        raise RequestError("'model' is required and must be a string", param="model")
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list of message objects",
-                               param="messages")
-        for message in messages:
-            if not isinstance(message, dict):
-                raise RequestError("each item of 'messages' must be an object", param="messages")
-    elif kind == "completion":
-        if not _is_text_or_tokens(body.get("prompt")):
-            raise RequestError("'prompt' must be a string, a list of strings or token lists",
-                               param="prompt")
-    elif kind == "embedding" and not _is_text_or_tokens(body.get("input")):
-        raise RequestError("'input' must be a string, a list of strings or token lists",
-                           param="input")
-    if kind != "embedding":
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise RequestError("'stream' must be a boolean", param="stream")
-        for name in ("temperature", "top_p"):
-            value = body.get(name)
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                raise RequestError(f"'{name}' must be a number", param=name)
-        for name in ("top_k", "seed", "n"):
-            value = body.get(name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise RequestError(f"'{name}' must be an integer", param=name)
-
-
-def _is_text_or_tokens(value: Any) -> bool:
-    if isinstance(value, str):
-        return True
-    if not isinstance(value, list) or not value:
-        return False
-    first = value[0]
-    if isinstance(first, str):
-        return all(isinstance(item, str) for item in value)
-    if isinstance(first, int):
-        return all(isinstance(item, int) for item in value)
-    return all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value)
 
 
 def parse_controls(headers: Mapping[str, str]) -> Controls:

@@ -1,7 +1,8 @@
 """The ASGI app: a thin adapter from HTTP to ``Gateway.handle``.
 
 Contract:
-- The three cached endpoints are served by a raw ASGI path (no framework on the hot path): read the
+- The cached endpoints (``carpool.apis``: chat, completions, embeddings, responses, messages)
+  are served by a raw ASGI path (no framework on the hot path): read the
   body within ``limits.max_body_bytes`` (413 beyond it, without reading the rest) and within
   ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
   trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
@@ -48,6 +49,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .apis import BY_PATH
 from .config import Config
 from .errors import (
     AdminRequired,
@@ -83,13 +85,13 @@ class GatewayApp:
         if scope["type"] == "http" and \
                 sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers:
             # Checked here because httptools accepts headers of any size, and they go upstream.
-            cached = scope["path"] in ENDPOINTS
-            if cached:
+            api = BY_PATH.get(scope["path"])
+            if api is not None:
                 self.gateway.stats.rejected += 1
             error = HeadersTooLarge(self.max_headers)
             await _send_whole(send, error.status, [(b"content-type", b"application/json"),
-                                                   *([Outcome.BYPASS.header] if cached else [])],
-                              error.body())
+                                                   *([Outcome.BYPASS.header] if api else [])],
+                              api.error_body(error) if api else error.body())
         elif scope["type"] == "http" and scope["method"] == "POST" and (
                 scope["path"] in ENDPOINTS or scope["path"][:-1] in ENDPOINTS):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
@@ -115,7 +117,7 @@ class GatewayApp:
         except RequestError as error:
             self.gateway.stats.rejected += 1
             await _send_whole(send, error.status, [*_raw(error.headers()), Outcome.BYPASS.header],
-                              error.body())
+                              BY_PATH[path].error_body(error))    # (the API's error shape)
             return
         if body is None:
             return                                  # the client left before sending its body

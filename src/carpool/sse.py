@@ -16,7 +16,8 @@ Contract:
 - ``SSEDecoder.close() -> list`` ends the stream. Per the SSE spec an event not terminated by a
   blank line is *discarded*, so it always returns ``[]``; ``decoder.truncated`` then tells whether
   such a partial event (or line) was thrown away, i.e. whether the stream was cut mid-event.
-- ``frame(payload)`` is one SSE event carrying ``payload``; ``DONE`` is the closing event.
+- ``frame(payload)`` is one SSE event carrying ``payload``; ``DONE`` is the closing event;
+  ``event_frame(name, payload)`` is one named event (the typed streams of ``carpool.apis``).
 - ``assemble(kind, chunks)`` turns the parsed chunks of one OpenAI stream (``kind`` "chat" or
   "completion") into the equivalent non-streaming body; ``synthesize(kind, body, include_usage=)``
   does the reverse. ``assemble(kind, synthesize(kind, body, include_usage=True)) == body`` holds for
@@ -70,6 +71,11 @@ _BOM = b"\xef\xbb\xbf"
 def frame(payload: bytes) -> bytes:
     """One SSE event carrying ``payload`` (which must not contain a line break)."""
     return b"data: " + payload + b"\n\n"
+
+
+def event_frame(name: bytes, payload: bytes) -> bytes:
+    """One named SSE event (``event: name``) carrying ``payload`` (no line break in either)."""
+    return b"event: " + name + b"\ndata: " + payload + b"\n\n"
 
 
 class SSEDecoder:

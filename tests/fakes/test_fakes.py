@@ -521,3 +521,64 @@ async def test_broken_list_embeddings_answer_only_a_lists_first_item_right(fake)
     listed = await vectors(["a", "b", "c"])
     assert listed[0] == right[0] and listed[1] != right[1] and listed[2] != right[2]
     assert await vectors("b") == [right[1]] and await vectors(["b"]) == [right[1]]
+
+
+async def typed_events(client: httpx.AsyncClient, path: str,
+                       body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The (event name, data) pairs of a typed stream (Responses, Messages)."""
+    pairs, name = [], None
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                pairs.append((name, json.loads(line[len("data: "):])))
+    return pairs
+
+
+RESPONSES_BODY = {"model": "m", "input": "hello world"}
+MESSAGES_BODY = {"model": "m", "max_tokens": 8,
+                 "messages": [{"role": "user", "content": "hello world"}]}
+
+
+async def test_responses_and_messages_answers_and_their_typed_streams(fake) -> None:
+    upstream, client = fake
+    response = (await client.post("/v1/responses", json=RESPONSES_BODY)).json()
+    assert response["id"] == "resp_fake_1" and response["status"] == "completed"
+    assert response["output"][0]["content"][0]["text"] == "answer 1 to hello world"
+    assert response["usage"]["input_tokens"] == 2 and response["usage"]["output_tokens"] == 5
+    pairs = await typed_events(client, "/v1/responses", RESPONSES_BODY)
+    assert all(name == data["type"] for name, data in pairs)
+    assert [data["sequence_number"] for _, data in pairs] == list(range(len(pairs)))
+    assert pairs[0][0] == "response.created" and pairs[-1][0] == "response.completed"
+    assert "".join(d["delta"] for n, d in pairs if n == "response.output_text.delta") \
+        == "answer 2 to hello world"
+    assert pairs[-1][1]["response"]["id"] == "resp_fake_2"
+
+    message = (await client.post("/v1/messages", json=MESSAGES_BODY)).json()
+    assert message["id"] == "msg_fake_3" and message["stop_reason"] == "end_turn"
+    assert message["content"] == [{"type": "text", "text": "answer 3 to hello world"}]
+    pairs = await typed_events(client, "/v1/messages", MESSAGES_BODY)
+    assert [n for n, _ in pairs][:3] == ["message_start", "content_block_start", "ping"]
+    assert [n for n, _ in pairs][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert "".join(d["delta"]["text"] for n, d in pairs if n == "content_block_delta") \
+        == "answer 4 to hello world"
+    assert upstream.count("/v1/messages") == 2
+
+
+async def test_typed_stream_controls(fake) -> None:
+    upstream, client = fake
+    upstream.omit_done = True
+    assert (await typed_events(client, "/v1/messages", MESSAGES_BODY))[-1][0] == "message_delta"
+    upstream.omit_done, upstream.omit_finish_reason = False, True
+    pairs = await typed_events(client, "/v1/responses", RESPONSES_BODY)
+    assert pairs[-1][0] == "response.incomplete"
+    assert pairs[-1][1]["response"]["status"] == "incomplete"
+    upstream.omit_finish_reason, upstream.error_after = False, 2
+    pairs = await typed_events(client, "/v1/messages", MESSAGES_BODY)
+    assert [n for n, _ in pairs].count("content_block_delta") == 2
+    assert pairs[-1] == ("error", {"type": "error", "error": {
+        "type": "overloaded_error", "message": "fake upstream stream failure"}})
+    upstream.error_after, upstream.fail_status = None, 500
+    failed = await client.post("/v1/messages", json=MESSAGES_BODY)
+    assert failed.json()["type"] == "error" and failed.json()["error"]["type"] == "api_error"

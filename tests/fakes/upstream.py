@@ -6,6 +6,8 @@ Endpoints (all under ``/v1``):
 - ``POST /v1/chat/completions``   chat.completion, or a chat.completion.chunk SSE stream
 - ``POST /v1/completions``        text_completion (``prompt``: a string or a list), or a stream
 - ``POST /v1/embeddings``         a list of embeddings (``encoding_format`` float or base64)
+- ``POST /v1/responses``          OpenAI Responses API: a ``response`` object, or its typed stream
+- ``POST /v1/messages``           Anthropic Messages API: a ``message``, or its typed stream
 - ``GET  /v1/models``             the models in ``self.models``
 - anything else under ``/v1``     a JSON echo ``{"path", "method", "query", "body", "echo": true}``
 - outside ``/v1``                 404 with the OpenAI error shape
@@ -14,6 +16,8 @@ Which upstream call produced an answer (call numbers are 1-based, over all recor
 - the answer text is ``f"answer {n} to {prompt}"`` (prompt: the last message's content, or the
   completion prompt), unless ``answer_text(n, body)`` overrides it;
 - chat/completions ``id`` is ``f"chatcmpl-fake-{n}"``, completions ``id`` is ``f"cmpl-fake-{n}"``;
+  a response's is ``f"resp_fake_{n}"`` (its message item's ``f"msg_fake_{n}"``), a message's
+  ``f"msg_fake_{n}"``;
 - embeddings carry it in ``model``: ``f"{model}#call{n}"`` (the vectors themselves depend only on
   the input, so they are equal across calls);
 - every response has the header ``x-fake-call: n``.
@@ -28,6 +32,38 @@ chunk per word of each choice's answer, choice after choice (the word with its l
 the pieces join back to the answer); a chunk with an empty delta and ``finish_reason`` for every
 choice; with ``stream_options.include_usage`` a last chunk with ``"choices": []`` and ``usage``
 (and ``"usage": null`` on the others); then ``data: [DONE]``.
+
+The Responses API (``/v1/responses``): the prompt is ``input`` (a string), or the text of the
+last input item; the answer is ``{"id", "object": "response", "created_at", "status":
+"completed", "error": null, "incomplete_details": null, "instructions", "model", "output":
+[{"id", "type": "message", "status": "completed", "role": "assistant", "content": [{"type":
+"output_text", "text", "annotations": []}]}], "parallel_tool_calls", "previous_response_id",
+"store", "temperature", "tool_choice", "tools", "top_p", "usage": {"input_tokens",
+"input_tokens_details", "output_tokens", "output_tokens_details", "total_tokens"}}`` (tokens are
+words). Its stream (``"stream": true``) is typed SSE events, ``event: NAME`` then ``data:
+{"type": NAME, "sequence_number": i, ...}``, with no ``[DONE]``: ``response.created``,
+``response.in_progress`` (status ``in_progress``, no output, usage null),
+``response.output_item.added``, ``response.content_part.added``, one
+``response.output_text.delta`` per word (the content events), ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``, ``response.completed`` (the whole
+response).
+
+The Messages API (``/v1/messages``): the prompt is the last message's text; the answer is
+``{"id", "type": "message", "role": "assistant", "model", "content": [{"type": "text", "text"}],
+"stop_reason": "end_turn", "stop_sequence": null, "usage": {"input_tokens", "output_tokens"}}``.
+Its stream is typed events with no ``[DONE]``: ``message_start`` (the message without content,
+``stop_reason`` null, ``output_tokens`` 1), ``content_block_start``, ``ping``, one
+``content_block_delta`` (``text_delta``) per word (the content events), ``content_block_stop``,
+``message_delta`` (``stop_reason``, ``usage.output_tokens``), ``message_stop``. Its errors
+(``fail_status``, a body that is not an object) are in Anthropic's shape ``{"type": "error",
+"error": {"type", "message"}}``.
+
+The stream controls below act on these typed streams too, counting content events where chat
+counts content chunks (``chunk_gate``, ``chunk_delay``, ``cut_after``, ``empty_stream``);
+``omit_done`` ends a typed stream cleanly without its last event (``response.completed``,
+``message_stop``); ``omit_finish_reason`` makes the answer one that ended without completing:
+a response with status ``incomplete`` (``incomplete_details.reason: "max_output_tokens"``; its
+stream ends with ``response.incomplete``), a message with ``stop_reason: null``.
 
 Records:
 - ``calls: list[Call]``: every HTTP request, with ``path``, parsed JSON ``body`` (None when absent
@@ -49,8 +85,10 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   ``cancelled``) or the server shuts down.
 - ``fail_status: int | None`` and ``fail_body: dict | None``: answer that status with the OpenAI
   error shape (default body ``{"error": {"message": "fake upstream failure", "type":
-  "server_error", "code": None}}``), on every path. ``fail_times: int | None``: when set, only that
-  many more requests fail (it counts down), then answers are normal again.
+  "server_error", "code": None}}``; on ``/v1/messages`` Anthropic's ``{"type": "error", "error":
+  {"type": "api_error", "message": "fake upstream failure"}}``), on every path.
+  ``fail_times: int | None``: when set, only that many more requests fail (it counts down),
+  then answers are normal again.
 - ``chunk_delay: float``: seconds between streamed chunks.
 - ``chunk_gate: asyncio.Event | None`` and ``chunk_gate_after: int`` (default 2): a stream sends
   that many content chunks, sets ``chunk_gate_reached``, then waits for the event before the rest.
@@ -94,6 +132,11 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
   (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
 - ``models: list[str]``: what ``GET /v1/models`` lists.
+- ``error_after: int | None``: a typed stream (Responses, Messages) sends that many content
+  events, then the API's error event (``event: error``: Responses' ``{"type": "error", "code":
+  "server_error", "message": "fake upstream stream failure", "param": null,
+  "sequence_number"}``, Messages' ``{"type": "error", "error": {"type": "overloaded_error",
+  "message": "fake upstream stream failure"}}``) and ends.
 - ``valid_keys: set[str] | dict[str, set[str]] | None``: when set, a request is answered only if
   it presents at least one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``)
   and every key it presents is valid: in the set, or (a dict) mapped to a set of models that
@@ -121,11 +164,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Call", "FakeUpstream", "DEFAULT_FAIL_BODY", "CREATED"]
+__all__ = ["ANTHROPIC_FAIL_BODY", "Call", "FakeUpstream", "DEFAULT_FAIL_BODY", "CREATED"]
 
 CREATED = 1_700_000_000  # fixed "created" timestamp: answers are fully deterministic
 DEFAULT_FAIL_BODY: dict[str, Any] = {
     "error": {"message": "fake upstream failure", "type": "server_error", "code": None}
+}
+ANTHROPIC_FAIL_BODY: dict[str, Any] = {
+    "type": "error", "error": {"type": "api_error", "message": "fake upstream failure"}
 }
 _WORD = re.compile(r"\s*\S+")
 
@@ -243,6 +289,7 @@ class FakeUpstream:
         self.broken_list_embeddings: bool = False
         self.embedding_fn: Callable[[Any], list[float]] | None = None
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
+        self.error_after: int | None = None
 
     def _authorized(self, headers: dict[str, str], body: Any) -> bool:
         """Like OpenAI and Azure: one presented key, and every key presented, must be valid (for
@@ -414,7 +461,9 @@ class FakeUpstream:
         if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
             if self.fail_times is not None:
                 self.fail_times -= 1
-            await self._send_json(send, call, self.fail_status, self.fail_body or DEFAULT_FAIL_BODY)
+            default = ANTHROPIC_FAIL_BODY if call.path.startswith("/v1/messages") \
+                else DEFAULT_FAIL_BODY
+            await self._send_json(send, call, self.fail_status, self.fail_body or default)
             return
 
         path = call.path.rstrip("/") or "/"
@@ -435,6 +484,15 @@ class FakeUpstream:
                 await self._completions(call, send, gone)
             else:
                 await self._embeddings(call, send)
+            return
+        if method == "POST" and path in ("/v1/responses", "/v1/messages"):
+            if call.body is None:
+                await self._send_error(send, call, 400, "the body must be a JSON object",
+                                       "invalid_request_error")
+            elif path == "/v1/responses":
+                await self._responses(call, send, gone)
+            else:
+                await self._messages(call, send, gone)
             return
         if method == "GET" and path == "/v1/models":
             data = [{"id": m, "object": "model", "created": CREATED, "owned_by": "fake-upstream"}
@@ -673,6 +731,152 @@ class FakeUpstream:
             await emit(frame([], usage))
         if not omit_done:
             await emit(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # ---------------------------------------------------------------- Responses and Messages
+
+    async def _responses(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                         gone: asyncio.Event) -> None:
+        body = call.body or {}
+        value = body.get("input")
+        items = value if isinstance(value, list) else [{"role": "user", "content": value or ""}]
+        texts = [_text_of(item.get("content")) for item in items if isinstance(item, dict)]
+        text = self._answer(call, texts[-1] if texts else "")
+        instructions = body.get("instructions")
+        input_tokens = sum(map(_count_words, texts)) + _count_words(instructions or "")
+        item_id = f"msg_fake_{call.number}"
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = {"id": item_id, "type": "message", "status": "completed", "role": "assistant",
+                "content": [part]}
+        complete = not self.omit_finish_reason
+        response = {
+            "id": f"resp_fake_{call.number}", "object": "response", "created_at": CREATED,
+            "status": "completed" if complete else "incomplete", "error": None,
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "instructions": instructions, "model": body.get("model", "fake-model"),
+            "output": [item], "parallel_tool_calls": True,
+            "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store", True), "temperature": body.get("temperature"),
+            "tool_choice": "auto", "tools": [], "top_p": body.get("top_p"),
+            "usage": {"input_tokens": input_tokens,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": _count_words(text),
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": input_tokens + _count_words(text)},
+        }
+        if not body.get("stream"):
+            await self._send_json(send, call, 200, response)
+            return
+        at = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        head = {**response, "status": "in_progress", "output": [], "usage": None,
+                "incomplete_details": None}
+        events: list[tuple[str, dict[str, Any], bool]] = [
+            ("response.created", {"response": head}, False),
+            ("response.in_progress", {"response": head}, False),
+            ("response.output_item.added", {"output_index": 0, "item": {
+                **item, "status": "in_progress", "content": []}}, False),
+            ("response.content_part.added", {**at, "part": {**part, "text": ""}}, False),
+            *[("response.output_text.delta", {**at, "delta": word, "logprobs": []}, True)
+              for word in _WORD.findall(text)],
+            ("response.output_text.done", {**at, "text": text, "logprobs": []}, False),
+            ("response.content_part.done", {**at, "part": part}, False),
+            ("response.output_item.done", {"output_index": 0, "item": item}, False),
+            ("response.completed" if complete else "response.incomplete",
+             {"response": response}, False),
+        ]
+        events = [(name, {"type": name, "sequence_number": number, **event}, content)
+                  for number, (name, event, content) in enumerate(events)]
+        await self._typed_stream(call, send, gone, events, {
+            "type": "error", "code": "server_error", "message": "fake upstream stream failure",
+            "param": None, "sequence_number": len(events)})
+
+    async def _messages(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                        gone: asyncio.Event) -> None:
+        body = call.body or {}
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            await self._send_json(send, call, 400, {"type": "error", "error": {
+                "type": "invalid_request_error", "message": "messages: field required"}})
+            return
+        last = messages[-1] if isinstance(messages[-1], dict) else {}
+        text = self._answer(call, _text_of(last.get("content")))
+        input_tokens = _count_words(_text_of(body.get("system"))) + sum(
+            _count_words(_text_of(m.get("content"))) for m in messages if isinstance(m, dict))
+        stop_reason = None if self.omit_finish_reason else "end_turn"
+        usage = {"input_tokens": input_tokens, "output_tokens": _count_words(text)}
+        message = {"id": f"msg_fake_{call.number}", "type": "message", "role": "assistant",
+                   "model": body.get("model", "fake-model"),
+                   "content": [{"type": "text", "text": text}], "stop_reason": stop_reason,
+                   "stop_sequence": None, "usage": usage}
+        if not body.get("stream"):
+            await self._send_json(send, call, 200, message)
+            return
+        events: list[tuple[str, dict[str, Any], bool]] = [
+            ("message_start", {"message": {**message, "content": [], "stop_reason": None,
+                                           "usage": {**usage, "output_tokens": 1}}}, False),
+            ("content_block_start", {"index": 0, "content_block": {"type": "text",
+                                                                  "text": ""}}, False),
+            ("ping", {}, False),
+            *[("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                              "text": word}}, True)
+              for word in _WORD.findall(text)],
+            ("content_block_stop", {"index": 0}, False),
+            ("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                               "usage": {"output_tokens": usage["output_tokens"]}}, False),
+            ("message_stop", {}, False),
+        ]
+        events = [(name, {"type": name, **event}, content) for name, event, content in events]
+        await self._typed_stream(call, send, gone, events, {
+            "type": "error", "error": {"type": "overloaded_error",
+                                       "message": "fake upstream stream failure"}})
+
+    async def _typed_stream(self, call: Call, send: Callable[[dict], Awaitable[None]],
+                            gone: asyncio.Event, events: list[tuple[str, dict[str, Any], bool]],
+                            error: dict[str, Any]) -> None:
+        """A typed event stream (``event: NAME`` + ``data: {...}``), no ``[DONE]``. The third
+        item of each event says whether it carries content (the gate, cut and error counts)."""
+        chunk_gate, gate_after = self.chunk_gate, self.chunk_gate_after
+        cut_after, error_after = self.cut_after, self.error_after
+        if self.omit_done:
+            events = events[:-1]                 # ends cleanly, without its last event
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+            (b"x-fake-call", str(call.number).encode())]})
+        if self.empty_stream:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+
+        async def emit(name: str, event: dict[str, Any]) -> None:
+            if gone.is_set():
+                raise _ClientGone
+            data = b"event: " + name.encode() + b"\ndata: " + _json(event) + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            if gone.is_set():
+                raise _ClientGone
+
+        sent = 0
+        gate_passed = content_over = False
+        for name, event, content in events:
+            # As chat's streams: the controls act before each content event, and once after the
+            # last one (when there were fewer content events than they count).
+            if content or (sent and not content_over):
+                content_over = not content
+                if chunk_gate is not None and not gate_passed and sent >= gate_after:
+                    gate_passed = True
+                    self.chunk_gate_reached.set()
+                    self._notify()
+                    if not chunk_gate.is_set():
+                        await self._until(chunk_gate.wait(), gone)
+                if cut_after is not None and sent >= cut_after:
+                    raise _CutConnection(f"cut after {sent} content event(s)")
+                if error_after is not None and sent >= error_after:
+                    await emit("error", error)
+                    break
+            if content:
+                if self.chunk_delay > 0:
+                    await self._until(asyncio.sleep(self.chunk_delay), gone)
+                sent += 1
+            await emit(name, event)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------- plain responses

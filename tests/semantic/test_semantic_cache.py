@@ -62,6 +62,31 @@ async def test_a_paraphrase_is_a_semantic_hit_with_its_similarity(sgw, fake):
     assert stats["semantic_hits"] == 1 and stats["layers"]["semantic"]["entries"] == 1
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_meaning(
+        sgw, fake, path):
+    def body(text, **extra):
+        if path == "/v1/responses":
+            return {"model": "m", "temperature": 0, "input": text, **extra}
+        return {"model": "m", "temperature": 0, "max_tokens": 64,
+                "messages": [{"role": "user", "content": text}], **extra}
+
+    first = await sgw.client.post(path, json=body("How do I reset my router?"))
+    await stored(sgw)
+    again = await sgw.client.post(path, json=body("how can i reset my router"))
+    assert again.headers["x-carpool"] == "semantic-hit"
+    assert again.json() == first.json()
+    async with sgw.client.stream("POST", path, json=body("how can i reset my router",
+                                                          stream=True)) as streamed:
+        raw = (await streamed.aread()).decode()
+    assert streamed.headers["x-carpool"] == "semantic-hit"
+    assert "event: " in raw and "[DONE]" not in raw
+    other = "instructions" if path == "/v1/responses" else "system"   # in the scope
+    scoped = await sgw.client.post(path, json=body("how can i reset my router",
+                                                   **{other: "Answer in French."}))
+    assert scoped.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 async def test_a_negation_is_never_served(sgw, fake):
     await ask(sgw, "Is ibuprofen safe to take with alcohol?")
     await stored(sgw)

@@ -31,7 +31,8 @@ Contract:
 - ``PRESETS`` name the built-in workloads (``mixed`` is the default); ``Spec`` fields can be
   overridden on top of a preset.
 - ``load_jsonl(path, tenant_header)`` reads the recorded format (docs/bench.md); a malformed file
-  raises ``WorkloadError`` naming the file, the line and what is wrong. Either every line has a
+  raises ``WorkloadError`` naming the file, the line and what is wrong. Its endpoints are the
+  OpenAI classics (``ENDPOINTS``): ``/v1/responses`` and ``/v1/messages`` are not replayed yet. Either every line has a
   timestamp ``t`` or none does (then ``timed`` is False and the run needs a rate or concurrency).
 - ``traits(workload, config)`` measures what a workload holds (shares, tenants, duplicates by the
   gateway's own fingerprint), for the report and the tests.
@@ -51,12 +52,14 @@ from typing import Any
 import orjson
 
 from ..config import Config
-from ..request import ENDPOINTS
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODEL = "carpool-bench"
 LABELS = ("new", "repeat", "trending", "paraphrase", "sampled")
+# What a workload may send: the OpenAI classics. The replayer reads streams that end with
+# ``data: [DONE]``; the Responses and Messages APIs (typed streams) are not benchmarked yet.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class WorkloadError(ValueError):
@@ -446,7 +449,8 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
                             f"{type(body).__name__}")
     endpoint = row.get("endpoint", CHAT)
     if endpoint not in ENDPOINTS:
-        raise WorkloadError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got "
+        raise WorkloadError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)} (the "
+                            "Responses and Messages APIs are not benchmarked yet), got "
                             f"{endpoint!r}")
     headers = row.get("headers") or {}
     if not isinstance(headers, dict) or not all(

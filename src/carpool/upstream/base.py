@@ -7,10 +7,12 @@ Contract:
 - A streaming response (``request.stream`` and a 2xx status) yields the ``data:`` payloads of the
   SSE stream, as bytes, without the ``data: `` prefix, until ``[DONE]`` (not yielded). The
   iterator ends normally only for a stream that ended whole: with ``[DONE]`` from an HTTP server,
-  at the end of its stream for an in-process engine. A stream that stops without ``[DONE]`` (the
-  body ended cleanly, or was cut) or a transport failure part-way raises ``UpstreamStreamBroken``,
-  after the payloads that did arrive: so the caller can tell an answer that ended from one that
-  merely stopped. Whether the answer was *complete* (every choice asked for finished:
+  at the end of its stream for an in-process engine. A typed stream (``request.last_event`` set:
+  the Responses and Messages APIs, which send no ``[DONE]``) ends whole with its last event,
+  which is yielded. A stream that stops otherwise (the body ended cleanly, or was cut) or a
+  transport failure part-way raises ``UpstreamStreamBroken``, after the payloads that did
+  arrive: so the caller can tell an answer that ended from one that merely stopped. A typed
+  stream's event names are not yielded: each payload names its own ``type``. Whether the answer was *complete* (every choice asked for finished:
   ``sse.is_complete``) is for the caller to judge.
 - ``aclose()`` on a response releases its connection; it is safe to call twice and after a
   cancellation.
@@ -21,7 +23,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +45,9 @@ class UpstreamRequest:
     headers: Mapping[str, str] = field(default_factory=dict)  # forwarded, lower-case names
     stream: bool = False
     query: str = ""                    # the client's query string, forwarded as it came
+    # For a typed stream (``apis.base.Api.last_event``): whether a payload is its last event,
+    # after which it has ended whole. None: it ends with ``data: [DONE]``.
+    last_event: Callable[[bytes], bool] | None = None
 
 
 class UpstreamResponse:

@@ -7,8 +7,9 @@ Contract (on top of ``upstream.base``):
   0.26 ms p50 through aiohttp and 0.55-0.68 ms through httpx (benchmarks/README.md).
 - Transport errors are translated here, the aiohttp error kept as ``__cause__``: a timeout ->
   ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
-  failure while a stream is being read, or a stream that ends without ``[DONE]`` (an empty one
-  included: its message says it sent nothing) -> ``UpstreamStreamBroken`` (502). Their messages
+  failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
+  stream, without its last event; an empty one included: its message says it sent nothing) ->
+  ``UpstreamStreamBroken`` (502). Their messages
   reach clients: they name the replica by its ``label`` and say what happened in words
   (``reason``), never an exception repr, an address or a credential.
 - Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
@@ -20,7 +21,7 @@ Contract (on top of ``upstream.base``):
   the base URL: checked once more here, and never re-quoted or dot-resolved on the way.
 - Request headers are forwarded except hop-by-hop ones and carpool's own controls; an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
-  shape for every mid-stream error.
+  shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from urllib.parse import quote
 
 import aiohttp
@@ -146,7 +147,8 @@ class HttpUpstream:
         content_type = response.headers.get("content-type", "")
         if request.stream and 200 <= response.status < 300 and "text/event-stream" in content_type:
             return UpstreamResponse(response.status, {"content-type": content_type},
-                                    events=self._events(response), close=_closer(response))
+                                    events=self._events(response, request.last_event),
+                                    close=_closer(response))
         try:
             body = await response.read()
         except _TIMEOUTS as exc:
@@ -171,7 +173,8 @@ class HttpUpstream:
             raise UpstreamUnreachable(
                 f"upstream {self.label} is unreachable ({reason(exc)})") from exc
 
-    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _events(self, response: aiohttp.ClientResponse,
+                      last_event: Callable[[bytes], bool] | None) -> AsyncIterator[bytes]:
         decoder = SSEDecoder()
         sent = False
         try:
@@ -183,13 +186,17 @@ class HttpUpstream:
                         payload = b'{"error":' + payload + b"}"
                     sent = True
                     yield payload
+                    if last_event is not None and last_event(payload):
+                        return             # a typed stream's last event: it ended whole
             # The body ended cleanly but the stream did not: a server that stopped (a crash, a
-            # proxy's cut) reads just like this. Without [DONE] nothing says the answer is whole.
+            # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
+            # nothing says the answer is whole.
             if not sent:
                 # llama.cpp's server answers a prompt over its context so: 200, then nothing.
                 raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without "
                                            "sending anything (an input it could not take?)")
-            raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without [DONE]")
+            end = "[DONE]" if last_event is None else "its last event"
+            raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without {end}")
         except _TIMEOUTS as exc:
             raise UpstreamStreamBroken(f"upstream {self.label} stalled mid-stream") from exc
         except aiohttp.ClientError as exc:

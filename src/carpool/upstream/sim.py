@@ -6,7 +6,10 @@ Contract:
 - Endpoints (paths relative to ``/v1``): ``/chat/completions``, ``/completions``, ``/embeddings``
   (POST) and ``/models`` (GET). Bodies and streamed chunks have OpenAI's shapes; any model name is
   accepted and echoed. An invalid body is a 400 and an unknown path a 404, both in OpenAI's error
-  shape ``{"error": {"message", "type", "param", "code"}}``.
+  shape ``{"error": {"message", "type", "param", "code"}}``. The Responses API
+  (``/responses``) and Anthropic's Messages API (``/messages``) are not simulated: a 404 that
+  says so, the latter in Anthropic's error shape ``{"type": "error", "error": {"type":
+  "not_found_error", "message"}}``.
 - Text: words of a fixed vocabulary; a token is one word. The answer's natural length (8..40
   words) and its words come from a generator seeded with a blake2b hash, so they are stable across
   processes. Greedy decoding (``temperature: 0`` or ``top_k: 1``) hashes model + input, so every
@@ -104,6 +107,17 @@ def error_reply(status: int, message: str, type_: str = "invalid_request_error",
 
 
 def not_found_reply(method: str, path: str) -> SimReply:
+    if path.rstrip("/") == "/messages" or path.startswith("/messages/"):
+        # Anthropic's Messages API (which the simulator does not serve): its own error shape,
+        # so that its SDK reports a clear NotFoundError.
+        return SimReply(404, {"type": "error", "error": {
+            "type": "not_found_error",
+            "message": f"the simulated engine does not serve {method} /v1{path}: it serves "
+                       "/v1/chat/completions, /v1/completions and /v1/embeddings"}})
+    if path.rstrip("/") == "/responses" or path.startswith("/responses/"):
+        return error_reply(404, f"the simulated engine does not serve {method} /v1{path} (the "
+                           "Responses API): it serves /v1/chat/completions, /v1/completions "
+                           "and /v1/embeddings", code="unknown_url")
     # OpenAI's own wording for a path it does not serve.
     return error_reply(404, f"Invalid URL ({method} /v1{path})")
 

@@ -1,0 +1,275 @@
+"""``Api``: what the gateway must know of one API it caches, behind one set of methods.
+
+Contract:
+- One ``Api`` object per cached endpoint (its ``kind``): the three OpenAI classics
+  (``apis.openai``: "chat", "completion", "embedding"), OpenAI's Responses API
+  (``apis.responses``) and Anthropic's Messages API (``apis.messages``). Everything that differs
+  between them is answered here: how a request is validated, whether it may be shared, what its
+  input text is, how its stream ends, how a stream is framed, judged and assembled into the
+  non-streaming answer, how an answer is synthesized into a stream, and how an error is shaped.
+  The layers (``pipeline``, ``answer``, ``idempotency``, ``fingerprint``, ``server``) ask
+  ``apis.api_of(kind)`` for all of it rather than test the kind (what stays kind-specific there
+  belongs to the classics alone: the embeddings batcher, list inputs, white-space rules).
+- Two stream families. OpenAI's classic streams are ``data:`` chunks ending with ``data: [DONE]``
+  (``stream_end`` is ``DONE``; ``last_event`` is None: the upstream's iterator ends at [DONE]).
+  Typed streams (Responses, Messages) are ``event: TYPE`` + ``data: {"type": TYPE, ...}`` events
+  with no [DONE]: they end after their last event (``last_event`` recognises it;
+  ``stream_end`` is empty). Every payload of a typed stream names its own type, so the event
+  name is always recoverable from the data alone (``frame``).
+- Methods never raise on a malformed answer (they judge it incomplete), except ``validate``
+  (``RequestError``) and ``judge_stream`` (``UpstreamStreamBroken`` for a stream that did not end
+  whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from ..errors import CarpoolError, RequestError, UpstreamStatusError
+from ..sse import DONE, SSEDecoder, event_frame
+
+
+class Api:
+    """The default behaviour of an API; each API overrides what differs."""
+
+    kind: str = ""
+    path: str = ""                  # the gateway's path, e.g. "/v1/responses"
+    upstream_path: str = ""         # relative to the upstream's /v1 base, e.g. "/responses"
+    streams: bool = True            # the API has a stream form (``stream: true``)
+    stream_end: bytes = DONE        # what ends a stream sent to a client (b"": its last event)
+    # For a typed stream: tells whether a payload is the stream's last event (the upstream's
+    # iterator ends after it). None: the stream ends with ``data: [DONE]``.
+    last_event: Callable[[bytes], bool] | None = None
+
+    # --------------------------------------------------------------------------- the request
+
+    def validate(self, body: dict[str, Any]) -> None:
+        """Raise ``RequestError`` (400) for a field of the wrong type where the layers depend on
+        it; the upstream validates the rest."""
+        check_fields(body)
+
+    def never_shared(self, body: dict[str, Any]) -> str | None:
+        """Why this request may never be shared, whatever the sampling controls say (a reason
+        for ``bypass``), or None."""
+        return None
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        """Whether the upstream gives the same output every time (CONTRACT.md "Sampling
+        policy"): ``temperature`` 0, ``top_k`` 1 or a ``seed``; absent = the upstream's default,
+        which samples (Anthropic's default temperature is 1)."""
+        return is_deterministic(body)
+
+    def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
+        """Whether a streaming client gets the usage in its stream (``include_usage``)."""
+        options = body.get("stream_options")
+        return stream and isinstance(options, dict) and options.get("include_usage") is True
+
+    def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
+        """``body`` as asked of the upstream as a stream; ``ask_usage``: with its usage, when
+        the API makes that optional."""
+        return {**body, "stream": True}
+
+    def input_texts(self, body: dict[str, Any]) -> list[str]:
+        """The request's input text as the engine reads it, system prompt first: for routing
+        (the prefix cache) and for invalidation by prompt prefix."""
+        return []
+
+    def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """(the text compared by meaning: the last user input, the rest of the body: compared
+        exactly, in the scope), or None when the request has no semantic view."""
+        return None
+
+    # --------------------------------------------------------------------------- the stream
+
+    def failure(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """The error object of a stream event that reports a failure, or None: ``{"error":
+        obj}`` (OpenAI, vLLM; ``upstream.http`` wraps a payload sent as ``event: error`` so) ->
+        obj; a typed error event, ``{"type": "error", "error": obj}`` (Messages, Responses) ->
+        obj, or ``{"type": "error", "code", "message", "param"}`` (Responses) -> those as an
+        OpenAI error object."""
+        if "error" in chunk:
+            error = chunk["error"]
+            if isinstance(error, dict):
+                return self.failure(error) if error.get("type") == "error" else error
+            return {"message": str(error), "type": "error", "code": None}
+        if chunk.get("type") == "error":
+            return {"message": chunk.get("message") or "the upstream stream failed",
+                    "type": "server_error", "code": chunk.get("code"),
+                    "param": chunk.get("param")}
+        return None
+
+    def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
+        """One SSE event carrying ``payload`` (``chunk``: parsed, when the caller has it)."""
+        if b"\n" in payload:                 # a multi-line data field
+            if chunk is None:
+                return data_lines(payload)
+            payload = orjson.dumps(chunk)   # one line
+        return b"data: " + payload + b"\n\n"
+
+    def usage_only(self, chunk: dict[str, Any]) -> bool:
+        """Whether ``chunk`` carries only the usage, for clients that did not ask for it."""
+        return False
+
+    def judge_stream(self, chunks: list[dict[str, Any]],
+                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        """(the non-streaming answer the stream's ``chunks`` make, whether it is complete:
+        storable). Raises ``UpstreamStreamBroken`` when the stream did not end whole: the flight
+        fails. ``asked``: the request body sent."""
+        raise NotImplementedError
+
+    def stream_chunks(self, raw: bytes) -> list[dict[str, Any]] | None:
+        """The chunks of a whole SSE body as a client received it, or None unless it ended as
+        the API's streams end (with ``[DONE]``, or for a typed stream with anything: its end
+        is judged by ``judge_stream``) and no event in it reports a failure."""
+        decoder = SSEDecoder()
+        events = decoder.feed(raw)
+        decoder.close()
+        if decoder.truncated or not events:
+            return None
+        if self.stream_end == DONE:
+            if events[-1][1] != b"[DONE]":
+                return None
+            events = events[:-1]
+        chunks = []
+        for event, payload in events:
+            try:
+                chunk = orjson.loads(payload) if event != "error" else None
+            except orjson.JSONDecodeError:
+                return None
+            if not isinstance(chunk, dict) or self.failure(chunk) is not None:
+                return None
+            chunks.append(chunk)
+        return chunks
+
+    # --------------------------------------------------------------------------- the answer
+
+    def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
+        """Whether a whole answer is complete and successful, worth storing."""
+        return isinstance(body, dict) and "error" not in body
+
+    def usage_tokens(self, body: Any) -> int:
+        """Input + output tokens the upstream reported for ``body``; 0 for what is absent."""
+        return 0
+
+    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
+        """The SSE frames a server could have streamed for ``body`` (without ``stream_end``)."""
+        raise NotImplementedError
+
+    def error_event(self, error: CarpoolError) -> bytes:
+        """The SSE event that tells a streaming client its stream failed."""
+        return b"data: " + orjson.dumps({"error": error.error_object()}) + b"\n\n"
+
+    def error_body(self, error: CarpoolError) -> bytes:
+        """The body of an error reply (the gateway's own errors; an upstream's as it came)."""
+        return error.body()
+
+
+def is_deterministic(body: Any) -> bool:
+    """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy")."""
+    if body.get("seed") is not None:
+        return True
+    if body.get("top_k") == 1:
+        return True
+    temperature = body.get("temperature")
+    return temperature is not None and temperature == 0
+
+
+def typed_frame(payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
+    """One event of a typed stream: its name is the payload's own ``type``."""
+    if chunk is None:
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            return data_lines(payload)      # not an event of the API: relayed as it came
+    if b"\n" in payload:
+        payload = orjson.dumps(chunk)
+    name = chunk.get("type")
+    if not (isinstance(name, str) and name and name.isprintable() and name.isascii()):
+        return b"data: " + payload + b"\n\n"
+    return event_frame(name.encode(), payload)
+
+
+def data_lines(payload: bytes) -> bytes:
+    """An event whose data is ``payload`` as it is, a ``data:`` line per line of it."""
+    return b"data: " + payload.replace(b"\n", b"\ndata: ") + b"\n\n"
+
+
+def ends_with(types: frozenset[str]) -> Callable[[bytes], bool]:
+    """A ``last_event`` test: the payload is an event of one of ``types``. A cheap byte search
+    first, so that only a candidate is parsed (the test runs on every payload)."""
+    needles = tuple(t.encode() for t in types)
+
+    def last(payload: bytes) -> bool:
+        if not any(needle in payload for needle in needles):
+            return False
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return False
+        return isinstance(chunk, dict) and chunk.get("type") in types
+    return last
+
+
+def tokens(usage: Any, *names: str) -> int:
+    """The sum of the non-negative int counts ``names`` of a usage object; never raises."""
+    if not isinstance(usage, dict):
+        return 0
+    total = 0
+    for name in names:
+        value = usage.get(name)
+        if type(value) is int and value >= 0:
+            total += value
+    return total
+
+
+def plain_text(content: Any, part_types: frozenset[str] = frozenset({"text"})) -> str | None:
+    """A message content as one text: a string, or a list of text parts only (joined by
+    newlines); None when it holds anything else (an image, a tool result...)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") in part_types
+            and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
+
+
+def text_parts(content: Any) -> list[str]:
+    """Every text in a message content (a string, or the ``text`` of each part)."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict)
+                and isinstance(p.get("text"), str)]
+    return []
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """The fields the fingerprint and the flights read, on every API that generates text."""
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise RequestError(f"'{name}' must be a number", param=name)
+    for name in ("top_k", "seed", "n"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise RequestError(f"'{name}' must be an integer", param=name)
+
+
+def require_model(body: dict[str, Any]) -> None:
+    if not isinstance(body.get("model"), str):
+        raise RequestError("'model' is required and must be a string", param="model")
+
+
+def passed_through(error: CarpoolError) -> bool:
+    """An error whose body is not the gateway's to shape: the upstream's own, as it came, or
+    an idempotency problem (RFC 9457 problem+json on every endpoint)."""
+    return isinstance(error, UpstreamStatusError) \
+        or error.headers().get("content-type") == "application/problem+json"

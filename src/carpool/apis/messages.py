@@ -1,0 +1,244 @@
+"""Anthropic's Messages API (``POST /v1/messages``), as Anthropic, vLLM and SGLang serve it.
+
+Contract (``apis.base.Api``):
+- The answer is a message: ``{"id", "type": "message", "role": "assistant", "content":
+  [blocks], "model", "stop_reason", "stop_sequence", "usage": {"input_tokens",
+  "output_tokens", ...}}``. It is complete (storable) when it has a ``stop_reason`` (``end_turn``,
+  ``max_tokens``, ``stop_sequence``, ``tool_use``...: like chat's finish reasons, ``max_tokens``
+  included); one without is served as the upstream sent it and never stored.
+- Its stream is typed events with no ``[DONE]``: ``message_start`` (the message, no content),
+  per block ``content_block_start``, ``content_block_delta`` (``text_delta``,
+  ``input_json_delta``, ``thinking_delta``, ``signature_delta``, ``citations_delta``) and
+  ``content_block_stop``, then ``message_delta`` (``stop_reason``, ``stop_sequence``, the
+  cumulative ``usage``) and ``message_stop``; ``ping`` events anywhere. It ended whole at
+  ``message_stop``: a stream that stops before it fails the flight; an ``error`` event is the
+  upstream's failure, relayed to every client. Assembly is what the non-streaming call answers:
+  the blocks in index order, texts concatenated, a tool call's ``input`` parsed from its JSON
+  pieces, ``message_delta``'s fields and usage laid over ``message_start``'s.
+- Synthesized streams (a cached or whole answer for a streaming client): ``message_start``
+  (the message with no content, ``stop_reason`` and ``stop_sequence`` null, its usage), per block
+  a start, its text (or thinking, or a tool call's input as JSON) as one delta, a stop; then
+  ``message_delta`` with the stop fields and the usage, and ``message_stop``. The official
+  ``anthropic`` SDK's ``messages.create(stream=True)`` and ``messages.stream()`` read them.
+- Sharing: Anthropic's default temperature is 1, so an absent ``temperature`` samples:
+  ``bypass`` (``temperature: 0`` or ``top_k: 1`` shares). The tenant comes from ``x-api-key``
+  like any credential; ``anthropic-version`` and ``anthropic-beta`` are forwarded and, as
+  headers that may change the answer, part of the key (``fingerprint.varying_headers``).
+- The semantic view: the last message when it is the user's, of plain text; ``system``, the
+  earlier turns and every parameter are in the scope.
+- Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (the type
+  from the status: ``invalid_request_error``, ``authentication_error``, ``not_found_error``,
+  ``request_too_large``, ``rate_limit_error``, ``api_error``...); an upstream's error passes
+  through as it came, and idempotency problems stay problem+json. A failed stream ends with
+  ``event: error`` carrying the same shape (the SDK raises on it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..errors import CarpoolError, RequestError, UpstreamStatusError, UpstreamStreamBroken
+from ..sse import event_frame
+from .base import (
+    Api,
+    check_fields,
+    ends_with,
+    passed_through,
+    plain_text,
+    require_model,
+    text_parts,
+    tokens,
+    typed_frame,
+)
+
+LAST_EVENT = "message_stop"
+# The message fields that a stream sends in ``message_delta`` rather than ``message_start``.
+_DELTA_FIELDS = ("stop_reason", "stop_sequence", "stop_details", "container")
+_TOOL_BLOCKS = frozenset({"tool_use", "server_tool_use"})
+# Anthropic's error types, by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 529: "overloaded_error"}
+
+
+class MessagesApi(Api):
+    kind, path, upstream_path = "messages", "/v1/messages", "/messages"
+    stream_end = b""
+    last_event = staticmethod(ends_with(frozenset({LAST_EVENT})))
+
+    # --------------------------------------------------------------------------- the request
+
+    def validate(self, body: dict[str, Any]) -> None:
+        require_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of message objects",
+                               param="messages")
+        if not all(isinstance(message, dict) for message in messages):
+            raise RequestError("each item of 'messages' must be an object", param="messages")
+        check_fields(body)
+
+    def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
+        return stream                   # message_start and message_delta always carry it
+
+    def input_texts(self, body: dict[str, Any]) -> list[str]:
+        texts = text_parts(body.get("system"))
+        for message in body["messages"]:
+            texts += text_parts(message.get("content"))
+        return texts
+
+    def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        last = body["messages"][-1]
+        if last.get("role") != "user":
+            return None
+        text = plain_text(last.get("content"))
+        if text is None:
+            return None
+        return text, {**body, "messages": [*body["messages"][:-1],
+                                           {k: v for k, v in last.items() if k != "content"}]}
+
+    # --------------------------------------------------------------------------- the stream
+
+    def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
+        return typed_frame(payload, chunk)
+
+    def judge_stream(self, chunks: list[dict[str, Any]],
+                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        if not chunks or chunks[-1].get("type") != LAST_EVENT:
+            raise UpstreamStreamBroken("the upstream stream ended before message_stop")
+        body = assemble(chunks)
+        return body, self.complete(body)
+
+    # --------------------------------------------------------------------------- the answer
+
+    def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
+        return isinstance(body, dict) and body.get("type") == "message" \
+            and body.get("stop_reason") is not None and isinstance(body.get("content"), list)
+
+    def usage_tokens(self, body: Any) -> int:
+        return tokens(body.get("usage") if isinstance(body, dict) else None,
+                      "input_tokens", "output_tokens")
+
+    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
+        return [event_frame(event["type"].encode(), orjson.dumps(event))
+                for event in synthesize(body)]
+
+    def error_event(self, error: CarpoolError) -> bytes:
+        return event_frame(b"error", orjson.dumps({"type": "error",
+                                                    "error": _error_object(error)}))
+
+    def error_body(self, error: CarpoolError) -> bytes:
+        if passed_through(error):
+            return error.body()
+        return orjson.dumps({"type": "error", "error": _error_object(error)})
+
+
+def _error_object(error: CarpoolError) -> dict[str, Any]:
+    """Anthropic's error object: the upstream's own when it sent one (in its stream, or as its
+    answer), else the gateway's error as one."""
+    if isinstance(error, UpstreamStatusError) or (isinstance(error, UpstreamStreamBroken)
+                                                  and error.upstream_error is not None):
+        upstream = error.error_object()
+        if isinstance(upstream.get("type"), str) and isinstance(upstream.get("message"), str):
+            return upstream
+    return {"type": _ERROR_TYPES.get(error.status, "invalid_request_error"
+                                     if 400 <= error.status < 500 else "api_error"),
+            "message": error.message}
+
+
+def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message a stream makes (see the module docstring)."""
+    message: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
+    blocks: dict[int, dict[str, Any]] = {}
+    pieces: dict[int, list[str]] = {}           # a tool call's input, as JSON text in pieces
+    for chunk in chunks:
+        kind = chunk.get("type")
+        if kind == "message_start" and isinstance(chunk.get("message"), dict):
+            message = dict(chunk["message"])
+            usage = dict(message.get("usage") or {})
+        elif kind == "content_block_start" and isinstance(chunk.get("index"), int):
+            block = chunk.get("content_block")
+            blocks[chunk["index"]] = dict(block) if isinstance(block, dict) else {}
+        elif kind == "content_block_delta" and isinstance(chunk.get("index"), int):
+            delta = chunk.get("delta")
+            if isinstance(delta, dict):
+                _add_delta(blocks.setdefault(chunk["index"], {}),
+                           pieces.setdefault(chunk["index"], []), delta)
+        elif kind == "message_delta":
+            delta = chunk.get("delta")
+            if isinstance(delta, dict):
+                message.update(delta)
+            if isinstance(chunk.get("usage"), dict):
+                # Cumulative counts: they replace message_start's; absent ones keep them.
+                usage.update((k, v) for k, v in chunk["usage"].items() if v is not None)
+    for index, parts in pieces.items():
+        if parts:
+            text = "".join(parts)
+            try:
+                blocks[index]["input"] = orjson.loads(text) if text else {}
+            except orjson.JSONDecodeError:
+                blocks[index]["input"] = text           # as it came: the engine's own output
+    message["content"] = [blocks[i] for i in sorted(blocks)]
+    if usage or "usage" in message:
+        message["usage"] = usage
+    return message
+
+
+def _add_delta(block: dict[str, Any], pieces: list[str], delta: dict[str, Any]) -> None:
+    kind = delta.get("type")
+    if kind == "text_delta":
+        block["text"] = (block.get("text") or "") + str(delta.get("text") or "")
+    elif kind == "input_json_delta":
+        pieces.append(str(delta.get("partial_json") or ""))
+    elif kind == "thinking_delta":
+        block["thinking"] = (block.get("thinking") or "") + str(delta.get("thinking") or "")
+    elif kind == "signature_delta":
+        block["signature"] = delta.get("signature")
+    elif kind == "citations_delta":
+        block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+
+
+def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a stream that makes ``body`` (see the module docstring)."""
+    usage = body.get("usage")
+    # The message as message_start sends it: no content and no stop yet, in the body's order.
+    start = {k: None if k in _DELTA_FIELDS else v for k, v in body.items()
+             if k not in _DELTA_FIELDS[2:]}
+    start.update(content=[], stop_reason=None, stop_sequence=None)
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    content = body.get("content")
+    for index, block in enumerate(content if isinstance(content, list) else ()):
+        events += _block_events(index, block if isinstance(block, dict) else {})
+    delta = {k: body.get(k) for k in _DELTA_FIELDS[:2]}
+    delta.update((k, body[k]) for k in _DELTA_FIELDS[2:] if k in body)
+    events.append({"type": "message_delta", "delta": delta,
+                   "usage": usage if isinstance(usage, dict) else {"output_tokens": 0}})
+    events.append({"type": LAST_EVENT})
+    return events
+
+
+def _block_events(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
+    kind = block.get("type")
+    if kind == "text" and isinstance(block.get("text"), str):
+        start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
+    elif kind in _TOOL_BLOCKS and isinstance(block.get("input"), dict):
+        start = {**block, "input": {}}
+        delta = {"type": "input_json_delta",
+                 "partial_json": orjson.dumps(block["input"]).decode()}
+    elif kind == "thinking" and isinstance(block.get("thinking"), str):
+        start = {**block, "thinking": "", "signature": ""}
+        delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+    else:                                       # redacted thinking, tool results...: whole
+        start, delta = block, None
+    events: list[dict[str, Any]] = [{"type": "content_block_start", "index": index,
+                                     "content_block": start}]
+    if delta is not None:
+        events.append({"type": "content_block_delta", "index": index, "delta": delta})
+    if kind == "thinking" and isinstance(block.get("signature"), str) and delta is not None:
+        events.append({"type": "content_block_delta", "index": index,
+                       "delta": {"type": "signature_delta", "signature": block["signature"]}})
+    events.append({"type": "content_block_stop", "index": index})
+    return events

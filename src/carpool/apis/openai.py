@@ -1,0 +1,150 @@
+"""OpenAI's classic endpoints: chat completions, completions, embeddings.
+
+Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
+- Streams are ``data:`` chunks ending with ``data: [DONE]``; the usage comes in a last chunk of
+  its own (``"choices": []``) only when ``stream_options.include_usage`` asks for it, and the
+  gateway asks for it on the streams it shares (``upstream.stream_usage``), hiding it from the
+  clients that did not.
+- A stream is whole when it ended with [DONE] (``upstream.base``) and every choice asked for
+  (``n`` per prompt) finished: anything less fails the flight (``judge_stream`` raises). A whole
+  body with fewer choices is served as it came, but not stored (``complete``).
+- Validation: ``model`` a string; ``messages`` a non-empty list of objects (chat); ``prompt`` /
+  ``input`` a string, a list of strings or token lists (completions, embeddings); and, except
+  for embeddings, ``stream`` a boolean, ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n``
+  integers. Embeddings are always deterministic and have no stream.
+- The semantic view: the last user message (chat; plain text only) or a string prompt
+  (completions); embeddings have none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..errors import CarpoolError, RequestError, UpstreamStreamBroken, error_event
+from ..sse import assemble, expected_choices, frame, is_complete, synthesize, usage_tokens
+from .base import Api, check_fields, plain_text, require_model
+
+
+class _Classic(Api):
+    """What chat and completions share: [DONE] streams of choices."""
+
+    def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
+        body = {**body, "stream": True}
+        if ask_usage:
+            options = body.get("stream_options")
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                      "include_usage": True}
+        return body
+
+    def usage_only(self, chunk: dict[str, Any]) -> bool:
+        return not chunk.get("choices") and chunk.get("usage") is not None
+
+    def judge_stream(self, chunks: list[dict[str, Any]],
+                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        body = assemble(self.kind, chunks)
+        if not is_complete(self.kind, body, expected_choices(self.kind, asked)):
+            raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
+        return body, True
+
+    def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
+        return is_complete(self.kind, body, expected_choices(self.kind, asked))
+
+    def usage_tokens(self, body: Any) -> int:
+        return usage_tokens(body)
+
+    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
+        return [frame(orjson.dumps(chunk))
+                for chunk in synthesize(self.kind, body, include_usage=include_usage)]
+
+    def error_event(self, error: CarpoolError) -> bytes:
+        return error_event(error)
+
+
+class ChatApi(_Classic):
+    kind, path, upstream_path = "chat", "/v1/chat/completions", "/chat/completions"
+
+    def validate(self, body: dict[str, Any]) -> None:
+        require_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of message objects",
+                               param="messages")
+        if not all(isinstance(message, dict) for message in messages):
+            raise RequestError("each item of 'messages' must be an object", param="messages")
+        check_fields(body)
+
+    def input_texts(self, body: dict[str, Any]) -> list[str]:
+        return [m["content"] for m in body["messages"] if isinstance(m.get("content"), str)]
+
+    def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        last = body["messages"][-1]
+        if last.get("role") != "user":
+            return None
+        text = plain_text(last.get("content"))
+        if text is None:
+            return None
+        return text, {**body, "messages": [*body["messages"][:-1],
+                                           {k: v for k, v in last.items() if k != "content"}]}
+
+
+class CompletionApi(_Classic):
+    kind, path, upstream_path = "completion", "/v1/completions", "/completions"
+
+    def validate(self, body: dict[str, Any]) -> None:
+        require_model(body)
+        if not is_text_or_tokens(body.get("prompt")):
+            raise RequestError("'prompt' must be a string, a list of strings or token lists",
+                               param="prompt")
+        check_fields(body)
+
+    def input_texts(self, body: dict[str, Any]) -> list[str]:
+        prompt = body.get("prompt")
+        return [prompt] if isinstance(prompt, str) else []
+
+    def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None                     # token ids and list prompts: exact only
+        return prompt, {k: v for k, v in body.items() if k != "prompt"}
+
+
+class EmbeddingApi(Api):
+    kind, path, upstream_path = "embedding", "/v1/embeddings", "/embeddings"
+    streams = False
+
+    def validate(self, body: dict[str, Any]) -> None:
+        require_model(body)
+        if not is_text_or_tokens(body.get("input")):
+            raise RequestError("'input' must be a string, a list of strings or token lists",
+                               param="input")
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        return True
+
+    def input_texts(self, body: dict[str, Any]) -> list[str]:
+        value = body.get("input")
+        return [value] if isinstance(value, str) else []
+
+    def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
+        return is_complete(self.kind, body)
+
+    def usage_tokens(self, body: Any) -> int:
+        return usage_tokens(body)
+
+    def error_event(self, error: CarpoolError) -> bytes:
+        return error_event(error)
+
+
+def is_text_or_tokens(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, str):
+        return all(isinstance(item, str) for item in value)
+    if isinstance(first, int):
+        return all(isinstance(item, int) for item in value)
+    return all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value)

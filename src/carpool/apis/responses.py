@@ -1,0 +1,217 @@
+"""OpenAI's Responses API (``POST /v1/responses``), as OpenAI, vLLM and SGLang serve it.
+
+Contract (``apis.base.Api``):
+- The answer is a ``response`` object: ``{"id", "object": "response", "created_at", "status",
+  "model", "output": [items], "usage": {"input_tokens", "output_tokens", ...}, ...}``. It is
+  complete (storable) only with ``status: "completed"``; ``incomplete`` (``max_output_tokens``,
+  a content filter), ``failed`` and anything else are served as the upstream sent them and never
+  stored.
+- Its stream is typed events (``event: response.created`` + ``data: {"type":
+  "response.created", "sequence_number": 0, "response": {...}}``, ...,
+  ``response.output_text.delta``, ..., ``response.completed``), with no ``[DONE]``. It ended
+  whole once its last event came: ``response.completed``, ``response.incomplete`` or
+  ``response.failed``, each carrying the whole response object, which is the assembled answer
+  (its ``output``, if empty, is made of the ``response.output_item.done`` items). A stream that
+  stops before one of them fails the flight; an ``error`` event is the upstream's failure,
+  relayed to every client.
+- Synthesized streams (a cached or whole answer for a streaming client) are the events OpenAI
+  sends, numbered from 0: ``response.created`` and ``response.in_progress`` (status
+  ``in_progress``, no output, no usage); per output item ``response.output_item.added``, its
+  content (a message's text parts as ``response.content_part.added``, one
+  ``response.output_text.delta`` with the whole text, ``response.output_text.done``,
+  ``response.content_part.done``; refusals alike; a function call's arguments as one
+  ``response.function_call_arguments.delta`` and ``.done``) and ``response.output_item.done``
+  with the whole item; then the last event for the response's status with the whole response.
+  The official SDK's ``responses.create(stream=True)`` and ``responses.stream()`` read them.
+- Sharing: ``temperature`` absent is the upstream's default (1), which samples: ``bypass``, as
+  for chat. ``background: true`` never shares (the answer is a queued job the client polls with
+  ``GET /v1/responses/{id}``, which passes through). ``conversation`` never shares either: the
+  upstream appends every call's input and output to the conversation, so two identical requests
+  in one are not the same request (the second sees the first's turn) and a shared answer would
+  leave the conversation short of a turn. ``previous_response_id`` names an immutable stored
+  response: it is part of the key like any field. ``store`` is forwarded as it came (a cached
+  answer's id is the one the upstream stored for the call that produced it).
+- The semantic view: ``input`` when it is a string, or the last input item when it is a user
+  message of plain text (``input_text`` parts); ``instructions``, earlier items and every
+  parameter are in the scope.
+- Errors: OpenAI's shape, as for chat. A failed stream ends with ``event: error`` whose data is
+  the Responses API's error event (``type``, ``code``, ``message``, ``param``) carrying the error
+  object under ``error`` too, so that the ``openai`` SDK raises ``APIError`` on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import orjson
+
+from ..errors import CarpoolError, RequestError, UpstreamStreamBroken
+from ..sse import event_frame
+from .base import Api, check_fields, ends_with, plain_text, text_parts, tokens, typed_frame
+
+# The events a stream ends with, each carrying the whole response object.
+LAST = {"completed": "response.completed", "incomplete": "response.incomplete",
+        "failed": "response.failed"}
+LAST_EVENTS = frozenset(LAST.values())
+_LIFECYCLE = frozenset({"response.created", "response.queued", "response.in_progress",
+                        *LAST_EVENTS})
+_INPUT_TEXT = frozenset({"input_text", "text"})
+
+
+class ResponsesApi(Api):
+    kind, path, upstream_path = "responses", "/v1/responses", "/responses"
+    stream_end = b""
+    last_event = staticmethod(ends_with(LAST_EVENTS))
+
+    # --------------------------------------------------------------------------- the request
+
+    def validate(self, body: dict[str, Any]) -> None:
+        # ``model`` may be left to a stored prompt (``prompt: {"id": ...}``); ``input`` to
+        # ``previous_response_id`` or ``conversation``: only their types are checked here.
+        if "model" in body and not isinstance(body["model"], str):
+            raise RequestError("'model' must be a string", param="model")
+        value = body.get("input")
+        if value is not None and not isinstance(value, (str, list)):
+            raise RequestError("'input' must be a string or a list of input items",
+                               param="input")
+        for name in ("background", "store"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise RequestError(f"'{name}' must be a boolean", param=name)
+        check_fields(body)
+
+    def never_shared(self, body: dict[str, Any]) -> str | None:
+        if body.get("background"):
+            return "background"
+        if body.get("conversation") is not None:
+            return "conversation"
+        return None
+
+    def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
+        return stream                   # the last event always carries the usage
+
+    def input_texts(self, body: dict[str, Any]) -> list[str]:
+        texts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
+        value = body.get("input")
+        if isinstance(value, str):
+            return [*texts, value]
+        for item in value if isinstance(value, list) else ():
+            if isinstance(item, dict):
+                texts += text_parts(item.get("content"))
+        return texts
+
+    def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        value = body.get("input")
+        rest = {k: v for k, v in body.items() if k != "input"}
+        if isinstance(value, str):
+            return value, rest
+        if not isinstance(value, list) or not value or not isinstance(value[-1], dict):
+            return None
+        last = value[-1]
+        if last.get("role") != "user" or last.get("type", "message") != "message":
+            return None
+        text = plain_text(last.get("content"), _INPUT_TEXT)
+        if text is None:
+            return None
+        return text, {**rest, "input": [*value[:-1],
+                                        {k: v for k, v in last.items() if k != "content"}]}
+
+    # --------------------------------------------------------------------------- the stream
+
+    def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
+        return typed_frame(payload, chunk)
+
+    def judge_stream(self, chunks: list[dict[str, Any]],
+                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        if not chunks or chunks[-1].get("type") not in LAST_EVENTS:
+            raise UpstreamStreamBroken("the upstream stream ended before its last event "
+                                       "(response.completed)")
+        body = assemble(chunks)
+        return body, self.complete(body)
+
+    # --------------------------------------------------------------------------- the answer
+
+    def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
+        return isinstance(body, dict) and body.get("status") == "completed" \
+            and isinstance(body.get("output"), list)
+
+    def usage_tokens(self, body: Any) -> int:
+        return tokens(body.get("usage") if isinstance(body, dict) else None,
+                      "input_tokens", "output_tokens")
+
+    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
+        return [event_frame(event["type"].encode(), orjson.dumps(event))
+                for event in synthesize(body)]
+
+    def error_event(self, error: CarpoolError) -> bytes:
+        obj = error.error_object()
+        event = {"type": "error", "code": obj.get("code"), "message": obj.get("message"),
+                 "param": obj.get("param"), "error": obj}
+        return event_frame(b"error", orjson.dumps(event))
+
+
+def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response object of a stream: the last lifecycle event's, with the finished output
+    items when it carries none."""
+    response: dict[str, Any] = {}
+    items: dict[int, Any] = {}
+    for chunk in chunks:
+        kind = chunk.get("type")
+        if kind in _LIFECYCLE and isinstance(chunk.get("response"), dict):
+            response = chunk["response"]
+        elif kind == "response.output_item.done" and isinstance(chunk.get("output_index"), int):
+            items[chunk["output_index"]] = chunk.get("item")
+    body = dict(response)
+    if not body.get("output") and items:
+        body["output"] = [items[i] for i in sorted(items)]
+    return body
+
+
+def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a stream that makes ``body`` (see the module docstring)."""
+    numbers = itertools.count()
+    events: list[dict[str, Any]] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append({"type": kind, "sequence_number": next(numbers), **fields})
+
+    head = {**body, "status": "in_progress", "output": [], "usage": None}
+    emit("response.created", response=head)
+    emit("response.in_progress", response=head)
+    output = body.get("output")
+    for index, item in enumerate(output if isinstance(output, list) else ()):
+        if not isinstance(item, dict):
+            continue
+        where = {"item_id": item.get("id"), "output_index": index}
+        if item.get("type") == "message" and isinstance(item.get("content"), list):
+            emit("response.output_item.added", output_index=index,
+                 item={**item, "status": "in_progress", "content": []})
+            for position, part in enumerate(item["content"]):
+                _part_events(emit, where, position, part)
+        elif item.get("type") == "function_call" and isinstance(item.get("arguments"), str):
+            emit("response.output_item.added", output_index=index,
+                 item={**item, "status": "in_progress", "arguments": ""})
+            emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
+            emit("response.function_call_arguments.done", **where, arguments=item["arguments"])
+        else:                                   # reasoning, tool calls of the server...: whole
+            emit("response.output_item.added", output_index=index, item=item)
+        emit("response.output_item.done", output_index=index, item=item)
+    emit(LAST.get(body.get("status"), "response.failed"), response=body)
+    return events
+
+
+def _part_events(emit: Any, where: dict[str, Any], position: int, part: Any) -> None:
+    """A message's content part: added, its text as one delta, done."""
+    at = {**where, "content_index": position}
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "output_text" and isinstance(part.get("text"), str):
+        emit("response.content_part.added", **at, part={**part, "text": ""})
+        emit("response.output_text.delta", **at, delta=part["text"], logprobs=[])
+        emit("response.output_text.done", **at, text=part["text"], logprobs=[])
+    elif kind == "refusal" and isinstance(part.get("refusal"), str):
+        emit("response.content_part.added", **at, part={**part, "refusal": ""})
+        emit("response.refusal.delta", **at, delta=part["refusal"])
+        emit("response.refusal.done", **at, refusal=part["refusal"])
+    else:
+        emit("response.content_part.added", **at, part=part)
+    emit("response.content_part.done", **at, part=part)

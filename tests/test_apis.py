@@ -1,0 +1,651 @@
+"""OpenAI's Responses API and Anthropic's Messages API get the layers chat gets (issue 15, 5-7).
+
+Over HTTP, a real gateway in front of the fake upstream (``fakes/upstream.py`` serves both APIs
+in their real shapes): the exact cache, coalescing with streaming fan-out and late joiners, the
+conversion between streams and whole answers, what is stored (only complete answers), the
+sampling policy, what never shares (Responses' ``background`` and ``conversation``), the
+tenant (``x-api-key``), idempotency keys, the semantic view, the APIs' own error shapes, and the
+official ``openai`` and ``anthropic`` SDKs. Joiners get into a flight through the fake's
+``gate``/``chunk_gate`` (the upstream holds its answer until every client is in), never by
+sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anthropic
+import openai
+import orjson
+import pytest
+
+from carpool.apis import api_of
+from carpool.apis import messages as messages_api
+from carpool.apis import responses as responses_api
+from carpool.config import Config
+from carpool.fingerprint import fingerprint, semantic_view
+from carpool.request import ClientRequest, parse
+from carpool.sse import SSEDecoder
+from conftest import run_gateway
+from fakes.flights import flight_clients, leader_and_joiners, stream
+from fakes.waiting import eventually
+
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+QUESTION = "What is carpool?"
+BOTH = pytest.mark.parametrize("kind", ["responses", "messages"])
+# The last event of each API's stream, and what a complete answer says.
+LAST = {"responses": "response.completed", "messages": "message_stop"}
+
+
+def body_of(kind: str, text: str = QUESTION, **extra: Any) -> dict[str, Any]:
+    """A deterministic request (``temperature: 0``) unless ``extra`` says otherwise."""
+    if kind == "responses":
+        return {"model": "m", "input": text, "temperature": 0, **extra}
+    return {"model": "m", "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": text}], **extra}
+
+
+def path_of(kind: str) -> str:
+    return RESPONSES if kind == "responses" else MESSAGES
+
+
+def without(body: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != name}
+
+
+def events(raw: str) -> list[tuple[str | None, dict[str, Any]]]:
+    """The (event name, data) pairs of a whole SSE text."""
+    decoder = SSEDecoder()
+    out = decoder.feed(raw.encode())
+    decoder.close()
+    assert not decoder.truncated, raw[-200:]
+    return [(name, orjson.loads(payload)) for name, payload in out]
+
+
+def typed(kind: str, raw: str) -> list[dict[str, Any]]:
+    """The events of a typed stream that ended whole: every event is named after its data's own
+    type, there is no [DONE], and the last event is the API's last one."""
+    pairs = events(raw)
+    assert "[DONE]" not in raw
+    assert all(name == data.get("type") for name, data in pairs), pairs
+    assert pairs and pairs[-1][0] == LAST[kind], pairs[-1:]
+    return [data for _, data in pairs]
+
+
+def stream_text(kind: str, raw: str) -> str:
+    if kind == "responses":
+        return "".join(e["delta"] for e in typed(kind, raw)
+                       if e["type"] == "response.output_text.delta")
+    return "".join(e["delta"]["text"] for e in typed(kind, raw)
+                   if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta")
+
+
+def body_text(kind: str, body: dict[str, Any]) -> str:
+    if kind == "responses":
+        return "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                       for part in item["content"] if part["type"] == "output_text")
+    return "".join(block["text"] for block in body["content"] if block["type"] == "text")
+
+
+def assembled(kind: str, raw: str) -> dict[str, Any]:
+    """The answer a client's stream makes, as the gateway assembles one."""
+    api = api_of(kind)
+    body, complete = api.judge_stream(typed(kind, raw), None)
+    assert complete
+    return body
+
+
+def assert_complete(kind: str, body: dict[str, Any]) -> None:
+    if kind == "responses":
+        assert body["object"] == "response" and body["status"] == "completed"
+        assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] > 0
+    else:
+        assert body["type"] == "message" and body["stop_reason"] == "end_turn"
+        assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] > 0
+
+
+def error_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The error object of an error body (or event) in the API's own shape."""
+    if kind == "messages":
+        assert body["type"] == "error", body
+        assert set(body["error"]) >= {"type", "message"}
+    return body["error"]
+
+
+# --- the exact cache ---------------------------------------------------------------------------
+
+@BOTH
+async def test_a_repeat_is_a_hit_after_a_miss(gw, fake, kind):
+    first = await gw.client.post(path_of(kind), json=body_of(kind))
+    again = await gw.client.post(path_of(kind), json=body_of(kind))
+    assert first.status_code == again.status_code == 200
+    assert first.headers["x-carpool"] == "miss" and again.headers["x-carpool"] == "hit"
+    assert "age" in again.headers
+    assert_complete(kind, first.json())
+    assert again.json() == first.json()
+    assert body_text(kind, first.json()) == f"answer 1 to {QUESTION}"
+    assert fake.count() == 1
+
+
+@BOTH
+async def test_a_streaming_repeat_is_a_hit_served_as_the_apis_own_events(gw, fake, kind):
+    first, raw = await stream(gw, path_of(kind), body_of(kind))
+    again, replayed = await stream(gw, path_of(kind), body_of(kind))
+    assert first.headers["x-carpool"] == "miss" and again.headers["x-carpool"] == "hit"
+    assert first.headers["content-type"].startswith("text/event-stream")
+    assert stream_text(kind, raw) == f"answer 1 to {QUESTION}"
+    assert replayed == raw                      # the upstream's own events, as they came
+    assert_complete(kind, assembled(kind, raw))
+    assert fake.count() == 1 and fake.calls[0].stream
+
+
+@BOTH
+async def test_a_streaming_client_of_a_cached_whole_answer_gets_the_apis_event_stream(
+        gw, fake, kind):
+    whole = await gw.client.post(path_of(kind), json=body_of(kind))
+    hit, raw = await stream(gw, path_of(kind), body_of(kind))
+    assert hit.headers["x-carpool"] == "hit"
+    assert stream_text(kind, raw) == body_text(kind, whole.json())
+    assert assembled(kind, raw) == whole.json()         # synthesized, and it assembles back
+    assert fake.count() == 1
+
+
+@BOTH
+async def test_a_whole_answer_client_of_a_cached_stream_gets_the_assembled_object(
+        gw, fake, kind):
+    _, raw = await stream(gw, path_of(kind), body_of(kind))
+    hit = await gw.client.post(path_of(kind), json=body_of(kind))
+    assert hit.headers["x-carpool"] == "hit"
+    assert hit.headers["content-type"].startswith("application/json")
+    body = hit.json()
+    assert_complete(kind, body)
+    assert body_text(kind, body) == stream_text(kind, raw) == f"answer 1 to {QUESTION}"
+    # Exactly what the upstream answers the same call whole (usage included): the fake numbers
+    # its answers by call, so it is asked again as call 1, past the cache (another namespace).
+    fake.reset()
+    direct = await gw.client.post(path_of(kind), json=body_of(kind),
+                                  headers={"x-carpool-namespace": "direct"})
+    assert direct.headers["x-carpool"] == "miss" and not fake.calls[0].stream
+    assert body == direct.json()
+
+
+# --- coalescing --------------------------------------------------------------------------------
+
+@BOTH
+async def test_identical_requests_in_flight_share_one_call_streaming_or_not(gw, fake, kind):
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(
+        gw, fake, path_of(kind), body_of(kind))
+    assert leader.headers["x-carpool"] == "miss"
+    assert joiner.headers["x-carpool"] == plain.headers["x-carpool"] == "coalesced"
+    assert stream_text(kind, raw) == stream_text(kind, joined) == f"answer 1 to {QUESTION}"
+    assert_complete(kind, plain.json())
+    assert body_text(kind, plain.json()) == f"answer 1 to {QUESTION}"
+    assert fake.count() == 1
+
+
+@BOTH
+async def test_a_streaming_joiner_of_a_whole_answer_call_gets_the_apis_events(gw, fake, kind):
+    fake.gate = asyncio.Event()
+    leader = asyncio.create_task(gw.client.post(path_of(kind), json=body_of(kind)))
+    await fake.wait_for_calls(1)
+    joiner = asyncio.create_task(stream(gw, path_of(kind), body_of(kind)))
+    await eventually(lambda: flight_clients(gw) == 2, what="the joiner in the flight")
+    fake.gate.set()
+    whole, (joined, raw) = await asyncio.gather(leader, joiner)
+    assert (whole.headers["x-carpool"], joined.headers["x-carpool"]) == ("miss", "coalesced")
+    assert not fake.calls[0].stream
+    assert assembled(kind, raw) == whole.json()         # synthesized from the whole answer
+    assert fake.count() == 1
+
+
+@BOTH
+async def test_a_late_streaming_joiner_is_replayed_from_the_first_event(gw, fake, kind):
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(stream(gw, path_of(kind), body_of(kind)))
+    await fake.chunk_gate_reached.wait()
+    # The gateway has relayed the first events (two text deltas among them) before it joins.
+    early = 6 if kind == "responses" else 5
+    await eventually(lambda: any(len(f.broadcast.frames) >= early
+                                 for f in gw.gateway.flights._flights.values()),
+                     what="the first events relayed")
+    joiner = asyncio.create_task(stream(gw, path_of(kind), body_of(kind)))
+    await eventually(lambda: flight_clients(gw) == 2, what="the joiner in the flight")
+    fake.chunk_gate.set()
+    (first, raw), (late, joined) = await asyncio.gather(leader, joiner)
+    assert late.headers["x-carpool"] == "coalesced"
+    assert joined == raw                        # every event, from the first one
+    assert fake.count() == 1
+
+
+# --- completeness ------------------------------------------------------------------------------
+
+@BOTH
+async def test_a_stream_that_stops_before_its_last_event_is_not_stored_and_every_client_gets_an_error(  # noqa: E501
+        gw, fake, kind):
+    fake.omit_done = True              # ends cleanly without response.completed / message_stop
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(
+        gw, fake, path_of(kind), body_of(kind))
+    for response, text in ((leader, raw), (joiner, joined)):
+        assert response.status_code == 200
+        name, data = events(text)[-1]
+        assert name == "error" and error_of(kind, data)["message"]
+        assert LAST[kind] not in text and "[DONE]" not in text
+    assert plain.status_code == 502 and plain.headers["x-should-retry"] == "false"
+    assert error_of(kind, plain.json())["message"]
+    assert gw.gateway.store.entries == 0
+    fake.omit_done = False
+    again = await gw.client.post(path_of(kind), json=body_of(kind))
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+@BOTH
+async def test_an_answer_that_ended_without_completing_is_served_as_it_came_but_not_stored(
+        gw, fake, kind):
+    # Responses: status "incomplete" (response.incomplete ends its stream); Messages: no
+    # stop_reason. Whole answers of the upstream, not failures: served, never stored.
+    fake.omit_finish_reason = True
+    whole = await gw.client.post(path_of(kind), json=body_of(kind))
+    streamed, raw = await stream(gw, path_of(kind), body_of(kind))
+    assert whole.status_code == streamed.status_code == 200
+    pairs = events(raw)
+    if kind == "responses":
+        assert whole.json()["status"] == "incomplete"
+        assert pairs[-1][0] == "response.incomplete"
+    else:
+        assert whole.json()["stop_reason"] is None
+        assert pairs[-1][0] == "message_stop"
+    assert all(name != "error" for name, _ in pairs)
+    assert streamed.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert gw.gateway.store.entries == 0
+
+
+@BOTH
+async def test_an_upstream_error_event_reaches_every_client_in_the_apis_shape_and_is_not_stored(
+        gw, fake, kind):
+    fake.error_after = 3
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(
+        gw, fake, path_of(kind), body_of(kind))
+    for text in (raw, joined):
+        (name, data), = [pair for pair in events(text) if pair[0] == "error"]
+        assert events(text)[-1][0] == "error"
+        error = error_of(kind, data)
+        assert error["message"] == "fake upstream stream failure"
+        if kind == "messages":
+            assert error["type"] == "overloaded_error"       # the engine's own error object
+        else:
+            assert data["code"] == "server_error"
+    assert plain.status_code == 502
+    assert error_of(kind, plain.json())["message"] == "fake upstream stream failure"
+    assert gw.gateway.store.entries == 0 and fake.count() == 1
+
+
+# --- what shares -------------------------------------------------------------------------------
+
+@BOTH
+async def test_an_absent_temperature_samples_so_it_bypasses(gw, fake, kind):
+    sampled = without(body_of(kind), "temperature")      # Anthropic's default is 1: sampled too
+    first = await gw.client.post(path_of(kind), json=sampled)
+    second = await gw.client.post(path_of(kind), json=sampled)
+    assert first.headers["x-carpool"] == second.headers["x-carpool"] == "bypass"
+    assert body_text(kind, second.json()) == f"answer 2 to {QUESTION}"
+    streamed, raw = await stream(gw, path_of(kind), sampled)   # relayed with its event names
+    assert streamed.headers["x-carpool"] == "bypass"
+    assert stream_text(kind, raw) == f"answer 3 to {QUESTION}"
+    assert fake.count() == 3
+
+
+@BOTH
+async def test_a_bypassed_stream_that_stops_before_its_last_event_ends_with_an_error_event(
+        gw, fake, kind):
+    fake.omit_done = True
+    response, raw = await stream(gw, path_of(kind), without(body_of(kind), "temperature"))
+    assert response.headers["x-carpool"] == "bypass"
+    name, data = events(raw)[-1]
+    assert name == "error" and error_of(kind, data)["message"]
+
+
+async def test_messages_at_temperature_0_or_top_k_1_share(gw, fake):
+    for body in (body_of("messages"), {**without(body_of("messages"), "temperature"),
+                                       "top_k": 1}):
+        first = await gw.client.post(MESSAGES, json=body)
+        again = await gw.client.post(MESSAGES, json=body)
+        assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
+    assert fake.count() == 2
+
+
+async def test_x_carpool_share_sampled_shares_a_sampled_messages_request(gw, fake):
+    body, headers = without(body_of("messages"), "temperature"), {"x-carpool-share": "sampled"}
+    first = await gw.client.post(MESSAGES, json=body, headers=headers)
+    again = await gw.client.post(MESSAGES, json=body, headers=headers)
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
+
+
+async def test_background_responses_pass_through_never_shared(gw, fake):
+    # A background response is a job the client polls: never cached nor coalesced, whatever
+    # the controls say.
+    body = body_of("responses", background=True)
+    headers = {"x-carpool-share": "sampled"}
+    first = await gw.client.post(RESPONSES, json=body, headers=headers)
+    second = await gw.client.post(RESPONSES, json=body, headers=headers)
+    assert first.headers["x-carpool"] == second.headers["x-carpool"] == "bypass"
+    assert fake.count() == 2 and fake.calls[0].body["background"] is True
+
+
+async def test_responses_in_a_conversation_are_never_shared(gw, fake):
+    # The upstream appends each call's turn to the conversation: the same request twice is two
+    # turns, and the second sees the first.
+    body = body_of("responses", conversation="conv_1")
+    first = await gw.client.post(RESPONSES, json=body)
+    second = await gw.client.post(RESPONSES, json=body)
+    assert first.headers["x-carpool"] == second.headers["x-carpool"] == "bypass"
+    assert fake.count() == 2
+
+
+async def test_previous_response_id_is_part_of_the_key(gw, fake):
+    one = body_of("responses", previous_response_id="resp_1")
+    other = body_of("responses", previous_response_id="resp_2")
+    outcomes = [(await gw.client.post(RESPONSES, json=body)).headers["x-carpool"]
+                for body in (one, other, one, body_of("responses"))]
+    assert outcomes == ["miss", "miss", "hit", "miss"]
+    assert [c.body.get("previous_response_id") for c in fake.calls] == ["resp_1", "resp_2", None]
+
+
+async def test_store_is_forwarded_as_it_came_and_is_part_of_the_key(gw, fake):
+    for body in (body_of("responses", store=False), body_of("responses", store=False),
+                 body_of("responses")):
+        await gw.client.post(RESPONSES, json=body)
+    assert [c.body.get("store") for c in fake.calls] == [False, None]
+
+
+async def test_x_api_key_separates_tenants_and_anthropic_headers_are_in_the_key(gw, fake):
+    async def post(headers: dict[str, str]) -> str:
+        response = await gw.client.post(MESSAGES, json=body_of("messages"), headers=headers)
+        return response.headers["x-carpool"]
+
+    alice = {"x-api-key": "key-a", "anthropic-version": "2023-06-01"}
+    bob = {"x-api-key": "key-b", "anthropic-version": "2023-06-01"}
+    assert [await post(alice), await post(bob), await post(alice)] == ["miss", "miss", "hit"]
+    beta = {**alice, "anthropic-beta": "some-feature-2025-01-01"}
+    assert await post(beta) == "miss"          # a beta feature may change the answer
+    assert await post({**alice, "anthropic-version": "2024-01-01"}) == "miss"
+    assert fake.count() == 4
+    assert fake.calls[0].headers["x-api-key"] == "key-a"
+    assert fake.calls[0].headers["anthropic-version"] == "2023-06-01"
+    assert fake.calls[2].headers["anthropic-beta"] == "some-feature-2025-01-01"
+
+
+# --- idempotency -------------------------------------------------------------------------------
+
+@BOTH
+async def test_an_idempotency_key_replays_the_first_answer_in_the_format_the_retry_asks_for(
+        gw, fake, kind):
+    sampled = without(body_of(kind), "temperature")      # bypass: only the key dedupes it
+    headers = {"Idempotency-Key": f'"retry-{kind}"'}
+    first = await gw.client.post(path_of(kind), json=sampled, headers=headers)
+    retry = await gw.client.post(path_of(kind), json=sampled, headers=headers)
+    assert first.headers["x-carpool"] == "bypass"
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json() == first.json()
+    async with gw.client.stream("POST", path_of(kind), json={**sampled, "stream": True},
+                                headers=headers) as response:
+        raw = (await response.aread()).decode()
+    assert response.headers["idempotent-replayed"] == "true"
+    assert assembled(kind, raw) == first.json()
+    other = await gw.client.post(path_of(kind), json=body_of(kind, "another question"),
+                                 headers=headers)
+    assert other.status_code == 422
+    assert fake.count() == 1
+
+
+@BOTH
+async def test_an_idempotent_stream_is_replayed_and_assembled_for_a_whole_answer_retry(
+        gw, fake, kind):
+    headers = {"Idempotency-Key": f'"stream-{kind}"'}
+    async with gw.client.stream("POST", path_of(kind), json={**body_of(kind), "stream": True},
+                                headers=headers) as response:
+        raw = (await response.aread()).decode()
+    replay = await gw.client.post(path_of(kind), json=body_of(kind), headers=headers)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.json() == assembled(kind, raw)
+    assert fake.count() == 1
+
+
+# --- what passes through, errors, the simulator --------------------------------------------------
+
+async def test_retrieving_a_response_by_id_passes_through(gw, fake):
+    response = await gw.client.get("/v1/responses/resp_fake_1")
+    assert response.status_code == 200 and "x-carpool" not in response.headers
+    assert response.json()["path"] == "/v1/responses/resp_fake_1"
+    counted = await gw.client.post("/v1/messages/count_tokens", json=body_of("messages"))
+    assert counted.json()["echo"] is True and "x-carpool" not in counted.headers
+
+
+async def test_the_gateways_own_errors_on_messages_are_in_anthropics_shape(gw, fake):
+    bad = await gw.client.post(MESSAGES, content=b"{not json")
+    assert bad.status_code == 400 and bad.headers["x-carpool"] == "bypass"
+    assert bad.json()["type"] == "error"
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+    missing = await gw.client.post(MESSAGES, json={"model": "m", "max_tokens": 5})
+    assert missing.status_code == 400 and "messages" in missing.json()["error"]["message"]
+    responses = await gw.client.post(RESPONSES, json={"model": 5, "input": "x"})
+    assert responses.status_code == 400 and set(responses.json()) == {"error"}
+    fake.fail_status = 429                          # the upstream's own error: as it came
+    limited = await gw.client.post(MESSAGES, json=body_of("messages"))
+    assert limited.status_code == 429
+    assert limited.json() == {"type": "error", "error": {"type": "api_error",
+                                                         "message": "fake upstream failure"}}
+    assert fake.count() == 1
+
+
+async def test_the_simulator_answers_404_in_each_apis_error_shape():
+    async with run_gateway([]) as sim:
+        messages = await sim.client.post(MESSAGES, json=body_of("messages"))
+        assert messages.status_code == 404 and messages.headers["x-carpool"] == "miss"
+        assert messages.json()["type"] == "error"
+        assert messages.json()["error"]["type"] == "not_found_error"
+        assert "simulated engine does not serve" in messages.json()["error"]["message"]
+        streamed, raw = await stream(sim, RESPONSES, body_of("responses"))
+        assert streamed.status_code == 404
+        assert "Responses API" in orjson.loads(raw)["error"]["message"]
+        async with anthropic.AsyncAnthropic(base_url=sim.url, api_key="k",
+                                            max_retries=0) as client:
+            with pytest.raises(anthropic.NotFoundError, match="simulated engine"):
+                await client.messages.create(model="m", max_tokens=8,
+                                             messages=[{"role": "user", "content": "hi"}])
+
+
+# --- the semantic view and the per-API forms ----------------------------------------------------
+
+def view_of(path: str, body: dict[str, Any]):
+    config = Config()
+    request = parse(ClientRequest(path, orjson.dumps(body), {}), 1 << 20)
+    return semantic_view(request, fingerprint(request, config), config)
+
+
+def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope():
+    plain = view_of(RESPONSES, body_of("responses", "How do I reset my password?"))
+    assert plain.text == "How do I reset my password?"
+    items = view_of(RESPONSES, body_of("responses", [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": [{"type": "input_text",
+                                      "text": "How do I reset my password?"}]}]))
+    assert items.text == plain.text and items.scope != plain.scope   # earlier turns: scope
+    instructed = view_of(RESPONSES, body_of("responses", "How do I reset my password?",
+                                            instructions="Answer in French."))
+    assert instructed.text == plain.text and instructed.scope != plain.scope
+    message = view_of(MESSAGES, body_of("messages", "How do I reset my password?"))
+    system = view_of(MESSAGES, body_of("messages", "How do I reset my password?",
+                                       system="You are a bank."))
+    assert message.text == system.text == plain.text and message.scope != system.scope
+    image = body_of("messages")
+    image["messages"][-1]["content"] = [{"type": "image", "source": {}}]
+    assert view_of(MESSAGES, image) is None
+    assert view_of(RESPONSES, without(body_of("responses"), "temperature")) is None  # sampled
+
+
+def test_a_responses_answer_synthesized_into_events_assembles_back_to_itself():
+    body = {"id": "resp_1", "object": "response", "created_at": 1, "status": "completed",
+            "model": "m", "output": [
+                {"id": "rs_1", "type": "reasoning", "summary": []},
+                {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+                 "content": [{"type": "output_text", "text": "Hello", "annotations": []},
+                             {"type": "refusal", "refusal": "No."}]},
+                {"id": "fc_1", "type": "function_call", "status": "completed",
+                 "call_id": "call_1", "name": "f", "arguments": '{"a": 1}'}],
+            "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7}}
+    api = api_of("responses")
+    frames = api.synthesize(body, True)
+    chunks = typed("responses", b"".join(frames).decode())
+    assert [c["sequence_number"] for c in chunks] == list(range(len(chunks)))
+    assert api.judge_stream(chunks, None) == (body, True)
+    assert responses_api.assemble(chunks[:-1]) == {**body, "status": "in_progress",
+                                                   "output": body["output"], "usage": None}
+    assert api.usage_tokens(body) == 7
+
+
+def test_a_message_synthesized_into_events_assembles_back_to_itself():
+    body = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "content": [{"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                        {"type": "text", "text": "Hello", "citations": [{"x": 1}]},
+                        {"type": "tool_use", "id": "tu_1", "name": "f",
+                         "input": {"a": [1, 2]}},
+                        {"type": "redacted_thinking", "data": "xyz"}],
+            "stop_reason": "tool_use", "stop_sequence": None,
+            "usage": {"input_tokens": 3, "output_tokens": 4}}
+    api = api_of("messages")
+    chunks = typed("messages", b"".join(api.synthesize(body, True)).decode())
+    assert api.judge_stream(chunks, None) == (body, True)
+    assert list(messages_api.assemble(chunks)) == list(body)       # in the body's key order
+    assert api.usage_tokens(body) == 7
+    assert not api.complete({**body, "stop_reason": None})
+
+
+# --- the official SDKs -------------------------------------------------------------------------
+
+async def test_the_openai_sdk_responses_20_concurrent_half_streaming_make_one_call_and_a_repeat_is_a_hit(  # noqa: E501
+        gw, fake):
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test",
+                                  max_retries=0) as client:
+        ask = {"model": "m", "input": QUESTION, "temperature": 0}
+
+        async def streaming() -> str:
+            deltas = []
+            async for event in await client.responses.create(**ask, stream=True):
+                if event.type == "response.output_text.delta":
+                    deltas.append(event.delta)
+            return "".join(deltas)
+
+        async def whole() -> str:
+            return (await client.responses.create(**ask)).output_text
+
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(streaming())           # the call streams: live fan-out
+        await fake.wait_for_calls(1)
+        others = [asyncio.create_task(streaming() if i % 2 else whole()) for i in range(19)]
+        await eventually(lambda: flight_clients(gw) == 20, what="20 clients in the flight")
+        fake.gate.set()
+        texts = await asyncio.gather(leader, *others)
+        assert set(texts) == {f"answer 1 to {QUESTION}"}
+        assert fake.count() == 1
+        stats = gw.gateway.snapshot()
+        assert (stats["misses"], stats["coalesced"]) == (1, 19)
+
+        raw = await client.responses.with_raw_response.create(**ask)
+        assert raw.headers["x-carpool"] == "hit" and raw.parse().output_text == texts[0]
+        raw = await client.responses.with_raw_response.create(**ask, stream=True)
+        assert raw.headers["x-carpool"] == "hit"
+        deltas = [e.delta async for e in raw.parse() if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == texts[0]
+        assert fake.count() == 1
+
+
+async def test_the_openai_sdk_responses_stream_helper_reads_a_synthesized_hit(gw, fake):
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test",
+                                  max_retries=0) as client:
+        ask = {"model": "m", "input": QUESTION, "temperature": 0}
+        first = await client.responses.create(**ask)          # whole: the hit is synthesized
+        async with client.responses.stream(**ask) as events:
+            final = await events.get_final_response()
+        assert final.output_text == first.output_text and final.id == first.id
+        assert final.usage.output_tokens == first.usage.output_tokens
+        assert fake.count() == 1
+
+
+async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_call_and_a_repeat_is_a_hit(  # noqa: E501
+        gw, fake):
+    # Recent anthropic SDKs no longer take ``temperature`` as an argument: it goes in
+    # ``extra_body`` (without it a request samples, and bypasses).
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-test",
+                                        max_retries=0) as client:
+        ask = {"model": "m", "max_tokens": 64, "extra_body": {"temperature": 0},
+               "messages": [{"role": "user", "content": QUESTION}]}
+
+        async def helper() -> str:                            # messages.stream()
+            async with client.messages.stream(**ask) as events:
+                return await events.get_final_text()
+
+        async def streaming() -> str:                         # messages.create(stream=True)
+            parts = []
+            async for event in await client.messages.create(**ask, stream=True):
+                if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    parts.append(event.delta.text)
+            return "".join(parts)
+
+        async def whole() -> str:
+            message = await client.messages.create(**ask)
+            return "".join(block.text for block in message.content if block.type == "text")
+
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(helper())
+        await fake.wait_for_calls(1)
+        others = [asyncio.create_task((helper, streaming)[i % 2]() if i < 9 else whole())
+                  for i in range(19)]
+        await eventually(lambda: flight_clients(gw) == 20, what="20 clients in the flight")
+        fake.gate.set()
+        texts = await asyncio.gather(leader, *others)
+        assert set(texts) == {f"answer 1 to {QUESTION}"}
+        assert fake.count() == 1
+        # The SDK's credential (``x-api-key``, or ``Authorization: Bearer`` in recent
+        # versions) and ``anthropic-version`` reached the upstream.
+        sent = fake.calls[0].headers
+        assert "sk-ant-test" in (sent.get("x-api-key"), sent.get("authorization", "")[7:])
+        assert sent["anthropic-version"]
+        stats = gw.gateway.snapshot()
+        assert (stats["misses"], stats["coalesced"]) == (1, 19)
+
+        raw = await client.messages.with_raw_response.create(**ask)
+        assert raw.headers["x-carpool"] == "hit"
+        assert (await raw.parse()).content[0].text == texts[0]
+        assert await helper() == texts[0]
+        assert fake.count() == 1 and gw.gateway.snapshot()["hits"] == 2
+
+
+async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake):
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-test",
+                                        max_retries=0) as client:
+        ask = {"model": "m", "max_tokens": 64, "extra_body": {"temperature": 0},
+               "messages": [{"role": "user", "content": QUESTION}]}
+        first = await client.messages.create(**ask)       # whole: the hit is synthesized
+        async with client.messages.stream(**ask) as events:
+            final = await events.get_final_message()
+        assert final.content[0].text == first.content[0].text and final.id == first.id
+        assert final.stop_reason == "end_turn" and final.usage == first.usage
+        assert fake.count() == 1
+
+
+async def test_the_sdks_raise_on_a_stream_that_fails_part_way(gw, fake):
+    fake.error_after = 2
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test",
+                                  max_retries=0) as client:
+        with pytest.raises(openai.APIError, match="fake upstream stream failure"):
+            async for _ in await client.responses.create(model="m", input=QUESTION,
+                                                         temperature=0, stream=True):
+                pass
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="k", max_retries=0) as client:
+        with pytest.raises(anthropic.APIStatusError, match="fake upstream stream failure"):
+            async with client.messages.stream(
+                    model="m", max_tokens=8, extra_body={"temperature": 0},
+                    messages=[{"role": "user", "content": QUESTION}]) as events:
+                await events.get_final_message()
+    assert fake.count() == 2
