@@ -649,3 +649,95 @@ async def test_the_sdks_raise_on_a_stream_that_fails_part_way(gw, fake):
                     messages=[{"role": "user", "content": QUESTION}]) as events:
                 await events.get_final_message()
     assert fake.count() == 2
+
+
+# --- review fixes: what a bypassed stream's failure, idempotency, the key and sharing must do ---
+
+@BOTH
+async def test_a_bypassed_typed_stream_that_fails_ends_with_the_apis_named_error_event(gw, fake,
+                                                                                        kind):
+    fake.error_after = 2
+    sampled = without(body_of(kind), "temperature")
+    response, raw = await stream(gw, path_of(kind), sampled)
+    assert response.headers["x-carpool"] == "bypass"
+    name, data = events(raw)[-1]
+    assert name == "error" and data["type"] == "error"
+
+
+async def test_the_anthropic_sdk_raises_on_a_bypassed_stream_that_fails(gw, fake):
+    fake.error_after = 2
+    sdk = anthropic.AsyncAnthropic(base_url=gw.url, api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError):
+        async with sdk.messages.stream(model="m", max_tokens=64, messages=[
+                {"role": "user", "content": QUESTION}]) as events_:
+            async for _ in events_:
+                pass
+
+
+@pytest.mark.parametrize("extra", [{"background": True}, {"conversation": "conv_1"}, {}],
+                         ids=["background", "conversation", "incomplete"])
+async def test_an_idempotent_response_the_upstream_took_is_replayed_not_run_again(gw, fake,
+                                                                                  extra):
+    fake.omit_finish_reason = True              # an ``incomplete`` response: taken, not whole
+    headers = {"Idempotency-Key": '"resp-1"'}
+    body = body_of("responses", **extra)
+    first = await gw.client.post(RESPONSES, json=body, headers=headers)
+    retry = await gw.client.post(RESPONSES, json=body, headers=headers)
+    assert retry.headers.get("idempotent-replayed") == "true"
+    assert retry.json()["id"] == first.json()["id"] and fake.count() == 1
+
+
+async def test_responses_metadata_and_user_are_in_the_key_since_the_answer_echoes_them(gw, fake):
+    alice = await gw.client.post(RESPONSES, json=body_of("responses", user="alice",
+                                                         metadata={"customer": "alice"}))
+    bob = await gw.client.post(RESPONSES, json=body_of("responses", user="bob",
+                                                       metadata={"customer": "bob"}))
+    assert [r.headers["x-carpool"] for r in (alice, bob)] == ["miss", "miss"]
+
+
+async def test_a_stored_response_is_never_shared_across_tenants_even_in_a_shared_namespace(
+        fake, gateway_with):
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):                 # both accepted by the upstream
+            await gw.client.post(RESPONSES, json=body_of("responses", "warm " + key),
+                                 headers={"Authorization": f"Bearer {key}"})
+        for store, shares in ((None, False), (False, True)):
+            extra = {} if store is None else {"store": store}
+            body = body_of("responses", f"stored {store}", **extra)
+            await gw.client.post(RESPONSES, json=body,
+                                 headers={"Authorization": "Bearer a", **shared})
+            other = await gw.client.post(RESPONSES, json=body,
+                                         headers={"Authorization": "Bearer b", **shared})
+            assert (other.headers["x-carpool"] == "hit") is shares, store
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("responses", {"tools": [{"type": "web_search"}]}),
+    ("responses", {"tools": [{"type": "mcp", "server_url": "https://example.test"}]}),
+    ("responses", {"prompt": {"id": "pmpt_1"}}),
+    ("messages", {"mcp_servers": [{"type": "url", "url": "https://example.test"}]}),
+    ("messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+])
+async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, extra):
+    body = body_of(kind, **extra)
+    first = await gw.client.post(path_of(kind), json=body)
+    again = await gw.client.post(path_of(kind), json=body)
+    assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
+
+
+@BOTH
+async def test_a_seed_does_not_make_these_apis_deterministic(gw, fake, kind):
+    body = {**without(body_of(kind), "temperature"), "seed": 3}
+    assert (await gw.client.post(path_of(kind), json=body)).headers["x-carpool"] == "bypass"
+
+
+def test_malformed_upstream_answers_never_raise_in_assembly_or_synthesis():
+    odd = {"object": "response", "status": ["completed"], "output": []}
+    assert api_of("responses").synthesize(odd, False)         # a failed-looking stream, no crash
+    message = messages_api.assemble([
+        {"type": "message_start", "message": {"usage": "x"}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": 5}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}},
+    ])
+    assert message["content"][0]["text"] == "5a"

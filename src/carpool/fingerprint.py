@@ -56,6 +56,9 @@ __all__ = ["ANONYMOUS_TENANT", "Fingerprint", "RepeatMemo", "SemanticView", "can
            "fingerprint", "is_deterministic", "request_digest", "requester", "semantic_view"]
 
 EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
+# OpenAI's Responses API echoes ``metadata`` and ``user`` in its answer: there they are part of
+# what is served, so part of the key.
+EXCLUDED_BY_KIND = {"responses": frozenset({"stream", "stream_options"})}
 # Request headers that reach the upstream but never change its answer: transport, tracing and
 # client telemetry (the SDKs' ``x-stainless-*``). Any other forwarded header is in the key.
 NEUTRAL_HEADERS = frozenset({
@@ -150,10 +153,12 @@ def fingerprint(request: Request, config: Config,
     controls = request.controls
     namespace = controls.namespace
     tenant = owner = requester(request.headers, config)
-    shared = bool(namespace) and namespace in config.tenant.shared_namespaces
-    if shared and (accepted is None or (owner, grant_of(request, names_of(config.tenant))) in accepted):
-        tenant, shared = "*", False
     api = request.api
+    shared = bool(namespace) and namespace in config.tenant.shared_namespaces \
+        and not api.tenant_bound(request.body)
+    if shared and (accepted is None
+                   or (owner, grant_of(request, names_of(config.tenant))) in accepted):
+        tenant, shared = "*", False
     never = api.never_shared(request.body)          # (Responses' background, conversation)
     if never is not None:
         return Fingerprint(None, tenant, namespace, never, owner)
@@ -350,8 +355,9 @@ def _script(ch: str) -> str:
 def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[str, Any]:
     """The body with excluded fields dropped, numbers and text in canonical form."""
     out: dict[str, Any] = {}
+    excluded = EXCLUDED_BY_KIND.get(kind, EXCLUDED_FIELDS)
     for name, value in body.items():
-        if name in EXCLUDED_FIELDS:
+        if name in excluded:
             continue
         if name == "messages" and isinstance(value, list):
             out[name] = [_canonical_message(m, collapse) for m in value]

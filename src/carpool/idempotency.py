@@ -387,7 +387,7 @@ def _answered(kind: str, response: StoredResponse) -> bool:
     if body is None:
         return False
     if api is not None:
-        return api.complete(body)
+        return api.final(body)
     return "error" not in body                    # another endpoint: its shape is unknown here
 
 
@@ -401,7 +401,7 @@ def _assembled(api: Api, raw: bytes) -> dict[str, Any] | None:
         body, complete = api.judge_stream(chunks, None)
     except UpstreamStreamBroken:
         return None
-    return body if complete else None
+    return body if complete or api.final(body) else None
 
 
 def _json_body(raw: bytes) -> dict[str, Any] | None:

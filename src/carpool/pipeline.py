@@ -853,9 +853,14 @@ async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
     upstream sent."""
     try:
         async for payload in response.events():
+            error = _error_in(api, payload) if b'"error"' in payload else None
+            if error is not None:
+                # The upstream's own error ends it, framed as its API frames errors (a typed
+                # stream's SDK ignores an event without its name): no second one.
+                yield api.error_event(UpstreamStreamBroken(
+                    f"the upstream stream failed: {error.get('message')}", error))
+                return
             yield api.frame(payload)
-            if b'"error"' in payload and _is_error(api, payload):
-                return               # the upstream's own error event ends it: no second one
         if api.stream_end:
             yield api.stream_end
     except UpstreamError as error:
@@ -864,13 +869,13 @@ async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
         await response.aclose()
 
 
-def _is_error(api: Api, payload: bytes) -> bool:
-    """Whether a stream payload is an error event (``Api.failure``), not a chunk."""
+def _error_in(api: Api, payload: bytes) -> dict[str, Any] | None:
+    """The error object of a stream payload that is an error event (``Api.failure``)."""
     try:
         parsed = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return False
-    return isinstance(parsed, dict) and api.failure(parsed) is not None
+        return None
+    return api.failure(parsed) if isinstance(parsed, dict) else None
 
 
 def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:

@@ -56,6 +56,11 @@ class Api:
         for ``bypass``), or None."""
         return None
 
+    def tenant_bound(self, body: dict[str, Any]) -> bool:
+        """Whether the answer names state the upstream keeps for the requester's own tenant (a
+        stored response's id): then it is never shared across tenants, shared namespace or not."""
+        return False
+
     def deterministic(self, body: dict[str, Any]) -> bool:
         """Whether the upstream gives the same output every time (CONTRACT.md "Sampling
         policy"): ``temperature`` 0, ``top_k`` 1 or a ``seed``; absent = the upstream's default,
@@ -149,6 +154,11 @@ class Api:
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         """Whether a whole answer is complete and successful, worth storing."""
         return isinstance(body, dict) and "error" not in body
+
+    def final(self, body: Any) -> bool:
+        """Whether a 2xx answer means the upstream executed the request (``idempotency``: a
+        retry replays it rather than running again). The default: a complete answer."""
+        return self.complete(body)
 
     def usage_tokens(self, body: Any) -> int:
         """Input + output tokens the upstream reported for ``body``; 0 for what is absent."""

@@ -80,6 +80,32 @@ class MessagesApi(Api):
             raise RequestError("each item of 'messages' must be an object", param="messages")
         check_fields(body)
 
+    def never_shared(self, body: dict[str, Any]) -> str | None:
+        # Server tools (web search, code execution, fetches), MCP servers and containers act on,
+        # and read, state that changes: two identical requests are not the same request.
+        if body.get("mcp_servers") or body.get("container") is not None:
+            return "server_tools"
+        tools = body.get("tools")
+        if isinstance(tools, list) and any(
+                isinstance(tool, dict) and isinstance(tool.get("type"), str)
+                and tool["type"].startswith(("web_search", "web_fetch", "code_execution"))
+                for tool in tools):
+            return "server_tools"
+        return None
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        # The Messages API has no ``seed``: temperature 0 or top_k 1 (absent temperature is
+        # Anthropic's default, 1).
+        if body.get("top_k") == 1:
+            return True
+        temperature = body.get("temperature")
+        return temperature is not None and not isinstance(temperature, bool) \
+            and temperature == 0
+
+    def final(self, body: Any) -> bool:
+        # A message, finished or not (no stop reason): the upstream generated it.
+        return isinstance(body, dict) and body.get("type") == "message"
+
     def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
         return stream                   # message_start and message_delta always carry it
 
@@ -158,7 +184,8 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         kind = chunk.get("type")
         if kind == "message_start" and isinstance(chunk.get("message"), dict):
             message = dict(chunk["message"])
-            usage = dict(message.get("usage") or {})
+            start_usage = message.get("usage")       # never trusted to be well formed
+            usage = dict(start_usage) if isinstance(start_usage, dict) else {}
         elif kind == "content_block_start" and isinstance(chunk.get("index"), int):
             block = chunk.get("content_block")
             blocks[chunk["index"]] = dict(block) if isinstance(block, dict) else {}
@@ -190,11 +217,11 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 def _add_delta(block: dict[str, Any], pieces: list[str], delta: dict[str, Any]) -> None:
     kind = delta.get("type")
     if kind == "text_delta":
-        block["text"] = (block.get("text") or "") + str(delta.get("text") or "")
+        block["text"] = str(block.get("text") or "") + str(delta.get("text") or "")
     elif kind == "input_json_delta":
         pieces.append(str(delta.get("partial_json") or ""))
     elif kind == "thinking_delta":
-        block["thinking"] = (block.get("thinking") or "") + str(delta.get("thinking") or "")
+        block["thinking"] = str(block.get("thinking") or "") + str(delta.get("thinking") or "")
     elif kind == "signature_delta":
         block["signature"] = delta.get("signature")
     elif kind == "citations_delta":

@@ -85,7 +85,29 @@ class ResponsesApi(Api):
             return "background"
         if body.get("conversation") is not None:
             return "conversation"
+        # Tools the upstream runs itself (searches, code, remote MCP servers) act on, and read,
+        # state that changes: two identical requests are not the same request.
+        tools = body.get("tools")
+        if isinstance(tools, list) and any(
+                isinstance(tool, dict) and tool.get("type") not in (None, "function", "custom")
+                for tool in tools):
+            return "server_tools"
+        # A stored prompt without a version is its latest version, which may change.
+        prompt = body.get("prompt")
+        if isinstance(prompt, dict) and prompt.get("version") is None:
+            return "prompt_latest"
         return None
+
+    def tenant_bound(self, body: dict[str, Any]) -> bool:
+        # Stored (the default), the answer's id names a response kept under the tenant that
+        # made it: another tenant could neither continue from it nor fetch it.
+        return body.get("store") is not False
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        # The Responses API has no ``seed`` nor ``top_k``: only temperature 0.
+        temperature = body.get("temperature")
+        return temperature is not None and not isinstance(temperature, bool) \
+            and temperature == 0
 
     def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
         return stream                   # the last event always carries the usage
@@ -134,6 +156,12 @@ class ResponsesApi(Api):
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         return isinstance(body, dict) and body.get("status") == "completed" \
             and isinstance(body.get("output"), list)
+
+    def final(self, body: Any) -> bool:
+        # Queued (background), in progress, incomplete or failed: the upstream took the request
+        # and holds a response for it (a job, a conversation turn): a retry must not run again.
+        return isinstance(body, dict) and body.get("object") == "response" \
+            and isinstance(body.get("status"), str)
 
     def usage_tokens(self, body: Any) -> int:
         return tokens(body.get("usage") if isinstance(body, dict) else None,
@@ -196,7 +224,8 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
         else:                                   # reasoning, tool calls of the server...: whole
             emit("response.output_item.added", output_index=index, item=item)
         emit("response.output_item.done", output_index=index, item=item)
-    emit(LAST.get(body.get("status"), "response.failed"), response=body)
+    status = body.get("status")
+    emit(LAST.get(status if isinstance(status, str) else "", "response.failed"), response=body)
     return events
 
 
