@@ -438,21 +438,41 @@ async def test_the_gateways_own_errors_on_messages_are_in_anthropics_shape(gw, f
     assert fake.count() == 1
 
 
-async def test_the_simulator_answers_404_in_each_apis_error_shape():
+@BOTH
+async def test_the_simulator_serves_each_api_through_the_gateway_streaming_or_not(kind):
+    """The embedded simulated engine serves both APIs: the gateway stores its answer (a repeat is
+    a hit), its typed stream ends with the API's last event and carries the same text, and its
+    other paths stay a 404 in the API's error shape."""
     async with run_gateway([]) as sim:
-        messages = await sim.client.post(MESSAGES, json=body_of("messages"))
-        assert messages.status_code == 404 and messages.headers["x-carpool"] == "miss"
-        assert messages.json()["type"] == "error"
-        assert messages.json()["error"]["type"] == "not_found_error"
-        assert "simulated engine does not serve" in messages.json()["error"]["message"]
-        streamed, raw = await stream(sim, RESPONSES, body_of("responses"))
-        assert streamed.status_code == 404
-        assert "Responses API" in orjson.loads(raw)["error"]["message"]
-        async with anthropic.AsyncAnthropic(base_url=sim.url, api_key="k",
-                                            max_retries=0) as client:
-            with pytest.raises(anthropic.NotFoundError, match="simulated engine"):
-                await client.messages.create(model="m", max_tokens=8,
-                                             messages=[{"role": "user", "content": "hi"}])
+        first = await sim.client.post(path_of(kind), json=body_of(kind))
+        assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
+        assert_complete(kind, first.json())
+        again = await sim.client.post(path_of(kind), json=body_of(kind))
+        assert again.headers["x-carpool"] == "hit" and again.json() == first.json()
+        streamed, raw = await stream(sim, path_of(kind), body_of(kind, "another question"))
+        assert streamed.status_code == 200 and streamed.headers["x-carpool"] == "miss"
+        deltas = [e for e in typed(kind, raw) if e["type"] in (
+            "response.output_text.delta", "content_block_delta")]
+        assert len(deltas) > 1                      # one delta per decoded token
+        whole = await sim.client.post(path_of(kind), json=body_of(kind, "another question"))
+        assert whole.headers["x-carpool"] == "hit"
+        assert body_text(kind, whole.json()) == stream_text(kind, raw)
+        if kind == "messages":
+            async with anthropic.AsyncAnthropic(base_url=sim.url, api_key="k",
+                                                max_retries=0) as client:
+                message = await client.messages.create(
+                    model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+                assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
+                with pytest.raises(anthropic.NotFoundError, match="simulated engine"):
+                    await client.messages.count_tokens(
+                        model="m", messages=[{"role": "user", "content": "hi"}])
+        else:
+            async with openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="k",
+                                          max_retries=0) as client:
+                response = await client.responses.create(model="m", input="hi", temperature=0)
+                assert response.status == "completed" and response.output_text
+                with pytest.raises(openai.NotFoundError, match="Responses API"):
+                    await client.responses.retrieve("resp_1")
 
 
 # --- the semantic view and the per-API forms ----------------------------------------------------

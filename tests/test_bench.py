@@ -92,6 +92,27 @@ def test_every_preset_builds_and_the_prefix_preset_has_nothing_to_deduplicate():
     assert traits(synthetic("mixed", 300, 50, tenants=9))["tenants"] == 9
 
 
+def test_the_apis_preset_sends_responses_and_messages_requests_by_their_sampling_rules():
+    workload = synthetic("apis", 400, 50, seed=4)
+    endpoints = traits(workload)["endpoints"]
+    assert {"/v1/chat/completions", "/v1/responses", "/v1/messages"} <= set(endpoints)
+    assert "/v1/completions" not in endpoints
+    for request in workload.requests:
+        if request.endpoint not in ("/v1/responses", "/v1/messages"):
+            continue
+        body = request.body
+        assert "seed" not in body and "stream_options" not in body and "n" not in body
+        # Both APIs sample by default: a shareable request says temperature 0 explicitly.
+        assert body["temperature"] == (0.8 if request.label == "sampled" else 0)
+        assert (request_key(request, Config()) is None) == (request.label == "sampled")
+        if request.endpoint == "/v1/responses":
+            assert body["instructions"] and body["input"] and body["max_output_tokens"] == 64
+        else:
+            assert body["system"] and body["messages"][0]["role"] == "user"
+    # Adding the option left the other presets' requests as they were.
+    assert "/v1/responses" not in traits(synthetic("mixed", 400, 50, seed=4))["endpoints"]
+
+
 def test_bad_synthetic_parameters_are_workload_errors():
     with pytest.raises(WorkloadError, match="unknown workload"):
         synthetic("nope", 10)
@@ -239,6 +260,23 @@ def test_quick_bench_on_the_embedded_gateway_writes_the_report_and_matches_the_o
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({name})" in markdown
     assert f"requests {report['requests']}  upstream_calls" in result.output
+
+
+def test_quick_bench_of_the_apis_preset_matches_the_oracle_on_every_endpoint(tmp_path):
+    out = tmp_path / "apis"
+    result = CliRunner().invoke(main, ["bench", "--quick", "--workload", "apis", "--out",
+                                       str(out), "--no-progress", "--requests", "90",
+                                       "--rate", "60", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["requests"] == 90 and report["errors"] == 0
+    assert report["upstream_calls"] == report["oracle_calls"]
+    assert report["engine"]["calls"] == report["upstream_calls"]
+    workload = synthetic("apis", 90, 60, seed=3)
+    assert {"/v1/responses", "/v1/messages"} <= set(traits(workload)["endpoints"])
+    assert {"/v1/responses", "/v1/messages"} <= {r.endpoint for r in workload.requests
+                                                  if r.stream}
+    assert report["tokens_saved"] > 0
 
 
 async def test_bench_against_a_running_gateway_counts_what_the_upstream_received(fake, gw,

@@ -13,6 +13,7 @@ import orjson
 import pytest
 import uvicorn
 
+from carpool.apis import messages as messages_api
 from carpool.config import SimConfig
 from carpool.upstream.base import UpstreamRequest
 from carpool.upstream.sim import PrefixCache, SimReplica, SimUpstream, build_replicas
@@ -385,6 +386,108 @@ async def test_unknown_path_is_openai_404():
     assert set(reply.body["error"]) == {"message", "type", "param", "code"}
 
 
+# --------------------------------------------------------------------------- Responses, Messages
+
+
+def responses_body(**fields: Any) -> dict[str, Any]:
+    return {"model": "test-model", "instructions": "Be brief.", "input": "What is a carpool?",
+            "temperature": 0, **fields}
+
+
+def messages_body(**fields: Any) -> dict[str, Any]:
+    return {"model": "test-model", "system": "Be brief.", "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is a carpool?"}], **fields}
+
+
+API_BODIES = pytest.mark.parametrize("path, make", [("/responses", responses_body),
+                                                    ("/messages", messages_body)])
+LAST_EVENT = {"/responses": "response.completed", "/messages": "message_stop"}
+
+
+def api_text(path: str, body: dict[str, Any]) -> str:
+    if path == "/responses":
+        return body["output"][0]["content"][0]["text"]
+    return body["content"][0]["text"]
+
+
+def delta_pieces(path: str, events: list[dict[str, Any]]) -> list[str]:
+    if path == "/responses":
+        return [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    return [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+
+
+@API_BODIES
+async def test_responses_and_messages_answer_in_their_shapes_as_their_chat_equivalent(path, make):
+    sim = replica()
+    body = await answer(sim, make(), path)
+    if path == "/responses":
+        assert body["object"] == "response" and body["status"] == "completed"
+        assert body["output"][0]["type"] == "message"
+        assert body["output"][0]["content"][0]["type"] == "output_text"
+    else:
+        assert body["type"] == "message" and body["role"] == "assistant"
+        assert body["stop_reason"] == "end_turn" and body["content"][0]["type"] == "text"
+    assert body["usage"]["output_tokens"] == len(api_text(path, body).split())
+    assert body["usage"]["input_tokens"] > 0
+    # Deterministic at temperature 0, and the same text as the chat request it stands for.
+    assert api_text(path, await answer(sim, make(), path)) == api_text(path, body)
+    as_chat = chat(temperature=0, max_tokens=64)
+    as_chat["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    assert text_of(await answer(sim, as_chat)) == api_text(path, body)
+    assert sim.stats()["calls"][path.lstrip("/")] == 2
+
+
+@API_BODIES
+async def test_a_cut_answer_says_so_in_each_apis_terms(path, make):
+    cap = {"max_output_tokens": 3} if path == "/responses" else {"max_tokens": 3}
+    body = await answer(replica(), make(**cap), path)
+    assert body["usage"]["output_tokens"] == 3
+    if path == "/responses":
+        assert body["status"] == "incomplete"
+        assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    else:
+        assert body["stop_reason"] == "max_tokens"
+
+
+@API_BODIES
+async def test_typed_streams_send_one_delta_per_token_at_the_decode_pace(path, make):
+    sleep = RecordingSleep()
+    sim = SimReplica("sim-0", FAST, sleep=sleep)
+    reply = await sim.handle(path, make(stream=True))
+    assert reply.typed
+    events = []
+    async for event in reply.chunks:
+        events.append(event)
+        if event["type"] in ("response.output_text.delta", "content_block_delta"):
+            sleep.log.append(("token", None))
+    kinds = [kind for kind, _ in sleep.log]
+    tokens = kinds.count("token")
+    assert tokens > 1 and kinds == ["sleep"] + ["sleep", "token"] * tokens
+    assert events[-1]["type"] == LAST_EVENT[path]
+    whole = await answer(sim, make(), path)
+    assert "".join(delta_pieces(path, events)) == api_text(path, whole)
+    if path == "/responses":
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        final = events[-1]["response"]
+    else:
+        final = messages_api.assemble(events)
+    assert api_text(path, final) == api_text(path, whole)
+    assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"] == tokens
+    assert sim.stats()["in_flight"] == 0
+
+
+@API_BODIES
+async def test_invalid_api_bodies_get_a_400_in_the_apis_shape(path, make):
+    reply = await replica().handle(path, make(**({"input": 5} if path == "/responses"
+                                                   else {"messages": []})))
+    assert reply.status == 400
+    if path == "/messages":
+        assert reply.body["type"] == "error"
+        assert reply.body["error"]["type"] == "invalid_request_error"
+    else:
+        assert reply.body["error"]["param"] == "input"
+
+
 # --------------------------------------------------------------------------- HTTP server
 
 
@@ -458,6 +561,23 @@ async def test_http_server_streams_sse_ending_with_done(live_server):
     assert all(f.startswith("data: {") for f in frames[:-2])
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
     assert len(payloads) == 1 + 5 + 1
+    assert sim.stats()["in_flight"] == 0
+
+
+@API_BODIES
+async def test_http_server_streams_typed_events_without_done(live_server, path, make):
+    base_url, sim = live_server
+    async with httpx.AsyncClient() as client:
+        async with client.stream("POST", f"{base_url}{path}",
+                                 json=make(stream=True)) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join([part async for part in response.aiter_bytes()])
+    frames = raw.decode().split("\n\n")
+    assert frames[-1] == "" and "[DONE]" not in raw.decode()
+    for frame in frames[:-1]:
+        name, data = frame.split("\n")
+        assert name == "event: " + orjson.loads(data.removeprefix("data: "))["type"]
+    assert frames[-2].startswith(f"event: {LAST_EVENT[path]}\n")
     assert sim.stats()["in_flight"] == 0
 
 

@@ -12,8 +12,11 @@ Contract:
 - Per request: the send time (seconds from the start), latency to the last byte, time to first
   byte of the body for streams (the first SSE bytes), status, ``x-carpool`` outcome (``-`` spelt
   ``_``: ``semantic_hit``), usage tokens of the answer when it carries them, and an error text for
-  a transport failure, a non-2xx status, or a stream that did not end with ``data: [DONE]`` or
-  carried an error event. A failure never stops the run.
+  a transport failure, a non-2xx status, or a stream that did not end with ``data: [DONE]`` (for
+  the Responses and Messages APIs: with the API's last event, ``response.completed`` or
+  ``message_stop``) or carried an error event. A failure never stops the run. Usage is
+  ``prompt_tokens`` / ``completion_tokens``, or the typed APIs' ``input_tokens`` /
+  ``output_tokens`` (of the answer, or of the stream assembled by ``carpool.apis``).
 - ``on_result`` is called once per finished request (the progress bar).
 - The client is aiohttp with one pooled session (no connection limit), so keep-alive connections
   are reused as a real client fleet's would be.
@@ -30,7 +33,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .workloads import BenchRequest, Workload
+from ..apis import messages as messages_api
+from ..apis import responses as responses_api
+from .workloads import MESSAGES, RESPONSES, BenchRequest, Workload
 
 DONE = b"data: [DONE]"
 
@@ -182,7 +187,10 @@ async def _send(session: aiohttp.ClientSession, url: str, request: BenchRequest,
                     parts.append(chunk)
                 raw = b"".join(parts)
                 result.latency = loop.time() - sent
-                _read_stream(raw, result)
+                if request.endpoint in (RESPONSES, MESSAGES):
+                    _read_typed_stream(raw, result, request.endpoint)
+                else:
+                    _read_stream(raw, result)
             else:
                 raw = await response.read()
                 result.latency = loop.time() - sent
@@ -195,6 +203,8 @@ async def _send(session: aiohttp.ClientSession, url: str, request: BenchRequest,
 def _usage(result: Result, usage: Any) -> None:
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if prompt is None and completion is None:           # the Responses / Messages APIs
+            prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
         result.prompt_tokens = prompt if isinstance(prompt, int) else None
         result.completion_tokens = completion if isinstance(completion, int) else 0
 
@@ -238,3 +248,34 @@ def _read_stream(raw: bytes, result: Result) -> None:
         elif chunk.get("usage") and not usage_seen:
             _usage(result, chunk["usage"])
             usage_seen = True
+
+
+def _read_typed_stream(raw: bytes, result: Result, endpoint: str) -> None:
+    """A Responses / Messages stream: typed events, no [DONE], ended by the API's last event."""
+    if result.status is None or not 200 <= result.status < 300:
+        result.error = f"HTTP {result.status}: {raw[:200]!r}"
+        return
+    events = []
+    for frame in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        data = b"\n".join(line[5:].lstrip(b" ") for line in frame.split(b"\n")
+                          if line.startswith(b"data:"))
+        if not data:
+            continue
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            result.error = "a stream event is not valid JSON"
+            return
+        if isinstance(event, dict):
+            events.append(event)
+    if any(event.get("type") == "error" for event in events):
+        error = next(event for event in events if event.get("type") == "error")
+        result.error = f"error event: {orjson.dumps(error.get('error'))[:200].decode()}"
+        return
+    last = (responses_api.LAST_EVENTS if endpoint == RESPONSES
+            else frozenset({messages_api.LAST_EVENT}))
+    if not events or events[-1].get("type") not in last:
+        result.error = f"the stream did not end with {' or '.join(sorted(last))}"
+        return
+    api = responses_api if endpoint == RESPONSES else messages_api
+    _usage(result, api.assemble(events).get("usage"))

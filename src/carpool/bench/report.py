@@ -113,7 +113,8 @@ def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     for sign, snapshot in ((-1, before), (1, after)):
         for replica in snapshot["replicas"]:
             totals["calls"] += sign * sum(replica["calls"].get(e, 0) for e in
-                                          ("chat/completions", "completions", "embeddings"))
+                                          ("chat/completions", "completions", "embeddings",
+                                           "responses", "messages"))
             for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens",
                          "busy_seconds", "queue_wait_seconds", "errors"):
                 totals[name] += sign * replica[name]

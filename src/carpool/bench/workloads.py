@@ -19,6 +19,12 @@ Contract:
     system prompt as the head of the prompt;
   * a streaming mix: ``stream_share`` of requests stream (with ``stream_options.include_usage``);
     the stream flag is drawn per request, so streaming and non-streaming copies share;
+  * other APIs: ``apis_share`` of new chat questions go, half and half, to ``/v1/responses``
+    (``instructions`` = the system prompt, ``input`` = the question, ``max_output_tokens``) and
+    ``/v1/messages`` (``system``, one user message, ``max_tokens``); both sample by default, so
+    their shareable requests say ``temperature: 0`` (they have no ``seed``: a seeded question is
+    asked at temperature 0 there). Their streams send ``stream: true`` alone (no
+    ``stream_options``). 0 except in the ``apis`` preset, so the other presets are unchanged;
   * sampling: ``sampled_share`` are sampled without a seed (``temperature`` 0.8, unshareable:
     ``bypass``), ``seeded_share`` of new questions are sampled with a seed (shareable);
   * paraphrases: ``paraphrase_rate`` of the shareable requests reword an earlier question of the
@@ -28,11 +34,12 @@ Contract:
   * bursty open-loop arrivals at mean ``rate`` req/s: a two-state Markov-modulated Poisson process
     (``burst_factor`` times the calm rate for ``burst_fraction`` of the time); 1 = plain Poisson.
   Each request carries a ``label``: new | repeat | trending | paraphrase | sampled.
-- ``PRESETS`` name the built-in workloads (``mixed`` is the default); ``Spec`` fields can be
+- ``PRESETS`` name the built-in workloads (``mixed`` is the default; ``apis`` sets
+  ``apis_share``); ``Spec`` fields can be
   overridden on top of a preset.
 - ``load_jsonl(path, tenant_header)`` reads the recorded format (docs/bench.md); a malformed file
   raises ``WorkloadError`` naming the file, the line and what is wrong. Its endpoints are the
-  OpenAI classics (``ENDPOINTS``): ``/v1/responses`` and ``/v1/messages`` are not replayed yet. Either every line has a
+  OpenAI classics, ``/v1/responses`` and ``/v1/messages`` (``ENDPOINTS``). Either every line has a
   timestamp ``t`` or none does (then ``timed`` is False and the run needs a rate or concurrency).
 - ``traits(workload, config)`` measures what a workload holds (shares, tenants, duplicates by the
   gateway's own fingerprint), for the report and the tests.
@@ -55,11 +62,14 @@ from ..config import Config
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
 MODEL = "carpool-bench"
 LABELS = ("new", "repeat", "trending", "paraphrase", "sampled")
-# What a workload may send: the OpenAI classics. The replayer reads streams that end with
-# ``data: [DONE]``; the Responses and Messages APIs (typed streams) are not benchmarked yet.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# What a workload may send: the OpenAI classics (streams ending with ``data: [DONE]``) and the
+# Responses and Messages APIs (typed streams ending with their last event).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", RESPONSES, MESSAGES)
+TYPED_ENDPOINTS = (RESPONSES, MESSAGES)
 
 
 class WorkloadError(ValueError):
@@ -115,6 +125,7 @@ class Spec:
     seeded_share: float = 0.05
     stream_share: float = 0.3
     completions_share: float = 0.1
+    apis_share: float = 0.0
     zipf_s: float = 1.1
     system_prompt_words: int = 300
     system_prompts_per_tenant: int = 2
@@ -126,7 +137,7 @@ class Spec:
     def check(self) -> None:
         for name in ("duplicate_rate", "trending_share", "paraphrase_rate", "whitespace_noise",
                      "sampled_share", "seeded_share", "stream_share", "completions_share",
-                     "burst_fraction"):
+                     "apis_share", "burst_fraction"):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise WorkloadError(f"{name} must be between 0 and 1, got {value}")
@@ -158,6 +169,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                "system_prompts_per_tenant": 1, "sampled_share": 0.0},
     # Reworded questions, for the semantic layer (turn it on with --config).
     "paraphrase": {"duplicate_rate": 0.3, "paraphrase_rate": 0.4, "sampled_share": 0.0},
+    # Three APIs at once: chat, OpenAI's Responses API and Anthropic's Messages API (about a
+    # third each of new questions; no completions), every trait of ``mixed`` otherwise.
+    "apis": {"apis_share": 2 / 3, "completions_share": 0.0},
 }
 
 # No two synonyms ("change"/"update", "recover"/"restore"): two catalog questions must never
@@ -321,7 +335,8 @@ def synthetic(name: str = "mixed", requests: int = 3000, rate: float = 40.0, see
         body = dict(body)
         if stream:
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            if endpoint not in TYPED_ENDPOINTS:
+                body["stream_options"] = {"include_usage": True}
         headers = {tenant_header: tenant_header_value(tenant_header, tenant.name)}
         out.append(BenchRequest(t, endpoint, body, headers, tenant.name, label))
     params = {"preset": name, "requests": requests, "rate": rate, "seed": seed,
@@ -381,6 +396,16 @@ def _fresh_body(rng: random.Random, spec: Spec, tenant: _Tenant, rank: int,
         params["temperature"] = 0
     if rng.random() < spec.completions_share:
         return COMPLETIONS, {**params, "prompt": _completion_prompt(system, text)}
+    if spec.apis_share and rng.random() < spec.apis_share:
+        # No seed in these APIs: a seeded question is asked greedily (temperature 0).
+        params.pop("seed", None)
+        params["temperature"] = 0.8 if sampled else 0
+        if rng.random() < 0.5:
+            return RESPONSES, {"model": MODEL, "instructions": system, "input": text,
+                               "max_output_tokens": spec.max_tokens,
+                               "temperature": params["temperature"]}
+        return MESSAGES, {**params, "system": system,
+                          "messages": [{"role": "user", "content": text}]}
     return CHAT, {**params, "messages": [{"role": "system", "content": system},
                                          {"role": "user", "content": text}]}
 
@@ -394,6 +419,10 @@ def _with_text(endpoint: str, body: dict[str, Any], tenant: _Tenant,
     """``body`` asking ``text`` instead (same system prompt and parameters)."""
     if endpoint == CHAT:
         return {**body, "messages": [body["messages"][0], {"role": "user", "content": text}]}
+    if endpoint == RESPONSES:
+        return {**body, "input": text}
+    if endpoint == MESSAGES:
+        return {**body, "messages": [{"role": "user", "content": text}]}
     system = body["prompt"].split("\n\nQuestion: ", 1)[0]
     return {**body, "prompt": _completion_prompt(system, text)}
 
@@ -449,8 +478,7 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
                             f"{type(body).__name__}")
     endpoint = row.get("endpoint", CHAT)
     if endpoint not in ENDPOINTS:
-        raise WorkloadError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)} (the "
-                            "Responses and Messages APIs are not benchmarked yet), got "
+        raise WorkloadError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got "
                             f"{endpoint!r}")
     headers = row.get("headers") or {}
     if not isinstance(headers, dict) or not all(

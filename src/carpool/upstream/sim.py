@@ -7,9 +7,11 @@ Contract:
   (POST) and ``/models`` (GET). Bodies and streamed chunks have OpenAI's shapes; any model name is
   accepted and echoed. An invalid body is a 400 and an unknown path a 404, both in OpenAI's error
   shape ``{"error": {"message", "type", "param", "code"}}``. The Responses API
-  (``/responses``) and Anthropic's Messages API (``/messages``) are not simulated: a 404 that
-  says so, the latter in Anthropic's error shape ``{"type": "error", "error": {"type":
-  "not_found_error", "message"}}``.
+  (``POST /responses``) and Anthropic's Messages API (``POST /messages``) are served too, as
+  their chat equivalent (``sim_apis.py``: same text, cost model, prefix cache and pacing), in
+  their own shapes and typed event streams (``SimReply.typed``); their other paths
+  (``/responses/{id}``, ``/messages/count_tokens``) are a 404 that says so, the latter in
+  Anthropic's error shape ``{"type": "error", "error": {"type": "not_found_error", "message"}}``.
 - Text: words of a fixed vocabulary; a token is one word. The answer's natural length (8..40
   words) and its words come from a generator seeded with a blake2b hash, so they are stable across
   processes. Greedy decoding (``temperature: 0`` or ``top_k: 1``) hashes model + input, so every
@@ -58,6 +60,7 @@ import orjson
 
 from carpool.config import SimConfig
 from carpool.errors import RequestError
+from carpool.upstream import sim_apis
 from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 
 MODEL_ID = "carpool-sim"
@@ -84,7 +87,9 @@ VOCABULARY = (
     "always", "quickly", "slowly", "clearly", "exactly", "about", "between", "within", "across",
 )
 
-ENDPOINTS = ("/chat/completions", "/completions", "/embeddings")
+ENDPOINTS = ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")
+SERVED = ("it serves POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses "
+          "and /v1/messages")
 
 
 # ----------------------------------------------------------------------------- replies
@@ -97,6 +102,7 @@ class SimReply:
     status: int
     body: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
+    typed: bool = False      # the chunks are typed events (Responses, Messages): no [DONE]
 
 
 def error_reply(status: int, message: str, type_: str = "invalid_request_error",
@@ -112,12 +118,10 @@ def not_found_reply(method: str, path: str) -> SimReply:
         # so that its SDK reports a clear NotFoundError.
         return SimReply(404, {"type": "error", "error": {
             "type": "not_found_error",
-            "message": f"the simulated engine does not serve {method} /v1{path}: it serves "
-                       "/v1/chat/completions, /v1/completions and /v1/embeddings"}})
+            "message": f"the simulated engine does not serve {method} /v1{path}: {SERVED}"}})
     if path.rstrip("/") == "/responses" or path.startswith("/responses/"):
-        return error_reply(404, f"the simulated engine does not serve {method} /v1{path} (the "
-                           "Responses API): it serves /v1/chat/completions, /v1/completions "
-                           "and /v1/embeddings", code="unknown_url")
+        return error_reply(404, f"the simulated engine does not serve {method} /v1{path} (of "
+                           f"the Responses API): {SERVED}", code="unknown_url")
     # OpenAI's own wording for a path it does not serve.
     return error_reply(404, f"Invalid URL ({method} /v1{path})")
 
@@ -431,10 +435,22 @@ class SimReplica:
                 raise RequestError("the request body must be a JSON object")
             if path == "/embeddings":
                 return await self._embeddings(body)
-            plan = self._plan(path, body)
+            if path in sim_apis.TYPED:
+                plan = self._plan("/chat/completions", sim_apis.to_chat(path, body))
+            else:
+                plan = self._plan(path, body)
         except RequestError as exc:
             self.errors += 1
+            if path == sim_apis.MESSAGES:
+                return SimReply(400, {"type": "error", "error": {
+                    "type": "invalid_request_error", "message": exc.message}})
             return error_reply(400, exc.message, param=exc.param, code=exc.code)
+        if path in sim_apis.TYPED:
+            if plan.stream:
+                return SimReply(200, chunks=self._typed_stream(path, plan, self._clock()),
+                                typed=True)
+            return SimReply(200, sim_apis.from_chat(path, await self._complete(plan), plan.id,
+                                                    plan.created))
         if plan.stream:
             return SimReply(200, chunks=self._stream(plan, self._clock()))
         return SimReply(200, await self._complete(plan))
@@ -557,6 +573,39 @@ class SimReplica:
                     yield chunk
             if plan.include_usage:
                 yield usage_chunk(plan)
+
+    async def _typed_stream(self, api: str, plan: Plan, arrived: float
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """The API's typed events, paced as the chat stream they come from: the opening events
+        once prefill is done, one text delta per decoded token, the closing events at the end."""
+        plan.include_usage = False
+        numbers = 0
+        closing: list[dict[str, Any]] = []
+        delta: dict[str, Any] | None = None
+
+        def numbered(event: dict[str, Any]) -> dict[str, Any]:
+            nonlocal numbers
+            if "sequence_number" in event:
+                event = {**event, "sequence_number": numbers}
+                numbers += 1
+            return event
+
+        async with aclosing(self._stream(plan, arrived)) as chunks:  # type: ignore[type-var]
+            async for chunk in chunks:
+                piece = chunk["choices"][0]["delta"].get("content")
+                if "role" in chunk["choices"][0]["delta"]:
+                    # Prefill is done: the text and usage are known, so is the whole answer.
+                    final = sim_apis.from_chat(api, completion_body(plan), plan.id, plan.created)
+                    events = sim_apis.events(api, final)
+                    at = next((i for i, e in enumerate(events) if sim_apis.is_text_delta(e)),
+                              len(events))
+                    delta, closing = (events[at] if at < len(events) else None), events[at + 1:]
+                    for event in events[:at]:
+                        yield numbered(event)
+                elif piece and delta is not None:
+                    yield numbered(sim_apis.with_piece(delta, piece))
+        for event in closing:
+            yield numbered(event)
 
     async def _embeddings(self, body: Mapping[str, Any]) -> SimReply:
         if "input" not in body:

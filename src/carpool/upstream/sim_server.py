@@ -2,8 +2,10 @@
 
 Contract:
 - ``create_app(replica)`` serves ``POST /v1/chat/completions``, ``/v1/completions``,
-  ``/v1/embeddings``, ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /sim/stats`` (the
-  replica's counters). Streams are SSE (``data: {...}\\n\\n`` frames, then ``data: [DONE]\\n\\n``).
+  ``/v1/embeddings``, ``/v1/responses``, ``/v1/messages``, ``GET /v1/models`` (and
+  ``/v1/models/{id}``) and ``GET /sim/stats`` (the replica's counters). Streams are SSE
+  (``data: {...}\\n\\n`` frames, then ``data: [DONE]\\n\\n``); those of the Responses and
+  Messages APIs are typed events (``event: TYPE\\ndata: {...}\\n\\n``) with no ``[DONE]``.
   Malformed JSON is a 400 and an unknown path a 404, in OpenAI's error shape. Every response carries
   ``x-carpool-simulated: true``.
 - ``serve_replicas(config, host, port)`` runs ``config.replicas`` servers on ``port``,
@@ -27,6 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from carpool.config import SimConfig
+from carpool.sse import event_frame
 from carpool.upstream.sim import (
     JSON_HEADERS,
     SIMULATED_HEADER,
@@ -46,18 +49,24 @@ def _json(status: int, payload: Any) -> Response:
                     media_type="application/json")
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _sse(chunks: AsyncIterator[dict[str, Any]], typed: bool = False
+               ) -> AsyncIterator[bytes]:
     # Close the replica's stream however this one ends (client gone, server stopping), so its
     # slot is freed now rather than when the generator is garbage-collected.
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         async for chunk in chunks:
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-    yield SSE_DONE
+            if typed:
+                yield event_frame(str(chunk["type"]).encode(), orjson.dumps(chunk))
+            else:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    if not typed:
+        yield SSE_DONE
 
 
 def _to_response(reply: SimReply) -> Response:
     if reply.chunks is not None:
-        return StreamingResponse(_sse(reply.chunks), reply.status, headers=SSE_HEADERS,
+        return StreamingResponse(_sse(reply.chunks, reply.typed), reply.status,
+                                 headers=SSE_HEADERS,
                                  media_type="text/event-stream")
     return _json(reply.status, reply.body)
 
@@ -88,6 +97,8 @@ def create_app(replica: SimReplica) -> Starlette:
         Route("/v1/chat/completions", generate, methods=["POST"]),
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/embeddings", generate, methods=["POST"]),
+        Route("/v1/responses", generate, methods=["POST"]),
+        Route("/v1/messages", generate, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/sim/stats", stats, methods=["GET"]),
