@@ -177,6 +177,50 @@ class Api:
         return error.body()
 
 
+class TypedApi(Api):
+    """An API whose streams are typed events with no ``[DONE]`` (Responses, Messages), whose
+    usage counts ``input_tokens`` and ``output_tokens``."""
+
+    stream_end = b""
+
+    def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of a stream that makes ``body``."""
+        raise NotImplementedError
+
+    def usage_tokens(self, body: Any) -> int:
+        return tokens(body.get("usage") if isinstance(body, dict) else None,
+                      "input_tokens", "output_tokens")
+
+    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
+        return [event_frame(event["type"].encode(), orjson.dumps(event))
+                for event in self.events(body)]
+
+
+def check_messages(body: dict[str, Any]) -> None:
+    """``model`` and a non-empty list of message objects (chat, Messages)."""
+    require_model(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of message objects",
+                           param="messages")
+    if not all(isinstance(message, dict) for message in messages):
+        raise RequestError("each item of 'messages' must be an object", param="messages")
+    check_fields(body)
+
+
+def last_user_turn(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """A ``messages`` body's semantic split: the last user turn's plain text, and the body
+    without it (its other fields kept, in the scope); None when it is not a user's plain text."""
+    last = body["messages"][-1]
+    if last.get("role") != "user":
+        return None
+    text = plain_text(last.get("content"))
+    if text is None:
+        return None
+    return text, {**body, "messages": [*body["messages"][:-1],
+                                       {k: v for k, v in last.items() if k != "content"}]}
+
+
 def is_deterministic(body: Any) -> bool:
     """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy")."""
     if body.get("seed") is not None:

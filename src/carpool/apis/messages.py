@@ -39,17 +39,15 @@ from typing import Any
 
 import orjson
 
-from ..errors import CarpoolError, RequestError, UpstreamStatusError, UpstreamStreamBroken
+from ..errors import CarpoolError, UpstreamStatusError, UpstreamStreamBroken
 from ..sse import event_frame
 from .base import (
-    Api,
-    check_fields,
+    TypedApi,
+    check_messages,
     ends_with,
+    last_user_turn,
     passed_through,
-    plain_text,
-    require_model,
     text_parts,
-    tokens,
     typed_frame,
 )
 
@@ -63,22 +61,14 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 429: "rate_limit_error", 529: "overloaded_error"}
 
 
-class MessagesApi(Api):
+class MessagesApi(TypedApi):
     kind, path, upstream_path = "messages", "/v1/messages", "/messages"
-    stream_end = b""
     last_event = staticmethod(ends_with(frozenset({LAST_EVENT})))
 
     # --------------------------------------------------------------------------- the request
 
     def validate(self, body: dict[str, Any]) -> None:
-        require_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list of message objects",
-                               param="messages")
-        if not all(isinstance(message, dict) for message in messages):
-            raise RequestError("each item of 'messages' must be an object", param="messages")
-        check_fields(body)
+        check_messages(body)
 
     def never_shared(self, body: dict[str, Any]) -> str | None:
         # Server tools (web search, code execution, fetches), MCP servers and containers act on,
@@ -116,14 +106,7 @@ class MessagesApi(Api):
         return texts
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-        last = body["messages"][-1]
-        if last.get("role") != "user":
-            return None
-        text = plain_text(last.get("content"))
-        if text is None:
-            return None
-        return text, {**body, "messages": [*body["messages"][:-1],
-                                           {k: v for k, v in last.items() if k != "content"}]}
+        return last_user_turn(body)
 
     # --------------------------------------------------------------------------- the stream
 
@@ -143,13 +126,8 @@ class MessagesApi(Api):
         return isinstance(body, dict) and body.get("type") == "message" \
             and body.get("stop_reason") is not None and isinstance(body.get("content"), list)
 
-    def usage_tokens(self, body: Any) -> int:
-        return tokens(body.get("usage") if isinstance(body, dict) else None,
-                      "input_tokens", "output_tokens")
-
-    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
-        return [event_frame(event["type"].encode(), orjson.dumps(event))
-                for event in synthesize(body)]
+    def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        return synthesize(body)
 
     def error_event(self, error: CarpoolError) -> bytes:
         return event_frame(b"error", orjson.dumps({"type": "error",

@@ -24,7 +24,7 @@ import orjson
 
 from ..errors import CarpoolError, RequestError, UpstreamStreamBroken, error_event
 from ..sse import assemble, expected_choices, frame, is_complete, synthesize, usage_tokens
-from .base import Api, check_fields, plain_text, require_model
+from .base import Api, check_fields, check_messages, last_user_turn, require_model
 
 
 class _Classic(Api):
@@ -66,27 +66,13 @@ class ChatApi(_Classic):
     kind, path, upstream_path = "chat", "/v1/chat/completions", "/chat/completions"
 
     def validate(self, body: dict[str, Any]) -> None:
-        require_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list of message objects",
-                               param="messages")
-        if not all(isinstance(message, dict) for message in messages):
-            raise RequestError("each item of 'messages' must be an object", param="messages")
-        check_fields(body)
+        check_messages(body)
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
         return [m["content"] for m in body["messages"] if isinstance(m.get("content"), str)]
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-        last = body["messages"][-1]
-        if last.get("role") != "user":
-            return None
-        text = plain_text(last.get("content"))
-        if text is None:
-            return None
-        return text, {**body, "messages": [*body["messages"][:-1],
-                                           {k: v for k, v in last.items() if k != "content"}]}
+        return last_user_turn(body)
 
 
 class CompletionApi(_Classic):

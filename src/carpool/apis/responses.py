@@ -48,7 +48,7 @@ import orjson
 
 from ..errors import CarpoolError, RequestError, UpstreamStreamBroken
 from ..sse import event_frame
-from .base import Api, check_fields, ends_with, plain_text, text_parts, tokens, typed_frame
+from .base import TypedApi, check_fields, ends_with, plain_text, text_parts, typed_frame
 
 # The events a stream ends with, each carrying the whole response object.
 LAST = {"completed": "response.completed", "incomplete": "response.incomplete",
@@ -59,9 +59,8 @@ _LIFECYCLE = frozenset({"response.created", "response.queued", "response.in_prog
 _INPUT_TEXT = frozenset({"input_text", "text"})
 
 
-class ResponsesApi(Api):
+class ResponsesApi(TypedApi):
     kind, path, upstream_path = "responses", "/v1/responses", "/responses"
-    stream_end = b""
     last_event = staticmethod(ends_with(LAST_EVENTS))
 
     # --------------------------------------------------------------------------- the request
@@ -163,13 +162,8 @@ class ResponsesApi(Api):
         return isinstance(body, dict) and body.get("object") == "response" \
             and isinstance(body.get("status"), str)
 
-    def usage_tokens(self, body: Any) -> int:
-        return tokens(body.get("usage") if isinstance(body, dict) else None,
-                      "input_tokens", "output_tokens")
-
-    def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
-        return [event_frame(event["type"].encode(), orjson.dumps(event))
-                for event in synthesize(body)]
+    def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        return synthesize(body)
 
     def error_event(self, error: CarpoolError) -> bytes:
         obj = error.error_object()
