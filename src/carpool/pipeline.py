@@ -203,7 +203,8 @@ class Gateway:
     async def _handle(self, client: ClientRequest) -> Reply:
         route = client.path
         # A byte-identical repeat of a request parsed before goes straight to the exact cache:
-        # the same bytes and control headers always make the same fingerprint.
+        # the same bytes, query and headers (controls, credentials, forwarded ones) always make
+        # the same fingerprint; in a shared namespace, only while the requester is accepted.
         memo_key = self.repeats.key_of(client)
         repeat = self.repeats.get(memo_key) if memo_key is not None else None
         if repeat is not None and (repeat.shared_by is None or repeat.shared_by in self.accepted):
