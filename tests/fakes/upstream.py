@@ -309,6 +309,13 @@ class FakeUpstream:
             return len(self.calls)
         return sum(1 for c in self.calls if c.path == path)
 
+    async def _hold_at_gate(self, chunk_gate: asyncio.Event, gone: asyncio.Event) -> None:
+        """A stream at its ``chunk_gate``: say so, then wait for the gate (or the client going)."""
+        self.chunk_gate_reached.set()
+        self._notify()
+        if not chunk_gate.is_set():
+            await self._until(chunk_gate.wait(), gone)
+
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -692,10 +699,7 @@ class FakeUpstream:
             nonlocal gate_passed
             if chunk_gate is not None and not gate_passed and sent >= gate_after:
                 gate_passed = True
-                self.chunk_gate_reached.set()
-                self._notify()
-                if not chunk_gate.is_set():
-                    await self._until(chunk_gate.wait(), gone)
+                await self._hold_at_gate(chunk_gate, gone)
             if cut_after is not None and sent >= cut_after:
                 raise _CutConnection(f"cut after {sent} content chunk(s)")
             if chunk_delay > 0:
@@ -863,10 +867,7 @@ class FakeUpstream:
                 content_over = not content
                 if chunk_gate is not None and not gate_passed and sent >= gate_after:
                     gate_passed = True
-                    self.chunk_gate_reached.set()
-                    self._notify()
-                    if not chunk_gate.is_set():
-                        await self._until(chunk_gate.wait(), gone)
+                    await self._hold_at_gate(chunk_gate, gone)
                 if cut_after is not None and sent >= cut_after:
                     raise _CutConnection(f"cut after {sent} content event(s)")
                 if error_after is not None and sent >= error_after:

@@ -243,15 +243,6 @@ def parse_inputs(value: Any, param: str, allow_empty_text: bool) -> list[str | l
     return items
 
 
-def _validate_messages(body: Mapping[str, Any]) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a 'role'",
-                               param=f"messages[{i}]")
-
 
 def _int_field(body: Mapping[str, Any], name: str, lowest: int, highest: int | None = None) -> None:
     value = body.get(name)
@@ -483,7 +474,7 @@ class SimReplica:
     def _plan(self, endpoint: str, body: Mapping[str, Any]) -> Plan:
         _validate_generation(body)
         if endpoint == "/chat/completions":
-            _validate_messages(body)
+            sim_apis.validate_messages(body)
             prompt_inputs: list[Any] = [body["messages"]]
             prompts = [chat_prompt_tokens(body)]
         else:

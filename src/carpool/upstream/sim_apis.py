@@ -82,13 +82,8 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
         system = body.get("system")
         if system is not None:
             messages.append({"role": "system", "content": _text(system, "system")})
-        given = body.get("messages")
-        if not isinstance(given, list) or not given:
-            raise RequestError("'messages' must be a non-empty list", param="messages")
-        for i, message in enumerate(given):
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise RequestError(f"messages[{i}] must be an object with a 'role'",
-                                   param=f"messages[{i}]")
+        validate_messages(body)
+        for i, message in enumerate(body["messages"]):
             messages.append({"role": message["role"],
                              "content": _text(message.get("content"), f"messages[{i}]")})
         if body.get("max_tokens") is not None:
@@ -150,3 +145,14 @@ def with_piece(event: dict[str, Any], piece: str) -> dict[str, Any]:
     if event.get("type") == "response.output_text.delta":
         return {**event, "delta": piece}
     return {**event, "delta": {**event["delta"], "text": piece}}
+
+
+def validate_messages(body: Mapping[str, Any]) -> None:
+    """A non-empty ``messages`` list of objects with a ``role`` (chat, Messages), else 400."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a 'role'",
+                               param=f"messages[{i}]")
