@@ -100,7 +100,8 @@ class GatewayApp:
             # Judged here, before routing: a decoded path the router would not match (a
             # newline in it) still gets the 400 in OpenAI's shape, not a bare 404.
             try:
-                _passthrough_path(scope, self.allow)
+                # Kept in the scope for the pass-through route: judged once.
+                scope[CONFINED] = _passthrough_path(scope, self.allow)
             except RequestError as error:
                 await _send_whole(send, error.status, _raw(error.headers()), error.body())
                 return
@@ -253,6 +254,10 @@ class _Deadlines:
             else None
 
 
+# The scope key of a pass-through request's confined path (relative to /v1).
+CONFINED = "carpool.confined_path"
+
+
 def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
     as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
@@ -288,7 +293,6 @@ async def _send_reply(send: Any, reply: Reply, state: _Watch) -> None:
 
 def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     limits = gateway.config.limits
-    allow = gateway.config.passthrough.allow
 
     async def body_of(request: HttpRequest) -> bytes | None:
         return await _read_body(request.receive, request.headers, limits.max_body_bytes,
@@ -350,7 +354,7 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     async def passthrough(request: HttpRequest) -> Response:
         scope = request.scope
         try:
-            path = _passthrough_path(scope, allow)
+            path = scope[CONFINED]              # judged by GatewayApp before routing
             headers = {k.lower(): v for k, v in request.headers.items()}
             body = await body_of(request)
             if body is None:
