@@ -239,18 +239,23 @@ def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold:
         from .semantic.cache import CALIBRATED_THRESHOLD
         from .semantic.embed import default_embedder
         from .semantic.evaluate import Evaluator, format_report, load_pairs, write_decisions
+        from .semantic.guard import Guard
+        from .semantic.verifier import shared_cross_encoder
         embedder = default_embedder()
+        guard = Guard(shared_cross_encoder())
     except ImportError as error:
         click.echo(f"carpool: the semantic cache needs its extra: pip install 'carpool[semantic]'"
                    f" ({error})", err=True)
         sys.exit(2)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
-    evaluator = Evaluator(load_pairs(pair_files, half), embedder)
+    evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
     click.echo(format_report(evaluator.report(threshold), threshold))
     if sweep:
-        click.echo(f"\n{'threshold':>10}{'served':>9}{'wrong':>8}")
-        for row in evaluator.sweep([round(0.60 + 0.01 * i, 2) for i in range(36)]):
-            click.echo(f"{row['threshold']:>10.2f}{100 * (row['hit_rate'] or 0):>8.1f}%"
+        click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
+        verifier = [round(0.3 + 0.05 * i, 2) for i in range(14)]
+        for row in evaluator.sweep([round(0.40 + 0.05 * i, 2) for i in range(10)], verifier):
+            click.echo(f"{row['threshold']:>10.2f}{row['verifier_threshold']:>10.2f}"
+                       f"{100 * (row['hit_rate'] or 0):>8.1f}%"
                        f"{100 * (row['wrong_rate'] or 0):>7.1f}%")
     if decisions:
         write_decisions(evaluator, threshold, Path(decisions))

@@ -118,11 +118,14 @@ class SemanticConfig(_Section):
     threshold: float | None = Field(None, ge=0, le=1, description="Cosine similarity at or above "
                                     "which a candidate is considered; null = the calibrated "
                                     "default (README, Semantic cache).")
-    strict_below: float | None = Field(None, ge=0, le=1, description="Cosine similarity below "
-                                       "which a candidate that passed the threshold must also "
-                                       "pass the guard's strict rules (added detail, changed "
-                                       "question intent); null = the calibrated default "
-                                       "(semantic.cache.STRICT_ABOVE); 0 = never strict.")
+    verifier_dir: str | None = Field(
+        None, description="A folder holding the verifier (model.onnx, tokenizer.json, "
+        "verifier.json with their SHA-256 digests: what scripts/train_verifier.py writes); null: "
+        "the one packaged with carpool.")
+    verifier_threshold: float | None = Field(
+        None, ge=0, le=1, description="The verifier's score at or above which a candidate that "
+        "passed the exact rules is served; null: the one calibrated with the model "
+        "(verifier.json). Higher: fewer wrong hits and fewer hits.")
     embedder: Literal["local", "upstream"] = Field("local", description="local: the packaged "
                                                    "sentence model; upstream: the upstream's "
                                                    "/v1/embeddings with `embedding_model`.")

@@ -50,6 +50,7 @@ from .config import Config, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import ANONYMOUS_TENANT, credential_headers, tenant_of
 from .request import CONTROL_HEADERS, ClientRequest, Request
+from .semantic.verifier import render_context
 from .upstream.base import NOT_FORWARDED
 
 __all__ = ["ANONYMOUS_TENANT", "Fingerprint", "RepeatMemo", "SemanticView", "canonical_body",
@@ -300,21 +301,23 @@ def request_digest(request: Request, key: Fingerprint, config: Config) -> str:
 class SemanticView:
     """What the semantic cache compares: ``text`` by meaning, everything else by ``scope``."""
 
-    scope: str        # digest of tenant, namespace, freshness and the body minus ``text``
+    scope: str        # digest of tenant, namespace, freshness and the body minus text, context
     text: str         # the last user turn (chat) or the prompt (completions), normalised
+    context: str = ""  # a conversation's earlier turns (``render_context``), compared by meaning
 
 
 def semantic_view(request: Request, key: Fingerprint, config: Config) -> SemanticView | None:
     """Split a shareable request into its scope and the text compared by meaning, if it has one.
 
-    Only the last user turn is compared by meaning (each API's ``semantic_split``: chat and
-    Messages' last user message, a completion's prompt, Responses' last user input); the model,
-    every parameter, the system prompt (instructions) and the earlier turns must be identical
-    (they are in the scope), so "cancel it" in a chat about a gym never matches "cancel it" in a
-    chat about a phone plan. Embeddings requests, multimodal last turns and list prompts have no
-    semantic view; nor has a text with a letter
-    of a script the model does not read (``semantic.scripts``): it is matched exactly, never
-    guessed at.
+    The last user turn is compared by meaning (each API's ``semantic_split``: chat and
+    Messages' last user message, a completion's prompt, Responses' last user input), and so are a
+    conversation's earlier turns (``context``: :func:`conversation`), so a reworded context or
+    small talk can still hit while "cancel it" in a chat about a gym never matches "cancel it" in
+    a chat about a phone plan (the guard reads both). The model, every parameter and the system
+    prompt (instructions) must be identical: they are in the scope. Embeddings requests,
+    multimodal last turns and list prompts have no semantic view; nor has a text (or context)
+    with a letter of a script the model does not read (``semantic.scripts``): it is matched
+    exactly, never guessed at.
     """
     if key.key is None:
         return None
@@ -322,7 +325,8 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     if split is None:
         return None
     text, rest = split
-    if not readable(text, config.semantic.scripts):
+    context, rest = conversation(rest)
+    if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
         return None
     collapse = _collapse(request, config)
     material = orjson.dumps(
@@ -330,7 +334,32 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
          canonical_body(request.kind, rest, collapse)],
         option=orjson.OPT_SORT_KEYS)
     return SemanticView(hashlib.blake2b(material, digest_size=16).hexdigest(),
-                        normalize_text(text, collapse))
+                        normalize_text(text, collapse), normalize_text(context, collapse))
+
+
+#: Roles whose messages are instructions, matched exactly (in the scope), never by meaning.
+INSTRUCTION_ROLES = frozenset({"system", "developer"})
+
+
+def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A chat body's earlier turns as one text (``verifier.render_context``), and the body
+    without them: its instructions and the last turn's other fields stay in the scope.
+
+    Only plain turns move out of the scope: a role and a text content, nothing else. A turn with
+    tool calls, a name or non-text content, or an instruction after the first turn, keeps the
+    whole conversation exact ("", ``rest``): when unsure, don't share.
+    """
+    messages = rest.get("messages")
+    if not isinstance(messages, list) or len(messages) < 2:
+        return "", rest
+    *earlier, last = messages
+    turns = [m for m in earlier if not (isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES)]
+    instructions = [m for m in earlier if m not in turns]
+    if not turns or earlier[:len(instructions)] != instructions or not all(
+            isinstance(m, dict) and set(m) <= {"role", "content"}
+            and isinstance(m.get("content"), str) for m in turns):
+        return "", rest
+    return render_context(turns), {**rest, "messages": [*instructions, last]}
 
 
 def readable(text: str, scripts: list[str]) -> bool:

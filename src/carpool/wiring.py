@@ -125,10 +125,15 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
     shared with every instance (``semantic/shared.py``)."""
     if not config.semantic.enabled:
         return None
+    from .semantic.guard import Guard
+    from .semantic.verifier import shared_cross_encoder
+
     embedder = _embedder(config, upstreams)
+    guard = Guard(shared_cross_encoder(config.semantic.verifier_dir,
+                                       config.semantic.verifier_threshold))
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
-        return SemanticCache(config.semantic, embedder)
+        return SemanticCache(config.semantic, embedder, guard)
     from .semantic.shared import SharedSemanticCache
 
     d = config.distributed
@@ -142,7 +147,7 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
             raise StoreUnavailable("redis degraded: another instance's answer is unknown")
         return entry.answer if entry is not None else None
 
-    return SharedSemanticCache(config.semantic, embedder, resolve, redis.client,
+    return SharedSemanticCache(config.semantic, embedder, guard, resolve, redis.client,
                                prefix=d.key_prefix, maxlen=d.stream_maxlen,
                                socket_timeout=d.timeout, retry_interval=d.retry_interval,
                                health=health, owns_client=owned)

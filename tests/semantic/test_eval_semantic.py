@@ -40,7 +40,8 @@ def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
     assert lines["all"][1:] == ["2", "100.0%", "3", "0.0%"]
     rows = [json.loads(line) for line in decisions.read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["hit", "hit", "miss", "miss", "miss"]
-    assert rows[4]["reason"] == "scope" and rows[2]["reason"] == "negation"
+    assert rows[2]["reason"] == "meaning" and rows[4]["reason"] in ("context", "entity")
+    assert rows[0]["score"] is None and rows[1]["score"] > 0.5     # identical text: not asked
     assert all(r["correct"] for r in rows)
     assert "threshold" in out and "0.60" in out
 

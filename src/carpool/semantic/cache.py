@@ -2,8 +2,9 @@
 
 Contract:
 - An answer is only a candidate for requests with the same *scope* (tenant, namespace, freshness
-  token, model, every parameter, system prompt and earlier turns: ``fingerprint.semantic_view``);
-  only the last user turn (or the completion prompt) is compared by meaning.
+  token, model, every parameter, system prompt: ``fingerprint.semantic_view``); the last user
+  turn (or the completion prompt) and a conversation's earlier turns (``context``) are compared
+  by meaning.
 - A text that carries its own long context (a completion prompt made of a system prompt and a
   question, a pasted document followed by a question) is split by :func:`focus`: its *head* (all
   but the last sentences, when it is long: ``HEAD_MIN_WORDS``) joins the scope, so it must match
@@ -11,16 +12,18 @@ Contract:
   ``TAIL_MIN_WORDS`` words) is embedded, indexed and judged by the guard. Compared whole, such
   texts embed alike whatever their question (the shared head dominates the mean-pooled vector, and
   the model reads only the first 256 tokens: a 300-word system prompt leaves nothing of the
-  question, similarity 1.0), and the guard leaves long texts to the embedding.
+  question, similarity 1.0).
 - ``probe(view, max_age)`` embeds the text (only when its scope holds entries at all), asks the
-  scope's ANN index for the nearest entries, and walks them most similar first: a candidate must
-  be at or above the threshold, unexpired, younger than ``max_age`` (``Cache-Control``), and pass
-  the meaning-change guard (``guard.check``). The first that passes is the ``match``; the most
-  similar one seen (passing or not) is ``nearest``, for ``semantic.mode: mark``.
+  scope's ANN index for the nearest entries, and keeps those at or above the threshold,
+  unexpired and younger than ``max_age`` (``Cache-Control``); the guard (``guard.Guard``, passed
+  in) judges them all at once: the exact rules, then the verifier, on the texts and on the
+  conversations' earlier turns (``SemanticView.context``). The most similar that passes is the
+  ``match``; the most similar one seen (passing or not) is ``nearest``, for
+  ``semantic.mode: mark``.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
-  (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). The same text in
-  the same scope replaces the older entry. At most ``semantic.max_entries`` entries: the least
-  recently used go first.
+  (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most ``semantic.max_entries`` entries: the least
+  recently used go first. An entry is its scope, context and text: the same three replace the
+  older entry.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``semantic/shared.py``) a *reference*: the exact-cache key of its answer, fetched by
@@ -34,41 +37,11 @@ Contract:
   ``semantic.mode: mark``): a digest of its scope and text keyed with a random secret of this
   process (``_ENTRY_ID_KEY``), so it cannot be reversed, nor confirmed by hashing a guessed
   prompt; it is stable for the life of the process, and differs across instances and restarts.
-- The threshold is ``semantic.threshold``, or ``CALIBRATED_THRESHOLD``. Two bands: a candidate
-  with a similarity in [threshold, strict_above) must pass the guard in strict mode
-  (``check(..., strict=True)``: also the added-detail and question-intent rules meant for
-  "related but different" questions), one at or above ``strict_above`` the normal guard.
-  ``strict_above`` is ``semantic.strict_below``, or ``STRICT_ABOVE``.
+- The threshold is ``semantic.threshold``, or ``CALIBRATED_THRESHOLD``: a candidate below it is
+  not even shown to the guard (it bounds the verifier's work, not the error rate: the verifier's
+  own threshold does that).
 
-How the defaults were chosen
-----------------------------
-On the labelled pairs of ``shared/data/semantic`` (README there), split by line number: the
-guard's rules were developed on the even lines only; the odd lines are the held-out half.
-``carpool eval-semantic --sweep`` over each file (and ``benchmarks/guard_eval.py --half``) gives
-the rates.
-
-``STRICT_ABOVE``: the strict rules are applied in every 0.05-wide similarity band, from the
-threshold up, where on the development half (all files together) they reject at least half as
-many should-miss pairs as should-hit pairs, that is where they pay off when serving a wrong
-answer costs twice as much as missing a hit (a wrong answer is seen by a user; a miss costs one
-upstream call). Bands 0.70-0.75, ..., 0.85-0.90 qualify (0.85-0.90: 28 should-miss rejected
-against 52 should-hit); 0.90-0.95 does not (21 against 72): above 0.90, a pair that differs in
-one added word is mostly the same question, and the rules left there (numbers, entities,
-negation, scope, ...) are those of the normal guard.
-
-``CALIBRATED_THRESHOLD``: the highest threshold, on a 0.01 grid, at which each half of the data,
-on its own, still serves >= 85% of the handwritten should-hit pairs (near repeats and true
-rewordings, which score down to 0.70) and >= 85% of gptcache_mock (machine paraphrases), while
-serving no handwritten should-miss pair and <= 3% of the semantoneg negations. The highest such
-threshold serves the fewest related-but-different questions (qqp_val should-miss) the recall
-floors allow. 0.71 loses two handwritten rewordings (0.703, 0.707) on the even half; so 0.70.
-
-At 0.70 / 0.90 on the held-out (odd) half: gptcache_mock serves 86.6%; handwritten should-hit
-88.9%, should-miss 0 wrong; semantoneg negations 0.0% wrong (paraphrases 42.3% served); qqp_val
-9.5% wrong, 48.8% of its duplicates served (without the strict band, the detail rule and the
-tighter question and order rules, 17.7% wrong and 66.5% served at 0.70; 11.2% and 58.6% at 0.80).
-Most qqp_val wrong hits left are rewordings on both sides into a related question ("How are
-macromolecules synthesized?" / "What are macromolecules composed of?"), which no rule here sees.
+How the defaults were chosen: README, "Semantic cache", and ``scripts/train_verifier.py``.
 """
 
 from __future__ import annotations
@@ -87,13 +60,11 @@ from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..store.base import StoreUnavailable, selected
-from .guard import Verdict, check
+from .guard import Guard, Side, Verdict
 from .index import VectorIndex
 
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.70
-#: Below this similarity (and at or above the threshold) the guard runs in strict mode.
-STRICT_ABOVE = 0.90
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
 #: scope, and a tail compared by meaning, when the head has at least ``HEAD_MIN_WORDS`` words and
 #: either ``HEAD_TAIL_RATIO`` times as many as the tail (context around a question, not a
@@ -129,17 +100,7 @@ def focus(view: SemanticView) -> SemanticView:
                 return view
             scope = hashlib.blake2b(f"{view.scope}\x00{head_text}".encode(),
                                     digest_size=16).hexdigest()
-            return SemanticView(scope, text[brk.end():])
-    return view
-    breaks = list(_SENTENCE_BREAK.finditer(text))
-    for brk in reversed(breaks):
-        if len(text[brk.end():].split()) >= TAIL_MIN_WORDS:
-            head = text[:brk.start()]
-            if len(head.split()) < HEAD_MIN_WORDS:
-                return view
-            scope = hashlib.blake2b(f"{view.scope}\x00{head}".encode(),
-                                    digest_size=16).hexdigest()
-            return SemanticView(scope, text[brk.end():])
+            return SemanticView(scope, text[brk.end():], view.context)
     return view
 
 
@@ -160,12 +121,17 @@ class SemanticEntry:
     size: int = 0                           # bytes, set by the cache when inserted
     ref: str | None = None                  # the exact-cache key of the answer, if remote
     created: float = 0.0                    # when the answer was made (for max_age)
+    context: str = ""                       # a conversation's earlier turns
     public_id: str = field(default="", init=False)  # what clients see of it: an opaque id
 
     def __post_init__(self) -> None:
         # Keyed: a plain hash of the prompt could be confirmed by anyone who guesses the prompt.
-        self.public_id = hashlib.blake2b(f"{self.scope}\x00{self.text}".encode(),
+        self.public_id = hashlib.blake2b(f"{self.scope}\x00{self.context}\x00{self.text}".encode(),
                                          key=_ENTRY_ID_KEY, digest_size=12).hexdigest()
+
+    @property
+    def side(self) -> Side:
+        return Side(self.text, self.context)
 
 
 @dataclass(slots=True)
@@ -186,17 +152,16 @@ class Probe:
 
 
 class SemanticCache:
-    def __init__(self, config: SemanticConfig, embedder: Any,
+    def __init__(self, config: SemanticConfig, embedder: Any, guard: Guard,
                  resolve: Callable[[str], Awaitable[Answer | None]] | None = None) -> None:
         self.config = config
         self.embedder = embedder
+        self.guard = guard
         self.resolve = resolve
         self.threshold = config.threshold if config.threshold is not None else CALIBRATED_THRESHOLD
-        self.strict_above = (config.strict_below if config.strict_below is not None
-                             else STRICT_ABOVE)
         self._scopes: dict[str, VectorIndex] = {}
         self._entries: OrderedDict[int, SemanticEntry] = OrderedDict()
-        self._by_text: dict[tuple[str, str], int] = {}
+        self._by_text: dict[tuple[str, str, str], int] = {}   # (scope, context, text)
         self._ids = itertools.count(1)
         self._bytes = 0
         self.rejections: dict[str, int] = {}   # guard verdicts by reason, for /stats
@@ -224,6 +189,7 @@ class SemanticCache:
         vector = await self.embedder.embed(view.text)
         probe = Probe(vector)
         now = time.time()
+        found: list[tuple[SemanticEntry, float]] = []
         for key, similarity in index.search(vector, self.config.candidates):
             entry = self._entries.get(key)
             if entry is None:
@@ -235,23 +201,29 @@ class SemanticCache:
                 break
             if max_age is not None and now - entry.created >= max_age:
                 continue
-            verdict = check(view.text, entry.text, strict=similarity < self.strict_above)
+            found.append((entry, similarity))
+        if not found:
+            return probe
+        verdicts = await self.guard.judge(Side(view.text, view.context),
+                                          [entry.side for entry, _ in found])
+        for (entry, similarity), verdict in zip(found, verdicts, strict=True):
             candidate = Candidate(entry, similarity, verdict, entry.answer)
             if probe.nearest is None:
                 probe.nearest = candidate
-            if verdict.ok:
+            if not verdict.ok:
+                reason = str(verdict.reason)
+                self.rejections[reason] = self.rejections.get(reason, 0) + 1
+                continue
+            if candidate.answer is None:
+                candidate.answer = await self._resolved(entry)
                 if candidate.answer is None:
-                    candidate.answer = await self._resolved(entry)
-                    if candidate.answer is None:
-                        continue
-                    if max_age is not None and candidate.answer.age() >= max_age:
-                        continue
-                probe.match = candidate
-                if entry.id in self._entries:
-                    self._entries.move_to_end(entry.id)
-                break
-            reason = verdict.reason or "rejected"
-            self.rejections[reason] = self.rejections.get(reason, 0) + 1
+                    continue
+                if max_age is not None and candidate.answer.age() >= max_age:
+                    continue
+            probe.match = candidate
+            if entry.id in self._entries:
+                self._entries.move_to_end(entry.id)
+            break
         return probe
 
     async def _resolved(self, entry: SemanticEntry) -> Answer | None:
@@ -282,13 +254,14 @@ class SemanticCache:
         view = focus(view)
         if vector is None:
             vector = await self.embedder.embed(view.text)
-        old = self._by_text.get((view.scope, view.text))
+        old = self._by_text.get((view.scope, view.context, view.text))
         if old is not None and old in self._entries:
             self._drop(self._entries[old])
         if created is None:
             created = answer.created if answer is not None else time.time()
         entry = SemanticEntry(next(self._ids), view.scope, view.text, answer, expires, tags,
-                              namespace, prompt_prefix, ref=ref, created=created)
+                              namespace, prompt_prefix, ref=ref, created=created,
+                              context=view.context)
         index = self._scopes.get(view.scope)
         if index is None:
             index = self._scopes[view.scope] = VectorIndex(
@@ -297,9 +270,10 @@ class SemanticCache:
         index.add(entry.id, vector)
         # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
         held = answer.size if answer is not None else len(ref or "")
-        entry.size = held + len(view.text) + len(prompt_prefix) + 8 * self.embedder.dim
+        entry.size = (held + len(view.text) + len(view.context) + len(prompt_prefix)
+                      + 8 * self.embedder.dim)
         self._entries[entry.id] = entry
-        self._by_text[(view.scope, view.text)] = entry.id
+        self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._bytes += entry.size
         while len(self._entries) > self.config.max_entries:
             self._drop(next(iter(self._entries.values())))
@@ -320,8 +294,8 @@ class SemanticCache:
         if self._entries.pop(entry.id, None) is None:
             return
         self._bytes -= entry.size
-        if self._by_text.get((entry.scope, entry.text)) == entry.id:
-            del self._by_text[(entry.scope, entry.text)]
+        if self._by_text.get((entry.scope, entry.context, entry.text)) == entry.id:
+            del self._by_text[(entry.scope, entry.context, entry.text)]
         index = self._scopes.get(entry.scope)
         if index is not None:
             index.remove(entry.id)

@@ -7,16 +7,16 @@ Contract:
   (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` and
   ``cache.focus``; a different scope (system prompt, earlier turns, a long head) is a miss;
   otherwise the cosine similarity of the last user turns (their tails) must reach the threshold
-  and the pair must pass ``guard.check(new=b, cached=a, strict=...)``, strict below
-  ``semantic.strict_below`` or ``cache.STRICT_ABOVE`` (the cache's two bands).
+  and the pair must pass the guard (``Guard.judge_now(new=b, [cached=a])``: the exact rules,
+  then the verifier on the turns and, for conversations, on their earlier turns).
 - ``half``: ``even`` (the development half: lines 0, 2, 4... of each file) or ``odd`` (the
   held-out half), or every pair (None): rules and settings are tuned on one half and reported on
   the other.
 - Output: per category, for conversations (pairs where either side has more than one turn
   besides a system prompt) and overall, the share of should-hit pairs served ("hit rate") and of
   should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
-  ``--sweep`` prints both rates over a range of thresholds (the guard included), which is how the
-  default threshold was calibrated.
+  ``--sweep`` prints both rates over a range of similarity thresholds and verifier thresholds
+  (the guard included), which is how the defaults were calibrated.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import orjson
 from ..config import Config
 from ..fingerprint import fingerprint, semantic_view
 from ..request import ClientRequest, parse
-from .cache import STRICT_ABOVE, focus
-from .guard import check
+from .cache import focus
+from .guard import Guard, Reason, Side
 
 
 @dataclass(slots=True)
@@ -56,6 +56,7 @@ class Decision:
     hit: bool
     similarity: float
     reason: str          # "served", "scope", "below_threshold" or the guard's reason
+    score: float | None = None   # the verifier's, when it was asked
 
 
 HALVES = ("even", "odd")
@@ -87,32 +88,28 @@ def _view(side: Any, config: Config):
 
 
 class Evaluator:
-    """Embeds every distinct text once, then decides pairs at any threshold (the strict band's
-    upper edge is fixed: ``strict_above``, else ``semantic.strict_below`` or ``STRICT_ABOVE``)."""
+    """Embeds every distinct text once, judges each pair once, then decides pairs at any
+    similarity threshold and verifier threshold."""
 
-    def __init__(self, pairs: Sequence[Pair], embedder: Any, config: Config | None = None,
-                 strict_above: float | None = None):
+    def __init__(self, pairs: Sequence[Pair], embedder: Any, guard: Guard,
+                 config: Config | None = None):
         self.pairs = pairs
+        self.guard = guard
         config = config or Config()
-        if strict_above is None:
-            strict_above = config.semantic.strict_below
-        self.strict_above = STRICT_ABOVE if strict_above is None else strict_above
-        views = [(_view(p.a, config), _view(p.b, config)) for p in pairs]
-        texts = sorted({v.text for pair in views for v in pair if v is not None})
+        self.views = [(_view(p.a, config), _view(p.b, config)) for p in pairs]
+        texts = sorted({v.text for pair in self.views for v in pair if v is not None})
         vectors = embedder.encode(texts) if texts else []
         row = {text: i for i, text in enumerate(texts)}
         self.similarity: list[float | None] = []
-        self.texts: list[tuple[str, str] | None] = []
-        for a, b in views:
+        for a, b in self.views:
             if a is None or b is None or a.scope != b.scope:
                 self.similarity.append(None)
-                self.texts.append(None)
                 continue
             self.similarity.append(float(vectors[row[a.text]] @ vectors[row[b.text]]))
-            self.texts.append((a.text, b.text))
         self._verdicts: dict[int, Any] = {}
 
-    def decide(self, i: int, threshold: float) -> Decision:
+    def decide(self, i: int, threshold: float, verifier_threshold: float | None = None,
+               ) -> Decision:
         similarity = self.similarity[i]
         if similarity is None:
             return Decision(False, 0.0, "scope")
@@ -120,15 +117,21 @@ class Evaluator:
             return Decision(False, similarity, "below_threshold")
         verdict = self._verdicts.get(i)
         if verdict is None:
-            cached, new = self.texts[i]  # type: ignore[misc]
-            verdict = self._verdicts[i] = check(new, cached,
-                                                strict=similarity < self.strict_above)
-        return Decision(verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason))
+            cached, new = self.views[i]
+            verdict = self._verdicts[i] = self.guard.judge_now(
+                Side(new.text, new.context), [Side(cached.text, cached.context)])[0]
+        ok = verdict.ok
+        if verifier_threshold is not None and verdict.score is not None \
+                and verdict.reason in (None, Reason.MEANING, Reason.CONTEXT):
+            ok = verdict.score >= verifier_threshold
+        reason = "served" if ok else str(verdict.reason or Reason.MEANING)
+        return Decision(ok, similarity, reason, verdict.score)
 
-    def report(self, threshold: float) -> dict[str, Any]:
+    def report(self, threshold: float, verifier_threshold: float | None = None,
+               ) -> dict[str, Any]:
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         for i, pair in enumerate(self.pairs):
-            hit = self.decide(i, threshold).hit
+            hit = self.decide(i, threshold, verifier_threshold).hit
             names = (pair.category, "conversations", "all") if pair.conversation \
                 else (pair.category, "all")
             for name in names:
@@ -145,8 +148,10 @@ class Evaluator:
                                       key=lambda kv: (kv[0] in ("conversations", "all"),
                                                       kv[0] == "all", kv[0]))}
 
-    def sweep(self, thresholds: Sequence[float]) -> list[dict[str, Any]]:
-        return [{"threshold": t, **self.report(t)["all"]} for t in thresholds]
+    def sweep(self, thresholds: Sequence[float], verifier_thresholds: Sequence[float | None] = (None,),
+              ) -> list[dict[str, Any]]:
+        return [{"threshold": t, "verifier_threshold": v, **self.report(t, v)["all"]}
+                for v in verifier_thresholds for t in thresholds]
 
 
 def format_report(report: dict[str, Any], threshold: float) -> str:
@@ -166,4 +171,5 @@ def write_decisions(evaluator: Evaluator, threshold: float, out: Path) -> None:
             f.write(json.dumps({"a": pair.a, "b": pair.b, "same_answer": pair.same_answer,
                                 "category": pair.category, "similarity": round(d.similarity, 4),
                                 "decision": "hit" if d.hit else "miss", "reason": d.reason,
+                                "score": None if d.score is None else round(d.score, 4),
                                 "correct": d.hit == pair.same_answer}) + "\n")

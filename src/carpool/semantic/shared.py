@@ -40,6 +40,7 @@ Record layout (one stream entry, all values bytes):
     put:
       s    the scope (``SemanticView.scope``, a digest: tenant, namespace, freshness, params...)
       t    the compared text (``SemanticView.text``)
+      ctx  a conversation's earlier turns (``SemanticView.context``; absent: none)
       v    the embedding: ``dim`` float32 values, little-endian (4 * dim bytes)
       e    the embedder's name (model); with the dimension, must match the reader's
       k    the exact-cache key of the answer (the fingerprint; resolved by ``store.get``)
@@ -74,6 +75,7 @@ from ..fingerprint import SemanticView
 from ..store.base import StoreUnavailable, redis_unavailable
 from ..store.redis import xread_entries
 from .cache import SemanticCache, focus
+from .guard import Guard
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -102,12 +104,12 @@ class SharedSemanticCache(SemanticCache):
     reader's longest backoff; ``health``: the shared store; ``owns_client``: ``aclose`` closes it.
     """
 
-    def __init__(self, config: SemanticConfig, embedder: Any,
+    def __init__(self, config: SemanticConfig, embedder: Any, guard: Guard,
                  resolve: Callable[[str], Awaitable[Answer | None]] | None,
                  client: aredis.Redis, *, prefix: str = "carpool:", maxlen: int = 10_000,
                  socket_timeout: float = 0.5, retry_interval: float = 1.0,
                  health: Health | None = None, owns_client: bool = False) -> None:
-        super().__init__(config, embedder, resolve)
+        super().__init__(config, embedder, guard, resolve)
         self.stream = prefix + "semantic"
         self.instance = secrets.token_hex(8).encode()
         self.maxlen = maxlen
@@ -150,7 +152,7 @@ class SharedSemanticCache(SemanticCache):
         # others get it from the stream, published off the caller's path.
         self._spawn(self._publish({
             b"op": b"put", b"src": self.instance, b"s": view.scope.encode(),
-            b"t": view.text.encode(),
+            b"t": view.text.encode(), b"ctx": view.context.encode(),
             b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
             b"e": str(getattr(self.embedder, "name", "")).encode(), b"k": key.encode(),
             b"x": repr(float(expires)).encode(), b"c": repr(float(created)).encode(),
@@ -273,7 +275,8 @@ class SharedSemanticCache(SemanticCache):
             self.counts["ignored"] += 1
             return
         self.counts["received"] += 1
-        view = SemanticView(fields[b"s"].decode(), fields[b"t"].decode())
+        view = SemanticView(fields[b"s"].decode(), fields[b"t"].decode(),
+                            fields.get(b"ctx", b"").decode())
         await super().insert(view, vector, None, expires,
                              tuple(orjson.loads(fields.get(b"g", b"[]"))),
                              fields.get(b"n", b"").decode(), fields.get(b"p", b"").decode(),

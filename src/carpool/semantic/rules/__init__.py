@@ -1,0 +1,29 @@
+"""Exact rules the verifier is not trusted with: what a cached answer must match word for word.
+
+Contract
+--------
+A rule is a module-level object with a ``reason`` (:class:`carpool.semantic.guard.Reason`) and
+``differs(a, b) -> bool``: True when the two prompts differ in what the rule reads, so that an
+answer to one is not an answer to the other. Every rule is pure, symmetric (``differs(a, b) ==
+differs(b, a)``), deterministic and fast (microseconds for a short prompt: each text is read once
+and memoised), and reads English and Chinese. A rule never proves two prompts the same; it only
+refuses, ahead of the model, what the model reads badly:
+
+- :mod:`.quoted`: quoted strings, code spans and the input of a task (translate, convert...);
+- :mod:`.numbers`: numbers (digits, spelled out, Chinese), units and currencies, relative dates;
+- :mod:`.operators`: comparison and code operators, in symbols or words;
+- :mod:`.identifiers`: codes and identifiers (``S24``, ``snake_case``, URLs, paths, ``ALLCAPS``);
+- :mod:`.entities`: names (capitalised words inside a sentence);
+- :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
+  the cat", "JSON to YAML" / "YAML to JSON").
+
+:data:`RULES` is their order in the guard: the first that fires names the reason.
+"""
+
+from __future__ import annotations
+
+from . import entities, identifiers, numbers, operators, order, quoted
+
+RULES = (quoted.RULE, numbers.RULE, operators.RULE, identifiers.RULE, entities.RULE, order.RULE)
+
+__all__ = ["RULES"]

@@ -1,0 +1,66 @@
+"""Comparison and code operators must be the same on both sides.
+
+"Is 8 > 5?" and "Is 8 < 5?" differ in one character that a tokenizer may not even keep; "x == 1"
+and "x = 1" are different code. The operators of each side, in order, must be equal:
+
+- symbols: comparison (``<``, ``>``, ``<=``, ``>=``, ``==``, ``===``, ``!=``, ``≠``, ``≤``,
+  ``≥``), assignment and arithmetic (``=``, ``+=``, ``-=``, ``*=``, ``/=``, ``+``, ``-``, ``*``,
+  ``/``, ``%``, ``**``, ``//``), logic and bits (``&&``, ``||``, ``!``, ``&``, ``|``, ``^``,
+  ``~``, ``<<``, ``>>``), arrows (``->``, ``=>``);
+- the words of comparison, each read as its symbol: "greater/more/larger/bigger/higher than",
+  "above", "over", "exceeds" as ``>``; "less/fewer/smaller/lower than", "below", "under" as
+  ``<`` ("over", "under", "above", "below" only before an amount: "under $300", not "under
+  the table"); "at least" / "no less than" as ``>=``; "at most" / "no more than" as ``<=``; "equal to"
+  as ``==``; Chinese 大于, 小于, 不少于, 不超过, 等于.
+
+A hyphen inside a word ("e-mail"), a slash between words ("and/or") and sentence punctuation are
+no operators; arithmetic signs count only between digits or names.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from ..verdict import Reason, Rule
+from .text import norm
+
+_SYMBOL = re.compile(
+    r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
+    r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])")
+_CANONICAL = {"≠": "!=", "≤": "<=", "≥": ">="}
+#: "over", "under", "above", "below" compare only before an amount ("under $300", not "under the
+#: Text section").
+_BEFORE_NUMBER = r"(?=\s+(?:[$€£¥]\s*)?\d)"
+_WORDS = [
+    (r"\b(?:no|not) (?:less|fewer) than\b|\bat least\b|不少于|不低于|至少", ">="),
+    (r"\b(?:no|not) (?:more|greater) than\b|\bat most\b|不超过|不多于|最多|至多", "<="),
+    (r"\b(?:greater|more|larger|bigger|higher|older|longer|heavier|faster) than\b"
+     rf"|\b(?:above|over|exceeds?|exceeding){_BEFORE_NUMBER}|大于|多于|高于|超过", ">"),
+    (r"\b(?:less|fewer|smaller|lower|younger|shorter|lighter|slower) than\b"
+     rf"|\b(?:below|under){_BEFORE_NUMBER}|小于|少于|低于", "<"),
+    (r"\bequals?\b|\bequal to\b|等于", "=="),
+]
+_WORD_OPERATORS = re.compile("|".join(f"(?P<op{i}>{p})" for i, (p, _) in enumerate(_WORDS)),
+                             re.I)
+#: Punctuation that looks like an operator in prose: "!" ending a sentence, "-" as a dash.
+_PROSE = re.compile(r"!+(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
+
+
+@functools.lru_cache(maxsize=8192)
+def _operators(text: str) -> tuple[str, ...]:
+    text = norm(text)
+    found: list[tuple[int, str]] = []
+    for m in _WORD_OPERATORS.finditer(text):
+        index = next(int(k[2:]) for k, v in m.groupdict().items() if v is not None)
+        found.append((m.start(), _WORDS[index][1]))
+    for m in _SYMBOL.finditer(_PROSE.sub(" ", text)):
+        found.append((m.start(), _CANONICAL.get(m.group(), m.group())))
+    return tuple(op for _, op in sorted(found))
+
+
+def differs(a: str, b: str) -> bool:
+    return _operators(a) != _operators(b)
+
+
+RULE = Rule(Reason.OPERATOR, differs)

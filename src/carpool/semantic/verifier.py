@@ -1,0 +1,152 @@
+"""The verifier: reads a candidate pair of prompts together and says whether a cached answer to one
+is a correct answer to the other.
+
+Contract
+--------
+- :class:`Verifier` (a protocol): ``name``, ``threshold`` and ``await scores(pairs) -> list[float]``,
+  one probability in [0, 1] per ``(new, cached)`` pair, in order; a pair is *the same* when its
+  score is at or above ``threshold``. Symmetric: each pair is read in one canonical order
+  (:func:`ordered`), so ``scores([(a, b)]) == scores([(b, a)])``. An empty list costs nothing.
+- :class:`CrossEncoder` runs a fine-tuned cross-encoder (``[CLS] a [SEP] b [SEP]``, one logit) with
+  ONNX Runtime on one worker thread of its own, so the event loop never waits on it. It loads a
+  folder holding ``model.onnx``, ``tokenizer.json`` and ``verifier.json`` (``threshold``,
+  ``max_length``, the SHA-256 of both files, checked at load: a file that does not match is
+  refused). The default folder is the one packaged with carpool (:data:`PACKAGED`), made by
+  ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
+- The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
+  them (the longer side is cut first). A pair with a token the model's vocabulary does not have
+  (``[UNK]``: most Chinese characters, for the packaged English model) scores 0: a model never
+  guesses at what it cannot read, whatever ``semantic.scripts`` lets through. A conversation's earlier turns are read as one text
+  (:func:`render_context`), compared by a second pair beside the last turns (``semantic.cache``).
+
+Why a model and not rules: meaning-level changes (negation, antonyms, a changed detail, another
+intent) have no closed list; a hand-written grammar that caught them grew to ~2,600 lines and still
+missed every trap kind it had not been written for. What a model cannot be trusted with (numbers,
+operators, quoted text and identifiers, names, word order) is checked exactly, before it, by the
+rules of :mod:`carpool.semantic.rules`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+#: Tokens of the pair read by the model (both sides, with [CLS] and two [SEP]).
+MAX_LENGTH = 256
+#: The verifier shipped with carpool.
+PACKAGED = Path(__file__).parent / "verifier_model"
+
+
+class Verifier(Protocol):
+    name: str
+    threshold: float
+
+    async def scores(self, pairs: Sequence[tuple[str, str]]) -> list[float]: ...
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """``scores``, synchronously (offline evaluation)."""
+        ...
+
+
+def ordered(a: str, b: str) -> tuple[str, str]:
+    """The pair in the one order the model reads it: what makes the verdict symmetric."""
+    return (a, b) if a <= b else (b, a)
+
+
+def render_context(messages: Sequence[dict[str, Any]]) -> str:
+    """A conversation's earlier turns as one text: a ``role: content`` line per turn. A turn whose
+    content is not plain text is shown as its JSON (the scope compares it exactly anyway)."""
+    lines = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str):
+            content = json.dumps(content, sort_keys=True, ensure_ascii=False)
+        lines.append(f"{message.get('role', '')}: {content}")
+    return "\n".join(lines)
+
+
+class VerifierFileError(ValueError):
+    """A verifier folder that is incomplete or whose files do not match their digests."""
+
+
+class CrossEncoder:
+    """The cross-encoder in ``directory`` (default :data:`PACKAGED`)."""
+
+    def __init__(self, directory: str | Path | None = None, *, threshold: float | None = None,
+                 threads: int | None = None) -> None:
+        folder = Path(directory) if directory is not None else PACKAGED
+        try:
+            meta = json.loads((folder / "verifier.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise VerifierFileError(f"no verifier in {folder}: {exc}") from exc
+        for name, digest in meta["sha256"].items():
+            path = folder / name
+            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+                raise VerifierFileError(f"{path} is missing or does not match its SHA-256")
+        from .embed import _require, _require_numpy, default_threads  # its imports are heavy
+
+        ort = _require("onnxruntime")
+        self._np = _require_numpy()
+        tokenizers = _require("tokenizers")
+        self.name = f"cross-encoder:{meta['sha256']['model.onnx'][:12]}"
+        self.threshold = float(threshold if threshold is not None else meta["threshold"])
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._tokenizer.no_padding()
+        self._tokenizer.enable_truncation(max_length=int(meta.get("max_length", MAX_LENGTH)))
+        self._unknown = self._tokenizer.token_to_id("[UNK]")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or default_threads()
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._session = ort.InferenceSession(str(folder / "model.onnx"), options,
+                                             providers=["CPUExecutionProvider"])
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
+        self.calls = 0                      # model calls (one per ``scores`` with pairs)
+        self.pairs = 0                      # pairs scored
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """``scores``, synchronously (offline tools, and the worker thread)."""
+        if not pairs:
+            return []
+        np = self._np
+        encoded = self._tokenizer.encode_batch([ordered(a, b) for a, b in pairs])
+        width = max(len(e.ids) for e in encoded)
+        ids = np.zeros((len(encoded), width), dtype=np.int64)
+        types = np.zeros_like(ids)
+        mask = np.zeros_like(ids)
+        for row, e in enumerate(encoded):
+            ids[row, :len(e.ids)] = e.ids
+            types[row, :len(e.ids)] = e.type_ids
+            mask[row, :len(e.ids)] = 1
+        (logits,) = self._session.run(["logits"], {"input_ids": ids, "attention_mask": mask,
+                                                   "token_type_ids": types})
+        unreadable = (ids == self._unknown).any(axis=1) if self._unknown is not None else None
+        probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
+        if unreadable is not None:
+            probs[unreadable] = 0.0
+        return [float(p) for p in probs]
+
+    async def scores(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        if not pairs:
+            return []
+        self.calls += 1
+        self.pairs += len(pairs)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.score,
+                                                                list(pairs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+
+@functools.lru_cache(maxsize=4)
+def shared_cross_encoder(directory: str | None = None,
+                         threshold: float | None = None) -> CrossEncoder:
+    """One :class:`CrossEncoder` per folder and threshold for the process (loading it takes
+    ~0.3 s and ~30 MB; every gateway and cache in the process may share it)."""
+    return CrossEncoder(directory, threshold=threshold)
