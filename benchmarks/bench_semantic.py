@@ -127,7 +127,7 @@ def run_entry_memory(n: int) -> dict[str, Any]:
     from carpool.config import SemanticConfig
     from carpool.fingerprint import SemanticView
     from carpool.semantic.cache import SemanticCache
-    from carpool.semantic.guard import Guard
+    from carpool.semantic.guard import RulesThenVerifier
     from carpool.semantic.verifier import shared_cross_encoder
 
     class Dim:                      # inserts here carry their vector: no model is needed
@@ -137,7 +137,7 @@ def run_entry_memory(n: int) -> dict[str, Any]:
     vectors = rng.standard_normal((n, 384)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     answer = Answer("chat", b"{}", True)
-    cache = SemanticCache(SemanticConfig(), Dim(), Guard(shared_cross_encoder()))
+    cache = SemanticCache(SemanticConfig(), Dim(), RulesThenVerifier(shared_cross_encoder()))
 
     async def fill() -> None:
         for i in range(n):

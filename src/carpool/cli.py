@@ -227,11 +227,13 @@ def bench(url: str | None, workload: str, workload_file: str | None, requests_: 
               help="Write one JSONL row per pair with its decision.")
 @click.option("--threshold", type=float, default=None,
               help="Similarity threshold [the calibrated default].")
+@click.option("--verifier-threshold", type=float, default=None,
+              help="The verifier's threshold [the packaged model's calibrated one].")
 @click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
 @click.option("--half", type=click.Choice(["even", "odd"]), default=None,
               help="Only the even (development) or odd (held-out) rows of each file [all].")
 def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold: float | None,
-                  sweep: bool, half: str | None) -> None:
+                  verifier_threshold: float | None, sweep: bool, half: str | None) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     from pathlib import Path
 
@@ -239,10 +241,10 @@ def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold:
         from .semantic.cache import CALIBRATED_THRESHOLD
         from .semantic.embed import default_embedder
         from .semantic.evaluate import Evaluator, format_report, load_pairs, write_decisions
-        from .semantic.guard import Guard
+        from .semantic.guard import RulesThenVerifier
         from .semantic.verifier import shared_cross_encoder
         embedder = default_embedder()
-        guard = Guard(shared_cross_encoder())
+        guard = RulesThenVerifier(shared_cross_encoder(None, verifier_threshold))
     except ImportError as error:
         click.echo(f"carpool: the semantic cache needs its extra: pip install 'carpool[semantic]'"
                    f" ({error})", err=True)
@@ -252,8 +254,8 @@ def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold:
     click.echo(format_report(evaluator.report(threshold), threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
-        verifier = [round(0.3 + 0.05 * i, 2) for i in range(14)]
-        for row in evaluator.sweep([round(0.40 + 0.05 * i, 2) for i in range(10)], verifier):
+        verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]
+        for row in evaluator.sweep([0.3, 0.4, 0.5, 0.6, 0.7, 0.8], verifier):
             click.echo(f"{row['threshold']:>10.2f}{row['verifier_threshold']:>10.2f}"
                        f"{100 * (row['hit_rate'] or 0):>8.1f}%"
                        f"{100 * (row['wrong_rate'] or 0):>7.1f}%")

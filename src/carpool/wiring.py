@@ -125,11 +125,11 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
     shared with every instance (``semantic/shared.py``)."""
     if not config.semantic.enabled:
         return None
-    from .semantic.guard import Guard
+    from .semantic.guard import RulesThenVerifier
     from .semantic.verifier import shared_cross_encoder
 
     embedder = _embedder(config, upstreams)
-    guard = Guard(shared_cross_encoder(config.semantic.verifier_dir,
+    guard = RulesThenVerifier(shared_cross_encoder(config.semantic.verifier_dir,
                                        config.semantic.verifier_threshold))
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache

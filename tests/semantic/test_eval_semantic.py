@@ -41,7 +41,7 @@ def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
     rows = [json.loads(line) for line in decisions.read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["hit", "hit", "miss", "miss", "miss"]
     assert rows[2]["reason"] == "meaning" and rows[4]["reason"] in ("context", "entity")
-    assert rows[0]["score"] is None and rows[1]["score"] > 0.5     # identical text: not asked
+    assert rows[0]["score"] == 1.0 and rows[1]["score"] > 0.5   # retyped: the model not asked
     assert all(r["correct"] for r in rows)
     assert "threshold" in out and "0.60" in out
 

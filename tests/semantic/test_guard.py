@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from carpool.semantic.guard import Guard, Reason, Side, Verdict  # noqa: E402
+from carpool.semantic.guard import Reason, RulesThenVerifier, Side, Verdict  # noqa: E402
 from carpool.semantic.verifier import CrossEncoder, shared_cross_encoder  # noqa: E402
 
 TRAPS = {
@@ -101,11 +101,11 @@ REWORDINGS = [
 
 
 @pytest.fixture(scope="module")
-def guard() -> Guard:
-    return Guard(shared_cross_encoder())
+def guard() -> RulesThenVerifier:
+    return RulesThenVerifier(shared_cross_encoder())
 
 
-def verdict(guard: Guard, a: str, b: str) -> Verdict:
+def verdict(guard: RulesThenVerifier, a: str, b: str) -> Verdict:
     v, w = guard.judge_now(Side(a), [Side(b)])[0], guard.judge_now(Side(b), [Side(a)])[0]
     assert v == w, (a, b, v, w)      # symmetric
     return v
@@ -118,10 +118,18 @@ def test_no_trap_of_any_kind_is_served(guard, kind):
 
 
 def test_rewordings_are_served(guard):
-    refused = [(a, b, verdict(guard, a, b)) for a, b in REWORDINGS]
-    refused = [r for r in refused if not r[2].ok]
-    # The verifier is a model: most rewordings pass, none of the traps above.
-    assert len(refused) <= len(REWORDINGS) // 4, refused
+    served = [(a, b) for a, b in REWORDINGS if verdict(guard, a, b).ok]
+    # The verifier is a model, calibrated to serve <= 2 % wrong: at that bar it serves about half
+    # of these true rewordings (README, "Semantic cache"), and none of the traps above.
+    assert len(served) >= len(REWORDINGS) // 2, served
+
+
+def test_a_retyped_prompt_is_served_without_asking_the_model(guard):
+    before = guard.verifier.pairs
+    for a, b in (("Cancel it.", "cancel it"), ("HOW DO I RESET MY ROUTER", "how do i reset my router"),
+                 ("How long does delivery take???", "  how long does delivery take ")):
+        assert verdict(guard, a, b) == Verdict(True, None, 1.0), (a, b)
+    assert guard.verifier.pairs == before
 
 
 def test_identical_prompts_are_served_without_asking_the_model(guard):

@@ -11,7 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from carpool.semantic.guard import refusal
-from carpool.semantic.rules import RULES, entities, identifiers, numbers, operators, order, quoted
+from carpool.semantic.rules import (
+    RULES,
+    entities,
+    identifiers,
+    numbers,
+    operators,
+    order,
+    polarity,
+    quoted,
+)
 from carpool.semantic.verdict import Reason
 
 
@@ -111,7 +120,7 @@ def test_quoted_a_task_input_must_be_the_same_words_in_order():
     # tense in a translation task
     assert refused("Translate I eat an apple into French", "Translate I ate an apple into French") \
         == "quoted"
-    assert refused("Sort these numbers: 3 1 2", "Sort these numbers: 3 2 1") == "quoted"
+    assert refused("Rewrite this: the cat sat", "Rewrite this: the sat cat") == "quoted"
     assert refused("Please rewrite: the meeting is on", "Please rewrite: the meeting is off") \
         == "quoted"
 
@@ -186,12 +195,31 @@ def test_order_a_reworded_question_that_moves_words_passes():
         assert passes(order.RULE, a, b), (a, b)
 
 
+# ------------------------------------------------------------------------------ polarity
+
+
+def test_polarity_a_one_word_opposite_is_refused():
+    for a, b in (("Is aspirin safe with coffee?", "Is aspirin unsafe with coffee?"),
+                 ("List the advantages of remote work.", "List the disadvantages of remote work."),
+                 ("Why is my phone charging fast?", "Why is my phone charging slowly?"),
+                 ("How do I import my contacts?", "How do I export my contacts?"),
+                 ("锻炼有哪些好处？", "锻炼有哪些坏处？")):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_an_opposite_with_a_negation_is_left_to_the_verifier():
+    # "not fast" / "slow" says the same twice over; the verifier reads negations.
+    assert polarity.RULE.differs("The train is not fast.", "The train is slow.") is False
+    assert polarity.RULE.differs("Is it safe?", "Is it not safe?") is False
+
+
 # ------------------------------------------------------------------------------ all rules
 
 
 def test_every_rule_names_its_own_reason():
     assert [r.reason for r in RULES] == [Reason.QUOTED, Reason.NUMBER, Reason.OPERATOR,
-                                         Reason.IDENTIFIER, Reason.ENTITY, Reason.ORDER]
+                                         Reason.IDENTIFIER, Reason.ENTITY, Reason.ORDER,
+                                         Reason.POLARITY]
 
 
 def test_the_same_text_passes_every_rule():

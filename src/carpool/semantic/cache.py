@@ -64,7 +64,7 @@ from .guard import Guard, Side, Verdict
 from .index import VectorIndex
 
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
-CALIBRATED_THRESHOLD = 0.70
+CALIBRATED_THRESHOLD = 0.40
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
 #: scope, and a tail compared by meaning, when the head has at least ``HEAD_MIN_WORDS`` words and
 #: either ``HEAD_TAIL_RATIO`` times as many as the tail (context around a question, not a
@@ -205,7 +205,8 @@ class SemanticCache:
         if not found:
             return probe
         verdicts = await self.guard.judge(Side(view.text, view.context),
-                                          [entry.side for entry, _ in found])
+                                          [entry.side for entry, _ in found],
+                                          [similarity for _, similarity in found])
         for (entry, similarity), verdict in zip(found, verdicts, strict=True):
             candidate = Candidate(entry, similarity, verdict, entry.answer)
             if probe.nearest is None:

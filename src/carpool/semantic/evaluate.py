@@ -34,7 +34,7 @@ from ..config import Config
 from ..fingerprint import fingerprint, semantic_view
 from ..request import ClientRequest, parse
 from .cache import focus
-from .guard import Guard, Reason, Side
+from .guard import Reason, RulesThenVerifier, Side
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ class Evaluator:
     """Embeds every distinct text once, judges each pair once, then decides pairs at any
     similarity threshold and verifier threshold."""
 
-    def __init__(self, pairs: Sequence[Pair], embedder: Any, guard: Guard,
+    def __init__(self, pairs: Sequence[Pair], embedder: Any, guard: RulesThenVerifier,
                  config: Config | None = None):
         self.pairs = pairs
         self.guard = guard
@@ -119,7 +119,7 @@ class Evaluator:
         if verdict is None:
             cached, new = self.views[i]
             verdict = self._verdicts[i] = self.guard.judge_now(
-                Side(new.text, new.context), [Side(cached.text, cached.context)])[0]
+                Side(new.text, new.context), [Side(cached.text, cached.context)], [similarity])[0]
         ok = verdict.ok
         if verifier_threshold is not None and verdict.score is not None \
                 and verdict.reason in (None, Reason.MEANING, Reason.CONTEXT):

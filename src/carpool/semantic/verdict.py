@@ -16,6 +16,7 @@ class Reason(StrEnum):
     IDENTIFIER = "identifier"    # a code or identifier on one side only
     ENTITY = "entity"            # a name on one side only
     ORDER = "order"              # the same words in another order (roles, direction)
+    POLARITY = "polarity"        # a negation or an opposite on one side only
     MEANING = "meaning"          # the verifier: not the same answer
     CONTEXT = "context"          # the verifier: the earlier turns differ in meaning
 

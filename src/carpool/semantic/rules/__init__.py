@@ -15,15 +15,18 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.identifiers`: codes and identifiers (``S24``, ``snake_case``, URLs, paths, ``ALLCAPS``);
 - :mod:`.entities`: names (capitalised words inside a sentence);
 - :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
-  the cat", "JSON to YAML" / "YAML to JSON").
+  the cat", "JSON to YAML" / "YAML to JSON");
+- :mod:`.polarity`: a negation or a one-word opposite on one side only ("safe" / "unsafe"), the
+  kind the verifier was measured to miss.
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """
 
 from __future__ import annotations
 
-from . import entities, identifiers, numbers, operators, order, quoted
+from . import entities, identifiers, numbers, operators, order, polarity, quoted
 
-RULES = (quoted.RULE, numbers.RULE, operators.RULE, identifiers.RULE, entities.RULE, order.RULE)
+RULES = (quoted.RULE, numbers.RULE, operators.RULE, identifiers.RULE, entities.RULE, order.RULE,
+         polarity.RULE)
 
 __all__ = ["RULES"]

@@ -24,11 +24,10 @@ _QUOTED = re.compile(
     r"```(.+?)```|`([^`]+)`|\"([^\"]+)\"|(?<![\w])'([^']+)'(?![\w])|「([^」]+)」|『([^』]+)』"
     r"|《([^》]+)》|“([^”]+)”", re.S)
 
+#: Verbs that work on a text given with them (not "reverse a list", "fix my bike": those ask how).
 TASK_VERBS = frozenset({
     "translate", "convert", "rewrite", "paraphrase", "summarize", "summarise", "rephrase",
-    "proofread", "correct", "fix", "format", "reformat", "transliterate", "spell", "reverse",
-    "sort", "capitalize", "capitalise", "encode", "decode", "parse", "tokenize", "conjugate",
-    "翻", "转", "改", "总"})
+    "proofread", "reformat", "transliterate", "conjugate", "翻", "转", "改", "总"})
 #: Words of the instruction around a task's input, dropped before the inputs are compared.
 INSTRUCTION_WORDS = frozenset({
     "please", "can", "could", "would", "you", "kindly", "help", "me", "to", "into", "in", "from",
