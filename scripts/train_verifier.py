@@ -301,6 +301,8 @@ def quantize(fp32: Path, out: Path) -> None:
             break
     staged = out / "model.staged.onnx"
     onnx.save(model, str(staged))
+    # (ONNX Runtime's transformer optimiser, tried before quantising: fused attention kept its
+    # weights in fp32, 32 MB, and ran slower: 4.8 ms a pair against 3.3 ms.)
     quantize_dynamic(str(staged), str(out / "model.onnx"), weight_type=QuantType.QInt8,
                      op_types_to_quantize=["MatMul"], per_channel=True)
     staged.unlink()
