@@ -54,6 +54,15 @@ def test_a_bad_config_value_exits_2_naming_the_field(tmp_path):
     assert "coalesce.window_ms" in result.stderr and "greater than or equal to 0" in result.stderr
 
 
+def test_a_verifier_folder_without_a_verifier_exits_2_saying_so(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"semantic:\n  enabled: true\n  verifier_dir: {tmp_path}\n")
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"no verifier in {tmp_path}" in result.stderr
+
+
 def test_a_bad_environment_value_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve"], capture_output=True,
                             text=True, timeout=30, env={**os.environ, "CARPOOL_SAMPLING": "x"})

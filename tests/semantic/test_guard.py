@@ -216,3 +216,18 @@ def test_the_exact_rules_read_chinese_traps_of_their_kinds():
     kinds = {refusal(a, b) for a, b, same in CHINESE if not same}
     assert {Reason.NUMBER, Reason.OPERATOR, Reason.ORDER, Reason.QUOTED} <= kinds
     assert all(refusal(a, b) is None for a, b, same in CHINESE if same)
+
+
+def test_the_verifier_threshold_and_folder_are_settings(tmp_path):
+    from carpool.config import Config
+    from carpool.semantic.verifier import VerifierFileError
+    from carpool.wiring import build_semantic
+
+    cache = build_semantic(Config.model_validate(
+        {"semantic": {"enabled": True, "verifier_threshold": 0.5}}), [])
+    assert cache.guard.verifier.threshold == 0.5
+    assert build_semantic(Config.model_validate({"semantic": {"enabled": True}}), []) \
+        .guard.verifier.threshold == shared_cross_encoder().threshold
+    with pytest.raises(VerifierFileError, match="no verifier"):
+        build_semantic(Config.model_validate(
+            {"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}}), [])
