@@ -92,7 +92,7 @@ class RulesThenVerifier:
     def _plan(self, new: Side, candidates: Sequence[Side],
               ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
         """Rule verdicts (None: ask the verifier), the pairs to score, and for each candidate the
-        indexes of its text and context pairs among them (-1: identical, not asked)."""
+        indexes of its text and context pairs among them (-1: retyped, not asked)."""
         verdicts: list[Verdict | None] = []
         pairs: list[tuple[str, str]] = []
         slots: list[tuple[int, int]] = []
@@ -122,13 +122,13 @@ class RulesThenVerifier:
             if verdict is not None:
                 out.append(verdict)
                 continue
-            threshold = self.verifier.threshold
+            threshold = text_threshold = self.verifier.threshold
             if similarities is not None and similarities[i] >= NEAR_REPEAT_SIMILARITY:
-                threshold = min(threshold, NEAR_REPEAT_SCORE)
+                text_threshold = min(threshold, NEAR_REPEAT_SCORE)   # the texts' similarity
             text_score = scores[text] if text >= 0 else 1.0
             context_score = scores[context] if context >= 0 else 1.0
             score = min(text_score, context_score)
-            if text_score < threshold:
+            if text_score < text_threshold:
                 out.append(Verdict.refused(Reason.MEANING, score))
             elif context_score < threshold:
                 out.append(Verdict.refused(Reason.CONTEXT, score))
