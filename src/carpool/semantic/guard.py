@@ -18,7 +18,8 @@ Contract
 --------
 :class:`Guard` (a protocol, what the cache is given): ``await judge(new, candidates,
 similarities=None) -> list[Verdict]``, one per candidate, in order, for :class:`Side` values
-(``similarities``: each candidate's cosine similarity to ``new``, for the near-repeat bar). :class:`RulesThenVerifier`
+(``similarities``: each candidate's cosine similarity to ``new``, for the near-repeat bar; a
+context pair gets that bar when its words are :func:`close`). :class:`RulesThenVerifier`
 (``verifier, rules=RULES``) is the one carpool builds. A side is a text (the last user turn, or the
 prompt) and its ``context`` (a conversation's earlier turns, ``verifier.render_context``; ""
 for a single turn). Both the texts and the contexts must pass the rules and the verifier; a
@@ -32,6 +33,7 @@ The verifier is passed in, never imported here: the cache does not know which mo
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +81,17 @@ def retyped(a: str, b: str) -> bool:
         _NOT_WORD.sub(" ", b.casefold()).strip()
 
 
+#: Contexts are not embedded (that would cost a second embedding per lookup); a context pair
+#: whose words are this close (difflib's ratio over the words) gets the near-repeat bar instead.
+CLOSE_CONTEXT = 0.9
+
+
+def close(a: str, b: str) -> bool:
+    """Nearly the same words in the same order: a context retyped with a word or two changed."""
+    wa, wb = _NOT_WORD.sub(" ", a.casefold()).split(), _NOT_WORD.sub(" ", b.casefold()).split()
+    return difflib.SequenceMatcher(None, wa, wb, autojunk=False).ratio() >= CLOSE_CONTEXT
+
+
 class Guard(Protocol):
     async def judge(self, new: Side, candidates: Sequence[Side],
                     similarities: Sequence[float] | None = None) -> list[Verdict]: ...
@@ -114,9 +127,9 @@ class RulesThenVerifier:
             slots.append((text, context))
         return verdicts, pairs, slots
 
-    def _verdicts(self, planned: list[Verdict | None], scores: Sequence[float],
-                  slots: list[tuple[int, int]], similarities: Sequence[float] | None,
-                  ) -> list[Verdict]:
+    def _verdicts(self, planned: list[Verdict | None], pairs: list[tuple[str, str]],
+                  scores: Sequence[float], slots: list[tuple[int, int]],
+                  similarities: Sequence[float] | None) -> list[Verdict]:
         out = []
         for i, (verdict, (text, context)) in enumerate(zip(planned, slots, strict=True)):
             if verdict is not None:
@@ -125,6 +138,8 @@ class RulesThenVerifier:
             threshold = text_threshold = self.verifier.threshold
             if similarities is not None and similarities[i] >= NEAR_REPEAT_SIMILARITY:
                 text_threshold = min(threshold, NEAR_REPEAT_SCORE)   # the texts' similarity
+            if context >= 0 and close(*pairs[context]):
+                threshold = min(threshold, NEAR_REPEAT_SCORE)
             text_score = scores[text] if text >= 0 else 1.0
             context_score = scores[context] if context >= 0 else 1.0
             score = min(text_score, context_score)
@@ -139,9 +154,10 @@ class RulesThenVerifier:
     async def judge(self, new: Side, candidates: Sequence[Side],
                     similarities: Sequence[float] | None = None) -> list[Verdict]:
         planned, pairs, slots = self._plan(new, candidates)
-        return self._verdicts(planned, await self.verifier.scores(pairs), slots, similarities)
+        return self._verdicts(planned, pairs, await self.verifier.scores(pairs), slots,
+                              similarities)
 
     def judge_now(self, new: Side, candidates: Sequence[Side],
                   similarities: Sequence[float] | None = None) -> list[Verdict]:
         planned, pairs, slots = self._plan(new, candidates)
-        return self._verdicts(planned, self.verifier.score(pairs), slots, similarities)
+        return self._verdicts(planned, pairs, self.verifier.score(pairs), slots, similarities)
