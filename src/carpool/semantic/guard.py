@@ -23,8 +23,8 @@ context pair gets that bar when its words are :func:`close`). :class:`RulesThenV
 (``verifier, rules=RULES``) is the one carpool builds. A side is a text (the last user turn, or the
 prompt) and its ``context`` (a conversation's earlier turns, ``verifier.render_context``; ""
 for a single turn). Both the texts and the contexts must pass the rules and the verifier; a
-text or context that is the same on both sides up to case, punctuation and spacing
-(:func:`retyped`) is not asked about; contexts
+text that is the same on both sides up to case, punctuation and spacing (:func:`retyped`), or a
+context that is identical, is not asked about; contexts
 refused by the verifier give :attr:`Reason.CONTEXT`. ``judge_now`` is the same, synchronous (offline
 evaluation). Symmetric: swapping ``new`` and a candidate gives the same verdict.
 
@@ -121,7 +121,7 @@ class RulesThenVerifier:
             if not retyped(new.text, cached.text):
                 text = len(pairs)
                 pairs.append((new.text, cached.text))
-            if not retyped(new.context, cached.context):
+            if new.context != cached.context:   # exact: retyping may move a turn's boundary
                 context = len(pairs)
                 pairs.append((new.context, cached.context))
             slots.append((text, context))

@@ -60,13 +60,15 @@ def ordered(a: str, b: str) -> tuple[str, str]:
 
 
 def render_context(messages: Sequence[dict[str, Any]]) -> str:
-    """A conversation's earlier turns as one text: a ``role: content`` line per turn. A turn whose
-    content is not plain text is shown as its JSON (the scope compares it exactly anyway)."""
+    """A conversation's earlier turns as one text: a ``role: content`` line per turn (its own line
+    breaks indented). A turn whose content is not plain text is shown as its JSON."""
     lines = []
     for message in messages:
         content = message.get("content")
         if not isinstance(content, str):
             content = json.dumps(content, sort_keys=True, ensure_ascii=False)
+        # A line break inside a turn is indented, so no content can pass for a turn of its own.
+        content = content.replace("\n", "\n  ")
         lines.append(f"{message.get('role', '')}: {content}")
     return "\n".join(lines)
 
