@@ -247,7 +247,7 @@ def eval_semantic(pair_files: tuple[str, ...], decisions: str | None, threshold:
         from .semantic.guard import RulesThenVerifier
         from .semantic.verifier import shared_cross_encoder
         embedder = default_embedder()
-        guard = RulesThenVerifier(shared_cross_encoder(None, verifier_threshold))
+        guard = RulesThenVerifier(shared_cross_encoder(), threshold=verifier_threshold)
     except ImportError as error:
         click.echo(f"carpool: the semantic cache needs its extra: pip install 'carpool[semantic]'"
                    f" ({error})", err=True)

@@ -129,8 +129,8 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
     from .semantic.verifier import shared_cross_encoder
 
     embedder = _embedder(config, upstreams)
-    guard = RulesThenVerifier(shared_cross_encoder(config.semantic.verifier_dir,
-                                       config.semantic.verifier_threshold))
+    guard = RulesThenVerifier(shared_cross_encoder(config.semantic.verifier_dir),
+                              threshold=config.semantic.verifier_threshold)
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
         return SemanticCache(config.semantic, embedder, guard)

@@ -225,9 +225,9 @@ def test_the_verifier_threshold_and_folder_are_settings(tmp_path):
 
     cache = build_semantic(Config.model_validate(
         {"semantic": {"enabled": True, "verifier_threshold": 0.5}}), [])
-    assert cache.guard.verifier.threshold == 0.5
+    assert cache.guard.threshold == 0.5
     assert build_semantic(Config.model_validate({"semantic": {"enabled": True}}), []) \
-        .guard.verifier.threshold == shared_cross_encoder().threshold
+        .guard.threshold == shared_cross_encoder().threshold
     with pytest.raises(VerifierFileError, match="no verifier"):
         build_semantic(Config.model_validate(
             {"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}}), [])

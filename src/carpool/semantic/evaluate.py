@@ -34,7 +34,7 @@ from ..config import Config
 from ..fingerprint import fingerprint, semantic_view
 from ..request import ClientRequest, parse
 from .cache import focus
-from .guard import Reason, RulesThenVerifier, Side
+from .guard import RulesThenVerifier, Scored, Side
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class Evaluator:
                 self.similarity.append(None)
                 continue
             self.similarity.append(float(vectors[row[a.text]] @ vectors[row[b.text]]))
-        self._verdicts: dict[int, Any] = {}
+        self._scored: dict[int, Scored] = {}     # the model asked once per pair
 
     def decide(self, i: int, threshold: float, verifier_threshold: float | None = None,
                ) -> Decision:
@@ -115,17 +115,14 @@ class Evaluator:
             return Decision(False, 0.0, "scope")
         if similarity < threshold:
             return Decision(False, similarity, "below_threshold")
-        verdict = self._verdicts.get(i)
-        if verdict is None:
+        scored = self._scored.get(i)
+        if scored is None:
             cached, new = self.views[i]
-            verdict = self._verdicts[i] = self.guard.judge_now(
-                Side(new.text, new.context), [Side(cached.text, cached.context)], [similarity])[0]
-        ok = verdict.ok
-        if verifier_threshold is not None and verdict.score is not None \
-                and verdict.reason in (None, Reason.MEANING, Reason.CONTEXT):
-            ok = verdict.score >= verifier_threshold
-        reason = "served" if ok else str(verdict.reason or Reason.MEANING)
-        return Decision(ok, similarity, reason, verdict.score)
+            scored = self._scored[i] = self.guard.scored_now(Side(new.text, new.context),
+                                                             [Side(cached.text, cached.context)])
+        (verdict,) = self.guard.decide(scored, [similarity], verifier_threshold)
+        return Decision(verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason),
+                        verdict.score)
 
     def report(self, threshold: float, verifier_threshold: float | None = None,
                ) -> dict[str, Any]:

@@ -20,13 +20,15 @@ Contract
 similarities=None) -> list[Verdict]``, one per candidate, in order, for :class:`Side` values
 (``similarities``: each candidate's cosine similarity to ``new``, for the near-repeat bar; a
 context pair gets that bar when its words are :func:`close`). :class:`RulesThenVerifier`
-(``verifier, rules=RULES``) is the one carpool builds. A side is a text (the last user turn, or the
+(``verifier, rules=RULES, threshold=None``) is the one carpool builds; it also splits a judgement
+into ``scored`` (the rules and the model, once) and ``decide`` (the thresholds), so that an
+evaluation can sweep the threshold without asking the model again. A side is a text (the last user turn, or the
 prompt) and its ``context`` (a conversation's earlier turns, ``verifier.render_context``; ""
 for a single turn). Both the texts and the contexts must pass the rules and the verifier; a
 text that is the same on both sides up to case, punctuation and spacing (:func:`retyped`), or a
 context that is identical, is not asked about; contexts
-refused by the verifier give :attr:`Reason.CONTEXT`. ``judge_now`` is the same, synchronous (offline
-evaluation). Symmetric: swapping ``new`` and a candidate gives the same verdict.
+refused by the verifier give :attr:`Reason.CONTEXT`. ``judge_now`` is the same, synchronous
+(offline evaluation). Symmetric: swapping ``new`` and a candidate gives the same verdict.
 
 The verifier is passed in, never imported here: the cache does not know which model it is.
 """
@@ -73,12 +75,16 @@ NEAR_REPEAT_SCORE = 0.90
 _NOT_WORD = re.compile(r"[^\w]+")
 
 
+def _plain_words(text: str) -> list[str]:
+    """The words of ``text``, case-folded, punctuation and spacing dropped."""
+    return _NOT_WORD.sub(" ", text.casefold()).split()
+
+
 def retyped(a: str, b: str) -> bool:
     """The same words, in the same order, up to case, punctuation and spacing. Asked after the
     rules, which read the punctuation that matters (operators, quotes, numbers), so the model
     is not asked: it scored "Cancel it." / "cancel it" 0.45."""
-    return a == b or _NOT_WORD.sub(" ", a.casefold()).strip() == \
-        _NOT_WORD.sub(" ", b.casefold()).strip()
+    return a == b or _plain_words(a) == _plain_words(b)
 
 
 #: Contexts are not embedded (that would cost a second embedding per lookup); a context pair
@@ -88,8 +94,8 @@ CLOSE_CONTEXT = 0.9
 
 def close(a: str, b: str) -> bool:
     """Nearly the same words in the same order: a context retyped with a word or two changed."""
-    wa, wb = _NOT_WORD.sub(" ", a.casefold()).split(), _NOT_WORD.sub(" ", b.casefold()).split()
-    return difflib.SequenceMatcher(None, wa, wb, autojunk=False).ratio() >= CLOSE_CONTEXT
+    return difflib.SequenceMatcher(None, _plain_words(a), _plain_words(b),
+                                   autojunk=False).ratio() >= CLOSE_CONTEXT
 
 
 class Guard(Protocol):
@@ -97,15 +103,31 @@ class Guard(Protocol):
                     similarities: Sequence[float] | None = None) -> list[Verdict]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """What the model said of one ``(new, candidates)`` lookup, before any threshold."""
+
+    refused: list[Verdict | None]           # a rule's verdict, or None: the verifier decides
+    slots: list[tuple[int, int]]            # per candidate: its text and context pair in
+                                            # ``scores``, -1 where not asked (retyped, identical)
+    close_contexts: list[bool]              # per candidate: its context pair is ``close``
+    scores: list[float]
+
+
 class RulesThenVerifier:
-    def __init__(self, verifier: Verifier, rules: Sequence[Rule] = RULES) -> None:
+    """``threshold``: the verifier's bar (``semantic.verifier_threshold``); None: the one
+    calibrated with the model (``verifier.threshold``)."""
+
+    def __init__(self, verifier: Verifier, rules: Sequence[Rule] = RULES,
+                 threshold: float | None = None) -> None:
         self.verifier = verifier
         self.rules = tuple(rules)
+        self.threshold = verifier.threshold if threshold is None else threshold
 
     def _plan(self, new: Side, candidates: Sequence[Side],
               ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
         """Rule verdicts (None: ask the verifier), the pairs to score, and for each candidate the
-        indexes of its text and context pairs among them (-1: retyped, not asked)."""
+        indexes of its text and context pairs among them (-1: retyped or identical, not asked)."""
         verdicts: list[Verdict | None] = []
         pairs: list[tuple[str, str]] = []
         slots: list[tuple[int, int]] = []
@@ -127,25 +149,41 @@ class RulesThenVerifier:
             slots.append((text, context))
         return verdicts, pairs, slots
 
-    def _verdicts(self, planned: list[Verdict | None], pairs: list[tuple[str, str]],
-                  scores: Sequence[float], slots: list[tuple[int, int]],
-                  similarities: Sequence[float] | None) -> list[Verdict]:
+    def _scored(self, planned: tuple[list[Verdict | None], list[tuple[str, str]],
+                                     list[tuple[int, int]]], scores: list[float]) -> Scored:
+        refused, pairs, slots = planned
+        return Scored(refused, slots, [context >= 0 and close(*pairs[context])
+                                       for _, context in slots], scores)
+
+    async def scored(self, new: Side, candidates: Sequence[Side]) -> Scored:
+        planned = self._plan(new, candidates)
+        return self._scored(planned, await self.verifier.scores(planned[1]))
+
+    def scored_now(self, new: Side, candidates: Sequence[Side]) -> Scored:
+        """``scored``, synchronously (offline evaluation)."""
+        planned = self._plan(new, candidates)
+        return self._scored(planned, self.verifier.score(planned[1]))
+
+    def decide(self, scored: Scored, similarities: Sequence[float] | None = None,
+               threshold: float | None = None) -> list[Verdict]:
+        """The verdicts at the guard's ``threshold`` (or ``threshold``, for a sweep)."""
+        bar = self.threshold if threshold is None else threshold
+        near_repeat_bar = min(bar, NEAR_REPEAT_SCORE)
         out = []
-        for i, (verdict, (text, context)) in enumerate(zip(planned, slots, strict=True)):
+        for i, (verdict, (text, context)) in enumerate(zip(scored.refused, scored.slots,
+                                                           strict=True)):
             if verdict is not None:
                 out.append(verdict)
                 continue
-            threshold = text_threshold = self.verifier.threshold
-            if similarities is not None and similarities[i] >= NEAR_REPEAT_SIMILARITY:
-                text_threshold = min(threshold, NEAR_REPEAT_SCORE)   # the texts' similarity
-            if context >= 0 and close(*pairs[context]):
-                threshold = min(threshold, NEAR_REPEAT_SCORE)
-            text_score = scores[text] if text >= 0 else 1.0
-            context_score = scores[context] if context >= 0 else 1.0
+            near_repeat = similarities is not None and similarities[i] >= NEAR_REPEAT_SIMILARITY
+            text_bar = near_repeat_bar if near_repeat else bar    # the texts' similarity
+            context_bar = near_repeat_bar if scored.close_contexts[i] else bar
+            text_score = scored.scores[text] if text >= 0 else 1.0
+            context_score = scored.scores[context] if context >= 0 else 1.0
             score = min(text_score, context_score)
-            if text_score < text_threshold:
+            if text_score < text_bar:
                 out.append(Verdict.refused(Reason.MEANING, score))
-            elif context_score < threshold:
+            elif context_score < context_bar:
                 out.append(Verdict.refused(Reason.CONTEXT, score))
             else:
                 out.append(Verdict(True, None, score))
@@ -153,11 +191,8 @@ class RulesThenVerifier:
 
     async def judge(self, new: Side, candidates: Sequence[Side],
                     similarities: Sequence[float] | None = None) -> list[Verdict]:
-        planned, pairs, slots = self._plan(new, candidates)
-        return self._verdicts(planned, pairs, await self.verifier.scores(pairs), slots,
-                              similarities)
+        return self.decide(await self.scored(new, candidates), similarities)
 
     def judge_now(self, new: Side, candidates: Sequence[Side],
                   similarities: Sequence[float] | None = None) -> list[Verdict]:
-        planned, pairs, slots = self._plan(new, candidates)
-        return self._verdicts(planned, pairs, self.verifier.score(pairs), slots, similarities)
+        return self.decide(self.scored_now(new, candidates), similarities)

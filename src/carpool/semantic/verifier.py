@@ -3,7 +3,8 @@ is a correct answer to the other.
 
 Contract
 --------
-- :class:`Verifier` (a protocol): ``name``, ``threshold`` and ``await scores(pairs) -> list[float]``,
+- :class:`Verifier` (a protocol): ``name``, ``threshold`` (calibrated with the model; the guard
+  may hold another) and ``await scores(pairs) -> list[float]``,
   one probability in [0, 1] per ``(new, cached)`` pair, in order; a pair is *the same* when its
   score is at or above ``threshold``. Symmetric: each pair is read in one canonical order
   (:func:`ordered`), so ``scores([(a, b)]) == scores([(b, a)])``. An empty list costs nothing.
@@ -80,16 +81,22 @@ class VerifierFileError(ValueError):
 class CrossEncoder:
     """The cross-encoder in ``directory`` (default :data:`PACKAGED`)."""
 
-    def __init__(self, directory: str | Path | None = None, *, threshold: float | None = None,
-                 threads: int | None = None) -> None:
+    def __init__(self, directory: str | Path | None = None, *, threads: int | None = None,
+                 ) -> None:
         folder = Path(directory) if directory is not None else PACKAGED
         try:
             meta = json.loads((folder / "verifier.json").read_text())
         except (OSError, ValueError) as exc:
             raise VerifierFileError(f"no verifier in {folder}: {exc}") from exc
-        for name, digest in meta["sha256"].items():
+        # The bytes checked are the bytes loaded: nothing is read from disk twice.
+        files: dict[str, bytes] = {}
+        for name in ("model.onnx", "tokenizer.json"):
             path = folder / name
-            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            try:
+                files[name] = path.read_bytes()
+            except OSError:
+                files[name] = b""
+            if hashlib.sha256(files[name]).hexdigest() != meta.get("sha256", {}).get(name):
                 raise VerifierFileError(f"{path} is missing or does not match its SHA-256")
         from .embed import _require, _require_numpy, default_threads  # its imports are heavy
 
@@ -97,8 +104,8 @@ class CrossEncoder:
         self._np = _require_numpy()
         tokenizers = _require("tokenizers")
         self.name = f"cross-encoder:{meta['sha256']['model.onnx'][:12]}"
-        self.threshold = float(threshold if threshold is not None else meta["threshold"])
-        self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.threshold = float(meta["threshold"])   # calibrated with the model
+        self._tokenizer = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(max_length=int(meta.get("max_length", MAX_LENGTH)))
         self._unknown = self._tokenizer.token_to_id("[UNK]")
@@ -106,7 +113,7 @@ class CrossEncoder:
         options.intra_op_num_threads = threads or default_threads()
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(str(folder / "model.onnx"), options,
+        self._session = ort.InferenceSession(files["model.onnx"], options,
                                              providers=["CPUExecutionProvider"])
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
         self.calls = 0                      # model calls (one per ``scores`` with pairs)
@@ -147,8 +154,7 @@ class CrossEncoder:
 
 
 @functools.lru_cache(maxsize=4)
-def shared_cross_encoder(directory: str | None = None,
-                         threshold: float | None = None) -> CrossEncoder:
-    """One :class:`CrossEncoder` per folder and threshold for the process (loading it takes
-    ~0.3 s and ~30 MB; every gateway and cache in the process may share it)."""
-    return CrossEncoder(directory, threshold=threshold)
+def shared_cross_encoder(directory: str | None = None) -> CrossEncoder:
+    """One :class:`CrossEncoder` per folder for the process (loading it takes ~0.3 s and ~30 MB;
+    every gateway and cache in the process may share it: the threshold is the guard's)."""
+    return CrossEncoder(directory)
