@@ -353,10 +353,14 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(messages, list) or len(messages) < 2:
         return "", rest
     *earlier, last = messages
-    turns = [m for m in earlier if not (isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES)]
-    instructions = [m for m in earlier if m not in turns]
-    if not turns or earlier[:len(instructions)] != instructions or not all(
+    lead = 0                                # the instructions before the first turn
+    while lead < len(earlier) and isinstance(earlier[lead], dict) \
+            and earlier[lead].get("role") in INSTRUCTION_ROLES:
+        lead += 1
+    instructions, turns = earlier[:lead], earlier[lead:]
+    if not turns or not all(
             isinstance(m, dict) and set(m) <= {"role", "content"}
+            and m.get("role") not in INSTRUCTION_ROLES
             and isinstance(m.get("content"), str) for m in turns):
         return "", rest
     return render_context(turns), {**rest, "messages": [*instructions, last]}

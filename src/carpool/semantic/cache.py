@@ -18,13 +18,12 @@ Contract:
   unexpired and younger than ``max_age`` (``Cache-Control``); the guard (``guard.Guard``, passed
   in) judges them: the exact rules, then the verifier, on the texts and on the conversations'
   earlier turns (``SemanticView.context``); the most similar alone first, the others in one
-  batch if it fails. The most similar that passes is the
-  ``match``; the most similar one seen (passing or not) is ``nearest``, for
-  ``semantic.mode: mark``.
+  batch if it fails. The most similar that passes is the ``match``; the most similar one seen
+  (passing or not) is ``nearest``, for ``semantic.mode: mark``.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
-  (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most ``semantic.max_entries`` entries: the least
-  recently used go first. An entry is its scope, context and text: the same three replace the
-  older entry.
+  (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
+  ``semantic.max_entries`` entries: the least recently used go first. An entry is its scope,
+  context and text: the same three replace the older entry.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``semantic/shared.py``) a *reference*: the exact-cache key of its answer, fetched by
@@ -150,7 +149,6 @@ class Probe:
     vector: Any = None                      # the text's embedding, reused when inserting
     match: Candidate | None = None          # the entry to serve, if any
     nearest: Candidate | None = None        # the most similar entry seen, served or not
-    max_age: float | None = None            # the lookup's bound on an answer's age (seconds)
 
 
 class SemanticCache:
@@ -189,7 +187,7 @@ class SemanticCache:
         if index is None:
             return Probe()                  # nothing to compare with: no embedding needed
         vector = await self.embedder.embed(view.text)
-        probe = Probe(vector, max_age=max_age)
+        probe = Probe(vector)
         now = time.time()
         found: list[tuple[SemanticEntry, float]] = []
         for key, similarity in index.search(vector, self.config.candidates):
@@ -207,14 +205,13 @@ class SemanticCache:
         # The most similar candidate is asked about alone (the usual hit: one pair, ~3 ms),
         # the others together only if it fails (a batch of 8 pairs costs ~19 ms).
         for batch in (found[:1], found[1:]):
-            if batch and await self._judge(view, batch, probe):
+            if batch and await self._judge(view, batch, probe, max_age):
                 break
         return probe
 
     async def _judge(self, view: SemanticView, found: list[tuple[SemanticEntry, float]],
-                     probe: Probe) -> bool:
+                     probe: Probe, max_age: float | None) -> bool:
         """The guard's verdicts on ``found``; sets ``probe.match`` (True) on the first served."""
-        max_age = probe.max_age
         verdicts = await self.guard.judge(Side(view.text, view.context),
                                           [entry.side for entry, _ in found],
                                           [similarity for _, similarity in found])

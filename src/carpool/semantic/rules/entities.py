@@ -19,7 +19,7 @@ import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import lower_words, norm
+from .text import lower_words, norm, plain
 
 COMMON = frozenset({"i", "i'm", "i've", "i'll", "i'd", "ok", "okay", "mr", "mrs", "ms", "dr",
                     "hi", "hello", "please", "thanks"})
@@ -34,7 +34,7 @@ def _names(text: str) -> frozenset[str]:
     long_words = [m.group() for m in inside if len(m.group()) > 3]
     if len(long_words) >= 4 and sum(w[0].isupper() for w in long_words) > 0.6 * len(long_words):
         return frozenset()                  # a title or shouting: no case to read
-    return frozenset(re.sub(r"'s$", "", m.group().lower()) for m in inside
+    return frozenset(plain(m.group()) for m in inside
                      if m.group()[0].isupper() and m.group().lower() not in COMMON)
 
 

@@ -1,4 +1,4 @@
-"""Reading a prompt for the rules: words, sentences, and CJK characters, memoised per text."""
+"""Reading a prompt for the rules: its words (CJK character by character), memoised per text."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import unicodedata
 #: A word: letters, digits, apostrophes and joiners inside (``don't``, ``snake_case``, ``v2.1``);
 #: a run of CJK ideographs counts character by character (Chinese has no spaces).
 _WORD = re.compile(r"[\u4e00-\u9fff\u3400-\u4dbf]|[^\W_](?:[\w'’.-]*[^\W_])?|_\w*", re.UNICODE)
-_SENTENCE_END = re.compile(r"[.!?。！？]\s*|\n+")
 
 
 def norm(text: str) -> str:
@@ -27,17 +26,14 @@ def words(text: str) -> tuple[str, ...]:
 _POSSESSIVE = re.compile(r"'s$")
 
 
+def plain(word: str) -> str:
+    """A word lower-cased, a possessive ``'s`` dropped ("Australia's" is "australia")."""
+    return _POSSESSIVE.sub("", word.lower())
+
+
 @functools.lru_cache(maxsize=8192)
 def lower_words(text: str) -> tuple[str, ...]:
-    """The words lower-cased, a possessive ``'s`` dropped ("Australia's" is "australia")."""
-    return tuple(_POSSESSIVE.sub("", w.lower().strip(".")) for w in words(text))
+    """The words, each :func:`plain` (and without a trailing dot)."""
+    return tuple(plain(w.lower().strip(".")) for w in words(text))
 
 
-def sentences(text: str) -> list[str]:
-    """``text`` cut after each sentence end (and at line breaks), empty pieces dropped."""
-    pieces = _SENTENCE_END.split(norm(text))
-    return [p for p in pieces if p.strip()]
-
-
-def is_cjk(ch: str) -> bool:
-    return "\u4e00" <= ch <= "\u9fff" or "\u3400" <= ch <= "\u4dbf"
