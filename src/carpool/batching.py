@@ -92,11 +92,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import math
 import struct
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Generic, TypeVar
 
 import orjson
@@ -660,32 +669,32 @@ class EmbeddingBatcher:
             self.alone += len(items)
             return await asyncio.gather(*(self._one(group, item) for item in items),
                                         return_exceptions=True)
-        path, identity, template, query = group
-        body = orjson.loads(template)
-        body["input"] = [_value(item) for item in items]
-        response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
-        try:
-            if response.streaming:
-                raise UpstreamError("the upstream answered an embeddings call with a stream")
+        async with self._call(group, [_value(item) for item in items]) as (response, body):
             if not 200 <= response.status < 300:
                 raise _BatchFailed(response.status, response.headers, response.body)
             return [UpstreamResponse(200, headers, answer)
                     for answer, headers in self._split(response, items, body["model"])]
-        finally:
-            await response.aclose()
 
     async def _one(self, group: Any, item: str | tuple[int, ...]) -> UpstreamResponse:
         """One item in a call of its own: the upstream's answer to it, as it came."""
+        async with self._call(group, _value(item)) as (response, _):
+            if not 200 <= response.status < 300:
+                return UpstreamResponse(response.status, response.headers, response.body)
+            return UpstreamResponse(response.status, _answer_headers(response), response.body)
+
+    @contextlib.asynccontextmanager
+    async def _call(self, group: Any, value: Any,
+                    ) -> AsyncIterator[tuple[UpstreamResponse, dict[str, Any]]]:
+        """The group's embeddings call with ``value`` as its input: the upstream's (non-stream)
+        response and the body sent; the response is closed on the way out."""
         path, identity, template, query = group
         body = orjson.loads(template)
-        body["input"] = _value(item)
+        body["input"] = value
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
         try:
             if response.streaming:
                 raise UpstreamError("the upstream answered an embeddings call with a stream")
-            if not 200 <= response.status < 300:
-                return UpstreamResponse(response.status, response.headers, response.body)
-            return UpstreamResponse(response.status, _answer_headers(response), response.body)
+            yield response, body
         finally:
             await response.aclose()
 

@@ -164,6 +164,11 @@ def as_assembled(answer: Any) -> dict[str, Any]:
             "tool_calls": calls, "usage": answer.usage.model_dump() if answer.usage else None}
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
 CHAT_CASES = {
     "plain": {"messages": [{"role": "user", "content": "Name three colours."}]},
     "stop": {"messages": [{"role": "user", "content": "Count from one to ten in words."}],
@@ -175,17 +180,11 @@ CHAT_CASES = {
                  "top_logprobs": 2},
     "tools_forced": {
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-        "tools": [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}}],
+        "tools": [WEATHER_TOOL],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
     "tools_auto": {
         "messages": [{"role": "user", "content": "What is the weather in Rome?"}],
-        "tools": [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}}],
+        "tools": [WEATHER_TOOL],
         "tool_choice": "auto"},
 }
 
