@@ -309,6 +309,25 @@ async def test_tenants_never_share_semantic_entries_across_instances(two_semanti
         assert same.headers["x-carpool"] == "semantic-hit"
 
 
+async def test_a_conversations_earlier_turns_travel_with_its_entry_to_other_instances(
+        two_semantic, fake):
+    # The earlier turns are out of the scope (compared by meaning): another instance must get
+    # them with the entry, or it could not tell a chat about a gym from one about a phone plan.
+    gym = [{"role": "user", "content": "I have a gym membership."},
+           {"role": "assistant", "content": "Great, how can I help?"}]
+    phone = [{"role": "user", "content": "I have a phone plan."},
+             {"role": "assistant", "content": "Great, how can I help?"}]
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I cancel it?", history=gym)
+        await stored(a)
+        await propagated(b)
+        assert b.gateway.semantic._entries[next(iter(b.gateway.semantic._entries))].context \
+            == a.gateway.semantic._entries[next(iter(a.gateway.semantic._entries))].context != ""
+        assert (await ask(b, "How do I cancel it?", history=phone)).headers["x-carpool"] == "miss"
+        assert (await ask(b, "how do I cancel it", history=gym)).headers["x-carpool"] == \
+            "semantic-hit"
+
+
 async def test_redis_killed_the_semantic_cache_still_works_locally(two_semantic, fake,
                                                                   redis_server):
     async with two_semantic() as (a, b):
