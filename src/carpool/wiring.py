@@ -159,7 +159,8 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
     s = config.semantic
     if s.embedder == "local":
         return LocalEmbedder(s.model_dir, max_batch=s.batch_size,
-                             max_delay_s=s.batch_delay_ms / 1000)
+                             max_delay_s=s.batch_delay_ms / 1000,
+                             precision=s.embedder_precision)
     replicas = itertools.cycle(upstreams).__next__
 
     async def embeddings(texts: list[str]) -> list[list[float]]:

@@ -59,7 +59,7 @@ def model_dir():
 
 @pytest.fixture
 def local(model_dir):
-    embedder = LocalEmbedder(model_dir)
+    embedder = LocalEmbedder(model_dir, precision="fp32")
     yield embedder
     embedder.close()
 
@@ -125,11 +125,31 @@ def test_onnx_runtime_leaves_cores_to_the_event_loop(monkeypatch, cores, threads
 def test_onnxruntime_and_numpy_runtimes_agree(model_dir):
     pytest.importorskip("onnxruntime")
     texts = [ROUTER, "Cancel my subscription please.", LOREM[:200], "日本語", ""]
-    ort = LocalEmbedder(model_dir, runtime="onnxruntime")
+    ort = LocalEmbedder(model_dir, runtime="onnxruntime", precision="fp32")
     ref = LocalEmbedder(model_dir, runtime="numpy")
     assert (ort.runtime, ref.runtime) == ("onnxruntime", "numpy")
     cosines = np.sum(ort.encode(texts) * ref.encode(texts), axis=1)
     assert cosines.min() > 0.99999
+
+
+def test_int8_weights_keep_every_vector_close_to_the_reference_and_say_so_in_the_name(
+        model_dir, local):
+    pytest.importorskip("onnxruntime")
+    int8 = LocalEmbedder(model_dir)                      # the default precision
+    assert (int8.precision, int8.name) == ("int8", "all-MiniLM-L6-v2:int8")
+    assert local.name == "all-MiniLM-L6-v2"              # never mixed with fp32 vectors
+    texts = [ROUTER, "Cancel my subscription please.", LOREM, "日本語", "", "x = 1 if y else 2"]
+    vectors = int8.encode(texts)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert np.sum(vectors * local.encode(texts), axis=1).min() > 0.98
+    lefts = int8.encode([a for a, _ in PARAPHRASES])
+    rights = int8.encode([b for _, b in PARAPHRASES])
+    reference = local.encode([a for a, _ in PARAPHRASES]) @ local.encode(
+        [b for _, b in PARAPHRASES]).T
+    assert np.abs(lefts @ rights.T - reference).max() < 0.05
+    with pytest.raises(ValueError, match="precision"):
+        LocalEmbedder(model_dir, precision="fp16")
+    assert LocalEmbedder(model_dir, runtime="numpy").precision == "fp32"
 
 
 async def test_concurrent_embeds_make_few_model_calls_and_each_gets_its_own_vector(local):
@@ -186,7 +206,9 @@ async def test_the_model_runs_off_the_event_loop(local):
 
 def test_default_embedder_shares_the_loaded_model(local):
     first, second = default_embedder(), default_embedder()
-    assert first is not second and first._model is second._model is local._model
+    assert first is not second and first._model is second._model
+    assert first._model.precision == "int8" and local._model is not first._model  # fp32 apart
+    assert LocalEmbedder(precision="fp32")._model is local._model
 
 
 def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
