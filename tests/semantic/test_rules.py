@@ -151,8 +151,15 @@ def test_identifiers_a_different_code_or_name_is_refused():
 def test_identifiers_case_and_plain_words_pass():
     for a, b in (("What does HTTP mean?", "what does http mean"),
                  ("How do I update my iPhone?", "how do i update my iphone"),
-                 ("Is it OK to nap?", "Is it okay to nap?")):
+                 ("Is it OK to nap?", "Is it okay to nap?"),
+                 # words joined by a slash are words, not a path ("/modification" was one)
+                 ("It allows inspection/modification of a script.",
+                  "It allows inspection/alteration of a script."),
+                 ("What is it like to date a female/male celebrity?",
+                  "What is it like to date a celebrity?")):
         assert passes(identifiers.RULE, a, b), (a, b)
+    assert refused("Open src/main.py", "Open src/test.py") == "identifier"
+    assert refused("What is in ./run.sh?", "What is in ./build.sh?") == "identifier"
 
 
 # ------------------------------------------------------------------------------ names

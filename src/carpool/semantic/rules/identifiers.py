@@ -25,7 +25,7 @@ from .text import norm
 _TOKEN = re.compile(
     r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+"                       # e-mail
     r"|\b(?:https?|ftp)://\S+"                             # URL
-    r"|(?:[A-Za-z]:\\|\.{0,2}/)[\w.\\/-]+"                 # path
+    r"|(?<![\w/])(?:[A-Za-z]:\\|\.{0,2}/)[\w.\\/-]+"       # path (not "and/or")
     r"|[\w][\w.'’-]*[\w]|\w")
 _MIXED_DIGITS = re.compile(r"(?=.*\d)(?=.*[^\W\d_])")
 _SNAKE = re.compile(r"^_?[A-Za-z0-9]+(?:_[A-Za-z0-9]+)+$")
