@@ -100,7 +100,7 @@ async def until_redis_is_back(served, timeout: float = 5.0) -> None:
 
 async def test_the_invalidation_subscriber_survives_redis_restarting_and_delivers_again(
         fake, redis_server):
-    """carpool/invalidation.py: each instance's subscriber reconnects by itself; subscribed
+    """carpool/redis/invalidation.py: each instance's subscriber reconnects by itself; subscribed
     again, it forgets what lingered meanwhile (pub/sub replays nothing: an invalidation may have
     been missed), then delivers as before. The window is long: only invalidations end it."""
     admin = {"Authorization": "Bearer t"}
@@ -148,7 +148,7 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
 
     import redis.asyncio as aredis
 
-    from carpool import invalidation
+    from carpool.redis import invalidation
 
     monkeypatch.setattr(invalidation, "KEEPALIVE", 0.1)
     monkeypatch.setattr(invalidation, "WAIT", 0.05)
@@ -175,7 +175,7 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
 
 
 # ------------------------------------------------------------------------------------------------
-# Cross-instance coalescing (carpool/flight_shared.py)
+# Cross-instance coalescing (carpool/redis/flights.py)
 
 QUESTION = "What is carpool?"
 ANSWER_1 = f"answer 1 to {QUESTION}"

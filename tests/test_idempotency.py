@@ -20,10 +20,10 @@ from carpool.idempotency import (
     IdempotencyMismatch,
     IdempotencyRecords,
     MemoryIdempotencyRecords,
-    RedisIdempotencyRecords,
     StoredResponse,
     parse_key,
 )
+from carpool.redis.idempotency import RedisIdempotencyRecords
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.waiting import eventually
 
@@ -103,17 +103,17 @@ Make = Callable[..., IdempotencyRecords]
 
 @pytest.fixture(params=BACKENDS)
 async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
-    """``make(retention=60, processing_ttl=60)``: records of the backend under test; the Redis
-    ones made by one test share one server, as gateway instances do."""
+    """``make(retention=60, lease=60)``: records of the backend under test (the in-process ones'
+    ``processing_ttl`` is their lease); the Redis ones made by one test share one server, as
+    gateway instances do."""
     made: list[IdempotencyRecords] = []
 
-    def build(retention: float = 60.0, processing_ttl: float = 60.0) -> IdempotencyRecords:
+    def build(retention: float = 60.0, lease: float = 60.0) -> IdempotencyRecords:
         if request.param == "memory":
-            records: IdempotencyRecords = MemoryIdempotencyRecords(retention, processing_ttl)
+            records: IdempotencyRecords = MemoryIdempotencyRecords(retention, lease)
         else:
             url = request.getfixturevalue("redis_server").url
-            records = RedisIdempotencyRecords(url, retention=retention,
-                                              processing_ttl=processing_ttl)
+            records = RedisIdempotencyRecords(url, retention=retention, lease=lease)
         made.append(records)
         return records
 
@@ -139,6 +139,18 @@ async def begin_new(records: IdempotencyRecords, key: str = "k", fp: str = FP) -
     began = await records.begin(key, fp)
     assert began.state == "new" and began.token and began.response is None
     return began.token
+
+
+async def begin_and_die(make: Make, records: IdempotencyRecords, key: str = "k") -> str:
+    """A record begun by an owner that dies at once: for Redis, another instance (sharing the
+    server) that closes without settling it, so nothing renews its lease; in process, the same
+    records (whose leases are never renewed)."""
+    if not isinstance(records, RedisIdempotencyRecords):
+        return await begin_new(records, key)
+    owner = make(lease=records.lease)
+    token = await begin_new(owner, key)
+    await owner.aclose()
+    return token
 
 
 @pytest.mark.parametrize("response", [OK, BAD_GATEWAY], ids=["200", "502"])
@@ -221,8 +233,8 @@ async def test_a_finished_record_expires_after_the_retention(make: Make) -> None
 
 
 async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make) -> None:
-    records = make(processing_ttl=0.1)
-    dead = await begin_new(records)                       # its owner never comes back
+    records = make(lease=0.1)
+    dead = await begin_and_die(make, records)             # its owner never comes back
     started = time.monotonic()
     tokens: list[str | None] = []
 
@@ -242,7 +254,7 @@ async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make)
 
 
 async def test_renew_keeps_the_lease_alive(make: Make) -> None:
-    records = make(processing_ttl=0.1)
+    records = make(lease=0.1)
     token = await begin_new(records)
     started = time.monotonic()
     while time.monotonic() - started < 0.25:              # 2.5 leases, renewed meanwhile
@@ -250,6 +262,22 @@ async def test_renew_keeps_the_lease_alive(make: Make) -> None:
         assert (await records.begin("k", FP)).state == "processing"
         await asyncio.sleep(0.02)
     assert await records.finish("k", token, OK) is True
+
+
+async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_once_settled(
+        redis_server: RedisServer) -> None:
+    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=0.15)
+    other = RedisIdempotencyRecords(redis_server.url, retention=60, lease=0.15)
+    try:
+        token = await begin_new(records)
+        await eventually(lambda: records.renewals >= 4, timeout=5, what="4 renewals (4/3 lease)")
+        assert (await other.begin("k", FP)).state == "processing"   # still held, elsewhere too
+        assert await records.finish("k", token, OK) is True
+        assert records._keepers == {}
+        assert (await other.begin("k", FP)).response == OK
+    finally:
+        await records.aclose()
+        await other.aclose()
 
 
 async def test_wait_returns_the_response_when_another_task_finishes(
@@ -292,8 +320,8 @@ async def test_wait_returns_at_once_when_already_done(records: IdempotencyRecord
 
 
 async def test_wait_does_not_return_the_answer_to_another_request(make: Make) -> None:
-    records = make(processing_ttl=0.1)
-    await begin_new(records)                               # dies: its lease runs out
+    records = make(lease=0.1)
+    await begin_and_die(make, records)                     # dies: its lease runs out
     waiter = asyncio.create_task(records.wait("k", timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
 
@@ -379,7 +407,7 @@ async def raw(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:
 
 async def test_redis_layout_one_hashed_key_per_record_with_its_ttl(
         redis_server: RedisServer, raw: aredis.Redis) -> None:
-    records = RedisIdempotencyRecords(redis_server.url, retention=3600, processing_ttl=60)
+    records = RedisIdempotencyRecords(redis_server.url, retention=3600, lease=60)
     try:
         user_key = "tenant\n{evil} *key*"
         token = await begin_new(records, user_key)

@@ -28,10 +28,10 @@ from carpool.idempotency import (
     IdempotencyConflict,
     IdempotencyRecords,
     MemoryIdempotencyRecords,
-    RedisIdempotencyRecords,
     StoredResponse,
     is_final,
 )
+from carpool.redis.idempotency import RedisIdempotencyRecords
 from carpool.store.base import StoreUnavailable
 from fakes.waiting import eventually
 

@@ -11,7 +11,7 @@ Contract (CONTRACT.md "Streaming"):
 - ``wait_started`` returns once there is a frame or an ending; ``wait_done`` once there is an
   ending. Both can be bounded by the caller with ``asyncio.timeout``.
 - ``on_publish`` (optional, sync, must not raise) is called after each frame is published: the
-  cross-instance leader (``flight_shared.py``) uses it to forward frames to Redis.
+  cross-instance leader (``redis/flights.py``) uses it to forward frames to Redis.
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
   instance made (this instance's clients of the flight are then all ``coalesced``).
 """

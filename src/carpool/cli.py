@@ -79,6 +79,21 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
                  "(%d replica(s)); its answers are synthetic text, not a real model",
                  config.sim.replicas)
     if config.redis:
+        try:
+            from .redis.connection import ClusterNotSupported, check_server
+
+            reachable = asyncio.run(check_server(config.redis))
+        except ImportError as error:
+            click.echo(f"carpool: --redis needs the redis extra (pip install "
+                       f"'carpool[redis]'): {error}", err=True)
+            sys.exit(2)
+        except ClusterNotSupported as error:
+            click.echo(f"carpool: {error}".replace(config.redis, _without_credentials(
+                config.redis)), err=True)
+            sys.exit(2)
+        if not reachable:
+            log.warning("carpool: Redis at %s does not answer now; starting with this "
+                        "instance's memory, and trying again", _without_credentials(config.redis))
         log.info("carpool: exact answers%s shared through Redis at %s (in-process fallback "
                  "while it is unreachable)",
                  ", semantic entries and calls in flight" if config.distributed.shared_flights

@@ -177,6 +177,10 @@ class IdempotencyConfig(_Section):
     retention: float = Field(86400, gt=0, description="Seconds an idempotency record is kept.")
     on_conflict: Literal["reject", "wait"] = Field("reject", description="Same key while the first "
                                                    "is processing: 409 (reject) or wait for it.")
+    lease: float = Field(6.0, gt=0, description="With `redis`: seconds a record being processed "
+                         "is held unless its instance renews it (every lease/3 while the request "
+                         "runs): a retry on another instance after this one died runs within "
+                         "about this long. Longer than a Redis pause you want to ride out.")
 
 
 class RoutingConfig(_Section):
@@ -284,6 +288,12 @@ class DistributedConfig(_Section):
     timeout: float = Field(0.5, gt=0, description="Seconds a Redis call may take before the "
                            "instance treats Redis as unavailable.")
     connect_timeout: float = Field(0.25, gt=0, description="Seconds to connect to Redis.")
+    max_connections: int = Field(1000, ge=1, description="Connections to Redis this instance may "
+                                 "open (Valkey's default maxclients is 10,000: size it for all "
+                                 "instances). A call that finds them all busy waits for one.")
+    pool_timeout: float = Field(5.0, gt=0, description="Seconds a Redis call may wait for a free "
+                                "connection; past it the call runs without Redis (counted as "
+                                "`pool_exhausted`, logged) but Redis is not marked down.")
     retry_interval: float = Field(1.0, gt=0, description="While Redis is unavailable, seconds "
                                   "between two attempts to use it again.")
     log_interval: float = Field(30.0, gt=0, description="Seconds between two log lines about "

@@ -80,32 +80,27 @@ The format
   never gets JSON on a stream or SSE for a non-streaming request.
 
 Backends: ``MemoryIdempotencyRecords`` (one process; bounded: expired records are swept lazily
-and the oldest are evicted beyond ``max_records``/``max_bytes``) and ``RedisIdempotencyRecords``
-(shared by every instance; layout in its docstring). A Redis failure raises ``StoreUnavailable``.
+and the oldest are evicted beyond ``max_records``/``max_bytes``) and
+``carpool.redis.idempotency.RedisIdempotencyRecords`` (shared by every instance; layout and
+leases in its docstring). A Redis failure raises ``StoreUnavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import math
 import secrets
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 
 from .apis import APIS, Api
 from .errors import CarpoolError, UpstreamStreamBroken
-from .store.base import StoreUnavailable, redis_unavailable
-
-if TYPE_CHECKING:
-    import redis.asyncio as aredis
+from .store.base import StoreUnavailable
 
 __all__ = [
     "HEADER",
@@ -120,7 +115,6 @@ __all__ = [
     "IdempotencyMismatch",
     "IdempotencyRecords",
     "MemoryIdempotencyRecords",
-    "RedisIdempotencyRecords",
     "StoredResponse",
     "is_final",
     "parse_key",
@@ -578,234 +572,6 @@ class MemoryIdempotencyRecords:
 def _copy(response: StoredResponse) -> StoredResponse:
     return StoredResponse(response.status, list(response.headers), response.body,
                           response.streamed)
-
-
-# --------------------------------------------------------------------------- Redis/Valkey
-
-SOCKET_TIMEOUT = 0.5      # as the Redis store: s per command
-CONNECT_TIMEOUT = 0.25    # s per connection attempt
-RETRIES = 1               # immediate retries on a refused/reset connection (never on a timeout)
-POLL_MIN = 0.005          # s: first pause of ``wait`` between two reads of the record
-POLL_MAX = 0.25           # s: longest pause (the back-off grows by half each time)
-
-# KEYS[1] = the record; ARGV = fingerprint, token, lease ms.
-_BEGIN = """
-local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 't')
-if not rec[1] then
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 't', ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {'new'}
-end
-if rec[2] ~= ARGV[1] then return {'mismatch'} end
-if rec[1] == 'p' then
-  if rec[3] == ARGV[2] then return {'new'} end   -- this very call, retried after a lost reply
-  return {'processing'}
-end
-local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm')
-return {'done', r[1], r[2], r[3], r[4]}
-"""
-
-# ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0). 1 if stored.
-_FINISH = """
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[2] ~= ARGV[1] then return 0 end
-if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
-redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6],
-           'm', ARGV[7])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-
-# ARGV = token. 1 if dropped.
-_ABANDON = """
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
-"""
-
-# ARGV = token, lease ms. 1 if renewed.
-_RENEW = """
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-
-class RedisIdempotencyRecords:
-    """The records in Redis/Valkey, shared by every gateway instance.
-
-    ``target``: a URL (``redis://``, ``rediss://``, ``unix://``) or an existing ``redis.asyncio``
-    client (not decoding responses; then its timeouts/retries apply and ``aclose`` leaves it
-    open: the exact cache's client can be shared).
-
-    Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Cluster hash tag):
-
-        P idem:{ID}    HASH, PX = lease, then retention
-                       s  = p (PROCESSING) | s (SUCCESS) | f (FAILED)
-                       fp = the request fingerprint       t = the owner token
-                       st = status (decimal)              h = headers, orjson [[name, value]...]
-                       b  = body bytes                        (latin-1 strings: byte-exact)
-                       m  = 1 if the request streamed, else 0 (absent in records written
-                            before it existed: then the stored content type says)
-
-    - ``ID`` is the 40-hex BLAKE2b digest of the (scoped) key: no user input in key names.
-    - Every operation is one Lua script on one key (atomic, Cluster-safe). The lease is the key's
-      PX while PROCESSING, so Redis itself drops the record of a dead owner. ``begin`` retried
-      after a lost reply recognises its own token and still answers ``new``.
-    - ``wait`` polls the record (back-off ``POLL_MIN`` to ``POLL_MAX``, bounded by the
-      timeout); a ``finish``/``abandon`` by this same instance wakes its waiters at once.
-    - Every Redis or network failure, and any answer slower than ``socket_timeout``, raises
-      ``StoreUnavailable`` (the client library's error is its ``__cause__``); a refused
-      connection is retried once at once, a timeout never.
-    """
-
-    def __init__(self, target: str | aredis.Redis, *, retention: float,
-                 processing_ttl: float = PROCESSING_TTL, prefix: str = "carpool:",
-                 socket_timeout: float = SOCKET_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT, retries: int = RETRIES,
-                 poll_max: float = POLL_MAX) -> None:
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
-        if retention <= 0 or processing_ttl <= 0:
-            raise ValueError("retention and processing_ttl must be positive")
-        self.retention = retention
-        self.processing_ttl = processing_ttl
-        self.prefix = prefix
-        self.poll_max = poll_max
-        if isinstance(target, str):
-            try:
-                import redis.asyncio as aredis
-                from redis.asyncio.retry import Retry
-                from redis.backoff import NoBackoff
-                from redis.exceptions import ConnectionError as RedisConnectionError
-            except ImportError as exc:  # pragma: no cover - depends on the install
-                raise ImportError("Redis idempotency records need the redis extra: "
-                                  "pip install 'carpool[redis]'") from exc
-            self.url = target
-            client = aredis.Redis.from_url(
-                target, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                retry=Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,)))
-            self._owns_client = True
-        else:
-            client = target
-            self.url = repr(client)
-            self._owns_client = False
-        if client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("the Redis client must not decode responses: bodies are bytes")
-        self._client = client
-        self._begin = client.register_script(_BEGIN)
-        self._finish = client.register_script(_FINISH)
-        self._abandon = client.register_script(_ABANDON)
-        self._renew = client.register_script(_RENEW)
-        # Local wake-ups: waiters of this instance, set by this instance's finish/abandon.
-        self._changed: weakref.WeakValueDictionary[str, asyncio.Event] = \
-            weakref.WeakValueDictionary()
-        self.waiters = 0
-
-    def __repr__(self) -> str:
-        return f"<RedisIdempotencyRecords {self.url} prefix={self.prefix!r}>"
-
-    def record_key(self, key: str) -> str:
-        """The Redis key of the record for ``key``."""
-        digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20)
-        return f"{self.prefix}idem:{{{digest.hexdigest()}}}"
-
-    async def begin(self, key: str, fingerprint: str) -> Begin:
-        token = _new_token()
-        with _unavailable("begin"):
-            reply = await self._begin(keys=[self.record_key(key)],
-                                      args=[fingerprint, token, _ms(self.processing_ttl)])
-        state = reply[0].decode()
-        if state == "new":
-            return Begin("new", token)
-        if state == "done":
-            return Begin("done", response=_decode(reply[1], reply[2], reply[3],
-                                                  reply[4] if len(reply) > 4 else None))
-        return Begin(state)  # type: ignore[arg-type]
-
-    async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
-        record_key = self.record_key(key)
-        headers = orjson.dumps([[n.decode("latin-1"), v.decode("latin-1")]
-                                for n, v in response.headers])
-        state = "s" if 200 <= response.status < 300 else "f"
-        with _unavailable("finish"):
-            done = await self._finish(keys=[record_key], args=[
-                token, state, _ms(self.retention), response.status, headers, response.body,
-                int(response.streamed)])
-        self._wake(record_key)
-        return bool(done)
-
-    async def abandon(self, key: str, token: str) -> bool:
-        record_key = self.record_key(key)
-        with _unavailable("abandon"):
-            dropped = await self._abandon(keys=[record_key], args=[token])
-        self._wake(record_key)
-        return bool(dropped)
-
-    async def renew(self, key: str, token: str) -> bool:
-        with _unavailable("renew"):
-            return bool(await self._renew(keys=[self.record_key(key)],
-                                          args=[token, _ms(self.processing_ttl)]))
-
-    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
-        record_key = self.record_key(key)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        fingerprint: bytes | None = None
-        pause = POLL_MIN
-        self.waiters += 1
-        try:
-            while True:
-                changed = self._changed.get(record_key)
-                if changed is None:
-                    changed = self._changed[record_key] = asyncio.Event()
-                with _unavailable("wait"):
-                    state, found, status, headers, body, streamed = await self._client.hmget(
-                        record_key, "s", "fp", "st", "h", "b", "m")
-                if state is None:
-                    return None
-                if fingerprint is None:
-                    fingerprint = found
-                elif found != fingerprint:
-                    return None
-                if state != b"p":
-                    return _decode(status, headers, body, streamed)
-                left = deadline - loop.time()
-                if left <= 0:
-                    return None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), min(pause, left))
-                pause = min(pause * 1.5, self.poll_max)
-        finally:
-            self.waiters -= 1
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
-
-    def _wake(self, record_key: str) -> None:
-        changed = self._changed.pop(record_key, None)
-        if changed is not None:
-            changed.set()
-
-
-def _ms(seconds: float) -> int:
-    return max(1, math.ceil(seconds * 1000))
-
-
-def _decode(status: Any, headers: Any, body: Any, streamed: Any) -> StoredResponse:
-    pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(headers)]
-    if streamed is None:        # written before the field existed: the content type says
-        streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
-    return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"))
-
-
-def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return redis_unavailable(f"the Redis idempotency records failed to {operation}")
-
 
 
 class FallbackRecords:

@@ -34,8 +34,8 @@ Contract:
   others.
 - With ``redis``, identical requests on different instances share one call too: the lead of each
   instance's flight leads it for all of them or relays it from the instance that does
-  (``flight_shared.py``); whatever Redis does, the flight still gets its answer. Semantic
-  entries are shared too (``semantic/shared.py``): each instance's index is fed by the others'.
+  (``redis/flights.py``); whatever Redis does, the flight still gets its answer. Semantic
+  entries are shared too (``redis/semantic.py``): each instance's index is fed by the others'.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
 """
 
@@ -107,8 +107,8 @@ from .wiring import (
 )
 
 if TYPE_CHECKING:
-    from .flight_shared import SharedFlights
-    from .invalidation import InvalidationChannel
+    from .redis.flights import SharedFlights
+    from .redis.invalidation import InvalidationChannel
     from .semantic.cache import Candidate, Probe, SemanticCache
 
 log = logging.getLogger("carpool")
@@ -454,7 +454,7 @@ class Gateway:
 
         The upstream call streams into ``broadcast``; a complete answer is stored before the
         flight ends. With shared flights (``redis``) the call is made by the one instance that
-        leads it for all, and followed by the others (``flight_shared.py``); ``alone``: here.
+        leads it for all, and followed by the others (``redis/flights.py``); ``alone``: here.
         With the semantic cache, the prompt is embedded while the upstream answers (unless the
         probe did already), so that its entry too is in before the flight ends.
         """

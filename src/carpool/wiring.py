@@ -20,18 +20,17 @@ from .idempotency import (
     FallbackRecords,
     IdempotencyRecords,
     MemoryIdempotencyRecords,
-    RedisIdempotencyRecords,
 )
 from .store import MemoryStore, Store
 from .upstream.base import Upstream, UpstreamRequest
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
-    from .flight_shared import SharedFlights
-    from .invalidation import InvalidationChannel
+    from .redis.flights import SharedFlights
+    from .redis.invalidation import InvalidationChannel
+    from .redis.store import RedisStore
     from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
-    from .store.redis import RedisStore
     from .store.shared import SharedStore
 
 
@@ -56,11 +55,12 @@ def build_store(config: Config) -> Store:
 
 
 def _redis_store(config: Config) -> RedisStore:
-    from .store.redis import RedisStore
+    from .redis.store import RedisStore
 
     d = config.distributed
     return RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                      connect_timeout=d.connect_timeout)
+                      connect_timeout=d.connect_timeout, max_connections=d.max_connections,
+                      pool_timeout=d.pool_timeout)
 
 
 def _shared_redis(config: Config, store: Store | None) -> tuple[RedisStore, SharedStore | None,
@@ -79,7 +79,7 @@ def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
     d = config.distributed
     if not config.redis or not d.shared_flights:
         return None
-    from .flight_shared import SharedFlights
+    from .redis.flights import SharedFlights
 
     redis, health, owned = _shared_redis(config, store)
     return SharedFlights(redis.client, prefix=d.key_prefix, lease_ms=d.lease_ms,
@@ -95,7 +95,7 @@ def build_invalidations(config: Config, store: Store,
     finished flights lingering in the coalescing window) on every other one."""
     if not config.redis:
         return None
-    from .invalidation import InvalidationChannel
+    from .redis.invalidation import InvalidationChannel
 
     d = config.distributed
     redis, health, owned = _shared_redis(config, store)
@@ -113,16 +113,21 @@ def build_idempotency(config: Config, store: Store | None = None) -> Idempotency
     # On the shared store's connection pool when there is one (the records then leave it open).
     target = config.redis if owned else redis.client
     d = config.distributed
+    from .redis.idempotency import RedisIdempotencyRecords
+
+    # Shared records are leased for seconds and renewed while the request runs, so a dead
+    # instance's key is free again soon; the in-process ones die with their process.
     return FallbackRecords(RedisIdempotencyRecords(
-        target, retention=config.idempotency.retention, processing_ttl=processing_ttl,
-        prefix=d.key_prefix, socket_timeout=d.timeout, connect_timeout=d.connect_timeout), local)
+        target, retention=config.idempotency.retention, lease=config.idempotency.lease,
+        prefix=d.key_prefix, socket_timeout=d.timeout, connect_timeout=d.connect_timeout,
+        max_connections=d.max_connections, pool_timeout=d.pool_timeout), local)
 
 
 def build_semantic(config: Config, upstreams: Sequence[Upstream],
                    store: Store | None = None) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
-    shared with every instance (``semantic/shared.py``)."""
+    shared with every instance (``redis/semantic.py``)."""
     if not config.semantic.enabled:
         return None
     from .semantic.guard import RulesThenVerifier
@@ -134,7 +139,7 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
         return SemanticCache(config.semantic, embedder, guard)
-    from .semantic.shared import SharedSemanticCache
+    from .redis.semantic import SharedSemanticCache
 
     d = config.distributed
     redis, health, owned = _shared_redis(config, store)

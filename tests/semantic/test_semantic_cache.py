@@ -226,7 +226,7 @@ async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fa
 
 
 # ------------------------------------------------------------------------------------------------
-# Semantic entries shared across instances through Redis (carpool/semantic/shared.py)
+# Semantic entries shared across instances through Redis (carpool/redis/semantic.py)
 
 PROPAGATION = 1.0         # s: the bound for a stored answer to reach the other instances
 

@@ -15,9 +15,9 @@ import pytest
 import redis.asyncio as aredis
 
 from carpool.answer import Answer
+from carpool.redis.store import RedisStore
 from carpool.store import Entry
 from carpool.store.base import StoreUnavailable
-from carpool.store.redis import RedisStore
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.waiting import eventually
 

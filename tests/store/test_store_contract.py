@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from carpool.answer import Answer
+from carpool.redis.store import RedisStore
 from carpool.store import Entry, MemoryStore, Store
-from carpool.store.redis import RedisStore
 
 BACKENDS = ["memory", "redis"]
 SHARED_BACKENDS = ["redis"]       # backends that several gateway instances share

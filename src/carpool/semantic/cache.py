@@ -26,7 +26,7 @@ Contract:
   context and text: the same three replace the older entry.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
-  instance: ``semantic/shared.py``) a *reference*: the exact-cache key of its answer, fetched by
+  instance: ``redis/semantic.py``) a *reference*: the exact-cache key of its answer, fetched by
   ``await resolve(KEY)`` only when the entry passes every check. ``None`` from ``resolve`` means
   the answer is gone (expired, invalidated): the entry is dropped and the walk goes on with the
   next candidate; ``StoreUnavailable`` from it means unknown for now: the candidate is skipped,

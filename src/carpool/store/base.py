@@ -16,8 +16,6 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,16 +63,6 @@ class StoreUnavailable(CarpoolError):
     status = 503
     type = "server_error"
     code = "store_unavailable"
-
-
-@contextlib.contextmanager
-def redis_unavailable(what: str) -> Iterator[None]:
-    """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``."""
-    from redis.exceptions import RedisError
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def selected(entry: Any, *, tag: str | None = None, namespace: str | None = None,

@@ -1,7 +1,7 @@
 """The shared store with a way down: Redis when it answers, this process's memory when it does not.
 
 Contract (on top of ``store.base``):
-- While Redis answers, every operation goes to Redis only (``store.redis``): nothing is kept
+- While Redis answers, every operation goes to Redis only (``store.redis``, a ``carpool.redis.store.RedisStore``): nothing is kept
   locally, so an invalidation by any instance reaches every instance.
 - When a Redis call fails (``StoreUnavailable``), the store is *degraded*: the call is answered by
   the in-process ``MemoryStore`` instead (a get finds what this instance stored meanwhile; a put
@@ -10,7 +10,9 @@ Contract (on top of ``store.base``):
   row); the first success ends the degraded period and empties the local store, whose entries may
   have missed invalidations made elsewhere in the meantime.
 - Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
-  ``health()`` for ``/stats`` and ``/healthz``.
+  ``health()`` for ``/stats`` and ``/healthz``. A call that waited ``pool_timeout`` for a free
+  connection (``PoolExhausted``: Redis answers, this instance is overloaded) is answered from
+  memory like a failure, but counted apart (``pool_exhausted``) and starts no degraded period.
 - Other layers that use the same Redis (cross-instance flights) share this state: they ask
   ``usable()`` before a Redis call and ``report()`` its failure or success.
 """
@@ -21,9 +23,10 @@ import logging
 import time
 from typing import Any
 
+from ..redis.connection import PoolExhausted
+from ..redis.store import RedisStore
 from .base import Entry, StoreUnavailable
 from .memory import MemoryStore
-from .redis import RedisStore
 
 log = logging.getLogger("carpool.store")
 
@@ -36,6 +39,8 @@ class SharedStore:
         self.retry_interval = retry_interval
         self.log_interval = log_interval
         self.errors = 0
+        self.pool_exhausted = 0                  # calls that found no free connection in time
+        self._last_pool_log = float("-inf")
         self.down_since: float | None = None     # wall clock, for /stats
         self._next_try = 0.0                     # monotonic
         self._last_log = float("-inf")
@@ -54,7 +59,7 @@ class SharedStore:
 
     def health(self) -> dict[str, Any]:
         return {"state": "degraded" if self.degraded else "up", "errors": self.errors,
-                "down_since": self.down_since}
+                "pool_exhausted": self.pool_exhausted, "down_since": self.down_since}
 
     def usable(self) -> bool:
         """Whether Redis should be tried now (up, or degraded and due for another attempt)."""
@@ -109,8 +114,17 @@ class SharedStore:
         return self.degraded and time.monotonic() < self._next_try
 
     def _failed(self, error: StoreUnavailable) -> None:
-        self.errors += 1
         now = time.monotonic()
+        if isinstance(error, PoolExhausted):
+            # Redis answers; this instance had more callers than connections for pool_timeout.
+            # That call runs without Redis, but sharing is not switched off for the others.
+            self.pool_exhausted += 1
+            if now - self._last_pool_log >= self.log_interval:
+                self._last_pool_log = now
+                log.warning("every connection to redis stayed busy (%d times so far): raise "
+                            "distributed.max_connections or pool_timeout", self.pool_exhausted)
+            return
+        self.errors += 1
         self._next_try = now + self.retry_interval
         if self.down_since is None:
             self.down_since = time.time()

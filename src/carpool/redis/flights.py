@@ -98,13 +98,13 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .answer import Answer
-from .broadcast import Broadcast
-from .errors import (
+from ..answer import Answer
+from ..broadcast import Broadcast
+from ..errors import (
     CarpoolError,
     UpstreamError,
     UpstreamStatusError,
@@ -112,8 +112,8 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from .store.base import StoreUnavailable, redis_unavailable
-from .store.redis import RedisStore, glob_escape, xread_entries
+from .connection import Health, StoreUnavailable, unavailable
+from .store import RedisStore, glob_escape, xread_entries
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -204,14 +204,6 @@ _DOWN = "unavailable"     # Redis failed: run the call here
 _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout,
                                   UpstreamStreamBroken)}
-
-
-class Health(Protocol):
-    """The Redis health shared with the exact store (``SharedStore``)."""
-
-    def usable(self) -> bool: ...
-
-    def report(self, error: StoreUnavailable | None) -> None: ...
 
 
 class SharedFlights:
@@ -638,4 +630,4 @@ def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
 
 
 def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return redis_unavailable(f"the Redis flights failed to {operation}")
+    return unavailable(f"the Redis flights failed to {operation}")

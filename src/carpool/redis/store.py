@@ -67,16 +67,23 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..answer import Answer
-from .base import Entry, StoreUnavailable, redis_unavailable
+from ..store.base import Entry
+from .connection import (
+    CONNECT_TIMEOUT,
+    MAX_CONNECTIONS,
+    POOL_TIMEOUT,
+    RETRIES,
+    SOCKET_TIMEOUT,
+    StoreUnavailable,
+    connect,
+    unavailable,
+)
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
 __all__ = ["RedisStore", "StoreUnavailable"]
 
-SOCKET_TIMEOUT = 0.5      # s per command: Redis answers in well under a ms; a hung one must fail
-CONNECT_TIMEOUT = 0.25    # s per connection attempt
-RETRIES = 1               # immediate retries on a refused/reset connection (never on a timeout)
 STATS_INTERVAL = 1.0      # s between background refreshes of ``entries``/``bytes`` by gets
 BATCH = 500               # keys per SCAN page / per pipelined round trip in invalidations
 FORMAT = 1                # version of the entry header; another version reads as a miss
@@ -180,8 +187,9 @@ class RedisStore:
 
     ``client``: an existing ``redis.asyncio`` client to use instead (then ``url`` is only a
     label, the timeouts and retries are the client's, and ``aclose`` leaves it open); it must
-    not decode responses. ``socket_timeout``/``connect_timeout`` (s), ``retries`` (immediate
-    retries of a failed connection) and ``stats_interval`` (s) default to the constants above.
+    not decode responses. Otherwise the client is :func:`.connection.connect`'s, with
+    ``socket_timeout``/``connect_timeout`` (s), ``retries`` (immediate retries of a failed
+    connection), ``max_connections`` and ``pool_timeout`` (s); ``stats_interval`` (s).
     """
 
     def __init__(self, url: str, *, prefix: str = "carpool:",
@@ -189,6 +197,8 @@ class RedisStore:
                  socket_timeout: float = SOCKET_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT,
                  retries: int = RETRIES,
+                 max_connections: int = MAX_CONNECTIONS,
+                 pool_timeout: float = POOL_TIMEOUT,
                  stats_interval: float = STATS_INTERVAL) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
@@ -196,17 +206,9 @@ class RedisStore:
         self.prefix = prefix
         self.stats_interval = stats_interval
         if client is None:
-            try:
-                import redis.asyncio as aredis
-                from redis.asyncio.retry import Retry
-                from redis.backoff import NoBackoff
-                from redis.exceptions import ConnectionError as RedisConnectionError
-            except ImportError as exc:  # pragma: no cover - depends on the install
-                raise ImportError("the Redis store needs the redis extra: "
-                                  "pip install 'carpool[redis]'") from exc
-            client = aredis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                retry=Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,)))
+            client = connect(url, socket_timeout=socket_timeout, connect_timeout=connect_timeout,
+                             retries=retries, max_connections=max_connections,
+                             pool_timeout=pool_timeout)
             self._owns_client = True
         else:
             self._owns_client = False
@@ -440,4 +442,4 @@ def _split(joined: bytes, lengths: list[int] | None) -> list[bytes] | None:
 
 
 def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return redis_unavailable(f"the Redis store failed to {operation}")
+    return unavailable(f"the Redis store failed to {operation}")

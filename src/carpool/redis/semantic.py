@@ -65,17 +65,17 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
-from ..store.base import StoreUnavailable, redis_unavailable
-from ..store.redis import xread_entries
-from .cache import SemanticCache, focus
-from .guard import Guard
+from ..semantic.cache import SemanticCache, focus
+from ..semantic.guard import Guard
+from .connection import Health, StoreUnavailable, unavailable
+from .store import xread_entries
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -86,14 +86,6 @@ BACKOFF_MIN = 0.05        # s before the reader's first retry after a Redis fail
 READ_COUNT = 256          # records per XREAD
 
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
-
-
-class Health(Protocol):
-    """The Redis health shared with the exact store (``SharedStore``)."""
-
-    def usable(self) -> bool: ...
-
-    def report(self, error: StoreUnavailable | None) -> None: ...
 
 
 class SharedSemanticCache(SemanticCache):
@@ -293,4 +285,4 @@ class SharedSemanticCache(SemanticCache):
 
 
 def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return redis_unavailable(f"the shared semantic cache failed to {operation}")
+    return unavailable(f"the shared semantic cache failed to {operation}")

@@ -38,9 +38,9 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from .store.base import StoreUnavailable, redis_unavailable
+from .connection import Health, StoreUnavailable, unavailable
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -52,14 +52,6 @@ log = logging.getLogger("carpool.invalidation")
 BACKOFF_MIN = 0.05        # s before the subscriber's first retry after a Redis failure
 WAIT = 1.0                # s of one wait for a message (then the keepalive is considered)
 KEEPALIVE = 5.0           # s without any message before the subscriber PINGs Redis
-
-
-class Health(Protocol):
-    """The Redis health shared with the exact store (``SharedStore``)."""
-
-    def usable(self) -> bool: ...
-
-    def report(self, error: StoreUnavailable | None) -> None: ...
 
 
 class InvalidationChannel:
@@ -199,4 +191,4 @@ async def _quietly(closing: Any) -> None:
 
 
 def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return redis_unavailable(f"the invalidation channel failed to {operation}")
+    return unavailable(f"the invalidation channel failed to {operation}")

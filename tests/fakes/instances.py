@@ -1,0 +1,107 @@
+"""Gateway instances as separate processes (``carpool serve``), as they run in production.
+
+    async with instances(3, fake.url, redis_server.url, settings) as gateways:
+        gateways[0].url, gateways[1].client, gateways[2].kill()
+
+Each instance is ``python -m carpool.cli serve --upstream URL --redis URL --port P`` with
+``settings`` given as ``CARPOOL_*`` environment variables (nested keys joined by ``__``), its
+output in a log file shown when it fails to start. ``instances`` returns once every one answers
+``/healthz``; on exit they are killed. In-process gateways (``conftest.run_gateway``) share the
+test's event loop, so a burst of requests measures that loop, not Redis: these do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def environment(settings: dict[str, Any], prefix: str = "CARPOOL_") -> dict[str, str]:
+    """``{"distributed": {"lease_ms": 600}}`` -> ``{"CARPOOL_DISTRIBUTED__LEASE_MS": "600"}``."""
+    out: dict[str, str] = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key.upper()}"
+        if isinstance(value, dict):
+            out.update(environment(value, name + "__"))
+        else:
+            out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
+
+
+@dataclass
+class Instance:
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes]
+    client: httpx.AsyncClient = field(init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        """SIGKILL: the instance dies without cleaning anything up (its Redis keys stay)."""
+        self.proc.kill()
+        self.proc.wait()
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self.client.get("/stats")).json()
+
+    async def until_serving(self, timeout: float = 20.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            assert self.proc.poll() is None, f"the instance exited: {self.log.read_text()[-3000:]}"
+            with contextlib.suppress(httpx.TransportError):
+                if (await self.client.get("/healthz", timeout=0.5)).status_code == 200:
+                    return
+            assert loop.time() < deadline, f"not serving: {self.log.read_text()[-3000:]}"
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def instances(n: int, upstream: str, redis: str, settings: dict[str, Any] | None = None,
+                    *, connections: int = 1000) -> AsyncIterator[list[Instance]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    env.update(environment({"log_level": "warning", **(settings or {})}))
+    started: list[Instance] = []
+    with tempfile.TemporaryDirectory(prefix="carpool-instances-") as folder:
+        try:
+            for i in range(n):
+                port = free_port()
+                log = Path(folder) / f"instance-{i}.log"
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "carpool.cli", "serve", "--upstream", upstream,
+                         "--redis", redis, "--port", str(port)],
+                        env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                instance = Instance(port, log, proc)
+                # (a few more than the load, so /stats is never queued behind it)
+                limits = httpx.Limits(max_connections=connections + 8,
+                                      max_keepalive_connections=connections + 8)
+                instance.client = httpx.AsyncClient(base_url=instance.url, limits=limits,
+                                                    timeout=60)
+                started.append(instance)
+            await asyncio.gather(*(i.until_serving() for i in started))
+            yield started
+        finally:
+            for instance in started:
+                instance.kill()
+                await instance.client.aclose()

@@ -1,0 +1,84 @@
+"""carpool/redis/connection.py: one client per instance, a pool callers wait on, one error."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis")
+
+from carpool.redis.connection import PoolExhausted, connect  # noqa: E402
+from carpool.redis.store import RedisStore  # noqa: E402
+from carpool.store.base import StoreUnavailable  # noqa: E402
+from carpool.store.memory import MemoryStore  # noqa: E402
+from carpool.store.shared import SharedStore  # noqa: E402
+
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "carpool"
+
+
+def test_the_client_library_is_imported_by_the_redis_package_only():
+    importers = set()
+    for path in SOURCE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                     and node.level == 0 else [])
+            if any(n == "redis" or n.startswith("redis.") for n in names):
+                importers.add(path.relative_to(SOURCE).parts[0])
+    assert importers == {"redis"}
+
+
+async def test_callers_past_the_pool_size_wait_for_a_connection_instead_of_failing(redis_server):
+    client = connect(redis_server.url, max_connections=2, pool_timeout=5)
+    try:
+        await client.set(b"k", b"v")
+        # 300 calls at once on 2 connections: the library's default pool fails past its size
+        # ("Too many connections"); this one queues them.
+        replies = await asyncio.gather(*(client.get(b"k") for _ in range(300)))
+        assert replies == [b"v"] * 300
+        assert len(client.connection_pool._available_connections) \
+            + len(client.connection_pool._in_use_connections) <= 2
+    finally:
+        await client.aclose()
+
+
+async def test_a_pool_wait_that_runs_out_is_counted_apart_and_redis_stays_up(redis_server):
+    redis = RedisStore(redis_server.url, max_connections=1, pool_timeout=0.05)
+    shared = SharedStore(redis, MemoryStore(1 << 20))
+    try:
+        holder = asyncio.create_task(redis.client.blpop([b"nothing"], timeout=2))
+        while not redis.client.connection_pool._in_use_connections:   # until it holds the one
+            await asyncio.sleep(0.001)
+        with pytest.raises(PoolExhausted) as caught:
+            await redis.get("k")
+        assert isinstance(caught.value, StoreUnavailable)
+        assert await shared.get("k") is None         # answered from memory, as a miss
+        health = shared.health()
+        assert health["state"] == "up" and health["errors"] == 0
+        assert health["pool_exhausted"] == 1 and shared.usable()
+        holder.cancel()
+    finally:
+        await shared.aclose()
+
+
+def test_serve_refuses_a_cluster_node_at_start_with_a_clear_message(redis_server_factory):
+    import subprocess
+    import sys
+
+    node = redis_server_factory(extra_args=["--cluster-enabled", "yes"])
+    url = node.url.replace("redis://", "redis://:s3cret@")
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--redis", url],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "runs in cluster mode" in result.stderr and "s3cret" not in result.stderr
+
+
+async def test_check_server_says_whether_a_standalone_server_answers(redis_server):
+    from carpool.redis.connection import check_server
+
+    assert await check_server(redis_server.url) is True
+    redis_server.kill()
+    assert await check_server(redis_server.url) is False

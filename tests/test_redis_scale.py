@@ -1,0 +1,142 @@
+"""carpool on Redis under load and faults, with gateway instances as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from fakes.instances import instances
+
+pytest.importorskip("redis")
+
+
+QUESTION = "What is carpool?"
+
+
+def body(prompt: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}], "temperature": 0}
+
+
+async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prompt(
+        fake, redis_server):
+    prompts = [f"prompt number {i}" for i in range(50)]
+    async with instances(3, fake.url, redis_server.url) as gateways:
+        fake.gate = asyncio.Event()
+
+        async def one(i: int):
+            gateway = gateways[i % 3]
+            return await gateway.client.post("/v1/chat/completions", json=body(prompts[i % 50]))
+
+        tasks = [asyncio.create_task(one(i)) for i in range(1000)]
+
+        async def attached() -> int:            # clients waiting on a flight, all instances
+            return sum([(await g.stats())["waiters"] for g in gateways])
+        while await attached() < 1000 or fake.count() < 50:
+            await asyncio.sleep(0.05)
+        fake.gate.set()
+        responses = await asyncio.gather(*tasks)
+        states = [(await g.stats())["redis"] for g in gateways]
+    assert [r.status_code for r in responses] == [200] * 1000
+    outcomes = collections.Counter(r.headers["x-carpool"] for r in responses)
+    assert fake.count() == 50, (outcomes, states)
+
+
+def content(response) -> str:
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def sse_text(raw: str) -> str:
+    """The content of an SSE chat stream (its deltas joined); fails on an error event."""
+    out = []
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                out.append(choice.get("delta", {}).get("content") or "")
+    assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
+    return "".join(out)
+
+
+async def stream(instance, prompt: str) -> tuple[int, str]:
+    async with instance.client.stream("POST", "/v1/chat/completions",
+                                      json={**body(prompt), "stream": True}) as response:
+        raw = (await response.aread()).decode()
+    return response.status_code, raw
+
+
+async def test_an_instance_killed_holding_an_idempotency_key_frees_it_within_10_s(
+        fake, redis_server):
+    async with instances(2, fake.url, redis_server.url) as (a, b):
+        fake.gate = asyncio.Event()
+        key = {"Idempotency-Key": "order-1"}
+        first = asyncio.create_task(a.client.post("/v1/chat/completions", json=body("charge"),
+                                                  headers=key))
+        await fake.wait_for_calls(1)
+        a.kill()
+        loop = asyncio.get_running_loop()
+        killed = loop.time()
+        with contextlib.suppress(httpx.HTTPError):
+            await first
+        fake.gate = None                              # the retry's call answers at once
+        while True:
+            retry = await b.client.post("/v1/chat/completions", json=body("charge"),
+                                        headers=key)
+            if retry.status_code != 409:              # 409: A's record still held
+                break
+            assert loop.time() - killed < 10, "the dead instance's key is still held"
+            await asyncio.sleep(0.1)
+        assert retry.status_code == 200 and loop.time() - killed < 10
+        assert content(retry) == "answer 2 to charge" and fake.count() == 2
+
+
+async def test_redis_paused_3_s_mid_flight_no_follower_without_bytes_gets_an_error(
+        fake, redis_server):
+    async with instances(2, fake.url, redis_server.url) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.client.post("/v1/chat/completions", json=body(QUESTION)))
+        await fake.wait_for_calls(1)
+        followers = [asyncio.create_task(b.client.post("/v1/chat/completions",
+                                                       json=body(QUESTION))),
+                     asyncio.create_task(stream(b, QUESTION))]
+        while (await b.stats())["redis"]["flights"]["following"] != 1:
+            await asyncio.sleep(0.02)
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3)                     # the pause itself is the test's subject
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        fake.gate.set()
+        plain, (status, raw) = await asyncio.gather(*followers)
+        assert (await led).status_code == 200
+    assert plain.status_code == 200 and status == 200
+    assert content(plain).startswith("answer ") and sse_text(raw).startswith("answer ")
+
+
+async def test_a_streaming_leaders_instance_killed_followers_without_bytes_get_one_takeover(
+        fake, redis_server):
+    async with instances(2, fake.url, redis_server.url) as (a, b):
+        fake.gate = asyncio.Event()                   # A's call sends nothing, not even headers
+        leader = asyncio.create_task(stream(a, QUESTION))
+        await fake.wait_for_calls(1)
+        followers = [asyncio.create_task(b.client.post("/v1/chat/completions",
+                                                       json=body(QUESTION))),
+                     asyncio.create_task(stream(b, QUESTION)),
+                     asyncio.create_task(stream(b, QUESTION))]
+        while (await b.stats())["waiters"] != 3:
+            await asyncio.sleep(0.02)
+        fake.gate = None                              # the takeover's call answers at once
+        a.kill()
+        with contextlib.suppress(httpx.HTTPError):
+            await leader
+        plain, (s1, raw1), (s2, raw2) = await asyncio.gather(*followers)
+    assert [plain.status_code, s1, s2] == [200, 200, 200]
+    assert content(plain) == sse_text(raw1) == sse_text(raw2) == f"answer 2 to {QUESTION}"
+    assert fake.count() == 2
