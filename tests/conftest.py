@@ -13,6 +13,7 @@ import pytest
 from carpool.config import Config
 from carpool.pipeline import Gateway
 from carpool.server import create_app
+from fakes.redis_cluster import _shared_cluster, redis_cluster  # noqa: F401  (fixtures)
 from fakes.redis_server import redis_server, redis_server_factory  # noqa: F401  (fixtures)
 from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream

@@ -64,21 +64,22 @@ async def test_a_pool_wait_that_runs_out_is_counted_apart_and_redis_stays_up(red
         await shared.aclose()
 
 
-def test_serve_refuses_a_cluster_node_at_start_with_a_clear_message(redis_server_factory):
+async def test_server_mode_tells_a_cluster_node_from_a_standalone_server(redis_server,
+                                                                        redis_cluster):
+    from carpool.redis.connection import server_mode
+
+    assert await server_mode(redis_cluster.nodes[1].url) == "cluster"
+    assert await server_mode(redis_server.url) == "standalone"
+    redis_server.kill()
+    assert await server_mode(redis_server.url) is None
+
+
+def test_serve_refuses_a_cluster_node_at_start_with_a_clear_message(redis_cluster):
     import subprocess
     import sys
 
-    node = redis_server_factory(extra_args=["--cluster-enabled", "yes"])
-    url = node.url.replace("redis://", "redis://:s3cret@")
+    url = redis_cluster.nodes[2].url.replace("redis://", "redis://:s3cret@")
     result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--redis", url],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "runs in cluster mode" in result.stderr and "s3cret" not in result.stderr
-
-
-async def test_check_server_says_whether_a_standalone_server_answers(redis_server):
-    from carpool.redis.connection import check_server
-
-    assert await check_server(redis_server.url) is True
-    redis_server.kill()
-    assert await check_server(redis_server.url) is False

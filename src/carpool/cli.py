@@ -80,20 +80,23 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
                  config.sim.replicas)
     if config.redis:
         try:
-            from .redis.connection import ClusterNotSupported, check_server
+            from .redis.connection import server_mode
 
-            reachable = asyncio.run(check_server(config.redis))
+            mode = asyncio.run(server_mode(config.redis))
         except ImportError as error:
             click.echo(f"carpool: --redis needs the redis extra (pip install "
                        f"'carpool[redis]'): {error}", err=True)
             sys.exit(2)
-        except ClusterNotSupported as error:
-            click.echo(f"carpool: {error}".replace(config.redis, _without_credentials(
-                config.redis)), err=True)
-            sys.exit(2)
-        if not reachable:
+        if mode is None:
             log.warning("carpool: Redis at %s does not answer now; starting with this "
                         "instance's memory, and trying again", _without_credentials(config.redis))
+        elif mode == "cluster":
+            # Refused rather than run half-shared: see "Redis Cluster" in the README.
+            click.echo(f"carpool: the Redis server at {_without_credentials(config.redis)} "
+                       f"runs in cluster mode, which carpool does not support yet: point "
+                       f"--redis at a standalone server (or a Sentinel-managed primary)",
+                       err=True)
+            sys.exit(2)
         log.info("carpool: exact answers%s shared through Redis at %s (in-process fallback "
                  "while it is unreachable)",
                  ", semantic entries and calls in flight" if config.distributed.shared_flights

