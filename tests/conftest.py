@@ -42,6 +42,35 @@ class Served:
         return response, text
 
 
+@pytest.fixture(params=["server", "cluster"])
+def shared_redis(request: pytest.FixtureRequest) -> Any:
+    """What gateway instances share: a single Redis/Valkey server, or a 3-master cluster (its
+    ``cluster`` attribute says which). Tests that kill or pause Redis use ``redis_server``: the
+    cluster is shared by the whole session."""
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster")
+    return request.getfixturevalue("redis_server")
+
+
+def redis_settings(target: Any, **distributed: Any) -> dict[str, Any]:
+    """The gateway config that shares ``target`` (a server or a cluster)."""
+    return {"redis": target.url, "distributed": {"cluster": target.cluster, **distributed}}
+
+
+async def redis_keys(target: Any) -> list[bytes]:
+    """Every key on ``target``: each node of a cluster scanned."""
+    import redis.asyncio as aredis
+
+    keys: list[bytes] = []
+    for node in getattr(target, "nodes", [target]):
+        client = aredis.Redis.from_url(node.url)
+        try:
+            keys += [key async for key in client.scan_iter(match="*", count=1000)]
+        finally:
+            await client.aclose()
+    return keys
+
+
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeUpstream]:
     upstream = FakeUpstream()

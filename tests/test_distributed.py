@@ -24,15 +24,16 @@ pytest.importorskip("redis")
 async def two_gateways(fake, redis_server, **config):
     # Generous Redis timeouts: 100 connections opening at once on a busy 2-core machine must
     # not count as an outage (which would rightly make each instance call upstream itself).
-    shared = {"redis": redis_server.url, "admin_token": "t",
-              "distributed": {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0},
+    distributed = {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0,
+                   "cluster": redis_server.cluster, **config.pop("distributed", {})}
+    shared = {"redis": redis_server.url, "admin_token": "t", "distributed": distributed,
               **config}
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         yield a, b
 
 
-async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, shared_redis):
+    async with two_gateways(fake, shared_redis) as (a, b):
         first = await a.chat()
         again = await b.chat()
         assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
@@ -41,8 +42,8 @@ async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, redis
         assert stats.json()["redis"]["state"] == "up"
 
 
-async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, shared_redis):
+    async with two_gateways(fake, shared_redis) as (a, b):
         await a.chat(headers={"x-carpool-tags": "faq"})
         dropped = await a.client.post("/admin/invalidate", json={"tag": "faq"},
                                       headers={"Authorization": "Bearer t"})
@@ -51,8 +52,8 @@ async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, redi
 
 
 async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(fake,
-                                                                              redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+                                                                              shared_redis):
+    async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         before = asyncio.create_task(a.chat("running"))
         await fake.wait_until(lambda: fake.count() == 1, what="the call led by A")
@@ -204,8 +205,8 @@ def shared(*gateways):
 
 
 async def test_100_identical_requests_over_two_instances_make_one_upstream_call(fake,
-                                                                                redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+                                                                                shared_redis):
+    async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
 
         async def one(i: int) -> tuple[str, str]:
@@ -238,8 +239,8 @@ async def test_100_identical_requests_over_two_instances_make_one_upstream_call(
 
 
 async def test_a_late_streaming_joiner_on_another_instance_gets_the_whole_text(fake,
-                                                                              redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+                                                                              shared_redis):
+    async with two_gateways(fake, shared_redis) as (a, b):
         fake.chunk_gate = asyncio.Event()    # the leader streams 2 words, then waits
         first = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
@@ -258,13 +259,13 @@ async def test_a_late_streaming_joiner_on_another_instance_gets_the_whole_text(f
 
 
 async def test_a_joiner_after_older_chunks_were_trimmed_still_gets_the_whole_answer(
-        fake, redis_server):
+        fake, shared_redis):
     """stream_maxlen 1: Redis drops the first node of 100 chunks; the late joiner on B relays
     nothing and serves the answer whole once it is complete (as SSE synthesized from it)."""
     words = " ".join(f"w{i}" for i in range(150))
     fake.answer_text = lambda n, body: f"{words} ({n})"
     fake.chunk_gate, fake.chunk_gate_after = asyncio.Event(), 140
-    async with two_gateways(fake, redis_server, distributed={
+    async with two_gateways(fake, shared_redis, distributed={
             "retry_interval": 0.05, "stream_maxlen": 1}) as (a, b):
         first = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
@@ -279,8 +280,8 @@ async def test_a_joiner_after_older_chunks_were_trimmed_still_gets_the_whole_ans
 
 
 async def test_a_leaders_error_reaches_the_waiters_on_the_other_instance_and_is_not_stored(
-        fake, redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+        fake, shared_redis):
+    async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         fake.fail_status, fake.fail_times = 503, 1
         fake.fail_body = {"error": {"message": "overloaded", "type": "server_error",
@@ -385,9 +386,9 @@ async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed
 
 
 async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhere(
-        fake, redis_server):
+        fake, shared_redis):
     """Nothing relayed yet: the waiter takes over at once (the leader records that it left)."""
-    async with two_gateways(fake, redis_server) as (a, b):
+    async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         leader = asyncio.create_task(a.chat(QUESTION))
         await fake.wait_for_calls(1)
@@ -403,9 +404,9 @@ async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhe
 
 
 async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader_goes(
-        fake, redis_server):
+        fake, shared_redis):
     """Frames already relayed cannot be taken back: the stream fails, its clients retry."""
-    async with two_gateways(fake, redis_server) as (a, b):
+    async with two_gateways(fake, shared_redis) as (a, b):
         fake.chunk_gate = asyncio.Event()
         leader = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
@@ -423,8 +424,8 @@ async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader
 
 
 async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_call(
-        fake, redis_server):
-    async with two_gateways(fake, redis_server, coalesce={"join_timeout_ms": 300}) as (a, b):
+        fake, shared_redis):
+    async with two_gateways(fake, shared_redis, coalesce={"join_timeout_ms": 300}) as (a, b):
         gate = fake.gate = asyncio.Event()
         slow = asyncio.create_task(a.chat(QUESTION))
         await fake.wait_for_calls(1)
@@ -441,9 +442,9 @@ async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_c
 
 
 async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_window(
-        fake, redis_server):
+        fake, shared_redis):
     """ttl 0 (type factual): never stored, but joinable within the window, on every instance."""
-    async with two_gateways(fake, redis_server) as (a, b):
+    async with two_gateways(fake, shared_redis) as (a, b):
         factual = {"x-carpool-type": "factual"}
         first = await a.chat(QUESTION, headers=factual)
         again = await b.chat(QUESTION, headers=factual)

@@ -27,7 +27,7 @@ from carpool.redis.idempotency import RedisIdempotencyRecords
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.waiting import eventually
 
-BACKENDS = ["memory", "redis"]
+BACKENDS = ["memory", "redis", "redis-cluster"]
 FP, OTHER_FP = "f" * 32, "0" * 32
 
 OK = StoredResponse(200, [(b"content-type", b"application/json"), (b"x-request-id", b"r1"),
@@ -112,8 +112,10 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
         if request.param == "memory":
             records: IdempotencyRecords = MemoryIdempotencyRecords(retention, lease)
         else:
-            url = request.getfixturevalue("redis_server").url
-            records = RedisIdempotencyRecords(url, retention=retention, lease=lease)
+            cluster = request.param == "redis-cluster"
+            url = request.getfixturevalue("redis_cluster" if cluster else "redis_server").url
+            records = RedisIdempotencyRecords(url, retention=retention, lease=lease,
+                                              cluster=cluster)
         made.append(records)
         return records
 

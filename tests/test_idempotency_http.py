@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from conftest import run_gateway
+from conftest import redis_settings, run_gateway
 from fakes.waiting import eventually
 
 KEY = {"Idempotency-Key": '"order-42"'}
@@ -110,8 +110,8 @@ async def test_a_request_whose_client_left_before_an_answer_can_be_retried(gw, f
     assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
 
 
-async def test_idempotency_records_are_shared_across_instances(fake, redis_server):
-    config = {"redis": redis_server.url}
+async def test_idempotency_records_are_shared_across_instances(fake, shared_redis):
+    config = redis_settings(shared_redis)
     async with run_gateway([fake.url], **config) as a, run_gateway([fake.url], **config) as b:
         fake.gate = asyncio.Event()
         first = asyncio.create_task(a.chat(temperature=0.9, headers=KEY))

@@ -40,12 +40,15 @@ SAMPLED = 0.9          # a sampled request is bypassed: nothing but the record c
 ERROR_BODY = {"error": {"message": "the engine failed", "type": "server_error", "code": None}}
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def backend(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The config of a gateway whose idempotency records live in memory, or in Redis."""
+    """The config of a gateway whose idempotency records live in memory, or in Redis (a
+    server or a cluster)."""
     if request.param == "memory":
         return {}
-    return {"redis": request.getfixturevalue("redis_server").url}
+    cluster = request.param == "redis-cluster"
+    target = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    return {"redis": target.url, "distributed": {"cluster": cluster}}
 
 
 def closed_port() -> int:
@@ -363,7 +366,8 @@ async def test_a_complete_stream_is_kept_as_received_and_replayed_as_such(fake, 
 
 @pytest.fixture
 async def records(backend: dict[str, Any]) -> Any:
-    made: IdempotencyRecords = RedisIdempotencyRecords(backend["redis"], retention=60) \
+    made: IdempotencyRecords = RedisIdempotencyRecords(
+        backend["redis"], retention=60, cluster=backend["distributed"]["cluster"]) \
         if backend else MemoryIdempotencyRecords(60)
     yield made
     await made.aclose()

@@ -25,9 +25,9 @@ def body(prompt: str) -> dict:
 
 
 async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prompt(
-        fake, redis_server):
+        fake, shared_redis):
     prompts = [f"prompt number {i}" for i in range(50)]
-    async with instances(3, fake.url, redis_server.url) as gateways:
+    async with instances(3, fake.url, shared_redis.url) as gateways:
         fake.gate = asyncio.Event()
 
         async def one(i: int):
@@ -73,8 +73,8 @@ async def stream(instance, prompt: str) -> tuple[int, str]:
 
 
 async def test_an_instance_killed_holding_an_idempotency_key_frees_it_within_10_s(
-        fake, redis_server):
-    async with instances(2, fake.url, redis_server.url) as (a, b):
+        fake, shared_redis):
+    async with instances(2, fake.url, shared_redis.url) as (a, b):
         fake.gate = asyncio.Event()
         key = {"Idempotency-Key": "order-1"}
         first = asyncio.create_task(a.client.post("/v1/chat/completions", json=body("charge"),
@@ -121,8 +121,8 @@ async def test_redis_paused_3_s_mid_flight_no_follower_without_bytes_gets_an_err
 
 
 async def test_a_streaming_leaders_instance_killed_followers_without_bytes_get_one_takeover(
-        fake, redis_server):
-    async with instances(2, fake.url, redis_server.url) as (a, b):
+        fake, shared_redis):
+    async with instances(2, fake.url, shared_redis.url) as (a, b):
         fake.gate = asyncio.Event()                   # A's call sends nothing, not even headers
         leader = asyncio.create_task(stream(a, QUESTION))
         await fake.wait_for_calls(1)

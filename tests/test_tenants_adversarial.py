@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from conftest import run_gateway
+from conftest import redis_keys, redis_settings, run_gateway
 from fakes.waiting import eventually
 
 TENANTS = 20
@@ -167,20 +167,14 @@ async def test_idempotency_keys_stay_scoped_by_tenant_even_in_a_shared_namespace
 
 @contextlib.asynccontextmanager
 async def two_instances(fake, redis_server, **config):
-    shared = {"redis": redis_server.url, "admin_token": ADMIN,
-              "distributed": {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0},
-              **config}
+    shared = {**redis_settings(redis_server, retry_interval=0.05, timeout=2.0,
+                               connect_timeout=2.0), "admin_token": ADMIN, **config}
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         yield a, b
 
 
 async def scan_keys(redis_server) -> list[bytes]:
-    import redis.asyncio as aredis
-    client = aredis.Redis.from_url(redis_server.url)
-    try:
-        return [key async for key in client.scan_iter(match="*", count=1000)]
-    finally:
-        await client.aclose()
+    return await redis_keys(redis_server)
 
 
 # What carpool's key names may be: the prefix, a family, and digests (hex) only.
@@ -191,10 +185,10 @@ KEY_NAME = re.compile(
 
 
 async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_records(
-        tagged, redis_server):
+        tagged, shared_redis):
     pytest.importorskip("redis")
     fake = tagged
-    async with two_instances(fake, redis_server) as (a, b):
+    async with two_instances(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         # Every tenant on both instances at once, twice each: only its own copies coalesce.
         calls = [(i, side) for i in range(TENANTS) for side in (a, b, a, b)]
@@ -226,7 +220,7 @@ async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_re
             assert replay.content == response.content
         assert fake.count() == 2 * TENANTS
 
-        keys = await scan_keys(redis_server)
+        keys = await scan_keys(shared_redis)
         assert keys and not [k for k in keys if not KEY_NAME.fullmatch(k)], keys
         for k in keys:
             assert b"tenant" not in k and b"Bearer" not in k and b"haiku" not in k.lower()
@@ -237,9 +231,9 @@ WEIRD = ["*", "?", "[a]", "{a}", "a:b", "a*", "*a", "tag:*", "ns:*", "e:{*}", "\
 
 
 async def test_invalidating_a_tag_or_namespace_made_of_glob_syntax_drops_only_its_own_entries(
-        fake, redis_server):
+        fake, shared_redis):
     pytest.importorskip("redis")
-    async with two_instances(fake, redis_server) as (a, b):
+    async with two_instances(fake, shared_redis) as (a, b):
         admin = {"Authorization": f"Bearer {ADMIN}"}
         for n, weird in enumerate(WEIRD):
             await a.chat(f"tagged {n}", headers={"x-carpool-tags": weird})
@@ -247,7 +241,7 @@ async def test_invalidating_a_tag_or_namespace_made_of_glob_syntax_drops_only_it
         await a.chat("plain", headers={"x-carpool-tags": "plain", "x-carpool-namespace": "p"})
         calls = fake.count()
         assert calls == 2 * len(WEIRD) + 1
-        for k in await scan_keys(redis_server):
+        for k in await scan_keys(shared_redis):
             assert KEY_NAME.fullmatch(k), k
         # Selectors that name nothing drop nothing, however they look.
         for selector in ({"tag": "a\nb"}, {"tag": "a\r\n*"}, {"namespace": "*\n"},
@@ -280,11 +274,11 @@ async def test_invalidating_a_tag_or_namespace_made_of_glob_syntax_drops_only_it
 
 
 async def test_an_answer_invalidated_on_one_instance_is_not_served_from_anothers_window(
-        fake, redis_server):
+        fake, shared_redis):
     """B's invalidation reaches A's own coalescing window through Redis pub/sub
     (``invalidation.py``); the window is long, so only the invalidation can end it."""
     pytest.importorskip("redis")
-    async with two_instances(fake, redis_server, coalesce={"window_ms": 60_000}) as (a, b):
+    async with two_instances(fake, shared_redis, coalesce={"window_ms": 60_000}) as (a, b):
         await eventually(lambda: a.gateway.invalidations.listening,
                          what="instance A subscribed to invalidations")
         await a.chat(headers={"x-carpool-tags": "faq"})

@@ -13,7 +13,8 @@ from test_distributed import free_port, until_serving
 QUESTION = "What do the workers share?"
 
 
-async def test_workers_on_one_port_share_the_cache_through_redis(fake, redis_server, tmp_path):
+async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_redis, tmp_path):
+    """On a cluster too: `carpool serve` sees a cluster node and takes a cluster client."""
     port = free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
     env["CARPOOL_LOG_LEVEL"] = "warning"
@@ -21,7 +22,7 @@ async def test_workers_on_one_port_share_the_cache_through_redis(fake, redis_ser
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "carpool.cli", "serve", "--upstream", fake.url, "--redis",
-             redis_server.url, "--port", str(port), "--workers", "2"],
+             shared_redis.url, "--port", str(port), "--workers", "2"],
             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

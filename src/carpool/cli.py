@@ -90,13 +90,11 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
         if mode is None:
             log.warning("carpool: Redis at %s does not answer now; starting with this "
                         "instance's memory, and trying again", _without_credentials(config.redis))
-        elif mode == "cluster":
-            # Refused rather than run half-shared: see "Redis Cluster" in the README.
-            click.echo(f"carpool: the Redis server at {_without_credentials(config.redis)} "
-                       f"runs in cluster mode, which carpool does not support yet: point "
-                       f"--redis at a standalone server (or a Sentinel-managed primary)",
-                       err=True)
-            sys.exit(2)
+        elif mode == "cluster" and not config.distributed.cluster:
+            # A plain client would get MOVED for the other masters' keys: half-shared.
+            log.info("carpool: %s is a cluster node: using a cluster client",
+                     _without_credentials(config.redis))
+            config.distributed.cluster = True
         log.info("carpool: exact answers%s shared through Redis at %s (in-process fallback "
                  "while it is unreachable)",
                  ", semantic entries and calls in flight" if config.distributed.shared_flights

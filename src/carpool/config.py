@@ -288,6 +288,10 @@ class DistributedConfig(_Section):
     timeout: float = Field(0.5, gt=0, description="Seconds a Redis call may take before the "
                            "instance treats Redis as unavailable.")
     connect_timeout: float = Field(0.25, gt=0, description="Seconds to connect to Redis.")
+    cluster: bool = Field(False, description="`redis` is a node of a Redis Cluster / Valkey "
+                          "cluster: use a cluster client (it learns the other nodes from this "
+                          "one). `carpool serve` turns it on by itself when the server says it "
+                          "runs in cluster mode.")
     max_connections: int = Field(1000, ge=1, description="Connections to Redis this instance may "
                                  "open (Valkey's default maxclients is 10,000: size it for all "
                                  "instances). A call that finds them all busy waits for one.")

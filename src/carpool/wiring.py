@@ -60,7 +60,7 @@ def _redis_store(config: Config) -> RedisStore:
     d = config.distributed
     return RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
                       connect_timeout=d.connect_timeout, max_connections=d.max_connections,
-                      pool_timeout=d.pool_timeout)
+                      pool_timeout=d.pool_timeout, cluster=d.cluster)
 
 
 def _shared_redis(config: Config, store: Store | None) -> tuple[RedisStore, SharedStore | None,
@@ -120,7 +120,8 @@ def build_idempotency(config: Config, store: Store | None = None) -> Idempotency
     return FallbackRecords(RedisIdempotencyRecords(
         target, retention=config.idempotency.retention, lease=config.idempotency.lease,
         prefix=d.key_prefix, socket_timeout=d.timeout, connect_timeout=d.connect_timeout,
-        max_connections=d.max_connections, pool_timeout=d.pool_timeout), local)
+        max_connections=d.max_connections, pool_timeout=d.pool_timeout, cluster=d.cluster),
+        local)
 
 
 def build_semantic(config: Config, upstreams: Sequence[Upstream],

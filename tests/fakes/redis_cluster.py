@@ -30,6 +30,8 @@ def _free_port() -> int:
 
 
 class RedisCluster:
+    cluster = True
+
     def __init__(self, masters: int = 3, start_timeout: float = 20.0) -> None:
         self.bus_ports = [_free_port() for _ in range(masters)]
         self.nodes = [RedisServer(extra_args=[

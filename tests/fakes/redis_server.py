@@ -195,6 +195,8 @@ class RedisServer:
     command line (later options override earlier ones).
     """
 
+    cluster = False                # (a RedisCluster says True: tests run on either)
+
     def __init__(self, binary: str | None = None, *, port: int | None = None,
                  host: str = "127.0.0.1", extra_args: Sequence[str] = (),
                  start_timeout: float = 10.0, stop_timeout: float = 10.0,

@@ -232,14 +232,14 @@ PROPAGATION = 1.0         # s: the issue's bound for a stored answer to reach th
 
 
 @pytest.fixture
-def two_semantic(fake, redis_server):
+def two_semantic(fake, shared_redis):
     pytest.importorskip("redis")
-    from conftest import run_gateway
+    from conftest import redis_settings, run_gateway
 
     @contextlib.asynccontextmanager
     async def start(**extra):
-        shared = {"redis": redis_server.url, "admin_token": "t",
-                  "distributed": {"retry_interval": 0.05}, **SEMANTIC, **extra}
+        shared = {**redis_settings(shared_redis, retry_interval=0.05), "admin_token": "t",
+                  **SEMANTIC, **extra}
         async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
             for served in (a, b):            # the readers are positioned at the stream's end
                 await asyncio.wait_for(served.gateway.semantic.ready.wait(), 5)
@@ -328,6 +328,7 @@ async def test_a_conversations_earlier_turns_travel_with_its_entry_to_other_inst
             "semantic-hit"
 
 
+@pytest.mark.parametrize("shared_redis", ["server"], indirect=True)   # it kills the server
 async def test_redis_killed_the_semantic_cache_still_works_locally(two_semantic, fake,
                                                                   redis_server):
     async with two_semantic() as (a, b):

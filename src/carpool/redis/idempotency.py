@@ -120,7 +120,7 @@ class RedisIdempotencyRecords:
                  prefix: str = "carpool:", socket_timeout: float = SOCKET_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT, retries: int = RETRIES,
                  max_connections: int = MAX_CONNECTIONS, pool_timeout: float = POOL_TIMEOUT,
-                 poll_max: float = POLL_MAX) -> None:
+                 cluster: bool = False, poll_max: float = POLL_MAX) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
         if retention <= 0 or lease <= 0:
@@ -135,7 +135,8 @@ class RedisIdempotencyRecords:
             self.url = target
             client = connect(target, socket_timeout=socket_timeout,
                              connect_timeout=connect_timeout, retries=retries,
-                             max_connections=max_connections, pool_timeout=pool_timeout)
+                             max_connections=max_connections, pool_timeout=pool_timeout,
+                             cluster=cluster)
             self._owns_client = True
         else:
             client = target
