@@ -474,3 +474,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+async def test_redis_restarted_empty_mid_call_nobody_fails_and_a_retry_may_run_twice(
+        fake, redis_server):
+    """What the README promises when Redis loses its data (a restart, a failover that lost
+    writes): no request fails and none gets another's answer; what is lost is the dedup of the
+    call in flight (a follower takes over) and of an idempotency key still processing."""
+    key = {"Idempotency-Key": "order-7"}
+    async with two_gateways(fake, redis_server) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION))
+        keyed = asyncio.create_task(a.chat("charge", headers=key))
+        await fake.wait_for_calls(2)
+        follower = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.following == 1)
+        redis_server.restart(kill=True)               # empty: nothing is persisted
+        retried = asyncio.create_task(b.chat("charge", headers=key))
+        await fake.wait_for_calls(3)                  # the record is gone: it runs again
+        fake.gate.set()
+        responses = await asyncio.gather(led, keyed, follower)
+        retry = await retried
+    assert [r.status_code for r in responses] == [200, 200, 200] and retry.status_code == 200
+    assert content(responses[0]).endswith(QUESTION) and content(responses[2]).endswith(QUESTION)
+    assert content(responses[1]).endswith("charge") and content(retry).endswith("charge")
+    assert content(retry) != content(responses[1])     # run twice: two different answers
+    assert fake.count("/v1/chat/completions") in (3, 4)  # + B's takeover, unless A's answer

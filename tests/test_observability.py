@@ -58,6 +58,7 @@ async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by
     assert samples(text, "carpool_cache_entries")['{layer="exact"}'] == 1
     assert samples(text, "carpool_cache_bytes")['{layer="exact"}'] > 0
     assert samples(text, "carpool_redis_errors_total") == {'{component="store"}': 0}
+    assert samples(text, "carpool_redis_pool_exhausted_total") == {"": 0}
 
 
 async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):

@@ -96,3 +96,27 @@ def test_serve_pointed_at_any_cluster_node_takes_a_cluster_client(redis_cluster)
         process.wait(10)
     log = "".join(lines)
     assert f"{url} is a cluster node: using a cluster client" in log, log
+
+
+async def test_pool_exhaustion_is_a_metric_and_a_log_line_never_a_degraded_instance(
+        fake, redis_server, caplog):
+    from conftest import run_gateway
+
+    config = {"redis": redis_server.url, "distributed": {"max_connections": 1,
+                                                         "pool_timeout": 0.05}}
+    async with run_gateway([fake.url], **config) as gw:
+        client = gw.gateway.store.redis.client
+        holder = asyncio.create_task(client.blpop([b"nothing"], timeout=5))
+        while not client.connection_pool._in_use_connections:
+            await asyncio.sleep(0.001)
+        response = await gw.chat("while every connection is busy")
+        assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
+        metrics = (await gw.client.get("/metrics")).text
+        redis = (await gw.client.get("/stats")).json()["redis"]
+        holder.cancel()
+    # (each Redis call of that request found no connection: the lookup, the claim, the store)
+    counted = next(float(line.split()[1]) for line in metrics.splitlines()
+                   if line.startswith("carpool_redis_pool_exhausted_total "))
+    assert counted == redis["pool_exhausted"] >= 1
+    assert redis["state"] == "up" and redis["errors"] == 0
+    assert "every connection to redis stayed busy" in caplog.text

@@ -118,6 +118,10 @@ class _StatsCollector(Collector):
         for component, n in g["redis_errors"].items():
             redis.add_metric([component], n)
         yield redis
+        yield CounterMetricFamily("carpool_redis_pool_exhausted", "Redis calls that found every "
+                                  "pooled connection busy for distributed.pool_timeout (answered "
+                                  "from this instance's memory; Redis not marked down).",
+                                  value=g["redis_pool_exhausted"])
         yield GaugeMetricFamily("carpool_flights", "Upstream calls in flight (and lingering in "
                                 "the coalescing window).", value=g["flights"])
         yield GaugeMetricFamily("carpool_flight_waiters", "Requests attached to a flight.",

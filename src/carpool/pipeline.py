@@ -711,6 +711,7 @@ class Gateway:
                                 if self.shared_flights is not None else {}),
                              **({"invalidations": self.invalidations.counts["errors"]}
                                 if self.invalidations is not None else {})},
+            "redis_pool_exhausted": getattr(self.store, "pool_exhausted", 0),
         }
 
     def snapshot(self) -> dict[str, Any]:
