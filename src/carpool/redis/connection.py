@@ -23,6 +23,7 @@ Contract
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -33,13 +34,31 @@ from ..store.base import StoreUnavailable
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
-__all__ = ["Health", "PoolExhausted", "StoreUnavailable", "connect", "unavailable"]
+__all__ = ["Backoff", "Health", "PoolExhausted", "StoreUnavailable", "connect", "unavailable"]
 
 SOCKET_TIMEOUT = 0.5      # s per command: Redis answers in well under a ms; a hung one must fail
 CONNECT_TIMEOUT = 0.25    # s per connection attempt
 RETRIES = 1               # immediate retries on a refused/reset connection (never on a timeout)
 MAX_CONNECTIONS = 1000    # per instance; Valkey's default maxclients is 10,000
 POOL_TIMEOUT = 5.0        # s a caller may wait for a free pooled connection
+BACKOFF_MIN = 0.05        # s before a background reader's first retry after a Redis failure
+
+
+class Backoff:
+    """The pauses of a background reader (a subscriber, a stream reader) between its attempts
+    to reach Redis again: ``BACKOFF_MIN`` s, doubling up to ``longest``; ``reset()`` after a
+    success. (Request paths never wait: they skip Redis for ``distributed.retry_interval``.)"""
+
+    def __init__(self, longest: float) -> None:
+        self.longest = max(longest, BACKOFF_MIN)
+        self.pause = BACKOFF_MIN
+
+    def reset(self) -> None:
+        self.pause = BACKOFF_MIN
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self.pause)
+        self.pause = min(self.pause * 2, self.longest)
 
 
 class PoolExhausted(StoreUnavailable):

@@ -40,7 +40,7 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .connection import Health, StoreUnavailable, unavailable
+from .connection import Backoff, Health, StoreUnavailable, unavailable
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -49,7 +49,6 @@ __all__ = ["InvalidationChannel"]
 
 log = logging.getLogger("carpool.invalidation")
 
-BACKOFF_MIN = 0.05        # s before the subscriber's first retry after a Redis failure
 WAIT = 1.0                # s of one wait for a message (then the keepalive is considered)
 KEEPALIVE = 5.0           # s without any message before the subscriber PINGs Redis
 
@@ -132,7 +131,7 @@ class InvalidationChannel:
     # ------------------------------------------------------------------ subscribing
 
     async def _subscribe(self) -> None:
-        backoff = BACKOFF_MIN
+        backoff = Backoff(self.retry_interval)
         subscribed_before = False
         while True:
             pubsub = self._client.pubsub()
@@ -156,7 +155,7 @@ class InvalidationChannel:
                         kind = message.get("type")
                         if kind == "subscribe":      # the first time, or redis-py reconnected
                             self.listening = True
-                            backoff = BACKOFF_MIN
+                            backoff.reset()
                             if subscribed_before:
                                 self.counts["resubscribed"] += 1
                                 self.counts["forgotten"] += self.forget()
@@ -170,8 +169,7 @@ class InvalidationChannel:
                 self.listening = False
                 self._failed(error)
                 await _quietly(pubsub.aclose())
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, max(self.retry_interval, BACKOFF_MIN))
+                await backoff.wait()
             except BaseException:
                 self.listening = False
                 await _quietly(pubsub.aclose())

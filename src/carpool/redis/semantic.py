@@ -74,7 +74,7 @@ from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, focus
 from ..semantic.guard import Guard
-from .connection import Health, StoreUnavailable, unavailable
+from .connection import Backoff, Health, StoreUnavailable, unavailable
 from .store import xread_entries
 
 if TYPE_CHECKING:
@@ -82,7 +82,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
-BACKOFF_MIN = 0.05        # s before the reader's first retry after a Redis failure
 READ_COUNT = 256          # records per XREAD
 
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
@@ -215,7 +214,7 @@ class SharedSemanticCache(SemanticCache):
 
     async def _read(self) -> None:
         last: bytes | None = None
-        backoff = BACKOFF_MIN
+        backoff = Backoff(self.retry_interval)
         while True:
             try:
                 with _unavailable("read the semantic stream"):
@@ -227,7 +226,7 @@ class SharedSemanticCache(SemanticCache):
                             self.health.report(None)
                     reply = await self._client.xread({self.stream: last}, count=READ_COUNT,
                                                      block=self.block_ms)
-                backoff = BACKOFF_MIN
+                backoff.reset()
                 for ident, fields in xread_entries(reply):
                     last = ident
                     try:
@@ -240,8 +239,7 @@ class SharedSemanticCache(SemanticCache):
                 self._failed(error)
                 self.ready.clear()
                 last = None                          # resume from the end: Redis may be new
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, max(self.retry_interval, BACKOFF_MIN))
+                await backoff.wait()
 
     async def _apply(self, fields: dict[bytes, bytes]) -> None:
         if fields.get(b"src") == self.instance:
