@@ -140,3 +140,33 @@ async def test_a_streaming_leaders_instance_killed_followers_without_bytes_get_o
     assert [plain.status_code, s1, s2] == [200, 200, 200]
     assert content(plain) == sse_text(raw1) == sse_text(raw2) == f"answer 2 to {QUESTION}"
     assert fake.count() == 2
+
+
+async def test_a_leader_lost_mid_stream_errors_only_clients_that_got_part_of_it(
+        fake, shared_redis):
+    """The streaming leader's instance dies after some frames reached B: B's streaming client
+    (it got those frames) ends with an error event; B's non-streaming client got nothing, so
+    it is answered by one takeover call, as is a request arriving after the death."""
+    async with instances(2, fake.url, shared_redis.url,
+                         {"distributed": {"lease_ms": 1000}}) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(stream(a, QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 10)
+        streaming = asyncio.create_task(stream(b, QUESTION))
+        plain = asyncio.create_task(b.client.post("/v1/chat/completions", json=body(QUESTION)))
+        while (await b.stats())["redis"]["flights"]["frames_relayed"] < 2 \
+                or (await b.stats())["waiters"] != 2:
+            await asyncio.sleep(0.02)
+        fake.chunk_gate = None                        # the takeover's call runs to its end
+        a.kill()
+        with contextlib.suppress(httpx.HTTPError):
+            await leader
+        late = await b.client.post("/v1/chat/completions", json=body(QUESTION))
+        (status, raw), answered = await asyncio.gather(streaming, plain)
+        flights = (await b.stats())["redis"]["flights"]
+    assert status == 200 and "data: [DONE]" not in raw
+    assert json.loads(raw.strip().splitlines()[-1][len("data: "):])["error"]["code"] \
+        == "upstream_stream_broken"
+    assert answered.status_code == 200 and content(answered) == f"answer 2 to {QUESTION}"
+    assert late.status_code == 200 and content(late) == f"answer 2 to {QUESTION}"
+    assert fake.count() == 2 and flights["broken"] == 1

@@ -166,6 +166,7 @@ class UpstreamStreamBroken(UpstreamError):
         super().__init__(message)
         self.upstream_error = upstream_error
 
+
     def error_object(self) -> dict[str, Any]:
         if self.upstream_error is not None:
             return self.upstream_error
@@ -173,6 +174,12 @@ class UpstreamStreamBroken(UpstreamError):
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", "x-should-retry": "false"}
+
+
+class LeaderLost(UpstreamStreamBroken):
+    """This instance was relaying another instance's call and lost it (its leader died or
+    left, or its stream broke) after relaying part of it: streaming clients that got those
+    frames get this error event; a client that got nothing takes the call over instead."""
 
 
 class UpstreamStatusError(UpstreamError):

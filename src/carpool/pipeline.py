@@ -60,6 +60,7 @@ from .broadcast import Broadcast
 from .config import Config
 from .errors import (
     CarpoolError,
+    LeaderLost,
     RequestError,
     UpstreamError,
     UpstreamStatusError,
@@ -263,7 +264,8 @@ class Gateway:
         ticket = self.flights.acquire(key.key, lead, max_age=join_age,
                                       linger=not controls.no_store, owner=key.owner)
         # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
-        reply = await self._follow(route, ticket, request, key, partial(lead, alone=True))
+        reply = await self._follow(route, ticket, request, key, partial(lead, alone=True),
+                                   takeover=lead)
         if probe is not None and probe.nearest is not None:     # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
         return reply
@@ -397,7 +399,8 @@ class Gateway:
         return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
 
     async def _follow(self, route: str, ticket: Ticket, request: Request, key: Fingerprint,
-                      lead: Callable[[Broadcast], Any]) -> Reply:
+                      lead: Callable[[Broadcast], Any],
+                      takeover: Callable[[Broadcast], Any] | None = None) -> Reply:
         """Wait on a flight as its leader or a joiner, then reply from its broadcast."""
         try:
             with self.tracer.span("carpool.flight", **{
@@ -406,6 +409,13 @@ class Gateway:
                     await self._wait(ticket, request, self._join_timeout)
                 except JoinTimeout:
                     ticket = ticket.retake(lead, key.owner)
+                    await self._wait(ticket, request, None)
+                if (takeover is not None and not request.stream
+                        and isinstance(ticket.broadcast.error, LeaderLost)):
+                    # Another instance's call was lost after part of it was relayed here: this
+                    # client got none of it, so it takes the call over, once (its identical
+                    # neighbours here join the same new flight; other instances, through Redis).
+                    ticket = ticket.retake(takeover, key.owner)
                     await self._wait(ticket, request, None)
                 if _refused_another(ticket, key):
                     # Its own call, on a flight only its own tenant can join: another refused

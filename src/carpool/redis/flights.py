@@ -106,6 +106,7 @@ from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import (
     CarpoolError,
+    LeaderLost,
     UpstreamError,
     UpstreamStatusError,
     UpstreamStreamBroken,
@@ -483,9 +484,9 @@ class SharedFlights:
         return Answer(meta["k"], body, meta["c"], meta["t"], meta["cr"], frames,
                       meta["u"] if frames is not None else None)
 
-    def _broken(self, message: str) -> UpstreamStreamBroken:
+    def _broken(self, message: str) -> LeaderLost:
         self.counts["broken"] += 1
-        return UpstreamStreamBroken(message)
+        return LeaderLost(message)
 
     # ------------------------------------------------------------------ health, tasks
 
