@@ -500,3 +500,27 @@ async def test_redis_restarted_empty_mid_call_nobody_fails_and_a_retry_may_run_t
     assert content(responses[1]).endswith("charge") and content(retry).endswith("charge")
     assert content(retry) != content(responses[1])     # run twice: two different answers
     assert fake.count("/v1/chat/completions") in (3, 4)  # + B's takeover, unless A's answer
+
+
+async def test_a_cluster_node_killed_mid_flight_no_request_fails(fake):
+    """The fault suites above kill a single server; on a cluster one node dies alone: here the
+    one holding the flight's lock and stream (the other nodes keep answering)."""
+    from conftest import redis_keys
+    from fakes.redis_cluster import RedisCluster
+
+    with RedisCluster() as cluster:
+        async with two_gateways(fake, cluster) as (a, b):
+            fake.gate = asyncio.Event()
+            led = asyncio.create_task(a.chat(QUESTION))
+            await fake.wait_for_calls(1)
+            followed = asyncio.create_task(b.chat(QUESTION))
+            await eventually(lambda: b.gateway.shared_flights.following == 1)
+            holders = [node for node in cluster.nodes
+                       if any(b"lock:" in key for key in await redis_keys(node))]
+            assert len(holders) == 1
+            holders[0].kill()
+            fake.gate.set()
+            responses = await asyncio.gather(led, followed)
+            after = [await a.chat("after"), await b.chat("after")]
+    assert [r.status_code for r in (*responses, *after)] == [200] * 4
+    assert content(responses[0]) == ANSWER_1 and content(responses[1]).endswith(QUESTION)
