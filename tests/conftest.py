@@ -13,7 +13,11 @@ import pytest
 from carpool.config import Config
 from carpool.pipeline import Gateway
 from carpool.server import create_app
-from fakes.redis_cluster import _shared_cluster, redis_cluster  # noqa: F401  (fixtures)
+from fakes.redis_cluster import (  # noqa: F401  (fixtures)
+    _shared_cluster,
+    own_redis_cluster,
+    redis_cluster,
+)
 from fakes.redis_server import redis_server, redis_server_factory  # noqa: F401  (fixtures)
 from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream
@@ -49,6 +53,15 @@ def shared_redis(request: pytest.FixtureRequest) -> Any:
     cluster is shared by the whole session."""
     if request.param == "cluster":
         return request.getfixturevalue("redis_cluster")
+    return request.getfixturevalue("redis_server")
+
+
+@pytest.fixture(params=["server", "cluster"])
+def killable_redis(request: pytest.FixtureRequest) -> Any:
+    """A single server, or a cluster of this test's own: the test may ``kill()`` and
+    ``restart()`` either (the whole cluster at once)."""
+    if request.param == "cluster":
+        return request.getfixturevalue("own_redis_cluster")
     return request.getfixturevalue("redis_server")
 
 

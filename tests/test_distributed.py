@@ -71,10 +71,10 @@ async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(
         assert third.json()["id"] == second.json()["id"] and fake.count() == 2
 
 
-async def test_redis_killed_requests_still_succeed_and_health_says_degraded(fake, redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+async def test_redis_killed_requests_still_succeed_and_health_says_degraded(fake, killable_redis):
+    async with two_gateways(fake, killable_redis) as (a, b):
         assert (await a.chat("before")).headers["x-carpool"] == "miss"
-        redis_server.kill()
+        killable_redis.kill()
         during = [await a.chat("during"), await a.chat("during"), await b.chat("before")]
         assert [r.status_code for r in during] == [200, 200, 200]
         # This instance keeps what it computed while Redis is down, in its own memory.
@@ -82,7 +82,7 @@ async def test_redis_killed_requests_still_succeed_and_health_says_degraded(fake
         health = (await a.client.get("/healthz")).json()
         assert health["status"] == "degraded" and health["redis"]["errors"] >= 1
         assert (await a.client.get("/healthz")).status_code == 200
-        redis_server.restart()
+        killable_redis.restart()
         for gateway in (a, b):
             await until_redis_is_back(gateway)
         await b.chat("shared again")
@@ -100,15 +100,15 @@ async def until_redis_is_back(served, timeout: float = 5.0) -> None:
 
 
 async def test_the_invalidation_subscriber_survives_redis_restarting_and_delivers_again(
-        fake, redis_server):
+        fake, killable_redis):
     """carpool/redis/invalidation.py: each instance's subscriber reconnects by itself; subscribed
     again, it forgets what lingered meanwhile (pub/sub replays nothing: an invalidation may have
     been missed), then delivers as before. The window is long: only invalidations end it."""
     admin = {"Authorization": "Bearer t"}
-    async with two_gateways(fake, redis_server, coalesce={"window_ms": 60_000}) as (a, b):
+    async with two_gateways(fake, killable_redis, coalesce={"window_ms": 60_000}) as (a, b):
         ia, ib = a.gateway.invalidations, b.gateway.invalidations
         await eventually(lambda: ia.listening and ib.listening, what="both instances subscribed")
-        redis_server.kill()
+        killable_redis.kill()
         await eventually(lambda: not ia.listening and not ib.listening,
                          what="both subscribers cut off")
         assert ia.counts["errors"] >= 1 and ib.counts["errors"] >= 1
@@ -121,7 +121,7 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         response = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
         assert response.status_code == 200 and loop.time() - started < 1.0
         assert ib.counts["unsent"] == 1 and ib.counts["published"] == 0
-        redis_server.restart()
+        killable_redis.restart()
         await eventually(lambda: ia.listening and ib.listening, timeout=10,
                          what="both instances subscribed again")
         assert ia.counts["resubscribed"] >= 1 and ia.counts["forgotten"] >= 1
@@ -306,9 +306,10 @@ async def test_a_leaders_error_reaches_the_waiters_on_the_other_instance_and_is_
 
 
 async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a_full_answer(
-        fake, redis_server, tmp_path):
+        fake, shared_redis, tmp_path):
     lease_ms, join_timeout_ms = 600, 5000
-    settings = {"distributed": {"lease_ms": lease_ms, "retry_interval": 0.05},
+    settings = {"distributed": {"lease_ms": lease_ms, "retry_interval": 0.05,
+                                "cluster": shared_redis.cluster},
                 "coalesce": {"join_timeout_ms": join_timeout_ms}}
     port = free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
@@ -320,11 +321,11 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "carpool.cli", "serve", "--upstream", fake.url,
-             "--redis", redis_server.url, "--port", str(port)],
+             "--redis", shared_redis.url, "--port", str(port)],
             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as a, \
-                run_gateway([fake.url], redis=redis_server.url, **settings) as b:
+                run_gateway([fake.url], redis=shared_redis.url, **settings) as b:
             await until_serving(a, proc, log)
             body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}],
                     "temperature": 0}
@@ -362,8 +363,8 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
 
 
 async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed(fake,
-                                                                              redis_server):
-    async with two_gateways(fake, redis_server) as (a, b):
+                                                                              killable_redis):
+    async with two_gateways(fake, killable_redis) as (a, b):
         fake.gate = asyncio.Event()
         leading = [asyncio.create_task(a.chat(QUESTION)),
                    asyncio.create_task(a.stream_chat(QUESTION))]
@@ -372,7 +373,7 @@ async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed
                      asyncio.create_task(b.stream_chat(QUESTION))]
         await eventually(lambda: b.gateway.flights.waiters == 2
                          and b.gateway.shared_flights.following == 1)
-        redis_server.kill()
+        killable_redis.kill()
         fake.gate.set()
         led, (led_stream, raw_a), followed, (followed_stream, raw_b) = \
             await asyncio.gather(*leading, *following)
@@ -477,19 +478,19 @@ def free_port() -> int:
 
 
 async def test_redis_restarted_empty_mid_call_nobody_fails_and_a_retry_may_run_twice(
-        fake, redis_server):
+        fake, killable_redis):
     """What the README promises when Redis loses its data (a restart, a failover that lost
     writes): no request fails and none gets another's answer; what is lost is the dedup of the
     call in flight (a follower takes over) and of an idempotency key still processing."""
     key = {"Idempotency-Key": "order-7"}
-    async with two_gateways(fake, redis_server) as (a, b):
+    async with two_gateways(fake, killable_redis) as (a, b):
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.chat(QUESTION))
         keyed = asyncio.create_task(a.chat("charge", headers=key))
         await fake.wait_for_calls(2)
         follower = asyncio.create_task(b.chat(QUESTION))
         await eventually(lambda: b.gateway.shared_flights.following == 1)
-        redis_server.restart(kill=True)               # empty: nothing is persisted
+        killable_redis.restart(kill=True)               # empty: nothing is persisted
         retried = asyncio.create_task(b.chat("charge", headers=key))
         await fake.wait_for_calls(3)                  # the record is gone: it runs again
         fake.gate.set()

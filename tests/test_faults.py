@@ -48,7 +48,7 @@ from carpool.batching import KeyedBatcher
 from carpool.config import Config
 from carpool.fingerprint import RepeatMemo, fingerprint
 from carpool.request import ClientRequest, parse
-from conftest import Served, run_gateway
+from conftest import Served, redis_settings, run_gateway
 from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
 from fakes.waiting import eventually
 
@@ -639,10 +639,10 @@ async def until_redis_is_back(served: Served, prompt: str) -> None:
 
 
 async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_answer_as_success(
-        fake, redis_server):
+        fake, killable_redis):
     pytest.importorskip("redis")
-    shared = {"redis": redis_server.url,
-              "distributed": {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0}}
+    shared = redis_settings(killable_redis, retry_interval=0.05, timeout=2.0,
+                            connect_timeout=2.0)
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         baseline = Baseline()
         assert (await a.chat("before")).headers["x-carpool"] == "miss"
@@ -655,7 +655,7 @@ async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_ans
         relayed = [asyncio.create_task(b.stream_chat()), asyncio.create_task(b.chat())]
         await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3
                          and b.gateway.flights.waiters == 2, what="B relaying A's stream")
-        redis_server.kill()
+        killable_redis.kill()
         fake.chunk_gate.set()
         async with asyncio.timeout(20):
             (response_a, raw_a), (response_b, raw_b), plain_b = \
@@ -672,7 +672,7 @@ async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_ans
         await nothing_left(baseline, a, fake=fake)
         await nothing_left(baseline, b, failed=True)
 
-        redis_server.restart()
+        killable_redis.restart()
         for served in (a, b):
             await until_redis_is_back(served, "probe")
         # Nothing broken was kept: Redis came back empty, and what A kept in its own memory

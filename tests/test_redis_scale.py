@@ -98,8 +98,8 @@ async def test_an_instance_killed_holding_an_idempotency_key_frees_it_within_10_
 
 
 async def test_redis_paused_3_s_mid_flight_no_follower_without_bytes_gets_an_error(
-        fake, redis_server):
-    async with instances(2, fake.url, redis_server.url) as (a, b):
+        fake, killable_redis):
+    async with instances(2, fake.url, killable_redis.url) as (a, b):
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.client.post("/v1/chat/completions", json=body(QUESTION)))
         await fake.wait_for_calls(1)
@@ -108,11 +108,13 @@ async def test_redis_paused_3_s_mid_flight_no_follower_without_bytes_gets_an_err
                      asyncio.create_task(stream(b, QUESTION))]
         while (await b.stats())["redis"]["flights"]["following"] != 1:
             await asyncio.sleep(0.02)
-        os.kill(redis_server.pid, signal.SIGSTOP)
+        for pid in killable_redis.pids:               # a cluster: every node at once
+            os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(3)                     # the pause itself is the test's subject
         finally:
-            os.kill(redis_server.pid, signal.SIGCONT)
+            for pid in killable_redis.pids:
+                os.kill(pid, signal.SIGCONT)
         fake.gate.set()
         plain, (status, raw) = await asyncio.gather(*followers)
         assert (await led).status_code == 200

@@ -371,15 +371,15 @@ async def test_no_credential_or_prompt_text_in_the_logs_at_debug(fake, gateway_w
     assert PROMPT not in text and "4417-1234" not in text
 
 
-async def test_no_credential_or_prompt_text_in_the_logs_with_redis(fake, redis_server, caplog):
+async def test_no_credential_or_prompt_text_in_the_logs_with_redis(fake, killable_redis, caplog):
     pytest.importorskip("redis")
     caplog.set_level(logging.DEBUG)
     headers = {"Authorization": f"Bearer {SECRET}"}
-    async with two_instances(fake, redis_server) as (a, b):
+    async with two_instances(fake, killable_redis) as (a, b):
         await a.chat(PROMPT, headers={**headers, "x-carpool-tags": "t"})
         await b.chat(PROMPT, headers=headers)
         await b.chat(PROMPT, headers={**headers, "Idempotency-Key": "k"})
-        redis_server.kill()                       # degraded mode logs its errors
+        killable_redis.kill()                       # degraded mode logs its errors
         await a.chat(PROMPT + " while down", headers=headers)
     # The gateway's own logs are in there (the outage warning), with the clients' and Redis's.
     assert any(r.name.startswith("carpool") for r in caplog.records)

@@ -68,6 +68,34 @@ class RedisCluster:
                 client.close()
         return self
 
+    @property
+    def pids(self) -> list[int]:
+        return [pid for node in self.nodes for pid in node.pids]
+
+    def kill(self) -> None:
+        """SIGKILL every node (the whole cluster down, as a single server's ``kill``)."""
+        for node in self.nodes:
+            node.kill()
+
+    def restart(self, *, kill: bool = False) -> RedisCluster:
+        """Every node again on its port, empty; each keeps its ``nodes.conf``, so the cluster
+        forms again by itself: returns once it is ``ok``."""
+        import redis
+
+        for node in self.nodes:
+            node.restart(kill=kill)
+        clients = [redis.Redis(host=node.host, port=node.port) for node in self.nodes]
+        try:
+            deadline = time.monotonic() + self.start_timeout
+            while not all(self._ready(c) for c in clients):
+                if time.monotonic() > deadline:
+                    raise RedisServerError("the cluster did not form again")
+                time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+        return self
+
     def _ready(self, client) -> bool:
         info = client.execute_command("CLUSTER", "INFO").decode()
         return ("cluster_state:ok" in info
@@ -95,6 +123,13 @@ class RedisCluster:
         for node in self.nodes:
             with redis.Redis(host=node.host, port=node.port) as client:
                 client.flushall()
+
+
+@pytest.fixture
+def own_redis_cluster() -> Iterator[RedisCluster]:
+    """A cluster of this test's own, which it may kill and restart (~2.5 s to form)."""
+    with RedisCluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

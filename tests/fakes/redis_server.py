@@ -230,6 +230,11 @@ class RedisServer:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def pids(self) -> list[int]:
+        """The server's process, as a list (a cluster has one per node)."""
+        return [self.pid] if self.pid is not None else []
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

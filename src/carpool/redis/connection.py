@@ -151,14 +151,15 @@ def _cluster_class() -> type:
 def unavailable(what: str) -> Iterator[None]:
     """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``."""
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
     try:
         yield
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out.
         kind = PoolExhausted if "No connection available" in str(exc) else StoreUnavailable
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:
+        # (RedisClusterException, "no node reachable", is not a RedisError.)
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
