@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fakes.instances import free_port, serve_log
 
 
 def carpool(*args: str, **kw) -> subprocess.Popen:
@@ -70,22 +65,9 @@ def test_a_bad_environment_value_exits_2(tmp_path):
 
 
 def test_serve_never_logs_the_credentials_in_a_redis_or_upstream_url():
-    port = free_port()
-    process = carpool("serve", "--port", str(port), "--redis",
-                      f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0",
-                      "--upstream", "http://user:s3cret-up@127.0.0.1:9/v1")
-    lines = []
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            if "Uvicorn running on" in line:
-                break
-        else:
-            raise AssertionError("carpool serve exited before listening:\n" + "".join(lines))
-    finally:
-        process.terminate()
-        process.wait(10)
-    log = "".join(lines)
+    log = serve_log("--port", str(free_port()), "--redis",
+                    f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0",
+                    "--upstream", "http://user:s3cret-up@127.0.0.1:9/v1")
     assert "s3cret" not in log and "redis://***@127.0.0.1:" in log
 
 

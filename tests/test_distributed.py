@@ -7,7 +7,6 @@ import collections
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from conftest import run_gateway
+from fakes.instances import free_port
 from fakes.waiting import eventually
 
 pytest.importorskip("redis")
@@ -470,11 +470,6 @@ async def until_serving(client: httpx.AsyncClient, proc: subprocess.Popen, log,
         assert loop.time() < deadline, f"instance A did not start: {log.read_text()[-2000:]}"
         await asyncio.sleep(0.02)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_redis_restarted_empty_mid_call_nobody_fails_and_a_retry_may_run_twice(

@@ -76,25 +76,10 @@ async def test_server_mode_tells_a_cluster_node_from_a_standalone_server(redis_s
 
 def test_serve_pointed_at_any_cluster_node_takes_a_cluster_client(redis_cluster):
     # (test_workers.py then checks, through a cluster, that what is shared is shared.)
-    import subprocess
-    import sys
-
-    from fakes.instances import free_port
+    from fakes.instances import free_port, serve_log
 
     url = redis_cluster.nodes[2].url
-    process = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", "--redis", url,
-                                "--port", str(free_port())], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            if "Uvicorn running on" in line:
-                break
-    finally:
-        process.terminate()
-        process.wait(10)
-    log = "".join(lines)
+    log = serve_log("--redis", url, "--port", str(free_port()))
     assert f"{url} is a cluster node: using a cluster client" in log, log
 
 

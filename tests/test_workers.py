@@ -8,7 +8,8 @@ import sys
 
 import httpx
 
-from test_distributed import free_port, until_serving
+from fakes.instances import free_port
+from test_distributed import until_serving
 
 QUESTION = "What do the workers share?"
 

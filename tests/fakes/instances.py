@@ -33,6 +33,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def serve_log(*args: str) -> str:
+    """``carpool serve ARGS`` run until it says it is listening, then stopped: its log so far
+    (fails if it exits first)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env)
+    lines = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                return "".join(lines)
+        raise AssertionError("carpool serve exited before listening:\n" + "".join(lines))
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 def environment(settings: dict[str, Any], prefix: str = "CARPOOL_") -> dict[str, str]:
     """``{"distributed": {"lease_ms": 600}}`` -> ``{"CARPOOL_DISTRIBUTED__LEASE_MS": "600"}``."""
     out: dict[str, str] = {}
