@@ -142,18 +142,17 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
 
 
 async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive(
-        redis_server, monkeypatch):
+        killable_redis, monkeypatch):
     """A Redis that stops answering (SIGSTOP) closes no connection: the subscriber's PING goes
     unanswered, it subscribes again once Redis answers, and forgets what lingered meanwhile."""
     import signal
 
-    import redis.asyncio as aredis
-
     from carpool.redis import invalidation
+    from carpool.redis.connection import connect
 
     monkeypatch.setattr(invalidation, "KEEPALIVE", 0.1)
     monkeypatch.setattr(invalidation, "WAIT", 0.05)
-    client = aredis.Redis.from_url(redis_server.url, socket_timeout=0.3)
+    client = connect(killable_redis.url, socket_timeout=0.3, cluster=killable_redis.cluster)
     forgotten: list[int] = []
     channel = invalidation.InvalidationChannel(client, lambda: forgotten.append(1) or 1,
                                                socket_timeout=0.3, retry_interval=0.05,
@@ -161,11 +160,13 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
     try:
         channel.start()
         await eventually(lambda: channel.listening, what="subscribed")
-        os.kill(redis_server.pid, signal.SIGSTOP)
+        for pid in killable_redis.pids:
+            os.kill(pid, signal.SIGSTOP)
         try:
             await eventually(lambda: not channel.listening, what="the hang noticed")
         finally:
-            os.kill(redis_server.pid, signal.SIGCONT)
+            for pid in killable_redis.pids:
+                os.kill(pid, signal.SIGCONT)
         await eventually(lambda: channel.listening, what="subscribed again")
         assert channel.counts["resubscribed"] == 1 and forgotten == [1]
         assert await client.publish(channel.channel, b"another instance") == 1

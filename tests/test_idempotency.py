@@ -447,16 +447,17 @@ async def test_redis_a_prefix_and_a_client_passed_in(redis_server: RedisServer,
     await decoding.aclose()
 
 
-async def test_redis_a_dead_server_fails_every_call_fast(redis_server: RedisServer) -> None:
-    records = RedisIdempotencyRecords(redis_server.url, retention=60)
+async def test_redis_a_dead_server_fails_every_call_fast(killable_redis: RedisServer) -> None:
+    records = RedisIdempotencyRecords(killable_redis.url, retention=60,
+                                      cluster=killable_redis.cluster)
     try:
         token = await begin_new(records)
-        redis_server.kill()
+        killable_redis.kill()
         calls = [records.begin("k", FP), records.finish("k", token, OK),
                  records.abandon("k", token), records.renew("k", token),
                  records.wait("k", timeout=5)]
         await assert_each_fails_fast(calls)
-        redis_server.restart()                                       # empty: the key is free
+        killable_redis.restart()                                     # empty: the key is free
         await begin_new(records)
     finally:
         await records.aclose()

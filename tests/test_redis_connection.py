@@ -105,3 +105,19 @@ async def test_pool_exhaustion_is_a_metric_and_a_log_line_never_a_degraded_insta
     assert counted == redis["pool_exhausted"] >= 1
     assert redis["state"] == "up" and redis["errors"] == 0
     assert "every connection to redis stayed busy" in caplog.text
+
+
+async def test_a_cluster_nodes_full_pool_is_pool_exhausted_too(redis_cluster):
+    redis = RedisStore(redis_cluster.url, cluster=True, max_connections=1)
+    shared = SharedStore(redis, MemoryStore(1 << 20))
+    try:
+        await redis.get("warm")                      # the topology read; the one connection made
+        results = await asyncio.gather(*(redis.get("k") for _ in range(20)),
+                                       return_exceptions=True)
+        exhausted = [r for r in results if isinstance(r, PoolExhausted)]
+        assert exhausted and all(r is None or isinstance(r, PoolExhausted) for r in results)
+        for error in exhausted:
+            shared.report(error)
+        assert shared.health()["state"] == "up" and shared.pool_exhausted == len(exhausted)
+    finally:
+        await shared.aclose()

@@ -448,7 +448,7 @@ async def assert_each_fails_fast(calls, limit: float = 1.0) -> None:
     import time
 
     import pytest
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from carpool.store.base import StoreUnavailable
 
@@ -457,5 +457,5 @@ async def assert_each_fails_fast(calls, limit: float = 1.0) -> None:
         with pytest.raises(StoreUnavailable) as raised:
             await asyncio.wait_for(call, 5)
         assert time.monotonic() - started < limit
-        assert isinstance(raised.value.__cause__, RedisError)
+        assert isinstance(raised.value.__cause__, (RedisError, RedisClusterException))
         assert raised.value.status == 503

@@ -328,19 +328,24 @@ async def test_a_conversations_earlier_turns_travel_with_its_entry_to_other_inst
             "semantic-hit"
 
 
-@pytest.mark.parametrize("shared_redis", ["server"], indirect=True)   # it kills the server
-async def test_redis_killed_the_semantic_cache_still_works_locally(two_semantic, fake,
-                                                                  redis_server):
-    async with two_semantic() as (a, b):
-        redis_server.kill()
-        first = await ask(a, "How do I reset my router?")
-        assert first.status_code == 200
-        await stored(a)
-        again = await ask(a, "how can i reset my router")
-        assert again.headers["x-carpool"] == "semantic-hit"
-        assert again.json() == first.json()
-        assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
-        assert (await a.client.get("/healthz")).json()["status"] == "degraded"
+class TestRedisKilled:
+    @pytest.fixture
+    def shared_redis(self, killable_redis):
+        """(A server or a cluster of this test's own: it kills it.)"""
+        return killable_redis
+
+    async def test_redis_killed_the_semantic_cache_still_works_locally(self, two_semantic, fake,
+                                                                      shared_redis):
+        async with two_semantic() as (a, b):
+            shared_redis.kill()
+            first = await ask(a, "How do I reset my router?")
+            assert first.status_code == 200
+            await stored(a)
+            again = await ask(a, "how can i reset my router")
+            assert again.headers["x-carpool"] == "semantic-hit"
+            assert again.json() == first.json()
+            assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+            assert (await a.client.get("/healthz")).json()["status"] == "degraded"
 
 
 @pytest.mark.parametrize("first, second", [
