@@ -93,3 +93,11 @@ def test_fetch_model_prints_the_checked_directory_and_fails_clearly(monkeypatch,
     monkeypatch.setattr(embed, "fetch_model", offline)
     result = CliRunner().invoke(cli.main, ["fetch-model"])
     assert result.exit_code == 1 and "could not fetch the model" in result.output
+
+
+def test_a_redis_url_that_cannot_be_read_exits_2_without_its_credentials():
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--redis",
+                             "redis://:s3cret@localhost:notaport/0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--redis" in result.stderr
+    assert "s3cret" not in result.stderr

@@ -461,3 +461,29 @@ async def test_redis_a_dead_server_fails_every_call_fast(killable_redis: RedisSe
         await begin_new(records)
     finally:
         await records.aclose()
+
+
+async def test_a_redis_lease_outlives_a_redis_pause_shorter_than_half_of_it(
+        redis_server: RedisServer) -> None:
+    import os
+    import signal
+
+    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2,
+                                      socket_timeout=0.1)
+    other = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2)
+    try:
+        token = await begin_new(records)
+        await eventually(lambda: records.renewals >= 1, timeout=5, what="a first renewal")
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.5)                  # the pause itself is the test's subject
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        renewed = records.renewals
+        await eventually(lambda: records.renewals >= renewed + 2, timeout=5,
+                         what="renewals after the pause")
+        assert (await other.begin("k", FP)).state == "processing"     # never lapsed
+        assert await records.finish("k", token, OK) is True
+    finally:
+        await records.aclose()
+        await other.aclose()

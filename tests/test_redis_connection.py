@@ -121,3 +121,25 @@ async def test_a_cluster_nodes_full_pool_is_pool_exhausted_too(redis_cluster):
         assert shared.health()["state"] == "up" and shared.pool_exhausted == len(exhausted)
     finally:
         await shared.aclose()
+
+
+async def test_an_answer_put_while_the_pool_is_exhausted_is_not_kept_locally(redis_server):
+    """Kept locally it would outlive invalidations made elsewhere (no degraded period ends to
+    clear it) and be served in the next outage."""
+    import time
+
+    from carpool.answer import Answer
+    from carpool.store.base import Entry
+
+    redis = RedisStore(redis_server.url, max_connections=1, pool_timeout=0.05)
+    shared = SharedStore(redis, MemoryStore(1 << 20))
+    try:
+        holder = asyncio.create_task(redis.client.blpop([b"nothing"], timeout=2))
+        while not redis.client.connection_pool._in_use_connections:
+            await asyncio.sleep(0.001)
+        await shared.put("k", Entry(Answer("chat", b"{}", True), time.time() + 60))
+        assert shared.local.entries == 0 and await shared.get("k") is None
+        assert shared.pool_exhausted == 2 and not shared.degraded
+        holder.cancel()
+    finally:
+        await shared.aclose()

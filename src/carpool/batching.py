@@ -106,7 +106,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import orjson
 
@@ -224,6 +224,7 @@ class KeyedBatcher(Generic[I, R]):
             entry = batch.entries[key] = _Entry(item, cost, future)
             batch.cost += cost
         entry.arrivals.append(now)
+        assert batch is not None                  # (a new entry was put in one just above)
         if len(batch.entries) >= self.max_batch_size or batch.cost >= self.max_batch_cost:
             self._close(batch)
         elif batch.timer is None and not batch.due:
@@ -515,7 +516,8 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
             raise answer
     if any(isinstance(answer, BaseException) for answer in answers):
         return None                             # unreachable, timed out: undecided
-    (listed_status, listed_body), *singles = answers
+    # (none is an exception now: each is a (status, body) pair)
+    (listed_status, listed_body), *singles = cast(list[tuple[int, bytes]], answers)
     alone = [_vectors(raw, 1) if 200 <= status < 300 else None for status, raw in singles]
     if any(vectors is None for vectors in alone):
         return None                             # the singles are the reference: none, no verdict

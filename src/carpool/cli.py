@@ -26,10 +26,10 @@ def _without_credentials(url: str) -> str:
     """A URL fit for a log line: any user and password in it replaced by ``***``, and no query
     or fragment (where some services take their keys)."""
     parts = urlsplit(url)._replace(query="", fragment="")
-    if parts.username is None and parts.password is None:
+    if "@" not in parts.netloc:
         return urlunsplit(parts)
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    # (The port as written: ``parts.port`` raises on one that is not a number.)
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=netloc))
 
 
@@ -87,9 +87,15 @@ def serve(upstreams: tuple[str, ...], host: str | None, port: int | None,
             click.echo(f"carpool: --redis needs the redis extra (pip install "
                        f"'carpool[redis]'): {error}", err=True)
             sys.exit(2)
+        except ValueError as error:                 # a URL redis-py cannot read
+            click.echo(f"carpool: --redis: {error}".replace(
+                config.redis, _without_credentials(config.redis)), err=True)
+            sys.exit(2)
         if mode is None:
-            log.warning("carpool: Redis at %s does not answer now; starting with this "
-                        "instance's memory, and trying again", _without_credentials(config.redis))
+            log.warning("carpool: Redis at %s does not answer INFO now (down, or INFO not "
+                        "allowed); starting with this instance's memory and trying again. If it "
+                        "is a cluster node, set distributed.cluster: true (it could not be "
+                        "detected)", _without_credentials(config.redis))
         elif mode == "cluster" and not config.distributed.cluster:
             # A plain client would get MOVED for the other masters' keys: half-shared.
             log.info("carpool: %s is a cluster node: using a cluster client",

@@ -293,8 +293,9 @@ class DistributedConfig(_Section):
                           "one). `carpool serve` turns it on by itself when the server says it "
                           "runs in cluster mode.")
     max_connections: int = Field(1000, ge=1, description="Connections to Redis this instance may "
-                                 "open (Valkey's default maxclients is 10,000: size it for all "
-                                 "instances). A call that finds them all busy waits for one.")
+                                 "open (per node on a cluster; Valkey's default maxclients is "
+                                 "10,000: size it for all instances). A call that finds them "
+                                 "all busy waits for one (on a cluster it does not wait).")
     pool_timeout: float = Field(5.0, gt=0, description="Seconds a Redis call may wait for a free "
                                 "connection; past it the call runs without Redis (counted as "
                                 "`pool_exhausted`, logged) but Redis is not marked down.")

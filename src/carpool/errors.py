@@ -166,7 +166,6 @@ class UpstreamStreamBroken(UpstreamError):
         super().__init__(message)
         self.upstream_error = upstream_error
 
-
     def error_object(self) -> dict[str, Any]:
         if self.upstream_error is not None:
             return self.upstream_error

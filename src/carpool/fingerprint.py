@@ -410,7 +410,7 @@ def _canonical_message(message: Any, collapse: bool) -> Any:
             if isinstance(value, str):
                 out[name] = normalize_text(value, collapse)
             elif isinstance(value, list):
-                out[name] = [_canonical_part(part, collapse) for part in value]
+                out[name] = [_canonical_part(part, collapse) for part in value]  # type: ignore[assignment]
             else:
                 out[name] = _canonical(value)
         else:

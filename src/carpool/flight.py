@@ -154,7 +154,8 @@ class FlightGroup:
         if flight is None or flight.finished_at is not None:
             now = time.monotonic()
             self.windows.arrival(key, now)
-            if flight is not None and max_age is not None and now - flight.finished_at >= max_age:
+            if flight is not None and flight.finished_at is not None and max_age is not None \
+                    and now - flight.finished_at >= max_age:
                 self.forget(key, flight)
                 flight = None
         leader = flight is None

@@ -17,7 +17,7 @@ One record per key, with the fingerprint of the request that created it:
     (none) --begin--> PROCESSING --finish(2xx)----> SUCCESS  } kept ``retention`` s from the
                           |      --finish(other)--> FAILED   } finish, then (none) again
                           |--abandon--> (none)
-                          '--lease (``processing_ttl``) runs out--> (none)
+                          '--lease runs out--> (none)
 
 - ``begin(key, fingerprint)``, atomic (one winner among any number of concurrent callers, on any
   number of instances sharing the backend):
@@ -37,7 +37,8 @@ One record per key, with the fingerprint of the request that created it:
 - ``abandon(key, token)``: the owner gives up without a final answer (its client left and the
   call was cancelled, the gateway failed before an answer): the record is dropped, so a retry
   runs as ``"new"``. Returns whether there was a record to drop.
-- ``renew(key, token)``: extends the owner's lease to ``processing_ttl`` from now; False when the
+- ``renew(key, token)``: extends the owner's lease from now (in process: ``processing_ttl``; in
+  Redis: ``idempotency.lease``, renewed by the records themselves); False when the
   record is no longer this owner's (then it may already run elsewhere). A PROCESSING record whose
   lease runs out (its owner died, or did not renew) is gone: the next ``begin`` takes over as
   ``"new"``, and the old owner's ``finish`` is refused.

@@ -323,7 +323,7 @@ def document() -> dict[str, Any]:
     """The OpenAPI document (built once; do not mutate it)."""
     error = _ref("Error")
     # With an admin token configured; open (the empty requirement) without one.
-    admin = [{"adminToken": []}, {"adminBasic": []}, {}]
+    admin: list[dict[str, list[str]]] = [{"adminToken": []}, {"adminBasic": []}, {}]
     replicas = {"type": "object", "additionalProperties": {
         "type": "object", "required": ["healthy", "state"], "properties": {
             "healthy": {"type": "boolean"},

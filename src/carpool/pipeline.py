@@ -413,8 +413,16 @@ class Gateway:
                 if (takeover is not None and not request.stream
                         and isinstance(ticket.broadcast.error, LeaderLost)):
                     # Another instance's call was lost after part of it was relayed here: this
-                    # client got none of it, so it takes the call over, once (its identical
-                    # neighbours here join the same new flight; other instances, through Redis).
+                    # client got none of it. Its leader may have finished and stored it (only
+                    # the relay broke): then that answer; else it takes the call over, once (its
+                    # identical neighbours here join the same new flight; other instances,
+                    # through Redis).
+                    stored = await self._cached(key.key, self._read_age(request)) \
+                        if key.key is not None and request.controls.may_read else None
+                    if stored is not None:
+                        ticket.release()
+                        return self._served(route, Outcome.HIT, stored, request.stream,
+                                            request.include_usage)
                     ticket = ticket.retake(takeover, key.owner)
                     await self._wait(ticket, request, None)
                 if _refused_another(ticket, key):
@@ -546,6 +554,7 @@ class Gateway:
             # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
         expires, prefix = answer.created + ttl, _prompt_prefix(request)
+        assert key.key is not None                 # (checked above; a shared key is one too)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
         if view is None or self.semantic is None:
             return

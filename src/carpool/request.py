@@ -206,7 +206,7 @@ def list_items(request: Request) -> list[Request] | None:
     """
     name = {"embedding": "input", "completion": "prompt"}.get(request.kind)
     value = request.body.get(name) if name else None
-    if request.stream or not isinstance(value, list) or len(value) < 2 \
+    if name is None or request.stream or not isinstance(value, list) or len(value) < 2 \
             or isinstance(value[0], int):
         return None
     return [dataclasses.replace(request, body={**request.body, name: [item]}) for item in value]

@@ -57,6 +57,7 @@ def build_store(config: Config) -> Store:
 def _redis_store(config: Config) -> RedisStore:
     from .redis.store import RedisStore
 
+    assert config.redis is not None
     d = config.distributed
     return RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
                       connect_timeout=d.connect_timeout, max_connections=d.max_connections,

@@ -96,7 +96,8 @@ def connect(url: str, *, socket_timeout: float = SOCKET_TIMEOUT,
     retry = Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
     if cluster:
         # (Its per-node pools do not wait for a free connection: sized generously instead.)
-        return _cluster_class().from_url(  # type: ignore[no-any-return]
+        cluster_client: Any = _cluster_class()
+        return cluster_client.from_url(
             url, max_connections=max_connections, socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout, retry=retry)
     pool = aredis.BlockingConnectionPool.from_url(
@@ -145,7 +146,7 @@ def _cluster_class() -> type:
                 await self.ready()
                 return await execute(*args, **kwargs)
 
-            pubsub.execute_command = ready_then_execute
+            pubsub.execute_command = ready_then_execute  # type: ignore[method-assign]
             return pubsub
 
     return Cluster

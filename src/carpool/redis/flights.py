@@ -42,8 +42,10 @@ within lease_ms + one block of the death).
   non-streaming leader, or no chunk yet) takes over transparently: it claims again, and leads
   (runs ``call`` and ``store``) or follows whichever instance claimed first (at most
   ``MAX_TAKEOVERS`` times, then it runs them alone). A follower that HAS relayed frames ends its
-  flight with ``UpstreamStreamBroken`` (502; for streaming clients an SSE error event, then the
-  end of the stream): its clients retry, and the retry coalesces as usual.
+  flight with ``LeaderLost`` (an ``UpstreamStreamBroken``): its streaming clients, which got
+  those frames, get an SSE error event, then the end of the stream (they retry, and the retry
+  coalesces as usual); its clients that got nothing (non-streaming ones) take the call over in
+  the pipeline (``Gateway._follow``), or get the answer if the leader stored it.
 - A leader whose local clients all left (its flight is cancelled) records ``gone`` at once;
   followers treat it as a death without waiting for the lease.
 - Join timeout: a follower that has received nothing (no frame, no final record) within
@@ -569,7 +571,7 @@ class _Publisher:
         usage, flights = self.broadcast.usage_frame, self.flights
         pipe = flights._client.pipeline(transaction=False)
         for index in range(start, end):
-            fields: dict[str, Any] = {"i": index, "f": frames[index]}
+            fields: dict[Any, Any] = {"i": index, "f": frames[index]}
             if index == usage:
                 fields["u"] = 1
             pipe.xadd(self.stream, fields, maxlen=flights.maxlen, approximate=True)
@@ -626,8 +628,6 @@ def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
     error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
     error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
     return error
-
-
 
 
 def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:

@@ -174,26 +174,30 @@ class RedisIdempotencyRecords:
         if state == "done":
             return Begin("done", response=_decode(reply[1], reply[2], reply[3],
                                                   reply[4] if len(reply) > 4 else None))
-        return Begin(state)  # type: ignore[arg-type]
+        return Begin(state)
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
-        self._release(token)
         record_key = self.record_key(key)
         headers = orjson.dumps([[n.decode("latin-1"), v.decode("latin-1")]
                                 for n, v in response.headers])
         state = "s" if 200 <= response.status < 300 else "f"
-        with _unavailable("finish"):
-            done = await self._finish(keys=[record_key], args=[
-                token, state, _ms(self.retention), response.status, headers, response.body,
-                int(response.streamed)])
+        try:
+            with _unavailable("finish"):
+                done = await self._finish(keys=[record_key], args=[
+                    token, state, _ms(self.retention), response.status, headers,
+                    response.body, int(response.streamed)])
+        finally:
+            self._release(token)             # (only now: the lease must outlive the script)
         self._wake(record_key)
         return bool(done)
 
     async def abandon(self, key: str, token: str) -> bool:
-        self._release(token)
         record_key = self.record_key(key)
-        with _unavailable("abandon"):
-            dropped = await self._abandon(keys=[record_key], args=[token])
+        try:
+            with _unavailable("abandon"):
+                dropped = await self._abandon(keys=[record_key], args=[token])
+        finally:
+            self._release(token)
         self._wake(record_key)
         return bool(dropped)
 
@@ -203,17 +207,25 @@ class RedisIdempotencyRecords:
                                           args=[token, _ms(self.lease)]))
 
     async def _keep(self, key: str, token: str) -> None:
-        """Renew the lease of ``token``'s record every lease/3 until it is settled or lost."""
+        """Renew the lease of ``token``'s record every lease/3 until it is settled or lost.
+
+        Each renewal may take at most lease/6 (a wait for a pooled connection included); one
+        that fails is tried again after lease/12, so a lease survives a Redis pause of about
+        half of it (3 s at the default 6 s) rather than expiring while its request runs."""
+        pause = self.lease / 3
         while True:
-            await asyncio.sleep(self.lease / 3)
+            await asyncio.sleep(pause)
             try:
-                alive = await self.renew(key, token)
-            except StoreUnavailable:
-                continue                     # Redis down or paused: try again next interval
+                async with asyncio.timeout(self.lease / 6):
+                    alive = await self.renew(key, token)
+            except (StoreUnavailable, TimeoutError):
+                pause = self.lease / 12          # Redis down, paused or busy: again soon
+                continue
             if not alive:
                 self._keepers.pop(token, None)
                 return
             self.renewals += 1
+            pause = self.lease / 3
 
     def _release(self, token: str) -> None:
         keeper = self._keepers.pop(token, None)
@@ -224,7 +236,7 @@ class RedisIdempotencyRecords:
         record_key = self.record_key(key)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        fingerprint: bytes | None = None
+        fingerprint: bytes | str | None = None
         pause = POLL_MIN
         self.waiters += 1
         try:

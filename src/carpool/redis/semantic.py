@@ -151,7 +151,7 @@ class SharedSemanticCache(SemanticCache):
             b"p": prompt_prefix.encode()}))
 
     def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
@@ -198,7 +198,7 @@ class SharedSemanticCache(SemanticCache):
 
     # ------------------------------------------------------------------ publishing, reading
 
-    async def _publish(self, fields: dict[bytes, bytes]) -> None:
+    async def _publish(self, fields: dict[Any, Any]) -> None:
         if self.health is not None and not self.health.usable():
             return                                   # Redis degraded: local only for now
         try:
@@ -213,7 +213,7 @@ class SharedSemanticCache(SemanticCache):
                 self.health.report(None)
 
     async def _read(self) -> None:
-        last: bytes | None = None
+        last: Any = None                             # a stream id (bytes)
         backoff = Backoff(self.retry_interval)
         while True:
             try:

@@ -265,8 +265,9 @@ class RedisStore:
 
     async def get(self, key: str) -> Entry | None:
         with _unavailable("get"):
-            header, body, frames, prompt_prefix = await self._client.hmget(
-                self._entry_key(self._id(key)), "m", "b", "f", "pp")
+            fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]
+                self._entry_key(self._id(key)), "m", "b", "f", "pp")   # (bytes: never decoded)
+            header, body, frames, prompt_prefix = fields
         self._refresh_soon()
         if header is None or body is None:
             return None

@@ -226,8 +226,9 @@ class _BatchingEmbedder:
         if max_batch < 1 or max_in_flight < 1 or max_delay_s < 0:
             raise ValueError("max_batch and max_in_flight must be >= 1, max_delay_s >= 0")
         self._model_compute = compute
-        self._batch_settings = {"max_batch_size": max_batch, "max_batch_delay_s": max_delay_s,
-                                "max_in_flight": max_in_flight}
+        self._batch_settings: dict[str, Any] = {
+            "max_batch_size": max_batch, "max_batch_delay_s": max_delay_s,
+            "max_in_flight": max_in_flight}
         self._batcher: KeyedBatcher[str, Any] = self._new_batcher()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -356,7 +357,7 @@ def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     directory: Path | None = None
     for name, expected in MODEL_SHA256.items():
         path = Path(hf_hub_download(MODEL_REPO, name, revision=MODEL_REVISION,
-                                    cache_dir=cache_dir))
+                                    cache_dir=None if cache_dir is None else str(cache_dir)))
         if _sha256(path) != expected:
             path.unlink(missing_ok=True)
             raise ValueError(f"{MODEL_REPO}@{MODEL_REVISION[:8]} {name}: SHA-256 differs from "

@@ -1,8 +1,9 @@
 """The shared store with a way down: Redis when it answers, this process's memory when it does not.
 
 Contract (on top of ``store.base``):
-- While Redis answers, every operation goes to Redis only (``store.redis``, a ``carpool.redis.store.RedisStore``): nothing is kept
-  locally, so an invalidation by any instance reaches every instance.
+- While Redis answers, every operation goes to Redis only (``store.redis``, a
+  ``carpool.redis.store.RedisStore``): nothing is kept locally, so an invalidation by any
+  instance reaches every instance.
 - When a Redis call fails (``StoreUnavailable``), the store is *degraded*: the call is answered by
   the in-process ``MemoryStore`` instead (a get finds what this instance stored meanwhile; a put
   stores there), so no client request fails because Redis did. While degraded, Redis is tried
@@ -11,8 +12,9 @@ Contract (on top of ``store.base``):
   have missed invalidations made elsewhere in the meantime.
 - Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
   ``health()`` for ``/stats`` and ``/healthz``. A call that waited ``pool_timeout`` for a free
-  connection (``PoolExhausted``: Redis answers, this instance is overloaded) is answered from
-  memory like a failure, but counted apart (``pool_exhausted``) and starts no degraded period.
+  connection (``PoolExhausted``: Redis answers, this instance is overloaded) is counted apart
+  (``pool_exhausted``), starts no degraded period and does not use the local store (a get is
+  a miss, a put is not kept: nothing would ever clear it of later invalidations).
 - Other layers that use the same Redis (cross-instance flights) share this state: they ask
   ``usable()`` before a Redis call and ``report()`` its failure or success.
 """
@@ -77,6 +79,11 @@ class SharedStore:
             return self.local.get_now(key)
         try:
             entry = await self.redis.get(key)
+        except PoolExhausted as error:
+            # Not an outage: the local store is not in use (nothing there is kept up to date
+            # with invalidations), so this lookup is a miss.
+            self._failed(error)
+            return None
         except StoreUnavailable as error:
             self._failed(error)
             return self.local.get_now(key)
@@ -87,6 +94,9 @@ class SharedStore:
         if not self._skip_redis():
             try:
                 await self.redis.put(key, entry)
+            except PoolExhausted as error:
+                self._failed(error)
+                return                           # (not kept locally: see ``get``)
             except StoreUnavailable as error:
                 self._failed(error)
             else:
@@ -96,10 +106,11 @@ class SharedStore:
 
     async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
                          prefix: str | None = None, everything: bool = False) -> int:
-        selector = {"tag": tag, "namespace": namespace, "prefix": prefix, "everything": everything}
-        dropped = await self.local.invalidate(**selector)
+        dropped = await self.local.invalidate(tag=tag, namespace=namespace, prefix=prefix,
+                                              everything=everything)
         try:
-            dropped += await self.redis.invalidate(**selector)
+            dropped += await self.redis.invalidate(tag=tag, namespace=namespace, prefix=prefix,
+                                                   everything=everything)
         except StoreUnavailable as error:
             self._failed(error)
         else:

@@ -51,7 +51,7 @@ import struct
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -720,7 +720,7 @@ def usage_chunk(plan: Plan) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- Upstream adapter
 
 
-async def _payloads(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _payloads(chunks: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[bytes, None]:
     """Chunk objects as SSE payload bytes. Closing this closes the replica's stream at once (an
     outer generator does not close the one it iterates), which frees the replica's slot."""
     async with aclosing(chunks):  # type: ignore[type-var]
@@ -754,6 +754,7 @@ class SimUpstream:
     async def passthrough(self, method: str, path: str, query: bytes,
                           headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
         path = _strip_v1(path.split("?", 1)[0])
+        payload: Any
         if method.upper() == "GET" and path == "/models":
             status, payload = 200, self.replica.models()
         elif method.upper() == "GET" and path.startswith("/models/"):

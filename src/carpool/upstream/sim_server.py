@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -118,7 +118,7 @@ class _ReplicaServer(uvicorn.Server):
         yield
 
 
-def _stop_on_signals(servers: list[uvicorn.Server]) -> list[int]:
+def _stop_on_signals(servers: Sequence[uvicorn.Server]) -> list[int]:
     """Make SIGINT/SIGTERM stop every server; returns the signals handled."""
     loop = asyncio.get_running_loop()
 
@@ -133,7 +133,7 @@ def _stop_on_signals(servers: list[uvicorn.Server]) -> list[int]:
             handled.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread, or a platform without loop signal handlers
-    return handled
+    return [int(sig) for sig in handled]
 
 
 async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
@@ -164,7 +164,7 @@ async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
             raise outcome
 
 
-async def _announce_when_started(replicas: list[SimReplica], servers: list[uvicorn.Server],
+async def _announce_when_started(replicas: list[SimReplica], servers: Sequence[uvicorn.Server],
                                  tasks: list[asyncio.Task[None]], host: str) -> None:
     """Print each replica's URL once it listens (the bound port, which matters for port 0)."""
     for replica, server, task in zip(replicas, servers, tasks, strict=True):
