@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..store.base import StoreUnavailable
@@ -129,25 +129,21 @@ def _cluster_class() -> type:
 
         def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
             pipe = super().pipeline(transaction, shard_hint)
-            execute = pipe.execute
-
-            async def ready_then_execute(*args: Any, **kwargs: Any) -> Any:
-                await self.ready()
-                return await execute(*args, **kwargs)
-
-            pipe.execute = ready_then_execute  # type: ignore[method-assign]
+            pipe.execute = self._ready_first(pipe.execute)  # type: ignore[method-assign,assignment]
             return pipe
 
         def pubsub(self, *args: Any, **kwargs: Any) -> Any:
             pubsub = super().pubsub(*args, **kwargs)
-            execute = pubsub.execute_command
-
-            async def ready_then_execute(*args: Any, **kwargs: Any) -> Any:
-                await self.ready()
-                return await execute(*args, **kwargs)
-
-            pubsub.execute_command = ready_then_execute  # type: ignore[method-assign]
+            pubsub.execute_command = self._ready_first(  # type: ignore[method-assign,assignment]
+                pubsub.execute_command)
             return pubsub
+
+        def _ready_first(self, method: Callable[..., Awaitable[Any]],
+                         ) -> Callable[..., Awaitable[Any]]:
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                await self.ready()
+                return await method(*args, **kwargs)
+            return call
 
     return Cluster
 
