@@ -19,6 +19,8 @@ from typing import Any
 
 from orjson import dumps as _json_dumps
 
+from carpool.bench import report as _report
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -47,15 +49,8 @@ def machine() -> dict[str, Any]:
     }
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between closest ranks."""
-    data = sorted(values)
-    if not data:
-        return float("nan")
-    k = (len(data) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+# The q-th percentile (0..100), linear interpolation between closest ranks: `carpool bench`'s.
+percentile = _report.percentile
 
 
 def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
