@@ -4,12 +4,11 @@ Contract
 --------
 - :func:`connect` returns a ``redis.asyncio`` client (bytes, never decoded) on a
   :class:`~redis.asyncio.BlockingConnectionPool` of ``max_connections``: a caller that finds every
-  connection busy *waits* for one, up to ``pool_timeout`` seconds (a cluster client's pools,
-  one per node of ``max_connections``, do not wait: past them a call is ``PoolExhausted`` at
-  once). The library's default pool
+  connection busy *waits* for one, up to ``pool_timeout`` seconds. The library's default pool
   instead fails at once past 100 connections ("Too many connections"), which a burst of a few
   hundred concurrent requests reached while Redis was healthy, switching the instance to
-  running every call alone. Each command may take ``socket_timeout`` (a hung Redis fails a call
+  running every call alone. (A cluster client's pools, one per node of ``max_connections``, do
+  not wait: past them a call is ``PoolExhausted`` at once.) Each command may take ``socket_timeout`` (a hung Redis fails a call
   in that long, never hangs it), a connection ``connect_timeout``; a refused or reset connection
   is retried ``retries`` times at once (a pooled connection may be stale after a restart), a
   timeout never is.
