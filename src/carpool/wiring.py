@@ -110,19 +110,15 @@ def build_idempotency(config: Config, store: Store | None = None) -> Idempotency
     local = MemoryIdempotencyRecords(config.idempotency.retention, processing_ttl)
     if not config.redis:
         return local
-    redis, _, owned = _shared_redis(config, store)
-    # On the shared store's connection pool when there is one (the records then leave it open).
-    target = config.redis if owned else redis.client
-    d = config.distributed
     from .redis.idempotency import RedisIdempotencyRecords
 
-    # Shared records are leased for seconds and renewed while the request runs, so a dead
-    # instance's key is free again soon; the in-process ones die with their process.
+    # On the shared store's connection pool, as every Redis layer. Shared records are leased
+    # for seconds and renewed while the request runs, so a dead instance's key is free again
+    # soon; the in-process ones die with their process.
+    redis, _, owned = _shared_redis(config, store)
     return FallbackRecords(RedisIdempotencyRecords(
-        target, retention=config.idempotency.retention, lease=config.idempotency.lease,
-        prefix=d.key_prefix, socket_timeout=d.timeout, connect_timeout=d.connect_timeout,
-        max_connections=d.max_connections, pool_timeout=d.pool_timeout, cluster=d.cluster),
-        local)
+        redis.client, retention=config.idempotency.retention, lease=config.idempotency.lease,
+        prefix=config.distributed.key_prefix, owns_client=owned), local)
 
 
 def build_semantic(config: Config, upstreams: Sequence[Upstream],

@@ -35,7 +35,8 @@ from ..store.base import StoreUnavailable
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
-__all__ = ["Backoff", "Health", "PoolExhausted", "StoreUnavailable", "connect", "unavailable"]
+__all__ = ["Backoff", "Health", "PoolExhausted", "StoreUnavailable", "connect", "unavailable",
+           "unavailable_in"]
 
 SOCKET_TIMEOUT = 0.5      # s per command: Redis answers in well under a ms; a hung one must fail
 CONNECT_TIMEOUT = 0.25    # s per connection attempt
@@ -163,6 +164,12 @@ def unavailable(what: str) -> Iterator[None]:
     except (RedisError, RedisClusterException, OSError) as exc:
         # (RedisClusterException, "no node reachable", is not a RedisError.)
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def unavailable_in(layer: str) -> Callable[[str], contextlib.AbstractContextManager[None]]:
+    """:func:`unavailable` for one layer: ``_unavailable = unavailable_in("the Redis store")``,
+    then ``with _unavailable("get"):`` fails as "the Redis store failed to get: ..."."""
+    return lambda operation: unavailable(f"{layer} failed to {operation}")
 
 
 async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str | None:

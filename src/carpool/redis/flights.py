@@ -115,7 +115,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from .connection import Health, StoreUnavailable, unavailable
+from .connection import Health, StoreUnavailable, unavailable_in
 from .store import RedisStore, glob_escape, xread_entries
 
 if TYPE_CHECKING:
@@ -207,6 +207,8 @@ _DOWN = "unavailable"     # Redis failed: run the call here
 _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout,
                                   UpstreamStreamBroken)}
+
+_unavailable = unavailable_in("the Redis flights")
 
 
 class SharedFlights:
@@ -628,7 +630,3 @@ def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
     error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
     error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
     return error
-
-
-def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return unavailable(f"the Redis flights failed to {operation}")

@@ -29,7 +29,7 @@ from .connection import (
     SOCKET_TIMEOUT,
     StoreUnavailable,
     connect,
-    unavailable,
+    unavailable_in,
 )
 
 if TYPE_CHECKING:
@@ -87,13 +87,15 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
+_unavailable = unavailable_in("the Redis idempotency records")
+
 
 class RedisIdempotencyRecords:
     """The records in Redis/Valkey, shared by every gateway instance.
 
     ``target``: a URL (``redis://``, ``rediss://``, ``unix://``) or an existing ``redis.asyncio``
     client (not decoding responses; then its timeouts/retries apply and ``aclose`` leaves it
-    open: the exact cache's client can be shared).
+    open, unless ``owns_client``: the exact cache's client can be shared).
 
     Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Cluster hash tag):
 
@@ -120,7 +122,8 @@ class RedisIdempotencyRecords:
                  prefix: str = "carpool:", socket_timeout: float = SOCKET_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT, retries: int = RETRIES,
                  max_connections: int = MAX_CONNECTIONS, pool_timeout: float = POOL_TIMEOUT,
-                 cluster: bool = False, poll_max: float = POLL_MAX) -> None:
+                 cluster: bool = False, poll_max: float = POLL_MAX,
+                 owns_client: bool | None = None) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
         if retention <= 0 or lease <= 0:
@@ -141,7 +144,7 @@ class RedisIdempotencyRecords:
         else:
             client = target
             self.url = repr(client)
-            self._owns_client = False
+            self._owns_client = bool(owns_client)
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the Redis client must not decode responses: bodies are bytes")
         self._client = client
@@ -285,7 +288,3 @@ def _decode(status: Any, headers: Any, body: Any, streamed: Any) -> StoredRespon
     if streamed is None:        # written before the field existed: the content type says
         streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
     return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"))
-
-
-def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return unavailable(f"the Redis idempotency records failed to {operation}")

@@ -40,7 +40,7 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .connection import Backoff, Health, StoreUnavailable, unavailable
+from .connection import Backoff, Health, StoreUnavailable, unavailable_in
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -51,6 +51,8 @@ log = logging.getLogger("carpool.invalidation")
 
 WAIT = 1.0                # s of one wait for a message (then the keepalive is considered)
 KEEPALIVE = 5.0           # s without any message before the subscriber PINGs Redis
+
+_unavailable = unavailable_in("the invalidation channel")
 
 
 class InvalidationChannel:
@@ -186,7 +188,3 @@ class InvalidationChannel:
 async def _quietly(closing: Any) -> None:
     with contextlib.suppress(Exception):
         await closing
-
-
-def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return unavailable(f"the invalidation channel failed to {operation}")

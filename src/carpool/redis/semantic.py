@@ -74,7 +74,7 @@ from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, focus
 from ..semantic.guard import Guard
-from .connection import Backoff, Health, StoreUnavailable, unavailable
+from .connection import Backoff, Health, StoreUnavailable, unavailable_in
 from .store import xread_entries
 
 if TYPE_CHECKING:
@@ -85,6 +85,8 @@ log = logging.getLogger("carpool.semantic")
 READ_COUNT = 256          # records per XREAD
 
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
+
+_unavailable = unavailable_in("the shared semantic cache")
 
 
 class SharedSemanticCache(SemanticCache):
@@ -278,9 +280,3 @@ class SharedSemanticCache(SemanticCache):
             self.health.report(error)
         else:
             log.debug("shared semantic cache: %s", error)
-
-
-
-
-def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return unavailable(f"the shared semantic cache failed to {operation}")

@@ -76,7 +76,7 @@ from .connection import (
     SOCKET_TIMEOUT,
     StoreUnavailable,
     connect,
-    unavailable,
+    unavailable_in,
 )
 
 if TYPE_CHECKING:
@@ -180,6 +180,9 @@ def xread_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     if isinstance(reply, dict):
         return next(iter(reply.values()))[0] if reply else []
     return reply[0][1]
+
+
+_unavailable = unavailable_in("the Redis store")
 
 
 class RedisStore:
@@ -440,7 +443,3 @@ def _split(joined: bytes, lengths: list[int] | None) -> list[bytes] | None:
         frames.append(joined[at:at + length])
         at += length
     return frames
-
-
-def _unavailable(operation: str) -> contextlib.AbstractContextManager[None]:
-    return unavailable(f"the Redis store failed to {operation}")
