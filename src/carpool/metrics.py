@@ -119,8 +119,8 @@ class _StatsCollector(Collector):
             redis.add_metric([component], n)
         yield redis
         yield CounterMetricFamily("carpool_redis_pool_exhausted", "Redis calls that found every "
-                                  "pooled connection busy for distributed.pool_timeout (answered "
-                                  "from this instance's memory; Redis not marked down).",
+                                  "pooled connection busy for distributed.pool_timeout (a miss, "
+                                  "nothing kept locally; Redis not marked down).",
                                   value=g["redis_pool_exhausted"])
         yield GaugeMetricFamily("carpool_flights", "Upstream calls in flight (and lingering in "
                                 "the coalescing window).", value=g["flights"])
