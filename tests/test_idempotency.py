@@ -285,7 +285,7 @@ async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_on
 async def test_wait_returns_the_response_when_another_task_finishes(
         records: IdempotencyRecords) -> None:
     token = await begin_new(records)
-    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
     assert not waiter.done()
     started = time.monotonic()
@@ -298,7 +298,7 @@ async def test_wait_returns_the_response_when_another_task_finishes(
 async def test_wait_returns_none_on_timeout(records: IdempotencyRecords) -> None:
     await begin_new(records)
     started = time.monotonic()
-    assert await records.wait("k", timeout=0.1) is None
+    assert await records.wait("k", FP, timeout=0.1) is None
     assert 0.09 <= time.monotonic() - started < 1.0
     assert (await records.begin("k", FP)).state == "processing"   # waiting changed nothing
 
@@ -306,10 +306,10 @@ async def test_wait_returns_none_on_timeout(records: IdempotencyRecords) -> None
 async def test_wait_returns_none_without_a_record_or_once_abandoned(
         records: IdempotencyRecords) -> None:
     started = time.monotonic()
-    assert await records.wait("nothing", timeout=5) is None
+    assert await records.wait("nothing", FP, timeout=5) is None
     assert time.monotonic() - started < 0.5
     token = await begin_new(records)
-    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
     await records.abandon("k", token)
     assert await asyncio.wait_for(waiter, 2) is None
@@ -318,13 +318,13 @@ async def test_wait_returns_none_without_a_record_or_once_abandoned(
 async def test_wait_returns_at_once_when_already_done(records: IdempotencyRecords) -> None:
     token = await begin_new(records)
     await records.finish("k", token, BAD_GATEWAY)
-    assert await records.wait("k", timeout=0) == BAD_GATEWAY
+    assert await records.wait("k", FP, timeout=0) == BAD_GATEWAY
 
 
 async def test_wait_does_not_return_the_answer_to_another_request(make: Make) -> None:
     records = make(lease=0.1)
     await begin_and_die(make, records)                     # dies: its lease runs out
-    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
 
     async def taken_over() -> bool:
@@ -332,6 +332,14 @@ async def test_wait_does_not_return_the_answer_to_another_request(make: Make) ->
 
     await until(taken_over)
     assert await asyncio.wait_for(waiter, 2) is None       # the key now holds another request
+
+
+async def test_wait_for_a_record_that_holds_another_request_returns_none_at_once(
+        records: IdempotencyRecords) -> None:
+    token = await begin_new(records, fp=OTHER_FP)
+    assert await records.wait("k", FP, timeout=10) is None  # not the waiter's request: no wait
+    await records.finish("k", token, OK)
+    assert await records.wait("k", FP, timeout=10) is None  # nor its answer
 
 
 # --------------------------------------------------------------------------- several instances
@@ -352,7 +360,7 @@ async def test_two_instances_see_each_other(
     token = await begin_new(a)
     assert await b.begin("k", FP) == Begin("processing")
     assert await b.begin("k", OTHER_FP) == Begin("mismatch")
-    waiter = asyncio.create_task(b.wait("k", timeout=10))
+    waiter = asyncio.create_task(b.wait("k", FP, timeout=10))
     await eventually(lambda: b.waiters == 1, timeout=2, what="b's waiter")
     assert await a.finish("k", token, OK) is True
     assert await asyncio.wait_for(waiter, 2) == OK        # b polls: no wake-up from a
@@ -455,7 +463,7 @@ async def test_redis_a_dead_server_fails_every_call_fast(killable_redis: RedisSe
         killable_redis.kill()
         calls = [records.begin("k", FP), records.finish("k", token, OK),
                  records.abandon("k", token), records.renew("k", token),
-                 records.wait("k", timeout=5)]
+                 records.wait("k", FP, timeout=5)]
         await assert_each_fails_fast(calls)
         killable_redis.restart()                                     # empty: the key is free
         await begin_new(records)

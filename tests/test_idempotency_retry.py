@@ -378,7 +378,7 @@ async def test_a_record_keeps_the_format_of_the_request_that_made_it(records, st
     response = StoredResponse(400, [(b"content-type", b"application/json")],
                               orjson.dumps(ERROR_BODY), streamed)
     began = await records.begin("k", "fp")
-    waiter = asyncio.create_task(records.wait("k", timeout=10))
+    waiter = asyncio.create_task(records.wait("k", "fp", timeout=10))
     await eventually(lambda: records.waiters == 1, what="the waiter")
     assert await records.finish("k", began.token, response) is True
     assert (await asyncio.wait_for(waiter, 5)).streamed is streamed
@@ -398,7 +398,7 @@ async def test_a_redis_record_written_before_the_format_field_takes_it_from_its_
                 "h": orjson.dumps([["content-type", ctype]])})
         assert (await records.begin("old-sse", "fp")).response.streamed is True
         assert (await records.begin("old-json", "fp")).response.streamed is False
-        assert (await records.wait("old-sse", timeout=1)).streamed is True
+        assert (await records.wait("old-sse", "fp", timeout=1)).streamed is True
     finally:
         await raw.aclose()
         await records.aclose()

@@ -42,9 +42,10 @@ One record per key, with the fingerprint of the request that created it:
   record is no longer this owner's (then it may already run elsewhere). A PROCESSING record whose
   lease runs out (its owner died, or did not renew) is gone: the next ``begin`` takes over as
   ``"new"``, and the old owner's ``finish`` is refused.
-- ``wait(key, timeout)``: for ``idempotency.on_conflict: wait``. Returns the stored response once
-  the record is finished; None when the timeout passes, when there is no record (abandoned,
-  lease run out, expired), or when the record now belongs to another fingerprint. On None the
+- ``wait(key, fingerprint, timeout)``: for ``idempotency.on_conflict: wait``. Returns the stored
+  response once the record of ``fingerprint`` (the waiting request's) is finished; None when the
+  timeout passes, when there is no record (abandoned, lease run out, expired), or when the record
+  belongs to another fingerprint (taken over by another request, even before the first look). On None the
   caller should ``begin`` again (it may now be ``"new"``, ``"mismatch"``...), not assume a 409.
 - Retention: SUCCESS and FAILED records live ``retention`` seconds (config
   ``idempotency.retention``, default 24 h) from their finish; then the key is free again.
@@ -285,7 +286,8 @@ class IdempotencyRecords(Protocol):
 
     async def renew(self, key: str, token: str) -> bool: ...
 
-    async def wait(self, key: str, timeout: float) -> StoredResponse | None: ...
+    async def wait(self, key: str, fingerprint: str,
+                   timeout: float) -> StoredResponse | None: ...
 
     async def aclose(self) -> None: ...
 
@@ -501,9 +503,8 @@ class MemoryIdempotencyRecords:
         record.expires = now + self.processing_ttl
         return True
 
-    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
+    async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None:
         deadline = time.monotonic() + timeout
-        fingerprint: str | None = None
         self.waiters += 1
         try:
             while True:
@@ -511,9 +512,7 @@ class MemoryIdempotencyRecords:
                 record = self._live(key, now)
                 if record is None:
                     return None
-                if fingerprint is None:
-                    fingerprint = record.fingerprint
-                elif record.fingerprint != fingerprint:
+                if record.fingerprint != fingerprint:
                     return None
                 if record.response is not None:
                     return _copy(record.response)
@@ -622,11 +621,11 @@ class FallbackRecords:
         except StoreUnavailable:
             return False
 
-    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
+    async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None:
         try:
-            return await self.shared.wait(key, timeout)
+            return await self.shared.wait(key, fingerprint, timeout)
         except StoreUnavailable:
-            return await self.local.wait(key, timeout)
+            return await self.local.wait(key, fingerprint, timeout)
 
     async def aclose(self) -> None:
         await self.shared.aclose()

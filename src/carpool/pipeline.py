@@ -299,7 +299,7 @@ class Gateway:
         begin = await records.begin(scoped, digest)
         if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
             _waiting(client)
-            await records.wait(scoped, self._join_timeout)
+            await records.wait(scoped, digest, self._join_timeout)
             begin = await records.begin(scoped, digest)
         if begin.state == "mismatch":
             return _error_reply(IdempotencyMismatch(), Outcome.BYPASS, request.api)

@@ -107,9 +107,11 @@ async def test_an_already_expired_entry_is_never_returned(store: Store) -> None:
 
 
 async def test_an_entry_is_not_returned_once_its_ttl_has_passed(store: Store) -> None:
-    put = entry(ttl=0.08)
+    put = entry(ttl=0.3)
     await store.put("k", put)
-    assert_same(await store.get("k"), put)
+    got = await store.get("k")
+    if got is not None or time.time() < put.expires:    # a slow machine may be past it already
+        assert_same(got, put)
 
     async def gone() -> bool:
         return await store.get("k") is None

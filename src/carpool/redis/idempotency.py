@@ -235,11 +235,11 @@ class RedisIdempotencyRecords:
         if keeper is not None:
             keeper.cancel()
 
-    async def wait(self, key: str, timeout: float) -> StoredResponse | None:
+    async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None:
         record_key = self.record_key(key)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        fingerprint: bytes | str | None = None
+        mine = fingerprint.encode()
         pause = POLL_MIN
         self.waiters += 1
         try:
@@ -252,9 +252,7 @@ class RedisIdempotencyRecords:
                         record_key, "s", "fp", "st", "h", "b", "m")
                 if state is None:
                     return None
-                if fingerprint is None:
-                    fingerprint = found
-                elif found != fingerprint:
+                if found != mine:
                     return None
                 if state != b"p":
                     return _decode(status, headers, body, streamed)
