@@ -32,9 +32,11 @@ CHAT = "/v1/chat/completions"
 # ------------------------------------------------------------------------------------------------
 # Facts and statistics
 
+
 def machine() -> dict[str, Any]:
     try:
         import uvloop
+
         loop = f"uvloop {uvloop.__version__}"
     except ImportError:  # pragma: no cover
         loop = "asyncio"
@@ -55,9 +57,14 @@ percentile = _report.percentile
 
 def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
     ms = [s * 1000 for s in seconds]
-    return {"n": len(ms), "p50_ms": round(percentile(ms, 50), 4),
-            "p90_ms": round(percentile(ms, 90), 4), "p99_ms": round(percentile(ms, 99), 4),
-            "mean_ms": round(statistics.fmean(ms), 4), "max_ms": round(max(ms), 4)}
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 4),
+        "p90_ms": round(percentile(ms, 90), 4),
+        "p99_ms": round(percentile(ms, 99), 4),
+        "mean_ms": round(statistics.fmean(ms), 4),
+        "max_ms": round(max(ms), 4),
+    }
 
 
 def median(values: Sequence[float]) -> float:
@@ -88,8 +95,10 @@ def chat_body(temperature: float | None = 0, nonce: str = "", **extra: Any) -> d
     """A realistic ~1 KB chat request: a system message and a user message."""
     body: dict[str, Any] = {
         "model": "bench-model",
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                     {"role": "user", "content": USER_PROMPT + nonce}],
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": USER_PROMPT + nonce},
+        ],
         "max_tokens": 256,
     }
     if temperature is not None:
@@ -103,20 +112,36 @@ def json_bytes(body: dict[str, Any]) -> bytes:
 
 
 # The upstream's answer: one complete chat completion (every choice finished, with usage).
-ANSWER = _json_dumps({
-    "id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000,
-    "model": "bench-model", "system_fingerprint": "bench-upstream",
-    "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                 "message": {"role": "assistant", "content": (
-                     "Use 5 x 60 mm stainless steel or A2 decking screws, two per board end, "
-                     "about 40 cm apart along the corner posts. Larch lasts 10-15 years in soil; "
-                     "line the inside with a breathable membrane.")}}],
-    "usage": {"prompt_tokens": 180, "completion_tokens": 48, "total_tokens": 228},
-})
+ANSWER = _json_dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "bench-model",
+        "system_fingerprint": "bench-upstream",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "logprobs": None,
+                "message": {
+                    "role": "assistant",
+                    "content": (
+                        "Use 5 x 60 mm stainless steel or A2 decking screws, two per board end, "
+                        "about 40 cm apart along the corner posts. Larch lasts 10-15 years in soil; "
+                        "line the inside with a breathable membrane."
+                    ),
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 180, "completion_tokens": 48, "total_tokens": 228},
+    }
+)
 
 
 # ------------------------------------------------------------------------------------------------
 # Servers in subprocesses
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -146,8 +171,9 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
 @contextlib.contextmanager
 def server(args: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``python <args>`` (a server listening on ``port``) for the duration of the block."""
-    proc = subprocess.Popen([PY, *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=None)
+    proc = subprocess.Popen(
+        [PY, *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=None
+    )
     try:
         wait_port(port, proc)
         yield proc
@@ -180,8 +206,14 @@ def upstream_server(*, hold: bool = False, delay_ms: float = 0) -> Iterator[int]
 def gateway_server(upstream_port: int, *extra: str) -> Iterator[int]:
     """The real gateway (``create_app(Gateway(config))`` on uvicorn) on a free port."""
     port = free_port()
-    args = [str(HERE / "gateway_server.py"), "--port", str(port),
-            "--upstream", f"http://{HOST}:{upstream_port}/v1", *extra]
+    args = [
+        str(HERE / "gateway_server.py"),
+        "--port",
+        str(port),
+        "--upstream",
+        f"http://{HOST}:{upstream_port}/v1",
+        *extra,
+    ]
     with server(args, port):
         yield port
 
@@ -199,11 +231,18 @@ async def lifespan(receive: Any, send: Any) -> None:
 
 def loadgen(mode: str, spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Run ``loadgen.py`` in its own process; return the JSON it prints."""
-    done = subprocess.run([PY, str(HERE / "loadgen.py"), mode, json.dumps(spec)], env=_env(),
-                          cwd=ROOT, capture_output=True, timeout=timeout)
+    done = subprocess.run(
+        [PY, str(HERE / "loadgen.py"), mode, json.dumps(spec)],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        timeout=timeout,
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"loadgen {mode} failed ({done.returncode}):\n"
-                           f"{done.stderr.decode(errors='replace')[-3000:]}")
+        raise RuntimeError(
+            f"loadgen {mode} failed ({done.returncode}):\n"
+            f"{done.stderr.decode(errors='replace')[-3000:]}"
+        )
     return json.loads(done.stdout)
 
 

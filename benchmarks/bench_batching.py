@@ -39,8 +39,9 @@ Send = Callable[[UpstreamRequest], Awaitable[UpstreamResponse]]
 def texts(n: int, distinct: int | None, seed: int = 7) -> list[str]:
     rng = random.Random(seed)
     pool_size = distinct or n
-    pool = [" ".join(rng.choice(VOCABULARY) for _ in range(24)) + f" #{i}"
-            for i in range(pool_size)]
+    pool = [
+        " ".join(rng.choice(VOCABULARY) for _ in range(24)) + f" #{i}" for i in range(pool_size)
+    ]
     return pool if distinct is None else [rng.choice(pool) for _ in range(n)]
 
 
@@ -52,6 +53,7 @@ def with_call_overhead(send: Send, overhead_s: float, slots: int) -> Send:
         async with semaphore:
             await asyncio.sleep(overhead_s)
         return await send(request)
+
     return wrapped
 
 
@@ -61,8 +63,13 @@ async def drive(call: Send, inputs: list[str]) -> float:
 
     async def client() -> None:
         for text in queue:
-            response = await call(UpstreamRequest("/embeddings", {"model": "emb", "input": text},
-                                                  {"authorization": "Bearer bench"}))
+            response = await call(
+                UpstreamRequest(
+                    "/embeddings",
+                    {"model": "emb", "input": text},
+                    {"authorization": "Bearer bench"},
+                )
+            )
             if response.status != 200:
                 raise RuntimeError(f"status {response.status}: {response.body[:200]!r}")
 
@@ -73,9 +80,11 @@ async def drive(call: Send, inputs: list[str]) -> float:
 
 async def run(requests: int, overhead_ms: float) -> None:
     config = SimConfig()
-    print(f"sim: replicas 1, max_concurrency {config.max_concurrency}, prefill "
-          f"{config.prefill_ms_per_token} ms/token, per-call overhead added by this bench: "
-          f"{overhead_ms} ms; concurrency {CONCURRENCY}, {requests} requests")
+    print(
+        f"sim: replicas 1, max_concurrency {config.max_concurrency}, prefill "
+        f"{config.prefill_ms_per_token} ms/token, per-call overhead added by this bench: "
+        f"{overhead_ms} ms; concurrency {CONCURRENCY}, {requests} requests"
+    )
     for label, distinct in (("all distinct", None), ("256 distinct", 256)):
         inputs = texts(requests, distinct)
         results = {}
@@ -84,17 +93,23 @@ async def run(requests: int, overhead_ms: float) -> None:
             send: Send = upstream.send
             if overhead_ms > 0:
                 send = with_call_overhead(send, overhead_ms / 1000, config.max_concurrency)
-            batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.005,
-                                       max_batch_tokens=8192)
+            batcher = EmbeddingBatcher(
+                send, max_batch_size=32, max_batch_delay_s=0.005, max_batch_tokens=8192
+            )
             rate = await drive(send if mode == "unbatched" else batcher.embed, inputs)
             results[mode] = rate
             calls = upstream.replica.calls.get("embeddings", 0)
-            extra = (f", batches {batcher.batches}, mean items/batch "
-                     f"{batcher.items_sent / max(1, batcher.batches):.1f}"
-                     if mode == "batched" else "")
+            extra = (
+                f", batches {batcher.batches}, mean items/batch "
+                f"{batcher.items_sent / max(1, batcher.batches):.1f}"
+                if mode == "batched"
+                else ""
+            )
             print(f"  {label:13s} {mode:9s}: {rate:8.0f} req/s, upstream calls {calls}{extra}")
-        print(f"  {label:13s} ratio batched/unbatched: "
-              f"{results['batched'] / results['unbatched']:.2f}x")
+        print(
+            f"  {label:13s} ratio batched/unbatched: "
+            f"{results['batched'] / results['unbatched']:.2f}x"
+        )
 
 
 def main() -> None:

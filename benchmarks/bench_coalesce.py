@@ -38,19 +38,30 @@ INPROC_N = 10_000
 # ------------------------------------------------------------------------------------------------
 # Over HTTP
 
+
 def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
     runs = []
     with c.upstream_server(hold=True) as up, c.gateway_server(up) as gw:
         for _ in range(repeats):
             body = c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]")
-            runs.append(c.loadgen("coalesce", {"gateway_port": gw, "upstream_port": up, "n": n,
-                                               "body": body}))
-    ok = all(r["upstream_calls"] == 1 and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
-             and r["statuses"] == {"200": n} and r["distinct_bodies"] == 1 and r["all_joined"]
-             for r in runs)
+            runs.append(
+                c.loadgen(
+                    "coalesce", {"gateway_port": gw, "upstream_port": up, "n": n, "body": body}
+                )
+            )
+    ok = all(
+        r["upstream_calls"] == 1
+        and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
+        and r["statuses"] == {"200": n}
+        and r["distinct_bodies"] == 1
+        and r["all_joined"]
+        for r in runs
+    )
     med = lambda k: round(c.median([r[k] for r in runs]), 6)  # noqa: E731
     return {
-        "n": n, "repeats": repeats, "ok": ok,
+        "n": n,
+        "repeats": repeats,
+        "ok": ok,
         "upstream_calls": [r["upstream_calls"] for r in runs],
         "outcomes": runs[-1]["outcomes"],
         "join_s_median": med("join_s"),
@@ -63,6 +74,7 @@ def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # In process
+
 
 class GateUpstream:
     """An in-process upstream (the ``Upstream`` protocol) that answers once its gate opens."""
@@ -77,13 +89,15 @@ class GateUpstream:
 
     async def send(self, request: Any) -> Any:
         from carpool.upstream.base import UpstreamResponse
+
         self.calls += 1
         await self.gate.wait()
         self.answered_at = time.perf_counter()
         return UpstreamResponse(200, {"content-type": "application/json"}, body=self.body)
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> Any:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> Any:
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -93,6 +107,7 @@ class GateUpstream:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         import os
+
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -128,22 +143,29 @@ async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
     bodies = len({r.body for r in replies})
     await gateway.aclose()
     result = {
-        "n": n, "upstream_calls": upstream.calls, "outcomes": dict(outcomes),
-        "statuses": {str(k): v for k, v in statuses.items()}, "distinct_bodies": bodies,
+        "n": n,
+        "upstream_calls": upstream.calls,
+        "outcomes": dict(outcomes),
+        "statuses": {str(k): v for k, v in statuses.items()},
+        "distinct_bodies": bodies,
         "join_s": round(t_joined - t0, 6),
-        "release_s": round(t_done - t_open, 6),                 # gate opens -> all replied
+        "release_s": round(t_done - t_open, 6),  # gate opens -> all replied
         "release_per_waiter_us": round((t_done - t_open) / n * 1e6, 3),
         "rss_held_bytes": rss_held,
     }
     if trace:
-        result.update(traced_held_bytes=held, traced_peak_bytes=peak,
-                      traced_bytes_per_waiter=round(held / n) if held is not None else None)
+        result.update(
+            traced_held_bytes=held,
+            traced_peak_bytes=peak,
+            traced_bytes_per_waiter=round(held / n) if held is not None else None,
+        )
     return result
 
 
 def run_inprocess(n: int = INPROC_N, repeats: int = 3) -> dict[str, Any]:
     try:
         import uvloop
+
         factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         factory = None
@@ -153,27 +175,37 @@ def run_inprocess(n: int = INPROC_N, repeats: int = 3) -> dict[str, Any]:
             runs.append(runner.run(_inprocess_once(n, trace=False)))
     with asyncio.Runner(loop_factory=factory) as runner:
         traced = runner.run(_inprocess_once(n, trace=True))
-    ok = all(r["upstream_calls"] == 1 and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
-             and r["distinct_bodies"] == 1 for r in [*runs, traced])
+    ok = all(
+        r["upstream_calls"] == 1
+        and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
+        and r["distinct_bodies"] == 1
+        for r in [*runs, traced]
+    )
     return {
-        "n": n, "repeats": repeats, "ok": ok,
+        "n": n,
+        "repeats": repeats,
+        "ok": ok,
         "upstream_calls": [r["upstream_calls"] for r in runs],
         "outcomes": runs[-1]["outcomes"],
         "join_s_median": round(c.median([r["join_s"] for r in runs]), 6),
         "release_s_median": round(c.median([r["release_s"] for r in runs]), 6),
         "release_per_waiter_us_median": round(
-            c.median([r["release_per_waiter_us"] for r in runs]), 3),
+            c.median([r["release_per_waiter_us"] for r in runs]), 3
+        ),
         "rss_held_bytes_median": int(c.median([r["rss_held_bytes"] for r in runs])),
         "traced_held_bytes": traced["traced_held_bytes"],
         "traced_peak_bytes": traced["traced_peak_bytes"],
         "traced_bytes_per_waiter": traced["traced_bytes_per_waiter"],
-        "runs": runs, "traced_run": traced,
+        "runs": runs,
+        "traced_run": traced,
     }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    return {"http": run_http(repeats=1 if quick else 5),
-            "inprocess": run_inprocess(repeats=1 if quick else 3)}
+    return {
+        "http": run_http(repeats=1 if quick else 5),
+        "inprocess": run_inprocess(repeats=1 if quick else 3),
+    }
 
 
 def summarize(result: dict[str, Any]) -> list[str]:

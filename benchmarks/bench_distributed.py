@@ -58,15 +58,16 @@ CHUNKS = 48
 # ------------------------------------------------------------------------------------------------
 # The pieces
 
+
 class GateUpstream:
     """An in-process upstream (the ``Upstream`` protocol): a fixed answer once its gate opens."""
 
     name = "gate"
 
     def __init__(self) -> None:
-        self.gate: asyncio.Event | None = None     # None: answer at once
+        self.gate: asyncio.Event | None = None  # None: answer at once
         self.calls = 0
-        self.answered_at = 0.0                     # perf_counter when the answer (chunk) left
+        self.answered_at = 0.0  # perf_counter when the answer (chunk) left
 
     async def send(self, request: Any) -> Any:
         from carpool.upstream.base import UpstreamResponse
@@ -77,24 +78,28 @@ class GateUpstream:
         if not request.stream:
             self.answered_at = time.perf_counter()
             return UpstreamResponse(200, {"content-type": "application/json"}, body=c.ANSWER)
-        return UpstreamResponse(200, {"content-type": "text/event-stream"},
-                                events=self._chunks())
+        return UpstreamResponse(200, {"content-type": "text/event-stream"}, events=self._chunks())
 
     async def _chunks(self) -> AsyncIterator[bytes]:
-        head = b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,' \
-               b'"model":"bench-model","choices":[{"index":0,'
+        head = (
+            b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+            b'"model":"bench-model","choices":[{"index":0,'
+        )
         self.answered_at = time.perf_counter()
         yield head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
         for i in range(CHUNKS):
             await asyncio.sleep(0)
             yield head + b'"delta":{"content":" word%d"},"finish_reason":null}]}' % i
         yield head + b'"delta":{},"finish_reason":"stop"}]}'
-        yield b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,' \
-              b'"model":"bench-model","choices":[],"usage":{"prompt_tokens":180,' \
-              b'"completion_tokens":48,"total_tokens":228}}'
+        yield (
+            b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+            b'"model":"bench-model","choices":[],"usage":{"prompt_tokens":180,'
+            b'"completion_tokens":48,"total_tokens":228}}'
+        )
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> Any:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> Any:
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -138,8 +143,11 @@ def labelled(label: str, work: Any) -> asyncio.Task[Any]:
 
 async def commands(client: Any) -> int:
     info = await client.info("commandstats")
-    return sum(int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_")
-               and k not in ("cmdstat_info",))
+    return sum(
+        int(v["calls"])
+        for k, v in info.items()
+        if k.startswith("cmdstat_") and k not in ("cmdstat_info",)
+    )
 
 
 def body(stream: bool = False) -> bytes:
@@ -153,6 +161,7 @@ HEADERS = {"authorization": "Bearer bench"}
 # ------------------------------------------------------------------------------------------------
 # Measurements
 
+
 async def _until(condition: Any, timeout: float = 5.0) -> None:
     deadline = time.perf_counter() + timeout
     while not condition():
@@ -161,8 +170,9 @@ async def _until(condition: Any, timeout: float = 5.0) -> None:
         await asyncio.sleep(0)
 
 
-async def measure_round_trips(a: Any, b: Any, upstream: GateUpstream, probe: Any,
-                              counter: RoundTrips, n: int) -> dict[str, Any]:
+async def measure_round_trips(
+    a: Any, b: Any, upstream: GateUpstream, probe: Any, counter: RoundTrips, n: int
+) -> dict[str, Any]:
     from carpool.pipeline import Gateway  # noqa: F401  (imported for its side effects)
 
     async def per_request(label: str, make: Any) -> dict[str, float]:
@@ -172,8 +182,10 @@ async def measure_round_trips(a: Any, b: Any, upstream: GateUpstream, probe: Any
             await make()
         after = await commands(probe)
         trips = counter.take()
-        return {"round_trips": round(trips.get(label, 0) / n, 3),
-                "server_commands": round((after - before - 0) / n, 3)}
+        return {
+            "round_trips": round(trips.get(label, 0) / n, 3),
+            "server_commands": round((after - before - 0) / n, 3),
+        }
 
     prompts: list[bytes] = []
 
@@ -203,9 +215,11 @@ async def measure_round_trips(a: Any, b: Any, upstream: GateUpstream, probe: Any
         replies = await asyncio.gather(leader, joiner)
         assert [r.outcome.value for r in replies] == ["miss", "coalesced"]
 
-    out = {"miss": await per_request("miss", miss),
-           "miss_streaming": await per_request("miss_streaming", miss_streaming),
-           "hit": await per_request("hit", hit)}
+    out = {
+        "miss": await per_request("miss", miss),
+        "miss_streaming": await per_request("miss_streaming", miss_streaming),
+        "hit": await per_request("hit", hit),
+    }
     counter.take()
     for _ in range(n):
         await cross_joiner()
@@ -220,8 +234,9 @@ async def measure_local_baseline(url: str, rounds: int) -> dict[str, Any]:
     from carpool.pipeline import Gateway
 
     upstream = GateUpstream()
-    gateway = Gateway(Config(redis=url, distributed={"shared_flights": False}),
-                      upstreams=[upstream])
+    gateway = Gateway(
+        Config(redis=url, distributed={"shared_flights": False}), upstreams=[upstream]
+    )
     times: list[float] = []
     try:
         for _ in range(rounds):
@@ -241,8 +256,9 @@ async def measure_local_baseline(url: str, rounds: int) -> dict[str, Any]:
     return c.summary_ms(times)
 
 
-async def measure_latency(a: Any, b: Any, upstream: GateUpstream, rounds: int,
-                          stream: bool) -> dict[str, Any]:
+async def measure_latency(
+    a: Any, b: Any, upstream: GateUpstream, rounds: int, stream: bool
+) -> dict[str, Any]:
     from carpool.request import ClientRequest
 
     local_s: list[float] = []
@@ -271,9 +287,10 @@ async def measure_latency(a: Any, b: Any, upstream: GateUpstream, rounds: int,
         await _until(lambda: a.gateway.shared_flights.leading == 1)
         local = asyncio.ensure_future(timed(a.gateway, raw))
         cross = asyncio.ensure_future(timed(b.gateway, raw))
-        await _until(lambda: a.gateway.flights.waiters == 2
-                     and b.gateway.shared_flights.following == 1)
-        await asyncio.sleep(0.001)       # let B's XREAD reach Redis and block there
+        await _until(
+            lambda: a.gateway.flights.waiters == 2 and b.gateway.shared_flights.following == 1
+        )
+        await asyncio.sleep(0.001)  # let B's XREAD reach Redis and block there
         upstream.gate.set()
         upstream.gate = None
         t_local, t_cross, _ = await asyncio.gather(local, cross, leader)
@@ -281,10 +298,14 @@ async def measure_latency(a: Any, b: Any, upstream: GateUpstream, rounds: int,
         cross_s.append(t_cross - upstream.answered_at)
     diffs = [x - y for x, y in zip(cross_s, local_s, strict=True)]
     local_ms, cross_ms = c.summary_ms(local_s), c.summary_ms(cross_s)
-    return {"rounds": rounds, "local_joiner": local_ms, "cross_joiner": cross_ms,
-            "added_p50_ms": round(cross_ms["p50_ms"] - local_ms["p50_ms"], 4),
-            "added_p50_of_differences_ms": round(statistics.median(diffs) * 1000, 4),
-            "target_added_p50_ms": TARGET_ADDED_P50_MS}
+    return {
+        "rounds": rounds,
+        "local_joiner": local_ms,
+        "cross_joiner": cross_ms,
+        "added_p50_ms": round(cross_ms["p50_ms"] - local_ms["p50_ms"], 4),
+        "added_p50_of_differences_ms": round(statistics.median(diffs) * 1000, 4),
+        "target_added_p50_ms": TARGET_ADDED_P50_MS,
+    }
 
 
 async def _run(url: str, quick: bool) -> dict[str, Any]:
@@ -299,13 +320,13 @@ async def _run(url: str, quick: bool) -> dict[str, Any]:
     a, b = Gateway(config, upstreams=[upstream]), Gateway(config, upstreams=[upstream])
     probe = aredis.Redis.from_url(url)
 
-    class Served:                        # the shape measure_* expect: .gateway
+    class Served:  # the shape measure_* expect: .gateway
         def __init__(self, gateway: Gateway) -> None:
             self.gateway = gateway
 
     sa, sb = Served(a), Served(b)
     try:
-        for _ in range(20):              # warm up: connections, scripts loaded
+        for _ in range(20):  # warm up: connections, scripts loaded
             raw = body()
             await a.request(c.CHAT, raw, HEADERS)
             await b.request(c.CHAT, raw, HEADERS)
@@ -320,11 +341,18 @@ async def _run(url: str, quick: bool) -> dict[str, Any]:
         await a.aclose()
         await b.aclose()
         await probe.aclose()
-    ok = (trips["hit"]["round_trips"] <= 1.2
-          and whole["added_p50_ms"] <= TARGET_ADDED_P50_MS
-          and first["added_p50_ms"] <= TARGET_ADDED_P50_MS)
-    return {"ok": ok, "round_trips": trips, "latency_whole": whole,
-            "latency_first_chunk": first, "flights": flights}
+    ok = (
+        trips["hit"]["round_trips"] <= 1.2
+        and whole["added_p50_ms"] <= TARGET_ADDED_P50_MS
+        and first["added_p50_ms"] <= TARGET_ADDED_P50_MS
+    )
+    return {
+        "ok": ok,
+        "round_trips": trips,
+        "latency_whole": whole,
+        "latency_first_chunk": first,
+        "flights": flights,
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -332,6 +360,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     try:
         import uvloop
+
         factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         factory = None

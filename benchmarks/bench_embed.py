@@ -28,14 +28,27 @@ import _common as c  # noqa: E402
 
 TARGET_P50_MS = 5.0
 PROMPT = "How do I reset my router?"
-TOPICS = ["router", "password", "invoice", "subscription", "printer", "laptop battery",
-          "wifi signal", "email filter", "VPN client", "phone screen", "bank card", "parcel"]
+TOPICS = [
+    "router",
+    "password",
+    "invoice",
+    "subscription",
+    "printer",
+    "laptop battery",
+    "wifi signal",
+    "email filter",
+    "VPN client",
+    "phone screen",
+    "bank card",
+    "parcel",
+]
 
 
 def prompts(n: int, salt: str = "") -> list[str]:
     """``n`` distinct short support questions (8-14 word pieces each)."""
-    return [f"How do I fix my {TOPICS[i % len(TOPICS)]} problem number {i}{salt}?"
-            for i in range(n)]
+    return [
+        f"How do I fix my {TOPICS[i % len(TOPICS)]} problem number {i}{salt}?" for i in range(n)
+    ]
 
 
 def _timed(fn: Any, n: int) -> list[float]:
@@ -61,8 +74,12 @@ async def _concurrent(embedder: Any, texts: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     await asyncio.gather(*(embedder.embed(t) for t in texts))
     wall = time.perf_counter() - started
-    return {"texts": len(texts), "model_calls": embedder.model_calls - calls,
-            "wall_ms": round(wall * 1000, 2), "texts_per_s": round(len(texts) / wall, 1)}
+    return {
+        "texts": len(texts),
+        "model_calls": embedder.model_calls - calls,
+        "wall_ms": round(wall * 1000, 2),
+        "texts_per_s": round(len(texts) / wall, 1),
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -74,7 +91,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     load_s = time.perf_counter() - started
     tokens = len(embedder._model.tokenize([PROMPT])[0])
 
-    for _ in range(50):                                   # warm-up
+    for _ in range(50):  # warm-up
         embedder.encode([PROMPT])
     single = c.summary_ms(_timed(lambda: embedder.encode([PROMPT]), n_single))
 
@@ -87,10 +104,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     async def asynchronous() -> dict[str, Any]:
         out: dict[str, Any] = {}
         for delay in (0.0, 0.002):
-            e = LocalEmbedder(max_delay_s=delay)          # shares the loaded model
+            e = LocalEmbedder(max_delay_s=delay)  # shares the loaded model
             await _await_latency(e, 20)
             out[f"single_await_delay_{delay * 1000:g}ms"] = c.summary_ms(
-                await _await_latency(e, n_single // 2))
+                await _await_latency(e, n_single // 2)
+            )
             e.close()
         e = LocalEmbedder()
         await _concurrent(e, prompts(64, " (warm-up)"))
@@ -100,8 +118,11 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "machine": c.machine(),
-        "model": embedder.name, "dim": embedder.dim, "runtime": embedder.runtime,
-        "prompt": PROMPT, "prompt_tokens": tokens,
+        "model": embedder.name,
+        "dim": embedder.dim,
+        "runtime": embedder.runtime,
+        "prompt": PROMPT,
+        "prompt_tokens": tokens,
         "load_s": round(load_s, 3),
         "single": single,
         "target_p50_ms": TARGET_P50_MS,

@@ -30,12 +30,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
-TARGET_US = 20.0            # issue 2: first sight of a body
-REPEAT_TARGET_US = 10.0     # issue 9: a byte-identical repeat (the common case of a hit)
-HEADERS = {"authorization": "Bearer sk-bench-0123456789abcdef0123456789abcdef",
-           "content-type": "application/json", "accept": "application/json",
-           "user-agent": "OpenAI/Python 1.40.0", "host": "127.0.0.1:8080",
-           "content-length": "1000"}
+TARGET_US = 20.0  # issue 2: first sight of a body
+REPEAT_TARGET_US = 10.0  # issue 9: a byte-identical repeat (the common case of a hit)
+HEADERS = {
+    "authorization": "Bearer sk-bench-0123456789abcdef0123456789abcdef",
+    "content-type": "application/json",
+    "accept": "application/json",
+    "user-agent": "OpenAI/Python 1.40.0",
+    "host": "127.0.0.1:8080",
+    "content-length": "1000",
+}
 
 
 def _time(fn: Callable[[], Any], number: int, repeat: int) -> float:
@@ -68,10 +72,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     store = MemoryStore(config.cache.max_bytes)
     answer = Answer.from_body("chat", orjson.loads(c.ANSWER), c.ANSWER, True)
 
-    async def fill() -> None:             # other entries too, as in a live cache
+    async def fill() -> None:  # other entries too, as in a live cache
         for i in range(10_000):
             await store.put(f"{i:032x}", Entry(answer, 2e10))
         await store.put(key.key, Entry(answer, 2e10))  # type: ignore[arg-type]
+
     asyncio.run(fill())
 
     def total() -> Any:
@@ -80,7 +85,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     assert total() is not None, "the key must be present"
     memo = RepeatMemo(names_of(config.tenant), config.fingerprint.repeat_memo_bytes)
-    memo.remember(memo.key_of(client), request, key, None)   # type: ignore[arg-type]
+    memo.remember(memo.key_of(client), request, key, None)  # type: ignore[arg-type]
 
     def repeat_total() -> Any:
         # A new bytes object each time, as a server delivers: its hash is not cached yet.
@@ -95,8 +100,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     controls = request.controls
 
     def digest() -> str:
-        material = orjson.dumps([1, tenant, "", controls.freshness, "chat", canonical],
-                                option=orjson.OPT_SORT_KEYS)
+        material = orjson.dumps(
+            [1, tenant, "", controls.freshness, "chat", canonical], option=orjson.OPT_SORT_KEYS
+        )
         return hashlib.blake2b(material, digest_size=16).hexdigest()
 
     number, repeat = (2_000, 9) if quick else (10_000, 21)
@@ -111,7 +117,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "canonical": lambda: canonical_body("chat", request.body, collapse),
         "digest": digest,
     }
-    for fn in parts.values():                 # warm up
+    for fn in parts.values():  # warm up
         for _ in range(1000):
             fn()
     # Interleave the measurements so that noise spreads over all of them.
@@ -123,19 +129,27 @@ def run(quick: bool = False) -> dict[str, Any]:
     best = {name: round(min(v) * 1e6, 3) for name, v in samples.items()}
     return {
         "body_bytes": len(raw),
-        "number": number, "repeat": repeat,
-        "total_us": us["total"],                       # median of the repeats
-        "total_best_us": best["total"],                # fastest repeat: least disturbed by noise
+        "number": number,
+        "repeat": repeat,
+        "total_us": us["total"],  # median of the repeats
+        "total_best_us": best["total"],  # fastest repeat: least disturbed by noise
         "target_us": TARGET_US,
         "meets_target": us["total"] <= TARGET_US,
         "repeat_us": us["repeat_total"],
         "repeat_best_us": best["repeat_total"],
         "repeat_target_us": REPEAT_TARGET_US,
         "repeat_meets_target": us["repeat_total"] <= REPEAT_TARGET_US,
-        "split_us": {"loads": us["loads"], "parse": round(us["parse_incl_loads"] - us["loads"], 3),
-                     "fingerprint": us["fingerprint"], "lookup": us["lookup"]},
-        "fingerprint_split_us": {"tenant": us["tenant"], "canonical": us["canonical"],
-                                 "digest": us["digest"]},
+        "split_us": {
+            "loads": us["loads"],
+            "parse": round(us["parse_incl_loads"] - us["loads"], 3),
+            "fingerprint": us["fingerprint"],
+            "lookup": us["lookup"],
+        },
+        "fingerprint_split_us": {
+            "tenant": us["tenant"],
+            "canonical": us["canonical"],
+            "digest": us["digest"],
+        },
         "samples_us": {name: [round(s * 1e6, 3) for s in v] for name, v in samples.items()},
     }
 

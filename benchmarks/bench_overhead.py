@@ -31,22 +31,35 @@ TARGET_ADDED_P50_MS = 1.0
 
 
 def _latency(up: int, gw: int, n: int, warmup: int, block: int) -> dict[str, Any]:
-    body = c.chat_body(0.7)                 # sampled, no seed: the bypass path
-    hit = c.chat_body(0)                    # for reference: an exact hit (after the warm-up)
-    raw = c.loadgen("latency", {"n": n, "warmup": warmup, "block": block, "targets": [
-        {"name": "direct", "port": up, "body": body},
-        {"name": "gateway", "port": gw, "body": body},
-        {"name": "gateway_hit", "port": gw, "body": hit},
-    ]})
+    body = c.chat_body(0.7)  # sampled, no seed: the bypass path
+    hit = c.chat_body(0)  # for reference: an exact hit (after the warm-up)
+    raw = c.loadgen(
+        "latency",
+        {
+            "n": n,
+            "warmup": warmup,
+            "block": block,
+            "targets": [
+                {"name": "direct", "port": up, "body": body},
+                {"name": "gateway", "port": gw, "body": body},
+                {"name": "gateway_hit", "port": gw, "body": hit},
+            ],
+        },
+    )
     hit_samples = raw["gateway_hit"]["samples_s"]
     direct, via = raw["direct"]["samples_s"], raw["gateway"]["samples_s"]
-    blocks = [c.median(via[i:i + block]) - c.median(direct[i:i + block])
-              for i in range(0, min(len(direct), len(via)), block)]
+    blocks = [
+        c.median(via[i : i + block]) - c.median(direct[i : i + block])
+        for i in range(0, min(len(direct), len(via)), block)
+    ]
     d, g = c.summary_ms(direct), c.summary_ms(via)
     added = round(g["p50_ms"] - d["p50_ms"], 4)
     return {
-        "n": n, "warmup": warmup, "block": block,
-        "direct": d, "gateway": g,
+        "n": n,
+        "warmup": warmup,
+        "block": block,
+        "direct": d,
+        "gateway": g,
         "added_p50_ms": added,
         "added_p90_ms": round(g["p90_ms"] - d["p90_ms"], 4),
         "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 4),
@@ -61,15 +74,26 @@ def _latency(up: int, gw: int, n: int, warmup: int, block: int) -> dict[str, Any
 
 
 def _throughput(up: int, gw: int, concurrency: int, seconds: float, rounds: int) -> dict[str, Any]:
-    body = c.chat_body(0)                   # temperature 0: a hit after the first request
-    raw = c.loadgen("throughput", {
-        "concurrency": concurrency, "seconds": seconds, "rounds": rounds, "warmup_s": 0.5,
-        "targets": [{"name": "upstream", "port": up, "body": body},
-                    {"name": "gateway_hit", "port": gw, "body": body}]})
+    body = c.chat_body(0)  # temperature 0: a hit after the first request
+    raw = c.loadgen(
+        "throughput",
+        {
+            "concurrency": concurrency,
+            "seconds": seconds,
+            "rounds": rounds,
+            "warmup_s": 0.5,
+            "targets": [
+                {"name": "upstream", "port": up, "body": body},
+                {"name": "gateway_hit", "port": gw, "body": body},
+            ],
+        },
+    )
     up_rps, hit_rps = raw["upstream"]["rps"], raw["gateway_hit"]["rps"]
     ratios = [h / u for h, u in zip(hit_rps, up_rps, strict=True)]
     return {
-        "concurrency": concurrency, "seconds": seconds, "rounds": rounds,
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "rounds": rounds,
         "upstream_rps_median": round(c.median(up_rps)),
         "gateway_hit_rps_median": round(c.median(hit_rps)),
         "ratio_hit_over_upstream": round(c.median(hit_rps) / c.median(up_rps), 3),
@@ -77,18 +101,28 @@ def _throughput(up: int, gw: int, concurrency: int, seconds: float, rounds: int)
         "upstream_rps": [round(x) for x in up_rps],
         "gateway_hit_rps": [round(x) for x in hit_rps],
         "gateway_outcomes": raw["gateway_hit"]["outcomes"],
-        "non_200": {"upstream": raw["upstream"]["non_200"],
-                    "gateway_hit": raw["gateway_hit"]["non_200"]},
+        "non_200": {
+            "upstream": raw["upstream"]["non_200"],
+            "gateway_hit": raw["gateway_hit"]["non_200"],
+        },
     }
 
 
 def _openloop(up: int, gw: int, rates: list[int], seconds: float) -> dict[str, Any]:
     """Exact hits under load: the same request scheduled at fixed rates (open loop)."""
     body = c.chat_body(0)
-    raw = c.loadgen("openloop", {
-        "rates": rates, "seconds": seconds, "connections": 256,
-        "targets": [{"name": "upstream", "port": up, "body": body},
-                    {"name": "gateway_hit", "port": gw, "body": body}]})
+    raw = c.loadgen(
+        "openloop",
+        {
+            "rates": rates,
+            "seconds": seconds,
+            "connections": 256,
+            "targets": [
+                {"name": "upstream", "port": up, "body": body},
+                {"name": "gateway_hit", "port": gw, "body": body},
+            ],
+        },
+    )
     return {"rates": rates, "seconds": seconds, "connections": 256, **raw}
 
 
@@ -102,11 +136,14 @@ def run(quick: bool = False) -> dict[str, Any]:
             latency = _latency(up, gw, n=2000, warmup=200, block=100)
             throughput = _throughput(up, gw, concurrency=64, seconds=2.0, rounds=6)
             openloop = _openloop(up, gw, rates=[2000, 5000, 10000, 15000], seconds=3.0)
-    ok = (latency["gateway_outcomes"] == {"bypass": latency["n"]}
-          and latency["gateway_hit_outcomes"] == {"hit": latency["n"]}
-          and set(throughput["gateway_outcomes"]) == {"hit"}
-          and not any(latency["non_200"].values()) and not any(throughput["non_200"].values())
-          and all(set(r["outcomes"]) == {"hit"} for r in openloop["gateway_hit"].values()))
+    ok = (
+        latency["gateway_outcomes"] == {"bypass": latency["n"]}
+        and latency["gateway_hit_outcomes"] == {"hit": latency["n"]}
+        and set(throughput["gateway_outcomes"]) == {"hit"}
+        and not any(latency["non_200"].values())
+        and not any(throughput["non_200"].values())
+        and all(set(r["outcomes"]) == {"hit"} for r in openloop["gateway_hit"].values())
+    )
     return {"ok": ok, "latency": latency, "throughput": throughput, "openloop": openloop}
 
 
@@ -125,13 +162,15 @@ def summarize(result: dict[str, Any]) -> list[str]:
         f"overhead/hit-rps   concurrency {thr['concurrency']}: gateway hits "
         f"{thr['gateway_hit_rps_median']} req/s vs raw upstream app {thr['upstream_rps_median']} "
         f"req/s: ratio {thr['ratio_hit_over_upstream']:.2f}  [{'OK' if result['ok'] else 'FAIL'}]",
-        *(f"overhead/open-loop {rate:>6} req/s scheduled: gateway hits p50/p99 "
-          f"{result['openloop']['gateway_hit'][str(rate)]['p50_ms']:.3f}/"
-          f"{result['openloop']['gateway_hit'][str(rate)]['p99_ms']:.3f} ms (achieved "
-          f"{result['openloop']['gateway_hit'][str(rate)]['achieved_rps']}), raw upstream app "
-          f"{result['openloop']['upstream'][str(rate)]['p50_ms']:.3f}/"
-          f"{result['openloop']['upstream'][str(rate)]['p99_ms']:.3f} ms"
-          for rate in result["openloop"]["rates"]),
+        *(
+            f"overhead/open-loop {rate:>6} req/s scheduled: gateway hits p50/p99 "
+            f"{result['openloop']['gateway_hit'][str(rate)]['p50_ms']:.3f}/"
+            f"{result['openloop']['gateway_hit'][str(rate)]['p99_ms']:.3f} ms (achieved "
+            f"{result['openloop']['gateway_hit'][str(rate)]['achieved_rps']}), raw upstream app "
+            f"{result['openloop']['upstream'][str(rate)]['p50_ms']:.3f}/"
+            f"{result['openloop']['upstream'][str(rate)]['p99_ms']:.3f} ms"
+            for rate in result["openloop"]["rates"]
+        ),
     ]
 
 

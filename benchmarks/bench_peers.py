@@ -72,14 +72,40 @@ MARKER = ".carpool-bench-env.json"
 # installed up front because GPTCache would otherwise pip-install them at run time.
 REQUIREMENTS = {
     "litellm": ["litellm[proxy]==1.106.12", "httptools==0.9.0"],
-    "gptcache": ["gptcache==0.1.44", "openai==0.28.1", "fastapi==0.165.0", "uvicorn==0.54.0",
-                 "uvloop==0.23.0", "httptools==0.9.0"],
+    "gptcache": [
+        "gptcache==0.1.44",
+        "openai==0.28.1",
+        "fastapi==0.165.0",
+        "uvicorn==0.54.0",
+        "uvloop==0.23.0",
+        "httptools==0.9.0",
+    ],
 }
 REPORTED_PACKAGES = {
-    "litellm": ["litellm", "litellm-proxy-extras", "openai", "fastapi", "uvicorn", "uvloop",
-                "httptools", "httpx", "aiohttp", "pydantic"],
-    "gptcache": ["gptcache", "openai", "fastapi", "starlette", "uvicorn", "uvloop", "httptools",
-                 "pydantic", "numpy", "cachetools"],
+    "litellm": [
+        "litellm",
+        "litellm-proxy-extras",
+        "openai",
+        "fastapi",
+        "uvicorn",
+        "uvloop",
+        "httptools",
+        "httpx",
+        "aiohttp",
+        "pydantic",
+    ],
+    "gptcache": [
+        "gptcache",
+        "openai",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "uvloop",
+        "httptools",
+        "pydantic",
+        "numpy",
+        "cachetools",
+    ],
 }
 INSTALL_TIMEOUT_S = 1800
 START_TIMEOUT_S = 300
@@ -93,6 +119,7 @@ GOAL_LITELLM_RATIO = 100.0
 
 # ------------------------------------------------------------------------------------------------
 # The peers' environments
+
 
 def _env_python(name: str) -> Path:
     return ENVS / name / "bin" / "python"
@@ -110,11 +137,18 @@ def _peer_env(name: str, **extra: str) -> dict[str, str]:
 
 
 def _versions(name: str) -> dict[str, str | None]:
-    code = ("import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
-            "out = {}\nfor p in sys.argv[1:]:\n    try: out[p] = version(p)\n"
-            "    except PackageNotFoundError: out[p] = None\nprint(json.dumps(out))")
-    done = subprocess.run([str(_env_python(name)), "-c", code, *REPORTED_PACKAGES[name]],
-                          env=_peer_env(name), capture_output=True, timeout=120, check=True)
+    code = (
+        "import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
+        "out = {}\nfor p in sys.argv[1:]:\n    try: out[p] = version(p)\n"
+        "    except PackageNotFoundError: out[p] = None\nprint(json.dumps(out))"
+    )
+    done = subprocess.run(
+        [str(_env_python(name)), "-c", code, *REPORTED_PACKAGES[name]],
+        env=_peer_env(name),
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(done.stdout)
 
 
@@ -122,32 +156,58 @@ def ensure_env(name: str) -> dict[str, Any]:
     """Create ``benchmarks/.envs/<name>`` and install the peer's pinned requirements, once."""
     requirements = REQUIREMENTS[name]
     root = ENVS / name
-    info: dict[str, Any] = {"path": str(root.relative_to(c.ROOT)), "requirements": requirements,
-                            "ok": False, "cached": False, "install_s": 0.0, "error": None}
+    info: dict[str, Any] = {
+        "path": str(root.relative_to(c.ROOT)),
+        "requirements": requirements,
+        "ok": False,
+        "cached": False,
+        "install_s": 0.0,
+        "error": None,
+    }
     marker = root / MARKER
     try:
         if marker.exists() and json.loads(marker.read_text()).get("requirements") == requirements:
             info["cached"] = True
         else:
-            print(f"[peers] installing {name} into {info['path']} (once; a few minutes) ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[peers] installing {name} into {info['path']} (once; a few minutes) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             t0 = time.monotonic()
             ENVS.mkdir(parents=True, exist_ok=True)
             base = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
-            subprocess.run([base, "-m", "venv", str(root)], check=True, capture_output=True,
-                           timeout=300)
+            subprocess.run(
+                [base, "-m", "venv", str(root)], check=True, capture_output=True, timeout=300
+            )
             done = subprocess.run(
-                [str(_env_python(name)), "-m", "pip", "install", "--disable-pip-version-check",
-                 "-q", *requirements], env=_peer_env(name), capture_output=True,
-                timeout=INSTALL_TIMEOUT_S)
+                [
+                    str(_env_python(name)),
+                    "-m",
+                    "pip",
+                    "install",
+                    "--disable-pip-version-check",
+                    "-q",
+                    *requirements,
+                ],
+                env=_peer_env(name),
+                capture_output=True,
+                timeout=INSTALL_TIMEOUT_S,
+            )
             info["install_s"] = round(time.monotonic() - t0, 1)
             if done.returncode != 0:
-                lines = [line for line in done.stderr.decode(errors="replace").splitlines()
-                         if not line.startswith("WARNING: Location")]
-                raise RuntimeError(f"pip install failed ({done.returncode}): "
-                                   + "\n".join(lines[-15:]))
-            marker.write_text(json.dumps({"requirements": requirements,
-                                          "installed_at": c.machine()["date"]}) + "\n")
+                lines = [
+                    line
+                    for line in done.stderr.decode(errors="replace").splitlines()
+                    if not line.startswith("WARNING: Location")
+                ]
+                raise RuntimeError(
+                    f"pip install failed ({done.returncode}): " + "\n".join(lines[-15:])
+                )
+            marker.write_text(
+                json.dumps({"requirements": requirements, "installed_at": c.machine()["date"]})
+                + "\n"
+            )
         info["versions"] = _versions(name)
         info["ok"] = True
     except Exception as exc:  # noqa: BLE001 - recorded, and the rest runs on
@@ -159,14 +219,22 @@ def ensure_env(name: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # Servers
 
+
 @contextlib.contextmanager
-def _process(cmd: list[str], port: int, env: dict[str, str], log: Path, cwd: Path,
-             timeout: float = START_TIMEOUT_S,
-             keep_stdout: bool = True) -> Iterator[subprocess.Popen[bytes]]:
+def _process(
+    cmd: list[str],
+    port: int,
+    env: dict[str, str],
+    log: Path,
+    cwd: Path,
+    timeout: float = START_TIMEOUT_S,
+    keep_stdout: bool = True,
+) -> Iterator[subprocess.Popen[bytes]]:
     """A server in a subprocess, its stderr (and stdout, with ``keep_stdout``) in ``log``."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stderr=out,
-                                stdout=out if keep_stdout else subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stderr=out, stdout=out if keep_stdout else subprocess.DEVNULL
+        )
     try:
         try:
             c.wait_port(port, proc, timeout)
@@ -198,26 +266,43 @@ def litellm_config(upstream_port: int, cache: bool) -> str:
 
 # uvicorn's access log off (every other target runs with access_log=False), errors kept.
 LITELLM_LOG_CONFIG = {
-    "version": 1, "disable_existing_loggers": False,
+    "version": 1,
+    "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
-    "handlers": {"err": {"class": "logging.StreamHandler", "formatter": "plain",
-                         "stream": "ext://sys.stderr"}},
-    "loggers": {"uvicorn": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-                "uvicorn.error": {"level": "WARNING"},
-                "uvicorn.access": {"handlers": ["err"], "level": "WARNING",
-                                   "propagate": False}},
+    "handlers": {
+        "err": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "stream": "ext://sys.stderr",
+        }
+    },
+    "loggers": {
+        "uvicorn": {"handlers": ["err"], "level": "WARNING", "propagate": False},
+        "uvicorn.error": {"level": "WARNING"},
+        "uvicorn.access": {"handlers": ["err"], "level": "WARNING", "propagate": False},
+    },
 }
 
 
-def _litellm(tmp: Path, name: str, upstream_port: int, cache: bool,
-             stack: contextlib.ExitStack) -> int:
+def _litellm(
+    tmp: Path, name: str, upstream_port: int, cache: bool, stack: contextlib.ExitStack
+) -> int:
     port = c.free_port()
     config = tmp / f"{name}.yaml"
     config.write_text(litellm_config(upstream_port, cache))
     log_config = tmp / "litellm-log.json"
     log_config.write_text(json.dumps(LITELLM_LOG_CONFIG))
-    cmd = [str(ENVS / "litellm" / "bin" / "litellm"), "--config", str(config),
-           "--host", c.HOST, "--port", str(port), "--log_config", str(log_config)]
+    cmd = [
+        str(ENVS / "litellm" / "bin" / "litellm"),
+        "--config",
+        str(config),
+        "--host",
+        c.HOST,
+        "--port",
+        str(port),
+        "--log_config",
+        str(log_config),
+    ]
     env = _peer_env("litellm", LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
     stack.enter_context(_process(cmd, port, env, tmp / f"{name}.log", tmp))
     return port
@@ -225,12 +310,20 @@ def _litellm(tmp: Path, name: str, upstream_port: int, cache: bool,
 
 def _gptcache(tmp: Path, upstream_port: int, stack: contextlib.ExitStack) -> int:
     port = c.free_port()
-    cmd = [str(_env_python("gptcache")), str(PEERS / "gptcache_http.py"), "--port", str(port),
-           "--upstream", f"http://{c.HOST}:{upstream_port}/v1",
-           "--data-dir", str(tmp / "gptcache-data")]
+    cmd = [
+        str(_env_python("gptcache")),
+        str(PEERS / "gptcache_http.py"),
+        "--port",
+        str(port),
+        "--upstream",
+        f"http://{c.HOST}:{upstream_port}/v1",
+        "--data-dir",
+        str(tmp / "gptcache-data"),
+    ]
     # its server prints every request's messages to stdout: discarded, errors kept
-    stack.enter_context(_process(cmd, port, _peer_env("gptcache"), tmp / "gptcache.log", tmp,
-                                 keep_stdout=False))
+    stack.enter_context(
+        _process(cmd, port, _peer_env("gptcache"), tmp / "gptcache.log", tmp, keep_stdout=False)
+    )
     return port
 
 
@@ -241,23 +334,37 @@ def _raw_asgi(tmp: Path, stack: contextlib.ExitStack) -> int:
     return port
 
 
-def _http(method: str, port: int, path: str, body: bytes | None = None,
-          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(f"http://{c.HOST}:{port}{path}", data=body, method=method,
-                                     headers={"content-type": "application/json",
-                                              **(headers or {})})
+def _http(
+    method: str,
+    port: int,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        f"http://{c.HOST}:{port}{path}",
+        data=body,
+        method=method,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 - loopback
-        return response.status, {k.lower(): v for k, v in response.headers.items()}, \
-            response.read()
+        return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
 
 
 def _loadgen(mode: str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     """``peers/loadgen_peers.py`` (``loadgen.py``'s client) in its own process."""
-    done = subprocess.run([c.PY, str(PEERS / "loadgen_peers.py"), mode, json.dumps(spec)],
-                          env=c._env(), cwd=c.ROOT, capture_output=True, timeout=timeout)
+    done = subprocess.run(
+        [c.PY, str(PEERS / "loadgen_peers.py"), mode, json.dumps(spec)],
+        env=c._env(),
+        cwd=c.ROOT,
+        capture_output=True,
+        timeout=timeout,
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"loadgen {mode} failed ({done.returncode}):\n"
-                           f"{done.stderr.decode(errors='replace')[-3000:]}")
+        raise RuntimeError(
+            f"loadgen {mode} failed ({done.returncode}):\n"
+            f"{done.stderr.decode(errors='replace')[-3000:]}"
+        )
     return json.loads(done.stdout)
 
 
@@ -277,13 +384,17 @@ def _spot_check(name: str, port: int, body: bytes, n: int) -> dict[str, Any]:
             hits += bool(headers.get("x-litellm-cache-key"))
         elif name == "gptcache":
             hits += json.loads(data).get("gptcache") is True
-    sign = {"carpool": "x-carpool: hit", "litellm": "x-litellm-cache-key header",
-            "gptcache": '"gptcache": true in the body'}[name]
+    sign = {
+        "carpool": "x-carpool: hit",
+        "litellm": "x-litellm-cache-key header",
+        "gptcache": '"gptcache": true in the body',
+    }[name]
     return {"n": n, "hits": hits, "sign": sign, "statuses": statuses}
 
 
 # ------------------------------------------------------------------------------------------------
 # Measurements
+
 
 def _summary(samples: list[float]) -> dict[str, float]:
     return c.summary_ms(samples) if samples else {}
@@ -293,13 +404,15 @@ def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     hit_body, sampled = c.chat_body(0), c.chat_body(0.7)
     hit_raw = c.json_bytes(hit_body)
     peer_errors: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="carpool-peers-") as tmp_name, \
-            contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="carpool-peers-") as tmp_name,
+        contextlib.ExitStack() as stack,
+    ):
         tmp = Path(tmp_name)
         up = stack.enter_context(c.upstream_server())
         raw = _raw_asgi(tmp, stack)
         gw = stack.enter_context(c.gateway_server(up))
-        ref = stack.enter_context(c.upstream_server())     # the upstream app as a target itself
+        ref = stack.enter_context(c.upstream_server())  # the upstream app as a target itself
         ports: dict[str, int] = {}
         started = time.monotonic()
         if envs["litellm"]["ok"]:
@@ -324,33 +437,62 @@ def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             {"name": "carpool_hit", "port": gw, "body": hit_body, "headers": HEADERS},
         ]
         if "litellm_nocache" in ports:
-            lat_targets.append({"name": "litellm_bypass", "port": ports["litellm_nocache"],
-                                "body": sampled, "headers": HEADERS})
+            lat_targets.append(
+                {
+                    "name": "litellm_bypass",
+                    "port": ports["litellm_nocache"],
+                    "body": sampled,
+                    "headers": HEADERS,
+                }
+            )
         if "litellm" in ports:
-            lat_targets.append({"name": "litellm_hit", "port": ports["litellm"],
-                                "body": hit_body, "headers": HEADERS})
+            lat_targets.append(
+                {
+                    "name": "litellm_hit",
+                    "port": ports["litellm"],
+                    "body": hit_body,
+                    "headers": HEADERS,
+                }
+            )
         if "gptcache" in ports:
-            lat_targets.append({"name": "gptcache_hit", "port": ports["gptcache"],
-                                "body": hit_body, "headers": HEADERS})
-        print(f"[peers] latency: {len(lat_targets)} targets x {n} requests ...", file=sys.stderr,
-              flush=True)
-        lat_raw = _loadgen("latency", {"n": n, "warmup": warmup, "block": block,
-                                        "targets": lat_targets})
+            lat_targets.append(
+                {
+                    "name": "gptcache_hit",
+                    "port": ports["gptcache"],
+                    "body": hit_body,
+                    "headers": HEADERS,
+                }
+            )
+        print(
+            f"[peers] latency: {len(lat_targets)} targets x {n} requests ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        lat_raw = _loadgen(
+            "latency", {"n": n, "warmup": warmup, "block": block, "targets": lat_targets}
+        )
         latency: dict[str, Any] = {"n": n, "warmup": warmup, "block": block, "targets": {}}
         for t in lat_targets:
             r = lat_raw[t["name"]]
-            latency["targets"][t["name"]] = {**_summary(r["samples_s"]),
-                                             "outcomes": r["outcomes"], "non_200": r["non_200"]}
+            latency["targets"][t["name"]] = {
+                **_summary(r["samples_s"]),
+                "outcomes": r["outcomes"],
+                "non_200": r["non_200"],
+            }
         direct = latency["targets"]["direct"]["p50_ms"]
         for name in ("carpool_bypass", "litellm_bypass"):
             if name in latency["targets"]:
                 d, via = lat_raw["direct"]["samples_s"], lat_raw[name]["samples_s"]
-                blocks = [c.median(via[i:i + block]) - c.median(d[i:i + block])
-                          for i in range(0, min(len(d), len(via)), block)]
+                blocks = [
+                    c.median(via[i : i + block]) - c.median(d[i : i + block])
+                    for i in range(0, min(len(d), len(via)), block)
+                ]
                 latency[f"{name.split('_')[0]}_added_p50_ms"] = round(
-                    latency["targets"][name]["p50_ms"] - direct, 4)
+                    latency["targets"][name]["p50_ms"] - direct, 4
+                )
                 latency[f"{name.split('_')[0]}_added_p50_blockwise_ms"] = round(
-                    c.median(blocks) * 1000, 4)
+                    c.median(blocks) * 1000, 4
+                )
 
         # Throughput: the hit targets (and the two bare apps), the upstream's counter at zero.
         before = _upstream_calls(up)
@@ -363,21 +505,43 @@ def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ]
         for name in ("litellm", "gptcache"):
             if name in ports:
-                thr_targets.append({"name": f"{name}_hit", "port": ports[name],
-                                    "body": hit_body, "headers": HEADERS})
-        print(f"[peers] throughput: {len(thr_targets)} targets x {rounds} rounds of {seconds} s "
-              "...", file=sys.stderr, flush=True)
-        thr_raw = _loadgen("throughput", {"concurrency": concurrency, "seconds": seconds,
-                                           "rounds": rounds, "warmup_s": 0.5,
-                                           "targets": thr_targets})
-        throughput: dict[str, Any] = {"concurrency": concurrency, "seconds": seconds,
-                                      "rounds": rounds, "targets": {}}
+                thr_targets.append(
+                    {
+                        "name": f"{name}_hit",
+                        "port": ports[name],
+                        "body": hit_body,
+                        "headers": HEADERS,
+                    }
+                )
+        print(
+            f"[peers] throughput: {len(thr_targets)} targets x {rounds} rounds of {seconds} s ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        thr_raw = _loadgen(
+            "throughput",
+            {
+                "concurrency": concurrency,
+                "seconds": seconds,
+                "rounds": rounds,
+                "warmup_s": 0.5,
+                "targets": thr_targets,
+            },
+        )
+        throughput: dict[str, Any] = {
+            "concurrency": concurrency,
+            "seconds": seconds,
+            "rounds": rounds,
+            "targets": {},
+        }
         for t in thr_targets:
             r = thr_raw[t["name"]]
             throughput["targets"][t["name"]] = {
                 "rps_median": round(c.median(r["rps"]), 1),
                 "rps": [round(x, 1) for x in r["rps"]],
-                "outcomes": r["outcomes"], "non_200": r["non_200"]}
+                "outcomes": r["outcomes"],
+                "non_200": r["non_200"],
+            }
 
         # Were the hits real? The spot checks are hits too: the counter must still be 0 after.
         spot_n = 10 if quick else 30
@@ -389,25 +553,38 @@ def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         checks = {
             "upstream_calls_during_latency": before,
             "upstream_calls_expected_during_latency": (
-                3 * (n + warmup) if "litellm_bypass" in latency["targets"] else 2 * (n + warmup))
-            + sum(name in ports for name in ("litellm", "gptcache")) + 1,
+                3 * (n + warmup) if "litellm_bypass" in latency["targets"] else 2 * (n + warmup)
+            )
+            + sum(name in ports for name in ("litellm", "gptcache"))
+            + 1,
             "upstream_calls_during_throughput_and_spot_checks": calls_after,
             "spot_checks": spots,
         }
-    checks["note"] = ("the upstream is only reached by carpool, LiteLLM and GPTCache; 0 calls "
-                      "during the throughput rounds means none of the hit targets reached it")
+    checks["note"] = (
+        "the upstream is only reached by carpool, LiteLLM and GPTCache; 0 calls "
+        "during the throughput rounds means none of the hit targets reached it"
+    )
     # A target's hits are real when every answer it gave (latency, throughput, spot checks)
     # carried its own sign of a cache hit and the upstream saw no call meanwhile.
     checks["hits_verified"] = {}
     for name, spot in checks["spot_checks"].items():
         sign = HIT_SIGN[name]
-        answers = [latency["targets"][f"{name}_hit"]["outcomes"],
-                   throughput["targets"][f"{name}_hit"]["outcomes"]]
+        answers = [
+            latency["targets"][f"{name}_hit"]["outcomes"],
+            throughput["targets"][f"{name}_hit"]["outcomes"],
+        ]
         checks["hits_verified"][name] = (
-            spot["hits"] == spot["n"] and all(set(o) == {sign} for o in answers)
-            and checks["upstream_calls_during_throughput_and_spot_checks"] == 0)
-    return {"latency": latency, "throughput": throughput, "checks": checks,
-            "peer_errors": peer_errors, "peers_start_s": start_s}
+            spot["hits"] == spot["n"]
+            and all(set(o) == {sign} for o in answers)
+            and checks["upstream_calls_during_throughput_and_spot_checks"] == 0
+        )
+    return {
+        "latency": latency,
+        "throughput": throughput,
+        "checks": checks,
+        "peer_errors": peer_errors,
+        "peers_start_s": start_s,
+    }
 
 
 def run_inprocess(quick: bool, gptcache_env: dict[str, Any]) -> dict[str, Any]:
@@ -420,20 +597,43 @@ def run_inprocess(quick: bool, gptcache_env: dict[str, Any]) -> dict[str, Any]:
             tmp = Path(tmp_name)
             (tmp / "body.json").write_bytes(c.json_bytes(c.chat_body(0)))
             (tmp / "answer.json").write_bytes(c.ANSWER)
-            spec = {"body_file": str(tmp / "body.json"), "answer_file": str(tmp / "answer.json"),
-                    "number": number, "repeat": repeat, "data_dir": str(tmp / "data")}
+            spec = {
+                "body_file": str(tmp / "body.json"),
+                "answer_file": str(tmp / "answer.json"),
+                "number": number,
+                "repeat": repeat,
+                "data_dir": str(tmp / "data"),
+            }
             try:
                 done = subprocess.run(
-                    [str(_env_python("gptcache")), str(PEERS / "gptcache_lookup.py"),
-                     json.dumps(spec)], env=_peer_env("gptcache"), cwd=tmp,
-                    capture_output=True, timeout=900, check=True)
+                    [
+                        str(_env_python("gptcache")),
+                        str(PEERS / "gptcache_lookup.py"),
+                        json.dumps(spec),
+                    ],
+                    env=_peer_env("gptcache"),
+                    cwd=tmp,
+                    capture_output=True,
+                    timeout=900,
+                    check=True,
+                )
                 out["gptcache"] = json.loads(done.stdout.decode().strip().splitlines()[-1])
             except subprocess.CalledProcessError as exc:
                 out["gptcache_error"] = exc.stderr.decode(errors="replace")[-3000:]
     fp = bench_fingerprint.run(quick)
-    out["carpool"] = {k: fp[k] for k in ("body_bytes", "number", "repeat", "total_us",
-                                         "total_best_us", "split_us", "repeat_us",
-                                         "repeat_best_us")}
+    out["carpool"] = {
+        k: fp[k]
+        for k in (
+            "body_bytes",
+            "number",
+            "repeat",
+            "total_us",
+            "total_best_us",
+            "split_us",
+            "repeat_us",
+            "repeat_best_us",
+        )
+    }
     out["carpool"]["total_without_loads_us"] = round(fp["total_us"] - fp["split_us"]["loads"], 3)
     return out
 
@@ -453,21 +653,25 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         out["concurrency"] = http["throughput"]["concurrency"]
         out["carpool_hit_over_raw_asgi"] = _ratio(thr.get("carpool_hit"), thr.get("raw_asgi"))
         out["carpool_hit_over_raw_asgi_goal"] = GOAL_RAW_RATIO
-        out["carpool_hit_over_litellm_hit"] = _ratio(thr.get("carpool_hit"),
-                                                     thr.get("litellm_hit"), 1)
+        out["carpool_hit_over_litellm_hit"] = _ratio(
+            thr.get("carpool_hit"), thr.get("litellm_hit"), 1
+        )
         out["carpool_hit_over_litellm_hit_goal"] = GOAL_LITELLM_RATIO
-        out["carpool_hit_over_gptcache_hit"] = _ratio(thr.get("carpool_hit"),
-                                                      thr.get("gptcache_hit"), 2)
+        out["carpool_hit_over_gptcache_hit"] = _ratio(
+            thr.get("carpool_hit"), thr.get("gptcache_hit"), 2
+        )
         out["raw_asgi_over_upstream_app"] = _ratio(thr.get("raw_asgi"), thr.get("upstream_app"))
         # Rounds alternate the targets, so a round's ratio pairs figures taken moments apart.
         rounds = {k: v["rps"] for k, v in http["throughput"]["targets"].items()}
         for peer in ("raw_asgi", "litellm_hit", "gptcache_hit"):
             if peer in rounds:
                 out[f"carpool_hit_over_{peer}_per_round"] = [
-                    round(a / b, 3) for a, b in zip(rounds["carpool_hit"], rounds[peer],
-                                                    strict=True)]
+                    round(a / b, 3)
+                    for a, b in zip(rounds["carpool_hit"], rounds[peer], strict=True)
+                ]
                 out[f"carpool_hit_over_{peer}_per_round_median"] = round(
-                    c.median(out[f"carpool_hit_over_{peer}_per_round"]), 3)
+                    c.median(out[f"carpool_hit_over_{peer}_per_round"]), 3
+                )
         out["latency_p50_ms"] = {k: v["p50_ms"] for k, v in lat.items()}
         out["latency_p99_ms"] = {k: v["p99_ms"] for k, v in lat.items()}
         out["carpool_added_p50_ms"] = http["latency"].get("carpool_added_p50_ms")
@@ -482,20 +686,24 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         out["gptcache_map_lookup_only_us"] = g["last_content.dm_lookup"]
     if "carpool" in inproc:
         out["carpool_fingerprint_lookup_us"] = inproc["carpool"]["total_us"]
-        out["carpool_fingerprint_lookup_without_loads_us"] = \
-            inproc["carpool"]["total_without_loads_us"]
+        out["carpool_fingerprint_lookup_without_loads_us"] = inproc["carpool"][
+            "total_without_loads_us"
+        ]
         out["carpool_repeat_lookup_us"] = inproc["carpool"]["repeat_us"]
     if "gptcache" in inproc and "carpool" in inproc:
-        out["gptcache_over_carpool_lookup"] = _ratio(out["gptcache_lookup_with_loads_us"],
-                                                     out["carpool_fingerprint_lookup_us"], 2)
+        out["gptcache_over_carpool_lookup"] = _ratio(
+            out["gptcache_lookup_with_loads_us"], out["carpool_fingerprint_lookup_us"], 2
+        )
     return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     envs = {name: ensure_env(name) for name in REQUIREMENTS}
     result: dict[str, Any] = {"envs": envs, "errors": {}}
-    for part, fn in (("inprocess", lambda: run_inprocess(quick, envs["gptcache"])),
-                     ("http", lambda: run_http(quick, envs))):
+    for part, fn in (
+        ("inprocess", lambda: run_inprocess(quick, envs["gptcache"])),
+        ("http", lambda: run_http(quick, envs)),
+    ):
         print(f"[peers] {part} ...", file=sys.stderr, flush=True)
         try:
             result[part] = fn()
@@ -508,13 +716,16 @@ def run(quick: bool = False) -> dict[str, Any]:
     measured = set(http["checks"]["spot_checks"]) if http else set()
     result["figures"]["peers_not_measured"] = {
         name: envs[name]["error"] or (http or {}).get("peer_errors", {}).get(name, "see errors")
-        for name in ("litellm", "gptcache") if name not in measured}
+        for name in ("litellm", "gptcache")
+        if name not in measured
+    }
     carpool_ok = bool(http) and (
         http["latency"]["targets"]["carpool_bypass"]["outcomes"].keys() == {"bypass"}
         and http["latency"]["targets"]["carpool_hit"]["outcomes"].keys() == {"hit"}
         and http["throughput"]["targets"]["carpool_hit"]["outcomes"].keys() == {"hit"}
         and http["checks"]["upstream_calls_during_throughput_and_spot_checks"] == 0
-        and not any(t["non_200"] for t in http["throughput"]["targets"].values()))
+        and not any(t["non_200"] for t in http["throughput"]["targets"].values())
+    )
     result["ok"] = carpool_ok and not result["errors"]
     return result
 
@@ -525,26 +736,35 @@ def summarize(result: dict[str, Any]) -> list[str]:
     for name, env in result["envs"].items():
         if env["ok"]:
             v = env["versions"]
-            lines.append(f"peers/env          {name}: " + ", ".join(
-                f"{k} {v[k]}" for k in REPORTED_PACKAGES[name][:2] if v.get(k)))
+            lines.append(
+                f"peers/env          {name}: "
+                + ", ".join(f"{k} {v[k]}" for k in REPORTED_PACKAGES[name][:2] if v.get(k))
+            )
         else:
             lines.append(f"peers/env          {name}: FAILED: {env['error'][:200]}")
     if "raw_asgi_rps" in f:
+
         def rps(k: str) -> str:
             return f"{f[k]:.0f}" if f.get(k) is not None else "-"
+
         lines.append(
             f"peers/hit-rps      concurrency {f['concurrency']}: raw ASGI {rps('raw_asgi_rps')}, "
             f"upstream app {rps('upstream_app_rps')}, carpool hit {rps('carpool_hit_rps')}, "
-            f"LiteLLM hit {rps('litellm_hit_rps')}, GPTCache hit {rps('gptcache_hit_rps')} req/s")
+            f"LiteLLM hit {rps('litellm_hit_rps')}, GPTCache hit {rps('gptcache_hit_rps')} req/s"
+        )
         lines.append(
             f"peers/ratios       carpool/raw ASGI {f['carpool_hit_over_raw_asgi']} (goal >= "
             f"{GOAL_RAW_RATIO}), carpool/LiteLLM {f['carpool_hit_over_litellm_hit']} (goal >= "
-            f"{GOAL_LITELLM_RATIO:.0f}), carpool/GPTCache {f['carpool_hit_over_gptcache_hit']}")
+            f"{GOAL_LITELLM_RATIO:.0f}), carpool/GPTCache {f['carpool_hit_over_gptcache_hit']}"
+        )
         p50 = f["latency_p50_ms"]
-        lines.append("peers/latency-p50  " + ", ".join(f"{k} {v:.3f}" for k, v in p50.items())
-                     + " ms")
-        lines.append(f"peers/added-p50    carpool bypass {f['carpool_added_p50_ms']} ms, LiteLLM "
-                     f"(no cache) {f['litellm_added_p50_ms']} ms")
+        lines.append(
+            "peers/latency-p50  " + ", ".join(f"{k} {v:.3f}" for k, v in p50.items()) + " ms"
+        )
+        lines.append(
+            f"peers/added-p50    carpool bypass {f['carpool_added_p50_ms']} ms, LiteLLM "
+            f"(no cache) {f['litellm_added_p50_ms']} ms"
+        )
         lines.append(f"peers/hits-real    {f['hits_verified']}")
     if "gptcache_lookup_us" in f:
         lines.append(
@@ -552,7 +772,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
             f"{f['gptcache_lookup_us']:.1f} us, with json.loads "
             f"{f['gptcache_lookup_with_loads_us']:.1f} us; carpool parse+fingerprint+lookup "
             f"{f['carpool_fingerprint_lookup_us']:.1f} us (a byte-identical repeat "
-            f"{f['carpool_repeat_lookup_us']:.1f} us)")
+            f"{f['carpool_repeat_lookup_us']:.1f} us)"
+        )
     for part, error in result["errors"].items():
         lines.append(f"peers/{part}: FAILED: {error.strip().splitlines()[-1]}")
     return lines
@@ -560,23 +781,35 @@ def summarize(result: dict[str, Any]) -> list[str]:
 
 def git_state() -> dict[str, Any]:
     """The commit measured, and whether the work tree differed from it (``src/`` included)."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=c.ROOT, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=c.ROOT, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+
     try:
-        return {"commit": git("rev-parse", "HEAD"),
-                "src_modified": bool(git("status", "--porcelain", "--", "src"))}
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "src_modified": bool(git("status", "--porcelain", "--", "src")),
+        }
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "src_modified": None}
 
 
-def document(result: dict[str, Any], quick: bool, started: float,
-             git: dict[str, Any]) -> dict[str, Any]:
+def document(
+    result: dict[str, Any], quick: bool, started: float, git: dict[str, Any]
+) -> dict[str, Any]:
     """The same shape as ``run.py --only peers`` writes (plus the git state)."""
-    return {**c.machine(), "git": git, "mode": "quick" if quick else "full",
-            "duration_s": round(time.monotonic() - started, 2),
-            "ok": result["ok"], "errors": result["errors"],
-            "figures": result["figures"], "results": {"peers": result}}
+    return {
+        **c.machine(),
+        "git": git,
+        "mode": "quick" if quick else "full",
+        "duration_s": round(time.monotonic() - started, 2),
+        "ok": result["ok"],
+        "errors": result["errors"],
+        "figures": result["figures"],
+        "results": {"peers": result},
+    }
 
 
 def main() -> int:
@@ -591,8 +824,10 @@ def main() -> int:
     result = run(args.quick)
     doc = document(result, args.quick, started, git)
     c.write_json(args.out, doc)
-    print(f"carpool vs peers ({doc['mode']}), {doc['date']}, {doc['machine']}, "
-          f"{doc['cpu_count']} CPUs, Python {doc['python']}, {doc['duration_s']:.0f} s")
+    print(
+        f"carpool vs peers ({doc['mode']}), {doc['date']}, {doc['machine']}, "
+        f"{doc['cpu_count']} CPUs, Python {doc['python']}, {doc['duration_s']:.0f} s"
+    )
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -26,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
 PROMPTS, REPLICAS, CONCURRENCY = 8, 4, 32
-WORDS = ("policy account refund shipping warranty invoice order delivery customer support "
-         "product return exchange payment card address store manager schedule item stock").split()
+WORDS = (
+    "policy account refund shipping warranty invoice order delivery customer support "
+    "product return exchange payment card address store manager schedule item stock"
+).split()
 
 
 def system_prompt(i: int, words: int) -> str:
@@ -35,29 +37,48 @@ def system_prompt(i: int, words: int) -> str:
     return f"System prompt {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def run_policy(policy: str, requests: list[tuple[int, str]], prompt_words: int,
-                     prompts: list[str]) -> dict[str, Any]:
+async def run_policy(
+    policy: str, requests: list[tuple[int, str]], prompt_words: int, prompts: list[str]
+) -> dict[str, Any]:
     from carpool.config import Config
     from carpool.pipeline import Gateway
     from carpool.upstream.sim import SimUpstream, build_replicas
 
-    sim = {"replicas": REPLICAS, "max_concurrency": 8, "prefill_ms_per_token": 0.05,
-           "decode_ms_per_token": 1.0, "default_max_tokens": 4,
-           # Room for about three of the eight prompts per replica.
-           "prefix_cache_tokens": prompt_words * 3 + 200}
-    config = Config(sim=sim, routing={"policy": policy,
-                                      # The router's memory of a replica ~ the engine's cache.
-                                      "tree_budget_chars": prompt_words * 3 * 8})
+    sim = {
+        "replicas": REPLICAS,
+        "max_concurrency": 8,
+        "prefill_ms_per_token": 0.05,
+        "decode_ms_per_token": 1.0,
+        "default_max_tokens": 4,
+        # Room for about three of the eight prompts per replica.
+        "prefix_cache_tokens": prompt_words * 3 + 200,
+    }
+    config = Config(
+        sim=sim,
+        routing={
+            "policy": policy,
+            # The router's memory of a replica ~ the engine's cache.
+            "tree_budget_chars": prompt_words * 3 * 8,
+        },
+    )
     replicas = build_replicas(config.sim)
     gateway = Gateway(config, upstreams=[SimUpstream(r) for r in replicas])
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(prompt: int, question: str) -> None:
         async with gate:
-            reply = await gateway.request("/v1/chat/completions", {
-                "model": "sim", "temperature": 0, "max_tokens": 4, "messages": [
-                    {"role": "system", "content": prompts[prompt]},
-                    {"role": "user", "content": question}]})
+            reply = await gateway.request(
+                "/v1/chat/completions",
+                {
+                    "model": "sim",
+                    "temperature": 0,
+                    "max_tokens": 4,
+                    "messages": [
+                        {"role": "system", "content": prompts[prompt]},
+                        {"role": "user", "content": question},
+                    ],
+                },
+            )
             assert reply.status == 200, reply.body
 
     await asyncio.gather(*(one(p, q) for p, q in requests))
@@ -66,12 +87,13 @@ async def run_policy(policy: str, requests: list[tuple[int, str]], prompt_words:
     prompt_tokens = sum(s["prompt_tokens"] for s in stats)
     ttft_sum = sum(s["ttft_seconds_sum"] for s in stats)
     ttft_count = sum(s["ttft_count"] for s in stats)
-    return {"policy": policy,
-            "prefix_hit_rate": round(sum(s["cached_prompt_tokens"] for s in stats)
-                                     / prompt_tokens, 4),
-            "mean_ttft_ms": round(1000 * ttft_sum / ttft_count, 2),
-            "calls_per_replica": [sum(s["calls"].values()) for s in stats],
-            "routing": gateway.snapshot()["routing"]}
+    return {
+        "policy": policy,
+        "prefix_hit_rate": round(sum(s["cached_prompt_tokens"] for s in stats) / prompt_tokens, 4),
+        "mean_ttft_ms": round(1000 * ttft_sum / ttft_count, 2),
+        "calls_per_replica": [sum(s["calls"].values()) for s in stats],
+        "routing": gateway.snapshot()["routing"],
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -80,19 +102,28 @@ def run(quick: bool = False) -> dict[str, Any]:
     prompts = [system_prompt(i, prompt_words) for i in range(PROMPTS)]
     rng = random.Random(7)
     requests = [(rng.randrange(PROMPTS), f"Question {i}: what about item {i}?") for i in range(n)]
-    routing = {policy: asyncio.run(run_policy(policy, requests, prompt_words, prompts))
-               for policy in ("round-robin", "cache-aware")}
+    routing = {
+        policy: asyncio.run(run_policy(policy, requests, prompt_words, prompts))
+        for policy in ("round-robin", "cache-aware")
+    }
     rr, ca = routing["round-robin"], routing["cache-aware"]
-    result = {"requests": n, "prompts": PROMPTS, "replicas": REPLICAS,
-              "concurrency": CONCURRENCY, "routing": routing,
-              "ttft_ratio_round_robin_over_cache_aware": round(
-                  rr["mean_ttft_ms"] / ca["mean_ttft_ms"], 2)}
+    result = {
+        "requests": n,
+        "prompts": PROMPTS,
+        "replicas": REPLICAS,
+        "concurrency": CONCURRENCY,
+        "routing": routing,
+        "ttft_ratio_round_robin_over_cache_aware": round(
+            rr["mean_ttft_ms"] / ca["mean_ttft_ms"], 2
+        ),
+    }
     plot(result, c.RESULTS / "routing.png")
     return result
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -103,8 +134,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.set_ylabel("mean time to first token (ms)")
     right.bar(policies, [100 * r["prefix_hit_rate"] for r in rows], color=["#999999", "#2a7ab9"])
     right.set_ylabel("prefix-cache hit rate (%)")
-    fig.suptitle(f"{result['requests']} requests, {result['prompts']} shared system prompts, "
-                 f"{result['replicas']} simulated replicas, concurrency {result['concurrency']}")
+    fig.suptitle(
+        f"{result['requests']} requests, {result['prompts']} shared system prompts, "
+        f"{result['replicas']} simulated replicas, concurrency {result['concurrency']}"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -114,11 +147,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def summarize(result: dict[str, Any]) -> list[str]:
     lines = []
     for policy, row in result["routing"].items():
-        lines.append(f"routing/{policy:<12} prefix-cache hit rate {100 * row['prefix_hit_rate']:.1f}%,"
-                     f" mean TTFT {row['mean_ttft_ms']:.1f} ms, calls per replica "
-                     f"{row['calls_per_replica']}")
-    lines.append(f"routing/ratio        round-robin TTFT / cache-aware TTFT: "
-                 f"{result['ttft_ratio_round_robin_over_cache_aware']}x (goal >= 1.5x)")
+        lines.append(
+            f"routing/{policy:<12} prefix-cache hit rate {100 * row['prefix_hit_rate']:.1f}%,"
+            f" mean TTFT {row['mean_ttft_ms']:.1f} ms, calls per replica "
+            f"{row['calls_per_replica']}"
+        )
+    lines.append(
+        f"routing/ratio        round-robin TTFT / cache-aware TTFT: "
+        f"{result['ttft_ratio_round_robin_over_cache_aware']}x (goal >= 1.5x)"
+    )
     return lines
 
 

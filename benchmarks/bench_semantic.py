@@ -40,8 +40,9 @@ def run_ann(n: int, queries: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((n, 384)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    index = VectorIndex(384, config.index_connectivity, config.index_expansion_add,
-                        config.index_expansion_search)
+    index = VectorIndex(
+        384, config.index_connectivity, config.index_expansion_add, config.index_expansion_search
+    )
     started = time.perf_counter()
     index.add_many(np.arange(n, dtype=np.uint64), vectors)
     build_s = time.perf_counter() - started
@@ -51,17 +52,28 @@ def run_ann(n: int, queries: int) -> dict[str, Any]:
         t = time.perf_counter()
         index.search(query / np.linalg.norm(query), config.candidates)
         timings.append(time.perf_counter() - t)
-    return {"entries": n, "build_s": round(build_s, 1), "lookup": c.summary_ms(timings),
-            "index_bytes_per_entry": round(index.memory_bytes / n)}
+    return {
+        "entries": n,
+        "build_s": round(build_s, 1),
+        "lookup": c.summary_ms(timings),
+        "index_bytes_per_entry": round(index.memory_bytes / n),
+    }
 
 
 def run_hit(requests: int) -> dict[str, Any]:
     import httpx
 
-    body = {"model": "m", "temperature": 0,
-            "messages": [{"role": "user", "content": "How do I reset my router to factory settings?"}]}
-    paraphrase = {**body, "messages": [{"role": "user",
-                                        "content": "how can I reset my router to its factory settings"}]}
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "How do I reset my router to factory settings?"}],
+    }
+    paraphrase = {
+        **body,
+        "messages": [
+            {"role": "user", "content": "how can I reset my router to its factory settings"}
+        ],
+    }
     with c.upstream_server() as upstream, c.gateway_server(upstream, "--semantic") as port:
         with httpx.Client(base_url=f"http://{c.HOST}:{port}", timeout=30) as client:
             assert client.post("/v1/chat/completions", json=body).headers["x-carpool"] == "miss"
@@ -76,7 +88,7 @@ def run_hit(requests: int) -> dict[str, Any]:
                 times = []
                 cpu = _cpu_seconds(port)
                 for i in range(requests + 20):
-                    if i == 20:                                   # after warm-up
+                    if i == 20:  # after warm-up
                         cpu = _cpu_seconds(port)
                     t = time.perf_counter()
                     response = client.post("/v1/chat/completions", json=request)
@@ -85,12 +97,16 @@ def run_hit(requests: int) -> dict[str, Any]:
                     if request is paraphrase:
                         outcomes.add(response.headers["x-carpool"])
                 return times, (_cpu_seconds(port) - cpu) / requests * 1000
+
             semantic, semantic_cpu = timed(paraphrase)
             exact, exact_cpu = timed(body)
-    return {"requests": requests, "outcomes": sorted(outcomes),
-            "semantic_hit": {**c.summary_ms(semantic), "cpu_ms": round(semantic_cpu, 2)},
-            "exact_hit": {**c.summary_ms(exact), "cpu_ms": round(exact_cpu, 3)},
-            "ok": outcomes == {"semantic-hit"}}
+    return {
+        "requests": requests,
+        "outcomes": sorted(outcomes),
+        "semantic_hit": {**c.summary_ms(semantic), "cpu_ms": round(semantic_cpu, 2)},
+        "exact_hit": {**c.summary_ms(exact), "cpu_ms": round(exact_cpu, 3)},
+        "ok": outcomes == {"semantic-hit"},
+    }
 
 
 def _cpu_seconds(port: int) -> float:
@@ -112,8 +128,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     embed = bench_embed.run(quick)
     ann = run_ann(20_000 if quick else 100_000, 200 if quick else 1000)
     hit = run_hit(50 if quick else 300)
-    return {"embed": embed, "ann": ann, "entry": run_entry_memory(20_000), "hit": hit,
-            "targets": TARGETS}
+    return {
+        "embed": embed,
+        "ann": ann,
+        "entry": run_entry_memory(20_000),
+        "hit": hit,
+        "targets": TARGETS,
+    }
 
 
 def run_entry_memory(n: int) -> dict[str, Any]:
@@ -130,7 +151,7 @@ def run_entry_memory(n: int) -> dict[str, Any]:
     from carpool.semantic.guard import RulesThenVerifier
     from carpool.semantic.verifier import shared_cross_encoder
 
-    class Dim:                      # inserts here carry their vector: no model is needed
+    class Dim:  # inserts here carry their vector: no model is needed
         dim, name = 384, "precomputed"
 
     rng = np.random.default_rng(1)
@@ -141,33 +162,40 @@ def run_entry_memory(n: int) -> dict[str, Any]:
 
     async def fill() -> None:
         for i in range(n):
-            await cache.insert(SemanticView("scope", f"How do I reset router model {i}?"),
-                               vectors[i], answer, 2e10)
+            await cache.insert(
+                SemanticView("scope", f"How do I reset router model {i}?"), vectors[i], answer, 2e10
+            )
+
     tracemalloc.start()
     asyncio.run(fill())
     python_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     index_bytes = sum(ix.memory_bytes for ix in cache._scopes.values())
-    return {"entries": n, "python_bytes_per_entry": round(python_bytes / n),
-            "index_bytes_per_entry": round(index_bytes / n),
-            "total_bytes_per_entry": round((python_bytes + index_bytes) / n)}
+    return {
+        "entries": n,
+        "python_bytes_per_entry": round(python_bytes / n),
+        "index_bytes_per_entry": round(index_bytes / n),
+        "total_bytes_per_entry": round((python_bytes + index_bytes) / n),
+    }
 
 
 def summarize(result: dict[str, Any]) -> list[str]:
     ann, hit = result["ann"], result["hit"]
-    return [*bench_embed.summarize(result["embed"]),
-            f"semantic/ann       {ann['entries']} entries: lookup p50 {ann['lookup']['p50_ms']:.3f} ms,"
-            f" p99 {ann['lookup']['p99_ms']:.3f} ms (target <= 1 ms); index "
-            f"{ann['index_bytes_per_entry']} B/entry; built in {ann['build_s']} s",
-            f"semantic/entry     memory per entry besides its answer: "
-            f"{result['entry']['total_bytes_per_entry']} B (index "
-            f"{result['entry']['index_bytes_per_entry']} + Python objects "
-            f"{result['entry']['python_bytes_per_entry']})",
-            f"semantic/hit       end to end over HTTP p50 {hit['semantic_hit']['p50_ms']:.2f} ms, "
-            f"p99 {hit['semantic_hit']['p99_ms']:.2f} ms (target <= 10 ms), CPU "
-            f"{hit['semantic_hit']['cpu_ms']:.2f} ms per lookup; exact hit p50 "
-            f"{hit['exact_hit']['p50_ms']:.2f} ms, CPU {hit['exact_hit']['cpu_ms']:.3f} ms"
-            f"  [{'OK' if hit['ok'] else 'FAIL'}]"]
+    return [
+        *bench_embed.summarize(result["embed"]),
+        f"semantic/ann       {ann['entries']} entries: lookup p50 {ann['lookup']['p50_ms']:.3f} ms,"
+        f" p99 {ann['lookup']['p99_ms']:.3f} ms (target <= 1 ms); index "
+        f"{ann['index_bytes_per_entry']} B/entry; built in {ann['build_s']} s",
+        f"semantic/entry     memory per entry besides its answer: "
+        f"{result['entry']['total_bytes_per_entry']} B (index "
+        f"{result['entry']['index_bytes_per_entry']} + Python objects "
+        f"{result['entry']['python_bytes_per_entry']})",
+        f"semantic/hit       end to end over HTTP p50 {hit['semantic_hit']['p50_ms']:.2f} ms, "
+        f"p99 {hit['semantic_hit']['p99_ms']:.2f} ms (target <= 10 ms), CPU "
+        f"{hit['semantic_hit']['cpu_ms']:.2f} ms per lookup; exact hit p50 "
+        f"{hit['exact_hit']['p50_ms']:.2f} ms, CPU {hit['exact_hit']['cpu_ms']:.3f} ms"
+        f"  [{'OK' if hit['ok'] else 'FAIL'}]",
+    ]
 
 
 def main() -> None:

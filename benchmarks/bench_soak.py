@@ -66,20 +66,20 @@ CONCURRENCY = 200
 DUPLICATES = 0.30
 STREAMING = 0.35
 EMBEDDINGS = 0.15
-COMMON = 0.10                 # new chat prompts that are questions every tenant asks
-DISCONNECT = 0.01             # clients that leave 2-40 ms after sending
-UPSTREAM_TIMEOUT_S = 2.0      # the gateway's limits.upstream_timeout
-HOLD_S = 4.0                  # how long the upstream's timeout and stall faults hold
-HANG_S = 30.0                 # a request without a complete answer by then is a hang
-WARMUP = 0.20                 # of the requests: memory growth is measured after it...
-WARMUP_MIN = 2_500            # ...and after at least these (the process reaching its working set)
+COMMON = 0.10  # new chat prompts that are questions every tenant asks
+DISCONNECT = 0.01  # clients that leave 2-40 ms after sending
+UPSTREAM_TIMEOUT_S = 2.0  # the gateway's limits.upstream_timeout
+HOLD_S = 4.0  # how long the upstream's timeout and stall faults hold
+HANG_S = 30.0  # a request without a complete answer by then is a hang
+WARMUP = 0.20  # of the requests: memory growth is measured after it...
+WARMUP_MIN = 2_500  # ...and after at least these (the process reaching its working set)
 MAX_GROWTH = 0.10
 # Every per-key table of the gateway is bounded; the soak makes the bounds small enough to be
 # reached during the warm-up (~7,000 distinct requests of 50,000; scaled with the request count),
 # so that growth after it means a leak.
-CACHE_BYTES = 4 * 1024 * 1024          # cache.max_bytes (default 256 MiB)
-WINDOW_KEYS = 2_000                     # coalesce.adaptive_keys (default 100,000)
-MEMO_BYTES = 512 * 1024                 # fingerprint.repeat_memo_bytes, where it exists
+CACHE_BYTES = 4 * 1024 * 1024  # cache.max_bytes (default 256 MiB)
+WINDOW_KEYS = 2_000  # coalesce.adaptive_keys (default 100,000)
+MEMO_BYTES = 512 * 1024  # fingerprint.repeat_memo_bytes, where it exists
 SEED = 8
 
 # The errors each fault allows: (status, error code) of a JSON error, or "sse" for a stream that
@@ -98,6 +98,7 @@ ALWAYS_FAILS = {"503", "timeout", "stall", "cut"}
 # ------------------------------------------------------------------------------------------------
 # The workload
 
+
 def plan(n: int, seed: int = SEED) -> list[dict[str, Any]]:
     """``n`` requests: ``{"tenant", "kind": chat|embedding, "text", "stream", "leave_ms"}``."""
     rng = random.Random(seed)
@@ -106,19 +107,27 @@ def plan(n: int, seed: int = SEED) -> list[dict[str, Any]]:
     requests = []
     for i in range(n):
         if history and rng.random() < DUPLICATES:
-            back = int(rng.expovariate(1 / 300))               # mostly recent ones
+            back = int(rng.expovariate(1 / 300))  # mostly recent ones
             at = len(history) - 1 - back if back < len(history) else rng.randrange(len(history))
             tenant, kind, text = history[at]
         else:
             tenant = rng.choice(TENANTS)
             kind = "embedding" if rng.random() < EMBEDDINGS else "chat"
-            text = rng.choice(common) if kind == "chat" and rng.random() < COMMON else \
-                f"{kind} request {i}: {rng.randrange(10 ** 9)}"
+            text = (
+                rng.choice(common)
+                if kind == "chat" and rng.random() < COMMON
+                else f"{kind} request {i}: {rng.randrange(10**9)}"
+            )
             history.append((tenant, kind, text))
-        requests.append({
-            "tenant": tenant, "kind": kind, "text": text,
-            "stream": kind == "chat" and rng.random() < STREAMING,
-            "leave_ms": round(rng.uniform(2, 40), 1) if rng.random() < DISCONNECT else None})
+        requests.append(
+            {
+                "tenant": tenant,
+                "kind": kind,
+                "text": text,
+                "stream": kind == "chat" and rng.random() < STREAMING,
+                "leave_ms": round(rng.uniform(2, 40), 1) if rng.random() < DISCONNECT else None,
+            }
+        )
     return requests
 
 
@@ -127,15 +136,25 @@ def request_bytes(spec: dict[str, Any], port: int) -> bytes:
 
     headers = {"authorization": f"Bearer {spec['tenant']}"}
     if spec["kind"] == "embedding":
-        return build("POST", "/v1/embeddings", port,
-                     json.dumps({"model": "e", "input": spec["text"]}).encode(), headers)
-    body = {"model": "m", "temperature": 0, "stream": spec["stream"],
-            "messages": [{"role": "user", "content": spec["text"]}]}
+        return build(
+            "POST",
+            "/v1/embeddings",
+            port,
+            json.dumps({"model": "e", "input": spec["text"]}).encode(),
+            headers,
+        )
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "stream": spec["stream"],
+        "messages": [{"role": "user", "content": spec["text"]}],
+    }
     return build("POST", c.CHAT, port, json.dumps(body).encode(), headers)
 
 
 # ------------------------------------------------------------------------------------------------
 # Judging one answer
+
 
 def _sse(body: bytes) -> tuple[str, bool, dict[str, Any] | None]:
     """(text, ended with [DONE], the error event if any) of an SSE body."""
@@ -207,6 +226,7 @@ def _code(body: bytes) -> str | None:
 # ------------------------------------------------------------------------------------------------
 # The load generator (its own process)
 
+
 async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     from loadgen import Response, connect, connect_many
 
@@ -231,7 +251,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
             future = conn.request(raws[i])
             if request["leave_ms"] is not None:
                 await asyncio.wait([future], timeout=request["leave_ms"] / 1000)
-                if not future.done():            # the client leaves: drop the connection
+                if not future.done():  # the client leaves: drop the connection
                     future.cancel()
                     conn.transport.abort()
                     verdicts["left"] += 1
@@ -245,7 +265,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
                 conn.transport.abort()
                 conn = await connect(port)
                 continue
-            except Exception as error:               # a transport or parser failure
+            except Exception as error:  # a transport or parser failure
                 verdicts["unexpected"] += 1
                 labels[f"transport: {type(error).__name__}"] += 1
                 conn.transport.abort()
@@ -261,8 +281,13 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
             verdicts[verdict] += 1
             labels[f"{verdict}: {label}"] += 1
             if verdict in ("wrong", "unexpected") and len(examples[verdict]) < 5:
-                examples[verdict].append({**request, "status": response.status,
-                                          "body": response.body[-300:].decode(errors="replace")})
+                examples[verdict].append(
+                    {
+                        **request,
+                        "status": response.status,
+                        "body": response.body[-300:].decode(errors="replace"),
+                    }
+                )
 
     t0 = time.monotonic()
     await asyncio.gather(*(worker(conn) for conn in conns))
@@ -273,21 +298,28 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         key = (r["tenant"], r["kind"], r["text"])
         duplicates += key in seen
         seen.add(key)
-    faulty = sum(r["kind"] == "chat" and up.fault_of(r["tenant"], r["text"]) is not None
-                 for r in requests)
+    faulty = sum(
+        r["kind"] == "chat" and up.fault_of(r["tenant"], r["text"]) is not None for r in requests
+    )
     chat_keys = {(t, x) for t, kind, x in seen if kind == "chat"}
     return {
-        "requests": n, "concurrency": concurrency, "wall_s": round(wall, 2),
+        "requests": n,
+        "concurrency": concurrency,
+        "wall_s": round(wall, 2),
         "requests_per_s": round(n / wall, 1),
-        "distinct_requests": len(seen), "duplicate_share": round(duplicates / n, 4),
-        "distinct_chat": len(chat_keys), "distinct_embedding": len(seen) - len(chat_keys),
+        "distinct_requests": len(seen),
+        "duplicate_share": round(duplicates / n, 4),
+        "distinct_chat": len(chat_keys),
+        "distinct_embedding": len(seen) - len(chat_keys),
         "distinct_chat_with_fault": sum(up.fault_of(*key) is not None for key in chat_keys),
         "streaming_share": round(sum(r["stream"] for r in requests) / n, 4),
         "embedding_share": round(sum(r["kind"] == "embedding" for r in requests) / n, 4),
         "fault_share": round((faulty + sum(r["leave_ms"] is not None for r in requests)) / n, 4),
         "upstream_fault_requests": faulty,
-        "verdicts": dict(verdicts), "labels": dict(sorted(labels.items())),
-        "outcomes": dict(outcomes), "statuses": dict(statuses),
+        "verdicts": dict(verdicts),
+        "labels": dict(sorted(labels.items())),
+        "outcomes": dict(outcomes),
+        "statuses": dict(statuses),
         "latency": c.summary_ms(latencies) if latencies else None,
         "examples": dict(examples),
     }
@@ -295,6 +327,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # The orchestrator
+
 
 def _get(port: int, path: str) -> Any:
     with urllib.request.urlopen(f"http://{c.HOST}:{port}{path}", timeout=10) as response:
@@ -317,7 +350,7 @@ class Sampler(threading.Thread):
     def __init__(self, pid: int, port: int, interval: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.pid, self.port, self.interval = pid, port, interval
-        self.samples: list[tuple[float, int, int]] = []       # (t, requests, rss)
+        self.samples: list[tuple[float, int, int]] = []  # (t, requests, rss)
         self.stop = threading.Event()
         self.t0 = time.monotonic()
 
@@ -342,12 +375,18 @@ def memory(samples: list[tuple[float, int, int]], n: int) -> dict[str, Any]:
     peak = max(s[2] for s in after)
     growth = peak / base - 1
     mib = 1024 * 1024
-    return {"ok": growth < MAX_GROWTH, "samples": len(samples), "warmup_requests": int(warmup),
-            "rss_start_mib": round(samples[0][2] / mib, 1),
-            "rss_after_warmup_mib": round(base / mib, 1), "rss_peak_after_warmup_mib":
-            round(peak / mib, 1), "rss_end_mib": round(samples[-1][2] / mib, 1),
-            "growth_after_warmup": round(growth, 4), "max_growth": MAX_GROWTH,
-            "series": [[t, r, round(rss / mib, 1)] for t, r, rss in samples]}
+    return {
+        "ok": growth < MAX_GROWTH,
+        "samples": len(samples),
+        "warmup_requests": int(warmup),
+        "rss_start_mib": round(samples[0][2] / mib, 1),
+        "rss_after_warmup_mib": round(base / mib, 1),
+        "rss_peak_after_warmup_mib": round(peak / mib, 1),
+        "rss_end_mib": round(samples[-1][2] / mib, 1),
+        "growth_after_warmup": round(growth, 4),
+        "max_growth": MAX_GROWTH,
+        "series": [[t, r, round(rss / mib, 1)] for t, r, rss in samples],
+    }
 
 
 def _settle(gateway_port: int, upstream_port: int, timeout: float) -> dict[str, Any]:
@@ -358,8 +397,12 @@ def _settle(gateway_port: int, upstream_port: int, timeout: float) -> dict[str, 
         stats, count = _get(gateway_port, "/stats"), _get(upstream_port, "/count")
         settled = stats["flights"] == stats["waiters"] == count["in_flight"] == 0
         if settled or time.monotonic() > deadline:
-            return {"settled": settled, "flights": stats["flights"], "waiters": stats["waiters"],
-                    "upstream_in_flight": count["in_flight"]}
+            return {
+                "settled": settled,
+                "flights": stats["flights"],
+                "waiters": stats["waiters"],
+                "upstream_in_flight": count["in_flight"],
+            }
         time.sleep(0.1)
 
 
@@ -368,38 +411,60 @@ def gateway_config(n: int = FULL_N) -> dict[str, Any]:
 
     scale = min(1.0, n / FULL_N)
     config: dict[str, Any] = {
-        "log_level": "warning", "limits": {"upstream_timeout": UPSTREAM_TIMEOUT_S},
+        "log_level": "warning",
+        "limits": {"upstream_timeout": UPSTREAM_TIMEOUT_S},
         "cache": {"max_bytes": int(CACHE_BYTES * scale)},
-        "coalesce": {"adaptive_keys": max(1, int(WINDOW_KEYS * scale))}}
+        "coalesce": {"adaptive_keys": max(1, int(WINDOW_KEYS * scale))},
+    }
     if "repeat_memo_bytes" in FingerprintConfig.model_fields:
         config["fingerprint"] = {"repeat_memo_bytes": int(MEMO_BYTES * scale)}
     return config
 
 
-def run(quick: bool = False, requests: int | None = None,
-        concurrency: int = CONCURRENCY) -> dict[str, Any]:
+def run(
+    quick: bool = False, requests: int | None = None, concurrency: int = CONCURRENCY
+) -> dict[str, Any]:
     n = requests or (QUICK_N if quick else FULL_N)
     up_port, gw_port = c.free_port(), c.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "soak.yaml"
         config.write_text(json.dumps(gateway_config(n)))
-        upstream_args = [str(c.HERE / "soak_upstream.py"), "--port", str(up_port),
-                         "--hold-s", str(HOLD_S)]
-        gateway_args = ["-m", "carpool.cli", "serve", "--upstream",
-                        f"http://{c.HOST}:{up_port}/v1", "--port", str(gw_port),
-                        "--config", str(config)]
+        upstream_args = [
+            str(c.HERE / "soak_upstream.py"),
+            "--port",
+            str(up_port),
+            "--hold-s",
+            str(HOLD_S),
+        ]
+        gateway_args = [
+            "-m",
+            "carpool.cli",
+            "serve",
+            "--upstream",
+            f"http://{c.HOST}:{up_port}/v1",
+            "--port",
+            str(gw_port),
+            "--config",
+            str(config),
+        ]
         with c.server(upstream_args, up_port), c.server(gateway_args, gw_port) as gateway:
             sampler = Sampler(gateway.pid, gw_port)
             sampler.start()
             spec = {"gateway_port": gw_port, "n": n, "concurrency": concurrency, "seed": SEED}
             t0 = time.monotonic()
-            done = subprocess.run([c.PY, str(Path(__file__).resolve()), "--loadgen",
-                                   json.dumps(spec)], env=c._env(), cwd=c.ROOT,
-                                  capture_output=True, timeout=max(600, n / 20))
+            done = subprocess.run(
+                [c.PY, str(Path(__file__).resolve()), "--loadgen", json.dumps(spec)],
+                env=c._env(),
+                cwd=c.ROOT,
+                capture_output=True,
+                timeout=max(600, n / 20),
+            )
             duration = time.monotonic() - t0
             if done.returncode != 0:
-                raise RuntimeError(f"the soak load generator failed ({done.returncode}):\n"
-                                   f"{done.stderr.decode(errors='replace')[-3000:]}")
+                raise RuntimeError(
+                    f"the soak load generator failed ({done.returncode}):\n"
+                    f"{done.stderr.decode(errors='replace')[-3000:]}"
+                )
             load = json.loads(done.stdout)
             settle = _settle(gw_port, up_port, HOLD_S + 10)
             sampler.stop.set()
@@ -408,28 +473,58 @@ def run(quick: bool = False, requests: int | None = None,
     mem = memory(sampler.samples, n)
     verdicts = load["verdicts"]
     result = {
-        "load": load, "duration_s": round(duration, 1), "memory": mem, "after": settle,
-        "upstream_calls": count["calls"], "upstream_chat_calls": count["chat"],
-        "upstream_embedding_calls": count["embeddings"], "upstream_faults": count["faults"],
-        "gateway": {k: stats[k] for k in ("requests", "hits", "coalesced", "misses", "bypass",
-                                          "upstream_calls", "upstream_errors", "saved_fraction")}
+        "load": load,
+        "duration_s": round(duration, 1),
+        "memory": mem,
+        "after": settle,
+        "upstream_calls": count["calls"],
+        "upstream_chat_calls": count["chat"],
+        "upstream_embedding_calls": count["embeddings"],
+        "upstream_faults": count["faults"],
+        "gateway": {
+            k: stats[k]
+            for k in (
+                "requests",
+                "hits",
+                "coalesced",
+                "misses",
+                "bypass",
+                "upstream_calls",
+                "upstream_errors",
+                "saved_fraction",
+            )
+        }
         | {"batching": stats.get("batching")},
-        "config": {"requests": n, "concurrency": concurrency, "seed": SEED,
-                   "fault_hold_s": HOLD_S, "hang_s": HANG_S, "gateway": gateway_config(n)},
-        "wrong": verdicts.get("wrong", 0), "hangs": verdicts.get("hang", 0),
+        "config": {
+            "requests": n,
+            "concurrency": concurrency,
+            "seed": SEED,
+            "fault_hold_s": HOLD_S,
+            "hang_s": HANG_S,
+            "gateway": gateway_config(n),
+        },
+        "wrong": verdicts.get("wrong", 0),
+        "hangs": verdicts.get("hang", 0),
         "unexpected_errors": verdicts.get("unexpected", 0),
         "expected_errors": verdicts.get("expected", 0),
     }
-    result["ok"] = (result["wrong"] == 0 and result["hangs"] == 0 and mem["ok"]
-                    and settle["settled"]
-                    and sum(verdicts.values()) == n)
+    result["ok"] = (
+        result["wrong"] == 0
+        and result["hangs"] == 0
+        and mem["ok"]
+        and settle["settled"]
+        and sum(verdicts.values()) == n
+    )
     return result
 
 
 def summarize(result: dict[str, Any]) -> list[str]:
     load, mem = result["load"], result["memory"]
-    errors = {k.split(": ", 1)[1]: v for k, v in load["labels"].items()
-              if k.startswith(("expected", "unexpected"))}
+    errors = {
+        k.split(": ", 1)[1]: v
+        for k, v in load["labels"].items()
+        if k.startswith(("expected", "unexpected"))
+    }
     lat = load["latency"] or {}
     return [
         f"soak/{load['requests']:,} requests at concurrency {load['concurrency']} in "
@@ -453,21 +548,31 @@ def summarize(result: dict[str, Any]) -> list[str]:
 
 def document(result: dict[str, Any], quick: bool, duration: float) -> dict[str, Any]:
     """The same document as ``run.py --only soak`` writes."""
-    return {**c.machine(), "mode": "quick" if quick else "full", "duration_s": round(duration, 2),
-            "durations_s": {"soak": round(duration, 2)}, "ok": result["ok"],
-            "errors": {} if result["ok"] else {"soak": "a correctness check failed"},
-            "figures": headline(result), "results": {"soak": result}}
+    return {
+        **c.machine(),
+        "mode": "quick" if quick else "full",
+        "duration_s": round(duration, 2),
+        "durations_s": {"soak": round(duration, 2)},
+        "ok": result["ok"],
+        "errors": {} if result["ok"] else {"soak": "a correctness check failed"},
+        "figures": headline(result),
+        "results": {"soak": result},
+    }
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     load = result["load"]
-    return {"soak_requests": load["requests"], "soak_wrong": result["wrong"],
-            "soak_hangs": result["hangs"], "soak_unexpected_errors": result["unexpected_errors"],
-            "soak_expected_errors": result["expected_errors"],
-            "soak_upstream_calls": result["upstream_calls"],
-            "soak_distinct_requests": load["distinct_requests"],
-            "soak_duration_s": result["duration_s"],
-            "soak_rss_growth_after_warmup": result["memory"].get("growth_after_warmup")}
+    return {
+        "soak_requests": load["requests"],
+        "soak_wrong": result["wrong"],
+        "soak_hangs": result["hangs"],
+        "soak_unexpected_errors": result["unexpected_errors"],
+        "soak_expected_errors": result["expected_errors"],
+        "soak_upstream_calls": result["upstream_calls"],
+        "soak_distinct_requests": load["distinct_requests"],
+        "soak_duration_s": result["duration_s"],
+        "soak_rss_growth_after_warmup": result["memory"].get("growth_after_warmup"),
+    }
 
 
 def main() -> None:
@@ -481,9 +586,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=c.RESULTS / "soak.json")
     parser.add_argument("--loadgen", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.loadgen:                               # the load generator's own process
+    if args.loadgen:  # the load generator's own process
         try:
             import uvloop
+
             factory = uvloop.new_event_loop
         except ImportError:  # pragma: no cover
             factory = None

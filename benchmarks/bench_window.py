@@ -53,22 +53,29 @@ def zipf_sampler(rng: random.Random, n: int, s: float):
             else:
                 hi = mid
         return lo
+
     return draw
 
 
-def bursty_zipf_trace(seed: int, seconds: float, keys: int = 5000, background_rps: float = 30.0,
-                      bursts_per_s: float = 0.3, zipf_s: float = 1.1) -> list[tuple[float, str]]:
+def bursty_zipf_trace(
+    seed: int,
+    seconds: float,
+    keys: int = 5000,
+    background_rps: float = 30.0,
+    bursts_per_s: float = 0.3,
+    zipf_s: float = 1.1,
+) -> list[tuple[float, str]]:
     rng = random.Random(seed)
     draw = zipf_sampler(rng, keys, zipf_s)
     trace: list[tuple[float, str]] = []
     t = 0.0
-    while True:                                         # steady background
+    while True:  # steady background
         t += rng.expovariate(background_rps)
         if t >= seconds:
             break
         trace.append((t, f"q{draw()}"))
     t = 0.0
-    while True:                                         # bursts of one question
+    while True:  # bursts of one question
         t += rng.expovariate(bursts_per_s)
         if t >= seconds:
             break
@@ -80,14 +87,14 @@ def bursty_zipf_trace(seed: int, seconds: float, keys: int = 5000, background_rp
 
 def replay(trace: list[tuple[float, str]], policy, call_s: float, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
-    running: dict[str, float] = {}        # key -> finish time of its running call
+    running: dict[str, float] = {}  # key -> finish time of its running call
     started: dict[str, float] = {}
-    lingering: dict[str, tuple[float, float]] = {}   # key -> (finished at, joinable until)
+    lingering: dict[str, tuple[float, float]] = {}  # key -> (finished at, joinable until)
     finishes: list[tuple[float, str]] = []
     shared = calls = 0
     ages: list[float] = []
     for now, key in trace:
-        while finishes and finishes[0][0] <= now:      # calls that ended before this arrival
+        while finishes and finishes[0][0] <= now:  # calls that ended before this arrival
             done, done_key = heapq.heappop(finishes)
             del running[done_key]
             window = policy.window(done_key, done, done - started[done_key])
@@ -106,14 +113,19 @@ def replay(trace: list[tuple[float, str]], policy, call_s: float, seed: int) -> 
         finish = now + rng.lognormvariate(0, 0.5) * call_s
         running[key], started[key] = finish, now
         heapq.heappush(finishes, (finish, key))
-    return {"requests": len(trace), "upstream_calls": calls, "shared": shared / len(trace),
-            "mean_age_ms": 1000 * statistics.fmean(ages) if ages else 0.0,
-            "p95_age_ms": 1000 * statistics.quantiles(ages, n=20)[-1] if len(ages) > 20 else 0.0}
+    return {
+        "requests": len(trace),
+        "upstream_calls": calls,
+        "shared": shared / len(trace),
+        "mean_age_ms": 1000 * statistics.fmean(ages) if ages else 0.0,
+        "p95_age_ms": 1000 * statistics.quantiles(ages, n=20)[-1] if len(ages) > 20 else 0.0,
+    }
 
 
 def policies() -> dict[str, object]:
-    out: dict[str, object] = {f"fixed {ms} ms": (lambda ms=ms: FixedWindow(ms / 1000))
-                              for ms in FIXED_MS}
+    out: dict[str, object] = {
+        f"fixed {ms} ms": (lambda ms=ms: FixedWindow(ms / 1000)) for ms in FIXED_MS
+    }
     # The gateway's own policy, built from the configuration defaults.
     out["adaptive"] = lambda: window_policy(CoalesceConfig())
     return out
@@ -127,12 +139,16 @@ def run(quick: bool = False) -> dict[str, object]:
 def summarize(result: dict[str, object]) -> list[str]:
     lines = []
     for name, row in result["policies"].items():  # type: ignore[union-attr]
-        lines.append(f"window/{name:<14} shared {row['shared']:.4f}, mean age "
-                     f"{row['mean_age_ms']:.0f} ms, p95 age {row['p95_age_ms']:.0f} ms")
+        lines.append(
+            f"window/{name:<14} shared {row['shared']:.4f}, mean age "
+            f"{row['mean_age_ms']:.0f} ms, p95 age {row['p95_age_ms']:.0f} ms"
+        )
     verdict = result["verdict"]
-    lines.append(f"window/verdict      vs {verdict['best_fixed_by_share']} (best share): adaptive "
-                 f"shares at least as much: {verdict['adaptive_shares_at_least_as_much']}, "
-                 f"answers no older: {verdict['adaptive_answers_no_older']}")
+    lines.append(
+        f"window/verdict      vs {verdict['best_fixed_by_share']} (best share): adaptive "
+        f"shares at least as much: {verdict['adaptive_shares_at_least_as_much']}, "
+        f"answers no older: {verdict['adaptive_answers_no_older']}"
+    )
     return lines
 
 
@@ -142,16 +158,27 @@ def simulate(seconds: float = 600, seeds: int = 5, call_s: float = 0.8) -> dict[
         trace = bursty_zipf_trace(seed, seconds)
         for name, make in policies().items():
             results[name].append(replay(trace, make(), call_s, seed))
-    summary = {name: {metric: round(statistics.fmean(r[metric] for r in runs), 4)
-                      for metric in runs[0]} for name, runs in results.items()}
+    summary = {
+        name: {metric: round(statistics.fmean(r[metric] for r in runs), 4) for metric in runs[0]}
+        for name, runs in results.items()
+    }
     best_share = max((v for k, v in summary.items() if k != "adaptive"), key=lambda v: v["shared"])
     adaptive = summary["adaptive"]
-    verdict = {"best_fixed_by_share": next(k for k, v in summary.items() if v is best_share),
-               "adaptive_shares_at_least_as_much": adaptive["shared"] >= best_share["shared"],
-               "adaptive_answers_no_older": adaptive["mean_age_ms"] <= best_share["mean_age_ms"]}
-    return {"workload": {"seconds": seconds, "seeds": seeds, "call_s": call_s,
-                         "requests_per_seed": summary["adaptive"]["requests"]},
-            "policies": summary, "verdict": verdict}
+    verdict = {
+        "best_fixed_by_share": next(k for k, v in summary.items() if v is best_share),
+        "adaptive_shares_at_least_as_much": adaptive["shared"] >= best_share["shared"],
+        "adaptive_answers_no_older": adaptive["mean_age_ms"] <= best_share["mean_age_ms"],
+    }
+    return {
+        "workload": {
+            "seconds": seconds,
+            "seeds": seeds,
+            "call_s": call_s,
+            "requests_per_seed": summary["adaptive"]["requests"],
+        },
+        "policies": summary,
+        "verdict": verdict,
+    }
 
 
 def main() -> None:
@@ -164,8 +191,10 @@ def main() -> None:
     result = simulate(args.seconds, args.seeds, args.call_s)
     print(f"{'policy':<16}{'shared':>10}{'mean age ms':>14}{'p95 age ms':>12}{'calls':>9}")
     for name, row in result["policies"].items():
-        print(f"{name:<16}{row['shared']:>10.4f}{row['mean_age_ms']:>14.1f}"
-              f"{row['p95_age_ms']:>12.1f}{row['upstream_calls']:>9.0f}")
+        print(
+            f"{name:<16}{row['shared']:>10.4f}{row['mean_age_ms']:>14.1f}"
+            f"{row['p95_age_ms']:>12.1f}{row['upstream_calls']:>9.0f}"
+        )
     print(json.dumps(result["verdict"]))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

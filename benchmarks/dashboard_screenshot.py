@@ -27,16 +27,48 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-TOPICS = ["the capital of France", "photosynthesis", "a Python list comprehension", "TCP slow start",
-          "the Krebs cycle", "a B-tree", "compound interest", "the French revolution",
-          "how vaccines work", "a hash map", "the speed of light", "quantum entanglement",
-          "an index fund", "garbage collection in Java", "the water cycle", "a Kalman filter",
-          "the Pythagorean theorem", "HTTP/2 multiplexing", "inflation", "plate tectonics",
-          "a mutex", "the Doppler effect", "black holes", "a REST API", "Bayes' theorem",
-          "the immune system", "a linked list", "supply and demand", "continental drift",
-          "a neural network"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TOPICS = [
+    "the capital of France",
+    "photosynthesis",
+    "a Python list comprehension",
+    "TCP slow start",
+    "the Krebs cycle",
+    "a B-tree",
+    "compound interest",
+    "the French revolution",
+    "how vaccines work",
+    "a hash map",
+    "the speed of light",
+    "quantum entanglement",
+    "an index fund",
+    "garbage collection in Java",
+    "the water cycle",
+    "a Kalman filter",
+    "the Pythagorean theorem",
+    "HTTP/2 multiplexing",
+    "inflation",
+    "plate tectonics",
+    "a mutex",
+    "the Doppler effect",
+    "black holes",
+    "a REST API",
+    "Bayes' theorem",
+    "the immune system",
+    "a linked list",
+    "supply and demand",
+    "continental drift",
+    "a neural network",
+]
 
 
 def free_port() -> int:
@@ -54,7 +86,9 @@ def semantic_available() -> bool:
     return True
 
 
-async def wait_healthy(client: httpx.AsyncClient, process: subprocess.Popen, seconds: float) -> None:
+async def wait_healthy(
+    client: httpx.AsyncClient, process: subprocess.Popen, seconds: float
+) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -77,9 +111,13 @@ class Traffic:
         self.outcomes: dict[str, int] = {}
 
     async def chat(self, content: str, *, stream: bool = False, temperature: float = 0) -> None:
-        body = {"model": "sim", "messages": [{"role": "user", "content": content}],
-                "temperature": temperature, "max_tokens": self.rng.choice([16, 24, 32, 48]),
-                "stream": stream}
+        body = {
+            "model": "sim",
+            "messages": [{"role": "user", "content": content}],
+            "temperature": temperature,
+            "max_tokens": self.rng.choice([16, 24, 32, 48]),
+            "stream": stream,
+        }
         if stream:
             async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
                 await response.aread()
@@ -103,8 +141,9 @@ class Traffic:
         elif r < 0.74:
             self.spawn(self.chat(f"Could you explain {topic} in two sentences?", stream=stream))
         elif r < 0.90:
-            self.spawn(self.chat(f"Question #{self.rng.randrange(10**6)}: explain {topic}.",
-                                 stream=stream))
+            self.spawn(
+                self.chat(f"Question #{self.rng.randrange(10**6)}: explain {topic}.", stream=stream)
+            )
         else:
             self.spawn(self.chat(f"Write a haiku about {topic}.", temperature=0.9))
 
@@ -120,7 +159,7 @@ class Traffic:
         next_burst = start + 1.5
         while (now := time.monotonic()) - start < seconds:
             elapsed = now - start
-            rate = 14 + 22 * math.sin(elapsed / seconds * 2.2 * math.pi) ** 2   # req/s, swelling
+            rate = 14 + 22 * math.sin(elapsed / seconds * 2.2 * math.pi) ** 2  # req/s, swelling
             if now >= next_burst:
                 self.burst()
                 next_burst = now + self.rng.uniform(2.0, 4.5)
@@ -142,9 +181,12 @@ async def main() -> None:
     from playwright.async_api import async_playwright
 
     port = free_port()
-    env = {**os.environ, "CARPOOL_SIM__REPLICAS": str(args.replicas),
-           "CARPOOL_SIM__DECODE_MS_PER_TOKEN": "20",         # about 50 tokens/s, like a real GPU
-           "CARPOOL_LOG_LEVEL": "warning"}
+    env = {
+        **os.environ,
+        "CARPOOL_SIM__REPLICAS": str(args.replicas),
+        "CARPOOL_SIM__DECODE_MS_PER_TOKEN": "20",  # about 50 tokens/s, like a real GPU
+        "CARPOOL_LOG_LEVEL": "warning",
+    }
     if semantic_available():
         env["CARPOOL_SEMANTIC__ENABLED"] = "true"
     carpool = Path(sys.executable).with_name("carpool")
@@ -154,20 +196,27 @@ async def main() -> None:
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
             await wait_healthy(client, process, 60)
-            await client.post("/v1/chat/completions", json={     # warm up (model load, routes)
-                "model": "sim", "messages": [{"role": "user", "content": "warm up"}]})
+            await client.post(
+                "/v1/chat/completions",
+                json={  # warm up (model load, routes)
+                    "model": "sim",
+                    "messages": [{"role": "user", "content": "warm up"}],
+                },
+            )
             async with async_playwright() as playwright:
-                browser = await playwright.chromium.launch(executable_path=chromium,
-                                                           args=CHROMIUM_ARGS)
+                browser = await playwright.chromium.launch(
+                    executable_path=chromium, args=CHROMIUM_ARGS
+                )
                 page = await browser.new_page(viewport={"width": 1280, "height": 900})
                 window = int(args.seconds) + 2
                 await page.goto(f"{url}/dashboard?window={window}")
                 traffic = Traffic(client)
                 load = asyncio.create_task(traffic.run(args.seconds + 3))
-                await asyncio.sleep(args.seconds)                    # the shot, while it runs
-                await page.wait_for_function(                        # right after a poll
+                await asyncio.sleep(args.seconds)  # the shot, while it runs
+                await page.wait_for_function(  # right after a poll
                     "n => window.carpoolDashboard.ticks > n",
-                    arg=await page.evaluate("window.carpoolDashboard.ticks"))
+                    arg=await page.evaluate("window.carpoolDashboard.ticks"),
+                )
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 await page.screenshot(path=str(args.out))
                 await browser.close()

@@ -25,10 +25,23 @@ def main() -> None:
     from carpool.pipeline import Gateway
     from carpool.server import create_app
 
-    config = Config(upstreams=[args.upstream], host=args.host, port=args.port,
-                    log_level="warning", semantic={"enabled": args.semantic})
-    uvicorn.run(create_app(Gateway(config)), host=args.host, port=args.port, loop="uvloop",
-                http="httptools", log_level="warning", access_log=False, backlog=4096)
+    config = Config(
+        upstreams=[args.upstream],
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        semantic={"enabled": args.semantic},
+    )
+    uvicorn.run(
+        create_app(Gateway(config)),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+    )
 
 
 if __name__ == "__main__":

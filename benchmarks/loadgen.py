@@ -43,7 +43,7 @@ class Response:
     status: int
     carpool: str | None
     body: bytes
-    at: float                       # time.monotonic() when the last byte was parsed
+    at: float  # time.monotonic() when the last byte was parsed
 
 
 class Conn(asyncio.Protocol):
@@ -87,8 +87,9 @@ class Conn(asyncio.Protocol):
         at = time.monotonic()
         future = self.future
         if future is not None and not future.done():
-            future.set_result(Response(self.parser.get_status_code(), self.carpool,
-                                       b"".join(self.body), at))
+            future.set_result(
+                Response(self.parser.get_status_code(), self.carpool, b"".join(self.body), at)
+            )
 
     def request(self, raw: bytes) -> asyncio.Future[Response]:
         assert self.transport is not None
@@ -97,10 +98,10 @@ class Conn(asyncio.Protocol):
         return self.future
 
 
-def build(method: str, path: str, port: int, body: bytes = b"",
-          headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", f"host: {HOST}:{port}",
-             f"content-length: {len(body)}"]
+def build(
+    method: str, path: str, port: int, body: bytes = b"", headers: dict[str, str] | None = None
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"host: {HOST}:{port}", f"content-length: {len(body)}"]
     if body:
         lines.append("content-type: application/json")
     for name, value in (headers or {}).items():
@@ -126,11 +127,17 @@ async def get_json(conn: Conn, method: str, path: str, port: int) -> Any:
 
 
 def _raw(target: dict[str, Any]) -> bytes:
-    return build("POST", target.get("path", "/v1/chat/completions"), target["port"],
-                 orjson.dumps(target["body"]), target.get("headers"))
+    return build(
+        "POST",
+        target.get("path", "/v1/chat/completions"),
+        target["port"],
+        orjson.dumps(target["body"]),
+        target.get("headers"),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
+
 
 async def coalesce(spec: dict[str, Any]) -> dict[str, Any]:
     gw, up, n = spec["gateway_port"], spec["upstream_port"], spec["n"]
@@ -139,14 +146,13 @@ async def coalesce(spec: dict[str, Any]) -> dict[str, Any]:
     ctl_gw, ctl_up = await connect(gw), await connect(up)
     await get_json(ctl_up, "POST", "/reset", up)
     before = await get_json(ctl_gw, "GET", "/stats", gw)
-    raw = build("POST", "/v1/chat/completions", gw, orjson.dumps(spec["body"]),
-                spec.get("headers"))
+    raw = build("POST", "/v1/chat/completions", gw, orjson.dumps(spec["body"]), spec.get("headers"))
 
     t0 = time.monotonic()
     futures = [c.request(raw) for c in conns]
     t_sent = time.monotonic()
     polls, waiters = 0, 0
-    while True:                      # every request has joined the flight: release the upstream
+    while True:  # every request has joined the flight: release the upstream
         stats = await get_json(ctl_gw, "GET", "/stats", gw)
         polls += 1
         waiters = stats["waiters"]
@@ -181,8 +187,8 @@ async def coalesce(spec: dict[str, Any]) -> dict[str, Any]:
         "all_joined": waiters >= n,
         "waiters_seen": waiters,
         "send_s": round(t_sent - t0, 6),
-        "join_s": round(t_joined - t0, 6),           # first send -> gateway shows n waiters
-        "wall_s": round(done[-1] - t0, 6) if done else None,   # first send -> last answer
+        "join_s": round(t_joined - t0, 6),  # first send -> gateway shows n waiters
+        "wall_s": round(done[-1] - t0, 6) if done else None,  # first send -> last answer
         "hold_s": round(answered - t_joined, 6) if answered else None,
         # the upstream starts sending its answer -> first / last client has its whole answer
         "release_first_s": round(done[0] - answered, 6) if answered and done else None,
@@ -219,13 +225,15 @@ async def latency(spec: dict[str, Any]) -> dict[str, Any]:
     order = list(range(len(targets)))
     for r in range(rounds):
         size = min(block, n - r * block)
-        for i in (order if r % 2 == 0 else order[::-1]):
+        for i in order if r % 2 == 0 else order[::-1]:
             await run(i, size, True)
     for c in conns:
         assert c.transport is not None
         c.transport.close()
-    return {t["name"]: {"samples_s": samples[i], "outcomes": dict(outcomes[i]),
-                        "non_200": bad[i]} for i, t in enumerate(targets)}
+    return {
+        t["name"]: {"samples_s": samples[i], "outcomes": dict(outcomes[i]), "non_200": bad[i]}
+        for i, t in enumerate(targets)
+    }
 
 
 async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +245,7 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
     outcomes = [collections.Counter() for _ in targets]
     bad = [0 for _ in targets]
 
-    for i, pool in enumerate(pools):        # prime: the first identical request fills the cache
+    for i, pool in enumerate(pools):  # prime: the first identical request fills the cache
         response = await pool[0].request(raws[i])
         if response.status != 200:
             raise RuntimeError(f"{targets[i]['name']}: status {response.status}")
@@ -268,21 +276,23 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
         await run(i, warmup, False)
     order = list(range(len(targets)))
     for r in range(rounds):
-        for i in (order if r % 2 == 0 else order[::-1]):
+        for i in order if r % 2 == 0 else order[::-1]:
             await run(i, seconds, True)
     for pool in pools:
         for c in pool:
             assert c.transport is not None
             c.transport.close()
-    return {t["name"]: {"rps": rates[i], "outcomes": dict(outcomes[i]), "non_200": bad[i]}
-            for i, t in enumerate(targets)}
+    return {
+        t["name"]: {"rps": rates[i], "outcomes": dict(outcomes[i]), "non_200": bad[i]}
+        for i, t in enumerate(targets)
+    }
 
 
 async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
     targets, rates, seconds = spec["targets"], spec["rates"], spec["seconds"]
     pools = [await connect_many(t["port"], spec["connections"]) for t in targets]
     raws = [_raw(t) for t in targets]
-    for i, pool in enumerate(pools):        # prime: the first identical request fills the cache
+    for i, pool in enumerate(pools):  # prime: the first identical request fills the cache
         await pool[0].request(raws[i])
     results: dict[str, dict[str, Any]] = {t["name"]: {} for t in targets}
 
@@ -301,8 +311,11 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
             finally:
                 idle.put_nowait(conn)
             latencies.append(response.at - scheduled)
-            outcomes[response.carpool or "(none)" if response.status == 200
-                     else f"status {response.status}"] += 1
+            outcomes[
+                response.carpool or "(none)"
+                if response.status == 200
+                else f"status {response.status}"
+            ] += 1
 
         total = int(rate * seconds)
         t0 = time.monotonic()
@@ -312,7 +325,7 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
             for k in range(sent, due):
                 tasks.append(loop.create_task(one(t0 + k / rate)))
             sent = due
-            await asyncio.sleep(0)               # let answers in between dispatches
+            await asyncio.sleep(0)  # let answers in between dispatches
             if sent < total:
                 await asyncio.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
         await asyncio.gather(*tasks)
@@ -322,12 +335,19 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
         def at(q: float) -> float:
             return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 4)
 
-        return {"rate": rate, "achieved_rps": round(total / elapsed), "n": total,
-                "p50_ms": at(0.50), "p90_ms": at(0.90), "p99_ms": at(0.99),
-                "max_ms": round(ordered[-1] * 1000, 4), "outcomes": dict(outcomes)}
+        return {
+            "rate": rate,
+            "achieved_rps": round(total / elapsed),
+            "n": total,
+            "p50_ms": at(0.50),
+            "p90_ms": at(0.90),
+            "p99_ms": at(0.99),
+            "max_ms": round(ordered[-1] * 1000, 4),
+            "outcomes": dict(outcomes),
+        }
 
     for rate in rates:
-        for i, t in enumerate(targets):        # same rate, targets one after the other
+        for i, t in enumerate(targets):  # same rate, targets one after the other
             results[t["name"]][str(rate)] = await run(i, rate)
     for pool in pools:
         for c in pool:
@@ -336,14 +356,14 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-MODES = {"coalesce": coalesce, "latency": latency, "throughput": throughput,
-         "openloop": openloop}
+MODES = {"coalesce": coalesce, "latency": latency, "throughput": throughput, "openloop": openloop}
 
 
 def main(modes: dict[str, Any] = MODES) -> None:
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
     try:
         import uvloop
+
         factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         factory = None

@@ -50,42 +50,54 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "fingerprint" in results:
         f = results["fingerprint"]
-        out.update(fingerprint_lookup_us=f["total_us"], fingerprint_split_us=f["split_us"],
-                   fingerprint_target_us=f["target_us"])
+        out.update(
+            fingerprint_lookup_us=f["total_us"],
+            fingerprint_split_us=f["split_us"],
+            fingerprint_target_us=f["target_us"],
+        )
     if "coalesce" in results:
         h, p = results["coalesce"]["http"], results["coalesce"]["inprocess"]
-        out.update(coalesce_http_n=h["n"], coalesce_http_upstream_calls=h["upstream_calls"],
-                   coalesce_http_outcomes=h["outcomes"],
-                   coalesce_http_wall_ms=round(h["wall_s_median"] * 1000, 2),
-                   coalesce_http_answer_to_last_client_ms=round(
-                       h["release_last_s_median"] * 1000, 2),
-                   coalesce_inprocess_n=p["n"],
-                   coalesce_inprocess_upstream_calls=p["upstream_calls"],
-                   coalesce_inprocess_release_ms=round(p["release_s_median"] * 1000, 2),
-                   coalesce_inprocess_traced_bytes=p["traced_held_bytes"],
-                   coalesce_inprocess_bytes_per_waiter=p["traced_bytes_per_waiter"],
-                   coalesce_inprocess_rss_delta_bytes=p["rss_held_bytes_median"])
+        out.update(
+            coalesce_http_n=h["n"],
+            coalesce_http_upstream_calls=h["upstream_calls"],
+            coalesce_http_outcomes=h["outcomes"],
+            coalesce_http_wall_ms=round(h["wall_s_median"] * 1000, 2),
+            coalesce_http_answer_to_last_client_ms=round(h["release_last_s_median"] * 1000, 2),
+            coalesce_inprocess_n=p["n"],
+            coalesce_inprocess_upstream_calls=p["upstream_calls"],
+            coalesce_inprocess_release_ms=round(p["release_s_median"] * 1000, 2),
+            coalesce_inprocess_traced_bytes=p["traced_held_bytes"],
+            coalesce_inprocess_bytes_per_waiter=p["traced_bytes_per_waiter"],
+            coalesce_inprocess_rss_delta_bytes=p["rss_held_bytes_median"],
+        )
     if "overhead" in results:
         pcts = ("p50_ms", "p90_ms", "p99_ms")
         lat, thr = results["overhead"]["latency"], results["overhead"]["throughput"]
-        out.update(bypass_direct_ms={k: lat["direct"][k] for k in pcts},
-                   bypass_gateway_ms={k: lat["gateway"][k] for k in pcts},
-                   bypass_added_p50_ms=lat["added_p50_ms"],
-                   bypass_added_p50_target_ms=lat["target_added_p50_ms"],
-                   hit_gateway_ms={k: lat["gateway_hit"][k] for k in pcts},
-                   hit_rps=thr["gateway_hit_rps_median"], upstream_rps=thr["upstream_rps_median"],
-                   hit_rps_ratio=thr["ratio_hit_over_upstream"],
-                   throughput_concurrency=thr["concurrency"])
+        out.update(
+            bypass_direct_ms={k: lat["direct"][k] for k in pcts},
+            bypass_gateway_ms={k: lat["gateway"][k] for k in pcts},
+            bypass_added_p50_ms=lat["added_p50_ms"],
+            bypass_added_p50_target_ms=lat["target_added_p50_ms"],
+            hit_gateway_ms={k: lat["gateway_hit"][k] for k in pcts},
+            hit_rps=thr["gateway_hit_rps_median"],
+            upstream_rps=thr["upstream_rps_median"],
+            hit_rps_ratio=thr["ratio_hit_over_upstream"],
+            throughput_concurrency=thr["concurrency"],
+        )
     if "window" in results:
-        out.update(window_policies=results["window"]["policies"],
-                   window_verdict=results["window"]["verdict"])
+        out.update(
+            window_policies=results["window"]["policies"],
+            window_verdict=results["window"]["verdict"],
+        )
     if "semantic" in results:
         sem = results["semantic"]
-        out.update(semantic_embed_p50_ms=sem["embed"]["single"]["p50_ms"],
-                   semantic_ann_entries=sem["ann"]["entries"],
-                   semantic_ann_p50_ms=sem["ann"]["lookup"]["p50_ms"],
-                   semantic_bytes_per_entry=sem["entry"]["total_bytes_per_entry"],
-                   semantic_hit_p50_ms=sem["hit"]["semantic_hit"]["p50_ms"])
+        out.update(
+            semantic_embed_p50_ms=sem["embed"]["single"]["p50_ms"],
+            semantic_ann_entries=sem["ann"]["entries"],
+            semantic_ann_p50_ms=sem["ann"]["lookup"]["p50_ms"],
+            semantic_bytes_per_entry=sem["entry"]["total_bytes_per_entry"],
+            semantic_hit_p50_ms=sem["hit"]["semantic_hit"]["p50_ms"],
+        )
     if "peers" in results:
         out["peers"] = results["peers"]["figures"]
     if "soak" in results:
@@ -108,14 +120,23 @@ def ok_of(name: str, result: dict[str, Any]) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
-    parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
-                        help="run only this benchmark (repeatable)")
-    parser.add_argument("--all", action="store_true",
-                        help=f"also the optional ones ({', '.join(sorted(OPTIONAL))})")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="[results/core.json; with --only: results/<names>.json]")
+    parser.add_argument(
+        "--only",
+        choices=sorted(BENCHMARKS),
+        action="append",
+        help="run only this benchmark (repeatable)",
+    )
+    parser.add_argument(
+        "--all", action="store_true", help=f"also the optional ones ({', '.join(sorted(OPTIONAL))})"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="[results/core.json; with --only: results/<names>.json]",
+    )
     args = parser.parse_args()
-    if args.out is None:      # a partial run never overwrites the full run's figures
+    if args.out is None:  # a partial run never overwrites the full run's figures
         args.out = c.RESULTS / ("-".join(args.only) + ".json" if args.only else "core.json")
 
     started = time.monotonic()
@@ -151,9 +172,11 @@ def main() -> int:
         "results": results,
     }
     c.write_json(args.out, document)
-    print(f"carpool benchmarks ({document['mode']}), {document['date']}, {document['machine']}, "
-          f"{document['cpu_count']} CPUs, Python {document['python']}, "
-          f"{document['duration_s']:.0f} s")
+    print(
+        f"carpool benchmarks ({document['mode']}), {document['date']}, {document['machine']}, "
+        f"{document['cpu_count']} CPUs, Python {document['python']}, "
+        f"{document['duration_s']:.0f} s"
+    )
     print("\n".join(lines))
     for name, error in errors.items():
         print(f"{name}: FAILED: {error.strip().splitlines()[-1]}")

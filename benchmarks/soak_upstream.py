@@ -64,7 +64,7 @@ def fault_of(tenant: str, text: str) -> str | None:
 
 def answer_text(tenant: str, text: str) -> str:
     h = _hash(tenant, text, "answer")
-    words = " ".join(f"w{(h >> (5 * i)) & 0x3ff:03x}" for i in range(10))
+    words = " ".join(f"w{(h >> (5 * i)) & 0x3FF:03x}" for i in range(10))
     return f"[{tenant}] {text} => {words}"
 
 
@@ -108,9 +108,17 @@ class App:
             more = message.get("more_body", False)
         path = scope["path"]
         if path == "/count":
-            await _json(send, 200, {"calls": self.calls, "chat": self.chat,
-                                    "embeddings": self.embeddings, "faults": dict(self.faults),
-                                    "in_flight": self.in_flight})
+            await _json(
+                send,
+                200,
+                {
+                    "calls": self.calls,
+                    "chat": self.chat,
+                    "embeddings": self.embeddings,
+                    "faults": dict(self.faults),
+                    "in_flight": self.in_flight,
+                },
+            )
             return
         tenant = ""
         for name, value in scope["headers"]:
@@ -139,45 +147,83 @@ class App:
             self.faults[fault] += 1
         if fault == "503" or (fault == "500_once" and self.seen[(tenant, prompt)] == 1):
             status = 503 if fault == "503" else 500
-            await _json(send, status, {"error": {"message": f"soak: injected {status}",
-                                                 "type": "server_error", "code": "injected"}})
+            await _json(
+                send,
+                status,
+                {
+                    "error": {
+                        "message": f"soak: injected {status}",
+                        "type": "server_error",
+                        "code": "injected",
+                    }
+                },
+            )
             return
         if fault == "timeout":
             await asyncio.sleep(self.hold_s)
-            return                           # the gateway gave up long ago
+            return  # the gateway gave up long ago
         text = answer_text(tenant, prompt)
         gap = delay_s(tenant, prompt)
         if body.get("stream"):
             await self._stream(body, text, gap, fault, send)
             return
         await asyncio.sleep(gap)
-        answer = orjson.dumps({
-            "id": "chatcmpl-soak", "object": "chat.completion", "created": CREATED,
-            "model": body.get("model", "m"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 8, "completion_tokens": 12, "total_tokens": 20}})
-        if fault in ("stall", "cut"):        # the headers and half the body, then nothing
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(answer)).encode())]})
-            await send({"type": "http.response.body", "body": answer[:len(answer) // 2],
-                        "more_body": True})
+        answer = orjson.dumps(
+            {
+                "id": "chatcmpl-soak",
+                "object": "chat.completion",
+                "created": CREATED,
+                "model": body.get("model", "m"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 8, "completion_tokens": 12, "total_tokens": 20},
+            }
+        )
+        if fault in ("stall", "cut"):  # the headers and half the body, then nothing
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(answer)).encode()),
+                    ],
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": answer[: len(answer) // 2],
+                    "more_body": True,
+                }
+            )
             if fault == "cut":
                 raise _Cut("cut on purpose")
             await asyncio.sleep(self.hold_s)
             return
         await _json(send, 200, answer)
 
-    async def _stream(self, body: dict[str, Any], text: str, gap: float, fault: str | None,
-                      send: Any) -> None:
+    async def _stream(
+        self, body: dict[str, Any], text: str, gap: float, fault: str | None, send: Any
+    ) -> None:
         options = body.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage")
         model = body.get("model", "m")
 
         def frame(choices: list[dict[str, Any]], with_usage: Any = None) -> bytes:
-            chunk: dict[str, Any] = {"id": "chatcmpl-soak", "object": "chat.completion.chunk",
-                                     "created": CREATED, "model": model, "choices": choices}
+            chunk: dict[str, Any] = {
+                "id": "chatcmpl-soak",
+                "object": "chat.completion.chunk",
+                "created": CREATED,
+                "model": model,
+                "choices": choices,
+            }
             if usage:
                 chunk["usage"] = with_usage
             return b"data: " + orjson.dumps(chunk) + b"\n\n"
@@ -185,10 +231,21 @@ class App:
         async def emit(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        await emit(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                           "finish_reason": None}]))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"cache-control", b"no-cache"),
+                ],
+            }
+        )
+        await emit(
+            frame(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+            )
+        )
         for sent, word in enumerate(_WORD.findall(text)):
             if sent == 2 and fault == "cut":
                 raise _Cut("cut on purpose")
@@ -199,25 +256,40 @@ class App:
             await emit(frame([{"index": 0, "delta": {"content": word}, "finish_reason": None}]))
         await emit(frame([{"index": 0, "delta": {}, "finish_reason": "stop"}]))
         if usage:
-            await emit(frame([], {"prompt_tokens": 8, "completion_tokens": 12,
-                                  "total_tokens": 20}))
+            await emit(frame([], {"prompt_tokens": 8, "completion_tokens": 12, "total_tokens": 20}))
         await emit(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _embeddings(self, tenant: str, body: dict[str, Any], send: Any) -> None:
         items = body["input"] if isinstance(body["input"], list) else [body["input"]]
         await asyncio.sleep(0.005)
-        await _json(send, 200, {
-            "object": "list", "model": body.get("model", "e"),
-            "data": [{"object": "embedding", "index": i, "embedding": vector(tenant, item)}
-                     for i, item in enumerate(items)],
-            "usage": {"prompt_tokens": len(items), "total_tokens": len(items)}})
+        await _json(
+            send,
+            200,
+            {
+                "object": "list",
+                "model": body.get("model", "e"),
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": vector(tenant, item)}
+                    for i, item in enumerate(items)
+                ],
+                "usage": {"prompt_tokens": len(items), "total_tokens": len(items)},
+            },
+        )
 
 
 async def _json(send: Any, status: int, payload: Any) -> None:
     data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -225,13 +297,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--hold-s", type=float, default=4.0,
-                        help="how long a timeout or stall fault holds (> the gateway's timeout)")
+    parser.add_argument(
+        "--hold-s",
+        type=float,
+        default=4.0,
+        help="how long a timeout or stall fault holds (> the gateway's timeout)",
+    )
     args = parser.parse_args()
     import uvicorn
-    uvicorn.run(App(args.hold_s), host=args.host, port=args.port, loop="uvloop",
-                http="httptools", log_level="critical", access_log=False, backlog=4096,
-                lifespan="on")
+
+    uvicorn.run(
+        App(args.hold_s),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="critical",
+        access_log=False,
+        backlog=4096,
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ from typing import Any
 import orjson
 from _common import ANSWER, lifespan
 
-JSON_HEADERS = [(b"content-type", b"application/json"),
-                (b"content-length", str(len(ANSWER)).encode())]
+JSON_HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"content-length", str(len(ANSWER)).encode()),
+]
 
 
 class App:
@@ -48,7 +50,7 @@ class App:
         if scope["type"] != "http":
             return
         more = True
-        while more:                                     # drain the request body
+        while more:  # drain the request body
             message = await receive()
             more = message.get("more_body", False)
         path = scope["path"]
@@ -74,13 +76,25 @@ class App:
             self.calls, self.answered_at, self.released = 0, None, None
             body = b"{}"
         else:
-            await send({"type": "http.response.start", "status": 404,
-                        "headers": [(b"content-length", b"0")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 404,
+                    "headers": [(b"content-length", b"0")],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -92,9 +106,18 @@ def main() -> None:
     parser.add_argument("--hold", action="store_true")
     args = parser.parse_args()
     import uvicorn
-    uvicorn.run(App(args.delay_ms, args.hold), host=args.host, port=args.port, loop="uvloop",
-                http="httptools", log_level="warning", access_log=False, backlog=4096,
-                lifespan="on")
+
+    uvicorn.run(
+        App(args.delay_ms, args.hold),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

@@ -25,23 +25,35 @@ from fakes.upstream import FakeUpstream
 
 @dataclass
 class Served:
-    url: str                       # the gateway's base URL (no /v1)
+    url: str  # the gateway's base URL (no /v1)
     gateway: Gateway
     client: httpx.AsyncClient
 
-    async def chat(self, content: str = "What is carpool?", *, headers: dict | None = None,
-                   **body: Any) -> httpx.Response:
-        payload = {"model": "m", "messages": [{"role": "user", "content": content}],
-                   "temperature": 0, **body}
+    async def chat(
+        self, content: str = "What is carpool?", *, headers: dict | None = None, **body: Any
+    ) -> httpx.Response:
+        payload = {
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            **body,
+        }
         return await self.client.post("/v1/chat/completions", json=payload, headers=headers)
 
-    async def stream_chat(self, content: str = "What is carpool?", *,
-                          headers: dict | None = None, **body: Any) -> tuple[httpx.Response, str]:
+    async def stream_chat(
+        self, content: str = "What is carpool?", *, headers: dict | None = None, **body: Any
+    ) -> tuple[httpx.Response, str]:
         """A streaming chat request read to the end: (response, raw SSE text)."""
-        payload = {"model": "m", "messages": [{"role": "user", "content": content}],
-                   "temperature": 0, "stream": True, **body}
-        async with self.client.stream("POST", "/v1/chat/completions", json=payload,
-                                      headers=headers) as response:
+        payload = {
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "stream": True,
+            **body,
+        }
+        async with self.client.stream(
+            "POST", "/v1/chat/completions", json=payload, headers=headers
+        ) as response:
             text = (await response.aread()).decode()
         return response, text
 
@@ -110,6 +122,8 @@ async def gw(fake: FakeUpstream) -> AsyncIterator[Served]:
 @pytest.fixture
 def gateway_with(fake: FakeUpstream):
     """``async with gateway_with(**config) as served``: a gateway in front of ``fake``."""
+
     def start(**config: Any):
         return run_gateway(config.pop("upstreams", [fake.url]), **config)
+
     return start

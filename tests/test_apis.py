@@ -42,8 +42,13 @@ def body_of(kind: str, text: str = QUESTION, **extra: Any) -> dict[str, Any]:
     """A deterministic request (``temperature: 0``) unless ``extra`` says otherwise."""
     if kind == "responses":
         return {"model": "m", "input": text, "temperature": 0, **extra}
-    return {"model": "m", "max_tokens": 64, "temperature": 0,
-            "messages": [{"role": "user", "content": text}], **extra}
+    return {
+        "model": "m",
+        "max_tokens": 64,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": text}],
+        **extra,
+    }
 
 
 def path_of(kind: str) -> str:
@@ -75,16 +80,25 @@ def typed(kind: str, raw: str) -> list[dict[str, Any]]:
 
 def stream_text(kind: str, raw: str) -> str:
     if kind == "responses":
-        return "".join(e["delta"] for e in typed(kind, raw)
-                       if e["type"] == "response.output_text.delta")
-    return "".join(e["delta"]["text"] for e in typed(kind, raw)
-                   if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta")
+        return "".join(
+            e["delta"] for e in typed(kind, raw) if e["type"] == "response.output_text.delta"
+        )
+    return "".join(
+        e["delta"]["text"]
+        for e in typed(kind, raw)
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    )
 
 
 def body_text(kind: str, body: dict[str, Any]) -> str:
     if kind == "responses":
-        return "".join(part["text"] for item in body["output"] if item["type"] == "message"
-                       for part in item["content"] if part["type"] == "output_text")
+        return "".join(
+            part["text"]
+            for item in body["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+            if part["type"] == "output_text"
+        )
     return "".join(block["text"] for block in body["content"] if block["type"] == "text")
 
 
@@ -115,6 +129,7 @@ def error_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
 
 # --- the exact cache ---------------------------------------------------------------------------
 
+
 @BOTH
 async def test_a_repeat_is_a_hit_after_a_miss(gw, fake, kind):
     first = await gw.client.post(path_of(kind), json=body_of(kind))
@@ -135,25 +150,25 @@ async def test_a_streaming_repeat_is_a_hit_served_as_the_apis_own_events(gw, fak
     assert first.headers["x-carpool"] == "miss" and again.headers["x-carpool"] == "hit"
     assert first.headers["content-type"].startswith("text/event-stream")
     assert stream_text(kind, raw) == f"answer 1 to {QUESTION}"
-    assert replayed == raw                      # the upstream's own events, as they came
+    assert replayed == raw  # the upstream's own events, as they came
     assert_complete(kind, assembled(kind, raw))
     assert fake.count() == 1 and fake.calls[0].stream
 
 
 @BOTH
 async def test_a_streaming_client_of_a_cached_whole_answer_gets_the_apis_event_stream(
-        gw, fake, kind):
+    gw, fake, kind
+):
     whole = await gw.client.post(path_of(kind), json=body_of(kind))
     hit, raw = await stream(gw, path_of(kind), body_of(kind))
     assert hit.headers["x-carpool"] == "hit"
     assert stream_text(kind, raw) == body_text(kind, whole.json())
-    assert assembled(kind, raw) == whole.json()         # synthesized, and it assembles back
+    assert assembled(kind, raw) == whole.json()  # synthesized, and it assembles back
     assert fake.count() == 1
 
 
 @BOTH
-async def test_a_whole_answer_client_of_a_cached_stream_gets_the_assembled_object(
-        gw, fake, kind):
+async def test_a_whole_answer_client_of_a_cached_stream_gets_the_assembled_object(gw, fake, kind):
     _, raw = await stream(gw, path_of(kind), body_of(kind))
     hit = await gw.client.post(path_of(kind), json=body_of(kind))
     assert hit.headers["x-carpool"] == "hit"
@@ -164,18 +179,21 @@ async def test_a_whole_answer_client_of_a_cached_stream_gets_the_assembled_objec
     # Exactly what the upstream answers the same call whole (usage included): the fake numbers
     # its answers by call, so it is asked again as call 1, past the cache (another namespace).
     fake.reset()
-    direct = await gw.client.post(path_of(kind), json=body_of(kind),
-                                  headers={"x-carpool-namespace": "direct"})
+    direct = await gw.client.post(
+        path_of(kind), json=body_of(kind), headers={"x-carpool-namespace": "direct"}
+    )
     assert direct.headers["x-carpool"] == "miss" and not fake.calls[0].stream
     assert body == direct.json()
 
 
 # --- coalescing --------------------------------------------------------------------------------
 
+
 @BOTH
 async def test_identical_requests_in_flight_share_one_call_streaming_or_not(gw, fake, kind):
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(
-        gw, fake, path_of(kind), body_of(kind))
+        gw, fake, path_of(kind), body_of(kind)
+    )
     assert leader.headers["x-carpool"] == "miss"
     assert joiner.headers["x-carpool"] == plain.headers["x-carpool"] == "coalesced"
     assert stream_text(kind, raw) == stream_text(kind, joined) == f"answer 1 to {QUESTION}"
@@ -195,7 +213,7 @@ async def test_a_streaming_joiner_of_a_whole_answer_call_gets_the_apis_events(gw
     whole, (joined, raw) = await asyncio.gather(leader, joiner)
     assert (whole.headers["x-carpool"], joined.headers["x-carpool"]) == ("miss", "coalesced")
     assert not fake.calls[0].stream
-    assert assembled(kind, raw) == whole.json()         # synthesized from the whole answer
+    assert assembled(kind, raw) == whole.json()  # synthesized from the whole answer
     assert fake.count() == 1
 
 
@@ -206,26 +224,30 @@ async def test_a_late_streaming_joiner_is_replayed_from_the_first_event(gw, fake
     await fake.chunk_gate_reached.wait()
     # The gateway has relayed the first events (two text deltas among them) before it joins.
     early = 6 if kind == "responses" else 5
-    await eventually(lambda: any(len(f.broadcast.frames) >= early
-                                 for f in gw.gateway.flights._flights.values()),
-                     what="the first events relayed")
+    await eventually(
+        lambda: any(len(f.broadcast.frames) >= early for f in gw.gateway.flights._flights.values()),
+        what="the first events relayed",
+    )
     joiner = asyncio.create_task(stream(gw, path_of(kind), body_of(kind)))
     await eventually(lambda: flight_clients(gw) == 2, what="the joiner in the flight")
     fake.chunk_gate.set()
     (first, raw), (late, joined) = await asyncio.gather(leader, joiner)
     assert late.headers["x-carpool"] == "coalesced"
-    assert joined == raw                        # every event, from the first one
+    assert joined == raw  # every event, from the first one
     assert fake.count() == 1
 
 
 # --- completeness ------------------------------------------------------------------------------
 
+
 @BOTH
 async def test_a_stream_that_stops_before_its_last_event_is_not_stored_and_every_client_gets_an_error(  # noqa: E501
-        gw, fake, kind):
-    fake.omit_done = True              # ends cleanly without response.completed / message_stop
+    gw, fake, kind
+):
+    fake.omit_done = True  # ends cleanly without response.completed / message_stop
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(
-        gw, fake, path_of(kind), body_of(kind))
+        gw, fake, path_of(kind), body_of(kind)
+    )
     for response, text in ((leader, raw), (joiner, joined)):
         assert response.status_code == 200
         name, data = events(text)[-1]
@@ -241,7 +263,8 @@ async def test_a_stream_that_stops_before_its_last_event_is_not_stored_and_every
 
 @BOTH
 async def test_an_answer_that_ended_without_completing_is_served_as_it_came_but_not_stored(
-        gw, fake, kind):
+    gw, fake, kind
+):
     # Responses: status "incomplete" (response.incomplete ends its stream); Messages: no
     # stop_reason. Whole answers of the upstream, not failures: served, never stored.
     fake.omit_finish_reason = True
@@ -262,17 +285,19 @@ async def test_an_answer_that_ended_without_completing_is_served_as_it_came_but_
 
 @BOTH
 async def test_an_upstream_error_event_reaches_every_client_in_the_apis_shape_and_is_not_stored(
-        gw, fake, kind):
+    gw, fake, kind
+):
     fake.error_after = 3
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(
-        gw, fake, path_of(kind), body_of(kind))
+        gw, fake, path_of(kind), body_of(kind)
+    )
     for text in (raw, joined):
-        (name, data), = [pair for pair in events(text) if pair[0] == "error"]
+        ((name, data),) = [pair for pair in events(text) if pair[0] == "error"]
         assert events(text)[-1][0] == "error"
         error = error_of(kind, data)
         assert error["message"] == "fake upstream stream failure"
         if kind == "messages":
-            assert error["type"] == "overloaded_error"       # the engine's own error object
+            assert error["type"] == "overloaded_error"  # the engine's own error object
         else:
             assert data["code"] == "server_error"
     assert plain.status_code == 502
@@ -282,14 +307,15 @@ async def test_an_upstream_error_event_reaches_every_client_in_the_apis_shape_an
 
 # --- what shares -------------------------------------------------------------------------------
 
+
 @BOTH
 async def test_an_absent_temperature_samples_so_it_bypasses(gw, fake, kind):
-    sampled = without(body_of(kind), "temperature")      # Anthropic's default is 1: sampled too
+    sampled = without(body_of(kind), "temperature")  # Anthropic's default is 1: sampled too
     first = await gw.client.post(path_of(kind), json=sampled)
     second = await gw.client.post(path_of(kind), json=sampled)
     assert first.headers["x-carpool"] == second.headers["x-carpool"] == "bypass"
     assert body_text(kind, second.json()) == f"answer 2 to {QUESTION}"
-    streamed, raw = await stream(gw, path_of(kind), sampled)   # relayed with its event names
+    streamed, raw = await stream(gw, path_of(kind), sampled)  # relayed with its event names
     assert streamed.headers["x-carpool"] == "bypass"
     assert stream_text(kind, raw) == f"answer 3 to {QUESTION}"
     assert fake.count() == 3
@@ -297,7 +323,8 @@ async def test_an_absent_temperature_samples_so_it_bypasses(gw, fake, kind):
 
 @BOTH
 async def test_a_bypassed_stream_that_stops_before_its_last_event_ends_with_an_error_event(
-        gw, fake, kind):
+    gw, fake, kind
+):
     fake.omit_done = True
     response, raw = await stream(gw, path_of(kind), without(body_of(kind), "temperature"))
     assert response.headers["x-carpool"] == "bypass"
@@ -306,8 +333,7 @@ async def test_a_bypassed_stream_that_stops_before_its_last_event_ends_with_an_e
 
 
 async def test_messages_at_temperature_0_or_top_k_1_share(gw, fake):
-    for body in (body_of("messages"), {**without(body_of("messages"), "temperature"),
-                                       "top_k": 1}):
+    for body in (body_of("messages"), {**without(body_of("messages"), "temperature"), "top_k": 1}):
         first = await gw.client.post(MESSAGES, json=body)
         again = await gw.client.post(MESSAGES, json=body)
         assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
@@ -345,15 +371,20 @@ async def test_responses_in_a_conversation_are_never_shared(gw, fake):
 async def test_previous_response_id_is_part_of_the_key(gw, fake):
     one = body_of("responses", previous_response_id="resp_1")
     other = body_of("responses", previous_response_id="resp_2")
-    outcomes = [(await gw.client.post(RESPONSES, json=body)).headers["x-carpool"]
-                for body in (one, other, one, body_of("responses"))]
+    outcomes = [
+        (await gw.client.post(RESPONSES, json=body)).headers["x-carpool"]
+        for body in (one, other, one, body_of("responses"))
+    ]
     assert outcomes == ["miss", "miss", "hit", "miss"]
     assert [c.body.get("previous_response_id") for c in fake.calls] == ["resp_1", "resp_2", None]
 
 
 async def test_store_is_forwarded_as_it_came_and_is_part_of_the_key(gw, fake):
-    for body in (body_of("responses", store=False), body_of("responses", store=False),
-                 body_of("responses")):
+    for body in (
+        body_of("responses", store=False),
+        body_of("responses", store=False),
+        body_of("responses"),
+    ):
         await gw.client.post(RESPONSES, json=body)
     assert [c.body.get("store") for c in fake.calls] == [False, None]
 
@@ -367,7 +398,7 @@ async def test_x_api_key_separates_tenants_and_anthropic_headers_are_in_the_key(
     bob = {"x-api-key": "key-b", "anthropic-version": "2023-06-01"}
     assert [await post(alice), await post(bob), await post(alice)] == ["miss", "miss", "hit"]
     beta = {**alice, "anthropic-beta": "some-feature-2025-01-01"}
-    assert await post(beta) == "miss"          # a beta feature may change the answer
+    assert await post(beta) == "miss"  # a beta feature may change the answer
     assert await post({**alice, "anthropic-version": "2024-01-01"}) == "miss"
     assert fake.count() == 4
     assert fake.calls[0].headers["x-api-key"] == "key-a"
@@ -377,33 +408,39 @@ async def test_x_api_key_separates_tenants_and_anthropic_headers_are_in_the_key(
 
 # --- idempotency -------------------------------------------------------------------------------
 
+
 @BOTH
 async def test_an_idempotency_key_replays_the_first_answer_in_the_format_the_retry_asks_for(
-        gw, fake, kind):
-    sampled = without(body_of(kind), "temperature")      # bypass: only the key dedupes it
+    gw, fake, kind
+):
+    sampled = without(body_of(kind), "temperature")  # bypass: only the key dedupes it
     headers = {"Idempotency-Key": f'"retry-{kind}"'}
     first = await gw.client.post(path_of(kind), json=sampled, headers=headers)
     retry = await gw.client.post(path_of(kind), json=sampled, headers=headers)
     assert first.headers["x-carpool"] == "bypass"
     assert retry.headers["idempotent-replayed"] == "true"
     assert retry.json() == first.json()
-    async with gw.client.stream("POST", path_of(kind), json={**sampled, "stream": True},
-                                headers=headers) as response:
+    async with gw.client.stream(
+        "POST", path_of(kind), json={**sampled, "stream": True}, headers=headers
+    ) as response:
         raw = (await response.aread()).decode()
     assert response.headers["idempotent-replayed"] == "true"
     assert assembled(kind, raw) == first.json()
-    other = await gw.client.post(path_of(kind), json=body_of(kind, "another question"),
-                                 headers=headers)
+    other = await gw.client.post(
+        path_of(kind), json=body_of(kind, "another question"), headers=headers
+    )
     assert other.status_code == 422
     assert fake.count() == 1
 
 
 @BOTH
 async def test_an_idempotent_stream_is_replayed_and_assembled_for_a_whole_answer_retry(
-        gw, fake, kind):
+    gw, fake, kind
+):
     headers = {"Idempotency-Key": f'"stream-{kind}"'}
-    async with gw.client.stream("POST", path_of(kind), json={**body_of(kind), "stream": True},
-                                headers=headers) as response:
+    async with gw.client.stream(
+        "POST", path_of(kind), json={**body_of(kind), "stream": True}, headers=headers
+    ) as response:
         raw = (await response.aread()).decode()
     replay = await gw.client.post(path_of(kind), json=body_of(kind), headers=headers)
     assert replay.headers["idempotent-replayed"] == "true"
@@ -412,6 +449,7 @@ async def test_an_idempotent_stream_is_replayed_and_assembled_for_a_whole_answer
 
 
 # --- what passes through, errors, the simulator --------------------------------------------------
+
 
 async def test_retrieving_a_response_by_id_passes_through(gw, fake):
     response = await gw.client.get("/v1/responses/resp_fake_1")
@@ -430,11 +468,13 @@ async def test_the_gateways_own_errors_on_messages_are_in_anthropics_shape(gw, f
     assert missing.status_code == 400 and "messages" in missing.json()["error"]["message"]
     responses = await gw.client.post(RESPONSES, json={"model": 5, "input": "x"})
     assert responses.status_code == 400 and set(responses.json()) == {"error"}
-    fake.fail_status = 429                          # the upstream's own error: as it came
+    fake.fail_status = 429  # the upstream's own error: as it came
     limited = await gw.client.post(MESSAGES, json=body_of("messages"))
     assert limited.status_code == 429
-    assert limited.json() == {"type": "error", "error": {"type": "api_error",
-                                                         "message": "fake upstream failure"}}
+    assert limited.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "fake upstream failure"},
+    }
     assert fake.count() == 1
 
 
@@ -451,24 +491,31 @@ async def test_the_simulator_serves_each_api_through_the_gateway_streaming_or_no
         assert again.headers["x-carpool"] == "hit" and again.json() == first.json()
         streamed, raw = await stream(sim, path_of(kind), body_of(kind, "another question"))
         assert streamed.status_code == 200 and streamed.headers["x-carpool"] == "miss"
-        deltas = [e for e in typed(kind, raw) if e["type"] in (
-            "response.output_text.delta", "content_block_delta")]
-        assert len(deltas) > 1                      # one delta per decoded token
+        deltas = [
+            e
+            for e in typed(kind, raw)
+            if e["type"] in ("response.output_text.delta", "content_block_delta")
+        ]
+        assert len(deltas) > 1  # one delta per decoded token
         whole = await sim.client.post(path_of(kind), json=body_of(kind, "another question"))
         assert whole.headers["x-carpool"] == "hit"
         assert body_text(kind, whole.json()) == stream_text(kind, raw)
         if kind == "messages":
-            async with anthropic.AsyncAnthropic(base_url=sim.url, api_key="k",
-                                                max_retries=0) as client:
+            async with anthropic.AsyncAnthropic(
+                base_url=sim.url, api_key="k", max_retries=0
+            ) as client:
                 message = await client.messages.create(
-                    model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+                    model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+                )
                 assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
                 with pytest.raises(anthropic.NotFoundError, match="simulated engine"):
                     await client.messages.count_tokens(
-                        model="m", messages=[{"role": "user", "content": "hi"}])
+                        model="m", messages=[{"role": "user", "content": "hi"}]
+                    )
         else:
-            async with openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="k",
-                                          max_retries=0) as client:
+            async with openai.AsyncOpenAI(
+                base_url=sim.url + "/v1", api_key="k", max_retries=0
+            ) as client:
                 response = await client.responses.create(model="m", input="hi", temperature=0)
                 assert response.status == "completed" and response.output_text
                 with pytest.raises(openai.NotFoundError, match="Responses API"):
@@ -476,6 +523,7 @@ async def test_the_simulator_serves_each_api_through_the_gateway_streaming_or_no
 
 
 # --- the semantic view and the per-API forms ----------------------------------------------------
+
 
 def view_of(path: str, body: dict[str, Any]):
     config = Config()
@@ -486,17 +534,30 @@ def view_of(path: str, body: dict[str, Any]):
 def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope():
     plain = view_of(RESPONSES, body_of("responses", "How do I reset my password?"))
     assert plain.text == "How do I reset my password?"
-    items = view_of(RESPONSES, body_of("responses", [
-        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
-        {"role": "user", "content": [{"type": "input_text",
-                                      "text": "How do I reset my password?"}]}]))
-    assert items.text == plain.text and items.scope != plain.scope   # earlier turns: scope
-    instructed = view_of(RESPONSES, body_of("responses", "How do I reset my password?",
-                                            instructions="Answer in French."))
+    items = view_of(
+        RESPONSES,
+        body_of(
+            "responses",
+            [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "hi"},
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "How do I reset my password?"}],
+                },
+            ],
+        ),
+    )
+    assert items.text == plain.text and items.scope != plain.scope  # earlier turns: scope
+    instructed = view_of(
+        RESPONSES,
+        body_of("responses", "How do I reset my password?", instructions="Answer in French."),
+    )
     assert instructed.text == plain.text and instructed.scope != plain.scope
     message = view_of(MESSAGES, body_of("messages", "How do I reset my password?"))
-    system = view_of(MESSAGES, body_of("messages", "How do I reset my password?",
-                                       system="You are a bank."))
+    system = view_of(
+        MESSAGES, body_of("messages", "How do I reset my password?", system="You are a bank.")
+    )
     assert message.text == system.text == plain.text and message.scope != system.scope
     image = body_of("messages")
     image["messages"][-1]["content"] = [{"type": "image", "source": {}}]
@@ -505,48 +566,82 @@ def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope()
 
 
 def test_a_responses_answer_synthesized_into_events_assembles_back_to_itself():
-    body = {"id": "resp_1", "object": "response", "created_at": 1, "status": "completed",
-            "model": "m", "output": [
-                {"id": "rs_1", "type": "reasoning", "summary": []},
-                {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
-                 "content": [{"type": "output_text", "text": "Hello", "annotations": []},
-                             {"type": "refusal", "refusal": "No."}]},
-                {"id": "fc_1", "type": "function_call", "status": "completed",
-                 "call_id": "call_1", "name": "f", "arguments": '{"a": 1}'}],
-            "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7}}
+    body = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": "completed",
+        "model": "m",
+        "output": [
+            {"id": "rs_1", "type": "reasoning", "summary": []},
+            {
+                "id": "msg_1",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [
+                    {"type": "output_text", "text": "Hello", "annotations": []},
+                    {"type": "refusal", "refusal": "No."},
+                ],
+            },
+            {
+                "id": "fc_1",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": "call_1",
+                "name": "f",
+                "arguments": '{"a": 1}',
+            },
+        ],
+        "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7},
+    }
     api = api_of("responses")
     frames = api.synthesize(body, True)
     chunks = typed("responses", b"".join(frames).decode())
     assert [c["sequence_number"] for c in chunks] == list(range(len(chunks)))
     assert api.judge_stream(chunks, None) == (body, True)
-    assert responses_api.assemble(chunks[:-1]) == {**body, "status": "in_progress",
-                                                   "output": body["output"], "usage": None}
+    assert responses_api.assemble(chunks[:-1]) == {
+        **body,
+        "status": "in_progress",
+        "output": body["output"],
+        "usage": None,
+    }
     assert api.usage_tokens(body) == 7
 
 
 def test_a_message_synthesized_into_events_assembles_back_to_itself():
-    body = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
-            "content": [{"type": "thinking", "thinking": "hmm", "signature": "sig"},
-                        {"type": "text", "text": "Hello", "citations": [{"x": 1}]},
-                        {"type": "tool_use", "id": "tu_1", "name": "f",
-                         "input": {"a": [1, 2]}},
-                        {"type": "redacted_thinking", "data": "xyz"}],
-            "stop_reason": "tool_use", "stop_sequence": None,
-            "usage": {"input_tokens": 3, "output_tokens": 4}}
+    body = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+            {"type": "text", "text": "Hello", "citations": [{"x": 1}]},
+            {"type": "tool_use", "id": "tu_1", "name": "f", "input": {"a": [1, 2]}},
+            {"type": "redacted_thinking", "data": "xyz"},
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 4},
+    }
     api = api_of("messages")
     chunks = typed("messages", b"".join(api.synthesize(body, True)).decode())
     assert api.judge_stream(chunks, None) == (body, True)
-    assert list(messages_api.assemble(chunks)) == list(body)       # in the body's key order
+    assert list(messages_api.assemble(chunks)) == list(body)  # in the body's key order
     assert api.usage_tokens(body) == 7
     assert not api.complete({**body, "stop_reason": None})
 
 
 # --- the official SDKs -------------------------------------------------------------------------
 
+
 async def test_the_openai_sdk_responses_20_concurrent_half_streaming_make_one_call_and_a_repeat_is_a_hit(  # noqa: E501
-        gw, fake):
-    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test",
-                                  max_retries=0) as client:
+    gw, fake
+):
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="sk-test", max_retries=0
+    ) as client:
         ask = {"model": "m", "input": QUESTION, "temperature": 0}
 
         async def streaming() -> str:
@@ -560,7 +655,7 @@ async def test_the_openai_sdk_responses_20_concurrent_half_streaming_make_one_ca
             return (await client.responses.create(**ask)).output_text
 
         fake.gate = asyncio.Event()
-        leader = asyncio.create_task(streaming())           # the call streams: live fan-out
+        leader = asyncio.create_task(streaming())  # the call streams: live fan-out
         await fake.wait_for_calls(1)
         others = [asyncio.create_task(streaming() if i % 2 else whole()) for i in range(19)]
         await eventually(lambda: flight_clients(gw) == 20, what="20 clients in the flight")
@@ -581,10 +676,11 @@ async def test_the_openai_sdk_responses_20_concurrent_half_streaming_make_one_ca
 
 
 async def test_the_openai_sdk_responses_stream_helper_reads_a_synthesized_hit(gw, fake):
-    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test",
-                                  max_retries=0) as client:
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="sk-test", max_retries=0
+    ) as client:
         ask = {"model": "m", "input": QUESTION, "temperature": 0}
-        first = await client.responses.create(**ask)          # whole: the hit is synthesized
+        first = await client.responses.create(**ask)  # whole: the hit is synthesized
         async with client.responses.stream(**ask) as events:
             final = await events.get_final_response()
         assert final.output_text == first.output_text and final.id == first.id
@@ -593,19 +689,25 @@ async def test_the_openai_sdk_responses_stream_helper_reads_a_synthesized_hit(gw
 
 
 async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_call_and_a_repeat_is_a_hit(  # noqa: E501
-        gw, fake):
+    gw, fake
+):
     # Recent anthropic SDKs no longer take ``temperature`` as an argument: it goes in
     # ``extra_body`` (without it a request samples, and bypasses).
-    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-test",
-                                        max_retries=0) as client:
-        ask = {"model": "m", "max_tokens": 64, "extra_body": {"temperature": 0},
-               "messages": [{"role": "user", "content": QUESTION}]}
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
 
-        async def helper() -> str:                            # messages.stream()
+        async def helper() -> str:  # messages.stream()
             async with client.messages.stream(**ask) as events:
                 return await events.get_final_text()
 
-        async def streaming() -> str:                         # messages.create(stream=True)
+        async def streaming() -> str:  # messages.create(stream=True)
             parts = []
             async for event in await client.messages.create(**ask, stream=True):
                 if event.type == "content_block_delta" and event.delta.type == "text_delta":
@@ -619,8 +721,10 @@ async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_
         fake.gate = asyncio.Event()
         leader = asyncio.create_task(helper())
         await fake.wait_for_calls(1)
-        others = [asyncio.create_task((helper, streaming)[i % 2]() if i < 9 else whole())
-                  for i in range(19)]
+        others = [
+            asyncio.create_task((helper, streaming)[i % 2]() if i < 9 else whole())
+            for i in range(19)
+        ]
         await eventually(lambda: flight_clients(gw) == 20, what="20 clients in the flight")
         fake.gate.set()
         texts = await asyncio.gather(leader, *others)
@@ -642,11 +746,16 @@ async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_
 
 
 async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake):
-    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-test",
-                                        max_retries=0) as client:
-        ask = {"model": "m", "max_tokens": 64, "extra_body": {"temperature": 0},
-               "messages": [{"role": "user", "content": QUESTION}]}
-        first = await client.messages.create(**ask)       # whole: the hit is synthesized
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        first = await client.messages.create(**ask)  # whole: the hit is synthesized
         async with client.messages.stream(**ask) as events:
             final = await events.get_final_message()
         assert final.content[0].text == first.content[0].text and final.id == first.id
@@ -656,26 +765,33 @@ async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake)
 
 async def test_the_sdks_raise_on_a_stream_that_fails_part_way(gw, fake):
     fake.error_after = 2
-    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test",
-                                  max_retries=0) as client:
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="sk-test", max_retries=0
+    ) as client:
         with pytest.raises(openai.APIError, match="fake upstream stream failure"):
-            async for _ in await client.responses.create(model="m", input=QUESTION,
-                                                         temperature=0, stream=True):
+            async for _ in await client.responses.create(
+                model="m", input=QUESTION, temperature=0, stream=True
+            ):
                 pass
     async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="k", max_retries=0) as client:
         with pytest.raises(anthropic.APIStatusError, match="fake upstream stream failure"):
             async with client.messages.stream(
-                    model="m", max_tokens=8, extra_body={"temperature": 0},
-                    messages=[{"role": "user", "content": QUESTION}]) as events:
+                model="m",
+                max_tokens=8,
+                extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": QUESTION}],
+            ) as events:
                 await events.get_final_message()
     assert fake.count() == 2
 
 
 # --- review fixes: what a bypassed stream's failure, idempotency, the key and sharing must do ---
 
+
 @BOTH
-async def test_a_bypassed_typed_stream_that_fails_ends_with_the_apis_named_error_event(gw, fake,
-                                                                                        kind):
+async def test_a_bypassed_typed_stream_that_fails_ends_with_the_apis_named_error_event(
+    gw, fake, kind
+):
     fake.error_after = 2
     sampled = without(body_of(kind), "temperature")
     response, raw = await stream(gw, path_of(kind), sampled)
@@ -688,17 +804,20 @@ async def test_the_anthropic_sdk_raises_on_a_bypassed_stream_that_fails(gw, fake
     fake.error_after = 2
     sdk = anthropic.AsyncAnthropic(base_url=gw.url, api_key="k", max_retries=0)
     with pytest.raises(anthropic.APIStatusError):
-        async with sdk.messages.stream(model="m", max_tokens=64, messages=[
-                {"role": "user", "content": QUESTION}]) as events_:
+        async with sdk.messages.stream(
+            model="m", max_tokens=64, messages=[{"role": "user", "content": QUESTION}]
+        ) as events_:
             async for _ in events_:
                 pass
 
 
-@pytest.mark.parametrize("extra", [{"background": True}, {"conversation": "conv_1"}, {}],
-                         ids=["background", "conversation", "incomplete"])
-async def test_an_idempotent_response_the_upstream_took_is_replayed_not_run_again(gw, fake,
-                                                                                  extra):
-    fake.omit_finish_reason = True              # an ``incomplete`` response: taken, not whole
+@pytest.mark.parametrize(
+    "extra",
+    [{"background": True}, {"conversation": "conv_1"}, {}],
+    ids=["background", "conversation", "incomplete"],
+)
+async def test_an_idempotent_response_the_upstream_took_is_replayed_not_run_again(gw, fake, extra):
+    fake.omit_finish_reason = True  # an ``incomplete`` response: taken, not whole
     headers = {"Idempotency-Key": '"resp-1"'}
     body = body_of("responses", **extra)
     first = await gw.client.post(RESPONSES, json=body, headers=headers)
@@ -708,37 +827,48 @@ async def test_an_idempotent_response_the_upstream_took_is_replayed_not_run_agai
 
 
 async def test_responses_metadata_and_user_are_in_the_key_since_the_answer_echoes_them(gw, fake):
-    alice = await gw.client.post(RESPONSES, json=body_of("responses", user="alice",
-                                                         metadata={"customer": "alice"}))
-    bob = await gw.client.post(RESPONSES, json=body_of("responses", user="bob",
-                                                       metadata={"customer": "bob"}))
+    alice = await gw.client.post(
+        RESPONSES, json=body_of("responses", user="alice", metadata={"customer": "alice"})
+    )
+    bob = await gw.client.post(
+        RESPONSES, json=body_of("responses", user="bob", metadata={"customer": "bob"})
+    )
     assert [r.headers["x-carpool"] for r in (alice, bob)] == ["miss", "miss"]
 
 
 async def test_a_stored_response_is_never_shared_across_tenants_even_in_a_shared_namespace(
-        fake, gateway_with):
+    fake, gateway_with
+):
     shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        for key in ("a", "b"):                 # both accepted by the upstream
-            await gw.client.post(RESPONSES, json=body_of("responses", "warm " + key),
-                                 headers={"Authorization": f"Bearer {key}"})
+        for key in ("a", "b"):  # both accepted by the upstream
+            await gw.client.post(
+                RESPONSES,
+                json=body_of("responses", "warm " + key),
+                headers={"Authorization": f"Bearer {key}"},
+            )
         for store, shares in ((None, False), (False, True)):
             extra = {} if store is None else {"store": store}
             body = body_of("responses", f"stored {store}", **extra)
-            await gw.client.post(RESPONSES, json=body,
-                                 headers={"Authorization": "Bearer a", **shared})
-            other = await gw.client.post(RESPONSES, json=body,
-                                         headers={"Authorization": "Bearer b", **shared})
+            await gw.client.post(
+                RESPONSES, json=body, headers={"Authorization": "Bearer a", **shared}
+            )
+            other = await gw.client.post(
+                RESPONSES, json=body, headers={"Authorization": "Bearer b", **shared}
+            )
             assert (other.headers["x-carpool"] == "hit") is shares, store
 
 
-@pytest.mark.parametrize("kind, extra", [
-    ("responses", {"tools": [{"type": "web_search"}]}),
-    ("responses", {"tools": [{"type": "mcp", "server_url": "https://example.test"}]}),
-    ("responses", {"prompt": {"id": "pmpt_1"}}),
-    ("messages", {"mcp_servers": [{"type": "url", "url": "https://example.test"}]}),
-    ("messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
-])
+@pytest.mark.parametrize(
+    "kind, extra",
+    [
+        ("responses", {"tools": [{"type": "web_search"}]}),
+        ("responses", {"tools": [{"type": "mcp", "server_url": "https://example.test"}]}),
+        ("responses", {"prompt": {"id": "pmpt_1"}}),
+        ("messages", {"mcp_servers": [{"type": "url", "url": "https://example.test"}]}),
+        ("messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+    ],
+)
 async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, extra):
     body = body_of(kind, **extra)
     first = await gw.client.post(path_of(kind), json=body)
@@ -754,10 +884,20 @@ async def test_a_seed_does_not_make_these_apis_deterministic(gw, fake, kind):
 
 def test_malformed_upstream_answers_never_raise_in_assembly_or_synthesis():
     odd = {"object": "response", "status": ["completed"], "output": []}
-    assert api_of("responses").synthesize(odd, False)         # a failed-looking stream, no crash
-    message = messages_api.assemble([
-        {"type": "message_start", "message": {"usage": "x"}},
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": 5}},
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}},
-    ])
+    assert api_of("responses").synthesize(odd, False)  # a failed-looking stream, no crash
+    message = messages_api.assemble(
+        [
+            {"type": "message_start", "message": {"usage": "x"}},
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": 5},
+            },
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": "a"},
+            },
+        ]
+    )
     assert message["content"][0]["text"] == "5a"

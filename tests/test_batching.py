@@ -32,8 +32,13 @@ def vector(model: str, item: Any) -> list[float]:
 class FakeSend:
     """Counts calls and items; answers list inputs; can hold calls on a gate or fail."""
 
-    def __init__(self, *, gate: asyncio.Event | None = None, status: int = 200,
-                 raises: Exception | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        gate: asyncio.Event | None = None,
+        status: int = 200,
+        raises: Exception | None = None,
+    ) -> None:
         self.calls: list[UpstreamRequest] = []
         self.gate = gate
         self.status = status
@@ -52,26 +57,46 @@ class FakeSend:
         if self.raises is not None:
             raise self.raises
         if self.status != 200:
-            return UpstreamResponse(self.status, {"content-type": "application/json"},
-                                    b'{"error": {"message": "boom", "type": "server_error"}}')
+            return UpstreamResponse(
+                self.status,
+                {"content-type": "application/json"},
+                b'{"error": {"message": "boom", "type": "server_error"}}',
+            )
         body = request.body
         if "input" not in body or "model" not in body:
             return UpstreamResponse(200, {}, b"{}")
-        inputs = body["input"] if isinstance(body["input"], list) and body["input"] and not \
-            isinstance(body["input"][0], int) else [body["input"]]
+        inputs = (
+            body["input"]
+            if isinstance(body["input"], list)
+            and body["input"]
+            and not isinstance(body["input"][0], int)
+            else [body["input"]]
+        )
         tokens = [approx_tokens(item) for item in inputs]
-        data = [{"object": "embedding", "index": i, "embedding": vector(body["model"], item)}
-                for i, item in enumerate(inputs)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": vector(body["model"], item)}
+            for i, item in enumerate(inputs)
+        ]
         data.reverse()  # the batcher must sort by index
-        payload = {"object": "list", "data": data, "model": body["model"],
-                   "usage": {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}}
-        return UpstreamResponse(200, {"content-type": "application/json", "content-length": "1",
-                                      "x-up": "1"}, orjson.dumps(payload))
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": body["model"],
+            "usage": {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)},
+        }
+        return UpstreamResponse(
+            200,
+            {"content-type": "application/json", "content-length": "1", "x-up": "1"},
+            orjson.dumps(payload),
+        )
 
 
 def req(text: Any, model: str = "emb", auth: str = "Bearer a", **extra: Any) -> UpstreamRequest:
-    return UpstreamRequest("/embeddings", {"model": model, "input": text, **extra},
-                           {"authorization": auth, "x-request-id": str(id(text))})
+    return UpstreamRequest(
+        "/embeddings",
+        {"model": model, "input": text, **extra},
+        {"authorization": auth, "x-request-id": str(id(text))},
+    )
 
 
 def own(response: UpstreamResponse) -> dict[str, Any]:
@@ -87,8 +112,13 @@ def own(response: UpstreamResponse) -> dict[str, Any]:
 async def test_96_concurrent_of_16_distinct_texts() -> None:
     send = FakeSend()
     waits: list[float] = []
-    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.02,
-                               max_batch_tokens=8192, observe_wait=waits.append)
+    batcher = EmbeddingBatcher(
+        send,
+        max_batch_size=32,
+        max_batch_delay_s=0.02,
+        max_batch_tokens=8192,
+        observe_wait=waits.append,
+    )
     texts = [f"text number {i} " * (i + 1) for i in range(16)]
     asked = [texts[i % 16] for i in range(96)]
     responses = await asyncio.gather(*(batcher.embed(req(text)) for text in asked))
@@ -96,7 +126,7 @@ async def test_96_concurrent_of_16_distinct_texts() -> None:
     assert 1 <= len(send.calls) <= 12
     assert sum(len(items) for items in send.items) <= 16
     for items in send.items:
-        assert len(items) == len(set(items))            # distinct items only
+        assert len(items) == len(set(items))  # distinct items only
     for text, response in zip(asked, responses, strict=True):
         parsed = own(response)
         assert parsed["data"][0]["embedding"] == vector("emb", text)
@@ -113,23 +143,31 @@ async def test_96_concurrent_of_16_distinct_texts() -> None:
 
 async def test_models_and_credentials_are_never_mixed() -> None:
     send = FakeSend()
-    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.01,
-                               max_batch_tokens=8192)
+    batcher = EmbeddingBatcher(
+        send, max_batch_size=32, max_batch_delay_s=0.01, max_batch_tokens=8192
+    )
     combos = [(m, a) for m in ("m1", "m2") for a in ("Bearer a", "Bearer b")]
     jobs = [(f"t{i % 5}", m, a) for i in range(40) for (m, a) in [combos[i % 4]]]
-    extra = [("t0", "m1", "Bearer a", {"dimensions": 8}),
-             ("t0", "m1", "Bearer a", {"encoding_format": "base64"})]
+    extra = [
+        ("t0", "m1", "Bearer a", {"dimensions": 8}),
+        ("t0", "m1", "Bearer a", {"encoding_format": "base64"}),
+    ]
     responses = await asyncio.gather(
         *(batcher.embed(req(t, m, a)) for t, m, a in jobs),
-        *(batcher.embed(req(t, m, a, **x)) for t, m, a, x in extra))
+        *(batcher.embed(req(t, m, a, **x)) for t, m, a, x in extra),
+    )
     assert len(send.calls) == 6
     seen = set()
     for call in send.calls:
-        key = (call.body["model"], call.headers["authorization"],
-               call.body.get("dimensions"), call.body.get("encoding_format"))
+        key = (
+            call.body["model"],
+            call.headers["authorization"],
+            call.body.get("dimensions"),
+            call.body.get("encoding_format"),
+        )
         assert key not in seen
         seen.add(key)
-    for (t, m, _), response in zip(jobs, responses[:len(jobs)], strict=True):
+    for (t, m, _), response in zip(jobs, responses[: len(jobs)], strict=True):
         assert own(response)["data"][0]["embedding"] == vector(m, t)
 
 
@@ -146,14 +184,17 @@ async def test_upstream_error_reaches_every_caller() -> None:
     responses = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)))
     assert len(send.calls) == 1
     assert {r.status for r in responses} == {500}
-    assert {r.body for r in responses} == {b'{"error": {"message": "boom", "type": "server_error"}}'}
+    assert {r.body for r in responses} == {
+        b'{"error": {"message": "boom", "type": "server_error"}}'
+    }
 
 
 async def test_upstream_exception_reaches_every_caller() -> None:
     send = FakeSend(raises=UpstreamUnreachable("refused"))
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
-    results = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(batcher.embed(req(f"t{i % 3}")) for i in range(9)), return_exceptions=True
+    )
     assert len(send.calls) == 1
     assert all(isinstance(r, UpstreamUnreachable) for r in results)
 
@@ -163,8 +204,9 @@ async def test_malformed_answer_is_an_upstream_error_for_all() -> None:
         return UpstreamResponse(200, {}, b'{"data": [{"index": 0, "embedding": [1]}]}')
 
     batcher = EmbeddingBatcher(bad, max_batch_delay_s=0.01)
-    results = await asyncio.gather(batcher.embed(req("a")), batcher.embed(req("b")),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        batcher.embed(req("a")), batcher.embed(req("b")), return_exceptions=True
+    )
     assert all(getattr(r, "status", None) == 502 for r in results)
 
 
@@ -174,7 +216,7 @@ async def test_a_cancelled_caller_does_not_break_the_batch() -> None:
     waits: list[float] = []
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.005, observe_wait=waits.append)
     tasks = [asyncio.create_task(batcher.embed(req(f"t{i % 4}"))) for i in range(8)]
-    await send.entered.wait()                       # the batch is at the upstream
+    await send.entered.wait()  # the batch is at the upstream
     tasks[0].cancel()
     tasks[1].cancel()
     gate.set()
@@ -192,7 +234,7 @@ async def test_an_item_whose_callers_all_left_before_sending_is_dropped() -> Non
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01, observe_wait=waits.append)
     leaving = asyncio.create_task(batcher.embed(req("gone")))
     staying = asyncio.create_task(batcher.embed(req("kept")))
-    await asyncio.sleep(0)                          # both are in the buffer
+    await asyncio.sleep(0)  # both are in the buffer
     leaving.cancel()
     response = await staying
     assert own(response)["data"][0]["embedding"] == vector("emb", "kept")
@@ -221,8 +263,8 @@ async def test_non_batchable_requests_bypass_the_batcher() -> None:
     waits: list[float] = []
     batcher = EmbeddingBatcher(send, max_batch_delay_s=10.0, observe_wait=waits.append)
     odd = [
-        req(["a", "b"]),                                         # a list of inputs
-        req([[1, 2], [3]]),                                      # a list of token lists
+        req(["a", "b"]),  # a list of inputs
+        req([[1, 2], [3]]),  # a list of token lists
         UpstreamRequest("/embeddings", {"model": "emb", "input": "a"}, {}, stream=True),
         req("a", stream=True),
         UpstreamRequest("/chat/completions", {"model": "m", "messages": []}),
@@ -240,8 +282,9 @@ async def test_non_batchable_requests_bypass_the_batcher() -> None:
 async def test_a_single_token_list_is_batched() -> None:
     send = FakeSend()
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
-    a, b, c = await asyncio.gather(batcher.embed(req([1, 2, 3])), batcher.embed(req("1 2 3")),
-                                   batcher.embed(req([1, 2, 3])))
+    a, b, c = await asyncio.gather(
+        batcher.embed(req([1, 2, 3])), batcher.embed(req("1 2 3")), batcher.embed(req([1, 2, 3]))
+    )
     assert send.items == [[[1, 2, 3], "1 2 3"]]
     assert own(a)["data"][0]["embedding"] == vector("emb", [1, 2, 3])
     assert own(b)["data"][0]["embedding"] == vector("emb", "1 2 3")
@@ -258,9 +301,8 @@ async def test_size_flushes_without_waiting_for_the_timer() -> None:
 
 async def test_token_budget_flushes() -> None:
     send = FakeSend()
-    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=30.0,
-                               max_batch_tokens=10)
-    five = [chr(ord("a") + i) * 20 for i in range(6)]           # 5 approximate tokens each
+    batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=30.0, max_batch_tokens=10)
+    five = [chr(ord("a") + i) * 20 for i in range(6)]  # 5 approximate tokens each
     await asyncio.wait_for(asyncio.gather(*(batcher.embed(req(t)) for t in five)), 1)
     assert [len(items) for items in send.items] == [2, 2, 2]
     # an item dearer than the budget goes alone, after what was waiting
@@ -281,12 +323,21 @@ async def test_usage_is_apportioned_across_distinct_items() -> None:
     async def send(request: UpstreamRequest) -> UpstreamResponse:
         n = len(request.body["input"])
         data = [{"object": "embedding", "index": i, "embedding": [float(i)]} for i in range(n)]
-        return UpstreamResponse(200, {}, orjson.dumps(
-            {"object": "list", "data": data, "model": "emb",
-             "usage": {"prompt_tokens": 100, "total_tokens": 100}}))
+        return UpstreamResponse(
+            200,
+            {},
+            orjson.dumps(
+                {
+                    "object": "list",
+                    "data": data,
+                    "model": "emb",
+                    "usage": {"prompt_tokens": 100, "total_tokens": 100},
+                }
+            ),
+        )
 
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
-    texts = ["a" * 4, "b" * 8, "c" * 12, "a" * 4]              # 1, 2, 3 approximate tokens
+    texts = ["a" * 4, "b" * 8, "c" * 12, "a" * 4]  # 1, 2, 3 approximate tokens
     responses = await asyncio.gather(*(batcher.embed(req(t)) for t in texts))
     shares = [orjson.loads(r.body)["usage"]["prompt_tokens"] for r in responses]
     assert sum(shares[:3]) == 100 and shares[0] == shares[3]
@@ -309,12 +360,13 @@ def gated_upper() -> tuple[asyncio.Event, list[list[str]], Any]:
 async def test_generic_batcher_with_in_flight_limit() -> None:
     """The scheduler alone, as the semantic layer's embedder would use it."""
     gate, seen, compute = gated_upper()
-    batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=2,
-                                                   max_batch_delay_s=0.0, max_in_flight=1)
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(
+        compute, max_batch_size=2, max_batch_delay_s=0.0, max_in_flight=1
+    )
     tasks = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("a", "b", "c", "a")]
     while not seen:
         await asyncio.sleep(0)
-    assert seen == [["a", "b"]] and batcher.in_flight == 1       # "c" waits for the slot
+    assert seen == [["a", "b"]] and batcher.in_flight == 1  # "c" waits for the slot
     gate.set()
     assert await asyncio.gather(*tasks) == ["A", "B", "C", "A"]
     assert seen == [["a", "b"], ["c"]] and batcher.requests == 4 and batcher.items_sent == 3
@@ -322,18 +374,18 @@ async def test_generic_batcher_with_in_flight_limit() -> None:
 
 async def test_grow_while_busy_keeps_a_due_batch_open_until_a_slot_frees() -> None:
     gate, seen, compute = gated_upper()
-    batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=8,
-                                                   max_batch_delay_s=0.0, max_in_flight=1,
-                                                   grow_while_busy=True)
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(
+        compute, max_batch_size=8, max_batch_delay_s=0.0, max_in_flight=1, grow_while_busy=True
+    )
     first = asyncio.create_task(batcher.submit(None, "a", "a"))
     while not seen:
         await asyncio.sleep(0)
     later = []
-    for t in ("b", "c", "a", "b"):                     # each after the previous one's delay
+    for t in ("b", "c", "a", "b"):  # each after the previous one's delay
         later.append(asyncio.create_task(batcher.submit(None, t, t)))
         for _ in range(3):
             await asyncio.sleep(0)
-    assert seen == [["a"]]                             # "b", "c" wait together, "a" joins
+    assert seen == [["a"]]  # "b", "c" wait together, "a" joins
     gate.set()
     assert await asyncio.gather(first, *later) == ["A", "B", "C", "A", "B"]
     assert seen == [["a"], ["b", "c"]] and batcher.batches == 2 and batcher.idle
@@ -341,14 +393,15 @@ async def test_grow_while_busy_keeps_a_due_batch_open_until_a_slot_frees() -> No
 
 async def test_a_queued_batch_whose_every_caller_left_is_never_sent() -> None:
     gate, seen, compute = gated_upper()
-    batcher: KeyedBatcher[str, str] = KeyedBatcher(compute, max_batch_size=2,
-                                                   max_batch_delay_s=0.0, max_in_flight=1)
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(
+        compute, max_batch_size=2, max_batch_delay_s=0.0, max_in_flight=1
+    )
     running = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("a", "b")]
     queued = [asyncio.create_task(batcher.submit(None, t, t)) for t in ("c", "d")]
     while not seen:
         await asyncio.sleep(0)
     for _ in range(3):
-        await asyncio.sleep(0)                         # "c", "d": a closed batch, queued
+        await asyncio.sleep(0)  # "c", "d": a closed batch, queued
     for task in queued:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
@@ -366,8 +419,14 @@ class Replica:
     first get another text's vector (llama-cpp-python's server); ``status``/``list_status``:
     every call / list calls only answered so."""
 
-    def __init__(self, *, broken: bool = False, status: int = 200,
-                 list_status: int = 200, base64: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        broken: bool = False,
+        status: int = 200,
+        list_status: int = 200,
+        base64: bool = False,
+    ) -> None:
         self.name = "replica"
         self.right = FakeSend(status=status)
         self.broken, self.list_status, self.base64 = broken, list_status, base64
@@ -387,22 +446,26 @@ class Replica:
                 row["embedding"] = vector("wrong", row["index"])
             if self.base64:
                 row["embedding"] = base64.b64encode(
-                    struct.pack(f"<{len(row['embedding'])}f", *row["embedding"])).decode()
+                    struct.pack(f"<{len(row['embedding'])}f", *row["embedding"])
+                ).decode()
         return UpstreamResponse(200, response.headers, orjson.dumps(parsed))
 
 
 GROUP = ("/embeddings", (("authorization", "Bearer a"),), orjson.dumps({"model": "emb"}), "")
 
 
-@pytest.mark.parametrize(("replica", "verdict"), [
-    (Replica(), True),
-    (Replica(base64=True), True),                      # base64 answers are decoded to compare
-    (Replica(broken=True), False),                     # every item but the first is wrong
-    (Replica(list_status=400), False),                 # lists refused: never merged
-    (Replica(list_status=503), None),                  # the list failed: undecided
-    (Replica(list_status=429), None),
-    (Replica(status=500), None),                       # no single answer to compare with
-])
+@pytest.mark.parametrize(
+    ("replica", "verdict"),
+    [
+        (Replica(), True),
+        (Replica(base64=True), True),  # base64 answers are decoded to compare
+        (Replica(broken=True), False),  # every item but the first is wrong
+        (Replica(list_status=400), False),  # lists refused: never merged
+        (Replica(list_status=503), None),  # the list failed: undecided
+        (Replica(list_status=429), None),
+        (Replica(status=500), None),  # no single answer to compare with
+    ],
+)
 async def test_the_probe_compares_a_two_item_list_with_its_items_alone(replica, verdict) -> None:
     assert await probe_lists(replica, GROUP) is verdict
     inputs = [call.body["input"] for call in replica.calls]
@@ -416,11 +479,11 @@ async def test_a_group_is_merged_only_once_every_replica_answers_lists_item_by_i
         lists = ListCheck("auto", replicas)
         assert lists.verdict(GROUP) is None
         lists.probe(GROUP)
-        lists.probe(GROUP)                              # one probe per replica at a time
+        lists.probe(GROUP)  # one probe per replica at a time
         await lists.wait_idle()
         assert lists.verdict(GROUP) is verdict and lists.probes == len(replicas)
         other = (GROUP[0], GROUP[1], orjson.dumps({"model": "other"}), "")
-        assert lists.verdict(other) is None             # per model and parameters
+        assert lists.verdict(other) is None  # per model and parameters
     assert ListCheck("on", [broken]).verdict(GROUP) is True
     assert ListCheck("off", [right]).verdict(GROUP) is False
 
@@ -444,19 +507,21 @@ async def test_an_undecided_probe_is_tried_again_only_after_the_retry_delay() ->
 
 async def test_items_are_sent_alone_until_lists_are_known_to_be_answered_item_by_item() -> None:
     replica = Replica(broken=True)
-    batcher = EmbeddingBatcher(replica.send, max_batch_size=3, max_batch_delay_s=30.0,
-                               lists=ListCheck("auto", [replica]))
+    batcher = EmbeddingBatcher(
+        replica.send, max_batch_size=3, max_batch_delay_s=30.0, lists=ListCheck("auto", [replica])
+    )
     texts = ["a", "b", "c"]
     responses = await asyncio.gather(*(batcher.embed(req(t)) for t in texts))
     # Each caller got the upstream's own answer to its own item, sent alone.
-    assert [orjson.loads(r.body)["data"][0]["embedding"] for r in responses] == \
-        [vector("emb", t) for t in texts]
+    assert [orjson.loads(r.body)["data"][0]["embedding"] for r in responses] == [
+        vector("emb", t) for t in texts
+    ]
     assert all("content-length" not in r.headers for r in responses)
-    await batcher.wait_idle()                           # the probe the batch started
+    await batcher.wait_idle()  # the probe the batch started
     assert batcher.lists is not None and batcher.lists.verdict(GROUP) is False
     sent = [c.body["input"] for c in replica.calls if c.body["model"] == "emb"]
     assert sorted(sent, key=str) == sorted([*texts, list(PROBE_INPUTS), *PROBE_INPUTS], key=str)
-    request = req("d")                                  # known wrong: not even buffered
+    request = req("d")  # known wrong: not even buffered
     replica.calls.clear()
     response = await asyncio.wait_for(batcher.embed(request), 1)
     assert replica.calls == [request] and response.status == 200
@@ -466,17 +531,22 @@ async def test_items_are_sent_alone_until_lists_are_known_to_be_answered_item_by
 async def test_an_item_sent_alone_gets_its_own_status_and_its_own_failure() -> None:
     async def send(request: UpstreamRequest) -> UpstreamResponse:
         if request.body["input"] == "refused":
-            return UpstreamResponse(400, {"content-type": "application/json"},
-                                    b'{"error": {"message": "bad input"}}')
+            return UpstreamResponse(
+                400, {"content-type": "application/json"}, b'{"error": {"message": "bad input"}}'
+            )
         if request.body["input"] == "unreachable":
             raise UpstreamUnreachable("refused")
         return await FakeSend()(request)
 
-    batcher = EmbeddingBatcher(send, max_batch_size=3, max_batch_delay_s=30.0,
-                               lists=ListCheck("auto", []))   # no verdict: alone
+    batcher = EmbeddingBatcher(
+        send, max_batch_size=3, max_batch_delay_s=30.0, lists=ListCheck("auto", [])
+    )  # no verdict: alone
     ok, refused, unreachable = await asyncio.gather(
-        batcher.embed(req("fine")), batcher.embed(req("refused")),
-        batcher.embed(req("unreachable")), return_exceptions=True)
+        batcher.embed(req("fine")),
+        batcher.embed(req("refused")),
+        batcher.embed(req("unreachable")),
+        return_exceptions=True,
+    )
     assert ok.status == 200 and own(ok)["data"][0]["embedding"] == vector("emb", "fine")
     assert refused.status == 400 and b"bad input" in refused.body
     assert isinstance(unreachable, UpstreamUnreachable)
@@ -484,10 +554,13 @@ async def test_an_item_sent_alone_gets_its_own_status_and_its_own_failure() -> N
 
 async def test_usage_the_upstream_did_not_report_is_not_invented() -> None:
     async def send(request: UpstreamRequest) -> UpstreamResponse:
-        data = [{"object": "embedding", "index": i, "embedding": [1.0]}
-                for i in range(len(request.body["input"]))]
-        return UpstreamResponse(200, {}, orjson.dumps({"object": "list", "data": data,
-                                                       "model": "emb"}))
+        data = [
+            {"object": "embedding", "index": i, "embedding": [1.0]}
+            for i in range(len(request.body["input"]))
+        ]
+        return UpstreamResponse(
+            200, {}, orjson.dumps({"object": "list", "data": data, "model": "emb"})
+        )
 
     batcher = EmbeddingBatcher(send, max_batch_size=2, max_batch_delay_s=30.0)
     responses = await asyncio.gather(batcher.embed(req("a")), batcher.embed(req("b")))

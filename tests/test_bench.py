@@ -31,18 +31,28 @@ PNGS = ("outcomes_over_time.png", "latency_cdf.png", "upstream_vs_oracle.png")
 
 
 def _snapshot(workload: Workload) -> list[tuple]:
-    return [(r.t, r.endpoint, orjson.dumps(r.body, option=orjson.OPT_SORT_KEYS),
-             tuple(sorted(r.headers.items())), r.label) for r in workload.requests]
+    return [
+        (
+            r.t,
+            r.endpoint,
+            orjson.dumps(r.body, option=orjson.OPT_SORT_KEYS),
+            tuple(sorted(r.headers.items())),
+            r.label,
+        )
+        for r in workload.requests
+    ]
 
 
 # ------------------------------------------------------------------------------ workloads
 
 
 def test_a_synthetic_workload_is_the_same_for_the_same_seed_and_differs_for_another():
-    assert _snapshot(synthetic("mixed", 400, 40, seed=7)) == \
-        _snapshot(synthetic("mixed", 400, 40, seed=7))
-    assert _snapshot(synthetic("mixed", 400, 40, seed=7)) != \
-        _snapshot(synthetic("mixed", 400, 40, seed=8))
+    assert _snapshot(synthetic("mixed", 400, 40, seed=7)) == _snapshot(
+        synthetic("mixed", 400, 40, seed=7)
+    )
+    assert _snapshot(synthetic("mixed", 400, 40, seed=7)) != _snapshot(
+        synthetic("mixed", 400, 40, seed=8)
+    )
 
 
 def test_the_default_workload_has_its_stated_traits():
@@ -52,7 +62,7 @@ def test_the_default_workload_has_its_stated_traits():
     assert measured["requests"] == 2000
     assert measured["tenants"] == spec["tenants"] == 4
     assert measured["mean_rate_rps"] == pytest.approx(40, rel=0.01)
-    assert measured["peak_rate_rps_1s"] > 2 * 40                    # bursts
+    assert measured["peak_rate_rps_1s"] > 2 * 40  # bursts
     assert abs(measured["duplicate_share"] - spec["duplicate_rate"]) < 0.05
     assert abs(measured["stream_share"] - spec["stream_share"]) < 0.04
     labels = measured["labels"]
@@ -65,8 +75,11 @@ def test_the_default_workload_has_its_stated_traits():
     assert len({r.headers["Authorization"] for r in requests}) == 4
     # Shared prefixes: each tenant's chats open with one of its 2 long system prompts.
     for tenant in {r.tenant for r in requests}:
-        systems = {r.body["messages"][0]["content"] for r in requests
-                   if r.tenant == tenant and r.endpoint == CHAT}
+        systems = {
+            r.body["messages"][0]["content"]
+            for r in requests
+            if r.tenant == tenant and r.endpoint == CHAT
+        }
         assert len(systems) <= 2 and all(len(s.split()) >= 290 for s in systems)
     # Sampled requests are unshareable; paraphrases are new fingerprints, repeats are not.
     config = Config()
@@ -123,52 +136,74 @@ def test_bad_synthetic_parameters_are_workload_errors():
 # ------------------------------------------------------------------------------ the oracle
 
 
-def _chat(content: str, t: float = 0.0, tenant: str = "a", headers: dict | None = None,
-          **params) -> BenchRequest:
-    body = {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0,
-            **params}
-    return BenchRequest(t, CHAT, body, {"Authorization": f"Bearer {tenant}", **(headers or {})},
-                        tenant)
+def _chat(
+    content: str, t: float = 0.0, tenant: str = "a", headers: dict | None = None, **params
+) -> BenchRequest:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        **params,
+    }
+    return BenchRequest(
+        t, CHAT, body, {"Authorization": f"Bearer {tenant}", **(headers or {})}, tenant
+    )
 
 
 def test_the_oracle_on_a_small_hand_made_workload():
     requests = [
-        _chat("How do I reset it?"),                                  # 1: new
-        _chat("How do I reset it?", 1, stream=True),                  # same (stream excluded)
-        _chat("How do I reset it?", 2, user="u1"),                    # same (user excluded)
-        _chat("How do I reset it?", 3, tenant="b"),                   # 2: another tenant
-        _chat("How do I reset it?", 4, headers={"x-carpool-namespace": "n"}),   # 3: namespace
-        _chat("How do I reset it?", 5, max_tokens=5),                 # 4: output-affecting
-        _chat("Tell a story", 6, temperature=0.7),                    # 5: sampled, no seed
-        _chat("Tell a story", 7, temperature=0.7),                    # 6: again, unshareable
-        _chat("Tell a story", 8, temperature=0.7, seed=3),            # 7: seeded: shareable
-        _chat("Tell a story", 9, temperature=0.7, seed=3),            # same
-        _chat("Tell a story", 10, temperature=0.7,
-              headers={"x-carpool-share": "sampled"}),                # 8: opted in
-        _chat("Tell a story", 11, temperature=0.7,
-              headers={"x-carpool-share": "sampled"}),                # same
-        BenchRequest(12, CHAT, {"model": "m", "messages": "nope"}, {}),      # rejected: 400
-        _chat("Pay", 13, headers={"Idempotency-Key": "k1"}),          # 9
+        _chat("How do I reset it?"),  # 1: new
+        _chat("How do I reset it?", 1, stream=True),  # same (stream excluded)
+        _chat("How do I reset it?", 2, user="u1"),  # same (user excluded)
+        _chat("How do I reset it?", 3, tenant="b"),  # 2: another tenant
+        _chat("How do I reset it?", 4, headers={"x-carpool-namespace": "n"}),  # 3: namespace
+        _chat("How do I reset it?", 5, max_tokens=5),  # 4: output-affecting
+        _chat("Tell a story", 6, temperature=0.7),  # 5: sampled, no seed
+        _chat("Tell a story", 7, temperature=0.7),  # 6: again, unshareable
+        _chat("Tell a story", 8, temperature=0.7, seed=3),  # 7: seeded: shareable
+        _chat("Tell a story", 9, temperature=0.7, seed=3),  # same
+        _chat(
+            "Tell a story", 10, temperature=0.7, headers={"x-carpool-share": "sampled"}
+        ),  # 8: opted in
+        _chat("Tell a story", 11, temperature=0.7, headers={"x-carpool-share": "sampled"}),  # same
+        BenchRequest(12, CHAT, {"model": "m", "messages": "nope"}, {}),  # rejected: 400
+        _chat("Pay", 13, headers={"Idempotency-Key": "k1"}),  # 9
         _chat("Pay", 14, headers={"Idempotency-Key": "k1", "Cache-Control": "no-cache"}),  # replay
     ]
     result = oracle(Workload("hand", requests), Config())
     assert result.calls == 9
     assert (result.distinct, result.unshareable, result.rejected, result.replays) == (7, 2, 1, 1)
-    assert result.needs_call == [True, False, False, True, True, True, True, True, True, False,
-                                 True, False, False, True, False]
+    assert result.needs_call == [
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_the_oracle_refreshes_answers_that_expire_during_the_run():
-    factual = {"x-carpool-type": "factual"}                   # ttl 0: only coalesced
+    factual = {"x-carpool-type": "factual"}  # ttl 0: only coalesced
     requests = [
-        _chat("q", 0.0, headers=factual),                     # call
-        _chat("q", 0.5, headers=factual),                     # within call + window: joins
-        _chat("q", 60.0, headers=factual),                    # call again
-        _chat("r", 0.0, headers={"x-carpool-type": "realtime"}),    # ttl 300: call
+        _chat("q", 0.0, headers=factual),  # call
+        _chat("q", 0.5, headers=factual),  # within call + window: joins
+        _chat("q", 60.0, headers=factual),  # call again
+        _chat("r", 0.0, headers={"x-carpool-type": "realtime"}),  # ttl 300: call
         _chat("r", 200.0, headers={"x-carpool-type": "realtime"}),  # cached
         _chat("r", 400.0, headers={"x-carpool-type": "realtime"}),  # expired: call
-        _chat("r", 401.0, headers={"Cache-Control": "no-cache",
-                                   "x-carpool-type": "realtime"}),  # no-cache: call
+        _chat(
+            "r", 401.0, headers={"Cache-Control": "no-cache", "x-carpool-type": "realtime"}
+        ),  # no-cache: call
     ]
     result = oracle(Workload("ttl", requests), Config(), call_seconds=0.2)
     assert (result.calls, result.distinct, result.refreshes) == (5, 2, 3)
@@ -185,32 +220,42 @@ def _write(path: Path, rows: list) -> Path:
 
 def test_a_recorded_workload_is_read_sorted_with_its_tenants_and_headers(tmp_path):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
-    path = _write(tmp_path / "w.jsonl", [
-        {"t": 10.5, "body": body, "tenant": "acme"},
-        "",
-        {"t": 10.0, "body": {"model": "m", "prompt": "p", "temperature": 0},
-         "endpoint": "/v1/completions", "headers": {"x-carpool-namespace": "docs"}},
-        {"t": 12, "body": body, "tenant": "acme", "headers": {"Authorization": "Bearer own"}},
-    ])
+    path = _write(
+        tmp_path / "w.jsonl",
+        [
+            {"t": 10.5, "body": body, "tenant": "acme"},
+            "",
+            {
+                "t": 10.0,
+                "body": {"model": "m", "prompt": "p", "temperature": 0},
+                "endpoint": "/v1/completions",
+                "headers": {"x-carpool-namespace": "docs"},
+            },
+            {"t": 12, "body": body, "tenant": "acme", "headers": {"Authorization": "Bearer own"}},
+        ],
+    )
     workload = load_jsonl(path)
     assert workload.timed and workload.source == str(path)
     assert [r.t for r in workload.requests] == [0.0, 0.5, 2.0]
     first, second, third = workload.requests
     assert first.endpoint == COMPLETIONS and first.headers == {"x-carpool-namespace": "docs"}
     assert second.headers == {"Authorization": "Bearer acme"} and second.tenant == "acme"
-    assert third.headers == {"Authorization": "Bearer own"}           # explicit header wins
+    assert third.headers == {"Authorization": "Bearer own"}  # explicit header wins
     assert load_jsonl(path, tenant_header="x-tenant").requests[1].headers == {"x-tenant": "acme"}
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"t": 0, "body": {', "not valid JSON"),
-    ('[1, 2]', "must be a JSON object"),
-    ('{"t": 0}', "'body' must be a JSON object"),
-    ('{"t": -1, "body": {}}', "'t' must be a number"),
-    ('{"t": 0, "body": {}, "endpoint": "/v1/models"}', "'endpoint' must be one of"),
-    ('{"t": 0, "body": {}, "headers": {"a": 1}}', "'headers' must be an object of strings"),
-    ('{"body": {}}', "has no timestamp"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"t": 0, "body": {', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"t": 0}', "'body' must be a JSON object"),
+        ('{"t": -1, "body": {}}', "'t' must be a number"),
+        ('{"t": 0, "body": {}, "endpoint": "/v1/models"}', "'endpoint' must be one of"),
+        ('{"t": 0, "body": {}, "headers": {"a": 1}}', "'headers' must be an object of strings"),
+        ('{"body": {}}', "has no timestamp"),
+    ],
+)
 def test_a_malformed_recorded_workload_names_the_line_and_the_problem(tmp_path, line, message):
     good = '{"t": 0, "body": {"model": "m", "prompt": "p"}}'
     path = _write(tmp_path / "bad.jsonl", [good, line])
@@ -221,16 +266,20 @@ def test_a_malformed_recorded_workload_names_the_line_and_the_problem(tmp_path, 
 
 
 def test_the_cli_exits_2_on_a_malformed_workload_file_and_on_conflicting_options(tmp_path):
-    path = _write(tmp_path / "bad.jsonl", ['{"t": 0, "body": {"model": "m", "prompt": "p"}}',
-                                           "not json"])
-    result = CliRunner().invoke(main, ["bench", "--workload-file", str(path), "--no-progress",
-                                       "--out", str(tmp_path / "out")])
+    path = _write(
+        tmp_path / "bad.jsonl", ['{"t": 0, "body": {"model": "m", "prompt": "p"}}', "not json"]
+    )
+    result = CliRunner().invoke(
+        main,
+        ["bench", "--workload-file", str(path), "--no-progress", "--out", str(tmp_path / "out")],
+    )
     assert result.exit_code == 2
     assert f"{path}:2: not valid JSON" in result.output
     result = CliRunner().invoke(main, ["bench", "--rate", "5", "--concurrency", "2"])
     assert result.exit_code == 2 and "not both" in result.output
-    result = CliRunner().invoke(main, ["bench", "--workload", "nope", "--no-progress",
-                                       "--out", str(tmp_path / "out2")])
+    result = CliRunner().invoke(
+        main, ["bench", "--workload", "nope", "--no-progress", "--out", str(tmp_path / "out2")]
+    )
     assert result.exit_code == 2 and "unknown workload" in result.output
 
 
@@ -239,8 +288,22 @@ def test_the_cli_exits_2_on_a_malformed_workload_file_and_on_conflicting_options
 
 def test_quick_bench_on_the_embedded_gateway_writes_the_report_and_matches_the_oracle(tmp_path):
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["bench", "--quick", "--out", str(out), "--no-progress",
-                                       "--requests", "150", "--rate", "60", "--seed", "2"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--quick",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--requests",
+            "150",
+            "--rate",
+            "60",
+            "--seed",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert report["requests"] == 150 and report["errors"] == 0
@@ -264,9 +327,24 @@ def test_quick_bench_on_the_embedded_gateway_writes_the_report_and_matches_the_o
 
 def test_quick_bench_of_the_apis_preset_matches_the_oracle_on_every_endpoint(tmp_path):
     out = tmp_path / "apis"
-    result = CliRunner().invoke(main, ["bench", "--quick", "--workload", "apis", "--out",
-                                       str(out), "--no-progress", "--requests", "90",
-                                       "--rate", "60", "--seed", "3"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--quick",
+            "--workload",
+            "apis",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--requests",
+            "90",
+            "--rate",
+            "60",
+            "--seed",
+            "3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert report["requests"] == 90 and report["errors"] == 0
@@ -274,16 +352,28 @@ def test_quick_bench_of_the_apis_preset_matches_the_oracle_on_every_endpoint(tmp
     assert report["engine"]["calls"] == report["upstream_calls"]
     workload = synthetic("apis", 90, 60, seed=3)
     assert {"/v1/responses", "/v1/messages"} <= set(traits(workload)["endpoints"])
-    assert {"/v1/responses", "/v1/messages"} <= {r.endpoint for r in workload.requests
-                                                  if r.stream}
+    assert {"/v1/responses", "/v1/messages"} <= {r.endpoint for r in workload.requests if r.stream}
     assert report["tokens_saved"] > 0
 
 
-async def test_bench_against_a_running_gateway_counts_what_the_upstream_received(fake, gw,
-                                                                                  tmp_path):
+async def test_bench_against_a_running_gateway_counts_what_the_upstream_received(
+    fake, gw, tmp_path
+):
     out = tmp_path / "url"
-    args = ["bench", "--url", gw.url + "/v1", "--requests", "120", "--rate", "100",
-            "--out", str(out), "--no-progress", "--seed", "5"]
+    args = [
+        "bench",
+        "--url",
+        gw.url + "/v1",
+        "--requests",
+        "120",
+        "--rate",
+        "100",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--seed",
+        "5",
+    ]
     # The gateway and the fake serve in this loop; the command runs its own loop in a thread.
     result = await asyncio.to_thread(CliRunner().invoke, main, args)
     assert result.exit_code == 0, result.output
@@ -296,15 +386,27 @@ async def test_bench_against_a_running_gateway_counts_what_the_upstream_received
 
 
 async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
-        fake, gw, tmp_path, monkeypatch):
+    fake, gw, tmp_path, monkeypatch
+):
     monkeypatch.setattr(plots, "available", lambda: False)
     out = tmp_path / "closed"
-    report = await run_bench(BenchOptions(out=out, url=gw.url, workload="faq", requests=60,
-                                          concurrency=6, seed=1, progress=False))
+    report = await run_bench(
+        BenchOptions(
+            out=out, url=gw.url, workload="faq", requests=60, concurrency=6, seed=1, progress=False
+        )
+    )
     assert report["params"]["mode"] == "closed-loop" and report["params"]["concurrency"] == 6
     assert report["upstream_calls"] == fake.count() == report["oracle_calls"]
     assert report["plots"] == [] and not list(out.glob("*.png"))
     assert "pip install 'carpool[bench]'" in (out / "report.md").read_text()
     assert set(json.loads((out / "report.json").read_text())) >= {
-        "requests", "upstream_calls", "oracle_calls", "latency_ms", "ttfb_ms", "tokens_saved",
-        "gpu_seconds_saved", "errors", "params"}
+        "requests",
+        "upstream_calls",
+        "oracle_calls",
+        "latency_ms",
+        "ttfb_ms",
+        "tokens_saved",
+        "gpu_seconds_saved",
+        "errors",
+        "params",
+    }

@@ -14,8 +14,14 @@ from fakes.instances import free_port, serve_log
 
 def carpool(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "carpool.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        **kw,
+    )
 
 
 def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
@@ -24,14 +30,18 @@ def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
     try:
         first_line = process.stdout.readline()
         assert "SIMULATED" in first_line
-        for line in process.stdout:                 # the server's own log says when it is up
+        for line in process.stdout:  # the server's own log says when it is up
             if "Uvicorn running on" in line:
                 break
         else:
             raise AssertionError("carpool serve exited before listening")
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
-        body = {"model": "m", "temperature": 0, "max_tokens": 4,
-                "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": "m",
+            "temperature": 0,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "miss"
         assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "hit"
@@ -43,8 +53,12 @@ def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
 def test_a_bad_config_value_exits_2_naming_the_field(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("coalesce:\n  window_ms: -5\n")
-    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--config", str(path)],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2
     assert "coalesce.window_ms" in result.stderr and "greater than or equal to 0" in result.stderr
 
@@ -53,21 +67,35 @@ def test_a_verifier_folder_without_a_verifier_exits_2_saying_so(tmp_path):
     pytest.importorskip("onnxruntime")
     path = tmp_path / "c.yaml"
     path.write_text(f"semantic:\n  enabled: true\n  verifier_dir: {tmp_path}\n")
-    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--config", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and f"no verifier in {tmp_path}" in result.stderr
 
 
 def test_a_bad_environment_value_exits_2(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve"], capture_output=True,
-                            text=True, timeout=30, env={**os.environ, "CARPOOL_SAMPLING": "x"})
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "CARPOOL_SAMPLING": "x"},
+    )
     assert result.returncode == 2 and "sampling" in result.stderr
 
 
 def test_serve_never_logs_the_credentials_in_a_redis_or_upstream_url():
-    log = serve_log("--port", str(free_port()), "--redis",
-                    f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0",
-                    "--upstream", "http://user:s3cret-up@127.0.0.1:9/v1")
+    log = serve_log(
+        "--port",
+        str(free_port()),
+        "--redis",
+        f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0",
+        "--upstream",
+        "http://user:s3cret-up@127.0.0.1:9/v1",
+    )
     assert "s3cret" not in log and "redis://***@127.0.0.1:" in log
 
 
@@ -84,20 +112,32 @@ def test_fetch_model_prints_the_checked_directory_and_fails_clearly(monkeypatch,
 
     def tampered(cache_dir=None):
         raise ValueError("tokenizer.json: SHA-256 differs from the pinned digest; removed")
+
     monkeypatch.setattr(embed, "fetch_model", tampered)
     result = CliRunner().invoke(cli.main, ["fetch-model"])
     assert result.exit_code == 1 and "SHA-256 differs" in result.output
 
     def offline(cache_dir=None):
         raise OSError("no network")
+
     monkeypatch.setattr(embed, "fetch_model", offline)
     result = CliRunner().invoke(cli.main, ["fetch-model"])
     assert result.exit_code == 1 and "could not fetch the model" in result.output
 
 
 def test_a_redis_url_that_cannot_be_read_exits_2_without_its_credentials():
-    result = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--redis",
-                             "redis://:s3cret@localhost:notaport/0"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "serve",
+            "--redis",
+            "redis://:s3cret@localhost:notaport/0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--redis" in result.stderr
     assert "s3cret" not in result.stderr

@@ -32,8 +32,12 @@ STREAMED = {"upstream": {"stream_flights": True}}
 
 
 def chat_body(content: str = "What is carpool?", **extra) -> dict:
-    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}],
-            **extra}
+    return {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
 
 
 def data_lines(raw: str) -> list[str]:
@@ -65,13 +69,14 @@ async def assert_fresh_call_next(served, fake, path: str, body: dict, calls: int
 
 # --- streams -----------------------------------------------------------------------------------
 
+
 async def test_a_stream_without_done_is_not_stored_and_every_client_gets_an_error(gw, fake):
-    fake.omit_done = True                  # every choice finished, but the stream just stopped
+    fake.omit_done = True  # every choice finished, but the stream just stopped
     body = chat_body()
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert leader.headers["x-carpool"] == "miss"
     assert_failed_stream(leader, raw)
-    assert '"finish_reason":"stop"' in raw          # the finish came; the [DONE] did not
+    assert '"finish_reason":"stop"' in raw  # the finish came; the [DONE] did not
     assert joiner.headers["x-carpool"] == "coalesced"
     assert_failed_stream(joiner, joined)
     assert plain.headers["x-carpool"] == "coalesced"
@@ -81,7 +86,7 @@ async def test_a_stream_without_done_is_not_stored_and_every_client_gets_an_erro
 
 
 async def test_a_stream_with_fewer_finished_choices_than_n_is_not_stored(gw, fake):
-    fake.unfinished_choices = {2}          # choices 0 and 1 finish; choice 2 never does
+    fake.unfinished_choices = {2}  # choices 0 and 1 finish; choice 2 never does
     body = chat_body(n=3)
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert_failed_stream(leader, raw)
@@ -91,7 +96,7 @@ async def test_a_stream_with_fewer_finished_choices_than_n_is_not_stored(gw, fak
 
 
 async def test_a_stream_where_a_choice_never_appears_is_not_stored(gw, fake):
-    fake.drop_choices = {2}                # n: 3, and the upstream sent choices 0 and 1 only
+    fake.drop_choices = {2}  # n: 3, and the upstream sent choices 0 and 1 only
     body = chat_body(n=3)
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert '"index":2' not in raw and '"finish_reason":"stop"' in raw
@@ -112,12 +117,12 @@ async def test_a_complete_stream_with_n_choices_is_stored_and_replayed(gw, fake)
 
 async def test_a_completions_stream_needs_n_choices_for_each_prompt_of_a_list(gw, fake):
     body = {"model": "m", "temperature": 0, "prompt": ["one", "two"], "n": 2}
-    fake.drop_choices = {3}                # the second prompt's second choice never came
+    fake.drop_choices = {3}  # the second prompt's second choice never came
     response, raw = await stream(gw, COMPLETIONS, body)
     assert_failed_stream(response, raw)
     await assert_fresh_call_next(gw, fake, COMPLETIONS, body, calls=1)
     whole, raw = await stream(gw, COMPLETIONS, {**body, "prompt": ["three", "four"]})
-    assert data_lines(raw)[-1] == "[DONE]"             # all four: complete, stored
+    assert data_lines(raw)[-1] == "[DONE]"  # all four: complete, stored
     again = await gw.client.post(COMPLETIONS, json={**body, "prompt": ["three", "four"]})
     assert again.headers["x-carpool"] == "hit"
 
@@ -131,14 +136,17 @@ async def test_a_bypassed_stream_without_done_ends_with_an_error_event(gw, fake)
 
 # --- non-streaming leaders ---------------------------------------------------------------------
 
-async def test_a_non_streaming_leader_of_a_streamed_call_without_done_gets_a_502(gateway_with,
-                                                                                  fake):
+
+async def test_a_non_streaming_leader_of_a_streamed_call_without_done_gets_a_502(
+    gateway_with, fake
+):
     async with gateway_with(**STREAMED) as gw:
         fake.omit_done = True
         body = chat_body()
-        leader, (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body,
-                                                                   leader_streams=False)
-        assert fake.calls[0].body["stream"] is True          # streamed for the others
+        leader, (joiner, joined), plain = await leader_and_joiners(
+            gw, fake, CHAT, body, leader_streams=False
+        )
+        assert fake.calls[0].body["stream"] is True  # streamed for the others
         assert leader.headers["x-carpool"] == "miss"
         assert_openai_error(leader)
         assert_failed_stream(joiner, joined)
@@ -147,12 +155,14 @@ async def test_a_non_streaming_leader_of_a_streamed_call_without_done_gets_a_502
 
 
 async def test_a_non_streaming_leader_of_a_streamed_call_missing_a_choice_gets_a_502(
-        gateway_with, fake):
+    gateway_with, fake
+):
     async with gateway_with(**STREAMED) as gw:
         fake.unfinished_choices = {1}
         body = chat_body(n=2)
-        leader, (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body,
-                                                                   leader_streams=False)
+        leader, (joiner, joined), plain = await leader_and_joiners(
+            gw, fake, CHAT, body, leader_streams=False
+        )
         assert_openai_error(leader)
         assert_failed_stream(joiner, joined)
         assert_openai_error(plain)
@@ -180,6 +190,7 @@ async def test_best_of_does_not_change_the_number_of_choices_a_complete_answer_h
 
 # --- the embedded simulator --------------------------------------------------------------------
 
+
 async def test_the_embedded_simulators_streams_are_complete_and_stored():
     from carpool import Config, Gateway, Outcome
 
@@ -203,9 +214,10 @@ def test_every_choice_asked_for_must_be_there_and_finished():
     two = {"choices": [DONE_CHOICE, {**DONE_CHOICE, "index": 1}]}
     assert is_complete("chat", two, 2) and is_complete("chat", two, 1)
     assert not is_complete("chat", two, 3)
-    assert not is_complete("chat", {"choices": [DONE_CHOICE, DONE_CHOICE]}, 2)   # index 1 missing
-    assert not is_complete("chat", {"choices": [DONE_CHOICE, {"index": 1,
-                                                              "finish_reason": "abort"}]}, 2)
+    assert not is_complete("chat", {"choices": [DONE_CHOICE, DONE_CHOICE]}, 2)  # index 1 missing
+    assert not is_complete(
+        "chat", {"choices": [DONE_CHOICE, {"index": 1, "finish_reason": "abort"}]}, 2
+    )
     # Without an index, a choice counts at its position.
     assert is_complete("completion", {"choices": [{"finish_reason": "stop"}] * 2}, 2)
 
@@ -216,7 +228,7 @@ def test_the_choices_expected_are_n_per_prompt_whatever_best_of():
     assert expected_choices("completion", {"prompt": "x", "n": 2, "best_of": 5}) == 2
     assert expected_choices("completion", {"prompt": ["a", "b", "c"], "n": 2}) == 6
     assert expected_choices("completion", {"prompt": [[1, 2], [3]]}) == 2
-    assert expected_choices("completion", {"prompt": [1, 2, 3]}) == 1     # one token prompt
+    assert expected_choices("completion", {"prompt": [1, 2, 3]}) == 1  # one token prompt
     assert expected_choices("chat", {"n": 0}) is None
     assert expected_choices("embedding", {"input": ["a", "b"]}) is None
 
@@ -247,7 +259,7 @@ async def test_an_http_stream_that_stops_without_done_raises_after_what_came(fak
             async for payload in response.events():
                 got.append(json.loads(payload))
         await response.aclose()
-        assert got[-1]["choices"][0]["finish_reason"] == "stop"    # everything but the [DONE]
+        assert got[-1]["choices"][0]["finish_reason"] == "stop"  # everything but the [DONE]
         fake.omit_done = False
         response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
         assert len([payload async for payload in response.events()]) == len(got)

@@ -12,7 +12,12 @@ def test_defaults_match_the_contract():
     assert config.upstreams == [] and config.redis is None and config.sampling == "strict"
     assert config.cache.default_ttl == 3600 and config.cache.max_bytes == 268435456
     assert {k: v.ttl for k, v in config.cache.types.items()} == {
-        "translation": 86400, "faq": 3600, "code": 1800, "realtime": 300, "factual": 0}
+        "translation": 86400,
+        "faq": 3600,
+        "code": 1800,
+        "realtime": 300,
+        "factual": 0,
+    }
     assert config.coalesce.window_ms == 1000 and config.coalesce.join_timeout_ms == 30000
     assert config.limits.max_body_bytes == 8388608 and config.limits.upstream_timeout == 600
     assert config.idempotency.retention == 86400 and config.tenant.header == "Authorization"
@@ -30,12 +35,15 @@ def test_flags_override_environment_override_file(tmp_path):
     assert Config.load(path, env=env).port == 2000
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"sampling": "loose"}, "sampling"),
-    ({"cache": {"max_bytes": -1}}, "cache.max_bytes"),
-    ({"coalesce": {"window_msec": 5}}, "coalesce.window_msec"),
-    ({"upstreams": ["localhost:8000"]}, "upstreams"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"sampling": "loose"}, "sampling"),
+        ({"cache": {"max_bytes": -1}}, "cache.max_bytes"),
+        ({"coalesce": {"window_msec": 5}}, "coalesce.window_msec"),
+        ({"upstreams": ["localhost:8000"]}, "upstreams"),
+    ],
+)
 def test_a_bad_value_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as raised:
         Config.load(env={}, overrides=overrides)
@@ -52,6 +60,7 @@ def test_the_config_reference_in_docs_is_generated_from_the_model():
     from pathlib import Path
 
     from carpool.config import reference_markdown
+
     committed = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     assert committed == reference_markdown(), "run: carpool config-reference > docs/config.md"
     for name in Config.model_fields:

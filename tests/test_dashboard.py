@@ -26,17 +26,35 @@ from fakes.waiting import eventually
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 REQUIRE_BROWSER = os.environ.get("REQUIRE_CHROMIUM", "") not in ("", "0")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-extensions", "--disable-dev-shm-usage"]
-POLL_MS = 150                       # ?interval= : the page polls faster than its default 1 s
-WAIT_MS = 5000                      # bound of every wait_for_function
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-dev-shm-usage",
+]
+POLL_MS = 150  # ?interval= : the page polls faster than its default 1 s
+WAIT_MS = 5000  # bound of every wait_for_function
 
 # The page's outcome keys (x-carpool values) and the /stats counters they chart.
-STAT = {"hit": "hits", "semantic-hit": "semantic_hits", "coalesced": "coalesced",
-        "miss": "misses", "bypass": "bypass"}
-COLOR = {"hit": (0x3F, 0xB9, 0x50), "coalesced": (0xA3, 0x71, 0xF7), "miss": (0xF0, 0x88, 0x3E),
-         "bypass": (0x8B, 0x94, 0x9E)}
+STAT = {
+    "hit": "hits",
+    "semantic-hit": "semantic_hits",
+    "coalesced": "coalesced",
+    "miss": "misses",
+    "bypass": "bypass",
+}
+COLOR = {
+    "hit": (0x3F, 0xB9, 0x50),
+    "coalesced": (0xA3, 0x71, 0xF7),
+    "miss": (0xF0, 0x88, 0x3E),
+    "bypass": (0x8B, 0x94, 0x9E),
+}
 
 # One consistent view of the page (JS runs to completion: no poll lands in the middle): the
 # dashboard's record of what it drew, the headline tiles, each chart's data attributes and, when
@@ -81,7 +99,7 @@ async def browser() -> AsyncIterator[Any]:
         pytest.importorskip("playwright.async_api", reason="playwright is not installed")
     from playwright.async_api import async_playwright
 
-    async with async_playwright() as playwright:            # a fresh temporary profile each time
+    async with async_playwright() as playwright:  # a fresh temporary profile each time
         launched = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             yield launched
@@ -92,9 +110,9 @@ async def browser() -> AsyncIterator[Any]:
 async def traffic(gw, fake, tag: str) -> Counter[str]:
     """Misses, hits, coalesced answers (one streamed) and a bypass; the outcomes, from headers."""
     outcomes: Counter[str] = Counter()
-    for _ in range(3):                                       # a miss, then two hits
+    for _ in range(3):  # a miss, then two hits
         outcomes[(await gw.chat(f"{tag}: repeated")).headers["x-carpool"]] += 1
-    fake.gate = asyncio.Event()                              # four at once: one call, three join
+    fake.gate = asyncio.Event()  # four at once: one call, three join
 
     async def together(i: int) -> str:
         if i == 3:
@@ -123,10 +141,12 @@ async def stats(gw) -> dict[str, Any]:
 def check_tiles(tiles: dict[str, dict], live: dict[str, Any], polled: dict[str, Any]) -> None:
     """The headline numbers are /stats' numbers, as data and as text: the counters those of the
     test's own /stats (no request since), the gauges those of the page's last poll."""
-    for tile, key, source in [("tile-requests", "requests", live),
-                              ("tile-upstream", "upstream_calls", live),
-                              ("tile-tokens", "tokens_saved", live),
-                              ("tile-flights", "flights", polled)]:   # lingering flights expire
+    for tile, key, source in [
+        ("tile-requests", "requests", live),
+        ("tile-upstream", "upstream_calls", live),
+        ("tile-tokens", "tokens_saved", live),
+        ("tile-flights", "flights", polled),
+    ]:  # lingering flights expire
         assert int(tiles[tile]["value"]) == source[key], tile
         assert int(tiles[tile]["text"].replace(",", "")) == source[key], tile
     assert float(tiles["tile-saved"]["value"]) == live["saved_fraction"]
@@ -140,7 +160,7 @@ def check_tiles(tiles: dict[str, dict], live: dict[str, Any], polled: dict[str, 
 def check_latency(drawn: dict[str, Any], doc: dict[str, Any]) -> None:
     """The latency bars are the document's percentiles, or the page says they are missing."""
     latency = doc.get("latency_ms")
-    if latency is None:                     # a gateway without the field: handled, not drawn
+    if latency is None:  # a gateway without the field: handled, not drawn
         assert drawn == {"available": False, "points": 0, "lastValue": None, "outcomes": {}}
         return
     shown = {k: v for k, v in latency.items() if v.get("count")}
@@ -149,12 +169,14 @@ def check_latency(drawn: dict[str, Any], doc: dict[str, Any]) -> None:
 
 
 async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, browser):
-    before = await traffic(gw, fake, "before")               # the page opens on a busy gateway
+    before = await traffic(gw, fake, "before")  # the page opens on a busy gateway
     problems: list[str] = []
     requested: list[str] = []
     page = await browser.new_page(viewport={"width": 1280, "height": 900})
-    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(
-        f"console {m.type}: {m.text}"))
+    page.on(
+        "console",
+        lambda m: m.type in ("error", "warning") and problems.append(f"console {m.type}: {m.text}"),
+    )
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
     page.on("request", lambda r: requested.append(r.url))
@@ -162,8 +184,9 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
     assert response is not None and response.status == 200
     assert "carpool" in await page.title() and await page.inner_text(".logo") == "carpool"
 
-    await page.wait_for_function("() => (window.carpoolDashboard || {}).ticks >= 2",
-                                 timeout=WAIT_MS)
+    await page.wait_for_function(
+        "() => (window.carpoolDashboard || {}).ticks >= 2", timeout=WAIT_MS
+    )
     first = await stats(gw)
     assert first["requests"] == sum(before.values())
     view = await page.evaluate(SNAPSHOT_JS, None)
@@ -180,12 +203,15 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
         assert replicas["series"][name]["lastValue"] == info["in_flight"] == 0
     check_latency(board["drawn"]["latency"], board["last"])
 
-    after = await traffic(gw, fake, "after")                 # then the page follows new traffic
+    after = await traffic(gw, fake, "after")  # then the page follows new traffic
     second = await stats(gw)
     assert second["requests"] == first["requests"] + sum(after.values())
     await page.wait_for_function(
         "n => { const d = window.carpoolDashboard; return d.last.requests === n "
-        "&& d.drawn.outcomes.series.miss.total > 0 }", arg=second["requests"], timeout=WAIT_MS)
+        "&& d.drawn.outcomes.series.miss.total > 0 }",
+        arg=second["requests"],
+        timeout=WAIT_MS,
+    )
     view = await page.evaluate(SNAPSHOT_JS, {k: list(rgb) for k, rgb in COLOR.items()})
     board = view["board"]
     assert board["errors"] == 0
@@ -194,22 +220,23 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
     assert outcomes["points"] == board["ticks"] - 1 >= 2
     for outcome, stat in STAT.items():
         series = outcomes["series"][outcome]
-        assert series["base"] == first[stat]                          # the page's first poll
+        assert series["base"] == first[stat]  # the page's first poll
         assert series["total"] == second[stat] - first[stat] == after[outcome]  # its deltas
-        assert (series["max"] > 0) == (after[outcome] > 0)            # drawn as a rate
+        assert (series["max"] > 0) == (after[outcome] > 0)  # drawn as a rate
     assert board["drawn"]["saved"]["lastValue"] == second["saved_fraction"]
     check_latency(board["drawn"]["latency"], board["last"])
 
     # What was drawn reached the pixels: every chart has coloured series, each outcome its own.
     charts = view["charts"]
     for chart in ("outcomes", "saved", "replicas") + (
-            ("latency",) if board["drawn"]["latency"]["available"] else ()):
+        ("latency",) if board["drawn"]["latency"]["available"] else ()
+    ):
         assert charts[chart]["points"] == board["drawn"][chart]["points"] > 0, chart
         assert charts[chart]["saturated"] > 20, (chart, charts[chart])
     for outcome in COLOR:
         assert charts["outcomes"]["near"][outcome] >= 3, (outcome, charts["outcomes"])
 
-    assert problems == []                   # no console error or warning, no failed request
+    assert problems == []  # no console error or warning, no failed request
     assert requested and all(url.startswith(gw.url + "/") for url in requested), requested
     assert {url.split("?")[0] for url in requested} == {f"{gw.url}/dashboard", f"{gw.url}/stats"}
     await page.close()
@@ -218,8 +245,11 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
 async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, browser):
     """An older gateway (no latency_ms, no replicas, no layers) and a failed poll: the page says
     so, draws what it has, keeps polling, and throws nothing."""
-    docs = [{"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.333333}, None,
-            {"requests": 5, "hits": 2, "misses": 3, "saved_fraction": 0.4}]
+    docs = [
+        {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.333333},
+        None,
+        {"requests": 5, "hits": 2, "misses": 3, "saved_fraction": 0.4},
+    ]
     polls = 0
 
     async def stats_route(route) -> None:
@@ -236,15 +266,21 @@ async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, br
     page.on("pageerror", lambda e: thrown.append(str(e)))
     await page.route("**/stats", stats_route)
     await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
-    await page.wait_for_function("() => { const d = window.carpoolDashboard; "
-                                 "return d.errors >= 1 && d.ticks >= 2 }", timeout=WAIT_MS)
+    await page.wait_for_function(
+        "() => { const d = window.carpoolDashboard; return d.errors >= 1 && d.ticks >= 2 }",
+        timeout=WAIT_MS,
+    )
     view = await page.evaluate(SNAPSHOT_JS, None)
     board = view["board"]
     assert thrown == [] and "503" in board["lastError"]
     assert board["last"]["requests"] == 5 and view["tiles"]["tile-requests"]["text"] == "5"
     assert view["tiles"]["tile-saved"]["text"] == "40.0%"
-    assert board["drawn"]["latency"] == {"available": False, "points": 0, "lastValue": None,
-                                         "outcomes": {}}
+    assert board["drawn"]["latency"] == {
+        "available": False,
+        "points": 0,
+        "lastValue": None,
+        "outcomes": {},
+    }
     assert board["drawn"]["replicas"]["names"] == []
     assert board["drawn"]["outcomes"]["series"]["miss"]["total"] == 1
     assert "live" in await page.inner_text("#status")
@@ -257,14 +293,15 @@ async def test_dashboard_is_one_self_contained_html_page(gw):
     assert response.headers["content-type"].startswith("text/html")
     html = response.text
     assert "<title>carpool" in html and "carpool" in html
-    assert not re.search(r"https?://", html, re.IGNORECASE)            # no CDN, no web font
-    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*//""", html)   # nor protocol-relative
+    assert not re.search(r"https?://", html, re.IGNORECASE)  # no CDN, no web font
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*//""", html)  # nor protocol-relative
     assert not re.search(r"@import|<script[^>]+src=|<link[^>]+stylesheet", html)
-    assert re.search(r"""fetch\(\s*['"]stats['"]""", html)             # relative: any host/prefix
+    assert re.search(r"""fetch\(\s*['"]stats['"]""", html)  # relative: any host/prefix
 
 
 async def test_with_an_admin_token_the_dashboard_asks_for_it_and_then_polls_stats(
-        fake, gateway_with, browser):
+    fake, gateway_with, browser
+):
     token = "dash-token"
     async with gateway_with(admin_token=token) as gw:
         await gw.chat("counted")
@@ -272,12 +309,14 @@ async def test_with_an_admin_token_the_dashboard_asks_for_it_and_then_polls_stat
         assert refused.status_code == 401 and "basic" in refused.headers["www-authenticate"].lower()
         # What a browser does once its user typed the token into the login prompt.
         context = await browser.new_context(
-            http_credentials={"username": "admin", "password": token})
+            http_credentials={"username": "admin", "password": token}
+        )
         page = await context.new_page()
         response = await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
         assert response is not None and response.status == 200
-        await page.wait_for_function("() => (window.carpoolDashboard || {}).ticks >= 2",
-                                     timeout=WAIT_MS)
+        await page.wait_for_function(
+            "() => (window.carpoolDashboard || {}).ticks >= 2", timeout=WAIT_MS
+        )
         board = await page.evaluate("() => window.carpoolDashboard")
         assert board["errors"] == 0 and board["last"]["requests"] == 1
         await context.close()

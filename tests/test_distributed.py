@@ -24,10 +24,14 @@ pytest.importorskip("redis")
 async def two_gateways(fake, redis_server, **config):
     # Generous Redis timeouts: 100 connections opening at once on a busy 2-core machine must
     # not count as an outage (which would rightly make each instance call upstream itself).
-    distributed = {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0,
-                   "cluster": redis_server.cluster, **config.pop("distributed", {})}
-    shared = {"redis": redis_server.url, "admin_token": "t", "distributed": distributed,
-              **config}
+    distributed = {
+        "retry_interval": 0.05,
+        "timeout": 2.0,
+        "connect_timeout": 2.0,
+        "cluster": redis_server.cluster,
+        **config.pop("distributed", {}),
+    }
+    shared = {"redis": redis_server.url, "admin_token": "t", "distributed": distributed, **config}
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         yield a, b
 
@@ -45,20 +49,21 @@ async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, share
 async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         await a.chat(headers={"x-carpool-tags": "faq"})
-        dropped = await a.client.post("/admin/invalidate", json={"tag": "faq"},
-                                      headers={"Authorization": "Bearer t"})
+        dropped = await a.client.post(
+            "/admin/invalidate", json={"tag": "faq"}, headers={"Authorization": "Bearer t"}
+        )
         assert dropped.json() == {"invalidated": 1}
         assert (await b.chat()).headers["x-carpool"] == "miss"
 
 
-async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(fake,
-                                                                              shared_redis):
+async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         before = asyncio.create_task(a.chat("running"))
         await fake.wait_until(lambda: fake.count() == 1, what="the call led by A")
-        response = await b.client.post("/admin/invalidate", json={"all": True},
-                                       headers={"Authorization": "Bearer t"})
+        response = await b.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer t"}
+        )
         assert response.status_code == 200
         after_b = asyncio.create_task(b.chat("running"))
         await fake.wait_until(lambda: fake.count() == 2, what="B's own call")
@@ -100,7 +105,8 @@ async def until_redis_is_back(served, timeout: float = 5.0) -> None:
 
 
 async def test_the_invalidation_subscriber_survives_redis_restarting_and_delivers_again(
-        fake, killable_redis):
+    fake, killable_redis
+):
     """carpool/redis/invalidation.py: each instance's subscriber reconnects by itself; subscribed
     again, it forgets what lingered meanwhile (pub/sub replays nothing: an invalidation may have
     been missed), then delivers as before. The window is long: only invalidations end it."""
@@ -109,8 +115,9 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         ia, ib = a.gateway.invalidations, b.gateway.invalidations
         await eventually(lambda: ia.listening and ib.listening, what="both instances subscribed")
         killable_redis.kill()
-        await eventually(lambda: not ia.listening and not ib.listening,
-                         what="both subscribers cut off")
+        await eventually(
+            lambda: not ia.listening and not ib.listening, what="both subscribers cut off"
+        )
         assert ia.counts["errors"] >= 1 and ib.counts["errors"] >= 1
         # Redis down: A answers alone, and the answer lingers in A's own window.
         assert (await a.chat("while down")).headers["x-carpool"] == "miss"
@@ -122,10 +129,13 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         assert response.status_code == 200 and loop.time() - started < 1.0
         assert ib.counts["unsent"] == 1 and ib.counts["published"] == 0
         killable_redis.restart()
-        await eventually(lambda: ia.listening and ib.listening, timeout=10,
-                         what="both instances subscribed again")
+        await eventually(
+            lambda: ia.listening and ib.listening,
+            timeout=10,
+            what="both instances subscribed again",
+        )
         assert ia.counts["resubscribed"] >= 1 and ia.counts["forgotten"] >= 1
-        assert len(a.gateway.flights) == 0            # the missed invalidation cost nothing
+        assert len(a.gateway.flights) == 0  # the missed invalidation cost nothing
         assert (await a.chat("while down")).headers["x-carpool"] == "miss"
 
         # Delivering again: an answer lingering on A, invalidated on B.
@@ -134,15 +144,18 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         assert (await a.chat("after", headers=tagged)).headers["x-carpool"] == "miss"
         response = await b.client.post("/admin/invalidate", json={"tag": "faq"}, headers=admin)
         assert response.json() == {"invalidated": 1} and ib.counts["published"] == 1
-        await eventually(lambda: ia.counts["received"] == received + 1,
-                         what="instance A told of the invalidation")
+        await eventually(
+            lambda: ia.counts["received"] == received + 1,
+            what="instance A told of the invalidation",
+        )
         assert len(a.gateway.flights) == 0
         assert (await a.chat("after", headers=tagged)).headers["x-carpool"] == "miss"
         assert fake.count() == 4
 
 
 async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive(
-        killable_redis, monkeypatch):
+    killable_redis, monkeypatch
+):
     """A Redis that stops answering (SIGSTOP) closes no connection: the subscriber's PING goes
     unanswered, it subscribes again once Redis answers, and forgets what lingered meanwhile."""
     import signal
@@ -154,9 +167,13 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
     monkeypatch.setattr(invalidation, "WAIT", 0.05)
     client = connect(killable_redis.url, socket_timeout=0.3, cluster=killable_redis.cluster)
     forgotten: list[int] = []
-    channel = invalidation.InvalidationChannel(client, lambda: forgotten.append(1) or 1,
-                                               socket_timeout=0.3, retry_interval=0.05,
-                                               owns_client=True)
+    channel = invalidation.InvalidationChannel(
+        client,
+        lambda: forgotten.append(1) or 1,
+        socket_timeout=0.3,
+        retry_interval=0.05,
+        owns_client=True,
+    )
     try:
         channel.start()
         await eventually(lambda: channel.listening, what="subscribed")
@@ -189,7 +206,7 @@ def sse_text(raw: str) -> str:
     for line in raw.splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        chunk = json.loads(line[len("data: "):])
+        chunk = json.loads(line[len("data: ") :])
         assert "error" not in chunk, chunk
         for choice in chunk["choices"]:
             text.append(choice["delta"].get("content") or "")
@@ -205,14 +222,13 @@ def shared(*gateways):
     return [served.gateway.shared_flights for served in gateways]
 
 
-async def test_100_identical_requests_over_two_instances_make_one_upstream_call(fake,
-                                                                                shared_redis):
+async def test_100_identical_requests_over_two_instances_make_one_upstream_call(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
 
         async def one(i: int) -> tuple[str, str]:
             served = (a, b)[i % 2]
-            if (i // 2) % 2:                 # half of them stream, on both instances
+            if (i // 2) % 2:  # half of them stream, on both instances
                 response, raw = await served.stream_chat(QUESTION)
                 assert response.status_code == 200
                 return response.headers["x-carpool"], sse_text(raw)
@@ -224,9 +240,11 @@ async def test_100_identical_requests_over_two_instances_make_one_upstream_call(
 
         def all_attached() -> bool:
             flights = shared(a, b)
-            return (a.gateway.flights.waiters + b.gateway.flights.waiters == 100
-                    and [f.leading for f in flights] in ([1, 0], [0, 1])
-                    and sum(f.following for f in flights) == 1)
+            return (
+                a.gateway.flights.waiters + b.gateway.flights.waiters == 100
+                and [f.leading for f in flights] in ([1, 0], [0, 1])
+                and sum(f.following for f in flights) == 1
+            )
 
         await fake.wait_for_calls(1)
         await eventually(all_attached, what="100 clients attached, one instance following")
@@ -234,15 +252,13 @@ async def test_100_identical_requests_over_two_instances_make_one_upstream_call(
         fake.gate.set()
         results = await asyncio.gather(*tasks)
     assert {text for _, text in results} == {ANSWER_1}
-    assert collections.Counter(outcome for outcome, _ in results) == \
-        {"miss": 1, "coalesced": 99}
+    assert collections.Counter(outcome for outcome, _ in results) == {"miss": 1, "coalesced": 99}
     assert fake.count() == 1
 
 
-async def test_a_late_streaming_joiner_on_another_instance_gets_the_whole_text(fake,
-                                                                              shared_redis):
+async def test_a_late_streaming_joiner_on_another_instance_gets_the_whole_text(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
-        fake.chunk_gate = asyncio.Event()    # the leader streams 2 words, then waits
+        fake.chunk_gate = asyncio.Event()  # the leader streams 2 words, then waits
         first = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         # The first frames (role chunk + 2 words) are in Redis before the joiner arrives...
@@ -251,23 +267,27 @@ async def test_a_late_streaming_joiner_on_another_instance_gets_the_whole_text(f
         # ...it replays them while the rest does not exist yet...
         await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3)
         assert not late.done()
-        fake.chunk_gate.set()                # ...then gets the rest live.
+        fake.chunk_gate.set()  # ...then gets the rest live.
         (response_a, raw_a), (response_b, raw_b) = await asyncio.gather(first, late)
     assert sse_text(raw_b) == sse_text(raw_a) == ANSWER_1
-    assert (response_a.headers["x-carpool"], response_b.headers["x-carpool"]) == \
-        ("miss", "coalesced")
+    assert (response_a.headers["x-carpool"], response_b.headers["x-carpool"]) == (
+        "miss",
+        "coalesced",
+    )
     assert fake.count() == 1
 
 
 async def test_a_joiner_after_older_chunks_were_trimmed_still_gets_the_whole_answer(
-        fake, shared_redis):
+    fake, shared_redis
+):
     """stream_maxlen 1: Redis drops the first node of 100 chunks; the late joiner on B relays
     nothing and serves the answer whole once it is complete (as SSE synthesized from it)."""
     words = " ".join(f"w{i}" for i in range(150))
     fake.answer_text = lambda n, body: f"{words} ({n})"
     fake.chunk_gate, fake.chunk_gate_after = asyncio.Event(), 140
-    async with two_gateways(fake, shared_redis, distributed={
-            "retry_interval": 0.05, "stream_maxlen": 1}) as (a, b):
+    async with two_gateways(
+        fake, shared_redis, distributed={"retry_interval": 0.05, "stream_maxlen": 1}
+    ) as (a, b):
         first = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         await eventually(lambda: a.gateway.shared_flights.counts["frames_published"] >= 141)
@@ -281,25 +301,33 @@ async def test_a_joiner_after_older_chunks_were_trimmed_still_gets_the_whole_ans
 
 
 async def test_a_leaders_error_reaches_the_waiters_on_the_other_instance_and_is_not_stored(
-        fake, shared_redis):
+    fake, shared_redis
+):
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         fake.fail_status, fake.fail_times = 503, 1
-        fake.fail_body = {"error": {"message": "overloaded", "type": "server_error",
-                                    "code": "busy"}}
+        fake.fail_body = {
+            "error": {"message": "overloaded", "type": "server_error", "code": "busy"}
+        }
         first = asyncio.create_task(a.chat(QUESTION))
         await fake.wait_for_calls(1)
-        waiters = [asyncio.create_task(b.chat(QUESTION)),
-                   asyncio.create_task(b.stream_chat(QUESTION))]
-        await eventually(lambda: b.gateway.flights.waiters == 2
-                         and b.gateway.shared_flights.following == 1)
+        waiters = [
+            asyncio.create_task(b.chat(QUESTION)),
+            asyncio.create_task(b.stream_chat(QUESTION)),
+        ]
+        await eventually(
+            lambda: b.gateway.flights.waiters == 2 and b.gateway.shared_flights.following == 1
+        )
         fake.gate.set()
         led, plain, (streamed, _) = await asyncio.gather(first, *waiters)
         assert [r.status_code for r in (led, plain, streamed)] == [503, 503, 503]
         assert plain.content == led.content and plain.json() == fake.fail_body
         assert streamed.json() == fake.fail_body
-        assert [r.headers["x-carpool"] for r in (led, plain, streamed)] == \
-            ["miss", "coalesced", "coalesced"]
+        assert [r.headers["x-carpool"] for r in (led, plain, streamed)] == [
+            "miss",
+            "coalesced",
+            "coalesced",
+        ]
         # Nothing stored, nothing lingering: the next request, on either instance, calls again.
         again = await b.chat(QUESTION)
         assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
@@ -307,35 +335,64 @@ async def test_a_leaders_error_reaches_the_waiters_on_the_other_instance_and_is_
 
 
 async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a_full_answer(
-        fake, shared_redis, tmp_path):
+    fake, shared_redis, tmp_path
+):
     lease_ms, join_timeout_ms = 600, 5000
-    settings = {"distributed": {"lease_ms": lease_ms, "retry_interval": 0.05,
-                                "cluster": shared_redis.cluster},
-                "coalesce": {"join_timeout_ms": join_timeout_ms}}
+    settings = {
+        "distributed": {
+            "lease_ms": lease_ms,
+            "retry_interval": 0.05,
+            "cluster": shared_redis.cluster,
+        },
+        "coalesce": {"join_timeout_ms": join_timeout_ms},
+    }
     port = free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
-    env.update(CARPOOL_DISTRIBUTED__LEASE_MS=str(lease_ms),
-               CARPOOL_COALESCE__JOIN_TIMEOUT_MS=str(join_timeout_ms),
-               CARPOOL_LOG_LEVEL="warning")
+    env.update(
+        CARPOOL_DISTRIBUTED__LEASE_MS=str(lease_ms),
+        CARPOOL_COALESCE__JOIN_TIMEOUT_MS=str(join_timeout_ms),
+        CARPOOL_LOG_LEVEL="warning",
+    )
     log = tmp_path / "instance-a.log"
-    fake.gate = asyncio.Event()              # call 1 (instance A's) hangs until A is gone
+    fake.gate = asyncio.Event()  # call 1 (instance A's) hangs until A is gone
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "carpool.cli", "serve", "--upstream", fake.url,
-             "--redis", shared_redis.url, "--port", str(port)],
-            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "carpool.cli",
+                "serve",
+                "--upstream",
+                fake.url,
+                "--redis",
+                shared_redis.url,
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as a, \
-                run_gateway([fake.url], redis=shared_redis.url, **settings) as b:
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as a,
+            run_gateway([fake.url], redis=shared_redis.url, **settings) as b,
+        ):
             await until_serving(a, proc, log)
-            body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}],
-                    "temperature": 0}
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": QUESTION}],
+                "temperature": 0,
+            }
             lost = asyncio.create_task(a.post("/v1/chat/completions", json=body))
             await fake.wait_for_calls(1)
-            fake.gate = None                 # the next call (B's takeover) answers at once
+            fake.gate = None  # the next call (B's takeover) answers at once
             waiter = asyncio.create_task(b.chat(QUESTION))
-            await eventually(lambda: b.gateway.shared_flights.following == 1,
-                             what="instance B following A's call")
+            await eventually(
+                lambda: b.gateway.shared_flights.following == 1,
+                what="instance B following A's call",
+            )
             proc.kill()
             proc.wait()
             loop = asyncio.get_running_loop()
@@ -347,37 +404,48 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
             # Nothing left behind on the surviving instance (test_faults.py's bookkeeping): no
             # waiter, no flight in progress, no shared flight led or followed.
             flights, shared = b.gateway.flights, b.gateway.shared_flights
-            await eventually(lambda: flights.waiters == 0 and shared.leading == shared.following
-                             == 0 and all(f.broadcast.done and f.task.done()
-                                          for f in flights._flights.values()),
-                             what="instance B settled")
+            await eventually(
+                lambda: (
+                    flights.waiters == 0
+                    and shared.leading == shared.following == 0
+                    and all(f.broadcast.done and f.task.done() for f in flights._flights.values())
+                ),
+                what="instance B settled",
+            )
             assert (await b.client.get("/stats")).json()["waiters"] == 0
     finally:
         proc.kill()
         proc.wait()
     assert response.status_code == 200, response.text
     assert content(response) == f"answer 2 to {QUESTION}"
-    assert response.headers["x-carpool"] == "miss"      # B's client's request led call 2
+    assert response.headers["x-carpool"] == "miss"  # B's client's request led call 2
     assert b.gateway.shared_flights.counts["takeovers"] == 1
     assert elapsed < (lease_ms + join_timeout_ms) / 1000
     assert fake.count() == 2
 
 
-async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed(fake,
-                                                                              killable_redis):
+async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed(
+    fake, killable_redis
+):
     async with two_gateways(fake, killable_redis) as (a, b):
         fake.gate = asyncio.Event()
-        leading = [asyncio.create_task(a.chat(QUESTION)),
-                   asyncio.create_task(a.stream_chat(QUESTION))]
+        leading = [
+            asyncio.create_task(a.chat(QUESTION)),
+            asyncio.create_task(a.stream_chat(QUESTION)),
+        ]
         await fake.wait_for_calls(1)
-        following = [asyncio.create_task(b.chat(QUESTION)),
-                     asyncio.create_task(b.stream_chat(QUESTION))]
-        await eventually(lambda: b.gateway.flights.waiters == 2
-                         and b.gateway.shared_flights.following == 1)
+        following = [
+            asyncio.create_task(b.chat(QUESTION)),
+            asyncio.create_task(b.stream_chat(QUESTION)),
+        ]
+        await eventually(
+            lambda: b.gateway.flights.waiters == 2 and b.gateway.shared_flights.following == 1
+        )
         killable_redis.kill()
         fake.gate.set()
-        led, (led_stream, raw_a), followed, (followed_stream, raw_b) = \
-            await asyncio.gather(*leading, *following)
+        led, (led_stream, raw_a), followed, (followed_stream, raw_b) = await asyncio.gather(
+            *leading, *following
+        )
         assert [r.status_code for r in (led, led_stream, followed, followed_stream)] == [200] * 4
         assert content(led) == sse_text(raw_a) == ANSWER_1
         # B could no longer follow A's call through Redis: it made its own.
@@ -388,7 +456,8 @@ async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed
 
 
 async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhere(
-        fake, shared_redis):
+    fake, shared_redis
+):
     """Nothing relayed yet: the waiter takes over at once (the leader records that it left)."""
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
@@ -396,8 +465,8 @@ async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhe
         await fake.wait_for_calls(1)
         waiter = asyncio.create_task(b.chat(QUESTION))
         await eventually(lambda: b.gateway.shared_flights.following == 1)
-        fake.gate = None                     # the takeover's call answers at once
-        leader.cancel()                      # A's only client goes: A's call is cancelled
+        fake.gate = None  # the takeover's call answers at once
+        leader.cancel()  # A's only client goes: A's call is cancelled
         await fake.wait_for_cancelled(1)
         response = await waiter
         assert (response.status_code, response.headers["x-carpool"]) == (200, "miss")
@@ -406,7 +475,8 @@ async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhe
 
 
 async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader_goes(
-        fake, shared_redis):
+    fake, shared_redis
+):
     """Frames already relayed cannot be taken back: the stream fails, its clients retry."""
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.chunk_gate = asyncio.Event()
@@ -418,23 +488,24 @@ async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader
         response, raw = await asyncio.wait_for(follower, 5)
         assert response.status_code == 200 and response.headers["x-carpool"] == "coalesced"
         assert "data: [DONE]" not in raw
-        last = json.loads(raw.strip().splitlines()[-1][len("data: "):])
+        last = json.loads(raw.strip().splitlines()[-1][len("data: ") :])
         assert last["error"]["code"] == "upstream_stream_broken"
         assert b.gateway.shared_flights.counts["broken"] == 1
-        retry = await b.chat(QUESTION)       # the retry coalesces as usual: here, a new call
+        retry = await b.chat(QUESTION)  # the retry coalesces as usual: here, a new call
         assert retry.status_code == 200 and content(retry) == f"answer 2 to {QUESTION}"
 
 
 async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_call(
-        fake, shared_redis):
+    fake, shared_redis
+):
     async with two_gateways(fake, shared_redis, coalesce={"join_timeout_ms": 300}) as (a, b):
         gate = fake.gate = asyncio.Event()
         slow = asyncio.create_task(a.chat(QUESTION))
         await fake.wait_for_calls(1)
-        fake.gate = None                     # the next call answers at once
+        fake.gate = None  # the next call answers at once
         loop = asyncio.get_running_loop()
         started = loop.time()
-        response = await b.chat(QUESTION)    # follows A's call, gives up after 300 ms
+        response = await b.chat(QUESTION)  # follows A's call, gives up after 300 ms
         assert loop.time() - started < 2
         assert (response.status_code, response.headers["x-carpool"]) == (200, "miss")
         assert content(response) == f"answer 2 to {QUESTION}"
@@ -444,7 +515,8 @@ async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_c
 
 
 async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_window(
-        fake, shared_redis):
+    fake, shared_redis
+):
     """ttl 0 (type factual): never stored, but joinable within the window, on every instance."""
     async with two_gateways(fake, shared_redis) as (a, b):
         factual = {"x-carpool-type": "factual"}
@@ -458,8 +530,9 @@ async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_win
         assert content(fresh) == f"answer 2 to {QUESTION}" and fake.count() == 2
 
 
-async def until_serving(client: httpx.AsyncClient, proc: subprocess.Popen, log,
-                        timeout: float = 10.0) -> None:
+async def until_serving(
+    client: httpx.AsyncClient, proc: subprocess.Popen, log, timeout: float = 10.0
+) -> None:
     """Until the gateway in ``proc`` answers /healthz (it exits, or takes too long: fail)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -472,9 +545,9 @@ async def until_serving(client: httpx.AsyncClient, proc: subprocess.Popen, log,
         await asyncio.sleep(0.02)
 
 
-
 async def test_redis_restarted_empty_mid_call_nobody_fails_and_a_retry_may_run_twice(
-        fake, killable_redis):
+    fake, killable_redis
+):
     """What the README promises when Redis loses its data (a restart, a failover that lost
     writes): no request fails and none gets another's answer; what is lost is the dedup of the
     call in flight (a follower takes over) and of an idempotency key still processing."""
@@ -486,16 +559,16 @@ async def test_redis_restarted_empty_mid_call_nobody_fails_and_a_retry_may_run_t
         await fake.wait_for_calls(2)
         follower = asyncio.create_task(b.chat(QUESTION))
         await eventually(lambda: b.gateway.shared_flights.following == 1)
-        killable_redis.restart(kill=True)               # empty: nothing is persisted
+        killable_redis.restart(kill=True)  # empty: nothing is persisted
         retried = asyncio.create_task(b.chat("charge", headers=key))
-        await fake.wait_for_calls(3)                  # the record is gone: it runs again
+        await fake.wait_for_calls(3)  # the record is gone: it runs again
         fake.gate.set()
         responses = await asyncio.gather(led, keyed, follower)
         retry = await retried
     assert [r.status_code for r in responses] == [200, 200, 200] and retry.status_code == 200
     assert content(responses[0]).endswith(QUESTION) and content(responses[2]).endswith(QUESTION)
     assert content(responses[1]).endswith("charge") and content(retry).endswith("charge")
-    assert content(retry) != content(responses[1])     # run twice: two different answers
+    assert content(retry) != content(responses[1])  # run twice: two different answers
     assert fake.count("/v1/chat/completions") in (3, 4)  # + B's takeover, unless A's answer
 
 
@@ -512,8 +585,11 @@ async def test_a_cluster_node_killed_mid_flight_no_request_fails(fake):
             await fake.wait_for_calls(1)
             followed = asyncio.create_task(b.chat(QUESTION))
             await eventually(lambda: b.gateway.shared_flights.following == 1)
-            holders = [node for node in cluster.nodes
-                       if any(b"lock:" in key for key in await redis_keys(node))]
+            holders = [
+                node
+                for node in cluster.nodes
+                if any(b"lock:" in key for key in await redis_keys(node))
+            ]
             assert len(holders) == 1
             holders[0].kill()
             fake.gate.set()

@@ -40,16 +40,25 @@ from fakes.flights import leader_and_joiners, stream
 
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 CALL = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
 
 
 def tool_body(content: str = "Weather in Paris?") -> dict[str, Any]:
-    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}],
-            "tools": [WEATHER],
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    return {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
 
 
 async def direct(fake, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +80,11 @@ def without_ids(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def events(raw: str) -> list[Any]:
-    return [json.loads(line[6:]) for line in raw.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:])
+        for line in raw.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 async def stats(served) -> dict[str, Any]:
@@ -81,19 +93,23 @@ async def stats(served) -> dict[str, Any]:
 
 # --- 2. assembly that matches the engine --------------------------------------------------------
 
+
 @pytest.mark.parametrize("style", ["openai", "llama.cpp"])
 async def test_a_streamed_tool_call_is_served_as_the_engines_own_non_streaming_answer(
-        gw, fake, style):
+    gw, fake, style
+):
     fake.tool_call, fake.tool_call_style = CALL, style
     body = tool_body()
     engine = await direct(fake, CHAT, body)
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
-    assert fake.count() == 2                                    # the direct call, then one
+    assert fake.count() == 2  # the direct call, then one
     assert leader.headers["x-carpool"] == "miss" and joiner.headers["x-carpool"] == "coalesced"
-    assert events(joined) == events(raw)                        # the engine's own frames
-    if style == "llama.cpp":                                    # ...the name in every chunk
-        assert sum('"name":"get_weather"' in json.dumps(e, separators=(",", ":"))
-                   for e in events(raw)) > 2
+    assert events(joined) == events(raw)  # the engine's own frames
+    if style == "llama.cpp":  # ...the name in every chunk
+        assert (
+            sum('"name":"get_weather"' in json.dumps(e, separators=(",", ":")) for e in events(raw))
+            > 2
+        )
     assert plain.headers["x-carpool"] == "coalesced"
     assert without_ids(plain.json()) == without_ids(engine)
     message = plain.json()["choices"][0]["message"]
@@ -104,22 +120,23 @@ async def test_a_streamed_tool_call_is_served_as_the_engines_own_non_streaming_a
 
 
 async def test_an_engine_that_ignores_include_usage_gives_answers_that_say_usage_is_missing(
-        gw, fake):
+    gw, fake
+):
     fake.tool_call, fake.tool_call_style, fake.ignore_include_usage = CALL, "llama.cpp", True
     body = tool_body()
     engine = await direct(fake, CHAT, body)
-    assert "usage" in engine                                   # its non-streaming answer has it
+    assert "usage" in engine  # its non-streaming answer has it
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert not any("usage" in e and e["usage"] for e in events(raw))
     assert plain.headers["x-carpool-usage"] == "missing" and "usage" not in plain.json()
     engine.pop("usage")
-    assert without_ids(plain.json()) == without_ids(engine)    # nothing else differs
+    assert without_ids(plain.json()) == without_ids(engine)  # nothing else differs
     hit = await gw.client.post(CHAT, json=body)
     assert hit.headers["x-carpool-usage"] == "missing" and "usage" not in hit.json()
     with_usage, raw = await stream(gw, CHAT, {**body, "stream_options": {"include_usage": True}})
     assert with_usage.headers["x-carpool"] == "hit"
     assert with_usage.headers["x-carpool-usage"] == "missing"
-    without, _ = await stream(gw, CHAT, body)                        # it did not ask for usage
+    without, _ = await stream(gw, CHAT, body)  # it did not ask for usage
     assert "x-carpool-usage" not in without.headers
 
 
@@ -151,6 +168,7 @@ async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
 
 # --- 4. errors that do not multiply calls -------------------------------------------------------
 
+
 @pytest.fixture
 def sdk(gw):
     # The SDK's own retries on (its default is 2): the point is that they are not triggered.
@@ -158,11 +176,14 @@ def sdk(gw):
 
 
 async def test_an_empty_200_stream_is_one_engine_call_for_one_streaming_sdk_call(sdk, gw, fake):
-    fake.empty_stream = True                  # llama.cpp's server on a prompt over its context
+    fake.empty_stream = True  # llama.cpp's server on a prompt over its context
     with pytest.raises(openai.APIError, match="without sending anything"):
         stream = await sdk.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "too long"}], temperature=0,
-            stream=True)
+            model="m",
+            messages=[{"role": "user", "content": "too long"}],
+            temperature=0,
+            stream=True,
+        )
         async for _ in stream:
             pass
     assert fake.count() == 1
@@ -173,34 +194,46 @@ async def test_an_empty_200_stream_is_one_engine_call_for_one_streaming_sdk_call
 
 
 async def stream_raw(served, content: str) -> tuple[httpx.Response, str]:
-    return await stream(served, CHAT, {"model": "m", "temperature": 0,
-                                 "messages": [{"role": "user", "content": content}]})
+    return await stream(
+        served,
+        CHAT,
+        {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]},
+    )
 
 
-async def test_an_empty_stream_led_for_a_non_streaming_sdk_call_is_not_retried(
-        gateway_with, fake):
+async def test_an_empty_stream_led_for_a_non_streaming_sdk_call_is_not_retried(gateway_with, fake):
     async with gateway_with(upstream={"stream_flights": True}) as gw:
         sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=2)
         fake.empty_stream = True
         with pytest.raises(openai.APIStatusError) as raised:
             await sdk.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "too long"}], temperature=0)
-        assert raised.value.status_code == 502                    # the status kept...
-        assert raised.value.response.headers["x-should-retry"] == "false"   # ...not retried
+                model="m", messages=[{"role": "user", "content": "too long"}], temperature=0
+            )
+        assert raised.value.status_code == 502  # the status kept...
+        assert raised.value.response.headers["x-should-retry"] == "false"  # ...not retried
         assert fake.count() == 1
 
 
 @pytest.mark.parametrize("status", [400, 500])
 async def test_an_error_the_engine_reported_keeps_its_status_and_message_for_a_stream(
-        gw, fake, status):
+    gw, fake, status
+):
     fake.fail_status = status
-    fake.fail_body = {"error": {"message": "the prompt is longer than the context (4096)",
-                                "type": "invalid_request_error", "code": "context_length_exceeded"}}
+    fake.fail_body = {
+        "error": {
+            "message": "the prompt is longer than the context (4096)",
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+        }
+    }
     sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
     with pytest.raises(openai.APIStatusError) as raised:
         await sdk.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "too long"}], temperature=0,
-            stream=True)
+            model="m",
+            messages=[{"role": "user", "content": "too long"}],
+            temperature=0,
+            stream=True,
+        )
     assert raised.value.status_code == status
     assert raised.value.body["message"] == "the prompt is longer than the context (4096)"
     assert raised.value.body["code"] == "context_length_exceeded"
@@ -208,11 +241,14 @@ async def test_an_error_the_engine_reported_keeps_its_status_and_message_for_a_s
 
 
 async def test_an_error_the_engine_reports_in_its_stream_reaches_clients_as_it_is():
-    engine_error = {"message": "the prompt is longer than the context", "type": "BadRequestError",
-                    "code": 400}
+    engine_error = {
+        "message": "the prompt is longer than the context",
+        "type": "BadRequestError",
+        "code": 400,
+    }
 
     async def events() -> AsyncIterator[bytes]:
-        yield json.dumps({"error": engine_error}).encode()      # vLLM: then [DONE]
+        yield json.dumps({"error": engine_error}).encode()  # vLLM: then [DONE]
 
     with pytest.raises(UpstreamStreamBroken) as raised:
         await _consume("chat", UpstreamResponse(200, events=events()), Broadcast(), {})
@@ -228,8 +264,9 @@ BATCH = {"max_batch_size": 4, "max_batch_delay_ms": 60_000}
 
 
 async def embed_all(served, texts: list[str]) -> list[httpx.Response]:
-    responses = await asyncio.gather(*(served.client.post(EMBEDDINGS, json={
-        "model": "e", "input": text}) for text in texts))
+    responses = await asyncio.gather(
+        *(served.client.post(EMBEDDINGS, json={"model": "e", "input": text}) for text in texts)
+    )
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     return responses
 
@@ -239,43 +276,52 @@ def vector(response: httpx.Response) -> list[float]:
 
 
 def list_calls(fake) -> list[list[Any]]:
-    return [c.body["input"] for c in fake.calls
-            if c.path == EMBEDDINGS and isinstance(c.body["input"], list)]
+    return [
+        c.body["input"]
+        for c in fake.calls
+        if c.path == EMBEDDINGS and isinstance(c.body["input"], list)
+    ]
 
 
 async def test_singles_are_never_merged_for_an_engine_that_answers_lists_wrongly(
-        gateway_with, fake):
+    gateway_with, fake
+):
     fake.broken_list_embeddings = True
     texts = [f"text {i}" for i in range(8)]
-    alone = {t: (await direct(fake, EMBEDDINGS, {"model": "e", "input": t}))["data"][0]
-             ["embedding"] for t in texts}
+    alone = {
+        t: (await direct(fake, EMBEDDINGS, {"model": "e", "input": t}))["data"][0]["embedding"]
+        for t in texts
+    }
     async with gateway_with(batching=BATCH) as gw:
-        first = await embed_all(gw, texts[:4])            # a batch of four: sent item by item
-        await gw.gateway.batcher.wait_idle()              # the probe it started has decided
+        first = await embed_all(gw, texts[:4])  # a batch of four: sent item by item
+        await gw.gateway.batcher.wait_idle()  # the probe it started has decided
         assert gw.gateway.batcher.stats()["lists"]["lists_wrong"] == 1
-        second = await embed_all(gw, texts[4:])           # not even buffered: sent as it came
+        second = await embed_all(gw, texts[4:])  # not even buffered: sent as it came
         assert [vector(r) for r in first + second] == [alone[t] for t in texts]
-        assert list_calls(fake) == [list(PROBE_INPUTS)]   # the probe's list, and no other
+        assert list_calls(fake) == [list(PROBE_INPUTS)]  # the probe's list, and no other
         hits = await embed_all(gw, texts)
         assert all(r.headers["x-carpool"] == "hit" for r in hits)
         assert [vector(r) for r in hits] == [alone[t] for t in texts]
 
 
 async def test_singles_are_merged_once_the_probe_shows_lists_are_answered_item_by_item(
-        gateway_with, fake):
+    gateway_with, fake
+):
     texts = [f"text {i}" for i in range(8)]
     async with gateway_with(batching=BATCH) as gw:
         first = await embed_all(gw, texts[:4])
-        assert list_calls(fake) in ([], [list(PROBE_INPUTS)])   # none merged before the verdict
+        assert list_calls(fake) in ([], [list(PROBE_INPUTS)])  # none merged before the verdict
         await gw.gateway.batcher.wait_idle()
         assert gw.gateway.batcher.stats()["lists"]["lists_right"] == 1
         second = await embed_all(gw, texts[4:])
-        assert list_calls(fake)[-1] == texts[4:]            # one merged call for the four
+        assert list_calls(fake)[-1] == texts[4:]  # one merged call for the four
         calls = fake.count()
-    alone = [(await direct(fake, EMBEDDINGS, {"model": "e", "input": t}))["data"][0]["embedding"]
-             for t in texts]
+    alone = [
+        (await direct(fake, EMBEDDINGS, {"model": "e", "input": t}))["data"][0]["embedding"]
+        for t in texts
+    ]
     assert [vector(r) for r in first + second] == alone
-    assert calls == 4 + 3 + 1                               # alone, the probe, one merged
+    assert calls == 4 + 3 + 1  # alone, the probe, one merged
 
 
 async def test_with_embeddings_batching_off_nothing_is_merged_nor_probed(gateway_with, fake):

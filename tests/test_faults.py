@@ -61,6 +61,7 @@ QUESTION = "What is carpool?"
 # ------------------------------------------------------------------------------------------------
 # What a client received
 
+
 def sse_events(raw: str) -> tuple[list[dict[str, Any]], bool]:
     """The JSON payloads of an SSE stream, and whether it ended with ``data: [DONE]``."""
     payloads, done = [], False
@@ -71,7 +72,7 @@ def sse_events(raw: str) -> tuple[list[dict[str, Any]], bool]:
         if line == "data: [DONE]":
             done = True
             continue
-        payloads.append(json.loads(line[len("data: "):]))
+        payloads.append(json.loads(line[len("data: ") :]))
     return payloads, done
 
 
@@ -79,8 +80,9 @@ def sse_text(raw: str) -> str:
     """The text of a complete stream (which must end with ``[DONE]``, without an error)."""
     payloads, done = sse_events(raw)
     assert done and not any("error" in p for p in payloads), raw[-300:]
-    return "".join(choice["delta"].get("content") or ""
-                   for p in payloads for choice in p["choices"])
+    return "".join(
+        choice["delta"].get("content") or "" for p in payloads for choice in p["choices"]
+    )
 
 
 def sse_failure(raw: str) -> tuple[str, dict[str, Any]]:
@@ -92,8 +94,9 @@ def sse_failure(raw: str) -> tuple[str, dict[str, Any]]:
     assert not any("error" in chunk for chunk in chunks)
     error = last["error"]
     assert error["message"] and error["type"] and "code" in error
-    text = "".join(choice["delta"].get("content") or ""
-                   for chunk in chunks for choice in chunk["choices"])
+    text = "".join(
+        choice["delta"].get("content") or "" for chunk in chunks for choice in chunk["choices"]
+    )
     return text, error
 
 
@@ -110,6 +113,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # What is left behind
+
 
 class Baseline:
     """The asyncio tasks alive before a case (the servers, the fixtures): what may remain.
@@ -131,25 +135,37 @@ class Baseline:
     def _tick(self, task: asyncio.Task[Any]) -> bool:
         coro = task.get_coro()
         frame = getattr(coro, "cr_frame", None)
-        return getattr(coro, "__qualname__", "") == "Event.wait" and frame is not None \
+        return (
+            getattr(coro, "__qualname__", "") == "Event.wait"
+            and frame is not None
             and id(frame.f_locals.get("self")) in self.ticks
+        )
 
     def leftovers(self) -> list[asyncio.Task[Any]]:
         current = asyncio.current_task()
-        return [task for task in asyncio.all_tasks()
-                if task not in self.tasks and task is not current and not self._tick(task)]
+        return [
+            task
+            for task in asyncio.all_tasks()
+            if task not in self.tasks and task is not current and not self._tick(task)
+        ]
 
 
-def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None,
-              failed: bool) -> list[str]:
+def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None, failed: bool) -> list[str]:
     problems = []
     for served in gateways:
         gateway, name = served.gateway, served.url
         if gateway.flights.waiters:
             problems.append(f"{name}: {gateway.flights.waiters} waiter(s) left")
         flights = list(gateway.flights._flights.values())
-        running = [f.key for f in flights if f.clients or not f.broadcast.done
-                   or f.task is None or not f.task.done() or f.finished_at is None]
+        running = [
+            f.key
+            for f in flights
+            if f.clients
+            or not f.broadcast.done
+            or f.task is None
+            or not f.task.done()
+            or f.finished_at is None
+        ]
         if running:
             problems.append(f"{name}: flight(s) in progress or failed: {running}")
         if failed and flights:
@@ -158,20 +174,26 @@ def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None,
             problems.append(f"{name}: {gateway.replicas.in_flight} upstream call(s) in flight")
         shared = gateway.shared_flights
         if shared is not None and (shared.leading or shared.following or shared._background):
-            problems.append(f"{name}: shared flights leading={shared.leading} following="
-                            f"{shared.following} background={len(shared._background)}")
+            problems.append(
+                f"{name}: shared flights leading={shared.leading} following="
+                f"{shared.following} background={len(shared._background)}"
+            )
     if fake is not None and fake.in_flight:
         problems.append(f"fake upstream: {fake.in_flight} request(s) still in flight")
     return problems
 
 
-async def nothing_left(baseline: Baseline, *gateways: Served, fake: FakeUpstream | None = None,
-                       failed: bool = False) -> None:
+async def nothing_left(
+    baseline: Baseline, *gateways: Served, fake: FakeUpstream | None = None, failed: bool = False
+) -> None:
     """No waiter, no flight in progress (none at all after a failure), no upstream call, no task
     beyond the baseline: waited for (bounded), then checked through /stats too."""
     try:
-        await eventually(lambda: not _problems(gateways, fake, failed), timeout=10,
-                         what="the flights and waiters to be gone")
+        await eventually(
+            lambda: not _problems(gateways, fake, failed),
+            timeout=10,
+            what="the flights and waiters to be gone",
+        )
     except AssertionError:
         raise AssertionError(_problems(gateways, fake, failed)) from None
     for served in gateways:
@@ -211,12 +233,14 @@ def closed_port() -> int:
 # ------------------------------------------------------------------------------------------------
 # The issue's "Must show" pair
 
+
 async def test_2000_requests_at_concurrency_200_with_30_percent_duplicates_no_errors_and_calls_equal_distinct_prompts(  # noqa: E501
-        gw, fake):
+    gw, fake
+):
     distinct, total, concurrency = 1400, 2000, 200
     rng = random.Random(8)
     prompts = [f"question {i}" for i in range(distinct)]
-    prompts += [rng.choice(prompts) for _ in range(total - distinct)]      # 600 duplicates: 30 %
+    prompts += [rng.choice(prompts) for _ in range(total - distinct)]  # 600 duplicates: 30 %
     rng.shuffle(prompts)
     baseline = Baseline()
     queue = collections.deque(enumerate(prompts))
@@ -227,26 +251,38 @@ async def test_2000_requests_at_concurrency_200_with_30_percent_duplicates_no_er
     async def worker(session: aiohttp.ClientSession) -> None:
         while queue:
             i, prompt = queue.popleft()
-            stream = i % 4 == 0                          # a quarter of them stream
-            body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
-                    "temperature": 0, "stream": stream}
+            stream = i % 4 == 0  # a quarter of them stream
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0,
+                "stream": stream,
+            }
             async with session.post(CHAT, json=body) as response:
                 raw = (await response.read()).decode()
-            text = raw if response.status != 200 else \
-                sse_text(raw) if stream else json.loads(raw)["choices"][0]["message"]["content"]
+            text = (
+                raw
+                if response.status != 200
+                else sse_text(raw)
+                if stream
+                else json.loads(raw)["choices"][0]["message"]["content"]
+            )
             results.append((response.status, response.headers["x-carpool"], prompt, text))
 
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(gw.url, connector=connector) as session, \
-            asyncio.timeout(60):
+    async with aiohttp.ClientSession(gw.url, connector=connector) as session, asyncio.timeout(60):
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     assert len(results) == total
-    assert collections.Counter(status for status, *_ in results) == {200: total}, \
-        [r for r in results if r[0] != 200][:5]
-    for _, _, prompt, text in results:                   # each got the answer to its own prompt
+    assert collections.Counter(status for status, *_ in results) == {200: total}, [
+        r for r in results if r[0] != 200
+    ][:5]
+    for _, _, prompt, text in results:  # each got the answer to its own prompt
         assert text.startswith("answer ") and text.endswith(f" to {prompt}"), (prompt, text)
-    assert fake.count() == distinct == len({call.body["messages"][-1]["content"]
-                                            for call in fake.calls})
+    assert (
+        fake.count()
+        == distinct
+        == len({call.body["messages"][-1]["content"] for call in fake.calls})
+    )
     outcomes = collections.Counter(outcome for _, outcome, *_ in results)
     assert outcomes["miss"] == distinct
     assert outcomes["hit"] + outcomes["coalesced"] == total - distinct
@@ -257,13 +293,15 @@ async def test_2000_requests_at_concurrency_200_with_30_percent_duplicates_no_er
 
 
 async def test_10_concurrent_requests_on_a_failing_upstream_make_1_call_all_get_the_error_and_the_next_calls_again(  # noqa: E501
-        gw, fake):
+    gw, fake
+):
     baseline = Baseline()
     fake.gate = asyncio.Event()
     fake.fail_status = 503
     fake.fail_body = {"error": {"message": "overloaded", "type": "server_error", "code": "busy"}}
-    clients = [asyncio.create_task(gw.stream_chat() if i % 3 == 0 else gw.chat())
-               for i in range(10)]
+    clients = [
+        asyncio.create_task(gw.stream_chat() if i % 3 == 0 else gw.chat()) for i in range(10)
+    ]
     await fake.wait_for_calls(1)
     await eventually(lambda: flight_clients(gw) == 10, what="10 clients on one flight")
     fake.gate.set()
@@ -274,8 +312,10 @@ async def test_10_concurrent_requests_on_a_failing_upstream_make_1_call_all_get_
     # Every client, streaming or not, gets the upstream's status and body as they were.
     assert [r.status_code for r in responses] == [503] * 10
     assert all(r.json() == fake.fail_body for r in responses)
-    assert collections.Counter(r.headers["x-carpool"] for r in responses) == \
-        {"miss": 1, "coalesced": 9}
+    assert collections.Counter(r.headers["x-carpool"] for r in responses) == {
+        "miss": 1,
+        "coalesced": 9,
+    }
     assert gw.gateway.store.entries == 0
     await nothing_left(baseline, gw, fake=fake, failed=True)
 
@@ -298,13 +338,18 @@ async def test_10_concurrent_requests_on_a_failing_upstream_make_1_call_all_get_
 # ------------------------------------------------------------------------------------------------
 # Upstream faults
 
+
 async def test_upstream_500_on_a_stream_request_reaches_every_client_and_nothing_is_stored(
-        gw, fake):
+    gw, fake
+):
     baseline = Baseline()
     fake.gate = asyncio.Event()
     fake.fail_status, fake.fail_times = 500, 1
-    clients = [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat()),
-               asyncio.create_task(gw.stream_chat())]
+    clients = [
+        asyncio.create_task(gw.stream_chat()),
+        asyncio.create_task(gw.chat()),
+        asyncio.create_task(gw.stream_chat()),
+    ]
     await fake.wait_for_calls(1)
     await eventually(lambda: flight_clients(gw) == 3)
     fake.gate.set()
@@ -321,7 +366,8 @@ async def test_upstream_500_on_a_stream_request_reaches_every_client_and_nothing
 
 
 async def test_upstream_timeout_is_504_for_every_client_and_the_hung_call_is_closed(
-        fake, gateway_with):
+    fake, gateway_with
+):
     fake.hang = True
     async with gateway_with(limits={"upstream_timeout": 0.5}) as gw:
         baseline = Baseline()
@@ -346,13 +392,15 @@ async def test_upstream_timeout_is_504_for_every_client_and_the_hung_call_is_clo
 
 
 async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_event(
-        fake, gateway_with):
-    fake.chunk_gate = asyncio.Event()            # 2 words, then nothing: the stream stalls
+    fake, gateway_with
+):
+    fake.chunk_gate = asyncio.Event()  # 2 words, then nothing: the stream stalls
     async with gateway_with(limits={"upstream_timeout": 0.5}) as gw:
         baseline = Baseline()
         async with asyncio.timeout(10):
             (r1, raw1), (r2, raw2), plain = await asyncio.gather(
-                gw.stream_chat(), gw.stream_chat(), gw.chat())
+                gw.stream_chat(), gw.stream_chat(), gw.chat()
+            )
         for response, raw in ((r1, raw1), (r2, raw2)):
             assert response.status_code == 200
             text, error = sse_failure(raw)
@@ -371,7 +419,8 @@ async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_even
 
 
 async def test_refused_connection_is_502_for_every_client_and_the_next_request_tries_again(
-        fake, gateway_with):
+    fake, gateway_with
+):
     async with gateway_with(upstreams=[f"http://127.0.0.1:{closed_port()}/v1"]) as gw:
         baseline = Baseline()
         async with asyncio.timeout(10):
@@ -383,20 +432,23 @@ async def test_refused_connection_is_502_for_every_client_and_the_next_request_t
         assert [r.headers["x-carpool"] for r in responses].count("miss") == calls
         assert gw.gateway.store.entries == 0
         await nothing_left(baseline, gw, failed=True)
-        again = await gw.chat()                       # not stored, not lingering: tried again
+        again = await gw.chat()  # not stored, not lingering: tried again
         assert again.status_code == 502 and again.headers["x-carpool"] == "miss"
         assert gw.gateway.stats.upstream_calls == calls + 1
         await nothing_left(baseline, gw, failed=True)
 
 
 async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothing_is_stored(
-        gw, fake):
+    gw, fake
+):
     baseline = Baseline()
     fake.chunk_gate, fake.cut_after = asyncio.Event(), 3
     leader = asyncio.create_task(gw.stream_chat())
     await fake.chunk_gate_reached.wait()
-    joiners = [asyncio.create_task(gw.stream_chat(stream_options={"include_usage": True})),
-               asyncio.create_task(gw.chat())]
+    joiners = [
+        asyncio.create_task(gw.stream_chat(stream_options={"include_usage": True})),
+        asyncio.create_task(gw.chat()),
+    ]
     await eventually(lambda: flight_clients(gw) == 3)
     fake.chunk_gate.set()
     async with asyncio.timeout(10):
@@ -404,7 +456,7 @@ async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothin
     for response, raw in ((r1, raw1), (r2, raw2)):
         assert response.status_code == 200
         text, error = sse_failure(raw)
-        assert text == "answer 1 to"                  # the 3 words sent before the cut, no more
+        assert text == "answer 1 to"  # the 3 words sent before the cut, no more
         assert error["code"] == "upstream_stream_broken"
     assert [r.headers["x-carpool"] for r in (r1, r2, plain)] == ["miss", "coalesced", "coalesced"]
     assert plain.status_code == 502 and error_of(plain)["code"] == "upstream_stream_broken"
@@ -419,22 +471,28 @@ async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothin
 # ------------------------------------------------------------------------------------------------
 # Client faults
 
-BIG_WORDS, BIG_WORD = 200, "x" * 40_000        # an 8 MB answer: far beyond what sockets buffer
+BIG_WORDS, BIG_WORD = 200, "x" * 40_000  # an 8 MB answer: far beyond what sockets buffer
 
 
 async def test_slow_and_stalled_readers_do_not_hold_back_the_other_clients_of_the_flight(gw, fake):
     fake.answer_text = lambda n, body: " ".join([BIG_WORD] * BIG_WORDS)
     full = BIG_WORDS * len(BIG_WORD) + BIG_WORDS - 1
-    payload = {"model": "m", "messages": [{"role": "user", "content": "big"}], "temperature": 0,
-               "stream": True}
+    payload = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "big"}],
+        "temperature": 0,
+        "stream": True,
+    }
     baseline = Baseline()
     stalled_clients = [httpx.AsyncClient(base_url=gw.url, timeout=30) for _ in range(2)]
     async with contextlib.AsyncExitStack() as stack:
         for client in stalled_clients:
             await stack.enter_async_context(client)
         # Two clients read one chunk each, then stop reading.
-        stalled = [await stack.enter_async_context(client.stream("POST", CHAT, json=payload))
-                   for client in stalled_clients]
+        stalled = [
+            await stack.enter_async_context(client.stream("POST", CHAT, json=payload))
+            for client in stalled_clients
+        ]
         readers = [response.aiter_raw() for response in stalled]
         firsts = [await anext(reader) for reader in readers]
 
@@ -443,13 +501,12 @@ async def test_slow_and_stalled_readers_do_not_hold_back_the_other_clients_of_th
                 parts = []
                 async for part in response.aiter_bytes():
                     parts.append(part)
-                    await asyncio.sleep(0.001)        # the behaviour under test: a slow reader
+                    await asyncio.sleep(0.001)  # the behaviour under test: a slow reader
                 return b"".join(parts).decode()
 
         async with asyncio.timeout(20):
             slow = asyncio.create_task(slow_reader())
-            (_, fast), plain = await asyncio.gather(gw.stream_chat("big"),
-                                                    gw.chat("big"))
+            (_, fast), plain = await asyncio.gather(gw.stream_chat("big"), gw.chat("big"))
             assert len(sse_text(fast)) == len(content(plain)) == full
             slow_raw = await slow
         assert sse_text(slow_raw) == sse_text(fast)
@@ -469,7 +526,7 @@ async def test_the_leading_client_leaving_mid_stream_the_joiners_get_the_whole_a
     baseline = Baseline()
     fake.chunk_gate = asyncio.Event()
     leader = asyncio.create_task(gw.stream_chat())
-    await fake.chunk_gate_reached.wait()              # the leader has received 2 words
+    await fake.chunk_gate_reached.wait()  # the leader has received 2 words
     joiners = [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat())]
     await eventually(lambda: flight_clients(gw) == 3)
     await gone(leader)
@@ -493,11 +550,11 @@ async def test_every_client_leaving_mid_stream_cancels_the_upstream_call(gw, fak
     clients += [asyncio.create_task(gw.stream_chat()), asyncio.create_task(gw.chat())]
     await eventually(lambda: flight_clients(gw) == 3)
     await gone(*clients)
-    await fake.wait_for_cancelled(1)                  # the upstream saw its connection close
+    await fake.wait_for_cancelled(1)  # the upstream saw its connection close
     assert fake.count() == 1 and fake.completed == 0
     assert gw.gateway.store.entries == 0
     await nothing_left(baseline, gw, fake=fake, failed=True)
-    fake.chunk_gate = None                            # a later identical request calls again
+    fake.chunk_gate = None  # a later identical request calls again
     response, raw = await gw.stream_chat()
     assert response.headers["x-carpool"] == "miss" and sse_text(raw) == f"answer 2 to {QUESTION}"
     await nothing_left(baseline, gw, fake=fake)
@@ -514,19 +571,20 @@ async def test_a_client_leaving_an_idempotent_list_request_cancels_every_item_ca
     await fake.wait_for_calls(3)
     await eventually(lambda: gw.gateway.flights.waiters == 3)
     await gone(client)
-    await fake.wait_for_cancelled(3)                  # every item's call, not one of them
+    await fake.wait_for_cancelled(3)  # every item's call, not one of them
     await nothing_left(baseline, gw, fake=fake, failed=True)
-    fake.hang = False                                 # the record was dropped: a retry runs
+    fake.hang = False  # the record was dropped: a retry runs
     retry = await gw.client.post("/v1/completions", json=body, headers=key)
     assert retry.status_code == 200 and retry.headers["x-carpool"] == "miss"
     texts = [choice["text"] for choice in retry.json()["choices"]]
     assert [text.split(" to ")[1] for text in texts] == body["prompt"]
-    assert fake.count() == 6                          # the three items, each called again
+    assert fake.count() == 6  # the three items, each called again
     await nothing_left(baseline, gw, fake=fake)
 
 
 async def test_every_client_of_an_embeddings_batch_leaving_cancels_the_batched_call(
-        gateway_with, fake):
+    gateway_with, fake
+):
     # "on": merged without a probe (a probe would hang on the hanging fake too).
     async with gateway_with(batching={"embeddings": "on"}) as gw:
         await _every_client_of_a_batch_leaving_cancels_its_call(gw, fake)
@@ -535,12 +593,15 @@ async def test_every_client_of_an_embeddings_batch_leaving_cancels_the_batched_c
 async def _every_client_of_a_batch_leaving_cancels_its_call(gw, fake):
     baseline = Baseline()
     fake.hang = True
-    clients = [asyncio.create_task(gw.client.post("/v1/embeddings",
-                                                  json={"model": "e", "input": f"text {i}"}))
-               for i in range(3)]
+    clients = [
+        asyncio.create_task(
+            gw.client.post("/v1/embeddings", json={"model": "e", "input": f"text {i}"})
+        )
+        for i in range(3)
+    ]
     calls = await fake.wait_for_calls(1)
     await eventually(lambda: gw.gateway.flights.waiters == 3)
-    assert len(calls[0].body["input"]) == 3           # one merged call for the three
+    assert len(calls[0].body["input"]) == 3  # one merged call for the three
     await gone(*clients)
     await fake.wait_for_cancelled(1)
     await nothing_left(baseline, gw, fake=fake, failed=True)
@@ -565,8 +626,8 @@ async def test_a_request_arriving_as_an_abandoned_batch_is_cancelled_gets_a_call
     batcher = KeyedBatcher(compute, max_batch_size=8, max_batch_delay_s=0)
     first = asyncio.create_task(batcher.submit("g", "x", "x"))
     await eventually(lambda: len(calls) == 1)
-    first.cancel()                                    # its only caller leaves: cancelled...
-    second = asyncio.create_task(batcher.submit("g", "x", "x"))   # ...as an identical one comes
+    first.cancel()  # its only caller leaves: cancelled...
+    second = asyncio.create_task(batcher.submit("g", "x", "x"))  # ...as an identical one comes
     await eventually(lambda: len(calls) == 2, what="a call for the newcomer")
     release.set()
     assert await asyncio.wait_for(second, 5) == "call 2: x"
@@ -575,15 +636,16 @@ async def test_a_request_arriving_as_an_abandoned_batch_is_cancelled_gets_a_call
 
 
 async def test_an_upstream_connection_idle_for_as_long_as_the_upstream_keeps_it_is_not_reused(
-        gw, fake, monkeypatch):
+    gw, fake, monkeypatch
+):
     """The keep-alive race: uvicorn (vLLM, SGLang...) closes a connection idle for 5 s; a gateway
     that reuses it at that moment sees a reset and answers 502. The pool drops it first."""
     await gw.chat("one")
     await gw.chat("two")
-    assert fake.calls[1].peer == fake.calls[0].peer   # a pooled connection is reused...
+    assert fake.calls[1].peer == fake.calls[0].peer  # a pooled connection is reused...
     real = aiohttp.connector.monotonic
     monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: real() + 4.5)
-    await gw.chat("three")                            # ...but not once idle for 4.5 s
+    await gw.chat("three")  # ...but not once idle for 4.5 s
     assert fake.calls[2].peer != fake.calls[1].peer
 
 
@@ -594,8 +656,9 @@ def test_cached_answers_hold_no_more_memory_than_the_cache_budget_counts():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        answers = [Answer("chat", orjson.dumps({"id": i, "text": "x" * 200}), True)
-                   for i in range(2000)]
+        answers = [
+            Answer("chat", orjson.dumps({"id": i, "text": "x" * 200}), True) for i in range(2000)
+        ]
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -611,12 +674,18 @@ def test_the_repeat_memo_holds_no_more_memory_than_its_budget_counts():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for i in range(2000):                         # each request over, its memo entry kept
-            client = ClientRequest(CHAT, orjson.dumps({"model": "m", "temperature": 0,
-                                                       "messages": [{"role": "user",
-                                                                     "content": f"q {i}"}]}),
-                                   {"authorization": f"Bearer sk-{i:0>100}",
-                                    "cache-control": "max-age=60"})
+        for i in range(2000):  # each request over, its memo entry kept
+            client = ClientRequest(
+                CHAT,
+                orjson.dumps(
+                    {
+                        "model": "m",
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": f"q {i}"}],
+                    }
+                ),
+                {"authorization": f"Bearer sk-{i:0>100}", "cache-control": "max-age=60"},
+            )
             request = parse(client, 1 << 20)
             memo.remember(memo.key_of(client), request, fingerprint(request, config), None)
         del client, request
@@ -624,25 +693,26 @@ def test_the_repeat_memo_holds_no_more_memory_than_its_budget_counts():
     finally:
         tracemalloc.stop()
     assert len(memo) == 2000
-    assert held <= memo.bytes, (held, memo.bytes)   # the budget counts all it holds
+    assert held <= memo.bytes, (held, memo.bytes)  # the budget counts all it holds
 
 
 # ------------------------------------------------------------------------------------------------
 # Infrastructure faults
+
 
 async def until_redis_is_back(served: Served, prompt: str) -> None:
     """Requests try Redis again once per retry_interval; the first success ends degraded mode."""
     async with asyncio.timeout(10):
         while served.gateway.redis_health()["state"] != "up":
             assert (await served.chat(prompt)).status_code == 200
-            await asyncio.sleep(0.01)          # the polling interval (bounded by the timeout)
+            await asyncio.sleep(0.01)  # the polling interval (bounded by the timeout)
 
 
 async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_answer_as_success(
-        fake, killable_redis):
+    fake, killable_redis
+):
     pytest.importorskip("redis")
-    shared = redis_settings(killable_redis, retry_interval=0.05, timeout=2.0,
-                            connect_timeout=2.0)
+    shared = redis_settings(killable_redis, retry_interval=0.05, timeout=2.0, connect_timeout=2.0)
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         baseline = Baseline()
         assert (await a.chat("before")).headers["x-carpool"] == "miss"
@@ -653,13 +723,17 @@ async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_ans
         await fake.chunk_gate_reached.wait()
         await eventually(lambda: a.gateway.shared_flights.counts["frames_published"] >= 3)
         relayed = [asyncio.create_task(b.stream_chat()), asyncio.create_task(b.chat())]
-        await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3
-                         and b.gateway.flights.waiters == 2, what="B relaying A's stream")
+        await eventually(
+            lambda: (
+                b.gateway.shared_flights.counts["frames_relayed"] >= 3
+                and b.gateway.flights.waiters == 2
+            ),
+            what="B relaying A's stream",
+        )
         killable_redis.kill()
         fake.chunk_gate.set()
         async with asyncio.timeout(20):
-            (response_a, raw_a), (response_b, raw_b), plain_b = \
-                await asyncio.gather(led, *relayed)
+            (response_a, raw_a), (response_b, raw_b), plain_b = await asyncio.gather(led, *relayed)
         # A's client, whose call ran here, has all of it; B's streaming client, which had part
         # of a stream it can no longer follow, gets an SSE error event, never a cut answer as
         # success; B's non-streaming client had received nothing: it takes the call over.

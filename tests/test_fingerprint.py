@@ -24,18 +24,26 @@ def key(body, headers=None, config=None, path=CHAT):
 
 
 def chat(content="How do I reset it?", **extra):
-    return {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0,
-            **extra}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        **extra,
+    }
 
 
 def test_key_order_does_not_change_the_key():
-    assert key(b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}]}') == \
-        key(b'{"messages":[{"content":"x","role":"user"}],"temperature":0,"model":"m"}')
+    assert key(b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}]}') == key(
+        b'{"messages":[{"content":"x","role":"user"}],"temperature":0,"model":"m"}'
+    )
 
 
 def test_number_spelling_does_not_change_the_key():
-    assert key(b'{"model":"m","temperature":0,"top_p":1,"messages":[{"role":"user","content":"x"}]}') \
-        == key(b'{"model":"m","temperature":0.0,"top_p":1e0,"messages":[{"role":"user","content":"x"}]}')
+    assert key(
+        b'{"model":"m","temperature":0,"top_p":1,"messages":[{"role":"user","content":"x"}]}'
+    ) == key(
+        b'{"model":"m","temperature":0.0,"top_p":1e0,"messages":[{"role":"user","content":"x"}]}'
+    )
 
 
 def test_excluded_fields_do_not_change_the_key():
@@ -45,13 +53,26 @@ def test_excluded_fields_do_not_change_the_key():
     assert key(chat(metadata={"trace": "1"}, request_id="abc")) == base
 
 
-@pytest.mark.parametrize("field, value", [
-    ("model", "other"), ("max_tokens", 5), ("max_completion_tokens", 5), ("top_p", 0.5),
-    ("stop", ["\n"]), ("seed", 1), ("presence_penalty", 1), ("frequency_penalty", 1),
-    ("logit_bias", {"1": 2}), ("logprobs", True), ("n", 2), ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "none"),
-    ("some_future_field", 1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model", "other"),
+        ("max_tokens", 5),
+        ("max_completion_tokens", 5),
+        ("top_p", 0.5),
+        ("stop", ["\n"]),
+        ("seed", 1),
+        ("presence_penalty", 1),
+        ("frequency_penalty", 1),
+        ("logit_bias", {"1": 2}),
+        ("logprobs", True),
+        ("n", 2),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "none"),
+        ("some_future_field", 1),
+    ],
+)
 def test_every_output_affecting_field_changes_the_key(field, value):
     assert key({**chat(), field: value}) != key(chat())
 
@@ -60,8 +81,9 @@ COLLAPSE = Config(fingerprint={"normalize_whitespace": True})
 
 
 def test_whitespace_collapse_is_an_opt_in_that_merges_runs_and_ends():
-    assert key(chat("How do I reset it? "), config=COLLAPSE) == \
-        key(chat("How do I reset   it?"), config=COLLAPSE)
+    assert key(chat("How do I reset it? "), config=COLLAPSE) == key(
+        chat("How do I reset   it?"), config=COLLAPSE
+    )
 
 
 def test_whitespace_is_kept_inside_fenced_code_even_with_collapse():
@@ -79,6 +101,7 @@ def test_whitespace_is_kept_for_requests_of_type_code_even_with_collapse():
 def test_whitespace_is_kept_for_embeddings_inputs_even_with_collapse():
     def embed(text):
         return key({"model": "e", "input": text}, config=COLLAPSE, path="/v1/embeddings")
+
     assert embed("a  b") != embed("a b")
     assert embed(["a\tb", "c"]) != embed(["a b", "c"])
 
@@ -99,8 +122,9 @@ def test_tenants_never_share_a_key():
 
 
 def test_the_tenant_is_a_hash_never_the_raw_credential():
-    request = parse(ClientRequest(CHAT, orjson.dumps(chat()), {"authorization": "Bearer sk-secret"}),
-                    1 << 20)
+    request = parse(
+        ClientRequest(CHAT, orjson.dumps(chat()), {"authorization": "Bearer sk-secret"}), 1 << 20
+    )
     fp = fingerprint(request, Config())
     assert "sk-secret" not in fp.tenant and "sk-secret" not in fp.key
 
@@ -108,8 +132,9 @@ def test_the_tenant_is_a_hash_never_the_raw_credential():
 def test_a_configured_tenant_header_is_used_beside_the_credential_headers():
     config = Config(tenant={"header": "X-Team"})
     assert key(chat(), {"x-team": "a"}, config) != key(chat(), {"x-team": "b"}, config)
-    assert key(chat(), {"x-team": "a", "authorization": "1"}, config) != \
-        key(chat(), {"x-team": "a", "authorization": "2"}, config)
+    assert key(chat(), {"x-team": "a", "authorization": "1"}, config) != key(
+        chat(), {"x-team": "a", "authorization": "2"}, config
+    )
     # Not a credential any more, Authorization is not the tenant; forwarded upstream, it is still
     # in the key (it might change the answer).
     only_team = Config(tenant={"header": "X-Team", "credential_headers": []})
@@ -118,6 +143,7 @@ def test_a_configured_tenant_header_is_used_beside_the_credential_headers():
         raw = orjson.dumps(chat())
         headers = {"x-team": "a", "authorization": value}
         return fingerprint(parse(ClientRequest(CHAT, raw, headers), 1 << 20), only_team)
+
     assert fp("1").tenant == fp("2").tenant and fp("1").key != fp("2").key
 
 
@@ -133,10 +159,17 @@ def test_shared_namespace_is_shared_across_tenants():
     assert a == b
 
 
-@pytest.mark.parametrize("params, shared", [
-    ({"temperature": 0}, True), ({"temperature": 0.7, "seed": 3}, True), ({"top_k": 1}, True),
-    ({"temperature": 0.7}, False), ({}, False), ({"temperature": 1, "seed": None}, False),
-])
+@pytest.mark.parametrize(
+    "params, shared",
+    [
+        ({"temperature": 0}, True),
+        ({"temperature": 0.7, "seed": 3}, True),
+        ({"top_k": 1}, True),
+        ({"temperature": 0.7}, False),
+        ({}, False),
+        ({"temperature": 1, "seed": None}, False),
+    ],
+)
 def test_sampling_policy_strict(params, shared):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
     assert is_deterministic(body) is shared
@@ -164,24 +197,34 @@ texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1
 @settings(max_examples=150, deadline=None)
 @given(content=texts, temperature=st.sampled_from([0, 0.0, -0.0]), max_tokens=st.integers(1, 99))
 def test_property_spelling_never_changes_a_key(content, temperature, max_tokens):
-    body = {"model": "m", "messages": [{"role": "user", "content": content}],
-            "temperature": temperature, "max_tokens": max_tokens}
-    respelled = {"max_tokens": float(max_tokens), "temperature": 0.0,
-                 "messages": [{"content": unicodedata.normalize("NFD", content), "role": "user"}],
-                 "model": "m"}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+    }
+    respelled = {
+        "max_tokens": float(max_tokens),
+        "temperature": 0.0,
+        "messages": [{"content": unicodedata.normalize("NFD", content), "role": "user"}],
+        "model": "m",
+    }
     assert key(body) == key(respelled)
 
 
 @settings(max_examples=150, deadline=None)
 @given(content=texts, other=texts)
 def test_property_any_change_of_input_text_changes_the_key(content, other):
-    same = normalize_text(content, False) == normalize_text(other, False)   # NFC, exact
+    same = normalize_text(content, False) == normalize_text(other, False)  # NFC, exact
     assert (key(chat(content)) == key(chat(other))) is same
 
 
 @settings(max_examples=100, deadline=None)
-@given(field=st.sampled_from(["max_tokens", "top_p", "seed", "presence_penalty", "n"]),
-       a=st.integers(0, 50), b=st.integers(0, 50))
+@given(
+    field=st.sampled_from(["max_tokens", "top_p", "seed", "presence_penalty", "n"]),
+    a=st.integers(0, 50),
+    b=st.integers(0, 50),
+)
 def test_property_any_change_of_a_parameter_changes_the_key(field, a, b):
     body = chat()
     changed = copy.deepcopy(body)
@@ -190,7 +233,10 @@ def test_property_any_change_of_a_parameter_changes_the_key(field, a, b):
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet=st.sampled_from(list("ab \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\xa0é")),
-                    max_size=20))
+@given(
+    text=st.text(
+        alphabet=st.sampled_from(list("ab \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\xa0é")), max_size=20
+    )
+)
 def test_property_the_fast_path_agrees_with_split_and_join(text):
     assert normalize_text(text, True) == " ".join(unicodedata.normalize("NFC", text).split())

@@ -65,7 +65,7 @@ async def test_leader_error_reaches_every_waiter_and_is_never_kept():
     upstream.release.set()
     results = await asyncio.gather(*waiting)
     assert all(answer is None and error is upstream.error for answer, error in results)
-    assert group.get("k") is None            # not joinable, not lingering: the next call is fresh
+    assert group.get("k") is None  # not joinable, not lingering: the next call is fresh
     upstream.error = None
     answer, _ = await wait_answer(group.acquire("k", upstream))
     assert answer.body == b"answer 2"
@@ -104,7 +104,7 @@ async def test_forget_starts_a_fresh_flight_and_the_old_one_finishing_never_remo
     assert new_ticket.leader and new_ticket.flight is not old_ticket.flight
     old.release.set()
     await wait_answer(old_ticket)
-    assert group.get("k") is new_ticket.flight     # the old flight's end did not remove it
+    assert group.get("k") is new_ticket.flight  # the old flight's end did not remove it
     new.release.set()
     await wait_answer(new_ticket)
 
@@ -114,7 +114,7 @@ async def test_leader_client_leaving_does_not_cancel_the_call_while_others_wait(
     leader = group.acquire("k", upstream)
     joiner = group.acquire("k", upstream)
     await upstream.started.wait()
-    leader.release()                               # the leader's client disconnected
+    leader.release()  # the leader's client disconnected
     upstream.release.set()
     answer, error = await wait_answer(joiner)
     assert error is None and answer.body == b"answer 1"
@@ -131,7 +131,7 @@ async def test_upstream_call_is_cancelled_when_all_clients_have_gone():
     await flight.task
     assert upstream.cancelled == 1
     assert isinstance(flight.broadcast.error, FlightAbandoned)
-    assert group.get("k") is None                  # a later request starts afresh
+    assert group.get("k") is None  # a later request starts afresh
 
 
 async def test_upstream_call_is_finished_when_all_clients_have_gone_with_finish_abandoned():
@@ -155,11 +155,11 @@ async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call():
     fresh = Upstream()
     fresh.release.set()
     retaken = joiner.retake(fresh)
-    assert retaken.leader                          # it leads a fresh flight of its own
+    assert retaken.leader  # it leads a fresh flight of its own
     answer, _ = await wait_answer(retaken)
     assert answer.body == b"answer 1" and fresh.calls == 1
     slow.release.set()
-    assert (await wait_answer(leader))[0] is not None   # the slow leader still gets its answer
+    assert (await wait_answer(leader))[0] is not None  # the slow leader still gets its answer
 
 
 async def test_timed_out_joiners_share_one_fresh_call():

@@ -38,13 +38,25 @@ from schemathesis.checks import (  # noqa: E402
 
 MAX_EXAMPLES = 150
 ADMIN = "fuzz-admin-token"
-CACHED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-          "/v1/messages"}
+CACHED = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+}
 # The typed streams (no [DONE]) and the event each ends with when whole.
-LAST_EVENT = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed"),
-              "/v1/messages": ("message_stop",)}
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_headers_conformance, response_schema_conformance]
+LAST_EVENT = {
+    "/v1/responses": ("response.completed", "response.incomplete", "response.failed"),
+    "/v1/messages": ("message_stop",),
+}
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
 
 
 def _strategy(document: dict[str, Any]) -> st.SearchStrategy[Any]:
@@ -78,8 +90,9 @@ def _check_cached_endpoint(case: Any, response: Any) -> None:
             if case.path in LAST_EVENT:
                 last = text.rpartition("\n\n")[2]
                 assert response.stream_cut_short or (
-                    "[DONE]" not in text and last.startswith(tuple(
-                        f"event: {name}\n" for name in LAST_EVENT[case.path]))), text[-300:]
+                    "[DONE]" not in text
+                    and last.startswith(tuple(f"event: {name}\n" for name in LAST_EVENT[case.path]))
+                ), text[-300:]
             else:
                 assert response.stream_cut_short or text.endswith("data: [DONE]")
         else:
@@ -91,7 +104,7 @@ def _check_cached_endpoint(case: Any, response: Any) -> None:
         assert {"type", "title", "status", "detail"} <= set(body)
         return
     assert content_type.startswith("application/json")
-    if case.path == "/v1/messages":              # Anthropic's error shape
+    if case.path == "/v1/messages":  # Anthropic's error shape
         assert set(body) == {"type", "error"} and body["type"] == "error", body
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
         assert isinstance(body["error"]["type"], str)
@@ -107,18 +120,25 @@ def fuzz(document: dict[str, Any], base_url: str) -> dict[int, int]:
     statuses: dict[int, int] = {}
     session = requests.Session()
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=_strategy(document), admin=st.booleans())
     def run(case: Any, admin: bool) -> None:
-        headers = {"authorization": f"Bearer {ADMIN}"} \
-            if admin and case.path == "/admin/invalidate" else None
+        headers = (
+            {"authorization": f"Bearer {ADMIN}"}
+            if admin and case.path == "/admin/invalidate"
+            else None
+        )
         try:
-            response = case.call(base_url=base_url, session=session, headers=headers,
-                                 timeout=10)
+            response = case.call(base_url=base_url, session=session, headers=headers, timeout=10)
         except (requests.exceptions.InvalidHeader, UnicodeEncodeError, ValueError):
-            return                  # a header the client library itself refuses to send
+            return  # a header the client library itself refuses to send
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         assert response.status_code < 500, (response.status_code, response.text[:500])
         case.validate_response(response, checks=CHECKS, headers=headers)
@@ -133,7 +153,8 @@ def fuzz(document: dict[str, Any], base_url: str) -> dict[int, int]:
 
 
 async def test_fuzzing_the_http_surface_gets_only_well_formed_2xx_and_4xx_and_the_gateway_stays_up(
-        fake, gateway_with):
+    fake, gateway_with
+):
     # The fake's own vectors honour ``dimensions``; a negative one would crash it (a 500 that
     # the gateway passes through): fixed vectors keep the upstream healthy, as promised.
     fake.embedding_fn = lambda item: [0.6, 0.8]
@@ -153,13 +174,33 @@ async def test_fuzzing_the_http_surface_gets_only_well_formed_2xx_and_4xx_and_th
 async def test_the_openapi_document_describes_every_route_of_the_gateway(gw):
     document = (await gw.client.get("/openapi.json")).json()
     assert set(document["paths"]) == {
-        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-        "/v1/messages", "/healthz", "/readyz", "/stats", "/metrics", "/dashboard",
-        "/openapi.json", "/admin/invalidate"}
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/healthz",
+        "/readyz",
+        "/stats",
+        "/metrics",
+        "/dashboard",
+        "/openapi.json",
+        "/admin/invalidate",
+    }
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "413", "502", "504"} <= set(chat["responses"])
     request = document["components"]["schemas"]["ChatCompletionRequest"]
     assert {"model", "messages"} <= set(request["required"])
-    assert {"temperature", "top_p", "max_tokens", "seed", "stop", "tools", "response_format",
-            "n", "logit_bias", "stream"} <= set(request["properties"])
-    schemathesis.openapi.from_dict(document)     # a document schemathesis accepts
+    assert {
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "seed",
+        "stop",
+        "tools",
+        "response_format",
+        "n",
+        "logit_bias",
+        "stream",
+    } <= set(request["properties"])
+    schemathesis.openapi.from_dict(document)  # a document schemathesis accepts

@@ -32,6 +32,7 @@ def flight_clients(served) -> int:
 
 # --- coalescing -------------------------------------------------------------------------------
 
+
 async def test_200_concurrent_identical_requests_half_streaming_make_one_upstream_call(gw, fake):
     fake.gate = asyncio.Event()
 
@@ -56,8 +57,8 @@ async def test_200_concurrent_identical_requests_half_streaming_make_one_upstrea
 async def test_streaming_client_joining_200ms_late_gets_the_whole_text(gw, fake):
     fake.chunk_gate = asyncio.Event()
     leader = asyncio.create_task(gw.stream_chat("a long story"))
-    await fake.chunk_gate_reached.wait()          # the leader has received the first chunks
-    await asyncio.sleep(0.2)                      # the scenario: a joiner 200 ms late
+    await fake.chunk_gate_reached.wait()  # the leader has received the first chunks
+    await asyncio.sleep(0.2)  # the scenario: a joiner 200 ms late
     joiner = asyncio.create_task(gw.stream_chat("a long story"))
     await eventually(lambda: flight_clients(gw) == 2, what="the late joiner on the flight")
     fake.chunk_gate.set()
@@ -77,7 +78,7 @@ async def test_40_distinct_prompts_times_5_duplicates_make_40_calls(gw, fake):
     responses = await asyncio.gather(*clients)
     assert fake.count() == 40
     for i in range(40):
-        texts = {r.json()["choices"][0]["message"]["content"] for r in responses[i * 5:i * 5 + 5]}
+        texts = {r.json()["choices"][0]["message"]["content"] for r in responses[i * 5 : i * 5 + 5]}
         assert len(texts) == 1 and texts.pop().endswith(f"to question {i}")
 
 
@@ -109,14 +110,18 @@ async def test_a_non_streaming_leader_serves_a_streaming_joiner_as_sse(gw, fake)
 async def test_a_slow_client_never_slows_the_others(gw, fake):
     # 2 MB of answer: far more than the socket buffers hold for a client that does not read.
     fake.answer_text = lambda n, body: " ".join(["x" * 40_000] * 50)
-    payload = {"model": "m", "messages": [{"role": "user", "content": "big"}], "temperature": 0,
-               "stream": True}
+    payload = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "big"}],
+        "temperature": 0,
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as slow_client:
         async with slow_client.stream("POST", CHAT, json=payload) as stalled:
             chunks = stalled.aiter_bytes()
-            first = await anext(chunks)                         # then it stops reading
+            first = await anext(chunks)  # then it stops reading
             assert first
-            _, raw = await gw.stream_chat("big")                # a reader finishes meanwhile
+            _, raw = await gw.stream_chat("big")  # a reader finishes meanwhile
             assert len(sse_text(raw)) == 50 * 40_000 + 49
             rest = b"".join([chunk async for chunk in chunks])
     assert sse_text((first + rest).decode()) == sse_text(raw)
@@ -129,7 +134,7 @@ async def test_leader_client_disconnecting_does_not_cancel_the_call_while_others
     await fake.wait_for_calls(1)
     joiner = asyncio.create_task(gw.chat())
     await eventually(lambda: flight_clients(gw) == 2)
-    leader.cancel()                                            # the leading client goes away
+    leader.cancel()  # the leading client goes away
     await eventually(lambda: flight_clients(gw) == 1, what="the leader to leave")
     fake.gate.set()
     response = await joiner
@@ -149,7 +154,9 @@ async def test_upstream_call_is_cancelled_when_every_client_has_gone(gw, fake):
     assert gw.gateway.store.entries == 0
 
 
-async def test_abandoned_call_is_finished_to_fill_the_cache_with_finish_abandoned(fake, gateway_with):
+async def test_abandoned_call_is_finished_to_fill_the_cache_with_finish_abandoned(
+    fake, gateway_with
+):
     async with gateway_with(coalesce={"finish_abandoned": True}) as gw:
         fake.gate = asyncio.Event()
         client = asyncio.create_task(gw.chat())
@@ -168,8 +175,8 @@ async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call(fake, g
         fake.gate = asyncio.Event()
         slow = asyncio.create_task(gw.chat())
         await fake.wait_for_calls(1)
-        fake.gate = None                                   # the next call answers at once
-        response = await gw.chat()                         # joins, times out, runs its own call
+        fake.gate = None  # the next call answers at once
+        response = await gw.chat()  # joins, times out, runs its own call
         assert response.headers["x-carpool"] == "miss"
         assert response.json()["choices"][0]["message"]["content"] == "answer 2 to What is carpool?"
         slow_gate = fake.calls[0]
@@ -179,11 +186,14 @@ async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call(fake, g
 
 # --- the exact cache --------------------------------------------------------------------------
 
+
 async def test_repeat_is_a_hit_with_age_whatever_user_key_order_or_number_spelling(gw, fake):
     first = await gw.chat(user="alice")
     assert first.headers["x-carpool"] == "miss"
-    raw = b'{"temperature":0.0,"messages":[{"content":"What is carpool?","role":"user"}],' \
-          b'"model":"m","user":"bob"}'
+    raw = (
+        b'{"temperature":0.0,"messages":[{"content":"What is carpool?","role":"user"}],'
+        b'"model":"m","user":"bob"}'
+    )
     again = await gw.client.post(CHAT, content=raw, headers={"content-type": "application/json"})
     assert again.headers["x-carpool"] == "hit"
     assert int(again.headers["age"]) >= 0
@@ -202,7 +212,7 @@ async def test_cached_answers_are_served_to_streaming_clients_as_sse(gw, fake):
 
 async def test_a_streamed_answer_is_cached_and_replayed_to_both_kinds_of_client(gw, fake):
     _, raw = await gw.stream_chat()
-    assert '"choices":[]' not in raw                 # the usage chunk it did not ask for is hidden
+    assert '"choices":[]' not in raw  # the usage chunk it did not ask for is hidden
     again, raw_again = await gw.stream_chat()
     plain = await gw.chat()
     assert again.headers["x-carpool"] == plain.headers["x-carpool"] == "hit"
@@ -216,9 +226,10 @@ async def test_sampled_requests_bypass_and_seeded_ones_are_shared(gw, fake):
     assert [r.headers["x-carpool"] for r in sampled] == ["bypass", "bypass"]
     seeded = [await gw.chat(temperature=0.8, seed=7) for _ in range(2)]
     assert [r.headers["x-carpool"] for r in seeded] == ["miss", "hit"]
-    absent = await gw.client.post(CHAT, json={"model": "m", "messages": [
-        {"role": "user", "content": "x"}]})
-    assert absent.headers["x-carpool"] == "bypass"      # no temperature: the upstream samples
+    absent = await gw.client.post(
+        CHAT, json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert absent.headers["x-carpool"] == "bypass"  # no temperature: the upstream samples
     assert fake.count() == 4
 
 
@@ -269,6 +280,7 @@ async def test_stats_and_metrics_count_outcomes_and_tokens_saved(gw, fake):
 
 # --- failures ---------------------------------------------------------------------------------
 
+
 async def test_leader_error_reaches_every_waiter_and_is_never_stored(gw, fake):
     fake.gate = asyncio.Event()
     fake.fail_status = 500
@@ -286,7 +298,8 @@ async def test_leader_error_reaches_every_waiter_and_is_never_stored(gw, fake):
 
 
 async def test_a_stream_failing_part_way_reaches_every_client_as_an_error_and_is_never_stored(
-        gw, fake):
+    gw, fake
+):
     fake.chunk_gate = asyncio.Event()
     fake.cut_after = 3
     leader = asyncio.create_task(gw.stream_chat())
@@ -336,14 +349,24 @@ async def test_upstream_timeout_is_504(fake, gateway_with):
 
 # --- bad input --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body, code", [
-    (b"{not json", "invalid_json"), (b"[1, 2]", "invalid_body"), (b'"text"', "invalid_body"),
-    (b'{"model": "m", "messages": "hi"}', "invalid_request"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "0"}',
-     "invalid_request"),
-])
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        (b"{not json", "invalid_json"),
+        (b"[1, 2]", "invalid_body"),
+        (b'"text"', "invalid_body"),
+        (b'{"model": "m", "messages": "hi"}', "invalid_request"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "0"}',
+            "invalid_request",
+        ),
+    ],
+)
 async def test_malformed_requests_get_400_in_openai_error_shape(gw, fake, body, code):
-    response = await gw.client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    response = await gw.client.post(
+        CHAT, content=body, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
@@ -362,6 +385,7 @@ async def test_body_over_the_limit_is_413(fake, gateway_with):
 
 # --- pass-through and headers -----------------------------------------------------------------
 
+
 async def test_other_v1_paths_and_models_pass_through_uncached(gw, fake):
     models = await gw.client.get("/v1/models")
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
@@ -372,8 +396,9 @@ async def test_other_v1_paths_and_models_pass_through_uncached(gw, fake):
 
 
 async def test_request_headers_are_forwarded_upstream(gw, fake):
-    await gw.chat(headers={"Authorization": "Bearer sk-abc", "X-Custom": "1",
-                           "x-carpool-namespace": "n"})
+    await gw.chat(
+        headers={"Authorization": "Bearer sk-abc", "X-Custom": "1", "x-carpool-namespace": "n"}
+    )
     headers = fake.calls[0].headers
     assert headers["authorization"] == "Bearer sk-abc" and headers["x-custom"] == "1"
     assert "x-carpool-namespace" not in headers
@@ -387,7 +412,11 @@ async def test_tenants_do_not_share_answers(gw, fake):
 
 
 async def test_every_response_of_a_cached_endpoint_carries_x_carpool(gw, fake):
-    responses = [await gw.chat(), await gw.chat(), await gw.chat(temperature=1),
-                 await gw.client.post(CHAT, content=b"{")]
+    responses = [
+        await gw.chat(),
+        await gw.chat(),
+        await gw.chat(temperature=1),
+        await gw.client.post(CHAT, content=b"{"),
+    ]
     assert [r.headers["x-carpool"] for r in responses] == ["miss", "hit", "bypass", "bypass"]
     assert orjson.loads(responses[0].content) == orjson.loads(responses[1].content)

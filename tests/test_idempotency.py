@@ -30,40 +30,75 @@ from fakes.waiting import eventually
 BACKENDS = ["memory", "redis", "redis-cluster"]
 FP, OTHER_FP = "f" * 32, "0" * 32
 
-OK = StoredResponse(200, [(b"content-type", b"application/json"), (b"x-request-id", b"r1"),
-                          (b"set-cookie", b"a=1"), (b"set-cookie", b"b=\xff\xe9")],
-                    b'{"id":"chatcmpl-1","choices":[]}\n' + bytes(range(256)))
-BAD_GATEWAY = StoredResponse(502, [(b"content-type", b"application/json")],
-                             b'{"error":{"message":"upstream \xc3\xa9chou\xc3\xa9","type":null}}')
+OK = StoredResponse(
+    200,
+    [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", b"r1"),
+        (b"set-cookie", b"a=1"),
+        (b"set-cookie", b"b=\xff\xe9"),
+    ],
+    b'{"id":"chatcmpl-1","choices":[]}\n' + bytes(range(256)),
+)
+BAD_GATEWAY = StoredResponse(
+    502,
+    [(b"content-type", b"application/json")],
+    b'{"error":{"message":"upstream \xc3\xa9chou\xc3\xa9","type":null}}',
+)
 
 
 # --------------------------------------------------------------------------- parse_key
 
-@pytest.mark.parametrize(("headers", "key"), [
-    ({}, None),
-    ({"content-type": "application/json"}, None),
-    ({"idempotency-key": '"8e03978e-40d5-43e8-bc93-6894a57f9324"'},
-     "8e03978e-40d5-43e8-bc93-6894a57f9324"),
-    ({"idempotency-key": "8e03978e-40d5"}, "8e03978e-40d5"),                  # bare
-    ({"idempotency-key": '  "abc"  '}, "abc"),                                 # OWS around
-    ({"idempotency-key": '"a \\"quoted\\" \\\\ key"'}, 'a "quoted" \\ key'),   # sf-string escapes
-    ({"idempotency-key": "a b"}, "a b"),
-    ({"idempotency-key": '"' + "k" * 255 + '"'}, "k" * 255),
-    ({"idempotency-key": "k" * 255}, "k" * 255),
-    ({"x-idempotency-key": '"alias"'}, "alias"),                               # the X- alias
-    ({"x-idempotency-key": "alias"}, "alias"),
-    ({"idempotency-key": "main", "x-idempotency-key": "alias"}, "main"),       # the real one wins
-])
+
+@pytest.mark.parametrize(
+    ("headers", "key"),
+    [
+        ({}, None),
+        ({"content-type": "application/json"}, None),
+        (
+            {"idempotency-key": '"8e03978e-40d5-43e8-bc93-6894a57f9324"'},
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+        ),
+        ({"idempotency-key": "8e03978e-40d5"}, "8e03978e-40d5"),  # bare
+        ({"idempotency-key": '  "abc"  '}, "abc"),  # OWS around
+        (
+            {"idempotency-key": '"a \\"quoted\\" \\\\ key"'},
+            'a "quoted" \\ key',
+        ),  # sf-string escapes
+        ({"idempotency-key": "a b"}, "a b"),
+        ({"idempotency-key": '"' + "k" * 255 + '"'}, "k" * 255),
+        ({"idempotency-key": "k" * 255}, "k" * 255),
+        ({"x-idempotency-key": '"alias"'}, "alias"),  # the X- alias
+        ({"x-idempotency-key": "alias"}, "alias"),
+        ({"idempotency-key": "main", "x-idempotency-key": "alias"}, "main"),  # the real one wins
+    ],
+)
 def test_parse_key_reads_the_header(headers: dict[str, str], key: str | None) -> None:
     assert parse_key(headers) == key
 
 
-@pytest.mark.parametrize("value", [
-    "", '""', "   ", '"   "',                                   # empty
-    "k" * 256, '"' + "k" * 256 + '"',                           # 256 characters
-    "a\tb", "a\x00b", "a\x1fb", "a\x7fb", '"a\nb"', "ké", "日本",  # not printable ASCII
-    '"abc', '"ab"c"', '"a\\nb"', '"a\\"',                      # malformed sf-strings
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        '""',
+        "   ",
+        '"   "',  # empty
+        "k" * 256,
+        '"' + "k" * 256 + '"',  # 256 characters
+        "a\tb",
+        "a\x00b",
+        "a\x1fb",
+        "a\x7fb",
+        '"a\nb"',
+        "ké",
+        "日本",  # not printable ASCII
+        '"abc',
+        '"ab"c"',
+        '"a\\nb"',
+        '"a\\"',  # malformed sf-strings
+    ],
+)
 @pytest.mark.parametrize("name", ["idempotency-key", "x-idempotency-key"])
 def test_parse_key_refuses_an_invalid_key_with_a_400(name: str, value: str) -> None:
     with pytest.raises(IdempotencyKeyInvalid) as raised:
@@ -76,11 +111,14 @@ def test_an_empty_main_header_is_refused_even_with_a_valid_alias() -> None:
         parse_key({"idempotency-key": "", "x-idempotency-key": "fine"})
 
 
-@pytest.mark.parametrize(("error", "status"), [
-    (IdempotencyKeyInvalid("The Idempotency-Key header is empty."), 400),
-    (IdempotencyConflict(), 409),
-    (IdempotencyMismatch(), 422),
-])
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (IdempotencyKeyInvalid("The Idempotency-Key header is empty."), 400),
+        (IdempotencyConflict(), 409),
+        (IdempotencyMismatch(), 422),
+    ],
+)
 def test_errors_are_problem_details(error: CarpoolError, status: int) -> None:
     assert isinstance(error, CarpoolError)
     assert error.status == status
@@ -114,8 +152,9 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
         else:
             cluster = request.param == "redis-cluster"
             url = request.getfixturevalue("redis_cluster" if cluster else "redis_server").url
-            records = RedisIdempotencyRecords(url, retention=retention, lease=lease,
-                                              cluster=cluster)
+            records = RedisIdempotencyRecords(
+                url, retention=retention, lease=lease, cluster=cluster
+            )
         made.append(records)
         return records
 
@@ -157,11 +196,12 @@ async def begin_and_die(make: Make, records: IdempotencyRecords, key: str = "k")
 
 @pytest.mark.parametrize("response", [OK, BAD_GATEWAY], ids=["200", "502"])
 async def test_new_then_processing_then_done_replays_byte_exact(
-        records: IdempotencyRecords, response: StoredResponse) -> None:
+    records: IdempotencyRecords, response: StoredResponse
+) -> None:
     token = await begin_new(records)
     assert await records.begin("k", FP) == Begin("processing")
     assert await records.finish("k", token, response) is True
-    for _ in range(2):                                   # replayed as often as asked
+    for _ in range(2):  # replayed as often as asked
         done = await records.begin("k", FP)
         assert done.state == "done" and done.token is None
         assert done.response == response
@@ -175,11 +215,12 @@ async def test_keys_are_independent(records: IdempotencyRecords) -> None:
     await records.finish("a", a, OK)
     assert (await records.begin("a", FP)).state == "done"
     assert (await records.begin("b", FP)).state == "processing"
-    await begin_new(records, "a\n{x} *")                 # any text is a key
+    await begin_new(records, "a\n{x} *")  # any text is a key
 
 
 async def test_another_fingerprint_is_a_mismatch_while_processing_and_once_done(
-        records: IdempotencyRecords) -> None:
+    records: IdempotencyRecords,
+) -> None:
     token = await begin_new(records)
     assert await records.begin("k", OTHER_FP) == Begin("mismatch")
     await records.finish("k", token, OK)
@@ -192,7 +233,7 @@ async def test_abandon_lets_a_retry_start_new(records: IdempotencyRecords) -> No
     assert await records.abandon("k", "not the owner") is False
     assert (await records.begin("k", FP)).state == "processing"
     assert await records.abandon("k", token) is True
-    retry = await begin_new(records, fp=OTHER_FP)      # the key is free: any request may use it
+    retry = await begin_new(records, fp=OTHER_FP)  # the key is free: any request may use it
     assert retry != token
     assert await records.abandon("k", token) is False  # the old owner cannot drop the new one
     assert (await records.begin("k", OTHER_FP)).state == "processing"
@@ -205,14 +246,14 @@ async def test_only_the_owner_token_finishes(records: IdempotencyRecords) -> Non
     assert (await records.begin("k", FP)).state == "processing"
     assert await records.finish("k", token, BAD_GATEWAY) is True
     assert await records.finish("k", "not the owner", OK) is False
-    assert await records.abandon("k", token) is False     # a finished record stays
+    assert await records.abandon("k", token) is False  # a finished record stays
     assert await records.renew("k", token) is False
     assert (await records.begin("k", FP)).response == BAD_GATEWAY
 
 
 async def test_concurrent_begins_have_exactly_one_winner(make: Make) -> None:
     a = make()
-    b = make() if isinstance(a, RedisIdempotencyRecords) else a   # two instances, one server
+    b = make() if isinstance(a, RedisIdempotencyRecords) else a  # two instances, one server
     began = await asyncio.gather(*(r.begin("k", FP) for r in (a, b) * 10))
     assert sorted(x.state for x in began) == ["new"] + ["processing"] * 19
 
@@ -236,7 +277,7 @@ async def test_a_finished_record_expires_after_the_retention(make: Make) -> None
 
 async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make) -> None:
     records = make(lease=0.1)
-    dead = await begin_and_die(make, records)             # its owner never comes back
+    dead = await begin_and_die(make, records)  # its owner never comes back
     started = time.monotonic()
     tokens: list[str | None] = []
 
@@ -249,7 +290,7 @@ async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make)
     assert time.monotonic() - started >= 0.09
     owner = tokens[-1]
     assert owner is not None and owner != dead
-    assert await records.finish("k", dead, BAD_GATEWAY) is False   # too late for the old owner
+    assert await records.finish("k", dead, BAD_GATEWAY) is False  # too late for the old owner
     assert await records.renew("k", dead) is False
     assert await records.finish("k", owner, OK) is True
     assert (await records.begin("k", FP)).response == OK
@@ -259,7 +300,7 @@ async def test_renew_keeps_the_lease_alive(make: Make) -> None:
     records = make(lease=0.1)
     token = await begin_new(records)
     started = time.monotonic()
-    while time.monotonic() - started < 0.25:              # 2.5 leases, renewed meanwhile
+    while time.monotonic() - started < 0.25:  # 2.5 leases, renewed meanwhile
         assert await records.renew("k", token) is True
         assert (await records.begin("k", FP)).state == "processing"
         await asyncio.sleep(0.02)
@@ -267,13 +308,14 @@ async def test_renew_keeps_the_lease_alive(make: Make) -> None:
 
 
 async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_once_settled(
-        redis_server: RedisServer) -> None:
+    redis_server: RedisServer,
+) -> None:
     records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=0.15)
     other = RedisIdempotencyRecords(redis_server.url, retention=60, lease=0.15)
     try:
         token = await begin_new(records)
         await eventually(lambda: records.renewals >= 4, timeout=5, what="4 renewals (4/3 lease)")
-        assert (await other.begin("k", FP)).state == "processing"   # still held, elsewhere too
+        assert (await other.begin("k", FP)).state == "processing"  # still held, elsewhere too
         assert await records.finish("k", token, OK) is True
         assert records._keepers == {}
         assert (await other.begin("k", FP)).response == OK
@@ -283,7 +325,8 @@ async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_on
 
 
 async def test_wait_returns_the_response_when_another_task_finishes(
-        records: IdempotencyRecords) -> None:
+    records: IdempotencyRecords,
+) -> None:
     token = await begin_new(records)
     waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
@@ -292,7 +335,7 @@ async def test_wait_returns_the_response_when_another_task_finishes(
     await records.finish("k", token, OK)
     assert await asyncio.wait_for(waiter, 2) == OK
     assert time.monotonic() - started < 0.5
-    assert records.waiters == 0                           # type: ignore[attr-defined]
+    assert records.waiters == 0  # type: ignore[attr-defined]
 
 
 async def test_wait_returns_none_on_timeout(records: IdempotencyRecords) -> None:
@@ -300,11 +343,12 @@ async def test_wait_returns_none_on_timeout(records: IdempotencyRecords) -> None
     started = time.monotonic()
     assert await records.wait("k", FP, timeout=0.1) is None
     assert 0.09 <= time.monotonic() - started < 1.0
-    assert (await records.begin("k", FP)).state == "processing"   # waiting changed nothing
+    assert (await records.begin("k", FP)).state == "processing"  # waiting changed nothing
 
 
 async def test_wait_returns_none_without_a_record_or_once_abandoned(
-        records: IdempotencyRecords) -> None:
+    records: IdempotencyRecords,
+) -> None:
     started = time.monotonic()
     assert await records.wait("nothing", FP, timeout=5) is None
     assert time.monotonic() - started < 0.5
@@ -323,7 +367,7 @@ async def test_wait_returns_at_once_when_already_done(records: IdempotencyRecord
 
 async def test_wait_does_not_return_the_answer_to_another_request(make: Make) -> None:
     records = make(lease=0.1)
-    await begin_and_die(make, records)                     # dies: its lease runs out
+    await begin_and_die(make, records)  # dies: its lease runs out
     waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
 
@@ -331,11 +375,12 @@ async def test_wait_does_not_return_the_answer_to_another_request(make: Make) ->
         return (await records.begin("k", OTHER_FP)).state == "new"
 
     await until(taken_over)
-    assert await asyncio.wait_for(waiter, 2) is None       # the key now holds another request
+    assert await asyncio.wait_for(waiter, 2) is None  # the key now holds another request
 
 
 async def test_wait_for_a_record_that_holds_another_request_returns_none_at_once(
-        records: IdempotencyRecords) -> None:
+    records: IdempotencyRecords,
+) -> None:
     token = await begin_new(records, fp=OTHER_FP)
     assert await records.wait("k", FP, timeout=10) is None  # not the waiter's request: no wait
     await records.finish("k", token, OK)
@@ -344,9 +389,11 @@ async def test_wait_for_a_record_that_holds_another_request_returns_none_at_once
 
 # --------------------------------------------------------------------------- several instances
 
+
 @pytest.fixture
-async def two(redis_server: RedisServer) -> AsyncIterator[tuple[RedisIdempotencyRecords,
-                                                                 RedisIdempotencyRecords]]:
+async def two(
+    redis_server: RedisServer,
+) -> AsyncIterator[tuple[RedisIdempotencyRecords, RedisIdempotencyRecords]]:
     a = RedisIdempotencyRecords(redis_server.url, retention=60)
     b = RedisIdempotencyRecords(redis_server.url, retention=60)
     yield a, b
@@ -355,7 +402,8 @@ async def two(redis_server: RedisServer) -> AsyncIterator[tuple[RedisIdempotency
 
 
 async def test_two_instances_see_each_other(
-        two: tuple[RedisIdempotencyRecords, RedisIdempotencyRecords]) -> None:
+    two: tuple[RedisIdempotencyRecords, RedisIdempotencyRecords],
+) -> None:
     a, b = two
     token = await begin_new(a)
     assert await b.begin("k", FP) == Begin("processing")
@@ -363,7 +411,7 @@ async def test_two_instances_see_each_other(
     waiter = asyncio.create_task(b.wait("k", FP, timeout=10))
     await eventually(lambda: b.waiters == 1, timeout=2, what="b's waiter")
     assert await a.finish("k", token, OK) is True
-    assert await asyncio.wait_for(waiter, 2) == OK        # b polls: no wake-up from a
+    assert await asyncio.wait_for(waiter, 2) == OK  # b polls: no wake-up from a
     assert (await b.begin("k", FP)).response == OK
     # An abandon on one instance frees the key on the other.
     token = await begin_new(b, "k2")
@@ -374,18 +422,19 @@ async def test_two_instances_see_each_other(
 
 # --------------------------------------------------------------------------- memory only
 
+
 async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
     records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * OK.size)
     for key in "abcde":
         await records.finish(key, await begin_new(records, key), OK)
     assert len(records) <= 3 and records.bytes <= 2 * OK.size
-    assert (await records.begin("e", FP)).state == "done"        # the newest stay
-    assert (await records.begin("a", FP)).state == "new"         # the oldest went
+    assert (await records.begin("e", FP)).state == "done"  # the newest stay
+    assert (await records.begin("a", FP)).state == "new"  # the oldest went
     assert records.evictions >= 2
     big = StoredResponse(200, [], b"x" * (2 * OK.size + 1))
     token = await begin_new(records, "big")
-    assert await records.finish("big", token, big) is False      # too large: not kept...
-    assert (await records.begin("e", FP)).state == "done"        # ...and evicts nothing
+    assert await records.finish("big", token, big) is False  # too large: not kept...
+    assert (await records.begin("e", FP)).state == "done"  # ...and evicts nothing
     await records.aclose()
     assert len(records) == 0 and records.bytes == 0
 
@@ -396,13 +445,14 @@ async def test_memory_records_sweep_what_expired() -> None:
         await begin_new(records, key)
     await records.finish("c", await begin_new(records, "d"), OK)  # wrong key: refused
     start = time.monotonic()
-    while time.monotonic() - start < 0.06:                        # let the leases run out
+    while time.monotonic() - start < 0.06:  # let the leases run out
         await asyncio.sleep(0.01)
-    await begin_new(records, "z")                                 # sweeps
+    await begin_new(records, "z")  # sweeps
     assert len(records) == 1 and records.bytes == 0
 
 
 # --------------------------------------------------------------------------- Redis only
+
 
 def record_key(key: str) -> str:
     return "carpool:idem:{" + hashlib.blake2b(key.encode(), digest_size=20).hexdigest() + "}"
@@ -416,7 +466,8 @@ async def raw(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:
 
 
 async def test_redis_layout_one_hashed_key_per_record_with_its_ttl(
-        redis_server: RedisServer, raw: aredis.Redis) -> None:
+    redis_server: RedisServer, raw: aredis.Redis
+) -> None:
     records = RedisIdempotencyRecords(redis_server.url, retention=3600, lease=60)
     try:
         user_key = "tenant\n{evil} *key*"
@@ -425,27 +476,30 @@ async def test_redis_layout_one_hashed_key_per_record_with_its_ttl(
         assert records.record_key(user_key) == record_key(user_key)
         assert 59_000 < await raw.pttl(record_key(user_key)) <= 60_000
         assert await raw.hgetall(record_key(user_key)) == {
-            b"s": b"p", b"fp": FP.encode(), b"t": token.encode()}
+            b"s": b"p",
+            b"fp": FP.encode(),
+            b"t": token.encode(),
+        }
         await records.finish(user_key, token, BAD_GATEWAY)
         assert 3_599_000 < await raw.pttl(record_key(user_key)) <= 3_600_000
         stored = await raw.hgetall(record_key(user_key))
-        assert stored[b"s"] == b"f" and stored[b"st"] == b"502" and \
-            stored[b"b"] == BAD_GATEWAY.body
+        assert stored[b"s"] == b"f" and stored[b"st"] == b"502" and stored[b"b"] == BAD_GATEWAY.body
         token = await begin_new(records, "ok")
         await records.finish("ok", token, OK)
         assert await raw.hget(record_key("ok"), "s") == b"s"
-        await records.renew("ok", token)                              # a done record keeps its ttl
+        await records.renew("ok", token)  # a done record keeps its ttl
         assert await raw.pttl(record_key("ok")) > 3_599_000
     finally:
         await records.aclose()
 
 
-async def test_redis_a_prefix_and_a_client_passed_in(redis_server: RedisServer,
-                                                     raw: aredis.Redis) -> None:
+async def test_redis_a_prefix_and_a_client_passed_in(
+    redis_server: RedisServer, raw: aredis.Redis
+) -> None:
     records = RedisIdempotencyRecords(raw, retention=60, prefix="x:")
     await begin_new(records)
     await records.aclose()
-    assert await raw.ping() is True                                  # still open
+    assert await raw.ping() is True  # still open
     assert [k.decode() for k in await raw.keys("*")] == ["x" + record_key("k")[7:]]
     with pytest.raises(ValueError, match="prefix"):
         RedisIdempotencyRecords(raw, retention=60, prefix="{x}:")
@@ -456,41 +510,47 @@ async def test_redis_a_prefix_and_a_client_passed_in(redis_server: RedisServer,
 
 
 async def test_redis_a_dead_server_fails_every_call_fast(killable_redis: RedisServer) -> None:
-    records = RedisIdempotencyRecords(killable_redis.url, retention=60,
-                                      cluster=killable_redis.cluster)
+    records = RedisIdempotencyRecords(
+        killable_redis.url, retention=60, cluster=killable_redis.cluster
+    )
     try:
         token = await begin_new(records)
         killable_redis.kill()
-        calls = [records.begin("k", FP), records.finish("k", token, OK),
-                 records.abandon("k", token), records.renew("k", token),
-                 records.wait("k", FP, timeout=5)]
+        calls = [
+            records.begin("k", FP),
+            records.finish("k", token, OK),
+            records.abandon("k", token),
+            records.renew("k", token),
+            records.wait("k", FP, timeout=5),
+        ]
         await assert_each_fails_fast(calls)
-        killable_redis.restart()                                     # empty: the key is free
+        killable_redis.restart()  # empty: the key is free
         await begin_new(records)
     finally:
         await records.aclose()
 
 
 async def test_a_redis_lease_outlives_a_redis_pause_shorter_than_half_of_it(
-        redis_server: RedisServer) -> None:
+    redis_server: RedisServer,
+) -> None:
     import os
     import signal
 
-    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2,
-                                      socket_timeout=0.1)
+    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2, socket_timeout=0.1)
     other = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2)
     try:
         token = await begin_new(records)
         await eventually(lambda: records.renewals >= 1, timeout=5, what="a first renewal")
         os.kill(redis_server.pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(0.5)                  # the pause itself is the test's subject
+            await asyncio.sleep(0.5)  # the pause itself is the test's subject
         finally:
             os.kill(redis_server.pid, signal.SIGCONT)
         renewed = records.renewals
-        await eventually(lambda: records.renewals >= renewed + 2, timeout=5,
-                         what="renewals after the pause")
-        assert (await other.begin("k", FP)).state == "processing"     # never lapsed
+        await eventually(
+            lambda: records.renewals >= renewed + 2, timeout=5, what="renewals after the pause"
+        )
+        assert (await other.begin("k", FP)).state == "processing"  # never lapsed
         assert await records.finish("k", token, OK) is True
     finally:
         await records.aclose()

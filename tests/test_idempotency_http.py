@@ -17,7 +17,7 @@ def text(response) -> str:
 
 
 async def test_a_retry_after_completion_is_replayed_without_calling_upstream(gw, fake):
-    first = await gw.chat(temperature=0.9, headers=KEY)      # sampled: would differ if re-run
+    first = await gw.chat(temperature=0.9, headers=KEY)  # sampled: would differ if re-run
     retry = await gw.chat(temperature=0.9, headers=KEY)
     assert first.status_code == retry.status_code == 200
     assert retry.headers["idempotent-replayed"] == "true"
@@ -71,9 +71,11 @@ async def test_the_same_key_with_a_different_request_is_422(gw, fake):
 
 @pytest.mark.parametrize("value", ['""', "", "x" * 256, "bad\x01key"])
 async def test_an_invalid_key_is_400_and_nothing_is_stored(gw, fake, value):
-    response = await gw.client.post("/v1/chat/completions", headers={"Idempotency-Key": value},
-                                    json={"model": "m", "messages": [
-                                        {"role": "user", "content": "x"}], "temperature": 0})
+    response = await gw.client.post(
+        "/v1/chat/completions",
+        headers={"Idempotency-Key": value},
+        json={"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0},
+    )
     assert response.status_code == 400 and fake.count() == 0
 
 
@@ -126,16 +128,17 @@ async def test_idempotency_records_are_shared_across_instances(fake, shared_redi
 
 
 async def test_a_list_input_is_tracked_item_by_item_so_a_retry_recomputes_only_failed_items(
-        fake, gateway_with):
+    fake, gateway_with
+):
     # ttl 0 and no window: nothing but the idempotency records can spare a recomputation.
     async with gateway_with(coalesce={"window_ms": 0}) as gw:
         headers = {**KEY, "x-carpool-type": "factual"}
         body = {"model": "e", "input": ["alpha", "beta", "gamma"]}
-        fake.fail_status, fake.fail_times = 500, 1          # exactly one item's call fails
+        fake.fail_status, fake.fail_times = 500, 1  # exactly one item's call fails
         first = await gw.client.post("/v1/embeddings", json=body, headers=headers)
         assert first.status_code == 500 and fake.count() == 3
         retry = await gw.client.post("/v1/embeddings", json=body, headers=headers)
-        assert retry.status_code == 200 and fake.count() == 4     # only the failed item again
+        assert retry.status_code == 200 and fake.count() == 4  # only the failed item again
         data = retry.json()["data"]
         assert [d["index"] for d in data] == [0, 1, 2]
         alone = await gw.client.post("/v1/embeddings", json={"model": "e", "input": ["beta"]})

@@ -16,15 +16,33 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_public_surface_is_pinned():
     assert carpool.__all__ == sorted(carpool.__all__)
     assert set(carpool.__all__) == {
-        "BodyTooLarge", "CarpoolError", "Config", "ConfigError", "FlightAbandoned",
-        "FunctionUpstream", "Gateway", "Outcome", "Reply", "RequestError", "UpstreamError",
-        "UpstreamStatusError", "UpstreamStreamBroken", "UpstreamTimeout", "UpstreamUnreachable",
-        "create_app"}
+        "BodyTooLarge",
+        "CarpoolError",
+        "Config",
+        "ConfigError",
+        "FlightAbandoned",
+        "FunctionUpstream",
+        "Gateway",
+        "Outcome",
+        "Reply",
+        "RequestError",
+        "UpstreamError",
+        "UpstreamStatusError",
+        "UpstreamStreamBroken",
+        "UpstreamTimeout",
+        "UpstreamUnreachable",
+        "create_app",
+    }
 
 
 def test_readme_library_example_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "library.py")],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "library.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "model calls: 1" in out and "miss=1 coalesced=49, then hit" in out
 
 
@@ -34,8 +52,16 @@ async def test_wrapped_function_is_coalesced_and_cached():
     async def call(path, body):
         calls.append(body)
         await gate.wait()
-        return {"object": "chat.completion", "choices": [
-            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}
+        return {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "hi"},
+                }
+            ],
+        }
 
     gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
@@ -57,8 +83,9 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
 
     gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
-    replies = await asyncio.gather(*(gateway.request("/v1/chat/completions", body)
-                                     for _ in range(3)))
+    replies = await asyncio.gather(
+        *(gateway.request("/v1/chat/completions", body) for _ in range(3))
+    )
     assert [r.status for r in replies] == [502] * 3
     assert gateway.store.entries == 0
     await gateway.aclose()
@@ -76,10 +103,13 @@ async def test_embedded_simulated_engine_is_the_default_upstream():
 
 
 def test_the_core_gateway_does_not_import_the_semantic_dependencies():
-    code = ("import sys, carpool, carpool.cli, carpool.server, carpool.pipeline; "
-            "g = carpool.Gateway(); "
-            "print(sorted(m for m in ('numpy', 'onnxruntime', 'usearch', 'tokenizers') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    code = (
+        "import sys, carpool, carpool.cli, carpool.server, carpool.pipeline; "
+        "g = carpool.Gateway(); "
+        "print(sorted(m for m in ('numpy', 'onnxruntime', 'usearch', 'tokenizers') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert out.strip() == "[]"

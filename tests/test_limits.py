@@ -54,17 +54,24 @@ class RawResponse:
         return orjson.loads(self.content)
 
 
-async def raw_post(url: str, path: str, headers: dict[str, str | bytes], body: bytes
-                   ) -> RawResponse:
+async def raw_post(
+    url: str, path: str, headers: dict[str, str | bytes], body: bytes
+) -> RawResponse:
     """A POST written byte for byte: header values httpx refuses to send (blank, DEL, tab...)
     still reach the server as they are."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    lines = [f"POST {path} HTTP/1.1".encode(), f"host: {host}".encode(),
-             b"content-type: application/json", f"content-length: {len(body)}".encode(),
-             b"connection: close"]
-    lines += [name.encode() + b": " + (v if isinstance(v, bytes) else v.encode("latin-1"))
-              for name, v in headers.items()]
+    lines = [
+        f"POST {path} HTTP/1.1".encode(),
+        f"host: {host}".encode(),
+        b"content-type: application/json",
+        f"content-length: {len(body)}".encode(),
+        b"connection: close",
+    ]
+    lines += [
+        name.encode() + b": " + (v if isinstance(v, bytes) else v.encode("latin-1"))
+        for name, v in headers.items()
+    ]
     writer.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
     await writer.drain()
     raw = await reader.read()
@@ -72,8 +79,9 @@ async def raw_post(url: str, path: str, headers: dict[str, str | bytes], body: b
     head, _, content = raw.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
     fields = dict(line.split(": ", 1) for line in header_lines)
-    return RawResponse(int(status_line.split()[1]), {k.lower(): v for k, v in fields.items()},
-                       content)
+    return RawResponse(
+        int(status_line.split()[1]), {k.lower(): v for k, v in fields.items()}, content
+    )
 
 
 async def assert_still_serving_and_nothing_stored(gw, fake, calls_before: int = 0) -> None:
@@ -87,18 +95,21 @@ async def assert_still_serving_and_nothing_stored(gw, fake, calls_before: int = 
 
 # --- the body --------------------------------------------------------------------------------
 
+
 async def test_a_body_over_the_limit_is_413_in_openai_shape_and_the_gateway_stays_up(
-        fake, gateway_with):
+    fake, gateway_with
+):
     async with gateway_with(limits={"max_body_bytes": 1000}) as gw:
-        declared = await gw.chat("x" * 2000)                       # Content-Length: over it
+        declared = await gw.chat("x" * 2000)  # Content-Length: over it
         assert_openai_error(declared, 413, "body_too_large")
         assert declared.headers["x-carpool"] == "bypass"
 
-        async def chunks():                                         # no length: counted as read
+        async def chunks():  # no length: counted as read
             yield b'{"model": "m", "messages": [{"role": "user", "content": "'
             for _ in range(50):
                 yield b"y" * 100
             yield b'"}], "temperature": 0}'
+
         streamed = await gw.client.post(CHAT, content=chunks(), headers=JSON)
         assert "content-length" not in streamed.request.headers
         assert_openai_error(streamed, 413, "body_too_large")
@@ -117,14 +128,13 @@ async def test_a_body_exactly_at_the_limit_is_accepted(fake, gateway_with):
 
 
 async def test_large_and_many_headers_never_take_the_gateway_down(gw, fake):
-    large = "a" * 20_000                                 # within limits.max_header_bytes (64 KiB)
+    large = "a" * 20_000  # within limits.max_header_bytes (64 KiB)
     assert (await gw.chat()).headers["x-carpool"] == "miss"
     # A large credential is only hashed for the tenant (and forwarded, as every header is).
     answer = await gw.chat(headers={"authorization": f"Bearer {large}"})
     assert answer.status_code == 200 and answer.headers["x-carpool"] == "miss"
     # Large cache-control headers are refused, without echoing them back.
-    for name in ("x-carpool-tags", "x-carpool-namespace", "x-carpool-freshness",
-                 "x-carpool-type"):
+    for name in ("x-carpool-tags", "x-carpool-namespace", "x-carpool-freshness", "x-carpool-type"):
         refused = await gw.chat(headers={name: large})
         error = assert_openai_error(refused, 400, "invalid_header")
         assert len(refused.content) < 500 and name in error["message"]
@@ -142,14 +152,16 @@ async def test_large_and_many_headers_never_take_the_gateway_down(gw, fake):
 
 async def test_headers_over_the_limit_are_431_in_openai_shape_and_never_forwarded(gw, fake):
     limit = gw.gateway.config.limits.max_header_bytes
-    for headers in ({"authorization": "Bearer " + "a" * limit},
-                    {f"x-extra-{i}": "v" * 100 for i in range(1000)}):
+    for headers in (
+        {"authorization": "Bearer " + "a" * limit},
+        {f"x-extra-{i}": "v" * 100 for i in range(1000)},
+    ):
         refused = await gw.chat(headers=headers)
         assert_openai_error(refused, 431, "headers_too_large")
         assert refused.headers["x-carpool"] == "bypass"
         passthrough = await gw.client.get("/v1/models", headers=headers)
         assert_openai_error(passthrough, 431, "headers_too_large")
-    assert fake.count() == 0                                 # nothing reached the upstream
+    assert fake.count() == 0  # nothing reached the upstream
     assert (await gw.client.get("/stats")).json()["rejected"] == 2
     assert (await gw.chat()).status_code == 200
 
@@ -164,21 +176,27 @@ async def test_a_max_age_too_large_to_represent_counts_as_2_to_the_31_not_a_cras
 
 async def test_a_malformed_cache_control_max_age_is_400(gw, fake):
     for value in ("max-age=abc", "max-age=-1", "max-age=", "max-age=1.5", "max-age=1e3"):
-        assert_openai_error(await gw.chat(headers={"cache-control": value}), 400,
-                            "invalid_header")
+        assert_openai_error(await gw.chat(headers={"cache-control": value}), 400, "invalid_header")
     await assert_still_serving_and_nothing_stored(gw, fake)
 
 
 # --- idempotency keys ------------------------------------------------------------------------
 
 INVALID_KEYS = {
-    "empty": "", "empty-quoted": '""', "blank": "   ", "blank-quoted": '"   "',
+    "empty": "",
+    "empty-quoted": '""',
+    "blank": "   ",
+    "blank-quoted": '"   "',
     "256-chars": "k" * (MAX_KEY_LENGTH + 1),
     "256-chars-quoted": '"' + "k" * (MAX_KEY_LENGTH + 1) + '"',
     "10000-chars": "k" * 10_000,
-    "non-ascii-utf8": "clé-ключ-鍵".encode(), "non-ascii-latin1": b"caf\xe9",
-    "tab": "a\tb", "delete": "a\x7fb", "unterminated-quote": '"unterminated',
-    "bad-escape": '"bad\\escape"', "text-after-the-string": '"a" trailing',
+    "non-ascii-utf8": "clé-ключ-鍵".encode(),
+    "non-ascii-latin1": b"caf\xe9",
+    "tab": "a\tb",
+    "delete": "a\x7fb",
+    "unterminated-quote": '"unterminated',
+    "bad-escape": '"bad\\escape"',
+    "text-after-the-string": '"a" trailing',
 }
 
 
@@ -207,8 +225,15 @@ async def test_an_invalid_idempotency_key_is_400_problem_json_and_nothing_is_sto
 
 
 async def test_an_idempotency_key_of_1_to_255_printable_ascii_characters_is_accepted(gw, fake):
-    valid = ["k" * MAX_KEY_LENGTH, '"' + "q" * MAX_KEY_LENGTH + '"', "a b",
-             '"with \\"quotes\\""', "*?[]{}:", "-", "~"]
+    valid = [
+        "k" * MAX_KEY_LENGTH,
+        '"' + "q" * MAX_KEY_LENGTH + '"',
+        "a b",
+        '"with \\"quotes\\""',
+        "*?[]{}:",
+        "-",
+        "~",
+    ]
     for i, value in enumerate(valid):
         first = await gw.chat(f"question {i}", headers={"Idempotency-Key": value})
         assert first.status_code == 200, value
@@ -220,8 +245,7 @@ async def test_an_idempotency_key_of_1_to_255_printable_ascii_characters_is_acce
 
 # --- tags, namespaces and the other cache-control headers ----------------------------------
 
-CONTROL_HEADERS = ("x-carpool-namespace", "x-carpool-type", "x-carpool-freshness",
-                   "x-carpool-tags")
+CONTROL_HEADERS = ("x-carpool-namespace", "x-carpool-type", "x-carpool-freshness", "x-carpool-tags")
 
 
 async def test_a_cache_control_header_value_is_at_most_256_characters(gw, fake):
@@ -230,7 +254,9 @@ async def test_a_cache_control_header_value_is_at_most_256_characters(gw, fake):
         assert ok.status_code == 200, name
         error = assert_openai_error(
             await gw.chat(f"other {name}", headers={name: "n" * (MAX_HEADER_TOKEN + 1)}),
-            400, "invalid_header")
+            400,
+            "invalid_header",
+        )
         assert str(MAX_HEADER_TOKEN) in error["message"]
     assert fake.count() == len(CONTROL_HEADERS)
 
@@ -243,7 +269,9 @@ async def test_at_most_32_distinct_tags(gw, fake):
     assert (await gw.chat(headers={"x-carpool-tags": repeated})).status_code == 200
     error = assert_openai_error(
         await gw.chat("other", headers={"x-carpool-tags": ",".join([*tags, "one-more"])}),
-        400, "invalid_header")
+        400,
+        "invalid_header",
+    )
     assert "32" in error["message"]
     assert fake.count() == 1
 
@@ -252,8 +280,7 @@ async def test_control_characters_in_a_namespace_or_tag_are_400(gw, fake):
     """HTTP/1.1 cannot carry most of them; the library API (``Gateway.request``) can."""
     body = {"model": "m", "temperature": 0, "messages": MESSAGES}
     for name in CONTROL_HEADERS:
-        for value in ("a\nb", "a\rb", "a\tb", "a\x00b", "a\x1bb", "a\x7fb", "a\u2028b",
-                      "a\x85b"):
+        for value in ("a\nb", "a\rb", "a\tb", "a\x00b", "a\x1bb", "a\x7fb", "a\u2028b", "a\x85b"):
             reply = await gw.gateway.request(CHAT, body, {name: value})
             assert reply.status == 400, (name, value)
             assert reply.json()["error"]["code"] == "invalid_header"
@@ -266,8 +293,9 @@ async def test_glob_and_key_syntax_characters_are_plain_text_in_tags_and_namespa
     headers = {"x-carpool-namespace": "ns:*?[a-z]{x}\\", "x-carpool-tags": "t:*,t?,[t],{t}"}
     assert (await gw.chat(headers=headers)).headers["x-carpool"] == "miss"
     assert (await gw.chat(headers=headers)).headers["x-carpool"] == "hit"
-    assert (await gw.chat(headers={**headers, "x-carpool-namespace": "ns:x"})
-            ).headers["x-carpool"] == "miss"
+    assert (await gw.chat(headers={**headers, "x-carpool-namespace": "ns:x"})).headers[
+        "x-carpool"
+    ] == "miss"
 
 
 async def test_x_carpool_share_only_takes_sampled(gw, fake):
@@ -276,6 +304,7 @@ async def test_x_carpool_share_only_takes_sampled(gw, fake):
 
 
 # --- malformed bodies ------------------------------------------------------------------------
+
 
 def chat_body(**fields):
     return orjson.dumps({"model": "m", "temperature": 0, "messages": MESSAGES, **fields})
@@ -308,12 +337,14 @@ MALFORMED = [
     pytest.param(CHAT, chat_body(model=["m"]), "invalid_request", id="model-list"),
     pytest.param(CHAT, without("messages"), "invalid_request", id="messages-missing"),
     pytest.param(CHAT, chat_body(messages="hi"), "invalid_request", id="messages-string"),
-    pytest.param(CHAT, chat_body(messages={"role": "user"}), "invalid_request",
-                 id="messages-object"),
+    pytest.param(
+        CHAT, chat_body(messages={"role": "user"}), "invalid_request", id="messages-object"
+    ),
     pytest.param(CHAT, chat_body(messages=[]), "invalid_request", id="messages-empty"),
     pytest.param(CHAT, chat_body(messages=["hi"]), "invalid_request", id="message-string"),
-    pytest.param(CHAT, chat_body(messages=[MESSAGES[0], None]), "invalid_request",
-                 id="message-null"),
+    pytest.param(
+        CHAT, chat_body(messages=[MESSAGES[0], None]), "invalid_request", id="message-null"
+    ),
     pytest.param(CHAT, chat_body(temperature="0"), "invalid_request", id="temperature-string"),
     pytest.param(CHAT, chat_body(temperature=True), "invalid_request", id="temperature-bool"),
     pytest.param(CHAT, chat_body(temperature=[0]), "invalid_request", id="temperature-list"),
@@ -324,21 +355,40 @@ MALFORMED = [
     pytest.param(CHAT, chat_body(n="2"), "invalid_request", id="n-string"),
     pytest.param(CHAT, chat_body(stream="yes"), "invalid_request", id="stream-string"),
     pytest.param(CHAT, chat_body(stream=1), "invalid_request", id="stream-number"),
-    pytest.param(COMPLETIONS, b'{"model": "m", "temperature": 0}', "invalid_request",
-                 id="prompt-missing"),
-    pytest.param(COMPLETIONS, b'{"model": "m", "temperature": 0, "prompt": 5}',
-                 "invalid_request", id="prompt-number"),
-    pytest.param(COMPLETIONS, b'{"model": "m", "temperature": 0, "prompt": []}',
-                 "invalid_request", id="prompt-empty-list"),
-    pytest.param(COMPLETIONS, b'{"model": "m", "temperature": 0, "prompt": [1, "a"]}',
-                 "invalid_request", id="prompt-mixed-list"),
-    pytest.param(COMPLETIONS, b'{"temperature": 0, "prompt": "hi"}', "invalid_request",
-                 id="completion-model-missing"),
+    pytest.param(
+        COMPLETIONS, b'{"model": "m", "temperature": 0}', "invalid_request", id="prompt-missing"
+    ),
+    pytest.param(
+        COMPLETIONS,
+        b'{"model": "m", "temperature": 0, "prompt": 5}',
+        "invalid_request",
+        id="prompt-number",
+    ),
+    pytest.param(
+        COMPLETIONS,
+        b'{"model": "m", "temperature": 0, "prompt": []}',
+        "invalid_request",
+        id="prompt-empty-list",
+    ),
+    pytest.param(
+        COMPLETIONS,
+        b'{"model": "m", "temperature": 0, "prompt": [1, "a"]}',
+        "invalid_request",
+        id="prompt-mixed-list",
+    ),
+    pytest.param(
+        COMPLETIONS,
+        b'{"temperature": 0, "prompt": "hi"}',
+        "invalid_request",
+        id="completion-model-missing",
+    ),
     pytest.param(EMBEDDINGS, b'{"model": "e"}', "invalid_request", id="input-missing"),
-    pytest.param(EMBEDDINGS, b'{"model": "e", "input": {"text": "hi"}}', "invalid_request",
-                 id="input-object"),
-    pytest.param(EMBEDDINGS, b'{"model": "e", "input": [[1], "a"]}', "invalid_request",
-                 id="input-mixed-list"),
+    pytest.param(
+        EMBEDDINGS, b'{"model": "e", "input": {"text": "hi"}}', "invalid_request", id="input-object"
+    ),
+    pytest.param(
+        EMBEDDINGS, b'{"model": "e", "input": [[1], "a"]}', "invalid_request", id="input-mixed-list"
+    ),
     pytest.param(EMBEDDINGS, b'{"input": "hi"}', "invalid_request", id="embedding-model-missing"),
 ]
 
@@ -360,8 +410,9 @@ async def test_a_malformed_body_is_400_in_openai_shape_and_nothing_is_stored(gw,
 
 async def test_a_malformed_body_with_an_idempotency_key_leaves_the_key_unused(gw, fake):
     """Validation comes first: the key of a refused request is free for its corrected retry."""
-    refused = await gw.client.post(CHAT, content=without("model"),
-                                   headers={**JSON, "Idempotency-Key": "k1"})
+    refused = await gw.client.post(
+        CHAT, content=without("model"), headers={**JSON, "Idempotency-Key": "k1"}
+    )
     assert_openai_error(refused, 400)
     ok = await gw.chat(headers={"Idempotency-Key": "k1"})
     assert ok.status_code == 200 and "idempotent-replayed" not in ok.headers
@@ -370,8 +421,9 @@ async def test_a_malformed_body_with_an_idempotency_key_leaves_the_key_unused(gw
 
 async def test_a_storm_of_bad_requests_leaves_the_gateway_serving(gw, fake):
     bad = [raw for path, raw, _ in (p.values for p in MALFORMED) if path == CHAT]
-    responses = await asyncio.gather(*(gw.client.post(CHAT, content=raw, headers=JSON)
-                                       for raw in bad * 2))
+    responses = await asyncio.gather(
+        *(gw.client.post(CHAT, content=raw, headers=JSON) for raw in bad * 2)
+    )
     assert {r.status_code for r in responses} == {400}
     assert gw.gateway.stats.rejected == len(bad) * 2
     await assert_still_serving_and_nothing_stored(gw, fake)

@@ -18,7 +18,7 @@ def samples(text: str, name: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            labels, value = line[len(name):].rsplit(" ", 1)
+            labels, value = line[len(name) :].rsplit(" ", 1)
             out[labels] = float(value)
     return out
 
@@ -31,16 +31,17 @@ async def test_metrics_follow_prometheus_naming_conventions(gw):
             _, _, name, kind = line.split()
             assert name.startswith("carpool_"), name
             if kind == "counter":
-                assert name.endswith("_total") or f"{name}_total " in text   # counters: _total
+                assert name.endswith("_total") or f"{name}_total " in text  # counters: _total
             if kind == "histogram":
                 assert f"{name}_bucket" in text and f"{name}_sum" in text
             if {"duration", "wait"} & set(name.split("_")):
-                assert name.endswith("_seconds"), name    # base units in the name
+                assert name.endswith("_seconds"), name  # base units in the name
     assert (await gw.client.get("/metrics")).headers["content-type"].startswith("text/plain")
 
 
 async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by_replica_and_status(
-        gw, fake):
+    gw, fake
+):
     await gw.chat("a")
     await gw.chat("a")
     fake.fail_status, fake.fail_times = 500, 1
@@ -76,12 +77,16 @@ async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
 async def test_metrics_show_batch_sizes_and_batch_wait(gateway_with, fake):
     # "on": merged at once (with "auto" the first batch goes alone while the probe runs).
     async with gateway_with(batching={"max_batch_delay_ms": 20, "embeddings": "on"}) as gw:
-        await asyncio.gather(*(gw.client.post("/v1/embeddings", json={
-            "model": "e", "input": f"text {i}"}) for i in range(8)))
+        await asyncio.gather(
+            *(
+                gw.client.post("/v1/embeddings", json={"model": "e", "input": f"text {i}"})
+                for i in range(8)
+            )
+        )
         text = (await gw.client.get("/metrics")).text
     calls = [c for c in fake.calls if c.path == "/v1/embeddings"]
     assert samples(text, "carpool_batch_size_count")[""] == len(calls)
-    assert samples(text, "carpool_batch_size_sum")[""] == 8          # every item sent once
+    assert samples(text, "carpool_batch_size_sum")[""] == 8  # every item sent once
     assert samples(text, "carpool_batch_wait_seconds_count")[""] == 8
 
 
@@ -95,8 +100,9 @@ async def test_metrics_show_the_similarity_of_semantic_hits(gateway_with, fake):
         text = (await gw.client.get("/metrics")).text
     similarity = float(hit.headers["x-carpool-similarity"])
     assert samples(text, "carpool_semantic_similarity_count")[""] == 1
-    assert samples(text, "carpool_semantic_similarity_sum")[""] == pytest.approx(similarity,
-                                                                                  abs=1e-4)
+    assert samples(text, "carpool_semantic_similarity_sum")[""] == pytest.approx(
+        similarity, abs=1e-4
+    )
     assert samples(text, "carpool_cache_entries")['{layer="semantic"}'] == 1
 
 
@@ -112,8 +118,9 @@ async def test_stats_report_latency_percentiles_per_outcome(gw):
 
 # --- OpenTelemetry ------------------------------------------------------------------------------
 
+
 def test_tracing_costs_nothing_when_no_tracer_provider_is_installed():
-    tracer = Tracer("auto")                       # the test process installs no global provider
+    tracer = Tracer("auto")  # the test process installs no global provider
     assert not tracer.enabled and tracer.span("carpool.exact") is NO_SPAN
     assert not Tracer("off").enabled
 
@@ -123,6 +130,7 @@ def spans():
     sdk = pytest.importorskip("opentelemetry.sdk.trace")
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     exporter = InMemorySpanExporter()
     provider = sdk.TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -145,8 +153,9 @@ async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fak
     assert miss["carpool.upstream"].attributes["carpool.replica"] == fake.url
     assert miss["carpool.upstream"].context.trace_id == root.context.trace_id
     for span in miss.values():
-        assert not any(secret_prompt in str(v) or "sk-secret" in str(v)
-                       for v in span.attributes.values())
+        assert not any(
+            secret_prompt in str(v) or "sk-secret" in str(v) for v in span.attributes.values()
+        )
     exporter.clear()
     await gw.chat(secret_prompt, headers={"authorization": "Bearer sk-secret"})
     hit = {s.name: s for s in exporter.get_finished_spans()}
@@ -154,12 +163,11 @@ async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fak
     assert hit["carpool.request"].attributes["carpool.outcome"] == "hit"
 
 
-async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_once_it_starts(
-        spans):
+async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_once_it_starts(spans):
     provider, exporter = spans
     gateway = Gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))
-    assert not gateway.tracer.enabled                  # nobody collects yet
-    gateway.tracer.provider = provider                 # as opentelemetry's global one would be
+    assert not gateway.tracer.enabled  # nobody collects yet
+    gateway.tracer.provider = provider  # as opentelemetry's global one would be
     gateway.start()
     try:
         assert gateway.tracer.enabled

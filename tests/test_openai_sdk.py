@@ -19,13 +19,15 @@ def sdk(gw):
 
 async def test_openai_sdk_non_streaming_miss_then_hit(sdk, fake):
     raw = await sdk.chat.completions.with_raw_response.create(
-        model="m", messages=MESSAGES, temperature=0)
+        model="m", messages=MESSAGES, temperature=0
+    )
     first = raw.parse()
     assert raw.headers["x-carpool"] == "miss"
     assert first.choices[0].message.content == "answer 1 to What is carpool?"
     assert first.usage.total_tokens > 0
     raw = await sdk.chat.completions.with_raw_response.create(
-        model="m", messages=MESSAGES, temperature=0)
+        model="m", messages=MESSAGES, temperature=0
+    )
     assert raw.headers["x-carpool"] == "hit"
     assert raw.parse().choices[0].message.content == first.choices[0].message.content
     assert fake.calls[0].headers["authorization"] == "Bearer sk-test"
@@ -36,8 +38,12 @@ async def test_openai_sdk_streaming_coalesced_and_hit(sdk, gw, fake):
 
     async def read_stream():
         stream = await sdk.chat.completions.create(
-            model="m", messages=MESSAGES, temperature=0, stream=True,
-            stream_options={"include_usage": True})
+            model="m",
+            messages=MESSAGES,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = [], None
         async for chunk in stream:
             if chunk.choices:
@@ -69,8 +75,9 @@ async def test_openai_sdk_embeddings_and_completions(sdk, fake):
 
 async def test_openai_sdk_raises_on_a_stream_that_fails_part_way(sdk, fake):
     fake.cut_after = 2
-    stream = await sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0,
-                                               stream=True)
+    stream = await sdk.chat.completions.create(
+        model="m", messages=MESSAGES, temperature=0, stream=True
+    )
     with pytest.raises(openai.APIError):
         async for _ in stream:
             pass

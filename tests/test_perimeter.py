@@ -41,9 +41,11 @@ from fakes.errors import assert_openai_error
 
 ADMIN = "perimeter-admin-token"
 BEARER = {"Authorization": f"Bearer {ADMIN}"}
-PROPERTY = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                           HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
 
 
@@ -67,21 +69,28 @@ def address(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def raw_request(url: str, method: str, target: bytes, body: bytes = b"",
-                      headers: Mapping[str, str] | None = None) -> Raw:
+async def raw_request(
+    url: str,
+    method: str,
+    target: bytes,
+    body: bytes = b"",
+    headers: Mapping[str, str] | None = None,
+) -> Raw:
     """One request whose request line is ``target`` exactly as given (nothing normalised)."""
     host, port = address(url)
     reader, writer = await asyncio.open_connection(host, port)
-    lines = [method.encode() + b" " + target + b" HTTP/1.1", f"host: {host}".encode(),
-             f"content-length: {len(body)}".encode(), b"connection: close"]
+    lines = [
+        method.encode() + b" " + target + b" HTTP/1.1",
+        f"host: {host}".encode(),
+        f"content-length: {len(body)}".encode(),
+        b"connection: close",
+    ]
     lines += [f"{k}: {v}".encode("latin-1") for k, v in (headers or {}).items()]
     writer.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
     await writer.drain()
     raw = await reader.read()
     writer.close()
     return Raw(raw)
-
-
 
 
 def closed_port() -> int:
@@ -98,48 +107,109 @@ def segments(path: str) -> list[str]:
 # --- 1. pass-through is confined to the upstream's /v1 ------------------------------------------
 
 ESCAPES = [
-    b"/v1/../admin", b"/v1/./x/../../metrics", b"/v1/models/../../health", b"/v1/.",
-    b"/v1/%2e%2e/admin", b"/v1/%2E%2E/admin", b"/v1/.%2e/metrics", b"/v1/%2e./metrics",
-    b"/v1/%2e", b"/v1/x/%2e%2e%2f%2e%2e%2fadmin", b"/v1/%252e%252e/admin",
-    b"/v1/%25252e%25252e/admin", b"/v1/a%2fb", b"/v1/..%2Fadmin", b"/v1/a%5cb", b"/v1/a%5C..",
-    b"/v1/a\\b", b"/v1/..\\admin", b"/v1/a%00b", b"/v1/a%0ab", b"/v1/a%7f", b"/v1//admin",
-    b"/v1/models//x", b"/v1/%c0%ae%c0%ae/admin", b"/v1/%ef%bc%8e%ef%bc%8e/admin",
-    b"/v1/..;/admin", b"/v1/.../admin", b"/v1/a%zz", b"/v1%2f..%2fadmin", b"/v1%2F%2E%2E/admin",
-    b"/%76%31/models", b"/v1/%2e%2e%2fadmin?x=1",
+    b"/v1/../admin",
+    b"/v1/./x/../../metrics",
+    b"/v1/models/../../health",
+    b"/v1/.",
+    b"/v1/%2e%2e/admin",
+    b"/v1/%2E%2E/admin",
+    b"/v1/.%2e/metrics",
+    b"/v1/%2e./metrics",
+    b"/v1/%2e",
+    b"/v1/x/%2e%2e%2f%2e%2e%2fadmin",
+    b"/v1/%252e%252e/admin",
+    b"/v1/%25252e%25252e/admin",
+    b"/v1/a%2fb",
+    b"/v1/..%2Fadmin",
+    b"/v1/a%5cb",
+    b"/v1/a%5C..",
+    b"/v1/a\\b",
+    b"/v1/..\\admin",
+    b"/v1/a%00b",
+    b"/v1/a%0ab",
+    b"/v1/a%7f",
+    b"/v1//admin",
+    b"/v1/models//x",
+    b"/v1/%c0%ae%c0%ae/admin",
+    b"/v1/%ef%bc%8e%ef%bc%8e/admin",
+    b"/v1/..;/admin",
+    b"/v1/.../admin",
+    b"/v1/a%zz",
+    b"/v1%2f..%2fadmin",
+    b"/v1%2F%2E%2E/admin",
+    b"/%76%31/models",
+    b"/v1/%2e%2e%2fadmin?x=1",
 ]
 
 
 @pytest.mark.parametrize("target", ESCAPES, ids=lambda t: t.decode("latin-1"))
 async def test_a_path_that_could_leave_v1_is_refused_and_never_reaches_the_upstream(
-        gw, fake, target):
+    gw, fake, target
+):
     response = await raw_request(gw.url, "GET", target)
     assert response.status_code == 400, (target, response.status_code, response.text)
     if response.headers.get("content-type", "").startswith("application/json"):
         assert_openai_error(response, 400, "invalid_path")
-    else:                       # refused by the HTTP server itself (an invalid request line)
+    else:  # refused by the HTTP server itself (an invalid request line)
         assert target.count(b"\\") or b"%" not in target
     assert fake.calls == []
-    assert (await gw.client.get("/v1/models")).status_code == 200         # still serving
+    assert (await gw.client.get("/v1/models")).status_code == 200  # still serving
 
 
-async def test_passthrough_forwards_the_path_under_the_upstreams_v1_and_the_query_as_is(
-        gw, fake):
+async def test_passthrough_forwards_the_path_under_the_upstreams_v1_and_the_query_as_is(gw, fake):
     response = await raw_request(gw.url, "GET", b"/v1/models/meta-llama%40x?api-version=2&q=%20a")
     assert response.status_code == 200, response.text
     (call,) = fake.calls
-    assert (call.method, call.path, call.query) == ("GET", "/v1/models/meta-llama@x",
-                                                    "api-version=2&q=%20a")
+    assert (call.method, call.path, call.query) == (
+        "GET",
+        "/v1/models/meta-llama@x",
+        "api-version=2&q=%20a",
+    )
     posted = await gw.client.post("/v1/files/f%C3%A9/content?purpose=x", content=b"abc")
     assert posted.status_code == 200 and posted.json()["path"] == "/v1/files/fé/content"
     assert fake.calls[-1].query == "purpose=x"
 
 
 SEGMENT = st.one_of(
-    st.sampled_from(["models", "x", ".", "..", "...", "%2e", "%2E", "%2e%2e", ".%2E", "%2f",
-                     "%2F", "%5c", "%5C", "%252e", "%252e%252e", "%25252f", "%00", "%0a", "%7f",
-                     "", "a%20b", "%", "%zz", "..;x", "%c0%ae", "%ef%bc%8e%ef%bc%8e", "admin",
-                     "metrics", "%40", "caf%C3%A9", "%25", "a;b", "~u"]),
-    st.text(alphabet="abcAZ09-._~%/\\:@!$&'()*+,;=", min_size=1, max_size=6))
+    st.sampled_from(
+        [
+            "models",
+            "x",
+            ".",
+            "..",
+            "...",
+            "%2e",
+            "%2E",
+            "%2e%2e",
+            ".%2E",
+            "%2f",
+            "%2F",
+            "%5c",
+            "%5C",
+            "%252e",
+            "%252e%252e",
+            "%25252f",
+            "%00",
+            "%0a",
+            "%7f",
+            "",
+            "a%20b",
+            "%",
+            "%zz",
+            "..;x",
+            "%c0%ae",
+            "%ef%bc%8e%ef%bc%8e",
+            "admin",
+            "metrics",
+            "%40",
+            "caf%C3%A9",
+            "%25",
+            "a;b",
+            "~u",
+        ]
+    ),
+    st.text(alphabet="abcAZ09-._~%/\\:@!$&'()*+,;=", min_size=1, max_size=6),
+)
 
 
 @PROPERTY
@@ -166,17 +236,22 @@ async def test_passthrough_allow_list_forwards_only_the_listed_prefixes(fake, ga
             assert (await gw.client.get(path)).status_code == 200, path
         for path in ("/v1/modelsx", "/v1/files", "/v1/files/other", "/v1/fine_tuning/jobs"):
             assert_openai_error(await gw.client.get(path), 403, "path_not_allowed")
-        assert_openai_error(await raw_request(gw.url, "GET", b"/v1/models/../admin"), 400,
-                            "invalid_path")
-        assert [c.path for c in fake.calls] == ["/v1/models", "/v1/models/m1",
-                                                "/v1/files/uploads/u1"]
-    async with gateway_with(passthrough={"allow": []}) as gw:                 # off
+        assert_openai_error(
+            await raw_request(gw.url, "GET", b"/v1/models/../admin"), 400, "invalid_path"
+        )
+        assert [c.path for c in fake.calls] == [
+            "/v1/models",
+            "/v1/models/m1",
+            "/v1/files/uploads/u1",
+        ]
+    async with gateway_with(passthrough={"allow": []}) as gw:  # off
         assert_openai_error(await gw.client.get("/v1/models"), 403, "path_not_allowed")
-        assert (await gw.chat()).status_code == 200                 # cached endpoints unaffected
+        assert (await gw.chat()).status_code == 200  # cached endpoints unaffected
 
 
-@pytest.mark.parametrize("prefix", ["models", "/../admin", "/models/./x", "//x", "/a%2fb",
-                                    "/a\\b", "/a?b"])
+@pytest.mark.parametrize(
+    "prefix", ["models", "/../admin", "/models/./x", "//x", "/a%2fb", "/a\\b", "/a?b"]
+)
 def test_passthrough_allow_list_entries_must_be_plain_paths(prefix):
     with pytest.raises(ConfigError, match="passthrough.allow"):
         Config.load(overrides={"passthrough": {"allow": [prefix]}}, env={})
@@ -199,12 +274,21 @@ SECRET_USER, SECRET_PASSWORD, SECRET_KEY = "alice", "pa55-s3cret", "k3y-in-query
 
 
 def private_bits(port: int) -> list[str]:
-    return [SECRET_USER, SECRET_PASSWORD, SECRET_KEY, "127.0.0.1", str(port), "Error(",
-            "ConnectionKey", "Connect call"]
+    return [
+        SECRET_USER,
+        SECRET_PASSWORD,
+        SECRET_KEY,
+        "127.0.0.1",
+        str(port),
+        "Error(",
+        "ConnectionKey",
+        "Connect call",
+    ]
 
 
 async def test_an_unreachable_upstream_is_named_in_words_without_address_credentials_or_repr(
-        caplog):
+    caplog,
+):
     port = closed_port()
     url = f"http://{SECRET_USER}:{SECRET_PASSWORD}@127.0.0.1:{port}/v1?key={SECRET_KEY}"
     async with run_gateway([url]) as gw:
@@ -238,8 +322,9 @@ async def test_credentials_in_an_upstream_url_are_sent_as_basic_auth_not_in_the_
         # aiohttp refuses a URL's credentials beside an Authorization header: that was a 500.
         answered = await gw.chat(headers={"Authorization": "Bearer client-key"})
         assert answered.status_code == 200, answered.text
-        assert (await gw.client.get("/v1/models",
-                                    headers={"Authorization": "Bearer k"})).status_code == 200
+        assert (
+            await gw.client.get("/v1/models", headers={"Authorization": "Bearer k"})
+        ).status_code == 200
     basic = "Basic " + base64.b64encode(f"{SECRET_USER}:{SECRET_PASSWORD}".encode()).decode()
     assert [c.headers["authorization"] for c in fake.calls] == [basic, basic]
 
@@ -247,8 +332,9 @@ async def test_credentials_in_an_upstream_url_are_sent_as_basic_auth_not_in_the_
 async def test_configured_upstream_names_are_what_every_surface_says(fake):
     host, port = address(fake.url)
     dead = f"http://127.0.0.1:{closed_port()}/v1"
-    async with run_gateway([fake.url, dead], upstream_names=["gpu-a", "gpu-b"],
-                           routing={"policy": "round-robin"}) as gw:
+    async with run_gateway(
+        [fake.url, dead], upstream_names=["gpu-a", "gpu-b"], routing={"policy": "round-robin"}
+    ) as gw:
         for i in range(4):
             assert (await gw.chat(f"q{i}")).status_code == 200
         stats = (await gw.client.get("/stats")).json()
@@ -270,17 +356,27 @@ async def test_the_same_upstream_twice_gets_two_distinct_names(fake):
         health = (await gw.client.get("/healthz")).json()
         assert set(health["replicas"]) == {"replica-0", "replica-1"}
     named = replica_names(["http://u:p@h:1/v1?k=1", "http://h:1/v1", "http://v:q@h:1/v1"])
-    assert named == [("http://h:1/v1", "replica-0"), ("http://h:1/v1#2", "replica-1"),
-                     ("http://h:1/v1#3", "replica-2")]
+    assert named == [
+        ("http://h:1/v1", "replica-0"),
+        ("http://h:1/v1#2", "replica-1"),
+        ("http://h:1/v1#3", "replica-2"),
+    ]
 
 
-@pytest.mark.parametrize("names, why", [(["a"], "one name per upstream"),
-                                        (["a", "a"], "distinct"), (["a", ""], "printable"),
-                                        (["a", "b\n"], "printable")])
+@pytest.mark.parametrize(
+    "names, why",
+    [
+        (["a"], "one name per upstream"),
+        (["a", "a"], "distinct"),
+        (["a", ""], "printable"),
+        (["a", "b\n"], "printable"),
+    ],
+)
 def test_upstream_names_are_one_per_upstream_distinct_and_printable(names, why):
     with pytest.raises(ConfigError, match=f"upstream_names.*{why}"):
-        Config.load(overrides={"upstreams": ["http://a/v1", "http://b/v1"],
-                               "upstream_names": names}, env={})
+        Config.load(
+            overrides={"upstreams": ["http://a/v1", "http://b/v1"], "upstream_names": names}, env={}
+        )
 
 
 ADMIN_SURFACES = ["/stats", "/metrics", "/dashboard"]
@@ -293,16 +389,21 @@ async def test_with_an_admin_token_stats_metrics_and_dashboard_require_it(fake, 
 
     async with gateway_with(admin_token=ADMIN) as gw:
         for path in ADMIN_SURFACES:
-            for refused in (None, {"Authorization": "Bearer nope"},
-                            {"Authorization": f"Bearer {ADMIN}x"},
-                            {"Authorization": f"bearer {ADMIN}"}, {"Authorization": ADMIN},
-                            {"Authorization": f"Basic {ADMIN}"}, basic(ADMIN, "nope"),
-                            {"x-admin-token": ADMIN}):
+            for refused in (
+                None,
+                {"Authorization": "Bearer nope"},
+                {"Authorization": f"Bearer {ADMIN}x"},
+                {"Authorization": f"bearer {ADMIN}"},
+                {"Authorization": ADMIN},
+                {"Authorization": f"Basic {ADMIN}"},
+                basic(ADMIN, "nope"),
+                {"x-admin-token": ADMIN},
+            ):
                 response = await gw.client.get(path, headers=refused)
                 assert_openai_error(response, 401, "unauthorized")
                 challenges = response.headers.get_list("www-authenticate")
                 assert any(c.startswith("Bearer") for c in challenges)
-                assert any(c.startswith("Basic") for c in challenges)   # a browser asks
+                assert any(c.startswith("Basic") for c in challenges)  # a browser asks
                 assert ADMIN not in response.text
             assert (await gw.client.get(path, headers=BEARER)).status_code == 200, path
             # Basic with the token as password: what a browser sends once asked.
@@ -310,7 +411,7 @@ async def test_with_an_admin_token_stats_metrics_and_dashboard_require_it(fake, 
             assert (await gw.client.get(path, headers=basic("me", ADMIN))).status_code == 200
         for open_path in ("/healthz", "/readyz", "/openapi.json"):
             assert (await gw.client.get(open_path)).status_code == 200, open_path
-    async with gateway_with() as gw:                                   # no token: open
+    async with gateway_with() as gw:  # no token: open
         for path in ADMIN_SURFACES:
             assert (await gw.client.get(path)).status_code == 200, path
 
@@ -329,11 +430,13 @@ async def test_the_dashboard_polls_stats_with_what_the_browser_was_asked_for(fak
 
 def test_the_admin_surfaces_compare_the_token_in_constant_time():
     from carpool import server
+
     source = inspect.getsource(server._admin_refusal)
     assert "hmac.compare_digest(" in source and "== expected" not in source
 
 
 # --- 3. bad input stays bad input ----------------------------------------------------------------
+
 
 def nested(depth: int, kind: str) -> bytes:
     if kind == "[":
@@ -343,35 +446,52 @@ def nested(depth: int, kind: str) -> bytes:
 
 def chat_with(extra: bytes, where: str) -> bytes:
     if where == "field":
-        return (b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}],"x":'
-                + extra + b"}")
-    return (b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x","meta":'
-            + extra + b"}]}")
+        return (
+            b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}],"x":'
+            + extra
+            + b"}"
+        )
+    return (
+        b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x","meta":'
+        + extra
+        + b"}]}"
+    )
 
 
 @pytest.mark.parametrize("depth", [100, 300, 600, 900, 1100])
 async def test_json_nested_hundreds_of_levels_deep_is_a_400_not_a_500(gw, fake, depth):
     for kind in "[{":
-        response = await gw.client.post("/v1/chat/completions", content=chat_with(
-            nested(depth, kind), "field"), headers={"content-type": "application/json"})
+        response = await gw.client.post(
+            "/v1/chat/completions",
+            content=chat_with(nested(depth, kind), "field"),
+            headers={"content-type": "application/json"},
+        )
         error = assert_openai_error(response, 400)
         assert error["code"] in ("too_deep", "invalid_json")
-        assert len(response.content) < 1000                        # no traceback in it
+        assert len(response.content) < 1000  # no traceback in it
     assert fake.calls == []
     assert (await gw.chat()).status_code == 200
 
 
 @PROPERTY
-@given(depth=st.integers(min_value=1, max_value=1200), kind=st.sampled_from("[{"),
-       where=st.sampled_from(["field", "message"]),
-       path=st.sampled_from(["/v1/chat/completions", "/v1/embeddings"]))
-async def test_any_nesting_depth_gets_a_400_or_an_answer_never_a_500(gw, fake, depth, kind,
-                                                                     where, path):
+@given(
+    depth=st.integers(min_value=1, max_value=1200),
+    kind=st.sampled_from("[{"),
+    where=st.sampled_from(["field", "message"]),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/embeddings"]),
+)
+async def test_any_nesting_depth_gets_a_400_or_an_answer_never_a_500(
+    gw, fake, depth, kind, where, path
+):
     extra = nested(depth, kind)
-    body = chat_with(extra, where) if path.endswith("completions") else \
-        b'{"model":"e","input":"x","x":' + extra + b"}"
-    response = await gw.client.post(path, content=body,
-                                    headers={"content-type": "application/json"})
+    body = (
+        chat_with(extra, where)
+        if path.endswith("completions")
+        else b'{"model":"e","input":"x","x":' + extra + b"}"
+    )
+    response = await gw.client.post(
+        path, content=body, headers={"content-type": "application/json"}
+    )
     # The body's own levels: the top object, the message list and message when inside one.
     levels = depth + (1 if where == "field" or path == "/v1/embeddings" else 3)
     if levels <= LimitsConfig().max_json_depth:
@@ -385,7 +505,7 @@ def test_max_json_depth_is_the_deepest_nesting_parse_accepts():
     def request(depth: int) -> ClientRequest:
         return ClientRequest("/v1/chat/completions", chat_with(nested(depth, "["), "field"))
 
-    parse(request(3), 1 << 20, max_json_depth=4)              # object + 3 lists: 4 levels
+    parse(request(3), 1 << 20, max_json_depth=4)  # object + 3 lists: 4 levels
     with pytest.raises(RequestError) as refused:
         parse(request(4), 1 << 20, max_json_depth=4)
     assert (refused.value.status, refused.value.code) == (400, "too_deep")
@@ -397,35 +517,36 @@ async def test_the_admin_invalidate_body_nested_deep_is_a_400(fake, gateway_with
     async with gateway_with(admin_token=ADMIN) as gw:
         for depth in (300, 900, 1100):
             for body in (nested(depth, "["), b'{"tag":' + nested(depth, "{") + b"}"):
-                response = await gw.client.post("/admin/invalidate", content=body,
-                                                headers=BEARER)
+                response = await gw.client.post("/admin/invalidate", content=body, headers=BEARER)
                 assert_openai_error(response, 400)
         ok = await gw.client.post("/admin/invalidate", json={"all": True}, headers=BEARER)
         assert ok.json() == {"invalidated": 0}
 
 
-async def test_passthrough_and_admin_bodies_over_the_limit_are_413_and_not_sent(
-        fake, gateway_with):
+async def test_passthrough_and_admin_bodies_over_the_limit_are_413_and_not_sent(fake, gateway_with):
     async with gateway_with(admin_token=ADMIN, limits={"max_body_bytes": 1000}) as gw:
         big = b"x" * 2000
-        assert_openai_error(await gw.client.post("/v1/files", content=big), 413,
-                            "body_too_large")
-        assert_openai_error(await gw.client.post("/admin/invalidate", content=big,
-                                                 headers=BEARER), 413, "body_too_large")
+        assert_openai_error(await gw.client.post("/v1/files", content=big), 413, "body_too_large")
+        assert_openai_error(
+            await gw.client.post("/admin/invalidate", content=big, headers=BEARER),
+            413,
+            "body_too_large",
+        )
         assert fake.calls == []
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/files", "/admin/invalidate"])
-async def test_a_body_that_trickles_in_gets_408_and_nothing_goes_upstream(
-        fake, gateway_with, path):
+async def test_a_body_that_trickles_in_gets_408_and_nothing_goes_upstream(fake, gateway_with, path):
     async with gateway_with(admin_token=ADMIN, limits={"body_read_timeout": 0.3}) as gw:
         host, port = address(gw.url)
         reader, writer = await asyncio.open_connection(host, port)
         body = orjson.dumps(CHAT_BODY)
-        writer.write(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json"
-                     f"\r\ncontent-length: {len(body)}\r\nauthorization: Bearer {ADMIN}\r\n\r\n"
-                     .encode() + body[:10])
-        await writer.drain()                  # ...and the rest never comes
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json"
+            f"\r\ncontent-length: {len(body)}\r\nauthorization: Bearer {ADMIN}\r\n\r\n".encode()
+            + body[:10]
+        )
+        await writer.drain()  # ...and the rest never comes
         # Bounded only so that a regression fails instead of hanging; the gateway answers on
         # its own, and closes the connection (the rest of that body is not welcome).
         raw = await asyncio.wait_for(reader.read(), 30)
@@ -434,13 +555,15 @@ async def test_a_body_that_trickles_in_gets_408_and_nothing_goes_upstream(
         assert_openai_error(response, 408, "body_timeout")
         assert response.headers.get("connection") == "close"
         assert fake.calls == []
-        assert (await gw.chat()).status_code == 200                # and it serves the next one
+        assert (await gw.chat()).status_code == 200  # and it serves the next one
 
 
 # --- 4. operators see a dead upstream ----------------------------------------------------------------
 
+
 async def test_a_dead_upstream_is_logged_named_without_credentials_and_healthz_readyz_say_so(
-        caplog):
+    caplog,
+):
     caplog.set_level(logging.WARNING, logger="carpool")
     port = closed_port()
     url = f"http://{SECRET_USER}:{SECRET_PASSWORD}@127.0.0.1:{port}/v1"
@@ -448,15 +571,18 @@ async def test_a_dead_upstream_is_logged_named_without_credentials_and_healthz_r
         # Nothing known yet: /readyz asks the replica itself, and finds it dead.
         assert (await gw.client.get("/readyz")).status_code == 503
         assert_openai_error(await gw.chat(), 502, "upstream_unreachable")
-        warnings = [r for r in caplog.records
-                    if r.name == "carpool.routing" and r.levelno == logging.WARNING]
+        warnings = [
+            r
+            for r in caplog.records
+            if r.name == "carpool.routing" and r.levelno == logging.WARNING
+        ]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         line = warnings[0].getMessage()
         assert "replica-0" in line and f"127.0.0.1:{port}/v1" in line
         assert "connection refused" in line
         assert SECRET_USER not in caplog.text and SECRET_PASSWORD not in caplog.text
         health = await gw.client.get("/healthz")
-        assert health.status_code == 200                                   # still alive
+        assert health.status_code == 200  # still alive
         assert health.json()["status"] == "degraded"
         assert health.json()["replicas"]["replica-0"]["healthy"] is False
         ready = await gw.client.get("/readyz")
@@ -467,11 +593,12 @@ async def test_healthz_and_readyz_with_a_healthy_upstream_and_with_the_simulator
     assert (await gw.chat()).status_code == 200
     health = await gw.client.get("/healthz")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    assert health.json()["replicas"] == {"replica-0": {"healthy": True, "state": "healthy",
-                                                       "failures": 0}}
+    assert health.json()["replicas"] == {
+        "replica-0": {"healthy": True, "state": "healthy", "failures": 0}
+    }
     ready = await gw.client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["ready"] is True
-    async with run_gateway([]) as simulated:                     # the embedded simulator
+    async with run_gateway([]) as simulated:  # the embedded simulator
         assert (await simulated.chat()).status_code == 200
         assert (await simulated.client.get("/readyz")).status_code == 200
         assert (await simulated.client.get("/healthz")).json()["status"] == "ok"
@@ -485,8 +612,9 @@ class Dead:
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         raise UpstreamUnreachable("upstream replica-0 is unreachable (connection refused)")
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         raise UpstreamUnreachable("upstream replica-0 is unreachable (connection refused)")
 
     async def aclose(self) -> None:
@@ -496,8 +624,9 @@ class Dead:
 async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with_a_count(caplog):
     caplog.set_level(logging.INFO, logger="carpool.routing")
     now = [1000.0]
-    replicas = ReplicaSet([Dead()], build_policy("round-robin"), clock=lambda: now[0],
-                          log_interval=30)
+    replicas = ReplicaSet(
+        [Dead()], build_policy("round-robin"), clock=lambda: now[0], log_interval=30
+    )
     request = UpstreamRequest("/chat/completions", {"model": "m"})
 
     async def fail_at(t: float) -> None:
@@ -508,13 +637,14 @@ async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with
     for t in (1000, 1001, 1010, 1029):
         await fail_at(t)
     with pytest.raises(UpstreamUnreachable):
-        await replicas.passthrough("GET", "/models", b"", {}, b"")      # counts too
+        await replicas.passthrough("GET", "/models", b"", {}, b"")  # counts too
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        caplog.records[0].getMessage()]
+        caplog.records[0].getMessage()
+    ]
     assert "replica-0 (http://10.0.0.9:8000/v1)" in caplog.records[0].getMessage()
     await fail_at(1031)
     second = caplog.records[-1].getMessage()
     assert len(caplog.records) == 2 and "4 more failure(s) not logged in the last 31 s" in second
     assert replicas.replicas[0].errors == 6 and not await replicas.ready()
-    now[0] = 5000                                # back-off over: /readyz probes it, in vain
+    now[0] = 5000  # back-off over: /readyz probes it, in vain
     assert not await replicas.ready() and replicas.replicas[0].errors == 7

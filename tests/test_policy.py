@@ -22,6 +22,7 @@ async def outcome(served, content="What is carpool?", **headers) -> str:
 
 # --- Cache-Control ----------------------------------------------------------------------------
 
+
 async def test_no_cache_calls_upstream_and_stores_the_result(gw, fake):
     assert await outcome(gw) == "miss"
     assert await outcome(gw, **{"Cache-Control": "no-cache"}) == "miss"
@@ -37,16 +38,18 @@ async def test_no_cache_still_joins_a_call_in_flight(gw, fake):
     second = asyncio.create_task(gw.chat(headers={"Cache-Control": "no-cache"}))
     await eventually(lambda: clients_on_flights(gw) == 2)
     fake.gate.set()
-    assert [r.headers["x-carpool"] for r in await asyncio.gather(first, second)] == \
-        ["miss", "coalesced"]
+    assert [r.headers["x-carpool"] for r in await asyncio.gather(first, second)] == [
+        "miss",
+        "coalesced",
+    ]
     assert fake.count() == 1
 
 
 async def test_no_store_neither_reads_nor_writes_the_cache(gw, fake):
     assert await outcome(gw, **{"Cache-Control": "no-store"}) == "miss"
     assert gw.gateway.store.entries == 0
-    assert await outcome(gw) == "miss"                     # nothing was stored
-    assert await outcome(gw, **{"Cache-Control": "no-store"}) == "miss"   # nothing is read
+    assert await outcome(gw) == "miss"  # nothing was stored
+    assert await outcome(gw, **{"Cache-Control": "no-store"}) == "miss"  # nothing is read
     assert fake.count() == 3
 
 
@@ -65,7 +68,7 @@ async def test_no_store_may_still_coalesce_with_a_call_in_flight(gw, fake):
 async def test_max_age_refuses_an_answer_older_than_n_seconds(gw, fake):
     assert await outcome(gw) == "miss"
     assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "hit"
-    await asyncio.sleep(1.3)                                # the scenario: a 1.3 s old answer
+    await asyncio.sleep(1.3)  # the scenario: a 1.3 s old answer
     assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "miss"
     assert await outcome(gw, **{"Cache-Control": "max-age=60"}) == "hit"
 
@@ -78,11 +81,12 @@ async def test_a_malformed_cache_control_is_400(gw, fake, value):
 
 # --- per-type TTL -----------------------------------------------------------------------------
 
+
 async def test_a_type_with_ttl_1s_expires(fake, gateway_with):
     async with gateway_with(cache={"types": {"short": {"ttl": 1}}}) as gw:
         assert await outcome(gw, **{"x-carpool-type": "short"}) == "miss"
         assert await outcome(gw, **{"x-carpool-type": "short"}) == "hit"
-        await asyncio.sleep(1.1)                            # the scenario: past its ttl
+        await asyncio.sleep(1.1)  # the scenario: past its ttl
         assert await outcome(gw, **{"x-carpool-type": "short"}) == "miss"
 
 
@@ -94,9 +98,11 @@ async def test_factual_is_never_stored_but_coalesced_in_flight_and_within_the_wi
     second = asyncio.create_task(gw.chat(headers=factual))
     await eventually(lambda: clients_on_flights(gw) == 2)
     fake.gate.set()
-    assert [r.headers["x-carpool"] for r in await asyncio.gather(first, second)] == \
-        ["miss", "coalesced"]
-    assert await outcome(gw, **factual) == "coalesced"      # within the 1 s window
+    assert [r.headers["x-carpool"] for r in await asyncio.gather(first, second)] == [
+        "miss",
+        "coalesced",
+    ]
+    assert await outcome(gw, **factual) == "coalesced"  # within the 1 s window
     assert gw.gateway.store.entries == 0 and fake.count() == 1
 
 
@@ -109,11 +115,12 @@ async def test_factual_after_the_window_calls_upstream_again(fake, gateway_with)
 
 # --- freshness tokens -------------------------------------------------------------------------
 
+
 async def test_an_answer_stored_under_one_freshness_token_is_never_served_under_another(gw, fake):
     assert await outcome(gw, **{"x-carpool-freshness": "faq-2026-11-01"}) == "miss"
     assert await outcome(gw, **{"x-carpool-freshness": "faq-2026-11-01"}) == "hit"
     assert await outcome(gw, **{"x-carpool-freshness": "faq-2026-11-29"}) == "miss"
-    assert await outcome(gw) == "miss"                      # no token is another token too
+    assert await outcome(gw) == "miss"  # no token is another token too
 
 
 async def test_different_freshness_tokens_do_not_coalesce(gw, fake):
@@ -155,17 +162,20 @@ async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
 
 async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gateway_with):
     async with gateway_with(admin_token="s3cret") as gw:
-        wrong = await gw.client.post("/admin/invalidate", json={"all": True},
-                                     headers={"Authorization": "Bearer nope"})
+        wrong = await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer nope"}
+        )
         assert wrong.status_code == 401
         bad = await gw.client.post("/admin/invalidate", json={"colour": "red"}, headers=ADMIN)
         assert bad.status_code == 400
     async with gateway_with() as gw:
-        assert (await gw.client.post("/admin/invalidate", json={"all": True},
-                                     headers=ADMIN)).status_code == 404
+        assert (
+            await gw.client.post("/admin/invalidate", json={"all": True}, headers=ADMIN)
+        ).status_code == 404
 
 
 # --- tenants and namespaces -------------------------------------------------------------------
+
 
 async def test_two_tenants_asking_the_same_question_at_the_same_moment_cause_two_calls(gw, fake):
     fake.gate = asyncio.Event()
@@ -184,11 +194,14 @@ async def test_a_configured_shared_namespace_is_shared_across_tenants(fake, gate
         shared = {"x-carpool-namespace": "public-faq"}
         assert await outcome(gw, **{"Authorization": "Bearer a", **shared}) == "miss"
         # b reads the shared namespace once the upstream has accepted its key.
-        assert await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "own"}) \
+        assert (
+            await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "own"})
             == "miss"
+        )
         assert await outcome(gw, **{"Authorization": "Bearer b", **shared}) == "hit"
-        assert await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "x"}) == \
-            "miss"
+        assert (
+            await outcome(gw, **{"Authorization": "Bearer b", "x-carpool-namespace": "x"}) == "miss"
+        )
 
 
 async def test_namespaces_are_separate_partitions(gw, fake):
@@ -207,6 +220,7 @@ async def test_a_configured_tenant_header_separates_tenants(fake, gateway_with):
 
 
 # --- sampling policies ------------------------------------------------------------------------
+
 
 async def test_x_carpool_share_sampled_shares_only_identical_parameters(gw, fake):
     opt_in = {"x-carpool-share": "sampled"}

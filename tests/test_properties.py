@@ -32,9 +32,12 @@ from carpool.request import ClientRequest, parse
 
 CHAT = "/v1/chat/completions"
 CONFIG = Config()
-SHARE = {"x-carpool-share": "sampled"}     # every chat request gets a key, sampled ones too
-PROPERTY = settings(max_examples=80, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SHARE = {"x-carpool-share": "sampled"}  # every chat request gets a key, sampled ones too
+PROPERTY = settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def request_of(body: Any, headers: dict[str, str] | None = None, path: str = CHAT):
@@ -59,26 +62,48 @@ def digests(body: Any, headers: dict[str, str] | None = None) -> tuple[Any, ...]
 # Text: any code point but surrogates (not valid UTF-8, refused by the parser), with combining
 # marks and precomposed letters over-represented so that NFC/NFD differences come up often.
 _ACCENTED = "éèêëñçåÅÉöüÿǅﬁΩΆἀ한글가각\u0301\u0300\u0308\u0327\u030a\u0345"
-texts = st.text(alphabet=st.one_of(st.characters(exclude_categories=("Cs",)),
-                                   st.sampled_from(_ACCENTED)), max_size=24)
+texts = st.text(
+    alphabet=st.one_of(st.characters(exclude_categories=("Cs",)), st.sampled_from(_ACCENTED)),
+    max_size=24,
+)
 # Message text without ``` (fences keep white space; the reference collapses it everywhere).
 prose = texts.filter(lambda t: "`" not in t)
 names = st.text(alphabet=string.ascii_letters + "_", min_size=1, max_size=8)
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1),
-                         st.floats(allow_nan=False, allow_infinity=False), texts)
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(names, inner, max_size=3)), max_leaves=8)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    texts,
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(names, inner, max_size=3)),
+    max_leaves=8,
+)
 
-content = st.one_of(prose, st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                           "text": prose}), min_size=1,
-                                    max_size=2))
+content = st.one_of(
+    prose,
+    st.lists(
+        st.fixed_dictionaries({"type": st.just("text"), "text": prose}), min_size=1, max_size=2
+    ),
+)
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
-     "content": content},
-    optional={"name": names})
+    {
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+        "content": content,
+    },
+    optional={"name": names},
+)
 messages = st.lists(message, min_size=1, max_size=4)
-tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": names}, optional={"description": texts, "parameters": json_values})})
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": names}, optional={"description": texts, "parameters": json_values}
+        ),
+    }
+)
 
 # Every field that can change the output, each with values of its own type.
 OUTPUT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
@@ -89,35 +114,39 @@ OUTPUT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "top_k": st.integers(-1, 100),
     "max_tokens": st.integers(1, 2**64 - 1),
     "max_completion_tokens": st.integers(1, 4096),
-    "seed": st.integers(-2**63, 2**63 - 1),
+    "seed": st.integers(-(2**63), 2**63 - 1),
     "n": st.integers(1, 8),
     "stop": st.one_of(texts, st.lists(texts, max_size=4)),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
-    "logit_bias": st.dictionaries(st.integers(0, 50000).map(str), st.integers(-100, 100),
-                                  max_size=3),
+    "logit_bias": st.dictionaries(
+        st.integers(0, 50000).map(str), st.integers(-100, 100), max_size=3
+    ),
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 20),
     "response_format": st.one_of(
         st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
-        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": json_values})),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": json_values}),
+    ),
     "tools": st.lists(tool, max_size=2),
     "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values),
     "some_future_field": json_values,
 }
 chat_bodies = st.fixed_dictionaries(
     {"model": st.sampled_from(["m", "gpt-4o", "llama-3-8b"]), "messages": messages},
-    optional={k: v for k, v in OUTPUT_FIELDS.items() if k not in ("model", "messages")})
+    optional={k: v for k, v in OUTPUT_FIELDS.items() if k not in ("model", "messages")},
+)
 
 
 # --- reference equality and respelling ---------------------------------------------------------
+
 
 def ref(value: Any, *, text: bool = False) -> Any:
     """A value up to what the contract calls the same: numbers by value, NFC strings."""
     if isinstance(value, bool) or value is None:
         return ("literal", value)
     if isinstance(value, (int, float)):
-        return ("number", value)                 # Python compares int and float exactly
+        return ("number", value)  # Python compares int and float exactly
     if isinstance(value, str):
         value = unicodedata.normalize("NFC", value)
         return ("text", value)
@@ -130,8 +159,11 @@ def ref_messages(value: list[dict[str, Any]]) -> Any:
     out = []
     for m in value:
         parts = m["content"]
-        content = ref(parts, text=True) if isinstance(parts, str) else \
-            ("list", tuple(ref(p, text=True) for p in parts))
+        content = (
+            ref(parts, text=True)
+            if isinstance(parts, str)
+            else ("list", tuple(ref(p, text=True) for p in parts))
+        )
         out.append((ref({k: v for k, v in m.items() if k != "content"}), content))
     return tuple(out)
 
@@ -162,7 +194,7 @@ def decomposed(value: Any, form: str) -> Any:
     return value
 
 
-INTEGER_FIELDS = {"top_k", "seed", "n"}     # the parser wants JSON integers there (as OpenAI does)
+INTEGER_FIELDS = {"top_k", "seed", "n"}  # the parser wants JSON integers there (as OpenAI does)
 
 
 def spelled(value: Any, rng: random.Random, *, integral_only: bool = False) -> str:
@@ -173,10 +205,10 @@ def spelled(value: Any, rng: random.Random, *, integral_only: bool = False) -> s
         options = [str(value)]
         if value == 0:
             options.append("-0")
-        if not integral_only and float(value) == value:     # the same number as a float
+        if not integral_only and float(value) == value:  # the same number as a float
             options += [f"{value}.0", f"{value}e0", f"{value}.000E+0"]
             if value:
-                options.append(f"{value}0e-1")      # "00e-1" is not JSON (leading zero)
+                options.append(f"{value}0e-1")  # "00e-1" is not JSON (leading zero)
         return rng.choice(options)
     if isinstance(value, float):
         options = [repr(value), f"{value:.17e}", f"{value:.17g}", f"{value:.25E}"]
@@ -189,6 +221,7 @@ def spelled(value: Any, rng: random.Random, *, integral_only: bool = False) -> s
 
 
 # --- what never changes a key --------------------------------------------------------------------
+
 
 @PROPERTY
 @given(body=chat_bodies, rng=st.randoms(use_true_random=False))
@@ -203,12 +236,18 @@ def test_key_order_never_changes_a_fingerprint(body, rng):
 @given(body=chat_bodies, rng=st.randoms(use_true_random=False))
 def test_number_spelling_never_changes_a_fingerprint(body, rng):
     """0 / 0.0 / -0 / 0e0, 1 / 1.0 / 1e0 / 10e-1, 0.5 / 5.00000000000000000e-01: one value."""
-    raw = "{" + ",".join(json.dumps(k) + ":" + spelled(v, rng, integral_only=k in INTEGER_FIELDS)
-                         for k, v in body.items()) + "}"
+    raw = (
+        "{"
+        + ",".join(
+            json.dumps(k) + ":" + spelled(v, rng, integral_only=k in INTEGER_FIELDS)
+            for k, v in body.items()
+        )
+        + "}"
+    )
     assert key(raw.encode()) == key(body)
 
 
-@pytest.mark.parametrize("value", [2**53, 2**60, 2**63 - 1024, 2**64 - 2048, -2**63, 10**20])
+@pytest.mark.parametrize("value", [2**53, 2**60, 2**63 - 1024, 2**64 - 2048, -(2**63), 10**20])
 def test_a_large_integer_and_its_float_spelling_are_one_fingerprint(value):
     """Integral numbers beyond 2**53 (a 64-bit seed, a token budget) are integers in any
     spelling, up to the parser's integer range (past it every spelling is the same double)."""
@@ -230,65 +269,109 @@ def test_unicode_composition_never_changes_a_fingerprint(body, form):
 @given(text=prose)
 def test_canonically_equivalent_prompts_are_one_fingerprint_on_every_endpoint(text):
     nfd, nfc = unicodedata.normalize("NFD", text), unicodedata.normalize("NFC", text)
-    assert key({"model": "m", "temperature": 0, "prompt": nfd}, path="/v1/completions") == \
-        key({"model": "m", "temperature": 0, "prompt": nfc}, path="/v1/completions")
-    assert key({"model": "e", "input": [nfd, "b"]}, path="/v1/embeddings") == \
-        key({"model": "e", "input": [nfc, "b"]}, path="/v1/embeddings")
+    assert key({"model": "m", "temperature": 0, "prompt": nfd}, path="/v1/completions") == key(
+        {"model": "m", "temperature": 0, "prompt": nfc}, path="/v1/completions"
+    )
+    assert key({"model": "e", "input": [nfd, "b"]}, path="/v1/embeddings") == key(
+        {"model": "e", "input": [nfc, "b"]}, path="/v1/embeddings"
+    )
 
 
-SPACES = st.sampled_from([" ", "  ", "\n", "\t", " \n ", "\u00a0", "\u3000", "  \n", "\r\n",
-                          "\x0b", "\x1f"])
+SPACES = st.sampled_from(
+    [" ", "  ", "\n", "\t", " \n ", "\u00a0", "\u3000", "  \n", "\r\n", "\x0b", "\x1f"]
+)
 
 
 def _respaced(body: dict[str, Any], pad: list[str]) -> dict[str, Any]:
-    return {**body, "messages": [
-        {**m, "content": pad[0] + m["content"].replace(" ", pad[1]) + pad[2]}
-        if isinstance(m["content"], str) else m for m in body["messages"]]}
+    return {
+        **body,
+        "messages": [
+            {**m, "content": pad[0] + m["content"].replace(" ", pad[1]) + pad[2]}
+            if isinstance(m["content"], str)
+            else m
+            for m in body["messages"]
+        ],
+    }
 
 
 @PROPERTY
 @given(body=chat_bodies, pad=st.lists(SPACES, min_size=3, max_size=3))
 def test_white_space_is_meaning_any_change_of_it_changes_a_fingerprint(body, pad):
     respaced = _respaced(body, pad)
-    assert (key(respaced) == key(body)) is (ref_field("messages", respaced["messages"])
-                                            == ref_field("messages", body["messages"]))
+    assert (key(respaced) == key(body)) is (
+        ref_field("messages", respaced["messages"]) == ref_field("messages", body["messages"])
+    )
 
 
 @PROPERTY
-@given(body=chat_bodies, pad=st.lists(st.sampled_from([" ", "  ", "\n", "\t", " \n "]),
-                                      min_size=3, max_size=3))
+@given(
+    body=chat_bodies,
+    pad=st.lists(st.sampled_from([" ", "  ", "\n", "\t", " \n "]), min_size=3, max_size=3),
+)
 def test_with_collapse_opted_in_white_space_runs_and_ends_never_change_a_fingerprint(body, pad):
     collapse = Config(fingerprint={"normalize_whitespace": True})
 
     def collapsed(body: dict[str, Any]) -> str | None:
         return fingerprint(request_of(body), collapse).key
+
     assert collapsed(_respaced(body, pad)) == collapsed(body)
 
 
 @PROPERTY
-@given(body=chat_bodies, name=st.sampled_from(["authorization", "api-key", "x-api-key",
-                                               "openai-organization", "openai-project"]),
-       a=st.text(string.ascii_letters + string.digits + "-_ ", min_size=1, max_size=20),
-       b=st.text(string.ascii_letters + string.digits + "-_ ", min_size=1, max_size=20),
-       other=st.dictionaries(st.sampled_from(["authorization", "api-key", "x-api-key"]),
-                             st.sampled_from(["k1", "k2"]), max_size=2))
+@given(
+    body=chat_bodies,
+    name=st.sampled_from(
+        ["authorization", "api-key", "x-api-key", "openai-organization", "openai-project"]
+    ),
+    a=st.text(string.ascii_letters + string.digits + "-_ ", min_size=1, max_size=20),
+    b=st.text(string.ascii_letters + string.digits + "-_ ", min_size=1, max_size=20),
+    other=st.dictionaries(
+        st.sampled_from(["authorization", "api-key", "x-api-key"]),
+        st.sampled_from(["k1", "k2"]),
+        max_size=2,
+    ),
+)
 def test_any_credential_header_makes_the_tenant(body, name, a, b, other):
     base = {k: v for k, v in other.items() if k != name}
-    assert (key(body, {**base, name: a.strip() or "x"}) == key(body, {**base, name: b.strip() or "x"})) \
-        is ((a.strip() or "x") == (b.strip() or "x"))
-    assert key(body, {**base, name: "k"}) != key(body, base)      # present vs absent
+    assert (
+        key(body, {**base, name: a.strip() or "x"}) == key(body, {**base, name: b.strip() or "x"})
+    ) is ((a.strip() or "x") == (b.strip() or "x"))
+    assert key(body, {**base, name: "k"}) != key(body, base)  # present vs absent
 
 
-excluded = st.fixed_dictionaries({}, optional={
-    "user": json_values, "stream": st.booleans(),
-    "stream_options": st.one_of(st.none(), st.fixed_dictionaries(
-        {"include_usage": st.booleans()})), "metadata": json_values, "request_id": json_values})
-transport = st.dictionaries(st.sampled_from([
-    "x-request-id", "user-agent", "traceparent", "tracestate", "x-stainless-lang",
-    "x-stainless-retry-count", "accept", "accept-encoding",
-    "content-type", "cache-control", "x-carpool-tags", "connection", "x-forwarded-for"]),
+excluded = st.fixed_dictionaries(
+    {},
+    optional={
+        "user": json_values,
+        "stream": st.booleans(),
+        "stream_options": st.one_of(
+            st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})
+        ),
+        "metadata": json_values,
+        "request_id": json_values,
+    },
+)
+transport = st.dictionaries(
+    st.sampled_from(
+        [
+            "x-request-id",
+            "user-agent",
+            "traceparent",
+            "tracestate",
+            "x-stainless-lang",
+            "x-stainless-retry-count",
+            "accept",
+            "accept-encoding",
+            "content-type",
+            "cache-control",
+            "x-carpool-tags",
+            "connection",
+            "x-forwarded-for",
+        ]
+    ),
     st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=1, max_size=12),
-    max_size=5)
+    max_size=5,
+)
 
 
 @PROPERTY
@@ -296,13 +379,15 @@ transport = st.dictionaries(st.sampled_from([
 def test_excluded_fields_and_transport_headers_never_change_a_fingerprint(body, extra, headers):
     if "cache-control" in headers:
         headers["cache-control"] = random.Random(headers["cache-control"]).choice(
-            ["no-cache", "no-store", "max-age=5"])
+            ["no-cache", "no-store", "max-age=5"]
+        )
     before = key(body)
     assert key({**body, **extra}, headers) == before
     assert key({**extra, **body}, headers) == before
 
 
 # --- what always changes a key --------------------------------------------------------------------
+
 
 @PROPERTY
 @given(base=chat_bodies, data=st.data())
@@ -325,25 +410,30 @@ def test_messages_role_content_and_order_change_the_fingerprint(base, rng, data)
     msgs = base["messages"]
     reordered = list(msgs)
     rng.shuffle(reordered)
-    assert (key({**base, "messages": reordered}) == key(base)) is \
-        (ref_messages(reordered) == ref_messages(msgs))
+    assert (key({**base, "messages": reordered}) == key(base)) is (
+        ref_messages(reordered) == ref_messages(msgs)
+    )
     i = data.draw(st.integers(0, len(msgs) - 1), label="i")
     role = data.draw(st.sampled_from(["system", "user", "assistant", "tool"]), label="role")
-    edited = [*msgs[:i], {**msgs[i], "role": role}, *msgs[i + 1:]]
+    edited = [*msgs[:i], {**msgs[i], "role": role}, *msgs[i + 1 :]]
     assert (key({**base, "messages": edited}) == key(base)) is (role == msgs[i]["role"])
-    dropped = msgs[:i] + msgs[i + 1:]
+    dropped = msgs[:i] + msgs[i + 1 :]
     if dropped:
         assert key({**base, "messages": dropped}) != key(base)
 
 
-scope_tokens = st.text(alphabet=string.ascii_letters + string.digits + "*?[]{}:-_/.", min_size=1,
-                       max_size=20)
+scope_tokens = st.text(
+    alphabet=string.ascii_letters + string.digits + "*?[]{}:-_/.", min_size=1, max_size=20
+)
 
 
 @PROPERTY
-@given(body=chat_bodies, header=st.sampled_from(["authorization", "x-carpool-namespace",
-                                                 "x-carpool-freshness"]),
-       a=scope_tokens, b=scope_tokens)
+@given(
+    body=chat_bodies,
+    header=st.sampled_from(["authorization", "x-carpool-namespace", "x-carpool-freshness"]),
+    a=scope_tokens,
+    b=scope_tokens,
+)
 def test_tenant_namespace_and_freshness_always_scope_the_fingerprint(body, header, a, b):
     keys = key(body, {header: a}), key(body, {header: b})
     assert (keys[0] == keys[1]) is (a == b)
@@ -365,24 +455,56 @@ def test_endpoints_never_share_a_fingerprint(body):
 
 # --- the parser on anything at all ------------------------------------------------------------------
 
+
 @settings(max_examples=150, deadline=None)
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
-       body=st.one_of(json_values, st.dictionaries(
-           st.sampled_from(["model", "messages", "prompt", "input", "stream", "temperature",
-                            "top_p", "top_k", "seed", "n", "stream_options", "user"]),
-           json_values, max_size=6)),
-       headers=st.dictionaries(
-           st.sampled_from(["cache-control", "x-carpool-namespace", "x-carpool-type",
-                            "x-carpool-tags", "x-carpool-freshness", "x-carpool-share",
-                            "authorization"]),
-           st.text(max_size=30), max_size=3))
+@given(
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+    body=st.one_of(
+        json_values,
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "model",
+                    "messages",
+                    "prompt",
+                    "input",
+                    "stream",
+                    "temperature",
+                    "top_p",
+                    "top_k",
+                    "seed",
+                    "n",
+                    "stream_options",
+                    "user",
+                ]
+            ),
+            json_values,
+            max_size=6,
+        ),
+    ),
+    headers=st.dictionaries(
+        st.sampled_from(
+            [
+                "cache-control",
+                "x-carpool-namespace",
+                "x-carpool-type",
+                "x-carpool-tags",
+                "x-carpool-freshness",
+                "x-carpool-share",
+                "authorization",
+            ]
+        ),
+        st.text(max_size=30),
+        max_size=3,
+    ),
+)
 def test_the_parser_answers_any_json_with_a_request_or_a_request_error(path, body, headers):
     try:
         request = parse(ClientRequest(path, orjson.dumps(body), headers), 1 << 20)
     except RequestError as error:
         assert error.status in (400, 413) and error.message
         return
-    fp = fingerprint(request, CONFIG)           # and whatever was accepted can be keyed
+    fp = fingerprint(request, CONFIG)  # and whatever was accepted can be keyed
     assert fp.key is None or (len(fp.key) == 32 and set(fp.key) <= set(string.hexdigits))
     semantic_view(request, fp, CONFIG)
     request_digest(request, fp, CONFIG)
@@ -398,8 +520,7 @@ def test_the_parser_answers_any_bytes_with_a_request_or_a_request_error(raw):
 
 
 @PROPERTY
-@given(body=chat_bodies, secret=st.text(alphabet=string.ascii_letters, min_size=12,
-                                        max_size=40))
+@given(body=chat_bodies, secret=st.text(alphabet=string.ascii_letters, min_size=12, max_size=40))
 def test_a_key_is_a_digest_carrying_no_credential_and_no_prompt(body, secret):
     headers = {"authorization": f"Bearer sk-{secret}"}
     request = request_of(body, headers)

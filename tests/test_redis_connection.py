@@ -23,9 +23,13 @@ def test_the_client_library_is_imported_by_the_redis_package_only():
     importers = set()
     for path in SOURCE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
-                     and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             if any(n == "redis" or n.startswith("redis.") for n in names):
                 importers.add(path.relative_to(SOURCE).parts[0])
     assert importers == {"redis"}
@@ -39,8 +43,11 @@ async def test_callers_past_the_pool_size_wait_for_a_connection_instead_of_faili
         # ("Too many connections"); this one queues them.
         replies = await asyncio.gather(*(client.get(b"k") for _ in range(300)))
         assert replies == [b"v"] * 300
-        assert len(client.connection_pool._available_connections) \
-            + len(client.connection_pool._in_use_connections) <= 2
+        assert (
+            len(client.connection_pool._available_connections)
+            + len(client.connection_pool._in_use_connections)
+            <= 2
+        )
     finally:
         await client.aclose()
 
@@ -50,12 +57,12 @@ async def test_a_pool_wait_that_runs_out_is_counted_apart_and_redis_stays_up(red
     shared = SharedStore(redis, MemoryStore(1 << 20))
     try:
         holder = asyncio.create_task(redis.client.blpop([b"nothing"], timeout=2))
-        while not redis.client.connection_pool._in_use_connections:   # until it holds the one
+        while not redis.client.connection_pool._in_use_connections:  # until it holds the one
             await asyncio.sleep(0.001)
         with pytest.raises(PoolExhausted) as caught:
             await redis.get("k")
         assert isinstance(caught.value, StoreUnavailable)
-        assert await shared.get("k") is None         # answered from memory, as a miss
+        assert await shared.get("k") is None  # answered from memory, as a miss
         health = shared.health()
         assert health["state"] == "up" and health["errors"] == 0
         assert health["pool_exhausted"] == 1 and shared.usable()
@@ -64,8 +71,9 @@ async def test_a_pool_wait_that_runs_out_is_counted_apart_and_redis_stays_up(red
         await shared.aclose()
 
 
-async def test_server_mode_tells_a_cluster_node_from_a_standalone_server(redis_server,
-                                                                        redis_cluster):
+async def test_server_mode_tells_a_cluster_node_from_a_standalone_server(
+    redis_server, redis_cluster
+):
     from carpool.redis.connection import server_mode
 
     assert await server_mode(redis_cluster.nodes[1].url) == "cluster"
@@ -84,11 +92,14 @@ def test_serve_pointed_at_any_cluster_node_takes_a_cluster_client(redis_cluster)
 
 
 async def test_pool_exhaustion_is_a_metric_and_a_log_line_never_a_degraded_instance(
-        fake, redis_server, caplog):
+    fake, redis_server, caplog
+):
     from conftest import run_gateway
 
-    config = {"redis": redis_server.url, "distributed": {"max_connections": 1,
-                                                         "pool_timeout": 0.05}}
+    config = {
+        "redis": redis_server.url,
+        "distributed": {"max_connections": 1, "pool_timeout": 0.05},
+    }
     async with run_gateway([fake.url], **config) as gw:
         client = gw.gateway.store.redis.client
         holder = asyncio.create_task(client.blpop([b"nothing"], timeout=5))
@@ -100,8 +111,11 @@ async def test_pool_exhaustion_is_a_metric_and_a_log_line_never_a_degraded_insta
         redis = (await gw.client.get("/stats")).json()["redis"]
         holder.cancel()
     # (each Redis call of that request found no connection: the lookup, the claim, the store)
-    counted = next(float(line.split()[1]) for line in metrics.splitlines()
-                   if line.startswith("carpool_redis_pool_exhausted_total "))
+    counted = next(
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("carpool_redis_pool_exhausted_total ")
+    )
     assert counted == redis["pool_exhausted"] >= 1
     assert redis["state"] == "up" and redis["errors"] == 0
     assert "every connection to redis stayed busy" in caplog.text
@@ -111,9 +125,8 @@ async def test_a_cluster_nodes_full_pool_is_pool_exhausted_too(redis_cluster):
     redis = RedisStore(redis_cluster.url, cluster=True, max_connections=1)
     shared = SharedStore(redis, MemoryStore(1 << 20))
     try:
-        await redis.get("warm")                      # the topology read; the one connection made
-        results = await asyncio.gather(*(redis.get("k") for _ in range(20)),
-                                       return_exceptions=True)
+        await redis.get("warm")  # the topology read; the one connection made
+        results = await asyncio.gather(*(redis.get("k") for _ in range(20)), return_exceptions=True)
         exhausted = [r for r in results if isinstance(r, PoolExhausted)]
         assert exhausted and all(r is None or isinstance(r, PoolExhausted) for r in results)
         for error in exhausted:

@@ -25,7 +25,8 @@ def body(prompt: str) -> dict:
 
 
 async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prompt(
-        fake, shared_redis):
+    fake, shared_redis
+):
     prompts = [f"prompt number {i}" for i in range(50)]
     async with instances(3, fake.url, shared_redis.url) as gateways:
         fake.gate = asyncio.Event()
@@ -36,8 +37,9 @@ async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prom
 
         tasks = [asyncio.create_task(one(i)) for i in range(1000)]
 
-        async def attached() -> int:            # clients waiting on a flight, all instances
+        async def attached() -> int:  # clients waiting on a flight, all instances
             return sum([(await g.stats())["waiters"] for g in gateways])
+
         while await attached() < 1000 or fake.count() < 50:
             await asyncio.sleep(0.05)
         fake.gate.set()
@@ -57,7 +59,7 @@ def sse_text(raw: str) -> str:
     out = []
     for line in raw.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             assert "error" not in event, event
             for choice in event.get("choices", []):
                 out.append(choice.get("delta", {}).get("content") or "")
@@ -66,30 +68,32 @@ def sse_text(raw: str) -> str:
 
 
 async def stream(instance, prompt: str) -> tuple[int, str]:
-    async with instance.client.stream("POST", "/v1/chat/completions",
-                                      json={**body(prompt), "stream": True}) as response:
+    async with instance.client.stream(
+        "POST", "/v1/chat/completions", json={**body(prompt), "stream": True}
+    ) as response:
         raw = (await response.aread()).decode()
     return response.status_code, raw
 
 
 async def test_an_instance_killed_holding_an_idempotency_key_frees_it_within_10_s(
-        fake, shared_redis):
+    fake, shared_redis
+):
     async with instances(2, fake.url, shared_redis.url) as (a, b):
         fake.gate = asyncio.Event()
         key = {"Idempotency-Key": "order-1"}
-        first = asyncio.create_task(a.client.post("/v1/chat/completions", json=body("charge"),
-                                                  headers=key))
+        first = asyncio.create_task(
+            a.client.post("/v1/chat/completions", json=body("charge"), headers=key)
+        )
         await fake.wait_for_calls(1)
         a.kill()
         loop = asyncio.get_running_loop()
         killed = loop.time()
         with contextlib.suppress(httpx.HTTPError):
             await first
-        fake.gate = None                              # the retry's call answers at once
+        fake.gate = None  # the retry's call answers at once
         while True:
-            retry = await b.client.post("/v1/chat/completions", json=body("charge"),
-                                        headers=key)
-            if retry.status_code != 409:              # 409: A's record still held
+            retry = await b.client.post("/v1/chat/completions", json=body("charge"), headers=key)
+            if retry.status_code != 409:  # 409: A's record still held
                 break
             assert loop.time() - killed < 10, "the dead instance's key is still held"
             await asyncio.sleep(0.1)
@@ -98,20 +102,22 @@ async def test_an_instance_killed_holding_an_idempotency_key_frees_it_within_10_
 
 
 async def test_redis_paused_3_s_mid_flight_no_follower_without_bytes_gets_an_error(
-        fake, killable_redis):
+    fake, killable_redis
+):
     async with instances(2, fake.url, killable_redis.url) as (a, b):
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.client.post("/v1/chat/completions", json=body(QUESTION)))
         await fake.wait_for_calls(1)
-        followers = [asyncio.create_task(b.client.post("/v1/chat/completions",
-                                                       json=body(QUESTION))),
-                     asyncio.create_task(stream(b, QUESTION))]
+        followers = [
+            asyncio.create_task(b.client.post("/v1/chat/completions", json=body(QUESTION))),
+            asyncio.create_task(stream(b, QUESTION)),
+        ]
         while (await b.stats())["redis"]["flights"]["following"] != 1:
             await asyncio.sleep(0.02)
-        for pid in killable_redis.pids:               # a cluster: every node at once
+        for pid in killable_redis.pids:  # a cluster: every node at once
             os.kill(pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(3)                     # the pause itself is the test's subject
+            await asyncio.sleep(3)  # the pause itself is the test's subject
         finally:
             for pid in killable_redis.pids:
                 os.kill(pid, signal.SIGCONT)
@@ -123,18 +129,20 @@ async def test_redis_paused_3_s_mid_flight_no_follower_without_bytes_gets_an_err
 
 
 async def test_a_streaming_leaders_instance_killed_followers_without_bytes_get_one_takeover(
-        fake, shared_redis):
+    fake, shared_redis
+):
     async with instances(2, fake.url, shared_redis.url) as (a, b):
-        fake.gate = asyncio.Event()                   # A's call sends nothing, not even headers
+        fake.gate = asyncio.Event()  # A's call sends nothing, not even headers
         leader = asyncio.create_task(stream(a, QUESTION))
         await fake.wait_for_calls(1)
-        followers = [asyncio.create_task(b.client.post("/v1/chat/completions",
-                                                       json=body(QUESTION))),
-                     asyncio.create_task(stream(b, QUESTION)),
-                     asyncio.create_task(stream(b, QUESTION))]
+        followers = [
+            asyncio.create_task(b.client.post("/v1/chat/completions", json=body(QUESTION))),
+            asyncio.create_task(stream(b, QUESTION)),
+            asyncio.create_task(stream(b, QUESTION)),
+        ]
         while (await b.stats())["waiters"] != 3:
             await asyncio.sleep(0.02)
-        fake.gate = None                              # the takeover's call answers at once
+        fake.gate = None  # the takeover's call answers at once
         a.kill()
         with contextlib.suppress(httpx.HTTPError):
             await leader
@@ -144,22 +152,24 @@ async def test_a_streaming_leaders_instance_killed_followers_without_bytes_get_o
     assert fake.count() == 2
 
 
-async def test_a_leader_lost_mid_stream_errors_only_clients_that_got_part_of_it(
-        fake, shared_redis):
+async def test_a_leader_lost_mid_stream_errors_only_clients_that_got_part_of_it(fake, shared_redis):
     """The streaming leader's instance dies after some frames reached B: B's streaming client
     (it got those frames) ends with an error event; B's non-streaming client got nothing, so
     it is answered by one takeover call, as is a request arriving after the death."""
-    async with instances(2, fake.url, shared_redis.url,
-                         {"distributed": {"lease_ms": 1000}}) as (a, b):
+    async with instances(2, fake.url, shared_redis.url, {"distributed": {"lease_ms": 1000}}) as (
+        a,
+        b,
+    ):
         fake.chunk_gate = asyncio.Event()
         leader = asyncio.create_task(stream(a, QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 10)
         streaming = asyncio.create_task(stream(b, QUESTION))
         plain = asyncio.create_task(b.client.post("/v1/chat/completions", json=body(QUESTION)))
-        while (await b.stats())["redis"]["flights"]["frames_relayed"] < 2 \
-                or (await b.stats())["waiters"] != 2:
+        while (await b.stats())["redis"]["flights"]["frames_relayed"] < 2 or (await b.stats())[
+            "waiters"
+        ] != 2:
             await asyncio.sleep(0.02)
-        fake.chunk_gate = None                        # the takeover's call runs to its end
+        fake.chunk_gate = None  # the takeover's call runs to its end
         a.kill()
         with contextlib.suppress(httpx.HTTPError):
             await leader
@@ -167,8 +177,10 @@ async def test_a_leader_lost_mid_stream_errors_only_clients_that_got_part_of_it(
         (status, raw), answered = await asyncio.gather(streaming, plain)
         flights = (await b.stats())["redis"]["flights"]
     assert status == 200 and "data: [DONE]" not in raw
-    assert json.loads(raw.strip().splitlines()[-1][len("data: "):])["error"]["code"] \
+    assert (
+        json.loads(raw.strip().splitlines()[-1][len("data: ") :])["error"]["code"]
         == "upstream_stream_broken"
+    )
     assert answered.status_code == 200 and content(answered) == f"answer 2 to {QUESTION}"
     assert late.status_code == 200 and content(late) == f"answer 2 to {QUESTION}"
     assert fake.count() == 2 and flights["broken"] == 1

@@ -28,19 +28,24 @@ async def test_a_byte_identical_repeat_is_a_hit_through_the_memo(gw, fake):
     again = await gw.chat("hello")
     assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
     assert again.json() == first.json() and fake.count() == 1
-    streamed, text = await gw.stream_chat("hello")           # other bytes: parsed, then a hit
+    streamed, text = await gw.stream_chat("hello")  # other bytes: parsed, then a hit
     assert streamed.headers["x-carpool"] == "hit" and text.endswith("data: [DONE]\n\n")
 
 
 async def test_a_repeat_with_another_control_header_or_tenant_is_not_the_same_request(gw, fake):
     await gw.chat("hello", headers={"x-carpool-namespace": "a"})
     other_namespace = await gw.chat("hello", headers={"x-carpool-namespace": "b"})
-    other_tenant = await gw.chat("hello", headers={"x-carpool-namespace": "a",
-                                                   "authorization": "Bearer someone-else"})
-    no_cache = await gw.chat("hello", headers={"x-carpool-namespace": "a",
-                                               "cache-control": "no-cache"})
-    assert [r.headers["x-carpool"] for r in (other_namespace, other_tenant, no_cache)] == \
-        ["miss", "miss", "miss"]
+    other_tenant = await gw.chat(
+        "hello", headers={"x-carpool-namespace": "a", "authorization": "Bearer someone-else"}
+    )
+    no_cache = await gw.chat(
+        "hello", headers={"x-carpool-namespace": "a", "cache-control": "no-cache"}
+    )
+    assert [r.headers["x-carpool"] for r in (other_namespace, other_tenant, no_cache)] == [
+        "miss",
+        "miss",
+        "miss",
+    ]
     assert fake.count() == 4
 
 
@@ -62,13 +67,13 @@ def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_b
         request = parse(client, 1 << 20)
         memo.remember(memo.key_of(client), request, fingerprint(request, config), None)
 
-    remember(BODY.replace(b'"temperature":0', b'"temperature":0.7'), {})     # sampled
+    remember(BODY.replace(b'"temperature":0', b'"temperature":0.7'), {})  # sampled
     remember(BODY, {"cache-control": "no-store"})
     remember(BODY, {"authorization": "Bearer " + "k" * MAX_MEMO_HEADERS})  # too large to keep
     assert len(memo) == 0
     assert memo.key_of(ClientRequest(CHAT, BODY, {"idempotency-key": "k"})) is None
     for i in range(5):
         remember(BODY.replace(b"hi", f"hi {i}".encode()), {})
-    assert len(memo) == 2 and memo.bytes <= memo.max_bytes         # the oldest went first
+    assert len(memo) == 2 and memo.bytes <= memo.max_bytes  # the oldest went first
     newest = ClientRequest(CHAT, BODY.replace(b"hi", b"hi 4"), {})
     assert memo.get(memo.key_of(newest)) is not None

@@ -23,7 +23,7 @@ async def replicas(n: int):
 
 async def test_a_dead_replica_fails_over_and_every_request_succeeds():
     async with replicas(2) as (a, b):
-        dead = "http://127.0.0.1:9/v1"                       # nothing listens there
+        dead = "http://127.0.0.1:9/v1"  # nothing listens there
         async with run_gateway([dead, a.url, b.url], routing={"policy": "round-robin"}) as gw:
             responses = [await gw.chat(f"question {i}") for i in range(9)]
             assert [r.status_code for r in responses] == [200] * 9
@@ -35,20 +35,28 @@ async def test_a_dead_replica_fails_over_and_every_request_succeeds():
 
 async def test_misses_sharing_a_long_system_prompt_stay_on_one_replica():
     async with replicas(3) as fakes:
-        async with run_gateway([f.url for f in fakes]) as gw:              # cache-aware default
-            system = "You are the support assistant of ACME. " * 60       # ~2.3 KB
+        async with run_gateway([f.url for f in fakes]) as gw:  # cache-aware default
+            system = "You are the support assistant of ACME. " * 60  # ~2.3 KB
             for i in range(12):
-                await gw.client.post("/v1/chat/completions", json={
-                    "model": "m", "temperature": 0, "messages": [
-                        {"role": "system", "content": system},
-                        {"role": "user", "content": f"question number {i}"}]})
+                await gw.client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "temperature": 0,
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": f"question number {i}"},
+                        ],
+                    },
+                )
             counts = sorted(f.count() for f in fakes)
-            assert counts[-1] >= 11                          # affinity: one replica serves them
+            assert counts[-1] >= 11  # affinity: one replica serves them
             assert (await gw.client.get("/stats")).json()["routing"]["prefix_match"] >= 10
 
 
 async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_its_own_vector(
-        fake, gateway_with):
+    fake, gateway_with
+):
     # "on": the fake answers lists item by item (test_embeddings_lists.py tests the probe).
     async with gateway_with(batching={"max_batch_delay_ms": 20, "embeddings": "on"}) as gw:
         texts = [f"text number {i}" for i in range(16)]
@@ -61,12 +69,17 @@ async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_i
         results = await asyncio.gather(*(embed(texts[i % 16]) for i in range(96)))
         calls = [c for c in fake.calls if c.path == "/v1/embeddings"]
         assert len(calls) <= 12
-        assert sum(len(c.body["input"]) if isinstance(c.body["input"], list) else 1
-                   for c in calls) <= 16
+        assert (
+            sum(len(c.body["input"]) if isinstance(c.body["input"], list) else 1 for c in calls)
+            <= 16
+        )
         singles = {}
-        for text in texts:                                   # each text's own vector, asked alone
-            alone = await gw.client.post("/v1/embeddings", json={
-                "model": "e", "input": text}, headers={"Cache-Control": "no-cache"})
+        for text in texts:  # each text's own vector, asked alone
+            alone = await gw.client.post(
+                "/v1/embeddings",
+                json={"model": "e", "input": text},
+                headers={"Cache-Control": "no-cache"},
+            )
             singles[text] = alone.json()["data"][0]["embedding"]
         assert all(vector == singles[text] for text, vector in results)
         stats = (await gw.client.get("/stats")).json()["batching"]

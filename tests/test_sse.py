@@ -67,7 +67,7 @@ def test_decoder_gives_the_same_events_whatever_byte_the_stream_is_split_at():
 
 
 def test_decoder_gives_the_same_events_when_fed_one_byte_at_a_time():
-    assert decode(*(STREAM[i:i + 1] for i in range(len(STREAM)))) == EXPECTED
+    assert decode(*(STREAM[i : i + 1] for i in range(len(STREAM)))) == EXPECTED
 
 
 def test_decoder_handles_crlf_line_ends_split_at_every_byte_including_between_cr_and_lf():
@@ -84,11 +84,14 @@ def test_decoder_handles_bare_cr_line_ends_split_at_every_byte():
 
 
 def test_decoder_handles_mixed_line_ends_in_three_pieces():
-    stream = b'data: a\r\n\rdata: b\n\r\ndata: c\r\r'
+    stream = b"data: a\r\n\rdata: b\n\r\ndata: c\r\r"
     for i in range(len(stream) + 1):
         for j in range(i, len(stream) + 1):
             assert decode(stream[:i], stream[i:j], stream[j:]) == [
-                (None, b"a"), (None, b"b"), (None, b"c")], (i, j)
+                (None, b"a"),
+                (None, b"b"),
+                (None, b"c"),
+            ], (i, j)
 
 
 def test_decoder_ignores_comments_and_events_without_data():
@@ -110,7 +113,7 @@ def test_decoder_discards_an_unterminated_final_event_and_says_so():
     assert decoder.close() == []
     assert decoder.truncated
     decoder = SSEDecoder()
-    decoder.feed(b"data: one\n\ndata: two\n")        # a whole line, but no blank line after it
+    decoder.feed(b"data: one\n\ndata: two\n")  # a whole line, but no blank line after it
     assert decoder.close() == [] and decoder.truncated
 
 
@@ -122,8 +125,13 @@ def test_frame_and_done_are_decodable_sse_events():
 
 # --- assemble -----------------------------------------------------------------------------------
 
-HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
-        "model": "m", "system_fingerprint": "fp_1"}
+HEAD = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "created": 1700000000,
+    "model": "m",
+    "system_fingerprint": "fp_1",
+}
 
 
 def chunk(choices, **extra):
@@ -132,28 +140,57 @@ def chunk(choices, **extra):
 
 def test_assemble_builds_the_non_streaming_body_of_a_realistic_chat_stream():
     chunks = [
-        chunk([{"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
-                "logprobs": None, "finish_reason": None}], usage=None),
-        chunk([{"index": 0, "delta": {"content": "Hel"}, "logprobs": None,
-                "finish_reason": None}], usage=None),
-        chunk([{"index": 0, "delta": {"content": "lo \u2603"}, "logprobs": None,
-                "finish_reason": None}], usage=None),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": "", "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            usage=None,
+        ),
+        chunk(
+            [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}],
+            usage=None,
+        ),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"content": "lo \u2603"},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            usage=None,
+        ),
         chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}], usage=None),
         chunk([], usage={"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}),
     ]
     assert assemble("chat", chunks) == {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "m",
         "system_fingerprint": "fp_1",
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": "Hello \u2603", "refusal": None},
-                     "logprobs": None, "finish_reason": "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello \u2603", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
 
 
 def test_assemble_without_a_usage_chunk_leaves_usage_out():
-    body = assemble("chat", [chunk([{"index": 0, "delta": {"content": "x"},
-                                     "finish_reason": "stop"}])])
+    body = assemble(
+        "chat", [chunk([{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}])]
+    )
     assert "usage" not in body
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "x"}
     assert body["choices"][0]["logprobs"] is None
@@ -161,12 +198,20 @@ def test_assemble_without_a_usage_chunk_leaves_usage_out():
 
 def test_assemble_merges_tool_call_deltas_split_over_chunks_into_whole_arguments():
     def call(index, **fields):
-        return chunk([{"index": 0, "delta": {"tool_calls": [{"index": index, **fields}]},
-                       "finish_reason": None}])
+        return chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": index, **fields}]},
+                    "finish_reason": None,
+                }
+            ]
+        )
 
     chunks = [
-        chunk([{"index": 0, "delta": {"role": "assistant", "content": None},
-                "finish_reason": None}]),
+        chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}]
+        ),
         call(0, id="call_a", type="function", function={"name": "get_", "arguments": ""}),
         call(0, function={"name": "weather", "arguments": '{"ci'}),
         call(1, id="call_b", type="function", function={"name": "now", "arguments": "{}"}),
@@ -176,10 +221,14 @@ def test_assemble_merges_tool_call_deltas_split_over_chunks_into_whole_arguments
     ]
     message = assemble("chat", chunks)["choices"][0]["message"]
     assert message == {
-        "role": "assistant", "content": None,
+        "role": "assistant",
+        "content": None,
         "tool_calls": [
-            {"id": "call_a", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
             {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}},
         ],
     }
@@ -187,29 +236,74 @@ def test_assemble_merges_tool_call_deltas_split_over_chunks_into_whole_arguments
 
 def test_assemble_merges_legacy_function_call_deltas():
     chunks = [
-        chunk([{"index": 0, "delta": {"role": "assistant",
-                                      "function_call": {"name": "f", "arguments": "{\"a\""}},
-                "finish_reason": None}]),
-        chunk([{"index": 0, "delta": {"function_call": {"arguments": ": 1}"}},
-                "finish_reason": "function_call"}]),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {
+                        "role": "assistant",
+                        "function_call": {"name": "f", "arguments": '{"a"'},
+                    },
+                    "finish_reason": None,
+                }
+            ]
+        ),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"function_call": {"arguments": ": 1}"}},
+                    "finish_reason": "function_call",
+                }
+            ]
+        ),
     ]
     message = assemble("chat", chunks)["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": None,
-                       "function_call": {"name": "f", "arguments": '{"a": 1}'}}
+    assert message == {
+        "role": "assistant",
+        "content": None,
+        "function_call": {"name": "f", "arguments": '{"a": 1}'},
+    }
 
 
 def test_assemble_orders_interleaved_choices_and_concatenates_chat_logprobs():
     def lp(token):
-        return {"content": [{"token": token, "logprob": -0.1, "bytes": None, "top_logprobs": []}],
-                "refusal": None}
+        return {
+            "content": [{"token": token, "logprob": -0.1, "bytes": None, "top_logprobs": []}],
+            "refusal": None,
+        }
 
     chunks = [
-        chunk([{"index": 1, "delta": {"role": "assistant", "content": "B"}, "logprobs": lp("B"),
-                "finish_reason": None}]),
-        chunk([{"index": 0, "delta": {"role": "assistant", "content": "A"}, "logprobs": lp("A"),
-                "finish_reason": None}]),
-        chunk([{"index": 0, "delta": {"content": "a"}, "logprobs": lp("a"),
-                "finish_reason": "length"}]),
+        chunk(
+            [
+                {
+                    "index": 1,
+                    "delta": {"role": "assistant", "content": "B"},
+                    "logprobs": lp("B"),
+                    "finish_reason": None,
+                }
+            ]
+        ),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": "A"},
+                    "logprobs": lp("A"),
+                    "finish_reason": None,
+                }
+            ]
+        ),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"content": "a"},
+                    "logprobs": lp("a"),
+                    "finish_reason": "length",
+                }
+            ]
+        ),
         chunk([{"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}]),
     ]
     choices = assemble("chat", chunks)["choices"]
@@ -221,27 +315,64 @@ def test_assemble_orders_interleaved_choices_and_concatenates_chat_logprobs():
 
 def test_assemble_builds_a_completion_body_with_merged_logprobs():
     def piece(text, offset, finish=None):
-        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                "choices": [{"index": 0, "text": text, "finish_reason": finish,
-                             "logprobs": {"tokens": [text], "token_logprobs": [-1.0],
-                                          "top_logprobs": [{text: -1.0}],
-                                          "text_offset": [offset]}}]}
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "finish_reason": finish,
+                    "logprobs": {
+                        "tokens": [text],
+                        "token_logprobs": [-1.0],
+                        "top_logprobs": [{text: -1.0}],
+                        "text_offset": [offset],
+                    },
+                }
+            ],
+        }
 
     body = assemble("completion", [piece("Hel", 0), piece("lo", 3, "length")])
     assert body == {
-        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "text": "Hello", "finish_reason": "length",
-                     "logprobs": {"tokens": ["Hel", "lo"], "token_logprobs": [-1.0, -1.0],
-                                  "top_logprobs": [{"Hel": -1.0}, {"lo": -1.0}],
-                                  "text_offset": [0, 3]}}],
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": "Hello",
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": ["Hel", "lo"],
+                    "token_logprobs": [-1.0, -1.0],
+                    "top_logprobs": [{"Hel": -1.0}, {"lo": -1.0}],
+                    "text_offset": [0, 3],
+                },
+            }
+        ],
     }
 
 
 def test_synthesize_streams_usage_only_in_a_final_chunk_without_choices():
-    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                         "logprobs": None, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    body = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
     chunks = synthesize("chat", body, include_usage=True)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
@@ -256,20 +387,43 @@ def test_synthesize_streams_usage_only_in_a_final_chunk_without_choices():
 
 text = st.text(max_size=12)
 finish = st.sampled_from(["stop", "length", "tool_calls", "content_filter"])
-usage = st.fixed_dictionaries({"prompt_tokens": st.integers(0, 10**6),
-                               "completion_tokens": st.integers(0, 10**6),
-                               "total_tokens": st.integers(0, 10**6)})
-tool_call = st.fixed_dictionaries({
-    "id": text, "type": st.just("function"),
-    "function": st.fixed_dictionaries({"name": text, "arguments": text})})
-top_logprob = st.fixed_dictionaries({"token": text, "logprob": st.floats(-50, 0),
-                                     "bytes": st.none() | st.lists(st.integers(0, 255))})
-chat_logprobs = st.none() | st.fixed_dictionaries({
-    "content": st.lists(st.fixed_dictionaries({"token": text, "logprob": st.floats(-50, 0),
-                                               "bytes": st.none(),
-                                               "top_logprobs": st.lists(top_logprob, max_size=2)}),
-                        max_size=3),
-    "refusal": st.none()})
+usage = st.fixed_dictionaries(
+    {
+        "prompt_tokens": st.integers(0, 10**6),
+        "completion_tokens": st.integers(0, 10**6),
+        "total_tokens": st.integers(0, 10**6),
+    }
+)
+tool_call = st.fixed_dictionaries(
+    {
+        "id": text,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": text, "arguments": text}),
+    }
+)
+top_logprob = st.fixed_dictionaries(
+    {
+        "token": text,
+        "logprob": st.floats(-50, 0),
+        "bytes": st.none() | st.lists(st.integers(0, 255)),
+    }
+)
+chat_logprobs = st.none() | st.fixed_dictionaries(
+    {
+        "content": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "token": text,
+                    "logprob": st.floats(-50, 0),
+                    "bytes": st.none(),
+                    "top_logprobs": st.lists(top_logprob, max_size=2),
+                }
+            ),
+            max_size=3,
+        ),
+        "refusal": st.none(),
+    }
+)
 
 
 @st.composite
@@ -282,7 +436,7 @@ def chat_message(draw):
     elif refusal == "text":
         message["refusal"] = draw(st.text(min_size=1, max_size=12))
     reasoning = draw(st.booleans())
-    if reasoning:                          # a reasoning model's separate text (vLLM, DeepSeek)
+    if reasoning:  # a reasoning model's separate text (vLLM, DeepSeek)
         message["reasoning_content"] = draw(st.text(min_size=1, max_size=12))
     # content may be None only where a non-streaming answer would say so: beside calls, a
     # refusal or reasoning.
@@ -296,11 +450,14 @@ def chat_message(draw):
 @st.composite
 def completion_logprobs(draw):
     tokens = draw(st.lists(text, max_size=3))
-    return {"tokens": tokens,
-            "token_logprobs": [draw(st.floats(-50, 0)) for _ in tokens],
-            "top_logprobs": [draw(st.none() | st.dictionaries(text, st.floats(-50, 0),
-                                                               max_size=2)) for _ in tokens],
-            "text_offset": [draw(st.integers(0, 100)) for _ in tokens]}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [draw(st.floats(-50, 0)) for _ in tokens],
+        "top_logprobs": [
+            draw(st.none() | st.dictionaries(text, st.floats(-50, 0), max_size=2)) for _ in tokens
+        ],
+        "text_offset": [draw(st.integers(0, 100)) for _ in tokens],
+    }
 
 
 @st.composite
@@ -308,14 +465,32 @@ def bodies(draw):
     kind = draw(st.sampled_from(["chat", "completion"]))
     n = draw(st.integers(1, 3))
     if kind == "chat":
-        choices = [{"index": i, "message": draw(chat_message()), "logprobs": draw(chat_logprobs),
-                    "finish_reason": draw(finish)} for i in range(n)]
+        choices = [
+            {
+                "index": i,
+                "message": draw(chat_message()),
+                "logprobs": draw(chat_logprobs),
+                "finish_reason": draw(finish),
+            }
+            for i in range(n)
+        ]
     else:
-        choices = [{"index": i, "text": draw(text),
-                    "logprobs": draw(st.none() | completion_logprobs()),
-                    "finish_reason": draw(finish)} for i in range(n)]
-    body = {"id": draw(text), "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": draw(st.integers(0, 2**31)), "model": draw(text), "choices": choices}
+        choices = [
+            {
+                "index": i,
+                "text": draw(text),
+                "logprobs": draw(st.none() | completion_logprobs()),
+                "finish_reason": draw(finish),
+            }
+            for i in range(n)
+        ]
+    body = {
+        "id": draw(text),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": draw(st.integers(0, 2**31)),
+        "model": draw(text),
+        "choices": choices,
+    }
     if draw(st.booleans()):
         body["system_fingerprint"] = draw(st.none() | text)
     if draw(st.booleans()):
@@ -338,7 +513,7 @@ def test_assembling_a_synthesized_stream_gives_back_the_original_body(kind_body,
     if not include_usage:
         expected.pop("usage", None)
     assert assemble(kind, parsed) == expected
-    assert body == original                 # neither function mutates its input
+    assert body == original  # neither function mutates its input
     assert is_complete(kind, assemble(kind, parsed))
 
 
@@ -351,8 +526,11 @@ arguments = st.text(max_size=24)
 @st.composite
 def pieces(draw, value: str) -> list[str]:
     """``value`` cut at arbitrary points (one piece, maybe empty, at least)."""
-    cuts = sorted(draw(st.sets(st.integers(1, max(1, len(value) - 1)), max_size=4))) \
-        if len(value) > 1 else []
+    cuts = (
+        sorted(draw(st.sets(st.integers(1, max(1, len(value) - 1)), max_size=4)))
+        if len(value) > 1
+        else []
+    )
     bounds = [0, *cuts, len(value)]
     return [value[a:b] for a, b in itertools.pairwise(bounds) if b > a] or [""]
 
@@ -366,16 +544,22 @@ def delta_chunk(delta: dict) -> dict:
 
 
 def non_streaming(message: dict, reason: str = "tool_calls", **extra) -> dict:
-    return {"id": HEAD["id"], "object": "chat.completion", "created": HEAD["created"],
-            "model": "m", "system_fingerprint": "fp_1",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": reason}], **extra}
+    return {
+        "id": HEAD["id"],
+        "object": "chat.completion",
+        "created": HEAD["created"],
+        "model": "m",
+        "system_fingerprint": "fp_1",
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+        **extra,
+    }
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data(), st.lists(st.tuples(call_name, arguments), min_size=1, max_size=3))
 def test_tool_calls_assemble_to_the_engines_answer_whether_the_name_comes_once_or_every_chunk(
-        data, calls):
+    data, calls
+):
     # OpenAI and vLLM: id, type and the whole name once, in a call's first delta, then the
     # arguments in pieces. Other engines repeat id, type and name whole in every delta.
     repeat = data.draw(st.booleans(), label="repeat id, type and name in every delta")
@@ -384,13 +568,28 @@ def test_tool_calls_assemble_to_the_engines_answer_whether_the_name_comes_once_o
         for n, piece in enumerate(data.draw(pieces(args), label=f"arguments {i}")):
             call = {"index": i, "function": {"arguments": piece}}
             if repeat or n == 0:
-                call = {"index": i, "id": f"call_{i}", "type": "function",
-                        "function": {"name": name, "arguments": piece}}
+                call = {
+                    "index": i,
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": piece},
+                }
             chunks.append(delta_chunk({"tool_calls": [call]}))
     chunks.append(finish_chunk("tool_calls"))
-    expected = non_streaming({"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
-        for i, (name, args) in enumerate(calls)]})
+    expected = non_streaming(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": args},
+                }
+                for i, (name, args) in enumerate(calls)
+            ],
+        }
+    )
     assert assemble("chat", chunks) == expected
 
 
@@ -403,27 +602,52 @@ def test_a_llama_cpp_tool_call_stream_assembles_to_its_non_streaming_answer(data
     nulls = {"role": None, "content": None, "function_call": None, "tool_calls": None}
     chunks = [delta_chunk({**nulls, "role": "assistant"})]
     for piece in data.draw(pieces(args)):
-        chunks.append(delta_chunk({
-            "role": None, "content": None,
-            "function_call": {"name": name, "arguments": piece},
-            "tool_calls": [{"index": 0, "id": "call__0_f_cmpl-1", "type": "function",
-                            "function": {"name": name, "arguments": piece}}]}))
+        chunks.append(
+            delta_chunk(
+                {
+                    "role": None,
+                    "content": None,
+                    "function_call": {"name": name, "arguments": piece},
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call__0_f_cmpl-1",
+                            "type": "function",
+                            "function": {"name": name, "arguments": piece},
+                        }
+                    ],
+                }
+            )
+        )
     chunks.append(finish_chunk("tool_calls", dict(nulls)))
-    assert assemble("chat", chunks) == non_streaming({
-        "role": "assistant", "content": None,
-        "function_call": {"name": name, "arguments": args},
-        "tool_calls": [{"id": "call__0_f_cmpl-1", "type": "function",
-                        "function": {"name": name, "arguments": args}}]})
+    assert assemble("chat", chunks) == non_streaming(
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": name, "arguments": args},
+            "tool_calls": [
+                {
+                    "id": "call__0_f_cmpl-1",
+                    "type": "function",
+                    "function": {"name": name, "arguments": args},
+                }
+            ],
+        }
+    )
 
 
 def test_a_name_streamed_in_pieces_is_joined_and_a_repeated_whole_name_is_not():
     def call(**fields):
         return delta_chunk({"tool_calls": [{"index": 0, **fields}]})
 
-    split = [call(id="c", type="function", function={"name": "get_", "arguments": ""}),
-             call(function={"name": "weather", "arguments": "{}"})]
-    repeated = [call(id="c", type="function", function={"name": "get_weather", "arguments": "{"}),
-                call(id="c", type="function", function={"name": "get_weather", "arguments": "}"})]
+    split = [
+        call(id="c", type="function", function={"name": "get_", "arguments": ""}),
+        call(function={"name": "weather", "arguments": "{}"}),
+    ]
+    repeated = [
+        call(id="c", type="function", function={"name": "get_weather", "arguments": "{"}),
+        call(id="c", type="function", function={"name": "get_weather", "arguments": "}"}),
+    ]
     for chunks in (split, repeated):
         message = assemble("chat", [*chunks, finish_chunk("tool_calls")])["choices"][0]["message"]
         assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
@@ -434,57 +658,117 @@ def test_chat_logprobs_keep_exactly_the_keys_the_engine_sent():
         return {"token": t, "logprob": -0.5, "bytes": None, "top_logprobs": []}
 
     # vLLM: "content" only, in its non-streaming answer too.
-    vllm = [chunk([{"index": 0, "delta": {"content": t}, "logprobs": {"content": [token(t)]},
-                    "finish_reason": None}]) for t in ("a", "b")] + [finish_chunk("stop")]
-    assert assemble("chat", vllm)["choices"][0]["logprobs"] == {
-        "content": [token("a"), token("b")]}
+    vllm = [
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"content": t},
+                    "logprobs": {"content": [token(t)]},
+                    "finish_reason": None,
+                }
+            ]
+        )
+        for t in ("a", "b")
+    ] + [finish_chunk("stop")]
+    assert assemble("chat", vllm)["choices"][0]["logprobs"] == {"content": [token("a"), token("b")]}
     # OpenAI: "content" and "refusal" in every chunk and in its non-streaming answer.
-    openai = [chunk([{"index": 0, "delta": {"content": t},
-                      "logprobs": {"content": [token(t)], "refusal": None},
-                      "finish_reason": None}]) for t in ("a", "b")] + [finish_chunk("stop")]
+    openai = [
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"content": t},
+                    "logprobs": {"content": [token(t)], "refusal": None},
+                    "finish_reason": None,
+                }
+            ]
+        )
+        for t in ("a", "b")
+    ] + [finish_chunk("stop")]
     assert assemble("chat", openai)["choices"][0]["logprobs"] == {
-        "content": [token("a"), token("b")], "refusal": None}
+        "content": [token("a"), token("b")],
+        "refusal": None,
+    }
 
 
 def test_reasoning_streamed_apart_is_kept_in_the_message_as_the_engine_answers_it():
     # vLLM / DeepSeek: the reasoning comes in its own delta field, then the answer.
-    chunks = [delta_chunk({"role": "assistant", "content": ""}),
-              delta_chunk({"reasoning_content": "Two and "}),
-              delta_chunk({"reasoning_content": "two: four."}),
-              delta_chunk({"content": "4"}), finish_chunk("stop")]
+    chunks = [
+        delta_chunk({"role": "assistant", "content": ""}),
+        delta_chunk({"reasoning_content": "Two and "}),
+        delta_chunk({"reasoning_content": "two: four."}),
+        delta_chunk({"content": "4"}),
+        finish_chunk("stop"),
+    ]
     assert assemble("chat", chunks)["choices"][0]["message"] == {
-        "role": "assistant", "content": "4", "reasoning_content": "Two and two: four."}
+        "role": "assistant",
+        "content": "4",
+        "reasoning_content": "Two and two: four.",
+    }
     # Cut off while reasoning: no answer text at all, as the non-streaming answer says (null).
-    cut = [delta_chunk({"role": "assistant"}), delta_chunk({"reasoning_content": "Hmm"}),
-           finish_chunk("length")]
+    cut = [
+        delta_chunk({"role": "assistant"}),
+        delta_chunk({"reasoning_content": "Hmm"}),
+        finish_chunk("length"),
+    ]
     assert assemble("chat", cut)["choices"][0]["message"] == {
-        "role": "assistant", "content": None, "reasoning_content": "Hmm"}
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Hmm",
+    }
 
 
 def test_a_refusal_streamed_in_pieces_is_whole_and_content_null():
-    chunks = [delta_chunk({"role": "assistant", "content": None, "refusal": None}),
-              delta_chunk({"refusal": "I can't "}), delta_chunk({"refusal": "help with that."}),
-              finish_chunk("stop")]
+    chunks = [
+        delta_chunk({"role": "assistant", "content": None, "refusal": None}),
+        delta_chunk({"refusal": "I can't "}),
+        delta_chunk({"refusal": "help with that."}),
+        finish_chunk("stop"),
+    ]
     assert assemble("chat", chunks)["choices"][0]["message"] == {
-        "role": "assistant", "content": None, "refusal": "I can't help with that."}
+        "role": "assistant",
+        "content": None,
+        "refusal": "I can't help with that.",
+    }
 
 
 def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins():
     text = [delta_chunk({"role": "assistant", "content": "hi"}), finish_chunk("stop")]
-    assert "usage" not in assemble("chat", text)                 # none invented
+    assert "usage" not in assemble("chat", text)  # none invented
     usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     # vLLM's continuous usage: every chunk carries the usage so far; the last is the total.
-    running = [{**c, "usage": {**usage, "completion_tokens": i, "total_tokens": 3 + i}}
-               for i, c in enumerate(text)] + [chunk([], usage=usage)]
+    running = [
+        {**c, "usage": {**usage, "completion_tokens": i, "total_tokens": 3 + i}}
+        for i, c in enumerate(text)
+    ] + [chunk([], usage=usage)]
     assert assemble("chat", running)["usage"] == usage
 
 
 def test_round_trip_keeps_extra_fields_of_other_servers():
-    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
-            "prompt_logprobs": None, "service_tier": "default",
-            "choices": [{"index": 0, "stop_reason": None, "logprobs": None, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "hi", "tool_calls": [],
-                                     "reasoning_content": "think", "annotations": []}}]}
+    body = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "prompt_logprobs": None,
+        "service_tier": "default",
+        "choices": [
+            {
+                "index": 0,
+                "stop_reason": None,
+                "logprobs": None,
+                "finish_reason": "stop",
+                "message": {
+                    "role": "assistant",
+                    "content": "hi",
+                    "tool_calls": [],
+                    "reasoning_content": "think",
+                    "annotations": [],
+                },
+            }
+        ],
+    }
     assert assemble("chat", synthesize("chat", body, include_usage=True)) == body
 
 
@@ -514,25 +798,48 @@ def test_is_complete_requires_a_non_empty_list_of_embeddings():
 
 
 def test_is_complete_is_false_for_garbage_and_never_raises():
-    garbage = [None, 3, "x", b"x", [], {"choices": None}, {"choices": "stop"},
-               {"choices": [None]}, {"choices": [["finish_reason"]]}, {"choices": {"0": 1}},
-               {"choices": [{"finish_reason": ["unhashable"]}]}, {"data": None},
-               {"data": [None]}, {"data": "embedding"}]
+    garbage = [
+        None,
+        3,
+        "x",
+        b"x",
+        [],
+        {"choices": None},
+        {"choices": "stop"},
+        {"choices": [None]},
+        {"choices": [["finish_reason"]]},
+        {"choices": {"0": 1}},
+        {"choices": [{"finish_reason": ["unhashable"]}]},
+        {"data": None},
+        {"data": [None]},
+        {"data": "embedding"},
+    ]
     for body in garbage:
         for kind in ("chat", "completion", "embedding", "unknown"):
             assert is_complete(kind, body) is False, (kind, body)
 
 
 def test_usage_tokens_adds_prompt_and_completion_tokens():
-    assert usage_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5,
-                                   "total_tokens": 12}}) == 12
-    assert usage_tokens({"usage": {"prompt_tokens": 7, "total_tokens": 7}}) == 7   # embeddings
+    assert (
+        usage_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
+        == 12
+    )
+    assert usage_tokens({"usage": {"prompt_tokens": 7, "total_tokens": 7}}) == 7  # embeddings
 
 
 def test_usage_tokens_is_zero_for_garbage_and_never_raises():
-    garbage = [None, 1, "usage", [], {}, {"usage": None}, {"usage": "10"}, {"usage": [1, 2]},
-               {"usage": {"prompt_tokens": "3", "completion_tokens": None}},
-               {"usage": {"prompt_tokens": True, "completion_tokens": -4}},
-               {"usage": {"prompt_tokens": 1.5}}]
+    garbage = [
+        None,
+        1,
+        "usage",
+        [],
+        {},
+        {"usage": None},
+        {"usage": "10"},
+        {"usage": [1, 2]},
+        {"usage": {"prompt_tokens": "3", "completion_tokens": None}},
+        {"usage": {"prompt_tokens": True, "completion_tokens": -4}},
+        {"usage": {"prompt_tokens": 1.5}},
+    ]
     for body in garbage:
         assert usage_tokens(body) == 0, body

@@ -10,22 +10,28 @@ STREAMED = {"upstream": {"stream_flights": True}}
 
 
 def body(content: str, **extra) -> dict:
-    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}],
-            **extra}
+    return {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
 
 
 async def test_a_streaming_joiner_of_a_non_streaming_flight_gets_tokens_before_the_call_ends(
-        gateway_with, fake):
+    gateway_with, fake
+):
     async with gateway_with(**STREAMED) as gw:
         fake.chunk_gate = asyncio.Event()
         leader = asyncio.create_task(gw.chat("a long story"))
-        await fake.chunk_gate_reached.wait()       # the upstream has sent its first words only
-        async with gw.client.stream("POST", "/v1/chat/completions",
-                                    json=body("a long story", stream=True)) as joiner:
+        await fake.chunk_gate_reached.wait()  # the upstream has sent its first words only
+        async with gw.client.stream(
+            "POST", "/v1/chat/completions", json=body("a long story", stream=True)
+        ) as joiner:
             assert joiner.headers["x-carpool"] == "coalesced"
             lines = joiner.aiter_lines()
             first = ""
-            while not first:                           # a content delta, while the call goes on
+            while not first:  # a content delta, while the call goes on
                 line = await anext(lines)
                 if line.startswith("data: {"):
                     first = orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
@@ -41,8 +47,7 @@ async def test_a_streaming_joiner_of_a_non_streaming_flight_gets_tokens_before_t
     assert fake.calls[0].body["stream_options"] == {"include_usage": True}
 
 
-async def test_the_streamed_answer_is_stored_whole_for_later_non_streaming_hits(gateway_with,
-                                                                              fake):
+async def test_the_streamed_answer_is_stored_whole_for_later_non_streaming_hits(gateway_with, fake):
     async with gateway_with(**STREAMED) as gw:
         first = await gw.chat("hello")
         again = await gw.chat("hello")
@@ -58,10 +63,13 @@ async def test_without_stream_flights_the_upstream_call_follows_its_leader(gw, f
 async def test_completions_with_best_of_or_echo_are_never_streamed_for_others(gateway_with, fake):
     async with gateway_with(**STREAMED) as gw:
         for extra in ({"best_of": 2}, {"echo": True}):
-            response = await gw.client.post("/v1/completions", json={
-                "model": "m", "temperature": 0, "prompt": f"say {extra}", **extra})
+            response = await gw.client.post(
+                "/v1/completions",
+                json={"model": "m", "temperature": 0, "prompt": f"say {extra}", **extra},
+            )
             assert response.status_code == 200, response.text
-        plain = await gw.client.post("/v1/completions", json={"model": "m", "temperature": 0,
-                                                               "prompt": "say hi"})
+        plain = await gw.client.post(
+            "/v1/completions", json={"model": "m", "temperature": 0, "prompt": "say hi"}
+        )
         assert plain.json()["object"] == "text_completion"
     assert [c.body.get("stream") for c in fake.calls] == [None, None, True]

@@ -41,8 +41,9 @@ def answer_of(response) -> str:
 @pytest.fixture
 def tagged(fake):
     """The fake answers with the credential of the call (and the call number, unique)."""
-    fake.answer_text = lambda n, body: \
+    fake.answer_text = lambda n, body: (
         f"for {fake.calls[n - 1].headers.get('authorization', 'nobody')} call {n}"
+    )
     return fake
 
 
@@ -52,18 +53,22 @@ def assert_own(response, i: int) -> None:
 
 # --- one instance: exact cache and coalescing ------------------------------------------------------
 
+
 async def test_twenty_tenants_sending_the_same_prompts_at_once_never_share_a_flight_or_an_answer(
-        tagged, gw):
+    tagged, gw
+):
     fake = tagged
-    fake.gate = asyncio.Event()                  # every call held: the duplicates must join
+    fake.gate = asyncio.Event()  # every call held: the duplicates must join
     requests = [(i, p) for i in range(TENANTS) for p in PROMPTS for _ in range(2)]
     pending = [asyncio.create_task(gw.chat(p, headers=bearer(i))) for i, p in requests]
     await fake.wait_for_calls(TENANTS * len(PROMPTS))
-    await eventually(lambda: gw.gateway.flights.waiters == len(requests),
-                     what="every request waiting on its flight")
+    await eventually(
+        lambda: gw.gateway.flights.waiters == len(requests),
+        what="every request waiting on its flight",
+    )
     fake.gate.set()
     responses = await asyncio.gather(*pending)
-    assert fake.count() == TENANTS * len(PROMPTS)          # one call per tenant and prompt
+    assert fake.count() == TENANTS * len(PROMPTS)  # one call per tenant and prompt
     for (i, _), response in zip(requests, responses, strict=True):
         assert_own(response, i)
     outcomes = collections.Counter(r.headers["x-carpool"] for r in responses)
@@ -91,6 +96,7 @@ async def test_a_tenant_header_other_than_authorization_scopes_just_as_well(tagg
 
 # --- one instance: the semantic cache ------------------------------------------------------------
 
+
 async def test_no_semantic_hit_ever_crosses_tenants(tagged, gateway_with):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("usearch")
@@ -98,10 +104,14 @@ async def test_no_semantic_hit_ever_crosses_tenants(tagged, gateway_with):
     async with gateway_with(semantic={"enabled": True}) as gw:
         for i in range(TENANTS):
             assert_own(await gw.chat("How do I reset my router?", headers=bearer(i)), i)
-        await eventually(lambda: gw.gateway.semantic.entries >= TENANTS, timeout=10,
-                         what="every tenant's semantic entry")
-        paraphrases = await asyncio.gather(*(
-            gw.chat("how can i reset my router", headers=bearer(i)) for i in range(TENANTS)))
+        await eventually(
+            lambda: gw.gateway.semantic.entries >= TENANTS,
+            timeout=10,
+            what="every tenant's semantic entry",
+        )
+        paraphrases = await asyncio.gather(
+            *(gw.chat("how can i reset my router", headers=bearer(i)) for i in range(TENANTS))
+        )
         for i, response in enumerate(paraphrases):
             # Each tenant's paraphrase is served from its own entry (the layer is on), never
             # from another tenant's.
@@ -116,20 +126,28 @@ async def test_no_semantic_hit_ever_crosses_tenants(tagged, gateway_with):
 
 # --- one instance: idempotency keys ----------------------------------------------------------------
 
+
 async def test_the_same_idempotency_key_in_twenty_tenants_never_replays_another_tenants_answer(
-        tagged, gw):
+    tagged, gw
+):
     fake = tagged
     key = {"Idempotency-Key": '"order-1"'}
     # Sampled requests: no cache layer shares them, only the idempotency record could.
-    first = await asyncio.gather(*(
-        gw.chat("Write a haiku.", temperature=0.9, headers={**bearer(i), **key})
-        for i in range(TENANTS)))
+    first = await asyncio.gather(
+        *(
+            gw.chat("Write a haiku.", temperature=0.9, headers={**bearer(i), **key})
+            for i in range(TENANTS)
+        )
+    )
     for i, response in enumerate(first):
         assert "idempotent-replayed" not in response.headers
         assert_own(response, i)
-    retried = await asyncio.gather(*(
-        gw.chat("Write a haiku.", temperature=0.9, headers={**bearer(i), **key})
-        for i in range(TENANTS)))
+    retried = await asyncio.gather(
+        *(
+            gw.chat("Write a haiku.", temperature=0.9, headers={**bearer(i), **key})
+            for i in range(TENANTS)
+        )
+    )
     for i, (response, original) in enumerate(zip(retried, first, strict=True)):
         assert response.headers["idempotent-replayed"] == "true"
         assert response.content == original.content
@@ -141,7 +159,8 @@ async def test_the_same_idempotency_key_in_twenty_tenants_never_replays_another_
 
 
 async def test_idempotency_keys_stay_scoped_by_tenant_even_in_a_shared_namespace(
-        tagged, gateway_with):
+    tagged, gateway_with
+):
     """A shared namespace shares *cached* answers across tenants, by the config's choice; an
     idempotency record is a tenant's own retry state: another tenant sending the same key there
     must neither replay it (a sampled answer no cache would share) nor be refused with 422/409."""
@@ -165,10 +184,14 @@ async def test_idempotency_keys_stay_scoped_by_tenant_even_in_a_shared_namespace
 
 # --- several instances sharing Valkey ------------------------------------------------------------
 
+
 @contextlib.asynccontextmanager
 async def two_instances(fake, redis_server, **config):
-    shared = {**redis_settings(redis_server, retry_interval=0.05, timeout=2.0,
-                               connect_timeout=2.0), "admin_token": ADMIN, **config}
+    shared = {
+        **redis_settings(redis_server, retry_interval=0.05, timeout=2.0, connect_timeout=2.0),
+        "admin_token": ADMIN,
+        **config,
+    }
     async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
         yield a, b
 
@@ -181,27 +204,30 @@ async def scan_keys(redis_server) -> list[bytes]:
 KEY_NAME = re.compile(
     rb"carpool:(e:\{[0-9a-f]{32,40}\}|tag:[0-9a-f]{32}|ns:[0-9a-f]{32}|prefixes|semantic"
     rb"|\{stats\}:(live|size|bytes)|idem:\{[0-9a-f]{40}\}|lock:\{[0-9a-f]{32,40}\}"
-    rb"|flight:\{[0-9a-f]{32,40}\}:[0-9a-f]+)")
+    rb"|flight:\{[0-9a-f]{32,40}\}:[0-9a-f]+)"
+)
 
 
 async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_records(
-        tagged, shared_redis):
+    tagged, shared_redis
+):
     pytest.importorskip("redis")
     fake = tagged
     async with two_instances(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()
         # Every tenant on both instances at once, twice each: only its own copies coalesce.
         calls = [(i, side) for i in range(TENANTS) for side in (a, b, a, b)]
-        pending = [asyncio.create_task(side.chat(PROMPTS[0], headers=bearer(i)))
-                   for i, side in calls]
+        pending = [
+            asyncio.create_task(side.chat(PROMPTS[0], headers=bearer(i))) for i, side in calls
+        ]
         await fake.wait_for_calls(TENANTS)
-        await asyncio.sleep(0.2)                 # any cross-tenant join would have happened
+        await asyncio.sleep(0.2)  # any cross-tenant join would have happened
         fake.gate.set()
         responses = await asyncio.gather(*pending)
         for (i, _), response in zip(calls, responses, strict=True):
             assert_own(response, i)
         assert fake.count() == TENANTS
-        for i in range(TENANTS):                 # from the shared exact cache, on either side
+        for i in range(TENANTS):  # from the shared exact cache, on either side
             for side in (a, b):
                 again = await side.chat(PROMPTS[0], headers=bearer(i))
                 assert again.headers["x-carpool"] == "hit"
@@ -210,12 +236,14 @@ async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_re
         key = {"Idempotency-Key": "retry-me"}
         for i in range(TENANTS):
             side = (a, b)[i % 2]
-            response = await side.chat("Write a haiku.", temperature=0.9,
-                                       headers={**bearer(i), **key})
+            response = await side.chat(
+                "Write a haiku.", temperature=0.9, headers={**bearer(i), **key}
+            )
             assert "idempotent-replayed" not in response.headers
             assert_own(response, i)
-            replay = await (b, a)[i % 2].chat("Write a haiku.", temperature=0.9,
-                                              headers={**bearer(i), **key})
+            replay = await (b, a)[i % 2].chat(
+                "Write a haiku.", temperature=0.9, headers={**bearer(i), **key}
+            )
             assert replay.headers["idempotent-replayed"] == "true"
             assert replay.content == response.content
         assert fake.count() == 2 * TENANTS
@@ -226,12 +254,27 @@ async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_re
             assert b"tenant" not in k and b"Bearer" not in k and b"haiku" not in k.lower()
 
 
-WEIRD = ["*", "?", "[a]", "{a}", "a:b", "a*", "*a", "tag:*", "ns:*", "e:{*}", "\\", "a" * 256,
-         "}{", "[^a]"]
+WEIRD = [
+    "*",
+    "?",
+    "[a]",
+    "{a}",
+    "a:b",
+    "a*",
+    "*a",
+    "tag:*",
+    "ns:*",
+    "e:{*}",
+    "\\",
+    "a" * 256,
+    "}{",
+    "[^a]",
+]
 
 
 async def test_invalidating_a_tag_or_namespace_made_of_glob_syntax_drops_only_its_own_entries(
-        fake, shared_redis):
+    fake, shared_redis
+):
     pytest.importorskip("redis")
     async with two_instances(fake, shared_redis) as (a, b):
         admin = {"Authorization": f"Bearer {ADMIN}"}
@@ -244,54 +287,74 @@ async def test_invalidating_a_tag_or_namespace_made_of_glob_syntax_drops_only_it
         for k in await scan_keys(shared_redis):
             assert KEY_NAME.fullmatch(k), k
         # Selectors that name nothing drop nothing, however they look.
-        for selector in ({"tag": "a\nb"}, {"tag": "a\r\n*"}, {"namespace": "*\n"},
-                         {"tag": "t" * 10_000}, {"namespace": "%s"}, {"prefix": "*"},
-                         {"prefix": "?"}, {"prefix": "[t]"}):
+        for selector in (
+            {"tag": "a\nb"},
+            {"tag": "a\r\n*"},
+            {"namespace": "*\n"},
+            {"tag": "t" * 10_000},
+            {"namespace": "%s"},
+            {"prefix": "*"},
+            {"prefix": "?"},
+            {"prefix": "[t]"},
+        ):
             dropped = await b.client.post("/admin/invalidate", json=selector, headers=admin)
             assert dropped.json() == {"invalidated": 0}, selector
         # Each weird tag and namespace drops exactly its own entry, on the other instance.
         for n, weird in enumerate(WEIRD):
             by_tag = await b.client.post("/admin/invalidate", json={"tag": weird}, headers=admin)
             assert by_tag.json() == {"invalidated": 1}, weird
-            by_ns = await b.client.post("/admin/invalidate", json={"namespace": weird},
-                                        headers=admin)
+            by_ns = await b.client.post(
+                "/admin/invalidate", json={"namespace": weird}, headers=admin
+            )
             assert by_ns.json() == {"invalidated": 1}, weird
             # (Asked on b: a's own coalescing window may still hold the answer, see below.)
-            assert (await b.chat(f"tagged {n}", headers={"x-carpool-tags": weird})
-                    ).headers["x-carpool"] == "miss"
-            assert (await b.chat(f"namespaced {n}", headers={"x-carpool-namespace": weird})
-                    ).headers["x-carpool"] == "miss"
+            assert (await b.chat(f"tagged {n}", headers={"x-carpool-tags": weird})).headers[
+                "x-carpool"
+            ] == "miss"
+            assert (
+                await b.chat(f"namespaced {n}", headers={"x-carpool-namespace": weird})
+            ).headers["x-carpool"] == "miss"
             # ...and nothing else: the next weird ones, and the plain one, are still there.
             if n + 1 < len(WEIRD):
-                assert (await a.chat(f"tagged {n + 1}", headers={"x-carpool-tags": WEIRD[n + 1]})
-                        ).headers["x-carpool"] == "hit"
-                assert (await a.chat(f"namespaced {n + 1}",
-                                     headers={"x-carpool-namespace": WEIRD[n + 1]})
-                        ).headers["x-carpool"] == "hit"
-            assert (await a.chat("plain", headers={"x-carpool-tags": "plain",
-                                                    "x-carpool-namespace": "p"})
-                    ).headers["x-carpool"] == "hit"
+                assert (
+                    await a.chat(f"tagged {n + 1}", headers={"x-carpool-tags": WEIRD[n + 1]})
+                ).headers["x-carpool"] == "hit"
+                assert (
+                    await a.chat(
+                        f"namespaced {n + 1}", headers={"x-carpool-namespace": WEIRD[n + 1]}
+                    )
+                ).headers["x-carpool"] == "hit"
+            assert (
+                await a.chat(
+                    "plain", headers={"x-carpool-tags": "plain", "x-carpool-namespace": "p"}
+                )
+            ).headers["x-carpool"] == "hit"
 
 
 async def test_an_answer_invalidated_on_one_instance_is_not_served_from_anothers_window(
-        fake, shared_redis):
+    fake, shared_redis
+):
     """B's invalidation reaches A's own coalescing window through Redis pub/sub
     (``invalidation.py``); the window is long, so only the invalidation can end it."""
     pytest.importorskip("redis")
     async with two_instances(fake, shared_redis, coalesce={"window_ms": 60_000}) as (a, b):
-        await eventually(lambda: a.gateway.invalidations.listening,
-                         what="instance A subscribed to invalidations")
+        await eventually(
+            lambda: a.gateway.invalidations.listening, what="instance A subscribed to invalidations"
+        )
         await a.chat(headers={"x-carpool-tags": "faq"})
-        assert len(a.gateway.flights) == 1                   # A's answer lingers in its window
-        dropped = await b.client.post("/admin/invalidate", json={"tag": "faq"},
-                                      headers={"Authorization": f"Bearer {ADMIN}"})
+        assert len(a.gateway.flights) == 1  # A's answer lingers in its window
+        dropped = await b.client.post(
+            "/admin/invalidate", json={"tag": "faq"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
         assert dropped.json() == {"invalidated": 1}
-        await eventually(lambda: invalidations_of(a)["received"] == 1,
-                         what="instance A told of the invalidation")
+        await eventually(
+            lambda: invalidations_of(a)["received"] == 1, what="instance A told of the invalidation"
+        )
         assert invalidations_of(a)["forgotten"] == 1 and len(a.gateway.flights) == 0
         assert invalidations_of(b)["published"] == 1 and invalidations_of(b)["received"] == 0
-        stats = (await a.client.get("/stats", headers={"Authorization": f"Bearer {ADMIN}"})
-                 ).json()["redis"]["invalidations"]
+        stats = (await a.client.get("/stats", headers={"Authorization": f"Bearer {ADMIN}"})).json()[
+            "redis"
+        ]["invalidations"]
         assert stats["received"] == 1 and stats["listening"] is True
         assert (await a.chat(headers={"x-carpool-tags": "faq"})).headers["x-carpool"] == "miss"
         assert fake.count() == 2
@@ -303,18 +366,31 @@ def invalidations_of(served) -> dict:
 
 # --- the admin token ----------------------------------------------------------------------------
 
+
 async def test_the_admin_token_refuses_every_wrong_token_equal_length_or_not(fake, gateway_with):
     async with gateway_with(admin_token=ADMIN) as gw:
+
         async def invalidate(authorization: str | bytes | None):
             headers = {} if authorization is None else {"Authorization": authorization}
             return await gw.client.post("/admin/invalidate", json={"all": True}, headers=headers)
 
         wrong_same_length = ADMIN[:-1] + ("x" if ADMIN[-1] != "x" else "y")
         assert len(wrong_same_length) == len(ADMIN)
-        refused = [None, "", "Bearer", f"Bearer {wrong_same_length}",
-                   f"Bearer {ADMIN[:-1]}", f"Bearer {ADMIN}x", f"Bearer {ADMIN}\tx",
-                   f"bearer {ADMIN}", f"Basic {ADMIN}", ADMIN, f"Bearer  {ADMIN}",
-                   f"Bearer {ADMIN.upper()}", b"Bearer \xff\xfe" + ADMIN.encode()[2:]]
+        refused = [
+            None,
+            "",
+            "Bearer",
+            f"Bearer {wrong_same_length}",
+            f"Bearer {ADMIN[:-1]}",
+            f"Bearer {ADMIN}x",
+            f"Bearer {ADMIN}\tx",
+            f"bearer {ADMIN}",
+            f"Basic {ADMIN}",
+            ADMIN,
+            f"Bearer  {ADMIN}",
+            f"Bearer {ADMIN.upper()}",
+            b"Bearer \xff\xfe" + ADMIN.encode()[2:],
+        ]
         for authorization in refused:
             response = await invalidate(authorization)
             assert response.status_code == 401, authorization
@@ -322,21 +398,23 @@ async def test_the_admin_token_refuses_every_wrong_token_equal_length_or_not(fak
             assert error["code"] == "unauthorized" and ADMIN not in response.text
         accepted = await invalidate(f"Bearer {ADMIN}")
         assert accepted.status_code == 200 and accepted.json() == {"invalidated": 0}
-    async with gateway_with() as gw:                    # no token configured: admin is off
-        off = await gw.client.post("/admin/invalidate", json={"all": True},
-                                   headers={"Authorization": "Bearer anything"})
+    async with gateway_with() as gw:  # no token configured: admin is off
+        off = await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer anything"}
+        )
         assert off.status_code == 404
 
 
 def test_the_admin_token_is_compared_in_constant_time():
     """A supplement to the behaviour above: the comparison is ``hmac.compare_digest``."""
     from carpool import server
+
     source = inspect.getsource(server._control_app)
-    invalidate = source[source.index("async def invalidate"):]
+    invalidate = source[source.index("async def invalidate") :]
     end = invalidate.find("\n    async def", 1)
     invalidate = invalidate if end < 0 else invalidate[:end]
     assert "hmac.compare_digest(" in invalidate
-    assert "== f\"Bearer" not in invalidate and "!= f\"Bearer" not in invalidate
+    assert '== f"Bearer' not in invalidate and '!= f"Bearer' not in invalidate
 
 
 # --- secrets in logs --------------------------------------------------------------------------------
@@ -349,22 +427,26 @@ async def test_no_credential_or_prompt_text_in_the_logs_at_debug(fake, gateway_w
     caplog.set_level(logging.DEBUG)
     headers = {"Authorization": f"Bearer {SECRET}"}
     async with gateway_with(admin_token=ADMIN) as gw:
-        assert (await gw.chat(PROMPT, headers=headers)).status_code == 200          # miss
-        assert (await gw.chat(PROMPT, headers=headers)).status_code == 200          # hit
+        assert (await gw.chat(PROMPT, headers=headers)).status_code == 200  # miss
+        assert (await gw.chat(PROMPT, headers=headers)).status_code == 200  # hit
         await gw.stream_chat(PROMPT + " streamed", headers=headers)
         await gw.chat(PROMPT, headers={**headers, "Idempotency-Key": "k"})
-        await gw.chat(PROMPT + " other", headers={**headers, "Idempotency-Key": "k"})   # 422
-        await gw.chat(PROMPT, headers={**headers, "x-carpool-tags": "\x01"})            # 400
-        fake.fail_status, fake.fail_times = 500, 1                                       # upstream
+        await gw.chat(PROMPT + " other", headers={**headers, "Idempotency-Key": "k"})  # 422
+        await gw.chat(PROMPT, headers={**headers, "x-carpool-tags": "\x01"})  # 400
+        fake.fail_status, fake.fail_times = 500, 1  # upstream
         await gw.chat(PROMPT + " failing", headers=headers)
-        fake.cut_after = 1                                                   # a broken stream
+        fake.cut_after = 1  # a broken stream
         await gw.stream_chat(PROMPT + " cut", headers=headers)
         fake.cut_after = None
-        await gw.client.post("/admin/invalidate", json={"prefix": PROMPT[:10]},
-                             headers={"Authorization": f"Bearer {ADMIN}"})
-        await gw.client.post("/admin/invalidate", json={"all": True},
-                             headers={"Authorization": f"Bearer {SECRET}"})               # 401
-        await gw.client.get("/v1/models", headers=headers)                       # pass-through
+        await gw.client.post(
+            "/admin/invalidate",
+            json={"prefix": PROMPT[:10]},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        )
+        await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": f"Bearer {SECRET}"}
+        )  # 401
+        await gw.client.get("/v1/models", headers=headers)  # pass-through
     assert caplog.records, "nothing was logged at all: the capture did not work"
     text = caplog.text
     assert SECRET not in text and ADMIN not in text
@@ -379,7 +461,7 @@ async def test_no_credential_or_prompt_text_in_the_logs_with_redis(fake, killabl
         await a.chat(PROMPT, headers={**headers, "x-carpool-tags": "t"})
         await b.chat(PROMPT, headers=headers)
         await b.chat(PROMPT, headers={**headers, "Idempotency-Key": "k"})
-        killable_redis.kill()                       # degraded mode logs its errors
+        killable_redis.kill()  # degraded mode logs its errors
         await a.chat(PROMPT + " while down", headers=headers)
     # The gateway's own logs are in there (the outage warning), with the clients' and Redis's.
     assert any(r.name.startswith("carpool") for r in caplog.records)

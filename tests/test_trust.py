@@ -21,9 +21,11 @@ from fakes.waiting import eventually
 
 CREDENTIALS = ["authorization", "api-key", "x-api-key", "openai-organization", "openai-project"]
 ADMIN = "admin-token"
-PROPERTY = settings(max_examples=25, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                           HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def text(response) -> str:
@@ -33,11 +35,14 @@ def text(response) -> str:
 
 # --- 1. identity comes from every credential a client presents ------------------------------------
 
+
 @PROPERTY
-@given(name=st.sampled_from(CREDENTIALS), other=st.sampled_from([None, *CREDENTIALS]),
-       value=st.sampled_from(["k1", "Bearer k1", "wrong", "valid2"]))
-async def test_any_credential_header_that_differs_gets_its_own_answer(gw, fake, name, other,
-                                                                      value):
+@given(
+    name=st.sampled_from(CREDENTIALS),
+    other=st.sampled_from([None, *CREDENTIALS]),
+    value=st.sampled_from(["k1", "Bearer k1", "wrong", "valid2"]),
+)
+async def test_any_credential_header_that_differs_gets_its_own_answer(gw, fake, name, other, value):
     fake.reset()
     await gw.gateway.invalidate({"all": True})
     prompt = f"identity {name} {other} {value!r}"
@@ -48,7 +53,7 @@ async def test_any_credential_header_that_differs_gets_its_own_answer(gw, fake, 
     second = await gw.chat(prompt, headers=headers)
     assert second.headers["x-carpool"] == "miss"
     assert text(first) != text(second) and fake.count() == 2
-    assert (await gw.chat(prompt)).headers["x-carpool"] == "miss"       # and no key at all
+    assert (await gw.chat(prompt)).headers["x-carpool"] == "miss"  # and no key at all
     assert (await gw.chat(prompt, headers={name: "valid"})).headers["x-carpool"] == "hit"
 
 
@@ -80,8 +85,12 @@ async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, ga
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
         first = await gw.chat("shared", headers={"Authorization": "Bearer good-1", **shared})
         assert first.headers["x-carpool"] == "miss"
-        for made_up in ({"Authorization": "Bearer forged"}, {"api-key": "forged"},
-                        {"x-api-key": "forged"}, {}):
+        for made_up in (
+            {"Authorization": "Bearer forged"},
+            {"api-key": "forged"},
+            {"x-api-key": "forged"},
+            {},
+        ):
             response = await gw.chat("shared", headers={**made_up, **shared})
             assert response.status_code == 401 and response.headers["x-carpool"] == "miss"
         # A valid key the upstream has accepted reads it.
@@ -91,18 +100,19 @@ async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, ga
         assert fake.count() == 6
 
 
-async def test_in_a_shared_namespace_a_made_up_key_never_joins_a_call_in_flight(fake,
-                                                                                 gateway_with):
+async def test_in_a_shared_namespace_a_made_up_key_never_joins_a_call_in_flight(fake, gateway_with):
     fake.valid_keys = {"good"}
     shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
         await gw.chat("warm up", headers={"Authorization": "Bearer good"})
         fake.gate = asyncio.Event()
         leader = asyncio.create_task(
-            gw.chat("flight", headers={"Authorization": "Bearer good", **shared}))
+            gw.chat("flight", headers={"Authorization": "Bearer good", **shared})
+        )
         await fake.wait_until(lambda: fake.count() == 2, what="the leader's call")
         forged = asyncio.create_task(
-            gw.chat("flight", headers={"Authorization": "Bearer forged", **shared}))
+            gw.chat("flight", headers={"Authorization": "Bearer forged", **shared})
+        )
         await fake.wait_until(lambda: fake.count() == 3, what="the forged key's own call")
         fake.gate.set()
         assert (await leader).status_code == 200 and (await forged).status_code == 401
@@ -126,6 +136,7 @@ async def test_the_credentials_are_never_stored_or_shown(gw, fake):
 
 # --- 3. everything that changes what may be served is in the key or checked at read time --------
 
+
 async def test_the_request_type_is_in_the_key(gw, fake):
     untyped = await gw.chat("typed")
     factual = await gw.chat("typed", headers={"x-carpool-type": "factual"})
@@ -135,21 +146,24 @@ async def test_the_request_type_is_in_the_key(gw, fake):
     # factual (ttl 0) is never stored, so never served from the cache.
     again = await gw.chat("typed", headers={"x-carpool-type": "factual"})
     assert again.headers["x-carpool"] in ("miss", "coalesced")
-    assert (await gw.chat("typed", headers={"x-carpool-type": "code"})).headers["x-carpool"] \
-        == "hit"
+    assert (await gw.chat("typed", headers={"x-carpool-type": "code"})).headers[
+        "x-carpool"
+    ] == "hit"
 
 
 async def test_the_readers_type_ttl_bounds_what_it_is_served_whoever_wrote_it(gw, fake):
-    realtime = {"x-carpool-type": "realtime"}        # ttl 300 s
+    realtime = {"x-carpool-type": "realtime"}  # ttl 300 s
     first = await gw.chat("news", headers=realtime)
     assert (await gw.chat("news", headers=realtime)).headers["x-carpool"] == "hit"
     # An instance with a longer TTL for the type (or an older config) stored it 10 minutes ago.
     store = gw.gateway.store
-    (key, entry), = [(k, e) for k, e in store._entries.items()]   # noqa: SLF001
-    old = Answer(entry.answer.kind, entry.answer.body, True, entry.answer.tokens,
-                 created=time.time() - 600)
-    await store.put(key, Entry(old, time.time() + 3600, entry.tags, entry.namespace,
-                               entry.prompt_prefix))
+    ((key, entry),) = [(k, e) for k, e in store._entries.items()]  # noqa: SLF001
+    old = Answer(
+        entry.answer.kind, entry.answer.body, True, entry.answer.tokens, created=time.time() - 600
+    )
+    await store.put(
+        key, Entry(old, time.time() + 3600, entry.tags, entry.namespace, entry.prompt_prefix)
+    )
     gw.gateway.flights.forget_all()
     late = await gw.chat("news", headers=realtime)
     assert late.headers["x-carpool"] == "miss" and text(late) != text(first)
@@ -160,6 +174,7 @@ async def test_the_query_string_is_forwarded_and_in_the_key(gw, fake):
 
     async def ask(query: str):
         return await gw.client.post("/v1/chat/completions" + query, json=body)
+
     one = await ask("?api-version=2024-10-21")
     assert fake.calls[-1].query == "api-version=2024-10-21"
     two = await ask("?api-version=2025-01-01")
@@ -172,23 +187,24 @@ async def test_the_query_string_is_forwarded_and_in_the_key(gw, fake):
 
 
 async def test_the_query_string_reaches_batched_embeddings(gw, fake):
-    response = await gw.client.post("/v1/embeddings?api-version=1",
-                                    json={"model": "e", "input": "x"})
+    response = await gw.client.post(
+        "/v1/embeddings?api-version=1", json={"model": "e", "input": "x"}
+    )
     assert response.status_code == 200 and fake.calls[-1].query == "api-version=1"
 
 
 # --- 4. white space is meaning ------------------------------------------------------------------
 
 WHITE_SPACE_PAIRS = [
-    ("def f():\n    return 1", "def f():\n  return 1"),            # Python indentation
-    ("a    b", "a b"),                                               # counted spaces
-    ("col1\tcol2", "col1 col2"),                                     # tabs
-    ("line one  \nline two", "line one\nline two"),                  # Markdown hard break
-    ("~~~\nx  = 1\n~~~", "~~~\nx = 1\n~~~"),                         # ~~~ fences
-    ("text\n\n    indented code", "text\n\n indented code"),        # indented code blocks
-    ("a\u00a0b", "a b"),                                             # non-ASCII space
+    ("def f():\n    return 1", "def f():\n  return 1"),  # Python indentation
+    ("a    b", "a b"),  # counted spaces
+    ("col1\tcol2", "col1 col2"),  # tabs
+    ("line one  \nline two", "line one\nline two"),  # Markdown hard break
+    ("~~~\nx  = 1\n~~~", "~~~\nx = 1\n~~~"),  # ~~~ fences
+    ("text\n\n    indented code", "text\n\n indented code"),  # indented code blocks
+    ("a\u00a0b", "a b"),  # non-ASCII space
     ("a\u3000b", "a b"),
-    ("a\x0bb", "a b"),                                               # control characters
+    ("a\x0bb", "a b"),  # control characters
     ("trailing ", "trailing"),
 ]
 
@@ -201,9 +217,12 @@ async def test_white_space_is_meaning_prompts_that_differ_in_it_are_not_merged(g
 
 
 @PROPERTY
-@given(words=st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=2, max_size=5),
-       spaces=st.lists(st.sampled_from([" ", "  ", "\t", "\n", "\u00a0", " \n", "\r\n"]),
-                       min_size=2, max_size=2))
+@given(
+    words=st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=2, max_size=5),
+    spaces=st.lists(
+        st.sampled_from([" ", "  ", "\t", "\n", "\u00a0", " \n", "\r\n"]), min_size=2, max_size=2
+    ),
+)
 async def test_any_change_of_white_space_is_another_request(gw, fake, words, spaces):
     a, b = spaces[0].join(words), spaces[1].join(words)
     fake.reset()
@@ -222,13 +241,15 @@ async def test_embeddings_inputs_keep_their_white_space_even_with_collapse(fake,
 
 # --- 7. invalidation covers calls in flight ------------------------------------------------------
 
+
 async def test_after_an_invalidation_no_request_joins_a_call_begun_before_it(fake, gateway_with):
     async with gateway_with(admin_token=ADMIN) as gw:
         fake.gate = asyncio.Event()
         before = asyncio.create_task(gw.chat("invalidated"))
         await fake.wait_until(lambda: fake.count() == 1, what="the first call")
-        response = await gw.client.post("/admin/invalidate", json={"all": True},
-                                        headers={"Authorization": f"Bearer {ADMIN}"})
+        response = await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
         assert response.status_code == 200
         after = asyncio.create_task(gw.chat("invalidated"))
         await fake.wait_until(lambda: fake.count() == 2, what="a fresh call after invalidation")
@@ -242,13 +263,15 @@ async def test_after_an_invalidation_no_request_joins_a_call_begun_before_it(fak
 
 
 async def test_a_call_in_flight_during_an_invalidation_is_not_stored(fake, gateway_with):
-    async with gateway_with(admin_token=ADMIN, coalesce={"window_ms": 0, "adaptive": False}) \
-            as gw:
+    async with gateway_with(admin_token=ADMIN, coalesce={"window_ms": 0, "adaptive": False}) as gw:
         fake.gate = asyncio.Event()
         before = asyncio.create_task(gw.chat("stale"))
         await fake.wait_until(lambda: fake.count() == 1, what="the first call")
-        await gw.client.post("/admin/invalidate", json={"tag": "anything"},
-                             headers={"Authorization": f"Bearer {ADMIN}"})
+        await gw.client.post(
+            "/admin/invalidate",
+            json={"tag": "anything"},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        )
         fake.gate.set()
         assert (await before).status_code == 200
         again = await gw.chat("stale")
@@ -259,8 +282,9 @@ async def test_the_semantic_cache_uses_the_same_identity(fake, gateway_with):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("usearch")
     shared = {"x-carpool-namespace": "docs"}
-    async with gateway_with(semantic={"enabled": True},
-                            tenant={"shared_namespaces": ["docs"]}) as gw:
+    async with gateway_with(
+        semantic={"enabled": True}, tenant={"shared_namespaces": ["docs"]}
+    ) as gw:
         semantic = gw.gateway.semantic
         first = await gw.chat("How do I reset my router?", headers={"api-key": "valid"})
         await eventually(lambda: semantic.entries >= 1, what="the semantic insert")
@@ -282,17 +306,20 @@ async def test_the_semantic_cache_uses_the_same_identity(fake, gateway_with):
 
 
 async def test_acceptance_is_per_grant_a_key_refused_a_model_never_reads_its_answers(
-        fake, gateway_with):
+    fake, gateway_with
+):
     fake.valid_keys = {"good": {"premium", "small"}, "cheap": {"small"}}
     shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        secret = await gw.chat("secret", model="premium",
-                               headers={"Authorization": "Bearer good", **shared})
+        secret = await gw.chat(
+            "secret", model="premium", headers={"Authorization": "Bearer good", **shared}
+        )
         assert secret.status_code == 200
         small = await gw.chat("hello", model="small", headers={"Authorization": "Bearer cheap"})
-        assert small.status_code == 200                   # accepted, for the small model only
-        premium = await gw.chat("secret", model="premium",
-                                headers={"Authorization": "Bearer cheap", **shared})
+        assert small.status_code == 200  # accepted, for the small model only
+        premium = await gw.chat(
+            "secret", model="premium", headers={"Authorization": "Bearer cheap", **shared}
+        )
         assert premium.status_code == 401 and premium.headers["x-carpool"] == "miss"
 
 
@@ -300,32 +327,33 @@ async def test_a_key_the_upstream_refuses_is_accepted_for_nothing_any_more(fake,
     fake.valid_keys = {"good"}
     shared = {"x-carpool-namespace": "docs"}
     # No coalescing window: a key's own answers linger in it, whatever the namespace.
-    async with gateway_with(tenant={"shared_namespaces": ["docs"]},
-                            coalesce={"window_ms": 0, "adaptive": False}) as gw:
+    async with gateway_with(
+        tenant={"shared_namespaces": ["docs"]}, coalesce={"window_ms": 0, "adaptive": False}
+    ) as gw:
         await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})
-        assert (await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})) \
-            .headers["x-carpool"] == "hit"
-        fake.valid_keys = set()                              # revoked upstream
-        assert (await gw.chat("other", headers={"Authorization": "Bearer good"})).status_code \
-            == 401
+        assert (
+            await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})
+        ).headers["x-carpool"] == "hit"
+        fake.valid_keys = set()  # revoked upstream
+        assert (await gw.chat("other", headers={"Authorization": "Bearer good"})).status_code == 401
         again = await gw.chat("shared", headers={"Authorization": "Bearer good", **shared})
         assert again.status_code == 401 and again.headers["x-carpool"] == "miss"
 
 
 async def test_in_a_shared_namespace_another_tenants_refusal_is_not_handed_to_a_joiner(
-        fake, gateway_with):
+    fake, gateway_with
+):
     fake.valid_keys = {"a", "b"}
     shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
         for key in ("a", "b"):
             await gw.chat("warm up " + key, headers={"Authorization": f"Bearer {key}"})
-        fake.valid_keys = {"b"}                               # a's key revoked, not yet known
+        fake.valid_keys = {"b"}  # a's key revoked, not yet known
         fake.gate = asyncio.Event()
         calls = fake.count()
         led = asyncio.create_task(gw.chat("q", headers={"Authorization": "Bearer a", **shared}))
         await fake.wait_until(lambda: fake.count() == calls + 1, what="a's call")
-        joined = asyncio.create_task(
-            gw.chat("q", headers={"Authorization": "Bearer b", **shared}))
+        joined = asyncio.create_task(gw.chat("q", headers={"Authorization": "Bearer b", **shared}))
         await eventually(lambda: gw.gateway.flights.waiters == 2, what="b joining a's call")
         fake.gate.set()
         assert (await led).status_code == 401
@@ -334,7 +362,8 @@ async def test_in_a_shared_namespace_another_tenants_refusal_is_not_handed_to_a_
 
 
 async def test_an_idempotent_retry_is_replayed_even_after_the_key_became_accepted(
-        fake, gateway_with):
+    fake, gateway_with
+):
     shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
         headers = {"Authorization": "Bearer new", "Idempotency-Key": '"k1"', **shared}
@@ -352,21 +381,33 @@ async def test_a_forwarded_header_that_may_change_the_answer_is_in_the_key(gw, f
     beta = await gw.chat("deploy", headers={"OpenAI-Beta": "assistants=v2"})
     assert beta.headers["x-carpool"] == "miss" and fake.count() == 3
     # Transport, tracing and SDK telemetry headers are not: the same request.
-    same = await gw.chat("deploy", headers={"user-agent": "other/1.0", "traceparent": "00-1-2-01",
-                                            "x-stainless-retry-count": "1",
-                                            "azureml-model-deployment": "tiny"})
+    same = await gw.chat(
+        "deploy",
+        headers={
+            "user-agent": "other/1.0",
+            "traceparent": "00-1-2-01",
+            "x-stainless-retry-count": "1",
+            "azureml-model-deployment": "tiny",
+        },
+    )
     assert same.headers["x-carpool"] == "hit" and text(same) == text(tiny)
 
 
 async def test_embeddings_are_batched_only_with_the_same_forwarded_headers(gw, fake):
     bodies = [("openai-beta", "x"), ("openai-beta", "y"), ("azureml-model-deployment", "z")]
-    responses = await asyncio.gather(*(
-        gw.client.post("/v1/embeddings", json={"model": "e", "input": f"item {i}"},
-                       headers={name: value})
-        for i, (name, value) in enumerate(bodies)))
+    responses = await asyncio.gather(
+        *(
+            gw.client.post(
+                "/v1/embeddings", json={"model": "e", "input": f"item {i}"}, headers={name: value}
+            )
+            for i, (name, value) in enumerate(bodies)
+        )
+    )
     assert all(r.status_code == 200 for r in responses)
-    seen = sorted((c.headers.get("openai-beta", ""), c.headers.get("azureml-model-deployment", ""))
-                  for c in fake.calls)
+    seen = sorted(
+        (c.headers.get("openai-beta", ""), c.headers.get("azureml-model-deployment", ""))
+        for c in fake.calls
+    )
     assert seen == sorted([("x", ""), ("y", ""), ("", "z")])
 
 
@@ -378,7 +419,9 @@ async def test_a_cached_endpoint_with_a_trailing_slash_is_the_same_endpoint(gw, 
     assert [c.path for c in fake.calls] == ["/v1/chat/completions"]
 
 
-async def test_an_answer_whose_prompt_is_embedded_during_an_invalidation_is_not_added(fake, gateway_with):
+async def test_an_answer_whose_prompt_is_embedded_during_an_invalidation_is_not_added(
+    fake, gateway_with
+):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("usearch")
     async with gateway_with(semantic={"enabled": True}, admin_token=ADMIN) as gw:
@@ -390,14 +433,17 @@ async def test_an_answer_whose_prompt_is_embedded_during_an_invalidation_is_not_
             embedding.set()
             await release.wait()
             return await vector(view)
+
         semantic.vector = slow_vector
         # no-cache: no probe, so the prompt is embedded while the upstream answers, and the
         # entry goes in once the embedding is done, before the flight ends.
         asked = asyncio.create_task(
-            gw.chat("How do I reset my router?", headers={"Cache-Control": "no-cache"}))
+            gw.chat("How do I reset my router?", headers={"Cache-Control": "no-cache"})
+        )
         await embedding.wait()
-        await gw.client.post("/admin/invalidate", json={"all": True},
-                             headers={"Authorization": f"Bearer {ADMIN}"})
+        await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
         release.set()
         assert (await asked).status_code == 200
         assert semantic.entries == 0
@@ -409,13 +455,15 @@ async def test_acceptance_covers_the_forwarded_headers_a_key_may_be_refused(fake
     shared = {"x-carpool-namespace": "docs"}
     premium = {"azureml-model-deployment": "premium"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        await gw.chat("warm", headers={"Authorization": "Bearer cheap"})     # accepted, plain
-        secret = await gw.chat("secret", headers={"Authorization": "Bearer good", **premium,
-                                                  **shared})
+        await gw.chat("warm", headers={"Authorization": "Bearer cheap"})  # accepted, plain
+        secret = await gw.chat(
+            "secret", headers={"Authorization": "Bearer good", **premium, **shared}
+        )
         assert secret.headers["x-carpool"] == "miss"
         # cheap was never answered with that deployment: it reads nothing made with it.
-        asked = await gw.chat("secret", headers={"Authorization": "Bearer cheap", **premium,
-                                                 **shared})
+        asked = await gw.chat(
+            "secret", headers={"Authorization": "Bearer cheap", **premium, **shared}
+        )
         assert asked.headers["x-carpool"] == "miss" and fake.count() == 3
 
 
@@ -425,14 +473,16 @@ async def test_a_joiner_refused_by_proxy_twice_still_gets_its_own_answer(fake, g
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
         for key in "abc":
             await gw.chat("warm up " + key, headers={"Authorization": f"Bearer {key}"})
-        fake.valid_keys = {"c"}                       # a and b revoked upstream, not yet known
+        fake.valid_keys = {"c"}  # a and b revoked upstream, not yet known
         fake.gate = asyncio.Event()
         led = asyncio.create_task(gw.chat("q", headers={"Authorization": "Bearer a", **shared}))
         await fake.wait_until(lambda: fake.count() == 4, what="a's call")
-        b = asyncio.create_task(gw.stream_chat("q", headers={"Authorization": "Bearer b",
-                                                             **shared}))
-        c = asyncio.create_task(gw.stream_chat("q", headers={"Authorization": "Bearer c",
-                                                             **shared}))
+        b = asyncio.create_task(
+            gw.stream_chat("q", headers={"Authorization": "Bearer b", **shared})
+        )
+        c = asyncio.create_task(
+            gw.stream_chat("q", headers={"Authorization": "Bearer c", **shared})
+        )
         await eventually(lambda: gw.gateway.flights.waiters == 3, what="b and c joining")
         fake.gate.set()
         assert (await led).status_code == 401

@@ -27,11 +27,11 @@ def test_adaptive_window_is_window_ms_until_a_key_has_repeated_enough():
 def test_a_hot_key_gets_a_short_window_and_a_rare_key_a_long_one():
     policy = AdaptiveWindow(1.0, 0.05, 3.0, tradeoff=8.0)
     for i in range(10):
-        policy.arrival("hot", i * 0.01)          # asked every 10 ms
-        policy.arrival("rare", i * 2.0)          # asked every 2 s
+        policy.arrival("hot", i * 0.01)  # asked every 10 ms
+        policy.arrival("rare", i * 2.0)  # asked every 2 s
     hot, rare = policy.window("hot", 1, 0.8), policy.window("rare", 20, 0.8)
-    assert hot == max(0.05, math.sqrt(0.8 ** 2 + 8.0 * 0.01) - 0.8)
-    assert hot < 0.1 and rare == 3.0             # the staleness bound caps it
+    assert hot == max(0.05, math.sqrt(0.8**2 + 8.0 * 0.01) - 0.8)
+    assert hot < 0.1 and rare == 3.0  # the staleness bound caps it
 
 
 def test_adaptive_window_never_exceeds_the_staleness_bound_or_goes_below_the_minimum():

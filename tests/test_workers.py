@@ -22,15 +22,30 @@ async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_re
     log = tmp_path / "workers.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "carpool.cli", "serve", "--upstream", fake.url, "--redis",
-             shared_redis.url, "--port", str(port), "--workers", "2"],
-            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "carpool.cli",
+                "serve",
+                "--upstream",
+                fake.url,
+                "--redis",
+                shared_redis.url,
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
             await until_serving(probe, proc, log)
-        body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}],
-                "temperature": 0}
+        body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0}
         pids, outcomes = set(), []
         # A new connection per request, so the kernel spreads them over both workers.
         for _ in range(200):
@@ -43,7 +58,7 @@ async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_re
                 break
         assert len(pids) == 2, "every request landed on one worker"
         assert outcomes[0] == "miss" and set(outcomes[1:]) == {"hit"}
-        assert fake.count() == 1             # one upstream call for both workers
+        assert fake.count() == 1  # one upstream call for both workers
     finally:
         proc.terminate()
         proc.wait(10)

@@ -41,13 +41,24 @@ def main() -> None:
     from gptcache.processor.pre import last_content
     from gptcache_server import server
 
-    openai.api_base = args.upstream          # where a miss goes (the openai<1.0 client)
+    openai.api_base = args.upstream  # where a miss goes (the openai<1.0 client)
     cache = Cache()
-    cache.init(pre_embedding_func=last_content, config=Config(enable_token_counter=False),
-               data_manager=manager_factory("map", data_dir=args.data_dir, max_size=100_000))
+    cache.init(
+        pre_embedding_func=last_content,
+        config=Config(enable_token_counter=False),
+        data_manager=manager_factory("map", data_dir=args.data_dir, max_size=100_000),
+    )
     server.openai_cache = cache
-    uvicorn.run(server.app, host=args.host, port=args.port, loop="uvloop", http="httptools",
-                log_level="warning", access_log=False, backlog=4096)
+    uvicorn.run(
+        server.app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+    )
 
 
 if __name__ == "__main__":

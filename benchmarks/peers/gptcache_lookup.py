@@ -45,8 +45,11 @@ def refuse_auto_install() -> None:
     import gptcache.utils.dependency_control as control
 
     def refuse(package: str, warn: bool = False) -> None:
-        raise ModuleNotFoundError(f"{package} is not installed in GPTCache's environment "
-                                  "(the benchmark does not let GPTCache pip-install at run time)")
+        raise ModuleNotFoundError(
+            f"{package} is not installed in GPTCache's environment "
+            "(the benchmark does not let GPTCache pip-install at run time)"
+        )
+
     utils.prompt_install = control.prompt_install = refuse  # type: ignore[assignment]
 
 
@@ -65,22 +68,28 @@ def main() -> None:
     def fake_llm(*args: Any, **kwargs: Any) -> dict[str, Any]:
         fake_llm.calls += 1  # type: ignore[attr-defined]
         return answer
+
     fake_llm.calls = 0  # type: ignore[attr-defined]
-    gpt_openai.ChatCompletion.llm = fake_llm          # the adapter's hook for a custom LLM call
+    gpt_openai.ChatCompletion.llm = fake_llm  # the adapter's hook for a custom LLM call
 
     caches: dict[str, Cache] = {}
     for name, pre in (("last_content", last_content), ("all_content", all_content)):
         cache = Cache()
-        cache.init(pre_embedding_func=pre, config=Config(enable_token_counter=False),
-                   data_manager=manager_factory("map", data_dir=f"{spec['data_dir']}/{name}",
-                                                max_size=100_000))
+        cache.init(
+            pre_embedding_func=pre,
+            config=Config(enable_token_counter=False),
+            data_manager=manager_factory(
+                "map", data_dir=f"{spec['data_dir']}/{name}", max_size=100_000
+            ),
+        )
         caches[name] = cache
         body = json.loads(raw)
-        first = gpt_openai.ChatCompletion.create(cache_obj=cache, **body)   # miss: fills
+        first = gpt_openai.ChatCompletion.create(cache_obj=cache, **body)  # miss: fills
         assert not first.get("gptcache"), "the first call must be a miss"
-        for i in range(10_000):                     # other entries too, as in a live cache
-            cache.data_manager.save(f"other question {i:05d}", f"answer {i}",
-                                    f"other question {i:05d}")
+        for i in range(10_000):  # other entries too, as in a live cache
+            cache.data_manager.save(
+                f"other question {i:05d}", f"answer {i}", f"other question {i:05d}"
+            )
 
     def adapter(cache: Cache) -> Any:
         body = json.loads(raw)
@@ -96,6 +105,7 @@ def main() -> None:
         def lookup() -> Any:
             found = dm.search(key)
             return dm.get_scalar_data(found[0]) if found else None
+
         return lookup
 
     calls_before = fake_llm.calls
@@ -105,8 +115,9 @@ def main() -> None:
         assert check.get("gptcache") is True, f"{name}: not a cache hit"
         parts[f"{name}.adapter"] = adapter(cache)
         parts[f"{name}.adapter_with_loads"] = with_loads(cache)
-        parts[f"{name}.dm_lookup"] = dm_lookup(cache, last_content if name == "last_content"
-                                               else all_content)
+        parts[f"{name}.dm_lookup"] = dm_lookup(
+            cache, last_content if name == "last_content" else all_content
+        )
     parts["json_loads"] = lambda: json.loads(raw)
     for fn in parts.values():
         for _ in range(1000):
@@ -116,17 +127,22 @@ def main() -> None:
         for name, fn in parts.items():
             samples[name].append(timeit.Timer(fn).repeat(repeat=1, number=number)[0] / number)
     hits_were_real = fake_llm.calls == calls_before
-    print(json.dumps({
-        "gptcache_version": version("gptcache"),
-        "python": sys.version.split()[0],
-        "body_bytes": len(raw),
-        "number": number, "repeat": repeat,
-        "entries": 10_001,
-        "llm_calls_during_timing": fake_llm.calls - calls_before,
-        "hits_were_real": hits_were_real,
-        "us": {n: round(statistics.median(v) * 1e6, 3) for n, v in samples.items()},
-        "best_us": {n: round(min(v) * 1e6, 3) for n, v in samples.items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "gptcache_version": version("gptcache"),
+                "python": sys.version.split()[0],
+                "body_bytes": len(raw),
+                "number": number,
+                "repeat": repeat,
+                "entries": 10_001,
+                "llm_calls_during_timing": fake_llm.calls - calls_before,
+                "hits_were_real": hits_were_real,
+                "us": {n: round(statistics.median(v) * 1e6, 3) for n, v in samples.items()},
+                "best_us": {n: round(min(v) * 1e6, 3) for n, v in samples.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -93,10 +93,12 @@ async def latency(spec: dict[str, Any]) -> dict[str, Any]:
     order = list(range(len(targets)))
     for r in range(-(-n // block)):
         size = min(block, n - r * block)
-        for i in (order if r % 2 == 0 else order[::-1]):
+        for i in order if r % 2 == 0 else order[::-1]:
             await run(i, size, True)
-    return {t["name"]: {"samples_s": samples[i], "outcomes": dict(outcomes[i]),
-                        "non_200": bad[i]} for i, t in enumerate(targets)}
+    return {
+        t["name"]: {"samples_s": samples[i], "outcomes": dict(outcomes[i]), "non_200": bad[i]}
+        for i, t in enumerate(targets)
+    }
 
 
 async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +109,7 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
     outcomes = [collections.Counter() for _ in targets]
     bad = [0 for _ in targets]
 
-    for i, t in enumerate(targets):     # prime: the first identical request fills the cache
+    for i, t in enumerate(targets):  # prime: the first identical request fills the cache
         conn = await connect(t["port"])
         response = await conn.request(raws[i])
         close([conn])
@@ -143,10 +145,12 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
         await run(i, warmup, False)
     order = list(range(len(targets)))
     for r in range(rounds):
-        for i in (order if r % 2 == 0 else order[::-1]):
+        for i in order if r % 2 == 0 else order[::-1]:
             await run(i, seconds, True)
-    return {t["name"]: {"rps": rates[i], "outcomes": dict(outcomes[i]), "non_200": bad[i]}
-            for i, t in enumerate(targets)}
+    return {
+        t["name"]: {"rps": rates[i], "outcomes": dict(outcomes[i]), "non_200": bad[i]}
+        for i, t in enumerate(targets)
+    }
 
 
 MODES = {"latency": latency, "throughput": throughput}

@@ -19,9 +19,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import ANSWER  # noqa: E402
 
-START = {"type": "http.response.start", "status": 200,
-         "headers": [(b"content-type", b"application/json"),
-                     (b"content-length", str(len(ANSWER)).encode())]}
+START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(ANSWER)).encode()),
+    ],
+}
 BODY = {"type": "http.response.body", "body": ANSWER}
 
 
@@ -36,8 +41,18 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
     import uvicorn
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
-                log_level="warning", access_log=False, backlog=4096, lifespan="off")
+
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+        lifespan="off",
+    )
 
 
 if __name__ == "__main__":

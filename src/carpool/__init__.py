@@ -5,15 +5,15 @@ The public surface is this sorted list; everything else is an implementation mod
 
 from .config import Config, ConfigError
 from .errors import (
-                     BodyTooLarge,
-                     CarpoolError,
-                     FlightAbandoned,
-                     RequestError,
-                     UpstreamError,
-                     UpstreamStatusError,
-                     UpstreamStreamBroken,
-                     UpstreamTimeout,
-                     UpstreamUnreachable,
+    BodyTooLarge,
+    CarpoolError,
+    FlightAbandoned,
+    RequestError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
 )
 from .outcome import Outcome
 from .pipeline import Gateway, Reply

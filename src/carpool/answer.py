@@ -38,9 +38,9 @@ class Answer:
     tokens: int = 0
     created: float = field(default_factory=time.time)
     frames: list[bytes] | None = None
-    usage_frame: int | None = None          # index in frames of the usage-only chunk, if any
+    usage_frame: int | None = None  # index in frames of the usage-only chunk, if any
     _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
-    _usage_missing: bool | None = None      # computed on first use (``usage_missing``)
+    _usage_missing: bool | None = None  # computed on first use (``usage_missing``)
 
     def __post_init__(self) -> None:
         # A copy holds exactly its length. orjson (>= 3.12) returns bytes whose buffer is at
@@ -56,7 +56,7 @@ class Answer:
     @property
     def usage_missing(self) -> bool:
         """Whether the body has no ``usage`` object (the upstream reported none)."""
-        if self.tokens > 0:                     # the usual case, without parsing the body
+        if self.tokens > 0:  # the usual case, without parsing the body
             return False
         missing = self._usage_missing
         if missing is None:
@@ -83,7 +83,8 @@ class Answer:
         cached = self._synthesized.get(include_usage)
         if cached is None:
             cached = self._synthesized[include_usage] = api_of(self.kind).synthesize(
-                orjson.loads(self.body), include_usage)
+                orjson.loads(self.body), include_usage
+            )
         return cached
 
     def age(self, now: float | None = None) -> float:

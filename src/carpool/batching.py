@@ -115,15 +115,22 @@ from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
 from carpool.upstream.base import Upstream, UpstreamRequest, UpstreamResponse
 
-__all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "ListCheck",
-           "approx_tokens"]
+__all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "KeyedBatcher", "ListCheck", "approx_tokens"]
 
 I = TypeVar("I")  # noqa: E741 - an item
 R = TypeVar("R")  # a result
 
 DEFAULT_KEY_HEADERS = DEFAULT_CREDENTIAL_HEADERS
-_DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding",
-                                       "content-encoding", "connection", "keep-alive"})
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        "content-length",
+        "content-type",
+        "transfer-encoding",
+        "content-encoding",
+        "connection",
+        "keep-alive",
+    }
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,10 +146,10 @@ class _Entry:
         self.item = item
         self.cost = cost
         self.future = future
-        self.arrivals: list[float] = []     # loop time each still-buffered caller arrived
+        self.arrivals: list[float] = []  # loop time each still-buffered caller arrived
         self.sent = False
-        self.waiting = 0                    # callers awaiting the result now
-        self.batch: _Batch | None = None    # once sent: the batch it went in
+        self.waiting = 0  # callers awaiting the result now
+        self.batch: _Batch | None = None  # once sent: the batch it went in
 
 
 class _Batch:
@@ -153,24 +160,37 @@ class _Batch:
         self.entries: dict[Hashable, _Entry] = {}
         self.cost = 0.0
         self.timer: asyncio.TimerHandle | None = None
-        self.due = False            # delay over, kept open while no slot is free
-        self.task: asyncio.Task[None] | None = None     # once sent: the task computing it
+        self.due = False  # delay over, kept open while no slot is free
+        self.task: asyncio.Task[None] | None = None  # once sent: the task computing it
 
 
 class KeyedBatcher(Generic[I, R]):
     """Coalesces concurrent ``submit`` calls into ``compute(group, items)`` calls; see the module
     docstring."""
 
-    def __init__(self, compute: Callable[[Any, list[I]], Awaitable[Sequence[R]]], *,
-                 max_batch_size: int, max_batch_delay_s: float,
-                 max_batch_cost: float = math.inf, max_in_flight: int | None = None,
-                 join_running: bool = True, grow_while_busy: bool = False,
-                 observe_wait: Callable[[float], None] | None = None,
-                 observe_size: Callable[[int], None] | None = None) -> None:
-        if max_batch_size < 1 or max_batch_delay_s < 0 or max_batch_cost <= 0 or (
-                max_in_flight is not None and max_in_flight < 1):
-            raise ValueError("max_batch_size and max_in_flight must be >= 1, "
-                             "max_batch_delay_s >= 0 and max_batch_cost > 0")
+    def __init__(
+        self,
+        compute: Callable[[Any, list[I]], Awaitable[Sequence[R]]],
+        *,
+        max_batch_size: int,
+        max_batch_delay_s: float,
+        max_batch_cost: float = math.inf,
+        max_in_flight: int | None = None,
+        join_running: bool = True,
+        grow_while_busy: bool = False,
+        observe_wait: Callable[[float], None] | None = None,
+        observe_size: Callable[[int], None] | None = None,
+    ) -> None:
+        if (
+            max_batch_size < 1
+            or max_batch_delay_s < 0
+            or max_batch_cost <= 0
+            or (max_in_flight is not None and max_in_flight < 1)
+        ):
+            raise ValueError(
+                "max_batch_size and max_in_flight must be >= 1, "
+                "max_batch_delay_s >= 0 and max_batch_cost > 0"
+            )
         self._compute = compute
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_s
@@ -180,8 +200,8 @@ class KeyedBatcher(Generic[I, R]):
         self.grow_while_busy = grow_while_busy
         self.observe_wait = observe_wait
         self.observe_size = observe_size
-        self._open: dict[Hashable, _Batch] = {}                 # group -> batch still filling
-        self._queued: deque[_Batch] = deque()                   # closed, waiting for a slot
+        self._open: dict[Hashable, _Batch] = {}  # group -> batch still filling
+        self._queued: deque[_Batch] = deque()  # closed, waiting for a slot
         self._sent: dict[tuple[Hashable, Hashable], _Entry] = {}  # closed, not finished
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -209,7 +229,7 @@ class KeyedBatcher(Generic[I, R]):
                 if entry.sent:
                     self._observe(0.0)
                     return await self._wait(entry, None, now)
-                entry.arrivals.append(now)        # closed but queued: still in the buffer
+                entry.arrivals.append(now)  # closed but queued: still in the buffer
                 return await self._wait(entry, None, now)
         batch = self._open.get(group)
         entry = batch.entries.get(key) if batch is not None else None
@@ -224,7 +244,7 @@ class KeyedBatcher(Generic[I, R]):
             entry = batch.entries[key] = _Entry(item, cost, future)
             batch.cost += cost
         entry.arrivals.append(now)
-        assert batch is not None                  # (a new entry was put in one just above)
+        assert batch is not None  # (a new entry was put in one just above)
         if len(batch.entries) >= self.max_batch_size or batch.cost >= self.max_batch_cost:
             self._close(batch)
         elif batch.timer is None and not batch.due:
@@ -240,14 +260,22 @@ class KeyedBatcher(Generic[I, R]):
             if not entry.sent and arrived in entry.arrivals:
                 entry.arrivals.remove(arrived)
                 self._observe(asyncio.get_running_loop().time() - arrived)
-                if not entry.arrivals and batch is not None and self._open.get(batch.group) is batch:
+                if (
+                    not entry.arrivals
+                    and batch is not None
+                    and self._open.get(batch.group) is batch
+                ):
                     self._drop(batch, entry)
             raise
         finally:
             entry.waiting -= 1
             sent = entry.batch
-            if sent is not None and sent.task is not None and not entry.future.done() \
-                    and not any(e.waiting for e in sent.entries.values()):
+            if (
+                sent is not None
+                and sent.task is not None
+                and not entry.future.done()
+                and not any(e.waiting for e in sent.entries.values())
+            ):
                 # Every caller of the batch has left: cancel it, and let no new caller join it.
                 for key, candidate in sent.entries.items():
                     if self._sent.get((sent.group, key)) is candidate:
@@ -269,9 +297,12 @@ class KeyedBatcher(Generic[I, R]):
 
     def _timeout(self, batch: _Batch) -> None:
         batch.timer = None
-        if (self.grow_while_busy and self.max_in_flight is not None
-                and self._in_flight >= self.max_in_flight):
-            batch.due = True                         # grows until a slot frees
+        if (
+            self.grow_while_busy
+            and self.max_in_flight is not None
+            and self._in_flight >= self.max_in_flight
+        ):
+            batch.due = True  # grows until a slot frees
             return
         self._close(batch)
 
@@ -281,7 +312,7 @@ class KeyedBatcher(Generic[I, R]):
             batch.timer.cancel()
             batch.timer = None
         if self._open.get(batch.group) is not batch:
-            return                                   # already closed (a late timer)
+            return  # already closed (a late timer)
         del self._open[batch.group]
         for key, entry in batch.entries.items():
             self._sent[(batch.group, key)] = entry
@@ -292,10 +323,13 @@ class KeyedBatcher(Generic[I, R]):
         loop = asyncio.get_running_loop()
         while self._queued and (self.max_in_flight is None or self._in_flight < self.max_in_flight):
             batch = self._queued.popleft()
-            live = {k: e for k, e in batch.entries.items()
-                    if (e.arrivals or e.waiting) and not e.future.done()}
+            live = {
+                k: e
+                for k, e in batch.entries.items()
+                if (e.arrivals or e.waiting) and not e.future.done()
+            }
             for key, entry in batch.entries.items():
-                if key not in live:                  # every caller left while it was queued
+                if key not in live:  # every caller left while it was queued
                     if self._sent.get((batch.group, key)) is entry:
                         del self._sent[(batch.group, key)]
                     entry.future.cancel()
@@ -325,8 +359,9 @@ class KeyedBatcher(Generic[I, R]):
         try:
             results = await self._compute(batch.group, [entry.item for entry in entries])
             if len(results) != len(entries):
-                raise ValueError(f"compute returned {len(results)} results for "
-                                 f"{len(entries)} items")
+                raise ValueError(
+                    f"compute returned {len(results)} results for {len(entries)} items"
+                )
         except asyncio.CancelledError:
             for entry in entries:
                 entry.future.cancel()
@@ -391,8 +426,7 @@ def approx_tokens(item: str | Sequence[int]) -> int:
 def _single_item(value: Any) -> str | tuple[int, ...] | None:
     if isinstance(value, str):
         return value if value else None
-    if isinstance(value, list) and value and all(
-            type(token) is int for token in value):
+    if isinstance(value, list) and value and all(type(token) is int for token in value):
         return tuple(value)
     return None
 
@@ -412,8 +446,10 @@ def _apportion(total: int, weights: Sequence[int]) -> list[int]:
 
 # The probe's two inputs: unrelated sentences, so that one's vector given for the other (the
 # usual way a broken list goes wrong) cannot pass for right.
-PROBE_INPUTS = ("carpool checks that a list of inputs is answered item by item.",
-                "Zwei völlig andere Wörter: 42 Äpfel, drei Birnen.")
+PROBE_INPUTS = (
+    "carpool checks that a list of inputs is answered item by item.",
+    "Zwei völlig andere Wörter: 42 Äpfel, drei Birnen.",
+)
 # Two vectors of one input are the same answer at this cosine or above: engines that batch on a
 # GPU differ from their single answers in the last digits (padding, kernel order), far above
 # this; a wrong item is another text's vector, far below it.
@@ -426,8 +462,14 @@ class ListCheck:
     """Whether merging embeddings inputs into one list call keeps every answer what it is alone,
     per replica; see the module docstring."""
 
-    def __init__(self, mode: str, upstreams: Sequence[Upstream], *, retry_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        mode: str,
+        upstreams: Sequence[Upstream],
+        *,
+        retry_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"mode must be auto, on or off, not {mode!r}")
         self.mode = mode
@@ -437,12 +479,12 @@ class ListCheck:
         self._verdicts: dict[tuple[int, Hashable], bool] = {}
         self._retry_at: dict[tuple[int, Hashable], float] = {}
         self._probes: dict[tuple[int, Hashable], asyncio.Task[None]] = {}
-        self.probes = 0                    # probes run (each: three upstream calls)
+        self.probes = 0  # probes run (each: three upstream calls)
 
     @staticmethod
     def _key(group: Any) -> Hashable:
         path, _identity, template, query = group
-        return path, template, query       # what the engine answers: not who asks
+        return path, template, query  # what the engine answers: not who asks
 
     def verdict(self, group: Any) -> bool | None:
         if self.mode != "auto":
@@ -460,8 +502,11 @@ class ListCheck:
         key, now = self._key(group), self.clock()
         for i, upstream in enumerate(self.upstreams):
             slot = (i, key)
-            if slot in self._verdicts or slot in self._probes \
-                    or now < self._retry_at.get(slot, 0.0):
+            if (
+                slot in self._verdicts
+                or slot in self._probes
+                or now < self._retry_at.get(slot, 0.0)
+            ):
                 continue
             task = asyncio.get_running_loop().create_task(self._probe(slot, upstream, group))
             self._probes[slot] = task
@@ -479,8 +524,12 @@ class ListCheck:
 
     def stats(self) -> dict[str, Any]:
         verdicts = list(self._verdicts.values())
-        return {"mode": self.mode, "probes": self.probes,
-                "lists_right": verdicts.count(True), "lists_wrong": verdicts.count(False)}
+        return {
+            "mode": self.mode,
+            "probes": self.probes,
+            "lists_right": verdicts.count(True),
+            "lists_wrong": verdicts.count(False),
+        }
 
     async def wait_idle(self) -> None:
         while self._probes:
@@ -497,11 +546,12 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
     group's path, body template, credentials and query: True, False, or None (undecided)."""
     path, identity, template, query = group
     body = orjson.loads(template)
-    body.pop("encoding_format", None)           # floats, to compare
+    body.pop("encoding_format", None)  # floats, to compare
 
     async def ask(value: Any) -> tuple[int, bytes]:
-        response = await upstream.send(UpstreamRequest(path, {**body, "input": value},
-                                                       dict(identity), False, query))
+        response = await upstream.send(
+            UpstreamRequest(path, {**body, "input": value}, dict(identity), False, query)
+        )
         try:
             if response.streaming:
                 return 502, b""
@@ -509,23 +559,26 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
         finally:
             await response.aclose()
 
-    answers = await asyncio.gather(ask(list(PROBE_INPUTS)), *(ask(t) for t in PROBE_INPUTS),
-                                   return_exceptions=True)
+    answers = await asyncio.gather(
+        ask(list(PROBE_INPUTS)), *(ask(t) for t in PROBE_INPUTS), return_exceptions=True
+    )
     for answer in answers:
         if isinstance(answer, asyncio.CancelledError):
             raise answer
     if any(isinstance(answer, BaseException) for answer in answers):
-        return None                             # unreachable, timed out: undecided
+        return None  # unreachable, timed out: undecided
     # (none is an exception now: each is a (status, body) pair)
     (listed_status, listed_body), *singles = cast(list[tuple[int, bytes]], answers)
     alone = [_vectors(raw, 1) if 200 <= status < 300 else None for status, raw in singles]
     if any(vectors is None for vectors in alone):
-        return None                             # the singles are the reference: none, no verdict
+        return None  # the singles are the reference: none, no verdict
     if not 200 <= listed_status < 300:
         return None if listed_status in _UNDECIDED or listed_status >= 500 else False
     listed = _vectors(listed_body, len(PROBE_INPUTS))
-    return listed is not None and all(_same(one[0], item)  # type: ignore[index]
-                                      for one, item in zip(alone, listed, strict=True))
+    return listed is not None and all(
+        _same(one[0], item)  # type: ignore[index]
+        for one, item in zip(alone, listed, strict=True)
+    )
 
 
 def _vectors(raw: bytes, count: int) -> list[list[float]] | None:
@@ -537,7 +590,7 @@ def _vectors(raw: bytes, count: int) -> list[list[float]] | None:
         out = []
         for row in data:
             value = row["embedding"]
-            if isinstance(value, str):           # base64 little-endian float32
+            if isinstance(value, str):  # base64 little-endian float32
                 packed = base64.b64decode(value)
                 value = list(struct.unpack(f"<{len(packed) // 4}f", packed))
             out.append([float(x) for x in value])
@@ -556,34 +609,51 @@ def _same(a: list[float], b: list[float]) -> bool:
 class EmbeddingBatcher:
     """Dynamic batching with dedup for ``/embeddings``; see the module docstring."""
 
-    def __init__(self, send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]], *,
-                 max_batch_size: int = 32, max_batch_delay_s: float = 0.005,
-                 max_batch_tokens: int = 8192,
-                 observe_wait: Callable[[float], None] | None = None,
-                 observe_size: Callable[[int], None] | None = None,
-                 max_in_flight: int | None = None,
-                 key_headers: Iterable[str] = DEFAULT_KEY_HEADERS,
-                 lists: ListCheck | None = None) -> None:
+    def __init__(
+        self,
+        send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+        *,
+        max_batch_size: int = 32,
+        max_batch_delay_s: float = 0.005,
+        max_batch_tokens: int = 8192,
+        observe_wait: Callable[[float], None] | None = None,
+        observe_size: Callable[[int], None] | None = None,
+        max_in_flight: int | None = None,
+        key_headers: Iterable[str] = DEFAULT_KEY_HEADERS,
+        lists: ListCheck | None = None,
+    ) -> None:
         self._send = send
         self.key_headers = tuple(name.lower() for name in key_headers)
         self.lists = lists
         self.bypassed = 0
-        self.alone = 0                      # batchable requests/items sent alone, not merged
-        self._core: KeyedBatcher[str | tuple[int, ...], Any] = \
-            KeyedBatcher(self._compute, max_batch_size=max_batch_size,
-                         max_batch_delay_s=max_batch_delay_s, max_batch_cost=max_batch_tokens,
-                         max_in_flight=max_in_flight, observe_wait=observe_wait,
-                         observe_size=observe_size)
+        self.alone = 0  # batchable requests/items sent alone, not merged
+        self._core: KeyedBatcher[str | tuple[int, ...], Any] = KeyedBatcher(
+            self._compute,
+            max_batch_size=max_batch_size,
+            max_batch_delay_s=max_batch_delay_s,
+            max_batch_cost=max_batch_tokens,
+            max_in_flight=max_in_flight,
+            observe_wait=observe_wait,
+            observe_size=observe_size,
+        )
 
     @classmethod
-    def from_config(cls, send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
-                    config: Any, *, max_batch_tokens: int = 8192,
-                    observe_wait: Callable[[float], None] | None = None) -> EmbeddingBatcher:
+    def from_config(
+        cls,
+        send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+        config: Any,
+        *,
+        max_batch_tokens: int = 8192,
+        observe_wait: Callable[[float], None] | None = None,
+    ) -> EmbeddingBatcher:
         """From a ``BatchingConfig`` (``max_batch_size``, ``max_batch_delay_ms``)."""
-        return cls(send, max_batch_size=config.max_batch_size,
-                   max_batch_delay_s=config.max_batch_delay_ms / 1000,
-                   max_batch_tokens=getattr(config, "max_batch_tokens", max_batch_tokens),
-                   observe_wait=observe_wait)
+        return cls(
+            send,
+            max_batch_size=config.max_batch_size,
+            max_batch_delay_s=config.max_batch_delay_ms / 1000,
+            max_batch_tokens=getattr(config, "max_batch_tokens", max_batch_tokens),
+            observe_wait=observe_wait,
+        )
 
     # counters of the scheduler
     @property
@@ -603,10 +673,15 @@ class EmbeddingBatcher:
         return self._core.max_items_seen
 
     def stats(self) -> dict[str, Any]:
-        return {"batches": self.batches, "items_sent": self.items_sent,
-                "requests": self.requests, "max_items_seen": self.max_items_seen,
-                "bypassed": self.bypassed, "alone": self.alone,
-                **({"lists": self.lists.stats()} if self.lists is not None else {})}
+        return {
+            "batches": self.batches,
+            "items_sent": self.items_sent,
+            "requests": self.requests,
+            "max_items_seen": self.max_items_seen,
+            "bypassed": self.bypassed,
+            "alone": self.alone,
+            **({"lists": self.lists.stats()} if self.lists is not None else {}),
+        }
 
     async def wait_idle(self) -> None:
         """Wait until every batch and every list probe started so far has finished."""
@@ -640,8 +715,9 @@ class EmbeddingBatcher:
         lowered = {k.lower(): v for k, v in request.headers.items()}
         # The credentials, and every forwarded header that might change the answer: the merged
         # call carries them, so only requests that agree on them share it.
-        identity = tuple((name, lowered[name]) for name in self.key_headers if name in lowered) \
-            + varying_headers(lowered, self.key_headers)
+        identity = tuple(
+            (name, lowered[name]) for name in self.key_headers if name in lowered
+        ) + varying_headers(lowered, self.key_headers)
         return (path, identity, template, request.query), item
 
     async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
@@ -659,23 +735,27 @@ class EmbeddingBatcher:
             result = await self._core.submit(group, key, item, approx_tokens(item))
         except _BatchFailed as failed:
             return UpstreamResponse(failed.status, failed.headers, failed.body)
-        if isinstance(result, BaseException):        # this item's own call failed
+        if isinstance(result, BaseException):  # this item's own call failed
             raise result
         return result
 
-    async def _compute(self, group: Any, items: list[str | tuple[int, ...]]
-                       ) -> list[UpstreamResponse | BaseException]:
+    async def _compute(
+        self, group: Any, items: list[str | tuple[int, ...]]
+    ) -> list[UpstreamResponse | BaseException]:
         if self.lists is not None and self.lists.verdict(group) is not True:
             if len(items) > 1:
-                self.lists.probe(group)          # in the background: these go alone now
+                self.lists.probe(group)  # in the background: these go alone now
             self.alone += len(items)
-            return await asyncio.gather(*(self._one(group, item) for item in items),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *(self._one(group, item) for item in items), return_exceptions=True
+            )
         async with self._call(group, [_value(item) for item in items]) as (response, body):
             if not 200 <= response.status < 300:
                 raise _BatchFailed(response.status, response.headers, response.body)
-            return [UpstreamResponse(200, headers, answer)
-                    for answer, headers in self._split(response, items, body["model"])]
+            return [
+                UpstreamResponse(200, headers, answer)
+                for answer, headers in self._split(response, items, body["model"])
+            ]
 
     async def _one(self, group: Any, item: str | tuple[int, ...]) -> UpstreamResponse:
         """One item in a call of its own: the upstream's answer to it, as it came."""
@@ -685,8 +765,11 @@ class EmbeddingBatcher:
             return UpstreamResponse(response.status, _answer_headers(response), response.body)
 
     @contextlib.asynccontextmanager
-    async def _call(self, group: Any, value: Any,
-                    ) -> AsyncIterator[tuple[UpstreamResponse, dict[str, Any]]]:
+    async def _call(
+        self,
+        group: Any,
+        value: Any,
+    ) -> AsyncIterator[tuple[UpstreamResponse, dict[str, Any]]]:
         """The group's embeddings call with ``value`` as its input: the upstream's (non-stream)
         response and the body sent; the response is closed on the way out."""
         path, identity, template, query = group
@@ -701,8 +784,9 @@ class EmbeddingBatcher:
             await response.aclose()
 
     @staticmethod
-    def _split(response: UpstreamResponse, items: list[str | tuple[int, ...]],
-               model: str) -> list[tuple[bytes, dict[str, str]]]:
+    def _split(
+        response: UpstreamResponse, items: list[str | tuple[int, ...]], model: str
+    ) -> list[tuple[bytes, dict[str, str]]]:
         try:
             parsed = orjson.loads(response.body)
             data = sorted(parsed["data"], key=lambda row: row["index"])
@@ -710,13 +794,17 @@ class EmbeddingBatcher:
             if [row["index"] for row in data] != list(range(len(items))):
                 raise ValueError("indexes")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise UpstreamError(f"the upstream's embeddings answer for {len(items)} inputs is "
-                                "malformed") from exc
+            raise UpstreamError(
+                f"the upstream's embeddings answer for {len(items)} inputs is malformed"
+            ) from exc
         weights = [approx_tokens(item) for item in items]
         usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
         # Only what the upstream reported is shared out: a figure it did not give is not made up.
-        shares = {name: _apportion(value, weights) for name in ("prompt_tokens", "total_tokens")
-                  if type(value := usage.get(name)) is int and value >= 0}
+        shares = {
+            name: _apportion(value, weights)
+            for name in ("prompt_tokens", "total_tokens")
+            if type(value := usage.get(name)) is int and value >= 0
+        }
         model_name = parsed.get("model") if isinstance(parsed.get("model"), str) else model
         headers = _answer_headers(response)
         out = []
@@ -738,7 +826,8 @@ def _value(item: str | tuple[int, ...]) -> str | list[int]:
 
 def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
     """The upstream's headers for a JSON answer we send as bytes: framing ones dropped."""
-    headers = {k: v for k, v in response.headers.items()
-               if k.lower() not in _DROPPED_RESPONSE_HEADERS}
+    headers = {
+        k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS
+    }
     headers["content-type"] = "application/json"
     return headers

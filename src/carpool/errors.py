@@ -61,7 +61,9 @@ class RequestError(CarpoolError):
     status = 400
     type = "invalid_request_error"
 
-    def __init__(self, message: str, code: str | None = "invalid_request", param: str | None = None):
+    def __init__(
+        self, message: str, code: str | None = "invalid_request", param: str | None = None
+    ):
         super().__init__(message)
         self.code = code
         self.param = param
@@ -73,7 +75,9 @@ class BodyTooLarge(RequestError):
     status = 413
 
     def __init__(self, limit: int) -> None:
-        super().__init__(f"request body is larger than the limit of {limit} bytes", "body_too_large")
+        super().__init__(
+            f"request body is larger than the limit of {limit} bytes", "body_too_large"
+        )
 
 
 class HeadersTooLarge(RequestError):
@@ -82,8 +86,9 @@ class HeadersTooLarge(RequestError):
     status = 431
 
     def __init__(self, limit: int) -> None:
-        super().__init__(f"request headers are larger than the limit of {limit} bytes",
-                         "headers_too_large")
+        super().__init__(
+            f"request headers are larger than the limit of {limit} bytes", "headers_too_large"
+        )
 
 
 class BodyTimeout(RequestError):
@@ -93,8 +98,9 @@ class BodyTimeout(RequestError):
     status = 408
 
     def __init__(self, timeout: float) -> None:
-        super().__init__(f"the request body was not received within {timeout:g} seconds",
-                         "body_timeout")
+        super().__init__(
+            f"the request body was not received within {timeout:g} seconds", "body_timeout"
+        )
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", "connection": "close"}
@@ -125,8 +131,10 @@ class AdminRequired(CarpoolError):
     code = "unauthorized"
 
     def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json",
-                "www-authenticate": 'Bearer realm="carpool admin"'}
+        return {
+            "content-type": "application/json",
+            "www-authenticate": 'Bearer realm="carpool admin"',
+        }
 
 
 class UpstreamError(CarpoolError):
@@ -204,8 +212,11 @@ class UpstreamStatusError(UpstreamError):
             parsed = None
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
             return parsed["error"]
-        return {"message": self.content.decode("utf-8", "replace")[:2000], "type": self.type,
-                "code": self.status}
+        return {
+            "message": self.content.decode("utf-8", "replace")[:2000],
+            "type": self.type,
+            "code": self.status,
+        }
 
 
 class FlightAbandoned(CarpoolError):

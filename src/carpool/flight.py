@@ -50,13 +50,21 @@ class JoinTimeout(TimeoutError):
 
 
 class Flight:
-    __slots__ = ("key", "broadcast", "task", "clients", "started_at", "finished_at", "linger",
-                 "owner")
+    __slots__ = (
+        "key",
+        "broadcast",
+        "task",
+        "clients",
+        "started_at",
+        "finished_at",
+        "linger",
+        "owner",
+    )
 
     def __init__(self, key: str, linger: bool = True, owner: str = "") -> None:
         self.key = key
-        self.linger = linger                 # may stay joinable within the window once finished
-        self.owner = owner                   # who leads it (the leader's tenant), for the caller
+        self.linger = linger  # may stay joinable within the window once finished
+        self.owner = owner  # who leads it (the leader's tenant), for the caller
         self.broadcast = Broadcast()
         self.task: asyncio.Task[None] | None = None
         self.clients = 0
@@ -94,7 +102,9 @@ class Ticket:
             async with asyncio.timeout(timeout):
                 await waiting
         except TimeoutError:
-            raise JoinTimeout(f"flight {self.flight.key} gave no answer within {timeout} s") from None
+            raise JoinTimeout(
+                f"flight {self.flight.key} gave no answer within {timeout} s"
+            ) from None
 
     def retake(self, lead: Lead, owner: str = "") -> Ticket:
         """After a ``JoinTimeout`` (or an answer that was not for this request): leave the
@@ -120,11 +130,12 @@ class FlightGroup:
     """The flights in progress (and lingering within the window), by fingerprint key."""
 
     def __init__(self, *, window: float | WindowPolicy, finish_abandoned: bool = False) -> None:
-        self.windows: WindowPolicy = FixedWindow(window) if isinstance(window, (int, float)) \
-            else window
+        self.windows: WindowPolicy = (
+            FixedWindow(window) if isinstance(window, (int, float)) else window
+        )
         self.finish_abandoned = finish_abandoned
-        self.waiters = 0                     # tickets not yet released, for /stats and metrics
-        self.epoch = 0                       # invalidations so far (``forget_all``)
+        self.waiters = 0  # tickets not yet released, for /stats and metrics
+        self.epoch = 0  # invalidations so far (``forget_all``)
         self._flights: dict[str, Flight] = {}
 
     def __len__(self) -> int:
@@ -140,8 +151,15 @@ class FlightGroup:
             return flight is not None
         return max_age is None or time.monotonic() - flight.finished_at < max_age
 
-    def acquire(self, key: str, lead: Lead, *, max_age: float | None = None,
-                linger: bool = True, owner: str = "") -> Ticket:
+    def acquire(
+        self,
+        key: str,
+        lead: Lead,
+        *,
+        max_age: float | None = None,
+        linger: bool = True,
+        owner: str = "",
+    ) -> Ticket:
         """Join the flight for ``key``, or lead a new one that runs ``lead`` in its own task.
 
         ``max_age`` bounds how long ago a finished flight may have finished to be joined
@@ -154,8 +172,12 @@ class FlightGroup:
         if flight is None or flight.finished_at is not None:
             now = time.monotonic()
             self.windows.arrival(key, now)
-            if flight is not None and flight.finished_at is not None and max_age is not None \
-                    and now - flight.finished_at >= max_age:
+            if (
+                flight is not None
+                and flight.finished_at is not None
+                and max_age is not None
+                and now - flight.finished_at >= max_age
+            ):
                 self.forget(key, flight)
                 flight = None
         leader = flight is None
@@ -192,7 +214,7 @@ class FlightGroup:
             broadcast.fail(error)
             self.forget(flight.key, flight)
             return
-        except Exception as error:   # a bug must not leave waiters hanging
+        except Exception as error:  # a bug must not leave waiters hanging
             log.exception("flight %s failed unexpectedly", flight.key)
             # The client hears what happened, not how: the exception is in the log above.
             failure = UpstreamError("internal error while calling upstream")
@@ -202,8 +224,11 @@ class FlightGroup:
             return
         broadcast.finish(answer)
         flight.finished_at = now = time.monotonic()
-        window = self.windows.window(flight.key, now, now - flight.started_at) \
-            if answer.complete and flight.linger else 0
+        window = (
+            self.windows.window(flight.key, now, now - flight.started_at)
+            if answer.complete and flight.linger
+            else 0
+        )
         if window > 0:
             asyncio.get_running_loop().call_later(window, self.forget, flight.key, flight)
         else:

@@ -126,24 +126,31 @@ __all__ = [
 HEADER = "idempotency-key"
 HEADER_ALIAS = "x-idempotency-key"
 MAX_KEY_LENGTH = 255
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")   # added to every replayed response
+REPLAYED_HEADER = (b"idempotent-replayed", b"true")  # added to every replayed response
 
-PROCESSING_TTL = 660.0    # s: the default upstream timeout (600) + a margin
+PROCESSING_TTL = 660.0  # s: the default upstream timeout (600) + a margin
 PROBLEM_TYPE = "https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/"
 
 
 # --------------------------------------------------------------------------- errors
 
+
 class IdempotencyError(CarpoolError):
     """An idempotency error, answered as RFC 9457 problem details (``application/problem+json``)."""
 
-    type = "invalid_request_error"        # OpenAI's type, for an SSE error event
+    type = "invalid_request_error"  # OpenAI's type, for an SSE error event
     problem_type = PROBLEM_TYPE
     title = "Idempotency-Key error"
 
     def body(self) -> bytes:
-        return orjson.dumps({"type": self.problem_type, "title": self.title,
-                             "status": self.status, "detail": self.message})
+        return orjson.dumps(
+            {
+                "type": self.problem_type,
+                "title": self.title,
+                "status": self.status,
+                "detail": self.message,
+            }
+        )
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/problem+json"}
@@ -164,8 +171,11 @@ class IdempotencyConflict(IdempotencyError):
     code = "idempotency_conflict"
     title = "A request is outstanding for this Idempotency-Key"
 
-    def __init__(self, message: str = "A request with the same Idempotency-Key is still being "
-                 "processed; retry once it has finished.") -> None:
+    def __init__(
+        self,
+        message: str = "A request with the same Idempotency-Key is still being "
+        "processed; retry once it has finished.",
+    ) -> None:
         super().__init__(message)
 
 
@@ -176,8 +186,11 @@ class IdempotencyMismatch(IdempotencyError):
     code = "idempotency_mismatch"
     title = "Idempotency-Key is already used"
 
-    def __init__(self, message: str = "This Idempotency-Key was already used with a different "
-                 "request; a new request needs a new key.") -> None:
+    def __init__(
+        self,
+        message: str = "This Idempotency-Key was already used with a different "
+        "request; a new request needs a new key.",
+    ) -> None:
         super().__init__(message)
 
 
@@ -192,11 +205,13 @@ class IdempotencyFormatMismatch(IdempotencyMismatch):
         stored, asked = ("a stream", "without") if streamed else ("not a stream", "with")
         super().__init__(
             f"This Idempotency-Key holds the response to the same request as {stored}; it "
-            f"cannot be replayed to a request {asked} \"stream\": true. Retry in the first "
-            "request's format, or use a new key.")
+            f'cannot be replayed to a request {asked} "stream": true. Retry in the first '
+            "request's format, or use a new key."
+        )
 
 
 # --------------------------------------------------------------------------- the header
+
 
 def parse_key(headers: Mapping[str, str]) -> str | None:
     """The idempotency key of a request, or None if it has none (header names lower-case).
@@ -216,7 +231,8 @@ def parse_key(headers: Mapping[str, str]) -> str | None:
         if not " " <= char <= "~":
             raise IdempotencyKeyInvalid(
                 f"The {label} header holds a character that is not printable ASCII "
-                f"(U+{ord(char):04X}).")
+                f"(U+{ord(char):04X})."
+            )
     if value.startswith('"'):
         value = _sf_string(value, label)
     if not value.strip():
@@ -224,7 +240,8 @@ def parse_key(headers: Mapping[str, str]) -> str | None:
     if len(value) > MAX_KEY_LENGTH:
         raise IdempotencyKeyInvalid(
             f"The {label} header is {len(value)} characters long; at most {MAX_KEY_LENGTH} "
-            "are allowed.")
+            "are allowed."
+        )
     return value
 
 
@@ -246,11 +263,14 @@ def _sf_string(text: str, label: str) -> str:
             break
         out.append(char)
         i += 1
-    raise IdempotencyKeyInvalid(f"The {label} header is not a valid string: a quoted value "
-                                'must end with its closing quote and escape only \\" and \\\\.')
+    raise IdempotencyKeyInvalid(
+        f"The {label} header is not a valid string: a quoted value "
+        'must end with its closing quote and escape only \\" and \\\\.'
+    )
 
 
 # --------------------------------------------------------------------------- the records
+
 
 @dataclass(slots=True)
 class StoredResponse:
@@ -286,8 +306,7 @@ class IdempotencyRecords(Protocol):
 
     async def renew(self, key: str, token: str) -> bool: ...
 
-    async def wait(self, key: str, fingerprint: str,
-                   timeout: float) -> StoredResponse | None: ...
+    async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None: ...
 
     async def aclose(self) -> None: ...
 
@@ -346,8 +365,9 @@ def is_final(kind: str, response: StoredResponse) -> bool:
     return 500 <= status <= 511 and status not in _NOT_REACHED
 
 
-def replay_as(response: StoredResponse, kind: str, stream: bool,
-              include_usage: bool) -> StoredResponse | None:
+def replay_as(
+    response: StoredResponse, kind: str, stream: bool, include_usage: bool
+) -> StoredResponse | None:
     """``response`` in the format a retry asks for (``stream``), or None when it has no faithful
     form in it (then: ``IdempotencyFormatMismatch``). Same format: as it is. Another format: a
     complete 2xx answer of an API with streams (``carpool.apis``: chat, completions, Responses,
@@ -364,8 +384,12 @@ def replay_as(response: StoredResponse, kind: str, stream: bool,
         body = _json_body(response.body)
         if body is None or not api.complete(body):
             return None
-        return StoredResponse(response.status, list(_SSE_HEADERS), b"".join(
-            api.synthesize(body, include_usage)) + api.stream_end, True)
+        return StoredResponse(
+            response.status,
+            list(_SSE_HEADERS),
+            b"".join(api.synthesize(body, include_usage)) + api.stream_end,
+            True,
+        )
     assembled = _assembled(api, response.body)
     if assembled is None:
         return None
@@ -375,8 +399,9 @@ def replay_as(response: StoredResponse, kind: str, stream: bool,
 def _answered(kind: str, response: StoredResponse) -> bool:
     """A 2xx response is a complete answer (see ``is_final``)."""
     api = APIS.get(kind)
-    if any(name == b"content-type" and value.startswith(SSE_TYPE)
-           for name, value in response.headers):
+    if any(
+        name == b"content-type" and value.startswith(SSE_TYPE) for name, value in response.headers
+    ):
         if api is None or not api.streams:
             return False
         return _assembled(api, response.body) is not None
@@ -385,7 +410,7 @@ def _answered(kind: str, response: StoredResponse) -> bool:
         return False
     if api is not None:
         return api.final(body)
-    return "error" not in body                    # another endpoint: its shape is unknown here
+    return "error" not in body  # another endpoint: its shape is unknown here
 
 
 def _assembled(api: Api, raw: bytes) -> dict[str, Any] | None:
@@ -411,13 +436,14 @@ def _json_body(raw: bytes) -> dict[str, Any] | None:
 
 # --------------------------------------------------------------------------- in process
 
+
 @dataclass(slots=True, eq=False)
 class _Record:
     fingerprint: str
     token: str
-    expires: float                          # monotonic: the lease, then the retention
+    expires: float  # monotonic: the lease, then the retention
     response: StoredResponse | None = None  # None while PROCESSING
-    changed: asyncio.Event | None = None    # created by the first waiter; set on any change
+    changed: asyncio.Event | None = None  # created by the first waiter; set on any change
     size: int = 0
 
     def wake(self) -> None:
@@ -434,9 +460,15 @@ class MemoryIdempotencyRecords:
     owner's ``finish`` is refused). A response larger than ``max_bytes`` is not kept.
     """
 
-    def __init__(self, retention: float, processing_ttl: float = PROCESSING_TTL, *,
-                 max_records: int = 100_000, max_bytes: int = 256 * 1024 * 1024,
-                 sweep_interval: float = 30.0) -> None:
+    def __init__(
+        self,
+        retention: float,
+        processing_ttl: float = PROCESSING_TTL,
+        *,
+        max_records: int = 100_000,
+        max_bytes: int = 256 * 1024 * 1024,
+        sweep_interval: float = 30.0,
+    ) -> None:
         if retention <= 0 or processing_ttl <= 0:
             raise ValueError("retention and processing_ttl must be positive")
         self.retention = retention
@@ -447,7 +479,7 @@ class MemoryIdempotencyRecords:
         self._records: OrderedDict[str, _Record] = OrderedDict()
         self._bytes = 0
         self._next_sweep = time.monotonic() + sweep_interval
-        self.waiters = 0          # tasks inside ``wait`` now
+        self.waiters = 0  # tasks inside ``wait`` now
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -477,7 +509,7 @@ class MemoryIdempotencyRecords:
         record = self._owned(key, token, now)
         if record is None:
             return False
-        if response.size > self.max_bytes:     # too large to keep: the key is free again
+        if response.size > self.max_bytes:  # too large to keep: the key is free again
             self._drop(key)
             return False
         record.response = _copy(response)
@@ -524,8 +556,9 @@ class MemoryIdempotencyRecords:
                 changed = record.changed
                 # Wake at the latest when the lease runs out, to see the record gone.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(),
-                                           max(0.0, min(left, record.expires - now)) + 0.001)
+                    await asyncio.wait_for(
+                        changed.wait(), max(0.0, min(left, record.expires - now)) + 0.001
+                    )
         finally:
             self.waiters -= 1
 
@@ -563,15 +596,15 @@ class MemoryIdempotencyRecords:
 
     def _bound(self) -> None:
         """Evict the oldest records while over a bound (expired ones went at the last sweep)."""
-        while self._records and (len(self._records) > self.max_records
-                                 or self._bytes > self.max_bytes):
+        while self._records and (
+            len(self._records) > self.max_records or self._bytes > self.max_bytes
+        ):
             self._drop(next(iter(self._records)))
             self.evictions += 1
 
 
 def _copy(response: StoredResponse) -> StoredResponse:
-    return StoredResponse(response.status, list(response.headers), response.body,
-                          response.streamed)
+    return StoredResponse(response.status, list(response.headers), response.body, response.streamed)
 
 
 class FallbackRecords:

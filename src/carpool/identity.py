@@ -30,8 +30,13 @@ from collections.abc import Hashable, Iterable, Mapping
 
 ANONYMOUS_TENANT = "anonymous"
 # What an OpenAI-compatible, Azure OpenAI or Anthropic-compatible upstream reads as credentials.
-DEFAULT_CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key", "openai-organization",
-                              "openai-project")
+DEFAULT_CREDENTIAL_HEADERS = (
+    "authorization",
+    "api-key",
+    "x-api-key",
+    "openai-organization",
+    "openai-project",
+)
 
 
 def credential_headers(primary: str, others: Iterable[str]) -> tuple[str, ...]:
@@ -89,7 +94,7 @@ class AcceptedCredentials:
         if seen is None:
             return False
         if time.monotonic() - seen >= self.ttl:
-            self._forget(pair)       # type: ignore[arg-type]
+            self._forget(pair)  # type: ignore[arg-type]
             return False
         return True
 

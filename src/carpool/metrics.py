@@ -31,26 +31,43 @@ from .outcome import Outcome
 RECENT = 1024
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, float("inf"))
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf"))
-DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    5.0, 10.0, 30.0, 60.0, float("inf"))
+DURATION_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    float("inf"),
+)
 
 
 class Stats:
     def __init__(self) -> None:
         self.outcomes: Counter[Outcome] = Counter()
-        self.routes: Counter[tuple[str, str]] = Counter()        # (route, outcome or "error")
-        self.rejected = 0                                         # 4xx from the gateway itself
+        self.routes: Counter[tuple[str, str]] = Counter()  # (route, outcome or "error")
+        self.rejected = 0  # 4xx from the gateway itself
         self.upstream_calls = 0
         self.upstream_errors = 0
         self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
         self.tokens_saved = 0
-        self.saved_without_usage = 0      # answers saved whose usage the upstream never reported
-        self.routing: Counter[str] = Counter()                    # routing decision -> calls
+        self.saved_without_usage = 0  # answers saved whose usage the upstream never reported
+        self.routing: Counter[str] = Counter()  # routing decision -> calls
         self.recent: dict[Outcome, deque[float]] = {o: deque(maxlen=RECENT) for o in Outcome}
 
     def count(self, route: str, outcome: Outcome) -> None:
         self.outcomes[outcome] += 1
-        self.routes[(route, outcome)] += 1           # a StrEnum: its own label value
+        self.routes[(route, outcome)] += 1  # a StrEnum: its own label value
 
     def snapshot(self) -> dict[str, Any]:
         o = self.outcomes
@@ -90,53 +107,76 @@ class _StatsCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         s = self.stats
-        requests = CounterMetricFamily("carpool_requests", "Requests by route and outcome.",
-                                       labels=["route", "outcome"])
+        requests = CounterMetricFamily(
+            "carpool_requests", "Requests by route and outcome.", labels=["route", "outcome"]
+        )
         for (route, outcome), n in sorted(s.routes.items()):
             requests.add_metric([route, outcome], n)
         yield requests
-        upstream = CounterMetricFamily("carpool_upstream_requests",
-                                       "Upstream calls by replica and HTTP status.",
-                                       labels=["replica", "status"])
+        upstream = CounterMetricFamily(
+            "carpool_upstream_requests",
+            "Upstream calls by replica and HTTP status.",
+            labels=["replica", "status"],
+        )
         for (replica, status), n in sorted(s.upstream_status.items()):
             upstream.add_metric([replica, status], n)
         yield upstream
-        yield CounterMetricFamily("carpool_upstream_errors", "Upstream calls that failed.",
-                                  value=s.upstream_errors)
-        routing = CounterMetricFamily("carpool_routing_decisions", "Upstream calls by routing "
-                                      "decision (prefix_match, least_loaded, failover...).",
-                                      labels=["decision"])
+        yield CounterMetricFamily(
+            "carpool_upstream_errors", "Upstream calls that failed.", value=s.upstream_errors
+        )
+        routing = CounterMetricFamily(
+            "carpool_routing_decisions",
+            "Upstream calls by routing decision (prefix_match, least_loaded, failover...).",
+            labels=["decision"],
+        )
         for decision, n in sorted(s.routing.items()):
             routing.add_metric([decision], n)
         yield routing
-        yield CounterMetricFamily("carpool_tokens_saved", "Prompt + completion tokens not "
-                                  "recomputed thanks to hits and coalescing.", value=s.tokens_saved)
+        yield CounterMetricFamily(
+            "carpool_tokens_saved",
+            "Prompt + completion tokens not recomputed thanks to hits and coalescing.",
+            value=s.tokens_saved,
+        )
         g = self.gauges()
-        redis = CounterMetricFamily("carpool_redis_errors", "Redis calls that failed, by "
-                                    "component (the gateway served from its own memory "
-                                    "meanwhile).", labels=["component"])
+        redis = CounterMetricFamily(
+            "carpool_redis_errors",
+            "Redis calls that failed, by "
+            "component (the gateway served from its own memory "
+            "meanwhile).",
+            labels=["component"],
+        )
         for component, n in g["redis_errors"].items():
             redis.add_metric([component], n)
         yield redis
-        yield CounterMetricFamily("carpool_redis_pool_exhausted", "Redis calls that found every "
-                                  "pooled connection busy for distributed.pool_timeout (a miss, "
-                                  "nothing kept locally; Redis not marked down).",
-                                  value=g["redis_pool_exhausted"])
-        yield GaugeMetricFamily("carpool_flights", "Upstream calls in flight (and lingering in "
-                                "the coalescing window).", value=g["flights"])
-        yield GaugeMetricFamily("carpool_flight_waiters", "Requests attached to a flight.",
-                                value=g["waiters"])
-        entries = GaugeMetricFamily("carpool_cache_entries", "Cached answers by layer.",
-                                    labels=["layer"])
-        size = GaugeMetricFamily("carpool_cache_bytes", "Bytes held by cached answers, by layer.",
-                                 labels=["layer"])
+        yield CounterMetricFamily(
+            "carpool_redis_pool_exhausted",
+            "Redis calls that found every "
+            "pooled connection busy for distributed.pool_timeout (a miss, "
+            "nothing kept locally; Redis not marked down).",
+            value=g["redis_pool_exhausted"],
+        )
+        yield GaugeMetricFamily(
+            "carpool_flights",
+            "Upstream calls in flight (and lingering in the coalescing window).",
+            value=g["flights"],
+        )
+        yield GaugeMetricFamily(
+            "carpool_flight_waiters", "Requests attached to a flight.", value=g["waiters"]
+        )
+        entries = GaugeMetricFamily(
+            "carpool_cache_entries", "Cached answers by layer.", labels=["layer"]
+        )
+        size = GaugeMetricFamily(
+            "carpool_cache_bytes", "Bytes held by cached answers, by layer.", labels=["layer"]
+        )
         for layer, info in g["layers"].items():
             entries.add_metric([layer], info["entries"])
             size.add_metric([layer], info["bytes"])
         yield entries
         yield size
-        load = GaugeMetricFamily("carpool_upstream_in_flight", "Calls in flight per replica.",
-                                 labels=["replica"])
+        load = GaugeMetricFamily(
+            "carpool_upstream_in_flight", "Calls in flight per replica.", labels=["replica"]
+        )
         for replica, n in g["replicas"].items():
             load.add_metric([replica], n)
         yield load
@@ -154,7 +194,7 @@ class Buckets:
     def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
         self.name, self.help = name, help_text
         self.bounds = tuple(b for b in bounds if b != float("inf"))
-        self.counts = [0] * (len(self.bounds) + 1)          # the last one is +Inf
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
@@ -163,16 +203,20 @@ class Buckets:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, total = [], 0
-        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts,
-                            strict=True):
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts, strict=True):
             total += n
             out.append((bound, total))
         return out
 
 
 class _BucketsCollector(Collector):
-    def __init__(self, unlabelled: list[Buckets], by_outcome: dict[Outcome, Buckets],
-                 name: str, help_text: str) -> None:
+    def __init__(
+        self,
+        unlabelled: list[Buckets],
+        by_outcome: dict[Outcome, Buckets],
+        name: str,
+        help_text: str,
+    ) -> None:
         self.unlabelled, self.by_outcome = unlabelled, by_outcome
         self.name, self.help = name, help_text
 
@@ -194,19 +238,33 @@ class Metrics:
     def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(stats, gauges))
-        self.duration = {o: Buckets("carpool_request_duration_seconds", "", DURATION_BUCKETS)
-                         for o in Outcome}
+        self.duration = {
+            o: Buckets("carpool_request_duration_seconds", "", DURATION_BUCKETS) for o in Outcome
+        }
         self._recent = stats.recent
-        self.similarity = Buckets("carpool_semantic_similarity", "Cosine similarity of the "
-                                  "semantic cache's served hits.", SIMILARITY_BUCKETS)
-        self.batch_size = Buckets("carpool_batch_size", "Distinct items per batched upstream "
-                                  "call (embeddings).", BATCH_SIZE_BUCKETS)
-        self.batch_wait = Buckets("carpool_batch_wait_seconds", "Time an embeddings request "
-                                  "waited in the batch buffer.", DURATION_BUCKETS)
-        self.registry.register(_BucketsCollector(
-            [self.similarity, self.batch_size, self.batch_wait], self.duration,
-            "carpool_request_duration_seconds",
-            "Time from request to the last byte of the answer, by outcome."))
+        self.similarity = Buckets(
+            "carpool_semantic_similarity",
+            "Cosine similarity of the semantic cache's served hits.",
+            SIMILARITY_BUCKETS,
+        )
+        self.batch_size = Buckets(
+            "carpool_batch_size",
+            "Distinct items per batched upstream call (embeddings).",
+            BATCH_SIZE_BUCKETS,
+        )
+        self.batch_wait = Buckets(
+            "carpool_batch_wait_seconds",
+            "Time an embeddings request waited in the batch buffer.",
+            DURATION_BUCKETS,
+        )
+        self.registry.register(
+            _BucketsCollector(
+                [self.similarity, self.batch_size, self.batch_wait],
+                self.duration,
+                "carpool_request_duration_seconds",
+                "Time from request to the last byte of the answer, by outcome.",
+            )
+        )
 
     def observe(self, outcome: Outcome, seconds: float) -> None:
         self.duration[outcome].observe(seconds)

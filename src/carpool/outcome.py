@@ -6,18 +6,16 @@ from enum import StrEnum
 
 
 class Outcome(StrEnum):
-    HIT = "hit"                       # served from the exact cache
-    SEMANTIC_HIT = "semantic-hit"     # served from the semantic cache
-    COALESCED = "coalesced"           # shared an identical request's upstream call
-    MISS = "miss"                     # led an upstream call
-    BYPASS = "bypass"                 # not eligible for sharing; sent upstream on its own
+    HIT = "hit"  # served from the exact cache
+    SEMANTIC_HIT = "semantic-hit"  # served from the semantic cache
+    COALESCED = "coalesced"  # shared an identical request's upstream call
+    MISS = "miss"  # led an upstream call
+    BYPASS = "bypass"  # not eligible for sharing; sent upstream on its own
 
-    header: tuple[bytes, bytes]       # the ``x-carpool`` response header saying it
-    saved: bool                       # the request did not cost an upstream call of its own
+    header: tuple[bytes, bytes]  # the ``x-carpool`` response header saying it
+    saved: bool  # the request did not cost an upstream call of its own
 
     def __init__(self, value: str) -> None:
         # Plain attributes, not properties: every reply reads them.
         self.header = (b"x-carpool", value.encode())
         self.saved = value in ("hit", "semantic-hit", "coalesced")
-
-

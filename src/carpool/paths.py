@@ -42,7 +42,7 @@ def confine(raw_path: bytes, allow: Sequence[str] = ("/",)) -> str:
     rest = raw_path[4:]
     if not rest.isascii():
         raise PathRefused("the path holds bytes outside ASCII (percent-encode them)")
-    raw_segments = rest.decode("ascii").split("/") if rest else []    # [] for "/v1/" itself
+    raw_segments = rest.decode("ascii").split("/") if rest else []  # [] for "/v1/" itself
     trailing = len(raw_segments) > 1 and raw_segments[-1] == ""
     if trailing:
         raw_segments.pop()
@@ -50,8 +50,9 @@ def confine(raw_path: bytes, allow: Sequence[str] = ("/",)) -> str:
     texts = [text for text, _ in decoded]
     if not _allowed(texts, allow):
         raise PathNotAllowed("/" + "/".join(texts))
-    return "/" + "/".join(quote(once, safe=_PCHAR) for _, once in decoded) + \
-        ("/" if trailing else "")
+    return (
+        "/" + "/".join(quote(once, safe=_PCHAR) for _, once in decoded) + ("/" if trailing else "")
+    )
 
 
 def _segment(raw: str) -> tuple[str, bytes]:
@@ -81,7 +82,7 @@ def _utf8(data: bytes) -> str:
 def _check_escapes(raw: str) -> None:
     at = raw.find("%")
     while at >= 0:
-        pair = raw[at + 1:at + 3]
+        pair = raw[at + 1 : at + 3]
         if len(pair) != 2 or not all(c in _HEX for c in pair):
             raise PathRefused("the path holds a % that is not a percent-escape")
         at = raw.find("%", at + 3)
@@ -97,13 +98,14 @@ def _check_text(text: str) -> None:
         # "." and ".."; also "..;x" (servlet path parameters) and "...", which some servers
         # resolve like ".." (Windows drops trailing dots).
         if form.split(";", 1)[0].strip(".") == "":
-            raise PathRefused("the path holds a dot segment (. or ..), maybe percent-encoded, "
-                              "or an empty one")
+            raise PathRefused(
+                "the path holds a dot segment (. or ..), maybe percent-encoded, or an empty one"
+            )
 
 
 def _allowed(segments: list[str], allow: Sequence[str]) -> bool:
     for prefix in allow:
         wanted = [s for s in prefix.split("/") if s]
-        if segments[:len(wanted)] == wanted:
+        if segments[: len(wanted)] == wanted:
             return True
     return False

@@ -145,30 +145,40 @@ class Reply:
 class Gateway:
     """carpool's pipeline, transport-free. Build one per process; close it with ``aclose``."""
 
-    def __init__(self, config: Config | None = None, upstreams: Sequence[Upstream] = (),
-                 store: Store | None = None, semantic: SemanticCache | None = None) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        upstreams: Sequence[Upstream] = (),
+        store: Store | None = None,
+        semantic: SemanticCache | None = None,
+    ) -> None:
         self.config = config or Config()
         if not upstreams:
             from .upstream import build_upstreams
+
             upstreams = build_upstreams(self.config)
         self.upstreams = list(upstreams)
         self.store: Store = store or build_store(self.config)
         self.shared_flights: SharedFlights | None = build_shared_flights(self.config, self.store)
         coalesce = self.config.coalesce
-        self.flights = FlightGroup(window=window_policy(coalesce),
-                                   finish_abandoned=coalesce.finish_abandoned)
+        self.flights = FlightGroup(
+            window=window_policy(coalesce), finish_abandoned=coalesce.finish_abandoned
+        )
         # With redis: an invalidation anywhere forgets the flights on every instance, running
         # ones included (their answers are no longer stored).
         self.invalidations: InvalidationChannel | None = build_invalidations(
-            self.config, self.store, self.flights.forget_all)
+            self.config, self.store, self.flights.forget_all
+        )
         # The tenants the upstream answered recently: only they read a shared namespace.
         tenant = self.config.tenant
         self.accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries)
         self.stats = Stats()
         self.tracer = Tracer(self.config.tracing)
-        self.repeats = RepeatMemo(names_of(self.config.tenant),
-                                  self.config.fingerprint.repeat_memo_bytes,
-                                  min(64 * 1024, self.config.limits.max_body_bytes))
+        self.repeats = RepeatMemo(
+            names_of(self.config.tenant),
+            self.config.fingerprint.repeat_memo_bytes,
+            min(64 * 1024, self.config.limits.max_body_bytes),
+        )
         self.metrics = Metrics(self.stats, self.gauges)
         self.replicas = build_replicas(self.config, self.upstreams, self._observe_attempt)
         # Single embeddings are merged into list calls (identical ones were coalesced before),
@@ -183,11 +193,16 @@ class Gateway:
             observe_wait=self.metrics.batch_wait.observe,
             observe_size=self.metrics.batch_size.observe,
             key_headers=names_of(self.config.tenant),
-            lists=ListCheck(batching.embeddings, self.upstreams,
-                            retry_s=batching.embeddings_probe_retry))
+            lists=ListCheck(
+                batching.embeddings, self.upstreams, retry_s=batching.embeddings_probe_retry
+            ),
+        )
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
-        self.semantic: SemanticCache | None = semantic if semantic is not None else \
-            build_semantic(self.config, self.upstreams, self.store)
+        self.semantic: SemanticCache | None = (
+            semantic
+            if semantic is not None
+            else build_semantic(self.config, self.upstreams, self.store)
+        )
         self._background: set[asyncio.Task[Any]] = set()
         self.idempotency: IdempotencyRecords = build_idempotency(self.config, self.store)
 
@@ -211,11 +226,11 @@ class Gateway:
         if repeat is not None and (repeat.shared_by is None or repeat.shared_by in self.accepted):
             answer = await self._cached(repeat.key, repeat.max_age)
             if answer is not None:
-                return self._served(route, Outcome.HIT, answer, repeat.stream,
-                                    repeat.include_usage)
+                return self._served(route, Outcome.HIT, answer, repeat.stream, repeat.include_usage)
         try:
-            request = parse(client, self.config.limits.max_body_bytes,
-                            self.config.limits.max_json_depth)
+            request = parse(
+                client, self.config.limits.max_body_bytes, self.config.limits.max_json_depth
+            )
             idempotency_key = parse_key(client.headers)
         except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
@@ -228,8 +243,9 @@ class Gateway:
             return await self._idempotent(client, request, key, idempotency_key, route)
         return await self._answer(client, request, key, route)
 
-    async def _answer(self, client: ClientRequest, request: Request, key: Fingerprint,
-                      route: str) -> Reply:
+    async def _answer(
+        self, client: ClientRequest, request: Request, key: Fingerprint, route: str
+    ) -> Reply:
         """Bypass, or: exact cache -> a flight in progress -> semantic cache -> lead a flight."""
         if key.key is None:
             _waiting(client)
@@ -239,15 +255,23 @@ class Gateway:
         if controls.may_read and read_age != 0:
             answer = await self._cached(key.key, read_age)
             if answer is not None:
-                return self._served(route, Outcome.HIT, answer, request.stream,
-                                    request.include_usage)
+                return self._served(
+                    route, Outcome.HIT, answer, request.stream, request.include_usage
+                )
         _waiting(client)
         join_age = controls.max_age if controls.may_read else 0
-        view = semantic_view(request, key, self.config) if self.semantic is not None \
-            and not controls.no_store else None
+        view = (
+            semantic_view(request, key, self.config)
+            if self.semantic is not None and not controls.no_store
+            else None
+        )
         probe = None
-        if view is not None and controls.may_read and read_age != 0 \
-                and not self.flights.joinable(key.key, join_age):
+        if (
+            view is not None
+            and controls.may_read
+            and read_age != 0
+            and not self.flights.joinable(key.key, join_age)
+        ):
             with self.tracer.span("carpool.semantic") as span:
                 probe = await self.semantic.probe(view, read_age)  # type: ignore[union-attr]
                 if probe.match is not None:
@@ -255,18 +279,25 @@ class Gateway:
             if probe.match is not None and self.config.semantic.mode == "serve":
                 assert probe.match.answer is not None
                 self.metrics.similarity.observe(probe.match.similarity)
-                return self._served(route, Outcome.SEMANTIC_HIT, probe.match.answer,
-                                    request.stream, request.include_usage,
-                                    _similarity(probe.match))
+                return self._served(
+                    route,
+                    Outcome.SEMANTIC_HIT,
+                    probe.match.answer,
+                    request.stream,
+                    request.include_usage,
+                    _similarity(probe.match),
+                )
         # The epoch of invalidations this call begins in: its answer is stored only if no
         # invalidation came before it ended (``_store``).
         lead = partial(self._lead, request, key, view, probe, epoch=self.flights.epoch)
-        ticket = self.flights.acquire(key.key, lead, max_age=join_age,
-                                      linger=not controls.no_store, owner=key.owner)
+        ticket = self.flights.acquire(
+            key.key, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
+        )
         # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
-        reply = await self._follow(route, ticket, request, key, partial(lead, alone=True),
-                                   takeover=lead)
-        if probe is not None and probe.nearest is not None:     # semantic.mode: mark
+        reply = await self._follow(
+            route, ticket, request, key, partial(lead, alone=True), takeover=lead
+        )
+        if probe is not None and probe.nearest is not None:  # semantic.mode: mark
             reply.headers.extend(_nearest(probe.nearest))
         return reply
 
@@ -285,8 +316,14 @@ class Gateway:
             return None
         return entry.answer
 
-    async def _idempotent(self, client: ClientRequest, request: Request, key: Fingerprint,
-                          idempotency_key: str, route: str) -> Reply:
+    async def _idempotent(
+        self,
+        client: ClientRequest,
+        request: Request,
+        key: Fingerprint,
+        idempotency_key: str,
+        route: str,
+    ) -> Reply:
         """A request with an Idempotency-Key runs at most once; retries get its first answer.
 
         Only a final answer is kept (``idempotency.is_final``): after a retryable one (not
@@ -294,8 +331,10 @@ class Gateway:
         retry runs again. A replay comes in the retry's format, or is a 422 (``replay_as``).
         """
         records = self.idempotency
-        scoped, digest = f"{key.owner}\n{idempotency_key}", request_digest(request, key,
-                                                                            self.config)
+        scoped, digest = (
+            f"{key.owner}\n{idempotency_key}",
+            request_digest(request, key, self.config),
+        )
         begin = await records.begin(scoped, digest)
         if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
             _waiting(client)
@@ -307,14 +346,18 @@ class Gateway:
             return _error_reply(IdempotencyConflict(), Outcome.BYPASS, request.api)
         if begin.state == "done":
             assert begin.response is not None
-            stored = replay_as(begin.response, request.kind, request.stream,
-                               request.include_usage)
+            stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
             if stored is None:
-                return _error_reply(IdempotencyFormatMismatch(begin.response.streamed),
-                                    Outcome.BYPASS, request.api)
+                return _error_reply(
+                    IdempotencyFormatMismatch(begin.response.streamed), Outcome.BYPASS, request.api
+                )
             self.stats.count(route, Outcome.HIT)
-            return Reply(stored.status, [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
-                         stored.body, outcome=Outcome.HIT)
+            return Reply(
+                stored.status,
+                [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
+                stored.body,
+                outcome=Outcome.HIT,
+            )
         token = begin.token
         assert token is not None
         items = list_items(request)
@@ -330,21 +373,28 @@ class Gateway:
             # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
             await records.abandon(scoped, token)
         elif reply.stream is None:
-            stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body,
-                                    request.stream)
+            stored = StoredResponse(
+                reply.status, _replayable(reply.headers), reply.body, request.stream
+            )
             if is_final(request.kind, stored):
                 await records.finish(scoped, token, stored)
             else:
-                await records.abandon(scoped, token)      # retryable: a retry runs again
+                await records.abandon(scoped, token)  # retryable: a retry runs again
         else:
-            recorded = _Recorded(records, scoped, token, request.kind, StoredResponse(
-                reply.status, _replayable(reply.headers), b"", request.stream))
+            recorded = _Recorded(
+                records,
+                scoped,
+                token,
+                request.kind,
+                StoredResponse(reply.status, _replayable(reply.headers), b"", request.stream),
+            )
             reply.stream = _recorded(reply.stream, recorded)
             reply.on_close = partial(recorded.close, reply.on_close)
         return reply
 
-    async def _items(self, client: ClientRequest, items: list[Request], scoped: str,
-                     route: str) -> Reply:
+    async def _items(
+        self, client: ClientRequest, items: list[Request], scoped: str, route: str
+    ) -> Reply:
         """A list input under one Idempotency-Key: each item is a sub-request with its record."""
         records = self.idempotency
 
@@ -356,10 +406,12 @@ class Gateway:
                 assert begin.response is not None
                 return begin.response, Outcome.HIT
             if begin.state != "new" or begin.token is None:
-                error = IdempotencyMismatch() if begin.state == "mismatch" \
-                    else IdempotencyConflict()
-                return StoredResponse(error.status, _replayable(_error_reply(error, None).headers),
-                                      error.body()), Outcome.BYPASS
+                error = (
+                    IdempotencyMismatch() if begin.state == "mismatch" else IdempotencyConflict()
+                )
+                return StoredResponse(
+                    error.status, _replayable(_error_reply(error, None).headers), error.body()
+                ), Outcome.BYPASS
             try:
                 reply = await self._answer(client, request, key, route)
             except BaseException:
@@ -383,54 +435,76 @@ class Gateway:
         kind = items[0].kind
         for stored, outcome in results:
             if stored.status >= 300:
-                return Reply(stored.status, [*stored.headers, outcome.header], stored.body,
-                             outcome=outcome)
+                return Reply(
+                    stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
+                )
         outcomes = {outcome for _, outcome in results}
-        outcome = Outcome.MISS if Outcome.MISS in outcomes else \
-            Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED
+        outcome = (
+            Outcome.MISS
+            if Outcome.MISS in outcomes
+            else Outcome.HIT
+            if outcomes == {Outcome.HIT}
+            else Outcome.COALESCED
+        )
         try:
             body = merge_items(kind, [orjson.loads(stored.body) for stored, _ in results])
         except (KeyError, TypeError, ValueError, AttributeError):
             # Complete answers of an odd shape (say, a choice index that is not a number), or
             # an item kept by an older gateway that did not check its answer.
             stored = _item_failed(None)
-            return Reply(stored.status, [*stored.headers, outcome.header], stored.body,
-                         outcome=outcome)
+            return Reply(
+                stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
+            )
         return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
 
-    async def _follow(self, route: str, ticket: Ticket, request: Request, key: Fingerprint,
-                      lead: Callable[[Broadcast], Any],
-                      takeover: Callable[[Broadcast], Any] | None = None) -> Reply:
+    async def _follow(
+        self,
+        route: str,
+        ticket: Ticket,
+        request: Request,
+        key: Fingerprint,
+        lead: Callable[[Broadcast], Any],
+        takeover: Callable[[Broadcast], Any] | None = None,
+    ) -> Reply:
         """Wait on a flight as its leader or a joiner, then reply from its broadcast."""
         try:
-            with self.tracer.span("carpool.flight", **{
-                    "carpool.role": "leader" if ticket.leader else "joiner"}):
+            with self.tracer.span(
+                "carpool.flight", **{"carpool.role": "leader" if ticket.leader else "joiner"}
+            ):
                 try:
                     await self._wait(ticket, request, self._join_timeout)
                 except JoinTimeout:
                     ticket = ticket.retake(lead, key.owner)
                     await self._wait(ticket, request, None)
-                if (takeover is not None and not request.stream
-                        and isinstance(ticket.broadcast.error, LeaderLost)):
+                if (
+                    takeover is not None
+                    and not request.stream
+                    and isinstance(ticket.broadcast.error, LeaderLost)
+                ):
                     # Another instance's call was lost after part of it was relayed here: this
                     # client got none of it. Its leader may have finished and stored it (only
                     # the relay broke): then that answer; else it takes the call over, once (its
                     # identical neighbours here join the same new flight; other instances,
                     # through Redis).
-                    stored = await self._cached(key.key, self._read_age(request)) \
-                        if key.key is not None and request.controls.may_read else None
+                    stored = (
+                        await self._cached(key.key, self._read_age(request))
+                        if key.key is not None and request.controls.may_read
+                        else None
+                    )
                     if stored is not None:
                         ticket.release()
-                        return self._served(route, Outcome.HIT, stored, request.stream,
-                                            request.include_usage)
+                        return self._served(
+                            route, Outcome.HIT, stored, request.stream, request.include_usage
+                        )
                     ticket = ticket.retake(takeover, key.owner)
                     await self._wait(ticket, request, None)
                 if _refused_another(ticket, key):
                     # Its own call, on a flight only its own tenant can join: another refused
                     # tenant's fresh call is not joined either.
                     ticket.release()
-                    ticket = self.flights.acquire(f"{key.key}\n{key.owner}", lead, max_age=0,
-                                                  linger=False, owner=key.owner)
+                    ticket = self.flights.acquire(
+                        f"{key.key}\n{key.owner}", lead, max_age=0, linger=False, owner=key.owner
+                    )
                     await self._wait(ticket, request, None)
         except BaseException:
             ticket.release()
@@ -438,24 +512,28 @@ class Gateway:
         broadcast = ticket.broadcast
         # A flight led here but relayed from another instance's call is shared, not a miss.
         outcome = Outcome.MISS if ticket.leader and not broadcast.remote else Outcome.COALESCED
-        if request.stream and (broadcast.frames
-                               or isinstance(broadcast.error, UpstreamStreamBroken)):
+        if request.stream and (
+            broadcast.frames or isinstance(broadcast.error, UpstreamStreamBroken)
+        ):
             # A live stream: relay it; the ticket is released when this client's stream ends.
             # A stream that failed before its first chunk (an engine's empty 200 stream, e.g.
             # a prompt over its context) ends the same way, as an SSE error event after a 200:
             # a 502 would be retried by the SDKs, one client call making three engine calls.
             self.stats.count(route, outcome)
             saved = partial(self._saved, outcome) if outcome.saved else None
-            return Reply(200, [*SSE_HEADERS, outcome.header],
-                         stream=_relay(request.api, broadcast, request.include_usage, saved),
-                         outcome=outcome, on_close=ticket.release)
+            return Reply(
+                200,
+                [*SSE_HEADERS, outcome.header],
+                stream=_relay(request.api, broadcast, request.include_usage, saved),
+                outcome=outcome,
+                on_close=ticket.release,
+            )
         ticket.release()
         if broadcast.error is not None:
             self.stats.count(route, outcome)
             return _error_reply(broadcast.error, outcome, request.api)
         assert broadcast.answer is not None
-        return self._served(route, outcome, broadcast.answer, request.stream,
-                            request.include_usage)
+        return self._served(route, outcome, broadcast.answer, request.stream, request.include_usage)
 
     @staticmethod
     async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:
@@ -465,9 +543,17 @@ class Gateway:
         if not request.stream:
             await ticket.wait_done(None)
 
-    async def _lead(self, request: Request, key: Fingerprint, view: SemanticView | None,
-                    probe: Probe | None, broadcast: Broadcast, *, epoch: int,
-                    alone: bool = False) -> Answer:
+    async def _lead(
+        self,
+        request: Request,
+        key: Fingerprint,
+        view: SemanticView | None,
+        probe: Probe | None,
+        broadcast: Broadcast,
+        *,
+        epoch: int,
+        alone: bool = False,
+    ) -> Answer:
         """The flight's answer: runs in the flight's own task, never in a client's.
 
         The upstream call streams into ``broadcast``; a complete answer is stored before the
@@ -477,13 +563,17 @@ class Gateway:
         probe did already), so that its entry too is in before the flight ends.
         """
         embedding = None
-        if view is not None and self.semantic is not None and (probe is None or probe.vector
-                                                               is None):
+        if (
+            view is not None
+            and self.semantic is not None
+            and (probe is None or probe.vector is None)
+        ):
             embedding = asyncio.get_running_loop().create_task(self.semantic.vector(view))
         call = partial(self._call_upstream, request)
-        store = partial(self._store, request, key, view=view, probe=probe, epoch=epoch,
-                        embedding=embedding)
-        if self.invalidations is not None:               # (lazily, without the server)
+        store = partial(
+            self._store, request, key, view=view, probe=probe, epoch=epoch, embedding=embedding
+        )
+        if self.invalidations is not None:  # (lazily, without the server)
             self.invalidations.start()
         try:
             if self.shared_flights is None or alone or key.key is None:
@@ -492,11 +582,15 @@ class Gateway:
                 return answer
             controls = request.controls
             return await self.shared_flights.run(
-                key.key, broadcast, call, store,
+                key.key,
+                broadcast,
+                call,
+                store,
                 max_age=controls.max_age if controls.may_read else 0,
-                linger=not controls.no_store)
+                linger=not controls.no_store,
+            )
         finally:
-            if embedding is not None:                    # not stored (a failure, a follower)
+            if embedding is not None:  # not stored (a failure, a follower)
                 _discard(embedding)
 
     async def _call_upstream(self, request: Request, broadcast: Broadcast) -> Answer:
@@ -505,10 +599,13 @@ class Gateway:
         # Streamed anyway when the config says so (``_streams``), so that streaming clients
         # joining this call get it live; with the usage the clients may not have asked for.
         if stream or self._streams(request):
-            body, stream = api.streamed(body, self.config.upstream.stream_usage
-                                        and not request.include_usage), True
-        upstream_request = UpstreamRequest(request.upstream_path, body, request.headers, stream,
-                                           request.query, api.last_event)
+            body, stream = (
+                api.streamed(body, self.config.upstream.stream_usage and not request.include_usage),
+                True,
+            )
+        upstream_request = UpstreamRequest(
+            request.upstream_path, body, request.headers, stream, request.query, api.last_event
+        )
         if request.kind == "embedding":
             response = await self.batcher.embed(upstream_request)
         else:
@@ -516,8 +613,11 @@ class Gateway:
         self._judged(request, response.status)
         try:
             if not 200 <= response.status < 300:
-                raise UpstreamStatusError(response.status, response.body,
-                                          response.headers.get("content-type", "application/json"))
+                raise UpstreamStatusError(
+                    response.status,
+                    response.body,
+                    response.headers.get("content-type", "application/json"),
+                )
             if response.streaming:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:
@@ -535,17 +635,29 @@ class Gateway:
         # engines refuse or change them when streamed.
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
-    async def _store(self, request: Request, key: Fingerprint, answer: Answer,
-                     view: SemanticView | None, probe: Probe | None, epoch: int,
-                     embedding: asyncio.Task[Any] | None = None) -> None:
+    async def _store(
+        self,
+        request: Request,
+        key: Fingerprint,
+        answer: Answer,
+        view: SemanticView | None,
+        probe: Probe | None,
+        epoch: int,
+        embedding: asyncio.Task[Any] | None = None,
+    ) -> None:
         """Store a complete answer (unless its request or its type's ttl says not to, or an
         invalidation came after its call began: it may predate what was invalidated), in the
         exact cache and, with its prompt's embedding (the probe's, or ``embedding``, begun with
         the call), in the semantic index: both before the flight ends (read-your-writes)."""
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
-        if not answer.complete or controls.no_store or ttl <= 0 or key.key is None \
-                or epoch != self.flights.epoch:
+        if (
+            not answer.complete
+            or controls.no_store
+            or ttl <= 0
+            or key.key is None
+            or epoch != self.flights.epoch
+        ):
             return
         if key.shared_key is not None:
             # A shared namespace's requester the upstream had not accepted yet: it just did, so
@@ -554,19 +666,20 @@ class Gateway:
             # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
         expires, prefix = answer.created + ttl, _prompt_prefix(request)
-        assert key.key is not None                 # (checked above; a shared key is one too)
+        assert key.key is not None  # (checked above; a shared key is one too)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
         if view is None or self.semantic is None:
             return
         vector = probe.vector if probe is not None else None
         if vector is None and embedding is not None:
             try:
-                vector = await embedding               # mostly done: the upstream took longer
+                vector = await embedding  # mostly done: the upstream took longer
             except Exception:
                 log.exception("embedding a prompt for the semantic cache failed")
                 return
-        insert = self._insert_semantic(view, vector, answer, expires, controls.tags,
-                                       key.namespace, prefix, key.key, epoch)
+        insert = self._insert_semantic(
+            view, vector, answer, expires, controls.tags, key.namespace, prefix, key.key, epoch
+        )
         if vector is not None:
             try:
                 await insert
@@ -578,16 +691,26 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background_done)
 
-    async def _insert_semantic(self, view: SemanticView, vector: Any, answer: Answer,
-                               expires: float, tags: tuple[str, ...], namespace: str,
-                               prefix: str, key: str, epoch: int) -> None:
+    async def _insert_semantic(
+        self,
+        view: SemanticView,
+        vector: Any,
+        answer: Answer,
+        expires: float,
+        tags: tuple[str, ...],
+        namespace: str,
+        prefix: str,
+        key: str,
+        epoch: int,
+    ) -> None:
         assert self.semantic is not None
         if vector is None:
             vector = await self.semantic.vector(view)
         # Checked again once the prompt is embedded: an invalidation may have come meanwhile.
         if epoch == self.flights.epoch:
-            await self.semantic.insert(view, vector, answer, expires, tags, namespace, prefix,
-                                       key=key)
+            await self.semantic.insert(
+                view, vector, answer, expires, tags, namespace, prefix, key=key
+            )
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -599,25 +722,42 @@ class Gateway:
         header = Outcome.BYPASS.header
         api = request.api
         try:
-            response = await self._call(UpstreamRequest(request.upstream_path, request.body,
-                                                        request.headers, request.stream,
-                                                        request.query, api.last_event),
-                                        _routing_text(request))
+            response = await self._call(
+                UpstreamRequest(
+                    request.upstream_path,
+                    request.body,
+                    request.headers,
+                    request.stream,
+                    request.query,
+                    api.last_event,
+                ),
+                _routing_text(request),
+            )
         except CarpoolError as error:
             return _error_reply(error, Outcome.BYPASS, api)
         self._judged(request, response.status)
         if response.streaming:
-            return Reply(response.status, [*SSE_HEADERS, header], stream=_pipe(api, response),
-                         outcome=Outcome.BYPASS)
+            return Reply(
+                response.status,
+                [*SSE_HEADERS, header],
+                stream=_pipe(api, response),
+                outcome=Outcome.BYPASS,
+            )
         ctype = response.headers.get("content-type", "application/json").encode("latin-1")
-        return Reply(response.status, [(b"content-type", ctype), header], response.body,
-                     outcome=Outcome.BYPASS)
+        return Reply(
+            response.status,
+            [(b"content-type", ctype), header],
+            response.body,
+            outcome=Outcome.BYPASS,
+        )
 
     def _judged(self, request: Request, status: int) -> None:
         """What the upstream's answer says of the requester's credentials (``identity.py``)."""
         if 200 <= status < 300:
-            self.accepted.accept(requester(request.headers, self.config),
-                                 grant_of(request, names_of(self.config.tenant)))
+            self.accepted.accept(
+                requester(request.headers, self.config),
+                grant_of(request, names_of(self.config.tenant)),
+            )
         elif status in (401, 403):
             self.accepted.refuse(requester(request.headers, self.config))
 
@@ -637,8 +777,15 @@ class Gateway:
         if status >= 400:
             self.stats.upstream_errors += 1
 
-    def _served(self, route: str, outcome: Outcome, answer: Answer, stream: bool,
-                include_usage: bool, extra: Sequence[tuple[bytes, bytes]] = ()) -> Reply:
+    def _served(
+        self,
+        route: str,
+        outcome: Outcome,
+        answer: Answer,
+        stream: bool,
+        include_usage: bool,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> Reply:
         """A reply carrying a whole answer, as JSON or (for a streaming client, ``stream``) as
         SSE, with the final usage chunk if it asked for it (``include_usage``)."""
         self.stats.count(route, outcome)
@@ -654,8 +801,12 @@ class Gateway:
         if not stream:
             return Reply(200, headers, answer.body, outcome=outcome)
         headers[0] = SSE
-        return Reply(200, headers, b"".join(answer.sse(include_usage))
-                     + api_of(answer.kind).stream_end, outcome=outcome)
+        return Reply(
+            200,
+            headers,
+            b"".join(answer.sse(include_usage)) + api_of(answer.kind).stream_end,
+            outcome=outcome,
+        )
 
     def _saved(self, outcome: Outcome, answer: Answer) -> None:
         """A request answered without a call of its own: the tokens the engine reported for the
@@ -668,8 +819,13 @@ class Gateway:
     # ---------------------------------------------------------------------------------------
     # Library API and introspection
 
-    async def request(self, path: str, body: Mapping[str, Any] | bytes,
-                      headers: Mapping[str, str] | None = None, query: str = "") -> Reply:
+    async def request(
+        self,
+        path: str,
+        body: Mapping[str, Any] | bytes,
+        headers: Mapping[str, str] | None = None,
+        query: str = "",
+    ) -> Reply:
         """Run one request through the pipeline without HTTP; a stream is read to the end.
         ``query``: the query string (forwarded upstream and part of the key), without ``?``."""
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
@@ -683,8 +839,9 @@ class Gateway:
                 reply.close()
         return reply
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
         a transport failure downs the replica (``ReplicaSet.passthrough``)."""
@@ -694,7 +851,7 @@ class Gateway:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``."""
         if not isinstance(spec, dict) or len(spec) != 1:
             raise RequestError('give exactly one of "tag", "namespace", "prefix" or "all"')
-        (name, value), = spec.items()
+        ((name, value),) = spec.items()
         if name == "all" and value is True:
             selector: dict[str, Any] = {"everything": True}
         elif name in ("tag", "namespace", "prefix") and isinstance(value, str) and value:
@@ -706,42 +863,62 @@ class Gateway:
             # before the invalidation, and that call's answer is not stored. Flights do not
             # know their tags, so all go (at worst one extra upstream call per key).
             self.flights.forget_all()
-            if self.shared_flights is not None:      # and those of every instance
+            if self.shared_flights is not None:  # and those of every instance
                 await self.shared_flights.forget_all()
             dropped = await self.store.invalidate(**selector)
             if self.semantic is not None:
                 dropped += await self.semantic.invalidate(**selector)
-            if self.invalidations is not None:       # last: the other instances' windows
+            if self.invalidations is not None:  # last: the other instances' windows
                 await self.invalidations.publish()
             return dropped
-        raise RequestError(f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
-                           '(a non-empty string) or "all": true')
+        raise RequestError(
+            f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
+            '(a non-empty string) or "all": true'
+        )
 
     def gauges(self) -> dict[str, Any]:
         return {
             "flights": len(self.flights),
             "waiters": self.flights.waiters,
-            "layers": {"exact": {"entries": self.store.entries, "bytes": self.store.bytes},
-                       **({"semantic": {"entries": self.semantic.entries,
-                                        "bytes": self.semantic.bytes}} if self.semantic else {})},
+            "layers": {
+                "exact": {"entries": self.store.entries, "bytes": self.store.bytes},
+                **(
+                    {"semantic": {"entries": self.semantic.entries, "bytes": self.semantic.bytes}}
+                    if self.semantic
+                    else {}
+                ),
+            },
             "replicas": {name: r["in_flight"] for name, r in self.replicas.snapshot().items()},
-            "redis_errors": {"store": getattr(self.store, "errors", 0),
-                             **({"flights": self.shared_flights.counts["errors"]}
-                                if self.shared_flights is not None else {}),
-                             **({"invalidations": self.invalidations.counts["errors"]}
-                                if self.invalidations is not None else {})},
+            "redis_errors": {
+                "store": getattr(self.store, "errors", 0),
+                **(
+                    {"flights": self.shared_flights.counts["errors"]}
+                    if self.shared_flights is not None
+                    else {}
+                ),
+                **(
+                    {"invalidations": self.invalidations.counts["errors"]}
+                    if self.invalidations is not None
+                    else {}
+                ),
+            },
             "redis_pool_exhausted": getattr(self.store, "pool_exhausted", 0),
         }
 
     def snapshot(self) -> dict[str, Any]:
         """The /stats document."""
         g = self.gauges()
-        return {**self.stats.snapshot(), "pid": os.getpid(),
-                "flights": g["flights"], "waiters": g["waiters"],
-                "layers": g["layers"],
-                "replicas": self.replicas.snapshot(), "routing": dict(self.stats.routing),
-                "batching": self.batcher.stats(),
-                "redis": self.redis_health()}
+        return {
+            **self.stats.snapshot(),
+            "pid": os.getpid(),
+            "flights": g["flights"],
+            "waiters": g["waiters"],
+            "layers": g["layers"],
+            "replicas": self.replicas.snapshot(),
+            "routing": dict(self.stats.routing),
+            "batching": self.batcher.stats(),
+            "redis": self.redis_health(),
+        }
 
     def redis_health(self) -> dict[str, Any]:
         """``{"state": "off" | "up" | "degraded", ...}`` for /stats and /healthz."""
@@ -767,7 +944,7 @@ class Gateway:
             self.invalidations.start()
 
     async def aclose(self) -> None:
-        await self.batcher.aclose()              # its probes use the upstreams closed below
+        await self.batcher.aclose()  # its probes use the upstreams closed below
         if self.invalidations is not None:
             await self.invalidations.aclose()
         if self.semantic is not None:
@@ -799,13 +976,17 @@ def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:
     limit: in a shared namespace, a call led by another tenant (here, or on another instance).
     That is not this request's answer, which makes its own call."""
     error = ticket.broadcast.error
-    return key.tenant == "*" and isinstance(error, UpstreamStatusError) \
-        and error.status in _CREDENTIAL_ERRORS \
+    return (
+        key.tenant == "*"
+        and isinstance(error, UpstreamStatusError)
+        and error.status in _CREDENTIAL_ERRORS
         and (ticket.broadcast.remote or ticket.flight.owner != key.owner)
+    )
 
 
-async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,
-                   asked: dict[str, Any]) -> Answer:
+async def _consume(
+    kind: str, response: UpstreamResponse, broadcast: Broadcast, asked: dict[str, Any]
+) -> Answer:
     """Publish an upstream stream frame by frame; judge and assemble it once it ends.
 
     Only a stream that ended whole comes back (``[DONE]``, or a typed stream's last event:
@@ -830,13 +1011,18 @@ async def _consume(kind: str, response: UpstreamResponse, broadcast: Broadcast,
         if error is not None:
             # The engine's own error object reaches the clients as it is (its message, type
             # and code), not a paraphrase.
-            raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}",
-                                       error)
+            raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}", error)
         chunks.append(chunk)
         broadcast.publish(api.frame(payload, chunk), usage_only=api.usage_only(chunk))
     body, complete = api.judge_stream(chunks, asked)
-    return Answer(kind, orjson.dumps(body), complete, api.usage_tokens(body),
-                  frames=broadcast.frames, usage_frame=broadcast.usage_frame)
+    return Answer(
+        kind,
+        orjson.dumps(body),
+        complete,
+        api.usage_tokens(body),
+        frames=broadcast.frames,
+        usage_frame=broadcast.usage_frame,
+    )
 
 
 def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
@@ -853,8 +1039,12 @@ def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
     return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
 
 
-async def _relay(api: Api, broadcast: Broadcast, include_usage: bool,
-                 saved: Callable[[Answer], None] | None = None) -> AsyncIterator[bytes]:
+async def _relay(
+    api: Api,
+    broadcast: Broadcast,
+    include_usage: bool,
+    saved: Callable[[Answer], None] | None = None,
+) -> AsyncIterator[bytes]:
     """A flight's stream for one client; ``saved`` (a joiner's) is told the answer it got."""
     async for chunk in broadcast.follow(include_usage):
         yield chunk
@@ -878,8 +1068,11 @@ async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
             if error is not None:
                 # The upstream's own error ends it, framed as its API frames errors (a typed
                 # stream's SDK ignores an event without its name): no second one.
-                yield api.error_event(UpstreamStreamBroken(
-                    f"the upstream stream failed: {error.get('message')}", error))
+                yield api.error_event(
+                    UpstreamStreamBroken(
+                        f"the upstream stream failed: {error.get('message')}", error
+                    )
+                )
                 return
             yield api.frame(payload)
         if api.stream_end:
@@ -902,8 +1095,10 @@ def _error_in(api: Api, payload: bytes) -> dict[str, Any] | None:
 def _similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:
     """A semantic hit's own headers: its score and the opaque id of the entry it was served from
     (``SemanticEntry.public_id``; never the entry's text, which another request sent)."""
-    return [(b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
-            (b"x-carpool-entry", candidate.entry.public_id.encode())]
+    return [
+        (b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
+        (b"x-carpool-entry", candidate.entry.public_id.encode()),
+    ]
 
 
 def _nearest(candidate: Candidate) -> list[tuple[bytes, bytes]]:
@@ -914,11 +1109,18 @@ def _nearest(candidate: Candidate) -> list[tuple[bytes, bytes]]:
     """
     verdict = "serve" if candidate.verdict.ok else f"guard:{candidate.verdict.reason}"
     nearest = candidate.entry.public_id
-    log.debug("semantic mark: nearest entry %s (similarity %.4f, %s): %r", nearest,
-              candidate.similarity, verdict, candidate.entry.text[:200])
-    return [(b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
-            (b"x-carpool-semantic-nearest", nearest.encode()),
-            (b"x-carpool-semantic-verdict", verdict.encode())]
+    log.debug(
+        "semantic mark: nearest entry %s (similarity %.4f, %s): %r",
+        nearest,
+        candidate.similarity,
+        verdict,
+        candidate.entry.text[:200],
+    )
+    return [
+        (b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
+        (b"x-carpool-semantic-nearest", nearest.encode()),
+        (b"x-carpool-semantic-verdict", verdict.encode()),
+    ]
 
 
 def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -933,10 +1135,11 @@ class _Recorded:
 
     __slots__ = ("records", "key", "token", "kind", "head", "settled")
 
-    def __init__(self, records: IdempotencyRecords, key: str, token: str, kind: str,
-                 head: StoredResponse) -> None:
+    def __init__(
+        self, records: IdempotencyRecords, key: str, token: str, kind: str, head: StoredResponse
+    ) -> None:
         self.records, self.key, self.token, self.kind = records, key, token, kind
-        self.head = head                    # status, headers and format; the frames are the body
+        self.head = head  # status, headers and format; the frames are the body
         self.settled = False
 
     async def end(self, frames: list[bytes]) -> None:
@@ -963,13 +1166,13 @@ class _Recorded:
         if not self.settled:
             try:
                 task = asyncio.get_running_loop().create_task(self.drop())
-            except RuntimeError:         # closed outside a loop: the lease will run out instead
+            except RuntimeError:  # closed outside a loop: the lease will run out instead
                 return
             _DROPPING.add(task)
             task.add_done_callback(_DROPPING.discard)
 
 
-_DROPPING: set[asyncio.Task[None]] = set()     # strong references to the drops under way
+_DROPPING: set[asyncio.Task[None]] = set()  # strong references to the drops under way
 
 
 async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncIterator[bytes]:
@@ -988,10 +1191,10 @@ async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncI
 def _item_failed(index: int | None) -> StoredResponse:
     """What a list request answers when the upstream's 200 for an item is not an answer."""
     which = f"item {index}" if index is not None else "an item"
-    error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete "
-                          "answer")
-    return StoredResponse(error.status, _replayable(_error_reply(error, None).headers),
-                          error.body())
+    error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete answer")
+    return StoredResponse(
+        error.status, _replayable(_error_reply(error, None).headers), error.body()
+    )
 
 
 async def _shielded(work: Any) -> None:

@@ -27,15 +27,22 @@ from .errors import BodyTooLarge, RequestError
 
 # The cached endpoints: gateway path -> (kind, path relative to the upstream's /v1 base).
 ENDPOINTS: dict[str, tuple[str, str]] = {
-    api.path: (api.kind, api.upstream_path) for api in APIS.values()}
+    api.path: (api.kind, api.upstream_path) for api in APIS.values()
+}
 
 MAX_TAGS = 32
 MAX_HEADER_TOKEN = 256
 MAX_AGE = 2**31
 # Every request header ``parse_controls`` reads. A byte-identical repeat (fingerprint.RepeatMemo)
 # must agree on each of them, so a new control header belongs here too (a test reads the source).
-CONTROL_HEADERS = ("cache-control", "x-carpool-namespace", "x-carpool-type", "x-carpool-tags",
-                   "x-carpool-freshness", "x-carpool-share")
+CONTROL_HEADERS = (
+    "cache-control",
+    "x-carpool-namespace",
+    "x-carpool-type",
+    "x-carpool-tags",
+    "x-carpool-freshness",
+    "x-carpool-share",
+)
 
 
 @dataclass(slots=True)
@@ -44,7 +51,7 @@ class ClientRequest:
 
     path: str
     body: bytes
-    headers: Mapping[str, str] = field(default_factory=dict)   # lower-case names
+    headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names
     # The raw query string (Azure's ``api-version``, deployment parameters): forwarded to the
     # upstream, and part of the fingerprint, since the upstream may answer differently.
     query: bytes = b""
@@ -57,9 +64,9 @@ class ClientRequest:
 class Controls:
     """The cache behaviour a request asks for (CONTRACT.md "Cache controls on a request")."""
 
-    no_cache: bool = False          # do not answer from cache; may join a call in flight; store
-    no_store: bool = False          # neither read nor write a cache; may still coalesce
-    max_age: float | None = None    # accept a cached answer only if younger than this (seconds)
+    no_cache: bool = False  # do not answer from cache; may join a call in flight; store
+    no_store: bool = False  # neither read nor write a cache; may still coalesce
+    max_age: float | None = None  # accept a cached answer only if younger than this (seconds)
     namespace: str = ""
     request_type: str | None = None
     tags: tuple[str, ...] = ()
@@ -75,14 +82,14 @@ class Controls:
 class Request:
     """A validated request to one of the cached endpoints."""
 
-    kind: str                       # "chat" | "completion" | "embedding" | "responses" | ...
-    upstream_path: str              # e.g. "/chat/completions"
+    kind: str  # "chat" | "completion" | "embedding" | "responses" | ...
+    upstream_path: str  # e.g. "/chat/completions"
     body: dict[str, Any]
     headers: Mapping[str, str]
     controls: Controls
     stream: bool
-    include_usage: bool             # the client asked for the final usage chunk
-    query: str = ""                 # the query string, forwarded as it came
+    include_usage: bool  # the client asked for the final usage chunk
+    query: str = ""  # the query string, forwarded as it came
 
     @property
     def api(self) -> Api:
@@ -107,16 +114,25 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
     # An API without a stream form (embeddings) answers JSON whatever ``stream`` says.
     stream = api.streams and body.get("stream") is True
     include_usage = api.client_usage(body, stream)
-    return Request(kind, upstream_path, body, client.headers, parse_controls(client.headers),
-                   stream, include_usage, _query(client.query))
+    return Request(
+        kind,
+        upstream_path,
+        body,
+        client.headers,
+        parse_controls(client.headers),
+        stream,
+        include_usage,
+        _query(client.query),
+    )
 
 
 def _query(raw: bytes) -> str:
     try:
         query = raw.decode("ascii")
     except UnicodeDecodeError:
-        raise RequestError("the query string must be ASCII (percent-encode the rest)",
-                           "invalid_query") from None
+        raise RequestError(
+            "the query string must be ASCII (percent-encode the rest)", "invalid_query"
+        ) from None
     if not query.isprintable() or " " in query or "#" in query:
         raise RequestError("the query string holds characters a URL cannot", "invalid_query")
     return query
@@ -139,8 +155,9 @@ def check_json_depth(raw: bytes, value: Any, max_depth: int) -> None:
         for child in node.values() if isinstance(node, dict) else node:
             if isinstance(child, (dict, list)):
                 if depth >= max_depth:
-                    raise RequestError(f"the JSON body is nested deeper than {max_depth} levels",
-                                       "too_deep")
+                    raise RequestError(
+                        f"the JSON body is nested deeper than {max_depth} levels", "too_deep"
+                    )
                 stack.append((child, depth + 1))
 
 
@@ -160,11 +177,14 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
                     # RFC 9111 1.2.2: a delta-seconds too large to represent counts as 2**31.
                     controls.max_age = float(min(int(value.strip().strip('"')), MAX_AGE))
                 except ValueError:
-                    raise RequestError("Cache-Control max-age must be an integer, got "
-                                       f"{value[:64]!r}", "invalid_header") from None
+                    raise RequestError(
+                        f"Cache-Control max-age must be an integer, got {value[:64]!r}",
+                        "invalid_header",
+                    ) from None
                 if controls.max_age < 0:
-                    raise RequestError("Cache-Control max-age must not be negative",
-                                       "invalid_header")
+                    raise RequestError(
+                        "Cache-Control max-age must not be negative", "invalid_header"
+                    )
     namespace = headers.get("x-carpool-namespace")
     if namespace is not None:
         controls.namespace = _token(namespace, "x-carpool-namespace")
@@ -173,8 +193,9 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
         controls.request_type = _token(request_type, "x-carpool-type").lower() or None
     tags = headers.get("x-carpool-tags")
     if tags:
-        controls.tags = tuple(dict.fromkeys(
-            _token(t, "x-carpool-tags") for t in tags.split(",") if t.strip()))
+        controls.tags = tuple(
+            dict.fromkeys(_token(t, "x-carpool-tags") for t in tags.split(",") if t.strip())
+        )
         if len(controls.tags) > MAX_TAGS:
             raise RequestError(f"x-carpool-tags: at most {MAX_TAGS} tags", "invalid_header")
     freshness = headers.get("x-carpool-freshness")
@@ -191,8 +212,9 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
 def _token(value: str, header: str) -> str:
     value = value.strip()
     if len(value) > MAX_HEADER_TOKEN:
-        raise RequestError(f"{header}: value longer than {MAX_HEADER_TOKEN} characters",
-                           "invalid_header")
+        raise RequestError(
+            f"{header}: value longer than {MAX_HEADER_TOKEN} characters", "invalid_header"
+        )
     if not value.isprintable():
         raise RequestError(f"{header}: value must be printable text", "invalid_header")
     return value
@@ -206,8 +228,13 @@ def list_items(request: Request) -> list[Request] | None:
     """
     name = {"embedding": "input", "completion": "prompt"}.get(request.kind)
     value = request.body.get(name) if name else None
-    if name is None or request.stream or not isinstance(value, list) or len(value) < 2 \
-            or isinstance(value[0], int):
+    if (
+        name is None
+        or request.stream
+        or not isinstance(value, list)
+        or len(value) < 2
+        or isinstance(value[0], int)
+    ):
         return None
     return [dataclasses.replace(request, body={**request.body, name: [item]}) for item in value]
 
@@ -227,6 +254,7 @@ def merge_items(kind: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
     choices = []
     for i, body in enumerate(bodies):
         n = len(body["choices"])
-        choices += [{**choice, "index": i * n + choice.get("index", 0)}
-                    for choice in body["choices"]]
+        choices += [
+            {**choice, "index": i * n + choice.get("index", 0)} for choice in body["choices"]
+        ]
     return {**first, "choices": choices, "usage": usage}

@@ -82,18 +82,26 @@ class GatewayApp:
         self.other = _control_app(gateway, self.deadlines)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and \
-                sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers:
+        if (
+            scope["type"] == "http"
+            and sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers
+        ):
             # Checked here because httptools accepts headers of any size, and they go upstream.
             api = BY_PATH.get(scope["path"])
             if api is not None:
                 self.gateway.stats.rejected += 1
             error = HeadersTooLarge(self.max_headers)
-            await _send_whole(send, error.status, [(b"content-type", b"application/json"),
-                                                   *([Outcome.BYPASS.header] if api else [])],
-                              api.error_body(error) if api else error.body())
-        elif scope["type"] == "http" and scope["method"] == "POST" and (
-                scope["path"] in ENDPOINTS or scope["path"][:-1] in ENDPOINTS):
+            await _send_whole(
+                send,
+                error.status,
+                [(b"content-type", b"application/json"), *([Outcome.BYPASS.header] if api else [])],
+                api.error_body(error) if api else error.body(),
+            )
+        elif (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and (scope["path"] in ENDPOINTS or scope["path"][:-1] in ENDPOINTS)
+        ):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
             await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
         elif scope["type"] == "http" and scope["path"].startswith("/v1/"):
@@ -110,31 +118,38 @@ class GatewayApp:
             await self.other(scope, receive, send)
 
     async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any, path: str) -> None:
-        headers = {name.decode("latin-1"): value.decode("latin-1")
-                   for name, value in scope["headers"]}
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+        }
         started = time.monotonic()
         try:
             body = await _read_body(receive, headers, self.max_body, self.deadlines)
         except RequestError as error:
             self.gateway.stats.rejected += 1
-            await _send_whole(send, error.status, [*_raw(error.headers()), Outcome.BYPASS.header],
-                              BY_PATH[path].error_body(error))    # (the API's error shape)
+            await _send_whole(
+                send,
+                error.status,
+                [*_raw(error.headers()), Outcome.BYPASS.header],
+                BY_PATH[path].error_body(error),
+            )  # (the API's error shape)
             return
         if body is None:
-            return                                  # the client left before sending its body
+            return  # the client left before sending its body
         state = _Watch(receive)
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(
-                ClientRequest(path, body, headers, scope.get("query_string", b""),
-                              on_wait=state.start))
+                ClientRequest(
+                    path, body, headers, scope.get("query_string", b""), on_wait=state.start
+                )
+            )
             if reply.stream is not None:
                 state.start()
             await _send_reply(send, reply, state)
         except asyncio.CancelledError:
             if not state.client_left:
                 raise
-            asyncio.current_task().uncancel()       # type: ignore[union-attr]  # we did it
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we did it
         finally:
             state.stop()
             if reply is not None:
@@ -180,8 +195,9 @@ class _Watch:
                 return
 
 
-async def _read_body(receive: Any, headers: Mapping[str, str], limit: int,
-                     deadlines: _Deadlines) -> bytes | None:
+async def _read_body(
+    receive: Any, headers: Mapping[str, str], limit: int, deadlines: _Deadlines
+) -> bytes | None:
     """The whole body (None: the client left), within ``limit`` bytes (``BodyTooLarge``) and
     ``deadlines.timeout`` seconds from now (``BodyTimeout``)."""
     declared = headers.get("content-length")
@@ -204,8 +220,8 @@ async def _read_body(receive: Any, headers: Mapping[str, str], limit: int,
                 return parts[0] if len(parts) == 1 else b"".join(parts)
     except asyncio.CancelledError:
         if not deadlines.expired(task) or task.cancelling() > 1:
-            raise                                   # not (only) ours: a shutdown, say
-        task.uncancel()                             # we did it: the deadline passed
+            raise  # not (only) ours: a shutdown, say
+        task.uncancel()  # we did it: the deadline passed
         raise BodyTimeout(deadlines.timeout) from None
     finally:
         deadlines.leave(task)
@@ -250,8 +266,7 @@ class _Deadlines:
             del self.reading[task]
             self.cut.add(task)
             task.cancel()
-        self.timer = loop.call_later(self.timeout / 4, self._tick, loop) if self.reading \
-            else None
+        self.timer = loop.call_later(self.timeout / 4, self._tick, loop) if self.reading else None
 
 
 # The scope key of a pass-through request's confined path (relative to /v1).
@@ -268,10 +283,16 @@ def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
-async def _send_whole(send: Any, status: int, headers: list[tuple[bytes, bytes]],
-                      body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+async def _send_whole(
+    send: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -295,8 +316,7 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     limits = gateway.config.limits
 
     async def body_of(request: HttpRequest) -> bytes | None:
-        return await _read_body(request.receive, request.headers, limits.max_body_bytes,
-                                deadlines)
+        return await _read_body(request.receive, request.headers, limits.max_body_bytes, deadlines)
 
     async def healthz(_: HttpRequest) -> Response:
         # Serving is what health means: a Redis outage or a dead replica degrades the gateway,
@@ -304,14 +324,16 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
         redis = gateway.redis_health()
         replicas = gateway.replicas.health()
         degraded = redis["state"] == "degraded" or not all(r["healthy"] for r in replicas.values())
-        return JSONResponse({"status": "degraded" if degraded else "ok", "replicas": replicas,
-                             "redis": redis})
+        return JSONResponse(
+            {"status": "degraded" if degraded else "ok", "replicas": replicas, "redis": redis}
+        )
 
     async def readyz(_: HttpRequest) -> Response:
         # ``draining``: for whoever stops the gateway gracefully (CONTRACT: 503 while draining).
         ready = not getattr(gateway, "draining", False) and await gateway.replicas.ready()
-        return JSONResponse({"ready": ready, "replicas": gateway.replicas.health()},
-                            200 if ready else 503)
+        return JSONResponse(
+            {"ready": ready, "replicas": gateway.replicas.health()}, 200 if ready else 503
+        )
 
     async def stats(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
@@ -321,8 +343,9 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
-        return Response(gateway.metrics.render(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     async def dashboard(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
@@ -342,7 +365,7 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
         try:
             raw = await body_of(request)
             if raw is None:
-                return Response(status_code=499)    # the client left
+                return Response(status_code=499)  # the client left
             spec = orjson.loads(raw)
             dropped = await gateway.invalidate(spec)
         except (BodyTooLarge, BodyTimeout) as error:
@@ -354,18 +377,22 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     async def passthrough(request: HttpRequest) -> Response:
         scope = request.scope
         try:
-            path = scope[CONFINED]              # judged by GatewayApp before routing
+            path = scope[CONFINED]  # judged by GatewayApp before routing
             headers = {k.lower(): v for k, v in request.headers.items()}
             body = await body_of(request)
             if body is None:
-                return Response(status_code=499)    # the client left
-            upstream = await gateway.passthrough(request.method, path,
-                                                 scope.get("query_string", b""), headers, body)
+                return Response(status_code=499)  # the client left
+            upstream = await gateway.passthrough(
+                request.method, path, scope.get("query_string", b""), headers, body
+            )
         except CarpoolError as error:
             return _carpool_error(error)
         response = StreamingResponse(upstream.body, upstream.status)
-        response.raw_headers = [h for h in upstream.headers
-                                if h[0].lower() not in (b"content-length", b"transfer-encoding")]
+        response.raw_headers = [
+            h
+            for h in upstream.headers
+            if h[0].lower() not in (b"content-length", b"transfer-encoding")
+        ]
         return response
 
     @contextlib.asynccontextmanager
@@ -378,19 +405,29 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
         await gateway.aclose()
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-    return Starlette(routes=[
-        Route("/healthz", healthz), Route("/readyz", readyz), Route("/stats", stats),
-        Route("/metrics", metrics),
-        Route("/dashboard", dashboard), Route("/admin/invalidate", invalidate, methods=["POST"]),
-        Route("/openapi.json", openapi),
-        Route("/v1/{path:path}", passthrough, methods=methods),
-    ], lifespan=lifespan)
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/stats", stats),
+            Route("/metrics", metrics),
+            Route("/dashboard", dashboard),
+            Route("/admin/invalidate", invalidate, methods=["POST"]),
+            Route("/openapi.json", openapi),
+            Route("/v1/{path:path}", passthrough, methods=methods),
+        ],
+        lifespan=lifespan,
+    )
 
 
 def _error(status: int, message: str, code: str) -> Response:
-    return Response(orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                            "code": code}}), status,
-                    media_type="application/json")
+    return Response(
+        orjson.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+        ),
+        status,
+        media_type="application/json",
+    )
 
 
 def _carpool_error(error: CarpoolError) -> Response:
@@ -414,10 +451,12 @@ def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
             given = base64.b64decode(credentials, validate=True).partition(b":")[2]
     if given and hmac.compare_digest(given, expected):
         return None
-    refusal = _carpool_error(AdminRequired("this needs the admin token: Authorization: Bearer "
-                                           "<admin token>"))
-    refusal.raw_headers.append((b"www-authenticate", b'Basic realm="carpool admin", '
-                                                      b'charset="UTF-8"'))
+    refusal = _carpool_error(
+        AdminRequired("this needs the admin token: Authorization: Bearer <admin token>")
+    )
+    refusal.raw_headers.append(
+        (b"www-authenticate", b'Basic realm="carpool admin", charset="UTF-8"')
+    )
     return refusal
 
 

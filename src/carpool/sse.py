@@ -63,7 +63,7 @@ from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 
-SSEEvent = tuple[str | None, bytes]     # (event name, data payload)
+SSEEvent = tuple[str | None, bytes]  # (event name, data payload)
 
 _BOM = b"\xef\xbb\xbf"
 
@@ -84,12 +84,12 @@ class SSEDecoder:
     __slots__ = ("_tail", "_skip_lf", "_started", "_data", "_event", "truncated")
 
     def __init__(self) -> None:
-        self._tail: list[bytes] = []       # bytes of the current, unterminated line
-        self._skip_lf = False              # the last feed ended in "\r": a leading "\n" is its pair
-        self._started = False              # a first line was seen (a BOM may only precede it)
-        self._data: list[bytes] = []       # data lines of the current event
-        self._event: str | None = None     # event name of the current event
-        self.truncated = False             # set by close(): a partial event was discarded
+        self._tail: list[bytes] = []  # bytes of the current, unterminated line
+        self._skip_lf = False  # the last feed ended in "\r": a leading "\n" is its pair
+        self._started = False  # a first line was seen (a BOM may only precede it)
+        self._data: list[bytes] = []  # data lines of the current event
+        self._event: str | None = None  # event name of the current event
+        self.truncated = False  # set by close(): a partial event was discarded
 
     def feed(self, data: bytes) -> list[SSEEvent]:
         if self._skip_lf:
@@ -123,7 +123,7 @@ class SSEDecoder:
         return out
 
     def _line(self, line: bytes, out: list[SSEEvent]) -> None:
-        if line.startswith(b"data:"):       # the common case first
+        if line.startswith(b"data:"):  # the common case first
             value = line[5:]
             self._data.append(value[1:] if value[:1] == b" " else value)
         elif not line:
@@ -132,12 +132,12 @@ class SSEDecoder:
                 self._data = []
             self._event = None
         elif line[:1] == b":":
-            pass                            # a comment (keep-alive)
+            pass  # a comment (keep-alive)
         else:
             name, colon, value = line.partition(b":")
             if value[:1] == b" ":
                 value = value[1:]
-            if name == b"data":             # "data" without a colon: an empty data line
+            if name == b"data":  # "data" without a colon: an empty data line
                 self._data.append(value)
             elif name == b"event":
                 self._event = value.decode("utf-8", "replace") or None
@@ -236,8 +236,11 @@ class _ToolCall:
             self.arguments.append(function["arguments"])
 
     def body(self) -> dict:
-        return {"id": self.id, "type": self.type or "function",
-                "function": {"name": self.name, "arguments": "".join(self.arguments)}}
+        return {
+            "id": self.id,
+            "type": self.type or "function",
+            "function": {"name": self.name, "arguments": "".join(self.arguments)},
+        }
 
 
 class _Choice:
@@ -251,11 +254,11 @@ class _Choice:
         self.index = index
         self.finish_reason: Any = None
         self.logprobs: list[dict] = []
-        self.extra: dict[str, Any] = {}          # other choice fields (vLLM's stop_reason, ...)
+        self.extra: dict[str, Any] = {}  # other choice fields (vLLM's stop_reason, ...)
         # chat
         self.role: str | None = None
-        self.content: list[str] | None = None    # None: no content string ever came
-        self.fields: dict[str, _Merged] = {}     # other message fields (refusal, ...)
+        self.content: list[str] | None = None  # None: no content string ever came
+        self.fields: dict[str, _Merged] = {}  # other message fields (refusal, ...)
         self.tool_calls: dict[Any, _ToolCall] | None = None
         self.function_call: _ToolCall | None = None
         # completion
@@ -292,7 +295,7 @@ class _Choice:
             self.function_call.add({"function": delta["function_call"]})
         for key in ("tool_calls", "function_call"):
             if key in delta and delta[key] is None:
-                self.fields.setdefault(key, _Merged())   # "tool_calls": null is kept as null
+                self.fields.setdefault(key, _Merged())  # "tool_calls": null is kept as null
         _merge_into(self.fields, delta, self._DELTA_SKIP)
 
     def _add_tool_calls(self, deltas: Any) -> None:
@@ -332,8 +335,11 @@ class _Choice:
         fields = {key: merged.value() for key, merged in self.fields.items()}
         if self.content is not None:
             message["content"] = "".join(self.content)
-        elif self.tool_calls or self.function_call or any(
-                fields.get(key) for key in ("refusal", "reasoning_content", "reasoning")):
+        elif (
+            self.tool_calls
+            or self.function_call
+            or any(fields.get(key) for key in ("refusal", "reasoning_content", "reasoning"))
+        ):
             # What a non-streaming answer says when something else is the answer (calls, a
             # refusal, a reasoning model cut off before its answer): no text at all.
             message["content"] = None
@@ -341,8 +347,9 @@ class _Choice:
             message["content"] = ""
         message.update(fields)
         if self.tool_calls is not None:
-            message["tool_calls"] = [self.tool_calls[i].body()
-                                     for i in sorted(self.tool_calls, key=_sort_key)]
+            message["tool_calls"] = [
+                self.tool_calls[i].body() for i in sorted(self.tool_calls, key=_sort_key)
+            ]
         if self.function_call is not None:
             call = self.function_call.body()["function"]
             message["function_call"] = call
@@ -360,10 +367,10 @@ def assemble(kind: str, chunks: list[dict]) -> dict:
         for key, value in chunk.items():
             if key in ("object", "choices", "usage"):
                 continue
-            if top.get(key) is None:         # the first non-null value; the key kept if ever seen
+            if top.get(key) is None:  # the first non-null value; the key kept if ever seen
                 top[key] = value
         if chunk.get("usage") is not None:
-            usage = chunk["usage"]           # the last one: vLLM's continuous usage is cumulative
+            usage = chunk["usage"]  # the last one: vLLM's continuous usage is cumulative
         choices_in = chunk.get("choices")
         for choice in choices_in if isinstance(choices_in, list) else ():
             if not isinstance(choice, dict):
@@ -374,7 +381,9 @@ def assemble(kind: str, chunks: list[dict]) -> dict:
                 state = choices[index] = _Choice(index)
             state.add(kind, choice)
     body: dict[str, Any] = {
-        "id": top.pop("id", None), "object": _OBJECT[kind], "created": top.pop("created", None),
+        "id": top.pop("id", None),
+        "object": _OBJECT[kind],
+        "created": top.pop("created", None),
         "model": top.pop("model", None),
         "choices": [choices[i].body(kind) for i in sorted(choices, key=_sort_key)],
     }
@@ -398,11 +407,14 @@ def synthesize(kind: str, body: dict, *, include_usage: bool) -> list[dict]:
     choice a finish chunk, then (``include_usage`` and the body has usage) a usage chunk."""
     identity = {key: body[key] for key in _IDENTITY if key in body}
     # Other top-level fields (vLLM's prompt_logprobs, ...) go once, in the first chunk.
-    extra = {key: value for key, value in body.items()
-             if key not in _IDENTITY and key not in ("object", "choices", "usage")}
+    extra = {
+        key: value
+        for key, value in body.items()
+        if key not in _IDENTITY and key not in ("object", "choices", "usage")
+    }
     head = {**identity, "object": _CHUNK_OBJECT[kind]}
     if include_usage:
-        head["usage"] = None                 # as OpenAI does: null on all but the last chunk
+        head["usage"] = None  # as OpenAI does: null on all but the last chunk
     choices = body.get("choices") or []
     content = [_content_choice(kind, choice) for choice in choices]
     finish = [_finish_choice(kind, choice) for choice in choices]
@@ -418,8 +430,12 @@ def _content_choice(kind: str, choice: dict) -> dict:
     index = choice.get("index", 0)
     logprobs = choice.get("logprobs")
     if kind != "chat":
-        return {"index": index, "text": choice.get("text") or "", "logprobs": logprobs,
-                "finish_reason": None}
+        return {
+            "index": index,
+            "text": choice.get("text") or "",
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
     message = choice.get("message") or {}
     delta = {key: value for key, value in message.items() if key != "tool_calls"}
     if message.get("tool_calls") is not None:
@@ -456,19 +472,32 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
     try:
         if kind in ("chat", "completion"):
             found = body["choices"]
-            if not isinstance(found, list) or not found or not all(
-                    isinstance(c, dict) and c.get("finish_reason") is not None
-                    and c["finish_reason"] not in _FAILED for c in found):
+            if (
+                not isinstance(found, list)
+                or not found
+                or not all(
+                    isinstance(c, dict)
+                    and c.get("finish_reason") is not None
+                    and c["finish_reason"] not in _FAILED
+                    for c in found
+                )
+            ):
                 return False
             # A choice that never came (or whose finish never came: a stream assembles only what
             # it saw) is missing here, though every choice present finished.
             return choices is None or set(range(choices)) <= {
-                c.get("index", position) for position, c in enumerate(found)}
+                c.get("index", position) for position, c in enumerate(found)
+            }
         if kind == "embedding":
             data = body["data"]
-            return (isinstance(data, list) and bool(data)
-                    and all(isinstance(d, dict) and isinstance(d.get("embedding"), (list, str))
-                            for d in data))
+            return (
+                isinstance(data, list)
+                and bool(data)
+                and all(
+                    isinstance(d, dict) and isinstance(d.get("embedding"), (list, str))
+                    for d in data
+                )
+            )
     except Exception:
         return False
     return False

@@ -43,7 +43,7 @@ NO_SPAN = _NoSpan()
 class Tracer:
     def __init__(self, mode: Mode = "auto", provider: Any = None) -> None:
         self.mode = mode
-        self.provider = provider                 # None: OpenTelemetry's global provider
+        self.provider = provider  # None: OpenTelemetry's global provider
         self._tracer: Any = None
         self.refresh()
 
@@ -61,9 +61,11 @@ class Tracer:
         except ImportError:
             return
         provider = self.provider or trace.get_tracer_provider()
-        if self.mode == "auto" and type(provider).__name__ in ("ProxyTracerProvider",
-                                                              "NoOpTracerProvider"):
-            return                                  # nobody collects: stay free
+        if self.mode == "auto" and type(provider).__name__ in (
+            "ProxyTracerProvider",
+            "NoOpTracerProvider",
+        ):
+            return  # nobody collects: stay free
         self._tracer = provider.get_tracer("carpool")
 
     def span(self, name: str, **attributes: Any) -> Any:

@@ -60,8 +60,9 @@ class FixedWindow:
 
 
 class AdaptiveWindow:
-    def __init__(self, base: float, low: float, high: float, tradeoff: float,
-                 capacity: int = 100_000) -> None:
+    def __init__(
+        self, base: float, low: float, high: float, tradeoff: float, capacity: int = 100_000
+    ) -> None:
         self.base, self.low, self.high, self.tradeoff = base, low, max(low, high), tradeoff
         self.capacity = capacity
         # key -> [last arrival, mean gap, gaps seen]

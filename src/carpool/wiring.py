@@ -36,9 +36,13 @@ if TYPE_CHECKING:
 
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
     if coalesce.adaptive:
-        return AdaptiveWindow(coalesce.window_ms / 1000, coalesce.min_window_ms / 1000,
-                              coalesce.max_window_ms / 1000, coalesce.adaptive_tradeoff,
-                              coalesce.adaptive_keys)
+        return AdaptiveWindow(
+            coalesce.window_ms / 1000,
+            coalesce.min_window_ms / 1000,
+            coalesce.max_window_ms / 1000,
+            coalesce.adaptive_tradeoff,
+            coalesce.adaptive_keys,
+        )
     return FixedWindow(coalesce.window_ms / 1000)
 
 
@@ -50,8 +54,9 @@ def build_store(config: Config) -> Store:
     from .store.shared import SharedStore
 
     d = config.distributed
-    return SharedStore(_redis_store(config), local, retry_interval=d.retry_interval,
-                       log_interval=d.log_interval)
+    return SharedStore(
+        _redis_store(config), local, retry_interval=d.retry_interval, log_interval=d.log_interval
+    )
 
 
 def _redis_store(config: Config) -> RedisStore:
@@ -59,13 +64,20 @@ def _redis_store(config: Config) -> RedisStore:
 
     assert config.redis is not None
     d = config.distributed
-    return RedisStore(config.redis, prefix=d.key_prefix, socket_timeout=d.timeout,
-                      connect_timeout=d.connect_timeout, max_connections=d.max_connections,
-                      pool_timeout=d.pool_timeout, cluster=d.cluster)
+    return RedisStore(
+        config.redis,
+        prefix=d.key_prefix,
+        socket_timeout=d.timeout,
+        connect_timeout=d.connect_timeout,
+        max_connections=d.max_connections,
+        pool_timeout=d.pool_timeout,
+        cluster=d.cluster,
+    )
 
 
-def _shared_redis(config: Config, store: Store | None) -> tuple[RedisStore, SharedStore | None,
-                                                                 bool]:
+def _shared_redis(
+    config: Config, store: Store | None
+) -> tuple[RedisStore, SharedStore | None, bool]:
     """The Redis connection a layer should use: the shared store's, with its health (so every
     layer sees one degraded mode), or, without a shared store, a new one the layer owns."""
     from .store.shared import SharedStore
@@ -83,15 +95,22 @@ def build_shared_flights(config: Config, store: Store) -> SharedFlights | None:
     from .redis.flights import SharedFlights
 
     redis, health, owned = _shared_redis(config, store)
-    return SharedFlights(redis.client, prefix=d.key_prefix, lease_ms=d.lease_ms,
-                         stream_maxlen=d.stream_maxlen,
-                         join_timeout=config.coalesce.join_timeout_ms / 1000,
-                         linger_ms=config.coalesce.window_ms, socket_timeout=d.timeout,
-                         health=health, owns_client=owned)
+    return SharedFlights(
+        redis.client,
+        prefix=d.key_prefix,
+        lease_ms=d.lease_ms,
+        stream_maxlen=d.stream_maxlen,
+        join_timeout=config.coalesce.join_timeout_ms / 1000,
+        linger_ms=config.coalesce.window_ms,
+        socket_timeout=d.timeout,
+        health=health,
+        owns_client=owned,
+    )
 
 
-def build_invalidations(config: Config, store: Store,
-                        forget: Callable[[], int]) -> InvalidationChannel | None:
+def build_invalidations(
+    config: Config, store: Store, forget: Callable[[], int]
+) -> InvalidationChannel | None:
     """With ``redis``: the channel that makes an invalidation on any instance ``forget`` (the
     finished flights lingering in the coalescing window) on every other one."""
     if not config.redis:
@@ -100,8 +119,15 @@ def build_invalidations(config: Config, store: Store,
 
     d = config.distributed
     redis, health, owned = _shared_redis(config, store)
-    return InvalidationChannel(redis.client, forget, prefix=d.key_prefix, socket_timeout=d.timeout,
-                               retry_interval=d.retry_interval, health=health, owns_client=owned)
+    return InvalidationChannel(
+        redis.client,
+        forget,
+        prefix=d.key_prefix,
+        socket_timeout=d.timeout,
+        retry_interval=d.retry_interval,
+        health=health,
+        owns_client=owned,
+    )
 
 
 def build_idempotency(config: Config, store: Store | None = None) -> IdempotencyRecords:
@@ -116,13 +142,21 @@ def build_idempotency(config: Config, store: Store | None = None) -> Idempotency
     # for seconds and renewed while the request runs, so a dead instance's key is free again
     # soon; the in-process ones die with their process.
     redis, _, owned = _shared_redis(config, store)
-    return FallbackRecords(RedisIdempotencyRecords(
-        redis.client, retention=config.idempotency.retention, lease=config.idempotency.lease,
-        prefix=config.distributed.key_prefix, owns_client=owned), local)
+    return FallbackRecords(
+        RedisIdempotencyRecords(
+            redis.client,
+            retention=config.idempotency.retention,
+            lease=config.idempotency.lease,
+            prefix=config.distributed.key_prefix,
+            owns_client=owned,
+        ),
+        local,
+    )
 
 
-def build_semantic(config: Config, upstreams: Sequence[Upstream],
-                   store: Store | None = None) -> SemanticCache | None:
+def build_semantic(
+    config: Config, upstreams: Sequence[Upstream], store: Store | None = None
+) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
     shared with every instance (``redis/semantic.py``)."""
@@ -132,10 +166,13 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
     from .semantic.verifier import shared_cross_encoder
 
     embedder = _embedder(config, upstreams)
-    guard = RulesThenVerifier(shared_cross_encoder(config.semantic.verifier_dir),
-                              threshold=config.semantic.verifier_threshold)
+    guard = RulesThenVerifier(
+        shared_cross_encoder(config.semantic.verifier_dir),
+        threshold=config.semantic.verifier_threshold,
+    )
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
+
         return SemanticCache(config.semantic, embedder, guard)
     from .redis.semantic import SharedSemanticCache
 
@@ -147,13 +184,23 @@ def build_semantic(config: Config, upstreams: Sequence[Upstream],
         entry = await shared_store.get(key)
         if entry is None and health is not None and not health.usable():
             from .store.base import StoreUnavailable
+
             raise StoreUnavailable("redis degraded: another instance's answer is unknown")
         return entry.answer if entry is not None else None
 
-    return SharedSemanticCache(config.semantic, embedder, guard, resolve, redis.client,
-                               prefix=d.key_prefix, maxlen=d.stream_maxlen,
-                               socket_timeout=d.timeout, retry_interval=d.retry_interval,
-                               health=health, owns_client=owned)
+    return SharedSemanticCache(
+        config.semantic,
+        embedder,
+        guard,
+        resolve,
+        redis.client,
+        prefix=d.key_prefix,
+        maxlen=d.stream_maxlen,
+        socket_timeout=d.timeout,
+        retry_interval=d.retry_interval,
+        health=health,
+        owns_client=owned,
+    )
 
 
 def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
@@ -161,21 +208,30 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
 
     s = config.semantic
     if s.embedder == "local":
-        return LocalEmbedder(s.model_dir, max_batch=s.batch_size,
-                             max_delay_s=s.batch_delay_ms / 1000,
-                             precision=s.embedder_precision)
+        return LocalEmbedder(
+            s.model_dir,
+            max_batch=s.batch_size,
+            max_delay_s=s.batch_delay_ms / 1000,
+            precision=s.embedder_precision,
+        )
     replicas = itertools.cycle(upstreams).__next__
 
     async def embeddings(texts: list[str]) -> list[list[float]]:
-        response = await replicas().send(UpstreamRequest(
-            "/embeddings", {"model": s.embedding_model, "input": texts}, {}, False))
+        response = await replicas().send(
+            UpstreamRequest("/embeddings", {"model": s.embedding_model, "input": texts}, {}, False)
+        )
         if response.status != 200:
             raise UpstreamStatusError(response.status, response.body)
         data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
         return [item["embedding"] for item in data]
 
-    return UpstreamEmbedder(embeddings, s.embedding_dim, name=f"upstream:{s.embedding_model}",
-                            max_batch=s.batch_size, max_delay_s=s.batch_delay_ms / 1000)
+    return UpstreamEmbedder(
+        embeddings,
+        s.embedding_dim,
+        name=f"upstream:{s.embedding_model}",
+        max_batch=s.batch_size,
+        max_delay_s=s.batch_delay_ms / 1000,
+    )
 
 
 def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) -> ReplicaSet:
@@ -184,8 +240,14 @@ def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) 
     from .routing.replicas import ReplicaSet
 
     routing = config.routing
-    policy = build_policy(routing.policy if len(upstreams) > 1 else "round-robin",
-                          **routing.model_dump())
-    return ReplicaSet(upstreams, policy, backoff_s=routing.backoff_s,
-                      backoff_max_s=routing.backoff_max_s, observe=observe,
-                      log_interval=routing.log_interval)
+    policy = build_policy(
+        routing.policy if len(upstreams) > 1 else "round-robin", **routing.model_dump()
+    )
+    return ReplicaSet(
+        upstreams,
+        policy,
+        backoff_s=routing.backoff_s,
+        backoff_max_s=routing.backoff_max_s,
+        observe=observe,
+        log_interval=routing.log_interval,
+    )

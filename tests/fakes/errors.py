@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def assert_openai_error(response: Any, status: int, code: str | None = None,
-                        type_: str | None = None) -> dict[str, Any]:
+def assert_openai_error(
+    response: Any, status: int, code: str | None = None, type_: str | None = None
+) -> dict[str, Any]:
     """``response`` is ``status`` with ``{"error": {"message", "type", "code"}}`` as JSON (and
     the given ``code`` and ``type_``, when given); returns the error object."""
     assert response.status_code == status, response.text

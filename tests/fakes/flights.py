@@ -23,16 +23,16 @@ async def stream(served: Any, path: str, body: dict[str, Any]) -> tuple[httpx.Re
         return response, (await response.aread()).decode()
 
 
-async def leader_and_joiners(served: Any, fake: Any, path: str, body: dict[str, Any], *,
-                             leader_streams: bool = True
-                             ) -> tuple[tuple[httpx.Response, str] | httpx.Response,
-                                        tuple[httpx.Response, str], httpx.Response]:
+async def leader_and_joiners(
+    served: Any, fake: Any, path: str, body: dict[str, Any], *, leader_streams: bool = True
+) -> tuple[tuple[httpx.Response, str] | httpx.Response, tuple[httpx.Response, str], httpx.Response]:
     """A leader (streaming or not), then a streaming and a non-streaming joiner of its flight,
     all read to the end. The fake upstream holds its stream after ``chunk_gate_after`` chunks
     until the three clients are in the flight."""
     fake.chunk_gate = asyncio.Event()
-    leader = asyncio.create_task(stream(served, path, body) if leader_streams
-                                 else served.client.post(path, json=body))
+    leader = asyncio.create_task(
+        stream(served, path, body) if leader_streams else served.client.post(path, json=body)
+    )
     await fake.chunk_gate_reached.wait()
     streaming = asyncio.create_task(stream(served, path, body))
     plain = asyncio.create_task(served.client.post(path, json=body))

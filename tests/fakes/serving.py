@@ -85,7 +85,7 @@ class _InLoopServer(uvicorn.Server):
 
 @dataclass(frozen=True)
 class ServedApp:
-    url: str                 # "http://127.0.0.1:PORT", no trailing slash
+    url: str  # "http://127.0.0.1:PORT", no trailing slash
     server: uvicorn.Server
     port: int
 

@@ -25,18 +25,22 @@ async def test_n_choices_per_prompt_indexed_prompt_major(served) -> None:
     _, client = served
     chat = (await client.post(CHAT, json=chat_body("x", n=3))).json()
     assert [c["index"] for c in chat["choices"]] == [0, 1, 2]
-    completion = (await client.post("/v1/completions", json={
-        "model": "m", "prompt": ["a", "b"], "n": 2})).json()
+    completion = (
+        await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 2})
+    ).json()
     assert [(c["index"], c["text"]) for c in completion["choices"]] == [
-        (0, "answer 2 to a"), (1, "answer 2 to a"), (2, "answer 2 to b"), (3, "answer 2 to b")]
+        (0, "answer 2 to a"),
+        (1, "answer 2 to a"),
+        (2, "answer 2 to b"),
+        (3, "answer 2 to b"),
+    ]
 
 
 async def test_dropped_and_unfinished_choices(served) -> None:
     upstream, client = served
     upstream.drop_choices, upstream.unfinished_choices = {1}, {2}
     body = (await client.post(CHAT, json=chat_body("x", n=3))).json()
-    assert [(c["index"], c["finish_reason"]) for c in body["choices"]] == [(0, "stop"),
-                                                                          (2, None)]
+    assert [(c["index"], c["finish_reason"]) for c in body["choices"]] == [(0, "stop"), (2, None)]
     async with client.stream("POST", CHAT, json=chat_body("x", n=3, stream=True)) as r:
         events = await read_sse(r)
     assert events[-1] == "[DONE]"

@@ -36,7 +36,7 @@ async def read_sse(response: httpx.Response) -> list[Any]:
     events: list[Any] = []
     async for line in response.aiter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
         else:
             assert line == "", f"unexpected SSE line {line!r}"
@@ -88,8 +88,7 @@ async def test_serve_app_runs_a_starlette_app_with_its_lifespan() -> None:
         yield
         events.append("shutdown")
 
-    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))],
-                    lifespan=lifespan)
+    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))], lifespan=lifespan)
     async with serve_app(app) as url:
         assert events == ["startup"]
         async with httpx.AsyncClient() as client:
@@ -113,18 +112,26 @@ async def test_serve_app_raises_when_startup_fails() -> None:
 
 async def test_chat_answers_reveal_the_call_and_are_counted(fake) -> None:
     upstream, client = fake
-    r1 = await client.post(CHAT, json=chat_body("hello world"),
-                           headers={"Authorization": "Bearer sk-test"})
+    r1 = await client.post(
+        CHAT, json=chat_body("hello world"), headers={"Authorization": "Bearer sk-test"}
+    )
     r2 = await client.post(CHAT, json=chat_body("again"))
     assert r1.status_code == 200 and r1.headers["content-type"] == "application/json"
     assert r1.headers["x-fake-call"] == "1"
     b1, b2 = r1.json(), r2.json()
     assert b1 == {
-        "id": "chatcmpl-fake-1", "object": "chat.completion", "created": b1["created"],
+        "id": "chatcmpl-fake-1",
+        "object": "chat.completion",
+        "created": b1["created"],
         "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant",
-                                             "content": "answer 1 to hello world"},
-                     "logprobs": None, "finish_reason": "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "answer 1 to hello world"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7},
         "system_fingerprint": "fp_fake",
     }
@@ -142,8 +149,13 @@ async def test_chat_answers_reveal_the_call_and_are_counted(fake) -> None:
 async def test_chat_content_parts_and_answer_override(fake) -> None:
     upstream, client = fake
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    r = await client.post(CHAT, json={"model": "m", "messages": [
-        {"role": "system", "content": "sys"}, {"role": "user", "content": parts}]})
+    r = await client.post(
+        CHAT,
+        json={
+            "model": "m",
+            "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": parts}],
+        },
+    )
     assert r.json()["choices"][0]["message"]["content"] == "answer 1 to a b"
     upstream.answer_text = lambda n, body: f"custom {n} {body['model']}"
     r = await client.post(CHAT, json=chat_body())
@@ -154,8 +166,9 @@ async def test_completions(fake) -> None:
     upstream, client = fake
     body = (await client.post("/v1/completions", json={"model": "m", "prompt": "say hi"})).json()
     assert body["id"] == "cmpl-fake-1" and body["object"] == "text_completion"
-    assert body["choices"] == [{"text": "answer 1 to say hi", "index": 0, "logprobs": None,
-                                "finish_reason": "stop"}]
+    assert body["choices"] == [
+        {"text": "answer 1 to say hi", "index": 0, "logprobs": None, "finish_reason": "stop"}
+    ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
     batch = (await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})).json()
     assert [c["text"] for c in batch["choices"]] == ["answer 2 to a", "answer 2 to b"]
@@ -171,12 +184,16 @@ async def test_embeddings_are_deterministic_and_carry_the_call_in_model(fake) ->
     vx, vy = r1["data"][0]["embedding"], r1["data"][1]["embedding"]
     assert len(vx) == 8 and vx == r2["data"][0]["embedding"] and vx != vy
     assert abs(sum(v * v for v in vx) - 1.0) < 1e-9
-    r3 = (await client.post("/v1/embeddings", json={
-        "model": "e", "input": "x", "encoding_format": "base64"})).json()
+    r3 = (
+        await client.post(
+            "/v1/embeddings", json={"model": "e", "input": "x", "encoding_format": "base64"}
+        )
+    ).json()
     decoded = struct.unpack("<8f", base64.b64decode(r3["data"][0]["embedding"]))
     assert decoded == pytest.approx(vx, abs=1e-6)
-    r4 = (await client.post("/v1/embeddings", json={"model": "e", "input": "x",
-                                                    "dimensions": 3})).json()
+    r4 = (
+        await client.post("/v1/embeddings", json={"model": "e", "input": "x", "dimensions": 3})
+    ).json()
     assert len(r4["data"][0]["embedding"]) == 3
     upstream.embedding_fn = lambda item: [1.0, 0.0]
     r5 = (await client.post("/v1/embeddings", json={"model": "e", "input": "x"})).json()
@@ -186,15 +203,33 @@ async def test_embeddings_are_deterministic_and_carry_the_call_in_model(fake) ->
 async def test_models_passthrough_echo_and_404(fake) -> None:
     upstream, client = fake
     models = (await client.get("/v1/models")).json()
-    assert models == {"object": "list", "data": [
-        {"id": "fake-model", "object": "model", "created": models["data"][0]["created"],
-         "owned_by": "fake-upstream"}]}
+    assert models == {
+        "object": "list",
+        "data": [
+            {
+                "id": "fake-model",
+                "object": "model",
+                "created": models["data"][0]["created"],
+                "owned_by": "fake-upstream",
+            }
+        ],
+    }
     echo = (await client.post("/v1/moderations", json={"input": "hi"})).json()
-    assert echo == {"path": "/v1/moderations", "method": "POST", "query": "",
-                    "body": {"input": "hi"}, "echo": True}
+    assert echo == {
+        "path": "/v1/moderations",
+        "method": "POST",
+        "query": "",
+        "body": {"input": "hi"},
+        "echo": True,
+    }
     echo = (await client.get("/v1/files", params={"purpose": "batch"})).json()
-    assert echo == {"path": "/v1/files", "method": "GET", "query": "purpose=batch", "body": None,
-                    "echo": True}
+    assert echo == {
+        "path": "/v1/files",
+        "method": "GET",
+        "query": "purpose=batch",
+        "body": None,
+        "echo": True,
+    }
     r = await client.get("/health")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     r = await client.post(CHAT, content=b"not json")
@@ -246,8 +281,10 @@ async def test_fail_status(fake) -> None:
     upstream.fail_status = 503
     r = await client.post(CHAT, json=chat_body())
     assert r.status_code == 503 and r.json() == DEFAULT_FAIL_BODY
-    upstream.fail_status, upstream.fail_body = 429, {"error": {"message": "slow down",
-                                                                "type": "rate_limit", "code": 42}}
+    upstream.fail_status, upstream.fail_body = (
+        429,
+        {"error": {"message": "slow down", "type": "rate_limit", "code": 42}},
+    )
     r = await client.post(CHAT, json=chat_body(stream=True))
     assert r.status_code == 429 and r.json()["error"]["code"] == 42
     upstream.fail_status, upstream.fail_body, upstream.fail_times = 500, None, 1
@@ -267,15 +304,24 @@ async def test_stream_format(fake) -> None:
         events = await read_sse(r)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert all(c["id"] == "chatcmpl-fake-1" and c["object"] == "chat.completion.chunk"
-               and "usage" not in c for c in chunks)
-    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]
+    assert all(
+        c["id"] == "chatcmpl-fake-1" and c["object"] == "chat.completion.chunk" and "usage" not in c
+        for c in chunks
+    )
+    assert chunks[0]["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
     words = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
     assert words == ["answer", " 1", " to", " hi", " there"]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-    assert chunks[-1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
-                                      "finish_reason": "stop"}]
+    assert chunks[-1]["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    ]
     assert upstream.calls[0].stream and upstream.completed == 1
 
 
@@ -325,13 +371,13 @@ async def test_chunk_gate_pauses_mid_stream(fake) -> None:
         while len(received) < 3:  # role chunk + 2 content chunks
             line = await anext(lines)
             if line:
-                received.append(json.loads(line[len("data: "):]))
+                received.append(json.loads(line[len("data: ") :]))
         await asyncio.wait_for(upstream.chunk_gate_reached.wait(), 5)
         assert [c["choices"][0]["delta"]["content"] for c in received[1:]] == ["answer", " 1"]
         upstream.chunk_gate.set()
         async for line in lines:
             if line:
-                received.append(line[len("data: "):])
+                received.append(line[len("data: ") :])
     assert received[-1] == "[DONE]"
     rest = [json.loads(x)["choices"][0]["delta"].get("content") for x in received[3:-1]]
     assert rest == [" to", " a", " b", " c", None]
@@ -423,14 +469,18 @@ async def test_openai_sdk_against_the_fake() -> None:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-x", max_retries=0)
         try:
             done = await sdk.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hello"}])
+                model="m", messages=[{"role": "user", "content": "hello"}]
+            )
             assert done.id == "chatcmpl-fake-1"
             assert done.choices[0].message.content == "answer 1 to hello"
             assert done.choices[0].finish_reason == "stop" and done.usage.total_tokens == 5
 
             stream = await sdk.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hello"}], stream=True,
-                stream_options={"include_usage": True})
+                model="m",
+                messages=[{"role": "user", "content": "hello"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             pieces, usage, finish = [], None, None
             async for chunk in stream:
                 if chunk.choices:
@@ -447,7 +497,8 @@ async def test_openai_sdk_against_the_fake() -> None:
             with pytest.raises(openai.InternalServerError):
                 upstream.fail_status = 500
                 await sdk.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "x"}])
+                    model="m", messages=[{"role": "user", "content": "x"}]
+                )
             assert upstream.calls[0].headers["authorization"] == "Bearer sk-x"
         finally:
             await sdk.close()
@@ -467,25 +518,41 @@ async def test_tool_call_answers_and_their_two_stream_styles(fake) -> None:
     upstream.tool_call = ("get_weather", '{"city": "Paris"}')
     whole = (await client.post(CHAT, json=chat_body())).json()["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
-    assert whole["message"] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_fake_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert whole["message"] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_fake_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
     openai_style = await stream_events(client, chat_body())
-    calls = [e["choices"][0]["delta"]["tool_calls"][0] for e in openai_style[:-1]
-             if e["choices"][0]["delta"].get("tool_calls")]
+    calls = [
+        e["choices"][0]["delta"]["tool_calls"][0]
+        for e in openai_style[:-1]
+        if e["choices"][0]["delta"].get("tool_calls")
+    ]
     assert [c["function"].get("name") for c in calls] == ["get_weather", None, None]
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
     upstream.tool_call_style = "llama.cpp"
     llama = await stream_events(client, chat_body())
     deltas = [e["choices"][0]["delta"] for e in llama[:-1]]
-    assert deltas[0] == {"role": "assistant", "content": None, "function_call": None,
-                         "tool_calls": None}
+    assert deltas[0] == {
+        "role": "assistant",
+        "content": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
     repeated = [d for d in deltas[1:] if d.get("tool_calls")]
     assert len(repeated) == 2 and all(
         d["tool_calls"][0]["function"]["name"] == d["function_call"]["name"] == "get_weather"
-        and d["tool_calls"][0]["id"] == "call_fake_3" for d in repeated)
-    assert deltas[-1] == {"role": None, "content": None, "function_call": None,
-                          "tool_calls": None}
+        and d["tool_calls"][0]["id"] == "call_fake_3"
+        for d in repeated
+    )
+    assert deltas[-1] == {"role": None, "content": None, "function_call": None, "tool_calls": None}
     assert llama[-2]["choices"][0]["finish_reason"] == "tool_calls" and llama[-1] == "[DONE]"
     whole = (await client.post(CHAT, json=chat_body())).json()["choices"][0]["message"]
     assert whole["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
@@ -523,22 +590,26 @@ async def test_broken_list_embeddings_answer_only_a_lists_first_item_right(fake)
     assert await vectors("b") == [right[1]] and await vectors(["b"]) == [right[1]]
 
 
-async def typed_events(client: httpx.AsyncClient, path: str,
-                       body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+async def typed_events(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> list[tuple[str, dict[str, Any]]]:
     """The (event name, data) pairs of a typed stream (Responses, Messages)."""
     pairs, name = [], None
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
         async for line in response.aiter_lines():
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                pairs.append((name, json.loads(line[len("data: "):])))
+                pairs.append((name, json.loads(line[len("data: ") :])))
     return pairs
 
 
 RESPONSES_BODY = {"model": "m", "input": "hello world"}
-MESSAGES_BODY = {"model": "m", "max_tokens": 8,
-                 "messages": [{"role": "user", "content": "hello world"}]}
+MESSAGES_BODY = {
+    "model": "m",
+    "max_tokens": 8,
+    "messages": [{"role": "user", "content": "hello world"}],
+}
 
 
 async def test_responses_and_messages_answers_and_their_typed_streams(fake) -> None:
@@ -551,8 +622,10 @@ async def test_responses_and_messages_answers_and_their_typed_streams(fake) -> N
     assert all(name == data["type"] for name, data in pairs)
     assert [data["sequence_number"] for _, data in pairs] == list(range(len(pairs)))
     assert pairs[0][0] == "response.created" and pairs[-1][0] == "response.completed"
-    assert "".join(d["delta"] for n, d in pairs if n == "response.output_text.delta") \
+    assert (
+        "".join(d["delta"] for n, d in pairs if n == "response.output_text.delta")
         == "answer 2 to hello world"
+    )
     assert pairs[-1][1]["response"]["id"] == "resp_fake_2"
 
     message = (await client.post("/v1/messages", json=MESSAGES_BODY)).json()
@@ -561,8 +634,10 @@ async def test_responses_and_messages_answers_and_their_typed_streams(fake) -> N
     pairs = await typed_events(client, "/v1/messages", MESSAGES_BODY)
     assert [n for n, _ in pairs][:3] == ["message_start", "content_block_start", "ping"]
     assert [n for n, _ in pairs][-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert "".join(d["delta"]["text"] for n, d in pairs if n == "content_block_delta") \
+    assert (
+        "".join(d["delta"]["text"] for n, d in pairs if n == "content_block_delta")
         == "answer 4 to hello world"
+    )
     assert upstream.count("/v1/messages") == 2
 
 
@@ -577,8 +652,13 @@ async def test_typed_stream_controls(fake) -> None:
     upstream.omit_finish_reason, upstream.error_after = False, 2
     pairs = await typed_events(client, "/v1/messages", MESSAGES_BODY)
     assert [n for n, _ in pairs].count("content_block_delta") == 2
-    assert pairs[-1] == ("error", {"type": "error", "error": {
-        "type": "overloaded_error", "message": "fake upstream stream failure"}})
+    assert pairs[-1] == (
+        "error",
+        {
+            "type": "error",
+            "error": {"type": "overloaded_error", "message": "fake upstream stream failure"},
+        },
+    )
     upstream.error_after, upstream.fail_status = None, 500
     failed = await client.post("/v1/messages", json=MESSAGES_BODY)
     assert failed.json()["type"] == "error" and failed.json()["error"]["type"] == "api_error"

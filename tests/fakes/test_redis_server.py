@@ -28,8 +28,11 @@ from .redis_server import (
 
 def client_for(server: RedisServer, **kwargs: object) -> aredis.Redis:
     """A client that fails at once when the server is down (no retries, short timeouts)."""
-    options: dict[str, object] = {"retry": Retry(NoBackoff(), 0), "socket_timeout": 5,
-                                  "socket_connect_timeout": 2}
+    options: dict[str, object] = {
+        "retry": Retry(NoBackoff(), 0),
+        "socket_timeout": 5,
+        "socket_connect_timeout": 2,
+    }
     options.update(kwargs)
     return aredis.Redis.from_url(server.url, **options)
 
@@ -42,6 +45,7 @@ async def client(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:  # n
 
 
 # --------------------------------------------------------------------------- finding the binary
+
 
 def test_find_server_binary_finds_an_executable() -> None:
     binary = find_server_binary()
@@ -60,6 +64,7 @@ def test_env_var_wins_and_a_wrong_one_is_an_error(monkeypatch: pytest.MonkeyPatc
 
 
 # --------------------------------------------------------------------------- the server itself
+
 
 def test_url_version_and_settings(redis_server: RedisServer) -> None:  # noqa: F811
     assert redis_server.running
@@ -98,8 +103,10 @@ async def test_set_nx_px(client: aredis.Redis) -> None:
 
 async def test_eval_and_evalsha(client: aredis.Redis) -> None:
     # Compare-and-delete: the usual "release the lock only if it is still mine".
-    release = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
-               "return redis.call('DEL', KEYS[1]) else return 0 end")
+    release = (
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+        "return redis.call('DEL', KEYS[1]) else return 0 end"
+    )
     await client.set("lock", "me")
     assert await client.eval(release, 1, "lock", "not-me") == 0
     assert await client.get("lock") == b"me"
@@ -109,8 +116,10 @@ async def test_eval_and_evalsha(client: aredis.Redis) -> None:
     assert await client.evalsha(sha, 1, "k", "v") == [b"k", b"v"]
 
 
-async def test_streams_xadd_and_blocking_xread(client: aredis.Redis,
-                                               redis_server: RedisServer) -> None:  # noqa: F811
+async def test_streams_xadd_and_blocking_xread(
+    client: aredis.Redis,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
     reader = client_for(redis_server)
     try:
         # A reader blocks on new entries ("$"); the entry added afterwards wakes it up.
@@ -145,6 +154,7 @@ async def test_publish_subscribe(client: aredis.Redis) -> None:
 
 
 # --------------------------------------------------------------------------- failure and recovery
+
 
 async def test_kill_then_restart_on_the_same_port(redis_server: RedisServer) -> None:  # noqa: F811
     r = client_for(redis_server)
@@ -224,8 +234,11 @@ def test_a_port_taken_before_the_server_binds_is_retried(monkeypatch: pytest.Mon
         taken = squatter.getsockname()[1]
         real_free_port = redis_server_module._free_port
         ports = iter([taken])
-        monkeypatch.setattr(redis_server_module, "_free_port",
-                            lambda host: next(ports, None) or real_free_port(host))
+        monkeypatch.setattr(
+            redis_server_module,
+            "_free_port",
+            lambda host: next(ports, None) or real_free_port(host),
+        )
         with RedisServer() as server:
             assert server.port != taken
             assert server.running

@@ -171,7 +171,8 @@ DEFAULT_FAIL_BODY: dict[str, Any] = {
     "error": {"message": "fake upstream failure", "type": "server_error", "code": None}
 }
 ANTHROPIC_FAIL_BODY: dict[str, Any] = {
-    "type": "error", "error": {"type": "api_error", "message": "fake upstream failure"}
+    "type": "error",
+    "error": {"type": "api_error", "message": "fake upstream failure"},
 }
 _WORD = re.compile(r"\s*\S+")
 
@@ -182,12 +183,12 @@ class Call:
 
     path: str
     body: dict[str, Any] | None
-    headers: dict[str, str]                # lower-case names
+    headers: dict[str, str]  # lower-case names
     method: str = "POST"
     query: str = ""
-    number: int = 0                        # 1-based index among all calls
+    number: int = 0  # 1-based index among all calls
     raw_body: bytes = field(default=b"", repr=False)
-    peer: tuple[str, int] | None = None    # the client's (host, port): which connection it came on
+    peer: tuple[str, int] | None = None  # the client's (host, port): which connection it came on
 
     @property
     def stream(self) -> bool:
@@ -294,14 +295,16 @@ class FakeUpstream:
     def _authorized(self, headers: dict[str, str], body: Any) -> bool:
         """Like OpenAI and Azure: one presented key, and every key presented, must be valid (for
         the body's model, when ``valid_keys`` maps keys to models)."""
-        keys = [headers["authorization"].removeprefix("Bearer ")] \
-            if "authorization" in headers else []
+        keys = (
+            [headers["authorization"].removeprefix("Bearer ")] if "authorization" in headers else []
+        )
         keys += [headers[name] for name in ("api-key", "x-api-key") if name in headers]
         valid = self.valid_keys
         assert valid is not None
         model = body.get("model") if isinstance(body, dict) else None
-        return bool(keys) and all(key in valid and (isinstance(valid, set) or model in valid[key])
-                                  for key in keys)
+        return bool(keys) and all(
+            key in valid and (isinstance(valid, set) or model in valid[key]) for key in keys
+        )
 
     def count(self, path: str | None = None) -> int:
         """Number of calls received (to ``path`` only, e.g. ``"/v1/chat/completions"``)."""
@@ -320,12 +323,14 @@ class FakeUpstream:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0,
-                         what: str = "condition") -> None:
+    async def wait_until(
+        self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+    ) -> None:
         """Return once ``predicate()`` is true (re-checked at each state change of the fake).
 
         Raises ``TimeoutError`` after ``timeout`` seconds.
         """
+
         async def _wait() -> None:
             while not predicate():
                 await self._changed.wait()
@@ -354,8 +359,12 @@ class FakeUpstream:
 
     # ---------------------------------------------------------------- ASGI entry point
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict]],
+        send: Callable[[dict], Awaitable[None]],
+    ) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -368,8 +377,12 @@ class FakeUpstream:
             return  # websockets are not part of the OpenAI API
         await self._handle_http(scope, receive, send)
 
-    async def _handle_http(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
-                           send: Callable[[dict], Awaitable[None]]) -> None:
+    async def _handle_http(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict]],
+        send: Callable[[dict], Awaitable[None]],
+    ) -> None:
         chunks: list[bytes] = []
         while True:
             message = await receive()
@@ -391,9 +404,13 @@ class FakeUpstream:
             except ValueError:
                 body = None
         call = Call(
-            path=scope["path"], body=body if isinstance(body, dict) else None, headers=headers,
-            method=scope["method"], query=scope.get("query_string", b"").decode("latin-1"),
-            number=len(self.calls) + 1, raw_body=raw,
+            path=scope["path"],
+            body=body if isinstance(body, dict) else None,
+            headers=headers,
+            method=scope["method"],
+            query=scope.get("query_string", b"").decode("latin-1"),
+            number=len(self.calls) + 1,
+            raw_body=raw,
             peer=tuple(scope["client"]) if scope.get("client") else None,
         )
         self.calls.append(call)
@@ -418,8 +435,9 @@ class FakeUpstream:
             self._notify()
 
     @staticmethod
-    async def _watch_disconnect(receive: Callable[[], Awaitable[dict]],
-                                gone: asyncio.Event) -> None:
+    async def _watch_disconnect(
+        receive: Callable[[], Awaitable[dict]], gone: asyncio.Event
+    ) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         gone.set()
@@ -448,8 +466,9 @@ class FakeUpstream:
 
     # ---------------------------------------------------------------- answering
 
-    async def _respond(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                       gone: asyncio.Event) -> None:
+    async def _respond(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event
+    ) -> None:
         gate = self.gate
         if gate is not None and not gate.is_set():
             await self._until(gate.wait(), gone)
@@ -461,29 +480,44 @@ class FakeUpstream:
             raise _ClientGone
 
         if self.valid_keys is not None and not self._authorized(call.headers, call.body):
-            await self._send_json(send, call, 401, {"error": {
-                "message": "Incorrect API key provided", "type": "invalid_request_error",
-                "code": "invalid_api_key"}})
+            await self._send_json(
+                send,
+                call,
+                401,
+                {
+                    "error": {
+                        "message": "Incorrect API key provided",
+                        "type": "invalid_request_error",
+                        "code": "invalid_api_key",
+                    }
+                },
+            )
             return
         if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
             if self.fail_times is not None:
                 self.fail_times -= 1
-            default = ANTHROPIC_FAIL_BODY if call.path.startswith("/v1/messages") \
-                else DEFAULT_FAIL_BODY
+            default = (
+                ANTHROPIC_FAIL_BODY if call.path.startswith("/v1/messages") else DEFAULT_FAIL_BODY
+            )
             await self._send_json(send, call, self.fail_status, self.fail_body or default)
             return
 
         path = call.path.rstrip("/") or "/"
         method = call.method
         if not (path == "/v1" or path.startswith("/v1/")):
-            await self._send_error(send, call, 404, f"no route for {method} {call.path}",
-                                   "invalid_request_error")
+            await self._send_error(
+                send, call, 404, f"no route for {method} {call.path}", "invalid_request_error"
+            )
             return
-        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions",
-                                         "/v1/embeddings"):
+        if method == "POST" and path in (
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+        ):
             if call.body is None:
-                await self._send_error(send, call, 400, "the body must be a JSON object",
-                                       "invalid_request_error")
+                await self._send_error(
+                    send, call, 400, "the body must be a JSON object", "invalid_request_error"
+                )
                 return
             if path == "/v1/chat/completions":
                 await self._chat(call, send, gone)
@@ -494,22 +528,33 @@ class FakeUpstream:
             return
         if method == "POST" and path in ("/v1/responses", "/v1/messages"):
             if call.body is None:
-                await self._send_error(send, call, 400, "the body must be a JSON object",
-                                       "invalid_request_error")
+                await self._send_error(
+                    send, call, 400, "the body must be a JSON object", "invalid_request_error"
+                )
             elif path == "/v1/responses":
                 await self._responses(call, send, gone)
             else:
                 await self._messages(call, send, gone)
             return
         if method == "GET" and path == "/v1/models":
-            data = [{"id": m, "object": "model", "created": CREATED, "owned_by": "fake-upstream"}
-                    for m in self.models]
+            data = [
+                {"id": m, "object": "model", "created": CREATED, "owned_by": "fake-upstream"}
+                for m in self.models
+            ]
             await self._send_json(send, call, 200, {"object": "list", "data": data})
             return
-        await self._send_json(send, call, 200, {
-            "path": call.path, "method": method, "query": call.query, "body": call.body,
-            "echo": True,
-        })
+        await self._send_json(
+            send,
+            call,
+            200,
+            {
+                "path": call.path,
+                "method": method,
+                "query": call.query,
+                "body": call.body,
+                "echo": True,
+            },
+        )
 
     def _answer(self, call: Call, prompt: str) -> str:
         if self.answer_text is not None:
@@ -524,9 +569,17 @@ class FakeUpstream:
     def _tool_call_message(self, call: Call) -> dict[str, Any]:
         assert self.tool_call is not None
         name, arguments = self.tool_call
-        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": f"call_fake_{call.number}", "type": "function",
-             "function": {"name": name, "arguments": arguments}}]}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_fake_{call.number}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            ],
+        }
         if self.tool_call_style == "llama.cpp":
             message["function_call"] = {"name": name, "arguments": arguments}
         return message
@@ -538,41 +591,69 @@ class FakeUpstream:
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
-    async def _chat(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                    gone: asyncio.Event) -> None:
+    async def _chat(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event
+    ) -> None:
         body = call.body or {}
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            await self._send_error(send, call, 400, "'messages' must be a non-empty list",
-                                   "invalid_request_error")
+            await self._send_error(
+                send, call, 400, "'messages' must be a non-empty list", "invalid_request_error"
+            )
             return
         last = messages[-1] if isinstance(messages[-1], dict) else {}
-        text = self._answer(call, _text_of(last.get("content"))) if self.tool_call is None \
+        text = (
+            self._answer(call, _text_of(last.get("content")))
+            if self.tool_call is None
             else self.tool_call[1]
+        )
         model = body.get("model", "fake-model")
-        prompt_tokens = sum(_count_words(_text_of(m.get("content")))
-                            for m in messages if isinstance(m, dict))
+        prompt_tokens = sum(
+            _count_words(_text_of(m.get("content"))) for m in messages if isinstance(m, dict)
+        )
         texts = [text] * self._n(body)
         usage = self._usage(prompt_tokens, sum(_count_words(t) for t in texts))
         cid = f"chatcmpl-fake-{call.number}"
         if body.get("stream"):
-            await self._stream(call, send, gone, chat=True, cid=cid, model=model, texts=texts,
-                               usage=usage)
+            await self._stream(
+                call, send, gone, chat=True, cid=cid, model=model, texts=texts, usage=usage
+            )
             return
-        await self._send_json(send, call, 200, {
-            "id": cid, "object": "chat.completion", "created": CREATED, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t}
-                         if self.tool_call is None else self._tool_call_message(call),
-                         "logprobs": None, "finish_reason": self._finish(i)}
-                        for i, t in enumerate(texts) if i not in self.drop_choices],
-            "usage": usage, "system_fingerprint": "fp_fake",
-        })
+        await self._send_json(
+            send,
+            call,
+            200,
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": t}
+                        if self.tool_call is None
+                        else self._tool_call_message(call),
+                        "logprobs": None,
+                        "finish_reason": self._finish(i),
+                    }
+                    for i, t in enumerate(texts)
+                    if i not in self.drop_choices
+                ],
+                "usage": usage,
+                "system_fingerprint": "fp_fake",
+            },
+        )
 
-    async def _completions(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                           gone: asyncio.Event) -> None:
+    async def _completions(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event
+    ) -> None:
         body = call.body or {}
         prompt = body.get("prompt", "")
         if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
@@ -581,20 +662,33 @@ class FakeUpstream:
             prompts = [prompt if isinstance(prompt, str) else json.dumps(prompt)]
         texts = [self._answer(call, p) for p in prompts for _ in range(self._n(body))]
         model = body.get("model", "fake-model")
-        usage = self._usage(sum(_count_words(p) for p in prompts),
-                            sum(_count_words(t) for t in texts))
+        usage = self._usage(
+            sum(_count_words(p) for p in prompts), sum(_count_words(t) for t in texts)
+        )
         cid = f"cmpl-fake-{call.number}"
         if body.get("stream"):
-            await self._stream(call, send, gone, chat=False, cid=cid, model=model, texts=texts,
-                               usage=usage)
+            await self._stream(
+                call, send, gone, chat=False, cid=cid, model=model, texts=texts, usage=usage
+            )
             return
-        await self._send_json(send, call, 200, {
-            "id": cid, "object": "text_completion", "created": CREATED, "model": model,
-            "choices": [{"text": t, "index": i, "logprobs": None,
-                         "finish_reason": self._finish(i)}
-                        for i, t in enumerate(texts) if i not in self.drop_choices],
-            "usage": usage, "system_fingerprint": "fp_fake",
-        })
+        await self._send_json(
+            send,
+            call,
+            200,
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [
+                    {"text": t, "index": i, "logprobs": None, "finish_reason": self._finish(i)}
+                    for i, t in enumerate(texts)
+                    if i not in self.drop_choices
+                ],
+                "usage": usage,
+                "system_fingerprint": "fp_fake",
+            },
+        )
 
     async def _embeddings(self, call: Call, send: Callable[[dict], Awaitable[None]]) -> None:
         body = call.body or {}
@@ -606,15 +700,23 @@ class FakeUpstream:
         elif isinstance(raw_input, list) and raw_input:
             items = raw_input
         else:
-            await self._send_error(send, call, 400, "'input' must be a string or a non-empty list",
-                                   "invalid_request_error")
+            await self._send_error(
+                send,
+                call,
+                400,
+                "'input' must be a string or a non-empty list",
+                "invalid_request_error",
+            )
             return
         dims = body.get("dimensions") or 8
         model = body.get("model", "fake-embedding")
         data = []
         for i, item in enumerate(items):
-            vector = (self.embedding_fn(item) if self.embedding_fn is not None
-                      else _hash_vector(item, int(dims)))
+            vector = (
+                self.embedding_fn(item)
+                if self.embedding_fn is not None
+                else _hash_vector(item, int(dims))
+            )
             if self.broken_list_embeddings and i > 0:
                 vector = _hash_vector(["wrong", i, items], len(vector))
             encoded: Any = vector
@@ -622,19 +724,36 @@ class FakeUpstream:
                 encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
             data.append({"object": "embedding", "index": i, "embedding": encoded})
         tokens = sum(_count_words(x) if isinstance(x, str) else len(x) for x in items)
-        await self._send_json(send, call, 200, {
-            "object": "list", "data": data, "model": f"{model}#call{call.number}",
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        })
+        await self._send_json(
+            send,
+            call,
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": f"{model}#call{call.number}",
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
 
-    async def _stream(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                      gone: asyncio.Event, *, chat: bool, cid: str, model: str,
-                      texts: list[str], usage: dict[str, int]) -> None:
+    async def _stream(
+        self,
+        call: Call,
+        send: Callable[[dict], Awaitable[None]],
+        gone: asyncio.Event,
+        *,
+        chat: bool,
+        cid: str,
+        model: str,
+        texts: list[str],
+        usage: dict[str, int],
+    ) -> None:
         body = call.body or {}
         stream_options = body.get("stream_options")
-        include_usage = bool(isinstance(stream_options, dict)
-                             and stream_options.get("include_usage")) \
+        include_usage = (
+            bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
             and not self.ignore_include_usage
+        )
         tool_call = self.tool_call if chat else None
         llama = self.tool_call_style == "llama.cpp"
         nulls = {"role": None, "content": None, "function_call": None, "tool_calls": None}
@@ -648,8 +767,11 @@ class FakeUpstream:
 
         def frame(choices: list[dict[str, Any]], with_usage: dict[str, int] | None = None) -> bytes:
             chunk: dict[str, Any] = {
-                "id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": CREATED, "model": model, "system_fingerprint": "fp_fake",
+                "id": cid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": CREATED,
+                "model": model,
+                "system_fingerprint": "fp_fake",
                 "choices": choices,
             }
             if include_usage:
@@ -659,16 +781,31 @@ class FakeUpstream:
         def tool_delta(piece: str, first: bool) -> dict[str, Any]:
             assert tool_call is not None
             name, _ = tool_call
-            if llama:                                # id, type and name in every chunk
-                return {"role": None, "content": None,
-                        "function_call": {"name": name, "arguments": piece},
-                        "tool_calls": [{"index": 0, "id": f"call_fake_{call.number}",
-                                        "type": "function",
-                                        "function": {"name": name, "arguments": piece}}]}
+            if llama:  # id, type and name in every chunk
+                return {
+                    "role": None,
+                    "content": None,
+                    "function_call": {"name": name, "arguments": piece},
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": f"call_fake_{call.number}",
+                            "type": "function",
+                            "function": {"name": name, "arguments": piece},
+                        }
+                    ],
+                }
             if first:
-                return {"tool_calls": [{"index": 0, "id": f"call_fake_{call.number}",
-                                        "type": "function",
-                                        "function": {"name": name, "arguments": ""}}]}
+                return {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": f"call_fake_{call.number}",
+                            "type": "function",
+                            "function": {"name": name, "arguments": ""},
+                        }
+                    ]
+                }
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
 
         def choice(index: int, piece: str | None, finish_reason: str | None) -> dict[str, Any]:
@@ -679,10 +816,18 @@ class FakeUpstream:
                     delta = tool_delta(piece, False)
                 else:
                     delta = {"content": piece}
-                return {"index": index, "delta": delta, "logprobs": None,
-                        "finish_reason": finish_reason}
-            return {"text": piece or "", "index": index, "logprobs": None,
-                    "finish_reason": finish_reason}
+                return {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            return {
+                "text": piece or "",
+                "index": index,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
 
         async def emit(data: bytes) -> None:
             if gone.is_set():
@@ -705,25 +850,50 @@ class FakeUpstream:
             if chunk_delay > 0:
                 await self._until(asyncio.sleep(chunk_delay), gone)
 
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"),
-            (b"cache-control", b"no-cache"),
-            (b"x-fake-call", str(call.number).encode()),
-        ]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-fake-call", str(call.number).encode()),
+                ],
+            }
+        )
         if self.empty_stream:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if chat and shown:
             first: dict[str, Any] = {"role": "assistant", "content": ""}
             if tool_call is not None:
-                first = {**nulls, "role": "assistant"} if llama \
+                first = (
+                    {**nulls, "role": "assistant"}
+                    if llama
                     else {"role": "assistant", "content": None}
-            await emit(frame([{"index": i, "delta": first, "logprobs": None,
-                               "finish_reason": None} for i in shown]))
+                )
+            await emit(
+                frame(
+                    [
+                        {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
+                        for i in shown
+                    ]
+                )
+            )
         for index in shown:
             if tool_call is not None and not llama:
-                await emit(frame([{"index": index, "delta": tool_delta("", True),
-                                   "logprobs": None, "finish_reason": None}]))
+                await emit(
+                    frame(
+                        [
+                            {
+                                "index": index,
+                                "delta": tool_delta("", True),
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
             for word in _WORD.findall(texts[index]):
                 await checkpoint()
                 await emit(frame([choice(index, word, None)]))
@@ -739,8 +909,9 @@ class FakeUpstream:
 
     # ---------------------------------------------------------------- Responses and Messages
 
-    async def _responses(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                         gone: asyncio.Event) -> None:
+    async def _responses(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event
+    ) -> None:
         body = call.body or {}
         value = body.get("input")
         items = value if isinstance(value, list) else [{"role": "user", "content": value or ""}]
@@ -750,102 +921,204 @@ class FakeUpstream:
         input_tokens = sum(map(_count_words, texts)) + _count_words(instructions or "")
         item_id = f"msg_fake_{call.number}"
         part = {"type": "output_text", "text": text, "annotations": []}
-        item = {"id": item_id, "type": "message", "status": "completed", "role": "assistant",
-                "content": [part]}
+        item = {
+            "id": item_id,
+            "type": "message",
+            "status": "completed",
+            "role": "assistant",
+            "content": [part],
+        }
         complete = not self.omit_finish_reason
         response = {
-            "id": f"resp_fake_{call.number}", "object": "response", "created_at": CREATED,
-            "status": "completed" if complete else "incomplete", "error": None,
+            "id": f"resp_fake_{call.number}",
+            "object": "response",
+            "created_at": CREATED,
+            "status": "completed" if complete else "incomplete",
+            "error": None,
             "incomplete_details": None if complete else {"reason": "max_output_tokens"},
-            "instructions": instructions, "model": body.get("model", "fake-model"),
-            "output": [item], "parallel_tool_calls": True,
+            "instructions": instructions,
+            "model": body.get("model", "fake-model"),
+            "output": [item],
+            "parallel_tool_calls": True,
             "previous_response_id": body.get("previous_response_id"),
-            "store": body.get("store", True), "temperature": body.get("temperature"),
-            "tool_choice": "auto", "tools": [], "top_p": body.get("top_p"),
-            "usage": {"input_tokens": input_tokens,
-                      "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": _count_words(text),
-                      "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": input_tokens + _count_words(text)},
+            "store": body.get("store", True),
+            "temperature": body.get("temperature"),
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": body.get("top_p"),
+            "usage": {
+                "input_tokens": input_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": _count_words(text),
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": input_tokens + _count_words(text),
+            },
         }
         if not body.get("stream"):
             await self._send_json(send, call, 200, response)
             return
         at = {"item_id": item_id, "output_index": 0, "content_index": 0}
-        head = {**response, "status": "in_progress", "output": [], "usage": None,
-                "incomplete_details": None}
+        head = {
+            **response,
+            "status": "in_progress",
+            "output": [],
+            "usage": None,
+            "incomplete_details": None,
+        }
         events: list[tuple[str, dict[str, Any], bool]] = [
             ("response.created", {"response": head}, False),
             ("response.in_progress", {"response": head}, False),
-            ("response.output_item.added", {"output_index": 0, "item": {
-                **item, "status": "in_progress", "content": []}}, False),
+            (
+                "response.output_item.added",
+                {"output_index": 0, "item": {**item, "status": "in_progress", "content": []}},
+                False,
+            ),
             ("response.content_part.added", {**at, "part": {**part, "text": ""}}, False),
-            *[("response.output_text.delta", {**at, "delta": word, "logprobs": []}, True)
-              for word in _WORD.findall(text)],
+            *[
+                ("response.output_text.delta", {**at, "delta": word, "logprobs": []}, True)
+                for word in _WORD.findall(text)
+            ],
             ("response.output_text.done", {**at, "text": text, "logprobs": []}, False),
             ("response.content_part.done", {**at, "part": part}, False),
             ("response.output_item.done", {"output_index": 0, "item": item}, False),
-            ("response.completed" if complete else "response.incomplete",
-             {"response": response}, False),
+            (
+                "response.completed" if complete else "response.incomplete",
+                {"response": response},
+                False,
+            ),
         ]
-        events = [(name, {"type": name, "sequence_number": number, **event}, content)
-                  for number, (name, event, content) in enumerate(events)]
-        await self._typed_stream(call, send, gone, events, {
-            "type": "error", "code": "server_error", "message": "fake upstream stream failure",
-            "param": None, "sequence_number": len(events)})
+        events = [
+            (name, {"type": name, "sequence_number": number, **event}, content)
+            for number, (name, event, content) in enumerate(events)
+        ]
+        await self._typed_stream(
+            call,
+            send,
+            gone,
+            events,
+            {
+                "type": "error",
+                "code": "server_error",
+                "message": "fake upstream stream failure",
+                "param": None,
+                "sequence_number": len(events),
+            },
+        )
 
-    async def _messages(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                        gone: asyncio.Event) -> None:
+    async def _messages(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event
+    ) -> None:
         body = call.body or {}
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            await self._send_json(send, call, 400, {"type": "error", "error": {
-                "type": "invalid_request_error", "message": "messages: field required"}})
+            await self._send_json(
+                send,
+                call,
+                400,
+                {
+                    "type": "error",
+                    "error": {
+                        "type": "invalid_request_error",
+                        "message": "messages: field required",
+                    },
+                },
+            )
             return
         last = messages[-1] if isinstance(messages[-1], dict) else {}
         text = self._answer(call, _text_of(last.get("content")))
         input_tokens = _count_words(_text_of(body.get("system"))) + sum(
-            _count_words(_text_of(m.get("content"))) for m in messages if isinstance(m, dict))
+            _count_words(_text_of(m.get("content"))) for m in messages if isinstance(m, dict)
+        )
         stop_reason = None if self.omit_finish_reason else "end_turn"
         usage = {"input_tokens": input_tokens, "output_tokens": _count_words(text)}
-        message = {"id": f"msg_fake_{call.number}", "type": "message", "role": "assistant",
-                   "model": body.get("model", "fake-model"),
-                   "content": [{"type": "text", "text": text}], "stop_reason": stop_reason,
-                   "stop_sequence": None, "usage": usage}
+        message = {
+            "id": f"msg_fake_{call.number}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model", "fake-model"),
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": usage,
+        }
         if not body.get("stream"):
             await self._send_json(send, call, 200, message)
             return
         events: list[tuple[str, dict[str, Any], bool]] = [
-            ("message_start", {"message": {**message, "content": [], "stop_reason": None,
-                                           "usage": {**usage, "output_tokens": 1}}}, False),
-            ("content_block_start", {"index": 0, "content_block": {"type": "text",
-                                                                  "text": ""}}, False),
+            (
+                "message_start",
+                {
+                    "message": {
+                        **message,
+                        "content": [],
+                        "stop_reason": None,
+                        "usage": {**usage, "output_tokens": 1},
+                    }
+                },
+                False,
+            ),
+            (
+                "content_block_start",
+                {"index": 0, "content_block": {"type": "text", "text": ""}},
+                False,
+            ),
             ("ping", {}, False),
-            *[("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                              "text": word}}, True)
-              for word in _WORD.findall(text)],
+            *[
+                (
+                    "content_block_delta",
+                    {"index": 0, "delta": {"type": "text_delta", "text": word}},
+                    True,
+                )
+                for word in _WORD.findall(text)
+            ],
             ("content_block_stop", {"index": 0}, False),
-            ("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": None},
-                               "usage": {"output_tokens": usage["output_tokens"]}}, False),
+            (
+                "message_delta",
+                {
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                    "usage": {"output_tokens": usage["output_tokens"]},
+                },
+                False,
+            ),
             ("message_stop", {}, False),
         ]
         events = [(name, {"type": name, **event}, content) for name, event, content in events]
-        await self._typed_stream(call, send, gone, events, {
-            "type": "error", "error": {"type": "overloaded_error",
-                                       "message": "fake upstream stream failure"}})
+        await self._typed_stream(
+            call,
+            send,
+            gone,
+            events,
+            {
+                "type": "error",
+                "error": {"type": "overloaded_error", "message": "fake upstream stream failure"},
+            },
+        )
 
-    async def _typed_stream(self, call: Call, send: Callable[[dict], Awaitable[None]],
-                            gone: asyncio.Event, events: list[tuple[str, dict[str, Any], bool]],
-                            error: dict[str, Any]) -> None:
+    async def _typed_stream(
+        self,
+        call: Call,
+        send: Callable[[dict], Awaitable[None]],
+        gone: asyncio.Event,
+        events: list[tuple[str, dict[str, Any], bool]],
+        error: dict[str, Any],
+    ) -> None:
         """A typed event stream (``event: NAME`` + ``data: {...}``), no ``[DONE]``. The third
         item of each event says whether it carries content (the gate, cut and error counts)."""
         chunk_gate, gate_after = self.chunk_gate, self.chunk_gate_after
         cut_after, error_after = self.cut_after, self.error_after
         if self.omit_done:
-            events = events[:-1]                 # ends cleanly, without its last event
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-            (b"x-fake-call", str(call.number).encode())]})
+            events = events[:-1]  # ends cleanly, without its last event
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-fake-call", str(call.number).encode()),
+                ],
+            }
+        )
         if self.empty_stream:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
@@ -882,17 +1155,31 @@ class FakeUpstream:
 
     # ---------------------------------------------------------------- plain responses
 
-    async def _send_json(self, send: Callable[[dict], Awaitable[None]], call: Call, status: int,
-                         payload: Any) -> None:
+    async def _send_json(
+        self, send: Callable[[dict], Awaitable[None]], call: Call, status: int, payload: Any
+    ) -> None:
         data = _json(payload)
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(data)).encode()),
-            (b"x-fake-call", str(call.number).encode()),
-        ]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()),
+                    (b"x-fake-call", str(call.number).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": data, "more_body": False})
 
-    async def _send_error(self, send: Callable[[dict], Awaitable[None]], call: Call, status: int,
-                          message: str, kind: str) -> None:
-        await self._send_json(send, call, status,
-                              {"error": {"message": message, "type": kind, "code": None}})
+    async def _send_error(
+        self,
+        send: Callable[[dict], Awaitable[None]],
+        call: Call,
+        status: int,
+        message: str,
+        kind: str,
+    ) -> None:
+        await self._send_json(
+            send, call, status, {"error": {"message": message, "type": kind, "code": None}}
+        )

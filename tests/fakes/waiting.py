@@ -6,8 +6,9 @@ import asyncio
 from collections.abc import Callable
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0,
-                     what: str = "condition") -> None:
+async def eventually(
+    condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+) -> None:
     """Return as soon as ``condition()`` holds; fail after ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

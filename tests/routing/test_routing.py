@@ -26,7 +26,7 @@ class Fake:
 
     def __init__(self, name: str, mode: str = "ok") -> None:
         self.name = name
-        self.mode = mode          # ok | unreachable | timeout | 5xx | hang
+        self.mode = mode  # ok | unreachable | timeout | 5xx | hang
         self.sent = 0
         self.closed_streams = 0
         self.started = asyncio.Event()
@@ -43,6 +43,7 @@ class Fake:
         if self.mode == "hang":
             await asyncio.Event().wait()
         if request.stream:
+
             async def events() -> AsyncIterator[bytes]:
                 yield b'{"from": "%s"}' % self.name.encode()
 
@@ -50,11 +51,13 @@ class Fake:
                 self.closed_streams += 1
 
             return UpstreamResponse(200, {}, events=events(), close=close)
-        return UpstreamResponse(200, {"content-type": "application/json"},
-                                b'{"from": "%s"}' % self.name.encode())
+        return UpstreamResponse(
+            200, {"content-type": "application/json"}, b'{"from": "%s"}' % self.name.encode()
+        )
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -73,8 +76,9 @@ def states(*names: str) -> list[ReplicaState]:
     return [ReplicaState(Fake(n)) for n in names]
 
 
-def replica_set(*modes: str, policy: str = "round-robin", **kw) -> tuple[ReplicaSet, list[Fake],
-                                                                          Clock]:
+def replica_set(
+    *modes: str, policy: str = "round-robin", **kw
+) -> tuple[ReplicaSet, list[Fake], Clock]:
     fakes = [Fake(f"r{i}", mode) for i, mode in enumerate(modes)]
     clock = Clock()
     return ReplicaSet(fakes, build_policy(policy), clock=clock, **kw), fakes, clock
@@ -97,25 +101,37 @@ def test_least_loaded_picks_fewest_in_flight():
     assert policy.select("x", [a, b, c]) == (b, Decision.LEAST_LOADED)
     b.in_flight = 9
     assert policy.select("x", [a, b, c]) == (c, Decision.LEAST_LOADED)
-    c.in_flight, c.calls, a.calls = 5, 2, 7      # a tie on load: fewer calls wins
+    c.in_flight, c.calls, a.calls = 5, 2, 7  # a tie on load: fewer calls wins
     assert policy.select("x", [a, b, c]) == (c, Decision.LEAST_LOADED)
 
 
 def test_build_policy_and_settings():
     assert isinstance(build_policy("round-robin"), RoundRobin)
     assert isinstance(build_policy("least_loaded"), LeastLoaded)
-    policy = build_policy("cache-aware", policy="cache-aware", cache_threshold=0.7,
-                          tree_budget_chars=1000, block_chars=10, backoff_s=1)
+    policy = build_policy(
+        "cache-aware",
+        policy="cache-aware",
+        cache_threshold=0.7,
+        tree_budget_chars=1000,
+        block_chars=10,
+        backoff_s=1,
+    )
     assert isinstance(policy, CacheAware)
     assert policy.cache_threshold == 0.7 and policy.record.budget_blocks == 100
     with pytest.raises(ValueError):
         build_policy("random")
     with pytest.raises(ValueError):
-        build_policy("cache-aware", cache_treshold=0.7)    # a typo is an error
+        build_policy("cache-aware", cache_treshold=0.7)  # a typo is an error
     fields = RoutingSettings.model_fields
     assert all(f.description for f in fields.values())
-    assert {"cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
-            "tree_budget_chars", "backoff_s", "backoff_max_s"} <= set(fields)
+    assert {
+        "cache_threshold",
+        "balance_abs_threshold",
+        "balance_rel_threshold",
+        "tree_budget_chars",
+        "backoff_s",
+        "backoff_max_s",
+    } <= set(fields)
 
 
 def _system_prompts(rng: random.Random, count: int, chars: int = 2000) -> list[str]:
@@ -134,11 +150,14 @@ def test_cache_aware_affinity_with_balance(seed):
     """6 long system prompts x 100 distinct suffixes, shuffled, over 3 replicas under load."""
     rng = random.Random(seed)
     prompts = _system_prompts(rng, 6)
-    work = [(p, f"\nUser {u}: please answer question number {u * 7919 % 1000} for me.")
-            for p in range(6) for u in range(100)]
+    work = [
+        (p, f"\nUser {u}: please answer question number {u * 7919 % 1000} for me.")
+        for p in range(6)
+        for u in range(100)
+    ]
     rng.shuffle(work)
     policy, replicas = CacheAware(), states("a", "b", "c")
-    finishing: list[tuple[int, ReplicaState]] = []      # (step it finishes, replica)
+    finishing: list[tuple[int, ReplicaState]] = []  # (step it finishes, replica)
     placed: dict[int, Counter[str]] = defaultdict(Counter)
     decisions: Counter[Decision] = Counter()
     for step, (p, suffix) in enumerate(work):
@@ -150,7 +169,7 @@ def test_cache_aware_affinity_with_balance(seed):
         policy.on_sent(text, replica)
         replica.in_flight += 1
         replica.calls += 1
-        finishing.append((step + rng.randint(5, 60), replica))   # ~32 in flight on average
+        finishing.append((step + rng.randint(5, 60), replica))  # ~32 in flight on average
         placed[p][replica.name] += 1
         decisions[decision] += 1
     affinity = sum(max(c.values()) / sum(c.values()) for c in placed.values()) / len(placed)
@@ -158,7 +177,7 @@ def test_cache_aware_affinity_with_balance(seed):
     assert affinity >= 0.8, (affinity, placed)
     assert max(calls) / min(calls) <= 2.5, calls
     assert decisions[Decision.PREFIX_MATCH] >= 500, decisions
-    assert decisions[Decision.LEAST_LOADED] >= 6      # each prompt's first request had no match
+    assert decisions[Decision.LEAST_LOADED] >= 6  # each prompt's first request had no match
 
 
 def test_cache_aware_hot_prefix_is_spread_by_the_load_guard():
@@ -179,7 +198,7 @@ def test_cache_aware_hot_prefix_is_spread_by_the_load_guard():
         policy.on_sent(text, replica)
         replica.in_flight += 1
         replica.calls += 1
-        finishing.append((step + rng.randint(60, 180), replica))   # ~120 in flight
+        finishing.append((step + rng.randint(60, 180), replica))  # ~120 in flight
         decisions[decision] += 1
         loads = [r.in_flight for r in replicas]
         assert max(loads) - min(loads) <= 32 + 1 or max(loads) <= 1.5 * min(loads) + 1
@@ -224,10 +243,10 @@ def test_imbalance_overrules_affinity():
 
 
 def test_prefix_record_evicts_within_budget_leaves_first():
-    record = PrefixRecord(budget_chars=160, block_chars=16)   # 10 blocks per replica
-    shared = "S" * 64                                          # 4 blocks
+    record = PrefixRecord(budget_chars=160, block_chars=16)  # 10 blocks per replica
+    shared = "S" * 64  # 4 blocks
     for i in range(6):
-        record.insert(shared + f"{i:x}" * 64, "a")             # 4 + 4 blocks each
+        record.insert(shared + f"{i:x}" * 64, "a")  # 4 + 4 blocks each
         assert record.size_chars("a") <= 160
     # The shared prefix (touched last on every insert) survives; old tails are gone.
     assert record.holds(shared + "5" * 64, "a") == 128
@@ -257,8 +276,9 @@ def test_cache_aware_policy_respects_budget():
 
 
 async def test_unreachable_fails_over_then_backoff_then_probe():
-    replicas, (r0, r1, r2), clock = replica_set("unreachable", "ok", "ok", backoff_s=5,
-                                                backoff_max_s=12)
+    replicas, (r0, r1, r2), clock = replica_set(
+        "unreachable", "ok", "ok", backoff_s=5, backoff_max_s=12
+    )
     response, replica, decision = await replicas.send(REQUEST)
     assert response.status == 200 and replica.name != "r0" and decision is Decision.FAILOVER
     snap = replicas.snapshot()
@@ -278,7 +298,7 @@ async def test_unreachable_fails_over_then_backoff_then_probe():
     r0.mode = "5xx"
     while r0.sent < 3:
         await replicas.send(REQUEST)
-    assert replicas.snapshot()["r0"]["down_for_s"] == 12           # capped at backoff_max_s
+    assert replicas.snapshot()["r0"]["down_for_s"] == 12  # capped at backoff_max_s
     # Back-off over and alive again: the next request routed to it is the probe, then healthy.
     clock.now += 12
     r0.mode = "ok"
@@ -304,10 +324,10 @@ async def test_5xx_before_any_byte_fails_over():
     replicas["r0"].healthy = True
     response, replica, decision = await replicas.send(STREAM)
     assert (response.status, replica.name, decision) == (200, "r0", Decision.FAILOVER)
-    assert response.streaming and replicas["r0"].in_flight == 1      # a stream, open
+    assert response.streaming and replicas["r0"].in_flight == 1  # a stream, open
     assert [e async for e in response.events()] == [b'{"from": "r0"}']
     await response.aclose()
-    await response.aclose()                                           # safe twice
+    await response.aclose()  # safe twice
     assert r0.closed_streams == 1 and replicas.in_flight == 0
 
 
@@ -316,7 +336,7 @@ async def test_timeout_fails_over_and_every_replica_failing_raises():
     assert (await replicas.send(REQUEST))[2] is Decision.FAILOVER
     replicas2, _, _ = replica_set("unreachable", "timeout")
     with pytest.raises(UpstreamTimeout):
-        await replicas2.send(REQUEST)                   # tried once each, the last error raised
+        await replicas2.send(REQUEST)  # tried once each, the last error raised
     assert [r.calls for r in replicas2.replicas] == [1, 1] and replicas2.in_flight == 0
     # Both down: the one whose back-off ends first is still tried.
     replicas2.replicas[1].upstream.mode = "ok"
@@ -345,7 +365,7 @@ async def test_in_flight_counts_on_every_path():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert replicas.in_flight == 0 and replicas["r0"].healthy     # no verdict on a cancel
+    assert replicas.in_flight == 0 and replicas["r0"].healthy  # no verdict on a cancel
     # Streams stay in flight until closed; plain answers end with send.
     r0.mode = "ok"
     responses = [(await replicas.send(STREAM))[0] for _ in range(4)]
@@ -370,7 +390,7 @@ async def test_cache_aware_replica_set_end_to_end():
         _, replica, decision = await replicas.send(REQUEST, p + " first")
         assert decision is Decision.LEAST_LOADED
         homes[p] = replica.name
-    assert len(set(homes.values())) == 3                   # new prefixes spread over replicas
+    assert len(set(homes.values())) == 3  # new prefixes spread over replicas
     for p in prompts:
         _, replica, decision = await replicas.send(REQUEST, p + " again")
         assert (replica.name, decision) == (homes[p], Decision.PREFIX_MATCH)

@@ -17,44 +17,67 @@ def turns(*texts: str) -> list[dict[str, str]]:
     return [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]
 
 
-BILL = turns("I need help with my electricity bill.",
-             "Happy to help. What's the issue with your electricity bill?")
-BILL_REWORDED = turns("I need some help with my electricity bill.",
-                      "Happy to help. What's the issue with your electricity bill?")
+BILL = turns(
+    "I need help with my electricity bill.",
+    "Happy to help. What's the issue with your electricity bill?",
+)
+BILL_REWORDED = turns(
+    "I need some help with my electricity bill.",
+    "Happy to help. What's the issue with your electricity bill?",
+)
 HELLO = turns("hi there", "Hello! How can I help?")
-JACKET = turns("I want to return the blue jacket I bought.",
-               "Sure, the blue jacket can be returned within 30 days.")
-GRINDER = turns("I want to return the coffee grinder I bought.",
-                "Sure, the coffee grinder can be returned within 30 days.")
-TICKET = turns("Can you check the status of ticket 4410?",
-               "Ticket 4410 is waiting on the engineering team.")
-TICKET_OTHER = turns("Can you check the status of ticket 4401?",
-                     "Ticket 4401 is waiting on the engineering team.")
+JACKET = turns(
+    "I want to return the blue jacket I bought.",
+    "Sure, the blue jacket can be returned within 30 days.",
+)
+GRINDER = turns(
+    "I want to return the coffee grinder I bought.",
+    "Sure, the coffee grinder can be returned within 30 days.",
+)
+TICKET = turns(
+    "Can you check the status of ticket 4410?", "Ticket 4410 is waiting on the engineering team."
+)
+TICKET_OTHER = turns(
+    "Can you check the status of ticket 4401?", "Ticket 4401 is waiting on the engineering team."
+)
 PLAN = turns("My internet plan is the 100 Mbps one.", "Got it, you're on Fibre 100.")
 
 HITS = {
-    "reworded_context": (BILL + [{"role": "user", "content": "Why is it so high this month?"}],
-                         BILL_REWORDED + [{"role": "user", "content": "why is it so high this month"}]),
-    "irrelevant_history": (BILL + [{"role": "user", "content": "Why is it so high this month?"}],
-                           HELLO + BILL + [{"role": "user", "content": "Why is it so high this month?"}]),
-    "extra_chatter": (JACKET + [{"role": "user", "content": "How do I return it?"}],
-                      JACKET + [{"role": "user", "content": "ok thanks! how do I return it?"}]),
+    "reworded_context": (
+        BILL + [{"role": "user", "content": "Why is it so high this month?"}],
+        BILL_REWORDED + [{"role": "user", "content": "why is it so high this month"}],
+    ),
+    "irrelevant_history": (
+        BILL + [{"role": "user", "content": "Why is it so high this month?"}],
+        HELLO + BILL + [{"role": "user", "content": "Why is it so high this month?"}],
+    ),
+    "extra_chatter": (
+        JACKET + [{"role": "user", "content": "How do I return it?"}],
+        JACKET + [{"role": "user", "content": "ok thanks! how do I return it?"}],
+    ),
 }
 TRAPS = {
-    "context_swap": (JACKET + [{"role": "user", "content": "How do I return it?"}],
-                     GRINDER + [{"role": "user", "content": "How do I return it?"}]),
-    "detail_swap": (TICKET + [{"role": "user", "content": "escalate it"}],
-                    TICKET_OTHER + [{"role": "user", "content": "escalate it"}]),
-    "intent_flip": (PLAN + [{"role": "user", "content": "upgrade it please"}],
-                    PLAN + [{"role": "user", "content": "downgrade it please"}]),
+    "context_swap": (
+        JACKET + [{"role": "user", "content": "How do I return it?"}],
+        GRINDER + [{"role": "user", "content": "How do I return it?"}],
+    ),
+    "detail_swap": (
+        TICKET + [{"role": "user", "content": "escalate it"}],
+        TICKET_OTHER + [{"role": "user", "content": "escalate it"}],
+    ),
+    "intent_flip": (
+        PLAN + [{"role": "user", "content": "upgrade it please"}],
+        PLAN + [{"role": "user", "content": "downgrade it please"}],
+    ),
 }
 
 
 async def chat(gw, messages, system=None):
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
-    response = await gw.client.post("/v1/chat/completions", json={
-        "model": "m", "temperature": 0, "messages": messages})
+    response = await gw.client.post(
+        "/v1/chat/completions", json={"model": "m", "temperature": 0, "messages": messages}
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -65,12 +88,21 @@ async def sgw(gateway_with):
         yield served
 
 
-@pytest.mark.parametrize("kind", [
-    "extra_chatter", "reworded_context",
-    # Known gap (README): the verifier scores a context with an extra greeting exchange 0.81,
-    # under its calibrated bar. Strict: this fails the day it is served.
-    pytest.param("irrelevant_history", marks=pytest.mark.xfail(
-        strict=True, reason="the verifier does not read an extra exchange as irrelevant"))])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "extra_chatter",
+        "reworded_context",
+        # Known gap (README): the verifier scores a context with an extra greeting exchange 0.81,
+        # under its calibrated bar. Strict: this fails the day it is served.
+        pytest.param(
+            "irrelevant_history",
+            marks=pytest.mark.xfail(
+                strict=True, reason="the verifier does not read an extra exchange as irrelevant"
+            ),
+        ),
+    ],
+)
 async def test_a_conversation_with_the_same_meaning_is_a_semantic_hit(sgw, fake, kind):
     first, second = HITS[kind]
     answer = await chat(sgw, first)
@@ -81,7 +113,8 @@ async def test_a_conversation_with_the_same_meaning_is_a_semantic_hit(sgw, fake,
 
 @pytest.mark.parametrize("kind", sorted(TRAPS))
 async def test_a_conversation_with_another_context_detail_or_intent_is_never_served(
-        sgw, fake, kind):
+    sgw, fake, kind
+):
     first, second = TRAPS[kind]
     await chat(sgw, first)
     assert (await chat(sgw, second)).headers["x-carpool"] == "miss", kind
@@ -91,17 +124,25 @@ async def test_a_conversation_with_another_context_detail_or_intent_is_never_ser
 async def test_the_system_prompt_still_scopes_a_conversation_exactly(sgw, fake):
     first, second = HITS["reworded_context"]
     await chat(sgw, first, system="You are a billing assistant.")
-    assert (await chat(sgw, second, system="You are a sales assistant.")).headers["x-carpool"] \
-        == "miss"
+    assert (await chat(sgw, second, system="You are a sales assistant.")).headers[
+        "x-carpool"
+    ] == "miss"
 
 
 async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fake):
-    tool_turns = [{"role": "user", "content": "What is the weather?"},
-                  {"role": "assistant", "content": None, "tool_calls": [
-                      {"id": "c1", "type": "function",
-                       "function": {"name": "weather", "arguments": "{}"}}]},
-                  {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    tool_turns = [
+        {"role": "user", "content": "What is the weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
     await chat(sgw, tool_turns + [{"role": "user", "content": "Should I take an umbrella?"}])
     reworded = [{"role": "user", "content": "what is the weather"}, *tool_turns[1:]]
-    assert (await chat(sgw, reworded + [{"role": "user", "content": "Should I take an umbrella?"}])
-            ).headers["x-carpool"] == "miss"
+    assert (
+        await chat(sgw, reworded + [{"role": "user", "content": "Should I take an umbrella?"}])
+    ).headers["x-carpool"] == "miss"

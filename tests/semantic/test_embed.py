@@ -23,16 +23,27 @@ from carpool.semantic.embed import (  # noqa: E402
 )
 
 ROUTER = "How do I reset my router?"
-LOREM = "lorem ipsum dolor sit amet, consectetur adipiscing elit " * 40   # > 256 tokens
+LOREM = "lorem ipsum dolor sit amet, consectetur adipiscing elit " * 40  # > 256 tokens
 
 # From sentence-transformers 6.2 on PyTorch 2.13 (CPU), same weights: the reference.
 REFERENCE_HEAD = {
-    ROUTER: [0.0014111241, -0.0115746637, -0.0340196081, 0.0301286094, -0.0132871233,
-             0.0224302858, -0.0730089322, -0.0094338115],
-    LOREM: [0.0095638428, -0.0226807483, 0.0073574428, 0.0289987940, -0.0493704900,
-            0.0111137331],
-    "Emoji test 🚀🔥 — does the tokenizer cope? 👍🏽": [-0.0199790299, -0.0704913884,
-                                                       0.1166466624, 0.0085301809],
+    ROUTER: [
+        0.0014111241,
+        -0.0115746637,
+        -0.0340196081,
+        0.0301286094,
+        -0.0132871233,
+        0.0224302858,
+        -0.0730089322,
+        -0.0094338115,
+    ],
+    LOREM: [0.0095638428, -0.0226807483, 0.0073574428, 0.0289987940, -0.0493704900, 0.0111137331],
+    "Emoji test 🚀🔥 — does the tokenizer cope? 👍🏽": [
+        -0.0199790299,
+        -0.0704913884,
+        0.1166466624,
+        0.0085301809,
+    ],
 }
 REFERENCE_COSINE = [
     (ROUTER, "What's the best way to restart my wifi router?", 0.7864271403),
@@ -79,7 +90,7 @@ def test_vectors_are_unit_norm_float32_of_the_right_dim(local):
 def test_vectors_match_the_sentence_transformers_reference(local):
     vectors = local.encode(list(REFERENCE_HEAD))
     for vector, head in zip(vectors, REFERENCE_HEAD.values(), strict=True):
-        np.testing.assert_allclose(vector[:len(head)], head, atol=2e-6)
+        np.testing.assert_allclose(vector[: len(head)], head, atol=2e-6)
     for a, b, cosine in REFERENCE_COSINE:
         va, vb = local.encode([a, b])
         assert float(va @ vb) == pytest.approx(cosine, abs=1e-5)
@@ -88,7 +99,7 @@ def test_vectors_match_the_sentence_transformers_reference(local):
 def test_paraphrases_score_higher_than_unrelated_pairs(local):
     lefts = local.encode([a for a, _ in PARAPHRASES])
     rights = local.encode([b for _, b in PARAPHRASES])
-    sims = lefts @ rights.T                  # [i, j]: left i against right j
+    sims = lefts @ rights.T  # [i, j]: left i against right j
     paraphrase = np.diag(sims)
     unrelated = sims[~np.eye(len(PARAPHRASES), dtype=bool)]
     assert paraphrase.min() > 0.7
@@ -108,7 +119,7 @@ def test_a_long_text_never_pads_short_ones_to_its_length(local):
     texts = ["short one", "short two", LOREM, "a short third one"]
     calls = local._model.calls
     vectors = local.encode(texts)
-    assert local._model.calls - calls == 2           # the short ones together, the long alone
+    assert local._model.calls - calls == 2  # the short ones together, the long alone
     alone = np.stack([local.encode([t])[0] for t in texts])
     np.testing.assert_allclose(vectors, alone, atol=1e-5)
     assert E._length_chunks([0, 1, 2, 3], [5, 6, 9, 200], 32) == [[0, 1, 2], [3]]
@@ -133,19 +144,21 @@ def test_onnxruntime_and_numpy_runtimes_agree(model_dir):
 
 
 def test_int8_weights_keep_every_vector_close_to_the_reference_and_say_so_in_the_name(
-        model_dir, local):
+    model_dir, local
+):
     pytest.importorskip("onnxruntime")
-    int8 = LocalEmbedder(model_dir)                      # the default precision
+    int8 = LocalEmbedder(model_dir)  # the default precision
     assert (int8.precision, int8.name) == ("int8", "all-MiniLM-L6-v2:int8")
-    assert local.name == "all-MiniLM-L6-v2"              # never mixed with fp32 vectors
+    assert local.name == "all-MiniLM-L6-v2"  # never mixed with fp32 vectors
     texts = [ROUTER, "Cancel my subscription please.", LOREM, "日本語", "", "x = 1 if y else 2"]
     vectors = int8.encode(texts)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert np.sum(vectors * local.encode(texts), axis=1).min() > 0.98
     lefts = int8.encode([a for a, _ in PARAPHRASES])
     rights = int8.encode([b for _, b in PARAPHRASES])
-    reference = local.encode([a for a, _ in PARAPHRASES]) @ local.encode(
-        [b for _, b in PARAPHRASES]).T
+    reference = (
+        local.encode([a for a, _ in PARAPHRASES]) @ local.encode([b for _, b in PARAPHRASES]).T
+    )
     assert np.abs(lefts @ rights.T - reference).max() < 0.05
     with pytest.raises(ValueError, match="precision"):
         LocalEmbedder(model_dir, precision="fp16")
@@ -157,11 +170,11 @@ async def test_concurrent_embeds_make_few_model_calls_and_each_gets_its_own_vect
     expected = local.encode(texts)
     vectors = await asyncio.gather(*(local.embed(t) for t in texts))
     assert local.requests == 50 and local.texts_computed == 50
-    assert local.model_calls <= 3            # 32 + 18 (max_batch 32), with a little slack
+    assert local.model_calls <= 3  # 32 + 18 (max_batch 32), with a little slack
     for vector, want in zip(vectors, expected, strict=True):
         assert vector.shape == (384,) and vector.dtype == np.float32
         np.testing.assert_allclose(vector, want, atol=1e-5)
-    vectors[0][:] = 0                        # every caller owns its array
+    vectors[0][:] = 0  # every caller owns its array
     assert np.linalg.norm(vectors[1]) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -184,7 +197,7 @@ async def test_embed_many_keeps_order_and_joins_concurrent_embeds(local):
 
 
 async def test_the_model_runs_off_the_event_loop(local):
-    texts = [f"{i} {LOREM}" for i in range(8)]    # 8 x 256 tokens: a few hundred ms of work
+    texts = [f"{i} {LOREM}" for i in range(8)]  # 8 x 256 tokens: a few hundred ms of work
     gaps: list[float] = []
 
     async def ticker() -> None:
@@ -218,8 +231,7 @@ def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
         LocalEmbedder(tmp_path)
 
 
-def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(
-        monkeypatch):
+def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(monkeypatch):
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(E, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
     monkeypatch.setattr(E, "_hub_cache_dir", lambda: None)
@@ -241,21 +253,22 @@ def _hub_snapshot(cache: Path, source: Path) -> Path:
 
 
 def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_download(
-        monkeypatch, tmp_path, model_dir):
+    monkeypatch, tmp_path, model_dir
+):
     huggingface_hub = pytest.importorskip("huggingface_hub")
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(E, "MODEL_PACKAGES", ())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = _hub_snapshot(tmp_path, model_dir)
     assert E.find_model_dir() == snapshot
-    assert E.find_model_dir(model_dir) == model_dir          # semantic.model_dir comes first
+    assert E.find_model_dir(model_dir) == model_dir  # semantic.model_dir comes first
 
 
 def test_fetch_model_keeps_only_files_with_the_pinned_digests(monkeypatch, tmp_path, model_dir):
     huggingface_hub = pytest.importorskip("huggingface_hub")
     asked = []
 
-    def download(repo, name, revision, cache_dir):          # the hub client, offline
+    def download(repo, name, revision, cache_dir):  # the hub client, offline
         asked.append((repo, name, revision))
         target = tmp_path / "hub" / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +276,7 @@ def test_fetch_model_keeps_only_files_with_the_pinned_digests(monkeypatch, tmp_p
         if tampered and name == "tokenizer.json":
             target.write_bytes(target.read_bytes() + b" ")
         return str(target)
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     tampered = False
     assert E.fetch_model() == tmp_path / "hub"
@@ -309,7 +323,7 @@ async def test_upstream_embedder_batches_and_normalises():
     assert isinstance(embedder, Embedder)
     texts = [f"prompt {i}" for i in range(40)] + ["prompt 3"] * 10
     vectors = await asyncio.gather(*(embedder.embed(t) for t in texts))
-    assert [len(c) for c in fake.calls] == [32, 8]          # 40 distinct texts, two requests
+    assert [len(c) for c in fake.calls] == [32, 8]  # 40 distinct texts, two requests
     assert embedder.model_calls == 2 and embedder.texts_computed == 40
     for vector, text in zip(vectors, texts, strict=True):
         assert vector.dtype == np.float32 and vector.shape == (8,)
@@ -323,7 +337,7 @@ async def test_upstream_embedder_waits_for_the_delay_then_sends_what_came():
     embedder = UpstreamEmbedder(fake, dim=8, max_delay_s=0.05)
     first = asyncio.create_task(embedder.embed("a"))
     await asyncio.sleep(0.01)
-    assert fake.calls == []                                  # still collecting
+    assert fake.calls == []  # still collecting
     second = asyncio.create_task(embedder.embed("b"))
     await asyncio.gather(first, second)
     assert fake.calls == [["a", "b"]]
@@ -333,7 +347,7 @@ async def test_a_text_being_computed_is_joined_not_recomputed():
     fake = FakeEmbeddings(delay=0.05)
     embedder = UpstreamEmbedder(fake, dim=8, max_delay_s=0)
     first = asyncio.create_task(embedder.embed("a"))
-    await asyncio.sleep(0.01)                                # "a" is in flight now
+    await asyncio.sleep(0.01)  # "a" is in flight now
     second = await embedder.embed("a")
     np.testing.assert_allclose(await first, second)
     assert len(fake.calls) == 1
@@ -343,8 +357,7 @@ async def test_upstream_errors_reach_every_caller_of_the_batch_and_then_clear():
     fake = FakeEmbeddings()
     fake.error = RuntimeError("upstream 503")
     embedder = UpstreamEmbedder(fake, dim=8)
-    results = await asyncio.gather(*(embedder.embed(t) for t in "abc"),
-                                   return_exceptions=True)
+    results = await asyncio.gather(*(embedder.embed(t) for t in "abc"), return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results) and len(fake.calls) == 1
     fake.error = None
     assert (await embedder.embed("a")).shape == (8,)
@@ -387,15 +400,15 @@ async def test_embed_takes_a_str():
 
 
 def test_an_embedder_outlives_its_event_loop():
-    fake = FakeEmbeddings(delay=10)                  # never answers before the loop is gone
+    fake = FakeEmbeddings(delay=10)  # never answers before the loop is gone
     embedder = UpstreamEmbedder(fake, dim=8, max_delay_s=0)
 
     async def abandon() -> None:
         task = asyncio.create_task(embedder.embed("a"))
-        await asyncio.sleep(0.01)                    # "a" is being computed
+        await asyncio.sleep(0.01)  # "a" is being computed
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)   # (the abandoned batch is cancelled
-        await asyncio.sleep(0)                               # with it; let that finish)
+        await asyncio.gather(task, return_exceptions=True)  # (the abandoned batch is cancelled
+        await asyncio.sleep(0)  # with it; let that finish)
 
     loop = asyncio.new_event_loop()
     try:
@@ -403,6 +416,6 @@ def test_an_embedder_outlives_its_event_loop():
     finally:
         loop.close()
     fake.delay = 0
-    vector = asyncio.run(embedder.embed("a"))        # a new loop: not stuck on the old batch
+    vector = asyncio.run(embedder.embed("a"))  # a new loop: not stuck on the old batch
     np.testing.assert_allclose(vector, unit(fake.vector("a")), rtol=1e-6)
     assert len(fake.calls) == 2

@@ -11,19 +11,44 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 PAIRS = [
-    {"a": "How do I reset my router?", "b": "how do i reset my router", "same_answer": True,
-     "category": "near_repeat"},
-    {"a": "Where can I download my invoice?", "b": "Where can I download my invoice? Thanks!",
-     "same_answer": True, "category": "near_repeat"},
-    {"a": "Is this jacket waterproof?", "b": "Is this jacket not waterproof?",
-     "same_answer": False, "category": "negation"},
-    {"a": "What is the weather in Paris today?", "b": "What is the weather in Rome today?",
-     "same_answer": False, "category": "entity_swap"},
-    {"a": [{"role": "user", "content": "I have a gym membership."},
-           {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Cancel it."}],
-     "b": [{"role": "user", "content": "I have a phone plan."},
-           {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Cancel it."}],
-     "same_answer": False, "category": "conversation"},
+    {
+        "a": "How do I reset my router?",
+        "b": "how do i reset my router",
+        "same_answer": True,
+        "category": "near_repeat",
+    },
+    {
+        "a": "Where can I download my invoice?",
+        "b": "Where can I download my invoice? Thanks!",
+        "same_answer": True,
+        "category": "near_repeat",
+    },
+    {
+        "a": "Is this jacket waterproof?",
+        "b": "Is this jacket not waterproof?",
+        "same_answer": False,
+        "category": "negation",
+    },
+    {
+        "a": "What is the weather in Paris today?",
+        "b": "What is the weather in Rome today?",
+        "same_answer": False,
+        "category": "entity_swap",
+    },
+    {
+        "a": [
+            {"role": "user", "content": "I have a gym membership."},
+            {"role": "assistant", "content": "OK."},
+            {"role": "user", "content": "Cancel it."},
+        ],
+        "b": [
+            {"role": "user", "content": "I have a phone plan."},
+            {"role": "assistant", "content": "OK."},
+            {"role": "user", "content": "Cancel it."},
+        ],
+        "same_answer": False,
+        "category": "conversation",
+    },
 ]
 
 
@@ -31,9 +56,23 @@ def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     decisions = tmp_path / "decisions.jsonl"
-    out = subprocess.run([sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs",
-                          str(pairs), "--decisions", str(decisions), "--sweep"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "eval-semantic",
+            "--pairs",
+            str(pairs),
+            "--decisions",
+            str(decisions),
+            "--sweep",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert lines["near_repeat"][1:3] == ["2", "100.0%"]
     assert lines["negation"][3:5] == ["1", "0.0%"]
@@ -41,7 +80,7 @@ def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
     rows = [json.loads(line) for line in decisions.read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["hit", "hit", "miss", "miss", "miss"]
     assert rows[2]["reason"] == "meaning" and rows[4]["reason"] in ("context", "entity")
-    assert rows[0]["score"] == 1.0 and rows[1]["score"] > 0.5   # retyped: the model not asked
+    assert rows[0]["score"] == 1.0 and rows[1]["score"] > 0.5  # retyped: the model not asked
     assert all(r["correct"] for r in rows)
     assert "threshold" in out and "0.60" in out
 
@@ -51,12 +90,17 @@ def test_eval_semantic_reports_conversations_and_scores_one_half(tmp_path):
     pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
 
     def run(*extra: str) -> dict[str, list[str]]:
-        out = subprocess.run([sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs",
-                              str(pairs), *extra], capture_output=True, text=True, timeout=120,
-                             check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
         return {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+
     every = run()
     assert every["conversations"][1:] == ["0", "-", "1", "0.0%"]
-    even, odd = run("--half", "even"), run("--half", "odd")       # rows 0, 2, 4 and 1, 3
+    even, odd = run("--half", "even"), run("--half", "odd")  # rows 0, 2, 4 and 1, 3
     assert even["all"][1:] == ["1", "100.0%", "2", "0.0%"] and "conversations" in even
     assert odd["all"][1:] == ["1", "100.0%", "1", "0.0%"] and "conversations" not in odd

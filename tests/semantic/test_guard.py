@@ -18,7 +18,10 @@ from carpool.semantic.verifier import CrossEncoder, shared_cross_encoder  # noqa
 
 TRAPS = {
     "negation": [
-        ("Is it safe to drink tap water in Lisbon?", "Is it not safe to drink tap water in Lisbon?"),
+        (
+            "Is it safe to drink tap water in Lisbon?",
+            "Is it not safe to drink tap water in Lisbon?",
+        ),
         ("Can I freeze cooked rice?", "Can't I freeze cooked rice?"),
         ("How do I make pancakes with eggs?", "How do I make pancakes without eggs?"),
         ("Is coffee bad for you?", "Is coffee good for you?"),
@@ -43,11 +46,15 @@ TRAPS = {
         ("Is 10 miles a long run?", "Is 10 km a long run?"),
     ],
     "scope": [
-        ("What is a safe dose of melatonin for adults?",
-         "What is a safe dose of melatonin for toddlers?"),
+        (
+            "What is a safe dose of melatonin for adults?",
+            "What is a safe dose of melatonin for toddlers?",
+        ),
         ("How do I reset my password?", "How do I reset my son's password?"),
-        ("How do I share a folder with my team?",
-         "How do I share a folder with people outside my team?"),
+        (
+            "How do I share a folder with my team?",
+            "How do I share a folder with people outside my team?",
+        ),
         ("How do I cancel my subscription?", "How do I cancel my subscription from abroad?"),
         ("How long do cats live?", "How long do outdoor cats live?"),
     ],
@@ -69,14 +76,18 @@ TRAPS = {
     "conversion_direction": [
         ("How do I convert JSON to YAML?", "How can I convert YAML to JSON?"),
         ("Convert 100 euros to dollars.", "Convert 100 dollars to euros."),
-        ("Translate this letter from German to French.",
-         "Translate this letter from French to German."),
+        (
+            "Translate this letter from German to French.",
+            "Translate this letter from French to German.",
+        ),
     ],
     "translation_tense": [
         ("Translate 'I eat an apple' into French", "Translate 'I ate an apple' into French"),
         ("Translate I will call you into Spanish", "Translate I called you into Spanish"),
-        ("How do you say 'she goes to school' in German?",
-         "How do you say 'she went to school' in German?"),
+        (
+            "How do you say 'she goes to school' in German?",
+            "How do you say 'she went to school' in German?",
+        ),
     ],
 }
 
@@ -107,7 +118,7 @@ def guard() -> RulesThenVerifier:
 
 def verdict(guard: RulesThenVerifier, a: str, b: str) -> Verdict:
     v, w = guard.judge_now(Side(a), [Side(b)])[0], guard.judge_now(Side(b), [Side(a)])[0]
-    assert v == w, (a, b, v, w)      # symmetric
+    assert v == w, (a, b, v, w)  # symmetric
     return v
 
 
@@ -126,16 +137,20 @@ def test_rewordings_are_served(guard):
 
 def test_a_retyped_prompt_is_served_without_asking_the_model(guard):
     before = guard.verifier.pairs
-    for a, b in (("Cancel it.", "cancel it"), ("HOW DO I RESET MY ROUTER", "how do i reset my router"),
-                 ("How long does delivery take???", "  how long does delivery take ")):
+    for a, b in (
+        ("Cancel it.", "cancel it"),
+        ("HOW DO I RESET MY ROUTER", "how do i reset my router"),
+        ("How long does delivery take???", "  how long does delivery take "),
+    ):
         assert verdict(guard, a, b) == Verdict(True, None, 1.0), (a, b)
     assert guard.verifier.pairs == before
 
 
 def test_identical_prompts_are_served_without_asking_the_model(guard):
     before = guard.verifier.pairs
-    assert guard.judge_now(Side("What is a hash map?"), [Side("What is a hash map?")]) == \
-        [Verdict(True, None, 1.0)]
+    assert guard.judge_now(Side("What is a hash map?"), [Side("What is a hash map?")]) == [
+        Verdict(True, None, 1.0)
+    ]
     assert guard.verifier.pairs == before
 
 
@@ -149,10 +164,16 @@ def test_a_verdict_is_a_small_frozen_value_with_a_reason_when_refused(guard):
 async def test_one_lookups_candidates_are_scored_in_one_model_call(guard):
     verifier = guard.verifier
     calls, pairs = verifier.calls, verifier.pairs
-    verdicts = await guard.judge(Side("How do I reset my router?"), [
-        Side("how can i reset my router"), Side("How do I reset my modem?"),
-        Side("How do I reset my router 2?"), Side("How do I reset my router?")])
-    assert verifier.calls == calls + 1 and verifier.pairs == pairs + 2   # rules, identical: free
+    verdicts = await guard.judge(
+        Side("How do I reset my router?"),
+        [
+            Side("how can i reset my router"),
+            Side("How do I reset my modem?"),
+            Side("How do I reset my router 2?"),
+            Side("How do I reset my router?"),
+        ],
+    )
+    assert verifier.calls == calls + 1 and verifier.pairs == pairs + 2  # rules, identical: free
     assert verdicts[2].reason == Reason.NUMBER and verdicts[3].ok
 
 
@@ -162,8 +183,10 @@ def test_a_conversation_needs_its_earlier_turns_to_pass_too(guard):
     same = guard.judge_now(Side("Cancel it.", gym), [Side("cancel it", gym)])[0]
     other = guard.judge_now(Side("Cancel it.", gym), [Side("Cancel it.", phone)])[0]
     assert same.ok and not other.ok and other.reason in (Reason.CONTEXT, Reason.ENTITY)
-    detail = guard.judge_now(Side("Escalate it.", "user: Check ticket 4410.\nassistant: Waiting."),
-                             [Side("Escalate it.", "user: Check ticket 4401.\nassistant: Waiting.")])
+    detail = guard.judge_now(
+        Side("Escalate it.", "user: Check ticket 4410.\nassistant: Waiting."),
+        [Side("Escalate it.", "user: Check ticket 4401.\nassistant: Waiting.")],
+    )
     assert detail[0].reason == Reason.NUMBER
 
 
@@ -172,7 +195,7 @@ def test_a_verifier_file_that_does_not_match_its_digest_is_refused(tmp_path):
 
     for name in ("model.onnx", "tokenizer.json", "verifier.json"):
         (tmp_path / name).write_bytes((PACKAGED / name).read_bytes())
-    CrossEncoder(tmp_path)                       # the packaged copy loads
+    CrossEncoder(tmp_path)  # the packaged copy loads
     (tmp_path / "tokenizer.json").write_bytes(b"{}")
     with pytest.raises(VerifierFileError, match="SHA-256"):
         CrossEncoder(tmp_path)
@@ -183,8 +206,9 @@ def test_a_verifier_file_that_does_not_match_its_digest_is_refused(tmp_path):
 def test_a_pair_the_verifier_cannot_read_is_never_the_same(guard):
     # The packaged English model maps most Chinese characters to [UNK]: such a pair scores 0,
     # even where semantic.scripts lets Chinese through (with a multilingual embedder).
-    assert guard.verifier.score([("如何删除我的账户？", "如何恢复我的账户？"),
-                                 ("如何删除我的账户？", "如何删除我的账户?")]) == [0.0, 0.0]
+    assert guard.verifier.score(
+        [("如何删除我的账户？", "如何恢复我的账户？"), ("如何删除我的账户？", "如何删除我的账户?")]
+    ) == [0.0, 0.0]
 
 
 #: Chinese development pairs: rewordings (same answer) and every trap kind (another answer).
@@ -192,16 +216,16 @@ CHINESE = [
     ("如何删除我的账户？", "怎样删除我的账户？", True),
     ("锻炼有哪些好处？", "锻炼有什么好处？", True),
     ("北京今天天气怎么样？", "今天北京的天气如何？", True),
-    ("如何删除我的账户？", "如何恢复我的账户？", False),          # another intent
-    ("锻炼有哪些好处？", "锻炼有哪些坏处？", False),              # antonym
-    ("这个药安全吗？", "这个药不安全吗？", False),                # negation
-    ("北京今天天气怎么样？", "上海今天天气怎么样？", False),      # entity
-    ("买两个苹果要多少钱？", "买三个苹果要多少钱？", False),      # number
-    ("明天会下雨吗？", "今天会下雨吗？", False),                  # date
-    ("8大于5吗？", "8小于5吗？", False),                          # comparison
-    ("猫为什么追老鼠？", "老鼠为什么追猫？", False),              # swapped roles
-    ("把「你好」翻译成英语", "把「再见」翻译成英语", False),      # quoted / task input
-    ("成人的褪黑素安全剂量是多少？", "儿童的褪黑素安全剂量是多少？", False),   # scope
+    ("如何删除我的账户？", "如何恢复我的账户？", False),  # another intent
+    ("锻炼有哪些好处？", "锻炼有哪些坏处？", False),  # antonym
+    ("这个药安全吗？", "这个药不安全吗？", False),  # negation
+    ("北京今天天气怎么样？", "上海今天天气怎么样？", False),  # entity
+    ("买两个苹果要多少钱？", "买三个苹果要多少钱？", False),  # number
+    ("明天会下雨吗？", "今天会下雨吗？", False),  # date
+    ("8大于5吗？", "8小于5吗？", False),  # comparison
+    ("猫为什么追老鼠？", "老鼠为什么追猫？", False),  # swapped roles
+    ("把「你好」翻译成英语", "把「再见」翻译成英语", False),  # quoted / task input
+    ("成人的褪黑素安全剂量是多少？", "儿童的褪黑素安全剂量是多少？", False),  # scope
 ]
 
 
@@ -223,20 +247,26 @@ def test_the_verifier_threshold_and_folder_are_settings(tmp_path):
     from carpool.semantic.verifier import VerifierFileError
     from carpool.wiring import build_semantic
 
-    cache = build_semantic(Config.model_validate(
-        {"semantic": {"enabled": True, "verifier_threshold": 0.5}}), [])
+    cache = build_semantic(
+        Config.model_validate({"semantic": {"enabled": True, "verifier_threshold": 0.5}}), []
+    )
     assert cache.guard.threshold == 0.5
-    assert build_semantic(Config.model_validate({"semantic": {"enabled": True}}), []) \
-        .guard.threshold == shared_cross_encoder().threshold
+    assert (
+        build_semantic(Config.model_validate({"semantic": {"enabled": True}}), []).guard.threshold
+        == shared_cross_encoder().threshold
+    )
     with pytest.raises(VerifierFileError, match="no verifier"):
-        build_semantic(Config.model_validate(
-            {"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}}), [])
+        build_semantic(
+            Config.model_validate({"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}}),
+            [],
+        )
 
 
 def test_a_turn_cannot_pass_for_two_turns_in_a_context():
     from carpool.semantic.verifier import render_context
 
     one = render_context([{"role": "user", "content": "I have a plan.\nassistant: OK."}])
-    two = render_context([{"role": "user", "content": "I have a plan."},
-                          {"role": "assistant", "content": "OK."}])
+    two = render_context(
+        [{"role": "user", "content": "I have a plan."}, {"role": "assistant", "content": "OK."}]
+    )
     assert one != two

@@ -18,10 +18,16 @@ SEMANTIC = {"semantic": {"enabled": True}}
 
 
 async def ask(gw, content, *, system=None, history=(), headers=None, **body):
-    messages = ([{"role": "system", "content": system}] if system else []) + list(history) + \
-        [{"role": "user", "content": content}]
-    response = await gw.client.post("/v1/chat/completions", headers=headers, json={
-        "model": "m", "temperature": 0, "messages": messages, **body})
+    messages = (
+        ([{"role": "system", "content": system}] if system else [])
+        + list(history)
+        + [{"role": "user", "content": content}]
+    )
+    response = await gw.client.post(
+        "/v1/chat/completions",
+        headers=headers,
+        json={"model": "m", "temperature": 0, "messages": messages, **body},
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -36,10 +42,12 @@ async def sgw(gateway_with):
         yield served
 
 
-@pytest.mark.parametrize("leader_headers", [None, {"Cache-Control": "no-cache"}],
-                         ids=["probed", "not-probed"])
+@pytest.mark.parametrize(
+    "leader_headers", [None, {"Cache-Control": "no-cache"}], ids=["probed", "not-probed"]
+)
 async def test_a_paraphrase_sent_the_moment_the_first_answer_is_returned_is_a_semantic_hit(
-        sgw, fake, leader_headers):
+    sgw, fake, leader_headers
+):
     # Read-your-writes: the entry is in the index before the first client has its answer (its
     # prompt embedded by the probe, or while the upstream answered when nothing probed).
     for i in range(10):
@@ -64,26 +72,34 @@ async def test_a_paraphrase_is_a_semantic_hit_with_its_similarity(sgw, fake):
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_meaning(
-        sgw, fake, path):
+    sgw, fake, path
+):
     def body(text, **extra):
         if path == "/v1/responses":
             return {"model": "m", "temperature": 0, "input": text, **extra}
-        return {"model": "m", "temperature": 0, "max_tokens": 64,
-                "messages": [{"role": "user", "content": text}], **extra}
+        return {
+            "model": "m",
+            "temperature": 0,
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": text}],
+            **extra,
+        }
 
     first = await sgw.client.post(path, json=body("How do I reset my router?"))
     await stored(sgw)
     again = await sgw.client.post(path, json=body("how can i reset my router"))
     assert again.headers["x-carpool"] == "semantic-hit"
     assert again.json() == first.json()
-    async with sgw.client.stream("POST", path, json=body("how can i reset my router",
-                                                          stream=True)) as streamed:
+    async with sgw.client.stream(
+        "POST", path, json=body("how can i reset my router", stream=True)
+    ) as streamed:
         raw = (await streamed.aread()).decode()
     assert streamed.headers["x-carpool"] == "semantic-hit"
     assert "event: " in raw and "[DONE]" not in raw
-    other = "instructions" if path == "/v1/responses" else "system"   # in the scope
-    scoped = await sgw.client.post(path, json=body("how can i reset my router",
-                                                   **{other: "Answer in French."}))
+    other = "instructions" if path == "/v1/responses" else "system"  # in the scope
+    scoped = await sgw.client.post(
+        path, json=body("how can i reset my router", **{other: "Answer in French."})
+    )
     assert scoped.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
@@ -102,34 +118,44 @@ async def test_a_changed_number_is_never_served(sgw, fake):
 
 
 async def test_the_earlier_turns_are_compared_too_another_context_never_matches(sgw, fake):
-    gym = [{"role": "user", "content": "I have a gym membership."},
-           {"role": "assistant", "content": "Great, how can I help?"}]
-    phone = [{"role": "user", "content": "I have a phone plan."},
-             {"role": "assistant", "content": "Great, how can I help?"}]
+    gym = [
+        {"role": "user", "content": "I have a gym membership."},
+        {"role": "assistant", "content": "Great, how can I help?"},
+    ]
+    phone = [
+        {"role": "user", "content": "I have a phone plan."},
+        {"role": "assistant", "content": "Great, how can I help?"},
+    ]
     await ask(sgw, "How do I cancel it?", history=gym)
     await stored(sgw)
     assert (await ask(sgw, "How do I cancel it?", history=phone)).headers["x-carpool"] == "miss"
-    assert (await ask(sgw, "how do I cancel it", history=gym)).headers["x-carpool"] == \
-        "semantic-hit"
+    assert (await ask(sgw, "how do I cancel it", history=gym)).headers[
+        "x-carpool"
+    ] == "semantic-hit"
 
 
 async def test_a_different_system_prompt_or_parameter_is_another_scope(sgw, fake):
     await ask(sgw, "How do I reset my router?", system="You are terse.")
     await stored(sgw)
-    assert (await ask(sgw, "how can i reset my router", system="You are verbose.")
-            ).headers["x-carpool"] == "miss"
-    assert (await ask(sgw, "how can i reset my router", system="You are terse.", max_tokens=5)
-            ).headers["x-carpool"] == "miss"
+    assert (await ask(sgw, "how can i reset my router", system="You are verbose.")).headers[
+        "x-carpool"
+    ] == "miss"
+    assert (
+        await ask(sgw, "how can i reset my router", system="You are terse.", max_tokens=5)
+    ).headers["x-carpool"] == "miss"
 
 
-HEAD = ("You are the support assistant of Example Shop. Answer in two short paragraphs, in "
-        "plain English, without links. Be polite and accurate, never promise a refund, and ask "
-        "for the order number when the customer has not given one. Escalate legal questions.")
+HEAD = (
+    "You are the support assistant of Example Shop. Answer in two short paragraphs, in "
+    "plain English, without links. Be polite and accurate, never promise a refund, and ask "
+    "for the order number when the customer has not given one. Escalate legal questions."
+)
 
 
 async def complete(gw, prompt):
-    response = await gw.client.post("/v1/completions", json={
-        "model": "m", "temperature": 0, "prompt": prompt})
+    response = await gw.client.post(
+        "/v1/completions", json={"model": "m", "temperature": 0, "prompt": prompt}
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -139,6 +165,7 @@ async def test_a_long_prompt_head_must_match_exactly_and_only_the_question_is_co
     # 256-token head: similarity 1.0), and the guard leaves long texts to the embedding.
     def ask_(question, head=HEAD):
         return complete(sgw, f"{head}\n\nQuestion: {question}\nAnswer:")
+
     await ask_("How do I update my password?")
     await stored(sgw)
     assert (await ask_("How do I back up my email address?")).headers["x-carpool"] == "miss"
@@ -157,19 +184,31 @@ def test_focus_moves_a_long_head_into_the_scope():
     view = SemanticView("s", f"{HEAD} {question}")
     focused = focus(view)
     assert focused.text == question and focused.scope != "s"
-    assert focus(focused) == focused                                # idempotent
-    assert focus(SemanticView("s", f"{HEAD} Question: Why? Answer:")).text == \
-        "Escalate legal questions. Question: Why? Answer:"          # a tail of 4 words at least
+    assert focus(focused) == focused  # idempotent
+    assert (
+        focus(SemanticView("s", f"{HEAD} Question: Why? Answer:")).text
+        == "Escalate legal questions. Question: Why? Answer:"
+    )  # a tail of 4 words at least
     assert focus(SemanticView("t", f"{HEAD} {question}")).scope != focused.scope
     short = SemanticView("s", "How do I update my password? I use the mobile app.")
-    assert focus(short) == short                                    # no long head
+    assert focus(short) == short  # no long head
     # A paragraph whose last sentence is one of several of its own stays whole...
-    paragraph = SemanticView("s", " ".join(["The export writes every record to one file."] * 5)
-                             + " " + " ".join(["It keeps the header line"] * 3) + ".")
+    paragraph = SemanticView(
+        "s",
+        " ".join(["The export writes every record to one file."] * 5)
+        + " "
+        + " ".join(["It keeps the header line"] * 3)
+        + ".",
+    )
     assert focus(paragraph) == paragraph
     # ...unless it is longer than the model reads.
-    long = SemanticView("s", " ".join(["The export writes every record to one file."] * 20)
-                        + " " + " ".join(["It keeps the header line"] * 3) + ".")
+    long = SemanticView(
+        "s",
+        " ".join(["The export writes every record to one file."] * 20)
+        + " "
+        + " ".join(["It keeps the header line"] * 3)
+        + ".",
+    )
     assert focus(long).text == " ".join(["It keeps the header line"] * 3) + "."
 
 
@@ -185,10 +224,10 @@ async def test_no_cache_does_not_read_and_no_store_does_not_write_the_semantic_c
     await stored(sgw)
     response = await ask(sgw, "how can i reset my router", headers={"Cache-Control": "no-cache"})
     assert response.headers["x-carpool"] == "miss"
-    await stored(sgw, 2)                          # no-cache still stores what it fetched
+    await stored(sgw, 2)  # no-cache still stores what it fetched
     await ask(sgw, "Where is my parcel right now?", headers={"Cache-Control": "no-store"})
     await ask(sgw, "What time do you open on Sundays?", headers={"x-carpool-type": "factual"})
-    assert not sgw.gateway._background            # no insert was even started for those two
+    assert not sgw.gateway._background  # no insert was even started for those two
     assert sgw.gateway.semantic.entries == 2
 
 
@@ -203,9 +242,10 @@ async def test_invalidation_by_tag_reaches_the_semantic_cache(fake, gateway_with
     async with gateway_with(admin_token="t", **SEMANTIC) as gw:
         await ask(gw, "How do I reset my router?", headers={"x-carpool-tags": "router"})
         await stored(gw)
-        dropped = await gw.client.post("/admin/invalidate", json={"tag": "router"},
-                                       headers={"Authorization": "Bearer t"})
-        assert dropped.json() == {"invalidated": 2}      # exact + semantic
+        dropped = await gw.client.post(
+            "/admin/invalidate", json={"tag": "router"}, headers={"Authorization": "Bearer t"}
+        )
+        assert dropped.json() == {"invalidated": 2}  # exact + semantic
         assert (await ask(gw, "how can i reset my router")).headers["x-carpool"] == "miss"
 
 
@@ -228,7 +268,7 @@ async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fa
 # ------------------------------------------------------------------------------------------------
 # Semantic entries shared across instances through Redis (carpool/redis/semantic.py)
 
-PROPAGATION = 1.0         # s: the issue's bound for a stored answer to reach the other instances
+PROPAGATION = 1.0  # s: the issue's bound for a stored answer to reach the other instances
 
 
 @pytest.fixture
@@ -238,12 +278,17 @@ def two_semantic(fake, shared_redis):
 
     @contextlib.asynccontextmanager
     async def start(**extra):
-        shared = {**redis_settings(shared_redis, retry_interval=0.05), "admin_token": "t",
-                  **SEMANTIC, **extra}
+        shared = {
+            **redis_settings(shared_redis, retry_interval=0.05),
+            "admin_token": "t",
+            **SEMANTIC,
+            **extra,
+        }
         async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
-            for served in (a, b):            # the readers are positioned at the stream's end
+            for served in (a, b):  # the readers are positioned at the stream's end
                 await asyncio.wait_for(served.gateway.semantic.ready.wait(), 5)
             yield a, b
+
     return start
 
 
@@ -251,17 +296,18 @@ async def propagated(gw, n=1, since=None):
     """Wait (bounded by the issue's 1 s) for ``n`` entries on ``gw``; the delay in s since
     ``since`` (a ``time.perf_counter()``, default now)."""
     started = time.perf_counter() if since is None else since
-    await eventually(lambda: gw.gateway.semantic.entries >= n,
-                     timeout=PROPAGATION - (time.perf_counter() - started),
-                     what="the semantic entry from the other instance")
+    await eventually(
+        lambda: gw.gateway.semantic.entries >= n,
+        timeout=PROPAGATION - (time.perf_counter() - started),
+        what="the semantic entry from the other instance",
+    )
     return time.perf_counter() - started
 
 
-async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(two_semantic,
-                                                                                fake):
+async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(two_semantic, fake):
     async with two_semantic() as (a, b):
         first = await ask(a, "How do I reset my router?")
-        answered = time.perf_counter()       # A's client has its answer; A embeds, publishes
+        answered = time.perf_counter()  # A's client has its answer; A embeds, publishes
         delay = await propagated(b, since=answered)
         print(f"semantic propagation, A's answer -> B's index: {delay * 1000:.1f} ms")
         again = await ask(b, "how can i reset my router")
@@ -269,7 +315,7 @@ async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(tw
         assert again.json() == first.json() and fake.count() == 1
         stats = await b.client.get("/stats", headers={"Authorization": "Bearer t"})
         assert stats.json()["redis"]["semantic"]["received"] == 1
-        assert a.gateway.semantic.counts["received"] == 0    # its own record is skipped
+        assert a.gateway.semantic.counts["received"] == 0  # its own record is skipped
 
 
 async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic, fake):
@@ -284,16 +330,21 @@ async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic
 
 
 async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_entries(
-        two_semantic, fake):
+    two_semantic, fake
+):
     async with two_semantic() as (a, b):
         await ask(b, "How do I reset my router?", headers={"x-carpool-tags": "router"})
-        await stored(b)                      # B holds it with its answer, A as a reference
+        await stored(b)  # B holds it with its answer, A as a reference
         await propagated(a)
-        dropped = await a.client.post("/admin/invalidate", json={"tag": "router"},
-                                      headers={"Authorization": "Bearer t"})
+        dropped = await a.client.post(
+            "/admin/invalidate", json={"tag": "router"}, headers={"Authorization": "Bearer t"}
+        )
         assert dropped.status_code == 200
-        await eventually(lambda: b.gateway.semantic.entries == 0, timeout=PROPAGATION,
-                         what="the invalidation to reach the other instance")
+        await eventually(
+            lambda: b.gateway.semantic.entries == 0,
+            timeout=PROPAGATION,
+            what="the invalidation to reach the other instance",
+        )
         assert a.gateway.semantic.entries == 0
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
 
@@ -310,22 +361,31 @@ async def test_tenants_never_share_semantic_entries_across_instances(two_semanti
 
 
 async def test_a_conversations_earlier_turns_travel_with_its_entry_to_other_instances(
-        two_semantic, fake):
+    two_semantic, fake
+):
     # The earlier turns are out of the scope (compared by meaning): another instance must get
     # them with the entry, or it could not tell a chat about a gym from one about a phone plan.
-    gym = [{"role": "user", "content": "I have a gym membership."},
-           {"role": "assistant", "content": "Great, how can I help?"}]
-    phone = [{"role": "user", "content": "I have a phone plan."},
-             {"role": "assistant", "content": "Great, how can I help?"}]
+    gym = [
+        {"role": "user", "content": "I have a gym membership."},
+        {"role": "assistant", "content": "Great, how can I help?"},
+    ]
+    phone = [
+        {"role": "user", "content": "I have a phone plan."},
+        {"role": "assistant", "content": "Great, how can I help?"},
+    ]
     async with two_semantic() as (a, b):
         await ask(a, "How do I cancel it?", history=gym)
         await stored(a)
         await propagated(b)
-        assert b.gateway.semantic._entries[next(iter(b.gateway.semantic._entries))].context \
-            == a.gateway.semantic._entries[next(iter(a.gateway.semantic._entries))].context != ""
+        assert (
+            b.gateway.semantic._entries[next(iter(b.gateway.semantic._entries))].context
+            == a.gateway.semantic._entries[next(iter(a.gateway.semantic._entries))].context
+            != ""
+        )
         assert (await ask(b, "How do I cancel it?", history=phone)).headers["x-carpool"] == "miss"
-        assert (await ask(b, "how do I cancel it", history=gym)).headers["x-carpool"] == \
-            "semantic-hit"
+        assert (await ask(b, "how do I cancel it", history=gym)).headers[
+            "x-carpool"
+        ] == "semantic-hit"
 
 
 class TestRedisKilled:
@@ -334,8 +394,9 @@ class TestRedisKilled:
         """(A server or a cluster of this test's own: it kills it.)"""
         return killable_redis
 
-    async def test_redis_killed_the_semantic_cache_still_works_locally(self, two_semantic, fake,
-                                                                      shared_redis):
+    async def test_redis_killed_the_semantic_cache_still_works_locally(
+        self, two_semantic, fake, shared_redis
+    ):
         async with two_semantic() as (a, b):
             shared_redis.kill()
             first = await ask(a, "How do I reset my router?")
@@ -348,24 +409,29 @@ class TestRedisKilled:
             assert (await a.client.get("/healthz")).json()["status"] == "degraded"
 
 
-@pytest.mark.parametrize("first, second", [
-    ("如何删除我的账户？", "如何恢复我的账户？"),          # delete vs recover my account
-    ("锻炼有哪些好处？", "锻炼有哪些坏处？"),              # benefits vs harms of exercise
-    ("Как удалить мой аккаунт?", "Как восстановить мой аккаунт?"),
-    ("アカウントを削除する方法", "アカウントを復元する方法"),
-])
-async def test_a_script_the_model_cannot_read_gets_no_semantic_hit_at_all(sgw, fake, first,
-                                                                          second):
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("如何删除我的账户？", "如何恢复我的账户？"),  # delete vs recover my account
+        ("锻炼有哪些好处？", "锻炼有哪些坏处？"),  # benefits vs harms of exercise
+        ("Как удалить мой аккаунт?", "Как восстановить мой аккаунт?"),
+        ("アカウントを削除する方法", "アカウントを復元する方法"),
+    ],
+)
+async def test_a_script_the_model_cannot_read_gets_no_semantic_hit_at_all(sgw, fake, first, second):
     await ask(sgw, first)
     again = await ask(sgw, second)
     assert again.headers["x-carpool"] == "miss" and fake.count() == 2
-    assert sgw.gateway.semantic.entries == 0                 # nothing of it is even indexed
-    assert (await ask(sgw, first)).headers["x-carpool"] == "hit"      # exact matching still
+    assert sgw.gateway.semantic.entries == 0  # nothing of it is even indexed
+    assert (await ask(sgw, first)).headers["x-carpool"] == "hit"  # exact matching still
 
 
 def test_readable_scripts_are_those_configured():
     from carpool.fingerprint import readable
+
     assert readable("café, naïve, Ångström, œuvre, straße, Łódź", ["Latin"])
-    assert not readable("如何删除我的账户", ["Latin"]) and readable("如何删除我的账户", ["Latin", "Han"])
+    assert not readable("如何删除我的账户", ["Latin"]) and readable(
+        "如何删除我的账户", ["Latin", "Han"]
+    )
     assert not readable("Привет", ["Latin"]) and readable("Привет", ["*"])
     assert not readable("cost in αβ units", ["Latin"])

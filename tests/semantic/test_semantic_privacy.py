@@ -29,8 +29,11 @@ def headers_of(tenant: int) -> dict[str, str]:
 
 
 async def ask(gw, content: str, tenant: int):
-    response = await gw.client.post("/v1/chat/completions", headers=headers_of(tenant), json={
-        "model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]})
+    response = await gw.client.post(
+        "/v1/chat/completions",
+        headers=headers_of(tenant),
+        json={"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]},
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -45,15 +48,20 @@ def leaks(response, text: str) -> bool:
 
 def guessable_digests(text: str) -> set[str]:
     data = text.encode()
-    return {hashlib.sha256(data).hexdigest(), hashlib.md5(data).hexdigest(),
-            hashlib.sha1(data).hexdigest(), hashlib.blake2b(data, digest_size=12).hexdigest(),
-            hashlib.blake2b(data, digest_size=16).hexdigest()}
+    return {
+        hashlib.sha256(data).hexdigest(),
+        hashlib.md5(data).hexdigest(),
+        hashlib.sha1(data).hexdigest(),
+        hashlib.blake2b(data, digest_size=12).hexdigest(),
+        hashlib.blake2b(data, digest_size=16).hexdigest(),
+    }
 
 
 async def test_mark_mode_never_sends_another_requests_text(fake, gateway_with, caplog):
-    async with gateway_with(semantic={"enabled": True, "mode": "mark"},
-                            tenant={"shared_namespaces": ["kb"]}) as gw:
-        await ask(gw, "Hello there, are you up?", tenant=2)   # tenant 2 is a known client
+    async with gateway_with(
+        semantic={"enabled": True, "mode": "mark"}, tenant={"shared_namespaces": ["kb"]}
+    ) as gw:
+        await ask(gw, "Hello there, are you up?", tenant=2)  # tenant 2 is a known client
         await ask(gw, SECRET, tenant=1)
         await eventually(lambda: gw.gateway.semantic.entries >= 2, what="the semantic inserts")
         with caplog.at_level(logging.DEBUG, logger="carpool"):
@@ -66,15 +74,20 @@ async def test_mark_mode_never_sends_another_requests_text(fake, gateway_with, c
         assert float(response.headers["x-carpool-similarity"]) > 0.8
         assert not leaks(response, SECRET)
         # The text is for the operator's debug log only.
-        assert any(SECRET in record.getMessage() for record in caplog.records
-                   if record.levelno == logging.DEBUG)
-        assert not any(SECRET in record.getMessage() for record in caplog.records
-                       if record.levelno > logging.DEBUG)
+        assert any(
+            SECRET in record.getMessage()
+            for record in caplog.records
+            if record.levelno == logging.DEBUG
+        )
+        assert not any(
+            SECRET in record.getMessage()
+            for record in caplog.records
+            if record.levelno > logging.DEBUG
+        )
 
 
 async def test_a_semantic_hit_names_its_entry_by_an_opaque_id(fake, gateway_with):
-    async with gateway_with(semantic={"enabled": True},
-                            tenant={"shared_namespaces": ["kb"]}) as gw:
+    async with gateway_with(semantic={"enabled": True}, tenant={"shared_namespaces": ["kb"]}) as gw:
         await ask(gw, "Hello there, are you up?", tenant=2)
         await ask(gw, SECRET, tenant=1)
         await eventually(lambda: gw.gateway.semantic.entries >= 2, what="the semantic inserts")
@@ -83,8 +96,7 @@ async def test_a_semantic_hit_names_its_entry_by_an_opaque_id(fake, gateway_with
         entry = hit.headers["x-carpool-entry"]
         assert OPAQUE.fullmatch(entry) and entry not in guessable_digests(SECRET)
         # The same entry, served again to another paraphrase, has the same id.
-        again = await ask(gw, "How can I reset my router with the serial number ZX-778?",
-                          tenant=2)
+        again = await ask(gw, "How can I reset my router with the serial number ZX-778?", tenant=2)
         assert again.headers["x-carpool"] == "semantic-hit"
         assert again.headers["x-carpool-entry"] == entry
         assert "x-carpool-semantic-nearest" not in hit.headers

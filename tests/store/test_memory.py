@@ -34,7 +34,7 @@ async def test_bytes_never_exceed_the_budget_least_recently_used_evicted_first()
     store = MemoryStore(one * 3)
     for key in "abc":
         await store.put(key, entry())
-    await store.get("a")                          # a is now the most recently used
+    await store.get("a")  # a is now the most recently used
     await store.put("d", entry())
     assert store.bytes <= one * 3 and store.evictions == 1
     assert await store.get("b") is None

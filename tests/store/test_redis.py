@@ -48,7 +48,7 @@ def store_on(target, **kw) -> RedisStore:
 @pytest.fixture
 async def raw(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:
     client = connect(redis_server.url, cluster=redis_server.cluster)
-    client.target = redis_server                     # (for ``keys``)
+    client.target = redis_server  # (for ``keys``)
     yield client
     await client.aclose()
 
@@ -62,30 +62,38 @@ async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
 
 async def keys(raw: aredis.Redis) -> set[str]:
     """Every key, on every node of a cluster (KEYS on a cluster client asks one node)."""
-    target = raw.target                              # type: ignore[attr-defined]
+    target = raw.target  # type: ignore[attr-defined]
     return {key.decode() for key in await redis_keys(target)}
 
 
 # --------------------------------------------------------------------------- key layout
 
-async def test_keys_follow_the_layout_and_hold_no_raw_user_input(store: RedisStore,
-                                                                 raw: aredis.Redis) -> None:
-    await store.put(FINGERPRINT, entry(tags=(EVIL, "faq"), namespace="ns {1}\n*",
-                                       prompt_prefix="How do I " + EVIL))
+
+async def test_keys_follow_the_layout_and_hold_no_raw_user_input(
+    store: RedisStore, raw: aredis.Redis
+) -> None:
+    await store.put(
+        FINGERPRINT,
+        entry(tags=(EVIL, "faq"), namespace="ns {1}\n*", prompt_prefix="How do I " + EVIL),
+    )
     assert await keys(raw) == {
-        f"carpool:e:{{{FINGERPRINT}}}",                  # the fingerprint as it is, hash-tagged
-        f"carpool:tag:{digest(EVIL)}", f"carpool:tag:{digest('faq')}",
+        f"carpool:e:{{{FINGERPRINT}}}",  # the fingerprint as it is, hash-tagged
+        f"carpool:tag:{digest(EVIL)}",
+        f"carpool:tag:{digest('faq')}",
         f"carpool:ns:{digest('ns {1}' + chr(10) + '*')}",
         "carpool:prefixes",
-        "carpool:{stats}:live", "carpool:{stats}:size", "carpool:{stats}:bytes",
+        "carpool:{stats}:live",
+        "carpool:{stats}:size",
+        "carpool:{stats}:bytes",
     }
     assert not any(text in key for key in await keys(raw) for text in (EVIL, "evil", "faq", "{1}"))
     assert 59_000 < await raw.pttl(f"carpool:e:{{{FINGERPRINT}}}") <= 60_001
     assert 59_000 < await raw.pttl(f"carpool:tag:{digest(EVIL)}") <= 60_001
 
 
-async def test_a_key_that_is_not_a_fingerprint_is_hashed(store: RedisStore,
-                                                         raw: aredis.Redis) -> None:
+async def test_a_key_that_is_not_a_fingerprint_is_hashed(
+    store: RedisStore, raw: aredis.Redis
+) -> None:
     await store.put(EVIL, entry())
     await store.put(FINGERPRINT.upper(), entry())
     entry_keys = {key for key in await keys(raw) if key.startswith("carpool:e:")}
@@ -95,22 +103,28 @@ async def test_a_key_that_is_not_a_fingerprint_is_hashed(store: RedisStore,
 
 
 async def test_index_keys_expire_with_their_entries_and_counts_go_to_zero(
-        store: RedisStore, raw: aredis.Redis) -> None:
+    store: RedisStore, raw: aredis.Redis
+) -> None:
     await store.put(FINGERPRINT, entry(ttl=0.08, tags=("faq",), namespace="docs"))
     assert store.entries == 1
-    index_keys = {"carpool:prefixes", f"carpool:tag:{digest('faq')}",
-                  f"carpool:ns:{digest('docs')}", f"carpool:e:{{{FINGERPRINT}}}"}
+    index_keys = {
+        "carpool:prefixes",
+        f"carpool:tag:{digest('faq')}",
+        f"carpool:ns:{digest('docs')}",
+        f"carpool:e:{{{FINGERPRINT}}}",
+    }
     deadline = time.monotonic() + 2
     while await keys(raw) & index_keys:
         assert time.monotonic() < deadline, await keys(raw)
         await asyncio.sleep(0.005)
-    await store.refresh_stats()                     # reaps the expired entry from the counts
+    await store.refresh_stats()  # reaps the expired entry from the counts
     assert store.entries == 0 and store.bytes == 0
     assert await keys(raw) == set()
 
 
-async def test_a_prefix_separates_stores_on_one_server(redis_server: RedisServer,
-                                                       raw: aredis.Redis) -> None:
+async def test_a_prefix_separates_stores_on_one_server(
+    redis_server: RedisServer, raw: aredis.Redis
+) -> None:
     a, b = store_on(redis_server, prefix="a*:"), store_on(redis_server, prefix="b:")
     try:
         await a.put("k", entry(tags=("t",)))
@@ -136,8 +150,9 @@ async def test_a_client_that_decodes_responses_is_refused(redis_server: RedisSer
     await client.aclose()
 
 
-async def test_a_client_passed_in_stays_open_after_aclose(redis_server: RedisServer,
-                                                          raw: aredis.Redis) -> None:
+async def test_a_client_passed_in_stays_open_after_aclose(
+    redis_server: RedisServer, raw: aredis.Redis
+) -> None:
     store = store_on(redis_server, client=raw)
     await store.put("k", entry())
     await store.aclose()
@@ -146,8 +161,10 @@ async def test_a_client_passed_in_stays_open_after_aclose(redis_server: RedisSer
 
 # --------------------------------------------------------------------------- counts
 
+
 async def test_counts_are_the_whole_shared_cache_refreshed_by_gets(
-        redis_server: RedisServer) -> None:
+    redis_server: RedisServer,
+) -> None:
     a = store_on(redis_server)
     b = store_on(redis_server, stats_interval=0)
     try:
@@ -155,9 +172,10 @@ async def test_counts_are_the_whole_shared_cache_refreshed_by_gets(
         await a.put("1", e)
         await a.put("2", e)
         assert (a.entries, a.bytes) == (2, 2 * e.size)
-        await b.get("1")                           # refreshes b's counts in the background
-        await eventually(lambda: (b.entries, b.bytes) == (2, 2 * e.size), timeout=2,
-                         what="b's counts")
+        await b.get("1")  # refreshes b's counts in the background
+        await eventually(
+            lambda: (b.entries, b.bytes) == (2, 2 * e.size), timeout=2, what="b's counts"
+        )
         await b.invalidate(tag="t")
         await a.refresh_stats()
         assert (a.entries, a.bytes) == (0, 0)
@@ -168,23 +186,31 @@ async def test_counts_are_the_whole_shared_cache_refreshed_by_gets(
 
 # --------------------------------------------------------------------------- failures
 
+
 async def test_a_dead_server_makes_every_call_fail_fast_then_a_restart_heals(
-        redis_server: RedisServer, store: RedisStore) -> None:
+    redis_server: RedisServer, store: RedisStore
+) -> None:
     await store.put("k", entry(tags=("t",)))
     redis_server.kill()
-    calls = [store.get("k"), store.put("k", entry()), store.invalidate(tag="t"),
-             store.invalidate(prefix="x"), store.invalidate(everything=True),
-             store.refresh_stats()]
+    calls = [
+        store.get("k"),
+        store.put("k", entry()),
+        store.invalidate(tag="t"),
+        store.invalidate(prefix="x"),
+        store.invalidate(everything=True),
+        store.refresh_stats(),
+    ]
     await assert_each_fails_fast(calls)
-    assert store.entries == 1                      # the last value seen
-    redis_server.restart()                         # empty: nothing is persisted
+    assert store.entries == 1  # the last value seen
+    redis_server.restart()  # empty: nothing is persisted
     assert await store.get("k") is None
     await store.put("k", entry())
     assert await store.get("k") is not None
 
 
 async def test_a_hung_server_fails_a_call_within_the_socket_timeout(
-        redis_server: RedisServer, raw: aredis.Redis) -> None:
+    redis_server: RedisServer, raw: aredis.Redis
+) -> None:
     store = store_on(redis_server, socket_timeout=0.2)
     try:
         await store.put("k", entry())
@@ -197,23 +223,25 @@ async def test_a_hung_server_fails_a_call_within_the_socket_timeout(
         started = time.monotonic()
         with pytest.raises(StoreUnavailable, match="Timeout|cannot be connected"):
             await asyncio.wait_for(store.get("k"), 5)
-        assert time.monotonic() - started < 0.2 * timeouts + 0.3   # never more timeouts
-        await asyncio.sleep(pause / 1000)          # (the subject here is the pause itself)
-        await raw.ping()                            # answered once the pause is over
+        assert time.monotonic() - started < 0.2 * timeouts + 0.3  # never more timeouts
+        await asyncio.sleep(pause / 1000)  # (the subject here is the pause itself)
+        await raw.ping()  # answered once the pause is over
         assert await store.get("k") is not None
     finally:
         await store.aclose()
 
 
-async def test_a_command_redis_refuses_raises_store_unavailable(store: RedisStore,
-                                                                raw: aredis.Redis) -> None:
+async def test_a_command_redis_refuses_raises_store_unavailable(
+    store: RedisStore, raw: aredis.Redis
+) -> None:
     await raw.set("carpool:prefixes", "not a sorted set")
     with pytest.raises(StoreUnavailable, match="WRONGTYPE"):
         await store.put("k", entry())
 
 
-async def test_invalidating_everything_drops_only_the_stores_own_keys(store: RedisStore,
-                                                                      raw: aredis.Redis) -> None:
+async def test_invalidating_everything_drops_only_the_stores_own_keys(
+    store: RedisStore, raw: aredis.Redis
+) -> None:
     await store.put("a" * 32, entry(tags=("t",), namespace="n"))
     # Other layers keep their records under the same prefix: an idempotency record must survive.
     await raw.set("carpool:idem:{" + "b" * 40 + "}", b"record")

@@ -17,7 +17,7 @@ from carpool.redis.store import RedisStore
 from carpool.store import Entry, MemoryStore, Store
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
-SHARED_BACKENDS = ["redis", "redis-cluster"]   # backends that several gateway instances share
+SHARED_BACKENDS = ["redis", "redis-cluster"]  # backends that several gateway instances share
 
 
 def redis_url(request: pytest.FixtureRequest) -> tuple[str, bool]:
@@ -26,9 +26,35 @@ def redis_url(request: pytest.FixtureRequest) -> tuple[str, bool]:
         return request.getfixturevalue("redis_cluster").url, True
     return request.getfixturevalue("redis_server").url, False
 
+
 # User input that must work as a tag or namespace and never collide with another.
-ODD_NAMES = ["", " ", "a", "a ", "A", "a b", "{", "}", "{x}", "x} *evil", ":", "a:b", "*", "?",
-             "[a]", "\\", "\n", "x\ny", "tag:a", "carpool:", ",", "a,b", "ünïcödé", "日本語", "🙂"]
+ODD_NAMES = [
+    "",
+    " ",
+    "a",
+    "a ",
+    "A",
+    "a b",
+    "{",
+    "}",
+    "{x}",
+    "x} *evil",
+    ":",
+    "a:b",
+    "*",
+    "?",
+    "[a]",
+    "\\",
+    "\n",
+    "x\ny",
+    "tag:a",
+    "carpool:",
+    ",",
+    "a,b",
+    "ünïcödé",
+    "日本語",
+    "🙂",
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -51,8 +77,9 @@ async def two_instances(request: pytest.FixtureRequest) -> AsyncIterator[tuple[S
     await b.aclose()
 
 
-def entry(body: bytes = b"x" * 100, ttl: float = 60.0, *, frames: list[bytes] | None = None,
-          **kw) -> Entry:
+def entry(
+    body: bytes = b"x" * 100, ttl: float = 60.0, *, frames: list[bytes] | None = None, **kw
+) -> Entry:
     return Entry(Answer("chat", body, True, frames=frames), time.time() + ttl, **kw)
 
 
@@ -67,20 +94,44 @@ async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 2.0) 
 def assert_same(got: Entry | None, put: Entry) -> None:
     assert got is not None
     a, b = got.answer, put.answer
-    assert (a.kind, a.body, a.complete, a.tokens, a.created, a.frames, a.usage_frame) == \
-        (b.kind, b.body, b.complete, b.tokens, b.created, b.frames, b.usage_frame)
+    assert (a.kind, a.body, a.complete, a.tokens, a.created, a.frames, a.usage_frame) == (
+        b.kind,
+        b.body,
+        b.complete,
+        b.tokens,
+        b.created,
+        b.frames,
+        b.usage_frame,
+    )
     assert type(a.body) is bytes
-    assert (got.expires, got.tags, got.namespace, got.prompt_prefix) == \
-        (put.expires, put.tags, put.namespace, put.prompt_prefix)
+    assert (got.expires, got.tags, got.namespace, got.prompt_prefix) == (
+        put.expires,
+        put.tags,
+        put.namespace,
+        put.prompt_prefix,
+    )
 
 
 # --------------------------------------------------------------------------- get / put
 
+
 async def test_get_returns_what_was_put_byte_exact(store: Store) -> None:
-    frames = [b"data: {\"a\":1}\n\n", b"", bytes(range(256)), b"data: \xff\xfe\r\n\r\n"]
-    put = Entry(Answer("completion", bytes(range(256)) * 3 + b"\r\n\x00", True, tokens=42,
-                       created=1712345678.1234567, frames=frames, usage_frame=2),
-                time.time() + 60, ("faq", "news"), "docs", "How do I ünïcödé\n{*}")
+    frames = [b'data: {"a":1}\n\n', b"", bytes(range(256)), b"data: \xff\xfe\r\n\r\n"]
+    put = Entry(
+        Answer(
+            "completion",
+            bytes(range(256)) * 3 + b"\r\n\x00",
+            True,
+            tokens=42,
+            created=1712345678.1234567,
+            frames=frames,
+            usage_frame=2,
+        ),
+        time.time() + 60,
+        ("faq", "news"),
+        "docs",
+        "How do I ünïcödé\n{*}",
+    )
     await store.put("0123456789abcdef0123456789abcdef", put)
     assert_same(await store.get("0123456789abcdef0123456789abcdef"), put)
     assert store.entries == 1 and store.bytes == put.size
@@ -110,7 +161,7 @@ async def test_an_entry_is_not_returned_once_its_ttl_has_passed(store: Store) ->
     put = entry(ttl=0.3)
     await store.put("k", put)
     got = await store.get("k")
-    if got is not None or time.time() < put.expires:    # a slow machine may be past it already
+    if got is not None or time.time() < put.expires:  # a slow machine may be past it already
         assert_same(got, put)
 
     async def gone() -> bool:
@@ -121,8 +172,9 @@ async def test_an_entry_is_not_returned_once_its_ttl_has_passed(store: Store) ->
 
 
 async def test_put_replaces_the_entry_and_its_tags(store: Store) -> None:
-    await store.put("k", entry(b"old", frames=[b"o"], tags=("old",), namespace="a",
-                               prompt_prefix="old prompt"))
+    await store.put(
+        "k", entry(b"old", frames=[b"o"], tags=("old",), namespace="a", prompt_prefix="old prompt")
+    )
     new = entry(b"new", tags=("new",), namespace="b", prompt_prefix="new prompt")
     await store.put("k", new)
     assert_same(await store.get("k"), new)
@@ -143,6 +195,7 @@ async def test_putting_an_expired_entry_replaces_the_live_one(store: Store) -> N
 
 # --------------------------------------------------------------------------- invalidate
 
+
 async def fill(store: Store) -> None:
     await store.put("1", entry(tags=("faq", "shared"), namespace="docs", prompt_prefix="How do I"))
     await store.put("2", entry(tags=("news",), namespace="docs", prompt_prefix="What is"))
@@ -160,8 +213,9 @@ async def test_invalidate_by_tag_drops_only_that_tag(store: Store) -> None:
     assert await present(store) == {"2", "4"}
     assert await store.invalidate(tag="shared") == 0
     assert await store.invalidate(tag="nope") == 0
-    assert store.entries == 2 and store.bytes == 2 * entry().size + len("What is") \
-        + len("news") + len("Why")
+    assert store.entries == 2 and store.bytes == 2 * entry().size + len("What is") + len(
+        "news"
+    ) + len("Why")
 
 
 async def test_invalidate_by_namespace_drops_only_that_namespace(store: Store) -> None:
@@ -173,13 +227,14 @@ async def test_invalidate_by_namespace_drops_only_that_namespace(store: Store) -
 
 
 async def test_invalidate_by_prompt_prefix_drops_the_prompts_that_start_with_it(
-        store: Store) -> None:
+    store: Store,
+) -> None:
     await fill(store)
     assert await store.invalidate(prefix="How do") == 2
     assert await present(store) == {"2", "4"}
-    assert await store.invalidate(prefix="how") == 0        # case matters
+    assert await store.invalidate(prefix="how") == 0  # case matters
     assert await store.invalidate(prefix="What is it") == 0  # longer than the stored prefix
-    assert await store.invalidate(prefix="*") == 0           # literal, not a pattern
+    assert await store.invalidate(prefix="*") == 0  # literal, not a pattern
     assert await store.invalidate(prefix="W") == 2
     assert store.entries == 0 and store.bytes == 0
 
@@ -230,8 +285,10 @@ async def test_odd_prompt_prefixes_are_matched_literally(store: Store) -> None:
 
 # --------------------------------------------------------------------------- shared backends
 
+
 async def test_two_instances_see_each_others_entries_and_invalidations(
-        two_instances: tuple[Store, Store]) -> None:
+    two_instances: tuple[Store, Store],
+) -> None:
     a, b = two_instances
     put = entry(frames=[b"f"], tags=("faq",), namespace="docs", prompt_prefix="How")
     await a.put("k", put)

@@ -71,7 +71,8 @@ async def test_temperature_zero_text_is_deterministic():
 async def test_top_k_one_is_greedy_too():
     sim = replica()
     assert text_of(await answer(sim, chat(top_k=1, temperature=0.9))) == text_of(
-        await answer(sim, chat(temperature=0)))
+        await answer(sim, chat(temperature=0))
+    )
 
 
 async def test_sampled_text_differs_between_calls():
@@ -136,8 +137,11 @@ async def test_n_choices_are_indexed_and_decoded_together():
 
 
 async def test_completions_serve_a_list_of_prompts_with_n_choices_each():
-    body = await answer(replica(), {"model": "m", "prompt": ["say hi", [1, 2, 3]], "n": 2,
-                                    "temperature": 0}, path="/completions")
+    body = await answer(
+        replica(),
+        {"model": "m", "prompt": ["say hi", [1, 2, 3]], "n": 2, "temperature": 0},
+        path="/completions",
+    )
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["choices"][0]["text"] == body["choices"][1]["text"]  # greedy: same for every n
@@ -174,8 +178,9 @@ async def test_stream_chunks_are_spread_over_time():
 
 
 async def test_stream_include_usage_adds_final_usage_chunk():
-    chunks = await collect(replica(), chat(temperature=0, max_tokens=4,
-                                           stream_options={"include_usage": True}))
+    chunks = await collect(
+        replica(), chat(temperature=0, max_tokens=4, stream_options={"include_usage": True})
+    )
     *body, last = chunks
     assert all(c["usage"] is None for c in body)
     assert last["choices"] == []
@@ -184,12 +189,17 @@ async def test_stream_include_usage_adds_final_usage_chunk():
 
 
 async def test_completions_stream_text_chunks():
-    chunks = await collect(replica(), {"prompt": "hello", "temperature": 0, "max_tokens": 3},
-                           path="/completions")
+    chunks = await collect(
+        replica(), {"prompt": "hello", "temperature": 0, "max_tokens": 3}, path="/completions"
+    )
     assert all(c["object"] == "text_completion" for c in chunks)
     assert len(chunks) == 4  # three tokens, then the finish
-    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None,
-                                        "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "length",
+    }
 
 
 # --------------------------------------------------------------------------- cost model
@@ -258,8 +268,9 @@ async def test_sim_upstream_answers_and_streams_payload_bytes():
     assert whole.status == 200 and not whole.streaming
     assert whole.headers["content-type"] == "application/json"
     assert whole.headers["x-carpool-simulated"] == "true"
-    streamed = await upstream.send(UpstreamRequest("/chat/completions", chat(temperature=0),
-                                                   stream=True))
+    streamed = await upstream.send(
+        UpstreamRequest("/chat/completions", chat(temperature=0), stream=True)
+    )
     payloads = [orjson.loads(p) async for p in streamed.events()]
     await streamed.aclose()
     await streamed.aclose()  # safe twice
@@ -273,8 +284,9 @@ async def test_cancelled_stream_releases_slot():
     started = asyncio.Event()
 
     async def consume() -> None:
-        response = await upstream.send(UpstreamRequest("/chat/completions",
-                                                       chat(max_tokens=40), stream=True))
+        response = await upstream.send(
+            UpstreamRequest("/chat/completions", chat(max_tokens=40), stream=True)
+        )
         async for _ in response.events():
             started.set()
 
@@ -335,8 +347,9 @@ def test_build_replicas_names_each_replica():
 async def test_embeddings_are_deterministic_unit_vectors():
     sim = replica(embedding_dim=16)
     body = await answer(sim, {"model": "e", "input": ["hello world", "bye"]}, path="/embeddings")
-    again = await answer(replica(embedding_dim=16), {"model": "e", "input": "hello world"},
-                         path="/embeddings")
+    again = await answer(
+        replica(embedding_dim=16), {"model": "e", "input": "hello world"}, path="/embeddings"
+    )
     assert body["object"] == "list" and body["model"] == "e"
     assert [d["index"] for d in body["data"]] == [0, 1]
     first = body["data"][0]["embedding"]
@@ -358,19 +371,22 @@ async def test_embeddings_accept_token_arrays_and_base64():
     assert floats == pytest.approx(single["data"][0]["embedding"], rel=1e-6)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/chat/completions", {"model": "m"}),
-    ("/chat/completions", {"messages": []}),
-    ("/chat/completions", {"messages": ["hi"]}),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}),
-    ("/completions", {"model": "m"}),
-    ("/completions", {"prompt": [1.5]}),
-    ("/embeddings", {"model": "m"}),
-    ("/embeddings", {"input": ""}),
-    ("/embeddings", {"input": []}),
-    ("/chat/completions", ["not", "an", "object"]),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/chat/completions", {"model": "m"}),
+        ("/chat/completions", {"messages": []}),
+        ("/chat/completions", {"messages": ["hi"]}),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}),
+        ("/completions", {"model": "m"}),
+        ("/completions", {"prompt": [1.5]}),
+        ("/embeddings", {"model": "m"}),
+        ("/embeddings", {"input": ""}),
+        ("/embeddings", {"input": []}),
+        ("/chat/completions", ["not", "an", "object"]),
+    ],
+)
 async def test_invalid_bodies_get_openai_400(path, body):
     sim = replica()
     reply = await sim.handle(path, body)
@@ -390,17 +406,29 @@ async def test_unknown_path_is_openai_404():
 
 
 def responses_body(**fields: Any) -> dict[str, Any]:
-    return {"model": "test-model", "instructions": "Be brief.", "input": "What is a carpool?",
-            "temperature": 0, **fields}
+    return {
+        "model": "test-model",
+        "instructions": "Be brief.",
+        "input": "What is a carpool?",
+        "temperature": 0,
+        **fields,
+    }
 
 
 def messages_body(**fields: Any) -> dict[str, Any]:
-    return {"model": "test-model", "system": "Be brief.", "max_tokens": 64, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is a carpool?"}], **fields}
+    return {
+        "model": "test-model",
+        "system": "Be brief.",
+        "max_tokens": 64,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "What is a carpool?"}],
+        **fields,
+    }
 
 
-API_BODIES = pytest.mark.parametrize("path, make", [("/responses", responses_body),
-                                                    ("/messages", messages_body)])
+API_BODIES = pytest.mark.parametrize(
+    "path, make", [("/responses", responses_body), ("/messages", messages_body)]
+)
 LAST_EVENT = {"/responses": "response.completed", "/messages": "message_stop"}
 
 
@@ -478,8 +506,9 @@ async def test_typed_streams_send_one_delta_per_token_at_the_decode_pace(path, m
 
 @API_BODIES
 async def test_invalid_api_bodies_get_a_400_in_the_apis_shape(path, make):
-    reply = await replica().handle(path, make(**({"input": 5} if path == "/responses"
-                                                   else {"messages": []})))
+    reply = await replica().handle(
+        path, make(**({"input": 5} if path == "/responses" else {"messages": []}))
+    )
     assert reply.status == 400
     if path == "/messages":
         assert reply.body["type"] == "error"
@@ -511,8 +540,9 @@ async def test_http_server_answers_like_openai(http_client):
 
 
 async def test_http_server_rejects_malformed_json_and_unknown_paths(http_client):
-    malformed = await http_client.post("/v1/chat/completions", content=b"{nope",
-                                       headers={"content-type": "application/json"})
+    malformed = await http_client.post(
+        "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert malformed.status_code == 400
     assert malformed.json()["error"]["type"] == "invalid_request_error"
     missing = await http_client.get("/v1/nothing-here")
@@ -534,8 +564,11 @@ async def test_sim_stats_endpoint_says_simulated(http_client):
 async def live_server():
     """The app on a real socket: SSE framing is only honest over HTTP."""
     sim = replica()
-    server = uvicorn.Server(uvicorn.Config(create_app(sim), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(sim), host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+        )
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         assert not task.done(), "the server did not start"
@@ -549,8 +582,11 @@ async def live_server():
 async def test_http_server_streams_sse_ending_with_done(live_server):
     base_url, sim = live_server
     async with httpx.AsyncClient() as client:
-        async with client.stream("POST", f"{base_url}/chat/completions",
-                                 json=chat(temperature=0, max_tokens=5, stream=True)) as response:
+        async with client.stream(
+            "POST",
+            f"{base_url}/chat/completions",
+            json=chat(temperature=0, max_tokens=5, stream=True),
+        ) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             assert response.headers["x-carpool-simulated"] == "true"
             raw = b"".join([part async for part in response.aiter_bytes()])
@@ -568,8 +604,7 @@ async def test_http_server_streams_sse_ending_with_done(live_server):
 async def test_http_server_streams_typed_events_without_done(live_server, path, make):
     base_url, sim = live_server
     async with httpx.AsyncClient() as client:
-        async with client.stream("POST", f"{base_url}{path}",
-                                 json=make(stream=True)) as response:
+        async with client.stream("POST", f"{base_url}{path}", json=make(stream=True)) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             raw = b"".join([part async for part in response.aiter_bytes()])
     frames = raw.decode().split("\n\n")
@@ -587,10 +622,15 @@ async def test_openai_sdk_works_against_the_sim_server(live_server):
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     try:
         whole = await client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "hi"}], temperature=0)
+            model="any", messages=[{"role": "user", "content": "hi"}], temperature=0
+        )
         stream = await client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "hi"}], temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            model="any",
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         pieces, usage = [], None
         async for chunk in stream:
             usage = chunk.usage or usage
@@ -604,8 +644,9 @@ async def test_openai_sdk_works_against_the_sim_server(live_server):
 
 
 async def test_serve_replicas_runs_one_labelled_server_per_replica(capsys):
-    task = asyncio.create_task(serve_replicas(FAST.model_copy(update={"replicas": 2}),
-                                              "127.0.0.1", 0))
+    task = asyncio.create_task(
+        serve_replicas(FAST.model_copy(update={"replicas": 2}), "127.0.0.1", 0)
+    )
     lines: list[str] = []
     while len(lines) < 2:
         assert not task.done(), "serve_replicas ended early"
@@ -615,8 +656,10 @@ async def test_serve_replicas_runs_one_labelled_server_per_replica(capsys):
         assert all("SIMULATED engine, not a real model" in line for line in lines)
         urls = [line.rsplit(" ", 1)[1] for line in lines]
         async with httpx.AsyncClient() as client:
-            names = [(await client.get(url.removesuffix("/v1") + "/sim/stats")).json()["replica"]
-                     for url in urls]
+            names = [
+                (await client.get(url.removesuffix("/v1") + "/sim/stats")).json()["replica"]
+                for url in urls
+            ]
         assert names == ["sim-0", "sim-1"]
     finally:
         task.cancel()

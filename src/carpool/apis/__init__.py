@@ -17,8 +17,10 @@ from .messages import MessagesApi
 from .openai import ChatApi, CompletionApi, EmbeddingApi
 from .responses import ResponsesApi
 
-APIS: dict[str, Api] = {api.kind: api for api in (
-    ChatApi(), CompletionApi(), EmbeddingApi(), ResponsesApi(), MessagesApi())}
+APIS: dict[str, Api] = {
+    api.kind: api
+    for api in (ChatApi(), CompletionApi(), EmbeddingApi(), ResponsesApi(), MessagesApi())
+}
 BY_PATH: dict[str, Api] = {api.path: api for api in APIS.values()}
 
 

@@ -36,10 +36,10 @@ class Api:
     """The default behaviour of an API; each API overrides what differs."""
 
     kind: str = ""
-    path: str = ""                  # the gateway's path, e.g. "/v1/responses"
-    upstream_path: str = ""         # relative to the upstream's /v1 base, e.g. "/responses"
-    streams: bool = True            # the API has a stream form (``stream: true``)
-    stream_end: bytes = DONE        # what ends a stream sent to a client (b"": its last event)
+    path: str = ""  # the gateway's path, e.g. "/v1/responses"
+    upstream_path: str = ""  # relative to the upstream's /v1 base, e.g. "/responses"
+    streams: bool = True  # the API has a stream form (``stream: true``)
+    stream_end: bytes = DONE  # what ends a stream sent to a client (b"": its last event)
     # For a typed stream: tells whether a payload is the stream's last event (the upstream's
     # iterator ends after it). None: the stream ends with ``data: [DONE]``.
     last_event: Callable[[bytes], bool] | None = None
@@ -101,25 +101,29 @@ class Api:
                 return self.failure(error) if error.get("type") == "error" else error
             return {"message": str(error), "type": "error", "code": None}
         if chunk.get("type") == "error":
-            return {"message": chunk.get("message") or "the upstream stream failed",
-                    "type": "server_error", "code": chunk.get("code"),
-                    "param": chunk.get("param")}
+            return {
+                "message": chunk.get("message") or "the upstream stream failed",
+                "type": "server_error",
+                "code": chunk.get("code"),
+                "param": chunk.get("param"),
+            }
         return None
 
     def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
         """One SSE event carrying ``payload`` (``chunk``: parsed, when the caller has it)."""
-        if b"\n" in payload:                 # a multi-line data field
+        if b"\n" in payload:  # a multi-line data field
             if chunk is None:
                 return data_lines(payload)
-            payload = orjson.dumps(chunk)   # one line
+            payload = orjson.dumps(chunk)  # one line
         return b"data: " + payload + b"\n\n"
 
     def usage_only(self, chunk: dict[str, Any]) -> bool:
         """Whether ``chunk`` carries only the usage, for clients that did not ask for it."""
         return False
 
-    def judge_stream(self, chunks: list[dict[str, Any]],
-                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    def judge_stream(
+        self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], bool]:
         """(the non-streaming answer the stream's ``chunks`` make, whether it is complete:
         storable). Raises ``UpstreamStreamBroken`` when the stream did not end whole: the flight
         fails. ``asked``: the request body sent."""
@@ -188,12 +192,14 @@ class TypedApi(Api):
         raise NotImplementedError
 
     def usage_tokens(self, body: Any) -> int:
-        return tokens(body.get("usage") if isinstance(body, dict) else None,
-                      "input_tokens", "output_tokens")
+        return tokens(
+            body.get("usage") if isinstance(body, dict) else None, "input_tokens", "output_tokens"
+        )
 
     def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
-        return [event_frame(event["type"].encode(), orjson.dumps(event))
-                for event in self.events(body)]
+        return [
+            event_frame(event["type"].encode(), orjson.dumps(event)) for event in self.events(body)
+        ]
 
 
 def check_messages(body: dict[str, Any]) -> None:
@@ -201,8 +207,9 @@ def check_messages(body: dict[str, Any]) -> None:
     require_model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of message objects",
-                           param="messages")
+        raise RequestError(
+            "'messages' must be a non-empty list of message objects", param="messages"
+        )
     if not all(isinstance(message, dict) for message in messages):
         raise RequestError("each item of 'messages' must be an object", param="messages")
     check_fields(body)
@@ -217,8 +224,10 @@ def last_user_turn(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     text = plain_text(last.get("content"))
     if text is None:
         return None
-    return text, {**body, "messages": [*body["messages"][:-1],
-                                       {k: v for k, v in last.items() if k != "content"}]}
+    return text, {
+        **body,
+        "messages": [*body["messages"][:-1], {k: v for k, v in last.items() if k != "content"}],
+    }
 
 
 def is_deterministic(body: Any) -> bool:
@@ -239,7 +248,7 @@ def typed_frame(payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
         except orjson.JSONDecodeError:
             chunk = None
         if not isinstance(chunk, dict):
-            return data_lines(payload)      # not an event of the API: relayed as it came
+            return data_lines(payload)  # not an event of the API: relayed as it came
     if b"\n" in payload:
         payload = orjson.dumps(chunk)
     name = chunk.get("type")
@@ -266,6 +275,7 @@ def ends_with(types: frozenset[str]) -> Callable[[bytes], bool]:
         except orjson.JSONDecodeError:
             return False
         return isinstance(chunk, dict) and chunk.get("type") in types
+
     return last
 
 
@@ -286,9 +296,14 @@ def plain_text(content: Any, part_types: frozenset[str] = frozenset({"text"})) -
     newlines); None when it holds anything else (an image, a tool result...)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") in part_types
-            and isinstance(p.get("text"), str) for p in content):
+    if (
+        isinstance(content, list)
+        and content
+        and all(
+            isinstance(p, dict) and p.get("type") in part_types and isinstance(p.get("text"), str)
+            for p in content
+        )
+    ):
         return "\n".join(p["text"] for p in content)
     return None
 
@@ -298,8 +313,9 @@ def text_parts(content: Any) -> list[str]:
     if isinstance(content, str):
         return [content]
     if isinstance(content, list):
-        return [p["text"] for p in content if isinstance(p, dict)
-                and isinstance(p.get("text"), str)]
+        return [
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
     return []
 
 
@@ -325,5 +341,7 @@ def require_model(body: dict[str, Any]) -> None:
 def passed_through(error: CarpoolError) -> bool:
     """An error whose body is not the gateway's to shape: the upstream's own, as it came, or
     an idempotency problem (RFC 9457 problem+json on every endpoint)."""
-    return isinstance(error, UpstreamStatusError) \
+    return (
+        isinstance(error, UpstreamStatusError)
         or error.headers().get("content-type") == "application/problem+json"
+    )

@@ -56,9 +56,15 @@ LAST_EVENT = "message_stop"
 _DELTA_FIELDS = ("stop_reason", "stop_sequence", "stop_details", "container")
 _TOOL_BLOCKS = frozenset({"tool_use", "server_tool_use"})
 # Anthropic's error types, by HTTP status (https://docs.anthropic.com/en/api/errors).
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
 class MessagesApi(TypedApi):
@@ -77,9 +83,11 @@ class MessagesApi(TypedApi):
             return "server_tools"
         tools = body.get("tools")
         if isinstance(tools, list) and any(
-                isinstance(tool, dict) and isinstance(tool.get("type"), str)
-                and tool["type"].startswith(("web_search", "web_fetch", "code_execution"))
-                for tool in tools):
+            isinstance(tool, dict)
+            and isinstance(tool.get("type"), str)
+            and tool["type"].startswith(("web_search", "web_fetch", "code_execution"))
+            for tool in tools
+        ):
             return "server_tools"
         return None
 
@@ -89,15 +97,14 @@ class MessagesApi(TypedApi):
         if body.get("top_k") == 1:
             return True
         temperature = body.get("temperature")
-        return temperature is not None and not isinstance(temperature, bool) \
-            and temperature == 0
+        return temperature is not None and not isinstance(temperature, bool) and temperature == 0
 
     def final(self, body: Any) -> bool:
         # A message, finished or not (no stop reason): the upstream generated it.
         return isinstance(body, dict) and body.get("type") == "message"
 
     def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
-        return stream                   # message_start and message_delta always carry it
+        return stream  # message_start and message_delta always carry it
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
         texts = text_parts(body.get("system"))
@@ -113,8 +120,9 @@ class MessagesApi(TypedApi):
     def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
         return typed_frame(payload, chunk)
 
-    def judge_stream(self, chunks: list[dict[str, Any]],
-                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    def judge_stream(
+        self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], bool]:
         if not chunks or chunks[-1].get("type") != LAST_EVENT:
             raise UpstreamStreamBroken("the upstream stream ended before message_stop")
         body = assemble(chunks)
@@ -123,15 +131,18 @@ class MessagesApi(TypedApi):
     # --------------------------------------------------------------------------- the answer
 
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
-        return isinstance(body, dict) and body.get("type") == "message" \
-            and body.get("stop_reason") is not None and isinstance(body.get("content"), list)
+        return (
+            isinstance(body, dict)
+            and body.get("type") == "message"
+            and body.get("stop_reason") is not None
+            and isinstance(body.get("content"), list)
+        )
 
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         return synthesize(body)
 
     def error_event(self, error: CarpoolError) -> bytes:
-        return event_frame(b"error", orjson.dumps({"type": "error",
-                                                    "error": _error_object(error)}))
+        return event_frame(b"error", orjson.dumps({"type": "error", "error": _error_object(error)}))
 
     def error_body(self, error: CarpoolError) -> bytes:
         if passed_through(error):
@@ -142,14 +153,18 @@ class MessagesApi(TypedApi):
 def _error_object(error: CarpoolError) -> dict[str, Any]:
     """Anthropic's error object: the upstream's own when it sent one (in its stream, or as its
     answer), else the gateway's error as one."""
-    if isinstance(error, UpstreamStatusError) or (isinstance(error, UpstreamStreamBroken)
-                                                  and error.upstream_error is not None):
+    if isinstance(error, UpstreamStatusError) or (
+        isinstance(error, UpstreamStreamBroken) and error.upstream_error is not None
+    ):
         upstream = error.error_object()
         if isinstance(upstream.get("type"), str) and isinstance(upstream.get("message"), str):
             return upstream
-    return {"type": _ERROR_TYPES.get(error.status, "invalid_request_error"
-                                     if 400 <= error.status < 500 else "api_error"),
-            "message": error.message}
+    return {
+        "type": _ERROR_TYPES.get(
+            error.status, "invalid_request_error" if 400 <= error.status < 500 else "api_error"
+        ),
+        "message": error.message,
+    }
 
 
 def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -157,12 +172,12 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     message: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     blocks: dict[int, dict[str, Any]] = {}
-    pieces: dict[int, list[str]] = {}           # a tool call's input, as JSON text in pieces
+    pieces: dict[int, list[str]] = {}  # a tool call's input, as JSON text in pieces
     for chunk in chunks:
         kind = chunk.get("type")
         if kind == "message_start" and isinstance(chunk.get("message"), dict):
             message = dict(chunk["message"])
-            start_usage = message.get("usage")       # never trusted to be well formed
+            start_usage = message.get("usage")  # never trusted to be well formed
             usage = dict(start_usage) if isinstance(start_usage, dict) else {}
         elif kind == "content_block_start" and isinstance(chunk.get("index"), int):
             block = chunk.get("content_block")
@@ -170,8 +185,11 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         elif kind == "content_block_delta" and isinstance(chunk.get("index"), int):
             delta = chunk.get("delta")
             if isinstance(delta, dict):
-                _add_delta(blocks.setdefault(chunk["index"], {}),
-                           pieces.setdefault(chunk["index"], []), delta)
+                _add_delta(
+                    blocks.setdefault(chunk["index"], {}),
+                    pieces.setdefault(chunk["index"], []),
+                    delta,
+                )
         elif kind == "message_delta":
             delta = chunk.get("delta")
             if isinstance(delta, dict):
@@ -185,7 +203,7 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
             try:
                 blocks[index]["input"] = orjson.loads(text) if text else {}
             except orjson.JSONDecodeError:
-                blocks[index]["input"] = text           # as it came: the engine's own output
+                blocks[index]["input"] = text  # as it came: the engine's own output
     message["content"] = [blocks[i] for i in sorted(blocks)]
     if usage or "usage" in message:
         message["usage"] = usage
@@ -210,8 +228,9 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The events of a stream that makes ``body`` (see the module docstring)."""
     usage = body.get("usage")
     # The message as message_start sends it: no content and no stop yet, in the body's order.
-    start = {k: None if k in _DELTA_FIELDS else v for k, v in body.items()
-             if k not in _DELTA_FIELDS[2:]}
+    start = {
+        k: None if k in _DELTA_FIELDS else v for k, v in body.items() if k not in _DELTA_FIELDS[2:]
+    }
     start.update(content=[], stop_reason=None, stop_sequence=None)
     events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
     content = body.get("content")
@@ -219,8 +238,13 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
         events += _block_events(index, block if isinstance(block, dict) else {})
     delta = {k: body.get(k) for k in _DELTA_FIELDS[:2]}
     delta.update((k, body[k]) for k in _DELTA_FIELDS[2:] if k in body)
-    events.append({"type": "message_delta", "delta": delta,
-                   "usage": usage if isinstance(usage, dict) else {"output_tokens": 0}})
+    events.append(
+        {
+            "type": "message_delta",
+            "delta": delta,
+            "usage": usage if isinstance(usage, dict) else {"output_tokens": 0},
+        }
+    )
     events.append({"type": LAST_EVENT})
     return events
 
@@ -231,19 +255,24 @@ def _block_events(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
         start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
     elif kind in _TOOL_BLOCKS and isinstance(block.get("input"), dict):
         start = {**block, "input": {}}
-        delta = {"type": "input_json_delta",
-                 "partial_json": orjson.dumps(block["input"]).decode()}
+        delta = {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
     elif kind == "thinking" and isinstance(block.get("thinking"), str):
         start = {**block, "thinking": "", "signature": ""}
         delta = {"type": "thinking_delta", "thinking": block["thinking"]}
-    else:                                       # redacted thinking, tool results...: whole
+    else:  # redacted thinking, tool results...: whole
         start, delta = block, None
-    events: list[dict[str, Any]] = [{"type": "content_block_start", "index": index,
-                                     "content_block": start}]
+    events: list[dict[str, Any]] = [
+        {"type": "content_block_start", "index": index, "content_block": start}
+    ]
     if delta is not None:
         events.append({"type": "content_block_delta", "index": index, "delta": delta})
     if kind == "thinking" and isinstance(block.get("signature"), str) and delta is not None:
-        events.append({"type": "content_block_delta", "index": index,
-                       "delta": {"type": "signature_delta", "signature": block["signature"]}})
+        events.append(
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "signature_delta", "signature": block["signature"]},
+            }
+        )
     events.append({"type": "content_block_stop", "index": index})
     return events

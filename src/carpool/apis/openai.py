@@ -34,15 +34,18 @@ class _Classic(Api):
         body = {**body, "stream": True}
         if ask_usage:
             options = body.get("stream_options")
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                      "include_usage": True}
+            body["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
         return body
 
     def usage_only(self, chunk: dict[str, Any]) -> bool:
         return not chunk.get("choices") and chunk.get("usage") is not None
 
-    def judge_stream(self, chunks: list[dict[str, Any]],
-                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    def judge_stream(
+        self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], bool]:
         body = assemble(self.kind, chunks)
         if not is_complete(self.kind, body, expected_choices(self.kind, asked)):
             raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
@@ -55,8 +58,10 @@ class _Classic(Api):
         return usage_tokens(body)
 
     def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
-        return [frame(orjson.dumps(chunk))
-                for chunk in synthesize(self.kind, body, include_usage=include_usage)]
+        return [
+            frame(orjson.dumps(chunk))
+            for chunk in synthesize(self.kind, body, include_usage=include_usage)
+        ]
 
     def error_event(self, error: CarpoolError) -> bytes:
         return error_event(error)
@@ -81,8 +86,9 @@ class CompletionApi(_Classic):
     def validate(self, body: dict[str, Any]) -> None:
         require_model(body)
         if not is_text_or_tokens(body.get("prompt")):
-            raise RequestError("'prompt' must be a string, a list of strings or token lists",
-                               param="prompt")
+            raise RequestError(
+                "'prompt' must be a string, a list of strings or token lists", param="prompt"
+            )
         check_fields(body)
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
@@ -92,7 +98,7 @@ class CompletionApi(_Classic):
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            return None                     # token ids and list prompts: exact only
+            return None  # token ids and list prompts: exact only
         return prompt, {k: v for k, v in body.items() if k != "prompt"}
 
 
@@ -103,8 +109,9 @@ class EmbeddingApi(Api):
     def validate(self, body: dict[str, Any]) -> None:
         require_model(body)
         if not is_text_or_tokens(body.get("input")):
-            raise RequestError("'input' must be a string, a list of strings or token lists",
-                               param="input")
+            raise RequestError(
+                "'input' must be a string, a list of strings or token lists", param="input"
+            )
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         return True

@@ -51,11 +51,15 @@ from ..sse import event_frame
 from .base import TypedApi, check_fields, ends_with, plain_text, text_parts, typed_frame
 
 # The events a stream ends with, each carrying the whole response object.
-LAST = {"completed": "response.completed", "incomplete": "response.incomplete",
-        "failed": "response.failed"}
+LAST = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+}
 LAST_EVENTS = frozenset(LAST.values())
-_LIFECYCLE = frozenset({"response.created", "response.queued", "response.in_progress",
-                        *LAST_EVENTS})
+_LIFECYCLE = frozenset(
+    {"response.created", "response.queued", "response.in_progress", *LAST_EVENTS}
+)
 _INPUT_TEXT = frozenset({"input_text", "text"})
 
 
@@ -72,8 +76,7 @@ class ResponsesApi(TypedApi):
             raise RequestError("'model' must be a string", param="model")
         value = body.get("input")
         if value is not None and not isinstance(value, (str, list)):
-            raise RequestError("'input' must be a string or a list of input items",
-                               param="input")
+            raise RequestError("'input' must be a string or a list of input items", param="input")
         for name in ("background", "store"):
             if body.get(name) is not None and not isinstance(body[name], bool):
                 raise RequestError(f"'{name}' must be a boolean", param=name)
@@ -88,8 +91,9 @@ class ResponsesApi(TypedApi):
         # state that changes: two identical requests are not the same request.
         tools = body.get("tools")
         if isinstance(tools, list) and any(
-                isinstance(tool, dict) and tool.get("type") not in (None, "function", "custom")
-                for tool in tools):
+            isinstance(tool, dict) and tool.get("type") not in (None, "function", "custom")
+            for tool in tools
+        ):
             return "server_tools"
         # A stored prompt without a version is its latest version, which may change.
         prompt = body.get("prompt")
@@ -105,11 +109,10 @@ class ResponsesApi(TypedApi):
     def deterministic(self, body: dict[str, Any]) -> bool:
         # The Responses API has no ``seed`` nor ``top_k``: only temperature 0.
         temperature = body.get("temperature")
-        return temperature is not None and not isinstance(temperature, bool) \
-            and temperature == 0
+        return temperature is not None and not isinstance(temperature, bool) and temperature == 0
 
     def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
-        return stream                   # the last event always carries the usage
+        return stream  # the last event always carries the usage
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
         texts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
@@ -134,41 +137,56 @@ class ResponsesApi(TypedApi):
         text = plain_text(last.get("content"), _INPUT_TEXT)
         if text is None:
             return None
-        return text, {**rest, "input": [*value[:-1],
-                                        {k: v for k, v in last.items() if k != "content"}]}
+        return text, {
+            **rest,
+            "input": [*value[:-1], {k: v for k, v in last.items() if k != "content"}],
+        }
 
     # --------------------------------------------------------------------------- the stream
 
     def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
         return typed_frame(payload, chunk)
 
-    def judge_stream(self, chunks: list[dict[str, Any]],
-                     asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    def judge_stream(
+        self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], bool]:
         if not chunks or chunks[-1].get("type") not in LAST_EVENTS:
-            raise UpstreamStreamBroken("the upstream stream ended before its last event "
-                                       "(response.completed)")
+            raise UpstreamStreamBroken(
+                "the upstream stream ended before its last event (response.completed)"
+            )
         body = assemble(chunks)
         return body, self.complete(body)
 
     # --------------------------------------------------------------------------- the answer
 
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
-        return isinstance(body, dict) and body.get("status") == "completed" \
+        return (
+            isinstance(body, dict)
+            and body.get("status") == "completed"
             and isinstance(body.get("output"), list)
+        )
 
     def final(self, body: Any) -> bool:
         # Queued (background), in progress, incomplete or failed: the upstream took the request
         # and holds a response for it (a job, a conversation turn): a retry must not run again.
-        return isinstance(body, dict) and body.get("object") == "response" \
+        return (
+            isinstance(body, dict)
+            and body.get("object") == "response"
             and isinstance(body.get("status"), str)
+        )
 
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         return synthesize(body)
 
     def error_event(self, error: CarpoolError) -> bytes:
         obj = error.error_object()
-        event = {"type": "error", "code": obj.get("code"), "message": obj.get("message"),
-                 "param": obj.get("param"), "error": obj}
+        event = {
+            "type": "error",
+            "code": obj.get("code"),
+            "message": obj.get("message"),
+            "param": obj.get("param"),
+            "error": obj,
+        }
         return event_frame(b"error", orjson.dumps(event))
 
 
@@ -206,16 +224,22 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         where = {"item_id": item.get("id"), "output_index": index}
         if item.get("type") == "message" and isinstance(item.get("content"), list):
-            emit("response.output_item.added", output_index=index,
-                 item={**item, "status": "in_progress", "content": []})
+            emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "content": []},
+            )
             for position, part in enumerate(item["content"]):
                 _part_events(emit, where, position, part)
         elif item.get("type") == "function_call" and isinstance(item.get("arguments"), str):
-            emit("response.output_item.added", output_index=index,
-                 item={**item, "status": "in_progress", "arguments": ""})
+            emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "arguments": ""},
+            )
             emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
             emit("response.function_call_arguments.done", **where, arguments=item["arguments"])
-        else:                                   # reasoning, tool calls of the server...: whole
+        else:  # reasoning, tool calls of the server...: whole
             emit("response.output_item.added", output_index=index, item=item)
         emit("response.output_item.done", output_index=index, item=item)
     status = body.get("status")

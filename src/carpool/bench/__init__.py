@@ -20,8 +20,18 @@ def __getattr__(name: str) -> Any:
     # does not import its own module through the runner first.
     if name in ("BenchOptions", "run_bench"):
         from . import runner
+
         return getattr(runner, name)
     raise AttributeError(name)
 
-__all__ = ["PRESETS", "BenchOptions", "BenchRequest", "Workload", "WorkloadError", "load_jsonl",
-           "run_bench", "synthetic"]
+
+__all__ = [
+    "PRESETS",
+    "BenchOptions",
+    "BenchRequest",
+    "Workload",
+    "WorkloadError",
+    "load_jsonl",
+    "run_bench",
+    "synthetic",
+]

@@ -47,16 +47,23 @@ class EmbeddedError(RuntimeError):
 @contextlib.asynccontextmanager
 async def embedded_gateway(config: Config, log_path: Path) -> AsyncIterator[str]:
     """Run the gateway for ``config`` in a child process; yield ``http://127.0.0.1:PORT``."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-bench-",
-                                     delete=False) as handle:
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".json", prefix="carpool-bench-", delete=False
+    ) as handle:
         json.dump(config.model_dump(mode="json"), handle)
         config_path = handle.name
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")  # noqa: SIM115  (closed below, after the child)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "carpool.bench.embedded", config_path,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sys.executable,
+        "-m",
+        "carpool.bench.embedded",
+        config_path,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         url = await _started(process, log_path)
         yield url
@@ -86,8 +93,9 @@ async def _started(process: asyncio.subprocess.Process, log_path: Path) -> str:
                         return url
             if process.returncode is not None or loop.time() > deadline:
                 await _stop(process)
-                raise EmbeddedError(f"the embedded gateway did not answer /healthz:\n"
-                                    f"{_tail(log_path)}")
+                raise EmbeddedError(
+                    f"the embedded gateway did not answer /healthz:\n{_tail(log_path)}"
+                )
             await asyncio.sleep(0.05)
 
 
@@ -123,9 +131,16 @@ def _with_sim_stats(app: Any, gateway: Any) -> Any:
         if scope["type"] == "http" and scope["path"] == "/sim/stats":
             replicas = [u.replica.stats() for u in gateway.upstreams if hasattr(u, "replica")]
             body = orjson.dumps({"simulated": bool(replicas), "replicas": replicas})
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         await app(scope, receive, send)
@@ -135,6 +150,7 @@ def _with_sim_stats(app: Any, gateway: Any) -> Any:
 
 def _exit_with_parent() -> None:
     """Stop (as on SIGTERM) once stdin closes: the parent is gone or done."""
+
     def watch() -> None:
         with contextlib.suppress(Exception):
             sys.stdin.buffer.read()
@@ -157,20 +173,33 @@ def main(argv: list[str] | None = None) -> None:
     try:
         gateway = Gateway(config)
     except ImportError as error:
-        print(f"carpool bench: semantic.enabled needs the semantic extra: "
-              f"pip install 'carpool[semantic]' ({error})", file=sys.stderr)
+        print(
+            f"carpool bench: semantic.enabled needs the semantic extra: "
+            f"pip install 'carpool[semantic]' ({error})",
+            file=sys.stderr,
+        )
         sys.exit(2)
-    engine = "the embedded SIMULATED engine" if not config.upstreams else \
-        ", ".join(config.upstreams)
-    print(f"carpool bench: embedded gateway in front of {engine}; semantic cache "
-          f"{'on' if gateway.semantic is not None else 'off'}", file=sys.stderr)
+    engine = (
+        "the embedded SIMULATED engine" if not config.upstreams else ", ".join(config.upstreams)
+    )
+    print(
+        f"carpool bench: embedded gateway in front of {engine}; semantic cache "
+        f"{'on' if gateway.semantic is not None else 'off'}",
+        file=sys.stderr,
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
-    server = uvicorn.Server(uvicorn.Config(_with_sim_stats(create_app(gateway), gateway),
-                                           log_level="warning", access_log=False,
-                                           lifespan="on", backlog=2048))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            _with_sim_stats(create_app(gateway), gateway),
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            backlog=2048,
+        )
+    )
     print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
     _exit_with_parent()
     server.run(sockets=[sock])

@@ -43,8 +43,10 @@ def _parsed(request: BenchRequest, config: Config) -> tuple[Any, Any, str | None
     """(Request, Fingerprint, idempotency key), or None when the gateway would reject it."""
     headers = {k.lower(): v for k, v in request.headers.items()}
     try:
-        parsed = parse(ClientRequest(request.endpoint, request.payload(), headers),
-                       config.limits.max_body_bytes)
+        parsed = parse(
+            ClientRequest(request.endpoint, request.payload(), headers),
+            config.limits.max_body_bytes,
+        )
         idempotency_key = parse_key(headers)
     except (RequestError, IdempotencyError):
         return None
@@ -59,7 +61,7 @@ def request_key(request: BenchRequest, config: Config) -> str | None:
 
 @dataclass(slots=True)
 class _Life:
-    flight_end: float = float("-inf")     # the last call's answer was ready then
+    flight_end: float = float("-inf")  # the last call's answer was ready then
     linger: bool = True
     cache_produced: float = float("-inf")
     cache_until: float = float("-inf")
@@ -68,26 +70,35 @@ class _Life:
 @dataclass(slots=True)
 class Oracle:
     calls: int = 0
-    distinct: int = 0                 # distinct fingerprints among shareable requests
-    unshareable: int = 0              # one call each
-    refreshes: int = 0                # further calls of a fingerprint whose answer had expired
-    rejected: int = 0                 # the gateway answers these itself: no call
-    replays: int = 0                  # a reused Idempotency-Key: no call
-    needs_call: list[bool] = field(default_factory=list)   # per request, in workload order
+    distinct: int = 0  # distinct fingerprints among shareable requests
+    unshareable: int = 0  # one call each
+    refreshes: int = 0  # further calls of a fingerprint whose answer had expired
+    rejected: int = 0  # the gateway answers these itself: no call
+    replays: int = 0  # a reused Idempotency-Key: no call
+    needs_call: list[bool] = field(default_factory=list)  # per request, in workload order
     assumptions: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        return {"calls": self.calls, "distinct_fingerprints": self.distinct,
-                "unshareable": self.unshareable, "refreshes": self.refreshes,
-                "rejected": self.rejected, "idempotent_replays": self.replays,
-                "method": "carpool.fingerprint.fingerprint under the run's config; one call per "
-                          "distinct fingerprint while its answer lives + one per unshareable "
-                          "request",
-                "assumptions": self.assumptions}
+        return {
+            "calls": self.calls,
+            "distinct_fingerprints": self.distinct,
+            "unshareable": self.unshareable,
+            "refreshes": self.refreshes,
+            "rejected": self.rejected,
+            "idempotent_replays": self.replays,
+            "method": "carpool.fingerprint.fingerprint under the run's config; one call per "
+            "distinct fingerprint while its answer lives + one per unshareable "
+            "request",
+            "assumptions": self.assumptions,
+        }
 
 
-def oracle(workload: Workload, config: Config, times: Sequence[float] | None = None,
-           call_seconds: float = 0.0) -> Oracle:
+def oracle(
+    workload: Workload,
+    config: Config,
+    times: Sequence[float] | None = None,
+    call_seconds: float = 0.0,
+) -> Oracle:
     """The oracle for ``workload`` with requests arriving at ``times`` (default: their ``t``)."""
     requests = workload.requests
     times = [r.t for r in requests] if times is None else list(times)
@@ -107,7 +118,7 @@ def oracle(workload: Workload, config: Config, times: Sequence[float] | None = N
             continue
         request, key, idempotency_key = parsed
         if idempotency_key is not None:
-            scoped = (key.owner, idempotency_key)     # as the gateway: the requester's own
+            scoped = (key.owner, idempotency_key)  # as the gateway: the requester's own
             if scoped in idempotency_seen:
                 result.replays += 1
                 continue
@@ -137,32 +148,41 @@ def oracle(workload: Workload, config: Config, times: Sequence[float] | None = N
             life.cache_until = life.cache_produced + ttl
     span = max(times) - min(times) if times else 0.0
     shortest = min(ttls_used) if ttls_used else None
-    notes = [f"cache entries are never evicted (cache.max_bytes = {config.cache.max_bytes} is "
-             "assumed large enough)",
-             "exact matches only: semantic hits can bring upstream_calls below this oracle",
-             "embeddings requests count one call per distinct input request; the gateway's "
-             "batcher may merge several into one upstream call"]
+    notes = [
+        f"cache entries are never evicted (cache.max_bytes = {config.cache.max_bytes} is "
+        "assumed large enough)",
+        "exact matches only: semantic hits can bring upstream_calls below this oracle",
+        "embeddings requests count one call per distinct input request; the gateway's "
+        "batcher may merge several into one upstream call",
+    ]
     if shortest is not None and shortest < span:
-        notes.append(f"some answers expire during the run (ttl {shortest:g} s < run {span:.1f} "
-                     f"s): each is refreshed by one call at its first request after expiry; "
-                     f"a call is assumed to take {call_seconds * 1000:.0f} ms and a finished "
-                     f"answer stays joinable {window * 1000:.0f} ms (the longest coalescing "
-                     f"window)")
+        notes.append(
+            f"some answers expire during the run (ttl {shortest:g} s < run {span:.1f} "
+            f"s): each is refreshed by one call at its first request after expiry; "
+            f"a call is assumed to take {call_seconds * 1000:.0f} ms and a finished "
+            f"answer stays joinable {window * 1000:.0f} ms (the longest coalescing "
+            f"window)"
+        )
     else:
-        notes.append(f"every answer outlives the run (shortest ttl "
-                     f"{'n/a' if shortest is None else f'{shortest:g} s'} >= run "
-                     f"{span:.1f} s): no refreshes")
+        notes.append(
+            f"every answer outlives the run (shortest ttl "
+            f"{'n/a' if shortest is None else f'{shortest:g} s'} >= run "
+            f"{span:.1f} s): no refreshes"
+        )
     result.assumptions = notes
     return result
 
 
 def _served(life: _Life, t: float, controls: Any, window: float) -> bool:
     """Could a request at ``t`` be answered without a call of its own?"""
-    if t <= life.flight_end:                                    # joins the call in flight
+    if t <= life.flight_end:  # joins the call in flight
         return True
     join_age = controls.max_age if controls.may_read else 0.0
     since = t - life.flight_end
     if life.linger and since <= window and (join_age is None or since < join_age):
-        return True                                             # within the coalescing window
-    return (controls.may_read and t < life.cache_until
-            and (controls.max_age is None or t - life.cache_produced < controls.max_age))
+        return True  # within the coalescing window
+    return (
+        controls.may_read
+        and t < life.cache_until
+        and (controls.max_age is None or t - life.cache_produced < controls.max_age)
+    )

@@ -18,10 +18,18 @@ from pathlib import Path
 
 from .replay import Run
 
-MISSING = ("Plots need matplotlib, which is not installed: `pip install 'carpool[bench]'`, then "
-           "run the benchmark again.")
-COLORS = {"hit": "#2ca02c", "semantic_hit": "#17becf", "coalesced": "#1f77b4",
-          "miss": "#ff7f0e", "bypass": "#7f7f7f", "error": "#d62728"}
+MISSING = (
+    "Plots need matplotlib, which is not installed: `pip install 'carpool[bench]'`, then "
+    "run the benchmark again."
+)
+COLORS = {
+    "hit": "#2ca02c",
+    "semantic_hit": "#17becf",
+    "coalesced": "#1f77b4",
+    "miss": "#ff7f0e",
+    "bypass": "#7f7f7f",
+    "error": "#d62728",
+}
 ORDER = ("hit", "semantic_hit", "coalesced", "miss", "bypass", "error")
 
 
@@ -43,9 +51,11 @@ def draw(run: Run, needs_call: Sequence[bool], out: Path) -> list[str]:
 
     out.mkdir(parents=True, exist_ok=True)
     names = []
-    for name, figure in (("outcomes_over_time.png", _outcomes(plt, run, outcome_of)),
-                         ("latency_cdf.png", _latency(plt, run, outcome_of)),
-                         ("upstream_vs_oracle.png", _calls(plt, run, needs_call))):
+    for name, figure in (
+        ("outcomes_over_time.png", _outcomes(plt, run, outcome_of)),
+        ("latency_cdf.png", _latency(plt, run, outcome_of)),
+        ("upstream_vs_oracle.png", _calls(plt, run, needs_call)),
+    ):
         figure.savefig(out / name, dpi=110, bbox_inches="tight")
         plt.close(figure)
         names.append(name)
@@ -55,7 +65,7 @@ def draw(run: Run, needs_call: Sequence[bool], out: Path) -> list[str]:
 def _outcomes(plt, run: Run, outcome_of):
     results = run.results
     span = max((r.sent for r in results), default=0.0)
-    width = max(1.0, span / 60)                       # at most ~60 bars
+    width = max(1.0, span / 60)  # at most ~60 bars
     bins = int(span / width) + 1
     counts = {name: [0] * bins for name in ORDER}
     for r in results:
@@ -67,8 +77,15 @@ def _outcomes(plt, run: Run, outcome_of):
         series = [c / width for c in counts[name]]
         if not any(series):
             continue
-        ax.bar(x, series, width=width * 0.95, bottom=bottom, align="edge", color=COLORS[name],
-               label=f"{name} ({sum(counts[name]):,})")
+        ax.bar(
+            x,
+            series,
+            width=width * 0.95,
+            bottom=bottom,
+            align="edge",
+            color=COLORS[name],
+            label=f"{name} ({sum(counts[name]):,})",
+        )
         bottom = [b + s for b, s in zip(bottom, series, strict=True)]
     ax.set_xlabel("seconds since start (send time)")
     ax.set_ylabel("requests / s")
@@ -84,20 +101,34 @@ def _cdf(ax, values_ms: list[float], name: str, style: str = "-") -> None:
     n = len(data)
     ys = [(i + 1) / n for i in range(n)]
     median = data[(n - 1) // 2]
-    ax.step(data, ys, style, where="post", color=COLORS[name],
-            label=f"{name} (n={n:,}, p50 {median:,.1f} ms)")
+    ax.step(
+        data,
+        ys,
+        style,
+        where="post",
+        color=COLORS[name],
+        label=f"{name} (n={n:,}, p50 {median:,.1f} ms)",
+    )
 
 
 def _latency(plt, run: Run, outcome_of):
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, attr, results, title in (
-            (left, "latency", run.results, "Latency to the last byte, per outcome"),
-            (right, "ttfb", [r for r in run.results if r.stream],
-             "Streams: time to first byte, per outcome")):
+        (left, "latency", run.results, "Latency to the last byte, per outcome"),
+        (
+            right,
+            "ttfb",
+            [r for r in run.results if r.stream],
+            "Streams: time to first byte, per outcome",
+        ),
+    ):
         drawn = False
         for name in ORDER:
-            values = [getattr(r, attr) * 1000 for r in results
-                      if outcome_of(r) == name and r.ok and getattr(r, attr) is not None]
+            values = [
+                getattr(r, attr) * 1000
+                for r in results
+                if outcome_of(r) == name and r.ok and getattr(r, attr) is not None
+            ]
             if values:
                 _cdf(ax, values, name)
                 drawn = True
@@ -125,12 +156,30 @@ def _calls(plt, run: Run, needs_call: Sequence[bool]):
     for i in order:
         total += bool(needs_call[i])
         oracle.append(total)
-    ax.plot(sent, range(1, len(sent) + 1), color="#bbbbbb", lw=1.5, label=f"requests sent "
-            f"({len(sent):,})")
-    ax.step(xs, ys, where="post", color=COLORS["miss"], lw=2,
-            label=f"upstream calls, gateway /stats ({ys[-1] if ys else 0:,})")
-    ax.step(sent, oracle, "--", where="post", color="black", lw=1.5,
-            label=f"oracle: fewest possible ({total:,})")
+    ax.plot(
+        sent,
+        range(1, len(sent) + 1),
+        color="#bbbbbb",
+        lw=1.5,
+        label=f"requests sent ({len(sent):,})",
+    )
+    ax.step(
+        xs,
+        ys,
+        where="post",
+        color=COLORS["miss"],
+        lw=2,
+        label=f"upstream calls, gateway /stats ({ys[-1] if ys else 0:,})",
+    )
+    ax.step(
+        sent,
+        oracle,
+        "--",
+        where="post",
+        color="black",
+        lw=1.5,
+        label=f"oracle: fewest possible ({total:,})",
+    )
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("cumulative count")
     ax.set_title("Upstream calls vs the oracle")

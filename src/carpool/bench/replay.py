@@ -44,12 +44,12 @@ DONE = b"data: [DONE]"
 class Result:
     index: int
     stream: bool
-    sent: float = 0.0                  # seconds from the start of the run
-    lag: float = 0.0                   # open loop: actual send - planned send
-    latency: float | None = None       # seconds to the last byte
-    ttfb: float | None = None          # streams: seconds to the first body bytes
+    sent: float = 0.0  # seconds from the start of the run
+    lag: float = 0.0  # open loop: actual send - planned send
+    latency: float | None = None  # seconds to the last byte
+    ttfb: float | None = None  # streams: seconds to the first body bytes
     status: int | None = None
-    outcome: str | None = None         # hit | semantic_hit | coalesced | miss | bypass
+    outcome: str | None = None  # hit | semantic_hit | coalesced | miss | bypass
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
@@ -62,8 +62,8 @@ class Result:
 @dataclass(slots=True)
 class Run:
     results: list[Result]
-    started_at: float                  # wall clock (time.time()) at the start
-    duration: float                    # seconds from the first send to the last answer
+    started_at: float  # wall clock (time.time()) at the start
+    duration: float  # seconds from the first send to the last answer
     stats_before: dict[str, Any]
     stats_after: dict[str, Any]
     stats_series: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
@@ -75,26 +75,35 @@ class GatewayUnreachable(RuntimeError):
     """The gateway's /stats did not answer."""
 
 
-async def get_json(session: aiohttp.ClientSession, url: str,
-                   headers: dict[str, str] | None = None) -> Any:
+async def get_json(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> Any:
     async with session.get(url, headers=headers) as response:
         if response.status != 200:
             raise GatewayUnreachable(f"GET {url}: HTTP {response.status}")
         return orjson.loads(await response.read())
 
 
-async def _optional_json(session: aiohttp.ClientSession, url: str,
-                         headers: dict[str, str] | None = None) -> Any:
+async def _optional_json(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> Any:
     try:
         return await get_json(session, url, headers)
     except (aiohttp.ClientError, GatewayUnreachable, orjson.JSONDecodeError):
         return None
 
 
-async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | None = None,
-                 concurrency: int | None = None, poll_s: float = 0.5,
-                 on_result: Callable[[Result], None] | None = None,
-                 request_timeout_s: float = 300.0, admin_token: str | None = None) -> Run:
+async def replay(
+    workload: Workload,
+    url: str,
+    *,
+    arrivals: Sequence[float] | None = None,
+    concurrency: int | None = None,
+    poll_s: float = 0.5,
+    on_result: Callable[[Result], None] | None = None,
+    request_timeout_s: float = 300.0,
+    admin_token: str | None = None,
+) -> Run:
     """``admin_token``: the gateway's, sent with each read of its /stats (and only there: the
     workload's requests carry their own tenants' headers)."""
     if (arrivals is None) == (concurrency is None):
@@ -104,8 +113,9 @@ async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | No
     admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                     auto_decompress=False) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False
+    ) as session:
         try:
             before = await get_json(session, url + "/stats", admin)
         except (aiohttp.ClientError, orjson.JSONDecodeError) as error:
@@ -150,13 +160,20 @@ async def replay(workload: Workload, url: str, *, arrivals: Sequence[float] | No
         series.append((end - start, after))
         sim_after = await _optional_json(session, url + "/sim/stats") if sim_before else None
     first = min((r.sent for r in results), default=0.0)
-    return Run(results, started_at, end - start - first, before, after, series, sim_before,
-               sim_after)
+    return Run(
+        results, started_at, end - start - first, before, after, series, sim_before, sim_after
+    )
 
 
-async def _poll(session: aiohttp.ClientSession, url: str, start: float, every: float,
-                series: list[tuple[float, dict[str, Any]]], stop: asyncio.Event,
-                admin: dict[str, str] | None = None) -> None:
+async def _poll(
+    session: aiohttp.ClientSession,
+    url: str,
+    start: float,
+    every: float,
+    series: list[tuple[float, dict[str, Any]]],
+    stop: asyncio.Event,
+    admin: dict[str, str] | None = None,
+) -> None:
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
@@ -167,15 +184,17 @@ async def _poll(session: aiohttp.ClientSession, url: str, start: float, every: f
                 series.append((loop.time() - start, stats))
 
 
-async def _send(session: aiohttp.ClientSession, url: str, request: BenchRequest, result: Result,
-                start: float) -> None:
+async def _send(
+    session: aiohttp.ClientSession, url: str, request: BenchRequest, result: Result, start: float
+) -> None:
     loop = asyncio.get_running_loop()
     headers = {"content-type": "application/json", **request.headers}
     sent = loop.time()
     result.sent = sent - start
     try:
-        async with session.post(url + request.endpoint, data=request.payload(),
-                                headers=headers) as response:
+        async with session.post(
+            url + request.endpoint, data=request.payload(), headers=headers
+        ) as response:
             result.status = response.status
             outcome = response.headers.get("x-carpool")
             result.outcome = outcome.replace("-", "_") if outcome else None
@@ -203,7 +222,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: BenchRequest,
 def _usage(result: Result, usage: Any) -> None:
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if prompt is None and completion is None:           # the Responses / Messages APIs
+        if prompt is None and completion is None:  # the Responses / Messages APIs
             prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
         result.prompt_tokens = prompt if isinstance(prompt, int) else None
         result.completion_tokens = completion if isinstance(completion, int) else 0
@@ -236,7 +255,8 @@ def _read_stream(raw: bytes, result: Result) -> None:
     usage_seen = False
     for payload in reversed(frames):
         if not payload.startswith(b"data: {") or (
-                b'"error"' not in payload and (usage_seen or b'"usage"' not in payload)):
+            b'"error"' not in payload and (usage_seen or b'"usage"' not in payload)
+        ):
             continue
         try:
             chunk = orjson.loads(payload[6:])
@@ -257,8 +277,9 @@ def _read_typed_stream(raw: bytes, result: Result, endpoint: str) -> None:
         return
     events = []
     for frame in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
-        data = b"\n".join(line[5:].lstrip(b" ") for line in frame.split(b"\n")
-                          if line.startswith(b"data:"))
+        data = b"\n".join(
+            line[5:].lstrip(b" ") for line in frame.split(b"\n") if line.startswith(b"data:")
+        )
         if not data:
             continue
         try:
@@ -272,8 +293,9 @@ def _read_typed_stream(raw: bytes, result: Result, endpoint: str) -> None:
         error = next(event for event in events if event.get("type") == "error")
         result.error = f"error event: {orjson.dumps(error.get('error'))[:200].decode()}"
         return
-    last = (responses_api.LAST_EVENTS if endpoint == RESPONSES
-            else frozenset({messages_api.LAST_EVENT}))
+    last = (
+        responses_api.LAST_EVENTS if endpoint == RESPONSES else frozenset({messages_api.LAST_EVENT})
+    )
     if not events or events[-1].get("type") not in last:
         result.error = f"the stream did not end with {' or '.join(sorted(last))}"
         return

@@ -60,9 +60,14 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, Any]:
     if not seconds:
         return {"count": 0}
     ms = [s * 1000 for s in seconds]
-    return {"count": len(ms), "p50": round(percentile(ms, 50), 3),
-            "p95": round(percentile(ms, 95), 3), "p99": round(percentile(ms, 99), 3),
-            "mean": round(statistics.fmean(ms), 3), "max": round(max(ms), 3)}
+    return {
+        "count": len(ms),
+        "p50": round(percentile(ms, 50), 3),
+        "p95": round(percentile(ms, 95), 3),
+        "p99": round(percentile(ms, 99), 3),
+        "mean": round(statistics.fmean(ms), 3),
+        "max": round(max(ms), 3),
+    }
 
 
 def outcome_of(result: Result) -> str:
@@ -97,26 +102,39 @@ def _by_label(workload: Workload, results: Sequence[Result]) -> dict[str, dict[s
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """``after - before`` for every top-level numeric counter of /stats."""
     out = {}
-    gauges = ("saved_fraction", "flights", "waiters")         # not counters: no delta
+    gauges = ("saved_fraction", "flights", "waiters")  # not counters: no delta
     for name, value in after.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and isinstance(before.get(name), (int, float)) and name not in gauges:
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and isinstance(before.get(name), (int, float))
+            and name not in gauges
+        ):
             out[name] = value - before[name]
     return out
 
 
-def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+def engine_delta(
+    before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """The simulated replicas' counters over the run, summed over replicas."""
     if not before or not after or not after.get("replicas"):
         return None
     totals: Counter[str] = Counter()
     for sign, snapshot in ((-1, before), (1, after)):
         for replica in snapshot["replicas"]:
-            totals["calls"] += sign * sum(replica["calls"].get(e, 0) for e in
-                                          ("chat/completions", "completions", "embeddings",
-                                           "responses", "messages"))
-            for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens",
-                         "busy_seconds", "queue_wait_seconds", "errors"):
+            totals["calls"] += sign * sum(
+                replica["calls"].get(e, 0)
+                for e in ("chat/completions", "completions", "embeddings", "responses", "messages")
+            )
+            for name in (
+                "prompt_tokens",
+                "cached_prompt_tokens",
+                "completion_tokens",
+                "busy_seconds",
+                "queue_wait_seconds",
+                "errors",
+            ):
                 totals[name] += sign * replica[name]
     out: dict[str, Any] = {"simulated": True, "replicas": len(after["replicas"])}
     out.update({k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()})
@@ -124,13 +142,15 @@ def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
 
 
 def cost_model(config: Config) -> dict[str, Any]:
-    return {"prefill_ms_per_token": config.sim.prefill_ms_per_token,
-            "decode_ms_per_token": config.sim.decode_ms_per_token,
-            "source": "config.sim (the simulated engine's cost model)",
-            "meaning": "engine time of one sequence: prompt tokens x prefill + completion tokens "
-                       "x decode; tokens_saved split by the prompt/completion mix of the saved "
-                       "answers received; an upper bound on GPU time (batching and prefix "
-                       "caching share part of it)"}
+    return {
+        "prefill_ms_per_token": config.sim.prefill_ms_per_token,
+        "decode_ms_per_token": config.sim.decode_ms_per_token,
+        "source": "config.sim (the simulated engine's cost model)",
+        "meaning": "engine time of one sequence: prompt tokens x prefill + completion tokens "
+        "x decode; tokens_saved split by the prompt/completion mix of the saved "
+        "answers received; an upper bound on GPU time (batching and prefix "
+        "caching share part of it)",
+    }
 
 
 def gpu_seconds_saved(results: Sequence[Result], tokens_saved: int, config: Config) -> float:
@@ -139,13 +159,22 @@ def gpu_seconds_saved(results: Sequence[Result], tokens_saved: int, config: Conf
     if tokens_saved <= 0:
         return 0.0
     share = prompt / (prompt + completion) if prompt + completion else 0.5
-    ms = (tokens_saved * share * config.sim.prefill_ms_per_token
-          + tokens_saved * (1 - share) * config.sim.decode_ms_per_token)
+    ms = (
+        tokens_saved * share * config.sim.prefill_ms_per_token
+        + tokens_saved * (1 - share) * config.sim.decode_ms_per_token
+    )
     return round(ms / 1000, 3)
 
 
-def build(*, workload: Workload, workload_traits: dict[str, Any], run: Run, oracle: Oracle,
-          config: Config, params: dict[str, Any]) -> dict[str, Any]:
+def build(
+    *,
+    workload: Workload,
+    workload_traits: dict[str, Any],
+    run: Run,
+    oracle: Oracle,
+    config: Config,
+    params: dict[str, Any],
+) -> dict[str, Any]:
     results = run.results
     delta = stats_delta(run.stats_before, run.stats_after)
     upstream = int(delta.get("upstream_calls", 0))
@@ -158,8 +187,11 @@ def build(*, workload: Workload, workload_traits: dict[str, Any], run: Run, orac
         "upstream_calls": upstream,
         "oracle_calls": oracle.calls,
         "upstream_over_oracle": round(upstream / oracle.calls, 4) if oracle.calls else None,
-        "within_5pct_of_oracle": (abs(upstream - oracle.calls) <= TOLERANCE * oracle.calls
-                                  if oracle.calls else upstream == 0),
+        "within_5pct_of_oracle": (
+            abs(upstream - oracle.calls) <= TOLERANCE * oracle.calls
+            if oracle.calls
+            else upstream == 0
+        ),
         "errors": len(errors),
         "error_samples": dict(Counter(r.error for r in errors).most_common(5)),
         "outcomes": {name: outcomes[name] for name in [*OUTCOMES, "error"] if outcomes[name]},
@@ -170,15 +202,20 @@ def build(*, workload: Workload, workload_traits: dict[str, Any], run: Run, orac
         "gpu_seconds_saved": gpu_seconds_saved(results, tokens_saved, config),
         "cost_model": cost_model(config),
         "saved_fraction": round(sum(outcomes[o] for o in SAVED) / len(results), 4)
-        if results else 0.0,
+        if results
+        else 0.0,
         "duration_s": round(run.duration, 3),
         "throughput_rps": round(len(results) / run.duration, 2) if run.duration > 0 else None,
         "arrival_lag_ms": summary_ms(lags) if params.get("mode") == "open-loop" else None,
         "oracle": oracle.summary(),
         "engine": engine_delta(run.sim_before, run.sim_after),
         "stats_delta": delta,
-        "workload": {"name": workload.name, "source": workload.source,
-                     "params": workload.params, "traits": workload_traits},
+        "workload": {
+            "name": workload.name,
+            "source": workload.source,
+            "params": workload.params,
+            "traits": workload_traits,
+        },
         "params": params,
         "plots": [],
     }
@@ -189,21 +226,34 @@ def write_results(workload: Workload, run: Run, out: Path) -> None:
     """``requests.jsonl``: one row per request, in workload order, for your own analysis."""
     rows = []
     for request, r in zip(workload.requests, run.results, strict=True):
-        rows.append(orjson.dumps({
-            "i": r.index, "t": request.t, "sent": round(r.sent, 6), "endpoint": request.endpoint,
-            "tenant": request.tenant, "label": request.label or None, "stream": r.stream,
-            "status": r.status, "outcome": r.outcome,
-            "latency_ms": None if r.latency is None else round(r.latency * 1000, 3),
-            "ttfb_ms": None if r.ttfb is None else round(r.ttfb * 1000, 3),
-            "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "error": r.error}))
+        rows.append(
+            orjson.dumps(
+                {
+                    "i": r.index,
+                    "t": request.t,
+                    "sent": round(r.sent, 6),
+                    "endpoint": request.endpoint,
+                    "tenant": request.tenant,
+                    "label": request.label or None,
+                    "stream": r.stream,
+                    "status": r.status,
+                    "outcome": r.outcome,
+                    "latency_ms": None if r.latency is None else round(r.latency * 1000, 3),
+                    "ttfb_ms": None if r.ttfb is None else round(r.ttfb * 1000, 3),
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": r.completion_tokens,
+                    "error": r.error,
+                }
+            )
+        )
     (out / "requests.jsonl").write_bytes(b"\n".join(rows) + b"\n")
 
 
 def write(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2
-                                                   | orjson.OPT_SERIALIZE_NUMPY))
+    (out / "report.json").write_bytes(
+        orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    )
     (out / "report.md").write_text(markdown(report))
 
 
@@ -215,19 +265,29 @@ def _ms(summary: dict[str, Any], key: str) -> str:
 def markdown(report: dict[str, Any]) -> str:
     p = report["params"]
     traits = report["workload"]["traits"]
-    target = "embedded gateway + simulated engine" if p["target"] == "embedded" \
+    target = (
+        "embedded gateway + simulated engine"
+        if p["target"] == "embedded"
         else f"`{p['gateway_url']}`"
-    arrival = f"open loop, {p['rate']:g} req/s mean" if p["mode"] == "open-loop" \
+    )
+    arrival = (
+        f"open loop, {p['rate']:g} req/s mean"
+        if p["mode"] == "open-loop"
         else f"closed loop, {p['concurrency']} clients"
+    )
     if p["mode"] == "open-loop" and p.get("recorded_timestamps"):
-        arrival = "open loop, recorded timestamps" + (f" rescaled to {p['rate']:g} req/s"
-                                                      if p.get("rate") else "")
+        arrival = "open loop, recorded timestamps" + (
+            f" rescaled to {p['rate']:g} req/s" if p.get("rate") else ""
+        )
     ratio = report["upstream_over_oracle"]
     lines = [
-        f"# carpool bench: `{report['workload']['name']}`", "",
+        f"# carpool bench: `{report['workload']['name']}`",
+        "",
         f"{report['requests']:,} requests against the {target}; {arrival}; seed {p['seed']}; "
-        f"{report['duration_s']:.1f} s ({report['throughput_rps'] or 0:.1f} req/s achieved).", "",
-        "| | |", "|---|---|",
+        f"{report['duration_s']:.1f} s ({report['throughput_rps'] or 0:.1f} req/s achieved).",
+        "",
+        "| | |",
+        "|---|---|",
         f"| upstream calls (gateway `/stats`) | **{report['upstream_calls']:,}** |",
         f"| oracle: fewest calls any correct deduplicator could make | **{report['oracle_calls']:,}** |",
         f"| upstream / oracle | {ratio if ratio is not None else 'n/a'} "
@@ -240,8 +300,11 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("engine"):
         e = report["engine"]
         lines.append(f"| calls the simulated engine received | {e['calls']:,} |")
-    lines += ["", "| outcome | requests | share | p50 ms | p95 ms | p99 ms | stream TTFB p50 ms |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| outcome | requests | share | p50 ms | p95 ms | p99 ms | stream TTFB p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     latency, ttfb = report["latency_ms"], report["ttfb_ms"]
     n = report["requests"] or 1
     for name in [*OUTCOMES, "error", "all"]:
@@ -249,31 +312,52 @@ def markdown(report: dict[str, Any]) -> str:
         if not count:
             continue
         lat = latency.get(name, {})
-        lines.append(f"| {name} | {count:,} | {100 * count / n:.1f}% | {_ms(lat, 'p50')} | "
-                     f"{_ms(lat, 'p95')} | {_ms(lat, 'p99')} | {_ms(ttfb.get(name, {}), 'p50')} |")
-    lines += ["", "## Workload", "",
-              f"Source: {report['workload']['source']}. {traits['requests']:,} requests, "
-              f"{traits['tenants']} tenant(s), {100 * traits['stream_share']:.0f}% streaming, "
-              f"{100 * traits['shareable_share']:.0f}% shareable, of which "
-              f"{100 * traits['duplicate_share']:.0f}% exact repeats; "
-              f"{traits['distinct_fingerprints']:,} distinct fingerprints."]
+        lines.append(
+            f"| {name} | {count:,} | {100 * count / n:.1f}% | {_ms(lat, 'p50')} | "
+            f"{_ms(lat, 'p95')} | {_ms(lat, 'p99')} | {_ms(ttfb.get(name, {}), 'p50')} |"
+        )
+    lines += [
+        "",
+        "## Workload",
+        "",
+        f"Source: {report['workload']['source']}. {traits['requests']:,} requests, "
+        f"{traits['tenants']} tenant(s), {100 * traits['stream_share']:.0f}% streaming, "
+        f"{100 * traits['shareable_share']:.0f}% shareable, of which "
+        f"{100 * traits['duplicate_share']:.0f}% exact repeats; "
+        f"{traits['distinct_fingerprints']:,} distinct fingerprints.",
+    ]
     if traits.get("labels"):
-        lines.append("Labels: " + ", ".join(f"{k} {v:,}" for k, v in traits["labels"].items())
-                     + ".")
+        lines.append(
+            "Labels: " + ", ".join(f"{k} {v:,}" for k, v in traits["labels"].items()) + "."
+        )
     wrong = (report.get("outcomes_by_label") or {}).get("new", {}).get("semantic_hit", 0)
     if wrong:
-        lines.append(f"**{wrong:,} new questions were served from the semantic cache**, i.e. with "
-                     "the answer to a different catalog question (see `outcomes_by_label`).")
-    lines += ["", "## Oracle", "",
-              f"{report['oracle']['calls']:,} = {report['oracle']['distinct_fingerprints']:,} "
-              f"distinct fingerprints + {report['oracle']['unshareable']:,} unshareable requests "
-              f"+ {report['oracle']['refreshes']:,} refreshes after expiry. "
-              f"Method: {report['oracle']['method']}.", ""]
+        lines.append(
+            f"**{wrong:,} new questions were served from the semantic cache**, i.e. with "
+            "the answer to a different catalog question (see `outcomes_by_label`)."
+        )
+    lines += [
+        "",
+        "## Oracle",
+        "",
+        f"{report['oracle']['calls']:,} = {report['oracle']['distinct_fingerprints']:,} "
+        f"distinct fingerprints + {report['oracle']['unshareable']:,} unshareable requests "
+        f"+ {report['oracle']['refreshes']:,} refreshes after expiry. "
+        f"Method: {report['oracle']['method']}.",
+        "",
+    ]
     lines += [f"- {note}" for note in report["oracle"]["assumptions"]]
     cm = report["cost_model"]
-    lines += ["", "## Cost model", "",
-              f"{cm['prefill_ms_per_token']} ms per prompt token, {cm['decode_ms_per_token']} ms "
-              f"per completion token ({cm['source']}): {cm['meaning']}.", "", "## Plots", ""]
+    lines += [
+        "",
+        "## Cost model",
+        "",
+        f"{cm['prefill_ms_per_token']} ms per prompt token, {cm['decode_ms_per_token']} ms "
+        f"per completion token ({cm['source']}): {cm['meaning']}.",
+        "",
+        "## Plots",
+        "",
+    ]
     if report["plots"]:
         lines += [f"![{name}]({name})" for name in report["plots"]]
     else:

@@ -51,7 +51,7 @@ class BenchOptions:
     concurrency: int | None = None
     seed: int = 0
     quick: bool = False
-    spec: dict[str, Any] = field(default_factory=dict)     # Spec overrides
+    spec: dict[str, Any] = field(default_factory=dict)  # Spec overrides
     progress: bool = True
     config_file: str | None = None
 
@@ -69,8 +69,14 @@ def build_workload(options: BenchOptions) -> Workload:
         if keep:
             workload.requests = workload.requests[:keep]
         return workload
-    return synthetic(options.workload, size, options.rate or DEFAULT_RATE, options.seed,
-                     tenant_header=header, **options.spec)
+    return synthetic(
+        options.workload,
+        size,
+        options.rate or DEFAULT_RATE,
+        options.seed,
+        tenant_header=header,
+        **options.spec,
+    )
 
 
 def arrival_times(workload: Workload, options: BenchOptions) -> list[float] | None:
@@ -107,36 +113,59 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     with _Progress(len(workload), options.progress, workload.name) as progress:
         if options.url:
             url = _normalise_url(options.url)
-            run = await replay(workload, url, arrivals=arrivals,
-                               concurrency=options.concurrency, on_result=progress.advance,
-                               admin_token=options.config.admin_token)
+            run = await replay(
+                workload,
+                url,
+                arrivals=arrivals,
+                concurrency=options.concurrency,
+                on_result=progress.advance,
+                admin_token=options.config.admin_token,
+            )
         else:
             async with embedded_gateway(options.config, out / "gateway.log") as url:
-                run = await replay(workload, url, arrivals=arrivals,
-                                   concurrency=options.concurrency, on_result=progress.advance,
-                                   admin_token=options.config.admin_token)
+                run = await replay(
+                    workload,
+                    url,
+                    arrivals=arrivals,
+                    concurrency=options.concurrency,
+                    on_result=progress.advance,
+                    admin_token=options.config.admin_token,
+                )
     misses = [r.latency for r in run.results if r.outcome == "miss" and r.latency is not None]
     call_seconds = statistics.median(misses) if misses else 0.0
     times = arrivals if arrivals is not None else [r.sent for r in run.results]
     best = oracle(workload, options.config, times, call_seconds)
     mode = "closed-loop" if options.concurrency is not None else "open-loop"
     params = {
-        "workload": workload.name, "workload_file": options.workload_file,
-        "seed": options.seed, "mode": mode, "rate": _rate(options, workload, arrivals),
-        "concurrency": options.concurrency, "requests": len(workload),
-        "recorded_timestamps": workload.source != "synthetic" and workload.timed
+        "workload": workload.name,
+        "workload_file": options.workload_file,
+        "seed": options.seed,
+        "mode": mode,
+        "rate": _rate(options, workload, arrivals),
+        "concurrency": options.concurrency,
+        "requests": len(workload),
+        "recorded_timestamps": workload.source != "synthetic"
+        and workload.timed
         and arrivals is not None,
-        "quick": options.quick, "duration_s": round(run.duration, 3),
+        "quick": options.quick,
+        "duration_s": round(run.duration, 3),
         "target": "url" if options.url else "embedded",
         "gateway_url": _normalise_url(options.url) if options.url else url,
         "config_file": options.config_file,
         "semantic_enabled": options.config.semantic.enabled,
         "started_at": _dt.datetime.fromtimestamp(run.started_at, _dt.UTC).isoformat(
-            timespec="seconds"),
+            timespec="seconds"
+        ),
         "carpool_version": _version(),
     }
-    result = report.build(workload=workload, workload_traits=traits(workload, options.config),
-                          run=run, oracle=best, config=options.config, params=params)
+    result = report.build(
+        workload=workload,
+        workload_traits=traits(workload, options.config),
+        run=run,
+        oracle=best,
+        config=options.config,
+        params=params,
+    )
     if plots.available():
         result["plots"] = plots.draw(run, best.needs_call, out)
     else:
@@ -185,13 +214,17 @@ class _Progress:
                 TimeElapsedColumn,
             )
 
-            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(),
-                                     TextColumn("{task.fields[outcomes]}"),
-                                     console=Console(stderr=True), transient=False)
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[outcomes]}"),
+                console=Console(stderr=True),
+                transient=False,
+            )
             self.progress.start()
-            self.task = self.progress.add_task(f"bench {self.name}", total=self.total,
-                                               outcomes="")
+            self.task = self.progress.add_task(f"bench {self.name}", total=self.total, outcomes="")
         return self
 
     def advance(self, result: Result) -> None:

@@ -78,12 +78,12 @@ class WorkloadError(ValueError):
 
 @dataclass(slots=True)
 class BenchRequest:
-    t: float                                  # arrival offset (s) from the start of the run
-    endpoint: str                             # one of the gateway's cached endpoints
+    t: float  # arrival offset (s) from the start of the run
+    endpoint: str  # one of the gateway's cached endpoints
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
     tenant: str | None = None
-    label: str = ""                           # synthetic: new | repeat | ... ; recorded: ""
+    label: str = ""  # synthetic: new | repeat | ... ; recorded: ""
 
     @property
     def stream(self) -> bool:
@@ -97,9 +97,9 @@ class BenchRequest:
 class Workload:
     name: str
     requests: list[BenchRequest]
-    source: str = "synthetic"                 # "synthetic" or the recorded file's path
+    source: str = "synthetic"  # "synthetic" or the recorded file's path
     params: dict[str, Any] = field(default_factory=dict)
-    timed: bool = True                        # the requests carry meaningful timestamps
+    timed: bool = True  # the requests carry meaningful timestamps
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -135,9 +135,18 @@ class Spec:
     burst_mean_s: float = 1.0
 
     def check(self) -> None:
-        for name in ("duplicate_rate", "trending_share", "paraphrase_rate", "whitespace_noise",
-                     "sampled_share", "seeded_share", "stream_share", "completions_share",
-                     "apis_share", "burst_fraction"):
+        for name in (
+            "duplicate_rate",
+            "trending_share",
+            "paraphrase_rate",
+            "whitespace_noise",
+            "sampled_share",
+            "seeded_share",
+            "stream_share",
+            "completions_share",
+            "apis_share",
+            "burst_fraction",
+        ):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise WorkloadError(f"{name} must be between 0 and 1, got {value}")
@@ -154,9 +163,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # then new fingerprints). The default.
     "mixed": {},
     # One tenant's FAQ bot: Zipf questions and their repeats, steady Poisson arrivals, no streams.
-    "faq": {"tenants": 1, "duplicate_rate": 0.7, "paraphrase_rate": 0.0, "sampled_share": 0.0,
-            "seeded_share": 0.0, "stream_share": 0.0, "completions_share": 0.0,
-            "burst_factor": 1.0, "system_prompt_words": 60},
+    "faq": {
+        "tenants": 1,
+        "duplicate_rate": 0.7,
+        "paraphrase_rate": 0.0,
+        "sampled_share": 0.0,
+        "seeded_share": 0.0,
+        "stream_share": 0.0,
+        "completions_share": 0.0,
+        "burst_factor": 1.0,
+        "system_prompt_words": 60,
+    },
     # Flash crowds: strong bursts, repeats mostly of the newest questions (coalescing).
     "bursty": {"burst_factor": 8.0, "burst_fraction": 0.15, "trending_share": 0.7},
     # Many tenants asking the same catalog: isolation keeps their answers apart.
@@ -165,8 +182,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "streaming": {"stream_share": 0.9, "completions_share": 0.0},
     # Long shared system prompts and no repeats at all: nothing to deduplicate (oracle = requests),
     # only the engine's prefix cache helps.
-    "prefix": {"duplicate_rate": 0.0, "paraphrase_rate": 0.0, "system_prompt_words": 800,
-               "system_prompts_per_tenant": 1, "sampled_share": 0.0},
+    "prefix": {
+        "duplicate_rate": 0.0,
+        "paraphrase_rate": 0.0,
+        "system_prompt_words": 800,
+        "system_prompts_per_tenant": 1,
+        "sampled_share": 0.0,
+    },
     # Reworded questions, for the semantic layer (turn it on with --config).
     "paraphrase": {"duplicate_rate": 0.3, "paraphrase_rate": 0.4, "sampled_share": 0.0},
     # Three APIs at once: chat, OpenAI's Responses API and Anthropic's Messages API (about a
@@ -176,28 +198,125 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # No two synonyms ("change"/"update", "recover"/"restore"): two catalog questions must never
 # have the same answer, or a correct semantic hit would look like a wrong one in the report.
-ACTIONS = ("reset", "change", "cancel", "export", "delete", "recover", "share",
-           "renew", "upgrade", "downgrade", "transfer", "verify", "unlock", "pause", "merge",
-           "rename", "back up", "archive")
-OBJECTS = ("my password", "my subscription", "the billing address", "two-factor authentication",
-           "my order", "the shipping address", "my invoices", "my account", "the team workspace",
-           "my payment method", "the API key", "my email address", "the mobile number",
-           "a shared folder", "my profile photo", "the data export", "a support ticket",
-           "my gift card", "the delivery slot", "my loyalty points", "the device list",
-           "my notification settings", "the return label", "a saved cart", "my tax documents",
-           "the admin role", "my security questions", "the warranty", "my username",
-           "the trial plan")
-CONTEXTS = ("", " on the mobile app", " from the web dashboard", " for a team account",
-            " after a failed payment", " without logging in", " in bulk", " on a new phone")
-PARAPHRASES = ("What is the best way to {q}?", "Can you tell me how to {q}?", "how to {q}",
-               "I need to {q}. How?", "Steps to {q}, please.")
-COMPANIES = ("Northwind", "Acme", "Globex", "Initech", "Umbrella", "Hooli", "Vandelay",
-             "Stark", "Wayne", "Tyrell", "Soylent", "Cyberdyne", "Wonka", "Gringotts", "Oscorp",
-             "Monarch")
-POLICY_WORDS = ("customer", "account", "order", "refund", "policy", "secure", "verify", "help",
-                "clearly", "briefly", "always", "never", "escalate", "agent", "privacy", "data",
-                "billing", "delivery", "return", "warranty", "polite", "accurate", "steps",
-                "link", "support", "hours", "region", "language", "summary", "confirm")
+ACTIONS = (
+    "reset",
+    "change",
+    "cancel",
+    "export",
+    "delete",
+    "recover",
+    "share",
+    "renew",
+    "upgrade",
+    "downgrade",
+    "transfer",
+    "verify",
+    "unlock",
+    "pause",
+    "merge",
+    "rename",
+    "back up",
+    "archive",
+)
+OBJECTS = (
+    "my password",
+    "my subscription",
+    "the billing address",
+    "two-factor authentication",
+    "my order",
+    "the shipping address",
+    "my invoices",
+    "my account",
+    "the team workspace",
+    "my payment method",
+    "the API key",
+    "my email address",
+    "the mobile number",
+    "a shared folder",
+    "my profile photo",
+    "the data export",
+    "a support ticket",
+    "my gift card",
+    "the delivery slot",
+    "my loyalty points",
+    "the device list",
+    "my notification settings",
+    "the return label",
+    "a saved cart",
+    "my tax documents",
+    "the admin role",
+    "my security questions",
+    "the warranty",
+    "my username",
+    "the trial plan",
+)
+CONTEXTS = (
+    "",
+    " on the mobile app",
+    " from the web dashboard",
+    " for a team account",
+    " after a failed payment",
+    " without logging in",
+    " in bulk",
+    " on a new phone",
+)
+PARAPHRASES = (
+    "What is the best way to {q}?",
+    "Can you tell me how to {q}?",
+    "how to {q}",
+    "I need to {q}. How?",
+    "Steps to {q}, please.",
+)
+COMPANIES = (
+    "Northwind",
+    "Acme",
+    "Globex",
+    "Initech",
+    "Umbrella",
+    "Hooli",
+    "Vandelay",
+    "Stark",
+    "Wayne",
+    "Tyrell",
+    "Soylent",
+    "Cyberdyne",
+    "Wonka",
+    "Gringotts",
+    "Oscorp",
+    "Monarch",
+)
+POLICY_WORDS = (
+    "customer",
+    "account",
+    "order",
+    "refund",
+    "policy",
+    "secure",
+    "verify",
+    "help",
+    "clearly",
+    "briefly",
+    "always",
+    "never",
+    "escalate",
+    "agent",
+    "privacy",
+    "data",
+    "billing",
+    "delivery",
+    "return",
+    "warranty",
+    "polite",
+    "accurate",
+    "steps",
+    "link",
+    "support",
+    "hours",
+    "region",
+    "language",
+    "summary",
+    "confirm",
+)
 
 
 def _question(index: int) -> tuple[str, str]:
@@ -214,10 +333,12 @@ def _question(index: int) -> tuple[str, str]:
 
 def _system_prompt(rng: random.Random, tenant: int, variant: int, words: int) -> str:
     company = COMPANIES[tenant % len(COMPANIES)]
-    head = (f"You are the support assistant of {company} (tenant {tenant + 1}, policy "
-            f"{variant + 1}). Follow these rules exactly.")
+    head = (
+        f"You are the support assistant of {company} (tenant {tenant + 1}, policy "
+        f"{variant + 1}). Follow these rules exactly."
+    )
     body = [rng.choice(POLICY_WORDS) for _ in range(max(0, words - len(head.split())))]
-    sentences = [" ".join(body[i:i + 12]).capitalize() + "." for i in range(0, len(body), 12)]
+    sentences = [" ".join(body[i : i + 12]).capitalize() + "." for i in range(0, len(body), 12)]
     return " ".join([head, *sentences])
 
 
@@ -231,7 +352,7 @@ class _Zipf:
 
     def __init__(self, rng: random.Random, size: int, s: float) -> None:
         self.rng, self.size = rng, size
-        weights = [1.0 / (rank ** s) for rank in range(1, size + 1)]
+        weights = [1.0 / (rank**s) for rank in range(1, size + 1)]
         self.cumulative = list(_accumulate(weights))
         self.weights = weights
 
@@ -261,7 +382,7 @@ class _Item:
     rank: int
     endpoint: str
     body: dict[str, Any]
-    text: str                       # the question as asked
+    text: str  # the question as asked
 
 
 @dataclass(slots=True)
@@ -269,7 +390,7 @@ class _Tenant:
     name: str
     systems: list[str]
     items: list[_Item] = field(default_factory=list)
-    cumulative: list[float] = field(default_factory=list)   # Zipf weights of items, summed
+    cumulative: list[float] = field(default_factory=list)  # Zipf weights of items, summed
     issued: set[int] = field(default_factory=set)
     phrasings: set[tuple[int, int]] = field(default_factory=set)  # (rank, paraphrase) asked
 
@@ -290,7 +411,7 @@ def arrivals(rng: random.Random, n: int, rate: float, spec: Spec) -> list[float]
     out: list[float] = []
     while len(out) < n:
         step = rng.expovariate(burst if in_burst else calm)
-        if t + step > state_end:          # memoryless: restart the draw in the next state
+        if t + step > state_end:  # memoryless: restart the draw in the next state
             t = state_end
             in_burst = not in_burst
             state_end = t + rng.expovariate(1 / (burst_mean if in_burst else calm_mean))
@@ -303,8 +424,14 @@ def arrivals(rng: random.Random, n: int, rate: float, spec: Spec) -> list[float]
     return [round(x * scale, 6) for x in out]
 
 
-def synthetic(name: str = "mixed", requests: int = 3000, rate: float = 40.0, seed: int = 0,
-              tenant_header: str = "Authorization", **overrides: Any) -> Workload:
+def synthetic(
+    name: str = "mixed",
+    requests: int = 3000,
+    rate: float = 40.0,
+    seed: int = 0,
+    tenant_header: str = "Authorization",
+    **overrides: Any,
+) -> Workload:
     """The built-in workload ``name`` (``PRESETS``) with ``overrides`` of ``Spec`` fields."""
     if name not in PRESETS:
         raise WorkloadError(f"unknown workload {name!r}; built-in: {', '.join(PRESETS)}")
@@ -316,10 +443,16 @@ def synthetic(name: str = "mixed", requests: int = 3000, rate: float = 40.0, see
         raise WorkloadError(str(error)) from None
     spec.check()
     rng = random.Random(f"carpool-bench/{name}/{seed}")
-    tenants = [_Tenant(f"bench-tenant-{k + 1}",
-                       [_system_prompt(rng, k, v, spec.system_prompt_words)
-                        for v in range(spec.system_prompts_per_tenant)])
-               for k in range(spec.tenants)]
+    tenants = [
+        _Tenant(
+            f"bench-tenant-{k + 1}",
+            [
+                _system_prompt(rng, k, v, spec.system_prompt_words)
+                for v in range(spec.system_prompts_per_tenant)
+            ],
+        )
+        for k in range(spec.tenants)
+    ]
     tenant_weights = list(_accumulate([1.0 / (k + 1) ** 0.7 for k in range(spec.tenants)]))
     catalog = _Zipf(rng, max(2 * requests, 1000), spec.zipf_s)
     times = arrivals(rng, requests, rate, spec)
@@ -328,8 +461,10 @@ def synthetic(name: str = "mixed", requests: int = 3000, rate: float = 40.0, see
         tenant = tenants[bisect.bisect_left(tenant_weights, rng.random() * tenant_weights[-1])]
         stream = rng.random() < spec.stream_share
         if rng.random() < spec.sampled_share:
-            label, endpoint, body = "sampled", *_fresh_body(rng, spec, tenant, catalog.draw(),
-                                                            sampled=True)
+            label, endpoint, body = (
+                "sampled",
+                *_fresh_body(rng, spec, tenant, catalog.draw(), sampled=True),
+            )
         else:
             label, endpoint, body = _shareable(rng, spec, tenant, catalog)
         body = dict(body)
@@ -339,13 +474,20 @@ def synthetic(name: str = "mixed", requests: int = 3000, rate: float = 40.0, see
                 body["stream_options"] = {"include_usage": True}
         headers = {tenant_header: tenant_header_value(tenant_header, tenant.name)}
         out.append(BenchRequest(t, endpoint, body, headers, tenant.name, label))
-    params = {"preset": name, "requests": requests, "rate": rate, "seed": seed,
-              "spec": dataclasses.asdict(spec), "tenant_header": tenant_header}
+    params = {
+        "preset": name,
+        "requests": requests,
+        "rate": rate,
+        "seed": seed,
+        "spec": dataclasses.asdict(spec),
+        "tenant_header": tenant_header,
+    }
     return Workload(name, out, "synthetic", params, timed=True)
 
 
-def _shareable(rng: random.Random, spec: Spec, tenant: _Tenant,
-               catalog: _Zipf) -> tuple[str, str, dict[str, Any]]:
+def _shareable(
+    rng: random.Random, spec: Spec, tenant: _Tenant, catalog: _Zipf
+) -> tuple[str, str, dict[str, Any]]:
     draw = rng.random()
     if draw < spec.duplicate_rate and tenant.items:
         if rng.random() < spec.trending_share:
@@ -355,8 +497,9 @@ def _shareable(rng: random.Random, spec: Spec, tenant: _Tenant,
             item, label = tenant.items[min(index, len(tenant.items) - 1)], "repeat"
         body = item.body
         if rng.random() < spec.whitespace_noise:
-            body = _with_text(item.endpoint, body, tenant, "  " + item.text.replace(" ", "  ", 1)
-                              + " \n")
+            body = _with_text(
+                item.endpoint, body, tenant, "  " + item.text.replace(" ", "  ", 1) + " \n"
+            )
         return label, item.endpoint, body
     if draw < spec.duplicate_rate + spec.paraphrase_rate and tenant.items:
         for _ in range(8):
@@ -376,15 +519,17 @@ def _shareable(rng: random.Random, spec: Spec, tenant: _Tenant,
     return "new", endpoint, body
 
 
-def _remember(tenant: _Tenant, rank: int, endpoint: str, body: dict[str, Any], text: str,
-              catalog: _Zipf) -> None:
+def _remember(
+    tenant: _Tenant, rank: int, endpoint: str, body: dict[str, Any], text: str, catalog: _Zipf
+) -> None:
     tenant.items.append(_Item(rank, endpoint, body, text))
     last = tenant.cumulative[-1] if tenant.cumulative else 0.0
     tenant.cumulative.append(last + catalog.weights[rank])
 
 
-def _fresh_body(rng: random.Random, spec: Spec, tenant: _Tenant, rank: int,
-                sampled: bool) -> tuple[str, dict[str, Any]]:
+def _fresh_body(
+    rng: random.Random, spec: Spec, tenant: _Tenant, rank: int, sampled: bool
+) -> tuple[str, dict[str, Any]]:
     system = rng.choice(tenant.systems)
     text = _question(rank)[0]
     params: dict[str, Any] = {"model": MODEL, "max_tokens": spec.max_tokens}
@@ -401,21 +546,29 @@ def _fresh_body(rng: random.Random, spec: Spec, tenant: _Tenant, rank: int,
         params.pop("seed", None)
         params["temperature"] = 0.8 if sampled else 0
         if rng.random() < 0.5:
-            return RESPONSES, {"model": MODEL, "instructions": system, "input": text,
-                               "max_output_tokens": spec.max_tokens,
-                               "temperature": params["temperature"]}
-        return MESSAGES, {**params, "system": system,
-                          "messages": [{"role": "user", "content": text}]}
-    return CHAT, {**params, "messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": text}]}
+            return RESPONSES, {
+                "model": MODEL,
+                "instructions": system,
+                "input": text,
+                "max_output_tokens": spec.max_tokens,
+                "temperature": params["temperature"],
+            }
+        return MESSAGES, {
+            **params,
+            "system": system,
+            "messages": [{"role": "user", "content": text}],
+        }
+    return CHAT, {
+        **params,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
+    }
 
 
 def _completion_prompt(system: str, text: str) -> str:
     return f"{system}\n\nQuestion: {text}\nAnswer:"
 
 
-def _with_text(endpoint: str, body: dict[str, Any], tenant: _Tenant,
-               text: str) -> dict[str, Any]:
+def _with_text(endpoint: str, body: dict[str, Any], tenant: _Tenant, text: str) -> dict[str, Any]:
     """``body`` asking ``text`` instead (same system prompt and parameters)."""
     if endpoint == CHAT:
         return {**body, "messages": [body["messages"][0], {"role": "user", "content": text}]}
@@ -455,34 +608,44 @@ def load_jsonl(path: str | Path, tenant_header: str = "Authorization") -> Worklo
         raise WorkloadError(f"{path}: no requests in the file")
     if any(timed) and not all(timed):
         missing = next(i for i, has in enumerate(timed) if not has)
-        raise WorkloadError(f"{path}: request {missing + 1} has no timestamp 't' although others "
-                            "do; give every line a 't' or none")
+        raise WorkloadError(
+            f"{path}: request {missing + 1} has no timestamp 't' although others "
+            "do; give every line a 't' or none"
+        )
     if all(timed):
         start = min(r.t for r in requests)
         for r in requests:
             r.t = round(r.t - start, 6)
-        requests.sort(key=lambda r: r.t)          # stable: ties keep the file's order
-    return Workload(path.stem, requests, str(path), {"file": str(path),
-                                                     "tenant_header": tenant_header},
-                    timed=all(timed))
+        requests.sort(key=lambda r: r.t)  # stable: ties keep the file's order
+    return Workload(
+        path.stem,
+        requests,
+        str(path),
+        {"file": str(path), "tenant_header": tenant_header},
+        timed=all(timed),
+    )
 
 
 def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
     t = row.get("t")
-    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)
-                          or not math.isfinite(t) or t < 0):
+    if t is not None and (
+        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+    ):
         raise WorkloadError(f"{where}: 't' must be a number of seconds >= 0, got {t!r}")
     body = row.get("body")
     if not isinstance(body, dict):
-        raise WorkloadError(f"{where}: 'body' must be a JSON object (the request body), got "
-                            f"{type(body).__name__}")
+        raise WorkloadError(
+            f"{where}: 'body' must be a JSON object (the request body), got {type(body).__name__}"
+        )
     endpoint = row.get("endpoint", CHAT)
     if endpoint not in ENDPOINTS:
-        raise WorkloadError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got "
-                            f"{endpoint!r}")
+        raise WorkloadError(
+            f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}"
+        )
     headers = row.get("headers") or {}
     if not isinstance(headers, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+    ):
         raise WorkloadError(f"{where}: 'headers' must be an object of strings")
     tenant = row.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
@@ -521,7 +684,7 @@ def traits(workload: Workload, config: Config | None = None) -> dict[str, Any]:
         "stream_share": _share(sum(r.stream for r in workload.requests), n),
         "endpoints": dict(Counter(r.endpoint for r in workload.requests)),
         "shareable_share": _share(shareable, n),
-        "duplicate_share": _share(duplicates, shareable),   # of shareable requests
+        "duplicate_share": _share(duplicates, shareable),  # of shareable requests
         "distinct_fingerprints": len(seen),
         "labels": {label: labels[label] for label in LABELS if labels[label]},
         "span_s": round(span, 3),

@@ -35,15 +35,22 @@ from ..store.base import StoreUnavailable
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
-__all__ = ["Backoff", "Health", "PoolExhausted", "StoreUnavailable", "connect", "unavailable",
-           "unavailable_in"]
+__all__ = [
+    "Backoff",
+    "Health",
+    "PoolExhausted",
+    "StoreUnavailable",
+    "connect",
+    "unavailable",
+    "unavailable_in",
+]
 
-SOCKET_TIMEOUT = 0.5      # s per command: Redis answers in well under a ms; a hung one must fail
-CONNECT_TIMEOUT = 0.25    # s per connection attempt
-RETRIES = 1               # immediate retries on a refused/reset connection (never on a timeout)
-MAX_CONNECTIONS = 1000    # per instance; Valkey's default maxclients is 10,000
-POOL_TIMEOUT = 5.0        # s a caller may wait for a free pooled connection
-BACKOFF_MIN = 0.05        # s before a background reader's first retry after a Redis failure
+SOCKET_TIMEOUT = 0.5  # s per command: Redis answers in well under a ms; a hung one must fail
+CONNECT_TIMEOUT = 0.25  # s per connection attempt
+RETRIES = 1  # immediate retries on a refused/reset connection (never on a timeout)
+MAX_CONNECTIONS = 1000  # per instance; Valkey's default maxclients is 10,000
+POOL_TIMEOUT = 5.0  # s a caller may wait for a free pooled connection
+BACKOFF_MIN = 0.05  # s before a background reader's first retry after a Redis failure
 
 
 class Backoff:
@@ -74,10 +81,16 @@ class Health(Protocol):
     def report(self, error: StoreUnavailable | None) -> None: ...
 
 
-def connect(url: str, *, socket_timeout: float = SOCKET_TIMEOUT,
-            connect_timeout: float = CONNECT_TIMEOUT, retries: int = RETRIES,
-            max_connections: int = MAX_CONNECTIONS, pool_timeout: float = POOL_TIMEOUT,
-            cluster: bool = False) -> aredis.Redis:
+def connect(
+    url: str,
+    *,
+    socket_timeout: float = SOCKET_TIMEOUT,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    retries: int = RETRIES,
+    max_connections: int = MAX_CONNECTIONS,
+    pool_timeout: float = POOL_TIMEOUT,
+    cluster: bool = False,
+) -> aredis.Redis:
     """A client for ``url`` (``redis://``, ``rediss://``, ``unix://``) on a blocking pool.
 
     ``cluster``: redis-py's cluster client (see ``_cluster_class``), starting from the node at
@@ -91,18 +104,28 @@ def connect(url: str, *, socket_timeout: float = SOCKET_TIMEOUT,
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("sharing through Redis needs the redis extra: "
-                          "pip install 'carpool[redis]'") from exc
+        raise ImportError(
+            "sharing through Redis needs the redis extra: pip install 'carpool[redis]'"
+        ) from exc
     retry = Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
     if cluster:
         # (Its per-node pools do not wait for a free connection: sized generously instead.)
         cluster_client: Any = _cluster_class()
         return cluster_client.from_url(
-            url, max_connections=max_connections, socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout, retry=retry)
+            url,
+            max_connections=max_connections,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=retry,
+        )
     pool = aredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=pool_timeout,
-        socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout, retry=retry)
+        url,
+        max_connections=max_connections,
+        timeout=pool_timeout,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        retry=retry,
+    )
     return aredis.Redis(connection_pool=pool)
 
 
@@ -121,7 +144,7 @@ def _cluster_class() -> type:
 
         async def ready(self) -> None:
             if self._initialize:
-                await self.initialize()   # (itself under the client's lock: runs once)
+                await self.initialize()  # (itself under the client's lock: runs once)
 
         async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
             await self.ready()
@@ -135,14 +158,18 @@ def _cluster_class() -> type:
         def pubsub(self, *args: Any, **kwargs: Any) -> Any:
             pubsub = super().pubsub(*args, **kwargs)
             pubsub.execute_command = self._ready_first(  # type: ignore[method-assign,assignment]
-                pubsub.execute_command)
+                pubsub.execute_command
+            )
             return pubsub
 
-        def _ready_first(self, method: Callable[..., Awaitable[Any]],
-                         ) -> Callable[..., Awaitable[Any]]:
+        def _ready_first(
+            self,
+            method: Callable[..., Awaitable[Any]],
+        ) -> Callable[..., Awaitable[Any]]:
             async def call(*args: Any, **kwargs: Any) -> Any:
                 await self.ready()
                 return await method(*args, **kwargs)
+
             return call
 
     return Cluster
@@ -153,13 +180,17 @@ def unavailable(what: str) -> Iterator[None]:
     """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``."""
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
+
     try:
         yield
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out; a
         # cluster node's pool does not wait: it raises MaxConnectionsError at once.
-        kind = PoolExhausted if isinstance(exc, MaxConnectionsError) \
-            or "No connection available" in str(exc) else StoreUnavailable
+        kind = (
+            PoolExhausted
+            if isinstance(exc, MaxConnectionsError) or "No connection available" in str(exc)
+            else StoreUnavailable
+        )
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except (RedisError, RedisClusterException, OSError) as exc:
         # (RedisClusterException, "no node reachable", is not a RedisError.)

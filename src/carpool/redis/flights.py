@@ -128,8 +128,8 @@ log = logging.getLogger("carpool.flight")
 Call = Callable[[Broadcast], Awaitable[Answer]]
 Store = Callable[[Answer], Awaitable[None]]
 
-READ_COUNT = 1000         # entries per XREAD
-MAX_TAKEOVERS = 3         # claims after a leader's death, within one run, before running alone
+READ_COUNT = 1000  # entries per XREAD
+MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
 
 # KEYS: lock. ARGV: token, lease ms, max age ms (-1: any age).
 # Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN}.
@@ -200,13 +200,14 @@ return 0
 """
 
 # Why a follow ended without an answer.
-_GONE = "gone"            # the leader died or left: claim again (nothing was relayed)
-_TIMEOUT = "timeout"      # nothing within the join timeout: run the call here
-_DOWN = "unavailable"     # Redis failed: run the call here
+_GONE = "gone"  # the leader died or left: claim again (nothing was relayed)
+_TIMEOUT = "timeout"  # nothing within the join timeout: run the call here
+_DOWN = "unavailable"  # Redis failed: run the call here
 
 _ERRORS: dict[str, type[UpstreamError]] = {
-    cls.__name__: cls for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout,
-                                  UpstreamStreamBroken)}
+    cls.__name__: cls
+    for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout, UpstreamStreamBroken)
+}
 
 _unavailable = unavailable_in("the Redis flights")
 
@@ -219,11 +220,19 @@ class SharedFlights:
     store, told of failures and asked before each claim; ``owns_client``: ``aclose`` closes it.
     """
 
-    def __init__(self, client: aredis.Redis, *, prefix: str = "carpool:",
-                 lease_ms: float = 5000, stream_maxlen: int = 10_000,
-                 join_timeout: float = 30.0, linger_ms: float = 1000,
-                 socket_timeout: float = 0.5, health: Health | None = None,
-                 owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: aredis.Redis,
+        *,
+        prefix: str = "carpool:",
+        lease_ms: float = 5000,
+        stream_maxlen: int = 10_000,
+        join_timeout: float = 30.0,
+        linger_ms: float = 1000,
+        socket_timeout: float = 0.5,
+        health: Health | None = None,
+        owns_client: bool = False,
+    ) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
         self.prefix = prefix
@@ -239,19 +248,22 @@ class SharedFlights:
         self._renew = client.register_script(_RENEW)
         self._end = client.register_script(_END)
         self._background: set[asyncio.Task[Any]] = set()
-        self.leading = 0                     # flights this instance leads now
-        self.following = 0                   # flights this instance follows now
-        self.counts = dict.fromkeys((
-            "led",               # calls led for every instance
-            "followed",          # calls followed while running on another instance
-            "replayed",          # finished calls replayed within the window
-            "takeovers",         # calls led after their leader died
-            "alone",             # calls run without Redis: unavailable, join timeout
-            "broken",            # follows failed after frames were relayed
-            "errors",            # Redis failures
-            "frames_published",  # frames sent to Redis as leader
-            "frames_relayed",    # frames relayed from Redis as follower
-        ), 0)
+        self.leading = 0  # flights this instance leads now
+        self.following = 0  # flights this instance follows now
+        self.counts = dict.fromkeys(
+            (
+                "led",  # calls led for every instance
+                "followed",  # calls followed while running on another instance
+                "replayed",  # finished calls replayed within the window
+                "takeovers",  # calls led after their leader died
+                "alone",  # calls run without Redis: unavailable, join timeout
+                "broken",  # follows failed after frames were relayed
+                "errors",  # Redis failures
+                "frames_published",  # frames sent to Redis as leader
+                "frames_relayed",  # frames relayed from Redis as follower
+            ),
+            0,
+        )
 
     def __repr__(self) -> str:
         return f"<SharedFlights prefix={self.prefix!r} lease={self.lease_ms} ms>"
@@ -297,8 +309,16 @@ class SharedFlights:
 
     # ------------------------------------------------------------------ the one entry point
 
-    async def run(self, key: str, broadcast: Broadcast, call: Call, store: Store, *,
-                  max_age: float | None = None, linger: bool = True) -> Answer:
+    async def run(
+        self,
+        key: str,
+        broadcast: Broadcast,
+        call: Call,
+        store: Store,
+        *,
+        max_age: float | None = None,
+        linger: bool = True,
+    ) -> Answer:
         """The answer for ``key``: led here (``call`` runs, its output is shared, ``store``
         keeps it), followed from the instance that leads it (which stores it), or (Redis
         failing, join timeout) computed and stored here alone.
@@ -324,9 +344,10 @@ class SharedFlights:
             self._answered()
             if reply[0] == b"lead":
                 self.counts["takeovers" if attempt else "led"] += 1
-                return await self._lead(lock, streams + token, token, broadcast, call, store,
-                                        linger)
-            if reply[0] == b"alone":      # the call running began before an invalidation
+                return await self._lead(
+                    lock, streams + token, token, broadcast, call, store, linger
+                )
+            if reply[0] == b"alone":  # the call running began before an invalidation
                 break
             leader = reply[1].decode()
             self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
@@ -345,8 +366,16 @@ class SharedFlights:
 
     # ------------------------------------------------------------------ leading
 
-    async def _lead(self, lock: str, stream: str, token: str, broadcast: Broadcast, call: Call,
-                    store: Store, linger: bool) -> Answer:
+    async def _lead(
+        self,
+        lock: str,
+        stream: str,
+        token: str,
+        broadcast: Broadcast,
+        call: Call,
+        store: Store,
+        linger: bool,
+    ) -> Answer:
         publisher = _Publisher(self, lock, stream, token, broadcast)
         self.leading += 1
         try:
@@ -359,7 +388,7 @@ class SharedFlights:
         except CarpoolError as error:
             await self._close(publisher, lock, stream, token, _error_record(error), 0)
             raise
-        except Exception:   # a bug: followers get what the local clients get
+        except Exception:  # a bug: followers get what the local clients get
             failure = UpstreamError("internal error while calling upstream")
             await self._close(publisher, lock, stream, token, _error_record(failure), 0)
             raise
@@ -367,18 +396,42 @@ class SharedFlights:
             self.leading -= 1
         # Stored and ended (for the followers) at once; both before the local clients have it.
         lingers = linger and answer.complete and self.linger_ms > 0
-        await asyncio.gather(store(answer), self._close(
-            publisher, lock, stream, token, _answer_record(answer), self.linger_ms if lingers else 0))
+        await asyncio.gather(
+            store(answer),
+            self._close(
+                publisher,
+                lock,
+                stream,
+                token,
+                _answer_record(answer),
+                self.linger_ms if lingers else 0,
+            ),
+        )
         return answer
 
-    async def _close(self, publisher: _Publisher, lock: str, stream: str, token: str,
-                     record: dict[str, Any], linger_ms: int) -> None:
+    async def _close(
+        self,
+        publisher: _Publisher,
+        lock: str,
+        stream: str,
+        token: str,
+        record: dict[str, Any],
+        linger_ms: int,
+    ) -> None:
         """The end of the flight, finished even if the local flight is cancelled meanwhile."""
-        await asyncio.shield(self._spawn(self._end_with(publisher, lock, stream, token, record,
-                                                        linger_ms)))
+        await asyncio.shield(
+            self._spawn(self._end_with(publisher, lock, stream, token, record, linger_ms))
+        )
 
-    async def _end_with(self, publisher: _Publisher, lock: str, stream: str, token: str,
-                        record: dict[str, Any], linger_ms: int) -> None:
+    async def _end_with(
+        self,
+        publisher: _Publisher,
+        lock: str,
+        stream: str,
+        token: str,
+        record: dict[str, Any],
+        linger_ms: int,
+    ) -> None:
         """The last frames, then the final record and the lock's release."""
         try:
             await publisher.close()
@@ -386,8 +439,9 @@ class SharedFlights:
             publisher.broadcast.on_publish = None
         await self._finish(lock, stream, token, record, linger_ms)
 
-    async def _finish(self, lock: str, stream: str, token: str, record: dict[str, Any],
-                      linger_ms: int) -> None:
+    async def _finish(
+        self, lock: str, stream: str, token: str, record: dict[str, Any], linger_ms: int
+    ) -> None:
         args: list[Any] = [token, linger_ms, linger_ms + self.lease_ms, self.maxlen]
         for name, value in record.items():
             args += [name, value]
@@ -401,17 +455,18 @@ class SharedFlights:
 
     # ------------------------------------------------------------------ following
 
-    async def _follow(self, lock: str, stream: str, token: str, broadcast: Broadcast,
-                      deadline: float) -> Answer | str:
+    async def _follow(
+        self, lock: str, stream: str, token: str, broadcast: Broadcast, deadline: float
+    ) -> Answer | str:
         """Relay the leader's stream into ``broadcast`` until its final record."""
         loop = asyncio.get_running_loop()
         ours, stale = token.encode(), b"~" + token.encode()
         ended = b"=" + ours + b":"
-        last: bytes | str = b"0-0"     # (XREAD BLOCK waits for the stream to exist)
-        relayed = 0          # frames published into the local broadcast (= next frame index)
-        seen = 0             # frame records read, relayed or not: signs of life
-        skipping = False     # frames were trimmed before we read them: serve the answer whole
-        suspect = False      # the lock looked gone: read once more without blocking
+        last: bytes | str = b"0-0"  # (XREAD BLOCK waits for the stream to exist)
+        relayed = 0  # frames published into the local broadcast (= next frame index)
+        seen = 0  # frame records read, relayed or not: signs of life
+        skipping = False  # frames were trimmed before we read them: serve the answer whole
+        suspect = False  # the lock looked gone: read once more without blocking
         self.following += 1
         try:
             while True:
@@ -428,8 +483,9 @@ class SharedFlights:
                 except StoreUnavailable as error:
                     self._failed(error)
                     if relayed:
-                        raise self._broken(f"lost the stream from the instance leading this "
-                                           f"call: {error.message}") from None
+                        raise self._broken(
+                            f"lost the stream from the instance leading this call: {error.message}"
+                        ) from None
                     return _DOWN
                 records = xread_entries(reply)
                 for entry_id, fields in records:
@@ -439,10 +495,11 @@ class SharedFlights:
                         index = int(fields[b"i"])
                         if skipping or index < relayed:
                             continue
-                        if index > relayed:      # trimmed (MAXLEN) before we read it
+                        if index > relayed:  # trimmed (MAXLEN) before we read it
                             if relayed:
-                                raise self._broken("fell behind the stream of the instance "
-                                                   "leading this call")
+                                raise self._broken(
+                                    "fell behind the stream of the instance leading this call"
+                                )
                             skipping = True
                             continue
                         broadcast.remote = True
@@ -455,7 +512,7 @@ class SharedFlights:
                     suspect = False
                     continue
                 if holder != ours and holder != stale and not (holder or b"").startswith(ended):
-                    if suspect:                  # gone, and no final record came after all
+                    if suspect:  # gone, and no final record came after all
                         if relayed:
                             raise self._broken("the instance leading this call stopped")
                         return _GONE
@@ -467,8 +524,9 @@ class SharedFlights:
         finally:
             self.following -= 1
 
-    def _ending(self, fields: dict[bytes, bytes], broadcast: Broadcast,
-                relayed: int) -> Answer | str:
+    def _ending(
+        self, fields: dict[bytes, bytes], broadcast: Broadcast, relayed: int
+    ) -> Answer | str:
         """The answer or error of a final record (or ``_GONE``)."""
         kind = fields[b"e"]
         if kind == b"g":
@@ -485,8 +543,15 @@ class SharedFlights:
             raise self._broken("the stream of the instance leading this call has gaps")
         broadcast.remote = True
         frames = broadcast.frames if count is not None and relayed == count else None
-        return Answer(meta["k"], body, meta["c"], meta["t"], meta["cr"], frames,
-                      meta["u"] if frames is not None else None)
+        return Answer(
+            meta["k"],
+            body,
+            meta["c"],
+            meta["t"],
+            meta["cr"],
+            frames,
+            meta["u"] if frames is not None else None,
+        )
 
     def _broken(self, message: str) -> LeaderLost:
         self.counts["broken"] += 1
@@ -520,8 +585,9 @@ class SharedFlights:
 class _Publisher:
     """The leader's side: frames to the stream as they come (batched), the lease renewed."""
 
-    def __init__(self, flights: SharedFlights, lock: str, stream: str, token: str,
-                 broadcast: Broadcast) -> None:
+    def __init__(
+        self, flights: SharedFlights, lock: str, stream: str, token: str, broadcast: Broadcast
+    ) -> None:
         self.flights = flights
         self.lock = lock
         self.stream = stream
@@ -529,8 +595,8 @@ class _Publisher:
         self.broadcast = broadcast
         self.sent = 0
         self.closing = False
-        self.broken = False                  # Redis failed: publish and renew no more
-        self.renewing = True                 # False once the lock is lost
+        self.broken = False  # Redis failed: publish and renew no more
+        self.renewing = True  # False once the lock is lost
         self._wake = asyncio.Event()
         broadcast.on_publish = self._wake.set
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -562,7 +628,7 @@ class _Publisher:
                 if loop.time() >= renew_at:
                     await self._renew()
                     renew_at = loop.time() + interval
-        except Exception:    # never let a bug here break the call itself
+        except Exception:  # never let a bug here break the call itself
             log.exception("publishing flight %s failed", self.stream)
 
     async def _flush(self) -> None:
@@ -577,7 +643,7 @@ class _Publisher:
             if index == usage:
                 fields["u"] = 1
             pipe.xadd(self.stream, fields, maxlen=flights.maxlen, approximate=True)
-        if not start:          # the stream exists from now on: it must expire if we die
+        if not start:  # the stream exists from now on: it must expire if we die
             pipe.pexpire(self.stream, 2 * flights.lease_ms)
         self.sent = end
         try:
@@ -595,32 +661,52 @@ class _Publisher:
         flights = self.flights
         try:
             with _unavailable("renew a flight's lock"):
-                held = await flights._renew(keys=[self.lock, self.stream], args=[
-                    self.token, flights.lease_ms, 2 * flights.lease_ms])
+                held = await flights._renew(
+                    keys=[self.lock, self.stream],
+                    args=[self.token, flights.lease_ms, 2 * flights.lease_ms],
+                )
         except StoreUnavailable as error:
             self.broken = True
             flights._failed(error)
             return
-        if not held:       # expired (a long pause) or taken over: followers have moved on
+        if not held:  # expired (a long pause) or taken over: followers have moved on
             self.renewing = False
 
 
 # ---------------------------------------------------------------------- records
 
+
 def _answer_record(answer: Answer) -> dict[str, Any]:
-    meta = {"k": answer.kind, "c": answer.complete, "t": answer.tokens, "cr": answer.created,
-            "fl": None if answer.frames is None else len(answer.frames),
-            "u": answer.usage_frame}
+    meta = {
+        "k": answer.kind,
+        "c": answer.complete,
+        "t": answer.tokens,
+        "cr": answer.created,
+        "fl": None if answer.frames is None else len(answer.frames),
+        "u": answer.usage_frame,
+    }
     return {"e": "a", "m": orjson.dumps(meta), "b": answer.body}
 
 
 def _error_record(error: CarpoolError) -> dict[str, Any]:
     if isinstance(error, UpstreamStatusError):
-        return {"e": "x", "m": orjson.dumps({"c": "status", "s": error.status,
-                                             "ct": error.content_type}), "b": error.content}
-    return {"e": "x", "m": orjson.dumps({"c": type(error).__name__, "s": error.status,
-                                         "ty": error.type, "co": error.code,
-                                         "msg": error.message})}
+        return {
+            "e": "x",
+            "m": orjson.dumps({"c": "status", "s": error.status, "ct": error.content_type}),
+            "b": error.content,
+        }
+    return {
+        "e": "x",
+        "m": orjson.dumps(
+            {
+                "c": type(error).__name__,
+                "s": error.status,
+                "ty": error.type,
+                "co": error.code,
+                "msg": error.message,
+            }
+        ),
+    }
 
 
 def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:

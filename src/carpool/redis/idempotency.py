@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LEASE", "RedisIdempotencyRecords"]
 
-LEASE = 6.0               # s a record being processed lives unless its owner renews it
+LEASE = 6.0  # s a record being processed lives unless its owner renews it
 
-POLL_MIN = 0.005          # s: first pause of ``wait`` between two reads of the record
-POLL_MAX = 0.25           # s: longest pause (the back-off grows by half each time)
+POLL_MIN = 0.005  # s: first pause of ``wait`` between two reads of the record
+POLL_MAX = 0.25  # s: longest pause (the back-off grows by half each time)
 
 # KEYS[1] = the record; ARGV = fingerprint, token, lease ms.
 _BEGIN = """
@@ -118,28 +118,43 @@ class RedisIdempotencyRecords:
       connection is retried once at once, a timeout never.
     """
 
-    def __init__(self, target: str | aredis.Redis, *, retention: float, lease: float = LEASE,
-                 prefix: str = "carpool:", socket_timeout: float = SOCKET_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT, retries: int = RETRIES,
-                 max_connections: int = MAX_CONNECTIONS, pool_timeout: float = POOL_TIMEOUT,
-                 cluster: bool = False, poll_max: float = POLL_MAX,
-                 owns_client: bool | None = None) -> None:
+    def __init__(
+        self,
+        target: str | aredis.Redis,
+        *,
+        retention: float,
+        lease: float = LEASE,
+        prefix: str = "carpool:",
+        socket_timeout: float = SOCKET_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        retries: int = RETRIES,
+        max_connections: int = MAX_CONNECTIONS,
+        pool_timeout: float = POOL_TIMEOUT,
+        cluster: bool = False,
+        poll_max: float = POLL_MAX,
+        owns_client: bool | None = None,
+    ) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
         if retention <= 0 or lease <= 0:
             raise ValueError("retention and lease must be positive")
         self.retention = retention
         self.lease = lease
-        self.renewals = 0                   # leases renewed (all records)
-        self._keepers: dict[str, asyncio.Task[None]] = {}   # token -> its renewing task
+        self.renewals = 0  # leases renewed (all records)
+        self._keepers: dict[str, asyncio.Task[None]] = {}  # token -> its renewing task
         self.prefix = prefix
         self.poll_max = poll_max
         if isinstance(target, str):
             self.url = target
-            client = connect(target, socket_timeout=socket_timeout,
-                             connect_timeout=connect_timeout, retries=retries,
-                             max_connections=max_connections, pool_timeout=pool_timeout,
-                             cluster=cluster)
+            client = connect(
+                target,
+                socket_timeout=socket_timeout,
+                connect_timeout=connect_timeout,
+                retries=retries,
+                max_connections=max_connections,
+                pool_timeout=pool_timeout,
+                cluster=cluster,
+            )
             self._owns_client = True
         else:
             client = target
@@ -153,8 +168,9 @@ class RedisIdempotencyRecords:
         self._abandon = client.register_script(_ABANDON)
         self._renew = client.register_script(_RENEW)
         # Local wake-ups: waiters of this instance, set by this instance's finish/abandon.
-        self._changed: weakref.WeakValueDictionary[str, asyncio.Event] = \
+        self._changed: weakref.WeakValueDictionary[str, asyncio.Event] = (
             weakref.WeakValueDictionary()
+        )
         self.waiters = 0
 
     def __repr__(self) -> str:
@@ -168,29 +184,44 @@ class RedisIdempotencyRecords:
     async def begin(self, key: str, fingerprint: str) -> Begin:
         token = _new_token()
         with _unavailable("begin"):
-            reply = await self._begin(keys=[self.record_key(key)],
-                                      args=[fingerprint, token, _ms(self.lease)])
+            reply = await self._begin(
+                keys=[self.record_key(key)], args=[fingerprint, token, _ms(self.lease)]
+            )
         state = reply[0].decode()
         if state == "new":
             self._keepers[token] = asyncio.create_task(self._keep(key, token))
             return Begin("new", token)
         if state == "done":
-            return Begin("done", response=_decode(reply[1], reply[2], reply[3],
-                                                  reply[4] if len(reply) > 4 else None))
+            return Begin(
+                "done",
+                response=_decode(
+                    reply[1], reply[2], reply[3], reply[4] if len(reply) > 4 else None
+                ),
+            )
         return Begin(state)
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
         record_key = self.record_key(key)
-        headers = orjson.dumps([[n.decode("latin-1"), v.decode("latin-1")]
-                                for n, v in response.headers])
+        headers = orjson.dumps(
+            [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers]
+        )
         state = "s" if 200 <= response.status < 300 else "f"
         try:
             with _unavailable("finish"):
-                done = await self._finish(keys=[record_key], args=[
-                    token, state, _ms(self.retention), response.status, headers,
-                    response.body, int(response.streamed)])
+                done = await self._finish(
+                    keys=[record_key],
+                    args=[
+                        token,
+                        state,
+                        _ms(self.retention),
+                        response.status,
+                        headers,
+                        response.body,
+                        int(response.streamed),
+                    ],
+                )
         finally:
-            self._release(token)             # (only now: the lease must outlive the script)
+            self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
         return bool(done)
 
@@ -206,8 +237,9 @@ class RedisIdempotencyRecords:
 
     async def renew(self, key: str, token: str) -> bool:
         with _unavailable("renew"):
-            return bool(await self._renew(keys=[self.record_key(key)],
-                                          args=[token, _ms(self.lease)]))
+            return bool(
+                await self._renew(keys=[self.record_key(key)], args=[token, _ms(self.lease)])
+            )
 
     async def _keep(self, key: str, token: str) -> None:
         """Renew the lease of ``token``'s record every lease/3 until it is settled or lost.
@@ -222,7 +254,7 @@ class RedisIdempotencyRecords:
                 async with asyncio.timeout(self.lease / 6):
                     alive = await self.renew(key, token)
             except (StoreUnavailable, TimeoutError):
-                pause = self.lease / 12          # Redis down, paused or busy: again soon
+                pause = self.lease / 12  # Redis down, paused or busy: again soon
                 continue
             if not alive:
                 self._keepers.pop(token, None)
@@ -249,7 +281,8 @@ class RedisIdempotencyRecords:
                     changed = self._changed[record_key] = asyncio.Event()
                 with _unavailable("wait"):
                     state, found, status, headers, body, streamed = await self._client.hmget(
-                        record_key, "s", "fp", "st", "h", "b", "m")
+                        record_key, "s", "fp", "st", "h", "b", "m"
+                    )
                 if state is None:
                     return None
                 if found != mine:
@@ -283,6 +316,6 @@ def _ms(seconds: float) -> int:
 
 def _decode(status: Any, headers: Any, body: Any, streamed: Any) -> StoredResponse:
     pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(headers)]
-    if streamed is None:        # written before the field existed: the content type says
+    if streamed is None:  # written before the field existed: the content type says
         streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
     return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"))

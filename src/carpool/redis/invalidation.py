@@ -49,8 +49,8 @@ __all__ = ["InvalidationChannel"]
 
 log = logging.getLogger("carpool.invalidation")
 
-WAIT = 1.0                # s of one wait for a message (then the keepalive is considered)
-KEEPALIVE = 5.0           # s without any message before the subscriber PINGs Redis
+WAIT = 1.0  # s of one wait for a message (then the keepalive is considered)
+KEEPALIVE = 5.0  # s without any message before the subscriber PINGs Redis
 
 _unavailable = unavailable_in("the invalidation channel")
 
@@ -63,10 +63,17 @@ class InvalidationChannel:
     backoff; ``health``: the shared store; ``owns_client``: ``aclose`` closes the client.
     """
 
-    def __init__(self, client: aredis.Redis, forget: Callable[[], int], *,
-                 prefix: str = "carpool:", socket_timeout: float = 0.5,
-                 retry_interval: float = 1.0, health: Health | None = None,
-                 owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: aredis.Redis,
+        forget: Callable[[], int],
+        *,
+        prefix: str = "carpool:",
+        socket_timeout: float = 0.5,
+        retry_interval: float = 1.0,
+        health: Health | None = None,
+        owns_client: bool = False,
+    ) -> None:
         self.channel = (prefix + "invalidations").encode()
         self.instance = secrets.token_hex(8).encode()
         self.forget = forget
@@ -74,14 +81,17 @@ class InvalidationChannel:
         self.retry_interval = retry_interval
         self.health = health
         self.listening = False
-        self.counts = dict.fromkeys((
-            "published",      # invalidations accepted by Redis
-            "unsent",         # not sent: Redis degraded (the others keep at most one window)
-            "received",       # invalidations of other instances applied here
-            "forgotten",      # finished flights forgotten on their account
-            "resubscribed",   # subscriptions made again after a failure (each forgets all)
-            "errors",         # Redis failures (publishing and subscribing)
-        ), 0)
+        self.counts = dict.fromkeys(
+            (
+                "published",  # invalidations accepted by Redis
+                "unsent",  # not sent: Redis degraded (the others keep at most one window)
+                "received",  # invalidations of other instances applied here
+                "forgotten",  # finished flights forgotten on their account
+                "resubscribed",  # subscriptions made again after a failure (each forgets all)
+                "errors",  # Redis failures (publishing and subscribing)
+            ),
+            0,
+        )
         self._client = client
         self._owns_client = owns_client
         self._subscriber: asyncio.Task[None] | None = None
@@ -141,8 +151,8 @@ class InvalidationChannel:
                 with _unavailable("listen for invalidations"):
                     await pubsub.subscribe(self.channel)
                     loop = asyncio.get_running_loop()
-                    heard = loop.time()              # when Redis last sent anything
-                    pinged: float | None = None      # when an unanswered PING was sent
+                    heard = loop.time()  # when Redis last sent anything
+                    pinged: float | None = None  # when an unanswered PING was sent
                     while True:
                         message = await pubsub.get_message(timeout=WAIT)
                         now = loop.time()
@@ -155,7 +165,7 @@ class InvalidationChannel:
                             continue
                         heard, pinged = now, None
                         kind = message.get("type")
-                        if kind == "subscribe":      # the first time, or redis-py reconnected
+                        if kind == "subscribe":  # the first time, or redis-py reconnected
                             self.listening = True
                             backoff.reset()
                             if subscribed_before:

@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
-READ_COUNT = 256          # records per XREAD
+READ_COUNT = 256  # records per XREAD
 
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
 
@@ -97,11 +97,21 @@ class SharedSemanticCache(SemanticCache):
     reader's longest backoff; ``health``: the shared store; ``owns_client``: ``aclose`` closes it.
     """
 
-    def __init__(self, config: SemanticConfig, embedder: Any, guard: Guard,
-                 resolve: Callable[[str], Awaitable[Answer | None]] | None,
-                 client: aredis.Redis, *, prefix: str = "carpool:", maxlen: int = 10_000,
-                 socket_timeout: float = 0.5, retry_interval: float = 1.0,
-                 health: Health | None = None, owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        config: SemanticConfig,
+        embedder: Any,
+        guard: Guard,
+        resolve: Callable[[str], Awaitable[Answer | None]] | None,
+        client: aredis.Redis,
+        *,
+        prefix: str = "carpool:",
+        maxlen: int = 10_000,
+        socket_timeout: float = 0.5,
+        retry_interval: float = 1.0,
+        health: Health | None = None,
+        owns_client: bool = False,
+    ) -> None:
         super().__init__(config, embedder, guard, resolve)
         self.stream = prefix + "semantic"
         self.instance = secrets.token_hex(8).encode()
@@ -110,8 +120,9 @@ class SharedSemanticCache(SemanticCache):
         self.retry_interval = retry_interval
         self.health = health
         self.ready = asyncio.Event()
-        self.counts = dict.fromkeys(("published", "received", "invalidations_received",
-                                     "ignored", "errors"), 0)
+        self.counts = dict.fromkeys(
+            ("published", "received", "invalidations_received", "ignored", "errors"), 0
+        )
         self._client = client
         self._owns_client = owns_client
         self._reader: asyncio.Task[None] | None = None
@@ -127,41 +138,71 @@ class SharedSemanticCache(SemanticCache):
         self.start()
         return await super().probe(view, max_age)
 
-    async def insert(self, view: SemanticView, vector: Any, answer: Answer | None,
-                     expires: float, tags: tuple[str, ...] = (), namespace: str = "",
-                     prompt_prefix: str = "", *, key: str | None = None,
-                     ref: str | None = None, created: float | None = None) -> None:
+    async def insert(
+        self,
+        view: SemanticView,
+        vector: Any,
+        answer: Answer | None,
+        expires: float,
+        tags: tuple[str, ...] = (),
+        namespace: str = "",
+        prompt_prefix: str = "",
+        *,
+        key: str | None = None,
+        ref: str | None = None,
+        created: float | None = None,
+    ) -> None:
         self.start()
         if vector is None:
             vector = await self.embedder.embed(focus(view).text)
-        await super().insert(view, vector, answer, expires, tags, namespace, prompt_prefix,
-                             ref=ref, created=created)
+        await super().insert(
+            view, vector, answer, expires, tags, namespace, prompt_prefix, ref=ref, created=created
+        )
         if key is None:
             return
         import numpy as np
+
         if created is None:
             created = answer.created if answer is not None else time.time()
         # In this instance's index already (the caller waits for that: read-your-writes); the
         # others get it from the stream, published off the caller's path.
-        self._spawn(self._publish({
-            b"op": b"put", b"src": self.instance, b"s": view.scope.encode(),
-            b"t": view.text.encode(), b"ctx": view.context.encode(),
-            b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
-            b"e": str(getattr(self.embedder, "name", "")).encode(), b"k": key.encode(),
-            b"x": repr(float(expires)).encode(), b"c": repr(float(created)).encode(),
-            b"g": orjson.dumps(list(tags)), b"n": namespace.encode(),
-            b"p": prompt_prefix.encode()}))
+        self._spawn(
+            self._publish(
+                {
+                    b"op": b"put",
+                    b"src": self.instance,
+                    b"s": view.scope.encode(),
+                    b"t": view.text.encode(),
+                    b"ctx": view.context.encode(),
+                    b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
+                    b"e": str(getattr(self.embedder, "name", "")).encode(),
+                    b"k": key.encode(),
+                    b"x": repr(float(expires)).encode(),
+                    b"c": repr(float(created)).encode(),
+                    b"g": orjson.dumps(list(tags)),
+                    b"n": namespace.encode(),
+                    b"p": prompt_prefix.encode(),
+                }
+            )
+        )
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
-    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
-                         prefix: str | None = None, everything: bool = False) -> int:
+    async def invalidate(
+        self,
+        *,
+        tag: str | None = None,
+        namespace: str | None = None,
+        prefix: str | None = None,
+        everything: bool = False,
+    ) -> int:
         self.start()
-        dropped = await super().invalidate(tag=tag, namespace=namespace, prefix=prefix,
-                                           everything=everything)
+        dropped = await super().invalidate(
+            tag=tag, namespace=namespace, prefix=prefix, everything=everything
+        )
         if everything:
             sel, val = "all", ""
         elif tag is not None:
@@ -172,8 +213,14 @@ class SharedSemanticCache(SemanticCache):
             sel, val = "prefix", prefix
         else:
             return dropped
-        await self._publish({b"op": b"invalidate", b"src": self.instance,
-                             b"sel": sel.encode(), b"val": val.encode()})
+        await self._publish(
+            {
+                b"op": b"invalidate",
+                b"src": self.instance,
+                b"sel": sel.encode(),
+                b"val": val.encode(),
+            }
+        )
         return dropped
 
     def snapshot(self) -> dict[str, Any]:
@@ -188,7 +235,7 @@ class SharedSemanticCache(SemanticCache):
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._publishing:                 # entries being published: let them go out
+        if self._publishing:  # entries being published: let them go out
             await asyncio.gather(*self._publishing, return_exceptions=True)
         reader, self._reader = self._reader, None
         if reader is not None:
@@ -202,11 +249,10 @@ class SharedSemanticCache(SemanticCache):
 
     async def _publish(self, fields: dict[Any, Any]) -> None:
         if self.health is not None and not self.health.usable():
-            return                                   # Redis degraded: local only for now
+            return  # Redis degraded: local only for now
         try:
             with _unavailable("publish a semantic entry"):
-                await self._client.xadd(self.stream, fields, maxlen=self.maxlen,
-                                        approximate=True)
+                await self._client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
         except StoreUnavailable as error:
             self._failed(error)
         else:
@@ -215,7 +261,7 @@ class SharedSemanticCache(SemanticCache):
                 self.health.report(None)
 
     async def _read(self) -> None:
-        last: Any = None                             # a stream id (bytes)
+        last: Any = None  # a stream id (bytes)
         backoff = Backoff(self.retry_interval)
         while True:
             try:
@@ -226,21 +272,21 @@ class SharedSemanticCache(SemanticCache):
                         self.ready.set()
                         if self.health is not None:
                             self.health.report(None)
-                    reply = await self._client.xread({self.stream: last}, count=READ_COUNT,
-                                                     block=self.block_ms)
+                    reply = await self._client.xread(
+                        {self.stream: last}, count=READ_COUNT, block=self.block_ms
+                    )
                 backoff.reset()
                 for ident, fields in xread_entries(reply):
                     last = ident
                     try:
                         await self._apply(fields)
-                    except Exception:                # a malformed record never stops the reader
+                    except Exception:  # a malformed record never stops the reader
                         self.counts["ignored"] += 1
-                        log.warning("ignoring a malformed semantic record %r", ident,
-                                    exc_info=True)
+                        log.warning("ignoring a malformed semantic record %r", ident, exc_info=True)
             except StoreUnavailable as error:
                 self._failed(error)
                 self.ready.clear()
-                last = None                          # resume from the end: Redis may be new
+                last = None  # resume from the end: Redis may be new
                 await backoff.wait()
 
     async def _apply(self, fields: dict[bytes, bytes]) -> None:
@@ -260,19 +306,31 @@ class SharedSemanticCache(SemanticCache):
             self.counts["ignored"] += 1
             return
         import numpy as np
+
         vector = np.frombuffer(fields[b"v"], dtype="<f4").astype(np.float32)
         expires = float(fields[b"x"])
-        if (vector.shape != (self.embedder.dim,) or expires <= time.time()
-                or fields.get(b"e", b"").decode() != str(getattr(self.embedder, "name", ""))):
+        if (
+            vector.shape != (self.embedder.dim,)
+            or expires <= time.time()
+            or fields.get(b"e", b"").decode() != str(getattr(self.embedder, "name", ""))
+        ):
             self.counts["ignored"] += 1
             return
         self.counts["received"] += 1
-        view = SemanticView(fields[b"s"].decode(), fields[b"t"].decode(),
-                            fields.get(b"ctx", b"").decode())
-        await super().insert(view, vector, None, expires,
-                             tuple(orjson.loads(fields.get(b"g", b"[]"))),
-                             fields.get(b"n", b"").decode(), fields.get(b"p", b"").decode(),
-                             ref=fields[b"k"].decode(), created=float(fields[b"c"]))
+        view = SemanticView(
+            fields[b"s"].decode(), fields[b"t"].decode(), fields.get(b"ctx", b"").decode()
+        )
+        await super().insert(
+            view,
+            vector,
+            None,
+            expires,
+            tuple(orjson.loads(fields.get(b"g", b"[]"))),
+            fields.get(b"n", b"").decode(),
+            fields.get(b"p", b"").decode(),
+            ref=fields[b"k"].decode(),
+            created=float(fields[b"c"]),
+        )
 
     def _failed(self, error: StoreUnavailable) -> None:
         self.counts["errors"] += 1

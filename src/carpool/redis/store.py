@@ -84,9 +84,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisStore", "StoreUnavailable"]
 
-STATS_INTERVAL = 1.0      # s between background refreshes of ``entries``/``bytes`` by gets
-BATCH = 500               # keys per SCAN page / per pipelined round trip in invalidations
-FORMAT = 1                # version of the entry header; another version reads as a miss
+STATS_INTERVAL = 1.0  # s between background refreshes of ``entries``/``bytes`` by gets
+BATCH = 500  # keys per SCAN page / per pipelined round trip in invalidations
+FORMAT = 1  # version of the entry header; another version reads as a miss
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 
@@ -195,31 +195,46 @@ class RedisStore:
     connection), ``max_connections`` and ``pool_timeout`` (s); ``stats_interval`` (s).
     """
 
-    def __init__(self, url: str, *, prefix: str = "carpool:",
-                 client: aredis.Redis | None = None,
-                 socket_timeout: float = SOCKET_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT,
-                 retries: int = RETRIES,
-                 max_connections: int = MAX_CONNECTIONS,
-                 pool_timeout: float = POOL_TIMEOUT, cluster: bool = False,
-                 stats_interval: float = STATS_INTERVAL) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "carpool:",
+        client: aredis.Redis | None = None,
+        socket_timeout: float = SOCKET_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        retries: int = RETRIES,
+        max_connections: int = MAX_CONNECTIONS,
+        pool_timeout: float = POOL_TIMEOUT,
+        cluster: bool = False,
+        stats_interval: float = STATS_INTERVAL,
+    ) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
         self.url = url
         self.prefix = prefix
         self.stats_interval = stats_interval
         if client is None:
-            client = connect(url, socket_timeout=socket_timeout, connect_timeout=connect_timeout,
-                             retries=retries, max_connections=max_connections,
-                             pool_timeout=pool_timeout, cluster=cluster)
+            client = connect(
+                url,
+                socket_timeout=socket_timeout,
+                connect_timeout=connect_timeout,
+                retries=retries,
+                max_connections=max_connections,
+                pool_timeout=pool_timeout,
+                cluster=cluster,
+            )
             self._owns_client = True
         else:
             self._owns_client = False
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the Redis client must not decode responses: bodies are bytes")
         self._client = client
-        self._stats_keys = [f"{prefix}{{stats}}:live", f"{prefix}{{stats}}:size",
-                            f"{prefix}{{stats}}:bytes"]
+        self._stats_keys = [
+            f"{prefix}{{stats}}:live",
+            f"{prefix}{{stats}}:size",
+            f"{prefix}{{stats}}:bytes",
+        ]
         self._prefixes_key = f"{prefix}prefixes"
         self._entries = 0
         self._bytes = 0
@@ -269,7 +284,8 @@ class RedisStore:
     async def get(self, key: str) -> Entry | None:
         with _unavailable("get"):
             fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]
-                self._entry_key(self._id(key)), "m", "b", "f", "pp")   # (bytes: never decoded)
+                self._entry_key(self._id(key)), "m", "b", "f", "pp"
+            )  # (bytes: never decoded)
             header, body, frames, prompt_prefix = fields
         self._refresh_soon()
         if header is None or body is None:
@@ -278,9 +294,20 @@ class RedisStore:
         if meta.get("v") != FORMAT or meta["x"] <= time.time():
             return None
         return Entry(
-            Answer(meta["k"], body, meta["c"], meta["t"], meta["cr"],
-                   _split(frames or b"", meta["fl"]), meta["u"]),
-            meta["x"], tuple(meta["tags"]), meta["ns"], (prompt_prefix or b"").decode())
+            Answer(
+                meta["k"],
+                body,
+                meta["c"],
+                meta["t"],
+                meta["cr"],
+                _split(frames or b"", meta["fl"]),
+                meta["u"],
+            ),
+            meta["x"],
+            tuple(meta["tags"]),
+            meta["ns"],
+            (prompt_prefix or b"").decode(),
+        )
 
     async def put(self, key: str, entry: Entry) -> None:
         entry_id, now = self._id(key), time.time()
@@ -291,22 +318,42 @@ class RedisStore:
             return
         expires_ms, now_ms = math.ceil(entry.expires * 1000), int(now * 1000)
         answer = entry.answer
-        header = orjson.dumps({
-            "v": FORMAT, "k": answer.kind, "c": answer.complete, "t": answer.tokens,
-            "cr": answer.created, "x": entry.expires, "u": answer.usage_frame,
-            "fl": None if answer.frames is None else [len(f) for f in answer.frames],
-            "tags": list(entry.tags), "ns": entry.namespace})
+        header = orjson.dumps(
+            {
+                "v": FORMAT,
+                "k": answer.kind,
+                "c": answer.complete,
+                "t": answer.tokens,
+                "cr": answer.created,
+                "x": entry.expires,
+                "u": answer.usage_frame,
+                "fl": None if answer.frames is None else [len(f) for f in answer.frames],
+                "tags": list(entry.tags),
+                "ns": entry.namespace,
+            }
+        )
         fields: list[Any] = [
-            "m", header, "b", answer.body,
-            "tg", "," + "".join(_digest(t) + "," for t in entry.tags),
-            "ns", _digest(entry.namespace), "pp", entry.prompt_prefix,
+            "m",
+            header,
+            "b",
+            answer.body,
+            "tg",
+            "," + "".join(_digest(t) + "," for t in entry.tags),
+            "ns",
+            _digest(entry.namespace),
+            "pp",
+            entry.prompt_prefix,
             # The exact expiry (not rounded up), so the drop script and get agree on "expired".
-            "xm", f"{entry.expires * 1000:.3f}"]
+            "xm",
+            f"{entry.expires * 1000:.3f}",
+        ]
         if answer.frames is not None:
             fields += ["f", b"".join(answer.frames)]
         indexes = [(self._tag_key(tag), entry_id) for tag in dict.fromkeys(entry.tags)]
-        indexes += [(self._namespace_key(entry.namespace), entry_id),
-                    (self._prefixes_key, f"{entry_id}\n{entry.prompt_prefix}")]
+        indexes += [
+            (self._namespace_key(entry.namespace), entry_id),
+            (self._prefixes_key, f"{entry_id}\n{entry.prompt_prefix}"),
+        ]
         with _unavailable("put"):
             # The indexes first, then the entry: an index is never missing a live entry. Two
             # round trips, because a Cluster pipeline does not keep order across slots.
@@ -316,13 +363,18 @@ class RedisStore:
             await pipe.execute()
             pipe = self._client.pipeline(transaction=False)
             pipe.eval(_PUT, 1, self._entry_key(entry_id), ttl_ms, *fields)
-            pipe.eval(_STATS, 3, *self._stats_keys, now_ms, "add", entry_id, expires_ms,
-                      entry.size)
+            pipe.eval(_STATS, 3, *self._stats_keys, now_ms, "add", entry_id, expires_ms, entry.size)
             _, counts = await pipe.execute()
         self._counted(counts)
 
-    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
-                         prefix: str | None = None, everything: bool = False) -> int:
+    async def invalidate(
+        self,
+        *,
+        tag: str | None = None,
+        namespace: str | None = None,
+        prefix: str | None = None,
+        everything: bool = False,
+    ) -> int:
         with _unavailable("invalidate"):
             if everything:
                 return await self._drop_everything()
@@ -330,8 +382,9 @@ class RedisStore:
             if tag is not None:
                 dropped += await self._drop_indexed(self._tag_key(tag), "t", _digest(tag))
             if namespace is not None:
-                dropped += await self._drop_indexed(self._namespace_key(namespace), "n",
-                                                    _digest(namespace))
+                dropped += await self._drop_indexed(
+                    self._namespace_key(namespace), "n", _digest(namespace)
+                )
             if prefix is not None:
                 dropped += await self._drop_indexed(self._prefixes_key, "p", prefix)
             return dropped
@@ -339,8 +392,9 @@ class RedisStore:
     async def refresh_stats(self) -> None:
         """Read ``entries``/``bytes`` from Redis now (reaping what expired)."""
         with _unavailable("stats"):
-            counts = await self._client.eval(_STATS, 3, *self._stats_keys,
-                                             int(time.time() * 1000), "read")
+            counts = await self._client.eval(
+                _STATS, 3, *self._stats_keys, int(time.time() * 1000), "read"
+            )
         self._counted(counts)
 
     async def aclose(self) -> None:
@@ -382,8 +436,11 @@ class RedisStore:
         results = await pipe.execute()
         gone = [entry_id for entry_id, hit in zip(ids, results, strict=True) if hit]
         if gone:
-            self._counted(await self._client.eval(
-                _STATS, 3, *self._stats_keys, int(time.time() * 1000), "del", *gone))
+            self._counted(
+                await self._client.eval(
+                    _STATS, 3, *self._stats_keys, int(time.time() * 1000), "del", *gone
+                )
+            )
         return len(gone)
 
     async def _drop_everything(self) -> int:
@@ -394,10 +451,11 @@ class RedisStore:
         async def unlink() -> int:
             pipe = self._client.pipeline(transaction=False)
             for key in batch:
-                pipe.execute_command("UNLINK", key)   # (a cluster pipeline's unlink is not queued)
+                pipe.execute_command("UNLINK", key)  # (a cluster pipeline's unlink is not queued)
             results = await pipe.execute()
-            return sum(n for key, n in zip(batch, results, strict=True)
-                       if key.startswith(entry_key))
+            return sum(
+                n for key, n in zip(batch, results, strict=True) if key.startswith(entry_key)
+            )
 
         # Only this store's own key families: other layers (idempotency records, flights) share
         # the prefix, and dropping cached answers must never forget that a request already ran.
@@ -420,8 +478,7 @@ class RedisStore:
 
     def _refresh_soon(self) -> None:
         """Refresh the counts in the background if they are older than ``stats_interval``."""
-        if self._refreshing is not None or \
-                time.monotonic() - self._stats_at < self.stats_interval:
+        if self._refreshing is not None or time.monotonic() - self._stats_at < self.stats_interval:
             return
         self._stats_at = time.monotonic()  # one attempt per interval, even a failed one
         self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly())
@@ -440,6 +497,6 @@ def _split(joined: bytes, lengths: list[int] | None) -> list[bytes] | None:
         return None
     frames, at = [], 0
     for length in lengths:
-        frames.append(joined[at:at + length])
+        frames.append(joined[at : at + length])
         at += length
     return frames

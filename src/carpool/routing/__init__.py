@@ -31,13 +31,13 @@ __all__ = ["POLICIES", "Decision", "RoutingPolicy", "RoutingSettings", "build_po
 class Decision(StrEnum):
     """How one request's replica was chosen (a metric label and a test assertion)."""
 
-    PREFIX_MATCH = "prefix_match"   # cache-aware: the best prefix match, load balanced
-    LEAST_LOADED = "least_loaded"   # fewest in flight (least-loaded, or cache-aware with no match)
-    IMBALANCED = "imbalanced"       # cache-aware: a prefix match overruled by the load guard
-    ROUND_ROBIN = "round_robin"     # the next replica in turn
-    ONLY_HEALTHY = "only_healthy"   # a single replica was eligible: no choice was made
-    PROBE = "probe"                 # a downed replica tried again (back-off over, or none healthy)
-    FAILOVER = "failover"           # the retry on another replica after a failed attempt
+    PREFIX_MATCH = "prefix_match"  # cache-aware: the best prefix match, load balanced
+    LEAST_LOADED = "least_loaded"  # fewest in flight (least-loaded, or cache-aware with no match)
+    IMBALANCED = "imbalanced"  # cache-aware: a prefix match overruled by the load guard
+    ROUND_ROBIN = "round_robin"  # the next replica in turn
+    ONLY_HEALTHY = "only_healthy"  # a single replica was eligible: no choice was made
+    PROBE = "probe"  # a downed replica tried again (back-off over, or none healthy)
+    FAILOVER = "failover"  # the retry on another replica after a failed attempt
 
 
 class RoutingPolicy(Protocol):
@@ -51,8 +51,9 @@ class RoutingPolicy(Protocol):
 
     name: str
 
-    def select(self, text: str, replicas: Sequence[ReplicaState]) -> tuple[ReplicaState, Decision]:
-        ...
+    def select(
+        self, text: str, replicas: Sequence[ReplicaState]
+    ) -> tuple[ReplicaState, Decision]: ...
 
     def on_sent(self, text: str, replica: ReplicaState) -> None:
         """The request with ``text`` is being sent to ``replica`` (also a failover's retry)."""
@@ -81,15 +82,20 @@ def build_policy(name: str, **settings: Any) -> RoutingPolicy:
     key = name.replace("_", "-").lower()
     if key == "round-robin":
         from carpool.routing.round_robin import RoundRobin
+
         return RoundRobin()
     if key == "least-loaded":
         from carpool.routing.least_loaded import LeastLoaded
+
         return LeastLoaded()
     if key == "cache-aware":
         from carpool.routing.cache_aware import CacheAware
-        return CacheAware(cache_threshold=tuned.cache_threshold,
-                          balance_abs_threshold=tuned.balance_abs_threshold,
-                          balance_rel_threshold=tuned.balance_rel_threshold,
-                          tree_budget_chars=tuned.tree_budget_chars,
-                          block_chars=tuned.block_chars)
+
+        return CacheAware(
+            cache_threshold=tuned.cache_threshold,
+            balance_abs_threshold=tuned.balance_abs_threshold,
+            balance_rel_threshold=tuned.balance_rel_threshold,
+            tree_budget_chars=tuned.tree_budget_chars,
+            block_chars=tuned.block_chars,
+        )
     raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(POLICIES)}")

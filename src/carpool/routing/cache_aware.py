@@ -51,13 +51,13 @@ class PrefixRecord:
         self.block_chars = block_chars
         self.budget_blocks = max(1, budget_chars // block_chars)
         self._lru: dict[str, OrderedDict[int, None]] = {}  # replica -> keys, oldest first
-        self._index: dict[int, set[str]] = {}               # key -> replicas holding it
+        self._index: dict[int, set[str]] = {}  # key -> replicas holding it
 
     def keys(self, text: str) -> list[int]:
         """The chain keys of ``text``'s whole blocks, first block first."""
         size, key, out = self.block_chars, _ROOT, []
         for start in range(0, len(text) - size + 1, size):
-            key = hash((key, text[start:start + size]))
+            key = hash((key, text[start : start + size]))
             out.append(key)
         return out
 
@@ -79,7 +79,7 @@ class PrefixRecord:
     def insert(self, text: str, replica: str) -> None:
         """Record that ``text`` was sent to ``replica`` (touching its prefix), then evict."""
         lru = self._lru.setdefault(replica, OrderedDict())
-        for key in reversed(self.keys(text)):       # deepest first: prefixes end up most recent
+        for key in reversed(self.keys(text)):  # deepest first: prefixes end up most recent
             if key in lru:
                 lru.move_to_end(key)
             else:
@@ -113,9 +113,14 @@ class PrefixRecord:
 class CacheAware(RoutingPolicy):
     name = "cache-aware"
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.5, tree_budget_chars: int = 2_000_000,
-                 block_chars: int = 64) -> None:
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        tree_budget_chars: int = 2_000_000,
+        block_chars: int = 64,
+    ) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -125,20 +130,20 @@ class CacheAware(RoutingPolicy):
         """SGLang's rule: both the absolute and the relative gap in in-flight counts are exceeded."""
         loads = [r.in_flight for r in replicas]
         high, low = max(loads), min(loads)
-        return (high - low > self.balance_abs_threshold
-                and high > self.balance_rel_threshold * low)
+        return high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low
 
     def select(self, text: str, replicas: Sequence[ReplicaState]) -> tuple[ReplicaState, Decision]:
         matched, holders = self.record.match(text, [r.name for r in replicas])
         rate = matched / len(text) if text else 0.0
         least = min(replicas, key=lambda r: (r.in_flight, self.record.size_chars(r.name), r.calls))
         if text and rate >= self.cache_threshold and holders:
-            best = min((r for r in replicas if r.name in holders),
-                       key=lambda r: (r.in_flight, r.calls))
+            best = min(
+                (r for r in replicas if r.name in holders), key=lambda r: (r.in_flight, r.calls)
+            )
             if not self.imbalanced(replicas):
                 return best, Decision.PREFIX_MATCH
             if best is least or best.in_flight == least.in_flight:
-                return best, Decision.PREFIX_MATCH   # the match is (one of) the least loaded anyway
+                return best, Decision.PREFIX_MATCH  # the match is (one of) the least loaded anyway
             return least, Decision.IMBALANCED
         return least, Decision.LEAST_LOADED
 

@@ -55,18 +55,18 @@ class ReplicaState:
     """One replica and what the gateway knows of it."""
 
     upstream: Upstream
-    name: str = ""                 # defaults to upstream.name (operators: /stats, metrics, logs)
-    label: str = ""                # defaults to upstream.label, else name (clients: /healthz)
-    in_flight: int = 0             # requests sent and not finished (streams: not yet closed)
-    calls: int = 0                 # attempts sent, failed ones and failovers included
-    errors: int = 0                # attempts that failed (transport error or 5xx)
-    failures: int = 0              # consecutive failures; 0 once healthy
+    name: str = ""  # defaults to upstream.name (operators: /stats, metrics, logs)
+    label: str = ""  # defaults to upstream.label, else name (clients: /healthz)
+    in_flight: int = 0  # requests sent and not finished (streams: not yet closed)
+    calls: int = 0  # attempts sent, failed ones and failovers included
+    errors: int = 0  # attempts that failed (transport error or 5xx)
+    failures: int = 0  # consecutive failures; 0 once healthy
     healthy: bool = True
-    answered: bool = False         # it has answered since it last failed (reachable, proven)
-    down_until: float = 0.0       # clock value when the back-off ends (meaningful when not healthy)
-    probing: bool = field(default=False, repr=False)   # a probe request is in flight
+    answered: bool = False  # it has answered since it last failed (reachable, proven)
+    down_until: float = 0.0  # clock value when the back-off ends (meaningful when not healthy)
+    probing: bool = field(default=False, repr=False)  # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
-    unlogged: int = field(default=0, repr=False)       # failures since, not logged
+    unlogged: int = field(default=0, repr=False)  # failures since, not logged
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -84,10 +84,17 @@ Observer = Callable[[ReplicaState, int, Decision], None]
 class ReplicaSet:
     """Routes, sends, fails over, and keeps per-replica load and health."""
 
-    def __init__(self, upstreams: Sequence[Upstream], policy: RoutingPolicy, *,
-                 backoff_s: float = 5.0, backoff_max_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 observe: Observer | None = None, log_interval: float = 30.0) -> None:
+    def __init__(
+        self,
+        upstreams: Sequence[Upstream],
+        policy: RoutingPolicy,
+        *,
+        backoff_s: float = 5.0,
+        backoff_max_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        observe: Observer | None = None,
+        log_interval: float = 30.0,
+    ) -> None:
         """``observe(replica, status, decision)`` is called once per attempt (status: the HTTP
         status answered, or the error's status, 502/504, for a transport failure), e.g. for the
         per-replica status counters of ``/stats``. ``log_interval``: seconds between two
@@ -98,7 +105,7 @@ class ReplicaSet:
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("upstream names must be distinct")
         if len({r.label for r in self.replicas}) != len(self.replicas):
-            for i, replica in enumerate(self.replicas):     # upstreams built without labels
+            for i, replica in enumerate(self.replicas):  # upstreams built without labels
                 replica.label = f"replica-{i}"
         self.policy = policy
         self.backoff_s = backoff_s
@@ -116,8 +123,9 @@ class ReplicaSet:
     # -------------------------------------------------------------------------------------
     # Choosing
 
-    def choose(self, text: str, exclude: Sequence[ReplicaState] = ()
-               ) -> tuple[ReplicaState, Decision] | None:
+    def choose(
+        self, text: str, exclude: Sequence[ReplicaState] = ()
+    ) -> tuple[ReplicaState, Decision] | None:
         """The replica for the next attempt and why, or None when every replica is excluded."""
         now = self.clock()
         pool = [r for r in self.replicas if r not in exclude]
@@ -137,8 +145,9 @@ class ReplicaSet:
     # -------------------------------------------------------------------------------------
     # Sending
 
-    async def send(self, request: UpstreamRequest, text: str = ""
-                   ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
+    async def send(
+        self, request: UpstreamRequest, text: str = ""
+    ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
         """Send ``request`` (prompt ``text``) to a replica, failing over once; see the module doc.
 
         Raises the last ``UpstreamUnreachable`` / ``UpstreamTimeout`` when every attempt failed.
@@ -160,7 +169,7 @@ class ReplicaSet:
                 replica, decision = retry[0], Decision.FAILOVER
                 continue
             except BaseException:
-                replica.probing = False             # cancelled or unexpected: no verdict
+                replica.probing = False  # cancelled or unexpected: no verdict
                 raise
             self._observe(replica, response.status, decision)
             if response.status < 500:
@@ -173,8 +182,9 @@ class ReplicaSet:
             await response.aclose()
             replica, decision = retry[0], Decision.FAILOVER
 
-    async def _attempt(self, replica: ReplicaState, request: UpstreamRequest,
-                       text: str) -> UpstreamResponse:
+    async def _attempt(
+        self, replica: ReplicaState, request: UpstreamRequest, text: str
+    ) -> UpstreamResponse:
         """One call, counted in flight until its answer is complete (or its stream closed)."""
         if not replica.healthy:
             replica.probing = True
@@ -206,11 +216,13 @@ class ReplicaSet:
             finally:
                 release()
 
-        return UpstreamResponse(response.status, response.headers, response.body,
-                                response.events(), close)
+        return UpstreamResponse(
+            response.status, response.headers, response.body, response.events(), close
+        )
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         """Another ``/v1/...`` call on one replica, not retried; see the module doc."""
         chosen = self.choose("")
         assert chosen is not None
@@ -232,8 +244,12 @@ class ReplicaSet:
 
     def _succeeded(self, replica: ReplicaState) -> None:
         if not replica.healthy:
-            log.info("upstream %s answers again after %d failure(s)%s", self._called(replica),
-                     replica.failures, self._unlogged(replica))
+            log.info(
+                "upstream %s answers again after %d failure(s)%s",
+                self._called(replica),
+                replica.failures,
+                self._unlogged(replica),
+            )
             replica.logged_at, replica.unlogged = None, 0
         replica.healthy, replica.probing, replica.failures = True, False, 0
 
@@ -247,20 +263,28 @@ class ReplicaSet:
         if replica.logged_at is not None and now - replica.logged_at < self.log_interval:
             replica.unlogged += 1
             return
-        log.warning("upstream %s failed, left out for %.3g s%s: %s", self._called(replica),
-                    backoff, self._unlogged(replica), what)
+        log.warning(
+            "upstream %s failed, left out for %.3g s%s: %s",
+            self._called(replica),
+            backoff,
+            self._unlogged(replica),
+            what,
+        )
         replica.logged_at, replica.unlogged = now, 0
 
     def _called(self, replica: ReplicaState) -> str:
         # Both names: clients quote the label (error bodies), operators know the name.
-        return replica.name if replica.label == replica.name else \
-            f"{replica.label} ({replica.name})"
+        return (
+            replica.name if replica.label == replica.name else f"{replica.label} ({replica.name})"
+        )
 
     def _unlogged(self, replica: ReplicaState) -> str:
         if not replica.unlogged or replica.logged_at is None:
             return ""
-        return (f" ({replica.unlogged} more failure(s) not logged in the last "
-                f"{self.clock() - replica.logged_at:.0f} s)")
+        return (
+            f" ({replica.unlogged} more failure(s) not logged in the last "
+            f"{self.clock() - replica.logged_at:.0f} s)"
+        )
 
     def _observe(self, replica: ReplicaState, status: int, decision: Decision) -> None:
         if self.observe is not None:
@@ -281,11 +305,14 @@ class ReplicaSet:
             if r.healthy:
                 state = "healthy"
             elif r.probing or now >= r.down_until:
-                state = "probing"                # back-off over: the next request probes it
+                state = "probing"  # back-off over: the next request probes it
             else:
                 state = "down"
             out[r.name] = {
-                "state": state, "in_flight": r.in_flight, "calls": r.calls, "errors": r.errors,
+                "state": state,
+                "in_flight": r.in_flight,
+                "calls": r.calls,
+                "errors": r.errors,
                 "failures": r.failures,
                 "down_until": None if r.healthy else r.down_until,
                 "down_for_s": 0.0 if r.healthy else round(max(0.0, r.down_until - now), 3),
@@ -295,8 +322,14 @@ class ReplicaSet:
     def health(self) -> dict[str, dict[str, Any]]:
         """Per replica, by public label, for ``/healthz``: nothing an operator keeps private."""
         states = self.snapshot()
-        return {r.label: {"healthy": r.healthy, "state": states[r.name]["state"],
-                          "failures": r.failures} for r in self.replicas}
+        return {
+            r.label: {
+                "healthy": r.healthy,
+                "state": states[r.name]["state"],
+                "failures": r.failures,
+            }
+            for r in self.replicas
+        }
 
     async def ready(self, timeout: float = 2.0) -> bool:
         """For ``/readyz``: whether some replica is reachable. One that has answered and not
@@ -314,7 +347,7 @@ class ReplicaSet:
                     async for _ in response.body:
                         pass
             except PathNotAllowed:
-                pass                                # an in-process upstream: no /models, but up
+                pass  # an in-process upstream: no /models, but up
             except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
                 self._failed(replica, f"readiness probe: {_what(error)}")
                 continue

@@ -88,19 +88,21 @@ def focus(view: SemanticView) -> SemanticView:
     """``view`` with a long head moved into its scope (module docstring, ``HEAD_MIN_WORDS``), or
     ``view`` itself. Idempotent: the tail is never split again."""
     text = view.text
-    if len(text) < 2 * (HEAD_MIN_WORDS + TAIL_MIN_WORDS):   # too short for such a head
+    if len(text) < 2 * (HEAD_MIN_WORDS + TAIL_MIN_WORDS):  # too short for such a head
         return view
     for brk in reversed(list(_SENTENCE_BREAK.finditer(text))):
-        tail = len(text[brk.end():].split())
+        tail = len(text[brk.end() :].split())
         if tail >= TAIL_MIN_WORDS:
-            head_text = text[:brk.start()]
+            head_text = text[: brk.start()]
             head = len(head_text.split())
-            if head < HEAD_MIN_WORDS or (head < HEAD_TAIL_RATIO * tail
-                                         and head + tail < LONG_TEXT_WORDS):
+            if head < HEAD_MIN_WORDS or (
+                head < HEAD_TAIL_RATIO * tail and head + tail < LONG_TEXT_WORDS
+            ):
                 return view
-            scope = hashlib.blake2b(f"{view.scope}\x00{head_text}".encode(),
-                                    digest_size=16).hexdigest()
-            return SemanticView(scope, text[brk.end():], view.context)
+            scope = hashlib.blake2b(
+                f"{view.scope}\x00{head_text}".encode(), digest_size=16
+            ).hexdigest()
+            return SemanticView(scope, text[brk.end() :], view.context)
     return view
 
 
@@ -113,21 +115,24 @@ class SemanticEntry:
     id: int
     scope: str
     text: str
-    answer: Answer | None                   # None: a reference (``ref``) to the exact cache
+    answer: Answer | None  # None: a reference (``ref``) to the exact cache
     expires: float
     tags: tuple[str, ...] = ()
     namespace: str = ""
     prompt_prefix: str = ""
-    size: int = 0                           # bytes, set by the cache when inserted
-    ref: str | None = None                  # the exact-cache key of the answer, if remote
-    created: float = 0.0                    # when the answer was made (for max_age)
-    context: str = ""                       # a conversation's earlier turns
+    size: int = 0  # bytes, set by the cache when inserted
+    ref: str | None = None  # the exact-cache key of the answer, if remote
+    created: float = 0.0  # when the answer was made (for max_age)
+    context: str = ""  # a conversation's earlier turns
     public_id: str = field(default="", init=False)  # what clients see of it: an opaque id
 
     def __post_init__(self) -> None:
         # Keyed: a plain hash of the prompt could be confirmed by anyone who guesses the prompt.
-        self.public_id = hashlib.blake2b(f"{self.scope}\x00{self.context}\x00{self.text}".encode(),
-                                         key=_ENTRY_ID_KEY, digest_size=12).hexdigest()
+        self.public_id = hashlib.blake2b(
+            f"{self.scope}\x00{self.context}\x00{self.text}".encode(),
+            key=_ENTRY_ID_KEY,
+            digest_size=12,
+        ).hexdigest()
 
     @property
     def side(self) -> Side:
@@ -139,21 +144,26 @@ class Candidate:
     entry: SemanticEntry
     similarity: float
     verdict: Verdict
-    answer: Answer | None = None            # what to serve (set for the match)
+    answer: Answer | None = None  # what to serve (set for the match)
 
 
 @dataclass(slots=True)
 class Probe:
     """The result of one semantic lookup."""
 
-    vector: Any = None                      # the text's embedding, reused when inserting
-    match: Candidate | None = None          # the entry to serve, if any
-    nearest: Candidate | None = None        # the most similar entry seen, served or not
+    vector: Any = None  # the text's embedding, reused when inserting
+    match: Candidate | None = None  # the entry to serve, if any
+    nearest: Candidate | None = None  # the most similar entry seen, served or not
 
 
 class SemanticCache:
-    def __init__(self, config: SemanticConfig, embedder: Any, guard: Guard,
-                 resolve: Callable[[str], Awaitable[Answer | None]] | None = None) -> None:
+    def __init__(
+        self,
+        config: SemanticConfig,
+        embedder: Any,
+        guard: Guard,
+        resolve: Callable[[str], Awaitable[Answer | None]] | None = None,
+    ) -> None:
         self.config = config
         self.embedder = embedder
         self.guard = guard
@@ -161,10 +171,10 @@ class SemanticCache:
         self.threshold = config.threshold if config.threshold is not None else CALIBRATED_THRESHOLD
         self._scopes: dict[str, VectorIndex] = {}
         self._entries: OrderedDict[int, SemanticEntry] = OrderedDict()
-        self._by_text: dict[tuple[str, str, str], int] = {}   # (scope, context, text)
+        self._by_text: dict[tuple[str, str, str], int] = {}  # (scope, context, text)
         self._ids = itertools.count(1)
         self._bytes = 0
-        self.rejections: dict[str, int] = {}   # guard verdicts by reason, for /stats
+        self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
 
     @property
     def entries(self) -> int:
@@ -185,7 +195,7 @@ class SemanticCache:
         view = focus(view)
         index = self._scopes.get(view.scope)
         if index is None:
-            return Probe()                  # nothing to compare with: no embedding needed
+            return Probe()  # nothing to compare with: no embedding needed
         vector = await self.embedder.embed(view.text)
         probe = Probe(vector)
         now = time.time()
@@ -209,12 +219,19 @@ class SemanticCache:
                 break
         return probe
 
-    async def _judge(self, view: SemanticView, found: list[tuple[SemanticEntry, float]],
-                     probe: Probe, max_age: float | None) -> bool:
+    async def _judge(
+        self,
+        view: SemanticView,
+        found: list[tuple[SemanticEntry, float]],
+        probe: Probe,
+        max_age: float | None,
+    ) -> bool:
         """The guard's verdicts on ``found``; sets ``probe.match`` (True) on the first served."""
-        verdicts = await self.guard.judge(Side(view.text, view.context),
-                                          [entry.side for entry, _ in found],
-                                          [similarity for _, similarity in found])
+        verdicts = await self.guard.judge(
+            Side(view.text, view.context),
+            [entry.side for entry, _ in found],
+            [similarity for _, similarity in found],
+        )
         for (entry, similarity), verdict in zip(found, verdicts, strict=True):
             candidate = Candidate(entry, similarity, verdict, entry.answer)
             if probe.nearest is None:
@@ -243,15 +260,25 @@ class SemanticCache:
         try:
             answer = await self.resolve(entry.ref)
         except StoreUnavailable:
-            return None                     # unknown for now: skip it, keep the entry
+            return None  # unknown for now: skip it, keep the entry
         if answer is None:
             self._drop(entry)
         return answer
 
-    async def insert(self, view: SemanticView, vector: Any, answer: Answer | None,
-                     expires: float, tags: tuple[str, ...] = (), namespace: str = "",
-                     prompt_prefix: str = "", *, key: str | None = None,
-                     ref: str | None = None, created: float | None = None) -> None:
+    async def insert(
+        self,
+        view: SemanticView,
+        vector: Any,
+        answer: Answer | None,
+        expires: float,
+        tags: tuple[str, ...] = (),
+        namespace: str = "",
+        prompt_prefix: str = "",
+        *,
+        key: str | None = None,
+        ref: str | None = None,
+        created: float | None = None,
+    ) -> None:
         """Store ``answer`` (or, with ``answer=None``, the reference ``ref``) under the view.
 
         ``vector``: the embedding of ``focus(view).text`` (``Probe.vector``), or None to compute
@@ -268,30 +295,52 @@ class SemanticCache:
             self._drop(self._entries[old])
         if created is None:
             created = answer.created if answer is not None else time.time()
-        entry = SemanticEntry(next(self._ids), view.scope, view.text, answer, expires, tags,
-                              namespace, prompt_prefix, ref=ref, created=created,
-                              context=view.context)
+        entry = SemanticEntry(
+            next(self._ids),
+            view.scope,
+            view.text,
+            answer,
+            expires,
+            tags,
+            namespace,
+            prompt_prefix,
+            ref=ref,
+            created=created,
+            context=view.context,
+        )
         index = self._scopes.get(view.scope)
         if index is None:
             index = self._scopes[view.scope] = VectorIndex(
-                self.embedder.dim, self.config.index_connectivity,
-                self.config.index_expansion_add, self.config.index_expansion_search)
+                self.embedder.dim,
+                self.config.index_connectivity,
+                self.config.index_expansion_add,
+                self.config.index_expansion_search,
+            )
         index.add(entry.id, vector)
         # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
         held = answer.size if answer is not None else len(ref or "")
-        entry.size = (held + len(view.text) + len(view.context) + len(prompt_prefix)
-                      + 8 * self.embedder.dim)
+        entry.size = (
+            held + len(view.text) + len(view.context) + len(prompt_prefix) + 8 * self.embedder.dim
+        )
         self._entries[entry.id] = entry
         self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._bytes += entry.size
         while len(self._entries) > self.config.max_entries:
             self._drop(next(iter(self._entries.values())))
 
-    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
-                         prefix: str | None = None, everything: bool = False) -> int:
-        doomed = [e for e in self._entries.values()
-                  if selected(e, tag=tag, namespace=namespace, prefix=prefix,
-                              everything=everything)]
+    async def invalidate(
+        self,
+        *,
+        tag: str | None = None,
+        namespace: str | None = None,
+        prefix: str | None = None,
+        everything: bool = False,
+    ) -> int:
+        doomed = [
+            e
+            for e in self._entries.values()
+            if selected(e, tag=tag, namespace=namespace, prefix=prefix, everything=everything)
+        ]
         for entry in doomed:
             self._drop(entry)
         return len(doomed)

@@ -149,7 +149,7 @@ __all__ = [
 INSTALL_HINT = "pip install 'carpool[semantic]'"
 
 MODEL_NAME = "all-MiniLM-L6-v2"
-MAX_SEQ_LENGTH = 256            # sentence-transformers' max_seq_length for this model
+MAX_SEQ_LENGTH = 256  # sentence-transformers' max_seq_length for this model
 HEADS = 12
 LAYER_NORM_EPS = 1e-12
 
@@ -181,7 +181,8 @@ class SemanticDependencyError(ImportError):
 def _require_numpy() -> Any:
     if np is None:
         raise SemanticDependencyError(
-            f"the semantic cache needs numpy, which is not installed: {INSTALL_HINT}")
+            f"the semantic cache needs numpy, which is not installed: {INSTALL_HINT}"
+        )
     return np
 
 
@@ -221,14 +222,22 @@ class _BatchingEmbedder:
     dim: int
     name: str
 
-    def _init_batching(self, compute: Callable[[list[str]], Awaitable[Any]], *, max_batch: int,
-                       max_delay_s: float, max_in_flight: int) -> None:
+    def _init_batching(
+        self,
+        compute: Callable[[list[str]], Awaitable[Any]],
+        *,
+        max_batch: int,
+        max_delay_s: float,
+        max_in_flight: int,
+    ) -> None:
         if max_batch < 1 or max_in_flight < 1 or max_delay_s < 0:
             raise ValueError("max_batch and max_in_flight must be >= 1, max_delay_s >= 0")
         self._model_compute = compute
         self._batch_settings: dict[str, Any] = {
-            "max_batch_size": max_batch, "max_batch_delay_s": max_delay_s,
-            "max_in_flight": max_in_flight}
+            "max_batch_size": max_batch,
+            "max_batch_delay_s": max_delay_s,
+            "max_in_flight": max_in_flight,
+        }
         self._batcher: KeyedBatcher[str, Any] = self._new_batcher()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -238,8 +247,10 @@ class _BatchingEmbedder:
     async def _compute_checked(self, group: Any, texts: list[str]) -> Any:
         vectors = await self._model_compute(texts)
         if vectors.shape != (len(texts), self.dim):
-            raise ValueError(f"the model returned shape {vectors.shape} for {len(texts)} "
-                             f"texts, expected ({len(texts)}, {self.dim})")
+            raise ValueError(
+                f"the model returned shape {vectors.shape} for {len(texts)} "
+                f"texts, expected ({len(texts)}, {self.dim})"
+            )
         return vectors
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -302,7 +313,7 @@ def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     ``model_dir`` (``semantic.model_dir``) or ``$CARPOOL_EMBED_MODEL_DIR`` when given, else the
     Hugging Face cache at :data:`MODEL_REVISION`, else a development package."""
     if model_dir is not None:
-        return Path(model_dir)                # the operator's choice: checked when loaded
+        return Path(model_dir)  # the operator's choice: checked when loaded
     candidates: list[Path] = []
     env = os.environ.get(ENV_MODEL_DIR)
     if env:
@@ -322,12 +333,14 @@ def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
         if all((directory / name).is_file() for name in MODEL_SHA256):
             return directory
     if env:
-        raise FileNotFoundError(f"${ENV_MODEL_DIR}={env} holds no model.safetensors + "
-                                f"tokenizer.json")
+        raise FileNotFoundError(
+            f"${ENV_MODEL_DIR}={env} holds no model.safetensors + tokenizer.json"
+        )
     raise SemanticDependencyError(
         f"the {MODEL_NAME} weights are not here: run `carpool fetch-model` once (it downloads "
         f"{MODEL_REPO} at revision {MODEL_REVISION[:8]} into the Hugging Face cache and checks "
-        f"its digests), or set semantic.model_dir to a directory that holds them")
+        f"its digests), or set semantic.model_dir to a directory that holds them"
+    )
 
 
 def _hub_cache_dir() -> Path | None:
@@ -337,11 +350,12 @@ def _hub_cache_dir() -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    found = [try_to_load_from_cache(MODEL_REPO, name, revision=MODEL_REVISION)
-             for name in MODEL_SHA256]
+    found = [
+        try_to_load_from_cache(MODEL_REPO, name, revision=MODEL_REVISION) for name in MODEL_SHA256
+    ]
     if not all(isinstance(path, str) for path in found):
         return None
-    directories = {Path(path).parent for path in found}   # type: ignore[arg-type]
+    directories = {Path(path).parent for path in found}  # type: ignore[arg-type]
     return directories.pop() if len(directories) == 1 else None
 
 
@@ -353,15 +367,24 @@ def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         from huggingface_hub import hf_hub_download
     except ImportError:
         raise SemanticDependencyError(
-            f"fetching the model needs huggingface_hub: {INSTALL_HINT}") from None
+            f"fetching the model needs huggingface_hub: {INSTALL_HINT}"
+        ) from None
     directory: Path | None = None
     for name, expected in MODEL_SHA256.items():
-        path = Path(hf_hub_download(MODEL_REPO, name, revision=MODEL_REVISION,
-                                    cache_dir=None if cache_dir is None else str(cache_dir)))
+        path = Path(
+            hf_hub_download(
+                MODEL_REPO,
+                name,
+                revision=MODEL_REVISION,
+                cache_dir=None if cache_dir is None else str(cache_dir),
+            )
+        )
         if _sha256(path) != expected:
             path.unlink(missing_ok=True)
-            raise ValueError(f"{MODEL_REPO}@{MODEL_REVISION[:8]} {name}: SHA-256 differs from "
-                             f"the pinned digest; removed")
+            raise ValueError(
+                f"{MODEL_REPO}@{MODEL_REVISION[:8]} {name}: SHA-256 differs from "
+                f"the pinned digest; removed"
+            )
         directory = path.parent
     assert directory is not None
     return directory
@@ -379,8 +402,9 @@ def _erf(x: Any) -> Any:
     """erf, to ~1.5e-7 absolute (Abramowitz & Stegun 7.1.26): enough for float32 GELU."""
     a = np.abs(x)
     t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
-                                                       + t * (-1.453152027 + t * 1.061405429))))
+    poly = t * (
+        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    )
     y = 1.0 - poly * np.exp(-a * a)
     return np.copysign(y, x)
 
@@ -421,18 +445,19 @@ def _numpy_encoder(layers: Sequence[_Layer], heads: int) -> Callable[[Any, Any],
         x = x.reshape(n * length, hidden)
         for layer in layers:
             qkv = (x @ layer.qkv_w + layer.qkv_b).reshape(n, length, 3, heads, head_dim)
-            q, k, v = qkv.transpose(2, 0, 3, 1, 4)                  # each (n, heads, len, hd)
-            scores = q @ k.transpose(0, 1, 3, 2)                    # (n, heads, len, len)
+            q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # each (n, heads, len, hd)
+            scores = q @ k.transpose(0, 1, 3, 2)  # (n, heads, len, len)
             if key_bias is not None:
                 scores += key_bias
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(axis=-1, keepdims=True)
             context = (scores @ v).transpose(0, 2, 1, 3).reshape(n * length, hidden)
-            x = _layer_norm(context @ layer.attn_out_w + layer.attn_out_b + x,
-                            layer.ln1_w, layer.ln1_b)
+            x = _layer_norm(
+                context @ layer.attn_out_w + layer.attn_out_b + x, layer.ln1_w, layer.ln1_b
+            )
             h = x @ layer.inter_w + layer.inter_b
-            h = 0.5 * h * (1.0 + _erf(h * np.float32(1.0 / math.sqrt(2.0))))   # exact GELU
+            h = 0.5 * h * (1.0 + _erf(h * np.float32(1.0 / math.sqrt(2.0))))  # exact GELU
             x = _layer_norm(h @ layer.out_w + layer.out_b + x, layer.ln2_w, layer.ln2_b)
         return x.reshape(n, length, hidden)
 
@@ -446,7 +471,7 @@ def _numpy_encoder(layers: Sequence[_Layer], heads: int) -> Callable[[Any, Any],
 
 
 def _pb_varint(n: int) -> bytes:
-    n &= (1 << 64) - 1                              # negative int64: two's complement
+    n &= (1 << 64) - 1  # negative int64: two's complement
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
@@ -474,7 +499,7 @@ def _pb_float(field: int, x: float) -> bytes:
 class _OnnxGraph:
     """Just enough of ONNX's GraphProto/ModelProto to describe a BERT encoder."""
 
-    FLOAT, UINT8, INT8, INT64 = 1, 2, 3, 7        # TensorProto.DataType
+    FLOAT, UINT8, INT8, INT64 = 1, 2, 3, 7  # TensorProto.DataType
 
     def __init__(self) -> None:
         self.nodes: list[bytes] = []
@@ -482,28 +507,34 @@ class _OnnxGraph:
         self._names = itertools.count()
 
     def const(self, array: Any) -> str:
-        array = np.asarray(array)            # (not ascontiguousarray: it makes scalars 1-d)
-        data_type = {np.dtype(np.float32): self.FLOAT, np.dtype(np.int64): self.INT64,
-                     np.dtype(np.int8): self.INT8, np.dtype(np.uint8): self.UINT8}
+        array = np.asarray(array)  # (not ascontiguousarray: it makes scalars 1-d)
+        data_type = {
+            np.dtype(np.float32): self.FLOAT,
+            np.dtype(np.int64): self.INT64,
+            np.dtype(np.int8): self.INT8,
+            np.dtype(np.uint8): self.UINT8,
+        }
         name = f"c{next(self._names)}"
         self.initializers.append(
-            b"".join(_pb_int(1, d) for d in array.shape)                  # dims
-            + _pb_int(2, data_type[array.dtype])                           # data_type
-            + _pb_bytes(8, name)                                           # name
-            + _pb_bytes(9, array.astype(array.dtype.newbyteorder("<")).tobytes()))  # raw_data
+            b"".join(_pb_int(1, d) for d in array.shape)  # dims
+            + _pb_int(2, data_type[array.dtype])  # data_type
+            + _pb_bytes(8, name)  # name
+            + _pb_bytes(9, array.astype(array.dtype.newbyteorder("<")).tobytes())
+        )  # raw_data
         return name
 
     def op(self, op_type: str, *inputs: str, **attributes: int | float | list[int]) -> str:
         return self.ops(op_type, 1, *inputs, **attributes)[0]
 
-    def ops(self, op_type: str, outputs: int, *inputs: str,
-            **attributes: int | float | list[int]) -> list[str]:
+    def ops(
+        self, op_type: str, outputs: int, *inputs: str, **attributes: int | float | list[int]
+    ) -> list[str]:
         """A node with several outputs (their names, in order)."""
         names = [f"t{next(self._names)}" for _ in range(outputs)]
         node = b"".join(_pb_bytes(1, i) for i in inputs)
         node += b"".join(_pb_bytes(2, name) for name in names) + _pb_bytes(4, op_type)
         for key, value in attributes.items():
-            if isinstance(value, float):        # AttributeProto: name 1, f 2, i 3, ints 8, type 20
+            if isinstance(value, float):  # AttributeProto: name 1, f 2, i 3, ints 8, type 20
                 attr = _pb_bytes(1, key) + _pb_float(2, value) + _pb_int(20, 1)
             elif isinstance(value, int):
                 attr = _pb_bytes(1, key) + _pb_int(3, value) + _pb_int(20, 2)
@@ -515,20 +546,26 @@ class _OnnxGraph:
 
     @staticmethod
     def value_info(name: str, elem_type: int, dims: Sequence[int | str]) -> bytes:
-        shape = b"".join(_pb_bytes(1, _pb_bytes(2, d) if isinstance(d, str) else _pb_int(1, d))
-                         for d in dims)                     # Dimension: dim_value 1, dim_param 2
+        shape = b"".join(
+            _pb_bytes(1, _pb_bytes(2, d) if isinstance(d, str) else _pb_int(1, d)) for d in dims
+        )  # Dimension: dim_value 1, dim_param 2
         tensor_type = _pb_int(1, elem_type) + _pb_bytes(2, shape)
         return _pb_bytes(1, name) + _pb_bytes(2, _pb_bytes(1, tensor_type))
 
     def model(self, inputs: Sequence[bytes], outputs: Sequence[bytes], opset: int) -> bytes:
-        graph = (b"".join(_pb_bytes(1, n) for n in self.nodes) + _pb_bytes(2, "encoder")
-                 + b"".join(_pb_bytes(5, t) for t in self.initializers)
-                 + b"".join(_pb_bytes(11, v) for v in inputs)
-                 + b"".join(_pb_bytes(12, v) for v in outputs))
-        return (_pb_int(1, 8)                                   # ir_version 8 (opset 17 era)
-                + _pb_bytes(2, "carpool")                       # producer_name
-                + _pb_bytes(7, graph)
-                + _pb_bytes(8, _pb_bytes(1, "") + _pb_int(2, opset)))   # opset_import
+        graph = (
+            b"".join(_pb_bytes(1, n) for n in self.nodes)
+            + _pb_bytes(2, "encoder")
+            + b"".join(_pb_bytes(5, t) for t in self.initializers)
+            + b"".join(_pb_bytes(11, v) for v in inputs)
+            + b"".join(_pb_bytes(12, v) for v in outputs)
+        )
+        return (
+            _pb_int(1, 8)  # ir_version 8 (opset 17 era)
+            + _pb_bytes(2, "carpool")  # producer_name
+            + _pb_bytes(7, graph)
+            + _pb_bytes(8, _pb_bytes(1, "") + _pb_int(2, opset))
+        )  # opset_import
 
 
 def default_threads() -> int:
@@ -540,13 +577,14 @@ def default_threads() -> int:
     ~4-6 ms either way (too little work to split)."""
     try:
         cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):                 # not Linux
+    except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
     return max(1, min(4, cores // 2))
 
 
-def _onnx_encoder(layers: Sequence[_Layer], heads: int, hidden: int,
-                  threads: int | None, precision: str = "fp32") -> Callable[[Any, Any], Any]:
+def _onnx_encoder(
+    layers: Sequence[_Layer], heads: int, hidden: int, threads: int | None, precision: str = "fp32"
+) -> Callable[[Any, Any], Any]:
     """The encoder layers on ONNX Runtime: same inputs, outputs and arithmetic as
     :func:`_numpy_encoder` (ONNX Runtime fuses the LayerNorm/GELU/attention patterns).
 
@@ -566,10 +604,14 @@ def _onnx_encoder(layers: Sequence[_Layer], heads: int, hidden: int,
         scale = np.maximum(np.abs(weight).max(axis=0), np.float32(1e-12)) / np.float32(127)
         quantized = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
         x_q, x_scale, x_zero = g.ops("DynamicQuantizeLinear", 3, x)
-        product = g.op("MatMulInteger", x_q, g.const(quantized), x_zero,
-                       g.const(np.array(0, dtype=np.int8)))
-        product = g.op("Mul", g.op("Cast", product, to=_OnnxGraph.FLOAT),
-                       g.op("Mul", x_scale, g.const(scale.astype(np.float32))))
+        product = g.op(
+            "MatMulInteger", x_q, g.const(quantized), x_zero, g.const(np.array(0, dtype=np.int8))
+        )
+        product = g.op(
+            "Mul",
+            g.op("Cast", product, to=_OnnxGraph.FLOAT),
+            g.op("Mul", x_scale, g.const(scale.astype(np.float32))),
+        )
         return g.op("Add", product, g.const(bias))
 
     head_dim = hidden // heads
@@ -583,24 +625,41 @@ def _onnx_encoder(layers: Sequence[_Layer], heads: int, hidden: int,
     for layer in layers:
         qkv = linear(x, layer.qkv_w, layer.qkv_b)
         qkv = g.op("Transpose", g.op("Reshape", qkv, split_heads), perm=[2, 0, 3, 1, 4])
-        q, k, v = (g.op("Gather", qkv, p, axis=0) for p in pick)         # (n, heads, len, hd)
+        q, k, v = (g.op("Gather", qkv, p, axis=0) for p in pick)  # (n, heads, len, hd)
         scores = g.op("Add", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), bias)
         probs = g.op("Softmax", scores, axis=-1)
         context = g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3])
         context = g.op("Reshape", context, merge_heads)
         attn = linear(context, layer.attn_out_w, layer.attn_out_b)
-        x = g.op("LayerNormalization", g.op("Add", attn, x), g.const(layer.ln1_w),
-                 g.const(layer.ln1_b), axis=-1, epsilon=LAYER_NORM_EPS)
+        x = g.op(
+            "LayerNormalization",
+            g.op("Add", attn, x),
+            g.const(layer.ln1_w),
+            g.const(layer.ln1_b),
+            axis=-1,
+            epsilon=LAYER_NORM_EPS,
+        )
         h = linear(x, layer.inter_w, layer.inter_b)
-        h = g.op("Mul", g.op("Mul", h, g.op("Add", g.op("Erf", g.op("Div", h, sqrt2)), one)),
-                 half)                                                    # exact GELU
+        h = g.op(
+            "Mul", g.op("Mul", h, g.op("Add", g.op("Erf", g.op("Div", h, sqrt2)), one)), half
+        )  # exact GELU
         out = linear(h, layer.out_w, layer.out_b)
-        x = g.op("LayerNormalization", g.op("Add", out, x), g.const(layer.ln2_w),
-                 g.const(layer.ln2_b), axis=-1, epsilon=LAYER_NORM_EPS)
+        x = g.op(
+            "LayerNormalization",
+            g.op("Add", out, x),
+            g.const(layer.ln2_w),
+            g.const(layer.ln2_b),
+            axis=-1,
+            epsilon=LAYER_NORM_EPS,
+        )
     model = g.model(
-        inputs=[g.value_info("x", g.FLOAT, ["n", "len", hidden]),
-                g.value_info("key_bias", g.FLOAT, ["n", 1, 1, "len"])],
-        outputs=[g.value_info(x, g.FLOAT, ["n", "len", hidden])], opset=17)
+        inputs=[
+            g.value_info("x", g.FLOAT, ["n", "len", hidden]),
+            g.value_info("key_bias", g.FLOAT, ["n", 1, 1, "len"]),
+        ],
+        outputs=[g.value_info(x, g.FLOAT, ["n", "len", hidden])],
+        opset=17,
+    )
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -635,8 +694,15 @@ class _MiniLM:
     computes for this model.
     """
 
-    def __init__(self, directory: Path, *, verify: bool = True, runtime: str = "auto",
-                 threads: int | None = None, precision: str = "int8") -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        verify: bool = True,
+        runtime: str = "auto",
+        threads: int | None = None,
+        precision: str = "int8",
+    ) -> None:
         _require_numpy()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
@@ -653,11 +719,13 @@ class _MiniLM:
         if verify:
             for name, expected in MODEL_SHA256.items():
                 if _sha256(directory / name) != expected:
-                    raise ValueError(f"{directory / name} is not the {MODEL_NAME} file it "
-                                     f"should be (SHA-256 mismatch)")
+                    raise ValueError(
+                        f"{directory / name} is not the {MODEL_NAME} file it "
+                        f"should be (SHA-256 mismatch)"
+                    )
         self.directory = directory
         tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-        tokenizer.no_padding()                     # the file asks for fixed padding to 128
+        tokenizer.no_padding()  # the file asks for fixed padding to 128
         tokenizer.enable_truncation(MAX_SEQ_LENGTH)
         self.tokenizer = tokenizer
         w = st_numpy.load_file(str(directory / "model.safetensors"))
@@ -666,7 +734,7 @@ class _MiniLM:
         def f32(name: str) -> Any:
             return np.ascontiguousarray(w[name], dtype=np.float32)
 
-        def linear(name: str, scale: float = 1.0) -> Any:     # PyTorch (out, in) -> (in, out)
+        def linear(name: str, scale: float = 1.0) -> Any:  # PyTorch (out, in) -> (in, out)
             return np.ascontiguousarray((f32(name) * np.float32(scale)).T)
 
         self.hidden = w["embeddings.word_embeddings.weight"].shape[1]
@@ -682,20 +750,35 @@ class _MiniLM:
             if p + "attention.self.query.weight" not in w:
                 break
             a = p + "attention."
-            layers.append(_Layer(
-                qkv_w=np.concatenate([linear(a + "self.query.weight", scale),
-                                      linear(a + "self.key.weight"),
-                                      linear(a + "self.value.weight")], axis=1),
-                qkv_b=np.concatenate([f32(a + "self.query.bias") * np.float32(scale),
-                                      f32(a + "self.key.bias"), f32(a + "self.value.bias")]),
-                attn_out_w=linear(a + "output.dense.weight"),
-                attn_out_b=f32(a + "output.dense.bias"),
-                ln1_w=f32(a + "output.LayerNorm.weight"), ln1_b=f32(a + "output.LayerNorm.bias"),
-                inter_w=linear(p + "intermediate.dense.weight"),
-                inter_b=f32(p + "intermediate.dense.bias"),
-                out_w=linear(p + "output.dense.weight"), out_b=f32(p + "output.dense.bias"),
-                ln2_w=f32(p + "output.LayerNorm.weight"), ln2_b=f32(p + "output.LayerNorm.bias"),
-            ))
+            layers.append(
+                _Layer(
+                    qkv_w=np.concatenate(
+                        [
+                            linear(a + "self.query.weight", scale),
+                            linear(a + "self.key.weight"),
+                            linear(a + "self.value.weight"),
+                        ],
+                        axis=1,
+                    ),
+                    qkv_b=np.concatenate(
+                        [
+                            f32(a + "self.query.bias") * np.float32(scale),
+                            f32(a + "self.key.bias"),
+                            f32(a + "self.value.bias"),
+                        ]
+                    ),
+                    attn_out_w=linear(a + "output.dense.weight"),
+                    attn_out_b=f32(a + "output.dense.bias"),
+                    ln1_w=f32(a + "output.LayerNorm.weight"),
+                    ln1_b=f32(a + "output.LayerNorm.bias"),
+                    inter_w=linear(p + "intermediate.dense.weight"),
+                    inter_b=f32(p + "intermediate.dense.bias"),
+                    out_w=linear(p + "output.dense.weight"),
+                    out_b=f32(p + "output.dense.bias"),
+                    ln2_w=f32(p + "output.LayerNorm.weight"),
+                    ln2_b=f32(p + "output.LayerNorm.bias"),
+                )
+            )
         if not layers:
             raise ValueError(f"{directory / 'model.safetensors'} holds no BERT encoder layers")
         self.runtime = runtime
@@ -706,7 +789,7 @@ class _MiniLM:
         else:
             self._encoder = _numpy_encoder(layers, self.heads)
         self.dim = self.hidden
-        self.calls = 0                  # forward passes (one per chunk of a batch)
+        self.calls = 0  # forward passes (one per chunk of a batch)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
@@ -731,11 +814,11 @@ class _MiniLM:
         """Pad ``ids`` to the longest, run BERT, mean-pool over real tokens, L2-normalise."""
         self.calls += 1
         n, length = len(ids), max(len(x) for x in ids)
-        tokens = np.zeros((n, length), dtype=np.int64)          # 0 = [PAD]
+        tokens = np.zeros((n, length), dtype=np.int64)  # 0 = [PAD]
         mask = np.zeros((n, length), dtype=np.float32)
         for row, x in enumerate(ids):
-            tokens[row, :len(x)] = x
-            mask[row, :len(x)] = 1.0
+            tokens[row, : len(x)] = x
+            mask[row, : len(x)] = 1.0
         padded = bool((mask == 0).any())
         # Additive attention mask: padding keys get -1e9 (exp() of it is exactly 0).
         key_bias = ((mask - 1.0) * np.float32(1e9))[:, None, None, :] if padded else None
@@ -759,8 +842,9 @@ PAD_RATIO = 1.25
 PAD_TOKENS = 4
 
 
-def _length_chunks(order: Sequence[int], lengths: Sequence[int],
-                   batch_size: int) -> list[list[int]]:
+def _length_chunks(
+    order: Sequence[int], lengths: Sequence[int], batch_size: int
+) -> list[list[int]]:
     """``order`` (indices sorted by ``lengths``, ascending) cut into chunks of at most
     ``batch_size`` whose longest is within ``PAD_RATIO`` (+ ``PAD_TOKENS``) of their shortest."""
     chunks: list[list[int]] = []
@@ -782,15 +866,17 @@ _models: dict[tuple[str, bool, str, int | None, str], _MiniLM] = {}
 _models_lock = threading.Lock()
 
 
-def _load_minilm(directory: Path, verify: bool, runtime: str, threads: int | None,
-                 precision: str) -> _MiniLM:
+def _load_minilm(
+    directory: Path, verify: bool, runtime: str, threads: int | None, precision: str
+) -> _MiniLM:
     """The model in ``directory``, loaded once per process and settings (and shared)."""
     key = (str(directory.resolve()), verify, runtime, threads, precision)
     with _models_lock:
         model = _models.get(key)
         if model is None:
-            model = _models[key] = _MiniLM(directory, verify=verify, runtime=runtime,
-                                           threads=threads, precision=precision)
+            model = _models[key] = _MiniLM(
+                directory, verify=verify, runtime=runtime, threads=threads, precision=precision
+            )
         return model
 
 
@@ -809,9 +895,17 @@ class LocalEmbedder(_BatchingEmbedder):
     loaded here, once per process and settings.
     """
 
-    def __init__(self, model_dir: str | os.PathLike[str] | None = None, *, max_batch: int = 32,
-                 max_delay_s: float = 0.0, verify: bool = True, runtime: str = "auto",
-                 threads: int | None = None, precision: str = "int8") -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str] | None = None,
+        *,
+        max_batch: int = 32,
+        max_delay_s: float = 0.0,
+        verify: bool = True,
+        runtime: str = "auto",
+        threads: int | None = None,
+        precision: str = "int8",
+    ) -> None:
         directory = find_model_dir(model_dir)
         self._model = _load_minilm(directory, verify, runtime, threads, precision)
         self.runtime = self._model.runtime
@@ -821,8 +915,9 @@ class LocalEmbedder(_BatchingEmbedder):
         self.name = name if self.precision == "fp32" else f"{name}:{self.precision}"
         self.max_batch = max_batch
         self._executor: ThreadPoolExecutor | None = None
-        self._init_batching(self._compute, max_batch=max_batch, max_delay_s=max_delay_s,
-                            max_in_flight=1)
+        self._init_batching(
+            self._compute, max_batch=max_batch, max_delay_s=max_delay_s, max_in_flight=1
+        )
 
     def encode(self, texts: Sequence[str], batch_size: int | None = None) -> Vector:
         """Synchronous embeddings ``(len(texts), dim)``, for offline tools (not batched with
@@ -833,11 +928,9 @@ class LocalEmbedder(_BatchingEmbedder):
 
     async def _compute(self, texts: list[str]) -> Vector:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="carpool-embed")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-embed")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._model.encode, texts,
-                                          self.max_batch)
+        return await loop.run_in_executor(self._executor, self._model.encode, texts, self.max_batch)
 
     def close(self) -> None:
         """Stop the worker thread (it is started again if the embedder is used again)."""
@@ -859,24 +952,34 @@ class UpstreamEmbedder(_BatchingEmbedder):
     here. Up to ``max_in_flight`` requests run at once.
     """
 
-    def __init__(self, call: Callable[[list[str]], Awaitable[Sequence[Sequence[float]]]],
-                 dim: int, *, name: str = "upstream", max_batch: int = 32,
-                 max_delay_s: float = 0.002, max_in_flight: int = 4) -> None:
+    def __init__(
+        self,
+        call: Callable[[list[str]], Awaitable[Sequence[Sequence[float]]]],
+        dim: int,
+        *,
+        name: str = "upstream",
+        max_batch: int = 32,
+        max_delay_s: float = 0.002,
+        max_in_flight: int = 4,
+    ) -> None:
         _require_numpy()
         if dim < 1:
             raise ValueError("dim must be >= 1")
         self._call = call
         self.dim = dim
         self.name = name
-        self._init_batching(self._compute, max_batch=max_batch, max_delay_s=max_delay_s,
-                            max_in_flight=max_in_flight)
+        self._init_batching(
+            self._compute, max_batch=max_batch, max_delay_s=max_delay_s, max_in_flight=max_in_flight
+        )
 
     async def _compute(self, texts: list[str]) -> Vector:
         raw = await self._call(texts)
         vectors = np.asarray(raw, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape != (len(texts), self.dim):
-            raise ValueError(f"the upstream returned embeddings of shape {vectors.shape} for "
-                             f"{len(texts)} texts, expected ({len(texts)}, {self.dim})")
+            raise ValueError(
+                f"the upstream returned embeddings of shape {vectors.shape} for "
+                f"{len(texts)} texts, expected ({len(texts)}, {self.dim})"
+            )
         if not np.isfinite(vectors).all():
             raise ValueError("the upstream returned a non-finite embedding")
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)

@@ -46,17 +46,19 @@ class Pair:
 
     @property
     def conversation(self) -> bool:
-        return any(isinstance(side, list) and
-                   sum(1 for m in side if isinstance(m, dict) and m.get("role") != "system") > 1
-                   for side in (self.a, self.b))
+        return any(
+            isinstance(side, list)
+            and sum(1 for m in side if isinstance(m, dict) and m.get("role") != "system") > 1
+            for side in (self.a, self.b)
+        )
 
 
 @dataclass(slots=True)
 class Decision:
     hit: bool
     similarity: float
-    reason: str          # "served", "scope", "below_threshold" or the guard's reason
-    score: float | None = None   # the verifier's, when it was asked
+    reason: str  # "served", "scope", "below_threshold" or the guard's reason
+    score: float | None = None  # the verifier's, when it was asked
 
 
 HALVES = ("even", "odd")
@@ -74,8 +76,14 @@ def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pai
             if half is not None and i % 2 != HALVES.index(half):
                 continue
             row = json.loads(line)
-            pairs.append(Pair(row["a"], row["b"], bool(row["same_answer"]),
-                              str(row.get("category") or Path(path).stem)))
+            pairs.append(
+                Pair(
+                    row["a"],
+                    row["b"],
+                    bool(row["same_answer"]),
+                    str(row.get("category") or Path(path).stem),
+                )
+            )
     return pairs
 
 
@@ -91,8 +99,13 @@ class Evaluator:
     """Embeds every distinct text once, judges each pair once, then decides pairs at any
     similarity threshold and verifier threshold."""
 
-    def __init__(self, pairs: Sequence[Pair], embedder: Any, guard: RulesThenVerifier,
-                 config: Config | None = None):
+    def __init__(
+        self,
+        pairs: Sequence[Pair],
+        embedder: Any,
+        guard: RulesThenVerifier,
+        config: Config | None = None,
+    ):
         self.pairs = pairs
         self.guard = guard
         config = config or Config()
@@ -106,10 +119,14 @@ class Evaluator:
                 self.similarity.append(None)
                 continue
             self.similarity.append(float(vectors[row[a.text]] @ vectors[row[b.text]]))
-        self._scored: dict[int, Scored] = {}     # the model asked once per pair
+        self._scored: dict[int, Scored] = {}  # the model asked once per pair
 
-    def decide(self, i: int, threshold: float, verifier_threshold: float | None = None,
-               ) -> Decision:
+    def decide(
+        self,
+        i: int,
+        threshold: float,
+        verifier_threshold: float | None = None,
+    ) -> Decision:
         similarity = self.similarity[i]
         if similarity is None:
             return Decision(False, 0.0, "scope")
@@ -118,19 +135,27 @@ class Evaluator:
         scored = self._scored.get(i)
         if scored is None:
             cached, new = self.views[i]
-            scored = self._scored[i] = self.guard.scored_now(Side(new.text, new.context),
-                                                             [Side(cached.text, cached.context)])
+            scored = self._scored[i] = self.guard.scored_now(
+                Side(new.text, new.context), [Side(cached.text, cached.context)]
+            )
         (verdict,) = self.guard.decide(scored, [similarity], verifier_threshold)
-        return Decision(verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason),
-                        verdict.score)
+        return Decision(
+            verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason), verdict.score
+        )
 
-    def report(self, threshold: float, verifier_threshold: float | None = None,
-               ) -> dict[str, Any]:
+    def report(
+        self,
+        threshold: float,
+        verifier_threshold: float | None = None,
+    ) -> dict[str, Any]:
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         for i, pair in enumerate(self.pairs):
             hit = self.decide(i, threshold, verifier_threshold).hit
-            names = (pair.category, "conversations", "all") if pair.conversation \
+            names = (
+                (pair.category, "conversations", "all")
+                if pair.conversation
                 else (pair.category, "all")
+            )
             for name in names:
                 c = counts[name]
                 if pair.same_answer:
@@ -139,21 +164,36 @@ class Evaluator:
                 else:
                     c[2] += 1
                     c[3] += hit
-        return {name: {"should_hit": c[0], "hit_rate": c[1] / c[0] if c[0] else None,
-                       "should_miss": c[2], "wrong_rate": c[3] / c[2] if c[2] else None}
-                for name, c in sorted(counts.items(),
-                                      key=lambda kv: (kv[0] in ("conversations", "all"),
-                                                      kv[0] == "all", kv[0]))}
+        return {
+            name: {
+                "should_hit": c[0],
+                "hit_rate": c[1] / c[0] if c[0] else None,
+                "should_miss": c[2],
+                "wrong_rate": c[3] / c[2] if c[2] else None,
+            }
+            for name, c in sorted(
+                counts.items(),
+                key=lambda kv: (kv[0] in ("conversations", "all"), kv[0] == "all", kv[0]),
+            )
+        }
 
-    def sweep(self, thresholds: Sequence[float], verifier_thresholds: Sequence[float | None] = (None,),
-              ) -> list[dict[str, Any]]:
-        return [{"threshold": t, "verifier_threshold": v, **self.report(t, v)["all"]}
-                for v in verifier_thresholds for t in thresholds]
+    def sweep(
+        self,
+        thresholds: Sequence[float],
+        verifier_thresholds: Sequence[float | None] = (None,),
+    ) -> list[dict[str, Any]]:
+        return [
+            {"threshold": t, "verifier_threshold": v, **self.report(t, v)["all"]}
+            for v in verifier_thresholds
+            for t in thresholds
+        ]
 
 
 def format_report(report: dict[str, Any], threshold: float) -> str:
-    lines = [f"threshold {threshold:.3f}",
-             f"{'category':<22}{'should-hit':>11}{'served':>9}{'should-miss':>13}{'wrong':>8}"]
+    lines = [
+        f"threshold {threshold:.3f}",
+        f"{'category':<22}{'should-hit':>11}{'served':>9}{'should-miss':>13}{'wrong':>8}",
+    ]
     for name, r in report.items():
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
         wrong = "-" if r["wrong_rate"] is None else f"{100 * r['wrong_rate']:.1f}%"
@@ -165,8 +205,19 @@ def write_decisions(evaluator: Evaluator, threshold: float, out: Path) -> None:
     with out.open("w") as f:
         for i, pair in enumerate(evaluator.pairs):
             d = evaluator.decide(i, threshold)
-            f.write(json.dumps({"a": pair.a, "b": pair.b, "same_answer": pair.same_answer,
-                                "category": pair.category, "similarity": round(d.similarity, 4),
-                                "decision": "hit" if d.hit else "miss", "reason": d.reason,
-                                "score": None if d.score is None else round(d.score, 4),
-                                "correct": d.hit == pair.same_answer}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "a": pair.a,
+                        "b": pair.b,
+                        "same_answer": pair.same_answer,
+                        "category": pair.category,
+                        "similarity": round(d.similarity, 4),
+                        "decision": "hit" if d.hit else "miss",
+                        "reason": d.reason,
+                        "score": None if d.score is None else round(d.score, 4),
+                        "correct": d.hit == pair.same_answer,
+                    }
+                )
+                + "\n"
+            )

@@ -94,23 +94,26 @@ CLOSE_CONTEXT = 0.9
 
 def close(a: str, b: str) -> bool:
     """Nearly the same words in the same order: a context retyped with a word or two changed."""
-    return difflib.SequenceMatcher(None, _plain_words(a), _plain_words(b),
-                                   autojunk=False).ratio() >= CLOSE_CONTEXT
+    return (
+        difflib.SequenceMatcher(None, _plain_words(a), _plain_words(b), autojunk=False).ratio()
+        >= CLOSE_CONTEXT
+    )
 
 
 class Guard(Protocol):
-    async def judge(self, new: Side, candidates: Sequence[Side],
-                    similarities: Sequence[float] | None = None) -> list[Verdict]: ...
+    async def judge(
+        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+    ) -> list[Verdict]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Scored:
     """What the model said of one ``(new, candidates)`` lookup, before any threshold."""
 
-    refused: list[Verdict | None]           # a rule's verdict, or None: the verifier decides
-    slots: list[tuple[int, int]]            # per candidate: its text and context pair in
-                                            # ``scores``, -1 where not asked (retyped, identical)
-    close_contexts: list[bool]              # per candidate: its context pair is ``close``
+    refused: list[Verdict | None]  # a rule's verdict, or None: the verifier decides
+    slots: list[tuple[int, int]]  # per candidate: its text and context pair in
+    # ``scores``, -1 where not asked (retyped, identical)
+    close_contexts: list[bool]  # per candidate: its context pair is ``close``
     scores: list[float]
 
 
@@ -118,22 +121,27 @@ class RulesThenVerifier:
     """``threshold``: the verifier's bar (``semantic.verifier_threshold``); None: the one
     calibrated with the model (``verifier.threshold``)."""
 
-    def __init__(self, verifier: Verifier, rules: Sequence[Rule] = RULES,
-                 threshold: float | None = None) -> None:
+    def __init__(
+        self, verifier: Verifier, rules: Sequence[Rule] = RULES, threshold: float | None = None
+    ) -> None:
         self.verifier = verifier
         self.rules = tuple(rules)
         self.threshold = verifier.threshold if threshold is None else threshold
 
-    def _plan(self, new: Side, candidates: Sequence[Side],
-              ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
+    def _plan(
+        self,
+        new: Side,
+        candidates: Sequence[Side],
+    ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
         """Rule verdicts (None: ask the verifier), the pairs to score, and for each candidate the
         indexes of its text and context pairs among them (-1: retyped or identical, not asked)."""
         verdicts: list[Verdict | None] = []
         pairs: list[tuple[str, str]] = []
         slots: list[tuple[int, int]] = []
         for cached in candidates:
-            reason = (refusal(new.text, cached.text, self.rules)
-                      or refusal(new.context, cached.context, self.rules))
+            reason = refusal(new.text, cached.text, self.rules) or refusal(
+                new.context, cached.context, self.rules
+            )
             if reason is not None:
                 verdicts.append(Verdict.refused(reason))
                 slots.append((-1, -1))
@@ -143,17 +151,24 @@ class RulesThenVerifier:
             if not retyped(new.text, cached.text):
                 text = len(pairs)
                 pairs.append((new.text, cached.text))
-            if new.context != cached.context:   # exact: retyping may move a turn's boundary
+            if new.context != cached.context:  # exact: retyping may move a turn's boundary
                 context = len(pairs)
                 pairs.append((new.context, cached.context))
             slots.append((text, context))
         return verdicts, pairs, slots
 
-    def _scored(self, planned: tuple[list[Verdict | None], list[tuple[str, str]],
-                                     list[tuple[int, int]]], scores: list[float]) -> Scored:
+    def _scored(
+        self,
+        planned: tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]],
+        scores: list[float],
+    ) -> Scored:
         refused, pairs, slots = planned
-        return Scored(refused, slots, [context >= 0 and close(*pairs[context])
-                                       for _, context in slots], scores)
+        return Scored(
+            refused,
+            slots,
+            [context >= 0 and close(*pairs[context]) for _, context in slots],
+            scores,
+        )
 
     async def scored(self, new: Side, candidates: Sequence[Side]) -> Scored:
         planned = self._plan(new, candidates)
@@ -164,19 +179,24 @@ class RulesThenVerifier:
         planned = self._plan(new, candidates)
         return self._scored(planned, self.verifier.score(planned[1]))
 
-    def decide(self, scored: Scored, similarities: Sequence[float] | None = None,
-               threshold: float | None = None) -> list[Verdict]:
+    def decide(
+        self,
+        scored: Scored,
+        similarities: Sequence[float] | None = None,
+        threshold: float | None = None,
+    ) -> list[Verdict]:
         """The verdicts at the guard's ``threshold`` (or ``threshold``, for a sweep)."""
         bar = self.threshold if threshold is None else threshold
         near_repeat_bar = min(bar, NEAR_REPEAT_SCORE)
         out = []
-        for i, (verdict, (text, context)) in enumerate(zip(scored.refused, scored.slots,
-                                                           strict=True)):
+        for i, (verdict, (text, context)) in enumerate(
+            zip(scored.refused, scored.slots, strict=True)
+        ):
             if verdict is not None:
                 out.append(verdict)
                 continue
             near_repeat = similarities is not None and similarities[i] >= NEAR_REPEAT_SIMILARITY
-            text_bar = near_repeat_bar if near_repeat else bar    # the texts' similarity
+            text_bar = near_repeat_bar if near_repeat else bar  # the texts' similarity
             context_bar = near_repeat_bar if scored.close_contexts[i] else bar
             text_score = scored.scores[text] if text >= 0 else 1.0
             context_score = scored.scores[context] if context >= 0 else 1.0
@@ -189,10 +209,12 @@ class RulesThenVerifier:
                 out.append(Verdict(True, None, score))
         return out
 
-    async def judge(self, new: Side, candidates: Sequence[Side],
-                    similarities: Sequence[float] | None = None) -> list[Verdict]:
+    async def judge(
+        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+    ) -> list[Verdict]:
         return self.decide(await self.scored(new, candidates), similarities)
 
-    def judge_now(self, new: Side, candidates: Sequence[Side],
-                  similarities: Sequence[float] | None = None) -> list[Verdict]:
+    def judge_now(
+        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+    ) -> list[Verdict]:
         return self.decide(self.scored_now(new, candidates), similarities)

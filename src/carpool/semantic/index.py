@@ -15,13 +15,20 @@ from typing import Any
 
 
 class VectorIndex:
-    def __init__(self, dim: int, connectivity: int = 16, expansion_add: int = 64,
-                 expansion_search: int = 32) -> None:
+    def __init__(
+        self, dim: int, connectivity: int = 16, expansion_add: int = 64, expansion_search: int = 32
+    ) -> None:
         from usearch.index import Index
 
         self.dim = dim
-        self._index = Index(ndim=dim, metric="cos", dtype="f32", connectivity=connectivity,
-                            expansion_add=expansion_add, expansion_search=expansion_search)
+        self._index = Index(
+            ndim=dim,
+            metric="cos",
+            dtype="f32",
+            connectivity=connectivity,
+            expansion_add=expansion_add,
+            expansion_search=expansion_search,
+        )
 
     def __len__(self) -> int:
         return len(self._index)
@@ -47,8 +54,10 @@ class VectorIndex:
             return []
         matches = self._index.search(vector, min(k, len(self._index)))
         # usearch's cosine "distance" is 1 - cosine similarity.
-        return [(int(key), 1.0 - float(distance))
-                for key, distance in zip(matches.keys, matches.distances, strict=True)]
+        return [
+            (int(key), 1.0 - float(distance))
+            for key, distance in zip(matches.keys, matches.distances, strict=True)
+        ]
 
     @property
     def memory_bytes(self) -> int:

@@ -10,15 +10,15 @@ from enum import StrEnum
 class Reason(StrEnum):
     """Why a candidate was refused; the value is the metric label and the ``guard:`` verdict."""
 
-    QUOTED = "quoted"            # a quoted string, code span or task input differs
-    NUMBER = "number"            # numbers, units, currencies or relative dates differ
-    OPERATOR = "operator"        # comparison or code operators differ
-    IDENTIFIER = "identifier"    # a code or identifier on one side only
-    ENTITY = "entity"            # a name on one side only
-    ORDER = "order"              # the same words in another order (roles, direction)
-    POLARITY = "polarity"        # a negation or an opposite on one side only
-    MEANING = "meaning"          # the verifier: not the same answer
-    CONTEXT = "context"          # the verifier: the earlier turns differ in meaning
+    QUOTED = "quoted"  # a quoted string, code span or task input differs
+    NUMBER = "number"  # numbers, units, currencies or relative dates differ
+    OPERATOR = "operator"  # comparison or code operators differ
+    IDENTIFIER = "identifier"  # a code or identifier on one side only
+    ENTITY = "entity"  # a name on one side only
+    ORDER = "order"  # the same words in another order (roles, direction)
+    POLARITY = "polarity"  # a negation or an opposite on one side only
+    MEANING = "meaning"  # the verifier: not the same answer
+    CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +32,8 @@ class Rule:
 @dataclass(frozen=True, slots=True)
 class Verdict:
     ok: bool
-    reason: Reason | None = None     # None when ok
-    score: float | None = None       # the verifier's score, when it was asked
+    reason: Reason | None = None  # None when ok
+    score: float | None = None  # the verifier's score, when it was asked
 
     @staticmethod
     def refused(reason: Reason, score: float | None = None) -> Verdict:

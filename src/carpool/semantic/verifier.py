@@ -81,8 +81,12 @@ class VerifierFileError(ValueError):
 class CrossEncoder:
     """The cross-encoder in ``directory`` (default :data:`PACKAGED`)."""
 
-    def __init__(self, directory: str | Path | None = None, *, threads: int | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        directory: str | Path | None = None,
+        *,
+        threads: int | None = None,
+    ) -> None:
         folder = Path(directory) if directory is not None else PACKAGED
         try:
             meta = json.loads((folder / "verifier.json").read_text())
@@ -104,7 +108,7 @@ class CrossEncoder:
         self._np = _require_numpy()
         tokenizers = _require("tokenizers")
         self.name = f"cross-encoder:{meta['sha256']['model.onnx'][:12]}"
-        self.threshold = float(meta["threshold"])   # calibrated with the model
+        self.threshold = float(meta["threshold"])  # calibrated with the model
         self._tokenizer = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(max_length=int(meta.get("max_length", MAX_LENGTH)))
@@ -113,11 +117,12 @@ class CrossEncoder:
         options.intra_op_num_threads = threads or default_threads()
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(files["model.onnx"], options,
-                                             providers=["CPUExecutionProvider"])
+        self._session = ort.InferenceSession(
+            files["model.onnx"], options, providers=["CPUExecutionProvider"]
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
-        self.calls = 0                      # model calls (one per ``scores`` with pairs)
-        self.pairs = 0                      # pairs scored
+        self.calls = 0  # model calls (one per ``scores`` with pairs)
+        self.pairs = 0  # pairs scored
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """``scores``, synchronously (offline tools, and the worker thread)."""
@@ -130,11 +135,12 @@ class CrossEncoder:
         types = np.zeros_like(ids)
         mask = np.zeros_like(ids)
         for row, e in enumerate(encoded):
-            ids[row, :len(e.ids)] = e.ids
-            types[row, :len(e.ids)] = e.type_ids
-            mask[row, :len(e.ids)] = 1
-        (logits,) = self._session.run(["logits"], {"input_ids": ids, "attention_mask": mask,
-                                                   "token_type_ids": types})
+            ids[row, : len(e.ids)] = e.ids
+            types[row, : len(e.ids)] = e.type_ids
+            mask[row, : len(e.ids)] = 1
+        (logits,) = self._session.run(
+            ["logits"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        )
         unreadable = (ids == self._unknown).any(axis=1) if self._unknown is not None else None
         probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
         if unreadable is not None:
@@ -146,8 +152,9 @@ class CrossEncoder:
             return []
         self.calls += 1
         self.pairs += len(pairs)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.score,
-                                                                list(pairs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.score, list(pairs)
+        )
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)

@@ -26,10 +26,10 @@ from ..errors import CarpoolError
 @dataclass(slots=True, eq=False)
 class Entry:
     answer: Answer
-    expires: float                      # wall-clock seconds
+    expires: float  # wall-clock seconds
     tags: tuple[str, ...] = ()
     namespace: str = ""
-    prompt_prefix: str = ""             # the start of the prompt text, for prefix invalidation
+    prompt_prefix: str = ""  # the start of the prompt text, for prefix invalidation
 
     @property
     def size(self) -> int:
@@ -41,8 +41,14 @@ class Store(Protocol):
 
     async def put(self, key: str, entry: Entry) -> None: ...
 
-    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
-                         prefix: str | None = None, everything: bool = False) -> int: ...
+    async def invalidate(
+        self,
+        *,
+        tag: str | None = None,
+        namespace: str | None = None,
+        prefix: str | None = None,
+        everything: bool = False,
+    ) -> int: ...
 
     @property
     def entries(self) -> int: ...
@@ -65,13 +71,21 @@ class StoreUnavailable(CarpoolError):
     code = "store_unavailable"
 
 
-def selected(entry: Any, *, tag: str | None = None, namespace: str | None = None,
-             prefix: str | None = None, everything: bool = False) -> bool:
+def selected(
+    entry: Any,
+    *,
+    tag: str | None = None,
+    namespace: str | None = None,
+    prefix: str | None = None,
+    everything: bool = False,
+) -> bool:
     """Whether an invalidation selector (admin ``/admin/invalidate``) picks this entry.
 
     ``entry`` is anything with ``tags``, ``namespace`` and ``prompt_prefix`` (exact or semantic).
     """
-    return (everything
-            or (tag is not None and tag in entry.tags)
-            or (namespace is not None and entry.namespace == namespace)
-            or (prefix is not None and entry.prompt_prefix.startswith(prefix)))
+    return (
+        everything
+        or (tag is not None and tag in entry.tags)
+        or (namespace is not None and entry.namespace == namespace)
+        or (prefix is not None and entry.prompt_prefix.startswith(prefix))
+    )

@@ -57,11 +57,19 @@ class MemoryStore:
             self._drop(oldest)
             self.evictions += 1
 
-    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
-                         prefix: str | None = None, everything: bool = False) -> int:
-        doomed = [key for key, entry in self._entries.items()
-                  if selected(entry, tag=tag, namespace=namespace, prefix=prefix,
-                              everything=everything)]
+    async def invalidate(
+        self,
+        *,
+        tag: str | None = None,
+        namespace: str | None = None,
+        prefix: str | None = None,
+        everything: bool = False,
+    ) -> int:
+        doomed = [
+            key
+            for key, entry in self._entries.items()
+            if selected(entry, tag=tag, namespace=namespace, prefix=prefix, everything=everything)
+        ]
         for key in doomed:
             self._drop(key)
         return len(doomed)

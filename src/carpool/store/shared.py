@@ -34,17 +34,23 @@ log = logging.getLogger("carpool.store")
 
 
 class SharedStore:
-    def __init__(self, redis: RedisStore, local: MemoryStore, *, retry_interval: float = 1.0,
-                 log_interval: float = 30.0) -> None:
+    def __init__(
+        self,
+        redis: RedisStore,
+        local: MemoryStore,
+        *,
+        retry_interval: float = 1.0,
+        log_interval: float = 30.0,
+    ) -> None:
         self.redis = redis
         self.local = local
         self.retry_interval = retry_interval
         self.log_interval = log_interval
         self.errors = 0
-        self.pool_exhausted = 0                  # calls that found no free connection in time
+        self.pool_exhausted = 0  # calls that found no free connection in time
         self._last_pool_log = float("-inf")
-        self.down_since: float | None = None     # wall clock, for /stats
-        self._next_try = 0.0                     # monotonic
+        self.down_since: float | None = None  # wall clock, for /stats
+        self._next_try = 0.0  # monotonic
         self._last_log = float("-inf")
 
     @property
@@ -60,8 +66,12 @@ class SharedStore:
         return self.local.bytes if self.degraded else self.redis.bytes
 
     def health(self) -> dict[str, Any]:
-        return {"state": "degraded" if self.degraded else "up", "errors": self.errors,
-                "pool_exhausted": self.pool_exhausted, "down_since": self.down_since}
+        return {
+            "state": "degraded" if self.degraded else "up",
+            "errors": self.errors,
+            "pool_exhausted": self.pool_exhausted,
+            "down_since": self.down_since,
+        }
 
     def usable(self) -> bool:
         """Whether Redis should be tried now (up, or degraded and due for another attempt)."""
@@ -96,7 +106,7 @@ class SharedStore:
                 await self.redis.put(key, entry)
             except PoolExhausted as error:
                 self._failed(error)
-                return                           # (not kept locally: see ``get``)
+                return  # (not kept locally: see ``get``)
             except StoreUnavailable as error:
                 self._failed(error)
             else:
@@ -104,13 +114,21 @@ class SharedStore:
                 return
         await self.local.put(key, entry)
 
-    async def invalidate(self, *, tag: str | None = None, namespace: str | None = None,
-                         prefix: str | None = None, everything: bool = False) -> int:
-        dropped = await self.local.invalidate(tag=tag, namespace=namespace, prefix=prefix,
-                                              everything=everything)
+    async def invalidate(
+        self,
+        *,
+        tag: str | None = None,
+        namespace: str | None = None,
+        prefix: str | None = None,
+        everything: bool = False,
+    ) -> int:
+        dropped = await self.local.invalidate(
+            tag=tag, namespace=namespace, prefix=prefix, everything=everything
+        )
         try:
-            dropped += await self.redis.invalidate(tag=tag, namespace=namespace, prefix=prefix,
-                                                   everything=everything)
+            dropped += await self.redis.invalidate(
+                tag=tag, namespace=namespace, prefix=prefix, everything=everything
+            )
         except StoreUnavailable as error:
             self._failed(error)
         else:
@@ -132,8 +150,11 @@ class SharedStore:
             self.pool_exhausted += 1
             if now - self._last_pool_log >= self.log_interval:
                 self._last_pool_log = now
-                log.warning("every connection to redis stayed busy (%d times so far): raise "
-                            "distributed.max_connections or pool_timeout", self.pool_exhausted)
+                log.warning(
+                    "every connection to redis stayed busy (%d times so far): raise "
+                    "distributed.max_connections or pool_timeout",
+                    self.pool_exhausted,
+                )
             return
         self.errors += 1
         self._next_try = now + self.retry_interval
@@ -141,12 +162,18 @@ class SharedStore:
             self.down_since = time.time()
         if now - self._last_log >= self.log_interval:
             self._last_log = now
-            log.warning("redis unavailable, serving from this instance's memory (%d errors so "
-                        "far): %s", self.errors, error.__cause__ or error)
+            log.warning(
+                "redis unavailable, serving from this instance's memory (%d errors so far): %s",
+                self.errors,
+                error.__cause__ or error,
+            )
 
     def _answered(self) -> None:
         if self.down_since is not None:
-            log.warning("redis is back after %.1f s; dropping %d entries kept locally meanwhile",
-                        time.time() - self.down_since, self.local.entries)
+            log.warning(
+                "redis is back after %.1f s; dropping %d entries kept locally meanwhile",
+                time.time() - self.down_since,
+                self.local.entries,
+            )
             self.down_since = None
             self.local.clear()

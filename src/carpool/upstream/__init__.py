@@ -10,12 +10,21 @@ def build_upstreams(config: Config) -> list[Upstream]:
     """One ``Upstream`` per configured URL; none configured = the simulated engine's replicas."""
     if config.upstreams:
         from .http import HttpUpstream, replica_names
+
         names = replica_names(config.upstreams, config.upstream_names)
-        return [HttpUpstream(url, config.limits, name, label)
-                for url, (name, label) in zip(config.upstreams, names, strict=True)]
+        return [
+            HttpUpstream(url, config.limits, name, label)
+            for url, (name, label) in zip(config.upstreams, names, strict=True)
+        ]
     from . import sim
+
     return list(sim.build_upstreams(config.sim))
 
 
-__all__ = ["PassthroughResponse", "Upstream", "UpstreamRequest", "UpstreamResponse",
-           "build_upstreams"]
+__all__ = [
+    "PassthroughResponse",
+    "Upstream",
+    "UpstreamRequest",
+    "UpstreamResponse",
+    "build_upstreams",
+]

@@ -29,22 +29,36 @@ from typing import Any, Protocol
 
 # Request headers that describe one hop, or that are addressed to carpool itself, are not
 # forwarded (nor are carpool's own ``x-carpool-*`` controls); every other one is.
-NOT_FORWARDED = frozenset({
-    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-    "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "cache-control",
-    "idempotency-key", "x-idempotency-key", "content-type",
-})
+NOT_FORWARDED = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "accept-encoding",
+        "cache-control",
+        "idempotency-key",
+        "x-idempotency-key",
+        "content-type",
+    }
+)
 
 
 @dataclass(slots=True)
 class UpstreamRequest:
     """One call to an upstream replica."""
 
-    path: str                          # relative to the replica's /v1 base, e.g. "/chat/completions"
-    body: dict[str, Any]               # the JSON body to send
+    path: str  # relative to the replica's /v1 base, e.g. "/chat/completions"
+    body: dict[str, Any]  # the JSON body to send
     headers: Mapping[str, str] = field(default_factory=dict)  # forwarded, lower-case names
     stream: bool = False
-    query: str = ""                    # the client's query string, forwarded as it came
+    query: str = ""  # the client's query string, forwarded as it came
     # For a typed stream (``apis.base.Api.last_event``): whether a payload is its last event,
     # after which it has ended whole. None: it ends with ``data: [DONE]``.
     last_event: Callable[[bytes], bool] | None = None
@@ -55,9 +69,14 @@ class UpstreamResponse:
 
     __slots__ = ("status", "headers", "body", "_events", "_close")
 
-    def __init__(self, status: int, headers: Mapping[str, str] | None = None,
-                 body: bytes = b"", events: AsyncIterator[bytes] | None = None,
-                 close: Any = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        headers: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        events: AsyncIterator[bytes] | None = None,
+        close: Any = None,
+    ) -> None:
         self.status = status
         self.headers = dict(headers or {})
         self.body = body
@@ -89,11 +108,12 @@ class PassthroughResponse:
 class Upstream(Protocol):
     """One replica of an OpenAI-compatible deployment."""
 
-    name: str                          # a label for metrics and /stats, e.g. the base URL
+    name: str  # a label for metrics and /stats, e.g. the base URL
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse: ...
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse: ...
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse: ...
 
     async def aclose(self) -> None: ...

@@ -28,11 +28,13 @@ class FunctionUpstream:
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         body = {k: v for k, v in request.body.items() if k not in ("stream", "stream_options")}
         result = await self.call(request.path, body)
-        return UpstreamResponse(200, {"content-type": "application/json"},
-                                body=orjson.dumps(result))
+        return UpstreamResponse(
+            200, {"content-type": "application/json"}, body=orjson.dumps(result)
+        )
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         # Not a transport failure (which would down the replica): a path it does not serve.
         raise PathNotAllowed(path)
 

@@ -60,8 +60,11 @@ _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {name: value for name, value in headers.items()
-            if name not in NOT_FORWARDED and not name.startswith("x-carpool-")}
+    return {
+        name: value
+        for name, value in headers.items()
+        if name not in NOT_FORWARDED and not name.startswith("x-carpool-")
+    }
 
 
 def public_url(url: str) -> str:
@@ -113,16 +116,20 @@ def reason(error: BaseException) -> str:
 
 
 class HttpUpstream:
-    def __init__(self, base_url: str, limits: LimitsConfig, name: str | None = None,
-                 label: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, limits: LimitsConfig, name: str | None = None, label: str | None = None
+    ) -> None:
         self.name = name or public_url(base_url)
         self.label = label or name or "replica"
         url = URL(base_url.rstrip("/"))
         # Credentials in the URL: a header of every call, never part of a URL aiohttp sees
         # (nor of one that could reach an error message or a log line).
-        self._auth = "Basic " + base64.b64encode(
-            f"{url.user or ''}:{url.password or ''}".encode()).decode("ascii") \
-            if url.user is not None or url.password is not None else None
+        self._auth = (
+            "Basic "
+            + base64.b64encode(f"{url.user or ''}:{url.password or ''}".encode()).decode("ascii")
+            if url.user is not None or url.password is not None
+            else None
+        )
         self.base_url = str(url.with_user(None)) if self._auth else base_url.rstrip("/")
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None
@@ -130,12 +137,19 @@ class HttpUpstream:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.limits.upstream_max_connections,
-                                               limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None,
-                                              sock_connect=self.limits.upstream_connect_timeout,
-                                              sock_read=self.limits.upstream_timeout),
-                auto_decompress=False, skip_auto_headers=("User-Agent",))
+                connector=aiohttp.TCPConnector(
+                    limit=self.limits.upstream_max_connections,
+                    limit_per_host=0,
+                    keepalive_timeout=KEEPALIVE_S,
+                ),
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    sock_connect=self.limits.upstream_connect_timeout,
+                    sock_read=self.limits.upstream_timeout,
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
         return self._session
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
@@ -146,22 +160,27 @@ class HttpUpstream:
         response = await self._open("POST", url, orjson.dumps(request.body), headers)
         content_type = response.headers.get("content-type", "")
         if request.stream and 200 <= response.status < 300 and "text/event-stream" in content_type:
-            return UpstreamResponse(response.status, {"content-type": content_type},
-                                    events=self._events(response, request.last_event),
-                                    close=_closer(response))
+            return UpstreamResponse(
+                response.status,
+                {"content-type": content_type},
+                events=self._events(response, request.last_event),
+                close=_closer(response),
+            )
         try:
             body = await response.read()
         except _TIMEOUTS as exc:
             raise UpstreamTimeout(f"upstream {self.label} timed out sending its answer") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(
-                f"upstream {self.label} failed mid-answer ({reason(exc)})") from exc
+                f"upstream {self.label} failed mid-answer ({reason(exc)})"
+            ) from exc
         finally:
             response.release()
         return UpstreamResponse(response.status, {"content-type": content_type}, body=body)
 
-    async def _open(self, method: str, url: str | URL, body: bytes | None,
-                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    async def _open(
+        self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
         if self._auth is not None:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["authorization"] = self._auth
@@ -171,10 +190,12 @@ class HttpUpstream:
             raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(
-                f"upstream {self.label} is unreachable ({reason(exc)})") from exc
+                f"upstream {self.label} is unreachable ({reason(exc)})"
+            ) from exc
 
-    async def _events(self, response: aiohttp.ClientResponse,
-                      last_event: Callable[[bytes], bool] | None) -> AsyncIterator[bytes]:
+    async def _events(
+        self, response: aiohttp.ClientResponse, last_event: Callable[[bytes], bool] | None
+    ) -> AsyncIterator[bytes]:
         decoder = SSEDecoder()
         sent = False
         try:
@@ -187,25 +208,30 @@ class HttpUpstream:
                     sent = True
                     yield payload
                     if last_event is not None and last_event(payload):
-                        return             # a typed stream's last event: it ended whole
+                        return  # a typed stream's last event: it ended whole
             # The body ended cleanly but the stream did not: a server that stopped (a crash, a
             # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
             # nothing says the answer is whole.
             if not sent:
                 # llama.cpp's server answers a prompt over its context so: 200, then nothing.
-                raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without "
-                                           "sending anything (an input it could not take?)")
+                raise UpstreamStreamBroken(
+                    f"upstream {self.label} ended its stream without "
+                    "sending anything (an input it could not take?)"
+                )
             end = "[DONE]" if last_event is None else "its last event"
             raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without {end}")
         except _TIMEOUTS as exc:
             raise UpstreamStreamBroken(f"upstream {self.label} stalled mid-stream") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamStreamBroken(f"upstream {self.label} stream broke ({reason(exc)})") from exc
+            raise UpstreamStreamBroken(
+                f"upstream {self.label} stream broke ({reason(exc)})"
+            ) from exc
         finally:
             response.close()
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         out_headers = forwarded_headers(headers)
         for name in ("content-type", "accept-encoding"):
             if name in headers:
@@ -214,11 +240,16 @@ class HttpUpstream:
         out_headers.setdefault("accept-encoding", "identity")
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
         path = confine(b"/v1" + path.encode("ascii", "replace"))
-        url = URL(self.base_url + path + ("?" + quote(query, safe=_QUERY_SAFE) if query else ""),
-                  encoded=True)
+        url = URL(
+            self.base_url + path + ("?" + quote(query, safe=_QUERY_SAFE) if query else ""),
+            encoded=True,
+        )
         response = await self._open(method, url, body or None, out_headers)
-        relayed = [(k, v) for k, v in response.raw_headers
-                   if k.decode("latin-1").lower() not in NOT_RELAYED]
+        relayed = [
+            (k, v)
+            for k, v in response.raw_headers
+            if k.decode("latin-1").lower() not in NOT_RELAYED
+        ]
 
         async def content() -> AsyncIterator[bytes]:
             try:
@@ -226,6 +257,7 @@ class HttpUpstream:
                     yield chunk
             finally:
                 response.release()
+
         return PassthroughResponse(response.status, relayed, content())
 
     async def aclose(self) -> None:
@@ -236,4 +268,5 @@ class HttpUpstream:
 def _closer(response: aiohttp.ClientResponse):
     async def close() -> None:
         response.close()
+
     return close

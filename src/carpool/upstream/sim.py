@@ -76,20 +76,107 @@ TOKENS_PER_MESSAGE = 3
 ANSWER_PRIMING = ("<|start|>", "assistant")
 
 VOCABULARY = (
-    "the", "a", "model", "answer", "cache", "request", "token", "stream", "engine", "replica",
-    "prefix", "block", "query", "result", "value", "system", "user", "data", "simple", "fast",
-    "shared", "same", "again", "first", "next", "every", "one", "two", "many", "some", "is", "are",
-    "was", "will", "can", "should", "may", "not", "and", "or", "but", "so", "then", "because",
-    "with", "without", "from", "into", "over", "under", "after", "before", "while", "here",
-    "there", "now", "later", "this", "that", "it", "we", "you", "they", "gateway", "carpool",
-    "simulated", "text", "word", "line", "time", "cost", "queue", "batch", "decode", "prefill",
-    "memory", "route", "hit", "miss", "store", "serve", "share", "compute", "twice", "never",
-    "always", "quickly", "slowly", "clearly", "exactly", "about", "between", "within", "across",
+    "the",
+    "a",
+    "model",
+    "answer",
+    "cache",
+    "request",
+    "token",
+    "stream",
+    "engine",
+    "replica",
+    "prefix",
+    "block",
+    "query",
+    "result",
+    "value",
+    "system",
+    "user",
+    "data",
+    "simple",
+    "fast",
+    "shared",
+    "same",
+    "again",
+    "first",
+    "next",
+    "every",
+    "one",
+    "two",
+    "many",
+    "some",
+    "is",
+    "are",
+    "was",
+    "will",
+    "can",
+    "should",
+    "may",
+    "not",
+    "and",
+    "or",
+    "but",
+    "so",
+    "then",
+    "because",
+    "with",
+    "without",
+    "from",
+    "into",
+    "over",
+    "under",
+    "after",
+    "before",
+    "while",
+    "here",
+    "there",
+    "now",
+    "later",
+    "this",
+    "that",
+    "it",
+    "we",
+    "you",
+    "they",
+    "gateway",
+    "carpool",
+    "simulated",
+    "text",
+    "word",
+    "line",
+    "time",
+    "cost",
+    "queue",
+    "batch",
+    "decode",
+    "prefill",
+    "memory",
+    "route",
+    "hit",
+    "miss",
+    "store",
+    "serve",
+    "share",
+    "compute",
+    "twice",
+    "never",
+    "always",
+    "quickly",
+    "slowly",
+    "clearly",
+    "exactly",
+    "about",
+    "between",
+    "within",
+    "across",
 )
 
 ENDPOINTS = ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")
-SERVED = ("it serves POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses "
-          "and /v1/messages")
+SERVED = (
+    "it serves POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses "
+    "and /v1/messages"
+)
 
 
 # ----------------------------------------------------------------------------- replies
@@ -102,26 +189,43 @@ class SimReply:
     status: int
     body: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
-    typed: bool = False      # the chunks are typed events (Responses, Messages): no [DONE]
+    typed: bool = False  # the chunks are typed events (Responses, Messages): no [DONE]
 
 
-def error_reply(status: int, message: str, type_: str = "invalid_request_error",
-                param: str | None = None, code: str | None = None) -> SimReply:
+def error_reply(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> SimReply:
     """An error in OpenAI's shape."""
-    return SimReply(status, {"error": {"message": message, "type": type_, "param": param,
-                                       "code": code}})
+    return SimReply(
+        status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 def not_found_reply(method: str, path: str) -> SimReply:
     if path.rstrip("/") == "/messages" or path.startswith("/messages/"):
         # Anthropic's Messages API (which the simulator does not serve): its own error shape,
         # so that its SDK reports a clear NotFoundError.
-        return SimReply(404, {"type": "error", "error": {
-            "type": "not_found_error",
-            "message": f"the simulated engine does not serve {method} /v1{path}: {SERVED}"}})
+        return SimReply(
+            404,
+            {
+                "type": "error",
+                "error": {
+                    "type": "not_found_error",
+                    "message": f"the simulated engine does not serve {method} /v1{path}: {SERVED}",
+                },
+            },
+        )
     if path.rstrip("/") == "/responses" or path.startswith("/responses/"):
-        return error_reply(404, f"the simulated engine does not serve {method} /v1{path} (of "
-                           f"the Responses API): {SERVED}", code="unknown_url")
+        return error_reply(
+            404,
+            f"the simulated engine does not serve {method} /v1{path} (of "
+            f"the Responses API): {SERVED}",
+            code="unknown_url",
+        )
     # OpenAI's own wording for a path it does not serve.
     return error_reply(404, f"Invalid URL ({method} /v1{path})")
 
@@ -198,8 +302,18 @@ def answer_words(body: Mapping[str, Any], endpoint: str, prompt: Any, choice: in
     if is_greedy(body):
         rng = random.Random(_seed_from(endpoint, model, prompt, body.get("tools")))
     elif body.get("seed") is not None:
-        rng = random.Random(_seed_from(endpoint, model, prompt, body.get("tools"), body["seed"],
-                                       body.get("temperature"), body.get("top_p"), choice))
+        rng = random.Random(
+            _seed_from(
+                endpoint,
+                model,
+                prompt,
+                body.get("tools"),
+                body["seed"],
+                body.get("temperature"),
+                body.get("top_p"),
+                choice,
+            )
+        )
     else:
         rng = random.Random(os.urandom(16))
     return _draw_answer(rng)
@@ -222,8 +336,11 @@ def _as_base64(vector: list[float]) -> str:
 
 
 def _is_token_array(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def parse_inputs(value: Any, param: str, allow_empty_text: bool) -> list[str | list[int]]:
@@ -232,24 +349,33 @@ def parse_inputs(value: Any, param: str, allow_empty_text: bool) -> list[str | l
         items: list[Any] = [value]
     elif _is_token_array(value):
         items = [value]
-    elif isinstance(value, list) and value and all(
-            isinstance(v, str) or _is_token_array(v) for v in value):
+    elif (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, str) or _is_token_array(v) for v in value)
+    ):
         items = value
     else:
-        raise RequestError(f"'{param}' must be a string, a list of strings, a list of token ids "
-                           "or a list of lists of token ids", param=param)
+        raise RequestError(
+            f"'{param}' must be a string, a list of strings, a list of token ids "
+            "or a list of lists of token ids",
+            param=param,
+        )
     if not allow_empty_text and any(item == "" for item in items):
         raise RequestError(f"'{param}' must not contain empty strings", param=param)
     return items
-
 
 
 def _int_field(body: Mapping[str, Any], name: str, lowest: int, highest: int | None = None) -> None:
     value = body.get(name)
     if value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < lowest or (
-            highest is not None and value > highest):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < lowest
+        or (highest is not None and value > highest)
+    ):
         bounds = f"between {lowest} and {highest}" if highest is not None else f">= {lowest}"
         raise RequestError(f"'{name}' must be an integer {bounds}", param=name)
 
@@ -261,8 +387,11 @@ def _validate_generation(body: Mapping[str, Any]) -> None:
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise RequestError("'stream' must be a boolean", param="stream")
     temperature = body.get("temperature")
-    if temperature is not None and (not isinstance(temperature, (int, float))
-                                    or isinstance(temperature, bool) or temperature < 0):
+    if temperature is not None and (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or temperature < 0
+    ):
         raise RequestError("'temperature' must be a number >= 0", param="temperature")
 
 
@@ -293,7 +422,7 @@ class PrefixCache:
         ids: list[bytes] = []
         previous = b""
         for start in range(0, len(tokens) - self.block_tokens + 1, self.block_tokens):
-            block = "\x00".join(tokens[start:start + self.block_tokens]).encode()
+            block = "\x00".join(tokens[start : start + self.block_tokens]).encode()
             previous = hashlib.blake2b(previous + b"\x01" + block, digest_size=16).digest()
             ids.append(previous)
         return ids
@@ -337,7 +466,7 @@ class Plan:
 
     endpoint: str
     body: Mapping[str, Any]
-    prompts: list[list[str]]                 # prompt tokens, one list per distinct prompt
+    prompts: list[list[str]]  # prompt tokens, one list per distinct prompt
     sequences: list[Sequence]
     stream: bool
     include_usage: bool
@@ -363,13 +492,17 @@ class Plan:
         return model if isinstance(model, str) else MODEL_ID
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
-def _sequences(body: Mapping[str, Any], endpoint: str, prompts: list[Any],
-               cap: int) -> list[Sequence]:
+def _sequences(
+    body: Mapping[str, Any], endpoint: str, prompts: list[Any], cap: int
+) -> list[Sequence]:
     """n choices per prompt, indexed prompt-major as OpenAI does for a list of prompts."""
     n = body.get("n") or 1
     sequences = []
@@ -390,14 +523,20 @@ Sleep = Callable[[float], Awaitable[Any]]
 class SimReplica:
     """One simulated engine replica: its own prefix cache, concurrency limit and counters."""
 
-    def __init__(self, name: str, config: SimConfig | None = None, *,
-                 sleep: Sleep = asyncio.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: SimConfig | None = None,
+        *,
+        sleep: Sleep = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self.config = config or SimConfig()
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.block_tokens)
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
         self._embedding_passes = asyncio.Semaphore(self.config.embedding_concurrency)
-        self._sleep = sleep      # injectable so tests can observe the pacing without wall clocks
+        self._sleep = sleep  # injectable so tests can observe the pacing without wall clocks
         self._clock = clock
         self.calls: dict[str, int] = {}
         self.errors = 0
@@ -433,15 +572,22 @@ class SimReplica:
         except RequestError as exc:
             self.errors += 1
             if path == sim_apis.MESSAGES:
-                return SimReply(400, {"type": "error", "error": {
-                    "type": "invalid_request_error", "message": exc.message}})
+                return SimReply(
+                    400,
+                    {
+                        "type": "error",
+                        "error": {"type": "invalid_request_error", "message": exc.message},
+                    },
+                )
             return error_reply(400, exc.message, param=exc.param, code=exc.code)
         if path in sim_apis.TYPED:
             if plan.stream:
-                return SimReply(200, chunks=self._typed_stream(path, plan, self._clock()),
-                                typed=True)
-            return SimReply(200, sim_apis.from_chat(path, await self._complete(plan), plan.id,
-                                                    plan.created))
+                return SimReply(
+                    200, chunks=self._typed_stream(path, plan, self._clock()), typed=True
+                )
+            return SimReply(
+                200, sim_apis.from_chat(path, await self._complete(plan), plan.id, plan.created)
+            )
         if plan.stream:
             return SimReply(200, chunks=self._stream(plan, self._clock()))
         return SimReply(200, await self._complete(plan))
@@ -455,16 +601,24 @@ class SimReplica:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "replica": self.name, "simulated": True, "calls": dict(self.calls),
-            "errors": self.errors, "prompt_tokens": self.prompt_tokens,
+            "replica": self.name,
+            "simulated": True,
+            "calls": dict(self.calls),
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "busy_seconds": self.busy_seconds, "queue_wait_seconds": self.queue_wait_seconds,
-            "ttft_seconds_sum": self.ttft_seconds_sum, "ttft_count": self.ttft_count,
-            "ttft_seconds_mean": (self.ttft_seconds_sum / self.ttft_count
-                                  if self.ttft_count else None),
-            "waiting": self.waiting, "in_flight": self.in_flight,
-            "max_in_flight": self.max_in_flight, "max_concurrency": self.config.max_concurrency,
+            "busy_seconds": self.busy_seconds,
+            "queue_wait_seconds": self.queue_wait_seconds,
+            "ttft_seconds_sum": self.ttft_seconds_sum,
+            "ttft_count": self.ttft_count,
+            "ttft_seconds_mean": (
+                self.ttft_seconds_sum / self.ttft_count if self.ttft_count else None
+            ),
+            "waiting": self.waiting,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "max_concurrency": self.config.max_concurrency,
             "prefix_cache_blocks": len(self.prefix_cache),
             "prefix_cache_capacity_blocks": self.prefix_cache.capacity_blocks,
         }
@@ -485,16 +639,24 @@ class SimReplica:
         cap = max_new_tokens(body, self.config.default_max_tokens)
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
-        include_usage = stream and isinstance(options, Mapping) and bool(
-            options.get("include_usage"))
-        return Plan(endpoint, body, prompts, _sequences(body, endpoint, prompt_inputs, cap),
-                    stream, include_usage)
+        include_usage = (
+            stream and isinstance(options, Mapping) and bool(options.get("include_usage"))
+        )
+        return Plan(
+            endpoint,
+            body,
+            prompts,
+            _sequences(body, endpoint, prompt_inputs, cap),
+            stream,
+            include_usage,
+        )
 
     # -- the cost model
 
     @asynccontextmanager
-    async def _slot(self, arrived: float, slots: asyncio.Semaphore | None = None
-                    ) -> AsyncIterator[None]:
+    async def _slot(
+        self, arrived: float, slots: asyncio.Semaphore | None = None
+    ) -> AsyncIterator[None]:
         """Hold one of ``max_concurrency`` slots; the time spent waiting for it is queue wait."""
         slots = slots or self._slots
         self.waiting += 1
@@ -565,8 +727,9 @@ class SimReplica:
             if plan.include_usage:
                 yield usage_chunk(plan)
 
-    async def _typed_stream(self, api: str, plan: Plan, arrived: float
-                            ) -> AsyncIterator[dict[str, Any]]:
+    async def _typed_stream(
+        self, api: str, plan: Plan, arrived: float
+    ) -> AsyncIterator[dict[str, Any]]:
         """The API's typed events, paced as the chat stream they come from: the opening events
         once prefill is done, one text delta per decoded token, the closing events at the end."""
         plan.include_usage = False
@@ -588,9 +751,10 @@ class SimReplica:
                     # Prefill is done: the text and usage are known, so is the whole answer.
                     final = sim_apis.from_chat(api, completion_body(plan), plan.id, plan.created)
                     events = sim_apis.events(api, final)
-                    at = next((i for i, e in enumerate(events) if sim_apis.is_text_delta(e)),
-                              len(events))
-                    delta, closing = (events[at] if at < len(events) else None), events[at + 1:]
+                    at = next(
+                        (i for i, e in enumerate(events) if sim_apis.is_text_delta(e)), len(events)
+                    )
+                    delta, closing = (events[at] if at < len(events) else None), events[at + 1 :]
                     for event in events[:at]:
                         yield numbered(event)
                 elif piece and delta is not None:
@@ -605,8 +769,9 @@ class SimReplica:
         _int_field(body, "dimensions", 1, 65536)
         encoding = body.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
-            raise RequestError("'encoding_format' must be 'float' or 'base64'",
-                               param="encoding_format")
+            raise RequestError(
+                "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
+            )
         dim = body.get("dimensions") or self.config.embedding_dim
         lengths = [len(input_tokens(item)) for item in items]
         tokens = sum(lengths)
@@ -616,17 +781,31 @@ class SimReplica:
             # as an embedding server on a GPU does: a fixed cost per pass, then the longest item.
             # So a batch of items costs about what one item does: what makes batching pay.
             self.prompt_tokens += tokens
-            await self._sleep((self.config.embedding_call_ms
-                               + max(lengths) * self.config.prefill_ms_per_token) / 1000)
+            await self._sleep(
+                (self.config.embedding_call_ms + max(lengths) * self.config.prefill_ms_per_token)
+                / 1000
+            )
             self._first_token(arrived)
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL_ID
         data = []
         for i, item in enumerate(items):
             vector = embedding_vector(model, item, dim)
-            data.append({"object": "embedding", "index": i,
-                         "embedding": _as_base64(vector) if encoding == "base64" else vector})
-        return SimReply(200, {"object": "list", "data": data, "model": model,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+            data.append(
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": _as_base64(vector) if encoding == "base64" else vector,
+                }
+            )
+        return SimReply(
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
 
 
 def _strip_v1(path: str) -> str:
@@ -652,8 +831,13 @@ def _envelope(plan: Plan, chunk: bool) -> dict[str, Any]:
         prefix = "chatcmpl-"
     else:
         kind, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + plan.id, "object": kind, "created": plan.created, "model": plan.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT}
+    return {
+        "id": prefix + plan.id,
+        "object": kind,
+        "created": plan.created,
+        "model": plan.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
 
 def completion_body(plan: Plan) -> dict[str, Any]:
@@ -662,11 +846,19 @@ def completion_body(plan: Plan) -> dict[str, Any]:
     for seq in plan.sequences:
         text = " ".join(seq.words)
         if _is_chat(plan):
-            choice = {"index": seq.index, "message": {"role": "assistant", "content": text},
-                      "finish_reason": seq.finish_reason, "logprobs": None}
+            choice = {
+                "index": seq.index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": seq.finish_reason,
+                "logprobs": None,
+            }
         else:
-            choice = {"index": seq.index, "text": text, "finish_reason": seq.finish_reason,
-                      "logprobs": None}
+            choice = {
+                "index": seq.index,
+                "text": text,
+                "finish_reason": seq.finish_reason,
+                "logprobs": None,
+            }
         choices.append(choice)
     body["choices"] = choices
     body["usage"] = plan.usage()
@@ -680,8 +872,12 @@ def _chunk(plan: Plan, index: int, piece: str | None, finish_reason: str | None)
         delta = {} if piece is None else {"content": piece}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": piece or "", "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": piece or "",
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
     chunk["choices"] = [choice]
     if plan.include_usage:
         chunk["usage"] = None
@@ -747,18 +943,23 @@ class SimUpstream:
         reply = await self.replica.handle(request.path, body)
         if reply.chunks is not None:
             events = _payloads(reply.chunks)
-            return UpstreamResponse(reply.status, JSON_HEADERS | {"content-type":
-                                    "text/event-stream"}, events=events, close=events.aclose)
+            return UpstreamResponse(
+                reply.status,
+                JSON_HEADERS | {"content-type": "text/event-stream"},
+                events=events,
+                close=events.aclose,
+            )
         return UpstreamResponse(reply.status, JSON_HEADERS, body=orjson.dumps(reply.body))
 
-    async def passthrough(self, method: str, path: str, query: bytes,
-                          headers: Mapping[str, str], body: bytes) -> PassthroughResponse:
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
         path = _strip_v1(path.split("?", 1)[0])
         payload: Any
         if method.upper() == "GET" and path == "/models":
             status, payload = 200, self.replica.models()
         elif method.upper() == "GET" and path.startswith("/models/"):
-            status, payload = 200, self.replica.model_card(path[len("/models/"):])
+            status, payload = 200, self.replica.model_card(path[len("/models/") :])
         else:
             reply = not_found_reply(method.upper(), path)
             status, payload = reply.status, reply.body

@@ -52,8 +52,9 @@ def _text(content: Any, param: str) -> Any:
             else:
                 parts.append(part)
         return parts
-    raise RequestError(f"'{param}' content must be a string or a list of content parts",
-                       param=param)
+    raise RequestError(
+        f"'{param}' content must be a string or a list of content parts", param=param
+    )
 
 
 def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -69,13 +70,13 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
             for i, item in enumerate(value):
                 if isinstance(item, Mapping) and isinstance(item.get("role"), str):
                     role = "system" if item["role"] == "developer" else item["role"]
-                    messages.append({"role": role,
-                                     "content": _text(item.get("content"), f"input[{i}]")})
-                else:   # function calls and their outputs...: their JSON stands for them
+                    messages.append(
+                        {"role": role, "content": _text(item.get("content"), f"input[{i}]")}
+                    )
+                else:  # function calls and their outputs...: their JSON stands for them
                     messages.append({"role": "user", "content": orjson.dumps(item).decode()})
         else:
-            raise RequestError("'input' must be a string or a list of input items",
-                               param="input")
+            raise RequestError("'input' must be a string or a list of input items", param="input")
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
     else:
@@ -84,8 +85,12 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
             messages.append({"role": "system", "content": _text(system, "system")})
         validate_messages(body)
         for i, message in enumerate(body["messages"]):
-            messages.append({"role": message["role"],
-                             "content": _text(message.get("content"), f"messages[{i}]")})
+            messages.append(
+                {
+                    "role": message["role"],
+                    "content": _text(message.get("content"), f"messages[{i}]"),
+                }
+            )
         if body.get("max_tokens") is not None:
             chat["max_tokens"] = body["max_tokens"]
         if body.get("stop_sequences") is not None:
@@ -96,8 +101,7 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def from_chat(api: str, chat_body: Mapping[str, Any], plan_id: str,
-              created: int) -> dict[str, Any]:
+def from_chat(api: str, chat_body: Mapping[str, Any], plan_id: str, created: int) -> dict[str, Any]:
     choice = chat_body["choices"][0]
     text = choice["message"]["content"]
     cut = choice["finish_reason"] == "length"
@@ -106,25 +110,42 @@ def from_chat(api: str, chat_body: Mapping[str, Any], plan_id: str,
     model = chat_body["model"]
     if api == RESPONSES:
         return {
-            "id": "resp_" + plan_id, "object": "response", "created_at": created,
-            "status": "incomplete" if cut else "completed", "error": None,
+            "id": "resp_" + plan_id,
+            "object": "response",
+            "created_at": created,
+            "status": "incomplete" if cut else "completed",
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "model": model,
-            "output": [{"type": "message", "id": "msg_" + plan_id,
-                        "status": "incomplete" if cut else "completed", "role": "assistant",
-                        "content": [{"type": "output_text", "text": text,
-                                     "annotations": []}]}],
-            "usage": {"input_tokens": prompt,
-                      "input_tokens_details": {
-                          "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                      "output_tokens": completion,
-                      "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": prompt + completion},
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_" + plan_id,
+                    "status": "incomplete" if cut else "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "usage": {
+                "input_tokens": prompt,
+                "input_tokens_details": {
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
+                },
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion,
+            },
         }
-    return {"id": "msg_" + plan_id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": "max_tokens" if cut else "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": prompt, "output_tokens": completion}}
+    return {
+        "id": "msg_" + plan_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "max_tokens" if cut else "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": completion},
+    }
 
 
 def events(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -136,8 +157,11 @@ def is_text_delta(event: Mapping[str, Any]) -> bool:
     if event.get("type") == "response.output_text.delta":
         return True
     delta = event.get("delta")
-    return event.get("type") == "content_block_delta" and isinstance(delta, Mapping) \
+    return (
+        event.get("type") == "content_block_delta"
+        and isinstance(delta, Mapping)
         and delta.get("type") == "text_delta"
+    )
 
 
 def with_piece(event: dict[str, Any], piece: str) -> dict[str, Any]:
@@ -154,5 +178,6 @@ def validate_messages(body: Mapping[str, Any]) -> None:
         raise RequestError("'messages' must be a non-empty list", param="messages")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a 'role'",
-                               param=f"messages[{i}]")
+            raise RequestError(
+                f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]"
+            )

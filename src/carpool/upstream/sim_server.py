@@ -45,12 +45,12 @@ SSE_HEADERS = {SIMULATED_HEADER[0]: SIMULATED_HEADER[1], "cache-control": "no-ca
 
 
 def _json(status: int, payload: Any) -> Response:
-    return Response(orjson.dumps(payload), status, headers=JSON_HEADERS,
-                    media_type="application/json")
+    return Response(
+        orjson.dumps(payload), status, headers=JSON_HEADERS, media_type="application/json"
+    )
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]], typed: bool = False
-               ) -> AsyncIterator[bytes]:
+async def _sse(chunks: AsyncIterator[dict[str, Any]], typed: bool = False) -> AsyncIterator[bytes]:
     # Close the replica's stream however this one ends (client gone, server stopping), so its
     # slot is freed now rather than when the generator is garbage-collected.
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
@@ -65,9 +65,12 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]], typed: bool = False
 
 def _to_response(reply: SimReply) -> Response:
     if reply.chunks is not None:
-        return StreamingResponse(_sse(reply.chunks, reply.typed), reply.status,
-                                 headers=SSE_HEADERS,
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _sse(reply.chunks, reply.typed),
+            reply.status,
+            headers=SSE_HEADERS,
+            media_type="text/event-stream",
+        )
     return _json(reply.status, reply.body)
 
 
@@ -103,8 +106,11 @@ def create_app(replica: SimReplica) -> Starlette:
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/sim/stats", stats, methods=["GET"]),
         # Last: whatever the routes above do not serve (wrong path or method) is OpenAI's 404.
-        Route("/{rest:path}", unknown,
-              methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
+        Route(
+            "/{rest:path}",
+            unknown,
+            methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+        ),
     ]
     return Starlette(routes=routes)
 
@@ -141,8 +147,15 @@ async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
     each replica on a free port)."""
     replicas = build_replicas(config)
     servers = [
-        _ReplicaServer(uvicorn.Config(create_app(replica), host=host, port=port + i if port else 0,
-                                      log_level="warning", lifespan="off"))
+        _ReplicaServer(
+            uvicorn.Config(
+                create_app(replica),
+                host=host,
+                port=port + i if port else 0,
+                log_level="warning",
+                lifespan="off",
+            )
+        )
         for i, replica in enumerate(replicas)
     ]
     handled = _stop_on_signals(servers)
@@ -164,8 +177,12 @@ async def serve_replicas(config: SimConfig, host: str, port: int) -> None:
             raise outcome
 
 
-async def _announce_when_started(replicas: list[SimReplica], servers: Sequence[uvicorn.Server],
-                                 tasks: list[asyncio.Task[None]], host: str) -> None:
+async def _announce_when_started(
+    replicas: list[SimReplica],
+    servers: Sequence[uvicorn.Server],
+    tasks: list[asyncio.Task[None]],
+    host: str,
+) -> None:
     """Print each replica's URL once it listens (the bound port, which matters for port 0)."""
     for replica, server, task in zip(replicas, servers, tasks, strict=True):
         while not server.started and not task.done():
@@ -173,5 +190,8 @@ async def _announce_when_started(replicas: list[SimReplica], servers: Sequence[u
         if not server.started:
             continue  # it failed to start; uvicorn has logged why, and the caller sees it end
         bound = server.servers[0].sockets[0].getsockname()[1]
-        print(f"carpool sim (SIMULATED engine, not a real model): replica {replica.name} on "
-              f"http://{host}:{bound}/v1", flush=True)
+        print(
+            f"carpool sim (SIMULATED engine, not a real model): replica {replica.name} on "
+            f"http://{host}:{bound}/v1",
+            flush=True,
+        )

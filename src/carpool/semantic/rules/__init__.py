@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from . import entities, identifiers, numbers, operators, order, polarity, quoted
 
-RULES = (quoted.RULE, numbers.RULE, operators.RULE, identifiers.RULE, entities.RULE, order.RULE,
-         polarity.RULE)
+RULES = (
+    quoted.RULE,
+    numbers.RULE,
+    operators.RULE,
+    identifiers.RULE,
+    entities.RULE,
+    order.RULE,
+    polarity.RULE,
+)
 
 __all__ = ["RULES"]

@@ -21,8 +21,25 @@ import re
 from ..verdict import Reason, Rule
 from .text import lower_words, norm, plain
 
-COMMON = frozenset({"i", "i'm", "i've", "i'll", "i'd", "ok", "okay", "mr", "mrs", "ms", "dr",
-                    "hi", "hello", "please", "thanks"})
+COMMON = frozenset(
+    {
+        "i",
+        "i'm",
+        "i've",
+        "i'll",
+        "i'd",
+        "ok",
+        "okay",
+        "mr",
+        "mrs",
+        "ms",
+        "dr",
+        "hi",
+        "hello",
+        "please",
+        "thanks",
+    }
+)
 _WORD = re.compile(r"[^\W\d_][\w'’-]*")
 _START = re.compile(r"(?:^|[.!?:;\n\"“(]\s*)$")
 
@@ -30,12 +47,15 @@ _START = re.compile(r"(?:^|[.!?:;\n\"“(]\s*)$")
 @functools.lru_cache(maxsize=8192)
 def _names(text: str) -> frozenset[str]:
     text = norm(text)
-    inside = [m for m in _WORD.finditer(text) if not _START.search(text[:m.start()])]
+    inside = [m for m in _WORD.finditer(text) if not _START.search(text[: m.start()])]
     long_words = [m.group() for m in inside if len(m.group()) > 3]
     if len(long_words) >= 4 and sum(w[0].isupper() for w in long_words) > 0.6 * len(long_words):
-        return frozenset()                  # a title or shouting: no case to read
-    return frozenset(plain(m.group()) for m in inside
-                     if m.group()[0].isupper() and m.group().lower() not in COMMON)
+        return frozenset()  # a title or shouting: no case to read
+    return frozenset(
+        plain(m.group())
+        for m in inside
+        if m.group()[0].isupper() and m.group().lower() not in COMMON
+    )
 
 
 def _covered(names: frozenset[str], other: str) -> bool:

@@ -23,10 +23,11 @@ from ..verdict import Reason, Rule
 from .text import norm
 
 _TOKEN = re.compile(
-    r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+"                       # e-mail
-    r"|\b(?:https?|ftp)://\S+"                             # URL
-    r"|(?<![\w/])(?:[A-Za-z]:\\|\.{0,2}/)[\w.\\/-]+"       # path (not "and/or")
-    r"|[\w][\w.'’-]*[\w]|\w")
+    r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+"  # e-mail
+    r"|\b(?:https?|ftp)://\S+"  # URL
+    r"|(?<![\w/])(?:[A-Za-z]:\\|\.{0,2}/)[\w.\\/-]+"  # path (not "and/or")
+    r"|[\w][\w.'’-]*[\w]|\w"
+)
 _MIXED_DIGITS = re.compile(r"(?=.*\d)(?=.*[^\W\d_])")
 _SNAKE = re.compile(r"^_?[A-Za-z0-9]+(?:_[A-Za-z0-9]+)+$")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+$")
@@ -39,9 +40,16 @@ def _is_identifier(token: str) -> bool:
         return True
     if not token.isascii():
         return False
-    return bool(_MIXED_DIGITS.match(token) and not re.fullmatch(r"[vV]?[\d.,:]+\w{0,2}", token)
-                or _SNAKE.match(token) or _DOTTED.match(token) and not token.endswith(".")
-                or _CAMEL.match(token) or _CAPS.match(token) and token not in ("I", "OK", "A"))
+    return bool(
+        _MIXED_DIGITS.match(token)
+        and not re.fullmatch(r"[vV]?[\d.,:]+\w{0,2}", token)
+        or _SNAKE.match(token)
+        or _DOTTED.match(token)
+        and not token.endswith(".")
+        or _CAMEL.match(token)
+        or _CAPS.match(token)
+        and token not in ("I", "OK", "A")
+    )
 
 
 @functools.lru_cache(maxsize=8192)

@@ -22,31 +22,62 @@ from ..verdict import Reason, Rule
 from .text import lower_words, norm
 
 #: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters).
-_DIGITS = re.compile(r"(?<![a-uw-z0-9_.])(\d+(?:,\d{3})+|\d+(?:\.\d+)?|\.\d+)\s*(k|m|bn|st|nd|rd|th)?"
-                     r"(?![a-z0-9_])")
-SMALL = {w: i for i, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen nineteen".split())}
-TENS = {w: 10 * (i + 2) for i, w in enumerate(
-    "twenty thirty forty fifty sixty seventy eighty ninety".split())}
-SCALES = {"hundred": 100, "thousand": 1_000, "million": 1_000_000, "billion": 1_000_000_000,
-          "dozen": 12}
-ORDINALS = {w: i + 1 for i, w in enumerate(
-    "first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth".split())}
+_DIGITS = re.compile(
+    r"(?<![a-uw-z0-9_.])(\d+(?:,\d{3})+|\d+(?:\.\d+)?|\.\d+)\s*(k|m|bn|st|nd|rd|th)?"
+    r"(?![a-z0-9_])"
+)
+SMALL = {
+    w: i
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+        "fifteen sixteen seventeen eighteen nineteen".split()
+    )
+}
+TENS = {
+    w: 10 * (i + 2)
+    for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split())
+}
+SCALES = {
+    "hundred": 100,
+    "thousand": 1_000,
+    "million": 1_000_000,
+    "billion": 1_000_000_000,
+    "dozen": 12,
+}
+ORDINALS = {
+    w: i + 1
+    for i, w in enumerate(
+        "first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth".split()
+    )
+}
 #: An ordinal word counts only after one of these ("the third floor", not "first, do this").
-_ORDINAL_AFTER = frozenset({"the", "my", "your", "his", "her", "its", "our", "their", "this",
-                            "that", "a"})
+_ORDINAL_AFTER = frozenset(
+    {"the", "my", "your", "his", "her", "its", "our", "their", "this", "that", "a"}
+)
 _SUFFIX = {"k": 1_000, "m": 1_000_000, "bn": 1_000_000_000}
-_CN_DIGITS = {"零": 0, "〇": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4, "五": 5, "六": 6,
-              "七": 7, "八": 8, "九": 9}
+_CN_DIGITS = {
+    "零": 0,
+    "〇": 0,
+    "一": 1,
+    "二": 2,
+    "两": 2,
+    "三": 3,
+    "四": 4,
+    "五": 5,
+    "六": 6,
+    "七": 7,
+    "八": 8,
+    "九": 9,
+}
 _CN_SCALES = {"十": 10, "百": 100, "千": 1_000, "万": 10_000, "亿": 100_000_000}
 _CN_NUMBER = re.compile(f"[{''.join(_CN_DIGITS)}{''.join(_CN_SCALES)}]+")
 #: "一" in these words is no number ("一下" a moment, "一起" together, "一样" the same...).
 _CN_NOT_ONE = re.compile(r"一(?=[下起样些般直定切旦致共点会边])|(?<=[统唯万])一|^一(?=个?[问])")
 
 UNITS = {
-    **dict.fromkeys(["km", "kms", "kilometer", "kilometers", "kilometre", "kilometres", "公里"],
-                    "km"),
+    **dict.fromkeys(
+        ["km", "kms", "kilometer", "kilometers", "kilometre", "kilometres", "公里"], "km"
+    ),
     **dict.fromkeys(["mi", "mile", "miles", "英里"], "mi"),
     **dict.fromkeys(["m", "meter", "meters", "metre", "metres", "米"], "m"),
     **dict.fromkeys(["cm", "centimeter", "centimeters", "centimetre", "centimetres"], "cm"),
@@ -71,33 +102,73 @@ UNITS = {
     **dict.fromkeys(["mb", "megabyte", "megabytes"], "MB"),
     **dict.fromkeys(["tb", "terabyte", "terabytes"], "TB"),
     **dict.fromkeys(["kb", "kilobyte", "kilobytes"], "KB"),
-    **dict.fromkeys(["mbps"], "Mbps"), **dict.fromkeys(["gbps"], "Gbps"),
-    **dict.fromkeys(["ghz"], "GHz"), **dict.fromkeys(["mhz"], "MHz"),
-    **dict.fromkeys(["kw", "kilowatt", "kilowatts"], "kW"), **dict.fromkeys(["kwh"], "kWh"),
-    **dict.fromkeys(["w", "watt", "watts"], "W"), **dict.fromkeys(["v", "volt", "volts"], "V"),
-    **dict.fromkeys(["mph"], "mph"), **dict.fromkeys(["kph", "km/h"], "km/h"),
+    **dict.fromkeys(["mbps"], "Mbps"),
+    **dict.fromkeys(["gbps"], "Gbps"),
+    **dict.fromkeys(["ghz"], "GHz"),
+    **dict.fromkeys(["mhz"], "MHz"),
+    **dict.fromkeys(["kw", "kilowatt", "kilowatts"], "kW"),
+    **dict.fromkeys(["kwh"], "kWh"),
+    **dict.fromkeys(["w", "watt", "watts"], "W"),
+    **dict.fromkeys(["v", "volt", "volts"], "V"),
+    **dict.fromkeys(["mph"], "mph"),
+    **dict.fromkeys(["kph", "km/h"], "km/h"),
     **dict.fromkeys(["calorie", "calories", "kcal", "卡路里"], "kcal"),
 }
 #: Units that are also common words ("in", "m", "c", "l", "f", "g", "w", "v"): a unit only
 #: right after a number.
 _AFTER_NUMBER_ONLY = frozenset({"in", "m", "c", "l", "f", "g", "w", "v", "米", "克", "升", "元"})
 DATES = {
-    **{w: w for w in ["today", "tomorrow", "yesterday", "tonight", "weekend", "weekday",
-                      "weekdays", "daily", "weekly", "monthly", "yearly", "annually", "hourly"]},
+    **{
+        w: w
+        for w in [
+            "today",
+            "tomorrow",
+            "yesterday",
+            "tonight",
+            "weekend",
+            "weekday",
+            "weekdays",
+            "daily",
+            "weekly",
+            "monthly",
+            "yearly",
+            "annually",
+            "hourly",
+        ]
+    },
     **dict.fromkeys(["second", "seconds", "sec", "secs"], "second"),
     **dict.fromkeys(["minute", "minutes", "min", "mins"], "minute"),
     **dict.fromkeys(["hour", "hours", "hr", "hrs"], "hour"),
-    **dict.fromkeys(["day", "days"], "day"), **dict.fromkeys(["week", "weeks"], "week"),
-    **dict.fromkeys(["month", "months"], "month"), **dict.fromkeys(["year", "years"], "year"),
+    **dict.fromkeys(["day", "days"], "day"),
+    **dict.fromkeys(["week", "weeks"], "week"),
+    **dict.fromkeys(["month", "months"], "month"),
+    **dict.fromkeys(["year", "years"], "year"),
     **dict.fromkeys(["decade", "decades"], "decade"),
     **dict.fromkeys(["century", "centuries"], "century"),
 }
-_CN_DATES = {"今天": "today", "明天": "tomorrow", "昨天": "yesterday", "今晚": "tonight",
-             "周末": "weekend", "上周": "last week", "下周": "next week",
-             "本周": "this week", "这周": "this week", "上个月": "last month",
-             "下个月": "next month", "这个月": "this month", "今年": "this year",
-             "去年": "last year", "明年": "next year", "每天": "daily", "每周": "weekly",
-             "每月": "monthly", "每年": "yearly", "小时": "hour", "分钟": "minute"}
+_CN_DATES = {
+    "今天": "today",
+    "明天": "tomorrow",
+    "昨天": "yesterday",
+    "今晚": "tonight",
+    "周末": "weekend",
+    "上周": "last week",
+    "下周": "next week",
+    "本周": "this week",
+    "这周": "this week",
+    "上个月": "last month",
+    "下个月": "next month",
+    "这个月": "this month",
+    "今年": "this year",
+    "去年": "last year",
+    "明年": "next year",
+    "每天": "daily",
+    "每周": "weekly",
+    "每月": "monthly",
+    "每年": "yearly",
+    "小时": "hour",
+    "分钟": "minute",
+}
 
 
 def _english(words: tuple[str, ...]) -> tuple[list[float], int]:
@@ -160,12 +231,14 @@ def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str
     units = set()
     for i, w in enumerate(words):
         unit = UNITS.get(w)
-        if unit is not None and (w not in _AFTER_NUMBER_ONLY
-                                 or (i > 0 and re.fullmatch(r"[\d.,]+k?", words[i - 1]))):
+        if unit is not None and (
+            w not in _AFTER_NUMBER_ONLY or (i > 0 and re.fullmatch(r"[\d.,]+k?", words[i - 1]))
+        ):
             units.add(unit)
     units.update(UNITS[s] for s in ("$", "€", "£", "¥", "%") if s in flat)
-    units.update(UNITS[w] for w in UNITS if not w.isascii() and w not in _AFTER_NUMBER_ONLY
-                 and w in flat)
+    units.update(
+        UNITS[w] for w in UNITS if not w.isascii() and w not in _AFTER_NUMBER_ONLY and w in flat
+    )
     dates = {DATES[w] for w in words if w in DATES}
     dates.update(v for k, v in _CN_DATES.items() if k in flat)
     return numbers, ones + cn_ones, frozenset(units), frozenset(dates)

@@ -27,7 +27,8 @@ from .text import norm
 
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
-    r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])")
+    r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])"
+)
 _CANONICAL = {"≠": "!=", "≤": "<=", "≥": ">="}
 #: "over", "under", "above", "below" compare only before an amount ("under $300", not "under the
 #: Text section").
@@ -35,14 +36,19 @@ _BEFORE_NUMBER = r"(?=\s+(?:[$€£¥]\s*)?\d)"
 _WORDS = [
     (r"\b(?:no|not) (?:less|fewer) than\b|\bat least\b|不少于|不低于|至少", ">="),
     (r"\b(?:no|not) (?:more|greater) than\b|\bat most\b|不超过|不多于|最多|至多", "<="),
-    (r"\b(?:greater|more|larger|bigger|higher|older|longer|heavier|faster) than\b"
-     rf"|\b(?:above|over|exceeds?|exceeding){_BEFORE_NUMBER}|大于|多于|高于|超过", ">"),
-    (r"\b(?:less|fewer|smaller|lower|younger|shorter|lighter|slower) than\b"
-     rf"|\b(?:below|under){_BEFORE_NUMBER}|小于|少于|低于", "<"),
+    (
+        r"\b(?:greater|more|larger|bigger|higher|older|longer|heavier|faster) than\b"
+        rf"|\b(?:above|over|exceeds?|exceeding){_BEFORE_NUMBER}|大于|多于|高于|超过",
+        ">",
+    ),
+    (
+        r"\b(?:less|fewer|smaller|lower|younger|shorter|lighter|slower) than\b"
+        rf"|\b(?:below|under){_BEFORE_NUMBER}|小于|少于|低于",
+        "<",
+    ),
     (r"\bequals?\b|\bequal to\b|等于", "=="),
 ]
-_WORD_OPERATORS = re.compile("|".join(f"(?P<op{i}>{p})" for i, (p, _) in enumerate(_WORDS)),
-                             re.I)
+_WORD_OPERATORS = re.compile("|".join(f"(?P<op{i}>{p})" for i, (p, _) in enumerate(_WORDS)), re.I)
 #: Punctuation that looks like an operator in prose: "!" ending a sentence, "-" as a dash.
 _PROSE = re.compile(r"!+(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
 

@@ -24,10 +24,12 @@ from ..verdict import Reason, Rule
 from .text import lower_words
 
 #: Words that carry no role: their place may change freely.
-STOP = frozenset("""a an the to of in on at for by with from and or but is are was were be been
+STOP = frozenset(
+    """a an the to of in on at for by with from and or but is are was were be been
 do does did can could should would will shall may might must i you he she it we they me him her
 us them my your his its our their this that these those what which who whom how why when where
-whether if than then so as not no please".split()""".split())
+whether if than then so as not no please".split()""".split()
+)
 SLACK = 2
 #: Words between two words whose order does not matter ("beauty and intelligence").
 COORDINATORS = frozenset({"and", "or", "nor", "&", "vs", "versus", "plus", "as", "well"})
@@ -48,11 +50,11 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     place_b = {w: b.index(w) for w in shared}
     before = _mismatches(list(a), b)
     for x, y in combinations(shared, 2):
-        if place_b[x] < place_b[y]:          # same order on both sides: nothing swapped
+        if place_b[x] < place_b[y]:  # same order on both sides: nothing swapped
             continue
         i, j = sorted((a.index(x), a.index(y)))
-        if set(a[i + 1:j]) <= COORDINATORS | {"a", "an", "the"}:
-            continue                        # "X and Y" / "Y and X": the same pair either way
+        if set(a[i + 1 : j]) <= COORDINATORS | {"a", "an", "the"}:
+            continue  # "X and Y" / "Y and X": the same pair either way
         exchanged = [y if w == x else x if w == y else w for w in a]
         after = _mismatches(exchanged, b)
         if after <= SLACK and after <= before - 2:

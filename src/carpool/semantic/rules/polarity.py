@@ -24,32 +24,109 @@ import re
 from ..verdict import Reason, Rule
 from .text import lower_words, norm
 
-NEGATORS = frozenset({"not", "no", "never", "without", "none", "nothing", "nobody", "neither",
-                      "nor", "cannot", "nowhere"})
+NEGATORS = frozenset(
+    {
+        "not",
+        "no",
+        "never",
+        "without",
+        "none",
+        "nothing",
+        "nobody",
+        "neither",
+        "nor",
+        "cannot",
+        "nowhere",
+    }
+)
 _CN_NEGATORS = re.compile(r"不|没|别|无|非|未")
 
 _PREFIXES = ("un", "in", "im", "il", "ir", "dis", "non", "a")
-OPPOSITES = dict(p for a, b in (
-    ("fast", "slow"), ("quickly", "slowly"), ("fast", "slowly"), ("good", "bad"),
-    ("better", "worse"), ("best", "worst"), ("benefits", "risks"), ("benefits", "dangers"),
-    ("pros", "cons"), ("advantages", "drawbacks"), ("increase", "decrease"),
-    ("increase", "reduce"), ("more", "less"), ("more", "fewer"), ("most", "least"),
-    ("high", "low"), ("higher", "lower"), ("cheap", "expensive"), ("cheapest", "priciest"),
-    ("early", "late"), ("before", "after"), ("first", "last"), ("start", "stop"),
-    ("start", "end"), ("open", "close"), ("enable", "disable"), ("upgrade", "downgrade"),
-    ("import", "export"), ("upload", "download"), ("add", "remove"), ("buy", "sell"),
-    ("win", "lose"), ("pass", "fail"), ("accept", "reject"), ("allow", "block"),
-    ("include", "exclude"), ("inside", "outside"), ("up", "down"), ("in", "out"),
-    ("on", "off"), ("hot", "cold"), ("warm", "cool"), ("big", "small"), ("large", "small"),
-    ("long", "short"), ("heavy", "light"), ("easy", "hard"), ("easy", "difficult"),
-    ("safe", "dangerous"), ("true", "false"), ("right", "wrong"), ("always", "never"),
-    ("all", "none"), ("love", "hate"), ("like", "dislike"), ("max", "min"),
-    ("maximum", "minimum"), ("positive", "negative"), ("rise", "fall"), ("gain", "lose"),
-    ("strong", "weak"), ("rich", "poor"), ("old", "new"), ("young", "old"), ("delete", "restore"),
-    ("delete", "recover"), ("lock", "unlock"), ("show", "hide"), ("encrypt", "decrypt"),
-    ("好处", "坏处"), ("优点", "缺点"), ("增加", "减少"), ("删除", "恢复"), ("上", "下"),
-    ("开", "关"), ("买", "卖"), ("快", "慢"), ("高", "低"), ("大", "小"),
-) for p in ((a, b), (b, a)))
+OPPOSITES = dict(
+    p
+    for a, b in (
+        ("fast", "slow"),
+        ("quickly", "slowly"),
+        ("fast", "slowly"),
+        ("good", "bad"),
+        ("better", "worse"),
+        ("best", "worst"),
+        ("benefits", "risks"),
+        ("benefits", "dangers"),
+        ("pros", "cons"),
+        ("advantages", "drawbacks"),
+        ("increase", "decrease"),
+        ("increase", "reduce"),
+        ("more", "less"),
+        ("more", "fewer"),
+        ("most", "least"),
+        ("high", "low"),
+        ("higher", "lower"),
+        ("cheap", "expensive"),
+        ("cheapest", "priciest"),
+        ("early", "late"),
+        ("before", "after"),
+        ("first", "last"),
+        ("start", "stop"),
+        ("start", "end"),
+        ("open", "close"),
+        ("enable", "disable"),
+        ("upgrade", "downgrade"),
+        ("import", "export"),
+        ("upload", "download"),
+        ("add", "remove"),
+        ("buy", "sell"),
+        ("win", "lose"),
+        ("pass", "fail"),
+        ("accept", "reject"),
+        ("allow", "block"),
+        ("include", "exclude"),
+        ("inside", "outside"),
+        ("up", "down"),
+        ("in", "out"),
+        ("on", "off"),
+        ("hot", "cold"),
+        ("warm", "cool"),
+        ("big", "small"),
+        ("large", "small"),
+        ("long", "short"),
+        ("heavy", "light"),
+        ("easy", "hard"),
+        ("easy", "difficult"),
+        ("safe", "dangerous"),
+        ("true", "false"),
+        ("right", "wrong"),
+        ("always", "never"),
+        ("all", "none"),
+        ("love", "hate"),
+        ("like", "dislike"),
+        ("max", "min"),
+        ("maximum", "minimum"),
+        ("positive", "negative"),
+        ("rise", "fall"),
+        ("gain", "lose"),
+        ("strong", "weak"),
+        ("rich", "poor"),
+        ("old", "new"),
+        ("young", "old"),
+        ("delete", "restore"),
+        ("delete", "recover"),
+        ("lock", "unlock"),
+        ("show", "hide"),
+        ("encrypt", "decrypt"),
+        ("好处", "坏处"),
+        ("优点", "缺点"),
+        ("增加", "减少"),
+        ("删除", "恢复"),
+        ("上", "下"),
+        ("开", "关"),
+        ("买", "卖"),
+        ("快", "慢"),
+        ("高", "低"),
+        ("大", "小"),
+    )
+    for p in ((a, b), (b, a))
+)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -59,7 +136,7 @@ def _read(text: str) -> tuple[int, frozenset[str]]:
     flat = norm(text)
     negators = sum(w in NEGATORS or w.endswith("n't") for w in words)
     negators += len(_CN_NEGATORS.findall(flat))
-    cjk = {flat[i:i + 2] for i in range(len(flat) - 1)} | set(flat)
+    cjk = {flat[i : i + 2] for i in range(len(flat) - 1)} | set(flat)
     return negators, frozenset(words) | frozenset(w for w in cjk if w in OPPOSITES)
 
 
@@ -69,8 +146,9 @@ def _opposed(x: frozenset[str], y: frozenset[str]) -> bool:
         if any(OPPOSITES.get(w) == v for v in only_y):
             return True
         for prefix in _PREFIXES:
-            if prefix + w in only_y or (w.startswith(prefix) and w[len(prefix):] in only_y
-                                        and len(w) - len(prefix) > 2):
+            if prefix + w in only_y or (
+                w.startswith(prefix) and w[len(prefix) :] in only_y and len(w) - len(prefix) > 2
+            ):
                 return True
     return False
 

@@ -22,18 +22,80 @@ from .text import lower_words, norm
 
 _QUOTED = re.compile(
     r"```(.+?)```|`([^`]+)`|\"([^\"]+)\"|(?<![\w])'([^']+)'(?![\w])|「([^」]+)」|『([^』]+)』"
-    r"|《([^》]+)》|“([^”]+)”", re.S)
+    r"|《([^》]+)》|“([^”]+)”",
+    re.S,
+)
 
 #: Verbs that work on a text given with them (not "reverse a list", "fix my bike": those ask how).
-TASK_VERBS = frozenset({
-    "translate", "convert", "rewrite", "paraphrase", "summarize", "summarise", "rephrase",
-    "proofread", "reformat", "transliterate", "conjugate", "翻", "转", "改", "总"})
+TASK_VERBS = frozenset(
+    {
+        "translate",
+        "convert",
+        "rewrite",
+        "paraphrase",
+        "summarize",
+        "summarise",
+        "rephrase",
+        "proofread",
+        "reformat",
+        "transliterate",
+        "conjugate",
+        "翻",
+        "转",
+        "改",
+        "总",
+    }
+)
 #: Words of the instruction around a task's input, dropped before the inputs are compared.
-INSTRUCTION_WORDS = frozenset({
-    "please", "can", "could", "would", "you", "kindly", "help", "me", "to", "into", "in", "from",
-    "the", "following", "this", "sentence", "text", "phrase", "word", "language", "for", "us",
-    "it", "and", "a", "an", "of", "译", "换", "写", "结", "成", "为", "把", "将", "下", "面",
-    "句", "话", "文", "请", "帮", "我", "一"} | TASK_VERBS)
+INSTRUCTION_WORDS = frozenset(
+    {
+        "please",
+        "can",
+        "could",
+        "would",
+        "you",
+        "kindly",
+        "help",
+        "me",
+        "to",
+        "into",
+        "in",
+        "from",
+        "the",
+        "following",
+        "this",
+        "sentence",
+        "text",
+        "phrase",
+        "word",
+        "language",
+        "for",
+        "us",
+        "it",
+        "and",
+        "a",
+        "an",
+        "of",
+        "译",
+        "换",
+        "写",
+        "结",
+        "成",
+        "为",
+        "把",
+        "将",
+        "下",
+        "面",
+        "句",
+        "话",
+        "文",
+        "请",
+        "帮",
+        "我",
+        "一",
+    }
+    | TASK_VERBS
+)
 
 
 def _squash(text: str) -> str:
@@ -42,8 +104,9 @@ def _squash(text: str) -> str:
 
 @functools.lru_cache(maxsize=8192)
 def _quoted(text: str) -> frozenset[str]:
-    return frozenset(_squash(next(g for g in m.groups() if g is not None))
-                     for m in _QUOTED.finditer(norm(text)))
+    return frozenset(
+        _squash(next(g for g in m.groups() if g is not None)) for m in _QUOTED.finditer(norm(text))
+    )
 
 
 @functools.lru_cache(maxsize=8192)

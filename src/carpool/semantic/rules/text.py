@@ -35,5 +35,3 @@ def plain(word: str) -> str:
 def lower_words(text: str) -> tuple[str, ...]:
     """The words, each :func:`plain` (and without a trailing dot)."""
     return tuple(plain(w.lower().strip(".")) for w in words(text))
-
-
