@@ -576,7 +576,7 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
         return None if listed_status in _UNDECIDED or listed_status >= 500 else False
     listed = _vectors(listed_body, len(PROBE_INPUTS))
     return listed is not None and all(
-        _same(one[0], item)  # type: ignore[index]
+        _same(one[0], item)  # type: ignore[index]  # (each is a list: checked above)
         for one, item in zip(alone, listed, strict=True)
     )
 
@@ -737,7 +737,7 @@ class EmbeddingBatcher:
             return UpstreamResponse(failed.status, failed.headers, failed.body)
         if isinstance(result, BaseException):  # this item's own call failed
             raise result
-        return result
+        return cast(UpstreamResponse, result)
 
     async def _compute(
         self, group: Any, items: list[str | tuple[int, ...]]

@@ -211,7 +211,7 @@ class UpstreamStatusError(UpstreamError):
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            return parsed["error"]
+            return dict(parsed["error"])
         return {
             "message": self.content.decode("utf-8", "replace")[:2000],
             "type": self.type,

@@ -188,7 +188,9 @@ def requester(headers: Mapping[str, str], config: Config) -> str:
 
 
 def fingerprint(
-    request: Request, config: Config, accepted: Container[str] | None = None
+    request: Request,
+    config: Config,
+    accepted: Container[tuple[str, tuple[str, Any, str, tuple[Any, ...]]]] | None = None,
 ) -> Fingerprint:
     """The request's key and scope. ``accepted``: the tenants the upstream has recently answered
     (``identity.AcceptedCredentials``); None trusts every tenant (offline tools: the bench
@@ -501,13 +503,13 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
 def _canonical_message(message: Any, collapse: bool) -> Any:
     if not isinstance(message, dict):
         return _canonical(message)
-    out = {}
+    out: dict[str, Any] = {}
     for name, value in message.items():
         if name == "content":
             if isinstance(value, str):
                 out[name] = normalize_text(value, collapse)
             elif isinstance(value, list):
-                out[name] = [_canonical_part(part, collapse) for part in value]  # type: ignore[assignment]
+                out[name] = [_canonical_part(part, collapse) for part in value]
             else:
                 out[name] = _canonical(value)
         else:

@@ -90,11 +90,11 @@ class AcceptedCredentials:
             self._forget((tenant, grant))
 
     def __contains__(self, pair: object) -> bool:
-        seen = self._last.get(pair)  # type: ignore[call-overload]
+        seen = self._last.get(pair)  # type: ignore[call-overload]  # (__contains__ takes object)
         if seen is None:
             return False
         if time.monotonic() - seen >= self.ttl:
-            self._forget(pair)  # type: ignore[arg-type]
+            self._forget(pair)  # type: ignore[arg-type]  # (found above: it is a key)
             return False
         return True
 

@@ -272,8 +272,9 @@ class Gateway:
             and read_age != 0
             and not self.flights.joinable(key.key, join_age)
         ):
+            assert self.semantic is not None  # (a view is made only with a semantic cache)
             with self.tracer.span("carpool.semantic") as span:
-                probe = await self.semantic.probe(view, read_age)  # type: ignore[union-attr]
+                probe = await self.semantic.probe(view, read_age)
                 if probe.match is not None:
                     span.set_attribute("carpool.similarity", probe.match.similarity)
             if probe.match is not None and self.config.semantic.mode == "serve":

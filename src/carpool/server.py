@@ -149,7 +149,7 @@ class GatewayApp:
         except asyncio.CancelledError:
             if not state.client_left:
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we did it
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (always in a task here)
         finally:
             state.stop()
             if reply is not None:

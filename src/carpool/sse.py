@@ -179,7 +179,7 @@ class _Merged:
         return "".join(self.texts) if self.texts is not None else self.last
 
 
-def _merge_into(fields: dict[str, _Merged], source: dict, skip: frozenset[str]) -> None:
+def _merge_into(fields: dict[str, _Merged], source: dict[str, Any], skip: frozenset[str]) -> None:
     for key, value in source.items():
         if key not in skip:
             merged = fields.get(key)
@@ -188,14 +188,14 @@ def _merge_into(fields: dict[str, _Merged], source: dict, skip: frozenset[str]) 
             merged.add(value)
 
 
-def _keep_last(fields: dict[str, Any], source: dict, skip: frozenset[str]) -> None:
+def _keep_last(fields: dict[str, Any], source: dict[str, Any], skip: frozenset[str]) -> None:
     """The last non-null value of each field; a field only ever null is kept as None."""
     for key, value in source.items():
         if key not in skip and (value is not None or key not in fields):
             fields[key] = value
 
 
-def _merge_logprobs(parts: list[dict]) -> dict | None:
+def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Logprobs of one choice: lists (tokens, content, ...) concatenate, others keep the last."""
     if not parts:
         return None
@@ -219,7 +219,7 @@ class _ToolCall:
         self.name = ""
         self.arguments: list[str] = []
 
-    def add(self, delta: dict) -> None:
+    def add(self, delta: dict[str, Any]) -> None:
         # id and type come in the first delta of a call (some engines repeat them: the first
         # is kept). The name comes once, whole, from OpenAI and vLLM, but llama.cpp's server
         # repeats it whole in every delta, with each piece of the arguments: a piece equal to
@@ -235,7 +235,7 @@ class _ToolCall:
         if function.get("arguments"):
             self.arguments.append(function["arguments"])
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "type": self.type or "function",
@@ -253,7 +253,7 @@ class _Choice:
     def __init__(self, index: Any) -> None:
         self.index = index
         self.finish_reason: Any = None
-        self.logprobs: list[dict] = []
+        self.logprobs: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}  # other choice fields (vLLM's stop_reason, ...)
         # chat
         self.role: str | None = None
@@ -264,7 +264,7 @@ class _Choice:
         # completion
         self.text: list[str] = []
 
-    def add(self, kind: str, choice: dict) -> None:
+    def add(self, kind: str, choice: dict[str, Any]) -> None:
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
         if isinstance(choice.get("logprobs"), dict):
@@ -279,7 +279,7 @@ class _Choice:
             if choice.get("text"):
                 self.text.append(choice["text"])
 
-    def _add_delta(self, delta: dict) -> None:
+    def _add_delta(self, delta: dict[str, Any]) -> None:
         if self.role is None:
             self.role = delta.get("role")
         content = delta.get("content")
@@ -315,7 +315,7 @@ class _Choice:
                 call = self.tool_calls[index] = _ToolCall()
             call.add(delta)
 
-    def body(self, kind: str) -> dict:
+    def body(self, kind: str) -> dict[str, Any]:
         out: dict[str, Any] = {"index": self.index}
         if kind == "chat":
             out["message"] = self._message()
@@ -330,7 +330,7 @@ class _Choice:
         out.update(self.extra)
         return out
 
-    def _message(self) -> dict:
+    def _message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role or "assistant"}
         fields = {key: merged.value() for key, merged in self.fields.items()}
         if self.content is not None:
@@ -356,7 +356,7 @@ class _Choice:
         return message
 
 
-def assemble(kind: str, chunks: list[dict]) -> dict:
+def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """The non-streaming body equivalent to the parsed chunks of one "chat"/"completion" stream."""
     top: dict[str, Any] = {}
     choices: dict[Any, _Choice] = {}
@@ -402,7 +402,7 @@ def _sort_key(index: Any) -> tuple[int, Any]:
 # synthesize: non-streaming body -> stream chunks
 
 
-def synthesize(kind: str, body: dict, *, include_usage: bool) -> list[dict]:
+def synthesize(kind: str, body: dict[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
     """Chunks a server could have streamed for ``body``: per choice a content chunk, then per
     choice a finish chunk, then (``include_usage`` and the body has usage) a usage chunk."""
     identity = {key: body[key] for key in _IDENTITY if key in body}
@@ -426,7 +426,7 @@ def synthesize(kind: str, body: dict, *, include_usage: bool) -> list[dict]:
     return chunks
 
 
-def _content_choice(kind: str, choice: dict) -> dict:
+def _content_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
     index = choice.get("index", 0)
     logprobs = choice.get("logprobs")
     if kind != "chat":
@@ -445,7 +445,7 @@ def _content_choice(kind: str, choice: dict) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
-def _finish_choice(kind: str, choice: dict) -> dict:
+def _finish_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
     skip = ("index", "message", "text", "logprobs", "finish_reason")
     out: dict[str, Any] = {"index": choice.get("index", 0)}
     if kind == "chat":

@@ -13,10 +13,17 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
-from .replay import Run
+from .replay import Result, Run
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+OutcomeOf = Callable[[Result], str]
 
 MISSING = (
     "Plots need matplotlib, which is not installed: `pip install 'carpool[bench]'`, then "
@@ -62,7 +69,7 @@ def draw(run: Run, needs_call: Sequence[bool], out: Path) -> list[str]:
     return names
 
 
-def _outcomes(plt, run: Run, outcome_of):
+def _outcomes(plt: Any, run: Run, outcome_of: OutcomeOf) -> Figure:
     results = run.results
     span = max((r.sent for r in results), default=0.0)
     width = max(1.0, span / 60)  # at most ~60 bars
@@ -93,10 +100,10 @@ def _outcomes(plt, run: Run, outcome_of):
     ax.legend(loc="upper left", fontsize=8, ncols=3)
     ax.set_xlim(0, bins * width)
     ax.grid(axis="y", alpha=0.3)
-    return figure
+    return cast("Figure", figure)
 
 
-def _cdf(ax, values_ms: list[float], name: str, style: str = "-") -> None:
+def _cdf(ax: Axes, values_ms: list[float], name: str, style: str = "-") -> None:
     data = sorted(max(v, 1e-3) for v in values_ms)
     n = len(data)
     ys = [(i + 1) / n for i in range(n)]
@@ -111,7 +118,7 @@ def _cdf(ax, values_ms: list[float], name: str, style: str = "-") -> None:
     )
 
 
-def _latency(plt, run: Run, outcome_of):
+def _latency(plt: Any, run: Run, outcome_of: OutcomeOf) -> Figure:
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, attr, results, title in (
         (left, "latency", run.results, "Latency to the last byte, per outcome"),
@@ -142,10 +149,10 @@ def _latency(plt, run: Run, outcome_of):
             ax.text(0.5, 0.5, "no streaming requests", ha="center", transform=ax.transAxes)
     left.set_ylabel("share of requests at or below")
     left.set_ylim(0, 1.01)
-    return figure
+    return cast("Figure", figure)
 
 
-def _calls(plt, run: Run, needs_call: Sequence[bool]):
+def _calls(plt: Any, run: Run, needs_call: Sequence[bool]) -> Figure:
     figure, ax = plt.subplots(figsize=(9, 4.5))
     base = run.stats_before.get("upstream_calls", 0)
     xs = [t for t, _ in run.stats_series]
@@ -185,4 +192,4 @@ def _calls(plt, run: Run, needs_call: Sequence[bool]):
     ax.set_title("Upstream calls vs the oracle")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
-    return figure
+    return cast("Figure", figure)

@@ -110,14 +110,15 @@ def connect(
     retry = Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
     if cluster:
         # (Its per-node pools do not wait for a free connection: sized generously instead.)
-        cluster_client: Any = _cluster_class()
-        return cluster_client.from_url(
+        cluster_class: Any = _cluster_class()
+        clustered: aredis.Redis = cluster_class.from_url(
             url,
             max_connections=max_connections,
             socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout,
             retry=retry,
         )
+        return clustered
     pool = aredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -152,12 +153,12 @@ def _cluster_class() -> type:
 
         def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
             pipe = super().pipeline(transaction, shard_hint)
-            pipe.execute = self._ready_first(pipe.execute)  # type: ignore[method-assign,assignment]
+            pipe.execute = self._ready_first(pipe.execute)  # type: ignore[method-assign,assignment]  # (wrapped: topology first)
             return pipe
 
         def pubsub(self, *args: Any, **kwargs: Any) -> Any:
             pubsub = super().pubsub(*args, **kwargs)
-            pubsub.execute_command = self._ready_first(  # type: ignore[method-assign,assignment]
+            pubsub.execute_command = self._ready_first(  # type: ignore[method-assign,assignment]  # (wrapped: topology first)
                 pubsub.execute_command
             )
             return pubsub

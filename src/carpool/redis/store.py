@@ -178,8 +178,11 @@ def xread_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     if not reply:
         return []
     if isinstance(reply, dict):
-        return next(iter(reply.values()))[0] if reply else []
-    return reply[0][1]
+        reply = next(iter(reply.values()))[0]
+    else:
+        reply = reply[0][1]
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = reply
+    return entries
 
 
 _unavailable = unavailable_in("the Redis store")
@@ -283,7 +286,7 @@ class RedisStore:
 
     async def get(self, key: str) -> Entry | None:
         with _unavailable("get"):
-            fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]
+            fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]  # (redis-py's return type is a union over sync and async)
                 self._entry_key(self._id(key)), "m", "b", "f", "pp"
             )  # (bytes: never decoded)
             header, body, frames, prompt_prefix = fields

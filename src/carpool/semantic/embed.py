@@ -117,14 +117,14 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast, runtime_checkable
 
 from carpool.batching import KeyedBatcher
 
 try:  # numpy is in the "semantic" extra: this module must import without it.
     import numpy as np
 except ImportError:  # pragma: no cover - exercised only without the extra
-    np = None  # type: ignore[assignment]
+    np = None  # type: ignore[assignment]  # (optional extra: callers check _require_numpy)
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -270,7 +270,7 @@ class _BatchingEmbedder:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
-        vector = await self._batcher.submit(None, text, text)
+        vector: Vector = await self._batcher.submit(None, text, text)
         return vector.copy()
 
     async def embed(self, text: str) -> Vector:
@@ -281,9 +281,9 @@ class _BatchingEmbedder:
         if isinstance(texts, str):
             raise TypeError("embed_many takes a list of texts, not one str")
         if not texts:
-            return numpy.empty((0, self.dim), dtype=numpy.float32)
+            return cast(Vector, numpy.empty((0, self.dim), dtype=numpy.float32))
         vectors = await asyncio.gather(*(self._submit(t) for t in texts))
-        return numpy.stack(vectors)
+        return cast(Vector, numpy.stack(vectors))
 
     @property
     def model_calls(self) -> int:
@@ -355,7 +355,7 @@ def _hub_cache_dir() -> Path | None:
     ]
     if not all(isinstance(path, str) for path in found):
         return None
-    directories = {Path(path).parent for path in found}  # type: ignore[arg-type]
+    directories = {Path(path).parent for path in found}  # type: ignore[arg-type]  # (all str: above)
     return directories.pop() if len(directories) == 1 else None
 
 
@@ -924,7 +924,7 @@ class LocalEmbedder(_BatchingEmbedder):
         concurrent ``embed`` calls, not counted in ``model_calls``)."""
         if isinstance(texts, str):
             raise TypeError("encode takes a list of texts, not one str")
-        return self._model.encode(list(texts), batch_size or self.max_batch)
+        return cast(Vector, self._model.encode(list(texts), batch_size or self.max_batch))
 
     async def _compute(self, texts: list[str]) -> Vector:
         if self._executor is None:
@@ -983,7 +983,7 @@ class UpstreamEmbedder(_BatchingEmbedder):
         if not np.isfinite(vectors).all():
             raise ValueError("the upstream returned a non-finite embedding")
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        return vectors / np.maximum(norms, np.float32(1e-12))
+        return cast(Vector, vectors / np.maximum(norms, np.float32(1e-12)))
 
 
 def default_embedder() -> LocalEmbedder:

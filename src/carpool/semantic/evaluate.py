@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from ..config import Config
-from ..fingerprint import fingerprint, semantic_view
+from ..fingerprint import SemanticView, fingerprint, semantic_view
 from ..request import ClientRequest, parse
 from .cache import focus
 from .guard import RulesThenVerifier, Scored, Side
@@ -87,7 +87,7 @@ def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pai
     return pairs
 
 
-def _view(side: Any, config: Config):
+def _view(side: Any, config: Config) -> SemanticView | None:
     messages = [{"role": "user", "content": side}] if isinstance(side, str) else side
     body = orjson.dumps({"model": "m", "temperature": 0, "messages": messages})
     request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 30)
@@ -135,6 +135,7 @@ class Evaluator:
         scored = self._scored.get(i)
         if scored is None:
             cached, new = self.views[i]
+            assert cached is not None and new is not None  # (a similarity implies both views)
             scored = self._scored[i] = self.guard.scored_now(
                 Side(new.text, new.context), [Side(cached.text, cached.context)]
             )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from urllib.parse import quote
 
 import aiohttp
@@ -265,7 +265,7 @@ class HttpUpstream:
             await self._session.close()
 
 
-def _closer(response: aiohttp.ClientResponse):
+def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         response.close()
 

@@ -744,7 +744,7 @@ class SimReplica:
                 numbers += 1
             return event
 
-        async with aclosing(self._stream(plan, arrived)) as chunks:  # type: ignore[type-var]
+        async with aclosing(self._stream(plan, arrived)) as chunks:  # type: ignore[type-var]  # (an async generator: it has aclose)
             async for chunk in chunks:
                 piece = chunk["choices"][0]["delta"].get("content")
                 if "role" in chunk["choices"][0]["delta"]:
@@ -919,7 +919,7 @@ def usage_chunk(plan: Plan) -> dict[str, Any]:
 async def _payloads(chunks: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[bytes, None]:
     """Chunk objects as SSE payload bytes. Closing this closes the replica's stream at once (an
     outer generator does not close the one it iterates), which frees the replica's slot."""
-    async with aclosing(chunks):  # type: ignore[type-var]
+    async with aclosing(chunks):  # type: ignore[type-var]  # (an async generator: it has aclose)
         async for chunk in chunks:
             yield orjson.dumps(chunk)
 

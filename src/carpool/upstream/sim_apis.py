@@ -150,7 +150,10 @@ def from_chat(api: str, chat_body: Mapping[str, Any], plan_id: str, created: int
 
 def events(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The API's typed events for ``body``, its whole text in one delta."""
-    return (responses_api if api == RESPONSES else messages_api).synthesize(body)
+    events: list[dict[str, Any]] = (responses_api if api == RESPONSES else messages_api).synthesize(
+        body
+    )
+    return events
 
 
 def is_text_delta(event: Mapping[str, Any]) -> bool:

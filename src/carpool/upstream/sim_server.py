@@ -53,7 +53,7 @@ def _json(status: int, payload: Any) -> Response:
 async def _sse(chunks: AsyncIterator[dict[str, Any]], typed: bool = False) -> AsyncIterator[bytes]:
     # Close the replica's stream however this one ends (client gone, server stopping), so its
     # slot is freed now rather than when the generator is garbage-collected.
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]  # (an async generator: it has aclose)
         async for chunk in chunks:
             if typed:
                 yield event_frame(str(chunk["type"]).encode(), orjson.dumps(chunk))
