@@ -15,15 +15,17 @@ and decides per request:
    prefix goes where it displaces least, which also spreads distinct prefixes over replicas).
 
 The record is a **hashed-block chain** rather than a character trie: a prompt is cut into blocks
-of ``block_chars`` characters and block *i* is keyed by ``hash((key of block i-1, text of block
-i))``, so a key names a whole prefix (as vLLM's block hashes do). A replica's record is an LRU
-of such keys; a shared index maps each key to the replicas that hold it. Matching walks the
-prompt's keys once, narrowing the set of replicas holding every key so far; the set that
-survives deepest is the best match. Costs: O(len(text) / block_chars) per request, ~100 bytes
-per remembered block. Approximations: matches are whole blocks (a partial last block never
-matches, so prompts shorter than a block never match); hash collisions (64-bit) are ignored;
-and the engine's real cache may hold more or less than the record (``tree_budget_chars`` should
-approximate its KV capacity).
+of ``block_chars`` characters and block *i* is keyed by a hash of (key of block i-1, text of
+block i), so a key names a whole prefix (as vLLM's block hashes do). The keys are
+``carpool.prefix.block_hashes``, the same chained hash the simulated engine's KV cache uses. A
+replica's record is an LRU of such keys; a shared index maps each key to the replicas that hold
+it. Matching walks the prompt's keys once, narrowing the set of replicas holding every key so
+far; the set that survives deepest is the best match. Costs: O(len(text) / block_chars) per
+request, a few hundred bytes per remembered block (the key, its LRU entry and its index entry).
+Approximations: matches are whole blocks (a partial last block never matches, so prompts
+shorter than a block never match); hash collisions (128-bit) are ignored; and the engine's real
+cache may hold more or less than the record (``tree_budget_chars`` should approximate its KV
+capacity).
 
 Eviction keeps each replica's record prefix-closed: when a prompt is recorded its keys are
 touched from the deepest block to the first, so a block is always more recently used than every
@@ -36,10 +38,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from carpool.prefix import block_hashes
 from carpool.routing import Decision, RoutingPolicy
 from carpool.routing.replicas import ReplicaState
-
-_ROOT = 0x6361727030306C  # the key "before" the first block
 
 
 class PrefixRecord:
@@ -50,16 +51,12 @@ class PrefixRecord:
             raise ValueError("budget_chars and block_chars must be positive")
         self.block_chars = block_chars
         self.budget_blocks = max(1, budget_chars // block_chars)
-        self._lru: dict[str, OrderedDict[int, None]] = {}  # replica -> keys, oldest first
-        self._index: dict[int, set[str]] = {}  # key -> replicas holding it
+        self._lru: dict[str, OrderedDict[bytes, None]] = {}  # replica -> keys, oldest first
+        self._index: dict[bytes, set[str]] = {}  # key -> replicas holding it
 
-    def keys(self, text: str) -> list[int]:
+    def keys(self, text: str) -> list[bytes]:
         """The chain keys of ``text``'s whole blocks, first block first."""
-        size, key, out = self.block_chars, _ROOT, []
-        for start in range(0, len(text) - size + 1, size):
-            key = hash((key, text[start : start + size]))
-            out.append(key)
-        return out
+        return block_hashes(text, self.block_chars)
 
     def match(self, text: str, names: Sequence[str] | None = None) -> tuple[int, set[str]]:
         """(matched characters, the replicas among ``names`` matching that many): the best match."""

@@ -1,0 +1,54 @@
+"""Chained prefix-block hashes: the one way carpool names a prompt prefix.
+
+Both prefix caches key their blocks with it: the router's record of what each replica has seen
+(``routing.cache_aware.PrefixRecord``, over characters) and the simulated engine's KV cache
+(``upstream.sim.prefix_cache.PrefixCache``, over tokens), as vLLM's and SGLang's block hashes do.
+
+Contract:
+- ``block_hashes(seq, block_size)`` cuts ``seq`` into whole blocks of ``block_size`` items and
+  returns one key per block, first block first. A partial last block has no key (so a sequence
+  shorter than a block has none). ``seq`` is a text (its items are characters) or a sequence of
+  tokens (strings).
+- A block's key hashes the previous block's key (a fixed all-zero key before the first block)
+  with the block's own items, so key *i* names the whole prefix up to block *i*: two sequences
+  share their first *k* keys exactly when their first *k* blocks are equal (up to 128-bit
+  hash collisions, which are ignored).
+- Keys are 16-byte BLAKE2b digests, the same in every process and on every run (unlike
+  ``hash()``, which is salted per process). They are comparable only between sequences of the
+  same kind (text or tokens) cut with the same ``block_size``.
+- Cost: one hash per block, O(len(seq)); nothing is kept between calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+KEY_BYTES = 16
+ROOT = bytes(KEY_BYTES)  # the key "before" the first block: every hash input is key + block
+
+
+def _block_bytes(block: str | Sequence[str]) -> bytes:
+    """The block as bytes, one-to-one: equal bytes exactly when the blocks are equal."""
+    if isinstance(block, str):
+        # Blocks of a text all have block_size characters, so UTF-8 alone tells them apart.
+        # surrogatepass: a lone surrogate (which JSON can carry) must not fail a request.
+        return block.encode("utf-8", "surrogatepass")
+    # A token may hold any character, so no separator is safe: the repr of the list of tokens
+    # is (it quotes and escapes each one, surrogates included) and is computed in C.
+    # list(): the same tokens in a tuple would have another repr.
+    return repr(list(block)).encode()
+
+
+def block_hashes(seq: str | Sequence[str], block_size: int) -> list[bytes]:
+    """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first."""
+    if block_size < 1:
+        raise ValueError("block_size must be positive")
+    keys: list[bytes] = []
+    key = ROOT
+    blake2b = hashlib.blake2b
+    for start in range(0, len(seq) - block_size + 1, block_size):
+        block = _block_bytes(seq[start : start + block_size])
+        key = blake2b(key + block, digest_size=KEY_BYTES).digest()
+        keys.append(key)
+    return keys
