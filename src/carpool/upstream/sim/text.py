@@ -1,0 +1,229 @@
+"""The simulated engine's text: what a prompt counts as in tokens, and what an answer says.
+
+Contract:
+- Text: words of a fixed vocabulary (``VOCABULARY``); a token is one word. The answer's natural
+  length (8..40 words) and its words come from a generator seeded with a blake2b hash, so they are
+  stable across processes. Greedy decoding (``temperature: 0`` or ``top_k: 1``) hashes model +
+  input, so every choice is the same; a ``seed`` (sampling) also hashes seed, temperature, top_p
+  and the choice index; otherwise (sampled, no seed) each call draws fresh text. ``max_tokens``
+  only cuts the natural answer later (``plan.py``).
+- Prompt tokens: the words of every message (its role, name and content, tool calls) plus a few
+  framing tokens per message, as chat templates add; tools count as a prefix before the messages.
+  A completion prompt or embedding input counts its words, or its token ids one each.
+- Embeddings: a deterministic unit-norm vector per (model, input), from the input's hash;
+  ``as_base64`` packs it as OpenAI does for ``encoding_format: "base64"``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import random
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+MIN_ANSWER_WORDS, MAX_ANSWER_WORDS = 8, 40
+# Framing tokens a chat template adds: <|start|> role ... <|end|> per message, and the assistant
+# header that primes the answer.
+TOKENS_PER_MESSAGE = 3
+ANSWER_PRIMING = ("<|start|>", "assistant")
+
+VOCABULARY = (
+    "the",
+    "a",
+    "model",
+    "answer",
+    "cache",
+    "request",
+    "token",
+    "stream",
+    "engine",
+    "replica",
+    "prefix",
+    "block",
+    "query",
+    "result",
+    "value",
+    "system",
+    "user",
+    "data",
+    "simple",
+    "fast",
+    "shared",
+    "same",
+    "again",
+    "first",
+    "next",
+    "every",
+    "one",
+    "two",
+    "many",
+    "some",
+    "is",
+    "are",
+    "was",
+    "will",
+    "can",
+    "should",
+    "may",
+    "not",
+    "and",
+    "or",
+    "but",
+    "so",
+    "then",
+    "because",
+    "with",
+    "without",
+    "from",
+    "into",
+    "over",
+    "under",
+    "after",
+    "before",
+    "while",
+    "here",
+    "there",
+    "now",
+    "later",
+    "this",
+    "that",
+    "it",
+    "we",
+    "you",
+    "they",
+    "gateway",
+    "carpool",
+    "simulated",
+    "text",
+    "word",
+    "line",
+    "time",
+    "cost",
+    "queue",
+    "batch",
+    "decode",
+    "prefill",
+    "memory",
+    "route",
+    "hit",
+    "miss",
+    "store",
+    "serve",
+    "share",
+    "compute",
+    "twice",
+    "never",
+    "always",
+    "quickly",
+    "slowly",
+    "clearly",
+    "exactly",
+    "about",
+    "between",
+    "within",
+    "across",
+)
+
+
+def words(text: str) -> list[str]:
+    return text.split()
+
+
+def _stable_dump(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str)
+
+
+def _content_tokens(content: Any) -> list[str]:
+    """Tokens of a message's content: a string, or a list of parts (text parts give their words)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return words(content)
+    if isinstance(content, list):
+        tokens: list[str] = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                tokens += words(str(part.get("text", "")))
+            else:  # images, audio...: their JSON stands in for their tokens
+                tokens += words(_stable_dump(part).decode())
+        return tokens
+    return words(_stable_dump(content).decode())
+
+
+def chat_prompt_tokens(body: Mapping[str, Any]) -> list[str]:
+    """The prompt a chat template would build: tools first, then each message framed."""
+    tokens: list[str] = []
+    if body.get("tools"):
+        tokens += ["<|tools|>", *words(_stable_dump(body["tools"]).decode()), "<|end|>"]
+    for message in body["messages"]:
+        tokens += ["<|start|>", str(message.get("role"))]
+        if message.get("name"):
+            tokens.append(str(message["name"]))
+        tokens += _content_tokens(message.get("content"))
+        if message.get("tool_calls"):
+            tokens += words(_stable_dump(message["tool_calls"]).decode())
+        tokens.append("<|end|>")
+    return tokens + list(ANSWER_PRIMING)
+
+
+def input_tokens(item: str | list[int]) -> list[str]:
+    """Tokens of one completion prompt or embedding input: words, or a token-id array."""
+    if isinstance(item, str):
+        return words(item)
+    return [f"<{token_id}>" for token_id in item]
+
+
+def _seed_from(*parts: Any) -> int:
+    digest = hashlib.blake2b(_stable_dump(parts), digest_size=16).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _draw_answer(rng: random.Random) -> list[str]:
+    length = rng.randint(MIN_ANSWER_WORDS, MAX_ANSWER_WORDS)
+    return [rng.choice(VOCABULARY) for _ in range(length)]
+
+
+def is_greedy(body: Mapping[str, Any]) -> bool:
+    # An absent temperature is the engine's default, which samples.
+    return body.get("temperature") == 0 or body.get("top_k") == 1
+
+
+def answer_words(body: Mapping[str, Any], endpoint: str, prompt: Any, choice: int) -> list[str]:
+    """The natural (uncapped) answer of one choice; ``max_tokens`` only cuts it later."""
+    model = body.get("model")
+    if is_greedy(body):
+        rng = random.Random(_seed_from(endpoint, model, prompt, body.get("tools")))
+    elif body.get("seed") is not None:
+        rng = random.Random(
+            _seed_from(
+                endpoint,
+                model,
+                prompt,
+                body.get("tools"),
+                body["seed"],
+                body.get("temperature"),
+                body.get("top_p"),
+                choice,
+            )
+        )
+    else:
+        rng = random.Random(os.urandom(16))
+    return _draw_answer(rng)
+
+
+def embedding_vector(model: Any, item: str | list[int], dim: int) -> list[float]:
+    """A deterministic unit-norm vector derived from the input's hash."""
+    rng = random.Random(_seed_from("embedding", model, item))
+    raw = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = sum(x * x for x in raw) ** 0.5 or 1.0
+    return [x / norm for x in raw]
+
+
+def as_base64(vector: list[float]) -> str:
+    # The openai SDK asks for base64 by default: little-endian float32, as OpenAI sends.
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
