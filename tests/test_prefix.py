@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from carpool.prefix import KEY_BYTES, block_hashes
+from carpool.routing.cache_aware import PrefixRecord
+from carpool.upstream.sim import PrefixCache
 
 
 def test_only_whole_blocks_have_keys():
@@ -68,3 +70,12 @@ def test_keys_are_stable_across_processes():
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError):
         block_hashes("abc", 0)
+
+
+def test_both_prefix_caches_key_by_it():
+    text = "You are a helpful assistant. " * 10
+    assert PrefixRecord(block_chars=16).keys(text) == block_hashes(text, 16)
+    tokens = text.split()
+    assert PrefixCache(capacity_tokens=64, block_tokens=4).block_ids(tokens) == block_hashes(
+        tokens, 4
+    )

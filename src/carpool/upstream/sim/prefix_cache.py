@@ -2,15 +2,17 @@
 
 Contract:
 - The prompt is cut into full blocks of ``block_tokens``; a block's id chains the previous block's
-  id with its tokens, so equal ids mean equal prefixes. A request hits the leading blocks already present (never its very
+  id with its tokens (``carpool.prefix.block_hashes``, the hash routing's prefix record uses
+  too), so equal ids mean equal prefixes. A request hits the leading blocks already present (never its very
   last token, which an engine always recomputes). After prefill all its blocks are touched in an
   LRU bounded by ``prefix_cache_tokens``.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
+
+from carpool.prefix import block_hashes
 
 
 class PrefixCache:
@@ -26,13 +28,7 @@ class PrefixCache:
 
     def block_ids(self, tokens: list[str]) -> list[bytes]:
         """Ids of the full blocks of ``tokens``; each id covers the whole prefix up to its block."""
-        ids: list[bytes] = []
-        previous = b""
-        for start in range(0, len(tokens) - self.block_tokens + 1, self.block_tokens):
-            block = "\x00".join(tokens[start : start + self.block_tokens]).encode()
-            previous = hashlib.blake2b(previous + b"\x01" + block, digest_size=16).digest()
-            ids.append(previous)
-        return ids
+        return block_hashes(tokens, self.block_tokens)
 
     def cached_tokens(self, ids: list[bytes], prompt_length: int) -> int:
         """Prompt tokens found: the leading blocks present, never the very last token."""
