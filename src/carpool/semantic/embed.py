@@ -281,9 +281,9 @@ class _BatchingEmbedder:
         if isinstance(texts, str):
             raise TypeError("embed_many takes a list of texts, not one str")
         if not texts:
-            return cast(Vector, numpy.empty((0, self.dim), dtype=numpy.float32))
+            return cast("Vector", numpy.empty((0, self.dim), dtype=numpy.float32))
         vectors = await asyncio.gather(*(self._submit(t) for t in texts))
-        return cast(Vector, numpy.stack(vectors))
+        return cast("Vector", numpy.stack(vectors))
 
     @property
     def model_calls(self) -> int:
@@ -924,7 +924,7 @@ class LocalEmbedder(_BatchingEmbedder):
         concurrent ``embed`` calls, not counted in ``model_calls``)."""
         if isinstance(texts, str):
             raise TypeError("encode takes a list of texts, not one str")
-        return cast(Vector, self._model.encode(list(texts), batch_size or self.max_batch))
+        return cast("Vector", self._model.encode(list(texts), batch_size or self.max_batch))
 
     async def _compute(self, texts: list[str]) -> Vector:
         if self._executor is None:
@@ -983,7 +983,7 @@ class UpstreamEmbedder(_BatchingEmbedder):
         if not np.isfinite(vectors).all():
             raise ValueError("the upstream returned a non-finite embedding")
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        return cast(Vector, vectors / np.maximum(norms, np.float32(1e-12)))
+        return cast("Vector", vectors / np.maximum(norms, np.float32(1e-12)))
 
 
 def default_embedder() -> LocalEmbedder:
