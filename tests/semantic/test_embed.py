@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from carpool.semantic.embed import (  # noqa: E402
     SemanticDependencyError,
     UpstreamEmbedder,
     default_embedder,
+    minilm,  # (the modules whose globals a test reads or replaces)
+    weights,
 )
 
 ROUTER = "How do I reset my router?"
@@ -122,14 +125,14 @@ def test_a_long_text_never_pads_short_ones_to_its_length(local):
     assert local._model.calls - calls == 2  # the short ones together, the long alone
     alone = np.stack([local.encode([t])[0] for t in texts])
     np.testing.assert_allclose(vectors, alone, atol=1e-5)
-    assert E._length_chunks([0, 1, 2, 3], [5, 6, 9, 200], 32) == [[0, 1, 2], [3]]
-    assert E._length_chunks([0, 1, 2, 3, 4], [10] * 5, 2) == [[0, 1], [2, 3], [4]]
-    assert E._length_chunks([], [], 32) == []
+    assert minilm._length_chunks([0, 1, 2, 3], [5, 6, 9, 200], 32) == [[0, 1, 2], [3]]
+    assert minilm._length_chunks([0, 1, 2, 3, 4], [10] * 5, 2) == [[0, 1], [2, 3], [4]]
+    assert minilm._length_chunks([], [], 32) == []
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (64, 4)])
 def test_onnx_runtime_leaves_cores_to_the_event_loop(monkeypatch, cores, threads):
-    monkeypatch.setattr(E.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert E.default_threads() == threads
 
 
@@ -233,8 +236,8 @@ def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
 
 def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(monkeypatch):
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
-    monkeypatch.setattr(E, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
-    monkeypatch.setattr(E, "_hub_cache_dir", lambda: None)
+    monkeypatch.setattr(weights, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
+    monkeypatch.setattr(weights, "_hub_cache_dir", lambda: None)
     with pytest.raises(SemanticDependencyError, match="carpool fetch-model"):
         E.find_model_dir()
     with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
@@ -257,7 +260,7 @@ def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_do
 ):
     huggingface_hub = pytest.importorskip("huggingface_hub")
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
-    monkeypatch.setattr(E, "MODEL_PACKAGES", ())
+    monkeypatch.setattr(weights, "MODEL_PACKAGES", ())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = _hub_snapshot(tmp_path, model_dir)
     assert E.find_model_dir() == snapshot
