@@ -13,7 +13,8 @@ contract:
 - :mod:`.upstream`: :class:`UpstreamEmbedder` (an OpenAI-compatible ``/v1/embeddings``);
 - :mod:`.minilm`: the model itself (tokenizer, weights, pooling; why this model and runtime);
 - :mod:`.encoder`: its encoder layers and the NumPy encoder, the reference;
-- :mod:`.onnx_encoder`: the same layers as an ONNX graph on ONNX Runtime (the default);
+- :mod:`.onnx_encoder`: the same layers on ONNX Runtime (the default), as the graph that
+  :mod:`.onnx_graph` builds with ``onnx.helper``;
 - :mod:`.weights`: where the weights come from (:func:`find_model_dir`, :func:`fetch_model`).
 
 Everything public is re-exported here: ``from carpool.semantic.embed import ...`` is the import

@@ -11,8 +11,9 @@ that the dot product of two vectors is their cosine similarity:
 
 The embedders (:mod:`.local`, :mod:`.upstream`) micro-batch (:mod:`.microbatch`).
 
-The heavy dependencies (numpy, tokenizers, safetensors, onnxruntime) are the ``semantic`` extra:
-``pip install 'carpool[semantic]'``; the weights are found or fetched as :mod:`.weights` says.
+The heavy dependencies (numpy, tokenizers, safetensors, onnxruntime, onnx) are the ``semantic``
+extra: ``pip install 'carpool[semantic]'``; the weights are found or fetched as :mod:`.weights`
+says.
 This package imports without them; using an embedder without them raises
 :class:`SemanticDependencyError`, which says so (``_require``, ``_require_numpy``).
 """

