@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from carpool.semantic.embed import (  # noqa: E402
     SemanticDependencyError,
     UpstreamEmbedder,
     default_embedder,
+    minilm,  # (the modules whose globals a test reads or replaces)
+    weights,
 )
 
 ROUTER = "How do I reset my router?"
@@ -122,14 +126,14 @@ def test_a_long_text_never_pads_short_ones_to_its_length(local):
     assert local._model.calls - calls == 2  # the short ones together, the long alone
     alone = np.stack([local.encode([t])[0] for t in texts])
     np.testing.assert_allclose(vectors, alone, atol=1e-5)
-    assert E._length_chunks([0, 1, 2, 3], [5, 6, 9, 200], 32) == [[0, 1, 2], [3]]
-    assert E._length_chunks([0, 1, 2, 3, 4], [10] * 5, 2) == [[0, 1], [2, 3], [4]]
-    assert E._length_chunks([], [], 32) == []
+    assert minilm._length_chunks([0, 1, 2, 3], [5, 6, 9, 200], 32) == [[0, 1, 2], [3]]
+    assert minilm._length_chunks([0, 1, 2, 3, 4], [10] * 5, 2) == [[0, 1], [2, 3], [4]]
+    assert minilm._length_chunks([], [], 32) == []
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (64, 4)])
 def test_onnx_runtime_leaves_cores_to_the_event_loop(monkeypatch, cores, threads):
-    monkeypatch.setattr(E.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert E.default_threads() == threads
 
 
@@ -141,6 +145,71 @@ def test_onnxruntime_and_numpy_runtimes_agree(model_dir):
     assert (ort.runtime, ref.runtime) == ("onnxruntime", "numpy")
     cosines = np.sum(ort.encode(texts) * ref.encode(texts), axis=1)
     assert cosines.min() > 0.99999
+
+
+def _random_layers(hidden: int, inner: int, count: int) -> list:
+    from carpool.semantic.embed.encoder import _Layer
+
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int):
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+    return [
+        _Layer(
+            qkv_w=w(hidden, 3 * hidden),
+            qkv_b=w(3 * hidden),
+            attn_out_w=w(hidden, hidden),
+            attn_out_b=w(hidden),
+            ln1_w=1 + w(hidden),
+            ln1_b=w(hidden),
+            inter_w=w(hidden, inner),
+            inter_b=w(inner),
+            out_w=w(inner, hidden),
+            out_b=w(hidden),
+            ln2_w=1 + w(hidden),
+            ln2_b=w(hidden),
+        )
+        for _ in range(count)
+    ]
+
+
+def test_the_onnx_graph_is_valid_onnx_and_computes_what_the_numpy_encoder_does():
+    pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    from carpool.semantic.embed.encoder import _numpy_encoder
+    from carpool.semantic.embed.onnx_encoder import _onnx_encoder
+    from carpool.semantic.embed.onnx_graph import OPSET, encoder_graph
+
+    hidden, heads = 16, 4
+    layers = _random_layers(hidden, inner=32, count=2)
+    for precision in ("fp32", "int8"):
+        model = encoder_graph(layers, heads, hidden, precision)
+        onnx.checker.check_model(model, full_check=True)
+        assert (model.ir_version, model.opset_import[0].version) == (8, OPSET)
+    x = np.random.default_rng(1).standard_normal((3, 5, hidden)).astype(np.float32)
+    mask = np.ones((3, 5), dtype=np.float32)
+    mask[1, 3:] = mask[2, 1:] = 0  # padded rows
+    key_bias = ((mask - 1.0) * np.float32(1e9))[:, None, None, :]
+    reference = _numpy_encoder(layers, heads)
+    fp32 = _onnx_encoder(layers, heads, hidden, threads=1, precision="fp32")
+    int8 = _onnx_encoder(layers, heads, hidden, threads=1, precision="int8")
+    for bias in (None, key_bias):
+        want = reference(x, bias)
+        np.testing.assert_allclose(fp32(x, bias), want, atol=1e-4)
+        assert np.abs(int8(x, bias) - want).max() < 0.25  # (LayerNorm outputs: ~unit scale)
+
+
+def test_without_onnx_the_onnx_runtime_names_the_extra_and_auto_falls_back_to_numpy(
+    monkeypatch, model_dir
+):
+    pytest.importorskip("onnxruntime")
+    from carpool.semantic.embed.onnx_encoder import _onnx_encoder
+
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx -> ImportError
+    with pytest.raises(SemanticDependencyError, match=r"'onnx'.*carpool\[semantic\]"):
+        _onnx_encoder(_random_layers(8, 16, 1), 2, 8, threads=1)
+    assert minilm._MiniLM(model_dir, runtime="auto").runtime == "numpy"
 
 
 def test_int8_weights_keep_every_vector_close_to_the_reference_and_say_so_in_the_name(
@@ -233,8 +302,8 @@ def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
 
 def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(monkeypatch):
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
-    monkeypatch.setattr(E, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
-    monkeypatch.setattr(E, "_hub_cache_dir", lambda: None)
+    monkeypatch.setattr(weights, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
+    monkeypatch.setattr(weights, "_hub_cache_dir", lambda: None)
     with pytest.raises(SemanticDependencyError, match="carpool fetch-model"):
         E.find_model_dir()
     with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
@@ -257,7 +326,7 @@ def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_do
 ):
     huggingface_hub = pytest.importorskip("huggingface_hub")
     monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
-    monkeypatch.setattr(E, "MODEL_PACKAGES", ())
+    monkeypatch.setattr(weights, "MODEL_PACKAGES", ())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = _hub_snapshot(tmp_path, model_dir)
     assert E.find_model_dir() == snapshot

@@ -1,0 +1,350 @@
+"""Dynamic batching with dedup for the gateway's ``/embeddings``: many concurrent single-input
+requests become one upstream call with a list ``input``.
+
+Contract
+--------
+:class:`EmbeddingBatcher` runs a :class:`carpool.batching.KeyedBatcher` over ``send``:
+
+- ``await embed(request) -> UpstreamResponse``. A request is *batchable* when it is a non-stream
+  POST to ``/embeddings`` whose JSON body has a ``model`` string and an ``input`` that is a single
+  non-empty string or a single non-empty list of token ids. Anything else (a list of inputs, a
+  stream, an unknown shape) goes straight to ``send`` unchanged and is counted in ``bypassed``.
+- Batch-compatible means: same path, same body apart from ``input`` and ``user`` (so the same
+  ``model``, ``dimensions``, ``encoding_format``...), the same query string, and the same values
+  of the identity headers (``key_headers``: the gateway passes the tenant's credential headers,
+  ``identity.py``) and of every other forwarded header that might change the answer
+  (``fingerprint.varying_headers``), so tenants' credentials and callers' options are never
+  mixed. The merged call carries that body with a list ``input`` (its ``user`` dropped, as
+  callers may differ), that query string and only those headers. The token budget
+  (``max_batch_tokens``) counts approximate tokens: a string's characters / 4 (rounded up, at
+  least 1), a token list's length.
+- Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
+  send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
+  "model": ..., "usage": {"prompt_tokens", "total_tokens"}}``, the upstream's usage apportioned
+  to the distinct items in proportion to their approximate tokens (integer shares by largest
+  remainder, summing to the upstream's figures; a duplicate caller is charged its item's share).
+  Response headers are the upstream's, less framing ones (``content-length``...), with
+  ``content-type: application/json``.
+- A non-2xx upstream answer reaches every caller of the batch as the same status, headers and
+  body; an exception from ``send`` is raised to every caller; a 2xx answer that does not hold one
+  embedding per input is an ``UpstreamError`` (502) for all of them.
+- Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
+  ``total_tokens``, each when it is there); an upstream that reported none gives answers
+  without ``usage``: nothing is invented.
+
+Merging must not change an answer (issue 15), so merging is asked of a
+:class:`carpool.batching.ListCheck` (``lists``; None: always merge, for an upstream known to be
+right; see :mod:`carpool.batching.lists` for its verdicts and probes):
+
+- ``embed``: a group whose verdict is False is not buffered at all: the request goes to
+  ``send`` as it came (counted in ``alone``). A batch closed while its verdict is not True is
+  sent item by item, each item's body with its own single ``input``, concurrently, and each
+  caller gets the upstream's own answer to its item, status included (an exception from
+  ``send`` reaches the callers of that item only). A batch of one item is a list of one
+  when merging is safe, the item alone otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from typing import Any, cast
+
+import orjson
+
+from carpool.errors import UpstreamError
+from carpool.fingerprint import varying_headers
+from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+
+from .core import KeyedBatcher
+from .lists import ListCheck
+
+__all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "approx_tokens"]
+
+DEFAULT_KEY_HEADERS = DEFAULT_CREDENTIAL_HEADERS
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        "content-length",
+        "content-type",
+        "transfer-encoding",
+        "content-encoding",
+        "connection",
+        "keep-alive",
+    }
+)
+
+
+class _BatchFailed(Exception):
+    """The upstream answered the merged call with a non-2xx status: every caller gets it."""
+
+    def __init__(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.headers = dict(headers)
+        self.body = body
+
+
+def approx_tokens(item: str | Sequence[int]) -> int:
+    """Approximate tokens of one input: characters / 4 (at least 1) or a token list's length."""
+    if isinstance(item, str):
+        return max(1, math.ceil(len(item) / 4))
+    return max(1, len(item))
+
+
+def _single_item(value: Any) -> str | tuple[int, ...] | None:
+    if isinstance(value, str):
+        return value if value else None
+    if isinstance(value, list) and value and all(type(token) is int for token in value):
+        return tuple(value)
+    return None
+
+
+def _apportion(total: int, weights: Sequence[int]) -> list[int]:
+    """Integer shares of ``total`` in proportion to ``weights`` (largest remainder)."""
+    weight_sum = sum(weights)
+    if weight_sum <= 0:
+        return [0] * len(weights)
+    exact = [total * w / weight_sum for w in weights]
+    shares = [math.floor(x) for x in exact]
+    left = total - sum(shares)
+    for i in sorted(range(len(weights)), key=lambda i: shares[i] - exact[i])[:left]:
+        shares[i] += 1
+    return shares
+
+
+class EmbeddingBatcher:
+    """Dynamic batching with dedup for ``/embeddings``; see the module docstring."""
+
+    def __init__(
+        self,
+        send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+        *,
+        max_batch_size: int = 32,
+        max_batch_delay_s: float = 0.005,
+        max_batch_tokens: int = 8192,
+        observe_wait: Callable[[float], None] | None = None,
+        observe_size: Callable[[int], None] | None = None,
+        max_in_flight: int | None = None,
+        key_headers: Iterable[str] = DEFAULT_KEY_HEADERS,
+        lists: ListCheck | None = None,
+    ) -> None:
+        self._send = send
+        self.key_headers = tuple(name.lower() for name in key_headers)
+        self.lists = lists
+        self.bypassed = 0
+        self.alone = 0  # batchable requests/items sent alone, not merged
+        self._core: KeyedBatcher[str | tuple[int, ...], Any] = KeyedBatcher(
+            self._compute,
+            max_batch_size=max_batch_size,
+            max_batch_delay_s=max_batch_delay_s,
+            max_batch_cost=max_batch_tokens,
+            max_in_flight=max_in_flight,
+            observe_wait=observe_wait,
+            observe_size=observe_size,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+        config: Any,
+        *,
+        max_batch_tokens: int = 8192,
+        observe_wait: Callable[[float], None] | None = None,
+    ) -> EmbeddingBatcher:
+        """From a ``BatchingConfig`` (``max_batch_size``, ``max_batch_delay_ms``)."""
+        return cls(
+            send,
+            max_batch_size=config.max_batch_size,
+            max_batch_delay_s=config.max_batch_delay_ms / 1000,
+            max_batch_tokens=getattr(config, "max_batch_tokens", max_batch_tokens),
+            observe_wait=observe_wait,
+        )
+
+    # counters of the scheduler
+    @property
+    def batches(self) -> int:
+        return self._core.batches
+
+    @property
+    def items_sent(self) -> int:
+        return self._core.items_sent
+
+    @property
+    def requests(self) -> int:
+        return self._core.requests
+
+    @property
+    def max_items_seen(self) -> int:
+        return self._core.max_items_seen
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "items_sent": self.items_sent,
+            "requests": self.requests,
+            "max_items_seen": self.max_items_seen,
+            "bypassed": self.bypassed,
+            "alone": self.alone,
+            **({"lists": self.lists.stats()} if self.lists is not None else {}),
+        }
+
+    async def wait_idle(self) -> None:
+        """Wait until every batch and every list probe started so far has finished."""
+        await self._core.wait_idle()
+        if self.lists is not None:
+            await self.lists.wait_idle()
+
+    async def aclose(self) -> None:
+        """Cancel the list probes still running (before the upstreams close)."""
+        if self.lists is not None:
+            await self.lists.aclose()
+
+    def _plan(self, request: UpstreamRequest) -> tuple[Hashable, str | tuple[int, ...]] | None:
+        """(group, item) of a batchable request, else None."""
+        path = "/" + request.path.lstrip("/")
+        if path.startswith("/v1/"):
+            path = path[3:]
+        body = request.body
+        if request.stream or path != "/embeddings" or not isinstance(body, Mapping):
+            return None
+        if body.get("stream") or not isinstance(body.get("model"), str):
+            return None
+        item = _single_item(body.get("input"))
+        if item is None:
+            return None
+        rest = {k: v for k, v in body.items() if k not in ("input", "user")}
+        try:
+            template = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            return None
+        lowered = {k.lower(): v for k, v in request.headers.items()}
+        # The credentials, and every forwarded header that might change the answer: the merged
+        # call carries them, so only requests that agree on them share it.
+        identity = tuple(
+            (name, lowered[name]) for name in self.key_headers if name in lowered
+        ) + varying_headers(lowered, self.key_headers)
+        return (path, identity, template, request.query), item
+
+    async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
+        plan = self._plan(request)
+        if plan is None:
+            self.bypassed += 1
+            return await self._send(request)
+        group, item = plan
+        if self.lists is not None and self.lists.verdict(group) is False:
+            # Known unsafe to merge: not even buffered, sent as the client sent it.
+            self.alone += 1
+            return await self._send(request)
+        key = (type(item).__name__, item)
+        try:
+            result = await self._core.submit(group, key, item, approx_tokens(item))
+        except _BatchFailed as failed:
+            return UpstreamResponse(failed.status, failed.headers, failed.body)
+        if isinstance(result, BaseException):  # this item's own call failed
+            raise result
+        return cast(UpstreamResponse, result)
+
+    async def _compute(
+        self, group: Any, items: list[str | tuple[int, ...]]
+    ) -> list[UpstreamResponse | BaseException]:
+        if self.lists is not None and self.lists.verdict(group) is not True:
+            if len(items) > 1:
+                self.lists.probe(group)  # in the background: these go alone now
+            self.alone += len(items)
+            return await asyncio.gather(
+                *(self._one(group, item) for item in items), return_exceptions=True
+            )
+        async with self._call(group, [_value(item) for item in items]) as (response, body):
+            if not 200 <= response.status < 300:
+                raise _BatchFailed(response.status, response.headers, response.body)
+            return [
+                UpstreamResponse(200, headers, answer)
+                for answer, headers in self._split(response, items, body["model"])
+            ]
+
+    async def _one(self, group: Any, item: str | tuple[int, ...]) -> UpstreamResponse:
+        """One item in a call of its own: the upstream's answer to it, as it came."""
+        async with self._call(group, _value(item)) as (response, _):
+            if not 200 <= response.status < 300:
+                return UpstreamResponse(response.status, response.headers, response.body)
+            return UpstreamResponse(response.status, _answer_headers(response), response.body)
+
+    @contextlib.asynccontextmanager
+    async def _call(
+        self,
+        group: Any,
+        value: Any,
+    ) -> AsyncIterator[tuple[UpstreamResponse, dict[str, Any]]]:
+        """The group's embeddings call with ``value`` as its input: the upstream's (non-stream)
+        response and the body sent; the response is closed on the way out."""
+        path, identity, template, query = group
+        body = orjson.loads(template)
+        body["input"] = value
+        response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
+        try:
+            if response.streaming:
+                raise UpstreamError("the upstream answered an embeddings call with a stream")
+            yield response, body
+        finally:
+            await response.aclose()
+
+    @staticmethod
+    def _split(
+        response: UpstreamResponse, items: list[str | tuple[int, ...]], model: str
+    ) -> list[tuple[bytes, dict[str, str]]]:
+        try:
+            parsed = orjson.loads(response.body)
+            data = sorted(parsed["data"], key=lambda row: row["index"])
+            embeddings = [row["embedding"] for row in data]
+            if [row["index"] for row in data] != list(range(len(items))):
+                raise ValueError("indexes")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise UpstreamError(
+                f"the upstream's embeddings answer for {len(items)} inputs is malformed"
+            ) from exc
+        weights = [approx_tokens(item) for item in items]
+        usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
+        # Only what the upstream reported is shared out: a figure it did not give is not made up.
+        shares = {
+            name: _apportion(value, weights)
+            for name in ("prompt_tokens", "total_tokens")
+            if type(value := usage.get(name)) is int and value >= 0
+        }
+        model_name = parsed.get("model") if isinstance(parsed.get("model"), str) else model
+        headers = _answer_headers(response)
+        out = []
+        for i, embedding in enumerate(embeddings):
+            answer: dict[str, Any] = {
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
+                "model": model_name,
+            }
+            if shares:
+                answer["usage"] = {name: values[i] for name, values in shares.items()}
+            out.append((orjson.dumps(answer), headers))
+        return out
+
+
+def _value(item: str | tuple[int, ...]) -> str | list[int]:
+    return item if isinstance(item, str) else list(item)
+
+
+def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
+    """The upstream's headers for a JSON answer we send as bytes: framing ones dropped."""
+    headers = {
+        k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS
+    }
+    headers["content-type"] = "application/json"
+    return headers

@@ -1,0 +1,204 @@
+"""Whether an upstream may be sent a list of embeddings inputs: the list check and its probe.
+
+Merging must not change an answer (issue 15): some engines answer a list of inputs wrongly
+(llama-cpp-python's server: every item but the first gets a wrong vector), though they answer
+each input alone right. So :class:`carpool.batching.EmbeddingBatcher` asks a :class:`ListCheck`
+(its ``lists``; None: always merge, for an upstream known to be right) before it merges.
+
+Contract
+--------
+- ``ListCheck.verdict(group)`` is True when merging the group's items is known safe on every
+  replica, False when it is known unsafe on one (or ``mode`` is ``off``), None while unknown.
+  ``mode`` ``on`` is always True. With ``auto``, a replica is known safe for a group's path,
+  model, parameters and query string once a *probe* has sent it a 2-item list of two fixed
+  sentences and each of them alone (with the group's credentials) and the list's vectors
+  matched the single ones (cosine >= ``SAME_VECTOR``, same length). A list answered wrongly,
+  malformed, or refused with a 4xx other than 408/409/429 makes it unsafe for good; a probe
+  that cannot decide (a single answered non-2xx, a transport failure, a 5xx) is tried again
+  after ``retry_s``. Verdicts are kept per replica for the process's life. Probes run in the
+  background (``probe(group)``, at most one per replica and group at a time), started by the
+  first batch of two or more items that could not be merged; their answers never reach a
+  client. ``aclose()`` cancels those still running; ``wait_idle()`` waits for them.
+- ``probe_lists(upstream, group)`` is one probe of one replica: True, False or None
+  (undecided).
+
+A group is the :class:`~carpool.batching.EmbeddingBatcher`'s: ``(path, identity headers, body
+template without input and user, query string)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
+
+import orjson
+
+from carpool.upstream.base import Upstream, UpstreamRequest
+
+__all__ = ["PROBE_INPUTS", "SAME_VECTOR", "ListCheck", "probe_lists"]
+
+# The probe's two inputs: unrelated sentences, so that one's vector given for the other (the
+# usual way a broken list goes wrong) cannot pass for right.
+PROBE_INPUTS = (
+    "carpool checks that a list of inputs is answered item by item.",
+    "Zwei völlig andere Wörter: 42 Äpfel, drei Birnen.",
+)
+# Two vectors of one input are the same answer at this cosine or above: engines that batch on a
+# GPU differ from their single answers in the last digits (padding, kernel order), far above
+# this; a wrong item is another text's vector, far below it.
+SAME_VECTOR = 0.99
+# A list refused with these is not an answer about lists: the probe is tried again later.
+_UNDECIDED = frozenset({408, 409, 429})
+
+
+class ListCheck:
+    """Whether merging embeddings inputs into one list call keeps every answer what it is alone,
+    per replica; see the module docstring."""
+
+    def __init__(
+        self,
+        mode: str,
+        upstreams: Sequence[Upstream],
+        *,
+        retry_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"mode must be auto, on or off, not {mode!r}")
+        self.mode = mode
+        self.upstreams = list(upstreams)
+        self.retry_s = retry_s
+        self.clock = clock
+        self._verdicts: dict[tuple[int, Hashable], bool] = {}
+        self._retry_at: dict[tuple[int, Hashable], float] = {}
+        self._probes: dict[tuple[int, Hashable], asyncio.Task[None]] = {}
+        self.probes = 0  # probes run (each: three upstream calls)
+
+    @staticmethod
+    def _key(group: Any) -> Hashable:
+        path, _identity, template, query = group
+        return path, template, query  # what the engine answers: not who asks
+
+    def verdict(self, group: Any) -> bool | None:
+        if self.mode != "auto":
+            return self.mode == "on"
+        key = self._key(group)
+        found = [self._verdicts.get((i, key)) for i in range(len(self.upstreams))]
+        if False in found:
+            return False
+        return True if found and all(found) else None
+
+    def probe(self, group: Any) -> None:
+        """Start the probes this group still needs (never more than one per replica)."""
+        if self.mode != "auto":
+            return
+        key, now = self._key(group), self.clock()
+        for i, upstream in enumerate(self.upstreams):
+            slot = (i, key)
+            if (
+                slot in self._verdicts
+                or slot in self._probes
+                or now < self._retry_at.get(slot, 0.0)
+            ):
+                continue
+            task = asyncio.get_running_loop().create_task(self._probe(slot, upstream, group))
+            self._probes[slot] = task
+
+    async def _probe(self, slot: tuple[int, Hashable], upstream: Upstream, group: Any) -> None:
+        self.probes += 1
+        try:
+            verdict = await probe_lists(upstream, group)
+        finally:
+            del self._probes[slot]
+        if verdict is None:
+            self._retry_at[slot] = self.clock() + self.retry_s
+        else:
+            self._verdicts[slot] = verdict
+
+    def stats(self) -> dict[str, Any]:
+        verdicts = list(self._verdicts.values())
+        return {
+            "mode": self.mode,
+            "probes": self.probes,
+            "lists_right": verdicts.count(True),
+            "lists_wrong": verdicts.count(False),
+        }
+
+    async def wait_idle(self) -> None:
+        while self._probes:
+            await asyncio.gather(*list(self._probes.values()), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
+        await self.wait_idle()
+
+
+async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
+    """Whether ``upstream`` answers a 2-item list as it answers each item alone, for the
+    group's path, body template, credentials and query: True, False, or None (undecided)."""
+    path, identity, template, query = group
+    body = orjson.loads(template)
+    body.pop("encoding_format", None)  # floats, to compare
+
+    async def ask(value: Any) -> tuple[int, bytes]:
+        response = await upstream.send(
+            UpstreamRequest(path, {**body, "input": value}, dict(identity), False, query)
+        )
+        try:
+            if response.streaming:
+                return 502, b""
+            return response.status, response.body
+        finally:
+            await response.aclose()
+
+    answers = await asyncio.gather(
+        ask(list(PROBE_INPUTS)), *(ask(t) for t in PROBE_INPUTS), return_exceptions=True
+    )
+    for answer in answers:
+        if isinstance(answer, asyncio.CancelledError):
+            raise answer
+    if any(isinstance(answer, BaseException) for answer in answers):
+        return None  # unreachable, timed out: undecided
+    # (none is an exception now: each is a (status, body) pair)
+    (listed_status, listed_body), *singles = cast(list[tuple[int, bytes]], answers)
+    alone = [_vectors(raw, 1) if 200 <= status < 300 else None for status, raw in singles]
+    if any(vectors is None for vectors in alone):
+        return None  # the singles are the reference: none, no verdict
+    if not 200 <= listed_status < 300:
+        return None if listed_status in _UNDECIDED or listed_status >= 500 else False
+    listed = _vectors(listed_body, len(PROBE_INPUTS))
+    return listed is not None and all(
+        _same(one[0], item)  # type: ignore[index]  # (each is a list: checked above)
+        for one, item in zip(alone, listed, strict=True)
+    )
+
+
+def _vectors(raw: bytes, count: int) -> list[list[float]] | None:
+    """The ``count`` vectors of an embeddings answer in index order, or None if it has not."""
+    try:
+        data = sorted(orjson.loads(raw)["data"], key=lambda row: row["index"])
+        if [row["index"] for row in data] != list(range(count)):
+            return None
+        out = []
+        for row in data:
+            value = row["embedding"]
+            if isinstance(value, str):  # base64 little-endian float32
+                packed = base64.b64decode(value)
+                value = list(struct.unpack(f"<{len(packed) // 4}f", packed))
+            out.append([float(x) for x in value])
+        return out
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, struct.error):
+        return None
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    if len(a) != len(b) or not a:
+        return False
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return norms > 0 and sum(x * y for x, y in zip(a, b, strict=True)) / norms >= SAME_VECTOR
