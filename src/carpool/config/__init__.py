@@ -27,13 +27,14 @@ from .caching import (
     TypePolicy,
 )
 from .distributed import DistributedConfig
-from .loader import ENV_PREFIX
+from .loader import CONFIG_FILE_VARIABLE, ENV_PREFIX
 from .model import Config
 from .perimeter import IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
 from .reference import reference_markdown
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
 
 __all__ = [
+    "CONFIG_FILE_VARIABLE",
     "DEFAULT_TYPES",
     "ENV_PREFIX",
     "BatchingConfig",
