@@ -3,7 +3,8 @@ reads, the statuses the gateway itself produces, and the answer (JSON, or SSE wh
 
 Contract: the limits stated (header value lengths, number of tags, idempotency key length) are
 the ones ``request.py`` and ``idempotency.py`` enforce: they come from the same constants. The
-``x-carpool`` header's values are ``Outcome``'s. Upstream errors pass through with the upstream's
+``x-carpool`` header's values are ``Outcome``'s, the request types named are the configuration's
+default ones (``carpool.config.DEFAULT_TYPES``). Upstream errors pass through with the upstream's
 status and body: that is the ``default`` response.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import DEFAULT_TYPES
 from ..idempotency import MAX_KEY_LENGTH
 from ..outcome import Outcome
 from ..request import MAX_HEADER_TOKEN, MAX_TAGS
@@ -45,8 +47,9 @@ HEADER_PARAMETERS: list[dict[str, Any]] = [
         "name": "x-carpool-type",
         "in": "header",
         "required": False,
-        "description": "The request type: picks a TTL policy (`translation`, `faq`, `code`, "
-        "`realtime`, `factual` or a configured one).",
+        "description": "The request type: picks a TTL policy ("
+        + ", ".join(f"`{name}`" for name in DEFAULT_TYPES)
+        + " or a configured one).",
         "schema": {"type": "string", "maxLength": MAX_HEADER_TOKEN},
     },
     {
