@@ -2,8 +2,8 @@
 what is asked of a streaming upstream, and the embedded simulated engine.
 
 Contract: every tunable of these layers lives here, with its unit and default in its description
-(the config reference, docs/config.md, is generated from them); the layers read these fields and
-repeat none of the defaults. Durations are seconds unless the name ends in ``_ms``.
+(the config reference, docs/config.md, is generated from them); the layers are built from these
+fields. Durations are seconds unless the name ends in ``_ms``.
 """
 
 from __future__ import annotations
