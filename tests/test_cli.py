@@ -141,3 +141,33 @@ def test_a_redis_url_that_cannot_be_read_exits_2_without_its_credentials():
     )
     assert result.returncode == 2 and "--redis" in result.stderr
     assert "s3cret" not in result.stderr
+
+
+def test_flags_win_over_the_environment_over_the_file_named_by_carpool_config(
+    monkeypatch, tmp_path
+):
+    from carpool.commands.common import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 1000\nhost: 0.0.0.0\nsim:\n  replicas: 2\n")
+    monkeypatch.setenv("CARPOOL_CONFIG", str(path))
+    assert load_config(None, {"port": None}).port == 1000  # a flag not given
+    monkeypatch.setenv("CARPOOL_PORT", "2000")
+    monkeypatch.setenv("CARPOOL_SIM__MAX_CONCURRENCY", "4")
+    config = load_config(None, {"port": None, "sim": {"replicas": 3}})
+    assert config.port == 2000 and config.host == "0.0.0.0"
+    assert config.sim.replicas == 3 and config.sim.max_concurrency == 4
+    assert load_config(None, {"port": 3000}).port == 3000
+
+
+def test_the_help_shows_the_defaults_the_config_model_owns():
+    from click.testing import CliRunner
+
+    from carpool import cli
+    from carpool.config import Config, SimConfig
+
+    serve = CliRunner().invoke(cli.main, ["serve", "--help"]).output
+    assert f"[{Config().host}]" in serve and f"[{Config().port}]" in serve
+    assert f"[{Config().workers}]" in serve
+    sim = CliRunner().invoke(cli.main, ["sim", "--help"]).output
+    assert f"replicas [{SimConfig().replicas}]" in sim

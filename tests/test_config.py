@@ -65,3 +65,105 @@ def test_the_config_reference_in_docs_is_generated_from_the_model():
     assert committed == reference_markdown(), "run: carpool config-reference > docs/config.md"
     for name in Config.model_fields:
         assert f"`{name}" in committed
+
+
+# The environment is read by pydantic-settings (carpool.config.loader): the names, the YAML values
+# and the precedence are the ones documented before it was.
+
+
+def test_nested_keys_at_any_depth_and_names_in_any_case_after_the_prefix():
+    env = {
+        "CARPOOL_CACHE__TYPES__FAQ__TTL": "7",
+        "CARPOOL_CACHE__TYPES__NEWS__TTL": "60",
+        "CARPOOL_Coalesce__Window_MS": "250",
+        "CARPOOL_SEMANTIC__ENABLED": "true",
+    }
+    config = Config.load(env=env)
+    assert config.cache.types["faq"].ttl == 7 and config.cache.types["news"].ttl == 60
+    assert config.cache.types["code"].ttl == 1800  # the other defaults stay
+    assert config.coalesce.window_ms == 250 and config.semantic.enabled is True
+    # Only ``CARPOOL_`` in capitals is ours; CARPOOL_CONFIG names the file, not a key.
+    assert Config.load(env={"carpool_port": "1", "CARPOOL_CONFIG": "x.yaml"}) == Config()
+
+
+def test_values_are_yaml_lists_mappings_and_scalars():
+    env = {
+        "CARPOOL_UPSTREAMS": "[http://a:8000/v1, http://b:8000/v1/]",
+        "CARPOOL_SEMANTIC__SCRIPTS": '["Latin", "Greek"]',
+        "CARPOOL_CACHE__TYPES": "{code: {ttl: 1}}",
+        "CARPOOL_SEMANTIC__THRESHOLD": "0.8",
+        "CARPOOL_ADMIN_TOKEN": "@not-yaml",  # YAML cannot read it: the string as written
+    }
+    config = Config.load(env=env)
+    assert config.upstreams == ["http://a:8000/v1", "http://b:8000/v1"]
+    assert config.semantic.scripts == ["Latin", "Greek"] and config.semantic.threshold == 0.8
+    assert config.cache.types["code"].ttl == 1 and config.cache.types["faq"].ttl == 3600
+    assert config.admin_token == "@not-yaml"
+
+
+def test_an_empty_or_null_variable_sets_null_over_the_file(tmp_path):
+    path = tmp_path / "carpool.yaml"
+    path.write_text("redis: redis://localhost:6379/0\nadmin_token: secret\n")
+    assert Config.load(path, env={}).admin_token == "secret"
+    config = Config.load(path, env={"CARPOOL_REDIS": "", "CARPOOL_ADMIN_TOKEN": "null"})
+    assert config.redis is None and config.admin_token is None
+    with pytest.raises(ConfigError, match="upstreams"):
+        Config.load(env={"CARPOOL_UPSTREAMS": ""})  # null is not a list
+
+
+def test_a_section_given_whole_takes_its_nested_variables_over_it_in_any_order():
+    whole, nested = (
+        ("CARPOOL_CACHE", "{max_bytes: 5, default_ttl: 1}"),
+        ("CARPOOL_CACHE__DEFAULT_TTL", "9"),
+    )
+    for env in (dict([whole, nested]), dict([nested, whole])):
+        config = Config.load(env=env)
+        assert config.cache.max_bytes == 5 and config.cache.default_ttl == 9
+
+
+def test_precedence_of_a_nested_key_file_then_environment_then_overrides(tmp_path):
+    path = tmp_path / "carpool.yaml"
+    path.write_text("cache:\n  default_ttl: 10\n  max_bytes: 1000\nsim:\n  replicas: 2\n")
+    env = {"CARPOOL_CACHE__DEFAULT_TTL": "20", "CARPOOL_SIM__REPLICAS": "3"}
+    config = Config.load(path, env=env, overrides={"cache": {"default_ttl": 30}})
+    assert config.cache.default_ttl == 30  # the override wins...
+    assert config.cache.max_bytes == 1000  # ...key by key: the file's other keys stay
+    assert config.sim.replicas == 3
+    assert Config.load(path, env=env).cache.default_ttl == 20
+    assert Config.load(path, env={}).cache.default_ttl == 10
+
+
+@pytest.mark.parametrize(
+    "env, field",
+    [
+        ({"CARPOOL_SAMPLNG": "strict"}, "samplng: unknown key"),
+        ({"CARPOOL_CACHE__MAX_BYTESS": "1"}, "cache.max_bytess: unknown key"),
+        ({"CARPOOL_BOGUS__X": "1"}, "bogus: unknown key"),
+        ({"CARPOOL_PORT__X": "1", "CARPOOL_PORT": "5"}, "port:"),  # port has no keys
+        ({"CARPOOL_CACHE__MAX_BYTES": "-1"}, "cache.max_bytes"),
+        ({"CARPOOL_SEMANTIC__SCRIPTS": "Latin"}, "semantic.scripts"),
+    ],
+)
+def test_a_variable_that_names_no_key_or_a_bad_value_is_an_error_naming_it(env, field):
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env=env)
+    assert field in str(raised.value)
+
+
+def test_load_reads_os_environ_unless_given_one_and_a_plain_config_reads_nothing(monkeypatch):
+    monkeypatch.setenv("CARPOOL_PORT", "2345")
+    assert Config.load().port == 2345
+    assert Config.load(env={}).port == 8080
+    assert Config().port == 8080
+    assert type(Config.load()) is Config
+
+
+def test_the_file_and_the_overrides_name_keys_exactly(tmp_path):
+    path = tmp_path / "carpool.yaml"
+    path.write_text("Port: 1\n")
+    with pytest.raises(ConfigError, match="Port: unknown key"):
+        Config.load(path, env={})
+    with pytest.raises(ConfigError, match="PORT: unknown key"):
+        Config.load(env={}, overrides={"PORT": 1})
+    with pytest.raises(ConfigError, match="config file"):
+        Config.load(tmp_path / "missing.yaml", env={})

@@ -1,6 +1,6 @@
 """A fuzz run against the gateway's HTTP surface, driven by its own OpenAPI document (issue #8, 3).
 
-The gateway serves ``GET /openapi.json`` (``carpool/openapi.py``). Schemathesis turns it into
+The gateway serves ``GET /openapi.json`` (``carpool/openapi/``). Schemathesis turns it into
 requests, valid ones and deliberately invalid ones (wrong types, missing fields, out-of-range
 values, odd headers), sent over loopback HTTP to a real gateway in front of the fake upstream.
 Every response must be:

@@ -1,0 +1,156 @@
+"""``carpool bench``: replay a workload against a gateway and report upstream calls vs the oracle.
+
+Contract: the run itself is ``carpool.bench.runner.run_bench`` (its contract says what it does and
+writes); here only the flags, the summary printed, and the exit statuses: 2 for a workload the
+user can fix, 1 for a gateway that could not be started or reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+
+from .common import load_config
+
+
+@click.command()
+@click.option(
+    "--url",
+    default=None,
+    metavar="URL",
+    help="Base URL of a running gateway (http://host:port). None: start an embedded "
+    "gateway in front of the simulated engine (or config.upstreams).",
+)
+@click.option(
+    "--workload",
+    default="mixed",
+    show_default=True,
+    help="Built-in synthetic workload: mixed, faq, bursty, tenants, streaming, prefix, "
+    "paraphrase (docs/bench.md).",
+)
+@click.option(
+    "--workload-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Replay a recorded workload: JSONL, one request per line (docs/bench.md).",
+)
+@click.option(
+    "--requests",
+    "requests_",
+    type=int,
+    default=None,
+    help="Number of requests [3000; 600 with --quick]; with --workload-file the first N lines.",
+)
+@click.option(
+    "--rate",
+    type=float,
+    default=None,
+    help="Open loop: mean arrival rate in requests/s [40]; rescales a recorded file's timestamps.",
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=None,
+    help="Closed loop instead: this many clients, each sending its next request when "
+    "the previous one is answered.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the synthetic workload (same seed, same requests).",
+)
+@click.option("--quick", is_flag=True, help="A short run (600 requests, under a minute).")
+@click.option(
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="YAML config of the embedded gateway (e.g. semantic.enabled: true); with --url "
+    "it gives the tenant header and the cost model (sim section) only.",
+)
+@click.option(
+    "--out",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Report directory [./carpool-bench-<timestamp>].",
+)
+@click.option("--tenants", type=int, default=None, help="Synthetic: number of tenants.")
+@click.option(
+    "--duplicate-rate",
+    type=float,
+    default=None,
+    help="Synthetic: share of shareable requests repeating an earlier one exactly.",
+)
+@click.option(
+    "--stream-share", type=float, default=None, help="Synthetic: share of streaming requests."
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def bench(
+    url: str | None,
+    workload: str,
+    workload_file: str | None,
+    requests_: int | None,
+    rate: float | None,
+    concurrency: int | None,
+    seed: int,
+    quick: bool,
+    config_file: str | None,
+    out: str | None,
+    tenants: int | None,
+    duplicate_rate: float | None,
+    stream_share: float | None,
+    no_progress: bool,
+) -> None:
+    """Replay a workload against a gateway and report upstream calls vs the oracle."""
+    from pathlib import Path
+
+    from ..bench.embedded import EmbeddedError
+    from ..bench.replay import GatewayUnreachable
+    from ..bench.runner import BenchOptions, default_out, run_bench
+    from ..bench.workloads import WorkloadError
+
+    if rate is not None and concurrency is not None:
+        raise click.UsageError("give --rate (open loop) or --concurrency (closed loop), not both")
+    config = load_config(config_file, {})
+    options = BenchOptions(
+        out=Path(out) if out else default_out(),
+        config=config,
+        url=url,
+        workload=workload,
+        workload_file=workload_file,
+        requests=requests_,
+        rate=rate,
+        concurrency=concurrency,
+        seed=seed,
+        quick=quick,
+        progress=not no_progress,
+        config_file=config_file,
+        spec={"tenants": tenants, "duplicate_rate": duplicate_rate, "stream_share": stream_share},
+    )
+    try:
+        report = asyncio.run(run_bench(options))
+    except WorkloadError as error:
+        click.echo(f"carpool bench: {error}", err=True)
+        sys.exit(2)
+    except (EmbeddedError, GatewayUnreachable) as error:
+        click.echo(f"carpool bench: {error}", err=True)
+        sys.exit(1)
+    latency = report["latency_ms"]
+    click.echo(
+        f"requests {report['requests']}  upstream_calls {report['upstream_calls']}  "
+        f"oracle_calls {report['oracle_calls']}  errors {report['errors']}  "
+        f"tokens_saved {report['tokens_saved']}"
+    )
+    click.echo(
+        "p50 ms: "
+        + "  ".join(
+            f"{name} {summary['p50']:.1f}" for name, summary in latency.items() if summary["count"]
+        )
+    )
+    if report.get("plots_missing"):
+        click.echo(report["plots_missing"])
+    click.echo(f"report: {options.out / 'report.md'}")

@@ -1,0 +1,49 @@
+"""What every ``carpool`` command shares.
+
+Contract: every option can also come from the config file (``--config``, else ``CARPOOL_CONFIG``)
+and ``CARPOOL_*`` variables; flags win (``load_config``). A bad configuration exits with status 2
+and a message naming the field and what is allowed. No log line carries a URL's credentials or
+query: ``without_credentials`` is how a URL other than an upstream's is written into one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import click
+from pydantic import BaseModel
+
+from ..config import CONFIG_FILE_VARIABLE, Config, ConfigError
+
+
+def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
+    """The configuration from the file, the environment and the flags given (``None``: not given);
+    exits 2 naming the field when it is invalid."""
+    try:
+        return Config.load(
+            config_file or os.environ.get(CONFIG_FILE_VARIABLE),
+            overrides={k: v for k, v in overrides.items() if v is not None},
+        )
+    except ConfigError as error:
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(2)
+
+
+def default_of(section: type[BaseModel], key: str) -> str:
+    """A key's default as an option's help shows it (``[8080]``): read from the config model,
+    which owns it."""
+    return f"[{section.model_fields[key].get_default(call_default_factory=True)}]"
+
+
+def without_credentials(url: str) -> str:
+    """A URL fit for a log line: any user and password in it replaced by ``***``, and no query
+    or fragment (where some services take their keys)."""
+    parts = urlsplit(url)._replace(query="", fragment="")
+    if "@" not in parts.netloc:
+        return urlunsplit(parts)
+    # (The port as written: ``parts.port`` raises on one that is not a number.)
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=netloc))

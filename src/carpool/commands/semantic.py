@@ -1,0 +1,125 @@
+"""The semantic cache's commands: ``carpool eval-semantic`` (score its decisions on labeled
+pairs) and ``carpool fetch-model`` (download its model).
+
+Contract: both need the semantic extra and say so (exit 2) without it. ``fetch-model`` is the only
+thing that ever downloads the model: it checks the SHA-256 digests and prints the directory (exit
+1 when the download fails or a digest differs).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command("eval-semantic")
+@click.option(
+    "--pairs",
+    "pair_files",
+    multiple=True,
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSONL of {a, b, same_answer[, category]} (repeatable).",
+)
+@click.option(
+    "--decisions",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write one JSONL row per pair with its decision.",
+)
+@click.option(
+    "--threshold", type=float, default=None, help="Similarity threshold [the calibrated default]."
+)
+@click.option(
+    "--verifier-threshold",
+    type=float,
+    default=None,
+    help="The verifier's threshold [the packaged model's calibrated one].",
+)
+@click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
+@click.option(
+    "--half",
+    type=click.Choice(["even", "odd"]),
+    default=None,
+    help="Only the even (development) or odd (held-out) rows of each file [all].",
+)
+def eval_semantic(
+    pair_files: tuple[str, ...],
+    decisions: str | None,
+    threshold: float | None,
+    verifier_threshold: float | None,
+    sweep: bool,
+    half: str | None,
+) -> None:
+    """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
+    from pathlib import Path
+
+    try:
+        from ..semantic.cache import CALIBRATED_THRESHOLD
+        from ..semantic.embed import default_embedder
+        from ..semantic.evaluate import Evaluator, format_report, load_pairs, write_decisions
+        from ..semantic.guard import RulesThenVerifier
+        from ..semantic.verifier import shared_cross_encoder
+
+        embedder = default_embedder()
+        guard = RulesThenVerifier(shared_cross_encoder(), threshold=verifier_threshold)
+    except ImportError as error:
+        click.echo(
+            f"carpool: the semantic cache needs its extra: pip install 'carpool[semantic]'"
+            f" ({error})",
+            err=True,
+        )
+        sys.exit(2)
+    threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
+    evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
+    click.echo(format_report(evaluator.report(threshold), threshold))
+    if sweep:
+        click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
+        verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]
+        for row in evaluator.sweep([0.3, 0.4, 0.5, 0.6, 0.7, 0.8], verifier):
+            click.echo(
+                f"{row['threshold']:>10.2f}{row['verifier_threshold']:>10.2f}"
+                f"{100 * (row['hit_rate'] or 0):>8.1f}%"
+                f"{100 * (row['wrong_rate'] or 0):>7.1f}%"
+            )
+    if decisions:
+        write_decisions(evaluator, threshold, Path(decisions))
+
+
+@click.command("fetch-model")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where to keep it [the Hugging Face cache: $HF_HOME or ~/.cache/huggingface].",
+)
+def fetch_model(cache_dir: str | None) -> None:
+    """Download the semantic cache's model (all-MiniLM-L6-v2 at its pinned revision) with the
+    Hugging Face hub client, check its SHA-256 digests and print its directory. The only command
+    that downloads it: the gateway never does."""
+    try:
+        from ..semantic.embed import MODEL_REPO, MODEL_REVISION, SemanticDependencyError
+        from ..semantic.embed import fetch_model as fetch
+    except ImportError as error:
+        click.echo(
+            f"carpool: fetching the model needs the semantic extra: pip install "
+            f"'carpool[semantic]' ({error})",
+            err=True,
+        )
+        sys.exit(2)
+    click.echo(f"fetching {MODEL_REPO} at revision {MODEL_REVISION}", err=True)
+    try:
+        directory = fetch(cache_dir)
+    except SemanticDependencyError as error:
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(2)
+    except ValueError as error:  # a digest differs
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(1)
+    except OSError as error:  # no network, no such revision...
+        click.echo(f"carpool: could not fetch the model: {error}", err=True)
+        sys.exit(1)
+    click.echo(str(directory))
+    if cache_dir is not None:
+        click.echo(f"(outside the default cache: set semantic.model_dir to {directory})", err=True)

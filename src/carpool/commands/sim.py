@@ -1,0 +1,66 @@
+"""``carpool sim``: the simulated engine alone, as an OpenAI-compatible server.
+
+Contract: its cost model is the config's ``sim`` section (the file, ``CARPOOL_SIM__*``, then these
+flags, strongest last); ``carpool.upstream.sim_server.serve_replicas`` runs it, saying that it is
+simulated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+
+from ..config import SimConfig
+from .common import default_of, load_config
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port",
+    type=int,
+    default=8000,
+    show_default=True,
+    help="Port of the first replica; replica i listens on port + i.",
+)
+@click.option(
+    "--replicas",
+    type=int,
+    default=None,
+    help=f"Number of simulated replicas {default_of(SimConfig, 'replicas')}.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="YAML config file; its `sim` section sets the cost model.",
+)
+@click.option("--decode-ms-per-token", type=float, default=None)
+@click.option("--prefill-ms-per-token", type=float, default=None)
+@click.option("--max-concurrency", type=int, default=None)
+def sim(
+    host: str,
+    port: int,
+    replicas: int | None,
+    config_file: str | None,
+    decode_ms_per_token: float | None,
+    prefill_ms_per_token: float | None,
+    max_concurrency: int | None,
+) -> None:
+    """Run the simulated engine alone as an OpenAI-compatible server (SIMULATED, not a model)."""
+    sim_overrides = {
+        k: v
+        for k, v in {
+            "replicas": replicas,
+            "decode_ms_per_token": decode_ms_per_token,
+            "prefill_ms_per_token": prefill_ms_per_token,
+            "max_concurrency": max_concurrency,
+        }.items()
+        if v is not None
+    }
+    config = load_config(config_file, {"sim": sim_overrides} if sim_overrides else {})
+    from ..upstream.sim_server import serve_replicas
+
+    asyncio.run(serve_replicas(config.sim, host, port))

@@ -1,0 +1,217 @@
+"""The sections of what is shared and for how long: fingerprinting, the exact cache, coalescing
+and the semantic cache.
+
+Contract: every tunable of these layers lives here, with its unit and default in its
+description (the config reference, docs/config.md, is generated from them); the layers are built
+from these fields. Durations are seconds unless the name ends in ``_ms``; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .base import Section
+
+
+class FingerprintConfig(Section):
+    normalize_whitespace: bool = Field(
+        False,
+        description="Opt-in: trim text and collapse runs of white space before hashing "
+        "(never inside ``` fenced code, for requests of type `code`, or for embeddings inputs). "
+        "Off, text is exact after Unicode NFC: white space is meaning (indentation, counted "
+        "spaces, tabs, Markdown hard breaks).",
+    )
+    repeat_memo_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description="Budget (bytes of request bodies) of the memo that "
+        "lets a byte-identical repeat reach the exact cache without being parsed again; 0 = off.",
+    )
+
+
+class TypePolicy(Section):
+    ttl: float = Field(
+        ...,
+        ge=0,
+        description="Seconds an answer of this type stays in the cache; "
+        "0 = never stored (still coalesced while in flight and within the window).",
+    )
+
+
+DEFAULT_TYPES = {
+    "translation": {"ttl": 86400},
+    "faq": {"ttl": 3600},
+    "code": {"ttl": 1800},
+    "realtime": {"ttl": 300},
+    "factual": {"ttl": 0},
+}
+
+
+class CacheConfig(Section):
+    default_ttl: float = Field(
+        3600,
+        ge=0,
+        description="Seconds an answer stays cached when its "
+        "request has no `x-carpool-type` (or an unknown one).",
+    )
+    max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Budget of the in-process exact "
+        "cache in bytes; least recently used answers are evicted beyond it.",
+    )
+    types: dict[str, TypePolicy] = Field(
+        default_factory=lambda: {k: TypePolicy(**v) for k, v in DEFAULT_TYPES.items()},
+        description="TTL policy per request type (`x-carpool-type`). Keys given in the file are "
+        "merged over the defaults.",
+    )
+
+    @field_validator("types", mode="before")
+    @classmethod
+    def _merge_default_types(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {**DEFAULT_TYPES, **value}
+        return value
+
+
+class CoalesceConfig(Section):
+    window_ms: float = Field(
+        1000,
+        ge=0,
+        description="Milliseconds a finished answer stays joinable "
+        "by identical requests, even with ttl 0.",
+    )
+    adaptive: bool = Field(
+        True,
+        description="Adapt the window per key to how often it is "
+        "asked: sqrt(T^2 + adaptive_tradeoff x gap) - T for a call of T "
+        "seconds and a mean gap between arrivals of gap seconds, within "
+        "[min_window_ms, max_window_ms]; window_ms until the key has repeated "
+        "3 times (rule and derivation in carpool/window.py).",
+    )
+    adaptive_tradeoff: float = Field(
+        8.0,
+        gt=0,
+        description="Seconds; how much answer age the "
+        "adaptive window accepts to save an upstream call (larger: "
+        "more sharing, older answers).",
+    )
+    adaptive_keys: int = Field(
+        100_000,
+        ge=1,
+        description="Keys whose arrival gaps the adaptive "
+        "window remembers (least recently seen forgotten first).",
+    )
+    min_window_ms: float = Field(50, ge=0, description="Shortest adaptive window (ms).")
+    max_window_ms: float = Field(
+        3000,
+        ge=0,
+        description="Longest adaptive window (ms): the "
+        "staleness bound, no lingering answer is shared older than this.",
+    )
+    join_timeout_ms: float = Field(
+        30000,
+        gt=0,
+        description="Milliseconds a joiner waits for "
+        "the flight's first output (its first streamed chunk, or its "
+        "whole answer) before it runs its own upstream call.",
+    )
+    finish_abandoned: bool = Field(
+        False,
+        description="Finish an upstream call whose clients all "
+        "left, to fill the cache, instead of cancelling it.",
+    )
+
+
+class SemanticConfig(Section):
+    enabled: bool = Field(
+        False,
+        description="Serve near-duplicate prompts from the semantic cache "
+        "(needs the [semantic] extra: pip install 'carpool[semantic]').",
+    )
+    mode: Literal["serve", "mark"] = Field(
+        "serve",
+        description="serve: answer from a passing "
+        "candidate; mark: never serve, only annotate the "
+        "response with an opaque id of the nearest entry (never "
+        "its text), its score and the guard's verdict (to "
+        "measure before trusting).",
+    )
+    model_dir: str | None = Field(
+        None,
+        description="embedder local: a directory holding all-MiniLM-L6-v2's "
+        "model.safetensors and tokenizer.json (checked against their SHA-256 digests). null: "
+        "the Hugging Face cache at the pinned revision, filled by `carpool fetch-model` (the only "
+        "thing that ever downloads it).",
+    )
+    scripts: list[str] = Field(
+        default_factory=lambda: ["Latin"],
+        description="The writing systems the embedding model and the guard read (Unicode script "
+        "names: Latin, Greek, Cyrillic, Han, Hiragana, Katakana, Hangul, Arabic, Hebrew, "
+        "Devanagari, Thai...; `*`: any). A prompt with a letter of another script gets no "
+        "semantic view: exact matching only, never a guess (the packaged English model maps "
+        "most Chinese characters to one unknown token). Widen it with a multilingual model "
+        "(`embedder: upstream`).",
+    )
+    threshold: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Cosine similarity at or above "
+        "which a candidate is considered; null = the calibrated "
+        "default (README, Semantic cache).",
+    )
+    verifier_dir: str | None = Field(
+        None,
+        description="A folder holding the verifier (model.onnx, tokenizer.json, "
+        "verifier.json with their SHA-256 digests: what scripts/train_verifier.py writes); null: "
+        "the one packaged with carpool.",
+    )
+    verifier_threshold: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="The verifier's score at or above which a candidate that "
+        "passed the exact rules is served; null: the one calibrated with the model "
+        "(verifier.json). Higher: fewer wrong hits and fewer hits.",
+    )
+    embedder_precision: Literal["int8", "fp32"] = Field(
+        "int8",
+        description="embedder local: int8 weights (2.5x faster on a short prompt; the "
+        "same hits and misses measured on the development pairs) or fp32 (the reference "
+        "model's numbers). Instances sharing Redis must use the same: vectors of the other "
+        "precision are ignored.",
+    )
+    embedder: Literal["local", "upstream"] = Field(
+        "local",
+        description="local: the packaged "
+        "sentence model; upstream: the upstream's "
+        "/v1/embeddings with `embedding_model`.",
+    )
+    embedding_model: str = Field(
+        "text-embedding-3-small",
+        description="Model asked of the upstream when `embedder: upstream`.",
+    )
+    embedding_dim: int = Field(
+        1536,
+        ge=1,
+        description="Length of the upstream's embedding vectors when `embedder: upstream`.",
+    )
+    max_entries: int = Field(
+        100_000, ge=1, description="Most entries kept; least recently used evicted first."
+    )
+    candidates: int = Field(8, ge=1, description="Nearest entries examined per lookup.")
+    batch_size: int = Field(32, ge=1, description="Most texts embedded in one model call.")
+    batch_delay_ms: float = Field(
+        0,
+        ge=0,
+        description="Longest wait to fill an embedding batch "
+        "(0: the next turn of the event loop; batches still form "
+        "while the model is busy).",
+    )
+    index_connectivity: int = Field(16, ge=2, description="HNSW links per node (memory vs recall).")
+    index_expansion_add: int = Field(64, ge=1, description="HNSW candidate list when adding.")
+    index_expansion_search: int = Field(32, ge=1, description="HNSW candidate list when searching.")

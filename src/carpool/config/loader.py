@@ -1,0 +1,208 @@
+"""Where a configuration comes from: the YAML file, ``CARPOOL_*`` environment variables and
+explicit overrides, merged by pydantic-settings.
+
+Contract:
+- Sources, strongest first: explicit overrides (CLI flags) > ``CARPOOL_*`` environment variables >
+  the YAML file > the defaults. Mappings merge key by key (a file's ``cache.types`` and
+  ``CARPOOL_CACHE__DEFAULT_TTL`` both apply); anything else is replaced by the stronger source.
+- A variable is ``CARPOOL_`` (in capitals) followed by the key in any case; nested keys are joined
+  with ``__``: ``CARPOOL_CACHE__MAX_BYTES=1000``, ``CARPOOL_CACHE__TYPES__FAQ__TTL=5``. A section
+  or a list can also be given whole (``CARPOOL_UPSTREAMS='[http://a:8000/v1, http://b:8000/v1]'``,
+  ``CARPOOL_CACHE='{max_bytes: 1000}'``); the nested variables of that section apply over it.
+  ``CARPOOL_CONFIG`` names the file (the CLI reads it); it is not a key.
+- Values are read as YAML scalars (``true``, ``1.5``, ``[a, b]``); an empty value is null, and a
+  value YAML cannot read is the string as written.
+- A ``CARPOOL_*`` variable that names no key is an error, like an unknown key in the file: a typo
+  must not silently keep a default.
+- Any invalid source raises ``ConfigError`` naming the field and what is allowed.
+
+pydantic-settings finds the variables of each field (prefix, ``__`` nesting, case) and merges the
+sources in order (``settings_customise_sources``); what is carpool's own is above: YAML values
+instead of JSON, unknown variables as errors, and the file's error messages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from .base import ConfigError
+from .model import Config
+
+ENV_PREFIX = "CARPOOL_"
+# Names the config file (read by the CLI and by each worker process), not a key.
+CONFIG_FILE_VARIABLE = "CARPOOL_CONFIG"
+NESTED_DELIMITER = "__"
+
+
+def load(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """``Config.load``: the file at ``path``, ``env`` (``os.environ`` unless given) and
+    ``overrides`` merged over the defaults, validated."""
+    file_values = _read_file(path) if path is not None else {}
+    with _sources(os.environ if env is None else env, file_values):
+        try:
+            merged = _Sources(**dict(overrides or {}))
+        except ValidationError as exc:
+            raise ConfigError(describe(exc)) from exc
+    # The fields are validated already; this makes the result a plain Config.
+    return Config.model_validate(dict(merged))
+
+
+def describe(exc: ValidationError) -> str:
+    """One line naming every invalid field, what it got and what is allowed."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        # pydantic's messages already say what is allowed ("Input should be 'a' or 'b'").
+        message = err["msg"] if err["type"] != "extra_forbidden" else "unknown key"
+        lines.append(f"{field}: {message}; got {err.get('input')!r}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _read_file(path: str | Path) -> dict[str, Any]:
+    # Read here rather than by pydantic-settings' YAML source, which skips a missing file: a
+    # --config that cannot be read is an error.
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping")
+    return loaded
+
+
+# The environment and file of the ``load`` in progress: settings_customise_sources, which builds
+# the sources, takes no arguments. A context variable, so concurrent loads cannot mix them up.
+_LOADING: ContextVar[tuple[Mapping[str, str], dict[str, Any]]] = ContextVar("carpool_config_load")
+
+
+@contextmanager
+def _sources(env: Mapping[str, str], file_values: dict[str, Any]) -> Iterator[None]:
+    token = _LOADING.set((env, file_values))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+class _Sources(BaseSettings, Config):
+    """Config's fields read from the sources of one ``load``; only ``load`` builds one."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        validate_default=False,
+        # For the file and the overrides: their keys are matched as written (``Port:`` is an
+        # unknown key). The environment source matches names in any case.
+        case_sensitive=True,
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        env, file_values = _LOADING.get()
+        # Strongest first; no .env file, no secrets directory.
+        return (
+            init_settings,
+            _Environment(settings_cls, env),
+            InitSettingsSource(settings_cls, init_kwargs=file_values),
+        )
+
+
+class _Raw(str):
+    """An environment value as written, not read as YAML yet."""
+
+
+def _read_value(raw: str) -> Any:
+    if raw == "":
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return str(raw)
+
+
+def _decoded(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: _read_value(value)
+        if isinstance(value, _Raw)
+        else _decoded(value)
+        if isinstance(value, dict)
+        else value
+        for key, value in values.items()
+    }
+
+
+class _Environment(EnvSettingsSource):
+    """The ``CARPOOL_*`` variables of ``env``, each value read once as YAML."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._env = env  # read by _load_env_vars, which the base __init__ calls
+        super().__init__(
+            settings_cls,
+            case_sensitive=False,
+            env_prefix=ENV_PREFIX,
+            env_nested_delimiter=NESTED_DELIMITER,
+        )
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # The prefix as written: ``carpool_port`` is not one of ours. Values are marked raw so
+        # that each is read as YAML exactly once, whether pydantic-settings decoded it (a whole
+        # section or list) or not (a scalar).
+        return {
+            name.lower(): _Raw(value)
+            for name, value in self._env.items()
+            if name.startswith(ENV_PREFIX) and name != CONFIG_FILE_VARIABLE
+        }
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        # YAML (of which JSON is a subset) instead of JSON. A mapping or list is decoded here, so
+        # that nested variables merge into it; anything else stays raw and is read in __call__
+        # (an empty or null value then stays set, as null, instead of being dropped).
+        decoded = _read_value(value)
+        return decoded if isinstance(decoded, (dict, list)) else value
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        prefix = self.env_prefix  # lower case, as the names
+        fields = self.settings_cls.model_fields
+        for name, value in self.env_vars.items():
+            key, *nested = name[len(prefix) :].split(NESTED_DELIMITER)
+            field = fields.get(key)
+            if field is not None and (not nested or self.field_is_complex(field)):
+                continue  # read by pydantic-settings
+            # Names no key (pydantic-settings ignores it): put it where it points, so that
+            # validation reports it like a wrong key in the file ("bogus: unknown key").
+            *parents, last = [key, *nested]
+            node = data
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+            node[last] = value
+        return _decoded(data)

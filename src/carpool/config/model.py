@@ -1,0 +1,127 @@
+"""The whole configuration: the top-level keys and one section per layer.
+
+Contract: ``Config()`` is all defaults and reads nothing; ``Config.load`` merges the sources
+(carpool.config.loader) and validates. Nested sections are the models of caching, perimeter,
+upstream and distributed; ``ttl_for`` is the one rule that reads the cache's TTL policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .base import Section
+from .caching import CacheConfig, CoalesceConfig, FingerprintConfig, SemanticConfig
+from .distributed import DistributedConfig
+from .perimeter import IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
+from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
+
+
+class Config(Section):
+    """The whole configuration. Build it with ``Config.load``; a plain ``Config()`` is all defaults."""
+
+    upstreams: list[str] = Field(
+        default_factory=list,
+        description="Base URLs ending in /v1 of "
+        "OpenAI-compatible replicas; empty = the embedded simulated engine.",
+    )
+    upstream_names: list[str] = Field(
+        default_factory=list,
+        description="Names of the `upstreams`, in the same order (as "
+        "many): how /stats, /metrics, /healthz, the logs and error messages call each replica. "
+        "Empty = operators see the URL without its user, password, query and fragment (made "
+        "unique with `#2`, `#3`...), and /healthz and error bodies, which clients can read, "
+        "say `replica-0`, `replica-1`... Each name: 1-64 printable characters, all distinct.",
+    )
+    redis: str | None = Field(
+        None,
+        description="Redis/Valkey URL (redis://host:port/db) of the "
+        "store shared by every instance; null = in-process only.",
+    )
+    admin_token: str | None = Field(None, description="Bearer token that enables /admin/*.")
+    sampling: Literal["strict", "same-params"] = Field(
+        "strict",
+        description="strict: sampled "
+        "requests bypass unless they opt in; "
+        "same-params: they share with identical "
+        "parameters.",
+    )
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Gateway processes serving one port. Each "
+        "has its own caches and flights unless `redis` is set, which they then "
+        "share.",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="Port the gateway listens on.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+    tracing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="OpenTelemetry spans per "
+        "layer (extra otel). auto: when a tracer "
+        "provider is installed (e.g. by "
+        "opentelemetry-instrument).",
+    )
+    fingerprint: FingerprintConfig = Field(default_factory=FingerprintConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    coalesce: CoalesceConfig = Field(default_factory=CoalesceConfig)
+    semantic: SemanticConfig = Field(default_factory=SemanticConfig)
+    tenant: TenantConfig = Field(default_factory=TenantConfig)
+    idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    passthrough: PassthroughConfig = Field(default_factory=PassthroughConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstreams_are_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL ending in /v1")
+        return [url.rstrip("/") for url in value]
+
+    @field_validator("upstream_names")
+    @classmethod
+    def _one_name_per_upstream(cls, value: list[str], info: Any) -> list[str]:
+        upstreams = info.data.get("upstreams")
+        if value and upstreams is not None and len(value) != len(upstreams):
+            raise ValueError(f"give one name per upstream ({len(upstreams)}), or none")
+        for name in value:
+            if not 1 <= len(name) <= 64 or not name.isprintable():
+                raise ValueError(f"{name!r} must be 1-64 printable characters")
+        if len(set(value)) != len(value):
+            raise ValueError("the names must be distinct")
+        return value
+
+    def ttl_for(self, request_type: str | None) -> float:
+        """Seconds an answer of ``request_type`` may be stored (0 = never)."""
+        if request_type is not None:
+            policy = self.cache.types.get(request_type)
+            if policy is not None:
+                return policy.ttl
+        return self.cache.default_ttl
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> Config:
+        """Merge the file, the environment (``os.environ`` unless ``env`` is given) and explicit
+        overrides over the defaults, then validate; ``ConfigError`` names any bad value."""
+        # Imported here: the loader builds its settings class from this one.
+        from .loader import load
+
+        return load(path, env, overrides)

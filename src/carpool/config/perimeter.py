@@ -1,0 +1,146 @@
+"""The sections of the client-facing perimeter: who a tenant is, idempotency keys, request
+limits and which other paths pass through.
+
+Contract: every tunable of the perimeter lives here, with its unit and default in its description
+(the config reference, docs/config.md, is generated from them); the code that enforces them reads
+these fields. Durations are seconds; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import Section
+
+
+class TenantConfig(Section):
+    header: str = Field(
+        "Authorization",
+        min_length=1,
+        description="The primary credential "
+        "header. The tenant is a keyed digest (never the raw value) of this "
+        "header and every one in `credential_headers` that the client sends.",
+    )
+    credential_headers: list[str] = Field(
+        default_factory=lambda: [
+            "Authorization",
+            "api-key",
+            "x-api-key",
+            "OpenAI-Organization",
+            "OpenAI-Project",
+        ],
+        description="Every request header that carries a credential or selects the account an "
+        "upstream bills (OpenAI's `Authorization`, Azure's `api-key`, Anthropic-style "
+        "`x-api-key`, OpenAI's organization and project): all of them, with `header`, make the "
+        "tenant. Remove one only if the upstream never reads it.",
+    )
+    shared_namespaces: list[str] = Field(
+        default_factory=list,
+        description="Namespaces whose "
+        "answers are shared across tenants, but only with a "
+        "tenant the upstream has accepted within "
+        "`accepted_ttl`; others are scoped to themselves.",
+    )
+    accepted_ttl: float = Field(
+        600,
+        gt=0,
+        description="Seconds a tenant counts as accepted by "
+        "the upstream after its last 2xx answer on a cached endpoint "
+        "(what lets it read a shared namespace).",
+    )
+    accepted_max_entries: int = Field(
+        100_000,
+        ge=1,
+        description="Most accepted tenants "
+        "remembered (oldest out: a forgotten one is scoped to "
+        "itself until its next 2xx).",
+    )
+
+
+class IdempotencyConfig(Section):
+    retention: float = Field(86400, gt=0, description="Seconds an idempotency record is kept.")
+    on_conflict: Literal["reject", "wait"] = Field(
+        "reject", description="Same key while the first is processing: 409 (reject) or wait for it."
+    )
+    lease: float = Field(
+        6.0,
+        gt=0,
+        description="With `redis`: seconds a record being processed "
+        "is held unless its instance renews it (every lease/3 while the request "
+        "runs): a retry on another instance after this one died runs within "
+        "about this long. Longer than a Redis pause you want to ride out.",
+    )
+
+
+class LimitsConfig(Section):
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest request body accepted; larger ones get 413."
+    )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        gt=0,
+        description="Largest total size of a request's "
+        "header names and values; larger ones get 431 (the gateway "
+        "forwards headers upstream, and the HTTP server sets no limit).",
+    )
+    upstream_timeout: float = Field(
+        600,
+        gt=0,
+        description="Seconds to wait for the upstream's "
+        "answer (for streams: between two chunks) before 504.",
+    )
+    upstream_connect_timeout: float = Field(
+        10, gt=0, description="Seconds to wait for a connection to the upstream before 502."
+    )
+    upstream_max_connections: int = Field(1000, gt=0, description="Pooled connections per replica.")
+    body_read_timeout: float = Field(
+        30,
+        gt=0,
+        description="Seconds a client may take to send "
+        "a whole request body (cached endpoints, pass-through, "
+        "admin); a body still trickling in after that gets 408 and "
+        "nothing is sent upstream.",
+    )
+    max_json_depth: int = Field(
+        64,
+        ge=2,
+        le=200,
+        description="Deepest nesting of arrays and "
+        "objects accepted in a request body; deeper gets 400 "
+        "(`too_deep`). At most 200: the body is re-serialised for the "
+        "upstream, and a JSON encoder stops at 255 levels.",
+    )
+
+
+class PassthroughConfig(Section):
+    """Which other `/v1/...` paths are forwarded to an upstream (never cached)."""
+
+    allow: list[str] = Field(
+        default_factory=lambda: ["/"],
+        description="Path prefixes, relative to the upstream's "
+        "/v1, that pass-through forwards, matched by whole segments (`/models` allows "
+        "`/v1/models` and `/v1/models/x`, not `/v1/modelsx`); other paths get 403. `/` = "
+        "everything under /v1; [] = pass-through off. Whatever the list, a path with a dot "
+        "segment, an encoded `/` or `\\`, a backslash, a control character or an empty segment "
+        "is refused (400), and nothing outside the upstream's /v1 is ever reached.",
+    )
+
+    @field_validator("allow")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        out = []
+        for prefix in value:
+            inner = prefix[1:].removesuffix("/")
+            segments = inner.split("/") if inner else []
+            if not prefix.startswith("/") or any(
+                s in ("", ".", "..") or not s.isprintable() or set(s) & set("%\\?#")
+                for s in segments
+            ):
+                raise ValueError(
+                    f"{prefix!r} must be a path like /models: starting with /, "
+                    "without dot or empty segments, %, \\, ? or #"
+                )
+            out.append("/" + "/".join(segments))
+        return out

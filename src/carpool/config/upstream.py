@@ -1,0 +1,180 @@
+"""The sections of the upstream side: routing misses across replicas, batching embeddings,
+what is asked of a streaming upstream, and the embedded simulated engine.
+
+Contract: every tunable of these layers lives here, with its unit and default in its description
+(the config reference, docs/config.md, is generated from them); the layers are built from these
+fields. Durations are seconds unless the name ends in ``_ms``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Section
+
+
+class RoutingConfig(Section):
+    """Routing of misses across replicas and replica health (carpool.routing)."""
+
+    policy: Literal["cache-aware", "round-robin", "least-loaded"] = Field(
+        "cache-aware",
+        description="How a miss picks an upstream replica when there are several: "
+        "cache-aware (the replica that already holds the prompt's prefix in its KV cache, unless "
+        "load is imbalanced), round-robin, least-loaded (fewest calls in flight).",
+    )
+    cache_threshold: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="cache-aware: the least match rate (prefix characters already sent to a "
+        "replica / prompt characters) that routes by affinity; below it the request goes to the "
+        "least-loaded replica. Lower: more affinity, also for weak matches, at the cost of "
+        "balance; higher: only long shared prefixes (system prompts, documents) pin a replica. "
+        "0.5: a shared prefix must be at least half the prompt to be worth a busier replica.",
+    )
+    balance_abs_threshold: int = Field(
+        32,
+        ge=0,
+        description="cache-aware: load is imbalanced (affinity overruled, least-loaded used) only "
+        "when the busiest replica has more than this many requests in flight more than the "
+        "least busy one (and balance_rel_threshold holds too). Lower: tighter balance, more "
+        "prefix recomputation; higher: more cache hits, longer queues on hot replicas. 32: about "
+        "one engine batch of headroom, as in SGLang's router.",
+    )
+    balance_rel_threshold: float = Field(
+        1.5,
+        ge=1,
+        description="cache-aware: ... and when the busiest replica's in-flight count is above this "
+        "multiple of the least busy one's. Guards against reacting to absolute gaps that are "
+        "small relative to a high overall load. 1.5: SGLang's router default.",
+    )
+    tree_budget_chars: int = Field(
+        2_000_000,
+        gt=0,
+        description="cache-aware: prompt characters remembered per replica; the least recently "
+        "sent prefixes are evicted beyond it. Should approximate the engine's KV-cache capacity "
+        "(~4 characters a token): too high and the router believes in prefixes the engine has "
+        "already evicted; too low and it forgets ones the engine still holds. Memory: about 100 "
+        "bytes per block_chars characters. 2,000,000: ~500k tokens, one large engine's KV cache.",
+    )
+    block_chars: int = Field(
+        64,
+        ge=1,
+        description="cache-aware: prefix granularity; prompts are matched in whole blocks of this "
+        "many characters (a partial last block never matches). Smaller: finer matches, more "
+        "memory and hashing; larger: cheaper, coarser. 64: ~16 tokens, vLLM's KV block size.",
+    )
+    backoff_s: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds a replica is left out after a connection failure, timeout or 5xx; "
+        "doubled on each further consecutive failure up to backoff_max_s. Shorter: a recovered "
+        "replica rejoins sooner, a dead one costs more failed probes (each retried once on "
+        "another replica, so only latency).",
+    )
+    backoff_max_s: float = Field(
+        60.0,
+        gt=0,
+        description="The longest back-off after repeated failures: how long a replica that keeps "
+        "failing waits between probes. 60: a dead replica costs at most one probe a minute.",
+    )
+    log_interval: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds between two warnings about one replica's failures (unreachable, "
+        "timed out, 5xx); the next warning counts the failures not logged in between. The "
+        "first failure after a quiet period is always logged.",
+    )
+
+
+class BatchingConfig(Section):
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        description="Most distinct items merged into one "
+        "upstream /v1/embeddings call (identical items take one slot).",
+    )
+    max_batch_delay_ms: float = Field(5, ge=0, description="Longest wait for a batch to fill.")
+    max_batch_tokens: int = Field(
+        8192, ge=1, description="Token budget of one batch (approximated as characters / 4)."
+    )
+    embeddings: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether concurrent single-input /v1/embeddings requests are merged "
+        "into one list-input call. Merging must not change an answer, and some engines answer "
+        "a list wrongly (llama-cpp-python's server: every item but the first). auto: merged "
+        "only once a probe has shown that every replica answers a list item by item as it "
+        "answers single inputs (per model and parameters: a 2-item list and its two items alone, "
+        "vectors compared, sent at the first batch; until then, and for good if a replica "
+        "fails it, each request is sent alone); on: always merged (an engine known to be "
+        "right); off: never merged.",
+    )
+    embeddings_probe_retry: float = Field(
+        30,
+        ge=0,
+        description="Seconds before the embeddings list probe (`embeddings: auto`) "
+        "is tried again on a replica when it could not decide (the replica failed, refused the "
+        "credentials or timed out); requests are sent alone meanwhile.",
+    )
+
+
+class UpstreamConfig(Section):
+    stream_usage: bool = Field(
+        True,
+        description="Ask a streaming upstream for a final usage chunk "
+        "(`stream_options.include_usage`) so tokens saved can be counted; "
+        "clients that did not ask for it never see it.",
+    )
+    stream_flights: bool = Field(
+        False,
+        description="Ask the upstream to stream every chat or "
+        "completions call the gateway shares, even when the client "
+        "leading it did not ask to: streaming clients that join it get "
+        "its tokens live, non-streaming ones the assembled answer (an "
+        "unfinished one is then a 502, not served). Not for completions "
+        "with `best_of` or `echo`. Off: the call streams only when its "
+        "leader asked to.",
+    )
+
+
+class SimConfig(Section):
+    """The embedded simulated engine: a cost model that behaves like a real one where it matters."""
+
+    replicas: int = Field(1, ge=1, description="Simulated replicas when no --upstream is given.")
+    max_concurrency: int = Field(
+        32, ge=1, description="Sequences decoded at once per replica; more queue."
+    )
+    prefill_ms_per_token: float = Field(
+        0.05,
+        ge=0,
+        description="Prefill cost per prompt token not found in the replica's prefix cache (ms).",
+    )
+    decode_ms_per_token: float = Field(
+        5.0,
+        ge=0,
+        description="Decode cost per output token (ms); "
+        "streams emit one chunk per token at this pace.",
+    )
+    default_max_tokens: int = Field(
+        48, ge=1, description="Answer length cap when the request sets none."
+    )
+    prefix_cache_tokens: int = Field(
+        200_000,
+        ge=0,
+        description="Prompt tokens each replica keeps "
+        "in its simulated KV (prefix) cache, LRU by block.",
+    )
+    block_tokens: int = Field(16, ge=1, description="Prefix-cache block size in tokens.")
+    embedding_dim: int = Field(64, ge=1, description="Length of the simulated embedding vectors.")
+    embedding_call_ms: float = Field(
+        2.0,
+        ge=0,
+        description="Fixed cost of one embeddings "
+        "forward pass (ms); its items are computed together, "
+        "padded to the longest, at prefill_ms_per_token.",
+    )
+    embedding_concurrency: int = Field(
+        1, ge=1, description="Embeddings forward passes run at once per replica; more calls queue."
+    )

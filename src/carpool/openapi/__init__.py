@@ -1,0 +1,237 @@
+"""The OpenAPI 3 document of the gateway's own HTTP surface, served at ``GET /openapi.json``.
+
+Contract:
+- It describes what the gateway itself accepts and answers: the cached endpoints (chat,
+  completions, embeddings, OpenAI's Responses API, Anthropic's Messages API; their main request
+  fields, the cache-control headers, the idempotency key, every status the gateway
+  produces), the control endpoints (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``,
+  ``/dashboard``, ``/openapi.json``) and ``POST /admin/invalidate``. Upstream errors pass through with the
+  upstream's status and body: that is the ``default`` response of the cached endpoints.
+- Request schemas name the main OpenAI fields and allow any other (``additionalProperties``):
+  the gateway passes unknown fields through (and fingerprints them). The limits stated in it
+  (header value lengths, number of tags, idempotency key length) are the ones ``request.py`` and
+  ``idempotency.py`` enforce: they come from the same constants.
+- Built once per process (``document()``), as plain JSON-able data; nothing here runs per request.
+
+Here the assembly: every path and the security schemes. The component schemas are in
+``openapi.schemas``, the operation the cached endpoints share in ``openapi.operations``: Python
+rather than a shipped JSON file, because the limits and the ``x-carpool`` values are read from the
+code's own constants, and the APIs share parts (the sampling fields, the error responses).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .operations import cached_endpoint, json_response, typed_events
+from .schemas import SCHEMAS, ref
+
+__all__ = ["document"]
+
+OPENAPI_VERSION = "3.0.3"
+
+
+@functools.cache
+def document() -> dict[str, Any]:
+    """The OpenAPI document (built once; do not mutate it)."""
+    error = ref("Error")
+    # With an admin token configured; open (the empty requirement) without one.
+    admin: list[dict[str, list[str]]] = [{"adminToken": []}, {"adminBasic": []}, {}]
+    replicas = {
+        "type": "object",
+        "additionalProperties": {
+            "type": "object",
+            "required": ["healthy", "state"],
+            "properties": {
+                "healthy": {"type": "boolean"},
+                "state": {"type": "string", "enum": ["healthy", "probing", "down"]},
+                "failures": {"type": "integer", "minimum": 0},
+            },
+        },
+    }
+    ready = {
+        "type": "object",
+        "required": ["ready", "replicas"],
+        "properties": {"ready": {"type": "boolean"}, "replicas": replicas},
+    }
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "carpool gateway",
+            "version": "1",
+            "description": "An OpenAI-compatible gateway that deduplicates LLM inference: "
+            "exact cache, single-flight coalescing, semantic cache.",
+        },
+        "paths": {
+            "/v1/chat/completions": cached_endpoint(
+                "Chat completion (cached, coalesced)",
+                "ChatCompletionRequest",
+                "ChatCompletion",
+                streams=True,
+            ),
+            "/v1/completions": cached_endpoint(
+                "Text completion (cached, coalesced)",
+                "CompletionRequest",
+                "Completion",
+                streams=True,
+            ),
+            "/v1/embeddings": cached_endpoint(
+                "Embeddings (cached, coalesced, batched)",
+                "EmbeddingRequest",
+                "EmbeddingList",
+                streams=False,
+            ),
+            "/v1/responses": cached_endpoint(
+                "OpenAI Responses API (cached, coalesced; `background` and `conversation` "
+                "pass through unshared; `GET /v1/responses/{id}` passes through)",
+                "ResponseRequest",
+                "Response",
+                streams=True,
+                events=typed_events(
+                    "response.completed` (or `response.incomplete`, `response.failed"
+                ),
+            ),
+            "/v1/messages": cached_endpoint(
+                "Anthropic Messages API (cached, coalesced; errors in Anthropic's shape)",
+                "MessageRequest",
+                "Message",
+                streams=True,
+                events=typed_events("message_stop"),
+                error_schema="AnthropicError",
+            ),
+            "/healthz": {
+                "get": {
+                    "summary": "200 while the gateway serves",
+                    "responses": {
+                        "200": json_response(
+                            {
+                                "type": "object",
+                                "required": ["status", "replicas", "redis"],
+                                "properties": {
+                                    "status": {"type": "string", "enum": ["ok", "degraded"]},
+                                    "replicas": replicas,
+                                    "redis": {"type": "object"},
+                                },
+                            },
+                            "The gateway serves; degraded: Redis or a replica is down.",
+                        )
+                    },
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "200 while some replica is reachable",
+                    "responses": {
+                        "200": json_response(ready, "Ready."),
+                        "503": json_response(ready, "No replica is believed reachable."),
+                    },
+                }
+            },
+            "/stats": {
+                "get": {
+                    "summary": "JSON counters",
+                    "security": admin,
+                    "responses": {
+                        "200": json_response(
+                            {
+                                "type": "object",
+                                "required": [
+                                    "requests",
+                                    "hits",
+                                    "semantic_hits",
+                                    "coalesced",
+                                    "misses",
+                                    "bypass",
+                                    "upstream_calls",
+                                    "upstream_errors",
+                                    "tokens_saved",
+                                    "saved_fraction",
+                                    "layers",
+                                    "replicas",
+                                ],
+                            },
+                            "The counters.",
+                        ),
+                        "401": json_response(
+                            error, "An admin token is configured and was not given."
+                        ),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus text format",
+                    "security": admin,
+                    "responses": {
+                        "200": {
+                            "description": "The metrics.",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        "401": json_response(
+                            error, "An admin token is configured and was not given."
+                        ),
+                    },
+                }
+            },
+            "/dashboard": {
+                "get": {
+                    "summary": "A live HTML page",
+                    "security": admin,
+                    "responses": {
+                        "200": {
+                            "description": "The page.",
+                            "content": {"text/html": {"schema": {"type": "string"}}},
+                        },
+                        "401": json_response(
+                            error, "An admin token is configured and was not given."
+                        ),
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {
+                        "200": json_response({"type": "object"}, "The OpenAPI document.")
+                    },
+                }
+            },
+            "/admin/invalidate": {
+                "post": {
+                    "summary": "Drop the matching answers from every layer",
+                    "security": [{"adminToken": []}],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": ref("Invalidate")}},
+                    },
+                    "responses": {
+                        "200": json_response(
+                            {
+                                "type": "object",
+                                "required": ["invalidated"],
+                                "properties": {"invalidated": {"type": "integer", "minimum": 0}},
+                            },
+                            "How many answers were dropped.",
+                        ),
+                        "400": json_response(error, "Not exactly one valid selector, or not JSON."),
+                        "401": json_response(error, "The admin token is missing or wrong."),
+                        "404": json_response(
+                            error, "No admin token is configured: admin is disabled."
+                        ),
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {
+                "adminToken": {"type": "http", "scheme": "bearer"},
+                "adminBasic": {
+                    "type": "http",
+                    "scheme": "basic",
+                    "description": "The admin token as the password (any user): for browsers.",
+                },
+            },
+        },
+    }
