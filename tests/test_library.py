@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import carpool
-from carpool import Config, FunctionUpstream, Gateway, Outcome
+from carpool import Config, FunctionUpstream, Outcome, build_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,7 @@ def test_public_surface_is_pinned():
         "UpstreamStreamBroken",
         "UpstreamTimeout",
         "UpstreamUnreachable",
+        "build_gateway",
         "create_app",
     }
 
@@ -63,7 +64,7 @@ async def test_wrapped_function_is_coalesced_and_cached():
             ],
         }
 
-    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
     waiting = [asyncio.create_task(gateway.request("/v1/chat/completions", body)) for _ in range(5)]
     await asyncio.sleep(0)
@@ -81,7 +82,7 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
     async def call(path, body):
         raise RuntimeError("model exploded")
 
-    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
     replies = await asyncio.gather(
         *(gateway.request("/v1/chat/completions", body) for _ in range(3))
@@ -92,7 +93,7 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
 
 
 async def test_embedded_simulated_engine_is_the_default_upstream():
-    gateway = Gateway(Config(sim={"decode_ms_per_token": 0.1}))
+    gateway = build_gateway(Config(sim={"decode_ms_per_token": 0.1}))
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
     first = await gateway.request("/v1/chat/completions", body)
     second = await gateway.request("/v1/chat/completions", {**body, "stream": True})
@@ -105,7 +106,7 @@ async def test_embedded_simulated_engine_is_the_default_upstream():
 def test_the_core_gateway_does_not_import_the_semantic_dependencies():
     code = (
         "import sys, carpool, carpool.cli, carpool.server, carpool.pipeline; "
-        "g = carpool.Gateway(); "
+        "g = carpool.build_gateway(); "
         "print(sorted(m for m in ('numpy', 'onnxruntime', 'usearch', 'tokenizers') "
         "if m in sys.modules))"
     )
