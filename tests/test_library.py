@@ -114,3 +114,33 @@ def test_the_core_gateway_does_not_import_the_semantic_dependencies():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+async def test_flights_and_idempotency_records_are_injected_as_given():
+    from carpool.flight import FlightGroup
+    from carpool.idempotency import MemoryIdempotencyRecords
+
+    async def call(path, body):
+        return {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "hi"},
+                }
+            ],
+        }
+
+    flights, records = FlightGroup(window=0.0), MemoryIdempotencyRecords(60.0)
+    gateway = build_gateway(
+        Config(), upstreams=[FunctionUpstream(call)], flights=flights, idempotency=records
+    )
+    assert gateway.flights is flights and gateway.idempotency is records
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    first = await gateway.request("/v1/chat/completions", body, {"Idempotency-Key": '"k"'})
+    again = await gateway.request("/v1/chat/completions", body, {"Idempotency-Key": '"k"'})
+    assert first.outcome is Outcome.MISS and len(records) == 1
+    assert again.headers[-1] == (b"idempotent-replayed", b"true")
+    assert gateway.snapshot()["redis"] == {"state": "off"}
+    await gateway.aclose()
