@@ -113,10 +113,10 @@ def _rss() -> int:
 
 async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
     from carpool.config import Config
-    from carpool.pipeline import Gateway
+    from carpool.wiring import build_gateway
 
     upstream = GateUpstream(c.ANSWER)
-    gateway = Gateway(Config(), upstreams=[upstream])
+    gateway = build_gateway(Config(), upstreams=[upstream])
     raw = c.json_bytes(c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]"))
     headers = {"authorization": "Bearer bench"}
     gc.collect()

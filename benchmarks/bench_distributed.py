@@ -231,10 +231,10 @@ async def measure_round_trips(
 async def measure_local_baseline(url: str, rounds: int) -> dict[str, Any]:
     """A local joiner's latency with the shared store but without shared flights (before)."""
     from carpool.config import Config
-    from carpool.pipeline import Gateway
+    from carpool.wiring import build_gateway
 
     upstream = GateUpstream()
-    gateway = Gateway(
+    gateway = build_gateway(
         Config(redis=url, distributed={"shared_flights": False}), upstreams=[upstream]
     )
     times: list[float] = []
@@ -313,11 +313,12 @@ async def _run(url: str, quick: bool) -> dict[str, Any]:
 
     from carpool.config import Config
     from carpool.pipeline import Gateway
+    from carpool.wiring import build_gateway
 
     counter = RoundTrips()
     upstream = GateUpstream()
     config = Config(redis=url)
-    a, b = Gateway(config, upstreams=[upstream]), Gateway(config, upstreams=[upstream])
+    a, b = build_gateway(config, upstreams=[upstream]), build_gateway(config, upstreams=[upstream])
     probe = aredis.Redis.from_url(url)
 
     class Served:  # the shape measure_* expect: .gateway

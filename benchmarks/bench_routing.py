@@ -41,8 +41,8 @@ async def run_policy(
     policy: str, requests: list[tuple[int, str]], prompt_words: int, prompts: list[str]
 ) -> dict[str, Any]:
     from carpool.config import Config
-    from carpool.pipeline import Gateway
     from carpool.upstream.sim import SimUpstream, build_replicas
+    from carpool.wiring import build_gateway
 
     sim = {
         "replicas": REPLICAS,
@@ -62,7 +62,7 @@ async def run_policy(
         },
     )
     replicas = build_replicas(config.sim)
-    gateway = Gateway(config, upstreams=[SimUpstream(r) for r in replicas])
+    gateway = build_gateway(config, upstreams=[SimUpstream(r) for r in replicas])
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(prompt: int, question: str) -> None:

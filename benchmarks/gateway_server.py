@@ -22,8 +22,8 @@ def main() -> None:
     import uvicorn
 
     from carpool.config import Config
-    from carpool.pipeline import Gateway
     from carpool.server import create_app
+    from carpool.wiring import build_gateway
 
     config = Config(
         upstreams=[args.upstream],
@@ -33,7 +33,7 @@ def main() -> None:
         semantic={"enabled": args.semantic},
     )
     uvicorn.run(
-        create_app(Gateway(config)),
+        create_app(build_gateway(config)),
         host=args.host,
         port=args.port,
         loop="uvloop",

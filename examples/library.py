@@ -5,7 +5,7 @@ Run: python examples/library.py
 
 import asyncio
 
-from carpool import Config, FunctionUpstream, Gateway
+from carpool import Config, FunctionUpstream, build_gateway
 
 calls = 0
 
@@ -24,7 +24,7 @@ async def call_model(path: str, body: dict) -> dict:
 
 
 async def main() -> None:
-    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call_model)])
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call_model)])
     request = {"model": "my-model", "temperature": 0,
                "messages": [{"role": "user", "content": "What is carpool?"}]}
     # 50 identical requests at once share one call; the next one is a cache hit.

@@ -13,6 +13,7 @@ import pytest
 from carpool.config import Config
 from carpool.pipeline import Gateway
 from carpool.server import create_app
+from carpool.wiring import build_gateway
 from fakes.redis_cluster import (  # noqa: F401  (fixtures)
     _shared_cluster,
     own_redis_cluster,
@@ -106,7 +107,7 @@ async def fake() -> AsyncIterator[FakeUpstream]:
 
 @contextlib.asynccontextmanager
 async def run_gateway(upstreams: list[str], **config: Any) -> AsyncIterator[Served]:
-    gateway = Gateway(Config(upstreams=upstreams, **config))
+    gateway = build_gateway(Config(upstreams=upstreams, **config))
     async with serve_app(create_app(gateway)) as url:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:

@@ -21,7 +21,7 @@ import pytest
 
 from carpool.apis import api_of
 from carpool.errors import UpstreamStreamBroken
-from carpool.pipeline import _pipe
+from carpool.exchange import _pipe
 from carpool.sse import expected_choices, is_complete
 from carpool.upstream.base import UpstreamResponse
 from fakes.flights import leader_and_joiners, stream
@@ -192,9 +192,9 @@ async def test_best_of_does_not_change_the_number_of_choices_a_complete_answer_h
 
 
 async def test_the_embedded_simulators_streams_are_complete_and_stored():
-    from carpool import Config, Gateway, Outcome
+    from carpool import Config, Outcome, build_gateway
 
-    gateway = Gateway(Config())
+    gateway = build_gateway(Config())
     try:
         body = {**chat_body("sim", n=2), "stream": True}
         first = await gateway.request(CHAT, body)

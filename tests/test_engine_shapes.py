@@ -34,7 +34,7 @@ import pytest
 from carpool.batching import PROBE_INPUTS
 from carpool.broadcast import Broadcast
 from carpool.errors import UpstreamStreamBroken, error_event
-from carpool.pipeline import _consume
+from carpool.exchange import _consume
 from carpool.upstream.base import UpstreamResponse
 from fakes.flights import leader_and_joiners, stream
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import carpool
-from carpool import Config, FunctionUpstream, Gateway, Outcome
+from carpool import Config, FunctionUpstream, Outcome, build_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,7 @@ def test_public_surface_is_pinned():
         "UpstreamStreamBroken",
         "UpstreamTimeout",
         "UpstreamUnreachable",
+        "build_gateway",
         "create_app",
     }
 
@@ -63,7 +64,7 @@ async def test_wrapped_function_is_coalesced_and_cached():
             ],
         }
 
-    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
     waiting = [asyncio.create_task(gateway.request("/v1/chat/completions", body)) for _ in range(5)]
     await asyncio.sleep(0)
@@ -81,7 +82,7 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
     async def call(path, body):
         raise RuntimeError("model exploded")
 
-    gateway = Gateway(Config(), upstreams=[FunctionUpstream(call)])
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
     replies = await asyncio.gather(
         *(gateway.request("/v1/chat/completions", body) for _ in range(3))
@@ -92,7 +93,7 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
 
 
 async def test_embedded_simulated_engine_is_the_default_upstream():
-    gateway = Gateway(Config(sim={"decode_ms_per_token": 0.1}))
+    gateway = build_gateway(Config(sim={"decode_ms_per_token": 0.1}))
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
     first = await gateway.request("/v1/chat/completions", body)
     second = await gateway.request("/v1/chat/completions", {**body, "stream": True})
@@ -105,7 +106,7 @@ async def test_embedded_simulated_engine_is_the_default_upstream():
 def test_the_core_gateway_does_not_import_the_semantic_dependencies():
     code = (
         "import sys, carpool, carpool.cli, carpool.server, carpool.pipeline; "
-        "g = carpool.Gateway(); "
+        "g = carpool.build_gateway(); "
         "print(sorted(m for m in ('numpy', 'onnxruntime', 'usearch', 'tokenizers') "
         "if m in sys.modules))"
     )
@@ -113,3 +114,33 @@ def test_the_core_gateway_does_not_import_the_semantic_dependencies():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+async def test_flights_and_idempotency_records_are_injected_as_given():
+    from carpool.flight import FlightGroup
+    from carpool.idempotency import MemoryIdempotencyRecords
+
+    async def call(path, body):
+        return {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "hi"},
+                }
+            ],
+        }
+
+    flights, records = FlightGroup(window=0.0), MemoryIdempotencyRecords(60.0)
+    gateway = build_gateway(
+        Config(), upstreams=[FunctionUpstream(call)], flights=flights, idempotency=records
+    )
+    assert gateway.flights is flights and gateway.idempotency is records
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    first = await gateway.request("/v1/chat/completions", body, {"Idempotency-Key": '"k"'})
+    again = await gateway.request("/v1/chat/completions", body, {"Idempotency-Key": '"k"'})
+    assert first.outcome is Outcome.MISS and len(records) == 1
+    assert again.headers[-1] == (b"idempotent-replayed", b"true")
+    assert gateway.snapshot()["redis"] == {"state": "off"}
+    await gateway.aclose()

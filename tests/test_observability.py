@@ -8,8 +8,8 @@ import pytest
 
 from carpool.config import Config
 from carpool.metrics import Buckets
-from carpool.pipeline import Gateway
 from carpool.tracing import NO_SPAN, Tracer
+from carpool.wiring import build_gateway
 from fakes.waiting import eventually
 
 
@@ -165,7 +165,7 @@ async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fak
 
 async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_once_it_starts(spans):
     provider, exporter = spans
-    gateway = Gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))
+    gateway = build_gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))
     assert not gateway.tracer.enabled  # nobody collects yet
     gateway.tracer.provider = provider  # as opentelemetry's global one would be
     gateway.start()

@@ -19,6 +19,7 @@ from .outcome import Outcome
 from .pipeline import Gateway, Reply
 from .server import create_app
 from .upstream.function import FunctionUpstream
+from .wiring import build_gateway
 
 __all__ = [
     "BodyTooLarge",
@@ -36,5 +37,6 @@ __all__ = [
     "UpstreamStreamBroken",
     "UpstreamTimeout",
     "UpstreamUnreachable",
+    "build_gateway",
     "create_app",
 ]

@@ -145,11 +145,11 @@ def serve(
         )
     import uvicorn
 
-    from .pipeline import Gateway
     from .server import create_app
+    from .wiring import build_gateway
 
     try:
-        gateway = Gateway(config)
+        gateway = build_gateway(config)
     except ImportError as error:
         click.echo(
             f"carpool: semantic.enabled needs the semantic extra "

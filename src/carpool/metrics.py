@@ -69,6 +69,12 @@ class Stats:
         self.outcomes[outcome] += 1
         self.routes[(route, outcome)] += 1  # a StrEnum: its own label value
 
+    def observe_attempt(self, replica: Any, status: int, decision: Any) -> None:
+        """Every attempt on a replica (failed-over ones too), for /stats and /metrics."""
+        self.upstream_status[(replica.name, str(status))] += 1
+        if status >= 400:
+            self.upstream_errors += 1
+
     def snapshot(self) -> dict[str, Any]:
         o = self.outcomes
         saved = o[Outcome.HIT] + o[Outcome.SEMANTIC_HIT] + o[Outcome.COALESCED]

@@ -64,6 +64,7 @@ from .outcome import Outcome
 from .paths import confine
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
+from .wiring import build_gateway
 
 log = logging.getLogger("carpool.server")
 
@@ -330,7 +331,7 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
 
     async def readyz(_: HttpRequest) -> Response:
         # ``draining``: for whoever stops the gateway gracefully (CONTRACT: 503 while draining).
-        ready = not getattr(gateway, "draining", False) and await gateway.replicas.ready()
+        ready = not gateway.draining and await gateway.replicas.ready()
         return JSONResponse(
             {"ready": ready, "replicas": gateway.replicas.health()}, 200 if ready else 503
         )
@@ -461,13 +462,13 @@ def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
 
 
 def create_app(gateway: Gateway | None = None) -> GatewayApp:
-    return GatewayApp(gateway or Gateway())
+    return GatewayApp(gateway or build_gateway())
 
 
 def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
     the config file the parent wrote (``CARPOOL_CONFIG``)."""
-    return GatewayApp(Gateway(Config.load(os.environ.get("CARPOOL_CONFIG"))))
+    return GatewayApp(build_gateway(Config.load(os.environ.get("CARPOOL_CONFIG"))))
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

@@ -1,8 +1,11 @@
-"""Each layer of the gateway built from the one config: what ``Gateway.__init__`` assembles.
+"""Each layer of the gateway built from the one config: ``build_layers`` assembles them into
+``Layers``, ``build_gateway`` runs requests through them (``Gateway``).
 
-Contract: every function here only constructs (no I/O, nothing started); a layer whose config is
-off is ``None``; optional layers import their dependencies (the ``semantic`` and ``redis``
-extras) only when they are on.
+Contract: every function here only constructs (no I/O, nothing started: ``Layers.start`` does);
+a layer whose config is off is ``None``; optional layers import their dependencies (the
+``semantic`` and ``redis`` extras) only when they are on. A layer given to ``build_layers`` or
+``build_gateway`` (upstreams, store, semantic cache, flights, idempotency records) is used as
+it is, instead of the one the config would build.
 """
 
 from __future__ import annotations
@@ -13,25 +16,159 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from . import admin
 from .answer import Answer
+from .batching import EmbeddingBatcher, ListCheck
 from .config import CoalesceConfig, Config
 from .errors import UpstreamStatusError
+from .exchange import send
+from .fingerprint import RepeatMemo, names_of
+from .flight import FlightGroup
 from .idempotency import (
     FallbackRecords,
     IdempotencyRecords,
     MemoryIdempotencyRecords,
 )
+from .identity import AcceptedCredentials
+from .layers import Layers
+from .metrics import Metrics, Stats
+from .pipeline import Gateway
 from .store import MemoryStore, Store
+from .tracing import Tracer
 from .upstream.base import Upstream, UpstreamRequest
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
     from .redis.flights import SharedFlights
     from .redis.invalidation import InvalidationChannel
+    from .redis.semantic import SharedSemanticCache
     from .redis.store import RedisStore
     from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
     from .store.shared import SharedStore
+
+
+def build_gateway(
+    config: Config | None = None,
+    *,
+    upstreams: Sequence[Upstream] = (),
+    store: Store | None = None,
+    semantic: SemanticCache | None = None,
+    flights: FlightGroup | None = None,
+    idempotency: IdempotencyRecords | None = None,
+) -> Gateway:
+    """A gateway on the layers ``config`` makes (``build_layers``; the default config without
+    one). Close it with ``aclose``."""
+    return Gateway(
+        build_layers(
+            config,
+            upstreams=upstreams,
+            store=store,
+            semantic=semantic,
+            flights=flights,
+            idempotency=idempotency,
+        )
+    )
+
+
+def build_layers(
+    config: Config | None = None,
+    *,
+    upstreams: Sequence[Upstream] = (),
+    store: Store | None = None,
+    semantic: SemanticCache | None = None,
+    flights: FlightGroup | None = None,
+    idempotency: IdempotencyRecords | None = None,
+) -> Layers:
+    """Every layer of one gateway; those given are used as they are (no upstreams given: the
+    config's, or the simulated engine's)."""
+    config = config or Config()
+    if not upstreams:
+        from .upstream import build_upstreams
+
+        upstreams = build_upstreams(config)
+    upstreams = list(upstreams)
+    store = store if store is not None else build_store(config)
+    shared_flights = build_shared_flights(config, store)
+    coalesce = config.coalesce
+    if flights is None:
+        flights = FlightGroup(
+            window=window_policy(coalesce), finish_abandoned=coalesce.finish_abandoned
+        )
+    # With redis: an invalidation anywhere forgets the flights on every instance, running
+    # ones included (their answers are no longer stored).
+    invalidations = build_invalidations(config, store, flights.forget_all)
+    # The tenants the upstream answered recently: only they read a shared namespace.
+    tenant = config.tenant
+    accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries)
+    stats = Stats()
+    tracer = Tracer(config.tracing)
+    repeats = RepeatMemo(
+        names_of(config.tenant),
+        config.fingerprint.repeat_memo_bytes,
+        min(64 * 1024, config.limits.max_body_bytes),
+    )
+    # The gauges and the batcher's calls read the layers once they are all built (below).
+    metrics = Metrics(stats, lambda: admin.gauges(layers))
+    replicas = build_replicas(config, upstreams, stats.observe_attempt)
+    # Single embeddings are merged into list calls (identical ones were coalesced before),
+    # but only where every replica is known to answer a list as it answers each item alone
+    # (batching.embeddings; ``ListCheck``): merging must not change an answer.
+    batching = config.batching
+    batcher = EmbeddingBatcher(
+        lambda upstream_request: send(layers, upstream_request, ""),
+        max_batch_size=batching.max_batch_size,
+        max_batch_delay_s=batching.max_batch_delay_ms / 1000,
+        max_batch_tokens=batching.max_batch_tokens,
+        observe_wait=metrics.batch_wait.observe,
+        observe_size=metrics.batch_size.observe,
+        key_headers=names_of(config.tenant),
+        lists=ListCheck(batching.embeddings, upstreams, retry_s=batching.embeddings_probe_retry),
+    )
+    if semantic is None:
+        semantic = build_semantic(config, upstreams, store)
+    if idempotency is None:
+        idempotency = build_idempotency(config, store)
+    layers = Layers(
+        config=config,
+        upstreams=upstreams,
+        replicas=replicas,
+        store=store,
+        flights=flights,
+        idempotency=idempotency,
+        accepted=accepted,
+        repeats=repeats,
+        batcher=batcher,
+        stats=stats,
+        metrics=metrics,
+        tracer=tracer,
+        semantic=semantic,
+        shared_flights=shared_flights,
+        invalidations=invalidations,
+        shared_store=_redis_backed_store(config, store),
+        shared_semantic=_redis_backed_semantic(config, semantic),
+    )
+    return layers
+
+
+def _redis_backed_store(config: Config, store: Store) -> SharedStore | None:
+    """``store`` as the Redis-backed store it is, with ``redis`` (what admin reads of Redis)."""
+    if not config.redis:
+        return None
+    from .store.shared import SharedStore
+
+    return store if isinstance(store, SharedStore) else None
+
+
+def _redis_backed_semantic(
+    config: Config, semantic: SemanticCache | None
+) -> SharedSemanticCache | None:
+    """``semantic`` as the semantic cache shared through Redis it is, with ``redis``."""
+    if not config.redis or semantic is None:
+        return None
+    from .redis.semantic import SharedSemanticCache
+
+    return semantic if isinstance(semantic, SharedSemanticCache) else None
 
 
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:

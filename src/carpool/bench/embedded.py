@@ -164,14 +164,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from ..pipeline import Gateway
     from ..server import create_app
+    from ..wiring import build_gateway
 
     args = sys.argv[1:] if argv is None else argv
     config = Config.model_validate(json.loads(Path(args[0]).read_text()))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
-        gateway = Gateway(config)
+        gateway = build_gateway(config)
     except ImportError as error:
         print(
             f"carpool bench: semantic.enabled needs the semantic extra: "

@@ -1,0 +1,116 @@
+"""What the admin surfaces read of the layers, and the invalidation they order.
+
+Contract:
+- ``gauges(layers)``: the live figures ``/metrics`` scrapes (flights, waiters, each cache layer's
+  entries and bytes, calls in flight per replica, Redis errors per component, Redis calls that
+  found the pool exhausted); read at scrape time, never kept.
+- ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
+  routing decisions, the batcher's figures, Redis's health).
+- ``redis_health(layers)``: ``{"state": "off" | "up" | "degraded", ...}`` for ``/stats`` and
+  ``/healthz``, with each shared layer's counts; ``"off"`` without ``redis``.
+- ``invalidate(layers, spec)``: drops the answers matching ``{"tag"|"namespace"|"prefix": str}``
+  or ``{"all": true}`` from every layer, flights included (here and, with ``redis``, on every
+  instance); anything else is a ``RequestError``. Returns how many answers were dropped.
+- Every layer is read through its type (``Layers``): a Redis-backed layer's figures through
+  ``layers.shared_store`` / ``layers.shared_semantic``, which are ``None`` without ``redis``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from .errors import RequestError
+
+if TYPE_CHECKING:
+    from .layers import Layers
+
+
+def gauges(layers: Layers) -> dict[str, Any]:
+    """The live figures of ``/metrics`` (and part of ``/stats``)."""
+    semantic, shared_store = layers.semantic, layers.shared_store
+    return {
+        "flights": len(layers.flights),
+        "waiters": layers.flights.waiters,
+        "layers": {
+            "exact": {"entries": layers.store.entries, "bytes": layers.store.bytes},
+            **(
+                {"semantic": {"entries": semantic.entries, "bytes": semantic.bytes}}
+                if semantic
+                else {}
+            ),
+        },
+        "replicas": {name: r["in_flight"] for name, r in layers.replicas.snapshot().items()},
+        "redis_errors": {
+            "store": shared_store.errors if shared_store is not None else 0,
+            **(
+                {"flights": layers.shared_flights.counts["errors"]}
+                if layers.shared_flights is not None
+                else {}
+            ),
+            **(
+                {"invalidations": layers.invalidations.counts["errors"]}
+                if layers.invalidations is not None
+                else {}
+            ),
+        },
+        "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
+    }
+
+
+def snapshot(layers: Layers) -> dict[str, Any]:
+    """The /stats document."""
+    g = gauges(layers)
+    return {
+        **layers.stats.snapshot(),
+        "pid": os.getpid(),
+        "flights": g["flights"],
+        "waiters": g["waiters"],
+        "layers": g["layers"],
+        "replicas": layers.replicas.snapshot(),
+        "routing": dict(layers.stats.routing),
+        "batching": layers.batcher.stats(),
+        "redis": redis_health(layers),
+    }
+
+
+def redis_health(layers: Layers) -> dict[str, Any]:
+    """``{"state": "off" | "up" | "degraded", ...}`` for /stats and /healthz."""
+    report = layers.shared_store.health() if layers.shared_store is not None else {"state": "off"}
+    if layers.shared_flights is not None:
+        report = {**report, "flights": layers.shared_flights.snapshot()}
+    if layers.invalidations is not None:
+        report = {**report, "invalidations": layers.invalidations.snapshot()}
+    if layers.shared_semantic is not None:
+        report = {**report, "semantic": layers.shared_semantic.snapshot()}
+    return report
+
+
+async def invalidate(layers: Layers, spec: Any) -> int:
+    """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise RequestError('give exactly one of "tag", "namespace", "prefix" or "all"')
+    ((name, value),) = spec.items()
+    if name == "all" and value is True:
+        selector: dict[str, Any] = {"everything": True}
+    elif name in ("tag", "namespace", "prefix") and isinstance(value, str) and value:
+        selector = {name: value}
+    else:
+        selector = {}
+    if selector:
+        # Flights are a layer too, running ones included: no request joins a call begun
+        # before the invalidation, and that call's answer is not stored. Flights do not
+        # know their tags, so all go (at worst one extra upstream call per key).
+        layers.flights.forget_all()
+        if layers.shared_flights is not None:  # and those of every instance
+            await layers.shared_flights.forget_all()
+        dropped = await layers.store.invalidate(**selector)
+        if layers.semantic is not None:
+            dropped += await layers.semantic.invalidate(**selector)
+        if layers.invalidations is not None:  # last: the other instances' windows
+            await layers.invalidations.publish()
+        return dropped
+    raise RequestError(
+        f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
+        '(a non-empty string) or "all": true'
+    )

@@ -1,0 +1,264 @@
+"""The exchange with the upstream: one call, shaped for the upstream and read back.
+
+Contract:
+- ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default) and
+  failed over once if need be; counted (``upstream_calls``, routing decisions) and traced
+  (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself.
+- ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
+  stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
+  changes when streamed: a completion's ``best_of``/``echo``), so that streaming clients joining
+  the call get it live; with the usage the clients may not have asked for
+  (``upstream.stream_usage``). A stream is published into the flight's ``Broadcast`` frame by
+  frame (``_consume``), a whole body read at once (``_complete``); either comes back as an
+  ``Answer``, ``complete`` (storable) only when its API judges it so. A status other than 2xx
+  raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
+  an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
+  the flight fails, and nothing is stored.
+- ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
+  (``_pipe``), never judged further, never stored.
+- What the upstream's answer says of the requester's credentials is told to
+  ``AcceptedCredentials`` on every call (``identity.py``): a 2xx accepts, a 401/403 refuses.
+- ``relay``: a flight's stream for one client, framed as its API frames streams, ending with the
+  API's error event if the flight failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .answer import Answer
+from .apis import Api, api_of
+from .broadcast import Broadcast
+from .errors import CarpoolError, UpstreamError, UpstreamStatusError, UpstreamStreamBroken
+from .fingerprint import grant_of, names_of, requester
+from .outcome import Outcome
+from .reply import SSE_HEADERS, Reply, error_reply
+from .request import Request
+from .upstream.base import UpstreamRequest, UpstreamResponse
+
+if TYPE_CHECKING:
+    from .layers import Layers
+
+
+async def send(layers: Layers, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
+    """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
+    layers.stats.upstream_calls += 1
+    with layers.tracer.span("carpool.upstream") as span:
+        response, replica, decision = await layers.replicas.send(upstream_request, text)
+        span.set_attribute("carpool.replica", replica.name)
+        span.set_attribute("carpool.decision", decision.value)
+    layers.stats.routing[decision.value] += 1
+    return response
+
+
+class Exchange:
+    """A flight's upstream call and a bypass's, on the ``layers`` (read at call time: their
+    tracer may be replaced while the gateway runs)."""
+
+    def __init__(self, layers: Layers) -> None:
+        self.layers = layers
+        self.config = layers.config
+
+    async def fetch(self, request: Request, broadcast: Broadcast) -> Answer:
+        """The upstream call: streamed into ``broadcast`` frame by frame, then assembled."""
+        api, body, stream = request.api, request.body, request.stream
+        # Streamed anyway when the config says so (``_streams``), so that streaming clients
+        # joining this call get it live; with the usage the clients may not have asked for.
+        if stream or self._streams(request):
+            body, stream = (
+                api.streamed(body, self.config.upstream.stream_usage and not request.include_usage),
+                True,
+            )
+        upstream_request = UpstreamRequest(
+            request.upstream_path, body, request.headers, stream, request.query, api.last_event
+        )
+        if request.kind == "embedding":
+            response = await self.layers.batcher.embed(upstream_request)
+        else:
+            response = await send(self.layers, upstream_request, _routing_text(request))
+        self._judged(request, response.status)
+        try:
+            if not 200 <= response.status < 300:
+                raise UpstreamStatusError(
+                    response.status,
+                    response.body,
+                    response.headers.get("content-type", "application/json"),
+                )
+            if response.streaming:
+                answer = await _consume(request.kind, response, broadcast, body)
+            else:
+                answer = _complete(request.kind, response.body, body)
+        finally:
+            await response.aclose()
+        return answer
+
+    def _streams(self, request: Request) -> bool:
+        """Whether a non-streaming request's shared call is asked of the upstream as a stream."""
+        if not self.config.upstream.stream_flights or not request.api.streams:
+            return False
+        body = request.body
+        # A completion's best_of picks among candidates at the end, and echo repeats the prompt:
+        # engines refuse or change them when streamed.
+        return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
+
+    async def bypass(self, request: Request, route: str) -> Reply:
+        """A request that shares nothing, sent as it came and relayed as it comes."""
+        self.layers.stats.count(route, Outcome.BYPASS)
+        header = Outcome.BYPASS.header
+        api = request.api
+        try:
+            response = await send(
+                self.layers,
+                UpstreamRequest(
+                    request.upstream_path,
+                    request.body,
+                    request.headers,
+                    request.stream,
+                    request.query,
+                    api.last_event,
+                ),
+                _routing_text(request),
+            )
+        except CarpoolError as error:
+            return error_reply(error, Outcome.BYPASS, api)
+        self._judged(request, response.status)
+        if response.streaming:
+            return Reply(
+                response.status,
+                [*SSE_HEADERS, header],
+                stream=_pipe(api, response),
+                outcome=Outcome.BYPASS,
+            )
+        ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+        return Reply(
+            response.status,
+            [(b"content-type", ctype), header],
+            response.body,
+            outcome=Outcome.BYPASS,
+        )
+
+    def _judged(self, request: Request, status: int) -> None:
+        """What the upstream's answer says of the requester's credentials (``identity.py``)."""
+        if 200 <= status < 300:
+            self.layers.accepted.accept(
+                requester(request.headers, self.config),
+                grant_of(request, names_of(self.config.tenant)),
+            )
+        elif status in (401, 403):
+            self.layers.accepted.refuse(requester(request.headers, self.config))
+
+
+async def _consume(
+    kind: str, response: UpstreamResponse, broadcast: Broadcast, asked: dict[str, Any]
+) -> Answer:
+    """Publish an upstream stream frame by frame; judge and assemble it once it ends.
+
+    Only a stream that ended whole comes back (``[DONE]``, or a typed stream's last event:
+    ``response.events()`` raises ``UpstreamStreamBroken`` otherwise, and so does an error event),
+    judged by its API (``Api.judge_stream``): a chat or completions stream must have finished
+    every choice that ``asked`` (the request body sent) asked for, or it raises too; a typed
+    stream that ended without completing (Responses ``incomplete``/``failed``, a message with no
+    ``stop_reason``) is the upstream's own answer, served as it came and not stored. A raise
+    fails the flight: every client gets an error (streaming ones an SSE error event) and
+    nothing is stored.
+    """
+    api = api_of(kind)
+    chunks: list[dict[str, Any]] = []
+    async for payload in response.events():
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
+        if not isinstance(chunk, dict):
+            raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
+        error = api.failure(chunk)
+        if error is not None:
+            # The engine's own error object reaches the clients as it is (its message, type
+            # and code), not a paraphrase.
+            raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}", error)
+        chunks.append(chunk)
+        broadcast.publish(api.frame(payload, chunk), usage_only=api.usage_only(chunk))
+    body, complete = api.judge_stream(chunks, asked)
+    return Answer(
+        kind,
+        orjson.dumps(body),
+        complete,
+        api.usage_tokens(body),
+        frames=broadcast.frames,
+        usage_frame=broadcast.usage_frame,
+    )
+
+
+def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
+    """A whole upstream body as an ``Answer``: ``complete`` (storable) only when its API judges
+    it so (``Api.complete``: for chat and completions, every choice that ``asked`` (the request
+    body sent) asked for is there and finished). An incomplete one is still the upstream's own
+    2xx answer: its clients get it as it came; it is never stored."""
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("the upstream answered with a body that is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise UpstreamError("the upstream answered with a body that is not a JSON object")
+    return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
+
+
+async def relay(
+    api: Api,
+    broadcast: Broadcast,
+    include_usage: bool,
+    saved: Callable[[Answer], None] | None = None,
+) -> AsyncIterator[bytes]:
+    """A flight's stream for one client; ``saved`` (a joiner's) is told the answer it got."""
+    async for chunk in broadcast.follow(include_usage):
+        yield chunk
+    if broadcast.error is not None:
+        yield api.error_event(broadcast.error)
+    else:
+        if saved is not None and broadcast.answer is not None:
+            saved(broadcast.answer)
+        if api.stream_end:
+            yield api.stream_end
+
+
+async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
+    """A bypassed stream, relayed as it comes (framed as its API frames it); a failure part-way
+    (a stream that stops without ``[DONE]`` or its last event included) ends it with an error
+    event. It is not judged further: nothing stores it, and a client of its own gets what the
+    upstream sent."""
+    try:
+        async for payload in response.events():
+            error = _error_in(api, payload) if b'"error"' in payload else None
+            if error is not None:
+                # The upstream's own error ends it, framed as its API frames errors (a typed
+                # stream's SDK ignores an event without its name): no second one.
+                yield api.error_event(
+                    UpstreamStreamBroken(
+                        f"the upstream stream failed: {error.get('message')}", error
+                    )
+                )
+                return
+            yield api.frame(payload)
+        if api.stream_end:
+            yield api.stream_end
+    except UpstreamError as error:
+        yield api.error_event(error)
+    finally:
+        await response.aclose()
+
+
+def _error_in(api: Api, payload: bytes) -> dict[str, Any] | None:
+    """The error object of a stream payload that is an error event (``Api.failure``)."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return api.failure(parsed) if isinstance(parsed, dict) else None
+
+
+def _routing_text(request: Request) -> str:
+    """The prompt as the engine sees it, system prompt first: what its prefix cache holds."""
+    return "\n".join(request.api.input_texts(request.body))

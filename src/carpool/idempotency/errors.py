@@ -1,0 +1,93 @@
+"""Idempotency errors, answered as RFC 9457 problem details (``application/problem+json``).
+
+- ``IdempotencyKeyInvalid`` (400): the key is empty, too long or not a valid header string
+  (``parse_key``); it is refused before any record is begun.
+- ``IdempotencyConflict`` (409): a request with the key is still being processed (``begin`` said
+  ``"processing"``, with ``idempotency.on_conflict: reject``, or after waiting in vain).
+- ``IdempotencyMismatch`` (422): the key was used with another request (another fingerprint).
+- ``IdempotencyFormatMismatch`` (422): the stored response has no faithful form in the format
+  (stream or not) the retry asks for (``replay_as``).
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from ..errors import CarpoolError
+
+PROBLEM_TYPE = "https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/"
+
+
+class IdempotencyError(CarpoolError):
+    """An idempotency error, answered as RFC 9457 problem details (``application/problem+json``)."""
+
+    type = "invalid_request_error"  # OpenAI's type, for an SSE error event
+    problem_type = PROBLEM_TYPE
+    title = "Idempotency-Key error"
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "type": self.problem_type,
+                "title": self.title,
+                "status": self.status,
+                "detail": self.message,
+            }
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/problem+json"}
+
+
+class IdempotencyKeyInvalid(IdempotencyError):
+    """400: the key is empty, longer than 255 characters, or not a valid header string."""
+
+    status = 400
+    code = "idempotency_key_invalid"
+    title = "Idempotency-Key is invalid"
+
+
+class IdempotencyConflict(IdempotencyError):
+    """409: a request with this key is still being processed."""
+
+    status = 409
+    code = "idempotency_conflict"
+    title = "A request is outstanding for this Idempotency-Key"
+
+    def __init__(
+        self,
+        message: str = "A request with the same Idempotency-Key is still being "
+        "processed; retry once it has finished.",
+    ) -> None:
+        super().__init__(message)
+
+
+class IdempotencyMismatch(IdempotencyError):
+    """422: this key was already used with a different request."""
+
+    status = 422
+    code = "idempotency_mismatch"
+    title = "Idempotency-Key is already used"
+
+    def __init__(
+        self,
+        message: str = "This Idempotency-Key was already used with a different "
+        "request; a new request needs a new key.",
+    ) -> None:
+        super().__init__(message)
+
+
+class IdempotencyFormatMismatch(IdempotencyMismatch):
+    """422: the stored response cannot be replayed in the format (stream or not) the retry asks
+    for, e.g. an error stored for a streaming request, retried without ``stream``."""
+
+    code = "idempotency_format_mismatch"
+    title = "Idempotency-Key's response is in another format"
+
+    def __init__(self, streamed: bool) -> None:
+        stored, asked = ("a stream", "without") if streamed else ("not a stream", "with")
+        super().__init__(
+            f"This Idempotency-Key holds the response to the same request as {stored}; it "
+            f'cannot be replayed to a request {asked} "stream": true. Retry in the first '
+            "request's format, or use a new key."
+        )

@@ -1,0 +1,160 @@
+"""Final or retryable (``is_final``; the table is its docstring), and the replay's format
+(``replay_as``).
+
+Final or retryable
+- Only a request the upstream executed is frozen as its final answer (the draft's and Stripe's
+  rule: a result is saved only once the request began executing): a complete 2xx answer, or an
+  error of the upstream for a request it executed and refused or failed (most 4xx, 500). The
+  caller ``finish``es with those only. A 500 is final as Stripe keeps it: the engine ran the
+  request and failed on it, and the contract replays "success or upstream error"; a client that
+  wants another try after one uses a new key.
+- Everything else is retryable, and the caller ``abandon``s the record, so that a retry with the
+  same key runs again: the gateway's own refusals, an unreachable upstream (502), a timeout
+  (504), 408/409/425/429, a proxy's 502/503/504, a flight abandoned (499), a 200 that is not a
+  complete answer (an error body, a body cut or not JSON, a stream that ended with an error
+  event or without ``[DONE]``). A timeout is retryable although the engine may have run the
+  request: the gateway has no answer to replay, freezing the 504 for the retention would turn a
+  slow moment into a day-long failure, and running an LLM call twice costs tokens but has no
+  other effect; so a timed-out request is run at least once, not at most once.
+- A record is taken before the request runs, so the gateway's refusals of a request as sent
+  (400 bad body or fields, 413, 431, an invalid key: ``parse``/``parse_key``) never reach it.
+- A list input (the caller's ``list_items``) has one record for the list and one per item
+  (``key`` + ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer,
+  and the list's only when every item has one; otherwise the list's record is dropped and a
+  retry recomputes just the items without an answer (``carpool.idempotency.once``).
+
+The format
+- ``StoredResponse.streamed`` is the format of the request that made the record (``stream``
+  is outside the request digest, so a retry may ask for the other one). ``replay_as`` gives the
+  stored response in the format a retry asks for: as it is in the same format; a complete 2xx
+  chat/completion answer converted (JSON synthesized into SSE chunks, SSE assembled into the
+  JSON body); otherwise None, and the caller answers ``IdempotencyFormatMismatch`` (422): an
+  error or an embedding stored for one format is never replayed in the other, and a client
+  never gets JSON on a stream or SSE for a non-streaming request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..apis import APIS, Api
+from ..errors import UpstreamStreamBroken
+from .records import StoredResponse
+
+SSE_TYPE = b"text/event-stream"
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", SSE_TYPE)]
+_RETRY_MEANT = frozenset((408, 409, 425, 429, 499))
+_NOT_REACHED = frozenset((502, 503, 504))
+
+
+def is_final(kind: str, response: StoredResponse) -> bool:
+    """Whether ``response`` (to a request of ``kind``: "chat", "responses"..., ``carpool.apis``)
+    is the request's final answer, kept for the retention and replayed; if not, it is retryable and a
+    retry with the same key runs again.
+
+        status            final  why
+        2xx, complete     yes    executed and answered (JSON: ``Api.complete``; a stream:
+                                 it ended whole ([DONE] or its last event), no error event,
+                                 complete)
+        2xx, incomplete   no     not an answer: an error body, a body cut or not JSON, a stream
+                                 that failed part-way (error event) or was cut (no [DONE],
+                                 no last event)
+        4xx but below     yes    executed and refused by the upstream (400 bad parameters,
+                                 401/403, 404 no such model, 413, 422...): the same request is
+                                 refused again, so replaying the error is the answer
+        408 409 425 429   no     not executed, the upstream asks for a retry (request timeout,
+                                 conflict, too early, rate limited); 409 is also the gateway's
+                                 "an item is still processing"
+        499               no     the flight was abandoned: every client left, the call was
+                                 cancelled
+        500 501 505-511   yes    executed and failed in the engine: replayed, as Stripe does
+                                 (it keeps 500s); a client that wants another try uses a new key
+        502 503 504       no     not reached or not executed: the gateway's own "unreachable",
+                                 "stream broken", "malformed answer" (502), "store unavailable"
+                                 (503), "timeout" (504: see the module docstring), or a proxy in
+                                 front of the engine saying the same
+        other (1xx, 3xx,  no     not an answer of the engine (512-599: proxies' own codes such
+        512-599)                 as 520-524)
+
+    The gateway's own refusals of a request as sent (400, 413, 431, an invalid key) come before
+    its record is begun; what it answers after that (409, 499, 502, 503, 504) is in the "no"
+    rows. Never raises.
+    """
+    status = response.status
+    if 200 <= status < 300:
+        return _answered(kind, response)
+    if 400 <= status < 500:
+        return status not in _RETRY_MEANT
+    return 500 <= status <= 511 and status not in _NOT_REACHED
+
+
+def replay_as(
+    response: StoredResponse, kind: str, stream: bool, include_usage: bool
+) -> StoredResponse | None:
+    """``response`` in the format a retry asks for (``stream``), or None when it has no faithful
+    form in it (then: ``IdempotencyFormatMismatch``). Same format: as it is. Another format: a
+    complete 2xx answer of an API with streams (``carpool.apis``: chat, completions, Responses,
+    Messages), its JSON body synthesized into the API's stream (with the usage chunk if
+    ``include_usage``) or its stream assembled into the JSON body. An error, or an answer of
+    another kind, stored for one format is not replayed in the other: the upstream might have
+    answered the other format differently."""
+    if response.streamed == stream:
+        return response
+    api = APIS.get(kind)
+    if not 200 <= response.status < 300 or api is None or not api.streams:
+        return None
+    if stream:
+        body = _json_body(response.body)
+        if body is None or not api.complete(body):
+            return None
+        return StoredResponse(
+            response.status,
+            list(_SSE_HEADERS),
+            b"".join(api.synthesize(body, include_usage)) + api.stream_end,
+            True,
+        )
+    assembled = _assembled(api, response.body)
+    if assembled is None:
+        return None
+    return StoredResponse(response.status, list(_JSON_HEADERS), orjson.dumps(assembled), False)
+
+
+def _answered(kind: str, response: StoredResponse) -> bool:
+    """A 2xx response is a complete answer (see ``is_final``)."""
+    api = APIS.get(kind)
+    if any(
+        name == b"content-type" and value.startswith(SSE_TYPE) for name, value in response.headers
+    ):
+        if api is None or not api.streams:
+            return False
+        return _assembled(api, response.body) is not None
+    body = _json_body(response.body)
+    if body is None:
+        return False
+    if api is not None:
+        return api.final(body)
+    return "error" not in body  # another endpoint: its shape is unknown here
+
+
+def _assembled(api: Api, raw: bytes) -> dict[str, Any] | None:
+    """The complete answer a whole SSE body makes: None unless it ended as the API's streams
+    end (``[DONE]``, or its last event), no event in it is an error, and it is complete."""
+    chunks = api.stream_chunks(raw)
+    if chunks is None:
+        return None
+    try:
+        body, complete = api.judge_stream(chunks, None)
+    except UpstreamStreamBroken:
+        return None
+    return body if complete or api.final(body) else None
+
+
+def _json_body(raw: bytes) -> dict[str, Any] | None:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) else None

@@ -1,0 +1,289 @@
+"""A request with an Idempotency-Key, run at most once: ``AtMostOnce.run``, around
+``Gateway._answer``.
+
+Contract:
+- The record is scoped to the requester (``Fingerprint.owner``, then the raw key): records never
+  cross tenants. Its fingerprint is the request's digest (``request_digest``), so the same key
+  with another request is a 422 (``IdempotencyMismatch``), whatever the record's state.
+- A request whose key is being processed gets a 409 (``IdempotencyConflict``), or, with
+  ``idempotency.on_conflict: wait``, waits for it up to the join timeout and looks again.
+- A finished key is replayed (``replay_as``): its first answer in the retry's format, with
+  ``idempotent-replayed: true`` and the ``hit`` outcome, without calling upstream; a 422
+  (``IdempotencyFormatMismatch``) when it has no faithful form in that format.
+- Only a final answer is kept (``is_final``): after a retryable one the record is dropped and a
+  retry runs again. A stream is kept as the client received it, once it ended (``_Recorded``);
+  one that ended with an error event, or whose client left, is dropped. The record is dropped
+  too when the request fails or is cancelled before its answer (shielded: a cancelled task
+  still drops it).
+- A list input (``list_items``) has one record for the list and one per item (the list's key +
+  ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer, and the
+  list's only when every item has one; otherwise the list's record is dropped and a retry
+  recomputes just the items without an answer. A 200 that is not an answer fails the list as
+  the upstream's failure (502), never as the gateway's crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import orjson
+
+from ..config import Config
+from ..errors import UpstreamError
+from ..fingerprint import Fingerprint, fingerprint, request_digest
+from ..identity import AcceptedCredentials
+from ..metrics import Stats
+from ..outcome import Outcome
+from ..reply import JSON, Reply, error_reply
+from ..request import ClientRequest, Request, list_items, merge_items
+from .errors import IdempotencyConflict, IdempotencyFormatMismatch, IdempotencyMismatch
+from .final import is_final, replay_as
+from .header import REPLAYED_HEADER
+from .records import IdempotencyRecords, StoredResponse
+
+# ``Gateway._answer``: a request's reply, however it is answered (cache, flight, bypass).
+Answering = Callable[[ClientRequest, Request, Fingerprint, str], Awaitable[Reply]]
+
+
+class AtMostOnce:
+    """Runs requests with an Idempotency-Key through ``answer``, at most once per key."""
+
+    def __init__(
+        self,
+        records: IdempotencyRecords,
+        config: Config,
+        accepted: AcceptedCredentials,
+        stats: Stats,
+        answer: Answering,
+    ) -> None:
+        self.records = records
+        self.config = config
+        self.accepted = accepted
+        self.stats = stats
+        self.answer = answer
+        self._join_timeout = config.coalesce.join_timeout_ms / 1000
+
+    async def run(
+        self,
+        client: ClientRequest,
+        request: Request,
+        key: Fingerprint,
+        idempotency_key: str,
+        route: str,
+    ) -> Reply:
+        """A request with an Idempotency-Key runs at most once; retries get its first answer.
+
+        Only a final answer is kept (``idempotency.is_final``): after a retryable one (not
+        executed, not a complete answer, a stream that failed) the record is dropped and a
+        retry runs again. A replay comes in the retry's format, or is a 422 (``replay_as``).
+        """
+        records = self.records
+        scoped, digest = (
+            f"{key.owner}\n{idempotency_key}",
+            request_digest(request, key, self.config),
+        )
+        begin = await records.begin(scoped, digest)
+        if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
+            if client.on_wait is not None:
+                client.on_wait()
+            await records.wait(scoped, digest, self._join_timeout)
+            begin = await records.begin(scoped, digest)
+        if begin.state == "mismatch":
+            return error_reply(IdempotencyMismatch(), Outcome.BYPASS, request.api)
+        if begin.state == "processing":
+            return error_reply(IdempotencyConflict(), Outcome.BYPASS, request.api)
+        if begin.state == "done":
+            assert begin.response is not None
+            stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
+            if stored is None:
+                return error_reply(
+                    IdempotencyFormatMismatch(begin.response.streamed), Outcome.BYPASS, request.api
+                )
+            self.stats.count(route, Outcome.HIT)
+            return Reply(
+                stored.status,
+                [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
+                stored.body,
+                outcome=Outcome.HIT,
+            )
+        token = begin.token
+        assert token is not None
+        items = list_items(request)
+        try:
+            if items is None:
+                reply = await self.answer(client, request, key, route)
+            else:
+                reply = await self._items(client, items, scoped, route)
+        except BaseException:
+            await _shielded(records.abandon(scoped, token))
+            raise
+        if items is not None and reply.status >= 300:
+            # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
+            await records.abandon(scoped, token)
+        elif reply.stream is None:
+            stored = StoredResponse(
+                reply.status, _replayable(reply.headers), reply.body, request.stream
+            )
+            if is_final(request.kind, stored):
+                await records.finish(scoped, token, stored)
+            else:
+                await records.abandon(scoped, token)  # retryable: a retry runs again
+        else:
+            recorded = _Recorded(
+                records,
+                scoped,
+                token,
+                request.kind,
+                StoredResponse(reply.status, _replayable(reply.headers), b"", request.stream),
+            )
+            reply.stream = _recorded(reply.stream, recorded)
+            reply.on_close = partial(recorded.close, reply.on_close)
+        return reply
+
+    async def _items(
+        self, client: ClientRequest, items: list[Request], scoped: str, route: str
+    ) -> Reply:
+        """A list input under one Idempotency-Key: each item is a sub-request with its record."""
+        records = self.records
+
+        async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome]:
+            key = fingerprint(request, self.config, self.accepted)
+            item_key = f"{scoped}\n{i}"
+            begin = await records.begin(item_key, request_digest(request, key, self.config))
+            if begin.state == "done":
+                assert begin.response is not None
+                return begin.response, Outcome.HIT
+            if begin.state != "new" or begin.token is None:
+                error = (
+                    IdempotencyMismatch() if begin.state == "mismatch" else IdempotencyConflict()
+                )
+                return StoredResponse(
+                    error.status, _replayable(error_reply(error, None).headers), error.body()
+                ), Outcome.BYPASS
+            try:
+                reply = await self.answer(client, request, key, route)
+            except BaseException:
+                await _shielded(records.abandon(item_key, begin.token))
+                raise
+            stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body)
+            outcome = reply.outcome or Outcome.MISS
+            # Only a good answer is kept: whatever else the item got (an error, final or not,
+            # or a 200 that is no answer) is computed again by a retry.
+            if reply.status < 300 and is_final(request.kind, stored):
+                await records.finish(item_key, begin.token, stored)
+                return stored, outcome
+            await records.abandon(item_key, begin.token)
+            if reply.status < 300:
+                # A 200 that is not an answer (an error body, no data, not JSON) fails the list
+                # as the upstream's failure, never as the gateway's crash in merge_items.
+                return _item_failed(i), outcome
+            return stored, outcome
+
+        results = await asyncio.gather(*(item(i, request) for i, request in enumerate(items)))
+        kind = items[0].kind
+        for stored, outcome in results:
+            if stored.status >= 300:
+                return Reply(
+                    stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
+                )
+        outcomes = {outcome for _, outcome in results}
+        outcome = (
+            Outcome.MISS
+            if Outcome.MISS in outcomes
+            else Outcome.HIT
+            if outcomes == {Outcome.HIT}
+            else Outcome.COALESCED
+        )
+        try:
+            body = merge_items(kind, [orjson.loads(stored.body) for stored, _ in results])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            # Complete answers of an odd shape (say, a choice index that is not a number), or
+            # an item kept by an older gateway that did not check its answer.
+            stored = _item_failed(None)
+            return Reply(
+                stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
+            )
+        return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
+
+
+def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """What a replay repeats of the first answer's headers: its content type, not its outcome."""
+    return [(name, value) for name, value in headers if name == b"content-type"]
+
+
+class _Recorded:
+    """The idempotency record of a stream being relayed (``_recorded``), settled once: finished
+    with what the client received if that is final (``is_final``), else dropped (the stream
+    ended with an error event, or its client left), so that a retry runs again."""
+
+    __slots__ = ("records", "key", "token", "kind", "head", "settled")
+
+    def __init__(
+        self, records: IdempotencyRecords, key: str, token: str, kind: str, head: StoredResponse
+    ) -> None:
+        self.records, self.key, self.token, self.kind = records, key, token, kind
+        self.head = head  # status, headers and format; the frames are the body
+        self.settled = False
+
+    async def end(self, frames: list[bytes]) -> None:
+        self.settled = True
+        head = self.head
+        stored = StoredResponse(head.status, head.headers, b"".join(frames), head.streamed)
+        if is_final(self.kind, stored):
+            await self.records.finish(self.key, self.token, stored)
+        else:
+            await self.records.abandon(self.key, self.token)
+
+    async def drop(self) -> None:
+        self.settled = True
+        with contextlib.suppress(Exception):
+            await self.records.abandon(self.key, self.token)
+
+    def close(self, on_close: Callable[[], None] | None) -> None:
+        """``Reply.close``: a stream closed before its end was not received whole. A client that
+        left while its stream waited to send a frame (or before the first) leaves ``_recorded``
+        suspended or never started: the record is dropped now, not when (or if) the generator is
+        collected, and not when its lease runs out."""
+        if on_close is not None:
+            on_close()
+        if not self.settled:
+            try:
+                task = asyncio.get_running_loop().create_task(self.drop())
+            except RuntimeError:  # closed outside a loop: the lease will run out instead
+                return
+            _DROPPING.add(task)
+            task.add_done_callback(_DROPPING.discard)
+
+
+_DROPPING: set[asyncio.Task[None]] = set()  # strong references to the drops under way
+
+
+async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncIterator[bytes]:
+    """Relay a stream and keep it whole: the record stores what the client received, if final."""
+    sent: list[bytes] = []
+    try:
+        async for frame in frames:
+            sent.append(frame)
+            yield frame
+    except BaseException:
+        await _shielded(recorded.drop())
+        raise
+    await recorded.end(sent)
+
+
+def _item_failed(index: int | None) -> StoredResponse:
+    """What a list request answers when the upstream's 200 for an item is not an answer."""
+    which = f"item {index}" if index is not None else "an item"
+    error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete answer")
+    return StoredResponse(error.status, _replayable(error_reply(error, None).headers), error.body())
+
+
+async def _shielded(work: Any) -> None:
+    """Run a record update to its end even though the task around it is being cancelled."""
+    task = asyncio.ensure_future(work)
+    with contextlib.suppress(BaseException):
+        await asyncio.shield(task)

@@ -1,0 +1,89 @@
+"""The records: one per key, with the fingerprint of the request that created it.
+
+    (none) --begin--> PROCESSING --finish(2xx)----> SUCCESS  } kept ``retention`` s from the
+                          |      --finish(other)--> FAILED   } finish, then (none) again
+                          |--abandon--> (none)
+                          '--lease runs out--> (none)
+
+- ``begin(key, fingerprint)``, atomic (one winner among any number of concurrent callers, on any
+  number of instances sharing the backend):
+  * no record (or an expired one): a PROCESSING record with a fresh owner token -> ``"new"``
+    with the token; the caller processes the request and must end with ``finish`` or ``abandon``;
+  * a record with another fingerprint, whatever its state -> ``"mismatch"`` (422);
+  * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
+  * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format:
+    status, headers, body byte for byte; see ``replay_as``) plus ``idempotent-replayed: true``,
+    without calling upstream.
+- ``finish(key, token, response)``: only the owner token of a live PROCESSING record may finish;
+  the record becomes SUCCESS (2xx) or FAILED (any other status: an upstream error is replayed
+  too) and is kept ``retention`` seconds from now, with ``response.streamed``. The records
+  store what they are given: telling final from retryable (``is_final``) is the caller's job.
+  Returns whether it was stored (False: not the owner, or the lease ran out / the record was
+  evicted, so the answer is not kept).
+- ``abandon(key, token)``: the owner gives up without a final answer (its client left and the
+  call was cancelled, the gateway failed before an answer): the record is dropped, so a retry
+  runs as ``"new"``. Returns whether there was a record to drop.
+- ``renew(key, token)``: extends the owner's lease from now (in process: ``processing_ttl``; in
+  Redis: ``idempotency.lease``, renewed by the records themselves); False when the
+  record is no longer this owner's (then it may already run elsewhere). A PROCESSING record whose
+  lease runs out (its owner died, or did not renew) is gone: the next ``begin`` takes over as
+  ``"new"``, and the old owner's ``finish`` is refused.
+- ``wait(key, fingerprint, timeout)``: for ``idempotency.on_conflict: wait``. Returns the stored
+  response once the record of ``fingerprint`` (the waiting request's) is finished; None when the
+  timeout passes, when there is no record (abandoned, lease run out, expired), or when the record
+  belongs to another fingerprint (taken over by another request, even before the first look). On None the
+  caller should ``begin`` again (it may now be ``"new"``, ``"mismatch"``...), not assume a 409.
+- Retention: SUCCESS and FAILED records live ``retention`` seconds (config
+  ``idempotency.retention``, default 24 h) from their finish; then the key is free again.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+PROCESSING_TTL = 660.0  # s: the default upstream timeout (600) + a margin
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """A final response, replayed as it is: status, headers (raw ASGI pairs), body bytes, and
+    ``streamed``: whether the request that made it asked for a stream (see ``replay_as``)."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    streamed: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + sum(len(n) + len(v) for n, v in self.headers)
+
+
+@dataclass(slots=True)
+class Begin:
+    """What ``begin`` found: ``new`` (``token``: the owner's), ``processing``, ``mismatch``, or
+    ``done`` (``response``: the stored one, to replay)."""
+
+    state: Literal["new", "processing", "mismatch", "done"]
+    token: str | None = None
+    response: StoredResponse | None = None
+
+
+class IdempotencyRecords(Protocol):
+    async def begin(self, key: str, fingerprint: str) -> Begin: ...
+
+    async def finish(self, key: str, token: str, response: StoredResponse) -> bool: ...
+
+    async def abandon(self, key: str, token: str) -> bool: ...
+
+    async def renew(self, key: str, token: str) -> bool: ...
+
+    async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _new_token() -> str:
+    return secrets.token_hex(16)

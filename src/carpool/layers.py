@@ -1,0 +1,82 @@
+"""The layers of one gateway, built together from one config (``wiring.build_layers``), started
+and closed together: ``Layers``.
+
+Contract:
+- ``Layers`` holds every layer the request's path reads (``Gateway``, ``pipeline.py``) and the
+  admin surfaces report (``admin.py``); a layer whose config is off is ``None``.
+- ``shared_store`` and ``shared_semantic`` are the Redis-backed layers as what they are (the
+  same objects as ``store`` and ``semantic``; ``None`` without ``redis``): what ``/stats``,
+  ``/metrics`` and ``/healthz`` read of Redis (errors, pool exhaustion, health, stream counts).
+- ``start()`` starts the background work that needs the event loop (the server calls it at
+  startup; the layers also start lazily on first use); safe to call again.
+- ``aclose()`` closes what the layers hold, each once, users before what they use (the batcher's
+  probes before the upstreams; the shared layers before the store whose connection they share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .batching import EmbeddingBatcher
+    from .config import Config
+    from .fingerprint import RepeatMemo
+    from .flight import FlightGroup
+    from .idempotency import IdempotencyRecords
+    from .identity import AcceptedCredentials
+    from .metrics import Metrics, Stats
+    from .redis.flights import SharedFlights
+    from .redis.invalidation import InvalidationChannel
+    from .redis.semantic import SharedSemanticCache
+    from .routing.replicas import ReplicaSet
+    from .semantic.cache import SemanticCache
+    from .store import Store
+    from .store.shared import SharedStore
+    from .tracing import Tracer
+    from .upstream.base import Upstream
+
+
+@dataclass(eq=False)
+class Layers:
+    """Every layer of one gateway (see the module's contract)."""
+
+    config: Config
+    upstreams: list[Upstream]
+    replicas: ReplicaSet
+    store: Store
+    flights: FlightGroup
+    idempotency: IdempotencyRecords
+    accepted: AcceptedCredentials  # the tenants the upstream answered recently
+    repeats: RepeatMemo
+    batcher: EmbeddingBatcher
+    stats: Stats
+    metrics: Metrics
+    tracer: Tracer
+    semantic: SemanticCache | None = None
+    shared_flights: SharedFlights | None = None
+    invalidations: InvalidationChannel | None = None
+    shared_store: SharedStore | None = None
+    shared_semantic: SharedSemanticCache | None = None
+
+    def start(self) -> None:
+        """Start background work that needs the event loop (the server calls it at startup;
+        it also starts lazily on first use)."""
+        self.tracer.refresh()
+        if self.shared_semantic is not None:
+            self.shared_semantic.start()
+        if self.invalidations is not None:
+            self.invalidations.start()
+
+    async def aclose(self) -> None:
+        await self.batcher.aclose()  # its probes use the upstreams closed below
+        if self.invalidations is not None:
+            await self.invalidations.aclose()
+        if self.semantic is not None:
+            await self.semantic.aclose()
+        if self.shared_flights is not None:
+            await self.shared_flights.aclose()
+        for upstream in self.upstreams:
+            await upstream.aclose()
+        await self.store.aclose()
+        await self.idempotency.aclose()

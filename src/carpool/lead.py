@@ -1,0 +1,204 @@
+"""A flight's own task: the upstream call into the flight's broadcast, then the answer stored.
+
+Contract:
+- ``Leader.lead`` is a flight's lead (``FlightGroup.acquire``): it runs in the flight's own task,
+  never in a client's. The upstream call (``Exchange.fetch``) streams into the flight's
+  broadcast; a complete answer is stored before the flight ends, so a request that no longer
+  finds the flight finds the answer in the cache (read-your-writes).
+- With ``redis``, identical requests on different instances share one call too: the lead of
+  each instance's flight leads it for all of them or relays it from the instance that does
+  (``redis/flights.py``); whatever Redis does, the flight still gets its answer. ``alone``: the
+  call is made here, whatever the other instances do (a joiner that timed out, a takeover).
+- Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
+  ttl > 0, without ``no-store``, and only if no invalidation came after the call began (the
+  flights' ``epoch``): the answer may predate what was invalidated.
+- With the semantic cache, the prompt is embedded while the upstream answers (unless the probe
+  did already), so that its entry too is in before the flight ends; an entry whose embedding
+  was not begun is inserted off the flight's path (``background``), not to delay its clients.
+  Semantic entries are shared with ``redis`` too (``redis/semantic.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .answer import Answer
+from .broadcast import Broadcast
+from .fingerprint import Fingerprint, SemanticView, semantic_view
+from .request import Request
+from .store import Entry
+
+if TYPE_CHECKING:
+    from .layers import Layers
+    from .semantic.cache import Probe
+
+log = logging.getLogger("carpool")
+
+PROMPT_PREFIX_CHARS = 1024
+
+
+class Leader:
+    """Leads the flights of one gateway: ``fetch`` makes the call (``Exchange.fetch``)."""
+
+    def __init__(
+        self, layers: Layers, fetch: Callable[[Request, Broadcast], Awaitable[Answer]]
+    ) -> None:
+        self.config = layers.config
+        self.store = layers.store
+        self.flights = layers.flights
+        self.semantic = layers.semantic
+        self.shared_flights = layers.shared_flights
+        self.invalidations = layers.invalidations
+        self.fetch = fetch
+        self.background: set[asyncio.Task[Any]] = set()  # semantic inserts off the path
+
+    async def lead(
+        self,
+        request: Request,
+        key: Fingerprint,
+        view: SemanticView | None,
+        probe: Probe | None,
+        broadcast: Broadcast,
+        *,
+        epoch: int,
+        alone: bool = False,
+    ) -> Answer:
+        """The flight's answer: runs in the flight's own task, never in a client's.
+
+        The upstream call streams into ``broadcast``; a complete answer is stored before the
+        flight ends. With shared flights (``redis``) the call is made by the one instance that
+        leads it for all, and followed by the others (``redis/flights.py``); ``alone``: here.
+        With the semantic cache, the prompt is embedded while the upstream answers (unless the
+        probe did already), so that its entry too is in before the flight ends.
+        """
+        embedding = None
+        if (
+            view is not None
+            and self.semantic is not None
+            and (probe is None or probe.vector is None)
+        ):
+            embedding = asyncio.get_running_loop().create_task(self.semantic.vector(view))
+        call = partial(self.fetch, request)
+        store = partial(
+            self._store, request, key, view=view, probe=probe, epoch=epoch, embedding=embedding
+        )
+        if self.invalidations is not None:  # (lazily, without the server)
+            self.invalidations.start()
+        try:
+            if self.shared_flights is None or alone or key.key is None:
+                answer = await call(broadcast)
+                await store(answer)
+                return answer
+            controls = request.controls
+            return await self.shared_flights.run(
+                key.key,
+                broadcast,
+                call,
+                store,
+                max_age=controls.max_age if controls.may_read else 0,
+                linger=not controls.no_store,
+            )
+        finally:
+            if embedding is not None:  # not stored (a failure, a follower)
+                _discard(embedding)
+
+    async def _store(
+        self,
+        request: Request,
+        key: Fingerprint,
+        answer: Answer,
+        view: SemanticView | None,
+        probe: Probe | None,
+        epoch: int,
+        embedding: asyncio.Task[Any] | None = None,
+    ) -> None:
+        """Store a complete answer (unless its request or its type's ttl says not to, or an
+        invalidation came after its call began: it may predate what was invalidated), in the
+        exact cache and, with its prompt's embedding (the probe's, or ``embedding``, begun with
+        the call), in the semantic index: both before the flight ends (read-your-writes)."""
+        controls = request.controls
+        ttl = self.config.ttl_for(controls.request_type)
+        if (
+            not answer.complete
+            or controls.no_store
+            or ttl <= 0
+            or key.key is None
+            or epoch != self.flights.epoch
+        ):
+            return
+        if key.shared_key is not None:
+            # A shared namespace's requester the upstream had not accepted yet: it just did, so
+            # the answer is stored where the others read it.
+            key = dataclasses.replace(key, key=key.shared_key, tenant="*", shared_key=None)
+            # (The embedding stays right: it is of the text, whatever the scope.)
+            view = semantic_view(request, key, self.config) if view is not None else None
+        expires, prefix = answer.created + ttl, _prompt_prefix(request)
+        assert key.key is not None  # (checked above; a shared key is one too)
+        await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
+        if view is None or self.semantic is None:
+            return
+        vector = probe.vector if probe is not None else None
+        if vector is None and embedding is not None:
+            try:
+                vector = await embedding  # mostly done: the upstream took longer
+            except Exception:
+                log.exception("embedding a prompt for the semantic cache failed")
+                return
+        insert = self._insert_semantic(
+            view, vector, answer, expires, controls.tags, key.namespace, prefix, key.key, epoch
+        )
+        if vector is not None:
+            try:
+                await insert
+            except Exception:
+                log.exception("semantic insert failed")
+            return
+        # No embedding yet (none was begun): off the flight's path, not to delay its clients.
+        task = asyncio.get_running_loop().create_task(insert)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+
+    async def _insert_semantic(
+        self,
+        view: SemanticView,
+        vector: Any,
+        answer: Answer,
+        expires: float,
+        tags: tuple[str, ...],
+        namespace: str,
+        prefix: str,
+        key: str,
+        epoch: int,
+    ) -> None:
+        assert self.semantic is not None
+        if vector is None:
+            vector = await self.semantic.vector(view)
+        # Checked again once the prompt is embedded: an invalidation may have come meanwhile.
+        if epoch == self.flights.epoch:
+            await self.semantic.insert(
+                view, vector, answer, expires, tags, namespace, prefix, key=key
+            )
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("semantic insert failed", exc_info=task.exception())
+
+
+def _discard(task: asyncio.Task[Any]) -> None:
+    """Drop a helper task whose result nobody needs: cancel it, or read its error (so that it is
+    not reported as never retrieved)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
+def _prompt_prefix(request: Request) -> str:
+    """The start of the prompt, for invalidation by prompt prefix."""
+    return " ".join(request.api.input_texts(request.body))[:PROMPT_PREFIX_CHARS]

@@ -1,0 +1,126 @@
+"""What the path answers: a ``Reply``, and how it is made of an answer or of an error.
+
+Contract:
+- A ``Reply`` is a status, headers (raw ASGI pairs; ``x-carpool`` on every cached endpoint's) and
+  a body or an SSE stream. A streaming one holds its request's place in its flight until
+  ``Reply.close()``, which the transport calls when the stream ends or the client goes.
+- ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
+  chunk if it asked for it), ``age`` on a hit; an answer whose body has no ``usage`` because
+  the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented).
+- ``error_reply``: an error as its API shapes it (Anthropic's for Messages, OpenAI's otherwise).
+- A semantic hit names the entry it was served from by its opaque id only (``similarity``);
+  ``semantic.mode: mark`` says what would have been served (``nearest``), never the entry's
+  text, which another request sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .answer import Answer
+from .apis import Api, api_of
+from .errors import CarpoolError
+from .outcome import Outcome
+
+if TYPE_CHECKING:
+    from .semantic.cache import Candidate
+
+log = logging.getLogger("carpool")
+
+JSON = (b"content-type", b"application/json")
+SSE = (b"content-type", b"text/event-stream")
+SSE_HEADERS = [SSE, (b"cache-control", b"no-cache")]
+# On an answer whose body has no usage because the engine reported none (README, Streaming).
+USAGE_MISSING = (b"x-carpool-usage", b"missing")
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the transport sends back: a complete body, or an SSE stream of frames."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    outcome: Outcome | None = None
+    on_close: Callable[[], None] | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+def whole(
+    outcome: Outcome,
+    answer: Answer,
+    stream: bool,
+    include_usage: bool,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> Reply:
+    """A reply carrying a whole answer, as JSON or (for a streaming client, ``stream``) as
+    SSE, with the final usage chunk if it asked for it (``include_usage``)."""
+    headers = [JSON, outcome.header, *extra]
+    if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
+        headers.append((b"age", str(int(answer.age())).encode()))
+    if (not stream or include_usage) and answer.usage_missing:
+        # The engine reported no usage for this answer (it ignored include_usage on the
+        # stream it was assembled from): said so, rather than dropped silently or invented.
+        headers.append(USAGE_MISSING)
+    if not stream:
+        return Reply(200, headers, answer.body, outcome=outcome)
+    headers[0] = SSE
+    return Reply(
+        200,
+        headers,
+        b"".join(answer.sse(include_usage)) + api_of(answer.kind).stream_end,
+        outcome=outcome,
+    )
+
+
+def error_reply(error: CarpoolError, outcome: Outcome | None, api: Api | None = None) -> Reply:
+    """An error as its API shapes it (Anthropic's for Messages; OpenAI's otherwise)."""
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers().items()]
+    if outcome is not None:
+        headers.append(outcome.header)
+    body = api.error_body(error) if api is not None else error.body()
+    return Reply(error.status, headers, body, outcome=outcome)
+
+
+def similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:
+    """A semantic hit's own headers: its score and the opaque id of the entry it was served from
+    (``SemanticEntry.public_id``; never the entry's text, which another request sent)."""
+    return [
+        (b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
+        (b"x-carpool-entry", candidate.entry.public_id.encode()),
+    ]
+
+
+def nearest(candidate: Candidate) -> list[tuple[bytes, bytes]]:
+    """``semantic.mode: mark``: what would have been served, and why not if it would not.
+
+    The nearest entry is named by its opaque id only: its text is another request's prompt
+    (another tenant's, in a shared namespace), so it goes to the debug log, never to the client.
+    """
+    verdict = "serve" if candidate.verdict.ok else f"guard:{candidate.verdict.reason}"
+    nearest = candidate.entry.public_id
+    log.debug(
+        "semantic mark: nearest entry %s (similarity %.4f, %s): %r",
+        nearest,
+        candidate.similarity,
+        verdict,
+        candidate.entry.text[:200],
+    )
+    return [
+        (b"x-carpool-similarity", f"{candidate.similarity:.4f}".encode()),
+        (b"x-carpool-semantic-nearest", nearest.encode()),
+        (b"x-carpool-semantic-verdict", verdict.encode()),
+    ]
