@@ -1,11 +1,15 @@
 """What the in-process exact store counts against its byte budget vs what the process holds.
 
-Puts N small answers (a ~200-byte chat body, ``--frames`` SSE frames if asked, a short prompt prefix, a distinct 32-hex-digit
-key each) into a ``MemoryStore`` with a budget large enough to keep them all, then prints the
-store's ``bytes`` next to the growth of the process's resident memory (VmRSS, Linux) over the
-same puts. Not a test: a measurement, run by hand.
+Puts N small answers (a ~200-byte chat body, ``--frames`` SSE frames if asked, a short prompt
+prefix, a distinct 32-hex-digit key each) into a ``MemoryStore`` with a budget large enough to
+keep them all, then prints the store's ``bytes`` next to the growth of the process's resident
+memory (VmRSS, Linux) over the same puts. Not a test: a measurement, run by hand.
 
-    PYTHONPATH=src python scripts/measure_store_memory.py [--entries 1000000]
+    PYTHONPATH=src python scripts/measure_store_memory.py [--entries 1000000] [--body-bytes 200]
+
+Measured (CPython 3.11, 1,000,000 entries, 200-byte bodies): before the store counted what the
+process holds, 437,888,890 bytes counted for 867,225,600 of RSS growth (0.50); since, 884,000,000
+counted for 867,254,272 (1.02).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ Contract:
   (passing or not) is ``nearest``, for ``semantic.mode: mark``.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
-  ``semantic.max_entries`` entries: the least recently used go first (``carpool.lru``). An entry is its scope,
-  context and text: the same three replace the older entry.
+  ``semantic.max_entries`` entries: the least recently used go first (``carpool.lru``). An
+  entry is its scope, context and text: the same three replace the older entry.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``redis/semantic.py``) a *reference*: the exact-cache key of its answer, fetched by
