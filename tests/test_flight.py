@@ -1,4 +1,8 @@
-"""The single-flight contract of carpool.flight, one test per clause (see the module docstring)."""
+"""The single-flight contract of carpool.flight, one test per clause (see the module docstring).
+
+Time that a flight reads (its window, its age) passes on a ``ManualClock``; the join timeouts
+are asyncio's and run on the event loop's time.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,9 @@ import pytest
 
 from carpool.answer import Answer
 from carpool.broadcast import Broadcast
+from carpool.clock import ManualClock
 from carpool.errors import FlightAbandoned, UpstreamTimeout
 from carpool.flight import FlightGroup, JoinTimeout
-from fakes.waiting import eventually
 
 
 class Upstream:
@@ -72,18 +76,37 @@ async def test_leader_error_reaches_every_waiter_and_is_never_kept():
 
 
 async def test_finished_flight_stays_joinable_for_the_window_then_is_gone():
-    group, upstream = FlightGroup(window=0.05), Upstream()
+    clock = ManualClock()
+    group, upstream = FlightGroup(window=0.05, clock=clock), Upstream()
     upstream.release.set()
     first = group.acquire("k", upstream)
     await wait_answer(first)
     flight = group.get("k")
     assert flight is not None and flight.broadcast.done
+    clock.advance(0.04)
+    assert group.joinable("k")
     joiner = group.acquire("k", upstream)
     assert not joiner.leader
     assert (await wait_answer(joiner))[0].body == b"answer 1"
-    await eventually(lambda: group.get("k") is None, what="the window to close")
+    clock.advance(0.01)  # the window has closed
+    assert group.get("k") is None and not group.joinable("k")
     assert upstream.calls == 1
     assert (await wait_answer(group.acquire("k", upstream)))[0].body == b"answer 2"
+
+
+async def test_a_finished_flight_is_joined_only_while_younger_than_max_age():
+    clock = ManualClock()
+    group, upstream = FlightGroup(window=10, clock=clock), Upstream()
+    upstream.release.set()
+    await wait_answer(group.acquire("k", upstream))
+    clock.advance(2)
+    assert group.joinable("k", max_age=2.5) and not group.joinable("k", max_age=2)
+    joiner = group.acquire("k", upstream, max_age=2.5)
+    assert not joiner.leader
+    joiner.release()
+    fresh = group.acquire("k", upstream, max_age=2)  # too old for it: a fresh call
+    assert fresh.leader
+    assert (await wait_answer(fresh))[0].body == b"answer 2"
 
 
 async def test_incomplete_answer_does_not_linger_in_the_window():

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
+from carpool.clock import ManualClock
 from carpool.identity import ANONYMOUS_TENANT, AcceptedCredentials, tenant_of
 
 NAMES = ("authorization", "api-key", "x-api-key", "openai-organization", "openai-project")
@@ -22,10 +21,9 @@ def test_the_tenant_is_every_credential_presented_by_name_and_value():
     assert "Bearer k" not in base
 
 
-def test_accepted_credentials_are_per_grant_refused_at_once_and_forgotten_after_ttl(monkeypatch):
-    now = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    accepted = AcceptedCredentials(ttl=60, max_entries=3)
+def test_accepted_credentials_are_per_grant_refused_at_once_and_forgotten_after_ttl():
+    clock = ManualClock(monotonic=1000.0)
+    accepted = AcceptedCredentials(ttl=60, max_entries=3, clock=clock)
     accepted.refuse("nobody")  # nothing to refuse: no error
     accepted.accept("t", ("chat", "m", ""))
     accepted.accept("t", ("chat", "other", ""))
@@ -33,8 +31,36 @@ def test_accepted_credentials_are_per_grant_refused_at_once_and_forgotten_after_
     accepted.refuse("t")
     assert len(accepted) == 0 and ("t", ("chat", "other", "")) not in accepted
     accepted.accept("t", "g")
-    now[0] += 60
+    clock.advance(59.5)
+    assert ("t", "g") in accepted
+    clock.advance(0.5)
     assert ("t", "g") not in accepted and len(accepted) == 0
     for tenant in "abcd":
         accepted.accept(tenant, "g")
     assert len(accepted) == 3 and ("a", "g") not in accepted and ("d", "g") in accepted
+
+
+def test_a_tenant_is_bounded_by_its_own_grants_before_it_pushes_other_tenants_out():
+    accepted = AcceptedCredentials(ttl=60, max_entries=3, per_tenant=2, clock=ManualClock())
+    accepted.accept("b", "g1")
+    accepted.accept("a", "g1")
+    accepted.accept("a", "g2")
+    accepted.accept("a", "g3")  # a's oldest grant goes, not b's
+    assert ("b", "g1") in accepted and ("a", "g1") not in accepted
+    assert ("a", "g2") in accepted and ("a", "g3") in accepted and len(accepted) == 3
+    accepted.refuse("a")
+    assert len(accepted) == 1 and ("b", "g1") in accepted
+
+
+def test_accepting_again_keeps_a_grant_for_another_ttl():
+    clock = ManualClock()
+    accepted = AcceptedCredentials(ttl=60, clock=clock)
+    accepted.accept("t", "g")
+    clock.advance(50)
+    accepted.accept("t", "g")
+    clock.advance(50)
+    assert ("t", "g") in accepted
+    clock.advance(10)
+    assert ("t", "g") not in accepted
+    accepted.refuse("t")  # forgotten already: nothing left to refuse
+    assert len(accepted) == 0

@@ -26,6 +26,11 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    (or joins the fresh one another timed-out joiner already started), once.
 8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
    error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
+
+Time: the window a finished flight lingers and the age of a finished flight (``max_age``) are read
+from the group's ``clock.monotonic()`` (``carpool.clock``; the system's unless given another): a
+lingering flight is gone for every request from the instant its window ends. Join timeouts, and
+the timer that frees a lingering flight no one asks for, run on the event loop's time.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from collections.abc import Awaitable, Callable
 
 from .answer import Answer
 from .broadcast import Broadcast
+from .clock import SYSTEM_CLOCK, Clock
 from .errors import CarpoolError, FlightAbandoned, UpstreamError
 from .window import FixedWindow, WindowPolicy
 
@@ -57,19 +63,23 @@ class Flight:
         "clients",
         "started_at",
         "finished_at",
+        "lingers_until",
         "linger",
         "owner",
     )
 
-    def __init__(self, key: str, linger: bool = True, owner: str = "") -> None:
+    def __init__(
+        self, key: str, linger: bool = True, owner: str = "", *, started_at: float | None = None
+    ) -> None:
         self.key = key
         self.linger = linger  # may stay joinable within the window once finished
         self.owner = owner  # who leads it (the leader's tenant), for the caller
         self.broadcast = Broadcast()
         self.task: asyncio.Task[None] | None = None
         self.clients = 0
-        self.started_at = time.monotonic()
+        self.started_at = time.monotonic() if started_at is None else started_at
         self.finished_at: float | None = None
+        self.lingers_until: float | None = None  # once finished: joinable until then
 
 
 class Ticket:
@@ -129,11 +139,18 @@ class Ticket:
 class FlightGroup:
     """The flights in progress (and lingering within the window), by fingerprint key."""
 
-    def __init__(self, *, window: float | WindowPolicy, finish_abandoned: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        window: float | WindowPolicy,
+        finish_abandoned: bool = False,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.windows: WindowPolicy = (
             FixedWindow(window) if isinstance(window, (int, float)) else window
         )
         self.finish_abandoned = finish_abandoned
+        self.clock = clock
         self.waiters = 0  # tickets not yet released, for /stats and metrics
         self.epoch = 0  # invalidations so far (``forget_all``)
         self._flights: dict[str, Flight] = {}
@@ -142,14 +159,20 @@ class FlightGroup:
         return len(self._flights)
 
     def get(self, key: str) -> Flight | None:
-        return self._flights.get(key)
+        flight = self._flights.get(key)
+        if flight is not None and flight.finished_at is not None:
+            return self._lingering(flight, self.clock.monotonic())
+        return flight
 
     def joinable(self, key: str, max_age: float | None = None) -> bool:
         """Whether ``acquire`` with this ``max_age`` would join a flight rather than lead one."""
         flight = self._flights.get(key)
         if flight is None or flight.finished_at is None:
             return flight is not None
-        return max_age is None or time.monotonic() - flight.finished_at < max_age
+        now = self.clock.monotonic()
+        if self._lingering(flight, now) is None:
+            return False
+        return max_age is None or now - flight.finished_at < max_age
 
     def acquire(
         self,
@@ -169,9 +192,13 @@ class FlightGroup:
         (for a new flight) is kept as ``Flight.owner``.
         """
         flight = self._flights.get(key)
+        leader = False
         if flight is None or flight.finished_at is not None:
-            now = time.monotonic()
+            # No call running for the key: lead one, or join the answer lingering in its window.
+            now = self.clock.monotonic()
             self.windows.arrival(key, now)
+            if flight is not None:
+                flight = self._lingering(flight, now)
             if (
                 flight is not None
                 and flight.finished_at is not None
@@ -180,10 +207,10 @@ class FlightGroup:
             ):
                 self.forget(key, flight)
                 flight = None
-        leader = flight is None
-        if flight is None:
-            flight = self._flights[key] = Flight(key, linger, owner)
-            flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
+            if flight is None:
+                leader = True
+                flight = self._flights[key] = Flight(key, linger, owner, started_at=now)
+                flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
         flight.clients += 1
         self.waiters += 1
         return Ticket(self, flight, leader)
@@ -193,6 +220,13 @@ class FlightGroup:
         current = self._flights.get(key)
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
+
+    def _lingering(self, flight: Flight, now: float) -> Flight | None:
+        """The finished ``flight`` if its window is still open at ``now``; else it is forgotten."""
+        if flight.lingers_until is not None and now >= flight.lingers_until:
+            self.forget(flight.key, flight)
+            return None
+        return flight
 
     def forget_all(self) -> int:
         """After an invalidation: no request joins any flight there is now, running or
@@ -223,13 +257,15 @@ class FlightGroup:
             self.forget(flight.key, flight)
             return
         broadcast.finish(answer)
-        flight.finished_at = now = time.monotonic()
+        flight.finished_at = now = self.clock.monotonic()
         window = (
             self.windows.window(flight.key, now, now - flight.started_at)
             if answer.complete and flight.linger
             else 0
         )
         if window > 0:
+            flight.lingers_until = now + window
+            # Frees it if no request comes to find its window closed (``_lingering``).
             asyncio.get_running_loop().call_later(window, self.forget, flight.key, flight)
         else:
             self.forget(flight.key, flight)

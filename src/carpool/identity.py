@@ -18,15 +18,17 @@ Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
   it, so a made-up, revoked or under-privileged key never reads anything it was not given. A 401
   or 403 for a tenant forgets every grant of it at once (``refuse``). Bounded (``max_entries``,
   oldest out, and at most ``per_tenant`` grants a tenant, so that one key making up query
-  strings cannot push the others out) and forgetful (``ttl`` seconds after the last 2xx).
+  strings cannot push the others out) and forgetful (``ttl`` seconds after the last 2xx, on
+  ``clock.monotonic()``: the system's unless given another).
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping
+
+from .clock import SYSTEM_CLOCK, Clock
+from .lru import LRU
 
 ANONYMOUS_TENANT = "anonymous"
 # What an OpenAI-compatible, Azure OpenAI or Anthropic-compatible upstream reads as credentials.
@@ -61,11 +63,24 @@ def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:
 class AcceptedCredentials:
     """(tenant, grant) pairs the upstream accepted within the last ``ttl`` seconds."""
 
-    def __init__(self, ttl: float, max_entries: int = 100_000, per_tenant: int = 64) -> None:
+    def __init__(
+        self,
+        ttl: float,
+        max_entries: int = 100_000,
+        per_tenant: int = 64,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
         self.per_tenant = per_tenant
-        self._last: OrderedDict[tuple[str, Hashable], float] = OrderedDict()
+        # (tenant, grant) -> when it was last accepted (monotonic), oldest first
+        self._last: LRU[tuple[str, Hashable], float] = LRU(
+            max_entries=max_entries,
+            expires=lambda accepted: accepted + self.ttl,
+            clock=clock,
+            on_evict=self._unlist,
+        )
         # tenant -> its grants, oldest first (a dict as an ordered set), for ``refuse``
         self._grants: dict[str, dict[Hashable, None]] = {}
 
@@ -73,16 +88,14 @@ class AcceptedCredentials:
         return len(self._last)
 
     def accept(self, tenant: str, grant: Hashable) -> None:
-        pair = (tenant, grant)
-        self._last[pair] = time.monotonic()
-        self._last.move_to_end(pair)
         grants = self._grants.setdefault(tenant, {})
         grants.pop(grant, None)
         grants[grant] = None
+        # The tenant's own bound first: one tenant's grants never push another tenant out.
         if len(grants) > self.per_tenant:
             self._forget((tenant, next(iter(grants))))
-        while len(self._last) > self.max_entries:
-            self._forget(next(iter(self._last)))
+        if grant in self._grants.get(tenant, ()):
+            self._last.put((tenant, grant), self._last.now())  # oldest pairs out (``_unlist``)
 
     def refuse(self, tenant: str) -> None:
         """The upstream refused the tenant's credential (401, 403): it is accepted for nothing."""
@@ -90,16 +103,14 @@ class AcceptedCredentials:
             self._forget((tenant, grant))
 
     def __contains__(self, pair: object) -> bool:
-        seen = self._last.get(pair)  # type: ignore[call-overload]  # (__contains__ takes object)
-        if seen is None:
-            return False
-        if time.monotonic() - seen >= self.ttl:
-            self._forget(pair)  # type: ignore[arg-type]  # (found above: it is a key)
-            return False
-        return True
+        return pair in self._last  # an expired pair is forgotten (``_unlist``)
 
     def _forget(self, pair: tuple[str, Hashable]) -> None:
-        del self._last[pair]
+        self._last.pop(pair)
+        self._unlist(pair, 0.0)
+
+    def _unlist(self, pair: tuple[str, Hashable], accepted: float) -> None:
+        """Drop ``pair`` from its tenant's grants (it has left ``_last``)."""
         tenant, grant = pair
         grants = self._grants.get(tenant)
         if grants is not None:

@@ -28,15 +28,18 @@ Contract:
   requests that join its running call, so it gets a short window and fresh answers; a rare key
   (large gap) is shared only through the window, so it gets a long one. ``max_window_ms`` is the
   staleness bound: no lingering answer is ever shared older than it.
-- Memory is bounded: the gap table keeps the ``capacity`` most recently seen keys.
+- Memory is bounded: the gap table keeps the ``capacity`` most recently seen keys
+  (``carpool.lru``).
+- The policies read no clock: the flight group passes ``now`` (its ``clock.monotonic()``).
 - The rule is measured against fixed windows in ``benchmarks/bench_window.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Protocol
+
+from .lru import LRU
 
 ALPHA = 0.3
 MIN_GAPS = 3
@@ -66,26 +69,23 @@ class AdaptiveWindow:
         self.base, self.low, self.high, self.tradeoff = base, low, max(low, high), tradeoff
         self.capacity = capacity
         # key -> [last arrival, mean gap, gaps seen]
-        self._keys: OrderedDict[str, list[float]] = OrderedDict()
+        self._keys: LRU[str, list[float]] = LRU(max_entries=capacity)
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def arrival(self, key: str, now: float) -> None:
-        seen = self._keys.get(key)
+        seen = self._keys.get(key)  # now the most recently seen
         if seen is None:
-            self._keys[key] = [now, 0.0, 0]
-            if len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
+            self._keys.put(key, [now, 0.0, 0])
             return
         gap = now - seen[0]
         seen[1] = gap if seen[2] == 0 else ALPHA * gap + (1 - ALPHA) * seen[1]
         seen[0] = now
         seen[2] += 1
-        self._keys.move_to_end(key)
 
     def window(self, key: str, now: float, duration: float) -> float:
-        seen = self._keys.get(key)
+        seen = self._keys.peek(key)
         if seen is None or seen[2] < MIN_GAPS:
             return self.base
         best = math.sqrt(duration * duration + self.tradeoff * seen[1]) - duration

@@ -2,6 +2,9 @@
 
 Backend-specific behaviour lives beside it: test_memory.py (LRU, byte budget), test_redis.py
 (key layout, failures).
+
+Time: the memory backend reads a ``ManualClock`` that the tests move; the Redis backends expire
+entries on the server, so their tests let real time pass (``let_pass``).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from carpool.answer import Answer
+from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.redis.store import RedisStore
 from carpool.store import Entry, MemoryStore, Store
+from carpool.store.memory import size_of
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
 SHARED_BACKENDS = ["redis", "redis-cluster"]  # backends that several gateway instances share
@@ -57,15 +62,27 @@ ODD_NAMES = [
 ]
 
 
+@pytest.fixture
+def manual_clock() -> ManualClock:
+    return ManualClock()
+
+
 @pytest.fixture(params=BACKENDS)
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+async def store(request: pytest.FixtureRequest, manual_clock: ManualClock) -> AsyncIterator[Store]:
     if request.param == "memory":
-        backend: Store = MemoryStore(100_000_000)
+        backend: Store = MemoryStore(100_000_000, clock=manual_clock)
     else:
         url, cluster = redis_url(request)
         backend = RedisStore(url, cluster=cluster)
     yield backend
     await backend.aclose()
+
+
+@pytest.fixture
+def clock(store: Store, manual_clock: ManualClock) -> Clock:
+    """The clock the backend's expiry follows: the manual one for the memory store, the system's
+    for Redis (the server expires entries)."""
+    return manual_clock if isinstance(store, MemoryStore) else SYSTEM_CLOCK
 
 
 @pytest.fixture(params=SHARED_BACKENDS)
@@ -78,9 +95,20 @@ async def two_instances(request: pytest.FixtureRequest) -> AsyncIterator[tuple[S
 
 
 def entry(
-    body: bytes = b"x" * 100, ttl: float = 60.0, *, frames: list[bytes] | None = None, **kw
+    body: bytes = b"x" * 100,
+    ttl: float = 60.0,
+    *,
+    frames: list[bytes] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    **kw,
 ) -> Entry:
-    return Entry(Answer("chat", body, True, frames=frames), time.time() + ttl, **kw)
+    return Entry(Answer("chat", body, True, frames=frames), clock.now() + ttl, **kw)
+
+
+def counted(store: Store, key: str, entry: Entry) -> int:
+    """What ``store.bytes`` counts for ``entry`` under ``key``: what it holds in the process for
+    the memory store (store/memory.py), its payload (``Entry.size``) for Redis."""
+    return size_of(key, entry) if isinstance(store, MemoryStore) else entry.size
 
 
 async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 2.0) -> None:
@@ -89,6 +117,15 @@ async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 2.0) 
     while not await condition():
         assert time.monotonic() < deadline, f"not true within {timeout} s"
         await asyncio.sleep(0.005)
+
+
+async def let_pass(clock: Clock, seconds: float, condition: Callable[[], Awaitable[bool]]) -> None:
+    """Let ``seconds`` pass for the backend: move its manual clock, or (Redis) wait in real time
+    until ``condition`` holds."""
+    if isinstance(clock, ManualClock):
+        clock.advance(seconds)
+    else:
+        await until(condition)
 
 
 def assert_same(got: Entry | None, put: Entry) -> None:
@@ -134,7 +171,9 @@ async def test_get_returns_what_was_put_byte_exact(store: Store) -> None:
     )
     await store.put("0123456789abcdef0123456789abcdef", put)
     assert_same(await store.get("0123456789abcdef0123456789abcdef"), put)
-    assert store.entries == 1 and store.bytes == put.size
+    assert store.entries == 1 and store.bytes == counted(
+        store, "0123456789abcdef0123456789abcdef", put
+    )
 
 
 async def test_an_answer_that_did_not_stream_has_no_frames(store: Store) -> None:
@@ -152,23 +191,24 @@ async def test_a_miss_returns_none(store: Store) -> None:
     assert store.entries == 0 and store.bytes == 0
 
 
-async def test_an_already_expired_entry_is_never_returned(store: Store) -> None:
-    await store.put("k", entry(ttl=-1))
+async def test_an_already_expired_entry_is_never_returned(store: Store, clock: Clock) -> None:
+    await store.put("k", entry(ttl=-1, clock=clock))
     assert await store.get("k") is None
 
 
-async def test_an_entry_is_not_returned_once_its_ttl_has_passed(store: Store) -> None:
-    put = entry(ttl=0.3)
+async def test_an_entry_is_not_returned_once_its_ttl_has_passed(store: Store, clock: Clock) -> None:
+    put = entry(ttl=0.3, clock=clock)
     await store.put("k", put)
     got = await store.get("k")
-    if got is not None or time.time() < put.expires:  # a slow machine may be past it already
+    if got is not None or clock.now() < put.expires:  # a slow machine may be past it already
         assert_same(got, put)
 
     async def gone() -> bool:
         return await store.get("k") is None
 
-    await until(gone)
-    assert time.time() >= put.expires
+    await let_pass(clock, 0.3, gone)
+    assert await gone()
+    assert clock.now() >= put.expires
 
 
 async def test_put_replaces_the_entry_and_its_tags(store: Store) -> None:
@@ -178,7 +218,7 @@ async def test_put_replaces_the_entry_and_its_tags(store: Store) -> None:
     new = entry(b"new", tags=("new",), namespace="b", prompt_prefix="new prompt")
     await store.put("k", new)
     assert_same(await store.get("k"), new)
-    assert store.entries == 1 and store.bytes == new.size
+    assert store.entries == 1 and store.bytes == counted(store, "k", new)
     # The old entry's tag, namespace and prefix no longer reach the new one.
     assert await store.invalidate(tag="old") == 0
     assert await store.invalidate(namespace="a") == 0
@@ -187,20 +227,25 @@ async def test_put_replaces_the_entry_and_its_tags(store: Store) -> None:
     assert await store.invalidate(tag="new") == 1
 
 
-async def test_putting_an_expired_entry_replaces_the_live_one(store: Store) -> None:
+async def test_putting_an_expired_entry_replaces_the_live_one(store: Store, clock: Clock) -> None:
     await store.put("k", entry())
-    await store.put("k", entry(ttl=-1))
+    await store.put("k", entry(ttl=-1, clock=clock))
     assert await store.get("k") is None
 
 
 # --------------------------------------------------------------------------- invalidate
 
 
-async def fill(store: Store) -> None:
-    await store.put("1", entry(tags=("faq", "shared"), namespace="docs", prompt_prefix="How do I"))
-    await store.put("2", entry(tags=("news",), namespace="docs", prompt_prefix="What is"))
-    await store.put("3", entry(tags=("shared",), namespace="code", prompt_prefix="How do I"))
-    await store.put("4", entry(namespace="code", prompt_prefix="Why"))
+async def fill(store: Store) -> dict[str, Entry]:
+    puts = {
+        "1": entry(tags=("faq", "shared"), namespace="docs", prompt_prefix="How do I"),
+        "2": entry(tags=("news",), namespace="docs", prompt_prefix="What is"),
+        "3": entry(tags=("shared",), namespace="code", prompt_prefix="How do I"),
+        "4": entry(namespace="code", prompt_prefix="Why"),
+    }
+    for key, put in puts.items():
+        await store.put(key, put)
+    return puts
 
 
 async def present(store: Store) -> set[str]:
@@ -208,14 +253,13 @@ async def present(store: Store) -> set[str]:
 
 
 async def test_invalidate_by_tag_drops_only_that_tag(store: Store) -> None:
-    await fill(store)
+    puts = await fill(store)
     assert await store.invalidate(tag="shared") == 2
     assert await present(store) == {"2", "4"}
     assert await store.invalidate(tag="shared") == 0
     assert await store.invalidate(tag="nope") == 0
-    assert store.entries == 2 and store.bytes == 2 * entry().size + len("What is") + len(
-        "news"
-    ) + len("Why")
+    assert store.entries == 2
+    assert store.bytes == counted(store, "2", puts["2"]) + counted(store, "4", puts["4"])
 
 
 async def test_invalidate_by_namespace_drops_only_that_namespace(store: Store) -> None:
@@ -251,14 +295,14 @@ async def test_invalidate_everything_drops_all_and_the_store_keeps_working(store
     assert await store.invalidate(tag="faq") == 1
 
 
-async def test_expired_entries_are_not_counted_by_invalidate(store: Store) -> None:
-    await store.put("short", entry(ttl=0.05, tags=("t",)))
-    await store.put("long", entry(tags=("t",)))
+async def test_expired_entries_are_not_counted_by_invalidate(store: Store, clock: Clock) -> None:
+    await store.put("short", entry(ttl=0.05, tags=("t",), clock=clock))
+    await store.put("long", entry(tags=("t",), clock=clock))
 
     async def expired() -> bool:
         return await store.get("short") is None
 
-    await until(expired)
+    await let_pass(clock, 0.05, expired)
     assert await store.invalidate(tag="t") == 1
 
 

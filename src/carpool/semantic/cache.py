@@ -22,8 +22,8 @@ Contract:
   (passing or not) is ``nearest``, for ``semantic.mode: mark``.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
-  ``semantic.max_entries`` entries: the least recently used go first. An entry is its scope,
-  context and text: the same three replace the older entry.
+  ``semantic.max_entries`` entries: the least recently used go first (``carpool.lru``). An
+  entry is its scope, context and text: the same three replace the older entry.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``redis/semantic.py``) a *reference*: the exact-cache key of its answer, fetched by
@@ -51,7 +51,6 @@ import itertools
 import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +58,7 @@ from typing import Any
 from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
+from ..lru import LRU
 from ..store.base import StoreUnavailable, selected
 from .guard import Guard, Side, Verdict
 from .index import VectorIndex
@@ -170,10 +170,12 @@ class SemanticCache:
         self.resolve = resolve
         self.threshold = config.threshold if config.threshold is not None else CALIBRATED_THRESHOLD
         self._scopes: dict[str, VectorIndex] = {}
-        self._entries: OrderedDict[int, SemanticEntry] = OrderedDict()
+        # Expiry is checked by ``probe`` (with the answer's age), so the map only bounds.
+        self._entries: LRU[int, SemanticEntry] = LRU(
+            max_entries=config.max_entries, size=_entry_size, on_evict=self._unindex
+        )
         self._by_text: dict[tuple[str, str, str], int] = {}  # (scope, context, text)
         self._ids = itertools.count(1)
-        self._bytes = 0
         self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
 
     @property
@@ -182,7 +184,7 @@ class SemanticCache:
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._entries.bytes
 
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes
@@ -201,7 +203,7 @@ class SemanticCache:
         now = time.time()
         found: list[tuple[SemanticEntry, float]] = []
         for key, similarity in index.search(vector, self.config.candidates):
-            entry = self._entries.get(key)
+            entry = self._entries.peek(key)
             if entry is None:
                 continue
             if entry.expires <= now:
@@ -247,8 +249,7 @@ class SemanticCache:
                 if max_age is not None and candidate.answer.age() >= max_age:
                     continue
             probe.match = candidate
-            if entry.id in self._entries:
-                self._entries.move_to_end(entry.id)
+            self._entries.touch(entry.id)
             return True
         return False
 
@@ -291,8 +292,9 @@ class SemanticCache:
         if vector is None:
             vector = await self.embedder.embed(view.text)
         old = self._by_text.get((view.scope, view.context, view.text))
-        if old is not None and old in self._entries:
-            self._drop(self._entries[old])
+        older = None if old is None else self._entries.peek(old)
+        if older is not None:
+            self._drop(older)
         if created is None:
             created = answer.created if answer is not None else time.time()
         entry = SemanticEntry(
@@ -322,11 +324,8 @@ class SemanticCache:
         entry.size = (
             held + len(view.text) + len(view.context) + len(prompt_prefix) + 8 * self.embedder.dim
         )
-        self._entries[entry.id] = entry
         self._by_text[(view.scope, view.context, view.text)] = entry.id
-        self._bytes += entry.size
-        while len(self._entries) > self.config.max_entries:
-            self._drop(next(iter(self._entries.values())))
+        self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
 
     async def invalidate(
         self,
@@ -336,22 +335,24 @@ class SemanticCache:
         prefix: str | None = None,
         everything: bool = False,
     ) -> int:
-        doomed = [
-            e
-            for e in self._entries.values()
-            if selected(e, tag=tag, namespace=namespace, prefix=prefix, everything=everything)
-        ]
-        for entry in doomed:
-            self._drop(entry)
+        doomed = self._entries.remove_if(
+            lambda _, e: selected(
+                e, tag=tag, namespace=namespace, prefix=prefix, everything=everything
+            )
+        )
+        for key, entry in doomed:
+            self._unindex(key, entry)
         return len(doomed)
 
     async def aclose(self) -> None:
         """Nothing to release here (``SharedSemanticCache`` stops its reader)."""
 
     def _drop(self, entry: SemanticEntry) -> None:
-        if self._entries.pop(entry.id, None) is None:
-            return
-        self._bytes -= entry.size
+        if self._entries.pop(entry.id) is not None:
+            self._unindex(entry.id, entry)
+
+    def _unindex(self, key: int, entry: SemanticEntry) -> None:
+        """Forget ``entry`` (gone from ``_entries``) in the text map and its scope's index."""
         if self._by_text.get((entry.scope, entry.context, entry.text)) == entry.id:
             del self._by_text[(entry.scope, entry.context, entry.text)]
         index = self._scopes.get(entry.scope)
@@ -359,3 +360,7 @@ class SemanticCache:
             index.remove(entry.id)
             if len(index) == 0:
                 del self._scopes[entry.scope]
+
+
+def _entry_size(key: int, entry: SemanticEntry) -> int:
+    return entry.size  # set by ``insert`` before the entry comes in

@@ -7,7 +7,10 @@ Contract:
   (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
 - ``invalidate(...)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
   returns how many it dropped.
-- ``entries`` and ``bytes`` report the current size, for /stats and /metrics.
+- ``entries`` and ``bytes`` report the current size, for /stats and /metrics. ``Entry.size`` is
+  the portable measure of an entry (its payload: what the Redis store counts); the in-process
+  store counts ``Entry.held``, what the entry's objects take in this process, so that its
+  budget bounds the process's memory.
 - Keys are fingerprint digests (hex): a backend may use them in its own key space as they are.
 - A backend that lives outside the process (Redis) raises ``StoreUnavailable`` when it cannot be
   reached or does not answer in time, promptly and never by hanging, so that the caller can
@@ -21,6 +24,11 @@ from typing import Any, Protocol
 
 from ..answer import Answer
 from ..errors import CarpoolError
+from ..lru import held
+
+# Every Answer has its own dict for the frames it synthesizes once (``Answer.sse``): counted as
+# the empty dict it is when stored (what fills it later is not counted; see ``Entry.held``).
+_SYNTHESIZED = held({})
 
 
 @dataclass(slots=True, eq=False)
@@ -33,7 +41,35 @@ class Entry:
 
     @property
     def size(self) -> int:
+        """The payload: the answer's bytes, the prompt prefix and the tags (``Answer.size``)."""
         return self.answer.size + len(self.prompt_prefix) + sum(len(t) for t in self.tags)
+
+    @property
+    def held(self) -> int:
+        """Bytes the entry's objects take in this process (``lru.held``): the ``Entry``, its
+        ``Answer``, the body, the frames, the strings and numbers they alone refer to. The same
+        for the same entry at any time: frames the answer synthesizes later for streaming
+        clients (``Answer.sse``) are not counted."""
+        answer = self.answer
+        frames = answer.frames
+        return (
+            held(
+                self,
+                answer,
+                answer.body,
+                answer.created,
+                answer.tokens,
+                answer.usage_frame,
+                self.expires,
+                self.tags,
+                self.namespace,
+                self.prompt_prefix,
+                frames,
+            )
+            + _SYNTHESIZED
+            + (held(*frames) if frames else 0)
+            + (held(*self.tags) if self.tags else 0)
+        )
 
 
 class Store(Protocol):

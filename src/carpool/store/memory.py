@@ -1,26 +1,40 @@
-"""The in-process exact cache: LRU with per-entry TTL, bounded in bytes.
+"""The in-process exact cache: LRU with per-entry TTL, bounded in bytes (on ``carpool.lru``).
 
 Contract (on top of ``store.base``):
 - Total ``bytes`` never exceeds ``max_bytes`` after a ``put``: least recently used entries are
-  evicted first; an entry larger than the whole budget is not stored at all.
+  evicted first (counted in ``evictions``); an entry larger than the whole budget is not stored
+  at all (and, as any put, replaces what its key held).
+- ``bytes`` counts what the entries hold in this process (``size_of``: the key, ``Entry.held``,
+  the map's slot), so that ``max_bytes`` bounds the memory the cache takes, not only its
+  payload.
 - A ``get`` hit makes the entry most recently used; an expired entry found by ``get`` is dropped.
-- Every operation is O(1) except ``invalidate``, which scans (it is an admin action).
+  Expiry reads ``clock.now()`` (wall-clock, as ``Entry.expires``): the system's by default.
+- Every operation is O(1) except ``invalidate``, which scans (it is an admin action); it counts
+  only live entries, and drops the expired ones it meets.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-
+from ..clock import SYSTEM_CLOCK, Clock
+from ..lru import LRU, SLOT_BYTES, held
 from .base import Entry, selected
 
 
+def size_of(key: str, entry: Entry) -> int:
+    """What one entry counts against ``max_bytes``: its key, its objects and its slot."""
+    return SLOT_BYTES + held(key) + entry.held
+
+
+def _expires(entry: Entry) -> float:
+    return entry.expires
+
+
 class MemoryStore:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
-        self._bytes = 0
-        self.evictions = 0
+        self._entries: LRU[str, Entry] = LRU(
+            max_bytes=max_bytes, size=size_of, expires=_expires, clock=clock, wall_clock=True
+        )
 
     @property
     def entries(self) -> int:
@@ -28,34 +42,22 @@ class MemoryStore:
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._entries.bytes
+
+    @property
+    def evictions(self) -> int:
+        """Entries evicted to keep the budget (not the expired or invalidated ones)."""
+        return self._entries.evictions
 
     async def get(self, key: str) -> Entry | None:
-        return self.get_now(key)
+        return self._entries.get(key)
 
     def get_now(self, key: str) -> Entry | None:
         """``get`` without a coroutine, for the hot path."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if entry.expires <= time.time():
-            self._drop(key)
-            return None
-        self._entries.move_to_end(key)
-        return entry
+        return self._entries.get(key)
 
     async def put(self, key: str, entry: Entry) -> None:
-        size = entry.size
-        if size > self.max_bytes:
-            return
-        if key in self._entries:
-            self._drop(key)
-        self._entries[key] = entry
-        self._bytes += size
-        while self._bytes > self.max_bytes:
-            oldest = next(iter(self._entries))
-            self._drop(oldest)
-            self.evictions += 1
+        self._entries.put(key, entry)
 
     async def invalidate(
         self,
@@ -65,22 +67,15 @@ class MemoryStore:
         prefix: str | None = None,
         everything: bool = False,
     ) -> int:
-        doomed = [
-            key
-            for key, entry in self._entries.items()
-            if selected(entry, tag=tag, namespace=namespace, prefix=prefix, everything=everything)
-        ]
-        for key in doomed:
-            self._drop(key)
+        doomed = self._entries.remove_if(
+            lambda _, entry: selected(
+                entry, tag=tag, namespace=namespace, prefix=prefix, everything=everything
+            )
+        )
         return len(doomed)
-
-    def _drop(self, key: str) -> None:
-        entry = self._entries.pop(key)
-        self._bytes -= entry.size
 
     def clear(self) -> None:
         self._entries.clear()
-        self._bytes = 0
 
     async def aclose(self) -> None:
         self.clear()

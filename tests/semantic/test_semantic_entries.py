@@ -1,0 +1,90 @@
+"""The semantic cache's bounded bookkeeping (carpool.semantic.cache on carpool.lru): at most
+``semantic.max_entries`` entries, least recently used out first, and an entry that leaves for
+any reason leaves the scope's index and the text map too. A fake embedder, a guard that passes
+everything: only the bookkeeping is under test here (test_semantic_cache.py has the rest)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from carpool.answer import Answer
+from carpool.config import SemanticConfig
+from carpool.fingerprint import SemanticView
+from carpool.semantic.cache import SemanticCache
+from carpool.semantic.guard import Side
+from carpool.semantic.verdict import Verdict
+
+DIM = 8
+
+
+class Embedder:
+    """A distinct unit vector for each text (the same for the same text)."""
+
+    dim = DIM
+
+    async def embed(self, text: str) -> np.ndarray:
+        rng = np.random.default_rng(abs(hash(text)) % (1 << 32))
+        vector = rng.standard_normal(DIM).astype(np.float32)
+        return vector / np.linalg.norm(vector)
+
+
+class PassEverything:
+    async def judge(
+        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+    ) -> list[Verdict]:
+        return [Verdict(True) for _ in candidates]
+
+
+def cache(max_entries: int) -> SemanticCache:
+    config = SemanticConfig(max_entries=max_entries, threshold=0.99)
+    return SemanticCache(config, Embedder(), PassEverything())
+
+
+async def insert(semantic: SemanticCache, text: str, scope: str = "s", **kw) -> None:
+    answer = Answer("chat", text.encode(), True)
+    await semantic.insert(SemanticView(scope, text), None, answer, time.time() + 60, **kw)
+
+
+async def served(semantic: SemanticCache, text: str, scope: str = "s") -> bool:
+    probe = await semantic.probe(SemanticView(scope, text))
+    return probe.match is not None and probe.match.entry.text == text
+
+
+async def test_at_most_max_entries_the_least_recently_used_out_first():
+    semantic = cache(max_entries=3)
+    for text in ("one", "two", "three"):
+        await insert(semantic, text)
+    assert await served(semantic, "one")  # a hit makes it the most recently used
+    await insert(semantic, "four")
+    assert semantic.entries == 3
+    assert not await served(semantic, "two")
+    assert all([await served(semantic, t) for t in ("one", "three", "four")])
+
+
+async def test_an_evicted_entry_leaves_its_index_and_text_map_and_bytes_stay_exact():
+    semantic = cache(max_entries=2)
+    await insert(semantic, "alpha", scope="a")
+    await insert(semantic, "beta", scope="b")
+    await insert(semantic, "gamma", scope="b")  # alpha out: its scope has nothing left
+    assert not semantic.has_scope("a") and semantic.has_scope("b")
+    assert len(semantic._by_text) == 2
+    assert semantic.bytes == sum(e.size for _, e in semantic._entries.items())
+    await insert(semantic, "alpha", scope="a")  # beta out
+    assert semantic.entries == 2 and len(semantic._by_text) == 2
+    assert semantic.bytes == sum(e.size for _, e in semantic._entries.items())
+
+
+async def test_the_same_text_replaces_its_entry_and_invalidate_empties_everything():
+    semantic = cache(max_entries=10)
+    await insert(semantic, "same", tags=("t",))
+    await insert(semantic, "same", tags=("t",))
+    await insert(semantic, "other", tags=("u",))
+    assert semantic.entries == 2
+    assert await semantic.invalidate(tag="t") == 1
+    assert semantic.entries == 1 and not await served(semantic, "same")
+    assert await semantic.invalidate(everything=True) == 1
+    assert semantic.entries == 0 and semantic.bytes == 0
+    assert not semantic.has_scope("s") and semantic._by_text == {}

@@ -1,0 +1,39 @@
+"""carpool.clock: the system's clocks, and the manual one tests move."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
+
+
+def test_the_system_clock_reads_the_systems_clocks_at_no_cost():
+    assert SYSTEM_CLOCK.now is time.time and SYSTEM_CLOCK.monotonic is time.monotonic
+    assert isinstance(SYSTEM_CLOCK, SystemClock)
+
+
+def test_a_manual_clock_stands_still_until_advanced_and_moves_both_readings_alike():
+    clock: Clock = ManualClock(now=1_000.0, monotonic=5.0)
+    assert (clock.now(), clock.monotonic()) == (1_000.0, 5.0)
+    assert (clock.now(), clock.monotonic()) == (1_000.0, 5.0)  # reading it moves nothing
+    assert isinstance(clock, ManualClock)
+    clock.advance(2.5)
+    assert (clock.now(), clock.monotonic()) == (1_002.5, 7.5)
+    clock.advance(0)
+    assert (clock.now(), clock.monotonic()) == (1_002.5, 7.5)
+
+
+def test_a_manual_clock_starts_at_the_systems_readings():
+    before_wall, before_mono = time.time(), time.monotonic()
+    clock = ManualClock()
+    assert before_wall <= clock.now() <= time.time()
+    assert before_mono <= clock.monotonic() <= time.monotonic()
+
+
+def test_a_manual_clock_never_goes_backwards():
+    clock = ManualClock(now=10.0, monotonic=10.0)
+    with pytest.raises(ValueError):
+        clock.advance(-1)
+    assert (clock.now(), clock.monotonic()) == (10.0, 10.0)
