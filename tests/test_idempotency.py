@@ -12,6 +12,7 @@ import orjson
 import pytest
 import redis.asyncio as aredis
 
+from carpool.clock import ManualClock
 from carpool.errors import CarpoolError
 from carpool.idempotency import (
     Begin,
@@ -136,30 +137,46 @@ def test_the_three_errors_have_distinct_titles_and_codes() -> None:
 
 # --------------------------------------------------------------------------- the records contract
 
-Make = Callable[..., IdempotencyRecords]
+
+class Make:
+    """``make(retention=60, lease=60)``: records of the backend under test (the in-process ones'
+    ``processing_ttl`` is their lease); the Redis ones made by one test share one server, as
+    gateway instances do. ``let_pass(seconds)``: time passes for every record made: the
+    in-process ones' clock moves; a Redis server expires records in its own time, so there
+    the test waits it out."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.backend = request.param
+        self.request = request
+        self.clock = ManualClock()
+        self.made: list[IdempotencyRecords] = []
+
+    def __call__(self, retention: float = 60.0, lease: float = 60.0) -> IdempotencyRecords:
+        if self.backend == "memory":
+            records: IdempotencyRecords = MemoryIdempotencyRecords(
+                retention, lease, clock=self.clock
+            )
+        else:
+            cluster = self.backend == "redis-cluster"
+            server = self.request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+            records = RedisIdempotencyRecords(
+                server.url, retention=retention, lease=lease, cluster=cluster
+            )
+        self.made.append(records)
+        return records
+
+    async def let_pass(self, seconds: float) -> None:
+        if self.backend == "memory":
+            self.clock.advance(seconds)
+        else:
+            await asyncio.sleep(seconds)  # (the server's own expiry: real time by design)
 
 
 @pytest.fixture(params=BACKENDS)
 async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
-    """``make(retention=60, lease=60)``: records of the backend under test (the in-process ones'
-    ``processing_ttl`` is their lease); the Redis ones made by one test share one server, as
-    gateway instances do."""
-    made: list[IdempotencyRecords] = []
-
-    def build(retention: float = 60.0, lease: float = 60.0) -> IdempotencyRecords:
-        if request.param == "memory":
-            records: IdempotencyRecords = MemoryIdempotencyRecords(retention, lease)
-        else:
-            cluster = request.param == "redis-cluster"
-            url = request.getfixturevalue("redis_cluster" if cluster else "redis_server").url
-            records = RedisIdempotencyRecords(
-                url, retention=retention, lease=lease, cluster=cluster
-            )
-        made.append(records)
-        return records
-
-    yield build
-    for records in made:
+    made = Make(request)
+    yield made
+    for records in made.made:
         await records.aclose()
 
 
@@ -262,23 +279,21 @@ async def test_a_finished_record_expires_after_the_retention(make: Make) -> None
     records = make(retention=0.1)
     token = await begin_new(records)
     await records.finish("k", token, OK)
-    finished = time.monotonic()
     assert (await records.begin("k", FP)).state == "done"
-    seen: list[str] = []
+    assert (await records.begin("k", OTHER_FP)).state == "mismatch"  # not yet: still held
+    await make.let_pass(0.1)
 
     async def expired() -> bool:
-        seen.append((await records.begin("k", OTHER_FP)).state)
-        return seen[-1] == "new"
+        return (await records.begin("k", OTHER_FP)).state == "new"
 
-    await until(expired)
-    assert time.monotonic() - finished >= 0.09
-    assert set(seen[:-1]) <= {"mismatch"}
+    await until(expired)  # (at once in process; a Redis server expires within its tick)
 
 
 async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make) -> None:
     records = make(lease=0.1)
     dead = await begin_and_die(make, records)  # its owner never comes back
-    started = time.monotonic()
+    assert (await records.begin("k", FP)).state == "processing"  # not yet: the lease holds
+    await make.let_pass(0.1)
     tokens: list[str | None] = []
 
     async def taken_over() -> bool:
@@ -287,7 +302,6 @@ async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make)
         return began.state == "new"
 
     await until(taken_over)
-    assert time.monotonic() - started >= 0.09
     owner = tokens[-1]
     assert owner is not None and owner != dead
     assert await records.finish("k", dead, BAD_GATEWAY) is False  # too late for the old owner
@@ -299,11 +313,10 @@ async def test_a_processing_lease_runs_out_and_the_key_is_taken_over(make: Make)
 async def test_renew_keeps_the_lease_alive(make: Make) -> None:
     records = make(lease=0.1)
     token = await begin_new(records)
-    started = time.monotonic()
-    while time.monotonic() - started < 0.25:  # 2.5 leases, renewed meanwhile
+    for _ in range(13):  # 2.6 leases, renewed every fifth of one
+        await make.let_pass(0.02)
         assert await records.renew("k", token) is True
         assert (await records.begin("k", FP)).state == "processing"
-        await asyncio.sleep(0.02)
     assert await records.finish("k", token, OK) is True
 
 
@@ -368,6 +381,7 @@ async def test_wait_returns_at_once_when_already_done(records: IdempotencyRecord
 async def test_wait_does_not_return_the_answer_to_another_request(make: Make) -> None:
     records = make(lease=0.1)
     await begin_and_die(make, records)  # dies: its lease runs out
+    await make.let_pass(0.1)
     waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
 
@@ -440,13 +454,13 @@ async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
 
 
 async def test_memory_records_sweep_what_expired() -> None:
-    records = MemoryIdempotencyRecords(0.05, processing_ttl=0.05, sweep_interval=0)
+    clock = ManualClock()
+    records = MemoryIdempotencyRecords(0.05, processing_ttl=0.05, sweep_interval=0, clock=clock)
     for key in "abc":
         await begin_new(records, key)
     await records.finish("c", await begin_new(records, "d"), OK)  # wrong key: refused
-    start = time.monotonic()
-    while time.monotonic() - start < 0.06:  # let the leases run out
-        await asyncio.sleep(0.01)
+    assert len(records) == 4
+    clock.advance(0.05)  # the leases run out
     await begin_new(records, "z")  # sweeps
     assert len(records) == 1 and records.bytes == 0
 

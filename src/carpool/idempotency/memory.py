@@ -2,17 +2,18 @@
 
 One process only: a retry that reaches another instance is not protected (with ``redis``, the
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
-swept lazily and the oldest are evicted beyond ``max_records``/``max_bytes``.
+swept lazily and the oldest are evicted beyond ``max_records``/``max_bytes`` (``carpool.lru``).
+Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..clock import SYSTEM_CLOCK, Clock
+from ..lru import LRU
 from .records import PROCESSING_TTL, Begin, StoredResponse, _new_token
 
 
@@ -23,7 +24,6 @@ class _Record:
     expires: float  # monotonic: the lease, then the retention
     response: StoredResponse | None = None  # None while PROCESSING
     changed: asyncio.Event | None = None  # created by the first waiter; set on any change
-    size: int = 0
 
     def wake(self) -> None:
         if self.changed is not None:
@@ -47,6 +47,7 @@ class MemoryIdempotencyRecords:
         max_records: int = 100_000,
         max_bytes: int = 256 * 1024 * 1024,
         sweep_interval: float = 30.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if retention <= 0 or processing_ttl <= 0:
             raise ValueError("retention and processing_ttl must be positive")
@@ -55,27 +56,38 @@ class MemoryIdempotencyRecords:
         self.max_records = max_records
         self.max_bytes = max_bytes
         self.sweep_interval = sweep_interval
-        self._records: OrderedDict[str, _Record] = OrderedDict()
-        self._bytes = 0
-        self._next_sweep = time.monotonic() + sweep_interval
+        self._clock = clock
+        # Oldest first by creation or finish (a look does not refresh: ``peek``); a record's
+        # size is its stored response's, so a finished record goes out and in again.
+        self._records: LRU[str, _Record] = LRU(
+            max_entries=max_records,
+            max_bytes=max_bytes,
+            size=_size,
+            expires=_expires,
+            clock=clock,
+            on_evict=_wake,
+        )
+        self._next_sweep = clock.monotonic() + sweep_interval
         self.waiters = 0  # tasks inside ``wait`` now
-        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._records.bytes
+
+    @property
+    def evictions(self) -> int:
+        return self._records.evictions
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         self._sweep(now)
-        record = self._live(key, now)
+        record = self._records.peek(key)
         if record is None:
             token = _new_token()
-            self._records[key] = _Record(fingerprint, token, now + self.processing_ttl)
-            self._bound()
+            self._records.put(key, _Record(fingerprint, token, now + self.processing_ttl))
             return Begin("new", token)
         if record.fingerprint != fingerprint:
             return Begin("mismatch")
@@ -84,50 +96,45 @@ class MemoryIdempotencyRecords:
         return Begin("done", response=_copy(record.response))
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
-        now = time.monotonic()
-        record = self._owned(key, token, now)
+        record = self._owned(key, token)
         if record is None:
             return False
-        if response.size > self.max_bytes:  # too large to keep: the key is free again
-            self._drop(key)
-            return False
+        self._records.pop(key)  # back in with its response's size, as the newest
         record.response = _copy(response)
-        record.size = response.size
-        record.expires = now + self.retention
-        self._bytes += record.size
-        self._records.move_to_end(key)
+        record.expires = self._clock.monotonic() + self.retention
         record.wake()
-        self._bound()
+        self._records.put(key, record)  # too large to keep: not stored, the key is free again
         return key in self._records
 
     async def abandon(self, key: str, token: str) -> bool:
-        if self._owned(key, token, time.monotonic()) is None:
+        if self._owned(key, token) is None:
             return False
         self._drop(key)
         return True
 
     async def renew(self, key: str, token: str) -> bool:
-        now = time.monotonic()
-        record = self._owned(key, token, now)
+        record = self._owned(key, token)
         if record is None:
             return False
-        record.expires = now + self.processing_ttl
+        record.expires = self._clock.monotonic() + self.processing_ttl
         return True
 
     async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None:
-        deadline = time.monotonic() + timeout
+        # The timeout is time spent waiting (the event loop's); leases are the clock's.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         self.waiters += 1
         try:
             while True:
-                now = time.monotonic()
-                record = self._live(key, now)
+                now = self._clock.monotonic()
+                record = self._records.peek(key)
                 if record is None:
                     return None
                 if record.fingerprint != fingerprint:
                     return None
                 if record.response is not None:
                     return _copy(record.response)
-                left = deadline - now
+                left = deadline - loop.time()
                 if left <= 0:
                     return None
                 if record.changed is None:
@@ -147,39 +154,34 @@ class MemoryIdempotencyRecords:
 
     # ------------------------------------------------------------------ internals
 
-    def _live(self, key: str, now: float) -> _Record | None:
-        record = self._records.get(key)
-        if record is not None and record.expires <= now:
-            self._drop(key)
-            return None
-        return record
-
-    def _owned(self, key: str, token: str, now: float) -> _Record | None:
-        record = self._live(key, now)
+    def _owned(self, key: str, token: str) -> _Record | None:
+        record = self._records.peek(key)
         if record is None or record.response is not None or record.token != token:
             return None
         return record
 
     def _drop(self, key: str) -> None:
-        record = self._records.pop(key, None)
+        record = self._records.pop(key)
         if record is not None:
-            self._bytes -= record.size
             record.wake()
 
     def _sweep(self, now: float) -> None:
         if now < self._next_sweep:
             return
         self._next_sweep = now + self.sweep_interval
-        for key in [k for k, r in self._records.items() if r.expires <= now]:
-            self._drop(key)
+        self._records.expire()
 
-    def _bound(self) -> None:
-        """Evict the oldest records while over a bound (expired ones went at the last sweep)."""
-        while self._records and (
-            len(self._records) > self.max_records or self._bytes > self.max_bytes
-        ):
-            self._drop(next(iter(self._records)))
-            self.evictions += 1
+
+def _size(key: str, record: _Record) -> int:
+    return record.response.size if record.response is not None else 0
+
+
+def _expires(record: _Record) -> float:
+    return record.expires  # the lease, then the retention (renewed in place)
+
+
+def _wake(key: str, record: _Record) -> None:
+    record.wake()  # evicted or expired: its waiters look again and find it gone
 
 
 def _copy(response: StoredResponse) -> StoredResponse:
