@@ -18,8 +18,9 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
 
 - ``ID`` (``keys.key_id``) is the fingerprint as it is when it is one (32 lowercase hex digits);
   any other key is replaced by its 40-hex BLAKE2b digest (no raw text in a key; the lengths keep
-  both spaces apart). The entry's hash tag is its ID, so keys that a later layer adds for the same fingerprint
-  (a flight's lock or stream) can share its slot and be used atomically with it in a Lua script.
+  both spaces apart). The entry's hash tag is its ID, so keys that a later layer adds for the
+  same fingerprint (a flight's lock or stream) can share its slot and be used atomically with it
+  in a Lua script.
 - Tags and namespaces are user input: in keys they are only ever their BLAKE2b digest (32 hex).
 - The index ZSETs are supersets, scored by expiry: a put adds its members (raising a score, never
   lowering it) *before* it writes the entry, and members are removed only once their score has
