@@ -1,4 +1,4 @@
-"""The byte-identical fast path (fingerprint.RepeatMemo): a repeat skips parsing, never the rules."""
+"""The byte-identical fast path (repeat_memo.RepeatMemo): a repeat skips parsing, never the rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from carpool import request as request_module
 from carpool.config import Config
-from carpool.fingerprint import _ENTRY_OVERHEAD, MAX_MEMO_HEADERS, RepeatMemo, fingerprint
+from carpool.fingerprint import fingerprint
+from carpool.repeat_memo import _ENTRY_OVERHEAD, MAX_MEMO_HEADERS, RepeatMemo
 from carpool.request import CONTROL_HEADERS, ClientRequest, parse
 
 CHAT = "/v1/chat/completions"

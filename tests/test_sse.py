@@ -1,4 +1,5 @@
-"""carpool.sse: the SSE decoder, framing, and the stream <-> body conversions."""
+"""carpool.sse: the SSE decoder and framing; carpool.chunks: the stream <-> body conversions;
+carpool.completeness: judging bodies."""
 
 from __future__ import annotations
 
@@ -9,15 +10,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.sse import (
-    DONE,
-    SSEDecoder,
-    assemble,
-    frame,
-    is_complete,
-    synthesize,
-    usage_tokens,
-)
+from carpool import sse
+from carpool.chunks import assemble, synthesize
+from carpool.completeness import is_complete, usage_tokens
+from carpool.sse import DONE, SSEDecoder, frame
 
 # A stream exercising most of the format: a BOM, comments, ignored fields, multi-line data, a
 # payload without the optional space, a named error event, a split UTF-8 character, [DONE].
@@ -843,3 +839,9 @@ def test_usage_tokens_is_zero_for_garbage_and_never_raises():
     ]
     for body in garbage:
         assert usage_tokens(body) == 0, body
+
+
+def test_the_stream_body_functions_are_still_importable_from_sse() -> None:
+    # They moved to carpool.chunks and carpool.completeness; carpool.sse re-exports them.
+    assert (sse.assemble, sse.synthesize) == (assemble, synthesize)
+    assert (sse.is_complete, sse.usage_tokens) == (is_complete, usage_tokens)

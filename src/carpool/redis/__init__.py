@@ -1,8 +1,11 @@
 """Everything carpool keeps in Redis/Valkey, and the only package that imports the client library.
 
 - :mod:`.connection`: the client and its pool, error translation, the ``Health`` protocol;
-- :mod:`.store`: the shared exact cache (entries, indexes, stats);
-- :mod:`.flights`: cross-instance single-flight (locks, leases, frame streams);
+- :mod:`.keys`: what the layers share about key names (prefix, IDs, digests, SCAN patterns);
+- :mod:`.store`: the shared exact cache (entries, indexes, stats); its key layout, encoding and
+  scripts: :mod:`.store_layout`;
+- :mod:`.flights`: cross-instance single-flight (locks, leases, frame streams); its keys,
+  scripts and records: :mod:`.flight_protocol`; the follower's relay: :mod:`.flight_relay`;
 - :mod:`.invalidation`: the pub/sub channel that carries invalidations to every instance;
 - :mod:`.semantic`: semantic entries shared through a stream;
 - :mod:`.idempotency`: idempotency records.

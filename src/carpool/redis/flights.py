@@ -13,31 +13,24 @@ which coalesces the local flights of every instance:
 - The leader forwards each SSE frame its local broadcast receives to its own Redis stream (XADD
   MAXLEN ~ ``stream_maxlen``; frames that arrive during a round trip go together in the next
   one) and renews its lock and the stream's expiry every lease/3 while the call runs. Once
-  ``call`` has returned, one script adds the final record and releases the lock, in the same
-  round-trip time as ``store`` (they run at once). The final record is the answer (body, kind,
-  complete, tokens, created, the usage frame's index, the frame count: the frames are already in
-  the stream) or the error (an ``UpstreamStatusError`` as status, content type and body exactly
-  as the upstream sent them; any other error as class, status, message and code). Both finish
-  before the local flight ends: once any client has its answer, the answer is stored and every
-  instance sees the call as finished (an invalidation drops its lingering answer; a retry after
-  an error makes a new call).
+  ``call`` has returned, one script adds the final record (the answer or the error:
+  :mod:`.flight_protocol`) and releases the lock, in the same round-trip time as ``store`` (they
+  run at once). Both finish before the local flight ends: once any client has its answer, the
+  answer is stored and every instance sees the call as finished (an invalidation drops its
+  lingering answer; a retry after an error makes a new call).
 - A complete answer of a request that may linger (no ``no-store``) leaves the lock as
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
   request leads a new call. ``forget_all`` (``/admin/invalidate``) deletes every lingering
   lock, whichever instance made it.
-- A follower reads the stream from its start (replay), then blocks for new entries (XREAD BLOCK
-  of at most min(lease/3, ``distributed.timeout``/2), so that the client's socket timeout never
-  cuts a block), publishing each frame into its LOCAL broadcast: every local client of the
-  flight, streaming or not, early or late, is served exactly as if this instance led. On the
-  final record it returns the same ``Answer`` (or raises the same error); it never stores it (the
-  leader does). The local broadcast is marked ``remote``: this instance's clients are all
-  ``coalesced``.
+- A follower relays the leader's stream, from its start, into its LOCAL broadcast: every local
+  client of the flight, streaming or not, early or late, is served exactly as if this instance
+  led, and gets the same ``Answer`` (or the same error) on the final record
+  (:mod:`.flight_relay`).
 
-Failure rules. A leader's death is noticed through its lock, read in the same round trip as each
-XREAD: the lock is gone or names another leader, and one more read finds no final record (so
-within lease_ms + one block of the death).
+Failure rules. A leader's death is noticed through its lock, within lease_ms + one XREAD block
+of the death (:mod:`.flight_relay`).
 - Frames already relayed to clients cannot be taken back. A follower that has relayed NOTHING (a
   non-streaming leader, or no chunk yet) takes over transparently: it claims again, and leads
   (runs ``call`` and ``store``) or follows whichever instance claimed first (at most
@@ -61,30 +54,10 @@ within lease_ms + one block of the death).
   call runs here; frames relayed -> ``UpstreamStreamBroken``, as for a death. Failures go to the
   shared store's health (``/stats``, ``/healthz``, the log, degraded mode); successes end a
   degraded period.
-- Entries trimmed by MAXLEN before a follower read them (it joined late, or fell that far
-  behind): with nothing relayed, it skips the frames and serves the answer whole from the final
-  record (streaming clients get frames synthesized from it); with frames relayed,
-  ``UpstreamStreamBroken``. So is a final record whose frame count is not what was relayed (the
-  leader's publishing broke).
+- Entries trimmed by MAXLEN before a follower read them, or a final record whose frame count
+  is not what was relayed: see :mod:`.flight_relay`.
 
-Key layout (``P`` = ``distributed.key_prefix``; ``ID`` = the exact store's ID of the same
-fingerprint, ``RedisStore.key_id``: ``{ID}`` puts every key of a fingerprint, its cached entry
-included, in one Redis Cluster slot; every script and pipeline touches the keys of one ID only):
-
-    P lock:{ID}            STRING  TOKEN (16 hex) while the leader's call runs: PX lease_ms,
-                                   renewed every lease/3 (compare-and-expire); then, for a
-                                   complete answer that may linger, "=TOKEN:MS" (MS = Redis
-                                   time of the end, for max_age) with PX coalesce.window_ms;
-                                   otherwise deleted (compare-and-delete) at the end
-    P flight:{ID}:TOKEN    STREAM  one leader's output. One stream per leader: a follower never
-                                   mixes two calls, and a new leader never deletes what another
-                                   instance is still reading. Entries: one per frame {i: index,
-                                   f: frame bytes, u: 1 for the usage-only chunk}, then one final
-                                   record {e: a (answer) | x (error) | g (gone), m: orjson meta,
-                                   b: body}. Created by the first frame (or the final record);
-                                   MAXLEN ~ stream_maxlen; PX 2 x lease_ms while the call runs
-                                   (renewed with the lock), then window_ms + lease_ms (lease_ms
-                                   if it may not linger): time for followers to read the end
+The keys, the records and the scripts: :mod:`.flight_protocol`.
 
 Round trips (measured by benchmarks/bench_distributed.py): a leader makes 1 (claim) + 1 per
 batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's); a
@@ -102,21 +75,22 @@ import secrets
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from ..answer import Answer
 from ..broadcast import Broadcast
-from ..errors import (
-    CarpoolError,
-    LeaderLost,
-    UpstreamError,
-    UpstreamStatusError,
-    UpstreamStreamBroken,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-)
+from ..errors import CarpoolError, UpstreamError
 from .connection import Health, StoreUnavailable, unavailable_in
-from .store import RedisStore, glob_escape, xread_entries
+from .flight_protocol import (
+    CLAIM,
+    END,
+    FORGET,
+    RENEW,
+    answer_record,
+    error_record,
+    flight_keys,
+    lock_pattern,
+)
+from .flight_relay import GONE, follow
+from .keys import check_prefix
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -128,86 +102,7 @@ log = logging.getLogger("carpool.flight")
 Call = Callable[[Broadcast], Awaitable[Answer]]
 Store = Callable[[Answer], Awaitable[None]]
 
-READ_COUNT = 1000  # entries per XREAD
 MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
-
-# KEYS: lock. ARGV: token, lease ms, max age ms (-1: any age).
-# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN}.
-_CLAIM = """
-local holder = redis.call('GET', KEYS[1])
-if holder then
-  local mark = string.sub(holder, 1, 1)
-  if mark == '~' then return {'alone'} end
-  if mark ~= '=' then return {'follow', holder} end
-  local sep = string.find(holder, ':', 2, true)
-  local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
-  if max_age < 0 then return {'replay', leader} end
-  local now = redis.call('TIME')
-  local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-    - tonumber(string.sub(holder, sep + 1))
-  if age < max_age then return {'replay', leader} end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {'lead'}
-"""
-
-# KEYS: lock, stream. ARGV: token, lease ms, stream PX ms. 1 if renewed, 0 if the lock is lost.
-_RENEW = """
-local holder = redis.call('GET', KEYS[1])
-if holder ~= ARGV[1] and holder ~= '~' .. ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-
-# KEYS: lock, stream. ARGV: token, linger ms (0: none), stream PX ms, MAXLEN, then the final
-# record's field, value pairs. The record always goes to this leader's own stream; the lock is
-# changed only if it is still this leader's.
-_END = """
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-local holder = redis.call('GET', KEYS[1])
-if holder == '~' .. ARGV[1] then
-  redis.call('DEL', KEYS[1])
-elseif holder == ARGV[1] then
-  if tonumber(ARGV[2]) > 0 then
-    local now = redis.call('TIME')
-    local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-    redis.call('SET', KEYS[1], '=' .. ARGV[1] .. ':' .. string.format('%.0f', ms), 'PX', ARGV[2])
-  else
-    redis.call('DEL', KEYS[1])
-  end
-end
-return 1
-"""
-
-# KEYS: lock. Drop it if it is a finished call's (lingering in the window); mark a running
-# call's "~TOKEN" (stale: its followers stay, nobody new follows it, it is not replayed once
-# finished). 1 if either.
-_FORGET = """
-local holder = redis.call('GET', KEYS[1])
-if not holder then return 0 end
-local mark = string.sub(holder, 1, 1)
-if mark == '=' then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-if mark ~= '~' then
-  redis.call('SET', KEYS[1], '~' .. holder, 'KEEPTTL')
-  return 1
-end
-return 0
-"""
-
-# Why a follow ended without an answer.
-_GONE = "gone"  # the leader died or left: claim again (nothing was relayed)
-_TIMEOUT = "timeout"  # nothing within the join timeout: run the call here
-_DOWN = "unavailable"  # Redis failed: run the call here
-
-_ERRORS: dict[str, type[UpstreamError]] = {
-    cls.__name__: cls
-    for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout, UpstreamStreamBroken)
-}
 
 _unavailable = unavailable_in("the Redis flights")
 
@@ -233,8 +128,7 @@ class SharedFlights:
         health: Health | None = None,
         owns_client: bool = False,
     ) -> None:
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
+        check_prefix(prefix)
         self.prefix = prefix
         self.lease_ms = max(1, int(lease_ms))
         self.maxlen = stream_maxlen
@@ -244,9 +138,9 @@ class SharedFlights:
         self.health = health
         self._client = client
         self._owns_client = owns_client
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
-        self._end = client.register_script(_END)
+        self._claim = client.register_script(CLAIM)
+        self._renew = client.register_script(RENEW)
+        self._end = client.register_script(END)
         self._background: set[asyncio.Task[Any]] = set()
         self.leading = 0  # flights this instance leads now
         self.following = 0  # flights this instance follows now
@@ -279,7 +173,7 @@ class SharedFlights:
         Scans the locks (one per call running or lingering, on every instance); returns how
         many it dropped or marked (those it could: a Redis failure is reported, not raised).
         """
-        pattern = glob_escape(self.prefix) + "lock:*"
+        pattern = lock_pattern(self.prefix)
         dropped = 0
         try:
             with _unavailable("forget finished flights"):
@@ -298,7 +192,7 @@ class SharedFlights:
     async def _forget_batch(self, locks: list[bytes]) -> int:
         pipe = self._client.pipeline(transaction=False)
         for lock in locks:
-            pipe.eval(_FORGET, 1, lock)
+            pipe.eval(FORGET, 1, lock)
         return sum(await pipe.execute())
 
     async def aclose(self) -> None:
@@ -329,8 +223,7 @@ class SharedFlights:
         """
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
-        ident = RedisStore.key_id(key)
-        lock, streams = f"{self.prefix}lock:{{{ident}}}", f"{self.prefix}flight:{{{ident}}}:"
+        lock, streams = flight_keys(self.prefix, key)
         deadline = asyncio.get_running_loop().time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
         for attempt in range(MAX_TAKEOVERS + 1):
@@ -351,10 +244,10 @@ class SharedFlights:
                 break
             leader = reply[1].decode()
             self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
-            result = await self._follow(lock, streams + leader, leader, broadcast, deadline)
+            result = await follow(self, lock, streams + leader, leader, broadcast, deadline)
             if isinstance(result, Answer):
                 return result
-            if result != _GONE:
+            if result != GONE:
                 break
         return await self._alone(call, store, broadcast)
 
@@ -386,11 +279,11 @@ class SharedFlights:
             self._spawn(self._finish(lock, stream, token, {"e": "g"}, 0))
             raise
         except CarpoolError as error:
-            await self._close(publisher, lock, stream, token, _error_record(error), 0)
+            await self._close(publisher, error_record(error), 0)
             raise
         except Exception:  # a bug: followers get what the local clients get
             failure = UpstreamError("internal error while calling upstream")
-            await self._close(publisher, lock, stream, token, _error_record(failure), 0)
+            await self._close(publisher, error_record(failure), 0)
             raise
         finally:
             self.leading -= 1
@@ -398,46 +291,23 @@ class SharedFlights:
         lingers = linger and answer.complete and self.linger_ms > 0
         await asyncio.gather(
             store(answer),
-            self._close(
-                publisher,
-                lock,
-                stream,
-                token,
-                _answer_record(answer),
-                self.linger_ms if lingers else 0,
-            ),
+            self._close(publisher, answer_record(answer), self.linger_ms if lingers else 0),
         )
         return answer
 
-    async def _close(
-        self,
-        publisher: _Publisher,
-        lock: str,
-        stream: str,
-        token: str,
-        record: dict[str, Any],
-        linger_ms: int,
-    ) -> None:
+    async def _close(self, publisher: _Publisher, record: dict[str, Any], linger_ms: int) -> None:
         """The end of the flight, finished even if the local flight is cancelled meanwhile."""
-        await asyncio.shield(
-            self._spawn(self._end_with(publisher, lock, stream, token, record, linger_ms))
-        )
+        await asyncio.shield(self._spawn(self._end_with(publisher, record, linger_ms)))
 
     async def _end_with(
-        self,
-        publisher: _Publisher,
-        lock: str,
-        stream: str,
-        token: str,
-        record: dict[str, Any],
-        linger_ms: int,
+        self, publisher: _Publisher, record: dict[str, Any], linger_ms: int
     ) -> None:
         """The last frames, then the final record and the lock's release."""
         try:
             await publisher.close()
         finally:
             publisher.broadcast.on_publish = None
-        await self._finish(lock, stream, token, record, linger_ms)
+        await self._finish(publisher.lock, publisher.stream, publisher.token, record, linger_ms)
 
     async def _finish(
         self, lock: str, stream: str, token: str, record: dict[str, Any], linger_ms: int
@@ -452,110 +322,6 @@ class SharedFlights:
             self._failed(error)
         else:
             self._answered()
-
-    # ------------------------------------------------------------------ following
-
-    async def _follow(
-        self, lock: str, stream: str, token: str, broadcast: Broadcast, deadline: float
-    ) -> Answer | str:
-        """Relay the leader's stream into ``broadcast`` until its final record."""
-        loop = asyncio.get_running_loop()
-        ours, stale = token.encode(), b"~" + token.encode()
-        ended = b"=" + ours + b":"
-        last: bytes | str = b"0-0"  # (XREAD BLOCK waits for the stream to exist)
-        relayed = 0  # frames published into the local broadcast (= next frame index)
-        seen = 0  # frame records read, relayed or not: signs of life
-        skipping = False  # frames were trimmed before we read them: serve the answer whole
-        suspect = False  # the lock looked gone: read once more without blocking
-        self.following += 1
-        try:
-            while True:
-                block: int | None = None if suspect else self.block_ms
-                if not seen and block is not None:
-                    left_ms = int((deadline - loop.time()) * 1000)
-                    block = min(block, left_ms) if left_ms >= 1 else None
-                pipe = self._client.pipeline(transaction=False)
-                pipe.xread({stream: last}, count=READ_COUNT, block=block)
-                pipe.get(lock)
-                try:
-                    with _unavailable("follow a flight"):
-                        reply, holder = await pipe.execute()
-                except StoreUnavailable as error:
-                    self._failed(error)
-                    if relayed:
-                        raise self._broken(
-                            f"lost the stream from the instance leading this call: {error.message}"
-                        ) from None
-                    return _DOWN
-                records = xread_entries(reply)
-                for entry_id, fields in records:
-                    last = entry_id
-                    if b"f" in fields:
-                        seen += 1
-                        index = int(fields[b"i"])
-                        if skipping or index < relayed:
-                            continue
-                        if index > relayed:  # trimmed (MAXLEN) before we read it
-                            if relayed:
-                                raise self._broken(
-                                    "fell behind the stream of the instance leading this call"
-                                )
-                            skipping = True
-                            continue
-                        broadcast.remote = True
-                        broadcast.publish(fields[b"f"], usage_only=b"u" in fields)
-                        relayed += 1
-                        self.counts["frames_relayed"] += 1
-                    else:
-                        return self._ending(fields, broadcast, relayed)
-                if records:
-                    suspect = False
-                    continue
-                if holder != ours and holder != stale and not (holder or b"").startswith(ended):
-                    if suspect:  # gone, and no final record came after all
-                        if relayed:
-                            raise self._broken("the instance leading this call stopped")
-                        return _GONE
-                    suspect = True
-                    continue
-                suspect = False
-                if not seen and loop.time() >= deadline:
-                    return _TIMEOUT
-        finally:
-            self.following -= 1
-
-    def _ending(
-        self, fields: dict[bytes, bytes], broadcast: Broadcast, relayed: int
-    ) -> Answer | str:
-        """The answer or error of a final record (or ``_GONE``)."""
-        kind = fields[b"e"]
-        if kind == b"g":
-            if relayed:
-                raise self._broken("the instance leading this call left it")
-            return _GONE
-        meta = orjson.loads(fields[b"m"])
-        body = fields.get(b"b", b"")
-        if kind == b"x":
-            broadcast.remote = True
-            raise _error_from(meta, body)
-        count = meta["fl"]
-        if relayed and relayed != count:
-            raise self._broken("the stream of the instance leading this call has gaps")
-        broadcast.remote = True
-        frames = broadcast.frames if count is not None and relayed == count else None
-        return Answer(
-            meta["k"],
-            body,
-            meta["c"],
-            meta["t"],
-            meta["cr"],
-            frames,
-            meta["u"] if frames is not None else None,
-        )
-
-    def _broken(self, message: str) -> LeaderLost:
-        self.counts["broken"] += 1
-        return LeaderLost(message)
 
     # ------------------------------------------------------------------ health, tasks
 
@@ -671,48 +437,3 @@ class _Publisher:
             return
         if not held:  # expired (a long pause) or taken over: followers have moved on
             self.renewing = False
-
-
-# ---------------------------------------------------------------------- records
-
-
-def _answer_record(answer: Answer) -> dict[str, Any]:
-    meta = {
-        "k": answer.kind,
-        "c": answer.complete,
-        "t": answer.tokens,
-        "cr": answer.created,
-        "fl": None if answer.frames is None else len(answer.frames),
-        "u": answer.usage_frame,
-    }
-    return {"e": "a", "m": orjson.dumps(meta), "b": answer.body}
-
-
-def _error_record(error: CarpoolError) -> dict[str, Any]:
-    if isinstance(error, UpstreamStatusError):
-        return {
-            "e": "x",
-            "m": orjson.dumps({"c": "status", "s": error.status, "ct": error.content_type}),
-            "b": error.content,
-        }
-    return {
-        "e": "x",
-        "m": orjson.dumps(
-            {
-                "c": type(error).__name__,
-                "s": error.status,
-                "ty": error.type,
-                "co": error.code,
-                "msg": error.message,
-            }
-        ),
-    }
-
-
-def _error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
-    """The leader's error, as the same class with the same status, type, code and message."""
-    if meta["c"] == "status":
-        return UpstreamStatusError(meta["s"], body, meta["ct"])
-    error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
-    error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
-    return error

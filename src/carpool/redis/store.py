@@ -25,48 +25,19 @@ Contract (on top of ``store.base``):
   invalidation scans the prompt-prefix index (an admin action, O(entries)). ``everything`` SCANs
   and UNLINKs every key under the prefix (never FLUSHDB: other data may share the database).
 
-Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Cluster hash tag):
-
-    P e:{ID}          HASH, PX = TTL    one entry: m = orjson header (version, kind, complete,
-                                        tokens, created, expires, usage_frame, frame lengths,
-                                        tags, namespace), b = body bytes, f = the frames
-                                        concatenated (absent when the answer did not stream),
-                                        tg = ",D1,D2," tag digests, ns = namespace digest,
-                                        pp = prompt prefix, xm = expiry in ms (for the Lua checks)
-    P tag:D           ZSET ID -> expires_ms    candidates for a tag (D = its digest)
-    P ns:D            ZSET ID -> expires_ms    candidates for a namespace
-    P prefixes        ZSET "ID\\nprompt prefix" -> expires_ms    candidates for prefix invalidation
-    P {stats}:live    ZSET ID -> expires_ms    live entries (the ``entries`` count)
-    P {stats}:size    HASH ID -> Entry.size
-    P {stats}:bytes   STRING                   sum of the sizes (the ``bytes`` count)
-
-- ``ID`` is the fingerprint as it is when it is one (32 lowercase hex digits); any other key is
-  replaced by its 40-hex BLAKE2b digest (no raw text in a key; the lengths keep both spaces
-  apart). The entry's hash tag is its ID, so keys that a later layer adds for the same fingerprint
-  (a flight's lock or stream) can share its slot and be used atomically with it in a Lua script.
-- Tags and namespaces are user input: in keys they are only ever their BLAKE2b digest (32 hex).
-- The index ZSETs are supersets, scored by expiry: a put adds its members (raising a score, never
-  lowering it) *before* it writes the entry, and members are removed only once their score has
-  passed (lazily, by the next put to that index), so no race can leave a live entry out of an
-  index; each index key expires with its last member. The three ``{stats}`` keys share one slot
-  because one Lua script updates them together; they go away when no entry is live.
-- Every script touches keys of one slot only, and multi-key work is pipelined per key, so the
-  layout works on Redis Cluster. The prefix must not contain ``{`` or ``}``.
+The key layout, an entry's encoding and the Lua scripts are :mod:`.store_layout`'s; the key IDs,
+digests and SCAN escaping that the Redis layers share are :mod:`.keys` (``glob_escape`` and
+``xread_entries`` are re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import math
-import re
 import time
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from ..answer import Answer
 from ..store.base import Entry
 from .connection import (
     CONNECT_TIMEOUT,
@@ -78,112 +49,16 @@ from .connection import (
     connect,
     unavailable_in,
 )
+from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
+from .store_layout import DROP, INDEX, PUT, STATS, StoreKeys, decode, encode
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
-__all__ = ["RedisStore", "StoreUnavailable"]
+__all__ = ["RedisStore", "StoreUnavailable", "glob_escape", "xread_entries"]
 
 STATS_INTERVAL = 1.0  # s between background refreshes of ``entries``/``bytes`` by gets
 BATCH = 500  # keys per SCAN page / per pipelined round trip in invalidations
-FORMAT = 1  # version of the entry header; another version reads as a miss
-
-_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
-
-# Add MEMBER to the index ZSET with score EXPIRES unless it is already there with a higher one,
-# drop the members expired by NOW, and let the key expire with its last member.
-_INDEX = """
-local key, expires, now = KEYS[1], tonumber(ARGV[2]), ARGV[3]
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-local old = redis.call('ZSCORE', key, ARGV[1])
-if not old or tonumber(old) < expires then redis.call('ZADD', key, ARGV[2], ARGV[1]) end
-local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - tonumber(now)))
-return 1
-"""
-
-# Replace the entry hash: ARGV = PX, then field, value pairs.
-_PUT = """
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-
-# Drop the entry if it still matches: ARGV = mode (t: tag digest, n: namespace digest,
-# p: prompt prefix), value, now (ms). 1 if a live entry was dropped; an entry already expired by
-# NOW (its PX may run a round trip later than its own expiry) is dropped but not counted.
-_DROP = """
-local mode, value = ARGV[1], ARGV[2]
-local expires = redis.call('HGET', KEYS[1], 'xm')
-if expires and tonumber(expires) <= tonumber(ARGV[3]) then
-  redis.call('UNLINK', KEYS[1])
-  return 0
-end
-local field = redis.call('HGET', KEYS[1], mode == 't' and 'tg' or mode == 'n' and 'ns' or 'pp')
-if not field then return 0 end
-if mode == 't' then
-  if not string.find(field, ',' .. value .. ',', 1, true) then return 0 end
-elseif mode == 'n' then
-  if field ~= value then return 0 end
-elseif string.sub(field, 1, #value) ~= value then
-  return 0
-end
-redis.call('UNLINK', KEYS[1])
-return 1
-"""
-
-# Reap the entries expired by NOW, then 'add' ID EXPIRES SIZE | 'del' ID... | 'read';
-# returns {live entries, bytes}. KEYS = live, size, bytes.
-_STATS = """
-local live, size, total, now, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
-local function forget(id)
-  local s = redis.call('HGET', size, id)
-  if s then
-    redis.call('DECRBY', total, s)
-    redis.call('HDEL', size, id)
-  end
-  redis.call('ZREM', live, id)
-end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', live, '-inf', now, 'LIMIT', 0, 1000)) do
-  forget(id)
-end
-if op == 'add' then
-  forget(ARGV[3])
-  redis.call('ZADD', live, ARGV[4], ARGV[3])
-  redis.call('HSET', size, ARGV[3], ARGV[5])
-  redis.call('INCRBY', total, ARGV[5])
-elseif op == 'del' then
-  for i = 3, #ARGV do forget(ARGV[i]) end
-end
-if redis.call('ZCARD', live) == 0 then
-  redis.call('DEL', size, total)
-  return {0, 0}
-end
-return {redis.call('ZCOUNT', live, '(' .. now, '+inf'), tonumber(redis.call('GET', total) or '0')}
-"""
-
-
-def _digest(text: str) -> str:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-def glob_escape(text: str) -> str:
-    """``text`` matched literally in a SCAN/KEYS pattern."""
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
-
-
-def xread_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """The entries of a one-stream XREAD reply (RESP2: a list; RESP3: a map)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        reply = next(iter(reply.values()))[0]
-    else:
-        reply = reply[0][1]
-    entries: list[tuple[bytes, dict[bytes, bytes]]] = reply
-    return entries
-
 
 _unavailable = unavailable_in("the Redis store")
 
@@ -212,8 +87,7 @@ class RedisStore:
         cluster: bool = False,
         stats_interval: float = STATS_INTERVAL,
     ) -> None:
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
+        check_prefix(prefix)
         self.url = url
         self.prefix = prefix
         self.stats_interval = stats_interval
@@ -233,12 +107,7 @@ class RedisStore:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the Redis client must not decode responses: bodies are bytes")
         self._client = client
-        self._stats_keys = [
-            f"{prefix}{{stats}}:live",
-            f"{prefix}{{stats}}:size",
-            f"{prefix}{{stats}}:bytes",
-        ]
-        self._prefixes_key = f"{prefix}prefixes"
+        self._keys = StoreKeys(prefix)
         self._entries = 0
         self._bytes = 0
         self._stats_at = 0.0
@@ -255,24 +124,7 @@ class RedisStore:
     @staticmethod
     def key_id(key: str) -> str:
         """The ``ID`` of ``key`` in Redis key names: its hash tag (see the key layout)."""
-        return RedisStore._id(key)
-
-    # ------------------------------------------------------------------ keys
-
-    @staticmethod
-    def _id(key: str) -> str:
-        if _FINGERPRINT.fullmatch(key):
-            return key
-        return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
-
-    def _entry_key(self, entry_id: str) -> str:
-        return f"{self.prefix}e:{{{entry_id}}}"
-
-    def _tag_key(self, tag: str) -> str:
-        return f"{self.prefix}tag:{_digest(tag)}"
-
-    def _namespace_key(self, namespace: str) -> str:
-        return f"{self.prefix}ns:{_digest(namespace)}"
+        return key_id(key)
 
     # ------------------------------------------------------------------ the Store interface
 
@@ -287,86 +139,36 @@ class RedisStore:
     async def get(self, key: str) -> Entry | None:
         with _unavailable("get"):
             fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]  # (redis-py's return type is a union over sync and async)
-                self._entry_key(self._id(key)), "m", "b", "f", "pp"
+                self._keys.entry(key_id(key)), "m", "b", "f", "pp"
             )  # (bytes: never decoded)
             header, body, frames, prompt_prefix = fields
         self._refresh_soon()
-        if header is None or body is None:
-            return None
-        meta = orjson.loads(header)
-        if meta.get("v") != FORMAT or meta["x"] <= time.time():
-            return None
-        return Entry(
-            Answer(
-                meta["k"],
-                body,
-                meta["c"],
-                meta["t"],
-                meta["cr"],
-                _split(frames or b"", meta["fl"]),
-                meta["u"],
-            ),
-            meta["x"],
-            tuple(meta["tags"]),
-            meta["ns"],
-            (prompt_prefix or b"").decode(),
-        )
+        return decode(header, body, frames, prompt_prefix)
 
     async def put(self, key: str, entry: Entry) -> None:
-        entry_id, now = self._id(key), time.time()
+        entry_id, now = key_id(key), time.time()
         ttl_ms = math.ceil((entry.expires - now) * 1000)
         if ttl_ms <= 0:
             with _unavailable("put"):
                 await self._drop([entry_id])
             return
         expires_ms, now_ms = math.ceil(entry.expires * 1000), int(now * 1000)
-        answer = entry.answer
-        header = orjson.dumps(
-            {
-                "v": FORMAT,
-                "k": answer.kind,
-                "c": answer.complete,
-                "t": answer.tokens,
-                "cr": answer.created,
-                "x": entry.expires,
-                "u": answer.usage_frame,
-                "fl": None if answer.frames is None else [len(f) for f in answer.frames],
-                "tags": list(entry.tags),
-                "ns": entry.namespace,
-            }
-        )
-        fields: list[Any] = [
-            "m",
-            header,
-            "b",
-            answer.body,
-            "tg",
-            "," + "".join(_digest(t) + "," for t in entry.tags),
-            "ns",
-            _digest(entry.namespace),
-            "pp",
-            entry.prompt_prefix,
-            # The exact expiry (not rounded up), so the drop script and get agree on "expired".
-            "xm",
-            f"{entry.expires * 1000:.3f}",
-        ]
-        if answer.frames is not None:
-            fields += ["f", b"".join(answer.frames)]
-        indexes = [(self._tag_key(tag), entry_id) for tag in dict.fromkeys(entry.tags)]
+        fields = encode(entry)
+        indexes = [(self._keys.tag(tag), entry_id) for tag in dict.fromkeys(entry.tags)]
         indexes += [
-            (self._namespace_key(entry.namespace), entry_id),
-            (self._prefixes_key, f"{entry_id}\n{entry.prompt_prefix}"),
+            (self._keys.namespace(entry.namespace), entry_id),
+            (self._keys.prefixes, f"{entry_id}\n{entry.prompt_prefix}"),
         ]
         with _unavailable("put"):
             # The indexes first, then the entry: an index is never missing a live entry. Two
             # round trips, because a Cluster pipeline does not keep order across slots.
             pipe = self._client.pipeline(transaction=False)
             for index, member in indexes:
-                pipe.eval(_INDEX, 1, index, member, expires_ms, now_ms)
+                pipe.eval(INDEX, 1, index, member, expires_ms, now_ms)
             await pipe.execute()
             pipe = self._client.pipeline(transaction=False)
-            pipe.eval(_PUT, 1, self._entry_key(entry_id), ttl_ms, *fields)
-            pipe.eval(_STATS, 3, *self._stats_keys, now_ms, "add", entry_id, expires_ms, entry.size)
+            pipe.eval(PUT, 1, self._keys.entry(entry_id), ttl_ms, *fields)
+            pipe.eval(STATS, 3, *self._keys.stats, now_ms, "add", entry_id, expires_ms, entry.size)
             _, counts = await pipe.execute()
         self._counted(counts)
 
@@ -383,20 +185,20 @@ class RedisStore:
                 return await self._drop_everything()
             dropped = 0
             if tag is not None:
-                dropped += await self._drop_indexed(self._tag_key(tag), "t", _digest(tag))
+                dropped += await self._drop_indexed(self._keys.tag(tag), "t", digest(tag))
             if namespace is not None:
                 dropped += await self._drop_indexed(
-                    self._namespace_key(namespace), "n", _digest(namespace)
+                    self._keys.namespace(namespace), "n", digest(namespace)
                 )
             if prefix is not None:
-                dropped += await self._drop_indexed(self._prefixes_key, "p", prefix)
+                dropped += await self._drop_indexed(self._keys.prefixes, "p", prefix)
             return dropped
 
     async def refresh_stats(self) -> None:
         """Read ``entries``/``bytes`` from Redis now (reaping what expired)."""
         with _unavailable("stats"):
             counts = await self._client.eval(
-                _STATS, 3, *self._stats_keys, int(time.time() * 1000), "read"
+                STATS, 3, *self._keys.stats, int(time.time() * 1000), "read"
             )
         self._counted(counts)
 
@@ -435,19 +237,19 @@ class RedisStore:
         """Drop the entries among ``ids`` that match (mode ``p`` with ``""`` matches all)."""
         pipe, now_ms = self._client.pipeline(transaction=False), time.time() * 1000
         for entry_id in ids:
-            pipe.eval(_DROP, 1, self._entry_key(entry_id), mode, value, now_ms)
+            pipe.eval(DROP, 1, self._keys.entry(entry_id), mode, value, now_ms)
         results = await pipe.execute()
         gone = [entry_id for entry_id, hit in zip(ids, results, strict=True) if hit]
         if gone:
             self._counted(
                 await self._client.eval(
-                    _STATS, 3, *self._stats_keys, int(time.time() * 1000), "del", *gone
+                    STATS, 3, *self._keys.stats, int(time.time() * 1000), "del", *gone
                 )
             )
         return len(gone)
 
     async def _drop_everything(self) -> int:
-        entry_key = f"{self.prefix}e:{{".encode()
+        entry_key = self._keys.entry_start
         dropped = 0
         batch: list[bytes] = []
 
@@ -462,10 +264,8 @@ class RedisStore:
 
         # Only this store's own key families: other layers (idempotency records, flights) share
         # the prefix, and dropping cached answers must never forget that a request already ran.
-        prefix = glob_escape(self.prefix)
-        for family in ("e:*", "tag:*", "ns:*", "prefixes", "{stats}:*"):
-            # (Redis globs give braces no meaning: the families are patterns as they are.)
-            async for key in self._client.scan_iter(match=prefix + family, count=BATCH):
+        for family in self._keys.families:
+            async for key in self._client.scan_iter(match=family, count=BATCH):
                 batch.append(key)
                 if len(batch) >= BATCH:
                     dropped += await unlink()
@@ -493,13 +293,3 @@ class RedisStore:
             pass  # the counts stay as last seen; the next get tries again
         finally:
             self._refreshing = None
-
-
-def _split(joined: bytes, lengths: list[int] | None) -> list[bytes] | None:
-    if lengths is None:
-        return None
-    frames, at = [], 0
-    for length in lengths:
-        frames.append(joined[at : at + length])
-        at += length
-    return frames

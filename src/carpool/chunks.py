@@ -1,0 +1,342 @@
+"""OpenAI stream bodies: assembling a stream's chunks into a body, synthesizing chunks from one.
+
+Pure functions; no I/O. The SSE framing those chunks travel in is :mod:`carpool.sse`.
+
+Contract:
+
+- ``assemble(kind, chunks)`` turns the parsed chunks of one OpenAI stream (``kind`` "chat" or
+  "completion") into the equivalent non-streaming body; ``synthesize(kind, body, include_usage=)``
+  does the reverse. ``assemble(kind, synthesize(kind, body, include_usage=True)) == body`` holds for
+  bodies of the usual shape, i.e. when:
+    * every choice has ``index``, ``finish_reason`` and ``logprobs`` (None or a dict), and chat
+      choices a ``message`` with a ``role``;
+    * a chat message's ``content`` is a string, or None only alongside non-empty ``tool_calls``,
+      a ``function_call``, or a non-empty ``refusal`` or reasoning text (``reasoning_content``,
+      ``reasoning``) (a bare None comes back as ``""``, the text of a stream that sent none);
+    * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} only, and appear
+      in index order; ``function_call`` has ``name`` and ``arguments``;
+    * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
+      standard one ("chat.completion" / "text_completion").
+  Any other top-level, choice or message field survives as well: top-level ones keep their first
+  non-null value, choice ones their last non-null value; message ones (``refusal``,
+  ``reasoning_content``, ...) concatenate when strings, else keep their last non-null value.
+  Logprobs keep exactly the keys the chunks sent (lists concatenate).
+- Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
+  only for ``synthesize``'s: a tool call's (or legacy ``function_call``'s) ``id`` and ``type``
+  are kept from their first delta, and its ``name`` is sent once (OpenAI, vLLM), in pieces, or
+  repeated whole in every delta (llama.cpp's server, which repeats ``id``, ``type`` and ``name``
+  with each piece of the arguments): a name delta equal to the whole name so far is a repeat,
+  not more of the name (so a name streamed as two equal halves, ``"ab"`` + ``"ab"``, reads as
+  ``"ab"``: no engine is known to split names so). ``arguments`` always concatenate. A stream
+  without a usage chunk (an engine that ignores ``stream_options.include_usage``) assembles
+  without ``usage``: nothing is invented.
+  The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
+  input: copy before mutating those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Top-level fields every chunk repeats (synthesize copies them into each chunk).
+_IDENTITY = ("id", "created", "model", "system_fingerprint", "service_tier")
+_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+_CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+
+
+class _Merged:
+    """Values of one field seen over many chunks: strings concatenate, others keep the last."""
+
+    __slots__ = ("texts", "last")
+
+    def __init__(self) -> None:
+        self.texts: list[str] | None = None
+        self.last: Any = None
+
+    def add(self, value: Any) -> None:
+        if isinstance(value, str):
+            if self.texts is None:
+                self.texts = []
+            self.texts.append(value)
+        elif value is not None:
+            self.last = value
+
+    def value(self) -> Any:
+        return "".join(self.texts) if self.texts is not None else self.last
+
+
+def _merge_into(fields: dict[str, _Merged], source: dict[str, Any], skip: frozenset[str]) -> None:
+    for key, value in source.items():
+        if key not in skip:
+            merged = fields.get(key)
+            if merged is None:
+                merged = fields[key] = _Merged()
+            merged.add(value)
+
+
+def _keep_last(fields: dict[str, Any], source: dict[str, Any], skip: frozenset[str]) -> None:
+    """The last non-null value of each field; a field only ever null is kept as None."""
+    for key, value in source.items():
+        if key not in skip and (value is not None or key not in fields):
+            fields[key] = value
+
+
+def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Logprobs of one choice: lists (tokens, content, ...) concatenate, others keep the last."""
+    if not parts:
+        return None
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, list):
+                prior = merged.get(key)
+                merged[key] = (prior if isinstance(prior, list) else []) + value
+            elif value is not None or key not in merged:
+                merged[key] = value
+    return merged
+
+
+class _ToolCall:
+    __slots__ = ("id", "type", "name", "arguments")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.type: str | None = None
+        self.name = ""
+        self.arguments: list[str] = []
+
+    def add(self, delta: dict[str, Any]) -> None:
+        # id and type come in the first delta of a call (some engines repeat them: the first
+        # is kept). The name comes once, whole, from OpenAI and vLLM, but llama.cpp's server
+        # repeats it whole in every delta, with each piece of the arguments: a piece equal to
+        # the whole name so far is that repeat, not more of the name.
+        if self.id is None:
+            self.id = delta.get("id")
+        if self.type is None:
+            self.type = delta.get("type")
+        function = delta.get("function") or {}
+        name = function.get("name")
+        if isinstance(name, str) and name and name != self.name:
+            self.name += name
+        if function.get("arguments"):
+            self.arguments.append(function["arguments"])
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": self.type or "function",
+            "function": {"name": self.name, "arguments": "".join(self.arguments)},
+        }
+
+
+class _Choice:
+    """One choice's state while its chunks are assembled."""
+
+    _CHAT_SKIP = frozenset(("index", "delta", "message", "logprobs", "finish_reason"))
+    _COMPLETION_SKIP = frozenset(("index", "text", "logprobs", "finish_reason"))
+    _DELTA_SKIP = frozenset(("role", "content", "tool_calls", "function_call"))
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+        self.finish_reason: Any = None
+        self.logprobs: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}  # other choice fields (vLLM's stop_reason, ...)
+        # chat
+        self.role: str | None = None
+        self.content: list[str] | None = None  # None: no content string ever came
+        self.fields: dict[str, _Merged] = {}  # other message fields (refusal, ...)
+        self.tool_calls: dict[Any, _ToolCall] | None = None
+        self.function_call: _ToolCall | None = None
+        # completion
+        self.text: list[str] = []
+
+    def add(self, kind: str, choice: dict[str, Any]) -> None:
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        if isinstance(choice.get("logprobs"), dict):
+            self.logprobs.append(choice["logprobs"])
+        if kind == "chat":
+            _keep_last(self.extra, choice, self._CHAT_SKIP)
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self._add_delta(delta)
+        else:
+            _keep_last(self.extra, choice, self._COMPLETION_SKIP)
+            if choice.get("text"):
+                self.text.append(choice["text"])
+
+    def _add_delta(self, delta: dict[str, Any]) -> None:
+        if self.role is None:
+            self.role = delta.get("role")
+        content = delta.get("content")
+        if isinstance(content, str):
+            if self.content is None:
+                self.content = []
+            self.content.append(content)
+        if delta.get("tool_calls") is not None:
+            self._add_tool_calls(delta["tool_calls"])
+        if delta.get("function_call") is not None:
+            if self.function_call is None:
+                self.function_call = _ToolCall()
+            self.function_call.add({"function": delta["function_call"]})
+        for key in ("tool_calls", "function_call"):
+            if key in delta and delta[key] is None:
+                self.fields.setdefault(key, _Merged())  # "tool_calls": null is kept as null
+        _merge_into(self.fields, delta, self._DELTA_SKIP)
+
+    def _add_tool_calls(self, deltas: Any) -> None:
+        if self.tool_calls is None:
+            self.tool_calls = {}
+        for delta in deltas:
+            if not isinstance(delta, dict):
+                continue
+            index = delta.get("index")
+            if index is None:
+                # Some servers omit the index and send whole calls: a new id starts a new call.
+                last = next(reversed(self.tool_calls.values()), None)
+                fresh = last is None or (delta.get("id") not in (None, last.id))
+                index = len(self.tool_calls) if fresh else next(reversed(self.tool_calls))
+            call = self.tool_calls.get(index)
+            if call is None:
+                call = self.tool_calls[index] = _ToolCall()
+            call.add(delta)
+
+    def body(self, kind: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        if kind == "chat":
+            out["message"] = self._message()
+        else:
+            out["text"] = "".join(self.text)
+        # Exactly the keys the engine sent: OpenAI sends "content" and "refusal" in every
+        # chunk (and in its non-streaming answer), vLLM "content" only.
+        out["logprobs"] = _merge_logprobs(self.logprobs)
+        out["finish_reason"] = self.finish_reason
+        out.update(self.extra)
+        return out
+
+    def _message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role or "assistant"}
+        fields = {key: merged.value() for key, merged in self.fields.items()}
+        if self.content is not None:
+            message["content"] = "".join(self.content)
+        elif (
+            self.tool_calls
+            or self.function_call
+            or any(fields.get(key) for key in ("refusal", "reasoning_content", "reasoning"))
+        ):
+            # What a non-streaming answer says when something else is the answer (calls, a
+            # refusal, a reasoning model cut off before its answer): no text at all.
+            message["content"] = None
+        else:
+            message["content"] = ""
+        message.update(fields)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                self.tool_calls[i].body() for i in sorted(self.tool_calls, key=_sort_key)
+            ]
+        if self.function_call is not None:
+            call = self.function_call.body()["function"]
+            message["function_call"] = call
+        return message
+
+
+def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The non-streaming body equivalent to the parsed chunks of one "chat"/"completion" stream."""
+    top: dict[str, Any] = {}
+    choices: dict[Any, _Choice] = {}
+    usage = None
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        for key, value in chunk.items():
+            if key in ("object", "choices", "usage"):
+                continue
+            if top.get(key) is None:  # the first non-null value; the key kept if ever seen
+                top[key] = value
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]  # the last one: vLLM's continuous usage is cumulative
+        choices_in = chunk.get("choices")
+        for choice in choices_in if isinstance(choices_in, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            state = choices.get(index)
+            if state is None:
+                state = choices[index] = _Choice(index)
+            state.add(kind, choice)
+    body: dict[str, Any] = {
+        "id": top.pop("id", None),
+        "object": _OBJECT[kind],
+        "created": top.pop("created", None),
+        "model": top.pop("model", None),
+        "choices": [choices[i].body(kind) for i in sorted(choices, key=_sort_key)],
+    }
+    body.update(top)
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def _sort_key(index: Any) -> tuple[int, Any]:
+    # Indices are ints; anything else sorts after them, by its text, instead of raising.
+    return (0, index) if isinstance(index, int) else (1, str(index))
+
+
+# ---------------------------------------------------------------------------------------------
+# synthesize: non-streaming body -> stream chunks
+
+
+def synthesize(kind: str, body: dict[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
+    """Chunks a server could have streamed for ``body``: per choice a content chunk, then per
+    choice a finish chunk, then (``include_usage`` and the body has usage) a usage chunk."""
+    identity = {key: body[key] for key in _IDENTITY if key in body}
+    # Other top-level fields (vLLM's prompt_logprobs, ...) go once, in the first chunk.
+    extra = {
+        key: value
+        for key, value in body.items()
+        if key not in _IDENTITY and key not in ("object", "choices", "usage")
+    }
+    head = {**identity, "object": _CHUNK_OBJECT[kind]}
+    if include_usage:
+        head["usage"] = None  # as OpenAI does: null on all but the last chunk
+    choices = body.get("choices") or []
+    content = [_content_choice(kind, choice) for choice in choices]
+    finish = [_finish_choice(kind, choice) for choice in choices]
+    chunks = [{**head, "choices": [choice]} for choice in content + finish]
+    if chunks:
+        chunks[0].update(extra)
+    if include_usage and body.get("usage") is not None:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return chunks
+
+
+def _content_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    index = choice.get("index", 0)
+    logprobs = choice.get("logprobs")
+    if kind != "chat":
+        return {
+            "index": index,
+            "text": choice.get("text") or "",
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
+    message = choice.get("message") or {}
+    delta = {key: value for key, value in message.items() if key != "tool_calls"}
+    if message.get("tool_calls") is not None:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    elif "tool_calls" in message:
+        delta["tool_calls"] = message["tool_calls"]
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
+def _finish_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    skip = ("index", "message", "text", "logprobs", "finish_reason")
+    out: dict[str, Any] = {"index": choice.get("index", 0)}
+    if kind == "chat":
+        out["delta"] = {}
+    else:
+        out["text"] = ""
+    out["logprobs"] = None
+    out["finish_reason"] = choice.get("finish_reason")
+    out.update((key, value) for key, value in choice.items() if key not in skip)
+    return out

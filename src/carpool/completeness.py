@@ -1,0 +1,99 @@
+"""Judging OpenAI answer bodies: complete? how many choices? how many tokens?
+
+Pure functions; no I/O.
+
+Contract:
+
+- ``is_complete(kind, body, choices=None)`` says whether a body is a complete, successful answer
+  worth caching: for "chat"/"completion" a non-empty ``choices`` whose every finish_reason is set
+  (and is not vLLM's "abort" or "error") and, with ``choices`` (a count), one such choice for every
+  index 0..choices-1 (a choice without ``index`` counts at its position); for "embedding" a
+  non-empty ``data`` whose every item has an ``embedding``. ``expected_choices(kind, request)`` is
+  that count for a request body: ``n`` (default 1) per prompt, so ``n`` times the prompts of a
+  completion's list ``prompt`` (``best_of`` picks among candidates but returns ``n``); None when it
+  cannot tell (embeddings, an ``n`` that is not a positive integer). ``usage_tokens(body)`` is
+  prompt + completion tokens. None of them ever raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# vLLM reports a request it gave up on as finish_reason "abort"; such an answer is not complete.
+_FAILED = frozenset(("abort", "error"))
+
+
+def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
+    """A complete, successful answer: every choice finished (chat/completion), and each of the
+    ``choices`` asked for is there; or every item has an embedding ("embedding"). Malformed
+    bodies are simply not complete; never raises."""
+    try:
+        if kind in ("chat", "completion"):
+            found = body["choices"]
+            if (
+                not isinstance(found, list)
+                or not found
+                or not all(
+                    isinstance(c, dict)
+                    and c.get("finish_reason") is not None
+                    and c["finish_reason"] not in _FAILED
+                    for c in found
+                )
+            ):
+                return False
+            # A choice that never came (or whose finish never came: a stream assembles only what
+            # it saw) is missing here, though every choice present finished.
+            return choices is None or set(range(choices)) <= {
+                c.get("index", position) for position, c in enumerate(found)
+            }
+        if kind == "embedding":
+            data = body["data"]
+            return (
+                isinstance(data, list)
+                and bool(data)
+                and all(
+                    isinstance(d, dict) and isinstance(d.get("embedding"), (list, str))
+                    for d in data
+                )
+            )
+    except Exception:
+        return False
+    return False
+
+
+def expected_choices(kind: str, request: Any) -> int | None:
+    """How many choices a complete answer to the request body ``request`` has: ``n`` per prompt
+    (a completion's list ``prompt`` is one prompt per item, a flat list of token ids one prompt).
+    None when that cannot be told: not chat/completion, or ``n`` not a positive integer (the
+    upstream then refuses the request anyway). Never raises."""
+    try:
+        if kind not in ("chat", "completion") or not isinstance(request, dict):
+            return None
+        n = request.get("n")
+        if n is None:
+            n = 1
+        if type(n) is not int or n < 1:
+            return None
+        prompt = request.get("prompt") if kind == "completion" else None
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return n * len(prompt)
+        return n
+    except Exception:
+        return None
+
+
+def usage_tokens(body: Any) -> int:
+    """prompt_tokens + completion_tokens of ``body["usage"]``; 0 for what is absent or not a
+    non-negative int. Never raises."""
+    try:
+        usage = body["usage"]
+        if not isinstance(usage, dict):
+            return 0
+    except Exception:
+        return 0
+    total = 0
+    for key in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(key)
+        if type(value) is int and value >= 0:
+            total += value
+    return total

@@ -1,0 +1,198 @@
+"""The records of a cross-instance flight (:mod:`.flights`) in Redis/Valkey: the lock, the
+leader's stream and its final record, and the Lua scripts that change them.
+
+Key layout (``P`` = ``distributed.key_prefix``; ``ID`` = the exact store's ID of the same
+fingerprint, ``keys.key_id``: ``{ID}`` puts every key of a fingerprint, its cached entry
+included, in one Redis Cluster slot; every script and pipeline touches the keys of one ID only):
+
+    P lock:{ID}            STRING  TOKEN (16 hex) while the leader's call runs: PX lease_ms,
+                                   renewed every lease/3 (compare-and-expire); then, for a
+                                   complete answer that may linger, "=TOKEN:MS" (MS = Redis
+                                   time of the end, for max_age) with PX coalesce.window_ms;
+                                   otherwise deleted (compare-and-delete) at the end
+    P flight:{ID}:TOKEN    STREAM  one leader's output. One stream per leader: a follower never
+                                   mixes two calls, and a new leader never deletes what another
+                                   instance is still reading. Entries: one per frame {i: index,
+                                   f: frame bytes, u: 1 for the usage-only chunk}, then one final
+                                   record {e: a (answer) | x (error) | g (gone), m: orjson meta,
+                                   b: body}. Created by the first frame (or the final record);
+                                   MAXLEN ~ stream_maxlen; PX 2 x lease_ms while the call runs
+                                   (renewed with the lock), then window_ms + lease_ms (lease_ms
+                                   if it may not linger): time for followers to read the end
+
+The final record is the answer (body, kind, complete, tokens, created, the usage frame's index,
+the frame count: the frames are already in the stream) or the error (an ``UpstreamStatusError``
+as status, content type and body exactly as the upstream sent them; any other error as class,
+status, message and code): ``answer_record``/``error_record`` write it, ``answer_from``/
+``error_from`` read it back as the same ``Answer`` or the same error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..answer import Answer
+from ..errors import (
+    CarpoolError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from .keys import glob_escape, key_id
+
+__all__ = [
+    "CLAIM",
+    "END",
+    "FORGET",
+    "RENEW",
+    "answer_from",
+    "answer_record",
+    "error_from",
+    "error_record",
+    "flight_keys",
+    "lock_pattern",
+]
+
+
+def flight_keys(prefix: str, key: str) -> tuple[str, str]:
+    """The lock of ``key``'s flights, and the start of its streams' keys (TOKEN follows)."""
+    ident = key_id(key)
+    return f"{prefix}lock:{{{ident}}}", f"{prefix}flight:{{{ident}}}:"
+
+
+def lock_pattern(prefix: str) -> str:
+    """Every flight's lock, as a SCAN pattern."""
+    return glob_escape(prefix) + "lock:*"
+
+
+# KEYS: lock. ARGV: token, lease ms, max age ms (-1: any age).
+# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN}.
+CLAIM = """
+local holder = redis.call('GET', KEYS[1])
+if holder then
+  local mark = string.sub(holder, 1, 1)
+  if mark == '~' then return {'alone'} end
+  if mark ~= '=' then return {'follow', holder} end
+  local sep = string.find(holder, ':', 2, true)
+  local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
+  if max_age < 0 then return {'replay', leader} end
+  local now = redis.call('TIME')
+  local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    - tonumber(string.sub(holder, sep + 1))
+  if age < max_age then return {'replay', leader} end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {'lead'}
+"""
+
+# KEYS: lock, stream. ARGV: token, lease ms, stream PX ms. 1 if renewed, 0 if the lock is lost.
+RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder ~= ARGV[1] and holder ~= '~' .. ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS: lock, stream. ARGV: token, linger ms (0: none), stream PX ms, MAXLEN, then the final
+# record's field, value pairs. The record always goes to this leader's own stream; the lock is
+# changed only if it is still this leader's.
+END = """
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+local holder = redis.call('GET', KEYS[1])
+if holder == '~' .. ARGV[1] then
+  redis.call('DEL', KEYS[1])
+elseif holder == ARGV[1] then
+  if tonumber(ARGV[2]) > 0 then
+    local now = redis.call('TIME')
+    local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    redis.call('SET', KEYS[1], '=' .. ARGV[1] .. ':' .. string.format('%.0f', ms), 'PX', ARGV[2])
+  else
+    redis.call('DEL', KEYS[1])
+  end
+end
+return 1
+"""
+
+# KEYS: lock. Drop it if it is a finished call's (lingering in the window); mark a running
+# call's "~TOKEN" (stale: its followers stay, nobody new follows it, it is not replayed once
+# finished). 1 if either.
+FORGET = """
+local holder = redis.call('GET', KEYS[1])
+if not holder then return 0 end
+local mark = string.sub(holder, 1, 1)
+if mark == '=' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if mark ~= '~' then
+  redis.call('SET', KEYS[1], '~' .. holder, 'KEEPTTL')
+  return 1
+end
+return 0
+"""
+
+_ERRORS: dict[str, type[UpstreamError]] = {
+    cls.__name__: cls
+    for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout, UpstreamStreamBroken)
+}
+
+
+def answer_record(answer: Answer) -> dict[str, Any]:
+    meta = {
+        "k": answer.kind,
+        "c": answer.complete,
+        "t": answer.tokens,
+        "cr": answer.created,
+        "fl": None if answer.frames is None else len(answer.frames),
+        "u": answer.usage_frame,
+    }
+    return {"e": "a", "m": orjson.dumps(meta), "b": answer.body}
+
+
+def error_record(error: CarpoolError) -> dict[str, Any]:
+    if isinstance(error, UpstreamStatusError):
+        return {
+            "e": "x",
+            "m": orjson.dumps({"c": "status", "s": error.status, "ct": error.content_type}),
+            "b": error.content,
+        }
+    return {
+        "e": "x",
+        "m": orjson.dumps(
+            {
+                "c": type(error).__name__,
+                "s": error.status,
+                "ty": error.type,
+                "co": error.code,
+                "msg": error.message,
+            }
+        ),
+    }
+
+
+def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
+    """The leader's error, as the same class with the same status, type, code and message."""
+    if meta["c"] == "status":
+        return UpstreamStatusError(meta["s"], body, meta["ct"])
+    error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
+    error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
+    return error
+
+
+def answer_from(meta: dict[str, Any], body: bytes, frames: list[bytes] | None) -> Answer:
+    """The leader's answer, with ``frames`` (None: served whole, without the usage frame)."""
+    return Answer(
+        meta["k"],
+        body,
+        meta["c"],
+        meta["t"],
+        meta["cr"],
+        frames,
+        meta["u"] if frames is not None else None,
+    )

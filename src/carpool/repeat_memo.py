@@ -1,0 +1,122 @@
+"""The repeat memo: byte-identical repeats skip parsing and the canonical form.
+
+Contract:
+- The memo key is every input of ``fingerprint`` that is not configuration: the endpoint, the
+  query string, the body's bytes themselves and the value of each header that
+  ``parse_controls`` and ``requester`` read. Equal memo keys therefore mean equal
+  fingerprints, exactly (no digest of the body, so no collision is possible), except for the
+  one input that changes over time, whether the upstream accepts the requester: a repeat in
+  a shared namespace carries its requester (``shared_by``) to be checked again.
+- Remembered only for a request that parsed, is shareable and may read the cache; a request
+  carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
+- Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
+  (oldest out first); bodies over ``max_body`` bytes and header values over
+  ``MAX_MEMO_HEADERS`` bytes in all are not remembered. A forgotten repeat costs one parse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .canonical import IDEMPOTENCY_HEADERS, grant_of, varying_headers
+from .request import CONTROL_HEADERS, ClientRequest, Request
+
+if TYPE_CHECKING:
+    from .fingerprint import Fingerprint
+
+__all__ = ["MAX_MEMO_HEADERS", "Repeat", "RepeatMemo"]
+
+
+@dataclass(slots=True, frozen=True)
+class Repeat:
+    """What a byte-identical repeat needs to be answered from the exact cache."""
+
+    key: str
+    stream: bool
+    include_usage: bool
+    max_age: float | None  # the reader's bound: Cache-Control max-age and its type's TTL
+    # In a shared namespace: (requester, grant), checked against ``AcceptedCredentials`` again.
+    shared_by: tuple[str, Any] | None = None
+
+
+class RepeatMemo:
+    """Byte-identical repeats skip parsing and the canonical form: raw request -> ``Repeat``
+    (the contract is the module's)."""
+
+    def __init__(
+        self, tenant_headers: tuple[str, ...], max_bytes: int, max_body: int = 64 * 1024
+    ) -> None:
+        self.names = (*CONTROL_HEADERS, *tenant_headers)
+        self.tenant_headers = tenant_headers
+        self.max_bytes = max_bytes
+        self.max_body = max_body
+        self.bytes = 0
+        self._memo: dict[tuple[Any, ...], Repeat] = {}
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def key_of(self, client: ClientRequest) -> tuple[Any, ...] | None:
+        headers = client.headers
+        if (
+            IDEMPOTENCY_HEADERS & headers.keys()
+            or len(client.body) > self.max_body
+            or not self.max_bytes
+        ):
+            return None
+        return (
+            client.path,
+            client.body,
+            client.query,
+            varying_headers(headers, self.tenant_headers),
+            *map(headers.get, self.names),
+        )
+
+    def get(self, memo_key: tuple[Any, ...]) -> Repeat | None:
+        return self._memo.get(memo_key)
+
+    def remember(
+        self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint, max_age: float | None
+    ) -> None:
+        """``max_age``: the oldest answer the request accepts (its max-age and its type's TTL)."""
+        if (
+            key.key is None
+            or not request.controls.may_read
+            or memo_key in self._memo
+            or (max_age is not None and max_age <= 0)
+            or key.shared_key is not None
+        ):
+            return  # (a requester not yet accepted: its key will change)
+        # The body kept is a copy of exactly its length: one built by orjson.dumps (the library
+        # API's ``Gateway.request``) has a 4 KB buffer whatever its length, which ``bytes``
+        # (its len) would not count.
+        memo_key = (memo_key[0], bytes(memoryview(memo_key[1])), *memo_key[2:])
+        if _header_bytes(memo_key) > MAX_MEMO_HEADERS:
+            return  # a large credential or cache-control: not worth its room
+        self._memo[memo_key] = Repeat(
+            key.key,
+            request.stream,
+            request.include_usage,
+            max_age,
+            (key.owner, grant_of(request, self.tenant_headers)) if key.tenant == "*" else None,
+        )
+        self.bytes += _size(memo_key)
+        while self.bytes > self.max_bytes:
+            oldest = next(iter(self._memo))
+            del self._memo[oldest]
+            self.bytes -= _size(oldest)
+
+
+MAX_MEMO_HEADERS = 4096
+_ENTRY_OVERHEAD = 400  # the key tuple, the Repeat and the dict slot, roughly (bytes)
+
+
+def _header_bytes(memo_key: tuple[Any, ...]) -> int:
+    return sum(len(value) for value in memo_key[4:] if value) + sum(
+        len(name) + len(value) for name, value in memo_key[3]
+    )
+
+
+def _size(memo_key: tuple[Any, ...]) -> int:
+    return _ENTRY_OVERHEAD + len(memo_key[1]) + len(memo_key[2]) + _header_bytes(memo_key)

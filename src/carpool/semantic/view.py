@@ -1,0 +1,126 @@
+"""The semantic view of a request: what the semantic cache compares, and how.
+
+Contract: ``semantic_view`` splits a shareable request into its scope, compared exactly, and the
+text compared by meaning, if it has one. The last user turn is compared by meaning (each API's
+``semantic_split``: chat and Messages' last user message, a completion's prompt, Responses' last
+user input), and so are a conversation's earlier turns (``context``: :func:`conversation`), so a
+reworded context or small talk can still hit while "cancel it" in a chat about a gym never
+matches "cancel it" in a chat about a phone plan (the guard reads both). The model, every
+parameter and the system prompt (instructions) must be identical: they are in the scope.
+Embeddings requests, multimodal last turns and list prompts have no semantic view; nor has a
+text (or context) with a letter of a script the model does not read (``semantic.scripts``): it
+is matched exactly, never guessed at.
+"""
+
+from __future__ import annotations
+
+import functools
+import unicodedata
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..canonical import canonical_body, collapses, digest, normalize_text
+from ..config import Config
+from ..request import Request
+from .verifier import render_context
+
+if TYPE_CHECKING:
+    from ..fingerprint import Fingerprint
+
+__all__ = [
+    "INSTRUCTION_ROLES",
+    "SemanticView",
+    "conversation",
+    "readable",
+    "semantic_view",
+]
+
+
+@dataclass(slots=True, frozen=True)
+class SemanticView:
+    """What the semantic cache compares: ``text`` by meaning, everything else by ``scope``."""
+
+    scope: str  # digest of tenant, namespace, freshness and the body minus text, context
+    text: str  # the last user turn (chat) or the prompt (completions), normalised
+    context: str = ""  # a conversation's earlier turns (``render_context``), compared by meaning
+
+
+def semantic_view(request: Request, key: Fingerprint, config: Config) -> SemanticView | None:
+    """Split a shareable request into its scope and the text compared by meaning, if it has one
+    (see the module's contract)."""
+    if key.key is None:
+        return None
+    split = request.api.semantic_split(request.body)
+    if split is None:
+        return None
+    text, rest = split
+    context, rest = conversation(rest)
+    if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
+        return None
+    collapse = collapses(request, config)
+    return SemanticView(
+        digest(
+            request,
+            config,
+            "semantic",
+            key.tenant,
+            key.namespace,
+            canonical_body(request.kind, rest, collapse),
+        ),
+        normalize_text(text, collapse),
+        normalize_text(context, collapse),
+    )
+
+
+#: Roles whose messages are instructions, matched exactly (in the scope), never by meaning.
+INSTRUCTION_ROLES = frozenset({"system", "developer"})
+
+
+def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A chat body's earlier turns as one text (``verifier.render_context``), and the body
+    without them: its instructions and the last turn's other fields stay in the scope.
+
+    Only plain turns move out of the scope: a role and a text content, nothing else. A turn with
+    tool calls, a name or non-text content, or an instruction after the first turn, keeps the
+    whole conversation exact ("", ``rest``): when unsure, don't share.
+    """
+    messages = rest.get("messages")
+    if not isinstance(messages, list) or len(messages) < 2:
+        return "", rest
+    *earlier, last = messages
+    lead = 0  # the instructions before the first turn
+    while (
+        lead < len(earlier)
+        and isinstance(earlier[lead], dict)
+        and earlier[lead].get("role") in INSTRUCTION_ROLES
+    ):
+        lead += 1
+    instructions, turns = earlier[:lead], earlier[lead:]
+    if not turns or not all(
+        isinstance(m, dict)
+        and set(m) <= {"role", "content"}
+        and m.get("role") not in INSTRUCTION_ROLES
+        and isinstance(m.get("content"), str)
+        for m in turns
+    ):
+        return "", rest
+    return render_context(turns), {**rest, "messages": [*instructions, last]}
+
+
+def readable(text: str, scripts: list[str]) -> bool:
+    """Whether every letter of ``text`` is of one of ``scripts`` (``*``: any)."""
+    if text.isascii() or "*" in scripts:
+        return True
+    allowed = frozenset(name.upper() for name in scripts)
+    return all(_script(ch) in allowed for ch in set(text) if ch.isalpha())
+
+
+@functools.lru_cache(maxsize=4096)
+def _script(ch: str) -> str:
+    """A letter's script, from its Unicode name: "LATIN SMALL LETTER E WITH ACUTE" -> LATIN."""
+    name = unicodedata.name(ch, "")
+    if name.startswith(("CJK ", "KANGXI")):
+        return "HAN"
+    if name.startswith(("FULLWIDTH LATIN", "MODIFIER LETTER SMALL")):
+        return "LATIN"
+    return name.split(" ", 1)[0]
