@@ -12,16 +12,15 @@ from click.testing import CliRunner
 
 from carpool.bench import plots
 from carpool.bench.oracle import oracle, request_key
+from carpool.bench.recorded import load_jsonl
 from carpool.bench.runner import BenchOptions, run_bench
+from carpool.bench.synthetic import PRESETS, synthetic
 from carpool.bench.workloads import (
     CHAT,
     COMPLETIONS,
-    PRESETS,
     BenchRequest,
     Workload,
     WorkloadError,
-    load_jsonl,
-    synthetic,
     traits,
 )
 from carpool.cli import main

@@ -2,7 +2,8 @@
 oracle, the fewest calls any correct deduplicator could make.
 
 One module per concern, each with its contract in its docstring:
-- ``workloads``: the built-in synthetic workloads and the recorded JSONL format;
+- ``workloads``: what a workload is and holds; ``synthetic`` (text from ``catalog``): the
+  built-in presets; ``recorded``: the JSONL format;
 - ``replay``: the HTTP load generator (open or closed loop) and its per-request measurements;
 - ``embedded``: the real gateway app in a child process, in front of the simulated engine;
 - ``oracle``: the lower bound on upstream calls, computed from the workload alone;
@@ -12,7 +13,9 @@ One module per concern, each with its contract in its docstring:
 
 from typing import Any
 
-from .workloads import PRESETS, BenchRequest, Workload, WorkloadError, load_jsonl, synthetic
+from .recorded import load_jsonl
+from .synthetic import PRESETS, synthetic
+from .workloads import BenchRequest, Workload, WorkloadError
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """One ``carpool bench`` run from end to end: workload -> gateway -> replay -> oracle -> report.
 
 Contract:
-- ``run_bench(options)`` builds the workload (``workloads.py``), starts the embedded gateway
+- ``run_bench(options)`` builds the workload (``synthetic.py`` or ``recorded.py``), starts the embedded gateway
   (``embedded.py``) unless ``options.url`` names one, replays the workload (``replay.py``),
   computes the oracle (``oracle.py``), and writes ``report.json``, ``report.md``,
   ``requests.jsonl`` and the plots (``report.py``, ``plots.py``) to ``options.out`` (and
@@ -31,8 +31,10 @@ from ..config import Config
 from . import plots, report
 from .embedded import embedded_gateway
 from .oracle import oracle
+from .recorded import load_jsonl
 from .replay import Result, replay
-from .workloads import Workload, WorkloadError, load_jsonl, synthetic, traits
+from .synthetic import synthetic
+from .workloads import Workload, WorkloadError, traits
 
 DEFAULT_RATE = 40.0
 FULL_REQUESTS = 3000
