@@ -20,16 +20,23 @@ Contract:
 - ``Pool(address)``: ``await pool.request(raw, timeout)`` sends on an idle connection, or a new one
   when none is idle (no limit: as many as requests in flight), and keeps the connection for the
   next request when it is reusable. A failure or a timeout aborts that connection.
+- ``fetch(method, url, json_body, headers)``: one blocking request (urllib) for a scenario's setup
+  and checks, outside anything timed: ``(status, headers with lower-case names, body)``; an
+  error status is returned, not raised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httptools
 
@@ -236,3 +243,25 @@ class Pool:
     def close(self) -> None:
         close(self.idle)
         self.idle.clear()
+
+
+def fetch(
+    method: str,
+    url: str,
+    json_body: Any = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> tuple[int, dict[str, str], bytes]:
+    data = None if json_body is None else json.dumps(json_body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    if data is not None:
+        request.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+            return response.status, _lower(response.headers.items()), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, _lower(error.headers.items()), error.read()
+
+
+def _lower(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    return {name.lower(): value for name, value in items}

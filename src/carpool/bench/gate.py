@@ -5,8 +5,9 @@ behind an ``asyncio.Event``.
 Contract:
 - ``Gated(sim)`` serves the ``Upstream`` protocol. ``gate``: None (the default) lets a call
   through at once; an ``asyncio.Event`` holds every call until it is set. ``calls`` counts the
-  calls; ``answered_at`` is the ``time.perf_counter()`` at which the last whole answer was
-  returned, or the last stream's first chunk left the engine.
+  calls and ``chunks`` the stream payloads that left the engine; ``answered_at`` is the
+  ``time.perf_counter()`` at which the last whole answer was returned, or the last stream's first
+  chunk left the engine.
 - Passthrough calls go to the engine as they are.
 """
 
@@ -30,6 +31,7 @@ class Gated:
         self.engine = SimUpstream(SimReplica("gated", sim or ZERO_COST))
         self.gate: asyncio.Event | None = None
         self.calls = 0
+        self.chunks = 0
         self.answered_at = 0.0
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
@@ -47,6 +49,7 @@ class Gated:
     async def _stamped(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
         first = True
         async for payload in response.events():
+            self.chunks += 1
             if first:
                 self.answered_at = time.perf_counter()
                 first = False

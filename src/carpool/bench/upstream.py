@@ -35,7 +35,6 @@ import contextlib
 import json
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ from ..config import SimConfig
 from ..upstream.sim import SimReply
 from . import process
 from .bodies import simulated
+from .client import fetch
 from .faults import FaultPlan
 
 ZERO_COST = SimConfig(
@@ -105,9 +105,10 @@ class Upstream:
         return self.server.url + "/v1"
 
     def _control(self, method: str, name: str) -> Any:
-        request = urllib.request.Request(f"{self.server.url}/bench/{name}", method=method)
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 (loopback)
-            return json.loads(response.read())
+        status, _, body = fetch(method, f"{self.server.url}/bench/{name}")
+        if status != 200:
+            raise RuntimeError(f"{method} /bench/{name}: HTTP {status}")
+        return json.loads(body)
 
     def count(self) -> dict[str, Any]:
         result: dict[str, Any] = self._control("GET", "count")
