@@ -47,6 +47,26 @@ def _medians(runs: list[dict[str, Any]], keys: tuple[str, ...], digits: int) -> 
     return {f"{k}_median": round(median([r[k] for r in runs]), digits) for k in keys}
 
 
+def _one_call(run: dict[str, Any], n: int) -> bool:
+    """``n`` identical requests cost one upstream call: 1 miss, n - 1 coalesced, one answer."""
+    return (
+        run["upstream_calls"] == 1
+        and run["outcomes"] == {"miss": 1, "coalesced": n - 1}
+        and run["distinct_bodies"] == 1
+    )
+
+
+def _head(runs: list[dict[str, Any]], n: int, repeats: int, ok: bool) -> dict[str, Any]:
+    calls = [r["upstream_calls"] for r in runs]
+    return {
+        "n": n,
+        "repeats": repeats,
+        "ok": ok,
+        "upstream_calls": calls,
+        "outcomes": runs[-1]["outcomes"],
+    }
+
+
 def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
     runs = []
     with (
@@ -56,20 +76,9 @@ def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
         for _ in range(repeats):
             spec = {"gateway_port": gw.port, "upstream_port": up.port, "n": n}
             runs.append(loadgen.run("coalesce", {**spec, "body": _fresh_prompt()}))
-    ok = all(
-        r["upstream_calls"] == 1
-        and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
-        and r["statuses"] == {"200": n}
-        and r["distinct_bodies"] == 1
-        and r["all_joined"]
-        for r in runs
-    )
+    ok = all(_one_call(r, n) and r["statuses"] == {"200": n} and r["all_joined"] for r in runs)
     return {
-        "n": n,
-        "repeats": repeats,
-        "ok": ok,
-        "upstream_calls": [r["upstream_calls"] for r in runs],
-        "outcomes": runs[-1]["outcomes"],
+        **_head(runs, n, repeats, ok),
         **_medians(runs, ("join_s", "wall_s", "release_last_s", "release_first_s"), 6),
         "runs": runs,
     }
@@ -131,18 +140,9 @@ async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
 def run_inprocess(n: int = INPROC_N, repeats: int = 3) -> dict[str, Any]:
     runs = [scenario.run_async(_inprocess_once(n, trace=False)) for _ in range(repeats)]
     traced = scenario.run_async(_inprocess_once(n, trace=True))
-    ok = all(
-        r["upstream_calls"] == 1
-        and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
-        and r["distinct_bodies"] == 1
-        for r in [*runs, traced]
-    )
+    ok = all(_one_call(r, n) for r in [*runs, traced])
     return {
-        "n": n,
-        "repeats": repeats,
-        "ok": ok,
-        "upstream_calls": [r["upstream_calls"] for r in runs],
-        "outcomes": runs[-1]["outcomes"],
+        **_head(runs, n, repeats, ok),
         **_medians(runs, ("join_s", "release_s"), 6),
         **_medians(runs, ("release_per_waiter_us",), 3),
         "rss_held_bytes_median": int(median([r["rss_held_bytes"] for r in runs])),
@@ -175,9 +175,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
-    scenario.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

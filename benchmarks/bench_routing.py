@@ -159,9 +159,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    scenario.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

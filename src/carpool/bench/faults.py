@@ -18,6 +18,7 @@ Contract:
   * ``"cut"``: the same cut, then the connection is dropped (an exception after the response
     started: uvicorn closes the connection; run the server at log level critical to keep its
     log quiet).
+- ``send_json(send, status, payload)``: a whole JSON response, for the errors and the controls.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Mapping
+from typing import Any
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -118,24 +120,26 @@ def _cutting(send: Send, kind: str, hold_s: float) -> Send:
 
 
 async def _error(send: Send, status: int) -> None:
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": f"bench upstream: injected {status}",
-                "type": "server_error",
-                "param": None,
-                "code": "injected",
-            }
-        }
-    )
+    error = {
+        "message": f"bench upstream: injected {status}",
+        "type": "server_error",
+        "param": None,
+        "code": "injected",
+    }
+    await send_json(send, status, {"error": error})
+
+
+async def send_json(send: Send, status: int, payload: Any) -> None:
+    """A whole JSON response (the upstream's controls send theirs with it too)."""
+    data = orjson.dumps(payload)
     await send(
         {
             "type": "http.response.start",
             "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
+                (b"content-length", str(len(data)).encode()),
             ],
         }
     )
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": data})

@@ -27,7 +27,6 @@ Contract:
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,9 +35,9 @@ from typing import Any
 import orjson
 
 from ..config import Config
+from . import stats
 from .oracle import Oracle
 from .replay import Result, Run
-from .stats import percentile
 from .workloads import Workload
 
 OUTCOMES = ("hit", "semantic_hit", "coalesced", "miss", "bypass")
@@ -49,15 +48,7 @@ TOLERANCE = 0.05
 def summary_ms(seconds: Sequence[float]) -> dict[str, Any]:
     if not seconds:
         return {"count": 0}
-    ms = [s * 1000 for s in seconds]
-    return {
-        "count": len(ms),
-        "p50": round(percentile(ms, 50), 3),
-        "p95": round(percentile(ms, 95), 3),
-        "p99": round(percentile(ms, 99), 3),
-        "mean": round(statistics.fmean(ms), 3),
-        "max": round(max(ms), 3),
-    }
+    return stats.summary_ms(seconds, (50, 95, 99), digits=3, count="count", suffix="")
 
 
 def outcome_of(result: Result) -> str:

@@ -6,7 +6,8 @@ Contract:
 - ``median(values)``: the 50th percentile (``statistics.median``).
 - ``summary_ms(seconds)``: durations given in seconds, summarised in milliseconds rounded to
   0.1 µs: ``n``, ``p50_ms``, ``p90_ms``, ``p99_ms``, ``mean_ms``, ``max_ms``; ``{}`` for none.
-  (``carpool bench``'s report has its own shape, ``report.summary_ms``, on the same percentile.)
+  Its arguments name other percentiles, roundings and keys (``carpool bench``'s report:
+  ``count``, ``p50``, ``p95``, ``p99``, ``mean``, ``max`` to the µs).
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
+def summary_ms(
+    seconds: Sequence[float],
+    quantiles: Sequence[int] = (50, 90, 99),
+    *,
+    digits: int = 4,
+    count: str = "n",
+    suffix: str = "_ms",
+) -> dict[str, float]:
     if not seconds:
         return {}
     ms = [s * 1000 for s in seconds]
-    return {
-        "n": len(ms),
-        "p50_ms": round(percentile(ms, 50), 4),
-        "p90_ms": round(percentile(ms, 90), 4),
-        "p99_ms": round(percentile(ms, 99), 4),
-        "mean_ms": round(statistics.fmean(ms), 4),
-        "max_ms": round(max(ms), 4),
-    }
+    out: dict[str, float] = {count: len(ms)}
+    out.update({f"p{q}{suffix}": round(percentile(ms, q), digits) for q in quantiles})
+    out[f"mean{suffix}"] = round(statistics.fmean(ms), digits)
+    out[f"max{suffix}"] = round(max(ms), digits)
+    return out

@@ -48,7 +48,7 @@ from ..upstream.sim import SimReply
 from . import process
 from .bodies import simulated
 from .client import fetch
-from .faults import FaultPlan
+from .faults import FaultPlan, send_json
 
 ZERO_COST = SimConfig(
     prefill_ms_per_token=0,
@@ -214,7 +214,7 @@ class Controls:
 
     async def _control(self, name: str, send: Send) -> None:
         if name == "count":
-            await _json(
+            await send_json(
                 send,
                 200,
                 {
@@ -232,9 +232,9 @@ class Controls:
         elif name == "reset":
             self.reset()
         else:
-            await _json(send, 404, {"error": {"message": f"no control {name!r}"}})
+            await send_json(send, 404, {"error": {"message": f"no control {name!r}"}})
             return
-        await _json(send, 200, {})
+        await send_json(send, 200, {})
 
 
 async def _body(receive: Receive) -> bytes:
@@ -267,21 +267,6 @@ def _tenant(scope: Scope) -> str:
         if name == b"authorization":
             return str(value.decode("latin-1").removeprefix("Bearer "))
     return ""
-
-
-async def _json(send: Send, status: int, payload: Any) -> None:
-    data = orjson.dumps(payload)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
 
 
 def main() -> None:
