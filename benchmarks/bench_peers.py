@@ -6,8 +6,8 @@ exact cache, side by side in one run on one machine, with the same load generato
 The peers are never carpool dependencies: on first use the benchmark creates one virtual
 environment for each under ``benchmarks/.envs/`` (``python -m venv``, then ``pip install`` of
 pinned versions, a few minutes) and reuses them afterwards (a marker file records what was
-installed). A peer whose install or start fails is recorded in the result with the reason, and
-the rest runs on.
+installed; ``peers/launch.py``). A peer whose install or start fails is recorded in the result
+with the reason, and the rest runs on.
 
 Processes (all on loopback, every server a single uvicorn process with uvloop and httptools; the
 load generator is ``carpool.bench.loadgen`` with ``fresh_connections``: the same client for every
@@ -47,24 +47,31 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import bench_fingerprint
+from peers.launch import (
+    MASTER_KEY,
+    PEERS,
+    REPORTED_PACKAGES,
+    REQUIREMENTS,
+    ensure_env,
+    env_python,
+    peer_env,
+    start_peers,
+)
 
 from carpool.bench import bodies, loadgen, scenario
 from carpool.bench.client import fetch
 from carpool.bench.embedded import gateway
 from carpool.bench.fixed import fixed_app
-from carpool.bench.process import HOST, free_port, stop, wait_port
+from carpool.bench.process import HOST
 from carpool.bench.stats import median, summary_ms
 from carpool.bench.upstream import Upstream, upstream
 from carpool.config import Config
@@ -72,272 +79,11 @@ from carpool.config import Config
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-PEERS = HERE / "peers"
-ENVS = HERE / ".envs"
-MARKER = ".carpool-bench-env.json"
 
-# Pinned: the newest releases that install here. (litellm >= 1.108 asks for a
-# litellm-proxy-extras release that is not on PyPI.) httptools makes LiteLLM's uvicorn parse
-# HTTP with the same parser as every other target; openai<1 is what GPTCache's OpenAI adapter
-# and server are written for; fastapi/uvicorn/uvloop/httptools are GPTCache's server stack,
-# installed up front because GPTCache would otherwise pip-install them at run time.
-REQUIREMENTS = {
-    "litellm": ["litellm[proxy]==1.106.12", "httptools==0.9.0"],
-    "gptcache": [
-        "gptcache==0.1.44",
-        "openai==0.28.1",
-        "fastapi==0.165.0",
-        "uvicorn==0.54.0",
-        "uvloop==0.23.0",
-        "httptools==0.9.0",
-    ],
-}
-REPORTED_PACKAGES = {
-    "litellm": [
-        "litellm",
-        "litellm-proxy-extras",
-        "openai",
-        "fastapi",
-        "uvicorn",
-        "uvloop",
-        "httptools",
-        "httpx",
-        "aiohttp",
-        "pydantic",
-    ],
-    "gptcache": [
-        "gptcache",
-        "openai",
-        "fastapi",
-        "starlette",
-        "uvicorn",
-        "uvloop",
-        "httptools",
-        "pydantic",
-        "numpy",
-        "cachetools",
-    ],
-}
-INSTALL_TIMEOUT_S = 1800
-START_TIMEOUT_S = 300
-
-MASTER_KEY = "sk-carpool-bench-6f1c2a9e4b7d8e3f0a5c1b2d9e8f7a6b"
 HEADERS = {"authorization": f"Bearer {MASTER_KEY}"}
 GOAL_RAW_RATIO = 0.5
 HIT_SIGN = {"carpool": "hit", "litellm": "litellm:hit", "gptcache": "gptcache:hit"}
 GOAL_LITELLM_RATIO = 100.0
-
-
-# ------------------------------------------------------------------------------------------------
-# The peers' environments
-
-
-def _env_python(name: str) -> Path:
-    return ENVS / name / "bin" / "python"
-
-
-def _peer_env(name: str, **extra: str) -> dict[str, str]:
-    """The environment a peer runs in: its venv first on PATH (GPTCache shells out to ``pip``
-    when it misses an optional package), none of carpool's paths."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = str(ENVS / name / "bin") + os.pathsep + env.get("PATH", "")
-    env["VIRTUAL_ENV"] = str(ENVS / name)
-    env.setdefault("PYTHONHASHSEED", "0")
-    env.update(extra)
-    return env
-
-
-def _versions(name: str) -> dict[str, str | None]:
-    code = (
-        "import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
-        "out = {}\nfor p in sys.argv[1:]:\n    try: out[p] = version(p)\n"
-        "    except PackageNotFoundError: out[p] = None\nprint(json.dumps(out))"
-    )
-    done = subprocess.run(
-        [str(_env_python(name)), "-c", code, *REPORTED_PACKAGES[name]],
-        env=_peer_env(name),
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(done.stdout)
-
-
-def ensure_env(name: str) -> dict[str, Any]:
-    """Create ``benchmarks/.envs/<name>`` and install the peer's pinned requirements, once."""
-    requirements = REQUIREMENTS[name]
-    root = ENVS / name
-    info: dict[str, Any] = {
-        "path": str(root.relative_to(ROOT)),
-        "requirements": requirements,
-        "ok": False,
-        "cached": False,
-        "install_s": 0.0,
-        "error": None,
-    }
-    marker = root / MARKER
-    try:
-        if marker.exists() and json.loads(marker.read_text()).get("requirements") == requirements:
-            info["cached"] = True
-        else:
-            print(
-                f"[peers] installing {name} into {info['path']} (once; a few minutes) ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            t0 = time.monotonic()
-            ENVS.mkdir(parents=True, exist_ok=True)
-            base = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
-            subprocess.run(
-                [base, "-m", "venv", str(root)], check=True, capture_output=True, timeout=300
-            )
-            done = subprocess.run(
-                [
-                    str(_env_python(name)),
-                    "-m",
-                    "pip",
-                    "install",
-                    "--disable-pip-version-check",
-                    "-q",
-                    *requirements,
-                ],
-                env=_peer_env(name),
-                capture_output=True,
-                timeout=INSTALL_TIMEOUT_S,
-            )
-            info["install_s"] = round(time.monotonic() - t0, 1)
-            if done.returncode != 0:
-                lines = [
-                    line
-                    for line in done.stderr.decode(errors="replace").splitlines()
-                    if not line.startswith("WARNING: Location")
-                ]
-                raise RuntimeError(
-                    f"pip install failed ({done.returncode}): " + "\n".join(lines[-15:])
-                )
-            marker.write_text(
-                json.dumps(
-                    {"requirements": requirements, "installed_at": scenario.machine()["date"]}
-                )
-                + "\n"
-            )
-        info["versions"] = _versions(name)
-        info["ok"] = True
-    except Exception as exc:  # noqa: BLE001 - recorded, and the rest runs on
-        info["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
-        print(f"[peers] {name}: {info['error']}", file=sys.stderr, flush=True)
-    return info
-
-
-# ------------------------------------------------------------------------------------------------
-# Servers
-
-
-@contextlib.contextmanager
-def _process(
-    cmd: list[str],
-    port: int,
-    env: dict[str, str],
-    log: Path,
-    cwd: Path,
-    timeout: float = START_TIMEOUT_S,
-    keep_stdout: bool = True,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server in a subprocess, its stderr (and stdout, with ``keep_stdout``) in ``log``."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stderr=out, stdout=out if keep_stdout else subprocess.DEVNULL
-        )
-    try:
-        try:
-            wait_port(port, proc, timeout)
-        except Exception as exc:
-            tail = log.read_bytes()[-2500:].decode(errors="replace")
-            raise RuntimeError(f"{exc}; log tail:\n{tail}") from exc
-        yield proc
-    finally:
-        stop(proc, 15)
-
-
-def litellm_config(upstream_port: int, cache: bool) -> str:
-    """LiteLLM's proxy config: one model at the fake upstream; its in-memory cache on or off."""
-    lines = [
-        "model_list:",
-        "  - model_name: bench-model",
-        "    litellm_params:",
-        "      model: openai/bench-model",
-        f"      api_base: http://{HOST}:{upstream_port}/v1",
-        "      api_key: sk-upstream-unused",
-        "litellm_settings:",
-        "  set_verbose: false",
-    ]
-    if cache:
-        lines += ["  cache: true", "  cache_params:", "    type: local", "    ttl: 3600"]
-    lines += ["general_settings:", f"  master_key: {MASTER_KEY}"]
-    return "\n".join(lines) + "\n"
-
-
-# uvicorn's access log off (every other target runs with access_log=False), errors kept.
-LITELLM_LOG_CONFIG = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
-    "handlers": {
-        "err": {
-            "class": "logging.StreamHandler",
-            "formatter": "plain",
-            "stream": "ext://sys.stderr",
-        }
-    },
-    "loggers": {
-        "uvicorn": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-        "uvicorn.error": {"level": "WARNING"},
-        "uvicorn.access": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-    },
-}
-
-
-def _litellm(
-    tmp: Path, name: str, upstream_port: int, cache: bool, stack: contextlib.ExitStack
-) -> int:
-    port = free_port()
-    config = tmp / f"{name}.yaml"
-    config.write_text(litellm_config(upstream_port, cache))
-    log_config = tmp / "litellm-log.json"
-    log_config.write_text(json.dumps(LITELLM_LOG_CONFIG))
-    cmd = [
-        str(ENVS / "litellm" / "bin" / "litellm"),
-        "--config",
-        str(config),
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--log_config",
-        str(log_config),
-    ]
-    env = _peer_env("litellm", LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
-    stack.enter_context(_process(cmd, port, env, tmp / f"{name}.log", tmp))
-    return port
-
-
-def _gptcache(tmp: Path, upstream_port: int, stack: contextlib.ExitStack) -> int:
-    port = free_port()
-    cmd = [
-        str(_env_python("gptcache")),
-        str(PEERS / "gptcache_http.py"),
-        "--port",
-        str(port),
-        "--upstream",
-        f"http://{HOST}:{upstream_port}/v1",
-        "--data-dir",
-        str(tmp / "gptcache-data"),
-    ]
-    # its server prints every request's messages to stdout: discarded, errors kept
-    stack.enter_context(
-        _process(cmd, port, _peer_env("gptcache"), tmp / "gptcache.log", tmp, keep_stdout=False)
-    )
-    return port
 
 
 def _spot_check(name: str, port: int, body: dict[str, Any], n: int) -> dict[str, Any]:
@@ -362,28 +108,6 @@ def _spot_check(name: str, port: int, body: dict[str, Any], n: int) -> dict[str,
 
 # ------------------------------------------------------------------------------------------------
 # Measurements
-
-
-def _start_peers(
-    tmp: Path, up: int, envs: dict[str, dict[str, Any]], stack: contextlib.ExitStack
-) -> tuple[dict[str, int], dict[str, str]]:
-    """The peers that installed and start: their ports, and why the others did not start."""
-    ports: dict[str, int] = {}
-    errors: dict[str, str] = {}
-    starts: list[tuple[str, Any]] = []
-    if envs["litellm"]["ok"]:
-        starts += [
-            ("litellm", lambda: _litellm(tmp, "litellm", up, True, stack)),
-            ("litellm_nocache", lambda: _litellm(tmp, "litellm_nocache", up, False, stack)),
-        ]
-    if envs["gptcache"]["ok"]:
-        starts.append(("gptcache", lambda: _gptcache(tmp, up, stack)))
-    for name, start in starts:
-        try:
-            ports[name] = start()
-        except Exception as exc:  # noqa: BLE001 - recorded, and the rest runs on
-            errors[name] = f"did not start: {exc}"[-3000:]
-    return ports, errors
 
 
 def _targets(*rows: tuple[str, int | None, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -462,7 +186,7 @@ def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         gw = stack.enter_context(gateway(Config(upstreams=[up.url], log_level="warning"))).port
         ref = stack.enter_context(upstream()).port  # the simulated engine as a target itself
         started = time.monotonic()
-        ports, peer_errors = _start_peers(Path(tmp_name), up.port, envs, stack)
+        ports, peer_errors = start_peers(Path(tmp_name), up.port, envs, stack)
         start_s = round(time.monotonic() - started, 1)
         latency = _latency(
             quick,
@@ -555,11 +279,11 @@ def run_inprocess(quick: bool, gptcache_env: dict[str, Any]) -> dict[str, Any]:
             try:
                 done = subprocess.run(
                     [
-                        str(_env_python("gptcache")),
+                        str(env_python("gptcache")),
                         str(PEERS / "gptcache_lookup.py"),
                         json.dumps(spec),
                     ],
-                    env=_peer_env("gptcache"),
+                    env=peer_env("gptcache"),
                     cwd=tmp,
                     capture_output=True,
                     timeout=900,
