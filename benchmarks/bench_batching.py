@@ -20,17 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-
-from carpool.batching import EmbeddingBatcher  # noqa: E402
-from carpool.config import SimConfig  # noqa: E402
-from carpool.upstream.base import UpstreamRequest, UpstreamResponse  # noqa: E402
-from carpool.upstream.sim import VOCABULARY, build_upstreams  # noqa: E402
+from carpool.batching import EmbeddingBatcher
+from carpool.config import SimConfig
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+from carpool.upstream.sim import VOCABULARY, build_upstreams
 
 CONCURRENCY = 64
 Send = Callable[[UpstreamRequest], Awaitable[UpstreamResponse]]

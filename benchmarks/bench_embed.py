@@ -18,13 +18,11 @@ Target: single p50 <= 5 ms on the 2-core development machine.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+from carpool.bench import scenario
+from carpool.bench.stats import median, summary_ms
 
 TARGET_P50_MS = 5.0
 PROMPT = "How do I reset my router?"
@@ -93,20 +91,20 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     for _ in range(50):  # warm-up
         embedder.encode([PROMPT])
-    single = c.summary_ms(_timed(lambda: embedder.encode([PROMPT]), n_single))
+    single = summary_ms(_timed(lambda: embedder.encode([PROMPT]), n_single))
 
     batch = prompts(32)
     embedder.encode(batch)
     per_batch = _timed(lambda: embedder.encode(batch), n_batches)
-    batch32 = c.summary_ms(per_batch)
-    batch32["texts_per_s"] = round(32 / c.median(per_batch), 1)
+    batch32 = summary_ms(per_batch)
+    batch32["texts_per_s"] = round(32 / median(per_batch), 1)
 
     async def asynchronous() -> dict[str, Any]:
         out: dict[str, Any] = {}
         for delay in (0.0, 0.002):
             e = LocalEmbedder(max_delay_s=delay)  # shares the loaded model
             await _await_latency(e, 20)
-            out[f"single_await_delay_{delay * 1000:g}ms"] = c.summary_ms(
+            out[f"single_await_delay_{delay * 1000:g}ms"] = summary_ms(
                 await _await_latency(e, n_single // 2)
             )
             e.close()
@@ -117,7 +115,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         return out
 
     result: dict[str, Any] = {
-        "machine": c.machine(),
+        "machine": scenario.machine(),
         "model": embedder.name,
         "dim": embedder.dim,
         "runtime": embedder.runtime,
@@ -152,9 +150,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
-    c.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

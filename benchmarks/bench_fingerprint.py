@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
 import timeit
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+from carpool.bench import bodies, scenario
+from carpool.bench.stats import median
 
 TARGET_US = 20.0  # issue 2: first sight of a body
 REPEAT_TARGET_US = 10.0  # issue 9: a byte-identical repeat (the common case of a hit)
@@ -44,7 +42,7 @@ HEADERS = {
 
 def _time(fn: Callable[[], Any], number: int, repeat: int) -> float:
     """Median seconds per call over ``repeat`` runs of ``number`` calls."""
-    return c.median(timeit.Timer(fn).repeat(repeat=repeat, number=number)) / number
+    return median(timeit.Timer(fn).repeat(repeat=repeat, number=number)) / number
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -63,14 +61,14 @@ def run(quick: bool = False) -> dict[str, Any]:
     from carpool.store import Entry, MemoryStore
 
     config = Config()
-    raw = c.json_bytes(c.chat_body(0))
-    client = ClientRequest(c.CHAT, raw, HEADERS)
+    raw = bodies.json_bytes(bodies.chat_body(0))
+    client = ClientRequest(bodies.CHAT, raw, HEADERS)
     max_body = config.limits.max_body_bytes
     request = parse(client, max_body)
     key = fingerprint(request, config)
     assert key.key is not None
     store = MemoryStore(config.cache.max_bytes)
-    answer = Answer.from_body("chat", orjson.loads(c.ANSWER), c.ANSWER, True)
+    answer = Answer.from_body("chat", orjson.loads(bodies.answer()), bodies.answer(), True)
 
     async def fill() -> None:  # other entries too, as in a live cache
         for i in range(10_000):
@@ -89,7 +87,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     def repeat_total() -> Any:
         # A new bytes object each time, as a server delivers: its hash is not cached yet.
-        seen = memo.get(memo.key_of(ClientRequest(c.CHAT, bytes(fresh), HEADERS)))  # type: ignore[arg-type]
+        seen = memo.get(memo.key_of(ClientRequest(bodies.CHAT, bytes(fresh), HEADERS)))  # type: ignore[arg-type]
         return store.get_now(seen.key)  # type: ignore[union-attr]
 
     fresh = bytearray(raw)
@@ -125,7 +123,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     for _ in range(repeat):
         for name, fn in parts.items():
             samples[name].append(_time(fn, number, 1))
-    us = {name: round(c.median(v) * 1e6, 3) for name, v in samples.items()}
+    us = {name: round(median(v) * 1e6, 3) for name, v in samples.items()}
     best = {name: round(min(v) * 1e6, 3) for name, v in samples.items()}
     return {
         "body_bytes": len(raw),
@@ -170,9 +168,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
-    c.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

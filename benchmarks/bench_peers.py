@@ -6,16 +6,17 @@ exact cache, side by side in one run on one machine, with the same load generato
 The peers are never carpool dependencies: on first use the benchmark creates one virtual
 environment for each under ``benchmarks/.envs/`` (``python -m venv``, then ``pip install`` of
 pinned versions, a few minutes) and reuses them afterwards (a marker file records what was
-installed). A peer whose install or start fails is recorded in the result with the reason, and
-the rest runs on.
+installed; ``peers/launch.py``). A peer whose install or start fails is recorded in the result
+with the reason, and the rest runs on.
 
 Processes (all on loopback, every server a single uvicorn process with uvloop and httptools; the
-load generator is ``peers/loadgen_peers.py``: ``loadgen.py``'s client, the same for every
+load generator is ``carpool.bench.loadgen`` with ``fresh_connections``: the same client for every
 target, opening each target's connections right before its turn, so that none sits idle past
 uvicorn's keep-alive timeout while the other targets run):
-- ``upstream``: the counting fake engine (``upstream_app.py``); every proxy points at it.
-- ``raw_asgi``: a raw ASGI app returning fixed bytes (``peers/raw_asgi.py``): the limit.
-- ``carpool``: the real gateway (``gateway_server.py``) in front of the upstream.
+- ``upstream``: the simulated engine at no cost, counting its calls (``carpool.bench.upstream``);
+  every proxy points at it. A second one is a target itself (``upstream_app``).
+- ``raw_asgi``: the fixed-bytes app (``carpool.bench.fixed``): the limit.
+- ``carpool``: the real gateway (``carpool.bench.embedded``) in front of the upstream.
 - ``litellm``: ``litellm --config`` with one model (``openai/bench-model`` at the upstream) and
   its in-memory response cache on (``cache: true``, ``cache_params: {type: local}``), a fixed
   master key, no database; ``litellm_nocache``: the same without the cache (its bypass path).
@@ -46,337 +47,50 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import bench_fingerprint
+from peers.launch import (
+    MASTER_KEY,
+    PEERS,
+    REPORTED_PACKAGES,
+    REQUIREMENTS,
+    ensure_env,
+    env_python,
+    peer_env,
+    start_peers,
+)
 
-PEERS = c.HERE / "peers"
-ENVS = c.HERE / ".envs"
-MARKER = ".carpool-bench-env.json"
+from carpool.bench import bodies, loadgen, scenario
+from carpool.bench.client import fetch
+from carpool.bench.embedded import gateway
+from carpool.bench.fixed import fixed_app
+from carpool.bench.process import HOST
+from carpool.bench.stats import median, summary_ms
+from carpool.bench.upstream import Upstream, upstream
+from carpool.config import Config
 
-# Pinned: the newest releases that install here. (litellm >= 1.108 asks for a
-# litellm-proxy-extras release that is not on PyPI.) httptools makes LiteLLM's uvicorn parse
-# HTTP with the same parser as every other target; openai<1 is what GPTCache's OpenAI adapter
-# and server are written for; fastapi/uvicorn/uvloop/httptools are GPTCache's server stack,
-# installed up front because GPTCache would otherwise pip-install them at run time.
-REQUIREMENTS = {
-    "litellm": ["litellm[proxy]==1.106.12", "httptools==0.9.0"],
-    "gptcache": [
-        "gptcache==0.1.44",
-        "openai==0.28.1",
-        "fastapi==0.165.0",
-        "uvicorn==0.54.0",
-        "uvloop==0.23.0",
-        "httptools==0.9.0",
-    ],
-}
-REPORTED_PACKAGES = {
-    "litellm": [
-        "litellm",
-        "litellm-proxy-extras",
-        "openai",
-        "fastapi",
-        "uvicorn",
-        "uvloop",
-        "httptools",
-        "httpx",
-        "aiohttp",
-        "pydantic",
-    ],
-    "gptcache": [
-        "gptcache",
-        "openai",
-        "fastapi",
-        "starlette",
-        "uvicorn",
-        "uvloop",
-        "httptools",
-        "pydantic",
-        "numpy",
-        "cachetools",
-    ],
-}
-INSTALL_TIMEOUT_S = 1800
-START_TIMEOUT_S = 300
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
 
-MASTER_KEY = "sk-carpool-bench-6f1c2a9e4b7d8e3f0a5c1b2d9e8f7a6b"
 HEADERS = {"authorization": f"Bearer {MASTER_KEY}"}
 GOAL_RAW_RATIO = 0.5
 HIT_SIGN = {"carpool": "hit", "litellm": "litellm:hit", "gptcache": "gptcache:hit"}
 GOAL_LITELLM_RATIO = 100.0
 
 
-# ------------------------------------------------------------------------------------------------
-# The peers' environments
-
-
-def _env_python(name: str) -> Path:
-    return ENVS / name / "bin" / "python"
-
-
-def _peer_env(name: str, **extra: str) -> dict[str, str]:
-    """The environment a peer runs in: its venv first on PATH (GPTCache shells out to ``pip``
-    when it misses an optional package), none of carpool's paths."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = str(ENVS / name / "bin") + os.pathsep + env.get("PATH", "")
-    env["VIRTUAL_ENV"] = str(ENVS / name)
-    env.setdefault("PYTHONHASHSEED", "0")
-    env.update(extra)
-    return env
-
-
-def _versions(name: str) -> dict[str, str | None]:
-    code = (
-        "import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
-        "out = {}\nfor p in sys.argv[1:]:\n    try: out[p] = version(p)\n"
-        "    except PackageNotFoundError: out[p] = None\nprint(json.dumps(out))"
-    )
-    done = subprocess.run(
-        [str(_env_python(name)), "-c", code, *REPORTED_PACKAGES[name]],
-        env=_peer_env(name),
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(done.stdout)
-
-
-def ensure_env(name: str) -> dict[str, Any]:
-    """Create ``benchmarks/.envs/<name>`` and install the peer's pinned requirements, once."""
-    requirements = REQUIREMENTS[name]
-    root = ENVS / name
-    info: dict[str, Any] = {
-        "path": str(root.relative_to(c.ROOT)),
-        "requirements": requirements,
-        "ok": False,
-        "cached": False,
-        "install_s": 0.0,
-        "error": None,
-    }
-    marker = root / MARKER
-    try:
-        if marker.exists() and json.loads(marker.read_text()).get("requirements") == requirements:
-            info["cached"] = True
-        else:
-            print(
-                f"[peers] installing {name} into {info['path']} (once; a few minutes) ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            t0 = time.monotonic()
-            ENVS.mkdir(parents=True, exist_ok=True)
-            base = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
-            subprocess.run(
-                [base, "-m", "venv", str(root)], check=True, capture_output=True, timeout=300
-            )
-            done = subprocess.run(
-                [
-                    str(_env_python(name)),
-                    "-m",
-                    "pip",
-                    "install",
-                    "--disable-pip-version-check",
-                    "-q",
-                    *requirements,
-                ],
-                env=_peer_env(name),
-                capture_output=True,
-                timeout=INSTALL_TIMEOUT_S,
-            )
-            info["install_s"] = round(time.monotonic() - t0, 1)
-            if done.returncode != 0:
-                lines = [
-                    line
-                    for line in done.stderr.decode(errors="replace").splitlines()
-                    if not line.startswith("WARNING: Location")
-                ]
-                raise RuntimeError(
-                    f"pip install failed ({done.returncode}): " + "\n".join(lines[-15:])
-                )
-            marker.write_text(
-                json.dumps({"requirements": requirements, "installed_at": c.machine()["date"]})
-                + "\n"
-            )
-        info["versions"] = _versions(name)
-        info["ok"] = True
-    except Exception as exc:  # noqa: BLE001 - recorded, and the rest runs on
-        info["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
-        print(f"[peers] {name}: {info['error']}", file=sys.stderr, flush=True)
-    return info
-
-
-# ------------------------------------------------------------------------------------------------
-# Servers
-
-
-@contextlib.contextmanager
-def _process(
-    cmd: list[str],
-    port: int,
-    env: dict[str, str],
-    log: Path,
-    cwd: Path,
-    timeout: float = START_TIMEOUT_S,
-    keep_stdout: bool = True,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server in a subprocess, its stderr (and stdout, with ``keep_stdout``) in ``log``."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stderr=out, stdout=out if keep_stdout else subprocess.DEVNULL
-        )
-    try:
-        try:
-            c.wait_port(port, proc, timeout)
-        except Exception as exc:
-            tail = log.read_bytes()[-2500:].decode(errors="replace")
-            raise RuntimeError(f"{exc}; log tail:\n{tail}") from exc
-        yield proc
-    finally:
-        c.stop(proc, 15)
-
-
-def litellm_config(upstream_port: int, cache: bool) -> str:
-    """LiteLLM's proxy config: one model at the fake upstream; its in-memory cache on or off."""
-    lines = [
-        "model_list:",
-        "  - model_name: bench-model",
-        "    litellm_params:",
-        "      model: openai/bench-model",
-        f"      api_base: http://{c.HOST}:{upstream_port}/v1",
-        "      api_key: sk-upstream-unused",
-        "litellm_settings:",
-        "  set_verbose: false",
-    ]
-    if cache:
-        lines += ["  cache: true", "  cache_params:", "    type: local", "    ttl: 3600"]
-    lines += ["general_settings:", f"  master_key: {MASTER_KEY}"]
-    return "\n".join(lines) + "\n"
-
-
-# uvicorn's access log off (every other target runs with access_log=False), errors kept.
-LITELLM_LOG_CONFIG = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
-    "handlers": {
-        "err": {
-            "class": "logging.StreamHandler",
-            "formatter": "plain",
-            "stream": "ext://sys.stderr",
-        }
-    },
-    "loggers": {
-        "uvicorn": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-        "uvicorn.error": {"level": "WARNING"},
-        "uvicorn.access": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-    },
-}
-
-
-def _litellm(
-    tmp: Path, name: str, upstream_port: int, cache: bool, stack: contextlib.ExitStack
-) -> int:
-    port = c.free_port()
-    config = tmp / f"{name}.yaml"
-    config.write_text(litellm_config(upstream_port, cache))
-    log_config = tmp / "litellm-log.json"
-    log_config.write_text(json.dumps(LITELLM_LOG_CONFIG))
-    cmd = [
-        str(ENVS / "litellm" / "bin" / "litellm"),
-        "--config",
-        str(config),
-        "--host",
-        c.HOST,
-        "--port",
-        str(port),
-        "--log_config",
-        str(log_config),
-    ]
-    env = _peer_env("litellm", LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
-    stack.enter_context(_process(cmd, port, env, tmp / f"{name}.log", tmp))
-    return port
-
-
-def _gptcache(tmp: Path, upstream_port: int, stack: contextlib.ExitStack) -> int:
-    port = c.free_port()
-    cmd = [
-        str(_env_python("gptcache")),
-        str(PEERS / "gptcache_http.py"),
-        "--port",
-        str(port),
-        "--upstream",
-        f"http://{c.HOST}:{upstream_port}/v1",
-        "--data-dir",
-        str(tmp / "gptcache-data"),
-    ]
-    # its server prints every request's messages to stdout: discarded, errors kept
-    stack.enter_context(
-        _process(cmd, port, _peer_env("gptcache"), tmp / "gptcache.log", tmp, keep_stdout=False)
-    )
-    return port
-
-
-def _raw_asgi(tmp: Path, stack: contextlib.ExitStack) -> int:
-    port = c.free_port()
-    cmd = [c.PY, str(PEERS / "raw_asgi.py"), "--port", str(port)]
-    stack.enter_context(_process(cmd, port, c._env(), tmp / "raw_asgi.log", c.ROOT))
-    return port
-
-
-def _http(
-    method: str,
-    port: int,
-    path: str,
-    body: bytes | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(
-        f"http://{c.HOST}:{port}{path}",
-        data=body,
-        method=method,
-        headers={"content-type": "application/json", **(headers or {})},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 - loopback
-        return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
-
-
-def _loadgen(mode: str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    """``peers/loadgen_peers.py`` (``loadgen.py``'s client) in its own process."""
-    done = subprocess.run(
-        [c.PY, str(PEERS / "loadgen_peers.py"), mode, json.dumps(spec)],
-        env=c._env(),
-        cwd=c.ROOT,
-        capture_output=True,
-        timeout=timeout,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"loadgen {mode} failed ({done.returncode}):\n"
-            f"{done.stderr.decode(errors='replace')[-3000:]}"
-        )
-    return json.loads(done.stdout)
-
-
-def _upstream_calls(port: int) -> int:
-    return json.loads(_http("GET", port, "/count")[2])["calls"]
-
-
-def _spot_check(name: str, port: int, body: bytes, n: int) -> dict[str, Any]:
+def _spot_check(name: str, port: int, body: dict[str, Any], n: int) -> dict[str, Any]:
     """Read ``n`` whole answers and tell whether each was a cache hit, by the peer's own sign."""
     hits, statuses = 0, {}
     for _ in range(n):
-        status, headers, data = _http("POST", port, c.CHAT, body, HEADERS)
+        status, headers, data = fetch("POST", f"http://{HOST}:{port}{bodies.CHAT}", body, HEADERS)
         statuses[str(status)] = statuses.get(str(status), 0) + 1
         if name == "carpool":
             hits += headers.get("x-carpool") == "hit"
@@ -396,168 +110,128 @@ def _spot_check(name: str, port: int, body: bytes, n: int) -> dict[str, Any]:
 # Measurements
 
 
-def _summary(samples: list[float]) -> dict[str, float]:
-    return c.summary_ms(samples) if samples else {}
+def _targets(*rows: tuple[str, int | None, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Load generator targets, the same ``Authorization`` for all; a peer not started is left out."""
+    return [
+        {"name": name, "port": port, "body": body, "headers": HEADERS}
+        for name, port, body in rows
+        if port is not None
+    ]
 
 
-def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    hit_body, sampled = c.chat_body(0), c.chat_body(0.7)
-    hit_raw = c.json_bytes(hit_body)
-    peer_errors: dict[str, str] = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="carpool-peers-") as tmp_name,
-        contextlib.ExitStack() as stack,
-    ):
-        tmp = Path(tmp_name)
-        up = stack.enter_context(c.upstream_server())
-        raw = _raw_asgi(tmp, stack)
-        gw = stack.enter_context(c.gateway_server(up))
-        ref = stack.enter_context(c.upstream_server())  # the upstream app as a target itself
-        ports: dict[str, int] = {}
-        started = time.monotonic()
-        if envs["litellm"]["ok"]:
-            for name, cache in (("litellm", True), ("litellm_nocache", False)):
-                try:
-                    ports[name] = _litellm(tmp, name, up, cache, stack)
-                except Exception as exc:  # noqa: BLE001
-                    peer_errors[name] = f"did not start: {exc}"[-3000:]
-        if envs["gptcache"]["ok"]:
-            try:
-                ports["gptcache"] = _gptcache(tmp, up, stack)
-            except Exception as exc:  # noqa: BLE001
-                peer_errors["gptcache"] = f"did not start: {exc}"[-3000:]
-        start_s = round(time.monotonic() - started, 1)
-
-        # Latency: every target in one rotation of alternating blocks.
-        n, warmup, block = (200, 30, 50) if quick else (1000, 100, 100)
-        lat_targets = [
-            {"name": "direct", "port": up, "body": sampled, "headers": HEADERS},
-            {"name": "raw_asgi", "port": raw, "body": hit_body, "headers": HEADERS},
-            {"name": "carpool_bypass", "port": gw, "body": sampled, "headers": HEADERS},
-            {"name": "carpool_hit", "port": gw, "body": hit_body, "headers": HEADERS},
-        ]
-        if "litellm_nocache" in ports:
-            lat_targets.append(
-                {
-                    "name": "litellm_bypass",
-                    "port": ports["litellm_nocache"],
-                    "body": sampled,
-                    "headers": HEADERS,
-                }
-            )
-        if "litellm" in ports:
-            lat_targets.append(
-                {
-                    "name": "litellm_hit",
-                    "port": ports["litellm"],
-                    "body": hit_body,
-                    "headers": HEADERS,
-                }
-            )
-        if "gptcache" in ports:
-            lat_targets.append(
-                {
-                    "name": "gptcache_hit",
-                    "port": ports["gptcache"],
-                    "body": hit_body,
-                    "headers": HEADERS,
-                }
-            )
-        print(
-            f"[peers] latency: {len(lat_targets)} targets x {n} requests ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        lat_raw = _loadgen(
-            "latency", {"n": n, "warmup": warmup, "block": block, "targets": lat_targets}
-        )
-        latency: dict[str, Any] = {"n": n, "warmup": warmup, "block": block, "targets": {}}
-        for t in lat_targets:
-            r = lat_raw[t["name"]]
-            latency["targets"][t["name"]] = {
-                **_summary(r["samples_s"]),
-                "outcomes": r["outcomes"],
-                "non_200": r["non_200"],
-            }
-        direct = latency["targets"]["direct"]["p50_ms"]
-        for name in ("carpool_bypass", "litellm_bypass"):
-            if name in latency["targets"]:
-                d, via = lat_raw["direct"]["samples_s"], lat_raw[name]["samples_s"]
-                blocks = [
-                    c.median(via[i : i + block]) - c.median(d[i : i + block])
-                    for i in range(0, min(len(d), len(via)), block)
-                ]
-                latency[f"{name.split('_')[0]}_added_p50_ms"] = round(
-                    latency["targets"][name]["p50_ms"] - direct, 4
-                )
-                latency[f"{name.split('_')[0]}_added_p50_blockwise_ms"] = round(
-                    c.median(blocks) * 1000, 4
-                )
-
-        # Throughput: the hit targets (and the two bare apps), the upstream's counter at zero.
-        before = _upstream_calls(up)
-        _http("POST", up, "/reset")
-        concurrency, seconds, rounds = (64, 1.5, 1) if quick else (64, 3.0, 5)
-        thr_targets = [
-            {"name": "raw_asgi", "port": raw, "body": hit_body, "headers": HEADERS},
-            {"name": "upstream_app", "port": ref, "body": hit_body, "headers": HEADERS},
-            {"name": "carpool_hit", "port": gw, "body": hit_body, "headers": HEADERS},
-        ]
-        for name in ("litellm", "gptcache"):
-            if name in ports:
-                thr_targets.append(
-                    {
-                        "name": f"{name}_hit",
-                        "port": ports[name],
-                        "body": hit_body,
-                        "headers": HEADERS,
-                    }
-                )
-        print(
-            f"[peers] throughput: {len(thr_targets)} targets x {rounds} rounds of {seconds} s ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        thr_raw = _loadgen(
-            "throughput",
-            {
-                "concurrency": concurrency,
-                "seconds": seconds,
-                "rounds": rounds,
-                "warmup_s": 0.5,
-                "targets": thr_targets,
-            },
-        )
-        throughput: dict[str, Any] = {
-            "concurrency": concurrency,
-            "seconds": seconds,
-            "rounds": rounds,
-            "targets": {},
+def _latency(quick: bool, targets: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every target in one rotation of alternating blocks; the added p50 of the bypass paths."""
+    n, warmup, block = (200, 30, 50) if quick else (1000, 100, 100)
+    print(
+        f"[peers] latency: {len(targets)} targets x {n} requests ...", file=sys.stderr, flush=True
+    )
+    spec = {"n": n, "warmup": warmup, "block": block, "fresh_connections": True}
+    raw = loadgen.run("latency", {**spec, "targets": targets})
+    latency: dict[str, Any] = {"n": n, "warmup": warmup, "block": block, "targets": {}}
+    for name, r in raw.items():
+        latency["targets"][name] = {
+            **summary_ms(r["samples_s"]),
+            "outcomes": r["outcomes"],
+            "non_200": r["non_200"],
         }
-        for t in thr_targets:
-            r = thr_raw[t["name"]]
-            throughput["targets"][t["name"]] = {
-                "rps_median": round(c.median(r["rps"]), 1),
+    direct = raw["direct"]["samples_s"]
+    for name in ("carpool_bypass", "litellm_bypass"):
+        if name in raw:
+            via = raw[name]["samples_s"]
+            blocks = [
+                median(via[i : i + block]) - median(direct[i : i + block])
+                for i in range(0, min(len(direct), len(via)), block)
+            ]
+            peer = name.split("_")[0]
+            latency[f"{peer}_added_p50_ms"] = round(
+                latency["targets"][name]["p50_ms"] - latency["targets"]["direct"]["p50_ms"], 4
+            )
+            latency[f"{peer}_added_p50_blockwise_ms"] = round(median(blocks) * 1000, 4)
+    return latency
+
+
+def _throughput(quick: bool, targets: list[dict[str, Any]]) -> dict[str, Any]:
+    concurrency, seconds, rounds = (64, 1.5, 1) if quick else (64, 3.0, 5)
+    print(
+        f"[peers] throughput: {len(targets)} targets x {rounds} rounds of {seconds} s ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    spec = {"concurrency": concurrency, "seconds": seconds, "rounds": rounds, "warmup_s": 0.5}
+    raw = loadgen.run("throughput", {**spec, "fresh_connections": True, "targets": targets})
+    return {
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "rounds": rounds,
+        "targets": {
+            name: {
+                "rps_median": round(median(r["rps"]), 1),
                 "rps": [round(x, 1) for x in r["rps"]],
                 "outcomes": r["outcomes"],
                 "non_200": r["non_200"],
             }
+            for name, r in raw.items()
+        },
+    }
 
+
+def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    hit, sampled = bodies.chat_body(0), bodies.chat_body(0.7)
+    with (
+        tempfile.TemporaryDirectory(prefix="carpool-peers-") as tmp_name,
+        contextlib.ExitStack() as stack,
+    ):
+        up: Upstream = stack.enter_context(upstream())
+        raw = stack.enter_context(fixed_app()).port
+        gw = stack.enter_context(gateway(Config(upstreams=[up.url], log_level="warning"))).port
+        ref = stack.enter_context(upstream()).port  # the simulated engine as a target itself
+        started = time.monotonic()
+        ports, peer_errors = start_peers(Path(tmp_name), up.port, envs, stack)
+        start_s = round(time.monotonic() - started, 1)
+        latency = _latency(
+            quick,
+            _targets(
+                ("direct", up.port, sampled),
+                ("raw_asgi", raw, hit),
+                ("carpool_bypass", gw, sampled),
+                ("carpool_hit", gw, hit),
+                ("litellm_bypass", ports.get("litellm_nocache"), sampled),
+                ("litellm_hit", ports.get("litellm"), hit),
+                ("gptcache_hit", ports.get("gptcache"), hit),
+            ),
+        )
+        # Throughput: the hit targets (and the two bare apps), the upstream's counter at zero.
+        before = up.count()["calls"]
+        up.reset()
+        throughput = _throughput(
+            quick,
+            _targets(
+                ("raw_asgi", raw, hit),
+                ("upstream_app", ref, hit),
+                ("carpool_hit", gw, hit),
+                ("litellm_hit", ports.get("litellm"), hit),
+                ("gptcache_hit", ports.get("gptcache"), hit),
+            ),
+        )
         # Were the hits real? The spot checks are hits too: the counter must still be 0 after.
         spot_n = 10 if quick else 30
-        spots = {"carpool": _spot_check("carpool", gw, hit_raw, spot_n)}
-        for name in ("litellm", "gptcache"):
-            if name in ports:
-                spots[name] = _spot_check(name, ports[name], hit_raw, spot_n)
-        calls_after = _upstream_calls(up)
+        spots = {
+            name: _spot_check(name, port, hit, spot_n)
+            for name, port in (
+                ("carpool", gw),
+                *((k, ports.get(k)) for k in ("litellm", "gptcache")),
+            )
+            if port is not None
+        }
+        calls = latency["n"] + latency["warmup"]
         checks = {
             "upstream_calls_during_latency": before,
             "upstream_calls_expected_during_latency": (
-                3 * (n + warmup) if "litellm_bypass" in latency["targets"] else 2 * (n + warmup)
+                3 * calls if "litellm_bypass" in latency["targets"] else 2 * calls
             )
             + sum(name in ports for name in ("litellm", "gptcache"))
             + 1,
-            "upstream_calls_during_throughput_and_spot_checks": calls_after,
+            "upstream_calls_during_throughput_and_spot_checks": up.count()["calls"],
             "spot_checks": spots,
         }
     checks["note"] = (
@@ -588,15 +262,13 @@ def run_http(quick: bool, envs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_inprocess(quick: bool, gptcache_env: dict[str, Any]) -> dict[str, Any]:
-    import bench_fingerprint
-
     out: dict[str, Any] = {}
     if gptcache_env["ok"]:
         number, repeat = (2_000, 9) if quick else (10_000, 21)
         with tempfile.TemporaryDirectory(prefix="carpool-gptcache-") as tmp_name:
             tmp = Path(tmp_name)
-            (tmp / "body.json").write_bytes(c.json_bytes(c.chat_body(0)))
-            (tmp / "answer.json").write_bytes(c.ANSWER)
+            (tmp / "body.json").write_bytes(bodies.json_bytes(bodies.chat_body(0)))
+            (tmp / "answer.json").write_bytes(bodies.answer())
             spec = {
                 "body_file": str(tmp / "body.json"),
                 "answer_file": str(tmp / "answer.json"),
@@ -607,11 +279,11 @@ def run_inprocess(quick: bool, gptcache_env: dict[str, Any]) -> dict[str, Any]:
             try:
                 done = subprocess.run(
                     [
-                        str(_env_python("gptcache")),
+                        str(env_python("gptcache")),
                         str(PEERS / "gptcache_lookup.py"),
                         json.dumps(spec),
                     ],
-                    env=_peer_env("gptcache"),
+                    env=peer_env("gptcache"),
                     cwd=tmp,
                     capture_output=True,
                     timeout=900,
@@ -670,7 +342,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
                     for a, b in zip(rounds["carpool_hit"], rounds[peer], strict=True)
                 ]
                 out[f"carpool_hit_over_{peer}_per_round_median"] = round(
-                    c.median(out[f"carpool_hit_over_{peer}_per_round"]), 3
+                    median(out[f"carpool_hit_over_{peer}_per_round"]), 3
                 )
         out["latency_p50_ms"] = {k: v["p50_ms"] for k, v in lat.items()}
         out["latency_p99_ms"] = {k: v["p99_ms"] for k, v in lat.items()}
@@ -784,7 +456,7 @@ def git_state() -> dict[str, Any]:
 
     def git(*args: str) -> str:
         return subprocess.run(
-            ["git", *args], cwd=c.ROOT, capture_output=True, text=True, timeout=30
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30
         ).stdout.strip()
 
     try:
@@ -800,16 +472,15 @@ def document(
     result: dict[str, Any], quick: bool, started: float, git: dict[str, Any]
 ) -> dict[str, Any]:
     """The same shape as ``run.py --only peers`` writes (plus the git state)."""
-    return {
-        **c.machine(),
-        "git": git,
-        "mode": "quick" if quick else "full",
-        "duration_s": round(time.monotonic() - started, 2),
-        "ok": result["ok"],
-        "errors": result["errors"],
-        "figures": result["figures"],
-        "results": {"peers": result},
-    }
+    return scenario.document(
+        {"peers": result},
+        result["figures"],
+        ok=result["ok"],
+        errors=result["errors"],
+        quick=quick,
+        duration_s=time.monotonic() - started,
+        git=git,
+    )
 
 
 def main() -> int:
@@ -818,12 +489,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller samples")
     parser.add_argument("--json", action="store_true", help="also print the full result")
-    parser.add_argument("--out", type=Path, default=c.RESULTS / "peers.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "peers.json")
     args = parser.parse_args()
     started, git = time.monotonic(), git_state()
     result = run(args.quick)
     doc = document(result, args.quick, started, git)
-    c.write_json(args.out, doc)
+    scenario.write_json(args.out, doc)
     print(
         f"carpool vs peers ({doc['mode']}), {doc['date']}, {doc['machine']}, "
         f"{doc['cpu_count']} CPUs, Python {doc['python']}, {doc['duration_s']:.0f} s"

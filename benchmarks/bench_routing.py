@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+from carpool.bench import scenario
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 PROMPTS, REPLICAS, CONCURRENCY = 8, 4, 32
 WORDS = (
@@ -117,7 +117,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             rr["mean_ttft_ms"] / ca["mean_ttft_ms"], 2
         ),
     }
-    plot(result, c.RESULTS / "routing.png")
+    plot(result, RESULTS / "routing.png")
     return result
 
 
@@ -159,9 +159,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    c.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

@@ -6,8 +6,9 @@
   configured number of candidates. The vectors are random: the hardest case for a graph index
   (real sentence embeddings cluster, which makes search easier). Memory per entry = the index's
   own memory / entries, plus what a ``SemanticEntry`` holds besides the answer.
-- ``hit``: a semantic hit end to end over HTTP: the gateway (``--semantic``) in front of the
-  benchmark upstream, one answer stored, then sequential paraphrased requests, each a
+- ``hit``: a semantic hit end to end over HTTP: the gateway (``semantic.enabled``) in front of the
+  benchmarks' upstream (the simulated engine), one answer stored, then sequential paraphrased
+  requests from the load generator (``carpool.bench.loadgen``, after 20 of warm-up), each a
   ``semantic-hit`` (a semantic hit stores nothing under the new text, so every one embeds,
   searches and runs the guard: the exact rules and the verifier). Exact hits of the same run for
   comparison. CPU per request: the gateway process's user + system time over the run (all its
@@ -18,14 +19,20 @@
 
 from __future__ import annotations
 
-import sys
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-import bench_embed  # noqa: E402
+import bench_embed
+
+from carpool.bench import loadgen, scenario
+from carpool.bench.client import fetch
+from carpool.bench.embedded import gateway
+from carpool.bench.stats import summary_ms
+from carpool.bench.upstream import upstream
+from carpool.config import Config
 
 TARGETS = {"embed_p50_ms": 5.0, "ann_p50_ms": 1.0, "hit_p50_ms": 10.0}
 
@@ -55,14 +62,12 @@ def run_ann(n: int, queries: int) -> dict[str, Any]:
     return {
         "entries": n,
         "build_s": round(build_s, 1),
-        "lookup": c.summary_ms(timings),
+        "lookup": summary_ms(timings),
         "index_bytes_per_entry": round(index.memory_bytes / n),
     }
 
 
 def run_hit(requests: int) -> dict[str, Any]:
-    import httpx
-
     body = {
         "model": "m",
         "temperature": 0,
@@ -74,54 +79,39 @@ def run_hit(requests: int) -> dict[str, Any]:
             {"role": "user", "content": "how can I reset my router to its factory settings"}
         ],
     }
-    with c.upstream_server() as upstream, c.gateway_server(upstream, "--semantic") as port:
-        with httpx.Client(base_url=f"http://{c.HOST}:{port}", timeout=30) as client:
-            assert client.post("/v1/chat/completions", json=body).headers["x-carpool"] == "miss"
-            deadline = time.monotonic() + 30
-            while client.get("/stats").json()["layers"]["semantic"]["entries"] < 1:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the semantic insert never landed")
-                time.sleep(0.01)
-            outcomes: set[str] = set()
+    config = Config(log_level="warning", semantic={"enabled": True})
+    with upstream() as up, gateway(config.model_copy(update={"upstreams": [up.url]})) as gw:
+        _, headers, _ = fetch("POST", gw.url + "/v1/chat/completions", body)
+        assert headers["x-carpool"] == "miss", headers
+        deadline = time.monotonic() + 30
+        while json.loads(fetch("GET", gw.url + "/stats")[2])["layers"]["semantic"]["entries"] < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the semantic insert never landed")
+            time.sleep(0.01)
 
-            def timed(request: dict[str, Any]) -> tuple[list[float], float]:
-                times = []
-                cpu = _cpu_seconds(port)
-                for i in range(requests + 20):
-                    if i == 20:  # after warm-up
-                        cpu = _cpu_seconds(port)
-                    t = time.perf_counter()
-                    response = client.post("/v1/chat/completions", json=request)
-                    if i >= 20:
-                        times.append(time.perf_counter() - t)
-                    if request is paraphrase:
-                        outcomes.add(response.headers["x-carpool"])
-                return times, (_cpu_seconds(port) - cpu) / requests * 1000
+        def timed(request: dict[str, Any]) -> tuple[list[float], dict[str, int], float]:
+            target = {"name": "t", "port": gw.port, "body": request}
+            spec = {"warmup": 0, "targets": [target]}
+            loadgen.run("latency", {**spec, "n": 20, "block": 20})  # warm-up
+            cpu = _cpu_seconds(gw.pid)
+            raw = loadgen.run("latency", {**spec, "n": requests, "block": requests})["t"]
+            return raw["samples_s"], raw["outcomes"], (_cpu_seconds(gw.pid) - cpu) / requests * 1000
 
-            semantic, semantic_cpu = timed(paraphrase)
-            exact, exact_cpu = timed(body)
+        semantic, outcomes, semantic_cpu = timed(paraphrase)
+        exact, _, exact_cpu = timed(body)
     return {
         "requests": requests,
         "outcomes": sorted(outcomes),
-        "semantic_hit": {**c.summary_ms(semantic), "cpu_ms": round(semantic_cpu, 2)},
-        "exact_hit": {**c.summary_ms(exact), "cpu_ms": round(exact_cpu, 3)},
-        "ok": outcomes == {"semantic-hit"},
+        "semantic_hit": {**summary_ms(semantic), "cpu_ms": round(semantic_cpu, 2)},
+        "exact_hit": {**summary_ms(exact), "cpu_ms": round(exact_cpu, 3)},
+        "ok": set(outcomes) == {"semantic-hit"},
     }
 
 
-def _cpu_seconds(port: int) -> float:
-    """User + system CPU seconds of the process serving ``port`` (its command line names it)."""
-    import os
-
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if f"--port\0{port}\0".encode() in cmdline:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            continue
-    raise RuntimeError(f"no process serves port {port}")
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -198,9 +188,5 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
-    c.standalone(__doc__, run, summarize)
-
-
 if __name__ == "__main__":
-    main()
+    scenario.standalone(__doc__, run, summarize)

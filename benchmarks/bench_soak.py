@@ -7,23 +7,25 @@ Not part of CI, nor of a plain ``run.py`` (only ``--only soak`` or ``--all`` run
 soak takes a minute or two on a quiet 2-core machine, more on a busy one. Both commands write
 ``benchmarks/results/soak.json``.
 
-Three processes, as in the other benchmarks: the soak upstream (``soak_upstream.py``), the
-gateway (``carpool serve`` with a config file: ``limits.upstream_timeout`` 2 s; the bounded
-per-key tables made small enough to fill during the warm-up: a 4 MiB exact cache, 2,000 keys in
-the adaptive window's table, a 512 KiB repeat memo; the rest default) and the load generator
-(``bench_soak.py --loadgen``: the lean keep-alive client of ``loadgen.py``, one connection per
-worker, 200 workers).
+Three processes, as in the other benchmarks: the upstream (the simulated engine,
+``carpool.bench.upstream``: 1 ms a token, each tenant its own answers, faults injected), the
+gateway (``carpool.bench.embedded``, the app of ``carpool serve``: ``limits.upstream_timeout``
+2 s; the bounded per-key tables made small enough to fill during the warm-up: a 4 MiB exact
+cache, 2,000 keys in the adaptive window's table, a 512 KiB repeat memo; the rest default) and
+the load generator (``bench_soak.py --loadgen``: ``carpool.bench.client``'s keep-alive
+connections, one per worker, 200 workers).
 
 The workload (``plan``, deterministic from a seed): 4 tenants (``Authorization``), chat requests
 (35 % of them streaming) and single-input embeddings (15 %); about 30 % of the requests repeat
 an earlier one (most of them a recent one, so some join a call still running, others hit the
 cache), and 10 % of the new chat prompts are questions every tenant asks. Faults, on about 5 % of
-the requests: the upstream decides from the request itself (``soak_upstream.fault_of``) to
+the requests: the upstream decides from the request itself (``carpool.bench.faults``) to
 answer 503, 500 once, nothing at all (the gateway times out: 504), half an answer then nothing
 (a stalled stream), or half an answer then a dropped connection (a cut stream); and 1 % of the
 clients disconnect 2-40 ms after sending.
 
-Every answer is judged against what the upstream computes for that tenant and prompt:
+Every answer is judged against what the upstream's engine answers for that tenant and request
+(``carpool.bench.upstream.expected``, computed before the load starts):
 - **wrong**: a success whose text (or vector) is not exactly the one of its own tenant and prompt
   (``cross_tenant`` when it is another tenant's), a success for a prompt whose every call fails
   (a failed answer served as success), a stream that ends without ``[DONE]`` and without an
@@ -47,19 +49,22 @@ import asyncio
 import collections
 import json
 import random
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-import soak_upstream as up  # noqa: E402
+from carpool.bench import process, scenario
+from carpool.bench.client import Address, Conn, Response, build, connect, connect_many, fetch
+from carpool.bench.embedded import gateway
+from carpool.bench.faults import FaultPlan
+from carpool.bench.stats import summary_ms
+from carpool.bench.upstream import Options, expected, upstream
+from carpool.config import Config, SimConfig
 
+RESULTS = Path(__file__).resolve().parent / "results"
+CHAT = "/v1/chat/completions"
 TENANTS = ("tenant-a", "tenant-b", "tenant-c", "tenant-d")
 FULL_N, QUICK_N = 50_000, 5_000
 CONCURRENCY = 200
@@ -81,6 +86,21 @@ CACHE_BYTES = 4 * 1024 * 1024  # cache.max_bytes (default 256 MiB)
 WINDOW_KEYS = 2_000  # coalesce.adaptive_keys (default 100,000)
 MEMO_BYTES = 512 * 1024  # fingerprint.repeat_memo_bytes, where it exists
 SEED = 8
+# The upstream: normal answers take a few ms (1 ms a token, 8-40 tokens; streams a token every
+# ms), so that identical requests overlap and clients that leave do so mid-call; no queue.
+UPSTREAM = Options(
+    sim=SimConfig(
+        decode_ms_per_token=1.0,
+        max_concurrency=4096,
+        embedding_call_ms=5.0,
+        embedding_concurrency=4096,
+    ),
+    tenant_answers=True,
+    faults={"503": 0.011, "500_once": 0.006, "timeout": 0.011, "stall": 0.011, "cut": 0.011},
+    hold_s=HOLD_S,
+    log_level="critical",  # a deliberate cut is an exception in the app: not logged each time
+)
+FAULTS = FaultPlan(UPSTREAM.faults)
 
 # The errors each fault allows: (status, error code) of a JSON error, or "sse" for a stream that
 # had started and ends with an SSE error event (upstream_stream_broken).
@@ -131,25 +151,43 @@ def plan(n: int, seed: int = SEED) -> list[dict[str, Any]]:
     return requests
 
 
-def request_bytes(spec: dict[str, Any], port: int) -> bytes:
-    from loadgen import build
-
-    headers = {"authorization": f"Bearer {spec['tenant']}"}
+def request_body(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(path, body) of a planned request."""
     if spec["kind"] == "embedding":
-        return build(
-            "POST",
-            "/v1/embeddings",
-            port,
-            json.dumps({"model": "e", "input": spec["text"]}).encode(),
-            headers,
-        )
+        return "/v1/embeddings", {"model": "e", "input": spec["text"]}
     body = {
         "model": "m",
         "temperature": 0,
         "stream": spec["stream"],
         "messages": [{"role": "user", "content": spec["text"]}],
     }
-    return build("POST", c.CHAT, port, json.dumps(body).encode(), headers)
+    return CHAT, body
+
+
+def request_bytes(spec: dict[str, Any], port: int) -> bytes:
+    path, body = request_body(spec)
+    headers = {"authorization": f"Bearer {spec['tenant']}"}
+    return build("POST", path, Address.local(port), json.dumps(body).encode(), headers)
+
+
+class Truth:
+    """What the upstream's engine answers a tenant for a request (the chat text, or the vector),
+    computed in this process (``upstream.expected``) and kept."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[str, str, str], Any] = {}
+
+    def __call__(self, tenant: str, kind: str, text: str) -> Any:
+        key = (tenant, kind, text)
+        if key not in self.known:
+            spec = {"tenant": tenant, "kind": kind, "text": text, "stream": False}
+            reply = expected(*request_body(spec), tenant, UPSTREAM).body
+            assert reply is not None
+            if kind == "embedding":
+                self.known[key] = reply["data"][0]["embedding"]
+            else:
+                self.known[key] = reply["choices"][0]["message"]["content"]
+        return self.known[key]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,26 +212,26 @@ def _sse(body: bytes) -> tuple[str, bool, dict[str, Any] | None]:
     return "".join(text), done, error
 
 
-def judge(spec: dict[str, Any], status: int, body: bytes) -> tuple[str, str]:
+def judge(spec: dict[str, Any], status: int, body: bytes, truth: Truth) -> tuple[str, str]:
     """("ok" | "expected" | "wrong" | "unexpected", a label for the counts)."""
-    tenant, text = spec["tenant"], spec["text"]
-    if spec["kind"] == "embedding":
+    tenant, kind, text = spec["tenant"], spec["kind"], spec["text"]
+    if kind == "embedding":
         if status != 200:
             return "unexpected", f"embedding {status} {_code(body)}"
         got = json.loads(body)["data"][0]["embedding"]
-        if got == up.vector(tenant, text):
+        if got == truth(tenant, kind, text):
             return "ok", "embedding"
-        others = [t for t in TENANTS if t != tenant and got == up.vector(t, text)]
+        others = [t for t in TENANTS if t != tenant and got == truth(t, kind, text)]
         return "wrong", "embedding cross_tenant" if others else "embedding vector mismatch"
-    fault = up.fault_of(tenant, text)
-    expected = up.answer_text(tenant, text)
+    fault = FAULTS.fault_of(tenant, text)
+    right = truth(tenant, kind, text)
     label = fault or "none"
     if status == 200 and body.startswith(b"data:"):
         got, done, error = _sse(body)
         if error is not None:
             if done:
                 return "wrong", f"{label}: error event and [DONE] in one stream"
-            if not expected.startswith(got):
+            if not right.startswith(got):
                 return "wrong", f"{label}: failed stream carried a wrong text"
             if "sse" in ALLOWED[fault] and error.get("code") == "upstream_stream_broken":
                 return "expected", f"{label}: sse error event"
@@ -207,8 +245,8 @@ def judge(spec: dict[str, Any], status: int, body: bytes) -> tuple[str, str]:
         if (status, code) in ALLOWED[fault]:
             return "expected", f"{label}: {status} {code}"
         return "unexpected", f"{label}: {status} {code}"
-    if got != expected:
-        others = [t for t in TENANTS if t != tenant and got == up.answer_text(t, text)]
+    if got != right:
+        others = [t for t in TENANTS if t != tenant and got == truth(t, kind, text)]
         return "wrong", f"{label}: cross_tenant" if others else f"{label}: text mismatch"
     if fault in ALWAYS_FAILS:
         return "wrong", f"{label}: a failing call served as success"
@@ -228,11 +266,13 @@ def _code(body: bytes) -> str | None:
 
 
 async def _load(spec: dict[str, Any]) -> dict[str, Any]:
-    from loadgen import Response, connect, connect_many
-
     port, n, concurrency = spec["gateway_port"], spec["n"], spec["concurrency"]
+    address = Address.local(port)
     requests = plan(n, spec["seed"])
     raws = [request_bytes(r, port) for r in requests]
+    truth = Truth()
+    for r in requests:  # before the load: the load generator's time is the load's
+        truth(r["tenant"], r["kind"], r["text"])
     verdicts: collections.Counter[str] = collections.Counter()
     labels: collections.Counter[str] = collections.Counter()
     outcomes: collections.Counter[str] = collections.Counter()
@@ -240,9 +280,9 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     examples: dict[str, list[Any]] = collections.defaultdict(list)
     latencies: list[float] = []
     progress = {"next": 0}
-    conns = await connect_many(port, concurrency)
+    conns = await connect_many(address, concurrency)
 
-    async def worker(conn: Any) -> None:
+    async def worker(conn: Conn) -> None:
         while progress["next"] < n:
             i = progress["next"]
             progress["next"] += 1
@@ -253,29 +293,29 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
                 await asyncio.wait([future], timeout=request["leave_ms"] / 1000)
                 if not future.done():  # the client leaves: drop the connection
                     future.cancel()
-                    conn.transport.abort()
+                    conn.abort()
                     verdicts["left"] += 1
-                    conn = await connect(port)
+                    conn = await connect(address)
                     continue
             try:
                 response: Response = await asyncio.wait_for(future, HANG_S)
             except TimeoutError:
                 verdicts["hang"] += 1
                 examples["hang"].append(request)
-                conn.transport.abort()
-                conn = await connect(port)
+                conn.abort()
+                conn = await connect(address)
                 continue
             except Exception as error:  # a transport or parser failure
                 verdicts["unexpected"] += 1
                 labels[f"transport: {type(error).__name__}"] += 1
-                conn.transport.abort()
-                conn = await connect(port)
+                conn.abort()
+                conn = await connect(address)
                 continue
             latencies.append(time.monotonic() - started)
             statuses[str(response.status)] += 1
             outcomes[response.carpool or "(none)"] += 1
             try:
-                verdict, label = judge(request, response.status, response.body)
+                verdict, label = judge(request, response.status, response.body, truth)
             except (ValueError, KeyError, IndexError, TypeError) as error:
                 verdict, label = "wrong", f"an answer that is not OpenAI-shaped: {error!r}"
             verdicts[verdict] += 1
@@ -299,7 +339,8 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         duplicates += key in seen
         seen.add(key)
     faulty = sum(
-        r["kind"] == "chat" and up.fault_of(r["tenant"], r["text"]) is not None for r in requests
+        r["kind"] == "chat" and FAULTS.fault_of(r["tenant"], r["text"]) is not None
+        for r in requests
     )
     chat_keys = {(t, x) for t, kind, x in seen if kind == "chat"}
     return {
@@ -311,7 +352,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         "duplicate_share": round(duplicates / n, 4),
         "distinct_chat": len(chat_keys),
         "distinct_embedding": len(seen) - len(chat_keys),
-        "distinct_chat_with_fault": sum(up.fault_of(*key) is not None for key in chat_keys),
+        "distinct_chat_with_fault": sum(FAULTS.fault_of(*key) is not None for key in chat_keys),
         "streaming_share": round(sum(r["stream"] for r in requests) / n, 4),
         "embedding_share": round(sum(r["kind"] == "embedding" for r in requests) / n, 4),
         "fault_share": round((faulty + sum(r["leave_ms"] is not None for r in requests)) / n, 4),
@@ -320,7 +361,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         "labels": dict(sorted(labels.items())),
         "outcomes": dict(outcomes),
         "statuses": dict(statuses),
-        "latency": c.summary_ms(latencies) if latencies else None,
+        "latency": summary_ms(latencies) or None,
         "examples": dict(examples),
     }
 
@@ -330,8 +371,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _get(port: int, path: str) -> Any:
-    with urllib.request.urlopen(f"http://{c.HOST}:{port}{path}", timeout=10) as response:
-        return json.loads(response.read())
+    return json.loads(fetch("GET", f"http://{process.HOST}:{port}{path}", timeout=10)[2])
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -394,7 +434,7 @@ def _settle(gateway_port: int, upstream_port: int, timeout: float) -> dict[str, 
     has nothing in flight (its held faults end after HOLD_S)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats, count = _get(gateway_port, "/stats"), _get(upstream_port, "/count")
+        stats, count = _get(gateway_port, "/stats"), _get(upstream_port, "/bench/count")
         settled = stats["flights"] == stats["waiters"] == count["in_flight"] == 0
         if settled or time.monotonic() > deadline:
             return {
@@ -425,51 +465,18 @@ def run(
     quick: bool = False, requests: int | None = None, concurrency: int = CONCURRENCY
 ) -> dict[str, Any]:
     n = requests or (QUICK_N if quick else FULL_N)
-    up_port, gw_port = c.free_port(), c.free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "soak.yaml"
-        config.write_text(json.dumps(gateway_config(n)))
-        upstream_args = [
-            str(c.HERE / "soak_upstream.py"),
-            "--port",
-            str(up_port),
-            "--hold-s",
-            str(HOLD_S),
-        ]
-        gateway_args = [
-            "-m",
-            "carpool.cli",
-            "serve",
-            "--upstream",
-            f"http://{c.HOST}:{up_port}/v1",
-            "--port",
-            str(gw_port),
-            "--config",
-            str(config),
-        ]
-        with c.server(upstream_args, up_port), c.server(gateway_args, gw_port) as gateway:
-            sampler = Sampler(gateway.pid, gw_port)
-            sampler.start()
-            spec = {"gateway_port": gw_port, "n": n, "concurrency": concurrency, "seed": SEED}
-            t0 = time.monotonic()
-            done = subprocess.run(
-                [c.PY, str(Path(__file__).resolve()), "--loadgen", json.dumps(spec)],
-                env=c._env(),
-                cwd=c.ROOT,
-                capture_output=True,
-                timeout=max(600, n / 20),
-            )
-            duration = time.monotonic() - t0
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"the soak load generator failed ({done.returncode}):\n"
-                    f"{done.stderr.decode(errors='replace')[-3000:]}"
-                )
-            load = json.loads(done.stdout)
-            settle = _settle(gw_port, up_port, HOLD_S + 10)
-            sampler.stop.set()
-            sampler.join()
-            stats, count = _get(gw_port, "/stats"), _get(up_port, "/count")
+    config = Config.model_validate(gateway_config(n))
+    with upstream(UPSTREAM) as up, gateway(config.model_copy(update={"upstreams": [up.url]})) as gw:
+        sampler = Sampler(gw.pid, gw.port)
+        sampler.start()
+        spec = {"gateway_port": gw.port, "n": n, "concurrency": concurrency, "seed": SEED}
+        t0 = time.monotonic()
+        load = process.run_child([__file__, "--loadgen"], spec, timeout=max(600, n / 20))
+        duration = time.monotonic() - t0
+        settle = _settle(gw.port, up.port, HOLD_S + 10)
+        sampler.stop.set()
+        sampler.join()
+        stats, count = _get(gw.port, "/stats"), up.count()
     mem = memory(sampler.samples, n)
     verdicts = load["verdicts"]
     result = {
@@ -548,16 +555,15 @@ def summarize(result: dict[str, Any]) -> list[str]:
 
 def document(result: dict[str, Any], quick: bool, duration: float) -> dict[str, Any]:
     """The same document as ``run.py --only soak`` writes."""
-    return {
-        **c.machine(),
-        "mode": "quick" if quick else "full",
-        "duration_s": round(duration, 2),
-        "durations_s": {"soak": round(duration, 2)},
-        "ok": result["ok"],
-        "errors": {} if result["ok"] else {"soak": "a correctness check failed"},
-        "figures": headline(result),
-        "results": {"soak": result},
-    }
+    return scenario.document(
+        {"soak": result},
+        headline(result),
+        ok=result["ok"],
+        errors={} if result["ok"] else {"soak": "a correctness check failed"},
+        quick=quick,
+        duration_s=duration,
+        durations_s={"soak": round(duration, 2)},
+    )
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
@@ -583,22 +589,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
     parser.add_argument("--json", action="store_true", help="also print the full result")
-    parser.add_argument("--out", type=Path, default=c.RESULTS / "soak.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     parser.add_argument("--loadgen", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loadgen:  # the load generator's own process
-        try:
-            import uvloop
-
-            factory = uvloop.new_event_loop
-        except ImportError:  # pragma: no cover
-            factory = None
-        with asyncio.Runner(loop_factory=factory) as runner:
-            sys.stdout.write(json.dumps(runner.run(_load(json.loads(args.loadgen)))))
+        sys.stdout.write(json.dumps(scenario.run_async(_load(json.loads(args.loadgen)))))
         return
     started = time.monotonic()
     result = run(args.quick, args.requests, args.concurrency)
-    c.write_json(args.out, document(result, args.quick, time.monotonic() - started))
+    scenario.write_json(args.out, document(result, args.quick, time.monotonic() - started))
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -5,7 +5,8 @@ What it measures, for each window policy, on the same arrival traces:
   answer lingering in the window). No exact cache here: this is the window's own effect, as for
   `factual` (ttl 0) requests, which are never stored.
 - mean_age_ms: the mean age of the answers those shared requests received (0 for those that joined a
-  running call; the time since it finished for those served from the window).
+  running call; the time since it finished for those served from the window); p95_age_ms:
+  their 95th percentile (``carpool.bench.stats.percentile``, as every benchmark's).
 
 How: a discrete-event replay of the trace through the *production* policy classes of
 `carpool.window` (the same `arrival`/`window` calls `FlightGroup` makes), with upstream call times
@@ -24,37 +25,16 @@ import heapq
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from carpool.config import CoalesceConfig  # noqa: E402
-from carpool.window import FixedWindow  # noqa: E402
-from carpool.wiring import window_policy  # noqa: E402
+from carpool.bench.stats import percentile
+from carpool.bench.synthetic import Zipf
+from carpool.config import CoalesceConfig
+from carpool.window import FixedWindow
+from carpool.wiring import window_policy
 
 FIXED_MS = (100, 500, 1000, 2000)
-
-
-def zipf_sampler(rng: random.Random, n: int, s: float):
-    weights = [1 / (i + 1) ** s for i in range(n)]
-    cumulative, total = [], 0.0
-    for w in weights:
-        total += w
-        cumulative.append(total)
-
-    def draw() -> int:
-        x = rng.random() * total
-        lo, hi = 0, n - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if cumulative[mid] < x:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
-    return draw
 
 
 def bursty_zipf_trace(
@@ -66,7 +46,7 @@ def bursty_zipf_trace(
     zipf_s: float = 1.1,
 ) -> list[tuple[float, str]]:
     rng = random.Random(seed)
-    draw = zipf_sampler(rng, keys, zipf_s)
+    draw = Zipf(rng, keys, zipf_s).draw
     trace: list[tuple[float, str]] = []
     t = 0.0
     while True:  # steady background
@@ -85,7 +65,9 @@ def bursty_zipf_trace(
     return trace
 
 
-def replay(trace: list[tuple[float, str]], policy, call_s: float, seed: int) -> dict[str, float]:
+def replay(
+    trace: list[tuple[float, str]], policy: Any, call_s: float, seed: int
+) -> dict[str, float]:
     rng = random.Random(seed)
     running: dict[str, float] = {}  # key -> finish time of its running call
     started: dict[str, float] = {}
@@ -118,12 +100,12 @@ def replay(trace: list[tuple[float, str]], policy, call_s: float, seed: int) -> 
         "upstream_calls": calls,
         "shared": shared / len(trace),
         "mean_age_ms": 1000 * statistics.fmean(ages) if ages else 0.0,
-        "p95_age_ms": 1000 * statistics.quantiles(ages, n=20)[-1] if len(ages) > 20 else 0.0,
+        "p95_age_ms": 1000 * percentile(ages, 95) if len(ages) > 20 else 0.0,
     }
 
 
-def policies() -> dict[str, object]:
-    out: dict[str, object] = {
+def policies() -> dict[str, Any]:
+    out: dict[str, Any] = {
         f"fixed {ms} ms": (lambda ms=ms: FixedWindow(ms / 1000)) for ms in FIXED_MS
     }
     # The gateway's own policy, built from the configuration defaults.

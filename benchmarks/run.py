@@ -16,17 +16,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-import bench_coalesce  # noqa: E402
-import bench_distributed  # noqa: E402
-import bench_fingerprint  # noqa: E402
-import bench_overhead  # noqa: E402
-import bench_peers  # noqa: E402
-import bench_routing  # noqa: E402
-import bench_semantic  # noqa: E402
-import bench_soak  # noqa: E402
-import bench_window  # noqa: E402
+import bench_coalesce
+import bench_distributed
+import bench_fingerprint
+import bench_overhead
+import bench_peers
+import bench_routing
+import bench_semantic
+import bench_soak
+import bench_window
+
+from carpool.bench import scenario
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 BENCHMARKS = {
     "fingerprint": bench_fingerprint,
@@ -137,7 +139,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.out is None:  # a partial run never overwrites the full run's figures
-        args.out = c.RESULTS / ("-".join(args.only) + ".json" if args.only else "core.json")
+        args.out = RESULTS / ("-".join(args.only) + ".json" if args.only else "core.json")
 
     started = time.monotonic()
     results: dict[str, Any] = {}
@@ -161,17 +163,16 @@ def main() -> int:
             print(errors[name], file=sys.stderr)
         durations[name] = round(time.monotonic() - t0, 2)
 
-    document = {
-        **c.machine(),
-        "mode": "quick" if args.quick else "full",
-        "duration_s": round(time.monotonic() - started, 2),
-        "durations_s": durations,
-        "ok": not errors,
-        "errors": errors,
-        "figures": headline(results),
-        "results": results,
-    }
-    c.write_json(args.out, document)
+    document = scenario.document(
+        results,
+        headline(results),
+        ok=not errors,
+        errors=errors,
+        quick=args.quick,
+        duration_s=time.monotonic() - started,
+        durations_s=durations,
+    )
+    scenario.write_json(args.out, document)
     print(
         f"carpool benchmarks ({document['mode']}), {document['date']}, {document['machine']}, "
         f"{document['cpu_count']} CPUs, Python {document['python']}, "

@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
 import pytest
 from click.testing import CliRunner
 
-from carpool.bench import plots
+from carpool.bench import loadgen, plots, report
+from carpool.bench.bodies import chat_body
+from carpool.bench.client import fetch
+from carpool.bench.faults import FaultPlan
+from carpool.bench.fixed import fixed_app
 from carpool.bench.oracle import oracle, request_key
+from carpool.bench.recorded import load_jsonl
 from carpool.bench.runner import BenchOptions, run_bench
+from carpool.bench.stats import percentile, summary_ms
+from carpool.bench.synthetic import PRESETS, synthetic
+from carpool.bench.upstream import Options, expected, upstream
 from carpool.bench.workloads import (
     CHAT,
     COMPLETIONS,
-    PRESETS,
     BenchRequest,
     Workload,
     WorkloadError,
-    load_jsonl,
-    synthetic,
     traits,
 )
 from carpool.cli import main
@@ -410,3 +417,65 @@ async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
         "errors",
         "params",
     }
+
+
+# ------------------------------------------------------------------- the benchmarks' pieces
+
+
+def _greedy(text: str) -> dict:
+    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": text}]}
+
+
+def test_the_benchmark_upstream_holds_counts_answers_per_tenant_and_injects_faults():
+    options = Options(hold=True, tenant_answers=True, faults={"503": 0.5})
+    plan = FaultPlan(options.faults)
+    texts = [f"question {i}" for i in range(64)]
+    faulty = next(t for t in texts if plan.fault_of("a", t) == "503")
+    fine = next(t for t in texts if plan.fault_of("a", t) is None and plan.fault_of("b", t) is None)
+    with upstream(options) as up, ThreadPoolExecutor(1) as pool:
+        url, tenant_a = up.url + "/chat/completions", {"authorization": "Bearer a"}
+        held = pool.submit(fetch, "POST", url, _greedy(fine), tenant_a)
+        deadline = time.monotonic() + 10
+        while up.count()["in_flight"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert up.count()["in_flight"] == 1 and not held.done()  # held until released
+        up.release()
+        status, headers, body = held.result(10)
+        assert status == 200 and headers["x-carpool-simulated"] == "true"
+        text = json.loads(body)["choices"][0]["message"]["content"]
+        want = expected(CHAT, _greedy(fine), "a", options).body
+        assert text == want["choices"][0]["message"]["content"]
+        other = fetch("POST", url, _greedy(fine), {"authorization": "Bearer b"})
+        assert json.loads(other[2])["choices"][0]["message"]["content"] != text
+        status, _, body = fetch("POST", url, _greedy(faulty), tenant_a)
+        assert status == 503 and json.loads(body)["error"]["code"] == "injected"
+        count = up.count()
+        assert count["calls"] == count["chat"] == 3 and count["faults"] == {"503": 1}
+        assert count["answered_at"] is not None
+        up.reset()
+        assert up.count()["calls"] == 0
+
+
+def test_the_load_generator_measures_every_target_alike():
+    with fixed_app() as fixed:
+        target = {"name": "fixed", "port": fixed.port, "body": chat_body(0)}
+        lat = loadgen.run("latency", {"n": 30, "warmup": 3, "block": 10, "targets": [target]})
+        assert len(lat["fixed"]["samples_s"]) == 30 and lat["fixed"]["non_200"] == 0
+        assert lat["fixed"]["outcomes"] == {"(none)": 30}
+        spec = {"concurrency": 4, "seconds": 0.2, "rounds": 2, "warmup_s": 0.05}
+        thr = loadgen.run("throughput", {**spec, "fresh_connections": True, "targets": [target]})
+        assert len(thr["fixed"]["rps"]) == 2 and all(r > 0 for r in thr["fixed"]["rps"])
+
+
+def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+    assert summary_ms([0.001, 0.003]) == {
+        "n": 2,
+        "p50_ms": 2.0,
+        "p90_ms": 2.8,
+        "p99_ms": 2.98,
+        "mean_ms": 2.0,
+        "max_ms": 3.0,
+    }
+    assert summary_ms([]) == {} and report.summary_ms([]) == {"count": 0}
+    assert set(report.summary_ms([0.001])) == {"count", "p50", "p95", "p99", "mean", "max"}

@@ -18,8 +18,9 @@ Contract:
   ``prompt_tokens`` / ``completion_tokens``, or the typed APIs' ``input_tokens`` /
   ``output_tokens`` (of the answer, or of the stream assembled by ``carpool.apis``).
 - ``on_result`` is called once per finished request (the progress bar).
-- The client is aiohttp with one pooled session (no connection limit), so keep-alive connections
-  are reused as a real client fleet's would be.
+- The client is the benchmarks' own (``client.py``: asyncio + httptools, so it costs little next
+  to the gateway it measures), with a pool of keep-alive connections and no limit on their number,
+  reused as a real client fleet's would be. ``url`` may be https and may have a path prefix.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
 from ..apis import messages as messages_api
 from ..apis import responses as responses_api
+from .client import Address, Pool, build
 from .workloads import MESSAGES, RESPONSES, BenchRequest, Workload
 
 DONE = b"data: [DONE]"
+TRANSPORT_ERRORS = (OSError, TimeoutError, ValueError)  # ValueError: a response that did not parse
 
 
 @dataclass(slots=True)
@@ -75,21 +77,24 @@ class GatewayUnreachable(RuntimeError):
     """The gateway's /stats did not answer."""
 
 
-async def get_json(
-    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
-) -> Any:
-    async with session.get(url, headers=headers) as response:
-        if response.status != 200:
-            raise GatewayUnreachable(f"GET {url}: HTTP {response.status}")
-        return orjson.loads(await response.read())
-
-
-async def _optional_json(
-    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
-) -> Any:
+async def get_json(pool: Pool, path: str, headers: dict[str, str] | None = None) -> Any:
+    url = f"{pool.address.url}{path}"
     try:
-        return await get_json(session, url, headers)
-    except (aiohttp.ClientError, GatewayUnreachable, orjson.JSONDecodeError):
+        response = await pool.request(build("GET", path, pool.address, b"", headers), 60.0)
+    except TRANSPORT_ERRORS as error:
+        raise GatewayUnreachable(f"cannot read {url}: {type(error).__name__}: {error}") from None
+    if response.status != 200:
+        raise GatewayUnreachable(f"GET {url}: HTTP {response.status}")
+    try:
+        return orjson.loads(response.body)
+    except orjson.JSONDecodeError:
+        raise GatewayUnreachable(f"GET {url}: not JSON") from None
+
+
+async def _optional_json(pool: Pool, path: str, headers: dict[str, str] | None = None) -> Any:
+    try:
+        return await get_json(pool, path, headers)
+    except GatewayUnreachable:
         return None
 
 
@@ -111,25 +116,23 @@ async def replay(
     requests = workload.requests
     results = [Result(i, r.stream) for i, r in enumerate(requests)]
     admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
-    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, auto_decompress=False
-    ) as session:
-        try:
-            before = await get_json(session, url + "/stats", admin)
-        except (aiohttp.ClientError, orjson.JSONDecodeError) as error:
-            raise GatewayUnreachable(f"cannot read {url}/stats: {error}") from None
-        sim_before = await _optional_json(session, url + "/sim/stats")
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+    try:
+        address = Address.parse(url)
+    except ValueError as error:
+        raise GatewayUnreachable(str(error)) from None
+    pool, control = Pool(address), Pool(address)
+    try:
+        before = await get_json(control, "/stats", admin)
+        sim_before = await _optional_json(control, "/sim/stats")
+        start = time.monotonic()
         started_at = time.time()
         series: list[tuple[float, dict[str, Any]]] = [(0.0, before)]
         stop = asyncio.Event()
-        poller = loop.create_task(_poll(session, url, start, poll_s, series, stop, admin))
+        loop = asyncio.get_running_loop()
+        poller = loop.create_task(_poll(control, start, poll_s, series, stop, admin))
 
         async def one(i: int) -> None:
-            await _send(session, url, requests[i], results[i], start)
+            await _send(pool, requests[i], results[i], start, request_timeout_s)
             if on_result is not None:
                 on_result(results[i])
 
@@ -137,10 +140,10 @@ async def replay(
             if arrivals is not None:
                 tasks = []
                 for i in sorted(range(len(requests)), key=lambda i: (arrivals[i], i)):
-                    delay = start + arrivals[i] - loop.time()
+                    delay = start + arrivals[i] - time.monotonic()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                    results[i].lag = max(0.0, loop.time() - start - arrivals[i])
+                    results[i].lag = max(0.0, time.monotonic() - start - arrivals[i])
                     tasks.append(loop.create_task(one(i)))
                 await asyncio.gather(*tasks)
             else:
@@ -155,10 +158,13 @@ async def replay(
         finally:
             stop.set()
             await poller
-        end = loop.time()
-        after = await get_json(session, url + "/stats", admin)
+        end = time.monotonic()
+        after = await get_json(control, "/stats", admin)
         series.append((end - start, after))
-        sim_after = await _optional_json(session, url + "/sim/stats") if sim_before else None
+        sim_after = await _optional_json(control, "/sim/stats") if sim_before else None
+    finally:
+        pool.close()
+        control.close()
     first = min((r.sent for r in results), default=0.0)
     return Run(
         results, started_at, end - start - first, before, after, series, sim_before, sim_after
@@ -166,57 +172,47 @@ async def replay(
 
 
 async def _poll(
-    session: aiohttp.ClientSession,
-    url: str,
+    control: Pool,
     start: float,
     every: float,
     series: list[tuple[float, dict[str, Any]]],
     stop: asyncio.Event,
     admin: dict[str, str] | None = None,
 ) -> None:
-    loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), every)
         except TimeoutError:
-            stats = await _optional_json(session, url + "/stats", admin)
+            stats = await _optional_json(control, "/stats", admin)
             if stats is not None:
-                series.append((loop.time() - start, stats))
+                series.append((time.monotonic() - start, stats))
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, request: BenchRequest, result: Result, start: float
+    pool: Pool, request: BenchRequest, result: Result, start: float, timeout: float
 ) -> None:
-    loop = asyncio.get_running_loop()
-    headers = {"content-type": "application/json", **request.headers}
-    sent = loop.time()
+    raw = build("POST", request.endpoint, pool.address, request.payload(), request.headers)
+    sent = time.monotonic()
     result.sent = sent - start
     try:
-        async with session.post(
-            url + request.endpoint, data=request.payload(), headers=headers
-        ) as response:
-            result.status = response.status
-            outcome = response.headers.get("x-carpool")
-            result.outcome = outcome.replace("-", "_") if outcome else None
-            if response.content_type == "text/event-stream":
-                parts = []
-                async for chunk in response.content.iter_any():
-                    if result.ttfb is None:
-                        result.ttfb = loop.time() - sent
-                    parts.append(chunk)
-                raw = b"".join(parts)
-                result.latency = loop.time() - sent
-                if request.endpoint in (RESPONSES, MESSAGES):
-                    _read_typed_stream(raw, result, request.endpoint)
-                else:
-                    _read_stream(raw, result)
-            else:
-                raw = await response.read()
-                result.latency = loop.time() - sent
-                _read_body(raw, result)
-    except (TimeoutError, aiohttp.ClientError) as error:
-        result.latency = loop.time() - sent
+        response = await pool.request(raw, timeout)
+    except TRANSPORT_ERRORS as error:
+        result.latency = time.monotonic() - sent
         result.error = f"{type(error).__name__}: {error}"[:300]
+        return
+    result.status = response.status
+    result.latency = response.at - sent
+    outcome = response.carpool
+    result.outcome = outcome.replace("-", "_") if outcome else None
+    if (response.content_type or "").startswith("text/event-stream"):
+        if response.first_at is not None:
+            result.ttfb = response.first_at - sent
+        if request.endpoint in (RESPONSES, MESSAGES):
+            _read_typed_stream(response.body, result, request.endpoint)
+        else:
+            _read_stream(response.body, result)
+    else:
+        _read_body(response.body, result)
 
 
 def _usage(result: Result, usage: Any) -> None:

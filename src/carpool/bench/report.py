@@ -11,7 +11,7 @@ Contract:
   ``engine`` (the embedded simulator's own counters, delta), ``stats_delta`` (every numeric
   ``/stats`` counter), ``workload`` (name, source, parameters, measured traits), ``params`` (the
   run's parameters) and ``plots``.
-- Percentiles interpolate linearly between closest ranks; times are milliseconds, rounded to µs.
+- Percentiles: ``stats.percentile`` (linear interpolation between closest ranks); times are milliseconds, rounded to µs.
 - The cost model: a saved request would have cost its prompt tokens x ``prefill_ms_per_token``
   plus its completion tokens x ``decode_ms_per_token`` (``config.sim``: the simulator's own cost
   model, or the values of ``--config`` for a real engine) of engine time for one sequence. The
@@ -27,8 +27,6 @@ Contract:
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 import orjson
 
 from ..config import Config
+from . import stats
 from .oracle import Oracle
 from .replay import Result, Run
 from .workloads import Workload
@@ -46,28 +45,10 @@ SAVED = ("hit", "semantic_hit", "coalesced")
 TOLERANCE = 0.05
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    data = sorted(values)
-    if not data:
-        return math.nan
-    k = (len(data) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (k - lo)
-
-
 def summary_ms(seconds: Sequence[float]) -> dict[str, Any]:
     if not seconds:
         return {"count": 0}
-    ms = [s * 1000 for s in seconds]
-    return {
-        "count": len(ms),
-        "p50": round(percentile(ms, 50), 3),
-        "p95": round(percentile(ms, 95), 3),
-        "p99": round(percentile(ms, 99), 3),
-        "mean": round(statistics.fmean(ms), 3),
-        "max": round(max(ms), 3),
-    }
+    return stats.summary_ms(seconds, (50, 95, 99), digits=3, count="count", suffix="")
 
 
 def outcome_of(result: Result) -> str:

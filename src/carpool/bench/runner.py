@@ -1,7 +1,7 @@
 """One ``carpool bench`` run from end to end: workload -> gateway -> replay -> oracle -> report.
 
 Contract:
-- ``run_bench(options)`` builds the workload (``workloads.py``), starts the embedded gateway
+- ``run_bench(options)`` builds the workload (``synthetic.py`` or ``recorded.py``), starts the embedded gateway
   (``embedded.py``) unless ``options.url`` names one, replays the workload (``replay.py``),
   computes the oracle (``oracle.py``), and writes ``report.json``, ``report.md``,
   ``requests.jsonl`` and the plots (``report.py``, ``plots.py``) to ``options.out`` (and
@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import statistics
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from ..config import Config
 from . import plots, report
 from .embedded import embedded_gateway
 from .oracle import oracle
+from .recorded import load_jsonl
 from .replay import Result, replay
-from .workloads import Workload, WorkloadError, load_jsonl, synthetic, traits
+from .synthetic import synthetic
+from .workloads import Workload, WorkloadError, traits
 
 DEFAULT_RATE = 40.0
 FULL_REQUESTS = 3000
@@ -111,8 +114,12 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     with _Progress(len(workload), options.progress, workload.name) as progress:
-        if options.url:
-            url = _normalise_url(options.url)
+        target: contextlib.AbstractAsyncContextManager[str] = (
+            contextlib.nullcontext(_normalise_url(options.url))
+            if options.url
+            else embedded_gateway(options.config, out / "gateway.log")
+        )
+        async with target as url:
             run = await replay(
                 workload,
                 url,
@@ -121,16 +128,6 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
                 on_result=progress.advance,
                 admin_token=options.config.admin_token,
             )
-        else:
-            async with embedded_gateway(options.config, out / "gateway.log") as url:
-                run = await replay(
-                    workload,
-                    url,
-                    arrivals=arrivals,
-                    concurrency=options.concurrency,
-                    on_result=progress.advance,
-                    admin_token=options.config.admin_token,
-                )
     misses = [r.latency for r in run.results if r.outcome == "miss" and r.latency is not None]
     call_seconds = statistics.median(misses) if misses else 0.0
     times = arrivals if arrivals is not None else [r.sent for r in run.results]

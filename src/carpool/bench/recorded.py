@@ -1,0 +1,95 @@
+"""Recorded workloads for ``carpool bench``: one JSON object per line (docs/bench.md).
+
+Contract:
+- ``load_jsonl(path, tenant_header)`` reads the recorded format; a malformed file raises
+  ``WorkloadError`` naming the file, the line and what is wrong. Its endpoints are the OpenAI
+  classics, ``/v1/responses`` and ``/v1/messages`` (``workloads.ENDPOINTS``); ``endpoint``
+  defaults to chat. A ``tenant`` without the tenant header among its ``headers`` gets one
+  (``tenant_header_value``).
+- Either every line has a timestamp ``t`` or none does: with them the requests are shifted to
+  start at 0 and sorted (ties keep the file's order); without them ``timed`` is False and the run
+  needs a rate or a concurrency.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .workloads import CHAT, ENDPOINTS, BenchRequest, Workload, WorkloadError, tenant_header_value
+
+
+def load_jsonl(path: str | Path, tenant_header: str = "Authorization") -> Workload:
+    """Read a recorded workload: one JSON object per line (docs/bench.md)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise WorkloadError(f"{path}: cannot read it: {error}") from None
+    requests: list[BenchRequest] = []
+    timed: list[bool] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError as error:
+            raise WorkloadError(f"{where}: not valid JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise WorkloadError(f"{where}: each line must be a JSON object")
+        requests.append(_row(row, where, tenant_header))
+        timed.append("t" in row and row["t"] is not None)
+    if not requests:
+        raise WorkloadError(f"{path}: no requests in the file")
+    if any(timed) and not all(timed):
+        missing = next(i for i, has in enumerate(timed) if not has)
+        raise WorkloadError(
+            f"{path}: request {missing + 1} has no timestamp 't' although others "
+            "do; give every line a 't' or none"
+        )
+    if all(timed):
+        start = min(r.t for r in requests)
+        for r in requests:
+            r.t = round(r.t - start, 6)
+        requests.sort(key=lambda r: r.t)  # stable: ties keep the file's order
+    return Workload(
+        path.stem,
+        requests,
+        str(path),
+        {"file": str(path), "tenant_header": tenant_header},
+        timed=all(timed),
+    )
+
+
+def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
+    t = row.get("t")
+    if t is not None and (
+        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+    ):
+        raise WorkloadError(f"{where}: 't' must be a number of seconds >= 0, got {t!r}")
+    body = row.get("body")
+    if not isinstance(body, dict):
+        raise WorkloadError(
+            f"{where}: 'body' must be a JSON object (the request body), got {type(body).__name__}"
+        )
+    endpoint = row.get("endpoint", CHAT)
+    if endpoint not in ENDPOINTS:
+        raise WorkloadError(
+            f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}"
+        )
+    headers = row.get("headers") or {}
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+    ):
+        raise WorkloadError(f"{where}: 'headers' must be an object of strings")
+    tenant = row.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        raise WorkloadError(f"{where}: 'tenant' must be a string, got {tenant!r}")
+    headers = dict(headers)
+    if tenant and tenant_header.lower() not in {k.lower() for k in headers}:
+        headers[tenant_header] = tenant_header_value(tenant_header, tenant)
+    return BenchRequest(float(t or 0.0), endpoint, body, headers, tenant)
