@@ -379,11 +379,11 @@ async def test_wait_returns_at_once_when_already_done(records: IdempotencyRecord
 
 
 async def test_wait_does_not_return_the_answer_to_another_request(make: Make) -> None:
-    records = make(lease=0.1)
+    records = make(lease=0.5)  # (Redis: long enough for the waiter to see the record first)
     await begin_and_die(make, records)  # dies: its lease runs out
-    await make.let_pass(0.1)
     waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
+    await make.let_pass(0.5)
 
     async def taken_over() -> bool:
         return (await records.begin("k", OTHER_FP)).state == "new"

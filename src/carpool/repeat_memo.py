@@ -10,7 +10,7 @@ Contract:
 - Remembered only for a request that parsed, is shareable and may read the cache; a request
   carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
 - Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
-  (oldest out first); bodies over ``max_body`` bytes and header values over
+  (oldest out first: ``carpool.lru``, a look does not refresh); bodies over ``max_body`` bytes and header values over
   ``MAX_MEMO_HEADERS`` bytes in all are not remembered. A forgotten repeat costs one parse.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .canonical import IDEMPOTENCY_HEADERS, grant_of, varying_headers
+from .lru import LRU
 from .request import CONTROL_HEADERS, ClientRequest, Request
 
 if TYPE_CHECKING:
@@ -51,8 +52,13 @@ class RepeatMemo:
         self.tenant_headers = tenant_headers
         self.max_bytes = max_bytes
         self.max_body = max_body
-        self.bytes = 0
-        self._memo: dict[tuple[Any, ...], Repeat] = {}
+        self._memo: LRU[tuple[Any, ...], Repeat] = LRU(
+            max_bytes=max_bytes, size=lambda memo_key, _: _size(memo_key)
+        )
+
+    @property
+    def bytes(self) -> int:
+        return self._memo.bytes
 
     def __len__(self) -> int:
         return len(self._memo)
@@ -74,7 +80,7 @@ class RepeatMemo:
         )
 
     def get(self, memo_key: tuple[Any, ...]) -> Repeat | None:
-        return self._memo.get(memo_key)
+        return self._memo.peek(memo_key)
 
     def remember(
         self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint, max_age: float | None
@@ -94,18 +100,16 @@ class RepeatMemo:
         memo_key = (memo_key[0], bytes(memoryview(memo_key[1])), *memo_key[2:])
         if _header_bytes(memo_key) > MAX_MEMO_HEADERS:
             return  # a large credential or cache-control: not worth its room
-        self._memo[memo_key] = Repeat(
-            key.key,
-            request.stream,
-            request.include_usage,
-            max_age,
-            (key.owner, grant_of(request, self.tenant_headers)) if key.tenant == "*" else None,
+        self._memo.put(
+            memo_key,
+            Repeat(
+                key.key,
+                request.stream,
+                request.include_usage,
+                max_age,
+                (key.owner, grant_of(request, self.tenant_headers)) if key.tenant == "*" else None,
+            ),
         )
-        self.bytes += _size(memo_key)
-        while self.bytes > self.max_bytes:
-            oldest = next(iter(self._memo))
-            del self._memo[oldest]
-            self.bytes -= _size(oldest)
 
 
 MAX_MEMO_HEADERS = 4096

@@ -35,9 +35,10 @@ deep, rarely shared tails go before the shared system prompt they hang off.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
+from functools import partial
 
+from carpool.lru import LRU
 from carpool.prefix import block_hashes
 from carpool.routing import Decision, RoutingPolicy
 from carpool.routing.replicas import ReplicaState
@@ -51,7 +52,7 @@ class PrefixRecord:
             raise ValueError("budget_chars and block_chars must be positive")
         self.block_chars = block_chars
         self.budget_blocks = max(1, budget_chars // block_chars)
-        self._lru: dict[str, OrderedDict[bytes, None]] = {}  # replica -> keys, oldest first
+        self._lru: dict[str, LRU[bytes, bool]] = {}  # replica -> keys, oldest first
         self._index: dict[bytes, set[str]] = {}  # key -> replicas holding it
 
     def keys(self, text: str) -> list[bytes]:
@@ -75,27 +76,28 @@ class PrefixRecord:
 
     def insert(self, text: str, replica: str) -> None:
         """Record that ``text`` was sent to ``replica`` (touching its prefix), then evict."""
-        lru = self._lru.setdefault(replica, OrderedDict())
+        lru = self._lru.get(replica)
+        if lru is None:
+            lru = self._lru[replica] = LRU(
+                max_entries=self.budget_blocks, on_evict=partial(self._evicted, replica)
+            )
         for key in reversed(self.keys(text)):  # deepest first: prefixes end up most recent
             if key in lru:
-                lru.move_to_end(key)
+                lru.touch(key)
             else:
-                lru[key] = None
                 self._index.setdefault(key, set()).add(replica)
-        while len(lru) > self.budget_blocks:
-            key, _ = lru.popitem(last=False)
-            holders = self._index[key]
-            holders.discard(replica)
-            if not holders:
-                del self._index[key]
+                lru.put(key, True)  # (beyond the budget: the least recent key goes)
 
     def forget(self, replica: str) -> None:
         """Drop everything recorded for ``replica`` (e.g. it restarted with an empty cache)."""
         for key in self._lru.pop(replica, ()):
-            holders = self._index[key]
-            holders.discard(replica)
-            if not holders:
-                del self._index[key]
+            self._evicted(replica, key)
+
+    def _evicted(self, replica: str, key: bytes, _: bool = True) -> None:
+        holders = self._index[key]
+        holders.discard(replica)
+        if not holders:
+            del self._index[key]
 
     def size_chars(self, replica: str) -> int:
         """Characters remembered for ``replica``."""

@@ -10,8 +10,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+from carpool.lru import LRU
 from carpool.prefix import block_hashes
 
 
@@ -21,7 +20,7 @@ class PrefixCache:
     def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
         self.block_tokens = block_tokens
         self.capacity_blocks = capacity_tokens // block_tokens
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._blocks: LRU[bytes, bool] = LRU(max_entries=self.capacity_blocks)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -45,7 +44,4 @@ class PrefixCache:
         # Touch the last block first so the first block is the most recent: eviction then trims
         # prefixes from their tail, and the shared heads (system prompts) stay longest.
         for block_id in reversed(ids):
-            self._blocks[block_id] = None
-            self._blocks.move_to_end(block_id)
-        while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            self._blocks.put(block_id, True)
