@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from carpool.clock import SYSTEM_CLOCK, Clock
 from carpool.config import Config
 from carpool.pipeline import Gateway
 from carpool.server import create_app
@@ -106,8 +107,12 @@ async def fake() -> AsyncIterator[FakeUpstream]:
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(upstreams: list[str], **config: Any) -> AsyncIterator[Served]:
-    gateway = build_gateway(Config(upstreams=upstreams, **config))
+async def run_gateway(
+    upstreams: list[str], clock: Clock = SYSTEM_CLOCK, **config: Any
+) -> AsyncIterator[Served]:
+    """The gateway over HTTP; ``clock``: the time its layers read (a ``ManualClock`` lets a
+    test move it instead of sleeping)."""
+    gateway = build_gateway(Config(upstreams=upstreams, **config), clock=clock)
     async with serve_app(create_app(gateway)) as url:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
@@ -122,9 +127,10 @@ async def gw(fake: FakeUpstream) -> AsyncIterator[Served]:
 
 @pytest.fixture
 def gateway_with(fake: FakeUpstream):
-    """``async with gateway_with(**config) as served``: a gateway in front of ``fake``."""
+    """``async with gateway_with(**config) as served``: a gateway in front of ``fake``
+    (``clock=``: the time it reads)."""
 
-    def start(**config: Any):
-        return run_gateway(config.pop("upstreams", [fake.url]), **config)
+    def start(clock: Clock = SYSTEM_CLOCK, **config: Any):
+        return run_gateway(config.pop("upstreams", [fake.url]), clock, **config)
 
     return start

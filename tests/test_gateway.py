@@ -9,6 +9,7 @@ import httpx
 import orjson
 import pytest
 
+from carpool.clock import ManualClock
 from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
@@ -54,19 +55,21 @@ async def test_200_concurrent_identical_requests_half_streaming_make_one_upstrea
     assert {text for _, text in results} == {"answer 1 to What is carpool?"}
 
 
-async def test_streaming_client_joining_200ms_late_gets_the_whole_text(gw, fake):
-    fake.chunk_gate = asyncio.Event()
-    leader = asyncio.create_task(gw.stream_chat("a long story"))
-    await fake.chunk_gate_reached.wait()  # the leader has received the first chunks
-    await asyncio.sleep(0.2)  # the scenario: a joiner 200 ms late
-    joiner = asyncio.create_task(gw.stream_chat("a long story"))
-    await eventually(lambda: flight_clients(gw) == 2, what="the late joiner on the flight")
-    fake.chunk_gate.set()
-    (r1, raw1), (r2, raw2) = await asyncio.gather(leader, joiner)
-    assert r1.headers["x-carpool"] == "miss" and r2.headers["x-carpool"] == "coalesced"
-    assert sse_text(raw2) == sse_text(raw1) == "answer 1 to a long story"
-    assert raw2.rstrip().endswith("data: [DONE]")
-    assert fake.count() == 1
+async def test_streaming_client_joining_200ms_late_gets_the_whole_text(fake, gateway_with):
+    clock = ManualClock()
+    async with gateway_with(clock=clock) as gw:
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(gw.stream_chat("a long story"))
+        await fake.chunk_gate_reached.wait()  # the leader has received the first chunks
+        clock.advance(0.2)  # the scenario: a joiner 200 ms late
+        joiner = asyncio.create_task(gw.stream_chat("a long story"))
+        await eventually(lambda: flight_clients(gw) == 2, what="the late joiner on the flight")
+        fake.chunk_gate.set()
+        (r1, raw1), (r2, raw2) = await asyncio.gather(leader, joiner)
+        assert r1.headers["x-carpool"] == "miss" and r2.headers["x-carpool"] == "coalesced"
+        assert sse_text(raw2) == sse_text(raw1) == "answer 1 to a long story"
+        assert raw2.rstrip().endswith("data: [DONE]")
+        assert fake.count() == 1
 
 
 async def test_40_distinct_prompts_times_5_duplicates_make_40_calls(gw, fake):

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from carpool.clock import ManualClock
 from fakes.waiting import eventually
 
 
@@ -65,12 +66,14 @@ async def test_no_store_may_still_coalesce_with_a_call_in_flight(gw, fake):
     assert fake.count() == 1
 
 
-async def test_max_age_refuses_an_answer_older_than_n_seconds(gw, fake):
-    assert await outcome(gw) == "miss"
-    assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "hit"
-    await asyncio.sleep(1.3)  # the scenario: a 1.3 s old answer
-    assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "miss"
-    assert await outcome(gw, **{"Cache-Control": "max-age=60"}) == "hit"
+async def test_max_age_refuses_an_answer_older_than_n_seconds(fake, gateway_with):
+    clock = ManualClock()
+    async with gateway_with(clock=clock) as gw:
+        assert await outcome(gw) == "miss"
+        assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "hit"
+        clock.advance(1.3)  # the scenario: a 1.3 s old answer
+        assert await outcome(gw, **{"Cache-Control": "max-age=1"}) == "miss"
+        assert await outcome(gw, **{"Cache-Control": "max-age=60"}) == "hit"
 
 
 @pytest.mark.parametrize("value", ["max-age=abc", "max-age=-1"])
@@ -83,10 +86,13 @@ async def test_a_malformed_cache_control_is_400(gw, fake, value):
 
 
 async def test_a_type_with_ttl_1s_expires(fake, gateway_with):
-    async with gateway_with(cache={"types": {"short": {"ttl": 1}}}) as gw:
+    clock = ManualClock()
+    async with gateway_with(cache={"types": {"short": {"ttl": 1}}}, clock=clock) as gw:
         assert await outcome(gw, **{"x-carpool-type": "short"}) == "miss"
         assert await outcome(gw, **{"x-carpool-type": "short"}) == "hit"
-        await asyncio.sleep(1.1)  # the scenario: past its ttl
+        clock.advance(0.9)
+        assert await outcome(gw, **{"x-carpool-type": "short"}) == "hit"  # not yet
+        clock.advance(0.2)  # the scenario: past its ttl
         assert await outcome(gw, **{"x-carpool-type": "short"}) == "miss"
 
 
@@ -107,9 +113,11 @@ async def test_factual_is_never_stored_but_coalesced_in_flight_and_within_the_wi
 
 
 async def test_factual_after_the_window_calls_upstream_again(fake, gateway_with):
-    async with gateway_with(coalesce={"window_ms": 50}) as gw:
+    clock = ManualClock()
+    async with gateway_with(coalesce={"window_ms": 50}, clock=clock) as gw:
         assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
-        await eventually(lambda: len(gw.gateway.flights) == 0, what="the window to close")
+        assert await outcome(gw, **{"x-carpool-type": "factual"}) == "coalesced"  # within it
+        clock.advance(0.05)  # the window closes
         assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
 
 

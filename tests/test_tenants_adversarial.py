@@ -221,7 +221,11 @@ async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_re
             asyncio.create_task(side.chat(PROMPTS[0], headers=bearer(i))) for i, side in calls
         ]
         await fake.wait_for_calls(TENANTS)
-        await asyncio.sleep(0.2)  # any cross-tenant join would have happened
+
+        def waiting() -> int:  # every request on a flight of its instance, before any answer
+            return sum(f.clients for side in (a, b) for f in side.gateway.flights._flights.values())
+
+        await eventually(lambda: waiting() == len(calls), what="every request on a flight")
         fake.gate.set()
         responses = await asyncio.gather(*pending)
         for (i, _), response in zip(calls, responses, strict=True):

@@ -29,8 +29,9 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
 
 Time: the window a finished flight lingers and the age of a finished flight (``max_age``) are read
 from the group's ``clock.monotonic()`` (``carpool.clock``; the system's unless given another): a
-lingering flight is gone for every request from the instant its window ends. Join timeouts, and
-the timer that frees a lingering flight no one asks for, run on the event loop's time.
+lingering flight is gone for every request from the instant its window ends. Join timeouts run
+on the event loop's time; the timer that frees a lingering flight no one asks for runs on it too,
+but frees the flight only once its window has ended on the clock.
 """
 
 from __future__ import annotations
@@ -221,6 +222,15 @@ class FlightGroup:
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
 
+    def _free(self, flight: Flight) -> None:
+        """The timer of a lingering flight: gone once its window ended on the group's clock
+        (which a test may hold still: then it looks again when the window would end)."""
+        left = (flight.lingers_until or 0.0) - self.clock.monotonic()
+        if left > 0 and self._flights.get(flight.key) is flight:
+            asyncio.get_running_loop().call_later(left, self._free, flight)
+        else:
+            self.forget(flight.key, flight)
+
     def _lingering(self, flight: Flight, now: float) -> Flight | None:
         """The finished ``flight`` if its window is still open at ``now``; else it is forgotten."""
         if flight.lingers_until is not None and now >= flight.lingers_until:
@@ -266,6 +276,6 @@ class FlightGroup:
         if window > 0:
             flight.lingers_until = now + window
             # Frees it if no request comes to find its window closed (``_lingering``).
-            asyncio.get_running_loop().call_later(window, self.forget, flight.key, flight)
+            asyncio.get_running_loop().call_later(window, self._free, flight)
         else:
             self.forget(flight.key, flight)

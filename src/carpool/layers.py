@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .clock import SYSTEM_CLOCK, Clock
+
 if TYPE_CHECKING:
     from .batching import EmbeddingBatcher
     from .config import Config
@@ -58,6 +60,7 @@ class Layers:
     invalidations: InvalidationChannel | None = None
     shared_store: SharedStore | None = None
     shared_semantic: SharedSemanticCache | None = None
+    clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
 
     def start(self) -> None:
         """Start background work that needs the event loop (the server calls it at startup;

@@ -98,6 +98,7 @@ class Gateway:
         self.batcher = layers.batcher
         self.stats = layers.stats
         self.metrics = layers.metrics
+        self.clock = layers.clock
         self.draining = False  # for whoever stops the gateway gracefully: /readyz says 503
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         # The parts of the path: the upstream call, a flight's lead, a key's record.
@@ -225,7 +226,7 @@ class Gateway:
         """The exact cache's answer for ``key``, if it has one younger than ``max_age``."""
         with self.tracer.span("carpool.exact"):
             entry = await self.store.get(key)
-        if entry is None or (max_age is not None and entry.answer.age() >= max_age):
+        if entry is None or (max_age is not None and entry.answer.age(self.clock.now()) >= max_age):
             return None
         return entry.answer
 
@@ -328,7 +329,7 @@ class Gateway:
         self.stats.count(route, outcome)
         if outcome.saved:
             self._saved(outcome, answer)
-        return whole(outcome, answer, stream, include_usage, extra)
+        return whole(outcome, answer, stream, include_usage, extra, now=self.clock.now())
 
     def _saved(self, outcome: Outcome, answer: Answer) -> None:
         """A request answered without a call of its own: the tokens the engine reported for the

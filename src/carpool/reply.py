@@ -65,12 +65,15 @@ def whole(
     stream: bool,
     include_usage: bool,
     extra: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    now: float | None = None,
 ) -> Reply:
     """A reply carrying a whole answer, as JSON or (for a streaming client, ``stream``) as
-    SSE, with the final usage chunk if it asked for it (``include_usage``)."""
+    SSE, with the final usage chunk if it asked for it (``include_usage``). ``now``: the
+    wall-clock time its ``age`` counts to (the gateway's clock)."""
     headers = [JSON, outcome.header, *extra]
     if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
-        headers.append((b"age", str(int(answer.age())).encode()))
+        headers.append((b"age", str(int(answer.age(now))).encode()))
     if (not stream or include_usage) and answer.usage_missing:
         # The engine reported no usage for this answer (it ignored include_usage on the
         # stream it was assembled from): said so, rather than dropped silently or invented.

@@ -19,6 +19,7 @@ import orjson
 from . import admin
 from .answer import Answer
 from .batching import EmbeddingBatcher, ListCheck
+from .clock import SYSTEM_CLOCK, Clock
 from .config import CoalesceConfig, Config
 from .errors import UpstreamStatusError
 from .exchange import send
@@ -56,6 +57,7 @@ def build_gateway(
     semantic: SemanticCache | None = None,
     flights: FlightGroup | None = None,
     idempotency: IdempotencyRecords | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> Gateway:
     """A gateway on the layers ``config`` makes (``build_layers``; the default config without
     one). Close it with ``aclose``."""
@@ -67,6 +69,7 @@ def build_gateway(
             semantic=semantic,
             flights=flights,
             idempotency=idempotency,
+            clock=clock,
         )
     )
 
@@ -79,28 +82,30 @@ def build_layers(
     semantic: SemanticCache | None = None,
     flights: FlightGroup | None = None,
     idempotency: IdempotencyRecords | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> Layers:
     """Every layer of one gateway; those given are used as they are (no upstreams given: the
-    config's, or the simulated engine's)."""
+    config's, or the simulated engine's). ``clock``: the time every in-process layer reads
+    (stores, flights, records, accepted credentials, answers' ages); tests move a manual one."""
     config = config or Config()
     if not upstreams:
         from .upstream import build_upstreams
 
         upstreams = build_upstreams(config)
     upstreams = list(upstreams)
-    store = store if store is not None else build_store(config)
+    store = store if store is not None else build_store(config, clock)
     shared_flights = build_shared_flights(config, store)
     coalesce = config.coalesce
     if flights is None:
         flights = FlightGroup(
-            window=window_policy(coalesce), finish_abandoned=coalesce.finish_abandoned
+            window=window_policy(coalesce), finish_abandoned=coalesce.finish_abandoned, clock=clock
         )
     # With redis: an invalidation anywhere forgets the flights on every instance, running
     # ones included (their answers are no longer stored).
     invalidations = build_invalidations(config, store, flights.forget_all)
     # The tenants the upstream answered recently: only they read a shared namespace.
     tenant = config.tenant
-    accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries)
+    accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries, clock=clock)
     stats = Stats()
     tracer = Tracer(config.tracing)
     repeats = RepeatMemo(
@@ -128,7 +133,7 @@ def build_layers(
     if semantic is None:
         semantic = build_semantic(config, upstreams, store)
     if idempotency is None:
-        idempotency = build_idempotency(config, store)
+        idempotency = build_idempotency(config, store, clock)
     layers = Layers(
         config=config,
         upstreams=upstreams,
@@ -147,6 +152,7 @@ def build_layers(
         invalidations=invalidations,
         shared_store=_redis_backed_store(config, store),
         shared_semantic=_redis_backed_semantic(config, semantic),
+        clock=clock,
     )
     return layers
 
@@ -183,9 +189,9 @@ def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:
     return FixedWindow(coalesce.window_ms / 1000)
 
 
-def build_store(config: Config) -> Store:
+def build_store(config: Config, clock: Clock = SYSTEM_CLOCK) -> Store:
     """The in-process exact cache, or (with ``redis``) the shared one that degrades to it."""
-    local = MemoryStore(config.cache.max_bytes)
+    local = MemoryStore(config.cache.max_bytes, clock=clock)
     if not config.redis:
         return local
     from .store.shared import SharedStore
@@ -267,10 +273,12 @@ def build_invalidations(
     )
 
 
-def build_idempotency(config: Config, store: Store | None = None) -> IdempotencyRecords:
+def build_idempotency(
+    config: Config, store: Store | None = None, clock: Clock = SYSTEM_CLOCK
+) -> IdempotencyRecords:
     """Idempotency records: in process, or shared through Redis with an in-process fallback."""
     processing_ttl = config.limits.upstream_timeout + 60
-    local = MemoryIdempotencyRecords(config.idempotency.retention, processing_ttl)
+    local = MemoryIdempotencyRecords(config.idempotency.retention, processing_ttl, clock=clock)
     if not config.redis:
         return local
     from .redis.idempotency import RedisIdempotencyRecords
