@@ -18,6 +18,7 @@ from carpool.config import SimConfig
 from carpool.upstream.base import UpstreamRequest
 from carpool.upstream.sim import PrefixCache, SimReplica, SimUpstream, build_replicas
 from carpool.upstream.sim_server import create_app, serve_replicas
+from fakes.waiting import eventually
 
 FAST = SimConfig(decode_ms_per_token=0.5, prefill_ms_per_token=0.01)
 
@@ -315,8 +316,7 @@ async def test_cancelled_send_while_queued_releases_everything():
     upstream = SimUpstream(sim)
     first = asyncio.create_task(upstream.send(UpstreamRequest("/chat/completions", chat())))
     queued = asyncio.create_task(upstream.send(UpstreamRequest("/chat/completions", chat())))
-    await asyncio.sleep(0.002)
-    assert sim.stats()["waiting"] == 1
+    await eventually(lambda: sim.stats()["waiting"] == 1, what="the second request queued")
     queued.cancel()
     first.cancel()
     await asyncio.gather(first, queued, return_exceptions=True)
