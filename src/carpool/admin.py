@@ -21,6 +21,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import RequestError
+from .store.base import Selector
 
 if TYPE_CHECKING:
     from .layers import Layers
@@ -91,22 +92,25 @@ async def invalidate(layers: Layers, spec: Any) -> int:
     if not isinstance(spec, dict) or len(spec) != 1:
         raise RequestError('give exactly one of "tag", "namespace", "prefix" or "all"')
     ((name, value),) = spec.items()
+    selector: Selector | None = None
     if name == "all" and value is True:
-        selector: dict[str, Any] = {"everything": True}
-    elif name in ("tag", "namespace", "prefix") and isinstance(value, str) and value:
-        selector = {name: value}
-    else:
-        selector = {}
-    if selector:
+        selector = Selector(everything=True)
+    elif name == "tag" and isinstance(value, str) and value:
+        selector = Selector(tag=value)
+    elif name == "namespace" and isinstance(value, str) and value:
+        selector = Selector(namespace=value)
+    elif name == "prefix" and isinstance(value, str) and value:
+        selector = Selector(prefix=value)
+    if selector is not None:
         # Flights are a layer too, running ones included: no request joins a call begun
         # before the invalidation, and that call's answer is not stored. Flights do not
         # know their tags, so all go (at worst one extra upstream call per key).
         layers.flights.forget_all()
         if layers.shared_flights is not None:  # and those of every instance
             await layers.shared_flights.forget_all()
-        dropped = await layers.store.invalidate(**selector)
+        dropped = await layers.store.invalidate(selector)
         if layers.semantic is not None:
-            dropped += await layers.semantic.invalidate(**selector)
+            dropped += await layers.semantic.invalidate(selector)
         if layers.invalidations is not None:  # last: the other instances' windows
             await layers.invalidations.publish()
         return dropped

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import tempfile
+from typing import Any
 
 import click
 
@@ -173,16 +174,16 @@ def serve(
             gateway.semantic.embedder.name,
         )
     log.info("carpool: listening on http://%s:%d/v1", config.host, config.port)
+    served: dict[str, Any] = {
+        "host": config.host,
+        "port": config.port,
+        "log_level": config.log_level,
+        "access_log": False,
+        "loop": "auto",
+        "http": "auto",
+    }
     if config.workers == 1:
-        uvicorn.run(
-            create_app(gateway),
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            access_log=False,
-            loop="auto",
-            http="auto",
-        )
+        uvicorn.run(create_app(gateway), **served)
         return
     # Several processes: each builds its own gateway from the resolved config, written once;
     # the one built here only checked the config (and would hold the embedding model).
@@ -200,15 +201,7 @@ def serve(
         resolved.flush()
         os.environ[CONFIG_FILE_VARIABLE] = resolved.name
         uvicorn.run(
-            "carpool.server:create_worker_app",
-            factory=True,
-            workers=config.workers,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            access_log=False,
-            loop="auto",
-            http="auto",
+            "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
         )
 
 

@@ -161,11 +161,8 @@ class LRU(Generic[K, V]):
 
     def get(self, key: K, default: V | None = None) -> V | None:
         """The value under ``key``, made the most recently used; ``default`` if none or expired."""
-        value = self._data.get(key)
+        value = self.peek(key)
         if value is None:
-            return default
-        if self._expires is not None and self._expires(value) <= self._time():
-            self._expire(key, value)
             return default
         self._data.move_to_end(key)
         return value

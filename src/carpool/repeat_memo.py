@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .canonical import IDEMPOTENCY_HEADERS, grant_of, varying_headers
-from .lru import LRU
+from .lru import LRU, SLOT_BYTES
 from .request import CONTROL_HEADERS, ClientRequest, Request
 
 if TYPE_CHECKING:
@@ -113,7 +113,8 @@ class RepeatMemo:
 
 
 MAX_MEMO_HEADERS = 4096
-_ENTRY_OVERHEAD = 400  # the key tuple, the Repeat and the dict slot, roughly (bytes)
+# The key tuple and the Repeat, roughly, and the entry's place in the LRU (bytes).
+_ENTRY_OVERHEAD = 400 + SLOT_BYTES
 
 
 def _header_bytes(memo_key: tuple[Any, ...]) -> int:

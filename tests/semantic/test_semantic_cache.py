@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
+from carpool.store.base import Selector  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
 
 SEMANTIC = {"semantic": {"enabled": True}}
@@ -324,7 +325,7 @@ async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic
         await stored(a)
         await propagated(b)
         # Gone from the shared exact store (as by expiry): B's reference is dead.
-        await a.gateway.store.redis.invalidate(everything=True)
+        await a.gateway.store.redis.invalidate(Selector(everything=True))
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
         assert fake.count() == 2
 

@@ -16,6 +16,7 @@ from carpool.fingerprint import SemanticView
 from carpool.semantic.cache import SemanticCache
 from carpool.semantic.guard import Side
 from carpool.semantic.verdict import Verdict
+from carpool.store.base import Selector
 
 DIM = 8
 
@@ -83,8 +84,8 @@ async def test_the_same_text_replaces_its_entry_and_invalidate_empties_everythin
     await insert(semantic, "same", tags=("t",))
     await insert(semantic, "other", tags=("u",))
     assert semantic.entries == 2
-    assert await semantic.invalidate(tag="t") == 1
+    assert await semantic.invalidate(Selector(tag="t")) == 1
     assert semantic.entries == 1 and not await served(semantic, "same")
-    assert await semantic.invalidate(everything=True) == 1
+    assert await semantic.invalidate(Selector(everything=True)) == 1
     assert semantic.entries == 0 and semantic.bytes == 0
     assert not semantic.has_scope("s") and semantic._by_text == {}

@@ -12,6 +12,7 @@ import tracemalloc
 from carpool.answer import Answer
 from carpool.clock import ManualClock
 from carpool.store import Entry, MemoryStore
+from carpool.store.base import Selector
 from carpool.store.memory import size_of
 
 
@@ -84,7 +85,7 @@ async def test_invalidate_drops_the_expired_entries_it_meets_without_counting_th
     await store.put("long", entry(ttl=60, now=clock.now(), tags=("t",)))
     await store.put("other", entry(ttl=1, now=clock.now(), tags=("u",)))
     clock.advance(1)
-    assert await store.invalidate(tag="t") == 1
+    assert await store.invalidate(Selector(tag="t")) == 1
     assert store.entries == 0 and store.bytes == 0 and store.evictions == 0
 
 

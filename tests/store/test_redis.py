@@ -18,7 +18,7 @@ from carpool.answer import Answer
 from carpool.redis.connection import connect
 from carpool.redis.store import RedisStore
 from carpool.store import Entry
-from carpool.store.base import StoreUnavailable
+from carpool.store.base import Selector, StoreUnavailable
 from conftest import redis_keys
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.waiting import eventually
@@ -129,9 +129,9 @@ async def test_a_prefix_separates_stores_on_one_server(
     try:
         await a.put("k", entry(tags=("t",)))
         await b.put("k", entry(tags=("t",)))
-        assert await a.invalidate(everything=True) == 1
+        assert await a.invalidate(Selector(everything=True)) == 1
         assert await a.get("k") is None and await b.get("k") is not None
-        assert await a.invalidate(tag="t") == 0
+        assert await a.invalidate(Selector(tag="t")) == 0
         assert all(key.startswith("b:") for key in await keys(raw))
     finally:
         await a.aclose()
@@ -176,7 +176,7 @@ async def test_counts_are_the_whole_shared_cache_refreshed_by_gets(
         await eventually(
             lambda: (b.entries, b.bytes) == (2, 2 * e.size), timeout=2, what="b's counts"
         )
-        await b.invalidate(tag="t")
+        await b.invalidate(Selector(tag="t"))
         await a.refresh_stats()
         assert (a.entries, a.bytes) == (0, 0)
     finally:
@@ -195,9 +195,9 @@ async def test_a_dead_server_makes_every_call_fail_fast_then_a_restart_heals(
     calls = [
         store.get("k"),
         store.put("k", entry()),
-        store.invalidate(tag="t"),
-        store.invalidate(prefix="x"),
-        store.invalidate(everything=True),
+        store.invalidate(Selector(tag="t")),
+        store.invalidate(Selector(prefix="x")),
+        store.invalidate(Selector(everything=True)),
         store.refresh_stats(),
     ]
     await assert_each_fails_fast(calls)
@@ -245,5 +245,5 @@ async def test_invalidating_everything_drops_only_the_stores_own_keys(
     await store.put("a" * 32, entry(tags=("t",), namespace="n"))
     # Other layers keep their records under the same prefix: an idempotency record must survive.
     await raw.set("carpool:idem:{" + "b" * 40 + "}", b"record")
-    assert await store.invalidate(everything=True) == 1
+    assert await store.invalidate(Selector(everything=True)) == 1
     assert await keys(raw) == {"carpool:idem:{" + "b" * 40 + "}"}

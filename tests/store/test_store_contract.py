@@ -19,6 +19,7 @@ from carpool.answer import Answer
 from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.redis.store import RedisStore
 from carpool.store import Entry, MemoryStore, Store
+from carpool.store.base import Selector
 from carpool.store.memory import size_of
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
@@ -220,11 +221,11 @@ async def test_put_replaces_the_entry_and_its_tags(store: Store) -> None:
     assert_same(await store.get("k"), new)
     assert store.entries == 1 and store.bytes == counted(store, "k", new)
     # The old entry's tag, namespace and prefix no longer reach the new one.
-    assert await store.invalidate(tag="old") == 0
-    assert await store.invalidate(namespace="a") == 0
-    assert await store.invalidate(prefix="old") == 0
+    assert await store.invalidate(Selector(tag="old")) == 0
+    assert await store.invalidate(Selector(namespace="a")) == 0
+    assert await store.invalidate(Selector(prefix="old")) == 0
     assert_same(await store.get("k"), new)
-    assert await store.invalidate(tag="new") == 1
+    assert await store.invalidate(Selector(tag="new")) == 1
 
 
 async def test_putting_an_expired_entry_replaces_the_live_one(store: Store, clock: Clock) -> None:
@@ -254,19 +255,19 @@ async def present(store: Store) -> set[str]:
 
 async def test_invalidate_by_tag_drops_only_that_tag(store: Store) -> None:
     puts = await fill(store)
-    assert await store.invalidate(tag="shared") == 2
+    assert await store.invalidate(Selector(tag="shared")) == 2
     assert await present(store) == {"2", "4"}
-    assert await store.invalidate(tag="shared") == 0
-    assert await store.invalidate(tag="nope") == 0
+    assert await store.invalidate(Selector(tag="shared")) == 0
+    assert await store.invalidate(Selector(tag="nope")) == 0
     assert store.entries == 2
     assert store.bytes == counted(store, "2", puts["2"]) + counted(store, "4", puts["4"])
 
 
 async def test_invalidate_by_namespace_drops_only_that_namespace(store: Store) -> None:
     await fill(store)
-    assert await store.invalidate(namespace="docs") == 2
+    assert await store.invalidate(Selector(namespace="docs")) == 2
     assert await present(store) == {"3", "4"}
-    assert await store.invalidate(namespace="doc") == 0
+    assert await store.invalidate(Selector(namespace="doc")) == 0
     assert store.entries == 2
 
 
@@ -274,25 +275,27 @@ async def test_invalidate_by_prompt_prefix_drops_the_prompts_that_start_with_it(
     store: Store,
 ) -> None:
     await fill(store)
-    assert await store.invalidate(prefix="How do") == 2
+    assert await store.invalidate(Selector(prefix="How do")) == 2
     assert await present(store) == {"2", "4"}
-    assert await store.invalidate(prefix="how") == 0  # case matters
-    assert await store.invalidate(prefix="What is it") == 0  # longer than the stored prefix
-    assert await store.invalidate(prefix="*") == 0  # literal, not a pattern
-    assert await store.invalidate(prefix="W") == 2
+    assert await store.invalidate(Selector(prefix="how")) == 0  # case matters
+    assert (
+        await store.invalidate(Selector(prefix="What is it")) == 0
+    )  # longer than the stored prefix
+    assert await store.invalidate(Selector(prefix="*")) == 0  # literal, not a pattern
+    assert await store.invalidate(Selector(prefix="W")) == 2
     assert store.entries == 0 and store.bytes == 0
 
 
 async def test_invalidate_everything_drops_all_and_the_store_keeps_working(store: Store) -> None:
     await fill(store)
-    assert await store.invalidate(everything=True) == 4
+    assert await store.invalidate(Selector(everything=True)) == 4
     assert await present(store) == set()
     assert store.entries == 0 and store.bytes == 0
-    assert await store.invalidate(everything=True) == 0
+    assert await store.invalidate(Selector(everything=True)) == 0
     put = entry(tags=("faq",))
     await store.put("1", put)
     assert_same(await store.get("1"), put)
-    assert await store.invalidate(tag="faq") == 1
+    assert await store.invalidate(Selector(tag="faq")) == 1
 
 
 async def test_expired_entries_are_not_counted_by_invalidate(store: Store, clock: Clock) -> None:
@@ -303,7 +306,7 @@ async def test_expired_entries_are_not_counted_by_invalidate(store: Store, clock
         return await store.get("short") is None
 
     await let_pass(clock, 0.05, expired)
-    assert await store.invalidate(tag="t") == 1
+    assert await store.invalidate(Selector(tag="t")) == 1
 
 
 async def test_odd_tags_and_namespaces_work_and_never_collide(store: Store) -> None:
@@ -311,9 +314,9 @@ async def test_odd_tags_and_namespaces_work_and_never_collide(store: Store) -> N
         await store.put(f"t{i}", entry(tags=(name,), namespace="tagged"))
         await store.put(f"n{i}", entry(namespace=name))
     for i, name in enumerate(ODD_NAMES):
-        assert await store.invalidate(tag=name) == 1, repr(name)
+        assert await store.invalidate(Selector(tag=name)) == 1, repr(name)
         assert await store.get(f"t{i}") is None
-        assert await store.invalidate(namespace=name) == 1, repr(name)
+        assert await store.invalidate(Selector(namespace=name)) == 1, repr(name)
         assert await store.get(f"n{i}") is None
         rest = [f"{kind}{j}" for kind in "tn" for j in range(i + 1, len(ODD_NAMES))]
         assert all([await store.get(key) is not None for key in rest]), repr(name)
@@ -323,7 +326,7 @@ async def test_odd_prompt_prefixes_are_matched_literally(store: Store) -> None:
     for i, name in enumerate(ODD_NAMES):
         await store.put(f"p{i}", entry(prompt_prefix=name + "|rest"))
     for i, name in enumerate(ODD_NAMES):
-        assert await store.invalidate(prefix=name + "|") == 1, repr(name)
+        assert await store.invalidate(Selector(prefix=name + "|")) == 1, repr(name)
         assert await store.get(f"p{i}") is None
 
 
@@ -339,11 +342,11 @@ async def test_two_instances_see_each_others_entries_and_invalidations(
     assert_same(await b.get("k"), put)
     await b.put("j", entry(tags=("faq",)))
     assert await a.get("j") is not None
-    assert await b.invalidate(tag="faq") == 2
+    assert await b.invalidate(Selector(tag="faq")) == 2
     assert await a.get("k") is None and await a.get("j") is None
     await a.put("k", put)
-    assert await b.invalidate(namespace="docs") == 1 and await a.get("k") is None
+    assert await b.invalidate(Selector(namespace="docs")) == 1 and await a.get("k") is None
     await a.put("k", put)
-    assert await b.invalidate(prefix="Ho") == 1 and await a.get("k") is None
+    assert await b.invalidate(Selector(prefix="Ho")) == 1 and await a.get("k") is None
     await a.put("k", put)
-    assert await b.invalidate(everything=True) == 1 and await a.get("k") is None
+    assert await b.invalidate(Selector(everything=True)) == 1 and await a.get("k") is None

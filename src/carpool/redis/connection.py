@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from ..store.base import StoreUnavailable
 
@@ -79,6 +79,24 @@ class Health(Protocol):
     def usable(self) -> bool: ...
 
     def report(self, error: StoreUnavailable | None) -> None: ...
+
+
+class ConnectOptions(TypedDict, total=False):
+    """``connect``'s settings, as every Redis layer takes them (``**options``)."""
+
+    socket_timeout: float
+    connect_timeout: float
+    retries: int
+    max_connections: int
+    pool_timeout: float
+    cluster: bool
+
+
+def byte_client(client: aredis.Redis) -> aredis.Redis:
+    """``client``, checked: carpool keeps bytes (bodies, frames), so it must not decode."""
+    if client.get_connection_kwargs().get("decode_responses"):
+        raise ValueError("the Redis client must not decode responses: bodies are bytes")
+    return client
 
 
 def connect(

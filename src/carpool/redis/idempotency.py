@@ -19,18 +19,11 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from typing_extensions import Unpack
 
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
-from .connection import (
-    CONNECT_TIMEOUT,
-    MAX_CONNECTIONS,
-    POOL_TIMEOUT,
-    RETRIES,
-    SOCKET_TIMEOUT,
-    StoreUnavailable,
-    connect,
-    unavailable_in,
-)
+from .connection import ConnectOptions, StoreUnavailable, byte_client, connect, unavailable_in
+from .keys import check_prefix
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -125,17 +118,11 @@ class RedisIdempotencyRecords:
         retention: float,
         lease: float = LEASE,
         prefix: str = "carpool:",
-        socket_timeout: float = SOCKET_TIMEOUT,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        retries: int = RETRIES,
-        max_connections: int = MAX_CONNECTIONS,
-        pool_timeout: float = POOL_TIMEOUT,
-        cluster: bool = False,
         poll_max: float = POLL_MAX,
         owns_client: bool | None = None,
+        **options: Unpack[ConnectOptions],
     ) -> None:
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"the Redis key prefix {prefix!r} must not contain '{{' or '}}'")
+        check_prefix(prefix)
         if retention <= 0 or lease <= 0:
             raise ValueError("retention and lease must be positive")
         self.retention = retention
@@ -146,23 +133,13 @@ class RedisIdempotencyRecords:
         self.poll_max = poll_max
         if isinstance(target, str):
             self.url = target
-            client = connect(
-                target,
-                socket_timeout=socket_timeout,
-                connect_timeout=connect_timeout,
-                retries=retries,
-                max_connections=max_connections,
-                pool_timeout=pool_timeout,
-                cluster=cluster,
-            )
+            client = connect(target, **options)
             self._owns_client = True
         else:
             client = target
             self.url = repr(client)
             self._owns_client = bool(owns_client)
-        if client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("the Redis client must not decode responses: bodies are bytes")
-        self._client = client
+        self._client = client = byte_client(client)
         self._begin = client.register_script(_BEGIN)
         self._finish = client.register_script(_FINISH)
         self._abandon = client.register_script(_ABANDON)

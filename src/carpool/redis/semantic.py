@@ -74,8 +74,9 @@ from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, focus
 from ..semantic.guard import Guard
+from ..store.base import Selector
 from .connection import Backoff, Health, StoreUnavailable, unavailable_in
-from .store import xread_entries
+from .keys import xread_entries
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -191,26 +192,17 @@ class SharedSemanticCache(SemanticCache):
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
-    async def invalidate(
-        self,
-        *,
-        tag: str | None = None,
-        namespace: str | None = None,
-        prefix: str | None = None,
-        everything: bool = False,
-    ) -> int:
+    async def invalidate(self, selector: Selector) -> int:
         self.start()
-        dropped = await super().invalidate(
-            tag=tag, namespace=namespace, prefix=prefix, everything=everything
-        )
-        if everything:
+        dropped = await super().invalidate(selector)
+        if selector.everything:
             sel, val = "all", ""
-        elif tag is not None:
-            sel, val = "tag", tag
-        elif namespace is not None:
-            sel, val = "namespace", namespace
-        elif prefix is not None:
-            sel, val = "prefix", prefix
+        elif selector.tag is not None:
+            sel, val = "tag", selector.tag
+        elif selector.namespace is not None:
+            sel, val = "namespace", selector.namespace
+        elif selector.prefix is not None:
+            sel, val = "prefix", selector.prefix
         else:
             return dropped
         await self._publish(
@@ -300,7 +292,7 @@ class SharedSemanticCache(SemanticCache):
                 return
             self.counts["invalidations_received"] += 1
             value: Any = True if name == "everything" else fields[b"val"].decode()
-            await super().invalidate(**{name: value})
+            await super().invalidate(Selector(**{name: value}))
             return
         if op != b"put":
             self.counts["ignored"] += 1

@@ -38,17 +38,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..store.base import Entry
-from .connection import (
-    CONNECT_TIMEOUT,
-    MAX_CONNECTIONS,
-    POOL_TIMEOUT,
-    RETRIES,
-    SOCKET_TIMEOUT,
-    StoreUnavailable,
-    connect,
-    unavailable_in,
-)
+from typing_extensions import Unpack
+
+from ..store.base import Entry, Selector
+from .connection import ConnectOptions, StoreUnavailable, byte_client, connect, unavailable_in
 from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
 from .store_layout import DROP, INDEX, PUT, STATS, StoreKeys, decode, encode
 
@@ -68,9 +61,8 @@ class RedisStore:
 
     ``client``: an existing ``redis.asyncio`` client to use instead (then ``url`` is only a
     label, the timeouts and retries are the client's, and ``aclose`` leaves it open); it must
-    not decode responses. Otherwise the client is :func:`.connection.connect`'s, with
-    ``socket_timeout``/``connect_timeout`` (s), ``retries`` (immediate retries of a failed
-    connection), ``max_connections`` and ``pool_timeout`` (s); ``stats_interval`` (s).
+    not decode responses. Otherwise the client is :func:`.connection.connect`'s, with its
+    ``options`` (``ConnectOptions``: timeouts, retries, pool, cluster); ``stats_interval`` (s).
     """
 
     def __init__(
@@ -79,34 +71,15 @@ class RedisStore:
         *,
         prefix: str = "carpool:",
         client: aredis.Redis | None = None,
-        socket_timeout: float = SOCKET_TIMEOUT,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        retries: int = RETRIES,
-        max_connections: int = MAX_CONNECTIONS,
-        pool_timeout: float = POOL_TIMEOUT,
-        cluster: bool = False,
         stats_interval: float = STATS_INTERVAL,
+        **options: Unpack[ConnectOptions],
     ) -> None:
         check_prefix(prefix)
         self.url = url
         self.prefix = prefix
         self.stats_interval = stats_interval
-        if client is None:
-            client = connect(
-                url,
-                socket_timeout=socket_timeout,
-                connect_timeout=connect_timeout,
-                retries=retries,
-                max_connections=max_connections,
-                pool_timeout=pool_timeout,
-                cluster=cluster,
-            )
-            self._owns_client = True
-        else:
-            self._owns_client = False
-        if client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("the Redis client must not decode responses: bodies are bytes")
-        self._client = client
+        self._owns_client = client is None
+        self._client = byte_client(client if client is not None else connect(url, **options))
         self._keys = StoreKeys(prefix)
         self._entries = 0
         self._bytes = 0
@@ -172,26 +145,19 @@ class RedisStore:
             _, counts = await pipe.execute()
         self._counted(counts)
 
-    async def invalidate(
-        self,
-        *,
-        tag: str | None = None,
-        namespace: str | None = None,
-        prefix: str | None = None,
-        everything: bool = False,
-    ) -> int:
+    async def invalidate(self, selector: Selector) -> int:
         with _unavailable("invalidate"):
-            if everything:
+            if selector.everything:
                 return await self._drop_everything()
             dropped = 0
-            if tag is not None:
+            if (tag := selector.tag) is not None:
                 dropped += await self._drop_indexed(self._keys.tag(tag), "t", digest(tag))
-            if namespace is not None:
+            if (namespace := selector.namespace) is not None:
                 dropped += await self._drop_indexed(
                     self._keys.namespace(namespace), "n", digest(namespace)
                 )
-            if prefix is not None:
-                dropped += await self._drop_indexed(self._keys.prefixes, "p", prefix)
+            if selector.prefix is not None:
+                dropped += await self._drop_indexed(self._keys.prefixes, "p", selector.prefix)
             return dropped
 
     async def refresh_stats(self) -> None:

@@ -59,7 +59,7 @@ from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..lru import LRU
-from ..store.base import StoreUnavailable, selected
+from ..store.base import Selector, StoreUnavailable
 from .guard import Guard, Side, Verdict
 from .index import VectorIndex
 
@@ -327,19 +327,8 @@ class SemanticCache:
         self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
 
-    async def invalidate(
-        self,
-        *,
-        tag: str | None = None,
-        namespace: str | None = None,
-        prefix: str | None = None,
-        everything: bool = False,
-    ) -> int:
-        doomed = self._entries.remove_if(
-            lambda _, e: selected(
-                e, tag=tag, namespace=namespace, prefix=prefix, everything=everything
-            )
-        )
+    async def invalidate(self, selector: Selector) -> int:
+        doomed = self._entries.remove_if(lambda _, e: selector.picks(e))
         for key, entry in doomed:
             self._unindex(key, entry)
         return len(doomed)

@@ -5,7 +5,7 @@ Contract:
 - ``put(key, entry)`` stores a complete answer until ``entry.expires`` (wall-clock seconds); it
   replaces any entry under the same key. The caller has already decided the answer may be stored
   (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
-- ``invalidate(...)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
+- ``invalidate(selector)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
   returns how many it dropped.
 - ``entries`` and ``bytes`` report the current size, for /stats and /metrics. ``Entry.size`` is
   the portable measure of an entry (its payload: what the Redis store counts); the in-process
@@ -77,14 +77,7 @@ class Store(Protocol):
 
     async def put(self, key: str, entry: Entry) -> None: ...
 
-    async def invalidate(
-        self,
-        *,
-        tag: str | None = None,
-        namespace: str | None = None,
-        prefix: str | None = None,
-        everything: bool = False,
-    ) -> int: ...
+    async def invalidate(self, selector: Selector) -> int: ...
 
     @property
     def entries(self) -> int: ...
@@ -107,21 +100,22 @@ class StoreUnavailable(CarpoolError):
     code = "store_unavailable"
 
 
-def selected(
-    entry: Any,
-    *,
-    tag: str | None = None,
-    namespace: str | None = None,
-    prefix: str | None = None,
-    everything: bool = False,
-) -> bool:
-    """Whether an invalidation selector (admin ``/admin/invalidate``) picks this entry.
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """What an invalidation drops (admin ``/admin/invalidate``): ``everything``, or the entries
+    carrying ``tag``, in ``namespace`` or whose prompt starts with ``prefix`` (any of those set)."""
 
-    ``entry`` is anything with ``tags``, ``namespace`` and ``prompt_prefix`` (exact or semantic).
-    """
-    return (
-        everything
-        or (tag is not None and tag in entry.tags)
-        or (namespace is not None and entry.namespace == namespace)
-        or (prefix is not None and entry.prompt_prefix.startswith(prefix))
-    )
+    tag: str | None = None
+    namespace: str | None = None
+    prefix: str | None = None
+    everything: bool = False
+
+    def picks(self, entry: Any) -> bool:
+        """Whether this selector picks ``entry``: anything with ``tags``, ``namespace`` and
+        ``prompt_prefix`` (exact or semantic)."""
+        return (
+            self.everything
+            or (self.tag is not None and self.tag in entry.tags)
+            or (self.namespace is not None and entry.namespace == self.namespace)
+            or (self.prefix is not None and entry.prompt_prefix.startswith(self.prefix))
+        )

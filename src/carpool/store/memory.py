@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..lru import LRU, SLOT_BYTES, held
-from .base import Entry, selected
+from .base import Entry, Selector
 
 
 def size_of(key: str, entry: Entry) -> int:
@@ -59,19 +59,8 @@ class MemoryStore:
     async def put(self, key: str, entry: Entry) -> None:
         self._entries.put(key, entry)
 
-    async def invalidate(
-        self,
-        *,
-        tag: str | None = None,
-        namespace: str | None = None,
-        prefix: str | None = None,
-        everything: bool = False,
-    ) -> int:
-        doomed = self._entries.remove_if(
-            lambda _, entry: selected(
-                entry, tag=tag, namespace=namespace, prefix=prefix, everything=everything
-            )
-        )
+    async def invalidate(self, selector: Selector) -> int:
+        doomed = self._entries.remove_if(lambda _, entry: selector.picks(entry))
         return len(doomed)
 
     def clear(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..redis.connection import PoolExhausted
 from ..redis.store import RedisStore
-from .base import Entry, StoreUnavailable
+from .base import Entry, Selector, StoreUnavailable
 from .memory import MemoryStore
 
 log = logging.getLogger("carpool.store")
@@ -114,21 +114,10 @@ class SharedStore:
                 return
         await self.local.put(key, entry)
 
-    async def invalidate(
-        self,
-        *,
-        tag: str | None = None,
-        namespace: str | None = None,
-        prefix: str | None = None,
-        everything: bool = False,
-    ) -> int:
-        dropped = await self.local.invalidate(
-            tag=tag, namespace=namespace, prefix=prefix, everything=everything
-        )
+    async def invalidate(self, selector: Selector) -> int:
+        dropped = await self.local.invalidate(selector)
         try:
-            dropped += await self.redis.invalidate(
-                tag=tag, namespace=namespace, prefix=prefix, everything=everything
-            )
+            dropped += await self.redis.invalidate(selector)
         except StoreUnavailable as error:
             self._failed(error)
         else:
