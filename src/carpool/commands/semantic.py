@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from .common import missing_extra
+
 
 @click.command("eval-semantic")
 @click.option(
@@ -65,12 +67,7 @@ def eval_semantic(
         embedder = default_embedder()
         guard = RulesThenVerifier(shared_cross_encoder(), threshold=verifier_threshold)
     except ImportError as error:
-        click.echo(
-            f"carpool: the semantic cache needs its extra: pip install 'carpool[semantic]'"
-            f" ({error})",
-            err=True,
-        )
-        sys.exit(2)
+        missing_extra("the semantic cache", "semantic", error)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
     evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
     click.echo(format_report(evaluator.report(threshold), threshold))
@@ -102,12 +99,7 @@ def fetch_model(cache_dir: str | None) -> None:
         from ..semantic.embed import MODEL_REPO, MODEL_REVISION, SemanticDependencyError
         from ..semantic.embed import fetch_model as fetch
     except ImportError as error:
-        click.echo(
-            f"carpool: fetching the model needs the semantic extra: pip install "
-            f"'carpool[semantic]' ({error})",
-            err=True,
-        )
-        sys.exit(2)
+        missing_extra("fetching the model", "semantic", error)
     click.echo(f"fetching {MODEL_REPO} at revision {MODEL_REVISION}", err=True)
     try:
         directory = fetch(cache_dir)

@@ -72,7 +72,7 @@ import orjson
 from ..answer import Answer
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
-from ..semantic.cache import SemanticCache, focus
+from ..semantic.cache import SemanticCache, SemanticEntry
 from ..semantic.guard import Guard
 from ..store.base import Selector
 from .connection import Backoff, Health, StoreUnavailable, unavailable_in
@@ -139,50 +139,31 @@ class SharedSemanticCache(SemanticCache):
         self.start()
         return await super().probe(view, max_age)
 
-    async def insert(
-        self,
-        view: SemanticView,
-        vector: Any,
-        answer: Answer | None,
-        expires: float,
-        tags: tuple[str, ...] = (),
-        namespace: str = "",
-        prompt_prefix: str = "",
-        *,
-        key: str | None = None,
-        ref: str | None = None,
-        created: float | None = None,
-    ) -> None:
+    def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         self.start()
-        if vector is None:
-            vector = await self.embedder.embed(focus(view).text)
-        await super().insert(
-            view, vector, answer, expires, tags, namespace, prompt_prefix, ref=ref, created=created
-        )
-        if key is None:
+        if key is None:  # (an entry from another instance, or one without an answer's key)
             return
         import numpy as np
 
-        if created is None:
-            created = answer.created if answer is not None else time.time()
         # In this instance's index already (the caller waits for that: read-your-writes); the
-        # others get it from the stream, published off the caller's path.
+        # others get it from the stream, published off the caller's path. Its view is the
+        # focused one (``focus`` is idempotent: the receiver files it under the same scope).
         self._spawn(
             self._publish(
                 {
                     b"op": b"put",
                     b"src": self.instance,
-                    b"s": view.scope.encode(),
-                    b"t": view.text.encode(),
-                    b"ctx": view.context.encode(),
+                    b"s": entry.scope.encode(),
+                    b"t": entry.text.encode(),
+                    b"ctx": entry.context.encode(),
                     b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
                     b"e": str(getattr(self.embedder, "name", "")).encode(),
                     b"k": key.encode(),
-                    b"x": repr(float(expires)).encode(),
-                    b"c": repr(float(created)).encode(),
-                    b"g": orjson.dumps(list(tags)),
-                    b"n": namespace.encode(),
-                    b"p": prompt_prefix.encode(),
+                    b"x": repr(float(entry.expires)).encode(),
+                    b"c": repr(float(entry.created)).encode(),
+                    b"g": orjson.dumps(list(entry.tags)),
+                    b"n": entry.namespace.encode(),
+                    b"p": entry.prompt_prefix.encode(),
                 }
             )
         )

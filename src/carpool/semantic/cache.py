@@ -283,8 +283,9 @@ class SemanticCache:
         """Store ``answer`` (or, with ``answer=None``, the reference ``ref``) under the view.
 
         ``vector``: the embedding of ``focus(view).text`` (``Probe.vector``), or None to compute
-        it. ``key``: the answer's exact-cache key (unused here; ``SharedSemanticCache`` publishes
-        it). ``created``: when the answer was made (default: ``answer.created``).
+        it. ``key``: the answer's exact-cache key (here only passed on to ``_inserted``, which
+        ``SharedSemanticCache`` overrides to publish the entry). ``created``: when the answer was
+        made (default: ``answer.created``).
         """
         if answer is None and ref is None:
             raise ValueError("an entry needs an answer or a reference")
@@ -326,6 +327,10 @@ class SemanticCache:
         )
         self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
+        self._inserted(entry, vector, key)
+
+    def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
+        """Called with each entry once it is in this cache (and its index); nothing here."""
 
     async def invalidate(self, selector: Selector) -> int:
         doomed = self._entries.remove_if(lambda _, e: selector.picks(e))
