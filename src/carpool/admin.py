@@ -56,6 +56,8 @@ def gauges(layers: Layers) -> dict[str, Any]:
             ),
         },
         "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
+        "judge_calls": layers.judge.calls if layers.judge is not None else 0,
+        "semantic_audit": layers.audits.snapshot() if layers.audits is not None else {},
     }
 
 
@@ -72,6 +74,14 @@ def snapshot(layers: Layers) -> dict[str, Any]:
         "routing": dict(layers.stats.routing),
         "batching": layers.batcher.stats(),
         "redis": redis_health(layers),
+        "judge_calls": g["judge_calls"],
+        **({"judge": layers.judge.snapshot()} if layers.judge is not None else {}),
+        "semantic_audit": g["semantic_audit"],
+        **(
+            {"audit_calls": layers.audits.calls, "audit_failed": layers.audits.failed}
+            if layers.audits is not None
+            else {}
+        ),
     }
 
 

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from .redis.invalidation import InvalidationChannel
     from .redis.semantic import SharedSemanticCache
     from .routing.replicas import ReplicaSet
+    from .semantic.audit import Audits
     from .semantic.cache import SemanticCache
+    from .semantic.judge import Judge
     from .store import Store
     from .store.shared import SharedStore
     from .tracing import Tracer
@@ -56,6 +58,8 @@ class Layers:
     metrics: Metrics
     tracer: Tracer
     semantic: SemanticCache | None = None
+    judge: Judge | None = None  # semantic.judge
+    audits: Audits | None = None  # with the semantic cache: audits, feedback, the budget
     shared_flights: SharedFlights | None = None
     invalidations: InvalidationChannel | None = None
     shared_store: SharedStore | None = None
@@ -77,6 +81,8 @@ class Layers:
             await self.invalidations.aclose()
         if self.semantic is not None:
             await self.semantic.aclose()
+        if self.judge is not None:
+            await self.judge.aclose()
         if self.shared_flights is not None:
             await self.shared_flights.aclose()
         for upstream in self.upstreams:

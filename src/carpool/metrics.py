@@ -186,6 +186,46 @@ class _StatsCollector(Collector):
         for replica, n in g["replicas"].items():
             load.add_metric([replica], n)
         yield load
+        yield from _semantic_audit(g)
+
+
+def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
+    """The judge's calls, and per namespace the audits of semantic hits and the estimate."""
+    yield CounterMetricFamily(
+        "carpool_semantic_judge_calls",
+        "Questions asked of the semantic judge (semantic.judge); never upstream calls saved.",
+        value=g["judge_calls"],
+    )
+    audited = CounterMetricFamily(
+        "carpool_semantic_audits",
+        "Semantic hits audited against a fresh answer (and reported wrong), by namespace.",
+        labels=["namespace"],
+    )
+    wrong = CounterMetricFamily(
+        "carpool_semantic_audits_wrong",
+        "Audited or reported semantic hits found wrong, by namespace.",
+        labels=["namespace"],
+    )
+    estimate = GaugeMetricFamily(
+        "carpool_semantic_wrong_rate",
+        "Estimated wrong-hit rate over the latest audits, with its 95% Wilson bounds.",
+        labels=["namespace", "bound"],
+    )
+    backed_off = GaugeMetricFamily(
+        "carpool_semantic_backoff",
+        "A namespace's error-budget state: 0 serving, 1 backed-off, 2 mark.",
+        labels=["namespace"],
+    )
+    for namespace, audit in g["semantic_audit"].items():
+        audited.add_metric([namespace], audit["audited"])
+        wrong.add_metric([namespace], audit["wrong"])
+        for bound in ("estimate", "low", "high"):
+            estimate.add_metric([namespace, bound], audit[bound])
+        backed_off.add_metric([namespace], _STATES.index(audit["state"]))
+    yield from (audited, wrong, estimate, backed_off)
+
+
+_STATES = ("serving", "backed-off", "mark")
 
 
 class Buckets:

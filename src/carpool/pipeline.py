@@ -57,6 +57,7 @@ import orjson
 from . import admin
 from .answer import Answer
 from .apis import BY_PATH
+from .auditor import Auditor
 from .broadcast import Broadcast
 from .errors import LeaderLost, RequestError, UpstreamStatusError, UpstreamStreamBroken
 from .exchange import Exchange, relay
@@ -68,6 +69,7 @@ from .lead import Leader
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
 from .request import ClientRequest, Request, parse
+from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, SERVING
 from .upstream.base import PassthroughResponse
 
 if TYPE_CHECKING:
@@ -108,6 +110,7 @@ class Gateway:
         self.once = AtMostOnce(
             layers.idempotency, self.config, self.accepted, self.stats, self._answer
         )
+        self.auditor = Auditor(layers)  # semantic hits checked against fresh answers
 
     @property
     def tracer(self) -> Tracer:
@@ -190,17 +193,26 @@ class Gateway:
                 probe = await self.semantic.probe(view, read_age)
                 if probe.match is not None:
                     span.set_attribute("carpool.similarity", probe.match.similarity)
-            if probe.match is not None and self.config.semantic.mode == "serve":
-                assert probe.match.answer is not None
-                self.metrics.similarity.observe(probe.match.similarity)
-                return self._served(
-                    route,
-                    Outcome.SEMANTIC_HIT,
-                    probe.match.answer,
-                    request.stream,
-                    request.include_usage,
-                    similarity(probe.match),
-                )
+            match = probe.match
+            if match is not None:
+                assert match.answer is not None
+                state = self.layers.audits.state(key.namespace) if self.layers.audits else SERVING
+                # The namespace's error budget (``semantic/audit.py``) may hold hits back; its
+                # audits go on either way, on the answer served or the one that would have been.
+                self.auditor.maybe(request, key.namespace, match.answer)
+                if self.config.semantic.mode == "serve" and (
+                    state == SERVING
+                    or (state == BACKED_OFF and match.similarity >= BACKED_OFF_SIMILARITY)
+                ):
+                    self.metrics.similarity.observe(match.similarity)
+                    return self._served(
+                        route,
+                        Outcome.SEMANTIC_HIT,
+                        match.answer,
+                        request.stream,
+                        request.include_usage,
+                        similarity(match),
+                    )
         # The epoch of invalidations this call begins in: its answer is stored only if no
         # invalidation came before it ended (``Leader._store``).
         lead = partial(self.leader.lead, request, key, view, probe, epoch=self.flights.epoch)
@@ -388,7 +400,8 @@ class Gateway:
         self.layers.start()
 
     async def aclose(self) -> None:
-        """Close the layers (``Layers.aclose``)."""
+        """Close the layers (``Layers.aclose``), the audits still running first."""
+        await self.auditor.aclose()
         await self.layers.aclose()
 
 

@@ -49,6 +49,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .admin_http import admin_routes
 from .apis import BY_PATH
 from .config import Config
 from .errors import (
@@ -356,25 +357,6 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     async def openapi(_: HttpRequest) -> Response:
         return Response(orjson.dumps(openapi_document()), media_type="application/json")
 
-    async def invalidate(request: HttpRequest) -> Response:
-        token = gateway.config.admin_token
-        if not token:
-            return _error(404, "not found", "not_found")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return _error(401, "admin token required", "unauthorized")
-        try:
-            raw = await body_of(request)
-            if raw is None:
-                return Response(status_code=499)  # the client left
-            spec = orjson.loads(raw)
-            dropped = await gateway.invalidate(spec)
-        except (BodyTooLarge, BodyTimeout) as error:
-            return _carpool_error(error)
-        except (orjson.JSONDecodeError, RequestError) as error:
-            return _error(400, str(error), "invalid_request")
-        return JSONResponse({"invalidated": dropped})
-
     async def passthrough(request: HttpRequest) -> Response:
         scope = request.scope
         try:
@@ -413,21 +395,11 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
             Route("/stats", stats),
             Route("/metrics", metrics),
             Route("/dashboard", dashboard),
-            Route("/admin/invalidate", invalidate, methods=["POST"]),
+            *admin_routes(gateway, body_of),
             Route("/openapi.json", openapi),
             Route("/v1/{path:path}", passthrough, methods=methods),
         ],
         lifespan=lifespan,
-    )
-
-
-def _error(status: int, message: str, code: str) -> Response:
-    return Response(
-        orjson.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-        ),
-        status,
-        media_type="application/json",
     )
 
 

@@ -11,7 +11,7 @@ it is, instead of the one the config would build.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import orjson
@@ -35,9 +35,10 @@ from .identity import AcceptedCredentials
 from .layers import Layers
 from .metrics import Metrics, Stats
 from .pipeline import Gateway
+from .semantic.audit import Audits
 from .store import MemoryStore, Store
 from .tracing import Tracer
-from .upstream.base import Upstream, UpstreamRequest
+from .upstream.base import Upstream, UpstreamRequest, UpstreamResponse
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from .redis.store import RedisStore
     from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
+    from .semantic.guard import Guard
+    from .semantic.judge import Judge
     from .store.shared import SharedStore
 
 
@@ -123,8 +126,16 @@ def build_layers(
         key_headers=names_of(config.tenant),
         lists=ListCheck(batching.embeddings, upstreams, retry_s=batching.embeddings_probe_retry),
     )
+    judge = build_judge(config, lambda request: _via_replicas(layers, request))
     if semantic is None:
-        semantic = build_semantic(config, upstreams, store)
+        semantic = build_semantic(config, upstreams, store, judge)
+    audits = (
+        Audits(
+            config.semantic.audit_rate, config.semantic.audit_window, config.semantic.max_wrong_rate
+        )
+        if semantic is not None
+        else None
+    )
     if idempotency is None:
         idempotency = build_idempotency(config, store, clock)
     layers = Layers(
@@ -141,6 +152,8 @@ def build_layers(
         metrics=metrics,
         tracer=tracer,
         semantic=semantic,
+        judge=judge,
+        audits=audits,
         shared_flights=shared_flights,
         invalidations=invalidations,
         shared_store=_redis_backed_store(config, store),
@@ -292,8 +305,43 @@ def build_idempotency(
     )
 
 
+async def _via_replicas(layers: Layers, request: UpstreamRequest) -> UpstreamResponse:
+    response, _, _ = await layers.replicas.send(request, "")  # (not an upstream call saved)
+    return response
+
+
+def build_judge(
+    config: Config,
+    via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+) -> Judge | None:
+    """The judge (``semantic.judge.model`` set, semantic on): at ``semantic.judge.url``, else
+    through the gateway's replicas."""
+    settings = config.semantic.judge
+    if not config.semantic.enabled or settings.model is None:
+        return None
+    from .semantic.judge import Judge, asking
+
+    send, closing = via_replicas, None
+    if settings.url is not None:
+        from .upstream.http import HttpUpstream
+
+        server = HttpUpstream(settings.url, config.limits, name="judge")
+        send, closing = server.send, server.aclose
+    return Judge(
+        asking(send, settings.api_key),
+        model=settings.model,
+        timeout=settings.timeout_ms / 1000,
+        max_tokens=settings.max_tokens,
+        cache_entries=settings.cache_entries,
+        closing=closing,
+    )
+
+
 def build_semantic(
-    config: Config, upstreams: Sequence[Upstream], store: Store | None = None
+    config: Config,
+    upstreams: Sequence[Upstream],
+    store: Store | None = None,
+    judge: Judge | None = None,
 ) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
@@ -304,10 +352,14 @@ def build_semantic(
     from .semantic.verifier import shared_cross_encoder
 
     embedder = _embedder(config, upstreams)
-    guard = RulesThenVerifier(
+    guard: Guard = RulesThenVerifier(
         shared_cross_encoder(config.semantic.verifier_dir),
         threshold=config.semantic.verifier_threshold,
     )
+    if judge is not None:
+        from .semantic.judge import JudgedGuard
+
+        guard = JudgedGuard(guard, judge, config.semantic.judge.band)
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
 

@@ -23,6 +23,7 @@ from .caching import (
     CacheConfig,
     CoalesceConfig,
     FingerprintConfig,
+    JudgeConfig,
     SemanticConfig,
     TypePolicy,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedConfig",
     "FingerprintConfig",
     "IdempotencyConfig",
+    "JudgeConfig",
     "LimitsConfig",
     "PassthroughConfig",
     "RoutingConfig",

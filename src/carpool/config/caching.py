@@ -126,6 +126,42 @@ class CoalesceConfig(Section):
     )
 
 
+class JudgeConfig(Section):
+    """``semantic.judge``: an LLM asked, for candidates in the uncertain band, whether two requests
+    have the same answer (off until ``model`` is set)."""
+
+    model: str | None = Field(
+        None,
+        description="The judge's model name; setting it turns the judge on (null: no judge).",
+    )
+    url: str | None = Field(
+        None,
+        description="OpenAI-compatible base URL of the judge (e.g. http://host:8000/v1); null: "
+        "the gateway's own upstreams.",
+    )
+    api_key: str | None = Field(
+        None, description="Bearer key sent to the judge (null: none). Never logged."
+    )
+    band: tuple[float, float] = Field(
+        (0.75, 0.97),
+        description="[low, high] cosine similarity of the candidates the judge decides (after "
+        "the exact rules); outside it the verifier decides.",
+    )
+    timeout_ms: float = Field(
+        2000, gt=0, description="Longest wait for a verdict; a timeout is a miss."
+    )
+    max_tokens: int = Field(4, ge=1, description="Tokens the judge may answer with.")
+    cache_entries: int = Field(10_000, ge=1, description="Verdicts remembered, per pair.")
+
+    @field_validator("band")
+    @classmethod
+    def _band_is_ordered(cls, band: tuple[float, float]) -> tuple[float, float]:
+        low, high = band
+        if not 0 <= low <= high <= 1:
+            raise ValueError("band must be [low, high] with 0 <= low <= high <= 1")
+        return band
+
+
 class SemanticConfig(Section):
     enabled: bool = Field(
         False,
@@ -215,3 +251,22 @@ class SemanticConfig(Section):
     index_connectivity: int = Field(16, ge=2, description="HNSW links per node (memory vs recall).")
     index_expansion_add: int = Field(64, ge=1, description="HNSW candidate list when adding.")
     index_expansion_search: int = Field(32, ge=1, description="HNSW candidate list when searching.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    audit_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Fraction of semantic hits also sent upstream in the background, after the "
+        "client got its answer, to compare the answers (the namespace's wrong-hit estimate).",
+    )
+    audit_window: int = Field(
+        500, ge=10, description="Audits per namespace the estimate is made of (the latest)."
+    )
+    max_wrong_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Error budget: when the 95% interval's lower bound of a namespace's "
+        "wrong-hit rate exceeds it, the namespace backs off (near repeats only, then mark-only) "
+        "and comes back once audits put the upper bound under it (null: no budget).",
+    )

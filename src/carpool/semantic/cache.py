@@ -175,6 +175,7 @@ class SemanticCache:
             max_entries=config.max_entries, size=_entry_size, on_evict=self._unindex
         )
         self._by_text: dict[tuple[str, str, str], int] = {}  # (scope, context, text)
+        self._by_public: dict[str, int] = {}  # public_id -> id (feedback names entries so)
         self._ids = itertools.count(1)
         self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
 
@@ -326,6 +327,7 @@ class SemanticCache:
             held + len(view.text) + len(view.context) + len(prompt_prefix) + 8 * self.embedder.dim
         )
         self._by_text[(view.scope, view.context, view.text)] = entry.id
+        self._by_public[entry.public_id] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
         self._inserted(entry, vector, key)
 
@@ -338,6 +340,17 @@ class SemanticCache:
             self._unindex(key, entry)
         return len(doomed)
 
+    def forget(self, public_id: str) -> str | None:
+        """Drop the entry clients know as ``public_id`` (``x-carpool-entry``: a reported wrong
+        hit); its namespace, or None when this cache holds no such entry (any more). Only this
+        instance's copy: another instance's copy of a shared entry stays."""
+        key = self._by_public.get(public_id)
+        entry = None if key is None else self._entries.peek(key)
+        if entry is None:
+            return None
+        self._drop(entry)
+        return entry.namespace
+
     async def aclose(self) -> None:
         """Nothing to release here (``SharedSemanticCache`` stops its reader)."""
 
@@ -349,6 +362,8 @@ class SemanticCache:
         """Forget ``entry`` (gone from ``_entries``) in the text map and its scope's index."""
         if self._by_text.get((entry.scope, entry.context, entry.text)) == entry.id:
             del self._by_text[(entry.scope, entry.context, entry.text)]
+        if self._by_public.get(entry.public_id) == entry.id:
+            del self._by_public[entry.public_id]
         index = self._scopes.get(entry.scope)
         if index is not None:
             index.remove(entry.id)

@@ -19,6 +19,7 @@ class Reason(StrEnum):
     POLARITY = "polarity"  # a negation or an opposite on one side only
     MEANING = "meaning"  # the verifier: not the same answer
     CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
+    JUDGE = "judge"  # the judge (semantic.judge): not the same answer, or no verdict
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,115 @@
+"""The ``/admin/*`` endpoints: invalidation, and the semantic cache's audits and feedback.
+
+Contract:
+- Every one needs ``admin_token``: without one configured they do not exist (404); a request
+  without ``Authorization: Bearer <token>`` (compared in constant time) is 401. Errors in
+  OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
+- ``POST /admin/invalidate`` ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``:
+  ``{"invalidated": n}`` (``admin.invalidate``).
+- ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
+  that was wrong): the entry is dropped and counts as a wrong hit of its namespace
+  (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
+  does not hold (any more): 404. Without the semantic cache: 404.
+- ``GET /admin/semantic/audit``: each namespace's audits, estimate and state (as ``/stats``
+  ``semantic_audit``); ``POST /admin/semantic/audit/reset`` ``{"namespace": ns}`` (or ``{}``:
+  all) puts them back to ``serving`` with no audits: ``{"reset": n}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .errors import BodyTimeout, BodyTooLarge, RequestError
+from .pipeline import Gateway
+
+BodyOf = Callable[[HttpRequest], Awaitable[bytes | None]]
+
+
+def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
+    """The ``/admin/*`` routes of ``gateway`` (``body_of``: the server's bounded body reader)."""
+
+    def refusal(request: HttpRequest) -> Response | None:
+        token = gateway.config.admin_token
+        if not token:
+            return error(404, "not found", "not_found")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return error(401, "admin token required", "unauthorized")
+        return None
+
+    async def spec_of(request: HttpRequest) -> Any:
+        """The JSON body; None when the client left. Raises ``RequestError`` for bad JSON."""
+        raw = await body_of(request)
+        if raw is None:
+            return None
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"the body is not JSON: {exc}") from exc
+
+    def admin(
+        work: Callable[[HttpRequest, Any], Awaitable[Response]], read: bool = True
+    ) -> Callable[[HttpRequest], Awaitable[Response]]:
+        async def endpoint(request: HttpRequest) -> Response:
+            if (refused := refusal(request)) is not None:
+                return refused
+            try:
+                spec = await spec_of(request) if read else None
+                if read and spec is None:
+                    return Response(status_code=499)  # the client left
+                return await work(request, spec)
+            except (BodyTooLarge, BodyTimeout) as failure:
+                return Response(failure.body(), failure.status, headers=failure.headers())
+            except RequestError as failure:
+                return error(400, str(failure), "invalid_request")
+
+        return endpoint
+
+    async def invalidate(_: HttpRequest, spec: Any) -> Response:
+        return JSONResponse({"invalidated": await gateway.invalidate(spec)})
+
+    async def feedback(_: HttpRequest, spec: Any) -> Response:
+        entry = spec.get("entry") if isinstance(spec, dict) else None
+        if not isinstance(entry, str) or not entry:
+            raise RequestError('give {"entry": "<the x-carpool-entry of the wrong hit>"}')
+        if gateway.semantic is None:
+            return error(404, "the semantic cache is off", "not_found")
+        namespace = gateway.auditor.feedback(entry)
+        if namespace is None:
+            return error(404, "no such semantic entry here (any more)", "not_found")
+        return JSONResponse({"dropped": True, "namespace": namespace})
+
+    async def audit(_: HttpRequest, __: Any) -> Response:
+        audits = gateway.layers.audits
+        return JSONResponse(audits.snapshot() if audits is not None else {})
+
+    async def audit_reset(_: HttpRequest, spec: Any) -> Response:
+        namespace = spec.get("namespace") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict) or not isinstance(namespace, str | None):
+            raise RequestError('give {"namespace": "<name>"}, or {} for every namespace')
+        audits = gateway.layers.audits
+        return JSONResponse({"reset": audits.reset(namespace) if audits is not None else 0})
+
+    return [
+        Route("/admin/invalidate", admin(invalidate), methods=["POST"]),
+        Route("/admin/semantic/feedback", admin(feedback), methods=["POST"]),
+        Route("/admin/semantic/audit", admin(audit, read=False), methods=["GET"]),
+        Route("/admin/semantic/audit/reset", admin(audit_reset), methods=["POST"]),
+    ]
+
+
+def error(status: int, message: str, code: str) -> Response:
+    return Response(
+        orjson.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+        ),
+        status,
+        media_type="application/json",
+    )

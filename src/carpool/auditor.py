@@ -1,0 +1,116 @@
+"""The audits of semantic hits, run: a fresh upstream answer compared with the one served.
+
+Contract (the estimate and the budget are ``semantic/audit.py``'s):
+- ``Auditor(layers).maybe(request, namespace, served)``: when the draw says so
+  (``Audits.sampled``), a background task (never the client's: it already has its answer) sends
+  the request upstream once, not streamed, and compares the fresh answer's text with the served
+  one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
+  guard over the two texts. A disagreement is a wrong hit of ``namespace``. The fresh answer is
+  never stored, never shared, never written over the entry. An upstream error, a timeout or a
+  non-2xx answer counts nothing (``Audits.failed``). Each audit's call is an upstream call
+  (``/stats`` ``upstream_calls``), counted in ``Audits.calls`` too.
+- ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
+  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace.
+  Returns the namespace, or None for an entry this instance does not hold.
+- ``aclose`` cancels the audits still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import orjson
+
+from .exchange import send
+from .semantic.audit import answer_text
+from .semantic.guard import Side
+from .upstream.base import UpstreamRequest
+
+if TYPE_CHECKING:
+    from .answer import Answer
+    from .layers import Layers
+    from .request import Request
+
+log = logging.getLogger("carpool.semantic")
+
+_STREAMING_KEYS = ("stream", "stream_options")
+
+
+class Auditor:
+    """Audits and feedback on the layers (the contract is the module's)."""
+
+    def __init__(self, layers: Layers) -> None:
+        self.layers = layers
+        self._running: set[asyncio.Task[None]] = set()
+
+    def maybe(self, request: Request, namespace: str, served: Answer) -> None:
+        audits = self.layers.audits
+        if audits is None or not audits.sampled():
+            return
+        task = asyncio.ensure_future(self._audit(request, namespace, served))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _audit(self, request: Request, namespace: str, served: Answer) -> None:
+        audits = self.layers.audits
+        assert audits is not None
+        fresh = await self._fresh(request)
+        if fresh is None:
+            audits.failed += 1
+            return
+        agree = await self._agree(_text(served.body), fresh)
+        audits.record(namespace, not agree)
+
+    async def _fresh(self, request: Request) -> str | None:
+        """The upstream's answer to ``request`` now, whole, as text; None when it has none."""
+        audits = self.layers.audits
+        assert audits is not None
+        body = {k: v for k, v in request.body.items() if k not in _STREAMING_KEYS}
+        audits.calls += 1
+        try:
+            response = await send(
+                self.layers,
+                UpstreamRequest(request.upstream_path, body, request.headers, False, request.query),
+                "",
+            )
+        except Exception as error:  # noqa: BLE001 - an audit that failed judges nothing
+            log.debug("carpool: an audit's upstream call failed (%s)", type(error).__name__)
+            return None
+        try:
+            if not 200 <= response.status < 300:
+                return None
+            return _text(response.body)
+        finally:
+            await response.aclose()
+
+    async def _agree(self, served: str, fresh: str) -> bool:
+        judge, semantic = self.layers.judge, self.layers.semantic
+        if judge is not None:
+            return await judge.answers_agree(served, fresh)
+        assert semantic is not None  # (audits run only for semantic hits)
+        (verdict,) = await semantic.guard.judge(Side(served), [Side(fresh)])
+        return verdict.ok
+
+    def feedback(self, public_id: str) -> str | None:
+        semantic, audits = self.layers.semantic, self.layers.audits
+        if semantic is None or audits is None:
+            return None
+        namespace = semantic.forget(public_id)
+        if namespace is not None:
+            audits.record(namespace, True)
+        return namespace
+
+    async def aclose(self) -> None:
+        for task in list(self._running):
+            task.cancel()
+        if self._running:
+            await asyncio.wait(self._running)
+
+
+def _text(body: bytes) -> str:
+    try:
+        return answer_text(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace")

@@ -1,0 +1,185 @@
+"""Audits of served semantic hits, the wrong-hit estimate per namespace, and the error budget.
+
+A semantic cache that serves on similarity cannot say how often it is wrong. Here a sampled
+fraction of the hits it serves (``semantic.audit_rate``) is also sent upstream, in the
+background, after the client got its answer; the fresh answer is compared with the one served
+(the judge, when there is one: "do these answers agree?"; else the guard over the two answers).
+Operators' reports of wrong hits (``POST /admin/semantic/feedback``) count the same way.
+
+Contract:
+- ``Audits(rate, window, budget, sample=random.random)``: ``sampled()`` draws whether a hit is
+  audited (``sample() < rate``). ``record(namespace, wrong)`` counts one audit (or report); per
+  namespace: ``audited`` and ``wrong`` in all, and the estimate of the wrong-hit rate with its
+  95% Wilson interval over the latest ``window`` audits (:func:`wilson`).
+- Error budget (``budget``, None: none): each namespace is ``serving`` (the cache's usual bar),
+  ``backed-off`` (only near repeats are served: similarity >= ``BACKED_OFF_SIMILARITY``) or
+  ``mark`` (nothing served; the match is only named). After each audit: the interval's lower
+  bound over the budget moves the namespace one step down (serving -> backed-off -> mark), its
+  upper bound under the budget one step up; each move starts a fresh window (the new state is
+  judged on its own audits) and is logged once. A namespace in ``mark`` keeps being audited: the
+  candidate it would have served is compared with a fresh answer, so it can come back.
+- ``state(namespace)``; ``snapshot()``: ``{namespace: {"audited", "wrong", "estimate", "low",
+  "high", "state"}}`` (``/stats`` ``semantic_audit``); ``reset(namespace=None)``: one namespace
+  (or all) back to ``serving`` with no audits. At most ``MAX_NAMESPACES`` are tracked (least
+  recently audited out).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..lru import LRU
+
+__all__ = [
+    "BACKED_OFF",
+    "BACKED_OFF_SIMILARITY",
+    "MARK",
+    "SERVING",
+    "Audits",
+    "answer_text",
+    "wilson",
+]
+
+log = logging.getLogger("carpool.semantic")
+
+State = Literal["serving", "backed-off", "mark"]
+SERVING: State = "serving"
+BACKED_OFF: State = "backed-off"
+MARK: State = "mark"
+_STEPS: tuple[State, ...] = (SERVING, BACKED_OFF, MARK)
+
+#: What a backed-off namespace still serves: near repeats (case, punctuation, a greeting).
+BACKED_OFF_SIMILARITY = 0.97
+MAX_NAMESPACES = 10_000
+_Z = 1.959964  # the normal quantile of a two-sided 95% interval
+
+
+def wilson(wrong: int, n: int, z: float = _Z) -> tuple[float, float, float]:
+    """(estimate, low, high): the wrong-hit rate ``wrong/n`` and its Wilson score interval; no
+    audits: (0, 0, 1), nothing known."""
+    if n == 0:
+        return 0.0, 0.0, 1.0
+    p = wrong / n
+    z2 = z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return p, max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(slots=True)
+class _Namespace:
+    window: deque[bool]
+    audited: int = 0
+    wrong: int = 0
+    state: State = SERVING
+    moves: list[str] = field(default_factory=list)
+
+
+class Audits:
+    """The audits of every namespace (the contract is the module's)."""
+
+    def __init__(
+        self,
+        rate: float,
+        window: int = 500,
+        budget: float | None = None,
+        sample: Callable[[], float] = random.random,
+    ) -> None:
+        self.rate = rate
+        self.window = window
+        self.budget = budget
+        self._sample = sample
+        self._namespaces: LRU[str, _Namespace] = LRU(max_entries=MAX_NAMESPACES)
+        self.calls = 0  # upstream calls the audits made
+        self.failed = 0  # audits that got no fresh answer to compare with
+
+    def sampled(self) -> bool:
+        return self.rate > 0 and self._sample() < self.rate
+
+    def state(self, namespace: str) -> State:
+        found = self._namespaces.peek(namespace)
+        return found.state if found is not None else SERVING
+
+    def record(self, namespace: str, wrong: bool) -> None:
+        found = self._namespaces.get(namespace)
+        if found is None:
+            found = _Namespace(deque(maxlen=self.window))
+            self._namespaces.put(namespace, found)
+        found.audited += 1
+        found.wrong += wrong
+        found.window.append(wrong)
+        if self.budget is None:
+            return
+        _, low, high = wilson(sum(found.window), len(found.window))
+        step = _STEPS.index(found.state)
+        if low > self.budget and step < len(_STEPS) - 1:
+            self._move(namespace, found, _STEPS[step + 1], low)
+        elif high < self.budget and step > 0:
+            self._move(namespace, found, _STEPS[step - 1], high)
+
+    def _move(self, namespace: str, found: _Namespace, to: State, bound: float) -> None:
+        log.warning(
+            "carpool: semantic namespace %r: %s -> %s (wrong-hit rate bound %.3f, budget %.3f)",
+            namespace,
+            found.state,
+            to,
+            bound,
+            self.budget,
+        )
+        found.state = to
+        found.window.clear()
+
+    def reset(self, namespace: str | None = None) -> int:
+        """Forget the audits of ``namespace`` (None: of all); how many namespaces were reset."""
+        if namespace is None:
+            count = len(self._namespaces)
+            self._namespaces.clear()
+            return count
+        return 0 if self._namespaces.pop(namespace) is None else 1
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        report = {}
+        for namespace, found in self._namespaces.items():
+            estimate, low, high = wilson(sum(found.window), len(found.window))
+            report[namespace] = {
+                "audited": found.audited,
+                "wrong": found.wrong,
+                "estimate": round(estimate, 6),
+                "low": round(low, 6),
+                "high": round(high, 6),
+                "state": found.state,
+            }
+        return report
+
+
+def answer_text(body: Any) -> str:
+    """The text an answer body says (chat, completion, Responses, Messages), for comparing two
+    answers; the body itself when it is none of those."""
+    if isinstance(body, dict):
+        choices = body.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            first = choices[0]
+            message = first.get("message")
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                return str(message["content"])
+            if isinstance(first.get("text"), str):
+                return str(first["text"])
+        parts = body.get("output") or body.get("content")
+        if isinstance(parts, list):
+            texts = []
+            for part in parts:
+                if isinstance(part, dict):
+                    if isinstance(part.get("text"), str):
+                        texts.append(part["text"])
+                    for inner in part.get("content") or ():
+                        if isinstance(inner, dict) and isinstance(inner.get("text"), str):
+                            texts.append(inner["text"])
+            if texts:
+                return "".join(texts)
+    return str(body)

@@ -1,0 +1,96 @@
+"""A fake judge: an OpenAI-compatible ``/v1/chat/completions`` that answers carpool's judge
+questions yes or no from labels, counting its calls.
+
+- "same answer?" questions (``carpool.semantic.judge.SAME_ANSWER``): yes when the pair of
+  requests (either order) is in ``same``, or ``decide(a, b)`` says so.
+- "do these answers agree?" (``ANSWERS_AGREE``): yes when the two answers are the same text, or
+  the pair is in ``agree``.
+- ``fail_status`` answers that status instead; ``hang`` holds every call until released;
+  ``reply`` overrides the text answered (the yes/no protocol's tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from carpool.semantic.judge import ANSWERS_AGREE, SAME_ANSWER
+
+_SAME = re.compile(r"Request A:\n(.*)\n\nRequest B:\n(.*)\Z", re.S)
+_AGREE = re.compile(r"Answer A:\n(.*)\n\nAnswer B:\n(.*)\Z", re.S)
+
+
+class FakeJudge:
+    def __init__(self) -> None:
+        self.same: set[frozenset[str]] = set()
+        self.decide: Callable[[str, str], bool] | None = None
+        self.agree: set[frozenset[str]] = set()
+        self.questions: list[tuple[str, str, str]] = []  # (kind, a, b)
+        self.bodies: list[dict[str, Any]] = []
+        self.fail_status: int | None = None
+        self.hang: asyncio.Event | None = None
+        self.reply: str | None = None
+
+    def says_same(self, a: str, b: str) -> None:
+        self.same.add(frozenset((a, b)))
+
+    def calls(self, kind: str | None = None) -> int:
+        return sum(1 for q in self.questions if kind is None or q[0] == kind)
+
+    def _verdict(self, question: str) -> tuple[str, bool]:
+        if question.startswith(SAME_ANSWER.split("{", 1)[0]):
+            found = _SAME.search(question)
+            assert found is not None, question
+            a, b = found.groups()
+            self.questions.append(("same", a, b))
+            decided = self.decide is not None and self.decide(a, b)
+            return "same", decided or frozenset((a, b)) in self.same
+        assert question.startswith(ANSWERS_AGREE.split("{", 1)[0]), question
+        found = _AGREE.search(question)
+        assert found is not None, question
+        a, b = found.groups()
+        self.questions.append(("agree", a, b))
+        return "agree", a == b or frozenset((a, b)) in self.agree
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        body = orjson.loads(raw)
+        self.bodies.append(body)
+        _, yes = self._verdict(body["messages"][0]["content"])
+        if self.hang is not None:
+            await self.hang.wait()
+        if self.fail_status is not None:
+            status, payload = self.fail_status, {"error": {"message": "judge down"}}
+        else:
+            text = self.reply if self.reply is not None else ("Yes." if yes else "No.")
+            status = 200
+            payload = {
+                "id": "judge-1",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": orjson.dumps(payload)})

@@ -1,0 +1,234 @@
+"""The judge, the audits, the error budget and feedback over HTTP, against a fake judge that
+answers from labels (``tests/fakes/judge.py``) and the counting fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("usearch")
+
+from fakes.judge import FakeJudge  # noqa: E402
+from fakes.serving import serve_app  # noqa: E402
+from fakes.waiting import eventually  # noqa: E402
+
+ADMIN = "admin-secret"
+ROUTER = "How do I reset my router?"
+PARAPHRASES = [  # cosine similarity to ROUTER: 0.985, 0.94, 0.925, 0.967 (none a near repeat
+    "how can i reset my router",  # but the first: BACKED_OFF_SIMILARITY is 0.97)
+    "what steps reset my router",
+    "my router needs a reset, how",
+    "tell me how to reset my router",
+]
+
+
+@pytest.fixture
+async def judge() -> AsyncIterator[tuple[FakeJudge, str]]:
+    fake_judge = FakeJudge()
+    async with serve_app(fake_judge) as url:
+        yield fake_judge, f"{url}/v1"
+
+
+def semantic(judge_url: str | None = None, **settings: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"enabled": True, **settings}
+    if judge_url is not None:
+        config["judge"] = {"model": "judge-model", "url": judge_url, **config.get("judge", {})}
+    return {"semantic": config, "admin_token": ADMIN}
+
+
+async def ask(gw, content: str, namespace: str | None = None):
+    headers = {"x-carpool-namespace": namespace} if namespace else None
+    response = await gw.client.post(
+        "/v1/chat/completions",
+        headers=headers,
+        json={"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]},
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def outcome(response) -> str:
+    return response.headers["x-carpool"]
+
+
+async def admin(gw, method: str, path: str, token: str = ADMIN, **kw):
+    return await gw.client.request(method, path, headers={"authorization": f"Bearer {token}"}, **kw)
+
+
+# --------------------------------------------------------------------------- the judge
+
+
+async def test_in_the_band_the_judge_decides_a_paraphrase_the_verifier_would_serve(
+    fake, gateway_with, judge
+):
+    fake_judge, url = judge
+    async with gateway_with(**semantic(url, judge={"band": [0.0, 1.0]})) as gw:
+        assert outcome(await ask(gw, ROUTER)) == "miss"
+        # The judge says no (no label): a miss, though the verifier serves this one without it.
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "miss"
+        assert fake_judge.calls("same") >= 1
+        fake_judge.decide = lambda a, b: "reset my router" in a.casefold() + b.casefold()
+        hit = await ask(gw, PARAPHRASES[1])
+        assert outcome(hit) == "semantic-hit" and "x-carpool-entry" in hit.headers
+        stats = (await admin(gw, "GET", "/stats")).json()
+        assert stats["judge_calls"] == fake_judge.calls() and stats["judge_calls"] >= 2
+        assert fake.count() == 2  # the judge's calls are not upstream calls
+        assert fake_judge.bodies[0]["model"] == "judge-model"
+
+
+async def test_a_rule_refusal_is_never_put_to_the_judge(fake, gateway_with, judge):
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True
+    async with gateway_with(**semantic(url, judge={"band": [0.0, 1.0]})) as gw:
+        assert outcome(await ask(gw, "How do I reset router number 1?")) == "miss"
+        assert outcome(await ask(gw, "How do I reset router number 2?")) == "miss"
+        assert fake_judge.calls("same") == 0
+
+
+async def test_outside_the_band_the_judge_is_not_asked(fake, gateway_with, judge):
+    fake_judge, url = judge
+    async with gateway_with(**semantic(url, judge={"band": [0.0, 0.01]})) as gw:
+        await ask(gw, ROUTER)
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"  # the verifier's
+        assert fake_judge.calls() == 0
+
+
+@pytest.mark.parametrize("failure", ["500", "timeout", "not yes"])
+async def test_a_failing_judge_is_a_miss(fake, gateway_with, judge, failure):
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True
+    if failure == "500":
+        fake_judge.fail_status = 500
+    elif failure == "timeout":
+        fake_judge.hang = asyncio.Event()
+    else:
+        fake_judge.reply = "Probably yes"
+    config = semantic(url, judge={"band": [0.0, 1.0], "timeout_ms": 50})
+    async with gateway_with(**config) as gw:
+        await ask(gw, ROUTER)
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "miss"
+        assert fake.count() == 2
+    if fake_judge.hang is not None:
+        fake_judge.hang.set()
+
+
+# --------------------------------------------------------------------------- audits
+
+
+async def test_audits_run_in_the_background_after_the_client_got_its_answer(fake, gateway_with):
+    fake.answer_text = lambda n, body: "Hold the reset button for 10 seconds."
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:
+        await ask(gw, ROUTER)
+        fake.gate = asyncio.Event()  # the audit's upstream call is held
+        hit = await ask(gw, PARAPHRASES[0])
+        assert outcome(hit) == "semantic-hit"  # answered while its audit waits upstream
+        await fake.wait_for_calls(2)
+        assert gw.gateway.layers.audits.snapshot() == {}
+        fake.gate.set()
+        await eventually(
+            lambda: gw.gateway.layers.audits.snapshot().get("", {}).get("audited") == 1,
+            what="the audit",
+        )
+        report = (await admin(gw, "GET", "/stats")).json()["semantic_audit"][""]
+        assert report["wrong"] == 0 and report["state"] == "serving"  # the answers agree
+        # The audit's answer was not stored: the paraphrase is still served from the entry.
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
+
+
+async def test_an_audit_that_disagrees_counts_a_wrong_hit_in_its_namespace(fake, gateway_with):
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:  # answers differ per call
+        await ask(gw, ROUTER, "faq")
+        assert outcome(await ask(gw, PARAPHRASES[0], "faq")) == "semantic-hit"
+        await eventually(lambda: "faq" in gw.gateway.layers.audits.snapshot(), what="the audit")
+        report = gw.gateway.layers.audits.snapshot()["faq"]
+        assert (report["audited"], report["wrong"], report["estimate"]) == (1, 1, 1.0)
+        assert 0 < report["low"] <= report["high"] == 1.0
+        metrics = (await admin(gw, "GET", "/metrics")).text
+        assert 'carpool_semantic_audits_wrong_total{namespace="faq"} 1.0' in metrics
+        assert 'carpool_semantic_wrong_rate{bound="estimate",namespace="faq"} 1.0' in metrics
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_then_recovers(
+    fake, gateway_with, judge
+):
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True  # every paraphrase a hit, until the budget says no
+    config = semantic(url, judge={"band": [0.0, 1.0]}, audit_rate=1.0, max_wrong_rate=0.05)
+    async with gateway_with(**config) as gw:  # the upstream's answers differ: audits disagree
+        audits = gw.gateway.layers.audits
+        for namespace in ("bad", "good"):
+            await ask(gw, ROUTER, namespace)
+        assert outcome(await ask(gw, PARAPHRASES[0], "bad")) == "semantic-hit"
+        await eventually(lambda: audits.state("bad") == "backed-off", what="the back-off")
+        assert outcome(await ask(gw, PARAPHRASES[1], "bad")) == "miss"  # not a near repeat
+        await eventually(lambda: audits.state("bad") == "mark", what="mark-only")
+        marked = await ask(gw, PARAPHRASES[2], "bad")
+        assert outcome(marked) == "miss"
+        assert outcome(await ask(gw, PARAPHRASES[0], "good")) == "semantic-hit"
+        await eventually(lambda: audits.snapshot().get("good", {}).get("audited") == 1)
+        states = (await admin(gw, "GET", "/admin/semantic/audit")).json()
+        assert states["bad"]["state"] == "mark"
+        # Audits that agree bring it back, one step at a time (what agreeing audits record).
+        await eventually(lambda: audits.snapshot()["bad"]["audited"] == 3, what="the 3rd audit")
+        for step in ("backed-off", "serving"):
+            for _ in range(200):  # (the upper bound under 0.05: some 75 to 150 agreeing audits)
+                audits.record("bad", False)
+                if audits.state("bad") == step:
+                    break
+            assert audits.state("bad") == step
+        assert outcome(await ask(gw, PARAPHRASES[3], "bad")) == "semantic-hit"
+
+
+async def test_the_admin_endpoint_resets_a_namespace(fake, gateway_with):
+    async with gateway_with(**semantic(audit_rate=1.0, max_wrong_rate=0.05)) as gw:
+        audits = gw.gateway.layers.audits
+        audits.record("faq", True)
+        assert audits.state("faq") == "backed-off"
+        reset = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"namespace": "faq"})
+        assert reset.json() == {"reset": 1} and audits.state("faq") == "serving"
+        assert (await admin(gw, "POST", "/admin/semantic/audit/reset", json=[])).status_code == 400
+        denied = await admin(gw, "POST", "/admin/semantic/audit/reset", token="no", json={})
+        assert denied.status_code == 401
+
+
+# --------------------------------------------------------------------------- feedback
+
+
+async def test_feedback_drops_the_entry_and_counts_a_wrong_hit(fake, gateway_with):
+    async with gateway_with(**semantic()) as gw:
+        await ask(gw, ROUTER, "faq")
+        hit = await ask(gw, PARAPHRASES[0], "faq")
+        assert outcome(hit) == "semantic-hit"
+        entry = hit.headers["x-carpool-entry"]
+        denied = await admin(
+            gw, "POST", "/admin/semantic/feedback", token="x", json={"entry": entry}
+        )
+        assert denied.status_code == 401
+        reported = await admin(gw, "POST", "/admin/semantic/feedback", json={"entry": entry})
+        assert reported.status_code == 200, reported.text
+        assert reported.json() == {"dropped": True, "namespace": "faq"}
+        report = gw.gateway.layers.audits.snapshot()["faq"]
+        assert (report["audited"], report["wrong"]) == (1, 1)
+        assert outcome(await ask(gw, PARAPHRASES[1], "faq")) == "miss"  # the entry is gone
+        again = await admin(gw, "POST", "/admin/semantic/feedback", json={"entry": entry})
+        assert again.status_code == 404
+        bad = await admin(gw, "POST", "/admin/semantic/feedback", json={"id": entry})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+
+
+async def test_the_admin_endpoints_do_not_exist_without_an_admin_token(fake, gateway_with):
+    async with gateway_with(semantic={"enabled": True}) as gw:
+        for method, path in (
+            ("POST", "/admin/semantic/feedback"),
+            ("GET", "/admin/semantic/audit"),
+            ("POST", "/admin/semantic/audit/reset"),
+        ):
+            response = await gw.client.request(method, path, json={})
+            assert response.status_code == 404, path

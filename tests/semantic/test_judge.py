@@ -1,0 +1,132 @@
+"""The judge's contract (``carpool.semantic.judge``): the yes/no protocol, failures as misses,
+verdicts remembered per pair, and the band in which it decides instead of the verifier."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from carpool.semantic.guard import Side
+from carpool.semantic.judge import ANSWERS_AGREE, SAME_ANSWER, Judge, JudgedGuard, is_yes
+from carpool.semantic.verdict import Reason, Verdict
+
+
+@pytest.mark.parametrize(
+    ("reply", "yes"),
+    [
+        ("yes", True),
+        ("Yes.", True),
+        ("YES, they do", True),
+        ("**yes**", True),
+        ("  \n'Yes'", True),
+        ("no", False),
+        ("No, not at all", False),
+        ("Yesterday", False),
+        ("I think yes", False),
+        ("", False),
+        ("...", False),
+    ],
+)
+def test_the_yes_no_protocol_reads_only_the_first_word(reply: str, yes: bool) -> None:
+    assert is_yes(reply) is yes
+
+
+class Asked:
+    """An ``ask`` that answers from a script and records the bodies."""
+
+    def __init__(self, reply: str = "yes") -> None:
+        self.reply = reply
+        self.bodies: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self.hang = False
+
+    async def __call__(self, body: dict[str, Any]) -> str:
+        self.bodies.append(body)
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
+async def test_the_judge_is_asked_with_both_texts_verbatim_its_model_and_no_sampling() -> None:
+    asked = Asked()
+    judge = Judge(asked, model="judge-model", max_tokens=3)
+    a, b = Side("How do I reset it?", "user: my router\nassistant: ok"), Side("Reset how?")
+    assert await judge.same_answer(a, b) is True
+    (body,) = asked.bodies
+    assert body["model"] == "judge-model" and body["temperature"] == 0 and body["max_tokens"] == 3
+    (message,) = body["messages"]
+    content = message["content"]
+    assert content.startswith(SAME_ANSWER.split("{", 1)[0])
+    assert "How do I reset it?" in content and "Reset how?" in content
+    assert "user: my router\nassistant: ok" in content  # a conversation's earlier turns too
+    assert await judge.answers_agree("It is 4.", "Four.") is True
+    assert asked.bodies[1]["messages"][0]["content"].startswith(ANSWERS_AGREE.split("{", 1)[0])
+
+
+async def test_verdicts_are_remembered_per_pair_in_either_order() -> None:
+    asked = Asked("no")
+    judge = Judge(asked, model="j")
+    assert await judge.same_answer(Side("a"), Side("b")) is False
+    assert await judge.same_answer(Side("b"), Side("a")) is False
+    assert await judge.same_answer(Side("a"), Side("c")) is False
+    assert (judge.calls, judge.remembered, len(asked.bodies)) == (2, 1, 2)
+
+
+@pytest.mark.parametrize("failure", ["error", "timeout"])
+async def test_an_error_or_a_timeout_is_a_no_and_is_not_remembered(failure: str) -> None:
+    asked = Asked("yes")
+    if failure == "error":
+        asked.error = RuntimeError("the judge answered 500")
+    else:
+        asked.hang = True
+    judge = Judge(asked, model="j", timeout=0.01)
+    assert await judge.same_answer(Side("a"), Side("b")) is False
+    assert judge.failures == 1
+    asked.error, asked.hang = None, False
+    assert await judge.same_answer(Side("a"), Side("b")) is True  # asked again: not remembered
+    assert judge.calls == 2
+
+
+class Inner:
+    """A guard whose verdicts are given."""
+
+    def __init__(self, verdicts: list[Verdict]) -> None:
+        self.verdicts = verdicts
+
+    async def judge(
+        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+    ) -> list[Verdict]:
+        return list(self.verdicts)
+
+
+async def test_in_the_band_the_judge_decides_what_only_the_verifier_judged() -> None:
+    candidates = [Side(t) for t in "abcdef"]
+    inner = Inner(
+        [
+            Verdict(True, score=0.99),  # a: in the band, verifier yes -> the judge decides
+            Verdict.refused(Reason.MEANING, 0.2),  # b: in the band, verifier no -> the judge
+            Verdict.refused(Reason.NUMBER),  # c: in the band, a rule refused -> stays refused
+            Verdict(True, score=0.99),  # d: above the band -> the verifier's yes stands
+            Verdict.refused(Reason.MEANING, 0.1),  # e: below the band -> stays refused
+            Verdict.refused(Reason.CONTEXT, 0.3),  # f: the band's edge (inclusive) -> judge
+        ]
+    )
+    says = {"a": "no", "b": "yes", "c": "yes", "d": "no", "e": "yes", "f": "yes"}
+
+    async def ask(body: dict[str, Any]) -> str:
+        content = body["messages"][0]["content"]
+        return says[content.rsplit("\n", 1)[1]]
+
+    judge = Judge(ask, model="j")
+    guard = JudgedGuard(inner, judge, (0.8, 0.95))
+    verdicts = await guard.judge(Side("new"), candidates, [0.9, 0.85, 0.9, 0.96, 0.79, 0.8])
+    assert [v.ok for v in verdicts] == [False, True, False, True, False, True]
+    assert verdicts[0].reason is Reason.JUDGE and verdicts[0].score == 0.99
+    assert verdicts[2].reason is Reason.NUMBER  # a rule is never overruled
+    assert verdicts[4].reason is Reason.MEANING
+    assert judge.calls == 3  # a, b, f: only the band's candidates a rule let through
