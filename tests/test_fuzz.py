@@ -186,6 +186,9 @@ async def test_the_openapi_document_describes_every_route_of_the_gateway(gw):
         "/dashboard",
         "/openapi.json",
         "/admin/invalidate",
+        "/admin/semantic/feedback",
+        "/admin/semantic/audit",
+        "/admin/semantic/audit/reset",
     }
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "413", "502", "504"} <= set(chat["responses"])

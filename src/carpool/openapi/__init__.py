@@ -5,7 +5,7 @@ Contract:
   completions, embeddings, OpenAI's Responses API, Anthropic's Messages API; their main request
   fields, the cache-control headers, the idempotency key, every status the gateway
   produces), the control endpoints (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``,
-  ``/dashboard``, ``/openapi.json``) and ``POST /admin/invalidate``. Upstream errors pass through with the
+  ``/dashboard``, ``/openapi.json``) and the ``/admin/*`` endpoints. Upstream errors pass through with the
   upstream's status and body: that is the ``default`` response of the cached endpoints.
 - Request schemas name the main OpenAI fields and allow any other (``additionalProperties``):
   the gateway passes unknown fields through (and fingerprints them). The limits stated in it
@@ -197,31 +197,38 @@ def document() -> dict[str, Any]:
                     },
                 }
             },
-            "/admin/invalidate": {
-                "post": {
-                    "summary": "Drop the matching answers from every layer",
-                    "security": [{"adminToken": []}],
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": ref("Invalidate")}},
-                    },
-                    "responses": {
-                        "200": json_response(
-                            {
-                                "type": "object",
-                                "required": ["invalidated"],
-                                "properties": {"invalidated": {"type": "integer", "minimum": 0}},
-                            },
-                            "How many answers were dropped.",
-                        ),
-                        "400": json_response(error, "Not exactly one valid selector, or not JSON."),
-                        "401": json_response(error, "The admin token is missing or wrong."),
-                        "404": json_response(
-                            error, "No admin token is configured: admin is disabled."
-                        ),
-                    },
-                }
-            },
+            "/admin/invalidate": _admin(
+                "post",
+                "Drop the matching answers from every layer",
+                ref("Invalidate"),
+                _object({"invalidated": {"type": "integer", "minimum": 0}}),
+                "How many answers were dropped.",
+                "Not exactly one valid selector, or not JSON.",
+            ),
+            "/admin/semantic/feedback": _admin(
+                "post",
+                "Report a wrong semantic hit: its entry is dropped and counts as wrong",
+                _object({"entry": {"type": "string", "minLength": 1}}),
+                _object({"dropped": {"type": "boolean"}, "namespace": {"type": "string"}}),
+                "The entry was dropped; a wrong hit counts in its namespace.",
+                'No "entry", or not JSON.',
+                "No admin token is configured, the semantic cache is off, or no such entry here.",
+            ),
+            "/admin/semantic/audit": _admin(
+                "get",
+                "Each namespace's audits of semantic hits, wrong-hit estimate and state",
+                None,
+                {"type": "object", "additionalProperties": ref("SemanticAudit")},
+                "By namespace (the default namespace is the empty string).",
+            ),
+            "/admin/semantic/audit/reset": _admin(
+                "post",
+                "Put one namespace (or all) back to serving, with no audits",
+                _object({"namespace": {"type": "string"}}),
+                _object({"reset": {"type": "integer", "minimum": 0}}),
+                "How many namespaces were reset.",
+                "Not an object, or a namespace that is not a string.",
+            ),
         },
         "components": {
             "schemas": SCHEMAS,
@@ -235,3 +242,37 @@ def document() -> dict[str, Any]:
             },
         },
     }
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": list(properties), "properties": properties}
+
+
+def _admin(
+    method: str,
+    summary: str,
+    body: dict[str, Any] | None,
+    ok: dict[str, Any],
+    ok_description: str,
+    bad: str | None = None,
+    missing: str = "No admin token is configured: admin is disabled.",
+) -> dict[str, Any]:
+    """An ``/admin/*`` operation: the admin token required (401), absent without one (404)."""
+    error = ref("Error")
+    responses = {
+        "200": json_response(ok, ok_description),
+        **({"400": json_response(error, bad)} if bad else {}),
+        "401": json_response(error, "The admin token is missing or wrong."),
+        "404": json_response(error, missing),
+    }
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "security": [{"adminToken": []}],
+        "responses": responses,
+    }
+    if body is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": body}},
+        }
+    return {method: operation}

@@ -51,6 +51,18 @@ _SAMPLING: dict[str, Any] = {
 }
 
 SCHEMAS: dict[str, Any] = {
+    "SemanticAudit": {
+        "type": "object",
+        "required": ["audited", "wrong", "estimate", "low", "high", "state"],
+        "properties": {
+            "audited": {"type": "integer", "minimum": 0},
+            "wrong": {"type": "integer", "minimum": 0},
+            "estimate": {"type": "number", "minimum": 0, "maximum": 1},
+            "low": {"type": "number", "minimum": 0, "maximum": 1},
+            "high": {"type": "number", "minimum": 0, "maximum": 1},
+            "state": {"type": "string", "enum": ["serving", "backed-off", "mark"]},
+        },
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
