@@ -104,3 +104,25 @@ def test_eval_semantic_reports_conversations_and_scores_one_half(tmp_path):
     even, odd = run("--half", "even"), run("--half", "odd")  # rows 0, 2, 4 and 1, 3
     assert even["all"][1:] == ["1", "100.0%", "2", "0.0%"] and "conversations" in even
     assert odd["all"][1:] == ["1", "100.0%", "1", "0.0%"] and "conversations" not in odd
+
+
+def test_a_labeled_judge_decides_the_band_and_its_calls_per_lookup_are_reported(tmp_path):
+    # The jacket pair's negation is the verifier's to refuse (no exact rule): in the band a judge
+    # answering from the label decides it; a rule's refusal (Paris/Rome: entity) stays.
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [*PAIRS[:4], {**PAIRS[2], "same_answer": True, "category": "relabeled"}]
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in rows))
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs)),
+            *("--threshold", "0.0", "--labeled-judge", "0.0", "1.0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert lines["relabeled"][1:3] == ["1", "100.0%"]  # the verifier refused it; the judge not
+    assert lines["negation"][3:5] == ["1", "0.0%"] and lines["entity_swap"][3:5] == ["1", "0.0%"]
+    assert lines["labeled"][1:] == ["judge:", "0.800", "calls", "per", "lookup"]  # 4 of 5 asked

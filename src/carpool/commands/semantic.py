@@ -41,6 +41,17 @@ from .common import missing_extra
 )
 @click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
 @click.option(
+    "--labeled-judge",
+    "band",
+    type=float,
+    nargs=2,
+    default=None,
+    metavar="LOW HIGH",
+    help="A judge answering from each pair's label decides the pairs in this similarity band "
+    "that passed the exact rules (semantic.judge at its best): served/wrong and judge calls "
+    "per lookup.",
+)
+@click.option(
     "--half",
     type=click.Choice(["even", "odd"]),
     default=None,
@@ -53,6 +64,7 @@ def eval_semantic(
     verifier_threshold: float | None,
     sweep: bool,
     half: str | None,
+    band: tuple[float, float] | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     from pathlib import Path
@@ -70,7 +82,7 @@ def eval_semantic(
         missing_extra("the semantic cache", "semantic", error)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
     evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
-    click.echo(format_report(evaluator.report(threshold), threshold))
+    click.echo(format_report(evaluator.report(threshold, None, band), threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
         verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]

@@ -35,6 +35,7 @@ from ..fingerprint import SemanticView, fingerprint, semantic_view
 from ..request import ClientRequest, parse
 from .cache import focus
 from .guard import RulesThenVerifier, Scored, Side
+from .verdict import Reason
 
 
 @dataclass(slots=True)
@@ -57,8 +58,9 @@ class Pair:
 class Decision:
     hit: bool
     similarity: float
-    reason: str  # "served", "scope", "below_threshold" or the guard's reason
+    reason: str  # "served", "scope", "below_threshold", the guard's reason, or "judge"
     score: float | None = None  # the verifier's, when it was asked
+    judged: bool = False  # decided by the (labeled) judge
 
 
 HALVES = ("even", "odd")
@@ -126,7 +128,11 @@ class Evaluator:
         i: int,
         threshold: float,
         verifier_threshold: float | None = None,
+        band: tuple[float, float] | None = None,
     ) -> Decision:
+        """``band``: a labeled judge (``semantic.judge`` answering from the pair's own label)
+        decides the pairs in this similarity band that only the verifier judged: what the judge
+        can buy at best, and how often it is asked."""
         similarity = self.similarity[i]
         if similarity is None:
             return Decision(False, 0.0, "scope")
@@ -140,6 +146,13 @@ class Evaluator:
                 Side(new.text, new.context), [Side(cached.text, cached.context)]
             )
         (verdict,) = self.guard.decide(scored, [similarity], verifier_threshold)
+        if (
+            band is not None
+            and band[0] <= similarity <= band[1]
+            and (verdict.ok or verdict.reason in (Reason.MEANING, Reason.CONTEXT))
+        ):
+            same = self.pairs[i].same_answer
+            return Decision(same, similarity, "judge", verdict.score, judged=True)
         return Decision(
             verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason), verdict.score
         )
@@ -148,10 +161,15 @@ class Evaluator:
         self,
         threshold: float,
         verifier_threshold: float | None = None,
+        band: tuple[float, float] | None = None,
     ) -> dict[str, Any]:
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        lookups = judged = 0
         for i, pair in enumerate(self.pairs):
-            hit = self.decide(i, threshold, verifier_threshold).hit
+            decision = self.decide(i, threshold, verifier_threshold, band)
+            hit = decision.hit
+            lookups += self.similarity[i] is not None  # (a candidate in its scope: a lookup)
+            judged += decision.judged
             names = (
                 (pair.category, "conversations", "all")
                 if pair.conversation
@@ -165,7 +183,7 @@ class Evaluator:
                 else:
                     c[2] += 1
                     c[3] += hit
-        return {
+        report = {
             name: {
                 "should_hit": c[0],
                 "hit_rate": c[1] / c[0] if c[0] else None,
@@ -177,6 +195,9 @@ class Evaluator:
                 key=lambda kv: (kv[0] in ("conversations", "all"), kv[0] == "all", kv[0]),
             )
         }
+        if band is not None and "all" in report:
+            report["all"]["judge_per_lookup"] = judged / lookups if lookups else 0.0
+        return report
 
     def sweep(
         self,
@@ -199,6 +220,9 @@ def format_report(report: dict[str, Any], threshold: float) -> str:
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
         wrong = "-" if r["wrong_rate"] is None else f"{100 * r['wrong_rate']:.1f}%"
         lines.append(f"{name:<22}{r['should_hit']:>11}{hit:>9}{r['should_miss']:>13}{wrong:>8}")
+    judge = report.get("all", {}).get("judge_per_lookup")
+    if judge is not None:
+        lines.append(f"labeled judge: {judge:.3f} calls per lookup")
     return "\n".join(lines)
 
 
