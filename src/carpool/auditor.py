@@ -5,14 +5,15 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   (``Audits.sampled``), a background task (never the client's: it already has its answer) sends
   the request upstream once, not streamed, and compares the fresh answer's text with the served
   one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
-  guard over the two texts. A disagreement is a wrong hit of ``namespace``. The fresh answer is
+  guard over the two texts (its exact rules, and its verifier at the calibrated bar even when
+  ``semantic.verifier_threshold`` loosens the cache's). A disagreement is a wrong hit of ``namespace``. The fresh answer is
   never stored, never shared, never written over the entry. An upstream error, a timeout or a
   non-2xx answer counts nothing (``Audits.failed``). Each audit's call is an upstream call
   (``/stats`` ``upstream_calls``), counted in ``Audits.calls`` too.
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
   (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace.
   Returns the namespace, or None for an entry this instance does not hold.
-- ``aclose`` cancels the audits still running.
+- ``settle`` waits for the audits running now; ``aclose`` cancels them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import orjson
 
 from .exchange import send
 from .semantic.audit import answer_text
-from .semantic.guard import Side
+from .semantic.guard import RulesThenVerifier, Side
 from .upstream.base import UpstreamRequest
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Auditor:
     def __init__(self, layers: Layers) -> None:
         self.layers = layers
         self._running: set[asyncio.Task[None]] = set()
+        self._strict: RulesThenVerifier | None = None
 
     def maybe(self, request: Request, namespace: str, served: Answer) -> None:
         audits = self.layers.audits
@@ -90,7 +92,12 @@ class Auditor:
         if judge is not None:
             return await judge.answers_agree(served, fresh)
         assert semantic is not None  # (audits run only for semantic hits)
-        (verdict,) = await semantic.guard.judge(Side(served), [Side(fresh)])
+        guard = semantic.guard
+        if isinstance(guard, RulesThenVerifier) and guard.threshold != guard.verifier.threshold:
+            # At the verifier's calibrated bar: an audit must not be as loose as the cache may
+            # be set (it would then agree with every hit it served).
+            guard = self._strict = self._strict or RulesThenVerifier(guard.verifier, guard.rules)
+        (verdict,) = await guard.judge(Side(served), [Side(fresh)])
         return verdict.ok
 
     def feedback(self, public_id: str) -> str | None:
@@ -101,6 +108,11 @@ class Auditor:
         if namespace is not None:
             audits.record(namespace, True)
         return namespace
+
+    async def settle(self) -> None:
+        """Wait for the audits running now (for whoever needs their verdicts: benchmarks)."""
+        if self._running:
+            await asyncio.gather(*list(self._running), return_exceptions=True)
 
     async def aclose(self) -> None:
         for task in list(self._running):
