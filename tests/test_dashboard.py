@@ -287,6 +287,45 @@ async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, br
     await page.close()
 
 
+async def test_dashboard_shows_each_namespaces_wrong_hit_estimate_and_budget_state(gw, browser):
+    """/stats ``semantic_audit``: one tile per namespace, the estimate, its interval, the state."""
+    audit = {
+        "": {
+            "audited": 40,
+            "wrong": 1,
+            "estimate": 0.025,
+            "low": 0.004,
+            "high": 0.129,
+            "state": "serving",
+        },
+        "faq/en": {
+            "audited": 9,
+            "wrong": 4,
+            "estimate": 0.444,
+            "low": 0.189,
+            "high": 0.733,
+            "state": "backed-off",
+        },
+    }
+    doc = {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33, "semantic_audit": audit}
+
+    async def stats_route(route) -> None:
+        await route.fulfill(status=200, content_type="application/json", body=json.dumps(doc))
+
+    page = await browser.new_page()
+    await page.route("**/stats", stats_route)
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    tiles = (await page.evaluate(SNAPSHOT_JS, None))["tiles"]
+    assert tiles["tile-audit-default"]["text"] == "2.5%"
+    assert tiles["tile-audit-faq%2Fen"]["text"] == "44.4%"
+    note = await page.inner_text("#tile-audit-faq\\%2Fen .note")
+    assert note == "18.9%–73.3% · 9 audited · backed-off"
+    label = await page.inner_text("#tile-audit-default .label")
+    assert label.lower() == "wrong hits · default namespace"
+    await page.close()
+
+
 async def test_dashboard_is_one_self_contained_html_page(gw):
     response = await gw.client.get("/dashboard")
     assert response.status_code == 200
