@@ -359,7 +359,8 @@ def build_semantic(
     if judge is not None:
         from .semantic.judge import JudgedGuard
 
-        guard = JudgedGuard(guard, judge, config.semantic.judge.band)
+        settings = config.semantic.judge
+        guard = JudgedGuard(guard, judge, settings.band, settings.overrules)
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
 

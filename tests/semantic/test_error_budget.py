@@ -89,6 +89,17 @@ async def test_a_rule_refusal_is_never_put_to_the_judge(fake, gateway_with, judg
         assert fake_judge.calls("same") == 0
 
 
+async def test_a_rule_the_judge_overrules_is_put_to_it(fake, gateway_with, judge):
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True
+    async with gateway_with(
+        **semantic(url, judge={"band": [0.0, 1.0], "overrules": ["number"]})
+    ) as gw:
+        assert outcome(await ask(gw, "How do I reset router number 1?")) == "miss"
+        assert outcome(await ask(gw, "How do I reset router number 2?")) == "semantic-hit"
+        assert fake_judge.calls("same") == 1
+
+
 async def test_outside_the_band_the_judge_is_not_asked(fake, gateway_with, judge):
     fake_judge, url = judge
     async with gateway_with(**semantic(url, judge={"band": [0.0, 0.01]})) as gw:

@@ -130,3 +130,17 @@ async def test_in_the_band_the_judge_decides_what_only_the_verifier_judged() -> 
     assert verdicts[2].reason is Reason.NUMBER  # a rule is never overruled
     assert verdicts[4].reason is Reason.MEANING
     assert judge.calls == 3  # a, b, f: only the band's candidates a rule let through
+
+
+async def test_the_judge_overrules_only_the_rules_it_is_given() -> None:
+    inner = Inner([Verdict.refused(Reason.NUMBER), Verdict.refused(Reason.ENTITY)])
+    asked: list[str] = []
+
+    async def ask(body: dict[str, Any]) -> str:
+        asked.append(body["messages"][0]["content"].rsplit("\n", 1)[1])
+        return "yes"
+
+    guard = JudgedGuard(inner, Judge(ask, model="j"), (0.0, 1.0), overrules=["number"])
+    verdicts = await guard.judge(Side("new"), [Side("a"), Side("b")], [0.9, 0.9])
+    assert [v.ok for v in verdicts] == [True, False] and verdicts[1].reason is Reason.ENTITY
+    assert asked == ["a"]

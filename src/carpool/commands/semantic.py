@@ -52,6 +52,13 @@ from .common import missing_extra
     "per lookup.",
 )
 @click.option(
+    "--judge-overrules",
+    default="",
+    metavar="REASONS",
+    help="With --labeled-judge: rules whose refusals the judge may overrule in the band "
+    "(comma-separated, as semantic.judge.overrules: entity,identifier,number).",
+)
+@click.option(
     "--half",
     type=click.Choice(["even", "odd"]),
     default=None,
@@ -65,6 +72,7 @@ def eval_semantic(
     sweep: bool,
     half: str | None,
     band: tuple[float, float] | None,
+    judge_overrules: str,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     from pathlib import Path
@@ -82,7 +90,8 @@ def eval_semantic(
         missing_extra("the semantic cache", "semantic", error)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
     evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
-    click.echo(format_report(evaluator.report(threshold, None, band), threshold))
+    overrules = frozenset(r.strip() for r in judge_overrules.split(",") if r.strip())
+    click.echo(format_report(evaluator.report(threshold, None, band, overrules), threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
         verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]

@@ -147,6 +147,14 @@ class JudgeConfig(Section):
         description="[low, high] cosine similarity of the candidates the judge decides (after "
         "the exact rules); outside it the verifier decides.",
     )
+    overrules: list[
+        Literal["quoted", "number", "operator", "identifier", "entity", "order", "polarity"]
+    ] = Field(
+        default_factory=list,
+        description="Exact rules whose refusals the judge may overrule in the band (the "
+        "verifier never may): e.g. [entity, identifier, number] when the judge reads names "
+        "and numbers reliably. Empty: every rule's refusal stands.",
+    )
     timeout_ms: float = Field(
         2000, gt=0, description="Longest wait for a verdict; a timeout is a miss."
     )

@@ -129,10 +129,11 @@ class Evaluator:
         threshold: float,
         verifier_threshold: float | None = None,
         band: tuple[float, float] | None = None,
+        overrules: frozenset[str] = frozenset(),
     ) -> Decision:
         """``band``: a labeled judge (``semantic.judge`` answering from the pair's own label)
-        decides the pairs in this similarity band that only the verifier judged: what the judge
-        can buy at best, and how often it is asked."""
+        decides the pairs in this similarity band that only the verifier judged (or a rule in
+        ``overrules`` refused): what a judge can buy at best, and how often it is asked."""
         similarity = self.similarity[i]
         if similarity is None:
             return Decision(False, 0.0, "scope")
@@ -149,7 +150,11 @@ class Evaluator:
         if (
             band is not None
             and band[0] <= similarity <= band[1]
-            and (verdict.ok or verdict.reason in (Reason.MEANING, Reason.CONTEXT))
+            and (
+                verdict.ok
+                or verdict.reason in (Reason.MEANING, Reason.CONTEXT)
+                or str(verdict.reason) in overrules
+            )
         ):
             same = self.pairs[i].same_answer
             return Decision(same, similarity, "judge", verdict.score, judged=True)
@@ -162,11 +167,12 @@ class Evaluator:
         threshold: float,
         verifier_threshold: float | None = None,
         band: tuple[float, float] | None = None,
+        overrules: frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         lookups = judged = 0
         for i, pair in enumerate(self.pairs):
-            decision = self.decide(i, threshold, verifier_threshold, band)
+            decision = self.decide(i, threshold, verifier_threshold, band, overrules)
             hit = decision.hit
             lookups += self.similarity[i] is not None  # (a candidate in its scope: a lookup)
             judged += decision.judged

@@ -14,11 +14,13 @@ Contract:
   ``cache_entries``); ``calls`` counts the questions asked of the model (not those answered from
   memory: ``remembered``), ``failures`` those that errored or timed out. Judge calls are never
   upstream calls saved.
-- ``JudgedGuard(inner, judge, band)`` is a :class:`~carpool.semantic.guard.Guard`: the inner
-  guard judges every candidate first; a candidate an exact rule refused stays refused; one whose
-  cosine similarity lies within ``band`` (inclusive) and that only the verifier judged is
-  served when the judge says yes, else refused with :attr:`Reason.JUDGE`; outside the band the
-  inner verdict stands. Candidates in the band are asked about concurrently.
+- ``JudgedGuard(inner, judge, band, overrules=())`` is a :class:`~carpool.semantic.guard.Guard`:
+  the inner guard judges every candidate first; a candidate an exact rule refused stays refused,
+  unless its reason is in ``overrules`` (``semantic.judge.overrules``); one whose cosine
+  similarity lies within ``band`` (inclusive) and that only the verifier judged (or an
+  overruled rule refused) is served when the judge says yes, else refused with
+  :attr:`Reason.JUDGE`; outside the band the inner verdict stands. Candidates in the band are
+  asked about concurrently.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -156,10 +158,17 @@ class Judge:
 class JudgedGuard:
     """The inner guard, with the judge deciding the candidates in the uncertain band."""
 
-    def __init__(self, inner: Guard, judge: Judge, band: tuple[float, float]) -> None:
+    def __init__(
+        self,
+        inner: Guard,
+        judge: Judge,
+        band: tuple[float, float],
+        overrules: Iterable[Reason | str] = (),
+    ) -> None:
         self.inner = inner
         self.llm = judge
         self.low, self.high = band
+        self.decided = frozenset({*_MODEL_REASONS, *(Reason(r) for r in overrules)})
 
     async def judge(
         self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
@@ -171,7 +180,7 @@ class JudgedGuard:
             i
             for i, (verdict, similarity) in enumerate(zip(verdicts, similarities, strict=True))
             if self.low <= similarity <= self.high
-            and (verdict.ok or verdict.reason in _MODEL_REASONS)
+            and (verdict.ok or verdict.reason in self.decided)
         ]
         answers = await asyncio.gather(*(self.llm.same_answer(new, candidates[i]) for i in asked))
         for i, yes in zip(asked, answers, strict=True):
