@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from .commands.bench import bench
+from .commands.check import check_config
 from .commands.common import default_of, load_config, missing_extra, without_credentials
 from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
@@ -196,7 +197,7 @@ def serve(
         )
 
 
-for _command in (sim, bench, eval_semantic, config_reference, fetch_model):
+for _command in (sim, bench, eval_semantic, config_reference, fetch_model, check_config):
     main.add_command(_command)
 
 
