@@ -26,6 +26,7 @@ from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config
+from .request_id import RequestIdFilter
 
 
 @click.group()
@@ -86,7 +87,12 @@ def serve(
             "workers": workers,
         },
     )
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s",
+    )
+    for handler in logging.getLogger().handlers:  # (each line says which request it was)
+        handler.addFilter(RequestIdFilter())
     log = logging.getLogger("carpool")
     if config.upstreams:
         from .upstream.http import replica_names

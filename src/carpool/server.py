@@ -65,6 +65,8 @@ from .outcome import Outcome
 from .paths import confine
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
+from .request_id import CURRENT as REQUEST_ID
+from .request_id import HEADER, request_id
 from .wiring import build_gateway
 
 log = logging.getLogger("carpool.server")
@@ -84,6 +86,21 @@ class GatewayApp:
         self.other = _control_app(gateway, self.deadlines)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.other(scope, receive, send)
+            return
+        # Every response says which request it answers (``request_id``), as its log lines do.
+        rid = request_id(scope["headers"])
+        REQUEST_ID.set(rid.decode("ascii"))
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
+            await send(message)
+
+        await self._route(scope, receive, send_with_id)
+
+    async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
         if (
             scope["type"] == "http"
             and sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers

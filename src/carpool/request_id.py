@@ -1,0 +1,39 @@
+"""Request ids: every response carries ``x-request-id``, and every log line of its request.
+
+Contract:
+- ``request_id(headers)``: the client's own ``x-request-id`` when it sent a usable one (1 to 128
+  characters of letters, digits and ``-_.:/+=``: echoed back as it came), else a new one (16 hex
+  digits, random). Anything else a client sends there is replaced, never echoed: a response
+  header must not carry a client's arbitrary bytes.
+- ``CURRENT`` holds the id of the request the running task serves (a ``ContextVar``: tasks the
+  request starts inherit it); ``RequestIdFilter`` puts it on every log record as
+  ``record.request_id`` (``-`` outside a request), for the log format's ``%(request_id)s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable
+from contextvars import ContextVar
+
+HEADER = b"x-request-id"
+CURRENT: ContextVar[str] = ContextVar("carpool_request_id", default="-")
+_USABLE = re.compile(rb"[A-Za-z0-9\-_.:/+=]{1,128}")
+
+
+def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The id of a request with these (ASGI) headers: the client's when usable, else new."""
+    for name, value in headers:
+        if name == HEADER and _USABLE.fullmatch(value):
+            return value
+    return os.urandom(8).hex().encode()
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``record.request_id`` (the current request's id) to every record it sees."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = CURRENT.get()
+        return True
