@@ -51,6 +51,7 @@ from starlette.routing import Route
 
 from .admin_http import admin_routes
 from .apis import BY_PATH
+from .auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, ClientKeys
 from .config import Config
 from .errors import (
     AdminRequired,
@@ -71,6 +72,7 @@ from .wiring import build_gateway
 
 log = logging.getLogger("carpool.server")
 
+
 Scope = dict[str, Any]
 
 
@@ -84,6 +86,8 @@ class GatewayApp:
         self.deadlines = _Deadlines(gateway.config.limits.body_read_timeout)
         self.allow = gateway.config.passthrough.allow
         self.other = _control_app(gateway, self.deadlines)
+        keys_file = gateway.config.auth.client_keys_file
+        self.client_keys = ClientKeys.load(keys_file) if keys_file else None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -101,6 +105,15 @@ class GatewayApp:
         await self._route(scope, receive, send_with_id)
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
+        if (
+            self.client_keys is not None
+            and scope["path"].startswith("/v1/")
+            and not self.client_keys.accepts(scope["headers"])
+        ):
+            # Before anything is read, cached, shared or sent upstream (``auth.py``).
+            self.gateway.stats.rejected += 1
+            await _send_whole(send, 401, UNAUTHORIZED_HEADERS, UNAUTHORIZED)
+            return
         if (
             scope["type"] == "http"
             and sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers

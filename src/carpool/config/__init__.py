@@ -30,11 +30,12 @@ from .caching import (
 from .distributed import DistributedConfig
 from .loader import CONFIG_FILE_VARIABLE, ENV_PREFIX
 from .model import Config
-from .perimeter import IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
+from .perimeter import AuthConfig, IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
 from .reference import reference_markdown
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
 
 __all__ = [
+    "AuthConfig",
     "CONFIG_FILE_VARIABLE",
     "DEFAULT_TYPES",
     "ENV_PREFIX",

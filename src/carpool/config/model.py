@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 from .base import Section
 from .caching import CacheConfig, CoalesceConfig, FingerprintConfig, SemanticConfig
 from .distributed import DistributedConfig
-from .perimeter import IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
+from .perimeter import AuthConfig, IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
 
 
@@ -80,6 +80,7 @@ class Config(Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     passthrough: PassthroughConfig = Field(default_factory=PassthroughConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
 

@@ -8,6 +8,7 @@ these fields. Durations are seconds; sizes are bytes.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -144,3 +145,23 @@ class PassthroughConfig(Section):
                 )
             out.append("/" + "/".join(segments))
         return out
+
+
+class AuthConfig(Section):
+    """Who may use the gateway at all, with keys the gateway holds (instead of the upstream's)."""
+
+    client_keys_file: str | None = Field(
+        None,
+        description="A file of the client keys the gateway accepts, one per line: the key "
+        "itself, or its SHA-256 in hex (64 hex digits; `#` starts a comment). With it, a "
+        "request to /v1/... without a listed key (`Authorization: Bearer`, `api-key` or "
+        "`x-api-key`) gets 401 before anything is read, cached or shared; each key is its own "
+        "tenant. Read at start-up. null: no check (the upstream judges the keys).",
+    )
+
+    @field_validator("client_keys_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{value!r} is not a file")
+        return value

@@ -8,9 +8,10 @@ fields. Durations are seconds unless the name ends in ``_ms``.
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 
 from .base import Section
 
@@ -121,6 +122,13 @@ class BatchingConfig(Section):
 
 
 class UpstreamConfig(Section):
+    api_key: SecretStr | None = Field(
+        None,
+        description="A key the gateway holds for its upstreams, sent as `Authorization: Bearer "
+        "...` in place of the client's credentials (which then never go upstream): a value, or "
+        "`${ENV_VAR}` to read it from the environment at start-up. Never logged nor shown. "
+        "null: the client's credentials go upstream as they came.",
+    )
     stream_usage: bool = Field(
         True,
         description="Ask a streaming upstream for a final usage chunk "
@@ -137,6 +145,18 @@ class UpstreamConfig(Section):
         "with `best_of` or `echo`. Off: the call streams only when its "
         "leader asked to.",
     )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _from_the_environment(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+            name = value[2:-1]
+            if name not in os.environ:
+                raise ValueError(
+                    f"the environment variable {name} (named by ${{{name}}}) is not set"
+                )
+            return os.environ[name]
+        return value
 
 
 class SimConfig(Section):

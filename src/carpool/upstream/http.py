@@ -59,6 +59,10 @@ KEEPALIVE_S = 4.0
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
 
+# The client's credentials, replaced as a whole when the gateway holds the upstream's.
+_CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
+
+
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {
         name: value
@@ -117,7 +121,12 @@ def reason(error: BaseException) -> str:
 
 class HttpUpstream:
     def __init__(
-        self, base_url: str, limits: LimitsConfig, name: str | None = None, label: str | None = None
+        self,
+        base_url: str,
+        limits: LimitsConfig,
+        name: str | None = None,
+        label: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.name = name or public_url(base_url)
         self.label = label or name or "replica"
@@ -131,6 +140,11 @@ class HttpUpstream:
             else None
         )
         self.base_url = str(url.with_user(None)) if self._auth else base_url.rstrip("/")
+        # A key the gateway holds (``upstream.api_key``): sent in place of every credential the
+        # client presented, which then never leaves the gateway.
+        self._replaced: frozenset[str] = frozenset({"authorization"})
+        if api_key:
+            self._auth, self._replaced = f"Bearer {api_key}", _CREDENTIAL_HEADERS
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None
 
@@ -182,7 +196,7 @@ class HttpUpstream:
         self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
         if self._auth is not None:
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
         try:
             return await self._client().request(method, url, data=body, headers=headers)

@@ -1,0 +1,72 @@
+"""Gateway-side client keys (``auth.client_keys_file``): who may use the gateway at all.
+
+Contract:
+- ``ClientKeys.load(path)``: one key per line, the key itself or its SHA-256 in hex (a line of
+  64 hex digits is taken as a digest); blank lines and ``#`` comments are skipped. Only digests
+  are kept in memory (hashed at rest: a key is never held, logged or compared as text).
+- ``accepts(headers)`` (ASGI header pairs): True when the request presents a listed key in
+  ``Authorization: Bearer <key>``, ``api-key`` or ``x-api-key`` (the first one present is the
+  one judged). The server answers 401 to any other request to ``/v1/...`` before reading its
+  body, so nothing of it is cached, shared or sent upstream.
+- Each key stays its own tenant: the tenant is made of the credentials the request presents
+  (``identity.py``), the client key among them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import orjson
+
+#: The 401 for a request without a listed key, in OpenAI's error shape (its own wording).
+UNAUTHORIZED = orjson.dumps(
+    {
+        "error": {
+            "message": "Incorrect API key provided: this gateway does not know it.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+)
+UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+_HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+_CREDENTIALS = (b"authorization", b"api-key", b"x-api-key")
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class ClientKeys:
+    def __init__(self, digests: Iterable[str]) -> None:
+        self._digests = frozenset(d.lower() for d in digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClientKeys:
+        digests = []
+        for raw in Path(path).read_text(encoding="utf-8").splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if line:
+                digests.append(line if _HEX_DIGEST.fullmatch(line) else digest(line))
+        return cls(digests)
+
+    def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        presented = dict(headers)
+        for name in _CREDENTIALS:
+            value = presented.get(name)
+            if value is None:
+                continue
+            text = value.decode("latin-1").strip()
+            if name == b"authorization":
+                scheme, _, text = text.partition(" ")
+                if scheme.lower() != "bearer":
+                    return False
+            return digest(text.strip()) in self._digests
+        return False

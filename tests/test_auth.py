@@ -1,0 +1,134 @@
+"""Gateway-held upstream keys (``upstream.api_key``) and gateway-side client keys
+(``auth.client_keys_file``): clients never see the upstream's key, and a request without a
+listed key gets 401 before anything is read, cached, shared or sent upstream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from carpool.auth import ClientKeys
+from carpool.config import Config, ConfigError
+
+UPSTREAM_KEY = "sk-upstream-Zq8vTq2rWn5p"
+BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def keys_file(tmp_path):
+    path = tmp_path / "client-keys.txt"
+    path.write_text(
+        "# the gateway's own client keys\n"
+        "client-a\n"
+        f"{hashlib.sha256(b'client-b').hexdigest()}   # client-b, hashed at rest\n"
+        "\n"
+    )
+    return path
+
+
+@pytest.fixture
+async def held(gateway_with, keys_file):
+    config = {"upstream": {"api_key": UPSTREAM_KEY}, "auth": {"client_keys_file": str(keys_file)}}
+    async with gateway_with(**config) as gw:
+        yield gw
+
+
+async def test_the_upstream_gets_the_gateways_key_and_never_the_clients(held, fake, caplog):
+    caplog.set_level(logging.DEBUG)
+    response = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
+    assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
+    (call,) = fake.calls
+    assert call.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert "client-a" not in json.dumps(call.headers)
+    assert UPSTREAM_KEY not in response.text + json.dumps(dict(response.headers))
+    stats = await held.client.get("/stats")
+    assert UPSTREAM_KEY not in stats.text
+    assert UPSTREAM_KEY not in caplog.text and "client-a" not in caplog.text
+
+
+async def test_a_request_without_a_listed_key_gets_401_before_anything(held, fake):
+    for headers in (
+        bearer("client-z"),
+        {},
+        {"Authorization": "Basic Y2xpZW50LWE6"},
+        {"x-api-key": "nope"},
+    ):
+        response = await held.client.post("/v1/chat/completions", json=BODY, headers=headers)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert "x-request-id" in response.headers
+    passthrough = await held.client.get("/v1/models", headers=bearer("client-z"))
+    assert passthrough.status_code == 401
+    assert fake.count() == 0  # nothing went upstream
+    assert (await held.client.get("/stats")).json()["rejected"] == 5
+    assert held.gateway.store.entries == 0
+    # The control endpoints are not the API: /healthz answers whoever asks.
+    assert (await held.client.get("/healthz")).status_code == 200
+
+
+async def test_a_hashed_key_and_the_other_credential_headers_are_accepted(held, fake):
+    for headers in ({"x-api-key": "client-b"}, {"api-key": "client-b"}, bearer("client-b")):
+        response = await held.client.post("/v1/chat/completions", json=BODY, headers=headers)
+        assert response.status_code == 200, headers
+    assert "client-b" not in json.dumps([c.headers for c in fake.calls])
+
+
+async def test_each_client_key_is_its_own_tenant(held, fake):
+    a = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
+    b = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-b"))
+    again = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
+    assert [r.headers["x-carpool"] for r in (a, b, again)] == ["miss", "miss", "hit"]
+    assert fake.count() == 2
+
+
+async def test_pass_through_goes_with_the_gateways_key(held, fake):
+    response = await held.client.get("/v1/models", headers=bearer("client-a"))
+    assert response.status_code == 200
+    assert fake.calls[-1].headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+
+
+def test_the_upstream_key_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CARPOOL_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    config = Config(upstream={"api_key": "${CARPOOL_TEST_UPSTREAM_KEY}"})
+    assert config.upstream.api_key is not None
+    assert config.upstream.api_key.get_secret_value() == UPSTREAM_KEY
+    assert UPSTREAM_KEY not in repr(config) and UPSTREAM_KEY not in config.model_dump_json()
+    monkeypatch.delenv("CARPOOL_TEST_UPSTREAM_KEY")
+    with pytest.raises(ValueError, match="CARPOOL_TEST_UPSTREAM_KEY"):
+        Config(upstream={"api_key": "${CARPOOL_TEST_UPSTREAM_KEY}"})
+
+
+def test_check_config_names_an_unset_key_variable(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream:\n  api_key: ${CARPOOL_SURELY_UNSET_VARIABLE}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "upstream.api_key" in result.stderr
+
+
+def test_client_keys_keep_only_digests(keys_file):
+    keys = ClientKeys.load(keys_file)
+    assert len(keys) == 2
+    assert "client-a" not in repr(vars(keys))
+    assert keys.accepts([(b"authorization", b"Bearer client-a")])
+    assert keys.accepts([(b"x-api-key", b"client-b")])
+    assert not keys.accepts([(b"authorization", b"Bearer client-c")])
+    assert not keys.accepts([])
+
+
+def test_a_missing_keys_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="auth.client_keys_file"):
+        Config.load(None, overrides={"auth": {"client_keys_file": str(tmp_path / "absent.txt")}})
