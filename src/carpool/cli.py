@@ -11,6 +11,7 @@ without user, password and query (``without_credentials``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -179,9 +180,12 @@ def serve(
         "access_log": False,
         "loop": "auto",
         "http": "auto",
+        "timeout_graceful_shutdown": config.shutdown.grace_s,
     }
     if config.workers == 1:
-        uvicorn.run(create_app(gateway), **served)
+        from .draining import DrainingServer
+
+        DrainingServer(uvicorn.Config(create_app(gateway), **served), gateway, config).run()
         return
     # Several processes: each builds its own gateway from the resolved config, written once;
     # the one built here only checked the config (and would hold the embedding model).
@@ -195,7 +199,10 @@ def serve(
             config.workers,
         )
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
-        resolved.write(config.model_dump_json())
+        data = config.model_dump(mode="json")
+        if config.upstream.api_key is not None:  # (the workers need the key itself: 0600 file)
+            data["upstream"]["api_key"] = config.upstream.api_key.get_secret_value()
+        resolved.write(json.dumps(data))
         resolved.flush()
         os.environ[CONFIG_FILE_VARIABLE] = resolved.name
         uvicorn.run(

@@ -104,7 +104,7 @@ class Instance:
 async def instances(
     n: int,
     upstream: str,
-    redis: str,
+    redis: str | None,
     settings: dict[str, Any] | None = None,
     *,
     connections: int = 1000,
@@ -126,8 +126,7 @@ async def instances(
                             "serve",
                             "--upstream",
                             upstream,
-                            "--redis",
-                            redis,
+                            *(["--redis", redis] if redis else []),
                             "--port",
                             str(port),
                         ],

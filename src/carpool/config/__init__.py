@@ -30,7 +30,14 @@ from .caching import (
 from .distributed import DistributedConfig
 from .loader import CONFIG_FILE_VARIABLE, ENV_PREFIX
 from .model import Config
-from .perimeter import AuthConfig, IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
+from .perimeter import (
+    AuthConfig,
+    IdempotencyConfig,
+    LimitsConfig,
+    PassthroughConfig,
+    ShutdownConfig,
+    TenantConfig,
+)
 from .reference import reference_markdown
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
 
@@ -52,6 +59,7 @@ __all__ = [
     "PassthroughConfig",
     "RoutingConfig",
     "SemanticConfig",
+    "ShutdownConfig",
     "SimConfig",
     "TenantConfig",
     "TypePolicy",

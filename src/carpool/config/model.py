@@ -16,7 +16,14 @@ from pydantic import Field, field_validator
 from .base import Section
 from .caching import CacheConfig, CoalesceConfig, FingerprintConfig, SemanticConfig
 from .distributed import DistributedConfig
-from .perimeter import AuthConfig, IdempotencyConfig, LimitsConfig, PassthroughConfig, TenantConfig
+from .perimeter import (
+    AuthConfig,
+    IdempotencyConfig,
+    LimitsConfig,
+    PassthroughConfig,
+    ShutdownConfig,
+    TenantConfig,
+)
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
 
 
@@ -81,6 +88,7 @@ class Config(Section):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     passthrough: PassthroughConfig = Field(default_factory=PassthroughConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
 

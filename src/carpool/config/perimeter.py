@@ -165,3 +165,21 @@ class AuthConfig(Section):
         if value is not None and not Path(value).is_file():
             raise ValueError(f"{value!r} is not a file")
         return value
+
+
+class ShutdownConfig(Section):
+    """What ``carpool serve`` does on SIGTERM (a rolling deploy, a scale-down)."""
+
+    drain_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds between SIGTERM and closing the listening socket: /readyz answers "
+        "503 meanwhile, so that load balancers stop sending, while requests are still served. "
+        "(One worker; with `workers` > 1 the listener closes at once.)",
+    )
+    grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds the requests in progress then have to finish (flights and their "
+        "waiters get their answers, streams end properly) before the process exits anyway.",
+    )

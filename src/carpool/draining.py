@@ -1,0 +1,48 @@
+"""Graceful shutdown of ``carpool serve`` (one worker): drain, then stop.
+
+Contract: on the first SIGTERM the gateway turns unready (``Gateway.draining``: ``/readyz`` 503)
+and keeps serving for ``shutdown.drain_s``, so that load balancers stop sending it requests; then
+uvicorn stops as it does on a signal: the listener closes, the requests in progress (a flight's
+waiters, streams) get ``shutdown.grace_s`` to finish, the lifespan closes the layers, the
+process exits 0. A second SIGTERM, or SIGINT, skips what is left of the drain. With Redis, a
+flight this instance leads still finishes here within the grace period; if the process is
+killed before, the other instances' followers take it over as after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from .config import Config
+
+log = logging.getLogger("carpool.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Any, settings: Config) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_s = settings.shutdown.drain_s
+        self._drained_at: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self._drained_at is None and self.drain_s > 0:
+            self.gateway.draining = True
+            self._drained_at = time.monotonic() + self.drain_s
+            log.info(
+                "carpool: SIGTERM: not ready, draining for %.1f s, then stopping", self.drain_s
+            )
+            return
+        self.gateway.draining = True
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drained_at is not None and time.monotonic() >= self._drained_at:
+            self.should_exit = True
+        return await super().on_tick(counter)
