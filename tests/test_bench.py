@@ -405,7 +405,7 @@ async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
     assert report["params"]["mode"] == "closed-loop" and report["params"]["concurrency"] == 6
     assert report["upstream_calls"] == fake.count() == report["oracle_calls"]
     assert report["plots"] == [] and not list(out.glob("*.png"))
-    assert "pip install 'carpool[bench]'" in (out / "report.md").read_text()
+    assert "pip install '.[bench]' in carpool's checkout" in (out / "report.md").read_text()
     assert set(json.loads((out / "report.json").read_text())) >= {
         "requests",
         "upstream_calls",

@@ -78,7 +78,7 @@ class Auditor:
                 "",
             )
         except Exception as error:  # noqa: BLE001 - an audit that failed judges nothing
-            log.debug("carpool: an audit's upstream call failed (%s)", type(error).__name__)
+            log.debug("an audit's upstream call failed (%s)", type(error).__name__)
             return None
         try:
             if not 200 <= response.status < 300:

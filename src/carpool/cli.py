@@ -11,9 +11,11 @@ without user, password and query (``without_credentials``).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 from typing import Any
@@ -22,12 +24,18 @@ import click
 
 from .commands.bench import bench
 from .commands.check import check_config
-from .commands.common import default_of, load_config, missing_extra, without_credentials
+from .commands.common import (
+    default_of,
+    install_hint,
+    load_config,
+    missing_extra,
+    without_credentials,
+)
 from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config
-from .request_id import RequestIdFilter
+from .logs import configure as configure_logging
 
 
 @click.group()
@@ -88,25 +96,20 @@ def serve(
             "workers": workers,
         },
     )
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s",
-    )
-    for handler in logging.getLogger().handlers:  # (each line says which request it was)
-        handler.addFilter(RequestIdFilter())
-    log = logging.getLogger("carpool")
+    configure_logging(config.log_level, config.log_format)
+    log = logging.getLogger("carpool.cli")
     if config.upstreams:
         from .upstream.http import replica_names
 
         # By the names /stats, /metrics and the failure warnings will use.
         log.info(
-            "carpool: fronting %d upstream replica(s): %s",
+            "fronting %d upstream replica(s): %s",
             len(config.upstreams),
             ", ".join(name for name, _ in replica_names(config.upstreams, config.upstream_names)),
         )
     else:
         log.info(
-            "carpool: no --upstream given, using the embedded SIMULATED engine "
+            "no --upstream given, using the embedded SIMULATED engine "
             "(%d replica(s)); its answers are synthetic text, not a real model",
             config.sim.replicas,
         )
@@ -127,7 +130,7 @@ def serve(
             sys.exit(2)
         if mode is None:
             log.warning(
-                "carpool: Redis at %s does not answer INFO now (down, or INFO not "
+                "Redis at %s does not answer INFO now (down, or INFO not "
                 "allowed); starting with this instance's memory and trying again. If it "
                 "is a cluster node, set distributed.cluster: true (it could not be "
                 "detected)",
@@ -136,12 +139,12 @@ def serve(
         elif mode == "cluster" and not config.distributed.cluster:
             # A plain client would get MOVED for the other masters' keys: half-shared.
             log.info(
-                "carpool: %s is a cluster node: using a cluster client",
+                "%s is a cluster node: using a cluster client",
                 without_credentials(config.redis),
             )
             config.distributed.cluster = True
         log.info(
-            "carpool: exact answers%s shared through Redis at %s (in-process fallback "
+            "exact answers%s shared through Redis at %s (in-process fallback "
             "while it is unreachable)",
             ", semantic entries and calls in flight"
             if config.distributed.shared_flights
@@ -161,18 +164,26 @@ def serve(
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
     if gateway.semantic is None:
+        installed = all(importlib.util.find_spec(m) for m in ("onnxruntime", "usearch", "numpy"))
         log.info(
-            "carpool: semantic cache off (turn it on with semantic.enabled: true, or "
-            "CARPOOL_SEMANTIC__ENABLED=true; needs pip install 'carpool[semantic]')"
+            "semantic cache off (turn it on with semantic.enabled: true, or "
+            "CARPOOL_SEMANTIC__ENABLED=true%s)",
+            "" if installed else f"; it needs the semantic extra: {install_hint('semantic')}",
         )
     else:
         log.info(
-            "carpool: semantic cache on (mode %s, threshold %.2f, embedder %s)",
+            "semantic cache on (mode %s, threshold %.2f, embedder %s)",
             config.semantic.mode,
             gateway.semantic.threshold,
             gateway.semantic.embedder.name,
         )
-    log.info("carpool: listening on http://%s:%d/v1", config.host, config.port)
+    try:  # (said before anything says it listens: uvicorn would only fail after)
+        with socket.create_server((config.host, config.port)):
+            pass
+    except OSError as error:
+        click.echo(f"carpool: cannot listen on {config.host}:{config.port}: {error}", err=True)
+        sys.exit(2)
+    log.info("listening on http://%s:%d/v1", config.host, config.port)
     served: dict[str, Any] = {
         "host": config.host,
         "port": config.port,
@@ -193,7 +204,7 @@ def serve(
     del gateway
     if not config.redis:
         log.warning(
-            "carpool: %d workers without --redis: each has its own cache and flights, "
+            "%d workers without --redis: each has its own cache and flights, "
             "so identical requests landing on different workers are computed once per "
             "worker",
             config.workers,

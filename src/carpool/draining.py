@@ -35,9 +35,7 @@ class DrainingServer(uvicorn.Server):
         if sig == signal.SIGTERM and self._drained_at is None and self.drain_s > 0:
             self.gateway.draining = True
             self._drained_at = time.monotonic() + self.drain_s
-            log.info(
-                "carpool: SIGTERM: not ready, draining for %.1f s, then stopping", self.drain_s
-            )
+            log.info("SIGTERM: not ready, draining for %.1f s, then stopping", self.drain_s)
             return
         self.gateway.draining = True
         super().handle_exit(sig, frame)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .layers import Layers
     from .semantic.cache import Probe
 
-log = logging.getLogger("carpool")
+log = logging.getLogger("carpool.lead")
 
 PROMPT_PREFIX_CHARS = 1024
 

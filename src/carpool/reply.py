@@ -30,7 +30,7 @@ from .outcome import Outcome
 if TYPE_CHECKING:
     from .semantic.cache import Candidate
 
-log = logging.getLogger("carpool")
+log = logging.getLogger("carpool.reply")
 
 JSON = (b"content-type", b"application/json")
 SSE = (b"content-type", b"text/event-stream")

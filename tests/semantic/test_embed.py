@@ -207,7 +207,7 @@ def test_without_onnx_the_onnx_runtime_names_the_extra_and_auto_falls_back_to_nu
     from carpool.semantic.embed.onnx_encoder import _onnx_encoder
 
     monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx -> ImportError
-    with pytest.raises(SemanticDependencyError, match=r"'onnx'.*carpool\[semantic\]"):
+    with pytest.raises(SemanticDependencyError, match=r"'onnx'.*'\.\[semantic\]'"):
         _onnx_encoder(_random_layers(8, 16, 1), 2, 8, threads=1)
     assert minilm._MiniLM(model_dir, runtime="auto").runtime == "numpy"
 
@@ -306,7 +306,9 @@ def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_ex
     monkeypatch.setattr(weights, "_hub_cache_dir", lambda: None)
     with pytest.raises(SemanticDependencyError, match="carpool fetch-model"):
         E.find_model_dir()
-    with pytest.raises(SemanticDependencyError, match=r"pip install 'carpool\[semantic\]'"):
+    with pytest.raises(
+        SemanticDependencyError, match=r"pip install '\.\[semantic\]' in carpool's checkout"
+    ):
         E._require("carpool_no_such_module")
 
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as error:
         print(
             f"carpool bench: semantic.enabled needs the semantic extra: "
-            f"pip install 'carpool[semantic]' ({error})",
+            f"pip install '.[semantic]' in carpool's checkout ({error})",
             file=sys.stderr,
         )
         sys.exit(2)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 OutcomeOf = Callable[[Result], str]
 
 MISSING = (
-    "Plots need matplotlib, which is not installed: `pip install 'carpool[bench]'`, then "
+    "Plots need matplotlib, which is not installed: `pip install '.[bench]' in carpool's checkout`, then "
     "run the benchmark again."
 )
 COLORS = {

@@ -32,11 +32,15 @@ def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
         sys.exit(2)
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra (carpool installs from its repository, not a package index)."""
+    return f"pip install '.[{extra}]' in carpool's checkout"
+
+
 def missing_extra(what: str, extra: str, error: Exception) -> NoReturn:
     """Exit 2 saying that ``what`` needs the ``extra`` and how to install it."""
     click.echo(
-        f"carpool: {what} needs the {extra} extra: pip install 'carpool[{extra}]' ({error})",
-        err=True,
+        f"carpool: {what} needs the {extra} extra: {install_hint(extra)} ({error})", err=True
     )
     sys.exit(2)
 

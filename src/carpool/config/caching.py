@@ -174,7 +174,7 @@ class SemanticConfig(Section):
     enabled: bool = Field(
         False,
         description="Serve near-duplicate prompts from the semantic cache "
-        "(needs the [semantic] extra: pip install 'carpool[semantic]').",
+        "(needs the semantic extra: pip install '.[semantic]' in carpool's checkout).",
     )
     mode: Literal["serve", "mark"] = Field(
         "serve",

@@ -69,6 +69,11 @@ class Config(Section):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="text: `time level logger [request id] message`; json: one object per line "
+        "(time, level, logger, request_id, message) for log shippers.",
+    )
     tracing: Literal["auto", "on", "off"] = Field(
         "auto",
         description="OpenTelemetry spans per "

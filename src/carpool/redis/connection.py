@@ -123,7 +123,7 @@ def connect(
         from redis.exceptions import ConnectionError as RedisConnectionError
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ImportError(
-            "sharing through Redis needs the redis extra: pip install 'carpool[redis]'"
+            "sharing through Redis needs the redis extra: pip install '.[redis]' in carpool's checkout"
         ) from exc
     retry = Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
     if cluster:

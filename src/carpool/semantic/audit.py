@@ -125,7 +125,7 @@ class Audits:
 
     def _move(self, namespace: str, found: _Namespace, to: State, bound: float) -> None:
         log.warning(
-            "carpool: semantic namespace %r: %s -> %s (wrong-hit rate bound %.3f, budget %.3f)",
+            "semantic namespace %r: %s -> %s (wrong-hit rate bound %.3f, budget %.3f)",
             namespace,
             found.state,
             to,

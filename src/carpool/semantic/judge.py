@@ -141,7 +141,7 @@ class Judge:
                 reply = await self._ask(body)
         except Exception as error:  # noqa: BLE001 - any failure of the judge is a "no"
             self.failures += 1
-            log.debug("carpool: the judge failed (%s): a miss", type(error).__name__)
+            log.debug("the judge failed (%s): a miss", type(error).__name__)
             return False  # (not remembered: the next lookup asks again)
         verdict = is_yes(reply)
         self._verdicts.put(key, verdict)

@@ -12,7 +12,7 @@ that the dot product of two vectors is their cosine similarity:
 The embedders (:mod:`.local`, :mod:`.upstream`) micro-batch (:mod:`.microbatch`).
 
 The heavy dependencies (numpy, tokenizers, safetensors, onnxruntime, onnx) are the ``semantic``
-extra: ``pip install 'carpool[semantic]'``; the weights are found or fetched as :mod:`.weights`
+extra: ``pip install '.[semantic]'`` in carpool's checkout; the weights are found or fetched as :mod:`.weights`
 says.
 This package imports without them; using an embedder without them raises
 :class:`SemanticDependencyError`, which says so (``_require``, ``_require_numpy``).
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["INSTALL_HINT", "Embedder", "SemanticDependencyError"]
 
-INSTALL_HINT = "pip install 'carpool[semantic]'"
+INSTALL_HINT = "pip install '.[semantic]' in carpool's checkout"
 
 
 class SemanticDependencyError(ImportError):
