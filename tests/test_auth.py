@@ -96,6 +96,25 @@ async def test_pass_through_goes_with_the_gateways_key(held, fake):
     assert fake.calls[-1].headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
 
 
+async def test_each_replica_may_hold_its_own_key(fake, gateway_with):
+    config = {
+        "upstreams": [fake.url, fake.url],
+        "upstream_names": ["east", "west"],
+        "routing": {"policy": "round-robin"},
+        "upstream": {"api_keys": ["sk-east", "sk-west"]},
+    }
+    async with gateway_with(**config) as gw:
+        for prompt in ("one", "two"):
+            body = {**BODY, "messages": [{"role": "user", "content": prompt}]}
+            assert (await gw.client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert sorted(c.headers["authorization"] for c in fake.calls) == [
+        "Bearer sk-east",
+        "Bearer sk-west",
+    ]
+    with pytest.raises(ValueError, match="one key per upstream"):
+        Config(upstreams=[fake.url], upstream={"api_keys": ["a", "b"]})
+
+
 def test_the_upstream_key_may_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("CARPOOL_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     config = Config(upstream={"api_key": "${CARPOOL_TEST_UPSTREAM_KEY}"})

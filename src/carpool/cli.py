@@ -211,8 +211,9 @@ def serve(
         )
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
         data = config.model_dump(mode="json")
-        if config.upstream.api_key is not None:  # (the workers need the key itself: 0600 file)
+        if config.upstream.api_key is not None:  # (the workers need the keys: a 0600 file)
             data["upstream"]["api_key"] = config.upstream.api_key.get_secret_value()
+        data["upstream"]["api_keys"] = [k.get_secret_value() for k in config.upstream.api_keys]
         resolved.write(json.dumps(data))
         resolved.flush()
         os.environ[CONFIG_FILE_VARIABLE] = resolved.name

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .caching import CacheConfig, CoalesceConfig, FingerprintConfig, SemanticConfig
@@ -117,6 +117,15 @@ class Config(Section):
         if len(set(value)) != len(value):
             raise ValueError("the names must be distinct")
         return value
+
+    @model_validator(mode="after")
+    def _one_key_per_upstream(self) -> Config:
+        keys = len(self.upstream.api_keys)
+        if keys and keys != len(self.upstreams):
+            raise ValueError(
+                f"upstream.api_keys: give one key per upstream ({len(self.upstreams)}), or none"
+            )
+        return self
 
     def ttl_for(self, request_type: str | None) -> float:
         """Seconds an answer of ``request_type`` may be stored (0 = never)."""

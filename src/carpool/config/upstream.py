@@ -129,6 +129,12 @@ class UpstreamConfig(Section):
         "`${ENV_VAR}` to read it from the environment at start-up. Never logged nor shown. "
         "null: the client's credentials go upstream as they came.",
     )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="One key per upstream replica, in the order of `upstreams` (each a value or "
+        "`${ENV_VAR}`), when the replicas need different keys; overrides `api_key`. Empty: "
+        "`api_key` for every replica.",
+    )
     stream_usage: bool = Field(
         True,
         description="Ask a streaming upstream for a final usage chunk "
@@ -149,14 +155,17 @@ class UpstreamConfig(Section):
     @field_validator("api_key", mode="before")
     @classmethod
     def _from_the_environment(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
-            name = value[2:-1]
-            if name not in os.environ:
-                raise ValueError(
-                    f"the environment variable {name} (named by ${{{name}}}) is not set"
-                )
-            return os.environ[name]
-        return value
+        return _expanded(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _each_from_the_environment(cls, value: Any) -> Any:
+        return [_expanded(v) for v in value] if isinstance(value, list) else value
+
+    def key_of(self, replica: int) -> str | None:
+        """The key the gateway holds for replica number ``replica`` (None: pass-through)."""
+        key = self.api_keys[replica] if self.api_keys else self.api_key
+        return key.get_secret_value() if key is not None else None
 
 
 class SimConfig(Section):
@@ -198,3 +207,13 @@ class SimConfig(Section):
     embedding_concurrency: int = Field(
         1, ge=1, description="Embeddings forward passes run at once per replica; more calls queue."
     )
+
+
+def _expanded(value: Any) -> Any:
+    """``${NAME}``: the environment variable's value (an error when it is not set)."""
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        name = value[2:-1]
+        if name not in os.environ:
+            raise ValueError(f"the environment variable {name} (named by ${{{name}}}) is not set")
+        return os.environ[name]
+    return value

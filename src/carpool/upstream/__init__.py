@@ -12,10 +12,9 @@ def build_upstreams(config: Config) -> list[Upstream]:
         from .http import HttpUpstream, replica_names
 
         names = replica_names(config.upstreams, config.upstream_names)
-        key = config.upstream.api_key
         return [
-            HttpUpstream(url, config.limits, name, label, key.get_secret_value() if key else None)
-            for url, (name, label) in zip(config.upstreams, names, strict=True)
+            HttpUpstream(url, config.limits, name, label, config.upstream.key_of(i))
+            for i, (url, (name, label)) in enumerate(zip(config.upstreams, names, strict=True))
         ]
     from . import sim
 
