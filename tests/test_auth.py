@@ -29,7 +29,10 @@ def keys_file(tmp_path):
     path.write_text(
         "# the gateway's own client keys\n"
         "client-a\n"
-        f"{hashlib.sha256(b'client-b').hexdigest()}   # client-b, hashed at rest\n"
+        f"sha256:{hashlib.sha256(b'client-b').hexdigest()}\n"
+        "# client-b above, hashed at rest; a key may hold '#' and may look like a digest:\n"
+        "key#with-hash\n"
+        f"{'ab' * 32}\n"
         "\n"
     )
     return path
@@ -140,7 +143,7 @@ def test_check_config_names_an_unset_key_variable(tmp_path):
 
 def test_client_keys_keep_only_digests(keys_file):
     keys = ClientKeys.load(keys_file)
-    assert len(keys) == 2
+    assert len(keys) == 4
     assert "client-a" not in repr(vars(keys))
     assert keys.accepts([(b"authorization", b"Bearer client-a")])
     assert keys.accepts([(b"x-api-key", b"client-b")])
@@ -151,3 +154,37 @@ def test_client_keys_keep_only_digests(keys_file):
 def test_a_missing_keys_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="auth.client_keys_file"):
         Config.load(None, overrides={"auth": {"client_keys_file": str(tmp_path / "absent.txt")}})
+
+
+def test_a_hash_sign_and_a_digest_like_key_are_keys(keys_file):
+    keys = ClientKeys.load(keys_file)
+    assert keys.accepts([(b"authorization", b"Bearer key#with-hash")])
+    assert not keys.accepts([(b"authorization", b"Bearer key")])
+    assert keys.accepts([(b"x-api-key", ("ab" * 32).encode())])
+    bad = keys_file.with_name("bad.txt")
+    bad.write_text("sha256:xyz\n")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        ClientKeys.load(bad)
+
+
+async def test_no_header_that_names_the_client_goes_upstream_with_the_gateways_key(held, fake):
+    headers = {**bearer("client-a"), "OpenAI-Organization": "org-a", "OpenAI-Project": "p-a"}
+    assert (await held.client.post("/v1/chat/completions", json=BODY, headers=headers)).is_success
+    sent = fake.calls[-1].headers
+    assert "openai-organization" not in sent and "openai-project" not in sent
+
+
+async def test_with_a_held_key_pass_through_reaches_only_the_model_list(held, fake):
+    assert (await held.client.get("/v1/models", headers=bearer("client-a"))).status_code == 200
+    stored = await held.client.get("/v1/chat/completions", headers=bearer("client-a"))
+    files = await held.client.get("/v1/files", headers=bearer("client-a"))
+    assert stored.status_code in (403, 405) and files.status_code == 403
+    assert fake.count("/v1/files") == 0
+
+
+async def test_an_upstream_refusing_the_gateways_key_is_a_502_that_quotes_nothing(held, fake):
+    fake.fail_status = 401
+    fake.fail_body = {"error": {"message": f"Incorrect API key provided: {UPSTREAM_KEY[:8]}****"}}
+    response = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
+    assert response.status_code == 502
+    assert UPSTREAM_KEY[:8] not in response.text and "refused the gateway's key" in response.text

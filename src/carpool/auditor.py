@@ -7,8 +7,10 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
   guard over the two texts (its exact rules, and its verifier at the calibrated bar even when
   ``semantic.verifier_threshold`` loosens the cache's). A disagreement is a wrong hit of ``namespace``. The fresh answer is
-  never stored, never shared, never written over the entry. An upstream error, a timeout or a
-  non-2xx answer counts nothing (``Audits.failed``). Each audit's call is an upstream call
+  never stored, never shared, never written over the entry. An upstream error, a timeout, a
+  non-2xx answer or a judge without a verdict counts nothing (``Audits.failed``). Only
+  deterministic requests are audited (two samples may differ), and at most ``MAX_RUNNING``
+  audits run at once (a draw beyond is skipped). Each audit's call is an upstream call
   (``/stats`` ``upstream_calls``), counted in ``Audits.calls`` too.
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
   (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace.
@@ -33,10 +35,12 @@ if TYPE_CHECKING:
     from .answer import Answer
     from .layers import Layers
     from .request import Request
+    from .semantic.audit import Audits
 
 log = logging.getLogger("carpool.semantic")
 
 _STREAMING_KEYS = ("stream", "stream_options")
+MAX_RUNNING = 64  # audits in flight at once: each is an upstream call
 
 
 class Auditor:
@@ -49,7 +53,7 @@ class Auditor:
 
     def maybe(self, request: Request, namespace: str, served: Answer) -> None:
         audits = self.layers.audits
-        if audits is None or not audits.sampled():
+        if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
             return
         task = asyncio.ensure_future(self._audit(request, namespace, served))
         self._running.add(task)
@@ -58,11 +62,23 @@ class Auditor:
     async def _audit(self, request: Request, namespace: str, served: Answer) -> None:
         audits = self.layers.audits
         assert audits is not None
+        try:
+            await self._compare(audits, request, namespace, served)
+        except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
+            audits.failed += 1
+            log.warning("an audit failed (%s)", type(error).__name__)
+
+    async def _compare(
+        self, audits: Audits, request: Request, namespace: str, served: Answer
+    ) -> None:
         fresh = await self._fresh(request)
         if fresh is None:
             audits.failed += 1
             return
         agree = await self._agree(_text(served.body), fresh)
+        if agree is None:  # the judge gave no verdict: nothing learned
+            audits.failed += 1
+            return
         audits.record(namespace, not agree)
 
     async def _fresh(self, request: Request) -> str | None:
@@ -87,7 +103,7 @@ class Auditor:
         finally:
             await response.aclose()
 
-    async def _agree(self, served: str, fresh: str) -> bool:
+    async def _agree(self, served: str, fresh: str) -> bool | None:
         judge, semantic = self.layers.judge, self.layers.semantic
         if judge is not None:
             return await judge.answers_agree(served, fresh)

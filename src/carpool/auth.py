@@ -1,9 +1,10 @@
 """Gateway-side client keys (``auth.client_keys_file``): who may use the gateway at all.
 
 Contract:
-- ``ClientKeys.load(path)``: one key per line, the key itself or its SHA-256 in hex (a line of
-  64 hex digits is taken as a digest); blank lines and ``#`` comments are skipped. Only digests
-  are kept in memory (hashed at rest: a key is never held, logged or compared as text).
+- ``ClientKeys.load(path)``: one key per line, the key itself, or ``sha256:`` and its SHA-256 in
+  hex (of its UTF-8 bytes); blank lines and lines starting with ``#`` are skipped (a ``#`` inside
+  a key is part of it). Only digests are kept in memory (hashed at rest: a key is never held,
+  logged or compared as text).
 - ``accepts(headers)`` (ASGI header pairs): True when the request presents a listed key in
   ``Authorization: Bearer <key>``, ``api-key`` or ``x-api-key`` (the first one present is the
   one judged). The server answers 401 to any other request to ``/v1/...`` before reading its
@@ -52,9 +53,13 @@ class ClientKeys:
     def load(cls, path: str | Path) -> ClientKeys:
         digests = []
         for raw in Path(path).read_text(encoding="utf-8").splitlines():
-            line = raw.split("#", 1)[0].strip()
-            if line:
-                digests.append(line if _HEX_DIGEST.fullmatch(line) else digest(line))
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            hexdigest = line.removeprefix("sha256:")
+            if hexdigest != line and not _HEX_DIGEST.fullmatch(hexdigest):
+                raise ValueError(f"{path}: a sha256: line needs 64 hex digits")
+            digests.append(hexdigest if hexdigest != line else digest(line))
         return cls(digests)
 
     def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
@@ -63,10 +68,11 @@ class ClientKeys:
             value = presented.get(name)
             if value is None:
                 continue
-            text = value.decode("latin-1").strip()
+            key = value.strip()
             if name == b"authorization":
-                scheme, _, text = text.partition(" ")
-                if scheme.lower() != "bearer":
+                scheme, _, key = key.partition(b" ")
+                if scheme.lower() != b"bearer":
                     return False
-            return digest(text.strip()) in self._digests
+            # (the raw bytes: a key written in UTF-8 in the file matches as sent)
+            return hashlib.sha256(key.strip()).hexdigest() in self._digests
         return False

@@ -210,11 +210,7 @@ def serve(
             config.workers,
         )
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
-        data = config.model_dump(mode="json")
-        if config.upstream.api_key is not None:  # (the workers need the keys: a 0600 file)
-            data["upstream"]["api_key"] = config.upstream.api_key.get_secret_value()
-        data["upstream"]["api_keys"] = [k.get_secret_value() for k in config.upstream.api_keys]
-        resolved.write(json.dumps(data))
+        resolved.write(json.dumps(config.with_secrets()))  # (a 0600 file: the workers' keys)
         resolved.flush()
         os.environ[CONFIG_FILE_VARIABLE] = resolved.name
         uvicorn.run(

@@ -199,7 +199,8 @@ class Gateway:
                 state = self.layers.audits.state(key.namespace) if self.layers.audits else SERVING
                 # The namespace's error budget (``semantic/audit.py``) may hold hits back; its
                 # audits go on either way, on the answer served or the one that would have been.
-                self.auditor.maybe(request, key.namespace, match.answer)
+                if request.api.deterministic(request.body):  # (two samples may differ)
+                    self.auditor.maybe(request, key.namespace, match.answer)
                 if self.config.semantic.mode == "serve" and (
                     state == SERVING
                     or (state == BACKED_OFF and match.similarity >= BACKED_OFF_SIMILARITY)

@@ -5,6 +5,8 @@ Contract:
   characters of letters, digits and ``-_.:/+=``: echoed back as it came), else a new one (16 hex
   digits, random). Anything else a client sends there is replaced, never echoed: a response
   header must not carry a client's arbitrary bytes.
+- An upstream's own ``x-request-id`` (a pass-through answer) is relayed as
+  ``x-upstream-request-id``: a response carries one ``x-request-id``, the gateway's.
 - ``CURRENT`` holds the id of the request the running task serves (a ``ContextVar``: tasks the
   request starts inherit it); ``RequestIdFilter`` puts it on every log record as
   ``record.request_id`` (``-`` outside a request), for the log format's ``%(request_id)s``.
@@ -19,6 +21,7 @@ from collections.abc import Iterable
 from contextvars import ContextVar
 
 HEADER = b"x-request-id"
+UPSTREAM_HEADER = b"x-upstream-request-id"  # an upstream's own id, relayed by pass-through
 CURRENT: ContextVar[str] = ContextVar("carpool_request_id", default="-")
 _USABLE = re.compile(rb"[A-Za-z0-9\-_.:/+=]{1,128}")
 

@@ -61,13 +61,14 @@ from .errors import (
     HeadersTooLarge,
     RequestError,
 )
+from .logs import configure as configure_logging
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
-from .request_id import HEADER, request_id
+from .request_id import HEADER, UPSTREAM_HEADER, request_id
 from .wiring import build_gateway
 
 log = logging.getLogger("carpool.server")
@@ -99,7 +100,14 @@ class GatewayApp:
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
+                # One id per response: an upstream's own (pass-through) is kept under another name.
+                message["headers"] = [
+                    *(
+                        (UPSTREAM_HEADER, v) if n.lower() == HEADER else (n, v)
+                        for n, v in message.get("headers", ())
+                    ),
+                    (HEADER, rid),
+                ]
             await send(message)
 
         await self._route(scope, receive, send_with_id)
@@ -470,7 +478,9 @@ def create_app(gateway: Gateway | None = None) -> GatewayApp:
 def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
     the config file the parent wrote (``CARPOOL_CONFIG``)."""
-    return GatewayApp(build_gateway(Config.load(os.environ.get("CARPOOL_CONFIG"))))
+    config = Config.load(os.environ.get("CARPOOL_CONFIG"))
+    configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
+    return GatewayApp(build_gateway(config))
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

@@ -243,3 +243,31 @@ async def test_the_admin_endpoints_do_not_exist_without_an_admin_token(fake, gat
         ):
             response = await gw.client.request(method, path, json={})
             assert response.status_code == 404, path
+
+
+async def test_a_judge_without_a_verdict_counts_no_audit(fake, gateway_with, judge):
+    fake_judge, url = judge
+    fake_judge.fail_status = 500  # every question fails: no verdict, no wrong hit
+    async with gateway_with(**semantic(url, judge={"band": [1.0, 1.0]}, audit_rate=1.0)) as gw:
+        await ask(gw, ROUTER)
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
+        audits = gw.gateway.layers.audits
+        await eventually(lambda: audits.failed == 1, what="the audit that got no verdict")
+        assert audits.snapshot() == {} and fake_judge.calls("agree") == 1
+
+
+async def test_sampled_requests_are_not_audited(fake, gateway_with):
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:
+        for content in (ROUTER, PARAPHRASES[0]):
+            response = await gw.client.post(
+                "/v1/chat/completions",
+                headers={"x-carpool-share": "sampled"},
+                json={
+                    "model": "m",
+                    "temperature": 0.7,
+                    "messages": [{"role": "user", "content": content}],
+                },
+            )
+            assert response.status_code == 200
+        assert response.headers["x-carpool"] == "semantic-hit"
+        assert fake.count() == 1 and gw.gateway.layers.audits.calls == 0

@@ -48,7 +48,7 @@ def gateway(
     with tempfile.NamedTemporaryFile(
         "w", suffix=".json", prefix="carpool-bench-", delete=False
     ) as handle:
-        json.dump(config.model_dump(mode="json"), handle)
+        json.dump(config.with_secrets(), handle)
         config_path = handle.name
     try:
         with process.server(

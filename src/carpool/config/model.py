@@ -125,7 +125,21 @@ class Config(Section):
             raise ValueError(
                 f"upstream.api_keys: give one key per upstream ({len(self.upstreams)}), or none"
             )
+        if (keys or self.upstream.api_key) and "allow" not in self.passthrough.model_fields_set:
+            # With one key for every client, the upstream account's stored state (stored chat
+            # completions, responses, files, batches) would be every client's: pass-through
+            # reaches only the model list unless the operator lists more.
+            self.passthrough = PassthroughConfig(allow=["/models"])
         return self
+
+    def with_secrets(self) -> dict[str, Any]:
+        """The whole config as JSON-able data, its secrets (the upstream keys) included: for a
+        child process that must rebuild it (a 0600 file it reads), never for a log or a page."""
+        data = self.model_dump(mode="json")
+        key = self.upstream.api_key
+        data["upstream"]["api_key"] = key.get_secret_value() if key is not None else None
+        data["upstream"]["api_keys"] = [k.get_secret_value() for k in self.upstream.api_keys]
+        return data
 
     def ttl_for(self, request_type: str | None) -> float:
         """Seconds an answer of ``request_type`` may be stored (0 = never)."""

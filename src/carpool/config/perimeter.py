@@ -153,7 +153,8 @@ class AuthConfig(Section):
     client_keys_file: str | None = Field(
         None,
         description="A file of the client keys the gateway accepts, one per line: the key "
-        "itself, or its SHA-256 in hex (64 hex digits; `#` starts a comment). With it, a "
+        "itself, or `sha256:` and its SHA-256 in hex (a line starting with `#` is a comment). "
+        "With it, a "
         "request to /v1/... without a listed key (`Authorization: Bearer`, `api-key` or "
         "`x-api-key`) gets 401 before anything is read, cached or shared; each key is its own "
         "tenant. Read at start-up. null: no check (the upstream judges the keys).",

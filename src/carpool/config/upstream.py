@@ -127,7 +127,9 @@ class UpstreamConfig(Section):
         description="A key the gateway holds for its upstreams, sent as `Authorization: Bearer "
         "...` in place of the client's credentials (which then never go upstream): a value, or "
         "`${ENV_VAR}` to read it from the environment at start-up. Never logged nor shown. "
-        "null: the client's credentials go upstream as they came.",
+        "With it, pass-through reaches only /v1/models unless `passthrough.allow` is set (the "
+        "account's stored state would be every client's). null: the client's credentials go "
+        "upstream as they came.",
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,

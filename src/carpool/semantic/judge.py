@@ -117,12 +117,14 @@ class Judge:
         self.failures = 0
 
     async def same_answer(self, a: Side, b: Side) -> bool:
-        return await self._verdict(SAME_ANSWER, _render(a), _render(b))
+        return await self._verdict(SAME_ANSWER, _render(a), _render(b)) is True  # (None: a miss)
 
-    async def answers_agree(self, a: str, b: str) -> bool:
+    async def answers_agree(self, a: str, b: str) -> bool | None:
+        """Whether two answers agree; None when the judge gave no verdict (an error, a timeout):
+        an audit then counts nothing."""
         return await self._verdict(ANSWERS_AGREE, a, b)
 
-    async def _verdict(self, question: str, a: str, b: str) -> bool:
+    async def _verdict(self, question: str, a: str, b: str) -> bool | None:
         first, second = sorted((a, b))  # (either order: one verdict)
         key = (question, first, second)
         known = self._verdicts.get(key)
@@ -141,8 +143,8 @@ class Judge:
                 reply = await self._ask(body)
         except Exception as error:  # noqa: BLE001 - any failure of the judge is a "no"
             self.failures += 1
-            log.debug("the judge failed (%s): a miss", type(error).__name__)
-            return False  # (not remembered: the next lookup asks again)
+            log.debug("the judge failed (%s): no verdict", type(error).__name__)
+            return None  # (not remembered: the next lookup asks again)
         verdict = is_yes(reply)
         self._verdicts.put(key, verdict)
         return verdict

@@ -13,7 +13,14 @@ def build_upstreams(config: Config) -> list[Upstream]:
 
         names = replica_names(config.upstreams, config.upstream_names)
         return [
-            HttpUpstream(url, config.limits, name, label, config.upstream.key_of(i))
+            HttpUpstream(
+                url,
+                config.limits,
+                name,
+                label,
+                config.upstream.key_of(i),
+                [config.tenant.header, *config.tenant.credential_headers],
+            )
             for i, (url, (name, label)) in enumerate(zip(config.upstreams, names, strict=True))
         ]
     from . import sim

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from urllib.parse import quote
 
 import aiohttp
@@ -127,6 +127,7 @@ class HttpUpstream:
         name: str | None = None,
         label: str | None = None,
         api_key: str | None = None,
+        credential_headers: Iterable[str] = (),
     ) -> None:
         self.name = name or public_url(base_url)
         self.label = label or name or "replica"
@@ -143,8 +144,12 @@ class HttpUpstream:
         # A key the gateway holds (``upstream.api_key``): sent in place of every credential the
         # client presented, which then never leaves the gateway.
         self._replaced: frozenset[str] = frozenset({"authorization"})
+        self._held = bool(api_key)
         if api_key:
-            self._auth, self._replaced = f"Bearer {api_key}", _CREDENTIAL_HEADERS
+            # Every header that names the client (the tenant's credential headers included):
+            # none of them goes upstream next to the gateway's key.
+            names = {name.lower() for name in credential_headers}
+            self._auth, self._replaced = f"Bearer {api_key}", _CREDENTIAL_HEADERS | names
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None
 
@@ -199,13 +204,22 @@ class HttpUpstream:
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
         try:
-            return await self._client().request(method, url, data=body, headers=headers)
+            response = await self._client().request(method, url, data=body, headers=headers)
         except _TIMEOUTS as exc:
             raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(
                 f"upstream {self.label} is unreachable ({reason(exc)})"
             ) from exc
+        if self._held and response.status in (401, 403):
+            # The upstream refused the gateway's own key: its answer may quote part of the key
+            # or name the account, and the client's key is not the one at fault. A 502 (the
+            # replica is left out as a failing one), the reason in the operator's log only.
+            response.release()
+            raise UpstreamUnreachable(
+                f"upstream {self.label} refused the gateway's key ({response.status})"
+            )
+        return response
 
     async def _events(
         self, response: aiohttp.ClientResponse, last_event: Callable[[bytes], bool] | None
