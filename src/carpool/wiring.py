@@ -360,7 +360,7 @@ def build_semantic(
         from .semantic.judge import JudgedGuard
 
         settings = config.semantic.judge
-        guard = JudgedGuard(guard, judge, settings.band, settings.overrules)
+        guard = JudgedGuard(guard, judge, settings.band, settings.overrules, settings.verifier_band)
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
 

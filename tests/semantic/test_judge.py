@@ -144,3 +144,26 @@ async def test_the_judge_overrules_only_the_rules_it_is_given() -> None:
     verdicts = await guard.judge(Side("new"), [Side("a"), Side("b")], [0.9, 0.9])
     assert [v.ok for v in verdicts] == [True, False] and verdicts[1].reason is Reason.ENTITY
     assert asked == ["a"]
+
+
+async def test_outside_the_verifier_band_the_verifier_is_sure_enough() -> None:
+    inner = Inner(
+        [
+            Verdict(True, score=0.995),  # sure yes: stands
+            Verdict.refused(Reason.MEANING, 0.01),  # sure no: stands
+            Verdict.refused(Reason.MEANING, 0.4),  # unsure: asked
+            Verdict.refused(Reason.NUMBER),  # an overruled rule: always asked
+        ]
+    )
+    asked: list[str] = []
+
+    async def ask(body: dict[str, Any]) -> str:
+        asked.append(body["messages"][0]["content"].rsplit("\n", 1)[1])
+        return "no"
+
+    guard = JudgedGuard(
+        inner, Judge(ask, model="j"), (0.0, 1.0), overrules=["number"], verifier_band=(0.02, 0.99)
+    )
+    verdicts = await guard.judge(Side("new"), [Side(t) for t in "abcd"], [0.9] * 4)
+    assert [v.ok for v in verdicts] == [True, False, False, False]
+    assert sorted(asked) == ["c", "d"] and verdicts[2].reason is Reason.JUDGE

@@ -52,6 +52,15 @@ from .common import missing_extra
     "per lookup.",
 )
 @click.option(
+    "--judge-verifier-band",
+    type=float,
+    nargs=2,
+    default=(0.0, 1.0),
+    metavar="LOW HIGH",
+    help="With --labeled-judge: only pairs whose verifier score is in this band are asked "
+    "(as semantic.judge.verifier_band) [0 1].",
+)
+@click.option(
     "--judge-overrules",
     default="",
     metavar="REASONS",
@@ -73,6 +82,7 @@ def eval_semantic(
     half: str | None,
     band: tuple[float, float] | None,
     judge_overrules: str,
+    judge_verifier_band: tuple[float, float],
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     from pathlib import Path
@@ -91,7 +101,8 @@ def eval_semantic(
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
     evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
     overrules = frozenset(r.strip() for r in judge_overrules.split(",") if r.strip())
-    click.echo(format_report(evaluator.report(threshold, None, band, overrules), threshold))
+    report = evaluator.report(threshold, None, band, overrules, judge_verifier_band)
+    click.echo(format_report(report, threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
         verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]

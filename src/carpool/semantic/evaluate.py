@@ -130,6 +130,7 @@ class Evaluator:
         verifier_threshold: float | None = None,
         band: tuple[float, float] | None = None,
         overrules: frozenset[str] = frozenset(),
+        verifier_band: tuple[float, float] = (0.0, 1.0),
     ) -> Decision:
         """``band``: a labeled judge (``semantic.judge`` answering from the pair's own label)
         decides the pairs in this similarity band that only the verifier judged (or a rule in
@@ -151,9 +152,14 @@ class Evaluator:
             band is not None
             and band[0] <= similarity <= band[1]
             and (
-                verdict.ok
-                or verdict.reason in (Reason.MEANING, Reason.CONTEXT)
-                or str(verdict.reason) in overrules
+                str(verdict.reason) in overrules
+                or (
+                    (verdict.ok or verdict.reason in (Reason.MEANING, Reason.CONTEXT))
+                    and (
+                        verdict.score is None
+                        or verifier_band[0] <= verdict.score <= verifier_band[1]
+                    )
+                )
             )
         ):
             same = self.pairs[i].same_answer
@@ -168,11 +174,12 @@ class Evaluator:
         verifier_threshold: float | None = None,
         band: tuple[float, float] | None = None,
         overrules: frozenset[str] = frozenset(),
+        verifier_band: tuple[float, float] = (0.0, 1.0),
     ) -> dict[str, Any]:
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         lookups = judged = 0
         for i, pair in enumerate(self.pairs):
-            decision = self.decide(i, threshold, verifier_threshold, band, overrules)
+            decision = self.decide(i, threshold, verifier_threshold, band, overrules, verifier_band)
             hit = decision.hit
             lookups += self.similarity[i] is not None  # (a candidate in its scope: a lookup)
             judged += decision.judged

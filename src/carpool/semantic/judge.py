@@ -14,13 +14,15 @@ Contract:
   ``cache_entries``); ``calls`` counts the questions asked of the model (not those answered from
   memory: ``remembered``), ``failures`` those that errored or timed out. Judge calls are never
   upstream calls saved.
-- ``JudgedGuard(inner, judge, band, overrules=())`` is a :class:`~carpool.semantic.guard.Guard`:
+- ``JudgedGuard(inner, judge, band, overrules=(), verifier_band=(0, 1))`` is a
+  :class:`~carpool.semantic.guard.Guard`:
   the inner guard judges every candidate first; a candidate an exact rule refused stays refused,
   unless its reason is in ``overrules`` (``semantic.judge.overrules``); one whose cosine
   similarity lies within ``band`` (inclusive) and that only the verifier judged (or an
   overruled rule refused) is served when the judge says yes, else refused with
-  :attr:`Reason.JUDGE`; outside the band the inner verdict stands. Candidates in the band are
-  asked about concurrently.
+  :attr:`Reason.JUDGE`; outside the band the inner verdict stands, and so does a verifier's
+  verdict whose score lies outside ``verifier_band`` (the verifier sure enough). Candidates in
+  the band are asked about concurrently.
 """
 
 from __future__ import annotations
@@ -166,10 +168,12 @@ class JudgedGuard:
         judge: Judge,
         band: tuple[float, float],
         overrules: Iterable[Reason | str] = (),
+        verifier_band: tuple[float, float] = (0.0, 1.0),
     ) -> None:
         self.inner = inner
         self.llm = judge
         self.low, self.high = band
+        self.unsure = verifier_band
         self.decided = frozenset({*_MODEL_REASONS, *(Reason(r) for r in overrules)})
 
     async def judge(
@@ -183,6 +187,7 @@ class JudgedGuard:
             for i, (verdict, similarity) in enumerate(zip(verdicts, similarities, strict=True))
             if self.low <= similarity <= self.high
             and (verdict.ok or verdict.reason in self.decided)
+            and self._unsure(verdict)
         ]
         answers = await asyncio.gather(*(self.llm.same_answer(new, candidates[i]) for i in asked))
         for i, yes in zip(asked, answers, strict=True):
@@ -191,3 +196,11 @@ class JudgedGuard:
                 Verdict(True, None, score) if yes else Verdict.refused(Reason.JUDGE, score)
             )
         return verdicts
+
+    def _unsure(self, verdict: Verdict) -> bool:
+        """Whether the verdict is one to ask the judge about: a rule's the judge overrules, or
+        the verifier's with a score within ``verifier_band`` (a retyping scores 1.0)."""
+        if verdict.reason is not None and verdict.reason not in _MODEL_REASONS:
+            return True  # (an overruled rule: the verifier was not asked)
+        score = verdict.score
+        return score is None or self.unsure[0] <= score <= self.unsure[1]
