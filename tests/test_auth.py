@@ -29,10 +29,10 @@ def keys_file(tmp_path):
     path.write_text(
         "# the gateway's own client keys\n"
         "client-a\n"
-        f"sha256:{hashlib.sha256(b'client-b').hexdigest()}\n"
-        "# client-b above, hashed at rest; a key may hold '#' and may look like a digest:\n"
+        f"{hashlib.sha256(b'client-b').hexdigest()}\n"
+        "# client-b above, hashed at rest; a key may hold '#':\n"
         "key#with-hash\n"
-        f"{'ab' * 32}\n"
+        f"sha256:{hashlib.sha256(b'client-c').hexdigest()}\n"
         "\n"
     )
     return path
@@ -147,7 +147,7 @@ def test_client_keys_keep_only_digests(keys_file):
     assert "client-a" not in repr(vars(keys))
     assert keys.accepts([(b"authorization", b"Bearer client-a")])
     assert keys.accepts([(b"x-api-key", b"client-b")])
-    assert not keys.accepts([(b"authorization", b"Bearer client-c")])
+    assert not keys.accepts([(b"authorization", b"Bearer client-d")])
     assert not keys.accepts([])
 
 
@@ -156,11 +156,13 @@ def test_a_missing_keys_file_is_a_config_error(tmp_path):
         Config.load(None, overrides={"auth": {"client_keys_file": str(tmp_path / "absent.txt")}})
 
 
-def test_a_hash_sign_and_a_digest_like_key_are_keys(keys_file):
+def test_a_hash_sign_is_part_of_a_key_and_a_digest_line_is_a_digest(keys_file):
     keys = ClientKeys.load(keys_file)
     assert keys.accepts([(b"authorization", b"Bearer key#with-hash")])
     assert not keys.accepts([(b"authorization", b"Bearer key")])
-    assert keys.accepts([(b"x-api-key", ("ab" * 32).encode())])
+    assert keys.accepts([(b"x-api-key", b"client-c")])  # a digest written sha256:...
+    digest_of_b = hashlib.sha256(b"client-b").hexdigest().encode()
+    assert not keys.accepts([(b"x-api-key", digest_of_b)])  # a digest is not itself a key
     bad = keys_file.with_name("bad.txt")
     bad.write_text("sha256:xyz\n")
     with pytest.raises(ValueError, match="64 hex digits"):

@@ -1,9 +1,10 @@
 """Gateway-side client keys (``auth.client_keys_file``): who may use the gateway at all.
 
 Contract:
-- ``ClientKeys.load(path)``: one key per line, the key itself, or ``sha256:`` and its SHA-256 in
-  hex (of its UTF-8 bytes); blank lines and lines starting with ``#`` are skipped (a ``#`` inside
-  a key is part of it). Only digests are kept in memory (hashed at rest: a key is never held,
+- ``ClientKeys.load(path)``: one key per line, the key itself or its SHA-256 in hex (of its
+  UTF-8 bytes; ``sha256:`` before it is allowed): a line of 64 hex digits is a digest, so a key
+  that is itself 64 hex digits is listed by its digest. Blank lines and lines starting with
+  ``#`` are skipped (a ``#`` inside a key is part of it). Only digests are kept in memory (hashed at rest: a key is never held,
   logged or compared as text).
 - ``accepts(headers)`` (ASGI header pairs): True when the request presents a listed key in
   ``Authorization: Bearer <key>``, ``api-key`` or ``x-api-key`` (the first one present is the
@@ -57,9 +58,12 @@ class ClientKeys:
             if not line or line.startswith("#"):
                 continue
             hexdigest = line.removeprefix("sha256:")
-            if hexdigest != line and not _HEX_DIGEST.fullmatch(hexdigest):
+            if _HEX_DIGEST.fullmatch(hexdigest):
+                digests.append(hexdigest)
+            elif hexdigest != line:
                 raise ValueError(f"{path}: a sha256: line needs 64 hex digits")
-            digests.append(hexdigest if hexdigest != line else digest(line))
+            else:
+                digests.append(digest(line))
         return cls(digests)
 
     def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:

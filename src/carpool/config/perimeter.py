@@ -153,7 +153,9 @@ class AuthConfig(Section):
     client_keys_file: str | None = Field(
         None,
         description="A file of the client keys the gateway accepts, one per line: the key "
-        "itself, or `sha256:` and its SHA-256 in hex (a line starting with `#` is a comment). "
+        "itself, or its SHA-256 in hex (64 hex digits, `sha256:` before them allowed: a key "
+        "that is itself 64 hex digits is listed by its digest; a line starting with `#` is a "
+        "comment). "
         "With it, a "
         "request to /v1/... without a listed key (`Authorization: Bearer`, `api-key` or "
         "`x-api-key`) gets 401 before anything is read, cached or shared; each key is its own "
