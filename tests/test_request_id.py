@@ -67,3 +67,23 @@ async def test_the_log_lines_of_a_request_carry_its_id(gw, fake, caplog):
     assert lines and all(r.request_id == "trace-me" for r in lines)
     outside = logging.makeLogRecord({})
     assert RequestIdFilter().filter(outside) is True and outside.request_id == "-"
+
+
+async def test_an_upstreams_own_request_id_is_relayed_under_another_name(gateway_with):
+    from fakes.serving import serve_app
+
+    async def upstream(scope, receive, send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"up-1")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'{"data": []}'})
+
+    async with serve_app(upstream) as url, gateway_with(upstreams=[f"{url}/v1"]) as gw:
+        response = await gw.client.get("/v1/models", headers={"x-request-id": "mine"})
+    assert response.status_code == 200
+    assert response.headers.get_list("x-request-id") == ["mine"]
+    assert response.headers["x-upstream-request-id"] == "up-1"
