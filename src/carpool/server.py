@@ -100,14 +100,7 @@ class GatewayApp:
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                # One id per response: an upstream's own (pass-through) is kept under another name.
-                message["headers"] = [
-                    *(
-                        (UPSTREAM_HEADER, v) if n.lower() == HEADER else (n, v)
-                        for n, v in message.get("headers", ())
-                    ),
-                    (HEADER, rid),
-                ]
+                message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
             await send(message)
 
         await self._route(scope, receive, send_with_id)
@@ -409,10 +402,12 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
         except CarpoolError as error:
             return _carpool_error(error)
         response = StreamingResponse(upstream.body, upstream.status)
+        # One x-request-id per response, the gateway's: the upstream's own is kept under
+        # another name (the only answers whose headers the gateway did not write).
         response.raw_headers = [
-            h
-            for h in upstream.headers
-            if h[0].lower() not in (b"content-length", b"transfer-encoding")
+            (UPSTREAM_HEADER, value) if name.lower() == HEADER else (name, value)
+            for name, value in upstream.headers
+            if name.lower() not in (b"content-length", b"transfer-encoding")
         ]
         return response
 
