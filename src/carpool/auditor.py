@@ -29,7 +29,7 @@ import orjson
 from .exchange import send
 from .semantic.audit import answer_text
 from .semantic.guard import RulesThenVerifier, Side
-from .upstream.base import UpstreamRequest
+from .upstream.base import UpstreamRequest, unstreamed
 
 if TYPE_CHECKING:
     from .answer import Answer
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
-_STREAMING_KEYS = ("stream", "stream_options")
 MAX_RUNNING = 64  # audits in flight at once: each is an upstream call
 
 
@@ -85,7 +84,7 @@ class Auditor:
         """The upstream's answer to ``request`` now, whole, as text; None when it has none."""
         audits = self.layers.audits
         assert audits is not None
-        body = {k: v for k, v in request.body.items() if k not in _STREAMING_KEYS}
+        body = unstreamed(request.body)
         audits.calls += 1
         try:
             response = await send(

@@ -50,6 +50,11 @@ NOT_FORWARDED = frozenset(
 )
 
 
+def unstreamed(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` asking for one whole answer: without ``stream`` and ``stream_options``."""
+    return {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+
+
 @dataclass(slots=True)
 class UpstreamRequest:
     """One call to an upstream replica."""

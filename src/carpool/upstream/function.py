@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from ..errors import PathNotAllowed
-from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse
+from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse, unstreamed
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]]
 
@@ -26,7 +26,7 @@ class FunctionUpstream:
         self.name = name
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
-        body = {k: v for k, v in request.body.items() if k not in ("stream", "stream_options")}
+        body = unstreamed(request.body)
         result = await self.call(request.path, body)
         return UpstreamResponse(
             200, {"content-type": "application/json"}, body=orjson.dumps(result)
