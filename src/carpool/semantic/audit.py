@@ -31,7 +31,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..lru import LRU
@@ -75,10 +75,10 @@ def wilson(wrong: int, n: int, z: float = _Z) -> tuple[float, float, float]:
 @dataclass(slots=True)
 class _Namespace:
     window: deque[bool]
+    window_wrong: int = 0  # the wrong ones in ``window`` (kept, not summed on every read)
     audited: int = 0
     wrong: int = 0
     state: State = SERVING
-    moves: list[str] = field(default_factory=list)
 
 
 class Audits:
@@ -113,10 +113,14 @@ class Audits:
             self._namespaces.put(namespace, found)
         found.audited += 1
         found.wrong += wrong
-        found.window.append(wrong)
+        window = found.window
+        if len(window) == window.maxlen:
+            found.window_wrong -= window[0]  # (the oldest leaves as this one comes)
+        window.append(wrong)
+        found.window_wrong += wrong
         if self.budget is None:
             return
-        _, low, high = wilson(sum(found.window), len(found.window))
+        _, low, high = wilson(found.window_wrong, len(window))
         step = _STEPS.index(found.state)
         if low > self.budget and step < len(_STEPS) - 1:
             self._move(namespace, found, _STEPS[step + 1], low)
@@ -134,6 +138,7 @@ class Audits:
         )
         found.state = to
         found.window.clear()
+        found.window_wrong = 0
 
     def reset(self, namespace: str | None = None) -> int:
         """Forget the audits of ``namespace`` (None: of all); how many namespaces were reset."""
@@ -146,7 +151,7 @@ class Audits:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         report = {}
         for namespace, found in self._namespaces.items():
-            estimate, low, high = wilson(sum(found.window), len(found.window))
+            estimate, low, high = wilson(found.window_wrong, len(found.window))
             report[namespace] = {
                 "audited": found.audited,
                 "wrong": found.wrong,
