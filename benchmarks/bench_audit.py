@@ -1,171 +1,91 @@
-"""The semantic cache's audits and error budget against the true wrong-hit rate.
+"""The semantic cache's audits and error budget against the true wrong-hit rate: three runs of
+``carpool bench --workload audit`` (``carpool.bench.meanings``) side by side.
 
-The workload: catalog questions of ``carpool.bench.catalog`` (each core phrase a distinct
-meaning, no synonyms) asked as themselves and reworded (``PARAPHRASES``), in a seeded random
-order. The upstream answers by meaning: every wording of one core phrase gets the same answer,
-two core phrases never do. So a semantic hit is right exactly when the entry's meaning is the
-request's, which the benchmark knows (the true wrong-hit rate), while the gateway only knows what
-its audits tell it. The cache is set loose (``semantic.verifier_threshold``, default 0.2), so it
-does serve wrong hits: near catalog questions ("upgrade" / "downgrade my subscription", another
-context) are this workload's traps.
-
-Two runs of the same requests, in process (``build_gateway`` on a ``FunctionUpstream``: the
-figures are the pipeline's decisions, not timings):
-1. ``audit_rate`` 1.0, no budget: every served hit is audited; the judge that compares answers
-   (``semantic.judge`` through the upstream) says whether the two answers agree. Reported: the
-   audits' estimate and its 95% interval, the true rate, and whether the interval holds it.
-2. The same with ``max_wrong_rate`` at half the true rate: the namespace backs off, then serves
-   only marks; the wrong hits served stop growing. ``audit.png`` plots the wrong hits served
-   over the requests for both runs.
+The workload: catalog questions in pairs of near meanings ("upgrade" / "downgrade my
+subscription"), each asked in several wordings; the upstream answers by meaning, so the
+benchmark knows which semantic hits were wrong, while the gateway only knows what its audits tell
+it. The cache is set loose (``semantic.verifier_threshold``, default 0.2) so that it serves wrong
+hits. Runs, the same requests each time (one seed), on the embedded gateway:
+1. ``audit_rate`` 1.0, no budget: every served hit is audited, a labeled judge compares the
+   answers. Reported: the audits' estimate and its 95% interval next to the true rate.
+2. The same without a judge: the guard compares the answers.
+3. Run 1 with ``max_wrong_rate`` at half its true rate: the namespace backs off, then only
+   marks; the wrong hits served stop growing. ``audit.png`` plots the wrong hits served over the
+   requests for runs 1 and 3.
 
     python benchmarks/bench_audit.py [--quick] [--json]
 """
 
 from __future__ import annotations
 
-import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from carpool.bench import scenario
-from carpool.bench.catalog import PARAPHRASES, question
+from carpool.bench.runner import BenchOptions, run_bench
 from carpool.config import Config
-from carpool.outcome import Outcome
-from carpool.semantic.audit import answer_text
-from carpool.semantic.judge import ANSWERS_AGREE
-from carpool.upstream.function import FunctionUpstream
-from carpool.wiring import build_gateway
 
 RESULTS = Path(__file__).resolve().parent / "results"
+KEPT = ("semantic_hits", "wrong_hits", "true_wrong_rate", "true_wrong_rate_of_the_window")
 
 
-def workload(meanings: int, per_meaning: int, seed: int) -> list[tuple[str, str]]:
-    """(prompt, meaning) pairs: each meaning's canonical question and some rewordings."""
-    rng = random.Random(seed)
-    picked = rng.sample(range(1500), meanings)
-    requests = []
-    for index in picked:
-        canonical, core = question(index)
-        wordings = [canonical, *(p.format(q=core) for p in PARAPHRASES)]
-        requests += [(text, core) for text in rng.sample(wordings, min(per_meaning, len(wordings)))]
-    rng.shuffle(requests)
-    return requests
-
-
-async def replay(
-    requests: list[tuple[str, str]],
-    budget: float | None,
-    verifier_threshold: float,
-    judge: bool = True,
-) -> dict[str, Any]:
-    """One run; ``judge``: the answers compared by the (labeled) judge, else by the guard."""
-    meaning_of = dict(requests)
-    agree_prefix = ANSWERS_AGREE.split("{", 1)[0]
-
-    async def upstream(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        content = body["messages"][-1]["content"]
-        if body["model"] == "judge":  # "do these two answers agree?": by meaning, as labeled
-            assert content.startswith(agree_prefix)
-            a, b = content.split("Answer A:\n", 1)[1].split("\n\nAnswer B:\n", 1)
-            text = "yes" if a == b else "no"
-        else:
-            text = f"To {meaning_of[content]}: follow the steps in Settings."
-        return {
-            "id": "x",
-            "object": "chat.completion",
-            "model": body["model"],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
-        }
-
-    config = Config(
-        semantic={
-            "enabled": True,
-            "verifier_threshold": verifier_threshold,
-            # The judge compares answers only (its band holds no candidate a rule let through).
-            "judge": {"model": "judge" if judge else None, "band": [1.0, 1.0]},
-            "audit_rate": 1.0,
-            "max_wrong_rate": budget,
-        }
-    )
-    gateway = build_gateway(config, upstreams=[FunctionUpstream(upstream)])
-    audits = gateway.layers.audits
-    assert audits is not None
-    served = wrong = 0
-    hits: list[bool] = []  # per served hit: wrong?
-    wrong_over_time: list[int] = []
-    states: list[str] = []
-    try:
-        for prompt, meaning in requests:
-            reply = await gateway.request(
-                "/v1/chat/completions",
-                {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": prompt}]},
-            )
-            if reply.outcome is Outcome.SEMANTIC_HIT:
-                served += 1
-                got = answer_text(orjson.loads(reply.body))
-                hits.append(got != f"To {meaning}: follow the steps in Settings.")
-                wrong += hits[-1]
-            wrong_over_time.append(wrong)
-            await gateway.auditor.settle()
-            states.append(audits.state(""))
-    finally:
-        await gateway.aclose()
-    report = audits.snapshot().get("", {})
-    true_rate = wrong / served if served else 0.0
-    # The estimate is of the latest ``audit_window`` audits: compared with the same hits.
-    recent = hits[-config.semantic.audit_window :]
-    true_recent = sum(recent) / len(recent) if recent else 0.0
-    return {
-        "requests": len(requests),
-        "semantic_hits": served,
-        "wrong_hits": wrong,
-        "true_wrong_rate": round(true_rate, 4),
-        "true_wrong_rate_of_the_window": round(true_recent, 4),
-        "audit": report,
-        "interval_holds_true_rate": bool(report and report["low"] <= true_recent <= report["high"]),
-        "wrong_over_time": wrong_over_time,
-        "first_back_off": states.index("backed-off") if "backed-off" in states else None,
-        "first_mark": states.index("mark") if "mark" in states else None,
-        "judge_calls": gateway.layers.judge.calls if gateway.layers.judge else 0,
-    }
+def one(requests: int, rate: float, seed: int, semantic: dict[str, Any]) -> dict[str, Any]:
+    """One ``carpool bench --workload audit`` run; its report's ``audit`` section."""
+    with tempfile.TemporaryDirectory(prefix="carpool-bench-audit-") as out:
+        options = BenchOptions(
+            out=Path(out),
+            config=Config(semantic=semantic),
+            workload="audit",
+            requests=requests,
+            rate=rate,
+            seed=seed,
+            progress=False,
+        )
+        report = scenario.run_async(run_bench(options))
+    assert report["errors"] == 0, report["error_samples"]
+    graded: dict[str, Any] = report["audit"]
+    return graded
 
 
 def run(quick: bool, verifier_threshold: float = 0.2, seed: int = 7) -> dict[str, Any]:
     started = time.perf_counter()
-    requests = workload(120 if quick else 400, 4, seed)
-    audited = scenario.run_async(replay(requests, None, verifier_threshold))
-    unjudged = scenario.run_async(replay(requests, None, verifier_threshold, judge=False))
-    budget = max(0.001, audited["true_wrong_rate"] / 2)
-    budgeted = scenario.run_async(replay(requests, budget, verifier_threshold))
-    after = budgeted["first_back_off"]
+    requests, rate = (600, 30.0) if quick else (1800, 30.0)
+    loose = {"verifier_threshold": verifier_threshold}
+    audited = one(requests, rate, seed, loose)
+    by_the_guard = one(requests, rate, seed, {**loose, "judge": {"model": None}})
+    budget = round(max(0.001, audited["true_wrong_rate"] / 2), 4)
+    budgeted = one(requests, rate, seed, {**loose, "max_wrong_rate": budget})
+    first = budgeted["state_changes"][0]["at_request"] if budgeted["state_changes"] else None
+
+    def after(graded: dict[str, Any]) -> int | None:
+        wrong = graded["series"]["wrong"]
+        return None if first is None else wrong[-1] - wrong[max(0, first - 1)]
+
+    def brief(graded: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **{k: graded[k] for k in KEPT},
+            "audit": graded["audit"],
+            "interval_holds_true_rate": graded["interval_holds_true_rate"],
+            "state_changes": graded["state_changes"],
+            "judge_calls": graded["judge_calls"],
+        }
+
     return {
         **scenario.machine(),
         "duration_s": round(time.perf_counter() - started, 1),
+        "command": "carpool bench --workload audit",
+        "requests": requests,
+        "rate": rate,
+        "seed": seed,
         "verifier_threshold": verifier_threshold,
-        "budget": round(budget, 4),
-        "audited": {k: v for k, v in audited.items() if k != "wrong_over_time"},
-        "audited_by_the_guard": {k: v for k, v in unjudged.items() if k != "wrong_over_time"},
-        "budgeted": {k: v for k, v in budgeted.items() if k != "wrong_over_time"},
-        "wrong_after_back_off": {
-            "no_budget": audited["wrong_over_time"][-1]
-            - (audited["wrong_over_time"][after] if after is not None else 0),
-            "budget": budgeted["wrong_over_time"][-1]
-            - (budgeted["wrong_over_time"][after] if after is not None else 0),
-        },
-        "series": {
-            "no_budget": audited["wrong_over_time"],
-            "budget": budgeted["wrong_over_time"],
-        },
+        "budget": budget,
+        "audited": brief(audited),
+        "audited_by_the_guard": brief(by_the_guard),
+        "budgeted": brief(budgeted),
+        "wrong_after_first_back_off": {"no_budget": after(audited), "budget": after(budgeted)},
+        "series": {"no_budget": audited["series"]["wrong"], "budget": budgeted["series"]["wrong"]},
     }
 
 
@@ -178,11 +98,15 @@ def plot(result: dict[str, Any], out: Path) -> None:
     figure, ax = plt.subplots(figsize=(8, 4))
     ax.plot(result["series"]["no_budget"], label="audits, no budget")
     ax.plot(result["series"]["budget"], label=f"budget {result['budget']:.3f}")
-    for name, style in (("first_back_off", ":"), ("first_mark", "--")):
-        at = result["budgeted"][name]
-        if at is not None:
-            ax.axvline(at, linestyle=style, color="grey", label=name.replace("_", " "))
-    ax.set_xlabel("requests")
+    styles = {"backed-off": ":", "mark": "--", "serving": "-."}
+    for change in result["budgeted"]["state_changes"]:
+        ax.axvline(
+            change["at_request"],
+            linestyle=styles.get(change["state"], ":"),
+            color="grey",
+            label=change["state"],
+        )
+    ax.set_xlabel("requests (send order)")
     ax.set_ylabel("wrong semantic hits served (cumulative)")
     ax.legend()
     figure.tight_layout()
@@ -191,23 +115,22 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
 
 def summarize(result: dict[str, Any]) -> list[str]:
-    a, b = result["audited"], result["budgeted"]
-    est = a["audit"]
+    a, g, b = result["audited"], result["audited_by_the_guard"], result["budgeted"]
+
+    def estimate(graded: dict[str, Any]) -> str:
+        e = graded["audit"]
+        return f"{e.get('estimate', 0):.3f} [{e.get('low', 0):.3f}, {e.get('high', 1):.3f}]"
+
+    changes = ", ".join(f"{c['state']} at {c['at_request']}" for c in b["state_changes"])
     return [
-        f"requests {a['requests']}, semantic hits {a['semantic_hits']}, wrong {a['wrong_hits']}"
-        f" (true rate {a['true_wrong_rate']:.3f})",
-        f"audits: {est.get('audited')} audited, estimate {est.get('estimate', 0):.3f}"
-        f" [{est.get('low', 0):.3f}, {est.get('high', 1):.3f}] over the latest audits, whose"
-        f" true rate is {a['true_wrong_rate_of_the_window']:.3f}: held"
-        f" {a['interval_holds_true_rate']}",
-        f"without a judge (the guard compares the answers): estimate"
-        f" {result['audited_by_the_guard']['audit'].get('estimate', 0):.3f}"
-        f" [{result['audited_by_the_guard']['audit'].get('low', 0):.3f},"
-        f" {result['audited_by_the_guard']['audit'].get('high', 1):.3f}], held"
-        f" {result['audited_by_the_guard']['interval_holds_true_rate']}",
-        f"budget {result['budget']:.3f}: backed off at request {b['first_back_off']},"
-        f" mark at {b['first_mark']}; wrong hits served {b['wrong_hits']} (no budget:"
-        f" {a['wrong_hits']}); after the back-off {result['wrong_after_back_off']}",
+        f"requests {result['requests']}, semantic hits {a['semantic_hits']}, wrong "
+        f"{a['wrong_hits']} (true rate {a['true_wrong_rate']:.3f})",
+        f"audits by a judge: estimate {estimate(a)} over the latest audits, whose true rate is"
+        f" {a['true_wrong_rate_of_the_window']:.3f}: held {a['interval_holds_true_rate']}",
+        f"audits by the guard: estimate {estimate(g)}: held {g['interval_holds_true_rate']}",
+        f"budget {result['budget']:.3f}: {changes or 'no state change'}; wrong hits served "
+        f"{b['wrong_hits']} (no budget: {a['wrong_hits']}); after the first back-off "
+        f"{result['wrong_after_first_back_off']}",
     ]
 
 

@@ -7,6 +7,8 @@ Contract:
   len(CONTEXTS)`` entries, the same phrases again with ``(case N)``), and no two questions share
   an answer: the catalog has no synonyms, so a correct semantic hit can never look wrong.
 - ``PARAPHRASES`` reword a core phrase (``.format(q=core)``): a new fingerprint, the same meaning.
+  ``core_of(text)`` reads the core phrase back from a canonical question or a paraphrase (None
+  for any other text): what an upstream that answers by meaning keys its answers on.
 - ``system_prompt(rng, tenant, variant, words)``: about ``words`` words of policy text that name
   the tenant's company; ``completion_prompt(system, text)`` puts one before a question for
   ``/v1/completions``. Pure functions: the same arguments (and rng state) give the same text.
@@ -15,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 import random
+import re
 
 # No two synonyms ("change"/"update", "recover"/"restore"): two catalog questions must never
 # have the same answer, or a correct semantic hit would look like a wrong one in the report.
@@ -149,6 +152,21 @@ def question(index: int) -> tuple[str, str]:
     context = CONTEXTS[rest // len(OBJECTS)]
     core = f"{action} {obj}{context}" + (f" (case {rounds + 1})" if rounds else "")
     return f"How do I {core}?", core
+
+
+WORDINGS = ("How do I {q}?", *PARAPHRASES)  # the canonical question's shape first
+_WORDING_PATTERNS = tuple(
+    re.compile(re.escape(wording).replace(re.escape("{q}"), "(.+)")) for wording in WORDINGS
+)
+
+
+def core_of(text: str) -> str | None:
+    """The core phrase of a catalog question in any of its wordings; None for other text."""
+    for pattern in _WORDING_PATTERNS:
+        found = pattern.fullmatch(text)
+        if found:
+            return found.group(1)
+    return None
 
 
 def system_prompt(rng: random.Random, tenant: int, variant: int, words: int) -> str:

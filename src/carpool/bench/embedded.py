@@ -22,7 +22,6 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -70,12 +69,8 @@ def gateway(
 @contextlib.asynccontextmanager
 async def embedded_gateway(config: Config, log_path: Path) -> AsyncIterator[str]:
     """``gateway`` from async code: starts and stops it in a worker thread; yields its URL."""
-    context = gateway(config, log_path)
-    child = await asyncio.to_thread(context.__enter__)
-    try:
+    async with process.in_thread(gateway(config, log_path)) as child:
         yield child.url
-    finally:
-        await asyncio.to_thread(context.__exit__, None, None, None)
 
 
 # ---------------------------------------------------------------------------------- the child

@@ -7,6 +7,9 @@ Contract:
     byte of the streaming requests per outcome;
   * ``upstream_vs_oracle.png``: cumulative upstream calls over the run, from the gateway's
     ``/stats`` (polled), against the oracle's calls and the requests sent.
+- ``audit(graded, out_dir)`` (the ``audit`` workload, ``meanings.grade``) writes ``audit.png``:
+  the semantic hits served and the wrong ones among them, cumulative over the requests in send
+  order, with a line where the namespace's state changed.
 - matplotlib is the optional ``bench`` extra: ``available()`` says whether it can be imported, and
   ``MISSING`` is the sentence the report prints when it cannot.
 """
@@ -193,3 +196,28 @@ def _calls(plt: Any, run: Run, needs_call: Sequence[bool]) -> Figure:
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     return cast("Figure", figure)
+
+
+def audit(graded: dict[str, Any], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(graded["series"]["served"], color=COLORS["semantic_hit"], label="semantic hits served")
+    ax.plot(graded["series"]["wrong"], color=COLORS["error"], label="wrong ones among them")
+    styles = {"backed-off": ":", "mark": "--", "serving": "-."}
+    for change in graded["state_changes"]:
+        ax.axvline(
+            change["at_request"],
+            linestyle=styles.get(change["state"], ":"),
+            color="grey",
+            label=change["state"],
+        )
+    ax.set_xlabel("requests (send order)")
+    ax.set_ylabel("cumulative")
+    ax.legend()
+    figure.savefig(out / "audit.png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return "audit.png"

@@ -11,6 +11,8 @@ Contract (parent side):
   does not answer within ``timeout`` raises ``ChildError`` (naming it ``name``) with the end of its
   log. Leaving the
   block stops it: SIGTERM, SIGKILL after ``grace`` seconds.
+- ``in_thread(context)``: such a context manager entered from async code (start and stop in a
+  worker thread).
 - ``run_child(args, spec, timeout)``: ``python ARGS '<spec as JSON>'``, whose stdout is one JSON
   value, returned; a failure raises ``ChildError`` with the end of its stderr.
 - For servers started otherwise (the peers' own command lines): ``free_port()``,
@@ -26,6 +28,7 @@ Contract (child side):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -36,11 +39,12 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 HOST = "127.0.0.1"
 BACKLOG = 4096
 START_TIMEOUT_S = 60.0
@@ -114,6 +118,17 @@ def server(
         stop(proc, grace)
         if log is not None:
             log.close()
+
+
+@contextlib.asynccontextmanager
+async def in_thread(context: contextlib.AbstractContextManager[T]) -> AsyncIterator[T]:
+    """A blocking context manager (a child's start and stop) entered from async code: its
+    ``__enter__`` and ``__exit__`` run in a worker thread, so the event loop keeps running."""
+    value = await asyncio.to_thread(context.__enter__)
+    try:
+        yield value
+    finally:
+        await asyncio.to_thread(context.__exit__, None, None, None)
 
 
 def _announced(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

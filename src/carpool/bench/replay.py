@@ -16,8 +16,11 @@ Contract:
   the Responses and Messages APIs: with the API's last event, ``response.completed`` or
   ``message_stop``) or carried an error event. A failure never stops the run. Usage is
   ``prompt_tokens`` / ``completion_tokens``, or the typed APIs' ``input_tokens`` /
-  ``output_tokens`` (of the answer, or of the stream assembled by ``carpool.apis``).
-- ``on_result`` is called once per finished request (the progress bar).
+  ``output_tokens`` (of the answer, or of the stream assembled by ``carpool.apis``). A request
+  that carries its ``expected`` answer (non-streaming) is marked ``wrong`` when another was served.
+- ``on_result`` is called once per finished request (the progress bar); ``settle``, when given,
+  is awaited after the last answer and before the final ``/stats`` read (work the requests left
+  running in the background, such as audits, to finish).
 - The client is the benchmarks' own (``client.py``: asyncio + httptools, so it costs little next
   to the gateway it measures), with a pool of keep-alive connections and no limit on their number,
   reused as a real client fleet's would be. ``url`` may be https and may have a path prefix.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,7 @@ import orjson
 
 from ..apis import messages as messages_api
 from ..apis import responses as responses_api
+from ..semantic.audit import answer_text
 from .client import Address, Pool, build
 from .workloads import MESSAGES, RESPONSES, BenchRequest, Workload
 
@@ -55,6 +59,7 @@ class Result:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    wrong: bool | None = None  # the request's ``expected`` answer known: was another served?
 
     @property
     def ok(self) -> bool:
@@ -108,6 +113,7 @@ async def replay(
     on_result: Callable[[Result], None] | None = None,
     request_timeout_s: float = 300.0,
     admin_token: str | None = None,
+    settle: Callable[[], Awaitable[None]] | None = None,
 ) -> Run:
     """``admin_token``: the gateway's, sent with each read of its /stats (and only there: the
     workload's requests carry their own tenants' headers)."""
@@ -155,6 +161,8 @@ async def replay(
                         await one(i)
 
                 await asyncio.gather(*(worker() for _ in range(concurrency)))
+            if settle is not None:  # e.g. background work the requests started, before the end
+                await settle()
         finally:
             stop.set()
             await poller
@@ -212,7 +220,7 @@ async def _send(
         else:
             _read_stream(response.body, result)
     else:
-        _read_body(response.body, result)
+        _read_body(response.body, result, request.expected)
 
 
 def _usage(result: Result, usage: Any) -> None:
@@ -224,7 +232,7 @@ def _usage(result: Result, usage: Any) -> None:
         result.completion_tokens = completion if isinstance(completion, int) else 0
 
 
-def _read_body(raw: bytes, result: Result) -> None:
+def _read_body(raw: bytes, result: Result, expected: str | None = None) -> None:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -237,6 +245,8 @@ def _read_body(raw: bytes, result: Result) -> None:
         return
     if isinstance(body, dict):
         _usage(result, body.get("usage"))
+        if expected is not None:
+            result.wrong = answer_text(body) != expected
     else:
         result.error = "the answer is not a JSON object"
 

@@ -224,6 +224,7 @@ def write_results(workload: Workload, run: Run, out: Path) -> None:
                     "prompt_tokens": r.prompt_tokens,
                     "completion_tokens": r.completion_tokens,
                     "error": r.error,
+                    "wrong": r.wrong,
                 }
             )
         )
@@ -317,6 +318,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"**{wrong:,} new questions were served from the semantic cache**, i.e. with "
             "the answer to a different catalog question (see `outcomes_by_label`)."
         )
+    if report.get("audit"):
+        lines += ["", *_audit_lines(report["audit"])]
     lines += [
         "",
         "## Oracle",
@@ -344,3 +347,36 @@ def markdown(report: dict[str, Any]) -> str:
     else:
         lines.append(report.get("plots_missing") or "No plots.")
     return "\n".join(lines) + "\n"
+
+
+def _audit_lines(audit: dict[str, Any]) -> list[str]:
+    """The audit workload's section: the truth next to the audits' estimate."""
+    estimate = audit["audit"]
+    lines = [
+        "## Audits against the truth",
+        "",
+        f"{audit['semantic_hits']:,} semantic hits served, {audit['wrong_hits']:,} of them wrong "
+        f"(true rate {audit['true_wrong_rate']:.3f}; {audit['true_wrong_rate_of_the_window']:.3f}"
+        f" over the latest {audit['window']:,}, which the estimate is made of).",
+    ]
+    if estimate:
+        lines.append(
+            f"Audits: {estimate['audited']:,} audited, {estimate['wrong']:,} disagreed; estimate "
+            f"{estimate['estimate']:.3f}, 95% interval [{estimate['low']:.3f}, "
+            f"{estimate['high']:.3f}]: it {'holds' if audit['interval_holds_true_rate'] else 'does NOT hold'}"
+            f" the true rate. State at the end: {estimate['state']}; judge calls "
+            f"{audit['judge_calls']:,}."
+        )
+    changes = audit["state_changes"]
+    if changes:
+        lines.append(
+            "State changes: "
+            + ", ".join(f"{c['state']} at request {c['at_request']:,}" for c in changes)
+            + "."
+        )
+    if estimate and estimate["state"] != "serving":
+        lines.append(
+            "The namespace is not serving at the end: its latest audits are of the hits it "
+            "would have served, which the true rate above (of the hits it did serve) is not."
+        )
+    return lines

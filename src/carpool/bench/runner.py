@@ -15,6 +15,11 @@ Contract:
 - The oracle sees the planned arrival times (open loop) or the actual send times (closed loop),
   and assumes a call lasts the run's median ``miss`` latency (it matters only for answers that
   expire during the run).
+- The ``audit`` workload (``meanings.py``) also starts the benchmark upstream answering by
+  meaning (``upstream.py``, ``by_meaning``; its log ``upstream.log``), runs the embedded gateway
+  on ``meanings.audit_config`` in front of it, waits for the audits to finish before the final
+  ``/stats`` read, and adds ``audit`` (``meanings.grade``: the true wrong-hit rate next to the
+  audits' estimate) and ``audit.png`` to the report; it refuses ``url``.
 - Errors a user can fix raise ``WorkloadError`` (bad workload: exit 2 in the CLI),
   ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1).
 """
@@ -23,18 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from . import plots, report
+from . import meanings, plots, process, report
 from .embedded import embedded_gateway
 from .oracle import oracle
 from .recorded import load_jsonl
 from .replay import Result, replay
 from .synthetic import synthetic
+from .upstream import Options as UpstreamOptions
+from .upstream import upstream
 from .workloads import Workload, WorkloadError, traits
 
 DEFAULT_RATE = 40.0
@@ -72,6 +80,8 @@ def build_workload(options: BenchOptions) -> Workload:
         if keep:
             workload.requests = workload.requests[:keep]
         return workload
+    if options.workload == meanings.WORKLOAD:
+        return meanings.audit_workload(size, options.rate or DEFAULT_RATE, options.seed, header)
     return synthetic(
         options.workload,
         size,
@@ -109,29 +119,53 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise WorkloadError(f"--rate must be > 0, got {options.rate}")
     if options.concurrency is not None and options.concurrency < 1:
         raise WorkloadError(f"--concurrency must be >= 1, got {options.concurrency}")
+    audit = options.workload == meanings.WORKLOAD and not options.workload_file
+    if audit and options.url:
+        raise WorkloadError(
+            "the audit workload needs an upstream that answers by meaning, which carpool bench "
+            "starts itself: run it on the embedded gateway (without --url)"
+        )
     workload = build_workload(options)
     arrivals = arrival_times(workload, options)
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
+    config = options.config
     with _Progress(len(workload), options.progress, workload.name) as progress:
-        target: contextlib.AbstractAsyncContextManager[str] = (
-            contextlib.nullcontext(_normalise_url(options.url))
-            if options.url
-            else embedded_gateway(options.config, out / "gateway.log")
-        )
-        async with target as url:
+        async with contextlib.AsyncExitStack() as stack:
+            settle = None
+            if audit:
+                by_meaning = await stack.enter_async_context(
+                    process.in_thread(
+                        upstream(UpstreamOptions(by_meaning=True), out / "upstream.log")
+                    )
+                )
+                config = Config.model_validate(
+                    {**meanings.audit_config(config), "upstreams": [by_meaning.url]}
+                )
+            url = (
+                _normalise_url(options.url)
+                if options.url
+                else await stack.enter_async_context(
+                    embedded_gateway(config, out / "gateway.log")
+                )
+            )
+            if audit:
+                settle = functools.partial(
+                    meanings.audits_settled, url, by_meaning, config.admin_token
+                )
             run = await replay(
                 workload,
                 url,
                 arrivals=arrivals,
                 concurrency=options.concurrency,
                 on_result=progress.advance,
-                admin_token=options.config.admin_token,
+                admin_token=config.admin_token,
+                settle=settle,
             )
     misses = [r.latency for r in run.results if r.outcome == "miss" and r.latency is not None]
     call_seconds = statistics.median(misses) if misses else 0.0
     times = arrivals if arrivals is not None else [r.sent for r in run.results]
-    best = oracle(workload, options.config, times, call_seconds)
+    best = oracle(workload, config, times, call_seconds)
     mode = "closed-loop" if options.concurrency is not None else "open-loop"
     params = {
         "workload": workload.name,
@@ -149,7 +183,7 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         "target": "url" if options.url else "embedded",
         "gateway_url": _normalise_url(options.url) if options.url else url,
         "config_file": options.config_file,
-        "semantic_enabled": options.config.semantic.enabled,
+        "semantic_enabled": config.semantic.enabled,
         "started_at": _dt.datetime.fromtimestamp(run.started_at, _dt.UTC).isoformat(
             timespec="seconds"
         ),
@@ -157,14 +191,18 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     }
     result = report.build(
         workload=workload,
-        workload_traits=traits(workload, options.config),
+        workload_traits=traits(workload, config),
         run=run,
         oracle=best,
-        config=options.config,
+        config=config,
         params=params,
     )
+    if audit:
+        result["audit"] = meanings.grade(workload, run, config.semantic.audit_window)
     if plots.available():
         result["plots"] = plots.draw(run, best.needs_call, out)
+        if audit:
+            result["plots"].append(plots.audit(result["audit"], out))
     else:
         result["plots_missing"] = plots.MISSING
     report.write(result, out)

@@ -10,7 +10,8 @@ Contract:
 - ``Options``: ``sim`` (the engine's ``SimConfig``; by default ``ZERO_COST``: no prefill, no
   decode, no queue, so that it stands for an engine that answers at once), ``hold``,
   ``tenant_answers``, ``faults`` (shares by kind, ``faults.FaultPlan``), ``hold_s`` (how long a
-  timeout or stall fault holds) and ``log_level``.
+  timeout or stall fault holds), ``log_level``, and ``by_meaning``: catalog questions answered
+  by meaning and a labeled judge in front of the engine (``meanings.MeaningAnswers``).
 - In front of the engine (``Controls``, plain ASGI):
   * every POST under ``/v1/`` is a call, counted by endpoint, with the calls in flight;
   * ``hold``: a call waits until ``POST /bench/release`` (at most 30 s) before the engine sees
@@ -68,6 +69,7 @@ class Options:
     faults: dict[str, float] = field(default_factory=dict)
     hold_s: float = 4.0
     log_level: str = "warning"
+    by_meaning: bool = False
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "sim": self.sim.model_dump(mode="json")})
@@ -273,8 +275,11 @@ def main() -> None:
     from ..upstream.sim import SimReplica
     from ..upstream.sim_server import create_app
 
+    from .meanings import MeaningAnswers
+
     options = Options.from_json(sys.argv[1])
-    app = Controls(create_app(SimReplica("bench-upstream", options.sim)), options)
+    engine = create_app(SimReplica("bench-upstream", options.sim))
+    app = Controls(MeaningAnswers(engine) if options.by_meaning else engine, options)
     sock = process.listen()
     process.announce(sock)
     process.serve(app, sock, options.log_level, lifespan="auto")

@@ -4,7 +4,8 @@ Contract:
 - A ``Workload`` is an ordered list of ``BenchRequest`` (arrival offset ``t`` in seconds from the
   start of the run, endpoint path, JSON body, headers to send, tenant label) with its name, source
   (``"synthetic"`` or the recorded file's path) and the parameters it was made with. Requests are
-  sorted by ``t``. Where they come from: ``synthetic.py`` (the built-in presets, text from
+  sorted by ``t``; a request may carry the text of the answer it must get (``expected``). Where
+  they come from: ``synthetic.py`` (the built-in presets, text from
   ``catalog.py``) and ``recorded.py`` (a JSONL file).
 - ``ENDPOINTS``: what a workload may send: the OpenAI classics (streams ending with
   ``data: [DONE]``) and the Responses and Messages APIs (``TYPED_ENDPOINTS``: typed streams ending
@@ -29,7 +30,7 @@ COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 MODEL = "carpool-bench"
-LABELS = ("new", "repeat", "trending", "paraphrase", "sampled")
+LABELS = ("new", "repeat", "trending", "paraphrase", "sampled", "trap")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", RESPONSES, MESSAGES)
 TYPED_ENDPOINTS = (RESPONSES, MESSAGES)
 
@@ -46,6 +47,7 @@ class BenchRequest:
     headers: dict[str, str] = field(default_factory=dict)
     tenant: str | None = None
     label: str = ""  # synthetic: new | repeat | ... ; recorded: ""
+    expected: str | None = None  # the answer's text when the workload knows it (``audit``)
 
     @property
     def stream(self) -> bool:

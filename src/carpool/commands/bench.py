@@ -28,7 +28,7 @@ from .common import load_config
     default="mixed",
     show_default=True,
     help="Built-in synthetic workload: mixed, faq, bursty, tenants, streaming, prefix, "
-    "paraphrase (docs/bench.md).",
+    "paraphrase, apis, audit (docs/bench.md).",
 )
 @click.option(
     "--workload-file",

@@ -1,0 +1,139 @@
+"""`carpool bench --workload audit`: labeled paraphrases and traps, an upstream that answers by
+meaning, and the semantic cache's audits held against the true wrong-hit rate."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from carpool.bench.catalog import ACTIONS, core_of, question
+from carpool.bench.client import fetch
+from carpool.bench.meanings import JUDGE_MODEL, PER_MEANING, answer_for, audit_workload
+from carpool.bench.runner import BenchOptions, run_bench
+from carpool.bench.upstream import Options, upstream
+from carpool.cli import main
+from carpool.config import Config
+from carpool.semantic.judge import ANSWERS_AGREE, SAME_ANSWER
+
+pytest.importorskip("onnxruntime")
+
+
+def chat(text: str, model: str = "m", **extra) -> dict:
+    return {"model": model, "temperature": 0, "messages": [{"role": "user", "content": text}]} | (
+        extra
+    )
+
+
+def rest(core: str) -> str:
+    """A core phrase without its action: what two near meanings share."""
+    action = next(a for a in ACTIONS if core.startswith(a + " "))
+    return core[len(action) + 1 :]
+
+
+def test_the_audit_workload_pairs_near_meanings_labels_traps_and_never_repeats_a_wording():
+    workload = audit_workload(240, 40.0, 3, "Authorization")
+    again = audit_workload(240, 40.0, 3, "Authorization")
+    texts = [r.body["messages"][0]["content"] for r in workload.requests]
+    assert texts == [r.body["messages"][0]["content"] for r in again.requests]
+    assert len(texts) == 240 and len(set(texts)) == 240  # no exact repeat: the semantic layer's
+    cores = [core_of(text) for text in texts]
+    assert None not in cores
+    assert [r.expected for r in workload.requests] == [answer_for(c) for c in cores]
+    assert set(collections.Counter(cores).values()) == {PER_MEANING}
+    times = [r.t for r in workload.requests]
+    assert times == sorted(times) and times[0] > 0
+    # Labels by what came before: a meaning's first wording is new, or a trap when its near
+    # meaning (the same object and context, another action) was asked first.
+    seen: set[str] = set()
+    for request, core in zip(workload.requests, cores, strict=True):
+        near_seen = any(s != core and rest(s) == rest(core) for s in seen)
+        want = "paraphrase" if core in seen else "trap" if near_seen else "new"
+        assert request.label == want, (core, request.label)
+        seen.add(core)
+    labels = collections.Counter(r.label for r in workload.requests)
+    assert labels["trap"] > 0 and labels["new"] > 0 and labels["paraphrase"] > 0
+    assert all(r.headers == {"Authorization": "Bearer tenant-1"} for r in workload.requests)
+
+
+def test_the_meaning_upstream_answers_every_wording_alike_and_judges_by_the_labels():
+    canonical, core = question(40)
+    near_canonical, near_core = question(41)  # the next action, same object and context
+    with upstream(Options(by_meaning=True)) as up:
+        url = up.url + "/chat/completions"
+
+        def answer(body: dict) -> str:
+            status, _, raw = fetch("POST", url, body)
+            assert status == 200, raw
+            return str(json.loads(raw)["choices"][0]["message"]["content"])
+
+        assert answer(chat(canonical)) == answer(chat(f"how to {core}")) == answer_for(core)
+        assert answer(chat(near_canonical)) == answer_for(near_core) != answer_for(core)
+        status, headers, raw = fetch("POST", url, chat(f"Steps to {core}, please.", stream=True))
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert answer_for(core) in raw.decode() and raw.endswith(b"data: [DONE]\n\n")
+        # Anything else is the simulated engine's.
+        status, headers, _ = fetch("POST", url, chat("What is carpool?"))
+        assert status == 200 and headers["x-carpool-simulated"] == "true"
+
+        def judged(question_: str) -> str:
+            return answer(chat(question_, model=JUDGE_MODEL))
+
+        assert judged(SAME_ANSWER.format(a=canonical, b=f"how to {core}")) == "yes"
+        assert judged(SAME_ANSWER.format(a=canonical, b=near_canonical)) == "no"
+        assert judged(ANSWERS_AGREE.format(a=answer_for(core), b=answer_for(core))) == "yes"
+        assert judged(ANSWERS_AGREE.format(a=answer_for(core), b=answer_for(near_core))) == "no"
+        assert up.count()["chat"] == 9
+
+
+async def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_true_rate(tmp_path):
+    loose = Config(semantic={"verifier_threshold": 0.2})  # a loose cache: it serves wrong hits
+    options = BenchOptions(
+        out=tmp_path, config=loose, workload="audit", requests=240, rate=60, seed=1, progress=False
+    )
+    report = await run_bench(options)
+    audit = report["audit"]
+    assert report["errors"] == 0 and report["params"]["semantic_enabled"] is True
+    assert audit["semantic_hits"] == report["outcomes"]["semantic_hit"] > 0
+    assert audit["wrong_hits"] > 0  # the traps did their job
+    estimate = audit["audit"]
+    # Every hit audited (rate 1.0 unless the config says otherwise), each by the labeled judge.
+    assert estimate["audited"] == audit["semantic_hits"] and estimate["state"] == "serving"
+    assert estimate["wrong"] == audit["wrong_hits"]
+    assert estimate["low"] <= audit["true_wrong_rate"] <= estimate["high"]
+    assert audit["interval_holds_true_rate"] is True and audit["judge_calls"] > 0
+    # A wrong hit is a new meaning's (or a trap's) answer, never the meaning's own.
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    wrong_labels = {row["label"] for row in rows if row["wrong"]}
+    assert wrong_labels <= {"new", "trap", "paraphrase"}
+    assert all(row["wrong"] is False for row in rows if row["outcome"] == "miss")
+    assert (tmp_path / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (tmp_path / "report.md").read_text()
+    assert "## Audits against the truth" in markdown and "it holds the true rate" in markdown
+
+
+async def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_stops_serving(
+    tmp_path,
+):
+    budgeted = Config(semantic={"verifier_threshold": 0.2, "max_wrong_rate": 0.02})
+    options = BenchOptions(
+        out=tmp_path, config=budgeted, workload="audit", requests=240, rate=60, seed=1, progress=False
+    )
+    audit = (await run_bench(options))["audit"]
+    # (serving -> backed-off -> mark; /stats is polled, so a short step may not be seen)
+    assert audit["state_changes"][-1]["state"] == "mark", audit["state_changes"]
+    served = audit["series"]["served"]
+    marked_at = audit["state_changes"][-1]["at_request"]
+    # Once marked, nothing more is served (so no more wrong hits), and audits go on.
+    assert served[-1] == served[marked_at - 1] and audit["audit"]["state"] == "mark"
+    assert audit["audit"]["audited"] > audit["semantic_hits"]
+
+
+def test_the_audit_workload_runs_on_the_embedded_gateway_only(tmp_path):
+    result = CliRunner().invoke(
+        main,
+        ["bench", "--workload", "audit", "--url", "http://127.0.0.1:9", "--out", str(tmp_path)],
+    )
+    assert result.exit_code == 2 and "without --url" in result.output
