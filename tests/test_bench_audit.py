@@ -114,21 +114,35 @@ async def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_tr
     assert "## Audits against the truth" in markdown and "it holds the true rate" in markdown
 
 
-async def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_stops_serving(
+async def audit_run(tmp_path, name: str, **semantic) -> dict:
+    options = BenchOptions(
+        out=tmp_path / name,
+        config=Config(semantic={"verifier_threshold": 0.2, **semantic}),
+        workload="audit",
+        requests=240,
+        rate=60,
+        seed=1,
+        progress=False,
+    )
+    return (await run_bench(options))["audit"]
+
+
+async def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_wrong_hits_stop(
     tmp_path,
 ):
-    budgeted = Config(semantic={"verifier_threshold": 0.2, "max_wrong_rate": 0.02})
-    options = BenchOptions(
-        out=tmp_path, config=budgeted, workload="audit", requests=240, rate=60, seed=1, progress=False
-    )
-    audit = (await run_bench(options))["audit"]
-    # (serving -> backed-off -> mark; /stats is polled, so a short step may not be seen)
-    assert audit["state_changes"][-1]["state"] == "mark", audit["state_changes"]
-    served = audit["series"]["served"]
-    marked_at = audit["state_changes"][-1]["at_request"]
-    # Once marked, nothing more is served (so no more wrong hits), and audits go on.
-    assert served[-1] == served[marked_at - 1] and audit["audit"]["state"] == "mark"
-    assert audit["audit"]["audited"] > audit["semantic_hits"]
+    free = await audit_run(tmp_path, "free")
+    budgeted = await audit_run(tmp_path, "budgeted", max_wrong_rate=0.02)
+    assert free["true_wrong_rate"] > 0.02 and free["state_changes"] == []
+    first = budgeted["state_changes"][0]
+    assert first["state"] == "backed-off", budgeted["state_changes"]
+    # From the back-off on, only near repeats are served: the wrong hits (nearly) stop, while
+    # the same requests without a budget go on getting them.
+    at = first["at_request"]
+    after_budget = budgeted["series"]["wrong"][-1] - budgeted["series"]["wrong"][at - 1]
+    after_free = free["series"]["wrong"][-1] - free["series"]["wrong"][at - 1]
+    assert after_free >= 8 and 4 * after_budget <= after_free, (after_budget, after_free)
+    assert budgeted["wrong_hits"] < free["wrong_hits"]
+    assert budgeted["audit"]["state"] != "serving"
 
 
 def test_the_audit_workload_runs_on_the_embedded_gateway_only(tmp_path):

@@ -1,19 +1,21 @@
 """The audits of semantic hits, run: a fresh upstream answer compared with the one served.
 
 Contract (the estimate and the budget are ``semantic/audit.py``'s):
-- ``Auditor(layers).maybe(request, namespace, served)``: when the draw says so
+- ``Auditor(layers).maybe(request, namespace, served, near)``: when the draw says so
   (``Audits.sampled``), a background task (never the client's: it already has its answer) sends
   the request upstream once, not streamed, and compares the fresh answer's text with the served
   one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
   guard over the two texts (its exact rules, and its verifier at the calibrated bar even when
-  ``semantic.verifier_threshold`` loosens the cache's). A disagreement is a wrong hit of ``namespace``. The fresh answer is
+  ``semantic.verifier_threshold`` loosens the cache's). A disagreement is a wrong hit of
+  ``namespace`` (``near``: of a near repeat too, ``Audits.record``). The fresh answer is
   never stored, never shared, never written over the entry. An upstream error, a timeout, a
   non-2xx answer or a judge without a verdict counts nothing (``Audits.failed``). Only
   deterministic requests are audited (two samples may differ), and at most ``MAX_RUNNING``
   audits run at once (a draw beyond is skipped). Each audit's call is an upstream call
   (``/stats`` ``upstream_calls``), counted in ``Audits.calls`` too.
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
-  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace.
+  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace
+  (at every bar: which match was served is not known).
   Returns the namespace, or None for an entry this instance does not hold.
 - ``settle`` waits for the audits running now; ``aclose`` cancels them.
 """
@@ -50,25 +52,25 @@ class Auditor:
         self._running: set[asyncio.Task[None]] = set()
         self._strict: RulesThenVerifier | None = None
 
-    def maybe(self, request: Request, namespace: str, served: Answer) -> None:
+    def maybe(self, request: Request, namespace: str, served: Answer, near: bool) -> None:
         audits = self.layers.audits
         if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
             return
-        task = asyncio.ensure_future(self._audit(request, namespace, served))
+        task = asyncio.ensure_future(self._audit(request, namespace, served, near))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _audit(self, request: Request, namespace: str, served: Answer) -> None:
+    async def _audit(self, request: Request, namespace: str, served: Answer, near: bool) -> None:
         audits = self.layers.audits
         assert audits is not None
         try:
-            await self._compare(audits, request, namespace, served)
+            await self._compare(audits, request, namespace, served, near)
         except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
             audits.failed += 1
             log.warning("an audit failed (%s)", type(error).__name__)
 
     async def _compare(
-        self, audits: Audits, request: Request, namespace: str, served: Answer
+        self, audits: Audits, request: Request, namespace: str, served: Answer, near: bool
     ) -> None:
         fresh = await self._fresh(request)
         if fresh is None:
@@ -78,7 +80,7 @@ class Auditor:
         if agree is None:  # the judge gave no verdict: nothing learned
             audits.failed += 1
             return
-        audits.record(namespace, not agree)
+        audits.record(namespace, not agree, near)
 
     async def _fresh(self, request: Request) -> str | None:
         """The upstream's answer to ``request`` now, whole, as text; None when it has none."""
@@ -121,7 +123,7 @@ class Auditor:
             return None
         namespace = semantic.forget(public_id)
         if namespace is not None:
-            audits.record(namespace, True)
+            audits.record(namespace, True, near=True)  # (a report counts against every bar)
         return namespace
 
     async def settle(self) -> None:

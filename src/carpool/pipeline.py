@@ -200,7 +200,8 @@ class Gateway:
                 # The namespace's error budget (``semantic/audit.py``) may hold hits back; its
                 # audits go on either way, on the answer served or the one that would have been.
                 if request.api.deterministic(request.body):  # (two samples may differ)
-                    self.auditor.maybe(request, key.namespace, match.answer)
+                    near = match.similarity >= BACKED_OFF_SIMILARITY
+                    self.auditor.maybe(request, key.namespace, match.answer, near)
                 if self.config.semantic.mode == "serve" and (
                     state == SERVING
                     or (state == BACKED_OFF and match.similarity >= BACKED_OFF_SIMILARITY)

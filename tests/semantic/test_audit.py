@@ -52,12 +52,24 @@ def test_a_namespace_over_budget_backs_off_then_marks_while_another_keeps_servin
     audits.record("faq", True)  # one wrong of one: the interval's low bound is 0.21 > 0.05
     assert audits.state("faq") == BACKED_OFF
     assert audits.snapshot()["faq"]["audited"] == 1  # in all, though the window starts afresh
-    audits.record("faq", True)
+    audits.record("faq", True, near=True)  # a near repeat wrong too: the backed-off bar fails
     assert audits.state("faq") == MARK
-    audits.record("faq", True)
+    audits.record("faq", True, near=True)
     assert audits.state("faq") == MARK  # the last step
     assert audits.state("other") == SERVING
     assert audits.state("never audited") == SERVING
+
+
+def test_a_backed_off_namespace_is_judged_on_the_near_repeats_it_still_serves() -> None:
+    audits = Audits(1.0, window=100, budget=0.05)
+    audits.record("faq", True)
+    assert audits.state("faq") == BACKED_OFF
+    for _ in range(30):  # the usual bar stays wrong, the near repeats right
+        audits.record("faq", True)
+        audits.record("faq", False, near=True)
+    assert audits.state("faq") == BACKED_OFF  # not marked: what it serves is right
+    report = audits.snapshot()["faq"]  # the estimate of the bar it serves at
+    assert report["estimate"] == 0.0 and report["high"] < 0.15
 
 
 def test_a_namespace_comes_back_one_step_at_a_time_once_under_budget() -> None:
@@ -66,13 +78,19 @@ def test_a_namespace_comes_back_one_step_at_a_time_once_under_budget() -> None:
         audits.record("faq", True)
     assert audits.state("faq") == BACKED_OFF
     for _ in range(4):
-        audits.record("faq", True)
+        audits.record("faq", True, near=True)
     assert audits.state("faq") == MARK
     steps = []
-    for _ in range(8):  # all right: the upper bound falls under 0.5 after 4
+    for _ in range(4):  # far matches right: nothing a marked namespace would serve next
         audits.record("faq", False)
         steps.append(audits.state("faq"))
-    assert steps == [MARK] * 3 + [BACKED_OFF] * 4 + [SERVING]
+    for _ in range(4):  # near repeats right: the upper bound falls under 0.5 after 4
+        audits.record("faq", False, near=True)
+        steps.append(audits.state("faq"))
+    for _ in range(4):  # and the usual bar right: serving again
+        audits.record("faq", False)
+        steps.append(audits.state("faq"))
+    assert steps == [MARK] * 7 + [BACKED_OFF] * 4 + [SERVING]
 
 
 def test_reset_puts_namespaces_back_to_serving_with_no_audits() -> None:

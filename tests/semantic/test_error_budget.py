@@ -18,6 +18,7 @@ from fakes.waiting import eventually  # noqa: E402
 
 ADMIN = "admin-secret"
 ROUTER = "How do I reset my router?"
+NEAR_REPEAT = "how do I reset my router?"  # similarity >= BACKED_OFF_SIMILARITY: near repeat
 PARAPHRASES = [  # cosine similarity to ROUTER: 0.985, 0.94, 0.925, 0.967 (none a near repeat
     "how can i reset my router",  # but the first: BACKED_OFF_SIMILARITY is 0.97)
     "what steps reset my router",
@@ -179,6 +180,12 @@ async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_the
         assert outcome(await ask(gw, PARAPHRASES[0], "bad")) == "semantic-hit"
         await eventually(lambda: audits.state("bad") == "backed-off", what="the back-off")
         assert outcome(await ask(gw, PARAPHRASES[1], "bad")) == "miss"  # not a near repeat
+        await eventually(lambda: audits.snapshot()["bad"]["audited"] == 2, what="its audit")
+        assert (
+            audits.state("bad") == "backed-off"
+        )  # (the near repeats it serves are not judged yet)
+        # A near repeat is still served; its audit disagrees too: nothing is served any more.
+        assert outcome(await ask(gw, NEAR_REPEAT, "bad")) == "semantic-hit"
         await eventually(lambda: audits.state("bad") == "mark", what="mark-only")
         marked = await ask(gw, PARAPHRASES[2], "bad")
         assert outcome(marked) == "miss"
@@ -187,10 +194,11 @@ async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_the
         states = (await admin(gw, "GET", "/admin/semantic/audit")).json()
         assert states["bad"]["state"] == "mark"
         # Audits that agree bring it back, one step at a time (what agreeing audits record).
-        await eventually(lambda: audits.snapshot()["bad"]["audited"] == 3, what="the 3rd audit")
-        for step in ("backed-off", "serving"):
+        await eventually(lambda: audits.snapshot()["bad"]["audited"] == 4, what="the 4th audit")
+        # (mark -> backed-off on near repeats' audits, backed-off -> serving on the usual bar's)
+        for step, near in (("backed-off", True), ("serving", False)):
             for _ in range(200):  # (the upper bound under 0.05: some 75 to 150 agreeing audits)
-                audits.record("bad", False)
+                audits.record("bad", False, near)
                 if audits.state("bad") == step:
                     break
             assert audits.state("bad") == step

@@ -75,21 +75,19 @@ def audit_workload(requests: int, rate: float, seed: int, tenant_header: str) ->
     per_round = len(ACTIONS) * bases
     pairs = math.ceil(requests / (2 * PER_MEANING))
     order = rng.sample(range(bases), bases)
-    asked: list[tuple[str, int]] = []  # (wording, pair)
+    asked: list[tuple[str, str, int]] = []  # (wording, its core phrase, pair)
     for n in range(pairs):
         base, round_ = order[n % bases], n // bases
         for action in rng.sample(range(len(ACTIONS)), 2):
             core = _core(action + len(ACTIONS) * base + per_round * round_)
             for wording in rng.sample(WORDINGS, PER_MEANING):
-                asked.append((wording.format(q=core), n))
+                asked.append((wording.format(q=core), core, n))
     rng.shuffle(asked)
     header = {tenant_header: tenant_header_value(tenant_header, TENANT)}
     seen_meanings: set[str] = set()
     seen_pairs: set[int] = set()
     out, t = [], 0.0
-    for text, pair in asked[:requests]:
-        core = core_of(text)
-        assert core is not None
+    for text, core, pair in asked[:requests]:
         label = "paraphrase" if core in seen_meanings else "trap" if pair in seen_pairs else "new"
         seen_meanings.add(core)
         seen_pairs.add(pair)
@@ -147,7 +145,9 @@ class MeaningAnswers:
         stream = body.get("stream") is True
         payload = _chunks(body["model"], text) if stream else _completion(body["model"], text)
         kind = b"text/event-stream" if stream else b"application/json"
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]}
+        )
         await send({"type": "http.response.body", "body": payload})
 
 
@@ -244,11 +244,12 @@ async def audits_settled(
         pool.close()
 
 
-
 def grade(workload: Workload, run: Any, audit_window: int) -> dict[str, Any]:
     """``run``: a ``replay.Run`` of ``workload`` (module contract)."""
     ordered = sorted(run.results, key=lambda result: result.sent)
-    wrong = [r.wrong is True for r in ordered if r.outcome == "semantic_hit" and r.wrong is not None]
+    wrong = [
+        r.wrong is True for r in ordered if r.outcome == "semantic_hit" and r.wrong is not None
+    ]
     served_over, wrong_over, served, wrongs = [], [], 0, 0
     for result in ordered:
         if result.outcome == "semantic_hit":
@@ -265,11 +266,13 @@ def grade(workload: Workload, run: Any, audit_window: int) -> dict[str, Any]:
         if "" in (stats.get("semantic_audit") or {})
     ]
     sent = [r.sent for r in ordered]
-    changes = [
-        {"at_s": round(t, 3), "at_request": bisect.bisect_right(sent, t), "state": state}
-        for i, (t, state) in enumerate(states)
-        if i and state != states[i - 1][1]
-    ]
+    changes, before = [], "serving"  # (every namespace starts serving)
+    for t, state in states:
+        if state != before:
+            changes.append(
+                {"at_s": round(t, 3), "at_request": bisect.bisect_right(sent, t), "state": state}
+            )
+        before = state
     return {
         "semantic_hits": len(wrong),
         "wrong_hits": sum(wrong),
@@ -277,8 +280,7 @@ def grade(workload: Workload, run: Any, audit_window: int) -> dict[str, Any]:
         "true_wrong_rate_of_the_window": round(true_recent, 4),
         "window": len(recent),
         "audit": audit,
-        "interval_holds_true_rate": bool(audit)
-        and audit["low"] <= true_recent <= audit["high"],
+        "interval_holds_true_rate": bool(audit) and audit["low"] <= true_recent <= audit["high"],
         "state_changes": changes,
         "judge_calls": run.stats_after.get("judge_calls", 0)
         - run.stats_before.get("judge_calls", 0),

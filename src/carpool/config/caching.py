@@ -282,6 +282,7 @@ class SemanticConfig(Section):
         ge=0,
         le=1,
         description="Error budget: when the 95% interval's lower bound of a namespace's "
-        "wrong-hit rate exceeds it, the namespace backs off (near repeats only, then mark-only) "
-        "and comes back once audits put the upper bound under it (null: no budget).",
+        "wrong-hit rate exceeds it, the namespace backs off (near repeats only; mark-only if "
+        "their rate exceeds it too) and comes back once audits put the upper bound under it "
+        "(null: no budget).",
     )

@@ -8,18 +8,25 @@ Operators' reports of wrong hits (``POST /admin/semantic/feedback``) count the s
 
 Contract:
 - ``Audits(rate, window, budget, sample=random.random)``: ``sampled()`` draws whether a hit is
-  audited (``sample() < rate``). ``record(namespace, wrong)`` counts one audit (or report); per
-  namespace: ``audited`` and ``wrong`` in all, and the estimate of the wrong-hit rate with its
-  95% Wilson interval over the latest ``window`` audits (:func:`wilson`).
+  audited (``sample() < rate``). ``record(namespace, wrong, near)`` counts one audit (or report)
+  of a match at the cache's usual bar; ``near``: the match is also a near repeat (similarity >=
+  ``BACKED_OFF_SIMILARITY``), one a backed-off namespace still serves. Per namespace:
+  ``audited`` and ``wrong`` in all, and two windows of the latest ``window`` audits: every audit
+  (the usual bar's wrong-hit rate) and the near repeats' only (the backed-off bar's), each with
+  its 95% Wilson interval (:func:`wilson`).
 - Error budget (``budget``, None: none): each namespace is ``serving`` (the cache's usual bar),
-  ``backed-off`` (only near repeats are served: similarity >= ``BACKED_OFF_SIMILARITY``) or
-  ``mark`` (nothing served; the match is only named). After each audit: the interval's lower
-  bound over the budget moves the namespace one step down (serving -> backed-off -> mark), its
-  upper bound under the budget one step up; each move starts a fresh window (the new state is
-  judged on its own audits) and is logged once. A namespace in ``mark`` keeps being audited: the
-  candidate it would have served is compared with a fresh answer, so it can come back.
+  ``backed-off`` (only near repeats are served) or ``mark`` (nothing served; the match is only
+  named). Audits go on in every state, of the match served or the one that would have been, so
+  each state is judged on the bar it serves at and the bar above it: after each audit,
+  ``serving`` backs off when the usual bar's interval lies over the budget (its lower bound
+  above it); ``backed-off`` moves to ``mark`` when the near repeats' lies over it, and back to
+  ``serving`` when the usual bar's lies under it (its upper bound below); ``mark`` comes back to
+  ``backed-off`` when the near repeats' lies under it. Each move starts fresh windows and is
+  logged once. (A namespace is not marked for the usual bar's wrong hits while its near repeats
+  are right: those it keeps serving.)
 - ``state(namespace)``; ``snapshot()``: ``{namespace: {"audited", "wrong", "estimate", "low",
-  "high", "state"}}`` (``/stats`` ``semantic_audit``); ``reset(namespace=None)``: one namespace
+  "high", "state"}}`` (``/stats`` ``semantic_audit``), the estimate of the bar the namespace
+  serves at (``serving``: the usual bar's; ``backed-off``, ``mark``: the near repeats'); ``reset(namespace=None)``: one namespace
   (or all) back to ``serving`` with no audits. At most ``MAX_NAMESPACES`` are tracked (least
   recently audited out).
 """
@@ -52,7 +59,6 @@ State = Literal["serving", "backed-off", "mark"]
 SERVING: State = "serving"
 BACKED_OFF: State = "backed-off"
 MARK: State = "mark"
-_STEPS: tuple[State, ...] = (SERVING, BACKED_OFF, MARK)
 
 #: What a backed-off namespace still serves: near repeats (case, punctuation, a greeting).
 BACKED_OFF_SIMILARITY = 0.97
@@ -73,12 +79,37 @@ def wilson(wrong: int, n: int, z: float = _Z) -> tuple[float, float, float]:
 
 
 @dataclass(slots=True)
+class _Window:
+    """The latest audits of one bar, and how many of them were wrong (kept, not summed on every
+    read)."""
+
+    audits: deque[bool]
+    wrong: int = 0
+
+    def add(self, wrong: bool) -> None:
+        if len(self.audits) == self.audits.maxlen:
+            self.wrong -= self.audits[0]  # (the oldest leaves as this one comes)
+        self.audits.append(wrong)
+        self.wrong += wrong
+
+    def interval(self) -> tuple[float, float, float]:
+        return wilson(self.wrong, len(self.audits))
+
+    def clear(self) -> None:
+        self.audits.clear()
+        self.wrong = 0
+
+
+@dataclass(slots=True)
 class _Namespace:
-    window: deque[bool]
-    window_wrong: int = 0  # the wrong ones in ``window`` (kept, not summed on every read)
+    usual: _Window  # every audit: the cache's usual bar
+    near: _Window  # near repeats only: the backed-off bar
     audited: int = 0
     wrong: int = 0
     state: State = SERVING
+
+    def serves_at(self) -> _Window:
+        return self.usual if self.state == SERVING else self.near
 
 
 class Audits:
@@ -106,26 +137,30 @@ class Audits:
         found = self._namespaces.peek(namespace)
         return found.state if found is not None else SERVING
 
-    def record(self, namespace: str, wrong: bool) -> None:
+    def record(self, namespace: str, wrong: bool, near: bool = False) -> None:
         found = self._namespaces.get(namespace)
         if found is None:
-            found = _Namespace(deque(maxlen=self.window))
+            found = _Namespace(
+                _Window(deque(maxlen=self.window)), _Window(deque(maxlen=self.window))
+            )
             self._namespaces.put(namespace, found)
         found.audited += 1
         found.wrong += wrong
-        window = found.window
-        if len(window) == window.maxlen:
-            found.window_wrong -= window[0]  # (the oldest leaves as this one comes)
-        window.append(wrong)
-        found.window_wrong += wrong
+        found.usual.add(wrong)
+        if near:
+            found.near.add(wrong)
         if self.budget is None:
             return
-        _, low, high = wilson(found.window_wrong, len(window))
-        step = _STEPS.index(found.state)
-        if low > self.budget and step < len(_STEPS) - 1:
-            self._move(namespace, found, _STEPS[step + 1], low)
-        elif high < self.budget and step > 0:
-            self._move(namespace, found, _STEPS[step - 1], high)
+        _, usual_low, usual_high = found.usual.interval()
+        _, near_low, near_high = found.near.interval()
+        if found.state == SERVING and usual_low > self.budget:
+            self._move(namespace, found, BACKED_OFF, usual_low)
+        elif found.state == BACKED_OFF and near_low > self.budget:
+            self._move(namespace, found, MARK, near_low)
+        elif found.state == BACKED_OFF and usual_high < self.budget:
+            self._move(namespace, found, SERVING, usual_high)
+        elif found.state == MARK and near_high < self.budget:
+            self._move(namespace, found, BACKED_OFF, near_high)
 
     def _move(self, namespace: str, found: _Namespace, to: State, bound: float) -> None:
         log.warning(
@@ -137,8 +172,8 @@ class Audits:
             self.budget,
         )
         found.state = to
-        found.window.clear()
-        found.window_wrong = 0
+        found.usual.clear()
+        found.near.clear()
 
     def reset(self, namespace: str | None = None) -> int:
         """Forget the audits of ``namespace`` (None: of all); how many namespaces were reset."""
@@ -151,7 +186,7 @@ class Audits:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         report = {}
         for namespace, found in self._namespaces.items():
-            estimate, low, high = wilson(found.window_wrong, len(found.window))
+            estimate, low, high = found.serves_at().interval()
             report[namespace] = {
                 "audited": found.audited,
                 "wrong": found.wrong,
