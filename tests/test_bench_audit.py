@@ -119,7 +119,13 @@ async def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_sto
 ):
     budgeted = Config(semantic={"verifier_threshold": 0.2, "max_wrong_rate": 0.02})
     options = BenchOptions(
-        out=tmp_path, config=budgeted, workload="audit", requests=240, rate=60, seed=1, progress=False
+        out=tmp_path,
+        config=budgeted,
+        workload="audit",
+        requests=240,
+        rate=60,
+        seed=1,
+        progress=False,
     )
     audit = (await run_bench(options))["audit"]
     # (serving -> backed-off -> mark; /stats is polled, so a short step may not be seen)

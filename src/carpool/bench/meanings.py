@@ -88,15 +88,17 @@ def audit_workload(requests: int, rate: float, seed: int, tenant_header: str) ->
     seen_pairs: set[int] = set()
     out, t = [], 0.0
     for text, pair in asked[:requests]:
-        core = core_of(text)
-        assert core is not None
-        label = "paraphrase" if core in seen_meanings else "trap" if pair in seen_pairs else "new"
-        seen_meanings.add(core)
+        meaning = core_of(text)
+        assert meaning is not None
+        label = (
+            "paraphrase" if meaning in seen_meanings else "trap" if pair in seen_pairs else "new"
+        )
+        seen_meanings.add(meaning)
         seen_pairs.add(pair)
         t += rng.expovariate(rate)
         body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "temperature": 0}
         out.append(
-            BenchRequest(t, CHAT, body, dict(header), TENANT, label, expected=answer_for(core))
+            BenchRequest(t, CHAT, body, dict(header), TENANT, label, expected=answer_for(meaning))
         )
     params = {"requests": requests, "rate": rate, "seed": seed, "per_meaning": PER_MEANING}
     return Workload(WORKLOAD, out, params=params)
@@ -147,7 +149,9 @@ class MeaningAnswers:
         stream = body.get("stream") is True
         payload = _chunks(body["model"], text) if stream else _completion(body["model"], text)
         kind = b"text/event-stream" if stream else b"application/json"
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]}
+        )
         await send({"type": "http.response.body", "body": payload})
 
 
@@ -244,11 +248,12 @@ async def audits_settled(
         pool.close()
 
 
-
 def grade(workload: Workload, run: Any, audit_window: int) -> dict[str, Any]:
     """``run``: a ``replay.Run`` of ``workload`` (module contract)."""
     ordered = sorted(run.results, key=lambda result: result.sent)
-    wrong = [r.wrong is True for r in ordered if r.outcome == "semantic_hit" and r.wrong is not None]
+    wrong = [
+        r.wrong is True for r in ordered if r.outcome == "semantic_hit" and r.wrong is not None
+    ]
     served_over, wrong_over, served, wrongs = [], [], 0, 0
     for result in ordered:
         if result.outcome == "semantic_hit":
@@ -277,8 +282,7 @@ def grade(workload: Workload, run: Any, audit_window: int) -> dict[str, Any]:
         "true_wrong_rate_of_the_window": round(true_recent, 4),
         "window": len(recent),
         "audit": audit,
-        "interval_holds_true_rate": bool(audit)
-        and audit["low"] <= true_recent <= audit["high"],
+        "interval_holds_true_rate": bool(audit) and audit["low"] <= true_recent <= audit["high"],
         "state_changes": changes,
         "judge_calls": run.stats_after.get("judge_calls", 0)
         - run.stats_before.get("judge_calls", 0),

@@ -145,9 +145,7 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
             url = (
                 _normalise_url(options.url)
                 if options.url
-                else await stack.enter_async_context(
-                    embedded_gateway(config, out / "gateway.log")
-                )
+                else await stack.enter_async_context(embedded_gateway(config, out / "gateway.log"))
             )
             if audit:
                 settle = functools.partial(

@@ -233,9 +233,7 @@ def synthetic(
 ) -> Workload:
     """The built-in workload ``name`` (``PRESETS``) with ``overrides`` of ``Spec`` fields."""
     if name not in PRESETS:
-        raise WorkloadError(
-            f"unknown workload {name!r}; built-in: {', '.join(PRESETS)}, audit"
-        )
+        raise WorkloadError(f"unknown workload {name!r}; built-in: {', '.join(PRESETS)}, audit")
     if requests < 1:
         raise WorkloadError(f"requests must be >= 1, got {requests}")
     try:

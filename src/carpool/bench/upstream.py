@@ -274,7 +274,6 @@ def _tenant(scope: Scope) -> str:
 def main() -> None:
     from ..upstream.sim import SimReplica
     from ..upstream.sim_server import create_app
-
     from .meanings import MeaningAnswers
 
     options = Options.from_json(sys.argv[1])
