@@ -104,6 +104,76 @@ async def until_redis_is_back(served, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def semantic_extra() -> dict:
+    """The semantic layer, where its extra is installed (the dev install has it)."""
+    import importlib.util
+
+    installed = all(importlib.util.find_spec(m) for m in ("onnxruntime", "usearch"))
+    return {"semantic": {"enabled": True}} if installed else {}
+
+
+async def test_redis_down_every_layer_takes_the_one_way_down_and_back(fake, killable_redis):
+    """The one fallback, every Redis-backed layer at once: the exact store, flights,
+    invalidations, idempotency records and semantic entries all ask and tell the instance's one
+    health. Redis killed: every request succeeds from this instance's memory and each instance
+    says degraded, in one degraded period; Redis back: both share through it again."""
+    admin, key = {"Authorization": "Bearer t"}, {"Idempotency-Key": "order-1"}
+    async with two_gateways(fake, killable_redis, **semantic_extra()) as (a, b):
+        semantic = a.gateway.semantic is not None
+        if semantic:
+            for served in (a, b):
+                await asyncio.wait_for(served.gateway.semantic.ready.wait(), 5)
+        assert (await a.chat("before")).headers["x-carpool"] == "miss"
+        killable_redis.kill()
+
+        repeat = [await a.chat("repeat"), await a.chat("repeat")]  # an exact repeat
+        down_since = a.gateway.redis_health()["down_since"]
+        assert down_since is not None
+        fake.gate = asyncio.Event()
+        pair = [asyncio.create_task(b.chat("pair")) for _ in range(2)]  # a coalesced pair
+        await eventually(lambda: b.gateway.flights.waiters == 2, what="the pair on one flight")
+        fake.gate.set()
+        pair = list(await asyncio.gather(*pair))
+        fake.gate = None
+        keyed = [await a.chat("charge", headers=key), await a.chat("charge", headers=key)]
+        invalidated = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        after_invalidation = await b.chat("pair")
+        paraphrase = []
+        if semantic:
+            paraphrase = [await a.chat("How do I reset my router?")]
+            await eventually(lambda: a.gateway.semantic.entries >= 1, what="the local entry")
+            paraphrase.append(await a.chat("how can i reset my router"))
+
+        everything = [*repeat, *pair, *keyed, invalidated, after_invalidation, *paraphrase]
+        assert [r.status_code for r in everything] == [200] * len(everything)
+        assert [r.headers["x-carpool"] for r in repeat] == ["miss", "hit"]
+        assert sorted(r.headers["x-carpool"] for r in pair) == ["coalesced", "miss"]
+        assert pair[0].json() == pair[1].json()
+        assert keyed[1].headers["idempotent-replayed"] == "true"
+        assert keyed[1].json() == keyed[0].json()
+        assert after_invalidation.headers["x-carpool"] == "miss"  # B's own answer dropped
+        if semantic:
+            assert paraphrase[1].headers["x-carpool"] == "semantic-hit"
+        for served in (a, b):
+            health = (await served.client.get("/healthz")).json()
+            assert health["status"] == "degraded" and health["redis"]["errors"] >= 1
+        # One degraded period for every layer's failures: never back to up in between.
+        assert a.gateway.redis_health()["down_since"] == down_since
+
+        killable_redis.restart()
+        for served in (a, b):
+            await until_redis_is_back(served, timeout=10)
+        await b.chat("shared again")
+        assert (await a.chat("shared again")).headers["x-carpool"] == "hit"
+        again = {"Idempotency-Key": "order-2"}
+        first = await b.chat("charge again", headers=again)
+        replayed = await a.chat("charge again", headers=again)  # the record is B's, in Redis
+        assert replayed.headers["idempotent-replayed"] == "true"
+        assert replayed.json() == first.json()
+        for served in (a, b):
+            assert (await served.client.get("/healthz")).json()["status"] == "ok"
+
+
 async def test_the_invalidation_subscriber_survives_redis_restarting_and_delivers_again(
     fake, killable_redis
 ):

@@ -13,18 +13,25 @@ import pytest
 import redis.asyncio as aredis
 
 from carpool.clock import ManualClock
+from carpool.config import Config
 from carpool.errors import CarpoolError
 from carpool.idempotency import (
     Begin,
+    FallbackRecords,
     IdempotencyConflict,
     IdempotencyKeyInvalid,
     IdempotencyMismatch,
     IdempotencyRecords,
+    IdempotencyUnavailable,
     MemoryIdempotencyRecords,
     StoredResponse,
     parse_key,
 )
 from carpool.redis.idempotency import RedisIdempotencyRecords
+from carpool.store.base import StoreUnavailable
+from carpool.store.shared import SharedStore
+from carpool.wiring import build_idempotency, build_store
+from conftest import redis_settings
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.waiting import eventually
 
@@ -321,10 +328,11 @@ async def test_renew_keeps_the_lease_alive(make: Make) -> None:
 
 
 async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_once_settled(
-    redis_server: RedisServer,
+    shared_redis: RedisServer,
 ) -> None:
-    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=0.15)
-    other = RedisIdempotencyRecords(redis_server.url, retention=60, lease=0.15)
+    url, cluster = shared_redis.url, shared_redis.cluster
+    records = RedisIdempotencyRecords(url, retention=60, lease=0.15, cluster=cluster)
+    other = RedisIdempotencyRecords(url, retention=60, lease=0.15, cluster=cluster)
     try:
         token = await begin_new(records)
         await eventually(lambda: records.renewals >= 4, timeout=5, what="4 renewals (4/3 lease)")
@@ -406,10 +414,12 @@ async def test_wait_for_a_record_that_holds_another_request_returns_none_at_once
 
 @pytest.fixture
 async def two(
-    redis_server: RedisServer,
+    shared_redis: RedisServer,
 ) -> AsyncIterator[tuple[RedisIdempotencyRecords, RedisIdempotencyRecords]]:
-    a = RedisIdempotencyRecords(redis_server.url, retention=60)
-    b = RedisIdempotencyRecords(redis_server.url, retention=60)
+    """Two instances' records on one server, or on one cluster."""
+    url, cluster = shared_redis.url, shared_redis.cluster
+    a = RedisIdempotencyRecords(url, retention=60, cluster=cluster)
+    b = RedisIdempotencyRecords(url, retention=60, cluster=cluster)
     yield a, b
     await a.aclose()
     await b.aclose()
@@ -545,21 +555,28 @@ async def test_redis_a_dead_server_fails_every_call_fast(killable_redis: RedisSe
 
 
 async def test_a_redis_lease_outlives_a_redis_pause_shorter_than_half_of_it(
-    redis_server: RedisServer,
+    killable_redis: RedisServer,
 ) -> None:
+    """Paused: a single server, or every node of a cluster of the test's own at once (as
+    tests/test_redis_scale.py pauses it; the session's shared cluster must not be paused)."""
     import os
     import signal
 
-    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2, socket_timeout=0.1)
-    other = RedisIdempotencyRecords(redis_server.url, retention=60, lease=1.2)
+    url, cluster = killable_redis.url, killable_redis.cluster
+    records = RedisIdempotencyRecords(
+        url, retention=60, lease=1.2, socket_timeout=0.1, cluster=cluster
+    )
+    other = RedisIdempotencyRecords(url, retention=60, lease=1.2, cluster=cluster)
     try:
         token = await begin_new(records)
         await eventually(lambda: records.renewals >= 1, timeout=5, what="a first renewal")
-        os.kill(redis_server.pid, signal.SIGSTOP)
+        for pid in killable_redis.pids:
+            os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(0.5)  # the pause itself is the test's subject
         finally:
-            os.kill(redis_server.pid, signal.SIGCONT)
+            for pid in killable_redis.pids:
+                os.kill(pid, signal.SIGCONT)
         renewed = records.renewals
         await eventually(
             lambda: records.renewals >= renewed + 2, timeout=5, what="renewals after the pause"
@@ -569,3 +586,140 @@ async def test_a_redis_lease_outlives_a_redis_pause_shorter_than_half_of_it(
     finally:
         await records.aclose()
         await other.aclose()
+
+
+# --------------------------------------------------------------------------- the way down
+# FallbackRecords on the instance's one health (the shared store's), built as the gateway builds
+# them (``wiring.build_idempotency``).
+
+
+def shared_records(
+    target: RedisServer, **distributed: object
+) -> tuple[SharedStore, FallbackRecords]:
+    """The shared store (the instance's health) and the records on its client and health."""
+    config = Config(**redis_settings(target, **distributed))
+    store = build_store(config)
+    records = build_idempotency(config, store)
+    assert isinstance(store, SharedStore) and isinstance(records, FallbackRecords)
+    assert isinstance(records.shared, RedisIdempotencyRecords) and records.shared.health is store
+    return store, records
+
+
+async def test_keyed_requests_skip_a_dead_redis_for_the_retry_interval_and_live_locally(
+    killable_redis: RedisServer,
+) -> None:
+    store, records = shared_records(killable_redis, retry_interval=3600)
+    try:
+        in_redis = await begin_new(records, "before")
+        killable_redis.kill()
+        token = await begin_new(records)  # Redis fails: the record lives in this process
+        assert store.health()["state"] == "degraded" and store.errors == 1
+        assert (await records.begin("k", FP)).state == "processing"
+        assert (await records.begin("k", OTHER_FP)).state == "mismatch"
+        # Neither of those called Redis (its failure is known for the retry interval).
+        assert store.errors == 1
+        assert await records.renew("k", token) is True
+        assert await records.finish("k", token, OK) is True
+        assert (await records.begin("k", FP)).response == OK  # replayed from this process
+        assert await records.wait("k", FP, timeout=1) == OK
+        dropped = await begin_new(records, "dropped")
+        assert await records.abandon("dropped", dropped) is True
+        await begin_new(records, "dropped")  # free again
+        assert store.errors == 1
+        # A record begun in Redis is settled there even now (tried: not kept, and counted).
+        assert await records.finish("before", in_redis, OK) is False
+        assert store.errors == 2 and store.pool_exhausted == 0
+    finally:
+        await records.aclose()
+        await store.aclose()
+
+
+async def test_a_redis_that_answers_again_takes_the_records_back(redis_server: RedisServer) -> None:
+    store, records = shared_records(redis_server, retry_interval=0.001)
+    other = RedisIdempotencyRecords(redis_server.url, retention=60)
+    try:
+        store.report(StoreUnavailable("another layer's call failed"))
+        assert store.health()["state"] == "degraded"
+        await eventually(store.usable, what="Redis due for another attempt")
+        token = await begin_new(records)  # tried, answered: shared again
+        assert store.health()["state"] == "up"
+        assert (await other.begin("k", FP)).state == "processing"
+        assert await records.finish("k", token, OK) is True
+        assert (await other.begin("k", FP)).response == OK
+    finally:
+        await other.aclose()
+        await records.aclose()
+        await store.aclose()
+
+
+async def hold_every_connection(client: aredis.Redis, key: str) -> tuple[asyncio.Task, Callable]:
+    """Take the one pooled connection that serves ``key`` (``max_connections`` 1): a BLPOP on a
+    key of the same slot, until ``release()`` pushes to it through a client of its own."""
+    held = b"held" + key[key.index("{") :].encode()
+    node = client.get_node_from_key(held) if hasattr(client, "get_node_from_key") else None
+    holder = asyncio.create_task(client.blpop([held], timeout=30))
+    if node is None:
+        pool = client.connection_pool
+        await eventually(lambda: bool(pool._in_use_connections), what="the connection taken")
+        url = f"redis://{pool.connection_kwargs['host']}:{pool.connection_kwargs['port']}"
+    else:
+        await eventually(lambda: len(node._connections) > len(node._free), what="taken")
+        url = f"redis://{node.host}:{node.port}"
+
+    async def release() -> None:
+        pusher = aredis.Redis.from_url(url)
+        try:
+            await pusher.rpush(held, b"go")
+        finally:
+            await pusher.aclose()
+        await asyncio.wait_for(holder, 5)
+
+    return holder, release
+
+
+async def test_a_full_pool_is_counted_and_logged_and_never_runs_the_key_locally(
+    shared_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis answers: running the key from this process's records could run it twice (it may
+    be running, or have run, on another instance). The request is refused, retryable."""
+    store, records = shared_records(shared_redis, max_connections=1, pool_timeout=0.05)
+    try:
+        await store.redis.client.ping()  # (a cluster: the topology read first)
+        _, release = await hold_every_connection(store.redis.client, records.shared.record_key("k"))
+        with pytest.raises(IdempotencyUnavailable) as busy:
+            await records.begin("k", FP)
+        assert busy.value.status == 503 and busy.value.headers()["retry-after"] == "1"
+        health = store.health()
+        assert health["state"] == "up" and health["errors"] == 0
+        assert health["pool_exhausted"] == 1
+        assert "every connection to redis stayed busy" in caplog.text
+        assert len(records.local) == 0  # nothing begun in this process
+        await release()
+        token = await begin_new(records)  # in Redis, once a connection is free
+        assert await records.finish("k", token, OK) is True
+        assert (await records.shared.begin("k", FP)).response == OK
+        assert len(records.local) == 0 and store.errors == 0
+    finally:
+        await records.aclose()
+        await store.aclose()
+
+
+async def test_a_cluster_nodes_full_pool_is_waited_for_up_to_the_pool_timeout(
+    redis_cluster: RedisServer,
+) -> None:
+    """A cluster node's pool does not wait for a free connection (a single server's does): the
+    records wait for one themselves, counted once."""
+    store, records = shared_records(redis_cluster, max_connections=1, pool_timeout=30)
+    try:
+        await store.redis.client.ping()
+        _, release = await hold_every_connection(store.redis.client, records.shared.record_key("k"))
+        began = asyncio.create_task(records.begin("k", FP))
+        await eventually(lambda: store.pool_exhausted == 1, what="the full pool counted")
+        assert not began.done()
+        await release()
+        assert (await asyncio.wait_for(began, 10)).state == "new"
+        assert store.health()["state"] == "up" and store.pool_exhausted == 1
+        assert len(records.local) == 0
+    finally:
+        await records.aclose()
+        await store.aclose()

@@ -156,3 +156,43 @@ async def test_an_answer_put_while_the_pool_is_exhausted_is_not_kept_locally(red
         holder.cancel()
     finally:
         await shared.aclose()
+
+
+async def test_a_keyed_request_while_every_connection_is_busy_is_refused_not_run_twice(
+    fake, redis_server, caplog
+):
+    """Redis answers, this instance has no free connection: the key's record cannot be read.
+    Run anyway (from this process's records) it could run a second time while another instance
+    runs it: the request gets a 503 with Retry-After instead, and its retry runs once."""
+    import redis.asyncio as aredis
+
+    from conftest import run_gateway
+    from fakes.waiting import eventually
+
+    # Two connections: one the invalidation subscriber holds, one the test takes.
+    config = {
+        "redis": redis_server.url,
+        "distributed": {"max_connections": 2, "pool_timeout": 0.05},
+    }
+    key = {"Idempotency-Key": "order-9"}
+    async with run_gateway([fake.url], **config) as gw:
+        await eventually(lambda: gw.gateway.invalidations.listening, what="subscribed")
+        client = gw.gateway.store.redis.client
+        holder = asyncio.create_task(client.blpop([b"held"], timeout=30))
+        in_use = client.connection_pool._in_use_connections
+        await eventually(lambda: len(in_use) == 2, what="every connection taken")
+        refused = await gw.chat("charge", headers=key)
+        calls_then = fake.count()
+        redis = (await gw.client.get("/stats")).json()["redis"]
+        pusher = aredis.Redis.from_url(redis_server.url)
+        await pusher.rpush(b"held", b"go")  # the connection is free again
+        await pusher.aclose()
+        await holder
+        retried = await gw.chat("charge", headers=key)
+        replayed = await gw.chat("charge", headers=key)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["status"] == 503 and calls_then == 0
+    assert redis["state"] == "up" and redis["errors"] == 0 and redis["pool_exhausted"] >= 1
+    assert "every connection to redis stayed busy" in caplog.text
+    assert retried.status_code == 200 and replayed.headers["idempotent-replayed"] == "true"
+    assert replayed.json() == retried.json() and fake.count("/v1/chat/completions") == 1

@@ -289,10 +289,11 @@ def build_idempotency(
         return local
     from .redis.idempotency import RedisIdempotencyRecords
 
-    # On the shared store's connection pool, as every Redis layer. Shared records are leased
-    # for seconds and renewed while the request runs, so a dead instance's key is free again
-    # soon; the in-process ones die with their process.
-    redis, _, owned = _shared_redis(config, store)
+    # On the shared store's connection pool and health, as every Redis layer (one degraded
+    # state, one count of failures and of full pools). Shared records are leased for seconds
+    # and renewed while the request runs, so a dead instance's key is free again soon; the
+    # in-process ones die with their process.
+    redis, health, owned = _shared_redis(config, store)
     return FallbackRecords(
         RedisIdempotencyRecords(
             redis.client,
@@ -300,6 +301,8 @@ def build_idempotency(
             lease=config.idempotency.lease,
             prefix=config.distributed.key_prefix,
             owns_client=owned,
+            health=health,
+            pool_timeout=config.distributed.pool_timeout,
         ),
         local,
     )

@@ -41,14 +41,16 @@ class DistributedConfig(Section):
         description="Connections to Redis this instance may "
         "open (per node on a cluster; Valkey's default maxclients is "
         "10,000: size it for all instances). A call that finds them "
-        "all busy waits for one (on a cluster it does not wait).",
+        "all busy waits for one (on a cluster only idempotency records wait).",
     )
     pool_timeout: float = Field(
         5.0,
         gt=0,
         description="Seconds a Redis call may wait for a free "
         "connection; past it the call runs without Redis (counted as "
-        "`pool_exhausted`, logged) but Redis is not marked down.",
+        "`pool_exhausted`, logged) but Redis is not marked down. A request "
+        "with an Idempotency-Key is then refused (503, Retry-After) rather "
+        "than run without its shared record.",
     )
     retry_interval: float = Field(
         1.0,

@@ -5,14 +5,16 @@ safely: it is processed at most once while its record lives, and a retry gets th
 
 The package, one contract per module:
 - ``header``: the key (``parse_key``: which header, what value is valid).
-- ``errors``: what the gateway answers about a key (RFC 9457 problem details: 400, 409, 422).
+- ``errors``: what the gateway answers about a key (RFC 9457 problem details: 400, 409, 422,
+  503 when the shared records are busy).
 - ``records``: the records' protocol and states (``IdempotencyRecords``, ``Begin``,
   ``StoredResponse``): one record per key, begun, finished or abandoned, leased, retained.
 - ``final``: final or retryable (``is_final``) and the replay's format (``replay_as``).
 - ``memory``: ``MemoryIdempotencyRecords`` (one process; bounded); ``fallback``:
-  ``FallbackRecords`` (the shared records, or this process's while Redis is down). The shared
-  backend is ``carpool.redis.idempotency.RedisIdempotencyRecords`` (shared by every instance;
-  layout and leases in its docstring); a Redis failure raises ``StoreUnavailable``.
+  ``FallbackRecords`` (the shared records, or this process's while Redis is down, by the
+  instance's one Redis health, as every Redis layer). The shared backend is
+  ``carpool.redis.idempotency.RedisIdempotencyRecords`` (shared by every instance; layout,
+  leases and health in its docstring); a Redis failure raises ``StoreUnavailable``.
 - ``once``: a request with a key, run at most once through the gateway (``AtMostOnce``: the
   records begun, finished or abandoned around ``Gateway._answer``). Not imported here: it
   stands on the request path, which imports this package.
@@ -27,6 +29,7 @@ from .errors import (
     IdempotencyFormatMismatch,
     IdempotencyKeyInvalid,
     IdempotencyMismatch,
+    IdempotencyUnavailable,
 )
 from .fallback import FallbackRecords as FallbackRecords
 from .final import SSE_TYPE as SSE_TYPE
@@ -49,6 +52,7 @@ __all__ = [
     "IdempotencyKeyInvalid",
     "IdempotencyMismatch",
     "IdempotencyRecords",
+    "IdempotencyUnavailable",
     "MemoryIdempotencyRecords",
     "StoredResponse",
     "is_final",

@@ -7,6 +7,9 @@
 - ``IdempotencyMismatch`` (422): the key was used with another request (another fingerprint).
 - ``IdempotencyFormatMismatch`` (422): the stored response has no faithful form in the format
   (stream or not) the retry asks for (``replay_as``).
+- ``IdempotencyUnavailable`` (503, ``Retry-After``): the shared records answer, but every
+  connection to them stayed busy (``PoolExhausted``): the request was not run, so a retry with
+  the same key is safe. (Running it on this instance's records instead could run the key twice.)
 """
 
 from __future__ import annotations
@@ -91,3 +94,24 @@ class IdempotencyFormatMismatch(IdempotencyMismatch):
             f'cannot be replayed to a request {asked} "stream": true. Retry in the first '
             "request's format, or use a new key."
         )
+
+
+class IdempotencyUnavailable(IdempotencyError):
+    """503: the shared records could not be read in time although Redis answers (every pooled
+    connection stayed busy); nothing was run, and a retry with the same key is safe."""
+
+    status = 503
+    type = "server_error"
+    code = "idempotency_unavailable"
+    title = "Idempotency-Key records are busy"
+    retry_after = 1  # s: a pool that ran out frees its connections within a command's time
+
+    def __init__(
+        self,
+        message: str = "The records of Idempotency-Keys are busy; the request was not run. "
+        "Retry it with the same key.",
+    ) -> None:
+        super().__init__(message)
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "retry-after": str(self.retry_after)}

@@ -7,6 +7,9 @@ Contract:
   with another request is a 422 (``IdempotencyMismatch``), whatever the record's state.
 - A request whose key is being processed gets a 409 (``IdempotencyConflict``), or, with
   ``idempotency.on_conflict: wait``, waits for it up to the join timeout and looks again.
+- A request whose record cannot be read although the shared records answer (every connection
+  busy: ``IdempotencyUnavailable``) gets a 503 with ``Retry-After`` and is not run: running it
+  without its record could run the key twice.
 - A finished key is replayed (``replay_as``): its first answer in the retry's format, with
   ``idempotent-replayed: true`` and the ``hit`` outcome, without calling upstream; a 422
   (``IdempotencyFormatMismatch``) when it has no faithful form in that format.
@@ -40,7 +43,12 @@ from ..metrics import Stats
 from ..outcome import Outcome
 from ..reply import JSON, Reply, error_reply
 from ..request import ClientRequest, Request, list_items, merge_items
-from .errors import IdempotencyConflict, IdempotencyFormatMismatch, IdempotencyMismatch
+from .errors import (
+    IdempotencyConflict,
+    IdempotencyFormatMismatch,
+    IdempotencyMismatch,
+    IdempotencyUnavailable,
+)
 from .final import is_final, replay_as
 from .header import REPLAYED_HEADER
 from .records import IdempotencyRecords, StoredResponse
@@ -86,12 +94,15 @@ class AtMostOnce:
             f"{key.owner}\n{idempotency_key}",
             request_digest(request, key, self.config),
         )
-        begin = await records.begin(scoped, digest)
-        if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
-            if client.on_wait is not None:
-                client.on_wait()
-            await records.wait(scoped, digest, self._join_timeout)
+        try:
             begin = await records.begin(scoped, digest)
+            if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
+                if client.on_wait is not None:
+                    client.on_wait()
+                await records.wait(scoped, digest, self._join_timeout)
+                begin = await records.begin(scoped, digest)
+        except IdempotencyUnavailable as error:  # nothing ran: a retry is safe
+            return error_reply(error, Outcome.BYPASS, request.api)
         if begin.state == "mismatch":
             return error_reply(IdempotencyMismatch(), Outcome.BYPASS, request.api)
         if begin.state == "processing":
@@ -153,7 +164,12 @@ class AtMostOnce:
         async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome]:
             key = fingerprint(request, self.config, self.accepted)
             item_key = f"{scoped}\n{i}"
-            begin = await records.begin(item_key, request_digest(request, key, self.config))
+            try:
+                begin = await records.begin(item_key, request_digest(request, key, self.config))
+            except IdempotencyUnavailable as busy:  # this item not run: the list fails whole
+                return StoredResponse(
+                    busy.status, error_reply(busy, None).headers, busy.body()
+                ), Outcome.BYPASS
             if begin.state == "done":
                 assert begin.response is not None
                 return begin.response, Outcome.HIT

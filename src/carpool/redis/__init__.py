@@ -12,5 +12,7 @@
 
 Each module keeps its own protocol (its keys, scripts and failure rules at its top); what they
 share (connecting, translating errors, one degraded state per instance) lives in
-:mod:`.connection`. The in-process fallback when Redis is down is ``store.shared.SharedStore``.
+:mod:`.connection`. The one health every layer asks and tells is ``store.shared.SharedStore``'s,
+which is also the exact cache's way down to this process's memory; the idempotency records'
+way down (``idempotency.fallback``) follows that health.
 """

@@ -1,5 +1,6 @@
-"""Idempotency records in Redis/Valkey, shared by every gateway instance (``idempotency.py`` holds
-the protocol, the in-process records and the fallback between the two).
+"""Idempotency records in Redis/Valkey, shared by every gateway instance (the protocol:
+``carpool.idempotency.records``; the way down to the in-process records when Redis is down:
+``carpool.idempotency.fallback``).
 
 Leases: a record being processed lives ``lease`` seconds (``idempotency.lease``, default 6) and
 its owner renews it every lease/3 while the request runs (a task per record begun here, stopped
@@ -7,6 +8,15 @@ by ``finish``/``abandon``), so a record whose instance died is free again within
 seconds, while one whose request runs for minutes stays taken. A renewal that fails (Redis down
 or paused) is tried again at the next interval; one that finds the record no longer this owner's
 (its lease ran out, Redis restarted empty) stops.
+
+Health: the instance's one health (``connection.Health``, the shared store's), as every Redis
+layer. ``begin`` and ``wait`` ask it first and, while it says Redis is down, raise
+``StoreUnavailable`` without a call (the fallback then uses this process's records); every call
+(renewals included) reports its failure or success to it. A call that finds every pooled
+connection busy (``PoolExhausted``) is reported once (counted and logged there, never a
+degraded period) and tried again, pausing ``BACKOFF_MIN`` doubling, until ``pool_timeout``
+has passed since it began: a cluster node's pool does not wait by itself, a single server's
+already waited that long (then it is not tried again).
 """
 
 from __future__ import annotations
@@ -16,13 +26,24 @@ import contextlib
 import hashlib
 import math
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from typing_extensions import Unpack
 
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
-from .connection import ConnectOptions, StoreUnavailable, byte_client, connect, unavailable_in
+from .connection import (
+    BACKOFF_MIN,
+    POOL_TIMEOUT,
+    ConnectOptions,
+    Health,
+    PoolExhausted,
+    StoreUnavailable,
+    byte_client,
+    connect,
+    unavailable_in,
+)
 from .keys import check_prefix
 
 if TYPE_CHECKING:
@@ -108,7 +129,10 @@ class RedisIdempotencyRecords:
       timeout); a ``finish``/``abandon`` by this same instance wakes its waiters at once.
     - Every Redis or network failure, and any answer slower than ``socket_timeout``, raises
       ``StoreUnavailable`` (the client library's error is its ``__cause__``); a refused
-      connection is retried once at once, a timeout never.
+      connection is retried once at once, a timeout never; every pooled connection busy is
+      ``PoolExhausted``, once ``pool_timeout`` has passed (see the module's docstring).
+    - ``health``: the instance's one health, asked and told as the module's docstring says
+      (None: nothing asked or told).
     """
 
     def __init__(
@@ -120,6 +144,7 @@ class RedisIdempotencyRecords:
         prefix: str = "carpool:",
         poll_max: float = POLL_MAX,
         owns_client: bool | None = None,
+        health: Health | None = None,
         **options: Unpack[ConnectOptions],
     ) -> None:
         check_prefix(prefix)
@@ -131,6 +156,9 @@ class RedisIdempotencyRecords:
         self._keepers: dict[str, asyncio.Task[None]] = {}  # token -> its renewing task
         self.prefix = prefix
         self.poll_max = poll_max
+        self.health = health
+        # (Also how long a call waits for a free connection when ``target`` is a client.)
+        self.pool_timeout = options.get("pool_timeout", POOL_TIMEOUT)
         if isinstance(target, str):
             self.url = target
             client = connect(target, **options)
@@ -159,11 +187,14 @@ class RedisIdempotencyRecords:
         return f"{self.prefix}idem:{{{digest.hexdigest()}}}"
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
+        self._skip_while_down("begin")
         token = _new_token()
-        with _unavailable("begin"):
-            reply = await self._begin(
+        reply = await self._call(
+            "begin",
+            lambda: self._begin(
                 keys=[self.record_key(key)], args=[fingerprint, token, _ms(self.lease)]
-            )
+            ),
+        )
         state = reply[0].decode()
         if state == "new":
             self._keepers[token] = asyncio.create_task(self._keep(key, token))
@@ -183,20 +214,17 @@ class RedisIdempotencyRecords:
             [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers]
         )
         state = "s" if 200 <= response.status < 300 else "f"
+        args: list[Any] = [
+            token,
+            state,
+            _ms(self.retention),
+            response.status,
+            headers,
+            response.body,
+            int(response.streamed),
+        ]
         try:
-            with _unavailable("finish"):
-                done = await self._finish(
-                    keys=[record_key],
-                    args=[
-                        token,
-                        state,
-                        _ms(self.retention),
-                        response.status,
-                        headers,
-                        response.body,
-                        int(response.streamed),
-                    ],
-                )
+            done = await self._call("finish", lambda: self._finish(keys=[record_key], args=args))
         finally:
             self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
@@ -205,18 +233,58 @@ class RedisIdempotencyRecords:
     async def abandon(self, key: str, token: str) -> bool:
         record_key = self.record_key(key)
         try:
-            with _unavailable("abandon"):
-                dropped = await self._abandon(keys=[record_key], args=[token])
+            dropped = await self._call(
+                "abandon", lambda: self._abandon(keys=[record_key], args=[token])
+            )
         finally:
             self._release(token)
         self._wake(record_key)
         return bool(dropped)
 
     async def renew(self, key: str, token: str) -> bool:
-        with _unavailable("renew"):
-            return bool(
-                await self._renew(keys=[self.record_key(key)], args=[token, _ms(self.lease)])
+        return bool(
+            await self._call(
+                "renew",
+                lambda: self._renew(keys=[self.record_key(key)], args=[token, _ms(self.lease)]),
             )
+        )
+
+    def _skip_while_down(self, operation: str) -> None:
+        """Raise ``StoreUnavailable`` without a call while the health says Redis is down."""
+        if self.health is not None and not self.health.usable():
+            raise StoreUnavailable(
+                f"the Redis idempotency records did not {operation}: redis is degraded"
+            )
+
+    async def _call(self, operation: str, command: Callable[[], Awaitable[Any]]) -> Any:
+        """``command``'s reply, its failure or success told to the health (see the module's
+        docstring: a full pool is told once, then waited for up to ``pool_timeout``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.pool_timeout
+        pause, told = BACKOFF_MIN, False
+        while True:
+            try:
+                with _unavailable(operation):
+                    reply = await command()
+            except PoolExhausted as error:
+                if not told:
+                    told = True
+                    self._report(error)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(pause, left))
+                pause *= 2
+                continue
+            except StoreUnavailable as error:
+                self._report(error)
+                raise
+            self._report(None)
+            return reply
+
+    def _report(self, error: StoreUnavailable | None) -> None:
+        if self.health is not None:
+            self.health.report(error)
 
     async def _keep(self, key: str, token: str) -> None:
         """Renew the lease of ``token``'s record every lease/3 until it is settled or lost.
@@ -250,16 +318,16 @@ class RedisIdempotencyRecords:
         deadline = loop.time() + timeout
         mine = fingerprint.encode()
         pause = POLL_MIN
+        self._skip_while_down("wait")
         self.waiters += 1
         try:
             while True:
                 changed = self._changed.get(record_key)
                 if changed is None:
                     changed = self._changed[record_key] = asyncio.Event()
-                with _unavailable("wait"):
-                    state, found, status, headers, body, streamed = await self._client.hmget(
-                        record_key, "s", "fp", "st", "h", "b", "m"
-                    )
+                state, found, status, headers, body, streamed = await self._call(
+                    "wait", lambda: self._client.hmget(record_key, "s", "fp", "st", "h", "b", "m")
+                )
                 if state is None:
                     return None
                 if found != mine:
