@@ -4,8 +4,11 @@ comparison, in a process of its own so that it never shares an event loop with a
     python -m carpool.bench.loadgen MODE '<json spec>'     # prints one JSON object on stdout
     run(mode, spec)                                        # the same, from a benchmark
 
-Targets (``spec["targets"]``): ``{"name", "port", "body", "path"?, "headers"?}`` on 127.0.0.1;
-``path`` defaults to chat completions. Modes:
+Targets (``spec["targets"]``): ``{"name", "port", "body", "path"?, "headers"?, "unique"?,
+"ttfb"?}`` on 127.0.0.1; ``path`` defaults to chat completions. ``unique``: every request's last
+message gets its own number (`` #N``), so that none repeats another (misses, not hits); ``ttfb``
+(latency, openloop): the time to the first body bytes is the sample, not to the last (a
+stream's first token). Modes:
 - ``coalesce``: open ``n`` connections to the gateway (``gateway_port``), send one identical
   request on each at once, wait until the gateway's ``/stats`` shows ``n`` waiters, release the
   held upstream (``upstream_port``: ``POST /bench/release``, ``upstream.py``), collect every
@@ -68,6 +71,29 @@ def raw_request(target: dict[str, Any]) -> bytes:
         orjson.dumps(target["body"]),
         target.get("headers"),
     )
+
+
+class Requests:
+    """A target's raw requests: the same bytes every time, or (``unique``) numbered ones."""
+
+    def __init__(self, target: dict[str, Any]) -> None:
+        self.target, self.sent = target, 0
+        self.same = None if target.get("unique") else raw_request(target)
+        self.ttfb = bool(target.get("ttfb"))
+
+    def next(self) -> bytes:
+        if self.same is not None:
+            return self.same
+        self.sent += 1
+        body = self.target["body"]
+        *earlier, last = body["messages"]
+        numbered = {**last, "content": f"{last['content']} #{self.sent}"}
+        return raw_request({**self.target, "body": {**body, "messages": [*earlier, numbered]}})
+
+    def sample(self, response: Response, started: float) -> float:
+        """Seconds from ``started`` to the answer's end, or its first body bytes (``ttfb``)."""
+        end = response.first_at if self.ttfb and response.first_at is not None else response.at
+        return end - started
 
 
 async def get_json(conn: Conn, method: str, path: str, port: int) -> Any:
@@ -148,20 +174,20 @@ async def latency(spec: dict[str, Any]) -> dict[str, Any]:
     targets, fresh = spec["targets"], spec.get("fresh_connections", False)
     n, block, warmup = spec["n"], spec["block"], spec["warmup"]
     kept = [] if fresh else [await connect(Address.local(t["port"])) for t in targets]
-    raws = [raw_request(t) for t in targets]
+    raws = [Requests(t) for t in targets]
     samples: list[list[float]] = [[] for _ in targets]
     outcomes: list[collections.Counter[str]] = [collections.Counter() for _ in targets]
     bad = [0 for _ in targets]
-    perf = time.perf_counter
 
     async def run(i: int, count: int, keep: bool) -> None:
         conn = await connect(Address.local(targets[i]["port"])) if fresh else kept[i]
-        raw, out = raws[i], samples[i]
+        requests, out = raws[i], samples[i]
         try:
             for _ in range(count):
-                t = perf()
+                raw = requests.next()
+                t = time.monotonic()  # (the clock of ``Response.at`` and ``first_at``)
                 response = await conn.request(raw)
-                dt = perf() - t
+                dt = requests.sample(response, t)
                 if response.status != 200:
                     bad[i] += 1
                 if keep:
@@ -246,9 +272,9 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
 async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
     targets, rates, seconds = spec["targets"], spec["rates"], spec["seconds"]
     pools = [await connect_many(Address.local(t["port"]), spec["connections"]) for t in targets]
-    raws = [raw_request(t) for t in targets]
+    raws = [Requests(t) for t in targets]
     for i, pool in enumerate(pools):  # prime: the first identical request fills the cache
-        await pool[0].request(raws[i])
+        await pool[0].request(raws[i].next())
     results: dict[str, dict[str, Any]] = {t["name"]: {} for t in targets}
 
     async def run(i: int, rate: float) -> dict[str, Any]:
@@ -257,15 +283,16 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
             idle.put_nowait(conn)
         latencies: list[float] = []
         outcomes: collections.Counter[str] = collections.Counter()
-        raw, loop = raws[i], asyncio.get_running_loop()
+        requests, loop = raws[i], asyncio.get_running_loop()
 
         async def one(scheduled: float) -> None:
+            raw = requests.next()
             conn = await idle.get()
             try:
                 response = await conn.request(raw)
             finally:
                 idle.put_nowait(conn)
-            latencies.append(response.at - scheduled)
+            latencies.append(requests.sample(response, scheduled))
             ok = response.status == 200
             outcomes[outcome(response) if ok else f"status {response.status}"] += 1
 
