@@ -37,7 +37,13 @@ import orjson
 from .answer import Answer
 from .apis import Api, api_of
 from .broadcast import Broadcast
-from .errors import CarpoolError, UpstreamError, UpstreamStatusError, UpstreamStreamBroken
+from .errors import (
+    CarpoolError,
+    LeaderLost,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+)
 from .fingerprint import grant_of, names_of, requester
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
@@ -109,6 +115,12 @@ class Exchange:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:
                 answer = _complete(request.kind, response.body, body)
+        except LeaderLost:
+            if owner is None or broadcast.frames:
+                raise  # (frames sent cannot be taken back: ``Gateway._follow`` takes it over)
+            # The owner died before its first frame: nobody saw any of it, the call is made here.
+            broadcast.remote = broadcast.cached = False
+            return await self.fetch(request, broadcast)
         finally:
             await response.aclose()
         if response.headers.get("age", "").isdigit():

@@ -11,7 +11,8 @@ Contract:
   record is not the flight's), plus the run's secret. The owner's own path answers it (its
   cache, its flight, its upstream call: one per key); what comes back is read as an upstream's
   answer, its ``x-carpool`` and ``age`` headers kept. None: the owner did not answer (down,
-  restarting, or gone before its answer was whole): the caller calls the upstream itself.
+  restarting, or gone before its answer was whole): the caller calls the upstream itself. An
+  owner's stream cut short raises ``LeaderLost``, as a Redis follower's does.
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers), its reply relayed as it comes (a stream frame by frame).
   None: the owner did not answer; the request runs here.
@@ -35,7 +36,7 @@ import aiohttp
 import orjson
 
 from ..apis import BY_PATH, Api
-from ..errors import UpstreamStreamBroken
+from ..errors import LeaderLost, UpstreamStreamBroken
 from ..outcome import Outcome
 from ..reply import Reply
 from ..upstream.base import UpstreamResponse
@@ -131,7 +132,7 @@ class Peers:
             return UpstreamResponse(
                 response.status,
                 kept,
-                events=sse_payloads(response, call.last_event, f"worker {owner}"),
+                events=_lost_if_cut(sse_payloads(response, call.last_event, f"worker {owner}")),
                 close=_closer(response),
             )
         try:
@@ -254,6 +255,17 @@ class Peers:
 def _url(path: str, query: str) -> str:
     # (The host is a placeholder: the connector reaches the worker through its socket.)
     return "http://worker" + path + ("?" + query if query else "")
+
+
+async def _lost_if_cut(payloads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The owner's stream; cut short (the owner died: its own failures come as error events),
+    the call is lost, as a Redis follower's whose leader died (``LeaderLost``): taken over
+    here if nothing was relayed yet (``Exchange.fetch``, ``Gateway._follow``)."""
+    try:
+        async for payload in payloads:
+            yield payload
+    except UpstreamStreamBroken as error:
+        raise LeaderLost(str(error)) from error
 
 
 async def _relayed(response: aiohttp.ClientResponse, api: Api) -> AsyncIterator[bytes]:
