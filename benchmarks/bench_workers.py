@@ -19,7 +19,8 @@ cost, counting its calls: ``carpool.bench.upstream``). Four ways to run the work
   throughput over the 1-worker one) and how each 2-worker target's hits fell on its workers
   (the kernel spreads the connections). On a machine with fewer free cores than workers plus
   the load generator, the ratio measures the cores, not the gateway: ``cpu_count`` is in the
-  document.
+  document. So the latency of one hit at a time (``loadgen`` ``latency``, a new connection per
+  block of requests, blocks alternating the targets) is reported too: what a hit costs.
 - **spread**: ``keys`` fresh prompts, each sent ``per_key`` times one after the other, each time on
   a new connection (so that both workers get it): upstream calls per key, outcomes, and the
   latency of the first request of a key (the call) and of the others (p50, from the
@@ -46,7 +47,7 @@ from typing import Any
 from carpool.bench import bodies, loadgen, scenario
 from carpool.bench.client import Address, connect, fetch
 from carpool.bench.redis_server import redis_server
-from carpool.bench.stats import median, percentile
+from carpool.bench.stats import median, percentile, summary_ms
 from carpool.bench.upstream import Options, upstream
 from carpool.bench.workers import Workers, served, stats_of_each
 
@@ -84,6 +85,18 @@ def _hits(upstream_url: str, redis_url: str, quick: bool) -> dict[str, Any]:
                 "targets": [{"name": n, "port": g.port, "body": body} for n, g in gateways.items()],
             },
         )
+        # One request at a time, one connection per block (blocks alternate the targets): what
+        # one hit costs, whatever the cores.
+        latency = loadgen.run(
+            "latency",
+            {
+                "n": 400 if quick else 2000,
+                "block": 50 if quick else 100,
+                "warmup": 50 if quick else 100,
+                "fresh_connections": True,
+                "targets": [{"name": n, "port": g.port, "body": body} for n, g in gateways.items()],
+            },
+        )
         spread = {
             n: sorted(
                 (s["hits"] for s in stats_of_each(g.port, len(g.pids)).values()), reverse=True
@@ -99,6 +112,7 @@ def _hits(upstream_url: str, redis_url: str, quick: bool) -> dict[str, Any]:
         "two_alone_over_one": round(rps["two_workers_alone"] / rps["one_worker"], 3),
         "two_redis_over_one": round(rps["two_workers_redis"] / rps["one_worker"], 3),
         "hits_by_worker": spread,
+        "latency_ms": {n: summary_ms(latency[n]["samples_s"]) for n in names},
         "outcomes": {n: raw[n]["outcomes"] for n in names},
         "non_200": {n: raw[n]["non_200"] for n in names},
     }
@@ -201,7 +215,11 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def summarize(result: dict[str, Any]) -> list[str]:
     h = result["hits"]
+    p50 = {n: v["p50_ms"] for n, v in h["latency_ms"].items()}
     lines = [
+        f"workers/exact hit p50 (one at a time): 1 worker {p50['one_worker']:.3f} ms, 2 workers "
+        f"{p50['two_workers']:.3f} ms, 2 alone {p50['two_workers_alone']:.3f} ms, 2 on Redis "
+        f"{p50['two_workers_redis']:.3f} ms",
         f"workers/exact hits (req/s, {h['concurrency']} connections): 1 worker {h['rps']['one_worker']}, "
         f"2 workers {h['rps']['two_workers']} (x{h['two_over_one']}), 2 alone "
         f"{h['rps']['two_workers_alone']} (x{h['two_alone_over_one']}), 2 on Redis "

@@ -75,8 +75,8 @@ def main() -> None:
     "--workers",
     type=int,
     default=None,
-    help=f"Gateway processes on this port {default_of(Config, 'workers')}; with --redis they "
-    "share one cache.",
+    help=f"Gateway processes on this port {default_of(Config, 'workers')}; they share their "
+    "upstream calls (through --redis when given, else through each other).",
 )
 def serve(
     upstreams: tuple[str, ...],
