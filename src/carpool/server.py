@@ -21,6 +21,8 @@ Contract:
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password, so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+- A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
+  too (``carpool.peers``): only what came through it with the run's secret is a peer's.
 - ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
   or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
   while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
