@@ -5,7 +5,8 @@ Contract:
   entries and bytes, calls in flight per replica, Redis errors per component, Redis calls that
   found the pool exhausted); read at scrape time, never kept.
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
-  routing decisions, the batcher's figures, Redis's health).
+  routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
+  ``redis``, ``peer_calls`` and this worker's ``peers`` figures).
 - ``redis_health(layers)``: ``{"state": "off" | "up" | "degraded", ...}`` for ``/stats`` and
   ``/healthz``, with each shared layer's counts; ``"off"`` without ``redis``.
 - ``invalidate(layers, spec)``: drops the answers matching ``{"tag"|"namespace"|"prefix": str}``
@@ -74,6 +75,10 @@ def snapshot(layers: Layers) -> dict[str, Any]:
         "routing": dict(layers.stats.routing),
         "batching": layers.batcher.stats(),
         "redis": redis_health(layers),
+        # Requests asked of another worker (``carpool.peers``): not upstream calls (the worker
+        # asked counts its own), so the workers' upstream_calls add up to the engine's.
+        "peer_calls": layers.peers.calls if layers.peers is not None else 0,
+        **({"peers": layers.peers.snapshot()} if layers.peers is not None else {}),
         "judge_calls": g["judge_calls"],
         **({"judge": layers.judge.snapshot()} if layers.judge is not None else {}),
         "semantic_audit": g["semantic_audit"],

@@ -5,7 +5,8 @@ Contract:
   without ``Authorization: Bearer <token>`` (compared in constant time) is 401. Errors in
   OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
 - ``POST /admin/invalidate`` ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``:
-  ``{"invalidated": n}`` (``admin.invalidate``).
+  ``{"invalidated": n}`` (``admin.invalidate``); with ``--workers N`` and no ``redis``, on every
+  worker (``carpool.peers``), ``n`` counting them all.
 - ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
   that was wrong): the entry is dropped and counts as a wrong hit of its namespace
   (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
@@ -27,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import BodyTimeout, BodyTooLarge, RequestError
+from .peers import PEER
 from .pipeline import Gateway
 
 BodyOf = Callable[[HttpRequest], Awaitable[bytes | None]]
@@ -72,8 +74,10 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
 
         return endpoint
 
-    async def invalidate(_: HttpRequest, spec: Any) -> Response:
-        return JSONResponse({"invalidated": await gateway.invalidate(spec)})
+    async def invalidate(request: HttpRequest, spec: Any) -> Response:
+        # Passed on to the other workers, unless a worker passed it on to this one.
+        everywhere = request.scope.get(PEER) is not True
+        return JSONResponse({"invalidated": await gateway.invalidate(spec, everywhere=everywhere)})
 
     async def feedback(_: HttpRequest, spec: Any) -> Response:
         entry = spec.get("entry") if isinstance(spec, dict) else None

@@ -13,7 +13,8 @@ Contract (CONTRACT.md "Streaming"):
 - ``on_publish`` (optional, sync, must not raise) is called after each frame is published: the
   cross-instance leader (``redis/flights.py``) uses it to forward frames to Redis.
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
-  instance made (this instance's clients of the flight are then all ``coalesced``).
+  instance made (this instance's clients of the flight are then all ``coalesced``); ``cached``
+  when the answer came from another worker's exact cache (``carpool.peers``: they are ``hit``s).
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from .errors import CarpoolError
 
 
 class Broadcast:
-    __slots__ = ("frames", "usage_frame", "answer", "error", "remote", "on_publish", "_changed")
+    __slots__ = (
+        "frames",
+        "usage_frame",
+        "answer",
+        "error",
+        "remote",
+        "cached",
+        "on_publish",
+        "_changed",
+    )
 
     def __init__(self) -> None:
         self.frames: list[bytes] = []
@@ -34,6 +44,7 @@ class Broadcast:
         self.answer: Answer | None = None
         self.error: CarpoolError | None = None
         self.remote = False
+        self.cached = False
         self.on_publish: Callable[[], None] | None = None
         self._changed = asyncio.Event()
 

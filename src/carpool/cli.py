@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from . import peers
 from .commands.bench import bench
 from .commands.check import check_config
 from .commands.common import (
@@ -74,8 +75,8 @@ def main() -> None:
     "--workers",
     type=int,
     default=None,
-    help=f"Gateway processes on this port {default_of(Config, 'workers')}; with --redis they "
-    "share one cache.",
+    help=f"Gateway processes on this port {default_of(Config, 'workers')}; they share their "
+    "upstream calls (through --redis when given, else through each other).",
 )
 def serve(
     upstreams: tuple[str, ...],
@@ -202,20 +203,28 @@ def serve(
     # the one built here only checked the config (and would hold the embedding model).
     asyncio.run(gateway.aclose())
     del gateway
-    if not config.redis:
-        log.warning(
-            "%d workers without --redis: each has its own cache and flights, "
-            "so identical requests landing on different workers are computed once per "
-            "worker",
+    # Without Redis the workers share through each other: each key's upstream calls are made
+    # by the worker that owns it, reached on a unix socket in a directory only this user can
+    # open, with a secret of this run (``carpool.peers``).
+    meeting = None if config.redis else peers.prepare(config.workers)
+    if meeting is not None:
+        os.environ[peers.PEERS_VARIABLE] = str(meeting)
+        log.info(
+            "%d workers share their flights without Redis: each key is led by one of them "
+            "(caches, semantic entries and metrics stay per worker)",
             config.workers,
         )
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
-        resolved.write(json.dumps(config.with_secrets()))  # (a 0600 file: the workers' keys)
-        resolved.flush()
-        os.environ[CONFIG_FILE_VARIABLE] = resolved.name
-        uvicorn.run(
-            "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
-        )
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
+            resolved.write(json.dumps(config.with_secrets()))  # (a 0600 file: the workers' keys)
+            resolved.flush()
+            os.environ[CONFIG_FILE_VARIABLE] = resolved.name
+            uvicorn.run(
+                "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
+            )
+    finally:
+        if meeting is not None:
+            peers.remove(meeting)
 
 
 for _command in (sim, bench, eval_semantic, config_reference, fetch_model, check_config):

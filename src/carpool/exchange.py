@@ -14,6 +14,11 @@ Contract:
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
   the flight fails, and nothing is stored.
+- With ``owner`` (a worker of ``carpool serve --workers N`` without ``redis``, ``carpool.peers``),
+  ``fetch`` asks that worker instead of the upstream and reads its answer as an upstream's: the
+  owner counts the upstream call, this worker a peer call. An answer the owner served from its
+  cache keeps its age (``age``), so no copy outlives the original's TTL. The owner not
+  answering, the upstream is called here.
 - ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
   (``_pipe``), never judged further, never stored.
 - What the upstream's answer says of the requester's credentials is told to
@@ -32,7 +37,13 @@ import orjson
 from .answer import Answer
 from .apis import Api, api_of
 from .broadcast import Broadcast
-from .errors import CarpoolError, UpstreamError, UpstreamStatusError, UpstreamStreamBroken
+from .errors import (
+    CarpoolError,
+    LeaderLost,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+)
 from .fingerprint import grant_of, names_of, requester
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
@@ -62,8 +73,12 @@ class Exchange:
         self.layers = layers
         self.config = layers.config
 
-    async def fetch(self, request: Request, broadcast: Broadcast) -> Answer:
-        """The upstream call: streamed into ``broadcast`` frame by frame, then assembled."""
+    async def fetch(
+        self, request: Request, broadcast: Broadcast, owner: int | None = None
+    ) -> Answer:
+        """The upstream call: streamed into ``broadcast`` frame by frame, then assembled.
+        ``owner``: the worker that leads this key's calls (``carpool.peers``), asked instead
+        (the upstream still, if it does not answer)."""
         api, body, stream = request.api, request.body, request.stream
         # Streamed anyway when the config says so (``_streams``), so that streaming clients
         # joining this call get it live; with the usage the clients may not have asked for.
@@ -75,9 +90,18 @@ class Exchange:
         upstream_request = UpstreamRequest(
             request.upstream_path, body, request.headers, stream, request.query, api.last_event
         )
-        if request.kind == "embedding":
+        peers = self.layers.peers
+        response = None
+        if owner is not None and peers is not None:
+            response = await peers.ask(owner, request, upstream_request)
+            if response is not None:
+                # Shared, unless the owner called the upstream for this very request; a hit
+                # if it answered from its cache.
+                said = response.headers.get("x-carpool")
+                broadcast.remote, broadcast.cached = said != Outcome.MISS, said == Outcome.HIT
+        if response is None and request.kind == "embedding":
             response = await self.layers.batcher.embed(upstream_request)
-        else:
+        elif response is None:
             response = await send(self.layers, upstream_request, _routing_text(request))
         self._judged(request, response.status)
         try:
@@ -91,8 +115,18 @@ class Exchange:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:
                 answer = _complete(request.kind, response.body, body)
+        except LeaderLost:
+            if owner is None or broadcast.frames:
+                raise  # (frames sent cannot be taken back: ``Gateway._follow`` takes it over)
+            # The owner died before its first frame: nobody saw any of it, the call is made here.
+            broadcast.remote = broadcast.cached = False
+            return await self.fetch(request, broadcast)
         finally:
             await response.aclose()
+        if response.headers.get("age", "").isdigit():
+            # The owner's answer came from its cache: it is as old as it was there (an upper
+            # bound: the header counts whole seconds), so no copy outlives the original's TTL.
+            answer.created -= int(response.headers["age"]) + 1
         return answer
 
     def _streams(self, request: Request) -> bool:

@@ -9,8 +9,11 @@ Contract:
   ``/metrics`` and ``/healthz`` read of Redis (errors, pool exhaustion, health, stream counts).
 - ``start()`` starts the background work that needs the event loop (the server calls it at
   startup; the layers also start lazily on first use); safe to call again.
-- ``aclose()`` closes what the layers hold, each once, users before what they use (the batcher's
-  probes before the upstreams; the shared layers before the store whose connection they share).
+- ``peers`` is this worker's place among the workers of ``carpool serve --workers N`` without
+  ``redis`` (``carpool.peers``): who owns a key, and asking the owner; ``None`` otherwise.
+- ``aclose()`` closes what the layers hold, each once, users before what they use (the peers'
+  door first, its requests in progress finished on the upstreams; the batcher's probes before
+  the upstreams; the shared layers before the store whose connection they share).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from .idempotency import IdempotencyRecords
     from .identity import AcceptedCredentials
     from .metrics import Metrics, Stats
+    from .peers import Peers
     from .redis.flights import SharedFlights
     from .redis.invalidation import InvalidationChannel
     from .redis.semantic import SharedSemanticCache
@@ -64,6 +68,7 @@ class Layers:
     invalidations: InvalidationChannel | None = None
     shared_store: SharedStore | None = None
     shared_semantic: SharedSemanticCache | None = None
+    peers: Peers | None = None  # the other workers of this run, without redis
     clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
 
     def start(self) -> None:
@@ -76,6 +81,8 @@ class Layers:
             self.invalidations.start()
 
     async def aclose(self) -> None:
+        if self.peers is not None:
+            await self.peers.aclose()
         await self.batcher.aclose()  # its probes use the upstreams closed below
         if self.invalidations is not None:
             await self.invalidations.aclose()

@@ -9,6 +9,10 @@ Contract:
   each instance's flight leads it for all of them or relays it from the instance that does
   (``redis/flights.py``); whatever Redis does, the flight still gets its answer. ``alone``: the
   call is made here, whatever the other instances do (a joiner that timed out, a takeover).
+- Without ``redis``, among the workers of ``carpool serve --workers N`` (``carpool.peers``): the
+  call of a key another worker owns is asked of that worker (``Exchange.fetch``'s ``owner``),
+  its answer relayed into the flight's broadcast and stored here like any answer; ``alone``
+  (a peer's own request, a joiner that timed out): made here.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0, without ``no-store``, and only if no invalidation came after the call began (the
   flights' ``epoch``): the answer may predate what was invalidated.
@@ -45,14 +49,13 @@ PROMPT_PREFIX_CHARS = 1024
 class Leader:
     """Leads the flights of one gateway: ``fetch`` makes the call (``Exchange.fetch``)."""
 
-    def __init__(
-        self, layers: Layers, fetch: Callable[[Request, Broadcast], Awaitable[Answer]]
-    ) -> None:
+    def __init__(self, layers: Layers, fetch: Callable[..., Awaitable[Answer]]) -> None:
         self.config = layers.config
         self.store = layers.store
         self.flights = layers.flights
         self.semantic = layers.semantic
         self.shared_flights = layers.shared_flights
+        self.peers = layers.peers
         self.invalidations = layers.invalidations
         self.fetch = fetch
         self.background: set[asyncio.Task[Any]] = set()  # semantic inserts off the path
@@ -83,7 +86,13 @@ class Leader:
             and (probe is None or probe.vector is None)
         ):
             embedding = asyncio.get_running_loop().create_task(self.semantic.vector(view))
-        call = partial(self.fetch, request)
+        # Without redis, among the workers of one run: the key's owner makes the call for all.
+        owner = (
+            self.peers.owner_of(key.key)
+            if self.peers is not None and not alone and key.key is not None
+            else None
+        )
+        call = partial(self.fetch, request, owner=owner)
         store = partial(
             self._store, request, key, view=view, probe=probe, epoch=epoch, embedding=embedding
         )

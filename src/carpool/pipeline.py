@@ -38,6 +38,11 @@ Contract:
   instance's flight leads it for all of them or relays it from the instance that does
   (``redis/flights.py``); whatever Redis does, the flight still gets its answer. Semantic
   entries are shared too (``redis/semantic.py``): each instance's index is fed by the others'.
+- Without ``redis``, the workers of ``carpool serve --workers N`` share the same way
+  (``carpool.peers``): a key's upstream calls are made by the worker that owns it, which the
+  others ask instead of the upstream (``lead.py``), keeping its answer in their own caches; a
+  request with an Idempotency-Key runs on the worker that owns its record. A peer's request
+  (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
   are ``exchange.py`` (the upstream call and its stream), ``lead.py`` (a flight's task: the call,
@@ -64,7 +69,7 @@ from .exchange import Exchange, relay
 from .fingerprint import Fingerprint, fingerprint, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
-from .idempotency.once import AtMostOnce
+from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
@@ -92,6 +97,7 @@ class Gateway:
         self.store = layers.store
         self.flights = layers.flights
         self.shared_flights = layers.shared_flights
+        self.peers = layers.peers
         self.invalidations = layers.invalidations
         self.semantic = layers.semantic
         self.idempotency = layers.idempotency
@@ -156,6 +162,20 @@ class Gateway:
         if memo_key is not None:
             self.repeats.remember(memo_key, request, key, self._read_age(request))
         if idempotency_key is not None:
+            # Among workers (``carpool.peers``), a key's record lives with the worker that owns
+            # its scope: the request runs there, whole, wherever its retries land.
+            owner = (
+                self.peers.owner_of(scope_of(key, idempotency_key))
+                if self.peers is not None and not client.peer
+                else None
+            )
+            if owner is not None and self.peers is not None:
+                _waiting(client)
+                reply = await self.peers.run_on(owner, client)
+                if reply is not None:
+                    if reply.outcome is not None:
+                        self.stats.count(route, reply.outcome)
+                    return reply
             return await self.once.run(client, request, key, idempotency_key, route)
         return await self._answer(client, request, key, route)
 
@@ -186,6 +206,7 @@ class Gateway:
             view is not None
             and controls.may_read
             and read_age != 0
+            and not client.peer  # (its worker probed its own index: an exact answer is asked)
             and not self.flights.joinable(key.key, join_age)
         ):
             assert self.semantic is not None  # (a view is made only with a semantic cache)
@@ -217,7 +238,10 @@ class Gateway:
                     )
         # The epoch of invalidations this call begins in: its answer is stored only if no
         # invalidation came before it ended (``Leader._store``).
-        lead = partial(self.leader.lead, request, key, view, probe, epoch=self.flights.epoch)
+        # A peer's request is led here, never passed on again: its worker chose this one.
+        lead = partial(
+            self.leader.lead, request, key, view, probe, epoch=self.flights.epoch, alone=client.peer
+        )
         ticket = self.flights.acquire(
             key.key, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
@@ -297,8 +321,15 @@ class Gateway:
             ticket.release()
             raise
         broadcast = ticket.broadcast
-        # A flight led here but relayed from another instance's call is shared, not a miss.
-        outcome = Outcome.MISS if ticket.leader and not broadcast.remote else Outcome.COALESCED
+        # A flight led here but relayed from another instance's call is shared, not a miss; one
+        # that another worker answered from its cache is a hit (``carpool.peers``).
+        outcome = (
+            Outcome.HIT
+            if broadcast.cached
+            else Outcome.MISS
+            if ticket.leader and not broadcast.remote
+            else Outcome.COALESCED
+        )
         if request.stream and (
             broadcast.frames or isinstance(broadcast.error, UpstreamStreamBroken)
         ):
@@ -384,10 +415,14 @@ class Gateway:
         a transport failure downs the replica (``ReplicaSet.passthrough``)."""
         return await self.replicas.passthrough(method, path, query, headers, body)
 
-    async def invalidate(self, spec: Any) -> int:
+    async def invalidate(self, spec: Any, *, everywhere: bool = True) -> int:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``
-        (``admin.invalidate``)."""
-        return await admin.invalidate(self.layers, spec)
+        (``admin.invalidate``), here and, ``everywhere``, on this run's other workers
+        (``carpool.peers``; not when a peer passed it on)."""
+        dropped = await admin.invalidate(self.layers, spec)
+        if everywhere and self.peers is not None:
+            dropped += await self.peers.invalidate(spec)
+        return dropped
 
     def snapshot(self) -> dict[str, Any]:
         """The /stats document (``admin.snapshot``)."""

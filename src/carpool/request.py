@@ -58,6 +58,9 @@ class ClientRequest:
     # Called once the request must wait (on a flight or the upstream), so that a transport can
     # start watching for its client leaving only then: an immediate hit never pays for it.
     on_wait: Callable[[], None] | None = None
+    # Sent by another worker of this run (``carpool.peers``), which chose this one to lead it:
+    # led here, never passed on. Only the peers' own door sets it (``peers.PeerApp``).
+    peer: bool = False
 
 
 @dataclass(slots=True)

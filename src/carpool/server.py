@@ -21,6 +21,8 @@ Contract:
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password, so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+- A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
+  too (``carpool.peers``): only what came through it with the run's secret is a peer's.
 - ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
   or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
   while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
@@ -41,6 +43,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from importlib import resources
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -65,6 +68,7 @@ from .logs import configure as configure_logging
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
+from .peers import PEER, PEERS_VARIABLE, Peers, claim
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
@@ -86,7 +90,7 @@ class GatewayApp:
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = _Deadlines(gateway.config.limits.body_read_timeout)
         self.allow = gateway.config.passthrough.allow
-        self.other = _control_app(gateway, self.deadlines)
+        self.other = _control_app(gateway, self.deadlines, self)
         keys_file = gateway.config.auth.client_keys_file
         self.client_keys = ClientKeys.load(keys_file) if keys_file else None
 
@@ -173,7 +177,12 @@ class GatewayApp:
         try:
             reply = await self.gateway.handle(
                 ClientRequest(
-                    path, body, headers, scope.get("query_string", b""), on_wait=state.start
+                    path,
+                    body,
+                    headers,
+                    scope.get("query_string", b""),
+                    on_wait=state.start,
+                    peer=scope.get(PEER) is True,  # (set by the peers' door only)
                 )
             )
             if reply.stream is not None:
@@ -345,7 +354,7 @@ async def _send_reply(send: Any, reply: Reply, state: _Watch) -> None:
 # Everything that is not a cached endpoint
 
 
-def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
+def _control_app(gateway: Gateway, deadlines: _Deadlines, app: GatewayApp) -> Starlette:
     limits = gateway.config.limits
 
     async def body_of(request: HttpRequest) -> bytes | None:
@@ -414,6 +423,8 @@ def _control_app(gateway: Gateway, deadlines: _Deadlines) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         gateway.start()
+        if gateway.layers.peers is not None:  # (a worker: its peers' door opens with it)
+            await gateway.layers.peers.listen(app)
         # Everything built so far (modules, config, the model when semantic) lives as long as
         # the process: out of the collector's sight, a full collection no longer walks it.
         gc.freeze()
@@ -472,10 +483,15 @@ def create_app(gateway: Gateway | None = None) -> GatewayApp:
 
 def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
-    the config file the parent wrote (``CARPOOL_CONFIG``)."""
+    the config file the parent wrote (``CARPOOL_CONFIG``). Without ``redis``, the worker takes
+    a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names)."""
     config = Config.load(os.environ.get("CARPOOL_CONFIG"))
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
-    return GatewayApp(build_gateway(config))
+    directory = os.environ.get(PEERS_VARIABLE)
+    slot = claim(Path(directory), config.workers) if directory and not config.redis else None
+    if directory and slot is None:
+        log.warning("no free worker slot: this worker shares nothing with the others")
+    return GatewayApp(build_gateway(config, peers=Peers(slot, config) if slot else None))
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

@@ -4,8 +4,8 @@
 Contract: every function here only constructs (no I/O, nothing started: ``Layers.start`` does);
 a layer whose config is off is ``None``; optional layers import their dependencies (the
 ``semantic`` and ``redis`` extras) only when they are on. A layer given to ``build_layers`` or
-``build_gateway`` (upstreams, store, semantic cache, flights, idempotency records) is used as
-it is, instead of the one the config would build.
+``build_gateway`` (upstreams, store, semantic cache, flights, idempotency records, a worker's
+peers) is used as it is, instead of the one the config would build.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from .upstream.base import Upstream, UpstreamRequest, UpstreamResponse
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
+    from .peers import Peers
     from .redis.flights import SharedFlights
     from .redis.invalidation import InvalidationChannel
     from .redis.semantic import SharedSemanticCache
@@ -61,6 +62,7 @@ class Given(TypedDict, total=False):
     semantic: SemanticCache | None
     flights: FlightGroup | None
     idempotency: IdempotencyRecords | None
+    peers: Peers | None
     clock: Clock
 
 
@@ -78,6 +80,7 @@ def build_layers(
     semantic: SemanticCache | None = None,
     flights: FlightGroup | None = None,
     idempotency: IdempotencyRecords | None = None,
+    peers: Peers | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> Layers:
     """Every layer of one gateway; those given are used as they are (no upstreams given: the
@@ -158,6 +161,7 @@ def build_layers(
         invalidations=invalidations,
         shared_store=_redis_backed_store(config, store),
         shared_semantic=_redis_backed_semantic(config, semantic),
+        peers=peers,
         clock=clock,
     )
     return layers

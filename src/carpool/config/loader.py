@@ -9,7 +9,8 @@ Contract:
   with ``__``: ``CARPOOL_CACHE__MAX_BYTES=1000``, ``CARPOOL_CACHE__TYPES__FAQ__TTL=5``. A section
   or a list can also be given whole (``CARPOOL_UPSTREAMS='[http://a:8000/v1, http://b:8000/v1]'``,
   ``CARPOOL_CACHE='{max_bytes: 1000}'``); the nested variables of that section apply over it.
-  ``CARPOOL_CONFIG`` names the file (the CLI reads it); it is not a key.
+  ``CARPOOL_CONFIG`` names the file (the CLI reads it) and ``CARPOOL_PEERS`` the workers'
+  directory (``carpool serve`` sets it); they are not keys.
 - Values are read as YAML scalars (``true``, ``1.5``, ``[a, b]``); an empty value is null, and a
   value YAML cannot read is the string as written.
 - A ``CARPOOL_*`` variable that names no key is an error, like an unknown key in the file: a typo
@@ -47,6 +48,9 @@ from .model import Config
 ENV_PREFIX = "CARPOOL_"
 # Names the config file (read by the CLI and by each worker process), not a key.
 CONFIG_FILE_VARIABLE = "CARPOOL_CONFIG"
+# Names the workers' meeting place (``carpool.peers.slots``), set by ``carpool serve``: not a key.
+PEERS_VARIABLE = "CARPOOL_PEERS"
+NOT_KEYS = frozenset({CONFIG_FILE_VARIABLE, PEERS_VARIABLE})
 NESTED_DELIMITER = "__"
 
 
@@ -177,7 +181,7 @@ class _Environment(EnvSettingsSource):
         return {
             name.lower(): _Raw(value)
             for name, value in self._env.items()
-            if name.startswith(ENV_PREFIX) and name != CONFIG_FILE_VARIABLE
+            if name.startswith(ENV_PREFIX) and name not in NOT_KEYS
         }
 
     def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:

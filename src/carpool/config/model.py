@@ -61,9 +61,9 @@ class Config(Section):
         1,
         ge=1,
         le=256,
-        description="Gateway processes serving one port. Each "
-        "has its own caches and flights unless `redis` is set, which they then "
-        "share.",
+        description="Gateway processes serving one port. With `redis` they share "
+        "through it; without, through each other: each key's upstream calls are made by the "
+        "worker that owns it, every worker keeping the answers it served (docs/scaling.md).",
     )
     port: int = Field(8080, ge=0, le=65535, description="Port the gateway listens on.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(

@@ -57,6 +57,11 @@ from .records import IdempotencyRecords, StoredResponse
 Answering = Callable[[ClientRequest, Request, Fingerprint, str], Awaitable[Reply]]
 
 
+def scope_of(key: Fingerprint, idempotency_key: str) -> str:
+    """The record's scope: the requester's own tenant, then the raw key."""
+    return f"{key.owner}\n{idempotency_key}"
+
+
 class AtMostOnce:
     """Runs requests with an Idempotency-Key through ``answer``, at most once per key."""
 
@@ -90,10 +95,7 @@ class AtMostOnce:
         retry runs again. A replay comes in the retry's format, or is a 422 (``replay_as``).
         """
         records = self.records
-        scoped, digest = (
-            f"{key.owner}\n{idempotency_key}",
-            request_digest(request, key, self.config),
-        )
+        scoped, digest = scope_of(key, idempotency_key), request_digest(request, key, self.config)
         try:
             begin = await records.begin(scoped, digest)
             if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":

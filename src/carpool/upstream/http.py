@@ -182,7 +182,7 @@ class HttpUpstream:
             return UpstreamResponse(
                 response.status,
                 {"content-type": content_type},
-                events=self._events(response, request.last_event),
+                events=sse_payloads(response, request.last_event, f"upstream {self.label}"),
                 close=_closer(response),
             )
         try:
@@ -221,42 +221,6 @@ class HttpUpstream:
             )
         return response
 
-    async def _events(
-        self, response: aiohttp.ClientResponse, last_event: Callable[[bytes], bool] | None
-    ) -> AsyncIterator[bytes]:
-        decoder = SSEDecoder()
-        sent = False
-        try:
-            async for data in response.content.iter_any():
-                for event, payload in decoder.feed(data):
-                    if payload == b"[DONE]":
-                        return
-                    if event == "error" and not payload.startswith(b'{"error"'):
-                        payload = b'{"error":' + payload + b"}"
-                    sent = True
-                    yield payload
-                    if last_event is not None and last_event(payload):
-                        return  # a typed stream's last event: it ended whole
-            # The body ended cleanly but the stream did not: a server that stopped (a crash, a
-            # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
-            # nothing says the answer is whole.
-            if not sent:
-                # llama.cpp's server answers a prompt over its context so: 200, then nothing.
-                raise UpstreamStreamBroken(
-                    f"upstream {self.label} ended its stream without "
-                    "sending anything (an input it could not take?)"
-                )
-            end = "[DONE]" if last_event is None else "its last event"
-            raise UpstreamStreamBroken(f"upstream {self.label} ended its stream without {end}")
-        except _TIMEOUTS as exc:
-            raise UpstreamStreamBroken(f"upstream {self.label} stalled mid-stream") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamStreamBroken(
-                f"upstream {self.label} stream broke ({reason(exc)})"
-            ) from exc
-        finally:
-            response.close()
-
     async def passthrough(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
     ) -> PassthroughResponse:
@@ -291,6 +255,43 @@ class HttpUpstream:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+async def sse_payloads(
+    response: aiohttp.ClientResponse, last_event: Callable[[bytes], bool] | None, who: str
+) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an SSE answer (``upstream.base``: until ``[DONE]`` or a typed
+    stream's last event, else ``UpstreamStreamBroken``); ``who`` names the sender in errors
+    (``upstream <label>``; a peer worker's answer is read so too, ``carpool.peers``)."""
+    decoder = SSEDecoder()
+    sent = False
+    try:
+        async for data in response.content.iter_any():
+            for event, payload in decoder.feed(data):
+                if payload == b"[DONE]":
+                    return
+                if event == "error" and not payload.startswith(b'{"error"'):
+                    payload = b'{"error":' + payload + b"}"
+                sent = True
+                yield payload
+                if last_event is not None and last_event(payload):
+                    return  # a typed stream's last event: it ended whole
+        # The body ended cleanly but the stream did not: a server that stopped (a crash, a
+        # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
+        # nothing says the answer is whole.
+        if not sent:
+            # llama.cpp's server answers a prompt over its context so: 200, then nothing.
+            raise UpstreamStreamBroken(
+                f"{who} ended its stream without sending anything (an input it could not take?)"
+            )
+        end = "[DONE]" if last_event is None else "its last event"
+        raise UpstreamStreamBroken(f"{who} ended its stream without {end}")
+    except _TIMEOUTS as exc:
+        raise UpstreamStreamBroken(f"{who} stalled mid-stream") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamStreamBroken(f"{who} stream broke ({reason(exc)})") from exc
+    finally:
+        response.close()
 
 
 def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:

@@ -1,0 +1,82 @@
+"""A worker's door for its peers: its own gateway app, on its slot's unix socket.
+
+Contract:
+- ``PeerApp`` wraps the worker's ``GatewayApp``: a request that carries the run's secret in
+  ``x-carpool-peer`` (compared in constant time) is marked as a peer's (``scope[PEER]``), which
+  the app reads as "another worker chose this one: lead it here, never forward it again"
+  (``ClientRequest.peer``, ``Gateway``) and, on ``/admin/invalidate``, "do not pass it on". The
+  header is dropped from the scope either way, so nothing below ever sees it. Any other
+  request through this door is served as a client's: the socket sits in a 0700 directory, and
+  the secret is the second lock.
+- The public port never marks a request as a peer's (``GatewayApp`` reads only the scope key,
+  which only this wrapper sets): a client's ``x-carpool-peer`` is never trusted.
+- ``PeerServer``: uvicorn's HTTP protocol (the stack of the public port) on the unix socket,
+  started once the worker's layers are (its lifespan), closed gracefully with them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from pathlib import Path
+from typing import Any
+
+# The scope key that marks a request as a peer's: set here only.
+PEER = "carpool.peer"
+PEER_HEADER = b"x-carpool-peer"
+
+
+class PeerApp:
+    """``app`` for the worker's peers (see the module's contract)."""
+
+    def __init__(self, app: Any, secret: bytes, on_request: Any = None) -> None:
+        self.app = app
+        self.secret = secret
+        self.on_request = on_request  # (told of each peer's request to a cached endpoint)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = b""
+            kept = []
+            for name, value in scope["headers"]:
+                if name == PEER_HEADER:
+                    given = value
+                else:
+                    kept.append((name, value))
+            trusted = bool(given) and hmac.compare_digest(given, self.secret)
+            scope = {**scope, "headers": kept, PEER: trusted}
+            if trusted and self.on_request is not None:
+                self.on_request(scope)
+        await self.app(scope, receive, send)
+
+
+class PeerServer:
+    """The worker's gateway on its unix socket, for its peers."""
+
+    def __init__(self) -> None:
+        self._server: Any = None
+
+    async def start(self, app: Any, path: Path, grace_s: float) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            app,
+            uds=str(path),
+            lifespan="off",  # (the public server's lifespan starts and closes the gateway)
+            access_log=False,
+            log_config=None,
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
+            timeout_graceful_shutdown=math.ceil(grace_s),
+        )
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)  # as uvicorn's own ``serve`` sets it
+        await server.startup()
+        self._server = server
+
+    async def aclose(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.shutdown()

@@ -1,0 +1,76 @@
+"""The workers' meeting place: a private directory, one slot per worker, a secret per run.
+
+Contract:
+- ``prepare(count)`` (the parent, ``carpool serve --workers N``): a new directory, readable by
+  this user only (0700), holding the run's secret (``secret``, 0600, random): its path goes to
+  the workers in ``CARPOOL_PEERS`` (``config.loader.PEERS_VARIABLE``). ``remove`` deletes it when the parent exits.
+- ``claim(directory, count)`` (each worker, as it starts): the first free index 0..N-1, held by
+  an exclusive ``flock`` on ``peer-<i>.lock`` for the process's life. The kernel releases the
+  lock of a process that dies, however it dies, so the worker uvicorn starts in its place takes
+  its slot over; no two live workers ever hold one index (a stale socket file says nothing
+  about its owner being alive; a lock does). None when every slot is held (a worker beyond N).
+- ``socket_path(directory, i)``: where worker ``i`` listens for its peers (``server.py``); a
+  stale file there (its worker died) is replaced by the slot's next holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SECRET_FILE = "secret"
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """This worker's place among ``count``: its ``index``, and the run's ``secret``."""
+
+    index: int
+    count: int
+    directory: Path
+    secret: bytes
+    lock_fd: int  # held open for the process's life: closing it would free the slot
+
+    def socket_path(self, index: int) -> Path:
+        return socket_path(self.directory, index)
+
+
+def prepare(count: int) -> Path:
+    """A private directory for ``count`` workers, with a new secret in it."""
+    directory = Path(tempfile.mkdtemp(prefix="carpool-peers-"))  # (mkdtemp: 0700)
+    secret = directory / SECRET_FILE
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(32))
+    return directory
+
+
+def remove(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def claim(directory: Path, count: int) -> Slot | None:
+    """The first free slot of ``directory`` for this process, or None when all are held."""
+    secret = (directory / SECRET_FILE).read_bytes().strip()
+    for index in range(count):
+        fd = os.open(directory / f"peer-{index}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        # Ours now: whatever socket file is there was its previous holder's, who is dead.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path(directory, index))
+        return Slot(index, count, directory, secret, fd)
+    return None
+
+
+def socket_path(directory: Path, index: int) -> Path:
+    return directory / f"peer-{index}.sock"

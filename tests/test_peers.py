@@ -1,0 +1,204 @@
+"""The workers' sharing without Redis (``carpool.peers``), with two gateways in this process,
+each on its own port and its own peer socket, as two workers of one run are."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from carpool import peers
+from carpool.config import Config
+from carpool.fingerprint import fingerprint
+from carpool.peers import Peers, claim
+from carpool.peers.server import PeerServer
+from carpool.pipeline import Gateway
+from carpool.request import ClientRequest, parse
+from carpool.server import create_app
+from carpool.wiring import build_gateway
+from conftest import Served
+from fakes.serving import serve_app
+
+
+@dataclass
+class Pair:
+    a: Served
+    b: Served
+
+
+@contextlib.asynccontextmanager
+async def two_workers(upstream_url: str, b_listens: bool = True) -> AsyncIterator[Pair]:
+    """Workers 0 (``a``) and 1 (``b``) of one run; ``b_listens``: false, b is down."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[upstream_url])
+    try:
+        gateways = []
+        for _ in range(2):
+            slot = claim(directory, 2)
+            assert slot is not None
+            gateways.append(build_gateway(config, peers=Peers(slot, config)))
+        a, b = gateways
+        async with contextlib.AsyncExitStack() as stack:
+            url_a = await stack.enter_async_context(serve_app(create_app(a)))
+            client_a = await stack.enter_async_context(httpx.AsyncClient(base_url=url_a))
+            if b_listens:
+                url_b = await stack.enter_async_context(serve_app(create_app(b)))
+                client_b = await stack.enter_async_context(httpx.AsyncClient(base_url=url_b))
+            else:
+                url_b, client_b = "", httpx.AsyncClient()
+            yield Pair(Served(url_a, a, client_a), Served(url_b, b, client_b))
+        if not b_listens:
+            await b.aclose()
+    finally:
+        peers.remove(directory)
+
+
+def key_of(gateway: Gateway, question: str) -> str:
+    body = httpx.Request("POST", "/", json=_chat(question)).content
+    request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 20)
+    key = fingerprint(request, gateway.config, gateway.accepted).key
+    assert key is not None
+    return key
+
+
+def owned_by(gateway: Gateway, worker: int, prefix: str = "Which worker leads me") -> str:
+    """A question whose key ``worker`` owns, as ``gateway`` sees it."""
+    assert gateway.peers is not None
+    for i in range(1000):
+        question = f"{prefix}, {i}?"
+        owner = gateway.peers.owner_of(key_of(gateway, question))
+        if (worker if worker != gateway.peers.index else None) == owner:
+            return question
+    raise AssertionError("no such question")
+
+
+def _chat(question: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0}
+
+
+async def test_the_owner_makes_the_call_and_both_keep_the_answer(fake):
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        first = await pair.a.chat(question)
+        assert first.headers["x-carpool"] == "miss"
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "hit"
+        assert (await pair.a.chat(question)).headers["x-carpool"] == "hit"
+        assert fake.count() == 1
+        a, b = pair.a.gateway.snapshot(), pair.b.gateway.snapshot()
+        assert (a["upstream_calls"], a["peer_calls"]) == (0, 1)
+        assert (b["upstream_calls"], b["peers"]["served"]) == (1, 1)
+
+
+async def test_the_secret_never_reaches_the_upstream_nor_the_fingerprint(fake):
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        headers = {"authorization": "Bearer client-key", "x-carpool-tags": "t1"}
+        assert (await pair.a.chat(question, headers=headers)).status_code == 200
+        sent = fake.calls[0].headers
+        assert "x-carpool-peer" not in sent and sent["authorization"] == "Bearer client-key"
+        # Same tenant, same key on the owner: a hit there for the client's own request.
+        hit = await pair.b.chat(question, headers=headers)
+        assert hit.headers["x-carpool"] == "hit"
+        # Another tenant's is not.
+        other = await pair.b.chat(question, headers={"authorization": "Bearer another"})
+        assert other.headers["x-carpool"] == "miss"
+
+
+async def test_an_owner_that_is_down_fails_nothing(fake):
+    async with two_workers(fake.url, b_listens=False) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        response = await pair.a.chat(question)
+        assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
+        assert fake.count() == 1
+        snapshot = pair.a.gateway.snapshot()
+        assert snapshot["peers"]["unreachable"] == 1 and snapshot["upstream_calls"] == 1
+        assert (await pair.a.chat(question)).headers["x-carpool"] == "hit"
+
+
+async def test_an_answer_from_the_owners_cache_keeps_its_age(fake):
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+        key = key_of(pair.b.gateway, question)
+        original = await pair.b.gateway.store.get(key)
+        assert original is not None
+        original.answer.created -= 100  # the owner's copy is 100 s old
+        relayed = await pair.a.chat(question)
+        assert relayed.headers["x-carpool"] == "hit" and int(relayed.headers["age"]) >= 100
+        kept = await pair.a.gateway.store.get(key)
+        assert kept is not None
+        # Never younger than the original: it expires no later than the original would.
+        assert kept.answer.created <= original.answer.created
+        assert kept.expires <= original.answer.created + pair.b.gateway.config.ttl_for(None)
+        assert fake.count() == 1
+
+
+async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        response, text = await pair.a.stream_chat(question)
+        assert response.headers["x-carpool"] == "miss"
+        assert text.endswith("data: [DONE]\n\n") and text.count("data: ") > 3
+        again, same = await pair.b.stream_chat(question)
+        assert again.headers["x-carpool"] == "hit"
+        assert fake.count() == 1
+
+
+async def test_the_meeting_place_is_private(fake):
+    directory = peers.prepare(2)
+    try:
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(directory / "secret").st_mode) == 0o600
+        first, second = claim(directory, 2), claim(directory, 2)
+        assert first is not None and second is not None
+        assert (first.index, second.index) == (0, 1) and first.secret == second.secret
+        assert claim(directory, 2) is None  # every slot held
+        os.close(first.lock_fd)  # (as when its worker dies)
+        successor = claim(directory, 2)
+        assert successor is not None and successor.index == 0
+    finally:
+        peers.remove(directory)
+
+
+async def test_an_owner_that_dies_before_its_first_frame_costs_no_client_anything(fake):
+    """The owner takes the request and dies before its stream says anything: nothing was
+    relayed, so the call is made here, for streaming and non-streaming clients alike."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url])
+    door = PeerServer()
+    try:
+        slot = claim(directory, 2)
+        dying = claim(directory, 2)
+        assert slot is not None and dying is not None
+
+        async def dies(scope, receive, send):
+            assert scope["type"] == "http"
+            await send({"type": "http.response.start", "status": 200, "headers": SSE})
+            # (An SSE comment: the stream has begun, and says nothing.)
+            await send({"type": "http.response.body", "body": b": hi\n\n", "more_body": True})
+            raise RuntimeError("the owner died")
+
+        await door.start(dies, dying.socket_path(1), 1)
+        gateway = build_gateway(config, peers=Peers(slot, config))
+        async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
+            served = Served(url, gateway, c)
+            response, text = await served.stream_chat(owned_by(gateway, 1))
+            assert response.headers["x-carpool"] == "miss" and text.endswith("[DONE]\n\n")
+            whole = await served.chat(owned_by(gateway, 1, "And me"))
+            assert whole.status_code == 200 and whole.headers["x-carpool"] == "miss"
+            assert fake.count() == 2
+            snapshot = gateway.snapshot()
+            assert snapshot["upstream_calls"] == 2
+            # The owner took both; the stream was lost (and taken over here), the whole answer
+            # never came (and was asked of the upstream here).
+            assert (snapshot["peers"]["calls"], snapshot["peers"]["unreachable"]) == (2, 1)
+    finally:
+        await door.aclose()
+        peers.remove(directory)
+
+
+SSE = [(b"content-type", b"text/event-stream")]

@@ -1,0 +1,294 @@
+"""`carpool serve --workers 2` without Redis: the workers share through each other
+(``carpool.peers``). A real process in front of the counting fake upstream; a new connection
+per request, so that the kernel spreads them over both workers (``/stats`` says which one
+answered: ``pid``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from fakes.instances import free_port
+from test_distributed import until_serving
+
+ADMIN_TOKEN = "admin-secret"
+QUESTIONS = [f"What do the workers share, part {i}?" for i in range(4)]
+# Enough tries for a new connection to land on each of two workers (each lands on one at random
+# or in turn: missing one worker 60 times running does not happen).
+TRIES = 60
+
+
+def chat(question: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        **extra,
+    }
+
+
+@dataclass
+class Workers:
+    """The ``carpool serve --workers 2`` process and what the tests saw of it."""
+
+    base: str
+    proc: subprocess.Popen[bytes]
+    stats: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> its last /stats
+
+    async def once(
+        self, send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]
+    ) -> tuple[httpx.Response, int]:
+        """``send`` on a new connection, then ``/stats`` on it: the response and its worker."""
+        async with httpx.AsyncClient(base_url=self.base, timeout=20) as client:
+            response = await send(client)
+            await response.aread()
+            snapshot = (await client.get("/stats", headers=ADMIN)).json()
+        self.stats[snapshot["pid"]] = snapshot
+        return response, snapshot["pid"]
+
+    async def until_both_serve(self) -> None:
+        """Until both workers have answered (each then listens for its peers too)."""
+        for _ in range(TRIES):
+            await self.once(lambda client: client.get("/healthz"))
+            if len(self.stats) == 2:
+                return
+        raise AssertionError("every request landed on one worker")
+
+    async def spread(
+        self, send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]], at_least: int = 6
+    ) -> list[tuple[httpx.Response, int]]:
+        """``send`` on new connections until both workers answered it, ``at_least`` times."""
+        answered: list[tuple[httpx.Response, int]] = []
+        for _ in range(TRIES):
+            answered.append(await self.once(send))
+            if len({pid for _, pid in answered}) == 2 and len(answered) >= at_least:
+                return answered
+        raise AssertionError("every request landed on one worker")
+
+
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@contextlib.asynccontextmanager
+async def workers(upstream_url: str, tmp_path) -> AsyncIterator[Workers]:
+    port = free_port()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
+    env["CARPOOL_LOG_LEVEL"] = "warning"
+    env["CARPOOL_ADMIN_TOKEN"] = ADMIN_TOKEN
+    log = tmp_path / "workers.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "carpool.cli",
+                "serve",
+                "--upstream",
+                upstream_url,
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        served = Workers(f"http://127.0.0.1:{port}", proc)
+        async with httpx.AsyncClient(base_url=served.base, timeout=10) as probe:
+            await until_serving(probe, proc, log)
+        await served.until_both_serve()
+        yield served
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def content(response: httpx.Response) -> str:
+    return response.json()["choices"][0]["message"]["content"]
+
+
+async def test_identical_requests_on_both_workers_make_one_upstream_call_per_key(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        for n, question in enumerate(QUESTIONS, 1):
+            answered = await served.spread(
+                lambda client, q=question: client.post("/v1/chat/completions", json=chat(q))
+            )
+            assert all(r.status_code == 200 for r, _ in answered)
+            outcomes = [r.headers["x-carpool"] for r, _ in answered]
+            # The first is the call (made by its owner, whichever worker it landed on); every
+            # other is a hit where it landed: the answer was kept on both workers.
+            assert outcomes[0] == "miss" and set(outcomes[1:]) == {"hit"}, outcomes
+            assert {content(r) for r, _ in answered} == {f"answer {n} to {question}"}
+            assert fake.count() == n
+        # The workers' upstream calls add up to the engine's: a peer's ask is not one.
+        await served.until_both_serve()
+        assert sum(s["upstream_calls"] for s in served.stats.values()) == len(QUESTIONS)
+        assert sum(s["peer_calls"] for s in served.stats.values()) >= 1
+        assert sorted(s["peers"]["worker"] for s in served.stats.values()) == [0, 1]
+
+
+async def test_streams_on_both_workers_make_one_upstream_call_per_key(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        for n, question in enumerate(QUESTIONS[:2], 1):
+            body = chat(question, stream=True)
+            answered = await served.spread(
+                lambda client, b=body: client.post("/v1/chat/completions", json=b)
+            )
+            texts = set()
+            for response, _ in answered:
+                assert response.status_code == 200
+                assert response.text.endswith("data: [DONE]\n\n"), response.text
+                texts.add(_streamed_text(response.text))
+            assert texts == {f"answer {n} to {question}"}
+            assert fake.count() == n
+
+
+async def test_a_burst_on_both_workers_makes_one_upstream_call_per_key(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        fake.gate = asyncio.Event()
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=served.base, timeout=60, limits=limits) as client:
+            # 200 connections at once: the kernel spreads them over both workers.
+            burst = [
+                asyncio.create_task(
+                    client.post(
+                        "/v1/chat/completions",
+                        json=chat(QUESTIONS[i % len(QUESTIONS)], stream=i % 2 == 0),
+                    )
+                )
+                for i in range(200)
+            ]
+            await fake.wait_for_calls(len(QUESTIONS), timeout=30)
+            await _until_waiting(served, 200)
+            fake.gate.set()
+            responses = await asyncio.gather(*burst)
+        assert fake.count() == len(QUESTIONS)
+        assert all(r.status_code == 200 for r in responses)
+        outcomes = collections.Counter(r.headers["x-carpool"] for r in responses)
+        # One call per key, and one client of each key saw it as its own.
+        assert outcomes["miss"] == len(QUESTIONS), outcomes
+        assert set(outcomes) <= {"miss", "coalesced", "hit"}, outcomes
+        for i, response in enumerate(responses):
+            question = QUESTIONS[i % len(QUESTIONS)]
+            text = _streamed_text(response.text) if i % 2 == 0 else content(response)
+            assert text.endswith(f"to {question}")
+
+
+async def test_an_invalidation_on_one_worker_reaches_the_other(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        send = lambda client: client.post(  # noqa: E731
+            "/v1/chat/completions", json=chat(QUESTIONS[0])
+        )
+        answered = await served.spread(send)
+        assert {r.headers["x-carpool"] for r, _ in answered[1:]} == {"hit"}
+        response, _ = await served.once(
+            lambda client: client.post("/admin/invalidate", json={"all": True}, headers=ADMIN)
+        )
+        assert response.status_code == 200
+        assert response.json()["invalidated"] == 2  # one copy on each worker
+        answered = await served.spread(send)
+        # No worker serves what was invalidated: one new call, its answer everywhere.
+        assert {content(r) for r, _ in answered} == {f"answer 2 to {QUESTIONS[0]}"}
+        assert fake.count() == 2
+
+
+async def test_an_idempotency_key_retry_on_the_other_worker_replays(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        headers = {"Idempotency-Key": "order-42"}
+        send = lambda client: client.post(  # noqa: E731
+            "/v1/chat/completions", json=chat(QUESTIONS[0]), headers=headers
+        )
+        first, first_pid = await served.once(send)
+        assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+        retries = await served.spread(send)
+        assert {pid for _, pid in retries} | {first_pid} == set(served.stats)
+        for retry, _ in retries:
+            assert retry.status_code == 200
+            assert retry.headers["idempotent-replayed"] == "true"
+            assert retry.json() == first.json()
+        assert fake.count() == 1
+        # The same key with another request is refused wherever it lands.
+        other = lambda client: client.post(  # noqa: E731
+            "/v1/chat/completions", json=chat(QUESTIONS[1]), headers=headers
+        )
+        assert {r.status_code for r, _ in await served.spread(other, at_least=2)} == {422}
+
+
+async def test_a_clients_peer_header_is_not_trusted(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        forged = {"x-carpool-peer": "guessed"}
+        answered = await served.spread(
+            lambda client: client.post(
+                "/v1/chat/completions", json=chat(QUESTIONS[0]), headers=forged
+            )
+        )
+        # Trusted, it would make the worker that does not own the key call the upstream itself.
+        assert fake.count() == 1
+        assert [r.headers["x-carpool"] for r, _ in answered][1:] == ["hit"] * (len(answered) - 1)
+        assert "x-carpool-peer" not in fake.calls[0].headers
+        assert sum(s["peers"]["served"] for s in served.stats.values()) <= 1
+
+
+async def test_a_worker_killed_fails_no_request_and_its_successor_takes_its_slot(fake, tmp_path):
+    async with workers(fake.url, tmp_path) as served:
+        before = dict(served.stats)
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        # Every request is answered, whatever became of the worker that owns its key, until
+        # uvicorn's new worker answers too.
+        for i in range(10 * TRIES):
+            response, pid = await served.once(
+                lambda client, i=i: client.post(
+                    "/v1/chat/completions", json=chat(f"While a worker is down, {i}")
+                )
+            )
+            assert response.status_code == 200
+            if pid not in before:
+                break
+        else:
+            raise AssertionError("the killed worker was not replaced")
+        # It took the dead worker's slot: the keys it owns are led there again.
+        assert served.stats[pid]["peers"]["worker"] == before[victim]["peers"]["worker"]
+
+
+def _streamed_text(sse: str) -> str:
+    import json
+
+    text = []
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+async def _until_waiting(served: Workers, n: int) -> None:
+    """Until the two workers' flights hold at least ``n`` waiting requests between them (bounded:
+    a request that joins later is a hit or joins a lingering answer, never another call)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while loop.time() < deadline:
+        waiting: dict[int, int] = {}
+        for _ in range(TRIES):
+            _, pid = await served.once(lambda client: client.get("/healthz"))
+            waiting[pid] = served.stats[pid]["waiters"]
+            if len(waiting) == 2:
+                break
+        if sum(waiting.values()) >= n:
+            return
+    pytest.fail(f"the workers never held {n} waiting requests")
