@@ -123,6 +123,9 @@ class Exchange:
             return await self.fetch(request, broadcast)
         finally:
             await response.aclose()
+        # Produced now by the gateway's clock, which its stores' expiry and ages read (not the
+        # system's: a test's clock may be moved, and both must move together).
+        answer.created = self.layers.clock.now()
         if response.headers.get("age", "").isdigit():
             # The owner's answer came from its cache: it is as old as it was there (an upper
             # bound: the header counts whole seconds), so no copy outlives the original's TTL.
