@@ -18,6 +18,7 @@ difference measured against its reference in the same run, on the same machine.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,11 @@ def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) ->
 def _miss_targets(up: int, gw: int, stream: bool) -> list[dict[str, Any]]:
     # A short answer (32 tokens), so that the engine answers at once at 1,000 req/s on this
     # machine: what is measured is the gateway's work, not the engine's.
+    # A nonce of this run: no request of it repeats one of another run or target (``stream`` is
+    # no part of a fingerprint, so a stream numbered like an earlier whole answer would hit).
     extra = {"stream": True} if stream else {}
-    body = bodies.chat_body(0, max_tokens=ANSWER_TOKENS, **extra)
+    nonce = f" ({uuid.uuid4().hex[:12]})"
+    body = bodies.chat_body(0, nonce=nonce, max_tokens=ANSWER_TOKENS, **extra)
     return [
         {"name": "direct", "port": up, "body": body, "unique": True, "ttfb": stream},
         {"name": "gateway", "port": gw, "body": body, "unique": True, "ttfb": stream},
