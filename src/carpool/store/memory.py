@@ -7,14 +7,16 @@ Contract (on top of ``store.base``):
 - ``bytes`` counts what the entries hold in this process, so that ``max_bytes`` bounds the
   memory the cache takes, not only its payload: per entry its key, its packed form, its place
   in the map (``lru.SLOT_BYTES``, the most a place takes: a map that only grew takes less) and,
-  while it has them, its objects.
+  while it has them, its objects. Not counted: a fixed cost, the keys of the last hits on
+  packed entries (``hot`` at most).
 - Two forms, one behaviour: every entry is kept packed into one bytes object (``store.packed``:
-  a third of the memory of the objects); the ``hot`` ones most recently put or hit also keep
-  their objects (a ``get`` returns the very ``Entry``, with what its answer computed since, as
-  frames synthesized for streaming clients). A hit on another unpacks a new, equal ``Entry``,
-  which then keeps its objects if the budget has room for them (the least recently used such
-  entry, beyond ``hot``, lets its own go). Which entries keep objects changes nothing else: not
-  the order of use, not what is returned, not the expiry; an entry evicted loses them too.
+  about 40% of the memory of its objects); the ``hot`` entries most recently put or hit also
+  keep their objects (a ``get`` returns the very ``Entry``, with what its answer computed
+  since, as frames synthesized for streaming clients). A hit on another unpacks a new, equal
+  ``Entry``; a second hit while the first is among the last ``hot`` ones keeps its objects, if
+  the budget has room for them without evicting (the least recently used entry with objects,
+  beyond ``hot``, lets its own go). Which entries keep objects changes nothing else: not the
+  order of use, not what is returned, not the expiry; an entry evicted loses them too.
 - Keys: a fingerprint's (32 lowercase hex digits) is kept as an int of its last 60 bits (32
   bytes: the map's key) and, in the packed form, the rest; any other string as it is. Two keys
   that share their last 60 bits share one place: the later put replaces the earlier one's entry
