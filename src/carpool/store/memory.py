@@ -52,7 +52,7 @@ Place: TypeAlias = int | str
 Hot: TypeAlias = tuple[Place, Entry, int]
 Packed: TypeAlias = bytes  # (``store.packed``)
 
-_FINGERPRINT = re.compile("[0-9a-f]{32}")
+_is_fingerprint = re.compile("[0-9a-f]{32}").fullmatch
 # The last 15 digits, 60 bits: an int below 2**60 takes 32 bytes, a bigger one 48 or more.
 _PLACE_FROM = 17
 _INT_PLACE = held(2**59)
@@ -66,13 +66,17 @@ _UNPACKED = held(Entry(_sample, 0.5), _sample, _sample.created, 0.5, _sample.tok
 del _sample
 
 
-def _split(key: str) -> tuple[Place, bytes]:
-    """The map's key for ``key`` and what its packed entry keeps of it besides: for a
-    fingerprint, an int of its last 60 bits and its first 72 (9 bytes, to digit 18: 4 bits over
-    the place's, to be whole bytes); for any other string, itself and nothing."""
-    if len(key) == 32 and _FINGERPRINT.fullmatch(key):
-        return int(key[_PLACE_FROM:], 16), bytes.fromhex(key[: _PLACE_FROM + 1])
-    return key, b""
+def _place(key: str) -> Place:
+    """The map's key for ``key``: an int of a fingerprint's last 60 bits, else ``key``."""
+    if len(key) == 32 and _is_fingerprint(key):
+        return int(key[_PLACE_FROM:], 16)
+    return key
+
+
+def _rest(key: str, place: Place) -> bytes:
+    """What a packed entry keeps of its key besides ``place``: a fingerprint's first 72 bits (9
+    bytes, to digit 18: 4 bits over the place's, to be whole bytes); nothing of another key."""
+    return bytes.fromhex(key[: _PLACE_FROM + 1]) if type(place) is int else b""
 
 
 def _size(place: Place, blob: bytes) -> int:
@@ -102,13 +106,13 @@ def _objects(key: str, place: Place, entry: Entry, unpacked: bool) -> int:
 
 def size_of(key: str, entry: Entry) -> int:
     """What ``entry`` counts under ``key`` just after a put that keeps its objects."""
-    return packed_size_of(key, entry) + _objects(key, _split(key)[0], entry, False)
+    return packed_size_of(key, entry) + _objects(key, _place(key), entry, False)
 
 
 def packed_size_of(key: str, entry: Entry) -> int:
     """What ``entry`` counts under ``key`` packed alone."""
-    place, rest = _split(key)
-    return _size(place, packed.pack(entry, rest))
+    place = _place(key)
+    return _size(place, packed.pack(entry, _rest(key, place)))
 
 
 class MemoryStore:
@@ -125,8 +129,8 @@ class MemoryStore:
         self._hot_places: dict[Place, str] = {}
         self._hot_bytes = 0
         # The keys last unpacked for a hit (``hot`` at most, oldest first): a second hit while
-        # here keeps the objects. (A first would waste the work when the hits spread wider
-        # than ``hot`` entries, each then pushing another out.)
+        # its key is here keeps the objects. (A first would waste the work when hits spread
+        # wider than ``hot`` entries, each then pushing another out.)
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     @property
@@ -154,14 +158,20 @@ class MemoryStore:
         """``get`` without a coroutine, for the hot path."""
         hot = self._hot.get(key)
         if hot is not None:  # (its place is the map's key object: nothing to parse)
-            if self._entries.get(hot[0]) is None:
-                return None  # expired: dropped, its objects too
+            place, entry, _ = hot
+            if entry.expires <= self._entries.now():
+                self._forget(place)  # (as the map's get would: its expiry is the same)
+                return None
+            self._entries.touch(place)
             self._hot.move_to_end(key)
-            return hot[1]
-        place, rest = _split(key)
+            return entry
+        place = _place(key)
         blob = self._entries.get(place)
-        if blob is None or not packed.has_tail(blob, rest):
-            return None  # (or another key's, sharing this one's last 60 bits)
+        if blob is None:
+            return None
+        rest = _rest(key, place)
+        if blob[1] != len(rest) or not blob.startswith(rest, packed.TAIL_AT):
+            return None  # another key's, sharing this one's last 60 bits (``packed.has_tail``)
         entry = packed.unpack(blob)
         if self.hot:
             seen = self._seen
@@ -169,16 +179,16 @@ class MemoryStore:
                 seen[key] = None
                 if len(seen) > self.hot:
                     seen.popitem(last=False)
-            elif place not in self._hot_places:  # (else another key's: keep those)
+            else:
                 objects = _objects(key, place, entry, True)
                 if self.bytes + objects <= self.max_bytes:  # room without evicting
                     self._keep(key, place, entry, objects)
         return entry
 
     async def put(self, key: str, entry: Entry) -> None:
-        place, rest = _split(key)
+        place = _place(key)
         self._forget(place)
-        blob = packed.pack(entry, rest)
+        blob = packed.pack(entry, _rest(key, place))
         alone = _size(place, blob)
         if alone > self.max_bytes:
             return
@@ -188,7 +198,8 @@ class MemoryStore:
             if alone + objects <= self.max_bytes:
                 self._keep(key, place, entry, objects)
         while self.bytes > self.max_bytes:  # (the new entry, the most recent, fits: not it)
-            self._entries.evict()
+            if self._entries.evict() is None:
+                break
 
     async def invalidate(self, selector: Selector) -> int:
         picks = packed.matcher(selector)

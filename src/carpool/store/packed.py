@@ -34,6 +34,7 @@ from .base import Entry, Selector
 
 _HEAD = struct.Struct("<BBddIH")
 _HEAD_BYTES = _HEAD.size  # 24
+TAIL_AT = _HEAD_BYTES  # where the tail starts; its length is the blob's second byte
 _EXPIRES = struct.Struct("<d")  # at offset 10
 _PREFIX_BYTES = struct.Struct("<H")  # at offset 22
 
