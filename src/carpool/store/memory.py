@@ -119,7 +119,7 @@ class MemoryStore:
     def __init__(self, max_bytes: int, *, clock: Clock = SYSTEM_CLOCK, hot: int = HOT) -> None:
         self.max_bytes = max_bytes
         self.hot = hot
-        # Bounded here, with the hot objects (``_bound``), not by itself.
+        # Bounded by ``put``, counting the hot objects too, not by itself.
         self._entries: LRU[Place, Packed] = LRU(
             size=_size, expires=packed.expires, clock=clock, wall_clock=True, on_evict=self._lost
         )

@@ -1,5 +1,6 @@
-"""One exact-cache entry as one bytes object: the form in which the in-process store keeps all
-but its most recently used entries (``store.memory``), hundreds of bytes less than the objects.
+"""One exact-cache entry as one bytes object: the form in which the in-process store keeps every
+entry (``store.memory``; its most recently used keep their objects too), hundreds of bytes less
+than the objects.
 
 Contract:
 - ``unpack(pack(entry, tail))`` is an ``Entry`` equal to ``entry``: the same answer (kind, body,
