@@ -1,25 +1,38 @@
-"""What the in-process exact store counts against its byte budget vs what the process holds.
+"""What the in-process caches count against their byte budgets vs what the process holds.
 
-Puts N small answers (a ~200-byte chat body, ``--frames`` SSE frames if asked, a short prompt
-prefix, a distinct 32-hex-digit key each) into a ``MemoryStore`` with a budget large enough to
-keep them all, then prints the store's ``bytes`` next to the growth of the process's resident
-memory (VmRSS, Linux) over the same puts. Not a test: a measurement, run by hand.
+Three measurements, each in a process of its own (so that one's freed memory does not hide
+another's growth), each printing the cache's own count next to the growth of the process's
+resident memory (VmRSS, Linux) over the same load:
+
+- ``store``: N small answers (a ~200-byte chat body, ``--frames`` SSE frames if asked, a short
+  prompt prefix, a distinct BLAKE2b key each, as the fingerprint makes them) put in a
+  ``MemoryStore`` whose budget keeps them all; then every one read once (a hit moves an entry
+  to the end of the map, which grows its table as puts over a full budget do), and again.
+- ``memo``: N distinct requests remembered by a ``RepeatMemo`` with its configured budget.
+- ``idempotency``: N records begun and finished (a ~200-byte response each) in
+  ``MemoryIdempotencyRecords`` with their configured bounds.
+
+Not a test: a measurement, run by hand.
 
     PYTHONPATH=src python scripts/measure_store_memory.py [--entries 1000000] [--body-bytes 200]
+        [--frames 0] [--only store|memo|idempotency]
 
-Measured (CPython 3.11, 1,000,000 entries, 200-byte bodies): before the store counted what the
-process holds, 437,888,890 bytes counted for 867,225,600 of RSS growth (0.50); since, 884,000,000
-counted for 867,254,272 (1.02).
+Measured: see docs/architecture.md ("The in-process caches").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import dataclasses
 import gc
+import hashlib
+import subprocess
+import sys
+import time
 
-from carpool.answer import Answer
-from carpool.store import Entry, MemoryStore
+KINDS = ("store", "memo", "idempotency")
 
 
 def rss() -> int:
@@ -31,6 +44,16 @@ def rss() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def trimmed_rss() -> int:
+    """The RSS once glibc returned to the system what it keeps of freed memory (``malloc_trim``):
+    a resized dict's old table, mostly. What the process holds, not what its allocator keeps."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # (not glibc: as it is)
+    return rss()
+
+
 def body(i: int, length: int) -> bytes:
     head = (
         f'{{"id":"chatcmpl-{i:012d}","object":"chat.completion","model":"m",'
@@ -40,8 +63,30 @@ def body(i: int, length: int) -> bytes:
     return (head + "y" * max(0, length - len(head) - len(tail)) + tail).encode()
 
 
-async def main(entries: int, body_bytes: int, frames: int) -> None:
-    store = MemoryStore(1 << 62)
+def key(i: int) -> str:
+    """A key as the fingerprint makes them: a 32-hex-digit BLAKE2b digest."""
+    return hashlib.blake2b(b"%d" % i, digest_size=16).hexdigest()
+
+
+def report(name: str, count: int, counted: int, before: int, budget: int | None) -> None:
+    grown = rss() - before
+    held = trimmed_rss() - before
+    print(f"{name}")
+    print(f"  entries:        {count:>14,}")
+    print(f"  counted bytes:  {counted:>14,}  ({counted / max(count, 1):,.0f} per entry)")
+    print(f"  RSS growth:     {grown:>14,}  ({grown / max(count, 1):,.0f} per entry)")
+    print(f"  ... trimmed:    {held:>14,}  ({held / max(count, 1):,.0f} per entry: malloc_trim)")
+    if grown > 0:
+        print(f"  counted / RSS:  {counted / grown:>14.2f}")
+    if budget is not None:
+        print(f"  budget:         {budget:>14,}  (RSS growth within it: {grown <= budget})")
+
+
+async def store(entries: int, body_bytes: int, frames: int) -> None:
+    from carpool.answer import Answer
+    from carpool.store import Entry, MemoryStore
+
+    cache = MemoryStore(1 << 62)
     gc.collect()
     before = rss()
     for i in range(entries):
@@ -50,19 +95,86 @@ async def main(entries: int, body_bytes: int, frames: int) -> None:
         answer = Answer("chat", raw, True, tokens=300 + i % 100, frames=streamed)
         prefix = f"What is the capital of country {i}?"
         # As the gateway stores it: the expiry is the answer's creation time plus the TTL.
-        await store.put(f"{i:032x}", Entry(answer, answer.created + 3600, (), "", prefix))
+        await cache.put(key(i), Entry(answer, answer.created + 3600, (), "", prefix))
     gc.collect()
-    grown = rss() - before
-    print(f"entries:        {store.entries:>14,}")
-    print(f"counted bytes:  {store.bytes:>14,}  ({store.bytes / store.entries:,.0f} per entry)")
-    print(f"RSS growth:     {grown:>14,}  ({grown / store.entries:,.0f} per entry)")
-    print(f"counted / RSS:  {store.bytes / grown:>14.2f}")
+    report("store: filled", cache.entries, cache.bytes, before, None)
+    for rounds in (1, 2):
+        keys = [key(i) for i in range(entries)]  # (not timed; freed before the RSS is read)
+        started = time.process_time()
+        hits = sum(cache.get_now(k) is not None for k in keys)
+        took = time.process_time() - started
+        del keys
+        gc.collect()
+        report(f"store: after reading every entry {rounds}x", hits, cache.bytes, before, None)
+        print(f"  reads:          {took / entries * 1e9:>14,.0f} ns each (mean)")
+
+
+async def memo(entries: int, body_bytes: int) -> None:
+    from carpool.config import Config
+    from carpool.fingerprint import fingerprint
+    from carpool.repeat_memo import RepeatMemo
+    from carpool.request import ClientRequest, parse
+
+    config = Config()
+    repeats = RepeatMemo((), config.fingerprint.repeat_memo_bytes)
+    headers = {"authorization": "Bearer sk-test", "content-type": "application/json"}
+    path = "/v1/chat/completions"
+
+    def request_body(i: int) -> bytes:
+        head = b'{"model":"m","messages":[{"role":"user","content":"'
+        text = b"What is the capital of country %d?" % i
+        pad = b" " * max(0, body_bytes - len(head) - len(text) - 4)
+        return head + text + pad + b'"}]}'
+
+    template = parse(ClientRequest(path, request_body(0), headers), 1 << 20)
+    fingerprinted = fingerprint(template, config)
+    max_age = float(config.cache.default_ttl)
+    gc.collect()
+    before = rss()
+    for i in range(entries):
+        memo_key = repeats.key_of(ClientRequest(path, request_body(i), headers))
+        assert memo_key is not None
+        repeats.remember(
+            memo_key, template, dataclasses.replace(fingerprinted, key=key(i)), max_age
+        )
+    gc.collect()
+    report("repeat memo", len(repeats), repeats.bytes, before, repeats.max_bytes)
+
+
+async def idempotency(entries: int, body_bytes: int) -> None:
+    from carpool.config import Config
+    from carpool.idempotency.memory import MemoryIdempotencyRecords
+    from carpool.idempotency.records import StoredResponse
+
+    records = MemoryIdempotencyRecords(Config().idempotency.retention)
+    headers = [(b"content-type", b"application/json"), (b"x-carpool", b"miss")]
+    gc.collect()
+    before = rss()
+    for i in range(entries):
+        idempotency_key = f"order-{i:012d}"
+        begun = await records.begin(idempotency_key, key(i))
+        assert begun.token is not None
+        response = StoredResponse(200, list(headers), body(i, body_bytes))
+        await records.finish(idempotency_key, begun.token, response)
+    gc.collect()
+    budget = records.max_bytes
+    report("idempotency records", len(records), records.bytes, before, budget)
+    print(f"  max records:    {records.max_records:>14,}")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--body-bytes", type=int, default=200)
     parser.add_argument("--frames", type=int, default=0, help="SSE frames an answer keeps")
+    parser.add_argument("--only", choices=KINDS, help="one measurement, in this process")
     args = parser.parse_args()
-    asyncio.run(main(args.entries, args.body_bytes, args.frames))
+    if args.only is None:
+        for kind in KINDS:  # each in a fresh process
+            subprocess.run([sys.executable, *sys.argv, "--only", kind], check=True)
+    elif args.only == "store":
+        asyncio.run(store(args.entries, args.body_bytes, args.frames))
+    elif args.only == "memo":
+        asyncio.run(memo(args.entries, args.body_bytes))
+    else:
+        asyncio.run(idempotency(args.entries, args.body_bytes))

@@ -8,8 +8,8 @@ Contract:
   ``bytes`` is always the sum of ``size`` over the entries held.
 - After every ``put``: ``len <= max_entries`` and ``bytes <= max_bytes``. The least recently
   used entries are evicted first, the new one last; a value whose size alone exceeds
-  ``max_bytes`` is not stored at all. A ``put`` always replaces: whatever was under its key is
-  gone afterwards, stored or not.
+  ``max_bytes`` is not stored at all. A ``put`` always replaces: whatever was under its
+  key is gone afterwards, stored or not.
 - Recency: ``put``, ``get`` and ``touch`` make an entry the most recently used; ``peek``,
   ``in``, ``[]`` and iteration do not. Values are never None (``get`` answers None for none).
 - Expiry: ``expires(value)`` is the instant the entry expires (None: entries never do), on this
@@ -20,9 +20,11 @@ Contract:
   or swept by ``expire()``. A time-to-live is an ``expires`` that adds it to a time the value
   holds (``expires=lambda v: v.at + ttl``).
 - ``on_evict(key, value)`` hears of every entry the cache drops on its own: evicted for a bound
-  (``put`` also returns those) or dropped expired; ``evictions`` and ``expirations`` count them.
+  (``put`` also returns those; or by ``evict()``, for a caller's own bound) or dropped expired;
+  ``evictions`` and ``expirations`` count them.
   It is not called for what the caller removes (``pop``, ``remove_if``, ``clear``) or replaces.
-- Every operation is O(1) (plus the callbacks) except ``remove_if`` and ``expire``, which scan.
+- Every operation is O(1) amortized (plus the callbacks) except ``remove_if`` and ``expire``,
+  which scan. A use keeps the key object it was given (an equal one) in place of the stored one.
 
 Byte budgets that bound what the process holds (``held``, ``SLOT_BYTES``): ``sys.getsizeof``
 counts an object's own bytes, not the allocator's rounding nor the objects it refers to, so a
@@ -33,21 +35,27 @@ counts an object's own bytes, not the allocator's rounding nor the objects it re
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar, cast
+from itertools import islice
+from typing import Generic, TypeVar
 
 from .clock import SYSTEM_CLOCK, Clock
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-#: What one entry's place in an ``LRU`` holds, beyond its key and value: the OrderedDict's hash
-#: slot, entry and fast-lookup slot, and its linked-list node. Measured with tracemalloc on
-#: CPython 3.11 (64-bit): 66 bytes an entry when the table is full, 100 just after it doubled
-#: (it stays between the two, also under churn); the higher, and a little for the map's own
-#: fixed bytes, so that a budget bounds it (tests/test_lru.py measures it).
-SLOT_BYTES = 104
+#: What one entry's place in an ``LRU`` holds, beyond its key and value: its share of the dict's
+#: table (CPython 3.11, 64-bit: a 4-byte index per slot, a 24-byte entry per 2/3 of a slot, 16
+#: for str keys). The table has 1.5 to 3 slots an entry while the map only grows; once entries
+#: come and go (an eviction, a use: each leaves a hole), each resize makes it the first power of
+#: two over 3 slots an entry: up to 6, 120 bytes. The most, and the eviction front's share
+#: (``LRU._front``), so that a budget bounds it (tests/test_lru.py measures it).
+SLOT_BYTES = 128
+
+# The eviction front: the oldest keys taken in one pass, a share of the map (and a few).
+_FRONT_SHARE = 32
+_FRONT_MIN = 16
 
 # Objects CPython shares, whatever holds them: they cost an entry nothing.
 _SHARED_INTS = range(-5, 257)
@@ -84,7 +92,8 @@ def held(*objects: object) -> int:
             items = sys.getsizeof(obj) - _LIST_BYTES
             total += allocated(_LIST_BYTES) + (allocated(items) if items else 0)
             continue
-        total += allocated(sys.getsizeof(obj))
+        nbytes = sys.getsizeof(obj)  # (``allocated``, inlined: a hit may count a dozen)
+        total += (nbytes + 15 if nbytes <= 512 else nbytes + 23) & ~15
     return total
 
 
@@ -97,6 +106,8 @@ class LRU(Generic[K, V]):
         "evictions",
         "expirations",
         "_data",
+        "_oldest",
+        "_front",
         "_size",
         "_expires",
         "_time",
@@ -121,7 +132,18 @@ class LRU(Generic[K, V]):
         self.max_bytes = max_bytes
         self.evictions = 0
         self.expirations = 0
-        self._data: OrderedDict[K, V] = OrderedDict()
+        # In order of use, least recently used first: a use pops the key and puts it back at the
+        # end (a plain dict: an OrderedDict's linked list and node array add 40 to 80 bytes an
+        # entry).
+        self._data: dict[K, V] = {}
+        # A dict finds its first key by stepping over the holes that pops leave at its front,
+        # one by one: evicting with ``next(iter(data))`` would cost O(holes), quadratic overall.
+        # Instead ``_oldest`` holds the first keys, in order, taken in one pass when it runs
+        # out, and ``_front`` those of them still in place: a key used, replaced or removed
+        # since leaves it. The first key of ``_oldest`` still in ``_front`` is the least
+        # recently used (``_least_recently_used``).
+        self._oldest: deque[K] = deque()
+        self._front: set[K] = set()
         self._size = size
         self._expires = expires
         self._time: Callable[[], float] = clock.now if wall_clock else clock.monotonic
@@ -143,7 +165,7 @@ class LRU(Generic[K, V]):
         """Whether a live entry is under ``key`` (an expired one found is dropped)."""
         if key not in self._data:
             return False
-        return self.peek(cast(K, key)) is not None  # (in the map: a K)
+        return self.peek(key) is not None  # (in the map: a K)
 
     def __getitem__(self, key: K) -> V:
         value = self.peek(key)
@@ -161,10 +183,17 @@ class LRU(Generic[K, V]):
 
     def get(self, key: K, default: V | None = None) -> V | None:
         """The value under ``key``, made the most recently used; ``default`` if none or expired."""
-        value = self.peek(key)
+        data = self._data
+        value = data.get(key)
         if value is None:
             return default
-        self._data.move_to_end(key)
+        if self._expires is not None and self._expires(value) <= self._time():
+            self._expire(key, value)
+            return default
+        del data[key]  # (``peek``, inlined: the hot path of every cache)
+        data[key] = value
+        if self._front:
+            self._front.discard(key)
         return value
 
     def peek(self, key: K, default: V | None = None) -> V | None:
@@ -180,8 +209,12 @@ class LRU(Generic[K, V]):
 
     def touch(self, key: K) -> None:
         """Make ``key`` the most recently used, if it is here."""
-        if key in self._data:
-            self._data.move_to_end(key)
+        data = self._data
+        value = data.pop(key, None)
+        if value is not None:
+            data[key] = value
+            if self._front:
+                self._front.discard(key)
 
     def put(self, key: K, value: V) -> list[tuple[K, V]]:
         """Store ``value`` (never None) under ``key`` as the most recently used; returns what
@@ -190,32 +223,40 @@ class LRU(Generic[K, V]):
             raise TypeError("an LRU does not hold None (its get answers None for a miss)")
         data, size = self._data, self._size
         old = data.pop(key, None)
-        if old is not None and size is not None:
-            self._bytes -= size(key, old)
+        if old is not None:
+            if self._front:
+                self._front.discard(key)
+            if size is not None:
+                self._bytes -= size(key, old)
         counted = 0 if size is None else size(key, value)
         if self.max_bytes is not None and counted > self.max_bytes:
             return []
         data[key] = value
         self._bytes += counted
-        evicted: list[tuple[K, V]] = []
-        max_entries, max_bytes = self.max_entries, self.max_bytes
-        while (max_entries is not None and len(data) > max_entries) or (
-            max_bytes is not None and self._bytes > max_bytes
-        ):
-            oldest, gone = data.popitem(last=False)
-            if size is not None:
-                self._bytes -= size(oldest, gone)
-            self.evictions += 1
-            evicted.append((oldest, gone))
-            if self._on_evict is not None:
-                self._on_evict(oldest, gone)
-        return evicted
+        return self._bound()
+
+    def evict(self) -> tuple[K, V] | None:
+        """Evict the least recently used entry, expired or not, as a bound does (counted in
+        ``evictions``, heard by ``on_evict``), for a caller that bounds more than ``bytes``;
+        None if empty."""
+        if not self._data:
+            return None
+        key = self._least_recently_used()
+        value = self._data.pop(key)
+        if self._size is not None:
+            self._bytes -= self._size(key, value)
+        self.evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(key, value)
+        return key, value
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Remove the entry under ``key`` (expired or not) and return its value, or ``default``."""
         value = self._data.pop(key, None)
         if value is None:
             return default
+        if self._front:
+            self._front.discard(key)
         if self._size is not None:
             self._bytes -= self._size(key, value)
         return value
@@ -247,10 +288,41 @@ class LRU(Generic[K, V]):
     def clear(self) -> None:
         """Drop everything (not counted as evictions)."""
         self._data.clear()
+        self._oldest.clear()
+        self._front.clear()
         self._bytes = 0
+
+    def _bound(self) -> list[tuple[K, V]]:
+        """Evict the least recently used entries until within the bounds; returns them."""
+        data = self._data
+        evicted: list[tuple[K, V]] = []
+        max_entries, max_bytes = self.max_entries, self.max_bytes
+        while (max_entries is not None and len(data) > max_entries) or (
+            max_bytes is not None and self._bytes > max_bytes
+        ):
+            gone = self.evict()
+            if gone is None:
+                break
+            evicted.append(gone)
+        return evicted
+
+    def _least_recently_used(self) -> K:
+        """The first key in the order of use (the map is not empty); it leaves the front."""
+        oldest, front = self._oldest, self._front
+        while True:
+            while oldest:
+                key = oldest.popleft()
+                if key in front:
+                    front.remove(key)
+                    return key
+            # One pass over the holes for a share of the map: O(1) amortized an eviction.
+            oldest.extend(islice(self._data, len(self._data) // _FRONT_SHARE + _FRONT_MIN))
+            front.update(oldest)
 
     def _expire(self, key: K, value: V) -> None:
         del self._data[key]
+        if self._front:
+            self._front.discard(key)
         if self._size is not None:
             self._bytes -= self._size(key, value)
         self.expirations += 1

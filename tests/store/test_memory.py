@@ -1,19 +1,25 @@
-"""The in-process exact cache: LRU, TTL, bounded in bytes that count what it holds.
+"""The in-process exact cache: LRU, TTL, bounded in bytes that count what it holds; its two
+forms (objects for the most recently used entries, packed for the others) and its keys.
 
-The backend-independent contract (get/put/replace/expiry/invalidate) is in test_store_contract.py.
+The backend-independent contract (get/put/replace/expiry/invalidate) is in test_store_contract.py
+(against both forms); the packed form itself in test_packed.py.
 """
 
 from __future__ import annotations
 
 import gc
+import random
 import time
 import tracemalloc
 
+import pytest
+
 from carpool.answer import Answer
 from carpool.clock import ManualClock
+from carpool.lru import SLOT_BYTES
 from carpool.store import Entry, MemoryStore
 from carpool.store.base import Selector
-from carpool.store.memory import size_of
+from carpool.store.memory import packed_size_of, size_of
 
 
 def entry(body=b"x" * 100, ttl=60.0, now=None, **kw):
@@ -89,7 +95,7 @@ async def test_invalidate_drops_the_expired_entries_it_meets_without_counting_th
     assert store.entries == 0 and store.bytes == 0 and store.evictions == 0
 
 
-def test_an_entry_counts_its_key_its_objects_and_its_slot():
+def test_an_entry_counts_its_key_its_packed_form_its_slot_and_while_hot_its_objects():
     plain = entry(b"x" * 200)
     streamed = Entry(
         Answer("chat", b"x" * 200, True, tokens=1234, frames=[b"a" * 100, b"b" * 100]),
@@ -98,14 +104,148 @@ def test_an_entry_counts_its_key_its_objects_and_its_slot():
         "docs",
         "How do I",
     )
-    assert size_of("k" * 32, plain) > plain.size  # the objects around the payload count
-    more = size_of("k" * 32, streamed) - size_of("k" * 32, plain)
-    assert more >= 2 * (100 + 33) + len("faq" + "news" + "docs" + "How do I")
-    assert size_of("k" * 64, plain) - size_of("k" * 32, plain) == 32  # the key counts
+    key = "0123456789abcdef" * 2
+    packed = packed_size_of(key, plain)
+    assert SLOT_BYTES + 200 < packed < SLOT_BYTES + 200 + 150  # the key, 60 bits, and a head
+    assert size_of(key, plain) - packed >= plain.held  # kept hot: its objects too
+    more = packed_size_of(key, streamed) - packed
+    assert more >= 2 * 100 + len("faq" + "news" + "docs" + "How do I")
+    # A key that is not a fingerprint is kept as it is: it counts.
+    assert packed_size_of("k" * 64, plain) - packed_size_of("k" * 32, plain) == 32
     # The same for the same entry at any time, also once it has synthesized frames to stream.
     counted = size_of("k", plain)
     plain.answer._synthesized[True] = [b"data: x\n\n"] * 10
     assert size_of("k", plain) == counted
+
+
+async def test_the_most_recently_used_entries_keep_their_objects_the_others_are_packed():
+    store = MemoryStore(1 << 30, hot=2)
+    puts = {key: entry(prompt_prefix=key) for key in ("a", "b", "c")}
+    for key, put in puts.items():
+        await store.put(key, put)
+    packed = packed_size_of("a", puts["a"])
+    assert store.bytes == packed + size_of("b", puts["b"]) + size_of("c", puts["c"])
+    assert store.get_now("c") is puts["c"] and store.get_now("b") is puts["b"]
+    first = store.get_now("a")  # packed: a new, equal entry, not kept (a first hit)
+    assert (
+        first is not None and first is not puts["a"] and first.answer.body == puts["a"].answer.body
+    )
+    kept = store.get_now("a")  # a second one while the first is recent: kept
+    assert kept is not None and kept is not first and kept.prompt_prefix == "a"
+    assert store.get_now("a") is kept and store.get_now("a") is kept
+    # ... and "c", the least recently used of the hot ones, lets its own go.
+    assert store.get_now("b") is puts["b"] and store.get_now("c") is not puts["c"]
+    await store.invalidate(Selector(everything=True))
+    assert store.entries == 0 and store.bytes == 0
+
+
+async def test_a_hot_entry_expires_and_is_evicted_with_its_objects():
+    clock = ManualClock()
+    store = MemoryStore(10_000, clock=clock)
+    await store.put("k", entry(ttl=30, now=clock.now()))
+    clock.advance(30)
+    assert store.get_now("k") is None and store.entries == 0 and store.bytes == 0
+    await store.put("a", entry(now=clock.now()))
+    for i in range(20):  # each one evicting the oldest
+        await store.put(f"k{i}", entry(now=clock.now()))
+    assert store.evictions > 0 and store.get_now("a") is None
+    assert store.bytes == sum(size_of(key, entry()) for key in store._hot)  # (all hot here)
+
+
+async def test_an_entry_too_large_with_its_objects_is_kept_packed_if_it_fits_so():
+    put = entry(b"x" * 1000)
+    store = MemoryStore(packed_size_of("k", put) + 10)
+    await store.put("k", put)
+    got = store.get_now("k")
+    assert store.entries == 1 and got is not None and got.answer.body == put.answer.body
+    assert store.bytes == packed_size_of("k", put)
+
+
+FINGERPRINT = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_keys_sharing_their_last_60_bits_share_a_place_and_never_an_answer(hot):
+    store = MemoryStore(1 << 20, hot=hot)
+    twin = "f" + FINGERPRINT[1:]  # another fingerprint, the same last 60 bits
+    await store.put(FINGERPRINT, entry(b"one"))
+    assert await store.get(twin) is None
+    await store.put(twin, entry(b"two"))
+    assert await store.get(FINGERPRINT) is None  # replaced: a miss, not the other's answer
+    got = await store.get(twin)
+    assert got is not None and got.answer.body == b"two" and store.entries == 1
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_a_key_that_is_not_a_fingerprint_is_its_own_key(hot):
+    store = MemoryStore(1 << 20, hot=hot)
+    others = [FINGERPRINT.upper(), "0x" + FINGERPRINT[2:], " " + FINGERPRINT[1:], FINGERPRINT[:-1]]
+    await store.put(FINGERPRINT, entry(b"fingerprint"))
+    for i, key in enumerate(others):
+        await store.put(key, entry(b"%d" % i))
+    assert store.entries == 1 + len(others)
+    for i, key in enumerate(others):
+        got = await store.get(key)
+        assert got is not None and got.answer.body == b"%d" % i
+    got = await store.get(FINGERPRINT)
+    assert got is not None and got.answer.body == b"fingerprint"
+
+
+async def test_the_map_holds_nothing_the_garbage_collector_walks():
+    store = MemoryStore(1 << 30, hot=4)
+    for i in range(50):
+        await store.put(f"{i:032x}", entry(tags=("t",) if i % 2 else ()))
+        store.get_now(f"{i // 2:032x}")
+    assert not gc.is_tracked(store._entries._data)
+
+
+@pytest.mark.parametrize("hot", [0, 3, 1024])
+async def test_either_form_behaves_as_a_plain_map(hot):
+    """Random puts, gets, invalidations and time against a dict: the same answers, whatever
+    form each entry has (the budget large enough to evict nothing)."""
+    rng = random.Random(hot)
+    clock = ManualClock()
+    store = MemoryStore(1 << 30, clock=clock, hot=hot)
+    model: dict[str, Entry] = {}
+    keys = [f"{rng.getrandbits(128):032x}" for _ in range(6)] + ["k", "K"]
+    for step in range(1500):
+        key, op = rng.choice(keys), rng.random()
+        if op < 0.35:
+            put = entry(
+                b"%d" % step,
+                ttl=rng.choice([5, 50, 500]),
+                now=clock.now(),
+                tags=rng.choice([(), ("t",)]),
+                namespace=rng.choice(["", "n"]),
+                prompt_prefix=rng.choice(["", "How", "Why"]),
+            )
+            await store.put(key, put)
+            model[key] = put
+        elif op < 0.9:
+            got, want = store.get_now(key), model.get(key)
+            if want is not None and want.expires <= clock.now():
+                del model[key]
+                want = None
+            assert (got is None) == (want is None), step
+            if got is not None and want is not None:
+                assert (got.answer.body, got.tags, got.prompt_prefix, got.expires) == (
+                    want.answer.body,
+                    want.tags,
+                    want.prompt_prefix,
+                    want.expires,
+                )
+        elif op < 0.95:
+            selector = rng.choice(
+                [Selector(tag="t"), Selector(namespace=""), Selector(prefix="Ho")]
+            )
+            live = {k: e for k, e in model.items() if e.expires > clock.now()}
+            doomed = [k for k, e in live.items() if selector.picks(e)]
+            assert await store.invalidate(selector) == len(doomed)
+            model = {k: e for k, e in live.items() if k not in doomed}
+        else:
+            clock.advance(rng.choice([1, 10, 100]))
+    await store.invalidate(Selector(everything=True))
+    assert store.entries == 0 and store.bytes == 0
 
 
 async def test_the_budget_bounds_what_the_entries_really_hold():

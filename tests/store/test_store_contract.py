@@ -20,9 +20,10 @@ from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.redis.store import RedisStore
 from carpool.store import Entry, MemoryStore, Store
 from carpool.store.base import Selector
-from carpool.store.memory import size_of
 
-BACKENDS = ["memory", "redis", "redis-cluster"]
+# "memory-packed": the memory store keeping no entry's objects (each packed: store/packed.py),
+# as it keeps all but its most recently used ones.
+BACKENDS = ["memory", "memory-packed", "redis", "redis-cluster"]
 SHARED_BACKENDS = ["redis", "redis-cluster"]  # backends that several gateway instances share
 
 
@@ -70,8 +71,9 @@ def manual_clock() -> ManualClock:
 
 @pytest.fixture(params=BACKENDS)
 async def store(request: pytest.FixtureRequest, manual_clock: ManualClock) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        backend: Store = MemoryStore(100_000_000, clock=manual_clock)
+    if request.param.startswith("memory"):
+        hot = 0 if request.param == "memory-packed" else 1024
+        backend: Store = MemoryStore(100_000_000, clock=manual_clock, hot=hot)
     else:
         url, cluster = redis_url(request)
         backend = RedisStore(url, cluster=cluster)
@@ -109,7 +111,7 @@ def entry(
 def counted(store: Store, key: str, entry: Entry) -> int:
     """What ``store.bytes`` counts for ``entry`` under ``key``: what it holds in the process for
     the memory store (store/memory.py), its payload (``Entry.size``) for Redis."""
-    return size_of(key, entry) if isinstance(store, MemoryStore) else entry.size
+    return store.counted(key, entry) if isinstance(store, MemoryStore) else entry.size
 
 
 async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 2.0) -> None:

@@ -9,8 +9,8 @@ Contract:
   returns how many it dropped.
 - ``entries`` and ``bytes`` report the current size, for /stats and /metrics. ``Entry.size`` is
   the portable measure of an entry (its payload: what the Redis store counts); the in-process
-  store counts ``Entry.held``, what the entry's objects take in this process, so that its
-  budget bounds the process's memory.
+  store counts what the entry takes in this process (packed, ``store.packed``, and its objects,
+  ``Entry.held``, while it keeps them), so that its budget bounds the process's memory.
 - Keys are fingerprint digests (hex): a backend may use them in its own key space as they are.
 - A backend that lives outside the process (Redis) raises ``StoreUnavailable`` when it cannot be
   reached or does not answer in time, promptly and never by hanging, so that the caller can

@@ -4,37 +4,134 @@ Contract (on top of ``store.base``):
 - Total ``bytes`` never exceeds ``max_bytes`` after a ``put``: least recently used entries are
   evicted first (counted in ``evictions``); an entry larger than the whole budget is not stored
   at all (and, as any put, replaces what its key held).
-- ``bytes`` counts what the entries hold in this process (``size_of``: the key, ``Entry.held``,
-  the map's slot), so that ``max_bytes`` bounds the memory the cache takes, not only its
-  payload.
-- A ``get`` hit makes the entry most recently used; an expired entry found by ``get`` is dropped.
-  Expiry reads ``clock.now()`` (wall-clock, as ``Entry.expires``): the system's by default.
+- ``bytes`` counts what the entries hold in this process, so that ``max_bytes`` bounds the
+  memory the cache takes, not only its payload: per entry its key, its packed form, its place
+  in the map (``lru.SLOT_BYTES``, the most a place takes: a map that only grew takes less) and,
+  while it has them, its objects. Not counted: a fixed cost, the keys of the last hits on
+  packed entries (``hot`` at most).
+- Two forms, one behaviour: every entry is kept packed into one bytes object (``store.packed``:
+  about 40% of the memory of its objects); the ``hot`` entries most recently put or hit also
+  keep their objects (a ``get`` returns the very ``Entry``, with what its answer computed
+  since, as frames synthesized for streaming clients). A hit on another unpacks a new, equal
+  ``Entry``; a second hit while the first is among the last ``hot`` ones keeps its objects, if
+  the budget has room for them without evicting (the least recently used entry with objects,
+  beyond ``hot``, lets its own go). Which entries keep objects changes nothing else: not the
+  order of use, not what is returned, not the expiry; an entry evicted loses them too.
+- Keys: a fingerprint's (32 lowercase hex digits) is kept as an int of its last 60 bits (32
+  bytes: the map's key) and, in the packed form, the rest; any other string as it is. Two keys
+  that share their last 60 bits share one place: the later put replaces the earlier one's entry
+  (a miss for that key, never the other's answer). A digest's bits are all alike; keys made
+  otherwise (a counter) differ most in their last digits.
+- A ``get`` hit makes the entry most recently used; an expired entry found by ``get`` is
+  dropped. Expiry reads ``clock.now()`` (wall-clock, as ``Entry.expires``): the system's by
+  default.
 - Every operation is O(1) except ``invalidate``, which scans (it is an admin action); it counts
   only live entries, and drops the expired ones it meets.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+from collections import OrderedDict
+from typing import TypeAlias
+
+from ..answer import Answer
 from ..clock import SYSTEM_CLOCK, Clock
 from ..lru import LRU, SLOT_BYTES, held
+from . import packed
 from .base import Entry, Selector
+
+#: How many of the entries most recently put or hit keep their objects (all are packed).
+HOT = 1024
+
+# The map's key for a key (``_place``). The map holds only ints, strings and bytes, which the
+# garbage collector does not track: a full collection does not walk its million entries.
+Place: TypeAlias = int | str
+# An entry's objects, kept while it is hot: its place, the entry, and what they count.
+Hot: TypeAlias = tuple[Place, Entry, int]
+Packed: TypeAlias = bytes  # (``store.packed``)
+
+_is_fingerprint = re.compile("[0-9a-f]{32}").fullmatch
+# The last 15 digits, 60 bits: an int below 2**60 takes 32 bytes, a bigger one 48 or more.
+_PLACE_FROM = 17
+_INT_PLACE = held(2**59)
+# A hot entry's places in ``_hot`` (an OrderedDict: its table's share and list node, at most)
+# and in ``_hot_places``, and its tuple.
+_HOT_PLACES = 3 * SLOT_BYTES + held(("", None, 0))
+# What the objects of an unpacked usual entry take besides its body and prompt prefix: the
+# Entry, the Answer and its dict, two floats and an int (counted even when a shared small one).
+_sample = Answer.restored("chat", b"", True, 2**40, 0.5)
+_UNPACKED = held(Entry(_sample, 0.5), _sample, _sample.created, 0.5, _sample.tokens, {})
+del _sample
+
+
+def _place(key: str) -> Place:
+    """The map's key for ``key``: an int of a fingerprint's last 60 bits, else ``key``."""
+    if len(key) == 32 and _is_fingerprint(key):
+        return int(key[_PLACE_FROM:], 16)
+    return key
+
+
+def _rest(key: str, place: Place) -> bytes:
+    """What a packed entry keeps of its key besides ``place``: a fingerprint's first 72 bits (9
+    bytes, to digit 18: 4 bits over the place's, to be whole bytes); nothing of another key."""
+    return bytes.fromhex(key[: _PLACE_FROM + 1]) if type(place) is int else b""
+
+
+def _size(place: Place, blob: bytes) -> int:
+    """What an entry counts in the map: its place there, its place's object and its packed
+    form."""
+    nbytes = sys.getsizeof(blob)  # (``lru.held``, inlined: every put and eviction asks)
+    return (
+        SLOT_BYTES
+        + (_INT_PLACE if type(place) is int else held(place))
+        + ((nbytes + 15 if nbytes <= 512 else nbytes + 23) & ~15)
+    )
+
+
+def _objects(key: str, place: Place, entry: Entry, unpacked: bool) -> int:
+    """What an entry's objects count while it keeps them: its places in the hot tables, its
+    place's object again (the map may have another since a get), its key (a string key is its
+    own place) and the entry's objects: those of a usual entry ``unpacked`` by their shape."""
+    counted = _HOT_PLACES + held(place)
+    if type(place) is int:
+        counted += held(key)
+    if unpacked and not entry.tags and not entry.namespace and entry.answer.frames is None:
+        counted += _UNPACKED + held(entry.answer.body, entry.prompt_prefix)
+    else:
+        counted += entry.held
+    return counted + held(counted + 32)  # and that count itself (an int about that size)
 
 
 def size_of(key: str, entry: Entry) -> int:
-    """What one entry counts against ``max_bytes``: its key, its objects and its slot."""
-    return SLOT_BYTES + held(key) + entry.held
+    """What ``entry`` counts under ``key`` just after a put that keeps its objects."""
+    return packed_size_of(key, entry) + _objects(key, _place(key), entry, False)
 
 
-def _expires(entry: Entry) -> float:
-    return entry.expires
+def packed_size_of(key: str, entry: Entry) -> int:
+    """What ``entry`` counts under ``key`` packed alone."""
+    place = _place(key)
+    return _size(place, packed.pack(entry, _rest(key, place)))
 
 
 class MemoryStore:
-    def __init__(self, max_bytes: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, max_bytes: int, *, clock: Clock = SYSTEM_CLOCK, hot: int = HOT) -> None:
         self.max_bytes = max_bytes
-        self._entries: LRU[str, Entry] = LRU(
-            max_bytes=max_bytes, size=size_of, expires=_expires, clock=clock, wall_clock=True
+        self.hot = hot
+        # Bounded by ``put``, counting the hot objects too, not by itself.
+        self._entries: LRU[Place, Packed] = LRU(
+            size=_size, expires=packed.expires, clock=clock, wall_clock=True, on_evict=self._lost
         )
+        # By key, the objects of the hot entries, least recently used first; and their keys by
+        # place, to find them from the map's entries.
+        self._hot: OrderedDict[str, Hot] = OrderedDict()
+        self._hot_places: dict[Place, str] = {}
+        self._hot_bytes = 0
+        # The keys last unpacked for a hit (``hot`` at most, oldest first): a second hit while
+        # its key is here keeps the objects. (A first would waste the work when hits spread
+        # wider than ``hot`` entries, each then pushing another out.)
+        self._seen: OrderedDict[str, None] = OrderedDict()
 
     @property
     def entries(self) -> int:
@@ -42,29 +139,105 @@ class MemoryStore:
 
     @property
     def bytes(self) -> int:
-        return self._entries.bytes
+        return self._entries.bytes + self._hot_bytes
 
     @property
     def evictions(self) -> int:
         """Entries evicted to keep the budget (not the expired or invalidated ones)."""
         return self._entries.evictions
 
+    def counted(self, key: str, entry: Entry) -> int:
+        """What ``entry`` counts in ``bytes`` just after ``put(key, entry)``."""
+        alone, hot = packed_size_of(key, entry), size_of(key, entry)
+        return hot if self.hot and hot <= self.max_bytes else alone
+
     async def get(self, key: str) -> Entry | None:
-        return self._entries.get(key)
+        return self.get_now(key)
 
     def get_now(self, key: str) -> Entry | None:
         """``get`` without a coroutine, for the hot path."""
-        return self._entries.get(key)
+        hot = self._hot.get(key)
+        if hot is not None:  # (its place is the map's key object: nothing to parse)
+            place, entry, _ = hot
+            if entry.expires <= self._entries.now():
+                self._forget(place)  # (as the map's get would: its expiry is the same)
+                return None
+            self._entries.touch(place)
+            self._hot.move_to_end(key)
+            return entry
+        place = _place(key)
+        blob = self._entries.get(place)
+        if blob is None:
+            return None
+        rest = _rest(key, place)
+        if blob[1] != len(rest) or not blob.startswith(rest, packed.TAIL_AT):
+            return None  # another key's, sharing this one's last 60 bits (``packed.has_tail``)
+        entry = packed.unpack(blob)
+        if self.hot:
+            seen = self._seen
+            if seen.pop(key, 0) is not None:  # (not seen lately: 0)
+                seen[key] = None
+                if len(seen) > self.hot:
+                    seen.popitem(last=False)
+            else:
+                objects = _objects(key, place, entry, True)
+                if self.bytes + objects <= self.max_bytes:  # room without evicting
+                    self._keep(key, place, entry, objects)
+        return entry
 
     async def put(self, key: str, entry: Entry) -> None:
-        self._entries.put(key, entry)
+        place = _place(key)
+        self._forget(place)
+        blob = packed.pack(entry, _rest(key, place))
+        alone = _size(place, blob)
+        if alone > self.max_bytes:
+            return
+        self._entries.put(place, blob)
+        if self.hot:
+            objects = _objects(key, place, entry, False)
+            if alone + objects <= self.max_bytes:
+                self._keep(key, place, entry, objects)
+        while self.bytes > self.max_bytes:  # (the new entry, the most recent, fits: not it)
+            if self._entries.evict() is None:
+                break
 
     async def invalidate(self, selector: Selector) -> int:
-        doomed = self._entries.remove_if(lambda _, entry: selector.picks(entry))
+        picks = packed.matcher(selector)
+        doomed = self._entries.remove_if(lambda _, blob: picks(blob))
+        for place, _ in doomed:
+            self._let_go(place)
         return len(doomed)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._hot.clear()
+        self._hot_places.clear()
+        self._hot_bytes = 0
+        self._seen.clear()
 
     async def aclose(self) -> None:
         self.clear()
+
+    def _keep(self, key: str, place: Place, entry: Entry, objects: int) -> None:
+        """Keep ``entry``'s objects as the most recently used hot ones; the least recently
+        used beyond ``hot`` let theirs go."""
+        self._hot[key] = (place, entry, objects)
+        self._hot_places[place] = key
+        self._hot_bytes += objects
+        if len(self._hot) > self.hot:
+            self._let_go(next(iter(self._hot.values()))[0])
+
+    def _let_go(self, place: Place) -> None:
+        """Drop the objects of the entry at ``place``, if it keeps them."""
+        key = self._hot_places.pop(place, None)
+        if key is not None:
+            self._hot_bytes -= self._hot.pop(key)[2]
+
+    def _lost(self, place: Place, blob: Packed) -> None:
+        """The map evicted or expired an entry: its objects go with it."""
+        self._let_go(place)
+
+    def _forget(self, place: Place) -> None:
+        """Remove the entry at ``place``, if any (a put replaces it)."""
+        self._entries.pop(place)
+        self._let_go(place)
