@@ -10,8 +10,12 @@ difference measured against its reference in the same run, on the same machine.
    one connection (alternating blocks), and open loop at ``rate`` req/s; whole answers (latency
    to the last byte) and streams (time to the first body bytes). Targets: p50 <= 0.35 ms,
    p99 <= 1.0 ms added.
-3. ``workers`` and 4. ``memory`` come from their own scripts when present (their results are
-   read from ``results/``); this file reports what it measured itself.
+3. ``workers``: ``bench_workers.run`` (1 vs 2 workers' exact hits; upstream calls of identical
+   requests spread over 2 workers sharing through each other, alone, or through Redis).
+4. ``memory``: ``scripts/measure_store_memory.py`` in processes of their own: ``entries`` small
+   answers (200 B) in the in-process store (RSS growth after the puts and after reading each
+   once; target <= 400 MB for 1,000,000), the repeat memo and the idempotency records under the
+   same load, each against its budget.
 
     .venv/bin/python benchmarks/bench_perf.py [--quick] [--json]     # -> results/perf.json
 """
@@ -22,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from carpool.bench import bodies, loadgen, scenario
+from carpool.bench import bodies, loadgen, process, scenario
 from carpool.bench.embedded import gateway
 from carpool.bench.fixed import fixed_app
 from carpool.bench.stats import median, summary_ms
@@ -122,7 +126,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             part["added_p50_ms"] <= TARGET_ADDED_P50_MS
             and part["added_p99_ms"] <= TARGET_ADDED_P99_MS
         )
-    elsewhere = {name: _read(RESULTS / f"{name}.json") for name in ("workers", "memory")}
+    import bench_workers  # (a sibling script: the benchmarks run from this directory)
+
+    workers = bench_workers.run(quick)
+    memory = {kind: _memory(kind, 100_000 if quick else 1_000_000) for kind in ("store", "memo")}
+    memory["idempotency"] = _memory("idempotency", 100_000)  # its max_records
     return {
         **scenario.machine(),
         "hits": hits,
@@ -132,14 +140,27 @@ def run(quick: bool = False) -> dict[str, Any]:
             "added_p50_ms": TARGET_ADDED_P50_MS,
             "added_p99_ms": TARGET_ADDED_P99_MS,
         },
-        **{name: found for name, found in elsewhere.items() if found is not None},
+        "workers": workers,
+        "memory": memory,
     }
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _memory(kind: str, entries: int) -> dict[str, Any]:
+    """One of ``scripts/measure_store_memory.py``'s measurements, in a process of its own."""
     import json
+    import subprocess
+    import sys
 
-    return json.loads(path.read_text()) if path.exists() else None
+    script = Path(__file__).resolve().parent.parent / "scripts" / "measure_store_memory.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--only", kind, "--entries", str(entries), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=process.child_env(),
+    )
+    reports: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"entries": entries, "reports": reports}
 
 
 def summarize(result: dict[str, Any]) -> list[str]:
@@ -154,6 +175,16 @@ def summarize(result: dict[str, Any]) -> list[str]:
             f"{part['added_p99_ms']:.3f} ms (direct p50 {part['direct']['p50_ms']:.3f}) "
             f"[{'OK' if part['meets_target'] else 'OVER'}]"
         )
+    memory = result["memory"]["store"]
+    filled = memory["reports"]["store: filled"]
+    read = memory["reports"]["store: after reading every entry 1x"]
+    lines.append(
+        f"perf/memory   {memory['entries']:,} answers of 200 B: RSS +{filled['rss_growth_bytes'] / 1e6:.0f}"
+        f" MB after the puts, +{read['rss_growth_bytes'] / 1e6:.0f} MB after reading each once"
+    )
+    import bench_workers
+
+    lines += [f"perf/workers  {line}" for line in bench_workers.summarize(result["workers"])]
     return lines
 
 

@@ -15,7 +15,10 @@ resident memory (VmRSS, Linux) over the same load:
 Not a test: a measurement, run by hand.
 
     PYTHONPATH=src python scripts/measure_store_memory.py [--entries 1000000] [--body-bytes 200]
-        [--frames 0] [--only store|memo|idempotency]
+        [--frames 0] [--only store|memo|idempotency] [--json]
+
+``--json`` (with ``--only``): the last line printed is a JSON object of every report, by name
+(``benchmarks/bench_perf.py`` reads it).
 
 Measured: see docs/architecture.md ("The in-process caches").
 """
@@ -68,9 +71,19 @@ def key(i: int) -> str:
     return hashlib.blake2b(b"%d" % i, digest_size=16).hexdigest()
 
 
+RESULTS: dict[str, dict[str, int | None]] = {}  # what ``--json`` prints: each report, by name
+
+
 def report(name: str, count: int, counted: int, before: int, budget: int | None) -> None:
     grown = rss() - before
     held = trimmed_rss() - before
+    RESULTS[name] = {
+        "entries": count,
+        "counted_bytes": counted,
+        "rss_growth_bytes": grown,
+        "rss_growth_trimmed_bytes": held,
+        "budget_bytes": budget,
+    }
     print(f"{name}")
     print(f"  entries:        {count:>14,}")
     print(f"  counted bytes:  {counted:>14,}  ({counted / max(count, 1):,.0f} per entry)")
@@ -168,6 +181,7 @@ if __name__ == "__main__":
     parser.add_argument("--body-bytes", type=int, default=200)
     parser.add_argument("--frames", type=int, default=0, help="SSE frames an answer keeps")
     parser.add_argument("--only", choices=KINDS, help="one measurement, in this process")
+    parser.add_argument("--json", action="store_true", help="also print the reports as JSON")
     args = parser.parse_args()
     if args.only is None:
         for kind in KINDS:  # each in a fresh process
@@ -178,3 +192,7 @@ if __name__ == "__main__":
         asyncio.run(memo(args.entries, args.body_bytes))
     else:
         asyncio.run(idempotency(args.entries, args.body_bytes))
+    if args.json and args.only is not None:
+        import json
+
+        print(json.dumps(RESULTS))
