@@ -21,8 +21,8 @@ stream's first token). Modes:
   ``seconds``; ``rounds`` rounds alternating the targets, after ``warmup_s`` each; requests/s per
   round. The first request of each target (a cache fill) is sent before.
 - ``openloop``: requests *scheduled* at each of ``rates`` (req/s) for ``seconds``, sent on a pool
-  of ``connections`` whatever the answers are doing; latency counts from the scheduled time (no
-  coordinated omission). Per target and rate: achieved rate, percentiles (``stats.percentile``).
+  of ``connections`` (opened for each run) whatever the answers are doing; latency counts from
+  the scheduled time (no coordinated omission). Per target and rate: achieved rate, percentiles (``stats.percentile``).
 With ``fresh_connections`` (latency, throughput) a target's connections are opened right before
 its block or round, outside the timing, and closed after: with many targets in a rotation, a
 kept connection would sit idle past the servers' keep-alive timeout (uvicorn's: 5 s).
@@ -271,15 +271,16 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
 
 async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
     targets, rates, seconds = spec["targets"], spec["rates"], spec["seconds"]
-    pools = [await connect_many(Address.local(t["port"]), spec["connections"]) for t in targets]
     raws = [Requests(t) for t in targets]
-    for i, pool in enumerate(pools):  # prime: the first identical request fills the cache
-        await pool[0].request(raws[i].next())
     results: dict[str, dict[str, Any]] = {t["name"]: {} for t in targets}
 
     async def run(i: int, rate: float) -> dict[str, Any]:
+        # Connections of its own, opened now: a pool left idle while other targets ran could
+        # be past the server's keep-alive timeout (uvicorn's: 5 s) and closed under it.
+        pool = await connect_many(Address.local(targets[i]["port"]), spec["connections"])
+        await pool[0].request(raws[i].next())  # prime: the first identical request fills the cache
         idle: asyncio.Queue[Conn] = asyncio.Queue()
-        for conn in pools[i]:
+        for conn in pool:
             idle.put_nowait(conn)
         latencies: list[float] = []
         outcomes: collections.Counter[str] = collections.Counter()
@@ -309,6 +310,7 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
                 await asyncio.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - t0
+        close(pool)
         ms = [s * 1000 for s in latencies]
         return {
             "rate": rate,
@@ -324,8 +326,6 @@ async def openloop(spec: dict[str, Any]) -> dict[str, Any]:
     for rate in rates:
         for i, t in enumerate(targets):  # same rate, targets one after the other
             results[t["name"]][str(rate)] = await run(i, rate)
-    for pool in pools:
-        close(pool)
     return results
 
 
