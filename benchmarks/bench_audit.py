@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from carpool.bench import scenario
+from carpool.bench import plots, scenario
 from carpool.bench.runner import BenchOptions, run_bench
 from carpool.config import Config
 
@@ -98,14 +98,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
     figure, ax = plt.subplots(figsize=(8, 4))
     ax.plot(result["series"]["no_budget"], label="audits, no budget")
     ax.plot(result["series"]["budget"], label=f"budget {result['budget']:.3f}")
-    styles = {"backed-off": ":", "mark": "--", "serving": "-."}
-    for change in result["budgeted"]["state_changes"]:
-        ax.axvline(
-            change["at_request"],
-            linestyle=styles.get(change["state"], ":"),
-            color="grey",
-            label=change["state"],
-        )
+    plots.state_lines(ax, result["budgeted"]["state_changes"])
     ax.set_xlabel("requests (send order)")
     ax.set_ylabel("wrong semantic hits served (cumulative)")
     ax.legend()

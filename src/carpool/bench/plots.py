@@ -207,17 +207,18 @@ def audit(graded: dict[str, Any], out: Path) -> str:
     figure, ax = plt.subplots(figsize=(8, 4))
     ax.plot(graded["series"]["served"], color=COLORS["semantic_hit"], label="semantic hits served")
     ax.plot(graded["series"]["wrong"], color=COLORS["error"], label="wrong ones among them")
-    styles = {"backed-off": ":", "mark": "--", "serving": "-."}
-    for change in graded["state_changes"]:
-        ax.axvline(
-            change["at_request"],
-            linestyle=styles.get(change["state"], ":"),
-            color="grey",
-            label=change["state"],
-        )
+    state_lines(ax, graded["state_changes"])
     ax.set_xlabel("requests (send order)")
     ax.set_ylabel("cumulative")
     ax.legend()
     figure.savefig(out / "audit.png", dpi=110, bbox_inches="tight")
     plt.close(figure)
     return "audit.png"
+
+
+def state_lines(ax: Axes, changes: Sequence[dict[str, Any]]) -> None:
+    """A vertical line where a namespace's audit state changed (``meanings.grade``)."""
+    styles = {"backed-off": ":", "mark": "--", "serving": "-."}
+    for change in changes:
+        style = styles.get(change["state"], ":")
+        ax.axvline(change["at_request"], linestyle=style, color="grey", label=change["state"])

@@ -39,7 +39,7 @@ from ..apis import BY_PATH, Api
 from ..errors import LeaderLost, UpstreamStreamBroken
 from ..outcome import Outcome
 from ..reply import Reply
-from ..upstream.base import UpstreamResponse
+from ..upstream.base import HOP_BY_HOP, UpstreamResponse
 from ..upstream.http import sse_payloads
 from .server import PEER_HEADER, PeerApp, PeerServer
 from .slots import Slot
@@ -53,20 +53,7 @@ log = logging.getLogger("carpool.peers")
 
 # Never sent to a peer: they describe this hop (the body sent may not be the client's), and the
 # peer's secret is set here, never copied from a client.
-_HOP = frozenset(
-    {
-        "host",
-        "content-length",
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "te",
-        "trailer",
-        "upgrade",
-        "accept-encoding",
-        PEER_HEADER.decode(),
-    }
-)
+_HOP = HOP_BY_HOP | {"accept-encoding", PEER_HEADER.decode()}
 _IDEMPOTENCY = frozenset({"idempotency-key", "x-idempotency-key"})
 # Response headers the relaying worker writes itself (its server frames the body, names the
 # request).

@@ -27,9 +27,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-# Request headers that describe one hop, or that are addressed to carpool itself, are not
-# forwarded (nor are carpool's own ``x-carpool-*`` controls); every other one is.
-NOT_FORWARDED = frozenset(
+# Request headers that describe one hop (of any proxy's: the peers' too).
+HOP_BY_HOP = frozenset(
     {
         "host",
         "content-length",
@@ -39,6 +38,12 @@ NOT_FORWARDED = frozenset(
         "te",
         "trailer",
         "upgrade",
+    }
+)
+# Request headers that describe one hop, or that are addressed to carpool itself, are not
+# forwarded (nor are carpool's own ``x-carpool-*`` controls); every other one is.
+NOT_FORWARDED = HOP_BY_HOP | frozenset(
+    {
         "proxy-authorization",
         "proxy-connection",
         "accept-encoding",
