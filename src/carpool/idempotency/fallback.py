@@ -1,14 +1,14 @@
 """Shared records with a way down: ``FallbackRecords`` (Redis, else this process's records).
 
-The same way down as every Redis-backed layer (``store.shared.SharedStore``, the one health of
-an instance): the shared records (``carpool.redis.idempotency``) ask that health before a
-``begin`` or ``wait`` and raise ``StoreUnavailable`` without calling Redis while it says Redis
-is down (a hung Redis costs one timeout per ``distributed.retry_interval``, not one per keyed
-request), and report every call's failure or success to it (``/stats``, ``/healthz``, the log,
-the degraded period). Here:
+The one health of an instance (``store.shared.SharedStore``), as every Redis-backed layer: the
+shared records (``carpool.redis.idempotency``) report every call's failure or success to it
+(``/stats``, ``/healthz``, the log, the degraded period), but call Redis for every ``begin`` and
+``wait`` even while it says Redis is down (a record there must not be taken for absent because
+another layer's call failed; a hung Redis then costs each keyed request one timeout). Here:
 
-- ``StoreUnavailable`` (Redis down, or skipped while degraded): the record lives in this
-  process's records instead, so that no request fails because Redis did.
+- ``StoreUnavailable`` (this call to Redis failed): the record lives in this process's records
+  instead, so that no request fails because Redis did (but see ``FallbackRecords``: a key this
+  instance began or finished in Redis is not run again here).
 - ``PoolExhausted`` (a subclass: Redis answers, every pooled connection stayed busy for
   ``pool_timeout``; counted as ``pool_exhausted`` and logged by the health, never a degraded
   period): never this process's records, which would let the key run here while it runs, or
@@ -34,36 +34,62 @@ class FallbackRecords:
     owner token says where it lives. A record begun in Redis is settled in Redis even while the
     health says Redis is down (one call, bounded by ``distributed.timeout``): skipping it would
     leave the key held until its lease ran out, then free to run again although it had an
-    answer. Retries that reach the same instance stay protected while Redis is down; retries on
-    other instances then are not (stated in docs/idempotency.md).
+    answer. While Redis cannot be read, a retry reaching this instance is answered from what
+    this instance knows: its records begun in Redis and still open are ``processing``, those it
+    finished there are replayed (a copy is kept here), others run here; retries on other
+    instances then are not protected (stated in docs/idempotency.md).
     """
 
     def __init__(self, shared: IdempotencyRecords, local: MemoryIdempotencyRecords) -> None:
         self.shared = shared
         self.local = local
         self._local_tokens: set[str] = set()
+        # This instance's records begun in Redis and not settled yet: key -> (token,
+        # fingerprint). While Redis cannot be read, a retry of one of them here is answered
+        # ``processing`` (or ``mismatch``), not run again from this process's records.
+        self._open_in_shared: dict[str, tuple[str, str]] = {}
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
         try:
-            return await self.shared.begin(key, fingerprint)
+            begin = await self.shared.begin(key, fingerprint)
         except PoolExhausted as exhausted:
             raise IdempotencyUnavailable() from exhausted
         except StoreUnavailable:
+            opened = self._open_in_shared.get(key)
+            if opened is not None:
+                return Begin("processing" if opened[1] == fingerprint else "mismatch")
             begin = await self.local.begin(key, fingerprint)
             if begin.token is not None:
                 self._local_tokens.add(begin.token)
             return begin
+        if begin.token is not None:
+            self._open_in_shared[key] = (begin.token, fingerprint)
+        return begin
 
     def _owner(self, token: str) -> IdempotencyRecords:
         return self.local if token in self._local_tokens else self.shared
 
+    def _settled(self, key: str, token: str) -> tuple[str, str] | None:
+        self._local_tokens.discard(token)
+        opened = self._open_in_shared.get(key)
+        if opened is not None and opened[0] == token:
+            return self._open_in_shared.pop(key)
+        return None
+
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
+        owner = self._owner(token)
         try:
-            return await self._owner(token).finish(key, token, response)
+            finished = await owner.finish(key, token, response)
         except StoreUnavailable:
-            return False
-        finally:
-            self._local_tokens.discard(token)
+            finished = False
+        opened = self._settled(key, token)
+        if finished and opened is not None:
+            # Kept here too: a retry that reaches this instance while Redis cannot be read is
+            # replayed, not run again.
+            local = await self.local.begin(key, opened[1])
+            if local.token is not None:
+                await self.local.finish(key, local.token, response)
+        return finished
 
     async def abandon(self, key: str, token: str) -> bool:
         try:
@@ -71,7 +97,7 @@ class FallbackRecords:
         except StoreUnavailable:
             return False
         finally:
-            self._local_tokens.discard(token)
+            self._settled(key, token)
 
     async def renew(self, key: str, token: str) -> bool:
         try:

@@ -10,9 +10,10 @@ or paused) is tried again at the next interval; one that finds the record no lon
 (its lease ran out, Redis restarted empty) stops.
 
 Health: the instance's one health (``connection.Health``, the shared store's), as every Redis
-layer. ``begin`` and ``wait`` ask it first and, while it says Redis is down, raise
-``StoreUnavailable`` without a call (the fallback then uses this process's records); every call
-(renewals included) reports its failure or success to it. A call that finds every pooled
+layer: every call (renewals included) reports its failure or success to it. Unlike the other
+layers, ``begin`` and ``wait`` call Redis even while it says Redis is down: a record that may be
+there (processing, or done) must not be taken for absent because another layer's call failed;
+only this call's own failure sends a request to this process's records (``FallbackRecords``). A call that finds every pooled
 connection busy (``PoolExhausted``) is reported once (counted and logged there, never a
 degraded period) and tried again, pausing ``BACKOFF_MIN`` doubling, until ``pool_timeout``
 has passed since it began: a cluster node's pool does not wait by itself, a single server's
@@ -187,7 +188,8 @@ class RedisIdempotencyRecords:
         return f"{self.prefix}idem:{{{digest.hexdigest()}}}"
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
-        self._skip_while_down("begin")
+        # (Always asked, even while the health says Redis is down: a record that may be in
+        # Redis must not be taken for absent because another layer's call failed.)
         token = _new_token()
         reply = await self._call(
             "begin",
@@ -248,13 +250,6 @@ class RedisIdempotencyRecords:
                 lambda: self._renew(keys=[self.record_key(key)], args=[token, _ms(self.lease)]),
             )
         )
-
-    def _skip_while_down(self, operation: str) -> None:
-        """Raise ``StoreUnavailable`` without a call while the health says Redis is down."""
-        if self.health is not None and not self.health.usable():
-            raise StoreUnavailable(
-                f"the Redis idempotency records did not {operation}: redis is degraded"
-            )
 
     async def _call(self, operation: str, command: Callable[[], Awaitable[Any]]) -> Any:
         """``command``'s reply, its failure or success told to the health (see the module's
@@ -318,7 +313,6 @@ class RedisIdempotencyRecords:
         deadline = loop.time() + timeout
         mine = fingerprint.encode()
         pause = POLL_MIN
-        self._skip_while_down("wait")
         self.waiters += 1
         try:
             while True:
