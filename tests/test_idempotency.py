@@ -709,6 +709,24 @@ async def test_a_full_pool_is_counted_and_logged_and_never_runs_the_key_locally(
         await store.aclose()
 
 
+async def test_a_finish_that_finds_the_pool_full_is_tried_again_not_dropped(
+    redis_server: RedisServer,
+) -> None:
+    """Dropped, the record's lease would run out and a retry run the key again."""
+    store, records = shared_records(redis_server, max_connections=1, pool_timeout=0.05)
+    try:
+        token = await begin_new(records)
+        _, release = await hold_every_connection(store.redis.client, records.shared.record_key("k"))
+        finishing = asyncio.create_task(records.finish("k", token, OK))
+        await eventually(lambda: store.pool_exhausted >= 1, what="the finish found it full")
+        await release()
+        assert await finishing is True
+        assert (await records.shared.begin("k", FP)).response == OK
+    finally:
+        await records.aclose()
+        await store.aclose()
+
+
 async def test_a_cluster_nodes_full_pool_is_waited_for_up_to_the_pool_timeout(
     redis_cluster: RedisServer,
 ) -> None:

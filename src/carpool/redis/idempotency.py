@@ -225,8 +225,23 @@ class RedisIdempotencyRecords:
             response.body,
             int(response.streamed),
         ]
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + self.lease / 2, BACKOFF_MIN
         try:
-            done = await self._call("finish", lambda: self._finish(keys=[record_key], args=args))
+            while True:
+                try:
+                    done = await self._call(
+                        "finish", lambda: self._finish(keys=[record_key], args=args)
+                    )
+                    break
+                except PoolExhausted:
+                    # Redis answers: a finished answer is worth more waiting (dropped, the
+                    # lease would run out and a retry run the key again), for as long as the
+                    # lease, renewed meanwhile, is safely alive.
+                    if loop.time() + pause >= deadline:
+                        raise
+                    await asyncio.sleep(pause)
+                    pause *= 2
         finally:
             self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
