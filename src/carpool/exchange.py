@@ -91,7 +91,7 @@ class Exchange:
             request.upstream_path, body, request.headers, stream, request.query, api.last_event
         )
         peers = self.layers.peers
-        response = None
+        response, said = None, None
         if owner is not None and peers is not None:
             response = await peers.ask(owner, request, upstream_request)
             if response is not None:
@@ -103,7 +103,10 @@ class Exchange:
             response = await self.layers.batcher.embed(upstream_request)
         elif response is None:
             response = await send(self.layers, upstream_request, _routing_text(request))
-        self._judged(request, response.status)
+        if said is None or said == Outcome.MISS:
+            # (An owner's hit or shared call says nothing of this requester's credentials: the
+            # upstream did not see them.)
+            self._judged(request, response.status)
         try:
             if not 200 <= response.status < 300:
                 raise UpstreamStatusError(

@@ -309,6 +309,17 @@ class Gateway:
                         )
                     ticket = ticket.retake(takeover, key.owner)
                     await self._wait(ticket, request, None)
+                controls = request.controls
+                if (
+                    not ticket.leader
+                    and ticket.broadcast.cached
+                    and (not controls.may_read or controls.max_age is not None)
+                ):
+                    # The flight's leader took another worker's cached answer, of an age this
+                    # joiner did not accept (no-cache, max-age): its own call, asked with its
+                    # own headers (``carpool.peers``).
+                    ticket = ticket.retake(lead, key.owner)
+                    await self._wait(ticket, request, None)
                 if _refused_another(ticket, key):
                     # Its own call, on a flight only its own tenant can join: another refused
                     # tenant's fresh call is not joined either.
@@ -422,6 +433,9 @@ class Gateway:
         dropped = await admin.invalidate(self.layers, spec)
         if everywhere and self.peers is not None:
             dropped += await self.peers.invalidate(spec)
+            # Again here: a flight begun meanwhile may have stored what a worker not yet
+            # reached still held (its answer predates the invalidation).
+            dropped += await admin.invalidate(self.layers, spec)
         return dropped
 
     def snapshot(self) -> dict[str, Any]:

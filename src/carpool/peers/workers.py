@@ -15,7 +15,9 @@ Contract:
   owner's stream cut short raises ``LeaderLost``, as a Redis follower's does.
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers), its reply relayed as it comes (a stream frame by frame).
-  None: the owner did not answer; the request runs here.
+  None: the owner's socket could not be reached (nothing sent); the request runs here. Sent but
+  not answered (a timeout, the owner gone mid-way): a 503 with ``Retry-After``, never a run
+  here too (the owner may be running it); the retry reaches the owner's record.
 - ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once; how many
   answers they dropped. A worker that does not answer holds nothing to drop when it is down (a
   new process starts empty); one that is alive but does not answer in time is logged.
@@ -37,8 +39,9 @@ import orjson
 
 from ..apis import BY_PATH, Api
 from ..errors import LeaderLost, UpstreamStreamBroken
+from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
-from ..reply import Reply
+from ..reply import Reply, error_reply
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse
 from ..upstream.http import sse_payloads
 from .server import PEER_HEADER, PeerApp, PeerServer
@@ -62,6 +65,8 @@ _NOT_RELAYED = frozenset(
 )
 _OUTCOMES = frozenset(outcome.value for outcome in Outcome)
 _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+# The owner's socket could not be reached at all: nothing of the request was sent.
+_UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 
 
 class Peers:
@@ -138,9 +143,11 @@ class Peers:
             response = await self._session(owner).post(
                 url, data=client.body, headers=self._headers(client.headers, _HOP)
             )
-        except _FAILED as error:
+        except _UNREACHED as error:  # nothing was sent: the key may run here
             self._missed(owner, error)
             return None
+        except _FAILED as error:
+            return _sent_unanswered(owner, client, error)
         self.calls += 1
         headers = [
             (name.lower(), value)
@@ -160,8 +167,7 @@ class Peers:
         try:
             body = await response.read()
         except _FAILED as error:
-            self._missed(owner, error)
-            return None
+            return _sent_unanswered(owner, client, error)
         finally:
             response.release()
         return Reply(response.status, headers, body, outcome=outcome)
@@ -278,3 +284,13 @@ def _closer(response: aiohttp.ClientResponse) -> Any:
 
 def _why(error: BaseException) -> str:
     return type(error).__name__ + (f": {error}" if str(error) else "")
+
+
+def _sent_unanswered(owner: int, client: ClientRequest, error: BaseException) -> Reply:
+    """A keyed request the owner received but did not answer: not run here (it may run there)."""
+    log.warning("worker %d did not answer a keyed request it received (%s)", owner, _why(error))
+    refused = IdempotencyUnavailable(
+        "The worker holding this Idempotency-Key's record did not answer in time; retry with "
+        "the same key (it is answered from the record, not run twice)."
+    )
+    return error_reply(refused, Outcome.BYPASS, BY_PATH[client.path])
