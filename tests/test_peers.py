@@ -3,6 +3,7 @@ each on its own port and its own peer socket, as two workers of one run are."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import stat
@@ -31,10 +32,12 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def two_workers(upstream_url: str, b_listens: bool = True) -> AsyncIterator[Pair]:
+async def two_workers(
+    upstream_url: str, b_listens: bool = True, **settings: object
+) -> AsyncIterator[Pair]:
     """Workers 0 (``a``) and 1 (``b``) of one run; ``b_listens``: false, b is down."""
     directory = peers.prepare(2)
-    config = Config(upstreams=[upstream_url])
+    config = Config(upstreams=[upstream_url], **settings)
     try:
         gateways = []
         for _ in range(2):
@@ -137,6 +140,22 @@ async def test_an_answer_from_the_owners_cache_keeps_its_age(fake):
         assert fake.count() == 1
 
 
+async def test_a_joiner_with_max_age_does_not_take_the_owners_old_answer_its_leader_took(fake):
+    """The leader on ``a`` takes ``b``'s cached answer (100 s old); a client asking at most
+    10 s old arrives within the flight's window: its own call, with its own headers."""
+    async with two_workers(fake.url, coalesce={"window_ms": 60_000, "adaptive": False}) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+        original = await pair.b.gateway.store.get(key_of(pair.b.gateway, question))
+        assert original is not None
+        original.answer.created -= 100
+        leader = await pair.a.chat(question)
+        assert leader.headers["x-carpool"] == "hit" and int(leader.headers["age"]) >= 100
+        fresh = await pair.a.chat(question, headers={"cache-control": "max-age=10"})
+        assert fresh.status_code == 200 and int(fresh.headers.get("age", "0")) < 10
+        assert fresh.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):
     async with two_workers(fake.url) as pair:
         question = owned_by(pair.a.gateway, 1)
@@ -202,3 +221,49 @@ async def test_an_owner_that_dies_before_its_first_frame_costs_no_client_anythin
 
 
 SSE = [(b"content-type", b"text/event-stream")]
+
+
+async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_here_too(fake):
+    """Sent to the owner of its record, which took it and said nothing in time: it may be
+    running there, so it is a 503 to retry (answered from that record), not a second run."""
+    directory = peers.prepare(2)
+    config = Config(
+        upstreams=[fake.url],
+        coalesce={"join_timeout_ms": 50},
+        limits={"upstream_timeout": 0.2},
+    )
+    door, held = PeerServer(), asyncio.Event()
+
+    async def takes_and_holds(scope, receive, send):
+        held.set()
+        await asyncio.Event().wait()  # (until the door closes)
+
+    try:
+        slot, owner = claim(directory, 2), claim(directory, 2)
+        assert slot is not None and owner is not None
+        await door.start(takes_and_holds, owner.socket_path(1), 1)
+        gateway = build_gateway(config, peers=Peers(slot, config))
+        assert gateway.peers is not None
+        key = next(
+            f"order-{i}"
+            for i in range(1000)
+            if gateway.peers.owner_of(scope_of_key(gateway, f"order-{i}")) == 1
+        )
+        async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
+            response = await Served(url, gateway, c).chat(
+                "Charge my card", headers={"idempotency-key": key}
+            )
+        assert held.is_set() and response.status_code == 503
+        assert response.headers["retry-after"] == "1" and fake.count() == 0
+    finally:
+        await door.aclose()
+        peers.remove(directory)
+
+
+def scope_of_key(gateway: Gateway, idempotency_key: str) -> str:
+    """The record scope of ``idempotency_key`` for an anonymous chat request (``scope_of``)."""
+    from carpool.idempotency.once import scope_of
+
+    body = httpx.Request("POST", "/", json=_chat("Charge my card")).content
+    request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 20)
+    return scope_of(fingerprint(request, gateway.config, gateway.accepted), idempotency_key)
