@@ -65,6 +65,8 @@ _NOT_RELAYED = frozenset(
 )
 _OUTCOMES = frozenset(outcome.value for outcome in Outcome)
 _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+# What a gateway's own limits answer (body, headers too large): nothing was run.
+_OWN_LIMITS = frozenset({413, 431})
 # The owner's socket could not be reached at all: nothing of the request was sent.
 _UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 
@@ -114,6 +116,12 @@ class Peers:
             self._missed(owner, error)
             return None
         self.calls += 1
+        if response.status in _OWN_LIMITS and response.headers.get("x-carpool") == "bypass":
+            # The owner's own limits refused what this worker added to the request (the peer's
+            # headers, stream_options), which the client's request was within: done here.
+            response.release()
+            self._missed(owner, RuntimeError(f"HTTP {response.status} from its limits"))
+            return None
         kept = {
             name: response.headers[name]
             for name in ("content-type", "x-carpool", "age")
