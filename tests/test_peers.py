@@ -60,20 +60,25 @@ async def two_workers(
         peers.remove(directory)
 
 
-def key_of(gateway: Gateway, question: str) -> str:
+def key_of(gateway: Gateway, question: str, headers: dict[str, str] | None = None) -> str:
     body = httpx.Request("POST", "/", json=_chat(question)).content
-    request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 20)
+    request = parse(ClientRequest("/v1/chat/completions", body, headers or {}), 1 << 20)
     key = fingerprint(request, gateway.config, gateway.accepted).key
     assert key is not None
     return key
 
 
-def owned_by(gateway: Gateway, worker: int, prefix: str = "Which worker leads me") -> str:
-    """A question whose key ``worker`` owns, as ``gateway`` sees it."""
+def owned_by(
+    gateway: Gateway,
+    worker: int,
+    prefix: str = "Which worker leads me",
+    headers: dict[str, str] | None = None,
+) -> str:
+    """A question whose key ``worker`` owns, as ``gateway`` sees it (asked with ``headers``)."""
     assert gateway.peers is not None
     for i in range(1000):
         question = f"{prefix}, {i}?"
-        owner = gateway.peers.owner_of(key_of(gateway, question))
+        owner = gateway.peers.owner_of(key_of(gateway, question, headers))
         if (worker if worker != gateway.peers.index else None) == owner:
             return question
     raise AssertionError("no such question")
@@ -154,6 +159,21 @@ async def test_a_joiner_with_max_age_does_not_take_the_owners_old_answer_its_lea
         fresh = await pair.a.chat(question, headers={"cache-control": "max-age=10"})
         assert fresh.status_code == 200 and int(fresh.headers.get("age", "0")) < 10
         assert fresh.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_an_owners_hit_does_not_count_as_the_upstream_accepting_the_requester(fake):
+    """Credentials are accepted on what the upstream itself answered them: another worker's
+    cached answer says nothing of them (its own upstream call, a miss there, does)."""
+    async with two_workers(fake.url) as pair:
+        key = {"authorization": "Bearer sk-client"}  # (its own tenant: its own keys' owners)
+        question = owned_by(pair.a.gateway, 1, headers=key)
+        assert (await pair.b.chat(question, headers=key)).headers["x-carpool"] == "miss"
+        relayed = await pair.a.chat(question, headers=key)
+        assert relayed.headers["x-carpool"] == "hit" and fake.count() == 1
+        assert len(pair.a.gateway.accepted) == 0 and len(pair.b.gateway.accepted) == 1
+        other = owned_by(pair.a.gateway, 1, "And where is this one led", headers=key)
+        assert (await pair.a.chat(other, headers=key)).headers["x-carpool"] == "miss"
+        assert len(pair.a.gateway.accepted) == 1  # the owner's own call for this request
 
 
 async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):
