@@ -130,15 +130,14 @@ class Exchange:
         # system's: a test's clock may be moved, and both must move together).
         answer.created = self.layers.clock.now()
         if response.headers.get("age", "").isdigit():
-            # The owner's answer came from its cache: it is as old as it was there (an upper
-            # bound: the header counts whole seconds), so no copy outlives the original's TTL.
+            # From a cache (the owner's, or one in front of the upstream): as old as it was
+            # there (an upper bound: the header counts whole seconds), so that no copy outlives
+            # the original's TTL.
             answer.created -= int(response.headers["age"]) + 1
         elif said == Outcome.COALESCED:
-            # Joined there, perhaps after its call ended (a flight stays joinable for the
-            # coalescing window, and says no age): at most that old.
-            coalesce = self.config.coalesce
-            window_ms = max(coalesce.window_ms, coalesce.max_window_ms if coalesce.adaptive else 0)
-            answer.created -= window_ms / 1000
+            # Joined at the owner, perhaps after its call ended (a finished flight stays
+            # joinable for the coalescing window, and says no age): at most that old.
+            answer.created -= self.layers.flights.windows.longest
         return answer
 
     def _streams(self, request: Request) -> bool:

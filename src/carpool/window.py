@@ -10,6 +10,7 @@ Contract:
   (it leads one, or joins a lingering answer): requests that join a running call are shared
   whatever the window, so they say nothing about it. ``window(key, now, duration)`` is asked
   when a flight for ``key`` finishes after a call of ``duration`` seconds; it answers seconds.
+  ``longest``: the most it ever answers (how old a lingering answer can be).
 - ``FixedWindow`` always answers ``coalesce.window_ms``.
 - ``AdaptiveWindow`` (``coalesce.adaptive: true``) answers, per key class (the fingerprint key:
   the finest class there is, so one hot question never decides the window of a rare one):
@@ -46,6 +47,9 @@ MIN_GAPS = 3
 
 
 class WindowPolicy(Protocol):
+    #: The longest window it ever gives (s): how long a finished flight may stay joinable.
+    longest: float
+
     def arrival(self, key: str, now: float) -> None: ...
 
     def window(self, key: str, now: float, duration: float) -> float: ...
@@ -53,7 +57,7 @@ class WindowPolicy(Protocol):
 
 class FixedWindow:
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+        self.seconds = self.longest = seconds
 
     def arrival(self, key: str, now: float) -> None:
         return None
@@ -67,6 +71,7 @@ class AdaptiveWindow:
         self, base: float, low: float, high: float, tradeoff: float, capacity: int = 100_000
     ) -> None:
         self.base, self.low, self.high, self.tradeoff = base, low, max(low, high), tradeoff
+        self.longest = max(base, self.high)  # (``base`` until a key has repeated enough)
         self.capacity = capacity
         # key -> [last arrival, mean gap, gaps seen]
         self._keys: LRU[str, list[float]] = LRU(max_entries=capacity)

@@ -43,7 +43,7 @@ from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, error_reply
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse
-from ..upstream.http import sse_payloads
+from ..upstream.http import closer, sse_payloads
 from .server import PEER_HEADER, PeerApp, PeerServer
 from .slots import Slot
 
@@ -133,7 +133,7 @@ class Peers:
                 response.status,
                 kept,
                 events=_lost_if_cut(sse_payloads(response, call.last_event, f"worker {owner}")),
-                close=_closer(response),
+                close=closer(response),
             )
         try:
             body = await response.read()
@@ -281,13 +281,6 @@ async def _relayed(response: aiohttp.ClientResponse, api: Api) -> AsyncIterator[
         )
     finally:
         response.close()
-
-
-def _closer(response: aiohttp.ClientResponse) -> Any:
-    async def close() -> None:
-        response.close()
-
-    return close
 
 
 def _why(error: BaseException) -> str:

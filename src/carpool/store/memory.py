@@ -38,7 +38,7 @@ from typing import TypeAlias
 
 from ..answer import Answer
 from ..clock import SYSTEM_CLOCK, Clock
-from ..lru import LRU, SLOT_BYTES, held
+from ..lru import LRU, SLOT_BYTES, allocated, held
 from . import packed
 from .base import Entry, Selector
 
@@ -82,11 +82,10 @@ def _rest(key: str, place: Place) -> bytes:
 def _size(place: Place, blob: bytes) -> int:
     """What an entry counts in the map: its place there, its place's object and its packed
     form."""
-    nbytes = sys.getsizeof(blob)  # (``lru.held``, inlined: every put and eviction asks)
     return (
         SLOT_BYTES
         + (_INT_PLACE if type(place) is int else held(place))
-        + ((nbytes + 15 if nbytes <= 512 else nbytes + 23) & ~15)
+        + allocated(sys.getsizeof(blob))  # (``held(blob)``: a blob is never empty)
     )
 
 

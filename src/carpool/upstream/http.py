@@ -183,7 +183,7 @@ class HttpUpstream:
                 response.status,
                 {"content-type": content_type},
                 events=sse_payloads(response, request.last_event, f"upstream {self.label}"),
-                close=_closer(response),
+                close=closer(response),
             )
         try:
             body = await response.read()
@@ -294,7 +294,7 @@ async def sse_payloads(
         response.close()
 
 
-def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
+def closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         response.close()
 
