@@ -220,12 +220,11 @@ class Gateway:
                 state = self.layers.audits.state(key.namespace) if self.layers.audits else SERVING
                 # The namespace's error budget (``semantic/audit.py``) may hold hits back; its
                 # audits go on either way, on the answer served or the one that would have been.
+                near = match.similarity >= BACKED_OFF_SIMILARITY  # (served even backed off)
                 if request.api.deterministic(request.body):  # (two samples may differ)
-                    near = match.similarity >= BACKED_OFF_SIMILARITY
                     self.auditor.maybe(request, key.namespace, match.answer, near)
                 if self.config.semantic.mode == "serve" and (
-                    state == SERVING
-                    or (state == BACKED_OFF and match.similarity >= BACKED_OFF_SIMILARITY)
+                    state == SERVING or (state == BACKED_OFF and near)
                 ):
                     self.metrics.similarity.observe(match.similarity)
                     return self._served(
