@@ -154,6 +154,7 @@ def serve(
         )
     import uvicorn
 
+    from . import http_protocol
     from .server import create_app
     from .wiring import build_gateway
 
@@ -191,7 +192,7 @@ def serve(
         "log_level": config.log_level,
         "access_log": False,
         "loop": "auto",
-        "http": "auto",
+        "http": http_protocol.protocol(),  # (exact hits answered as they are parsed)
         "timeout_graceful_shutdown": config.shutdown.grace_s,
     }
     if config.workers == 1:

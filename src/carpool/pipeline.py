@@ -72,9 +72,11 @@ from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader
 from .outcome import Outcome
+from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
 from .request import ClientRequest, Request, parse
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, SERVING
+from .store.base import Entry
 from .upstream.base import PassthroughResponse
 
 if TYPE_CHECKING:
@@ -144,8 +146,8 @@ class Gateway:
         # the same bytes, query and headers (controls, credentials, forwarded ones) always make
         # the same fingerprint; in a shared namespace, only while the requester is accepted.
         memo_key = self.repeats.key_of(client)
-        repeat = self.repeats.get(memo_key) if memo_key is not None else None
-        if repeat is not None and (repeat.shared_by is None or repeat.shared_by in self.accepted):
+        repeat = self._repeat(memo_key)
+        if repeat is not None:
             answer = await self._cached(repeat.key, repeat.max_age)
             if answer is not None:
                 return self._served(route, Outcome.HIT, answer, repeat.stream, repeat.include_usage)
@@ -259,10 +261,38 @@ class Gateway:
         max_age = request.controls.max_age
         return ttl if max_age is None or ttl < max_age else max_age
 
+    def repeat_now(self, client: ClientRequest) -> Reply | None:
+        """The path's first step (``_handle``) taken without waiting on anything, for a transport
+        that can answer before it makes a task for the request (``http_protocol.py``): a
+        byte-identical repeat's stored answer, when the store answers in-process
+        (``Store.get_now``). None: take the whole path (``handle``), which takes this step again
+        with any store. Not taken while spans are recorded: every request gets its spans."""
+        get_now = getattr(self.store, "get_now", None)
+        if get_now is None or self.tracer.enabled:
+            return None
+        repeat = self._repeat(self.repeats.key_of(client))
+        if repeat is None:
+            return None
+        answer = self._fresh(get_now(repeat.key), repeat.max_age)
+        if answer is None:
+            return None
+        return self._served(client.path, Outcome.HIT, answer, repeat.stream, repeat.include_usage)
+
+    def _repeat(self, memo_key: tuple[Any, ...] | None) -> Repeat | None:
+        """What the repeat memo knows of a request with this memo key; in a shared namespace,
+        only while its requester is accepted (``repeat_memo.py``)."""
+        repeat = self.repeats.get(memo_key) if memo_key is not None else None
+        if repeat is not None and (repeat.shared_by is None or repeat.shared_by in self.accepted):
+            return repeat
+        return None
+
     async def _cached(self, key: str, max_age: float | None) -> Answer | None:
         """The exact cache's answer for ``key``, if it has one younger than ``max_age``."""
         with self.tracer.span("carpool.exact"):
             entry = await self.store.get(key)
+        return self._fresh(entry, max_age)
+
+    def _fresh(self, entry: Entry | None, max_age: float | None) -> Answer | None:
         if entry is None or (max_age is not None and entry.answer.age(self.clock.now()) >= max_age):
             return None
         return entry.answer

@@ -7,6 +7,9 @@ Contract:
   ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
   trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
   Pass-through and admin bodies are read under the same two limits.
+- Under ``carpool serve``, a byte-identical repeat whose answer is stored may be answered before
+  it reaches this app, by the HTTP protocol (``http_protocol.py``) through ``answer_now``:
+  the same reply, headers and counts as here, refusals (client keys, header size) left to here.
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
   cancels the upstream call). A client leaving is not an error and is not logged as one.
@@ -119,10 +122,7 @@ class GatewayApp:
             self.gateway.stats.rejected += 1
             await _send_whole(send, 401, UNAUTHORIZED_HEADERS, UNAUTHORIZED)
             return
-        if (
-            scope["type"] == "http"
-            and sum(map(len, chain.from_iterable(scope["headers"]))) > self.max_headers
-        ):
+        if scope["type"] == "http" and _header_bytes(scope["headers"]) > self.max_headers:
             # Checked here because httptools accepts headers of any size, and they go upstream.
             api = BY_PATH.get(scope["path"])
             if api is not None:
@@ -154,10 +154,28 @@ class GatewayApp:
         else:
             await self.other(scope, receive, send)
 
+    def answer_now(
+        self, path: str, raw_headers: list[tuple[bytes, bytes]], query: bytes, body: bytes
+    ) -> tuple[Reply, bytes] | None:
+        """The reply to a request to a cached endpoint that is a byte-identical repeat of one
+        whose answer is stored (``Gateway.repeat_now``), and the request's id: for the HTTP
+        protocol (``http_protocol.py``), which sends it before it makes a task for the request.
+        None: the request goes to ``__call__`` as any other, a request refused there (client
+        keys, header size) included."""
+        if (
+            self.client_keys is not None and not self.client_keys.accepts(raw_headers)
+        ) or _header_bytes(raw_headers) > self.max_headers:
+            return None
+        started = time.monotonic()
+        reply = self.gateway.repeat_now(ClientRequest(path, body, _decoded(raw_headers), query))
+        if reply is None:
+            return None
+        if reply.outcome is not None:
+            self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
+        return reply, request_id(raw_headers)
+
     async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any, path: str) -> None:
-        headers = {
-            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
-        }
+        headers = _decoded(scope["headers"])
         started = time.monotonic()
         try:
             body = await _read_body(receive, headers, self.max_body, self.deadlines)
@@ -319,6 +337,15 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
     as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
     return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
+
+
+def _header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
+    return sum(map(len, chain.from_iterable(headers)))
+
+
+def _decoded(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI headers as ``ClientRequest`` takes them: lower-case names (as ASGI gives them)."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
 
 
 def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

@@ -16,6 +16,9 @@ Details:
   ``RuntimeError`` (uvicorn's ``sys.exit`` is turned into an exception so it cannot stop pytest).
 - The server does not touch signal handlers (several servers may be nested or overlap in time)
   and wakes up at once when asked to stop, instead of polling every 0.1 s.
+- The protocol is carpool's (``carpool.http_protocol``, what ``carpool serve`` runs): for the
+  gateway's app it answers exact hits as they are parsed; for any other app it is uvicorn's.
+  ``http="httptools"`` serves uvicorn's own.
 - ``log_config=None`` by default: uvicorn does not reconfigure the process' logging; its records
   (``uvicorn.error`` at WARNING and above) propagate to the root logger, where pytest captures them.
 - Exit asks the server to stop and waits up to ``shutdown_timeout`` seconds for in-flight requests
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+
+from carpool.http_protocol import protocol
 
 __all__ = ["ServedApp", "serve_app", "serve_app_with_server"]
 
@@ -128,7 +133,12 @@ async def serve_app_with_server(
 
     Extra keyword arguments go to ``uvicorn.Config`` (e.g. ``http="h11"``, ``log_config=...``).
     """
-    options: dict[str, Any] = {"log_level": "warning", "lifespan": "auto", "log_config": None}
+    options: dict[str, Any] = {
+        "log_level": "warning",
+        "lifespan": "auto",
+        "log_config": None,
+        "http": protocol(),
+    }
     options.update(config_kwargs)
     config = uvicorn.Config(app, host=host, port=0, **options)
     server = _InLoopServer(config)

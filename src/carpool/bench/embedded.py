@@ -98,12 +98,14 @@ def _with_sim_stats(app: Any, gateway: Any) -> Any:
             return
         await app(scope, receive, send)
 
+    wrapped.app = app  # type: ignore[attr-defined]  # (found under it: http_protocol)
     return wrapped
 
 
 def main(argv: list[str] | None = None) -> None:
     import logging
 
+    from ..http_protocol import protocol
     from ..server import create_app
     from ..wiring import build_gateway
 
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sock = process.listen()
     process.announce(sock)
-    process.serve(_with_sim_stats(create_app(gateway), gateway), sock)
+    process.serve(_with_sim_stats(create_app(gateway), gateway), sock, http=protocol())
 
 
 if __name__ == "__main__":

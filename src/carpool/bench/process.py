@@ -235,7 +235,14 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def serve(app: Any, sock: socket.socket, log_level: str = "warning", lifespan: str = "on") -> None:
+def serve(
+    app: Any,
+    sock: socket.socket,
+    log_level: str = "warning",
+    lifespan: str = "on",
+    http: Any = "auto",
+) -> None:
+    """``http``: uvicorn's protocol setting (the gateway's: ``http_protocol.protocol()``)."""
     import uvicorn
 
     server = uvicorn.Server(
@@ -245,6 +252,7 @@ def serve(app: Any, sock: socket.socket, log_level: str = "warning", lifespan: s
             access_log=False,
             lifespan=lifespan,  # type: ignore[arg-type]  # ("on" | "off" | "auto")
             backlog=BACKLOG,
+            http=http,
         )
     )
     _exit_with_parent()

@@ -73,6 +73,10 @@ class Entry:
 
 
 class Store(Protocol):
+    """A store may also offer ``get_now(key)``: ``get`` without a coroutine, for a store that
+    answers in-process (``MemoryStore``); the request's first step is taken before a task
+    exists with it (``Gateway.repeat_now``)."""
+
     async def get(self, key: str) -> Entry | None: ...
 
     async def put(self, key: str, entry: Entry) -> None: ...

@@ -51,6 +51,8 @@ NOT_FORWARDED = HOP_BY_HOP | frozenset(
         "idempotency-key",
         "x-idempotency-key",
         "content-type",
+        # The gateway has the whole body before it calls: a client's 100-continue was its own.
+        "expect",
     }
 )
 

@@ -1,0 +1,252 @@
+"""The HTTP protocol (``carpool.http_protocol``): exact hits answered as they are parsed, every
+other request exactly as uvicorn's own protocol serves it. Raw sockets where the bytes on the wire
+matter (reads split, pipelining, HTTP/1.0, 100-continue, a malformed body)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from carpool.config import Config
+from carpool.server import GatewayApp, create_app
+from carpool.wiring import build_gateway
+from fakes.serving import ServedApp, serve_app_with_server
+
+CHAT = "/v1/chat/completions"
+
+
+def _body(content: str = "What is carpool?") -> bytes:
+    return orjson.dumps(
+        {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    )
+
+
+def _request(body: bytes, *, version: str = "1.1", extra: str = "") -> bytes:
+    return (
+        f"POST {CHAT} HTTP/{version}\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a content-length: status, headers, body."""
+    status_line = await reader.readline()
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    return status, headers, await reader.readexactly(length)
+
+
+class _Counted:
+    """How many requests ``answer_now`` was asked about, and how many it answered."""
+
+    def __init__(self, app: GatewayApp) -> None:
+        self.asked = self.answered = 0
+        original = app.answer_now
+
+        def answer_now(*args: Any) -> Any:
+            answered = original(*args)
+            self.asked += 1
+            self.answered += answered is not None
+            return answered
+
+        app.answer_now = answer_now  # type: ignore[method-assign]
+
+
+@contextlib.asynccontextmanager
+async def _gateway(fake: Any, **config: Any) -> AsyncIterator[tuple[ServedApp, _Counted]]:
+    app = create_app(build_gateway(Config(upstreams=[fake.url], **config)))
+    counted = _Counted(app)
+    async with serve_app_with_server(app) as served:
+        yield served, counted
+
+
+@contextlib.asynccontextmanager
+async def _socket(served: ServedApp) -> AsyncIterator[tuple[Any, Any]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def _store(served: ServedApp, body: bytes) -> bytes:
+    """A miss, stored: its answer."""
+    async with httpx.AsyncClient(base_url=served.url) as client:
+        response = await client.post(
+            CHAT, content=body, headers={"content-type": "application/json"}
+        )
+    assert response.headers["x-carpool"] == "miss"
+    return response.content
+
+
+async def test_an_exact_hit_is_answered_as_it_is_parsed_as_the_asgi_path_answers_it(fake):
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+    app = create_app(gateway)
+    counted = _Counted(app)
+    async with (
+        serve_app_with_server(app) as served,
+        serve_app_with_server(app, http="httptools") as plain,  # uvicorn's own protocol
+        httpx.AsyncClient() as client,
+    ):
+        body = _body()
+        miss = await client.post(served.url + CHAT, content=body)
+        assert (counted.asked, counted.answered) == (1, 0)  # held, asked, handed over
+        hits = [await client.post(url + CHAT, content=body) for url in (served.url, plain.url)]
+    assert counted.answered == 1 and fake.count() == 1
+    assert miss.headers["x-carpool"] == "miss"
+    here, there = hits
+    assert here.content == there.content == miss.content
+    volatile = {"date", "x-request-id"}
+    assert [(k, v) for k, v in here.headers.items() if k not in volatile] == [
+        (k, v) for k, v in there.headers.items() if k not in volatile
+    ]
+    assert here.headers["x-carpool"] == "hit" and here.headers["age"] == "0"
+    assert here.headers["x-request-id"] != there.headers["x-request-id"]
+    assert gateway.stats.outcomes["hit"] == 2
+
+
+async def test_pipelined_hits_are_answered_in_order(fake):
+    async with _gateway(fake) as (served, counted):
+        bodies = [_body(f"q{i}") for i in range(3)]
+        stored = [await _store(served, body) for body in bodies]
+        async with _socket(served) as (reader, writer):
+            writer.write(b"".join(_request(body) for body in bodies))  # in one write
+            answers = [await _response(reader) for _ in bodies]
+    assert [headers["x-carpool"] for _, headers, _ in answers] == ["hit"] * 3
+    assert [answer for *_, answer in answers] == stored  # each its own, in order
+    assert len(set(stored)) == 3 and counted.answered == 3
+
+
+async def test_a_hit_pipelined_behind_a_request_still_being_answered_waits_its_turn(fake):
+    async with _gateway(fake) as (served, counted):
+        await _store(served, _body("stored"))
+        fake.gate = asyncio.Event()  # the next upstream call waits
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body("new")) + _request(_body("stored")))
+            await fake.wait_for_calls(2)  # (the store's call, then the new one, held)
+            fake.gate.set()
+            first, second = await _response(reader), await _response(reader)
+    assert (first[1]["x-carpool"], second[1]["x-carpool"]) == ("miss", "hit")
+    assert counted.answered == 0  # the hit was not held: it was queued behind the miss
+
+
+async def test_a_body_that_comes_in_two_reads_is_handed_to_the_app_with_what_came(fake):
+    async with _gateway(fake) as (served, counted):
+        body = _body()
+        await _store(served, body)
+        asked = counted.asked
+        request = _request(body)
+        async with _socket(served) as (reader, writer):
+            writer.write(request[:-10])
+            tasks = served.server.server_state.tasks
+            while not tasks:  # handed over after the first read: the request's task exists
+                await asyncio.sleep(0)
+            writer.write(request[-10:])
+            status, headers, _ = await _response(reader)
+    assert (status, headers["x-carpool"]) == (200, "hit")  # (the ASGI path's hit)
+    assert counted.asked == asked  # never complete while held: never asked
+
+
+async def test_a_body_over_the_hold_limit_is_handed_over_whole(fake):
+    async with _gateway(fake) as (served, counted):
+        limit = served.server.config.loaded_app.app.gateway.repeats.max_body
+        body = _body("x" * (limit + 1000))
+        await _store(served, body)
+    assert fake.calls[-1].body["messages"][0]["content"] == "x" * (limit + 1000)
+    assert counted.asked == 0
+
+
+@pytest.mark.parametrize(
+    ("version", "extra"),
+    [("1.0", ""), ("1.1", "connection: close\r\n")],
+    ids=["http/1.0", "connection close"],
+)
+async def test_a_request_without_keep_alive_takes_the_asgi_path(fake, version, extra):
+    async with _gateway(fake) as (served, counted):
+        body = _body()
+        await _store(served, body)
+        asked = counted.asked
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(body, version=version, extra=extra))
+            status, headers, _ = await _response(reader)
+            assert await reader.read() == b""  # closed after its answer
+    assert (status, headers["x-carpool"]) == (200, "hit")
+    assert counted.asked == asked
+
+
+async def test_a_request_expecting_100_continue_takes_the_asgi_path(fake):
+    async with _gateway(fake) as (served, counted):
+        await _store(served, _body())
+        asked = counted.asked
+        outcomes = []
+        for body in (_body(), _body("new")):
+            request = _request(body, extra="expect: 100-continue\r\n")
+            head, _, _ = request.partition(b"\r\n\r\n")
+            async with _socket(served) as (reader, writer):
+                writer.write(head + b"\r\n\r\n")
+                assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+                await reader.readline()
+                writer.write(body)
+                status, headers, _ = await _response(reader)
+                outcomes.append((status, headers["x-carpool"]))
+    assert outcomes == [(200, "hit"), (200, "miss")]  # (expect is no part of the fingerprint)
+    assert counted.asked == asked
+    assert "expect" not in fake.calls[-1].headers  # the client's 100-continue was its own
+
+
+async def test_a_request_the_gateway_refuses_is_refused_on_the_asgi_path(fake, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    async with _gateway(
+        fake, auth={"client_keys_file": str(keys)}, limits={"max_header_bytes": 600}
+    ) as (served, counted):
+        body = _body()
+        good = {"authorization": "Bearer k1", "content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            stored = await client.post(CHAT, content=body, headers=good)
+            hit = await client.post(CHAT, content=body, headers=good)
+            no_key = await client.post(CHAT, content=body)
+            too_large = await client.post(CHAT, content=body, headers={**good, "x-pad": "p" * 600})
+    assert (stored.headers["x-carpool"], hit.headers["x-carpool"]) == ("miss", "hit")
+    assert no_key.status_code == 401 and too_large.status_code == 431
+    assert counted.answered == 1
+
+
+async def test_a_malformed_body_after_held_headers_is_a_400_with_no_task(fake):
+    async with _gateway(fake) as (served, counted):
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+                "zz\r\n".encode()
+            )
+            status, _, _ = await _response(reader)
+            assert await reader.read() == b""
+        assert status == 400
+        assert not served.server.server_state.tasks and counted.asked == 0
+    assert fake.count() == 0
+
+
+async def test_hits_answered_as_parsed_are_counted_in_stats_and_metrics(fake):
+    async with _gateway(fake) as (served, counted):
+        body = _body()
+        await _store(served, body)
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            for _ in range(3):
+                await client.post(CHAT, content=body)
+            stats = (await client.get("/stats")).json()
+            metrics = (await client.get("/metrics")).text
+    assert counted.answered == 3
+    assert stats["hits"] == 3
+    assert 'carpool_request_duration_seconds_count{outcome="hit"} 3.0' in metrics
