@@ -51,8 +51,8 @@ _COMPLETE = 0b10000
 #: The mark of a use (``marked``): its bit in a blob's first byte, for a check without a call.
 USED = 0b100000
 assert len(_KINDS) <= _KIND_MASK + 1
-# The first byte of a marked and of an unmarked blob, by the first byte it had: a remark is one
-# concatenation (a blob is immutable: the new one replaces it, in the same place of the map).
+# The first byte of a marked and of an unmarked blob, by the first byte it had: a remark is a
+# slice and a concatenation (a blob is immutable: the copy replaces it in its place in the map).
 _MARKED = tuple(bytes((flags | USED,)) for flags in range(256))
 _UNMARKED = tuple(bytes((flags & ~USED,)) for flags in range(256))
 
