@@ -27,6 +27,15 @@ def expiry(value: Value) -> float:
     return value[2]
 
 
+def marked(value: Value) -> Value:
+    """``value`` marked used (for second chance): a 4th item."""
+    return value if len(value) == 4 else (*value, "used")  # type: ignore[return-value]
+
+
+def unmarked(value: Value) -> Value:
+    return value[:3] if len(value) == 4 else value
+
+
 def lru(clock: ManualClock | None = None, **kw) -> tuple[LRU[str, Value], list[tuple[str, Value]]]:
     """An LRU over ``Value``s, and the list its ``on_evict`` appends to."""
     heard: list[tuple[str, Value]] = []
@@ -163,6 +172,118 @@ def test_a_miss_answers_the_default():
     assert cache.pop("k") is None and cache.pop("k", default) is default
     with pytest.raises(KeyError):
         cache["k"]
+
+
+# --------------------------------------------------------------------------- second chance
+
+
+def test_second_chance_needs_both_mark_and_unmark():
+    with pytest.raises(ValueError):
+        LRU(mark=marked)
+    with pytest.raises(ValueError):
+        LRU(unmark=unmarked)
+
+
+def test_second_chance_a_get_or_touch_marks_the_entry_in_place_and_moves_nothing():
+    cache, _ = lru(max_entries=10, mark=marked, unmark=unmarked)
+    for key in "abcd":
+        cache.put(key, (key, 1, FOREVER))
+    assert cache.get("b") == ("b", 1, FOREVER, "used")
+    cache.touch("c")
+    cache.touch("nope")
+    assert cache.peek("a") == ("a", 1, FOREVER) and "d" in cache  # a look is no use
+    assert list(cache.items()) == [
+        ("a", ("a", 1, FOREVER)),
+        ("b", ("b", 1, FOREVER, "used")),
+        ("c", ("c", 1, FOREVER, "used")),
+        ("d", ("d", 1, FOREVER)),
+    ]
+    assert cache.mapping["b"] == ("b", 1, FOREVER, "used") and len(cache.mapping) == 4
+
+
+def test_second_chance_a_put_keeps_its_value_unmarked_at_the_end():
+    cache, _ = lru(mark=marked, unmark=unmarked)
+    cache.put("a", ("a", 1, FOREVER))
+    cache.put("b", ("b", 1, FOREVER))
+    cache.get("a")
+    cache.put("a", ("a2", 1, FOREVER, "used"))  # type: ignore[arg-type]
+    assert list(cache.items()) == [("b", ("b", 1, FOREVER)), ("a", ("a2", 1, FOREVER))]
+
+
+def test_second_chance_an_eviction_spares_the_entries_used_since_their_put_in_order():
+    cache, heard = lru(max_entries=4, mark=marked, unmark=unmarked)
+    for key in "abcd":
+        cache.put(key, (key, 1, FOREVER))
+    cache.get("c")
+    cache.get("a")
+    # a is spared (to the end, unmarked) and b, never used, goes; c is not reached.
+    assert cache.put("e", ("e", 1, FOREVER)) == [("b", ("b", 1, FOREVER))]
+    assert list(cache) == ["c", "d", "e", "a"] and cache.peek("a") == ("a", 1, FOREVER)
+    # Then c is spared (after f), and the others go in the order of their put or spare.
+    evicted = [k for key in "fgh" for k, _ in cache.put(key, (key, 1, FOREVER))]
+    assert evicted == ["d", "e", "a"] and list(cache) == ["f", "c", "g", "h"]
+    assert cache.evictions == 4 and [k for k, _ in heard] == ["b", "d", "e", "a"]
+
+
+def test_second_chance_the_entry_put_last_is_evicted_last_even_when_every_other_was_used():
+    cache, _ = lru(max_entries=3, mark=marked, unmark=unmarked)
+    for key in "abc":
+        cache.put(key, (key, 1, FOREVER))
+    for key in "abc":
+        cache.get(key)
+    # All spared once, in order; the new one is not taken: the first spared is.
+    assert cache.put("d", ("d", 1, FOREVER)) == [("a", ("a", 1, FOREVER))]
+    assert list(cache) == ["b", "c", "d"]
+    assert [cache.evict(), cache.evict(), cache.evict()] == [
+        ("b", ("b", 1, FOREVER)),
+        ("c", ("c", 1, FOREVER)),
+        ("d", ("d", 1, FOREVER)),
+    ]
+
+
+def test_second_chance_a_spared_entry_is_marked_again_by_its_next_use():
+    cache, _ = lru(max_entries=3, mark=marked, unmark=unmarked)
+    for key in "abc":
+        cache.put(key, (key, 1, FOREVER))
+    cache.get("a")
+    assert [k for k, _ in cache.put("d", ("d", 1, FOREVER))] == ["b"]  # a spared
+    cache.touch("a")  # used again in its new lap
+    evicted = [k for key in "efg" for k, _ in cache.put(key, (key, 1, FOREVER))]
+    assert evicted == ["c", "d", "e"] and "a" in cache
+
+
+def test_second_chance_order_holds_through_many_holes_and_front_refills():
+    cache, _ = lru(max_entries=1000, mark=marked, unmark=unmarked)
+    for i in range(1000):
+        cache.put(str(i), (str(i), 1, FOREVER))
+    for i in range(0, 1000, 2):
+        cache.get(str(i))  # the even keys are marked used, in place
+    evicted = [k for i in range(1000, 1700) for k, _ in cache.put(str(i), (str(i), 1, FOREVER))]
+    odd, even = [str(i) for i in range(1, 1000, 2)], [str(i) for i in range(0, 1000, 2)]
+    # Each put spares the next even key, which goes after it: the order of put or spare.
+    new = [str(i) for i in range(1000, 1500)]
+    queued = [k for pair in zip(new, even, strict=True) for k in pair]
+    assert evicted == odd + queued[:200]
+    assert list(cache) == queued[200:] + [str(i) for i in range(1500, 1700)]
+
+
+@pytest.mark.parametrize("second_chance", [False, True])
+def test_second_chance_a_use_takes_no_place_in_the_map(second_chance):
+    # Why it exists: a use that moves its entry leaves a hole and takes a new slot, so that
+    # using every entry of a map that only grew doubles its table; a mark replaces the value in
+    # its slot.
+    marks = {"mark": marked, "unmark": unmarked} if second_chance else {}
+    cache: LRU[int, Value] = LRU(**marks)  # type: ignore[arg-type]
+    for i in range(50_000):
+        cache.put(10**12 + i, ("v", 1, FOREVER))
+    filled = sys.getsizeof(cache.mapping)
+    for _ in range(2):
+        for i in range(50_000):
+            cache.get(10**12 + i)
+    if second_chance:
+        assert sys.getsizeof(cache.mapping) == filled
+    else:
+        assert sys.getsizeof(cache.mapping) >= 1.9 * filled
 
 
 # --------------------------------------------------------------------------- expiry
@@ -372,12 +493,25 @@ class Model(RuleBasedStateMachine):
     )
     def start(self, max_entries, max_bytes):
         self.clock = ManualClock(monotonic=0.0)
-        self.cache, self.heard = lru(self.clock, max_entries=max_entries, max_bytes=max_bytes)
+        self.cache, self.heard = self._make(max_entries=max_entries, max_bytes=max_bytes)
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.model: list[tuple[str, Value]] = []
         self.expected_heard: list[tuple[str, Value]] = []
         self.evictions = self.expirations = 0
         self.serial = 0
+        self.newest: str | None = None  # the key of the last put stored
+
+    def _make(self, **bounds):
+        return lru(self.clock, **bounds)
+
+    def _use(self, i):
+        """A get or touch of the model's ``i``-th entry (it becomes the last); its value now."""
+        self.model.append(self.model.pop(i))
+        return self.model[-1][1]
+
+    def _evict_first(self):
+        """The entry an eviction takes out of the model (not empty)."""
+        return self.model.pop(0)
 
     def _find(self, key):
         return next((i for i, (k, _) in enumerate(self.model) if k == key), None)
@@ -409,10 +543,11 @@ class Model(RuleBasedStateMachine):
         evicted = []
         if self.max_bytes is None or size <= self.max_bytes:
             self.model.append((key, value))
+            self.newest = key
             while (self.max_entries is not None and len(self.model) > self.max_entries) or (
                 self.max_bytes is not None and sum(v[1] for _, v in self.model) > self.max_bytes
             ):
-                evicted.append(self.model.pop(0))
+                evicted.append(self._evict_first())
         self.evictions += len(evicted)
         self.expected_heard += evicted
         assert self.cache.put(key, value) == evicted
@@ -421,7 +556,7 @@ class Model(RuleBasedStateMachine):
     def get(self, key):
         i, value = self._live(key)
         if i is not None:
-            self.model.append(self.model.pop(i))
+            value = self._use(i)
         assert self.cache.get(key) == value
 
     @rule(key=keys)
@@ -438,7 +573,7 @@ class Model(RuleBasedStateMachine):
     def touch(self, key):
         i = self._find(key)
         if i is not None:
-            self.model.append(self.model.pop(i))
+            self._use(i)
         self.cache.touch(key)
 
     @rule(key=keys)
@@ -449,7 +584,7 @@ class Model(RuleBasedStateMachine):
 
     @rule()
     def evict(self):
-        gone = self.model.pop(0) if self.model else None
+        gone = self._evict_first() if self.model else None
         if gone is not None:
             self.evictions += 1
             self.expected_heard.append(gone)
@@ -478,6 +613,7 @@ class Model(RuleBasedStateMachine):
     @rule()
     def clear(self):
         self.model = []
+        self.newest = None
         self.cache.clear()
 
     @rule(seconds=st.integers(0, 3))
@@ -500,3 +636,30 @@ class Model(RuleBasedStateMachine):
 
 Model.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_the_lru_behaves_as_its_model = Model.TestCase
+
+
+class SecondChanceModel(Model):
+    """The LRU with second chance beside a list in the order of puts and spares, whose values
+    carry the mark of a use (``marked``)."""
+
+    def _make(self, **bounds):
+        return lru(self.clock, mark=marked, unmark=unmarked, **bounds)
+
+    def _use(self, i):
+        key, value = self.model[i]
+        self.model[i] = (key, marked(value))  # in place
+        return self.model[i][1]
+
+    def _evict_first(self):
+        while True:
+            key, value = self.model.pop(0)
+            if value is not unmarked(value):  # used since it was put or spared: spared
+                self.model.append((key, unmarked(value)))
+            elif key == self.newest and self.model:  # the last put goes after the others
+                self.model.append((key, value))
+            else:
+                return key, value
+
+
+SecondChanceModel.TestCase.settings = Model.TestCase.settings
+test_the_lru_with_second_chance_behaves_as_its_model = SecondChanceModel.TestCase

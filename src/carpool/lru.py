@@ -1,17 +1,30 @@
-"""One bounded map for the in-process caches: least recently used out first, optional expiry.
+"""One bounded map for the in-process caches: least recently used out first (or second chance),
+optional expiry.
 
 Contract:
-- ``LRU(max_entries=, max_bytes=, size=, expires=, clock=, wall_clock=, on_evict=)``; a bound
-  left ``None`` does not bound. ``size(key, value)`` is what an entry counts against
-  ``max_bytes`` (required with it); it is asked when the entry comes in and again when it goes,
-  so it must give the same answer for the same entry (build it from what does not change).
-  ``bytes`` is always the sum of ``size`` over the entries held.
+- ``LRU(max_entries=, max_bytes=, size=, expires=, clock=, wall_clock=, on_evict=, mark=,
+  unmark=)``; a bound left ``None`` does not bound. ``size(key, value)`` is what an entry
+  counts against ``max_bytes`` (required with it); it is asked when the entry comes in and
+  again when it goes, so it must give the same answer for the same entry (build it from what
+  does not change). ``bytes`` is always the sum of ``size`` over the entries held.
 - After every ``put``: ``len <= max_entries`` and ``bytes <= max_bytes``. The least recently
-  used entries are evicted first, the new one last; a value whose size alone exceeds
-  ``max_bytes`` is not stored at all. A ``put`` always replaces: whatever was under its
-  key is gone afterwards, stored or not.
+  used entries are evicted first (with second chance: below), the new one last; a value whose
+  size alone exceeds ``max_bytes`` is not stored at all. A ``put`` always replaces: whatever
+  was under its key is gone afterwards, stored or not.
 - Recency: ``put``, ``get`` and ``touch`` make an entry the most recently used; ``peek``,
-  ``in``, ``[]`` and iteration do not. Values are never None (``get`` answers None for none).
+  ``in``, ``[]``, iteration and ``mapping`` do not. Values are never None (``get`` answers None for none).
+- Second chance (``mark=`` and ``unmark=``, the CLOCK algorithm): instead, a ``get`` or
+  ``touch`` moves nothing: it marks its entry used, in place. The entries stay in the order of
+  their ``put``; eviction takes the first, but spares one marked used: it goes to the end,
+  unmarked, and is counted nowhere (not an eviction, not heard). So an eviction takes, of the
+  entries not used since they were put or last spared, the one put or spared first (if all
+  were used, each is spared once and the first goes), never the last put while another is
+  here (it goes after those it found spared): an entry used since is never the one, but of two
+  used entries, the one used first may outlive the other. ``mark(value)`` and
+  ``unmark(value)`` are the value marked used and not (the very value if it already is so),
+  with the same size and expiry; a ``put`` keeps its value unmarked. Why: a move to the end
+  leaves a hole in the dict's table and takes another slot, so that uses alone grow it
+  (``SLOT_BYTES``); a mark takes no place.
 - Expiry: ``expires(value)`` is the instant the entry expires (None: entries never do), on this
   cache's clock: ``clock.now()`` with ``wall_clock=True``, else ``clock.monotonic()``. From that
   instant on (``expires(value) <= now``) the entry is never returned: a ``get``, ``peek``,
@@ -24,7 +37,8 @@ Contract:
   ``evictions`` and ``expirations`` count them.
   It is not called for what the caller removes (``pop``, ``remove_if``, ``clear``) or replaces.
 - Every operation is O(1) amortized (plus the callbacks) except ``remove_if`` and ``expire``,
-  which scan. A use keeps the key object it was given (an equal one) in place of the stored one.
+  which scan (an eviction that spares entries steps over each once per mark). A use that moves
+  its entry keeps the key object it was given (an equal one) in place of the stored one.
 
 Byte budgets that bound what the process holds (``held``, ``SLOT_BYTES``): ``sys.getsizeof``
 counts an object's own bytes, not the allocator's rounding nor the objects it refers to, so a
@@ -36,7 +50,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from itertools import islice
 from typing import Generic, TypeVar
 
@@ -48,9 +62,10 @@ V = TypeVar("V")
 #: What one entry's place in an ``LRU`` holds, beyond its key and value: its share of the dict's
 #: table (CPython 3.11, 64-bit: a 4-byte index per slot, a 24-byte entry per 2/3 of a slot, 16
 #: for str keys). The table has 1.5 to 3 slots an entry while the map only grows; once entries
-#: come and go (an eviction, a use: each leaves a hole), each resize makes it the first power of
-#: two over 3 slots an entry: up to 6, 120 bytes. The most, and the eviction front's share
-#: (``LRU._front``), so that a budget bounds it (tests/test_lru.py measures it).
+#: come and go (an eviction, a use that moves its entry, a second chance: each leaves a hole),
+#: each resize makes it the first power of two over 3 slots an entry: up to 6, 120 bytes. The
+#: most, and the eviction front's share (``LRU._front``), so that a budget bounds it
+#: (tests/test_lru.py measures it).
 SLOT_BYTES = 128
 
 # The eviction front: the oldest keys taken in one pass, a share of the map (and a few).
@@ -98,7 +113,8 @@ def held(*objects: object) -> int:
 
 
 class LRU(Generic[K, V]):
-    """A map bounded in entries and/or bytes, least recently used out first (module docstring)."""
+    """A map bounded in entries and/or bytes, least recently used out first or second chance
+    (module docstring)."""
 
     __slots__ = (
         "max_entries",
@@ -112,6 +128,9 @@ class LRU(Generic[K, V]):
         "_expires",
         "_time",
         "_on_evict",
+        "_mark",
+        "_unmark",
+        "_newest",
         "_bytes",
     )
 
@@ -125,16 +144,21 @@ class LRU(Generic[K, V]):
         clock: Clock = SYSTEM_CLOCK,
         wall_clock: bool = False,
         on_evict: Callable[[K, V], None] | None = None,
+        mark: Callable[[V], V] | None = None,
+        unmark: Callable[[V], V] | None = None,
     ) -> None:
         if max_bytes is not None and size is None:
             raise ValueError("a byte budget (max_bytes) needs a size function")
+        if (mark is None) != (unmark is None):
+            raise ValueError("second chance needs both mark and unmark")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.evictions = 0
         self.expirations = 0
         # In order of use, least recently used first: a use pops the key and puts it back at the
         # end (a plain dict: an OrderedDict's linked list and node array add 40 to 80 bytes an
-        # entry).
+        # entry). With second chance, in order of put (or of the last spare): a use marks the
+        # value instead.
         self._data: dict[K, V] = {}
         # A dict finds its first key by stepping over the holes that pops leave at its front,
         # one by one: evicting with ``next(iter(data))`` would cost O(holes), quadratic overall.
@@ -148,17 +172,23 @@ class LRU(Generic[K, V]):
         self._expires = expires
         self._time: Callable[[], float] = clock.now if wall_clock else clock.monotonic
         self._on_evict = on_evict
+        self._mark = mark
+        self._unmark = unmark
+        # The key of the last put, evicted last (with second chance, the used ones it finds
+        # spared go after it: it is not always the last key).
+        self._newest: K | None = None
         self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._data)
 
     def __iter__(self) -> Iterator[K]:
-        """The keys, least recently used first (expired ones included)."""
+        """The keys, least recently used first (expired ones included); with second chance, in
+        the order eviction meets them."""
         return iter(self._data)
 
     def items(self) -> Iterator[tuple[K, V]]:
-        """The entries, least recently used first (expired ones included)."""
+        """The entries in the order of ``iter``."""
         return iter(self._data.items())
 
     def __contains__(self, key: object) -> bool:
@@ -177,12 +207,20 @@ class LRU(Generic[K, V]):
     def bytes(self) -> int:
         return self._bytes
 
+    @property
+    def mapping(self) -> Mapping[K, V]:
+        """The entries as held, in the order of ``iter`` (expired ones included), read-only: the
+        same object for this cache's life, for a hot path that reads it without a call (a read
+        there drops nothing, uses nothing)."""
+        return self._data
+
     def now(self) -> float:
         """The time on this cache's clock (what ``expires`` is compared with)."""
         return self._time()
 
     def get(self, key: K, default: V | None = None) -> V | None:
-        """The value under ``key``, made the most recently used; ``default`` if none or expired."""
+        """The value under ``key``, made the most recently used (or marked used); ``default`` if
+        none or expired."""
         data = self._data
         value = data.get(key)
         if value is None:
@@ -190,10 +228,16 @@ class LRU(Generic[K, V]):
         if self._expires is not None and self._expires(value) <= self._time():
             self._expire(key, value)
             return default
-        del data[key]  # (``peek``, inlined: the hot path of every cache)
-        data[key] = value
-        if self._front:
-            self._front.discard(key)
+        mark = self._mark  # (``peek`` and ``touch``, inlined: the hot path of every cache)
+        if mark is None:
+            del data[key]
+            data[key] = value
+            if self._front:
+                self._front.discard(key)
+        else:
+            marked = mark(value)
+            if marked is not value:  # (replacing a value keeps its place: no hole)
+                data[key] = value = marked
         return value
 
     def peek(self, key: K, default: V | None = None) -> V | None:
@@ -208,19 +252,28 @@ class LRU(Generic[K, V]):
         return value
 
     def touch(self, key: K) -> None:
-        """Make ``key`` the most recently used, if it is here."""
-        data = self._data
-        value = data.pop(key, None)
-        if value is not None:
-            data[key] = value
-            if self._front:
-                self._front.discard(key)
+        """Make ``key`` the most recently used (or mark it used), if it is here."""
+        data, mark = self._data, self._mark
+        if mark is None:
+            value = data.pop(key, None)
+            if value is not None:
+                data[key] = value
+                if self._front:
+                    self._front.discard(key)
+        else:
+            value = data.get(key)
+            if value is not None:
+                marked = mark(value)
+                if marked is not value:
+                    data[key] = marked
 
     def put(self, key: K, value: V) -> list[tuple[K, V]]:
         """Store ``value`` (never None) under ``key`` as the most recently used; returns what
         was evicted to keep the bounds, least recently used first."""
         if value is None:
             raise TypeError("an LRU does not hold None (its get answers None for a miss)")
+        if self._unmark is not None:
+            value = self._unmark(value)
         data, size = self._data, self._size
         old = data.pop(key, None)
         if old is not None:
@@ -232,13 +285,14 @@ class LRU(Generic[K, V]):
         if self.max_bytes is not None and counted > self.max_bytes:
             return []
         data[key] = value
+        self._newest = key
         self._bytes += counted
         return self._bound()
 
     def evict(self) -> tuple[K, V] | None:
-        """Evict the least recently used entry, expired or not, as a bound does (counted in
-        ``evictions``, heard by ``on_evict``), for a caller that bounds more than ``bytes``;
-        None if empty."""
+        """Evict the least recently used entry (with second chance: the first not marked used,
+        sparing those before it), expired or not, as a bound does (counted in ``evictions``,
+        heard by ``on_evict``), for a caller that bounds more than ``bytes``; None if empty."""
         if not self._data:
             return None
         key = self._least_recently_used()
@@ -290,6 +344,7 @@ class LRU(Generic[K, V]):
         self._data.clear()
         self._oldest.clear()
         self._front.clear()
+        self._newest = None
         self._bytes = 0
 
     def _bound(self) -> list[tuple[K, V]]:
@@ -307,16 +362,29 @@ class LRU(Generic[K, V]):
         return evicted
 
     def _least_recently_used(self) -> K:
-        """The first key in the order of use (the map is not empty); it leaves the front."""
-        oldest, front = self._oldest, self._front
+        """The first key in the order of use (the map is not empty); it leaves the front. With
+        second chance, the first not marked used: those before it go to the end, unmarked."""
+        oldest, front, data, unmark = self._oldest, self._front, self._data, self._unmark
         while True:
             while oldest:
                 key = oldest.popleft()
                 if key in front:
                     front.remove(key)
+                    if unmark is not None:
+                        value = data[key]
+                        unmarked = unmark(value)
+                        if unmarked is not value:  # used since it was put or spared: spared
+                            del data[key]
+                            data[key] = unmarked
+                            continue
+                        if key == self._newest and len(data) > 1:  # behind those spared
+                            del data[key]
+                            data[key] = value
+                            continue
                     return key
-            # One pass over the holes for a share of the map: O(1) amortized an eviction.
-            oldest.extend(islice(self._data, len(self._data) // _FRONT_SHARE + _FRONT_MIN))
+            # One pass over the holes for a share of the map: O(1) amortized an eviction. (A
+            # spare is too: it clears the mark of a use.)
+            oldest.extend(islice(data, len(data) // _FRONT_SHARE + _FRONT_MIN))
             front.update(oldest)
 
     def _expire(self, key: K, value: V) -> None:

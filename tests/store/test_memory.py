@@ -1,5 +1,5 @@
-"""The in-process exact cache: LRU, TTL, bounded in bytes that count what it holds; its two
-forms (objects for the most recently used entries, packed for the others) and its keys.
+"""The in-process exact cache: second-chance LRU, TTL, bounded in bytes that count what it holds;
+its two forms (objects for the most recently used entries, packed for the others) and its keys.
 
 The backend-independent contract (get/put/replace/expiry/invalidate) is in test_store_contract.py
 (against both forms); the packed form itself in test_packed.py.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 import time
 import tracemalloc
 
@@ -61,6 +62,68 @@ async def test_bytes_never_exceed_the_budget_least_recently_used_evicted_first()
     assert store.bytes <= one * 3 and store.evictions == 1
     assert await store.get("b") is None
     assert all([await store.get(k) for k in "acd"])
+
+
+def budget_for(n: int, hot: int) -> int:
+    """A budget that holds ``n`` entries of ``entry()``, as a store with ``hot`` keeps them."""
+    one = size_of("a", entry()) if hot else packed_size_of("a", entry())
+    return n * one + one // 2
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_eviction_goes_in_the_order_of_the_puts_sparing_once_each_entry_hit_since(hot):
+    store = MemoryStore(budget_for(4, hot), hot=hot)
+    for key in "abcd":
+        await store.put(key, entry())
+    store.get_now("c")
+    store.get_now("a")
+    await store.put("e", entry())  # a is spared (to the end, its mark cleared): b goes
+    assert store.evictions == 1 and list(store._entries) == ["c", "d", "e", "a"]
+    for key in "fgh":  # c is spared; d, e and a go, in the order of their put or spare
+        await store.put(key, entry())
+    assert store.evictions == 4
+    assert [key for key in "abcdefgh" if store.get_now(key) is not None] == ["c", "f", "g", "h"]
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_the_entry_put_last_is_evicted_last_even_when_every_other_was_hit(hot):
+    store = MemoryStore(budget_for(3, hot), hot=hot)
+    for key in "abc":
+        await store.put(key, entry())
+    for key in "abc":
+        assert store.get_now(key) is not None
+    await store.put("d", entry())  # all spared once; then the first of them goes, not d
+    assert store.evictions == 1
+    assert [key for key in "abcd" if store.get_now(key) is not None] == ["b", "c", "d"]
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_an_entry_spared_is_marked_again_by_its_next_hit(hot):
+    # (With hot, a hit on an entry that kept its objects checks the mark without the map's get.)
+    store = MemoryStore(budget_for(3, hot), hot=hot)
+    for key in "abc":
+        await store.put(key, entry())
+    store.get_now("a")
+    await store.put("d", entry())  # a spared, b gone
+    assert store.get_now("a") is not None  # used again in its new lap
+    for key in "efg":
+        await store.put(key, entry())
+    assert store.evictions == 4
+    assert [key for key in "abcdefg" if store.get_now(key) is not None] == ["a", "f", "g"]
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_a_hit_marks_its_entry_in_place_so_reads_leave_the_map_as_it_was(hot):
+    # A hit that moved its entry to the end would leave a hole and take a new slot: reading
+    # every entry of a store that only grew would double the map's table.
+    store = MemoryStore(1 << 30, hot=hot)
+    keys = [f"{i:032x}" for i in range(20_000)]
+    for key in keys:
+        await store.put(key, entry())
+    table, order = sys.getsizeof(store._entries.mapping), list(store._entries)
+    for _ in range(2):
+        assert all(store.get_now(key) is not None for key in keys)
+    assert sys.getsizeof(store._entries.mapping) == table and list(store._entries) == order
 
 
 async def test_an_entry_larger_than_the_budget_is_not_stored():

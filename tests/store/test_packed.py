@@ -107,3 +107,18 @@ def test_an_unpacked_answer_computes_again_what_it_computes_on_demand():
     unpacked = packed.unpack(packed.pack(Entry(answer, 2.0))).answer
     assert unpacked.usage_missing and unpacked._synthesized == {}
     assert unpacked.sse(True) == answer.sse(True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(entry=entries, tail=st.binary(max_size=20), prefix=st.none() | TEXT)
+def test_the_mark_of_a_use_changes_nothing_else_a_blob_answers(entry, tail, prefix):
+    blob = packed.pack(entry, tail)
+    assert packed.unmarked(blob) is blob  # pack leaves it cleared
+    marked = packed.marked(blob)
+    assert marked is not blob and marked[0] & packed.USED and not blob[0] & packed.USED
+    assert packed.marked(marked) is marked and packed.unmarked(marked) == blob
+    assert same(packed.unpack(marked), entry) and packed.expires(marked) == entry.expires
+    assert packed.has_tail(marked, tail) and packed.usual(marked) == packed.usual(blob)
+    assert packed.size(marked) == packed.size(blob) and len(marked) == len(blob)
+    selector = Selector(namespace="") if prefix is None else Selector(prefix=prefix)
+    assert packed.matcher(selector)(marked) == packed.matcher(selector)(blob)

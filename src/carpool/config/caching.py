@@ -61,7 +61,8 @@ class CacheConfig(Section):
         256 * 1024 * 1024,
         ge=0,
         description="Budget of the in-process exact "
-        "cache in bytes; least recently used answers are evicted beyond it.",
+        "cache in bytes; beyond it, answers are evicted in the order they were stored, sparing "
+        "once each one hit since (second-chance LRU).",
     )
     types: dict[str, TypePolicy] = Field(
         default_factory=lambda: {k: TypePolicy(**v) for k, v in DEFAULT_TYPES.items()},

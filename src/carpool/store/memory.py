@@ -1,9 +1,10 @@
-"""The in-process exact cache: LRU with per-entry TTL, bounded in bytes (on ``carpool.lru``).
+"""The in-process exact cache: second-chance LRU with per-entry TTL, bounded in bytes (on
+``carpool.lru``).
 
 Contract (on top of ``store.base``):
-- Total ``bytes`` never exceeds ``max_bytes`` after a ``put``: least recently used entries are
-  evicted first (counted in ``evictions``); an entry larger than the whole budget is not stored
-  at all (and, as any put, replaces what its key held).
+- Total ``bytes`` never exceeds ``max_bytes`` after a ``put``: entries are evicted in the order
+  they were put, sparing those used since (below; counted in ``evictions``); an entry larger
+  than the whole budget is not stored at all (and, as any put, replaces what its key held).
 - ``bytes`` counts what the entries hold in this process, so that ``max_bytes`` bounds the
   memory the cache takes, not only its payload: per entry its key, its packed form, its place
   in the map (``lru.SLOT_BYTES``, the most a place takes: a map that only grew takes less) and,
@@ -16,17 +17,26 @@ Contract (on top of ``store.base``):
   ``Entry``; a second hit while the first is among the last ``hot`` ones keeps its objects, if
   the budget has room for them without evicting (the least recently used entry with objects,
   beyond ``hot``, lets its own go). Which entries keep objects changes nothing else: not the
-  order of use, not what is returned, not the expiry; an entry evicted loses them too.
+  order of eviction, not what is returned, not the expiry; an entry evicted loses them too.
 - Keys: a fingerprint's (32 lowercase hex digits) is kept as an int of its last 60 bits (32
   bytes: the map's key) and, in the packed form, the rest; any other string as it is. Two keys
   that share their last 60 bits share one place: the later put replaces the earlier one's entry
   (a miss for that key, never the other's answer). A digest's bits are all alike; keys made
   otherwise (a counter) differ most in their last digits.
-- A ``get`` hit makes the entry most recently used; an expired entry found by ``get`` is
-  dropped. Expiry reads ``clock.now()`` (wall-clock, as ``Entry.expires``): the system's by
-  default.
-- Every operation is O(1) except ``invalidate``, which scans (it is an admin action); it counts
-  only live entries, and drops the expired ones it meets.
+- Eviction is second chance (``lru``: CLOCK), close to least recently used: a ``get`` hit
+  marks its entry used, in place (its packed form: a copy with the mark, on its first hit in a
+  lap); an eviction goes in the order of the puts, but spares an entry used since it was put or
+  last spared (it goes to the end, unmarked: a new lap), and never takes the entry put last
+  while another is here. So an entry hit in its lap is never evicted while one that was not is
+  here; unlike LRU, of two entries hit, the one hit first may outlive the other. Why not move a
+  hit entry to the end: each move leaves a hole in the map's table and takes a new slot, so
+  that reading every entry of a full store once doubles the table (+42 MB at 1M entries:
+  docs/architecture.md); a mark takes no place, and a hit on a marked entry writes nothing.
+- An expired entry found by ``get`` is dropped. Expiry reads ``clock.now()`` (wall-clock, as
+  ``Entry.expires``): the system's by default.
+- Every operation is O(1) amortized (an eviction spares an entry at most once a hit) except
+  ``invalidate``, which scans (it is an admin action); it counts only live entries, and drops
+  the expired ones it meets.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ Hot: TypeAlias = tuple[Place, Entry, int]
 Packed: TypeAlias = bytes  # (``store.packed``)
 
 _is_fingerprint = re.compile("[0-9a-f]{32}").fullmatch
+_USED = packed.USED
 # The last 15 digits, 60 bits: an int below 2**60 takes 32 bytes, a bigger one 48 or more.
 _PLACE_FROM = 17
 _INT_PLACE = held(2**59)
@@ -120,8 +131,15 @@ class MemoryStore:
         self.hot = hot
         # Bounded by ``put``, counting the hot objects too, not by itself.
         self._entries: LRU[Place, Packed] = LRU(
-            size=_size, expires=packed.expires, clock=clock, wall_clock=True, on_evict=self._lost
+            size=_size,
+            expires=packed.expires,
+            clock=clock,
+            wall_clock=True,
+            on_evict=self._lost,
+            mark=packed.marked,
+            unmark=packed.unmarked,
         )
+        self._blobs = self._entries.mapping  # (read by the hot path without a call)
         # By key, the objects of the hot entries, least recently used first; and their keys by
         # place, to find them from the map's entries.
         self._hot: OrderedDict[str, Hot] = OrderedDict()
@@ -161,7 +179,8 @@ class MemoryStore:
             if entry.expires <= self._entries.now():
                 self._forget(place)  # (as the map's get would: its expiry is the same)
                 return None
-            self._entries.touch(place)
+            if not self._blobs[place][0] & _USED:  # (its place holds it while it is hot)
+                self._entries.touch(place)  # marked used (``lru``: second chance), once a lap
             self._hot.move_to_end(key)
             return entry
         place = _place(key)

@@ -11,6 +11,10 @@ Contract:
   checked by ``has_tail`` without unpacking.
 - ``expires(blob)`` reads the expiry alone, ``size(blob)`` what the blob holds in this process,
   ``matcher(selector)`` decides a ``Selector`` on blobs: none unpacks the usual entry.
+- ``marked(blob)`` and ``unmarked(blob)``: the blob with the mark of a use set and cleared (for
+  the store's second chance, ``lru``), the very blob if it already is so. Nothing else reads the
+  mark: ``unpack``, ``expires``, ``size``, ``has_tail``, ``usual`` and ``matcher`` answer the
+  same either way; ``pack`` leaves it cleared.
 - A blob lives in this process only: its layout may change with any version.
 
 Layout, little-endian: a head (flags u8, tail length u8, created f64, expires f64, a u32, b u16),
@@ -44,7 +48,13 @@ _KIND_INDEX = {kind: i for i, kind in enumerate(_KINDS)}
 _KIND_MASK = 0b111
 _GENERAL = 0b1000  # not the usual entry: its metadata is marshalled
 _COMPLETE = 0b10000
+#: The mark of a use (``marked``): its bit in a blob's first byte, for a check without a call.
+USED = 0b100000
 assert len(_KINDS) <= _KIND_MASK + 1
+# The first byte of a marked and of an unmarked blob, by the first byte it had: a remark is a
+# slice and a concatenation (a blob is immutable: the copy replaces it in its place in the map).
+_MARKED = tuple(bytes((flags | USED,)) for flags in range(256))
+_UNMARKED = tuple(bytes((flags & ~USED,)) for flags in range(256))
 
 _SURROGATES = "surrogatepass"  # any str a prompt can hold, lone surrogates too, both ways
 
@@ -110,6 +120,16 @@ def unpack(blob: bytes) -> Entry:
         kind, body, bool(flags & _COMPLETE), tokens, created, frames, usage_frame
     )
     return Entry(answer, expires, tags, namespace, prefix)
+
+
+def marked(blob: bytes) -> bytes:
+    """``blob`` marked used: itself if it is, else a copy with the mark."""
+    return blob if blob[0] & USED else _MARKED[blob[0]] + blob[1:]
+
+
+def unmarked(blob: bytes) -> bytes:
+    """``blob`` not marked used: itself if it is not, else a copy without the mark."""
+    return _UNMARKED[blob[0]] + blob[1:] if blob[0] & USED else blob
 
 
 def usual(blob: bytes) -> bool:
