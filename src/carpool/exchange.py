@@ -257,16 +257,26 @@ async def relay(
     include_usage: bool,
     saved: Callable[[Answer], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """A flight's stream for one client; ``saved`` (a joiner's) is told the answer it got."""
-    async for chunk in broadcast.follow(include_usage):
-        yield chunk
+    """A flight's stream for one client: the frames there are at each turn joined into one
+    piece (``Broadcast.take``), the stream's end (or its error event) joined to the last.
+    ``saved`` (a joiner's) is told the answer it got once its stream has ended whole."""
+    sent = 0
+    while True:
+        done = broadcast.done  # (read first: a frame published after it would be missed)
+        piece, sent = broadcast.take(sent, include_usage)
+        if done and sent == len(broadcast.frames):
+            break
+        if piece:
+            yield piece
+        else:
+            await broadcast.wait_changed()
     if broadcast.error is not None:
-        yield api.error_event(broadcast.error)
-    else:
-        if saved is not None and broadcast.answer is not None:
-            saved(broadcast.answer)
-        if api.stream_end:
-            yield api.stream_end
+        yield piece + api.error_event(broadcast.error)
+        return
+    if piece or api.stream_end:
+        yield piece + api.stream_end
+    if saved is not None and broadcast.answer is not None:
+        saved(broadcast.answer)
 
 
 async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
