@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Callable
 from .answer import Answer
 from .errors import CarpoolError
 
-
 # The most one joined piece of frames holds (``take``), beyond one frame bigger than that.
 JOINED_BYTES = 64 * 1024
 

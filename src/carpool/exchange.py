@@ -1,8 +1,9 @@
 """The exchange with the upstream: one call, shaped for the upstream and read back.
 
 Contract:
-- ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default) and
-  failed over once if need be; counted (``upstream_calls``, routing decisions) and traced
+- ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default,
+  where there are replicas to choose among: the prompt is not even read otherwise) and failed
+  over once if need be; counted (``upstream_calls``, routing decisions) and traced
   (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself.
 - ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
@@ -45,6 +46,7 @@ from .errors import (
     UpstreamStreamBroken,
 )
 from .fingerprint import grant_of, names_of, requester
+from .identity import tenant_of
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
 from .request import Request
@@ -57,10 +59,13 @@ if TYPE_CHECKING:
 async def send(layers: Layers, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
     """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
     layers.stats.upstream_calls += 1
-    with layers.tracer.span("carpool.upstream") as span:
-        response, replica, decision = await layers.replicas.send(upstream_request, text)
-        span.set_attribute("carpool.replica", replica.name)
-        span.set_attribute("carpool.decision", decision.value)
+    if not layers.tracer.enabled:
+        response, _, decision = await layers.replicas.send(upstream_request, text)
+    else:
+        with layers.tracer.span("carpool.upstream") as span:
+            response, replica, decision = await layers.replicas.send(upstream_request, text)
+            span.set_attribute("carpool.replica", replica.name)
+            span.set_attribute("carpool.decision", decision.value)
     layers.stats.routing[decision.value] += 1
     return response
 
@@ -102,7 +107,7 @@ class Exchange:
         if response is None and request.kind == "embedding":
             response = await self.layers.batcher.embed(upstream_request)
         elif response is None:
-            response = await send(self.layers, upstream_request, _routing_text(request))
+            response = await send(self.layers, upstream_request, self._routing_text(request))
         if said is None or said == Outcome.MISS:
             # (An owner's hit or shared call says nothing of this requester's credentials: the
             # upstream did not see them.)
@@ -165,7 +170,7 @@ class Exchange:
                     request.query,
                     api.last_event,
                 ),
-                _routing_text(request),
+                self._routing_text(request),
             )
         except CarpoolError as error:
             return error_reply(error, Outcome.BYPASS, api)
@@ -188,12 +193,14 @@ class Exchange:
     def _judged(self, request: Request, status: int) -> None:
         """What the upstream's answer says of the requester's credentials (``identity.py``)."""
         if 200 <= status < 300:
-            self.layers.accepted.accept(
-                requester(request.headers, self.config),
-                grant_of(request, names_of(self.config.tenant)),
-            )
+            names = names_of(self.config.tenant)
+            self.layers.accepted.accept(tenant_of(request.headers, names), grant_of(request, names))
         elif status in (401, 403):
             self.layers.accepted.refuse(requester(request.headers, self.config))
+
+    def _routing_text(self, request: Request) -> str:
+        """The prompt for routing, where there is a choice to make (``ReplicaSet.chooses``)."""
+        return _routing_text(request) if self.layers.replicas.chooses else ""
 
 
 async def _consume(

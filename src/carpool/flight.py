@@ -50,6 +50,7 @@ from .window import FixedWindow, WindowPolicy
 log = logging.getLogger("carpool.flight")
 
 Lead = Callable[[Broadcast], Awaitable[Answer]]
+_TIMER_SLACK = 0.002  # seconds
 
 
 class JoinTimeout(TimeoutError):
@@ -103,7 +104,10 @@ class Ticket:
         await self._bounded(self.flight.broadcast.wait_started(), timeout)
 
     async def wait_done(self, timeout: float | None) -> None:
-        await self._bounded(self.flight.broadcast.wait_done(), timeout)
+        if self.leader or timeout is None:
+            await self.flight.broadcast.wait_done()  # (``_bounded``'s unbounded case, inline)
+        else:
+            await self._bounded(self.flight.broadcast.wait_done(), timeout)
 
     async def _bounded(self, waiting: Awaitable[None], timeout: float | None) -> None:
         if self.leader or timeout is None:
@@ -275,7 +279,9 @@ class FlightGroup:
         )
         if window > 0:
             flight.lingers_until = now + window
-            # Frees it if no request comes to find its window closed (``_lingering``).
-            asyncio.get_running_loop().call_later(window, self._free, flight)
+            # Frees it if no request comes to find its window closed (``_lingering``); a little
+            # after the window, so that a loop whose timers round to milliseconds (uvloop) does
+            # not fire it just before, only to set it again.
+            asyncio.get_running_loop().call_later(window + _TIMER_SLACK, self._free, flight)
         else:
             self.forget(flight.key, flight)

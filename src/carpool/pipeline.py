@@ -133,7 +133,10 @@ class Gateway:
 
     async def handle(self, client: ClientRequest) -> Reply:
         """One request to a cached endpoint, from its raw bytes to the reply (see ``_handle``)."""
-        with self.tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
+        tracer = self.layers.tracer
+        if not tracer.enabled:
+            return await self._handle(client)  # (nobody traces: not even a no-op span)
+        with tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
             reply = await self._handle(client)
             span.set_attribute("carpool.outcome", reply.outcome.value if reply.outcome else "")
             return reply
@@ -367,6 +370,9 @@ class Gateway:
     async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:
         # The join timeout bounds the wait for the flight's first sign of life (a frame, or the
         # whole answer): a leader that is streaming is not stuck, however long its answer.
+        if not request.stream and (ticket.leader or timeout is None):
+            await ticket.wait_done(None)  # (the same, in one wait: nothing bounds it)
+            return
         await ticket.wait_started(timeout)
         if not request.stream:
             await ticket.wait_done(None)

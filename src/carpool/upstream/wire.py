@@ -272,17 +272,17 @@ class Answer:
             self.release()
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it comes (each piece once); raises ``WireError`` if it stops short of its
-        end."""
+        """The body as it comes: what came since the last piece, joined (a chunked body's
+        chunks come one by one: a stream's frames, often dozens a read); raises ``WireError``
+        if it stops short of its end."""
         connection = self.connection
         while True:
             await connection.wait(NEWS)
-            if not connection.chunks:
-                return  # (the end)
             chunks = connection.chunks
+            if not chunks:
+                return  # (the end)
             connection.chunks = []
-            for chunk in chunks:
-                yield chunk
+            yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def release(self, drain: bool = False) -> None:
         if self._released:
@@ -497,8 +497,9 @@ class Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
-        if self.want == NEWS:
-            self._wake()
+        waiter = self.waiter
+        if waiter is not None and self.want == NEWS and not waiter.done():
+            waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         if self.interim:
