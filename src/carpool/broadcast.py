@@ -55,7 +55,7 @@ class Broadcast:
         self.remote = False
         self.cached = False
         self.on_publish: Callable[[], None] | None = None
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)
 
     @property
     def done(self) -> bool:
@@ -83,8 +83,8 @@ class Broadcast:
     def _wake(self) -> None:
         # Every waiter wakes once, then waits again with a future of its own (a cancelled
         # waiter cancels only its own).
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -93,7 +93,10 @@ class Broadcast:
         if self.done:
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        if self._waiters is None:
+            self._waiters = [waiter]
+        else:
+            self._waiters.append(waiter)
         await waiter
 
     async def wait_started(self) -> None:
