@@ -197,7 +197,6 @@ class Gateway:
                 return self._served(
                     route, Outcome.HIT, answer, request.stream, request.include_usage
                 )
-        _waiting(client)
         join_age = controls.max_age if controls.may_read else 0
         view = (
             semantic_view(request, key, self.config)
@@ -213,6 +212,7 @@ class Gateway:
             and not self.flights.joinable(key.key, join_age)
         ):
             assert self.semantic is not None  # (a view is made only with a semantic cache)
+            _waiting(client)
             with self.tracer.span("carpool.semantic") as span:
                 probe = await self.semantic.probe(view, read_age)
                 if probe.match is not None:
@@ -247,6 +247,9 @@ class Gateway:
         ticket = self.flights.acquire(
             key.key, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
+        # (Watched from now on, not before: the flight's task, made first, runs first, and its
+        # call goes out a turn of the loop sooner.)
+        _waiting(client)
         # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
         reply = await self._follow(
             route, ticket, request, key, partial(lead, alone=True), takeover=lead

@@ -52,6 +52,16 @@ class Entry:
         clients (``Answer.sse``) are not counted."""
         answer = self.answer
         frames = answer.frames
+        if (
+            frames is None
+            and not self.tags
+            and not self.namespace
+            and answer.usage_frame is None
+            and type(answer.created) is float
+            and type(self.expires) is float
+        ):
+            # The usual entry (every miss stores one): the same sum, its fixed part once.
+            return _USUAL + held(answer.body, answer.tokens, self.prompt_prefix)
         return (
             held(
                 self,
@@ -119,3 +129,10 @@ class Selector:
             or (self.namespace is not None and entry.namespace == self.namespace)
             or (self.prefix is not None and entry.prompt_prefix.startswith(self.prefix))
         )
+
+
+# What ``Entry.held`` counts of a usual entry (no frames, tags nor namespace; float times) besides
+# its body, tokens and prompt prefix: the Entry, the Answer, two floats and the Answer's dict.
+_sample = Answer("chat", b"", True)
+_USUAL = held(Entry(_sample, 0.5), _sample, 0.5, 0.25) + _SYNTHESIZED
+del _sample

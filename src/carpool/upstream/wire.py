@@ -10,8 +10,9 @@ Contract:
 - ``Pool``: the connections to one replica (``host``, ``port``; TLS with ``ssl``). At most
   ``limit`` are open at once; a request beyond waits, in turn, for one to be freed. An idle one
   is reused, the most recently used first, unless it has been idle for ``keepalive_s`` or more
-  (then it is closed: before the server drops it itself, which races with its reuse) or the
-  server closed it or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
+  (then it is closed: before the server drops it itself, which races with its reuse; the
+  oldest idle ones are closed so too whenever a connection comes back) or the server closed it
+  or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
 - ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) once, never retried
   (a POST may not be), on one connection, and returns an ``Answer`` once its status and headers
   have come, or (``whole``) once all of it has.
@@ -208,12 +209,16 @@ class Pool:
         return connection
 
     def release(self, connection: Connection) -> None:
-        """Back in the pool if it may be reused (its answer came whole, the server keeps it)."""
+        """Back in the pool if it may be reused (its answer came whole, the server keeps it);
+        the idle ones past their keep-alive closed meanwhile (the oldest first)."""
         if connection.reusable() and not self.closed:
             connection.finish()
             self.busy.discard(connection)
-            connection.idle_since = monotonic()
-            self.idle.append(connection)
+            idle, now = self.idle, monotonic()
+            while idle and now - idle[0].idle_since >= self.keepalive_s:
+                self.discard(idle.pop(0))
+            connection.idle_since = now
+            idle.append(connection)
             self._wake()
         else:
             self.discard(connection)
@@ -222,6 +227,12 @@ class Pool:
         """Closed, not reused."""
         self.busy.discard(connection)
         connection.close()
+
+    def forget(self, connection: Connection) -> None:
+        """A connection the server closed: out of the pool (it was idle, or busy)."""
+        self.busy.discard(connection)
+        if connection in self.idle:
+            self.idle.remove(connection)
 
     def _gone(self) -> None:
         """A connection closed (or never opened): its place is free."""
@@ -456,7 +467,7 @@ class Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(WireError("malformed or truncated answer", self.headed), exc)
 
     def eof_received(self) -> bool:
@@ -473,7 +484,7 @@ class Connection(asyncio.Protocol):
             else:
                 self._fail(WireError("malformed or truncated answer", True), exc)
         self.finish()
-        self.pool.busy.discard(self)
+        self.pool.forget(self)
         self._uncount()
 
     # -------------------------------------------------------------------------- the parser's
