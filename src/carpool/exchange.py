@@ -219,20 +219,23 @@ async def _consume(
     """
     api = api_of(kind)
     chunks: list[dict[str, Any]] = []
+    # (Bound once: this loop runs for every frame of every streamed miss.)
+    loads, failure, frame, usage_only = orjson.loads, api.failure, api.frame, api.usage_only
+    keep, publish = chunks.append, broadcast.publish
     async for payload in response.events():
         try:
-            chunk = orjson.loads(payload)
+            chunk = loads(payload)
         except orjson.JSONDecodeError:
             raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
-        if not isinstance(chunk, dict):
+        if type(chunk) is not dict:
             raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
-        error = api.failure(chunk)
+        error = failure(chunk)
         if error is not None:
             # The engine's own error object reaches the clients as it is (its message, type
             # and code), not a paraphrase.
             raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}", error)
-        chunks.append(chunk)
-        broadcast.publish(api.frame(payload, chunk), usage_only=api.usage_only(chunk))
+        keep(chunk)
+        publish(frame(payload, chunk), usage_only(chunk))
     body, complete = api.judge_stream(chunks, asked)
     return Answer(
         kind,
