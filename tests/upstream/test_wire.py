@@ -272,3 +272,24 @@ def test_a_header_with_a_tab_or_non_ascii_text_is_written_as_utf8():
     head = wire.request_head("/p", "h", {"x-a": "tab\there", "x-b": "caf\u00e9"}, 3)
     assert b"x-a: tab\there\r\n" in head and "x-b: café\r\n".encode() in head
     assert head.endswith(b"content-length: 3\r\n\r\n") and b"accept: */*\r\n" in head
+
+
+async def test_through_the_http_upstream_a_stream_that_ended_whole_keeps_its_connection(fake):
+    """aiohttp closed a stream's connection at its [DONE]: every streamed miss opened one."""
+    from carpool.config import LimitsConfig
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    upstream = HttpUpstream(fake.url, LimitsConfig())
+    body = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "stream": True}
+    try:
+        for _ in range(3):
+            response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
+            assert [payload async for payload in response.events()]
+            await response.aclose()
+        whole = {**body, "stream": False}
+        response = await upstream.send(UpstreamRequest("/chat/completions", whole))
+        assert response.status == 200 and b"answer 4 to a b c" in response.body
+    finally:
+        await upstream.aclose()
+    assert len({call.peer for call in fake.calls}) == 1
