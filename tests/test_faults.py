@@ -38,7 +38,6 @@ import tracemalloc
 from typing import Any
 
 import aiohttp
-import aiohttp.connector
 import httpx
 import orjson
 import pytest
@@ -48,6 +47,7 @@ from carpool.batching import KeyedBatcher
 from carpool.config import Config
 from carpool.fingerprint import RepeatMemo, fingerprint
 from carpool.request import ClientRequest, parse
+from carpool.upstream import wire
 from conftest import Served, redis_settings, run_gateway
 from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
 from fakes.waiting import eventually
@@ -643,8 +643,8 @@ async def test_an_upstream_connection_idle_for_as_long_as_the_upstream_keeps_it_
     await gw.chat("one")
     await gw.chat("two")
     assert fake.calls[1].peer == fake.calls[0].peer  # a pooled connection is reused...
-    real = aiohttp.connector.monotonic
-    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: real() + 4.5)
+    real = wire.monotonic
+    monkeypatch.setattr(wire, "monotonic", lambda: real() + 4.5)
     await gw.chat("three")  # ...but not once idle for 4.5 s
     assert fake.calls[2].peer != fake.calls[1].peer
 

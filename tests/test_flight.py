@@ -94,6 +94,40 @@ async def test_finished_flight_stays_joinable_for_the_window_then_is_gone():
     assert (await wait_answer(group.acquire("k", upstream)))[0].body == b"answer 2"
 
 
+class PerKeyWindow:
+    """A window policy that gives each key the window the test names."""
+
+    def __init__(self, windows: dict[str, float]) -> None:
+        self.windows = windows
+        self.longest = max(windows.values())
+
+    def arrival(self, key: str, now: float) -> None:
+        return None
+
+    def window(self, key: str, now: float, duration: float) -> float:
+        return self.windows[key]
+
+
+async def test_lingering_flights_nobody_asks_for_are_freed_as_their_windows_end():
+    """One timer frees them all (the earliest end first, whatever order they finished in), and
+    a clock held still keeps them until the windows end on it."""
+    clock = ManualClock()
+    group = FlightGroup(window=PerKeyWindow({"long": 0.08, "short": 0.02}), clock=clock)
+    for key in ("long", "short"):
+        upstream = Upstream()
+        upstream.release.set()
+        await wait_answer(group.acquire(key, upstream))
+    assert len(group) == 2
+    await asyncio.sleep(0.05)
+    assert len(group) == 2  # the loop's time passed, the group's clock did not
+    clock.advance(0.03)
+    await asyncio.sleep(0.05)
+    assert len(group) == 1 and group.get("long") is not None
+    clock.advance(0.05)
+    await asyncio.sleep(0.1)
+    assert len(group) == 0
+
+
 async def test_a_finished_flight_is_joined_only_while_younger_than_max_age():
     clock = ManualClock()
     group, upstream = FlightGroup(window=10, clock=clock), Upstream()

@@ -6,10 +6,16 @@ Contract (CONTRACT.md "Streaming"):
   client never slows the others (or the upstream).
 - ``follow`` yields every frame from the first one, so a client that joins late first receives
   every frame emitted so far, then the rest live; it returns when the broadcast has ended. The
-  caller then reads ``error`` / ``answer`` to end its own stream.
-- Frames are kept in one shared list, not copied per client: memory is one answer, not N.
+  caller then reads ``error`` / ``answer`` to end its own stream. ``take`` is the same read
+  without a generator: the frames from ``sent`` on that are there now, joined into one piece
+  of at most about ``JOINED_BYTES`` (a burst of frames is one write to a client, not one each),
+  for a caller that ``wait_changed``s for more.
+- Frames are kept in one shared list, not copied per client: memory is one answer, not N (and
+  at most one joined piece per client, which its transport holds until the client reads).
 - ``wait_started`` returns once there is a frame or an ending; ``wait_done`` once there is an
-  ending. Both can be bounded by the caller with ``asyncio.timeout``.
+  ending; ``wait_changed`` once anything was published or it ended (or at once if it has). All
+  can be bounded by the caller with ``asyncio.timeout``; a waiter costs one future, and a
+  publish wakes only the waiters there are.
 - ``on_publish`` (optional, sync, must not raise) is called after each frame is published: the
   cross-instance leader (``redis/flights.py``) uses it to forward frames to Redis.
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
@@ -25,6 +31,9 @@ from collections.abc import AsyncIterator, Callable
 from .answer import Answer
 from .errors import CarpoolError
 
+# The most one joined piece of frames holds (``take``), beyond one frame bigger than that.
+JOINED_BYTES = 64 * 1024
+
 
 class Broadcast:
     __slots__ = (
@@ -35,7 +44,7 @@ class Broadcast:
         "remote",
         "cached",
         "on_publish",
-        "_changed",
+        "_waiters",
     )
 
     def __init__(self) -> None:
@@ -46,7 +55,7 @@ class Broadcast:
         self.remote = False
         self.cached = False
         self.on_publish: Callable[[], None] | None = None
-        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)
 
     @property
     def done(self) -> bool:
@@ -56,7 +65,8 @@ class Broadcast:
         if usage_only:
             self.usage_frame = len(self.frames)
         self.frames.append(frame)
-        self._wake()
+        if self._waiters:
+            self._wake()
         if self.on_publish is not None:
             self.on_publish()
 
@@ -71,17 +81,51 @@ class Broadcast:
             self._wake()
 
     def _wake(self) -> None:
-        # One event per change: every waiter wakes once, then waits on the next one.
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        # Every waiter wakes once, then waits again with a future of its own (a cancelled
+        # waiter cancels only its own).
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait_changed(self) -> None:
+        """Until the next frame or the ending (at once if it has ended)."""
+        if self.done:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = [waiter]
+        else:
+            self._waiters.append(waiter)
+        await waiter
 
     async def wait_started(self) -> None:
         while not self.frames and not self.done:
-            await self._changed.wait()
+            await self.wait_changed()
 
     async def wait_done(self) -> None:
         while not self.done:
-            await self._changed.wait()
+            await self.wait_changed()
+
+    def take(self, sent: int, include_usage: bool) -> tuple[bytes, int]:
+        """(the frames from index ``sent`` on that are there now, joined, up to about
+        ``JOINED_BYTES``; the index to take from next): ``follow``'s read without a generator."""
+        frames = self.frames
+        end = len(frames)
+        if sent >= end:
+            return b"", sent
+        skip = None if include_usage else self.usage_frame
+        if end - sent == 1:
+            return (b"" if sent == skip else frames[sent]), end
+        pieces: list[bytes] = []
+        size = 0
+        while sent < end and size < JOINED_BYTES:
+            if sent != skip:
+                frame = frames[sent]
+                pieces.append(frame)
+                size += len(frame)
+            sent += 1
+        return b"".join(pieces), sent
 
     async def follow(self, include_usage: bool) -> AsyncIterator[bytes]:
         """Every frame so far, then the rest live, until the broadcast ends."""
@@ -94,4 +138,4 @@ class Broadcast:
                 sent += 1
             if self.done:
                 return
-            await self._changed.wait()
+            await self.wait_changed()

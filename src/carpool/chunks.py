@@ -240,19 +240,42 @@ class _Choice:
         return message
 
 
+# A chat chunk's choice that only adds text (nearly every chunk of a stream): its keys, and its
+# delta's. ``assemble`` takes it in one step, with the same result as ``_Choice.add``.
+_PLAIN_CHOICE = frozenset(("index", "delta", "logprobs", "finish_reason"))
+_PLAIN_DELTA = frozenset(("content",))
+_TOP_SKIP = frozenset(("object", "choices", "usage"))
+
+
 def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """The non-streaming body equivalent to the parsed chunks of one "chat"/"completion" stream."""
     top: dict[str, Any] = {}
+    # The top-level keys seen (and those skipped): a chunk with no other key has nothing more to
+    # say there (the usual case), but for a first non-null value of a key only null so far.
+    seen = set(_TOP_SKIP)
+    nulls: list[str] = []  # the keys of ``top`` whose value is still null
     choices: dict[Any, _Choice] = {}
     usage = None
+    chat = kind == "chat"
     for chunk in chunks:
         if not isinstance(chunk, dict):
             continue
-        for key, value in chunk.items():
-            if key in ("object", "choices", "usage"):
-                continue
-            if top.get(key) is None:  # the first non-null value; the key kept if ever seen
-                top[key] = value
+        if not chunk.keys() <= seen:
+            for key, value in chunk.items():
+                if key in _TOP_SKIP:
+                    continue
+                if top.get(key) is None:  # the first non-null value; the key kept if ever seen
+                    top[key] = value
+                    seen.add(key)
+            nulls = [key for key, value in top.items() if value is None]
+        elif nulls:  # (the same, for the only keys it can change)
+            filled = False
+            for key in nulls:
+                value = chunk.get(key)
+                if value is not None:
+                    top[key], filled = value, True
+            if filled:
+                nulls = [key for key in nulls if top[key] is None]
         if chunk.get("usage") is not None:
             usage = chunk["usage"]  # the last one: vLLM's continuous usage is cumulative
         choices_in = chunk.get("choices")
@@ -263,7 +286,20 @@ def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
             state = choices.get(index)
             if state is None:
                 state = choices[index] = _Choice(index)
-            state.add(kind, choice)
+            delta = choice.get("delta")
+            if (
+                chat
+                and state.content is not None
+                and type(delta) is dict
+                and delta.keys() == _PLAIN_DELTA
+                and type(delta["content"]) is str
+                and choice.get("finish_reason") is None
+                and choice.get("logprobs") is None
+                and choice.keys() <= _PLAIN_CHOICE
+            ):
+                state.content.append(delta["content"])  # (all ``add`` would do with it)
+            else:
+                state.add(kind, choice)
     body: dict[str, Any] = {
         "id": top.pop("id", None),
         "object": _OBJECT[kind],

@@ -1,8 +1,9 @@
 """The exchange with the upstream: one call, shaped for the upstream and read back.
 
 Contract:
-- ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default) and
-  failed over once if need be; counted (``upstream_calls``, routing decisions) and traced
+- ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default,
+  where there are replicas to choose among: the prompt is not even read otherwise) and failed
+  over once if need be; counted (``upstream_calls``, routing decisions) and traced
   (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself.
 - ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
@@ -45,6 +46,7 @@ from .errors import (
     UpstreamStreamBroken,
 )
 from .fingerprint import grant_of, names_of, requester
+from .identity import tenant_of
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
 from .request import Request
@@ -57,10 +59,13 @@ if TYPE_CHECKING:
 async def send(layers: Layers, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
     """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
     layers.stats.upstream_calls += 1
-    with layers.tracer.span("carpool.upstream") as span:
-        response, replica, decision = await layers.replicas.send(upstream_request, text)
-        span.set_attribute("carpool.replica", replica.name)
-        span.set_attribute("carpool.decision", decision.value)
+    if not layers.tracer.enabled:
+        response, _, decision = await layers.replicas.send(upstream_request, text)
+    else:
+        with layers.tracer.span("carpool.upstream") as span:
+            response, replica, decision = await layers.replicas.send(upstream_request, text)
+            span.set_attribute("carpool.replica", replica.name)
+            span.set_attribute("carpool.decision", decision.value)
     layers.stats.routing[decision.value] += 1
     return response
 
@@ -102,7 +107,7 @@ class Exchange:
         if response is None and request.kind == "embedding":
             response = await self.layers.batcher.embed(upstream_request)
         elif response is None:
-            response = await send(self.layers, upstream_request, _routing_text(request))
+            response = await send(self.layers, upstream_request, self._routing_text(request))
         if said is None or said == Outcome.MISS:
             # (An owner's hit or shared call says nothing of this requester's credentials: the
             # upstream did not see them.)
@@ -165,7 +170,7 @@ class Exchange:
                     request.query,
                     api.last_event,
                 ),
-                _routing_text(request),
+                self._routing_text(request),
             )
         except CarpoolError as error:
             return error_reply(error, Outcome.BYPASS, api)
@@ -188,12 +193,14 @@ class Exchange:
     def _judged(self, request: Request, status: int) -> None:
         """What the upstream's answer says of the requester's credentials (``identity.py``)."""
         if 200 <= status < 300:
-            self.layers.accepted.accept(
-                requester(request.headers, self.config),
-                grant_of(request, names_of(self.config.tenant)),
-            )
+            names = names_of(self.config.tenant)
+            self.layers.accepted.accept(tenant_of(request.headers, names), grant_of(request, names))
         elif status in (401, 403):
             self.layers.accepted.refuse(requester(request.headers, self.config))
+
+    def _routing_text(self, request: Request) -> str:
+        """The prompt for routing, where there is a choice to make (``ReplicaSet.chooses``)."""
+        return _routing_text(request) if self.layers.replicas.chooses else ""
 
 
 async def _consume(
@@ -212,20 +219,23 @@ async def _consume(
     """
     api = api_of(kind)
     chunks: list[dict[str, Any]] = []
+    # (Bound once: this loop runs for every frame of every streamed miss.)
+    loads, failure, frame, usage_only = orjson.loads, api.failure, api.frame, api.usage_only
+    keep, publish = chunks.append, broadcast.publish
     async for payload in response.events():
         try:
-            chunk = orjson.loads(payload)
+            chunk = loads(payload)
         except orjson.JSONDecodeError:
             raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
-        if not isinstance(chunk, dict):
+        if type(chunk) is not dict:
             raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
-        error = api.failure(chunk)
+        error = failure(chunk)
         if error is not None:
             # The engine's own error object reaches the clients as it is (its message, type
             # and code), not a paraphrase.
             raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}", error)
-        chunks.append(chunk)
-        broadcast.publish(api.frame(payload, chunk), usage_only=api.usage_only(chunk))
+        keep(chunk)
+        publish(frame(payload, chunk), usage_only(chunk))
     body, complete = api.judge_stream(chunks, asked)
     return Answer(
         kind,
@@ -257,16 +267,26 @@ async def relay(
     include_usage: bool,
     saved: Callable[[Answer], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """A flight's stream for one client; ``saved`` (a joiner's) is told the answer it got."""
-    async for chunk in broadcast.follow(include_usage):
-        yield chunk
+    """A flight's stream for one client: the frames there are at each turn joined into one
+    piece (``Broadcast.take``), the stream's end (or its error event) joined to the last.
+    ``saved`` (a joiner's) is told the answer it got once its stream has ended whole."""
+    sent = 0
+    while True:
+        done = broadcast.done  # (read first: a frame published after it would be missed)
+        piece, sent = broadcast.take(sent, include_usage)
+        if done and sent == len(broadcast.frames):
+            break
+        if piece:
+            yield piece
+        else:
+            await broadcast.wait_changed()
     if broadcast.error is not None:
-        yield api.error_event(broadcast.error)
-    else:
-        if saved is not None and broadcast.answer is not None:
-            saved(broadcast.answer)
-        if api.stream_end:
-            yield api.stream_end
+        yield piece + api.error_event(broadcast.error)
+        return
+    if piece or api.stream_end:
+        yield piece + api.stream_end
+    if saved is not None and broadcast.answer is not None:
+        saved(broadcast.answer)
 
 
 async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:

@@ -30,13 +30,16 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
 Time: the window a finished flight lingers and the age of a finished flight (``max_age``) are read
 from the group's ``clock.monotonic()`` (``carpool.clock``; the system's unless given another): a
 lingering flight is gone for every request from the instant its window ends. Join timeouts run
-on the event loop's time; the timer that frees a lingering flight no one asks for runs on it too,
-but frees the flight only once its window has ended on the clock.
+on the event loop's time; so does the one timer of the group that frees the lingering flights no
+one asks for (set for the earliest end of a window), but it frees a flight only once its window
+has ended on the clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +53,7 @@ from .window import FixedWindow, WindowPolicy
 log = logging.getLogger("carpool.flight")
 
 Lead = Callable[[Broadcast], Awaitable[Answer]]
+_TIMER_SLACK = 0.002  # seconds
 
 
 class JoinTimeout(TimeoutError):
@@ -103,7 +107,10 @@ class Ticket:
         await self._bounded(self.flight.broadcast.wait_started(), timeout)
 
     async def wait_done(self, timeout: float | None) -> None:
-        await self._bounded(self.flight.broadcast.wait_done(), timeout)
+        if self.leader or timeout is None:
+            await self.flight.broadcast.wait_done()  # (``_bounded``'s unbounded case, inline)
+        else:
+            await self._bounded(self.flight.broadcast.wait_done(), timeout)
 
     async def _bounded(self, waiting: Awaitable[None], timeout: float | None) -> None:
         if self.leader or timeout is None:
@@ -155,6 +162,12 @@ class FlightGroup:
         self.waiters = 0  # tickets not yet released, for /stats and metrics
         self.epoch = 0  # invalidations so far (``forget_all``)
         self._flights: dict[str, Flight] = {}
+        # The lingering flights by the end of their window (a heap), and the one timer that
+        # frees them: one tuple a flight, not a timer each (objects the collector would walk).
+        self._ends: list[tuple[float, int, Flight]] = []
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when it fires, on the group's clock
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -222,14 +235,33 @@ class FlightGroup:
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
 
-    def _free(self, flight: Flight) -> None:
-        """The timer of a lingering flight: gone once its window ended on the group's clock
-        (which a test may hold still: then it looks again when the window would end)."""
-        left = (flight.lingers_until or 0.0) - self.clock.monotonic()
-        if left > 0 and self._flights.get(flight.key) is flight:
-            asyncio.get_running_loop().call_later(left, self._free, flight)
-        else:
+    def _linger(self, flight: Flight, until: float, now: float) -> None:
+        """Keep the finished ``flight`` joinable until ``until``: then the timer frees it."""
+        flight.lingers_until = until
+        heapq.heappush(self._ends, (until, next(self._order), flight))
+        if self._timer is None or until < self._timer_at:
+            self._arm(until, now)
+
+    def _arm(self, until: float, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = until
+        # A little after the window, so that a loop whose timers round to milliseconds (uvloop)
+        # does not fire just before it, only to be set again.
+        self._timer = asyncio.get_running_loop().call_later(until - now + _TIMER_SLACK, self._free)
+
+    def _free(self) -> None:
+        """The timer: the lingering flights whose window has ended on the group's clock are
+        gone (a test may hold that clock still: then it looks again when the next window
+        would end)."""
+        self._timer = None
+        now = self.clock.monotonic()
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            flight = heapq.heappop(ends)[2]
             self.forget(flight.key, flight)
+        if ends:
+            self._arm(ends[0][0], now)
 
     def _lingering(self, flight: Flight, now: float) -> Flight | None:
         """The finished ``flight`` if its window is still open at ``now``; else it is forgotten."""
@@ -244,6 +276,10 @@ class FlightGroup:
         self.epoch += 1
         dropped = len(self._flights)
         self._flights.clear()
+        self._ends.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         return dropped
 
     async def _run(self, flight: Flight, lead: Lead) -> None:
@@ -274,8 +310,7 @@ class FlightGroup:
             else 0
         )
         if window > 0:
-            flight.lingers_until = now + window
-            # Frees it if no request comes to find its window closed (``_lingering``).
-            asyncio.get_running_loop().call_later(window, self._free, flight)
+            # Freed by the timer if no request comes to find its window closed (``_lingering``).
+            self._linger(flight, now + window, now)
         else:
             self.forget(flight.key, flight)

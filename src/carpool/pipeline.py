@@ -135,7 +135,10 @@ class Gateway:
 
     async def handle(self, client: ClientRequest) -> Reply:
         """One request to a cached endpoint, from its raw bytes to the reply (see ``_handle``)."""
-        with self.tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
+        tracer = self.layers.tracer
+        if not tracer.enabled:
+            return await self._handle(client)  # (nobody traces: not even a no-op span)
+        with tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
             reply = await self._handle(client)
             span.set_attribute("carpool.outcome", reply.outcome.value if reply.outcome else "")
             return reply
@@ -196,7 +199,6 @@ class Gateway:
                 return self._served(
                     route, Outcome.HIT, answer, request.stream, request.include_usage
                 )
-        _waiting(client)
         join_age = controls.max_age if controls.may_read else 0
         view = (
             semantic_view(request, key, self.config)
@@ -212,6 +214,7 @@ class Gateway:
             and not self.flights.joinable(key.key, join_age)
         ):
             assert self.semantic is not None  # (a view is made only with a semantic cache)
+            _waiting(client)
             with self.tracer.span("carpool.semantic") as span:
                 probe = await self.semantic.probe(view, read_age)
                 if probe.match is not None:
@@ -246,6 +249,9 @@ class Gateway:
         ticket = self.flights.acquire(
             key.key, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
+        # (Watched from now on, not before: the flight's task, made first, runs first, and its
+        # call goes out a turn of the loop sooner.)
+        _waiting(client)
         # A joiner that timed out leads a fresh call of its own, not another wait elsewhere.
         reply = await self._follow(
             route, ticket, request, key, partial(lead, alone=True), takeover=lead
@@ -397,6 +403,9 @@ class Gateway:
     async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:
         # The join timeout bounds the wait for the flight's first sign of life (a frame, or the
         # whole answer): a leader that is streaming is not stuck, however long its answer.
+        if not request.stream and (ticket.leader or timeout is None):
+            await ticket.wait_done(None)  # (the same, in one wait: nothing bounds it)
+            return
         await ticket.wait_started(timeout)
         if not request.stream:
             await ticket.wait_done(None)

@@ -237,13 +237,16 @@ class _Watch:
         self.client_left = False
 
     def start(self) -> None:
-        if self.watcher is None:
+        if self.watcher is None and not self.finished:
             self.watcher = asyncio.get_running_loop().create_task(self._watch())
 
     def stop(self) -> None:
         self.finished = True
         if self.watcher is not None:
             self.watcher.cancel()
+            # Not kept: its cancellation's traceback holds this watch (the frames' ``self``),
+            # a cycle only the garbage collector would free, every request that waited.
+            self.watcher = None
 
     async def _watch(self) -> None:
         while True:

@@ -73,8 +73,9 @@ class AdaptiveWindow:
         self.base, self.low, self.high, self.tradeoff = base, low, max(low, high), tradeoff
         self.longest = max(base, self.high)  # (``base`` until a key has repeated enough)
         self.capacity = capacity
-        # key -> [last arrival, mean gap, gaps seen]
-        self._keys: LRU[str, list[float]] = LRU(max_entries=capacity)
+        # key -> (last arrival, mean gap, gaps seen): a tuple of numbers, which the garbage
+        # collector stops tracking (a hundred thousand lists it would walk every full pass)
+        self._keys: LRU[str, tuple[float, float, int]] = LRU(max_entries=capacity)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -82,12 +83,11 @@ class AdaptiveWindow:
     def arrival(self, key: str, now: float) -> None:
         seen = self._keys.get(key)  # now the most recently seen
         if seen is None:
-            self._keys.put(key, [now, 0.0, 0])
+            self._keys.put(key, (now, 0.0, 0))
             return
-        gap = now - seen[0]
-        seen[1] = gap if seen[2] == 0 else ALPHA * gap + (1 - ALPHA) * seen[1]
-        seen[0] = now
-        seen[2] += 1
+        last, mean, gaps = seen
+        gap = now - last
+        self._keys.put(key, (now, gap if gaps == 0 else ALPHA * gap + (1 - ALPHA) * mean, gaps + 1))
 
     def window(self, key: str, now: float, duration: float) -> float:
         seen = self._keys.peek(key)

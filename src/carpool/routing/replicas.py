@@ -1,7 +1,8 @@
 """The upstream replicas of one deployment: health, back-off, probing, failover and load.
 
 ``ReplicaSet.send(request, text)`` picks a replica with the routing policy among the eligible ones,
-sends, and returns ``(response, replica, decision)``:
+sends, and returns ``(response, replica, decision)`` (``chooses``: whether there is a choice at
+all, and so whether ``text`` matters):
 
 - Eligible: healthy replicas, plus downed ones whose back-off is over and that are not already
   being probed. One such request is the *probe*: success makes the replica healthy again, failure
@@ -123,10 +124,19 @@ class ReplicaSet:
     # -------------------------------------------------------------------------------------
     # Choosing
 
+    @property
+    def chooses(self) -> bool:
+        """Whether a request's replica is chosen by the policy (and its prompt matters): with
+        one replica, never (``choose``), and the prompt need not even be computed."""
+        return len(self.replicas) > 1
+
     def choose(
         self, text: str, exclude: Sequence[ReplicaState] = ()
     ) -> tuple[ReplicaState, Decision] | None:
         """The replica for the next attempt and why, or None when every replica is excluded."""
+        if not exclude and len(self.replicas) == 1:  # (the rest below, in short)
+            replica = self.replicas[0]
+            return replica, Decision.ONLY_HEALTHY if replica.healthy else Decision.PROBE
         now = self.clock()
         pool = [r for r in self.replicas if r not in exclude]
         if not pool:
@@ -190,6 +200,19 @@ class ReplicaSet:
             replica.probing = True
         replica.in_flight += 1
         replica.calls += 1
+        policy = self.policy
+        try:
+            policy.on_sent(text, replica)
+            response = await replica.upstream.send(request)
+        except BaseException:
+            replica.in_flight -= 1
+            policy.on_done(replica)
+            raise
+        replica.answered = True
+        if not response.streaming:
+            replica.in_flight -= 1
+            policy.on_done(replica)
+            return response
         released = False
 
         def release() -> None:
@@ -197,18 +220,7 @@ class ReplicaSet:
             if not released:
                 released = True
                 replica.in_flight -= 1
-                self.policy.on_done(replica)
-
-        try:
-            self.policy.on_sent(text, replica)
-            response = await replica.upstream.send(request)
-        except BaseException:
-            release()
-            raise
-        replica.answered = True
-        if not response.streaming:
-            release()
-            return response
+                policy.on_done(replica)
 
         async def close() -> None:
             try:

@@ -1,25 +1,32 @@
-"""A real OpenAI-compatible replica over pooled async HTTP (vLLM, SGLang, TGI, Ollama, OpenAI).
+"""A real OpenAI-compatible replica over pooled HTTP (vLLM, SGLang, TGI, Ollama, OpenAI).
 
 Contract (on top of ``upstream.base``):
-- One pooled ``aiohttp.ClientSession`` per replica, opened on first use (inside the event loop);
-  connect and read timeouts from ``limits``. aiohttp rather than httpx because this client is on
-  every miss and bypass: measured side by side on this machine, a keep-alive request costs
-  0.26 ms p50 through aiohttp and 0.55-0.68 ms through httpx (benchmarks/README.md).
-- Transport errors are translated here, the aiohttp error kept as ``__cause__``: a timeout ->
+- The calls of the cached endpoints (``send``: every miss and bypass) go through
+  ``upstream.wire``, a lean HTTP/1.1 client: one pool of kept connections per replica, opened on
+  first use (inside the event loop), at most ``limits.upstream_max_connections``; connect and
+  read timeouts from ``limits``. Measured on this machine, aiohttp spent about 0.25 ms of CPU on
+  each such call, this about a fifth of that (benchmarks/README.md). A stream that ended whole
+  gives its connection back to the pool; one left part-way closes it (the engine stops).
+- Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
+  replica, opened on first use, with the same limits.
+- Transport errors are translated here, the original error kept as ``__cause__``: a timeout ->
   ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event; an empty one included: its message says it sent nothing) ->
   ``UpstreamStreamBroken`` (502). Their messages
   reach clients: they name the replica by its ``label`` and say what happened in words
-  (``reason``), never an exception repr, an address or a credential.
+  (``reason``, ``wire.reason_of``), never an exception repr, an address or a credential.
 - Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
   configured one, or the URL without user, password, query and fragment; ``label`` is what
   clients may see (/healthz, error bodies): the configured name, or ``replica-<i>``.
 - A user and password in the URL are not sent as part of it: they become the ``Authorization:
-  Basic`` header of every call, in place of the client's (aiohttp refuses both at once).
+  Basic`` header of every call, in place of the client's.
+- The cached endpoints' calls go to the base URL's path plus the endpoint's, with the client's
+  query string as it came (after the base URL's own query, if it has one).
 - Pass-through sends the path it is given (already confined by ``carpool.paths``) verbatim under
   the base URL: checked once more here, and never re-quoted or dot-resolved on the way.
-- Request headers are forwarded except hop-by-hop ones and carpool's own controls; an upstream
+- Request headers are forwarded except hop-by-hop ones and carpool's own controls (written as
+  UTF-8; one holding a control character is refused, never sent); an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
@@ -31,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from urllib.parse import quote
 
@@ -42,6 +50,7 @@ from ..config import LimitsConfig
 from ..errors import UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
 from ..paths import confine
 from ..sse import SSEDecoder
+from . import wire
 from .base import NOT_FORWARDED, PassthroughResponse, UpstreamRequest, UpstreamResponse
 
 # Response headers not relayed by pass-through (the ASGI server frames the body itself).
@@ -151,7 +160,20 @@ class HttpUpstream:
             names = {name.lower() for name in credential_headers}
             self._auth, self._replaced = f"Bearer {api_key}", _CREDENTIAL_HEADERS | names
         self.limits = limits
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # pass-through's
+        # The cached endpoints' calls (``upstream.wire``): where to, and what to say.
+        bare = URL(self.base_url)
+        self._tls = bare.scheme == "https"
+        self._host = bare.raw_host or ""
+        self._port = bare.port or (443 if self._tls else 80)
+        self._netloc = f"[{self._host}]" if ":" in self._host else self._host
+        if bare.explicit_port is not None and bare.explicit_port != (443 if self._tls else 80):
+            self._netloc += f":{bare.explicit_port}"
+        self._path = bare.raw_path.rstrip("/")
+        # A query in the URL goes before the client's (and alone when it sent none).
+        self._base_query = bare.raw_query_string
+        self._query = self._base_query + "&" if self._base_query else ""
+        self._pool: wire.Pool | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -171,31 +193,66 @@ class HttpUpstream:
             )
         return self._session
 
+    def _wire(self) -> wire.Pool:
+        if self._pool is None:
+            self._pool = wire.Pool(
+                self._host,
+                self._port,
+                ssl=ssl.create_default_context() if self._tls else None,
+                limit=self.limits.upstream_max_connections,
+                connect_timeout=self.limits.upstream_connect_timeout,
+                read_timeout=self.limits.upstream_timeout,
+                keepalive_s=KEEPALIVE_S,
+            )
+        return self._pool
+
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         headers = forwarded_headers(request.headers)
+        if self._auth is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
+            headers["authorization"] = self._auth
         headers["content-type"] = "application/json"
         headers["accept-encoding"] = "identity"
-        url = self.base_url + request.path + ("?" + request.query if request.query else "")
-        response = await self._open("POST", url, orjson.dumps(request.body), headers)
-        content_type = response.headers.get("content-type", "")
-        if request.stream and 200 <= response.status < 300 and "text/event-stream" in content_type:
+        body = orjson.dumps(request.body)
+        query = self._query + request.query if request.query else self._base_query
+        target = self._path + request.path + ("?" + query if query else "")
+        head = wire.request_head(target, self._netloc, headers, len(body))
+        # A stream is read as it comes; anything else whole, in one wait.
+        whole = not request.stream
+        try:
+            answer = await self._wire().request(head + body, whole)
+        except wire.WireError as exc:
+            if exc.answered:
+                raise self._mid_answer(exc) from exc
+            if isinstance(exc, wire.WireTimeout):
+                raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
+            raise UpstreamUnreachable(
+                f"upstream {self.label} is unreachable ({exc.reason})"
+            ) from exc
+        status, content_type = answer.status, answer.content_type
+        if self._held and status in (401, 403):
+            # The upstream refused the gateway's own key: its answer may quote part of the key
+            # or name the account, and the client's key is not the one at fault. A 502 (the
+            # replica is left out as a failing one), the reason in the operator's log only.
+            answer.release()
+            raise UpstreamUnreachable(f"upstream {self.label} refused the gateway's key ({status})")
+        if request.stream and 200 <= status < 300 and "text/event-stream" in content_type:
             return UpstreamResponse(
-                response.status,
+                status,
                 {"content-type": content_type},
-                events=sse_payloads(response, request.last_event, f"upstream {self.label}"),
-                close=closer(response),
+                events=wire_payloads(answer, request.last_event, f"upstream {self.label}"),
+                close=answer.aclose,
             )
         try:
-            body = await response.read()
-        except _TIMEOUTS as exc:
-            raise UpstreamTimeout(f"upstream {self.label} timed out sending its answer") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(
-                f"upstream {self.label} failed mid-answer ({reason(exc)})"
-            ) from exc
-        finally:
-            response.release()
-        return UpstreamResponse(response.status, {"content-type": content_type}, body=body)
+            data = await answer.read()
+        except wire.WireError as exc:
+            raise self._mid_answer(exc) from exc
+        return UpstreamResponse(status, {"content-type": content_type}, body=data)
+
+    def _mid_answer(self, error: wire.WireError) -> UpstreamTimeout | UpstreamUnreachable:
+        if isinstance(error, wire.WireTimeout):
+            return UpstreamTimeout(f"upstream {self.label} timed out sending its answer")
+        return UpstreamUnreachable(f"upstream {self.label} failed mid-answer ({error.reason})")
 
     async def _open(
         self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
@@ -253,6 +310,9 @@ class HttpUpstream:
         return PassthroughResponse(response.status, relayed, content())
 
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._session is not None:
             await self._session.close()
 
@@ -292,6 +352,40 @@ async def sse_payloads(
         raise UpstreamStreamBroken(f"{who} stream broke ({reason(exc)})") from exc
     finally:
         response.close()
+
+
+async def wire_payloads(
+    answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
+) -> AsyncIterator[bytes]:
+    """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
+    pool once the stream ended whole, else it is closed (the upstream stops generating)."""
+    decoder = SSEDecoder()
+    sent = ended = False
+    try:
+        async for data in answer.chunks():
+            for event, payload in decoder.feed(data):
+                if payload == b"[DONE]":
+                    ended = True
+                    return
+                if event == "error" and not payload.startswith(b'{"error"'):
+                    payload = b'{"error":' + payload + b"}"
+                sent = True
+                yield payload
+                if last_event is not None and last_event(payload):
+                    ended = True
+                    return  # a typed stream's last event: it ended whole
+        if not sent:
+            raise UpstreamStreamBroken(
+                f"{who} ended its stream without sending anything (an input it could not take?)"
+            )
+        end = "[DONE]" if last_event is None else "its last event"
+        raise UpstreamStreamBroken(f"{who} ended its stream without {end}")
+    except wire.WireTimeout as exc:
+        raise UpstreamStreamBroken(f"{who} stalled mid-stream") from exc
+    except wire.WireError as exc:
+        raise UpstreamStreamBroken(f"{who} stream broke ({exc.reason})") from exc
+    finally:
+        answer.release(drain=ended)
 
 
 def closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:

@@ -1,0 +1,528 @@
+"""A lean HTTP/1.1 client for the upstream calls of the cached endpoints (``upstream.http``).
+
+Why not aiohttp here: every miss makes one such call, and through aiohttp one cost the gateway
+about 0.25 ms of CPU (its request and response objects, a task to write the body, a timer
+rescheduled on every read); this does only what those calls need, in about a fifth of that:
+one POST, its status, its content type and its body (whole, or as it comes for a stream), on
+a kept connection. Pass-through and the peers keep aiohttp (any method, bodies relayed raw).
+
+Contract:
+- ``Pool``: the connections to one replica (``host``, ``port``; TLS with ``ssl``). At most
+  ``limit`` are open at once; a request beyond waits, in turn, for one to be freed. An idle one
+  is reused, the most recently used first, unless it has been idle for ``keepalive_s`` or more
+  (then it is closed: before the server drops it itself, which races with its reuse; the
+  oldest idle ones are closed so too whenever a connection comes back) or the server closed it
+  or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
+- ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) once, never retried
+  (a POST may not be), on one connection, and returns an ``Answer`` once its status and headers
+  have come, or (``whole``) once all of it has.
+- ``Answer.read()`` the whole body; ``Answer.chunks()`` the body as it comes. ``release(drain)``
+  puts the connection back in the pool if the answer came to its end and the server keeps the
+  connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
+  connection goes back once the rest of the answer (its end) has come, if it does in time.
+  Otherwise it is closed, which tells the server the caller has gone (an engine then stops
+  generating). ``release`` is safe to call twice, and after a failure or a cancellation; a
+  request cancelled while it waits closes its connection.
+- Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS); ``read_timeout``
+  seconds without a byte from the server while it owes one (``WireTimeout``).
+- Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
+  (``reason_of``: no address, no repr); ``answered`` whether the status had come; the OS's or
+  the parser's error is its ``__cause__``. A header name or value with a control character
+  (but tab) is refused before anything is sent (``ValueError``, as aiohttp did: no header
+  injection through the library API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import re
+import socket
+import ssl as ssl_module
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+
+import httptools
+
+monotonic = time.monotonic  # the idle clock (a test moves it)
+
+# Request header text that would let a value end its line (RFC 9110 5.5: no CTL but HTAB).
+_FORBIDDEN_HEADER_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class WireError(Exception):
+    """A transport failure (see the module's contract)."""
+
+    def __init__(self, reason: str, answered: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.answered = answered
+
+
+class WireTimeout(WireError):
+    """No byte came from the server for ``read_timeout`` seconds, or no connection in time."""
+
+
+def reason_of(error: BaseException) -> str:
+    """What went wrong with a connection, in a few words fit for a client (no repr, no address)."""
+    if isinstance(error, WireError):
+        return error.reason
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    if isinstance(error, socket.gaierror):
+        return "name not resolved"
+    if isinstance(error, (ssl_module.SSLError, ssl_module.CertificateError)):
+        return "TLS handshake failed"
+    number = getattr(error, "errno", None)
+    if isinstance(error, ConnectionRefusedError) or number == errno.ECONNREFUSED:
+        return "connection refused"
+    if isinstance(error, ConnectionResetError) or number == errno.ECONNRESET:
+        return "connection reset"
+    if number in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "host unreachable"
+    if isinstance(error, OSError):
+        return "connection failed"
+    return "transport error"
+
+
+def request_head(target: str, host: str, headers: Mapping[str, str], length: int) -> bytes:
+    """A POST's head (request line and headers, ending with the blank line), UTF-8 (as aiohttp
+    wrote them). ``headers``' names lower-case; ``host``, ``content-length`` added here, and
+    ``accept`` (``*/*``) when absent, as aiohttp did."""
+    if _FORBIDDEN_HEADER_CHARS.search("\t".join([*headers, *headers.values()])) is not None:
+        raise ValueError(
+            "Forbidden control character detected in headers. Potential header injection attack."
+        )
+    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    accept = "" if "accept" in headers else "accept: */*\r\n"
+    return (
+        f"POST {target} HTTP/1.1\r\nhost: {host}\r\n{accept}{lines}content-length: {length}\r\n\r\n"
+    ).encode()
+
+
+class Pool:
+    """The kept connections to one replica (see the module's contract)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl: ssl_module.SSLContext | None = None,
+        limit: int = 1000,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 600.0,
+        keepalive_s: float = 4.0,
+    ) -> None:
+        self.host, self.port, self.ssl = host, port, ssl
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.keepalive_s = keepalive_s
+        self.open = 0  # connections open or being opened, counted against ``limit``
+        self.idle: list[Connection] = []  # the most recently used last
+        self.busy: set[Connection] = set()
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self.closed = False
+
+    async def request(self, data: bytes, whole: bool) -> Answer:
+        connection = self._idle() or await self._acquire()
+        connection.begin()
+        try:
+            connection.transport.write(data)  # type: ignore[union-attr]  # (connected)
+        except (OSError, RuntimeError) as exc:  # (closed under it)
+            self.discard(connection)
+            raise WireError("connection failed") from exc
+        try:
+            await connection.wait(END if whole else HEAD)
+        except BaseException:
+            self.discard(connection)
+            raise
+        return Answer(connection)
+
+    def _idle(self) -> Connection | None:
+        """The most recently used idle connection still fit for a request, if any."""
+        idle = self.idle
+        if not idle:
+            return None
+        now = monotonic()
+        while idle:
+            connection = idle.pop()
+            if not connection.lost and now - connection.idle_since < self.keepalive_s:
+                self.busy.add(connection)
+                return connection
+            self.discard(connection)
+        return None
+
+    async def _acquire(self) -> Connection:
+        while True:
+            connection = self._idle()
+            if connection is not None:
+                return connection
+            if self.closed:
+                raise WireError("connection failed")
+            if self.open < self.limit:
+                return await self._connect()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # (woken and cancelled at once: the turn goes on)
+                else:
+                    self._waiting.remove(waiter)
+                raise
+
+    async def _connect(self) -> Connection:
+        self.open += 1
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, connection = await loop.create_connection(
+                    lambda: Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl is not None else None,
+                )
+        except TimeoutError as exc:
+            self._gone()
+            raise WireTimeout("timed out") from exc
+        except BaseException as exc:
+            self._gone()
+            if isinstance(exc, (OSError, ssl_module.CertificateError)):
+                raise WireError(reason_of(exc)) from exc
+            raise
+        connection.counted = True
+        sock = connection.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        if self.closed:
+            connection.close()
+            raise WireError("connection failed")
+        self.busy.add(connection)
+        return connection
+
+    def release(self, connection: Connection) -> None:
+        """Back in the pool if it may be reused (its answer came whole, the server keeps it);
+        the idle ones past their keep-alive closed meanwhile (the oldest first)."""
+        if connection.reusable() and not self.closed:
+            connection.finish()
+            self.busy.discard(connection)
+            idle, now = self.idle, monotonic()
+            while idle and now - idle[0].idle_since >= self.keepalive_s:
+                self.discard(idle.pop(0))
+            connection.idle_since = now
+            idle.append(connection)
+            self._wake()
+        else:
+            self.discard(connection)
+
+    def discard(self, connection: Connection) -> None:
+        """Closed, not reused."""
+        self.busy.discard(connection)
+        connection.close()
+
+    def forget(self, connection: Connection) -> None:
+        """A connection the server closed: out of the pool (it was idle, or busy)."""
+        self.busy.discard(connection)
+        if connection in self.idle:
+            self.idle.remove(connection)
+
+    def _gone(self) -> None:
+        """A connection closed (or never opened): its place is free."""
+        self.open -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        waiting = self._waiting
+        while waiting:
+            waiter = waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        """Close every connection; requests after this fail."""
+        self.closed = True
+        for connection in [*self.idle, *self.busy]:
+            connection.close()
+        self.idle.clear()
+        self.busy.clear()
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # (it finds the pool closed)
+
+
+class Answer:
+    """An answer being read (see the module's contract)."""
+
+    __slots__ = ("connection", "status", "content_type", "_released")
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.status = connection.status
+        self.content_type = connection.content_type
+        self._released = False
+
+    async def read(self) -> bytes:
+        """The whole body; the connection back in the pool (or closed)."""
+        connection = self.connection
+        try:
+            await connection.wait(END)
+            chunks = connection.chunks
+            connection.chunks = []
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        finally:
+            self.release()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it comes: what came since the last piece, joined (a chunked body's
+        chunks come one by one: a stream's frames, often dozens a read); raises ``WireError``
+        if it stops short of its end."""
+        connection = self.connection
+        while True:
+            await connection.wait(NEWS)
+            chunks = connection.chunks
+            if not chunks:
+                return  # (the end)
+            connection.chunks = []
+            yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def release(self, drain: bool = False) -> None:
+        if self._released:
+            return
+        self._released = True
+        connection = self.connection
+        if drain and not connection.done and connection.failure is None and not connection.lost:
+            connection.drain()
+        else:
+            connection.pool.release(connection)
+
+    async def aclose(self) -> None:
+        self.release()
+
+
+# What a request waits for (``Connection.wait``).
+HEAD, NEWS, END = 0, 1, 2
+# How long a connection whose reader has all it wanted waits for the rest of its answer (the
+# end of a chunked body, after a stream's ``[DONE]``) to be reused, rather than closed.
+DRAIN_S = 1.0
+
+
+class Connection(asyncio.Protocol):
+    """One kept connection, and the answer it is reading (one at a time)."""
+
+    __slots__ = (
+        "pool",
+        "transport",
+        "parser",
+        "loop",
+        "counted",
+        "lost",
+        "idle_since",
+        "active",
+        "status",
+        "content_type",
+        "sized",
+        "interim",
+        "headed",
+        "done",
+        "keep_alive",
+        "draining",
+        "chunks",
+        "failure",
+        "waiter",
+        "want",
+        "last_read",
+        "timer",
+    )
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.loop = asyncio.get_running_loop()
+        self.counted = False  # against the pool's ``open``, until closed
+        self.lost = False  # closed, by either side
+        self.idle_since = 0.0
+        self.active = False  # a request is in progress
+        # The answer being read.
+        self.status = 0
+        self.content_type = ""
+        self.sized = False  # a Content-Length or chunked: the body does not end at EOF
+        self.interim = False  # a 1xx answer, before the real one
+        self.headed = False
+        self.done = False
+        self.keep_alive = False
+        self.draining = False
+        self.chunks: list[bytes] = []
+        self.failure: WireError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.want = HEAD
+        self.last_read = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    # -------------------------------------------------------------------------- a request
+
+    def begin(self) -> None:
+        self.active = True
+        self.status, self.content_type, self.sized, self.interim = 0, "", False, False
+        self.headed = self.done = self.keep_alive = self.draining = False
+        self.chunks = []
+        self.failure = None
+        self.last_read = now = self.loop.time()
+        self.timer = self.loop.call_at(now + self.pool.read_timeout, self._check_timeout)
+
+    async def wait(self, want: int) -> None:
+        """Until the answer's head has come (``HEAD``), a piece of its body or its end
+        (``NEWS``), or its end (``END``); raises its failure."""
+        if self.failure is None and not (
+            self.done or (want == HEAD and self.headed) or (want == NEWS and self.chunks)
+        ):
+            self.want = want
+            waiter = self.waiter = self.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self.waiter = None
+        if self.failure is not None and not (want == NEWS and self.chunks):
+            raise self.failure
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, failure: WireError, cause: BaseException | None = None) -> None:
+        if self.failure is None and not self.done:
+            failure.__cause__ = cause
+            self.failure = failure
+            self._wake()
+        self.close()
+
+    def _check_timeout(self) -> None:
+        self.timer = None
+        if not self.active or self.done:
+            return
+        left = self.last_read + self.pool.read_timeout - self.loop.time()
+        if left > 0:
+            self.timer = self.loop.call_later(left, self._check_timeout)
+        else:
+            self._fail(WireTimeout("timed out", self.headed))
+
+    def drain(self) -> None:
+        """Its reader is done: back in the pool once the rest of the answer has come, if it
+        comes within ``DRAIN_S``; else closed."""
+        self.draining = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.loop.call_later(DRAIN_S, self._drained)
+
+    def _drained(self) -> None:
+        self.timer = None
+        if self.draining:
+            self.pool.discard(self)
+
+    def reusable(self) -> bool:
+        return self.done and self.keep_alive and not self.lost and self.failure is None
+
+    def finish(self) -> None:
+        """The request is over (whether the connection is kept or not)."""
+        self.active = False
+        self.draining = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def close(self) -> None:
+        self.finish()
+        if self.transport is not None and not self.lost:
+            self.lost = True
+            self.transport.close()
+        self._uncount()
+
+    def _uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.pool._gone()
+
+    # -------------------------------------------------------------------------- the protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (a stream transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active or self.done:
+            # Nothing is owed: a server that speaks unasked (a 408 before it closes) is not
+            # to be trusted with the next request.
+            self.pool.discard(self)
+            return
+        self.last_read = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(WireError("malformed or truncated answer", self.headed), exc)
+
+    def eof_received(self) -> bool:
+        return False  # (the transport closes itself: ``connection_lost``)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.active and not self.done and self.failure is None:
+            if self.headed and not self.sized and exc is None:
+                self.on_message_complete()  # a body that ends with the connection
+            elif not self.headed:
+                reason = reason_of(exc) if exc is not None else "connection closed by the upstream"
+                self._fail(WireError(reason), exc)
+            else:
+                self._fail(WireError("malformed or truncated answer", True), exc)
+        self.finish()
+        self.pool.forget(self)
+        self._uncount()
+
+    # -------------------------------------------------------------------------- the parser's
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value.decode("latin-1")
+        elif name == b"content-length" or name == b"transfer-encoding":
+            self.sized = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200 and status != 101:
+            self.interim = True  # (100 Continue, 103 Early Hints: the answer is still to come)
+            return
+        self.status = status
+        self.headed = True
+        if self.want == HEAD:
+            self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        waiter = self.waiter
+        if waiter is not None and self.want == NEWS and not waiter.done():
+            waiter.set_result(None)
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            self.content_type, self.sized = "", False
+            return
+        self.done = True
+        self.keep_alive = not self.lost and self.parser.should_keep_alive()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.draining:
+            self.pool.release(self)
+        else:
+            self._wake()

@@ -1,0 +1,295 @@
+"""``carpool.upstream.wire``: the lean HTTP/1.1 client of the cached endpoints' upstream calls.
+
+Each test runs a raw asyncio server that answers exactly the bytes it is given, so that every
+way an answer can come (sized, chunked, until the connection ends, cut, late, interim) is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from carpool.upstream import wire
+
+# A server's answer to its n-th request.
+Respond = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Server:
+    """Counts connections and requests; ``handle`` answers each request."""
+
+    def __init__(self, handle: Respond) -> None:
+        self.handle = handle
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()
+        self.port = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                await self.handle(len(self.requests), reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+
+def answering(answer: bytes) -> Respond:
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        await writer.drain()
+
+    return handle
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Awaitable[tuple[Server, wire.Pool]]]]:
+    servers: list[asyncio.Server] = []
+    pools: list[wire.Pool] = []
+
+    async def start(handle: Respond, **pool: float) -> tuple[Server, wire.Pool]:
+        server = Server(handle)
+        listening = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+        servers.append(listening)
+        server.port = listening.sockets[0].getsockname()[1]
+        made = wire.Pool("127.0.0.1", server.port, **pool)  # type: ignore[arg-type]
+        pools.append(made)
+        return server, made
+
+    yield start
+    for made in pools:
+        made.close()
+    for listening in servers:
+        listening.close()
+
+
+def post(body: bytes = b"{}") -> bytes:
+    return wire.request_head("/v1/chat/completions", "127.0.0.1", {}, len(body)) + body
+
+
+async def test_a_whole_answer_is_read_and_its_connection_reused(serve):
+    server, pool = await serve(answering(OK))
+    for _ in range(3):
+        answer = await pool.request(post(), True)
+        assert (answer.status, answer.content_type) == (200, "application/json")
+        assert await answer.read() == b"{}"
+    assert server.connections == 1 and len(server.requests) == 3
+    assert server.requests[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1")
+
+
+async def test_the_most_recently_used_idle_connection_is_reused_and_a_stale_one_is_not(
+    serve, monkeypatch
+):
+    gate = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n <= 2:
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle)
+    first = asyncio.create_task(pool.request(post(), True))
+    second = asyncio.create_task(pool.request(post(), True))
+    await asyncio.sleep(0.05)
+    gate.set()
+    for task in (first, second):
+        await (await task).read()
+    assert server.connections == 2 and len(pool.idle) == 2
+    await (await pool.request(post(), True)).read()
+    assert server.connections == 2
+    real = wire.monotonic
+    monkeypatch.setattr(wire, "monotonic", lambda: real() + 4.5)
+    await (await pool.request(post(), True)).read()
+    assert server.connections == 3  # idle past keep-alive: both closed, a fresh one opened
+    assert pool.open == 1
+
+
+async def test_beyond_the_limit_a_request_waits_for_a_connection(serve):
+    gate = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+    first = asyncio.create_task(pool.request(post(), True))
+    second = asyncio.create_task(pool.request(post(), True))
+    await asyncio.sleep(0.05)
+    assert len(server.requests) == 1 and not second.done()
+    gate.set()
+    assert await (await first).read() == b"{}"
+    assert await (await second).read() == b"{}"
+    assert server.connections == 1
+
+
+async def test_a_stream_read_to_its_end_gives_its_connection_back(serve):
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(chunk(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")  # the end, after the [DONE]: the connection drains
+        await writer.drain()
+
+    server, pool = await serve(handle)
+    for _ in range(2):
+        answer = await pool.request(post(), False)
+        got = b""
+        async for data in answer.chunks():
+            got += data
+            if b"[DONE]" in got:
+                break
+        answer.release(drain=True)
+        await asyncio.sleep(0.05)
+        assert got == b"data: 1\n\ndata: [DONE]\n\n"
+    assert server.connections == 1
+
+
+async def test_a_stream_left_part_way_closes_its_connection(serve):
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await reader.read()  # (until the client goes)
+
+    server, pool = await serve(handle)
+    answer = await pool.request(post(), False)
+    async for _ in answer.chunks():
+        break
+    await answer.aclose()
+    await asyncio.wait_for(server.closed.wait(), 5)  # the server saw the caller go
+    assert pool.open == 0
+
+
+async def test_a_body_that_ends_with_the_connection_is_whole_and_the_connection_not_kept(serve):
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"a": 1}')
+        await writer.drain()
+        writer.close()
+
+    server, pool = await serve(handle)
+    assert await (await pool.request(post(), True)).read() == b'{"a": 1}'
+    assert await (await pool.request(post(), True)).read() == b'{"a": 1}'
+    assert server.connections == 2
+
+
+async def test_an_interim_answer_is_skipped(serve):
+    server, pool = await serve(answering(b"HTTP/1.1 100 Continue\r\n\r\n" + OK))
+    answer = await pool.request(post(), True)
+    assert (answer.status, await answer.read()) == (200, b"{}")
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason", "answered"),
+    [
+        (b"", "connection closed by the upstream", False),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}", "malformed or truncated answer", True),
+        (b"NOT HTTP AT ALL\r\n\r\n", "malformed or truncated answer", False),
+    ],
+)
+async def test_an_answer_that_stops_short_is_a_failure_in_words(serve, answer, reason, answered):
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    _, pool = await serve(handle)
+    with pytest.raises(wire.WireError) as raised:
+        await (await pool.request(post(), True)).read()
+    assert (raised.value.reason, raised.value.answered) == (reason, answered)
+    assert pool.open == 0
+
+
+async def test_a_refused_connection_says_so():
+    pool = wire.Pool("127.0.0.1", 1)
+    with pytest.raises(wire.WireError, match="connection refused"):
+        await pool.request(post(), True)
+    assert pool.open == 0
+
+
+async def test_a_server_silent_for_the_read_timeout_times_out(serve):
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await reader.read()  # (until the client goes)
+
+    _, pool = await serve(handle, read_timeout=0.2)
+    answer = await pool.request(post(), False)
+    with pytest.raises(wire.WireTimeout):
+        async for _ in answer.chunks():
+            pass
+    assert pool.open == 0
+
+
+async def test_a_request_cancelled_while_it_waits_closes_its_connection(serve):
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # (until the client goes)
+
+    server, pool = await serve(handle)
+    task = asyncio.create_task(pool.request(post(), True))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(server.closed.wait(), 5)
+    assert pool.open == 0 and not pool.busy
+
+
+@pytest.mark.parametrize("value", ["a\r\nx-injected: 1", "a\nb", "a\x00b"])
+def test_a_header_with_a_control_character_is_refused(value):
+    with pytest.raises(ValueError, match="header injection"):
+        wire.request_head("/v1/chat/completions", "h", {"x-custom": value}, 0)
+
+
+def test_a_header_with_a_tab_or_non_ascii_text_is_written_as_utf8():
+    head = wire.request_head("/p", "h", {"x-a": "tab\there", "x-b": "caf\u00e9"}, 3)
+    assert b"x-a: tab\there\r\n" in head and "x-b: café\r\n".encode() in head
+    assert head.endswith(b"content-length: 3\r\n\r\n") and b"accept: */*\r\n" in head
+
+
+async def test_through_the_http_upstream_a_stream_that_ended_whole_keeps_its_connection(fake):
+    """aiohttp closed a stream's connection at its [DONE]: every streamed miss opened one."""
+    from carpool.config import LimitsConfig
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    upstream = HttpUpstream(fake.url, LimitsConfig())
+    body = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "stream": True}
+    try:
+        for _ in range(3):
+            response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
+            assert [payload async for payload in response.events()]
+            await response.aclose()
+        whole = {**body, "stream": False}
+        response = await upstream.send(UpstreamRequest("/chat/completions", whole))
+        assert response.status == 200 and b"answer 4 to a b c" in response.body
+    finally:
+        await upstream.aclose()
+    assert len({call.peer for call in fake.calls}) == 1
