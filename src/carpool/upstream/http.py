@@ -317,24 +317,66 @@ class HttpUpstream:
             await self._session.close()
 
 
-async def sse_payloads(
+def sse_payloads(
     response: aiohttp.ClientResponse, last_event: Callable[[bytes], bool] | None, who: str
 ) -> AsyncIterator[bytes]:
-    """The ``data:`` payloads of an SSE answer (``upstream.base``: until ``[DONE]`` or a typed
-    stream's last event, else ``UpstreamStreamBroken``); ``who`` names the sender in errors
-    (``upstream <label>``; a peer worker's answer is read so too, ``carpool.peers``)."""
+    """The ``data:`` payloads of an SSE answer read by aiohttp (``_payloads``); ``who`` names
+    the sender in errors (``upstream <label>``; a peer worker's answer is read so too,
+    ``carpool.peers``). The response is closed at the end, however it ends."""
+    return _payloads(
+        response.content.iter_any(),
+        last_event,
+        who,
+        timeouts=_TIMEOUTS,
+        errors=(aiohttp.ClientError,),
+        reason=reason,
+        done=lambda _ended: response.close(),
+    )
+
+
+def wire_payloads(
+    answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
+) -> AsyncIterator[bytes]:
+    """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
+    pool once the stream ended whole, else it is closed (the upstream stops generating)."""
+    return _payloads(
+        answer.chunks(),
+        last_event,
+        who,
+        timeouts=(wire.WireTimeout,),
+        errors=(wire.WireError,),
+        reason=wire.reason_of,
+        done=lambda ended: answer.release(drain=ended),
+    )
+
+
+async def _payloads(
+    chunks: AsyncIterator[bytes],
+    last_event: Callable[[bytes], bool] | None,
+    who: str,
+    *,
+    timeouts: tuple[type[BaseException], ...],
+    errors: tuple[type[BaseException], ...],
+    reason: Callable[[BaseException], str],
+    done: Callable[[bool], None],
+) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an SSE body (``upstream.base``: until ``[DONE]`` or a typed
+    stream's last event, else ``UpstreamStreamBroken``), whichever client reads it: its
+    ``timeouts`` and ``errors`` become ``UpstreamStreamBroken``; ``done(ended whole)`` at the end."""
     decoder = SSEDecoder()
-    sent = False
+    sent = ended = False
     try:
-        async for data in response.content.iter_any():
+        async for data in chunks:
             for event, payload in decoder.feed(data):
                 if payload == b"[DONE]":
+                    ended = True
                     return
                 if event == "error" and not payload.startswith(b'{"error"'):
                     payload = b'{"error":' + payload + b"}"
                 sent = True
                 yield payload
                 if last_event is not None and last_event(payload):
+                    ended = True
                     return  # a typed stream's last event: it ended whole
         # The body ended cleanly but the stream did not: a server that stopped (a crash, a
         # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
@@ -346,46 +388,12 @@ async def sse_payloads(
             )
         end = "[DONE]" if last_event is None else "its last event"
         raise UpstreamStreamBroken(f"{who} ended its stream without {end}")
-    except _TIMEOUTS as exc:
+    except timeouts as exc:
         raise UpstreamStreamBroken(f"{who} stalled mid-stream") from exc
-    except aiohttp.ClientError as exc:
+    except errors as exc:
         raise UpstreamStreamBroken(f"{who} stream broke ({reason(exc)})") from exc
     finally:
-        response.close()
-
-
-async def wire_payloads(
-    answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
-) -> AsyncIterator[bytes]:
-    """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
-    pool once the stream ended whole, else it is closed (the upstream stops generating)."""
-    decoder = SSEDecoder()
-    sent = ended = False
-    try:
-        async for data in answer.chunks():
-            for event, payload in decoder.feed(data):
-                if payload == b"[DONE]":
-                    ended = True
-                    return
-                if event == "error" and not payload.startswith(b'{"error"'):
-                    payload = b'{"error":' + payload + b"}"
-                sent = True
-                yield payload
-                if last_event is not None and last_event(payload):
-                    ended = True
-                    return  # a typed stream's last event: it ended whole
-        if not sent:
-            raise UpstreamStreamBroken(
-                f"{who} ended its stream without sending anything (an input it could not take?)"
-            )
-        end = "[DONE]" if last_event is None else "its last event"
-        raise UpstreamStreamBroken(f"{who} ended its stream without {end}")
-    except wire.WireTimeout as exc:
-        raise UpstreamStreamBroken(f"{who} stalled mid-stream") from exc
-    except wire.WireError as exc:
-        raise UpstreamStreamBroken(f"{who} stream broke ({exc.reason})") from exc
-    finally:
-        answer.release(drain=ended)
+        done(ended)
 
 
 def closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
