@@ -17,6 +17,7 @@ from carpool.config import Config
 from carpool.server import GatewayApp, create_app
 from carpool.wiring import build_gateway
 from fakes.serving import ServedApp, serve_app_with_server
+from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
 
@@ -250,3 +251,57 @@ async def test_hits_answered_as_parsed_are_counted_in_stats_and_metrics(fake):
     assert counted.answered == 3
     assert stats["hits"] == 3
     assert 'carpool_request_duration_seconds_count{outcome="hit"} 3.0' in metrics
+
+
+async def test_a_request_behind_a_hit_in_the_same_read_is_not_cut_by_the_keep_alive_timer(fake):
+    async with _gateway(fake) as (served, _):
+        await _store(served, _body("stored"))
+        fake.gate = asyncio.Event()  # the miss's call waits
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body("stored")) + _request(_body("new")))  # in one write
+            await fake.wait_for_calls(2)
+            (connection,) = served.server.server_state.connections
+            # While the miss is being answered, no timer may close its connection (the hit's
+            # response armed one, within the read that brought the miss).
+            assert connection.timeout_keep_alive_task is None
+            fake.gate.set()
+            outcomes = [(await _response(reader))[1]["x-carpool"] for _ in range(2)]
+    assert outcomes == ["hit", "miss"]
+
+
+async def test_a_client_that_does_not_read_is_not_sent_answers_without_end(fake):
+    """Repeats pipelined by a client that reads nothing: answered here only while the
+    connection can take more; then the ASGI path waits for the client, and reading pauses."""
+    fake.answer_text = lambda number, body: "w " * 150_000  # a 300 KB stored answer
+    async with _gateway(fake) as (served, _):
+        body = _body("large")
+        answer = await _store(served, body)
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        try:
+            writer.write(_request(body) * 60)  # 18 MB of answers asked for, none read
+            state = served.server.server_state
+            await eventually(lambda: bool(state.tasks), what="the ASGI path taking over")
+            (connection,) = state.connections
+            buffered = connection.transport.get_write_buffer_size()
+        finally:
+            writer.transport.abort()
+    assert buffered < 4 * len(answer)  # (every answer at once: 60 x 300 KB, less the kernel's)
+
+
+async def test_a_failure_answering_at_once_is_logged_and_the_request_goes_the_asgi_way(
+    fake, caplog
+):
+    async with _gateway(fake) as (served, counted):
+        body = _body()
+        await _store(served, body)
+        gateway = served.server.config.loaded_app.app.gateway
+
+        def broken(client: Any) -> None:
+            raise RuntimeError("a bug")
+
+        gateway.repeat_now = broken
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(body))
+            status, headers, _ = await _response(reader)
+    assert (status, headers["x-carpool"]) == (200, "hit")  # (the ASGI path's hit)
+    assert "answering a repeat at once failed" in caplog.text

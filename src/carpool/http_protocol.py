@@ -30,6 +30,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -37,6 +38,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from .request import ENDPOINTS
 
 __all__ = ["GatewayProtocol", "protocol"]
+
+log = logging.getLogger("carpool.server")
 
 _ENDPOINTS = frozenset(path.encode("ascii") for path in ENDPOINTS)
 _POST = b"POST"
@@ -66,6 +69,12 @@ class GatewayProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self.held is not None:  # its body did not all come in this read: uvicorn's
             self._hand_over(complete=False)
+
+    def on_message_begin(self) -> None:
+        # A response answered here, within this read, armed the keep-alive timer; uvicorn
+        # disarms it only when a read begins, and this request came in the same read.
+        self._unset_keepalive_if_required()
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         target = self._held_target()
@@ -107,6 +116,9 @@ class GatewayProtocol(HttpToolsProtocol):
             or (self.cycle is not None and not self.cycle.response_complete)
             or self.pipeline
             or self.transport.is_closing()
+            # The client does not read what it was sent: the ASGI path waits for it to (and
+            # pauses the requests behind), where answering here would only pile answers up.
+            or self.flow.write_paused
         ):
             return None
         # The path as sent (origin form): one that needs decoding, or with a fragment, or in
@@ -121,7 +133,11 @@ class GatewayProtocol(HttpToolsProtocol):
         assert self.gateway_app is not None and self.held is not None
         body = self.held[0] if len(self.held) == 1 else b"".join(self.held)
         path, query = self.held_target
-        answered = self.gateway_app.answer_now(path, self.headers, query, body)
+        try:
+            answered = self.gateway_app.answer_now(path, self.headers, query, body)
+        except Exception:  # (a bug: not the client's; raised here, httptools would say 400)
+            log.exception("answering a repeat at once failed; it goes the ASGI way")
+            return False
         if answered is None:
             return False
         self.held = None
@@ -136,7 +152,10 @@ class GatewayProtocol(HttpToolsProtocol):
             content += (name, b": ", value, b"\r\n")
         content += (b"\r\n", reply.body)
         self.transport.write(b"".join(content))
-        reply.close()
+        try:
+            reply.close()
+        except Exception:  # (sent already: nothing else may follow it on the wire)
+            log.exception("closing a reply answered at once failed")
         # As after any response: counted, reading resumed, the keep-alive timer armed.
         self.on_response_complete()
         return True

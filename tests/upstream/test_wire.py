@@ -268,6 +268,12 @@ def test_a_header_with_a_control_character_is_refused(value):
         wire.request_head("/v1/chat/completions", "h", {"x-custom": value}, 0)
 
 
+@pytest.mark.parametrize("name", ["x-a:b", "x a", "x\ta", "", "x-\u00e9"])
+def test_a_header_name_that_is_not_a_token_is_refused(name):
+    with pytest.raises(ValueError, match="header injection"):
+        wire.request_head("/v1/chat/completions", "h", {name: "v"}, 0)
+
+
 def test_a_header_with_a_tab_or_non_ascii_text_is_written_as_utf8():
     head = wire.request_head("/p", "h", {"x-a": "tab\there", "x-b": "caf\u00e9"}, 3)
     assert b"x-a: tab\there\r\n" in head and "x-b: café\r\n".encode() in head
@@ -293,3 +299,40 @@ async def test_through_the_http_upstream_a_stream_that_ended_whole_keeps_its_con
     finally:
         await upstream.aclose()
     assert len({call.peer for call in fake.calls}) == 1
+
+
+@pytest.mark.parametrize(
+    "unasked",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 4\r\n\r\nEVIL",
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 20\r\n\r\n",
+    ],
+    ids=["a whole answer", "a head"],
+)
+async def test_bytes_after_an_answer_are_not_taken_for_it_and_its_connection_is_not_reused(
+    serve, unasked
+):
+    error = (
+        b'HTTP/1.1 500 Oops\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\n{"e":"x"}'
+    )
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(error + unasked if n == 1 else OK)  # (in one write: one read, likely)
+        await writer.drain()
+
+    server, pool = await serve(handle)
+    first = await pool.request(post(), True)
+    assert (first.status, first.content_type) == (500, "application/json")
+    assert await first.read() == b'{"e":"x"}'
+    assert not pool.idle  # never reused
+    second = await pool.request(post(), True)
+    assert (second.status, await second.read()) == (200, b"{}")
+    assert server.connections == 2
+
+
+async def test_a_chunked_answers_trailers_are_not_its_head(serve):
+    trailed = CHUNKED_HEAD + chunk(b"data: 1\n\n") + b"0\r\ncontent-type: text/plain\r\n\r\n"
+    _, pool = await serve(answering(trailed))
+    answer = await pool.request(post(), True)
+    assert answer.content_type == "text/event-stream"
+    assert await answer.read() == b"data: 1\n\n"

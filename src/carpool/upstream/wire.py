@@ -49,6 +49,8 @@ monotonic = time.monotonic  # the idle clock (a test moves it)
 
 # Request header text that would let a value end its line (RFC 9110 5.5: no CTL but HTAB).
 _FORBIDDEN_HEADER_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# A header name is a token (RFC 9110 5.1): no space, tab, colon or separator in it.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class WireError(Exception):
@@ -90,7 +92,9 @@ def request_head(target: str, host: str, headers: Mapping[str, str], length: int
     """A POST's head (request line and headers, ending with the blank line), UTF-8 (as aiohttp
     wrote them). ``headers``' names lower-case; ``host``, ``content-length`` added here, and
     ``accept`` (``*/*``) when absent, as aiohttp did."""
-    if _FORBIDDEN_HEADER_CHARS.search("\t".join([*headers, *headers.values()])) is not None:
+    if _FORBIDDEN_HEADER_CHARS.search("\t".join(headers.values())) is not None or not all(
+        map(_TOKEN.fullmatch, headers)
+    ):
         raise ValueError(
             "Forbidden control character detected in headers. Potential header injection attack."
         )
@@ -335,6 +339,7 @@ class Connection(asyncio.Protocol):
         "headed",
         "done",
         "keep_alive",
+        "unasked",
         "draining",
         "chunks",
         "failure",
@@ -361,6 +366,9 @@ class Connection(asyncio.Protocol):
         self.headed = False
         self.done = False
         self.keep_alive = False
+        # Bytes came after the answer (a second response nobody asked for): the connection is
+        # never reused, and nothing of them is taken for the answer.
+        self.unasked = False
         self.draining = False
         self.chunks: list[bytes] = []
         self.failure: WireError | None = None
@@ -489,7 +497,14 @@ class Connection(asyncio.Protocol):
 
     # -------------------------------------------------------------------------- the parser's
 
+    def on_message_begin(self) -> None:
+        if self.done:  # (httptools goes on parsing what follows an answer in the same read)
+            self.unasked = True
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.headed or self.unasked:
+            return  # a chunked body's trailers, or an unasked answer's: not the answer's head
         name = name.lower()
         if name == b"content-type":
             self.content_type = value.decode("latin-1")
@@ -497,6 +512,8 @@ class Connection(asyncio.Protocol):
             self.sized = True
 
     def on_headers_complete(self) -> None:
+        if self.unasked:
+            return
         status = self.parser.get_status_code()
         if status < 200 and status != 101:
             self.interim = True  # (100 Continue, 103 Early Hints: the answer is still to come)
@@ -507,12 +524,16 @@ class Connection(asyncio.Protocol):
             self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.unasked:
+            return
         self.chunks.append(body)
         waiter = self.waiter
         if waiter is not None and self.want == NEWS and not waiter.done():
             waiter.set_result(None)
 
     def on_message_complete(self) -> None:
+        if self.unasked:
+            return
         if self.interim:
             self.interim = False
             self.content_type, self.sized = "", False
