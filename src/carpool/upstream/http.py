@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import errno
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from urllib.parse import quote
@@ -116,16 +115,11 @@ def reason(error: BaseException) -> str:
     if isinstance(error, aiohttp.ClientPayloadError):
         return "malformed or truncated answer"
     cause = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
-    number = getattr(cause, "errno", None)
-    if isinstance(cause, ConnectionRefusedError) or number == errno.ECONNREFUSED:
-        return "connection refused"
-    if isinstance(cause, ConnectionResetError) or number == errno.ECONNRESET:
-        return "connection reset"
-    if number in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-        return "host unreachable"
-    if isinstance(error, aiohttp.ClientConnectionError):
-        return "connection failed"
-    return "transport error"
+    return wire.os_reason(cause) or (
+        "connection failed"
+        if isinstance(error, aiohttp.ClientConnectionError)
+        else "transport error"
+    )
 
 
 class HttpUpstream:

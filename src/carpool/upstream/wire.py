@@ -76,6 +76,14 @@ def reason_of(error: BaseException) -> str:
         return "name not resolved"
     if isinstance(error, (ssl_module.SSLError, ssl_module.CertificateError)):
         return "TLS handshake failed"
+    return os_reason(error) or (
+        "connection failed" if isinstance(error, OSError) else "transport error"
+    )
+
+
+def os_reason(error: BaseException | None) -> str | None:
+    """The few words for a connection the OS refused, reset or could not route; None: neither
+    (``reason_of``, and aiohttp's errors in ``upstream.http.reason``)."""
     number = getattr(error, "errno", None)
     if isinstance(error, ConnectionRefusedError) or number == errno.ECONNREFUSED:
         return "connection refused"
@@ -83,9 +91,7 @@ def reason_of(error: BaseException) -> str:
         return "connection reset"
     if number in (errno.EHOSTUNREACH, errno.ENETUNREACH):
         return "host unreachable"
-    if isinstance(error, OSError):
-        return "connection failed"
-    return "transport error"
+    return None
 
 
 def request_head(target: str, host: str, headers: Mapping[str, str], length: int) -> bytes:
