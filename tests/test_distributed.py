@@ -8,13 +8,12 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 
 import httpx
 import pytest
 
 from conftest import run_gateway
-from fakes.instances import free_port
+from fakes.instances import free_port, start_serve
 from fakes.waiting import eventually
 
 pytest.importorskip("redis")
@@ -425,25 +424,18 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
     )
     log = tmp_path / "instance-a.log"
     fake.gate = asyncio.Event()  # call 1 (instance A's) hangs until A is gone
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "carpool.cli",
-                "serve",
-                "--upstream",
-                fake.url,
-                "--redis",
-                shared_redis.url,
-                "--port",
-                str(port),
-            ],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    proc = start_serve(
+        [
+            "--upstream",
+            fake.url,
+            "--redis",
+            shared_redis.url,
+            "--port",
+            str(port),
+        ],
+        env,
+        log,
+    )
     try:
         async with (
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as a,

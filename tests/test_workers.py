@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import httpx
 
-from fakes.instances import free_port
+from fakes.instances import free_port, start_serve
 from test_distributed import until_serving
 
 QUESTION = "What do the workers share?"
@@ -20,27 +18,20 @@ async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_re
     env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
     env["CARPOOL_LOG_LEVEL"] = "warning"
     log = tmp_path / "workers.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "carpool.cli",
-                "serve",
-                "--upstream",
-                fake.url,
-                "--redis",
-                shared_redis.url,
-                "--port",
-                str(port),
-                "--workers",
-                "2",
-            ],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    proc = start_serve(
+        [
+            "--upstream",
+            fake.url,
+            "--redis",
+            shared_redis.url,
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        env,
+        log,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=10) as probe:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fakes.instances import free_port
+from fakes.instances import free_port, start_serve
 from test_distributed import until_serving
 
 ADMIN_TOKEN = "admin-secret"
@@ -87,25 +86,18 @@ async def workers(upstream_url: str, tmp_path) -> AsyncIterator[Workers]:
     env["CARPOOL_LOG_LEVEL"] = "warning"
     env["CARPOOL_ADMIN_TOKEN"] = ADMIN_TOKEN
     log = tmp_path / "workers.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "carpool.cli",
-                "serve",
-                "--upstream",
-                upstream_url,
-                "--port",
-                str(port),
-                "--workers",
-                "2",
-            ],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    proc = start_serve(
+        [
+            "--upstream",
+            upstream_url,
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        env,
+        log,
+    )
     try:
         served = Workers(f"http://127.0.0.1:{port}", proc)
         async with httpx.AsyncClient(base_url=served.base, timeout=10) as probe:

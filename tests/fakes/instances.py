@@ -33,6 +33,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_serve(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m carpool.cli serve ARGS`` in a process of its own, its output in ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "carpool.cli", "serve", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def serve_log(*args: str) -> str:
     """``carpool serve ARGS`` run until it says it is listening, then stopped: its log so far
     (fails if it exits first)."""
@@ -117,24 +129,17 @@ async def instances(
             for i in range(n):
                 port = free_port()
                 log = Path(folder) / f"instance-{i}.log"
-                with open(log, "wb") as out:
-                    proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "carpool.cli",
-                            "serve",
-                            "--upstream",
-                            upstream,
-                            *(["--redis", redis] if redis else []),
-                            "--port",
-                            str(port),
-                        ],
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
+                proc = start_serve(
+                    [
+                        "--upstream",
+                        upstream,
+                        *(["--redis", redis] if redis else []),
+                        "--port",
+                        str(port),
+                    ],
+                    env,
+                    log,
+                )
                 instance = Instance(port, log, proc)
                 # (a few more than the load, so /stats is never queued behind it)
                 limits = httpx.Limits(
