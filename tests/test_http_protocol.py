@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import orjson
 import pytest
 
 from carpool.config import Config
+from carpool.http_protocol import GatewayProtocol
 from carpool.server import GatewayApp, create_app
 from carpool.wiring import build_gateway
 from fakes.serving import ServedApp, serve_app_with_server
@@ -304,4 +306,117 @@ async def test_a_failure_answering_at_once_is_logged_and_the_request_goes_the_as
             writer.write(_request(body))
             status, headers, _ = await _response(reader)
     assert (status, headers["x-carpool"]) == (200, "hit")  # (the ASGI path's hit)
-    assert "answering a repeat at once failed" in caplog.text
+    assert "answering a held request failed" in caplog.text
+
+
+def _unnumbered(body: bytes) -> bytes:
+    return re.sub(rb'"id":"[^"]*"|\d', b"", body)
+
+
+class _Writes(GatewayProtocol):
+    """The gateway's protocol, keeping what each write to the client carried."""
+
+    writes: list[bytes] = []
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.transport = _KeptWrites(transport, self.writes)
+
+
+class _KeptWrites:
+    def __init__(self, transport: Any, writes: list[bytes]) -> None:
+        self._transport, self._writes = transport, writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+async def _chunked(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response sent in chunks: status, headers, the chunks joined."""
+    status = int((await reader.readline()).split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) != b"\r\n":
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    assert headers["transfer-encoding"] == "chunked"
+    body = b""
+    while size := int((await reader.readline()).strip(), 16):
+        body += await reader.readexactly(size)
+        assert await reader.readexactly(2) == b"\r\n"
+    assert await reader.readexactly(2) == b"\r\n"
+    return status, headers, body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_held_miss_is_served_by_the_protocol_as_the_asgi_path_serves_it(fake, stream):
+    """A miss held whole is served in a task of the protocol's own: the same status, headers
+    and bytes as through uvicorn's protocol (the ASGI path), a whole reply in one write, a
+    stream's head with its first frame."""
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+    app = create_app(gateway)
+    _Writes.writes = writes = []
+    extra = {"stream": True} if stream else {}
+    read = _chunked if stream else _response
+    answers = []
+    async with (
+        serve_app_with_server(app, http=_Writes) as served,
+        serve_app_with_server(app, http="httptools") as plain,  # uvicorn's own protocol
+    ):
+        for number, port in enumerate((served.port, plain.port)):
+            body = orjson.dumps({**orjson.loads(_body(f"q{number}")), **extra})
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(_request(body))
+                answers.append(await read(reader))
+            finally:
+                writer.close()
+    (here, there) = answers
+    assert fake.count() == 2 and here[0] == there[0] == 200
+    volatile = {"date", "x-request-id"}
+    assert [(k, v) for k, v in here[1].items() if k not in volatile] == [
+        (k, v) for k, v in there[1].items() if k not in volatile
+    ]
+    assert here[1]["x-carpool"] == "miss"
+    # (The fake numbers its answers, and echoes the prompt's words.)
+    assert _unnumbered(here[2]) == _unnumbered(there[2])
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    if stream:
+        assert b"\r\n\r\n" in writes[0] and b"data: " in writes[0]  # head and first frame
+    else:
+        assert writes == [writes[0]] and writes[0].endswith(here[2])  # one write, whole
+
+
+async def test_a_held_request_whose_serving_fails_gets_a_500_and_the_failure_is_logged(
+    fake, caplog
+):
+    async with _gateway(fake) as (served, counted):
+        gateway = served.server.config.loaded_app.app.gateway
+
+        async def broken(client: Any) -> None:
+            raise RuntimeError("a bug")
+
+        gateway.handle = broken
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            status, headers, body = await _response(reader)
+            assert await reader.read() == b""  # and the connection closed
+    assert (status, body, headers["connection"]) == (500, b"Internal Server Error", "close")
+    assert counted.asked == 1 and "RuntimeError: a bug" in caplog.text
+
+
+async def test_a_held_miss_answered_during_a_shutdown_says_its_connection_closes(fake):
+    async with _gateway(fake) as (served, _):
+        fake.gate = asyncio.Event()  # the call waits
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            await fake.wait_for_calls(1)
+            (connection,) = served.server.server_state.connections
+            connection.shutdown()  # (what uvicorn does to each connection as it stops)
+            fake.gate.set()
+            status, headers, _ = await _response(reader)
+            assert await reader.read() == b""
+    assert (status, headers["x-carpool"], headers["connection"]) == (200, "miss", "close")

@@ -1,28 +1,39 @@
-"""The HTTP/1.1 protocol carpool serves on: uvicorn's httptools protocol, plus exact hits answered
-as the request is parsed, before any task exists for it.
+"""The HTTP/1.1 protocol carpool serves on: uvicorn's httptools protocol, plus the cached
+endpoints' small requests served without the ASGI machinery: exact hits answered as the request
+is parsed, before any task exists for it, and the rest in a task of its own, whose reply is
+written here.
 
 Why: on an exact hit the gateway's work is a dictionary look-up and a write, while uvicorn's ASGI
 machinery (a request cycle, an event, a task, the middleware, two sends that each check every
 header and write once) costs more than that. Measured on a 2-core VM, hits served through ASGI
 ran at about 0.6 of a bare ASGI app returning fixed bytes; answered here, they need none of it.
+On a miss the same machinery cost ~0.1 ms of the gateway's ~0.5 ms, and its two writes (head,
+then body) woke the client twice.
 
 Contract:
 - ``GatewayProtocol`` is ``uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`` for every
   request but one kind: a ``POST`` to a cached endpoint's exact path (``request.ENDPOINTS``), over
   HTTP/1.1 with keep-alive, without ``Expect: 100-continue`` or an upgrade, while no earlier
-  request of the connection is still being answered. Such a request's body is held while it is
-  parsed; once it is complete, ``GatewayApp.answer_now`` is asked for its reply (the request's
-  first step, ``Gateway.repeat_now``: a byte-identical repeat whose answer is stored). If there is
-  one, the whole response (uvicorn's default headers, the reply's, ``content-length`` and
-  ``x-request-id``) is written at once, and the connection goes on as after any response.
-  Otherwise the request is handed to uvicorn with its body, exactly as if it had not been held.
+  request of the connection is still being answered (and under uvicorn's concurrency limit, if
+  one is set). Such a request's body is held while it is parsed; once it is complete,
+  ``GatewayApp.held_request`` makes it a ``ClientRequest`` (None: refused there, client keys or
+  header size, so the ASGI path refuses it) and ``GatewayApp.answer_now`` is asked for its reply
+  (the request's first step, ``Gateway.repeat_now``: a byte-identical repeat whose answer is
+  stored). If there is one, the whole response (uvicorn's default headers, the reply's,
+  ``content-length`` and ``x-request-id``) is written at once, and the connection goes on as
+  after any response.
+- Otherwise the request is served in a task of its own by ``GatewayApp.serve``, as the ASGI path
+  serves it (the same ``Gateway.handle``, the same watch for the client leaving, the same counts),
+  with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
+  the client leaving is seen, a shutdown makes it the connection's last). Its reply is written
+  with the headers uvicorn would write, in its order: a whole one in one write; a stream
+  chunked, its head with its first frame, waiting while the client does not read. A failure
+  there is what uvicorn makes of an app's: logged, a 500 if nothing was sent, the connection
+  closed.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
   body over ``hold_limit`` bytes is handed over at once.
-- Nothing else changes: what is not answered here takes the ASGI path (``server.GatewayApp``),
-  whose answer for it is the same (``answer_now`` answers only what ``Gateway.handle`` would
-  answer from the same step, and counts it alike).
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
   workers, the benchmarks' embedded gateway). Under another server, or another app, the ASGI
   path serves every request.
@@ -30,12 +41,25 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from functools import partial
+from time import monotonic
+from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
-from .request import ENDPOINTS
+from .request import ENDPOINTS, ClientRequest
+from .request_id import CURRENT as REQUEST_ID
+from .request_id import HEADER, request_id
+
+if TYPE_CHECKING:
+    from .reply import Reply
+    from .server import _Watch
 
 __all__ = ["GatewayProtocol", "protocol"]
 
@@ -43,6 +67,15 @@ log = logging.getLogger("carpool.server")
 
 _ENDPOINTS = frozenset(path.encode("ascii") for path in ENDPOINTS)
 _POST = b"POST"
+_REQUEST_ID = HEADER + b": "
+_INTERNAL_ERROR = (
+    STATUS_LINE[500] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
+    b"connection: close\r\n\r\nInternal Server Error"
+)
+
+
+def _nothing() -> None:
+    pass
 
 
 def protocol() -> type[GatewayProtocol]:
@@ -119,6 +152,11 @@ class GatewayProtocol(HttpToolsProtocol):
             # The client does not read what it was sent: the ASGI path waits for it to (and
             # pauses the requests behind), where answering here would only pile answers up.
             or self.flow.write_paused
+            # (uvicorn answers a 503 over its concurrency limit, when one is set)
+            or (
+                self.limit_concurrency is not None
+                and max(len(self.connections), len(self.tasks)) >= self.limit_concurrency
+            )
         ):
             return None
         # The path as sent (origin form): one that needs decoding, or with a fragment, or in
@@ -129,29 +167,26 @@ class GatewayProtocol(HttpToolsProtocol):
         return path.decode("ascii"), query
 
     def _answer(self) -> bool:
-        """Writes the held request's response if ``answer_now`` has one (True)."""
-        assert self.gateway_app is not None and self.held is not None
+        """Answers the held request here: at once if ``answer_now`` has its reply, else in a
+        task of its own (``_serve``); False: it goes the ASGI way."""
+        app = self.gateway_app
+        assert app is not None and self.held is not None
         body = self.held[0] if len(self.held) == 1 else b"".join(self.held)
         path, query = self.held_target
         try:
-            answered = self.gateway_app.answer_now(path, self.headers, query, body)
+            client = app.held_request(path, self.headers, query, body)
+            reply = app.answer_now(client) if client is not None else None
         except Exception:  # (a bug: not the client's; raised here, httptools would say 400)
-            log.exception("answering a repeat at once failed; it goes the ASGI way")
+            log.exception("answering a held request failed; it goes the ASGI way")
             return False
-        if answered is None:
+        if client is None:
             return False
         self.held = None
-        reply, request_id = answered
-        content = [STATUS_LINE[reply.status]]
-        for name, value in (
-            *self.server_state.default_headers,
-            *reply.headers,
-            (b"content-length", str(len(reply.body)).encode("ascii")),
-            (b"x-request-id", request_id),
-        ):
-            content += (name, b": ", value, b"\r\n")
-        content += (b"\r\n", reply.body)
-        self.transport.write(b"".join(content))
+        rid = request_id(self.headers)
+        if reply is None:
+            self._serve(client, rid)
+            return True
+        self.transport.write(b"".join(self._head(reply, rid, reply.body)))
         try:
             reply.close()
         except Exception:  # (sent already: nothing else may follow it on the wire)
@@ -159,6 +194,107 @@ class GatewayProtocol(HttpToolsProtocol):
         # As after any response: counted, reading resumed, the keep-alive timer armed.
         self.on_response_complete()
         return True
+
+    def _serve(self, client: ClientRequest, rid: bytes) -> None:
+        """The held request, not answered at once, served in a task of its own as the ASGI path
+        serves it (``GatewayApp.serve``), its reply written here: whole in one write, a stream
+        with its first frame. Its cycle is uvicorn's, for what the connection does meanwhile
+        (requests pipelined behind it, the client leaving, a shutdown)."""
+        cycle = self.cycle = RequestResponseCycle(
+            scope=self.scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=False,
+            keep_alive=True,
+            on_response=self.on_response_complete,
+        )
+        cycle.more_body = False  # (its whole body is the client's: ``receive`` only waits)
+        task = self.loop.create_task(self._served(cycle, client, rid))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    async def _served(self, cycle: RequestResponseCycle, client: ClientRequest, rid: bytes) -> None:
+        REQUEST_ID.set(rid.decode("ascii"))
+        app = self.gateway_app
+        assert app is not None
+        try:
+            await app.serve(client, cycle.receive, partial(self._respond, cycle, rid), monotonic())
+        except BaseException as exc:  # (as uvicorn's cycle: a bug, or a shutdown's cancel)
+            self.logger.error("Exception in ASGI application\n", exc_info=exc)
+            if not cycle.response_started and not cycle.disconnected:
+                cycle.response_started = True
+                self.transport.write(_INTERNAL_ERROR)
+            self.transport.close()
+        finally:
+            cycle.on_response = _nothing  # (as uvicorn's: the protocol is not kept by it)
+
+    async def _respond(
+        self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: _Watch
+    ) -> None:
+        """``reply`` on the wire: a whole one in one write; a stream as chunks, its head with its
+        first frame, waiting whenever the client does not read what it was sent."""
+        flow, write = self.flow, self.transport.write
+        if reply.stream is None:
+            state.finished = True
+            if flow.write_paused and not cycle.disconnected:
+                await flow.drain()
+            if not cycle.disconnected:
+                cycle.response_started = True
+                write(b"".join(self._head(reply, rid, reply.body, cycle.keep_alive)))
+                self._complete(cycle)
+            return
+        head: list[bytes] | None = self._head(reply, rid, None, cycle.keep_alive)
+        async for frame in reply.stream:
+            if flow.write_paused and not cycle.disconnected:
+                await flow.drain()
+            if cycle.disconnected or not frame:
+                continue
+            chunk = (b"%x\r\n" % len(frame), frame, b"\r\n")
+            if head is not None:
+                cycle.response_started = True
+                write(b"".join((*head, *chunk)))
+                head = None
+            else:
+                write(b"".join(chunk))
+        state.finished = True
+        if flow.write_paused and not cycle.disconnected:
+            await flow.drain()
+        if not cycle.disconnected:
+            cycle.response_started = True
+            write(b"".join((*head, b"0\r\n\r\n")) if head is not None else b"0\r\n\r\n")
+            self._complete(cycle)
+
+    def _complete(self, cycle: RequestResponseCycle) -> None:
+        """As uvicorn's cycle ends a response: the connection goes on (or closes), counted."""
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+
+    def _head(
+        self, reply: Reply, rid: bytes, body: bytes | None, keep_alive: bool = True
+    ) -> list[bytes]:
+        """The response's head (uvicorn's default headers, the reply's, ``x-request-id``), and
+        ``body`` after it: with its ``content-length``; None: a stream, chunked."""
+        content = [STATUS_LINE[reply.status]]
+        for name, value in (*self.server_state.default_headers, *reply.headers):
+            content += (name, b": ", value, b"\r\n")
+        if body is not None:  # (in uvicorn's order: the reply's, then ours)
+            content += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
+        content += (_REQUEST_ID, rid, b"\r\n")
+        if not keep_alive:
+            content.append(b"connection: close\r\n")
+        if body is None:
+            content.append(b"transfer-encoding: chunked\r\n\r\n")
+        else:
+            content += (b"\r\n", body)
+        return content
 
     def _hand_over(self, complete: bool) -> None:
         """The held request to uvicorn, with the body it has so far, as if never held."""

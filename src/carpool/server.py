@@ -7,8 +7,9 @@ Contract:
   ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
   trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
   Pass-through and admin bodies are read under the same two limits.
-- Under ``carpool serve``, a byte-identical repeat whose answer is stored may be answered before
-  it reaches this app, by the HTTP protocol (``http_protocol.py``) through ``answer_now``:
+- Under ``carpool serve``, a small request to a cached endpoint is served below ASGI by the HTTP
+  protocol (``http_protocol.py``): a byte-identical repeat whose answer is stored through
+  ``answer_now``, the rest through ``serve``, which is this path's own after the body is read:
   the same reply, headers and counts as here, refusals (client keys, header size) left to here.
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
@@ -43,7 +44,8 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from importlib import resources
 from itertools import chain
 from pathlib import Path
@@ -154,25 +156,27 @@ class GatewayApp:
         else:
             await self.other(scope, receive, send)
 
-    def answer_now(
+    def held_request(
         self, path: str, raw_headers: list[tuple[bytes, bytes]], query: bytes, body: bytes
-    ) -> tuple[Reply, bytes] | None:
-        """The reply to a request to a cached endpoint that is a byte-identical repeat of one
-        whose answer is stored (``Gateway.repeat_now``), and the request's id: for the HTTP
-        protocol (``http_protocol.py``), which sends it before it makes a task for the request.
-        None: the request goes to ``__call__`` as any other, a request refused there (client
-        keys, header size) included."""
+    ) -> ClientRequest | None:
+        """A request to a cached endpoint whose whole body the HTTP protocol (``http_protocol.py``)
+        holds, for ``answer_now`` and ``serve``; None: it takes the ASGI path (``__call__``),
+        where it is refused (client keys, header size)."""
         if (
             self.client_keys is not None and not self.client_keys.accepts(raw_headers)
         ) or _header_bytes(raw_headers) > self.max_headers:
             return None
+        return ClientRequest(path, body, _decoded(raw_headers), query)
+
+    def answer_now(self, client: ClientRequest) -> Reply | None:
+        """The reply to a held request (``held_request``) that is a byte-identical repeat of one
+        whose answer is stored (``Gateway.repeat_now``), counted as ``serve`` counts it: for the
+        HTTP protocol, which sends it before it makes a task for the request. None: ``serve``."""
         started = time.monotonic()
-        reply = self.gateway.repeat_now(ClientRequest(path, body, _decoded(raw_headers), query))
-        if reply is None:
-            return None
-        if reply.outcome is not None:
+        reply = self.gateway.repeat_now(client)
+        if reply is not None and reply.outcome is not None:
             self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
-        return reply, request_id(raw_headers)
+        return reply
 
     async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any, path: str) -> None:
         headers = _decoded(scope["headers"])
@@ -190,22 +194,30 @@ class GatewayApp:
             return
         if body is None:
             return  # the client left before sending its body
+        client = ClientRequest(
+            path,
+            body,
+            headers,
+            scope.get("query_string", b""),
+            peer=scope.get(PEER) is True,  # (set by the peers' door only)
+        )
+        await self.serve(client, receive, partial(_send_reply, send), started)
+
+    async def serve(
+        self, client: ClientRequest, receive: Any, respond: Respond, started: float
+    ) -> None:
+        """A cached endpoint's request with its whole body, from ``Gateway.handle`` to its reply
+        sent by ``respond``: the ASGI path's (``_send_reply``) or the HTTP protocol's for a
+        request it held. ``receive`` (ASGI's) says when the client leaves: while the request
+        waits or streams, that cancels it (``_Watch``)."""
         state = _Watch(receive)
+        client.on_wait = state.start
         reply: Reply | None = None
         try:
-            reply = await self.gateway.handle(
-                ClientRequest(
-                    path,
-                    body,
-                    headers,
-                    scope.get("query_string", b""),
-                    on_wait=state.start,
-                    peer=scope.get(PEER) is True,  # (set by the peers' door only)
-                )
-            )
+            reply = await self.gateway.handle(client)
             if reply.stream is not None:
                 state.start()
-            await _send_reply(send, reply, state)
+            await respond(reply, state)
         except asyncio.CancelledError:
             if not state.client_left:
                 raise
@@ -216,6 +228,10 @@ class GatewayApp:
                 reply.close()
                 if reply.outcome is not None:
                     self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
+
+
+# How a reply is sent: ``_send_reply`` (ASGI) or the HTTP protocol's own writes.
+Respond = Callable[[Reply, "_Watch"], Awaitable[None]]
 
 
 class _Watch:
@@ -369,6 +385,7 @@ async def _send_whole(
 
 
 async def _send_reply(send: Any, reply: Reply, state: _Watch) -> None:
+    """``reply`` as ASGI messages: whole, or its stream's frames as they come."""
     if reply.stream is None:
         state.finished = True
         await _send_whole(send, reply.status, reply.headers, reply.body)
