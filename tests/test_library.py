@@ -7,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
+
 import carpool
 from carpool import Config, FunctionUpstream, Outcome, build_gateway
+from carpool.request import ClientRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,4 +146,46 @@ async def test_flights_and_idempotency_records_are_injected_as_given():
     assert first.outcome is Outcome.MISS and len(records) == 1
     assert again.headers[-1] == (b"idempotent-replayed", b"true")
     assert gateway.snapshot()["redis"] == {"state": "off"}
+    await gateway.aclose()
+
+
+async def test_a_flights_clients_reply_before_its_answer_is_stored_and_it_is_in_the_same_turn():
+    """With the in-process store, a miss's clients are woken with the answer first; the answer
+    is stored right after they reply, before the event loop turns again (nothing that follows
+    a reply can miss it); ``Gateway.request`` returns once it is stored."""
+
+    async def call(path, body):
+        return {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "hi"},
+                }
+            ],
+        }
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    order: list[str] = []
+    put = gateway.store.put
+
+    async def recorded_put(key, entry):
+        order.append("stored")
+        await put(key, entry)
+
+    gateway.store.put = recorded_put
+
+    async def client() -> None:
+        # (``handle``, as the HTTP transports call it: ``request`` returns a turn later)
+        reply = await gateway.handle(ClientRequest("/v1/chat/completions", orjson.dumps(body)))
+        order.append(f"replied {reply.outcome.value}")
+        await asyncio.sleep(0)  # (one turn of the loop)
+        order.append(f"then stored {gateway.store.entries}")
+
+    await client()
+    again = await gateway.request("/v1/chat/completions", body)
+    assert order == ["replied miss", "stored", "then stored 1"]
+    assert again.outcome is Outcome.HIT
     await gateway.aclose()

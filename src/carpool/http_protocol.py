@@ -56,10 +56,10 @@ from uvicorn.protocols.http.httptools_impl import (
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
+from .server import ClientWatch, GatewayApp
 
 if TYPE_CHECKING:
     from .reply import Reply
-    from .server import _Watch
 
 __all__ = ["GatewayProtocol", "protocol"]
 
@@ -97,6 +97,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.held: list[bytes] | None = None
         self.held_size = 0
         self.held_target: tuple[str, bytes] = ("", b"")
+        self.watch: ClientWatch | None = None  # the held request's being served, if any
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -135,6 +136,8 @@ class GatewayProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = None
         super().connection_lost(exc)
+        if self.watch is not None:
+            self.watch.left()
 
     def _held_target(self) -> tuple[str, bytes] | None:
         """The path and query of a request that may be held (module contract), else None."""
@@ -222,8 +225,10 @@ class GatewayProtocol(HttpToolsProtocol):
         REQUEST_ID.set(rid.decode("ascii"))
         app = self.gateway_app
         assert app is not None
+        # Told by ``connection_lost`` if the client leaves (no watcher task needed).
+        self.watch = watch = ClientWatch()
         try:
-            await app.serve(client, cycle.receive, partial(self._respond, cycle, rid), monotonic())
+            await app.serve(client, watch, partial(self._respond, cycle, rid), monotonic())
         except BaseException as exc:  # (as uvicorn's cycle: a bug, or a shutdown's cancel)
             self.logger.error("Exception in ASGI application\n", exc_info=exc)
             if not cycle.response_started and not cycle.disconnected:
@@ -232,9 +237,11 @@ class GatewayProtocol(HttpToolsProtocol):
             self.transport.close()
         finally:
             cycle.on_response = _nothing  # (as uvicorn's: the protocol is not kept by it)
+            if self.watch is watch:
+                self.watch = None
 
     async def _respond(
-        self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: _Watch
+        self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: ClientWatch
     ) -> None:
         """``reply`` on the wire: a whole one in one write; a stream as chunks, its head with its
         first frame, waiting whenever the client does not read what it was sent."""
@@ -313,8 +320,6 @@ class GatewayProtocol(HttpToolsProtocol):
 def _gateway_app(app: Any) -> Any:
     """The ``server.GatewayApp`` under uvicorn's middleware (``ProxyHeadersMiddleware``...), or
     None: another app is served, and this protocol is uvicorn's."""
-    from .server import GatewayApp
-
     for _ in range(8):
         if isinstance(app, GatewayApp):
             return app

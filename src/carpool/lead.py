@@ -13,6 +13,10 @@ Contract:
   call of a key another worker owns is asked of that worker (``Exchange.fetch``'s ``owner``),
   its answer relayed into the flight's broadcast and stored here like any answer; ``alone``
   (a peer's own request, a joiner that timed out): made here.
+- With an in-process store (``Store.get_now``) and no semantic entry to insert, the flight's
+  clients are woken with the answer first and it is stored right after they reply, in the same
+  turn of the event loop: no request that follows a reply can be read in between, and one that
+  comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0, without ``no-store``, and only if no invalidation came after the call began (the
   flights' ``epoch``): the answer may predate what was invalidated.
@@ -59,6 +63,9 @@ class Leader:
         self.invalidations = layers.invalidations
         self.fetch = fetch
         self.background: set[asyncio.Task[Any]] = set()  # semantic inserts off the path
+        # An in-process store (``Store.get_now``) stores without waiting: a flight's clients
+        # may reply before its answer is stored, in the same turn of the loop (``lead``).
+        self.stored_at_once = getattr(self.store, "get_now", None) is not None
 
     async def lead(
         self,
@@ -101,6 +108,13 @@ class Leader:
         try:
             if self.shared_flights is None or alone or key.key is None:
                 answer = await call(broadcast)
+                if view is None and self.stored_at_once:
+                    # The clients first: woken now, they reply in the loop's next turn, and
+                    # the answer is stored in the same turn right after them (an in-process
+                    # store does not wait), before any request that follows a reply is read.
+                    # Until then the flight runs still: an identical request joins it.
+                    broadcast.finish(answer)
+                    await asyncio.sleep(0)
                 await store(answer)
                 return answer
             controls = request.controls

@@ -53,6 +53,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -454,6 +455,10 @@ class Gateway:
                 reply.stream = None
             finally:
                 reply.close()
+        # A miss's clients are woken before its answer is stored, which follows in the same
+        # turn of the loop (``Leader.lead``): a caller asking again at once, without the turn
+        # any transport takes in between, would join the flight rather than hit its answer.
+        await asyncio.sleep(0)
         return reply
 
     async def passthrough(

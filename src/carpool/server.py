@@ -201,29 +201,28 @@ class GatewayApp:
             scope.get("query_string", b""),
             peer=scope.get(PEER) is True,  # (set by the peers' door only)
         )
-        await self.serve(client, receive, partial(_send_reply, send), started)
+        await self.serve(client, _ReceiveWatch(receive), partial(_send_reply, send), started)
 
     async def serve(
-        self, client: ClientRequest, receive: Any, respond: Respond, started: float
+        self, client: ClientRequest, watch: ClientWatch, respond: Respond, started: float
     ) -> None:
         """A cached endpoint's request with its whole body, from ``Gateway.handle`` to its reply
         sent by ``respond``: the ASGI path's (``_send_reply``) or the HTTP protocol's for a
-        request it held. ``receive`` (ASGI's) says when the client leaves: while the request
-        waits or streams, that cancels it (``_Watch``)."""
-        state = _Watch(receive)
-        client.on_wait = state.start
+        request it held. ``watch`` (made in this task) cancels it if its client leaves while it
+        waits or streams."""
+        client.on_wait = watch.start
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(client)
             if reply.stream is not None:
-                state.start()
-            await respond(reply, state)
+                watch.start()
+            await respond(reply, watch)
         except asyncio.CancelledError:
-            if not state.client_left:
+            if not watch.client_left:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (always in a task here)
         finally:
-            state.stop()
+            watch.stop()
             if reply is not None:
                 reply.close()
                 if reply.outcome is not None:
@@ -231,26 +230,54 @@ class GatewayApp:
 
 
 # How a reply is sent: ``_send_reply`` (ASGI) or the HTTP protocol's own writes.
-Respond = Callable[[Reply, "_Watch"], Awaitable[None]]
+Respond = Callable[[Reply, "ClientWatch"], Awaitable[None]]
 
 
-class _Watch:
-    """Cancels the request's task if its client disconnects before the reply is complete.
+class ClientWatch:
+    """Cancels the request's task if its client leaves while the request waits or streams
+    (``start``), not after its reply is complete (``stop``). ``left`` is told when the client
+    goes away: here by the HTTP protocol, which sees its connection end (``http_protocol.py``);
+    for the ASGI path, by a watcher task (``_ReceiveWatch``).
 
-    Started only when the request has to wait or stream (``start``): an immediate answer never
-    creates the watcher task.
+    Made in the request's task (the one to cancel), not in the first task that waits: the items
+    of a list input wait in tasks of their own, and every one of them must be cancelled.
     """
 
-    __slots__ = ("receive", "task", "watcher", "finished", "client_left")
+    __slots__ = ("task", "started", "gone", "finished", "client_left")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = asyncio.current_task()
+        self.started = self.gone = self.finished = self.client_left = False
+
+    def start(self) -> None:
+        self.started = True
+        if self.gone:
+            self._cancel()
+
+    def stop(self) -> None:
+        self.finished = True
+
+    def left(self) -> None:
+        self.gone = True
+        if self.started:
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if not self.finished and not self.client_left and self.task is not None:
+            self.client_left = True
+            self.task.cancel()
+
+
+class _ReceiveWatch(ClientWatch):
+    """The ASGI path's watch: a watcher task, made only when the request has to wait or stream
+    (an immediate answer never creates it), reads ``receive`` until ``http.disconnect``."""
+
+    __slots__ = ("receive", "watcher")
 
     def __init__(self, receive: Any) -> None:
+        super().__init__()
         self.receive = receive
-        # The request's task (the watch is made in it), not the first task that waits: the items
-        # of a list input wait in tasks of their own, and every one of them must be cancelled.
-        self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.watcher: asyncio.Task[None] | None = None
-        self.finished = False
-        self.client_left = False
 
     def start(self) -> None:
         if self.watcher is None and not self.finished:
@@ -268,9 +295,8 @@ class _Watch:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                if not self.finished and self.task is not None:
-                    self.client_left = True
-                    self.task.cancel()
+                self.gone = self.started = True
+                self._cancel()
                 return
 
 
@@ -384,7 +410,7 @@ async def _send_whole(
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_reply(send: Any, reply: Reply, state: _Watch) -> None:
+async def _send_reply(send: Any, reply: Reply, state: ClientWatch) -> None:
     """``reply`` as ASGI messages: whole, or its stream's frames as they come."""
     if reply.stream is None:
         state.finished = True

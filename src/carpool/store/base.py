@@ -86,7 +86,8 @@ class Entry:
 class Store(Protocol):
     """A store may also offer ``get_now(key)``: ``get`` without a coroutine, for a store that
     answers in-process (``MemoryStore``); the request's first step is taken before a task
-    exists with it (``Gateway.repeat_now``)."""
+    exists with it (``Gateway.repeat_now``). Such a store's ``put`` never waits either: a
+    flight's clients reply before it stores their answer, in the same turn (``Leader.lead``)."""
 
     async def get(self, key: str) -> Entry | None: ...
 
