@@ -30,6 +30,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -222,6 +223,7 @@ async def _consume(
     # (Bound once: this loop runs for every frame of every streamed miss.)
     loads, failure, frame, usage_only = orjson.loads, api.failure, api.frame, api.usage_only
     keep, publish = chunks.append, broadcast.publish
+    first = True
     async for payload in response.events():
         try:
             chunk = loads(payload)
@@ -236,6 +238,11 @@ async def _consume(
             raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}", error)
         keep(chunk)
         publish(frame(payload, chunk), usage_only(chunk))
+        if first:
+            # The first frame goes out at once, not after the frames that came in the same
+            # read: a turn of the loop for its clients (the time to their first byte).
+            first = False
+            await asyncio.sleep(0)
     body, complete = api.judge_stream(chunks, asked)
     return Answer(
         kind,

@@ -149,7 +149,7 @@ class Gateway:
         # A byte-identical repeat of a request parsed before goes straight to the exact cache:
         # the same bytes, query and headers (controls, credentials, forwarded ones) always make
         # the same fingerprint; in a shared namespace, only while the requester is accepted.
-        memo_key = self.repeats.key_of(client)
+        memo_key = client.memo_key if client.keyed else self.repeats.key_of(client)
         repeat = self._repeat(memo_key)
         if repeat is not None:
             answer = await self._cached(repeat.key, repeat.max_age)
@@ -165,9 +165,14 @@ class Gateway:
             # Every answer of a cached endpoint says what it was; a rejected one was not shared.
             return error_reply(error, Outcome.BYPASS, BY_PATH[route])
         key = fingerprint(request, self.config, self.accepted)
-        if memo_key is not None:
-            self.repeats.remember(memo_key, request, key, self._read_age(request))
+        remember = (
+            partial(self.repeats.remember, memo_key, request, key, self._read_age(request))
+            if memo_key is not None
+            else None
+        )
         if idempotency_key is not None:
+            if remember is not None:
+                remember()
             # Among workers (``carpool.peers``), a key's record lives with the worker that owns
             # its scope: the request runs there, whole, wherever its retries land.
             owner = (
@@ -183,12 +188,19 @@ class Gateway:
                         self.stats.count(route, reply.outcome)
                     return reply
             return await self.once.run(client, request, key, idempotency_key, route)
-        return await self._answer(client, request, key, route)
+        return await self._answer(client, request, key, route, remember)
 
     async def _answer(
-        self, client: ClientRequest, request: Request, key: Fingerprint, route: str
+        self,
+        client: ClientRequest,
+        request: Request,
+        key: Fingerprint,
+        route: str,
+        remember: Callable[[], None] | None = None,
     ) -> Reply:
-        """Bypass, or: exact cache -> a flight in progress -> semantic cache -> lead a flight."""
+        """Bypass, or: exact cache -> a flight in progress -> semantic cache -> lead a flight.
+        ``remember``: the repeat memo's note of the request, taken once it has a reply or
+        a flight (a bypass has no key to remember)."""
         if key.key is None:
             _waiting(client)
             return await self.exchange.bypass(request, route)
@@ -197,6 +209,8 @@ class Gateway:
         if controls.may_read and read_age != 0:
             answer = await self._cached(key.key, read_age)
             if answer is not None:
+                if remember is not None:
+                    remember()
                 return self._served(
                     route, Outcome.HIT, answer, request.stream, request.include_usage
                 )
@@ -233,6 +247,8 @@ class Gateway:
                     state == SERVING or (state == BACKED_OFF and near)
                 ):
                     self.metrics.similarity.observe(match.similarity)
+                    if remember is not None:
+                        remember()
                     return self._served(
                         route,
                         Outcome.SEMANTIC_HIT,
@@ -250,6 +266,13 @@ class Gateway:
         ticket = self.flights.acquire(
             key.key, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
+        if remember is not None:
+            if ticket.leader:
+                # After the flight's first step (its task, made first, runs first), which
+                # sends its call: noted while the upstream answers, not before it is asked.
+                asyncio.get_running_loop().call_soon(remember)
+            else:
+                remember()
         # (Watched from now on, not before: the flight's task, made first, runs first, and its
         # call goes out a turn of the loop sooner.)
         _waiting(client)
@@ -277,7 +300,8 @@ class Gateway:
         get_now = getattr(self.store, "get_now", None)
         if get_now is None or self.tracer.enabled:
             return None
-        repeat = self._repeat(self.repeats.key_of(client))
+        client.memo_key, client.keyed = self.repeats.key_of(client), True
+        repeat = self._repeat(client.memo_key)
         if repeat is None:
             return None
         answer = self._fresh(get_now(repeat.key), repeat.max_age)

@@ -61,6 +61,10 @@ class ClientRequest:
     # Sent by another worker of this run (``carpool.peers``), which chose this one to lead it:
     # led here, never passed on. Only the peers' own door sets it (``peers.PeerApp``).
     peer: bool = False
+    # Its repeat memo key (``RepeatMemo.key_of``), once made (``keyed``): the HTTP protocol
+    # asks ``Gateway.repeat_now`` first, and the whole path does not make it again.
+    memo_key: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
+    keyed: bool = field(default=False, init=False, repr=False)
 
 
 @dataclass(slots=True)
