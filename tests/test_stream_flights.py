@@ -73,3 +73,41 @@ async def test_completions_with_best_of_or_echo_are_never_streamed_for_others(ga
         )
         assert plain.json()["object"] == "text_completion"
     assert [c.body.get("stream") for c in fake.calls] == [None, None, True]
+
+
+async def test_a_streams_first_frame_reaches_its_clients_before_the_frames_read_with_it():
+    """Frames that came in one read from the upstream: the clients waiting for the first are
+    woken with it, before the others are parsed and published (their first byte is not held
+    back by the rest)."""
+    from carpool.broadcast import Broadcast
+    from carpool.exchange import _consume
+
+    def chunk(content: str, finish: str | None = None) -> bytes:
+        return orjson.dumps(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+            }
+        )
+
+    class Read:  # every frame there at once, as from one read
+        async def events(self):
+            for payload in (chunk("a"), chunk("b"), chunk("c"), chunk("", "stop")):
+                yield payload
+
+    broadcast = Broadcast()
+    seen: list[int] = []
+
+    async def client() -> None:
+        await broadcast.wait_started()
+        seen.append(len(broadcast.frames))
+
+    waiting = asyncio.create_task(client())
+    await asyncio.sleep(0)  # (waiting for the first frame)
+    answer = await _consume("chat", Read(), broadcast, body("x", stream=True))
+    await waiting
+    assert seen == [1] and len(broadcast.frames) == 4
+    assert answer.complete and b'"content":"abc"' in answer.body
