@@ -659,3 +659,33 @@ async def test_a_cluster_node_killed_mid_flight_no_request_fails(fake):
             after = [await a.chat("after"), await b.chat("after")]
     assert [r.status_code for r in (*responses, *after)] == [200] * 4
     assert content(responses[0]) == ANSWER_1 and content(responses[1]).endswith(QUESTION)
+
+
+async def test_frames_published_while_a_flush_is_on_its_way_are_sent_before_the_flight_closes(
+    fake, shared_redis
+):
+    """The leader's publisher: a call that ends while a batch of its frames is on its way to
+    Redis still sends the frames published meanwhile before its final record (followers saw a
+    stream with gaps)."""
+    from carpool.broadcast import Broadcast
+    from carpool.redis.flights import _Publisher
+
+    config = {"redis": shared_redis.url, "distributed": {"cluster": shared_redis.cluster}}
+    async with run_gateway([fake.url], **config) as gw:
+        flights = gw.gateway.shared_flights
+        broadcast = Broadcast()
+        stream = "carpool-test:{publisher}:stream"
+        publisher = _Publisher(flights, "carpool-test:{publisher}:lock", stream, "t", broadcast)
+        broadcast.publish(b"data: 0\n\n")
+        await asyncio.sleep(0)  # (its first flush: sent, its answer not yet read)
+        assert publisher.sent == 1
+        broadcast.publish(b"data: 1\n\n")
+        broadcast.publish(b"data: 2\n\n")
+        await publisher.close()
+        entries = await flights._client.xrange(stream)
+        await flights._client.delete(stream)
+    assert [fields[b"f"] for _, fields in entries] == [
+        b"data: 0\n\n",
+        b"data: 1\n\n",
+        b"data: 2\n\n",
+    ]

@@ -390,6 +390,9 @@ class _Publisher:
                 self._wake.clear()
                 await self._flush()
                 if self.closing:
+                    # Frames published while that flush was on its way (the call ended
+                    # meanwhile) go before the final record, or followers would miss them.
+                    await self._flush()
                     return
                 if loop.time() >= renew_at:
                     await self._renew()
