@@ -283,6 +283,14 @@ class FlightGroup:
         return dropped
 
     async def _run(self, flight: Flight, lead: Lead) -> None:
+        try:
+            await self._fly(flight, lead)
+        finally:
+            # A flight lingering in its window does not keep its finished task (and with it a
+            # coroutine, a context...): objects each miss the collector would walk meanwhile.
+            flight.task = None
+
+    async def _fly(self, flight: Flight, lead: Lead) -> None:
         broadcast = flight.broadcast
         try:
             answer = await lead(broadcast)
