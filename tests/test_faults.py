@@ -162,8 +162,7 @@ def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None, failed: b
             for f in flights
             if f.clients
             or not f.broadcast.done
-            or f.task is None
-            or not f.task.done()
+            or (f.task is not None and not f.task.done())  # (a finished one lets go of it)
             or f.finished_at is None
         ]
         if running:
