@@ -420,3 +420,65 @@ async def test_a_held_miss_answered_during_a_shutdown_says_its_connection_closes
             status, headers, _ = await _response(reader)
             assert await reader.read() == b""
     assert (status, headers["x-carpool"], headers["connection"]) == (200, "miss", "close")
+
+
+async def test_a_bypassed_streams_head_is_written_at_once_before_its_first_frame(fake):
+    """A request of its own (sampled: not shared) is relayed as the upstream makes it: its head
+    goes out at once, as uvicorn's ASGI path sends it, not held for its first frame."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url])))
+    _Writes.writes = writes = []
+    body = orjson.dumps(
+        {
+            "model": "m",
+            "temperature": 1,
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+    )
+    async with (
+        serve_app_with_server(app, http=_Writes) as served,
+        _socket(served) as (reader, writer),
+    ):
+        writer.write(_request(body))
+        status, headers, streamed = await _chunked(reader)
+    assert (status, headers["x-carpool"]) == (200, "bypass")
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"\r\n\r\n")
+    assert b"data: " not in writes[0] and b"data: " in writes[1]
+    assert streamed.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_held_streams_client_leaving_part_way_cancels_the_call(fake):
+    """The protocol's own watch: a streaming client that leaves part way (its connection ends)
+    takes its request, and with the last client the upstream call, with it."""
+    async with _gateway(fake) as (served, _):
+        fake.chunk_gate = asyncio.Event()  # the stream stops after its first words
+        body = orjson.dumps({**orjson.loads(_body()), "stream": True})
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(_request(body))
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        writer.transport.abort()  # gone, part way
+        await fake.wait_for_cancelled(1)
+        gateway = served.server.config.loaded_app.app.gateway
+        await eventually(lambda: gateway.flights.waiters == 0, what="the request released")
+    assert fake.cancelled == 1 and not served.server.server_state.tasks
+
+
+class _CannotServe(GatewayProtocol):
+    def _serve(self, *args: Any) -> None:
+        raise RuntimeError("a bug")
+
+
+async def test_a_failure_starting_to_serve_a_held_request_sends_it_the_asgi_way(fake, caplog):
+    app = create_app(build_gateway(Config(upstreams=[fake.url])))
+    async with (
+        serve_app_with_server(app, http=_CannotServe) as served,
+        _socket(served) as (
+            reader,
+            writer,
+        ),
+    ):
+        writer.write(_request(_body()))
+        status, headers, _ = await _response(reader)
+    assert (status, headers["x-carpool"]) == (200, "miss")  # (the ASGI path's)
+    assert "answering a held request failed" in caplog.text and fake.count() == 1

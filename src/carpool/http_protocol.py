@@ -27,7 +27,8 @@ Contract:
   with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
   the client leaving is seen, a shutdown makes it the connection's last). Its reply is written
   with the headers uvicorn would write, in its order: a whole one in one write; a stream
-  chunked, its head with its first frame, waiting while the client does not read. A failure
+  chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
+  client does not read. A failure
   there is what uvicorn makes of an app's: logged, a 500 if nothing was sent, the connection
   closed.
 - A body is held only within one read from the socket: one not complete when the bytes read so
@@ -42,6 +43,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from functools import partial
 from time import monotonic
@@ -53,6 +55,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
@@ -176,19 +179,21 @@ class GatewayProtocol(HttpToolsProtocol):
         assert app is not None and self.held is not None
         body = self.held[0] if len(self.held) == 1 else b"".join(self.held)
         path, query = self.held_target
+        started = monotonic()
         try:
             client = app.held_request(path, self.headers, query, body)
-            reply = app.answer_now(client) if client is not None else None
+            if client is None:
+                return False
+            rid = request_id(self.headers)
+            reply = app.answer_now(client)
+            if reply is None:
+                self._serve(client, rid, path, query, started)
+                self.held = None
+                return True
         except Exception:  # (a bug: not the client's; raised here, httptools would say 400)
             log.exception("answering a held request failed; it goes the ASGI way")
             return False
-        if client is None:
-            return False
         self.held = None
-        rid = request_id(self.headers)
-        if reply is None:
-            self._serve(client, rid)
-            return True
         self.transport.write(b"".join(self._head(reply, rid, reply.body)))
         try:
             reply.close()
@@ -198,12 +203,17 @@ class GatewayProtocol(HttpToolsProtocol):
         self.on_response_complete()
         return True
 
-    def _serve(self, client: ClientRequest, rid: bytes) -> None:
+    def _serve(
+        self, client: ClientRequest, rid: bytes, path: str, query: bytes, started: float
+    ) -> None:
         """The held request, not answered at once, served in a task of its own as the ASGI path
         serves it (``GatewayApp.serve``), its reply written here: whole in one write, a stream
         with its first frame. Its cycle is uvicorn's, for what the connection does meanwhile
         (requests pipelined behind it, the client leaving, a shutdown)."""
-        cycle = self.cycle = RequestResponseCycle(
+        scope = self.scope  # (as uvicorn would have filled it, for whoever reads the cycle's)
+        scope["method"], scope["path"], scope["raw_path"] = "POST", path, path.encode("ascii")
+        scope["query_string"] = query
+        cycle = RequestResponseCycle(
             scope=self.scope,
             transport=self.transport,
             flow=self.flow,
@@ -217,18 +227,32 @@ class GatewayProtocol(HttpToolsProtocol):
             on_response=self.on_response_complete,
         )
         cycle.more_body = False  # (its whole body is the client's: ``receive`` only waits)
-        task = self.loop.create_task(self._served(cycle, client, rid))
+        # Told by ``connection_lost`` if the client leaves (no watcher task needed).
+        watch = ClientWatch()
+        served = self._served(cycle, client, rid, watch, started)
+        task = (
+            self.loop.create_task(served, context=contextvars.Context())
+            if self.config.reset_contextvars  # (uvicorn's opt-in, kept)
+            else self.loop.create_task(served)
+        )
+        watch.task = task
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
+        self.cycle, self.watch = cycle, watch
 
-    async def _served(self, cycle: RequestResponseCycle, client: ClientRequest, rid: bytes) -> None:
+    async def _served(
+        self,
+        cycle: RequestResponseCycle,
+        client: ClientRequest,
+        rid: bytes,
+        watch: ClientWatch,
+        started: float,
+    ) -> None:
         REQUEST_ID.set(rid.decode("ascii"))
         app = self.gateway_app
         assert app is not None
-        # Told by ``connection_lost`` if the client leaves (no watcher task needed).
-        self.watch = watch = ClientWatch()
         try:
-            await app.serve(client, watch, partial(self._respond, cycle, rid), monotonic())
+            await app.serve(client, watch, partial(self._respond, cycle, rid), started)
         except BaseException as exc:  # (as uvicorn's cycle: a bug, or a shutdown's cancel)
             self.logger.error("Exception in ASGI application\n", exc_info=exc)
             if not cycle.response_started and not cycle.disconnected:
@@ -256,6 +280,12 @@ class GatewayProtocol(HttpToolsProtocol):
                 self._complete(cycle)
             return
         head: list[bytes] | None = self._head(reply, rid, None, cycle.keep_alive)
+        if reply.outcome is Outcome.BYPASS and head is not None and not cycle.disconnected:
+            # Its own call, relayed as the upstream makes it: the head now, as the upstream's
+            # came (a flight's reply comes with its first frame ready: sent with it).
+            cycle.response_started = True
+            write(b"".join(head))
+            head = None
         async for frame in reply.stream:
             if flow.write_paused and not cycle.disconnected:
                 await flow.drain()
