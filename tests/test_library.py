@@ -16,6 +16,20 @@ from carpool.request import ClientRequest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _completion(content: str) -> dict:
+    """A whole chat answer, as a wrapped function returns it."""
+    return {
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": content},
+            }
+        ],
+    }
+
+
 def test_public_surface_is_pinned():
     assert carpool.__all__ == sorted(carpool.__all__)
     assert set(carpool.__all__) == {
@@ -56,16 +70,7 @@ async def test_wrapped_function_is_coalesced_and_cached():
     async def call(path, body):
         calls.append(body)
         await gate.wait()
-        return {
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": "hi"},
-                }
-            ],
-        }
+        return _completion("hi")
 
     gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
@@ -124,16 +129,7 @@ async def test_flights_and_idempotency_records_are_injected_as_given():
     from carpool.idempotency import MemoryIdempotencyRecords
 
     async def call(path, body):
-        return {
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": "hi"},
-                }
-            ],
-        }
+        return _completion("hi")
 
     flights, records = FlightGroup(window=0.0), MemoryIdempotencyRecords(60.0)
     gateway = build_gateway(
@@ -155,16 +151,7 @@ async def test_a_flights_clients_reply_before_its_answer_is_stored_and_it_is_in_
     a reply can miss it); ``Gateway.request`` returns once it is stored."""
 
     async def call(path, body):
-        return {
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": "hi"},
-                }
-            ],
-        }
+        return _completion("hi")
 
     gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
