@@ -28,9 +28,8 @@ Contract:
   the client leaving is seen, a shutdown makes it the connection's last). Its reply is written
   with the headers uvicorn would write, in its order: a whole one in one write; a stream
   chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
-  client does not read. A failure
-  there is what uvicorn makes of an app's: logged, a 500 if nothing was sent, the connection
-  closed.
+  client does not read. A failure there is what uvicorn makes of an app's: logged, a 500 if
+  nothing was sent, the connection closed.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
