@@ -482,3 +482,26 @@ async def test_a_failure_starting_to_serve_a_held_request_sends_it_the_asgi_way(
         status, headers, _ = await _response(reader)
     assert (status, headers["x-carpool"]) == (200, "miss")  # (the ASGI path's)
     assert "answering a held request failed" in caplog.text and fake.count() == 1
+
+
+async def test_a_held_stream_with_a_request_pipelined_behind_it_ends_cleanly_when_its_client_goes(
+    fake, caplog
+):
+    """The connection's end reaches the held request even when uvicorn's current cycle is the
+    request queued behind it: the stream's call is cancelled, nothing is written to the closed
+    connection, nothing is logged as a failure."""
+    async with _gateway(fake) as (served, _):
+        fake.chunk_gate = asyncio.Event()  # the stream stops after its first words
+        stream = orjson.dumps({**orjson.loads(_body("streamed")), "stream": True})
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(_request(stream) + _request(_body("queued")))  # in one write
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        (connection,) = served.server.server_state.connections
+        assert connection.serving is not None and connection.cycle is not connection.serving
+        writer.transport.abort()
+        await fake.wait_for_cancelled(1)
+        await eventually(lambda: not served.server.server_state.tasks, what="the tasks ended")
+        assert connection.serving is None
+    assert fake.count() == 1  # (the queued request was never started)
+    assert "Exception in ASGI application" not in caplog.text

@@ -99,7 +99,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self.held: list[bytes] | None = None
         self.held_size = 0
         self.held_target: tuple[str, bytes] = ("", b"")
-        self.watch: ClientWatch | None = None  # the held request's being served, if any
+        # The held request being served, if any: its cycle and its watch (``_serve``).
+        self.serving: RequestResponseCycle | None = None
+        self.watch: ClientWatch | None = None
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -138,6 +140,9 @@ class GatewayProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = None
         super().connection_lost(exc)
+        # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
+        if self.serving is not None and not self.serving.response_complete:
+            self.serving.disconnected = True
         if self.watch is not None:
             self.watch.left()
 
@@ -227,7 +232,7 @@ class GatewayProtocol(HttpToolsProtocol):
         )
         cycle.more_body = False  # (its whole body is the client's: ``receive`` only waits)
         # Told by ``connection_lost`` if the client leaves (no watcher task needed).
-        watch = ClientWatch()
+        watch = _ConnectionWatch(self.flow)
         served = self._served(cycle, client, rid, watch, started)
         task = (
             self.loop.create_task(served, context=contextvars.Context())
@@ -237,7 +242,8 @@ class GatewayProtocol(HttpToolsProtocol):
         watch.task = task
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
-        self.cycle, self.watch = cycle, watch
+        self.cycle = self.serving = cycle
+        self.watch = watch
 
     async def _served(
         self,
@@ -261,7 +267,7 @@ class GatewayProtocol(HttpToolsProtocol):
         finally:
             cycle.on_response = _nothing  # (as uvicorn's: the protocol is not kept by it)
             if self.watch is watch:
-                self.watch = None
+                self.serving = self.watch = None
 
     async def _respond(
         self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: ClientWatch
@@ -344,6 +350,23 @@ class GatewayProtocol(HttpToolsProtocol):
         if complete:
             cycle.more_body = False
         cycle.message_event.set()
+
+
+class _ConnectionWatch(ClientWatch):
+    """The watch of a request served here: ``connection_lost`` tells it the client left. While
+    its request waits, reading is resumed, as uvicorn's ``receive`` resumes it for the ASGI
+    path's watcher: a request pipelined behind paused it, and a paused connection's end would
+    not be seen."""
+
+    __slots__ = ("flow",)
+
+    def __init__(self, flow: Any) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def start(self) -> None:
+        self.flow.resume_reading()
+        super().start()
 
 
 def _gateway_app(app: Any) -> Any:
