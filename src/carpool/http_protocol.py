@@ -54,11 +54,12 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from .inbound import ClientWatch
 from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
-from .server import ClientWatch, GatewayApp
+from .server import GatewayApp
 
 if TYPE_CHECKING:
     from .reply import Reply

@@ -1,0 +1,164 @@
+"""A client's side of a request to the gateway, whichever transport carries it: its body read
+within limits, and its leaving watched while its request waits.
+
+Contract:
+- ``read_body(receive, headers, limit, deadlines)``: the whole body of an ASGI request (None: the
+  client left first), within ``limit`` bytes (``BodyTooLarge``, before reading past a declared
+  ``content-length`` over it) and ``deadlines.timeout`` seconds (``BodyTimeout``).
+- ``Deadlines``: one timer for every body being read, rather than one per request.
+- ``ClientWatch``: cancels a request's task if its client leaves while it waits or streams
+  (``start``), never after its reply is complete (``stop``); ``left`` is told when the client
+  goes. ``ReceiveWatch`` learns it from ASGI's ``receive`` (a watcher task, made only when the
+  request waits); the HTTP protocol tells its own (``http_protocol.py``) from the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import BodyTimeout, BodyTooLarge
+
+__all__ = ["ClientWatch", "Deadlines", "ReceiveWatch", "read_body"]
+
+
+class ClientWatch:
+    """Cancels the request's task if its client leaves while the request waits or streams
+    (``start``), not after its reply is complete (``stop``). ``left`` is told when the client
+    goes away: here by the HTTP protocol, which sees its connection end (``http_protocol.py``);
+    for the ASGI path, by a watcher task (``ReceiveWatch``).
+
+    Made in the request's task (the one to cancel), not in the first task that waits: the items
+    of a list input wait in tasks of their own, and every one of them must be cancelled.
+    """
+
+    __slots__ = ("task", "started", "gone", "finished", "client_left")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = asyncio.current_task()
+        self.started = self.gone = self.finished = self.client_left = False
+
+    def start(self) -> None:
+        self.started = True
+        if self.gone:
+            self._cancel()
+
+    def stop(self) -> None:
+        self.finished = True
+
+    def left(self) -> None:
+        self.gone = True
+        if self.started:
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if not self.finished and not self.client_left and self.task is not None:
+            self.client_left = True
+            self.task.cancel()
+
+
+class ReceiveWatch(ClientWatch):
+    """The ASGI path's watch: a watcher task, made only when the request has to wait or stream
+    (an immediate answer never creates it), reads ``receive`` until ``http.disconnect``."""
+
+    __slots__ = ("receive", "watcher")
+
+    def __init__(self, receive: Any) -> None:
+        super().__init__()
+        self.receive = receive
+        self.watcher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.watcher is None and not self.finished:
+            self.watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def stop(self) -> None:
+        self.finished = True
+        if self.watcher is not None:
+            self.watcher.cancel()
+            # Not kept: its cancellation's traceback holds this watch (the frames' ``self``),
+            # a cycle only the garbage collector would free, every request that waited.
+            self.watcher = None
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.gone = self.started = True
+                self._cancel()
+                return
+
+
+async def read_body(
+    receive: Any, headers: Mapping[str, str], limit: int, deadlines: Deadlines
+) -> bytes | None:
+    """The whole body (None: the client left), within ``limit`` bytes (``BodyTooLarge``) and
+    ``deadlines.timeout`` seconds from now (``BodyTimeout``)."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    parts: list[bytes] = []
+    size = 0
+    task = deadlines.enter()
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+    except asyncio.CancelledError:
+        if not deadlines.expired(task) or task.cancelling() > 1:
+            raise  # not (only) ours: a shutdown, say
+        task.uncancel()  # we did it: the deadline passed
+        raise BodyTimeout(deadlines.timeout) from None
+    finally:
+        deadlines.leave(task)
+
+
+class Deadlines:
+    """Cuts body reads that last longer than ``timeout`` seconds (``limits.body_read_timeout``).
+
+    One timer for every read in progress, ticking only while there are some, rather than one
+    per request: ``asyncio.timeout`` costs about 5 µs a request, this a dict entry. A read is cut
+    (its task cancelled, which ``read_body`` turns into ``BodyTimeout``) at the first tick after
+    its deadline: between ``timeout`` and ``1.25 x timeout`` seconds after it started.
+    """
+
+    __slots__ = ("timeout", "reading", "cut", "timer")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.reading: dict[asyncio.Task[Any], float] = {}
+        self.cut: set[asyncio.Task[Any]] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def enter(self) -> asyncio.Task[Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = task.get_loop()
+        self.reading[task] = loop.time() + self.timeout
+        if self.timer is None:
+            self.timer = loop.call_later(self.timeout / 4, self._tick, loop)
+        return task
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self.reading.pop(task, None)
+        self.cut.discard(task)
+
+    def expired(self, task: asyncio.Task[Any]) -> bool:
+        return task in self.cut
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        for task in [t for t, deadline in self.reading.items() if deadline <= now]:
+            del self.reading[task]
+            self.cut.add(task)
+            task.cancel()
+        self.timer = loop.call_later(self.timeout / 4, self._tick, loop) if self.reading else None
