@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import run_gateway
-from fakes.instances import free_port, start_serve
+from fakes.instances import free_port, serve_env, start_serve
 from fakes.waiting import eventually
 
 pytest.importorskip("redis")
@@ -416,11 +416,8 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
         "coalesce": {"join_timeout_ms": join_timeout_ms},
     }
     port = free_port()
-    env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
-    env.update(
-        CARPOOL_DISTRIBUTED__LEASE_MS=str(lease_ms),
-        CARPOOL_COALESCE__JOIN_TIMEOUT_MS=str(join_timeout_ms),
-        CARPOOL_LOG_LEVEL="warning",
+    env = serve_env(
+        {"distributed": {"lease_ms": lease_ms}, "coalesce": {"join_timeout_ms": join_timeout_ms}}
     )
     log = tmp_path / "instance-a.log"
     fake.gate = asyncio.Event()  # call 1 (instance A's) hangs until A is gone

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import httpx
 
-from fakes.instances import free_port, start_serve
+from fakes.instances import free_port, serve_env, start_serve
 from test_distributed import until_serving
 
 QUESTION = "What do the workers share?"
@@ -15,8 +13,7 @@ QUESTION = "What do the workers share?"
 async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_redis, tmp_path):
     """On a cluster too: `carpool serve` sees a cluster node and takes a cluster client."""
     port = free_port()
-    env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
-    env["CARPOOL_LOG_LEVEL"] = "warning"
+    env = serve_env()
     log = tmp_path / "workers.log"
     proc = start_serve(
         [

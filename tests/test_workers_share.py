@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fakes.instances import free_port, start_serve
+from fakes.instances import free_port, serve_env, start_serve
 from test_distributed import until_serving
 
 ADMIN_TOKEN = "admin-secret"
@@ -82,9 +82,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 @contextlib.asynccontextmanager
 async def workers(upstream_url: str, tmp_path) -> AsyncIterator[Workers]:
     port = free_port()
-    env = {name: value for name, value in os.environ.items() if not name.startswith("CARPOOL_")}
-    env["CARPOOL_LOG_LEVEL"] = "warning"
-    env["CARPOOL_ADMIN_TOKEN"] = ADMIN_TOKEN
+    env = serve_env({"admin_token": ADMIN_TOKEN})
     log = tmp_path / "workers.log"
     proc = start_serve(
         [

@@ -81,6 +81,14 @@ def environment(settings: dict[str, Any], prefix: str = "CARPOOL_") -> dict[str,
     return out
 
 
+def serve_env(settings: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment of a ``carpool serve`` under test: this one without its ``CARPOOL_*``
+    variables, plus ``settings`` (``environment``) and a log level of ``warning``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    env.update(environment({"log_level": "warning", **(settings or {})}))
+    return env
+
+
 @dataclass
 class Instance:
     port: int
@@ -121,8 +129,7 @@ async def instances(
     *,
     connections: int = 1000,
 ) -> AsyncIterator[list[Instance]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
-    env.update(environment({"log_level": "warning", **(settings or {})}))
+    env = serve_env(settings)
     started: list[Instance] = []
     with tempfile.TemporaryDirectory(prefix="carpool-instances-") as folder:
         try:
