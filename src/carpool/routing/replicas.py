@@ -200,18 +200,15 @@ class ReplicaSet:
             replica.probing = True
         replica.in_flight += 1
         replica.calls += 1
-        policy = self.policy
         try:
-            policy.on_sent(text, replica)
+            self.policy.on_sent(text, replica)
             response = await replica.upstream.send(request)
         except BaseException:
-            replica.in_flight -= 1
-            policy.on_done(replica)
+            self._done(replica)
             raise
         replica.answered = True
         if not response.streaming:
-            replica.in_flight -= 1
-            policy.on_done(replica)
+            self._done(replica)
             return response
         released = False
 
@@ -219,8 +216,7 @@ class ReplicaSet:
             nonlocal released
             if not released:
                 released = True
-                replica.in_flight -= 1
-                policy.on_done(replica)
+                self._done(replica)
 
         async def close() -> None:
             try:
@@ -231,6 +227,11 @@ class ReplicaSet:
         return UpstreamResponse(
             response.status, response.headers, response.body, response.events(), close
         )
+
+    def _done(self, replica: ReplicaState) -> None:
+        """A call of ``replica`` is over (answered whole, failed, or its stream closed)."""
+        replica.in_flight -= 1
+        self.policy.on_done(replica)
 
     async def passthrough(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
