@@ -234,13 +234,28 @@ def test_the_choices_expected_are_n_per_prompt_whatever_best_of():
 
 
 async def test_an_upstream_error_event_ends_a_bypassed_stream_without_a_second_one():
-    async def events() -> AsyncIterator[bytes]:
-        yield b'{"choices":[{"index":0,"delta":{"content":"hi"}}]}'
-        yield b'{"error":{"message":"engine died"}}'
+    async def events() -> AsyncIterator[list[bytes]]:
+        yield [b'{"choices":[{"index":0,"delta":{"content":"hi"}}]}']
+        yield [b'{"error":{"message":"engine died"}}']
         raise UpstreamStreamBroken("ended without [DONE]")
 
     frames = [f async for f in _pipe(api_of("chat"), UpstreamResponse(200, events=events()))]
     assert len(frames) == 2 and b"engine died" in frames[1]
+
+
+async def test_an_upstream_error_event_read_with_frames_before_it_ends_a_bypassed_stream_after_them():
+    async def events() -> AsyncIterator[list[bytes]]:
+        yield [
+            b'{"choices":[{"index":0,"delta":{"content":"hi"}}]}',
+            b'{"error":{"message":"engine died"}}',
+            b'{"choices":[{"index":0,"delta":{"content":"never"}}]}',
+        ]
+        raise UpstreamStreamBroken("ended without [DONE]")
+
+    frames = [f async for f in _pipe(api_of("chat"), UpstreamResponse(200, events=events()))]
+    assert len(frames) == 1
+    assert frames[0].startswith(b'data: {"choices"') and b"engine died" in frames[0]
+    assert b"never" not in frames[0]
 
 
 async def test_an_http_stream_that_stops_without_done_raises_after_what_came(fake):
@@ -256,13 +271,13 @@ async def test_an_http_stream_that_stops_without_done_raises_after_what_came(fak
         response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
         got = []
         with pytest.raises(UpstreamStreamBroken, match="without \\[DONE\\]"):
-            async for payload in response.events():
-                got.append(json.loads(payload))
+            async for payloads in response.events():
+                got += [json.loads(payload) for payload in payloads]
         await response.aclose()
         assert got[-1]["choices"][0]["finish_reason"] == "stop"  # everything but the [DONE]
         fake.omit_done = False
         response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
-        assert len([payload async for payload in response.events()]) == len(got)
+        assert len([p async for payloads in response.events() for p in payloads]) == len(got)
         await response.aclose()
     finally:
         await upstream.aclose()

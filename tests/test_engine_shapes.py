@@ -247,8 +247,8 @@ async def test_an_error_the_engine_reports_in_its_stream_reaches_clients_as_it_i
         "code": 400,
     }
 
-    async def events() -> AsyncIterator[bytes]:
-        yield json.dumps({"error": engine_error}).encode()  # vLLM: then [DONE]
+    async def events() -> AsyncIterator[list[bytes]]:
+        yield [json.dumps({"error": engine_error}).encode()]  # vLLM: then [DONE]
 
     with pytest.raises(UpstreamStreamBroken) as raised:
         await _consume("chat", UpstreamResponse(200, events=events()), Broadcast(), {})

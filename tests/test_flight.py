@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from carpool.answer import Answer
-from carpool.broadcast import Broadcast
+from carpool.broadcast import JOINED_BYTES, Broadcast
 from carpool.clock import ManualClock
 from carpool.errors import FlightAbandoned, UpstreamTimeout
 from carpool.flight import FlightGroup, JoinTimeout
@@ -287,3 +289,52 @@ async def test_forget_all_drops_running_and_lingering_flights_and_moves_the_epoc
     running.release.set()
     await wait_answer(ticket)
     await wait_answer(fresh)
+
+
+# --- the broadcast's reads (carpool.broadcast) ----------------------------------------------
+
+
+def _published(frames: list[bytes], usage: int | None, together: list[int]) -> Broadcast:
+    """``frames`` published in runs of the sizes ``together`` (what is left: one by one)."""
+    broadcast, start = Broadcast(), 0
+    for size in together:
+        run = frames[start : start + size]
+        if run:
+            inside = usage - start if usage is not None and start <= usage < start + size else None
+            broadcast.publish_many(run, inside)
+        start += size
+    for index in range(start, len(frames)):
+        broadcast.publish(frames[index], index == usage)
+    return broadcast
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.integers(1, 40_000), max_size=12),
+    st.data(),
+)
+def test_take_reads_every_frame_once_in_order_in_pieces_of_about_joined_bytes_at_most(sizes, data):
+    frames = [bytes([65 + i % 26]) * size for i, size in enumerate(sizes)]
+    usage = data.draw(st.none() | st.integers(0, max(0, len(frames) - 1))) if frames else None
+    together = data.draw(st.lists(st.integers(0, 5), max_size=4))
+    broadcast = _published(frames, usage, together)
+    one_by_one = _published(frames, usage, [])
+    # Published together or one by one: the same frames, the same usage frame.
+    assert (broadcast.frames, broadcast.usage_frame) == (one_by_one.frames, one_by_one.usage_frame)
+    for include_usage in (False, True):
+        start = sent = data.draw(st.integers(0, len(frames)))
+        pieces = []
+        while sent < len(frames):
+            piece, after = broadcast.take(sent, include_usage)
+            assert after > sent
+            # At most about the bound: under it before its last frame.
+            assert len(piece) < JOINED_BYTES + max(len(f) for f in frames[sent:after])
+            pieces.append(piece)
+            sent = after
+        assert broadcast.take(sent, include_usage) == (b"", sent)
+        wanted = [
+            frame
+            for index, frame in enumerate(frames)
+            if index >= start and (include_usage or index != usage)
+        ]
+        assert b"".join(pieces) == b"".join(wanted)

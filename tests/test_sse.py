@@ -113,6 +113,65 @@ def test_decoder_discards_an_unterminated_final_event_and_says_so():
     assert decoder.close() == [] and decoder.truncated
 
 
+def _spec_events(text: bytes) -> list:
+    """The SSE spec's reading of ``text`` (lines ending in ``\\n``), line by line: the reference
+    the decoder's whole-event path must agree with."""
+    events, data, name = [], [], None
+    for line in text.split(b"\n")[:-1]:  # (the last piece is not a whole line)
+        if not line:
+            if data:
+                events.append((name, b"\n".join(data)))
+            data, name = [], None
+            continue
+        field, colon, value = line.partition(b":")
+        if not colon or field == b"":
+            if not colon and field == b"data":
+                data.append(b"")
+            continue  # a comment, or a field without a value
+        value = value[1:] if value[:1] == b" " else value
+        if field == b"data":
+            data.append(value)
+        elif field == b"event":
+            name = value.decode() or None
+    return events
+
+
+_SSE_LINES = st.sampled_from(
+    [
+        b"data: {}",
+        b'data: {"a": 1}',
+        b"data:no space",
+        b"data:  two spaces",
+        b"data",
+        b"data: x\ndata: y",
+        b"event: error",
+        b"event: ",
+        b": comment",
+        b"id: 7",
+        b"",
+        b"",
+    ]
+)
+
+
+# Lines of events of one line each (the usual stream, mostly), or of any lines.
+_SSE_TEXTS = st.lists(_SSE_LINES.filter(bool), max_size=30).map(
+    lambda lines: b"".join(line + b"\n\n" for line in lines)
+) | st.lists(_SSE_LINES, max_size=30).map(lambda lines: b"".join(line + b"\n" for line in lines))
+
+
+@given(_SSE_TEXTS, st.lists(st.integers(0, 400), max_size=4))
+def test_decoder_reads_any_sequence_of_lines_as_the_spec_does_wherever_it_is_cut(text, cuts):
+    pieces, start = [], 0
+    for cut in sorted(min(cut, len(text)) for cut in cuts):
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    decoder = SSEDecoder()
+    events = [event for piece in pieces for event in decoder.feed(piece)]
+    assert events == _spec_events(text)
+
+
 def test_frame_and_done_are_decodable_sse_events():
     payload = orjson.dumps({"x": "\u2603"})
     assert frame(payload) == b"data: " + payload + b"\n\n"

@@ -75,28 +75,35 @@ async def test_completions_with_best_of_or_echo_are_never_streamed_for_others(ga
     assert [c.body.get("stream") for c in fake.calls] == [None, None, True]
 
 
+def chunk(content: str, finish: str | None = None) -> bytes:
+    return orjson.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+        }
+    )
+
+
+class Reads:
+    """An upstream stream's payloads, as its reads brought them (``UpstreamResponse.events``)."""
+
+    def __init__(self, *reads: list[bytes]) -> None:
+        self.reads = reads
+
+    async def events(self):
+        for payloads in self.reads:
+            yield payloads
+
+
 async def test_a_streams_first_frame_reaches_its_clients_before_the_frames_read_with_it():
     """Frames that came in one read from the upstream: the clients waiting for the first are
     woken with it, before the others are parsed and published (their first byte is not held
     back by the rest)."""
     from carpool.broadcast import Broadcast
     from carpool.exchange import _consume
-
-    def chunk(content: str, finish: str | None = None) -> bytes:
-        return orjson.dumps(
-            {
-                "id": "c",
-                "object": "chat.completion.chunk",
-                "created": 1,
-                "model": "m",
-                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
-            }
-        )
-
-    class Read:  # every frame there at once, as from one read
-        async def events(self):
-            for payload in (chunk("a"), chunk("b"), chunk("c"), chunk("", "stop")):
-                yield payload
 
     broadcast = Broadcast()
     seen: list[int] = []
@@ -107,7 +114,57 @@ async def test_a_streams_first_frame_reaches_its_clients_before_the_frames_read_
 
     waiting = asyncio.create_task(client())
     await asyncio.sleep(0)  # (waiting for the first frame)
-    answer = await _consume("chat", Read(), broadcast, body("x", stream=True))
+    read = Reads([chunk("a"), chunk("b"), chunk("c"), chunk("", "stop")])  # all in one read
+    answer = await _consume("chat", read, broadcast, body("x", stream=True))
     await waiting
     assert seen == [1] and len(broadcast.frames) == 4
     assert answer.complete and b'"content":"abc"' in answer.body
+
+
+async def test_a_malformed_payload_read_with_others_fails_the_stream_after_the_frames_before_it():
+    """The payloads of one read are parsed together: one that is not a JSON object (here two
+    values, which one parse of the read would take for two payloads) still fails the stream as
+    it would alone, once the frames read before it are out; nothing after it is published."""
+    from carpool.broadcast import Broadcast
+    from carpool.errors import UpstreamStreamBroken
+    from carpool.exchange import _consume
+
+    for bad, reason in ((b'{"x":1},{"y":2}', "malformed"), (b"[1,2]", "not an object")):
+        broadcast = Broadcast()
+        read = Reads([chunk("a")], [chunk("b"), chunk("c"), bad, chunk("d"), chunk("", "stop")])
+        try:
+            await _consume("chat", read, broadcast, body("x", stream=True))
+        except UpstreamStreamBroken as error:
+            assert reason in str(error)
+        else:
+            raise AssertionError("a malformed payload was taken")
+        assert [
+            orjson.loads(f[6:])["choices"][0]["delta"]["content"] for f in broadcast.frames
+        ] == [
+            "a",
+            "b",
+            "c",
+        ]
+
+
+async def test_a_usage_chunk_read_with_the_last_frames_is_still_left_out_for_clients_not_asking():
+    from carpool.broadcast import Broadcast
+    from carpool.exchange import _consume
+
+    usage = orjson.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        }
+    )
+    broadcast = Broadcast()
+    read = Reads([chunk("a")], [chunk("b"), chunk("", "stop"), usage])
+    answer = await _consume("chat", read, broadcast, body("x", stream=True))
+    assert answer.complete and broadcast.usage_frame == 3
+    without, _ = broadcast.take(0, include_usage=False)
+    with_usage, _ = broadcast.take(0, include_usage=True)
+    assert b'"usage"' not in without and with_usage == without + broadcast.frames[3]

@@ -16,7 +16,9 @@ Contract (CONTRACT.md "Streaming"):
   ending; ``wait_changed`` once anything was published or it ended (or at once if it has). All
   can be bounded by the caller with ``asyncio.timeout``; a waiter costs one future, and a
   publish wakes only the waiters there are.
-- ``on_publish`` (optional, sync, must not raise) is called after each frame is published: the
+- ``publish_many`` publishes frames that came together, as ``publish`` would one by one, with
+  one wake-up of the waiters.
+- ``on_publish`` (optional, sync, must not raise) is called after each publish: the
   cross-instance leader (``redis/flights.py``) uses it to forward frames to Redis.
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
   instance made (this instance's clients of the flight are then all ``coalesced``); ``cached``
@@ -70,6 +72,16 @@ class Broadcast:
         if self.on_publish is not None:
             self.on_publish()
 
+    def publish_many(self, frames: list[bytes], usage_only: int | None = None) -> None:
+        """``frames`` in order; ``usage_only``: the index among them of the usage-only one."""
+        if usage_only is not None:
+            self.usage_frame = len(self.frames) + usage_only
+        self.frames.extend(frames)
+        if self._waiters:
+            self._wake()
+        if self.on_publish is not None:
+            self.on_publish()
+
     def finish(self, answer: Answer) -> None:
         if not self.done:
             self.answer = answer
@@ -117,6 +129,13 @@ class Broadcast:
         skip = None if include_usage else self.usage_frame
         if end - sent == 1:
             return (b"" if sent == skip else frames[sent]), end
+        # The usual read: every frame there (but the usage one, if skipped) in one piece.
+        if skip is not None and sent <= skip < end:
+            piece = b"".join(frames[sent:skip] + frames[skip + 1 : end])
+        else:
+            piece = b"".join(frames[sent:end])
+        if len(piece) <= JOINED_BYTES:
+            return piece, end
         pieces: list[bytes] = []
         size = 0
         while sent < end and size < JOINED_BYTES:

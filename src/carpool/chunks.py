@@ -240,10 +240,10 @@ class _Choice:
         return message
 
 
-# A chat chunk's choice that only adds text (nearly every chunk of a stream): its keys, and its
-# delta's. ``assemble`` takes it in one step, with the same result as ``_Choice.add``.
+# A chat chunk's choice that only adds text (nearly every chunk of a stream): its keys (its
+# delta's: "content" alone). ``assemble`` takes it in one step, with the same result as
+# ``_Choice.add``.
 _PLAIN_CHOICE = frozenset(("index", "delta", "logprobs", "finish_reason"))
-_PLAIN_DELTA = frozenset(("content",))
 _TOP_SKIP = frozenset(("object", "choices", "usage"))
 
 
@@ -276,30 +276,31 @@ def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
                     top[key], filled = value, True
             if filled:
                 nulls = [key for key in nulls if top[key] is None]
-        if chunk.get("usage") is not None:
-            usage = chunk["usage"]  # the last one: vLLM's continuous usage is cumulative
+        value = chunk.get("usage")
+        if value is not None:
+            usage = value  # the last one: vLLM's continuous usage is cumulative
         choices_in = chunk.get("choices")
-        for choice in choices_in if isinstance(choices_in, list) else ():
+        if not isinstance(choices_in, list):
+            continue
+        for choice in choices_in:
             if not isinstance(choice, dict):
                 continue
             index = choice.get("index", 0)
             state = choices.get(index)
             if state is None:
                 state = choices[index] = _Choice(index)
-            delta = choice.get("delta")
-            if (
-                chat
-                and state.content is not None
-                and type(delta) is dict
-                and delta.keys() == _PLAIN_DELTA
-                and type(delta["content"]) is str
-                and choice.get("finish_reason") is None
-                and choice.get("logprobs") is None
-                and choice.keys() <= _PLAIN_CHOICE
-            ):
-                state.content.append(delta["content"])  # (all ``add`` would do with it)
-            else:
-                state.add(kind, choice)
+            if chat and state.content is not None and choice.keys() <= _PLAIN_CHOICE:
+                delta = choice.get("delta")
+                if (
+                    type(delta) is dict
+                    and len(delta) == 1
+                    and type(text := delta.get("content")) is str
+                    and choice.get("finish_reason") is None
+                    and choice.get("logprobs") is None
+                ):
+                    state.content.append(text)  # (all ``add`` would do with it)
+                    continue
+            state.add(kind, choice)
     body: dict[str, Any] = {
         "id": top.pop("id", None),
         "object": _OBJECT[kind],

@@ -207,7 +207,8 @@ class Exchange:
 async def _consume(
     kind: str, response: UpstreamResponse, broadcast: Broadcast, asked: dict[str, Any]
 ) -> Answer:
-    """Publish an upstream stream frame by frame; judge and assemble it once it ends.
+    """Publish an upstream stream as it comes (the frames of one read at once, the very first
+    frame alone); judge and assemble it once it ends.
 
     Only a stream that ended whole comes back (``[DONE]``, or a typed stream's last event:
     ``response.events()`` raises ``UpstreamStreamBroken`` otherwise, and so does an error event),
@@ -220,29 +221,16 @@ async def _consume(
     """
     api = api_of(kind)
     chunks: list[dict[str, Any]] = []
-    # (Bound once: this loop runs for every frame of every streamed miss.)
-    loads, failure, frame, usage_only = orjson.loads, api.failure, api.frame, api.usage_only
-    keep, publish = chunks.append, broadcast.publish
     first = True
-    async for payload in response.events():
-        try:
-            chunk = loads(payload)
-        except orjson.JSONDecodeError:
-            raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
-        if type(chunk) is not dict:
-            raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
-        error = failure(chunk)
-        if error is not None:
-            # The engine's own error object reaches the clients as it is (its message, type
-            # and code), not a paraphrase.
-            raise UpstreamStreamBroken(f"the upstream stream failed: {error.get('message')}", error)
-        keep(chunk)
-        publish(frame(payload, chunk), usage_only(chunk))
+    async for payloads in response.events():
         if first:
             # The first frame goes out at once, not after the frames that came in the same
             # read: a turn of the loop for its clients (the time to their first byte).
             first = False
+            _publish(api, payloads[:1], chunks, broadcast)
             await asyncio.sleep(0)
+            payloads = payloads[1:]
+        _publish(api, payloads, chunks, broadcast)
     body, complete = api.judge_stream(chunks, asked)
     return Answer(
         kind,
@@ -252,6 +240,64 @@ async def _consume(
         frames=broadcast.frames,
         usage_frame=broadcast.usage_frame,
     )
+
+
+def _publish(
+    api: Api, payloads: list[bytes], chunks: list[dict[str, Any]], broadcast: Broadcast
+) -> None:
+    """Payloads that came together, parsed into ``chunks`` and framed into ``broadcast`` at
+    once; a payload that is not a JSON object, or is the engine's error, raises
+    ``UpstreamStreamBroken`` once the frames before it are published."""
+    if not payloads:
+        return
+    failure, frame, usage_only = api.failure, api.frame, api.usage_only
+    frames: list[bytes] = []
+    usage = None
+    try:
+        for payload, chunk in zip(payloads, _parsed(payloads), strict=True):
+            if type(chunk) is not dict:
+                raise UpstreamStreamBroken(
+                    "the upstream sent a malformed stream chunk"
+                    if chunk is _MALFORMED
+                    else "the upstream sent a stream chunk that is not an object"
+                )
+            error = failure(chunk)
+            if error is not None:
+                # The engine's own error object reaches the clients as it is (its message,
+                # type and code), not a paraphrase.
+                raise UpstreamStreamBroken(
+                    f"the upstream stream failed: {error.get('message')}", error
+                )
+            chunks.append(chunk)
+            if usage_only(chunk):
+                usage = len(frames)
+            frames.append(frame(payload, chunk))
+    finally:
+        if frames:
+            broadcast.publish_many(frames, usage)
+
+
+_MALFORMED: Any = object()  # (what ``_parsed`` gives for a payload that is not JSON)
+
+
+def _parsed(payloads: list[bytes]) -> list[Any]:
+    """Each payload's JSON value (``_MALFORMED`` if it is none): all of them in one parse when
+    they make one array of as many values (a payload that is two values, or none, does not)."""
+    if len(payloads) > 1:
+        try:
+            values = orjson.loads(b"[" + b",".join(payloads) + b"]")
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if len(values) == len(payloads):
+                return values  # type: ignore[no-any-return]  # (a list: the text is one)
+    parsed = []
+    for payload in payloads:
+        try:
+            parsed.append(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            parsed.append(_MALFORMED)
+    return parsed
 
 
 def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
@@ -302,18 +348,21 @@ async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
     event. It is not judged further: nothing stores it, and a client of its own gets what the
     upstream sent."""
     try:
-        async for payload in response.events():
-            error = _error_in(api, payload) if b'"error"' in payload else None
-            if error is not None:
-                # The upstream's own error ends it, framed as its API frames errors (a typed
-                # stream's SDK ignores an event without its name): no second one.
-                yield api.error_event(
-                    UpstreamStreamBroken(
-                        f"the upstream stream failed: {error.get('message')}", error
+        async for payloads in response.events():
+            frames: list[bytes] = []
+            for payload in payloads:
+                error = _error_in(api, payload) if b'"error"' in payload else None
+                if error is not None:
+                    # The upstream's own error ends it, framed as its API frames errors (a
+                    # typed stream's SDK ignores an event without its name): no second one.
+                    yield b"".join(frames) + api.error_event(
+                        UpstreamStreamBroken(
+                            f"the upstream stream failed: {error.get('message')}", error
+                        )
                     )
-                )
-                return
-            yield api.frame(payload)
+                    return
+                frames.append(api.frame(payload))
+            yield b"".join(frames)
         if api.stream_end:
             yield api.stream_end
     except UpstreamError as error:

@@ -93,11 +93,34 @@ class SSEDecoder:
             self._started = True
             if data.startswith(_BOM):
                 data = data[3:]
+        out: list[SSEEvent] = []
+        if not self._data and self._event is None:
+            # The usual stream: whole events, each one "data: ..." line and a blank one. Each
+            # block up to a blank line is one event: taken whole when it is that one line, else
+            # line by line (the same as below, the blank line closing it).
+            end = data.rfind(b"\n\n")
+            if end >= 0:
+                whole, data = data[:end], data[end + 2 :]
+                blocks = whole.split(b"\n\n")
+                if (
+                    whole[:6] == b"data: "
+                    and whole.count(b"\n\ndata: ") == len(blocks) - 1
+                    and whole.count(b"\n") == 2 * len(blocks) - 2
+                ):
+                    # Every block one "data: " line (its only line breaks: the blank lines).
+                    out = [(None, block[6:]) for block in blocks]
+                else:
+                    for block in blocks:
+                        if block[:6] == b"data: " and b"\n" not in block:
+                            out.append((None, block[6:]))
+                        else:
+                            for line in block.split(b"\n"):
+                                self._line(line, out)
+                            self._line(b"", out)
         lines = data.split(b"\n")
         rest = lines.pop()
         if rest:
             self._tail.append(rest)
-        out: list[SSEEvent] = []
         for line in lines:
             self._line(line, out)
         return out

@@ -44,8 +44,8 @@ class Fake:
             await asyncio.Event().wait()
         if request.stream:
 
-            async def events() -> AsyncIterator[bytes]:
-                yield b'{"from": "%s"}' % self.name.encode()
+            async def events() -> AsyncIterator[list[bytes]]:
+                yield [b'{"from": "%s"}' % self.name.encode()]
 
             async def close() -> None:
                 self.closed_streams += 1
@@ -325,7 +325,7 @@ async def test_5xx_before_any_byte_fails_over():
     response, replica, decision = await replicas.send(STREAM)
     assert (response.status, replica.name, decision) == (200, "r0", Decision.FAILOVER)
     assert response.streaming and replicas["r0"].in_flight == 1  # a stream, open
-    assert [e async for e in response.events()] == [b'{"from": "r0"}']
+    assert [e async for e in response.events()] == [[b'{"from": "r0"}']]
     await response.aclose()
     await response.aclose()  # safe twice
     assert r0.closed_streams == 1 and replicas.in_flight == 0

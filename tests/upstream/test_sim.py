@@ -272,7 +272,7 @@ async def test_sim_upstream_answers_and_streams_payload_bytes():
     streamed = await upstream.send(
         UpstreamRequest("/chat/completions", chat(temperature=0), stream=True)
     )
-    payloads = [orjson.loads(p) async for p in streamed.events()]
+    payloads = [orjson.loads(p) async for batch in streamed.events() for p in batch]
     await streamed.aclose()
     await streamed.aclose()  # safe twice
     text = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads)

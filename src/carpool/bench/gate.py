@@ -46,14 +46,14 @@ class Gated:
             response.status, response.headers, events=self._stamped(response), close=response.aclose
         )
 
-    async def _stamped(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
+    async def _stamped(self, response: UpstreamResponse) -> AsyncIterator[list[bytes]]:
         first = True
-        async for payload in response.events():
-            self.chunks += 1
+        async for payloads in response.events():
+            self.chunks += len(payloads)
             if first:
                 self.answered_at = time.perf_counter()
                 first = False
-            yield payload
+            yield payloads
 
     async def passthrough(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes

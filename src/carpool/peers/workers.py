@@ -258,7 +258,7 @@ def _url(path: str, query: str) -> str:
     return "http://worker" + path + ("?" + query if query else "")
 
 
-async def _lost_if_cut(payloads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _lost_if_cut(payloads: AsyncIterator[list[bytes]]) -> AsyncIterator[list[bytes]]:
     """The owner's stream; cut short (the owner died: its own failures come as error events),
     the call is lost, as a Redis follower's whose leader died (``LeaderLost``): taken over
     here if nothing was relayed yet (``Exchange.fetch``, ``Gateway._follow``)."""

@@ -77,7 +77,8 @@ class UpstreamRequest:
 
 
 class UpstreamResponse:
-    """An upstream's answer: a complete body, or (streaming, 2xx) an iterator of SSE payloads."""
+    """An upstream's answer: a complete body, or (streaming, 2xx) an iterator of SSE payloads,
+    in lists: the payloads that came together (one read), never an empty list."""
 
     __slots__ = ("status", "headers", "body", "_events", "_close")
 
@@ -86,7 +87,7 @@ class UpstreamResponse:
         status: int,
         headers: Mapping[str, str] | None = None,
         body: bytes = b"",
-        events: AsyncIterator[bytes] | None = None,
+        events: AsyncIterator[list[bytes]] | None = None,
         close: Any = None,
     ) -> None:
         self.status = status
@@ -99,7 +100,7 @@ class UpstreamResponse:
     def streaming(self) -> bool:
         return self._events is not None
 
-    def events(self) -> AsyncIterator[bytes]:
+    def events(self) -> AsyncIterator[list[bytes]]:
         if self._events is None:
             raise RuntimeError("not a streaming response")
         return self._events

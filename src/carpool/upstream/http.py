@@ -313,7 +313,7 @@ class HttpUpstream:
 
 def sse_payloads(
     response: aiohttp.ClientResponse, last_event: Callable[[bytes], bool] | None, who: str
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[list[bytes]]:
     """The ``data:`` payloads of an SSE answer read by aiohttp (``_payloads``); ``who`` names
     the sender in errors (``upstream <label>``; a peer worker's answer is read so too,
     ``carpool.peers``). The response is closed at the end, however it ends."""
@@ -330,7 +330,7 @@ def sse_payloads(
 
 def wire_payloads(
     answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[list[bytes]]:
     """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
     pool once the stream ended whole, else it is closed (the upstream stops generating)."""
     return _payloads(
@@ -353,25 +353,31 @@ async def _payloads(
     errors: tuple[type[BaseException], ...],
     reason: Callable[[BaseException], str],
     done: Callable[[bool], None],
-) -> AsyncIterator[bytes]:
-    """The ``data:`` payloads of an SSE body (``upstream.base``: until ``[DONE]`` or a typed
-    stream's last event, else ``UpstreamStreamBroken``), whichever client reads it: its
+) -> AsyncIterator[list[bytes]]:
+    """The ``data:`` payloads of an SSE body, those of one read in one list (``upstream.base``:
+    until ``[DONE]`` or a typed stream's last event, else ``UpstreamStreamBroken``), whichever
+    client reads it: its
     ``timeouts`` and ``errors`` become ``UpstreamStreamBroken``; ``done(ended whole)`` at the end."""
     decoder = SSEDecoder()
     sent = ended = False
     try:
         async for data in chunks:
+            batch: list[bytes] = []
             for event, payload in decoder.feed(data):
                 if payload == b"[DONE]":
                     ended = True
-                    return
+                    break
                 if event == "error" and not payload.startswith(b'{"error"'):
                     payload = b'{"error":' + payload + b"}"
-                sent = True
-                yield payload
+                batch.append(payload)
                 if last_event is not None and last_event(payload):
                     ended = True
-                    return  # a typed stream's last event: it ended whole
+                    break  # a typed stream's last event: it ended whole
+            if batch:
+                sent = True
+                yield batch
+            if ended:
+                return
         # The body ended cleanly but the stream did not: a server that stopped (a crash, a
         # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
         # nothing says the answer is whole.

@@ -483,6 +483,9 @@ class Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(WireError("malformed or truncated answer", self.headed), exc)
+            return
+        if self.want == NEWS and self.chunks:
+            self._wake()  # (once a read, not once a chunk of it: a stream's are its frames)
 
     def eof_received(self) -> bool:
         return False  # (the transport closes itself: ``connection_lost``)
@@ -530,12 +533,8 @@ class Connection(asyncio.Protocol):
             self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.unasked:
-            return
-        self.chunks.append(body)
-        waiter = self.waiter
-        if waiter is not None and self.want == NEWS and not waiter.done():
-            waiter.set_result(None)
+        if not self.unasked:
+            self.chunks.append(body)  # (the reader is woken once the read is parsed)
 
     def on_message_complete(self) -> None:
         if self.unasked:

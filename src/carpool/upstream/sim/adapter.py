@@ -24,12 +24,12 @@ from carpool.upstream.sim.replica import SimReplica, build_replicas
 from carpool.upstream.sim.replies import JSON_HEADERS, not_found_reply, strip_v1
 
 
-async def _payloads(chunks: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[bytes, None]:
-    """Chunk objects as SSE payload bytes. Closing this closes the replica's stream at once (an
+async def _payloads(chunks: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[list[bytes], None]:
+    """Chunk objects as SSE payload bytes, one at a time (``upstream.base``). Closing this closes the replica's stream at once (an
     outer generator does not close the one it iterates), which frees the replica's slot."""
     async with aclosing(chunks):  # type: ignore[type-var]  # (an async generator: it has aclose)
         async for chunk in chunks:
-            yield orjson.dumps(chunk)
+            yield [orjson.dumps(chunk)]
 
 
 async def _once(body: bytes) -> AsyncIterator[bytes]:
