@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from carpool import chunks as chunks_module
 from carpool import sse
-from carpool.chunks import assemble, synthesize
+from carpool.chunks import Assembly, assemble, synthesize
 from carpool.completeness import is_complete, usage_tokens
 from carpool.sse import DONE, SSEDecoder, frame
 
@@ -798,6 +800,179 @@ def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins(
         for i, c in enumerate(text)
     ] + [chunk([], usage=usage)]
     assert assemble("chat", running)["usage"] == usage
+
+
+# --- text chunks taken by their payload (chunks.Assembly.add_text) ---------------------------
+
+
+def _collected(payloads: list[bytes]) -> tuple[dict, int]:
+    """The body a stream's payloads make as the exchange gathers them: offered to ``add_text``
+    first, parsed and ``add``ed (with the payload) otherwise; and how many ``add_text`` took."""
+    assembly, taken = Assembly("chat"), 0
+    for payload in payloads:
+        if assembly.add_text(payload):
+            taken += 1
+        else:
+            assembly.add(orjson.loads(payload), payload)
+    return assembly.body(), taken
+
+
+def _chat_chunk(index: int, delta: dict, finish=None, **top) -> dict:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 7,
+        "model": "m",
+        **top,
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+_texts = st.text(alphabet=st.sampled_from('ab \\"\n\t/é😀{}:,content'), max_size=8)
+_writers = st.sampled_from(
+    [
+        orjson.dumps,
+        lambda o: json.dumps(o).encode(),  # ", " and ": "
+        lambda o: json.dumps(o, ensure_ascii=False).encode(),
+        lambda o: json.dumps(o, separators=(",", ":")).encode(),
+    ]
+)
+
+
+_USAGES = [{"prompt_tokens": 1, "completion_tokens": k, "total_tokens": k + 1} for k in (1, 2)]
+
+
+@st.composite
+def _chat_streams(draw) -> list[bytes]:
+    """A chat stream's payloads as engines write them: a role chunk, text chunks (one or two
+    choices), maybe tool calls, finish chunks, maybe a usage chunk; ids, ``created``, usage per
+    chunk, extra fields (one with a "content" of its own) and key spellings vary, and so does
+    the JSON writer."""
+    write = draw(_writers)
+    n = draw(st.sampled_from([1, 1, 1, 2]))
+    # vLLM's continuous usage: in every chunk, growing; or one of a few values, coming back.
+    usages = draw(st.sampled_from(["none", "none", "growing", "some"]))
+    per_chunk_id = draw(st.booleans()) and draw(st.booleans())
+    extra = draw(st.sampled_from([{}, {}, {"system_fingerprint": "fp"}, {"model": "content"}]))
+
+    def usage_of(step: int) -> dict:
+        if usages == "growing":
+            return {"usage": {"prompt_tokens": 1, "completion_tokens": step, "total_tokens": 9}}
+        if usages == "some":
+            return draw(st.sampled_from([{}, {"usage": None}, *({"usage": u} for u in _USAGES)]))
+        return {}
+
+    payloads = [
+        write(_chat_chunk(i, {"role": "assistant", "content": ""}, **extra)) for i in range(n)
+    ]
+    step = 0
+    for text in draw(st.lists(_texts, max_size=12)):
+        step += 1
+        top = {**extra, **usage_of(step)}
+        if per_chunk_id:
+            top["id"] = f"chatcmpl-{step}"
+        if draw(st.integers(0, 9)) == 0:
+            top["created"] = 7 + step  # (llama.cpp: the second it was sent)
+        index = draw(st.integers(0, n - 1))
+        chunk = _chat_chunk(index, {"content": text}, **top)
+        if draw(st.integers(0, 8)) == 0:
+            chunk["meta"] = {"content": draw(_texts)}  # a "content" after the text's
+        payload = write(chunk)
+        if draw(st.integers(0, 12)) == 0:  # a key twice: the last one counts
+            payload = payload.replace(b'"delta":{', b'"delta":{"content":"x",', 1)
+        payloads.append(payload)
+        if draw(st.integers(0, 10)) == 0:
+            call = {
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "f", "arguments": "{}"},
+            }
+            payloads.append(write(_chat_chunk(index, {"tool_calls": [call]}, **usage_of(step))))
+    for i in range(n):
+        payloads.append(write(_chat_chunk(i, {}, "stop", **extra, **usage_of(step))))
+    if draw(st.booleans()):
+        payloads.append(write({**_chat_chunk(0, {}), "choices": [], "usage": _USAGES[1]}))
+    return payloads
+
+
+@settings(max_examples=500)
+@given(_chat_streams())
+def test_text_chunks_taken_by_their_payload_assemble_as_the_parsed_chunks_do(payloads):
+    body, _ = _collected(payloads)
+    assert body == assemble("chat", [orjson.loads(p) for p in payloads])
+
+
+def test_a_usual_streams_text_chunks_but_the_first_are_taken_by_their_payload():
+    texts = ["Hel", "lo", ' "quoted"', " back\\slash", " é😀", "\n"]
+    payloads = [orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""}))]
+    payloads += [orjson.dumps(_chat_chunk(0, {"content": text})) for text in texts]
+    payloads.append(orjson.dumps(_chat_chunk(0, {}, "stop")))
+    body, taken = _collected(payloads)
+    assert taken == len(texts) - 1
+    assert body["choices"][0]["message"]["content"] == "".join(texts)
+
+
+def test_a_payload_that_is_not_one_string_in_the_texts_place_is_not_taken():
+    first = orjson.dumps(_chat_chunk(0, {"content": "a"}))
+    assembly = Assembly("chat")
+    assembly.add(orjson.loads(orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""}))))
+    assembly.add(orjson.loads(first), first)
+    for text in (b'"b","role":"tool"', b'"b" "c"', b"1", b'"b', b'b"', b"", b' "b"'):
+        assert not assembly.add_text(first.replace(b'"a"', text)), text
+    assert assembly.add_text(first.replace(b'"a"', b'"b\\u00e9"'))
+    assert assembly.body()["choices"][0]["message"]["content"] == "abé"
+
+
+def test_a_content_after_the_text_with_the_same_string_is_not_taken_for_the_text():
+    """The text's string is found as the last "content": a field after it with the same
+    string would be cut around instead, were another string in its place not checked to
+    change only the text."""
+
+    def chunk(text: str, meta: str) -> bytes:
+        return orjson.dumps({**_chat_chunk(0, {"content": text}), "meta": {"content": meta}})
+
+    payloads = [
+        orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""})),
+        chunk("same", "same"),
+        chunk("same", "other"),
+        orjson.dumps(_chat_chunk(0, {}, "stop")),
+    ]
+    body, _ = _collected(payloads)
+    assert body == assemble("chat", [orjson.loads(p) for p in payloads])
+    assert body["choices"][0]["message"]["content"] == "samesame"
+
+
+def test_a_text_chunk_that_says_its_usage_again_after_another_usage_makes_that_usage_the_last():
+    """vLLM may send usage with text chunks: the last usage sent wins, even when a text chunk
+    like an earlier one repeats an earlier usage."""
+    one, two = _USAGES
+    payloads = [
+        orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""})),
+        orjson.dumps(_chat_chunk(0, {"content": "a"}, usage=one)),
+        orjson.dumps(_chat_chunk(0, {"content": "b"}, usage=one)),
+        orjson.dumps({**_chat_chunk(0, {}), "choices": [], "usage": two}),
+        orjson.dumps(_chat_chunk(0, {"content": "c"}, usage=one)),
+        orjson.dumps(_chat_chunk(0, {}, "stop")),
+    ]
+    body, _ = _collected(payloads)
+    assert body == assemble("chat", [orjson.loads(p) for p in payloads])
+    assert body["usage"] == one and body["choices"][0]["message"]["content"] == "abc"
+
+
+def test_chunks_that_differ_in_more_than_their_text_stop_templates_being_made(monkeypatch):
+    made = []
+    make = chunks_module._TextTemplate.of
+    monkeypatch.setattr(
+        chunks_module._TextTemplate,
+        "of",
+        classmethod(lambda cls, *args: made.append(1) or make(*args)),
+    )
+    payloads = [orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""}))]
+    payloads += [orjson.dumps(_chat_chunk(0, {"content": "t"}, id=f"c{i}")) for i in range(10)]
+    body, taken = _collected(payloads)
+    assert taken == 0 and len(made) == 2  # (two that took nothing: then no more)
+    assert body == assemble("chat", [orjson.loads(p) for p in payloads])
 
 
 def test_round_trip_keeps_extra_fields_of_other_servers():

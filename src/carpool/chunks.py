@@ -32,11 +32,18 @@ Contract:
   without ``usage``: nothing is invented.
   The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
   input: copy before mutating those.
+- ``Assembly(kind)`` is ``assemble`` one chunk at a time (``add``; ``body()``), for a stream as it
+  comes. Its ``add_text(payload)`` takes a chat text chunk by its raw payload alone, without
+  parsing it into a dict, when the payload is that of the last text chunk ``add``ed with its
+  payload but for its text (``_TextTemplate``); the body is the same as if it had been parsed
+  and ``add``ed. It returns False, having done nothing, for any other payload.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import orjson
 
 # Top-level fields every chunk repeats (synthesize copies them into each chunk).
 _IDENTITY = ("id", "created", "model", "system_fingerprint", "service_tier")
@@ -249,39 +256,64 @@ _TOP_SKIP = frozenset(("object", "choices", "usage"))
 
 def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """The non-streaming body equivalent to the parsed chunks of one "chat"/"completion" stream."""
-    top: dict[str, Any] = {}
-    # The top-level keys seen (and those skipped): a chunk with no other key has nothing more to
-    # say there (the usual case), but for a first non-null value of a key only null so far.
-    seen = set(_TOP_SKIP)
-    nulls: list[str] = []  # the keys of ``top`` whose value is still null
-    choices: dict[Any, _Choice] = {}
-    usage = None
-    chat = kind == "chat"
+    assembly = Assembly(kind)
     for chunk in chunks:
+        assembly.add(chunk)
+    return assembly.body()
+
+
+class Assembly:
+    """``assemble`` one chunk at a time: ``add`` them, ``body()`` is ``assemble`` of those so far.
+
+    A chat stream's text chunks (all but a few) differ from each other only in their text. Once
+    one was added with its raw ``payload``, those whose payload is its payload with another
+    text in place (a ``_TextTemplate``) are taken without parsing them into a dict:
+    ``add_text(payload)`` is then ``add(parsed payload)``, and False for any other payload.
+    """
+
+    __slots__ = ("kind", "chat", "top", "seen", "nulls", "choices", "usage", "template", "_idle")
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.chat = kind, kind == "chat"
+        self.top: dict[str, Any] = {}
+        # The top-level keys seen (and those skipped): a chunk with no other key has nothing
+        # more to say there (the usual case), but for a first non-null value of a key only null
+        # so far.
+        self.seen = set(_TOP_SKIP)
+        self.nulls: list[str] = []  # the keys of ``top`` whose value is still null
+        self.choices: dict[Any, _Choice] = {}
+        self.usage: Any = None
+        self.template: _TextTemplate | None = None
+        self._idle = 0  # templates made that took no chunk (two, and no more are made)
+
+    def add(self, chunk: dict[str, Any], payload: bytes | None = None) -> None:
+        """One parsed chunk; ``payload``: its raw text, to take the next ones like it by."""
         if not isinstance(chunk, dict):
-            continue
-        if not chunk.keys() <= seen:
+            return
+        top = self.top
+        if not chunk.keys() <= self.seen:
             for key, value in chunk.items():
                 if key in _TOP_SKIP:
                     continue
                 if top.get(key) is None:  # the first non-null value; the key kept if ever seen
                     top[key] = value
-                    seen.add(key)
-            nulls = [key for key, value in top.items() if value is None]
-        elif nulls:  # (the same, for the only keys it can change)
+                    self.seen.add(key)
+            self.nulls = [key for key, value in top.items() if value is None]
+        elif self.nulls:  # (the same, for the only keys it can change)
             filled = False
-            for key in nulls:
+            for key in self.nulls:
                 value = chunk.get(key)
                 if value is not None:
                     top[key], filled = value, True
             if filled:
-                nulls = [key for key in nulls if top[key] is None]
-        value = chunk.get("usage")
-        if value is not None:
-            usage = value  # the last one: vLLM's continuous usage is cumulative
+                self.nulls = [key for key in self.nulls if top[key] is None]
+        usage = chunk.get("usage")
+        if usage is not None:
+            self.usage = usage  # the last one: vLLM's continuous usage is cumulative
         choices_in = chunk.get("choices")
         if not isinstance(choices_in, list):
-            continue
+            return
+        choices = self.choices
         for choice in choices_in:
             if not isinstance(choice, dict):
                 continue
@@ -289,7 +321,7 @@ def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
             state = choices.get(index)
             if state is None:
                 state = choices[index] = _Choice(index)
-            if chat and state.content is not None and choice.keys() <= _PLAIN_CHOICE:
+            if self.chat and state.content is not None and choice.keys() <= _PLAIN_CHOICE:
                 delta = choice.get("delta")
                 if (
                     type(delta) is dict
@@ -298,20 +330,128 @@ def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
                     and choice.get("finish_reason") is None
                     and choice.get("logprobs") is None
                 ):
-                    state.content.append(text)  # (all ``add`` would do with it)
+                    state.content.append(text)  # (all ``_Choice.add`` would do with it)
+                    if payload is not None and usage is None and len(choices_in) == 1:
+                        self._learn(payload, chunk, text, state)
                     continue
-            state.add(kind, choice)
-    body: dict[str, Any] = {
-        "id": top.pop("id", None),
-        "object": _OBJECT[kind],
-        "created": top.pop("created", None),
-        "model": top.pop("model", None),
-        "choices": [choices[i].body(kind) for i in sorted(choices, key=_sort_key)],
-    }
-    body.update(top)
-    if usage is not None:
-        body["usage"] = usage
-    return body
+            state.add(self.kind, choice)
+
+    def add_text(self, payload: bytes) -> bool:
+        """Whether ``payload`` is a text chunk like the last one ``add``ed with its payload
+        (then taken: as ``add`` would have taken it); False: nothing was done."""
+        template = self.template
+        if template is None:
+            return False
+        end = len(payload) - template.after
+        if (
+            end < template.before
+            or not payload.startswith(template.prefix)
+            or not payload.endswith(template.suffix)
+        ):
+            return False
+        try:
+            # Quoted (the prefix ends in a quote, the suffix starts with one): one JSON value
+            # that begins and ends so is a string, and nothing else parses.
+            text = orjson.loads(payload[template.before - 1 : end + 1])
+        except orjson.JSONDecodeError:
+            return False  # ('"a","b"': not one string)
+        template.content.append(text)
+        template.took = True
+        return True
+
+    def _learn(self, payload: bytes, chunk: dict[str, Any], text: str, state: _Choice) -> None:
+        # A text chunk that did not fit the template: a new one from it, unless two templates
+        # in a row took nothing (chunks that differ in more than their text: a stream that
+        # gains nothing here, and should not pay for trying).
+        old = self.template
+        if old is not None and not old.took:
+            self._idle += 1
+        if self._idle < 2:
+            self.template = _TextTemplate.of(payload, chunk, text, state)
+
+    def body(self) -> dict[str, Any]:
+        top, choices = dict(self.top), self.choices
+        body: dict[str, Any] = {
+            "id": top.pop("id", None),
+            "object": _OBJECT[self.kind],
+            "created": top.pop("created", None),
+            "model": top.pop("model", None),
+            "choices": [choices[i].body(self.kind) for i in sorted(choices, key=_sort_key)],
+        }
+        body.update(top)
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body
+
+
+class _TextTemplate:
+    """A chat text chunk's payload cut around its text: ``prefix`` up to the string's opening
+    quote, ``suffix`` from its closing quote. Any payload made of both around one JSON string
+    parses as the same chunk with that string as its text (a string token in place of another
+    changes no other value). Made only when the payload checks out (the string found is the
+    text, and another in its place changes nothing else), and only from payloads without a line
+    break (framed as they came, then: ``Api.frame``)."""
+
+    __slots__ = ("prefix", "suffix", "before", "after", "content", "took")
+
+    def __init__(self, prefix: bytes, suffix: bytes, content: list[str]) -> None:
+        self.prefix, self.suffix, self.content = prefix, suffix, content
+        self.before, self.after = len(prefix), len(suffix)
+        self.took = False  # whether a payload was taken by it
+
+    @classmethod
+    def of(
+        cls, payload: bytes, chunk: dict[str, Any], text: str, state: _Choice
+    ) -> _TextTemplate | None:
+        if payload.find(b"\n") != -1 or state.content is None:
+            return None
+        # The text's string: the value of the last "content" key (none other is in a text
+        # chunk; a "content" in some string would have escaped quotes).
+        at = payload.rfind(b'"content"')
+        if at == -1:
+            return None
+        start = _after_blanks(payload, at + 9)
+        if payload[start : start + 1] != b":":
+            return None
+        start = _after_blanks(payload, start + 1)
+        end = _string_end(payload, start)
+        if end is None:
+            return None
+        prefix, suffix = payload[: start + 1], payload[end - 1 :]
+        try:
+            if orjson.loads(payload[start:end]) != text:
+                return None
+            blank = orjson.loads(prefix + suffix)
+        except orjson.JSONDecodeError:
+            return None
+        (choice,) = chunk["choices"]
+        if blank != {**chunk, "choices": [{**choice, "delta": {"content": ""}}]}:
+            return None
+        return cls(prefix, suffix, state.content)
+
+
+def _after_blanks(data: bytes, at: int) -> int:
+    while data[at : at + 1] in (b" ", b"\t", b"\r"):
+        at += 1
+    return at
+
+
+def _string_end(data: bytes, start: int) -> int | None:
+    """The index after the JSON string that begins at ``start`` (its closing quote is one not
+    escaped by an odd run of backslashes), or None when none begins there."""
+    if data[start : start + 1] != b'"':
+        return None
+    at = start + 1
+    while True:
+        at = data.find(b'"', at)
+        if at == -1:
+            return None
+        escapes = 0
+        while data[at - 1 - escapes] == 0x5C:  # (a backslash)
+            escapes += 1
+        if escapes % 2 == 0:
+            return at + 1
+        at += 1
 
 
 def _sort_key(index: Any) -> tuple[int, Any]:

@@ -38,6 +38,7 @@ import orjson
 
 from .answer import Answer
 from .apis import Api, api_of
+from .apis.base import Collector
 from .broadcast import Broadcast
 from .errors import (
     CarpoolError,
@@ -220,18 +221,18 @@ async def _consume(
     nothing is stored.
     """
     api = api_of(kind)
-    chunks: list[dict[str, Any]] = []
+    collector = api.collector()
     first = True
     async for payloads in response.events():
         if first:
             # The first frame goes out at once, not after the frames that came in the same
             # read: a turn of the loop for its clients (the time to their first byte).
             first = False
-            _publish(api, payloads[:1], chunks, broadcast)
+            _publish(api, payloads[:1], collector, broadcast)
             await asyncio.sleep(0)
             payloads = payloads[1:]
-        _publish(api, payloads, chunks, broadcast)
-    body, complete = api.judge_stream(chunks, asked)
+        _publish(api, payloads, collector, broadcast)
+    body, complete = collector.judge(asked)
     return Answer(
         kind,
         orjson.dumps(body),
@@ -242,25 +243,29 @@ async def _consume(
     )
 
 
-def _publish(
-    api: Api, payloads: list[bytes], chunks: list[dict[str, Any]], broadcast: Broadcast
-) -> None:
-    """Payloads that came together, parsed into ``chunks`` and framed into ``broadcast`` at
+def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: Broadcast) -> None:
+    """Payloads that came together, judged into ``collector`` and framed into ``broadcast`` at
     once; a payload that is not a JSON object, or is the engine's error, raises
     ``UpstreamStreamBroken`` once the frames before it are published."""
     if not payloads:
         return
     failure, frame, usage_only = api.failure, api.frame, api.usage_only
+    add, add_text = collector.add, collector.add_text
     frames: list[bytes] = []
     usage = None
     try:
-        for payload, chunk in zip(payloads, _parsed(payloads), strict=True):
+        for payload in payloads:
+            if add_text(payload):
+                # A text chunk like one judged before, but for its text: judged as that one
+                # was (no error, not the usage), its payload one line (``chunks.Assembly``).
+                frames.append(frame(payload))
+                continue
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
             if type(chunk) is not dict:
-                raise UpstreamStreamBroken(
-                    "the upstream sent a malformed stream chunk"
-                    if chunk is _MALFORMED
-                    else "the upstream sent a stream chunk that is not an object"
-                )
+                raise UpstreamStreamBroken("the upstream sent a stream chunk that is not an object")
             error = failure(chunk)
             if error is not None:
                 # The engine's own error object reaches the clients as it is (its message,
@@ -268,36 +273,13 @@ def _publish(
                 raise UpstreamStreamBroken(
                     f"the upstream stream failed: {error.get('message')}", error
                 )
-            chunks.append(chunk)
+            add(chunk, payload)
             if usage_only(chunk):
                 usage = len(frames)
             frames.append(frame(payload, chunk))
     finally:
         if frames:
             broadcast.publish_many(frames, usage)
-
-
-_MALFORMED: Any = object()  # (what ``_parsed`` gives for a payload that is not JSON)
-
-
-def _parsed(payloads: list[bytes]) -> list[Any]:
-    """Each payload's JSON value (``_MALFORMED`` if it is none): all of them in one parse when
-    they make one array of as many values (a payload that is two values, or none, does not)."""
-    if len(payloads) > 1:
-        try:
-            values = orjson.loads(b"[" + b",".join(payloads) + b"]")
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            if len(values) == len(payloads):
-                return values  # type: ignore[no-any-return]  # (a list: the text is one)
-    parsed = []
-    for payload in payloads:
-        try:
-            parsed.append(orjson.loads(payload))
-        except orjson.JSONDecodeError:
-            parsed.append(_MALFORMED)
-    return parsed
 
 
 def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
@@ -351,7 +333,8 @@ async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
         async for payloads in response.events():
             frames: list[bytes] = []
             for payload in payloads:
-                error = _error_in(api, payload) if b'"error"' in payload else None
+                # (``find``: see ``Api.frame``.)
+                error = _error_in(api, payload) if payload.find(b'"error"') != -1 else None
                 if error is not None:
                     # The upstream's own error ends it, framed as its API frames errors (a
                     # typed stream's SDK ignores an event without its name): no second one.

@@ -173,7 +173,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # The path as sent (origin form): one that needs decoding, or with a fragment, or in
         # absolute form, is not an endpoint's exact path, and goes uvicorn's way.
         path, _, query = self.url.partition(b"?")
-        if path not in _ENDPOINTS or b"#" in query or self.root_path:
+        if path not in _ENDPOINTS or query.find(b"#") != -1 or self.root_path:
             return None
         return path.decode("ascii"), query
 

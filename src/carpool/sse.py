@@ -76,11 +76,13 @@ class SSEDecoder:
             self._skip_lf = False
             if data[:1] == b"\n":
                 data = data[1:]
-        if b"\r" in data:
+        # (``find``, not ``in``: CPython's bytes ``in`` first tries its argument as an integer,
+        # and makes and drops a TypeError; this runs for every read of every stream.)
+        if data.find(b"\r") != -1:
             # Normalise to "\n"; a trailing "\r" may be the first half of a split "\r\n".
             self._skip_lf = data[-1:] == b"\r"
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if b"\n" not in data:
+        if data.find(b"\n") == -1:
             # No line ends here: keep the pieces, join them once (linear, however many feeds).
             if data:
                 self._tail.append(data)
@@ -111,7 +113,7 @@ class SSEDecoder:
                     out = [(None, block[6:]) for block in blocks]
                 else:
                     for block in blocks:
-                        if block[:6] == b"data: " and b"\n" not in block:
+                        if block[:6] == b"data: " and block.find(b"\n") == -1:
                             out.append((None, block[6:]))
                         else:
                             for line in block.split(b"\n"):

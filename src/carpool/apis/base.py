@@ -16,6 +16,9 @@ Contract:
   with no [DONE]: they end after their last event (``last_event`` recognises it;
   ``stream_end`` is empty). Every payload of a typed stream names its own type, so the event
   name is always recoverable from the data alone (``frame``).
+- ``collector()`` gathers one stream's chunks as they come (a ``Collector``: by default a list
+  that ``judge_stream`` judges at the end); an API may take some chunks by their raw payload
+  alone (``Collector.add_text``: the classics' text chunks, ``chunks.Assembly``).
 - Methods never raise on a malformed answer (they judge it incomplete), except ``validate``
   (``RequestError``) and ``judge_stream`` (``UpstreamStreamBroken`` for a stream that did not end
   whole).
@@ -30,6 +33,25 @@ import orjson
 
 from ..errors import CarpoolError, RequestError, UpstreamStatusError
 from ..sse import DONE, SSEDecoder, event_frame
+
+
+class Collector:
+    """One stream's chunks as they come (``Api.collector``): ``add`` each parsed one (with its
+    raw payload), or first offer its payload alone to ``add_text``, which takes it (True) only
+    when it knows it without parsing it; ``judge`` as ``Api.judge_stream`` judges them all."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.chunks: list[dict[str, Any]] = []
+
+    def add(self, chunk: dict[str, Any], payload: bytes) -> None:
+        self.chunks.append(chunk)
+
+    def add_text(self, payload: bytes) -> bool:
+        return False
+
+    def judge(self, asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        return self.api.judge_stream(self.chunks, asked)
 
 
 class Api:
@@ -111,7 +133,9 @@ class Api:
 
     def frame(self, payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
         """One SSE event carrying ``payload`` (``chunk``: parsed, when the caller has it)."""
-        if b"\n" in payload:  # a multi-line data field
+        # (``find``, not ``in``: CPython's bytes ``in`` first tries its argument as an integer,
+        # and makes and drops a TypeError; this runs for every frame of every stream.)
+        if payload.find(b"\n") != -1:  # a multi-line data field
             if chunk is None:
                 return data_lines(payload)
             payload = orjson.dumps(chunk)  # one line
@@ -128,6 +152,10 @@ class Api:
         storable). Raises ``UpstreamStreamBroken`` when the stream did not end whole: the flight
         fails. ``asked``: the request body sent."""
         raise NotImplementedError
+
+    def collector(self) -> Collector:
+        """What gathers a stream's chunks as they come, to judge them at its end."""
+        return Collector(self)
 
     def stream_chunks(self, raw: bytes) -> list[dict[str, Any]] | None:
         """The chunks of a whole SSE body as a client received it, or None unless it ended as
@@ -249,7 +277,7 @@ def typed_frame(payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
             chunk = None
         if not isinstance(chunk, dict):
             return data_lines(payload)  # not an event of the API: relayed as it came
-    if b"\n" in payload:
+    if payload.find(b"\n") != -1:  # (``find``: see ``Api.frame``)
         payload = orjson.dumps(chunk)
     name = chunk.get("type")
     if not (isinstance(name, str) and name and name.isprintable() and name.isascii()):

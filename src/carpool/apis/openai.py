@@ -22,9 +22,24 @@ from typing import Any
 
 import orjson
 
+from ..chunks import Assembly
 from ..errors import CarpoolError, RequestError, UpstreamStreamBroken, error_event
 from ..sse import assemble, expected_choices, frame, is_complete, synthesize, usage_tokens
-from .base import Api, check_fields, check_messages, last_user_turn, require_model
+from .base import Api, Collector, check_fields, check_messages, last_user_turn, require_model
+
+
+class _Assembling(Collector):
+    """A classic stream assembled as it comes (``chunks.Assembly``): its text chunks taken by
+    their payload alone once one like them was parsed."""
+
+    def __init__(self, api: _Classic) -> None:
+        self.classic = api
+        self.assembly = Assembly(api.kind)
+        self.add = self.assembly.add  # type: ignore[method-assign]  # (the same, one call less)
+        self.add_text = self.assembly.add_text  # type: ignore[method-assign]
+
+    def judge(self, asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        return self.classic.judged(self.assembly.body(), asked)
 
 
 class _Classic(Api):
@@ -46,10 +61,18 @@ class _Classic(Api):
     def judge_stream(
         self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None
     ) -> tuple[dict[str, Any], bool]:
-        body = assemble(self.kind, chunks)
+        return self.judged(assemble(self.kind, chunks), asked)
+
+    def judged(
+        self, body: dict[str, Any], asked: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], bool]:
+        """``judge_stream`` of the assembled ``body``."""
         if not is_complete(self.kind, body, expected_choices(self.kind, asked)):
             raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
         return body, True
+
+    def collector(self) -> Collector:
+        return _Assembling(self)
 
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         return is_complete(self.kind, body, expected_choices(self.kind, asked))
