@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from carpool.bench import loadgen, plots, report
 from carpool.bench.bodies import chat_body
+from carpool.bench.canned import canned
 from carpool.bench.client import fetch
 from carpool.bench.faults import FaultPlan
 from carpool.bench.fixed import fixed_app
@@ -465,6 +466,42 @@ def test_the_load_generator_measures_every_target_alike():
         spec = {"concurrency": 4, "seconds": 0.2, "rounds": 2, "warmup_s": 0.05}
         thr = loadgen.run("throughput", {**spec, "fresh_connections": True, "targets": [target]})
         assert len(thr["fixed"]["rps"]) == 2 and all(r > 0 for r in thr["fixed"]["rps"])
+
+
+def test_the_canned_engine_answers_whole_and_streamed_alike_and_completely():
+    """``carpool.bench.canned``: the same text whole or streamed, finished (storable), a usage
+    chunk only when asked; through a gateway, a miss, then a hit."""
+    from carpool.bench.embedded import gateway
+    from carpool.sse import SSEDecoder, assemble, is_complete
+
+    def chat(**extra) -> dict:
+        return {
+            "model": "m",
+            "temperature": 0,
+            **extra,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+
+    with canned(tokens=5) as engine:
+        url = f"{engine.url}/v1/chat/completions"
+        status, _, raw = fetch("POST", url, chat())
+        whole = orjson.loads(raw)
+        assert status == 200 and is_complete("chat", whole, 1)
+        assert whole["model"] == "m" and len(whole["choices"][0]["message"]["content"].split()) == 5
+        for usage in (False, True):
+            options = {"stream_options": {"include_usage": True}} if usage else {}
+            status, _, raw = fetch("POST", url, chat(stream=True, **options))
+            payloads = [payload for _, payload in SSEDecoder().feed(raw)]
+            assert status == 200 and payloads[-1] == b"[DONE]"
+            body = assemble("chat", [orjson.loads(p) for p in payloads[:-1]])
+            assert body["choices"] == whole["choices"]
+            assert ("usage" in body) is usage
+        with gateway(Config(upstreams=[f"{engine.url}/v1"], log_level="warning")) as gw:
+            outcomes = []
+            for _ in range(2):
+                status, headers, raw = fetch("POST", f"{gw.url}/v1/chat/completions", chat())
+                outcomes.append(headers.get("x-carpool"))
+            assert outcomes == ["miss", "hit"]
 
 
 def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():

@@ -79,18 +79,20 @@ async def test_leader_error_reaches_every_waiter_and_is_never_kept():
 
 async def test_finished_flight_stays_joinable_for_the_window_then_is_gone():
     clock = ManualClock()
-    group, upstream = FlightGroup(window=0.05, clock=clock), Upstream()
+    # (Steps of a power of two: added to a clock reading of any size they sum exactly, so the
+    # window ends at the second step whatever the machine's uptime; 0.04 + 0.01 may not.)
+    group, upstream = FlightGroup(window=0.0625, clock=clock), Upstream()
     upstream.release.set()
     first = group.acquire("k", upstream)
     await wait_answer(first)
     flight = group.get("k")
     assert flight is not None and flight.broadcast.done
-    clock.advance(0.04)
+    clock.advance(0.046875)  # (3/64)
     assert group.joinable("k")
     joiner = group.acquire("k", upstream)
     assert not joiner.leader
     assert (await wait_answer(joiner))[0].body == b"answer 1"
-    clock.advance(0.01)  # the window has closed
+    clock.advance(0.015625)  # (1/64): the window has closed
     assert group.get("k") is None and not group.joinable("k")
     assert upstream.calls == 1
     assert (await wait_answer(group.acquire("k", upstream)))[0].body == b"answer 2"
@@ -125,7 +127,7 @@ async def test_lingering_flights_nobody_asks_for_are_freed_as_their_windows_end(
     clock.advance(0.03)
     await asyncio.sleep(0.05)
     assert len(group) == 1 and group.get("long") is not None
-    clock.advance(0.05)
+    clock.advance(0.06)  # (past 0.08, not at it: 0.03 + 0.05 may sum below it)
     await asyncio.sleep(0.1)
     assert len(group) == 0
 

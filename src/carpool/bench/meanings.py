@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..config import Config
 from ..semantic.judge import ANSWERS_AGREE, SAME_ANSWER
 from .catalog import ACTIONS, CONTEXTS, OBJECTS, WORDINGS, core_of, question
+from .upstream import read_body
 from .workloads import CHAT, MODEL, BenchRequest, Workload, WorkloadError, tenant_header_value
 
 WORKLOAD = "audit"
@@ -132,11 +133,7 @@ class MeaningAnswers:
         if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
             await self.app(scope, receive, send)
             return
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw += message.get("body", b"")
-            more = message.get("more_body", False)
+        raw = await read_body(receive)
         text = _answer(raw)
         if text is None:
             await self.app(scope, _replaying(raw), send)

@@ -178,7 +178,7 @@ class Controls:
             await self.app(scope, receive, send)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = await _body(receive)
+        raw = await read_body(receive)
         if self.options.hold:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._released().wait(), HOLD_LIMIT_S)
@@ -239,7 +239,8 @@ class Controls:
         await send_json(send, 200, {})
 
 
-async def _body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body (what came before a disconnect, if one came first)."""
     parts, more = [], True
     while more:
         message = await receive()
