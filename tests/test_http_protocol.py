@@ -355,7 +355,7 @@ async def _chunked(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], b
 async def test_a_held_miss_is_served_by_the_protocol_as_the_asgi_path_serves_it(fake, stream):
     """A miss held whole is served in a task of the protocol's own: the same status, headers
     and bytes as through uvicorn's protocol (the ASGI path), a whole reply in one write, a
-    stream's head with its first frame."""
+    stream's head with its first frame, and its last frame with the body's end."""
     gateway = build_gateway(Config(upstreams=[fake.url]))
     app = create_app(gateway)
     _Writes.writes = writes = []
@@ -386,6 +386,7 @@ async def test_a_held_miss_is_served_by_the_protocol_as_the_asgi_path_serves_it(
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
     if stream:
         assert b"\r\n\r\n" in writes[0] and b"data: " in writes[0]  # head and first frame
+        assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # last frame and end
     else:
         assert writes == [writes[0]] and writes[0].endswith(here[2])  # one write, whole
 

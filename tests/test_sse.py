@@ -11,8 +11,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool import chunks as chunks_module
-from carpool import sse
+from carpool import sse, text_template
 from carpool.chunks import Assembly, assemble, synthesize
 from carpool.completeness import is_complete, usage_tokens
 from carpool.sse import DONE, SSEDecoder, frame
@@ -962,9 +961,9 @@ def test_a_text_chunk_that_says_its_usage_again_after_another_usage_makes_that_u
 
 def test_chunks_that_differ_in_more_than_their_text_stop_templates_being_made(monkeypatch):
     made = []
-    make = chunks_module._TextTemplate.of
+    make = text_template.TextTemplate.of
     monkeypatch.setattr(
-        chunks_module._TextTemplate,
+        text_template.TextTemplate,
         "of",
         classmethod(lambda cls, *args: made.append(1) or make(*args)),
     )

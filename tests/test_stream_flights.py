@@ -168,3 +168,35 @@ async def test_a_usage_chunk_read_with_the_last_frames_is_still_left_out_for_cli
     without, _ = broadcast.take(0, include_usage=False)
     with_usage, _ = broadcast.take(0, include_usage=True)
     assert b'"usage"' not in without and with_usage == without + broadcast.frames[3]
+
+
+async def test_a_flight_streams_last_piece_ends_the_asgi_body_in_the_same_message():
+    """Through the ASGI path too, the last piece of a flight's stream (``exchange.Relay``)
+    carries the body's end (``more_body`` false): no empty message after it."""
+    from types import SimpleNamespace
+
+    from carpool.answer import Answer
+    from carpool.apis import api_of
+    from carpool.broadcast import Broadcast
+    from carpool.exchange import Relay
+    from carpool.reply import SSE_HEADERS, Reply
+    from carpool.server import _send_reply
+
+    broadcast = Broadcast()
+    broadcast.publish(b"data: {}\n\n")
+    broadcast.finish(Answer("chat", b"{}", True))
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    state = SimpleNamespace(finished=False)
+    reply = Reply(200, list(SSE_HEADERS), stream=Relay(api_of("chat"), broadcast, False))
+    await _send_reply(send, reply, state)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1] == {
+        "type": "http.response.body",
+        "body": b"data: {}\n\ndata: [DONE]\n\n",
+        "more_body": False,
+    }
+    assert state.finished

@@ -35,7 +35,7 @@ Contract:
 - ``Assembly(kind)`` is ``assemble`` one chunk at a time (``add``; ``body()``), for a stream as it
   comes. Its ``add_text(payload)`` takes a chat text chunk by its raw payload alone, without
   parsing it into a dict, when the payload is that of the last text chunk ``add``ed with its
-  payload but for its text (``_TextTemplate``); the body is the same as if it had been parsed
+  payload but for its text (``TextTemplate``); the body is the same as if it had been parsed
   and ``add``ed. It returns False, having done nothing, for any other payload.
 """
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
+from .text_template import TextTemplate
 
 # Top-level fields every chunk repeats (synthesize copies them into each chunk).
 _IDENTITY = ("id", "created", "model", "system_fingerprint", "service_tier")
@@ -267,7 +267,7 @@ class Assembly:
 
     A chat stream's text chunks (all but a few) differ from each other only in their text. Once
     one was added with its raw ``payload``, those whose payload is its payload with another
-    text in place (a ``_TextTemplate``) are taken without parsing them into a dict:
+    text in place (a ``TextTemplate``) are taken without parsing them into a dict:
     ``add_text(payload)`` is then ``add(parsed payload)``, and False for any other payload.
     """
 
@@ -283,7 +283,7 @@ class Assembly:
         self.nulls: list[str] = []  # the keys of ``top`` whose value is still null
         self.choices: dict[Any, _Choice] = {}
         self.usage: Any = None
-        self.template: _TextTemplate | None = None
+        self.template: TextTemplate | None = None
         self._idle = 0  # templates made that took no chunk (two, and no more are made)
 
     def add(self, chunk: dict[str, Any], payload: bytes | None = None) -> None:
@@ -332,7 +332,7 @@ class Assembly:
                 ):
                     state.content.append(text)  # (all ``_Choice.add`` would do with it)
                     if payload is not None and usage is None and len(choices_in) == 1:
-                        self._learn(payload, chunk, text, state)
+                        self._learn(payload, chunk, text, state.content)
                     continue
             state.add(self.kind, choice)
 
@@ -340,26 +340,9 @@ class Assembly:
         """Whether ``payload`` is a text chunk like the last one ``add``ed with its payload
         (then taken: as ``add`` would have taken it); False: nothing was done."""
         template = self.template
-        if template is None:
-            return False
-        end = len(payload) - template.after
-        if (
-            end < template.before
-            or not payload.startswith(template.prefix)
-            or not payload.endswith(template.suffix)
-        ):
-            return False
-        try:
-            # Quoted (the prefix ends in a quote, the suffix starts with one): one JSON value
-            # that begins and ends so is a string, and nothing else parses.
-            text = orjson.loads(payload[template.before - 1 : end + 1])
-        except orjson.JSONDecodeError:
-            return False  # ('"a","b"': not one string)
-        template.content.append(text)
-        template.took = True
-        return True
+        return template is not None and template.take(payload)
 
-    def _learn(self, payload: bytes, chunk: dict[str, Any], text: str, state: _Choice) -> None:
+    def _learn(self, payload: bytes, chunk: dict[str, Any], text: str, content: list[str]) -> None:
         # A text chunk that did not fit the template: a new one from it, unless two templates
         # in a row took nothing (chunks that differ in more than their text: a stream that
         # gains nothing here, and should not pay for trying).
@@ -367,7 +350,7 @@ class Assembly:
         if old is not None and not old.took:
             self._idle += 1
         if self._idle < 2:
-            self.template = _TextTemplate.of(payload, chunk, text, state)
+            self.template = TextTemplate.of(payload, chunk, text, content)
 
     def body(self) -> dict[str, Any]:
         top, choices = dict(self.top), self.choices
@@ -382,76 +365,6 @@ class Assembly:
         if self.usage is not None:
             body["usage"] = self.usage
         return body
-
-
-class _TextTemplate:
-    """A chat text chunk's payload cut around its text: ``prefix`` up to the string's opening
-    quote, ``suffix`` from its closing quote. Any payload made of both around one JSON string
-    parses as the same chunk with that string as its text (a string token in place of another
-    changes no other value). Made only when the payload checks out (the string found is the
-    text, and another in its place changes nothing else), and only from payloads without a line
-    break (framed as they came, then: ``Api.frame``)."""
-
-    __slots__ = ("prefix", "suffix", "before", "after", "content", "took")
-
-    def __init__(self, prefix: bytes, suffix: bytes, content: list[str]) -> None:
-        self.prefix, self.suffix, self.content = prefix, suffix, content
-        self.before, self.after = len(prefix), len(suffix)
-        self.took = False  # whether a payload was taken by it
-
-    @classmethod
-    def of(
-        cls, payload: bytes, chunk: dict[str, Any], text: str, state: _Choice
-    ) -> _TextTemplate | None:
-        if payload.find(b"\n") != -1 or state.content is None:
-            return None
-        # The text's string: the value of the last "content" key (none other is in a text
-        # chunk; a "content" in some string would have escaped quotes).
-        at = payload.rfind(b'"content"')
-        if at == -1:
-            return None
-        start = _after_blanks(payload, at + 9)
-        if payload[start : start + 1] != b":":
-            return None
-        start = _after_blanks(payload, start + 1)
-        end = _string_end(payload, start)
-        if end is None:
-            return None
-        prefix, suffix = payload[: start + 1], payload[end - 1 :]
-        try:
-            if orjson.loads(payload[start:end]) != text:
-                return None
-            blank = orjson.loads(prefix + suffix)
-        except orjson.JSONDecodeError:
-            return None
-        (choice,) = chunk["choices"]
-        if blank != {**chunk, "choices": [{**choice, "delta": {"content": ""}}]}:
-            return None
-        return cls(prefix, suffix, state.content)
-
-
-def _after_blanks(data: bytes, at: int) -> int:
-    while data[at : at + 1] in (b" ", b"\t", b"\r"):
-        at += 1
-    return at
-
-
-def _string_end(data: bytes, start: int) -> int | None:
-    """The index after the JSON string that begins at ``start`` (its closing quote is one not
-    escaped by an odd run of backslashes), or None when none begins there."""
-    if data[start : start + 1] != b'"':
-        return None
-    at = start + 1
-    while True:
-        at = data.find(b'"', at)
-        if at == -1:
-            return None
-        escapes = 0
-        while data[at - 1 - escapes] == 0x5C:  # (a backslash)
-            escapes += 1
-        if escapes % 2 == 0:
-            return at + 1
-        at += 1
 
 
 def _sort_key(index: Any) -> tuple[int, Any]:

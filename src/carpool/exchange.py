@@ -296,32 +296,50 @@ def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
     return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
 
 
-async def relay(
-    api: Api,
-    broadcast: Broadcast,
-    include_usage: bool,
-    saved: Callable[[Answer], None] | None = None,
-) -> AsyncIterator[bytes]:
-    """A flight's stream for one client: the frames there are at each turn joined into one
-    piece (``Broadcast.take``), the stream's end (or its error event) joined to the last.
-    ``saved`` (a joiner's) is told the answer it got once its stream has ended whole."""
-    sent = 0
-    while True:
-        done = broadcast.done  # (read first: a frame published after it would be missed)
-        piece, sent = broadcast.take(sent, include_usage)
-        if done and sent == len(broadcast.frames):
-            break
-        if piece:
-            yield piece
-        else:
+class Relay:
+    """A flight's stream for one client, an async iterator of pieces: the frames there are at
+    each turn joined into one (``Broadcast.take``), the stream's end (or its error event)
+    joined to the last. ``ended`` turns true as the last piece is given: a writer may end its
+    response with it (the chunked body's end in the same write). ``saved`` (a joiner's) is told
+    the answer it got as that last piece of a stream that ended whole is given."""
+
+    __slots__ = ("api", "broadcast", "include_usage", "saved", "sent", "ended")
+
+    def __init__(
+        self,
+        api: Api,
+        broadcast: Broadcast,
+        include_usage: bool,
+        saved: Callable[[Answer], None] | None = None,
+    ) -> None:
+        self.api, self.broadcast, self.include_usage = api, broadcast, include_usage
+        self.saved = saved
+        self.sent = 0
+        self.ended = False
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.ended:
+            raise StopAsyncIteration
+        broadcast = self.broadcast
+        while True:
+            done = broadcast.done  # (read first: a frame published after it would be missed)
+            piece, self.sent = broadcast.take(self.sent, self.include_usage)
+            if done and self.sent == len(broadcast.frames):
+                break
+            if piece:
+                return piece
             await broadcast.wait_changed()
-    if broadcast.error is not None:
-        yield piece + api.error_event(broadcast.error)
-        return
-    if piece or api.stream_end:
-        yield piece + api.stream_end
-    if saved is not None and broadcast.answer is not None:
-        saved(broadcast.answer)
+        self.ended = True
+        if broadcast.error is not None:
+            return piece + self.api.error_event(broadcast.error)
+        if self.saved is not None and broadcast.answer is not None:
+            self.saved(broadcast.answer)
+        if piece or self.api.stream_end:
+            return piece + self.api.stream_end
+        raise StopAsyncIteration
 
 
 async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:

@@ -292,18 +292,25 @@ class GatewayProtocol(HttpToolsProtocol):
             cycle.response_started = True
             write(b"".join(head))
             head = None
-        async for frame in reply.stream:
+        stream = reply.stream
+        async for frame in stream:
             if flow.write_paused and not cycle.disconnected:
                 await flow.drain()
             if cycle.disconnected or not frame:
                 continue
-            chunk = (b"%x\r\n" % len(frame), frame, b"\r\n")
+            # The last piece (``exchange.Relay.ended``): the body's end goes with it.
+            last = getattr(stream, "ended", False)
+            chunk = (b"%x\r\n" % len(frame), frame, b"\r\n0\r\n\r\n" if last else b"\r\n")
             if head is not None:
                 cycle.response_started = True
                 write(b"".join((*head, *chunk)))
                 head = None
             else:
                 write(b"".join(chunk))
+            if last:
+                state.finished = True
+                self._complete(cycle)
+                return
         state.finished = True
         if flow.write_paused and not cycle.disconnected:
             await flow.drain()

@@ -66,7 +66,7 @@ from .apis import BY_PATH
 from .auditor import Auditor
 from .broadcast import Broadcast
 from .errors import LeaderLost, RequestError, UpstreamStatusError, UpstreamStreamBroken
-from .exchange import Exchange, relay
+from .exchange import Exchange, Relay
 from .fingerprint import Fingerprint, fingerprint, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
@@ -413,7 +413,7 @@ class Gateway:
             return Reply(
                 200,
                 [*SSE_HEADERS, outcome.header],
-                stream=relay(request.api, broadcast, request.include_usage, saved),
+                stream=Relay(request.api, broadcast, request.include_usage, saved),
                 outcome=outcome,
                 on_close=ticket.release,
             )

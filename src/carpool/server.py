@@ -275,7 +275,13 @@ async def _send_reply(send: Any, reply: Reply, state: ClientWatch) -> None:
         await _send_whole(send, reply.status, reply.headers, reply.body)
         return
     await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
-    async for frame in reply.stream:
+    stream = reply.stream
+    async for frame in stream:
+        # The last piece (``exchange.Relay.ended``): the body ends with it.
+        if getattr(stream, "ended", False):
+            state.finished = True
+            await send({"type": "http.response.body", "body": frame, "more_body": False})
+            return
         await send({"type": "http.response.body", "body": frame, "more_body": True})
     state.finished = True
     await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,117 @@
+"""A chat text chunk's payload as a template: the next text chunks taken by their bytes alone.
+
+No I/O; a template holds the list its texts go to. ``chunks.Assembly`` makes and uses them
+(``Assembly.add_text``).
+
+Contract:
+- ``TextTemplate.of(payload, chunk, text, content)``: from the raw ``payload`` of a text chunk
+  (``chunk``, parsed: one choice whose delta is ``{"content": text}``), the payload cut around
+  its text's JSON string: ``prefix`` up to the string's opening quote, ``suffix`` from its
+  closing quote. None unless it checks out: no line break in the payload, the string found is
+  ``text``, and the payload with another string in its place parses as ``chunk`` with that text
+  and nothing else changed.
+- A payload that is ``prefix`` + the inside of one JSON string + ``suffix`` (and is at least as
+  long as both) parses as ``chunk`` with that string as its text: a string token in place of
+  another changes no other value. ``take(payload)`` parses just the string, from the opening
+  quote to the closing one, and adds it to ``content``; a payload that is not such parses as
+  nothing (or not one string) and is not taken (False).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class TextTemplate:
+    """A chat text chunk's payload cut around its text: ``prefix`` up to the string's opening
+    quote, ``suffix`` from its closing quote. Any payload made of both around one JSON string
+    parses as the same chunk with that string as its text (a string token in place of another
+    changes no other value). Made only when the payload checks out (the string found is the
+    text, and another in its place changes nothing else), and only from payloads without a line
+    break (framed as they came, then: ``Api.frame``)."""
+
+    __slots__ = ("prefix", "suffix", "before", "after", "content", "took")
+
+    def __init__(self, prefix: bytes, suffix: bytes, content: list[str]) -> None:
+        self.prefix, self.suffix, self.content = prefix, suffix, content
+        self.before, self.after = len(prefix), len(suffix)
+        self.took = False  # whether a payload was taken by it
+
+    def take(self, payload: bytes) -> bool:
+        """Whether ``payload`` is ``prefix`` + one JSON string + ``suffix``: then its text is
+        added to ``content``; False: nothing was done."""
+        end = len(payload) - self.after
+        if (
+            end < self.before
+            or not payload.startswith(self.prefix)
+            or not payload.endswith(self.suffix)
+        ):
+            return False
+        try:
+            # Quoted (the prefix ends in a quote, the suffix starts with one): one JSON value
+            # that begins and ends so is a string, and nothing else parses.
+            text = orjson.loads(payload[self.before - 1 : end + 1])
+        except orjson.JSONDecodeError:
+            return False  # ('"a","b"': not one string)
+        self.content.append(text)
+        self.took = True
+        return True
+
+    @classmethod
+    def of(
+        cls, payload: bytes, chunk: dict[str, Any], text: str, content: list[str]
+    ) -> TextTemplate | None:
+        """The template of ``payload``, a text chunk (``chunk`` parsed, one choice whose delta
+        is ``text`` alone), whose taken texts go to ``content``; None if it does not check
+        out."""
+        if payload.find(b"\n") != -1:
+            return None
+        # The text's string: the value of the last "content" key (none other is in a text
+        # chunk; a "content" in some string would have escaped quotes).
+        at = payload.rfind(b'"content"')
+        if at == -1:
+            return None
+        start = _after_blanks(payload, at + 9)
+        if payload[start : start + 1] != b":":
+            return None
+        start = _after_blanks(payload, start + 1)
+        end = _string_end(payload, start)
+        if end is None:
+            return None
+        prefix, suffix = payload[: start + 1], payload[end - 1 :]
+        try:
+            if orjson.loads(payload[start:end]) != text:
+                return None
+            blank = orjson.loads(prefix + suffix)
+        except orjson.JSONDecodeError:
+            return None
+        (choice,) = chunk["choices"]
+        if blank != {**chunk, "choices": [{**choice, "delta": {"content": ""}}]}:
+            return None
+        return cls(prefix, suffix, content)
+
+
+def _after_blanks(data: bytes, at: int) -> int:
+    while data[at : at + 1] in (b" ", b"\t", b"\r"):
+        at += 1
+    return at
+
+
+def _string_end(data: bytes, start: int) -> int | None:
+    """The index after the JSON string that begins at ``start`` (its closing quote is one not
+    escaped by an odd run of backslashes), or None when none begins there."""
+    if data[start : start + 1] != b'"':
+        return None
+    at = start + 1
+    while True:
+        at = data.find(b'"', at)
+        if at == -1:
+            return None
+        escapes = 0
+        while data[at - 1 - escapes] == 0x5C:  # (a backslash)
+            escapes += 1
+        if escapes % 2 == 0:
+            return at + 1
+        at += 1
