@@ -9,8 +9,9 @@ Contract:
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
   changes when streamed: a completion's ``best_of``/``echo``), so that streaming clients joining
   the call get it live; with the usage the clients may not have asked for
-  (``upstream.stream_usage``). A stream is published into the flight's ``Broadcast`` frame by
-  frame (``_consume``), a whole body read at once (``_complete``); either comes back as an
+  (``upstream.stream_usage``). A stream is published into the flight's ``Broadcast`` as it comes,
+  the frames of one read together (``_consume``; its API's ``Collector`` gathers it), a whole
+  body read at once (``_complete``); either comes back as an
   ``Answer``, ``complete`` (storable) only when its API judges it so. A status other than 2xx
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
@@ -24,8 +25,9 @@ Contract:
   (``_pipe``), never judged further, never stored.
 - What the upstream's answer says of the requester's credentials is told to
   ``AcceptedCredentials`` on every call (``identity.py``): a 2xx accepts, a 401/403 refuses.
-- ``relay``: a flight's stream for one client, framed as its API frames streams, ending with the
-  API's error event if the flight failed.
+- ``Relay``: a flight's stream for one client, framed as its API frames streams, ending with the
+  API's error event if the flight failed; it says when it gave its last piece (``ended``), for a
+  writer to end the response with it.
 """
 
 from __future__ import annotations
