@@ -33,7 +33,8 @@ class _Assembling(Collector):
     their payload alone once one like them was parsed."""
 
     def __init__(self, api: _Classic) -> None:
-        self.classic = api
+        super().__init__(api)
+        self.classic = api  # (its ``judged``)
         self.assembly = Assembly(api.kind)
         self.add = self.assembly.add  # type: ignore[method-assign]  # (the same, one call less)
         self.add_text = self.assembly.add_text  # type: ignore[method-assign]

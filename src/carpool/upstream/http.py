@@ -356,8 +356,8 @@ async def _payloads(
 ) -> AsyncIterator[list[bytes]]:
     """The ``data:`` payloads of an SSE body, those of one read in one list (``upstream.base``:
     until ``[DONE]`` or a typed stream's last event, else ``UpstreamStreamBroken``), whichever
-    client reads it: its
-    ``timeouts`` and ``errors`` become ``UpstreamStreamBroken``; ``done(ended whole)`` at the end."""
+    client reads it: its ``timeouts`` and ``errors`` become ``UpstreamStreamBroken``;
+    ``done(ended whole)`` at the end."""
     decoder = SSEDecoder()
     sent = ended = False
     try:
