@@ -64,13 +64,7 @@ class Broadcast:
         return self.answer is not None or self.error is not None
 
     def publish(self, frame: bytes, usage_only: bool = False) -> None:
-        if usage_only:
-            self.usage_frame = len(self.frames)
-        self.frames.append(frame)
-        if self._waiters:
-            self._wake()
-        if self.on_publish is not None:
-            self.on_publish()
+        self.publish_many([frame], 0 if usage_only else None)
 
     def publish_many(self, frames: list[bytes], usage_only: int | None = None) -> None:
         """``frames`` in order; ``usage_only``: the index among them of the usage-only one."""

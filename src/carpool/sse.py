@@ -97,28 +97,20 @@ class SSEDecoder:
                 data = data[3:]
         out: list[SSEEvent] = []
         if not self._data and self._event is None:
-            # The usual stream: whole events, each one "data: ..." line and a blank one. Each
-            # block up to a blank line is one event: taken whole when it is that one line, else
-            # line by line (the same as below, the blank line closing it).
+            # The usual stream: whole events, each one "data: ..." line and a blank one (the
+            # only line breaks up to the last blank line are the blank lines). Anything else
+            # goes line by line, below.
             end = data.rfind(b"\n\n")
             if end >= 0:
-                whole, data = data[:end], data[end + 2 :]
+                whole = data[:end]
                 blocks = whole.split(b"\n\n")
                 if (
                     whole[:6] == b"data: "
                     and whole.count(b"\n\ndata: ") == len(blocks) - 1
                     and whole.count(b"\n") == 2 * len(blocks) - 2
                 ):
-                    # Every block one "data: " line (its only line breaks: the blank lines).
                     out = [(None, block[6:]) for block in blocks]
-                else:
-                    for block in blocks:
-                        if block[:6] == b"data: " and block.find(b"\n") == -1:
-                            out.append((None, block[6:]))
-                        else:
-                            for line in block.split(b"\n"):
-                                self._line(line, out)
-                            self._line(b"", out)
+                    data = data[end + 2 :]
         lines = data.split(b"\n")
         rest = lines.pop()
         if rest:
