@@ -14,7 +14,8 @@ difference measured against its reference in the same run, on the same machine.
    the last byte) and streams (time to the first body bytes). Targets: p50 <= 0.35 ms, p99 <=
    1.0 ms added. Taken in rounds (5 sequential, 3 open loop): the round that added least at p50
    is reported and judged, as the hits' best round is, with the medians of every round beside
-   it.
+   it. Beside them, in the same rounds, the byte relay (``carpool.bench.relay``): what one more
+   hop between processes adds here with nothing done, the floor under any proxy's figure.
 3. ``workers``: ``bench_workers.run`` (1 vs 2 workers' exact hits; upstream calls of identical
    requests spread over 2 workers sharing through each other, alone, or through Redis).
 4. ``memory``: ``scripts/measure_store_memory.py`` in processes of their own: ``entries`` small
@@ -37,6 +38,7 @@ from carpool.bench import bodies, loadgen, process, scenario
 from carpool.bench.canned import canned
 from carpool.bench.embedded import gateway
 from carpool.bench.fixed import fixed_app
+from carpool.bench.relay import relay
 from carpool.bench.stats import median, summary_ms
 from carpool.bench.upstream import upstream
 from carpool.config import Config
@@ -46,6 +48,8 @@ TARGET_HIT_RATIO = 0.75
 TARGET_ADDED_P50_MS = 0.35
 TARGET_ADDED_P99_MS = 1.0
 ANSWER_TOKENS = 32
+# Per round: what the gateway and the byte relay add over the direct call.
+ADDED = ("added_p50_ms", "added_p99_ms", "relay_added_p50_ms", "relay_added_p99_ms")
 
 
 def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) -> dict[str, Any]:
@@ -78,7 +82,7 @@ def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) ->
     }
 
 
-def _miss_targets(up: int, gw: int, stream: bool) -> list[dict[str, Any]]:
+def _miss_targets(up: int, relay: int, gw: int, stream: bool) -> list[dict[str, Any]]:
     # A short answer (32 tokens), so that the engine answers at once at 1,000 req/s on this
     # machine: what is measured is the gateway's work, not the engine's.
     # A nonce of this run: no request of it repeats one of another run or target (``stream`` is
@@ -87,32 +91,39 @@ def _miss_targets(up: int, gw: int, stream: bool) -> list[dict[str, Any]]:
     nonce = f" ({uuid.uuid4().hex[:12]})"
     body = bodies.chat_body(0, nonce=nonce, max_tokens=ANSWER_TOKENS, **extra)
     return [
-        {"name": "direct", "port": up, "body": body, "unique": True, "ttfb": stream},
-        {"name": "gateway", "port": gw, "body": body, "unique": True, "ttfb": stream},
+        {"name": name, "port": port, "body": body, "unique": True, "ttfb": stream}
+        for name, port in (("direct", up), ("relay", relay), ("gateway", gw))
     ]
 
 
-def _added(direct: dict[str, Any], via: dict[str, Any]) -> dict[str, Any]:
+def _added(direct: dict[str, Any], relay: dict[str, Any], via: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's latency over the direct call's, and the byte relay's (the floor: one more
+    hop, nothing done), at p50 and p99."""
     return {
         "direct": direct,
+        "relay": relay,
         "gateway": via,
         "added_p50_ms": round(via["p50_ms"] - direct["p50_ms"], 4),
         "added_p99_ms": round(via["p99_ms"] - direct["p99_ms"], 4),
+        "relay_added_p50_ms": round(relay["p50_ms"] - direct["p50_ms"], 4),
+        "relay_added_p99_ms": round(relay["p99_ms"] - direct["p99_ms"], 4),
     }
 
 
-def _sequential(up: int, gw: int, stream: bool, n: int, block: int) -> dict[str, Any]:
-    spec = {"n": n, "warmup": 100, "block": block, "targets": _miss_targets(up, gw, stream)}
-    raw = loadgen.run("latency", spec)
-    result = _added(summary_ms(raw["direct"]["samples_s"]), summary_ms(raw["gateway"]["samples_s"]))
+def _sequential(up: int, relay: int, gw: int, stream: bool, n: int, block: int) -> dict[str, Any]:
+    targets = _miss_targets(up, relay, gw, stream)
+    raw = loadgen.run("latency", {"n": n, "warmup": 100, "block": block, "targets": targets})
+    result = _added(*(summary_ms(raw[t["name"]]["samples_s"]) for t in targets))
     return {**result, "n": n, "outcomes": raw["gateway"]["outcomes"]}
 
 
-def _open_loop(up: int, gw: int, stream: bool, rate: int, seconds: float) -> dict[str, Any]:
+def _open_loop(
+    up: int, relay: int, gw: int, stream: bool, rate: int, seconds: float
+) -> dict[str, Any]:
     spec = {"rates": [rate], "seconds": seconds, "connections": 64}
-    raw = loadgen.run("openloop", {**spec, "targets": _miss_targets(up, gw, stream)})
-    direct, via = raw["direct"][str(rate)], raw["gateway"][str(rate)]
-    return {**_added(direct, via), **spec}
+    targets = _miss_targets(up, relay, gw, stream)
+    raw = loadgen.run("openloop", {**spec, "targets": targets})
+    return {**_added(*(raw[t["name"]][str(rate)] for t in targets)), **spec}
 
 
 def _rounds(measure: Callable[[], dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -120,33 +131,33 @@ def _rounds(measure: Callable[[], dict[str, Any]], rounds: int) -> dict[str, Any
     the least at p50 in full, and every round's added p50 / p99 with their medians."""
     taken = [measure() for _ in range(rounds)]
     best = min(taken, key=lambda part: part["added_p50_ms"])
-    added = [{k: part[k] for k in ("added_p50_ms", "added_p99_ms")} for part in taken]
-    return {
-        **best,
-        "rounds": added,
-        "added_p50_ms_median": round(median([a["added_p50_ms"] for a in added]), 4),
-        "added_p99_ms_median": round(median([a["added_p99_ms"] for a in added]), 4),
-    }
+    added = [{k: part[k] for k in ADDED} for part in taken]
+    medians = {f"{k}_median": round(median([a[k] for a in added]), 4) for k in ADDED}
+    return {**best, "rounds": added, **medians}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     n, block, seconds, rounds = (600, 50, 1.0, 2) if quick else (1000, 100, 3.0, 5)
     with (
         upstream() as up,
+        relay(up.port, "/bench/count") as hop,
         gateway(Config(upstreams=[up.url], log_level="warning")) as gw,
         fixed_app() as fixed,
     ):
         hits = _hits(fixed.port, gw.port, 64, 1.0 if quick else 2.0, 4 if quick else 10)
         misses = {
-            name: _rounds(partial(_sequential, up.port, gw.port, stream, n, block), rounds)
+            name: _rounds(
+                partial(_sequential, up.port, hop.port, gw.port, stream, n, block), rounds
+            )
             for name, stream in (("sequential", False), ("sequential_stream_ttfb", True))
         }
     with (
         canned(ANSWER_TOKENS) as engine,
+        relay(engine.port) as hop,
         gateway(Config(upstreams=[f"{engine.url}/v1"], log_level="warning")) as gw,
     ):
         for name, stream in (("open_loop_1000", False), ("open_loop_1000_stream_ttfb", True)):
-            measure = partial(_open_loop, engine.port, gw.port, stream, 1000, seconds)
+            measure = partial(_open_loop, engine.port, hop.port, gw.port, stream, 1000, seconds)
             misses[name] = {**_rounds(measure, max(1, rounds - 2)), "upstream": "canned"}
     for part in misses.values():
         part["meets_target"] = (
@@ -201,7 +212,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
             f"perf/misses   {name}: added p50 / p99 best round {part['added_p50_ms']:.3f} / "
             f"{part['added_p99_ms']:.3f} ms, median of {len(part['rounds'])} "
             f"{part['added_p50_ms_median']:.3f} / {part['added_p99_ms_median']:.3f} ms "
-            f"(direct p50 {part['direct']['p50_ms']:.3f}) "
+            f"(direct p50 {part['direct']['p50_ms']:.3f}; a byte relay adds "
+            f"{part['relay_added_p50_ms']:.3f} / {part['relay_added_p99_ms']:.3f}) "
             f"[{'OK' if part['meets_target'] else 'OVER'}]"
         )
     memory = result["memory"]["store"]

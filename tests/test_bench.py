@@ -20,6 +20,7 @@ from carpool.bench.faults import FaultPlan
 from carpool.bench.fixed import fixed_app
 from carpool.bench.oracle import oracle, request_key
 from carpool.bench.recorded import load_jsonl
+from carpool.bench.relay import relay
 from carpool.bench.runner import BenchOptions, run_bench
 from carpool.bench.stats import percentile, summary_ms
 from carpool.bench.synthetic import PRESETS, synthetic
@@ -502,6 +503,28 @@ def test_the_canned_engine_answers_whole_and_streamed_alike_and_completely():
                 status, headers, raw = fetch("POST", f"{gw.url}/v1/chat/completions", chat())
                 outcomes.append(headers.get("x-carpool"))
             assert outcomes == ["miss", "hit"]
+
+
+def test_the_byte_relay_passes_every_byte_both_ways_as_the_engine_sent_them():
+    """``carpool.bench.relay``: the floor of ``bench_perf``'s misses. Through it, a whole answer
+    and a stream are the engine's bytes (but the call number in its ids), and many requests
+    go through one kept connection."""
+    import re
+
+    def unnumbered(raw: bytes) -> bytes:
+        return re.sub(rb"chatcmpl-canned-\d+", b"id", raw)
+
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    with canned(tokens=5) as engine, relay(engine.port) as hop:
+        for extra in ({}, {"stream": True}):
+            direct = fetch("POST", f"{engine.url}/v1/chat/completions", {**body, **extra})
+            relayed = fetch("POST", f"{hop.url}/v1/chat/completions", {**body, **extra})
+            assert relayed[0] == direct[0] == 200 and b"chatcmpl-canned-" in relayed[2]
+            assert unnumbered(relayed[2]) == unnumbered(direct[2])
+        target = {"name": "relayed", "port": hop.port, "body": body, "unique": True}
+        raw = loadgen.run("latency", {"n": 20, "warmup": 2, "block": 5, "targets": [target]})
+        assert raw["relayed"]["outcomes"] == {"(none)": 20}
+        assert len(raw["relayed"]["samples_s"]) == 20
 
 
 def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():

@@ -801,19 +801,30 @@ def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins(
     assert assemble("chat", running)["usage"] == usage
 
 
-# --- text chunks taken by their payload (chunks.Assembly.add_text) ---------------------------
+# --- text chunks taken by their payload (chunks.Assembly.add_texts) --------------------------
 
 
-def _collected(payloads: list[bytes]) -> tuple[dict, int]:
-    """The body a stream's payloads make as the exchange gathers them: offered to ``add_text``
-    first, parsed and ``add``ed (with the payload) otherwise; and how many ``add_text`` took."""
-    assembly, taken = Assembly("chat"), 0
-    for payload in payloads:
-        if assembly.add_text(payload):
-            taken += 1
-        else:
-            assembly.add(orjson.loads(payload), payload)
+def _collected(payloads: list[bytes], reads: list[int] | None = None) -> tuple[dict, int]:
+    """The body a stream's payloads make as the exchange gathers them (``exchange._publish``),
+    in reads of ``reads[i]`` payloads (one read of all by default; the rest in one): offered
+    to ``add_texts`` first, parsed and ``add``ed (with the payload) otherwise; and how many
+    ``add_texts`` took."""
+    assembly, taken, start = Assembly("chat"), 0, 0
+    for size in [*(reads or []), len(payloads)]:
+        read, start = payloads[start : start + size], start + size
+        at = 0
+        while at < len(read):
+            took = assembly.add_texts(read, at)
+            taken += took
+            at += took
+            if at < len(read):
+                assembly.add(orjson.loads(read[at]), read[at])
+                at += 1
     return assembly.body(), taken
+
+
+def _taken_alone(assembly: Assembly, payload: bytes) -> bool:
+    return assembly.add_texts([payload], 0) == 1
 
 
 def _chat_chunk(index: int, delta: dict, finish=None, **top) -> dict:
@@ -896,9 +907,9 @@ def _chat_streams(draw) -> list[bytes]:
 
 
 @settings(max_examples=500)
-@given(_chat_streams())
-def test_text_chunks_taken_by_their_payload_assemble_as_the_parsed_chunks_do(payloads):
-    body, _ = _collected(payloads)
+@given(_chat_streams(), st.lists(st.integers(1, 6), max_size=6))
+def test_text_chunks_taken_by_their_payload_assemble_as_the_parsed_chunks_do(payloads, reads):
+    body, _ = _collected(payloads, reads)
     assert body == assemble("chat", [orjson.loads(p) for p in payloads])
 
 
@@ -918,9 +929,50 @@ def test_a_payload_that_is_not_one_string_in_the_texts_place_is_not_taken():
     assembly.add(orjson.loads(orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""}))))
     assembly.add(orjson.loads(first), first)
     for text in (b'"b","role":"tool"', b'"b" "c"', b"1", b'"b', b'b"', b"", b' "b"'):
-        assert not assembly.add_text(first.replace(b'"a"', text)), text
-    assert assembly.add_text(first.replace(b'"a"', b'"b\\u00e9"'))
+        assert not _taken_alone(assembly, first.replace(b'"a"', text)), text
+    assert _taken_alone(assembly, first.replace(b'"a"', b'"b\\u00e9"'))
     assert assembly.body()["choices"][0]["message"]["content"] == "abé"
+
+
+def _templated(text: str = "a") -> tuple[Assembly, bytes]:
+    """An assembly that has learnt the template of a text chunk, and that chunk's payload."""
+    first = orjson.dumps(_chat_chunk(0, {"content": text}))
+    assembly = Assembly("chat")
+    assembly.add(orjson.loads(orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""}))))
+    assembly.add(orjson.loads(first), first)
+    return assembly, first
+
+
+def test_text_chunks_read_together_are_taken_together_in_order_up_to_one_that_is_not_such():
+    assembly, first = _templated()
+    texts = ["b", ' "q"', "\\", "é😀", "\n", ""]
+    read = [orjson.dumps(_chat_chunk(0, {"content": t})) for t in texts]
+    read.append(orjson.dumps(_chat_chunk(0, {}, "stop")))
+    read.append(orjson.dumps(_chat_chunk(0, {"content": "after"})))
+    assert assembly.add_texts(read, 0) == len(texts)
+    assert assembly.add_texts(read, len(texts)) == 0
+    assert assembly.add_texts(read, len(texts) + 1) == 1
+    assert assembly.body()["choices"][0]["message"]["content"] == "a" + "".join(texts) + "after"
+
+
+def test_strings_that_parse_only_when_joined_are_not_taken_together():
+    """Read together, the strings are parsed as one array, and then each must be written back
+    as it came: two strings that are not one string each, but a pair of them joined, would
+    otherwise pass for two texts."""
+    assembly, first = _templated()
+    strings = [b'"x\\"', b'","y"']  # the first escapes its own closing quote
+    assert orjson.loads(b"[" + b",".join(strings) + b"]") == ['x",', "y"]  # (the trap)
+    read = [first.replace(b'"a"', string) for string in strings]
+    assert assembly.add_texts(read, 0) == 0
+    assert assembly.body()["choices"][0]["message"]["content"] == "a"
+
+
+def test_texts_spelled_with_escapes_are_taken_one_by_one_as_they_read():
+    assembly, first = _templated()
+    read = [first.replace(b'"a"', b'"\\u00e9"'), first.replace(b'"a"', b'"\\/"'), first]
+    read.append(first.replace(b'"a"', b'"b","role":"tool"'))
+    assert assembly.add_texts(read, 0) == 3
+    assert assembly.body()["choices"][0]["message"]["content"] == "aé/a"
 
 
 def test_a_content_after_the_text_with_the_same_string_is_not_taken_for_the_text():
@@ -940,6 +992,25 @@ def test_a_content_after_the_text_with_the_same_string_is_not_taken_for_the_text
     body, _ = _collected(payloads)
     assert body == assemble("chat", [orjson.loads(p) for p in payloads])
     assert body["choices"][0]["message"]["content"] == "samesame"
+
+
+def test_an_empty_text_with_an_empty_content_after_it_is_not_cut_around_that_content():
+    """The template's check puts another text in the string's place: for an empty text it
+    must not be the empty text again, or a later "content" field of the same (empty) value
+    would pass for the text's, and a later chunk's value there would be taken as its text."""
+
+    def chunk(meta: str) -> bytes:
+        return orjson.dumps({**_chat_chunk(0, {"content": ""}), "meta": {"content": meta}})
+
+    payloads = [
+        orjson.dumps(_chat_chunk(0, {"role": "assistant", "content": ""})),
+        chunk(""),
+        chunk(":"),
+        orjson.dumps(_chat_chunk(0, {}, "stop")),
+    ]
+    body, taken = _collected(payloads)
+    assert body == assemble("chat", [orjson.loads(p) for p in payloads])
+    assert body["choices"][0]["message"]["content"] == "" and taken == 0
 
 
 def test_a_text_chunk_that_says_its_usage_again_after_another_usage_makes_that_usage_the_last():

@@ -33,10 +33,11 @@ Contract:
   The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
   input: copy before mutating those.
 - ``Assembly(kind)`` is ``assemble`` one chunk at a time (``add``; ``body()``), for a stream as it
-  comes. Its ``add_text(payload)`` takes a chat text chunk by its raw payload alone, without
-  parsing it into a dict, when the payload is that of the last text chunk ``add``ed with its
-  payload but for its text (``TextTemplate``); the body is the same as if it had been parsed
-  and ``add``ed. It returns False, having done nothing, for any other payload.
+  comes. Its ``add_texts(payloads, start)`` takes chat text chunks by their raw payloads alone,
+  from ``start`` on, without parsing them into dicts, while each payload is that of the last
+  text chunk ``add``ed with its payload but for its text (``TextTemplate``); the body is the
+  same as if they had been parsed and ``add``ed. It returns how many it took (0: none, nothing
+  done).
 """
 
 from __future__ import annotations
@@ -267,8 +268,9 @@ class Assembly:
 
     A chat stream's text chunks (all but a few) differ from each other only in their text. Once
     one was added with its raw ``payload``, those whose payload is its payload with another
-    text in place (a ``TextTemplate``) are taken without parsing them into a dict:
-    ``add_text(payload)`` is then ``add(parsed payload)``, and False for any other payload.
+    text in place (a ``TextTemplate``) are taken without parsing them into dicts:
+    ``add_texts(payloads, start)`` is then ``add(parsed payload)`` of each, up to the first
+    payload that is not such.
     """
 
     __slots__ = ("kind", "chat", "top", "seen", "nulls", "choices", "usage", "template", "_idle")
@@ -336,11 +338,12 @@ class Assembly:
                     continue
             state.add(self.kind, choice)
 
-    def add_text(self, payload: bytes) -> bool:
-        """Whether ``payload`` is a text chunk like the last one ``add``ed with its payload
-        (then taken: as ``add`` would have taken it); False: nothing was done."""
+    def add_texts(self, payloads: list[bytes], start: int) -> int:
+        """How many of ``payloads`` from ``start`` on, one after the other, are text chunks
+        like the last one ``add``ed with its payload (taken: as ``add`` would have taken
+        them); 0: nothing was done."""
         template = self.template
-        return template is not None and template.take(payload)
+        return 0 if template is None else template.take_many(payloads, start)
 
     def _learn(self, payload: bytes, chunk: dict[str, Any], text: str, content: list[str]) -> None:
         # A text chunk that did not fit the template: a new one from it, unless two templates

@@ -252,16 +252,23 @@ def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: B
     if not payloads:
         return
     failure, frame, usage_only = api.failure, api.frame, api.usage_only
-    add, add_text = collector.add, collector.add_text
+    add, add_texts = collector.add, collector.add_texts
     frames: list[bytes] = []
     usage = None
+    at, end = 0, len(payloads)
     try:
-        for payload in payloads:
-            if add_text(payload):
-                # A text chunk like one judged before, but for its text: judged as that one
-                # was (no error, not the usage), its payload one line (``chunks.Assembly``).
-                frames.append(frame(payload))
-                continue
+        while at < end:
+            taken = add_texts(payloads, at)
+            if taken:
+                # Text chunks like one judged before, but for their text: judged as that one
+                # was (no error, not the usage), each payload one line (``chunks.Assembly``).
+                frames += api.one_line_frames(payloads[at : at + taken])
+                at += taken
+                if at == end:
+                    break
+            # (Not taken, if the ones before it were: it is parsed.)
+            payload = payloads[at]
+            at += 1
             try:
                 chunk = orjson.loads(payload)
             except orjson.JSONDecodeError:

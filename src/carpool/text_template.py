@@ -1,20 +1,22 @@
 """A chat text chunk's payload as a template: the next text chunks taken by their bytes alone.
 
 No I/O; a template holds the list its texts go to. ``chunks.Assembly`` makes and uses them
-(``Assembly.add_text``).
+(``Assembly.add_texts``).
 
 Contract:
 - ``TextTemplate.of(payload, chunk, text, content)``: from the raw ``payload`` of a text chunk
   (``chunk``, parsed: one choice whose delta is ``{"content": text}``), the payload cut around
   its text's JSON string: ``prefix`` up to the string's opening quote, ``suffix`` from its
   closing quote. None unless it checks out: no line break in the payload, the string found is
-  ``text``, and the payload with another string in its place parses as ``chunk`` with that text
-  and nothing else changed.
+  ``text``, and the payload with a different string in its place parses as ``chunk`` with that
+  text and nothing else changed.
 - A payload that is ``prefix`` + the inside of one JSON string + ``suffix`` (and is at least as
   long as both) parses as ``chunk`` with that string as its text: a string token in place of
-  another changes no other value. ``take(payload)`` parses just the string, from the opening
-  quote to the closing one, and adds it to ``content``; a payload that is not such parses as
-  nothing (or not one string) and is not taken (False).
+  another changes no other value. ``take_many(payloads, start)`` takes such payloads from
+  ``start`` on, one after the other, and adds their texts to ``content``: the strings alone are
+  parsed, from the opening quote to the closing one, all of them at once when each is exactly
+  the JSON its text is written as (else one by one). It returns how many it took; the first
+  payload that is not such (no string between the two, or not one) ends it and is not taken.
 """
 
 from __future__ import annotations
@@ -39,25 +41,36 @@ class TextTemplate:
         self.before, self.after = len(prefix), len(suffix)
         self.took = False  # whether a payload was taken by it
 
-    def take(self, payload: bytes) -> bool:
-        """Whether ``payload`` is ``prefix`` + one JSON string + ``suffix``: then its text is
-        added to ``content``; False: nothing was done."""
-        end = len(payload) - self.after
-        if (
-            end < self.before
-            or not payload.startswith(self.prefix)
-            or not payload.endswith(self.suffix)
-        ):
-            return False
-        try:
-            # Quoted (the prefix ends in a quote, the suffix starts with one): one JSON value
-            # that begins and ends so is a string, and nothing else parses.
-            text = orjson.loads(payload[self.before - 1 : end + 1])
-        except orjson.JSONDecodeError:
-            return False  # ('"a","b"': not one string)
-        self.content.append(text)
+    def take_many(self, payloads: list[bytes], start: int) -> int:
+        """How many of ``payloads`` from ``start`` on, one after the other, are ``prefix`` + one
+        JSON string + ``suffix``: their texts are added to ``content``, in order; 0: nothing
+        was done."""
+        prefix, suffix, before, after = self.prefix, self.suffix, self.before, self.after
+        strings: list[bytes] = []
+        for at in range(start, len(payloads)):
+            payload = payloads[at]
+            end = len(payload) - after
+            if end < before or not payload.startswith(prefix) or not payload.endswith(suffix):
+                break
+            # Quoted (the prefix ends in a quote, the suffix starts with one).
+            strings.append(payload[before - 1 : end + 1])
+        if not strings:
+            return 0
+        texts = _texts(strings)
+        if texts is None:
+            # One by one: one JSON value that begins and ends with a quote is a string, and
+            # nothing else parses ('"a","b"': not one string); the first that does not ends it.
+            texts = []
+            for string in strings:
+                try:
+                    texts.append(orjson.loads(string))
+                except orjson.JSONDecodeError:
+                    break
+            if not texts:
+                return 0
+        self.content.extend(texts)
         self.took = True
-        return True
+        return len(texts)
 
     @classmethod
     def of(
@@ -84,13 +97,31 @@ class TextTemplate:
         try:
             if orjson.loads(payload[start:end]) != text:
                 return None
-            blank = orjson.loads(prefix + suffix)
+            # Another text in its place: a string that is not the text's (another field's
+            # "content" after it, of the same value) would leave the text as it is. The other
+            # text must differ from this one, or the check sees no change at all.
+            other = "" if text else "_"
+            swapped = orjson.loads(prefix + other.encode() + suffix)
         except orjson.JSONDecodeError:
             return None
         (choice,) = chunk["choices"]
-        if blank != {**chunk, "choices": [{**choice, "delta": {"content": ""}}]}:
+        if swapped != {**chunk, "choices": [{**choice, "delta": {"content": other}}]}:
             return None
         return cls(prefix, suffix, content)
+
+
+def _texts(strings: list[bytes]) -> list[str] | None:
+    """The texts of ``strings`` parsed at once, as one array; None unless each string is
+    exactly its text as written back (then each is one JSON string alone, read as its own
+    parse reads it; one spelled otherwise, ``\\u00e9`` for ``é``, or one that is not a string
+    alone, is left to be parsed by itself)."""
+    if len(strings) == 1:
+        return None
+    try:
+        texts: list[str] = orjson.loads(b"[" + b",".join(strings) + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    return texts if list(map(orjson.dumps, texts)) == strings else None
 
 
 def _after_blanks(data: bytes, at: int) -> int:

@@ -18,7 +18,8 @@ Contract:
   name is always recoverable from the data alone (``frame``).
 - ``collector()`` gathers one stream's chunks as they come (a ``Collector``: by default a list
   that ``judge_stream`` judges at the end); an API may take some chunks by their raw payload
-  alone (``Collector.add_text``: the classics' text chunks, ``chunks.Assembly``).
+  alone (``Collector.add_texts``: the classics' text chunks, ``chunks.Assembly``), framed
+  as one-line payloads (``one_line_frames``).
 - Methods never raise on a malformed answer (they judge it incomplete), except ``validate``
   (``RequestError``) and ``judge_stream`` (``UpstreamStreamBroken`` for a stream that did not end
   whole).
@@ -37,8 +38,9 @@ from ..sse import DONE, SSEDecoder, event_frame
 
 class Collector:
     """One stream's chunks as they come (``Api.collector``): ``add`` each parsed one (with its
-    raw payload), or first offer its payload alone to ``add_text``, which takes it (True) only
-    when it knows it without parsing it; ``judge`` as ``Api.judge_stream`` judges them all."""
+    raw payload), or first offer the payloads from it on to ``add_texts``, which takes those it
+    knows without parsing them, one after the other, and says how many (0: none);
+    ``judge`` as ``Api.judge_stream`` judges them all."""
 
     def __init__(self, api: Api) -> None:
         self.api = api
@@ -47,8 +49,8 @@ class Collector:
     def add(self, chunk: dict[str, Any], payload: bytes) -> None:
         self.chunks.append(chunk)
 
-    def add_text(self, payload: bytes) -> bool:
-        return False
+    def add_texts(self, payloads: list[bytes], start: int) -> int:
+        return 0
 
     def judge(self, asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
         return self.api.judge_stream(self.chunks, asked)
@@ -140,6 +142,11 @@ class Api:
                 return data_lines(payload)
             payload = orjson.dumps(chunk)  # one line
         return b"data: " + payload + b"\n\n"
+
+    def one_line_frames(self, payloads: list[bytes]) -> list[bytes]:
+        """``frame`` of each of ``payloads``, known to be one line each (taken by a
+        ``Collector.add_texts``)."""
+        return [self.frame(payload) for payload in payloads]
 
     def usage_only(self, chunk: dict[str, Any]) -> bool:
         """Whether ``chunk`` carries only the usage, for clients that did not ask for it."""

@@ -37,7 +37,7 @@ class _Assembling(Collector):
         self.classic = api  # (its ``judged``)
         self.assembly = Assembly(api.kind)
         self.add = self.assembly.add  # type: ignore[method-assign]  # (the same, one call less)
-        self.add_text = self.assembly.add_text  # type: ignore[method-assign]
+        self.add_texts = self.assembly.add_texts  # type: ignore[method-assign]
 
     def judge(self, asked: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
         return self.classic.judged(self.assembly.body(), asked)
@@ -58,6 +58,10 @@ class _Classic(Api):
 
     def usage_only(self, chunk: dict[str, Any]) -> bool:
         return not chunk.get("choices") and chunk.get("usage") is not None
+
+    def one_line_frames(self, payloads: list[bytes]) -> list[bytes]:
+        # (``frame`` of a one-line payload, without a call for each: a stream's text chunks)
+        return [b"data: " + payload + b"\n\n" for payload in payloads]
 
     def judge_stream(
         self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None

@@ -23,7 +23,7 @@ Contract (child side):
   ``announce(sock)`` prints ``{"port": N}`` on stdout; ``serve(app, sock, log_level, lifespan)``
   runs uvicorn on that socket (uvloop and httptools when installed, access log off) and returns
   when it stops, which it does on SIGTERM and also once its stdin closes: a child never outlives
-  a parent that was killed.
+  a parent that was killed. A child serving otherwise calls ``exit_with_parent()`` for the same.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def announce(sock: socket.socket) -> None:
     print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Stop (as on SIGTERM) once stdin closes: the parent is gone or done."""
 
     def watch() -> None:
@@ -255,5 +255,5 @@ def serve(
             http=http,
         )
     )
-    _exit_with_parent()
+    exit_with_parent()
     server.run(sockets=[sock])

@@ -292,18 +292,11 @@ class Answer:
         finally:
             self.release()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         """The body as it comes: what came since the last piece, joined (a chunked body's
         chunks come one by one: a stream's frames, often dozens a read); raises ``WireError``
         if it stops short of its end."""
-        connection = self.connection
-        while True:
-            await connection.wait(NEWS)
-            chunks = connection.chunks
-            if not chunks:
-                return  # (the end)
-            connection.chunks = []
-            yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return _Pieces(self.connection)
 
     def release(self, drain: bool = False) -> None:
         if self._released:
@@ -317,6 +310,30 @@ class Answer:
 
     async def aclose(self) -> None:
         self.release()
+
+
+class _Pieces:
+    """``Answer.chunks``: an iterator, not an async generator. A reader stops at the stream's
+    ``[DONE]``, before the body's end: a generator left so would be finalized by the loop's
+    hook, which schedules its ``aclose`` from any thread (a wake-up of the loop through its
+    self-pipe, and a task) for every stream."""
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        connection = self.connection
+        await connection.wait(NEWS)
+        chunks = connection.chunks
+        if not chunks:
+            raise StopAsyncIteration  # (the end)
+        connection.chunks = []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 # What a request waits for (``Connection.wait``).
