@@ -14,7 +14,9 @@ cost, counting its calls: ``carpool.bench.upstream``). Four ways to run the work
 
 - **hits**: the same temperature-0 request back to back on ``concurrency`` keep-alive
   connections for ``seconds`` (``carpool.bench.loadgen`` ``throughput``, in a process of its own;
-  rounds alternate the targets so that noise hits them alike), every answer an exact hit.
+  rounds alternate the targets so that noise hits them alike), every answer an exact hit; and,
+  where wrk is installed, the same again with wrk (``carpool.bench.wrk``: a load generator in C,
+  which leaves the servers most of the cores; ``hits.wrk``, null without it).
   Reported: requests/s per target (median of the rounds), ``two_over_one`` (the 2-worker
   throughput over the 1-worker one) and how each 2-worker target's hits fell on its workers
   (the kernel spreads the connections). On a machine with fewer free cores than workers plus
@@ -44,7 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from carpool.bench import bodies, loadgen, scenario
+from carpool.bench import bodies, loadgen, scenario, wrk
 from carpool.bench.client import Address, connect, fetch
 from carpool.bench.redis_server import redis_server
 from carpool.bench.stats import median, percentile, summary_ms
@@ -103,8 +105,10 @@ def _hits(upstream_url: str, redis_url: str, quick: bool) -> dict[str, Any]:
             )
             for n, g in gateways.items()
         }
+        by_wrk = _hits_by_wrk(gateways, body, spec) if wrk.available() else None
     rps = {n: round(median(raw[n]["rps"])) for n in names}
     return {
+        "wrk": by_wrk,
         **spec,
         "rps": rps,
         "rps_rounds": {n: [round(x) for x in raw[n]["rps"]] for n in names},
@@ -115,6 +119,35 @@ def _hits(upstream_url: str, redis_url: str, quick: bool) -> dict[str, Any]:
         "latency_ms": {n: summary_ms(latency[n]["samples_s"]) for n in names},
         "outcomes": {n: raw[n]["outcomes"] for n in names},
         "non_200": {n: raw[n]["non_200"] for n in names},
+    }
+
+
+def _hits_by_wrk(
+    gateways: dict[str, Workers], body: dict[str, Any], spec: dict[str, Any]
+) -> dict[str, Any]:
+    """The hits again with wrk (``carpool.bench.wrk``, one thread): a load generator that leaves
+    the servers most of the cores, in rounds alternating the targets (after one short warm-up
+    each); requests/s per target (median of the rounds) and the 2-worker ratios."""
+    seconds, rounds = spec["seconds"], spec["rounds"]
+    for g in gateways.values():
+        wrk.throughput(g.port, body, spec["concurrency"], 1.0)
+    taken: dict[str, list[float]] = {n: [] for n in gateways}
+    non_2xx = 0.0
+    for r in range(rounds):
+        order = list(gateways) if r % 2 == 0 else list(gateways)[::-1]
+        for n in order:
+            measured = wrk.throughput(gateways[n].port, body, spec["concurrency"], seconds)
+            taken[n].append(measured["rps"])
+            non_2xx += measured["non_2xx"]
+    rps = {n: round(median(v)) for n, v in taken.items()}
+    return {
+        "threads": 1,
+        "rps": rps,
+        "rps_rounds": {n: [round(x) for x in v] for n, v in taken.items()},
+        "two_over_one": round(rps["two_workers"] / rps["one_worker"], 3),
+        "two_alone_over_one": round(rps["two_workers_alone"] / rps["one_worker"], 3),
+        "two_redis_over_one": round(rps["two_workers_redis"] / rps["one_worker"], 3),
+        "non_2xx": non_2xx,
     }
 
 
@@ -225,6 +258,15 @@ def summarize(result: dict[str, Any]) -> list[str]:
         f"{h['rps']['two_workers_alone']} (x{h['two_alone_over_one']}), 2 on Redis "
         f"{h['rps']['two_workers_redis']} (x{h['two_redis_over_one']})",
     ]
+    w = h.get("wrk")
+    lines.append(
+        "workers/exact hits by wrk: (wrk not on PATH)"
+        if w is None
+        else f"workers/exact hits by wrk (req/s, 1 thread): 1 worker {w['rps']['one_worker']}, "
+        f"2 workers {w['rps']['two_workers']} (x{w['two_over_one']}), 2 alone "
+        f"{w['rps']['two_workers_alone']} (x{w['two_alone_over_one']}), 2 on Redis "
+        f"{w['rps']['two_workers_redis']} (x{w['two_redis_over_one']})"
+    )
     for name, s in result["sharing"].items():
         sp, b = s["spread"], s["burst"]
         lines.append(

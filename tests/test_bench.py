@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +13,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from carpool.bench import loadgen, plots, report
+from carpool.bench import loadgen, plots, report, wrk
 from carpool.bench.bodies import chat_body
 from carpool.bench.canned import canned
 from carpool.bench.client import fetch
@@ -525,6 +526,34 @@ def test_the_byte_relay_passes_every_byte_both_ways_as_the_engine_sent_them():
         raw = loadgen.run("latency", {"n": 20, "warmup": 2, "block": 5, "targets": [target]})
         assert raw["relayed"]["outcomes"] == {"(none)": 20}
         assert len(raw["relayed"]["samples_s"]) == 20
+
+
+def test_wrk_posts_any_json_body_as_a_lua_long_string_that_it_cannot_end():
+    for text in ("plain", "a ]] b", "]=]", "]==] and ]] and ]=]"):
+        lua = wrk.script({"text": text})
+        start = lua.index("wrk.body = [") + len("wrk.body = ")
+        level = lua[start + 1 : lua.index("[", start + 1)]
+        assert set(level) <= {"="}
+        closing = f"]{level}]"
+        body = lua[start + len(level) + 2 : lua.rindex(closing)]
+        assert closing not in body and orjson.loads(body) == {"text": text}
+
+
+def test_wrk_measures_a_rate_of_posted_requests_that_the_server_answered():
+    """``carpool.bench.wrk`` where wrk is installed (CI installs it: ``REQUIRE_WRK``): its rate
+    against the fixed-bytes app, every answer a 2xx; against the simulated engine, which
+    counts what it answers, real POSTs of the body."""
+    if not wrk.available():
+        message = "wrk is not on PATH (apt-get install wrk)"
+        if os.environ.get("REQUIRE_WRK", "") not in ("", "0"):
+            pytest.fail(f"{message}, and REQUIRE_WRK is set")
+        pytest.skip(f"{message}; set REQUIRE_WRK=1 to make this a failure")
+    with fixed_app() as app, upstream() as engine:
+        measured = wrk.throughput(app.port, chat_body(0), connections=4, seconds=1)
+        assert measured["rps"] > 0 and measured["non_2xx"] == 0
+        before = engine.count()["chat"]
+        assert wrk.throughput(engine.port, chat_body(0), connections=2, seconds=1)["rps"] > 0
+        assert engine.count()["chat"] > before
 
 
 def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():
