@@ -12,9 +12,9 @@ difference measured against its reference in the same run, on the same machine.
    and then the rest), since the simulated engine takes as much CPU as the gateway and, at that
    rate, saturated this machine's two cores before the gateway did. Whole answers (latency to
    the last byte) and streams (time to the first body bytes). Targets: p50 <= 0.35 ms, p99 <=
-   1.0 ms added. Taken in rounds (5 sequential, 3 open loop): the round that added least at p50
-   is reported and judged, as the hits' best round is, with the medians of every round beside
-   it. Beside them, in the same rounds, the byte relay (``carpool.bench.relay``): what one more
+   1.0 ms added. Taken in rounds (5 sequential, 3 open loop): the medians of the rounds are
+   judged, and the round that added least at p50 is reported beside them (not judged: a
+   round's difference also shrinks when the host slows the direct call). Beside them, in the same rounds, the byte relay (``carpool.bench.relay``): what one more
    hop between processes adds here with nothing done, the floor under any proxy's figure.
 3. ``workers``: ``bench_workers.run`` (1 vs 2 workers' exact hits; upstream calls of identical
    requests spread over 2 workers sharing through each other, alone, or through Redis).
@@ -160,9 +160,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             measure = partial(_open_loop, engine.port, hop.port, gw.port, stream, 1000, seconds)
             misses[name] = {**_rounds(measure, max(1, rounds - 2)), "upstream": "canned"}
     for part in misses.values():
+        # Judged on the medians of the rounds: a round's least added p50 may come from a direct
+        # call that the host slowed (then the difference shrinks, or goes below zero).
         part["meets_target"] = (
-            part["added_p50_ms"] <= TARGET_ADDED_P50_MS
-            and part["added_p99_ms"] <= TARGET_ADDED_P99_MS
+            part["added_p50_ms_median"] <= TARGET_ADDED_P50_MS
+            and part["added_p99_ms_median"] <= TARGET_ADDED_P99_MS
         )
     import bench_workers  # (a sibling script: the benchmarks run from this directory)
 
@@ -209,12 +211,12 @@ def summarize(result: dict[str, Any]) -> list[str]:
     ]
     for name, part in result["misses"].items():
         lines.append(
-            f"perf/misses   {name}: added p50 / p99 best round {part['added_p50_ms']:.3f} / "
-            f"{part['added_p99_ms']:.3f} ms, median of {len(part['rounds'])} "
+            f"perf/misses   {name}: added p50 / p99 median of {len(part['rounds'])} "
             f"{part['added_p50_ms_median']:.3f} / {part['added_p99_ms_median']:.3f} ms "
-            f"(direct p50 {part['direct']['p50_ms']:.3f}; a byte relay adds "
-            f"{part['relay_added_p50_ms']:.3f} / {part['relay_added_p99_ms']:.3f}) "
-            f"[{'OK' if part['meets_target'] else 'OVER'}]"
+            f"[{'OK' if part['meets_target'] else 'OVER'}] (a byte relay adds "
+            f"{part['relay_added_p50_ms_median']:.3f} / {part['relay_added_p99_ms_median']:.3f}); "
+            f"best round {part['added_p50_ms']:.3f} / {part['added_p99_ms']:.3f} ms "
+            f"(direct p50 {part['direct']['p50_ms']:.3f})"
         )
     memory = result["memory"]["store"]
     filled = memory["reports"]["store: filled"]
