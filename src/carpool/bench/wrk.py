@@ -11,8 +11,8 @@ Contract:
   reports the Python load generator's figures alone.
 - ``throughput(port, body, connections, seconds, threads)``: ``wrk`` POSTing ``body`` (JSON) to
   the chat endpoint on 127.0.0.1:``port`` on ``connections`` keep-alive connections for
-  ``seconds`` (rounded to whole seconds, at least one); returns requests/s and the answers that were not 2xx (or raises ``WrkError``
-  naming what wrk said, when it says no rate).
+  ``seconds`` (rounded to whole seconds, at least one); returns requests/s and the answers
+  that were not 2xx, or raises ``WrkError`` (what wrk said) when it reports no rate.
 """
 
 from __future__ import annotations
