@@ -7,6 +7,8 @@ way an answer can come (sized, chunked, until the connection ends, cut, late, in
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -299,6 +301,37 @@ async def test_through_the_http_upstream_a_stream_that_ended_whole_keeps_its_con
     finally:
         await upstream.aclose()
     assert len({call.peer for call in fake.calls}) == 1
+
+
+async def test_a_stream_read_to_its_done_leaves_nothing_for_the_loops_generator_finalizer(fake):
+    """A stream's reader stops at [DONE], before the body's end. Were the body's pieces an
+    async generator, the one left so would go to the loop's finalizer hook, which schedules its
+    closing from any thread (a wake-up of the loop, and a task) for every stream."""
+    from carpool.config import LimitsConfig
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    finalized: list[object] = []
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+    assert finalizer is not None  # (the running loop's)
+
+    def counting(agen: object) -> None:
+        finalized.append(agen)
+        finalizer(agen)
+
+    upstream = HttpUpstream(fake.url, LimitsConfig())
+    body = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "stream": True}
+    sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=counting)
+    try:
+        for _ in range(3):
+            response = await upstream.send(UpstreamRequest("/chat/completions", body, stream=True))
+            assert [payload async for payload in response.events()]
+            await response.aclose()
+        gc.collect()
+    finally:
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalizer)
+        await upstream.aclose()
+    assert finalized == []
 
 
 @pytest.mark.parametrize(
