@@ -14,8 +14,9 @@ difference measured against its reference in the same run, on the same machine.
    the last byte) and streams (time to the first body bytes). Targets: p50 <= 0.35 ms, p99 <=
    1.0 ms added. Taken in rounds (5 sequential, 3 open loop): the medians of the rounds are
    judged, and the round that added least at p50 is reported beside them (not judged: a
-   round's difference also shrinks when the host slows the direct call). Beside them, in the same rounds, the byte relay (``carpool.bench.relay``): what one more
-   hop between processes adds here with nothing done, the floor under any proxy's figure.
+   round's difference also shrinks when the host slows the direct call). Beside them, in the
+   same rounds, the byte relay (``carpool.bench.relay``): what one more hop between processes
+   adds here with nothing done, the floor under any proxy's figure.
 3. ``workers``: ``bench_workers.run`` (1 vs 2 workers' exact hits; upstream calls of identical
    requests spread over 2 workers sharing through each other, alone, or through Redis).
 4. ``memory``: ``scripts/measure_store_memory.py`` in processes of their own: ``entries`` small
@@ -128,7 +129,8 @@ def _open_loop(
 
 def _rounds(measure: Callable[[], dict[str, Any]], rounds: int) -> dict[str, Any]:
     """``measure`` taken ``rounds`` times in a row (this machine is noisy): the round that added
-    the least at p50 in full, and every round's added p50 / p99 with their medians."""
+    the least at p50 in full, and every round's added p50 / p99 (the gateway's and the relay's)
+    with their medians."""
     taken = [measure() for _ in range(rounds)]
     best = min(taken, key=lambda part: part["added_p50_ms"])
     added = [{k: part[k] for k in ADDED} for part in taken]

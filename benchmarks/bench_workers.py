@@ -112,9 +112,7 @@ def _hits(upstream_url: str, redis_url: str, quick: bool) -> dict[str, Any]:
         **spec,
         "rps": rps,
         "rps_rounds": {n: [round(x) for x in raw[n]["rps"]] for n in names},
-        "two_over_one": round(rps["two_workers"] / rps["one_worker"], 3),
-        "two_alone_over_one": round(rps["two_workers_alone"] / rps["one_worker"], 3),
-        "two_redis_over_one": round(rps["two_workers_redis"] / rps["one_worker"], 3),
+        **_over_one(rps),
         "hits_by_worker": spread,
         "latency_ms": {n: summary_ms(latency[n]["samples_s"]) for n in names},
         "outcomes": {n: raw[n]["outcomes"] for n in names},
@@ -145,12 +143,20 @@ def _hits_by_wrk(
         "threads": 1,
         "rps": rps,
         "rps_rounds": {n: [round(x) for x in v] for n, v in taken.items()},
-        "two_over_one": round(rps["two_workers"] / rps["one_worker"], 3),
+        **_over_one(rps),
         # (the rounds' pairs, neighbours in time: the best, as the hits' ratio is reported)
         "two_over_one_best_round": round(max(pairs), 3),
-        "two_alone_over_one": round(rps["two_workers_alone"] / rps["one_worker"], 3),
-        "two_redis_over_one": round(rps["two_workers_redis"] / rps["one_worker"], 3),
         "non_2xx": non_2xx,
+    }
+
+
+def _over_one(rps: dict[str, int]) -> dict[str, float]:
+    """Each 2-worker way's requests/s over one worker's."""
+    one = rps["one_worker"]
+    return {
+        "two_over_one": round(rps["two_workers"] / one, 3),
+        "two_alone_over_one": round(rps["two_workers_alone"] / one, 3),
+        "two_redis_over_one": round(rps["two_workers_redis"] / one, 3),
     }
 
 
@@ -249,6 +255,18 @@ def run(quick: bool = False) -> dict[str, Any]:
     return result
 
 
+def _rates(what: str, h: dict[str, Any], best: float | None = None) -> str:
+    """One summary line: each way's requests/s and its ratio to one worker's."""
+    rps = h["rps"]
+    best_round = "" if best is None else f"; best round x{best}"
+    return (
+        f"workers/{what}: 1 worker {rps['one_worker']}, 2 workers {rps['two_workers']} "
+        f"(x{h['two_over_one']}{best_round}), 2 alone {rps['two_workers_alone']} "
+        f"(x{h['two_alone_over_one']}), 2 on Redis {rps['two_workers_redis']} "
+        f"(x{h['two_redis_over_one']})"
+    )
+
+
 def summarize(result: dict[str, Any]) -> list[str]:
     h = result["hits"]
     p50 = {n: v["p50_ms"] for n, v in h["latency_ms"].items()}
@@ -256,20 +274,13 @@ def summarize(result: dict[str, Any]) -> list[str]:
         f"workers/exact hit p50 (one at a time): 1 worker {p50['one_worker']:.3f} ms, 2 workers "
         f"{p50['two_workers']:.3f} ms, 2 alone {p50['two_workers_alone']:.3f} ms, 2 on Redis "
         f"{p50['two_workers_redis']:.3f} ms",
-        f"workers/exact hits (req/s, {h['concurrency']} connections): 1 worker {h['rps']['one_worker']}, "
-        f"2 workers {h['rps']['two_workers']} (x{h['two_over_one']}), 2 alone "
-        f"{h['rps']['two_workers_alone']} (x{h['two_alone_over_one']}), 2 on Redis "
-        f"{h['rps']['two_workers_redis']} (x{h['two_redis_over_one']})",
+        _rates(f"exact hits (req/s, {h['concurrency']} connections)", h),
     ]
     w = h.get("wrk")
     lines.append(
         "workers/exact hits by wrk: (wrk not on PATH)"
         if w is None
-        else f"workers/exact hits by wrk (req/s, 1 thread): 1 worker {w['rps']['one_worker']}, "
-        f"2 workers {w['rps']['two_workers']} (x{w['two_over_one']}; best round "
-        f"x{w['two_over_one_best_round']}), 2 alone "
-        f"{w['rps']['two_workers_alone']} (x{w['two_alone_over_one']}), 2 on Redis "
-        f"{w['rps']['two_workers_redis']} (x{w['two_redis_over_one']})"
+        else _rates("exact hits by wrk (req/s, 1 thread)", w, w["two_over_one_best_round"])
     )
     for name, s in result["sharing"].items():
         sp, b = s["spread"], s["burst"]

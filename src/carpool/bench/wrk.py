@@ -26,7 +26,8 @@ from typing import Any
 
 import orjson
 
-CHAT = "/v1/chat/completions"
+from .loadgen import CHAT
+
 _RATE = re.compile(rb"^Requests/sec:\s+([0-9.]+)", re.MULTILINE)
 _NON_2XX = re.compile(rb"^\s*Non-2xx or 3xx responses:\s+(\d+)", re.MULTILINE)
 
