@@ -686,3 +686,29 @@ async def test_frames_published_while_a_flush_is_on_its_way_are_sent_before_the_
         b"data: 1\n\n",
         b"data: 2\n\n",
     ]
+
+
+async def test_closing_the_invalidation_channel_while_redis_hangs_does_not_hang(killable_redis):
+    """The subscriber's own connection is closed within ``socket_timeout`` even when Redis
+    (SIGSTOP) answers nothing: an instance shutting down is not held by a hung Redis."""
+    import signal
+
+    from carpool.redis import invalidation
+    from carpool.redis.connection import connect
+
+    client = connect(killable_redis.url, socket_timeout=0.3, cluster=killable_redis.cluster)
+    channel = invalidation.InvalidationChannel(
+        client, lambda: 0, socket_timeout=0.3, retry_interval=0.05, owns_client=True
+    )
+    channel.start()
+    await eventually(lambda: channel.listening, what="subscribed")
+    for pid in killable_redis.pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        closing = asyncio.ensure_future(channel.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        assert closing in done, "aclose still waiting on a hung Redis"
+        closing.result()
+    finally:
+        for pid in killable_redis.pids:
+            os.kill(pid, signal.SIGCONT)

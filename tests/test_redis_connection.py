@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("redis")
 
-from carpool.redis.connection import PoolExhausted, connect  # noqa: E402
+from carpool.redis.connection import PoolExhausted, connect, stop_reader  # noqa: E402
 from carpool.redis.store import RedisStore  # noqa: E402
 from carpool.store.base import StoreUnavailable  # noqa: E402
 from carpool.store.memory import MemoryStore  # noqa: E402
@@ -33,6 +34,24 @@ def test_the_client_library_is_imported_by_the_redis_package_only():
             if any(n == "redis" or n.startswith("redis.") for n in names):
                 importers.add(path.relative_to(SOURCE).parts[0])
     assert importers == {"redis"}
+
+
+async def test_stop_reader_cancels_again_a_task_that_swallowed_its_cancellation():
+    # As redis-py's cluster client may: the command in flight returns as if never cancelled,
+    # and the reader's loop goes on to its next command.
+    swallowed = asyncio.Event()
+
+    async def reader() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        swallowed.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.get_running_loop().create_task(reader())
+    await asyncio.sleep(0)  # (started: waiting)
+    await asyncio.wait_for(stop_reader(task), 10)
+    assert swallowed.is_set() and task.cancelled()
+    await stop_reader(None)  # (no reader: nothing to do)
 
 
 async def test_callers_past_the_pool_size_wait_for_a_connection_instead_of_failing(redis_server):

@@ -40,7 +40,7 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .connection import Backoff, Health, StoreUnavailable, unavailable_in
+from .connection import Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -113,10 +113,7 @@ class InvalidationChannel:
     async def aclose(self) -> None:
         self._closed = True
         subscriber, self._subscriber = self._subscriber, None
-        if subscriber is not None:
-            subscriber.cancel()
-            with contextlib.suppress(BaseException):
-                await subscriber
+        await stop_reader(subscriber)
         if self._owns_client:
             await self._client.aclose()
 
@@ -145,7 +142,7 @@ class InvalidationChannel:
     async def _subscribe(self) -> None:
         backoff = Backoff(self.retry_interval)
         subscribed_before = False
-        while True:
+        while not self._closed:
             pubsub = self._client.pubsub()
             try:
                 with _unavailable("listen for invalidations"):
@@ -153,7 +150,7 @@ class InvalidationChannel:
                     loop = asyncio.get_running_loop()
                     heard = loop.time()  # when Redis last sent anything
                     pinged: float | None = None  # when an unanswered PING was sent
-                    while True:
+                    while not self._closed:
                         message = await pubsub.get_message(timeout=WAIT)
                         now = loop.time()
                         if message is None:

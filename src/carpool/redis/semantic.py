@@ -60,7 +60,6 @@ per stored answer, which is the rate of upstream calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -75,7 +74,7 @@ from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, SemanticEntry
 from ..semantic.guard import Guard
 from ..store.base import Selector
-from .connection import Backoff, Health, StoreUnavailable, unavailable_in
+from .connection import Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -211,10 +210,7 @@ class SharedSemanticCache(SemanticCache):
         if self._publishing:  # entries being published: let them go out
             await asyncio.gather(*self._publishing, return_exceptions=True)
         reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(BaseException):
-                await reader
+        await stop_reader(reader)
         if self._owns_client:
             await self._client.aclose()
 
@@ -236,7 +232,7 @@ class SharedSemanticCache(SemanticCache):
     async def _read(self) -> None:
         last: Any = None  # a stream id (bytes)
         backoff = Backoff(self.retry_interval)
-        while True:
+        while not self._closed:
             try:
                 with _unavailable("read the semantic stream"):
                     if last is None:

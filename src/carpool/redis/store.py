@@ -33,7 +33,6 @@ digests and SCAN escaping that the Redis layers share are :mod:`.keys` (``glob_e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,14 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Unpack
 
 from ..store.base import Entry, Selector
-from .connection import ConnectOptions, StoreUnavailable, byte_client, connect, unavailable_in
+from .connection import (
+    ConnectOptions,
+    StoreUnavailable,
+    byte_client,
+    connect,
+    stop_reader,
+    unavailable_in,
+)
 from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
 from .store_layout import DROP, INDEX, PUT, STATS, StoreKeys, decode, encode
 
@@ -169,11 +175,8 @@ class RedisStore:
         self._counted(counts)
 
     async def aclose(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(BaseException):
-                await self._refreshing
-            self._refreshing = None
+        refreshing, self._refreshing = self._refreshing, None
+        await stop_reader(refreshing)
         if self._owns_client:
             await self._client.aclose()
 
