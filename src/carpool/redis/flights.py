@@ -375,6 +375,8 @@ class _Publisher:
 
     def abort(self) -> None:
         self.broadcast.on_publish = None
+        # Also stops the loop should redis-py swallow the cancellation (``stop_reader``).
+        self.broken = True
         self._task.cancel()
 
     async def _run(self) -> None:
