@@ -712,3 +712,26 @@ async def test_closing_the_invalidation_channel_while_redis_hangs_does_not_hang(
     finally:
         for pid in killable_redis.pids:
             os.kill(pid, signal.SIGCONT)
+
+
+async def test_the_invalidation_subscriber_stops_by_itself_once_its_channel_is_closed(
+    shared_redis, monkeypatch
+):
+    """As if ``aclose``'s cancellation were swallowed by the client library (``stop_reader``):
+    the closed flag alone ends the subscriber, its pub/sub connection closed."""
+    from carpool.redis import invalidation
+    from carpool.redis.connection import connect
+
+    monkeypatch.setattr(invalidation, "WAIT", 0.05)
+    client = connect(shared_redis.url, cluster=shared_redis.cluster)
+    channel = invalidation.InvalidationChannel(client, lambda: 0, owns_client=True)
+    channel.start()
+    try:
+        await eventually(lambda: channel.listening, what="subscribed")
+        subscriber = channel._subscriber
+        assert subscriber is not None
+        channel._closed = True  # (aclose's first step; no cancellation here)
+        await asyncio.wait_for(subscriber, 10)
+        assert not channel.listening
+    finally:
+        await channel.aclose()

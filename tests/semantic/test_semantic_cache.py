@@ -350,6 +350,18 @@ async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
 
 
+async def test_the_semantic_stream_reader_stops_by_itself_once_its_cache_is_closed(
+    two_semantic, fake
+):
+    # As if ``aclose``'s cancellation were swallowed by the client library (``stop_reader``).
+    async with two_semantic() as (a, _b):
+        semantic = a.gateway.semantic
+        reader = semantic._reader
+        assert reader is not None and not reader.done()
+        semantic._closed = True  # (aclose's first step; no cancellation here)
+        await asyncio.wait_for(reader, 10)
+
+
 async def test_tenants_never_share_semantic_entries_across_instances(two_semantic, fake):
     async with two_semantic() as (a, b):
         await ask(a, "How do I reset my router?", headers={"Authorization": "Bearer a"})

@@ -183,6 +183,9 @@ class InvalidationChannel:
                 self.listening = False
                 await _quietly(pubsub.aclose())
                 raise
+            else:  # closed (``aclose``) while a cancellation was swallowed (``stop_reader``)
+                self.listening = False
+                await _quietly(pubsub.aclose())
 
     def _failed(self, error: StoreUnavailable) -> None:
         self.counts["errors"] += 1
