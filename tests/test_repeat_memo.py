@@ -78,3 +78,22 @@ def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_b
     assert len(memo) == 2 and memo.bytes <= memo.max_bytes  # the oldest went first
     newest = ClientRequest(CHAT, BODY.replace(b"hi", b"hi 4"), {})
     assert memo.get(memo.key_of(newest)) is not None
+
+
+def test_the_memos_entries_are_untracked_by_the_garbage_collector_once_it_has_seen_them():
+    import gc
+
+    config = Config()
+    memo = RepeatMemo(("authorization",), max_bytes=1 << 20)
+    for i in range(20):
+        body = BODY.replace(b"hi", f"hi {i}".encode())
+        client = ClientRequest(CHAT, body, {"authorization": "Bearer k", "x-other": "v"})
+        request = parse(client, 1 << 20)
+        memo.remember(memo.key_of(client), request, fingerprint(request, config), 60.0)
+    for _ in range(3):  # (a tuple is untracked once those in it are: a level a pass)
+        gc.collect()
+    kept = memo._memo.mapping
+    assert len(kept) == 20
+    assert not any(gc.is_tracked(key) or gc.is_tracked(value) for key, value in kept.items())
+    repeat = memo.get(next(iter(kept)))
+    assert repeat is not None and repeat.max_age == 60.0 and not repeat.stream

@@ -12,12 +12,13 @@ Contract:
 - Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
   (oldest out first: ``carpool.lru``, a look does not refresh); bodies over ``max_body`` bytes and header values over
   ``MAX_MEMO_HEADERS`` bytes in all are not remembered. A forgotten repeat costs one parse.
+- Its entries are plain tuples of strings, numbers and bytes: the garbage collector stops
+  tracking them once it has seen them, so that a full memo adds nothing to its passes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .canonical import IDEMPOTENCY_HEADERS, grant_of, varying_headers
 from .lru import LRU, SLOT_BYTES
@@ -29,8 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_MEMO_HEADERS", "Repeat", "RepeatMemo"]
 
 
-@dataclass(slots=True, frozen=True)
-class Repeat:
+class Repeat(NamedTuple):
     """What a byte-identical repeat needs to be answered from the exact cache."""
 
     key: str
@@ -52,7 +52,11 @@ class RepeatMemo:
         self.tenant_headers = tenant_headers
         self.max_bytes = max_bytes
         self.max_body = max_body
-        self._memo: LRU[tuple[Any, ...], Repeat] = LRU(
+        # Each entry is kept as plain tuples of strings, numbers and bytes, which the garbage
+        # collector stops tracking once it has seen them (a level of tuples a pass): the memo's
+        # ~20,000 entries (16 MiB) are not walked by every later pass of the older generations
+        # (a ``Repeat``, a tuple subclass, would be). ``get`` makes the ``Repeat`` back.
+        self._memo: LRU[tuple[Any, ...], tuple[Any, ...]] = LRU(
             max_bytes=max_bytes, size=lambda memo_key, _: _size(memo_key)
         )
 
@@ -80,7 +84,8 @@ class RepeatMemo:
         )
 
     def get(self, memo_key: tuple[Any, ...]) -> Repeat | None:
-        return self._memo.peek(memo_key)
+        kept = self._memo.peek(memo_key)
+        return None if kept is None else Repeat._make(kept)
 
     def remember(
         self, memo_key: tuple[Any, ...], request: Request, key: Fingerprint, max_age: float | None
@@ -102,7 +107,7 @@ class RepeatMemo:
             return  # a large credential or cache-control: not worth its room
         self._memo.put(
             memo_key,
-            Repeat(
+            (
                 key.key,
                 request.stream,
                 request.include_usage,
