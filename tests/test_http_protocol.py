@@ -132,6 +132,36 @@ async def test_pipelined_hits_are_answered_in_order(fake):
     assert len(set(stored)) == 3 and counted.answered == 3
 
 
+async def test_a_hit_with_a_malformed_request_behind_it_in_the_same_read_is_answered_before_the_400(
+    fake,
+):
+    # The hit's answer waits for the loop's next turn; uvicorn's 400 is written at once, as the
+    # bytes after it are parsed: the hit's goes first.
+    async with _gateway(fake) as (served, counted):
+        stored = await _store(served, _body())
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()) + b"NOT HTTP AT ALL\r\n\r\n")
+            hit = await _response(reader)
+            refused = await _response(reader)
+            assert await reader.read() == b""
+    assert (hit[0], hit[1]["x-carpool"], hit[2]) == (200, "hit", stored)
+    assert refused[0] == 400 and counted.answered == 1
+
+
+async def test_a_hit_whose_client_closes_its_side_after_the_request_still_gets_its_answer(fake):
+    # Its answer is written a turn of the loop later; the end of the client's side, read
+    # meanwhile, does not lose it.
+    async with _gateway(fake) as (served, counted):
+        stored = await _store(served, _body())
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            writer.write_eof()
+            status, headers, answer = await _response(reader)
+            assert await reader.read() == b""
+    assert (status, headers["x-carpool"], answer) == (200, "hit", stored)
+    assert counted.answered == 1
+
+
 async def test_a_hit_pipelined_behind_a_request_still_being_answered_waits_its_turn(fake):
     async with _gateway(fake) as (served, counted):
         await _store(served, _body("stored"))

@@ -20,8 +20,14 @@ Contract:
   header size, so the ASGI path refuses it) and ``GatewayApp.answer_now`` is asked for its reply
   (the request's first step, ``Gateway.repeat_now``: a byte-identical repeat whose answer is
   stored). If there is one, the whole response (uvicorn's default headers, the reply's,
-  ``content-length`` and ``x-request-id``) is written at once, and the connection goes on as
-  after any response.
+  ``content-length`` and ``x-request-id``) is made at once and written in one piece in the
+  loop's next turn, and the connection goes on as after any response. Why the next turn: the
+  requests of every connection ready are then read before the answers are written, as when an
+  ASGI app's task writes them. Written within the read, an answer cost the kernel three times
+  the work (19-20 µs of system time per hit against 6, under wrk: hits at 0.55 of the
+  fixed-bytes app instead of 0.85). Whatever would write to the connection or close it first
+  sends it before: a request behind it in the same read, uvicorn's 400, the end of the client's
+  side, a shutdown, the keep-alive timer.
 - Otherwise the request is served in a task of its own by ``GatewayApp.serve``, as the ASGI path
   serves it (the same ``Gateway.handle``, the same watch for the client leaving, the same counts),
   with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
@@ -103,6 +109,8 @@ class GatewayProtocol(HttpToolsProtocol):
         # The held request being served, if any: its cycle and its watch (``_serve``).
         self.serving: RequestResponseCycle | None = None
         self.watch: ClientWatch | None = None
+        # A response answered here, not written yet (``_send_soon``).
+        self.soon: bytes | None = None
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -110,6 +118,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self._hand_over(complete=False)
 
     def on_message_begin(self) -> None:
+        self._send_now()  # (a request behind one answered here, in the same read: after it)
         # A response answered here, within this read, armed the keep-alive timer; uvicorn
         # disarms it only when a read begins, and this request came in the same read.
         self._unset_keepalive_if_required()
@@ -138,8 +147,25 @@ class GatewayProtocol(HttpToolsProtocol):
         if not self._answer():
             self._hand_over(complete=True)
 
+    # Whatever else may write to the connection, or close it, sends what was answered here first.
+    def send_400_response(self, msg: str) -> None:
+        self._send_now()
+        super().send_400_response(msg)
+
+    def eof_received(self) -> None:
+        self._send_now()  # (the transport closes once its buffer is written)
+        super().eof_received()
+
+    def shutdown(self) -> None:
+        self._send_now()
+        super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        self._send_now()
+        super().timeout_keep_alive_handler()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self.held = None
+        self.held = self.soon = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:
@@ -199,7 +225,7 @@ class GatewayProtocol(HttpToolsProtocol):
             log.exception("answering a held request failed; it goes the ASGI way")
             return False
         self.held = None
-        self.transport.write(b"".join(self._head(reply, rid, reply.body)))
+        self._send_soon(b"".join(self._head(reply, rid, reply.body)))
         try:
             reply.close()
         except Exception:  # (sent already: nothing else may follow it on the wire)
@@ -207,6 +233,18 @@ class GatewayProtocol(HttpToolsProtocol):
         # As after any response: counted, reading resumed, the keep-alive timer armed.
         self.on_response_complete()
         return True
+
+    def _send_soon(self, data: bytes) -> None:
+        """Write ``data`` in the loop's next turn, after the reads that are ready (module
+        contract), or before whatever else would write or close first (``_send_now``)."""
+        self._send_now()  # (none is left: a request's beginning sent it)
+        self.soon = data
+        self.loop.call_soon(self._send_now)
+
+    def _send_now(self) -> None:
+        data, self.soon = self.soon, None
+        if data is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     def _serve(
         self, client: ClientRequest, rid: bytes, path: str, query: bytes, started: float

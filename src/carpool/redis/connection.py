@@ -58,7 +58,8 @@ RETRIES = 1  # immediate retries on a refused/reset connection (never on a timeo
 MAX_CONNECTIONS = 1000  # per instance; Valkey's default maxclients is 10,000
 POOL_TIMEOUT = 5.0  # s a caller may wait for a free pooled connection
 BACKOFF_MIN = 0.05  # s before a background reader's first retry after a Redis failure
-RECANCEL_S = 0.05  # s between the cancellations of a background reader that runs on (stop_reader)
+RECANCEL_S = 0.25  # s between the cancellations of a reader that runs on (stop_reader): long
+# enough for its own clean-up (a pub/sub connection closed) not to be cut by the next one
 
 
 class Backoff:
