@@ -149,8 +149,9 @@ async def test_a_hit_with_a_malformed_request_behind_it_in_the_same_read_is_answ
 
 
 async def test_a_hit_whose_client_closes_its_side_after_the_request_still_gets_its_answer(fake):
-    # Its answer is written a turn of the loop later; the end of the client's side, read
-    # meanwhile, does not lose it.
+    # Its answer is written a turn of the loop later; the end of the client's side does not
+    # lose it, whenever it is read (with the data, on uvloop, only when the data filled the
+    # read's buffer: then ``eof_received`` sends the answer first).
     async with _gateway(fake) as (served, counted):
         stored = await _store(served, _body())
         async with _socket(served) as (reader, writer):
