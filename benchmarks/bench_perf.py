@@ -90,19 +90,16 @@ def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) ->
 def _hits_by_wrk(
     fixed: int, gw: int, concurrency: int, seconds: float, rounds: int
 ) -> dict[str, Any]:
-    body = bodies.chat_body(0)
-    for port in (fixed, gw):
-        wrk.throughput(port, body, concurrency, 1.0)  # (warm)
-    fixed_rps, hit_rps = [], []
-    for _ in range(rounds):
-        fixed_rps.append(wrk.throughput(fixed, body, concurrency, seconds)["rps"])
-        hit_rps.append(wrk.throughput(gw, body, concurrency, seconds)["rps"])
-    ratios = [h / f for h, f in zip(hit_rps, fixed_rps, strict=True)]
+    ports = {"fixed": fixed, "gateway_hit": gw}
+    taken, non_2xx = wrk.rounds(ports, bodies.chat_body(0), concurrency, seconds, rounds)
+    fixed_rps, hit_rps = taken["fixed"], taken["gateway_hit"]
+    ratios = [h / f for h, f in zip(hit_rps, fixed_rps, strict=True)]  # (neighbours in time)
     return {
         "fixed_rps": [round(x) for x in fixed_rps],
         "gateway_hit_rps": [round(x) for x in hit_rps],
         "ratio_best": round(max(ratios), 3),
         "ratio_median": round(median(ratios), 3),
+        "non_2xx": non_2xx,
     }
 
 

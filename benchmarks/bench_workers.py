@@ -126,17 +126,8 @@ def _hits_by_wrk(
     """The hits again with wrk (``carpool.bench.wrk``, one thread): a load generator that leaves
     the servers most of the cores, in rounds alternating the targets (after one short warm-up
     each); requests/s per target (median of the rounds) and the 2-worker ratios."""
-    seconds, rounds = spec["seconds"], spec["rounds"]
-    for g in gateways.values():
-        wrk.throughput(g.port, body, spec["concurrency"], 1.0)
-    taken: dict[str, list[float]] = {n: [] for n in gateways}
-    non_2xx = 0.0
-    for r in range(rounds):
-        order = list(gateways) if r % 2 == 0 else list(gateways)[::-1]
-        for n in order:
-            measured = wrk.throughput(gateways[n].port, body, spec["concurrency"], seconds)
-            taken[n].append(measured["rps"])
-            non_2xx += measured["non_2xx"]
+    ports = {n: g.port for n, g in gateways.items()}
+    taken, non_2xx = wrk.rounds(ports, body, spec["concurrency"], spec["seconds"], spec["rounds"])
     rps = {n: round(median(v)) for n, v in taken.items()}
     pairs = [two / one for two, one in zip(taken["two_workers"], taken["one_worker"], strict=True)]
     return {

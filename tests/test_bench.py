@@ -554,6 +554,11 @@ def test_wrk_measures_a_rate_of_posted_requests_that_the_server_answered():
         before = engine.count()["chat"]
         assert wrk.throughput(engine.port, chat_body(0), connections=2, seconds=1)["rps"] > 0
         assert engine.count()["chat"] > before
+        taken, non_2xx = wrk.rounds(
+            {"fixed": app.port, "engine": engine.port}, chat_body(0), 2, 1, rounds=2
+        )
+        assert {n: len(v) for n, v in taken.items()} == {"fixed": 2, "engine": 2}
+        assert all(rps > 0 for v in taken.values() for rps in v) and non_2xx == 0
 
 
 def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():

@@ -13,6 +13,10 @@ Contract:
   the chat endpoint on 127.0.0.1:``port`` on ``connections`` keep-alive connections for
   ``seconds`` (rounded to whole seconds, at least one); returns requests/s and the answers
   that were not 2xx, or raises ``WrkError`` (what wrk said) when it reports no rate.
+- ``rounds(ports, body, connections, seconds, rounds)``: the targets compared side by side
+  (``ports``: name -> port): one short warm-up each, then ``rounds`` rounds of ``throughput``
+  over every target, the order reversed every other round (so that no target always follows
+  the same one); each target's requests/s per round, and the answers that were not 2xx in all.
 """
 
 from __future__ import annotations
@@ -75,3 +79,21 @@ def throughput(
         raise WrkError(f"wrk said: {(done.stdout + done.stderr).decode(errors='replace')[-500:]}")
     non_2xx = _NON_2XX.search(done.stdout)
     return {"rps": float(rate.group(1)), "non_2xx": float(non_2xx.group(1)) if non_2xx else 0.0}
+
+
+def rounds(
+    ports: dict[str, int], body: Any, connections: int, seconds: float, rounds: int
+) -> tuple[dict[str, list[float]], float]:
+    """Interleaved rounds over ``ports`` (module contract): requests/s per target and round,
+    and the non-2xx answers of them all."""
+    for port in ports.values():
+        throughput(port, body, connections, 1.0)  # (warm)
+    taken: dict[str, list[float]] = {name: [] for name in ports}
+    non_2xx = 0.0
+    for r in range(rounds):
+        order = list(ports) if r % 2 == 0 else list(ports)[::-1]
+        for name in order:
+            measured = throughput(ports[name], body, connections, seconds)
+            taken[name].append(measured["rps"])
+            non_2xx += measured["non_2xx"]
+    return taken, non_2xx
