@@ -175,17 +175,15 @@ class InvalidationChannel:
                             self.counts["received"] += 1
                             self.counts["forgotten"] += self.forget()
             except StoreUnavailable as error:
-                self.listening = False
                 self._failed(error)
-                await _quietly(pubsub.aclose())
-                await backoff.wait()
-            except BaseException:
-                self.listening = False
-                await _quietly(pubsub.aclose())
-                raise
+                backing_off = True
             else:  # closed (``aclose``) while a cancellation was swallowed (``stop_reader``)
+                backing_off = False
+            finally:  # (failed, cancelled or closed: its connection goes)
                 self.listening = False
                 await _quietly(pubsub.aclose())
+            if backing_off:
+                await backoff.wait()
 
     def _failed(self, error: StoreUnavailable) -> None:
         self.counts["errors"] += 1
