@@ -121,6 +121,40 @@ async def test_a_streams_first_frame_reaches_its_clients_before_the_frames_read_
     assert answer.complete and b'"content":"abc"' in answer.body
 
 
+async def test_a_streams_first_event_is_decoded_alone_before_the_rest_of_its_read():
+    """An engine that answers at once sends its whole stream in one read: the first event is
+    decoded and given alone, before the rest of the read is decoded (its clients' first byte
+    waits on nothing after it); the rest comes together; a read split anywhere decodes the same."""
+    from carpool.upstream.http import _payloads
+
+    async def batches(*reads: bytes) -> list[list[bytes]]:
+        async def chunks():
+            for read in reads:
+                yield read
+
+        ended: list[bool] = []
+        got = [
+            batch
+            async for batch in _payloads(
+                chunks(), None, "test", timeouts=(), errors=(), reason=str, done=ended.append
+            )
+        ]
+        assert ended == [True]
+        return got
+
+    events = [chunk("a"), chunk("b"), chunk("", "stop")]
+    sse = b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    assert await batches(sse) == [events[:1], events[1:]]
+    # Only the first read with an event in it is split: a later read comes whole.
+    assert await batches(sse[:10], sse[10:]) == [events[:1], events[1:]]
+    cut = sse.index(b"\n\n") + 2
+    assert await batches(sse[:cut], sse[cut:]) == [events[:1], events[1:]]
+    for at in range(1, len(sse)):  # (and wherever the reads split it, the same payloads)
+        assert sum(await batches(sse[:at], sse[at:]), []) == events
+    # Lines ended by CRLF: not split (nothing found to split at), the same payloads.
+    assert await batches(sse.replace(b"\n", b"\r\n")) == [events]
+
+
 async def test_a_malformed_payload_read_with_others_fails_the_stream_after_the_frames_before_it():
     """The payloads of one read are parsed together: one that is not a JSON object (here two
     values, which one parse of the read would take for two payloads) still fails the stream as

@@ -78,7 +78,8 @@ class UpstreamRequest:
 
 class UpstreamResponse:
     """An upstream's answer: a complete body, or (streaming, 2xx) an iterator of SSE payloads,
-    in lists: the payloads that came together (one read), never an empty list."""
+    in lists: the payloads that came together (one read; the first event alone), never an empty
+    list."""
 
     __slots__ = ("status", "headers", "body", "_events", "_close")
 

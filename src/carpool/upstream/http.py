@@ -354,30 +354,39 @@ async def _payloads(
     reason: Callable[[BaseException], str],
     done: Callable[[bool], None],
 ) -> AsyncIterator[list[bytes]]:
-    """The ``data:`` payloads of an SSE body, those of one read in one list (``upstream.base``:
-    until ``[DONE]`` or a typed stream's last event, else ``UpstreamStreamBroken``), whichever
-    client reads it: its ``timeouts`` and ``errors`` become ``UpstreamStreamBroken``;
-    ``done(ended whole)`` at the end."""
+    """The ``data:`` payloads of an SSE body, those of one read in one list, the stream's first
+    event in a list of its own (``upstream.base``: until ``[DONE]`` or a typed stream's last
+    event, else ``UpstreamStreamBroken``), whichever client reads it: its ``timeouts`` and
+    ``errors`` become ``UpstreamStreamBroken``; ``done(ended whole)`` at the end."""
     decoder = SSEDecoder()
     sent = ended = False
     try:
         async for data in chunks:
-            batch: list[bytes] = []
-            for event, payload in decoder.feed(data):
-                if payload == b"[DONE]":
-                    ended = True
-                    break
-                if event == "error" and not payload.startswith(b'{"error"'):
-                    payload = b'{"error":' + payload + b"}"
-                batch.append(payload)
-                if last_event is not None and last_event(payload):
-                    ended = True
-                    break  # a typed stream's last event: it ended whole
-            if batch:
-                sent = True
-                yield batch
-            if ended:
-                return
+            pieces: tuple[bytes, ...] = (data,)
+            if not sent:
+                # The first event alone, before the rest of its read is decoded: its clients'
+                # first byte waits on nothing after it (an engine that answers at once sends
+                # the whole stream in one read). (The decoder takes a split anywhere.)
+                cut = data.find(b"\n\n") + 2
+                if 1 < cut < len(data):
+                    pieces = (data[:cut], data[cut:])
+            for piece in pieces:
+                batch: list[bytes] = []
+                for event, payload in decoder.feed(piece):
+                    if payload == b"[DONE]":
+                        ended = True
+                        break
+                    if event == "error" and not payload.startswith(b'{"error"'):
+                        payload = b'{"error":' + payload + b"}"
+                    batch.append(payload)
+                    if last_event is not None and last_event(payload):
+                        ended = True
+                        break  # a typed stream's last event: it ended whole
+                if batch:
+                    sent = True
+                    yield batch
+                if ended:
+                    return
         # The body ended cleanly but the stream did not: a server that stopped (a crash, a
         # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
         # nothing says the answer is whole.
