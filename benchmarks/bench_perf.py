@@ -56,8 +56,11 @@ ANSWER_TOKENS = 32
 ADDED = ("added_p50_ms", "added_p99_ms", "relay_added_p50_ms", "relay_added_p99_ms")
 
 
-def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) -> dict[str, Any]:
+def _hits(
+    fixed_app: process.Server, gw: process.Server, concurrency: int, seconds: float, rounds: int
+) -> dict[str, Any]:
     body = bodies.chat_body(0)
+    fixed, gateway_hit = fixed_app.port, gw.port
     raw = loadgen.run(
         "throughput",
         {
@@ -67,7 +70,7 @@ def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) ->
             "warmup_s": 0.5,
             "targets": [
                 {"name": "fixed", "port": fixed, "body": body},
-                {"name": "gateway_hit", "port": gw, "body": body},
+                {"name": "gateway_hit", "port": gateway_hit, "body": body},
             ],
         },
     )
@@ -83,23 +86,30 @@ def _hits(fixed: int, gw: int, concurrency: int, seconds: float, rounds: int) ->
         "ratio_median": round(median(ratios), 3),
         "target": TARGET_HIT_RATIO,
         "outcomes": raw["gateway_hit"]["outcomes"],
-        "wrk": _hits_by_wrk(fixed, gw, concurrency, seconds, rounds) if wrk.available() else None,
+        "wrk": (
+            _hits_by_wrk(fixed_app, gw, concurrency, seconds, rounds) if wrk.available() else None
+        ),
     }
 
 
 def _hits_by_wrk(
-    fixed: int, gw: int, concurrency: int, seconds: float, rounds: int
+    fixed: process.Server, gw: process.Server, concurrency: int, seconds: float, rounds: int
 ) -> dict[str, Any]:
-    ports = {"fixed": fixed, "gateway_hit": gw}
-    taken, non_2xx = wrk.rounds(ports, bodies.chat_body(0), concurrency, seconds, rounds)
-    fixed_rps, hit_rps = taken["fixed"], taken["gateway_hit"]
+    ports = {"fixed": fixed.port, "gateway_hit": gw.port}
+    pids = {"fixed": [fixed.pid], "gateway_hit": [gw.pid]}
+    taken = wrk.rounds(ports, bodies.chat_body(0), concurrency, seconds, rounds, pids)
+    fixed_rps, hit_rps = taken.rps["fixed"], taken.rps["gateway_hit"]
     ratios = [h / f for h, f in zip(hit_rps, fixed_rps, strict=True)]  # (neighbours in time)
+    cpu = taken.cpu_us_per_request
     return {
         "fixed_rps": [round(x) for x in fixed_rps],
         "gateway_hit_rps": [round(x) for x in hit_rps],
         "ratio_best": round(max(ratios), 3),
         "ratio_median": round(median(ratios), 3),
-        "non_2xx": non_2xx,
+        # (what a request costs each server, whatever the cores wrk leaves them: medians)
+        "fixed_cpu_us": round(median(cpu["fixed"]), 2),
+        "gateway_hit_cpu_us": round(median(cpu["gateway_hit"]), 2),
+        "non_2xx": taken.non_2xx,
     }
 
 
@@ -166,7 +176,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         gateway(Config(upstreams=[up.url], log_level="warning")) as gw,
         fixed_app() as fixed,
     ):
-        hits = _hits(fixed.port, gw.port, 64, 1.0 if quick else 2.0, 4 if quick else 10)
+        hits = _hits(fixed, gw, 64, 1.0 if quick else 2.0, 4 if quick else 10)
         misses = {
             name: _rounds(
                 partial(_sequential, up.port, hop.port, gw.port, stream, n, block), rounds
@@ -238,7 +248,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
             f"perf/hits     the same by wrk: best {by_wrk['ratio_best']:.3f}, median "
             f"{by_wrk['ratio_median']:.3f} (target >= {hits['target']}; gateway "
             f"{median(by_wrk['gateway_hit_rps']):,.0f} req/s, fixed app "
-            f"{median(by_wrk['fixed_rps']):,.0f})"
+            f"{median(by_wrk['fixed_rps']):,.0f}; CPU per request {by_wrk['gateway_hit_cpu_us']}"
+            f" / {by_wrk['fixed_cpu_us']} us)"
         )
     for name, part in result["misses"].items():
         lines.append(

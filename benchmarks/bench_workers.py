@@ -125,19 +125,34 @@ def _hits_by_wrk(
 ) -> dict[str, Any]:
     """The hits again with wrk (``carpool.bench.wrk``, one thread): a load generator that leaves
     the servers most of the cores, in rounds alternating the targets (after one short warm-up
-    each); requests/s per target (median of the rounds) and the 2-worker ratios."""
+    each); requests/s per target (median of the rounds) and the 2-worker ratios; and what the
+    cores do not decide: each gateway's CPU per hit (its workers and their supervisor) and the
+    cores wrk took, medians of the rounds. ``two_over_one_by_cpu``: what two workers serve
+    over one when each has a core of its own and the load generator another (twice one
+    worker's CPU per hit over two workers'); 2.0 when a second worker costs a hit nothing."""
     ports = {n: g.port for n, g in gateways.items()}
-    taken, non_2xx = wrk.rounds(ports, body, spec["concurrency"], spec["seconds"], spec["rounds"])
-    rps = {n: round(median(v)) for n, v in taken.items()}
-    pairs = [two / one for two, one in zip(taken["two_workers"], taken["one_worker"], strict=True)]
+    pids = {n: g.processes for n, g in gateways.items()}
+    taken = wrk.rounds(ports, body, spec["concurrency"], spec["seconds"], spec["rounds"], pids)
+    rps = {n: round(median(v)) for n, v in taken.rps.items()}
+    pairs = [
+        two / one
+        for two, one in zip(taken.rps["two_workers"], taken.rps["one_worker"], strict=True)
+    ]
+    cpu = {n: round(median(v), 2) for n, v in taken.cpu_us_per_request.items()}
     return {
         "threads": 1,
         "rps": rps,
-        "rps_rounds": {n: [round(x) for x in v] for n, v in taken.items()},
+        "rps_rounds": {n: [round(x) for x in v] for n, v in taken.rps.items()},
         **_over_one(rps),
         # (the rounds' pairs, neighbours in time: the best, as the hits' ratio is reported)
         "two_over_one_best_round": round(max(pairs), 3),
-        "non_2xx": non_2xx,
+        "cpu_us_per_hit": cpu,
+        "cpu_us_per_hit_rounds": {
+            n: [round(x, 2) for x in v] for n, v in taken.cpu_us_per_request.items()
+        },
+        "two_over_one_by_cpu": round(2 * cpu["one_worker"] / cpu["two_workers"], 3),
+        "wrk_cores": {n: round(median(v), 2) for n, v in taken.wrk_cores.items()},
+        "non_2xx": taken.non_2xx,
     }
 
 
@@ -273,6 +288,14 @@ def summarize(result: dict[str, Any]) -> list[str]:
         if w is None
         else _rates("exact hits by wrk (req/s, 1 thread)", w, w["two_over_one_best_round"])
     )
+    if w is not None and "cpu_us_per_hit" in w:
+        cpu, cores = w["cpu_us_per_hit"], w["wrk_cores"]
+        lines.append(
+            f"workers/CPU per hit under wrk: 1 worker {cpu['one_worker']} us, 2 workers "
+            f"{cpu['two_workers']} us (x{w['two_over_one_by_cpu']} with a core each), 2 alone "
+            f"{cpu['two_workers_alone']} us, 2 on Redis {cpu['two_workers_redis']} us; wrk took "
+            f"{cores['one_worker']} / {cores['two_workers']} cores (1 / 2 workers)"
+        )
     for name, s in result["sharing"].items():
         sp, b = s["spread"], s["burst"]
         lines.append(

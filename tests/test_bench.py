@@ -554,11 +554,36 @@ def test_wrk_measures_a_rate_of_posted_requests_that_the_server_answered():
         before = engine.count()["chat"]
         assert wrk.throughput(engine.port, chat_body(0), connections=2, seconds=1)["rps"] > 0
         assert engine.count()["chat"] > before
-        taken, non_2xx = wrk.rounds(
-            {"fixed": app.port, "engine": engine.port}, chat_body(0), 2, 1, rounds=2
+        taken = wrk.rounds(
+            {"fixed": app.port, "engine": engine.port},
+            chat_body(0),
+            2,
+            1,
+            rounds=2,
+            pids={"fixed": [app.pid]},
         )
-        assert {n: len(v) for n, v in taken.items()} == {"fixed": 2, "engine": 2}
-        assert all(rps > 0 for v in taken.values() for rps in v) and non_2xx == 0
+        assert {n: len(v) for n, v in taken.rps.items()} == {"fixed": 2, "engine": 2}
+        assert all(rps > 0 for v in taken.rps.values() for rps in v) and taken.non_2xx == 0
+        # The CPU its processes spent per request: the fixed app's, whose pid was given (some,
+        # and less than the round's whole wall time over the requests); none for the engine.
+        assert all(cpu > 0 for cpu in taken.cpu_us_per_request["fixed"])
+        assert taken.cpu_us_per_request["engine"] == [0.0, 0.0]
+        assert all(0 < cores < 4 for v in taken.wrk_cores.values() for cores in v)
+
+
+def test_cpu_seconds_counts_the_processes_given_and_nothing_for_one_gone():
+    """``wrk.cpu_seconds``: the CPU of the processes named, read from /proc; a pid that is no
+    process (any more) counts nothing, rather than failing a benchmark at its end."""
+    import resource
+
+    spent = 0.0
+    while spent < 0.05:  # (spend some CPU here: clock ticks are 10 ms)
+        spent = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        sum(range(10_000))
+    mine = wrk.cpu_seconds([os.getpid()])
+    assert mine >= 0.04
+    assert wrk.cpu_seconds([os.getpid(), 2**22 + 1]) >= mine
+    assert wrk.cpu_seconds([]) == 0.0
 
 
 def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():

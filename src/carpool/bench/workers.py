@@ -3,8 +3,8 @@
 Contract:
 - ``served(workers, upstream_url, redis=None, shared=True, log_path=None)`` (context manager)
   starts ``python -m carpool.cli serve --workers N`` on a free loopback port in front of
-  ``upstream_url`` (with ``--redis`` when given) and yields ``Workers`` (``port``, ``pids``)
-  once every worker has answered ``/stats`` (each request on a new connection: the kernel
+  ``upstream_url`` (with ``--redis`` when given) and yields ``Workers`` (``port``, ``pids`` of
+  the workers, ``processes``: theirs and their supervisor's) once every worker has answered ``/stats`` (each request on a new connection: the kernel
   spreads them). ``shared=False`` runs the same workers as ``carpool serve`` ran them before
   they shared without Redis (uvicorn's ``--workers`` on ``carpool.server:create_worker_app``,
   without ``CARPOOL_PEERS``): each worker alone, for comparison.
@@ -36,7 +36,13 @@ START_TIMEOUT_S = 60.0
 @dataclass(frozen=True, slots=True)
 class Workers:
     port: int
-    pids: tuple[int, ...]
+    pids: tuple[int, ...]  # the workers'
+    supervisor: int = 0  # the process that started them (itself the worker, with one)
+
+    @property
+    def processes(self) -> tuple[int, ...]:
+        """Every process of the gateway: its workers and their supervisor."""
+        return tuple(sorted({*self.pids, self.supervisor} - {0}))
 
     @property
     def url(self) -> str:
@@ -99,6 +105,6 @@ def served(
                     break
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise process.ChildError(f"{workers} workers did not all start")
-            yield Workers(port, pids)
+            yield Workers(port, pids, proc.pid)
         finally:
             process.stop(proc, 15.0)

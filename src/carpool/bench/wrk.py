@@ -9,24 +9,36 @@ fraction of that per request.
 Contract:
 - ``available()``: whether ``wrk`` is on PATH. Nothing here installs it; a benchmark without it
   reports the Python load generator's figures alone.
-- ``throughput(port, body, connections, seconds, threads)``: ``wrk`` POSTing ``body`` (JSON) to
-  the chat endpoint on 127.0.0.1:``port`` on ``connections`` keep-alive connections for
-  ``seconds`` (rounded to whole seconds, at least one); returns requests/s and the answers
-  that were not 2xx, or raises ``WrkError`` (what wrk said) when it reports no rate.
-- ``rounds(ports, body, connections, seconds, rounds)``: the targets compared side by side
-  (``ports``: name -> port): one short warm-up each, then ``rounds`` rounds of ``throughput``
-  over every target, the order reversed every other round (so that no target always follows
-  the same one); each target's requests/s per round, and the answers that were not 2xx in all.
+- ``throughput(port, body, connections, seconds, threads, pids)``: ``wrk`` POSTing ``body``
+  (JSON) to the chat endpoint on 127.0.0.1:``port`` on ``connections`` keep-alive connections
+  for ``seconds`` (rounded to whole seconds, at least one); returns requests/s, the requests
+  answered and those not 2xx, and the CPU seconds (user + system) that wrk and the server's
+  processes (``pids``: Linux ``/proc``; none given, 0) spent meanwhile; or raises ``WrkError``
+  (what wrk said) when it reports no rate.
+- ``rounds(ports, body, connections, seconds, rounds, pids)``: the targets compared side by side
+  (``ports``: name -> port; ``pids``: name -> its processes, optional): one short warm-up each,
+  then ``rounds`` rounds of ``throughput`` over every target, the order reversed every other
+  round (so that no target always follows the same one); ``Rounds``: each target's requests/s
+  per round, the answers that were not 2xx in all, and per round the servers' CPU per request
+  (µs: what a request costs, whatever the cores left to them) and the cores wrk took.
+
+Why the CPU: on a machine with few cores, wrk shares them with the servers, and at tens of
+thousands of requests a second it takes a good part of one; a throughput ratio then measures the
+cores left over as much as the servers. CPU per request does not depend on them.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -34,6 +46,7 @@ from .loadgen import CHAT
 
 _RATE = re.compile(rb"^Requests/sec:\s+([0-9.]+)", re.MULTILINE)
 _NON_2XX = re.compile(rb"^\s*Non-2xx or 3xx responses:\s+(\d+)", re.MULTILINE)
+_REQUESTS = re.compile(rb"^\s*(\d+) requests in ", re.MULTILINE)
 
 
 class WrkError(RuntimeError):
@@ -56,11 +69,19 @@ def script(body: Any) -> str:
 
 
 def throughput(
-    port: int, body: Any, connections: int, seconds: float, threads: int = 1
+    port: int,
+    body: Any,
+    connections: int,
+    seconds: float,
+    threads: int = 1,
+    pids: Iterable[int] = (),
 ) -> dict[str, float]:
+    pids = tuple(pids)
     with tempfile.TemporaryDirectory(prefix="carpool-wrk-") as tmp:
         lua = Path(tmp) / "post.lua"
         lua.write_text(script(body))
+        server_before, wrk_before = cpu_seconds(pids), _children_cpu()
+        started = time.monotonic()
         done = subprocess.run(
             [
                 "wrk",
@@ -74,26 +95,73 @@ def throughput(
             capture_output=True,
             timeout=seconds + 60,
         )
+        wall = time.monotonic() - started
+        server_cpu, wrk_cpu = cpu_seconds(pids) - server_before, _children_cpu() - wrk_before
     rate = _RATE.search(done.stdout)
     if done.returncode != 0 or rate is None:
         raise WrkError(f"wrk said: {(done.stdout + done.stderr).decode(errors='replace')[-500:]}")
     non_2xx = _NON_2XX.search(done.stdout)
-    return {"rps": float(rate.group(1)), "non_2xx": float(non_2xx.group(1)) if non_2xx else 0.0}
+    requests = _REQUESTS.search(done.stdout)
+    return {
+        "rps": float(rate.group(1)),
+        "requests": float(requests.group(1)) if requests else 0.0,
+        "non_2xx": float(non_2xx.group(1)) if non_2xx else 0.0,
+        "server_cpu_s": server_cpu,
+        "wrk_cpu_s": wrk_cpu,
+        "wall_s": wall,
+    }
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """The user + system CPU seconds the processes ``pids`` have spent so far (Linux ``/proc``;
+    a process that cannot be read counts 0)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # (after the command's name, which may hold ")")
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    """The CPU seconds of this process's children that have ended (wrk, once run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Rounds(NamedTuple):
+    """``rounds``' measurements, per target: one value per round."""
+
+    rps: dict[str, list[float]]
+    non_2xx: float
+    cpu_us_per_request: dict[str, list[float]]  # (the target's processes; 0 without pids)
+    wrk_cores: dict[str, list[float]]  # (wrk's CPU seconds over the round's wall seconds)
 
 
 def rounds(
-    ports: dict[str, int], body: Any, connections: int, seconds: float, rounds: int
-) -> tuple[dict[str, list[float]], float]:
-    """Interleaved rounds over ``ports`` (module contract): requests/s per target and round,
-    and the non-2xx answers of them all."""
+    ports: dict[str, int],
+    body: Any,
+    connections: int,
+    seconds: float,
+    rounds: int,
+    pids: dict[str, Iterable[int]] | None = None,
+) -> Rounds:
+    """Interleaved rounds over ``ports`` (module contract)."""
+    pids = {name: tuple((pids or {}).get(name, ())) for name in ports}
     for port in ports.values():
         throughput(port, body, connections, 1.0)  # (warm)
-    taken: dict[str, list[float]] = {name: [] for name in ports}
+    taken = Rounds({n: [] for n in ports}, 0.0, {n: [] for n in ports}, {n: [] for n in ports})
     non_2xx = 0.0
     for r in range(rounds):
         order = list(ports) if r % 2 == 0 else list(ports)[::-1]
         for name in order:
-            measured = throughput(ports[name], body, connections, seconds)
-            taken[name].append(measured["rps"])
+            measured = throughput(ports[name], body, connections, seconds, pids=pids[name])
+            taken.rps[name].append(measured["rps"])
             non_2xx += measured["non_2xx"]
-    return taken, non_2xx
+            served = max(measured["requests"], 1.0)
+            taken.cpu_us_per_request[name].append(measured["server_cpu_s"] / served * 1e6)
+            taken.wrk_cores[name].append(measured["wrk_cpu_s"] / measured["wall_s"])
+    return taken._replace(non_2xx=non_2xx)
