@@ -22,7 +22,9 @@ cost, counting its calls: ``carpool.bench.upstream``). Four ways to run the work
   (the kernel spreads the connections). On a machine with fewer free cores than workers plus
   the load generator, the ratio measures the cores, not the gateway: ``cpu_count`` is in the
   document. So the latency of one hit at a time (``loadgen`` ``latency``, a new connection per
-  block of requests, blocks alternating the targets) is reported too: what a hit costs.
+  block of requests, blocks alternating the targets) is reported too, and, under wrk, each
+  gateway's CPU per hit (its processes', ``/proc``) and the cores wrk took: two workers serve
+  ``two_over_one_by_cpu`` times one worker's hits where each has a core of its own.
 - **spread**: ``keys`` fresh prompts, each sent ``per_key`` times one after the other, each time on
   a new connection (so that both workers get it): upstream calls per key, outcomes, and the
   latency of the first request of a key (the call) and of the others (p50, from the
