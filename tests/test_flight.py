@@ -155,6 +155,24 @@ async def test_incomplete_answer_does_not_linger_in_the_window():
     assert group.get("k") is None
 
 
+async def test_an_answer_its_lead_stored_where_every_joiner_reads_first_does_not_linger():
+    """Clause 3: a lead that stored its answer where every request that could join the finished
+    flight reads it first (``Broadcast.stored``) leaves no flight lingering; one that did not,
+    the same answer otherwise, lingers for the window."""
+    group, upstream = FlightGroup(window=10), Upstream()
+    upstream.release.set()
+
+    async def storing(broadcast: Broadcast) -> Answer:
+        answer = await upstream(broadcast)
+        broadcast.stored = True
+        return answer
+
+    answer, _ = await wait_answer(group.acquire("stored", storing))
+    assert answer is not None and answer.complete and group.get("stored") is None
+    await wait_answer(group.acquire("kept", upstream))
+    assert group.get("kept") is not None  # (lingering: the window is 10 s)
+
+
 async def test_forget_starts_a_fresh_flight_and_the_old_one_finishing_never_removes_it():
     group = FlightGroup(window=10)
     old, new = Upstream(), Upstream()

@@ -112,6 +112,19 @@ async def test_factual_is_never_stored_but_coalesced_in_flight_and_within_the_wi
     assert gw.gateway.store.entries == 0 and fake.count() == 1
 
 
+async def test_a_stored_answer_leaves_no_flight_lingering_and_its_repeats_are_hits(gw, fake):
+    """An answer in the in-process store is where a request within the window reads it first
+    (a hit, as the contract's ``coalesced`` says: a lingering answer is one not in the cache):
+    its flight does not linger for the window, holding its objects meanwhile."""
+    assert await outcome(gw) == "miss"
+    assert gw.gateway.flights._flights == {}
+    assert await outcome(gw) == "hit" and fake.count() == 1
+    # A factual answer (ttl 0) is not stored: its flight lingers, and a repeat joins it.
+    assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
+    assert len(gw.gateway.flights._flights) == 1
+    assert await outcome(gw, **{"x-carpool-type": "factual"}) == "coalesced"
+
+
 async def test_factual_after_the_window_calls_upstream_again(fake, gateway_with):
     clock = ManualClock()
     async with gateway_with(coalesce={"window_ms": 50}, clock=clock) as gw:

@@ -11,7 +11,9 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    is dropped at once so the next request calls again.
 3. A finished flight stays joinable for the window, then is gone: a complete answer lingers
    for the window its ``WindowPolicy`` gives (joiners get it at once; see ``window.py``), an
-   incomplete one (or one led by a ``no-store`` request) does not linger at all.
+   incomplete one (or one led by a ``no-store`` request) does not linger at all, nor one its
+   lead stored where every request that could join it reads it first (``Broadcast.stored``:
+   such a request is a hit, not a joiner).
 4. ``forget`` makes the next request start a fresh flight, and the old flight finishing never removes
    the new one: the group only ever drops the flight it holds if it is the same object.
    ``forget_all`` (an invalidation) forgets every flight, running ones too (their clients keep
@@ -314,7 +316,7 @@ class FlightGroup:
         flight.finished_at = now = self.clock.monotonic()
         window = (
             self.windows.window(flight.key, now, now - flight.started_at)
-            if answer.complete and flight.linger
+            if answer.complete and flight.linger and not broadcast.stored
             else 0
         )
         if window > 0:

@@ -27,11 +27,19 @@ def entry(body=b"x" * 100, ttl=60.0, now=None, **kw):
     return Entry(Answer("chat", body, True), (time.time() if now is None else now) + ttl, **kw)
 
 
-async def test_get_returns_the_very_object_that_was_put():
+async def test_a_put_keeps_no_objects_and_an_entry_hit_twice_keeps_them():
+    """A put keeps the entry packed only (its objects are its flight's clients' already); a
+    first hit unpacks an equal entry, a second keeps its objects: from then on a get returns
+    the very object."""
     store = MemoryStore(10_000)
     e = entry()
     await store.put("k", e)
-    assert await store.get("k") is e and store.get_now("k") is e
+    assert store._hot == {} and store.bytes == packed_size_of("k", e)
+    first = await store.get("k")
+    assert first is not None and first is not e and first.answer.body == e.answer.body
+    kept = store.get_now("k")
+    assert kept is not None and store.get_now("k") is kept and await store.get("k") is kept
+    assert store.bytes == size_of("k", e)
 
 
 async def test_an_expired_entry_found_by_get_is_dropped():
@@ -47,13 +55,14 @@ async def test_an_entry_is_served_until_its_expiry_on_the_stores_clock_and_never
     e = entry(ttl=30, now=clock.now())
     await store.put("k", e)
     clock.advance(29.5)
-    assert store.get_now("k") is e
+    got = store.get_now("k")
+    assert got is not None and got.answer.body == e.answer.body and got.expires == e.expires
     clock.advance(0.5)  # exactly at ``expires``: expired
     assert store.get_now("k") is None and store.entries == 0 and store.bytes == 0
 
 
 async def test_bytes_never_exceed_the_budget_least_recently_used_evicted_first():
-    one = size_of("a", entry())
+    one = packed_size_of("a", entry())
     store = MemoryStore(one * 3)
     for key in "abc":
         await store.put(key, entry())
@@ -64,15 +73,16 @@ async def test_bytes_never_exceed_the_budget_least_recently_used_evicted_first()
     assert all([await store.get(k) for k in "acd"])
 
 
-def budget_for(n: int, hot: int) -> int:
-    """A budget that holds ``n`` entries of ``entry()``, as a store with ``hot`` keeps them."""
-    one = size_of("a", entry()) if hot else packed_size_of("a", entry())
+def budget_for(n: int) -> int:
+    """A budget that holds ``n`` entries of ``entry()`` as their puts keep them (packed), and
+    no entry's objects besides (an entry hit once keeps none: the eviction tests' hits)."""
+    one = packed_size_of("a", entry())
     return n * one + one // 2
 
 
 @pytest.mark.parametrize("hot", [0, 1024])
 async def test_eviction_goes_in_the_order_of_the_puts_sparing_once_each_entry_hit_since(hot):
-    store = MemoryStore(budget_for(4, hot), hot=hot)
+    store = MemoryStore(budget_for(4), hot=hot)
     for key in "abcd":
         await store.put(key, entry())
     store.get_now("c")
@@ -87,7 +97,7 @@ async def test_eviction_goes_in_the_order_of_the_puts_sparing_once_each_entry_hi
 
 @pytest.mark.parametrize("hot", [0, 1024])
 async def test_the_entry_put_last_is_evicted_last_even_when_every_other_was_hit(hot):
-    store = MemoryStore(budget_for(3, hot), hot=hot)
+    store = MemoryStore(budget_for(3), hot=hot)
     for key in "abc":
         await store.put(key, entry())
     for key in "abc":
@@ -100,7 +110,7 @@ async def test_the_entry_put_last_is_evicted_last_even_when_every_other_was_hit(
 @pytest.mark.parametrize("hot", [0, 1024])
 async def test_an_entry_spared_is_marked_again_by_its_next_hit(hot):
     # (With hot, a hit on an entry that kept its objects checks the mark without the map's get.)
-    store = MemoryStore(budget_for(3, hot), hot=hot)
+    store = MemoryStore(budget_for(3), hot=hot)
     for key in "abc":
         await store.put(key, entry())
     store.get_now("a")
@@ -144,7 +154,7 @@ async def test_replacing_a_key_keeps_the_byte_count_exact():
     store = MemoryStore(10_000)
     await store.put("k", entry(b"x" * 100))
     await store.put("k", entry(b"x" * 300))
-    assert store.entries == 1 and store.bytes == size_of("k", entry(b"x" * 300))
+    assert store.entries == 1 and store.bytes == packed_size_of("k", entry(b"x" * 300))
 
 
 async def test_invalidate_drops_the_expired_entries_it_meets_without_counting_them():
@@ -186,18 +196,21 @@ async def test_the_most_recently_used_entries_keep_their_objects_the_others_are_
     puts = {key: entry(prompt_prefix=key) for key in ("a", "b", "c")}
     for key, put in puts.items():
         await store.put(key, put)
+    assert store.bytes == sum(packed_size_of(key, put) for key, put in puts.items())
+    kept = {}
+    for key in "bc":  # each hit twice: kept
+        first = store.get_now(key)  # packed: a new, equal entry, not kept (a first hit)
+        assert first is not None and first is not puts[key] and first.prompt_prefix == key
+        kept[key] = store.get_now(key)  # a second one while the first is recent: kept
+        assert kept[key] is not None and kept[key] is not first
     packed = packed_size_of("a", puts["a"])
     assert store.bytes == packed + size_of("b", puts["b"]) + size_of("c", puts["c"])
-    assert store.get_now("c") is puts["c"] and store.get_now("b") is puts["b"]
-    first = store.get_now("a")  # packed: a new, equal entry, not kept (a first hit)
-    assert (
-        first is not None and first is not puts["a"] and first.answer.body == puts["a"].answer.body
-    )
-    kept = store.get_now("a")  # a second one while the first is recent: kept
-    assert kept is not None and kept is not first and kept.prompt_prefix == "a"
-    assert store.get_now("a") is kept and store.get_now("a") is kept
+    assert store.get_now("c") is kept["c"] and store.get_now("b") is kept["b"]
+    store.get_now("a")
+    kept["a"] = store.get_now("a")
+    assert kept["a"] is not None and store.get_now("a") is kept["a"]
     # ... and "c", the least recently used of the hot ones, lets its own go.
-    assert store.get_now("b") is puts["b"] and store.get_now("c") is not puts["c"]
+    assert store.get_now("b") is kept["b"] and store.get_now("c") is not kept["c"]
     await store.invalidate(Selector(everything=True))
     assert store.entries == 0 and store.bytes == 0
 
@@ -209,10 +222,17 @@ async def test_a_hot_entry_expires_and_is_evicted_with_its_objects():
     clock.advance(30)
     assert store.get_now("k") is None and store.entries == 0 and store.bytes == 0
     await store.put("a", entry(now=clock.now()))
-    for i in range(20):  # each one evicting the oldest
+    for i in range(20):  # each one hit twice (its objects kept), evicting the oldest
         await store.put(f"k{i}", entry(now=clock.now()))
+        store.get_now(f"k{i}")
+        store.get_now(f"k{i}")
     assert store.evictions > 0 and store.get_now("a") is None
-    assert store.bytes == sum(size_of(key, entry()) for key in store._hot)  # (all hot here)
+    hot = [key for key in store._hot if store.holds(key)]
+    assert hot == list(store._hot) and 0 < len(hot) < 20
+    others = [f"k{i}" for i in range(20) if store.holds(f"k{i}") and f"k{i}" not in hot]
+    assert store.bytes == sum(size_of(key, entry()) for key in hot) + sum(
+        packed_size_of(key, entry()) for key in others
+    )
 
 
 async def test_an_entry_too_large_with_its_objects_is_kept_packed_if_it_fits_so():
@@ -237,6 +257,20 @@ async def test_keys_sharing_their_last_60_bits_share_a_place_and_never_an_answer
     assert await store.get(FINGERPRINT) is None  # replaced: a miss, not the other's answer
     got = await store.get(twin)
     assert got is not None and got.answer.body == b"two" and store.entries == 1
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
+async def test_holds_says_whether_a_key_has_an_entry_without_reading_it(hot):
+    """``holds``: the key's entry is here (hot or packed), not another key's sharing its place,
+    not one too big to keep; asking marks nothing used and keeps no objects."""
+    store = MemoryStore(1 << 20, hot=hot)
+    assert not store.holds(FINGERPRINT)
+    await store.put(FINGERPRINT, entry(b"one"))
+    marks, kept = list(store._entries.mapping.values()), dict(store._hot)
+    assert store.holds(FINGERPRINT) and not store.holds("f" + FINGERPRINT[1:])
+    assert list(store._entries.mapping.values()) == marks and store._hot == kept
+    await store.put("other", entry(b"x" * (1 << 21)))  # (more than the whole budget)
+    assert not store.holds("other") and store.holds(FINGERPRINT)
 
 
 @pytest.mark.parametrize("hot", [0, 1024])

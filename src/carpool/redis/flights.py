@@ -100,7 +100,7 @@ __all__ = ["SharedFlights"]
 log = logging.getLogger("carpool.flight")
 
 Call = Callable[[Broadcast], Awaitable[Answer]]
-Store = Callable[[Answer], Awaitable[None]]
+Store = Callable[[Answer], Awaitable[object]]
 
 MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
 
