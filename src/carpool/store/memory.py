@@ -215,10 +215,8 @@ class MemoryStore:
             return True
         place = _place(key)
         blob = self._blobs.get(place)
-        if blob is None:
-            return False
-        rest = _rest(key, place)
-        return blob[1] == len(rest) and blob.startswith(rest, packed.TAIL_AT)
+        # (Not another key's, sharing this one's last 60 bits.)
+        return blob is not None and packed.has_tail(blob, _rest(key, place))
 
     async def put(self, key: str, entry: Entry) -> None:
         place = _place(key)
