@@ -25,7 +25,9 @@ difference measured against its reference in the same run, on the same machine.
    adds here with nothing done, the floor under any proxy's figure.
    Beside them, not judged (``beside``): a stream's first byte, sequential, from the simulated
    engine taking ~2 ms to its first token (``PREFILLING``), as a real engine takes its prefill:
-   its head comes at once, and what the gateway does with it is done while the engine computes.
+   its head comes at once (the gateway's work on it overlaps the engine's), and every process
+   on the path sleeps meanwhile (on a VM, a wake-up from idle costs at each hop: the relay's
+   figure says how much).
 3. ``workers``: ``bench_workers.run`` (1 vs 2 workers' exact hits; upstream calls of identical
    requests spread over 2 workers sharing through each other, alone, or through Redis).
 4. ``memory``: ``scripts/measure_store_memory.py`` in processes of their own: ``entries`` small
@@ -60,7 +62,7 @@ TARGET_ADDED_P99_MS = 1.0
 ANSWER_TOKENS = 32
 # Beside the targets, not judged: an engine that takes ~2 ms to its first token (the simulated
 # one's prefill of the benchmark's 159-token prompt, without a prefix cache), as a real one takes
-# its prefill, its response's head sent at once (as vLLM's and the simulated engine's are).
+# its prefill, its response's head sent at once (as the simulated engine's is).
 PREFILLING = ZERO_COST.model_copy(update={"prefill_ms_per_token": 0.0125, "prefix_cache_tokens": 0})
 # Per round: what the gateway and the byte relay add over the direct call.
 ADDED = ("added_p50_ms", "added_p99_ms", "relay_added_p50_ms", "relay_added_p99_ms")
