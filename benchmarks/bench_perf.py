@@ -69,10 +69,9 @@ ADDED = ("added_p50_ms", "added_p99_ms", "relay_added_p50_ms", "relay_added_p99_
 
 
 def _hits(
-    fixed_app: process.Server, gw: process.Server, concurrency: int, seconds: float, rounds: int
+    fixed: process.Server, gw: process.Server, concurrency: int, seconds: float, rounds: int
 ) -> dict[str, Any]:
     body = bodies.chat_body(0)
-    fixed, gateway_hit = fixed_app.port, gw.port
     raw = loadgen.run(
         "throughput",
         {
@@ -81,8 +80,8 @@ def _hits(
             "rounds": rounds,
             "warmup_s": 0.5,
             "targets": [
-                {"name": "fixed", "port": fixed, "body": body},
-                {"name": "gateway_hit", "port": gateway_hit, "body": body},
+                {"name": "fixed", "port": fixed.port, "body": body},
+                {"name": "gateway_hit", "port": gw.port, "body": body},
             ],
         },
     )
@@ -98,9 +97,7 @@ def _hits(
         "ratio_median": round(median(ratios), 3),
         "target": TARGET_HIT_RATIO,
         "outcomes": raw["gateway_hit"]["outcomes"],
-        "wrk": (
-            _hits_by_wrk(fixed_app, gw, concurrency, seconds, rounds) if wrk.available() else None
-        ),
+        "wrk": (_hits_by_wrk(fixed, gw, concurrency, seconds, rounds) if wrk.available() else None),
     }
 
 

@@ -4,8 +4,8 @@ Contract:
 - ``served(workers, upstream_url, redis=None, shared=True, log_path=None)`` (context manager)
   starts ``python -m carpool.cli serve --workers N`` on a free loopback port in front of
   ``upstream_url`` (with ``--redis`` when given) and yields ``Workers`` (``port``, ``pids`` of
-  the workers, ``processes``: theirs and their supervisor's) once every worker has answered ``/stats`` (each request on a new connection: the kernel
-  spreads them). ``shared=False`` runs the same workers as ``carpool serve`` ran them before
+  the workers, ``processes``: theirs and their supervisor's) once every worker has answered
+  ``/stats`` (each request on a new connection: the kernel spreads them). ``shared=False`` runs the same workers as ``carpool serve`` ran them before
   they shared without Redis (uvicorn's ``--workers`` on ``carpool.server:create_worker_app``,
   without ``CARPOOL_PEERS``): each worker alone, for comparison.
 - ``stats_of_each(port, n)``: every worker's ``/stats`` (new connections until ``n`` distinct

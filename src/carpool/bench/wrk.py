@@ -153,15 +153,17 @@ def rounds(
     pids = {name: tuple((pids or {}).get(name, ())) for name in ports}
     for port in ports.values():
         throughput(port, body, connections, 1.0)  # (warm)
-    taken = Rounds({n: [] for n in ports}, 0.0, {n: [] for n in ports}, {n: [] for n in ports})
+    rps: dict[str, list[float]] = {name: [] for name in ports}
+    cpu: dict[str, list[float]] = {name: [] for name in ports}
+    cores: dict[str, list[float]] = {name: [] for name in ports}
     non_2xx = 0.0
     for r in range(rounds):
         order = list(ports) if r % 2 == 0 else list(ports)[::-1]
         for name in order:
             measured = throughput(ports[name], body, connections, seconds, pids=pids[name])
-            taken.rps[name].append(measured["rps"])
+            rps[name].append(measured["rps"])
             non_2xx += measured["non_2xx"]
             served = max(measured["requests"], 1.0)
-            taken.cpu_us_per_request[name].append(measured["server_cpu_s"] / served * 1e6)
-            taken.wrk_cores[name].append(measured["wrk_cpu_s"] / measured["wall_s"])
-    return taken._replace(non_2xx=non_2xx)
+            cpu[name].append(measured["server_cpu_s"] / served * 1e6)
+            cores[name].append(measured["wrk_cpu_s"] / measured["wall_s"])
+    return Rounds(rps, non_2xx, cpu, cores)
