@@ -13,7 +13,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from carpool.bench import loadgen, plots, report, wrk
+from carpool.bench import loadgen, plots, process, report, wrk
 from carpool.bench.bodies import chat_body
 from carpool.bench.canned import canned
 from carpool.bench.client import fetch
@@ -526,6 +526,30 @@ def test_the_byte_relay_passes_every_byte_both_ways_as_the_engine_sent_them():
         raw = loadgen.run("latency", {"n": 20, "warmup": 2, "block": 5, "targets": [target]})
         assert raw["relayed"]["outcomes"] == {"(none)": 20}
         assert len(raw["relayed"]["samples_s"]) == 20
+
+
+def test_pinned_holds_each_process_to_its_cpus_and_gives_them_back():
+    """``process.pinned``: ``bench_perf`` measures misses with the engine on a CPU of its own.
+    This process (pid 0) is pinned too, so a child it starts meanwhile inherits its CPUs; a
+    process gone by the block's end is skipped."""
+    import subprocess
+    import sys
+
+    mine = os.sched_getaffinity(0)
+    one = {min(mine)}
+    sleeper = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    with subprocess.Popen(sleeper, stdin=subprocess.PIPE) as kept:
+        gone = subprocess.Popen(sleeper, stdin=subprocess.PIPE)
+        before = os.sched_getaffinity(kept.pid)
+        with process.pinned({kept.pid: one, gone.pid: one, 0: one}):
+            assert os.sched_getaffinity(kept.pid) == os.sched_getaffinity(0) == one
+            with subprocess.Popen(sleeper, stdin=subprocess.PIPE) as child:
+                assert os.sched_getaffinity(child.pid) == one
+                process.stop(child, 5.0)
+            process.stop(gone, 5.0)
+        assert os.sched_getaffinity(0) == mine
+        assert os.sched_getaffinity(kept.pid) == before
+        process.stop(kept, 5.0)
 
 
 def test_wrk_posts_any_json_body_as_a_lua_long_string_that_it_cannot_end():

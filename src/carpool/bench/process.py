@@ -17,6 +17,9 @@ Contract (parent side):
   value, returned; a failure raises ``ChildError`` with the end of its stderr.
 - For servers started otherwise (the peers' own command lines): ``free_port()``,
   ``wait_port(port, proc, timeout)`` and ``stop(proc, grace)``.
+- ``pinned({pid: cpus})`` (context manager, Linux): each process held to those CPUs for the block
+  (pid 0: this one, and so every child it starts meanwhile), then given back the CPUs it had;
+  a process gone meanwhile is skipped. For a measurement that must not share a core.
 
 Contract (child side):
 - ``listen()`` binds 127.0.0.1 port 0 (backlog 4096: a thousand clients may connect at once),
@@ -157,6 +160,20 @@ def _healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
                     return True
         time.sleep(0.05)
     return False
+
+
+@contextlib.contextmanager
+def pinned(placement: dict[int, set[int]]) -> Iterator[None]:
+    """Each process of ``placement`` on its CPUs for the block (module contract)."""
+    before = {pid: os.sched_getaffinity(pid) for pid in placement}
+    try:
+        for pid, cpus in placement.items():
+            os.sched_setaffinity(pid, cpus)
+        yield
+    finally:
+        for pid, cpus in before.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(pid, cpus)
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float) -> None:
