@@ -120,6 +120,34 @@ async def test_an_exact_hit_is_answered_as_it_is_parsed_as_the_asgi_path_answers
     assert gateway.stats.outcomes["hit"] == 2
 
 
+async def test_a_middleware_around_the_gateway_sees_every_request_hits_included(fake):
+    """Only uvicorn's own wrappers are looked through for the gateway: a middleware of the
+    user's around it (here one that refuses a request without its token) is never skipped by
+    answering a hit as it is parsed."""
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+
+    class Guard:  # (an ASGI middleware as Starlette's are: the app it wraps in ``app``)
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and (b"x-token", b"letmein") not in scope["headers"]:
+                await send({"type": "http.response.start", "status": 401, "headers": []})
+                await send({"type": "http.response.body", "body": b"no"})
+                return
+            await self.app(scope, receive, send)
+
+    body, token = _body(), {"x-token": "letmein"}
+    async with serve_app_with_server(Guard(create_app(gateway))) as served:
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            stored = await client.post(CHAT, content=body, headers=token)
+            assert stored.headers["x-carpool"] == "miss"
+            refused = await client.post(CHAT, content=body)  # a hit, if it were let through
+            again = await client.post(CHAT, content=body, headers=token)
+    assert refused.status_code == 401 and refused.content == b"no"
+    assert again.headers["x-carpool"] == "hit" and fake.count() == 1
+
+
 async def test_pipelined_hits_are_answered_in_order(fake):
     async with _gateway(fake) as (served, counted):
         bodies = [_body(f"q{i}") for i in range(3)]

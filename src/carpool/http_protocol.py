@@ -83,6 +83,11 @@ _INTERNAL_ERROR = (
 )
 
 
+# Set true on a wrapper of the gateway's app (its ``app``) that hands every request to the
+# cached endpoints on to it as it came: it is looked through (``_gateway_app``).
+TRANSPARENT = "carpool_transparent"
+
+
 def _nothing() -> None:
     pass
 
@@ -416,10 +421,18 @@ class _ConnectionWatch(ClientWatch):
 
 
 def _gateway_app(app: Any) -> Any:
-    """The ``server.GatewayApp`` under uvicorn's middleware (``ProxyHeadersMiddleware``...), or
-    None: another app is served, and this protocol is uvicorn's."""
+    """The ``server.GatewayApp`` under uvicorn's own middleware (``ProxyHeadersMiddleware``...),
+    or None: another app is served, and this protocol is uvicorn's. Only uvicorn's wrappers,
+    and those that say they hand the cached endpoints' requests on as they come
+    (``TRANSPARENT``), are looked through: a middleware of the user's around the gateway
+    (authentication, limits) must see every request, so with one they all go the ASGI way."""
     for _ in range(8):
         if isinstance(app, GatewayApp):
             return app
+        if not (
+            type(app).__module__.startswith("uvicorn.middleware.")
+            or getattr(app, TRANSPARENT, False)
+        ):
+            return None
         app = getattr(app, "app", None)
     return None

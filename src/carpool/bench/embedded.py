@@ -80,6 +80,8 @@ def _with_sim_stats(app: Any, gateway: Any) -> Any:
     """The gateway's app plus ``GET /sim/stats`` (the in-process simulated replicas' counters)."""
     import orjson
 
+    from ..http_protocol import TRANSPARENT
+
     async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/sim/stats":
             replicas = [u.replica.stats() for u in gateway.upstreams if hasattr(u, "replica")]
@@ -98,7 +100,9 @@ def _with_sim_stats(app: Any, gateway: Any) -> Any:
             return
         await app(scope, receive, send)
 
-    wrapped.app = app  # type: ignore[attr-defined]  # (found under it: http_protocol)
+    # (Found under it by http_protocol: it hands the cached endpoints' requests on as they come.)
+    wrapped.app = app  # type: ignore[attr-defined]
+    setattr(wrapped, TRANSPARENT, True)
     return wrapped
 
 
