@@ -225,7 +225,7 @@ async def test_a_late_streaming_joiner_is_replayed_from_the_first_event(gw, fake
     # The gateway has relayed the first events (two text deltas among them) before it joins.
     early = 6 if kind == "responses" else 5
     await eventually(
-        lambda: any(len(f.broadcast.frames) >= early for f in gw.gateway.flights._flights.values()),
+        lambda: any(len(f.broadcast.frames) >= early for f in gw.gateway.flights.running()),
         what="the first events relayed",
     )
     joiner = asyncio.create_task(stream(gw, path_of(kind), body_of(kind)))

@@ -467,7 +467,7 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
                 lambda: (
                     flights.waiters == 0
                     and shared.leading == shared.following == 0
-                    and all(f.broadcast.done and f.task is None for f in flights._flights.values())
+                    and not flights.running()
                 ),
                 what="instance B settled",
             )

@@ -156,7 +156,8 @@ def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None, failed: b
         gateway, name = served.gateway, served.url
         if gateway.flights.waiters:
             problems.append(f"{name}: {gateway.flights.waiters} waiter(s) left")
-        flights = list(gateway.flights._flights.values())
+        # (A finished flight lingers as a tuple; one made again for a joiner is a Flight.)
+        flights = [f for f in gateway.flights._flights.values() if type(f) is not tuple]
         running = [
             f.key
             for f in flights
@@ -167,8 +168,8 @@ def _problems(gateways: tuple[Served, ...], fake: FakeUpstream | None, failed: b
         ]
         if running:
             problems.append(f"{name}: flight(s) in progress or failed: {running}")
-        if failed and flights:
-            problems.append(f"{name}: {len(flights)} flight(s) kept after a failure")
+        if failed and len(gateway.flights):
+            problems.append(f"{name}: {len(gateway.flights)} flight(s) kept after a failure")
         if gateway.replicas.in_flight:
             problems.append(f"{name}: {gateway.replicas.in_flight} upstream call(s) in flight")
         shared = gateway.shared_flights
@@ -210,7 +211,7 @@ async def nothing_left(
 
 
 def flight_clients(served: Served) -> int:
-    return sum(f.clients for f in served.gateway.flights._flights.values())
+    return sum(f.clients for f in served.gateway.flights.running())
 
 
 async def gone(*tasks: asyncio.Task[Any]) -> None:

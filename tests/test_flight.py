@@ -7,6 +7,7 @@ are asyncio's and run on the event loop's time.
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from hypothesis import given, settings
@@ -155,22 +156,46 @@ async def test_incomplete_answer_does_not_linger_in_the_window():
     assert group.get("k") is None
 
 
-async def test_an_answer_its_lead_stored_where_every_joiner_reads_first_does_not_linger():
-    """Clause 3: a lead that stored its answer where every request that could join the finished
-    flight reads it first (``Broadcast.stored``) leaves no flight lingering; one that did not,
-    the same answer otherwise, lingers for the window."""
-    group, upstream = FlightGroup(window=10), Upstream()
-    upstream.release.set()
+@pytest.mark.parametrize("answered", ["the broadcast's frames", "frames of its own", "whole"])
+async def test_a_lingering_flight_is_a_tuple_the_collector_stops_walking_joiners_get_it_equal(
+    answered,
+):
+    """Clause 3: a finished flight lingers as a plain tuple (no flight, broadcast, answer or
+    frames list for the garbage collector to walk: untracked after one pass); a request that
+    joins it gets a finished flight made again, its frames and its answer equal to the
+    original's (the answer's frames the broadcast's list, a list of their own, or none), and
+    the next joiner shares that flight."""
+    group = FlightGroup(window=10)
+    frames = [b"data: 1\n\n", b"data: usage\n\n", b"data: 2\n\n"]
 
-    async def storing(broadcast: Broadcast) -> Answer:
-        answer = await upstream(broadcast)
-        broadcast.stored = True
-        return answer
+    async def lead(broadcast: Broadcast) -> Answer:
+        if answered == "whole":
+            return Answer("chat", b"body", True, 7, 123.0)
+        broadcast.publish_many(list(frames), 1)
+        own = broadcast.frames if answered == "the broadcast's frames" else frames[::2]
+        return Answer("chat", b"body", True, 7, 123.0, own, usage_frame=broadcast.usage_frame)
 
-    answer, _ = await wait_answer(group.acquire("stored", storing))
-    assert answer is not None and answer.complete and group.get("stored") is None
-    await wait_answer(group.acquire("kept", upstream))
-    assert group.get("kept") is not None  # (lingering: the window is 10 s)
+    led, _ = await wait_answer(group.acquire("k", lead))
+    held = group._flights["k"]
+    assert type(held) is tuple
+    gc.collect()
+    assert not gc.is_tracked(held)
+    joiner = group.acquire("k", lead)
+    broadcast, again = joiner.broadcast, group.acquire("k", lead)
+    assert not joiner.leader and not again.leader and again.flight is joiner.flight
+    assert broadcast.done and broadcast.frames == ([] if answered == "whole" else frames)
+    assert broadcast.usage_frame == (None if answered == "whole" else 1)
+    answer = broadcast.answer
+    assert answer is not None and answer is not led
+    if answered == "the broadcast's frames":
+        assert answer.frames is broadcast.frames
+
+    def fields(a: Answer) -> tuple:
+        return (a.kind, a.body, a.complete, a.tokens, a.created, a.frames, a.usage_frame)
+
+    assert fields(answer) == fields(led)
+    joiner.release()
+    again.release()
 
 
 async def test_forget_starts_a_fresh_flight_and_the_old_one_finishing_never_removes_it():

@@ -27,8 +27,7 @@ def sse_text(raw: str) -> str:
 
 
 def flight_clients(served) -> int:
-    flights = list(served.gateway.flights._flights.values())
-    return sum(f.clients for f in flights)
+    return sum(f.clients for f in served.gateway.flights.running())
 
 
 # --- coalescing -------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ async def test_openai_sdk_streaming_coalesced_and_hit(sdk, gw, fake):
     leader = asyncio.create_task(read_stream())
     await fake.chunk_gate_reached.wait()
     joiner = asyncio.create_task(read_stream())
-    await eventually(lambda: sum(f.clients for f in gw.gateway.flights._flights.values()) == 2)
+    await eventually(lambda: sum(f.clients for f in gw.gateway.flights.running()) == 2)
     fake.chunk_gate.set()
     (text1, usage1), (text2, usage2) = await asyncio.gather(leader, joiner)
     assert text1 == text2 == "answer 1 to What is carpool?"

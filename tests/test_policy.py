@@ -12,7 +12,7 @@ from fakes.waiting import eventually
 
 
 def clients_on_flights(served) -> int:
-    return sum(f.clients for f in served.gateway.flights._flights.values())
+    return sum(f.clients for f in served.gateway.flights.running())
 
 
 async def outcome(served, content="What is carpool?", **headers) -> str:
@@ -112,17 +112,42 @@ async def test_factual_is_never_stored_but_coalesced_in_flight_and_within_the_wi
     assert gw.gateway.store.entries == 0 and fake.count() == 1
 
 
-async def test_a_stored_answer_leaves_no_flight_lingering_and_its_repeats_are_hits(gw, fake):
-    """An answer in the in-process store is where a request within the window reads it first
-    (a hit, as the contract's ``coalesced`` says: a lingering answer is one not in the cache):
-    its flight does not linger for the window, holding its objects meanwhile."""
-    assert await outcome(gw) == "miss"
-    assert gw.gateway.flights._flights == {}
-    assert await outcome(gw) == "hit" and fake.count() == 1
-    # A factual answer (ttl 0) is not stored: its flight lingers, and a repeat joins it.
-    assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
-    assert len(gw.gateway.flights._flights) == 1
-    assert await outcome(gw, **{"x-carpool-type": "factual"}) == "coalesced"
+async def test_an_answer_expired_within_the_window_is_coalesced_not_called_again(
+    fake, gateway_with
+):
+    """A type whose ttl is shorter than the coalescing window: its stored answer is a hit
+    until it expires; then, within the window, a repeat joins the finished flight
+    (``coalesced``: its answer is not in the cache), as with ttl 0. One upstream call."""
+    clock, short = ManualClock(), {"x-carpool-type": "short"}
+    async with gateway_with(
+        cache={"types": {"short": {"ttl": 0.2}}},
+        coalesce={"window_ms": 1000, "adaptive": False},
+        clock=clock,
+    ) as gw:
+        assert await outcome(gw, **short) == "miss"
+        assert await outcome(gw, **short) == "hit"
+        clock.advance(0.4)  # past the ttl, within the window
+        assert await outcome(gw, **short) == "coalesced" and fake.count() == 1
+        clock.advance(1.0)  # past the window
+        assert await outcome(gw, **short) == "miss" and fake.count() == 2
+
+
+async def test_an_answer_evicted_within_the_window_is_coalesced_not_called_again(
+    fake, gateway_with
+):
+    """A cache whose budget holds one answer: the second answer's put evicts the first, and a
+    repeat of the first within the window joins its finished flight (``coalesced``)."""
+    window = {"window_ms": 10_000, "adaptive": False}
+    async with gateway_with(coalesce=window) as gw:
+        assert await outcome(gw, "question A") == "miss"
+        one = gw.gateway.store.bytes
+    fake.reset()
+    async with gateway_with(cache={"max_bytes": one * 3 // 2}, coalesce=window) as gw:
+        assert await outcome(gw, "question A") == "miss"
+        assert await outcome(gw, "question B") == "miss"
+        assert gw.gateway.store.evictions == 1 and gw.gateway.store.entries == 1
+        assert await outcome(gw, "question A") == "coalesced"
+        assert fake.count() == 2
 
 
 async def test_factual_after_the_window_calls_upstream_again(fake, gateway_with):

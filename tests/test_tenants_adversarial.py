@@ -223,7 +223,7 @@ async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_re
         await fake.wait_for_calls(TENANTS)
 
         def waiting() -> int:  # every request on a flight of its instance, before any answer
-            return sum(f.clients for side in (a, b) for f in side.gateway.flights._flights.values())
+            return sum(f.clients for side in (a, b) for f in side.gateway.flights.running())
 
         await eventually(lambda: waiting() == len(calls), what="every request on a flight")
         fake.gate.set()

@@ -23,9 +23,6 @@ Contract (CONTRACT.md "Streaming"):
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
   instance made (this instance's clients of the flight are then all ``coalesced``); ``cached``
   when the answer came from another worker's exact cache (``carpool.peers``: they are ``hit``s).
-- ``stored`` is set by the lead when its answer is in the in-process store under the flight's
-  key, where every request that could join the finished flight reads it first: the flight then
-  does not linger (``flight.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class Broadcast:
         "error",
         "remote",
         "cached",
-        "stored",
         "on_publish",
         "_waiters",
     )
@@ -60,7 +56,6 @@ class Broadcast:
         self.error: CarpoolError | None = None
         self.remote = False
         self.cached = False
-        self.stored = False
         self.on_publish: Callable[[], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)
 

@@ -11,9 +11,13 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    is dropped at once so the next request calls again.
 3. A finished flight stays joinable for the window, then is gone: a complete answer lingers
    for the window its ``WindowPolicy`` gives (joiners get it at once; see ``window.py``), an
-   incomplete one (or one led by a ``no-store`` request) does not linger at all, nor one its
-   lead stored where every request that could join it reads it first (``Broadcast.stored``:
-   such a request is a hit, not a joiner).
+   incomplete one (or one led by a ``no-store`` request) does not linger at all. Lingering, it
+   is kept as a plain tuple of strings, bytes and numbers (``_lingering_record``), not as the
+   flight's objects: the garbage collector stops walking such a tuple after one pass, where a
+   flight, its broadcast, its answer and its frames would be walked by every young pass for as
+   long as the window (at 1,000 misses a second, a thousand flights: young passes 2x longer,
+   the middle generation's 7x). A request that joins it gets a finished flight made again from
+   the tuple (``_revived``): equal frames, an equal answer.
 4. ``forget`` makes the next request start a fresh flight, and the old flight finishing never removes
    the new one: the group only ever drops the flight it holds if it is the same object.
    ``forget_all`` (an invalidation) forgets every flight, running ones too (their clients keep
@@ -44,6 +48,7 @@ import heapq
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 
 from .answer import Answer
@@ -56,6 +61,16 @@ log = logging.getLogger("carpool.flight")
 
 Lead = Callable[[Broadcast], Awaitable[Answer]]
 _TIMER_SLACK = 0.002  # seconds
+# A finished flight lingering in its window (clause 3): (lingers until, finished at, owner,
+# remote, cached, the broadcast's frames (``_joined``), its usage frame, the answer's kind,
+# body, complete, tokens, created, frames (None, ``_SAME``: the broadcast's, or joined), usage
+# frame). Frames are kept joined into one bytes object with their lengths in another: a
+# tuple of a stream's thirty frames would be thirty more items for every pass to visit.
+Lingering = tuple[
+    float, float, str, bool, bool, bytes, bytes, "int | None",
+    str, bytes, bool, int, float, "bytes | bool | None", "bytes | None", "int | None",
+]  # fmt: skip
+_SAME = True  # (the answer's frames are the broadcast's list)
 
 
 class JoinTimeout(TimeoutError):
@@ -163,10 +178,11 @@ class FlightGroup:
         self.clock = clock
         self.waiters = 0  # tickets not yet released, for /stats and metrics
         self.epoch = 0  # invalidations so far (``forget_all``)
-        self._flights: dict[str, Flight] = {}
+        # The flights by key: running, or finished and lingering (a ``Lingering`` tuple).
+        self._flights: dict[str, Flight | Lingering] = {}
         # The lingering flights by the end of their window (a heap), and the one timer that
         # frees them: one tuple a flight, not a timer each (objects the collector would walk).
-        self._ends: list[tuple[float, int, Flight]] = []
+        self._ends: list[tuple[float, int, str]] = []
         self._order = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0  # when it fires, on the group's clock
@@ -174,21 +190,28 @@ class FlightGroup:
     def __len__(self) -> int:
         return len(self._flights)
 
+    def running(self) -> list[Flight]:
+        """The flights whose call is in progress (not the finished ones lingering)."""
+        return [f for f in self._flights.values() if type(f) is Flight and f.finished_at is None]
+
     def get(self, key: str) -> Flight | None:
-        flight = self._flights.get(key)
-        if flight is not None and flight.finished_at is not None:
-            return self._lingering(flight, self.clock.monotonic())
-        return flight
+        """The flight for ``key``: running, or finished and lingering (made again)."""
+        held = self._flights.get(key)
+        if held is None or (type(held) is Flight and held.finished_at is None):
+            return held
+        return self._lingering(key, held, self.clock.monotonic())
 
     def joinable(self, key: str, max_age: float | None = None) -> bool:
         """Whether ``acquire`` with this ``max_age`` would join a flight rather than lead one."""
-        flight = self._flights.get(key)
-        if flight is None or flight.finished_at is None:
-            return flight is not None
+        held = self._flights.get(key)
+        if held is None or (type(held) is Flight and held.finished_at is None):
+            return held is not None
         now = self.clock.monotonic()
-        if self._lingering(flight, now) is None:
+        until, finished_at = _window_of(held)
+        if now >= until:
+            self.forget(key, held)
             return False
-        return max_age is None or now - flight.finished_at < max_age
+        return max_age is None or now - finished_at < max_age
 
     def acquire(
         self,
@@ -207,14 +230,15 @@ class FlightGroup:
         ``no-store`` leader passes False, as lingering would be a form of storing. ``owner``
         (for a new flight) is kept as ``Flight.owner``.
         """
-        flight = self._flights.get(key)
+        held = self._flights.get(key)
         leader = False
-        if flight is None or flight.finished_at is not None:
+        if type(held) is Flight and held.finished_at is None:
+            flight: Flight | None = held
+        else:
             # No call running for the key: lead one, or join the answer lingering in its window.
             now = self.clock.monotonic()
             self.windows.arrival(key, now)
-            if flight is not None:
-                flight = self._lingering(flight, now)
+            flight = None if held is None else self._lingering(key, held, now)
             if (
                 flight is not None
                 and flight.finished_at is not None
@@ -227,20 +251,25 @@ class FlightGroup:
                 leader = True
                 flight = self._flights[key] = Flight(key, linger, owner, started_at=now)
                 flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
+        assert flight is not None
         flight.clients += 1
         self.waiters += 1
         return Ticket(self, flight, leader)
 
-    def forget(self, key: str, flight: Flight | None = None) -> None:
+    def forget(self, key: str, flight: Flight | Lingering | None = None) -> None:
         """Make the next request for ``key`` start a fresh flight (only if ``flight`` is current)."""
         current = self._flights.get(key)
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
 
-    def _linger(self, flight: Flight, until: float, now: float) -> None:
-        """Keep the finished ``flight`` joinable until ``until``: then the timer frees it."""
+    def _linger(self, flight: Flight, answer: Answer, until: float, now: float) -> None:
+        """Keep the finished ``flight`` joinable until ``until``, as a tuple (clause 3), if it
+        is still the key's: then the timer frees it."""
+        if self._flights.get(flight.key) is not flight:
+            return  # (forgotten meanwhile: nobody may join it)
         flight.lingers_until = until
-        heapq.heappush(self._ends, (until, next(self._order), flight))
+        self._flights[flight.key] = _lingering_record(flight, answer, until)
+        heapq.heappush(self._ends, (until, next(self._order), flight.key))
         if self._timer is None or until < self._timer_at:
             self._arm(until, now)
 
@@ -260,16 +289,25 @@ class FlightGroup:
         now = self.clock.monotonic()
         ends = self._ends
         while ends and ends[0][0] <= now:
-            flight = heapq.heappop(ends)[2]
-            self.forget(flight.key, flight)
+            key = heapq.heappop(ends)[2]
+            held = self._flights.get(key)
+            # (Not a flight running for the key since, nor one lingering for a later window.)
+            if held is not None and not (type(held) is Flight and held.finished_at is None):
+                if _window_of(held)[0] <= now:
+                    del self._flights[key]
         if ends:
             self._arm(ends[0][0], now)
 
-    def _lingering(self, flight: Flight, now: float) -> Flight | None:
-        """The finished ``flight`` if its window is still open at ``now``; else it is forgotten."""
-        if flight.lingers_until is not None and now >= flight.lingers_until:
-            self.forget(flight.key, flight)
+    def _lingering(self, key: str, held: Flight | Lingering, now: float) -> Flight | None:
+        """The finished flight ``held`` for ``key`` if its window is still open at ``now``,
+        made again from its tuple (kept so for the requests that join it next); else it is
+        forgotten."""
+        if now >= _window_of(held)[0]:
+            self.forget(key, held)
             return None
+        if type(held) is Flight:
+            return held
+        flight = self._flights[key] = _revived(key, held)  # type: ignore[arg-type]
         return flight
 
     def forget_all(self) -> int:
@@ -316,11 +354,81 @@ class FlightGroup:
         flight.finished_at = now = self.clock.monotonic()
         window = (
             self.windows.window(flight.key, now, now - flight.started_at)
-            if answer.complete and flight.linger and not broadcast.stored
+            if answer.complete and flight.linger
             else 0
         )
         if window > 0:
             # Freed by the timer if no request comes to find its window closed (``_lingering``).
-            self._linger(flight, now + window, now)
+            self._linger(flight, answer, now + window, now)
         else:
             self.forget(flight.key, flight)
+
+
+def _window_of(held: Flight | Lingering) -> tuple[float, float]:
+    """(lingers until, finished at) of a finished flight, whichever its form."""
+    if type(held) is not Flight:
+        return held[0], held[1]  # type: ignore[index]
+    assert held.finished_at is not None
+    until = held.lingers_until
+    return (float("inf") if until is None else until), held.finished_at
+
+
+def _lingering_record(flight: Flight, answer: Answer, until: float) -> Lingering:
+    """The finished ``flight`` as a plain tuple (clause 3)."""
+    broadcast = flight.broadcast
+    frames = answer.frames
+    assert flight.finished_at is not None
+    own: tuple[bytes | bool | None, bytes | None] = (
+        (None, None)
+        if frames is None
+        else (_SAME, None)
+        if frames is broadcast.frames
+        else _joined(frames)
+    )
+    return (
+        until,
+        flight.finished_at,
+        flight.owner,
+        broadcast.remote,
+        broadcast.cached,
+        *_joined(broadcast.frames),
+        broadcast.usage_frame,
+        answer.kind,
+        answer.body,
+        answer.complete,
+        answer.tokens,
+        answer.created,
+        *own,
+        answer.usage_frame,
+    )
+
+
+def _revived(key: str, record: Lingering) -> Flight:
+    """A finished flight made again from its tuple: equal frames, an equal answer."""
+    until, finished_at, owner, remote, cached, joined, lengths, usage_frame = record[:8]
+    kind, body, complete, tokens, created, own, own_lengths, own_usage = record[8:]
+    flight = Flight(key, True, owner, started_at=finished_at)
+    flight.finished_at, flight.lingers_until = finished_at, until
+    broadcast = flight.broadcast
+    broadcast.frames, broadcast.usage_frame = _split(joined, lengths), usage_frame
+    broadcast.remote, broadcast.cached = remote, cached
+    frames = broadcast.frames if own is _SAME else None
+    if isinstance(own, bytes) and own_lengths is not None:  # (a list of its own: joined)
+        frames = _split(own, own_lengths)
+    broadcast.answer = Answer.restored(kind, body, complete, tokens, created, frames, own_usage)
+    return flight
+
+
+def _joined(frames: list[bytes]) -> tuple[bytes, bytes]:
+    """``frames`` as one bytes object and their lengths (``_split`` gives them back)."""
+    return b"".join(frames), array("I", [len(frame) for frame in frames]).tobytes()
+
+
+def _split(joined: bytes, lengths: bytes) -> list[bytes]:
+    sizes = array("I")
+    sizes.frombytes(lengths)
+    frames, at = [], 0
+    for size in sizes:
+        frames.append(joined[at : at + size])
+        at += size
+    return frames

@@ -17,11 +17,6 @@ Contract:
   clients are woken with the answer first and it is stored right after they reply, in the same
   turn of the event loop: no request that follows a reply can be read in between, and one that
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
-  An answer stored in the in-process store under the flight's key (``Store.holds``) is where
-  every request that could join the finished flight reads it first (a hit): the flight does
-  not linger for its window (``Broadcast.stored``), and its objects (the broadcast, the frames,
-  the answer's copy) go at once, not a window later; the garbage collector of a process
-  serving a thousand misses a second would otherwise walk a thousand lingering flights.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0, without ``no-store``, and only if no invalidation came after the call began (the
   flights' ``epoch``): the answer may predate what was invalidated.
@@ -71,7 +66,6 @@ class Leader:
         # An in-process store (``Store.get_now``) stores without waiting: a flight's clients
         # may reply before its answer is stored, in the same turn of the loop (``lead``).
         self.stored_at_once = getattr(self.store, "get_now", None) is not None
-        self.holds: Callable[[str], bool] | None = getattr(self.store, "holds", None)
 
     async def lead(
         self,
@@ -121,9 +115,7 @@ class Leader:
                     # Until then the flight runs still: an identical request joins it.
                     broadcast.finish(answer)
                     await asyncio.sleep(0)
-                stored = await store(answer)
-                # (Read again: a put too big for the store's budget keeps nothing.)
-                broadcast.stored = bool(stored) and self.holds is not None and self.holds(stored)
+                await store(answer)
                 return answer
             controls = request.controls
             return await self.shared_flights.run(
@@ -147,13 +139,11 @@ class Leader:
         probe: Probe | None,
         epoch: int,
         embedding: asyncio.Task[Any] | None = None,
-    ) -> str:
+    ) -> None:
         """Store a complete answer (unless its request or its type's ttl says not to, or an
         invalidation came after its call began: it may predate what was invalidated), in the
         exact cache and, with its prompt's embedding (the probe's, or ``embedding``, begun with
-        the call), in the semantic index: both before the flight ends (read-your-writes).
-        Returns the key it was put under if that is the flight's own (not a shared
-        namespace's), else ""."""
+        the call), in the semantic index: both before the flight ends (read-your-writes)."""
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
         if (
@@ -163,8 +153,7 @@ class Leader:
             or key.key is None
             or epoch != self.flights.epoch
         ):
-            return ""
-        own = key.key if key.shared_key is None else ""
+            return
         if key.shared_key is not None:
             # A shared namespace's requester the upstream had not accepted yet: it just did, so
             # the answer is stored where the others read it.
@@ -175,14 +164,14 @@ class Leader:
         assert key.key is not None  # (checked above; a shared key is one too)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
         if view is None or self.semantic is None:
-            return own
+            return
         vector = probe.vector if probe is not None else None
         if vector is None and embedding is not None:
             try:
                 vector = await embedding  # mostly done: the upstream took longer
             except Exception:
                 log.exception("embedding a prompt for the semantic cache failed")
-                return own
+                return
         insert = self._insert_semantic(
             view, vector, answer, expires, controls.tags, key.namespace, prefix, key.key, epoch
         )
@@ -191,12 +180,11 @@ class Leader:
                 await insert
             except Exception:
                 log.exception("semantic insert failed")
-            return own
+            return
         # No embedding yet (none was begun): off the flight's path, not to delay its clients.
         task = asyncio.get_running_loop().create_task(insert)
         self.background.add(task)
         task.add_done_callback(self._background_done)
-        return own
 
     async def _insert_semantic(
         self,

@@ -14,7 +14,7 @@ CHAT = "/v1/chat/completions"
 
 def flight_clients(served: Any) -> int:
     """Clients on the gateway's flights right now."""
-    return sum(f.clients for f in served.gateway.flights._flights.values())
+    return sum(f.clients for f in served.gateway.flights.running())
 
 
 async def stream(served: Any, path: str, body: dict[str, Any]) -> tuple[httpx.Response, str]:

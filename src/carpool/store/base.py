@@ -87,9 +87,7 @@ class Store(Protocol):
     """A store may also offer ``get_now(key)``: ``get`` without a coroutine, for a store that
     answers in-process (``MemoryStore``); the request's first step is taken before a task
     exists with it (``Gateway.repeat_now``). Such a store's ``put`` never waits either: a
-    flight's clients reply before it stores their answer, in the same turn (``Leader.lead``);
-    and its ``holds(key)`` says whether an answer was stored under ``key``, without reading
-    it (the flight then need not linger: ``flight.py``)."""
+    flight's clients reply before it stores their answer, in the same turn (``Leader.lead``)."""
 
     async def get(self, key: str) -> Entry | None: ...
 
