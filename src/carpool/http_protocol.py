@@ -77,9 +77,10 @@ log = logging.getLogger("carpool.server")
 _ENDPOINTS = frozenset(path.encode("ascii") for path in ENDPOINTS)
 _POST = b"POST"
 _REQUEST_ID = HEADER + b": "
+# uvicorn's 500, after its default headers (``_internal_error``).
 _INTERNAL_ERROR = (
-    STATUS_LINE[500] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
-    b"connection: close\r\n\r\nInternal Server Error"
+    b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 21\r\n"
+    b"\r\nInternal Server Error"
 )
 
 
@@ -306,7 +307,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self.logger.error("Exception in ASGI application\n", exc_info=exc)
             if not cycle.response_started and not cycle.disconnected:
                 cycle.response_started = True
-                self.transport.write(_INTERNAL_ERROR)
+                self.transport.write(self._internal_error())
             self.transport.close()
         finally:
             cycle.on_response = _nothing  # (as uvicorn's: the protocol is not kept by it)
@@ -369,6 +370,13 @@ class GatewayProtocol(HttpToolsProtocol):
         if not cycle.keep_alive:
             self.transport.close()
         cycle.on_response()
+
+    def _internal_error(self) -> bytes:
+        """uvicorn's 500, with its default headers (``server``, ``date``) as it sends them."""
+        head = [STATUS_LINE[500]]
+        for name, value in self.server_state.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        return b"".join(head) + _INTERNAL_ERROR
 
     def _head(
         self, reply: Reply, rid: bytes, body: bytes | None, keep_alive: bool = True
