@@ -42,7 +42,11 @@ Contract:
   body over ``hold_limit`` bytes is handed over at once.
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
   workers, the benchmarks' embedded gateway). Under another server, or another app, the ASGI
-  path serves every request.
+  path serves every request; so it does for an app of the user's wrapped around the gateway's
+  (only uvicorn's own middleware, and wrappers marked ``TRANSPARENT``, are looked through:
+  ``_gateway_app``), which must see every request.
+- Not done here: uvicorn's access log (off under ``carpool serve``, which logs requests itself)
+  has no line for a request answered or served here.
 """
 
 from __future__ import annotations
