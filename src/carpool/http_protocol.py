@@ -45,8 +45,8 @@ Contract:
   path serves every request; so it does for an app of the user's wrapped around the gateway's
   (only uvicorn's own middleware, and wrappers marked ``TRANSPARENT``, are looked through:
   ``_gateway_app``), which must see every request.
-- Not done here: uvicorn's access log (off under ``carpool serve``, which logs requests itself)
-  has no line for a request answered or served here.
+- Not done here: uvicorn's access log (off under ``carpool serve``, which counts requests in
+  ``/stats`` and ``/metrics`` instead) has no line for a request answered or served here.
 """
 
 from __future__ import annotations
