@@ -208,10 +208,10 @@ async def begin_new(records: IdempotencyRecords, key: str = "k", fp: str = FP) -
 
 async def begin_and_die(make: Make, records: IdempotencyRecords, key: str = "k") -> str:
     """A record begun by an owner that dies at once: for Redis, another instance (sharing the
-    server) that closes without settling it, so nothing renews its lease; in process, the same
-    records (whose leases are never renewed)."""
+    server) that closes without settling it, so nothing renews its lease; in process, a task
+    that ends without settling it (while it ran, its lease would not run out)."""
     if not isinstance(records, RedisIdempotencyRecords):
-        return await begin_new(records, key)
+        return await asyncio.create_task(begin_new(records, key))
     owner = make(lease=records.lease)
     token = await begin_new(owner, key)
     await owner.aclose()
@@ -465,12 +465,44 @@ async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
     assert len(records) == 0 and records.bytes == 0
 
 
+async def test_an_in_process_lease_holds_while_its_owners_task_runs_and_then_counts_again() -> None:
+    """In one process an owner cannot die without its task ending, and a stream may outlive
+    any fixed lease: a record's lease does not run out while the task that began it runs
+    (a retry meanwhile is ``processing``, never run again); once that task has ended without
+    settling it, the lease counts from the ``begin`` again."""
+    clock = ManualClock()
+    records = MemoryIdempotencyRecords(60, processing_ttl=1, clock=clock)
+    done, began = asyncio.Event(), asyncio.Event()
+    tokens: list[str] = []
+
+    async def owner() -> None:  # a long stream's request: it begins, then works on
+        tokens.append(await begin_new(records, "long"))
+        began.set()
+        await done.wait()
+
+    running = asyncio.create_task(owner())
+    await began.wait()
+    clock.advance(10)  # ten leases
+    assert (await records.begin("long", FP)).state == "processing"
+    assert await records.wait("long", FP, timeout=0.01) is None  # (times out: no busy loop)
+    assert await records.finish("long", tokens[0], OK) is True
+    assert (await records.begin("long", FP)).response == OK
+    # A task that ends without settling its record (a bug): its lease runs as before.
+    await asyncio.create_task(begin_new(records, "leaked"))
+    assert (await records.begin("leaked", FP)).state == "processing"
+    clock.advance(1)
+    await begin_new(records, "leaked")  # taken over
+    done.set()
+    await running
+
+
 async def test_memory_records_sweep_what_expired() -> None:
     clock = ManualClock()
     records = MemoryIdempotencyRecords(0.05, processing_ttl=0.05, sweep_interval=0, clock=clock)
-    for key in "abc":
-        await begin_new(records, key)
-    await records.finish("c", await begin_new(records, "d"), OK)  # wrong key: refused
+    for key in "abc":  # (each begun by a task that ends: its lease then runs)
+        await asyncio.create_task(begin_new(records, key))
+    d = await asyncio.create_task(begin_new(records, "d"))
+    await records.finish("c", d, OK)  # wrong key: refused
     assert len(records) == 4
     clock.advance(0.05)  # the leases run out
     await begin_new(records, "z")  # sweeps
@@ -635,6 +667,34 @@ async def test_keyed_requests_live_locally_while_redis_is_dead_and_never_rerun_a
         errors = store.errors
         assert await records.finish("before", in_redis, OK) is False
         assert store.errors == errors + 1 and store.pool_exhausted == 0
+    finally:
+        await records.aclose()
+        await store.aclose()
+
+
+async def test_a_key_kept_here_while_redis_could_not_be_read_stands_once_it_answers_again(
+    killable_redis: RedisServer,
+) -> None:
+    """A key run here while Redis was dead, and one whose finish could not reach Redis, have a
+    record only here: once Redis answers again (it knows neither), a retry here is answered
+    from that record (``processing``, then replayed), never run a second time."""
+    store, records = shared_records(killable_redis, retry_interval=0.001)
+    try:
+        in_redis = await begin_new(records, "finish-failed")
+        killable_redis.kill()
+        assert await records.finish("finish-failed", in_redis, OK) is False  # not in Redis
+        assert (await records.begin("finish-failed", FP)).response == OK  # kept here
+        token = await begin_new(records, "run-here")  # Redis fails: run from this process
+        killable_redis.restart()  # empty
+        await eventually(store.usable, what="Redis due for another attempt")
+        await begin_new(records, "probe")  # tried, answered: Redis is up again
+        assert store.health()["state"] == "up"
+        assert (await records.begin("run-here", FP)).state == "processing"  # not "new"
+        assert (await records.begin("run-here", OTHER_FP)).state == "mismatch"
+        assert await records.wait("run-here", FP, timeout=0.01) is None  # (here: still open)
+        assert await records.finish("run-here", token, OK) is True
+        assert (await records.begin("run-here", FP)).response == OK
+        assert (await records.begin("finish-failed", FP)).response == OK  # not run again
     finally:
         await records.aclose()
         await store.aclose()

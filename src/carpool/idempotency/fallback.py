@@ -38,6 +38,11 @@ class FallbackRecords:
     this instance knows: its records begun in Redis and still open are ``processing``, those it
     finished there are replayed (a copy is kept here), others run here; retries on other
     instances then are not protected (stated in docs/idempotency.md).
+
+    A key that has a record here (begun here while Redis could not be read, or a copy of one
+    this instance finished, or tried to finish, in Redis) is answered from it first, whatever
+    Redis says: Redis back, it has no record of a key run here meanwhile, and a key whose
+    finish there failed is free there once its lease runs out.
     """
 
     def __init__(self, shared: IdempotencyRecords, local: MemoryIdempotencyRecords) -> None:
@@ -50,6 +55,9 @@ class FallbackRecords:
         self._open_in_shared: dict[str, tuple[str, str]] = {}
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
+        known = self.local.look(key, fingerprint)
+        if known is not None:
+            return known
         try:
             begin = await self.shared.begin(key, fingerprint)
         except PoolExhausted as exhausted:
@@ -78,14 +86,17 @@ class FallbackRecords:
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
         owner = self._owner(token)
+        failed = False
         try:
             finished = await owner.finish(key, token, response)
         except StoreUnavailable:
-            finished = False
+            finished, failed = False, True
         opened = self._settled(key, token)
-        if finished and opened is not None:
-            # Kept here too: a retry that reaches this instance while Redis cannot be read is
-            # replayed, not run again.
+        if opened is not None and (finished or failed):
+            # Kept here too, and looked up first (``begin``): a retry that reaches this instance
+            # is replayed, not run again, while Redis cannot be read and after; also when this
+            # finish could not reach it (the key's record there runs out with its lease, and a
+            # retry on another instance runs again then).
             local = await self.local.begin(key, opened[1])
             if local.token is not None:
                 await self.local.finish(key, local.token, response)
@@ -106,6 +117,8 @@ class FallbackRecords:
             return False
 
     async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None:
+        if self.local.look(key, fingerprint) is not None:  # (answered from here: ``begin``)
+            return await self.local.wait(key, fingerprint, timeout)
         try:
             return await self.shared.wait(key, fingerprint, timeout)
         except PoolExhausted as exhausted:

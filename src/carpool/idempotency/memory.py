@@ -4,13 +4,21 @@ One process only: a retry that reaches another instance is not protected (with `
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
 swept lazily and the oldest are evicted beyond ``max_records``/``max_bytes`` (``carpool.lru``).
 Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move it).
+
+A PROCESSING record's lease does not run out while the task that began it runs: in one process
+an owner cannot die without its task ending, and a stream may outlive any fixed lease (its
+upstream timeout bounds the gaps between chunks, not the whole). Once that task has ended
+without a ``finish`` or an ``abandon`` (a bug), the lease counts from the ``begin`` (or the
+last ``renew``) as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..lru import LRU
@@ -24,6 +32,7 @@ class _Record:
     expires: float  # monotonic: the lease, then the retention
     response: StoredResponse | None = None  # None while PROCESSING
     changed: asyncio.Event | None = None  # created by the first waiter; set on any change
+    owner: asyncio.Task[Any] | None = None  # the task that began it, while PROCESSING
 
     def wake(self) -> None:
         if self.changed is not None:
@@ -84,11 +93,20 @@ class MemoryIdempotencyRecords:
     async def begin(self, key: str, fingerprint: str) -> Begin:
         now = self._clock.monotonic()
         self._sweep(now)
+        found = self.look(key, fingerprint)
+        if found is not None:
+            return found
+        token = _new_token()
+        owner = asyncio.current_task()
+        self._records.put(key, _Record(fingerprint, token, now + self.processing_ttl, owner=owner))
+        return Begin("new", token)
+
+    def look(self, key: str, fingerprint: str) -> Begin | None:
+        """What ``begin`` would find for a request of ``fingerprint``, without beginning: None
+        when there is no record."""
         record = self._records.peek(key)
         if record is None:
-            token = _new_token()
-            self._records.put(key, _Record(fingerprint, token, now + self.processing_ttl))
-            return Begin("new", token)
+            return None
         if record.fingerprint != fingerprint:
             return Begin("mismatch")
         if record.response is None:
@@ -100,7 +118,7 @@ class MemoryIdempotencyRecords:
         if record is None:
             return False
         self._records.pop(key)  # back in with its response's size, as the newest
-        record.response = _copy(response)
+        record.response, record.owner = _copy(response), None
         record.expires = self._clock.monotonic() + self.retention
         record.wake()
         self._records.put(key, record)  # too large to keep: not stored, the key is free again
@@ -143,7 +161,7 @@ class MemoryIdempotencyRecords:
                 # Wake at the latest when the lease runs out, to see the record gone.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
-                        changed.wait(), max(0.0, min(left, record.expires - now)) + 0.001
+                        changed.wait(), max(0.0, min(left, _expires(record) - now)) + 0.001
                     )
         finally:
             self.waiters -= 1
@@ -177,7 +195,11 @@ def _size(key: str, record: _Record) -> int:
 
 
 def _expires(record: _Record) -> float:
-    return record.expires  # the lease, then the retention (renewed in place)
+    """The lease, then the retention (renewed in place); never while its owner runs still."""
+    owner = record.owner
+    if owner is not None and record.response is None and not owner.done():
+        return math.inf
+    return record.expires
 
 
 def _wake(key: str, record: _Record) -> None:
