@@ -9,6 +9,7 @@ import os
 import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -23,6 +24,7 @@ from carpool.server import create_app
 from carpool.wiring import build_gateway
 from conftest import Served
 from fakes.serving import serve_app
+from fakes.waiting import eventually
 
 
 @dataclass
@@ -56,6 +58,33 @@ async def two_workers(
             yield Pair(Served(url_a, a, client_a), Served(url_b, b, client_b))
         if not b_listens:
             await b.aclose()
+    finally:
+        peers.remove(directory)
+
+
+@contextlib.asynccontextmanager
+async def workers(
+    n: int, upstream_url: str, wrap: Any = None, **settings: object
+) -> AsyncIterator[list[Served]]:
+    """Workers 0..n-1 of one run; ``wrap(i, peers)`` may change worker i's ``Peers`` first."""
+    directory = peers.prepare(n)
+    config = Config(upstreams=[upstream_url], **settings)
+    try:
+        gateways = []
+        for i in range(n):
+            slot = claim(directory, n)
+            assert slot is not None
+            worker = Peers(slot, config)
+            if wrap is not None:
+                wrap(i, worker)
+            gateways.append(build_gateway(config, peers=worker))
+        async with contextlib.AsyncExitStack() as stack:
+            served = []
+            for gateway in gateways:
+                url = await stack.enter_async_context(serve_app(create_app(gateway)))
+                client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+                served.append(Served(url, gateway, client))
+            yield served
     finally:
         peers.remove(directory)
 
@@ -290,3 +319,44 @@ def scope_of_key(gateway: Gateway, idempotency_key: str) -> str:
     body = httpx.Request("POST", "/", json=_chat("Charge my card")).content
     request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 20)
     return scope_of(fingerprint(request, gateway.config, gateway.accepted), idempotency_key)
+
+
+async def test_an_invalidation_is_not_undone_by_the_worker_that_takes_it_last(fake):
+    """Three workers: the key's owner (2) takes an invalidation last; meanwhile worker 1, which
+    took it, asks the owner and keeps its old answer as a hit. The invalidation passes every
+    worker twice: once it has returned, no worker serves the old answer."""
+    gate = asyncio.Event()
+
+    def slow(i: int, worker: Peers) -> None:
+        if i != 2:
+            return
+        listen = worker.listen
+
+        async def gated_listen(app: Any) -> None:
+            async def gated(scope: Any, receive: Any, send: Any) -> None:
+                if scope["type"] == "http" and scope["path"] == "/admin/invalidate":
+                    await gate.wait()
+                await app(scope, receive, send)
+
+            await listen(gated)
+
+        worker.listen = gated_listen  # type: ignore[method-assign]
+
+    admin = {"authorization": "Bearer adm"}
+    async with workers(3, fake.url, wrap=slow, admin_token="adm") as (w0, w1, w2):
+        question = owned_by(w1.gateway, 2)
+        assert (await w2.chat(question)).headers["x-carpool"] == "miss"
+        invalidating = asyncio.create_task(
+            w0.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        )
+        await eventually(lambda: w1.gateway.flights.epoch == 1, what="worker 1 took it")
+        assert w2.gateway.flights.epoch == 0
+        kept = await w1.chat(question)  # asked of the owner, which has not taken it yet
+        assert kept.headers["x-carpool"] == "hit" and "answer 1" in kept.text
+        gate.set()
+        assert (await invalidating).status_code == 200
+        for served in (w1, w2, w0):
+            again = await served.chat(question)
+            assert again.headers["x-carpool"] != "hit" or "answer 2" in again.text
+            assert "answer 1" not in again.text
+        assert fake.count() == 2

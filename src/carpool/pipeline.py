@@ -500,9 +500,13 @@ class Gateway:
         dropped = await admin.invalidate(self.layers, spec)
         if everywhere and self.peers is not None:
             dropped += await self.peers.invalidate(spec)
-            # Again here: a flight begun meanwhile may have stored what a worker not yet
-            # reached still held (its answer predates the invalidation).
+            # Again, here and everywhere: while the workers took it one by one, one that had
+            # may have asked one that had not yet (a key's owner) and kept its old answer.
+            # Once every worker has dropped its own, none holds an old answer to give; this
+            # pass drops what was kept meanwhile, and moves every worker's epoch on again, so
+            # that a call begun before it (with an old answer on its way) is not stored.
             dropped += await admin.invalidate(self.layers, spec)
+            dropped += await self.peers.invalidate(spec)
         return dropped
 
     def snapshot(self) -> dict[str, Any]:
