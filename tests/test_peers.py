@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import os
 import stat
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -233,6 +235,35 @@ async def test_the_meeting_place_is_private(fake):
         assert successor is not None and successor.index == 0
     finally:
         peers.remove(directory)
+
+
+async def test_a_long_temporary_directory_puts_the_meeting_place_in_tmp(monkeypatch, tmp_path):
+    """A socket's path in a long ``TMPDIR`` would not fit a Unix socket's (107 bytes): the
+    directory goes to /tmp, and the workers listen there. A slot's repr hides the secret."""
+    long = tmp_path / ("d" * 100)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    directory = peers.prepare(8)
+    door = PeerServer()
+    try:
+        assert directory.parent == Path("/tmp")
+        slot = claim(directory, 8)
+        assert slot is not None and slot.secret.decode() not in repr(slot)
+
+        async def app(scope, receive, send):
+            pass
+
+        await door.start(app, slot.socket_path(7), 1)  # (the longest of the run's paths)
+        assert slot.socket_path(7).exists()
+    finally:
+        await door.aclose()
+        peers.remove(directory)
+    monkeypatch.undo()
+    short = peers.prepare(2)  # (a short TMPDIR is kept)
+    try:
+        assert short.parent == Path(tempfile.gettempdir())
+    finally:
+        peers.remove(short)
 
 
 async def test_an_owner_that_dies_before_its_first_frame_costs_no_client_anything(fake):

@@ -4,6 +4,8 @@ Contract:
 - ``prepare(count)`` (the parent, ``carpool serve --workers N``): a new directory, readable by
   this user only (0700), holding the run's secret (``secret``, 0600, random): its path goes to
   the workers in ``CARPOOL_PEERS`` (``config.loader.PEERS_VARIABLE``). ``remove`` deletes it when the parent exits.
+  It is made in the temporary directory (``TMPDIR``), or in ``/tmp`` when a socket's path there
+  would be longer than a Unix socket's may be (``MAX_SOCKET_PATH``: 107 bytes on Linux).
 - ``claim(directory, count)`` (each worker, as it starts): the first free index 0..N-1, held by
   an exclusive ``flock`` on ``peer-<i>.lock`` for the process's life. The kernel releases the
   lock of a process that dies, however it dies, so the worker uvicorn starts in its place takes
@@ -21,10 +23,12 @@ import os
 import secrets
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SECRET_FILE = "secret"
+PREFIX = "carpool-peers-"
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (Linux's sun_path, less its NUL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +38,7 @@ class Slot:
     index: int
     count: int
     directory: Path
-    secret: bytes
+    secret: bytes = field(repr=False)
     lock_fd: int  # held open for the process's life: closing it would free the slot
 
     def socket_path(self, index: int) -> Path:
@@ -43,12 +47,22 @@ class Slot:
 
 def prepare(count: int) -> Path:
     """A private directory for ``count`` workers, with a new secret in it."""
-    directory = Path(tempfile.mkdtemp(prefix="carpool-peers-"))  # (mkdtemp: 0700)
+    directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=_parent(count)))  # (mkdtemp: 0700)
     secret = directory / SECRET_FILE
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(secrets.token_urlsafe(32))
     return directory
+
+
+def _parent(count: int) -> str:
+    """Where the directory goes: the temporary directory if the last worker's socket path fits
+    in a Unix socket's (mkdtemp adds 8 characters to the prefix), else ``/tmp``."""
+    parent = tempfile.gettempdir()
+    longest = os.path.join(parent, PREFIX + "x" * 8, f"peer-{count - 1}.sock")
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH and os.path.isdir("/tmp"):
+        return "/tmp"
+    return parent
 
 
 def remove(directory: Path) -> None:
