@@ -391,3 +391,50 @@ async def test_an_invalidation_is_not_undone_by_the_worker_that_takes_it_last(fa
             assert again.headers["x-carpool"] != "hit" or "answer 2" in again.text
             assert "answer 1" not in again.text
         assert fake.count() == 2
+
+
+async def test_a_request_asked_of_the_owner_reaches_it_with_the_clients_own_bytes(fake, tmp_path):
+    """A header value that is not ASCII (a client key written in UTF-8, here accepted by the
+    gateway's own keys) and a query as the client wrote it reach the owner byte for byte: the
+    owner accepts the key, and the upstream sees what it sees when the owner is asked directly.
+    (The peer hop's HTTP client would send the value as UTF-8 of its latin-1 reading, and
+    normalize the query: the owner refused the key with a 401.) A client's own
+    ``x-carpool-peer-raw`` is never passed on."""
+    key = "sk-clé-1"
+    keys = tmp_path / "keys"
+    keys.write_text(key + "\n", encoding="utf-8")
+    sent = key.encode()  # (the client's bytes; the server reads header bytes as latin-1)
+    headers = {"authorization": "Bearer " + sent.decode("latin-1"), "x-carpool-peer-raw": "x"}
+    query = "tag=%7Eone"
+
+    def owned(gateway: Gateway, prefix: str) -> str:
+        assert gateway.peers is not None
+        for i in range(1000):
+            question = f"{prefix} {i}?"
+            body = httpx.Request("POST", "/", json=_chat(question)).content
+            client = ClientRequest("/v1/chat/completions", body, headers, query.encode())
+            found = fingerprint(parse(client, 1 << 20), gateway.config, gateway.accepted).key
+            if found is not None and gateway.peers.owner_of(found) == 1:
+                return question
+        raise AssertionError("no such question")
+
+    async with two_workers(fake.url, auth={"client_keys_file": str(keys)}) as pair:
+
+        async def upstream_saw(served: Served, question: str) -> tuple[str, str]:
+            response = await served.client.post(
+                f"/v1/chat/completions?{query}",
+                content=httpx.Request("POST", "/", json=_chat(question)).content,
+                headers={
+                    "content-type": "application/json",
+                    **{k: v.encode("latin-1") for k, v in headers.items()},
+                },
+            )
+            assert response.status_code == 200, response.text
+            call = fake.calls[-1]
+            assert "x-carpool-peer-raw" not in call.headers
+            return call.headers["authorization"], call.query
+
+        through = await upstream_saw(pair.a, owned(pair.a.gateway, "through"))
+        direct = await upstream_saw(pair.b, owned(pair.a.gateway, "direct"))
+        assert fake.count() == 2 and pair.a.gateway.snapshot()["peer_calls"] == 1
+        assert through == direct and through[1] == query

@@ -8,6 +8,10 @@ Contract:
   header is dropped from the scope either way, so nothing below ever sees it. Any other
   request through this door is served as a client's: the socket sits in a 0700 directory, and
   the secret is the second lock.
+- Header values that are not ASCII come percent-encoded, their names listed in
+  ``x-carpool-peer-raw`` (the asking worker's HTTP client would send them as UTF-8, not as the
+  bytes the client sent): a peer's request gets them back byte for byte. That header too is
+  dropped either way, and read only from a peer.
 - The public port never marks a request as a peer's (``GatewayApp`` reads only the scope key,
   which only this wrapper sets): a client's ``x-carpool-peer`` is never trusted.
 - ``PeerServer``: uvicorn's HTTP protocol (the stack of the public port) on the unix socket,
@@ -20,10 +24,13 @@ import hmac
 import math
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 # The scope key that marks a request as a peer's: set here only.
 PEER = "carpool.peer"
 PEER_HEADER = b"x-carpool-peer"
+# The headers whose values a peer sent percent-encoded (``workers.Peers``), by name.
+RAW_HEADER = b"x-carpool-peer-raw"
 
 
 class PeerApp:
@@ -36,14 +43,19 @@ class PeerApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            given = b""
+            given = raw = b""
             kept = []
             for name, value in scope["headers"]:
                 if name == PEER_HEADER:
                     given = value
+                elif name == RAW_HEADER:
+                    raw = value
                 else:
                     kept.append((name, value))
             trusted = bool(given) and hmac.compare_digest(given, self.secret)
+            if trusted and raw:
+                encoded = set(raw.split(b","))
+                kept = [(n, unquote_to_bytes(v) if n in encoded else v) for n, v in kept]
             scope = {**scope, "headers": kept, PEER: trusted}
             if trusted and self.on_request is not None:
                 self.on_request(scope)

@@ -14,7 +14,9 @@ Contract:
   restarting, or gone before its answer was whole): the caller calls the upstream itself. An
   owner's stream cut short raises ``LeaderLost``, as a Redis follower's does.
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
-  record (the same bytes and headers), its reply relayed as it comes (a stream frame by frame).
+  record (the same bytes and headers: a value that is not ASCII goes percent-encoded and is
+  restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
+  as it comes (a stream frame by frame).
   None: the owner's socket could not be reached (nothing sent); the request runs here. Sent but
   not answered (a timeout, the owner gone mid-way): a 503 with ``Retry-After``, never a run
   here too (the owner may be running it); the retry reaches the owner's record.
@@ -33,9 +35,11 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote_from_bytes
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from ..apis import BY_PATH, Api
 from ..errors import LeaderLost, UpstreamStreamBroken
@@ -44,7 +48,7 @@ from ..outcome import Outcome
 from ..reply import Reply, error_reply
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse
 from ..upstream.http import closer, sse_payloads
-from .server import PEER_HEADER, PeerApp, PeerServer
+from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
 from .slots import Slot
 
 if TYPE_CHECKING:
@@ -56,7 +60,8 @@ log = logging.getLogger("carpool.peers")
 
 # Never sent to a peer: they describe this hop (the body sent may not be the client's), and the
 # peer's secret is set here, never copied from a client.
-_HOP = HOP_BY_HOP | {"accept-encoding", PEER_HEADER.decode()}
+# (A client's own peer headers are never passed on: only this worker sets them.)
+_HOP = HOP_BY_HOP | {"accept-encoding", PEER_HEADER.decode(), RAW_HEADER.decode()}
 _IDEMPOTENCY = frozenset({"idempotency-key", "x-idempotency-key"})
 # Response headers the relaying worker writes itself (its server frames the body, names the
 # request).
@@ -202,7 +207,17 @@ class Peers:
         return dropped if isinstance(dropped, int) else 0
 
     def _headers(self, given: Mapping[str, str], dropped: frozenset[str]) -> dict[str, str]:
-        headers = {name: value for name, value in given.items() if name not in dropped}
+        headers, raw = {}, []
+        for name, value in given.items():
+            if name in dropped:
+                continue
+            if not value.isascii():
+                # (The client's bytes, read as latin-1: sent as they came, not as UTF-8.)
+                value = quote_from_bytes(_bytes_of(value), safe="")
+                raw.append(name)
+            headers[name] = value
+        if raw:
+            headers[RAW_HEADER.decode()] = ",".join(raw)
         headers["accept-encoding"] = "identity"
         headers[PEER_HEADER.decode()] = self._secret
         return headers
@@ -253,9 +268,18 @@ class Peers:
         self._sessions.clear()
 
 
-def _url(path: str, query: str) -> str:
-    # (The host is a placeholder: the connector reaches the worker through its socket.)
-    return "http://worker" + path + ("?" + query if query else "")
+def _url(path: str, query: str) -> URL:
+    # (The host is a placeholder: the connector reaches the worker through its socket. The
+    # query as it came: not normalized, as yarl would, ``%7E`` to ``~``.)
+    return URL("http://worker" + path + ("?" + query if query else ""), encoded=True)
+
+
+def _bytes_of(value: str) -> bytes:
+    """A header value's bytes: read as latin-1 from the client's (the server's), else UTF-8."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape")
 
 
 async def _lost_if_cut(payloads: AsyncIterator[list[bytes]]) -> AsyncIterator[list[bytes]]:
