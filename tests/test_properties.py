@@ -360,6 +360,8 @@ transport = st.dictionaries(
             "tracestate",
             "x-stainless-lang",
             "x-stainless-retry-count",
+            "x-ms-client-request-id",
+            "amz-sdk-request",
             "accept",
             "accept-encoding",
             "content-type",

@@ -389,6 +389,7 @@ async def test_a_forwarded_header_that_may_change_the_answer_is_in_the_key(gw, f
             "user-agent": "other/1.0",
             "traceparent": "00-1-2-01",
             "x-stainless-retry-count": "1",
+            "x-ms-client-request-id": "9f1c",  # (Azure SDKs: one per try)
             "azureml-model-deployment": "tiny",
         },
     )

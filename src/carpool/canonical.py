@@ -41,7 +41,9 @@ EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "re
 # what is served, so part of the key.
 EXCLUDED_BY_KIND = {"responses": frozenset({"stream", "stream_options"})}
 # Request headers that reach the upstream but never change its answer: transport, tracing and
-# client telemetry (the SDKs' ``x-stainless-*``). Any other forwarded header is in the key.
+# client telemetry (the SDKs' ``x-stainless-*``), and the ids and attempt numbers other SDKs give
+# each try of a request (Azure's, AWS's): a retry under an Idempotency-Key is the same request.
+# Any other forwarded header is in the key.
 NEUTRAL_HEADERS = frozenset(
     {
         "user-agent",
@@ -52,6 +54,10 @@ NEUTRAL_HEADERS = frozenset(
         "x-request-id",
         "request-id",
         "x-client-request-id",
+        "x-ms-client-request-id",
+        "amz-sdk-invocation-id",
+        "amz-sdk-request",
+        "x-amz-sdk-invocation-id",
         "x-correlation-id",
         "x-forwarded-for",
         "x-forwarded-proto",
