@@ -12,7 +12,7 @@ import subprocess
 import httpx
 import pytest
 
-from conftest import run_gateway
+from conftest import redis_settings, run_gateway
 from fakes.instances import free_port, serve_env, start_serve
 from fakes.waiting import eventually
 
@@ -115,7 +115,8 @@ async def test_redis_down_every_layer_takes_the_one_way_down_and_back(fake, kill
     """The one fallback, every Redis-backed layer at once: the exact store, flights,
     invalidations, idempotency records and semantic entries all ask and tell the instance's one
     health. Redis killed: every request succeeds from this instance's memory and each instance
-    says degraded, in one degraded period; Redis back: both share through it again."""
+    says degraded, in one degraded period (but an invalidation, done in this instance only: a
+    503 says the answers in Redis were not dropped); Redis back: both share through it again."""
     admin, key = {"Authorization": "Bearer t"}, {"Idempotency-Key": "order-1"}
     async with two_gateways(fake, killable_redis, **semantic_extra()) as (a, b):
         semantic = a.gateway.semantic is not None
@@ -143,8 +144,9 @@ async def test_redis_down_every_layer_takes_the_one_way_down_and_back(fake, kill
             await eventually(lambda: a.gateway.semantic.entries >= 1, what="the local entry")
             paraphrase.append(await a.chat("how can i reset my router"))
 
-        everything = [*repeat, *pair, *keyed, invalidated, after_invalidation, *paraphrase]
+        everything = [*repeat, *pair, *keyed, after_invalidation, *paraphrase]
         assert [r.status_code for r in everything] == [200] * len(everything)
+        assert invalidated.status_code == 503 and "did not reach Redis" in invalidated.text
         assert [r.headers["x-carpool"] for r in repeat] == ["miss", "hit"]
         assert sorted(r.headers["x-carpool"] for r in pair) == ["coalesced", "miss"]
         assert pair[0].json() == pair[1].json()
@@ -191,11 +193,13 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         # Redis down: A answers alone, and the answer lingers in A's own window.
         assert (await a.chat("while down")).headers["x-carpool"] == "miss"
         assert len(a.gateway.flights) == 1
-        # An invalidation on B while Redis is down fails nothing and returns at once.
+        # An invalidation on B while Redis is down returns at once, done in B only: a 503 (the
+        # answers in Redis were not dropped, and may be there again once it answers).
         loop = asyncio.get_running_loop()
         started = loop.time()
         response = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
-        assert response.status_code == 200 and loop.time() - started < 1.0
+        assert response.status_code == 503 and loop.time() - started < 1.0
+        assert response.headers["retry-after"] == "1"
         assert ib.counts["unsent"] == 1 and ib.counts["published"] == 0
         killable_redis.restart()
         await eventually(
@@ -735,3 +739,83 @@ async def test_the_invalidation_subscriber_stops_by_itself_once_its_channel_is_c
         assert not channel.listening
     finally:
         await channel.aclose()
+
+
+# --- the leader's end: stored before its lock goes, not at all once marked stale -------------
+
+
+@contextlib.asynccontextmanager
+async def shared_flights_on(target, **coalesce):
+    """The shared flights as a gateway builds them (``wiring``), on ``target``."""
+    from carpool.config import Config
+    from carpool.wiring import build_shared_flights, build_store
+
+    config = Config(
+        upstreams=["http://127.0.0.1:9/v1"], coalesce=coalesce, **redis_settings(target)
+    )
+    store = build_store(config)
+    flights = build_shared_flights(config, store)
+    assert flights is not None
+    try:
+        yield flights
+    finally:
+        await flights.aclose()
+        await store.aclose()
+
+
+async def test_a_leaders_answer_is_stored_before_its_lock_goes_when_nothing_lingers(redis_server):
+    """Without a window the final record deletes the lock: a request on another instance that
+    finds no lock then must find the answer stored, or it leads a second call. So the store
+    comes first; the lock stays for as long as the store has not returned (its END ran at once
+    beside the store before, and the lock went within a round trip)."""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+    from carpool.redis.flight_protocol import flight_keys
+
+    async with shared_flights_on(redis_server, window_ms=0) as flights:
+        lock, _ = flight_keys(flights.prefix, "k")
+        storing, stored = asyncio.Event(), asyncio.Event()
+
+        async def call(_: Broadcast) -> Answer:
+            return Answer("chat", b"{}", True)
+
+        async def keep(_: Answer) -> None:
+            storing.set()
+            await stored.wait()
+
+        led = asyncio.create_task(flights.run("k", Broadcast(), call, keep))
+        await storing.wait()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.2  # (the old order deleted it within a round trip)
+        while loop.time() < until:
+            assert await flights._client.exists(lock) == 1
+            await asyncio.sleep(0.01)
+        stored.set()
+        await led
+        assert await flights._client.exists(lock) == 0  # no window: gone once ended
+
+
+async def test_a_leader_whose_lock_an_invalidation_marked_does_not_store_its_answer(redis_server):
+    """An invalidation while a call runs (``forget_all`` from any instance marks its lock
+    ``~TOKEN``): its answer may predate what was dropped, so it is not stored; its clients
+    and followers still get it."""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+
+    async with shared_flights_on(redis_server) as flights:
+        kept: list[Answer] = []
+
+        async def call(_: Broadcast) -> Answer:
+            assert await flights.forget_all() == 1  # (an invalidation, meanwhile)
+            return Answer("chat", b"{}", True)
+
+        async def keep(answer: Answer) -> None:
+            kept.append(answer)
+
+        async def plain(_: Broadcast) -> Answer:
+            return Answer("chat", b"{}", True)
+
+        answer = await flights.run("marked", Broadcast(), call, keep)
+        assert answer.body == b"{}" and kept == []
+        await flights.run("unmarked", Broadcast(), plain, keep)
+        assert len(kept) == 1

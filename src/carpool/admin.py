@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import RequestError
-from .store.base import Selector
+from .store.base import Selector, StoreUnavailable
 
 if TYPE_CHECKING:
     from .layers import Layers
@@ -123,11 +123,21 @@ async def invalidate(layers: Layers, spec: Any) -> int:
         layers.flights.forget_all()
         if layers.shared_flights is not None:  # and those of every instance
             await layers.shared_flights.forget_all()
-        dropped = await layers.store.invalidate(selector)
+        missed: StoreUnavailable | None = None
+        try:
+            dropped = await layers.store.invalidate(selector)
+        except StoreUnavailable as error:  # (dropped here; the shared answers stay)
+            dropped, missed = 0, error
         if layers.semantic is not None:
             dropped += await layers.semantic.invalidate(selector)
         if layers.invalidations is not None:  # last: the other instances' windows
             await layers.invalidations.publish()
+        if missed is not None:
+            # Not a success: the answers in Redis were not dropped, and every instance still
+            # serves them. The caller retries (an invalidation may be repeated).
+            raise StoreUnavailable(
+                "the invalidation did not reach Redis: its answers there stay; retry it"
+            ) from missed
         return dropped
     raise RequestError(
         f'invalid selector {name!r}: use "tag", "namespace", "prefix" '

@@ -6,7 +6,8 @@ Contract:
   OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
 - ``POST /admin/invalidate`` ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``:
   ``{"invalidated": n}`` (``admin.invalidate``); with ``--workers N`` and no ``redis``, on every
-  worker (``carpool.peers``), ``n`` counting them all.
+  worker (``carpool.peers``), ``n`` counting them all. With ``redis``, one that did not reach
+  it is a 503 with ``Retry-After`` (done in this process only: the shared answers stay).
 - ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
   that was wrong): the entry is dropped and counts as a wrong hit of its namespace
   (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
@@ -30,6 +31,7 @@ from starlette.routing import Route
 from .errors import BodyTimeout, BodyTooLarge, RequestError
 from .peers import PEER
 from .pipeline import Gateway
+from .store.base import StoreUnavailable
 
 BodyOf = Callable[[HttpRequest], Awaitable[bytes | None]]
 
@@ -71,6 +73,10 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
                 return Response(failure.body(), failure.status, headers=failure.headers())
             except RequestError as failure:
                 return error(400, str(failure), "invalid_request")
+            except StoreUnavailable as failure:  # (not done: say so, the caller retries)
+                response = error(503, str(failure), "store_unavailable", "server_error")
+                response.headers["retry-after"] = "1"
+                return response
 
         return endpoint
 
@@ -109,11 +115,9 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
     ]
 
 
-def error(status: int, message: str, code: str) -> Response:
+def error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> Response:
     return Response(
-        orjson.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-        ),
+        orjson.dumps({"error": {"message": message, "type": kind, "code": code}}),
         status,
         media_type="application/json",
     )

@@ -14,10 +14,13 @@ which coalesces the local flights of every instance:
   MAXLEN ~ ``stream_maxlen``; frames that arrive during a round trip go together in the next
   one) and renews its lock and the stream's expiry every lease/3 while the call runs. Once
   ``call`` has returned, one script adds the final record (the answer or the error:
-  :mod:`.flight_protocol`) and releases the lock, in the same round-trip time as ``store`` (they
-  run at once). Both finish before the local flight ends: once any client has its answer, the
-  answer is stored and every instance sees the call as finished (an invalidation drops its
-  lingering answer; a retry after an error makes a new call).
+  :mod:`.flight_protocol`) and releases the lock: in the same round-trip time as ``store`` when
+  the lock stays for the window with the answer, after it when the lock goes (a request that
+  finds no lock must find the answer stored). Both finish before the local flight ends: once
+  any client has its answer, the answer is stored and every instance sees the call as finished
+  (an invalidation drops its lingering answer; a retry after an error makes a new call). A
+  leader whose lock an invalidation marked stale meanwhile (``forget_all``, from any instance)
+  does not store its answer: it may predate what was dropped.
 - A complete answer of a request that may linger (no ``no-store``) leaves the lock as
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
@@ -287,13 +290,34 @@ class SharedFlights:
             raise
         finally:
             self.leading -= 1
-        # Stored and ended (for the followers) at once; both before the local clients have it.
-        lingers = linger and answer.complete and self.linger_ms > 0
-        await asyncio.gather(
-            store(answer),
-            self._close(publisher, answer_record(answer), self.linger_ms if lingers else 0),
-        )
+        # Stored and ended (for the followers), both before the local clients have it.
+        record = answer_record(answer)
+        if await self._marked_stale(lock, token):
+            # An invalidation came while it ran (``forget_all``, on any instance): its answer
+            # may predate what was dropped, so it is not stored (the followers still get it).
+            await self._close(publisher, record, 0)
+            return answer
+        if linger and answer.complete and self.linger_ms > 0:
+            # At once: the lock stays, with the answer, for the window.
+            await asyncio.gather(store(answer), self._close(publisher, record, self.linger_ms))
+        else:
+            # The store first: once the lock is gone, a request that finds none must find the
+            # answer stored, or it would lead a second call.
+            await store(answer)
+            await self._close(publisher, record, 0)
         return answer
+
+    async def _marked_stale(self, lock: str, token: str) -> bool:
+        """Whether this leader's lock says an invalidation came (``~TOKEN``: ``FORGET``)."""
+        try:
+            with _unavailable("read a flight's lock"):
+                holder = await self._client.get(lock)
+        except StoreUnavailable as error:
+            self._failed(error)
+            return False  # (then its store goes to this process's memory, as any)
+        if isinstance(holder, bytes):
+            holder = holder.decode("utf-8", "replace")
+        return holder == "~" + token
 
     async def _close(self, publisher: _Publisher, record: dict[str, Any], linger_ms: int) -> None:
         """The end of the flight, finished even if the local flight is cancelled meanwhile."""

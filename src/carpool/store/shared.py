@@ -115,13 +115,15 @@ class SharedStore:
         await self.local.put(key, entry)
 
     async def invalidate(self, selector: Selector) -> int:
+        """Here, then in Redis; one that did not reach Redis raises ``StoreUnavailable`` once
+        done here (the answers there stay: the caller must say so, not report success)."""
         dropped = await self.local.invalidate(selector)
         try:
             dropped += await self.redis.invalidate(selector)
         except StoreUnavailable as error:
             self._failed(error)
-        else:
-            self._answered()
+            raise
+        self._answered()
         return dropped
 
     async def aclose(self) -> None:
