@@ -819,3 +819,38 @@ async def test_a_leader_whose_lock_an_invalidation_marked_does_not_store_its_ans
         assert answer.body == b"{}" and kept == []
         await flights.run("unmarked", Broadcast(), plain, keep)
         assert len(kept) == 1
+
+
+async def test_a_leaders_stream_made_again_after_redis_lost_it_still_expires(redis_server):
+    """Redis restarted empty under a streaming call (here: its stream deleted) makes the next
+    frames' XADD create the stream again; it gets an expiry with them, as the first did (its
+    leader may die before its end, whose script sets one too)."""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+    from carpool.redis.flight_protocol import flight_keys
+
+    async with shared_flights_on(redis_server) as flights:
+        client, (_, streams) = flights._client, flight_keys(flights.prefix, "k")
+
+        async def the_stream() -> bytes:
+            for _ in range(500):  # (the publisher flushes within a round trip)
+                found = [key async for key in client.scan_iter(match=streams + "*")]
+                if found and await client.xlen(found[0]) >= 1:
+                    return found[0]
+                await asyncio.sleep(0.01)
+            raise AssertionError("no stream")
+
+        ttls: list[int] = []
+
+        async def call(broadcast: Broadcast) -> Answer:
+            broadcast.publish(b"data: 1\n\n")
+            await client.delete(await the_stream())  # (as a Redis restarted empty)
+            broadcast.publish(b"data: 2\n\n")
+            ttls.append(await client.pttl(await the_stream()))  # before its end's script
+            return Answer("chat", b"{}", True)
+
+        async def keep(_: Answer) -> None:
+            pass
+
+        await flights.run("k", Broadcast(), call, keep)
+        assert ttls[0] > 0

@@ -438,8 +438,10 @@ class _Publisher:
             if index == usage:
                 fields["u"] = 1
             pipe.xadd(self.stream, fields, maxlen=flights.maxlen, approximate=True)
-        if not start:  # the stream exists from now on: it must expire if we die
-            pipe.pexpire(self.stream, 2 * flights.lease_ms)
+        # Every batch, not the first only: the stream must expire if we die, and one that Redis
+        # lost (restarted empty) is made again by the XADD, without an expiry, and the renewal
+        # stops with the lock lost with it (a review found such streams left for ever).
+        pipe.pexpire(self.stream, 2 * flights.lease_ms)
         self.sent = end
         try:
             with _unavailable("publish frames"):
