@@ -779,9 +779,10 @@ async def test_a_leaders_answer_is_stored_before_its_lock_goes_when_nothing_ling
         async def call(_: Broadcast) -> Answer:
             return Answer("chat", b"{}", True)
 
-        async def keep(_: Answer) -> None:
+        async def keep(_: Answer) -> str:
             storing.set()
             await stored.wait()
+            return ""
 
         led = asyncio.create_task(flights.run("k", Broadcast(), call, keep))
         await storing.wait()
@@ -809,8 +810,9 @@ async def test_a_leader_whose_lock_an_invalidation_marked_does_not_store_its_ans
             assert await flights.forget_all() == 1  # (an invalidation, meanwhile)
             return Answer("chat", b"{}", True)
 
-        async def keep(answer: Answer) -> None:
+        async def keep(answer: Answer) -> str:
             kept.append(answer)
+            return "stored-key"
 
         async def plain(_: Broadcast) -> Answer:
             return Answer("chat", b"{}", True)
@@ -849,8 +851,40 @@ async def test_a_leaders_stream_made_again_after_redis_lost_it_still_expires(red
             ttls.append(await client.pttl(await the_stream()))  # before its end's script
             return Answer("chat", b"{}", True)
 
-        async def keep(_: Answer) -> None:
-            pass
+        async def keep(_: Answer) -> str:
+            return ""
 
         await flights.run("k", Broadcast(), call, keep)
         assert ttls[0] > 0
+
+
+@pytest.mark.parametrize("window_ms", [0, 1000])
+async def test_a_leader_marked_while_it_stored_takes_its_answer_back(redis_server, window_ms):
+    """The mark of an invalidation that came after the leader read its lock, while it stored
+    (that invalidation may have dropped its entries before this store landed): read again
+    once stored, the lock is marked, or gone (its end dropped a marked lock), and the answer
+    is taken back (``forget``, with the key it was stored under). Without one, nothing is."""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+
+    async with shared_flights_on(redis_server, window_ms=window_ms) as flights:
+        taken_back: list[str] = []
+
+        async def call(_: Broadcast) -> Answer:
+            return Answer("chat", b"{}", True)
+
+        async def forget(key: str) -> bool:
+            taken_back.append(key)
+            return True
+
+        async def marked_meanwhile(_: Answer) -> str:
+            assert await flights.forget_all() == 1  # (an invalidation, during the store)
+            return "stored-key"
+
+        async def quietly(_: Answer) -> str:
+            return "other-key"
+
+        await flights.run("a", Broadcast(), call, marked_meanwhile, forget=forget)
+        assert taken_back == ["stored-key"]
+        await flights.run("b", Broadcast(), call, quietly, forget=forget)
+        assert taken_back == ["stored-key"]

@@ -125,6 +125,7 @@ class Leader:
                 store,
                 max_age=controls.max_age if controls.may_read else 0,
                 linger=not controls.no_store,
+                forget=self.store.forget,
             )
         finally:
             if embedding is not None:  # not stored (a failure, a follower)
@@ -139,11 +140,13 @@ class Leader:
         probe: Probe | None,
         epoch: int,
         embedding: asyncio.Task[Any] | None = None,
-    ) -> None:
+    ) -> str:
         """Store a complete answer (unless its request or its type's ttl says not to, or an
         invalidation came after its call began: it may predate what was invalidated), in the
         exact cache and, with its prompt's embedding (the probe's, or ``embedding``, begun with
-        the call), in the semantic index: both before the flight ends (read-your-writes)."""
+        the call), in the semantic index: both before the flight ends (read-your-writes).
+        Returns the exact cache's key it was put under ("": none), for a shared flight to take
+        it back (``redis/flights.py``)."""
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
         if (
@@ -153,7 +156,7 @@ class Leader:
             or key.key is None
             or epoch != self.flights.epoch
         ):
-            return
+            return ""
         if key.shared_key is not None:
             # A shared namespace's requester the upstream had not accepted yet: it just did, so
             # the answer is stored where the others read it.
@@ -164,14 +167,14 @@ class Leader:
         assert key.key is not None  # (checked above; a shared key is one too)
         await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
         if view is None or self.semantic is None:
-            return
+            return key.key
         vector = probe.vector if probe is not None else None
         if vector is None and embedding is not None:
             try:
                 vector = await embedding  # mostly done: the upstream took longer
             except Exception:
                 log.exception("embedding a prompt for the semantic cache failed")
-                return
+                return key.key
         insert = self._insert_semantic(
             view, vector, answer, expires, controls.tags, key.namespace, prefix, key.key, epoch
         )
@@ -180,11 +183,12 @@ class Leader:
                 await insert
             except Exception:
                 log.exception("semantic insert failed")
-            return
+            return key.key
         # No embedding yet (none was begun): off the flight's path, not to delay its clients.
         task = asyncio.get_running_loop().create_task(insert)
         self.background.add(task)
         task.add_done_callback(self._background_done)
+        return key.key
 
     async def _insert_semantic(
         self,

@@ -188,6 +188,20 @@ async def test_an_answer_that_did_not_stream_has_no_frames(store: Store) -> None
         assert got is not None and got.answer.frames == frames
 
 
+async def test_forget_drops_one_keys_entry_and_says_whether_there_was_one(store: Store) -> None:
+    """``forget(key)``: a shared flight takes back what it stored when an invalidation came
+    (``redis/flights.py``). Another key's entry stays; a key with none says so."""
+    fingerprint = "0123456789abcdef0123456789abcdef"
+    twin = "f" + fingerprint[1:]  # (another key, the same last 60 bits in the memory store)
+    await store.put(fingerprint, entry(b"one"))
+    await store.put("other", entry(b"two"))
+    assert await store.forget(twin) is False
+    assert await store.forget(fingerprint) is True
+    assert await store.get(fingerprint) is None and await store.forget(fingerprint) is False
+    got = await store.get("other")
+    assert got is not None and got.answer.body == b"two" and store.entries == 1
+
+
 async def test_a_miss_returns_none(store: Store) -> None:
     assert await store.get("0123456789abcdef0123456789abcdef") is None
     assert await store.get("never put") is None

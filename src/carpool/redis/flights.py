@@ -20,7 +20,10 @@ which coalesces the local flights of every instance:
   any client has its answer, the answer is stored and every instance sees the call as finished
   (an invalidation drops its lingering answer; a retry after an error makes a new call). A
   leader whose lock an invalidation marked stale meanwhile (``forget_all``, from any instance)
-  does not store its answer: it may predate what was dropped.
+  does not store its answer: it may predate what was dropped. It reads its lock again once
+  stored, and a mark then (or the lock gone) takes the answer back (``forget``): an
+  invalidation marks the locks before it drops the entries, so a store lands before that drop
+  or is read back marked.
 - A complete answer of a request that may linger (no ``no-store``) leaves the lock as
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
@@ -103,7 +106,9 @@ __all__ = ["SharedFlights"]
 log = logging.getLogger("carpool.flight")
 
 Call = Callable[[Broadcast], Awaitable[Answer]]
-Store = Callable[[Answer], Awaitable[object]]
+# The leader's store: the key it put the answer under ("" if none); the key taken back.
+Store = Callable[[Answer], Awaitable[str]]
+Forget = Callable[[str], Awaitable[object]]
 
 MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
 
@@ -215,6 +220,7 @@ class SharedFlights:
         *,
         max_age: float | None = None,
         linger: bool = True,
+        forget: Forget | None = None,
     ) -> Answer:
         """The answer for ``key``: led here (``call`` runs, its output is shared, ``store``
         keeps it), followed from the instance that leads it (which stores it), or (Redis
@@ -222,7 +228,8 @@ class SharedFlights:
 
         ``max_age``: how long ago a finished call may have ended to be replayed (None: within
         the window; 0: only a call still running is joined). ``linger``: whether this
-        instance's answer may be replayed once finished (False for ``no-store``).
+        instance's answer may be replayed once finished (False for ``no-store``). ``forget``:
+        takes back what ``store`` stored (the key it returned), when an invalidation came.
         """
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
@@ -241,7 +248,7 @@ class SharedFlights:
             if reply[0] == b"lead":
                 self.counts["takeovers" if attempt else "led"] += 1
                 return await self._lead(
-                    lock, streams + token, token, broadcast, call, store, linger
+                    lock, streams + token, token, broadcast, call, store, linger, forget
                 )
             if reply[0] == b"alone":  # the call running began before an invalidation
                 break
@@ -271,6 +278,7 @@ class SharedFlights:
         call: Call,
         store: Store,
         linger: bool,
+        forget: Forget | None = None,
     ) -> Answer:
         publisher = _Publisher(self, lock, stream, token, broadcast)
         self.leading += 1
@@ -297,27 +305,52 @@ class SharedFlights:
             # may predate what was dropped, so it is not stored (the followers still get it).
             await self._close(publisher, record, 0)
             return answer
-        if linger and answer.complete and self.linger_ms > 0:
+        lingers = linger and answer.complete and self.linger_ms > 0
+        if lingers:
             # At once: the lock stays, with the answer, for the window.
-            await asyncio.gather(store(answer), self._close(publisher, record, self.linger_ms))
+            stored, _ = await asyncio.gather(
+                store(answer), self._close(publisher, record, self.linger_ms)
+            )
         else:
             # The store first: once the lock is gone, a request that finds none must find the
             # answer stored, or it would lead a second call.
-            await store(answer)
+            stored = await store(answer)
+        # Read again once stored: an invalidation whose mark came after the read above (its
+        # entries dropped before this store landed, perhaps) finds the lock marked now, or
+        # gone (the end drops a marked lock; an invalidation drops a lingering one). Either
+        # way the answer is taken back; a mark that comes later comes before that
+        # invalidation drops its entries, this one among them.
+        if stored and forget is not None and not await self._fresh(lock, token, lingers):
+            await forget(stored)
+        if not lingers:
             await self._close(publisher, record, 0)
         return answer
 
     async def _marked_stale(self, lock: str, token: str) -> bool:
         """Whether this leader's lock says an invalidation came (``~TOKEN``: ``FORGET``)."""
+        read, holder = await self._holder(lock)
+        return read and holder == "~" + token
+
+    async def _fresh(self, lock: str, token: str, ended: bool) -> bool:
+        """Whether this leader's lock is as no invalidation left it: still its own, running,
+        or (``ended``: its end ran) lingering with its answer. A Redis failure says yes (its
+        store went to this process's memory then, as any)."""
+        read, holder = await self._holder(lock)
+        if not read:
+            return True
+        if holder is None:
+            return False
+        return holder == token or (ended and holder.startswith(f"={token}:"))
+
+    async def _holder(self, lock: str) -> tuple[bool, str | None]:
+        """(whether Redis answered, the lock's value: None when there is no lock)."""
         try:
             with _unavailable("read a flight's lock"):
                 holder = await self._client.get(lock)
         except StoreUnavailable as error:
             self._failed(error)
-            return False  # (then its store goes to this process's memory, as any)
-        if isinstance(holder, bytes):
-            holder = holder.decode("utf-8", "replace")
-        return holder == "~" + token
+            return False, None
+        return True, holder.decode("utf-8", "replace") if isinstance(holder, bytes) else holder
 
     async def _close(self, publisher: _Publisher, record: dict[str, Any], linger_ms: int) -> None:
         """The end of the flight, finished even if the local flight is cancelled meanwhile."""

@@ -151,6 +151,11 @@ class RedisStore:
             _, counts = await pipe.execute()
         self._counted(counts)
 
+    async def forget(self, key: str) -> bool:
+        """Drop ``key``'s entry; whether there was one."""
+        with _unavailable("forget an entry"):
+            return await self._drop([self.key_id(key)]) == 1
+
     async def invalidate(self, selector: Selector) -> int:
         with _unavailable("invalidate"):
             if selector.everything:

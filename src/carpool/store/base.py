@@ -95,6 +95,11 @@ class Store(Protocol):
 
     async def invalidate(self, selector: Selector) -> int: ...
 
+    async def forget(self, key: str) -> bool:
+        """Drop ``key``'s entry; whether there was one (a call whose answer may predate an
+        invalidation takes back what it stored: ``redis/flights.py``)."""
+        ...
+
     @property
     def entries(self) -> int: ...
 

@@ -218,6 +218,13 @@ class MemoryStore:
         # (Not another key's, sharing this one's last 60 bits.)
         return blob is not None and packed.has_tail(blob, _rest(key, place))
 
+    async def forget(self, key: str) -> bool:
+        """Drop ``key``'s entry (not another key's sharing its place); whether there was one."""
+        if not self.holds(key):
+            return False
+        self._forget(_place(key))
+        return True
+
     async def put(self, key: str, entry: Entry) -> None:
         place = _place(key)
         self._forget(place)

@@ -114,6 +114,18 @@ class SharedStore:
                 return
         await self.local.put(key, entry)
 
+    async def forget(self, key: str) -> bool:
+        """``key``'s entry dropped here and in Redis (a failure there is reported, not raised:
+        its entry may stay until its TTL); whether one was."""
+        dropped = await self.local.forget(key)
+        try:
+            dropped = await self.redis.forget(key) or dropped
+        except StoreUnavailable as error:
+            self._failed(error)
+        else:
+            self._answered()
+        return dropped
+
     async def invalidate(self, selector: Selector) -> int:
         """Here, then in Redis; one that did not reach Redis raises ``StoreUnavailable`` once
         done here (the answers there stay: the caller must say so, not report success)."""
