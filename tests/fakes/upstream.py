@@ -231,8 +231,10 @@ def _text_of(content: Any) -> str:
     return str(content)
 
 
-def _count_words(text: str) -> int:
-    return len(text.split())
+def _count_words(text: object) -> int:
+    # (Anything the fuzzer sends: an engine counts what it reads, and a fake must not answer
+    # a 500 of its own, which the gateway would pass on.)
+    return len(text.split()) if isinstance(text, str) else len(str(text).split())
 
 
 def _hash_vector(item: Any, dims: int) -> list[float]:
