@@ -50,6 +50,7 @@ import logging
 import time
 from array import array
 from collections.abc import Awaitable, Callable
+from typing import TypeGuard
 
 from .answer import Answer
 from .broadcast import Broadcast
@@ -192,19 +193,19 @@ class FlightGroup:
 
     def running(self) -> list[Flight]:
         """The flights whose call is in progress (not the finished ones lingering)."""
-        return [f for f in self._flights.values() if type(f) is Flight and f.finished_at is None]
+        return [held for held in self._flights.values() if _running(held)]
 
     def get(self, key: str) -> Flight | None:
         """The flight for ``key``: running, or finished and lingering (made again)."""
         held = self._flights.get(key)
-        if held is None or (type(held) is Flight and held.finished_at is None):
+        if held is None or _running(held):
             return held
         return self._lingering(key, held, self.clock.monotonic())
 
     def joinable(self, key: str, max_age: float | None = None) -> bool:
         """Whether ``acquire`` with this ``max_age`` would join a flight rather than lead one."""
         held = self._flights.get(key)
-        if held is None or (type(held) is Flight and held.finished_at is None):
+        if held is None or _running(held):
             return held is not None
         now = self.clock.monotonic()
         until, finished_at = _window_of(held)
@@ -232,7 +233,7 @@ class FlightGroup:
         """
         held = self._flights.get(key)
         leader = False
-        if type(held) is Flight and held.finished_at is None:
+        if _running(held):
             flight: Flight | None = held
         else:
             # No call running for the key: lead one, or join the answer lingering in its window.
@@ -267,7 +268,6 @@ class FlightGroup:
         is still the key's: then the timer frees it."""
         if self._flights.get(flight.key) is not flight:
             return  # (forgotten meanwhile: nobody may join it)
-        flight.lingers_until = until
         self._flights[flight.key] = _lingering_record(flight, answer, until)
         heapq.heappush(self._ends, (until, next(self._order), flight.key))
         if self._timer is None or until < self._timer_at:
@@ -292,9 +292,8 @@ class FlightGroup:
             key = heapq.heappop(ends)[2]
             held = self._flights.get(key)
             # (Not a flight running for the key since, nor one lingering for a later window.)
-            if held is not None and not (type(held) is Flight and held.finished_at is None):
-                if _window_of(held)[0] <= now:
-                    del self._flights[key]
+            if held is not None and not _running(held) and _window_of(held)[0] <= now:
+                del self._flights[key]
         if ends:
             self._arm(ends[0][0], now)
 
@@ -362,6 +361,11 @@ class FlightGroup:
             self._linger(flight, answer, now + window, now)
         else:
             self.forget(flight.key, flight)
+
+
+def _running(held: Flight | Lingering | None) -> TypeGuard[Flight]:
+    """Whether ``held`` is a flight whose call is in progress (not one finished, in any form)."""
+    return type(held) is Flight and held.finished_at is None
 
 
 def _window_of(held: Flight | Lingering) -> tuple[float, float]:
