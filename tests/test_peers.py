@@ -438,3 +438,15 @@ async def test_a_request_asked_of_the_owner_reaches_it_with_the_clients_own_byte
         direct = await upstream_saw(pair.b, owned(pair.a.gateway, "direct"))
         assert fake.count() == 2 and pair.a.gateway.snapshot()["peer_calls"] == 1
         assert through == direct and through[1] == query
+
+
+async def test_a_clients_own_peer_raw_header_is_never_honoured_by_the_owner(fake):
+    """``x-carpool-peer-raw`` names the headers the asking worker percent-encoded; one a client
+    sends is dropped before the hop, so the owner decodes nothing of the client's choosing (its
+    ``x-custom: a%41`` reaches the upstream as sent, not as ``aA``)."""
+    headers = {"x-carpool-peer-raw": "x-custom", "x-custom": "a%41"}
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1, headers=headers)
+        response = await pair.a.chat(question, headers=headers)
+        assert response.status_code == 200 and pair.a.gateway.snapshot()["peer_calls"] == 1
+        assert fake.calls[-1].headers["x-custom"] == "a%41"
