@@ -349,7 +349,8 @@ def scope_of_key(gateway: Gateway, idempotency_key: str) -> str:
 
     body = httpx.Request("POST", "/", json=_chat("Charge my card")).content
     request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 20)
-    return scope_of(fingerprint(request, gateway.config, gateway.accepted), idempotency_key)
+    key = fingerprint(request, gateway.config, gateway.accepted)
+    return scope_of(key, idempotency_key, request, gateway.config)
 
 
 async def test_an_invalidation_is_not_undone_by_the_worker_that_takes_it_last(fake):

@@ -19,7 +19,17 @@ from carpool.answer import Answer
 from carpool.store import Entry
 from fakes.waiting import eventually
 
-CREDENTIALS = ["authorization", "api-key", "x-api-key", "openai-organization", "openai-project"]
+CREDENTIALS = [
+    "authorization",
+    "api-key",
+    "x-api-key",
+    "openai-organization",
+    "openai-project",
+    "x-goog-api-key",
+    "cf-aig-authorization",
+    "cf-access-client-id",
+    "cf-access-client-secret",
+]
 ADMIN = "admin-token"
 PROPERTY = settings(
     max_examples=25,
@@ -77,6 +87,47 @@ async def test_an_idempotency_key_is_scoped_by_every_credential(gw, fake):
     assert replay.headers.get("idempotent-replayed") == "true" and text(replay) == text(first)
     assert "idempotent-replayed" not in other.headers and text(other) != text(first)
     assert fake.count() == 2
+
+
+@pytest.mark.parametrize("name", ["cf-aig-authorization", "cf-new-token", "x-vendor-key"])
+async def test_a_header_of_a_family_carpool_does_not_know_all_of_is_never_neutral(gw, fake, name):
+    # Cloudflare's cf- headers are tracing and credentials both: only the tracing ones, by name,
+    # leave the key; a credential carpool does not know by name stays in it.
+    first = await gw.chat("cf", headers={name: "Bearer GOOD"})
+    second = await gw.chat("cf", headers={name: "Bearer WRONG"})
+    assert second.headers["x-carpool"] == "miss" and text(first) != text(second)
+    assert (await gw.chat("cf", headers={name: "Bearer GOOD", "cf-ray": "8a1"})).headers[
+        "x-carpool"
+    ] == "hit"
+    assert fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("path_a", "path_b", "headers_a", "headers_b"),
+    [
+        ("?key=KEY-OF-A", "?key=KEY-OF-B", {}, {}),
+        ("", "", {"cookie": "session=A"}, {"cookie": "session=B"}),
+    ],
+)
+async def test_an_idempotency_key_is_scoped_by_a_query_key_and_a_cookie_too(
+    gw, fake, path_a, path_b, headers_a, headers_b
+):
+    # Credentials the tenant does not read by name: two clients told apart only by them must not
+    # meet on one record (the second got a 422, judged against the first's request).
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "pay"}]}
+    key = {"idempotency-key": "order-1"}
+    a = await gw.client.post(
+        f"/v1/chat/completions{path_a}", json=body, headers={**key, **headers_a}
+    )
+    b = await gw.client.post(
+        f"/v1/chat/completions{path_b}", json=body, headers={**key, **headers_b}
+    )
+    again = await gw.client.post(
+        f"/v1/chat/completions{path_a}", json=body, headers={**key, **headers_a}
+    )
+    assert b.status_code == 200 and "idempotent-replayed" not in b.headers
+    assert text(a) != text(b) and text(again) == text(a)
+    assert again.headers["idempotent-replayed"] == "true" and fake.count() == 2
 
 
 async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, gateway_with):

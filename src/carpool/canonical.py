@@ -75,9 +75,20 @@ NEUTRAL_HEADERS = frozenset(
         "x-cloud-trace-context",
         "cdn-loop",
         "true-client-ip",
+        # Cloudflare's tracing and geography, by name: its ``cf-`` headers are not all neutral
+        # (``cf-aig-authorization``, ``cf-access-client-secret`` are credentials).
+        "cf-ray",
+        "cf-connecting-ip",
+        "cf-connecting-ipv6",
+        "cf-ipcountry",
+        "cf-visitor",
+        "cf-worker",
+        "cf-ew-via",
     }
 )
-NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-", "cf-")
+# Prefixes of header families that are telemetry only; a family that may also carry a
+# credential is never named here by its prefix.
+NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-")
 KEY_VERSION = 2
 # A request carrying one must be checked against its record first (idempotency.parse_key).
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})

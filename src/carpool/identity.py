@@ -3,7 +3,8 @@
 Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
 - The tenant is a digest of the values of *every* credential header the client sent, by name:
   ``Authorization`` (OpenAI, vLLM, SGLang...), ``api-key`` (Azure OpenAI), ``x-api-key``
-  (Anthropic-style), ``OpenAI-Organization`` and ``OpenAI-Project`` by default
+  (Anthropic-style), ``OpenAI-Organization``, ``OpenAI-Project``, ``x-goog-api-key`` and
+  Cloudflare's gateway and access tokens by default
   (``tenant.header`` plus ``tenant.credential_headers``). Two requests are the same tenant only if
   they present the same value for each of them, and the same absent ones: a wrong ``api-key``
   beside no ``Authorization`` is not the tenant of a right one. The digest is keyed and

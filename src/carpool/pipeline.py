@@ -176,7 +176,7 @@ class Gateway:
             # Among workers (``carpool.peers``), a key's record lives with the worker that owns
             # its scope: the request runs there, whole, wherever its retries land.
             owner = (
-                self.peers.owner_of(scope_of(key, idempotency_key))
+                self.peers.owner_of(scope_of(key, idempotency_key, request, self.config))
                 if self.peers is not None and not client.peer
                 else None
             )

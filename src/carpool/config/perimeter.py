@@ -31,11 +31,16 @@ class TenantConfig(Section):
             "x-api-key",
             "OpenAI-Organization",
             "OpenAI-Project",
+            "x-goog-api-key",
+            "cf-aig-authorization",
+            "cf-access-client-id",
+            "cf-access-client-secret",
         ],
         description="Every request header that carries a credential or selects the account an "
         "upstream bills (OpenAI's `Authorization`, Azure's `api-key`, Anthropic-style "
-        "`x-api-key`, OpenAI's organization and project): all of them, with `header`, make the "
-        "tenant. Remove one only if the upstream never reads it.",
+        "`x-api-key`, OpenAI's organization and project, Google's `x-goog-api-key`, "
+        "Cloudflare AI Gateway's and Cloudflare Access's tokens): all of them, with `header`, "
+        "make the tenant. Remove one only if the upstream never reads it.",
     )
     shared_namespaces: list[str] = Field(
         default_factory=list,

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import orjson
 
+from ..canonical import names_of, varying_headers
 from ..config import Config
 from ..errors import UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
@@ -57,9 +59,20 @@ from .records import IdempotencyRecords, StoredResponse
 Answering = Callable[[ClientRequest, Request, Fingerprint, str], Awaitable[Reply]]
 
 
-def scope_of(key: Fingerprint, idempotency_key: str) -> str:
-    """The record's scope: the requester's own tenant, then the raw key."""
-    return f"{key.owner}\n{idempotency_key}"
+def scope_of(key: Fingerprint, idempotency_key: str, request: Request, config: Config) -> str:
+    """The record's scope: the requester's own tenant, then the raw key.
+
+    A client may also present a credential the tenant does not read: a key in the query string
+    (``?key=``), a cookie, any forwarded header that is not neutral. Those are in the scope too
+    (as a digest): two clients told apart only by them would otherwise meet on one record, one
+    blocking the other with a 409 or 422, or (a header that carries a credential) replaying the
+    other's answer.
+    """
+    extra = (request.query, varying_headers(request.headers, names_of(config.tenant)))
+    if extra == ("", ()):
+        return f"{key.owner}\n{idempotency_key}"
+    presented = hashlib.blake2b(orjson.dumps(extra), digest_size=8).hexdigest()
+    return f"{key.owner}:{presented}\n{idempotency_key}"
 
 
 class AtMostOnce:
@@ -95,7 +108,10 @@ class AtMostOnce:
         retry runs again. A replay comes in the retry's format, or is a 422 (``replay_as``).
         """
         records = self.records
-        scoped, digest = scope_of(key, idempotency_key), request_digest(request, key, self.config)
+        scoped, digest = (
+            scope_of(key, idempotency_key, request, self.config),
+            request_digest(request, key, self.config),
+        )
         try:
             begin = await records.begin(scoped, digest)
             if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
