@@ -129,6 +129,46 @@ def test_the_upstream_key_may_come_from_the_environment(monkeypatch):
         Config(upstream={"api_key": "${CARPOOL_TEST_UPSTREAM_KEY}"})
 
 
+@pytest.mark.parametrize("value", ["", "  ", "${CARPOOL_TEST_EMPTY_KEY}"])
+def test_an_empty_held_key_is_a_config_error_never_no_key(monkeypatch, value):
+    # An empty key would mean "no key held": the clients' own credentials (keys the gateway
+    # issued) would then go upstream, and pass-through would reach every path.
+    monkeypatch.setenv("CARPOOL_TEST_EMPTY_KEY", "")
+    for section in ({"upstream": {"api_key": value}}, {"upstream": {"api_keys": [value]}}):
+        with pytest.raises(ConfigError, match="upstream.api_key"):
+            Config.load(env={}, overrides={"upstreams": ["http://127.0.0.1:9/v1"], **section})
+    with pytest.raises(ConfigError, match="semantic.judge.api_key"):
+        Config.load(env={}, overrides={"semantic": {"judge": {"api_key": value}}})
+
+
+def test_a_config_error_never_shows_a_secret(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        'upstreams: ["https://svc:UPSTREAM-PASSWORD@llm.internal/v1"]\n'
+        'redis: "redis://:REDIS-PASSWORD@cache:6379/0"\n'
+        "admin_token: ADMIN-TOKEN-SECRET\n"
+        'upstream: {api_keys: ["sk-LIVE-ONE", "sk-LIVE-TWO"]}\n'
+    )
+    bad_fields = [
+        {"upstream": {"api_keys": "sk-LIVE-ONE"}},  # a string where a list belongs
+        {"admin_token": ["ADMIN-TOKEN-SECRET"]},
+        {"upstreams": ["ftp://svc:UPSTREAM-PASSWORD@llm.internal/v1"]},
+        {"redis": "redis://:REDIS-PASSWORD@[::1/0"},
+    ]
+    messages = []
+    with pytest.raises(ConfigError) as raised:  # (top level: two keys for one upstream)
+        Config.load(path, env={})
+    messages.append(str(raised.value))
+    for overrides in bad_fields:
+        with pytest.raises(ConfigError) as raised:
+            Config.load(env={}, overrides=overrides)
+        messages.append(str(raised.value))
+    for message in messages:
+        assert "invalid config" in message
+        for secret in ("PASSWORD", "ADMIN-TOKEN", "sk-LIVE"):
+            assert secret not in message, message
+
+
 def test_check_config_names_an_unset_key_variable(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("upstream:\n  api_key: ${CARPOOL_SURELY_UNSET_VARIABLE}\n")

@@ -42,12 +42,28 @@ def test_flags_override_environment_override_file(tmp_path):
         ({"cache": {"max_bytes": -1}}, "cache.max_bytes"),
         ({"coalesce": {"window_msec": 5}}, "coalesce.window_msec"),
         ({"upstreams": ["localhost:8000"]}, "upstreams"),
+        # What serve would fail on later, refused when the config loads (check-config too).
+        ({"upstreams": ["http://llm:99999/v1"]}, "upstreams"),
+        ({"upstreams": ["http://svc:pw@/v1"]}, "upstreams"),
+        ({"upstreams": ["http://[::1/v1"]}, "upstreams"),
+        ({"upstreams": ["http://"]}, "upstreams"),
+        ({"redis": "redis://[::1:6379/0"}, "redis"),
+        ({"redis": "http://cache:6379"}, "redis"),
+        ({"semantic": {"judge": {"url": "judge:8000/v1"}}}, "semantic.judge.url"),
+        ({"cache": {"types": {"Realtime": {"ttl": 5}, "realtime": {"ttl": 6}}}}, "cache.types"),
     ],
 )
 def test_a_bad_value_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as raised:
         Config.load(env={}, overrides=overrides)
     assert field in str(raised.value)
+
+
+def test_a_request_types_policy_applies_whatever_the_case_of_its_key():
+    # A request's type is read lower-cased (x-carpool-type: Realtime is realtime): a key given
+    # as Realtime must be that type's policy, not one that never applies.
+    config = Config.load(env={}, overrides={"cache": {"types": {"Realtime": {"ttl": 5}}}})
+    assert config.ttl_for("realtime") == 5 and "Realtime" not in config.cache.types
 
 
 def test_ttl_for_a_type_falls_back_to_the_default():

@@ -30,12 +30,12 @@ from .commands.common import (
     install_hint,
     load_config,
     missing_extra,
-    without_credentials,
 )
 from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config
+from .config.urls import without_credentials
 from .logs import configure as configure_logging
 
 

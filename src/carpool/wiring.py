@@ -335,7 +335,7 @@ def build_judge(
         server = HttpUpstream(settings.url, config.limits, name="judge")
         send, closing = server.send, server.aclose
     return Judge(
-        asking(send, settings.api_key),
+        asking(send, None if settings.api_key is None else settings.api_key.get_secret_value()),
         model=settings.model,
         timeout=settings.timeout_ms / 1000,
         max_tokens=settings.max_tokens,

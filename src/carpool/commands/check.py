@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import click
 
-from .common import load_config, without_credentials
+from ..config.urls import without_credentials
+from .common import load_config
 
 
 @click.command("check-config")

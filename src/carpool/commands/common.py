@@ -3,7 +3,8 @@
 Contract: every option can also come from the config file (``--config``, else ``CARPOOL_CONFIG``)
 and ``CARPOOL_*`` variables; flags win (``load_config``). A bad configuration exits with status 2
 and a message naming the field and what is allowed. No log line carries a URL's credentials or
-query: ``without_credentials`` is how a URL other than an upstream's is written into one.
+query: ``carpool.config.urls.without_credentials`` is how a URL other than an upstream's is
+written into one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 from pydantic import BaseModel
@@ -49,14 +49,3 @@ def default_of(section: type[BaseModel], key: str) -> str:
     """A key's default as an option's help shows it (``[8080]``): read from the config model,
     which owns it."""
     return f"[{section.model_fields[key].get_default(call_default_factory=True)}]"
-
-
-def without_credentials(url: str) -> str:
-    """A URL fit for a log line: any user and password in it replaced by ``***``, and no query
-    or fragment (where some services take their keys)."""
-    parts = urlsplit(url)._replace(query="", fragment="")
-    if "@" not in parts.netloc:
-        return urlunsplit(parts)
-    # (The port as written: ``parts.port`` raises on one that is not a number.)
-    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 
 from .base import Section
+from .upstream import held_key
+from .urls import checked_url
 
 
 class FingerprintConfig(Section):
@@ -66,16 +68,23 @@ class CacheConfig(Section):
     )
     types: dict[str, TypePolicy] = Field(
         default_factory=lambda: {k: TypePolicy(**v) for k, v in DEFAULT_TYPES.items()},
-        description="TTL policy per request type (`x-carpool-type`). Keys given in the file are "
-        "merged over the defaults.",
+        description="TTL policy per request type (`x-carpool-type`, read in any case). Keys given "
+        "in the file are merged over the defaults, in any case (`Realtime` is `realtime`).",
     )
 
     @field_validator("types", mode="before")
     @classmethod
     def _merge_default_types(cls, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {**DEFAULT_TYPES, **value}
-        return value
+        if not isinstance(value, Mapping):
+            return value
+        # A request's type is read lower-cased: a key spelled otherwise would never apply.
+        given: dict[Any, Any] = {}
+        for name, policy in value.items():
+            lowered = name.lower() if isinstance(name, str) else name
+            if lowered in given:
+                raise ValueError(f"{name!r}: two keys differ only in case")
+            given[lowered] = policy
+        return {**DEFAULT_TYPES, **given}
 
 
 class CoalesceConfig(Section):
@@ -140,8 +149,21 @@ class JudgeConfig(Section):
         description="OpenAI-compatible base URL of the judge (e.g. http://host:8000/v1); null: "
         "the gateway's own upstreams.",
     )
-    api_key: str | None = Field(
-        None, description="Bearer key sent to the judge (null: none). Never logged."
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _from_the_environment(cls, value: Any) -> Any:
+        return held_key(value)
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_a_url(cls, value: str | None) -> str | None:
+        return None if value is None else checked_url(value.rstrip("/"), ("http", "https"))
+
+    api_key: SecretStr | None = Field(
+        None,
+        description="Bearer key sent to the judge (a value, or `${ENV_VAR}` read at start-up; "
+        "null: none). Never logged nor shown.",
     )
     band: tuple[float, float] = Field(
         (0.75, 0.97),

@@ -44,6 +44,7 @@ from pydantic_settings import (
 
 from .base import ConfigError
 from .model import Config
+from .urls import without_credentials
 
 ENV_PREFIX = "CARPOOL_"
 # Names the config file (read by the CLI and by each worker process), not a key.
@@ -72,14 +73,34 @@ def load(
 
 
 def describe(exc: ValidationError) -> str:
-    """One line naming every invalid field, what it got and what is allowed."""
+    """One line naming every invalid field, what it got and what is allowed.
+
+    What it got is shown only when it is one plain value of a field that holds no secret: the
+    input of a section or of the whole config holds every key and token in it, and a URL its
+    user and password (those go through ``without_credentials``; a validator's own message
+    does the same).
+    """
     lines = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = [str(p) for p in err["loc"]]
+        field = ".".join(loc) or "(top level)"
         # pydantic's messages already say what is allowed ("Input should be 'a' or 'b'").
         message = err["msg"] if err["type"] != "extra_forbidden" else "unknown key"
-        lines.append(f"{field}: {message}; got {err.get('input')!r}")
+        lines.append(f"{field}: {message}{_got(loc, err.get('input'))}")
     return "invalid config: " + "; ".join(lines)
+
+
+_SECRET_PARTS = ("key", "token", "secret", "password")
+
+
+def _got(loc: list[str], value: Any) -> str:
+    if any(part in name.lower() for name in loc for part in _SECRET_PARTS):
+        return ""
+    if isinstance(value, str):
+        return f"; got {without_credentials(value) if '://' in value else value!r}"
+    if value is None or isinstance(value, int | float):
+        return f"; got {value!r}"
+    return ""  # (a mapping or a list: a section, or the whole config)
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:

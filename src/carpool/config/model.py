@@ -25,6 +25,7 @@ from .perimeter import (
     TenantConfig,
 )
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
+from .urls import checked_url
 
 
 class Config(Section):
@@ -100,10 +101,12 @@ class Config(Section):
     @field_validator("upstreams")
     @classmethod
     def _upstreams_are_urls(cls, value: list[str]) -> list[str]:
-        for url in value:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http(s) URL ending in /v1")
-        return [url.rstrip("/") for url in value]
+        return [checked_url(url.rstrip("/"), ("http", "https")) for url in value]
+
+    @field_validator("redis")
+    @classmethod
+    def _redis_is_a_url(cls, value: str | None) -> str | None:
+        return None if value is None else checked_url(value, ("redis", "rediss", "unix"))
 
     @field_validator("upstream_names")
     @classmethod
@@ -133,12 +136,14 @@ class Config(Section):
         return self
 
     def with_secrets(self) -> dict[str, Any]:
-        """The whole config as JSON-able data, its secrets (the upstream keys) included: for a
+        """The whole config as JSON-able data, its secrets (the held keys) included: for a
         child process that must rebuild it (a 0600 file it reads), never for a log or a page."""
         data = self.model_dump(mode="json")
         key = self.upstream.api_key
         data["upstream"]["api_key"] = key.get_secret_value() if key is not None else None
         data["upstream"]["api_keys"] = [k.get_secret_value() for k in self.upstream.api_keys]
+        judge = self.semantic.judge.api_key
+        data["semantic"]["judge"]["api_key"] = judge.get_secret_value() if judge else None
         return data
 
     def ttl_for(self, request_type: str | None) -> float:

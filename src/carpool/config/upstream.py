@@ -157,12 +157,12 @@ class UpstreamConfig(Section):
     @field_validator("api_key", mode="before")
     @classmethod
     def _from_the_environment(cls, value: Any) -> Any:
-        return _expanded(value)
+        return held_key(value)
 
     @field_validator("api_keys", mode="before")
     @classmethod
     def _each_from_the_environment(cls, value: Any) -> Any:
-        return [_expanded(v) for v in value] if isinstance(value, list) else value
+        return [held_key(v) for v in value] if isinstance(value, list) else value
 
     def key_of(self, replica: int) -> str | None:
         """The key the gateway holds for replica number ``replica`` (None: pass-through)."""
@@ -211,11 +211,17 @@ class SimConfig(Section):
     )
 
 
-def _expanded(value: Any) -> Any:
-    """``${NAME}``: the environment variable's value (an error when it is not set)."""
+def held_key(value: Any) -> Any:
+    """A key the gateway holds: ``${NAME}`` is the environment variable's value. An error when
+    it is not set, or when the key is empty: an empty key would silently mean "no key held",
+    and the clients' own credentials would then go upstream (a secret that was not mounted)."""
     if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
         name = value[2:-1]
         if name not in os.environ:
             raise ValueError(f"the environment variable {name} (named by ${{{name}}}) is not set")
-        return os.environ[name]
+        value = os.environ[name]
+        if not value.strip():
+            raise ValueError(f"the environment variable {name} (named by ${{{name}}}) is empty")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("the key is empty: give one, or null for none")
     return value
