@@ -248,6 +248,20 @@ async def test_a_request_without_keep_alive_takes_the_asgi_path(fake, version, e
     assert counted.asked == asked
 
 
+@pytest.mark.parametrize(("version", "extra"), [("1.1", ""), ("1.0", "")])
+async def test_a_header_sent_on_two_lines_is_both_its_values_on_either_path(fake, version, extra):
+    # RFC 9110 §5.3: Cache-Control: no-cache beside Cache-Control: max-age=3600 is both
+    # directives; the last line alone served a hit to a client that asked for none.
+    async with _gateway(fake) as (served, _):
+        body = _body()
+        await _store(served, body)
+        async with _socket(served) as (reader, writer):
+            lines = "cache-control: no-cache\r\ncache-control: max-age=3600\r\n"
+            writer.write(_request(body, version=version, extra=lines + extra))
+            status, headers, _ = await _response(reader)
+    assert (status, headers["x-carpool"]) == (200, "miss") and fake.count() == 2
+
+
 async def test_a_request_expecting_100_continue_takes_the_asgi_path(fake):
     async with _gateway(fake) as (served, counted):
         await _store(served, _body())

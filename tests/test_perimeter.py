@@ -382,6 +382,35 @@ def test_upstream_names_are_one_per_upstream_distinct_and_printable(names, why):
 ADMIN_SURFACES = ["/stats", "/metrics", "/dashboard"]
 
 
+async def test_an_admin_token_opens_every_admin_surface_whatever_its_characters(gateway_with):
+    token = "jeton-sécret"  # (sent as UTF-8 bytes, read by the server as latin-1)
+    raw = [(b"authorization", ("Bearer " + token).encode("utf-8"))]
+    async with gateway_with(admin_token=token) as gw:
+        stats = await gw.client.get("/stats", headers=raw)
+        invalidate = await gw.client.post("/admin/invalidate", json={"all": True}, headers=raw)
+        wrong = await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"authorization": "Bearer jeton"}
+        )
+    assert (stats.status_code, invalidate.status_code, wrong.status_code) == (200, 200, 401)
+
+
+async def test_a_credential_sent_twice_is_refused_by_the_client_keys(fake, tmp_path, gateway_with):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("client-a\n")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    async with gateway_with(auth={"client_keys_file": str(keys)}) as gw:
+        once = await gw.client.post(
+            "/v1/chat/completions", json=body, headers={"authorization": "Bearer client-a"}
+        )
+        twice = await gw.client.post(
+            "/v1/chat/completions",
+            json=body,
+            headers=[("authorization", "Bearer other"), ("authorization", "Bearer client-a")],
+        )
+    # Which of the two the upstream would read is a guess: refused, as no key at all is.
+    assert (once.status_code, twice.status_code) == (200, 401) and fake.count() == 1
+
+
 async def test_with_an_admin_token_stats_metrics_and_dashboard_require_it(fake, gateway_with):
     def basic(user: str, password: str) -> dict[str, str]:
         pair = base64.b64encode(f"{user}:{password}".encode()).decode()

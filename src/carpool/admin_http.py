@@ -43,8 +43,10 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         token = gateway.config.admin_token
         if not token:
             return error(404, "not found", "not_found")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        # Header values arrive decoded as latin-1: back to the bytes the client sent, compared
+        # with the token's UTF-8 (as the read surfaces do: server._admin_refusal).
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, b"Bearer " + token.encode("utf-8")):
             return error(401, "admin token required", "unauthorized")
         return None
 

@@ -67,7 +67,12 @@ class ClientKeys:
         return cls(digests)
 
     def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
-        presented = dict(headers)
+        lines = list(headers)
+        presented = dict(lines)
+        if len(presented) != len(lines) and any(
+            sum(1 for name, _ in lines if name == credential) > 1 for credential in _CREDENTIALS
+        ):
+            return False  # a credential sent twice: which one the upstream reads is a guess
         for name in _CREDENTIALS:
             value = presented.get(name)
             if value is None:

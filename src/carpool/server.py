@@ -247,8 +247,18 @@ def _header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
 
 
 def _decoded(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI headers as ``ClientRequest`` takes them: lower-case names (as ASGI gives them)."""
-    return {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
+    """ASGI headers as ``ClientRequest`` takes them: lower-case names (as ASGI gives them).
+
+    A header sent on several lines is one value, its lines joined by ", " (RFC 9110 §5.3):
+    ``Cache-Control: no-cache`` beside ``Cache-Control: max-age=60`` is both directives, not
+    the last one."""
+    decoded = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
+    if len(decoded) == len(headers):
+        return decoded
+    joined: dict[str, list[str]] = {}
+    for name, value in headers:
+        joined.setdefault(name.decode("latin-1"), []).append(value.decode("latin-1"))
+    return {name: ", ".join(values) for name, values in joined.items()}
 
 
 def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
