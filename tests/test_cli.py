@@ -99,6 +99,18 @@ def test_serve_never_logs_the_credentials_in_a_redis_or_upstream_url():
     assert "s3cret" not in log and "redis://***@127.0.0.1:" in log
 
 
+def test_serve_warns_when_it_holds_the_upstream_key_for_anyone_who_asks(monkeypatch, tmp_path):
+    monkeypatch.setenv("CARPOOL_UPSTREAM__API_KEY", "sk-held")
+    args = ("--port", str(free_port()), "--upstream", "http://127.0.0.1:9/v1")
+    warning = "auth.client_keys_file is not set: anyone who can reach this port spends that key"
+    assert warning in serve_log(*args)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("client-a\n")
+    monkeypatch.setenv("CARPOOL_AUTH__CLIENT_KEYS_FILE", str(keys))
+    log = serve_log(*args)
+    assert "sk-held" not in log and warning not in log
+
+
 def test_fetch_model_prints_the_checked_directory_and_fails_clearly(monkeypatch, tmp_path):
     pytest.importorskip("numpy")
     from click.testing import CliRunner

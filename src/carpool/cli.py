@@ -114,6 +114,11 @@ def serve(
             "(%d replica(s)); its answers are synthetic text, not a real model",
             config.sim.replicas,
         )
+    if (config.upstream.api_key or config.upstream.api_keys) and not config.auth.client_keys_file:
+        log.warning(
+            "the gateway holds the upstream key and auth.client_keys_file is not set: anyone "
+            "who can reach this port spends that key"
+        )
     if config.redis:
         try:
             from .redis.connection import server_mode
