@@ -147,6 +147,59 @@ async def test_a_list_input_is_tracked_item_by_item_so_a_retry_recomputes_only_f
         assert again.headers["idempotent-replayed"] == "true" and again.content == retry.content
 
 
+async def test_an_answer_short_of_its_n_choices_is_not_kept_under_the_key(gw, fake):
+    # A 200 with one of two choices is not the request's answer: a retry runs again (it was
+    # replayed for the retention, one choice short).
+    fake.drop_choices = {1}
+    await gw.chat(n=2, headers=KEY)
+    fake.drop_choices = set()
+    retry = await gw.chat(n=2, headers=KEY)
+    assert "idempotent-replayed" not in retry.headers
+    assert len(retry.json()["choices"]) == 2 and fake.count() == 2
+
+
+async def test_each_prompts_choices_keep_their_own_indexes_or_the_list_fails(gw, fake):
+    body = {"model": "m", "prompt": ["a", "b"], "temperature": 0, "n": 2}
+    whole = await gw.client.post("/v1/completions", json=body, headers=KEY)
+    by_index = {c["index"]: c["text"].split(" to ")[1] for c in whole.json()["choices"]}
+    assert by_index == {0: "a", 1: "a", 2: "b", 3: "b"}
+    # An item short of a choice never shifts the next prompt's answers onto its indexes.
+    fake.drop_choices = {1}
+    body["prompt"] = ["c", "d"]
+    short = await gw.client.post("/v1/completions", json=body, headers={"Idempotency-Key": "s"})
+    assert short.status_code == 502 and "choices" not in short.json()
+
+
+async def test_a_stream_retry_of_a_list_recomputes_only_the_items_that_failed(fake, gateway_with):
+    async with gateway_with(coalesce={"window_ms": 0}) as gw:
+        headers = {**KEY, "x-carpool-type": "factual"}  # (nothing cached: only the records)
+        body = {"model": "m", "prompt": ["a", "b"], "temperature": 0}
+        fake.fail_status, fake.fail_times = 503, 1
+        first = await gw.client.post("/v1/completions", json=body, headers=headers)
+        assert first.status_code == 503 and fake.count() == 2
+        retry = await gw.client.post(
+            "/v1/completions", json={**body, "stream": True}, headers=headers
+        )
+        assert retry.status_code == 200 and fake.count() == 3
+        assert len(fake.calls[2].body["prompt"]) == 1  # the failed item alone, not the list
+        assert retry.headers["content-type"].startswith("text/event-stream")
+        assert retry.text.rstrip().endswith("data: [DONE]")
+        again = await gw.client.post("/v1/completions", json=body, headers=headers)
+        assert again.headers["idempotent-replayed"] == "true" and fake.count() == 3
+        assert [c["text"].split(" to ")[1] for c in again.json()["choices"]] == ["a", "b"]
+
+
+async def test_a_list_says_what_its_items_were(gw, fake):
+    sampled = {"model": "m", "prompt": ["a", "b"], "temperature": 1}
+    bypassed = await gw.client.post("/v1/completions", json=sampled, headers=KEY)
+    assert bypassed.headers["x-carpool"] == "bypass"
+    body = {"model": "e", "input": ["x", "y"]}
+    await gw.client.post("/v1/embeddings", json=body, headers={"Idempotency-Key": "one"})
+    hit = await gw.client.post("/v1/embeddings", json=body, headers={"Idempotency-Key": "two"})
+    # Every item from the cache: a hit, with the age of the oldest (hits carry an age).
+    assert hit.headers["x-carpool"] == "hit" and hit.headers["age"].isdigit()
+
+
 async def test_a_list_prompt_is_answered_in_order_from_its_items(gw, fake):
     body = {"model": "m", "prompt": ["one", "two"], "temperature": 0}
     response = await gw.client.post("/v1/completions", json=body, headers=KEY)

@@ -231,23 +231,31 @@ def list_items(request: Request) -> list[Request] | None:
     """A list input split into one request per item, or None when it is not a list of several.
 
     ``/v1/embeddings`` with a list ``input`` and ``/v1/completions`` with a list ``prompt``
-    (strings, or token arrays: a flat list of ints is *one* prompt); not streams.
+    (strings, or token arrays: a flat list of ints is *one* prompt). The items of a stream are
+    asked whole (``stream`` is not in an item's record, so a retry in either format finds the
+    items done before); the caller streams the merged answer.
     """
     name = {"embedding": "input", "completion": "prompt"}.get(request.kind)
     value = request.body.get(name) if name else None
-    if (
-        name is None
-        or request.stream
-        or not isinstance(value, list)
-        or len(value) < 2
-        or isinstance(value[0], int)
-    ):
+    if name is None or not isinstance(value, list) or len(value) < 2 or isinstance(value[0], int):
         return None
-    return [dataclasses.replace(request, body={**request.body, name: [item]}) for item in value]
+    whole = {k: v for k, v in request.body.items() if k not in ("stream", "stream_options")}
+    if not request.stream:
+        whole = request.body
+    return [
+        dataclasses.replace(
+            request,
+            body={**whole, name: [item]},
+            stream=False,
+            include_usage=request.api.client_usage(whole, False),
+        )
+        for item in value
+    ]
 
 
-def merge_items(kind: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """The response to a list request, from the responses to its items, in order."""
+def merge_items(kind: str, bodies: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+    """The response to a list request, from the responses to its items, in order (``n``: the
+    choices asked for each prompt, each item's answer holding all of them)."""
     first = bodies[0]
     usage: dict[str, int] = {}
     for body in bodies:
@@ -260,7 +268,8 @@ def merge_items(kind: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
     # OpenAI numbers the choices of a list prompt prompt by prompt: index = prompt * n + choice.
     choices = []
     for i, body in enumerate(bodies):
-        n = len(body["choices"])
+        # (``n`` asked, not the choices counted: an item short of one would shift the next
+        # prompt's answers onto this one's indexes; such an item is not final, never merged.)
         choices += [
             {**choice, "index": i * n + choice.get("index", 0)} for choice in body["choices"]
         ]

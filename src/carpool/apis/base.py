@@ -194,10 +194,10 @@ class Api:
         """Whether a whole answer is complete and successful, worth storing."""
         return isinstance(body, dict) and "error" not in body
 
-    def final(self, body: Any) -> bool:
-        """Whether a 2xx answer means the upstream executed the request (``idempotency``: a
-        retry replays it rather than running again). The default: a complete answer."""
-        return self.complete(body)
+    def final(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
+        """Whether a 2xx answer means the upstream executed the request ``asked`` (``idempotency``:
+        a retry replays it rather than running again). The default: a complete answer."""
+        return self.complete(body, asked)
 
     def usage_tokens(self, body: Any) -> int:
         """Input + output tokens the upstream reported for ``body``; 0 for what is absent."""

@@ -99,7 +99,7 @@ class MessagesApi(TypedApi):
         temperature = body.get("temperature")
         return temperature is not None and not isinstance(temperature, bool) and temperature == 0
 
-    def final(self, body: Any) -> bool:
+    def final(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         # A message, finished or not (no stop reason): the upstream generated it.
         return isinstance(body, dict) and body.get("type") == "message"
 

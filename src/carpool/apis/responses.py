@@ -166,7 +166,7 @@ class ResponsesApi(TypedApi):
             and isinstance(body.get("output"), list)
         )
 
-    def final(self, body: Any) -> bool:
+    def final(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         # Queued (background), in progress, incomplete or failed: the upstream took the request
         # and holds a response for it (a job, a conversation turn): a retry must not run again.
         return (

@@ -50,9 +50,9 @@ _RETRY_MEANT = frozenset((408, 409, 425, 429, 499))
 _NOT_REACHED = frozenset((502, 503, 504))
 
 
-def is_final(kind: str, response: StoredResponse) -> bool:
-    """Whether ``response`` (to a request of ``kind``: "chat", "responses"..., ``carpool.apis``)
-    is the request's final answer, kept for the retention and replayed; if not, it is retryable and a
+def is_final(kind: str, response: StoredResponse, asked: dict[str, Any] | None = None) -> bool:
+    """Whether ``response`` (to a request of ``kind``: "chat", "responses"..., ``carpool.apis``;
+    ``asked``: its body, whose ``n`` says how many choices make it whole) is the request's final answer, kept for the retention and replayed; if not, it is retryable and a
     retry with the same key runs again.
 
         status            final  why
@@ -85,7 +85,7 @@ def is_final(kind: str, response: StoredResponse) -> bool:
     """
     status = response.status
     if 200 <= status < 300:
-        return _answered(kind, response)
+        return _answered(kind, response, asked)
     if 400 <= status < 500:
         return status not in _RETRY_MEANT
     return 500 <= status <= 511 and status not in _NOT_REACHED
@@ -122,34 +122,35 @@ def replay_as(
     return StoredResponse(response.status, list(_JSON_HEADERS), orjson.dumps(assembled), False)
 
 
-def _answered(kind: str, response: StoredResponse) -> bool:
-    """A 2xx response is a complete answer (see ``is_final``)."""
+def _answered(kind: str, response: StoredResponse, asked: dict[str, Any] | None) -> bool:
+    """A 2xx response is a complete answer (see ``is_final``) to ``asked`` (the request's body:
+    a chat with ``n`` 2 is answered by two choices, not one)."""
     api = APIS.get(kind)
     if any(
         name == b"content-type" and value.startswith(SSE_TYPE) for name, value in response.headers
     ):
         if api is None or not api.streams:
             return False
-        return _assembled(api, response.body) is not None
+        return _assembled(api, response.body, asked) is not None
     body = _json_body(response.body)
     if body is None:
         return False
     if api is not None:
-        return api.final(body)
+        return api.final(body, asked)
     return "error" not in body  # another endpoint: its shape is unknown here
 
 
-def _assembled(api: Api, raw: bytes) -> dict[str, Any] | None:
+def _assembled(api: Api, raw: bytes, asked: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The complete answer a whole SSE body makes: None unless it ended as the API's streams
     end (``[DONE]``, or its last event), no event in it is an error, and it is complete."""
     chunks = api.stream_chunks(raw)
     if chunks is None:
         return None
     try:
-        body, complete = api.judge_stream(chunks, None)
+        body, complete = api.judge_stream(chunks, asked)
     except UpstreamStreamBroken:
         return None
-    return body if complete or api.final(body) else None
+    return body if complete or api.final(body, asked) else None
 
 
 def _json_body(raw: bytes) -> dict[str, Any] | None:

@@ -147,6 +147,8 @@ class AtMostOnce:
                 reply = await self.answer(client, request, key, route)
             else:
                 reply = await self._items(client, items, scoped, route)
+                if request.stream and reply.status < 300:
+                    reply = _streamed(reply, request)
         except BaseException:
             await _shielded(records.abandon(scoped, token))
             raise
@@ -157,7 +159,7 @@ class AtMostOnce:
             stored = StoredResponse(
                 reply.status, _replayable(reply.headers), reply.body, request.stream
             )
-            if is_final(request.kind, stored):
+            if is_final(request.kind, stored, request.body):
                 await records.finish(scoped, token, stored)
             else:
                 await records.abandon(scoped, token)  # retryable: a retry runs again
@@ -168,6 +170,7 @@ class AtMostOnce:
                 token,
                 request.kind,
                 StoredResponse(reply.status, _replayable(reply.headers), b"", request.stream),
+                request.body,
             )
             reply.stream = _recorded(reply.stream, recorded)
             reply.on_close = partial(recorded.close, reply.on_close)
@@ -179,7 +182,7 @@ class AtMostOnce:
         """A list input under one Idempotency-Key: each item is a sub-request with its record."""
         records = self.records
 
-        async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome]:
+        async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome, int | None]:
             key = fingerprint(request, self.config, self.accepted)
             item_key = f"{scoped}\n{i}"
             try:
@@ -187,17 +190,17 @@ class AtMostOnce:
             except IdempotencyUnavailable as busy:  # this item not run: the list fails whole
                 return StoredResponse(
                     busy.status, error_reply(busy, None).headers, busy.body()
-                ), Outcome.BYPASS
+                ), Outcome.BYPASS, None
             if begin.state == "done":
                 assert begin.response is not None
-                return begin.response, Outcome.HIT
+                return begin.response, Outcome.HIT, None
             if begin.state != "new" or begin.token is None:
                 error = (
                     IdempotencyMismatch() if begin.state == "mismatch" else IdempotencyConflict()
                 )
                 return StoredResponse(
                     error.status, _replayable(error_reply(error, None).headers), error.body()
-                ), Outcome.BYPASS
+                ), Outcome.BYPASS, None
             try:
                 reply = await self.answer(client, request, key, route)
             except BaseException:
@@ -205,35 +208,38 @@ class AtMostOnce:
                 raise
             stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body)
             outcome = reply.outcome or Outcome.MISS
+            age = next((int(v) for k, v in reply.headers if k == b"age" and v.isdigit()), None)
             # Only a good answer is kept: whatever else the item got (an error, final or not,
             # or a 200 that is no answer) is computed again by a retry.
-            if reply.status < 300 and is_final(request.kind, stored):
+            if reply.status < 300 and is_final(request.kind, stored, request.body):
                 await records.finish(item_key, begin.token, stored)
-                return stored, outcome
+                return stored, outcome, age
             await records.abandon(item_key, begin.token)
             if reply.status < 300:
                 # A 200 that is not an answer (an error body, no data, not JSON) fails the list
                 # as the upstream's failure, never as the gateway's crash in merge_items.
-                return _item_failed(i), outcome
-            return stored, outcome
+                return _item_failed(i), outcome, age
+            return stored, outcome, age
 
         results = await asyncio.gather(*(item(i, request) for i, request in enumerate(items)))
         kind = items[0].kind
-        for stored, outcome in results:
+        for stored, outcome, _ in results:
             if stored.status >= 300:
                 return Reply(
                     stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
                 )
-        outcomes = {outcome for _, outcome in results}
-        outcome = (
-            Outcome.MISS
-            if Outcome.MISS in outcomes
-            else Outcome.HIT
-            if outcomes == {Outcome.HIT}
-            else Outcome.COALESCED
-        )
+        outcome = _list_outcome({outcome for _, outcome, _ in results})
+        headers = [JSON, outcome.header]
+        ages = [age for _, _, age in results if age is not None]
+        if outcome is Outcome.HIT and ages:
+            headers.append((b"age", str(max(ages)).encode()))  # (the oldest answer in it)
+        n = items[0].body.get("n", 1)
         try:
-            body = merge_items(kind, [orjson.loads(stored.body) for stored, _ in results])
+            body = merge_items(
+                kind,
+                [orjson.loads(stored.body) for stored, _, _ in results],
+                n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
+            )
         except (KeyError, TypeError, ValueError, AttributeError):
             # Complete answers of an odd shape (say, a choice index that is not a number), or
             # an item kept by an older gateway that did not check its answer.
@@ -241,7 +247,34 @@ class AtMostOnce:
             return Reply(
                 stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
             )
-        return Reply(200, [JSON, outcome.header], orjson.dumps(body), outcome=outcome)
+        return Reply(200, headers, orjson.dumps(body), outcome=outcome)
+
+
+def _streamed(reply: Reply, request: Request) -> Reply:
+    """A list's merged answer as the stream its client asked for (its items are asked whole:
+    ``list_items``), the SSE a server could have sent for it."""
+    assert reply.body is not None
+    sse = replay_as(
+        StoredResponse(reply.status, [JSON], reply.body, False),
+        request.kind,
+        True,
+        request.include_usage,
+    )
+    if sse is None:  # (a merged answer is complete: it converts)
+        return reply
+    kept = [(name, value) for name, value in reply.headers if name != JSON[0]]
+    return Reply(sse.status, [*sse.headers, *kept], sse.body, outcome=reply.outcome)
+
+
+def _list_outcome(outcomes: set[Outcome]) -> Outcome:
+    """What a list request was, from what its items were: a miss if any item was computed, a
+    bypass if any was not shared (sampled), a hit if every one was served from the cache or
+    its record, else coalesced."""
+    if Outcome.MISS in outcomes:
+        return Outcome.MISS
+    if Outcome.BYPASS in outcomes:
+        return Outcome.BYPASS
+    return Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED
 
 
 def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -254,20 +287,27 @@ class _Recorded:
     with what the client received if that is final (``is_final``), else dropped (the stream
     ended with an error event, or its client left), so that a retry runs again."""
 
-    __slots__ = ("records", "key", "token", "kind", "head", "settled")
+    __slots__ = ("records", "key", "token", "kind", "head", "asked", "settled")
 
     def __init__(
-        self, records: IdempotencyRecords, key: str, token: str, kind: str, head: StoredResponse
+        self,
+        records: IdempotencyRecords,
+        key: str,
+        token: str,
+        kind: str,
+        head: StoredResponse,
+        asked: dict[str, Any],
     ) -> None:
         self.records, self.key, self.token, self.kind = records, key, token, kind
         self.head = head  # status, headers and format; the frames are the body
+        self.asked = asked  # the request's body (how many choices make it whole)
         self.settled = False
 
     async def end(self, frames: list[bytes]) -> None:
         self.settled = True
         head = self.head
         stored = StoredResponse(head.status, head.headers, b"".join(frames), head.streamed)
-        if is_final(self.kind, stored):
+        if is_final(self.kind, stored, self.asked):
             await self.records.finish(self.key, self.token, stored)
         else:
             await self.records.abandon(self.key, self.token)
