@@ -188,9 +188,11 @@ class AtMostOnce:
             try:
                 begin = await records.begin(item_key, request_digest(request, key, self.config))
             except IdempotencyUnavailable as busy:  # this item not run: the list fails whole
-                return StoredResponse(
-                    busy.status, error_reply(busy, None).headers, busy.body()
-                ), Outcome.BYPASS, None
+                return (
+                    StoredResponse(busy.status, error_reply(busy, None).headers, busy.body()),
+                    Outcome.BYPASS,
+                    None,
+                )
             if begin.state == "done":
                 assert begin.response is not None
                 return begin.response, Outcome.HIT, None
@@ -198,9 +200,13 @@ class AtMostOnce:
                 error = (
                     IdempotencyMismatch() if begin.state == "mismatch" else IdempotencyConflict()
                 )
-                return StoredResponse(
-                    error.status, _replayable(error_reply(error, None).headers), error.body()
-                ), Outcome.BYPASS, None
+                return (
+                    StoredResponse(
+                        error.status, _replayable(error_reply(error, None).headers), error.body()
+                    ),
+                    Outcome.BYPASS,
+                    None,
+                )
             try:
                 reply = await self.answer(client, request, key, route)
             except BaseException:
