@@ -369,3 +369,34 @@ async def test_a_chunked_answers_trailers_are_not_its_head(serve):
     answer = await pool.request(post(), True)
     assert answer.content_type == "text/event-stream"
     assert await answer.read() == b"data: 1\n\n"
+
+
+async def test_an_answer_nobody_asked_for_after_a_drained_streams_end_is_never_reused(serve):
+    """A stream read to its [DONE] drains: the connection goes back once the body's end comes.
+    Given back from inside the parser, it was idle before the rest of that read (an unasked
+    answer) was parsed, and kept: the next request on it never saw its own answer's head."""
+    drained = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            writer.write(CHUNKED_HEAD + chunk(b"data: [DONE]\n\n"))
+            await writer.drain()
+            await drained.wait()
+            # The body's end and an answer nobody asked for (in one write: one read, likely).
+            writer.write(b"0\r\n\r\n" + OK)
+        else:
+            writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, read_timeout=5)
+    answer = await pool.request(post(), False)
+    async for data in answer.chunks():
+        assert data == b"data: [DONE]\n\n"
+        break
+    answer.release(drain=True)
+    drained.set()
+    await asyncio.wait_for(server.closed.wait(), 5)  # the gateway closed it, not kept it
+    assert not pool.idle
+    second = await pool.request(post(), True)
+    assert (second.status, await second.read()) == (200, b"{}")
+    assert server.connections == 2

@@ -405,7 +405,9 @@ class Connection(asyncio.Protocol):
     def begin(self) -> None:
         self.active = True
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
-        self.headed = self.done = self.keep_alive = self.draining = False
+        # (``unasked`` too: every field of the answer is this request's. A connection that got
+        # anything unasked is never reused (``reusable``), so none is reset here in practice.)
+        self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
         self.chunks = []
         self.failure = None
         self.last_read = now = self.loop.time()
@@ -462,7 +464,13 @@ class Connection(asyncio.Protocol):
             self.pool.discard(self)
 
     def reusable(self) -> bool:
-        return self.done and self.keep_alive and not self.lost and self.failure is None
+        return (
+            self.done
+            and self.keep_alive
+            and not self.lost
+            and self.failure is None
+            and not self.unasked
+        )
 
     def finish(self) -> None:
         """The request is over (whether the connection is kept or not)."""
@@ -501,7 +509,12 @@ class Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(WireError("malformed or truncated answer", self.headed), exc)
             return
-        if self.want == NEWS and self.chunks:
+        if self.draining and self.done:
+            # Back in the pool only now that the whole read is parsed: bytes after the answer's
+            # end in the same read (an answer nobody asked for) are seen (``unasked``) before
+            # it could be reused, never by the next request as the head of its own answer.
+            self.pool.release(self)
+        elif self.want == NEWS and self.chunks:
             self._wake()  # (once a read, not once a chunk of it: a stream's are its frames)
 
     def eof_received(self) -> bool:
@@ -565,7 +578,7 @@ class Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.draining:
-            self.pool.release(self)
-        else:
+        if not self.draining:
             self._wake()
+        # (Draining, nobody waits: ``data_received`` gives it back once the read is parsed; a
+        # body that ended with the connection is not reused at all.)
