@@ -400,3 +400,21 @@ async def test_an_answer_nobody_asked_for_after_a_drained_streams_end_is_never_r
     second = await pool.request(post(), True)
     assert (second.status, await second.read()) == (200, b"{}")
     assert server.connections == 2
+
+
+async def test_closing_the_pool_fails_a_request_still_waiting_for_its_answer(serve):
+    """``Pool.close`` closed a busy connection as one whose request was over: its read timer
+    stopped, and nothing woke the request waiting for its answer, which waited forever."""
+    asked = asyncio.Event()
+
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.set()
+        await reader.read()  # (never answers)
+
+    _, pool = await serve(handle)  # (the read timeout: 600 s)
+    waiting = asyncio.create_task(pool.request(post(), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    pool.close()
+    with pytest.raises(wire.WireError, match="connection closed") as raised:
+        await asyncio.wait_for(waiting, 5)
+    assert not raised.value.answered and pool.open == 0

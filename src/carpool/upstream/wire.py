@@ -258,7 +258,8 @@ class Pool:
                 return
 
     def close(self) -> None:
-        """Close every connection; requests after this fail."""
+        """Close every connection: the requests waiting for an answer on one fail
+        (``WireError``, "connection closed"), as do those waiting for one and those after this."""
         self.closed = True
         for connection in [*self.idle, *self.busy]:
             connection.close()
@@ -481,6 +482,12 @@ class Connection(asyncio.Protocol):
             self.timer = None
 
     def close(self) -> None:
+        if self.active and not self.done and self.failure is None:
+            # Closed under a request still owed its answer (``Pool.close``): it fails now.
+            # ``finish`` stops the read timer, and ``connection_lost`` fails no request that
+            # is over, so a reader waiting for its head or body would wait forever.
+            self.failure = WireError("connection closed", self.headed)
+            self._wake()
         self.finish()
         if self.transport is not None and not self.lost:
             self.lost = True
