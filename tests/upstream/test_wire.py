@@ -418,3 +418,80 @@ async def test_closing_the_pool_fails_a_request_still_waiting_for_its_answer(ser
     with pytest.raises(wire.WireError, match="connection closed") as raised:
         await asyncio.wait_for(waiting, 5)
     assert not raised.value.answered and pool.open == 0
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["given back", "closed"])
+async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_it(serve, kept):
+    """What the first request frees (its connection given back, or its place when its
+    connection closes) is the waiting request's: a request that came later took it before the
+    woken one ran, which then went to the back of the line (starved under steady load)."""
+    asked = asyncio.Event()
+    gate = asyncio.Event()
+    first_answer = OK if kept else OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            asked.set()
+            await gate.wait()
+        writer.write(first_answer if n == 1 else OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+
+    async def ask(body: bytes) -> bytes:
+        return await (await pool.request(post(body), True)).read()
+
+    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    waiting = asyncio.create_task(ask(b'"waiting"'))
+    async with asyncio.timeout(5):
+        while not pool._waiting:  # (until it has found the limit reached and waits in line)
+            await asyncio.sleep(0)
+    gate.set()
+    answer = await asyncio.wait_for(first, 5)
+    assert await answer.read() == b"{}"  # (done: frees the connection without yielding)
+    async with asyncio.timeout(5):  # (no task of its own: it asks before the woken one runs)
+        assert await ask(b'"later"') == b"{}"
+    assert await asyncio.wait_for(waiting, 5) == b"{}"
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"waiting"', b'"later"']
+    assert server.connections == (1 if kept else 2) and pool.open == 1
+
+
+@pytest.mark.parametrize("handed", [False, True], ids=["while it waits", "once handed"])
+async def test_a_waiting_request_that_leaves_passes_its_turn_on(serve, handed):
+    asked = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            asked.set()
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+
+    async def ask(body: bytes) -> bytes:
+        return await (await pool.request(post(body), True)).read()
+
+    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    leaving = asyncio.create_task(ask(b'"leaving"'))
+    staying = asyncio.create_task(ask(b'"staying"'))
+    async with asyncio.timeout(5):
+        while len(pool._waiting) < 2:
+            await asyncio.sleep(0)
+    gate.set()
+    answer = await asyncio.wait_for(first, 5)
+    if not handed:
+        leaving.cancel()
+    assert await answer.read() == b"{}"  # (handed to the first in line)
+    if handed:
+        leaving.cancel()  # (its connection given, its task not yet run)
+    assert await asyncio.wait_for(staying, 5) == b"{}"
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"staying"'] and server.connections == 1
+    assert pool.open == 1 and len(pool.idle) == 1 and not pool._waiting
