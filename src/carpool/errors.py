@@ -21,7 +21,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
-    │                                 (the engine took the call: ``x-should-retry: false``)
+    │       │                         (the engine took the call: ``x-should-retry: false``)
+    │       └── UpstreamAnswerCut     502 (504 if it stalled): a whole answer cut after its head
     └── FlightAbandoned               499: every client of a flight left and its call was cancelled
 """
 
@@ -181,6 +182,23 @@ class UpstreamStreamBroken(UpstreamError):
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", "x-should-retry": "false"}
+
+
+class UpstreamAnswerCut(UpstreamStreamBroken):
+    """A whole (not streamed) answer whose status and headers came, but whose body was cut
+    (502) or stalled for ``limits.upstream_timeout`` (504, ``code`` ``upstream_timeout``).
+
+    As for a stream that broke part-way, the engine took the call (an engine sends a whole
+    answer's head once it has computed it): it is not run again on another replica
+    (``routing.replicas``), nor retried by the SDKs (``x-should-retry: false``).
+    """
+
+    code = "upstream_answer_cut"
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        if timed_out:
+            self.status, self.code = 504, "upstream_timeout"
 
 
 class LeaderLost(UpstreamStreamBroken):

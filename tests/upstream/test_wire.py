@@ -495,3 +495,47 @@ async def test_a_waiting_request_that_leaves_passes_its_turn_on(serve, handed):
     bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
     assert bodies == [b'"first"', b'"staying"'] and server.connections == 1
     assert pool.open == 1 and len(pool.idle) == 1 and not pool._waiting
+
+
+@pytest.mark.parametrize("stalls", [False, True], ids=["cut", "stalled"])
+async def test_a_whole_answer_cut_after_its_head_is_not_run_again_on_another_replica(serve, stalls):
+    """Its head came, so the engine took the call (it sends a whole answer's head once the
+    answer is computed); it was failed over like an unreachable replica: the generation ran
+    twice, and the replica that answered was left out."""
+    from carpool.config import LimitsConfig
+    from carpool.errors import UpstreamError
+    from carpool.routing import build_policy
+    from carpool.routing.replicas import ReplicaSet
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    body = b'{"id": "x", "object": "chat.completion", "choices": []}'
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+
+    async def cut(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(head % len(body) + body[:10])
+        await writer.drain()
+        if stalls:
+            await reader.read()  # (until the client goes)
+        else:
+            writer.transport.abort()
+
+    servers = [(await serve(cut))[0] for _ in range(2)]  # (whichever is chosen cuts)
+    limits = LimitsConfig(upstream_timeout=0.2 if stalls else 600)
+    upstreams = [
+        HttpUpstream(f"http://127.0.0.1:{s.port}/v1", limits, label=f"replica-{i}")
+        for i, s in enumerate(servers)
+    ]
+    seen: list[int] = []
+    replicas = ReplicaSet(
+        upstreams, build_policy("round-robin"), observe=lambda r, status, d: seen.append(status)
+    )
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            await replicas.send(UpstreamRequest("/chat/completions", {"model": "m"}))
+    finally:
+        await replicas.aclose()
+    assert sum(len(s.requests) for s in servers) == 1
+    assert all(r.healthy for r in replicas.replicas)
+    assert raised.value.status == seen[0] == (504 if stalls else 502) and len(seen) == 1
+    assert raised.value.headers()["x-should-retry"] == "false"

@@ -36,6 +36,7 @@ import orjson
 from ..answer import Answer
 from ..errors import (
     CarpoolError,
+    UpstreamAnswerCut,
     UpstreamError,
     UpstreamStatusError,
     UpstreamStreamBroken,
@@ -139,7 +140,13 @@ return 0
 
 _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls
-    for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout, UpstreamStreamBroken)
+    for cls in (
+        UpstreamError,
+        UpstreamUnreachable,
+        UpstreamTimeout,
+        UpstreamStreamBroken,
+        UpstreamAnswerCut,
+    )
 }
 
 

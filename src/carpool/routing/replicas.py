@@ -14,7 +14,9 @@ all, and so whether ``text`` matters):
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
   and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
   raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
-  the client) and does not down the replica. Every 5xx downs its replica, also one the engine
+  the client) and does not down the replica; nor is a whole answer cut after its head came
+  (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
+  502 or 504, by ``observe``). Every 5xx downs its replica, also one the engine
   returns for this input only: with several replicas that costs a retry and a back-off, not the
   request. 4xx answers count as healthy (the replica answered).
 - In flight: counted from the send until the answer is complete: for a complete body, when
@@ -42,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.errors import PathNotAllowed, UpstreamTimeout, UpstreamUnreachable
+from carpool.errors import PathNotAllowed, UpstreamAnswerCut, UpstreamTimeout, UpstreamUnreachable
 from carpool.routing import Decision, RoutingPolicy
 from carpool.upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 
@@ -178,6 +180,12 @@ class ReplicaSet:
                     raise
                 replica, decision = retry[0], Decision.FAILOVER
                 continue
+            except UpstreamAnswerCut as error:
+                # Answered, then cut: the engine took the call. Not run again on another
+                # replica, and this one is not left out (as for a stream that broke part-way).
+                replica.probing = False
+                self._observe(replica, error.status, decision)
+                raise
             except BaseException:
                 replica.probing = False  # cancelled or unexpected: no verdict
                 raise

@@ -11,6 +11,8 @@ Contract (on top of ``upstream.base``):
   replica, opened on first use, with the same limits.
 - Transport errors are translated here, the original error kept as ``__cause__``: a timeout ->
   ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
+  whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
+  stalled: the engine took the call, not retried elsewhere), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event; an empty one included: its message says it sent nothing) ->
   ``UpstreamStreamBroken`` (502). Their messages
@@ -46,7 +48,7 @@ import orjson
 from yarl import URL
 
 from ..config import LimitsConfig
-from ..errors import UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
+from ..errors import UpstreamAnswerCut, UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
 from ..paths import confine
 from ..sse import SSEDecoder
 from . import wire
@@ -243,10 +245,14 @@ class HttpUpstream:
             raise self._mid_answer(exc) from exc
         return UpstreamResponse(status, {"content-type": content_type}, body=data)
 
-    def _mid_answer(self, error: wire.WireError) -> UpstreamTimeout | UpstreamUnreachable:
+    def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
+        """The answer's head came, its body did not whole: the engine took the call, so this
+        is no failure to retry on another replica (as ``UpstreamUnreachable`` would be)."""
         if isinstance(error, wire.WireTimeout):
-            return UpstreamTimeout(f"upstream {self.label} timed out sending its answer")
-        return UpstreamUnreachable(f"upstream {self.label} failed mid-answer ({error.reason})")
+            return UpstreamAnswerCut(
+                f"upstream {self.label} timed out sending its answer", timed_out=True
+            )
+        return UpstreamAnswerCut(f"upstream {self.label} failed mid-answer ({error.reason})")
 
     async def _open(
         self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
