@@ -138,7 +138,9 @@ def cached_endpoint(
             "The upstream is unreachable, or its stream broke (for a non-streaming "
             "client: a streaming one gets a 200 and an SSE error event), or its whole "
             "answer was cut after its head came; a broken stream or a cut answer carries "
-            "`x-should-retry: false` (the engine took the call)."
+            "`x-should-retry: false` (the engine took the call). Also the upstream's 401 or "
+            "403 to the gateway's own key (`upstream.api_key`), its body not relayed, with "
+            "`x-should-retry: false`."
         ),
         "504": (
             "The upstream did not answer within `limits.upstream_timeout` (without a byte "

@@ -38,6 +38,7 @@ from ..errors import (
     CarpoolError,
     UpstreamAnswerCut,
     UpstreamError,
+    UpstreamKeyRefused,
     UpstreamStatusError,
     UpstreamStreamBroken,
     UpstreamTimeout,
@@ -146,6 +147,7 @@ _ERRORS: dict[str, type[UpstreamError]] = {
         UpstreamTimeout,
         UpstreamStreamBroken,
         UpstreamAnswerCut,
+        UpstreamKeyRefused,
     )
 }
 

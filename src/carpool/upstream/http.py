@@ -23,6 +23,8 @@ Contract (on top of ``upstream.base``):
   clients may see (/healthz, error bodies): the configured name, or ``replica-<i>``.
 - A user and password in the URL are not sent as part of it: they become the ``Authorization:
   Basic`` header of every call, in place of the client's.
+- With a key the gateway holds (``api_key``), an upstream 401 or 403 (to a cached endpoint's
+  call or a pass-through) is ``UpstreamKeyRefused`` (502): its body is not relayed.
 - The cached endpoints' calls go to the base URL's path plus the endpoint's, with the client's
   query string as it came (after the base URL's own query, if it has one).
 - Pass-through sends the path it is given (already confined by ``carpool.paths``) verbatim under
@@ -48,7 +50,13 @@ import orjson
 from yarl import URL
 
 from ..config import LimitsConfig
-from ..errors import UpstreamAnswerCut, UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
+from ..errors import (
+    UpstreamAnswerCut,
+    UpstreamKeyRefused,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from ..paths import confine
 from ..sse import SSEDecoder
 from . import wire
@@ -227,11 +235,14 @@ class HttpUpstream:
             ) from exc
         status, content_type = answer.status, answer.content_type
         if self._held and status in (401, 403):
-            # The upstream refused the gateway's own key: its answer may quote part of the key
-            # or name the account, and the client's key is not the one at fault. A 502 (the
-            # replica is left out as a failing one), the reason in the operator's log only.
+            # The upstream refused the call made with the gateway's own key: its answer may
+            # quote part of the key or name the account, and the client's key is not the one
+            # at fault. A 502 of the gateway's (``UpstreamKeyRefused``): an answer about this
+            # call as often as about the key, so no replica is left out for it.
             answer.release()
-            raise UpstreamUnreachable(f"upstream {self.label} refused the gateway's key ({status})")
+            raise UpstreamKeyRefused(
+                f"upstream {self.label} refused the gateway's key ({status})", status
+            )
         if request.stream and 200 <= status < 300 and "text/event-stream" in content_type:
             return UpstreamResponse(
                 status,
@@ -269,12 +280,11 @@ class HttpUpstream:
                 f"upstream {self.label} is unreachable ({reason(exc)})"
             ) from exc
         if self._held and response.status in (401, 403):
-            # The upstream refused the gateway's own key: its answer may quote part of the key
-            # or name the account, and the client's key is not the one at fault. A 502 (the
-            # replica is left out as a failing one), the reason in the operator's log only.
+            # As for the cached endpoints' calls (``send``).
             response.release()
-            raise UpstreamUnreachable(
-                f"upstream {self.label} refused the gateway's key ({response.status})"
+            raise UpstreamKeyRefused(
+                f"upstream {self.label} refused the gateway's key ({response.status})",
+                response.status,
             )
         return response
 
