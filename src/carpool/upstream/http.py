@@ -26,9 +26,11 @@ Contract (on top of ``upstream.base``):
 - With a key the gateway holds (``api_key``), an upstream 401 or 403 (to a cached endpoint's
   call or a pass-through) is ``UpstreamKeyRefused`` (502): its body is not relayed.
 - The cached endpoints' calls go to the base URL's path plus the endpoint's, with the client's
-  query string as it came (after the base URL's own query, if it has one).
+  query string as it came (after the base URL's own query, if it has one: Azure's
+  ``api-version``).
 - Pass-through sends the path it is given (already confined by ``carpool.paths``) verbatim under
-  the base URL: checked once more here, and never re-quoted or dot-resolved on the way.
+  the base URL's path: checked once more here, and never re-quoted or dot-resolved on the way;
+  its query string too is the base URL's own, then the client's.
 - Request headers are forwarded except hop-by-hop ones and carpool's own controls (written as
   UTF-8; one holding a control character is refused, never sent); an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
@@ -174,6 +176,8 @@ class HttpUpstream:
         if bare.explicit_port is not None and bare.explicit_port != (443 if self._tls else 80):
             self._netloc += f":{bare.explicit_port}"
         self._path = bare.raw_path.rstrip("/")
+        # Pass-through's URLs: scheme, host and port, then the path (never after the query).
+        self._origin = str(bare.origin())
         # A query in the URL goes before the client's (and alone when it sent none).
         self._base_query = bare.raw_query_string
         self._query = self._base_query + "&" if self._base_query else ""
@@ -299,8 +303,12 @@ class HttpUpstream:
         out_headers.setdefault("accept-encoding", "identity")
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
         path = confine(b"/v1" + path.encode("ascii", "replace"))
+        # As ``send`` builds a cached endpoint's target: the base URL's path, then its query and
+        # the client's (appended to the whole base URL, the path went into its query).
+        asked = quote(query, safe=_QUERY_SAFE) if query else ""
+        query_string = self._query + asked if asked else self._base_query
         url = URL(
-            self.base_url + path + ("?" + quote(query, safe=_QUERY_SAFE) if query else ""),
+            self._origin + self._path + path + ("?" + query_string if query_string else ""),
             encoded=True,
         )
         response = await self._open(method, url, body or None, out_headers)
