@@ -65,7 +65,7 @@ import orjson
 from carpool.errors import UpstreamError
 from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
-from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse, connection_listed
 
 from .core import KeyedBatcher
 from .lists import ListCheck
@@ -231,9 +231,13 @@ class EmbeddingBatcher:
             return None
         lowered = {k.lower(): v for k, v in request.headers.items()}
         # The credentials, and every forwarded header that might change the answer: the merged
-        # call carries them, so only requests that agree on them share it.
+        # call carries them, so only requests that agree on them share it. (None that the
+        # request's ``Connection`` names: hop-by-hop, never forwarded.)
+        listed = connection_listed(lowered)
         identity = tuple(
-            (name, lowered[name]) for name in self.key_headers if name in lowered
+            (name, lowered[name])
+            for name in self.key_headers
+            if name in lowered and name not in listed
         ) + varying_headers(lowered, self.key_headers)
         return (path, identity, template, request.query), item
 

@@ -31,7 +31,8 @@ Contract (on top of ``upstream.base``):
 - Pass-through sends the path it is given (already confined by ``carpool.paths``) verbatim under
   the base URL's path: checked once more here, and never re-quoted or dot-resolved on the way;
   its query string too is the base URL's own, then the client's.
-- Request headers are forwarded except hop-by-hop ones and carpool's own controls (written as
+- Request headers are forwarded except hop-by-hop ones (those the request's ``Connection``
+  names too) and carpool's own controls (written as
   UTF-8; one holding a control character is refused, never sent); an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
@@ -62,7 +63,13 @@ from ..errors import (
 from ..paths import confine
 from ..sse import SSEDecoder
 from . import wire
-from .base import NOT_FORWARDED, PassthroughResponse, UpstreamRequest, UpstreamResponse
+from .base import (
+    NOT_FORWARDED,
+    PassthroughResponse,
+    UpstreamRequest,
+    UpstreamResponse,
+    connection_listed,
+)
 
 # Response headers not relayed by pass-through (the ASGI server frames the body itself).
 NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
@@ -84,10 +91,12 @@ _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    listed = connection_listed(headers)  # (hop-by-hop too, for this request)
+    dropped = NOT_FORWARDED | listed if listed else NOT_FORWARDED
     return {
         name: value
         for name, value in headers.items()
-        if name not in NOT_FORWARDED and not name.startswith("x-carpool-")
+        if name not in dropped and not name.startswith("x-carpool-")
     }
 
 
