@@ -279,15 +279,22 @@ async def test_non_batchable_requests_bypass_the_batcher() -> None:
     assert batcher.bypassed == len(odd) and batcher.requests == 0 and waits == []
 
 
-async def test_a_single_token_list_is_batched() -> None:
+async def test_a_text_and_a_token_list_are_never_batched_together() -> None:
+    """An ``input`` list holds texts or token lists, never both: OpenAI's schema and vLLM refuse
+    a mixed one (400), and a text and a token list were merged into one, every caller of the
+    batch refused. Single token lists are batched with token lists."""
     send = FakeSend()
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
-    a, b, c = await asyncio.gather(
-        batcher.embed(req([1, 2, 3])), batcher.embed(req("1 2 3")), batcher.embed(req([1, 2, 3]))
+    a, b, c, d = await asyncio.gather(
+        batcher.embed(req([1, 2, 3])),
+        batcher.embed(req("1 2 3")),
+        batcher.embed(req([1, 2, 3])),
+        batcher.embed(req([4, 5])),
     )
-    assert send.items == [[[1, 2, 3], "1 2 3"]]
+    assert sorted(send.items, key=len) == [["1 2 3"], [[1, 2, 3], [4, 5]]]
     assert own(a)["data"][0]["embedding"] == vector("emb", [1, 2, 3])
     assert own(b)["data"][0]["embedding"] == vector("emb", "1 2 3")
+    assert own(d)["data"][0]["embedding"] == vector("emb", [4, 5])
     assert a.body == c.body
 
 
@@ -434,7 +441,8 @@ class Replica:
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         self.calls.append(request)
-        listed = isinstance(request.body["input"], list)
+        given = request.body["input"]  # (a single token list is one input, not a list)
+        listed = isinstance(given, list) and not (given and type(given[0]) is int)
         if listed and self.list_status != 200:
             return UpstreamResponse(self.list_status, {}, b'{"error": {"message": "no"}}')
         response = await self.right(request)
@@ -451,7 +459,14 @@ class Replica:
         return UpstreamResponse(200, response.headers, orjson.dumps(parsed))
 
 
-GROUP = ("/embeddings", (("authorization", "Bearer a"),), orjson.dumps({"model": "emb"}), "")
+GROUP = (
+    "/embeddings",
+    (("authorization", "Bearer a"),),
+    orjson.dumps({"model": "emb"}),
+    "",
+    "text",
+)
+TOKENS_GROUP = (*GROUP[:4], "tokens")
 
 
 @pytest.mark.parametrize(
@@ -473,6 +488,27 @@ async def test_the_probe_compares_a_two_item_list_with_its_items_alone(replica, 
     assert all(call.headers == {"authorization": "Bearer a"} for call in replica.calls)
 
 
+async def test_lists_of_token_lists_are_probed_with_token_lists() -> None:
+    """A group's kind of item is part of its verdict: an engine may answer lists of texts
+    right and refuse (or answer wrongly) lists of token lists; the probe sends that kind."""
+    from carpool.batching import PROBE_TOKENS
+
+    replica = Replica()
+    lists = ListCheck("auto", [replica])
+    lists.probe(GROUP)
+    await lists.wait_idle()
+    assert lists.verdict(GROUP) is True and lists.verdict(TOKENS_GROUP) is None
+    replica.calls.clear()
+    lists.probe(TOKENS_GROUP)
+    await lists.wait_idle()
+    assert lists.verdict(TOKENS_GROUP) is True
+    tokens = [list(t) for t in PROBE_TOKENS]
+    inputs = [call.body["input"] for call in replica.calls]
+    assert sorted(inputs, key=str) == sorted([tokens, *tokens], key=str)
+    refusing = Replica(list_status=400)
+    assert await probe_lists(refusing, TOKENS_GROUP) is False
+
+
 async def test_a_group_is_merged_only_once_every_replica_answers_lists_item_by_item() -> None:
     right, broken = Replica(), Replica(broken=True)
     for replicas, verdict in (([right], True), ([right, broken], False)):
@@ -482,7 +518,7 @@ async def test_a_group_is_merged_only_once_every_replica_answers_lists_item_by_i
         lists.probe(GROUP)  # one probe per replica at a time
         await lists.wait_idle()
         assert lists.verdict(GROUP) is verdict and lists.probes == len(replicas)
-        other = (GROUP[0], GROUP[1], orjson.dumps({"model": "other"}), "")
+        other = (GROUP[0], GROUP[1], orjson.dumps({"model": "other"}), "", "text")
         assert lists.verdict(other) is None  # per model and parameters
     assert ListCheck("on", [broken]).verdict(GROUP) is True
     assert ListCheck("off", [right]).verdict(GROUP) is False

@@ -9,8 +9,10 @@ Contract
   POST to ``/embeddings`` whose JSON body has a ``model`` string and an ``input`` that is a single
   non-empty string or a single non-empty list of token ids. Anything else (a list of inputs, a
   stream, an unknown shape) goes straight to ``send`` unchanged and is counted in ``bypassed``.
-- Batch-compatible means: same path, same body apart from ``input`` and ``user`` (so the same
-  ``model``, ``dimensions``, ``encoding_format``...), the same query string, and the same values
+- Batch-compatible means: the same kind of item (a text, or a token list: an engine refuses a
+  list that mixes them, as OpenAI's schema does), same path, same body apart from ``input`` and
+  ``user`` (so the same ``model``, ``dimensions``, ``encoding_format``...), the same query
+  string, and the same values
   of the identity headers (``key_headers``: the gateway passes the tenant's credential headers,
   ``identity.py``) and of every other forwarded header that might change the answer
   (``fingerprint.varying_headers``), so tenants' credentials and callers' options are never
@@ -239,7 +241,10 @@ class EmbeddingBatcher:
             for name in self.key_headers
             if name in lowered and name not in listed
         ) + varying_headers(lowered, self.key_headers)
-        return (path, identity, template, request.query), item
+        # The item's kind too: texts and token lists never share a list (``input`` is a list of
+        # texts or a list of token lists, never both: engines refuse a mixed one, 400).
+        kind = "text" if isinstance(item, str) else "tokens"
+        return (path, identity, template, request.query, kind), item
 
     async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
         plan = self._plan(request)
@@ -293,7 +298,7 @@ class EmbeddingBatcher:
     ) -> AsyncIterator[tuple[UpstreamResponse, dict[str, Any]]]:
         """The group's embeddings call with ``value`` as its input: the upstream's (non-stream)
         response and the body sent; the response is closed on the way out."""
-        path, identity, template, query = group
+        path, identity, template, query, _kind = group
         body = orjson.loads(template)
         body["input"] = value
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
