@@ -178,15 +178,51 @@ async def test_user_does_not_split_a_batch_and_is_not_forwarded() -> None:
     assert len(send.calls) == 1 and "user" not in send.calls[0].body
 
 
-async def test_upstream_error_reaches_every_caller() -> None:
-    send = FakeSend(status=500)
+@pytest.mark.parametrize("status", [401, 403, 429, 503])
+async def test_an_upstream_error_about_the_whole_call_reaches_every_caller(status) -> None:
+    send = FakeSend(status=status)
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
     responses = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)))
     assert len(send.calls) == 1
-    assert {r.status for r in responses} == {500}
+    assert {r.status for r in responses} == {status}
     assert {r.body for r in responses} == {
         b'{"error": {"message": "boom", "type": "server_error"}}'
     }
+
+
+async def test_a_merged_call_refused_for_one_item_is_sent_again_item_by_item() -> None:
+    """Engines refuse a whole list for one bad item (a text over the context, a token id
+    outside the vocabulary): every caller of the batch got that 400, which the idempotency
+    layer then keeps for the retention. Each item alone: its own answer, refusal included."""
+    answer = FakeSend()
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        calls.append(given)
+        if "too long" in (given if isinstance(given, list) else [given]):
+            return UpstreamResponse(
+                400, {"content-type": "application/json"}, b'{"error": {"message": "too long"}}'
+            )
+        return await answer(request)
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=30.0, max_batch_size=3)
+    good, bad, other = await asyncio.gather(
+        *(batcher.embed(req(text)) for text in ("good", "too long", "other"))
+    )
+    assert own(good)["data"][0]["embedding"] == vector("emb", "good")
+    assert own(other)["data"][0]["embedding"] == vector("emb", "other")
+    assert bad.status == 400 and b"too long" in bad.body
+    assert calls[0] == ["good", "too long", "other"]
+    assert sorted(calls[1:]) == ["good", "other", "too long"]  # each alone, as it came
+    # An engine's 500 may be one item's too; a single item's refusal is its own already.
+    failing = FakeSend(status=500)
+    batcher = EmbeddingBatcher(failing, max_batch_delay_s=0.01)
+    responses = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)))
+    assert {r.status for r in responses} == {500}
+    assert len(failing.calls) == 1 + 3
+    alone = EmbeddingBatcher(failing, max_batch_delay_s=0.01)
+    assert (await alone.embed(req("one"))).status == 500 and len(failing.calls) == 5
 
 
 async def test_upstream_exception_reaches_every_caller() -> None:
