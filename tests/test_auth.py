@@ -224,6 +224,38 @@ async def test_with_a_held_key_pass_through_reaches_only_the_model_list(held, fa
     assert fake.count("/v1/files") == 0
 
 
+async def test_a_refusal_of_a_call_with_the_gateways_key_takes_no_replica_out(
+    gateway_with, keys_file, fake
+):
+    """OpenAI answers 403 to a project's key for a model the project may not use: a refusal of
+    that call, not of every call. It was taken for a replica failing: the same call failed
+    over to the next replica, each replica left out, /readyz 503: one client's request for a
+    model took the gateway out of rotation."""
+    config = {"upstream": {"api_key": UPSTREAM_KEY}, "auth": {"client_keys_file": str(keys_file)}}
+    async with gateway_with(upstreams=[fake.url, fake.url], **config) as gw:
+        fake.fail_status, fake.fail_times = 403, 1
+        fake.fail_body = {
+            "error": {
+                "message": "Project proj_x does not have access to model o1-pro",
+                "type": "invalid_request_error",
+                "code": "model_not_found",
+            }
+        }
+        refused = await gw.client.post(
+            "/v1/chat/completions", json={**BODY, "model": "o1-pro"}, headers=bearer("client-a")
+        )
+        assert refused.status_code == 502 and "refused the gateway's key" in refused.text
+        assert "proj_x" not in refused.text  # (the upstream's body is still not relayed)
+        assert refused.headers["x-should-retry"] == "false"  # (it would be refused again)
+        assert fake.count() == 1  # not sent again to the other replica
+        health = (await gw.client.get("/healthz")).json()
+        assert health["status"] == "ok"
+        assert all(replica["healthy"] for replica in health["replicas"].values())
+        assert (await gw.client.get("/readyz")).status_code == 200
+        ok = await gw.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
+        assert ok.status_code == 200
+
+
 async def test_an_upstream_refusing_the_gateways_key_is_a_502_that_quotes_nothing(held, fake):
     fake.fail_status = 401
     fake.fail_body = {"error": {"message": f"Incorrect API key provided: {UPSTREAM_KEY[:8]}****"}}

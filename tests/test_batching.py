@@ -178,15 +178,51 @@ async def test_user_does_not_split_a_batch_and_is_not_forwarded() -> None:
     assert len(send.calls) == 1 and "user" not in send.calls[0].body
 
 
-async def test_upstream_error_reaches_every_caller() -> None:
-    send = FakeSend(status=500)
+@pytest.mark.parametrize("status", [401, 403, 429, 503])
+async def test_an_upstream_error_about_the_whole_call_reaches_every_caller(status) -> None:
+    send = FakeSend(status=status)
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
     responses = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)))
     assert len(send.calls) == 1
-    assert {r.status for r in responses} == {500}
+    assert {r.status for r in responses} == {status}
     assert {r.body for r in responses} == {
         b'{"error": {"message": "boom", "type": "server_error"}}'
     }
+
+
+async def test_a_merged_call_refused_for_one_item_is_sent_again_item_by_item() -> None:
+    """Engines refuse a whole list for one bad item (a text over the context, a token id
+    outside the vocabulary): every caller of the batch got that 400, which the idempotency
+    layer then keeps for the retention. Each item alone: its own answer, refusal included."""
+    answer = FakeSend()
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        calls.append(given)
+        if "too long" in (given if isinstance(given, list) else [given]):
+            return UpstreamResponse(
+                400, {"content-type": "application/json"}, b'{"error": {"message": "too long"}}'
+            )
+        return await answer(request)
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=30.0, max_batch_size=3)
+    good, bad, other = await asyncio.gather(
+        *(batcher.embed(req(text)) for text in ("good", "too long", "other"))
+    )
+    assert own(good)["data"][0]["embedding"] == vector("emb", "good")
+    assert own(other)["data"][0]["embedding"] == vector("emb", "other")
+    assert bad.status == 400 and b"too long" in bad.body
+    assert calls[0] == ["good", "too long", "other"]
+    assert sorted(calls[1:]) == ["good", "other", "too long"]  # each alone, as it came
+    # An engine's 500 may be one item's too; a single item's refusal is its own already.
+    failing = FakeSend(status=500)
+    batcher = EmbeddingBatcher(failing, max_batch_delay_s=0.01)
+    responses = await asyncio.gather(*(batcher.embed(req(f"t{i % 3}")) for i in range(9)))
+    assert {r.status for r in responses} == {500}
+    assert len(failing.calls) == 1 + 3
+    alone = EmbeddingBatcher(failing, max_batch_delay_s=0.01)
+    assert (await alone.embed(req("one"))).status == 500 and len(failing.calls) == 5
 
 
 async def test_upstream_exception_reaches_every_caller() -> None:
@@ -279,15 +315,22 @@ async def test_non_batchable_requests_bypass_the_batcher() -> None:
     assert batcher.bypassed == len(odd) and batcher.requests == 0 and waits == []
 
 
-async def test_a_single_token_list_is_batched() -> None:
+async def test_a_text_and_a_token_list_are_never_batched_together() -> None:
+    """An ``input`` list holds texts or token lists, never both: OpenAI's schema and vLLM refuse
+    a mixed one (400), and a text and a token list were merged into one, every caller of the
+    batch refused. Single token lists are batched with token lists."""
     send = FakeSend()
     batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
-    a, b, c = await asyncio.gather(
-        batcher.embed(req([1, 2, 3])), batcher.embed(req("1 2 3")), batcher.embed(req([1, 2, 3]))
+    a, b, c, d = await asyncio.gather(
+        batcher.embed(req([1, 2, 3])),
+        batcher.embed(req("1 2 3")),
+        batcher.embed(req([1, 2, 3])),
+        batcher.embed(req([4, 5])),
     )
-    assert send.items == [[[1, 2, 3], "1 2 3"]]
+    assert sorted(send.items, key=len) == [["1 2 3"], [[1, 2, 3], [4, 5]]]
     assert own(a)["data"][0]["embedding"] == vector("emb", [1, 2, 3])
     assert own(b)["data"][0]["embedding"] == vector("emb", "1 2 3")
+    assert own(d)["data"][0]["embedding"] == vector("emb", [4, 5])
     assert a.body == c.body
 
 
@@ -434,7 +477,8 @@ class Replica:
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         self.calls.append(request)
-        listed = isinstance(request.body["input"], list)
+        given = request.body["input"]  # (a single token list is one input, not a list)
+        listed = isinstance(given, list) and not (given and type(given[0]) is int)
         if listed and self.list_status != 200:
             return UpstreamResponse(self.list_status, {}, b'{"error": {"message": "no"}}')
         response = await self.right(request)
@@ -451,7 +495,14 @@ class Replica:
         return UpstreamResponse(200, response.headers, orjson.dumps(parsed))
 
 
-GROUP = ("/embeddings", (("authorization", "Bearer a"),), orjson.dumps({"model": "emb"}), "")
+GROUP = (
+    "/embeddings",
+    (("authorization", "Bearer a"),),
+    orjson.dumps({"model": "emb"}),
+    "",
+    "text",
+)
+TOKENS_GROUP = (*GROUP[:4], "tokens")
 
 
 @pytest.mark.parametrize(
@@ -473,6 +524,27 @@ async def test_the_probe_compares_a_two_item_list_with_its_items_alone(replica, 
     assert all(call.headers == {"authorization": "Bearer a"} for call in replica.calls)
 
 
+async def test_lists_of_token_lists_are_probed_with_token_lists() -> None:
+    """A group's kind of item is part of its verdict: an engine may answer lists of texts
+    right and refuse (or answer wrongly) lists of token lists; the probe sends that kind."""
+    from carpool.batching import PROBE_TOKENS
+
+    replica = Replica()
+    lists = ListCheck("auto", [replica])
+    lists.probe(GROUP)
+    await lists.wait_idle()
+    assert lists.verdict(GROUP) is True and lists.verdict(TOKENS_GROUP) is None
+    replica.calls.clear()
+    lists.probe(TOKENS_GROUP)
+    await lists.wait_idle()
+    assert lists.verdict(TOKENS_GROUP) is True
+    tokens = [list(t) for t in PROBE_TOKENS]
+    inputs = [call.body["input"] for call in replica.calls]
+    assert sorted(inputs, key=str) == sorted([tokens, *tokens], key=str)
+    refusing = Replica(list_status=400)
+    assert await probe_lists(refusing, TOKENS_GROUP) is False
+
+
 async def test_a_group_is_merged_only_once_every_replica_answers_lists_item_by_item() -> None:
     right, broken = Replica(), Replica(broken=True)
     for replicas, verdict in (([right], True), ([right, broken], False)):
@@ -482,7 +554,7 @@ async def test_a_group_is_merged_only_once_every_replica_answers_lists_item_by_i
         lists.probe(GROUP)  # one probe per replica at a time
         await lists.wait_idle()
         assert lists.verdict(GROUP) is verdict and lists.probes == len(replicas)
-        other = (GROUP[0], GROUP[1], orjson.dumps({"model": "other"}), "")
+        other = (GROUP[0], GROUP[1], orjson.dumps({"model": "other"}), "", "text")
         assert lists.verdict(other) is None  # per model and parameters
     assert ListCheck("on", [broken]).verdict(GROUP) is True
     assert ListCheck("off", [right]).verdict(GROUP) is False

@@ -170,6 +170,26 @@ async def test_passthrough_forwards_the_path_under_the_upstreams_v1_and_the_quer
     assert fake.calls[-1].query == "purpose=x"
 
 
+async def test_an_upstream_urls_own_query_comes_before_the_clients_on_every_call(
+    gateway_with, fake
+):
+    """Azure's ``?api-version=`` in the upstream URL: pass-through appended the path to the
+    whole URL, so the path went into its query (``/v1?api-version=.../models``)."""
+    async with gateway_with(upstreams=[fake.url + "?api-version=2024-06-01"]) as gw:
+        assert (await gw.chat("hello")).status_code == 200
+        assert (fake.calls[-1].path, fake.calls[-1].query) == (
+            "/v1/chat/completions",
+            "api-version=2024-06-01",
+        )
+        for target, query in (
+            ("/v1/models", "api-version=2024-06-01"),
+            ("/v1/models?limit=5&q=%20a", "api-version=2024-06-01&limit=5&q=%20a"),
+        ):
+            response = await gw.client.get(target)
+            assert response.status_code == 200, response.text
+            assert (fake.calls[-1].path, fake.calls[-1].query) == ("/v1/models", query)
+
+
 SEGMENT = st.one_of(
     st.sampled_from(
         [

@@ -86,3 +86,26 @@ async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_i
         assert stats["batches"] >= 1 and stats["max_items_seen"] > 1
         metrics = (await gw.client.get("/metrics")).text
         assert "carpool_batch_wait_seconds_count" in metrics
+
+
+async def test_by_default_a_text_and_a_token_list_never_share_an_embeddings_call(
+    fake, gateway_with
+):
+    """Once the list probe (of texts) had passed, a text and a token list sent together went
+    up as one list mixing them, which OpenAI's and vLLM's schemas refuse (400 for both)."""
+    async with gateway_with(batching={"max_batch_delay_ms": 50}) as gw:
+
+        def post(given):
+            return gw.client.post("/v1/embeddings", json={"model": "e", "input": given})
+
+        await asyncio.gather(post("warm one"), post("warm two"))  # (starts the probe)
+        await gw.gateway.layers.batcher.wait_idle()
+        fake.calls.clear()
+        text, tokens = await asyncio.gather(post("hello world"), post([15339, 1917]))
+        assert text.status_code == tokens.status_code == 200
+        inputs = [c.body["input"] for c in fake.calls if c.path == "/v1/embeddings"]
+        assert "hello world" in inputs or ["hello world"] in inputs
+        assert not any(
+            isinstance(given, list) and {type(item) for item in given} >= {str, list}
+            for given in inputs
+        ), inputs

@@ -447,6 +447,26 @@ async def test_a_forwarded_header_that_may_change_the_answer_is_in_the_key(gw, f
     assert same.headers["x-carpool"] == "hit" and text(same) == text(tiny)
 
 
+async def test_a_header_the_requests_connection_names_is_hop_by_hop_never_forwarded_nor_keyed(
+    gw, fake
+):
+    """RFC 9110 7.6.1: the headers a request's ``Connection`` lists are for that hop only. Only
+    a fixed list of hop-by-hop names was dropped: the listed ones went upstream (pass-through
+    and cached endpoints alike) and split the cache key."""
+    hop = {"Connection": "keep-alive, X-Hop-Secret", "X-Hop-Secret": "s3cr3t"}
+    models = await gw.client.get("/v1/models", headers=hop)
+    assert models.status_code == 200 and "x-hop-secret" not in fake.calls[-1].headers
+    first = await gw.chat("hop", headers=hop)
+    assert first.headers["x-carpool"] == "miss" and "x-hop-secret" not in fake.calls[-1].headers
+    other = await gw.chat("hop", headers={**hop, "X-Hop-Secret": "other"})
+    plain = await gw.chat("hop")
+    assert [r.headers["x-carpool"] for r in (other, plain)] == ["hit", "hit"]
+    # Not listed, the same header is an end-to-end one: forwarded, and in the key.
+    listed_not = await gw.chat("hop", headers={"X-Hop-Secret": "s3cr3t"})
+    assert listed_not.headers["x-carpool"] == "miss"
+    assert fake.calls[-1].headers["x-hop-secret"] == "s3cr3t" and fake.count() == 3
+
+
 async def test_embeddings_are_batched_only_with_the_same_forwarded_headers(gw, fake):
     bodies = [("openai-beta", "x"), ("openai-beta", "y"), ("azureml-model-deployment", "z")]
     responses = await asyncio.gather(

@@ -14,8 +14,8 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
   tenant, the namespace, the freshness token, the request type, the query string, the endpoint
   and the forwarded headers that might change the answer (``varying_headers``: all but the
-  credentials, the controls, the idempotency key and the ``NEUTRAL_HEADERS``/``NEUTRAL_PREFIXES``
-  of transport, tracing and client telemetry). ``digest`` is the 32-hex-digit BLAKE2b digest of a
+  credentials, the controls, the idempotency key, those the request's ``Connection`` names, and
+  the ``NEUTRAL_HEADERS``/``NEUTRAL_PREFIXES`` of transport, tracing and client telemetry). ``digest`` is the 32-hex-digit BLAKE2b digest of a
   scope and a canonical body: the one form every key takes.
 """
 
@@ -34,7 +34,7 @@ from .config import Config, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import credential_headers, tenant_of
 from .request import CONTROL_HEADERS, Request
-from .upstream.base import NOT_FORWARDED
+from .upstream.base import NOT_FORWARDED, connection_listed
 
 EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
 # OpenAI's Responses API echoes ``metadata`` and ``user`` in its answer: there they are part of
@@ -126,8 +126,13 @@ def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple
     rest = headers.keys() - steady  # one C-speed set difference in the common case
     if not rest:
         return ()
+    # Named by this request's ``Connection``: not forwarded, so the upstream's answer cannot
+    # depend on them; hop-by-hop for this request only, so not ``steady`` either.
+    listed = connection_listed(headers)
     found = []
     for name in rest:
+        if name in listed:
+            continue
         if _varies(name, names):
             found.append((name, headers[name]))
         elif len(steady) < 4096:  # names are few; a flood of made-up ones is not

@@ -19,9 +19,11 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
+    │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
-    │                                 (the engine took the call: ``x-should-retry: false``)
+    │       │                         (the engine took the call: ``x-should-retry: false``)
+    │       └── UpstreamAnswerCut     502 (504 if it stalled): a whole answer cut after its head
     └── FlightAbandoned               499: every client of a flight left and its call was cancelled
 """
 
@@ -158,6 +160,29 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class UpstreamKeyRefused(UpstreamError):
+    """The upstream answered 401 or 403 to a call made with the gateway's own key
+    (``upstream.api_key``). Its body is not relayed: it can quote part of the key or name the
+    account, and it would blame the client's key, which was not sent.
+
+    It is an answer, not a failure of the replica: about this request (OpenAI's 403 for a model
+    the project may not use) as often as about the key. So routing neither fails over nor
+    leaves the replica out (one client's request would take the gateway out of rotation), and
+    the same call would be refused again: ``x-should-retry: false``. ``upstream_status`` is
+    the upstream's 401 or 403.
+    """
+
+    status = 502
+    code = "upstream_key_refused"
+
+    def __init__(self, message: str, upstream_status: int = 0) -> None:
+        super().__init__(message)
+        self.upstream_status = upstream_status
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "x-should-retry": "false"}
+
+
 class UpstreamStreamBroken(UpstreamError):
     """A stream failed or ended before every choice had a finish reason.
 
@@ -181,6 +206,23 @@ class UpstreamStreamBroken(UpstreamError):
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", "x-should-retry": "false"}
+
+
+class UpstreamAnswerCut(UpstreamStreamBroken):
+    """A whole (not streamed) answer whose status and headers came, but whose body was cut
+    (502) or stalled for ``limits.upstream_timeout`` (504, ``code`` ``upstream_timeout``).
+
+    As for a stream that broke part-way, the engine took the call (an engine sends a whole
+    answer's head once it has computed it): it is not run again on another replica
+    (``routing.replicas``), nor retried by the SDKs (``x-should-retry: false``).
+    """
+
+    code = "upstream_answer_cut"
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        if timed_out:
+            self.status, self.code = 504, "upstream_timeout"
 
 
 class LeaderLost(UpstreamStreamBroken):

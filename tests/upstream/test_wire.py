@@ -369,3 +369,173 @@ async def test_a_chunked_answers_trailers_are_not_its_head(serve):
     answer = await pool.request(post(), True)
     assert answer.content_type == "text/event-stream"
     assert await answer.read() == b"data: 1\n\n"
+
+
+async def test_an_answer_nobody_asked_for_after_a_drained_streams_end_is_never_reused(serve):
+    """A stream read to its [DONE] drains: the connection goes back once the body's end comes.
+    Given back from inside the parser, it was idle before the rest of that read (an unasked
+    answer) was parsed, and kept: the next request on it never saw its own answer's head."""
+    drained = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            writer.write(CHUNKED_HEAD + chunk(b"data: [DONE]\n\n"))
+            await writer.drain()
+            await drained.wait()
+            # The body's end and an answer nobody asked for (in one write: one read, likely).
+            writer.write(b"0\r\n\r\n" + OK)
+        else:
+            writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, read_timeout=5)
+    answer = await pool.request(post(), False)
+    async for data in answer.chunks():
+        assert data == b"data: [DONE]\n\n"
+        break
+    answer.release(drain=True)
+    drained.set()
+    await asyncio.wait_for(server.closed.wait(), 5)  # the gateway closed it, not kept it
+    assert not pool.idle
+    second = await pool.request(post(), True)
+    assert (second.status, await second.read()) == (200, b"{}")
+    assert server.connections == 2
+
+
+async def test_closing_the_pool_fails_a_request_still_waiting_for_its_answer(serve):
+    """``Pool.close`` closed a busy connection as one whose request was over: its read timer
+    stopped, and nothing woke the request waiting for its answer, which waited forever."""
+    asked = asyncio.Event()
+
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.set()
+        await reader.read()  # (never answers)
+
+    _, pool = await serve(handle)  # (the read timeout: 600 s)
+    waiting = asyncio.create_task(pool.request(post(), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    pool.close()
+    with pytest.raises(wire.WireError, match="connection closed") as raised:
+        await asyncio.wait_for(waiting, 5)
+    assert not raised.value.answered and pool.open == 0
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["given back", "closed"])
+async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_it(serve, kept):
+    """What the first request frees (its connection given back, or its place when its
+    connection closes) is the waiting request's: a request that came later took it before the
+    woken one ran, which then went to the back of the line (starved under steady load)."""
+    asked = asyncio.Event()
+    gate = asyncio.Event()
+    first_answer = OK if kept else OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            asked.set()
+            await gate.wait()
+        writer.write(first_answer if n == 1 else OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+
+    async def ask(body: bytes) -> bytes:
+        return await (await pool.request(post(body), True)).read()
+
+    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    waiting = asyncio.create_task(ask(b'"waiting"'))
+    async with asyncio.timeout(5):
+        while not pool._waiting:  # (until it has found the limit reached and waits in line)
+            await asyncio.sleep(0)
+    gate.set()
+    answer = await asyncio.wait_for(first, 5)
+    assert await answer.read() == b"{}"  # (done: frees the connection without yielding)
+    async with asyncio.timeout(5):  # (no task of its own: it asks before the woken one runs)
+        assert await ask(b'"later"') == b"{}"
+    assert await asyncio.wait_for(waiting, 5) == b"{}"
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"waiting"', b'"later"']
+    assert server.connections == (1 if kept else 2) and pool.open == 1
+
+
+@pytest.mark.parametrize("handed", [False, True], ids=["while it waits", "once handed"])
+async def test_a_waiting_request_that_leaves_passes_its_turn_on(serve, handed):
+    asked = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            asked.set()
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+
+    async def ask(body: bytes) -> bytes:
+        return await (await pool.request(post(body), True)).read()
+
+    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    leaving = asyncio.create_task(ask(b'"leaving"'))
+    staying = asyncio.create_task(ask(b'"staying"'))
+    async with asyncio.timeout(5):
+        while len(pool._waiting) < 2:
+            await asyncio.sleep(0)
+    gate.set()
+    answer = await asyncio.wait_for(first, 5)
+    if not handed:
+        leaving.cancel()
+    assert await answer.read() == b"{}"  # (handed to the first in line)
+    if handed:
+        leaving.cancel()  # (its connection given, its task not yet run)
+    assert await asyncio.wait_for(staying, 5) == b"{}"
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"staying"'] and server.connections == 1
+    assert pool.open == 1 and len(pool.idle) == 1 and not pool._waiting
+
+
+@pytest.mark.parametrize("stalls", [False, True], ids=["cut", "stalled"])
+async def test_a_whole_answer_cut_after_its_head_is_not_run_again_on_another_replica(serve, stalls):
+    """Its head came, so the engine took the call (it sends a whole answer's head once the
+    answer is computed); it was failed over like an unreachable replica: the generation ran
+    twice, and the replica that answered was left out."""
+    from carpool.config import LimitsConfig
+    from carpool.errors import UpstreamError
+    from carpool.routing import build_policy
+    from carpool.routing.replicas import ReplicaSet
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    body = b'{"id": "x", "object": "chat.completion", "choices": []}'
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+
+    async def cut(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(head % len(body) + body[:10])
+        await writer.drain()
+        if stalls:
+            await reader.read()  # (until the client goes)
+        else:
+            writer.transport.abort()
+
+    servers = [(await serve(cut))[0] for _ in range(2)]  # (whichever is chosen cuts)
+    limits = LimitsConfig(upstream_timeout=0.2 if stalls else 600)
+    upstreams = [
+        HttpUpstream(f"http://127.0.0.1:{s.port}/v1", limits, label=f"replica-{i}")
+        for i, s in enumerate(servers)
+    ]
+    seen: list[int] = []
+    replicas = ReplicaSet(
+        upstreams, build_policy("round-robin"), observe=lambda r, status, d: seen.append(status)
+    )
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            await replicas.send(UpstreamRequest("/chat/completions", {"model": "m"}))
+    finally:
+        await replicas.aclose()
+    assert sum(len(s.requests) for s in servers) == 1
+    assert all(r.healthy for r in replicas.replicas)
+    assert raised.value.status == seen[0] == (504 if stalls else 502) and len(seen) == 1
+    assert raised.value.headers()["x-should-retry"] == "false"

@@ -15,6 +15,7 @@ Each module's docstring is its contract. Everything public is re-exported here, 
 from .core import KeyedBatcher
 from .embeddings import DEFAULT_KEY_HEADERS, EmbeddingBatcher, approx_tokens
 from .lists import PROBE_INPUTS as PROBE_INPUTS
+from .lists import PROBE_TOKENS as PROBE_TOKENS
 from .lists import SAME_VECTOR as SAME_VECTOR
 from .lists import ListCheck
 from .lists import probe_lists as probe_lists

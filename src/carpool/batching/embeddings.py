@@ -9,8 +9,10 @@ Contract
   POST to ``/embeddings`` whose JSON body has a ``model`` string and an ``input`` that is a single
   non-empty string or a single non-empty list of token ids. Anything else (a list of inputs, a
   stream, an unknown shape) goes straight to ``send`` unchanged and is counted in ``bypassed``.
-- Batch-compatible means: same path, same body apart from ``input`` and ``user`` (so the same
-  ``model``, ``dimensions``, ``encoding_format``...), the same query string, and the same values
+- Batch-compatible means: the same kind of item (a text, or a token list: an engine refuses a
+  list that mixes them, as OpenAI's schema does), same path, same body apart from ``input`` and
+  ``user`` (so the same ``model``, ``dimensions``, ``encoding_format``...), the same query
+  string, and the same values
   of the identity headers (``key_headers``: the gateway passes the tenant's credential headers,
   ``identity.py``) and of every other forwarded header that might change the answer
   (``fingerprint.varying_headers``), so tenants' credentials and callers' options are never
@@ -25,9 +27,14 @@ Contract
   remainder, summing to the upstream's figures; a duplicate caller is charged its item's share).
   Response headers are the upstream's, less framing ones (``content-length``...), with
   ``content-type: application/json``.
-- A non-2xx upstream answer reaches every caller of the batch as the same status, headers and
-  body; an exception from ``send`` is raised to every caller; a 2xx answer that does not hold one
-  embedding per input is an ``UpstreamError`` (502) for all of them.
+- A non-2xx answer to a merged call of two or more items that one item may have caused (a 4xx
+  or 5xx, except those about the call's credentials, model or load: ``_NOT_AN_ITEM``) is not
+  every caller's: engines refuse a whole list for one bad item (a text over the context, a token
+  id outside the vocabulary). Each item is then sent alone, as while merging is not known
+  safe (below), and each caller gets the upstream's answer to its own item. Any other non-2xx
+  answer reaches every caller of the batch as the same status, headers and body; an exception
+  from ``send`` is raised to every caller; a 2xx answer that does not hold one embedding per
+  input is an ``UpstreamError`` (502) for all of them.
 - Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
   ``total_tokens``, each when it is there); an upstream that reported none gives answers
   without ``usage``: nothing is invented.
@@ -65,7 +72,7 @@ import orjson
 from carpool.errors import UpstreamError
 from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
-from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse, connection_listed
 
 from .core import KeyedBatcher
 from .lists import ListCheck
@@ -85,8 +92,14 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 )
 
 
+# Non-2xx answers to a merged call that say nothing about one of its items: about the
+# credentials, the account, the model or the path (shared by every item of a call), or the
+# load or a proxy's transport (an item by item retry would only multiply the calls).
+_NOT_AN_ITEM = frozenset({401, 402, 403, 404, 405, 407, 408, 409, 425, 429, 502, 503, 504})
+
+
 class _BatchFailed(Exception):
-    """The upstream answered the merged call with a non-2xx status: every caller gets it."""
+    """The upstream answered the merged call with a non-2xx status that is every caller's."""
 
     def __init__(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         super().__init__(f"upstream answered {status}")
@@ -231,11 +244,18 @@ class EmbeddingBatcher:
             return None
         lowered = {k.lower(): v for k, v in request.headers.items()}
         # The credentials, and every forwarded header that might change the answer: the merged
-        # call carries them, so only requests that agree on them share it.
+        # call carries them, so only requests that agree on them share it. (None that the
+        # request's ``Connection`` names: hop-by-hop, never forwarded.)
+        listed = connection_listed(lowered)
         identity = tuple(
-            (name, lowered[name]) for name in self.key_headers if name in lowered
+            (name, lowered[name])
+            for name in self.key_headers
+            if name in lowered and name not in listed
         ) + varying_headers(lowered, self.key_headers)
-        return (path, identity, template, request.query), item
+        # The item's kind too: texts and token lists never share a list (``input`` is a list of
+        # texts or a list of token lists, never both: engines refuse a mixed one, 400).
+        kind = "text" if isinstance(item, str) else "tokens"
+        return (path, identity, template, request.query, kind), item
 
     async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
         plan = self._plan(request)
@@ -267,12 +287,19 @@ class EmbeddingBatcher:
                 *(self._one(group, item) for item in items), return_exceptions=True
             )
         async with self._call(group, [_value(item) for item in items]) as (response, body):
-            if not 200 <= response.status < 300:
+            if 200 <= response.status < 300:
+                return [
+                    UpstreamResponse(200, headers, answer)
+                    for answer, headers in self._split(response, items, body["model"])
+                ]
+            if len(items) == 1 or response.status in _NOT_AN_ITEM:
                 raise _BatchFailed(response.status, response.headers, response.body)
-            return [
-                UpstreamResponse(200, headers, answer)
-                for answer, headers in self._split(response, items, body["model"])
-            ]
+        # Refused, maybe for one item (engines refuse a whole list for one): each item alone,
+        # so that the others get their answers and that one its own refusal.
+        self.alone += len(items)
+        return await asyncio.gather(
+            *(self._one(group, item) for item in items), return_exceptions=True
+        )
 
     async def _one(self, group: Any, item: str | tuple[int, ...]) -> UpstreamResponse:
         """One item in a call of its own: the upstream's answer to it, as it came."""
@@ -289,7 +316,7 @@ class EmbeddingBatcher:
     ) -> AsyncIterator[tuple[UpstreamResponse, dict[str, Any]]]:
         """The group's embeddings call with ``value`` as its input: the upstream's (non-stream)
         response and the body sent; the response is closed on the way out."""
-        path, identity, template, query = group
+        path, identity, template, query, _kind = group
         body = orjson.loads(template)
         body["input"] = value
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))

@@ -10,8 +10,10 @@ Contract
 - ``ListCheck.verdict(group)`` is True when merging the group's items is known safe on every
   replica, False when it is known unsafe on one (or ``mode`` is ``off``), None while unknown.
   ``mode`` ``on`` is always True. With ``auto``, a replica is known safe for a group's path,
-  model, parameters and query string once a *probe* has sent it a 2-item list of two fixed
-  sentences and each of them alone (with the group's credentials) and the list's vectors
+  model, parameters, query string and kind of item (texts, or token lists: an engine may take
+  one and not the other, or answer a list of one kind wrongly) once a *probe* has sent it a
+  2-item list of two fixed items of that kind (``PROBE_INPUTS``: sentences; ``PROBE_TOKENS``:
+  token ids) and each of them alone (with the group's credentials) and the list's vectors
   matched the single ones (cosine >= ``SAME_VECTOR``, same length). A list answered wrongly,
   malformed, or refused with a 4xx other than 408/409/429 makes it unsafe for good; a probe
   that cannot decide (a single answered non-2xx, a transport failure, a 5xx) is tried again
@@ -23,7 +25,8 @@ Contract
   (undecided).
 
 A group is the :class:`~carpool.batching.EmbeddingBatcher`'s: ``(path, identity headers, body
-template without input and user, query string)``.
+template without input and user, query string, kind of item)``, the kind ``"text"`` or
+``"tokens"``.
 """
 
 from __future__ import annotations
@@ -40,13 +43,19 @@ import orjson
 
 from carpool.upstream.base import Upstream, UpstreamRequest
 
-__all__ = ["PROBE_INPUTS", "SAME_VECTOR", "ListCheck", "probe_lists"]
+__all__ = ["PROBE_INPUTS", "PROBE_TOKENS", "SAME_VECTOR", "ListCheck", "probe_lists"]
 
 # The probe's two inputs: unrelated sentences, so that one's vector given for the other (the
 # usual way a broken list goes wrong) cannot pass for right.
 PROBE_INPUTS = (
     "carpool checks that a list of inputs is answered item by item.",
     "Zwei völlig andere Wörter: 42 Äpfel, drei Birnen.",
+)
+# The probe's two inputs for a group of token lists: ids every vocabulary has (well under the
+# smallest, BERT's 30,522), of different lengths and none in common.
+PROBE_TOKENS = (
+    (1996, 4248, 2829, 4419, 14523, 2058),
+    (7592, 2088, 1010, 2023, 2003, 1037, 3231, 1012),
 )
 # Two vectors of one input are the same answer at this cosine or above: engines that batch on a
 # GPU differ from their single answers in the last digits (padding, kernel order), far above
@@ -81,8 +90,8 @@ class ListCheck:
 
     @staticmethod
     def _key(group: Any) -> Hashable:
-        path, _identity, template, query = group
-        return path, template, query  # what the engine answers: not who asks
+        path, _identity, template, query, kind = group
+        return path, template, query, kind  # what the engine answers: not who asks
 
     def verdict(self, group: Any) -> bool | None:
         if self.mode != "auto":
@@ -141,8 +150,10 @@ class ListCheck:
 
 async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
     """Whether ``upstream`` answers a 2-item list as it answers each item alone, for the
-    group's path, body template, credentials and query: True, False, or None (undecided)."""
-    path, identity, template, query = group
+    group's path, body template, credentials, query and kind of item: True, False, or None
+    (undecided)."""
+    path, identity, template, query, kind = group
+    inputs: Sequence[Any] = PROBE_INPUTS if kind == "text" else [list(t) for t in PROBE_TOKENS]
     body = orjson.loads(template)
     body.pop("encoding_format", None)  # floats, to compare
 
@@ -158,7 +169,7 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
             await response.aclose()
 
     answers = await asyncio.gather(
-        ask(list(PROBE_INPUTS)), *(ask(t) for t in PROBE_INPUTS), return_exceptions=True
+        ask(list(inputs)), *(ask(item) for item in inputs), return_exceptions=True
     )
     for answer in answers:
         if isinstance(answer, asyncio.CancelledError):
@@ -172,7 +183,7 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
         return None  # the singles are the reference: none, no verdict
     if not 200 <= listed_status < 300:
         return None if listed_status in _UNDECIDED or listed_status >= 500 else False
-    listed = _vectors(listed_body, len(PROBE_INPUTS))
+    listed = _vectors(listed_body, len(inputs))
     return listed is not None and all(
         _same(one[0], item)  # type: ignore[index]  # (each is a list: checked above)
         for one, item in zip(alone, listed, strict=True)

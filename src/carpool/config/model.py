@@ -34,7 +34,9 @@ class Config(Section):
     upstreams: list[str] = Field(
         default_factory=list,
         description="Base URLs ending in /v1 of "
-        "OpenAI-compatible replicas; empty = the embedded simulated engine.",
+        "OpenAI-compatible replicas; empty = the embedded simulated engine. A query in one "
+        "(Azure's `?api-version=`) is sent with every call to it, cached and passed through, "
+        "before the client's own.",
     )
     upstream_names: list[str] = Field(
         default_factory=list,

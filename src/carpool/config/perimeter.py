@@ -100,7 +100,12 @@ class LimitsConfig(Section):
     upstream_connect_timeout: float = Field(
         10, gt=0, description="Seconds to wait for a connection to the upstream before 502."
     )
-    upstream_max_connections: int = Field(1000, gt=0, description="Pooled connections per replica.")
+    upstream_max_connections: int = Field(
+        1000,
+        gt=0,
+        description="Pooled connections per replica; a request beyond waits for one, in turn "
+        "(first come, first served).",
+    )
     body_read_timeout: float = Field(
         30,
         gt=0,

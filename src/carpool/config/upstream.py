@@ -107,10 +107,11 @@ class BatchingConfig(Section):
         "into one list-input call. Merging must not change an answer, and some engines answer "
         "a list wrongly (llama-cpp-python's server: every item but the first). auto: merged "
         "only once a probe has shown that every replica answers a list item by item as it "
-        "answers single inputs (per model and parameters: a 2-item list and its two items alone, "
-        "vectors compared, sent at the first batch; until then, and for good if a replica "
-        "fails it, each request is sent alone); on: always merged (an engine known to be "
-        "right); off: never merged.",
+        "answers single inputs (per model, parameters and kind of input, texts or token lists: "
+        "a 2-item list and its two items alone, vectors compared, sent at the first batch; "
+        "until then, and for good if a replica fails it, each request is sent alone); on: "
+        "always merged (an engine known to be right); off: never merged. Texts and token "
+        "lists are never merged into one list (engines refuse a mixed one).",
     )
     embeddings_probe_retry: float = Field(
         30,

@@ -136,10 +136,16 @@ def cached_endpoint(
         "431": "The headers are larger than `limits.max_header_bytes`.",
         "502": (
             "The upstream is unreachable, or its stream broke (for a non-streaming "
-            "client: a streaming one gets a 200 and an SSE error event); a broken stream "
-            "carries `x-should-retry: false`."
+            "client: a streaming one gets a 200 and an SSE error event), or its whole "
+            "answer was cut after its head came; a broken stream or a cut answer carries "
+            "`x-should-retry: false` (the engine took the call). Also the upstream's 401 or "
+            "403 to the gateway's own key (`upstream.api_key`), its body not relayed, with "
+            "`x-should-retry: false`."
         ),
-        "504": "The upstream did not answer within `limits.upstream_timeout`.",
+        "504": (
+            "The upstream did not answer within `limits.upstream_timeout` (without a byte "
+            "for that long once its answer's head came: with `x-should-retry: false`)."
+        ),
     }
     responses: dict[str, Any] = {
         "200": {

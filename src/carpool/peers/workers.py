@@ -46,7 +46,7 @@ from ..errors import LeaderLost, UpstreamStreamBroken
 from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, error_reply
-from ..upstream.base import HOP_BY_HOP, UpstreamResponse
+from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
 from ..upstream.http import closer, sse_payloads
 from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
 from .slots import Slot
@@ -208,8 +208,9 @@ class Peers:
 
     def _headers(self, given: Mapping[str, str], dropped: frozenset[str]) -> dict[str, str]:
         headers, raw = {}, []
+        listed = connection_listed(given)  # (this hop's too: the owner would forward them)
         for name, value in given.items():
-            if name in dropped:
+            if name in dropped or name in listed:
                 continue
             if not value.isascii():
                 # (The client's bytes, read as latin-1: sent as they came, not as UTF-8.)

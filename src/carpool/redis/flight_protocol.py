@@ -36,7 +36,9 @@ import orjson
 from ..answer import Answer
 from ..errors import (
     CarpoolError,
+    UpstreamAnswerCut,
     UpstreamError,
+    UpstreamKeyRefused,
     UpstreamStatusError,
     UpstreamStreamBroken,
     UpstreamTimeout,
@@ -139,7 +141,14 @@ return 0
 
 _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls
-    for cls in (UpstreamError, UpstreamUnreachable, UpstreamTimeout, UpstreamStreamBroken)
+    for cls in (
+        UpstreamError,
+        UpstreamUnreachable,
+        UpstreamTimeout,
+        UpstreamStreamBroken,
+        UpstreamAnswerCut,
+        UpstreamKeyRefused,
+    )
 }
 
 

@@ -14,9 +14,15 @@ all, and so whether ``text`` matters):
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
   and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
   raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
-  the client) and does not down the replica. Every 5xx downs its replica, also one the engine
+  the client) and does not down the replica; nor is a whole answer cut after its head came
+  (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
+  502 or 504, by ``observe``). Every 5xx downs its replica, also one the engine
   returns for this input only: with several replicas that costs a retry and a back-off, not the
-  request. 4xx answers count as healthy (the replica answered).
+  request. 4xx answers count as healthy (the replica answered), and so does a 401/403 to the
+  gateway's own key (``UpstreamKeyRefused``, raised as it is, not failed over): as often about
+  the request (a model the account may not use) as about the key, and one client's request
+  must not take replicas out of rotation. Those are logged (a warning, at most one per replica
+  per ``log_interval``): a key the upstream refuses is the operator's to fix.
 - In flight: counted from the send until the answer is complete: for a complete body, when
   ``send`` returns; for a stream, until the returned response's ``aclose()`` (the caller must close
   every streaming response, as ``Gateway`` does; ``aclose`` is safe to call twice). Counts are
@@ -30,7 +36,9 @@ all, and so whether ``text`` matters):
   again is logged at info.
 - ``health()`` (``/healthz``) and ``ready()`` (``/readyz``): per replica by its public ``label``;
   ready while some replica is healthy or its back-off is over (then the next request probes it:
-  reporting not-ready then would keep away the traffic that finds out it is back).
+  reporting not-ready then would keep away the traffic that finds out it is back). A replica
+  that answers the readiness probe at all, with a 401/403 to the gateway's key too, is
+  reachable.
 """
 
 from __future__ import annotations
@@ -42,7 +50,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.errors import PathNotAllowed, UpstreamTimeout, UpstreamUnreachable
+from carpool.errors import (
+    PathNotAllowed,
+    UpstreamAnswerCut,
+    UpstreamKeyRefused,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from carpool.routing import Decision, RoutingPolicy
 from carpool.upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
 
@@ -68,6 +82,8 @@ class ReplicaState:
     probing: bool = field(default=False, repr=False)  # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
     unlogged: int = field(default=0, repr=False)  # failures since, not logged
+    refusals: int = 0  # calls refused with the gateway's key (401/403: ``UpstreamKeyRefused``)
+    refusal_logged_at: float | None = field(default=None, repr=False)  # (its last warning's)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -178,6 +194,20 @@ class ReplicaSet:
                     raise
                 replica, decision = retry[0], Decision.FAILOVER
                 continue
+            except UpstreamKeyRefused as error:
+                # An answer (the replica is up), and another replica would refuse the same
+                # call: not failed over, no replica left out.
+                replica.answered = True
+                self._succeeded(replica)
+                self._refused(replica, error)
+                self._observe(replica, error.upstream_status or error.status, decision)
+                raise
+            except UpstreamAnswerCut as error:
+                # Answered, then cut: the engine took the call. Not run again on another
+                # replica, and this one is not left out (as for a stream that broke part-way).
+                replica.probing = False
+                self._observe(replica, error.status, decision)
+                raise
             except BaseException:
                 replica.probing = False  # cancelled or unexpected: no verdict
                 raise
@@ -247,6 +277,11 @@ class ReplicaSet:
         except _RETRYABLE as error:
             self._failed(replica, _what(error))
             raise
+        except UpstreamKeyRefused as error:  # (an answer: see ``send``)
+            replica.answered = True
+            self._succeeded(replica)
+            self._refused(replica, error)
+            raise
         except BaseException:
             replica.probing = False
             raise
@@ -284,6 +319,23 @@ class ReplicaSet:
             what,
         )
         replica.logged_at, replica.unlogged = now, 0
+
+    def _refused(self, replica: ReplicaState, error: UpstreamKeyRefused) -> None:
+        """A call refused with the gateway's key: a warning, at most one per ``log_interval``
+        (a client asking again for a model the account may not use is no news)."""
+        replica.refusals += 1
+        now = self.clock()
+        last = replica.refusal_logged_at
+        if last is not None and now - last < self.log_interval:
+            return
+        replica.refusal_logged_at = now
+        log.warning(
+            "upstream %s refused a call made with the gateway's key (%s; %d refusal(s) in "
+            "all): the key, or that request (a model the account may not use)",
+            self._called(replica),
+            error.upstream_status or "401/403",
+            replica.refusals,
+        )
 
     def _called(self, replica: ReplicaState) -> str:
         # Both names: clients quote the label (error bodies), operators know the name.
@@ -361,6 +413,8 @@ class ReplicaSet:
                         pass
             except PathNotAllowed:
                 pass  # an in-process upstream: no /models, but up
+            except UpstreamKeyRefused as error:
+                self._refused(replica, error)  # an answer: reachable
             except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
                 self._failed(replica, f"readiness probe: {_what(error)}")
                 continue

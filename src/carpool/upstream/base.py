@@ -23,6 +23,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,7 +42,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Request headers that describe one hop, or that are addressed to carpool itself, are not
-# forwarded (nor are carpool's own ``x-carpool-*`` controls); every other one is.
+# forwarded (nor are carpool's own ``x-carpool-*`` controls, nor those a request's own
+# ``Connection`` names: ``connection_listed``); every other one is.
 NOT_FORWARDED = HOP_BY_HOP | frozenset(
     {
         "proxy-authorization",
@@ -55,6 +57,22 @@ NOT_FORWARDED = HOP_BY_HOP | frozenset(
         "expect",
     }
 )
+
+
+_NONE: frozenset[str] = frozenset()
+
+
+def connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
+    """The header names a request's ``Connection`` header lists (lower-case names in
+    ``headers``): hop-by-hop for that request (RFC 9110 7.6.1), so neither forwarded nor, since
+    the upstream never sees them, part of its key."""
+    value = headers.get("connection")
+    return _listed(value) if value else _NONE
+
+
+@functools.lru_cache(maxsize=256)  # (a few values, "keep-alive" most of all)
+def _listed(value: str) -> frozenset[str]:
+    return frozenset(name for token in value.split(",") if (name := token.strip().lower()))
 
 
 def unstreamed(body: dict[str, Any]) -> dict[str, Any]:

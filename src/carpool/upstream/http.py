@@ -11,6 +11,8 @@ Contract (on top of ``upstream.base``):
   replica, opened on first use, with the same limits.
 - Transport errors are translated here, the original error kept as ``__cause__``: a timeout ->
   ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
+  whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
+  stalled: the engine took the call, not retried elsewhere), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event; an empty one included: its message says it sent nothing) ->
   ``UpstreamStreamBroken`` (502). Their messages
@@ -21,11 +23,16 @@ Contract (on top of ``upstream.base``):
   clients may see (/healthz, error bodies): the configured name, or ``replica-<i>``.
 - A user and password in the URL are not sent as part of it: they become the ``Authorization:
   Basic`` header of every call, in place of the client's.
+- With a key the gateway holds (``api_key``), an upstream 401 or 403 (to a cached endpoint's
+  call or a pass-through) is ``UpstreamKeyRefused`` (502): its body is not relayed.
 - The cached endpoints' calls go to the base URL's path plus the endpoint's, with the client's
-  query string as it came (after the base URL's own query, if it has one).
+  query string as it came (after the base URL's own query, if it has one: Azure's
+  ``api-version``).
 - Pass-through sends the path it is given (already confined by ``carpool.paths``) verbatim under
-  the base URL: checked once more here, and never re-quoted or dot-resolved on the way.
-- Request headers are forwarded except hop-by-hop ones and carpool's own controls (written as
+  the base URL's path: checked once more here, and never re-quoted or dot-resolved on the way;
+  its query string too is the base URL's own, then the client's.
+- Request headers are forwarded except hop-by-hop ones (those the request's ``Connection``
+  names too) and carpool's own controls (written as
   UTF-8; one holding a control character is refused, never sent); an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
@@ -46,11 +53,23 @@ import orjson
 from yarl import URL
 
 from ..config import LimitsConfig
-from ..errors import UpstreamStreamBroken, UpstreamTimeout, UpstreamUnreachable
+from ..errors import (
+    UpstreamAnswerCut,
+    UpstreamKeyRefused,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from ..paths import confine
 from ..sse import SSEDecoder
 from . import wire
-from .base import NOT_FORWARDED, PassthroughResponse, UpstreamRequest, UpstreamResponse
+from .base import (
+    NOT_FORWARDED,
+    PassthroughResponse,
+    UpstreamRequest,
+    UpstreamResponse,
+    connection_listed,
+)
 
 # Response headers not relayed by pass-through (the ASGI server frames the body itself).
 NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
@@ -72,10 +91,12 @@ _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    listed = connection_listed(headers)  # (hop-by-hop too, for this request)
+    dropped = NOT_FORWARDED | listed if listed else NOT_FORWARDED
     return {
         name: value
         for name, value in headers.items()
-        if name not in NOT_FORWARDED and not name.startswith("x-carpool-")
+        if name not in dropped and not name.startswith("x-carpool-")
     }
 
 
@@ -164,6 +185,8 @@ class HttpUpstream:
         if bare.explicit_port is not None and bare.explicit_port != (443 if self._tls else 80):
             self._netloc += f":{bare.explicit_port}"
         self._path = bare.raw_path.rstrip("/")
+        # Pass-through's URLs: scheme, host and port, then the path (never after the query).
+        self._origin = str(bare.origin())
         # A query in the URL goes before the client's (and alone when it sent none).
         self._base_query = bare.raw_query_string
         self._query = self._base_query + "&" if self._base_query else ""
@@ -225,11 +248,14 @@ class HttpUpstream:
             ) from exc
         status, content_type = answer.status, answer.content_type
         if self._held and status in (401, 403):
-            # The upstream refused the gateway's own key: its answer may quote part of the key
-            # or name the account, and the client's key is not the one at fault. A 502 (the
-            # replica is left out as a failing one), the reason in the operator's log only.
+            # The upstream refused the call made with the gateway's own key: its answer may
+            # quote part of the key or name the account, and the client's key is not the one
+            # at fault. A 502 of the gateway's (``UpstreamKeyRefused``): an answer about this
+            # call as often as about the key, so no replica is left out for it.
             answer.release()
-            raise UpstreamUnreachable(f"upstream {self.label} refused the gateway's key ({status})")
+            raise UpstreamKeyRefused(
+                f"upstream {self.label} refused the gateway's key ({status})", status
+            )
         if request.stream and 200 <= status < 300 and "text/event-stream" in content_type:
             return UpstreamResponse(
                 status,
@@ -243,10 +269,14 @@ class HttpUpstream:
             raise self._mid_answer(exc) from exc
         return UpstreamResponse(status, {"content-type": content_type}, body=data)
 
-    def _mid_answer(self, error: wire.WireError) -> UpstreamTimeout | UpstreamUnreachable:
+    def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
+        """The answer's head came, its body did not whole: the engine took the call, so this
+        is no failure to retry on another replica (as ``UpstreamUnreachable`` would be)."""
         if isinstance(error, wire.WireTimeout):
-            return UpstreamTimeout(f"upstream {self.label} timed out sending its answer")
-        return UpstreamUnreachable(f"upstream {self.label} failed mid-answer ({error.reason})")
+            return UpstreamAnswerCut(
+                f"upstream {self.label} timed out sending its answer", timed_out=True
+            )
+        return UpstreamAnswerCut(f"upstream {self.label} failed mid-answer ({error.reason})")
 
     async def _open(
         self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
@@ -263,12 +293,11 @@ class HttpUpstream:
                 f"upstream {self.label} is unreachable ({reason(exc)})"
             ) from exc
         if self._held and response.status in (401, 403):
-            # The upstream refused the gateway's own key: its answer may quote part of the key
-            # or name the account, and the client's key is not the one at fault. A 502 (the
-            # replica is left out as a failing one), the reason in the operator's log only.
+            # As for the cached endpoints' calls (``send``).
             response.release()
-            raise UpstreamUnreachable(
-                f"upstream {self.label} refused the gateway's key ({response.status})"
+            raise UpstreamKeyRefused(
+                f"upstream {self.label} refused the gateway's key ({response.status})",
+                response.status,
             )
         return response
 
@@ -283,8 +312,12 @@ class HttpUpstream:
         out_headers.setdefault("accept-encoding", "identity")
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
         path = confine(b"/v1" + path.encode("ascii", "replace"))
+        # As ``send`` builds a cached endpoint's target: the base URL's path, then its query and
+        # the client's (appended to the whole base URL, the path went into its query).
+        asked = quote(query, safe=_QUERY_SAFE) if query else ""
+        query_string = self._query + asked if asked else self._base_query
         url = URL(
-            self.base_url + path + ("?" + quote(query, safe=_QUERY_SAFE) if query else ""),
+            self._origin + self._path + path + ("?" + query_string if query_string else ""),
             encoded=True,
         )
         response = await self._open(method, url, body or None, out_headers)

@@ -8,7 +8,9 @@ a kept connection. Pass-through and the peers keep aiohttp (any method, bodies r
 
 Contract:
 - ``Pool``: the connections to one replica (``host``, ``port``; TLS with ``ssl``). At most
-  ``limit`` are open at once; a request beyond waits, in turn, for one to be freed. An idle one
+  ``limit`` are open at once; a request beyond waits, in turn, for one to be freed (first come,
+  first served: a connection given back, or a place freed, goes to the request that has waited
+  longest, never to one that came after it). An idle one
   is reused, the most recently used first, unless it has been idle for ``keepalive_s`` or more
   (then it is closed: before the server drops it itself, which races with its reuse; the
   oldest idle ones are closed so too whenever a connection comes back) or the server closed it
@@ -35,6 +37,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import re
 import socket
@@ -133,11 +136,16 @@ class Pool:
         self.open = 0  # connections open or being opened, counted against ``limit``
         self.idle: list[Connection] = []  # the most recently used last
         self.busy: set[Connection] = set()
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        # The requests waiting for a connection, the longest waiting first: each is given a
+        # connection (or None: a place, counted for it, to open one) by ``_hand``.
+        self._waiting: deque[asyncio.Future[Connection | None]] = deque()
         self.closed = False
 
     async def request(self, data: bytes, whole: bool) -> Answer:
-        connection = self._idle() or await self._acquire()
+        # Nobody waiting (the common case): the most recent idle one at once; else in turn.
+        connection = None if self._waiting else self._idle()
+        if connection is None:
+            connection = await self._acquire()
         connection.begin()
         try:
             connection.transport.write(data)  # type: ignore[union-attr]  # (connected)
@@ -166,27 +174,49 @@ class Pool:
         return None
 
     async def _acquire(self) -> Connection:
+        """A connection, in turn: an idle one or a new one while nobody waits ahead (and the
+        limit allows), else the one given back or the place freed (``_hand``) once every
+        request that waited before has had its own. A request that came later and found
+        nobody waiting never takes what was freed for one that waits."""
+        waiting = self._waiting
+        first = False  # (given a connection that closed before it ran: first in line again)
         while True:
-            connection = self._idle()
-            if connection is not None:
-                return connection
             if self.closed:
                 raise WireError("connection failed")
-            if self.open < self.limit:
-                return await self._connect()
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
+            while waiting and waiting[0].done():
+                waiting.popleft()  # (one cancelled, its task not yet run to leave the line)
+            if first or not waiting:
+                connection = self._idle()
+                if connection is not None:
+                    return connection
+                if self.open < self.limit:
+                    self.open += 1
+                    return await self._connect()
+            waiter: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
+            if first:
+                waiting.appendleft(waiter)
+            else:
+                waiting.append(waiter)
             try:
-                await waiter
+                given = await waiter
             except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # (woken and cancelled at once: the turn goes on)
-                else:
-                    self._waiting.remove(waiter)
+                if not waiter.done() or waiter.cancelled():
+                    with contextlib.suppress(ValueError):  # (unless ``_hand`` dropped it)
+                        waiting.remove(waiter)
+                elif waiter.exception() is None:
+                    self._pass_on(waiter.result())  # (given and cancelled at once)
                 raise
+            if self.closed:
+                self._pass_on(given)
+                raise WireError("connection failed")
+            if given is None:
+                return await self._connect()  # (its place, counted for it already)
+            if not given.lost:
+                return given
+            first = True
 
     async def _connect(self) -> Connection:
-        self.open += 1
+        """A new connection, in a place already counted in ``open`` (given up if it fails)."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -223,13 +253,14 @@ class Pool:
         the idle ones past their keep-alive closed meanwhile (the oldest first)."""
         if connection.reusable() and not self.closed:
             connection.finish()
+            if self._waiting and self._hand(connection):
+                return  # (busy still: the request that has waited longest has it now)
             self.busy.discard(connection)
             idle, now = self.idle, monotonic()
             while idle and now - idle[0].idle_since >= self.keepalive_s:
                 self.discard(idle.pop(0))
             connection.idle_since = now
             idle.append(connection)
-            self._wake()
         else:
             self.discard(connection)
 
@@ -245,29 +276,43 @@ class Pool:
             self.idle.remove(connection)
 
     def _gone(self) -> None:
-        """A connection closed (or never opened): its place is free."""
-        self.open -= 1
-        self._wake()
+        """A connection closed (or never opened): its place goes to the request that has
+        waited longest (counted in ``open`` still, for it), else it is free."""
+        if not (self._waiting and self._hand(None)):
+            self.open -= 1
 
-    def _wake(self) -> None:
+    def _hand(self, given: Connection | None) -> bool:
+        """``given`` (a connection, or None: a place to open one) to the request that has
+        waited longest; False when none waits. Handed over directly, not put where the next
+        request to come could take it before the woken one runs."""
         waiting = self._waiting
         while waiting:
             waiter = waiting.popleft()
             if not waiter.done():
-                waiter.set_result(None)
-                return
+                waiter.set_result(given)
+                return True
+        return False
+
+    def _pass_on(self, given: Connection | None) -> None:
+        """What was handed to a request that cannot use it (cancelled, the pool closed)."""
+        if given is None:
+            self._gone()
+        else:
+            self.release(given)
 
     def close(self) -> None:
-        """Close every connection; requests after this fail."""
+        """Close every connection: the requests waiting for an answer on one fail
+        (``WireError``, "connection closed"), as do those waiting for one and those after this."""
         self.closed = True
+        waiting = self._waiting
+        while waiting:  # (first: no place freed below is handed to one of them)
+            waiter = waiting.popleft()
+            if not waiter.done():
+                waiter.set_exception(WireError("connection failed"))
         for connection in [*self.idle, *self.busy]:
             connection.close()
         self.idle.clear()
         self.busy.clear()
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # (it finds the pool closed)
 
 
 class Answer:
@@ -405,7 +450,9 @@ class Connection(asyncio.Protocol):
     def begin(self) -> None:
         self.active = True
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
-        self.headed = self.done = self.keep_alive = self.draining = False
+        # (``unasked`` too: every field of the answer is this request's. A connection that got
+        # anything unasked is never reused (``reusable``), so none is reset here in practice.)
+        self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
         self.chunks = []
         self.failure = None
         self.last_read = now = self.loop.time()
@@ -462,7 +509,13 @@ class Connection(asyncio.Protocol):
             self.pool.discard(self)
 
     def reusable(self) -> bool:
-        return self.done and self.keep_alive and not self.lost and self.failure is None
+        return (
+            self.done
+            and self.keep_alive
+            and not self.lost
+            and self.failure is None
+            and not self.unasked
+        )
 
     def finish(self) -> None:
         """The request is over (whether the connection is kept or not)."""
@@ -473,6 +526,12 @@ class Connection(asyncio.Protocol):
             self.timer = None
 
     def close(self) -> None:
+        if self.active and not self.done and self.failure is None:
+            # Closed under a request still owed its answer (``Pool.close``): it fails now.
+            # ``finish`` stops the read timer, and ``connection_lost`` fails no request that
+            # is over, so a reader waiting for its head or body would wait forever.
+            self.failure = WireError("connection closed", self.headed)
+            self._wake()
         self.finish()
         if self.transport is not None and not self.lost:
             self.lost = True
@@ -501,7 +560,12 @@ class Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(WireError("malformed or truncated answer", self.headed), exc)
             return
-        if self.want == NEWS and self.chunks:
+        if self.draining and self.done:
+            # Back in the pool only now that the whole read is parsed: bytes after the answer's
+            # end in the same read (an answer nobody asked for) are seen (``unasked``) before
+            # it could be reused, never by the next request as the head of its own answer.
+            self.pool.release(self)
+        elif self.want == NEWS and self.chunks:
             self._wake()  # (once a read, not once a chunk of it: a stream's are its frames)
 
     def eof_received(self) -> bool:
@@ -565,7 +629,7 @@ class Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.draining:
-            self.pool.release(self)
-        else:
+        if not self.draining:
             self._wake()
+        # (Draining, nobody waits: ``data_received`` gives it back once the read is parsed; a
+        # body that ended with the connection is not reused at all.)
