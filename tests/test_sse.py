@@ -789,6 +789,44 @@ def test_a_refusal_streamed_in_pieces_is_whole_and_content_null():
     }
 
 
+def test_a_stream_assembled_from_azure_keeps_the_real_id():
+    # Azure OpenAI opens its streams with its prompt's content-filter results, in a chunk whose
+    # id and model are "" and created 0; its non-streaming answer has the real ones.
+    filtered = [{"prompt_index": 0, "content_filter_results": {"hate": {"filtered": False}}}]
+    opening = {
+        "id": "",
+        "choices": [],
+        "created": 0,
+        "model": "",
+        "object": "",
+        "system_fingerprint": None,
+        "prompt_filter_results": filtered,
+    }
+    azure = {**HEAD, "id": "chatcmpl-AZ1", "model": "gpt-4o-2024-08-06", "created": 1756938296}
+    chunks = [
+        opening,
+        {**azure, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {**azure, "choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+        {**azure, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]
+    body = assemble("chat", chunks)
+    assert (body["id"], body["model"], body["created"]) == (
+        "chatcmpl-AZ1",
+        "gpt-4o-2024-08-06",
+        1756938296,
+    )
+    assert body["system_fingerprint"] == "fp_1" and body["prompt_filter_results"] == filtered
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+    # Taken one at a time, with their payloads (as a flight's stream is), the same.
+    assembly = Assembly("chat")
+    for one in chunks:
+        assembly.add(one, orjson.dumps(one))
+    assert assembly.body() == body
+    # Blank all along: blank it stays (nothing is made up).
+    blank = [{**c, "id": "", "created": 0} for c in chunks]
+    assert (assemble("chat", blank)["id"], assemble("chat", blank)["created"]) == ("", 0)
+
+
 def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins():
     text = [delta_chunk({"role": "assistant", "content": "hi"}), finish_chunk("stop")]
     assert "usage" not in assemble("chat", text)  # none invented

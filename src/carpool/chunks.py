@@ -18,7 +18,9 @@ Contract:
     * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
       standard one ("chat.completion" / "text_completion").
   Any other top-level, choice or message field survives as well: top-level ones keep their first
-  non-null value, choice ones their last non-null value; message ones (``refusal``,
+  non-null value (``id``, ``model``, ``created`` and ``system_fingerprint`` their first
+  non-blank one: Azure OpenAI opens its streams with a chunk that has ``""`` and ``0`` there,
+  before the real ones), choice ones their last non-null value; message ones (``refusal``,
   ``reasoning_content``, ...) concatenate when strings, else keep their last non-null value.
   Logprobs keep exactly the keys the chunks sent (lists concatenate).
 - Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
@@ -253,6 +255,23 @@ class _Choice:
 # ``_Choice.add``.
 _PLAIN_CHOICE = frozenset(("index", "delta", "logprobs", "finish_reason"))
 _TOP_SKIP = frozenset(("object", "choices", "usage"))
+# Identity fields a stream may open with blank, before every other chunk says them: Azure
+# OpenAI's first chunk (its prompt's content-filter results) has id "", model "", created 0.
+# Blank there is "not said yet", as null is: a later value takes its place.
+_BLANKABLE = frozenset(("id", "model", "created", "system_fingerprint"))
+_BLANK = ("", 0)
+
+
+def _unset(key: str, held: Any) -> bool:
+    """Whether the top-level ``held`` value of ``key`` is still to be said by a later chunk."""
+    return held is None or (key in _BLANKABLE and held in _BLANK)
+
+
+def _takes(key: str, held: Any, value: Any) -> bool:
+    """Whether ``value`` (a chunk's) replaces ``held`` (the top-level value so far)."""
+    return held is None or (
+        value is not None and key in _BLANKABLE and held in _BLANK and value not in _BLANK
+    )
 
 
 def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,10 +298,10 @@ class Assembly:
         self.kind, self.chat = kind, kind == "chat"
         self.top: dict[str, Any] = {}
         # The top-level keys seen (and those skipped): a chunk with no other key has nothing
-        # more to say there (the usual case), but for a first non-null value of a key only null
-        # so far.
+        # more to say there (the usual case), but for a first value of a key only null (or
+        # blank: ``_BLANKABLE``) so far.
         self.seen = set(_TOP_SKIP)
-        self.nulls: list[str] = []  # the keys of ``top`` whose value is still null
+        self.nulls: list[str] = []  # the keys of ``top`` still unset (``_unset``)
         self.choices: dict[Any, _Choice] = {}
         self.usage: Any = None
         self.template: TextTemplate | None = None
@@ -297,18 +316,19 @@ class Assembly:
             for key, value in chunk.items():
                 if key in _TOP_SKIP:
                     continue
-                if top.get(key) is None:  # the first non-null value; the key kept if ever seen
+                # The first non-null (non-blank) value; the key kept if ever seen.
+                if key not in top or _takes(key, top[key], value):
                     top[key] = value
                     self.seen.add(key)
-            self.nulls = [key for key, value in top.items() if value is None]
+            self.nulls = [key for key, value in top.items() if _unset(key, value)]
         elif self.nulls:  # (the same, for the only keys it can change)
             filled = False
             for key in self.nulls:
                 value = chunk.get(key)
-                if value is not None:
+                if value is not None and _takes(key, top[key], value):
                     top[key], filled = value, True
             if filled:
-                self.nulls = [key for key in self.nulls if top[key] is None]
+                self.nulls = [key for key in self.nulls if _unset(key, top[key])]
         usage = chunk.get("usage")
         if usage is not None:
             self.usage = usage  # the last one: vLLM's continuous usage is cumulative
