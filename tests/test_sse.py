@@ -494,9 +494,17 @@ def chat_message(draw):
     reasoning = draw(st.booleans())
     if reasoning:  # a reasoning model's separate text (vLLM, DeepSeek)
         message["reasoning_content"] = draw(st.text(min_size=1, max_size=12))
+    audio = draw(st.booleans())
+    if audio:  # OpenAI's modalities ["text", "audio"]
+        message["audio"] = {
+            "id": draw(text),
+            "data": draw(text),
+            "expires_at": draw(st.integers(0, 2**31)),
+            "transcript": draw(text),
+        }
     # content may be None only where a non-streaming answer would say so: beside calls, a
-    # refusal or reasoning.
-    may_be_null = calls is not None or refusal == "text" or reasoning
+    # refusal, reasoning or audio.
+    may_be_null = calls is not None or refusal == "text" or reasoning or audio
     message["content"] = draw(st.none() | text) if may_be_null else draw(text)
     if calls is not None:
         message["tool_calls"] = calls
@@ -786,6 +794,65 @@ def test_a_refusal_streamed_in_pieces_is_whole_and_content_null():
         "role": "assistant",
         "content": None,
         "refusal": "I can't help with that.",
+    }
+
+
+def test_audio_streamed_in_pieces_assembles_whole_with_content_null():
+    # OpenAI with modalities ["text", "audio"]: the audio comes in pieces (its id with the
+    # first piece of its transcript, then data, then expires_at alone); the non-streaming
+    # answer has one whole message.audio and content null.
+    chunks = [
+        delta_chunk(
+            {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "audio": {"id": "audio_1", "transcript": "Hel"},
+            }
+        ),
+        delta_chunk({"audio": {"transcript": "lo"}}),
+        delta_chunk({"audio": {"data": "AAAA"}}),
+        delta_chunk({"audio": {"data": "BBBB"}}),
+        delta_chunk({"audio": {"expires_at": 1700000000}}),
+        finish_chunk("stop"),
+    ]
+    assert assemble("chat", chunks)["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "audio": {
+            "id": "audio_1",
+            "transcript": "Hello",
+            "data": "AAAABBBB",
+            "expires_at": 1700000000,
+        },
+    }
+
+
+def test_message_fields_in_pieces_merge_as_the_sdks_accumulate_them():
+    # Objects merge key by key (a "type" is replaced, not added to), list items with an index
+    # merge with the earlier item of that index, other lists extend; the chunks are not changed.
+    citation = {"type": "url_citation", "url_citation": {"url": "https://a", "title": "A"}}
+    chunks = [
+        delta_chunk({"role": "assistant", "content": "See A."}),
+        delta_chunk({"annotations": [citation]}),
+        delta_chunk({"annotations": [{**citation, "url_citation": {"url": "https://b"}}]}),
+        delta_chunk({"details": [{"index": 0, "type": "text", "text": "th"}, {"index": 0}]}),
+        delta_chunk({"details": [{"index": 0, "type": "text", "text": "ink"}]}),
+        delta_chunk({"tags": ["a"], "meta": {"kind": "x", "n": 1}}),
+        delta_chunk({"tags": ["b"], "meta": {"n": 2}}),
+        finish_chunk("stop"),
+    ]
+    before = copy.deepcopy(chunks)
+    message = assemble("chat", chunks)["choices"][0]["message"]
+    assert chunks == before
+    assert message == {
+        "role": "assistant",
+        "content": "See A.",
+        "annotations": [citation, {**citation, "url_citation": {"url": "https://b"}}],
+        "details": [{"index": 0, "type": "text", "text": "think"}, {"index": 0}],
+        "tags": ["a", "b"],
+        "meta": {"kind": "x", "n": 2},
     }
 
 

@@ -11,8 +11,9 @@ Contract:
     * every choice has ``index``, ``finish_reason`` and ``logprobs`` (None or a dict), and chat
       choices a ``message`` with a ``role``;
     * a chat message's ``content`` is a string, or None only alongside non-empty ``tool_calls``,
-      a ``function_call``, or a non-empty ``refusal`` or reasoning text (``reasoning_content``,
-      ``reasoning``) (a bare None comes back as ``""``, the text of a stream that sent none);
+      a ``function_call``, a non-empty ``refusal`` or reasoning text (``reasoning_content``,
+      ``reasoning``), or ``audio`` (a bare None comes back as ``""``, the text of a stream that
+      sent none);
     * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} only, and appear
       in index order; ``function_call`` has ``name`` and ``arguments``;
     * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
@@ -21,7 +22,10 @@ Contract:
   non-null value (``id``, ``model``, ``created`` and ``system_fingerprint`` their first
   non-blank one: Azure OpenAI opens its streams with a chunk that has ``""`` and ``0`` there,
   before the real ones), choice ones their last non-null value; message ones (``refusal``,
-  ``reasoning_content``, ...) concatenate when strings, else keep their last non-null value.
+  ``reasoning_content``, ``audio``, ``annotations``...) merge as the SDKs accumulate deltas:
+  strings concatenate, objects merge key by key (an ``index`` or ``type`` in them is replaced,
+  not added to), list items with an ``index`` merge with the earlier item of that index, other
+  lists extend, and other values keep their last non-null value.
   Logprobs keep exactly the keys the chunks sent (lists concatenate).
 - Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
   only for ``synthesize``'s: a tool call's (or legacy ``function_call``'s) ``id`` and ``type``
@@ -55,24 +59,82 @@ _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion
 
 
 class _Merged:
-    """Values of one field seen over many chunks: strings concatenate, others keep the last."""
+    """Values of one field seen over many chunks, merged as the SDKs accumulate a stream's
+    deltas (openai-python's ``ChatCompletionStreamState``, openai-node's): strings
+    concatenate, objects merge key by key (OpenAI streams ``audio`` as ``{id, transcript}``,
+    ``{data}``..., then ``{expires_at}``), list items that carry an ``index`` merge with the
+    item of that index from earlier chunks, other lists extend, and anything else keeps its
+    last non-null value."""
 
-    __slots__ = ("texts", "last")
+    __slots__ = ("texts", "last", "fields", "items", "indexed")
 
     def __init__(self) -> None:
         self.texts: list[str] | None = None
         self.last: Any = None
+        self.fields: dict[str, _Merged] | None = None  # an object's, key by key
+        self.items: list[Any] | None = None  # a list's: values, or ``_Merged`` indexed items
+        self.indexed: dict[int, _Merged] | None = None  # those items by their index
 
     def add(self, value: Any) -> None:
+        # Strings first: nearly every value a stream repeats is a piece of text.
         if isinstance(value, str):
             if self.texts is None:
                 self.texts = []
             self.texts.append(value)
-        elif value is not None:
+        elif value is None:
+            return
+        elif isinstance(value, dict):
+            if self.fields is None:
+                self.fields = {}
+            _merge_object(self.fields, value)
+        elif isinstance(value, list):
+            self._extend(value)
+        else:
             self.last = value
 
+    def _extend(self, values: list[Any]) -> None:
+        if self.items is None:
+            self.items = []
+        items, indexed = self.items, self.indexed
+        # An item merges with the one of its index from an earlier chunk only: within one
+        # list, each is an item of its own (as the SDKs take a list first seen whole).
+        fresh: dict[int, _Merged] = {}
+        for item in values:
+            index = item.get("index") if type(item) is dict else None
+            merged = indexed.get(index) if indexed and type(index) is int else None
+            if merged is None and type(index) is int:
+                merged = _Merged()
+                items.append(merged)
+                fresh.setdefault(index, merged)
+            if merged is None:
+                items.append(item)
+            else:
+                merged.add(item)
+        if fresh:
+            self.indexed = {**(indexed or {}), **fresh}
+
     def value(self) -> Any:
-        return "".join(self.texts) if self.texts is not None else self.last
+        if self.texts is not None:
+            return "".join(self.texts)
+        if self.fields is not None:
+            return {key: merged.value() for key, merged in self.fields.items()}
+        if self.items is not None:
+            return [item.value() if type(item) is _Merged else item for item in self.items]
+        return self.last
+
+
+# Keys that name what an object is rather than carry a piece of it (a list item's ``index``,
+# the ``type`` of a tagged union): a later value replaces the earlier, never adds to it.
+_NAMING = frozenset(("index", "type"))
+
+
+def _merge_object(fields: dict[str, _Merged], source: dict[str, Any]) -> None:
+    """``source``, one chunk's piece of an object, merged into the object's ``fields``."""
+    for key, value in source.items():
+        merged = fields.get(key)
+        if merged is None or (key in _NAMING and value is not None):
+            merged = fields[key] = _Merged()
+        merged.add(value)
 
 
 def _merge_into(fields: dict[str, _Merged], source: dict[str, Any], skip: frozenset[str]) -> None:
@@ -232,10 +294,12 @@ class _Choice:
         elif (
             self.tool_calls
             or self.function_call
-            or any(fields.get(key) for key in ("refusal", "reasoning_content", "reasoning"))
+            or any(
+                fields.get(key) for key in ("refusal", "reasoning_content", "reasoning", "audio")
+            )
         ):
             # What a non-streaming answer says when something else is the answer (calls, a
-            # refusal, a reasoning model cut off before its answer): no text at all.
+            # refusal, spoken audio, a reasoning model cut off before its answer): no text.
             message["content"] = None
         else:
             message["content"] = ""
