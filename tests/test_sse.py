@@ -856,6 +856,49 @@ def test_message_fields_in_pieces_merge_as_the_sdks_accumulate_them():
     }
 
 
+def test_the_streams_obfuscation_padding_is_not_in_the_assembled_answer():
+    # OpenAI pads each chunk with a random "obfuscation" (stream_options.include_obfuscation,
+    # on by default): the stream's alone, in no non-streaming answer.
+    chunks = [
+        chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            obfuscation="Zx9",
+        ),
+        chunk([{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}], obfuscation="q1"),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"content": "!", "obfuscation": "a"},
+                    "finish_reason": None,
+                    "obfuscation": "b",
+                }
+            ]
+        ),
+        chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}], obfuscation="p"),
+    ]
+    body = assemble("chat", chunks)
+    assert "obfuscation" not in body
+    assert body["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "Hi!"},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    completion = assemble(
+        "completion",
+        [
+            {
+                **HEAD,
+                "choices": [{"index": 0, "text": "Hi", "obfuscation": "x"}],
+                "obfuscation": "y",
+            },
+            {**HEAD, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+        ],
+    )
+    assert "obfuscation" not in completion and "obfuscation" not in completion["choices"][0]
+
+
 def test_a_stream_assembled_from_azure_keeps_the_real_id():
     # Azure OpenAI opens its streams with its prompt's content-filter results, in a chunk whose
     # id and model are "" and created 0; its non-streaming answer has the real ones.

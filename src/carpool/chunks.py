@@ -25,7 +25,8 @@ Contract:
   ``reasoning_content``, ``audio``, ``annotations``...) merge as the SDKs accumulate deltas:
   strings concatenate, objects merge key by key (an ``index`` or ``type`` in them is replaced,
   not added to), list items with an ``index`` merge with the earlier item of that index, other
-  lists extend, and other values keep their last non-null value.
+  lists extend, and other values keep their last non-null value. OpenAI's per-chunk
+  ``obfuscation`` padding is the stream's alone: no level of the body keeps it.
   Logprobs keep exactly the keys the chunks sent (lists concatenate).
 - Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
   only for ``synthesize``'s: a tool call's (or legacy ``function_call``'s) ``id`` and ``type``
@@ -204,9 +205,12 @@ class _ToolCall:
 class _Choice:
     """One choice's state while its chunks are assembled."""
 
-    _CHAT_SKIP = frozenset(("index", "delta", "message", "logprobs", "finish_reason"))
-    _COMPLETION_SKIP = frozenset(("index", "text", "logprobs", "finish_reason"))
-    _DELTA_SKIP = frozenset(("role", "content", "tool_calls", "function_call"))
+    # (``obfuscation``: see ``_TOP_SKIP``.)
+    _CHAT_SKIP = frozenset(
+        ("index", "delta", "message", "logprobs", "finish_reason", "obfuscation")
+    )
+    _COMPLETION_SKIP = frozenset(("index", "text", "logprobs", "finish_reason", "obfuscation"))
+    _DELTA_SKIP = frozenset(("role", "content", "tool_calls", "function_call", "obfuscation"))
 
     def __init__(self, index: Any) -> None:
         self.index = index
@@ -318,7 +322,11 @@ class _Choice:
 # delta's: "content" alone). ``assemble`` takes it in one step, with the same result as
 # ``_Choice.add``.
 _PLAIN_CHOICE = frozenset(("index", "delta", "logprobs", "finish_reason"))
-_TOP_SKIP = frozenset(("object", "choices", "usage"))
+# ``obfuscation``: OpenAI's random padding of each chunk (``stream_options.include_obfuscation``,
+# on by default), against length side channels; it belongs to the stream, and no
+# non-streaming answer has it. (Skipped, it costs the hot path nothing: a chunk whose keys
+# are all seen or skipped takes the fast path.)
+_TOP_SKIP = frozenset(("object", "choices", "usage", "obfuscation"))
 # Identity fields a stream may open with blank, before every other chunk says them: Azure
 # OpenAI's first chunk (its prompt's content-filter results) has id "", model "", created 0.
 # Blank there is "not said yet", as null is: a later value takes its place.
