@@ -407,6 +407,31 @@ async def test_a_leaders_error_reaches_the_waiters_on_the_other_instance_and_is_
         assert content(again) == f"answer 2 to {QUESTION}" and fake.count() == 2
 
 
+async def test_a_4xx_refusing_another_instances_body_is_not_the_answer_of_a_joiner_elsewhere(
+    fake, shared_redis
+):
+    # The relayed error says which body the upstream refused: on the other instance, a request
+    # of the same key with that body shares it, one whose body differs (metadata is not in the
+    # key) makes its own call.
+    async with two_gateways(fake, shared_redis) as (a, b):
+        fake.gate = asyncio.Event()
+        fake.fail_status, fake.fail_times = 400, 1
+        first = asyncio.create_task(a.chat(QUESTION, metadata={"a": 1}))
+        await fake.wait_for_calls(1)
+        waiters = [
+            asyncio.create_task(b.chat(QUESTION, metadata={"a": 1})),
+            asyncio.create_task(b.chat(QUESTION, metadata={"a": "x"})),
+        ]
+        await eventually(
+            lambda: b.gateway.flights.waiters == 2 and b.gateway.shared_flights.following == 1
+        )
+        fake.gate.set()
+        led, same, other = await asyncio.gather(first, *waiters)
+        assert [r.status_code for r in (led, same, other)] == [400, 400, 200]
+        assert same.headers["x-carpool"] == "coalesced" and other.headers["x-carpool"] == "miss"
+        assert fake.count() == 2 and fake.calls[1].body["metadata"] == {"a": "x"}
+
+
 async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a_full_answer(
     fake, shared_redis, tmp_path
 ):

@@ -117,6 +117,52 @@ def test_unicode_composition_does_not_change_the_key():
     assert key(chat(composed)) == key(chat(decomposed))
 
 
+def test_embeddings_inputs_are_exact_not_nfc():
+    # An embedding is of the code points sent: NFC would fold distinct characters (the Ohm
+    # sign into Omega, the Kelvin sign into K) and composed with decomposed, which tokenize
+    # apart and embed as different vectors.
+    def embed(text):
+        return key({"model": "e", "input": text}, path="/v1/embeddings")
+
+    for a, b in [("\u2126", "\u03a9"), ("\u212a", "K"), ("e\u0301", "\u00e9")]:
+        assert embed(f"x {a}") != embed(f"x {b}")
+        assert embed([f"x {a}", "y"]) != embed([f"x {b}", "y"])
+    assert embed("x \u2126") == embed("x \u2126")
+
+
+def test_two_schemas_differing_only_in_property_order_are_two_keys():
+    # OpenAI's structured outputs write an object's keys in the schema's order, and chat
+    # templates render tools as given: two orders are two answers.
+    name_age = {"name": {"type": "string"}, "age": {"type": "integer"}}
+    age_name = {"age": {"type": "integer"}, "name": {"type": "string"}}
+
+    def schema(properties):
+        return {"type": "object", "properties": properties, "required": ["name", "age"]}
+
+    def response_format(properties):
+        return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema(properties)}}
+
+    def tools(properties):
+        function = {"name": "f", "parameters": schema(properties)}
+        return [{"type": "function", "function": function}]
+
+    for field, of in [
+        ("response_format", response_format),
+        ("tools", tools),
+        ("functions", lambda p: [{"name": "f", "parameters": schema(p)}]),
+        ("guided_json", schema),
+        ("text", lambda p: {"format": {"type": "json_schema", "name": "p", "schema": schema(p)}}),
+    ]:
+        assert key(chat(**{field: of(name_age)})) != key(chat(**{field: of(age_name)})), field
+        assert key(chat(**{field: of(name_age)})) == key(chat(**{field: of(dict(name_age))}))
+    # Elsewhere the order of keys is the JSON text's alone (a field the gateway does not know).
+    assert key(chat(some_future_field=name_age)) == key(chat(some_future_field=age_name))
+    # Ordered, an object is still one to one: not the same as a list of its pairs.
+    pairs = [["name", {"type": "string"}], ["age", {"type": "integer"}]]
+    assert key(chat(guided_json=name_age)) != key(chat(guided_json=pairs))
+    assert key(chat(guided_json={"\x00": pairs})) != key(chat(guided_json=name_age))
+
+
 def test_tenants_never_share_a_key():
     assert key(chat(), {"authorization": "Bearer a"}) != key(chat(), {"authorization": "Bearer b"})
 

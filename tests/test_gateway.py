@@ -299,6 +299,38 @@ async def test_leader_error_reaches_every_waiter_and_is_never_stored(gw, fake):
     assert again.status_code == 200 and again.headers["x-carpool"] == "miss"
 
 
+@pytest.mark.parametrize(
+    "status, own_call",
+    [(400, True), (413, True), (422, True), (401, False), (403, False), (408, False)]
+    + [(429, False), (500, False)],
+)
+async def test_a_4xx_refusing_another_body_than_a_joiners_is_not_its_answer(
+    gw, fake, status, own_call
+):
+    # metadata is not in the key, but reaches the upstream, which may refuse one and not the
+    # other (OpenAI: metadata values must be strings). A refusal of the requester or of the
+    # moment (credentials, rate limit, timeout) and a 5xx stay every joiner's answer.
+    fake.gate = asyncio.Event()
+    fake.fail_status, fake.fail_times = status, 1
+    led = asyncio.create_task(gw.chat(metadata={"a": 1}))
+    await fake.wait_for_calls(1)
+    same = asyncio.create_task(gw.chat(metadata={"a": 1}))
+    other = asyncio.create_task(gw.chat(metadata={"a": "x"}))
+    await eventually(lambda: flight_clients(gw) == 3, what="both joiners on the flight")
+    fake.gate.set()
+    led, same, other = await asyncio.gather(led, same, other)
+    assert led.status_code == same.status_code == status
+    assert same.headers["x-carpool"] == "coalesced"  # the same body: the same answer, no call
+    if own_call:
+        assert other.status_code == 200 and other.headers["x-carpool"] == "miss"
+        assert fake.count() == 2 and fake.calls[1].body["metadata"] == {"a": "x"}
+    else:
+        assert other.status_code == status and other.headers["x-carpool"] == "coalesced"
+        assert fake.count() == 1
+    # The 4xx is never stored; the answer of the joiner's own call is, under the key.
+    assert gw.gateway.store.entries == (1 if own_call else 0)
+
+
 async def test_a_stream_failing_part_way_reaches_every_client_as_an_error_and_is_never_stored(
     gw, fake
 ):

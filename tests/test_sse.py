@@ -494,9 +494,17 @@ def chat_message(draw):
     reasoning = draw(st.booleans())
     if reasoning:  # a reasoning model's separate text (vLLM, DeepSeek)
         message["reasoning_content"] = draw(st.text(min_size=1, max_size=12))
+    audio = draw(st.booleans())
+    if audio:  # OpenAI's modalities ["text", "audio"]
+        message["audio"] = {
+            "id": draw(text),
+            "data": draw(text),
+            "expires_at": draw(st.integers(0, 2**31)),
+            "transcript": draw(text),
+        }
     # content may be None only where a non-streaming answer would say so: beside calls, a
-    # refusal or reasoning.
-    may_be_null = calls is not None or refusal == "text" or reasoning
+    # refusal, reasoning or audio.
+    may_be_null = calls is not None or refusal == "text" or reasoning or audio
     message["content"] = draw(st.none() | text) if may_be_null else draw(text)
     if calls is not None:
         message["tool_calls"] = calls
@@ -787,6 +795,146 @@ def test_a_refusal_streamed_in_pieces_is_whole_and_content_null():
         "content": None,
         "refusal": "I can't help with that.",
     }
+
+
+def test_audio_streamed_in_pieces_assembles_whole_with_content_null():
+    # OpenAI with modalities ["text", "audio"]: the audio comes in pieces (its id with the
+    # first piece of its transcript, then data, then expires_at alone); the non-streaming
+    # answer has one whole message.audio and content null.
+    chunks = [
+        delta_chunk(
+            {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "audio": {"id": "audio_1", "transcript": "Hel"},
+            }
+        ),
+        delta_chunk({"audio": {"transcript": "lo"}}),
+        delta_chunk({"audio": {"data": "AAAA"}}),
+        delta_chunk({"audio": {"data": "BBBB"}}),
+        delta_chunk({"audio": {"expires_at": 1700000000}}),
+        finish_chunk("stop"),
+    ]
+    assert assemble("chat", chunks)["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "audio": {
+            "id": "audio_1",
+            "transcript": "Hello",
+            "data": "AAAABBBB",
+            "expires_at": 1700000000,
+        },
+    }
+
+
+def test_message_fields_in_pieces_merge_as_the_sdks_accumulate_them():
+    # Objects merge key by key (a "type" is replaced, not added to), list items with an index
+    # merge with the earlier item of that index, other lists extend; the chunks are not changed.
+    citation = {"type": "url_citation", "url_citation": {"url": "https://a", "title": "A"}}
+    chunks = [
+        delta_chunk({"role": "assistant", "content": "See A."}),
+        delta_chunk({"annotations": [citation]}),
+        delta_chunk({"annotations": [{**citation, "url_citation": {"url": "https://b"}}]}),
+        delta_chunk({"details": [{"index": 0, "type": "text", "text": "th"}, {"index": 0}]}),
+        delta_chunk({"details": [{"index": 0, "type": "text", "text": "ink"}]}),
+        delta_chunk({"tags": ["a"], "meta": {"kind": "x", "n": 1}}),
+        delta_chunk({"tags": ["b"], "meta": {"n": 2}}),
+        finish_chunk("stop"),
+    ]
+    before = copy.deepcopy(chunks)
+    message = assemble("chat", chunks)["choices"][0]["message"]
+    assert chunks == before
+    assert message == {
+        "role": "assistant",
+        "content": "See A.",
+        "annotations": [citation, {**citation, "url_citation": {"url": "https://b"}}],
+        "details": [{"index": 0, "type": "text", "text": "think"}, {"index": 0}],
+        "tags": ["a", "b"],
+        "meta": {"kind": "x", "n": 2},
+    }
+
+
+def test_the_streams_obfuscation_padding_is_not_in_the_assembled_answer():
+    # OpenAI pads each chunk with a random "obfuscation" (stream_options.include_obfuscation,
+    # on by default): the stream's alone, in no non-streaming answer.
+    chunks = [
+        chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            obfuscation="Zx9",
+        ),
+        chunk([{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}], obfuscation="q1"),
+        chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"content": "!", "obfuscation": "a"},
+                    "finish_reason": None,
+                    "obfuscation": "b",
+                }
+            ]
+        ),
+        chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}], obfuscation="p"),
+    ]
+    body = assemble("chat", chunks)
+    assert "obfuscation" not in body
+    assert body["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "Hi!"},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    completion = assemble(
+        "completion",
+        [
+            {
+                **HEAD,
+                "choices": [{"index": 0, "text": "Hi", "obfuscation": "x"}],
+                "obfuscation": "y",
+            },
+            {**HEAD, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+        ],
+    )
+    assert "obfuscation" not in completion and "obfuscation" not in completion["choices"][0]
+
+
+def test_a_stream_assembled_from_azure_keeps_the_real_id():
+    # Azure OpenAI opens its streams with its prompt's content-filter results, in a chunk whose
+    # id and model are "" and created 0; its non-streaming answer has the real ones.
+    filtered = [{"prompt_index": 0, "content_filter_results": {"hate": {"filtered": False}}}]
+    opening = {
+        "id": "",
+        "choices": [],
+        "created": 0,
+        "model": "",
+        "object": "",
+        "system_fingerprint": None,
+        "prompt_filter_results": filtered,
+    }
+    azure = {**HEAD, "id": "chatcmpl-AZ1", "model": "gpt-4o-2024-08-06", "created": 1756938296}
+    chunks = [
+        opening,
+        {**azure, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {**azure, "choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+        {**azure, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]
+    body = assemble("chat", chunks)
+    assert (body["id"], body["model"], body["created"]) == (
+        "chatcmpl-AZ1",
+        "gpt-4o-2024-08-06",
+        1756938296,
+    )
+    assert body["system_fingerprint"] == "fp_1" and body["prompt_filter_results"] == filtered
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+    # Taken one at a time, with their payloads (as a flight's stream is), the same.
+    assembly = Assembly("chat")
+    for one in chunks:
+        assembly.add(one, orjson.dumps(one))
+    assert assembly.body() == body
+    # Blank all along: blank it stays (nothing is made up).
+    blank = [{**c, "id": "", "created": 0} for c in chunks]
+    assert (assemble("chat", blank)["id"], assemble("chat", blank)["created"]) == ("", 0)
 
 
 def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins():

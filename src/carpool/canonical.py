@@ -10,6 +10,11 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``fingerprint.normalize_whitespace`` is the input text (message contents, prompt) trimmed and
   are runs of white space collapsed to one space, except inside ``` fenced code, in requests of
   type ``code`` and in embeddings inputs (a vector of different text is a different vector).
+- Two exceptions, where what looks the same is not to the engine: the objects of the fields
+  that carry a JSON schema or a tool's definition (``ORDERED_FIELDS``) keep their key order
+  (OpenAI's structured outputs write an object's keys in the schema's order; chat templates
+  render tools as given), and embeddings inputs are exact, not NFC (an embedding is of the
+  code points as sent: the Ohm sign and Omega, ``e`` + U+0301 and ``é``, tokenize apart).
 - The scope (``scope``) is everything besides the body that decides which answer a request may
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
   tenant, the namespace, the freshness token, the request type, the query string, the endpoint
@@ -89,7 +94,35 @@ NEUTRAL_HEADERS = frozenset(
 # Prefixes of header families that are telemetry only; a family that may also carry a
 # credential is never named here by its prefix.
 NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-")
+# (Not moved on when ``ORDERED_FIELDS`` and exact embeddings inputs came: an ordered field's
+# objects are written in a form no key had before, and an embeddings input in NFC keeps the
+# key it had, whose answer, if a canonically equivalent input's, goes with its TTL. Every
+# other key stays, and with it the cache.)
 KEY_VERSION = 2
+# Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
+# tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
+# structured_outputs, llama.cpp's and SGLang's json_schema, Ollama's format, TGI's grammar,
+# Anthropic's output_format): the answer follows their key order (structured outputs write the
+# keys of an object in the schema's order; chat templates render tools as given), so two
+# orders are two requests.
+ORDERED_FIELDS = frozenset(
+    {
+        "response_format",
+        "tools",
+        "functions",
+        "text",
+        "guided_json",
+        "structured_outputs",
+        "json_schema",
+        "format",
+        "grammar",
+        "output_format",
+    }
+)
+# In an ordered field, each object as {_ORDERED: [[key, value], ...]}: the digest sorts object
+# keys, never list items. Every object there is so written, which keeps it one to one (an
+# object whose own key is _ORDERED is written so too).
+_ORDERED = "\x00"
 # A request carrying one must be checked against its record first (idempotency.parse_key).
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
 _FENCE = "```"
@@ -214,11 +247,34 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             continue
         if name == "messages" and isinstance(value, list):
             out[name] = [_canonical_message(m, collapse) for m in value]
+        elif name == "input" and kind == "embedding":
+            out[name] = _exact_input(value)
         elif name in ("prompt", "input"):
             out[name] = _canonical_text_field(value, collapse)
+        elif name in ORDERED_FIELDS:
+            out[name] = _ordered(value)
         else:
             out[name] = _canonical(value)
     return out
+
+
+def _exact_input(value: Any) -> Any:
+    """An embeddings input: its text exactly as sent (an embedding is of the code points sent:
+    no NFC, which folds distinct characters, the Ohm sign into Omega), numbers canonical."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return [v if isinstance(v, str) else _canonical(v) for v in value]
+    return _canonical(value)
+
+
+def _ordered(value: Any) -> Any:
+    """``_canonical``, but with every object's key order kept (``ORDERED_FIELDS``)."""
+    if isinstance(value, dict):
+        return {_ORDERED: [[k, _ordered(v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [_ordered(v) for v in value]
+    return _canonical(value)
 
 
 def _canonical_message(message: Any, collapse: bool) -> Any:

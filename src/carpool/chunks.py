@@ -11,15 +11,22 @@ Contract:
     * every choice has ``index``, ``finish_reason`` and ``logprobs`` (None or a dict), and chat
       choices a ``message`` with a ``role``;
     * a chat message's ``content`` is a string, or None only alongside non-empty ``tool_calls``,
-      a ``function_call``, or a non-empty ``refusal`` or reasoning text (``reasoning_content``,
-      ``reasoning``) (a bare None comes back as ``""``, the text of a stream that sent none);
+      a ``function_call``, a non-empty ``refusal`` or reasoning text (``reasoning_content``,
+      ``reasoning``), or ``audio`` (a bare None comes back as ``""``, the text of a stream that
+      sent none);
     * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} only, and appear
       in index order; ``function_call`` has ``name`` and ``arguments``;
     * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
       standard one ("chat.completion" / "text_completion").
   Any other top-level, choice or message field survives as well: top-level ones keep their first
-  non-null value, choice ones their last non-null value; message ones (``refusal``,
-  ``reasoning_content``, ...) concatenate when strings, else keep their last non-null value.
+  non-null value (``id``, ``model``, ``created`` and ``system_fingerprint`` their first
+  non-blank one: Azure OpenAI opens its streams with a chunk that has ``""`` and ``0`` there,
+  before the real ones), choice ones their last non-null value; message ones (``refusal``,
+  ``reasoning_content``, ``audio``, ``annotations``...) merge as the SDKs accumulate deltas:
+  strings concatenate, objects merge key by key (an ``index`` or ``type`` in them is replaced,
+  not added to), list items with an ``index`` merge with the earlier item of that index, other
+  lists extend, and other values keep their last non-null value. OpenAI's per-chunk
+  ``obfuscation`` padding is the stream's alone: no level of the body keeps it.
   Logprobs keep exactly the keys the chunks sent (lists concatenate).
 - Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
   only for ``synthesize``'s: a tool call's (or legacy ``function_call``'s) ``id`` and ``type``
@@ -53,24 +60,82 @@ _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion
 
 
 class _Merged:
-    """Values of one field seen over many chunks: strings concatenate, others keep the last."""
+    """Values of one field seen over many chunks, merged as the SDKs accumulate a stream's
+    deltas (openai-python's ``ChatCompletionStreamState``, openai-node's): strings
+    concatenate, objects merge key by key (OpenAI streams ``audio`` as ``{id, transcript}``,
+    ``{data}``..., then ``{expires_at}``), list items that carry an ``index`` merge with the
+    item of that index from earlier chunks, other lists extend, and anything else keeps its
+    last non-null value."""
 
-    __slots__ = ("texts", "last")
+    __slots__ = ("texts", "last", "fields", "items", "indexed")
 
     def __init__(self) -> None:
         self.texts: list[str] | None = None
         self.last: Any = None
+        self.fields: dict[str, _Merged] | None = None  # an object's, key by key
+        self.items: list[Any] | None = None  # a list's: values, or ``_Merged`` indexed items
+        self.indexed: dict[int, _Merged] | None = None  # those items by their index
 
     def add(self, value: Any) -> None:
+        # Strings first: nearly every value a stream repeats is a piece of text.
         if isinstance(value, str):
             if self.texts is None:
                 self.texts = []
             self.texts.append(value)
-        elif value is not None:
+        elif value is None:
+            return
+        elif isinstance(value, dict):
+            if self.fields is None:
+                self.fields = {}
+            _merge_object(self.fields, value)
+        elif isinstance(value, list):
+            self._extend(value)
+        else:
             self.last = value
 
+    def _extend(self, values: list[Any]) -> None:
+        if self.items is None:
+            self.items = []
+        items, indexed = self.items, self.indexed
+        # An item merges with the one of its index from an earlier chunk only: within one
+        # list, each is an item of its own (as the SDKs take a list first seen whole).
+        fresh: dict[int, _Merged] = {}
+        for item in values:
+            index = item.get("index") if type(item) is dict else None
+            merged = indexed.get(index) if indexed and type(index) is int else None
+            if merged is None and type(index) is int:
+                merged = _Merged()
+                items.append(merged)
+                fresh.setdefault(index, merged)
+            if merged is None:
+                items.append(item)
+            else:
+                merged.add(item)
+        if fresh:
+            self.indexed = {**(indexed or {}), **fresh}
+
     def value(self) -> Any:
-        return "".join(self.texts) if self.texts is not None else self.last
+        if self.texts is not None:
+            return "".join(self.texts)
+        if self.fields is not None:
+            return {key: merged.value() for key, merged in self.fields.items()}
+        if self.items is not None:
+            return [item.value() if type(item) is _Merged else item for item in self.items]
+        return self.last
+
+
+# Keys that name what an object is rather than carry a piece of it (a list item's ``index``,
+# the ``type`` of a tagged union): a later value replaces the earlier, never adds to it.
+_NAMING = frozenset(("index", "type"))
+
+
+def _merge_object(fields: dict[str, _Merged], source: dict[str, Any]) -> None:
+    """``source``, one chunk's piece of an object, merged into the object's ``fields``."""
+    for key, value in source.items():
+        merged = fields.get(key)
+        if merged is None or (key in _NAMING and value is not None):
+            merged = fields[key] = _Merged()
+        merged.add(value)
 
 
 def _merge_into(fields: dict[str, _Merged], source: dict[str, Any], skip: frozenset[str]) -> None:
@@ -140,9 +205,12 @@ class _ToolCall:
 class _Choice:
     """One choice's state while its chunks are assembled."""
 
-    _CHAT_SKIP = frozenset(("index", "delta", "message", "logprobs", "finish_reason"))
-    _COMPLETION_SKIP = frozenset(("index", "text", "logprobs", "finish_reason"))
-    _DELTA_SKIP = frozenset(("role", "content", "tool_calls", "function_call"))
+    # (``obfuscation``: see ``_TOP_SKIP``.)
+    _CHAT_SKIP = frozenset(
+        ("index", "delta", "message", "logprobs", "finish_reason", "obfuscation")
+    )
+    _COMPLETION_SKIP = frozenset(("index", "text", "logprobs", "finish_reason", "obfuscation"))
+    _DELTA_SKIP = frozenset(("role", "content", "tool_calls", "function_call", "obfuscation"))
 
     def __init__(self, index: Any) -> None:
         self.index = index
@@ -230,10 +298,12 @@ class _Choice:
         elif (
             self.tool_calls
             or self.function_call
-            or any(fields.get(key) for key in ("refusal", "reasoning_content", "reasoning"))
+            or any(
+                fields.get(key) for key in ("refusal", "reasoning_content", "reasoning", "audio")
+            )
         ):
             # What a non-streaming answer says when something else is the answer (calls, a
-            # refusal, a reasoning model cut off before its answer): no text at all.
+            # refusal, spoken audio, a reasoning model cut off before its answer): no text.
             message["content"] = None
         else:
             message["content"] = ""
@@ -252,7 +322,28 @@ class _Choice:
 # delta's: "content" alone). ``assemble`` takes it in one step, with the same result as
 # ``_Choice.add``.
 _PLAIN_CHOICE = frozenset(("index", "delta", "logprobs", "finish_reason"))
-_TOP_SKIP = frozenset(("object", "choices", "usage"))
+# ``obfuscation``: OpenAI's random padding of each chunk (``stream_options.include_obfuscation``,
+# on by default), against length side channels; it belongs to the stream, and no
+# non-streaming answer has it. (Skipped, it costs the hot path nothing: a chunk whose keys
+# are all seen or skipped takes the fast path.)
+_TOP_SKIP = frozenset(("object", "choices", "usage", "obfuscation"))
+# Identity fields a stream may open with blank, before every other chunk says them: Azure
+# OpenAI's first chunk (its prompt's content-filter results) has id "", model "", created 0.
+# Blank there is "not said yet", as null is: a later value takes its place.
+_BLANKABLE = frozenset(("id", "model", "created", "system_fingerprint"))
+_BLANK = ("", 0)
+
+
+def _unset(key: str, held: Any) -> bool:
+    """Whether the top-level ``held`` value of ``key`` is still to be said by a later chunk."""
+    return held is None or (key in _BLANKABLE and held in _BLANK)
+
+
+def _takes(key: str, held: Any, value: Any) -> bool:
+    """Whether ``value`` (a chunk's) replaces ``held`` (the top-level value so far)."""
+    return held is None or (
+        value is not None and key in _BLANKABLE and held in _BLANK and value not in _BLANK
+    )
 
 
 def assemble(kind: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,10 +370,10 @@ class Assembly:
         self.kind, self.chat = kind, kind == "chat"
         self.top: dict[str, Any] = {}
         # The top-level keys seen (and those skipped): a chunk with no other key has nothing
-        # more to say there (the usual case), but for a first non-null value of a key only null
-        # so far.
+        # more to say there (the usual case), but for a first value of a key only null (or
+        # blank: ``_BLANKABLE``) so far.
         self.seen = set(_TOP_SKIP)
-        self.nulls: list[str] = []  # the keys of ``top`` whose value is still null
+        self.nulls: list[str] = []  # the keys of ``top`` still unset (``_unset``)
         self.choices: dict[Any, _Choice] = {}
         self.usage: Any = None
         self.template: TextTemplate | None = None
@@ -297,18 +388,19 @@ class Assembly:
             for key, value in chunk.items():
                 if key in _TOP_SKIP:
                     continue
-                if top.get(key) is None:  # the first non-null value; the key kept if ever seen
+                # The first non-null (non-blank) value; the key kept if ever seen.
+                if key not in top or _takes(key, top[key], value):
                     top[key] = value
                     self.seen.add(key)
-            self.nulls = [key for key, value in top.items() if value is None]
+            self.nulls = [key for key, value in top.items() if _unset(key, value)]
         elif self.nulls:  # (the same, for the only keys it can change)
             filled = False
             for key in self.nulls:
                 value = chunk.get(key)
-                if value is not None:
+                if value is not None and _takes(key, top[key], value):
                     top[key], filled = value, True
             if filled:
-                self.nulls = [key for key in self.nulls if top[key] is None]
+                self.nulls = [key for key in self.nulls if _unset(key, top[key])]
         usage = chunk.get("usage")
         if usage is not None:
             self.usage = usage  # the last one: vLLM's continuous usage is cumulative

@@ -239,6 +239,10 @@ class UpstreamStatusError(UpstreamError):
         self.status = status
         self.content = content
         self.content_type = content_type
+        # The digest of the body the upstream answered so (``request.body_digest``), where
+        # known: a request of the same key with another body (fields out of the key, another
+        # spelling) may be answered otherwise (``pipeline._refused_its_body``).
+        self.asked: str | None = None
 
     def body(self) -> bytes:
         return self.content

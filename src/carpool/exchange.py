@@ -53,7 +53,7 @@ from .fingerprint import grant_of, names_of, requester
 from .identity import tenant_of
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
-from .request import Request
+from .request import Request, body_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -118,11 +118,14 @@ class Exchange:
             self._judged(request, response.status)
         try:
             if not 200 <= response.status < 300:
-                raise UpstreamStatusError(
+                error = UpstreamStatusError(
                     response.status,
                     response.body,
                     response.headers.get("content-type", "application/json"),
                 )
+                # Which body it refused: a joiner of the flight that sent another may not be.
+                error.asked = body_digest(request.body)
+                raise error
             if response.streaming:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:

@@ -29,6 +29,11 @@ Contract:
   would make one client call several engine calls. An error the engine reported keeps its
   status and body (before the stream) or its error object (in the stream). Unreachable (502)
   and timed-out (504) upstreams keep their statuses, for every client.
+- A 4xx the upstream answered to another body than a client's (``_refused_its_body``: the key
+  leaves out ``metadata``, ``user``...) is not that client's answer: it makes its own call,
+  shared only with requests of its body. A refusal of the requester or of the moment (401,
+  402, 403, 404, 407, 429, 408) is everyone's, but in a shared namespace another tenant's
+  (``_refused_another``).
 - An answer served whole (JSON, or SSE to a client that asked for usage) whose body has no
   ``usage`` because the engine reported none carries ``x-carpool-usage: missing``; nothing is
   invented. ``tokens_saved`` counts what the engine reported for the answers of hits and
@@ -75,7 +80,7 @@ from .lead import Leader
 from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
-from .request import ClientRequest, Request, parse
+from .request import ClientRequest, Request, body_digest, parse
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, SERVING
 from .store.base import Entry
 from .upstream.base import PassthroughResponse
@@ -388,6 +393,16 @@ class Gateway:
                         f"{key.key}\n{key.owner}", lead, max_age=0, linger=False, owner=key.owner
                     )
                     await self._wait(ticket, request, None)
+                own = _refused_its_body(ticket, request)
+                if own is not None:
+                    # The upstream refused a body other than this one's (the key leaves out
+                    # metadata, user...; 10 and 10.0 are one key): its own call, on a flight
+                    # shared only with the same body.
+                    ticket.release()
+                    ticket = self.flights.acquire(
+                        f"{key.key}\nbody {own}", lead, max_age=0, linger=False, owner=key.owner
+                    )
+                    await self._wait(ticket, request, None)
         except BaseException:
             ticket.release()
             raise
@@ -543,6 +558,27 @@ def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:
         and error.status in _CREDENTIAL_ERRORS
         and (ticket.broadcast.remote or ticket.flight.owner != key.owner)
     )
+
+
+def _refused_its_body(ticket: Ticket, request: Request) -> str | None:
+    """The digest of ``request``'s body (``body_digest``) when the flight ended with a 4xx
+    answered to another body: a request with the same key may differ in what the key leaves
+    out (``metadata``, ``user``, ``stream_options``...) or in spelling (``10.0`` for ``10``),
+    which the upstream may refuse where it accepts this one. None: the flight's answer is this
+    request's. Not for what an upstream answers about the requester or the moment (a
+    credential refused, a rate limit, 408: ``_refused_another`` takes the first two), which
+    another body would not change. Never stored either way: only 2xx answers are."""
+    error = ticket.broadcast.error
+    if (
+        not isinstance(error, UpstreamStatusError)
+        or not 400 <= error.status < 500
+        or error.status in _CREDENTIAL_ERRORS
+        or error.status == 408
+    ):
+        return None
+    own = body_digest(request.body)
+    # (A relayed error that says no body, from an older instance: this one's may differ.)
+    return None if error.asked == own else own
 
 
 def _waiting(client: ClientRequest) -> None:

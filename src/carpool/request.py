@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,12 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
         include_usage,
         _query(client.query),
     )
+
+
+def body_digest(body: dict[str, Any]) -> str:
+    """A digest of ``body`` as it is sent upstream (re-serialized as parsed: ``10`` and
+    ``10.0`` differ, as they do to the upstream; so does key order)."""
+    return hashlib.blake2b(orjson.dumps(body), digest_size=16).hexdigest()
 
 
 def _query(raw: bytes) -> str:

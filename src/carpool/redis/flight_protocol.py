@@ -22,9 +22,10 @@ included, in one Redis Cluster slot; every script and pipeline touches the keys 
 
 The final record is the answer (body, kind, complete, tokens, created, the usage frame's index,
 the frame count: the frames are already in the stream) or the error (an ``UpstreamStatusError``
-as status, content type and body exactly as the upstream sent them; any other error as class,
-status, message and code): ``answer_record``/``error_record`` write it, ``answer_from``/
-``error_from`` read it back as the same ``Answer`` or the same error.
+as status, content type and body exactly as the upstream sent them, with ``asked``, the digest
+of the request body it answered; any other error as class, status, message and code):
+``answer_record``/``error_record`` write it, ``answer_from``/``error_from`` read it back as the
+same ``Answer`` or the same error.
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
     if isinstance(error, UpstreamStatusError):
         return {
             "e": "x",
-            "m": orjson.dumps({"c": "status", "s": error.status, "ct": error.content_type}),
+            "m": orjson.dumps(
+                {"c": "status", "s": error.status, "ct": error.content_type, "a": error.asked}
+            ),
             "b": error.content,
         }
     return {
@@ -188,7 +191,9 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
 def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
     """The leader's error, as the same class with the same status, type, code and message."""
     if meta["c"] == "status":
-        return UpstreamStatusError(meta["s"], body, meta["ct"])
+        status_error = UpstreamStatusError(meta["s"], body, meta["ct"])
+        status_error.asked = meta.get("a")  # (absent from an older instance's record)
+        return status_error
     error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
     error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
     return error
