@@ -11,7 +11,12 @@ import pytest
 
 pytest.importorskip("redis")
 
-from carpool.redis.connection import PoolExhausted, connect, stop_reader  # noqa: E402
+from carpool.redis.connection import (  # noqa: E402
+    PoolExhausted,
+    connect,
+    stop_reader,
+    unavailable,
+)
 from carpool.redis.store import RedisStore  # noqa: E402
 from carpool.store.base import StoreUnavailable  # noqa: E402
 from carpool.store.memory import MemoryStore  # noqa: E402
@@ -34,6 +39,21 @@ def test_the_client_library_is_imported_by_the_redis_package_only():
             if any(n == "redis" or n.startswith("redis.") for n in names):
                 importers.add(path.relative_to(SOURCE).parts[0])
     assert importers == {"redis"}
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        AttributeError("'NoneType' object has no attribute 'writelines'"),
+        TypeError("'NoneType' object is not subscriptable"),
+        OSError("connection reset"),
+    ],
+)
+def test_the_client_librarys_failure_on_a_torn_down_connection_is_store_unavailable(failure):
+    # redis-py's cluster client, on a node killed mid-call, fails with AttributeError: that is
+    # Redis being down (degrade to memory), not a bug of the request (a 500).
+    with pytest.raises(StoreUnavailable, match="get: "), unavailable("get"):
+        raise failure
 
 
 async def test_stop_reader_cancels_again_a_task_that_swallowed_its_cancellation():

@@ -235,6 +235,11 @@ def unavailable(what: str) -> Iterator[None]:
     except (RedisError, RedisClusterException, OSError) as exc:
         # (RedisClusterException, "no node reachable", is not a RedisError.)
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except (AttributeError, TypeError) as exc:
+        # redis-py's cluster client, on a node killed mid-call, uses the connection it tore
+        # down ("'NoneType' object has no attribute 'writelines'"): Redis failed, not the
+        # request, which must not become a 500 (the message is logged with the failure).
+        raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def unavailable_in(layer: str) -> Callable[[str], contextlib.AbstractContextManager[None]]:
