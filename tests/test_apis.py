@@ -565,6 +565,26 @@ def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope()
     assert view_of(RESPONSES, without(body_of("responses"), "temperature")) is None  # sampled
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": "m", "temperature": 0, "prompt": QUESTION}),
+        ("/v1/chat/completions", body_of("messages")),
+    ],
+    ids=["completion", "chat"],
+)
+@pytest.mark.parametrize(
+    "echoing", [{"echo": True}, {"prompt_logprobs": 0}, {"prompt_logprobs": 5}]
+)
+def test_a_request_whose_answer_repeats_its_prompt_has_no_semantic_view(path, body, echoing):
+    # The answer holds the prompt (echo, vLLM's prompt_logprobs): served to a paraphrase it
+    # would hand over another request's prompt. Matched exactly only.
+    assert view_of(path, body) is not None
+    assert view_of(path, {**body, **echoing}) is None
+    for off in ({"echo": False}, {"echo": None, "prompt_logprobs": None}):
+        assert view_of(path, {**body, **off}) is not None
+
+
 def test_a_responses_answer_synthesized_into_events_assembles_back_to_itself():
     body = {
         "id": "resp_1",

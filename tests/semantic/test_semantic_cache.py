@@ -104,6 +104,24 @@ async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_me
     assert scoped.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+async def test_echo_completions_are_never_served_semantically(sgw, fake):
+    # With echo the answer's text is the prompt and then the completion (OpenAI, vLLM): a
+    # paraphrase served the stored answer would read another request's prompt word for word.
+    fake.answer_text = lambda n, body: (body["prompt"] if body.get("echo") else "") + f" [{n}]"
+
+    async def complete(prompt):
+        body = {"model": "m", "temperature": 0, "echo": True, "max_tokens": 16, "prompt": prompt}
+        response = await sgw.client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response
+
+    await complete("How do I reset my router?")
+    again = await complete("how can i reset my router")
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert again.json()["choices"][0]["text"].startswith("how can i reset my router")
+    assert sgw.gateway.semantic.entries == 0  # no semantic view: never stored there either
+
+
 async def test_a_negation_is_never_served(sgw, fake):
     await ask(sgw, "Is ibuprofen safe to take with alcohol?")
     await stored(sgw)

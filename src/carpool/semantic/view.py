@@ -7,9 +7,10 @@ user input), and so are a conversation's earlier turns (``context``: :func:`conv
 reworded context or small talk can still hit while "cancel it" in a chat about a gym never
 matches "cancel it" in a chat about a phone plan (the guard reads both). The model, every
 parameter and the system prompt (instructions) must be identical: they are in the scope.
-Embeddings requests, multimodal last turns and list prompts have no semantic view; nor has a
-text (or context) with a letter of a script the model does not read (``semantic.scripts``): it
-is matched exactly, never guessed at.
+Embeddings requests, multimodal last turns, list prompts and requests whose answer repeats their
+prompt (``echo``, ``prompt_logprobs``) have no semantic view; nor has a text (or context) with
+a letter of a script the model does not read (``semantic.scripts``): it is matched exactly,
+never guessed at.
 """
 
 from __future__ import annotations
