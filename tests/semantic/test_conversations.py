@@ -146,3 +146,32 @@ async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fa
     assert (
         await chat(sgw, reworded + [{"role": "user", "content": "Should I take an umbrella?"}])
     ).headers["x-carpool"] == "miss"
+
+
+ODD_ROLES = {
+    "object_in_the_middle": [
+        {"role": "user", "content": "a"},
+        {"role": {"x": 1}, "content": "b"},
+        {"role": "user", "content": "c"},
+    ],
+    "list_first": [{"role": ["system"], "content": "a"}, {"role": "user", "content": "c"}],
+    "number": [{"role": 7, "content": "a"}, {"role": "user", "content": "c"}],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ODD_ROLES))
+async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500(
+    gateway_with, fake, kind
+):
+    # The role was looked up in a frozenset: unhashable, a TypeError, a 500 only with the
+    # semantic cache on. Now such a conversation has no earlier turns to compare: exact, whole.
+    from carpool.semantic.view import conversation
+
+    body = {"model": "m", "temperature": 0, "messages": ODD_ROLES[kind]}
+    statuses = []
+    for enabled in (False, True):
+        async with gateway_with(semantic={"enabled": enabled}) as gw:
+            response = await gw.client.post("/v1/chat/completions", json=body)
+            statuses.append((response.status_code, response.headers.get("x-carpool")))
+    assert statuses[1] == statuses[0] and statuses[1][0] < 500, statuses
+    assert conversation(body) == ("", body)
