@@ -76,8 +76,8 @@ async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_me
     sgw, fake, path
 ):
     def body(text, **extra):
-        if path == "/v1/responses":
-            return {"model": "m", "temperature": 0, "input": text, **extra}
+        if path == "/v1/responses":  # not stored: a stored response is exact only
+            return {"model": "m", "temperature": 0, "store": False, "input": text, **extra}
         return {
             "model": "m",
             "temperature": 0,
@@ -102,6 +102,31 @@ async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_me
         path, json=body("how can i reset my router", **{other: "Answer in French."})
     )
     assert scoped.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_a_stored_response_is_never_served_to_a_paraphrase(sgw, fake):
+    # Stored (store absent or true), the answer's id names the response the upstream keeps for
+    # its own input: a paraphrase handed it would continue (previous_response_id) or list
+    # (input_items) another request's conversation. Not stored, the paraphrase is served.
+    def body(text, **extra):
+        return {"model": "m", "temperature": 0, "input": text, **extra}
+
+    for store in ({}, {"store": True}):
+        first = await sgw.client.post(
+            "/v1/responses", json=body("How do I reset my router?", **store)
+        )
+        again = await sgw.client.post(
+            "/v1/responses", json=body("how can i reset my router", **store)
+        )
+        assert again.headers["x-carpool"] == "miss", store
+        assert again.json()["id"] != first.json()["id"]
+    assert sgw.gateway.semantic.entries == 0
+    await sgw.client.post("/v1/responses", json=body("How do I reset my router?", store=False))
+    await stored(sgw)
+    again = await sgw.client.post(
+        "/v1/responses", json=body("how can i reset my router", store=False)
+    )
+    assert again.headers["x-carpool"] == "semantic-hit"
 
 
 async def test_echo_completions_are_never_served_semantically(sgw, fake):
