@@ -189,6 +189,7 @@ async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_the
         await eventually(lambda: audits.state("bad") == "mark", what="mark-only")
         marked = await ask(gw, PARAPHRASES[2], "bad")
         assert outcome(marked) == "miss"
+        assert "x-carpool-semantic-nearest" in marked.headers  # (marked: the match only named)
         assert outcome(await ask(gw, PARAPHRASES[0], "good")) == "semantic-hit"
         await eventually(lambda: audits.snapshot().get("good", {}).get("audited") == 1)
         states = (await admin(gw, "GET", "/admin/semantic/audit")).json()

@@ -309,6 +309,18 @@ async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fa
         assert fake.count() == 3
 
 
+async def test_a_serve_mode_miss_never_names_the_entry_it_was_near(sgw, fake):
+    # The nearest entry, its similarity and the guard's verdict are mark mode's annotations:
+    # in serve mode (the default) a miss the guard refused says nothing of the entries it met.
+    await ask(sgw, "What is the baggage allowance for 2 passengers?")
+    await stored(sgw)
+    refused = await ask(sgw, "What is the baggage allowance for 3 passengers?")
+    assert refused.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.rejections.get("number") == 1  # it was compared, and refused
+    named = {"x-carpool-semantic-nearest", "x-carpool-semantic-verdict", "x-carpool-similarity"}
+    assert not named & set(refused.headers)
+
+
 # ------------------------------------------------------------------------------------------------
 # Semantic entries shared across instances through Redis (carpool/redis/semantic.py)
 
