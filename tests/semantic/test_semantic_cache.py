@@ -405,6 +405,52 @@ async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
 
 
+async def test_an_instance_whose_reader_was_cut_off_never_serves_an_answer_invalidated_meanwhile(
+    two_semantic, fake
+):
+    # B's reader loses its connection once; the invalidate record A publishes before B's reader
+    # has positioned itself again is never read (it resumes from the stream's end). B's entry
+    # holds its answer: it must be forgotten, not served.
+    import redis.exceptions
+
+    async with two_semantic() as (a, b):
+        tags = {"x-carpool-tags": "router"}
+        assert (await ask(b, "How do I reset my router?", headers=tags)).headers[
+            "x-carpool"
+        ] == "miss"
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        semantic = b.gateway.semantic
+        client, failures, back = semantic._client, [1], asyncio.Event()
+        real_xread, real_xrevrange = client.xread, client.xrevrange
+
+        async def xread(*args, **kwargs):  # one failure, as of a connection reset
+            if failures:
+                failures.pop()
+                raise redis.exceptions.ConnectionError("connection reset (injected)")
+            return await real_xread(*args, **kwargs)
+
+        async def xrevrange(*args, **kwargs):  # the reader positions itself once we say so
+            await back.wait()
+            return await real_xrevrange(*args, **kwargs)
+
+        client.xread, client.xrevrange = xread, xrevrange
+        try:
+            errors = semantic.counts["errors"]
+            await eventually(lambda: semantic.counts["errors"] > errors, what="the failure")
+            dropped = await a.client.post(
+                "/admin/invalidate", json={"tag": "router"}, headers={"Authorization": "Bearer t"}
+            )
+            assert dropped.status_code == 200
+            back.set()  # the record is in the stream, behind where B's reader resumes
+            await eventually(semantic.ready.is_set, what="B's reader positioned again")
+        finally:
+            client.xread, client.xrevrange = real_xread, real_xrevrange
+        assert semantic.counts["invalidations_received"] == 0  # (never read: missed)
+        assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+        assert semantic.counts["forgotten"] == 1 and fake.count() == 2
+
+
 async def test_the_semantic_stream_reader_stops_by_itself_once_its_cache_is_closed(
     two_semantic, fake
 ):
