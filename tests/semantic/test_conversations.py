@@ -148,6 +148,30 @@ async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fa
     ).headers["x-carpool"] == "miss"
 
 
+#: ~200 tokens of pasted mail in an earlier turn: more than the verifier reads of a pair.
+EMAIL = (
+    "Dear team, thank you all for your hard work this quarter. We have made great progress on "
+    "the new product and our customers are happy with the results. Please remember to submit "
+    "your timesheets by Friday and to update the shared calendar with your vacation plans. "
+) * 3
+
+
+async def test_a_changed_wish_at_the_end_of_a_long_earlier_turn_is_never_served(sgw, fake):
+    # The verifier read ~127 tokens a side of the contexts: "decline" after the same long mail
+    # was served the reply drafted for "accept". Now a pair it cannot read whole is refused.
+    def mail(wish):
+        return turns(f"Here is an email I got: {EMAIL}{wish}", "Got it.") + [
+            {"role": "user", "content": "Draft the reply."}
+        ]
+
+    await chat(sgw, mail("I want to accept the invitation."))
+    for wish in ("I want to decline the invitation.", "Tell them I am quitting my job."):
+        assert (await chat(sgw, mail(wish))).headers["x-carpool"] == "miss", wish
+    assert set(sgw.gateway.semantic.rejections) == {"length"}  # too long to check: not read
+    again = await chat(sgw, mail("I want to accept the invitation."))  # the same: exact
+    assert again.headers["x-carpool"] == "hit" and fake.count() == 3
+
+
 ODD_ROLES = {
     "object_in_the_middle": [
         {"role": "user", "content": "a"},

@@ -211,6 +211,33 @@ def test_a_pair_the_verifier_cannot_read_is_never_the_same(guard):
     ) == [0.0, 0.0]
 
 
+#: ~200 tokens of pasted mail: with a wish after it, more than the verifier reads of a pair.
+EMAIL = (
+    "Here is an email I got: Dear team, thank you all for your hard work this quarter. We have "
+    "made great progress on the new product and our customers are happy with the results. "
+    "Please remember to submit your timesheets by Friday and to update the shared calendar with "
+    "your vacation plans. "
+) * 3
+
+
+def test_a_pair_the_verifier_did_not_read_whole_is_never_served(guard):
+    # The pair is cut to 256 tokens (~127 a side): what differs past that was never read, so
+    # "accept" / "decline" at the end of the same long mail scored as the same. Refused, as
+    # too long to check, in a text or in a context, before the model is asked.
+    accept, decline = EMAIL + "I want to accept the invitation.", EMAIL + "I want to decline it."
+    assert guard.verifier.unread([(accept, decline), (accept[-300:], decline[-300:])]) == [
+        True,
+        False,
+    ]
+    assert guard.verifier.score([(accept, decline)]) == [0.0]
+    pairs = guard.verifier.pairs
+    assert verdict(guard, accept, decline) == Verdict(False, Reason.LENGTH)
+    side, other = Side("Draft the reply.", accept), Side("Draft the reply.", decline)
+    assert guard.judge_now(side, [other]) == [Verdict(False, Reason.LENGTH)]
+    assert guard.verifier.pairs == pairs  # (the model is not asked)
+    assert verdict(guard, accept, accept.lower()).ok  # retyped: every word read, no model
+
+
 #: Chinese development pairs: rewordings (same answer) and every trap kind (another answer).
 CHINESE = [
     ("如何删除我的账户？", "怎样删除我的账户？", True),

@@ -147,6 +147,25 @@ async def test_echo_completions_are_never_served_semantically(sgw, fake):
     assert sgw.gateway.semantic.entries == 0  # no semantic view: never stored there either
 
 
+async def test_a_changed_ending_of_a_long_run_on_prompt_is_never_served(sgw, fake):
+    # No sentence breaks: ``focus`` leaves the text whole, longer than the verifier reads of a
+    # pair. Cut to its first ~127 tokens a side, "accepts" / "declines" at the end was served.
+    mail = (
+        "dear team, thank you all for your hard work this quarter, we have made great progress "
+        "on the new product and our customers are happy with the results, please remember to "
+        "submit your timesheets by friday and to update the shared calendar with your plans, "
+    ) * 3
+
+    def ending(verb):
+        return f"here is an email i got: {mail}and i want you to write a reply that {verb}"
+
+    await ask(sgw, ending("accepts the invitation"))
+    await stored(sgw)
+    declined = await ask(sgw, ending("declines the invitation"))
+    assert declined.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.rejections == {"length": 1}
+
+
 async def test_a_negation_is_never_served(sgw, fake):
     await ask(sgw, "Is ibuprofen safe to take with alcohol?")
     await stored(sgw)

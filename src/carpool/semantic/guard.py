@@ -12,7 +12,8 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
    (:attr:`Reason.MEANING` otherwise), or, for a near repeat (cosine similarity at or above
    :data:`NEAR_REPEAT_SIMILARITY`: case, punctuation, a greeting), at or above
    :data:`NEAR_REPEAT_SCORE`. All surviving candidates of one lookup are scored in one model
-   call.
+   call. A pair the verifier would not read whole (``Verifier.unread``: longer than it reads)
+   is refused with :attr:`Reason.LENGTH` instead: it cannot vouch for what it did not read.
 
 Contract
 --------
@@ -134,27 +135,37 @@ class RulesThenVerifier:
         candidates: Sequence[Side],
     ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
         """Rule verdicts (None: ask the verifier), the pairs to score, and for each candidate the
-        indexes of its text and context pairs among them (-1: retyped or identical, not asked)."""
+        indexes of its text and context pairs among them (-1: retyped or identical, not asked).
+        A candidate with a pair the verifier would not read whole is refused
+        (:attr:`Reason.LENGTH`): what the model did not read, it cannot vouch for."""
         verdicts: list[Verdict | None] = []
-        pairs: list[tuple[str, str]] = []
-        slots: list[tuple[int, int]] = []
+        asked: list[tuple[tuple[str, str] | None, tuple[str, str] | None]] = []
         for cached in candidates:
             reason = refusal(new.text, cached.text, self.rules) or refusal(
                 new.context, cached.context, self.rules
             )
+            verdicts.append(None if reason is None else Verdict.refused(reason))
             if reason is not None:
-                verdicts.append(Verdict.refused(reason))
+                asked.append((None, None))
+                continue
+            text = None if retyped(new.text, cached.text) else (new.text, cached.text)
+            # Exact: retyping may move a turn's boundary.
+            same = new.context == cached.context
+            asked.append((text, None if same else (new.context, cached.context)))
+        cut = iter(self.verifier.unread([p for both in asked for p in both if p is not None]))
+        pairs: list[tuple[str, str]] = []
+        slots: list[tuple[int, int]] = []
+        for i, both in enumerate(asked):
+            if any([next(cut) for p in both if p is not None]):
+                verdicts[i] = Verdict.refused(Reason.LENGTH)
                 slots.append((-1, -1))
                 continue
-            verdicts.append(None)
-            text = context = -1
-            if not retyped(new.text, cached.text):
-                text = len(pairs)
-                pairs.append((new.text, cached.text))
-            if new.context != cached.context:  # exact: retyping may move a turn's boundary
-                context = len(pairs)
-                pairs.append((new.context, cached.context))
-            slots.append((text, context))
+            slot = [-1, -1]
+            for k, pair in enumerate(both):
+                if pair is not None:
+                    slot[k] = len(pairs)
+                    pairs.append(pair)
+            slots.append((slot[0], slot[1]))
         return verdicts, pairs, slots
 
     def _scored(
