@@ -238,6 +238,30 @@ def test_a_pair_the_verifier_did_not_read_whole_is_never_served(guard):
     assert verdict(guard, accept, accept.lower()).ok  # retyped: every word read, no model
 
 
+def test_no_rule_reads_a_side_longer_than_the_guards_bound(guard):
+    # The rules are Python: each read a whole text, and some were quadratic in it (a few hundred
+    # permuted words stalled the gateway for seconds). A longer side is too long to check.
+    from carpool.semantic.guard import READ_CHARS
+    from carpool.semantic.rules import RULES
+    from carpool.semantic.verdict import Rule
+
+    read: list[int] = []
+
+    def reading(a: str, b: str) -> bool:
+        read.append(max(len(a), len(b)))
+        return False
+
+    bounded = RulesThenVerifier(guard.verifier, (Rule(Reason.ORDER, reading), *RULES))
+    words = " ".join(f"word{i}" for i in range(READ_CHARS // 4))
+    long, other = words[: READ_CHARS + 1], words[1 : READ_CHARS + 2]
+    for new, cached in ((Side(long), Side(other)), (Side("Why?", long), Side("Why?", other))):
+        assert bounded.judge_now(new, [cached]) == [Verdict(False, Reason.LENGTH)]
+        assert bounded.judge_now(new, [new]) == [Verdict(True, None, 1.0)]  # identical: unread
+    assert read == []
+    bounded.judge_now(Side(long[:READ_CHARS]), [Side(other[:READ_CHARS])])
+    assert read == [READ_CHARS]
+
+
 #: Chinese development pairs: rewordings (same answer) and every trap kind (another answer).
 CHINESE = [
     ("如何删除我的账户？", "怎样删除我的账户？", True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 import time
 
 import pytest
@@ -326,6 +327,34 @@ async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fa
         negated = await ask(gw, "How do I not reset my router?")
         assert negated.headers["x-carpool-semantic-verdict"].startswith("guard:")
         assert fake.count() == 3
+
+
+async def test_a_slow_guard_never_holds_up_another_tenants_exact_hit(sgw, fake):
+    # The guard's rules ran on the event loop: a lookup they were slow on (a few hundred
+    # permuted words: ~19 s) held up every other request. Here a rule blocks until the test
+    # releases it; another tenant's exact hit must be answered meanwhile.
+    from carpool.semantic.verdict import Reason, Rule
+
+    victim, attacker = {"authorization": "Bearer victim"}, {"authorization": "Bearer attacker"}
+    await ask(sgw, "What is carpool?", headers=victim)
+    await ask(sgw, "How do I reset my router?", headers=attacker)
+    await stored(sgw, 2)
+    entered, release, released = threading.Event(), threading.Event(), []
+
+    def blocking(a: str, b: str) -> bool:
+        entered.set()
+        released.append(release.wait(10))  # (False: nobody released it, the loop was held)
+        return False
+
+    guard = sgw.gateway.semantic.guard
+    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    lookup = asyncio.create_task(ask(sgw, "how can i reset my router", headers=attacker))
+    assert await asyncio.to_thread(entered.wait, 10)
+    repeat = await ask(sgw, "What is carpool?", headers=victim)  # while the rule is blocked
+    assert repeat.headers["x-carpool"] == "hit" and not release.is_set()
+    release.set()
+    assert (await lookup).headers["x-carpool"] == "semantic-hit"
+    assert released == [True]
 
 
 async def test_a_serve_mode_miss_never_names_the_entry_it_was_near(sgw, fake):
