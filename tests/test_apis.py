@@ -532,7 +532,7 @@ def view_of(path: str, body: dict[str, Any]):
 
 
 def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope():
-    plain = view_of(RESPONSES, body_of("responses", "How do I reset my password?"))
+    plain = view_of(RESPONSES, body_of("responses", "How do I reset my password?", store=False))
     assert plain.text == "How do I reset my password?"
     items = view_of(
         RESPONSES,
@@ -546,12 +546,18 @@ def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope()
                     "content": [{"type": "input_text", "text": "How do I reset my password?"}],
                 },
             ],
+            store=False,
         ),
     )
     assert items.text == plain.text and items.scope != plain.scope  # earlier turns: scope
     instructed = view_of(
         RESPONSES,
-        body_of("responses", "How do I reset my password?", instructions="Answer in French."),
+        body_of(
+            "responses",
+            "How do I reset my password?",
+            instructions="Answer in French.",
+            store=False,
+        ),
     )
     assert instructed.text == plain.text and instructed.scope != plain.scope
     message = view_of(MESSAGES, body_of("messages", "How do I reset my password?"))
@@ -562,7 +568,31 @@ def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope()
     image = body_of("messages")
     image["messages"][-1]["content"] = [{"type": "image", "source": {}}]
     assert view_of(MESSAGES, image) is None
-    assert view_of(RESPONSES, without(body_of("responses"), "temperature")) is None  # sampled
+    unstored = body_of("responses", store=False)
+    assert view_of(RESPONSES, without(unstored, "temperature")) is None  # sampled
+    # Stored (the default): the answer's id names the response kept for another input.
+    assert view_of(RESPONSES, body_of("responses")) is None
+    assert view_of(RESPONSES, body_of("responses", store=True)) is None
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": "m", "temperature": 0, "prompt": QUESTION}),
+        ("/v1/chat/completions", body_of("messages")),
+    ],
+    ids=["completion", "chat"],
+)
+@pytest.mark.parametrize(
+    "echoing", [{"echo": True}, {"prompt_logprobs": 0}, {"prompt_logprobs": 5}]
+)
+def test_a_request_whose_answer_repeats_its_prompt_has_no_semantic_view(path, body, echoing):
+    # The answer holds the prompt (echo, vLLM's prompt_logprobs): served to a paraphrase it
+    # would hand over another request's prompt. Matched exactly only.
+    assert view_of(path, body) is not None
+    assert view_of(path, {**body, **echoing}) is None
+    for off in ({"echo": False}, {"echo": None, "prompt_logprobs": None}):
+        assert view_of(path, {**body, **off}) is not None
 
 
 def test_a_responses_answer_synthesized_into_events_assembles_back_to_itself():

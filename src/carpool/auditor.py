@@ -6,7 +6,8 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   the request upstream once, not streamed, and compares the fresh answer's text with the served
   one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
   guard over the two texts (its exact rules, and its verifier at the calibrated bar even when
-  ``semantic.verifier_threshold`` loosens the cache's). A disagreement is a wrong hit of
+  ``semantic.verifier_threshold`` loosens the cache's; two answers longer than it reads whole
+  are not judged: no verdict). A disagreement is a wrong hit of
   ``namespace`` (``near``: of a near repeat too, ``Audits.record``). The fresh answer is
   never stored, never shared, never written over the entry. An upstream error, a timeout, a
   non-2xx answer or a judge without a verdict counts nothing (``Audits.failed``). Only
@@ -30,7 +31,7 @@ import orjson
 
 from .exchange import send
 from .semantic.audit import answer_text
-from .semantic.guard import RulesThenVerifier, Side
+from .semantic.guard import Reason, RulesThenVerifier, Side
 from .upstream.base import UpstreamRequest, unstreamed
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class Auditor:
             # be set (it would then agree with every hit it served).
             guard = self._strict = self._strict or RulesThenVerifier(guard.verifier, guard.rules)
         (verdict,) = await guard.judge(Side(served), [Side(fresh)])
+        if verdict.reason is Reason.LENGTH:
+            return None  # not read whole: no verdict (a "no" would count every long answer)
         return verdict.ok
 
     def feedback(self, public_id: str) -> str | None:

@@ -81,7 +81,7 @@ from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
 from .request import ClientRequest, Request, body_digest, parse
-from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, SERVING
+from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
 from .store.base import Entry
 from .upstream.base import PassthroughResponse
 
@@ -285,9 +285,18 @@ class Gateway:
         reply = await self._follow(
             route, ticket, request, key, partial(lead, alone=True), takeover=lead
         )
-        if probe is not None and probe.nearest is not None:  # semantic.mode: mark
+        # Named only where the cache serves nothing by design: semantic.mode: mark, or a
+        # namespace its error budget marked. A serve-mode miss does not name what it was near.
+        if probe is not None and probe.nearest is not None and self._marking(key.namespace):
             reply.headers.extend(nearest(probe.nearest))
         return reply
+
+    def _marking(self, namespace: str) -> bool:
+        """Whether a miss names the nearest entry (``reply.nearest``)."""
+        audits = self.layers.audits
+        return self.config.semantic.mode == "mark" or (
+            audits is not None and audits.state(namespace) == MARK
+        )
 
     def _read_age(self, request: Request) -> float | None:
         """The oldest cached answer ``request`` accepts: its ``max-age``, bounded by its type's TTL

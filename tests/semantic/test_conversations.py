@@ -146,3 +146,56 @@ async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fa
     assert (
         await chat(sgw, reworded + [{"role": "user", "content": "Should I take an umbrella?"}])
     ).headers["x-carpool"] == "miss"
+
+
+#: ~200 tokens of pasted mail in an earlier turn: more than the verifier reads of a pair.
+EMAIL = (
+    "Dear team, thank you all for your hard work this quarter. We have made great progress on "
+    "the new product and our customers are happy with the results. Please remember to submit "
+    "your timesheets by Friday and to update the shared calendar with your vacation plans. "
+) * 3
+
+
+async def test_a_changed_wish_at_the_end_of_a_long_earlier_turn_is_never_served(sgw, fake):
+    # The verifier read ~127 tokens a side of the contexts: "decline" after the same long mail
+    # was served the reply drafted for "accept". Now a pair it cannot read whole is refused.
+    def mail(wish):
+        return turns(f"Here is an email I got: {EMAIL}{wish}", "Got it.") + [
+            {"role": "user", "content": "Draft the reply."}
+        ]
+
+    await chat(sgw, mail("I want to accept the invitation."))
+    for wish in ("I want to decline the invitation.", "Tell them I am quitting my job."):
+        assert (await chat(sgw, mail(wish))).headers["x-carpool"] == "miss", wish
+    assert set(sgw.gateway.semantic.rejections) == {"length"}  # too long to check: not read
+    again = await chat(sgw, mail("I want to accept the invitation."))  # the same: exact
+    assert again.headers["x-carpool"] == "hit" and fake.count() == 3
+
+
+ODD_ROLES = {
+    "object_in_the_middle": [
+        {"role": "user", "content": "a"},
+        {"role": {"x": 1}, "content": "b"},
+        {"role": "user", "content": "c"},
+    ],
+    "list_first": [{"role": ["system"], "content": "a"}, {"role": "user", "content": "c"}],
+    "number": [{"role": 7, "content": "a"}, {"role": "user", "content": "c"}],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ODD_ROLES))
+async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500(
+    gateway_with, fake, kind
+):
+    # The role was looked up in a frozenset: unhashable, a TypeError, a 500 only with the
+    # semantic cache on. Now such a conversation has no earlier turns to compare: exact, whole.
+    from carpool.semantic.view import conversation
+
+    body = {"model": "m", "temperature": 0, "messages": ODD_ROLES[kind]}
+    statuses = []
+    for enabled in (False, True):
+        async with gateway_with(semantic={"enabled": enabled}) as gw:
+            response = await gw.client.post("/v1/chat/completions", json=body)
+            statuses.append((response.status_code, response.headers.get("x-carpool")))
+    assert statuses[1] == statuses[0] and statuses[1][0] < 500, statuses
+    assert conversation(body) == ("", body)

@@ -189,6 +189,7 @@ async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_the
         await eventually(lambda: audits.state("bad") == "mark", what="mark-only")
         marked = await ask(gw, PARAPHRASES[2], "bad")
         assert outcome(marked) == "miss"
+        assert "x-carpool-semantic-nearest" in marked.headers  # (marked: the match only named)
         assert outcome(await ask(gw, PARAPHRASES[0], "good")) == "semantic-hit"
         await eventually(lambda: audits.snapshot().get("good", {}).get("audited") == 1)
         states = (await admin(gw, "GET", "/admin/semantic/audit")).json()
@@ -262,6 +263,23 @@ async def test_a_judge_without_a_verdict_counts_no_audit(fake, gateway_with, jud
         audits = gw.gateway.layers.audits
         await eventually(lambda: audits.failed == 1, what="the audit that got no verdict")
         assert audits.snapshot() == {} and fake_judge.calls("agree") == 1
+
+
+async def test_answers_longer_than_the_guard_reads_whole_count_no_audit(fake, gateway_with):
+    # Compared by the guard, two long answers are more than its verifier reads whole: it cannot
+    # vouch for them either way. No verdict, like a judge that gave none (a "no" would count
+    # every long answer as a wrong hit, and back the namespace off).
+    steps = " ".join(f"Step {i}: hold the reset button and wait." for i in range(40))
+    fake.answer_text = lambda n, body: f"{steps} {('Best wishes', 'Take care')[n % 2]}."
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:
+        await ask(gw, ROUTER)
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
+        audits = gw.gateway.layers.audits
+        await eventually(
+            lambda: audits.failed + sum(r["audited"] for r in audits.snapshot().values()) == 1,
+            what="the audit",
+        )
+        assert audits.failed == 1 and audits.snapshot() == {}
 
 
 async def test_sampled_requests_are_not_audited(fake, gateway_with):

@@ -211,6 +211,57 @@ def test_a_pair_the_verifier_cannot_read_is_never_the_same(guard):
     ) == [0.0, 0.0]
 
 
+#: ~200 tokens of pasted mail: with a wish after it, more than the verifier reads of a pair.
+EMAIL = (
+    "Here is an email I got: Dear team, thank you all for your hard work this quarter. We have "
+    "made great progress on the new product and our customers are happy with the results. "
+    "Please remember to submit your timesheets by Friday and to update the shared calendar with "
+    "your vacation plans. "
+) * 3
+
+
+def test_a_pair_the_verifier_did_not_read_whole_is_never_served(guard):
+    # The pair is cut to 256 tokens (~127 a side): what differs past that was never read, so
+    # "accept" / "decline" at the end of the same long mail scored as the same. Refused, as
+    # too long to check, in a text or in a context, before the model is asked.
+    accept, decline = EMAIL + "I want to accept the invitation.", EMAIL + "I want to decline it."
+    assert guard.verifier.unread([(accept, decline), (accept[-300:], decline[-300:])]) == [
+        True,
+        False,
+    ]
+    assert guard.verifier.score([(accept, decline)]) == [0.0]
+    pairs = guard.verifier.pairs
+    assert verdict(guard, accept, decline) == Verdict(False, Reason.LENGTH)
+    side, other = Side("Draft the reply.", accept), Side("Draft the reply.", decline)
+    assert guard.judge_now(side, [other]) == [Verdict(False, Reason.LENGTH)]
+    assert guard.verifier.pairs == pairs  # (the model is not asked)
+    assert verdict(guard, accept, accept.lower()).ok  # retyped: every word read, no model
+
+
+def test_no_rule_reads_a_side_longer_than_the_guards_bound(guard):
+    # The rules are Python: each read a whole text, and some were quadratic in it (a few hundred
+    # permuted words stalled the gateway for seconds). A longer side is too long to check.
+    from carpool.semantic.guard import READ_CHARS
+    from carpool.semantic.rules import RULES
+    from carpool.semantic.verdict import Rule
+
+    read: list[int] = []
+
+    def reading(a: str, b: str) -> bool:
+        read.append(max(len(a), len(b)))
+        return False
+
+    bounded = RulesThenVerifier(guard.verifier, (Rule(Reason.ORDER, reading), *RULES))
+    words = " ".join(f"word{i}" for i in range(READ_CHARS // 4))
+    long, other = words[: READ_CHARS + 1], words[1 : READ_CHARS + 2]
+    for new, cached in ((Side(long), Side(other)), (Side("Why?", long), Side("Why?", other))):
+        assert bounded.judge_now(new, [cached]) == [Verdict(False, Reason.LENGTH)]
+        assert bounded.judge_now(new, [new]) == [Verdict(True, None, 1.0)]  # identical: unread
+    assert read == []
+    bounded.judge_now(Side(long[:READ_CHARS]), [Side(other[:READ_CHARS])])
+    assert read == [READ_CHARS]
+
+
 #: Chinese development pairs: rewordings (same answer) and every trap kind (another answer).
 CHINESE = [
     ("如何删除我的账户？", "怎样删除我的账户？", True),

@@ -7,6 +7,9 @@ written for these tests. Every check runs both ways: a rule is symmetric.
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -238,6 +241,43 @@ def test_order_a_reworded_question_that_moves_words_passes():
         ),
     ):
         assert passes(order.RULE, a, b), (a, b)
+
+
+@pytest.mark.parametrize("words", [50, 400])
+def test_order_tries_a_bounded_number_of_exchanges_however_long_the_text(monkeypatch, words):
+    # Every pair of shared words in opposite order was tried, each compared whole: ~450 permuted
+    # words froze the gateway for ~19 s. Now one comparison a direction, and a few exchanges
+    # (an exchange mends two words at most; the words must land where the other side has them).
+    limit = 100
+    compared = []
+    real = order._mismatches
+
+    def counting(*args):
+        compared.append(len(args[0]))
+        assert len(compared) <= limit, "more comparisons than the bound"
+        return real(*args)
+
+    monkeypatch.setattr(order, "_mismatches", counting)
+    text = [f"w{i}" for i in range(words)]
+    adjacent = [text[i ^ 1] for i in range(words)]  # every neighbouring pair exchanged
+    once = list(text)
+    once[3], once[words - 3] = once[words - 3], once[3]
+    for other, swapped in ((text[::-1], False), (adjacent, False), (once, True)):
+        order._swapped.cache_clear()
+        compared.clear()
+        assert order.differs(" ".join(text), " ".join(other)) is swapped
+        assert len(compared) <= limit
+
+
+@given(st.text(alphabet=list("aB c.!?:;\n\"“(\x1c\x85\u2028\u00a0\t3_-'’É"), max_size=30))
+def test_entities_read_sentence_starts_in_one_pass_as_the_pattern_did(text):
+    # The pattern searched the whole text before each word (quadratic); one pass over the gaps
+    # between words must find the same words inside sentences.
+    start = re.compile(r"(?:^|[.!?:;\n\"“(]\s*)$")
+    pattern = [
+        m.span() for m in entities._WORD.finditer(text) if not start.search(text[: m.start()])
+    ]
+    assert [m.span() for m in entities._inside(text)] == pattern
 
 
 # ------------------------------------------------------------------------------ polarity

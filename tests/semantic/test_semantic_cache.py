@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 import time
 
 import pytest
@@ -76,8 +77,8 @@ async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_me
     sgw, fake, path
 ):
     def body(text, **extra):
-        if path == "/v1/responses":
-            return {"model": "m", "temperature": 0, "input": text, **extra}
+        if path == "/v1/responses":  # not stored: a stored response is exact only
+            return {"model": "m", "temperature": 0, "store": False, "input": text, **extra}
         return {
             "model": "m",
             "temperature": 0,
@@ -102,6 +103,68 @@ async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_me
         path, json=body("how can i reset my router", **{other: "Answer in French."})
     )
     assert scoped.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_a_stored_response_is_never_served_to_a_paraphrase(sgw, fake):
+    # Stored (store absent or true), the answer's id names the response the upstream keeps for
+    # its own input: a paraphrase handed it would continue (previous_response_id) or list
+    # (input_items) another request's conversation. Not stored, the paraphrase is served.
+    def body(text, **extra):
+        return {"model": "m", "temperature": 0, "input": text, **extra}
+
+    for store in ({}, {"store": True}):
+        first = await sgw.client.post(
+            "/v1/responses", json=body("How do I reset my router?", **store)
+        )
+        again = await sgw.client.post(
+            "/v1/responses", json=body("how can i reset my router", **store)
+        )
+        assert again.headers["x-carpool"] == "miss", store
+        assert again.json()["id"] != first.json()["id"]
+    assert sgw.gateway.semantic.entries == 0
+    await sgw.client.post("/v1/responses", json=body("How do I reset my router?", store=False))
+    await stored(sgw)
+    again = await sgw.client.post(
+        "/v1/responses", json=body("how can i reset my router", store=False)
+    )
+    assert again.headers["x-carpool"] == "semantic-hit"
+
+
+async def test_echo_completions_are_never_served_semantically(sgw, fake):
+    # With echo the answer's text is the prompt and then the completion (OpenAI, vLLM): a
+    # paraphrase served the stored answer would read another request's prompt word for word.
+    fake.answer_text = lambda n, body: (body["prompt"] if body.get("echo") else "") + f" [{n}]"
+
+    async def complete(prompt):
+        body = {"model": "m", "temperature": 0, "echo": True, "max_tokens": 16, "prompt": prompt}
+        response = await sgw.client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response
+
+    await complete("How do I reset my router?")
+    again = await complete("how can i reset my router")
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert again.json()["choices"][0]["text"].startswith("how can i reset my router")
+    assert sgw.gateway.semantic.entries == 0  # no semantic view: never stored there either
+
+
+async def test_a_changed_ending_of_a_long_run_on_prompt_is_never_served(sgw, fake):
+    # No sentence breaks: ``focus`` leaves the text whole, longer than the verifier reads of a
+    # pair. Cut to its first ~127 tokens a side, "accepts" / "declines" at the end was served.
+    mail = (
+        "dear team, thank you all for your hard work this quarter, we have made great progress "
+        "on the new product and our customers are happy with the results, please remember to "
+        "submit your timesheets by friday and to update the shared calendar with your plans, "
+    ) * 3
+
+    def ending(verb):
+        return f"here is an email i got: {mail}and i want you to write a reply that {verb}"
+
+    await ask(sgw, ending("accepts the invitation"))
+    await stored(sgw)
+    declined = await ask(sgw, ending("declines the invitation"))
+    assert declined.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.rejections == {"length": 1}
 
 
 async def test_a_negation_is_never_served(sgw, fake):
@@ -266,6 +329,46 @@ async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fa
         assert fake.count() == 3
 
 
+async def test_a_slow_guard_never_holds_up_another_tenants_exact_hit(sgw, fake):
+    # The guard's rules ran on the event loop: a lookup they were slow on (a few hundred
+    # permuted words: ~19 s) held up every other request. Here a rule blocks until the test
+    # releases it; another tenant's exact hit must be answered meanwhile.
+    from carpool.semantic.verdict import Reason, Rule
+
+    victim, attacker = {"authorization": "Bearer victim"}, {"authorization": "Bearer attacker"}
+    await ask(sgw, "What is carpool?", headers=victim)
+    await ask(sgw, "How do I reset my router?", headers=attacker)
+    await stored(sgw, 2)
+    entered, release, released = threading.Event(), threading.Event(), []
+
+    def blocking(a: str, b: str) -> bool:
+        entered.set()
+        released.append(release.wait(10))  # (False: nobody released it, the loop was held)
+        return False
+
+    guard = sgw.gateway.semantic.guard
+    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    lookup = asyncio.create_task(ask(sgw, "how can i reset my router", headers=attacker))
+    assert await asyncio.to_thread(entered.wait, 10)
+    repeat = await ask(sgw, "What is carpool?", headers=victim)  # while the rule is blocked
+    assert repeat.headers["x-carpool"] == "hit" and not release.is_set()
+    release.set()
+    assert (await lookup).headers["x-carpool"] == "semantic-hit"
+    assert released == [True]
+
+
+async def test_a_serve_mode_miss_never_names_the_entry_it_was_near(sgw, fake):
+    # The nearest entry, its similarity and the guard's verdict are mark mode's annotations:
+    # in serve mode (the default) a miss the guard refused says nothing of the entries it met.
+    await ask(sgw, "What is the baggage allowance for 2 passengers?")
+    await stored(sgw)
+    refused = await ask(sgw, "What is the baggage allowance for 3 passengers?")
+    assert refused.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.rejections.get("number") == 1  # it was compared, and refused
+    named = {"x-carpool-semantic-nearest", "x-carpool-semantic-verdict", "x-carpool-similarity"}
+    assert not named & set(refused.headers)
+
+
 # ------------------------------------------------------------------------------------------------
 # Semantic entries shared across instances through Redis (carpool/redis/semantic.py)
 
@@ -348,6 +451,52 @@ async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_
         )
         assert a.gateway.semantic.entries == 0
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+
+
+async def test_an_instance_whose_reader_was_cut_off_never_serves_an_answer_invalidated_meanwhile(
+    two_semantic, fake
+):
+    # B's reader loses its connection once; the invalidate record A publishes before B's reader
+    # has positioned itself again is never read (it resumes from the stream's end). B's entry
+    # holds its answer: it must be forgotten, not served.
+    import redis.exceptions
+
+    async with two_semantic() as (a, b):
+        tags = {"x-carpool-tags": "router"}
+        assert (await ask(b, "How do I reset my router?", headers=tags)).headers[
+            "x-carpool"
+        ] == "miss"
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        semantic = b.gateway.semantic
+        client, failures, back = semantic._client, [1], asyncio.Event()
+        real_xread, real_xrevrange = client.xread, client.xrevrange
+
+        async def xread(*args, **kwargs):  # one failure, as of a connection reset
+            if failures:
+                failures.pop()
+                raise redis.exceptions.ConnectionError("connection reset (injected)")
+            return await real_xread(*args, **kwargs)
+
+        async def xrevrange(*args, **kwargs):  # the reader positions itself once we say so
+            await back.wait()
+            return await real_xrevrange(*args, **kwargs)
+
+        client.xread, client.xrevrange = xread, xrevrange
+        try:
+            errors = semantic.counts["errors"]
+            await eventually(lambda: semantic.counts["errors"] > errors, what="the failure")
+            dropped = await a.client.post(
+                "/admin/invalidate", json={"tag": "router"}, headers={"Authorization": "Bearer t"}
+            )
+            assert dropped.status_code == 200
+            back.set()  # the record is in the stream, behind where B's reader resumes
+            await eventually(semantic.ready.is_set, what="B's reader positioned again")
+        finally:
+            client.xread, client.xrevrange = real_xread, real_xrevrange
+        assert semantic.counts["invalidations_received"] == 0  # (never read: missed)
+        assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+        assert semantic.counts["forgotten"] == 1 and fake.count() == 2
 
 
 async def test_the_semantic_stream_reader_stops_by_itself_once_its_cache_is_closed(

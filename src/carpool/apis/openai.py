@@ -13,7 +13,8 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   for embeddings, ``stream`` a boolean, ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n``
   integers. Embeddings are always deterministic and have no stream.
 - The semantic view: the last user message (chat; plain text only) or a string prompt
-  (completions); embeddings have none.
+  (completions); embeddings have none, nor has a request whose answer repeats its prompt
+  (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class ChatApi(_Classic):
         return [m["content"] for m in body["messages"] if isinstance(m.get("content"), str)]
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        if echoes_prompt(body):
+            return None
         return last_user_turn(body)
 
 
@@ -125,7 +128,7 @@ class CompletionApi(_Classic):
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         prompt = body.get("prompt")
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str) or echoes_prompt(body):
             return None  # token ids and list prompts: exact only
         return prompt, {k: v for k, v in body.items() if k != "prompt"}
 
@@ -156,6 +159,15 @@ class EmbeddingApi(Api):
 
     def error_event(self, error: CarpoolError) -> bytes:
         return error_event(error)
+
+
+def echoes_prompt(body: dict[str, Any]) -> bool:
+    """Whether the answer carries the request's own prompt: ``echo`` (the text is the prompt
+    and then the completion; vLLM's chat prepends the last message) or vLLM's
+    ``prompt_logprobs`` (the prompt's tokens, any value but null: 0 asks for them too). Served
+    to a paraphrase, such an answer would hand it another request's prompt word for word."""
+    echo = body.get("echo")
+    return (echo is not None and echo is not False) or body.get("prompt_logprobs") is not None
 
 
 def is_text_or_tokens(value: Any) -> bool:

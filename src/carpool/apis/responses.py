@@ -33,7 +33,9 @@ Contract (``apis.base.Api``):
   answer's id is the one the upstream stored for the call that produced it).
 - The semantic view: ``input`` when it is a string, or the last input item when it is a user
   message of plain text (``input_text`` parts); ``instructions``, earlier items and every
-  parameter are in the scope.
+  parameter are in the scope. Only with ``store: false``: a stored answer's id names the
+  response kept for its own input (``previous_response_id`` continues that conversation,
+  ``input_items`` lists that input), which a paraphrase must not be handed.
 - Errors: OpenAI's shape, as for chat. A failed stream ends with ``event: error`` whose data is
   the Responses API's error event (``type``, ``code``, ``message``, ``param``) carrying the error
   object under ``error`` too, so that the ``openai`` SDK raises ``APIError`` on it.
@@ -125,6 +127,8 @@ class ResponsesApi(TypedApi):
         return texts
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        if body.get("store") is not False:  # stored (the default): the id names another input
+            return None
         value = body.get("input")
         rest = {k: v for k, v in body.items() if k != "input"}
         if isinstance(value, str):

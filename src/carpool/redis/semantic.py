@@ -29,7 +29,12 @@ Contract:
   shared store's health (``SharedStore.report``: /stats, /healthz, degraded mode, the log); while
   that health says Redis is not to be tried, nothing is published (local-only behaviour). The
   reader backs off on failures (``BACKOFF_MIN`` doubling up to ``retry_interval``) and resumes
-  from the stream's end again after one: records published while it was cut off are not replayed.
+  from the stream's end again after one: records published while it was cut off are not replayed
+  (the stream may have been trimmed past them, or Redis be new). An ``invalidate`` among them
+  would never reach the entries this instance holds with their answers, so once it has resumed
+  after a failure it forgets every entry (``forgotten``), as the invalidation channel forgets
+  its flights when it subscribes again: misses, never an answer invalidated meanwhile. While it
+  is cut off the instance serves what it holds, like the exact cache in degraded mode.
   ``ready`` is set each time the reader has positioned itself (tests wait on it).
 
 Record layout (one stream entry, all values bytes):
@@ -121,7 +126,8 @@ class SharedSemanticCache(SemanticCache):
         self.health = health
         self.ready = asyncio.Event()
         self.counts = dict.fromkeys(
-            ("published", "received", "invalidations_received", "ignored", "errors"), 0
+            ("published", "received", "invalidations_received", "ignored", "errors", "forgotten"),
+            0,
         )
         self._client = client
         self._owns_client = owns_client
@@ -231,6 +237,7 @@ class SharedSemanticCache(SemanticCache):
 
     async def _read(self) -> None:
         last: Any = None  # a stream id (bytes)
+        missed = False  # cut off since the last record read: some may never be read
         backoff = Backoff(self.retry_interval)
         while not self._closed:
             try:
@@ -238,6 +245,10 @@ class SharedSemanticCache(SemanticCache):
                     if last is None:
                         top = await self._client.xrevrange(self.stream, count=1)
                         last = top[0][0] if top else b"0-0"
+                        if missed:  # (after positioning: what comes later is read)
+                            everything = Selector(everything=True)
+                            self.counts["forgotten"] += await super().invalidate(everything)
+                            missed = False
                         self.ready.set()
                         if self.health is not None:
                             self.health.report(None)
@@ -255,7 +266,7 @@ class SharedSemanticCache(SemanticCache):
             except StoreUnavailable as error:
                 self._failed(error)
                 self.ready.clear()
-                last = None  # resume from the end: Redis may be new
+                last, missed = None, True  # resume from the end: Redis may be new
                 await backoff.wait()
 
     async def _apply(self, fields: dict[bytes, bytes]) -> None:

@@ -6,13 +6,16 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
 
 1. the exact rules (:mod:`carpool.semantic.rules`): numbers, units and dates, operators, quoted
    text and task inputs, identifiers, names, word order. The first that fires refuses the pair
-   with its :class:`Reason`; no model is asked.
+   with its :class:`Reason`; no model is asked. A side longer than :data:`READ_CHARS` is not
+   read at all (:attr:`Reason.LENGTH`: too long to check), and ``judge`` reads on a worker
+   thread: a lookup never stalls the event loop, whatever a client sends.
 2. the verifier (:mod:`carpool.semantic.verifier`), a cross-encoder that reads both prompts
    together: the pair is served only when its score is at or above the verifier's threshold
    (:attr:`Reason.MEANING` otherwise), or, for a near repeat (cosine similarity at or above
    :data:`NEAR_REPEAT_SIMILARITY`: case, punctuation, a greeting), at or above
    :data:`NEAR_REPEAT_SCORE`. All surviving candidates of one lookup are scored in one model
-   call.
+   call. A pair the verifier would not read whole (``Verifier.unread``: longer than it reads)
+   is refused with :attr:`Reason.LENGTH` instead: it cannot vouch for what it did not read.
 
 Contract
 --------
@@ -35,6 +38,7 @@ The verifier is passed in, never imported here: the cache does not know which mo
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import re
 from collections.abc import Sequence
@@ -54,10 +58,20 @@ class Side:
     context: str = ""
 
 
+#: The most characters of a side the rules read: a longer text or context that differs from the
+#: other side is refused (:attr:`Reason.LENGTH`) before any rule reads it. Over 16 characters a
+#: token for the 256 tokens the verifier reads of a pair, so only a retyping that long loses a
+#: hit; at this length every rule takes at most ~10 ms (measured, adversarial texts included).
+READ_CHARS = 4096
+
+
 def refusal(a: str, b: str, rules: Sequence[Rule] = RULES) -> Reason | None:
-    """The reason of the first rule that fires on the pair, or None."""
+    """The reason of the first rule that fires on the pair, or None; :attr:`Reason.LENGTH` for a
+    side longer than :data:`READ_CHARS` (identical sides are not read)."""
     if a == b:
         return None
+    if len(a) > READ_CHARS or len(b) > READ_CHARS:
+        return Reason.LENGTH
     for rule in rules:
         if rule.differs(a, b):
             return rule.reason
@@ -93,7 +107,8 @@ CLOSE_CONTEXT = 0.9
 
 
 def close(a: str, b: str) -> bool:
-    """Nearly the same words in the same order: a context retyped with a word or two changed."""
+    """Nearly the same words in the same order: a context retyped with a word or two changed.
+    (Quadratic at worst: asked only of pairs the verifier reads whole, 256 tokens at most.)"""
     return (
         difflib.SequenceMatcher(None, _plain_words(a), _plain_words(b), autojunk=False).ratio()
         >= CLOSE_CONTEXT
@@ -134,50 +149,58 @@ class RulesThenVerifier:
         candidates: Sequence[Side],
     ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
         """Rule verdicts (None: ask the verifier), the pairs to score, and for each candidate the
-        indexes of its text and context pairs among them (-1: retyped or identical, not asked)."""
+        indexes of its text and context pairs among them (-1: retyped or identical, not asked).
+        A candidate with a pair the verifier would not read whole is refused
+        (:attr:`Reason.LENGTH`): what the model did not read, it cannot vouch for."""
         verdicts: list[Verdict | None] = []
-        pairs: list[tuple[str, str]] = []
-        slots: list[tuple[int, int]] = []
+        asked: list[tuple[tuple[str, str] | None, tuple[str, str] | None]] = []
         for cached in candidates:
             reason = refusal(new.text, cached.text, self.rules) or refusal(
                 new.context, cached.context, self.rules
             )
+            verdicts.append(None if reason is None else Verdict.refused(reason))
             if reason is not None:
-                verdicts.append(Verdict.refused(reason))
+                asked.append((None, None))
+                continue
+            text = None if retyped(new.text, cached.text) else (new.text, cached.text)
+            # Exact: retyping may move a turn's boundary.
+            same = new.context == cached.context
+            asked.append((text, None if same else (new.context, cached.context)))
+        cut = iter(self.verifier.unread([p for both in asked for p in both if p is not None]))
+        pairs: list[tuple[str, str]] = []
+        slots: list[tuple[int, int]] = []
+        for i, both in enumerate(asked):
+            if any([next(cut) for p in both if p is not None]):
+                verdicts[i] = Verdict.refused(Reason.LENGTH)
                 slots.append((-1, -1))
                 continue
-            verdicts.append(None)
-            text = context = -1
-            if not retyped(new.text, cached.text):
-                text = len(pairs)
-                pairs.append((new.text, cached.text))
-            if new.context != cached.context:  # exact: retyping may move a turn's boundary
-                context = len(pairs)
-                pairs.append((new.context, cached.context))
-            slots.append((text, context))
+            slot = [-1, -1]
+            for k, pair in enumerate(both):
+                if pair is not None:
+                    slot[k] = len(pairs)
+                    pairs.append(pair)
+            slots.append((slot[0], slot[1]))
         return verdicts, pairs, slots
 
-    def _scored(
-        self,
-        planned: tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]],
-        scores: list[float],
-    ) -> Scored:
-        refused, pairs, slots = planned
-        return Scored(
-            refused,
-            slots,
-            [context >= 0 and close(*pairs[context]) for _, context in slots],
-            scores,
-        )
+    def _prepared(
+        self, new: Side, candidates: Sequence[Side]
+    ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]], list[bool]]:
+        """``_plan``, and per candidate whether its context pair is ``close``."""
+        refused, pairs, slots = self._plan(new, candidates)
+        return refused, pairs, slots, [c >= 0 and close(*pairs[c]) for _, c in slots]
 
     async def scored(self, new: Side, candidates: Sequence[Side]) -> Scored:
-        planned = self._plan(new, candidates)
-        return self._scored(planned, await self.verifier.scores(planned[1]))
+        # The rules are Python on texts up to READ_CHARS: read on a worker thread, so that no
+        # lookup holds up the event loop (another tenant's exact hit) while they run.
+        refused, pairs, slots, close_contexts = await asyncio.to_thread(
+            self._prepared, new, candidates
+        )
+        return Scored(refused, slots, close_contexts, await self.verifier.scores(pairs))
 
     def scored_now(self, new: Side, candidates: Sequence[Side]) -> Scored:
         """``scored``, synchronously (offline evaluation)."""
-        planned = self._plan(new, candidates)
-        return self._scored(planned, self.verifier.score(planned[1]))
+        refused, pairs, slots, close_contexts = self._prepared(new, candidates)
+        return Scored(refused, slots, close_contexts, self.verifier.score(pairs))
 
     def decide(
         self,

@@ -20,6 +20,7 @@ class Reason(StrEnum):
     MEANING = "meaning"  # the verifier: not the same answer
     CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
     JUDGE = "judge"  # the judge (semantic.judge): not the same answer, or no verdict
+    LENGTH = "length"  # longer than the guard reads whole: too long to check
 
 
 @dataclass(frozen=True, slots=True)

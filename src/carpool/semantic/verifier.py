@@ -15,9 +15,12 @@ Contract
   refused). The default folder is the one packaged with carpool (:data:`PACKAGED`), made by
   ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
 - The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
-  them (the longer side is cut first). A pair with a token the model's vocabulary does not have
-  (``[UNK]``: most Chinese characters, for the packaged English model) scores 0: a model never
-  guesses at what it cannot read, whatever ``semantic.scripts`` lets through. A conversation's earlier turns are read as one text
+  them. ``unread(pairs)`` says which pairs it would have to cut (the longer side first): those
+  score 0, as does a pair with a token the model's vocabulary does not have (``[UNK]``: most
+  Chinese characters, for the packaged English model): a model never vouches for what it did
+  not read, whatever ``semantic.scripts`` lets through. (A pair cut to its first ~127 tokens a
+  side was served for "...I want to accept the invitation." / "...decline..." at the end of a
+  pasted email.) A conversation's earlier turns are read as one text
   (:func:`render_context`), compared by a second pair beside the last turns (``semantic.cache``).
 
 Why a model and not rules: meaning-level changes (negation, antonyms, a changed detail, another
@@ -52,6 +55,10 @@ class Verifier(Protocol):
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """``scores``, synchronously (offline evaluation)."""
+        ...
+
+    def unread(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """Per pair: whether the model would not read it whole (cut to its length)."""
         ...
 
 
@@ -129,7 +136,7 @@ class CrossEncoder:
         if not pairs:
             return []
         np = self._np
-        encoded = self._tokenizer.encode_batch([ordered(a, b) for a, b in pairs])
+        encoded = self._encoded(pairs)
         width = max(len(e.ids) for e in encoded)
         ids = np.zeros((len(encoded), width), dtype=np.int64)
         types = np.zeros_like(ids)
@@ -141,11 +148,19 @@ class CrossEncoder:
         (logits,) = self._session.run(
             ["logits"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         )
-        unreadable = (ids == self._unknown).any(axis=1) if self._unknown is not None else None
         probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
-        if unreadable is not None:
-            probs[unreadable] = 0.0
+        if self._unknown is not None:
+            probs[(ids == self._unknown).any(axis=1)] = 0.0
+        probs[[bool(e.overflowing) for e in encoded]] = 0.0  # cut: not read whole
         return [float(p) for p in probs]
+
+    def unread(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """Which pairs the model would cut: their tokens over ``max_length`` (what the tokenizer
+        cut off is its ``overflowing``)."""
+        return [bool(e.overflowing) for e in self._encoded(pairs)] if pairs else []
+
+    def _encoded(self, pairs: Sequence[tuple[str, str]]) -> list[Any]:
+        return list(self._tokenizer.encode_batch([ordered(a, b) for a, b in pairs]))
 
     async def scores(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         if not pairs:

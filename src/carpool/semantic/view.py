@@ -7,9 +7,10 @@ user input), and so are a conversation's earlier turns (``context``: :func:`conv
 reworded context or small talk can still hit while "cancel it" in a chat about a gym never
 matches "cancel it" in a chat about a phone plan (the guard reads both). The model, every
 parameter and the system prompt (instructions) must be identical: they are in the scope.
-Embeddings requests, multimodal last turns and list prompts have no semantic view; nor has a
-text (or context) with a letter of a script the model does not read (``semantic.scripts``): it
-is matched exactly, never guessed at.
+Embeddings requests, multimodal last turns, list prompts and requests whose answer repeats their
+prompt (``echo``, ``prompt_logprobs``) have no semantic view; nor has a text (or context) with
+a letter of a script the model does not read (``semantic.scripts``): it is matched exactly,
+never guessed at.
 """
 
 from __future__ import annotations
@@ -81,30 +82,36 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     without them: its instructions and the last turn's other fields stay in the scope.
 
     Only plain turns move out of the scope: a role and a text content, nothing else. A turn with
-    tool calls, a name or non-text content, or an instruction after the first turn, keeps the
-    whole conversation exact ("", ``rest``): when unsure, don't share.
+    tool calls, a name, a role that is no string or non-text content, or an instruction after
+    the first turn, keeps the whole conversation exact ("", ``rest``): when unsure, don't share.
     """
     messages = rest.get("messages")
     if not isinstance(messages, list) or len(messages) < 2:
         return "", rest
     *earlier, last = messages
     lead = 0  # the instructions before the first turn
-    while (
-        lead < len(earlier)
-        and isinstance(earlier[lead], dict)
-        and earlier[lead].get("role") in INSTRUCTION_ROLES
-    ):
+    while lead < len(earlier) and _instruction(earlier[lead]):
         lead += 1
     instructions, turns = earlier[:lead], earlier[lead:]
     if not turns or not all(
         isinstance(m, dict)
         and set(m) <= {"role", "content"}
-        and m.get("role") not in INSTRUCTION_ROLES
+        and isinstance(m.get("role"), str)  # an odd role (an object, a list): exact, whole
+        and not _instruction(m)
         and isinstance(m.get("content"), str)
         for m in turns
     ):
         return "", rest
     return render_context(turns), {**rest, "messages": [*instructions, last]}
+
+
+def _instruction(message: Any) -> bool:
+    """Whether ``message`` is an instruction. A role is looked up only when it is a string: a
+    list or an object is unhashable (a TypeError, a 500 that only the semantic cache caused)."""
+    if not isinstance(message, dict):
+        return False
+    role = message.get("role")
+    return isinstance(role, str) and role in INSTRUCTION_ROLES
 
 
 def readable(text: str, scripts: list[str]) -> bool:

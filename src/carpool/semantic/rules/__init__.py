@@ -6,7 +6,8 @@ A rule is a module-level object with a ``reason`` (:class:`carpool.semantic.guar
 ``differs(a, b) -> bool``: True when the two prompts differ in what the rule reads, so that an
 answer to one is not an answer to the other. Every rule is pure, symmetric (``differs(a, b) ==
 differs(b, a)``), deterministic and fast (microseconds for a short prompt: each text is read once
-and memoised), and reads English and Chinese. A rule never proves two prompts the same; it only
+and memoised; linear in the text, which the guard bounds: ``guard.READ_CHARS``; a rule may run
+on a worker thread), and reads English and Chinese. A rule never proves two prompts the same; it only
 refuses, ahead of the model, what the model reads badly:
 
 - :mod:`.quoted`: quoted strings, code spans and the input of a task (translate, convert...);

@@ -41,13 +41,30 @@ COMMON = frozenset(
     }
 )
 _WORD = re.compile(r"[^\W\d_][\w'’-]*")
-_START = re.compile(r"(?:^|[.!?:;\n\"“(]\s*)$")
+#: What starts a sentence before a word (then white space): no case to read after it.
+_STARTERS = frozenset('.!?:;\n"“(')
+
+
+def _inside(text: str) -> list[re.Match[str]]:
+    """The words of ``text`` that do not start it or a sentence: in one pass, each word judged
+    by the gap since the previous one (its last character before white space, or a line break
+    within that white space). (Searching the whole text before every word was quadratic.)"""
+    inside = []
+    end = 0
+    for m in _WORD.finditer(text):
+        gap = text[end : m.start()]
+        before = gap.rstrip()
+        starts = m.start() == 0 or "\n" in gap[len(before) :] or before[-1:] in _STARTERS
+        if not starts:
+            inside.append(m)
+        end = m.end()
+    return inside
 
 
 @functools.lru_cache(maxsize=8192)
 def _names(text: str) -> frozenset[str]:
     text = norm(text)
-    inside = [m for m in _WORD.finditer(text) if not _START.search(text[: m.start()])]
+    inside = _inside(text)
     long_words = [m.group() for m in inside if len(m.group()) > 3]
     if len(long_words) >= 4 and sum(w[0].isupper() for w in long_words) > 0.6 * len(long_words):
         return frozenset()  # a title or shouting: no case to read

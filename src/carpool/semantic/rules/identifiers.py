@@ -23,7 +23,9 @@ from ..verdict import Reason, Rule
 from .text import norm
 
 _TOKEN = re.compile(
-    r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+"  # e-mail
+    # e-mail: a local part of at most 64 characters (RFC 5321), else every letter of "a+a+..."
+    # started a scan to the end of the run: quadratic
+    r"[\w.+-]{1,64}@[\w-]+(?:\.[\w-]+)+"
     r"|\b(?:https?|ftp)://\S+"  # URL
     r"|(?<![\w/])(?:[A-Za-z]:\\|\.{0,2}/)[\w.\\/-]+"  # path (not "and/or")
     r"|[\w][\w.'’-]*[\w]|\w"

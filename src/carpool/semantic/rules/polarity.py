@@ -143,7 +143,7 @@ def _read(text: str) -> tuple[int, frozenset[str]]:
 def _opposed(x: frozenset[str], y: frozenset[str]) -> bool:
     only_x, only_y = x - y, y - x
     for w in only_x:
-        if any(OPPOSITES.get(w) == v for v in only_y):
+        if OPPOSITES.get(w) in only_y:  # (a lookup: a scan of only_y per word was quadratic)
             return True
         for prefix in _PREFIXES:
             if prefix + w in only_y or (
