@@ -214,6 +214,9 @@ async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gatewa
         assert wrong.status_code == 401
         bad = await gw.client.post("/admin/invalidate", json={"colour": "red"}, headers=ADMIN)
         assert bad.status_code == 400
+        # A body of null is JSON, not a client that left (it was a 499 with no body: the fuzz).
+        null = await gw.client.post("/admin/invalidate", content=b"null", headers=ADMIN)
+        assert null.status_code == 400 and null.json()["error"]["message"]
     async with gateway_with() as gw:
         assert (
             await gw.client.post("/admin/invalidate", json={"all": True}, headers=ADMIN)

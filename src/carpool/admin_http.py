@@ -34,6 +34,7 @@ from .pipeline import Gateway
 from .store.base import StoreUnavailable
 
 BodyOf = Callable[[HttpRequest], Awaitable[bytes | None]]
+_LEFT = object()  # ``spec_of``: the client left before its body came
 
 
 def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
@@ -51,10 +52,11 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         return None
 
     async def spec_of(request: HttpRequest) -> Any:
-        """The JSON body; None when the client left. Raises ``RequestError`` for bad JSON."""
+        """The JSON body; ``_LEFT`` when the client left. Raises ``RequestError`` for bad JSON
+        (a body of ``null`` is JSON: the work refuses it as it refuses any other wrong spec)."""
         raw = await body_of(request)
         if raw is None:
-            return None
+            return _LEFT
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -68,7 +70,7 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
                 return refused
             try:
                 spec = await spec_of(request) if read else None
-                if read and spec is None:
+                if spec is _LEFT:
                     return Response(status_code=499)  # the client left
                 return await work(request, spec)
             except (BodyTooLarge, BodyTimeout) as failure:
