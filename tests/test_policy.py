@@ -76,6 +76,15 @@ async def test_max_age_refuses_an_answer_older_than_n_seconds(fake, gateway_with
         assert await outcome(gw, **{"Cache-Control": "max-age=60"}) == "hit"
 
 
+async def test_max_age_is_read_with_spaces_around_its_equals_sign(fake, gateway_with):
+    # ("max-age = 1" was dropped unread: a 100 s old answer served to a client asking for 1.)
+    clock = ManualClock()
+    async with gateway_with(clock=clock) as gw:
+        assert await outcome(gw) == "miss"
+        clock.advance(100)
+        assert await outcome(gw, **{"Cache-Control": "max-age = 1"}) == "miss"
+
+
 @pytest.mark.parametrize("value", ["max-age=abc", "max-age=-1"])
 async def test_a_malformed_cache_control_is_400(gw, fake, value):
     response = await gw.chat(headers={"Cache-Control": value})
@@ -204,6 +213,51 @@ async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
         assert (await post({"prefix": "How do"})).json() == {"invalidated": 1}
         assert (await post({"all": True})).json() == {"invalidated": 1}
         assert gw.gateway.store.entries == 0
+
+
+LONG_SYSTEM = "You are a careful assistant. " * 60  # 1,680 characters
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "prefix"),
+    [
+        (  # content as parts: the SDKs send either for the same text
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Translate: cat"}]}
+                ]
+            },
+            "Translate",
+        ),
+        ("/v1/embeddings", {"input": ["Translate this", "Translate that"]}, "Translate"),
+        ("/v1/completions", {"prompt": ["Translate this", "and that"]}, "Translate"),
+        (  # a prefix longer than the start an entry keeps (1,024 characters)
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": LONG_SYSTEM},
+                    {"role": "user", "content": "Translate: cat"},
+                ]
+            },
+            LONG_SYSTEM + " Translate",
+        ),
+        (  # asked in NFD, dropped by its NFC form (one answer: the fingerprint is NFC)
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Cafe\u0301 menu"}]},
+            "Caf\u00e9",
+        ),
+    ],
+)
+async def test_a_prefix_drops_every_answer_whose_prompt_starts_with_it(
+    fake, gateway_with, path, body, prefix
+):
+    async with gateway_with(admin_token="s3cret") as gw:
+        request = {"model": "m", "temperature": 0, **body}
+        assert (await gw.client.post(path, json=request)).headers["x-carpool"] == "miss"
+        dropped = await gw.client.post("/admin/invalidate", json={"prefix": prefix}, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert (await gw.client.post(path, json=request)).headers["x-carpool"] == "miss"
 
 
 async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gateway_with):

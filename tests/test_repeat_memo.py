@@ -10,6 +10,7 @@ import pytest
 from carpool import request as request_module
 from carpool.config import Config
 from carpool.fingerprint import fingerprint
+from carpool.lru import held
 from carpool.repeat_memo import _ENTRY_OVERHEAD, MAX_MEMO_HEADERS, RepeatMemo
 from carpool.request import CONTROL_HEADERS, ClientRequest, parse
 
@@ -78,6 +79,21 @@ def test_the_memo_remembers_only_shareable_requests_that_may_read_and_stays_in_b
     assert len(memo) == 2 and memo.bytes <= memo.max_bytes  # the oldest went first
     newest = ClientRequest(CHAT, BODY.replace(b"hi", b"hi 4"), {})
     assert memo.get(memo.key_of(newest)) is not None
+
+
+def test_the_memo_counts_the_headers_it_keeps_as_the_objects_they_are():
+    # Each forwarded header is a tuple of two strings (~170 bytes held), not its characters
+    # (~15): counted so, 40 of them let the memo hold ~6x its budget.
+    config = Config()
+    memo = RepeatMemo(("authorization",), max_bytes=1 << 20)
+    headers = {f"x-h{j}": f"value-{j}" for j in range(40)}
+    client = ClientRequest(CHAT, BODY, headers)
+    request = parse(client, 1 << 20)
+    memo.remember(memo.key_of(client), request, fingerprint(request, config), None)
+    kept = next(iter(memo._memo.mapping))
+    assert memo.bytes >= _ENTRY_OVERHEAD + len(BODY) + held(
+        kept[3], *(x for pair in kept[3] for x in (pair, *pair))
+    )
 
 
 def test_the_memos_entries_are_untracked_by_the_garbage_collector_once_it_has_seen_them():

@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import RequestError
-from .store.base import Selector, StoreUnavailable
+from .store.base import Selector, StoreUnavailable, prompt_text
 
 if TYPE_CHECKING:
     from .layers import Layers
@@ -115,7 +115,7 @@ async def invalidate(layers: Layers, spec: Any) -> int:
     elif name == "namespace" and isinstance(value, str) and value:
         selector = Selector(namespace=value)
     elif name == "prefix" and isinstance(value, str) and value:
-        selector = Selector(prefix=value)
+        selector = Selector(prefix=prompt_text(value))
     if selector is not None:
         # Flights are a layer too, running ones included: no request joins a call begun
         # before the invalidation, and that call's answer is not stored. Flights do not

@@ -40,14 +40,13 @@ from .broadcast import Broadcast
 from .fingerprint import Fingerprint, SemanticView, semantic_view
 from .request import Request
 from .store import Entry
+from .store.base import prompt_text
 
 if TYPE_CHECKING:
     from .layers import Layers
     from .semantic.cache import Probe
 
 log = logging.getLogger("carpool.lead")
-
-PROMPT_PREFIX_CHARS = 1024
 
 
 class Leader:
@@ -228,4 +227,4 @@ def _discard(task: asyncio.Task[Any]) -> None:
 
 def _prompt_prefix(request: Request) -> str:
     """The start of the prompt, for invalidation by prompt prefix."""
-    return " ".join(request.api.input_texts(request.body))[:PROMPT_PREFIX_CHARS]
+    return prompt_text(" ".join(request.api.input_texts(request.body)))

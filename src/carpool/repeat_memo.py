@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .canonical import IDEMPOTENCY_HEADERS, grant_of, varying_headers
-from .lru import LRU, SLOT_BYTES
+from .lru import LRU, SLOT_BYTES, held
 from .request import CONTROL_HEADERS, ClientRequest, Request
 
 if TYPE_CHECKING:
@@ -129,4 +129,10 @@ def _header_bytes(memo_key: tuple[Any, ...]) -> int:
 
 
 def _size(memo_key: tuple[Any, ...]) -> int:
-    return _ENTRY_OVERHEAD + len(memo_key[1]) + len(memo_key[2]) + _header_bytes(memo_key)
+    # The headers as the memo holds them (``lru.held``): each pair a tuple of two strings, ~170
+    # bytes for a short one, not its characters' count (40 forwarded headers held ~6x the budget).
+    headers = memo_key[3]
+    objects = [headers, *memo_key[4:]]
+    for pair in headers:
+        objects += (pair, *pair)
+    return _ENTRY_OVERHEAD + len(memo_key[1]) + len(memo_key[2]) + held(*objects)

@@ -26,7 +26,15 @@ import orjson
 from ..chunks import Assembly
 from ..errors import CarpoolError, RequestError, UpstreamStreamBroken, error_event
 from ..sse import assemble, expected_choices, frame, is_complete, synthesize, usage_tokens
-from .base import Api, Collector, check_fields, check_messages, last_user_turn, require_model
+from .base import (
+    Api,
+    Collector,
+    check_fields,
+    check_messages,
+    last_user_turn,
+    require_model,
+    text_parts,
+)
 
 
 class _Assembling(Collector):
@@ -103,7 +111,13 @@ class ChatApi(_Classic):
         check_messages(body)
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
-        return [m["content"] for m in body["messages"] if isinstance(m.get("content"), str)]
+        # (Content as a string or as parts: the SDKs send either for the same text.)
+        return [
+            text
+            for m in body["messages"]
+            if isinstance(m, dict)
+            for text in text_parts(m.get("content"))
+        ]
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         if echoes_prompt(body):
@@ -123,8 +137,7 @@ class CompletionApi(_Classic):
         check_fields(body)
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
-        prompt = body.get("prompt")
-        return [prompt] if isinstance(prompt, str) else []
+        return _texts(body.get("prompt"))
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         prompt = body.get("prompt")
@@ -148,8 +161,7 @@ class EmbeddingApi(Api):
         return True
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
-        value = body.get("input")
-        return [value] if isinstance(value, str) else []
+        return _texts(body.get("input"))
 
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         return is_complete(self.kind, body)
@@ -181,3 +193,13 @@ def is_text_or_tokens(value: Any) -> bool:
     if isinstance(first, int):
         return all(isinstance(item, int) for item in value)
     return all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value)
+
+
+def _texts(value: Any) -> list[str]:
+    """The texts of a prompt or an input: itself, or the strings of a list (token ids have
+    none), in order."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, str)]
+    return []

@@ -19,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from sys import getsizeof
 from typing import Any, Protocol
@@ -30,6 +31,17 @@ from ..lru import held
 # Every Answer has its own dict for the frames it synthesizes once (``Answer.sse``): counted as
 # the empty dict it is when stored (what fills it later is not counted; see ``Entry.held``).
 _SYNTHESIZED = held({})
+# The prompt's start an entry keeps for invalidation by prefix (``prompt_text``).
+PROMPT_PREFIX_CHARS = 1024
+
+
+def prompt_text(text: str) -> str:
+    """What an entry keeps of its prompt (``Entry.prompt_prefix``), and what a ``Selector``'s
+    prefix is compared as: NFC (the fingerprint's form of a prompt: the answers of an NFD
+    and an NFC prompt are one) and at most ``PROMPT_PREFIX_CHARS`` long (a longer prefix is
+    cut as the kept prompts are: it then drops every prompt that starts as its first 1,024
+    characters do, a few more than it names, never fewer)."""
+    return unicodedata.normalize("NFC", text)[:PROMPT_PREFIX_CHARS]
 
 
 @dataclass(slots=True, eq=False)
