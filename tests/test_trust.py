@@ -130,6 +130,36 @@ async def test_an_idempotency_key_is_scoped_by_a_query_key_and_a_cookie_too(
     assert again.headers["idempotent-replayed"] == "true" and fake.count() == 2
 
 
+@pytest.mark.parametrize(
+    ("path_b", "headers_b", "replayed"),
+    [
+        ("", {"sentry-trace": "b-2"}, True),  # tracing: a new value each attempt, neutral
+        ("", {"x-foo": "2"}, False),  # in the key: another request, a 422
+        ("?api-version=2", {}, False),  # a query parameter that is no credential: a 422
+    ],
+)
+async def test_a_retry_differing_in_anything_but_a_credential_is_never_run_twice(
+    gw, fake, path_b, headers_b, replayed
+):
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "pay"}]}
+    key = {"idempotency-key": "order-1"}
+    first = await gw.client.post(
+        "/v1/chat/completions?api-version=1",
+        json=body,
+        headers={**key, "sentry-trace": "a-1", "x-foo": "1"},
+    )
+    retry = await gw.client.post(
+        f"/v1/chat/completions{path_b or '?api-version=1'}",
+        json=body,
+        headers={**key, "sentry-trace": "a-1", "x-foo": "1", **headers_b},
+    )
+    assert first.status_code == 200 and fake.count() == 1
+    if replayed:
+        assert retry.headers["idempotent-replayed"] == "true" and retry.content == first.content
+    else:
+        assert retry.status_code == 422
+
+
 async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, gateway_with):
     fake.valid_keys = {"good-1", "good-2"}
     shared = {"x-carpool-namespace": "docs"}

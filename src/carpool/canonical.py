@@ -80,6 +80,19 @@ NEUTRAL_HEADERS = frozenset(
         "x-cloud-trace-context",
         "cdn-loop",
         "true-client-ip",
+        # Tracing that other agents add, a new value each attempt (Sentry, Jaeger, New Relic,
+        # SkyWalking, Zipkin's single header, Elastic APM, gRPC, Envoy's request id).
+        "sentry-trace",
+        "uber-trace-id",
+        "newrelic",
+        "sw8",
+        "sw8-correlation",
+        "sw8-x",
+        "b3",
+        "elastic-apm-traceparent",
+        "grpc-trace-bin",
+        "x-ot-span-context",
+        "x-client-trace-id",
         # Cloudflare's tracing and geography, by name: its ``cf-`` headers are not all neutral
         # (``cf-aig-authorization``, ``cf-access-client-secret`` are credentials).
         "cf-ray",
@@ -93,7 +106,7 @@ NEUTRAL_HEADERS = frozenset(
 )
 # Prefixes of header families that are telemetry only; a family that may also carry a
 # credential is never named here by its prefix.
-NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-")
+NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-", "x-envoy-")
 # (Not moved on when ``ORDERED_FIELDS`` and exact embeddings inputs came: an ordered field's
 # objects are written in a form no key had before, and an embeddings input in NFC keeps the
 # key it had, whose answer, if a canonically equivalent input's, goes with its TTL. Every

@@ -26,7 +26,9 @@ Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Iterable, Mapping
+import re
+from collections.abc import Container, Hashable, Iterable, Mapping
+from urllib.parse import parse_qsl
 
 from .clock import SYSTEM_CLOCK, Clock
 from .lru import LRU
@@ -45,6 +47,44 @@ DEFAULT_CREDENTIAL_HEADERS = (
 def credential_headers(primary: str, others: Iterable[str]) -> tuple[str, ...]:
     """The lower-case credential header names, the primary one first, without repeats."""
     return tuple(dict.fromkeys(name.lower() for name in (primary, *others)))
+
+
+# The words of a name that says it carries a secret: a query parameter (``?key=``,
+# ``?access_token=``) or a header carpool does not know by name (``x-vendor-api-key``).
+_SECRET_WORDS = frozenset(
+    "key apikey token secret password passwd auth authorization sig signature session "
+    "sessionid credential credentials cookie".split()
+)
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def _secret_name(name: str) -> bool:
+    return any(
+        word in _SECRET_WORDS or word.endswith(("key", "token", "secret"))
+        for word in _WORD.findall(name.lower())
+    )
+
+
+def other_credentials(headers: Mapping[str, str], query: str, known: Container[str]) -> str:
+    """A digest of the credentials a client presents beside the headers in ``known`` (the
+    tenant's, the idempotency key's), "" when none: its cookie, and every query parameter or
+    header whose name says it carries a secret. What the idempotency records are scoped by,
+    with the tenant: only credentials, so that a retry differing in anything else (a tracing
+    header each attempt sets anew, a query parameter) meets its first try's record, a replay
+    or a 422, never a second run."""
+    found = [
+        (name, value) for name, value in headers.items() if name not in known and _secret_name(name)
+    ]
+    if query:
+        found += [(n, v) for n, v in parse_qsl(query, keep_blank_values=True) if _secret_name(n)]
+    if not found:
+        return ""
+    digest = hashlib.blake2b(digest_size=8, person=b"carpool-others")
+    for name, value in sorted(found):
+        for part in (name, value):
+            data = part.encode("utf-8", "surrogateescape")
+            digest.update(len(data).to_bytes(4, "big") + data)
+    return digest.hexdigest()
 
 
 def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:

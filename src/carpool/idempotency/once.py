@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import orjson
 
-from ..canonical import names_of, varying_headers
+from ..canonical import names_of
 from ..config import Config
 from ..errors import UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
-from ..identity import AcceptedCredentials
+from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome
 from ..reply import JSON, Reply, error_reply
@@ -52,7 +51,7 @@ from .errors import (
     IdempotencyUnavailable,
 )
 from .final import is_final, replay_as
-from .header import REPLAYED_HEADER
+from .header import HEADER, HEADER_ALIAS, REPLAYED_HEADER
 from .records import IdempotencyRecords, StoredResponse
 
 # ``Gateway._answer``: a request's reply, however it is answered (cache, flight, bypass).
@@ -63,16 +62,17 @@ def scope_of(key: Fingerprint, idempotency_key: str, request: Request, config: C
     """The record's scope: the requester's own tenant, then the raw key.
 
     A client may also present a credential the tenant does not read: a key in the query string
-    (``?key=``), a cookie, any forwarded header that is not neutral. Those are in the scope too
-    (as a digest): two clients told apart only by them would otherwise meet on one record, one
-    blocking the other with a 409 or 422, or (a header that carries a credential) replaying the
-    other's answer.
+    (``?key=``), a cookie, a header named like one (``identity.other_credentials``). Those are
+    in the scope too: two clients told apart only by them would otherwise meet on one record,
+    one blocking the other with a 409 or 422, or replaying the other's answer. Nothing else is:
+    a retry that differs in another header or query parameter is judged by its digest (a
+    replay, or a 422), never run twice.
     """
-    extra = (request.query, varying_headers(request.headers, names_of(config.tenant)))
-    if extra == ("", ()):
+    known = (*names_of(config.tenant), HEADER, HEADER_ALIAS)
+    others = other_credentials(request.headers, request.query, known)
+    if not others:
         return f"{key.owner}\n{idempotency_key}"
-    presented = hashlib.blake2b(orjson.dumps(extra), digest_size=8).hexdigest()
-    return f"{key.owner}:{presented}\n{idempotency_key}"
+    return f"{key.owner}:{others}\n{idempotency_key}"
 
 
 class AtMostOnce:
