@@ -154,6 +154,11 @@ def test_a_config_error_never_shows_a_secret(tmp_path):
         {"admin_token": ["ADMIN-TOKEN-SECRET"]},
         {"upstreams": ["ftp://svc:UPSTREAM-PASSWORD@llm.internal/v1"]},
         {"redis": "redis://:REDIS-PASSWORD@[::1/0"},
+        {"redis": "default:REDIS-PASSWORD@redis.internal:6379"},  # no scheme
+        # A password written with a raw "/", "?" or "#" ends the host part of a parser early.
+        {"upstreams": ["http://svc:PASSWORD/x@llm.internal:8000/v1"]},
+        {"upstreams": ["http://svc:PASSWORD?x@llm.internal:99999/v1"]},
+        {"upstreams": ["http://svc:PASSWORD#x@llm.internal:99999/v1"]},
     ]
     messages = []
     with pytest.raises(ConfigError) as raised:  # (top level: two keys for one upstream)

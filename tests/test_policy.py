@@ -260,6 +260,22 @@ async def test_a_prefix_drops_every_answer_whose_prompt_starts_with_it(
         assert (await gw.client.post(path, json=request)).headers["x-carpool"] == "miss"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Cafe\u0301 " * 2_000_000,  # 14 MB of NFD: normalized whole, ~80 ms on the event loop
+        "x" * 1023 + "e\u0301" * 3,  # a composition across the 1,024th character
+        "Å" * 5000,
+    ],
+)
+def test_the_prompt_start_kept_is_the_nfc_of_the_prompt_cut_to_1024_characters(text):
+    import unicodedata
+
+    from carpool.store.base import PROMPT_PREFIX_CHARS, prompt_text
+
+    assert prompt_text(text) == unicodedata.normalize("NFC", text)[:PROMPT_PREFIX_CHARS]
+
+
 async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gateway_with):
     async with gateway_with(admin_token="s3cret") as gw:
         wrong = await gw.client.post(

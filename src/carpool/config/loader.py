@@ -97,7 +97,8 @@ def _got(loc: list[str], value: Any) -> str:
     if any(part in name.lower() for name in loc for part in _SECRET_PARTS):
         return ""
     if isinstance(value, str):
-        return f"; got {without_credentials(value) if '://' in value else value!r}"
+        shown = without_credentials(value) if "@" in value or "://" in value else value
+        return f"; got {shown!r}"
     if value is None or isinstance(value, int | float):
         return f"; got {value!r}"
     return ""  # (a mapping or a list: a section, or the whole config)

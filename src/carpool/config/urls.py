@@ -11,25 +11,19 @@
 
 from __future__ import annotations
 
-import re
-from urllib.parse import urlsplit, urlunsplit
-
 from yarl import URL
-
-_USERINFO = re.compile(r"//[^/?#]*@")
 
 
 def without_credentials(url: str) -> str:
-    text = url.split("#", 1)[0].split("?", 1)[0]
-    try:
-        parts = urlsplit(text)
-    except ValueError:  # (a malformed IPv6 address): cut what could be a user and password
-        return _USERINFO.sub("//***@", text)
-    if "@" not in parts.netloc:
-        return urlunsplit(parts)
-    # (The port as written: ``parts.port`` raises on one that is not a number.)
-    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=netloc))
+    # Not parsed first: a password written with a raw "/", "?" or "#" (an invalid URL, as
+    # people write them) would end the host part early and show. Everything up to the last
+    # "@" goes (over a path with an "@" in it, the host too: safe), then the query and fragment.
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        scheme, rest = "", url
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + separator + rest.split("#", 1)[0].split("?", 1)[0]
 
 
 def checked_url(value: str, schemes: tuple[str, ...]) -> str:
