@@ -10,6 +10,7 @@ import asyncio
 import gc
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -420,14 +421,11 @@ async def test_closing_the_pool_fails_a_request_still_waiting_for_its_answer(ser
     assert not raised.value.answered and pool.open == 0
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["given back", "closed"])
-async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_it(serve, kept):
-    """What the first request frees (its connection given back, or its place when its
-    connection closes) is the waiting request's: a request that came later took it before the
-    woken one ran, which then went to the back of the line (starved under steady load)."""
+async def _first_held(serve: Any, first_answer: bytes) -> tuple[Any, Any, asyncio.Event, Any]:
+    """A pool of one connection whose first request the server holds until ``gate`` is set,
+    then answers with ``first_answer`` (the others at once): (server, pool, gate, first)."""
     asked = asyncio.Event()
     gate = asyncio.Event()
-    first_answer = OK if kept else OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
 
     async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if n == 1:
@@ -437,13 +435,23 @@ async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_i
         await writer.drain()
 
     server, pool = await serve(handle, limit=1)
-
-    async def ask(body: bytes) -> bytes:
-        return await (await pool.request(post(body), True)).read()
-
     first = asyncio.create_task(pool.request(post(b'"first"'), True))
     await asyncio.wait_for(asked.wait(), 5)
-    waiting = asyncio.create_task(ask(b'"waiting"'))
+    return server, pool, gate, first
+
+
+async def _ask(pool: Any, body: bytes) -> bytes:
+    return await (await pool.request(post(body), True)).read()
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["given back", "closed"])
+async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_it(serve, kept):
+    """What the first request frees (its connection given back, or its place when its
+    connection closes) is the waiting request's: a request that came later took it before the
+    woken one ran, which then went to the back of the line (starved under steady load)."""
+    first_answer = OK if kept else OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+    server, pool, gate, first = await _first_held(serve, first_answer)
+    waiting = asyncio.create_task(_ask(pool, b'"waiting"'))
     async with asyncio.timeout(5):
         while not pool._waiting:  # (until it has found the limit reached and waits in line)
             await asyncio.sleep(0)
@@ -451,7 +459,7 @@ async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_i
     answer = await asyncio.wait_for(first, 5)
     assert await answer.read() == b"{}"  # (done: frees the connection without yielding)
     async with asyncio.timeout(5):  # (no task of its own: it asks before the woken one runs)
-        assert await ask(b'"later"') == b"{}"
+        assert await _ask(pool, b'"later"') == b"{}"
     assert await asyncio.wait_for(waiting, 5) == b"{}"
     bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
     assert bodies == [b'"first"', b'"waiting"', b'"later"']
@@ -460,25 +468,9 @@ async def test_a_request_beyond_the_limit_is_served_before_any_that_came_after_i
 
 @pytest.mark.parametrize("handed", [False, True], ids=["while it waits", "once handed"])
 async def test_a_waiting_request_that_leaves_passes_its_turn_on(serve, handed):
-    asked = asyncio.Event()
-    gate = asyncio.Event()
-
-    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if n == 1:
-            asked.set()
-            await gate.wait()
-        writer.write(OK)
-        await writer.drain()
-
-    server, pool = await serve(handle, limit=1)
-
-    async def ask(body: bytes) -> bytes:
-        return await (await pool.request(post(body), True)).read()
-
-    first = asyncio.create_task(pool.request(post(b'"first"'), True))
-    await asyncio.wait_for(asked.wait(), 5)
-    leaving = asyncio.create_task(ask(b'"leaving"'))
-    staying = asyncio.create_task(ask(b'"staying"'))
+    server, pool, gate, first = await _first_held(serve, OK)
+    leaving = asyncio.create_task(_ask(pool, b'"leaving"'))
+    staying = asyncio.create_task(_ask(pool, b'"staying"'))
     async with asyncio.timeout(5):
         while len(pool._waiting) < 2:
             await asyncio.sleep(0)
