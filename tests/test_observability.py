@@ -62,6 +62,20 @@ async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by
     assert samples(text, "carpool_redis_pool_exhausted_total") == {"": 0}
 
 
+async def test_every_request_stats_count_is_in_metrics_idempotency_refusals_included(gw, fake):
+    key = {"Idempotency-Key": "order-1"}
+    assert (await gw.chat("a", headers=key)).status_code == 200
+    assert (await gw.chat("b", headers=key)).status_code == 422  # the gateway's own refusal
+    assert (await gw.client.post("/v1/chat/completions", content=b"{")).status_code == 400
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["requests"] == 3 and stats["rejected"] == 2 and stats["misses"] == 1
+    text = (await gw.client.get("/metrics")).text
+    counted = sum(samples(text, "carpool_requests_total").values())
+    assert counted + samples(text, "carpool_requests_rejected_total")[""] == stats["requests"]
+    assert samples(text, "carpool_upstream_calls_total")[""] == stats["upstream_calls"] == 1
+    assert samples(text, "carpool_saved_without_usage_total")[""] == stats["saved_without_usage"]
+
+
 async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
     fake.gate = asyncio.Event()
     calls = [asyncio.create_task(gw.chat("held")) for _ in range(3)]

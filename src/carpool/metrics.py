@@ -128,6 +128,15 @@ class _StatsCollector(Collector):
             upstream.add_metric([replica, status], n)
         yield upstream
         yield CounterMetricFamily(
+            "carpool_requests_rejected",
+            "Requests the gateway refused itself (400, 413, 431, idempotency 409/422/503): "
+            "with carpool_requests_total, every request /stats counts.",
+            value=s.rejected,
+        )
+        yield CounterMetricFamily(
+            "carpool_upstream_calls", "Calls made to the upstream.", value=s.upstream_calls
+        )
+        yield CounterMetricFamily(
             "carpool_upstream_errors", "Upstream calls that failed.", value=s.upstream_errors
         )
         routing = CounterMetricFamily(
@@ -142,6 +151,12 @@ class _StatsCollector(Collector):
             "carpool_tokens_saved",
             "Prompt + completion tokens not recomputed thanks to hits and coalescing.",
             value=s.tokens_saved,
+        )
+        yield CounterMetricFamily(
+            "carpool_saved_without_usage",
+            "Requests saved whose usage the upstream never reported (tokens_saved is a lower "
+            "bound while this is not 0).",
+            value=s.saved_without_usage,
         )
         g = self.gauges()
         redis = CounterMetricFamily(

@@ -37,7 +37,7 @@ import orjson
 
 from ..canonical import names_of
 from ..config import Config
-from ..errors import UpstreamError
+from ..errors import CarpoolError, UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
@@ -120,18 +120,16 @@ class AtMostOnce:
                 await records.wait(scoped, digest, self._join_timeout)
                 begin = await records.begin(scoped, digest)
         except IdempotencyUnavailable as error:  # nothing ran: a retry is safe
-            return error_reply(error, Outcome.BYPASS, request.api)
+            return self._refused(error, request)
         if begin.state == "mismatch":
-            return error_reply(IdempotencyMismatch(), Outcome.BYPASS, request.api)
+            return self._refused(IdempotencyMismatch(), request)
         if begin.state == "processing":
-            return error_reply(IdempotencyConflict(), Outcome.BYPASS, request.api)
+            return self._refused(IdempotencyConflict(), request)
         if begin.state == "done":
             assert begin.response is not None
             stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
             if stored is None:
-                return error_reply(
-                    IdempotencyFormatMismatch(begin.response.streamed), Outcome.BYPASS, request.api
-                )
+                return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
             self.stats.count(route, Outcome.HIT)
             return Reply(
                 stored.status,
@@ -175,6 +173,12 @@ class AtMostOnce:
             reply.stream = _recorded(reply.stream, recorded)
             reply.on_close = partial(recorded.close, reply.on_close)
         return reply
+
+    def _refused(self, error: CarpoolError, request: Request) -> Reply:
+        """The gateway's own refusal of a keyed request (409, 422, 503), counted as the other
+        requests it refuses are (``rejected`` in /stats): nothing ran."""
+        self.stats.rejected += 1
+        return error_reply(error, Outcome.BYPASS, request.api)
 
     async def _items(
         self, client: ClientRequest, items: list[Request], scoped: str, route: str
