@@ -76,6 +76,16 @@ async def test_every_request_stats_count_is_in_metrics_idempotency_refusals_incl
     assert samples(text, "carpool_saved_without_usage_total")[""] == stats["saved_without_usage"]
 
 
+async def test_a_stream_the_upstream_breaks_after_its_head_is_an_upstream_error(gw, fake):
+    fake.cut_after = 2
+    response, text = await gw.stream_chat("cut")
+    assert response.status_code == 200 and '"error"' in text  # (an SSE error event)
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["upstream_calls"] == 1 and stats["upstream_errors"] == 1
+    text = (await gw.client.get("/metrics")).text
+    assert samples(text, "carpool_upstream_errors_total")[""] == 1
+
+
 async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
     fake.gate = asyncio.Event()
     calls = [asyncio.create_task(gw.chat("held")) for _ in range(3)]

@@ -130,6 +130,10 @@ class Exchange:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:
                 answer = _complete(request.kind, response.body, body)
+        except UpstreamStreamBroken:
+            # Its head said 2xx, as the attempt was counted: the call failed all the same.
+            self.layers.stats.upstream_errors += 1
+            raise
         except LeaderLost:
             if owner is None or broadcast.frames:
                 raise  # (frames sent cannot be taken back: ``Gateway._follow`` takes it over)
