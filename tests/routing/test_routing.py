@@ -402,3 +402,26 @@ async def test_cache_aware_replica_set_end_to_end():
     _, again, decision = await replicas.send(REQUEST, p + " fourth")
     assert (again.name, decision) == (replica.name, Decision.PREFIX_MATCH)
     assert replicas.in_flight == 0
+
+
+class _Dying(Fake):
+    """A ``Fake`` whose ``GET /models`` fails as its calls do once it is unreachable."""
+
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
+        raise UpstreamUnreachable(f"{self.name}: connection refused")
+
+
+async def test_readiness_trusts_an_answer_for_a_while_then_asks_the_replica_again():
+    # A replica that answered once was ready for ever: dead since, with no request to find it
+    # out, /readyz kept saying 200 and a balancer kept sending it traffic.
+    from carpool.routing.replicas import READY_TRUST_S
+
+    fake, clock = _Dying("r0"), Clock()
+    replicas = ReplicaSet([fake], build_policy("round-robin"), clock=clock)
+    await replicas.send(REQUEST)
+    fake.mode = "unreachable"
+    assert await replicas.ready()  # (its answer is recent: not asked)
+    clock.now += READY_TRUST_S
+    assert not await replicas.ready() and replicas.replicas[0].errors == 1

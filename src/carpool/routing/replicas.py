@@ -65,6 +65,10 @@ log = logging.getLogger("carpool.routing")
 _RETRYABLE = (UpstreamUnreachable, UpstreamTimeout)
 
 
+# Seconds ``ready`` trusts a replica's last answer before it asks it again.
+READY_TRUST_S = 5.0
+
+
 @dataclass(eq=False)
 class ReplicaState:
     """One replica and what the gateway knows of it."""
@@ -78,6 +82,7 @@ class ReplicaState:
     failures: int = 0  # consecutive failures; 0 once healthy
     healthy: bool = True
     answered: bool = False  # it has answered since it last failed (reachable, proven)
+    answered_at: float = float("-inf")  # clock of its last answer (``ready`` trusts it a while)
     down_until: float = 0.0  # clock value when the back-off ends (meaningful when not healthy)
     probing: bool = field(default=False, repr=False)  # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
@@ -197,7 +202,7 @@ class ReplicaSet:
             except UpstreamKeyRefused as error:
                 # An answer (the replica is up), and another replica would refuse the same
                 # call: not failed over, no replica left out.
-                replica.answered = True
+                replica.answered, replica.answered_at = True, self.clock()
                 self._succeeded(replica)
                 self._refused(replica, error)
                 self._observe(replica, error.upstream_status or error.status, decision)
@@ -236,7 +241,7 @@ class ReplicaSet:
         except BaseException:
             self._done(replica)
             raise
-        replica.answered = True
+        replica.answered, replica.answered_at = True, self.clock()
         if not response.streaming:
             self._done(replica)
             return response
@@ -278,14 +283,14 @@ class ReplicaSet:
             self._failed(replica, _what(error))
             raise
         except UpstreamKeyRefused as error:  # (an answer: see ``send``)
-            replica.answered = True
+            replica.answered, replica.answered_at = True, self.clock()
             self._succeeded(replica)
             self._refused(replica, error)
             raise
         except BaseException:
             replica.probing = False
             raise
-        replica.answered = True
+        replica.answered, replica.answered_at = True, self.clock()
         if not replica.healthy:
             self._succeeded(replica)
         return response
@@ -400,8 +405,13 @@ class ReplicaSet:
         """For ``/readyz``: whether some replica is reachable. One that has answered and not
         failed since is; otherwise each replica not in back-off is asked ``GET /models`` now
         (any HTTP answer proves it reachable; a failure starts its back-off), so that a dead
-        upstream is not ready before any request has failed on it, nor once its back-off ends."""
-        if any(r.healthy and r.answered for r in self.replicas):
+        upstream is not ready before any request has failed on it, nor once its back-off ends.
+        An answer is trusted for ``READY_TRUST_S``: an upstream that died since, with no request
+        to find it out, is asked again (it was ready for ever, a balancer sending it traffic)."""
+        now = self.clock()
+        if any(
+            r.healthy and r.answered and now - r.answered_at < READY_TRUST_S for r in self.replicas
+        ):
             return True
         for replica in self.replicas:
             if not replica.eligible(self.clock()):
@@ -418,7 +428,7 @@ class ReplicaSet:
             except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
                 self._failed(replica, f"readiness probe: {_what(error)}")
                 continue
-            replica.answered = True
+            replica.answered, replica.answered_at = True, self.clock()
             if not replica.healthy:
                 self._succeeded(replica)
             return True
