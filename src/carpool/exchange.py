@@ -130,16 +130,17 @@ class Exchange:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:
                 answer = _complete(request.kind, response.body, body)
-        except UpstreamStreamBroken:
-            # Its head said 2xx, as the attempt was counted: the call failed all the same.
-            self.layers.stats.upstream_errors += 1
-            raise
         except LeaderLost:
             if owner is None or broadcast.frames:
                 raise  # (frames sent cannot be taken back: ``Gateway._follow`` takes it over)
             # The owner died before its first frame: nobody saw any of it, the call is made here.
             broadcast.remote = broadcast.cached = False
             return await self.fetch(request, broadcast)
+        except UpstreamStreamBroken:
+            # Its head said 2xx, as the attempt was counted: the call failed all the same.
+            # (After LeaderLost, one of its kind: another instance's leader lost is not ours.)
+            self.layers.stats.upstream_errors += 1
+            raise
         finally:
             await response.aclose()
         # Produced now by the gateway's clock, which its stores' expiry and ages read (not the
