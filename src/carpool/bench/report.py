@@ -3,7 +3,10 @@
 Contract:
 - ``build(...)`` returns one JSON-able dict. Top-level keys: ``requests`` (sent), ``upstream_calls``
   (the gateway's ``/stats`` delta over the run), ``oracle_calls`` (``oracle.py``),
-  ``upstream_over_oracle``, ``errors``, ``outcomes`` (counts by ``x-carpool``),
+  ``upstream_over_oracle``, ``errors``, ``saved_fraction`` (hits, semantic hits and coalesced
+  over *all* requests sent: "requests that did not reach upstream"; the gateway's own
+  ``/stats`` ``saved_fraction``, over the eligible ones only, is in ``stats_delta``),
+  ``outcomes`` (counts by ``x-carpool``),
   ``outcomes_by_label`` (synthetic workloads: per request label), ``latency_ms`` and
   ``ttfb_ms`` (streams only) per outcome and ``all`` (count, p50, p95, p99, mean, max),
   ``tokens_saved`` (``/stats`` delta), ``gpu_seconds_saved`` with its ``cost_model``,
