@@ -5,7 +5,8 @@ Contract:
   (the gateway's ``/stats`` delta over the run), ``oracle_calls`` (``oracle.py``),
   ``upstream_over_oracle``, ``errors``, ``saved_fraction`` (hits, semantic hits and coalesced
   over *all* requests sent: "requests that did not reach upstream"; the gateway's own
-  ``/stats`` ``saved_fraction``, over the eligible ones only, is in ``stats_delta``),
+  ``/stats`` ``saved_fraction`` is over the eligible ones only, hits + coalesced + misses,
+  which ``stats_delta`` holds),
   ``outcomes`` (counts by ``x-carpool``),
   ``outcomes_by_label`` (synthetic workloads: per request label), ``latency_ms`` and
   ``ttfb_ms`` (streams only) per outcome and ``all`` (count, p50, p95, p99, mean, max),
