@@ -109,3 +109,18 @@ async def test_by_default_a_text_and_a_token_list_never_share_an_embeddings_call
             isinstance(given, list) and {type(item) for item in given} >= {str, list}
             for given in inputs
         ), inputs
+
+
+async def test_upstream_calls_count_every_attempt_a_failover_included():
+    # Each attempt reaches (or tries to reach) a replica: two calls, one of them failed. Counted
+    # once per logical call before, /stats said 1 call and 1 error for a request that cost two.
+    async with replicas(2) as (a, b):
+        a.fail_status, a.fail_times = 503, 1
+        async with run_gateway([a.url, b.url], routing={"policy": "round-robin"}) as gw:
+            assert (await gw.chat("question")).status_code == 200
+            assert a.count() + b.count() == 2
+            stats = (await gw.client.get("/stats")).json()
+            assert stats["routing"] == {"failover": 1}
+            assert stats["upstream_calls"] == 2 and stats["upstream_errors"] == 1
+            metrics = (await gw.client.get("/metrics")).text
+            assert "carpool_upstream_calls_total 2.0" in metrics

@@ -3,7 +3,7 @@
 Contract:
 - ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default,
   where there are replicas to choose among: the prompt is not even read otherwise) and failed
-  over once if need be; counted (``upstream_calls``, routing decisions) and traced
+  over once if need be; counted (routing decisions; ``upstream_calls`` counts its attempts) and traced
   (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself.
 - ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 
 async def send(layers: Layers, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
     """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
-    layers.stats.upstream_calls += 1
     if not layers.tracer.enabled:
         response, _, decision = await layers.replicas.send(upstream_request, text)
     else:

@@ -10,6 +10,9 @@ Contract:
 - ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
   hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
   ``tokens_saved`` is a lower bound whenever that is not 0.
+- ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a
+  failover's two, a judge's or an audit's call through the replicas too (what the engines were
+  asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
 """
@@ -53,17 +56,21 @@ DURATION_BUCKETS = (
 
 
 class Stats:
-    def __init__(self) -> None:
+    def __init__(self, attempts: Callable[[], int] = lambda: 0) -> None:
+        self.attempts = attempts  # upstream calls: read from the replicas, never counted twice
         self.outcomes: Counter[Outcome] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()  # (route, outcome or "error")
         self.rejected = 0  # 4xx from the gateway itself
-        self.upstream_calls = 0
         self.upstream_errors = 0
         self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
         self.tokens_saved = 0
         self.saved_without_usage = 0  # answers saved whose usage the upstream never reported
         self.routing: Counter[str] = Counter()  # routing decision -> calls
         self.recent: dict[Outcome, deque[float]] = {o: deque(maxlen=RECENT) for o in Outcome}
+
+    @property
+    def upstream_calls(self) -> int:
+        return self.attempts()
 
     def count(self, route: str, outcome: Outcome) -> None:
         self.outcomes[outcome] += 1

@@ -176,6 +176,10 @@ class ReplicaSet:
     # -------------------------------------------------------------------------------------
     # Sending
 
+    def attempts(self) -> int:
+        """Calls sent to the replicas so far, failed ones and failovers included."""
+        return sum(r.calls for r in self.replicas)
+
     async def send(
         self, request: UpstreamRequest, text: str = ""
     ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
