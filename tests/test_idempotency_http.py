@@ -207,3 +207,36 @@ async def test_a_list_prompt_is_answered_in_order_from_its_items(gw, fake):
     assert [c["index"] for c in choices] == [0, 1]
     assert [c["text"].split(" to ")[1] for c in choices] == ["one", "two"]
     assert response.json()["usage"]["total_tokens"] > 0
+
+
+async def test_a_replay_counts_the_tokens_it_saved_whole_or_streamed(gw, fake):
+    # A replay is a hit: the retry's generation was not run again, its usage not recomputed.
+    # It counted as a hit and added nothing to tokens_saved, nor to saved_without_usage.
+    first = await gw.chat(temperature=0.9, headers=KEY)
+    await gw.chat(temperature=0.9, headers=KEY)
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["hits"] == 1 and stats["tokens_saved"] == first.json()["usage"]["total_tokens"]
+    streamed = {"Idempotency-Key": '"order-43"'}
+    await gw.stream_chat("streamed", headers=streamed, stream_options={"include_usage": True})
+    await gw.stream_chat("streamed", headers=streamed, stream_options={"include_usage": True})
+    after = (await gw.client.get("/stats")).json()
+    assert after["hits"] == 2 and after["tokens_saved"] > stats["tokens_saved"]
+    assert after["saved_without_usage"] == 0
+    await gw.stream_chat("no usage", headers={"Idempotency-Key": '"order-44"'})
+    await gw.stream_chat("no usage", headers={"Idempotency-Key": '"order-44"'})
+    last = (await gw.client.get("/stats")).json()
+    assert last["hits"] == 3 and last["saved_without_usage"] == 1
+
+
+async def test_a_list_items_replayed_from_their_records_are_counted_as_hits(fake, gateway_with):
+    async with gateway_with(coalesce={"window_ms": 0}) as gw:
+        headers = {**KEY, "x-carpool-type": "factual"}
+        body = {"model": "e", "input": ["alpha", "beta", "gamma"]}
+        fake.fail_status, fake.fail_times = 500, 1  # one item fails: the list is not kept
+        await gw.client.post("/v1/embeddings", json=body, headers=headers)
+        before = (await gw.client.get("/stats")).json()
+        assert (await gw.client.post("/v1/embeddings", json=body, headers=headers)).is_success
+        after = (await gw.client.get("/stats")).json()
+        # The failed item ran again (a miss); the two kept ones were replayed (hits).
+        assert after["misses"] - before["misses"] == 1
+        assert after["hits"] - before["hits"] == 2

@@ -1,5 +1,5 @@
-"""Final or retryable (``is_final``; the table is its docstring), and the replay's format
-(``replay_as``).
+"""Final or retryable (``is_final``; the table is its docstring), the replay's format
+(``replay_as``), and the tokens a replay saved (``saved_tokens``).
 
 Final or retryable
 - Only a request the upstream executed is frozen as its final answer (the draft's and Stripe's
@@ -120,6 +120,16 @@ def replay_as(
     if assembled is None:
         return None
     return StoredResponse(response.status, list(_JSON_HEADERS), orjson.dumps(assembled), False)
+
+
+def saved_tokens(kind: str, response: StoredResponse) -> int | None:
+    """The tokens the upstream reported for a stored answer (its usage: what a replay did not
+    recompute), 0 when it reported none; None for an error (no answer, no tokens)."""
+    api = APIS.get(kind)
+    if not 200 <= response.status < 300 or api is None:
+        return None
+    body = _assembled(api, response.body) if response.streamed else _json_body(response.body)
+    return api.usage_tokens(body) if body is not None else 0
 
 
 def _answered(kind: str, response: StoredResponse, asked: dict[str, Any] | None) -> bool:

@@ -50,7 +50,7 @@ from .errors import (
     IdempotencyMismatch,
     IdempotencyUnavailable,
 )
-from .final import is_final, replay_as
+from .final import is_final, replay_as, saved_tokens
 from .header import HEADER, HEADER_ALIAS, REPLAYED_HEADER
 from .records import IdempotencyRecords, StoredResponse
 
@@ -130,7 +130,7 @@ class AtMostOnce:
             stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
             if stored is None:
                 return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
-            self.stats.count(route, Outcome.HIT)
+            self._replayed(route, request.kind, begin.response)
             return Reply(
                 stored.status,
                 [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
@@ -180,6 +180,15 @@ class AtMostOnce:
         self.stats.rejected += 1
         return error_reply(error, Outcome.BYPASS, request.api)
 
+    def _replayed(self, route: str, kind: str, response: StoredResponse) -> None:
+        """A replay counted as the hit it is, with the tokens its answer's usage says it saved
+        (the retry's generation was not run again), as ``Gateway._saved`` counts a hit's."""
+        self.stats.count(route, Outcome.HIT)
+        tokens = saved_tokens(kind, response)
+        if tokens is not None:
+            self.stats.tokens_saved += tokens
+            self.stats.saved_without_usage += tokens == 0
+
     async def _items(
         self, client: ClientRequest, items: list[Request], scoped: str, route: str
     ) -> Reply:
@@ -199,6 +208,7 @@ class AtMostOnce:
                 )
             if begin.state == "done":
                 assert begin.response is not None
+                self._replayed(route, request.kind, begin.response)
                 return begin.response, Outcome.HIT, None
             if begin.state != "new" or begin.token is None:
                 error = (
