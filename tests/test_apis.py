@@ -305,6 +305,26 @@ async def test_an_upstream_error_event_reaches_every_client_in_the_apis_shape_an
     assert gw.gateway.store.entries == 0 and fake.count() == 1
 
 
+async def test_an_error_event_reaches_a_joiner_with_another_body_without_the_upstreams_text(
+    gw, fake
+):
+    # ``metadata`` is out of a Messages key: the second client joins the first's stream. The
+    # engine's error event was about the first's call: the second gets its type, not its text.
+    fake.error_after, fake.chunk_gate = 3, asyncio.Event()
+    body = body_of("messages")
+    first = asyncio.create_task(stream(gw, MESSAGES, {**body, "metadata": {"user_id": "alice"}}))
+    await fake.chunk_gate_reached.wait()
+    second = asyncio.create_task(stream(gw, MESSAGES, {**body, "metadata": {"user_id": "bob"}}))
+    await eventually(lambda: flight_clients(gw) == 2, what="two clients in the flight")
+    fake.chunk_gate.set()
+    (_, mine), (_, joined) = await first, await second
+    assert fake.count() == 1
+    assert events(mine)[-1][1]["error"]["message"] == "fake upstream stream failure"
+    name, data = events(joined)[-1]
+    assert name == "error" and data["error"]["type"] == "overloaded_error"
+    assert "fake upstream stream failure" not in joined
+
+
 # --- what shares -------------------------------------------------------------------------------
 
 

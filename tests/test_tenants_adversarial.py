@@ -469,3 +469,77 @@ async def test_no_credential_or_prompt_text_in_the_logs_with_redis(fake, killabl
     # The gateway's own logs are in there (the outage warning), with the clients' and Redis's.
     assert any(r.name.startswith("carpool") for r in caplog.records)
     assert SECRET not in caplog.text and PROMPT not in caplog.text
+
+
+# --- an upstream's error is its requester's ------------------------------------------------------
+
+LEAKY = {
+    "error": {
+        "message": "internal error: auth=Bearer tenant-01 user=alice-42",
+        "type": "server_error",
+        "code": "engine_crashed",
+    }
+}
+
+
+async def _leader_and_joiners(gw, fake, leader: dict, joiners: list[dict]):
+    """The leader's call held at the fake until every joiner is on its flight, then failed."""
+    fake.gate = asyncio.Event()
+    fake.fail_status, fake.fail_body = 500, LEAKY
+    first = asyncio.create_task(gw.chat("Q", **leader))
+    await fake.wait_for_calls(1)
+    others = [asyncio.create_task(gw.chat("Q", **joiner)) for joiner in joiners]
+    await eventually(
+        lambda: sum(f.clients for f in gw.gateway.flights.running()) == 1 + len(joiners),
+        what="the joiners on the flight",
+    )
+    fake.gate.set()
+    return await first, await asyncio.gather(*others)
+
+
+async def test_a_joiner_with_another_body_never_gets_the_upstreams_error_text(fake, gw):
+    # ``user`` is out of the key: bob joins alice's call. The upstream's error text may quote
+    # alice's request (its user, its metadata, its key): bob gets its status and code only.
+    leader, (twin, other) = await _leader_and_joiners(
+        gw, fake, {"user": "alice-42"}, [{"user": "alice-42"}, {"user": "bob"}]
+    )
+    assert leader.status_code == twin.status_code == other.status_code == 500
+    assert leader.json() == twin.json() == LEAKY  # its own request's error: as it came
+    error = other.json()["error"]
+    assert "alice" not in other.text and "tenant-01" not in other.text
+    assert (error["type"], error["code"]) == ("server_error", "engine_crashed")
+    assert fake.count() == 1  # still one call: sharing the failure is not given up
+
+
+async def test_a_tenant_joining_another_tenants_call_in_a_shared_namespace_gets_no_error_text(
+    fake, gateway_with
+):
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        docs = {"x-carpool-namespace": "docs"}
+        for i in (1, 2):  # both accepted by the upstream: they share the namespace's calls
+            assert (await gw.chat(f"warm {i}", headers={**bearer(i), **docs})).status_code == 200
+        leader, (other,) = await _leader_and_joiners(
+            gw, fake, {"headers": {**bearer(1), **docs}}, [{"headers": {**bearer(2), **docs}}]
+        )
+        assert leader.status_code == other.status_code == 500
+        assert "tenant-01" in leader.text and "tenant-01" not in other.text
+        assert other.json()["error"]["code"] == "engine_crashed" and fake.count() == 3
+
+
+async def test_an_instance_following_another_requesters_call_gets_no_error_text(fake, shared_redis):
+    pytest.importorskip("redis")
+    async with two_instances(fake, shared_redis) as (a, b):
+        fake.gate = asyncio.Event()
+        fake.fail_status, fake.fail_body = 500, LEAKY
+        first = asyncio.create_task(a.chat("Q", user="alice-42"))
+        await fake.wait_for_calls(1)
+        other = asyncio.create_task(b.chat("Q", user="bob"))
+        await eventually(
+            lambda: b.gateway.layers.shared_flights.counts["followed"] == 1,
+            what="b following a's call",
+        )
+        fake.gate.set()
+        leader, joined = await first, await other
+        assert leader.json() == LEAKY and joined.status_code == 500
+        assert "alice" not in joined.text and joined.json()["error"]["code"] == "engine_crashed"
+        assert fake.count() == 1

@@ -29,6 +29,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -140,10 +141,20 @@ class AdminRequired(CarpoolError):
 
 
 class UpstreamError(CarpoolError):
-    """The upstream call failed; every waiter of the flight receives the same error."""
+    """The upstream call failed; every waiter of the flight receives the same error, in its
+    words only if the call was for the same request (``for_others``)."""
 
     status = 502
     type = "upstream_error"
+    # Whose call failed: ``request.requester_digest`` of the body the leader sent (None: not
+    # known, e.g. the gateway's own failure, or an older instance's record).
+    requester: str | None = None
+
+    def for_others(self) -> UpstreamError:
+        """This error as told to a client that joined another requester's call: without any
+        text of the upstream's (its message may quote that request: its ``user``, metadata,
+        key). The gateway's own errors say nothing of the request: as they are."""
+        return self
 
 
 class UpstreamUnreachable(UpstreamError):
@@ -204,6 +215,13 @@ class UpstreamStreamBroken(UpstreamError):
             return self.upstream_error
         return super().error_object()
 
+    def for_others(self) -> UpstreamError:
+        if self.upstream_error is None:
+            return self  # (the gateway's words: how the stream ended)
+        error = type(self)(OTHERS_MESSAGE, _scrubbed(self.upstream_error))
+        error.status, error.code = self.status, self.code
+        return error
+
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", "x-should-retry": "false"}
 
@@ -250,6 +268,19 @@ class UpstreamStatusError(UpstreamError):
     def headers(self) -> dict[str, str]:
         return {"content-type": self.content_type}
 
+    def for_others(self) -> UpstreamError:
+        try:
+            parsed = orjson.loads(self.content)
+        except orjson.JSONDecodeError:
+            parsed = None
+        scrubbed = _scrubbed(self.error_object())
+        # In the shape it came in: Anthropic's ``{"type": "error", "error": {...}}``, else OpenAI's.
+        anthropic = isinstance(parsed, dict) and parsed.get("type") == "error"
+        body = {"type": "error", "error": scrubbed} if anthropic else {"error": scrubbed}
+        error = UpstreamStatusError(self.status, orjson.dumps(body))
+        error.asked, error.requester = self.asked, self.requester
+        return error
+
     def error_object(self) -> dict[str, Any]:
         """The upstream's error as an OpenAI error object, for an SSE error event."""
         try:
@@ -263,6 +294,30 @@ class UpstreamStatusError(UpstreamError):
             "type": self.type,
             "code": self.status,
         }
+
+
+OTHERS_MESSAGE = (
+    "the upstream failed the call this request shared with another one; its message was about "
+    "that request and is not passed on"
+)
+_LABEL = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def _scrubbed(upstream: dict[str, Any]) -> dict[str, Any]:
+    """An upstream's error object with no text of its own: its ``type`` and ``code`` where they
+    are labels (``server_error``, ``context_length_exceeded``; a number), the message ours."""
+
+    def label(value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        return value if isinstance(value, str) and _LABEL.fullmatch(value) else None
+
+    return {
+        "message": OTHERS_MESSAGE,
+        "type": label(upstream.get("type")) or "upstream_error",
+        "code": label(upstream.get("code")),
+        "param": None,
+    }
 
 
 class FlightAbandoned(CarpoolError):

@@ -53,7 +53,7 @@ from .fingerprint import grant_of, names_of, requester
 from .identity import tenant_of
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
-from .request import Request, body_digest
+from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -124,6 +124,7 @@ class Exchange:
                 )
                 # Which body it refused: a joiner of the flight that sent another may not be.
                 error.asked = body_digest(request.body)
+                error.requester = requester_digest(request.body)
                 raise error
             if response.streaming:
                 answer = await _consume(request.kind, response, broadcast, body)
@@ -135,10 +136,14 @@ class Exchange:
             # The owner died before its first frame: nobody saw any of it, the call is made here.
             broadcast.remote = broadcast.cached = False
             return await self.fetch(request, broadcast)
-        except UpstreamStreamBroken:
-            # Its head said 2xx, as the attempt was counted: the call failed all the same.
-            # (After LeaderLost, one of its kind: another instance's leader lost is not ours.)
-            self.layers.stats.upstream_errors += 1
+        except UpstreamStreamBroken as error:
+            # Its head said 2xx, as the attempt was counted: the call failed all the same, for
+            # this requester (its error event may quote the request: ``for_others``). (After
+            # LeaderLost, one of its kind: another instance's leader lost is not ours.) Counted
+            # where the upstream was called, not where an owner's stream was relayed.
+            error.requester = requester_digest(request.body)
+            if said is None:
+                self.layers.stats.upstream_errors += 1
             raise
         finally:
             await response.aclose()
@@ -319,7 +324,7 @@ class Relay:
     response with it (the chunked body's end in the same write). ``saved`` (a joiner's) is told
     the answer it got as that last piece of a stream that ended whole is given."""
 
-    __slots__ = ("api", "broadcast", "include_usage", "saved", "sent", "ended")
+    __slots__ = ("api", "broadcast", "include_usage", "saved", "shown", "sent", "ended")
 
     def __init__(
         self,
@@ -327,9 +332,11 @@ class Relay:
         broadcast: Broadcast,
         include_usage: bool,
         saved: Callable[[Answer], None] | None = None,
+        shown: Callable[[CarpoolError], CarpoolError] | None = None,
     ) -> None:
         self.api, self.broadcast, self.include_usage = api, broadcast, include_usage
         self.saved = saved
+        self.shown = shown
         self.sent = 0
         self.ended = False
 
@@ -350,7 +357,8 @@ class Relay:
             await broadcast.wait_changed()
         self.ended = True
         if broadcast.error is not None:
-            return piece + self.api.error_event(broadcast.error)
+            error = broadcast.error if self.shown is None else self.shown(broadcast.error)
+            return piece + self.api.error_event(error)
         if self.saved is not None and broadcast.answer is not None:
             self.saved(broadcast.answer)
         if piece or self.api.stream_end:

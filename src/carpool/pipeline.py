@@ -70,7 +70,14 @@ from .answer import Answer
 from .apis import BY_PATH
 from .auditor import Auditor
 from .broadcast import Broadcast
-from .errors import LeaderLost, RequestError, UpstreamStatusError, UpstreamStreamBroken
+from .errors import (
+    CarpoolError,
+    LeaderLost,
+    RequestError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+)
 from .exchange import Exchange, Relay
 from .fingerprint import Fingerprint, fingerprint, semantic_view
 from .flight import JoinTimeout, Ticket
@@ -80,7 +87,7 @@ from .lead import Leader
 from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
-from .request import ClientRequest, Request, body_digest, parse
+from .request import ClientRequest, Request, body_digest, parse, requester_digest
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
 from .store.base import Entry
 from .upstream.base import PassthroughResponse
@@ -434,17 +441,18 @@ class Gateway:
             # a 502 would be retried by the SDKs, one client call making three engine calls.
             self.stats.count(route, outcome)
             saved = partial(self._saved, outcome) if outcome.saved else None
+            shown = partial(_shown, ticket, request, key)
             return Reply(
                 200,
                 [*SSE_HEADERS, outcome.header],
-                stream=Relay(request.api, broadcast, request.include_usage, saved),
+                stream=Relay(request.api, broadcast, request.include_usage, saved, shown),
                 outcome=outcome,
                 on_close=ticket.release,
             )
         ticket.release()
         if broadcast.error is not None:
             self.stats.count(route, outcome)
-            return error_reply(broadcast.error, outcome, request.api)
+            return error_reply(_shown(ticket, request, key, broadcast.error), outcome, request.api)
         assert broadcast.answer is not None
         return self._served(route, outcome, broadcast.answer, request.stream, request.include_usage)
 
@@ -567,6 +575,23 @@ def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:
         and error.status in _CREDENTIAL_ERRORS
         and (ticket.broadcast.remote or ticket.flight.owner != key.owner)
     )
+
+
+def _shown(ticket: Ticket, request: Request, key: Fingerprint, error: CarpoolError) -> CarpoolError:
+    """The flight's ``error`` as ``request``'s client may see it: as it came when the call was
+    for the same request (the same body but for its delivery, ``requester_digest``, and the
+    same tenant: in a shared namespace, a call led here by it), else without the upstream's
+    words (``UpstreamError.for_others``), which may quote the leader's request: its ``user``,
+    its metadata, its key."""
+    if not isinstance(error, UpstreamError) or (
+        error.requester is not None
+        and error.requester == requester_digest(request.body)
+        and (
+            key.tenant != "*" or (not ticket.broadcast.remote and ticket.flight.owner == key.owner)
+        )
+    ):
+        return error
+    return error.for_others()
 
 
 def _refused_its_body(ticket: Ticket, request: Request) -> str | None:

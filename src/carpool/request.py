@@ -140,6 +140,19 @@ def body_digest(body: dict[str, Any]) -> str:
     return hashlib.blake2b(orjson.dumps(body), digest_size=16).hexdigest()
 
 
+# What a body says of how it is delivered, not of who asked what: a client streaming what
+# another asked whole asked the same.
+_DELIVERY = frozenset({"stream", "stream_options"})
+
+
+def requester_digest(body: dict[str, Any]) -> str:
+    """A digest of ``body`` but for how it is delivered (``stream``, ``stream_options``): two
+    requests with one digest asked the upstream the same, every field out of the key included
+    (``user``, ``metadata``...), so an error the upstream answered one is the other's too."""
+    asked = {name: value for name, value in body.items() if name not in _DELIVERY}
+    return hashlib.blake2b(orjson.dumps(asked), digest_size=16).hexdigest()
+
+
 def _query(raw: bytes) -> str:
     try:
         query = raw.decode("ascii")

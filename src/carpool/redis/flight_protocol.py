@@ -23,7 +23,9 @@ included, in one Redis Cluster slot; every script and pipeline touches the keys 
 The final record is the answer (body, kind, complete, tokens, created, the usage frame's index,
 the frame count: the frames are already in the stream) or the error (an ``UpstreamStatusError``
 as status, content type and body exactly as the upstream sent them, with ``asked``, the digest
-of the request body it answered; any other error as class, status, message and code):
+of the request body it answered; any other error as class, status, message and code, and the
+engine's own error object of a stream that failed; both with ``requester``, whose call it was:
+``UpstreamError.for_others``):
 ``answer_record``/``error_record`` write it, ``answer_from``/``error_from`` read it back as the
 same ``Answer`` or the same error.
 """
@@ -170,7 +172,13 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
         return {
             "e": "x",
             "m": orjson.dumps(
-                {"c": "status", "s": error.status, "ct": error.content_type, "a": error.asked}
+                {
+                    "c": "status",
+                    "s": error.status,
+                    "ct": error.content_type,
+                    "a": error.asked,
+                    "r": error.requester,
+                }
             ),
             "b": error.content,
         }
@@ -183,6 +191,8 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
                 "ty": error.type,
                 "co": error.code,
                 "msg": error.message,
+                "r": getattr(error, "requester", None),
+                "ue": getattr(error, "upstream_error", None),
             }
         ),
     }
@@ -192,10 +202,15 @@ def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
     """The leader's error, as the same class with the same status, type, code and message."""
     if meta["c"] == "status":
         status_error = UpstreamStatusError(meta["s"], body, meta["ct"])
-        status_error.asked = meta.get("a")  # (absent from an older instance's record)
+        # (``a`` and ``r`` are absent from an older instance's record.)
+        status_error.asked, status_error.requester = meta.get("a"), meta.get("r")
         return status_error
-    error = _ERRORS.get(meta["c"], UpstreamError)(meta["msg"])
+    kind = _ERRORS.get(meta["c"], UpstreamError)
+    error = kind(meta["msg"])
     error.status, error.type, error.code = meta["s"], meta["ty"], meta["co"]
+    error.requester = meta.get("r")
+    if isinstance(error, UpstreamStreamBroken) and isinstance(meta.get("ue"), dict):
+        error.upstream_error = meta["ue"]
     return error
 
 
