@@ -293,6 +293,25 @@ def test_the_cli_exits_2_on_a_malformed_workload_file_and_on_conflicting_options
     assert result.exit_code == 2 and "unknown workload" in result.output
 
 
+_HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def _bench(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["bench", "--no-progress", *args])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("requests", ["0", "-2"])
+def test_requests_below_1_are_a_bad_option_for_a_file_and_a_synthetic_workload(tmp_path, requests):
+    path = _write(tmp_path / "two.jsonl", [{"body": _HI}, {"body": _HI}])
+    out = tmp_path / "out"
+    for source in (["--workload-file", str(path)], ["--workload", "faq"]):
+        code, output = _bench(*source, "--requests", requests, "--out", str(out))
+        assert code == 2, output
+        assert f"--requests must be >= 1, got {requests}" in output
+        assert not out.exists()
+
+
 # ------------------------------------------------------------------------------ whole runs
 
 

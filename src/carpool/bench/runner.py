@@ -11,7 +11,7 @@ Contract:
   ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none.
 - Sizes: ``requests`` (default ``FULL_REQUESTS``, or ``QUICK_REQUESTS`` with ``quick``); for a
   recorded workload it keeps the first ``requests`` lines (all of them by default, the first
-  ``QUICK_REQUESTS`` with ``quick``).
+  ``QUICK_REQUESTS`` with ``quick``). ``requests`` below 1 is a ``WorkloadError``.
 - The oracle sees the planned arrival times (open loop) or the actual send times (closed loop),
   and assumes a call lasts the run's median ``miss`` latency (it matters only for answers that
   expire during the run).
@@ -117,6 +117,8 @@ def _normalise_url(url: str) -> str:
 async def run_bench(options: BenchOptions) -> dict[str, Any]:
     if options.rate is not None and options.rate <= 0:
         raise WorkloadError(f"--rate must be > 0, got {options.rate}")
+    if options.requests is not None and options.requests < 1:
+        raise WorkloadError(f"--requests must be >= 1, got {options.requests}")
     if options.concurrency is not None and options.concurrency < 1:
         raise WorkloadError(f"--concurrency must be >= 1, got {options.concurrency}")
     audit = options.workload == meanings.WORKLOAD and not options.workload_file
