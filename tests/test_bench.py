@@ -312,6 +312,14 @@ def test_requests_below_1_are_a_bad_option_for_a_file_and_a_synthetic_workload(t
         assert not out.exists()
 
 
+@pytest.mark.parametrize("rate", ["nan", "inf", "-inf", "0", "-1"])
+def test_the_rate_must_be_a_finite_number_above_0(tmp_path, rate):
+    code, output = _bench("--requests", "5", "--rate", rate, "--out", str(tmp_path / "out"))
+    assert code == 2, output
+    assert "--rate must be a finite number > 0" in output
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------ whole runs
 
 

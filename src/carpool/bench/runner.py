@@ -8,7 +8,8 @@ Contract:
   ``gateway.log``, the embedded gateway's log); it returns the report dict.
 - Arrivals: ``concurrency`` set = closed loop. Otherwise open loop: a synthetic workload is drawn at
   ``rate`` (default ``DEFAULT_RATE``); a recorded one follows its timestamps, rescaled to a mean of
-  ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none.
+  ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none. A ``rate``
+  that is not a finite number > 0 is a ``WorkloadError``.
 - Sizes: ``requests`` (default ``FULL_REQUESTS``, or ``QUICK_REQUESTS`` with ``quick``); for a
   recorded workload it keeps the first ``requests`` lines (all of them by default, the first
   ``QUICK_REQUESTS`` with ``quick``). ``requests`` below 1 is a ``WorkloadError``.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import functools
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,8 +117,8 @@ def _normalise_url(url: str) -> str:
 
 
 async def run_bench(options: BenchOptions) -> dict[str, Any]:
-    if options.rate is not None and options.rate <= 0:
-        raise WorkloadError(f"--rate must be > 0, got {options.rate}")
+    if options.rate is not None and not (math.isfinite(options.rate) and options.rate > 0):
+        raise WorkloadError(f"--rate must be a finite number > 0, got {options.rate}")
     if options.requests is not None and options.requests < 1:
         raise WorkloadError(f"--requests must be >= 1, got {options.requests}")
     if options.concurrency is not None and options.concurrency < 1:
