@@ -320,6 +320,15 @@ def test_the_rate_must_be_a_finite_number_above_0(tmp_path, rate):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_directory_that_cannot_be_created_is_a_bad_option(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"
+    code, output = _bench("--requests", "5", "--out", str(out))
+    assert code == 2, output
+    assert f"--out {out}: cannot create the report directory" in output
+    assert "Traceback" not in output
+
+
 # ------------------------------------------------------------------------------ whole runs
 
 

@@ -21,8 +21,9 @@ Contract:
   on ``meanings.audit_config`` in front of it, waits for the audits to finish before the final
   ``/stats`` read, and adds ``audit`` (``meanings.grade``: the true wrong-hit rate next to the
   audits' estimate) and ``audit.png`` to the report; it refuses ``url``.
-- Errors a user can fix raise ``WorkloadError`` (bad workload: exit 2 in the CLI),
-  ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1).
+- Errors a user can fix raise ``WorkloadError`` (a bad workload or option, ``out`` a directory
+  that cannot be created included: exit 2 in the CLI), ``EmbeddedError`` or
+  ``GatewayUnreachable`` (exit 1).
 """
 
 from __future__ import annotations
@@ -132,7 +133,12 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     workload = build_workload(options)
     arrivals = arrival_times(workload, options)
     out = options.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise WorkloadError(
+            f"--out {out}: cannot create the report directory ({error.strerror or error})"
+        ) from None
     config = options.config
     with _Progress(len(workload), options.progress, workload.name) as progress:
         async with contextlib.AsyncExitStack() as stack:
