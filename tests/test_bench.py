@@ -458,6 +458,68 @@ async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
     }
 
 
+async def test_recorded_timestamps_at_one_instant_have_no_mean_rate_and_the_report_says_so(
+    fake, gw, tmp_path
+):
+    """Every line at the same ``t`` (or a single timed line): all sent at once, so there is no
+    mean rate (``params.rate`` is null); the report is written all the same."""
+    for lines in (1, 2):
+        path = _write(tmp_path / f"same{lines}.jsonl", [{"t": 5, "body": _HI}] * lines)
+        out = tmp_path / f"same{lines}"
+        result = await run_bench(
+            BenchOptions(out=out, url=gw.url, workload_file=str(path), progress=False)
+        )
+        assert result["params"]["rate"] is None and result["params"]["recorded_timestamps"]
+        assert "recorded timestamps, all at one instant" in (out / "report.md").read_text()
+        assert len((out / "requests.jsonl").read_text().splitlines()) == lines
+
+
+def test_the_markdown_report_states_the_arrivals_as_they_were():
+    """``report.markdown`` for every arrival mode, a null rate included."""
+    base = synthetic("faq", 3, 10)
+    run_report = {
+        "requests": 0,
+        "upstream_calls": 0,
+        "oracle_calls": 0,
+        "upstream_over_oracle": None,
+        "within_5pct_of_oracle": True,
+        "errors": 0,
+        "outcomes": {},
+        "outcomes_by_label": None,
+        "latency_ms": {},
+        "ttfb_ms": {},
+        "tokens_saved": 0,
+        "gpu_seconds_saved": 0.0,
+        "cost_model": report.cost_model(Config()),
+        "saved_fraction": 0.0,
+        "duration_s": 0.0,
+        "throughput_rps": None,
+        "oracle": oracle(Workload("w", []), Config()).summary(),
+        "workload": {"name": "w", "source": "w.jsonl", "traits": traits(base)},
+        "plots": [],
+    }
+    common = {"target": "embedded", "seed": 0, "concurrency": None}
+    cases = [
+        (
+            {"mode": "open-loop", "rate": 40.0, "recorded_timestamps": False},
+            "open loop, 40 req/s mean",
+        ),
+        ({"mode": "open-loop", "rate": None, "recorded_timestamps": False}, "open loop;"),
+        (
+            {"mode": "open-loop", "rate": 2.5, "recorded_timestamps": True},
+            "open loop, recorded timestamps, 2.5 req/s mean",
+        ),
+        (
+            {"mode": "open-loop", "rate": None, "recorded_timestamps": True},
+            "open loop, recorded timestamps, all at one instant",
+        ),
+        ({"mode": "closed-loop", "rate": None, "concurrency": 3}, "closed loop, 3 clients"),
+    ]
+    for params, want in cases:
+        text = report.markdown({**run_report, "params": {**common, **params}})
+        assert want in text, text
+
+
 # ------------------------------------------------------------------- the benchmarks' pieces
 
 

@@ -9,7 +9,9 @@ Contract:
 - Arrivals: ``concurrency`` set = closed loop. Otherwise open loop: a synthetic workload is drawn at
   ``rate`` (default ``DEFAULT_RATE``); a recorded one follows its timestamps, rescaled to a mean of
   ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none. A ``rate``
-  that is not a finite number > 0 is a ``WorkloadError``.
+  that is not a finite number > 0 is a ``WorkloadError``. ``params.rate`` is the mean rate of
+  those arrivals (``_rate``): None in a closed loop, and for recorded timestamps all at one
+  instant without ``rate`` (sent at once).
 - Sizes: ``requests`` (default ``FULL_REQUESTS``, or ``QUICK_REQUESTS`` with ``quick``); for a
   recorded workload it keeps the first ``requests`` lines (all of them by default, the first
   ``QUICK_REQUESTS`` with ``quick``). ``requests`` below 1 is a ``WorkloadError``.
@@ -228,6 +230,9 @@ def _version() -> str:
 
 
 def _rate(options: BenchOptions, workload: Workload, arrivals: list[float] | None) -> float | None:
+    """``params.rate``: the open loop's mean arrival rate. None in a closed loop, and for
+    recorded timestamps all at one instant (one timed line, or every ``t`` equal) without
+    ``rate``: they are sent at once, at no mean rate."""
     if arrivals is None:
         return None
     if options.rate:
