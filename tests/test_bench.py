@@ -458,6 +458,22 @@ async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
     }
 
 
+async def test_an_untimed_workload_file_reports_the_rate_its_arrivals_were_spaced_at(
+    fake, gw, tmp_path
+):
+    """One line or two without timestamps: sent evenly at --rate or the default 40 req/s, and
+    that is the rate reported (not n / the last send offset; a single line has none)."""
+    for lines, rate, want in ((1, None, 40), (2, None, 40), (2, 20.0, 20)):
+        path = _write(tmp_path / f"untimed{lines}.jsonl", [{"body": _HI}] * lines)
+        out = tmp_path / f"untimed{lines}-{rate}"
+        result = await run_bench(
+            BenchOptions(out=out, url=gw.url, workload_file=str(path), rate=rate, progress=False)
+        )
+        assert result["params"]["rate"] == want and result["requests"] == lines
+        assert f"open loop, {want} req/s mean" in (out / "report.md").read_text()
+        assert len((out / "requests.jsonl").read_text().splitlines()) == lines
+
+
 async def test_recorded_timestamps_at_one_instant_have_no_mean_rate_and_the_report_says_so(
     fake, gw, tmp_path
 ):

@@ -230,14 +230,16 @@ def _version() -> str:
 
 
 def _rate(options: BenchOptions, workload: Workload, arrivals: list[float] | None) -> float | None:
-    """``params.rate``: the open loop's mean arrival rate. None in a closed loop, and for
-    recorded timestamps all at one instant (one timed line, or every ``t`` equal) without
-    ``rate``: they are sent at once, at no mean rate."""
+    """``params.rate``: the open loop's mean arrival rate. The rate the arrivals were drawn or
+    spaced at (``rate`` or ``DEFAULT_RATE``) for a synthetic workload and a file without
+    timestamps; the recording's own (requests over span) for timestamps not rescaled. None in a
+    closed loop, and for recorded timestamps all at one instant (one timed line, or every ``t``
+    equal) without ``rate``: they are sent at once, at no mean rate."""
     if arrivals is None:
         return None
     if options.rate:
         return options.rate
-    if workload.source == "synthetic":
+    if workload.source == "synthetic" or not workload.timed:
         return DEFAULT_RATE
     span = max(arrivals) if arrivals else 0.0
     return round(len(arrivals) / span, 3) if span > 0 else None
