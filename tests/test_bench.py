@@ -329,6 +329,52 @@ def test_an_out_directory_that_cannot_be_created_is_a_bad_option(tmp_path):
     assert "Traceback" not in output
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"headers": {"X-Note": "a\r\nX-Injected: 1"}}, "header 'X-Note': its value"),
+        ({"headers": {"X-Note": "a\nb"}}, "header 'X-Note': its value"),
+        ({"headers": {"X-Note": "a\x00b"}}, "header 'X-Note': its value"),
+        ({"headers": {"bad name": "x"}}, "header 'bad name': not a valid header name"),
+        ({"headers": {"": "x"}}, "header '': not a valid header name"),
+        ({"headers": {"X-Note:": "x"}}, "header 'X-Note:': not a valid header name"),
+        (
+            {"headers": {"Content-Length": "5"}},
+            "header 'Content-Length': carpool bench sets the host and framing",
+        ),
+        (
+            {"headers": {"transfer-encoding": "chunked"}},
+            "header 'transfer-encoding': carpool bench sets the host and framing",
+        ),
+        (
+            {"headers": {"Host": "api.openai.com"}},
+            "header 'Host': carpool bench sets the host and framing",
+        ),
+        ({"tenant": "acme\r\nX-Injected: 1"}, "'tenant' must be a string that fits in a header"),
+    ],
+)
+def test_a_workload_file_header_must_be_one_valid_header_that_the_client_does_not_set(
+    tmp_path, extra, message
+):
+    path = _write(tmp_path / "hdr.jsonl", [{"body": _HI}, {"body": _HI, **extra}])
+    with pytest.raises(WorkloadError, match="^" + str(path) + ":2: ") as error:
+        load_jsonl(path)
+    assert message in str(error.value)
+    code, output = _bench("--workload-file", str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"{path}:2: " in output and message in output
+
+
+def test_ordinary_workload_file_headers_are_kept_as_they_are(tmp_path):
+    headers = {
+        "Cache-Control": "no-cache",
+        "x-carpool-type": "faq",
+        "X-Tab": "a\tb",
+        "Idempotency-Key": "k-1",
+    }
+    path = _write(tmp_path / "ok.jsonl", [{"body": _HI, "headers": headers}])
+    assert load_jsonl(path).requests[0].headers == headers
+
+
 # ------------------------------------------------------------------------------ whole runs
 
 
