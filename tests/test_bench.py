@@ -293,6 +293,88 @@ def test_the_cli_exits_2_on_a_malformed_workload_file_and_on_conflicting_options
     assert result.exit_code == 2 and "unknown workload" in result.output
 
 
+_HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def _bench(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["bench", "--no-progress", *args])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("requests", ["0", "-2"])
+def test_requests_below_1_are_a_bad_option_for_a_file_and_a_synthetic_workload(tmp_path, requests):
+    path = _write(tmp_path / "two.jsonl", [{"body": _HI}, {"body": _HI}])
+    out = tmp_path / "out"
+    for source in (["--workload-file", str(path)], ["--workload", "faq"]):
+        code, output = _bench(*source, "--requests", requests, "--out", str(out))
+        assert code == 2, output
+        assert f"--requests must be >= 1, got {requests}" in output
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "-inf", "0", "-1"])
+def test_the_rate_must_be_a_finite_number_above_0(tmp_path, rate):
+    code, output = _bench("--requests", "5", "--rate", rate, "--out", str(tmp_path / "out"))
+    assert code == 2, output
+    assert "--rate must be a finite number > 0" in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_directory_that_cannot_be_created_is_a_bad_option(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"
+    code, output = _bench("--requests", "5", "--out", str(out))
+    assert code == 2, output
+    assert f"--out {out}: cannot create the report directory" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"headers": {"X-Note": "a\r\nX-Injected: 1"}}, "header 'X-Note': its value"),
+        ({"headers": {"X-Note": "a\nb"}}, "header 'X-Note': its value"),
+        ({"headers": {"X-Note": "a\x00b"}}, "header 'X-Note': its value"),
+        ({"headers": {"bad name": "x"}}, "header 'bad name': not a valid header name"),
+        ({"headers": {"": "x"}}, "header '': not a valid header name"),
+        ({"headers": {"X-Note:": "x"}}, "header 'X-Note:': not a valid header name"),
+        (
+            {"headers": {"Content-Length": "5"}},
+            "header 'Content-Length': carpool bench sets the host and framing",
+        ),
+        (
+            {"headers": {"transfer-encoding": "chunked"}},
+            "header 'transfer-encoding': carpool bench sets the host and framing",
+        ),
+        (
+            {"headers": {"Host": "api.openai.com"}},
+            "header 'Host': carpool bench sets the host and framing",
+        ),
+        ({"tenant": "acme\r\nX-Injected: 1"}, "'tenant' must be a string that fits in a header"),
+    ],
+)
+def test_a_workload_file_header_must_be_one_valid_header_that_the_client_does_not_set(
+    tmp_path, extra, message
+):
+    path = _write(tmp_path / "hdr.jsonl", [{"body": _HI}, {"body": _HI, **extra}])
+    with pytest.raises(WorkloadError, match="^" + str(path) + ":2: ") as error:
+        load_jsonl(path)
+    assert message in str(error.value)
+    code, output = _bench("--workload-file", str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"{path}:2: " in output and message in output
+
+
+def test_ordinary_workload_file_headers_are_kept_as_they_are(tmp_path):
+    headers = {
+        "Cache-Control": "no-cache",
+        "x-carpool-type": "faq",
+        "X-Tab": "a\tb",
+        "Idempotency-Key": "k-1",
+    }
+    path = _write(tmp_path / "ok.jsonl", [{"body": _HI, "headers": headers}])
+    assert load_jsonl(path).requests[0].headers == headers
+
+
 # ------------------------------------------------------------------------------ whole runs
 
 
@@ -420,6 +502,84 @@ async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
         "errors",
         "params",
     }
+
+
+async def test_an_untimed_workload_file_reports_the_rate_its_arrivals_were_spaced_at(
+    fake, gw, tmp_path
+):
+    """One line or two without timestamps: sent evenly at --rate or the default 40 req/s, and
+    that is the rate reported (not n / the last send offset; a single line has none)."""
+    for lines, rate, want in ((1, None, 40), (2, None, 40), (2, 20.0, 20)):
+        path = _write(tmp_path / f"untimed{lines}.jsonl", [{"body": _HI}] * lines)
+        out = tmp_path / f"untimed{lines}-{rate}"
+        result = await run_bench(
+            BenchOptions(out=out, url=gw.url, workload_file=str(path), rate=rate, progress=False)
+        )
+        assert result["params"]["rate"] == want and result["requests"] == lines
+        assert f"open loop, {want} req/s mean" in (out / "report.md").read_text()
+        assert len((out / "requests.jsonl").read_text().splitlines()) == lines
+
+
+async def test_recorded_timestamps_at_one_instant_have_no_mean_rate_and_the_report_says_so(
+    fake, gw, tmp_path
+):
+    """Every line at the same ``t`` (or a single timed line): all sent at once, so there is no
+    mean rate (``params.rate`` is null); the report is written all the same."""
+    for lines in (1, 2):
+        path = _write(tmp_path / f"same{lines}.jsonl", [{"t": 5, "body": _HI}] * lines)
+        out = tmp_path / f"same{lines}"
+        result = await run_bench(
+            BenchOptions(out=out, url=gw.url, workload_file=str(path), progress=False)
+        )
+        assert result["params"]["rate"] is None and result["params"]["recorded_timestamps"]
+        assert "recorded timestamps, all at one instant" in (out / "report.md").read_text()
+        assert len((out / "requests.jsonl").read_text().splitlines()) == lines
+
+
+def test_the_markdown_report_states_the_arrivals_as_they_were():
+    """``report.markdown`` for every arrival mode, a null rate included."""
+    base = synthetic("faq", 3, 10)
+    run_report = {
+        "requests": 0,
+        "upstream_calls": 0,
+        "oracle_calls": 0,
+        "upstream_over_oracle": None,
+        "within_5pct_of_oracle": True,
+        "errors": 0,
+        "outcomes": {},
+        "outcomes_by_label": None,
+        "latency_ms": {},
+        "ttfb_ms": {},
+        "tokens_saved": 0,
+        "gpu_seconds_saved": 0.0,
+        "cost_model": report.cost_model(Config()),
+        "saved_fraction": 0.0,
+        "duration_s": 0.0,
+        "throughput_rps": None,
+        "oracle": oracle(Workload("w", []), Config()).summary(),
+        "workload": {"name": "w", "source": "w.jsonl", "traits": traits(base)},
+        "plots": [],
+    }
+    common = {"target": "embedded", "seed": 0, "concurrency": None}
+    cases = [
+        (
+            {"mode": "open-loop", "rate": 40.0, "recorded_timestamps": False},
+            "open loop, 40 req/s mean",
+        ),
+        ({"mode": "open-loop", "rate": None, "recorded_timestamps": False}, "open loop;"),
+        (
+            {"mode": "open-loop", "rate": 2.5, "recorded_timestamps": True},
+            "open loop, recorded timestamps, 2.5 req/s mean",
+        ),
+        (
+            {"mode": "open-loop", "rate": None, "recorded_timestamps": True},
+            "open loop, recorded timestamps, all at one instant",
+        ),
+        ({"mode": "closed-loop", "rate": None, "concurrency": 3}, "closed loop, 3 clients"),
+    ]
+    for params, want in cases:
+        text = report.markdown({**run_report, "params": {**common, **params}})
+        assert want in text, text
 
 
 # ------------------------------------------------------------------- the benchmarks' pieces

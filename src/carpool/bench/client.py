@@ -14,7 +14,8 @@ Contract:
 - ``Address``: host, port, TLS and path prefix of a base URL (``Address.parse``); ``local(port)``
   is 127.0.0.1. ``build(method, path, address, body, headers)``: the raw request bytes, with
   ``host``, ``content-length``, and ``content-type: application/json`` when there is a body and
-  ``headers`` name no content type; ``path`` goes after the address's prefix.
+  ``headers`` name no content type; ``path`` goes after the address's prefix. ``headers`` are
+  written as given, unchecked: a caller that takes them from a user checks them (``recorded.py``).
 - ``connect(address)``, ``connect_many(address, n)`` (opened ``batch`` at a time) and
   ``close(conns)``.
 - ``Pool(address)``: ``await pool.request(raw, timeout)`` sends on an idle connection, or a new one

@@ -6,6 +6,10 @@ Contract:
   classics, ``/v1/responses`` and ``/v1/messages`` (``workloads.ENDPOINTS``); ``endpoint``
   defaults to chat. A ``tenant`` without the tenant header among its ``headers`` gets one
   (``tenant_header_value``).
+- Headers go out as one header line each (``client.build`` writes them as given): a header name
+  is an HTTP token, a value (and a ``tenant``) holds no control character but the tab, and
+  ``Host``, ``Content-Length`` and ``Transfer-Encoding``, which the client sets or must not
+  send, are refused; anything else is a malformed line.
 - Either every line has a timestamp ``t`` or none does: with them the requests are shifted to
   start at 0 and sorted (ties keep the file's order); without them ``timed`` is False and the run
   needs a rate or a concurrency.
@@ -14,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +91,42 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
         isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
     ):
         raise WorkloadError(f"{where}: 'headers' must be an object of strings")
+    for name, value in headers.items():
+        _check_header(name, value, where)
     tenant = row.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
         raise WorkloadError(f"{where}: 'tenant' must be a string, got {tenant!r}")
+    if tenant is not None and _CONTROL.search(tenant):
+        raise WorkloadError(
+            f"{where}: 'tenant' must be a string that fits in a header (no control characters "
+            f"such as CR or LF), got {tenant!r}"
+        )
     headers = dict(headers)
     if tenant and tenant_header.lower() not in {k.lower() for k in headers}:
         headers[tenant_header] = tenant_header_value(tenant_header, tenant)
     return BenchRequest(float(t or 0.0), endpoint, body, headers, tenant)
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token: a header name
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but the tab
+SET_BY_BENCH = frozenset({"host", "content-length", "transfer-encoding"})
+
+
+def _check_header(name: str, value: str, where: str) -> None:
+    """One header that goes out as one header line and leaves the request's framing alone
+    (``client.build`` writes headers as given)."""
+    if not _TOKEN.fullmatch(name):
+        raise WorkloadError(
+            f"{where}: header {name!r}: not a valid header name (letters, digits and "
+            "!#$%&'*+-.^_`|~ only)"
+        )
+    if name.lower() in SET_BY_BENCH:
+        raise WorkloadError(
+            f"{where}: header {name!r}: carpool bench sets the host and framing headers itself "
+            "(Host, Content-Length; no Transfer-Encoding)"
+        )
+    if _CONTROL.search(value):
+        raise WorkloadError(
+            f"{where}: header {name!r}: its value holds a control character (CR, LF, NUL, ...), "
+            f"so it would not go out as one header: {value!r}"
+        )

@@ -23,8 +23,9 @@ Contract:
   completion tokens of the saved answers the client received. This counts sequence-seconds, as
   if the saved calls had run alone; an engine batching B sequences spends about 1/B of that in
   GPU time on decode, and a prefix cache may have spared part of the prefill: an upper bound.
-- ``write(report, out_dir)`` writes ``report.json`` and ``report.md`` (a table per outcome, the
-  headline numbers, and the plots linked, or how to get them when matplotlib is missing);
+- ``write(report, out_dir)`` writes ``report.json`` and ``report.md`` (the arrivals as
+  ``params`` states them, a null ``rate`` included; a table per outcome, the headline numbers,
+  and the plots linked, or how to get them when matplotlib is missing);
   ``write_results`` writes ``requests.jsonl``, one row per request (send time, outcome, status,
   latency, TTFB, tokens, error), for analyses of your own.
 """
@@ -256,15 +257,15 @@ def markdown(report: dict[str, Any]) -> str:
         if p["target"] == "embedded"
         else f"`{p['gateway_url']}`"
     )
-    arrival = (
-        f"open loop, {p['rate']:g} req/s mean"
-        if p["mode"] == "open-loop"
-        else f"closed loop, {p['concurrency']} clients"
-    )
-    if p["mode"] == "open-loop" and p.get("recorded_timestamps"):
-        arrival = "open loop, recorded timestamps" + (
-            f" rescaled to {p['rate']:g} req/s" if p.get("rate") else ""
+    rate = p.get("rate")
+    if p["mode"] != "open-loop":
+        arrival = f"closed loop, {p['concurrency']} clients"
+    elif p.get("recorded_timestamps"):
+        arrival = "open loop, recorded timestamps, " + (
+            f"{rate:g} req/s mean" if rate is not None else "all at one instant"
         )
+    else:
+        arrival = "open loop" + (f", {rate:g} req/s mean" if rate is not None else "")
     ratio = report["upstream_over_oracle"]
     lines = [
         f"# carpool bench: `{report['workload']['name']}`",

@@ -8,10 +8,13 @@ Contract:
   ``gateway.log``, the embedded gateway's log); it returns the report dict.
 - Arrivals: ``concurrency`` set = closed loop. Otherwise open loop: a synthetic workload is drawn at
   ``rate`` (default ``DEFAULT_RATE``); a recorded one follows its timestamps, rescaled to a mean of
-  ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none.
+  ``rate`` when ``rate`` is given, or is spaced evenly at ``rate`` when it has none. A ``rate``
+  that is not a finite number > 0 is a ``WorkloadError``. ``params.rate`` is the mean rate of
+  those arrivals (``_rate``): None in a closed loop, and for recorded timestamps all at one
+  instant without ``rate`` (sent at once).
 - Sizes: ``requests`` (default ``FULL_REQUESTS``, or ``QUICK_REQUESTS`` with ``quick``); for a
   recorded workload it keeps the first ``requests`` lines (all of them by default, the first
-  ``QUICK_REQUESTS`` with ``quick``).
+  ``QUICK_REQUESTS`` with ``quick``). ``requests`` below 1 is a ``WorkloadError``.
 - The oracle sees the planned arrival times (open loop) or the actual send times (closed loop),
   and assumes a call lasts the run's median ``miss`` latency (it matters only for answers that
   expire during the run).
@@ -20,8 +23,9 @@ Contract:
   on ``meanings.audit_config`` in front of it, waits for the audits to finish before the final
   ``/stats`` read, and adds ``audit`` (``meanings.grade``: the true wrong-hit rate next to the
   audits' estimate) and ``audit.png`` to the report; it refuses ``url``.
-- Errors a user can fix raise ``WorkloadError`` (bad workload: exit 2 in the CLI),
-  ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1).
+- Errors a user can fix raise ``WorkloadError`` (a bad workload or option, ``out`` a directory
+  that cannot be created included: exit 2 in the CLI), ``EmbeddedError`` or
+  ``GatewayUnreachable`` (exit 1).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import functools
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,8 +120,10 @@ def _normalise_url(url: str) -> str:
 
 
 async def run_bench(options: BenchOptions) -> dict[str, Any]:
-    if options.rate is not None and options.rate <= 0:
-        raise WorkloadError(f"--rate must be > 0, got {options.rate}")
+    if options.rate is not None and not (math.isfinite(options.rate) and options.rate > 0):
+        raise WorkloadError(f"--rate must be a finite number > 0, got {options.rate}")
+    if options.requests is not None and options.requests < 1:
+        raise WorkloadError(f"--requests must be >= 1, got {options.requests}")
     if options.concurrency is not None and options.concurrency < 1:
         raise WorkloadError(f"--concurrency must be >= 1, got {options.concurrency}")
     audit = options.workload == meanings.WORKLOAD and not options.workload_file
@@ -128,7 +135,12 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     workload = build_workload(options)
     arrivals = arrival_times(workload, options)
     out = options.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise WorkloadError(
+            f"--out {out}: cannot create the report directory ({error.strerror or error})"
+        ) from None
     config = options.config
     with _Progress(len(workload), options.progress, workload.name) as progress:
         async with contextlib.AsyncExitStack() as stack:
@@ -218,11 +230,16 @@ def _version() -> str:
 
 
 def _rate(options: BenchOptions, workload: Workload, arrivals: list[float] | None) -> float | None:
+    """``params.rate``: the open loop's mean arrival rate. The rate the arrivals were drawn or
+    spaced at (``rate`` or ``DEFAULT_RATE``) for a synthetic workload and a file without
+    timestamps; the recording's own (requests over span) for timestamps not rescaled. None in a
+    closed loop, and for recorded timestamps all at one instant (one timed line, or every ``t``
+    equal) without ``rate``: they are sent at once, at no mean rate."""
     if arrivals is None:
         return None
     if options.rate:
         return options.rate
-    if workload.source == "synthetic":
+    if workload.source == "synthetic" or not workload.timed:
         return DEFAULT_RATE
     span = max(arrivals) if arrivals else 0.0
     return round(len(arrivals) / span, 3) if span > 0 else None
