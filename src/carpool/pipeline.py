@@ -27,8 +27,10 @@ Contract:
   engine's empty 200 stream), ends a streaming client's reply as a 200 SSE stream with an error
   event, and a non-streaming client's as a 502 with ``x-should-retry: false``: a retried 5xx
   would make one client call several engine calls. An error the engine reported keeps its
-  status and body (before the stream) or its error object (in the stream). Unreachable (502)
-  and timed-out (504) upstreams keep their statuses, for every client.
+  status and body (before the stream) or its error object (in the stream), for its own
+  requester (``_shown``): a client that joined another request's call (another ``user``,
+  metadata, tenant) gets its status, type and code, not its words. Unreachable (502) and
+  timed-out (504) upstreams keep their statuses, for every client.
 - A 4xx the upstream answered to another body than a client's (``_refused_its_body``: the key
   leaves out ``metadata``, ``user``...) is not that client's answer: it makes its own call,
   shared only with requests of its body. A refusal of the requester or of the moment (401,
