@@ -267,3 +267,13 @@ async def test_an_upstream_refusing_the_gateways_key_is_a_502_that_quotes_nothin
     response = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
     assert response.status_code == 502
     assert UPSTREAM_KEY[:8] not in response.text and "refused the gateway's key" in response.text
+
+
+def test_a_yaml_syntax_error_names_its_line_never_the_lines_text(tmp_path):
+    # PyYAML's message quotes the offending line: here the key itself.
+    path = tmp_path / "c.yaml"
+    path.write_text("admin_token: x\nupstream:\n  api_key: sk-LIVE-SECRET: x\n")
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env={})
+    message = str(raised.value)
+    assert "sk-LIVE" not in message and "line 3" in message, message

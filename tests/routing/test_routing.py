@@ -425,3 +425,20 @@ async def test_readiness_trusts_an_answer_for_a_while_then_asks_the_replica_agai
     assert await replicas.ready()  # (its answer is recent: not asked)
     clock.now += READY_TRUST_S
     assert not await replicas.ready() and replicas.replicas[0].errors == 1
+
+
+def test_a_failure_logged_shows_its_urls_without_query_or_credentials():
+    # aiohttp's errors quote the URL they failed on: an upstream's query (api-version,
+    # api-key), a pass-through client's query (key=...) and a user and password.
+    from carpool.errors import UpstreamUnreachable
+    from carpool.routing.replicas import _what
+
+    error = UpstreamUnreachable("upstream replica-0 is unreachable")
+    error.__cause__ = RuntimeError(
+        "0, message='', url='http://u:PASSWORD@127.0.0.1:5/v1/loop?api-key=UPSECRET&key=CLIENTSECRET'"
+        " [Connection timeout to host http://127.0.0.1:5/v1/models?api-key=UPSECRET]"
+    )
+    logged = _what(error)
+    for secret in ("PASSWORD", "UPSECRET", "CLIENTSECRET"):
+        assert secret not in logged, logged
+    assert "http://***@127.0.0.1:5/v1/loop" in logged and "127.0.0.1:5/v1/models" in logged

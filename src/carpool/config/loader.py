@@ -109,8 +109,14 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     # --config that cannot be read is an error.
     try:
         loaded = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except OSError as exc:
         raise ConfigError(f"config file {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        # Where and what, never the text: PyYAML's message quotes the line, a key perhaps.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ConfigError(f"config file {path}{where}: {problem}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping")
     return loaded

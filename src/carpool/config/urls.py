@@ -7,9 +7,12 @@
 - ``without_credentials(url)``: the URL fit for a log line or an error message: any user and
   password replaced by ``***``, no query or fragment (where some services take their keys).
   It never raises, whatever the text.
+- ``urls_without_credentials(text)``: every URL in a text (a library's error message) so.
 """
 
 from __future__ import annotations
+
+import re
 
 from yarl import URL
 
@@ -24,6 +27,14 @@ def without_credentials(url: str) -> str:
     if "@" in rest:
         rest = "***@" + rest.rsplit("@", 1)[1]
     return scheme + separator + rest.split("#", 1)[0].split("?", 1)[0]
+
+
+# A URL in a library's message: a scheme, then anything up to white space or a quote.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def urls_without_credentials(text: str) -> str:
+    return _URL_IN_TEXT.sub(lambda found: without_credentials(found.group()), text)
 
 
 def checked_url(value: str, schemes: tuple[str, ...]) -> str:

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from carpool.config.urls import urls_without_credentials
 from carpool.errors import (
     PathNotAllowed,
     UpstreamAnswerCut,
@@ -446,9 +447,10 @@ class ReplicaSet:
 
 def _what(error: BaseException) -> str:
     """A failure for the log: the client's message, plus the cause's type and text (operators
-    only; the URL in it has no credentials, see ``upstream.http``)."""
+    only), any URL in it without user, password or query (aiohttp quotes the URL it failed on:
+    an upstream's ``api-key`` query, a pass-through client's ``?key=``)."""
     cause = error.__cause__
     if cause is None:
         return str(error)
-    detail = str(cause)
+    detail = urls_without_credentials(str(cause))
     return f"{error} [{type(cause).__name__}" + (f": {detail[:300]}]" if detail else "]")
