@@ -782,3 +782,20 @@ def test_one_percentile_and_summary_for_the_benchmarks_and_the_report():
     }
     assert summary_ms([]) == {} and report.summary_ms([]) == {"count": 0}
     assert set(report.summary_ms([0.001])) == {"count", "p50", "p95", "p99", "mean", "max"}
+
+
+async def test_requests_jsonl_names_a_tenant_by_a_digest_never_by_its_credential(
+    fake, gw, tmp_path
+):
+    """A workload file's ``tenant`` is sent as ``Authorization: Bearer <tenant>``: a key, which
+    the per-request rows name by a digest (the same for the same tenant)."""
+    path = _write(
+        tmp_path / "tenants.jsonl",
+        [{"body": _HI, "tenant": "sk-proj-REALKEY"}, {"body": _HI, "tenant": "sk-proj-REALKEY"}],
+    )
+    out = tmp_path / "tenants"
+    await run_bench(BenchOptions(out=out, url=gw.url, workload_file=str(path), progress=False))
+    text = (out / "requests.jsonl").read_text()
+    assert "REALKEY" not in text
+    rows = [orjson.loads(line) for line in text.splitlines()]
+    assert rows[0]["tenant"] == rows[1]["tenant"] and len(rows[0]["tenant"]) == 12
