@@ -306,6 +306,15 @@ async def test_dashboard_shows_each_namespaces_wrong_hit_estimate_and_budget_sta
             "high": 0.733,
             "state": "backed-off",
         },
+        # A client's namespace named like the default one's tile: a tile of its own.
+        "default": {
+            "audited": 100,
+            "wrong": 1,
+            "estimate": 0.01,
+            "low": 0.002,
+            "high": 0.054,
+            "state": "serving",
+        },
     }
     doc = {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33, "semantic_audit": audit}
 
@@ -318,8 +327,9 @@ async def test_dashboard_shows_each_namespaces_wrong_hit_estimate_and_budget_sta
     await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
     tiles = (await page.evaluate(SNAPSHOT_JS, None))["tiles"]
     assert tiles["tile-audit-default"]["text"] == "2.5%"
-    assert tiles["tile-audit-faq%2Fen"]["text"] == "44.4%"
-    note = await page.inner_text("#tile-audit-faq\\%2Fen .note")
+    assert tiles["tile-audit-ns-faq%2Fen"]["text"] == "44.4%"
+    assert tiles["tile-audit-ns-default"]["text"] == "1.0%"
+    note = await page.inner_text("#tile-audit-ns-faq\\%2Fen .note")
     assert note == "18.9%–73.3% · 9 audited · backed-off"
     label = await page.inner_text("#tile-audit-default .label")
     assert label.lower() == "wrong hits · default namespace"

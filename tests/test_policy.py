@@ -293,6 +293,23 @@ async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gatewa
         ).status_code == 404
 
 
+async def test_every_admin_path_and_method_answers_in_openais_error_shape(fake, gateway_with):
+    # Starlette answered a wrong method 405 and an unknown /admin path 404 in plain text, and
+    # without a token a GET of an existing path said 405 where every admin path is 404.
+    async with gateway_with() as gw:
+        for method, path in (("GET", "/admin/invalidate"), ("POST", "/admin/nope")):
+            response = await gw.client.request(method, path, headers=ADMIN)
+            assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    async with gateway_with(admin_token="s3cret") as gw:
+        anonymous = await gw.client.get("/admin/invalidate")
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "unauthorized"
+        wrong_method = await gw.client.get("/admin/invalidate", headers=ADMIN)
+        assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+        assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+        unknown = await gw.client.post("/admin/nope", headers=ADMIN, json={})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+
+
 # --- tenants and namespaces -------------------------------------------------------------------
 
 

@@ -12,6 +12,8 @@ Contract:
   that was wrong): the entry is dropped and counts as a wrong hit of its namespace
   (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
   does not hold (any more): 404. Without the semantic cache: 404.
+- Any other method or path under ``/admin``: the same refusals, then 405 (with ``Allow``) or
+  404, in OpenAI's shape too.
 - ``GET /admin/semantic/audit``: each namespace's audits, estimate and state (as ``/stats``
   ``semantic_audit``); ``POST /admin/semantic/audit/reset`` ``{"namespace": ns}`` (or ``{}``:
   all) puts them back to ``serving`` with no audits: ``{"reset": n}``.
@@ -106,17 +108,39 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
 
     async def audit_reset(_: HttpRequest, spec: Any) -> Response:
         namespace = spec.get("namespace") if isinstance(spec, dict) else None
-        if not isinstance(spec, dict) or not isinstance(namespace, str | None):
+        if (
+            not isinstance(spec, dict)
+            or set(spec) - {"namespace"}  # (a misspelt name is no {}: that resets them all)
+            or not isinstance(namespace, str | None)
+        ):
             raise RequestError('give {"namespace": "<name>"}, or {} for every namespace')
         audits = gateway.layers.audits
         return JSONResponse({"reset": audits.reset(namespace) if audits is not None else 0})
 
-    return [
+    routes = [
         Route("/admin/invalidate", admin(invalidate), methods=["POST"]),
         Route("/admin/semantic/feedback", admin(feedback), methods=["POST"]),
         Route("/admin/semantic/audit", admin(audit, read=False), methods=["GET"]),
         Route("/admin/semantic/audit/reset", admin(audit_reset), methods=["POST"]),
     ]
+    allowed = {
+        route.path: ", ".join(sorted((route.methods or set()) - {"HEAD"})) for route in routes
+    }
+
+    async def other(request: HttpRequest) -> Response:
+        """Any other method or path under /admin: refused as the admin paths refuse (404
+        without a token, 401 without the right one), then 405 or 404, in OpenAI's shape."""
+        if (refused := refusal(request)) is not None:
+            return refused
+        methods = allowed.get(request.url.path)
+        if methods is None:
+            return error(404, "not found", "not_found")
+        response = error(405, f"use {methods}", "method_not_allowed")
+        response.headers["allow"] = methods
+        return response
+
+    every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return [*routes, Route("/admin/{rest:path}", other, methods=every)]
 
 
 def error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> Response:

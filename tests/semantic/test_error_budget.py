@@ -214,6 +214,10 @@ async def test_the_admin_endpoint_resets_a_namespace(fake, gateway_with):
         reset = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"namespace": "faq"})
         assert reset.json() == {"reset": 1} and audits.state("faq") == "serving"
         assert (await admin(gw, "POST", "/admin/semantic/audit/reset", json=[])).status_code == 400
+        # A misspelt name is refused, not read as {} (which resets every namespace).
+        audits.record("faq", True)
+        typo = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"nmspace": "faq"})
+        assert typo.status_code == 400 and audits.state("faq") == "backed-off"
         denied = await admin(gw, "POST", "/admin/semantic/audit/reset", token="no", json={})
         assert denied.status_code == 401
 
