@@ -37,7 +37,13 @@ def gauges(layers: Layers) -> dict[str, Any]:
         "layers": {
             "exact": {"entries": layers.store.entries, "bytes": layers.store.bytes},
             **(
-                {"semantic": {"entries": semantic.entries, "bytes": semantic.bytes}}
+                {
+                    "semantic": {
+                        "entries": semantic.entries,
+                        "bytes": semantic.bytes,
+                        "embed_failures": semantic.embed_failures,
+                    }
+                }
                 if semantic
                 else {}
             ),

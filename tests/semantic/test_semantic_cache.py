@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -597,3 +599,17 @@ def test_readable_scripts_are_those_configured():
     )
     assert not readable("Привет", ["Latin"]) and readable("Привет", ["*"])
     assert not readable("cost in αβ units", ["Latin"])
+
+
+def test_an_index_built_before_the_models_never_crashes_the_process():
+    # onnxruntime imported after usearch died with SIGSEGV (here: an index built by one
+    # semantic cache, then a gateway's verifier loaded): a process of its own, as it crashes.
+    pytest.importorskip("onnxruntime")
+    code = (
+        "from carpool.semantic.index import VectorIndex\n"
+        "VectorIndex(8)\n"
+        "import onnxruntime\n"
+        "print('alive')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "alive", done.stderr[-2000:]

@@ -17,6 +17,7 @@ from carpool.semantic.cache import SemanticCache
 from carpool.semantic.guard import Side
 from carpool.semantic.verdict import Verdict
 from carpool.store.base import Selector
+from fakes.waiting import eventually
 
 DIM = 8
 
@@ -89,3 +90,17 @@ async def test_the_same_text_replaces_its_entry_and_invalidate_empties_everythin
     assert await semantic.invalidate(Selector(everything=True)) == 1
     assert semantic.entries == 0 and semantic.bytes == 0
     assert not semantic.has_scope("s") and semantic._by_text == {}
+
+
+async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_with):
+    # With ``embedder: upstream`` the probe asks the upstream's /v1/embeddings, shared by the
+    # lookups of every tenant: its failure (down, or refusing another tenant's text batched with
+    # this one) is the semantic cache's, not the request's. It was a 500.
+    config = {"enabled": True, "embedder": "upstream", "embedding_dim": 8}
+    async with gateway_with(semantic=config) as gw:
+        assert (await gw.chat("How do I reset my router?")).status_code == 200
+        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the entry")
+        fake.fail_status, fake.fail_times = 500, 1  # the probe's embeddings call
+        response = await gw.chat("How can I reset my router?")
+        assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
+        assert gw.gateway.semantic.embed_failures == 1

@@ -20,6 +20,10 @@ Contract:
   earlier turns (``SemanticView.context``); the most similar alone first, the others in one
   batch if it fails. The most similar that passes is the ``match``; the most similar one seen
   (passing or not) is ``nearest``, for ``semantic.mode: mark``.
+- The embedder failing (``embedder: upstream`` down, or refusing a text batched with this one;
+  a model error) fails no request: the probe finds nothing (a miss, counted in
+  ``embed_failures``, ``/stats`` ``layers.semantic``, and logged at most every
+  ``FAILURE_LOG_S``), and an entry whose prompt could not be embedded is not inserted.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
   ``semantic.max_entries`` entries: the least recently used go first (``carpool.lru``). An
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import re
 import secrets
 import time
@@ -63,6 +68,10 @@ from ..store.base import Selector, StoreUnavailable
 from .guard import Guard, Side, Verdict
 from .index import VectorIndex
 
+log = logging.getLogger("carpool.semantic")
+
+# Seconds between two warnings that the embedder failed (each failure is counted).
+FAILURE_LOG_S = 30.0
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.40
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
@@ -178,6 +187,8 @@ class SemanticCache:
         self._by_public: dict[str, int] = {}  # public_id -> id (feedback names entries so)
         self._ids = itertools.count(1)
         self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
+        self.embed_failures = 0  # lookups the embedder failed (missed: ``_embed_failed``)
+        self._failure_logged_at = float("-inf")
 
     @property
     def entries(self) -> int:
@@ -190,6 +201,18 @@ class SemanticCache:
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes
 
+    def _embed_failed(self, error: Exception) -> None:
+        self.embed_failures += 1
+        now = time.monotonic()
+        if now - self._failure_logged_at >= FAILURE_LOG_S:
+            self._failure_logged_at = now
+            # Its type and our words only: an upstream's message may quote a prompt.
+            log.warning(
+                "the semantic cache's embedder failed (%s; %d failures so far): lookups miss",
+                type(error).__name__,
+                self.embed_failures,
+            )
+
     async def vector(self, view: SemanticView) -> Any:
         """The embedding ``insert`` would compute for ``view`` (``focus(view).text``)."""
         return await self.embedder.embed(focus(view).text)
@@ -199,7 +222,11 @@ class SemanticCache:
         index = self._scopes.get(view.scope)
         if index is None:
             return Probe()  # nothing to compare with: no embedding needed
-        vector = await self.embedder.embed(view.text)
+        try:
+            vector = await self.embedder.embed(view.text)
+        except Exception as error:  # (the cache's failure, not the request's: a miss)
+            self._embed_failed(error)
+            return Probe()
         probe = Probe(vector)
         now = time.time()
         found: list[tuple[SemanticEntry, float]] = []

@@ -6,7 +6,8 @@ Contract:
   pairs, most similar first, similarity = cosine in [-1, 1].
 - The graph parameters come from config (``semantic.index_*``): connectivity (memory vs recall),
   expansion on add (build time vs recall) and on search (lookup time vs recall).
-- usearch is imported lazily, so the core gateway runs without the ``[semantic]`` extra.
+- usearch is imported lazily, so the core gateway runs without the ``[semantic]`` extra; and
+  after onnxruntime when that is installed (``_usearch_index``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,24 @@ from __future__ import annotations
 from typing import Any
 
 
+def _usearch_index() -> Any:
+    """usearch's ``Index``, onnxruntime loaded first: loaded after usearch, onnxruntime's
+    import crashes the process (SIGSEGV; onnxruntime 1.32 and usearch 2.26 wheels, Linux
+    x86-64), which an index built before the verifier or the local embedder did."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:  # (an upstream embedder needs no onnxruntime)
+        pass
+    from usearch.index import Index
+
+    return Index
+
+
 class VectorIndex:
     def __init__(
         self, dim: int, connectivity: int = 16, expansion_add: int = 64, expansion_search: int = 32
     ) -> None:
-        from usearch.index import Index
+        Index = _usearch_index()  # noqa: N806  (a class)
 
         self.dim = dim
         self._index = Index(
