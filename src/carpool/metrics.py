@@ -32,6 +32,8 @@ from prometheus_client.utils import floatToGoString
 from .outcome import Outcome
 
 RECENT = 1024
+# The most namespaces the semantic audit series are labelled with (``labelled``).
+METRIC_NAMESPACES = 100
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, float("inf"))
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf"))
 DURATION_BUCKETS = (
@@ -238,7 +240,7 @@ def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
         "A namespace's error-budget state: 0 serving, 1 backed-off, 2 mark.",
         labels=["namespace"],
     )
-    for namespace, audit in g["semantic_audit"].items():
+    for namespace, audit in labelled(g["semantic_audit"]):
         audited.add_metric([namespace], audit["audited"])
         wrong.add_metric([namespace], audit["wrong"])
         for bound in ("estimate", "low", "high"):
@@ -248,6 +250,17 @@ def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
 
 
 _STATES = ("serving", "backed-off", "mark")
+
+
+def labelled(audits: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The namespaces ``/metrics`` labels its series with: at most ``METRIC_NAMESPACES``, those
+    not serving first (what an alert is for), then the most audited. Namespaces are the
+    clients' to name: a series set each would grow with every one audited (``/stats`` and
+    ``GET /admin/semantic/audit`` list them all)."""
+    ranked = sorted(
+        audits.items(), key=lambda item: (item[1]["state"] == "serving", -item[1]["audited"])
+    )
+    return ranked[:METRIC_NAMESPACES]
 
 
 class Buckets:

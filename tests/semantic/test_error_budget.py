@@ -4,6 +4,7 @@ answers from labels (``tests/fakes/judge.py``) and the counting fake upstream.""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -162,6 +163,27 @@ async def test_an_audit_that_disagrees_counts_a_wrong_hit_in_its_namespace(fake,
         metrics = (await admin(gw, "GET", "/metrics")).text
         assert 'carpool_semantic_audits_wrong_total{namespace="faq"} 1.0' in metrics
         assert 'carpool_semantic_wrong_rate{bound="estimate",namespace="faq"} 1.0' in metrics
+
+
+async def test_metrics_label_a_bounded_number_of_namespaces_those_not_serving_first(
+    fake, gateway_with
+):
+    # Namespaces are the clients' to name: one series set each made /metrics grow with every
+    # namespace audited (up to 10,000 x 6 series). /stats still lists them all.
+    from carpool.metrics import METRIC_NAMESPACES
+
+    async with gateway_with(**semantic(audit_rate=1.0, max_wrong_rate=0.05)) as gw:
+        audits = gw.gateway.layers.audits
+        for i in range(METRIC_NAMESPACES + 20):
+            audits.record(f"busy-{i}", False)
+            audits.record(f"busy-{i}", False)
+        audits.record("troubled", True)  # one audit, wrong: backed off
+        assert audits.state("troubled") == "backed-off"
+        metrics = (await admin(gw, "GET", "/metrics")).text
+        labelled = re.findall(r'carpool_semantic_audits_total\{namespace="([^"]*)"\}', metrics)
+        assert len(labelled) == METRIC_NAMESPACES and "troubled" in labelled
+        stats = (await admin(gw, "GET", "/stats")).json()
+        assert len(stats["semantic_audit"]) == METRIC_NAMESPACES + 21
 
 
 # --------------------------------------------------------------------------- the budget
