@@ -277,3 +277,15 @@ def test_a_yaml_syntax_error_names_its_line_never_the_lines_text(tmp_path):
         Config.load(path, env={})
     message = str(raised.value)
     assert "sk-LIVE" not in message and "line 3" in message, message
+
+
+async def test_with_a_held_key_the_upstreams_account_headers_never_reach_a_client(held, fake):
+    # OpenAI names the account a key belongs to on every answer: the gateway's, not the client's.
+    fake.response_headers = [
+        (b"openai-organization", b"org-OPERATOR"),
+        (b"openai-project", b"proj_OPERATOR"),
+        (b"set-cookie", b"session=OPERATOR; HttpOnly"),
+    ]
+    response = await held.client.get("/v1/models", headers=bearer("client-a"))
+    assert response.status_code == 200
+    assert "OPERATOR" not in str(response.headers)

@@ -38,6 +38,8 @@ from carpool.upstream.base import PassthroughResponse, UpstreamRequest, Upstream
 from carpool.upstream.http import HttpUpstream, replica_names
 from conftest import run_gateway
 from fakes.errors import assert_openai_error
+from fakes.serving import serve_app
+from fakes.upstream import FakeUpstream
 
 ADMIN = "perimeter-admin-token"
 BEARER = {"Authorization": f"Bearer {ADMIN}"}
@@ -697,3 +699,14 @@ async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with
     assert replicas.replicas[0].errors == 6 and not await replicas.ready()
     now[0] = 5000  # back-off over: /readyz probes it, in vain
     assert not await replicas.ready() and replicas.replicas[0].errors == 7
+
+
+async def test_passthrough_never_follows_a_redirect_with_the_clients_credentials(gw, fake):
+    # aiohttp followed it, the client's api-key and query along (it drops only Authorization
+    # when the origin changes): an upstream's redirect sent them to whatever host it named.
+    elsewhere = FakeUpstream()
+    async with serve_app(elsewhere) as other:
+        fake.redirect_to = f"{other}/v1/collect"
+        response = await gw.client.get("/v1/files", headers={"api-key": "CLIENT-SECRET"})
+        assert response.status_code == 502 and elsewhere.count() == 0
+        assert response.json()["error"]["code"] == "upstream_redirect"

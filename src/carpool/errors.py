@@ -20,6 +20,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
     │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
+    │   ├── UpstreamRedirected        502: a pass-through call answered with a redirect (not followed)
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
     │       │                         (the engine took the call: ``x-should-retry: false``)
@@ -169,6 +170,15 @@ class UpstreamTimeout(UpstreamError):
 
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamRedirected(UpstreamError):
+    """A pass-through call answered with a redirect. Not followed: the client's credentials
+    (an ``api-key`` header, a query key) would go to whatever host it names; nor relayed: its
+    ``Location`` names the upstream."""
+
+    status = 502
+    code = "upstream_redirect"
 
 
 class UpstreamKeyRefused(UpstreamError):

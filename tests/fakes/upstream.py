@@ -89,6 +89,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   {"type": "api_error", "message": "fake upstream failure"}}``), on every path.
   ``fail_times: int | None``: when set, only that many more requests fail (it counts down),
   then answers are normal again.
+- ``response_headers``: ``(name, value)`` byte pairs added to every JSON answer's headers.
+- ``redirect_to: str | None``: any other path (the echo below) answers 307 to that URL.
 - ``chunk_delay: float``: seconds between streamed chunks.
 - ``chunk_gate: asyncio.Event | None`` and ``chunk_gate_after: int`` (default 2): a stream sends
   that many content chunks, sets ``chunk_gate_reached``, then waits for the event before the rest.
@@ -275,6 +277,8 @@ class FakeUpstream:
         self.fail_status: int | None = None
         self.fail_body: dict[str, Any] | None = None
         self.fail_times: int | None = None
+        self.response_headers: list[tuple[bytes, bytes]] = []
+        self.redirect_to: str | None = None
         self.chunk_delay: float = 0.0
         self.chunk_gate: asyncio.Event | None = None
         self.chunk_gate_after: int = 2
@@ -544,6 +548,19 @@ class FakeUpstream:
                 for m in self.models
             ]
             await self._send_json(send, call, 200, {"object": "list", "data": data})
+            return
+        if self.redirect_to is not None:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 307,
+                    "headers": [
+                        (b"location", self.redirect_to.encode()),
+                        (b"content-length", b"0"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         await self._send_json(
             send,
@@ -860,6 +877,7 @@ class FakeUpstream:
                     (b"content-type", b"text/event-stream"),
                     (b"cache-control", b"no-cache"),
                     (b"x-fake-call", str(call.number).encode()),
+                    *self.response_headers,
                 ],
             }
         )
@@ -1118,6 +1136,7 @@ class FakeUpstream:
                     (b"content-type", b"text/event-stream"),
                     (b"cache-control", b"no-cache"),
                     (b"x-fake-call", str(call.number).encode()),
+                    *self.response_headers,
                 ],
             }
         )
@@ -1169,6 +1188,7 @@ class FakeUpstream:
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(data)).encode()),
                     (b"x-fake-call", str(call.number).encode()),
+                    *self.response_headers,
                 ],
             }
         )

@@ -56,6 +56,7 @@ from ..config import LimitsConfig
 from ..errors import (
     UpstreamAnswerCut,
     UpstreamKeyRefused,
+    UpstreamRedirected,
     UpstreamStreamBroken,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -73,6 +74,10 @@ from .base import (
 
 # Response headers not relayed by pass-through (the ASGI server frames the body itself).
 NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+# Nor, when the gateway holds the upstream's key, what an upstream says of that key's account
+# (OpenAI names its organization and project on every answer) or the session it opens for it.
+HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 # Idle pooled connections are dropped after this many seconds: before the upstream server drops
@@ -285,7 +290,9 @@ class HttpUpstream:
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
         try:
-            response = await self._client().request(method, url, data=body, headers=headers)
+            response = await self._client().request(
+                method, url, data=body, headers=headers, allow_redirects=False
+            )
         except _TIMEOUTS as exc:
             raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
@@ -321,10 +328,16 @@ class HttpUpstream:
             encoded=True,
         )
         response = await self._open(method, url, body or None, out_headers)
+        if response.status in _REDIRECTS and "location" in response.headers:
+            # Not followed: the client's credentials (its api-key, its query) would go to
+            # whatever host the upstream named. Nor relayed: its Location names the upstream.
+            response.release()
+            raise UpstreamRedirected(
+                f"upstream {self.label} answered a redirect ({response.status})"
+            )
+        dropped = NOT_RELAYED | HELD_KEY_NOT_RELAYED if self._held else NOT_RELAYED
         relayed = [
-            (k, v)
-            for k, v in response.raw_headers
-            if k.decode("latin-1").lower() not in NOT_RELAYED
+            (k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in dropped
         ]
 
         async def content() -> AsyncIterator[bytes]:
