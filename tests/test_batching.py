@@ -637,3 +637,17 @@ async def test_usage_the_upstream_did_not_report_is_not_invented() -> None:
     batcher = EmbeddingBatcher(send, max_batch_size=2, max_batch_delay_s=30.0)
     responses = await asyncio.gather(batcher.embed(req("a")), batcher.embed(req("b")))
     assert all("usage" not in orjson.loads(r.body) for r in responses)
+
+
+async def test_the_list_checks_verdicts_are_bounded_the_least_recently_used_forgotten() -> None:
+    # A group is a body template: a client choosing its parameters (or junk fields) made one
+    # verdict per template, kept for the process's life, the template's bytes with it.
+    lists = ListCheck("auto", [Replica()], max_groups=4)
+    groups = [(GROUP[0], GROUP[1], orjson.dumps({"model": f"m{i}"}), "", "text") for i in range(6)]
+    for group in groups:
+        lists.probe(group)
+        await lists.wait_idle()
+        lists.verdict(groups[0])  # the first one stays in use
+    assert lists.stats()["groups"] == 4
+    assert lists.verdict(groups[0]) is True and lists.verdict(groups[1]) is None
+    assert lists.verdict(groups[5]) is True

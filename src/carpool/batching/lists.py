@@ -17,7 +17,9 @@ Contract
   matched the single ones (cosine >= ``SAME_VECTOR``, same length). A list answered wrongly,
   malformed, or refused with a 4xx other than 408/409/429 makes it unsafe for good; a probe
   that cannot decide (a single answered non-2xx, a transport failure, a 5xx) is tried again
-  after ``retry_s``. Verdicts are kept per replica for the process's life. Probes run in the
+  after ``retry_s``. Verdicts are kept per replica, for at most ``max_groups`` groups (the
+  least recently asked forgotten: a group is a body template, the clients' to vary, so it is
+  probed again if it comes back). Probes run in the
   background (``probe(group)``, at most one per replica and group at a time), started by the
   first batch of two or more items that could not be merged; their answers never reach a
   client. ``aclose()`` cancels those still running; ``wait_idle()`` waits for them.
@@ -41,6 +43,7 @@ from typing import Any, cast
 
 import orjson
 
+from carpool.lru import LRU
 from carpool.upstream.base import Upstream, UpstreamRequest
 
 __all__ = ["PROBE_INPUTS", "PROBE_TOKENS", "SAME_VECTOR", "ListCheck", "probe_lists"]
@@ -61,6 +64,8 @@ PROBE_TOKENS = (
 # GPU differ from their single answers in the last digits (padding, kernel order), far above
 # this; a wrong item is another text's vector, far below it.
 SAME_VECTOR = 0.99
+# The most groups (body templates) whose verdicts are kept (``ListCheck``).
+MAX_GROUPS = 4096
 # A list refused with these is not an answer about lists: the probe is tried again later.
 _UNDECIDED = frozenset({408, 409, 429})
 
@@ -76,6 +81,7 @@ class ListCheck:
         *,
         retry_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        max_groups: int = MAX_GROUPS,
     ) -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"mode must be auto, on or off, not {mode!r}")
@@ -83,8 +89,9 @@ class ListCheck:
         self.upstreams = list(upstreams)
         self.retry_s = retry_s
         self.clock = clock
-        self._verdicts: dict[tuple[int, Hashable], bool] = {}
-        self._retry_at: dict[tuple[int, Hashable], float] = {}
+        slots = max_groups * max(1, len(self.upstreams))  # (one per replica and group)
+        self._verdicts: LRU[tuple[int, Hashable], bool] = LRU(max_entries=slots)
+        self._retry_at: LRU[tuple[int, Hashable], float] = LRU(max_entries=slots)
         self._probes: dict[tuple[int, Hashable], asyncio.Task[None]] = {}
         self.probes = 0  # probes run (each: three upstream calls)
 
@@ -97,7 +104,7 @@ class ListCheck:
         if self.mode != "auto":
             return self.mode == "on"
         key = self._key(group)
-        found = [self._verdicts.get((i, key)) for i in range(len(self.upstreams))]
+        found = [self._verdicts.get((i, key)) for i in range(len(self.upstreams))]  # (used)
         if False in found:
             return False
         return True if found and all(found) else None
@@ -109,10 +116,11 @@ class ListCheck:
         key, now = self._key(group), self.clock()
         for i, upstream in enumerate(self.upstreams):
             slot = (i, key)
+            retry_at = self._retry_at.peek(slot)
             if (
                 slot in self._verdicts
                 or slot in self._probes
-                or now < self._retry_at.get(slot, 0.0)
+                or (retry_at is not None and now < retry_at)
             ):
                 continue
             task = asyncio.get_running_loop().create_task(self._probe(slot, upstream, group))
@@ -125,15 +133,16 @@ class ListCheck:
         finally:
             del self._probes[slot]
         if verdict is None:
-            self._retry_at[slot] = self.clock() + self.retry_s
+            self._retry_at.put(slot, self.clock() + self.retry_s)
         else:
-            self._verdicts[slot] = verdict
+            self._verdicts.put(slot, verdict)
 
     def stats(self) -> dict[str, Any]:
-        verdicts = list(self._verdicts.values())
+        verdicts = [verdict for _, verdict in self._verdicts.items()]
         return {
             "mode": self.mode,
             "probes": self.probes,
+            "groups": len({key for _, key in self._verdicts}),
             "lists_right": verdicts.count(True),
             "lists_wrong": verdicts.count(False),
         }
