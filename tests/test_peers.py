@@ -451,3 +451,46 @@ async def test_a_clients_own_peer_raw_header_is_never_honoured_by_the_owner(fake
         response = await pair.a.chat(question, headers=headers)
         assert response.status_code == 200 and pair.a.gateway.snapshot()["peer_calls"] == 1
         assert fake.calls[-1].headers["x-custom"] == "a%41"
+
+
+async def test_a_request_within_the_header_limit_is_within_it_on_its_owner_too(fake):
+    """The hop to the owner adds headers of its own (``accept-encoding: identity``, aiohttp's
+    ``Accept``, its ``Host``): counted again on the owner against ``limits.max_header_bytes``, a
+    client's request just within the limit got a 431 there when keyed, and was done where it
+    landed (a second upstream call per key) when asked. A peer's request is not measured again:
+    its worker measured the client's own headers."""
+    limit = 2048
+    async with (
+        two_workers(fake.url, limits={"max_header_bytes": limit}) as pair,
+        httpx.AsyncClient(base_url=pair.a.url) as client,
+    ):
+        for name in ("accept", "accept-encoding", "connection", "user-agent"):
+            del client.headers[name]  # (only what a terse client sends)
+
+        def at_the_limit(question: str, extra: dict[str, str], over: int = 0) -> httpx.Request:
+            body = httpx.Request("POST", "/", json=_chat(question)).content
+            headers = {"content-type": "application/json", **extra, "x-filler": ""}
+            request = client.build_request("POST", "/v1/chat/completions", content=body)
+            request.headers.update(headers)
+            size = sum(len(name) + len(value) for name, value in request.headers.raw)
+            request.headers["x-filler"] = "f" * (limit - size + over)
+            assert sum(len(n) + len(v) for n, v in request.headers.raw) == limit + over
+            return request
+
+        keyed = next(
+            f"order-{i}"
+            for i in range(1000)
+            if pair.a.gateway.peers is not None
+            and pair.a.gateway.peers.owner_of(scope_of_key(pair.a.gateway, f"order-{i}")) == 1
+        )
+        response = await client.send(at_the_limit("Charge my card", {"idempotency-key": keyed}))
+        assert response.status_code == 200, response.text
+        asked = await client.send(at_the_limit(owned_by(pair.a.gateway, 1), {}))
+        assert asked.status_code == 200 and asked.headers["x-carpool"] == "miss"
+        # Both were run by the owner, once each; nothing was done here instead.
+        a, b = pair.a.gateway.snapshot(), pair.b.gateway.snapshot()
+        assert (a["upstream_calls"], a["peers"]["unreachable"], a["peer_calls"]) == (0, 0, 2)
+        assert b["upstream_calls"] == 2 and fake.count() == 2
+        # The client's own limit still holds.
+        over = await client.send(at_the_limit(owned_by(pair.a.gateway, 1, "Over"), {}, over=1))
+        assert over.status_code == 431 and fake.count() == 2

@@ -26,7 +26,9 @@ Contract:
   with the token as the password, so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
 - A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
-  too (``carpool.peers``): only what came through it with the run's secret is a peer's.
+  too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
+  peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
+  on measured the client's own headers, and the hop adds its own.
 - ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
   or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
   while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
@@ -123,8 +125,14 @@ class GatewayApp:
             self.gateway.stats.rejected += 1
             await _send_whole(send, 401, UNAUTHORIZED_HEADERS, UNAUTHORIZED)
             return
-        if scope["type"] == "http" and _header_bytes(scope["headers"]) > self.max_headers:
+        if (
+            scope["type"] == "http"
+            and _header_bytes(scope["headers"]) > self.max_headers
+            and scope.get(PEER) is not True
+        ):
             # Checked here because httptools accepts headers of any size, and they go upstream.
+            # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
+            # and the hop's own (its host, accept, accept-encoding) are not the client's.
             api = BY_PATH.get(scope["path"])
             if api is not None:
                 self.gateway.stats.rejected += 1

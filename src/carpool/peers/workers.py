@@ -122,8 +122,9 @@ class Peers:
             return None
         self.calls += 1
         if response.status in _OWN_LIMITS and response.headers.get("x-carpool") == "bypass":
-            # The owner's own limits refused what this worker added to the request (the peer's
-            # headers, stream_options), which the client's request was within: done here.
+            # The owner's own limits refused what this worker added to the request (its body's
+            # stream_options; the headers of a peer's request are not measured again), which
+            # the client's request was within: done here.
             response.release()
             self._missed(owner, RuntimeError(f"HTTP {response.status} from its limits"))
             return None
