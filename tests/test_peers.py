@@ -308,7 +308,8 @@ SSE = [(b"content-type", b"text/event-stream")]
 
 async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_here_too(fake):
     """Sent to the owner of its record, which took it and said nothing in time: it may be
-    running there, so it is a 503 to retry (answered from that record), not a second run."""
+    running there, so it is a 503 to retry (answered from that record while the owner lives), not
+    a second run."""
     directory = peers.prepare(2)
     config = Config(
         upstreams=[fake.url],
@@ -494,3 +495,50 @@ async def test_a_request_within_the_header_limit_is_within_it_on_its_owner_too(f
         # The client's own limit still holds.
         over = await client.send(at_the_limit(owned_by(pair.a.gateway, 1, "Over"), {}, over=1))
         assert over.status_code == 431 and fake.count() == 2
+
+
+async def test_a_keyed_request_whose_owner_died_holding_it_says_a_retry_may_run_it_again(fake):
+    """The owner of its record took the request and died before answering: a 503 to retry, which
+    says what becomes of the retry. The record lived in the dead worker's memory only, so the
+    retry, on the worker that takes its slot, runs the request (it said "not run twice")."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url])
+    taken = asyncio.Event()
+
+    async def takes_and_dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        taken.set()
+        writer.transport.abort()  # (as the kernel does for a worker killed with SIGKILL)
+
+    try:
+        slot, owner = claim(directory, 2), claim(directory, 2)
+        assert slot is not None and owner is not None
+        dying = await asyncio.start_unix_server(takes_and_dies, path=str(owner.socket_path(1)))
+        gateway = build_gateway(config, peers=Peers(slot, config))
+        assert gateway.peers is not None
+        key = next(
+            f"order-{i}"
+            for i in range(1000)
+            if gateway.peers.owner_of(scope_of_key(gateway, f"order-{i}")) == 1
+        )
+        headers = {"idempotency-key": key}
+        async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
+            served = Served(url, gateway, c)
+            response = await served.chat("Charge my card", headers=headers)
+            assert taken.is_set() and response.status_code == 503
+            assert response.headers["retry-after"] == "1" and fake.count() == 0
+            detail = response.json()["detail"]
+            assert "not run twice" not in detail and "may run the request again" in detail
+            # The worker that takes the dead one's slot holds no record of it.
+            dying.close()
+            await dying.wait_closed()
+            os.close(owner.lock_fd)  # (the kernel frees a dead worker's lock)
+            successor = claim(directory, 2)
+            assert successor is not None and successor.index == 1
+            replacement = build_gateway(config, peers=Peers(successor, config))
+            async with serve_app(create_app(replacement)):
+                retry = await served.chat("Charge my card", headers=headers)
+            assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
+            assert fake.count() == 1 and replacement.snapshot()["upstream_calls"] == 1
+    finally:
+        peers.remove(directory)

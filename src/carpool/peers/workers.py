@@ -19,7 +19,9 @@ Contract:
   as it comes (a stream frame by frame).
   None: the owner's socket could not be reached (nothing sent); the request runs here. Sent but
   not answered (a timeout, the owner gone mid-way): a 503 with ``Retry-After``, never a run
-  here too (the owner may be running it); the retry reaches the owner's record.
+  here too (the owner may be running it). The retry reaches the owner's record while the owner
+  lives; an owner that died took its record with it (memory only), so the retry may run the
+  request again, and the 503 says so.
 - ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once; how many
   answers they dropped. A worker that does not answer holds nothing to drop when it is down (a
   new process starts empty); one that is alive but does not answer in time is logged.
@@ -317,7 +319,9 @@ def _sent_unanswered(owner: int, client: ClientRequest, error: BaseException) ->
     """A keyed request the owner received but did not answer: not run here (it may run there)."""
     log.warning("worker %d did not answer a keyed request it received (%s)", owner, _why(error))
     refused = IdempotencyUnavailable(
-        "The worker holding this Idempotency-Key's record did not answer in time; retry with "
-        "the same key (it is answered from the record, not run twice)."
+        "The worker holding this Idempotency-Key's record took the request and did not answer. "
+        "Retry with the same key: while that worker is running it or holds its answer, the "
+        "retry is answered from its record; if that worker died, its record (kept in its "
+        "memory: no Redis) died with it, and the retry may run the request again."
     )
     return error_reply(refused, Outcome.BYPASS, BY_PATH[client.path])
