@@ -542,3 +542,75 @@ async def test_a_keyed_request_whose_owner_died_holding_it_says_a_retry_may_run_
             assert fake.count() == 1 and replacement.snapshot()["upstream_calls"] == 1
     finally:
         peers.remove(directory)
+
+
+async def test_a_worker_without_a_slot_asks_the_owners_until_one_frees_then_owns_it(fake):
+    """Every slot held as it starts (uvicorn's SIGHUP starts the new worker before it stops the
+    old one; SIGTTIN adds one beyond N): the worker owns nothing and asks the owners (it shared
+    nothing, for good: a key's call, an Idempotency-Key's run once per worker). Invalidations
+    reach it on its spare socket; a keyed request whose owner is down is not run there; once a
+    slot frees, it takes it and owns its keys."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url], admin_token="adm")
+    admin = {"authorization": "Bearer adm"}
+    try:
+        first, second = claim(directory, 2), claim(directory, 2)
+        assert first is not None and second is not None and claim(directory, 2) is None
+        owner0 = build_gateway(config, peers=Peers(first, config))
+        owner1 = build_gateway(config, peers=Peers(second, config))
+        newcomer = build_gateway(config, peers=Peers(peers.meeting(directory, 2), config))
+        assert newcomer.peers is not None and newcomer.peers.index is None
+        async with contextlib.AsyncExitStack() as stack:
+            served = []
+            for gateway in (owner0, newcomer):
+                url = await stack.enter_async_context(serve_app(create_app(gateway)))
+                client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+                served.append(Served(url, gateway, client))
+            w0, new = served
+            # Worker 1 is down (it holds its slot): a keyed request it owns is not run here.
+            key = next(
+                f"order-{i}"
+                for i in range(1000)
+                if newcomer.peers.owner_of(scope_of_key(newcomer, f"order-{i}")) == 1
+            )
+            refused = await new.chat("Charge my card", headers={"idempotency-key": key})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert fake.count() == 0
+            async with serve_app(create_app(owner1)) as url1:
+                # Owned by 0: asked of it, kept here as well.
+                question = owned_by(newcomer, 0)
+                assert (await new.chat(question)).headers["x-carpool"] == "miss"
+                assert (await w0.chat(question)).headers["x-carpool"] == "hit"
+                assert (await new.chat(question)).headers["x-carpool"] == "hit"
+                assert owner0.snapshot()["upstream_calls"] == 1
+                assert newcomer.snapshot()["upstream_calls"] == 0
+                # Keyed: run once, by its record's owner, wherever the retries land.
+                for where in (new, w0, new):
+                    again = await where.chat("Charge my card", headers={"idempotency-key": key})
+                    assert again.status_code == 200
+                assert fake.count() == 2 and owner1.snapshot()["upstream_calls"] == 1
+                # An invalidation on an owner reaches the newcomer, and one there reaches both.
+                async with httpx.AsyncClient(base_url=url1) as c1:
+                    dropped = await c1.post("/admin/invalidate", json={"all": True}, headers=admin)
+                assert dropped.status_code == 200
+                assert (await new.chat(question)).headers["x-carpool"] == "miss"
+                assert (await w0.chat(question)).headers["x-carpool"] == "hit"
+                dropped = await new.client.post(
+                    "/admin/invalidate", json={"all": True}, headers=admin
+                )
+                assert dropped.status_code == 200 and dropped.json()["invalidated"] >= 2
+                assert (await w0.chat(question)).headers["x-carpool"] == "miss"
+                assert newcomer.snapshot()["peers"]["worker"] is None
+            os.close(second.lock_fd)  # (worker 1 stopped: the kernel frees its lock)
+            await eventually(
+                lambda: newcomer.peers.index == 1 and not list(directory.glob("spare-*.sock")),
+                what="the newcomer took slot 1 and closed its spare socket",
+            )
+            assert newcomer.snapshot()["peers"]["worker"] == 1
+            # It owns slot 1's keys now: worker 0 asks it.
+            question = owned_by(owner0, 1, "Led by the newcomer")
+            assert (await w0.chat(question)).headers["x-carpool"] == "miss"
+            assert newcomer.snapshot()["peers"]["served"] == 1
+            assert newcomer.snapshot()["upstream_calls"] == 1
+    finally:
+        peers.remove(directory)
