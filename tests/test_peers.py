@@ -308,7 +308,8 @@ SSE = [(b"content-type", b"text/event-stream")]
 
 async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_here_too(fake):
     """Sent to the owner of its record, which took it and said nothing in time: it may be
-    running there, so it is a 503 to retry (answered from that record), not a second run."""
+    running there, so it is a 503 to retry (answered from that record while the owner lives), not
+    a second run."""
     directory = peers.prepare(2)
     config = Config(
         upstreams=[fake.url],
@@ -451,3 +452,165 @@ async def test_a_clients_own_peer_raw_header_is_never_honoured_by_the_owner(fake
         response = await pair.a.chat(question, headers=headers)
         assert response.status_code == 200 and pair.a.gateway.snapshot()["peer_calls"] == 1
         assert fake.calls[-1].headers["x-custom"] == "a%41"
+
+
+async def test_a_request_within_the_header_limit_is_within_it_on_its_owner_too(fake):
+    """The hop to the owner adds headers of its own (``accept-encoding: identity``, aiohttp's
+    ``Accept``, its ``Host``): counted again on the owner against ``limits.max_header_bytes``, a
+    client's request just within the limit got a 431 there when keyed, and was done where it
+    landed (a second upstream call per key) when asked. A peer's request is not measured again:
+    its worker measured the client's own headers."""
+    limit = 2048
+    async with (
+        two_workers(fake.url, limits={"max_header_bytes": limit}) as pair,
+        httpx.AsyncClient(base_url=pair.a.url) as client,
+    ):
+        for name in ("accept", "accept-encoding", "connection", "user-agent"):
+            del client.headers[name]  # (only what a terse client sends)
+
+        def at_the_limit(question: str, extra: dict[str, str], over: int = 0) -> httpx.Request:
+            body = httpx.Request("POST", "/", json=_chat(question)).content
+            headers = {"content-type": "application/json", **extra, "x-filler": ""}
+            request = client.build_request("POST", "/v1/chat/completions", content=body)
+            request.headers.update(headers)
+            size = sum(len(name) + len(value) for name, value in request.headers.raw)
+            request.headers["x-filler"] = "f" * (limit - size + over)
+            assert sum(len(n) + len(v) for n, v in request.headers.raw) == limit + over
+            return request
+
+        keyed = next(
+            f"order-{i}"
+            for i in range(1000)
+            if pair.a.gateway.peers is not None
+            and pair.a.gateway.peers.owner_of(scope_of_key(pair.a.gateway, f"order-{i}")) == 1
+        )
+        response = await client.send(at_the_limit("Charge my card", {"idempotency-key": keyed}))
+        assert response.status_code == 200, response.text
+        asked = await client.send(at_the_limit(owned_by(pair.a.gateway, 1), {}))
+        assert asked.status_code == 200 and asked.headers["x-carpool"] == "miss"
+        # Both were run by the owner, once each; nothing was done here instead.
+        a, b = pair.a.gateway.snapshot(), pair.b.gateway.snapshot()
+        assert (a["upstream_calls"], a["peers"]["unreachable"], a["peer_calls"]) == (0, 0, 2)
+        assert b["upstream_calls"] == 2 and fake.count() == 2
+        # The client's own limit still holds.
+        over = await client.send(at_the_limit(owned_by(pair.a.gateway, 1, "Over"), {}, over=1))
+        assert over.status_code == 431 and fake.count() == 2
+
+
+async def test_a_keyed_request_whose_owner_died_holding_it_says_a_retry_may_run_it_again(fake):
+    """The owner of its record took the request and died before answering: a 503 to retry, which
+    says what becomes of the retry. The record lived in the dead worker's memory only, so the
+    retry, on the worker that takes its slot, runs the request (it said "not run twice")."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url])
+    taken = asyncio.Event()
+
+    async def takes_and_dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        taken.set()
+        writer.transport.abort()  # (as the kernel does for a worker killed with SIGKILL)
+
+    try:
+        slot, owner = claim(directory, 2), claim(directory, 2)
+        assert slot is not None and owner is not None
+        dying = await asyncio.start_unix_server(takes_and_dies, path=str(owner.socket_path(1)))
+        gateway = build_gateway(config, peers=Peers(slot, config))
+        assert gateway.peers is not None
+        key = next(
+            f"order-{i}"
+            for i in range(1000)
+            if gateway.peers.owner_of(scope_of_key(gateway, f"order-{i}")) == 1
+        )
+        headers = {"idempotency-key": key}
+        async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
+            served = Served(url, gateway, c)
+            response = await served.chat("Charge my card", headers=headers)
+            assert taken.is_set() and response.status_code == 503
+            assert response.headers["retry-after"] == "1" and fake.count() == 0
+            detail = response.json()["detail"]
+            assert "not run twice" not in detail and "may run the request again" in detail
+            # The worker that takes the dead one's slot holds no record of it.
+            dying.close()
+            await dying.wait_closed()
+            os.close(owner.lock_fd)  # (the kernel frees a dead worker's lock)
+            successor = claim(directory, 2)
+            assert successor is not None and successor.index == 1
+            replacement = build_gateway(config, peers=Peers(successor, config))
+            async with serve_app(create_app(replacement)):
+                retry = await served.chat("Charge my card", headers=headers)
+            assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
+            assert fake.count() == 1 and replacement.snapshot()["upstream_calls"] == 1
+    finally:
+        peers.remove(directory)
+
+
+async def test_a_worker_without_a_slot_asks_the_owners_until_one_frees_then_owns_it(fake):
+    """Every slot held as it starts (uvicorn's SIGHUP starts the new worker before it stops the
+    old one; SIGTTIN adds one beyond N): the worker owns nothing and asks the owners (it shared
+    nothing, for good: a key's call, an Idempotency-Key's run once per worker). Invalidations
+    reach it on its spare socket; a keyed request whose owner is down is not run there; once a
+    slot frees, it takes it and owns its keys."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url], admin_token="adm")
+    admin = {"authorization": "Bearer adm"}
+    try:
+        first, second = claim(directory, 2), claim(directory, 2)
+        assert first is not None and second is not None and claim(directory, 2) is None
+        owner0 = build_gateway(config, peers=Peers(first, config))
+        owner1 = build_gateway(config, peers=Peers(second, config))
+        newcomer = build_gateway(config, peers=Peers(peers.meeting(directory, 2), config))
+        assert newcomer.peers is not None and newcomer.peers.index is None
+        async with contextlib.AsyncExitStack() as stack:
+            served = []
+            for gateway in (owner0, newcomer):
+                url = await stack.enter_async_context(serve_app(create_app(gateway)))
+                client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+                served.append(Served(url, gateway, client))
+            w0, new = served
+            # Worker 1 is down (it holds its slot): a keyed request it owns is not run here.
+            key = next(
+                f"order-{i}"
+                for i in range(1000)
+                if newcomer.peers.owner_of(scope_of_key(newcomer, f"order-{i}")) == 1
+            )
+            refused = await new.chat("Charge my card", headers={"idempotency-key": key})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert fake.count() == 0
+            async with serve_app(create_app(owner1)) as url1:
+                # Owned by 0: asked of it, kept here as well.
+                question = owned_by(newcomer, 0)
+                assert (await new.chat(question)).headers["x-carpool"] == "miss"
+                assert (await w0.chat(question)).headers["x-carpool"] == "hit"
+                assert (await new.chat(question)).headers["x-carpool"] == "hit"
+                assert owner0.snapshot()["upstream_calls"] == 1
+                assert newcomer.snapshot()["upstream_calls"] == 0
+                # Keyed: run once, by its record's owner, wherever the retries land.
+                for where in (new, w0, new):
+                    again = await where.chat("Charge my card", headers={"idempotency-key": key})
+                    assert again.status_code == 200
+                assert fake.count() == 2 and owner1.snapshot()["upstream_calls"] == 1
+                # An invalidation on an owner reaches the newcomer, and one there reaches both.
+                async with httpx.AsyncClient(base_url=url1) as c1:
+                    dropped = await c1.post("/admin/invalidate", json={"all": True}, headers=admin)
+                assert dropped.status_code == 200
+                assert (await new.chat(question)).headers["x-carpool"] == "miss"
+                assert (await w0.chat(question)).headers["x-carpool"] == "hit"
+                dropped = await new.client.post(
+                    "/admin/invalidate", json={"all": True}, headers=admin
+                )
+                assert dropped.status_code == 200 and dropped.json()["invalidated"] >= 2
+                assert (await w0.chat(question)).headers["x-carpool"] == "miss"
+                assert newcomer.snapshot()["peers"]["worker"] is None
+            os.close(second.lock_fd)  # (worker 1 stopped: the kernel frees its lock)
+            await eventually(
+                lambda: newcomer.peers.index == 1 and not list(directory.glob("spare-*.sock")),
+                what="the newcomer took slot 1 and closed its spare socket",
+            )
+            assert newcomer.snapshot()["peers"]["worker"] == 1
+            # It owns slot 1's keys now: worker 0 asks it.
+            question = owned_by(owner0, 1, "Led by the newcomer")
+            assert (await w0.chat(question)).headers["x-carpool"] == "miss"
+            assert newcomer.snapshot()["peers"]["served"] == 1
+            assert newcomer.snapshot()["upstream_calls"] == 1
+    finally:
+        peers.remove(directory)

@@ -44,6 +44,7 @@ class Workers:
     base: str
     proc: subprocess.Popen[bytes]
     stats: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> its last /stats
+    n: int = 2  # the workers serving
 
     async def once(
         self, send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]
@@ -64,14 +65,30 @@ class Workers:
                 return
         raise AssertionError("every request landed on one worker")
 
+    async def until_serving(self, n: int, slots: list[int | None], gone: set[int]) -> None:
+        """Until ``n`` workers, none of the pids ``gone``, have answered, their slots ``slots``
+        (``None``: a worker without one); ``stats`` then holds only theirs (bounded)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while loop.time() < deadline:
+            with contextlib.suppress(httpx.TransportError):  # (a worker stopping)
+                await self.once(lambda client: client.get("/healthz"))
+            live = {pid: s for pid, s in self.stats.items() if pid not in gone}
+            held = sorted((s.get("peers", {}).get("worker") for s in live.values()), key=str)
+            if len(live) == n and held == sorted(slots, key=str):
+                self.stats, self.n = live, n
+                return
+        seen = {pid: s.get("peers", {}).get("worker") for pid, s in self.stats.items()}
+        raise AssertionError(f"never {n} workers holding {slots} (pid: slot): {seen}")
+
     async def spread(
         self, send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]], at_least: int = 6
     ) -> list[tuple[httpx.Response, int]]:
         """``send`` on new connections until both workers answered it, ``at_least`` times."""
         answered: list[tuple[httpx.Response, int]] = []
-        for _ in range(TRIES):
+        for _ in range(TRIES * self.n):
             answered.append(await self.once(send))
-            if len({pid for _, pid in answered}) == 2 and len(answered) >= at_least:
+            if len({pid for _, pid in answered}) == self.n and len(answered) >= at_least:
                 return answered
         raise AssertionError("every request landed on one worker")
 
@@ -254,6 +271,50 @@ async def test_a_worker_killed_fails_no_request_and_its_successor_takes_its_slot
             raise AssertionError("the killed worker was not replaced")
         # It took the dead worker's slot: the keys it owns are led there again.
         assert served.stats[pid]["peers"]["worker"] == before[victim]["peers"]["worker"]
+
+
+async def test_after_a_sighup_reload_the_new_workers_take_the_slots_and_share(fake, tmp_path):
+    """uvicorn's SIGHUP starts each new worker while the old one still holds its slot, and stops
+    the old one once the new one serves: the new one takes the slot as it frees. (It found none
+    and shared nothing, for good: an Idempotency-Key ran once per worker, identical requests
+    made one call per worker, an invalidation did not reach it.)"""
+    async with workers(fake.url, tmp_path) as served:
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await served.until_serving(2, [0, 1], gone=set(served.stats))
+        await _share_one_call_per_key(served, fake)
+
+
+async def test_a_worker_sigttin_adds_asks_the_owners_and_takes_invalidations(fake, tmp_path):
+    """A worker beyond N (SIGTTIN) finds every slot held: it owns nothing and asks the owners,
+    keyed requests included, and the invalidations passed on reach it. (It shared nothing: an
+    Idempotency-Key ran once per worker.)"""
+    async with workers(fake.url, tmp_path) as served:
+        os.kill(served.proc.pid, signal.SIGTTIN)
+        await served.until_serving(3, [0, 1, None], gone=set())
+        await _share_one_call_per_key(served, fake)
+
+
+async def _share_one_call_per_key(served: Workers, fake: Any) -> None:
+    """One Idempotency-Key sent on every worker runs once; identical requests make one call; an
+    invalidation on one worker reaches all: after it, one new call, its answer everywhere."""
+    headers = {"Idempotency-Key": "after-the-change"}
+    keyed = await served.spread(
+        lambda client: client.post("/v1/chat/completions", json=chat("Charge me"), headers=headers)
+    )
+    assert all(r.status_code == 200 for r, _ in keyed)
+    assert {content(r) for r, _ in keyed} == {"answer 1 to Charge me"}
+    assert fake.count() == 1
+    send = lambda client: client.post(  # noqa: E731
+        "/v1/chat/completions", json=chat(QUESTIONS[0])
+    )
+    assert {content(r) for r, _ in await served.spread(send)} == {f"answer 2 to {QUESTIONS[0]}"}
+    assert fake.count() == 2
+    response, _ = await served.once(
+        lambda client: client.post("/admin/invalidate", json={"all": True}, headers=ADMIN)
+    )
+    assert response.status_code == 200
+    assert {content(r) for r, _ in await served.spread(send)} == {f"answer 3 to {QUESTIONS[0]}"}
+    assert fake.count() == 3
 
 
 def _streamed_text(sse: str) -> str:

@@ -26,7 +26,9 @@ Contract:
   with the token as the password, so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
 - A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
-  too (``carpool.peers``): only what came through it with the run's secret is a peer's.
+  too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
+  peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
+  on measured the client's own headers, and the hop adds its own.
 - ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
   or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
   while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
@@ -72,7 +74,7 @@ from .logs import configure as configure_logging
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
-from .peers import PEER, PEERS_VARIABLE, Peers, claim
+from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
@@ -123,8 +125,14 @@ class GatewayApp:
             self.gateway.stats.rejected += 1
             await _send_whole(send, 401, UNAUTHORIZED_HEADERS, UNAUTHORIZED)
             return
-        if scope["type"] == "http" and _header_bytes(scope["headers"]) > self.max_headers:
+        if (
+            scope["type"] == "http"
+            and _header_bytes(scope["headers"]) > self.max_headers
+            and scope.get(PEER) is not True
+        ):
             # Checked here because httptools accepts headers of any size, and they go upstream.
+            # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
+            # and the hop's own (its host, accept, accept-encoding) are not the client's.
             api = BY_PATH.get(scope["path"])
             if api is not None:
                 self.gateway.stats.rejected += 1
@@ -431,14 +439,20 @@ def create_app(gateway: Gateway | None = None) -> GatewayApp:
 def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
     the config file the parent wrote (``CARPOOL_CONFIG``). Without ``redis``, the worker takes
-    a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names)."""
+    a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names), or,
+    every slot held, asks their owners until one frees (``Peers``)."""
     config = Config.load(os.environ.get("CARPOOL_CONFIG"))
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
     directory = os.environ.get(PEERS_VARIABLE)
-    slot = claim(Path(directory), config.workers) if directory and not config.redis else None
-    if directory and slot is None:
-        log.warning("no free worker slot: this worker shares nothing with the others")
-    return GatewayApp(build_gateway(config, peers=Peers(slot, config) if slot else None))
+    peers = None
+    if directory and not config.redis:
+        slot = claim(Path(directory), config.workers)
+        if slot is None:
+            # uvicorn's SIGHUP starts each new worker while the old one holds its slot; SIGTTIN
+            # adds one beyond N: a client of the owners meanwhile, it takes the first to free.
+            log.info("every worker slot is held: this worker asks their owners until one frees")
+        peers = Peers(slot or meeting(Path(directory), config.workers), config)
+    return GatewayApp(build_gateway(config, peers=peers))
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

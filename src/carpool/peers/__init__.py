@@ -17,6 +17,9 @@ identical requests arriving at different workers still make one upstream call pe
 - A peer's request carries the run's secret; only the peer socket trusts it (``PeerApp``). The
   owner leads it itself and never passes it on: no request crosses more than one hop.
 - A peer that does not answer never fails a request: the asking worker does the work itself.
+- A worker that finds every slot held (uvicorn's SIGHUP starts each new worker before it stops
+  the old one; SIGTTIN adds one beyond N) is a client of the owners, owning nothing, until a
+  slot frees (``Peers``): it never runs a keyed request on its own.
 
 ``Peers`` (``workers.py``) is the layer (``Layers.peers``), built by the worker app
 (``server.create_worker_app``) from ``PEERS_VARIABLE``.
@@ -24,17 +27,19 @@ identical requests arriving at different workers still make one upstream call pe
 
 from ..config.loader import PEERS_VARIABLE
 from .server import PEER, PEER_HEADER, PeerApp
-from .slots import Slot, claim, prepare, remove, socket_path
+from .slots import Meeting, Slot, claim, meeting, prepare, remove, socket_path
 from .workers import Peers
 
 __all__ = [
     "PEER",
     "PEERS_VARIABLE",
     "PEER_HEADER",
+    "Meeting",
     "PeerApp",
     "Peers",
     "Slot",
     "claim",
+    "meeting",
     "prepare",
     "remove",
     "socket_path",

@@ -4,10 +4,11 @@ Contract:
 - ``PeerApp`` wraps the worker's ``GatewayApp``: a request that carries the run's secret in
   ``x-carpool-peer`` (compared in constant time) is marked as a peer's (``scope[PEER]``), which
   the app reads as "another worker chose this one: lead it here, never forward it again"
-  (``ClientRequest.peer``, ``Gateway``) and, on ``/admin/invalidate``, "do not pass it on". The
-  header is dropped from the scope either way, so nothing below ever sees it. Any other
-  request through this door is served as a client's: the socket sits in a 0700 directory, and
-  the secret is the second lock.
+  (``ClientRequest.peer``, ``Gateway``), on ``/admin/invalidate`` as "do not pass it on", and
+  as "not held to ``limits.max_header_bytes`` again" (``server.GatewayApp``: its worker measured
+  the client's own headers, and the hop adds its own). The header is dropped from the scope
+  either way, so nothing below ever sees it. Any other request through this door is served as
+  a client's: the socket sits in a 0700 directory, and the secret is the second lock.
 - Header values that are not ASCII come percent-encoded, their names listed in
   ``x-carpool-peer-raw`` (the asking worker's HTTP client would send them as UTF-8, not as the
   bytes the client sent): a peer's request gets them back byte for byte. That header too is

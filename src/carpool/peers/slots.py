@@ -6,13 +6,19 @@ Contract:
   the workers in ``CARPOOL_PEERS`` (``config.loader.PEERS_VARIABLE``). ``remove`` deletes it when the parent exits.
   It is made in the temporary directory (``TMPDIR``), or in ``/tmp`` when a socket's path there
   would be longer than a Unix socket's may be (``MAX_SOCKET_PATH``: 107 bytes on Linux).
-- ``claim(directory, count)`` (each worker, as it starts): the first free index 0..N-1, held by
-  an exclusive ``flock`` on ``peer-<i>.lock`` for the process's life. The kernel releases the
-  lock of a process that dies, however it dies, so the worker uvicorn starts in its place takes
-  its slot over; no two live workers ever hold one index (a stale socket file says nothing
-  about its owner being alive; a lock does). None when every slot is held (a worker beyond N).
+- ``claim(directory, count)`` (each worker, as it starts, and a worker without a slot until it
+  has one): the first free index 0..N-1, held by an exclusive ``flock`` on ``peer-<i>.lock``
+  for the process's life. The kernel releases the lock of a process that dies, however it
+  dies, so the worker uvicorn starts in its place takes its slot over; no two live workers ever
+  hold one index (a stale socket file says nothing about its owner being alive; a lock does).
+  Never blocks: None when every slot is held (uvicorn's SIGHUP starts each new worker while
+  the old one still holds its slot; SIGTTIN adds a worker beyond N). Such a worker holds the
+  run's ``meeting(directory, count)`` instead, and tries again (``Peers``).
 - ``socket_path(directory, i)``: where worker ``i`` listens for its peers (``server.py``); a
   stale file there (its worker died) is replaced by the slot's next holder.
+- ``spare_path(directory)``: where a worker without a slot listens, a new name each time
+  (``spare-<random>.sock``), for the invalidations the others pass on (it keeps answers too);
+  ``spares(directory)``: those sockets now, a dead worker's stale file among them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,22 @@ from pathlib import Path
 
 SECRET_FILE = "secret"
 PREFIX = "carpool-peers-"
+SPARE_PREFIX = "spare-"
+SPARE_NAME = 16  # hex digits of a spare socket's random name
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (Linux's sun_path, less its NUL)
+
+
+@dataclass(frozen=True, slots=True)
+class Meeting:
+    """The run's meeting place as a worker without a slot sees it: ``count`` slots, the
+    ``secret``."""
+
+    directory: Path
+    count: int
+    secret: bytes = field(repr=False)
+
+    def socket_path(self, index: int) -> Path:
+        return socket_path(self.directory, index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +80,8 @@ def _parent(count: int) -> str:
     """Where the directory goes: the temporary directory if the last worker's socket path fits
     in a Unix socket's (mkdtemp adds 8 characters to the prefix), else ``/tmp``."""
     parent = tempfile.gettempdir()
-    longest = os.path.join(parent, PREFIX + "x" * 8, f"peer-{count - 1}.sock")
+    name = max(f"peer-{count - 1}.sock", SPARE_PREFIX + "x" * SPARE_NAME + ".sock", key=len)
+    longest = os.path.join(parent, PREFIX + "x" * 8, name)
     if len(os.fsencode(longest)) > MAX_SOCKET_PATH and os.path.isdir("/tmp"):
         return "/tmp"
     return parent
@@ -69,9 +91,14 @@ def remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def meeting(directory: Path, count: int) -> Meeting:
+    """The run of ``directory`` with ``count`` slots, without one."""
+    return Meeting(directory, count, _secret(directory))
+
+
 def claim(directory: Path, count: int) -> Slot | None:
     """The first free slot of ``directory`` for this process, or None when all are held."""
-    secret = (directory / SECRET_FILE).read_bytes().strip()
+    secret = _secret(directory)
     for index in range(count):
         fd = os.open(directory / f"peer-{index}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -88,3 +115,15 @@ def claim(directory: Path, count: int) -> Slot | None:
 
 def socket_path(directory: Path, index: int) -> Path:
     return directory / f"peer-{index}.sock"
+
+
+def spare_path(directory: Path) -> Path:
+    return directory / f"{SPARE_PREFIX}{secrets.token_hex(SPARE_NAME // 2)}.sock"
+
+
+def spares(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"{SPARE_PREFIX}*.sock"))
+
+
+def _secret(directory: Path) -> bytes:
+    return (directory / SECRET_FILE).read_bytes().strip()

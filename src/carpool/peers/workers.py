@@ -19,10 +19,27 @@ Contract:
   as it comes (a stream frame by frame).
   None: the owner's socket could not be reached (nothing sent); the request runs here. Sent but
   not answered (a timeout, the owner gone mid-way): a 503 with ``Retry-After``, never a run
-  here too (the owner may be running it); the retry reaches the owner's record.
-- ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once; how many
-  answers they dropped. A worker that does not answer holds nothing to drop when it is down (a
-  new process starts empty); one that is alive but does not answer in time is logged.
+  here too (the owner may be running it). The retry reaches the owner's record while the owner
+  lives; an owner that died took its record with it (memory only), so the retry may run the
+  request again, and the 503 says so.
+- ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once (the slots'
+  sockets and the spare ones); how many answers they dropped. A worker that does not answer
+  holds nothing to drop when it is down (a new process starts empty); one that is alive but
+  does not answer in time is logged.
+- A worker without a slot (``Peers(meeting, config)``: every slot was held as it started) is a
+  client of the owners, owning nothing: ``index`` is None, so ``owner_of`` always names an
+  owner; it asks them, sends keyed requests to their records' owners, and passes invalidations
+  on. A keyed request whose owner cannot be reached is a 503 with ``Retry-After`` there, never
+  run there (its record would be where no retry looks). It keeps the answers it served, and
+  listens on a spare socket (``slots.spare_path``) for the invalidations of the others. From
+  ``listen`` on it tries for a slot every ``CLAIM_POLL_S`` (``slots.claim`` never blocks: the
+  loop goes on serving) until ``claim_wait_s``: uvicorn's SIGHUP starts each new worker while
+  the old one holds its slot and retires the old one once the new one serves, which then has
+  its slot as soon as the old one has stopped (its requests, then its peers' door: up to twice
+  ``shutdown.grace_s``; the wait is that plus ``CLAIM_MARGIN_S``). It listens on the slot it
+  takes, then closes its spare socket. Past the wait (a worker SIGTTIN added beyond N), it stays
+  a client for good and says so in the log; a slot that frees later goes to the worker uvicorn
+  starts in its holder's place.
 - ``calls`` (asked of an owner), ``unreachable`` (asked, no answer: done here), ``served`` (run
   here for a peer): ``/stats`` ``peers``. ``calls`` are not ``upstream_calls``: the owner counts
   its upstream call, once.
@@ -31,9 +48,12 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote_from_bytes
 
@@ -49,7 +69,7 @@ from ..reply import Reply, error_reply
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
 from ..upstream.http import closer, sse_payloads
 from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
-from .slots import Slot
+from .slots import Meeting, Slot, claim, socket_path, spare_path, spares
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -74,15 +94,22 @@ _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 _OWN_LIMITS = frozenset({413, 431})
 # The owner's socket could not be reached at all: nothing of the request was sent.
 _UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
+# A worker without a slot: how often it tries for one, and how long past the wait for the worker
+# it replaces to stop (twice ``shutdown.grace_s``; uvicorn retires it once the new one serves).
+CLAIM_POLL_S = 0.05
+CLAIM_MARGIN_S = 15.0
 
 
 class Peers:
-    """This worker (``slot``) and the others of its run (see the module's contract)."""
+    """This worker (its ``slot``, or none yet: the run's ``Meeting``) and the others of its run
+    (see the module's contract)."""
 
-    def __init__(self, slot: Slot, config: Config) -> None:
-        self.index, self.count = slot.index, slot.count
-        self.slot = slot
-        self._secret = slot.secret.decode("ascii")
+    def __init__(self, place: Slot | Meeting, config: Config) -> None:
+        self.slot: Slot | None = place if isinstance(place, Slot) else None
+        self.index: int | None = self.slot.index if self.slot is not None else None
+        self.count, self.directory = place.count, place.directory
+        self._secret_bytes = place.secret
+        self._secret = place.secret.decode("ascii")
         self._admin_token = config.admin_token
         limits = config.limits
         # An owner may hold a request as long as a joiner waits, then as long as its call takes.
@@ -92,8 +119,13 @@ class Peers:
         )
         self._max_connections = limits.upstream_max_connections
         self._grace_s = config.shutdown.grace_s
-        self._sessions: dict[int, aiohttp.ClientSession] = {}
+        self.claim_wait_s = 2 * config.shutdown.grace_s + CLAIM_MARGIN_S
+        self._sessions: dict[Path, aiohttp.ClientSession] = {}
         self._server = PeerServer()
+        self._door: PeerApp | None = None
+        # Without a slot: the spare socket it listens on, and its tries for a slot.
+        self._spare: tuple[PeerServer, Path] | None = None
+        self._claiming: asyncio.Task[None] | None = None
         self.calls = 0
         self.unreachable = 0
         self.served = 0
@@ -122,8 +154,9 @@ class Peers:
             return None
         self.calls += 1
         if response.status in _OWN_LIMITS and response.headers.get("x-carpool") == "bypass":
-            # The owner's own limits refused what this worker added to the request (the peer's
-            # headers, stream_options), which the client's request was within: done here.
+            # The owner's own limits refused what this worker added to the request (its body's
+            # stream_options; the headers of a peer's request are not measured again), which
+            # the client's request was within: done here.
             response.release()
             self._missed(owner, RuntimeError(f"HTTP {response.status} from its limits"))
             return None
@@ -158,6 +191,8 @@ class Peers:
             )
         except _UNREACHED as error:  # nothing was sent: the key may run here
             self._missed(owner, error)
+            if self.index is None:  # (not on a worker without a slot: it owns no record)
+                return _owner_unreachable(owner, client)
             return None
         except _FAILED as error:
             return _sent_unanswered(owner, client, error)
@@ -187,21 +222,28 @@ class Peers:
 
     async def invalidate(self, spec: Any) -> int:
         """``spec`` invalidated on every other worker; how many answers they dropped."""
-        others = [i for i in range(self.count) if i != self.index]
-        dropped = await asyncio.gather(*(self._invalidate_on(i, spec) for i in others))
+        own = self._spare[1] if self._spare is not None else None
+        others = [
+            *(socket_path(self.directory, i) for i in range(self.count) if i != self.index),
+            *(path for path in spares(self.directory) if path != own),
+        ]
+        dropped = await asyncio.gather(*(self._invalidate_on(path, spec) for path in others))
         return sum(dropped)
 
-    async def _invalidate_on(self, worker: int, spec: Any) -> int:
+    async def _invalidate_on(self, path: Path, spec: Any) -> int:
         headers = {"content-type": "application/json", PEER_HEADER.decode(): self._secret}
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"
         try:
-            async with self._session(worker).post(
+            async with self._session(path).post(
                 "http://worker/admin/invalidate", data=orjson.dumps(spec), headers=headers
             ) as response:
                 answer = await response.json(content_type=None)
+        except _UNREACHED as error:  # (down: it holds nothing; a spare's stale file, often)
+            log.info("worker %s is down: nothing to invalidate (%s)", path.name, _why(error))
+            return 0
         except (*_FAILED, ValueError) as error:
-            log.warning("worker %d did not take the invalidation: %s", worker, _why(error))
+            log.warning("worker %s did not take the invalidation: %s", path.name, _why(error))
             return 0
         dropped = answer.get("invalidated") if isinstance(answer, dict) else None
         return dropped if isinstance(dropped, int) else 0
@@ -227,13 +269,13 @@ class Peers:
         self.unreachable += 1
         log.info("worker %d did not answer (%s): done here instead", owner, _why(error))
 
-    def _session(self, worker: int) -> aiohttp.ClientSession:
-        session = self._sessions.get(worker)
+    def _session(self, worker: int | Path) -> aiohttp.ClientSession:
+        """The connections to ``worker``'s socket (an index: its slot's; or a socket's path)."""
+        path = worker if isinstance(worker, Path) else socket_path(self.directory, worker)
+        session = self._sessions.get(path)
         if session is None or session.closed:
-            session = self._sessions[worker] = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(
-                    path=str(self.slot.socket_path(worker)), limit=self._max_connections
-                ),
+            session = self._sessions[path] = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=str(path), limit=self._max_connections),
                 timeout=self._timeout,
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
@@ -244,14 +286,64 @@ class Peers:
     # Being asked
 
     async def listen(self, app: Any) -> None:
-        """Serve ``app`` (the worker's ``GatewayApp``) to the peers, on this slot's socket."""
+        """Serve ``app`` (the worker's ``GatewayApp``) to the peers, on this slot's socket; without
+        a slot, on a spare socket, while trying for a slot (see the module's contract)."""
 
         def counted(scope: dict[str, Any]) -> None:
             if scope["path"].startswith("/v1/"):
                 self.served += 1
 
-        door = PeerApp(app, self.slot.secret, counted)
-        await self._server.start(door, self.slot.socket_path(self.index), self._grace_s)
+        door = self._door = PeerApp(app, self._secret_bytes, counted)
+        if self.slot is not None:
+            await self._server.start(door, self.slot.socket_path(self.slot.index), self._grace_s)
+            return
+        spare, path = PeerServer(), spare_path(self.directory)
+        await spare.start(door, path, self._grace_s)
+        self._spare = (spare, path)
+        self._claiming = asyncio.get_running_loop().create_task(self._claim_when_free())
+
+    async def _claim_when_free(self) -> None:
+        """Tries for a slot until one frees or ``claim_wait_s`` has passed; listens on it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.claim_wait_s
+        while (slot := self._try_claim()) is None:
+            if not self.directory.is_dir():  # (the parent removed it: the run is ending)
+                return
+            if loop.time() >= deadline:
+                log.warning(
+                    "no worker slot freed in %.0f s: this worker stays a client of the %d that "
+                    "own the keys (it asks them, owns none)",
+                    self.claim_wait_s,
+                    self.count,
+                )
+                return
+            await asyncio.sleep(CLAIM_POLL_S)
+        assert self._door is not None  # (set by ``listen``, which started this)
+        try:
+            await self._server.start(self._door, slot.socket_path(slot.index), self._grace_s)
+        except BaseException as error:
+            os.close(slot.lock_fd)  # (not served: the slot goes to another worker)
+            if not isinstance(error, Exception):
+                raise
+            log.exception("cannot listen on worker slot %d: a client of the others", slot.index)
+            return
+        self.slot, self.index = slot, slot.index
+        log.info("took worker slot %d of %d", slot.index, self.count)
+        await self._close_spare()
+
+    def _try_claim(self) -> Slot | None:
+        try:
+            return claim(self.directory, self.count)
+        except OSError:  # (the parent removed the directory: it is stopping)
+            return None
+
+    async def _close_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            server, path = spare
+            await server.aclose()
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -263,7 +355,13 @@ class Peers:
         }
 
     async def aclose(self) -> None:
+        claiming, self._claiming = self._claiming, None
+        if claiming is not None:
+            claiming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await claiming
         await self._server.aclose()
+        await self._close_spare()
         for session in self._sessions.values():
             await session.close()
         self._sessions.clear()
@@ -312,11 +410,23 @@ def _why(error: BaseException) -> str:
     return type(error).__name__ + (f": {error}" if str(error) else "")
 
 
+def _owner_unreachable(owner: int, client: ClientRequest) -> Reply:
+    """A keyed request on a worker without a slot whose record's owner cannot be reached (down,
+    restarting): not run here, where no retry would find its record."""
+    refused = IdempotencyUnavailable(
+        f"The worker holding this Idempotency-Key's record (worker {owner}) is down or "
+        "restarting; the request was not run. Retry it with the same key."
+    )
+    return error_reply(refused, Outcome.BYPASS, BY_PATH[client.path])
+
+
 def _sent_unanswered(owner: int, client: ClientRequest, error: BaseException) -> Reply:
     """A keyed request the owner received but did not answer: not run here (it may run there)."""
     log.warning("worker %d did not answer a keyed request it received (%s)", owner, _why(error))
     refused = IdempotencyUnavailable(
-        "The worker holding this Idempotency-Key's record did not answer in time; retry with "
-        "the same key (it is answered from the record, not run twice)."
+        "The worker holding this Idempotency-Key's record took the request and did not answer. "
+        "Retry with the same key: while that worker is running it or holds its answer, the "
+        "retry is answered from its record; if that worker died, its record (kept in its "
+        "memory: no Redis) died with it, and the retry may run the request again."
     )
     return error_reply(refused, Outcome.BYPASS, BY_PATH[client.path])
