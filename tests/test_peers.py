@@ -614,3 +614,15 @@ async def test_a_worker_without_a_slot_asks_the_owners_until_one_frees_then_owns
             assert newcomer.snapshot()["upstream_calls"] == 1
     finally:
         peers.remove(directory)
+
+
+async def test_a_stream_the_upstream_breaks_counts_one_upstream_error_where_it_was_called(fake):
+    # The asking worker relayed the owner's broken stream and counted an upstream error of its
+    # own, with no upstream call: one engine failure, two errors over the workers.
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        fake.cut_after = 2
+        await pair.a.stream_chat(question)
+        a, b = pair.a.gateway.snapshot(), pair.b.gateway.snapshot()
+        assert (a["upstream_calls"], a["upstream_errors"]) == (0, 0)
+        assert (b["upstream_calls"], b["upstream_errors"]) == (1, 1) and fake.count() == 1
