@@ -207,3 +207,25 @@ def test_buckets_count_a_value_on_a_bound_in_that_bucket_and_are_cumulative_up_t
         buckets.observe(value)
     assert buckets.cumulative() == [("0.1", 2), ("1.0", 4), ("+Inf", 5)]
     assert buckets.sum == pytest.approx(8.65)
+
+
+async def test_a_client_that_leaves_before_its_answer_is_counted_as_abandoned(gw, fake):
+    # It was counted in no outcome: /stats' requests left it out, /metrics too.
+    fake.hang = True
+    leaving = asyncio.create_task(gw.chat("a question nobody waits for"))
+    await fake.wait_for_calls(1)
+    leaving.cancel()
+    await eventually(
+        lambda: gw.gateway.stats.abandoned == 1, what="the request counted as abandoned"
+    )
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["requests"] == stats["abandoned"] == 1
+    text = (await gw.client.get("/metrics")).text
+    assert samples(text, "carpool_requests_abandoned_total")[""] == 1
+    # A bypass (sampled) that its client leaves: abandoned too, not also counted a bypass.
+    leaving = asyncio.create_task(gw.chat("a sampled one", temperature=0.9))
+    await fake.wait_for_calls(2)
+    leaving.cancel()
+    await eventually(lambda: gw.gateway.stats.abandoned == 2, what="the bypass abandoned")
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["requests"] == 2 and stats["bypass"] == 0

@@ -171,8 +171,8 @@ class Exchange:
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def bypass(self, request: Request, route: str) -> Reply:
-        """A request that shares nothing, sent as it came and relayed as it comes."""
-        self.layers.stats.count(route, Outcome.BYPASS)
+        """A request that shares nothing, sent as it came and relayed as it comes. Counted once
+        the upstream answered (or failed): a client that leaves before is ``abandoned``."""
         header = Outcome.BYPASS.header
         api = request.api
         try:
@@ -189,7 +189,9 @@ class Exchange:
                 self._routing_text(request),
             )
         except CarpoolError as error:
+            self.layers.stats.count(route, Outcome.BYPASS)
             return error_reply(error, Outcome.BYPASS, api)
+        self.layers.stats.count(route, Outcome.BYPASS)
         self._judged(request, response.status)
         if response.streaming:
             return Reply(

@@ -63,6 +63,7 @@ class Stats:
         self.outcomes: Counter[Outcome] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()  # (route, outcome or "error")
         self.rejected = 0  # 4xx from the gateway itself
+        self.abandoned = 0  # clients that left before their answer (no outcome: none was given)
         self.upstream_errors = 0
         self.upstream_status: Counter[tuple[str, str]] = Counter()  # (replica, status code)
         self.tokens_saved = 0
@@ -89,13 +90,14 @@ class Stats:
         saved = o[Outcome.HIT] + o[Outcome.SEMANTIC_HIT] + o[Outcome.COALESCED]
         eligible = saved + o[Outcome.MISS]
         return {
-            "requests": sum(o.values()) + self.rejected,
+            "requests": sum(o.values()) + self.rejected + self.abandoned,
             "hits": o[Outcome.HIT],
             "semantic_hits": o[Outcome.SEMANTIC_HIT],
             "coalesced": o[Outcome.COALESCED],
             "misses": o[Outcome.MISS],
             "bypass": o[Outcome.BYPASS],
             "rejected": self.rejected,
+            "abandoned": self.abandoned,
             "upstream_calls": self.upstream_calls,
             "upstream_errors": self.upstream_errors,
             "tokens_saved": self.tokens_saved,
@@ -141,6 +143,11 @@ class _StatsCollector(Collector):
             "Requests the gateway refused itself (400, 413, 431, idempotency 409/422/503): "
             "with carpool_requests_total, every request /stats counts.",
             value=s.rejected,
+        )
+        yield CounterMetricFamily(
+            "carpool_requests_abandoned",
+            "Requests whose client left before their answer (counted in no outcome).",
+            value=s.abandoned,
         )
         yield CounterMetricFamily(
             "carpool_upstream_calls", "Calls made to the upstream.", value=s.upstream_calls

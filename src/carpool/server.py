@@ -228,6 +228,8 @@ class GatewayApp:
             if not watch.client_left:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (always in a task here)
+            if reply is None:  # (left while it waited: no outcome was counted)
+                self.gateway.stats.abandoned += 1
         finally:
             watch.stop()
             if reply is not None:

@@ -143,6 +143,8 @@ def document() -> dict[str, Any]:
                                     "coalesced",
                                     "misses",
                                     "bypass",
+                                    "rejected",
+                                    "abandoned",
                                     "upstream_calls",
                                     "upstream_errors",
                                     "tokens_saved",
