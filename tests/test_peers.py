@@ -115,6 +115,16 @@ def owned_by(
     raise AssertionError("no such question")
 
 
+def idempotency_key_owned_by(gateway: Gateway, worker: int) -> str:
+    """An Idempotency-Key whose record ``worker`` owns, as ``gateway`` sees it."""
+    assert gateway.peers is not None
+    return next(
+        f"order-{i}"
+        for i in range(1000)
+        if gateway.peers.owner_of(scope_of_key(gateway, f"order-{i}")) == worker
+    )
+
+
 def _chat(question: str) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0}
 
@@ -328,11 +338,7 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
         await door.start(takes_and_holds, owner.socket_path(1), 1)
         gateway = build_gateway(config, peers=Peers(slot, config))
         assert gateway.peers is not None
-        key = next(
-            f"order-{i}"
-            for i in range(1000)
-            if gateway.peers.owner_of(scope_of_key(gateway, f"order-{i}")) == 1
-        )
+        key = idempotency_key_owned_by(gateway, 1)
         async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
             response = await Served(url, gateway, c).chat(
                 "Charge my card", headers={"idempotency-key": key}
@@ -516,11 +522,7 @@ async def test_a_keyed_request_whose_owner_died_holding_it_says_a_retry_may_run_
         dying = await asyncio.start_unix_server(takes_and_dies, path=str(owner.socket_path(1)))
         gateway = build_gateway(config, peers=Peers(slot, config))
         assert gateway.peers is not None
-        key = next(
-            f"order-{i}"
-            for i in range(1000)
-            if gateway.peers.owner_of(scope_of_key(gateway, f"order-{i}")) == 1
-        )
+        key = idempotency_key_owned_by(gateway, 1)
         headers = {"idempotency-key": key}
         async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
             served = Served(url, gateway, c)
