@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from carpool.clock import ManualClock
+from conftest import redis_settings
 from fakes.waiting import eventually
 
 
@@ -371,3 +372,27 @@ async def test_same_params_sampling_policy_shares_sampled_requests(fake, gateway
     async with gateway_with(sampling="same-params") as gw:
         assert (await gw.chat(temperature=0.9)).headers["x-carpool"] == "miss"
         assert (await gw.chat(temperature=0.9)).headers["x-carpool"] == "hit"
+
+
+async def _default_namespace_dropped(gw) -> None:
+    await gw.chat("How do I reset it?", headers={"x-carpool-namespace": "docs"})
+    await gw.chat("How do I pay?")
+    response = await gw.client.post("/admin/invalidate", json={"namespace": ""}, headers=ADMIN)
+    assert response.status_code == 200 and response.json()["invalidated"] >= 1
+    assert await outcome(gw, "How do I pay?") == "miss"
+    assert await outcome(gw, "How do I reset it?", **{"x-carpool-namespace": "docs"}) == "hit"
+
+
+async def test_the_default_namespace_is_invalidated_by_its_empty_name(fake, gateway_with):
+    # {"namespace": ""} was refused: the default namespace, where most answers live, could be
+    # dropped only with everything else.
+    async with gateway_with(admin_token="s3cret") as gw:
+        await _default_namespace_dropped(gw)
+
+
+async def test_the_default_namespace_is_invalidated_by_its_empty_name_in_redis(
+    fake, gateway_with, shared_redis
+):
+    pytest.importorskip("redis")
+    async with gateway_with(admin_token="s3cret", **redis_settings(shared_redis)) as gw:
+        await _default_namespace_dropped(gw)

@@ -118,8 +118,8 @@ async def invalidate(layers: Layers, spec: Any) -> int:
         selector = Selector(everything=True)
     elif name == "tag" and isinstance(value, str) and value:
         selector = Selector(tag=value)
-    elif name == "namespace" and isinstance(value, str) and value:
-        selector = Selector(namespace=value)
+    elif name == "namespace" and isinstance(value, str):
+        selector = Selector(namespace=value)  # ("": the default namespace)
     elif name == "prefix" and isinstance(value, str) and value:
         selector = Selector(prefix=prompt_text(value))
     if selector is not None:
@@ -146,6 +146,6 @@ async def invalidate(layers: Layers, spec: Any) -> int:
             ) from missed
         return dropped
     raise RequestError(
-        f'invalid selector {name!r}: use "tag", "namespace", "prefix" '
-        '(a non-empty string) or "all": true'
+        f'invalid selector {name!r}: use "tag" or "prefix" (a non-empty string), "namespace" '
+        '(a string; "" is the default namespace) or "all": true'
     )
