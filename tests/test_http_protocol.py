@@ -581,3 +581,62 @@ async def test_a_held_stream_with_a_request_pipelined_behind_it_ends_cleanly_whe
         assert connection.serving is None
     assert fake.count() == 1  # (the queued request was never started)
     assert "Exception in ASGI application" not in caplog.text
+
+
+# --- what the protocol reads of a request: trailers, the head's size and its deadline -------
+
+
+def _chunked_request(body: bytes, trailers: bytes) -> tuple[bytes, bytes]:
+    """A chunked request: its head, and the rest (its body in one chunk, then ``trailers``)."""
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode()
+    return head, b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(body), body, trailers)
+
+
+async def _send_chunked(
+    served: ServedApp, body: bytes, trailers: bytes, reads: int
+) -> tuple[int, dict[str, str], bytes]:
+    """A chunked request with ``trailers``, in one read (held) or two: its head, then, once
+    uvicorn has the request (its cycle: the ASGI path), the rest."""
+    head, rest = _chunked_request(body, trailers)
+    async with _socket(served) as (reader, writer):
+        if reads == 1:
+            writer.write(head + rest)
+        else:
+            writer.write(head)
+            connections = served.server.server_state.connections
+            await eventually(
+                lambda: any(c.cycle is not None for c in connections), what="uvicorn's cycle"
+            )
+            writer.write(rest)
+        return await asyncio.wait_for(_response(reader), 5)
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["held", "asgi"])
+async def test_trailer_fields_are_not_request_headers(fake, reads):
+    """RFC 9110 6.5.1: a chunked body's trailer fields are not headers. One in a trailer was
+    merged into the request's headers (httptools reports both alike): it changed the cache key
+    and Cache-Control, and went upstream as a header."""
+    async with _gateway(fake) as (served, _):
+        body, smuggled = _body(), b"x-smuggled: yes\r\n"
+        first = await _send_chunked(served, body, smuggled, reads)
+        assert "x-smuggled" not in fake.calls[-1].headers  # (not forwarded)
+        no_cache = await _send_chunked(
+            served, body, b"cache-control: no-cache\r\n" + smuggled, reads
+        )
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(body))  # the same request, no trailer: the same key
+            plain = await _response(reader)
+    assert [answer[1]["x-carpool"] for answer in (first, no_cache, plain)] == ["miss", "hit", "hit"]
+    assert fake.count() == 1
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["held", "asgi"])
+async def test_a_client_key_sent_only_as_a_trailer_is_no_key(fake, tmp_path, reads):
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    async with _gateway(fake, auth={"client_keys_file": str(keys)}) as (served, _):
+        status, _, _ = await _send_chunked(served, _body(), b"authorization: Bearer k1\r\n", reads)
+    assert status == 401 and fake.count() == 0

@@ -40,6 +40,8 @@ Contract:
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
   body over ``hold_limit`` bytes is handed over at once.
+- A chunked body's trailer fields are not headers (RFC 9110 6.5.1): httptools reports them as
+  it reports headers, and they are dropped, on either path.
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
   workers, the benchmarks' embedded gateway). Under another server, or another app, the ASGI
   path serves every request; so it does for an app of the user's wrapped around the gateway's
@@ -121,6 +123,8 @@ class GatewayProtocol(HttpToolsProtocol):
         self.watch: ClientWatch | None = None
         # A response answered here, not written yet (``_send_soon``).
         self.soon: bytes | None = None
+        # Inside a request's head: its header fields are headers (after it, trailer fields).
+        self.in_head = False
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -133,8 +137,17 @@ class GatewayProtocol(HttpToolsProtocol):
         # disarms it only when a read begins, and this request came in the same read.
         self._unset_keepalive_if_required()
         super().on_message_begin()
+        self.in_head = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # httptools reports a chunked body's trailer fields as it reports headers: they are
+        # not headers (RFC 9110 6.5.1), and never reach the request's (its key, its
+        # Cache-Control, the client-key check, what goes upstream).
+        if self.in_head:
+            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         target = self._held_target()
         if target is None:
             super().on_headers_complete()
