@@ -74,7 +74,8 @@ class RequestError(CarpoolError):
 
 
 class BodyTooLarge(RequestError):
-    """The body is larger than ``limits.max_body_bytes``."""
+    """The body is larger than ``limits.max_body_bytes``. The connection is closed after the
+    answer: the rest of the body is not read (nor waited for)."""
 
     status = 413
 
@@ -82,6 +83,9 @@ class BodyTooLarge(RequestError):
         super().__init__(
             f"request body is larger than the limit of {limit} bytes", "body_too_large"
         )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
 
 
 class HeadersTooLarge(RequestError):

@@ -40,6 +40,11 @@ Contract:
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
   body over ``hold_limit`` bytes is handed over at once.
+- uvicorn's request cycles close the connection through the protocol (``_CycleTransport``): a
+  close while the client may still be sending its request (a 413 or a 408 answered before its
+  body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
+  still comes is read and dropped until the client closes its side, for 2 s at most. Closed at
+  once with data unread, the kernel resets the connection, and the client may lose its answer.
 - A chunked body's trailer fields are not headers (RFC 9110 6.5.1): httptools reports them as
   it reports headers, and they are dropped, on either path.
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
@@ -99,6 +104,12 @@ def _nothing() -> None:
     pass
 
 
+# Where the request being read stands (``GatewayProtocol.phase``).
+_IDLE, _HEAD, _BODY = 0, 1, 2
+# How long a connection closed while its client may still be sending lingers (``_linger``).
+_LINGER_S = 2.0
+
+
 def protocol() -> type[GatewayProtocol]:
     """The ``http`` setting of a uvicorn serving the gateway's app."""
     return GatewayProtocol
@@ -123,10 +134,18 @@ class GatewayProtocol(HttpToolsProtocol):
         self.watch: ClientWatch | None = None
         # A response answered here, not written yet (``_send_soon``).
         self.soon: bytes | None = None
-        # Inside a request's head: its header fields are headers (after it, trailer fields).
-        self.in_head = False
+        # Where the request being read stands: between requests, in its head (its header
+        # fields are headers; after it, trailer fields), in its body.
+        self.phase = _IDLE
+        # The connection closing while the client may still send (``_linger``); the proxy
+        # uvicorn's cycles write through and close (``_cycle_transport``).
+        self.lingering = False
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.cycle_transport: _CycleTransport | None = None
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # (read and dropped: ``_linger``)
         super().data_received(data)
         if self.held is not None:  # its body did not all come in this read: uvicorn's
             self._hand_over(complete=False)
@@ -137,20 +156,21 @@ class GatewayProtocol(HttpToolsProtocol):
         # disarms it only when a read begins, and this request came in the same read.
         self._unset_keepalive_if_required()
         super().on_message_begin()
-        self.in_head = True
+        self.phase = _HEAD
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # httptools reports a chunked body's trailer fields as it reports headers: they are
         # not headers (RFC 9110 6.5.1), and never reach the request's (its key, its
         # Cache-Control, the client-key check, what goes upstream).
-        if self.in_head:
+        if self.phase == _HEAD:
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self.in_head = False
+        self.phase = _BODY
         target = self._held_target()
         if target is None:
             super().on_headers_complete()
+            self._cycle_transport()
             return
         self.held, self.held_size, self.held_target = [], 0, target
 
@@ -164,6 +184,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self._hand_over(complete=False)
 
     def on_message_complete(self) -> None:
+        self.phase = _IDLE
         if self.held is None:
             super().on_message_complete()
             return
@@ -189,6 +210,9 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = self.soon = None
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
+            self.linger_timer = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:
@@ -414,18 +438,65 @@ class GatewayProtocol(HttpToolsProtocol):
             content += (b"\r\n", body)
         return content
 
+    def _cycle_transport(self) -> None:
+        """uvicorn's cycle (just made) writes and closes through ``_CycleTransport``: its close
+        after a response (``connection: close``, a 413 or 408 among them) lingers."""
+        proxy = self.cycle_transport
+        if proxy is None or proxy.transport is not self.transport:
+            proxy = self.cycle_transport = _CycleTransport(self.transport, self._close)
+        if self.cycle is not None:
+            self.cycle.transport = proxy  # type: ignore[assignment]
+
+    def _close(self) -> None:
+        """Closes the connection: at once between requests; while the client may still be
+        sending a request (a body answered 413 or 408 before its end), lingering."""
+        if self.phase == _IDLE:
+            self.transport.close()
+        else:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Closes the connection once the client has had time to read what it was sent: its side
+        is shut (after what was written), and what it still sends is read and dropped until it
+        closes its own, or for ``_LINGER_S`` at most. Closed at once, with data unread or still
+        coming, the kernel resets the connection, and the client may lose its answer."""
+        transport = self.transport
+        if self.lingering or transport.is_closing():
+            return
+        if not transport.can_write_eof():  # (TLS)
+            transport.close()
+            return
+        self.lingering = True
+        self.flow.resume_reading()  # (paused with a body unread, nothing would come)
+        transport.write_eof()
+        self.linger_timer = self.loop.call_later(_LINGER_S, transport.close)
+
     def _hand_over(self, complete: bool) -> None:
         """The held request to uvicorn, with the body it has so far, as if never held."""
         held, self.held = self.held, None
         if held is None or self.transport.is_closing():
             return  # (uvicorn refused the request as it was parsed: a 400, closed)
         super().on_headers_complete()  # (its cycle and task, from the parser's state)
+        self._cycle_transport()
         cycle = self.cycle
         if held:
             cycle.body = bytearray().join(held)
         if complete:
             cycle.more_body = False
         cycle.message_event.set()
+
+
+class _CycleTransport:
+    """The connection's transport as uvicorn's request cycles use it (``write``, ``is_closing``,
+    ``close``), its ``close`` the protocol's (``GatewayProtocol._close``)."""
+
+    __slots__ = ("transport", "write", "is_closing", "close")
+
+    def __init__(self, transport: Any, close: Any) -> None:
+        self.transport = transport
+        self.write = transport.write
+        self.is_closing = transport.is_closing
+        self.close = close
 
 
 class _ConnectionWatch(ClientWatch):

@@ -3,7 +3,8 @@
 Contract:
 - The cached endpoints (``carpool.apis``: chat, completions, embeddings, responses, messages)
   are served by a raw ASGI path (no framework on the hot path): read the
-  body within ``limits.max_body_bytes`` (413 beyond it, without reading the rest) and within
+  body within ``limits.max_body_bytes`` (413 beyond it, and the connection is closed without
+  reading the rest: it would be read with no deadline) and within
   ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
   trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
   Pass-through and admin bodies are read under the same two limits.
