@@ -640,3 +640,77 @@ async def test_a_client_key_sent_only_as_a_trailer_is_no_key(fake, tmp_path, rea
     async with _gateway(fake, auth={"client_keys_file": str(keys)}) as (served, _):
         status, _, _ = await _send_chunked(served, _body(), b"authorization: Bearer k1\r\n", reads)
     assert status == 401 and fake.count() == 0
+
+
+async def _head_parsed(served: ServedApp) -> None:
+    """Until the first read of the only connection is parsed (its target seen)."""
+    connections = served.server.server_state.connections
+    await eventually(
+        lambda: any(getattr(c, "url", b"") for c in connections), what="the first read parsed"
+    )
+
+
+async def _refusal(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """A refusal, then the connection's end: status, headers, its error object."""
+    status, headers, body = await asyncio.wait_for(_response(reader), 5)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # and the connection closed
+    return status, headers, orjson.loads(body)["error"]
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["one read", "never ending"])
+async def test_headers_over_max_header_bytes_are_431_as_they_arrive_and_the_connection_closes(
+    fake, reads
+):
+    """Counted as they arrive, not once the head is complete: a header line that never ends
+    grew the gateway's memory without bound (64 MiB sent: RSS +150 MB, no answer)."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            if reads == 1:  # (the whole head at once: refused before any request exists)
+                pads = "".join(f"x-pad-{i}: {'p' * 90}\r\n" for i in range(20))
+                writer.write(_request(_body(), extra=pads))
+            else:
+                writer.write(f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\nx-pad: ".encode())
+                await _head_parsed(served)
+                writer.write(b"p" * 1500)  # (and never a line's end)
+            status, headers, error = await _refusal(reader)
+        assert not served.server.server_state.tasks
+    assert (status, headers["connection"], error["code"]) == (431, "close", "headers_too_large")
+    assert headers["x-carpool"] == "bypass" and headers["content-type"] == "application/json"
+    assert fake.count() == 0
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["one read", "never ending"])
+async def test_a_trailer_section_over_max_header_bytes_is_431_and_the_connection_closes(
+    fake, reads
+):
+    """Trailer fields are dropped, but httptools keeps each line until it ends: they are held
+    to the same limit as the headers, as they arrive."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            if reads == 1:
+                head, rest = _chunked_request(_body(), b"x-t: " + b"t" * 1500 + b"\r\n")
+                writer.write(head + rest)
+            else:
+                head, rest = _chunked_request(_body(), b"x-t: ")
+                writer.write(head + rest[:-2])  # (the trailer line begun)
+                connections = served.server.server_state.connections
+                await eventually(
+                    lambda: any(c.cycle is not None for c in connections), what="uvicorn's cycle"
+                )
+                writer.write(b"t" * 1500)
+            status, headers, error = await _refusal(reader)
+    assert (status, headers["connection"], error["code"]) == (431, "close", "headers_too_large")
+    assert fake.count() == 0
+
+
+async def test_a_request_target_over_max_header_bytes_is_414_as_it_arrives(fake):
+    """The target was never counted (uvicorn adds each piece to the last: memory, and CPU
+    quadratic in its length when it trickles in)."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(f"POST {CHAT}?q=".encode())
+            await _head_parsed(served)
+            writer.write(b"q" * 1500)
+            status, headers, error = await _refusal(reader)
+    assert (status, headers["connection"], error["code"]) == (414, "close", "target_too_long")
+    assert error["type"] == "invalid_request_error" and fake.count() == 0

@@ -12,6 +12,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── RequestError                  400: the client's request is malformed or invalid
     │   ├── BodyTooLarge              413: body over ``limits.max_body_bytes``
     │   ├── HeadersTooLarge           431: headers over ``limits.max_header_bytes``
+    │   ├── TargetTooLong             414: a request target over ``limits.max_header_bytes``
     │   ├── BodyTimeout               408: body not received within ``limits.body_read_timeout``
     │   ├── PathRefused               400: a pass-through path that could leave the upstream's /v1
     │   └── PathNotAllowed            403: a pass-through path outside ``passthrough.allow``
@@ -97,6 +98,21 @@ class HeadersTooLarge(RequestError):
         super().__init__(
             f"request headers are larger than the limit of {limit} bytes", "headers_too_large"
         )
+
+
+class TargetTooLong(RequestError):
+    """The request target (path and query) is longer than ``limits.max_header_bytes`` (RFC 9110:
+    414), refused by the HTTP protocol as it arrives; the connection is closed."""
+
+    status = 414
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the request target is longer than the limit of {limit} bytes", "target_too_long"
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
 
 
 class BodyTimeout(RequestError):

@@ -40,6 +40,13 @@ Contract:
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
   body over ``hold_limit`` bytes is handed over at once.
+- What is read of a request is bounded as it arrives, when the app served is the gateway's
+  (under any wrappers: ``_limits_app``): its target to ``limits.max_header_bytes`` bytes
+  (414), its header names and values together to as many (431; counted as ``GatewayApp``
+  counts them), and a chunked body's trailer section as its headers; a line still coming
+  counts as what has come of it. The refusal is the API's error (for a cached endpoint's path:
+  its shape, ``x-carpool: bypass``, counted as rejected) with ``connection: close``, and the
+  connection closes, lingering; while another response is under way on it, it only closes.
 - uvicorn's request cycles close the connection through the protocol (``_CycleTransport``): a
   close while the client may still be sending its request (a 413 or a 408 answered before its
   body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
@@ -61,16 +68,20 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import sys
 from functools import partial
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 
+from .apis import BY_PATH
+from .errors import HeadersTooLarge, RequestError, TargetTooLong
 from .inbound import ClientWatch
 from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
@@ -124,6 +135,10 @@ class GatewayProtocol(HttpToolsProtocol):
         self.hold_limit = (
             self.gateway_app.gateway.repeats.max_body if self.gateway_app is not None else 0
         )
+        # The gateway's limits on what is read of a request (``_limits_app``: through any
+        # wrapper of the user's), if it is the gateway that is served.
+        self.limits_app = _limits_app(self.app)
+        self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
         # The request held: its path and query, and its body's parts so far; None while
         # no request is held.
         self.held: list[bytes] | None = None
@@ -137,6 +152,14 @@ class GatewayProtocol(HttpToolsProtocol):
         # Where the request being read stands: between requests, in its head (its header
         # fields are headers; after it, trailer fields), in its body.
         self.phase = _IDLE
+        # What is read of the request so far, as it arrives: its target (what came after its
+        # first piece, which is ``url``, is kept in ``url_more``: uvicorn adds each piece to
+        # the last), its header (or trailer) fields, and the bytes of the reads since one was
+        # last reported (-1: one was, in this read): ``data_received``.
+        self.target_size = self.fields_size = self.quiet = 0
+        self.url_more: bytearray | None = None
+        # The request was refused as it was read (``_refuse``): answered, the connection closing.
+        self.refused = False
         # The connection closing while the client may still send (``_linger``); the proxy
         # uvicorn's cycles write through and close (``_cycle_transport``).
         self.lingering = False
@@ -146,7 +169,32 @@ class GatewayProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return  # (read and dropped: ``_linger``)
-        super().data_received(data)
+        # uvicorn's, but for a request refused as it is parsed: answered already (``_refuse``).
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.refused:
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if self.quiet < 0:
+            self.quiet = 0
+        elif self.phase != _IDLE:
+            # Nothing of this read was reported: it is all one header or trailer line still
+            # coming (or a chunk's framing), which httptools keeps until the line ends.
+            self.quiet += len(data)
+            if self.fields_size + self.quiet > self.max_head:
+                self._refuse(HeadersTooLarge(self.max_head))
+                return
         if self.held is not None:  # its body did not all come in this read: uvicorn's
             self._hand_over(complete=False)
 
@@ -156,9 +204,29 @@ class GatewayProtocol(HttpToolsProtocol):
         # disarms it only when a read begins, and this request came in the same read.
         self._unset_keepalive_if_required()
         super().on_message_begin()
-        self.phase = _HEAD
+        self.phase, self.target_size, self.fields_size, self.quiet = _HEAD, 0, 0, -1
+        self.url_more = None
+
+    def on_url(self, url: bytes) -> None:
+        self.quiet = -1
+        self.target_size += len(url)
+        if self.target_size > self.max_head:
+            self._refuse(TargetTooLong(self.max_head))
+            raise _Refused
+        if self.url_more is not None:
+            self.url_more += url
+        elif self.url:  # (a target in pieces: not uvicorn's ``url += piece``, quadratic)
+            self.url_more = bytearray(self.url)
+            self.url_more += url
+        else:
+            self.url = url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.quiet = -1
+        self.fields_size += len(name) + len(value)  # (as ``server._header_bytes`` counts)
+        if self.fields_size > self.max_head:
+            self._refuse(HeadersTooLarge(self.max_head))
+            raise _Refused
         # httptools reports a chunked body's trailer fields as it reports headers: they are
         # not headers (RFC 9110 6.5.1), and never reach the request's (its key, its
         # Cache-Control, the client-key check, what goes upstream).
@@ -166,7 +234,9 @@ class GatewayProtocol(HttpToolsProtocol):
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self.phase = _BODY
+        self.phase, self.fields_size, self.quiet = _BODY, 0, -1  # (then its trailer's)
+        if self.url_more is not None:
+            self.url, self.url_more = bytes(self.url_more), None
         target = self._held_target()
         if target is None:
             super().on_headers_complete()
@@ -175,6 +245,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.held, self.held_size, self.held_target = [], 0, target
 
     def on_body(self, body: bytes) -> None:
+        self.quiet = -1
         if self.held is None:
             super().on_body(body)
             return
@@ -184,7 +255,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self._hand_over(complete=False)
 
     def on_message_complete(self) -> None:
-        self.phase = _IDLE
+        self.phase, self.quiet = _IDLE, -1
         if self.held is None:
             super().on_message_complete()
             return
@@ -471,6 +542,41 @@ class GatewayProtocol(HttpToolsProtocol):
         transport.write_eof()
         self.linger_timer = self.loop.call_later(_LINGER_S, transport.close)
 
+    def _refuse(self, error: RequestError) -> None:
+        """Answers ``error`` (431, 414) to the request being read, in the API's error shape,
+        and closes the connection, lingering; only closes it while another response is under
+        way on it (not to be cut into). The parser reads no more of it."""
+        self.refused = True
+        self._send_now()
+        cycle = self.cycle
+        if self.phase == _BODY and self.held is None and cycle is not None:
+            # (its trailer section: uvicorn has the request, whose app reads no more of it)
+            free = not self.pipeline and not cycle.response_started
+            cycle.disconnected = True
+            cycle.message_event.set()
+        else:
+            free = cycle is None or cycle.response_complete
+        self.held = None
+        if not free:
+            self.transport.close()
+            return
+        api = BY_PATH.get(self.url.partition(b"?")[0].decode("latin-1"))
+        if api is not None and self.limits_app is not None:
+            self.limits_app.gateway.stats.rejected += 1
+        body = api.error_body(error) if api is not None else error.body()
+        head = [STATUS_LINE[error.status]]
+        for name, value in (
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            *((Outcome.BYPASS.header,) if api is not None else ()),
+            (b"content-length", str(len(body)).encode("ascii")),
+            (HEADER, request_id(self.headers)),
+            (b"connection", b"close"),
+        ):
+            head += (name, b": ", value, b"\r\n")
+        self.transport.write(b"".join((*head, b"\r\n", body)))
+        self._linger()
+
     def _hand_over(self, complete: bool) -> None:
         """The held request to uvicorn, with the body it has so far, as if never held."""
         held, self.held = self.held, None
@@ -484,6 +590,10 @@ class GatewayProtocol(HttpToolsProtocol):
         if complete:
             cycle.more_body = False
         cycle.message_event.set()
+
+
+class _Refused(Exception):
+    """Raised in a parser callback once the request is refused (``_refuse``): the parser stops."""
 
 
 class _CycleTransport:
@@ -514,6 +624,16 @@ class _ConnectionWatch(ClientWatch):
     def start(self) -> None:
         self.flow.resume_reading()
         super().start()
+
+
+def _limits_app(app: Any) -> GatewayApp | None:
+    """The ``server.GatewayApp`` under any wrappers (the user's too), whose limits the protocol
+    keeps to as it reads; None: another app, no limits of the gateway's."""
+    for _ in range(8):
+        if isinstance(app, GatewayApp):
+            return app
+        app = getattr(app, "app", None)
+    return None
 
 
 def _gateway_app(app: Any) -> Any:

@@ -131,7 +131,8 @@ class GatewayApp:
             and _header_bytes(scope["headers"]) > self.max_headers
             and scope.get(PEER) is not True
         ):
-            # Checked here because httptools accepts headers of any size, and they go upstream.
+            # Checked here too: under uvicorn's own protocol nothing else does (carpool's refuses
+            # them as they arrive: ``http_protocol.py``), and they go upstream.
             # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
             # and the hop's own (its host, accept, accept-encoding) are not the client's.
             api = BY_PATH.get(scope["path"])

@@ -88,8 +88,10 @@ class LimitsConfig(Section):
         64 * 1024,
         gt=0,
         description="Largest total size of a request's "
-        "header names and values; larger ones get 431 (the gateway "
-        "forwards headers upstream, and the HTTP server sets no limit).",
+        "header names and values (431 beyond it), and of its target, path and query (414); "
+        "a chunked body's trailer fields count as headers (and are dropped). Counted as they "
+        "arrive; the connection is closed after the answer (the gateway forwards headers "
+        "upstream, and uvicorn's HTTP parser sets no limit).",
     )
     upstream_timeout: float = Field(
         600,
