@@ -714,3 +714,70 @@ async def test_a_request_target_over_max_header_bytes_is_414_as_it_arrives(fake)
             status, headers, error = await _refusal(reader)
     assert (status, headers["connection"], error["code"]) == (414, "close", "target_too_long")
     assert error["type"] == "invalid_request_error" and fake.count() == 0
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", f"POST {CHAT[:10]}".encode(), f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ncontent-le".encode()],
+    ids=["nothing", "inside the request line", "inside the headers"],
+)
+async def test_a_request_head_not_complete_within_body_read_timeout_is_cut(fake, sent):
+    """Slowloris: a connection that sent nothing, or stopped inside its request line or
+    headers, was held for good. Cut at the deadline: a 408 once a request began, else closed
+    as uvicorn closes an idle connection, without a word."""
+    async with _gateway(fake, limits={"body_read_timeout": 0.5}) as (served, _):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with _socket(served) as (reader, writer):
+            writer.write(sent)
+            if sent:
+                status, headers, error = await _refusal(reader)
+            else:
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            elapsed = loop.time() - started
+    assert elapsed >= 0.5  # (not before the deadline)
+    if sent:
+        assert (status, headers["connection"], error["code"]) == (408, "close", "header_timeout")
+
+
+async def test_an_idle_keep_alive_connection_is_left_to_uvicorns_keep_alive_timeout(fake):
+    """Between requests the connection is uvicorn's: closed, without a word, after its
+    ``timeout_keep_alive``, not at the head's deadline."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"body_read_timeout": 0.2})))
+    loop = asyncio.get_running_loop()
+    async with serve_app_with_server(app, timeout_keep_alive=1) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            status, _, _ = await _response(reader)
+            answered = loop.time()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            idle = loop.time() - answered
+    assert status == 200 and idle >= 0.9
+
+
+class _Deadlines(GatewayProtocol):
+    """The gateway's protocol, counting its head deadline's turns (``fired``)."""
+
+    fired = 0
+
+    def _head_deadline(self) -> None:
+        type(self).fired += 1
+        super()._head_deadline()
+
+
+async def test_a_request_head_behind_one_being_answered_is_not_cut_while_it_waits(fake):
+    """A request pipelined behind one still being answered: its head's deadline does not cut
+    the connection (and the answer in progress) while it waits; after, it does."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"body_read_timeout": 0.2})))
+    _Deadlines.fired = 0
+    fake.gate = asyncio.Event()  # the first request's call waits
+    async with serve_app_with_server(app, http=_Deadlines) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()) + f"POST {CHAT} HTTP/1.1\r\nhost:".encode())
+            await fake.wait_for_calls(1)
+            await eventually(lambda: _Deadlines.fired >= 2, what="two turns of the deadline")
+            fake.gate.set()
+            status, headers, _ = await asyncio.wait_for(_response(reader), 5)
+            assert (status, headers["x-carpool"]) == (200, "miss")
+            status, headers, error = await _refusal(reader)
+    assert (status, error["code"]) == (408, "header_timeout")

@@ -14,6 +14,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── HeadersTooLarge           431: headers over ``limits.max_header_bytes``
     │   ├── TargetTooLong             414: a request target over ``limits.max_header_bytes``
     │   ├── BodyTimeout               408: body not received within ``limits.body_read_timeout``
+    │   ├── HeadersTimeout            408: request line and headers, likewise
     │   ├── PathRefused               400: a pass-through path that could leave the upstream's /v1
     │   └── PathNotAllowed            403: a pass-through path outside ``passthrough.allow``
     ├── AdminRequired                 401: /stats, /metrics, /dashboard without the admin token
@@ -124,6 +125,22 @@ class BodyTimeout(RequestError):
     def __init__(self, timeout: float) -> None:
         super().__init__(
             f"the request body was not received within {timeout:g} seconds", "body_timeout"
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
+
+
+class HeadersTimeout(RequestError):
+    """The request line and headers did not all arrive within ``limits.body_read_timeout``
+    seconds (RFC 9110: 408), cut by the HTTP protocol; the connection is closed."""
+
+    status = 408
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            f"the request's headers were not received within {timeout:g} seconds",
+            "header_timeout",
         )
 
     def headers(self) -> dict[str, str]:

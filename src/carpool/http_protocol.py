@@ -47,6 +47,12 @@ Contract:
   counts as what has come of it. The refusal is the API's error (for a cached endpoint's path:
   its shape, ``x-carpool: bypass``, counted as rejected) with ``connection: close``, and the
   connection closes, lingering; while another response is under way on it, it only closes.
+- The request line and headers must all come within ``limits.body_read_timeout`` seconds of
+  the connection (its first request) or of the request's first byte (``_head_deadline``): else
+  a 408 (the same shape) and the connection closes, lingering, or, nothing of a request having
+  come, it closes without a word, as uvicorn closes an idle one. Not while an earlier request
+  of the connection is still being answered: the time counts again from then. Between
+  requests, an idle connection is uvicorn's (its ``timeout_keep_alive``).
 - uvicorn's request cycles close the connection through the protocol (``_CycleTransport``): a
   close while the client may still be sending its request (a 413 or a 408 answered before its
   body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
@@ -81,7 +87,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from .apis import BY_PATH
-from .errors import HeadersTooLarge, RequestError, TargetTooLong
+from .errors import HeadersTimeout, HeadersTooLarge, RequestError, TargetTooLong
 from .inbound import ClientWatch
 from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
@@ -139,6 +145,12 @@ class GatewayProtocol(HttpToolsProtocol):
         # wrapper of the user's), if it is the gateway that is served.
         self.limits_app = _limits_app(self.app)
         self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
+        self.head_timeout = self.limits_app.deadlines.timeout if self.limits_app else None
+        # Since when the request line and headers have been awaited (None: not awaited), and
+        # the timer that cuts them (``_head_deadline``): one a connection, moved on, not one a
+        # request.
+        self.head_since: float | None = None
+        self.head_timer: asyncio.TimerHandle | None = None
         # The request held: its path and query, and its body's parts so far; None while
         # no request is held.
         self.held: list[bytes] | None = None
@@ -165,6 +177,10 @@ class GatewayProtocol(HttpToolsProtocol):
         self.lingering = False
         self.linger_timer: asyncio.TimerHandle | None = None
         self.cycle_transport: _CycleTransport | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()  # (a connection that sends nothing is cut too)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -206,6 +222,8 @@ class GatewayProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.phase, self.target_size, self.fields_size, self.quiet = _HEAD, 0, 0, -1
         self.url_more = None
+        if self.head_since is None:  # (a connection's first request: since the connection)
+            self._await_head()
 
     def on_url(self, url: bytes) -> None:
         self.quiet = -1
@@ -235,6 +253,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.phase, self.fields_size, self.quiet = _BODY, 0, -1  # (then its trailer's)
+        self.head_since = None
         if self.url_more is not None:
             self.url, self.url_more = bytes(self.url_more), None
         target = self._held_target()
@@ -281,9 +300,10 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = self.soon = None
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
-            self.linger_timer = None
+        for timer in (self.linger_timer, self.head_timer):
+            if timer is not None:
+                timer.cancel()
+        self.linger_timer = self.head_timer = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:
@@ -542,8 +562,41 @@ class GatewayProtocol(HttpToolsProtocol):
         transport.write_eof()
         self.linger_timer = self.loop.call_later(_LINGER_S, transport.close)
 
+    def _await_head(self) -> None:
+        """The request line and headers are awaited from now, for ``head_timeout`` seconds."""
+        if self.head_timeout is None:
+            return  # (not the gateway's app: uvicorn's protocol)
+        self.head_since = self.loop.time()
+        if self.head_timer is None:
+            due = self.head_since + self.head_timeout
+            self.head_timer = self.loop.call_at(due, self._head_deadline)
+
+    def _head_deadline(self) -> None:
+        """Cuts a connection whose request line and headers did not all come within
+        ``head_timeout`` seconds: a 408 if a request began, else closed without a word, as
+        uvicorn closes an idle connection. Not while an earlier request is still being
+        answered (this one waits behind it, unread): its time counts again from then."""
+        self.head_timer = None
+        since, timeout = self.head_since, self.head_timeout
+        if since is None or timeout is None or self.lingering or self.transport.is_closing():
+            return  # (none awaited: the next head arms it again)
+        now = self.loop.time()
+        cycle = self.cycle
+        if now >= since + timeout and (
+            self.pipeline
+            or self.flow.read_paused
+            or (cycle is not None and not cycle.response_complete)
+        ):
+            since = self.head_since = now
+        if now < since + timeout:
+            self.head_timer = self.loop.call_at(since + timeout, self._head_deadline)
+        elif self.phase == _HEAD:
+            self._refuse(HeadersTimeout(timeout))
+        else:
+            self.transport.close()
+
     def _refuse(self, error: RequestError) -> None:
-        """Answers ``error`` (431, 414) to the request being read, in the API's error shape,
+        """Answers ``error`` (431, 414, 408) to the request being read, in the API's error shape,
         and closes the connection, lingering; only closes it while another response is under
         way on it (not to be cut into). The parser reads no more of it."""
         self.refused = True

@@ -114,7 +114,10 @@ class LimitsConfig(Section):
         description="Seconds a client may take to send "
         "a whole request body (cached endpoints, pass-through, "
         "admin); a body still trickling in after that gets 408 and "
-        "nothing is sent upstream.",
+        "nothing is sent upstream. Also the time for a request line and its headers, from "
+        "the connection (its first request) or the request's first byte: 408 and the "
+        "connection closed (closed alone if nothing came). An idle connection between "
+        "requests is closed after uvicorn's keep-alive timeout (5 s).",
     )
     max_json_depth: int = Field(
         64,

@@ -129,7 +129,8 @@ def cached_endpoint(
             "`limits.max_json_depth`, or a field has the wrong type; or a cache-control "
             "header or the Idempotency-Key is malformed (problem+json)."
         ),
-        "408": "The body did not arrive within `limits.body_read_timeout` seconds.",
+        "408": "The body, or the request line and headers, did not arrive within "
+        "`limits.body_read_timeout` seconds.",
         "409": "A request with the same Idempotency-Key is still being processed.",
         "413": "The body is larger than `limits.max_body_bytes`.",
         "422": "The Idempotency-Key was already used with a different request.",
