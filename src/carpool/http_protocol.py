@@ -16,8 +16,8 @@ Contract:
   HTTP/1.1 with keep-alive, without ``Expect: 100-continue`` or an upgrade, while no earlier
   request of the connection is still being answered (and under uvicorn's concurrency limit, if
   one is set). Such a request's body is held while it is parsed; once it is complete,
-  ``GatewayApp.held_request`` makes it a ``ClientRequest`` (None: refused there, client keys or
-  header size, so the ASGI path refuses it) and ``GatewayApp.answer_now`` is asked for its reply
+  ``GatewayApp.held_request`` makes it a ``ClientRequest`` (None: refused there, client keys, so
+  the ASGI path refuses it) and ``GatewayApp.answer_now`` is asked for its reply
   (the request's first step, ``Gateway.repeat_now``: a byte-identical repeat whose answer is
   stored). If there is one, the whole response (uvicorn's default headers, the reply's,
   ``content-length`` and ``x-request-id``) is made at once and written in one piece in the
@@ -223,7 +223,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self.phase, self.target_size, self.fields_size, self.quiet = _HEAD, 0, 0, -1
         self.url_more = None
         if self.head_since is None:  # (a connection's first request: since the connection)
-            self._await_head()
+            self.head_since = self.loop.time()
+            if self.head_timer is None:
+                self._await_head()
 
     def on_url(self, url: bytes) -> None:
         self.quiet = -1
@@ -248,8 +250,11 @@ class GatewayProtocol(HttpToolsProtocol):
         # httptools reports a chunked body's trailer fields as it reports headers: they are
         # not headers (RFC 9110 6.5.1), and never reach the request's (its key, its
         # Cache-Control, the client-key check, what goes upstream).
-        if self.phase == _HEAD:
-            super().on_header(name, value)
+        if self.phase == _HEAD:  # (uvicorn's ``on_header``, inlined: one call a header less)
+            name = name.lower()
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.expect_100_continue = True
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.phase, self.fields_size, self.quiet = _BODY, 0, -1  # (then its trailer's)
@@ -566,7 +571,8 @@ class GatewayProtocol(HttpToolsProtocol):
         """The request line and headers are awaited from now, for ``head_timeout`` seconds."""
         if self.head_timeout is None:
             return  # (not the gateway's app: uvicorn's protocol)
-        self.head_since = self.loop.time()
+        if self.head_since is None:
+            self.head_since = self.loop.time()
         if self.head_timer is None:
             due = self.head_since + self.head_timeout
             self.head_timer = self.loop.call_at(due, self._head_deadline)
@@ -660,6 +666,9 @@ class _CycleTransport:
         self.write = transport.write
         self.is_closing = transport.is_closing
         self.close = close
+
+    def __getattr__(self, name: str) -> Any:  # (anything else a cycle may use: the transport's)
+        return getattr(self.transport, name)
 
 
 class _ConnectionWatch(ClientWatch):
