@@ -581,3 +581,203 @@ async def test_a_held_stream_with_a_request_pipelined_behind_it_ends_cleanly_whe
         assert connection.serving is None
     assert fake.count() == 1  # (the queued request was never started)
     assert "Exception in ASGI application" not in caplog.text
+
+
+# --- what the protocol reads of a request: trailers, the head's size and its deadline -------
+
+
+def _chunked_request(body: bytes, trailers: bytes) -> tuple[bytes, bytes]:
+    """A chunked request: its head, and the rest (its body in one chunk, then ``trailers``)."""
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode()
+    return head, b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(body), body, trailers)
+
+
+async def _send_chunked(
+    served: ServedApp, body: bytes, trailers: bytes, reads: int
+) -> tuple[int, dict[str, str], bytes]:
+    """A chunked request with ``trailers``, in one read (held) or two: its head, then, once
+    uvicorn has the request (its cycle: the ASGI path), the rest."""
+    head, rest = _chunked_request(body, trailers)
+    async with _socket(served) as (reader, writer):
+        if reads == 1:
+            writer.write(head + rest)
+        else:
+            writer.write(head)
+            connections = served.server.server_state.connections
+            await eventually(
+                lambda: any(c.cycle is not None for c in connections), what="uvicorn's cycle"
+            )
+            writer.write(rest)
+        return await asyncio.wait_for(_response(reader), 5)
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["held", "asgi"])
+async def test_trailer_fields_are_not_request_headers(fake, reads):
+    """RFC 9110 6.5.1: a chunked body's trailer fields are not headers. One in a trailer was
+    merged into the request's headers (httptools reports both alike): it changed the cache key
+    and Cache-Control, and went upstream as a header."""
+    async with _gateway(fake) as (served, _):
+        body, smuggled = _body(), b"x-smuggled: yes\r\n"
+        first = await _send_chunked(served, body, smuggled, reads)
+        assert "x-smuggled" not in fake.calls[-1].headers  # (not forwarded)
+        no_cache = await _send_chunked(
+            served, body, b"cache-control: no-cache\r\n" + smuggled, reads
+        )
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(body))  # the same request, no trailer: the same key
+            plain = await _response(reader)
+    assert [answer[1]["x-carpool"] for answer in (first, no_cache, plain)] == ["miss", "hit", "hit"]
+    assert fake.count() == 1
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["held", "asgi"])
+async def test_a_client_key_sent_only_as_a_trailer_is_no_key(fake, tmp_path, reads):
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    async with _gateway(fake, auth={"client_keys_file": str(keys)}) as (served, _):
+        status, _, _ = await _send_chunked(served, _body(), b"authorization: Bearer k1\r\n", reads)
+    assert status == 401 and fake.count() == 0
+
+
+async def _head_parsed(served: ServedApp) -> None:
+    """Until the first read of the only connection is parsed (its target seen)."""
+    connections = served.server.server_state.connections
+    await eventually(
+        lambda: any(getattr(c, "url", b"") for c in connections), what="the first read parsed"
+    )
+
+
+async def _refusal(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """A refusal, then the connection's end: status, headers, its error object."""
+    status, headers, body = await asyncio.wait_for(_response(reader), 5)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # and the connection closed
+    return status, headers, orjson.loads(body)["error"]
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["one read", "never ending"])
+async def test_headers_over_max_header_bytes_are_431_as_they_arrive_and_the_connection_closes(
+    fake, reads
+):
+    """Counted as they arrive, not once the head is complete: a header line that never ends
+    grew the gateway's memory without bound (64 MiB sent: RSS +150 MB, no answer)."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            if reads == 1:  # (the whole head at once: refused before any request exists)
+                pads = "".join(f"x-pad-{i}: {'p' * 90}\r\n" for i in range(20))
+                writer.write(_request(_body(), extra=pads))
+            else:
+                writer.write(f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\nx-pad: ".encode())
+                await _head_parsed(served)
+                writer.write(b"p" * 1500)  # (and never a line's end)
+            status, headers, error = await _refusal(reader)
+        assert not served.server.server_state.tasks
+    assert (status, headers["connection"], error["code"]) == (431, "close", "headers_too_large")
+    assert headers["x-carpool"] == "bypass" and headers["content-type"] == "application/json"
+    assert fake.count() == 0
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["one read", "never ending"])
+async def test_a_trailer_section_over_max_header_bytes_is_431_and_the_connection_closes(
+    fake, reads
+):
+    """Trailer fields are dropped, but httptools keeps each line until it ends: they are held
+    to the same limit as the headers, as they arrive."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            if reads == 1:
+                head, rest = _chunked_request(_body(), b"x-t: " + b"t" * 1500 + b"\r\n")
+                writer.write(head + rest)
+            else:
+                head, rest = _chunked_request(_body(), b"x-t: ")
+                writer.write(head + rest[:-2])  # (the trailer line begun)
+                connections = served.server.server_state.connections
+                await eventually(
+                    lambda: any(c.cycle is not None for c in connections), what="uvicorn's cycle"
+                )
+                writer.write(b"t" * 1500)
+            status, headers, error = await _refusal(reader)
+    assert (status, headers["connection"], error["code"]) == (431, "close", "headers_too_large")
+    assert fake.count() == 0
+
+
+async def test_a_request_target_over_max_header_bytes_is_414_as_it_arrives(fake):
+    """The target was never counted (uvicorn adds each piece to the last: memory, and CPU
+    quadratic in its length when it trickles in)."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(f"POST {CHAT}?q=".encode())
+            await _head_parsed(served)
+            writer.write(b"q" * 1500)
+            status, headers, error = await _refusal(reader)
+    assert (status, headers["connection"], error["code"]) == (414, "close", "target_too_long")
+    assert error["type"] == "invalid_request_error" and fake.count() == 0
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", f"POST {CHAT[:10]}".encode(), f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ncontent-le".encode()],
+    ids=["nothing", "inside the request line", "inside the headers"],
+)
+async def test_a_request_head_not_complete_within_body_read_timeout_is_cut(fake, sent):
+    """Slowloris: a connection that sent nothing, or stopped inside its request line or
+    headers, was held for good. Cut at the deadline: a 408 once a request began, else closed
+    as uvicorn closes an idle connection, without a word."""
+    async with _gateway(fake, limits={"body_read_timeout": 0.5}) as (served, _):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with _socket(served) as (reader, writer):
+            writer.write(sent)
+            if sent:
+                status, headers, error = await _refusal(reader)
+            else:
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            elapsed = loop.time() - started
+    assert elapsed >= 0.5  # (not before the deadline)
+    if sent:
+        assert (status, headers["connection"], error["code"]) == (408, "close", "header_timeout")
+
+
+async def test_an_idle_keep_alive_connection_is_left_to_uvicorns_keep_alive_timeout(fake):
+    """Between requests the connection is uvicorn's: closed, without a word, after its
+    ``timeout_keep_alive``, not at the head's deadline."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"body_read_timeout": 0.2})))
+    loop = asyncio.get_running_loop()
+    async with serve_app_with_server(app, timeout_keep_alive=1) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            status, _, _ = await _response(reader)
+            answered = loop.time()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            idle = loop.time() - answered
+    assert status == 200 and idle >= 0.9
+
+
+class _Deadlines(GatewayProtocol):
+    """The gateway's protocol, counting its head deadline's turns (``fired``)."""
+
+    fired = 0
+
+    def _head_deadline(self) -> None:
+        type(self).fired += 1
+        super()._head_deadline()
+
+
+async def test_a_request_head_behind_one_being_answered_is_not_cut_while_it_waits(fake):
+    """A request pipelined behind one still being answered: its head's deadline does not cut
+    the connection (and the answer in progress) while it waits; after, it does."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"body_read_timeout": 0.2})))
+    _Deadlines.fired = 0
+    fake.gate = asyncio.Event()  # the first request's call waits
+    async with serve_app_with_server(app, http=_Deadlines) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()) + f"POST {CHAT} HTTP/1.1\r\nhost:".encode())
+            await fake.wait_for_calls(1)
+            await eventually(lambda: _Deadlines.fired >= 2, what="two turns of the deadline")
+            fake.gate.set()
+            status, headers, _ = await asyncio.wait_for(_response(reader), 5)
+            assert (status, headers["x-carpool"]) == (200, "miss")
+            status, headers, error = await _refusal(reader)
+    assert (status, error["code"]) == (408, "header_timeout")

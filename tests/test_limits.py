@@ -117,6 +117,29 @@ async def test_a_body_over_the_limit_is_413_in_openai_shape_and_the_gateway_stay
         await assert_still_serving_and_nothing_stored(gw, fake)
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/files"], ids=["cached", "pass-through"])
+async def test_a_body_over_the_limit_is_413_and_the_connection_closes(fake, gateway_with, path):
+    """The rest of the body is not read: the connection closes after the 413 (it stayed open,
+    reading the rest of the body with no deadline)."""
+    async with gateway_with(limits={"max_body_bytes": 1000}) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                "content-length: 1000000000000\r\n\r\n{".encode()
+            )
+            raw = await asyncio.wait_for(reader.read(), 5)  # the answer, then the end
+        finally:
+            writer.close()
+    head, _, content = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
+    response = RawResponse(int(status_line.split()[1]), headers, content)
+    assert_openai_error(response, 413, "body_too_large")
+    assert headers["connection"] == "close" and fake.count() == 0
+
+
 async def test_a_body_exactly_at_the_limit_is_accepted(fake, gateway_with):
     async with gateway_with(limits={"max_body_bytes": 1000}) as gw:
         body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": ""}]}

@@ -12,7 +12,9 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── RequestError                  400: the client's request is malformed or invalid
     │   ├── BodyTooLarge              413: body over ``limits.max_body_bytes``
     │   ├── HeadersTooLarge           431: headers over ``limits.max_header_bytes``
+    │   ├── TargetTooLong             414: a request target over ``limits.max_header_bytes``
     │   ├── BodyTimeout               408: body not received within ``limits.body_read_timeout``
+    │   ├── HeadersTimeout            408: request line and headers, likewise
     │   ├── PathRefused               400: a pass-through path that could leave the upstream's /v1
     │   └── PathNotAllowed            403: a pass-through path outside ``passthrough.allow``
     ├── AdminRequired                 401: /stats, /metrics, /dashboard without the admin token
@@ -74,7 +76,8 @@ class RequestError(CarpoolError):
 
 
 class BodyTooLarge(RequestError):
-    """The body is larger than ``limits.max_body_bytes``."""
+    """The body is larger than ``limits.max_body_bytes``. The connection is closed after the
+    answer: the rest of the body is not read (nor waited for)."""
 
     status = 413
 
@@ -82,6 +85,9 @@ class BodyTooLarge(RequestError):
         super().__init__(
             f"request body is larger than the limit of {limit} bytes", "body_too_large"
         )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
 
 
 class HeadersTooLarge(RequestError):
@@ -95,6 +101,21 @@ class HeadersTooLarge(RequestError):
         )
 
 
+class TargetTooLong(RequestError):
+    """The request target (path and query) is longer than ``limits.max_header_bytes`` (RFC 9110:
+    414), refused by the HTTP protocol as it arrives; the connection is closed."""
+
+    status = 414
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the request target is longer than the limit of {limit} bytes", "target_too_long"
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
+
+
 class BodyTimeout(RequestError):
     """The body did not arrive within ``limits.body_read_timeout`` seconds (RFC 9110: 408). The
     connection is closed after the answer: the rest of the body may still be on its way."""
@@ -104,6 +125,22 @@ class BodyTimeout(RequestError):
     def __init__(self, timeout: float) -> None:
         super().__init__(
             f"the request body was not received within {timeout:g} seconds", "body_timeout"
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "connection": "close"}
+
+
+class HeadersTimeout(RequestError):
+    """The request line and headers did not all arrive within ``limits.body_read_timeout``
+    seconds (RFC 9110: 408), cut by the HTTP protocol; the connection is closed."""
+
+    status = 408
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            f"the request's headers were not received within {timeout:g} seconds",
+            "header_timeout",
         )
 
     def headers(self) -> dict[str, str]:

@@ -16,8 +16,8 @@ Contract:
   HTTP/1.1 with keep-alive, without ``Expect: 100-continue`` or an upgrade, while no earlier
   request of the connection is still being answered (and under uvicorn's concurrency limit, if
   one is set). Such a request's body is held while it is parsed; once it is complete,
-  ``GatewayApp.held_request`` makes it a ``ClientRequest`` (None: refused there, client keys or
-  header size, so the ASGI path refuses it) and ``GatewayApp.answer_now`` is asked for its reply
+  ``GatewayApp.held_request`` makes it a ``ClientRequest`` (None: refused there, client keys, so
+  the ASGI path refuses it) and ``GatewayApp.answer_now`` is asked for its reply
   (the request's first step, ``Gateway.repeat_now``: a byte-identical repeat whose answer is
   stored). If there is one, the whole response (uvicorn's default headers, the reply's,
   ``content-length`` and ``x-request-id``) is made at once and written in one piece in the
@@ -40,6 +40,26 @@ Contract:
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
   body over ``hold_limit`` bytes is handed over at once.
+- What is read of a request is bounded as it arrives, when the app served is the gateway's
+  (under any wrappers: ``_limits_app``): its target to ``limits.max_header_bytes`` bytes
+  (414), its header names and values together to as many (431; counted as ``GatewayApp``
+  counts them), and a chunked body's trailer section as its headers; a line still coming
+  counts as what has come of it. The refusal is the API's error (for a cached endpoint's path:
+  its shape, ``x-carpool: bypass``, counted as rejected) with ``connection: close``, and the
+  connection closes, lingering; while another response is under way on it, it only closes.
+- The request line and headers must all come within ``limits.body_read_timeout`` seconds of
+  the connection (its first request) or of the request's first byte (``_head_deadline``): else
+  a 408 (the same shape) and the connection closes, lingering, or, nothing of a request having
+  come, it closes without a word, as uvicorn closes an idle one. Not while an earlier request
+  of the connection is still being answered: the time counts again from then. Between
+  requests, an idle connection is uvicorn's (its ``timeout_keep_alive``).
+- uvicorn's request cycles close the connection through the protocol (``_CycleTransport``): a
+  close while the client may still be sending its request (a 413 or a 408 answered before its
+  body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
+  still comes is read and dropped until the client closes its side, for 2 s at most. Closed at
+  once with data unread, the kernel resets the connection, and the client may lose its answer.
+- A chunked body's trailer fields are not headers (RFC 9110 6.5.1): httptools reports them as
+  it reports headers, and they are dropped, on either path.
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
   workers, the benchmarks' embedded gateway). Under another server, or another app, the ASGI
   path serves every request; so it does for an app of the user's wrapped around the gateway's
@@ -54,16 +74,20 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import sys
 from functools import partial
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 
+from .apis import BY_PATH
+from .errors import HeadersTimeout, HeadersTooLarge, RequestError, TargetTooLong
 from .inbound import ClientWatch
 from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
@@ -97,6 +121,12 @@ def _nothing() -> None:
     pass
 
 
+# Where the request being read stands (``GatewayProtocol.phase``).
+_IDLE, _HEAD, _BODY = 0, 1, 2
+# How long a connection closed while its client may still be sending lingers (``_linger``).
+_LINGER_S = 2.0
+
+
 def protocol() -> type[GatewayProtocol]:
     """The ``http`` setting of a uvicorn serving the gateway's app."""
     return GatewayProtocol
@@ -111,6 +141,16 @@ class GatewayProtocol(HttpToolsProtocol):
         self.hold_limit = (
             self.gateway_app.gateway.repeats.max_body if self.gateway_app is not None else 0
         )
+        # The gateway's limits on what is read of a request (``_limits_app``: through any
+        # wrapper of the user's), if it is the gateway that is served.
+        self.limits_app = _limits_app(self.app)
+        self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
+        self.head_timeout = self.limits_app.deadlines.timeout if self.limits_app else None
+        # Since when the request line and headers have been awaited (None: not awaited), and
+        # the timer that cuts them (``_head_deadline``): one a connection, moved on, not one a
+        # request.
+        self.head_since: float | None = None
+        self.head_timer: asyncio.TimerHandle | None = None
         # The request held: its path and query, and its body's parts so far; None while
         # no request is held.
         self.held: list[bytes] | None = None
@@ -121,9 +161,56 @@ class GatewayProtocol(HttpToolsProtocol):
         self.watch: ClientWatch | None = None
         # A response answered here, not written yet (``_send_soon``).
         self.soon: bytes | None = None
+        # Where the request being read stands: between requests, in its head (its header
+        # fields are headers; after it, trailer fields), in its body.
+        self.phase = _IDLE
+        # What is read of the request so far, as it arrives: its target (what came after its
+        # first piece, which is ``url``, is kept in ``url_more``: uvicorn adds each piece to
+        # the last), its header (or trailer) fields, and the bytes of the reads since one was
+        # last reported (-1: one was, in this read): ``data_received``.
+        self.target_size = self.fields_size = self.quiet = 0
+        self.url_more: bytearray | None = None
+        # The request was refused as it was read (``_refuse``): answered, the connection closing.
+        self.refused = False
+        # The connection closing while the client may still send (``_linger``); the proxy
+        # uvicorn's cycles write through and close (``_cycle_transport``).
+        self.lingering = False
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.cycle_transport: _CycleTransport | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()  # (a connection that sends nothing is cut too)
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        if self.lingering:
+            return  # (read and dropped: ``_linger``)
+        # uvicorn's, but for a request refused as it is parsed: answered already (``_refuse``).
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.refused:
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if self.quiet < 0:
+            self.quiet = 0
+        elif self.phase != _IDLE:
+            # Nothing of this read was reported: it is all one header or trailer line still
+            # coming (or a chunk's framing), which httptools keeps until the line ends.
+            self.quiet += len(data)
+            if self.fields_size + self.quiet > self.max_head:
+                self._refuse(HeadersTooLarge(self.max_head))
+                return
         if self.held is not None:  # its body did not all come in this read: uvicorn's
             self._hand_over(complete=False)
 
@@ -133,15 +220,56 @@ class GatewayProtocol(HttpToolsProtocol):
         # disarms it only when a read begins, and this request came in the same read.
         self._unset_keepalive_if_required()
         super().on_message_begin()
+        self.phase, self.target_size, self.fields_size, self.quiet = _HEAD, 0, 0, -1
+        self.url_more = None
+        if self.head_since is None:  # (a connection's first request: since the connection)
+            self.head_since = self.loop.time()
+            if self.head_timer is None:
+                self._await_head()
+
+    def on_url(self, url: bytes) -> None:
+        self.quiet = -1
+        self.target_size += len(url)
+        if self.target_size > self.max_head:
+            self._refuse(TargetTooLong(self.max_head))
+            raise _Refused
+        if self.url_more is not None:
+            self.url_more += url
+        elif self.url:  # (a target in pieces: not uvicorn's ``url += piece``, quadratic)
+            self.url_more = bytearray(self.url)
+            self.url_more += url
+        else:
+            self.url = url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.quiet = -1
+        self.fields_size += len(name) + len(value)  # (as ``server._header_bytes`` counts)
+        if self.fields_size > self.max_head:
+            self._refuse(HeadersTooLarge(self.max_head))
+            raise _Refused
+        # httptools reports a chunked body's trailer fields as it reports headers: they are
+        # not headers (RFC 9110 6.5.1), and never reach the request's (its key, its
+        # Cache-Control, the client-key check, what goes upstream).
+        if self.phase == _HEAD:  # (uvicorn's ``on_header``, inlined: one call a header less)
+            name = name.lower()
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.expect_100_continue = True
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.phase, self.fields_size, self.quiet = _BODY, 0, -1  # (then its trailer's)
+        self.head_since = None
+        if self.url_more is not None:
+            self.url, self.url_more = bytes(self.url_more), None
         target = self._held_target()
         if target is None:
             super().on_headers_complete()
+            self._cycle_transport()
             return
         self.held, self.held_size, self.held_target = [], 0, target
 
     def on_body(self, body: bytes) -> None:
+        self.quiet = -1
         if self.held is None:
             super().on_body(body)
             return
@@ -151,6 +279,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self._hand_over(complete=False)
 
     def on_message_complete(self) -> None:
+        self.phase, self.quiet = _IDLE, -1
         if self.held is None:
             super().on_message_complete()
             return
@@ -176,6 +305,10 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = self.soon = None
+        for timer in (self.linger_timer, self.head_timer):
+            if timer is not None:
+                timer.cancel()
+        self.linger_timer = self.head_timer = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:
@@ -401,18 +534,141 @@ class GatewayProtocol(HttpToolsProtocol):
             content += (b"\r\n", body)
         return content
 
+    def _cycle_transport(self) -> None:
+        """uvicorn's cycle (just made) writes and closes through ``_CycleTransport``: its close
+        after a response (``connection: close``, a 413 or 408 among them) lingers."""
+        proxy = self.cycle_transport
+        if proxy is None or proxy.transport is not self.transport:
+            proxy = self.cycle_transport = _CycleTransport(self.transport, self._close)
+        if self.cycle is not None:
+            self.cycle.transport = proxy  # type: ignore[assignment]
+
+    def _close(self) -> None:
+        """Closes the connection: at once between requests; while the client may still be
+        sending a request (a body answered 413 or 408 before its end), lingering."""
+        if self.phase == _IDLE:
+            self.transport.close()
+        else:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Closes the connection once the client has had time to read what it was sent: its side
+        is shut (after what was written), and what it still sends is read and dropped until it
+        closes its own, or for ``_LINGER_S`` at most. Closed at once, with data unread or still
+        coming, the kernel resets the connection, and the client may lose its answer."""
+        transport = self.transport
+        if self.lingering or transport.is_closing():
+            return
+        if not transport.can_write_eof():  # (TLS)
+            transport.close()
+            return
+        self.lingering = True
+        self.flow.resume_reading()  # (paused with a body unread, nothing would come)
+        transport.write_eof()
+        self.linger_timer = self.loop.call_later(_LINGER_S, transport.close)
+
+    def _await_head(self) -> None:
+        """The request line and headers are awaited from now, for ``head_timeout`` seconds."""
+        if self.head_timeout is None:
+            return  # (not the gateway's app: uvicorn's protocol)
+        if self.head_since is None:
+            self.head_since = self.loop.time()
+        if self.head_timer is None:
+            due = self.head_since + self.head_timeout
+            self.head_timer = self.loop.call_at(due, self._head_deadline)
+
+    def _head_deadline(self) -> None:
+        """Cuts a connection whose request line and headers did not all come within
+        ``head_timeout`` seconds: a 408 if a request began, else closed without a word, as
+        uvicorn closes an idle connection. Not while an earlier request is still being
+        answered (this one waits behind it, unread): its time counts again from then."""
+        self.head_timer = None
+        since, timeout = self.head_since, self.head_timeout
+        if since is None or timeout is None or self.lingering or self.transport.is_closing():
+            return  # (none awaited: the next head arms it again)
+        now = self.loop.time()
+        cycle = self.cycle
+        if now >= since + timeout and (
+            self.pipeline
+            or self.flow.read_paused
+            or (cycle is not None and not cycle.response_complete)
+        ):
+            since = self.head_since = now
+        if now < since + timeout:
+            self.head_timer = self.loop.call_at(since + timeout, self._head_deadline)
+        elif self.phase == _HEAD:
+            self._refuse(HeadersTimeout(timeout))
+        else:
+            self.transport.close()
+
+    def _refuse(self, error: RequestError) -> None:
+        """Answers ``error`` (431, 414, 408) to the request being read, in the API's error shape,
+        and closes the connection, lingering; only closes it while another response is under
+        way on it (not to be cut into). The parser reads no more of it."""
+        self.refused = True
+        self._send_now()
+        cycle = self.cycle
+        if self.phase == _BODY and self.held is None and cycle is not None:
+            # (its trailer section: uvicorn has the request, whose app reads no more of it)
+            free = not self.pipeline and not cycle.response_started
+            cycle.disconnected = True
+            cycle.message_event.set()
+        else:
+            free = cycle is None or cycle.response_complete
+        self.held = None
+        if not free:
+            self.transport.close()
+            return
+        api = BY_PATH.get(self.url.partition(b"?")[0].decode("latin-1"))
+        if api is not None and self.limits_app is not None:
+            self.limits_app.gateway.stats.rejected += 1
+        body = api.error_body(error) if api is not None else error.body()
+        head = [STATUS_LINE[error.status]]
+        for name, value in (
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            *((Outcome.BYPASS.header,) if api is not None else ()),
+            (b"content-length", str(len(body)).encode("ascii")),
+            (HEADER, request_id(self.headers)),
+            (b"connection", b"close"),
+        ):
+            head += (name, b": ", value, b"\r\n")
+        self.transport.write(b"".join((*head, b"\r\n", body)))
+        self._linger()
+
     def _hand_over(self, complete: bool) -> None:
         """The held request to uvicorn, with the body it has so far, as if never held."""
         held, self.held = self.held, None
         if held is None or self.transport.is_closing():
             return  # (uvicorn refused the request as it was parsed: a 400, closed)
         super().on_headers_complete()  # (its cycle and task, from the parser's state)
+        self._cycle_transport()
         cycle = self.cycle
         if held:
             cycle.body = bytearray().join(held)
         if complete:
             cycle.more_body = False
         cycle.message_event.set()
+
+
+class _Refused(Exception):
+    """Raised in a parser callback once the request is refused (``_refuse``): the parser stops."""
+
+
+class _CycleTransport:
+    """The connection's transport as uvicorn's request cycles use it (``write``, ``is_closing``,
+    ``close``), its ``close`` the protocol's (``GatewayProtocol._close``)."""
+
+    __slots__ = ("transport", "write", "is_closing", "close")
+
+    def __init__(self, transport: Any, close: Any) -> None:
+        self.transport = transport
+        self.write = transport.write
+        self.is_closing = transport.is_closing
+        self.close = close
+
+    def __getattr__(self, name: str) -> Any:  # (anything else a cycle may use: the transport's)
+        return getattr(self.transport, name)
 
 
 class _ConnectionWatch(ClientWatch):
@@ -430,6 +686,16 @@ class _ConnectionWatch(ClientWatch):
     def start(self) -> None:
         self.flow.resume_reading()
         super().start()
+
+
+def _limits_app(app: Any) -> GatewayApp | None:
+    """The ``server.GatewayApp`` under any wrappers (the user's too), whose limits the protocol
+    keeps to as it reads; None: another app, no limits of the gateway's."""
+    for _ in range(8):
+        if isinstance(app, GatewayApp):
+            return app
+        app = getattr(app, "app", None)
+    return None
 
 
 def _gateway_app(app: Any) -> Any:

@@ -3,14 +3,16 @@
 Contract:
 - The cached endpoints (``carpool.apis``: chat, completions, embeddings, responses, messages)
   are served by a raw ASGI path (no framework on the hot path): read the
-  body within ``limits.max_body_bytes`` (413 beyond it, without reading the rest) and within
+  body within ``limits.max_body_bytes`` (413 beyond it, and the connection is closed without
+  reading the rest: it would be read with no deadline) and within
   ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
   trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
   Pass-through and admin bodies are read under the same two limits.
 - Under ``carpool serve``, a small request to a cached endpoint is served below ASGI by the HTTP
   protocol (``http_protocol.py``): a byte-identical repeat whose answer is stored through
   ``answer_now``, the rest through ``serve``, which is this path's own after the body is read:
-  the same reply, headers and counts as here, refusals (client keys, header size) left to here.
+  the same reply, headers and counts as here, refusals (client keys) left to here; headers over
+  ``limits.max_header_bytes`` are refused there as they arrive.
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
   cancels the upstream call). A client leaving is not an error and is not logged as one.
@@ -130,7 +132,8 @@ class GatewayApp:
             and _header_bytes(scope["headers"]) > self.max_headers
             and scope.get(PEER) is not True
         ):
-            # Checked here because httptools accepts headers of any size, and they go upstream.
+            # Checked here too: under uvicorn's own protocol nothing else does (carpool's refuses
+            # them as they arrive: ``http_protocol.py``), and they go upstream.
             # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
             # and the hop's own (its host, accept, accept-encoding) are not the client's.
             api = BY_PATH.get(scope["path"])
@@ -168,10 +171,9 @@ class GatewayApp:
     ) -> ClientRequest | None:
         """A request to a cached endpoint whose whole body the HTTP protocol (``http_protocol.py``)
         holds, for ``answer_now`` and ``serve``; None: it takes the ASGI path (``__call__``),
-        where it is refused (client keys, header size)."""
-        if (
-            self.client_keys is not None and not self.client_keys.accepts(raw_headers)
-        ) or _header_bytes(raw_headers) > self.max_headers:
+        where it is refused (client keys). Its headers are within ``limits.max_header_bytes``:
+        the protocol refuses them as they arrive."""
+        if self.client_keys is not None and not self.client_keys.accepts(raw_headers):
             return None
         return ClientRequest(path, body, _decoded(raw_headers), query)
 

@@ -88,8 +88,10 @@ class LimitsConfig(Section):
         64 * 1024,
         gt=0,
         description="Largest total size of a request's "
-        "header names and values; larger ones get 431 (the gateway "
-        "forwards headers upstream, and the HTTP server sets no limit).",
+        "header names and values (431 beyond it), and of its target, path and query (414); "
+        "a chunked body's trailer fields count as headers (and are dropped). Counted as they "
+        "arrive; the connection is closed after the answer (the gateway forwards headers "
+        "upstream, and uvicorn's HTTP parser sets no limit).",
     )
     upstream_timeout: float = Field(
         600,
@@ -112,7 +114,10 @@ class LimitsConfig(Section):
         description="Seconds a client may take to send "
         "a whole request body (cached endpoints, pass-through, "
         "admin); a body still trickling in after that gets 408 and "
-        "nothing is sent upstream.",
+        "nothing is sent upstream. Also the time for a request line and its headers, from "
+        "the connection (its first request) or the request's first byte: 408 and the "
+        "connection closed (closed alone if nothing came). An idle connection between "
+        "requests is closed after uvicorn's keep-alive timeout (5 s).",
     )
     max_json_depth: int = Field(
         64,

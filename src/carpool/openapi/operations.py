@@ -129,11 +129,14 @@ def cached_endpoint(
             "`limits.max_json_depth`, or a field has the wrong type; or a cache-control "
             "header or the Idempotency-Key is malformed (problem+json)."
         ),
-        "408": "The body did not arrive within `limits.body_read_timeout` seconds.",
+        "408": "The body, or the request line and headers, did not arrive within "
+        "`limits.body_read_timeout` seconds.",
         "409": "A request with the same Idempotency-Key is still being processed.",
         "413": "The body is larger than `limits.max_body_bytes`.",
         "422": "The Idempotency-Key was already used with a different request.",
-        "431": "The headers are larger than `limits.max_header_bytes`.",
+        "414": "The request target is longer than `limits.max_header_bytes`.",
+        "431": "The headers (or a chunked body's trailer fields) are larger than "
+        "`limits.max_header_bytes`.",
         "502": (
             "The upstream is unreachable, or its stream broke (for a non-streaming "
             "client: a streaming one gets a 200 and an SSE error event), or its whole "
