@@ -4,18 +4,50 @@ each). Each test makes its interleaving happen (hooks, events), never by sleepin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from conftest import run_gateway
+from conftest import redis_settings, run_gateway
+from fakes.latency_proxy import LinkProxy
+from fakes.waiting import eventually
 
 pytest.importorskip("redis")
 
 ADMIN = {"Authorization": "Bearer t"}
+
+
+async def until(condition: Callable[[], Awaitable[bool]], what: str, timeout: float = 5.0) -> None:
+    """``eventually`` for a condition read from Redis."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def shared_flights_on(target: Any, **coalesce: Any) -> AsyncIterator[Any]:
+    """The shared flights as a gateway builds them (``wiring``), on ``target``."""
+    from carpool.config import Config
+    from carpool.wiring import build_shared_flights, build_store
+
+    config = Config(
+        upstreams=["http://127.0.0.1:9/v1"], coalesce=coalesce, **redis_settings(target)
+    )
+    store = build_store(config)
+    flights = build_shared_flights(config, store)
+    assert flights is not None
+    try:
+        yield flights
+    finally:
+        await flights.aclose()
+        await store.aclose()
 
 
 @contextlib.asynccontextmanager
@@ -111,3 +143,100 @@ async def test_invalidating_everything_while_a_put_is_half_done_leaves_its_entry
     finally:
         await writer.aclose()
         await other.aclose()
+
+
+# ---------------------------------------------------------------- a leader's link that stalls once
+
+
+async def test_a_leader_whose_link_stalls_once_renews_its_lease_again_and_keeps_its_followers(
+    fake: Any, redis_server: Any
+) -> None:
+    """A's link to Redis stalls (Redis and B are fine) longer than a renewal's timeout, shorter
+    than the lease: A renews again once it is back, and B's clients, streaming or not, get the
+    one call's whole answer. (Before, one failed renewal stopped publishing and renewing for
+    good: the lease ran out under a healthy call, B's streaming client got an error event and
+    its plain client a second upstream call.)"""
+    import redis.asyncio as aredis
+
+    proxy = await LinkProxy(redis_server.host, redis_server.port).start()
+    distributed = {"retry_interval": 0.05, "timeout": 0.5, "lease_ms": 3000}
+    raw = aredis.Redis.from_url(redis_server.url)
+    try:
+        async with (
+            run_gateway([fake.url], redis=proxy.url, distributed=distributed) as a,
+            run_gateway([fake.url], redis=redis_server.url, distributed=distributed) as b,
+        ):
+            fake.chunk_gate = asyncio.Event()
+            leader = asyncio.create_task(a.stream_chat("q"))
+            await fake.chunk_gate_reached.wait()
+            streaming = asyncio.create_task(b.stream_chat("q"))
+            plain = asyncio.create_task(b.chat("q"))
+            relayed = b.gateway.shared_flights.counts
+            await eventually(lambda: relayed["frames_relayed"] >= 2, what="B relaying A's call")
+            (lock,) = [key async for key in raw.scan_iter(match="carpool:lock:*")]
+            failures = a.gateway.shared_flights.counts
+            proxy.hold()
+            await eventually(lambda: failures["errors"] >= 1, what="a renewal that timed out")
+            proxy.release()
+
+            async def renewed() -> bool:  # (its last renewal was a lease/3 and more ago)
+                return int(await raw.pttl(lock)) > 2500
+
+            await until(renewed, "A renewing its lease once its link is back")
+            fake.chunk_gate.set()
+            (_, led), (_, followed), answer = await leader, await streaming, await plain
+            assert followed.rstrip().endswith("data: [DONE]") and '"error"' not in followed
+            assert led.rstrip().endswith("data: [DONE]")
+            assert answer.status_code == 200 and answer.headers["x-carpool"] == "coalesced"
+            assert fake.count() == 1
+            assert relayed["broken"] == 0 and relayed["takeovers"] == 0
+    finally:
+        await raw.aclose()
+        await proxy.aclose()
+
+
+async def test_frames_whose_publishing_failed_are_published_again(redis_server: Any) -> None:
+    """A batch of frames whose XADD failed once (a stall, a reset) is sent again with the next
+    one: followers get every frame. (Before, ``sent`` moved on before the round trip, and one
+    failure stopped publishing for good: the followers' streams ended broken.)"""
+    import redis.exceptions
+
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+    from carpool.redis.flight_protocol import flight_keys
+
+    async with shared_flights_on(redis_server) as flights:
+        client, pipeline = flights._client, flights._client.pipeline
+        failed = asyncio.Event()
+
+        def failing_once(*args: Any, **kwargs: Any) -> Any:
+            pipe = pipeline(*args, **kwargs)
+            if not failed.is_set():
+
+                async def fail(*_: Any, **__: Any) -> Any:
+                    failed.set()
+                    raise redis.exceptions.ConnectionError("the link stalled")
+
+                pipe.execute = fail
+            return pipe
+
+        client.pipeline = failing_once
+        frames = [b"data: 1\n\n", b"data: 2\n\n"]
+
+        async def call(broadcast: Broadcast) -> Answer:
+            broadcast.publish(frames[0])
+            await failed.wait()
+            broadcast.publish(frames[1])
+            return Answer("chat", b"{}", True, frames=frames)
+
+        async def keep(_: Answer) -> str:
+            return ""
+
+        await flights.run("k", Broadcast(), call, keep)
+        client.pipeline = pipeline
+        _, streams = flight_keys(flights.prefix, "k")
+        (stream,) = [key async for key in client.scan_iter(match=streams + "*")]
+        entries = await client.xrange(stream)
+        published = [fields[b"f"] for _, fields in entries if b"f" in fields]
+        assert published == frames and entries[-1][1][b"e"] == b"a"
+        assert flights.counts["frames_published"] == 2

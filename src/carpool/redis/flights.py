@@ -54,9 +54,11 @@ of the death (:mod:`.flight_relay`).
   So no waiter waits on another instance longer than the join timeout for a first sign of life.
 - Redis unreachable, refusing commands or slower than ``distributed.timeout``: no request fails
   because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
-  is not even tried): ``call`` runs here, as without Redis. Failing while leading: publishing and
-  renewing stop, the call goes on for this instance's clients, the final record is still tried
-  (followers get the answer, or see a death). Failing while following: nothing relayed -> the
+  is not even tried): ``call`` runs here, as without Redis. Failing while leading: the call goes
+  on for this instance's clients; publishing and renewing are tried again at the next renewal
+  time (lease/3), as long as the lock is ours, the frames of a failed batch sent again with the
+  next (a link that stalls for less than the lease costs its followers nothing); the final
+  record is still tried (followers get the answer, or see a death). Failing while following: nothing relayed -> the
   call runs here; frames relayed -> ``UpstreamStreamBroken``, as for a death. Failures go to the
   shared store's health (``/stats``, ``/healthz``, the log, degraded mode); successes end a
   degraded period.
@@ -406,7 +408,13 @@ class SharedFlights:
 
 
 class _Publisher:
-    """The leader's side: frames to the stream as they come (batched), the lease renewed."""
+    """The leader's side: frames to the stream as they come (batched), the lease renewed.
+
+    A Redis failure (a stall longer than ``distributed.timeout``, a reset) stops nothing for
+    good: the next try is at the next renewal time (lease/3 after the failed renewal was sent),
+    publishing and renewing as long as the lock is ours; frames whose batch failed go again with
+    the next (``sent`` moves on once Redis took them; a follower skips a frame it has).
+    """
 
     def __init__(
         self, flights: SharedFlights, lock: str, stream: str, token: str, broadcast: Broadcast
@@ -416,24 +424,28 @@ class _Publisher:
         self.stream = stream
         self.token = token
         self.broadcast = broadcast
-        self.sent = 0
+        self.sent = 0  # frames Redis took
+        self.sending = 0  # frames of the batch on its way (0: none)
         self.closing = False
-        self.broken = False  # Redis failed: publish and renew no more
+        self.aborted = False  # the flight was cancelled: publish and renew no more
         self.renewing = True  # False once the lock is lost
+        self.failing = False  # the last try failed: nothing more before the next renewal time
         self._wake = asyncio.Event()
+        self._closed = asyncio.Event()
         broadcast.on_publish = self._wake.set
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        """Publish what is left, stop."""
+        """Publish what is left (one more try, even after a failure), stop."""
         self.closing = True
         self._wake.set()
+        self._closed.set()
         await self._task
 
     def abort(self) -> None:
         self.broadcast.on_publish = None
         # Also stops the loop should redis-py swallow the cancellation (``stop_reader``).
-        self.broken = True
+        self.aborted = True
         self._task.cancel()
 
     async def _run(self) -> None:
@@ -441,29 +453,40 @@ class _Publisher:
         interval = self.flights.lease_ms / 3000
         renew_at = loop.time() + interval
         try:
-            while not self.broken:
-                if not self._wake.is_set():
+            while not self.aborted:
+                # After a failure, frames wait for the next renewal time (or the close), not
+                # to try a failing Redis once per frame.
+                event = self._closed if self.failing else self._wake
+                if not event.is_set():
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(max(0.0, renew_at - loop.time())):
-                            await self._wake.wait()
+                            await event.wait()
                 self._wake.clear()
-                await self._flush()
+                published = await self._flush()
                 if self.closing:
                     # Frames published while that flush was on its way (the call ended
                     # meanwhile) go before the final record, or followers would miss them.
-                    await self._flush()
+                    if published:
+                        await self._flush()
                     return
+                renewed = True
                 if loop.time() >= renew_at:
-                    await self._renew()
-                    renew_at = loop.time() + interval
+                    sent_at = loop.time()
+                    renewed = await self._renew()
+                    # A failed renewal took its timeout already: the next one is due lease/3
+                    # after it was sent (sooner than lease/3 after it failed), while the lock
+                    # still holds.
+                    renew_at = loop.time() + interval if renewed else sent_at + interval
+                self.failing = not (published and renewed)
         except Exception:  # never let a bug here break the call itself
             log.exception("publishing flight %s failed", self.stream)
 
-    async def _flush(self) -> None:
+    async def _flush(self) -> bool:
+        """Send the frames not sent yet; False if Redis failed (they go with the next)."""
         frames, start = self.broadcast.frames, self.sent
         end = len(frames)
-        if start >= end or self.broken:
-            return
+        if start >= end or self.aborted:
+            return True
         usage, flights = self.broadcast.usage_frame, self.flights
         pipe = flights._client.pipeline(transaction=False)
         for index in range(start, end):
@@ -475,19 +498,26 @@ class _Publisher:
         # lost (restarted empty) is made again by the XADD, without an expiry, and the renewal
         # stops with the lock lost with it (a review found such streams left for ever).
         pipe.pexpire(self.stream, 2 * flights.lease_ms)
-        self.sent = end
+        self.sending = end - start
         try:
             with _unavailable("publish frames"):
                 await pipe.execute()
         except StoreUnavailable as error:
-            self.broken = True
             flights._failed(error)
-            return
+            return False
+        finally:
+            self.sending = 0
+        # Only now: a batch that failed (or timed out, perhaps having landed) is sent again;
+        # followers skip the frames they have (by index).
+        self.sent = end
         flights.counts["frames_published"] += end - start
+        flights._answered()
+        return True
 
-    async def _renew(self) -> None:
+    async def _renew(self) -> bool:
+        """False if Redis failed (tried again at the next renewal time)."""
         if not self.renewing:
-            return
+            return True
         flights = self.flights
         try:
             with _unavailable("renew a flight's lock"):
@@ -496,8 +526,9 @@ class _Publisher:
                     args=[self.token, flights.lease_ms, 2 * flights.lease_ms],
                 )
         except StoreUnavailable as error:
-            self.broken = True
             flights._failed(error)
-            return
+            return False
+        flights._answered()
         if not held:  # expired (a long pause) or taken over: followers have moved on
             self.renewing = False
+        return True
