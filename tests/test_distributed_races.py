@@ -240,3 +240,45 @@ async def test_frames_whose_publishing_failed_are_published_again(redis_server: 
         published = [fields[b"f"] for _, fields in entries if b"f" in fields]
         assert published == frames and entries[-1][1][b"e"] == b"a"
         assert flights.counts["frames_published"] == 2
+
+
+# ---------------------------------------------------------------- after an invalidation
+
+
+async def test_after_an_invalidation_the_instances_share_one_fresh_call_per_key(
+    fake: Any, shared_redis: Any
+) -> None:
+    """A's streaming call runs, B follows it (frames relayed); an invalidation marks it stale.
+    C and D then ask the same: one fresh call, shared, while B still gets A's call to its end.
+    (Before, every instance that found the stale lock ran its own call, "alone": N instances,
+    N calls per key in flight at each invalidation.)"""
+    async with gateways(4, fake, shared_redis) as (a, b, c, d):
+        fake.chunk_gate = asyncio.Event()
+        led = asyncio.create_task(a.stream_chat("q"))
+        await fake.chunk_gate_reached.wait()
+        followed = asyncio.create_task(b.stream_chat("q"))
+        relayed = b.gateway.shared_flights.counts
+        await eventually(lambda: relayed["frames_relayed"] >= 2, what="B relaying A's call")
+        response = await c.client.post("/admin/invalidate", json={"tag": "x"}, headers=ADMIN)
+        assert response.status_code == 200
+        fake.gate = asyncio.Event()  # (the fresh call waits: C and D ask while it runs)
+        asking = asyncio.gather(c.chat("q"), d.chat("q"))
+        counts = [c.gateway.shared_flights.counts, d.gateway.shared_flights.counts]
+        await eventually(
+            lambda: (
+                sum(n["led"] for n in counts) == 1
+                and sum(n["followed"] for n in counts) == 1
+                and fake.count() == 2  # A's, and one fresh call for C and D
+            ),
+            what="one fresh call, led by C or D and followed by the other",
+        )
+        fake.gate.set()
+        fresh = await asking
+        assert fresh[0].json()["id"] == fresh[1].json()["id"]
+        fake.chunk_gate.set()
+        (_, old), (_, relayed_old) = await led, await followed
+        assert relayed_old == old and relayed_old.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in relayed_old and relayed["broken"] == 0
+        assert fresh[0].json()["id"] not in old
+        # A's answer is replayed to nobody: the next request gets the fresh one.
+        assert (await b.chat("q")).json()["id"] == fresh[0].json()["id"] and fake.count() == 2

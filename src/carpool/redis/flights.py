@@ -23,7 +23,13 @@ which coalesces the local flights of every instance:
   does not store its answer: it may predate what was dropped. It reads its lock again once
   stored, and a mark then (or the lock gone) takes the answer back (``forget``): an
   invalidation marks the locks before it drops the entries, so a store lands before that drop
-  or is read back marked.
+  or is read back marked. (The store's own generation check covers every path too:
+  ``RedisStore.put``.)
+- After an invalidation the instances share one fresh call per key again: the first claim
+  that finds a call marked stale sets it aside (its lock moves to ``P stale:{ID}:TOKEN``, which
+  its leader renews and its followers read as their leader alive: they keep it to its end) and
+  takes the lock for a fresh call, which every later request follows (``TAKE``). Nobody new
+  follows the stale call, and it is not replayed once finished.
 - A complete answer of a request that may linger (no ``no-store``) leaves the lock as
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
@@ -92,10 +98,12 @@ from .flight_protocol import (
     END,
     FORGET,
     RENEW,
+    TAKE,
     answer_record,
     error_record,
     flight_keys,
     lock_pattern,
+    stale_keys,
 )
 from .flight_relay import GONE, follow
 from .keys import check_prefix
@@ -151,6 +159,7 @@ class SharedFlights:
         self._claim = client.register_script(CLAIM)
         self._renew = client.register_script(RENEW)
         self._end = client.register_script(END)
+        self._take = client.register_script(TAKE)
         self._background: set[asyncio.Task[Any]] = set()
         self.leading = 0  # flights this instance leads now
         self.following = 0  # flights this instance follows now
@@ -177,8 +186,9 @@ class SharedFlights:
 
     async def forget_all(self) -> int:
         """After an invalidation: stop replaying every finished call, and mark every running
-        one stale, so that no request on any instance follows it (a request that finds a stale
-        call runs its own, alone); its followers keep it, and it is not replayed once finished.
+        one stale, so that no request on any instance follows it (the first request that finds
+        a stale call sets it aside and leads a fresh one, which the others follow: ``TAKE``);
+        its followers keep it, and it is not replayed once finished.
 
         Scans the locks (one per call running or lingering, on every instance); returns how
         many it dropped or marked (those it could: a Redis failure is reported, not raised).
@@ -236,31 +246,51 @@ class SharedFlights:
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
         lock, streams = flight_keys(self.prefix, key)
+        stales = stale_keys(self.prefix, key)
         deadline = asyncio.get_running_loop().time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
-        for attempt in range(MAX_TAKEOVERS + 1):
+        deaths = 0  # leaders followed that died or left
+        for _ in range(MAX_TAKEOVERS + 1):
             token = secrets.token_hex(8)
             try:
                 with _unavailable("claim a flight"):
                     reply = await self._claim(keys=[lock], args=[token, self.lease_ms, age_ms])
+                    if reply[0] == b"stale":
+                        # The call running began before an invalidation: set aside (its
+                        # followers stay on it), and a fresh one led here for every instance.
+                        stale = reply[1].decode()
+                        reply = await self._take(
+                            keys=[lock, stales + stale], args=[stale, token, self.lease_ms]
+                        )
             except StoreUnavailable as error:
                 self._failed(error)
                 return await self._alone(call, store, broadcast)
             self._answered()
             if reply[0] == b"lead":
-                self.counts["takeovers" if attempt else "led"] += 1
+                self.counts["takeovers" if deaths else "led"] += 1
                 return await self._lead(
-                    lock, streams + token, token, broadcast, call, store, linger, forget
+                    lock,
+                    streams + token,
+                    stales + token,
+                    token,
+                    broadcast,
+                    call,
+                    store,
+                    linger,
+                    forget,
                 )
-            if reply[0] == b"alone":  # the call running began before an invalidation
-                break
+            if reply[0] == b"again":  # the lock changed under the stale call's setting aside
+                continue
             leader = reply[1].decode()
             self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
-            result = await follow(self, lock, streams + leader, leader, broadcast, deadline)
+            result = await follow(
+                self, lock, streams + leader, stales + leader, leader, broadcast, deadline
+            )
             if isinstance(result, Answer):
                 return result
             if result != GONE:
                 break
+            deaths += 1
         return await self._alone(call, store, broadcast)
 
     async def _alone(self, call: Call, store: Store, broadcast: Broadcast) -> Answer:
@@ -275,6 +305,7 @@ class SharedFlights:
         self,
         lock: str,
         stream: str,
+        stale: str,
         token: str,
         broadcast: Broadcast,
         call: Call,
@@ -282,14 +313,14 @@ class SharedFlights:
         linger: bool,
         forget: Forget | None = None,
     ) -> Answer:
-        publisher = _Publisher(self, lock, stream, token, broadcast)
+        publisher = _Publisher(self, lock, stream, stale, token, broadcast)
         self.leading += 1
         try:
             answer = await call(broadcast)
         except asyncio.CancelledError:
             # Every local client left: tell the followers now rather than by the lease.
             publisher.abort()
-            self._spawn(self._finish(lock, stream, token, {"e": "g"}, 0))
+            self._spawn(self._finish(lock, stream, stale, token, {"e": "g"}, 0))
             raise
         except CarpoolError as error:
             await self._close(publisher, error_record(error), 0)
@@ -302,7 +333,7 @@ class SharedFlights:
             self.leading -= 1
         # Stored and ended (for the followers), both before the local clients have it.
         record = answer_record(answer)
-        if await self._marked_stale(lock, token):
+        if await self._marked_stale(lock, stale, token):
             # An invalidation came while it ran (``forget_all``, on any instance): its answer
             # may predate what was dropped, so it is not stored (the followers still get it).
             await self._close(publisher, record, 0)
@@ -328,10 +359,20 @@ class SharedFlights:
             await self._close(publisher, record, 0)
         return answer
 
-    async def _marked_stale(self, lock: str, token: str) -> bool:
-        """Whether this leader's lock says an invalidation came (``~TOKEN``: ``FORGET``)."""
+    async def _marked_stale(self, lock: str, stale: str, token: str) -> bool:
+        """Whether this leader's lock says an invalidation came (``~TOKEN``: ``FORGET``), or
+        a claim since set this call aside (its stale key)."""
         read, holder = await self._holder(lock)
-        return read and holder == "~" + token
+        if read and holder == "~" + token:
+            return True
+        if not read or holder == token:
+            return False
+        try:
+            with _unavailable("read a flight's lock"):
+                return bool(await self._client.exists(stale))
+        except StoreUnavailable as error:
+            self._failed(error)
+            return False
 
     async def _fresh(self, lock: str, token: str, ended: bool) -> bool:
         """Whether this leader's lock is as no invalidation left it: still its own, running,
@@ -366,17 +407,25 @@ class SharedFlights:
             await publisher.close()
         finally:
             publisher.broadcast.on_publish = None
-        await self._finish(publisher.lock, publisher.stream, publisher.token, record, linger_ms)
+        await self._finish(
+            publisher.lock, publisher.stream, publisher.stale, publisher.token, record, linger_ms
+        )
 
     async def _finish(
-        self, lock: str, stream: str, token: str, record: dict[str, Any], linger_ms: int
+        self,
+        lock: str,
+        stream: str,
+        stale: str,
+        token: str,
+        record: dict[str, Any],
+        linger_ms: int,
     ) -> None:
         args: list[Any] = [token, linger_ms, linger_ms + self.lease_ms, self.maxlen]
         for name, value in record.items():
             args += [name, value]
         try:
             with _unavailable("end a flight"):
-                await self._end(keys=[lock, stream], args=args)
+                await self._end(keys=[lock, stream, stale], args=args)
         except StoreUnavailable as error:
             self._failed(error)
         else:
@@ -417,11 +466,18 @@ class _Publisher:
     """
 
     def __init__(
-        self, flights: SharedFlights, lock: str, stream: str, token: str, broadcast: Broadcast
+        self,
+        flights: SharedFlights,
+        lock: str,
+        stream: str,
+        stale: str,
+        token: str,
+        broadcast: Broadcast,
     ) -> None:
         self.flights = flights
         self.lock = lock
         self.stream = stream
+        self.stale = stale  # this call's key once an invalidation set it aside
         self.token = token
         self.broadcast = broadcast
         self.sent = 0  # frames Redis took
@@ -522,7 +578,7 @@ class _Publisher:
         try:
             with _unavailable("renew a flight's lock"):
                 held = await flights._renew(
-                    keys=[self.lock, self.stream],
+                    keys=[self.lock, self.stream, self.stale],
                     args=[self.token, flights.lease_ms, 2 * flights.lease_ms],
                 )
         except StoreUnavailable as error:
