@@ -282,3 +282,35 @@ async def test_after_an_invalidation_the_instances_share_one_fresh_call_per_key(
         assert fresh[0].json()["id"] not in old
         # A's answer is replayed to nobody: the next request gets the fresh one.
         assert (await b.chat("q")).json()["id"] == fresh[0].json()["id"] and fake.count() == 2
+
+
+# ---------------------------------------------------------------- without a window
+
+
+async def test_without_a_window_a_claim_that_finds_the_answer_stored_takes_it(
+    fake: Any, shared_redis: Any
+) -> None:
+    """``coalesce.window_ms: 0``: B's request misses the cache while A's call runs; A then
+    stores its answer and drops its lock before B claims. B's claim sees the entry (same hash
+    slot) and serves it. (Before, it found no lock and led a second upstream call for one key,
+    with nothing failing.)"""
+    async with gateways(2, fake, shared_redis, coalesce={"window_ms": 0}) as (a, b):
+        fake.gate = asyncio.Event()
+        first = asyncio.create_task(a.chat("q"))
+        await fake.wait_until(lambda: fake.count() == 1, what="A's call")
+        store = b.gateway.layers.store
+        get = store.get
+
+        async def miss_then_let_a_finish(key: str) -> Any:
+            store.get = get  # (once)
+            entry = await get(key)
+            assert fake.gate is not None
+            fake.gate.set()
+            await first  # stored, and its lock gone
+            return entry
+
+        store.get = miss_then_let_a_finish
+        second = await b.chat("q")
+        assert store.get == get and fake.count() == 1
+        assert second.json()["id"] == (await first).json()["id"]
+        assert second.headers["x-carpool"] == "hit"

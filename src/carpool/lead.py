@@ -144,10 +144,16 @@ class Leader:
                 max_age=controls.max_age if controls.may_read else 0,
                 linger=not controls.no_store,
                 forget=self.store.forget,
+                load=partial(self._stored, key.key),
             )
         finally:
             if embedding is not None:  # not stored (a failure, a follower)
                 _discard(embedding)
+
+    async def _stored(self, key: str) -> Answer | None:
+        """The exact cache's answer for ``key``, whatever its age."""
+        entry = await self.store.get(key)
+        return entry.answer if entry is not None else None
 
     async def _store(
         self,

@@ -55,6 +55,7 @@ from ..errors import (
     UpstreamUnreachable,
 )
 from .keys import glob_escape, key_id
+from .store_layout import StoreKeys
 
 __all__ = [
     "CLAIM",
@@ -64,6 +65,7 @@ __all__ = [
     "TAKE",
     "answer_from",
     "answer_record",
+    "entry_key",
     "error_from",
     "error_record",
     "flight_keys",
@@ -78,6 +80,11 @@ def flight_keys(prefix: str, key: str) -> tuple[str, str]:
     return f"{prefix}lock:{{{ident}}}", f"{prefix}flight:{{{ident}}}:"
 
 
+def entry_key(prefix: str, key: str) -> str:
+    """The exact store's entry of ``key`` (:mod:`.store_layout`): in the slot of its lock."""
+    return StoreKeys(prefix).entry(key_id(key))
+
+
 def stale_keys(prefix: str, key: str) -> str:
     """The start of the keys of ``key``'s calls set aside by an invalidation (TOKEN follows)."""
     return f"{prefix}stale:{{{key_id(key)}}}:"
@@ -88,9 +95,12 @@ def lock_pattern(prefix: str) -> str:
     return glob_escape(prefix) + "lock:*"
 
 
-# KEYS: lock. ARGV: token, lease ms, max age ms (-1: any age).
+# KEYS: lock, the exact store's entry (``entry_key``). ARGV: token, lease ms, max age ms (-1:
+# any age), 1 to look for a stored answer (with any age) before leading, else 0.
 # Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN} | {'stale', TOKEN} (a call begun
-# before an invalidation runs: ``TAKE`` sets it aside, in the key of its token).
+# before an invalidation runs: ``TAKE`` sets it aside, in the key of its token) | {'stored'}
+# (no call runs, its answer is stored: a call that ended, without a window, since this request
+# missed the cache).
 CLAIM = """
 local holder = redis.call('GET', KEYS[1])
 if holder then
@@ -105,6 +115,7 @@ if holder then
     - tonumber(string.sub(holder, sep + 1))
   if age < max_age then return {'replay', leader} end
 end
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored'} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'lead'}
 """

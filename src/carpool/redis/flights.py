@@ -36,6 +36,9 @@ which coalesces the local flights of every instance:
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
   request leads a new call. ``forget_all`` (``/admin/invalidate``) deletes every lingering
   lock, whichever instance made it.
+- A claim that finds no call running may find its answer stored (``load``; the entry's key is
+  in the lock's slot): a call that ended without a window (``coalesce.window_ms: 0``) after
+  this request missed the cache. It serves that answer (a hit) rather than lead a second call.
 - A follower relays the leader's stream, from its start, into its LOCAL broadcast: every local
   client of the flight, streaming or not, early or late, is served exactly as if this instance
   led, and gets the same ``Answer`` (or the same error) on the final record
@@ -100,6 +103,7 @@ from .flight_protocol import (
     RENEW,
     TAKE,
     answer_record,
+    entry_key,
     error_record,
     flight_keys,
     lock_pattern,
@@ -119,6 +123,8 @@ Call = Callable[[Broadcast], Awaitable[Answer]]
 # The leader's store: the key it put the answer under ("" if none); the key taken back.
 Store = Callable[[Answer], Awaitable[str]]
 Forget = Callable[[str], Awaitable[object]]
+# The answer stored for the key, if any (the exact store's, whatever its age).
+Load = Callable[[], Awaitable[Answer | None]]
 
 MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
 
@@ -168,6 +174,7 @@ class SharedFlights:
                 "led",  # calls led for every instance
                 "followed",  # calls followed while running on another instance
                 "replayed",  # finished calls replayed within the window
+                "stored",  # claims that found the call ended and its answer stored
                 "takeovers",  # calls led after their leader died
                 "alone",  # calls run without Redis: unavailable, join timeout
                 "broken",  # follows failed after frames were relayed
@@ -233,6 +240,7 @@ class SharedFlights:
         max_age: float | None = None,
         linger: bool = True,
         forget: Forget | None = None,
+        load: Load | None = None,
     ) -> Answer:
         """The answer for ``key``: led here (``call`` runs, its output is shared, ``store``
         keeps it), followed from the instance that leads it (which stores it), or (Redis
@@ -242,11 +250,16 @@ class SharedFlights:
         the window; 0: only a call still running is joined). ``linger``: whether this
         instance's answer may be replayed once finished (False for ``no-store``). ``forget``:
         takes back what ``store`` stored (the key it returned), when an invalidation came.
+        ``load``: the answer stored for ``key``, asked when a claim finds no call running but
+        an answer stored (``max_age`` None only: the request takes any cached answer) since
+        the request missed the cache (a call ended meanwhile, without a window); the local
+        broadcast is then ``cached`` (its clients are hits).
         """
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
         lock, streams = flight_keys(self.prefix, key)
         stales = stale_keys(self.prefix, key)
+        entry, look = entry_key(self.prefix, key), int(load is not None and max_age is None)
         deadline = asyncio.get_running_loop().time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
         deaths = 0  # leaders followed that died or left
@@ -254,7 +267,9 @@ class SharedFlights:
             token = secrets.token_hex(8)
             try:
                 with _unavailable("claim a flight"):
-                    reply = await self._claim(keys=[lock], args=[token, self.lease_ms, age_ms])
+                    reply = await self._claim(
+                        keys=[lock, entry], args=[token, self.lease_ms, age_ms, look]
+                    )
                     if reply[0] == b"stale":
                         # The call running began before an invalidation: set aside (its
                         # followers stay on it), and a fresh one led here for every instance.
@@ -280,6 +295,14 @@ class SharedFlights:
                     forget,
                 )
             if reply[0] == b"again":  # the lock changed under the stale call's setting aside
+                continue
+            if reply[0] == b"stored":
+                answer = await load() if load is not None else None
+                if answer is not None:
+                    self.counts["stored"] += 1
+                    broadcast.cached = True
+                    return answer
+                look = 0  # (gone meanwhile, or expired by now: claim again, to lead)
                 continue
             leader = reply[1].decode()
             self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
