@@ -314,3 +314,38 @@ async def test_without_a_window_a_claim_that_finds_the_answer_stored_takes_it(
         assert store.get == get and fake.count() == 1
         assert second.json()["id"] == (await first).json()["id"]
         assert second.headers["x-carpool"] == "hit"
+
+
+# ---------------------------------------------------------------- a claim that failed, and landed
+
+
+async def test_a_claim_that_timed_out_but_landed_leaves_no_lock_nobody_owns(
+    fake: Any, shared_redis: Any
+) -> None:
+    """A's claim reaches Redis, its answer does not reach A in time (a timeout on A's side): A
+    runs the call alone, and once Redis answers it takes the lock back, with a "gone" record for
+    anyone who followed it. (Before, the lock stayed for lease_ms in the name of a leader that
+    never renewed, published or ended it: B's requests followed it, then made a second call.)"""
+    import redis.exceptions
+
+    async with gateways(2, fake, shared_redis) as (a, b):
+        flights = a.gateway.shared_flights
+        claim = flights._claim
+
+        async def lands_then_times_out(**kwargs: Any) -> Any:
+            flights._claim = claim  # (once)
+            await claim(**kwargs)
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+        flights._claim = lands_then_times_out
+        fake.gate = asyncio.Event()
+        first = asyncio.create_task(a.chat("q"))
+        await fake.wait_until(lambda: fake.count() == 1, what="A's call, alone")
+        client = b.gateway.layers.shared_store.redis.client
+
+        async def no_lock() -> bool:
+            return not [key async for key in client.scan_iter(match="carpool:lock:*")]
+
+        await until(no_lock, "the lock A's failed claim left taken back", timeout=2.0)
+        fake.gate.set()
+        assert (await first).status_code == 200 and flights.counts["alone"] == 1

@@ -63,7 +63,9 @@ of the death (:mod:`.flight_relay`).
   So no waiter waits on another instance longer than the join timeout for a first sign of life.
 - Redis unreachable, refusing commands or slower than ``distributed.timeout``: no request fails
   because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
-  is not even tried): ``call`` runs here, as without Redis. Failing while leading: the call goes
+  is not even tried): ``call`` runs here, as without Redis; a claim that failed may have landed
+  (a timeout on our side), so its lock, if in our name, is ended as ``gone`` once Redis
+  answers (tried for up to lease_ms): nobody follows a leader that does not know it leads. Failing while leading: the call goes
   on for this instance's clients; publishing and renewing are tried again at the next renewal
   time (lease/3), as long as the lock is ours, the frames of a failed batch sent again with the
   next (a link that stalls for less than the lease costs its followers nothing); the final
@@ -167,6 +169,7 @@ class SharedFlights:
         self._end = client.register_script(END)
         self._take = client.register_script(TAKE)
         self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
         self.leading = 0  # flights this instance leads now
         self.following = 0  # flights this instance follows now
         self.counts = dict.fromkeys(
@@ -223,6 +226,7 @@ class SharedFlights:
         return sum(await pipe.execute())
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._background:
             await asyncio.wait(list(self._background), timeout=1.0)
         if self._owns_client:
@@ -279,6 +283,9 @@ class SharedFlights:
                         )
             except StoreUnavailable as error:
                 self._failed(error)
+                # It may have landed all the same (a timeout on our side): a lock in our name
+                # that nobody renews, publishes into or ends, followed for lease_ms.
+                self._spawn(self._unclaim(lock, streams + token, stales + token, token))
                 return await self._alone(call, store, broadcast)
             self._answered()
             if reply[0] == b"lead":
@@ -315,6 +322,27 @@ class SharedFlights:
                 break
             deaths += 1
         return await self._alone(call, store, broadcast)
+
+    async def _unclaim(self, lock: str, stream: str, stale: str, token: str) -> None:
+        """After a failed claim: once Redis answers (tried again for up to lease_ms, when the
+        lock would expire anyway), end the flight it may have claimed, as a leader that left
+        (``gone``: its followers claim again at once), if the lock is in our name."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.lease_ms / 1000
+        args: list[Any] = [token, 0, self.lease_ms, self.maxlen, "e", "g"]
+        pause = 0.02
+        while not self._closing:
+            try:
+                with _unavailable("take back a claim"):
+                    await self._end(keys=[lock, stream, stale], args=args)
+                return
+            except StoreUnavailable:
+                pass  # (reported by the claim already)
+            left = until - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.25)
 
     async def _alone(self, call: Call, store: Store, broadcast: Broadcast) -> Answer:
         self.counts["alone"] += 1
