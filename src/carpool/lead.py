@@ -104,7 +104,9 @@ class Leader:
             else None
         )
         begun = _Begun()
-        shared_store = self.shared_store if key.key is not None else None
+        controls = request.controls
+        storable = not controls.no_store and self.config.ttl_for(controls.request_type) > 0
+        shared_store = self.shared_store if key.key is not None and storable else None
 
         async def call(broadcast: Broadcast) -> Answer:
             if shared_store is not None:  # (Redis's count of invalidations, before the call)
@@ -135,7 +137,6 @@ class Leader:
                     await asyncio.sleep(0)
                 await store(answer)
                 return answer
-            controls = request.controls
             return await self.shared_flights.run(
                 key.key,
                 broadcast,

@@ -79,7 +79,8 @@ of the death (:mod:`.flight_relay`).
 The keys, the records and the scripts: :mod:`.flight_protocol`.
 
 Round trips (measured by benchmarks/bench_distributed.py): a leader makes 1 (claim) + 1 per
-batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's); a
+batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's), and its
+store reads the invalidation generation before the call and after the put (``lead.py``); a
 follower 1 (claim) + 1 per XREAD (each returns as soon as entries arrive, or after the block
 time); none while Redis is degraded. Needs Redis >= 5 (streams; scripts that call TIME before
 writing) or Valkey.
@@ -97,7 +98,7 @@ from typing import TYPE_CHECKING, Any
 from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import CarpoolError, UpstreamError
-from .connection import Health, StoreUnavailable, unavailable_in
+from .connection import Health, PoolExhausted, StoreUnavailable, unavailable_in
 from .flight_protocol import (
     CLAIM,
     END,
@@ -283,9 +284,10 @@ class SharedFlights:
                         )
             except StoreUnavailable as error:
                 self._failed(error)
-                # It may have landed all the same (a timeout on our side): a lock in our name
-                # that nobody renews, publishes into or ends, followed for lease_ms.
-                self._spawn(self._unclaim(lock, streams + token, stales + token, token))
+                if not isinstance(error, PoolExhausted):  # (that one was never sent)
+                    # It may have landed all the same (a timeout on our side): a lock in our
+                    # name that nobody renews, publishes into or ends, followed for lease_ms.
+                    self._spawn(self._unclaim(lock, streams + token, stales + token, token))
                 return await self._alone(call, store, broadcast)
             self._answered()
             if reply[0] == b"lead":
