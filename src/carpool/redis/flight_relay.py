@@ -12,8 +12,9 @@ leader does). The local broadcast is marked ``remote``: this instance's clients 
 A leader's death is noticed through its lock, read in the same round trip as each XREAD: the
 lock is gone or names another leader (and the leader's call is not set aside, still running,
 in its stale key: an invalidation came, and a fresh call took the lock), and one more read
-finds no final record (so within lease_ms + one block of the death). What the follower does then (take the call over, or end its
-flight with ``LeaderLost``) is in the failure rules of :mod:`.flights`.
+finds no final record (so within lease_ms + one block of the death). What the follower does
+then (take the call over, or end its flight with ``LeaderLost``) is in the failure rules of
+:mod:`.flights`.
 
 Entries trimmed by MAXLEN before a follower read them (it joined late, or fell that far
 behind): with nothing relayed, it skips the frames and serves the answer whole from the final

@@ -65,14 +65,14 @@ of the death (:mod:`.flight_relay`).
   because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
   is not even tried): ``call`` runs here, as without Redis; a claim that failed may have landed
   (a timeout on our side), so its lock, if in our name, is ended as ``gone`` once Redis
-  answers (tried for up to lease_ms): nobody follows a leader that does not know it leads. Failing while leading: the call goes
-  on for this instance's clients; publishing and renewing are tried again at the next renewal
-  time (lease/3), as long as the lock is ours, the frames of a failed batch sent again with the
-  next (a link that stalls for less than the lease costs its followers nothing); the final
-  record is still tried (followers get the answer, or see a death). Failing while following: nothing relayed -> the
-  call runs here; frames relayed -> ``UpstreamStreamBroken``, as for a death. Failures go to the
-  shared store's health (``/stats``, ``/healthz``, the log, degraded mode); successes end a
-  degraded period.
+  answers (tried for up to lease_ms): nobody follows a leader that does not know it leads.
+  Failing while leading: the call goes on for this instance's clients; publishing and renewing
+  are tried again at the next renewal time (lease/3), as long as the lock is ours, the frames
+  of a failed batch sent again with the next (a link that stalls for less than the lease costs
+  its followers nothing); the final record is still tried (followers get the answer, or see a
+  death). Failing while following: nothing relayed -> the call runs here; frames relayed ->
+  ``UpstreamStreamBroken``, as for a death. Failures go to the shared store's health
+  (``/stats``, ``/healthz``, the log, degraded mode); successes end a degraded period.
 - Entries trimmed by MAXLEN before a follower read them, or a final record whose frame count
   is not what was relayed: see :mod:`.flight_relay`.
 

@@ -29,8 +29,9 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
   lowering it) *before* it writes the entry, and members are removed only once their score has
   passed (lazily, by the next put to that index), so no race can leave a live entry out of an
   index; each index key expires with its last member. Invalidating everything leaves them too
-  (a put racing it must not lose the index of an entry it writes after the scan). The three ``{stats}`` keys share one slot
-  because one Lua script updates them together; they go away when no entry is live.
+  (a put racing it must not lose the index of an entry it writes after the scan). The three
+  ``{stats}`` keys share one slot because one Lua script updates them together; they go away
+  when no entry is live.
 - Every script touches keys of one slot only, and multi-key work is pipelined per key, so the
   layout works on Redis Cluster. The prefix must not contain ``{`` or ``}``.
 """
@@ -99,8 +100,9 @@ return 1
 """
 
 # Drop the entry if it still matches: ARGV = mode (t: tag digest, n: namespace digest,
-# p: prompt prefix, x: this exact expiry, ``xm``: the entry one put wrote), value, now (ms). 1 if a live entry was dropped; an entry already expired by
-# NOW (its PX may run a round trip later than its own expiry) is dropped but not counted.
+# p: prompt prefix, x: this exact expiry, ``xm``: the entry one put wrote), value, now (ms).
+# 1 if a live entry was dropped; an entry already expired by NOW (its PX may run a round trip
+# later than its own expiry) is dropped but not counted.
 DROP = """
 local mode, value = ARGV[1], ARGV[2]
 local expires = redis.call('HGET', KEYS[1], 'xm')
