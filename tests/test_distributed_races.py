@@ -68,20 +68,20 @@ async def gateways(n: int, fake: Any, redis_server: Any, **config: Any) -> Async
 # invalidation that answered
 
 
-@pytest.mark.parametrize("shared_flights", [False, True])
+@pytest.mark.parametrize("path", ["no-shared-flights", "led", "alone"])
 async def test_an_invalidation_that_answered_leaves_no_answer_whose_store_was_on_its_way(
-    fake: Any, shared_redis: Any, shared_flights: bool
+    fake: Any, shared_redis: Any, path: str
 ) -> None:
     """A's call began before B's invalidation, and its store reaches Redis after that
     invalidation answered 200 (A's link is slow; here the put waits for it): the answer, which
-    may predate what was dropped, must not be served afterwards. (Before, only A's local epoch
-    was checked, before its put: the pub/sub message came too late, and the stale answer was a
-    hit on every instance until its TTL.)"""
-    async with gateways(2, fake, shared_redis, distributed={"shared_flights": shared_flights}) as (
-        a,
-        b,
-    ):
-        redis_store = a.gateway.layers.shared_store.redis
+    may predate what was dropped, must not be served afterwards, whichever way A made the call
+    (``alone``: its claim failed). (Before, only A's local epoch was checked, before its put:
+    the pub/sub message came too late, and the stale answer was a hit on every instance until
+    its TTL.)"""
+    distributed = {"shared_flights": path != "no-shared-flights"}
+    async with gateways(2, fake, shared_redis, distributed=distributed) as (a, b):
+        shared_store = a.gateway.layers.shared_store
+        redis_store = shared_store.redis
         put = redis_store.put
         answered: list[int] = []
 
@@ -91,12 +91,33 @@ async def test_an_invalidation_that_answered_leaves_no_answer_whose_store_was_on
             return await put(key, entry, **options)
 
         redis_store.put = put_after_an_invalidation
-        first = await a.chat("q", headers={"x-carpool-tags": "faq"})
+        if path == "alone":
+            import redis.exceptions
+
+            flights = a.gateway.shared_flights
+            claim = flights._claim
+
+            async def refused(**_: Any) -> Any:
+                flights._claim = claim  # (once)
+                raise redis.exceptions.ConnectionError("refused")
+
+            flights._claim = refused
+            fake.gate = asyncio.Event()
+        first = asyncio.create_task(a.chat("q", headers={"x-carpool-tags": "faq"}))
+        if path == "alone":
+            await fake.wait_until(lambda: fake.count() == 1, what="A's call, alone")
+            # (Its put goes to Redis, not to this process's memory, once Redis is tried again.)
+            await eventually(shared_store.usable, what="the shared store trying Redis again")
+            assert fake.gate is not None
+            fake.gate.set()
+        first_answer = await first
         redis_store.put = put
         assert answered == [200]
+        if path == "alone":
+            assert a.gateway.shared_flights.counts["alone"] == 1
         after = await b.chat("q")
         assert after.headers["x-carpool"] == "miss"
-        assert after.json()["id"] != first.json()["id"] and fake.count() == 2
+        assert after.json()["id"] != first_answer.json()["id"] and fake.count() == 2
 
 
 async def test_invalidating_everything_while_a_put_is_half_done_leaves_its_entry_indexed(
