@@ -701,10 +701,17 @@ async def test_frames_published_while_a_flush_is_on_its_way_are_sent_before_the_
         flights = gw.gateway.shared_flights
         broadcast = Broadcast()
         stream = "carpool-test:{publisher}:stream"
-        publisher = _Publisher(flights, "carpool-test:{publisher}:lock", stream, "t", broadcast)
+        publisher = _Publisher(
+            flights,
+            "carpool-test:{publisher}:lock",
+            stream,
+            "carpool-test:{publisher}:stale",
+            "t",
+            broadcast,
+        )
         broadcast.publish(b"data: 0\n\n")
         await asyncio.sleep(0)  # (its first flush: sent, its answer not yet read)
-        assert publisher.sent == 1
+        assert publisher.sending == 1 and publisher.sent == 0
         broadcast.publish(b"data: 1\n\n")
         broadcast.publish(b"data: 2\n\n")
         await publisher.close()

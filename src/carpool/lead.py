@@ -19,7 +19,11 @@ Contract:
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0, without ``no-store``, and only if no invalidation came after the call began (the
-  flights' ``epoch``): the answer may predate what was invalidated.
+  flights' ``epoch``): the answer may predate what was invalidated. With ``redis``, whatever
+  path the call took (led for all, alone, without shared flights), Redis's count of
+  invalidations is read before the call and again once its answer is stored: one by any
+  instance in between takes it back (``RedisStore.put``), so an invalidation that answered
+  leaves no answer of a call begun before it, even one whose store was on its way.
 - With the semantic cache, the prompt is embedded while the upstream answers (unless the probe
   did already), so that its entry too is in before the flight ends; an entry whose embedding
   was not begun is inserted off the flight's path (``background``), not to delay its clients.
@@ -58,6 +62,7 @@ class Leader:
         self.flights = layers.flights
         self.semantic = layers.semantic
         self.shared_flights = layers.shared_flights
+        self.shared_store = layers.shared_store  # (``store`` itself, with ``redis``)
         self.peers = layers.peers
         self.invalidations = layers.invalidations
         self.fetch = fetch
@@ -98,9 +103,25 @@ class Leader:
             if self.peers is not None and not alone and key.key is not None
             else None
         )
-        call = partial(self.fetch, request, owner=owner)
+        begun = _Begun()
+        controls = request.controls
+        storable = not controls.no_store and self.config.ttl_for(controls.request_type) > 0
+        shared_store = self.shared_store if key.key is not None and storable else None
+
+        async def call(broadcast: Broadcast) -> Answer:
+            if shared_store is not None:  # (Redis's count of invalidations, before the call)
+                begun.generation = await shared_store.generation()
+            return await self.fetch(request, broadcast, owner=owner)
+
         store = partial(
-            self._store, request, key, view=view, probe=probe, epoch=epoch, embedding=embedding
+            self._store,
+            request,
+            key,
+            view=view,
+            probe=probe,
+            epoch=epoch,
+            embedding=embedding,
+            begun=begun,
         )
         if self.invalidations is not None:  # (lazily, without the server)
             self.invalidations.start()
@@ -116,7 +137,6 @@ class Leader:
                     await asyncio.sleep(0)
                 await store(answer)
                 return answer
-            controls = request.controls
             return await self.shared_flights.run(
                 key.key,
                 broadcast,
@@ -125,10 +145,16 @@ class Leader:
                 max_age=controls.max_age if controls.may_read else 0,
                 linger=not controls.no_store,
                 forget=self.store.forget,
+                load=partial(self._stored, key.key),
             )
         finally:
             if embedding is not None:  # not stored (a failure, a follower)
                 _discard(embedding)
+
+    async def _stored(self, key: str) -> Answer | None:
+        """The exact cache's answer for ``key``, whatever its age."""
+        entry = await self.store.get(key)
+        return entry.answer if entry is not None else None
 
     async def _store(
         self,
@@ -139,6 +165,7 @@ class Leader:
         probe: Probe | None,
         epoch: int,
         embedding: asyncio.Task[Any] | None = None,
+        begun: _Begun | None = None,
     ) -> str:
         """Store a complete answer (unless its request or its type's ttl says not to, or an
         invalidation came after its call began: it may predate what was invalidated), in the
@@ -164,7 +191,14 @@ class Leader:
             view = semantic_view(request, key, self.config) if view is not None else None
         expires, prefix = answer.created + ttl, _prompt_prefix(request)
         assert key.key is not None  # (checked above; a shared key is one too)
-        await self.store.put(key.key, Entry(answer, expires, controls.tags, key.namespace, prefix))
+        entry = Entry(answer, expires, controls.tags, key.namespace, prefix)
+        since = begun.generation if begun is not None else None
+        if self.shared_store is not None and since is not None:
+            # Taken back from Redis if an invalidation by any instance came since the call
+            # began (its pub/sub message may reach this one after the epoch was read).
+            await self.shared_store.put(key.key, entry, since=since)
+        else:
+            await self.store.put(key.key, entry)
         if view is None or self.semantic is None:
             return key.key
         vector = probe.vector if probe is not None else None
@@ -214,6 +248,15 @@ class Leader:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("semantic insert failed", exc_info=task.exception())
+
+
+class _Begun:
+    """What a flight's call saw as it began: the shared store's generation (None: not read)."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation: int | None = None
 
 
 def _discard(task: asyncio.Task[Any]) -> None:

@@ -9,7 +9,14 @@ included, in one Redis Cluster slot; every script and pipeline touches the keys 
                                    renewed every lease/3 (compare-and-expire); then, for a
                                    complete answer that may linger, "=TOKEN:MS" (MS = Redis
                                    time of the end, for max_age) with PX coalesce.window_ms;
-                                   otherwise deleted (compare-and-delete) at the end
+                                   otherwise deleted (compare-and-delete) at the end. An
+                                   invalidation marks a running call's "~TOKEN" (``FORGET``);
+                                   the next claim sets it aside (``P stale:{ID}:TOKEN``) and
+                                   takes the lock for a fresh call (``TAKE``)
+    P stale:{ID}:TOKEN     STRING  "1" while the call of TOKEN, set aside by an invalidation,
+                                   still runs: its leader renews it (PX lease_ms) instead of
+                                   the lock, its followers read it as their leader alive, its
+                                   end deletes it. Nobody new follows it
     P flight:{ID}:TOKEN    STREAM  one leader's output. One stream per leader: a follower never
                                    mixes two calls, and a new leader never deletes what another
                                    instance is still reading. Entries: one per frame {i: index,
@@ -48,18 +55,22 @@ from ..errors import (
     UpstreamUnreachable,
 )
 from .keys import glob_escape, key_id
+from .store_layout import StoreKeys
 
 __all__ = [
     "CLAIM",
     "END",
     "FORGET",
     "RENEW",
+    "TAKE",
     "answer_from",
     "answer_record",
+    "entry_key",
     "error_from",
     "error_record",
     "flight_keys",
     "lock_pattern",
+    "stale_keys",
 ]
 
 
@@ -69,18 +80,32 @@ def flight_keys(prefix: str, key: str) -> tuple[str, str]:
     return f"{prefix}lock:{{{ident}}}", f"{prefix}flight:{{{ident}}}:"
 
 
+def entry_key(prefix: str, key: str) -> str:
+    """The exact store's entry of ``key`` (:mod:`.store_layout`): in the slot of its lock."""
+    return StoreKeys(prefix).entry(key_id(key))
+
+
+def stale_keys(prefix: str, key: str) -> str:
+    """The start of the keys of ``key``'s calls set aside by an invalidation (TOKEN follows)."""
+    return f"{prefix}stale:{{{key_id(key)}}}:"
+
+
 def lock_pattern(prefix: str) -> str:
     """Every flight's lock, as a SCAN pattern."""
     return glob_escape(prefix) + "lock:*"
 
 
-# KEYS: lock. ARGV: token, lease ms, max age ms (-1: any age).
-# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN}.
+# KEYS: lock, the exact store's entry (``entry_key``). ARGV: token, lease ms, max age ms (-1:
+# any age), 1 to look for a stored answer (with any age) before leading, else 0.
+# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN} | {'stale', TOKEN} (a call begun
+# before an invalidation runs: ``TAKE`` sets it aside, in the key of its token) | {'stored'}
+# (no call runs, its answer is stored: a call that ended, without a window, since this request
+# missed the cache).
 CLAIM = """
 local holder = redis.call('GET', KEYS[1])
 if holder then
   local mark = string.sub(holder, 1, 1)
-  if mark == '~' then return {'alone'} end
+  if mark == '~' then return {'stale', string.sub(holder, 2)} end
   if mark ~= '=' then return {'follow', holder} end
   local sep = string.find(holder, ':', 2, true)
   local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
@@ -90,25 +115,43 @@ if holder then
     - tonumber(string.sub(holder, sep + 1))
   if age < max_age then return {'replay', leader} end
 end
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored'} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'lead'}
 """
 
-# KEYS: lock, stream. ARGV: token, lease ms, stream PX ms. 1 if renewed, 0 if the lock is lost.
+# KEYS: lock, the stale call's key (``stale_keys`` + its token). ARGV: the stale token, the new
+# token, lease ms. If the lock is still "~STALE": the stale call is set aside in its key, for
+# what is left of its lease, and the lock is the new token's: {'lead'}. Otherwise {'again'}
+# (the lock changed meanwhile: claim again).
+TAKE = """
+if redis.call('GET', KEYS[1]) ~= '~' .. ARGV[1] then return {'again'} end
+local left = redis.call('PTTL', KEYS[1])
+if left > 0 then redis.call('SET', KEYS[2], '1', 'PX', left) end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return {'lead'}
+"""
+
+# KEYS: lock, stream, this call's stale key. ARGV: token, lease ms, stream PX ms. 1 if renewed
+# (the lock, or the stale key once set aside), 0 if the lock is lost.
 RENEW = """
 local holder = redis.call('GET', KEYS[1])
-if holder ~= ARGV[1] and holder ~= '~' .. ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if holder == ARGV[1] or holder == '~' .. ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif redis.call('PEXPIRE', KEYS[3], ARGV[2]) == 0 then
+  return 0
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
-# KEYS: lock, stream. ARGV: token, linger ms (0: none), stream PX ms, MAXLEN, then the final
-# record's field, value pairs. The record always goes to this leader's own stream; the lock is
-# changed only if it is still this leader's.
+# KEYS: lock, stream, this call's stale key. ARGV: token, linger ms (0: none), stream PX ms,
+# MAXLEN, then the final record's field, value pairs. The record always goes to this leader's
+# own stream; the lock is changed only if it is still this leader's; a stale key goes.
 END = """
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('DEL', KEYS[3])
 local holder = redis.call('GET', KEYS[1])
 if holder == '~' .. ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -126,7 +169,7 @@ return 1
 
 # KEYS: lock. Drop it if it is a finished call's (lingering in the window); mark a running
 # call's "~TOKEN" (stale: its followers stay, nobody new follows it, it is not replayed once
-# finished). 1 if either.
+# finished; the next claim sets it aside and leads a fresh call). 1 if either.
 FORGET = """
 local holder = redis.call('GET', KEYS[1])
 if not holder then return 0 end

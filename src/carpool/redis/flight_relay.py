@@ -10,9 +10,11 @@ leader does). The local broadcast is marked ``remote``: this instance's clients 
 ``coalesced``.
 
 A leader's death is noticed through its lock, read in the same round trip as each XREAD: the
-lock is gone or names another leader, and one more read finds no final record (so within
-lease_ms + one block of the death). What the follower does then (take the call over, or end its
-flight with ``LeaderLost``) is in the failure rules of :mod:`.flights`.
+lock is gone or names another leader (and the leader's call is not set aside, still running,
+in its stale key: an invalidation came, and a fresh call took the lock), and one more read
+finds no final record (so within lease_ms + one block of the death). What the follower does
+then (take the call over, or end its flight with ``LeaderLost``) is in the failure rules of
+:mod:`.flights`.
 
 Entries trimmed by MAXLEN before a follower read them (it joined late, or fell that far
 behind): with nothing relayed, it skips the frames and serves the answer whole from the final
@@ -54,11 +56,13 @@ async def follow(
     flights: SharedFlights,
     lock: str,
     stream: str,
+    aside: str,
     token: str,
     broadcast: Broadcast,
     deadline: float,
 ) -> Answer | str:
-    """Relay the leader's stream into ``broadcast`` until its final record."""
+    """Relay the leader's stream into ``broadcast`` until its final record. ``aside``: the
+    leader's stale key (its call set aside by an invalidation, it still runs)."""
     loop = asyncio.get_running_loop()
     ours, stale = token.encode(), b"~" + token.encode()
     ended = b"=" + ours + b":"
@@ -77,9 +81,10 @@ async def follow(
             pipe = flights._client.pipeline(transaction=False)
             pipe.xread({stream: last}, count=READ_COUNT, block=block)
             pipe.get(lock)
+            pipe.exists(aside)
             try:
                 with _unavailable("follow a flight"):
-                    reply, holder = await pipe.execute()
+                    reply, holder, set_aside = await pipe.execute()
             except StoreUnavailable as error:
                 flights._failed(error)
                 if relayed:
@@ -112,7 +117,12 @@ async def follow(
             if records:
                 suspect = False
                 continue
-            if holder != ours and holder != stale and not (holder or b"").startswith(ended):
+            if (
+                holder != ours
+                and holder != stale
+                and not (holder or b"").startswith(ended)
+                and not set_aside
+            ):
                 if suspect:  # gone, and no final record came after all
                     if relayed:
                         raise _broken(flights, "the instance leading this call stopped")

@@ -23,13 +23,22 @@ which coalesces the local flights of every instance:
   does not store its answer: it may predate what was dropped. It reads its lock again once
   stored, and a mark then (or the lock gone) takes the answer back (``forget``): an
   invalidation marks the locks before it drops the entries, so a store lands before that drop
-  or is read back marked.
+  or is read back marked. (The store's own generation check covers every path too:
+  ``RedisStore.put``.)
+- After an invalidation the instances share one fresh call per key again: the first claim
+  that finds a call marked stale sets it aside (its lock moves to ``P stale:{ID}:TOKEN``, which
+  its leader renews and its followers read as their leader alive: they keep it to its end) and
+  takes the lock for a fresh call, which every later request follows (``TAKE``). Nobody new
+  follows the stale call, and it is not replayed once finished.
 - A complete answer of a request that may linger (no ``no-store``) leaves the lock as
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
   request leads a new call. ``forget_all`` (``/admin/invalidate``) deletes every lingering
   lock, whichever instance made it.
+- A claim that finds no call running may find its answer stored (``load``; the entry's key is
+  in the lock's slot): a call that ended without a window (``coalesce.window_ms: 0``) after
+  this request missed the cache. It serves that answer (a hit) rather than lead a second call.
 - A follower relays the leader's stream, from its start, into its LOCAL broadcast: every local
   client of the flight, streaming or not, early or late, is served exactly as if this instance
   led, and gets the same ``Answer`` (or the same error) on the final record
@@ -54,19 +63,24 @@ of the death (:mod:`.flight_relay`).
   So no waiter waits on another instance longer than the join timeout for a first sign of life.
 - Redis unreachable, refusing commands or slower than ``distributed.timeout``: no request fails
   because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
-  is not even tried): ``call`` runs here, as without Redis. Failing while leading: publishing and
-  renewing stop, the call goes on for this instance's clients, the final record is still tried
-  (followers get the answer, or see a death). Failing while following: nothing relayed -> the
-  call runs here; frames relayed -> ``UpstreamStreamBroken``, as for a death. Failures go to the
-  shared store's health (``/stats``, ``/healthz``, the log, degraded mode); successes end a
-  degraded period.
+  is not even tried): ``call`` runs here, as without Redis; a claim that failed may have landed
+  (a timeout on our side), so its lock, if in our name, is ended as ``gone`` once Redis
+  answers (tried for up to lease_ms): nobody follows a leader that does not know it leads.
+  Failing while leading: the call goes on for this instance's clients; publishing and renewing
+  are tried again at the next renewal time (lease/3), as long as the lock is ours, the frames
+  of a failed batch sent again with the next (a link that stalls for less than the lease costs
+  its followers nothing); the final record is still tried (followers get the answer, or see a
+  death). Failing while following: nothing relayed -> the call runs here; frames relayed ->
+  ``UpstreamStreamBroken``, as for a death. Failures go to the shared store's health
+  (``/stats``, ``/healthz``, the log, degraded mode); successes end a degraded period.
 - Entries trimmed by MAXLEN before a follower read them, or a final record whose frame count
   is not what was relayed: see :mod:`.flight_relay`.
 
 The keys, the records and the scripts: :mod:`.flight_protocol`.
 
 Round trips (measured by benchmarks/bench_distributed.py): a leader makes 1 (claim) + 1 per
-batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's); a
+batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's), and its
+store reads the invalidation generation before the call and after the put (``lead.py``); a
 follower 1 (claim) + 1 per XREAD (each returns as soon as entries arrive, or after the block
 time); none while Redis is degraded. Needs Redis >= 5 (streams; scripts that call TIME before
 writing) or Valkey.
@@ -84,16 +98,19 @@ from typing import TYPE_CHECKING, Any
 from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import CarpoolError, UpstreamError
-from .connection import Health, StoreUnavailable, unavailable_in
+from .connection import Health, PoolExhausted, StoreUnavailable, unavailable_in
 from .flight_protocol import (
     CLAIM,
     END,
     FORGET,
     RENEW,
+    TAKE,
     answer_record,
+    entry_key,
     error_record,
     flight_keys,
     lock_pattern,
+    stale_keys,
 )
 from .flight_relay import GONE, follow
 from .keys import check_prefix
@@ -109,6 +126,8 @@ Call = Callable[[Broadcast], Awaitable[Answer]]
 # The leader's store: the key it put the answer under ("" if none); the key taken back.
 Store = Callable[[Answer], Awaitable[str]]
 Forget = Callable[[str], Awaitable[object]]
+# The answer stored for the key, if any (the exact store's, whatever its age).
+Load = Callable[[], Awaitable[Answer | None]]
 
 MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
 
@@ -149,7 +168,9 @@ class SharedFlights:
         self._claim = client.register_script(CLAIM)
         self._renew = client.register_script(RENEW)
         self._end = client.register_script(END)
+        self._take = client.register_script(TAKE)
         self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
         self.leading = 0  # flights this instance leads now
         self.following = 0  # flights this instance follows now
         self.counts = dict.fromkeys(
@@ -157,6 +178,7 @@ class SharedFlights:
                 "led",  # calls led for every instance
                 "followed",  # calls followed while running on another instance
                 "replayed",  # finished calls replayed within the window
+                "stored",  # claims that found the call ended and its answer stored
                 "takeovers",  # calls led after their leader died
                 "alone",  # calls run without Redis: unavailable, join timeout
                 "broken",  # follows failed after frames were relayed
@@ -175,8 +197,9 @@ class SharedFlights:
 
     async def forget_all(self) -> int:
         """After an invalidation: stop replaying every finished call, and mark every running
-        one stale, so that no request on any instance follows it (a request that finds a stale
-        call runs its own, alone); its followers keep it, and it is not replayed once finished.
+        one stale, so that no request on any instance follows it (the first request that finds
+        a stale call sets it aside and leads a fresh one, which the others follow: ``TAKE``);
+        its followers keep it, and it is not replayed once finished.
 
         Scans the locks (one per call running or lingering, on every instance); returns how
         many it dropped or marked (those it could: a Redis failure is reported, not raised).
@@ -204,6 +227,7 @@ class SharedFlights:
         return sum(await pipe.execute())
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._background:
             await asyncio.wait(list(self._background), timeout=1.0)
         if self._owns_client:
@@ -221,6 +245,7 @@ class SharedFlights:
         max_age: float | None = None,
         linger: bool = True,
         forget: Forget | None = None,
+        load: Load | None = None,
     ) -> Answer:
         """The answer for ``key``: led here (``call`` runs, its output is shared, ``store``
         keeps it), followed from the instance that leads it (which stores it), or (Redis
@@ -230,36 +255,96 @@ class SharedFlights:
         the window; 0: only a call still running is joined). ``linger``: whether this
         instance's answer may be replayed once finished (False for ``no-store``). ``forget``:
         takes back what ``store`` stored (the key it returned), when an invalidation came.
+        ``load``: the answer stored for ``key``, asked when a claim finds no call running but
+        an answer stored (``max_age`` None only: the request takes any cached answer) since
+        the request missed the cache (a call ended meanwhile, without a window); the local
+        broadcast is then ``cached`` (its clients are hits).
         """
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
         lock, streams = flight_keys(self.prefix, key)
+        stales = stale_keys(self.prefix, key)
+        entry, look = entry_key(self.prefix, key), int(load is not None and max_age is None)
         deadline = asyncio.get_running_loop().time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
-        for attempt in range(MAX_TAKEOVERS + 1):
+        deaths = 0  # leaders followed that died or left
+        for _ in range(MAX_TAKEOVERS + 1):
             token = secrets.token_hex(8)
             try:
                 with _unavailable("claim a flight"):
-                    reply = await self._claim(keys=[lock], args=[token, self.lease_ms, age_ms])
+                    reply = await self._claim(
+                        keys=[lock, entry], args=[token, self.lease_ms, age_ms, look]
+                    )
+                    if reply[0] == b"stale":
+                        # The call running began before an invalidation: set aside (its
+                        # followers stay on it), and a fresh one led here for every instance.
+                        stale = reply[1].decode()
+                        reply = await self._take(
+                            keys=[lock, stales + stale], args=[stale, token, self.lease_ms]
+                        )
             except StoreUnavailable as error:
                 self._failed(error)
+                if not isinstance(error, PoolExhausted):  # (that one was never sent)
+                    # It may have landed all the same (a timeout on our side): a lock in our
+                    # name that nobody renews, publishes into or ends, followed for lease_ms.
+                    self._spawn(self._unclaim(lock, streams + token, stales + token, token))
                 return await self._alone(call, store, broadcast)
             self._answered()
             if reply[0] == b"lead":
-                self.counts["takeovers" if attempt else "led"] += 1
+                self.counts["takeovers" if deaths else "led"] += 1
                 return await self._lead(
-                    lock, streams + token, token, broadcast, call, store, linger, forget
+                    lock,
+                    streams + token,
+                    stales + token,
+                    token,
+                    broadcast,
+                    call,
+                    store,
+                    linger,
+                    forget,
                 )
-            if reply[0] == b"alone":  # the call running began before an invalidation
-                break
+            if reply[0] == b"again":  # the lock changed under the stale call's setting aside
+                continue
+            if reply[0] == b"stored":
+                answer = await load() if load is not None else None
+                if answer is not None:
+                    self.counts["stored"] += 1
+                    broadcast.cached = True
+                    return answer
+                look = 0  # (gone meanwhile, or expired by now: claim again, to lead)
+                continue
             leader = reply[1].decode()
             self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
-            result = await follow(self, lock, streams + leader, leader, broadcast, deadline)
+            result = await follow(
+                self, lock, streams + leader, stales + leader, leader, broadcast, deadline
+            )
             if isinstance(result, Answer):
                 return result
             if result != GONE:
                 break
+            deaths += 1
         return await self._alone(call, store, broadcast)
+
+    async def _unclaim(self, lock: str, stream: str, stale: str, token: str) -> None:
+        """After a failed claim: once Redis answers (tried again for up to lease_ms, when the
+        lock would expire anyway), end the flight it may have claimed, as a leader that left
+        (``gone``: its followers claim again at once), if the lock is in our name."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.lease_ms / 1000
+        args: list[Any] = [token, 0, self.lease_ms, self.maxlen, "e", "g"]
+        pause = 0.02
+        while not self._closing:
+            try:
+                with _unavailable("take back a claim"):
+                    await self._end(keys=[lock, stream, stale], args=args)
+                return
+            except StoreUnavailable:
+                pass  # (reported by the claim already)
+            left = until - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.25)
 
     async def _alone(self, call: Call, store: Store, broadcast: Broadcast) -> Answer:
         self.counts["alone"] += 1
@@ -273,6 +358,7 @@ class SharedFlights:
         self,
         lock: str,
         stream: str,
+        stale: str,
         token: str,
         broadcast: Broadcast,
         call: Call,
@@ -280,14 +366,14 @@ class SharedFlights:
         linger: bool,
         forget: Forget | None = None,
     ) -> Answer:
-        publisher = _Publisher(self, lock, stream, token, broadcast)
+        publisher = _Publisher(self, lock, stream, stale, token, broadcast)
         self.leading += 1
         try:
             answer = await call(broadcast)
         except asyncio.CancelledError:
             # Every local client left: tell the followers now rather than by the lease.
             publisher.abort()
-            self._spawn(self._finish(lock, stream, token, {"e": "g"}, 0))
+            self._spawn(self._finish(lock, stream, stale, token, {"e": "g"}, 0))
             raise
         except CarpoolError as error:
             await self._close(publisher, error_record(error), 0)
@@ -300,7 +386,7 @@ class SharedFlights:
             self.leading -= 1
         # Stored and ended (for the followers), both before the local clients have it.
         record = answer_record(answer)
-        if await self._marked_stale(lock, token):
+        if await self._marked_stale(lock, stale, token):
             # An invalidation came while it ran (``forget_all``, on any instance): its answer
             # may predate what was dropped, so it is not stored (the followers still get it).
             await self._close(publisher, record, 0)
@@ -326,10 +412,20 @@ class SharedFlights:
             await self._close(publisher, record, 0)
         return answer
 
-    async def _marked_stale(self, lock: str, token: str) -> bool:
-        """Whether this leader's lock says an invalidation came (``~TOKEN``: ``FORGET``)."""
+    async def _marked_stale(self, lock: str, stale: str, token: str) -> bool:
+        """Whether this leader's lock says an invalidation came (``~TOKEN``: ``FORGET``), or
+        a claim since set this call aside (its stale key)."""
         read, holder = await self._holder(lock)
-        return read and holder == "~" + token
+        if read and holder == "~" + token:
+            return True
+        if not read or holder == token:
+            return False
+        try:
+            with _unavailable("read a flight's lock"):
+                return bool(await self._client.exists(stale))
+        except StoreUnavailable as error:
+            self._failed(error)
+            return False
 
     async def _fresh(self, lock: str, token: str, ended: bool) -> bool:
         """Whether this leader's lock is as no invalidation left it: still its own, running,
@@ -364,17 +460,25 @@ class SharedFlights:
             await publisher.close()
         finally:
             publisher.broadcast.on_publish = None
-        await self._finish(publisher.lock, publisher.stream, publisher.token, record, linger_ms)
+        await self._finish(
+            publisher.lock, publisher.stream, publisher.stale, publisher.token, record, linger_ms
+        )
 
     async def _finish(
-        self, lock: str, stream: str, token: str, record: dict[str, Any], linger_ms: int
+        self,
+        lock: str,
+        stream: str,
+        stale: str,
+        token: str,
+        record: dict[str, Any],
+        linger_ms: int,
     ) -> None:
         args: list[Any] = [token, linger_ms, linger_ms + self.lease_ms, self.maxlen]
         for name, value in record.items():
             args += [name, value]
         try:
             with _unavailable("end a flight"):
-                await self._end(keys=[lock, stream], args=args)
+                await self._end(keys=[lock, stream, stale], args=args)
         except StoreUnavailable as error:
             self._failed(error)
         else:
@@ -406,34 +510,51 @@ class SharedFlights:
 
 
 class _Publisher:
-    """The leader's side: frames to the stream as they come (batched), the lease renewed."""
+    """The leader's side: frames to the stream as they come (batched), the lease renewed.
+
+    A Redis failure (a stall longer than ``distributed.timeout``, a reset) stops nothing for
+    good: the next try is at the next renewal time (lease/3 after the failed renewal was sent),
+    publishing and renewing as long as the lock is ours; frames whose batch failed go again with
+    the next (``sent`` moves on once Redis took them; a follower skips a frame it has).
+    """
 
     def __init__(
-        self, flights: SharedFlights, lock: str, stream: str, token: str, broadcast: Broadcast
+        self,
+        flights: SharedFlights,
+        lock: str,
+        stream: str,
+        stale: str,
+        token: str,
+        broadcast: Broadcast,
     ) -> None:
         self.flights = flights
         self.lock = lock
         self.stream = stream
+        self.stale = stale  # this call's key once an invalidation set it aside
         self.token = token
         self.broadcast = broadcast
-        self.sent = 0
+        self.sent = 0  # frames Redis took
+        self.sending = 0  # frames of the batch on its way (0: none)
         self.closing = False
-        self.broken = False  # Redis failed: publish and renew no more
+        self.aborted = False  # the flight was cancelled: publish and renew no more
         self.renewing = True  # False once the lock is lost
+        self.failing = False  # the last try failed: nothing more before the next renewal time
         self._wake = asyncio.Event()
+        self._closed = asyncio.Event()
         broadcast.on_publish = self._wake.set
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        """Publish what is left, stop."""
+        """Publish what is left (one more try, even after a failure), stop."""
         self.closing = True
         self._wake.set()
+        self._closed.set()
         await self._task
 
     def abort(self) -> None:
         self.broadcast.on_publish = None
         # Also stops the loop should redis-py swallow the cancellation (``stop_reader``).
-        self.broken = True
+        self.aborted = True
         self._task.cancel()
 
     async def _run(self) -> None:
@@ -441,29 +562,40 @@ class _Publisher:
         interval = self.flights.lease_ms / 3000
         renew_at = loop.time() + interval
         try:
-            while not self.broken:
-                if not self._wake.is_set():
+            while not self.aborted:
+                # After a failure, frames wait for the next renewal time (or the close), not
+                # to try a failing Redis once per frame.
+                event = self._closed if self.failing else self._wake
+                if not event.is_set():
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(max(0.0, renew_at - loop.time())):
-                            await self._wake.wait()
+                            await event.wait()
                 self._wake.clear()
-                await self._flush()
+                published = await self._flush()
                 if self.closing:
                     # Frames published while that flush was on its way (the call ended
                     # meanwhile) go before the final record, or followers would miss them.
-                    await self._flush()
+                    if published:
+                        await self._flush()
                     return
+                renewed = True
                 if loop.time() >= renew_at:
-                    await self._renew()
-                    renew_at = loop.time() + interval
+                    sent_at = loop.time()
+                    renewed = await self._renew()
+                    # A failed renewal took its timeout already: the next one is due lease/3
+                    # after it was sent (sooner than lease/3 after it failed), while the lock
+                    # still holds.
+                    renew_at = loop.time() + interval if renewed else sent_at + interval
+                self.failing = not (published and renewed)
         except Exception:  # never let a bug here break the call itself
             log.exception("publishing flight %s failed", self.stream)
 
-    async def _flush(self) -> None:
+    async def _flush(self) -> bool:
+        """Send the frames not sent yet; False if Redis failed (they go with the next)."""
         frames, start = self.broadcast.frames, self.sent
         end = len(frames)
-        if start >= end or self.broken:
-            return
+        if start >= end or self.aborted:
+            return True
         usage, flights = self.broadcast.usage_frame, self.flights
         pipe = flights._client.pipeline(transaction=False)
         for index in range(start, end):
@@ -475,29 +607,37 @@ class _Publisher:
         # lost (restarted empty) is made again by the XADD, without an expiry, and the renewal
         # stops with the lock lost with it (a review found such streams left for ever).
         pipe.pexpire(self.stream, 2 * flights.lease_ms)
-        self.sent = end
+        self.sending = end - start
         try:
             with _unavailable("publish frames"):
                 await pipe.execute()
         except StoreUnavailable as error:
-            self.broken = True
             flights._failed(error)
-            return
+            return False
+        finally:
+            self.sending = 0
+        # Only now: a batch that failed (or timed out, perhaps having landed) is sent again;
+        # followers skip the frames they have (by index).
+        self.sent = end
         flights.counts["frames_published"] += end - start
+        flights._answered()
+        return True
 
-    async def _renew(self) -> None:
+    async def _renew(self) -> bool:
+        """False if Redis failed (tried again at the next renewal time)."""
         if not self.renewing:
-            return
+            return True
         flights = self.flights
         try:
             with _unavailable("renew a flight's lock"):
                 held = await flights._renew(
-                    keys=[self.lock, self.stream],
+                    keys=[self.lock, self.stream, self.stale],
                     args=[self.token, flights.lease_ms, 2 * flights.lease_ms],
                 )
         except StoreUnavailable as error:
-            self.broken = True
             flights._failed(error)
-            return
+            return False
+        flights._answered()
         if not held:  # expired (a long pause) or taken over: followers have moved on
             self.renewing = False
+        return True

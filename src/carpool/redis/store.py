@@ -23,7 +23,15 @@ Contract (on top of ``store.base``):
   index of candidates and drop each candidate only if its entry, checked atomically in Redis,
   still carries the tag/namespace (a replaced entry is never dropped for its old tags). Prefix
   invalidation scans the prompt-prefix index (an admin action, O(entries)). ``everything`` SCANs
-  and UNLINKs every key under the prefix (never FLUSHDB: other data may share the database).
+  and UNLINKs every entry under the prefix and the counts (never FLUSHDB: other data may share
+  the database); the indexes stay, supersets that expire with their members, so that a put
+  racing it never leaves an entry out of its index.
+- An invalidation that answered drops every answer of a call that began before it, on every
+  instance, even one whose put was on its way meanwhile: each invalidation first INCRs a
+  generation in Redis; ``put(..., since=generation())`` (the generation read before the call
+  began) reads it again once the entry is in, and takes the entry back if it moved. (Should
+  Redis fail on that read, the put raises ``StoreUnavailable`` and the entry may stay until
+  its TTL.)
 
 The key layout, an entry's encoding and the Lua scripts are :mod:`.store_layout`'s; the key IDs,
 digests and SCAN escaping that the Redis layers share are :mod:`.keys` (``glob_escape`` and
@@ -124,13 +132,23 @@ class RedisStore:
         self._refresh_soon()
         return decode(header, body, frames, prompt_prefix)
 
-    async def put(self, key: str, entry: Entry) -> None:
+    async def generation(self) -> int:
+        """How many invalidations Redis has seen, from every instance: read before a call
+        begins, and given to ``put`` as ``since`` with its answer."""
+        with _unavailable("read the invalidation generation"):
+            value = await self._client.get(self._keys.generation)
+        return int(value or 0)
+
+    async def put(self, key: str, entry: Entry, *, since: int | None = None) -> bool:
+        """Store ``entry``; whether it stays. ``since``: the ``generation()`` read before the
+        call that made it began; an invalidation since then (read once the entry is in) takes
+        it back, as it may predate what was dropped."""
         entry_id, now = key_id(key), time.time()
         ttl_ms = math.ceil((entry.expires - now) * 1000)
         if ttl_ms <= 0:
             with _unavailable("put"):
                 await self._drop([entry_id])
-            return
+            return False
         expires_ms, now_ms = math.ceil(entry.expires * 1000), int(now * 1000)
         fields = encode(entry)
         indexes = [(self._keys.tag(tag), entry_id) for tag in dict.fromkeys(entry.tags)]
@@ -150,6 +168,16 @@ class RedisStore:
             pipe.eval(STATS, 3, *self._keys.stats, now_ms, "add", entry_id, expires_ms, entry.size)
             _, counts = await pipe.execute()
         self._counted(counts)
+        if since is None:
+            return True
+        with _unavailable("put"):
+            # A third round trip (a Cluster pipeline keeps no order across slots): an
+            # invalidation counted before this read drops the entry itself (it is in, with its
+            # indexes); one counted after ``since`` was read and before now may have missed it.
+            if await self.generation() == since:
+                return True
+            await self._drop([entry_id], "x", fields[fields.index("xm") + 1])
+        return False
 
     async def forget(self, key: str) -> bool:
         """Drop ``key``'s entry; whether there was one."""
@@ -158,6 +186,9 @@ class RedisStore:
 
     async def invalidate(self, selector: Selector) -> int:
         with _unavailable("invalidate"):
+            # Counted before anything is dropped: a put whose call began before this (its
+            # answer may predate what goes) reads the count again once its entry is in.
+            await self._client.incr(self._keys.generation)
             if selector.everything:
                 return await self._drop_everything()
             dropped = 0

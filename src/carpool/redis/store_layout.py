@@ -15,6 +15,9 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
     P {stats}:live    ZSET ID -> expires_ms    live entries (the ``entries`` count)
     P {stats}:size    HASH ID -> Entry.size
     P {stats}:bytes   STRING                   sum of the sizes (the ``bytes`` count)
+    P generation      STRING                   invalidations so far (INCR by each, before it
+                                               drops anything): a put whose call began under
+                                               another value takes its entry back
 
 - ``ID`` (``keys.key_id``) is the fingerprint as it is when it is one (32 lowercase hex digits);
   any other key is replaced by its 40-hex BLAKE2b digest (no raw text in a key; the lengths keep
@@ -25,8 +28,10 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
 - The index ZSETs are supersets, scored by expiry: a put adds its members (raising a score, never
   lowering it) *before* it writes the entry, and members are removed only once their score has
   passed (lazily, by the next put to that index), so no race can leave a live entry out of an
-  index; each index key expires with its last member. The three ``{stats}`` keys share one slot
-  because one Lua script updates them together; they go away when no entry is live.
+  index; each index key expires with its last member. Invalidating everything leaves them too
+  (a put racing it must not lose the index of an entry it writes after the scan). The three
+  ``{stats}`` keys share one slot because one Lua script updates them together; they go away
+  when no entry is live.
 - Every script touches keys of one slot only, and multi-key work is pipelined per key, so the
   layout works on Redis Cluster. The prefix must not contain ``{`` or ``}``.
 """
@@ -60,11 +65,9 @@ class StoreKeys:
         self.prefixes = f"{prefix}prefixes"
         # Every key of the store's own families, as SCAN patterns (Redis globs give braces no
         # meaning: the families are patterns as they are), and how an entry's key begins.
-        self.families = [
-            glob_escape(prefix) + family
-            for family in ("e:*", "tag:*", "ns:*", "prefixes", "{stats}:*")
-        ]
+        self.families = [glob_escape(prefix) + family for family in ("e:*", "{stats}:*")]
         self.entry_start = f"{prefix}e:{{".encode()
+        self.generation = f"{prefix}generation"
 
     def entry(self, entry_id: str) -> str:
         return f"{self.prefix}e:{{{entry_id}}}"
@@ -97,8 +100,9 @@ return 1
 """
 
 # Drop the entry if it still matches: ARGV = mode (t: tag digest, n: namespace digest,
-# p: prompt prefix), value, now (ms). 1 if a live entry was dropped; an entry already expired by
-# NOW (its PX may run a round trip later than its own expiry) is dropped but not counted.
+# p: prompt prefix, x: this exact expiry, ``xm``: the entry one put wrote), value, now (ms).
+# 1 if a live entry was dropped; an entry already expired by NOW (its PX may run a round trip
+# later than its own expiry) is dropped but not counted.
 DROP = """
 local mode, value = ARGV[1], ARGV[2]
 local expires = redis.call('HGET', KEYS[1], 'xm')
@@ -106,11 +110,12 @@ if expires and tonumber(expires) <= tonumber(ARGV[3]) then
   redis.call('UNLINK', KEYS[1])
   return 0
 end
-local field = redis.call('HGET', KEYS[1], mode == 't' and 'tg' or mode == 'n' and 'ns' or 'pp')
+local name = mode == 't' and 'tg' or mode == 'n' and 'ns' or mode == 'x' and 'xm' or 'pp'
+local field = redis.call('HGET', KEYS[1], name)
 if not field then return 0 end
 if mode == 't' then
   if not string.find(field, ',' .. value .. ',', 1, true) then return 0 end
-elseif mode == 'n' then
+elseif mode == 'n' or mode == 'x' then
   if field ~= value then return 0 end
 elseif string.sub(field, 1, #value) ~= value then
   return 0

@@ -15,6 +15,9 @@ Contract (on top of ``store.base``):
   connection (``PoolExhausted``: Redis answers, this instance is overloaded) is counted apart
   (``pool_exhausted``), starts no degraded period and does not use the local store (a get is
   a miss, a put is not kept: nothing would ever clear it of later invalidations).
+- ``generation()`` before a call begins and ``put(..., since=...)`` with its answer: an
+  invalidation by any instance in between takes the answer back from Redis
+  (``RedisStore.put``).
 - Other layers that use the same Redis (cross-instance flights) share this state: they ask
   ``usable()`` before a Redis call and ``report()`` its failure or success.
 """
@@ -100,10 +103,26 @@ class SharedStore:
         self._answered()
         return entry
 
-    async def put(self, key: str, entry: Entry) -> None:
+    async def generation(self) -> int:
+        """Redis's count of invalidations (``RedisStore.generation``), read before a call
+        begins, for ``put``'s ``since``; -1 when Redis is not to be tried or fails (a put
+        with it takes its entry back from Redis: nothing says no invalidation came)."""
+        if self._skip_redis():
+            return -1
+        try:
+            generation = await self.redis.generation()
+        except StoreUnavailable as error:
+            self._failed(error)
+            return -1
+        self._answered()
+        return generation
+
+    async def put(self, key: str, entry: Entry, *, since: int | None = None) -> None:
+        """``since``: see ``RedisStore.put`` (an answer an invalidation may have outdated is
+        taken back from Redis; one stored here while degraded is dropped when Redis is back)."""
         if not self._skip_redis():
             try:
-                await self.redis.put(key, entry)
+                await self.redis.put(key, entry, since=since)
             except PoolExhausted as error:
                 self._failed(error)
                 return  # (not kept locally: see ``get``)
