@@ -781,3 +781,21 @@ async def test_a_request_head_behind_one_being_answered_is_not_cut_while_it_wait
             assert (status, headers["x-carpool"]) == (200, "miss")
             status, headers, error = await _refusal(reader)
     assert (status, error["code"]) == (408, "header_timeout")
+
+
+@pytest.mark.parametrize("size", [300, 70_000])
+async def test_a_request_pipelined_behind_a_closing_connection_is_never_run(fake, caplog, size):
+    # A 413 closes the connection, lingering: the request sent behind it in the same write
+    # was still run (an upstream call whose answer nobody could read; with the client still
+    # there, uvicorn then failed writing after the close). uvicorn's own protocol runs none.
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"max_body_bytes": 200})))
+    big = b'{"model": "m", "x": "' + b"a" * size + b'"}'
+    async with serve_app_with_server(app) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                _request(big) + _request(_body("two")) + f"POST {CHAT} HTTP/1.1\r\nhost: g".encode()
+            )
+            status, _, _ = await asyncio.wait_for(_response(reader), 5)
+            assert status == 413 and await asyncio.wait_for(reader.read(), 5) == b""
+        await eventually(lambda: not served.server.server_state.tasks, what="no request running")
+    assert fake.count() == 0 and "Exception in ASGI application" not in caplog.text

@@ -563,6 +563,9 @@ class GatewayProtocol(HttpToolsProtocol):
             transport.close()
             return
         self.lingering = True
+        # A request pipelined behind is never run: its answer could not be sent (uvicorn starts
+        # the next cycle unless the transport says it is closing, which lingering it is not).
+        self.pipeline.clear()
         self.flow.resume_reading()  # (paused with a body unread, nothing would come)
         transport.write_eof()
         self.linger_timer = self.loop.call_later(_LINGER_S, transport.close)
