@@ -240,3 +240,29 @@ async def test_a_list_items_replayed_from_their_records_are_counted_as_hits(fake
         # The failed item ran again (a miss); the two kept ones were replayed (hits).
         assert after["misses"] - before["misses"] == 1
         assert after["hits"] - before["hits"] == 2
+
+
+async def test_a_client_leaving_while_its_record_is_finished_is_counted_once_and_kept(gw, fake):
+    # Its outcome was counted, then it was counted abandoned too; and the record's finish was
+    # cancelled with the request, so a retry ran the generation again.
+    records = gw.gateway.once.records
+    original, release, request_tasks = records.finish, asyncio.Event(), []
+
+    async def held_finish(*args, **kwargs):  # as a slow Redis round trip would be
+        await release.wait()
+        return await original(*args, **kwargs)
+
+    def finish(*args, **kwargs):
+        request_tasks.append(asyncio.current_task())
+        return held_finish(*args, **kwargs)
+
+    records.finish = finish
+    leaving = asyncio.create_task(gw.chat(temperature=0.9, headers=KEY))
+    await eventually(lambda: request_tasks, what="the record being finished")
+    leaving.cancel()
+    await eventually(lambda: request_tasks[0].done(), what="the request's end")
+    release.set()
+    retry = await gw.chat(temperature=0.9, headers=KEY)
+    assert retry.headers.get("idempotent-replayed") == "true" and fake.count() == 1
+    stats = (await gw.client.get("/stats")).json()
+    assert (stats["requests"], stats["abandoned"]) == (2, 0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -32,6 +33,9 @@ from prometheus_client.utils import floatToGoString
 from .outcome import Outcome
 
 RECENT = 1024
+# Whether the request whose task this is was counted in an outcome (``Stats.count``): one that
+# its client leaves is ``abandoned`` only if not (``server.GatewayApp.serve`` sets it False).
+COUNTED: ContextVar[bool] = ContextVar("carpool_counted", default=False)
 # The most namespaces the semantic audit series are labelled with (``labelled``).
 METRIC_NAMESPACES = 100
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, float("inf"))
@@ -78,6 +82,7 @@ class Stats:
     def count(self, route: str, outcome: Outcome) -> None:
         self.outcomes[outcome] += 1
         self.routes[(route, outcome)] += 1  # a StrEnum: its own label value
+        COUNTED.set(True)  # (this request's: its task's context)
 
     def observe_attempt(self, replica: Any, status: int, decision: Any) -> None:
         """Every attempt on a replica (failed-over ones too), for /stats and /metrics."""

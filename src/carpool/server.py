@@ -73,6 +73,7 @@ from .errors import (
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
+from .metrics import COUNTED
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
@@ -220,6 +221,7 @@ class GatewayApp:
         request it held. ``watch`` (made in this task) cancels it if its client leaves while it
         waits or streams."""
         client.on_wait = watch.start
+        COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(client)
@@ -230,8 +232,8 @@ class GatewayApp:
             if not watch.client_left:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (always in a task here)
-            if reply is None:  # (left while it waited: no outcome was counted)
-                self.gateway.stats.abandoned += 1
+            if not COUNTED.get():  # (left before any outcome was counted: its keyed
+                self.gateway.stats.abandoned += 1  # request's record may still be settling)
         finally:
             watch.stop()
             if reply is not None:

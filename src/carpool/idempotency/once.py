@@ -150,17 +150,18 @@ class AtMostOnce:
         except BaseException:
             await _shielded(records.abandon(scoped, token))
             raise
+        # (Settled to the end even if the client leaves meanwhile: ``_settle``.)
         if items is not None and reply.status >= 300:
             # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
-            await records.abandon(scoped, token)
+            await _settle(records.abandon(scoped, token))
         elif reply.stream is None:
             stored = StoredResponse(
                 reply.status, _replayable(reply.headers), reply.body, request.stream
             )
             if is_final(request.kind, stored, request.body):
-                await records.finish(scoped, token, stored)
+                await _settle(records.finish(scoped, token, stored))
             else:
-                await records.abandon(scoped, token)  # retryable: a retry runs again
+                await _settle(records.abandon(scoped, token))  # retryable: a retry runs again
         else:
             recorded = _Recorded(
                 records,
@@ -232,9 +233,9 @@ class AtMostOnce:
             # Only a good answer is kept: whatever else the item got (an error, final or not,
             # or a 200 that is no answer) is computed again by a retry.
             if reply.status < 300 and is_final(request.kind, stored, request.body):
-                await records.finish(item_key, begin.token, stored)
+                await _settle(records.finish(item_key, begin.token, stored))
                 return stored, outcome, age
-            await records.abandon(item_key, begin.token)
+            await _settle(records.abandon(item_key, begin.token))
             if reply.status < 300:
                 # A 200 that is not an answer (an error body, no data, not JSON) fails the list
                 # as the upstream's failure, never as the gateway's crash in merge_items.
@@ -328,9 +329,9 @@ class _Recorded:
         head = self.head
         stored = StoredResponse(head.status, head.headers, b"".join(frames), head.streamed)
         if is_final(self.kind, stored, self.asked):
-            await self.records.finish(self.key, self.token, stored)
+            await _settle(self.records.finish(self.key, self.token, stored))
         else:
-            await self.records.abandon(self.key, self.token)
+            await _settle(self.records.abandon(self.key, self.token))
 
     async def drop(self) -> None:
         self.settled = True
@@ -374,6 +375,14 @@ def _item_failed(index: int | None) -> StoredResponse:
     which = f"item {index}" if index is not None else "an item"
     error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete answer")
     return StoredResponse(error.status, _replayable(error_reply(error, None).headers), error.body())
+
+
+async def _settle(work: Any) -> None:
+    """A record's update, run to its end even if the request is cancelled meanwhile (its client
+    left as its answer was being kept: cancelled with it, the record stayed ``processing``, a
+    retry got 409 until the lease ran out, then ran the generation again). The cancellation
+    still reaches the request; the work's own failure too, when it is not cancelled."""
+    await asyncio.shield(asyncio.ensure_future(work))
 
 
 async def _shielded(work: Any) -> None:
