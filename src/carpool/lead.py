@@ -94,7 +94,7 @@ class Leader:
         if (
             view is not None
             and self.semantic is not None
-            and (probe is None or probe.vector is None)
+            and (probe is None or (probe.vector is None and not probe.failed))
         ):
             embedding = asyncio.get_running_loop().create_task(self.semantic.vector(view))
         # Without redis, among the workers of one run: the key's owner makes the call for all.
@@ -199,14 +199,14 @@ class Leader:
             await self.shared_store.put(key.key, entry, since=since)
         else:
             await self.store.put(key.key, entry)
-        if view is None or self.semantic is None:
-            return key.key
+        if view is None or self.semantic is None or (probe is not None and probe.failed):
+            return key.key  # (its embedder failed on the lookup: not asked again)
         vector = probe.vector if probe is not None else None
         if vector is None and embedding is not None:
             try:
                 vector = await embedding  # mostly done: the upstream took longer
-            except Exception:
-                log.exception("embedding a prompt for the semantic cache failed")
+            except Exception as error:
+                self.semantic.embed_failed(error)
                 return key.key
         insert = self._insert_semantic(
             view, vector, answer, expires, controls.tags, key.namespace, prefix, key.key, epoch

@@ -92,7 +92,7 @@ async def test_the_same_text_replaces_its_entry_and_invalidate_empties_everythin
     assert not semantic.has_scope("s") and semantic._by_text == {}
 
 
-async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_with):
+async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_with, caplog):
     # With ``embedder: upstream`` the probe asks the upstream's /v1/embeddings, shared by the
     # lookups of every tenant: its failure (down, or refusing another tenant's text batched with
     # this one) is the semantic cache's, not the request's. It was a 500.
@@ -101,6 +101,11 @@ async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_
         assert (await gw.chat("How do I reset my router?")).status_code == 200
         await eventually(lambda: gw.gateway.semantic.entries == 1, what="the entry")
         fake.fail_status, fake.fail_times = 500, 1  # the probe's embeddings call
+        embedded = fake.count("/v1/embeddings")
         response = await gw.chat("How can I reset my router?")
         assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
         assert gw.gateway.semantic.embed_failures == 1
+        # Not asked again to embed it for an entry (each miss asked twice, and each second
+        # failure was an ERROR with its traceback): one failure, one warning.
+        assert fake.count("/v1/embeddings") == embedded + 1
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -23,7 +23,8 @@ Contract:
 - The embedder failing (``embedder: upstream`` down, or refusing a text batched with this one;
   a model error) fails no request: the probe finds nothing (a miss, counted in
   ``embed_failures``, ``/stats`` ``layers.semantic``, and logged at most every
-  ``FAILURE_LOG_S``), and an entry whose prompt could not be embedded is not inserted.
+  ``FAILURE_LOG_S``: ``embed_failed``), and no entry is made for a prompt it could not embed
+  (``Probe.failed``: not asked again for the entry).
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
   ``semantic.max_entries`` entries: the least recently used go first (``carpool.lru``). An
@@ -163,6 +164,7 @@ class Probe:
     vector: Any = None  # the text's embedding, reused when inserting
     match: Candidate | None = None  # the entry to serve, if any
     nearest: Candidate | None = None  # the most similar entry seen, served or not
+    failed: bool = False  # the embedder failed: no entry is made for this text either
 
 
 class SemanticCache:
@@ -187,7 +189,7 @@ class SemanticCache:
         self._by_public: dict[str, int] = {}  # public_id -> id (feedback names entries so)
         self._ids = itertools.count(1)
         self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
-        self.embed_failures = 0  # lookups the embedder failed (missed: ``_embed_failed``)
+        self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
         self._failure_logged_at = float("-inf")
 
     @property
@@ -201,7 +203,8 @@ class SemanticCache:
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes
 
-    def _embed_failed(self, error: Exception) -> None:
+    def embed_failed(self, error: Exception) -> None:
+        """Counted and logged (at most every ``FAILURE_LOG_S``): a lookup's or an entry's."""
         self.embed_failures += 1
         now = time.monotonic()
         if now - self._failure_logged_at >= FAILURE_LOG_S:
@@ -225,8 +228,8 @@ class SemanticCache:
         try:
             vector = await self.embedder.embed(view.text)
         except Exception as error:  # (the cache's failure, not the request's: a miss)
-            self._embed_failed(error)
-            return Probe()
+            self.embed_failed(error)
+            return Probe(failed=True)
         probe = Probe(vector)
         now = time.time()
         found: list[tuple[SemanticEntry, float]] = []
