@@ -465,6 +465,20 @@ async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
     assert len(records) == 0 and records.bytes == 0
 
 
+async def test_a_running_record_is_never_evicted_by_the_bounds() -> None:
+    """The bounds evict finished records only: a record being processed stayed in the same
+    bounded list, kept its place there and was the first to go (its retry ran the generation
+    again while the first still ran, and the first's finish was refused)."""
+    records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * OK.size)
+    token = await begin_new(records, "running")  # (this test's task runs on: it is the owner)
+    for key in "abcde":
+        await records.finish(key, await begin_new(records, key), OK)
+    assert (await records.begin("running", FP)).state == "processing"
+    assert await records.finish("running", token, OK) is True
+    assert (await records.begin("running", FP)).state == "done"
+    assert records.evictions >= 3  # (finished ones: counted)
+
+
 async def test_an_in_process_lease_holds_while_its_owners_task_runs_and_then_counts_again() -> None:
     """In one process an owner cannot die without its task ending, and a stream may outlive
     any fixed lease: a record's lease does not run out while the task that began it runs

@@ -266,3 +266,24 @@ async def test_a_client_leaving_while_its_record_is_finished_is_counted_once_and
     assert retry.headers.get("idempotent-replayed") == "true" and fake.count() == 1
     stats = (await gw.client.get("/stats")).json()
     assert (stats["requests"], stats["abandoned"]) == (2, 0)
+
+
+async def test_a_key_still_running_is_never_evicted_by_the_records_bounds(fake, gateway_with):
+    # In-process records beyond idempotency.max_records: a running one was the oldest, went
+    # first, and its retry ran the generation again while the first still streamed.
+    async with gateway_with(idempotency={"max_records": 2}) as gw:
+        fake.chunk_gate = asyncio.Event()
+        first = asyncio.create_task(gw.stream_chat("long", headers=KEY))
+        await fake.chunk_gate_reached.wait()
+        for i in range(4):  # finished ones, past the bound
+            fake.chunk_gate_after = 10_000
+            done = await gw.chat(f"short {i}", headers={"Idempotency-Key": f'"k{i}"'})
+            assert done.status_code == 200
+        assert (await gw.chat("long", headers=KEY)).status_code == 409
+        fake.chunk_gate.set()
+        await first
+        retry = await gw.chat("long", headers=KEY)
+        assert (
+            retry.headers.get("idempotent-replayed") == "true"
+            and fake.count("/v1/chat/completions") == 5
+        )

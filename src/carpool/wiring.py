@@ -288,7 +288,14 @@ def build_idempotency(
 ) -> IdempotencyRecords:
     """Idempotency records: in process, or shared through Redis with an in-process fallback."""
     processing_ttl = config.limits.upstream_timeout + 60
-    local = MemoryIdempotencyRecords(config.idempotency.retention, processing_ttl, clock=clock)
+    idempotency = config.idempotency
+    local = MemoryIdempotencyRecords(
+        idempotency.retention,
+        processing_ttl,
+        max_records=idempotency.max_records,
+        max_bytes=idempotency.max_bytes,
+        clock=clock,
+    )
     if not config.redis:
         return local
     from .redis.idempotency import RedisIdempotencyRecords

@@ -70,6 +70,18 @@ class IdempotencyConfig(Section):
     on_conflict: Literal["reject", "wait"] = Field(
         "reject", description="Same key while the first is processing: 409 (reject) or wait for it."
     )
+    max_records: int = Field(
+        100_000,
+        gt=0,
+        description="In-process records kept (without `redis`, or its fallback): beyond it the "
+        "oldest finished ones go before their retention (logged), and a retry of theirs runs "
+        "again; records being processed are never evicted.",
+    )
+    max_bytes: int = Field(
+        256 * 1024 * 1024,
+        gt=0,
+        description="Bytes of in-process stored responses kept; beyond it, as `max_records`.",
+    )
     lease: float = Field(
         6.0,
         gt=0,

@@ -2,8 +2,11 @@
 
 One process only: a retry that reaches another instance is not protected (with ``redis``, the
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
-swept lazily and the oldest are evicted beyond ``max_records``/``max_bytes`` (``carpool.lru``).
-Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move it).
+swept lazily and the oldest *finished* ones are evicted beyond ``max_records``/``max_bytes``
+(``carpool.lru``; counted in ``evictions``, logged): a record being processed is never evicted
+(its retry would run the generation again while it runs), and those are as many as the
+requests in flight. Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move
+it).
 
 A PROCESSING record's lease does not run out while the task that began it runs: in one process
 an owner cannot die without its task ending, and a stream may outlive any fixed lease (its
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +27,11 @@ from typing import Any
 from ..clock import SYSTEM_CLOCK, Clock
 from ..lru import LRU
 from .records import PROCESSING_TTL, Begin, StoredResponse, _new_token
+
+log = logging.getLogger("carpool.idempotency")
+
+# Seconds between two warnings that finished records were evicted before their retention.
+EVICTION_LOG_S = 60.0
 
 
 @dataclass(slots=True, eq=False)
@@ -43,9 +52,9 @@ class MemoryIdempotencyRecords:
     """The records in this process. ``retention``/``processing_ttl`` in seconds.
 
     Bounded: expired records are dropped when met and swept every ``sweep_interval`` seconds;
-    beyond ``max_records`` records or ``max_bytes`` of stored responses the oldest records (by
-    creation or finish) are evicted, finished or not (an evicted key is free again, and its
-    owner's ``finish`` is refused). A response larger than ``max_bytes`` is not kept.
+    beyond ``max_records`` finished records or ``max_bytes`` of stored responses the oldest
+    finished ones are evicted (an evicted key is free again). Records being processed are kept
+    apart (``_running``), never evicted. A response larger than ``max_bytes`` is not kept.
     """
 
     def __init__(
@@ -76,11 +85,14 @@ class MemoryIdempotencyRecords:
             clock=clock,
             on_evict=_wake,
         )
+        # The records being processed: apart, never evicted (as many as requests in flight).
+        self._running: dict[str, _Record] = {}
         self._next_sweep = clock.monotonic() + sweep_interval
+        self._evicted_logged_at = float("-inf")
         self.waiters = 0  # tasks inside ``wait`` now
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + len(self._running)
 
     @property
     def bytes(self) -> int:
@@ -98,13 +110,13 @@ class MemoryIdempotencyRecords:
             return found
         token = _new_token()
         owner = asyncio.current_task()
-        self._records.put(key, _Record(fingerprint, token, now + self.processing_ttl, owner=owner))
+        self._running[key] = _Record(fingerprint, token, now + self.processing_ttl, owner=owner)
         return Begin("new", token)
 
     def look(self, key: str, fingerprint: str) -> Begin | None:
         """What ``begin`` would find for a request of ``fingerprint``, without beginning: None
         when there is no record."""
-        record = self._records.peek(key)
+        record = self._found(key)
         if record is None:
             return None
         if record.fingerprint != fingerprint:
@@ -117,11 +129,14 @@ class MemoryIdempotencyRecords:
         record = self._owned(key, token)
         if record is None:
             return False
-        self._records.pop(key)  # back in with its response's size, as the newest
+        del self._running[key]  # among the finished, with its response's size, as the newest
         record.response, record.owner = _copy(response), None
         record.expires = self._clock.monotonic() + self.retention
         record.wake()
+        before = self._records.evictions
         self._records.put(key, record)  # too large to keep: not stored, the key is free again
+        if self._records.evictions > before:
+            self._evicted()
         return key in self._records
 
     async def abandon(self, key: str, token: str) -> bool:
@@ -145,7 +160,7 @@ class MemoryIdempotencyRecords:
         try:
             while True:
                 now = self._clock.monotonic()
-                record = self._records.peek(key)
+                record = self._found(key)
                 if record is None:
                     return None
                 if record.fingerprint != fingerprint:
@@ -167,27 +182,50 @@ class MemoryIdempotencyRecords:
             self.waiters -= 1
 
     async def aclose(self) -> None:
-        for key in list(self._records):
+        for key in [*self._records, *self._running]:
             self._drop(key)
 
     # ------------------------------------------------------------------ internals
 
+    def _found(self, key: str) -> _Record | None:
+        """The record of ``key``, being processed or finished; a lease run out is none."""
+        record = self._running.get(key)
+        if record is None:
+            return self._records.peek(key)
+        if _expires(record) <= self._clock.monotonic():
+            self._drop(key)
+            return None
+        return record
+
     def _owned(self, key: str, token: str) -> _Record | None:
-        record = self._records.peek(key)
+        record = self._found(key)
         if record is None or record.response is not None or record.token != token:
             return None
         return record
 
     def _drop(self, key: str) -> None:
-        record = self._records.pop(key)
+        record = self._running.pop(key, None) or self._records.pop(key)
         if record is not None:
             record.wake()
+
+    def _evicted(self) -> None:
+        """Finished records evicted before their retention: a retry of theirs runs again."""
+        now = self._clock.monotonic()
+        if now - self._evicted_logged_at >= EVICTION_LOG_S:
+            self._evicted_logged_at = now
+            log.warning(
+                "idempotency records evicted before their retention (%d so far): a retry of "
+                "theirs runs again; raise idempotency.max_records / max_bytes, or use redis",
+                self._records.evictions,
+            )
 
     def _sweep(self, now: float) -> None:
         if now < self._next_sweep:
             return
         self._next_sweep = now + self.sweep_interval
         self._records.expire()
+        for key in [key for key, record in self._running.items() if _expires(record) <= now]:
+            self._drop(key)
 
 
 def _size(key: str, record: _Record) -> int:
