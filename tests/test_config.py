@@ -183,3 +183,46 @@ def test_the_file_and_the_overrides_name_keys_exactly(tmp_path):
         Config.load(env={}, overrides={"PORT": 1})
     with pytest.raises(ConfigError, match="config file"):
         Config.load(tmp_path / "missing.yaml", env={})
+
+
+def test_a_scalar_variable_is_the_string_as_written_read_by_its_keys_type():
+    # Read as YAML, "&Xyz123" was an anchor (null: the admin token dropped, /stats open),
+    # "abc #tail" lost its tail, "~" was null, and on/off/yes were booleans a key of those
+    # words refused.
+    env = {
+        "CARPOOL_ADMIN_TOKEN": "&Xyz123",
+        "CARPOOL_UPSTREAM__API_KEY": "sk #tail",
+        "CARPOOL_TRACING": "off",
+        "CARPOOL_BATCHING__EMBEDDINGS": "on",
+        "CARPOOL_PORT": "8081",
+        "CARPOOL_SEMANTIC__ENABLED": "yes",
+        "CARPOOL_SEMANTIC__THRESHOLD": "0.5",
+        "CARPOOL_HOST": "::",
+    }
+    config = Config.load(env=env)
+    assert config.admin_token == "&Xyz123"
+    assert config.upstream.api_key is not None
+    assert config.upstream.api_key.get_secret_value() == "sk #tail"
+    assert (config.tracing, config.batching.embeddings) == ("off", "on")
+    assert (config.port, config.semantic.enabled, config.semantic.threshold) == (8081, True, 0.5)
+    assert config.host == "::"
+    assert Config.load(env={"CARPOOL_ADMIN_TOKEN": "~"}).admin_token == "~"
+
+
+def test_on_and_off_written_bare_in_a_file_are_the_words(tmp_path):
+    # YAML 1.1 reads a bare on/off as a boolean: the documented "tracing: off" was refused.
+    path = tmp_path / "carpool.yaml"
+    path.write_text("tracing: off\nbatching:\n  embeddings: on\n")
+    config = Config.load(path, env={})
+    assert (config.tracing, config.batching.embeddings) == ("off", "on")
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_a_duration_is_a_finite_number(value, tmp_path):
+    # Accepted, then every put with redis failed (OverflowError: a 502 for each request).
+    path = tmp_path / "carpool.yaml"
+    for field in ("cache.default_ttl", "idempotency.retention", "limits.upstream_timeout"):
+        section, key = field.split(".")
+        path.write_text(f"{section}:\n  {key}: {value}\n")  # (YAML's infinity, read as one)
+        with pytest.raises(ConfigError, match=key):
+            Config.load(path, env={})

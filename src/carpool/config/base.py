@@ -1,14 +1,19 @@
 """What every configuration section shares: strict keys, and the error a bad value raises.
 
 Contract: a section forbids unknown keys (a typo must not silently keep a default) and validates
-assignments too (``config.distributed.cluster = True`` is checked like a loaded value).
+assignments too (``config.distributed.cluster = True`` is checked like a loaded value); a number
+is finite (``.inf`` seconds overflowed Redis's expiry at the first put). ``OnOff``: a key of
+``auto``/``on``/``off`` that takes YAML's booleans for the words (``tracing: off`` written
+bare is YAML 1.1's false).
 ``ConfigError`` is what ``Config.load`` raises for any invalid source; its message names the
 field and what is allowed, and the CLI turns it into exit status 2.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 
 class ConfigError(ValueError):
@@ -18,4 +23,11 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """A part of the configuration: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _words(value: Any) -> Any:
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
+OnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_words)]

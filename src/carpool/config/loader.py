@@ -11,8 +11,9 @@ Contract:
   ``CARPOOL_CACHE='{max_bytes: 1000}'``); the nested variables of that section apply over it.
   ``CARPOOL_CONFIG`` names the file (the CLI reads it) and ``CARPOOL_PEERS`` the workers'
   directory (``carpool serve`` sets it); they are not keys.
-- Values are read as YAML scalars (``true``, ``1.5``, ``[a, b]``); an empty value is null, and a
-  value YAML cannot read is the string as written.
+- A value is the string as written, read by its key's type (``8080``, ``1.5``, ``yes``); a
+  list or mapping (``[a, b]``, ``{k: v}``) is read as YAML; an empty value or ``null`` is null
+  (``_read_value``).
 - A ``CARPOOL_*`` variable that names no key is an error, like an unknown key in the file: a typo
   must not silently keep a default.
 - Any invalid source raises ``ConfigError`` naming the field and what is allowed.
@@ -142,6 +143,7 @@ class _Sources(BaseSettings, Config):
     model_config = SettingsConfigDict(
         extra="forbid",
         validate_assignment=True,
+        allow_inf_nan=False,
         validate_default=False,
         # For the file and the overrides: their keys are matched as written (``Port:`` is an
         # unknown key). The environment source matches names in any case.
@@ -171,12 +173,18 @@ class _Raw(str):
 
 
 def _read_value(raw: str) -> Any:
-    if raw == "":
+    """A variable's value: empty or ``null`` is null; a list or mapping (``[...]``, ``{...}``)
+    is read as YAML; anything else is the string as written, which the key's type reads
+    (pydantic: ``8080`` for a port, ``yes`` for a flag). Read as YAML, a token ``&Xyz`` was an
+    anchor (null), ``abc #x`` lost its tail, ``off`` was a boolean."""
+    if raw == "" or raw == "null":
         return None
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return str(raw)
+    if raw.lstrip()[:1] in ("[", "{"):
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return str(raw)
+    return str(raw)
 
 
 def _decoded(values: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +199,7 @@ def _decoded(values: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Environment(EnvSettingsSource):
-    """The ``CARPOOL_*`` variables of ``env``, each value read once as YAML."""
+    """The ``CARPOOL_*`` variables of ``env``, each value read once (``_read_value``)."""
 
     def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
         self._env = env  # read by _load_env_vars, which the base __init__ calls
@@ -204,7 +212,7 @@ class _Environment(EnvSettingsSource):
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         # The prefix as written: ``carpool_port`` is not one of ours. Values are marked raw so
-        # that each is read as YAML exactly once, whether pydantic-settings decoded it (a whole
+        # that each is read exactly once, whether pydantic-settings decoded it (a whole
         # section or list) or not (a scalar).
         return {
             name.lower(): _Raw(value)

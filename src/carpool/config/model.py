@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import Section
+from .base import OnOff, Section
 from .caching import CacheConfig, CoalesceConfig, FingerprintConfig, SemanticConfig
 from .distributed import DistributedConfig
 from .perimeter import (
@@ -77,7 +77,7 @@ class Config(Section):
         description="text: `time level logger [request id] message`; json: one object per line "
         "(time, level, logger, request_id, message) for log shippers.",
     )
-    tracing: Literal["auto", "on", "off"] = Field(
+    tracing: OnOff = Field(
         "auto",
         description="OpenTelemetry spans per "
         "layer (extra otel). auto: when a tracer "

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from .base import Section
+from .base import OnOff, Section
 
 
 class RoutingConfig(Section):
@@ -101,7 +101,7 @@ class BatchingConfig(Section):
     max_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one batch (approximated as characters / 4)."
     )
-    embeddings: Literal["auto", "on", "off"] = Field(
+    embeddings: OnOff = Field(
         "auto",
         description="Whether concurrent single-input /v1/embeddings requests are merged "
         "into one list-input call. Merging must not change an answer, and some engines answer "
