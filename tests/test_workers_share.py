@@ -97,9 +97,13 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @contextlib.asynccontextmanager
-async def workers(upstream_url: str, tmp_path) -> AsyncIterator[Workers]:
+async def workers(
+    upstream_url: str, tmp_path, settings: dict[str, Any] | None = None
+) -> AsyncIterator[Workers]:
+    """``carpool serve --workers 2`` with ``--upstream upstream_url``; ``settings``: more
+    ``CARPOOL_*`` variables."""
     port = free_port()
-    env = serve_env({"admin_token": ADMIN_TOKEN})
+    env = serve_env({"admin_token": ADMIN_TOKEN, **(settings or {})})
     log = tmp_path / "workers.log"
     proc = start_serve(
         [
@@ -343,3 +347,14 @@ async def _until_waiting(served: Workers, n: int) -> None:
         if sum(waiting.values()) >= n:
             return
     pytest.fail(f"the workers never held {n} waiting requests")
+
+
+async def test_the_workers_take_the_flags_over_the_environment_as_one_process_does(fake, tmp_path):
+    # Each worker loaded the resolved config file and then the environment again: a
+    # CARPOOL_UPSTREAMS beat --upstream in every worker (a 502 from a dead replica).
+    dead = {"upstreams": ["http://127.0.0.1:9/v1"]}
+    async with workers(fake.url, tmp_path, dead) as served:
+        answered = await served.spread(
+            lambda client: client.post("/v1/chat/completions", json=chat("flags first?"))
+        )
+        assert [r.status_code for r, _ in answered] == [200] * len(answered)

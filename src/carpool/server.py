@@ -446,8 +446,10 @@ def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
     the config file the parent wrote (``CARPOOL_CONFIG``). Without ``redis``, the worker takes
     a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names), or,
-    every slot held, asks their owners until one frees (``Peers``)."""
-    config = Config.load(os.environ.get("CARPOOL_CONFIG"))
+    every slot held, asks their owners until one frees (``Peers``). The file is the config
+    the parent resolved (flags over ``CARPOOL_*`` over its file): read alone, not under the
+    environment again (a variable beat a flag in every worker)."""
+    config = Config.load(os.environ.get("CARPOOL_CONFIG"), env={})
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
     directory = os.environ.get(PEERS_VARIABLE)
     peers = None
