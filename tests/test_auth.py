@@ -289,3 +289,15 @@ async def test_with_a_held_key_the_upstreams_account_headers_never_reach_a_clien
     response = await held.client.get("/v1/models", headers=bearer("client-a"))
     assert response.status_code == 200
     assert "OPERATOR" not in str(response.headers)
+
+
+@pytest.mark.parametrize(
+    "content", [b"sha256:abc\n", b"\xff\xfe not utf-8\n"], ids=["short digest", "not utf-8"]
+)
+def test_a_client_keys_file_that_cannot_be_read_is_a_config_error(tmp_path, content):
+    # check-config said ok; serve then failed with a traceback (with --workers, each worker's,
+    # restarted for ever).
+    path = tmp_path / "keys.txt"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="client_keys_file"):
+        Config.load(env={}, overrides={"auth": {"client_keys_file": str(path)}})

@@ -192,8 +192,20 @@ class AuthConfig(Section):
     @field_validator("client_keys_file")
     @classmethod
     def _readable(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).is_file():
+        if value is None:
+            return value
+        if not Path(value).is_file():
             raise ValueError(f"{value!r} is not a file")
+        # Read now as ``serve`` reads it: check-config refuses what serve would fail on (a
+        # traceback at start-up; with --workers, each worker's, restarted for ever).
+        from ..auth import ClientKeys
+
+        try:
+            ClientKeys.load(value)
+        except UnicodeDecodeError:
+            raise ValueError(f"{value!r} is not UTF-8 text") from None
+        except OSError as exc:
+            raise ValueError(f"{value!r} cannot be read ({exc.strerror})") from None
         return value
 
 
