@@ -126,3 +126,30 @@ def test_a_labeled_judge_decides_the_band_and_its_calls_per_lookup_are_reported(
     assert lines["relabeled"][1:3] == ["1", "100.0%"]  # the verifier refused it; the judge not
     assert lines["negation"][3:5] == ["1", "0.0%"] and lines["entity_swap"][3:5] == ["1", "0.0%"]
     assert lines["labeled"][1:] == ["judge:", "0.800", "calls", "per", "lookup"]  # 4 of 5 asked
+
+
+def test_a_pairs_file_line_that_is_no_labeled_pair_is_named_and_refused():
+    # A line not JSON, or without "b", was a traceback; "same_answer": "false" was read as true.
+    from carpool.semantic.evaluate import row_of
+
+    for line, said in (
+        ("{not json", "not JSON"),
+        ('{"a": "x"}', "'b'"),
+        ('{"a": 1, "b": "y", "same_answer": true}', "'a'"),
+        ('{"a": "x", "b": "y", "same_answer": "false"}', "same_answer"),
+    ):
+        with pytest.raises(ValueError, match=said) as raised:
+            row_of("pairs.jsonl", 6, line)
+        assert "pairs.jsonl, line 7" in str(raised.value)
+
+
+def test_eval_semantic_exits_2_on_a_bad_pairs_file_before_any_work(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"a": "x", "b": "y", "same_answer": "false"}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "line 1" in done.stderr and "Traceback" not in done.stderr

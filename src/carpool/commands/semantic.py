@@ -99,7 +99,15 @@ def eval_semantic(
     except ImportError as error:
         missing_extra("the semantic cache", "semantic", error)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
-    evaluator = Evaluator(load_pairs(pair_files, half), embedder, guard)
+    if decisions and not Path(decisions).parent.is_dir():  # (not after the whole run)
+        raise click.BadParameter(
+            f"{Path(decisions).parent} is not a folder", param_hint="--decisions"
+        )
+    try:
+        pairs = load_pairs(pair_files, half)
+    except ValueError as error:  # a line that is no labeled pair: said, exit 2
+        raise click.BadParameter(str(error), param_hint="--pairs") from None
+    evaluator = Evaluator(pairs, embedder, guard)
     overrules = frozenset(r.strip() for r in judge_overrules.split(",") if r.strip())
     report = evaluator.report(threshold, None, band, overrules, judge_verifier_band)
     click.echo(format_report(report, threshold))

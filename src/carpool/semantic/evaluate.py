@@ -74,19 +74,32 @@ def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pai
     pairs = []
     for path in paths:
         rows = [line for line in Path(path).read_text().splitlines() if line.strip()]
-        for i, line in enumerate(rows):
-            if half is not None and i % 2 != HALVES.index(half):
+        for n, line in enumerate(rows):
+            if half is not None and n % 2 != HALVES.index(half):
                 continue
-            row = json.loads(line)
-            pairs.append(
-                Pair(
-                    row["a"],
-                    row["b"],
-                    bool(row["same_answer"]),
-                    str(row.get("category") or Path(path).stem),
-                )
-            )
+            pairs.append(_pair(row_of(path, n, line), path))
     return pairs
+
+
+def row_of(path: str | Path, n: int, line: str) -> dict[str, Any]:
+    """Line ``n`` of a pairs file as a row ``{a, b, same_answer}``, or a ``ValueError`` naming
+    the file and line: ``same_answer`` a JSON boolean (``"false"`` was read as true)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {n + 1}: not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, line {n + 1}: not a JSON object")
+    for side in ("a", "b"):
+        if not isinstance(row.get(side), str | list):
+            raise ValueError(f"{path}, line {n + 1}: {side!r} must be a text or a conversation")
+    if not isinstance(row.get("same_answer"), bool):
+        raise ValueError(f"{path}, line {n + 1}: 'same_answer' must be true or false")
+    return row
+
+
+def _pair(row: dict[str, Any], path: str | Path) -> Pair:
+    return Pair(row["a"], row["b"], row["same_answer"], str(row.get("category") or Path(path).stem))
 
 
 def _view(side: Any, config: Config) -> SemanticView | None:
