@@ -226,3 +226,13 @@ def test_a_duration_is_a_finite_number(value, tmp_path):
         path.write_text(f"{section}:\n  {key}: {value}\n")  # (YAML's infinity, read as one)
         with pytest.raises(ConfigError, match=key):
             Config.load(path, env={})
+
+
+@pytest.mark.parametrize("field", ["model_dir", "verifier_dir"])
+def test_a_semantic_model_folder_that_is_not_one_is_a_config_error(field, tmp_path):
+    # check-config said ok; serve then failed with a FileNotFoundError traceback.
+    with pytest.raises(ConfigError, match=field):
+        Config.load(env={}, overrides={"semantic": {field: str(tmp_path / "nowhere")}})
+    assert getattr(
+        Config.load(env={}, overrides={"semantic": {field: str(tmp_path)}}).semantic, field
+    )

@@ -9,6 +9,7 @@ from these fields. Durations are seconds unless the name ends in ``_ms``; sizes 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -244,6 +245,16 @@ class SemanticConfig(Section):
         "verifier.json with their SHA-256 digests: what scripts/train_verifier.py writes); null: "
         "the one packaged with carpool.",
     )
+
+    @field_validator("model_dir", "verifier_dir")
+    @classmethod
+    def _a_folder(cls, value: str | None) -> str | None:
+        # Checked when the config loads: check-config refuses what serve would fail on (its
+        # files and digests are checked when the model loads).
+        if value is not None and not Path(value).is_dir():
+            raise ValueError(f"{value!r} is not a folder")
+        return value
+
     verifier_threshold: float | None = Field(
         None,
         ge=0,
