@@ -38,3 +38,23 @@ async def test_sigterm_with_50_waiters_on_a_slow_flight_answers_them_all_then_ex
         assert await asyncio.to_thread(gw.proc.wait, 20) == 0  # within the grace period
         log = gw.log.read_text()
         assert "draining" in log
+
+
+async def test_every_stopping_signal_exits_0(fake):
+    # uvicorn re-raised the signal it caught once stopped: SIGTERM without a drain, a second
+    # SIGTERM during the drain, and SIGINT ("Aborted!", 1) exited as killed by it, not 0.
+    for settings, draining_first, sig in (
+        ({"shutdown": {"drain_s": 0}}, False, signal.SIGTERM),
+        ({"shutdown": {"drain_s": 30}}, True, signal.SIGTERM),
+        ({}, False, signal.SIGINT),
+    ):
+        async with instances(1, fake.url, None, settings) as (gw,):
+            if draining_first:
+                gw.proc.send_signal(signal.SIGTERM)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while (await gw.client.get("/readyz")).status_code != 503:
+                    assert loop.time() < deadline, "never draining"
+                    await asyncio.sleep(0.02)
+            gw.proc.send_signal(sig)
+            assert await asyncio.to_thread(gw.proc.wait, 20) == 0, gw.log.read_text()[-2000:]

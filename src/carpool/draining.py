@@ -4,7 +4,8 @@ Contract: on the first SIGTERM the gateway turns unready (``Gateway.draining``: 
 and keeps serving for ``shutdown.drain_s``, so that load balancers stop sending it requests; then
 uvicorn stops as it does on a signal: the listener closes, the requests in progress (a flight's
 waiters, streams) get ``shutdown.grace_s`` to finish, the lifespan closes the layers, the
-process exits 0. A second SIGTERM, or SIGINT, skips what is left of the drain. With Redis, a
+process exits 0, whatever stopped it (SIGTERM, a second one, SIGINT). A second SIGTERM, or
+SIGINT, skips what is left of the drain. With Redis, a
 flight this instance leads still finishes here within the grace period; if the process is
 killed before, the other instances' followers take it over as after a crash.
 """
@@ -39,6 +40,11 @@ class DrainingServer(uvicorn.Server):
             return
         self.gateway.draining = True
         super().handle_exit(sig, frame)
+        # Stopped on purpose, cleanly: exit 0 (uvicorn raises the signals it caught again once
+        # stopped, so that the process ends as killed by them: 143, or 1 and "Aborted!").
+        captured = getattr(self, "_captured_signals", None)
+        if captured is not None:
+            captured.clear()
 
     async def on_tick(self, counter: int) -> bool:
         if self._drained_at is not None and time.monotonic() >= self._drained_at:
