@@ -65,3 +65,13 @@ def test_the_start_up_lines_are_true_and_not_repeated():
     assert "carpool.cli" in log and "carpool carpool" not in log and "carpool: " not in log
     pytest.importorskip("onnxruntime")  # the semantic extra is installed here: not "needs" it
     assert "semantic cache off" in log and "needs the semantic extra" not in log
+
+
+def test_with_log_format_json_every_line_of_serve_is_json(monkeypatch):
+    # uvicorn's own lines ("INFO:     Started server process") stayed text among the JSON.
+    monkeypatch.setenv("CARPOOL_LOG_FORMAT", "json")
+    log = serve_log("--port", str(free_port()))
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert any("Uvicorn running on" in line for line in lines)
+    for line in lines:
+        assert isinstance(json.loads(line), dict), line

@@ -196,6 +196,7 @@ def serve(
         "port": config.port,
         "log_level": config.log_level,
         "access_log": False,
+        "log_config": None,  # (uvicorn's own lines through carpool's logging: its format)
         "loop": "auto",
         "http": http_protocol.protocol(),  # (exact hits answered as they are parsed)
         "timeout_graceful_shutdown": config.shutdown.grace_s,
