@@ -184,3 +184,16 @@ def test_the_help_shows_the_defaults_the_config_model_owns():
     assert f"[{Config().workers}]" in serve
     sim = CliRunner().invoke(cli.main, ["sim", "--help"]).output
     assert f"replicas [{SimConfig().replicas}]" in sim
+
+
+def test_a_port_out_of_range_is_a_usage_error_not_a_traceback():
+    # carpool sim --port 70000 was an OverflowError traceback.
+    for command in (["sim"], ["serve"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "carpool.cli", *command, "--port", "70000"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "70000" in done.stderr

@@ -56,7 +56,10 @@ def main() -> None:
 )
 @click.option("--host", default=None, help=f"Address to listen on {default_of(Config, 'host')}.")
 @click.option(
-    "--port", type=int, default=None, help=f"Port to listen on {default_of(Config, 'port')}."
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help=f"Port to listen on {default_of(Config, 'port')}.",
 )
 @click.option(
     "--config",

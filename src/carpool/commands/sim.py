@@ -19,7 +19,7 @@ from .common import default_of, load_config
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option(
     "--port",
-    type=int,
+    type=click.IntRange(0, 65535),
     default=8000,
     show_default=True,
     help="Port of the first replica; replica i listens on port + i.",
