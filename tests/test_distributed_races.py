@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from conftest import redis_settings, run_gateway
+from conftest import run_gateway
 from fakes.latency_proxy import LinkProxy
 from fakes.waiting import eventually
+from test_distributed import shared_flights_on
 
 pytest.importorskip("redis")
 
@@ -29,25 +30,6 @@ async def until(condition: Callable[[], Awaitable[bool]], what: str, timeout: fl
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.01)
-
-
-@contextlib.asynccontextmanager
-async def shared_flights_on(target: Any, **coalesce: Any) -> AsyncIterator[Any]:
-    """The shared flights as a gateway builds them (``wiring``), on ``target``."""
-    from carpool.config import Config
-    from carpool.wiring import build_shared_flights, build_store
-
-    config = Config(
-        upstreams=["http://127.0.0.1:9/v1"], coalesce=coalesce, **redis_settings(target)
-    )
-    store = build_store(config)
-    flights = build_shared_flights(config, store)
-    assert flights is not None
-    try:
-        yield flights
-    finally:
-        await flights.aclose()
-        await store.aclose()
 
 
 @contextlib.asynccontextmanager
