@@ -20,18 +20,24 @@ pytest.importorskip("redis")
 
 
 @contextlib.asynccontextmanager
-async def two_gateways(fake, redis_server, **config):
+async def gateways(n, fake, redis_server, **config):
+    """``n`` instances in front of ``fake`` sharing ``redis_server``."""
     # Generous Redis timeouts: 100 connections opening at once on a busy 2-core machine must
     # not count as an outage (which would rightly make each instance call upstream itself).
     distributed = {
         "retry_interval": 0.05,
         "timeout": 2.0,
         "connect_timeout": 2.0,
-        "cluster": redis_server.cluster,
         **config.pop("distributed", {}),
     }
-    shared = {"redis": redis_server.url, "admin_token": "t", "distributed": distributed, **config}
-    async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
+    shared = {**redis_settings(redis_server, **distributed), "admin_token": "t", **config}
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(run_gateway([fake.url], **shared)) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def two_gateways(fake, redis_server, **config):
+    async with gateways(2, fake, redis_server, **config) as (a, b):
         yield a, b
 
 

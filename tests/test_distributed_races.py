@@ -5,9 +5,8 @@ each). Each test makes its interleaving happen (hooks, events), never by sleepin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from conftest import run_gateway
 from fakes.latency_proxy import LinkProxy
 from fakes.waiting import eventually
-from test_distributed import shared_flights_on
+from test_distributed import gateways, shared_flights_on
 
 pytest.importorskip("redis")
 
@@ -30,20 +29,6 @@ async def until(condition: Callable[[], Awaitable[bool]], what: str, timeout: fl
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.01)
-
-
-@contextlib.asynccontextmanager
-async def gateways(n: int, fake: Any, redis_server: Any, **config: Any) -> AsyncIterator[list[Any]]:
-    distributed = {
-        "retry_interval": 0.05,
-        "timeout": 2.0,
-        "connect_timeout": 2.0,
-        "cluster": redis_server.cluster,
-        **config.pop("distributed", {}),
-    }
-    shared = {"redis": redis_server.url, "admin_token": "t", "distributed": distributed, **config}
-    async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(run_gateway([fake.url], **shared)) for _ in range(n)]
 
 
 # ---------------------------------------------------------------- an answer stored after an
