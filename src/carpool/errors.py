@@ -44,6 +44,8 @@ class CarpoolError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = None
+    # Headers its answer carries besides its JSON content type (``headers``).
+    also: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -58,7 +60,13 @@ class CarpoolError(Exception):
         return orjson.dumps({"error": self.error_object()})
 
     def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json"}
+        return {"content-type": "application/json", **dict(self.also)}
+
+
+# The connection is closed after the answer (what else the client sends is not read); the SDKs
+# do not retry the call (the engine took it).
+_CLOSES = (("connection", "close"),)
+_NOT_RETRIED = (("x-should-retry", "false"),)
 
 
 class RequestError(CarpoolError):
@@ -80,14 +88,12 @@ class BodyTooLarge(RequestError):
     answer: the rest of the body is not read (nor waited for)."""
 
     status = 413
+    also = _CLOSES
 
     def __init__(self, limit: int) -> None:
         super().__init__(
             f"request body is larger than the limit of {limit} bytes", "body_too_large"
         )
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "connection": "close"}
 
 
 class HeadersTooLarge(RequestError):
@@ -106,14 +112,12 @@ class TargetTooLong(RequestError):
     414), refused by the HTTP protocol as it arrives; the connection is closed."""
 
     status = 414
+    also = _CLOSES
 
     def __init__(self, limit: int) -> None:
         super().__init__(
             f"the request target is longer than the limit of {limit} bytes", "target_too_long"
         )
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "connection": "close"}
 
 
 class BodyTimeout(RequestError):
@@ -121,14 +125,12 @@ class BodyTimeout(RequestError):
     connection is closed after the answer: the rest of the body may still be on its way."""
 
     status = 408
+    also = _CLOSES
 
     def __init__(self, timeout: float) -> None:
         super().__init__(
             f"the request body was not received within {timeout:g} seconds", "body_timeout"
         )
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "connection": "close"}
 
 
 class HeadersTimeout(RequestError):
@@ -136,15 +138,13 @@ class HeadersTimeout(RequestError):
     seconds (RFC 9110: 408), cut by the HTTP protocol; the connection is closed."""
 
     status = 408
+    also = _CLOSES
 
     def __init__(self, timeout: float) -> None:
         super().__init__(
             f"the request's headers were not received within {timeout:g} seconds",
             "header_timeout",
         )
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "connection": "close"}
 
 
 class PathRefused(RequestError):
@@ -170,12 +170,7 @@ class AdminRequired(CarpoolError):
     status = 401
     type = "invalid_request_error"
     code = "unauthorized"
-
-    def headers(self) -> dict[str, str]:
-        return {
-            "content-type": "application/json",
-            "www-authenticate": 'Bearer realm="carpool admin"',
-        }
+    also = (("www-authenticate", 'Bearer realm="carpool admin"'),)
 
 
 class UpstreamError(CarpoolError):
@@ -232,13 +227,11 @@ class UpstreamKeyRefused(UpstreamError):
 
     status = 502
     code = "upstream_key_refused"
+    also = _NOT_RETRIED
 
     def __init__(self, message: str, upstream_status: int = 0) -> None:
         super().__init__(message)
         self.upstream_status = upstream_status
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "x-should-retry": "false"}
 
 
 class UpstreamStreamBroken(UpstreamError):
@@ -252,6 +245,7 @@ class UpstreamStreamBroken(UpstreamError):
 
     status = 502
     code = "upstream_stream_broken"
+    also = _NOT_RETRIED
 
     def __init__(self, message: str, upstream_error: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -268,9 +262,6 @@ class UpstreamStreamBroken(UpstreamError):
         error = type(self)(OTHERS_MESSAGE, _scrubbed(self.upstream_error))
         error.status, error.code = self.status, self.code
         return error
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "x-should-retry": "false"}
 
 
 class UpstreamAnswerCut(UpstreamStreamBroken):
