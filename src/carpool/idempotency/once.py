@@ -386,7 +386,7 @@ async def _settle(work: Any) -> None:
 
 
 async def _shielded(work: Any) -> None:
-    """Run a record update to its end even though the task around it is being cancelled."""
-    task = asyncio.ensure_future(work)
+    """``_settle``, for a task already failing or being cancelled: nothing of it raised here
+    (the caller raises what it is handling)."""
     with contextlib.suppress(BaseException):
-        await asyncio.shield(task)
+        await _settle(work)
