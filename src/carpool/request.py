@@ -25,6 +25,7 @@ import orjson
 
 from .apis import APIS, Api, api_of
 from .errors import BodyTooLarge, RequestError
+from .upstream.base import unstreamed
 
 # The cached endpoints: gateway path -> (kind, path relative to the upstream's /v1 base).
 ENDPOINTS: dict[str, tuple[str, str]] = {
@@ -140,17 +141,12 @@ def body_digest(body: dict[str, Any]) -> str:
     return hashlib.blake2b(orjson.dumps(body), digest_size=16).hexdigest()
 
 
-# What a body says of how it is delivered, not of who asked what: a client streaming what
-# another asked whole asked the same.
-_DELIVERY = frozenset({"stream", "stream_options"})
-
-
 def requester_digest(body: dict[str, Any]) -> str:
     """A digest of ``body`` but for how it is delivered (``stream``, ``stream_options``): two
     requests with one digest asked the upstream the same, every field out of the key included
-    (``user``, ``metadata``...), so an error the upstream answered one is the other's too."""
-    asked = {name: value for name, value in body.items() if name not in _DELIVERY}
-    return hashlib.blake2b(orjson.dumps(asked), digest_size=16).hexdigest()
+    (``user``, ``metadata``...), so an error the upstream answered one is the other's too (a
+    client streaming what another asked whole asked the same)."""
+    return body_digest(unstreamed(body))
 
 
 def _query(raw: bytes) -> str:
@@ -260,9 +256,7 @@ def list_items(request: Request) -> list[Request] | None:
     value = request.body.get(name) if name else None
     if name is None or not isinstance(value, list) or len(value) < 2 or isinstance(value[0], int):
         return None
-    whole = {k: v for k, v in request.body.items() if k not in ("stream", "stream_options")}
-    if not request.stream:
-        whole = request.body
+    whole = unstreamed(request.body) if request.stream else request.body
     return [
         dataclasses.replace(
             request,
