@@ -75,6 +75,7 @@ import asyncio
 import contextvars
 import logging
 import sys
+from collections.abc import Callable
 from functools import partial
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -694,26 +695,31 @@ class _ConnectionWatch(ClientWatch):
 def _limits_app(app: Any) -> GatewayApp | None:
     """The ``server.GatewayApp`` under any wrappers (the user's too), whose limits the protocol
     keeps to as it reads; None: another app, no limits of the gateway's."""
-    for _ in range(8):
-        if isinstance(app, GatewayApp):
-            return app
-        app = getattr(app, "app", None)
-    return None
+    return _under(app, lambda _: True)
 
 
-def _gateway_app(app: Any) -> Any:
+def _gateway_app(app: Any) -> GatewayApp | None:
     """The ``server.GatewayApp`` under uvicorn's own middleware (``ProxyHeadersMiddleware``...),
     or None: another app is served, and this protocol is uvicorn's. Only uvicorn's wrappers,
     and those that say they hand the cached endpoints' requests on as they come
     (``TRANSPARENT``), are looked through: a middleware of the user's around the gateway
     (authentication, limits) must see every request, so with one they all go the ASGI way."""
+    return _under(
+        app,
+        lambda wrapper: (
+            type(wrapper).__module__.startswith("uvicorn.middleware.")
+            or getattr(wrapper, TRANSPARENT, False)
+        ),
+    )
+
+
+def _under(app: Any, through: Callable[[Any], bool]) -> GatewayApp | None:
+    """The ``GatewayApp`` found by following ``.app`` through wrappers that ``through`` accepts
+    (eight at most), or None."""
     for _ in range(8):
         if isinstance(app, GatewayApp):
             return app
-        if not (
-            type(app).__module__.startswith("uvicorn.middleware.")
-            or getattr(app, TRANSPARENT, False)
-        ):
+        if not through(app):
             return None
         app = getattr(app, "app", None)
     return None
