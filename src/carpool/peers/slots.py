@@ -48,9 +48,6 @@ class Meeting:
     count: int
     secret: bytes = field(repr=False)
 
-    def socket_path(self, index: int) -> Path:
-        return socket_path(self.directory, index)
-
 
 @dataclass(frozen=True, slots=True)
 class Slot:
