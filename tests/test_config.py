@@ -236,3 +236,34 @@ def test_a_semantic_model_folder_that_is_not_one_is_a_config_error(field, tmp_pa
     assert getattr(
         Config.load(env={}, overrides={"semantic": {field: str(tmp_path)}}).semantic, field
     )
+
+
+@pytest.mark.parametrize(
+    "url, said",
+    [
+        # redis-py read the path as database 0: the instances shared another database.
+        ("redis://cache:6379/abc", "database number"),
+        # check-config said ok; serve failed at the first connection (a TypeError per call).
+        ("redis://:s3cret@cache:6379/0?foo=1", "'foo'"),
+        ("redis://cache:6379/0?socket_timeout=abc", "socket_timeout"),
+        ("redis://cache:6379/0?protocol=9", "protocol"),
+    ],
+)
+def test_a_redis_url_redis_py_would_refuse_or_misread_is_a_config_error(url, said):
+    with pytest.raises(ConfigError, match="redis") as raised:
+        Config.load(env={}, overrides={"redis": url})
+    assert said in str(raised.value) and "s3cret" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://cache:6379", "redis://cache:6379/", "redis://cache/3", "unix:///run/r.sock?db=2"],
+)
+def test_a_redis_url_redis_py_reads_is_accepted(url):
+    assert Config.load(env={}, overrides={"redis": url}).redis == url
+
+
+def test_a_redis_key_prefix_with_a_hash_tag_brace_is_a_config_error():
+    # check-config said ok; serve failed building the shared layers (ValueError traceback).
+    with pytest.raises(ConfigError, match="distributed.key_prefix"):
+        Config.load(env={}, overrides={"distributed": {"key_prefix": "app{1}:"}})

@@ -7,7 +7,7 @@ these fields. Durations are seconds unless the name ends in ``_ms``.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Section
 
@@ -21,6 +21,15 @@ class DistributedConfig(Section):
         description="Prefix of every key carpool "
         "writes (no `{` or `}`: they are Redis Cluster hash tags).",
     )
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_hash_tag(cls, value: str) -> str:
+        # (Checked again where the keys are made; here so that check-config refuses it too.)
+        if "{" in value or "}" in value:
+            raise ValueError("must not contain '{' or '}' (Redis Cluster hash tags)")
+        return value
+
     timeout: float = Field(
         0.5,
         gt=0,

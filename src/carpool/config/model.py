@@ -108,7 +108,15 @@ class Config(Section):
     @field_validator("redis")
     @classmethod
     def _redis_is_a_url(cls, value: str | None) -> str | None:
-        return None if value is None else checked_url(value, ("redis", "rediss", "unix"))
+        if value is None:
+            return None
+        checked_url(value, ("redis", "rediss", "unix"))
+        from ..redis.connection import url_problem  # (the one package that imports redis-py)
+
+        problem = url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("upstream_names")
     @classmethod

@@ -25,6 +25,11 @@ Contract
   themselves once their layer is closed.
 - :class:`Health` is what a layer asks before a Redis call (``usable()``) and tells after it
   (``report(error or None)``): one state per instance, shared by every layer on that Redis.
+- :func:`url_problem` is what redis-py would refuse in a URL when :func:`connect` makes its
+  first connection (an unknown or malformed query parameter), and a database path that is no
+  number (redis-py reads ``/abc`` as database 0): the config refuses them when it loads, so
+  ``carpool check-config`` says what ``carpool serve`` would fail on. Its message quotes nothing
+  of the URL but the parameter's name.
 - The redis-py library is imported by the modules of this package only.
 """
 
@@ -36,6 +41,7 @@ import functools
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
+from ..config.urls import urls_without_credentials
 from ..store.base import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -48,6 +54,7 @@ __all__ = [
     "StoreUnavailable",
     "connect",
     "stop_reader",
+    "url_problem",
     "unavailable",
     "unavailable_in",
 ]
@@ -167,6 +174,27 @@ def connect(
         retry=retry,
     )
     return aredis.Redis(connection_pool=pool)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` for redis-py, or None (also when redis-py is not installed:
+    ``connect`` then says which extra to install)."""
+    try:
+        import redis.asyncio as aredis
+        from redis.exceptions import RedisError
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    scheme, _, rest = url.partition("://")
+    path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")[2]
+    if scheme != "unix" and path and not path.isdigit():
+        return "the path must be a database number (redis://host:port/0)"
+    try:  # (what connect does, up to the socket: the pool reads the URL, a connection its options)
+        aredis.BlockingConnectionPool.from_url(url).make_connection()
+    except TypeError as exc:  # (an option no connection takes: "... argument 'foo'")
+        return f"a query parameter redis-py does not know ({str(exc).rsplit(' ', 1)[-1]})"
+    except (ValueError, RedisError) as exc:
+        return urls_without_credentials(str(exc))
+    return None
 
 
 @functools.cache
