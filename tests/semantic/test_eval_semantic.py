@@ -153,3 +153,36 @@ def test_eval_semantic_exits_2_on_a_bad_pairs_file_before_any_work(tmp_path):
         timeout=120,
     )
     assert done.returncode == 2 and "line 1" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        # Each was taken as given: a report of a cache no config could have (a threshold of
+        # 1.5 serves nothing; a band 0.9 0.1 asks the judge nothing; a misspelt rule overruled
+        # nothing and the report said the judge could).
+        (["--threshold", "1.5"], "--threshold"),
+        (["--verifier-threshold", "-0.1"], "--verifier-threshold"),
+        (["--labeled-judge", "0.9", "0.1"], "--labeled-judge"),
+        (
+            ["--labeled-judge", "0.5", "0.9", "--judge-verifier-band", "0", "2"],
+            "--judge-verifier-band",
+        ),
+        (
+            ["--labeled-judge", "0.5", "0.9", "--judge-overrules", "entity,nmber"],
+            "--judge-overrules",
+        ),
+        (["--labeled-judge", "0.5", "0.9", "--judge-overrules", "meaning"], "--judge-overrules"),
+    ],
+)
+def test_eval_semantic_options_out_of_what_the_config_takes_exit_2_naming_them(
+    options, named, tmp_path
+):
+    from click.testing import CliRunner
+
+    from carpool import cli
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    result = CliRunner().invoke(cli.main, ["eval-semantic", "--pairs", str(pairs), *options])
+    assert result.exit_code == 2 and named in result.output, result.output

@@ -9,10 +9,32 @@ thing that ever downloads the model: it checks the SHA-256 digests and prints th
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
+from pydantic import ValidationError
 
+from ..config.caching import JudgeConfig
 from .common import missing_extra
+
+
+def _as_judge_setting(field: str) -> Any:
+    """A callback reading an option as ``semantic.judge.<field>`` reads it in a config: a band
+    out of [0, 1] or a rule the judge may not overrule is an error naming the option (exit 2),
+    not a report of a judge no config could have."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None:
+            return None
+        setting = (
+            [r.strip() for r in value.split(",") if r.strip()] if field == "overrules" else value
+        )
+        try:
+            return getattr(JudgeConfig.model_validate({field: setting}), field)
+        except ValidationError as error:
+            raise click.BadParameter(error.errors()[0]["msg"]) from None
+
+    return check
 
 
 @click.command("eval-semantic")
@@ -31,11 +53,14 @@ from .common import missing_extra
     help="Write one JSONL row per pair with its decision.",
 )
 @click.option(
-    "--threshold", type=float, default=None, help="Similarity threshold [the calibrated default]."
+    "--threshold",
+    type=click.FloatRange(0, 1),
+    default=None,
+    help="Similarity threshold [the calibrated default].",
 )
 @click.option(
     "--verifier-threshold",
-    type=float,
+    type=click.FloatRange(0, 1),
     default=None,
     help="The verifier's threshold [the packaged model's calibrated one].",
 )
@@ -46,6 +71,7 @@ from .common import missing_extra
     type=float,
     nargs=2,
     default=None,
+    callback=_as_judge_setting("band"),
     metavar="LOW HIGH",
     help="A judge answering from each pair's label decides the pairs in this similarity band "
     "that passed the exact rules (semantic.judge at its best): served/wrong and judge calls "
@@ -56,6 +82,7 @@ from .common import missing_extra
     type=float,
     nargs=2,
     default=(0.0, 1.0),
+    callback=_as_judge_setting("verifier_band"),
     metavar="LOW HIGH",
     help="With --labeled-judge: only pairs whose verifier score is in this band are asked "
     "(as semantic.judge.verifier_band) [0 1].",
@@ -63,6 +90,7 @@ from .common import missing_extra
 @click.option(
     "--judge-overrules",
     default="",
+    callback=_as_judge_setting("overrules"),
     metavar="REASONS",
     help="With --labeled-judge: rules whose refusals the judge may overrule in the band "
     "(comma-separated, as semantic.judge.overrules: entity,identifier,number).",
@@ -81,7 +109,7 @@ def eval_semantic(
     sweep: bool,
     half: str | None,
     band: tuple[float, float] | None,
-    judge_overrules: str,
+    judge_overrules: list[str],
     judge_verifier_band: tuple[float, float],
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
@@ -108,8 +136,9 @@ def eval_semantic(
     except ValueError as error:  # a line that is no labeled pair: said, exit 2
         raise click.BadParameter(str(error), param_hint="--pairs") from None
     evaluator = Evaluator(pairs, embedder, guard)
-    overrules = frozenset(r.strip() for r in judge_overrules.split(",") if r.strip())
-    report = evaluator.report(threshold, None, band, overrules, judge_verifier_band)
+    report = evaluator.report(
+        threshold, None, band, frozenset(judge_overrules), judge_verifier_band
+    )
     click.echo(format_report(report, threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
