@@ -1,11 +1,12 @@
 """Only complete answers are stored (issue 13, CONTRACT.md "Streaming").
 
 An answer is complete when the upstream's stream ended with ``data: [DONE]`` and every choice the
-request asked for (``n`` per prompt, whatever ``best_of``) is there with a finish reason. An
-incomplete stream reaches every client of its flight as an error (streaming clients: an SSE error
-event, then the end of the stream; the others: a 502 in OpenAI's error shape) and is not stored,
-so the next identical request is a fresh upstream call. An incomplete non-streaming body is the
-upstream's own 2xx answer: its clients get it as it came, and it is not stored either.
+request asked for (``n`` per prompt, whatever ``best_of``) is there with a finish reason. A
+broken stream (no [DONE], or a choice in it that never finished) reaches every client of its
+flight as an error (streaming clients: an SSE error event, then the end of the stream; the
+others: a 502 in OpenAI's error shape) and is not stored, so the next identical request is a
+fresh upstream call. A whole stream or body with fewer choices than asked for is the upstream's
+own answer: its clients get it as it came, and it is not stored either.
 
 Joiners get into a flight through the fake's ``chunk_gate`` (the upstream pauses mid-stream until
 every client is in), never by sleeping.
@@ -95,14 +96,16 @@ async def test_a_stream_with_fewer_finished_choices_than_n_is_not_stored(gw, fak
     await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
 
 
-async def test_a_stream_where_a_choice_never_appears_is_not_stored(gw, fake):
+async def test_a_stream_where_a_choice_never_appears_is_served_as_it_came_but_not_stored(gw, fake):
+    # The stream ended with [DONE], every choice in it finished: the engine answered fewer
+    # than asked (as one that ignores ``n``). Every client gets what the upstream sent, as
+    # without the gateway; it is never stored nor kept joinable.
     fake.drop_choices = {2}  # n: 3, and the upstream sent choices 0 and 1 only
     body = chat_body(n=3)
     (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, CHAT, body)
     assert '"index":2' not in raw and '"finish_reason":"stop"' in raw
-    assert_failed_stream(leader, raw)
-    assert_failed_stream(joiner, joined)
-    assert_openai_error(plain)
+    assert data_lines(raw)[-1] == "[DONE]" and joined == raw
+    assert plain.status_code == 200 and [c["index"] for c in plain.json()["choices"]] == [0, 1]
     await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
 
 
@@ -119,7 +122,7 @@ async def test_a_completions_stream_needs_n_choices_for_each_prompt_of_a_list(gw
     body = {"model": "m", "temperature": 0, "prompt": ["one", "two"], "n": 2}
     fake.drop_choices = {3}  # the second prompt's second choice never came
     response, raw = await stream(gw, COMPLETIONS, body)
-    assert_failed_stream(response, raw)
+    assert response.status_code == 200 and data_lines(raw)[-1] == "[DONE]"  # served, not stored
     await assert_fresh_call_next(gw, fake, COMPLETIONS, body, calls=1)
     whole, raw = await stream(gw, COMPLETIONS, {**body, "prompt": ["three", "four"]})
     assert data_lines(raw)[-1] == "[DONE]"  # all four: complete, stored
@@ -177,6 +180,20 @@ async def test_a_body_with_fewer_choices_than_n_is_served_as_it_came_but_not_sto
     first = await gw.client.post(CHAT, json=body)
     assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
     assert [c["index"] for c in first.json()["choices"]] == [0]
+    await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_stream_with_fewer_choices_than_n_that_ended_whole_is_served_as_it_came_but_not_stored(
+    gw, fake
+):
+    # An engine that ignores ``n`` (Ollama's OpenAI layer) streams one choice and [DONE]. Its
+    # client got the choice, then an error event instead of [DONE] (the SDK raised), though
+    # the same answer as a whole body was served.
+    fake.drop_choices = {1}
+    body = {**chat_body(n=2), "stream": True}
+    first = await gw.client.post(CHAT, json=body)
+    assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
+    assert first.text.endswith("data: [DONE]\n\n") and '"error"' not in first.text
     await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
 
 

@@ -54,6 +54,20 @@ def test_excluded_fields_do_not_change_the_key():
 
 
 @pytest.mark.parametrize(
+    "options", [{"continuous_usage_stats": True}, {"include_obfuscation": False}]
+)
+def test_a_stream_option_other_than_include_usage_changes_the_key(options):
+    # Each changes the frames (a usage in every chunk; padding or not): a client that did not
+    # ask was replayed another's, its usage in every chunk.
+    base = key(chat(stream=True))
+    assert key(chat(stream=True, stream_options=options)) != base
+    both = {**options, "include_usage": True}
+    assert key(chat(stream=True, stream_options=both)) == key(
+        chat(stream=True, stream_options=options)
+    )
+
+
+@pytest.mark.parametrize(
     "field, value",
     [
         ("model", "other"),

@@ -74,6 +74,14 @@ def test_decoder_handles_crlf_line_ends_split_at_every_byte_including_between_cr
         assert decode(stream[:cut], stream[cut:]) == EXPECTED, cut
 
 
+def test_decoder_keeps_a_cr_and_lf_split_by_an_empty_read_one_line_end():
+    # An empty feed between them forgot the "\r": the "\n" was a second line end, which
+    # ended the event early.
+    stream = b"data: a\r\ndata: b\r\n\r\n"
+    for cut in (i + 1 for i in range(len(stream)) if stream[i : i + 1] == b"\r"):
+        assert decode(stream[:cut], b"", stream[cut:]) == [(None, b"a\nb")], cut
+
+
 def test_decoder_handles_bare_cr_line_ends_split_at_every_byte():
     stream = STREAM.replace(b"\n", b"\r")
     for cut in range(len(stream) + 1):

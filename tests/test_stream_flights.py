@@ -55,6 +55,21 @@ async def test_the_streamed_answer_is_stored_whole_for_later_non_streaming_hits(
     assert again.json() == first.json() and fake.count() == 1
 
 
+async def test_a_non_streaming_leader_of_a_streamed_call_gets_its_usage_without_stream_usage(
+    gateway_with, fake
+):
+    # With upstream.stream_usage off, the call was streamed without include_usage: the leader
+    # got (and the cache kept) an answer without the usage its own call would have had.
+    async with gateway_with(upstream={"stream_flights": True, "stream_usage": False}) as gw:
+        first = await gw.chat("count my tokens")
+        again = await gw.chat("count my tokens")
+    assert fake.calls[0].body["stream_options"] == {"include_usage": True}
+    assert (
+        first.json()["usage"]["total_tokens"] > 0 and again.json()["usage"] == first.json()["usage"]
+    )
+    assert "x-carpool-usage" not in first.headers
+
+
 async def test_without_stream_flights_the_upstream_call_follows_its_leader(gw, fake):
     await gw.chat("plain")
     assert "stream" not in fake.calls[0].body

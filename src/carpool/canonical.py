@@ -3,7 +3,9 @@
 Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how it is spelled):
 - Included: endpoint, model, the full input and every field that can change the output; unknown
   fields too (a field we do not know might matter). Excluded: ``user``, ``stream``,
-  ``stream_options``, ``metadata``, request ids, and all transport headers.
+  ``stream_options.include_usage``, ``metadata``, request ids, and all transport headers. Every
+  other stream option is in (vLLM's ``continuous_usage_stats`` puts a usage in every chunk,
+  OpenAI's ``include_obfuscation`` pads them: frames a client that did not ask was replayed).
 - Canonical: key order, number spelling (``0`` vs ``0.0``, ``1e0``) and Unicode composition (NFC)
   never change a key. Text is otherwise exact: white space is meaning (Python indentation, counted
   spaces, tabs, Markdown hard breaks, non-ASCII spaces, control characters). Only with the opt-in
@@ -256,6 +258,13 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
     out: dict[str, Any] = {}
     excluded = EXCLUDED_BY_KIND.get(kind, EXCLUDED_FIELDS)
     for name, value in body.items():
+        if name == "stream_options" and isinstance(value, dict):
+            # (include_usage decides only whether the client is sent the usage chunk, which
+            # the gateway asks for anyway and hides from those that did not: outside the key)
+            options = {k: v for k, v in value.items() if k != "include_usage"}
+            if options:
+                out[name] = _canonical(options)
+            continue
         if name in excluded:
             continue
         if name == "messages" and isinstance(value, list):

@@ -89,12 +89,11 @@ class Exchange:
         (the upstream still, if it does not answer)."""
         api, body, stream = request.api, request.body, request.stream
         # Streamed anyway when the config says so (``_streams``), so that streaming clients
-        # joining this call get it live; with the usage the clients may not have asked for.
+        # joining this call get it live; with the usage the clients may not have asked for
+        # (always for a leader that did not ask for a stream: its whole answer has one).
         if stream or self._streams(request):
-            body, stream = (
-                api.streamed(body, self.config.upstream.stream_usage and not request.include_usage),
-                True,
-            )
+            usage = self.config.upstream.stream_usage or not request.stream
+            body, stream = api.streamed(body, usage and not request.include_usage), True
         upstream_request = UpstreamRequest(
             request.upstream_path, body, request.headers, stream, request.query, api.last_event
         )

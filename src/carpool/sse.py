@@ -72,6 +72,8 @@ class SSEDecoder:
         self.truncated = False  # set by close(): a partial event was discarded
 
     def feed(self, data: bytes) -> list[SSEEvent]:
+        if not data:  # (nothing: a "\r" just read may still pair with the next "\n")
+            return []
         if self._skip_lf:
             self._skip_lf = False
             if data[:1] == b"\n":

@@ -5,9 +5,10 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   its own (``"choices": []``) only when ``stream_options.include_usage`` asks for it, and the
   gateway asks for it on the streams it shares (``upstream.stream_usage``), hiding it from the
   clients that did not.
-- A stream is whole when it ended with [DONE] (``upstream.base``) and every choice asked for
-  (``n`` per prompt) finished: anything less fails the flight (``judge_stream`` raises). A whole
-  body with fewer choices is served as it came, but not stored (``complete``).
+- A stream is whole when it ended with [DONE] (``upstream.base``) and every choice in it
+  finished: anything less fails the flight (``judge_stream`` raises). A whole stream or body
+  with fewer choices than asked for (``n`` per prompt: an engine that ignores ``n``, as
+  Ollama's) is served as it came, but not stored (``complete``; ``judge_stream``'s False).
 - Validation: ``model`` a string; ``messages`` a non-empty list of objects (chat); ``prompt`` /
   ``input`` a string, a list of strings or token lists (completions, embeddings); and, except
   for embeddings, ``stream`` a boolean, ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n``
@@ -81,9 +82,11 @@ class _Classic(Api):
         self, body: dict[str, Any], asked: dict[str, Any] | None
     ) -> tuple[dict[str, Any], bool]:
         """``judge_stream`` of the assembled ``body``."""
-        if not is_complete(self.kind, body, expected_choices(self.kind, asked)):
+        if not is_complete(self.kind, body):  # (a choice begun that never finished: cut short)
             raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
-        return body, True
+        # A choice asked for that never began, in a stream that ended with [DONE]: the engine
+        # answered fewer (it ignores ``n``); its client would have got this, so it is served.
+        return body, is_complete(self.kind, body, expected_choices(self.kind, asked))
 
     def collector(self) -> Collector:
         return _Assembling(self)

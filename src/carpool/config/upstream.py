@@ -146,8 +146,8 @@ class UpstreamConfig(Section):
     )
     stream_flights: bool = Field(
         False,
-        description="Ask the upstream to stream every chat or "
-        "completions call the gateway shares, even when the client "
+        description="Ask the upstream to stream every call the gateway shares (chat, "
+        "completions, Responses, Messages), even when the client "
         "leading it did not ask to: streaming clients that join it get "
         "its tokens live, non-streaming ones the assembled answer (an "
         "unfinished one is then a 502, not served). Not for completions "
