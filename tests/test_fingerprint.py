@@ -228,12 +228,22 @@ def test_shared_namespace_is_shared_across_tenants():
         ({"temperature": 0.7}, False),
         ({}, False),
         ({"temperature": 1, "seed": None}, False),
+        ({"temperature": 0.7, "seed": 0}, True),
+        ({"temperature": 0, "seed": -1}, True),
     ],
 )
 def test_sampling_policy_strict(params, shared):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
     assert is_deterministic(body) is shared
     assert (key(body) is not None) is shared
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32 - 1, -7, 2**40])
+def test_a_seed_an_engine_reads_as_random_does_not_make_a_request_shareable(seed):
+    # llama.cpp's and Ollama's -1 (and llama.cpp's 0xFFFFFFFF) pick a random seed: a sampled
+    # "regenerate" with it was cached, and every try got the first text.
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.8}
+    assert not is_deterministic({**body, "seed": seed}) and key({**body, "seed": seed}) is None
 
 
 def test_sampled_requests_share_when_opted_in_with_identical_parameters_only():

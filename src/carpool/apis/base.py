@@ -265,9 +265,17 @@ def last_user_turn(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     }
 
 
+# The seeds engines read as "pick one at random": llama.cpp's default -1 (LLAMA_DEFAULT_SEED,
+# 0xFFFFFFFF), Ollama's -1. Any negative seed or one past 32 bits is taken so (when unsure, a
+# seed does not make a request shareable): its "regenerate" must not get the cached text.
+_RANDOM_SEEDS_FROM = 2**32 - 1
+
+
 def is_deterministic(body: Any) -> bool:
-    """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy")."""
-    if body.get("seed") is not None:
+    """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy"): a seed in
+    [0, 2**32 - 1), not one an engine reads as random (-1)."""
+    seed = body.get("seed")
+    if type(seed) is int and 0 <= seed < _RANDOM_SEEDS_FROM:
         return True
     if body.get("top_k") == 1:
         return True
