@@ -32,6 +32,7 @@ from fakes.flights import flight_clients, leader_and_joiners, stream
 from fakes.waiting import eventually
 
 RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+CHAT = "/v1/chat/completions"
 QUESTION = "What is carpool?"
 BOTH = pytest.mark.parametrize("kind", ["responses", "messages"])
 # The last event of each API's stream, and what a complete answer says.
@@ -907,6 +908,66 @@ async def test_a_stored_response_is_never_shared_across_tenants_even_in_a_shared
                 RESPONSES, json=body, headers={"Authorization": "Bearer b", **shared}
             )
             assert (other.headers["x-carpool"] == "hit") is shares, store
+
+
+FILE_PART = {"type": "file", "file": {"file_id": "file-of-a"}}
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (RESPONSES, body_of("responses", store=False, previous_response_id="resp_of_a")),
+        (RESPONSES, body_of("responses", store=False, prompt={"id": "pmpt_1", "version": "2"})),
+        (
+            RESPONSES,
+            {**body_of("responses", store=False), "input": [{"type": "item_reference", "id": "x"}]},
+        ),
+        (
+            RESPONSES,
+            body_of(
+                "responses",
+                store=False,
+                input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}],
+            ),
+        ),
+        (
+            MESSAGES,
+            body_of(
+                "messages",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "document", "source": {"type": "file", "file_id": "f"}}
+                        ],
+                    }
+                ],
+            ),
+        ),
+        (CHAT, {**body_of("messages"), "messages": [{"role": "user", "content": [FILE_PART]}]}),
+        (CHAT, {**body_of("messages"), "store": True}),
+    ],
+)
+async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tenants(
+    fake, gateway_with, path, body
+):
+    # The upstream keeps files, responses, items and stored prompts per account: another
+    # tenant naming one would be refused (404). In a shared namespace it read the owner's
+    # answer (a hit, no upstream call).
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
+            warm = {**body, "store": False} if path == RESPONSES else body
+            warm = {k: v for k, v in warm.items() if k not in ("previous_response_id", "prompt")}
+            await gw.client.post(path, json={**warm, "max_tokens": 7}, headers=bearer_of(key))
+        await gw.client.post(path, json=body, headers={**bearer_of("a"), **shared})
+        calls = fake.count()
+        other = await gw.client.post(path, json=body, headers={**bearer_of("b"), **shared})
+        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+
+
+def bearer_of(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ the key and how it is spelled: :mod:`carpool.canonical`):
   client telemetry (``varying_headers``). A namespace listed in ``tenant.shared_namespaces``
   drops the tenant from the scope (``tenant`` is ``*``), but only for a tenant ``accepted`` for
   the request's grant (the upstream answered it recently for this endpoint, model and query
-  string): any other is scoped to itself. ``owner`` is always the requester's tenant, which
+  string): any other is scoped to itself. A request naming state the upstream keeps for one
+  account (``Api.tenant_bound``: a stored answer, a file, an earlier response) is scoped to
+  its tenant even there. ``owner`` is always the requester's tenant, which
   scopes what is never shared (idempotency records).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
   1, or a ``seed`` (``Api.deterministic``). An absent temperature is the upstream's default, which

@@ -81,9 +81,10 @@ class Api:
         return None
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
-        """Whether the answer names state the upstream keeps for the requester's own tenant (a
-        stored response's id): then it is never shared across tenants, shared namespace or not."""
-        return False
+        """Whether the request or its answer names state the upstream keeps for the requester's
+        own tenant (a stored answer's id, an uploaded file, an earlier response): then it is
+        never shared across tenants, shared namespace or not (``names_tenant_state``)."""
+        return names_tenant_state(body)
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         """Whether the upstream gives the same output every time (CONTRACT.md "Sampling
@@ -269,6 +270,35 @@ def last_user_turn(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
 # 0xFFFFFFFF), Ollama's -1. Any negative seed or one past 32 bits is taken so (when unsure, a
 # seed does not make a request shareable): its "regenerate" must not get the cached text.
 _RANDOM_SEEDS_FROM = 2**32 - 1
+
+
+# What names an object the upstream keeps for one account: an uploaded file (chat's file
+# parts, Responses' input_file/input_image, Messages' file sources), an earlier response, a
+# stored item. Another tenant's request naming it would have been refused (404): in a shared
+# namespace it must not read the answer the owner got.
+_TENANT_STATE_KEYS = frozenset({"file_id", "previous_response_id"})
+
+
+def names_tenant_state(body: Any) -> bool:
+    """Whether ``body`` names an object the upstream keeps for one account (a ``file_id`` or
+    ``previous_response_id`` anywhere, an ``item_reference``), or asks it to keep the answer
+    (``store: true``). Read only for a shared namespace's requests."""
+    if isinstance(body, dict) and body.get("store") is True:
+        return True
+    pending = [body]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            for name, item in value.items():
+                if name in _TENANT_STATE_KEYS and item is not None:
+                    return True
+                if name == "type" and item == "item_reference":
+                    return True
+                if isinstance(item, (dict, list)):
+                    pending.append(item)
+        elif isinstance(value, list):
+            pending.extend(item for item in value if isinstance(item, (dict, list)))
+    return False
 
 
 def is_deterministic(body: Any) -> bool:

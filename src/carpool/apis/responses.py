@@ -50,7 +50,15 @@ import orjson
 
 from ..errors import CarpoolError, RequestError, UpstreamStreamBroken
 from ..sse import event_frame
-from .base import TypedApi, check_fields, ends_with, plain_text, text_parts, typed_frame
+from .base import (
+    TypedApi,
+    check_fields,
+    ends_with,
+    names_tenant_state,
+    plain_text,
+    text_parts,
+    typed_frame,
+)
 
 # The events a stream ends with, each carrying the whole response object.
 LAST = {
@@ -105,8 +113,13 @@ class ResponsesApi(TypedApi):
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
         # Stored (the default), the answer's id names a response kept under the tenant that
-        # made it: another tenant could neither continue from it nor fetch it.
-        return body.get("store") is not False
+        # made it: another tenant could neither continue from it nor fetch it. A stored prompt
+        # (``prompt.id``) is the account's too.
+        return (
+            body.get("store") is not False
+            or isinstance(body.get("prompt"), dict)
+            or names_tenant_state(body)
+        )
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         # The Responses API has no ``seed`` nor ``top_k``: only temperature 0.
