@@ -177,6 +177,67 @@ def test_two_schemas_differing_only_in_property_order_are_two_keys():
     assert key(chat(guided_json={"\x00": pairs})) != key(chat(guided_json=name_age))
 
 
+def test_an_anthropic_output_config_schema_keeps_its_property_order():
+    # vLLM's Anthropic endpoint makes output_config.format.schema a json_schema response format:
+    # generation follows its order. The second client got the first's keys in its order.
+    def body(properties):
+        schema = {"type": "object", "properties": properties}
+        return {**chat(), "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+
+    name_age = {"name": {"type": "string"}, "age": {"type": "integer"}}
+    age_name = {"age": {"type": "integer"}, "name": {"type": "string"}}
+    assert key(body(name_age), path="/v1/messages") != key(body(age_name), path="/v1/messages")
+
+
+def test_a_messages_tool_use_input_keeps_its_key_order():
+    # vLLM renders an earlier tool call's input with json.dumps (its order): two prompts.
+    def body(arguments):
+        call = {"type": "tool_use", "id": "t1", "name": "weather", "input": arguments}
+        return {
+            "model": "m",
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+            ],
+        }
+
+    city_date = {"city": "Paris", "date": "today"}
+    date_city = {"date": "today", "city": "Paris"}
+    assert key(body(city_date), path="/v1/messages") != key(body(date_city), path="/v1/messages")
+    assert key(body(city_date), path="/v1/messages") == key(
+        body(dict(city_date)), path="/v1/messages"
+    )
+
+
+def test_strings_in_a_schema_are_exact_while_prompt_text_is_nfc():
+    # An enum value is written into the answer as given: a client whose enum said "café" in
+    # NFD got the NFC client's "café", which its own schema does not allow.
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+
+    def body(value, content="x"):
+        schema = {"type": "object", "properties": {"d": {"enum": [value]}}}
+        return chat(
+            content, response_format={"type": "json_schema", "json_schema": {"schema": schema}}
+        )
+
+    assert key(body(nfc)) != key(body(nfd))
+    assert key(body(nfc, content=nfc)) == key(body(nfc, content=nfd))  # the prompt: NFC
+
+
+def test_an_ordered_field_as_deep_as_the_depth_limit_allows_gets_a_key():
+    # Each ordered object took three levels in the key's JSON: past ~85 levels of a tool's
+    # schema (max_json_depth allows 200) the digest raised and the request was a 500.
+    deep: dict = {"type": "string"}
+    for _ in range(96):  # two levels each: 192, and the body's own 7
+        deep = {"type": "object", "properties": {"x": deep}}
+    body = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}])
+    request = parse(ClientRequest(CHAT, orjson.dumps(body), {}), 1 << 24, max_json_depth=200)
+    assert fingerprint(request, Config()).key
+
+
 def test_tenants_never_share_a_key():
     assert key(chat(), {"authorization": "Bearer a"}) != key(chat(), {"authorization": "Bearer b"})
 

@@ -12,11 +12,14 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``fingerprint.normalize_whitespace`` is the input text (message contents, prompt) trimmed and
   are runs of white space collapsed to one space, except inside ``` fenced code, in requests of
   type ``code`` and in embeddings inputs (a vector of different text is a different vector).
-- Two exceptions, where what looks the same is not to the engine: the objects of the fields
-  that carry a JSON schema or a tool's definition (``ORDERED_FIELDS``) keep their key order
-  (OpenAI's structured outputs write an object's keys in the schema's order; chat templates
-  render tools as given), and embeddings inputs are exact, not NFC (an embedding is of the
-  code points as sent: the Ohm sign and Omega, ``e`` + U+0301 and ``é``, tokenize apart).
+- Two exceptions, where what looks the same is not to the engine: the fields that carry a JSON
+  schema or a tool's definition (``ORDERED_FIELDS``), and the ``input`` of a Messages
+  ``tool_use`` block, keep their key order and their strings exact, without NFC (OpenAI's
+  structured outputs write an object's keys in the schema's order, and an ``enum`` value as
+  written; chat templates render tools and tool calls as given), and embeddings inputs are
+  exact, not NFC (an embedding is of the code points as sent: the Ohm sign and Omega, ``e`` +
+  U+0301 and ``é``, tokenize apart). An ordered value is in the key as its JSON text (numbers
+  canonical), which nests no deeper than the body: any depth ``limits.max_json_depth`` lets in.
 - The scope (``scope``) is everything besides the body that decides which answer a request may
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
   tenant, the namespace, the freshness token, the request type, the query string, the endpoint
@@ -117,9 +120,9 @@ KEY_VERSION = 2
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
 # structured_outputs, llama.cpp's and SGLang's json_schema, Ollama's format, TGI's grammar,
-# Anthropic's output_format): the answer follows their key order (structured outputs write the
-# keys of an object in the schema's order; chat templates render tools as given), so two
-# orders are two requests.
+# Anthropic's output_format and output_config): the answer follows their key order (structured
+# outputs write the keys of an object in the schema's order; chat templates render tools as
+# given), so two orders are two requests.
 ORDERED_FIELDS = frozenset(
     {
         "response_format",
@@ -132,12 +135,12 @@ ORDERED_FIELDS = frozenset(
         "format",
         "grammar",
         "output_format",
+        "output_config",
     }
 )
-# In an ordered field, each object as {_ORDERED: [[key, value], ...]}: the digest sorts object
-# keys, never list items. Every object there is so written, which keeps it one to one (an
-# object whose own key is _ORDERED is written so too).
-_ORDERED = "\x00"
+# The Messages content blocks whose ``input`` is a tool call's arguments as an object (chat and
+# Responses send them as a string, compared exactly): rendered by the template as given.
+_TOOL_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
 # A request carrying one must be checked against its record first (idempotency.parse_key).
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
 _FENCE = "```"
@@ -290,13 +293,22 @@ def _exact_input(value: Any) -> Any:
     return _canonical(value)
 
 
-def _ordered(value: Any) -> Any:
-    """``_canonical``, but with every object's key order kept (``ORDERED_FIELDS``)."""
+def _ordered(value: Any) -> str:
+    """An ``ORDERED_FIELDS`` value in the key: its JSON text, every object's keys in their
+    order (the digest sorts keys only of what is not text), numbers canonical, strings exact.
+    (Each object written as a list of its pairs instead nested three levels for one and failed
+    the digest past ~85 levels: a 500.)"""
+    return orjson.dumps(_as_written(value)).decode()
+
+
+def _as_written(value: Any) -> Any:
     if isinstance(value, dict):
-        return {_ORDERED: [[k, _ordered(v)] for k, v in value.items()]}
+        return {k: _as_written(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_ordered(v) for v in value]
-    return _canonical(value)
+        return [_as_written(v) for v in value]
+    if isinstance(value, float):
+        return _canonical(value)
+    return value
 
 
 def _canonical_message(message: Any, collapse: bool) -> Any:
@@ -320,6 +332,8 @@ def _canonical_part(part: Any, collapse: bool) -> Any:
     # {"type": "text", "text": "..."}: the text is input text; images etc. are kept exactly.
     if isinstance(part, dict) and isinstance(part.get("text"), str):
         return {**_canonical(part), "text": normalize_text(part["text"], collapse)}
+    if isinstance(part, dict) and part.get("type") in _TOOL_CALL_BLOCKS and "input" in part:
+        return {**_canonical(part), "input": _ordered(part["input"])}
     return _canonical(part)
 
 
