@@ -178,6 +178,29 @@ async def test_user_does_not_split_a_batch_and_is_not_forwarded() -> None:
     assert len(send.calls) == 1 and "user" not in send.calls[0].body
 
 
+async def test_headers_named_in_fingerprint_neutral_headers_do_not_split_a_batch() -> None:
+    def with_headers(text: str, **headers: str) -> UpstreamRequest:
+        request = req(text)
+        return UpstreamRequest(request.path, request.body, {**request.headers, **headers})
+
+    send = FakeSend()
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01, neutral_headers=["X-Edge-Request"])
+    await asyncio.gather(
+        batcher.embed(with_headers("a", **{"X-Edge-Request": "1", "fly-request-id": "1"})),
+        batcher.embed(with_headers("b", **{"x-edge-request": "2", "fly-request-id": "2"})),
+    )
+    assert len(send.calls) == 1
+    assert send.calls[0].headers == {"authorization": "Bearer a"}  # neither's is sent
+    # Without the config, the header is one that might change the answer: never mixed.
+    send = FakeSend()
+    plain = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    await asyncio.gather(
+        plain.embed(with_headers("a", **{"x-edge-request": "1"})),
+        plain.embed(with_headers("b", **{"x-edge-request": "2"})),
+    )
+    assert len(send.calls) == 2
+
+
 @pytest.mark.parametrize("status", [401, 403, 429, 503])
 async def test_an_upstream_error_about_the_whole_call_reaches_every_caller(status) -> None:
     send = FakeSend(status=status)

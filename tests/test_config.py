@@ -267,3 +267,23 @@ def test_a_redis_key_prefix_with_a_hash_tag_brace_is_a_config_error():
     # check-config said ok; serve failed building the shared layers (ValueError traceback).
     with pytest.raises(ConfigError, match="distributed.key_prefix"):
         Config.load(env={}, overrides={"distributed": {"key_prefix": "app{1}:"}})
+
+
+def test_fingerprint_neutral_headers_are_lower_cased_header_names_never_a_credential():
+    config = Config.load(
+        env={}, overrides={"fingerprint": {"neutral_headers": ["X-Edge-Request", "x-edge-request"]}}
+    )
+    assert config.fingerprint.neutral_headers == ["x-edge-request"]
+    assert Config().fingerprint.neutral_headers == []
+    for name, said in [
+        ("x edge", "not a header name"),
+        ("", "not a header name"),
+        ("x-\u212aey-id", "not a header name"),  # the Kelvin sign lower-cases to "k"
+        ("X-Api-Key", "credential"),
+        ("Authorization", "credential"),
+        ("x-session-id", "credential"),
+        ("cookie", "credential"),
+    ]:
+        with pytest.raises(ConfigError, match="fingerprint.neutral_headers") as raised:
+            Config.load(env={}, overrides={"fingerprint": {"neutral_headers": [name]}})
+        assert said in str(raised.value), name

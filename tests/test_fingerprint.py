@@ -268,6 +268,118 @@ def test_a_configured_tenant_header_is_used_beside_the_credential_headers():
     assert fp("1").tenant == fp("2").tenant and fp("1").key != fp("2").key
 
 
+# What hosting platforms, CDNs and load balancers add to every request they forward: a new
+# value each request (an id, a queue time) or each connection (the client's port), or the
+# client's address and geography. In the key, nothing behind them was ever shared.
+PLATFORM_HEADERS = [
+    "x-request-start",  # Heroku's router; nginx for New Relic's queue time
+    "x-queue-start",
+    "connect-time",  # Heroku's legacy router
+    "fly-request-id",
+    "fly-client-ip",
+    "fly-forwarded-port",
+    "fly-region",
+    "rndr-id",  # Render
+    "x-railway-request-id",
+    "x-nf-request-id",  # Netlify
+    "x-vercel-id",
+    "x-vercel-forwarded-for",
+    "x-vercel-ip-city",
+    "x-amz-cf-id",  # CloudFront
+    "cloudfront-viewer-address",
+    "cloudfront-viewer-country",
+    "x-azure-ref",  # Front Door
+    "x-azure-clientip",
+    "x-appgw-trace-id",  # Application Gateway
+    "x-arr-log-id",  # App Service
+    "x-client-ip",
+    "x-client-port",
+    "x-appengine-city",
+    "x-appengine-request-log-id",
+    "fastly-client-ip",
+    "x-cluster-client-ip",
+    "x-original-forwarded-for",  # ingress-nginx
+    "x-forwarded-server",  # Apache, Traefik: the proxy replica
+]
+
+
+@pytest.mark.parametrize("name", PLATFORM_HEADERS)
+def test_hosting_platforms_per_request_headers_do_not_change_the_key(name):
+    base = key(chat())
+    assert key(chat(), {name: "one"}) == base == key(chat(), {name: "two"})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # The client's certificate identity (Envoy, Istio): an upstream may authorize by it.
+        "x-forwarded-client-cert",
+        "x-arr-clientcert",
+        "x-amzn-mtls-clientcert",
+        # An origin's check that the request came through its own Front Door.
+        "x-azure-fdid",
+        # Who is calling, to App Engine's users, cron and tasks; the target before a rewrite;
+        # the deployment a request is for; the client's language.
+        "x-appengine-user-email",
+        "x-appengine-cron",
+        "x-original-uri",
+        "x-original-url",
+        "x-vercel-deployment-url",
+        "x-vercel-oidc-token",
+        "accept-language",
+    ],
+)
+def test_a_platform_header_that_may_identify_the_client_or_pick_the_answer_stays_in_the_key(name):
+    assert key(chat(), {name: "one"}) != key(chat(), {name: "two"})
+
+
+def test_headers_named_in_fingerprint_neutral_headers_do_not_change_the_key():
+    config = Config(fingerprint={"neutral_headers": ["X-Edge-Request", "x-ingress-hop"]})
+    base = key(chat(), config=config)
+    for headers in ({"x-edge-request": "1"}, {"x-edge-request": "2", "x-ingress-hop": "b"}):
+        assert key(chat(), headers, config) == base
+    # Another header, and the same one under a config that does not name it, are in the key.
+    assert key(chat(), {"x-edge-requests": "1"}, config) != base
+    assert key(chat(), {"x-edge-request": "1"}) != key(chat(), {"x-edge-request": "2"})
+    # Neutral is not shared across tenants: the tenant is the credential headers, still.
+    assert key(chat(), {"authorization": "a", "x-edge-request": "1"}, config) != key(
+        chat(), {"authorization": "b", "x-edge-request": "1"}, config
+    )
+
+
+def test_a_header_neutral_under_one_config_is_still_in_the_key_under_another():
+    # The names seen not to vary the key are remembered per config: one config's neutral
+    # header, once seen, must not leave the key of another that does not name it.
+    neutral = Config(fingerprint={"neutral_headers": ["x-edge-request"]})
+    assert key(chat(), {"x-edge-request": "1"}, neutral) == key(chat(), {}, neutral)
+    assert key(chat(), {"x-edge-request": "1"}) != key(chat(), {"x-edge-request": "2"})
+
+
+def test_a_tenant_accepted_in_a_shared_namespace_is_accepted_whatever_its_neutral_headers():
+    # The grant an upstream accepted leaves out the neutral headers as the key does: a request
+    # id that the platform changes each time would have kept every request its own tenant's.
+    from carpool.fingerprint import grant_of, names_of, neutral_of
+
+    config = Config(
+        tenant={"shared_namespaces": ["docs"]},
+        fingerprint={"neutral_headers": ["x-edge-request"]},
+    )
+    shared = {"authorization": "a", "x-carpool-namespace": "docs"}
+
+    def fp(headers):
+        raw = orjson.dumps(chat())
+        return fingerprint(parse(ClientRequest(CHAT, raw, headers), 1 << 20), config, accepted)
+
+    accepted: set = set()
+    plain = parse(ClientRequest(CHAT, orjson.dumps(chat()), shared), 1 << 20)
+    accepted.add(
+        (fp(shared).owner, grant_of(plain, names_of(config.tenant), neutral_of(config.fingerprint)))
+    )
+    for extra in ({"fly-request-id": "r1"}, {"x-edge-request": "e1"}):
+        assert fp({**shared, **extra}).tenant == "*"
+    assert fp({**shared, "openai-beta": "x"}).tenant != "*"  # a header in the key is not
+
+
 def test_namespaces_and_freshness_tokens_scope_the_key():
     assert key(chat(), {"x-carpool-namespace": "a"}) != key(chat(), {"x-carpool-namespace": "b"})
     assert key(chat(), {"x-carpool-freshness": "v1"}) != key(chat(), {"x-carpool-freshness": "v2"})

@@ -445,6 +445,68 @@ async def test_tenants_do_not_share_answers(gw, fake):
     assert fake.count() == 2
 
 
+async def test_behind_a_hosting_platform_the_same_request_is_a_hit_whatever_its_request_ids(
+    gw, fake
+):
+    """Heroku's router, Fly.io's proxy, CloudFront, Azure... add a new request id, a queue
+    time or the client's port to every request: in the key, every request was a miss."""
+
+    def platform(i: int) -> dict[str, str]:
+        return {
+            "Authorization": "Bearer k",
+            "X-Request-Start": f"t={1_700_000_000_000_000 + i}",
+            "Fly-Request-Id": f"01J{i:023d}",
+            "X-Amz-Cf-Id": f"cf-{i}",
+            "CloudFront-Viewer-Address": f"203.0.113.{i}:5{i:04d}",
+            "X-Azure-Ref": f"ref-{i}",
+            "X-Client-Port": str(40000 + i),
+        }
+
+    first = await gw.chat(headers=platform(1))
+    again = await gw.chat(headers=platform(2))  # byte-identical body: the repeat memo
+    streamed, text = await gw.stream_chat(headers=platform(3))  # other bytes: parsed
+    assert [r.headers["x-carpool"] for r in (first, again, streamed)] == ["miss", "hit", "hit"]
+    assert again.json() == first.json() and text.endswith("data: [DONE]\n\n")
+    assert fake.count() == 1
+
+
+async def test_headers_named_in_fingerprint_neutral_headers_are_out_of_the_key_over_http(
+    fake, gateway_with
+):
+    async with gateway_with(
+        fingerprint={"neutral_headers": ["X-Edge-Request"]},
+        batching={"max_batch_delay_ms": 200, "embeddings": "on"},
+    ) as gw:
+        first = await gw.chat(headers={"X-Edge-Request": "a1"})
+        again = await gw.chat(headers={"x-edge-request": "b2"})
+        assert len(gw.gateway.repeats) == 1  # the repeat memo's key leaves it out as well
+        streamed, _ = await gw.stream_chat(headers={"X-EDGE-REQUEST": "c3"})
+        assert [r.headers["x-carpool"] for r in (first, again, streamed)] == [
+            "miss",
+            "hit",
+            "hit",
+        ]
+        assert again.json() == first.json() and fake.count() == 1
+        # Still forwarded as it came; a header it does not name is still in the key.
+        assert fake.calls[0].headers["x-edge-request"] == "a1"
+        other = await gw.chat(headers={"X-Edge-Other": "1"})
+        assert other.headers["x-carpool"] == "miss" and fake.count() == 2
+        # Nor do they split a batched embeddings call.
+        embedded = await asyncio.gather(
+            *(
+                gw.client.post(
+                    "/v1/embeddings",
+                    json={"model": "e", "input": f"item {i}"},
+                    headers={"X-Edge-Request": f"e{i}"},
+                )
+                for i in range(2)
+            )
+        )
+        assert all(r.status_code == 200 for r in embedded)
+        calls = [c for c in fake.calls if c.path == "/v1/embeddings"]
+        assert len(calls) == 1 and sorted(calls[0].body["input"]) == ["item 0", "item 1"]
+
+
 async def test_every_response_of_a_cached_endpoint_carries_x_carpool(gw, fake):
     responses = [
         await gw.chat(),

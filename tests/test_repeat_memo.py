@@ -113,3 +113,17 @@ def test_the_memos_entries_are_untracked_by_the_garbage_collector_once_it_has_se
     assert not any(gc.is_tracked(key) or gc.is_tracked(value) for key, value in kept.items())
     repeat = memo.get(next(iter(kept)))
     assert repeat is not None and repeat.max_age == 60.0 and not repeat.stream
+
+
+def test_the_memo_key_leaves_out_the_configured_neutral_headers_as_the_key_does():
+    memo = RepeatMemo(("authorization",), 1 << 20, neutral=frozenset({"x-edge-request"}))
+    plain = RepeatMemo(("authorization",), 1 << 20)
+
+    def memo_key(memo, **headers):
+        return memo.key_of(ClientRequest(CHAT, BODY, {"authorization": "Bearer k", **headers}))
+
+    assert memo_key(memo, **{"x-edge-request": "1"}) == memo_key(memo, **{"x-edge-request": "2"})
+    assert memo_key(memo, **{"x-edge-request": "1"}) == memo_key(memo)
+    assert memo_key(plain, **{"x-edge-request": "1"}) != memo_key(plain, **{"x-edge-request": "2"})
+    # What hosting platforms add to every request is out of every memo key.
+    assert memo_key(plain, **{"fly-request-id": "1"}) == memo_key(plain, **{"fly-request-id": "2"})

@@ -94,6 +94,39 @@ async def test_a_tenant_header_other_than_authorization_scopes_just_as_well(tagg
         assert again.headers["x-carpool"] == "hit"
 
 
+async def test_a_neutral_header_never_lets_one_tenant_read_anothers_answer(tagged, gateway_with):
+    # Neutral headers only do not split the cache: the tenant is the credential headers.
+    neutral = {"neutral_headers": ["x-edge-request"]}
+    async with gateway_with(fingerprint=neutral) as gw:
+        for i in range(3):
+            same = {**bearer(i), "X-Edge-Request": "one", "Fly-Request-Id": "one"}
+            assert_own(await gw.chat(PROMPTS[0], headers=same), i)
+        for i in range(3):
+            other = {**bearer(i), "X-Edge-Request": f"r{i}", "Fly-Request-Id": f"r{i}"}
+            again = await gw.chat(PROMPTS[0], headers=other)
+            assert again.headers["x-carpool"] == "hit"
+            assert_own(again, i)
+        assert tagged.count() == 3
+
+
+async def test_in_a_shared_namespace_acceptance_leaves_out_the_neutral_headers(
+    tagged, gateway_with
+):
+    # What the upstream accepted a tenant for (its grant) leaves them out as the key does: a
+    # request id new each time kept an accepted tenant from ever reading a shared namespace.
+    async with gateway_with(
+        tenant={"shared_namespaces": ["docs"]}, fingerprint={"neutral_headers": ["x-edge-request"]}
+    ) as gw:
+        shared = {"x-carpool-namespace": "docs"}
+        await gw.chat("warm up", headers={**bearer(0), "X-Edge-Request": "w", "Rndr-Id": "w"})
+        computed = await gw.chat(PROMPTS[0], headers={**bearer(1), **shared, "Rndr-Id": "a"})
+        read = await gw.chat(
+            PROMPTS[0], headers={**bearer(0), **shared, "X-Edge-Request": "b", "Rndr-Id": "b"}
+        )
+        assert read.headers["x-carpool"] == "hit" and answer_of(read) == answer_of(computed)
+        assert tagged.count() == 2
+
+
 # --- one instance: the semantic cache ------------------------------------------------------------
 
 

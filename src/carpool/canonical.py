@@ -24,9 +24,16 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
   tenant, the namespace, the freshness token, the request type, the query string, the endpoint
   and the forwarded headers that might change the answer (``varying_headers``: all but the
-  credentials, the controls, the idempotency key, those the request's ``Connection`` names, and
-  the ``NEUTRAL_HEADERS``/``NEUTRAL_PREFIXES`` of transport, tracing and client telemetry). ``digest`` is the 32-hex-digit BLAKE2b digest of a
-  scope and a canonical body: the one form every key takes.
+  credentials, the controls, the idempotency key, those the request's ``Connection`` names, the
+  ``NEUTRAL_HEADERS``/``NEUTRAL_PREFIXES`` of transport, tracing, client telemetry and what
+  hosting platforms, CDNs and load balancers add to every request (a request id, a queue time,
+  the client's address and geography: Heroku, Fly.io, Render, Vercel, CloudFront, Azure, App
+  Engine...), and those the operator names in ``fingerprint.neutral_headers``). A neutral header
+  only does not split the cache: the tenant is made of the credential headers whatever it says,
+  so no header that may carry a credential, or pick a deployment, model or feature, is neutral.
+  ``grant_of``, the repeat memo and the embeddings batcher's groups leave out the same ones.
+  ``digest`` is the 32-hex-digit BLAKE2b digest of a scope and a canonical body: the one form
+  every key takes.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Any
 
 import orjson
 
-from .config import Config, TenantConfig
+from .config import Config, FingerprintConfig, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import credential_headers, tenant_of
 from .request import CONTROL_HEADERS, Request
@@ -51,9 +58,14 @@ EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "re
 # what is served, so part of the key.
 EXCLUDED_BY_KIND = {"responses": frozenset({"stream", "stream_options"})}
 # Request headers that reach the upstream but never change its answer: transport, tracing and
-# client telemetry (the SDKs' ``x-stainless-*``), and the ids and attempt numbers other SDKs give
-# each try of a request (Azure's, AWS's): a retry under an Idempotency-Key is the same request.
-# Any other forwarded header is in the key.
+# client telemetry (the SDKs' ``x-stainless-*``), the ids and attempt numbers other SDKs give
+# each try of a request (Azure's, AWS's): a retry under an Idempotency-Key is the same request;
+# and what hosting platforms, CDNs and load balancers add to every request they forward (a
+# request id, a queue time, the client's address and port, its geography), which would make
+# every request behind them a new key. Only headers the platform documents as such are named;
+# never one that may carry a credential or pick a deployment, model or feature. Any other
+# forwarded header is in the key, unless the operator names it in
+# ``fingerprint.neutral_headers`` (its own proxy's: ``neutral_of``).
 NEUTRAL_HEADERS = frozenset(
     {
         "user-agent",
@@ -107,11 +119,117 @@ NEUTRAL_HEADERS = frozenset(
         "cf-visitor",
         "cf-worker",
         "cf-ew-via",
+        "cf-ipcity",
+        "cf-ipcontinent",
+        "cf-iplatitude",
+        "cf-iplongitude",
+        "cf-region",
+        "cf-region-code",
+        "cf-metro-code",
+        "cf-postal-code",
+        "cf-timezone",
+        # The time a request reached the front of the platform (Heroku's router, nginx set up
+        # for New Relic's queue time, in microseconds or milliseconds: new every request), and
+        # Heroku's routers' own timing, queue and request id headers.
+        "x-request-start",
+        "x-queue-start",
+        "connect-time",
+        "total-route-time",
+        "x-heroku-queue-wait-time",
+        "x-heroku-queue-depth",
+        "x-heroku-dynos-in-use",
+        "heroku-request-id",
+        # Proxies' and platforms' client address, port and scheme headers, beside
+        # X-Forwarded-For (Azure App Service's X-Client-IP and X-Client-Port, Rackspace's, the
+        # address ingress-nginx found before its own X-Forwarded-For, Apache's and Traefik's
+        # proxy host name: one per proxy replica).
+        "x-client-ip",
+        "x-client-port",
+        "x-cluster-client-ip",
+        "x-original-forwarded-for",
+        "x-forwarded-server",
+        "x-forwarded-ssl",
+        "x-forwarded-scheme",
+        "x-scheme",
+        # Fly.io's proxy: its request id, the client's address and port, the edge region.
+        "fly-request-id",
+        "fly-client-ip",
+        "fly-forwarded-port",
+        "fly-region",
+        # Render's request id; Railway's and its edge; Netlify's, the client's address and its
+        # geography; DigitalOcean App Platform's client address.
+        "rndr-id",
+        "x-railway-request-id",
+        "x-railway-edge",
+        "x-nf-request-id",
+        "x-nf-client-connection-ip",
+        "x-nf-geo",
+        "do-connecting-ip",
+        # Vercel's request id (the regions it went through) and client address; its geography
+        # is ``x-vercel-ip-*`` (NEUTRAL_PREFIXES). Not ``x-vercel-`` as a family: it has the
+        # deployment's URL, an OIDC token and a proxy signature.
+        "x-vercel-id",
+        "x-vercel-forwarded-for",
+        # CloudFront's request id, scheme and device type (from the User-Agent); the viewer's
+        # address, geography and TLS are ``cloudfront-viewer-*`` (NEUTRAL_PREFIXES).
+        "x-amz-cf-id",
+        "cloudfront-forwarded-proto",
+        "cloudfront-is-desktop-viewer",
+        "cloudfront-is-mobile-viewer",
+        "cloudfront-is-tablet-viewer",
+        "cloudfront-is-smarttv-viewer",
+        "cloudfront-is-ios-viewer",
+        "cloudfront-is-android-viewer",
+        # Azure: Front Door's request reference, client and socket addresses and loop count
+        # (not X-Azure-FDID, which an origin checks to accept only its own Front Door),
+        # Application Gateway's trace id, App Service's (ARR) log id (not X-ARR-ClientCert,
+        # the client's certificate).
+        "x-azure-ref",
+        "x-azure-clientip",
+        "x-azure-socketip",
+        "x-azure-requestchain",
+        "x-appgw-trace-id",
+        "x-arr-log-id",
+        # Google App Engine's geography, client address, scheme and request ids (not
+        # ``x-appengine-`` as a family: its user, cron, task and inbound-app headers are who
+        # is calling, its API ticket a credential).
+        "x-appengine-country",
+        "x-appengine-region",
+        "x-appengine-city",
+        "x-appengine-citylatlong",
+        "x-appengine-user-ip",
+        "x-appengine-https",
+        "x-appengine-request-log-id",
+        "x-appengine-request-id-hash",
+        # Fastly's client address and the chain of its nodes a request went through (loop
+        # detection, as CDN-Loop: one per node); Akamai's hop count and EdgeScape geography.
+        "fastly-client-ip",
+        "fastly-ff",
+        "akamai-origin-hop",
+        "x-akamai-edgescape",
+        # Not X-Forwarded-Client-Cert (Envoy, Istio): the identity of the client's certificate,
+        # the same for every request of one client (so it splits the cache per client, never
+        # per request), and an upstream or a filter behind carpool may authorize by it, while
+        # the tenant is made of the credential headers only: neutral, it would let a client
+        # the upstream refuses read what one it accepts was answered. Nor the request's target
+        # before a rewrite (X-Original-URI, X-Original-URL): the same for the same request,
+        # and its query may hold a key. An operator whose upstream reads neither may name them
+        # in ``fingerprint.neutral_headers``.
     }
 )
 # Prefixes of header families that are telemetry only; a family that may also carry a
-# credential is never named here by its prefix.
-NEUTRAL_PREFIXES = ("x-stainless-", "x-carpool-", "sec-", "x-b3-", "x-datadog-", "x-envoy-")
+# credential is never named here by its prefix. (CloudFront's ``cloudfront-viewer-*``: the
+# viewer's address, geography, TLS and header order; Vercel's ``x-vercel-ip-*``: geography.)
+NEUTRAL_PREFIXES = (
+    "x-stainless-",
+    "x-carpool-",
+    "sec-",
+    "x-b3-",
+    "x-datadog-",
+    "x-envoy-",
+    "cloudfront-viewer-",
+    "x-vercel-ip-",
+)
 # (Not moved on when ``ORDERED_FIELDS`` and exact embeddings inputs came: an ordered field's
 # objects are written in a form no key had before, and an embeddings input in NFC keeps the
 # key it had, whose answer, if a canonically equivalent input's, goes with its TTL. Every
@@ -153,27 +271,43 @@ def _names(header: str, others: tuple[str, ...]) -> tuple[str, ...]:
     return credential_headers(header, others)
 
 
-# Per set of credential names: header names seen that never vary the key (grows to a bound).
-_STEADY: dict[tuple[str, ...], set[str]] = {}
+# Per set of credential names and of configured neutral names: header names seen that never
+# vary the key (grows to a bound).
+_STEADY: dict[tuple[tuple[str, ...], frozenset[str]], set[str]] = {}
 
 
-def _varies(name: str, names: tuple[str, ...]) -> bool:
+@functools.lru_cache(maxsize=16)
+def _neutral(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(name.lower() for name in names)
+
+
+def neutral_of(fingerprint: FingerprintConfig) -> frozenset[str]:
+    """The lower-case names of ``fingerprint.neutral_headers``: the operator's own neutral
+    headers, left out of every key beside ``NEUTRAL_HEADERS`` (``varying_headers``)."""
+    return _neutral(tuple(fingerprint.neutral_headers))
+
+
+def _varies(name: str, names: tuple[str, ...], neutral: frozenset[str]) -> bool:
     return not (
         name in NEUTRAL_HEADERS
         or name in NOT_FORWARDED
         or name in names
         or name in CONTROL_HEADERS
         or name in IDEMPOTENCY_HEADERS
+        or name in neutral
         or name.startswith(NEUTRAL_PREFIXES)
     )
 
 
-def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple[Any, ...]:
+def varying_headers(
+    headers: Mapping[str, str], names: tuple[str, ...], neutral: frozenset[str]
+) -> tuple[Any, ...]:
     """The forwarded headers that might change the answer, besides the credentials (``names``,
-    the tenant) and the controls: name and value, in a canonical order."""
-    steady = _STEADY.get(names)
+    the tenant), the controls and the neutral ones (``NEUTRAL_HEADERS``, ``NEUTRAL_PREFIXES``
+    and ``neutral``, the configured ``neutral_of``): name and value, in a canonical order."""
+    steady = _STEADY.get((names, neutral))
     if steady is None:
-        steady = _STEADY.setdefault(names, set())
+        steady = _STEADY.setdefault((names, neutral), set())
     rest = headers.keys() - steady  # one C-speed set difference in the common case
     if not rest:
         return ()
@@ -184,7 +318,7 @@ def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple
     for name in rest:
         if name in listed:
             continue
-        if _varies(name, names):
+        if _varies(name, names, neutral):
             found.append((name, headers[name]))
         elif len(steady) < 4096:  # names are few; a flood of made-up ones is not
             steady.add(name)
@@ -193,15 +327,18 @@ def varying_headers(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple
     return tuple(found)
 
 
-def grant_of(request: Request, names: tuple[str, ...]) -> tuple[str, Any, str, tuple[Any, ...]]:
+def grant_of(
+    request: Request, names: tuple[str, ...], neutral: frozenset[str]
+) -> tuple[str, Any, str, tuple[Any, ...]]:
     """What an upstream may allow one key and refuse another: the endpoint, the model, the
     query string and the forwarded headers that may change the answer (a deployment, a beta
-    feature) (``identity.AcceptedCredentials``). ``names``: the credential headers."""
+    feature) (``identity.AcceptedCredentials``). ``names``: the credential headers;
+    ``neutral``: the configured neutral ones (``neutral_of``)."""
     return (
         request.kind,
         request.body.get("model"),
         request.query,
-        varying_headers(request.headers, names),
+        varying_headers(request.headers, names, neutral),
     )
 
 
@@ -243,7 +380,7 @@ def scope(request: Request, config: Config, label: str, tenant: str, namespace: 
         controls.request_type or "",
         request.query,
         request.kind,
-        varying_headers(request.headers, names_of(config.tenant)),
+        varying_headers(request.headers, names_of(config.tenant), neutral_of(config.fingerprint)),
     ]
 
 

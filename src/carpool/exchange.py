@@ -49,7 +49,7 @@ from .errors import (
     UpstreamStatusError,
     UpstreamStreamBroken,
 )
-from .fingerprint import grant_of, names_of, requester
+from .fingerprint import grant_of, names_of, neutral_of, requester
 from .identity import tenant_of
 from .outcome import Outcome
 from .reply import SSE_HEADERS, Reply, error_reply
@@ -211,7 +211,8 @@ class Exchange:
         """What the upstream's answer says of the requester's credentials (``identity.py``)."""
         if 200 <= status < 300:
             names = names_of(self.config.tenant)
-            self.layers.accepted.accept(tenant_of(request.headers, names), grant_of(request, names))
+            grant = grant_of(request, names, neutral_of(self.config.fingerprint))
+            self.layers.accepted.accept(tenant_of(request.headers, names), grant)
         elif status in (401, 403):
             self.layers.accepted.refuse(requester(request.headers, self.config))
 

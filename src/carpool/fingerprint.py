@@ -13,13 +13,15 @@ the key and how it is spelled: :mod:`carpool.canonical`):
   what may be stored and for how long) and the query string (Azure's ``api-version``...) are part
   of the key, so no answer crosses them, cached or in flight. So is every other request header
   that reaches the upstream and might change its answer (``OpenAI-Beta``, a deployment
-  selector...): all forwarded headers but the ``NEUTRAL_HEADERS`` of transport, tracing and
-  client telemetry (``varying_headers``). A namespace listed in ``tenant.shared_namespaces``
-  drops the tenant from the scope (``tenant`` is ``*``), but only for a tenant ``accepted`` for
-  the request's grant (the upstream answered it recently for this endpoint, model and query
-  string): any other is scoped to itself. A request naming state the upstream keeps for one
-  account (``Api.tenant_bound``: a stored answer, a file, an earlier response) is scoped to
-  its tenant even there. ``owner`` is always the requester's tenant, which
+  selector...): all forwarded headers but the ``NEUTRAL_HEADERS`` of transport, tracing,
+  client telemetry and hosting platforms' request ids and client addresses, and those named in
+  ``fingerprint.neutral_headers`` (``varying_headers``). A namespace listed in
+  ``tenant.shared_namespaces`` drops the tenant from the scope (``tenant`` is ``*``), but only
+  for a tenant ``accepted`` for the request's grant (the upstream answered it recently for
+  this endpoint, model and query string): any other is scoped to itself. A request naming
+  state the upstream keeps for one account (``Api.tenant_bound``: a stored answer, a file, an
+  earlier response) is scoped to its tenant even there. ``owner`` is always the requester's
+  tenant, which
   scopes what is never shared (idempotency records).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
   1, or a ``seed`` (``Api.deterministic``). An absent temperature is the upstream's default, which
@@ -52,6 +54,7 @@ from .canonical import (
     digest,
     grant_of,
     names_of,
+    neutral_of,
     normalize_text,
     requester,
     varying_headers,
@@ -82,6 +85,7 @@ __all__ = [
     "grant_of",
     "is_deterministic",
     "names_of",
+    "neutral_of",
     "normalize_text",
     "readable",
     "request_digest",
@@ -124,7 +128,9 @@ def fingerprint(
         and not api.tenant_bound(request.body)
     )
     if shared and (
-        accepted is None or (owner, grant_of(request, names_of(config.tenant))) in accepted
+        accepted is None
+        or (owner, grant_of(request, names_of(config.tenant), neutral_of(config.fingerprint)))
+        in accepted
     ):
         tenant, shared = "*", False
     never = api.never_shared(request.body)  # (Responses' background, conversation)

@@ -65,6 +65,12 @@ def _secret_name(name: str) -> bool:
     )
 
 
+def names_a_secret(name: str) -> bool:
+    """Whether a header or query parameter name says it carries a secret (a key, token,
+    secret, signature, session, cookie...): what ``other_credentials`` reads."""
+    return _secret_name(name)
+
+
 def other_credentials(headers: Mapping[str, str], query: str, known: Container[str]) -> str:
     """A digest of the credentials a client presents beside the headers in ``known`` (the
     tenant's, the idempotency key's), "" when none: its cookie, and every query parameter or

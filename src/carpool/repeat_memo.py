@@ -2,11 +2,13 @@
 
 Contract:
 - The memo key is every input of ``fingerprint`` that is not configuration: the endpoint, the
-  query string, the body's bytes themselves and the value of each header that
-  ``parse_controls`` and ``requester`` read. Equal memo keys therefore mean equal
-  fingerprints, exactly (no digest of the body, so no collision is possible), except for the
-  one input that changes over time, whether the upstream accepts the requester: a repeat in
-  a shared namespace carries its requester (``shared_by``) to be checked again.
+  query string, the body's bytes themselves, the value of each header that ``parse_controls``
+  and ``requester`` read and the forwarded headers in the key (``varying_headers``; ``neutral``:
+  the configured ``fingerprint.neutral_headers``, left out as the key leaves them). Equal memo
+  keys therefore mean equal fingerprints, exactly (no digest of the body, so no collision is
+  possible), except for the one input that changes over time, whether the upstream accepts the
+  requester: a repeat in a shared namespace carries its requester (``shared_by``) to be
+  checked again.
 - Remembered only for a request that parsed, is shareable and may read the cache; a request
   carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
 - Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
@@ -46,10 +48,16 @@ class RepeatMemo:
     (the contract is the module's)."""
 
     def __init__(
-        self, tenant_headers: tuple[str, ...], max_bytes: int, max_body: int = 64 * 1024
+        self,
+        tenant_headers: tuple[str, ...],
+        max_bytes: int,
+        max_body: int = 64 * 1024,
+        neutral: frozenset[str] = frozenset(),
     ) -> None:
         self.names = (*CONTROL_HEADERS, *tenant_headers)
         self.tenant_headers = tenant_headers
+        # The configured neutral headers (``canonical.neutral_of``), left out as the key does.
+        self.neutral = neutral
         self.max_bytes = max_bytes
         self.max_body = max_body
         # Each entry is kept as plain tuples of strings, numbers and bytes, which the garbage
@@ -79,7 +87,7 @@ class RepeatMemo:
             client.path,
             client.body,
             client.query,
-            varying_headers(headers, self.tenant_headers),
+            varying_headers(headers, self.tenant_headers, self.neutral),
             *map(headers.get, self.names),
         )
 
@@ -112,7 +120,9 @@ class RepeatMemo:
                 request.stream,
                 request.include_usage,
                 max_age,
-                (key.owner, grant_of(request, self.tenant_headers)) if key.tenant == "*" else None,
+                (key.owner, grant_of(request, self.tenant_headers, self.neutral))
+                if key.tenant == "*"
+                else None,
             ),
         )
 

@@ -24,7 +24,7 @@ from .clock import SYSTEM_CLOCK, Clock
 from .config import CoalesceConfig, Config
 from .errors import UpstreamStatusError
 from .exchange import send
-from .fingerprint import RepeatMemo, names_of
+from .fingerprint import RepeatMemo, names_of, neutral_of
 from .flight import FlightGroup
 from .idempotency import (
     FallbackRecords,
@@ -111,6 +111,7 @@ def build_layers(
         names_of(config.tenant),
         config.fingerprint.repeat_memo_bytes,
         min(64 * 1024, config.limits.max_body_bytes),
+        neutral_of(config.fingerprint),
     )
     # The gauges and the batcher's calls read the layers once they are all built (below).
     metrics = Metrics(stats, lambda: admin.gauges(layers))
@@ -127,6 +128,7 @@ def build_layers(
         observe_wait=metrics.batch_wait.observe,
         observe_size=metrics.batch_size.observe,
         key_headers=names_of(config.tenant),
+        neutral_headers=neutral_of(config.fingerprint),
         lists=ListCheck(batching.embeddings, upstreams, retry_s=batching.embeddings_probe_retry),
     )
     judge = build_judge(config, lambda request: _via_replicas(layers, request))

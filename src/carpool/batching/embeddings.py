@@ -15,9 +15,11 @@ Contract
   string, and the same values
   of the identity headers (``key_headers``: the gateway passes the tenant's credential headers,
   ``identity.py``) and of every other forwarded header that might change the answer
-  (``fingerprint.varying_headers``), so tenants' credentials and callers' options are never
-  mixed. The merged call carries that body with a list ``input`` (its ``user`` dropped, as
-  callers may differ), that query string and only those headers. The token budget
+  (``fingerprint.varying_headers``; ``neutral_headers``: the configured
+  ``fingerprint.neutral_headers``, left out as the key leaves them), so tenants' credentials
+  and callers' options are never mixed. The merged call carries that body with a list
+  ``input`` (its ``user`` dropped, as callers may differ), that query string and only those
+  headers. The token budget
   (``max_batch_tokens``) counts approximate tokens: a string's characters / 4 (rounded up, at
   least 1), a token list's length.
 - Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
@@ -151,9 +153,13 @@ class EmbeddingBatcher:
         max_in_flight: int | None = None,
         key_headers: Iterable[str] = DEFAULT_KEY_HEADERS,
         lists: ListCheck | None = None,
+        neutral_headers: Iterable[str] = (),
     ) -> None:
         self._send = send
         self.key_headers = tuple(name.lower() for name in key_headers)
+        # The configured neutral headers (``fingerprint.neutral_headers``): as in the key, two
+        # requests that differ only in them share a call (which carries neither's).
+        self.neutral_headers = frozenset(name.lower() for name in neutral_headers)
         self.lists = lists
         self.bypassed = 0
         self.alone = 0  # batchable requests/items sent alone, not merged
@@ -251,7 +257,7 @@ class EmbeddingBatcher:
             (name, lowered[name])
             for name in self.key_headers
             if name in lowered and name not in listed
-        ) + varying_headers(lowered, self.key_headers)
+        ) + varying_headers(lowered, self.key_headers, self.neutral_headers)
         # The item's kind too: texts and token lists never share a list (``input`` is a list of
         # texts or a list of token lists, never both: engines refuse a mixed one, 400).
         kind = "text" if isinstance(item, str) else "tokens"

@@ -8,15 +8,20 @@ from these fields. Durations are seconds unless the name ends in ``_ms``; sizes 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
+from ..identity import names_a_secret
 from .base import Section
 from .upstream import held_key
 from .urls import checked_url
+
+# A header name: RFC 9110's token characters (``tchar``), read lower-cased.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 
 
 class FingerprintConfig(Section):
@@ -33,6 +38,33 @@ class FingerprintConfig(Section):
         description="Budget (bytes of request bodies) of the memo that "
         "lets a byte-identical repeat reach the exact cache without being parsed again; 0 = off.",
     )
+    neutral_headers: list[str] = Field(
+        default_factory=list,
+        description="Request headers (names, in any case) left out of the key, beside the "
+        "transport, tracing and hosting platforms' headers carpool knows: two requests that "
+        "differ only in them share an answer (and a batched embeddings call). For what your own "
+        "proxies add to every request (a request id, a timestamp, the client's address). Never "
+        "name a header that may change the answer (a deployment, model or feature selector) or "
+        "that the upstream authorizes by: the tenant is made of the credential headers only. "
+        "A name that says it carries a secret (key, token, secret, session...) is refused.",
+    )
+
+    @field_validator("neutral_headers")
+    @classmethod
+    def _neutral_headers_are_header_names(cls, value: list[str]) -> list[str]:
+        names: list[str] = []
+        for name in value:
+            lowered = name.lower()  # (ASCII only: the Kelvin sign lower-cases to a "k")
+            if not name.isascii() or not _HEADER_NAME.fullmatch(lowered):
+                raise ValueError(f"{name!r} is not a header name (RFC 9110 token characters)")
+            if names_a_secret(lowered):
+                raise ValueError(
+                    f"{name!r} says it carries a credential: never neutral (a header the "
+                    "upstream authorizes by belongs in tenant.credential_headers)"
+                )
+            if lowered not in names:
+                names.append(lowered)
+        return names
 
 
 class TypePolicy(Section):
