@@ -261,6 +261,30 @@ def test_prefix_record_evicts_within_budget_leaves_first():
     assert record.size_chars("b") == 160 and record.holds("L" * 16 * 30, "b") == 160
 
 
+def test_a_prompt_longer_than_the_budget_records_only_its_first_budget_blocks():
+    # Each of its 100 blocks was hashed and inserted, 90 of them evicted straight away: an
+    # 8 MB prompt cost ~250 ms of the event loop to route.
+    record = PrefixRecord(budget_chars=160, block_chars=16)  # 10 blocks per replica
+    prompt = "".join(f"{i:016x}" for i in range(100))  # 100 distinct blocks
+    record.insert(prompt, "a")
+    assert record._lru["a"].evictions == 0
+    assert record.hashed == 10
+    assert record.holds(prompt, "a") == 160  # its first 10 blocks, as before
+
+
+def test_matching_stops_hashing_at_the_first_block_nobody_holds():
+    record = PrefixRecord(budget_chars=1600, block_chars=16)
+    known = "".join(f"{i:016x}" for i in range(20))
+    record.insert(known, "a")
+    record.hashed = 0
+    long_prompt = "".join(f"{i:016x}" for i in range(1000, 2000))  # 1000 blocks, none known
+    assert record.match(long_prompt) == (0, set())
+    assert record.hashed == 1
+    record.hashed = 0
+    assert record.match(known[: 16 * 5] + long_prompt) == (80, {"a"})
+    assert record.hashed == 6  # the 5 that match, and the first that does not
+
+
 def test_cache_aware_policy_respects_budget():
     policy = build_policy("cache-aware", tree_budget_chars=1000, block_chars=50)
     a, b = states("a", "b")
