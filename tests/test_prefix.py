@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from carpool.prefix import KEY_BYTES, block_hashes
+from carpool.prefix import KEY_BYTES, block_hashes, iter_block_hashes
 from carpool.routing.cache_aware import PrefixRecord
 from carpool.upstream.sim import PrefixCache
 
@@ -67,9 +67,20 @@ def test_keys_are_stable_across_processes():
     assert outputs == {block_hashes("abcdefgh", 4)[1].hex()}
 
 
+def test_keys_come_one_at_a_time_and_a_limit_gives_the_first():
+    text = "abcdefghijklmnop"
+    keys = iter_block_hashes(text, 4)
+    assert next(keys) == block_hashes(text, 4)[0]
+    assert [*keys] == block_hashes(text, 4)[1:]
+    assert block_hashes(text, 4, limit=2) == block_hashes(text, 4)[:2]
+    assert block_hashes(text, 4, limit=9) == block_hashes(text, 4)
+
+
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError):
         block_hashes("abc", 0)
+    with pytest.raises(ValueError):
+        iter_block_hashes("abc", 0)  # at once, not at the first key
 
 
 def test_both_prefix_caches_key_by_it():

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+
+import pytest
 
 from conftest import run_gateway
 from fakes.serving import serve_app
@@ -124,3 +127,75 @@ async def test_upstream_calls_count_every_attempt_a_failover_included():
             assert stats["upstream_calls"] == 2 and stats["upstream_errors"] == 1
             metrics = (await gw.client.get("/metrics")).text
             assert "carpool_upstream_calls_total 2.0" in metrics
+
+
+def _created_id(sse: str) -> str:
+    """The response id of a Responses stream's first event (``response.created``)."""
+    data = next(line for line in sse.splitlines() if line.startswith("data: "))
+    event = json.loads(data.removeprefix("data: "))
+    assert event["type"] == "response.created"
+    return event["response"]["id"]
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "least-loaded", "round-robin"])
+async def test_a_stored_response_is_fetched_and_continued_on_the_replica_that_made_it(policy):
+    # Each replica keeps its own responses (vLLM, SGLang): a follow-up went where the policy
+    # said, which cache-aware and least-loaded made the other replica every time (by load), and
+    # got its 404.
+    async with replicas(2) as fakes:
+        for fake in fakes:
+            fake.keeps_responses = True
+        async with run_gateway([f.url for f in fakes], routing={"policy": policy}) as gw:
+            client = gw.client
+            for i in range(4):
+                asked = {"model": "m", "input": f"question {i} " + "x" * 100, "temperature": 0}
+                made = await client.post("/v1/responses", json=asked)
+                assert made.status_code == 200, made.text
+                rid = made.json()["id"]
+                got = await client.get(f"/v1/responses/{rid}")
+                assert got.status_code == 200 and got.json()["id"] == rid
+                items = await client.get(f"/v1/responses/{rid}/input_items")
+                assert items.status_code == 200, items.text
+                shared = {"model": "m", "input": "and then?", "temperature": 0}
+                then = await client.post(
+                    "/v1/responses", json={**shared, "previous_response_id": rid}
+                )
+                assert then.status_code == 200, then.text
+                # Sampled (a bypass), and continuing the response that follow-up made.
+                sampled = {"model": "m", "input": "and?"}
+                again = await client.post(
+                    "/v1/responses", json={**sampled, "previous_response_id": then.json()["id"]}
+                )
+                assert again.status_code == 200, again.text
+                got = await client.get(f"/v1/responses/{again.json()['id']}")
+                assert got.status_code == 200, got.text
+                # Streamed: the id is known from the stream's first event.
+                streamed = await client.post(
+                    "/v1/responses", json={**asked, "input": f"streamed {i}", "stream": True}
+                )
+                assert streamed.status_code == 200
+                got = await client.get(f"/v1/responses/{_created_id(streamed.text)}")
+                assert got.status_code == 200, got.text
+            routing = (await client.get("/stats")).json()["routing"]
+            assert routing["state_holder"] == 4 * 2  # the two POSTs that continued one
+            assert sum(f.count() for f in fakes) == 4 * 8
+
+
+async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():
+    async with replicas(2) as fakes:
+        for fake in fakes:
+            fake.keeps_responses = True
+        async with run_gateway([f.url for f in fakes], routing={"backoff_s": 60}) as gw:
+            body = {"model": "m", "input": "question", "temperature": 0}
+            rid = (await gw.client.post("/v1/responses", json=body)).json()["id"]
+            holder, other = fakes if rid in fakes[0].kept else fakes[::-1]
+            holder.fail_status, holder.fail_times = 503, 1
+            # Sent to its holder, which fails: failed over to the other, which has no such
+            # response: its 404, not the gateway's error.
+            then = await gw.client.post("/v1/responses", json={**body, "previous_response_id": rid})
+            assert then.status_code == 404
+            assert holder.count() == 2 and other.count() == 1
+            # Its holder in back-off: the policy's choice, the other replica (its 404 again).
+            got = await gw.client.get(f"/v1/responses/{rid}")
+            assert got.status_code == 404
+            assert holder.count() == 2 and other.count(f"/v1/responses/{rid}") == 1

@@ -4,7 +4,12 @@ Contract:
 - ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default,
   where there are replicas to choose among: the prompt is not even read otherwise) and failed
   over once if need be; counted (routing decisions; ``upstream_calls`` counts its attempts) and traced
-  (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself.
+  (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself. A
+  client's request of an API that keeps state upstream (a Responses call: ``Api.keeps_state``)
+  goes to the replica that made the stored response it continues, and the response its 2xx
+  answer makes is remembered with its replica before the answer is read further (a whole
+  body's id; a stream's, at its first lifecycle event, before that event is passed on), in
+  ``layers.holders`` (``routing.state``): where there are replicas to choose among only.
 - ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
   changes when streamed: a completion's ``best_of``/``echo``), so that streaming clients joining
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -60,17 +66,84 @@ if TYPE_CHECKING:
     from .layers import Layers
 
 
-async def send(layers: Layers, upstream_request: UpstreamRequest, text: str) -> UpstreamResponse:
-    """One upstream call: routed by ``text`` (the prompt), failed over once if need be."""
+async def send(
+    layers: Layers, upstream_request: UpstreamRequest, text: str, request: Request | None = None
+) -> UpstreamResponse:
+    """One upstream call: routed by ``text`` (the prompt), failed over once if need be. With the
+    client's ``request``: to the replica holding the state it continues, and the state its
+    answer makes remembered (see the module doc)."""
+    replicas = layers.replicas
+    holder = tenant = None
+    if request is not None and request.api.keeps_state and replicas.chooses:
+        tenant = requester(request.headers, layers.config)
+        holder = layers.holders.holder(tenant, request.api.state_continued(request.body))
     if not layers.tracer.enabled:
-        response, _, decision = await layers.replicas.send(upstream_request, text)
+        response, replica, decision = await replicas.send(upstream_request, text, holder)
     else:
         with layers.tracer.span("carpool.upstream") as span:
-            response, replica, decision = await layers.replicas.send(upstream_request, text)
+            response, replica, decision = await replicas.send(upstream_request, text, holder)
             span.set_attribute("carpool.replica", replica.name)
             span.set_attribute("carpool.decision", decision.value)
     layers.stats.routing[decision.value] += 1
+    if tenant is not None and request is not None and 200 <= response.status < 300:
+        remember = partial(layers.holders.remember, tenant, replica=replica.name)
+        response = _remembering(response, request.api, remember)
     return response
+
+
+def _remembering(
+    response: UpstreamResponse, api: Api, remember: Callable[[str], None]
+) -> UpstreamResponse:
+    """``response``, the state its answer made remembered (``remember(id)``): a whole body's at
+    once, a stream's as its events come (``_Remembering``)."""
+    if not response.streaming:
+        try:
+            answer = orjson.loads(response.body)
+        except orjson.JSONDecodeError:
+            return response  # (judged where it is read)
+        made = api.state_made(answer) if isinstance(answer, dict) else None
+        if made is not None:
+            remember(made)
+        return response
+    events = _Remembering(response.events(), api, remember)
+    return UpstreamResponse(
+        response.status, response.headers, response.body, events, response.aclose
+    )
+
+
+class _Remembering:
+    """A stream's payloads as they come, the state the first event that names one names
+    remembered before that event is passed on: a client may ask for it the moment it sees it."""
+
+    __slots__ = ("events", "api", "remember")
+
+    def __init__(
+        self, events: AsyncIterator[list[bytes]], api: Api, remember: Callable[[str], None]
+    ) -> None:
+        self.events, self.api = events, api
+        self.remember: Callable[[str], None] | None = remember
+
+    def __aiter__(self) -> _Remembering:
+        return self
+
+    async def __anext__(self) -> list[bytes]:
+        payloads = await self.events.__anext__()
+        if self.remember is not None:
+            for payload in payloads:
+                # Only an event carrying the response has this key (text in a string has its
+                # quotes escaped); ``find``: see ``Api.frame``.
+                if payload.find(b'"response"') == -1:
+                    continue
+                try:
+                    chunk = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    continue  # (judged where it is read)
+                made = self.api.state_made(chunk) if isinstance(chunk, dict) else None
+                if made is not None:
+                    self.remember(made)
+                    self.remember = None  # the rest is passed on as it comes
+                    break
+        return payloads
 
 
 class Exchange:
@@ -109,7 +182,9 @@ class Exchange:
         if response is None and request.kind == "embedding":
             response = await self.layers.batcher.embed(upstream_request)
         elif response is None:
-            response = await send(self.layers, upstream_request, self._routing_text(request))
+            response = await send(
+                self.layers, upstream_request, self._routing_text(request), request
+            )
         if said is None or said == Outcome.MISS:
             # (An owner's hit or shared call says nothing of this requester's credentials: the
             # upstream did not see them.)
@@ -186,6 +261,7 @@ class Exchange:
                     api.last_event,
                 ),
                 self._routing_text(request),
+                request,
             )
         except CarpoolError as error:
             self.layers.stats.count(route, Outcome.BYPASS)

@@ -7,6 +7,8 @@ Contract:
 - ``shared_store`` and ``shared_semantic`` are the Redis-backed layers as what they are (the
   same objects as ``store`` and ``semantic``; ``None`` without ``redis``): what ``/stats``,
   ``/metrics`` and ``/healthz`` read of Redis (errors, pool exhaustion, health, stream counts).
+- ``holders``: which replica made each stored response this process saw (``routing.state``),
+  for the follow-ups that only that replica can answer.
 - ``start()`` starts the background work that needs the event loop (the server calls it at
   startup; the layers also start lazily on first use); safe to call again.
 - ``peers`` is this worker's place among the workers of ``carpool serve --workers N`` without
@@ -18,10 +20,11 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .clock import SYSTEM_CLOCK, Clock
+from .routing.state import StateHolders
 
 if TYPE_CHECKING:
     from .batching import EmbeddingBatcher
@@ -70,6 +73,8 @@ class Layers:
     shared_semantic: SharedSemanticCache | None = None
     peers: Peers | None = None  # the other workers of this run, without redis
     clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
+    # which replica made each stored response (``routing.state``)
+    holders: StateHolders = field(default_factory=StateHolders)
 
     def start(self) -> None:
         """Start background work that needs the event loop (the server calls it at startup;

@@ -51,6 +51,8 @@ Contract:
   request with an Idempotency-Key runs on the worker that owns its record. A peer's request
   (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
+- ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
+  stored response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
   are ``exchange.py`` (the upstream call and its stream), ``lead.py`` (a flight's task: the call,
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
@@ -81,7 +83,7 @@ from .errors import (
     UpstreamStreamBroken,
 )
 from .exchange import Exchange, Relay
-from .fingerprint import Fingerprint, fingerprint, semantic_view
+from .fingerprint import Fingerprint, fingerprint, requester, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
@@ -90,6 +92,7 @@ from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
 from .request import ClientRequest, Request, body_digest, parse, requester_digest
+from .routing.state import path_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
 from .store.base import Entry
 from .upstream.base import PassthroughResponse
@@ -524,8 +527,12 @@ class Gateway:
     ) -> PassthroughResponse:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
-        a transport failure downs the replica (``ReplicaSet.passthrough``)."""
-        return await self.replicas.passthrough(method, path, query, headers, body)
+        a transport failure downs the replica (``ReplicaSet.passthrough``). A call on a stored
+        response (``/responses/{id}...``) goes to the replica that made it (``routing.state``)."""
+        holder = None
+        if self.replicas.chooses and (stored := path_state(path)) is not None:
+            holder = self.layers.holders.holder(requester(headers, self.config), stored)
+        return await self.replicas.passthrough(method, path, query, headers, body, holder)
 
     async def invalidate(self, spec: Any, *, everywhere: bool = True) -> int:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``

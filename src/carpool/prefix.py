@@ -16,13 +16,17 @@ Contract:
 - Keys are 16-byte BLAKE2b digests, the same in every process and on every run (unlike
   ``hash()``, which is salted per process). They are comparable only between sequences of the
   same kind (text or tokens) cut with the same ``block_size``.
-- Cost: one hash per block, O(len(seq)); nothing is kept between calls.
+- ``iter_block_hashes`` gives the same keys one at a time, each hashed only when asked for: a
+  caller that stops early (a prefix match at its first miss) hashes no further. ``block_hashes``
+  with ``limit`` gives only the first ``limit`` keys (and hashes no more).
+- Cost: one hash per block asked for, O(len(seq)) at most; nothing is kept between calls.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import islice
 
 KEY_BYTES = 16
 ROOT = bytes(KEY_BYTES)  # the key "before" the first block: every hash input is key + block
@@ -40,15 +44,26 @@ def _block_bytes(block: str | Sequence[str]) -> bytes:
     return repr(list(block)).encode()
 
 
-def block_hashes(seq: str | Sequence[str], block_size: int) -> list[bytes]:
-    """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first."""
+def iter_block_hashes(seq: str | Sequence[str], block_size: int) -> Iterator[bytes]:
+    """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first,
+    each hashed when it is asked for."""
     if block_size < 1:
         raise ValueError("block_size must be positive")
-    keys: list[bytes] = []
+    return _chain(seq, block_size)
+
+
+def _chain(seq: str | Sequence[str], block_size: int) -> Iterator[bytes]:
     key = ROOT
     blake2b = hashlib.blake2b
     for start in range(0, len(seq) - block_size + 1, block_size):
         block = _block_bytes(seq[start : start + block_size])
         key = blake2b(key + block, digest_size=KEY_BYTES).digest()
-        keys.append(key)
-    return keys
+        yield key
+
+
+def block_hashes(
+    seq: str | Sequence[str], block_size: int, limit: int | None = None
+) -> list[bytes]:
+    """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first;
+    only the first ``limit`` of them when given."""
+    return list(islice(iter_block_hashes(seq, block_size), limit))

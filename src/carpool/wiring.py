@@ -35,6 +35,7 @@ from .identity import AcceptedCredentials
 from .layers import Layers
 from .metrics import Metrics, Stats
 from .pipeline import Gateway
+from .routing.state import StateHolders
 from .semantic.audit import Audits
 from .store import MemoryStore, Store
 from .tracing import Tracer
@@ -165,6 +166,7 @@ def build_layers(
         shared_semantic=_redis_backed_semantic(config, semantic),
         peers=peers,
         clock=clock,
+        holders=StateHolders(config.routing.state_entries),
     )
     return layers
 

@@ -139,6 +139,13 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   "server_error", "message": "fake upstream stream failure", "param": null,
   "sequence_number"}``, Messages' ``{"type": "error", "error": {"type": "overloaded_error",
   "message": "fake upstream stream failure"}}``) and ends.
+- ``keeps_responses: bool``: the fake keeps the responses it makes (``store`` not false), in
+  ``kept`` (id -> response), as vLLM and SGLang do, each replica its own: their ids then name
+  this fake (``f"resp_{tag}_{n}"``, ``tag`` unique to the instance, so two fakes never make the
+  same id); ``GET /v1/responses/{id}`` answers the kept response, any other call under
+  ``/v1/responses/{id}/`` the echo, and ``POST /v1/responses`` with a ``previous_response_id`` it
+  kept the usual answer; an id it did not keep is a 404 (``invalid_request_error``, "Response
+  with id '...' not found.").
 - ``valid_keys: set[str] | dict[str, set[str]] | None``: when set, a request is answered only if
   it presents at least one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``)
   and every key it presents is valid: in the set, or (a dict) mapped to a set of models that
@@ -157,6 +164,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -177,6 +185,7 @@ ANTHROPIC_FAIL_BODY: dict[str, Any] = {
     "error": {"type": "api_error", "message": "fake upstream failure"},
 }
 _WORD = re.compile(r"\s*\S+")
+_TAGS = itertools.count(1)  # each fake's own, for the ids of the responses it keeps
 
 
 @dataclass
@@ -252,6 +261,7 @@ class FakeUpstream:
 
     def __init__(self, *, models: list[str] | None = None) -> None:
         self._default_models = list(models or ["fake-model"])
+        self.tag = f"fake{next(_TAGS)}"
         self.reset()
 
     # ---------------------------------------------------------------- state, controls, waiting
@@ -297,6 +307,8 @@ class FakeUpstream:
         self.embedding_fn: Callable[[Any], list[float]] | None = None
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
+        self.keeps_responses: bool = False
+        self.kept: dict[str, dict[str, Any]] = {}
 
     def _authorized(self, headers: dict[str, str], body: Any) -> bool:
         """Like OpenAI and Azure: one presented key, and every key presented, must be valid (for
@@ -532,6 +544,24 @@ class FakeUpstream:
             else:
                 await self._embeddings(call, send)
             return
+        if self.keeps_responses and path.startswith("/v1/responses"):
+            named = (
+                path.split("/")[3]
+                if path.startswith("/v1/responses/")
+                else (call.body or {}).get("previous_response_id")
+            )
+            if named is not None and named not in self.kept:
+                await self._send_error(
+                    send,
+                    call,
+                    404,
+                    f"Response with id '{named}' not found.",
+                    "invalid_request_error",
+                )
+                return
+            if method == "GET" and path == f"/v1/responses/{named}":
+                await self._send_json(send, call, 200, self.kept[named])
+                return
         if method == "POST" and path in ("/v1/responses", "/v1/messages"):
             if call.body is None:
                 await self._send_error(
@@ -950,7 +980,9 @@ class FakeUpstream:
         }
         complete = not self.omit_finish_reason
         response = {
-            "id": f"resp_fake_{call.number}",
+            "id": f"resp_{self.tag}_{call.number}"
+            if self.keeps_responses
+            else f"resp_fake_{call.number}",
             "object": "response",
             "created_at": CREATED,
             "status": "completed" if complete else "incomplete",
@@ -974,6 +1006,8 @@ class FakeUpstream:
                 "total_tokens": input_tokens + _count_words(text),
             },
         }
+        if self.keeps_responses and body.get("store") is not False:
+            self.kept[response["id"]] = response
         if not body.get("stream"):
             await self._send_json(send, call, 200, response)
             return

@@ -15,6 +15,7 @@ from carpool.routing.cache_aware import CacheAware, PrefixRecord
 from carpool.routing.least_loaded import LeastLoaded
 from carpool.routing.replicas import ReplicaSet, ReplicaState
 from carpool.routing.round_robin import RoundRobin
+from carpool.routing.state import StateHolders, path_state
 from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 
 REQUEST = UpstreamRequest("/chat/completions", {"model": "m"})
@@ -261,6 +262,30 @@ def test_prefix_record_evicts_within_budget_leaves_first():
     assert record.size_chars("b") == 160 and record.holds("L" * 16 * 30, "b") == 160
 
 
+def test_a_prompt_longer_than_the_budget_records_only_its_first_budget_blocks():
+    # Each of its 100 blocks was hashed and inserted, 90 of them evicted straight away: an
+    # 8 MB prompt cost ~250 ms of the event loop to route.
+    record = PrefixRecord(budget_chars=160, block_chars=16)  # 10 blocks per replica
+    prompt = "".join(f"{i:016x}" for i in range(100))  # 100 distinct blocks
+    record.insert(prompt, "a")
+    assert record._lru["a"].evictions == 0
+    assert record.hashed == 10
+    assert record.holds(prompt, "a") == 160  # its first 10 blocks, as before
+
+
+def test_matching_stops_hashing_at_the_first_block_nobody_holds():
+    record = PrefixRecord(budget_chars=1600, block_chars=16)
+    known = "".join(f"{i:016x}" for i in range(20))
+    record.insert(known, "a")
+    record.hashed = 0
+    long_prompt = "".join(f"{i:016x}" for i in range(1000, 2000))  # 1000 blocks, none known
+    assert record.match(long_prompt) == (0, set())
+    assert record.hashed == 1
+    record.hashed = 0
+    assert record.match(known[: 16 * 5] + long_prompt) == (80, {"a"})
+    assert record.hashed == 6  # the 5 that match, and the first that does not
+
+
 def test_cache_aware_policy_respects_budget():
     policy = build_policy("cache-aware", tree_budget_chars=1000, block_chars=50)
     a, b = states("a", "b")
@@ -312,6 +337,51 @@ async def test_unreachable_fails_over_then_backoff_then_probe():
     assert snap["state"] == "healthy" and snap["failures"] == 0 and snap["errors"] == 3
     assert [(await replicas.send(REQUEST))[2] for _ in range(3)] == [Decision.ROUND_ROBIN] * 3
     assert replicas.in_flight == 0
+
+
+async def test_the_replica_that_made_a_stored_response_is_chosen_while_it_is_eligible():
+    replicas, (r0, r1, r2), clock = replica_set("ok", "ok", "ok", policy="least-loaded")
+    r2_state = replicas["r2"]
+    r2_state.in_flight = 5  # the policy would never pick it
+    assert replicas.choose("", holder="r2") == (r2_state, Decision.STATE_HOLDER)
+    assert replicas.choose("", holder="gone")[1] is Decision.LEAST_LOADED  # unknown: the policy
+    # Down: sent there, failed over; during its back-off the policy chooses.
+    r2.mode = "unreachable"
+    _, replica, decision = await replicas.send(REQUEST, holder="r2")
+    assert replica is not r2_state and decision is Decision.FAILOVER and r2.sent == 1
+    r2_state.in_flight = 0
+    assert replicas.choose("", holder="r2") == (replicas["r1"], Decision.LEAST_LOADED)
+    # Back-off over: it is the one asked, as a probe.
+    clock.now += 5
+    assert replicas.choose("", holder="r2") == (r2_state, Decision.PROBE)
+
+
+def test_a_stored_response_routes_only_its_own_tenants_requests():
+    holders = StateHolders()
+    holders.remember("tenant-a", "resp_1", "r1")
+    assert holders.holder("tenant-a", "resp_1") == "r1"
+    assert holders.holder("tenant-b", "resp_1") is None
+    assert holders.holder("tenant-a", "resp_2") is None
+    assert holders.holder("tenant-a", None) is None
+
+
+def test_the_replicas_of_stored_responses_are_remembered_within_a_bound():
+    holders = StateHolders(max_entries=2)
+    holders.remember("t", "resp_1", "r0")
+    holders.remember("t", "resp_2", "r1")
+    assert holders.holder("t", "resp_1") == "r0"  # named: the most recent now
+    holders.remember("t", "resp_3", "r1")
+    assert len(holders) == 2
+    assert holders.holder("t", "resp_2") is None  # the least recently made or named
+    assert holders.holder("t", "resp_1") == "r0" and holders.holder("t", "resp_3") == "r1"
+
+
+def test_a_pass_through_path_names_the_stored_response_it_is_about():
+    assert path_state("/responses/resp_1") == "resp_1"
+    assert path_state("/responses/resp_1/input_items") == "resp_1"
+    assert path_state("/responses/resp%5F1/cancel") == "resp_1"
+    assert path_state("/responses") is None and path_state("/responses/") is None
+    assert path_state("/models/resp_1") is None
 
 
 async def test_5xx_before_any_byte_fails_over():

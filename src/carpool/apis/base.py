@@ -20,6 +20,9 @@ Contract:
   that ``judge_stream`` judges at the end); an API may take some chunks by their raw payload
   alone (``Collector.add_texts``: the classics' text chunks, ``chunks.Assembly``), framed
   as one-line payloads (``one_line_frames``).
+- State the upstream keeps between calls (Responses: a stored response): ``keeps_state`` says
+  whether an API has any; ``state_continued`` names what a request continues and ``state_made``
+  what an answer made, so that follow-ups go to the replica holding it (``routing.state``).
 - Methods never raise on a malformed answer (they judge it incomplete), except ``validate``
   (``RequestError``) and ``judge_stream`` (``UpstreamStreamBroken`` for a stream that did not end
   whole).
@@ -67,6 +70,8 @@ class Api:
     # For a typed stream: tells whether a payload is the stream's last event (the upstream's
     # iterator ends after it). None: the stream ends with ``data: [DONE]``.
     last_event: Callable[[bytes], bool] | None = None
+    # Whether answers may name state the upstream keeps for later calls (``state_made``).
+    keeps_state: bool = False
 
     # --------------------------------------------------------------------------- the request
 
@@ -106,6 +111,11 @@ class Api:
         """The request's input text as the engine reads it, system prompt first: for routing
         (the prefix cache) and for invalidation by prompt prefix."""
         return []
+
+    def state_continued(self, body: dict[str, Any]) -> str | None:
+        """The id of state the upstream keeps that this request continues (a stored response),
+        which only the replica that made it holds; or None."""
+        return None
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         """(the text compared by meaning: the last user input, the rest of the body: compared
@@ -203,6 +213,11 @@ class Api:
     def usage_tokens(self, body: Any) -> int:
         """Input + output tokens the upstream reported for ``body``; 0 for what is absent."""
         return 0
+
+    def state_made(self, answer: dict[str, Any]) -> str | None:
+        """The id of the state that ``answer`` (a whole body, or a stream event) says the
+        upstream now keeps, for later calls to continue (``state_continued``); or None."""
+        return None
 
     def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:
         """The SSE frames a server could have streamed for ``body`` (without ``stream_end``)."""

@@ -31,6 +31,11 @@ Contract (``apis.base.Api``):
   leave the conversation short of a turn. ``previous_response_id`` names an immutable stored
   response: it is part of the key like any field. ``store`` is forwarded as it came (a cached
   answer's id is the one the upstream stored for the call that produced it).
+- State: a stored response (``store`` not false) is kept by the replica that made it, alone.
+  ``state_made`` is a whole answer's ``id``, or a stream lifecycle event's response's (the
+  first event, ``response.created``, has it), unless it says ``store: false``;
+  ``state_continued`` is a request's ``previous_response_id``. With several replicas, the
+  follow-ups go to the one that made it (``routing.state``).
 - The semantic view: ``input`` when it is a string, or the last input item when it is a user
   message of plain text (``input_text`` parts); ``instructions``, earlier items and every
   parameter are in the scope. Only with ``store: false``: a stored answer's id names the
@@ -76,6 +81,7 @@ _INPUT_TEXT = frozenset({"input_text", "text"})
 class ResponsesApi(TypedApi):
     kind, path, upstream_path = "responses", "/v1/responses", "/responses"
     last_event = staticmethod(ends_with(LAST_EVENTS))
+    keeps_state = True
 
     # --------------------------------------------------------------------------- the request
 
@@ -139,6 +145,10 @@ class ResponsesApi(TypedApi):
                 texts += text_parts(item.get("content"))
         return texts
 
+    def state_continued(self, body: dict[str, Any]) -> str | None:
+        previous = body.get("previous_response_id")
+        return previous if isinstance(previous, str) else None
+
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         if body.get("store") is not False:  # stored (the default): the id names another input
             return None
@@ -191,6 +201,14 @@ class ResponsesApi(TypedApi):
             and body.get("object") == "response"
             and isinstance(body.get("status"), str)
         )
+
+    def state_made(self, answer: dict[str, Any]) -> str | None:
+        # A stream's lifecycle event carries the response; a whole body is one.
+        response = answer.get("response") if answer.get("type") in _LIFECYCLE else answer
+        if not isinstance(response, dict) or response.get("store") is False:
+            return None
+        made = response.get("id")
+        return made if isinstance(made, str) and made else None
 
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         return synthesize(body)

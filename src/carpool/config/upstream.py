@@ -67,6 +67,17 @@ class RoutingConfig(Section):
         "many characters (a partial last block never matches). Smaller: finer matches, more "
         "memory and hashing; larger: cheaper, coarser. 64: ~16 tokens, vLLM's KV block size.",
     )
+    state_entries: int = Field(
+        100_000,
+        ge=1,
+        description="Stored responses (Responses API) whose replica is remembered, whatever the "
+        "policy, so that GET /v1/responses/{id} (and the other /v1/responses/{id}/... calls) "
+        "and a request with previous_response_id go to the replica that made the response, the "
+        "only one that holds it (vLLM and SGLang each keep their own); beyond it the least "
+        "recently made or named are forgotten, and their follow-ups routed by the policy. At "
+        "most ~250 bytes an entry: 100,000 (under 25 MB) cover the last ~15 minutes at 100 "
+        "responses a second.",
+    )
     backoff_s: float = Field(
         5.0,
         gt=0,

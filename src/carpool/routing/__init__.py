@@ -1,12 +1,15 @@
 """Which replica a miss is sent to: one small interface, one file per policy, one factory.
 
-Only real misses reach routing: exact/semantic caching and coalescing happen before it.
+Only real misses reach routing: exact/semantic caching and coalescing happen before it. A
+request that continues a stored response (and a pass-through call on one) goes to the replica
+that made it, before any policy is asked (``state``: only that replica holds it).
 
     RoutingPolicy       ``select(text, replicas) -> (replica, Decision)`` + optional hooks
     ├── round_robin.RoundRobin       ``round-robin``: cycle through the healthy replicas
     ├── least_loaded.LeastLoaded     ``least-loaded``: fewest requests in flight
     └── cache_aware.CacheAware       ``cache-aware``: SGLang-style prefix affinity under a load guard
     replicas.ReplicaSet              health, back-off, probing, one failover, in-flight accounting
+    state.StateHolders               which replica made a stored response (follow-ups go there)
 
 The ``Decision`` a request was routed by is both a metric label and what the tests assert.
 
@@ -38,6 +41,7 @@ class Decision(StrEnum):
     ONLY_HEALTHY = "only_healthy"  # a single replica was eligible: no choice was made
     PROBE = "probe"  # a downed replica tried again (back-off over, or none healthy)
     FAILOVER = "failover"  # the retry on another replica after a failed attempt
+    STATE_HOLDER = "state_holder"  # the replica holding the stored response it continues
 
 
 class RoutingPolicy(Protocol):

@@ -20,8 +20,14 @@ block i), so a key names a whole prefix (as vLLM's block hashes do). The keys ar
 ``carpool.prefix.block_hashes``, the same chained hash the simulated engine's KV cache uses. A
 replica's record is an LRU of such keys; a shared index maps each key to the replicas that hold
 it. Matching walks the prompt's keys once, narrowing the set of replicas holding every key so
-far; the set that survives deepest is the best match. Costs: O(len(text) / block_chars) per
-request, a few hundred bytes per remembered block (the key, its LRU entry and its index entry).
+far; the set that survives deepest is the best match. Keys are hashed as the walk asks for them
+and it stops at the first block no eligible replica holds, so a prompt that matches nothing
+costs one hash whatever its length; recording a prompt hashes and records only its first
+``budget_blocks`` blocks (``tree_budget_chars / block_chars``: deeper ones could not stay in the
+replica's record: they would be inserted and evicted at once). Costs: O(min(len(text),
+tree_budget_chars) / block_chars) per request, however long the prompt, and a few hundred bytes
+per remembered block (the key, its LRU entry and its index entry). ``hashed`` counts the blocks
+hashed.
 Approximations: matches are whole blocks (a partial last block never matches, so prompts
 shorter than a block never match); hash collisions (128-bit) are ignored; and the engine's real
 cache may hold more or less than the record (``tree_budget_chars`` should approximate its KV
@@ -39,7 +45,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from carpool.lru import LRU
-from carpool.prefix import block_hashes
+from carpool.prefix import block_hashes, iter_block_hashes
 from carpool.routing import Decision, RoutingPolicy
 from carpool.routing.replicas import ReplicaState
 
@@ -54,6 +60,7 @@ class PrefixRecord:
         self.budget_blocks = max(1, budget_chars // block_chars)
         self._lru: dict[str, LRU[bytes, bool]] = {}  # replica -> keys, oldest first
         self._index: dict[bytes, set[str]] = {}  # key -> replicas holding it
+        self.hashed = 0  # blocks hashed so far (matching and recording)
 
     def keys(self, text: str) -> list[bytes]:
         """The chain keys of ``text``'s whole blocks, first block first."""
@@ -64,24 +71,35 @@ class PrefixRecord:
         alive = set(names) if names is not None else set(self._lru)
         best: set[str] = set()
         depth = 0
-        for key in self.keys(text):
-            holders = self._index.get(key)
+        hashed = 0
+        index = self._index
+        # Hashed block by block: the walk ends at the first block nobody eligible holds, and
+        # the rest of a long prompt is never hashed.
+        for key in iter_block_hashes(text, self.block_chars):
+            hashed += 1
+            holders = index.get(key)
             if not holders:
                 break
             alive &= holders
             if not alive:
                 break
             best, depth = set(alive), depth + 1
+        self.hashed += hashed
         return depth * self.block_chars, best
 
     def insert(self, text: str, replica: str) -> None:
-        """Record that ``text`` was sent to ``replica`` (touching its prefix), then evict."""
+        """Record that ``text`` was sent to ``replica`` (touching its prefix, at most
+        ``budget_blocks`` blocks of it), then evict."""
         lru = self._lru.get(replica)
         if lru is None:
             lru = self._lru[replica] = LRU(
                 max_entries=self.budget_blocks, on_evict=partial(self._evicted, replica)
             )
-        for key in reversed(self.keys(text)):  # deepest first: prefixes end up most recent
+        # Only the first budget_blocks blocks: deeper ones are touched first (below), so the
+        # blocks before them would evict them before this call ends.
+        keys = block_hashes(text, self.block_chars, self.budget_blocks)
+        self.hashed += len(keys)
+        for key in reversed(keys):  # deepest first: prefixes end up most recent
             if key in lru:
                 lru.touch(key)
             else:

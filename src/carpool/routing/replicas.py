@@ -10,6 +10,10 @@ all, and so whether ``text`` matters):
   nothing is eligible, the replica whose back-off ends first is tried anyway (``Decision.PROBE``)
   rather than failing the request without trying. A single eligible replica is
   ``Decision.ONLY_HEALTHY``.
+- ``holder`` (``send``, ``passthrough``): the name of the replica holding state the request
+  continues (a stored response, ``routing.state``): chosen when it is eligible, before the
+  policy is asked (``Decision.STATE_HOLDER``, or ``PROBE``); unknown or not eligible, the policy
+  chooses.
 - Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout``, or a 5xx answer before any byte was
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
   and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
@@ -153,9 +157,10 @@ class ReplicaSet:
         return len(self.replicas) > 1
 
     def choose(
-        self, text: str, exclude: Sequence[ReplicaState] = ()
+        self, text: str, exclude: Sequence[ReplicaState] = (), holder: str | None = None
     ) -> tuple[ReplicaState, Decision] | None:
-        """The replica for the next attempt and why, or None when every replica is excluded."""
+        """The replica for the next attempt and why, or None when every replica is excluded.
+        ``holder``: the replica holding the state the request continues, if eligible."""
         if not exclude and len(self.replicas) == 1:  # (the rest below, in short)
             replica = self.replicas[0]
             return replica, Decision.ONLY_HEALTHY if replica.healthy else Decision.PROBE
@@ -166,7 +171,11 @@ class ReplicaSet:
         eligible = [r for r in pool if r.eligible(now)]
         if not eligible:
             return min(pool, key=lambda r: r.down_until), Decision.PROBE
-        if len(eligible) == 1:
+        held = next((r for r in eligible if r.name == holder), None) if holder else None
+        if held is not None:
+            # Only it can answer for that state: load and prefixes do not matter.
+            replica, decision = held, Decision.STATE_HOLDER
+        elif len(eligible) == 1:
             replica, decision = eligible[0], Decision.ONLY_HEALTHY
         else:
             replica, decision = self.policy.select(text, eligible)
@@ -182,13 +191,13 @@ class ReplicaSet:
         return sum(r.calls for r in self.replicas)
 
     async def send(
-        self, request: UpstreamRequest, text: str = ""
+        self, request: UpstreamRequest, text: str = "", holder: str | None = None
     ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
         """Send ``request`` (prompt ``text``) to a replica, failing over once; see the module doc.
 
         Raises the last ``UpstreamUnreachable`` / ``UpstreamTimeout`` when every attempt failed.
         """
-        chosen = self.choose(text)
+        chosen = self.choose(text, holder=holder)
         assert chosen is not None
         replica, decision = chosen
         tried: list[ReplicaState] = []
@@ -274,10 +283,17 @@ class ReplicaSet:
         self.policy.on_done(replica)
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: Mapping[str, str],
+        body: bytes,
+        holder: str | None = None,
     ) -> PassthroughResponse:
-        """Another ``/v1/...`` call on one replica, not retried; see the module doc."""
-        chosen = self.choose("")
+        """Another ``/v1/...`` call on one replica (``holder``'s when eligible), not retried;
+        see the module doc."""
+        chosen = self.choose("", holder=holder)
         assert chosen is not None
         replica = chosen[0]
         if not replica.healthy:
