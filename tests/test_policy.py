@@ -200,8 +200,37 @@ async def test_invalidation_by_tag_makes_the_next_request_a_miss(fake, gateway_w
         assert await outcome(gw, "q2", **{"x-carpool-tags": "other"}) == "miss"
         response = await gw.client.post("/admin/invalidate", json={"tag": "pricing"}, headers=ADMIN)
         assert response.status_code == 200 and response.json() == {"invalidated": 1}
-        assert await outcome(gw, "q1") == "miss"
-        assert await outcome(gw, "q2") == "hit"
+        assert await outcome(gw, "q1", **{"x-carpool-tags": "faq, pricing"}) == "miss"
+        assert await outcome(gw, "q2", **{"x-carpool-tags": "other"}) == "hit"
+
+
+async def test_an_answer_served_under_a_tag_is_dropped_by_invalidating_that_tag(fake, gateway_with):
+    # Tags were the storing request's alone: a request tagged "prices" read (or joined) the
+    # answer stored under "catalog", and invalidating "prices" dropped nothing (0) while it
+    # kept being served. Tags are in the key: each tag set has its own answer.
+    async with gateway_with(admin_token="s3cret") as gw:
+        assert await outcome(gw, "q", **{"x-carpool-tags": "catalog"}) == "miss"
+        assert await outcome(gw, "q", **{"x-carpool-tags": "prices"}) == "miss"
+        assert await outcome(gw, "q", **{"x-carpool-tags": "prices"}) == "hit"
+        assert await outcome(gw, "q", **{"x-carpool-tags": "catalog"}) == "hit"
+        assert await outcome(gw, "q", **{"x-carpool-tags": "prices, catalog"}) == "miss"
+        assert await outcome(gw, "q", **{"x-carpool-tags": "catalog, prices"}) == "hit"
+        response = await gw.client.post("/admin/invalidate", json={"tag": "prices"}, headers=ADMIN)
+        assert response.json() == {"invalidated": 2}
+        assert await outcome(gw, "q", **{"x-carpool-tags": "prices"}) == "miss"
+        assert await outcome(gw, "q", **{"x-carpool-tags": "catalog"}) == "hit"
+        assert fake.count() == 4
+
+
+async def test_callers_tagged_otherwise_never_join_one_call(fake, gateway_with):
+    async with gateway_with() as gw:
+        fake.gate = asyncio.Event()
+        a = asyncio.create_task(gw.chat(headers={"x-carpool-tags": "catalog"}))
+        b = asyncio.create_task(gw.chat(headers={"x-carpool-tags": "prices"}))
+        await fake.wait_for_calls(2)
+        fake.gate.set()
+        await asyncio.gather(a, b)
+    assert fake.count() == 2
 
 
 async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):

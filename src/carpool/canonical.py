@@ -22,7 +22,8 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   canonical), which nests no deeper than the body: any depth ``limits.max_json_depth`` lets in.
 - The scope (``scope``) is everything besides the body that decides which answer a request may
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
-  tenant, the namespace, the freshness token, the request type, the query string, the endpoint
+  tenant, the namespace, the freshness token, the request type, the tags (but for ``request``:
+  what an answer is invalidated by), the query string, the endpoint
   and the forwarded headers that might change the answer (``varying_headers``: all but the
   credentials, the controls, the idempotency key, those the request's ``Connection`` names, the
   ``NEUTRAL_HEADERS``/``NEUTRAL_PREFIXES`` of transport, tracing, client telemetry and what
@@ -371,7 +372,7 @@ def digest(
 def scope(request: Request, config: Config, label: str, tenant: str, namespace: str) -> list[Any]:
     """Everything besides the body that decides which answer a request may get."""
     controls = request.controls
-    return [
+    scoped = [
         KEY_VERSION,
         label,
         tenant,
@@ -382,6 +383,13 @@ def scope(request: Request, config: Config, label: str, tenant: str, namespace: 
         request.kind,
         varying_headers(request.headers, names_of(config.tenant), neutral_of(config.fingerprint)),
     ]
+    if controls.tags and label != "request":
+        # An answer is stored with its request's tags, to be dropped by invalidating any of
+        # them: a request tagged otherwise reading it (or joining its call) would keep serving
+        # it past an invalidation of its own tags. (Appended only when there are tags: the keys
+        # of untagged requests stay; an idempotency record is the request's, whatever its tags.)
+        scoped.append(sorted(controls.tags))
+    return scoped
 
 
 def collapses(request: Request, config: Config) -> bool:
