@@ -245,6 +245,22 @@ async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
         assert gw.gateway.store.entries == 0
 
 
+async def test_with_collapsed_white_space_a_prefix_drops_every_prompt_the_answer_was_served_to(
+    fake, gateway_with
+):
+    # The entry kept its first prompt as sent ("Translate:  hello   world"); the prefix of the
+    # prompt it was also served to ("Translate: hello") dropped nothing, and it was served on.
+    async with gateway_with(admin_token="s3cret", fingerprint={"normalize_whitespace": True}) as gw:
+        post = lambda body: gw.client.post("/admin/invalidate", json=body, headers=ADMIN)  # noqa
+        # Named as either client wrote it: one entry, dropped.
+        for prefix in ("Translate: hello", "  Translate:  hello"):
+            assert await outcome(gw, "  Translate:  hello   world") == "miss"
+            assert await outcome(gw, "Translate: hello world") == "hit"
+            assert (await post({"prefix": prefix})).json() == {"invalidated": 1}, prefix
+            assert await outcome(gw, "Translate: hello world") == "miss"
+            assert (await post({"all": True})).json() == {"invalidated": 1}
+
+
 LONG_SYSTEM = "You are a careful assistant. " * 60  # 1,680 characters
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from .canonical import normalize_text
 from .errors import RequestError
 from .store.base import Selector, StoreUnavailable, prompt_text
 
@@ -114,6 +115,7 @@ async def invalidate(layers: Layers, spec: Any) -> int:
         raise RequestError('give exactly one of "tag", "namespace", "prefix" or "all"')
     ((name, value),) = spec.items()
     selector: Selector | None = None
+    also: list[Selector] = []
     if name == "all" and value is True:
         selector = Selector(everything=True)
     elif name == "tag" and isinstance(value, str) and value:
@@ -122,6 +124,12 @@ async def invalidate(layers: Layers, spec: Any) -> int:
         selector = Selector(namespace=value)  # ("": the default namespace)
     elif name == "prefix" and isinstance(value, str) and value:
         selector = Selector(prefix=prompt_text(value))
+        if layers.config.fingerprint.normalize_whitespace:
+            # Collapsed prompts keep their collapsed start (``lead``): the prefix is matched
+            # as given (code, embeddings: kept as sent) and collapsed too.
+            collapsed = prompt_text(normalize_text(value, True))
+            if collapsed and collapsed != selector.prefix:
+                also.append(Selector(prefix=collapsed))
     if selector is not None:
         # Flights are a layer too, running ones included: no request joins a call begun
         # before the invalidation, and that call's answer is not stored. Flights do not
@@ -130,12 +138,14 @@ async def invalidate(layers: Layers, spec: Any) -> int:
         if layers.shared_flights is not None:  # and those of every instance
             await layers.shared_flights.forget_all()
         missed: StoreUnavailable | None = None
-        try:
-            dropped = await layers.store.invalidate(selector)
-        except StoreUnavailable as error:  # (dropped here; the shared answers stay)
-            dropped, missed = 0, error
-        if layers.semantic is not None:
-            dropped += await layers.semantic.invalidate(selector)
+        dropped = 0
+        for each in (selector, *also):
+            try:
+                dropped += await layers.store.invalidate(each)
+            except StoreUnavailable as error:  # (dropped here; the shared answers stay)
+                missed = error
+            if layers.semantic is not None:
+                dropped += await layers.semantic.invalidate(each)
         if layers.invalidations is not None:  # last: the other instances' windows
             await layers.invalidations.publish()
         if missed is not None:

@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 from .answer import Answer
 from .broadcast import Broadcast
+from .canonical import collapses, normalize_text
 from .fingerprint import Fingerprint, SemanticView, semantic_view
 from .request import Request
 from .store import Entry
-from .store.base import prompt_text
+from .store.base import PROMPT_PREFIX_CHARS, prompt_text
 
 if TYPE_CHECKING:
+    from .config import Config
     from .layers import Layers
     from .semantic.cache import Probe
 
@@ -189,7 +191,7 @@ class Leader:
             key = dataclasses.replace(key, key=key.shared_key, tenant="*", shared_key=None)
             # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
-        expires, prefix = answer.created + ttl, _prompt_prefix(request)
+        expires, prefix = answer.created + ttl, _prompt_prefix(request, self.config)
         assert key.key is not None  # (checked above; a shared key is one too)
         entry = Entry(answer, expires, controls.tags, key.namespace, prefix)
         since = begun.generation if begun is not None else None
@@ -268,6 +270,11 @@ def _discard(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _prompt_prefix(request: Request) -> str:
-    """The start of the prompt, for invalidation by prompt prefix."""
-    return prompt_text(" ".join(request.api.input_texts(request.body)))
+def _prompt_prefix(request: Request, config: Config) -> str:
+    """The start of the prompt, for invalidation by prompt prefix: collapsed as the key
+    collapsed it (``fingerprint.normalize_whitespace``), so that a prefix names every prompt
+    the answer is served to (``admin.invalidate`` matches the collapsed prefix too)."""
+    text = " ".join(request.api.input_texts(request.body))
+    if collapses(request, config):  # (cut first: the start is all it keeps)
+        text = normalize_text(text[: 16 * PROMPT_PREFIX_CHARS], True)
+    return prompt_text(text)

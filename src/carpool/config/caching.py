@@ -30,7 +30,8 @@ class FingerprintConfig(Section):
         description="Opt-in: trim text and collapse runs of white space before hashing "
         "(never inside ``` fenced code, for requests of type `code`, or for embeddings inputs). "
         "Off, text is exact after Unicode NFC: white space is meaning (indentation, counted "
-        "spaces, tabs, Markdown hard breaks); embeddings inputs are exact, without NFC.",
+        "spaces, tabs, Markdown hard breaks); embeddings inputs are exact, without NFC. On, "
+        "an invalidation by prompt prefix matches the prefix as given and collapsed.",
     )
     repeat_memo_bytes: int = Field(
         16 * 1024 * 1024,
