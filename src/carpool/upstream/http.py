@@ -9,8 +9,9 @@ Contract (on top of ``upstream.base``):
   gives its connection back to the pool; one left part-way closes it (the engine stops).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits.
-- Transport errors are translated here, the original error kept as ``__cause__``: a timeout ->
-  ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
+- Transport errors are translated here, the original error kept as ``__cause__``: a read
+  timeout -> ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable``
+  (502), a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``), a
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
   stalled: the engine took the call, not retried elsewhere), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
@@ -130,6 +131,8 @@ def replica_names(urls: Sequence[str], names: Sequence[str] = ()) -> list[tuple[
 
 def reason(error: BaseException) -> str:
     """What went wrong, in a few words fit for a client (no repr, no address)."""
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return "connection timed out"
     if isinstance(error, _TIMEOUTS):
         return "timed out"
     if isinstance(error, aiohttp.ClientConnectorDNSError):
@@ -293,6 +296,11 @@ class HttpUpstream:
             response = await self._client().request(
                 method, url, data=body, headers=headers, allow_redirects=False
             )
+        except aiohttp.ConnectionTimeoutError as exc:
+            # (A ``ServerTimeoutError``, but nothing was sent: unreachable, as for ``send``.)
+            raise UpstreamUnreachable(
+                f"upstream {self.label} is unreachable ({reason(exc)})"
+            ) from exc
         except _TIMEOUTS as exc:
             raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:

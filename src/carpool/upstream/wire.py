@@ -25,7 +25,8 @@ Contract:
   Otherwise it is closed, which tells the server the caller has gone (an engine then stops
   generating). ``release`` is safe to call twice, and after a failure or a cancellation; a
   request cancelled while it waits closes its connection.
-- Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS); ``read_timeout``
+- Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
+  ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
 - Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
   (``reason_of``: no address, no repr); ``answered`` whether the status had come; the OS's or
@@ -66,7 +67,8 @@ class WireError(Exception):
 
 
 class WireTimeout(WireError):
-    """No byte came from the server for ``read_timeout`` seconds, or no connection in time."""
+    """No byte came from the server for ``read_timeout`` seconds while it owed one (no
+    connection in time is a plain ``WireError``: nothing was sent)."""
 
 
 def reason_of(error: BaseException) -> str:
@@ -229,7 +231,9 @@ class Pool:
                 )
         except TimeoutError as exc:
             self._gone()
-            raise WireTimeout("timed out") from exc
+            # Not a ``WireTimeout``: nothing was sent, so this is an unreachable replica (502,
+            # tried elsewhere), not an upstream slow to answer a call it may be running.
+            raise WireError("connection timed out") from exc
         except BaseException as exc:
             self._gone()
             if isinstance(exc, (OSError, ssl_module.CertificateError)):

@@ -1,0 +1,64 @@
+"""``carpool.upstream.http``: what ``HttpUpstream`` makes of what a replica does on the wire.
+
+Each test runs a raw asyncio server that answers exactly the bytes it is given (or nothing),
+and calls it through ``HttpUpstream`` (the cached endpoints' ``send``, and pass-through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from carpool.config import LimitsConfig
+from carpool.errors import UpstreamUnreachable
+from carpool.upstream.base import UpstreamRequest
+from carpool.upstream.http import HttpUpstream
+
+Handle = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handle: Handle) -> AsyncIterator[int]:
+    """A server on a free loopback port running ``handle`` for each connection: its port."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handle(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield listening.sockets[0].getsockname()[1]
+    finally:
+        listening.close()
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read()  # (never a byte back, until the client goes)
+
+
+CHAT = UpstreamRequest("/chat/completions", {"model": "m", "messages": []})
+
+
+async def test_a_connect_timeout_is_an_unreachable_upstream_not_one_slow_to_answer():
+    """A TLS handshake the server never answers: nothing was sent, so the replica is
+    unreachable (502, tried elsewhere), as the config says, not a 504 "did not answer in
+    time" (for the cached endpoints' calls and for pass-through alike)."""
+    async with raw_server(_silent) as port:
+        upstream = HttpUpstream(
+            f"https://127.0.0.1:{port}/v1", LimitsConfig(upstream_connect_timeout=0.2)
+        )
+        try:
+            with pytest.raises(UpstreamUnreachable, match="connection timed out") as sent:
+                await upstream.send(CHAT)
+            with pytest.raises(UpstreamUnreachable, match="connection timed out") as passed:
+                await upstream.passthrough("GET", "/models", b"", {}, b"")
+        finally:
+            await upstream.aclose()
+    assert sent.value.status == passed.value.status == 502
