@@ -531,3 +531,79 @@ async def test_a_whole_answer_cut_after_its_head_is_not_run_again_on_another_rep
     assert all(r.healthy for r in replicas.replicas)
     assert raised.value.status == seen[0] == (504 if stalls else 502) and len(seen) == 1
     assert raised.value.headers()["x-should-retry"] == "false"
+
+
+def _replicas(ports: list[int], **limits: Any) -> Any:
+    """A round-robin ``ReplicaSet`` of ``HttpUpstream``s on ``ports``, the first tried first,
+    and the statuses its attempts were observed with."""
+    from carpool.config import LimitsConfig
+    from carpool.routing import build_policy
+    from carpool.routing.replicas import ReplicaSet
+    from carpool.upstream.http import HttpUpstream
+
+    config = LimitsConfig(**limits)
+    upstreams = [
+        HttpUpstream(f"http://127.0.0.1:{port}/v1", config, label=f"replica-{i}")
+        for i, port in enumerate(ports)
+    ]
+    seen: list[int] = []
+    replicas = ReplicaSet(
+        upstreams, build_policy("round-robin"), observe=lambda r, status, d: seen.append(status)
+    )
+    return replicas, seen
+
+
+async def test_a_read_timeout_after_the_request_was_sent_is_not_failed_over(serve):
+    """The request went whole and no answer came in time: the engine may be running it (a
+    whole answer's head comes once it is computed). It was failed over like an unreachable
+    replica: the generation ran twice, its client waiting up to twice the timeout."""
+    from carpool.errors import UpstreamError
+    from carpool.upstream.base import UpstreamRequest
+
+    async def silent(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # (never answers, until the client goes)
+
+    servers = [(await serve(silent))[0] for _ in range(2)]
+    replicas, seen = _replicas([s.port for s in servers], upstream_timeout=0.2)
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            await replicas.send(UpstreamRequest("/chat/completions", {"model": "m"}))
+    finally:
+        await replicas.aclose()
+    assert [len(s.requests) for s in servers] == [1, 0]
+    assert raised.value.status == 504 and seen == [504]
+    assert raised.value.code == "upstream_timeout"
+    assert raised.value.headers()["x-should-retry"] == "false"
+    # Silent that long, it may be hung: left out, the other one not.
+    assert [r.healthy for r in replicas.replicas] == [False, True]
+
+
+async def test_a_read_timeout_before_the_request_was_read_whole_is_failed_over(serve):
+    """A server that never read the whole request cannot be running it: tried elsewhere."""
+    import socket
+
+    from carpool.routing import Decision
+    from carpool.upstream.base import UpstreamRequest
+
+    read = asyncio.Event()
+
+    class Deaf(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transport.pause_reading()  # type: ignore[attr-defined]
+            read.set()
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (the request stays unsent)
+    sock.bind(("127.0.0.1", 0))
+    deaf = await asyncio.get_running_loop().create_server(Deaf, sock=sock)
+    answering_server, _ = await serve(answering(OK))
+    replicas, seen = _replicas([sock.getsockname()[1], answering_server.port], upstream_timeout=0.3)
+    big = {"model": "m", "input": "x" * 12_000_000}  # (over both ends' socket buffers)
+    try:
+        response, replica, decision = await replicas.send(UpstreamRequest("/embeddings", big))
+    finally:
+        await replicas.aclose()
+        deaf.close()
+    assert read.is_set() and response.status == 200
+    assert (replica.label, decision) == ("replica-1", Decision.FAILOVER)
+    assert seen == [504, 200] and len(answering_server.requests) == 1

@@ -10,13 +10,17 @@ all, and so whether ``text`` matters):
   nothing is eligible, the replica whose back-off ends first is tried anyway (``Decision.PROBE``)
   rather than failing the request without trying. A single eligible replica is
   ``Decision.ONLY_HEALTHY``.
-- Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout``, or a 5xx answer before any byte was
+- Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout`` (one that cannot have run: nothing
+  sent, or the request not read whole), or a 5xx answer before any byte was
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
   and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
   raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
   the client) and does not down the replica; nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
-  502 or 504, by ``observe``). Every 5xx downs its replica, also one the engine
+  502 or 504, by ``observe``). A request sent whole and not answered in time
+  (``UpstreamNoAnswer``, 504) is not retried either (the engine may be running it: a long
+  generation would run twice, its client waiting twice the timeout), but it downs the replica
+  (silent that long, it may be hung). Every 5xx downs its replica, also one the engine
   returns for this input only: with several replicas that costs a retry and a back-off, not the
   request. 4xx answers count as healthy (the replica answered), and so does a 401/403 to the
   gateway's own key (``UpstreamKeyRefused``, raised as it is, not failed over): as often about
@@ -55,6 +59,7 @@ from carpool.errors import (
     PathNotAllowed,
     UpstreamAnswerCut,
     UpstreamKeyRefused,
+    UpstreamNoAnswer,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -196,6 +201,12 @@ class ReplicaSet:
             tried.append(replica)
             try:
                 response = await self._attempt(replica, request, text)
+            except UpstreamNoAnswer as error:
+                # Sent whole, no answer in time: the engine may be running it, so it is not
+                # run again elsewhere; silent that long, the replica may be hung: left out.
+                self._failed(replica, _what(error))
+                self._observe(replica, error.status, decision)
+                raise
             except _RETRYABLE as error:
                 self._failed(replica, _what(error))
                 self._observe(replica, error.status, decision)

@@ -10,8 +10,11 @@ Contract (on top of ``upstream.base``):
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits.
 - Transport errors are translated here, the original error kept as ``__cause__``: a read
-  timeout -> ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable``
-  (502), a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``), a
+  timeout before the answer's head -> ``UpstreamNoAnswer`` (504: the request was written whole,
+  so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
+  elsewhere) when the server never read the whole request; anything else before an answer ->
+  ``UpstreamUnreachable`` (502), a connect timeout (TCP or TLS) included: nothing was sent
+  (``connection timed out``); a
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
   stalled: the engine took the call, not retried elsewhere), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
@@ -57,6 +60,7 @@ from ..config import LimitsConfig
 from ..errors import (
     UpstreamAnswerCut,
     UpstreamKeyRefused,
+    UpstreamNoAnswer,
     UpstreamRedirected,
     UpstreamStreamBroken,
     UpstreamTimeout,
@@ -250,7 +254,11 @@ class HttpUpstream:
             if exc.answered:
                 raise self._mid_answer(exc) from exc
             if isinstance(exc, wire.WireTimeout):
-                raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
+                if exc.sent:  # (the engine may be running it: see ``UpstreamNoAnswer``)
+                    raise UpstreamNoAnswer(f"upstream {self.label} did not answer in time") from exc
+                raise UpstreamTimeout(
+                    f"upstream {self.label} did not take the request in time"
+                ) from exc
             raise UpstreamUnreachable(
                 f"upstream {self.label} is unreachable ({exc.reason})"
             ) from exc

@@ -29,7 +29,9 @@ Contract:
   ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
 - Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
-  (``reason_of``: no address, no repr); ``answered`` whether the status had come; the OS's or
+  (``reason_of``: no address, no repr); ``answered`` whether the status had come; ``sent``
+  (a ``WireTimeout``'s) whether the request had been written whole by then (handed to the OS:
+  the server may be running it; not written whole, it cannot be); the OS's or
   the parser's error is its ``__cause__``. A header name or value with a control character
   (but tab) is refused before anything is sent (``ValueError``, as aiohttp did: no header
   injection through the library API).
@@ -60,10 +62,11 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 class WireError(Exception):
     """A transport failure (see the module's contract)."""
 
-    def __init__(self, reason: str, answered: bool = False) -> None:
+    def __init__(self, reason: str, answered: bool = False, sent: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.answered = answered
+        self.sent = sent
 
 
 class WireTimeout(WireError):
@@ -497,7 +500,10 @@ class Connection(asyncio.Protocol):
         if left > 0:
             self.timer = self.loop.call_later(left, self._check_timeout)
         else:
-            self._fail(WireTimeout("timed out", self.headed))
+            # Whether the request went whole: a server that never read all of it cannot be
+            # running it, one that did may be (it answers a whole answer once computed).
+            sent = self.transport is not None and self.transport.get_write_buffer_size() == 0
+            self._fail(WireTimeout("timed out", self.headed, sent))
 
     def drain(self) -> None:
         """Its reader is done: back in the pool once the rest of the answer has come, if it
