@@ -62,3 +62,37 @@ async def test_a_connect_timeout_is_an_unreachable_upstream_not_one_slow_to_answ
         finally:
             await upstream.aclose()
     assert sent.value.status == passed.value.status == 502
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def test_an_idle_connection_is_kept_for_limits_upstream_keepalive(monkeypatch):
+    """The keep-alive is the operator's to match to the upstream server's (it was 4 s, fixed)."""
+    from carpool.upstream import wire
+
+    connections = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(OK)
+            await writer.drain()
+
+    async with raw_server(answer) as port:
+        upstream = HttpUpstream(f"http://127.0.0.1:{port}/v1", LimitsConfig(upstream_keepalive=30))
+        try:
+            assert (await upstream.send(CHAT)).status == 200
+            real = wire.monotonic
+            monkeypatch.setattr(wire, "monotonic", lambda: real() + 20)  # (idle 20 s)
+            assert (await upstream.send(CHAT)).status == 200
+            assert connections == 1  # kept
+            monkeypatch.setattr(wire, "monotonic", lambda: real() + 60)  # (idle 40 s more)
+            assert (await upstream.send(CHAT)).status == 200
+            assert connections == 2  # past it: closed, a new one
+        finally:
+            await upstream.aclose()

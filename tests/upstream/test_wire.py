@@ -607,3 +607,109 @@ async def test_a_read_timeout_before_the_request_was_read_whole_is_failed_over(s
     assert read.is_set() and response.status == 200
     assert (replica.label, decision) == ("replica-1", Decision.FAILOVER)
     assert seen == [504, 200] and len(answering_server.requests) == 1
+
+
+def _hang_up(writer: asyncio.StreamWriter, reset: bool) -> None:
+    """The server drops the connection: a FIN, or (``reset``) an RST."""
+    if reset:
+        import socket
+        import struct
+
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    else:
+        writer.close()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_reused_connection_dropped_before_a_byte_of_the_answer_is_sent_again_on_a_new_one(
+    serve, reset
+):
+    """The keep-alive race: the server drops a kept connection it deems idle as a request goes
+    out on it. That was a 502 (and, with several replicas, a healthy one left out); it is
+    sent again, once, on a new connection (see ``upstream.wire``'s contract)."""
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 2:
+            _hang_up(writer, reset)  # (no byte of an answer)
+        else:
+            writer.write(OK)
+            await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+    assert await _ask(pool, b'"first"') == b"{}"
+    assert await _ask(pool, b'"second"') == b"{}"  # (sent on the kept one, then on a new one)
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"second"', b'"second"']
+    assert server.connections == 2 and pool.open == 1 and len(pool.idle) == 1
+
+
+@pytest.mark.parametrize(
+    "drop",
+    ["a new connection", "the second time", "after a byte of its answer"],
+)
+async def test_a_request_is_sent_again_only_for_a_reused_connection_dropped_before_any_byte(
+    serve, drop
+):
+    """Never twice more, never after the answer began, never on a connection opened for it:
+    the server took the request then (it may be running it)."""
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if drop == "a new connection" or (drop == "the second time" and n >= 2):
+            _hang_up(writer, reset=False)
+        elif drop == "after a byte of its answer" and n == 2:
+            writer.write(b"HTTP/1.1 200")
+            await writer.drain()
+            _hang_up(writer, reset=False)
+        else:
+            writer.write(OK)
+            await writer.drain()
+
+    server, pool = await serve(handle)
+    if drop != "a new connection":
+        assert await _ask(pool, b"{}") == b"{}"
+    with pytest.raises(wire.WireError):
+        await _ask(pool, b"{}")
+    assert len(server.requests) == {"a new connection": 1, "the second time": 3}.get(drop, 2)
+    assert pool.open == 0
+
+
+async def test_a_request_sent_again_goes_on_a_connection_that_carried_nothing_before(serve):
+    """Not on one just given back by another request: a server that drops every connection
+    after its answer (without saying so) drops that one too, and it failed then, for good."""
+    held = asyncio.Event()
+    carried: dict[int, list[bytes]] = {}  # what each connection carried (by its port)
+    dropped = False
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        body = server.requests[-1].rsplit(b"\r\n\r\n", 1)[1]
+        carried.setdefault(writer.get_extra_info("peername")[1], []).append(body)
+        if body == b'"held"':
+            await held.wait()
+        elif body == b'"dropped"' and not dropped:
+            dropped = True
+            _hang_up(writer, reset=False)
+            return
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=2)
+    assert await asyncio.gather(_ask(pool, b"{}"), _ask(pool, b"{}")) == [b"{}", b"{}"]
+    assert len(pool.idle) == 2
+    holding = asyncio.create_task(_ask(pool, b'"held"'))
+    async with asyncio.timeout(5):
+        while len(server.requests) < 3:
+            await asyncio.sleep(0)
+    # The second idle one, dropped as it carries its request; a third request waits for a
+    # place (the dropped one's) and gives its connection back before the held one does.
+    again = asyncio.create_task(_ask(pool, b'"dropped"'))
+    waiting = asyncio.create_task(_ask(pool, b'"waiting"'))
+    assert await asyncio.wait_for(waiting, 5) == b"{}"
+    assert await asyncio.wait_for(again, 5) == b"{}"
+    held.set()
+    assert await asyncio.wait_for(holding, 5) == b"{}"
+    assert sorted(carried.values()) == sorted(
+        [[b"{}", b'"held"'], [b"{}", b'"dropped"'], [b'"waiting"'], [b'"dropped"']]
+    )

@@ -3,8 +3,11 @@
 Contract (on top of ``upstream.base``):
 - The calls of the cached endpoints (``send``: every miss and bypass) go through
   ``upstream.wire``, a lean HTTP/1.1 client: one pool of kept connections per replica, opened on
-  first use (inside the event loop), at most ``limits.upstream_max_connections``; connect and
-  read timeouts from ``limits``. Measured on this machine, aiohttp spent about 0.25 ms of CPU on
+  first use (inside the event loop), at most ``limits.upstream_max_connections``, an idle one
+  kept ``limits.upstream_keepalive`` seconds; connect and read timeouts from ``limits``. A
+  call that meets the keep-alive race (the server drops a kept connection as the call goes out
+  on it, before a byte of the answer) is sent again on a new connection by ``upstream.wire``,
+  not failed (no 502, no healthy replica left out). Measured on this machine, aiohttp spent about 0.25 ms of CPU on
   each such call, this about a fifth of that (benchmarks/README.md). A stream that ended whole
   gives its connection back to the pool; one left part-way closes it (the engine stops).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
@@ -85,12 +88,6 @@ HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-# Idle pooled connections are dropped after this many seconds: before the upstream server drops
-# them itself (uvicorn, hence vLLM and SGLang, llama.cpp's server and Node do after 5 s). Reusing
-# a connection that the server is closing at that very moment makes the request fail with a
-# reset (a 502), which a busy gateway, reusing its oldest idle connection first, hit 2-3 times
-# in 2,000 requests with aiohttp's default of 15 s.
-KEEPALIVE_S = 4.0
 # The query string is forwarded as it came; only what a URL cannot hold (space, control, non-ASCII
 # bytes, "#") is percent-encoded, since the URL is handed to aiohttp as already encoded.
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
@@ -210,7 +207,12 @@ class HttpUpstream:
                 connector=aiohttp.TCPConnector(
                     limit=self.limits.upstream_max_connections,
                     limit_per_host=0,
-                    keepalive_timeout=KEEPALIVE_S,
+                    # (Idle connections dropped before the upstream server drops them itself:
+                    # reusing one it is closing at that moment fails the call, which a busy
+                    # gateway hit 2-3 times in 2,000 requests with aiohttp's default of 15 s.
+                    # ``upstream.wire`` sends such a call again on a new connection; aiohttp
+                    # does so only for an idempotent method.)
+                    keepalive_timeout=self.limits.upstream_keepalive,
                 ),
                 timeout=aiohttp.ClientTimeout(
                     total=None,
@@ -231,7 +233,7 @@ class HttpUpstream:
                 limit=self.limits.upstream_max_connections,
                 connect_timeout=self.limits.upstream_connect_timeout,
                 read_timeout=self.limits.upstream_timeout,
-                keepalive_s=KEEPALIVE_S,
+                keepalive_s=self.limits.upstream_keepalive,
             )
         return self._pool
 

@@ -15,9 +15,22 @@ Contract:
   (then it is closed: before the server drops it itself, which races with its reuse; the
   oldest idle ones are closed so too whenever a connection comes back) or the server closed it
   or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
-- ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) once, never retried
-  (a POST may not be), on one connection, and returns an ``Answer`` once its status and headers
-  have come, or (``whole``) once all of it has.
+- ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) on one connection,
+  and returns an ``Answer`` once its status and headers have come, or (``whole``) once all of
+  it has. It is sent once (a POST may not be retried), but for the keep-alive race: when a
+  connection used before (idle, or just given back) is closed or reset by the server before a
+  byte of the answer came, the request is sent again, once, on a new connection (a place in
+  the pool, in turn, first in line), never on one used before. That is what a server dropping
+  a kept connection it deems idle, as a request goes out on it, looks like; it never read that
+  request (it was closing). Go's net/http client sends again in that case (a reused connection,
+  ``errServerClosedIdle``) a request it deems replayable (an idempotent method, or one with an
+  ``Idempotency-Key``), or any request when nothing of it was written. Here it is every
+  request, the calls of the cached endpoints being POSTs: the one case that reads the same and
+  is not the race, a server that read the request and then died or dropped the connection
+  without a byte of answer, gets it a second time, once, on a connection of its own, whose
+  failure is then final. (It was a 502, and with several replicas a healthy one left out.) A
+  timeout, a byte of an answer, a failure on a connection opened for the request: never sent
+  again.
 - ``Answer.read()`` the whole body; ``Answer.chunks()`` the body as it comes. ``release(drain)``
   puts the connection back in the pool if the answer came to its end and the server keeps the
   connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
@@ -151,6 +164,21 @@ class Pool:
         connection = None if self._waiting else self._idle()
         if connection is None:
             connection = await self._acquire()
+        try:
+            return await self._exchange(connection, data, whole)
+        except WireError as failure:
+            if (
+                isinstance(failure, WireTimeout)
+                or connection.uses < 2
+                or connection.heard
+                or self.closed
+            ):
+                raise
+        # The keep-alive race (see the module's contract): once more, on a new connection.
+        return await self._exchange(await self._acquire(first=True, fresh=True), data, whole)
+
+    async def _exchange(self, connection: Connection, data: bytes, whole: bool) -> Answer:
+        """``data`` sent on ``connection``, and its answer's head (or, ``whole``, all of it)."""
         connection.begin()
         try:
             connection.transport.write(data)  # type: ignore[union-attr]  # (connected)
@@ -178,24 +206,34 @@ class Pool:
             self.discard(connection)
         return None
 
-    async def _acquire(self) -> Connection:
+    async def _acquire(self, first: bool = False, fresh: bool = False) -> Connection:
         """A connection, in turn: an idle one or a new one while nobody waits ahead (and the
         limit allows), else the one given back or the place freed (``_hand``) once every
         request that waited before has had its own. A request that came later and found
-        nobody waiting never takes what was freed for one that waits."""
+        nobody waiting never takes what was freed for one that waits. ``first``: ahead of
+        every request waiting (it has had its turn already); ``fresh``: a new connection,
+        never one used before (in the place of the oldest idle one if idle ones hold every
+        place, or of the one given back to it)."""
         waiting = self._waiting
-        first = False  # (given a connection that closed before it ran: first in line again)
+        # (``first``: also given a connection that closed before it ran: first in line again)
         while True:
             if self.closed:
                 raise WireError("connection failed")
             while waiting and waiting[0].done():
                 waiting.popleft()  # (one cancelled, its task not yet run to leave the line)
             if first or not waiting:
-                connection = self._idle()
+                connection = None if fresh else self._idle()
                 if connection is not None:
                     return connection
                 if self.open < self.limit:
                     self.open += 1
+                    return await self._connect()
+                if fresh and self.idle:
+                    # Every place is held, some by idle connections: the oldest one's is this
+                    # request's (not counted free, nor handed to one waiting behind it).
+                    oldest = self.idle.pop(0)
+                    oldest.counted = False
+                    self.discard(oldest)
                     return await self._connect()
             waiter: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
             if first:
@@ -217,7 +255,13 @@ class Pool:
             if given is None:
                 return await self._connect()  # (its place, counted for it already)
             if not given.lost:
-                return given
+                if not fresh:
+                    return given
+                # Its place: a server that drops every connection after an answer (without
+                # saying so) would drop this one too.
+                given.counted = False
+                self.discard(given)
+                return await self._connect()
             first = True
 
     async def _connect(self) -> Connection:
@@ -404,6 +448,8 @@ class Connection(asyncio.Protocol):
         "parser",
         "loop",
         "counted",
+        "uses",
+        "heard",
         "lost",
         "idle_since",
         "active",
@@ -430,6 +476,8 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.loop = asyncio.get_running_loop()
         self.counted = False  # against the pool's ``open``, until closed
+        self.uses = 0  # requests sent on it, this one included
+        self.heard = False  # a byte of this request's answer came
         self.lost = False  # closed, by either side
         self.idle_since = 0.0
         self.active = False  # a request is in progress
@@ -456,6 +504,8 @@ class Connection(asyncio.Protocol):
 
     def begin(self) -> None:
         self.active = True
+        self.uses += 1
+        self.heard = False
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
@@ -565,6 +615,7 @@ class Connection(asyncio.Protocol):
             self.pool.discard(self)
             return
         self.last_read = self.loop.time()
+        self.heard = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
