@@ -6,7 +6,12 @@ all, and so whether ``text`` matters):
 
 - Eligible: healthy replicas, plus downed ones whose back-off is over and that are not already
   being probed. One such request is the *probe*: success makes the replica healthy again, failure
-  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). When
+  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). Only
+  news counts: the failure of a call sent before the replica's last change of state (downed or
+  healed) is counted in its ``errors``, not its ``failures``, and changes nothing else: the
+  other calls in flight when the first failure of an incident came back, or the other calls
+  sent to it while nothing was eligible, fail with the same news (they pushed the back-off to
+  its maximum while the log said ``backoff_s``). When
   nothing is eligible, the replica whose back-off ends first is tried anyway (``Decision.PROBE``)
   rather than failing the request without trying. A single eligible replica is
   ``Decision.ONLY_HEALTHY``.
@@ -85,7 +90,9 @@ class ReplicaState:
     in_flight: int = 0  # requests sent and not finished (streams: not yet closed)
     calls: int = 0  # attempts sent, failed ones and failovers included
     errors: int = 0  # attempts that failed (transport error or 5xx)
-    failures: int = 0  # consecutive failures; 0 once healthy
+    failures: int = 0  # failures that downed it or grew its back-off (news); 0 once healthy
+    # Changes of its state (downed, healed): a failed call sent before the last one is no news.
+    verdicts: int = 0
     healthy: bool = True
     answered: bool = False  # it has answered since it last failed (reachable, proven)
     answered_at: float = float("-inf")  # clock of its last answer (``ready`` trusts it a while)
@@ -199,16 +206,17 @@ class ReplicaSet:
         tried: list[ReplicaState] = []
         while True:
             tried.append(replica)
+            seen = replica.verdicts
             try:
                 response = await self._attempt(replica, request, text)
             except UpstreamNoAnswer as error:
                 # Sent whole, no answer in time: the engine may be running it, so it is not
                 # run again elsewhere; silent that long, the replica may be hung: left out.
-                self._failed(replica, _what(error))
+                self._failed(replica, _what(error), seen)
                 self._observe(replica, error.status, decision)
                 raise
             except _RETRYABLE as error:
-                self._failed(replica, _what(error))
+                self._failed(replica, _what(error), seen)
                 self._observe(replica, error.status, decision)
                 retry = self.choose(text, tried) if len(tried) < 2 else None
                 if retry is None:
@@ -236,7 +244,7 @@ class ReplicaSet:
             if response.status < 500:
                 self._succeeded(replica)
                 return response, replica, decision
-            self._failed(replica, f"answered {response.status}")
+            self._failed(replica, f"answered {response.status}", seen)
             retry = self.choose(text, tried) if len(tried) < 2 else None
             if retry is None:
                 return response, replica, decision
@@ -293,10 +301,11 @@ class ReplicaSet:
         replica = chosen[0]
         if not replica.healthy:
             replica.probing = True
+        seen = replica.verdicts
         try:
             response = await replica.upstream.passthrough(method, path, query, headers, body)
         except _RETRYABLE as error:
-            self._failed(replica, _what(error))
+            self._failed(replica, _what(error), seen)
             raise
         except UpstreamKeyRefused as error:  # (an answer: see ``send``)
             replica.answered, replica.answered_at = True, self.clock()
@@ -313,6 +322,7 @@ class ReplicaSet:
 
     def _succeeded(self, replica: ReplicaState) -> None:
         if not replica.healthy:
+            replica.verdicts += 1
             log.info(
                 "upstream %s answers again after %d failure(s)%s",
                 self._called(replica),
@@ -322,8 +332,15 @@ class ReplicaSet:
             replica.logged_at, replica.unlogged = None, 0
         replica.healthy, replica.probing, replica.failures = True, False, 0
 
-    def _failed(self, replica: ReplicaState, what: str) -> None:
+    def _failed(self, replica: ReplicaState, what: str, seen: int) -> None:
+        """A call of ``replica`` failed, sent when its state was ``seen`` (``verdicts``)."""
         replica.errors += 1
+        if seen != replica.verdicts:
+            # Sent before its last change of state: no news (see the module doc). Left for the
+            # next warning to count (one says what downed it already).
+            replica.unlogged += 1
+            return
+        replica.verdicts += 1
         replica.failures += 1
         replica.healthy, replica.probing, replica.answered = False, False, False
         backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
@@ -432,6 +449,7 @@ class ReplicaSet:
         for replica in self.replicas:
             if not replica.eligible(self.clock()):
                 continue
+            seen = replica.verdicts
             try:
                 async with asyncio.timeout(timeout):
                     response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
@@ -442,7 +460,7 @@ class ReplicaSet:
             except UpstreamKeyRefused as error:
                 self._refused(replica, error)  # an answer: reachable
             except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
-                self._failed(replica, f"readiness probe: {_what(error)}")
+                self._failed(replica, f"readiness probe: {_what(error)}", seen)
                 continue
             replica.answered, replica.answered_at = True, self.clock()
             if not replica.healthy:
