@@ -96,3 +96,36 @@ async def test_an_idle_connection_is_kept_for_limits_upstream_keepalive(monkeypa
             assert connections == 2  # past it: closed, a new one
         finally:
             await upstream.aclose()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_a_stream_is_known_by_its_media_type_in_any_case():
+    """Media types are case-insensitive (RFC 9110 8.3.1): a stream said to be
+    ``Text/Event-Stream`` was read as a JSON body, a 502 "not JSON"."""
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: Text/Event-Stream; Charset=UTF-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+            + _chunk(b'data: {"n": 1}\n\n')
+            + _chunk(b"data: [DONE]\n\n")
+            + b"0\r\n\r\n"
+        )
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(stream) as port:
+        upstream = HttpUpstream(f"http://127.0.0.1:{port}/v1", LimitsConfig())
+        try:
+            response = await upstream.send(
+                UpstreamRequest("/chat/completions", {"model": "m", "stream": True}, stream=True)
+            )
+            assert response.streaming
+            assert [payload async for payload in response.events()] == [[b'{"n": 1}']]
+            await response.aclose()
+        finally:
+            await upstream.aclose()

@@ -274,7 +274,8 @@ class HttpUpstream:
             raise UpstreamKeyRefused(
                 f"upstream {self.label} refused the gateway's key ({status})", status
             )
-        if request.stream and 200 <= status < 300 and "text/event-stream" in content_type:
+        # (A media type is case-insensitive, RFC 9110 8.3.1: ``Text/Event-Stream`` is one.)
+        if request.stream and 200 <= status < 300 and "text/event-stream" in content_type.lower():
             return UpstreamResponse(
                 status,
                 {"content-type": content_type},
