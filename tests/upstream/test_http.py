@@ -129,3 +129,36 @@ async def test_a_stream_is_known_by_its_media_type_in_any_case():
             await response.aclose()
         finally:
             await upstream.aclose()
+
+
+async def test_pass_through_relays_no_hop_by_hop_header_of_the_answer():
+    """They describe the upstream's connection to the gateway: those the answer's Connection
+    names and proxy-authenticate, proxy-connection, te, trailer, upgrade were relayed."""
+    body = b'{"object": "list", "data": []}'
+
+    async def models(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"Connection: keep-alive, X-Internal-Hop\r\nconnection: x-other-hop\r\n"
+            b"x-internal-hop: a\r\nx-other-hop: b\r\nkeep-alive: timeout=5\r\n"
+            b"proxy-authenticate: Basic realm=up\r\nproxy-connection: keep-alive\r\n"
+            b"te: trailers\r\ntrailer: x-t\r\nupgrade: h2c\r\n"
+            b'alt-svc: h3=":443"\r\nx-end-to-end: c\r\n\r\n%s' % (len(body), body)
+        )
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(models) as port:
+        upstream = HttpUpstream(f"http://127.0.0.1:{port}/v1", LimitsConfig())
+        try:
+            response = await upstream.passthrough("GET", "/models", b"", {}, b"")
+            assert b"".join([chunk async for chunk in response.body]) == body
+        finally:
+            await upstream.aclose()
+    relayed = {name.decode().lower(): value for name, value in response.headers}
+    assert relayed == {
+        "content-type": b"application/json",
+        "alt-svc": b'h3=":443"',
+        "x-end-to-end": b"c",
+    }

@@ -43,6 +43,10 @@ Contract (on top of ``upstream.base``):
   UTF-8; one holding a control character is refused, never sent); an upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
+- Pass-through relays the answer's headers but the hop-by-hop ones (``NOT_RELAYED``, and
+  those its ``Connection`` names) and, with a key the gateway holds, what the upstream says of
+  that key's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers carry only
+  their content type from the upstream.
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -80,8 +84,23 @@ from .base import (
     connection_listed,
 )
 
-# Response headers not relayed by pass-through (the ASGI server frames the body itself).
-NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+# Response headers not relayed by pass-through: the framing (the ASGI server frames the body
+# itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616 13.5.1's list), which
+# describe the upstream's connection to the gateway, not the gateway's to its client; so are
+# those the answer's own ``Connection`` names.
+NOT_RELAYED = frozenset(
+    {
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
 # Nor, when the gateway holds the upstream's key, what an upstream says of that key's account
 # (OpenAI names its organization and project on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
@@ -355,6 +374,9 @@ class HttpUpstream:
                 f"upstream {self.label} answered a redirect ({response.status})"
             )
         dropped = NOT_RELAYED | HELD_KEY_NOT_RELAYED if self._held else NOT_RELAYED
+        named = response.headers.getall("connection", ())
+        if named:
+            dropped = dropped | connection_listed({"connection": ",".join(named)})
         relayed = [
             (k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in dropped
         ]
