@@ -713,3 +713,31 @@ async def test_a_request_sent_again_goes_on_a_connection_that_carried_nothing_be
     assert sorted(carried.values()) == sorted(
         [[b"{}", b'"held"'], [b"{}", b'"dropped"'], [b'"waiting"'], [b'"dropped"']]
     )
+
+
+@pytest.mark.parametrize("how", ["whole", "trickled", "interim answers without end"])
+async def test_an_answer_head_over_64_kib_fails_the_answer(serve, how):
+    """A 4 MB header was taken; a head trickled a KiB at a time (each piece restarting the read
+    timer) grew the gateway's memory for ever."""
+
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if how == "whole":
+            writer.write(OK.replace(b"\r\n\r\n", b"\r\nx-big: %s\r\n\r\n" % (b"a" * 100_000)))
+            await writer.drain()
+            await reader.read()
+            return
+        piece = b"a" * 1024
+        if how == "trickled":
+            writer.write(b"HTTP/1.1 200 OK\r\nx-big: ")
+        else:
+            piece = b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n" * 20
+        while True:  # (until the client goes: a ConnectionError)
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    server, pool = await serve(handle)
+    with pytest.raises(wire.WireError, match="answer head too large") as raised:
+        await asyncio.wait_for(pool.request(post(), True), 10)
+    assert not raised.value.answered and pool.open == 0
+    await asyncio.wait_for(server.closed.wait(), 5)  # (the connection closed)

@@ -38,6 +38,12 @@ Contract:
   Otherwise it is closed, which tells the server the caller has gone (an engine then stops
   generating). ``release`` is safe to call twice, and after a failure or a cancellation; a
   request cancelled while it waits closes its connection.
+- An answer's head (status line and headers, with those of any interim ``1xx`` answer before
+  it) is at most ``MAX_HEAD`` bytes, counted as they come: beyond, the answer fails
+  (``WireError``, "answer head too large") and its connection is closed. A server that sends
+  an endless head, or trickles one (each byte restarting the read timer), would otherwise
+  grow the gateway's memory without bound. A chunked body's trailer fields count so too, once
+  each is whole.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
@@ -432,6 +438,16 @@ class _Pieces:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# The largest answer head taken, in bytes (see the module's contract): 64 KiB, as the gateway's
+# own default for a request's (``limits.max_header_bytes``); Go's client takes 1 MiB, engines
+# send well under 1 KiB.
+MAX_HEAD = 64 * 1024
+
+
+class _HeadTooLarge(Exception):
+    """Raised by the parser's ``on_header`` past ``MAX_HEAD`` (the parser's error's context)."""
+
+
 # What a request waits for (``Connection.wait``).
 HEAD, NEWS, END = 0, 1, 2
 # How long a connection whose reader has all it wanted waits for the rest of its answer (the
@@ -450,6 +466,8 @@ class Connection(asyncio.Protocol):
         "counted",
         "uses",
         "heard",
+        "head_bytes",
+        "field_bytes",
         "lost",
         "idle_since",
         "active",
@@ -478,6 +496,8 @@ class Connection(asyncio.Protocol):
         self.counted = False  # against the pool's ``open``, until closed
         self.uses = 0  # requests sent on it, this one included
         self.heard = False  # a byte of this request's answer came
+        self.head_bytes = 0  # bytes of this request's answer come before its head was whole
+        self.field_bytes = 0  # the size of its header (and trailer) fields
         self.lost = False  # closed, by either side
         self.idle_since = 0.0
         self.active = False  # a request is in progress
@@ -506,6 +526,7 @@ class Connection(asyncio.Protocol):
         self.active = True
         self.uses += 1
         self.heard = False
+        self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
@@ -619,8 +640,17 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._fail(WireError("malformed or truncated answer", self.headed), exc)
+            too_large = isinstance(exc.__context__, _HeadTooLarge)
+            reason = "answer head too large" if too_large else "malformed or truncated answer"
+            self._fail(WireError(reason, self.headed), exc)
             return
+        if not self.headed:
+            # Every byte so far is the head's (or an interim answer's): the parser keeps a
+            # field it has not seen whole, so an endless one is cut here, as it comes.
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
+                self._fail(WireError("answer head too large"))
+                return
         if self.draining and self.done:
             # Back in the pool only now that the whole read is parsed: bytes after the answer's
             # end in the same read (an answer nobody asked for) are seen (``unasked``) before
@@ -654,6 +684,10 @@ class Connection(asyncio.Protocol):
             self.keep_alive = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # (A head that came whole in one read, up to its 256 KiB, is cut here.)
+        self.field_bytes += len(name) + len(value) + 4
+        if self.field_bytes > MAX_HEAD:
+            raise _HeadTooLarge
         if self.headed or self.unasked:
             return  # a chunked body's trailers, or an unasked answer's: not the answer's head
         name = name.lower()
