@@ -162,3 +162,41 @@ async def test_pass_through_relays_no_hop_by_hop_header_of_the_answer():
         "alt-svc": b'h3=":443"',
         "x-end-to-end": b"c",
     }
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["client's key", "gateway's key"])
+async def test_pass_through_forwards_the_idempotency_key_and_cache_control(held):
+    """Other /v1 paths pass through unchanged: a retried POST /v1/batches reached the upstream
+    twice without its Idempotency-Key. Not the key when the gateway holds the upstream's, though:
+    every client's call is then the one account's (one client's key would replay another's)."""
+    heads: list[bytes] = []
+
+    async def batches(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head.lower())
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+        writer.write(b'content-length: 16\r\n\r\n{"id":"batch_1"}')
+        await writer.drain()
+        await reader.read()
+
+    headers = {
+        "content-type": "application/json",
+        "idempotency-key": "k-123",
+        "x-idempotency-key": "k-456",
+        "cache-control": "no-cache",
+    }
+    async with raw_server(batches) as port:
+        upstream = HttpUpstream(
+            f"http://127.0.0.1:{port}/v1", LimitsConfig(), api_key="held" if held else None
+        )
+        try:
+            response = await upstream.passthrough("POST", "/batches", b"", headers, b"{}")
+            assert b"".join([chunk async for chunk in response.body]) == b'{"id":"batch_1"}'
+        finally:
+            await upstream.aclose()
+    (head,) = heads
+    assert b"\r\ncache-control: no-cache\r\n" in head
+    keys = [b"\r\nidempotency-key: k-123\r\n", b"\r\nx-idempotency-key: k-456\r\n"]
+    assert [key in head for key in keys] == [not held, not held]

@@ -40,7 +40,12 @@ Contract (on top of ``upstream.base``):
   its query string too is the base URL's own, then the client's.
 - Request headers are forwarded except hop-by-hop ones (those the request's ``Connection``
   names too) and carpool's own controls (written as
-  UTF-8; one holding a control character is refused, never sent); an upstream
+  UTF-8; one holding a control character is refused, never sent). Pass-through, which carpool
+  neither caches nor makes idempotent, forwards those two controls as they came too:
+  ``Cache-Control`` and the ``Idempotency-Key`` (``X-Idempotency-Key``), so that a retried
+  ``POST /v1/batches`` is the upstream's to recognise; not the key, though, when the gateway
+  holds the upstream's key (``api_key``): every client's call is then the one account's, and
+  one client's key could replay another's answer. An upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
 - Pass-through relays the answer's headers but the hop-by-hop ones (``NOT_RELAYED``, and
@@ -111,6 +116,12 @@ _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 # bytes, "#") is percent-encoded, since the URL is handed to aiohttp as already encoded.
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
+
+# Request headers pass-through forwards that the cached endpoints' calls do not (``NOT_FORWARDED``):
+# the body is relayed as it came, and nothing of carpool's caching or idempotency applies to it.
+_PASSED = ("content-type", "accept-encoding", "cache-control")
+# And the client's idempotency key, unless the gateway holds the upstream's key (module doc).
+_PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
 
 # The client's credentials, replaced as a whole when the gateway holds the upstream's.
 _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
@@ -350,8 +361,9 @@ class HttpUpstream:
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
     ) -> PassthroughResponse:
         out_headers = forwarded_headers(headers)
-        for name in ("content-type", "accept-encoding"):
-            if name in headers:
+        listed = connection_listed(headers)  # (hop-by-hop, for this request)
+        for name in _PASSED if self._held else _PASSED_KEYS:
+            if name in headers and name not in listed:
                 out_headers[name] = headers[name]
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
