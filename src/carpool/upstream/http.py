@@ -7,8 +7,9 @@ Contract (on top of ``upstream.base``):
   kept ``limits.upstream_keepalive`` seconds; connect and read timeouts from ``limits``. A
   call that meets the keep-alive race (the server drops a kept connection as the call goes out
   on it, before a byte of the answer) is sent again on a new connection by ``upstream.wire``,
-  not failed (no 502, no healthy replica left out). Measured on this machine, aiohttp spent about 0.25 ms of CPU on
-  each such call, this about a fifth of that (benchmarks/README.md). A stream that ended whole
+  not failed (no 502, no healthy replica left out). Measured on this machine, aiohttp spent
+  about 0.25 ms of CPU on each such call, this about a fifth of that (benchmarks/README.md).
+  A stream that ended whole
   gives its connection back to the pool; one left part-way closes it (the engine stops).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits.
@@ -41,8 +42,8 @@ Contract (on top of ``upstream.base``):
 - Request headers are forwarded except hop-by-hop ones (those the request's ``Connection``
   names too) and carpool's own controls (written as
   UTF-8; one holding a control character is refused, never sent). Pass-through, which carpool
-  neither caches nor makes idempotent, forwards those two controls as they came too:
-  ``Cache-Control`` and the ``Idempotency-Key`` (``X-Idempotency-Key``), so that a retried
+  neither caches nor makes idempotent, also forwards ``Cache-Control`` and the
+  ``Idempotency-Key`` (``X-Idempotency-Key``) as they came, so that a retried
   ``POST /v1/batches`` is the upstream's to recognise; not the key, though, when the gateway
   holds the upstream's key (``api_key``): every client's call is then the one account's, and
   one client's key could replay another's answer. An upstream
@@ -117,8 +118,8 @@ _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
 
-# Request headers pass-through forwards that the cached endpoints' calls do not (``NOT_FORWARDED``):
-# the body is relayed as it came, and nothing of carpool's caching or idempotency applies to it.
+# Request headers pass-through forwards and the cached endpoints' calls do not
+# (``NOT_FORWARDED``): nothing of carpool's caching or idempotency applies to pass-through.
 _PASSED = ("content-type", "accept-encoding", "cache-control")
 # And the client's idempotency key, unless the gateway holds the upstream's key (module doc).
 _PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
