@@ -21,6 +21,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
+    │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere)
     │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
     │   ├── UpstreamRedirected        502: a pass-through call answered with a redirect (not followed)
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
@@ -202,6 +203,21 @@ class UpstreamTimeout(UpstreamError):
 
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamNoAnswer(UpstreamTimeout):
+    """The request was written whole and no answer's head came within
+    ``limits.upstream_timeout`` (504, ``code`` ``upstream_timeout``).
+
+    The engine may be running it: it sends a whole answer's head once it has computed it, so
+    a long generation is silent until then. As for an answer cut after its head
+    (``UpstreamAnswerCut``), it is not run again on another replica (``routing.replicas``: the
+    client would wait twice the timeout for a generation run twice), nor retried by the SDKs
+    (``x-should-retry: false``). A plain ``UpstreamTimeout`` is one that cannot have run (the
+    server never read the whole request): tried elsewhere.
+    """
+
+    also = _NOT_RETRIED
 
 
 class UpstreamRedirected(UpstreamError):

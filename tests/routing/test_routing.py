@@ -384,6 +384,50 @@ def test_a_pass_through_path_names_the_stored_response_it_is_about():
     assert path_state("/models/resp_1") is None
 
 
+class _Gated(Fake):
+    """A ``Fake`` whose calls all wait for ``gate``, then fail (unreachable)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate = asyncio.Event()
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.sent += 1
+        await self.gate.wait()
+        raise UpstreamUnreachable(f"{self.name}: connection reset")
+
+
+async def _fail_together(replicas: ReplicaSet, gated: _Gated, requests: int, calls: int) -> None:
+    """``requests`` sent at once, ``gated`` failing its ``calls`` of them once all are sent."""
+    sent = gated.sent
+    tasks = [asyncio.create_task(replicas.send(REQUEST)) for _ in range(requests)]
+    async with asyncio.timeout(5):
+        while gated.sent < sent + calls:
+            await asyncio.sleep(0)
+    gated.gate.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    gated.gate.clear()
+
+
+async def test_calls_failing_together_grow_the_back_off_once():
+    """The failures of calls sent before the first one came back are the same news: they
+    pushed the back-off to its maximum (5, 10, 20, 40, 60 s) while the log said 5 s."""
+    gated, clock = _Gated("r0"), Clock()
+    replicas = ReplicaSet(
+        [gated, Fake("r1")], build_policy("round-robin"), clock=clock, backoff_s=5
+    )
+    await _fail_together(replicas, gated, 6, 3)  # (three to each replica, in turn)
+    snap = replicas.snapshot()["r0"]
+    assert (snap["errors"], snap["failures"], snap["down_for_s"]) == (3, 1, 5)
+    # Alone, and down: every call is a probe of it; those sent together fail together, once.
+    alone = ReplicaSet([gated], build_policy("round-robin"), clock=clock, backoff_s=5)
+    for failures, down_for in [(1, 5), (2, 10)]:
+        await _fail_together(alone, gated, 3, 3)
+        snap = alone.snapshot()["r0"]
+        assert (snap["failures"], snap["down_for_s"]) == (failures, down_for)
+    assert snap["errors"] == 6 and alone.in_flight == replicas.in_flight == 0
+
+
 async def test_5xx_before_any_byte_fails_over():
     replicas, (r0, r1), _ = replica_set("5xx", "ok")
     response, replica, decision = await replicas.send(REQUEST)

@@ -531,3 +531,213 @@ async def test_a_whole_answer_cut_after_its_head_is_not_run_again_on_another_rep
     assert all(r.healthy for r in replicas.replicas)
     assert raised.value.status == seen[0] == (504 if stalls else 502) and len(seen) == 1
     assert raised.value.headers()["x-should-retry"] == "false"
+
+
+def _replicas(ports: list[int], **limits: Any) -> Any:
+    """A round-robin ``ReplicaSet`` of ``HttpUpstream``s on ``ports``, the first tried first,
+    and the statuses its attempts were observed with."""
+    from carpool.config import LimitsConfig
+    from carpool.routing import build_policy
+    from carpool.routing.replicas import ReplicaSet
+    from carpool.upstream.http import HttpUpstream
+
+    config = LimitsConfig(**limits)
+    upstreams = [
+        HttpUpstream(f"http://127.0.0.1:{port}/v1", config, label=f"replica-{i}")
+        for i, port in enumerate(ports)
+    ]
+    seen: list[int] = []
+    replicas = ReplicaSet(
+        upstreams, build_policy("round-robin"), observe=lambda r, status, d: seen.append(status)
+    )
+    return replicas, seen
+
+
+async def test_a_read_timeout_after_the_request_was_sent_is_not_failed_over(serve):
+    """The request went whole and no answer came in time: the engine may be running it (a
+    whole answer's head comes once it is computed). It was failed over like an unreachable
+    replica: the generation ran twice, its client waiting up to twice the timeout."""
+    from carpool.errors import UpstreamError
+    from carpool.upstream.base import UpstreamRequest
+
+    async def silent(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # (never answers, until the client goes)
+
+    servers = [(await serve(silent))[0] for _ in range(2)]
+    replicas, seen = _replicas([s.port for s in servers], upstream_timeout=0.2)
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            await replicas.send(UpstreamRequest("/chat/completions", {"model": "m"}))
+    finally:
+        await replicas.aclose()
+    assert [len(s.requests) for s in servers] == [1, 0]
+    assert raised.value.status == 504 and seen == [504]
+    assert raised.value.code == "upstream_timeout"
+    assert raised.value.headers()["x-should-retry"] == "false"
+    # Silent that long, it may be hung: left out, the other one not.
+    assert [r.healthy for r in replicas.replicas] == [False, True]
+
+
+async def test_a_read_timeout_before_the_request_was_read_whole_is_failed_over(serve):
+    """A server that never read the whole request cannot be running it: tried elsewhere."""
+    import socket
+
+    from carpool.routing import Decision
+    from carpool.upstream.base import UpstreamRequest
+
+    read = asyncio.Event()
+
+    class Deaf(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transport.pause_reading()  # type: ignore[attr-defined]
+            read.set()
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (the request stays unsent)
+    sock.bind(("127.0.0.1", 0))
+    deaf = await asyncio.get_running_loop().create_server(Deaf, sock=sock)
+    answering_server, _ = await serve(answering(OK))
+    replicas, seen = _replicas([sock.getsockname()[1], answering_server.port], upstream_timeout=0.3)
+    big = {"model": "m", "input": "x" * 12_000_000}  # (over both ends' socket buffers)
+    try:
+        response, replica, decision = await replicas.send(UpstreamRequest("/embeddings", big))
+    finally:
+        await replicas.aclose()
+        deaf.close()
+    assert read.is_set() and response.status == 200
+    assert (replica.label, decision) == ("replica-1", Decision.FAILOVER)
+    assert seen == [504, 200] and len(answering_server.requests) == 1
+
+
+def _hang_up(writer: asyncio.StreamWriter, reset: bool) -> None:
+    """The server drops the connection: a FIN, or (``reset``) an RST."""
+    if reset:
+        import socket
+        import struct
+
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    else:
+        writer.close()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_reused_connection_dropped_before_a_byte_of_the_answer_is_sent_again_on_a_new_one(
+    serve, reset
+):
+    """The keep-alive race: the server drops a kept connection it deems idle as a request goes
+    out on it. That was a 502 (and, with several replicas, a healthy one left out); it is
+    sent again, once, on a new connection (see ``upstream.wire``'s contract)."""
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 2:
+            _hang_up(writer, reset)  # (no byte of an answer)
+        else:
+            writer.write(OK)
+            await writer.drain()
+
+    server, pool = await serve(handle, limit=1)
+    assert await _ask(pool, b'"first"') == b"{}"
+    assert await _ask(pool, b'"second"') == b"{}"  # (sent on the kept one, then on a new one)
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"second"', b'"second"']
+    assert server.connections == 2 and pool.open == 1 and len(pool.idle) == 1
+
+
+@pytest.mark.parametrize(
+    "drop",
+    ["a new connection", "the second time", "after a byte of its answer"],
+)
+async def test_a_request_is_sent_again_only_for_a_reused_connection_dropped_before_any_byte(
+    serve, drop
+):
+    """Never twice more, never after the answer began, never on a connection opened for it:
+    the server took the request then (it may be running it)."""
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if drop == "a new connection" or (drop == "the second time" and n >= 2):
+            _hang_up(writer, reset=False)
+        elif drop == "after a byte of its answer" and n == 2:
+            writer.write(b"HTTP/1.1 200")
+            await writer.drain()
+            _hang_up(writer, reset=False)
+        else:
+            writer.write(OK)
+            await writer.drain()
+
+    server, pool = await serve(handle)
+    if drop != "a new connection":
+        assert await _ask(pool, b"{}") == b"{}"
+    with pytest.raises(wire.WireError):
+        await _ask(pool, b"{}")
+    assert len(server.requests) == {"a new connection": 1, "the second time": 3}.get(drop, 2)
+    assert pool.open == 0
+
+
+async def test_a_request_sent_again_goes_on_a_connection_that_carried_nothing_before(serve):
+    """Not on one just given back by another request: a server that drops every connection
+    after its answer (without saying so) drops that one too, and it failed then, for good."""
+    held = asyncio.Event()
+    carried: dict[int, list[bytes]] = {}  # what each connection carried (by its port)
+    dropped = False
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        body = server.requests[-1].rsplit(b"\r\n\r\n", 1)[1]
+        carried.setdefault(writer.get_extra_info("peername")[1], []).append(body)
+        if body == b'"held"':
+            await held.wait()
+        elif body == b'"dropped"' and not dropped:
+            dropped = True
+            _hang_up(writer, reset=False)
+            return
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=2)
+    assert await asyncio.gather(_ask(pool, b"{}"), _ask(pool, b"{}")) == [b"{}", b"{}"]
+    assert len(pool.idle) == 2
+    holding = asyncio.create_task(_ask(pool, b'"held"'))
+    async with asyncio.timeout(5):
+        while len(server.requests) < 3:
+            await asyncio.sleep(0)
+    # The second idle one, dropped as it carries its request; a third request waits for a
+    # place (the dropped one's) and gives its connection back before the held one does.
+    again = asyncio.create_task(_ask(pool, b'"dropped"'))
+    waiting = asyncio.create_task(_ask(pool, b'"waiting"'))
+    assert await asyncio.wait_for(waiting, 5) == b"{}"
+    assert await asyncio.wait_for(again, 5) == b"{}"
+    held.set()
+    assert await asyncio.wait_for(holding, 5) == b"{}"
+    assert sorted(carried.values()) == sorted(
+        [[b"{}", b'"held"'], [b"{}", b'"dropped"'], [b'"waiting"'], [b'"dropped"']]
+    )
+
+
+@pytest.mark.parametrize("how", ["whole", "trickled", "interim answers without end"])
+async def test_an_answer_head_over_64_kib_fails_the_answer(serve, how):
+    """A 4 MB header was taken; a head trickled a KiB at a time (each piece restarting the read
+    timer) grew the gateway's memory for ever."""
+
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if how == "whole":
+            writer.write(OK.replace(b"\r\n\r\n", b"\r\nx-big: %s\r\n\r\n" % (b"a" * 100_000)))
+            await writer.drain()
+            await reader.read()
+            return
+        piece = b"a" * 1024
+        if how == "trickled":
+            writer.write(b"HTTP/1.1 200 OK\r\nx-big: ")
+        else:
+            piece = b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n" * 20
+        while True:  # (until the client goes: a ConnectionError)
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    server, pool = await serve(handle)
+    with pytest.raises(wire.WireError, match="answer head too large") as raised:
+        await asyncio.wait_for(pool.request(post(), True), 10)
+    assert not raised.value.answered and pool.open == 0
+    await asyncio.wait_for(server.closed.wait(), 5)  # (the connection closed)

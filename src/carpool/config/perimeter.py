@@ -114,6 +114,15 @@ class LimitsConfig(Section):
     upstream_connect_timeout: float = Field(
         10, gt=0, description="Seconds to wait for a connection to the upstream before 502."
     )
+    upstream_keepalive: float = Field(
+        4.0,
+        gt=0,
+        description="Seconds an idle connection to an upstream is kept for the next call. "
+        "Keep it below the upstream server's own idle timeout (uvicorn's, hence vLLM's and "
+        "SGLang's, and llama.cpp's server's: 5 s), so that the gateway closes an idle "
+        "connection before the server does. A call whose kept connection the server closes "
+        "anyway, before any byte of its answer, is sent again once on a new connection.",
+    )
     upstream_max_connections: int = Field(
         1000,
         gt=0,

@@ -82,7 +82,9 @@ class RoutingConfig(Section):
         5.0,
         gt=0,
         description="Seconds a replica is left out after a connection failure, timeout or 5xx; "
-        "doubled on each further consecutive failure up to backoff_max_s. Shorter: a recovered "
+        "doubled each time a call sent to it once it was left out (a probe) fails, up to "
+        "backoff_max_s (the calls already in flight that fail with the first failure add "
+        "nothing). Shorter: a recovered "
         "replica rejoins sooner, a dead one costs more failed probes (each retried once on "
         "another replica, so only latency).",
     )

@@ -6,7 +6,12 @@ all, and so whether ``text`` matters):
 
 - Eligible: healthy replicas, plus downed ones whose back-off is over and that are not already
   being probed. One such request is the *probe*: success makes the replica healthy again, failure
-  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). When
+  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). Only
+  news counts: the failure of a call sent before the replica's last change of state (downed or
+  healed) is counted in its ``errors``, not its ``failures``, and changes nothing else: the
+  other calls in flight when the first failure of an incident came back, or the other calls
+  sent to it while nothing was eligible, fail with the same news (they pushed the back-off to
+  its maximum while the log said ``backoff_s``). When
   nothing is eligible, the replica whose back-off ends first is tried anyway (``Decision.PROBE``)
   rather than failing the request without trying. A single eligible replica is
   ``Decision.ONLY_HEALTHY``.
@@ -14,13 +19,17 @@ all, and so whether ``text`` matters):
   continues (a stored response, ``routing.state``): chosen when it is eligible, before the
   policy is asked (``Decision.STATE_HOLDER``, or ``PROBE``); unknown or not eligible, the policy
   chooses.
-- Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout``, or a 5xx answer before any byte was
+- Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout`` (one that cannot have run: nothing
+  sent, or the request not read whole), or a 5xx answer before any byte was
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
   and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
   raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
   the client) and does not down the replica; nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
-  502 or 504, by ``observe``). Every 5xx downs its replica, also one the engine
+  502 or 504, by ``observe``). A request sent whole and not answered in time
+  (``UpstreamNoAnswer``, 504) is not retried either (the engine may be running it: a long
+  generation would run twice, its client waiting twice the timeout), but it downs the replica
+  (silent that long, it may be hung). Every 5xx downs its replica, also one the engine
   returns for this input only: with several replicas that costs a retry and a back-off, not the
   request. 4xx answers count as healthy (the replica answered), and so does a 401/403 to the
   gateway's own key (``UpstreamKeyRefused``, raised as it is, not failed over): as often about
@@ -59,6 +68,7 @@ from carpool.errors import (
     PathNotAllowed,
     UpstreamAnswerCut,
     UpstreamKeyRefused,
+    UpstreamNoAnswer,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -84,7 +94,9 @@ class ReplicaState:
     in_flight: int = 0  # requests sent and not finished (streams: not yet closed)
     calls: int = 0  # attempts sent, failed ones and failovers included
     errors: int = 0  # attempts that failed (transport error or 5xx)
-    failures: int = 0  # consecutive failures; 0 once healthy
+    failures: int = 0  # failures that downed it or grew its back-off (news); 0 once healthy
+    # Changes of its state (downed, healed): a failed call sent before the last one is no news.
+    verdicts: int = 0
     healthy: bool = True
     answered: bool = False  # it has answered since it last failed (reachable, proven)
     answered_at: float = float("-inf")  # clock of its last answer (``ready`` trusts it a while)
@@ -203,10 +215,17 @@ class ReplicaSet:
         tried: list[ReplicaState] = []
         while True:
             tried.append(replica)
+            seen = replica.verdicts
             try:
                 response = await self._attempt(replica, request, text)
+            except UpstreamNoAnswer as error:
+                # Sent whole, no answer in time: the engine may be running it, so it is not
+                # run again elsewhere; silent that long, the replica may be hung: left out.
+                self._failed(replica, _what(error), seen)
+                self._observe(replica, error.status, decision)
+                raise
             except _RETRYABLE as error:
-                self._failed(replica, _what(error))
+                self._failed(replica, _what(error), seen)
                 self._observe(replica, error.status, decision)
                 retry = self.choose(text, tried) if len(tried) < 2 else None
                 if retry is None:
@@ -234,7 +253,7 @@ class ReplicaSet:
             if response.status < 500:
                 self._succeeded(replica)
                 return response, replica, decision
-            self._failed(replica, f"answered {response.status}")
+            self._failed(replica, f"answered {response.status}", seen)
             retry = self.choose(text, tried) if len(tried) < 2 else None
             if retry is None:
                 return response, replica, decision
@@ -298,10 +317,11 @@ class ReplicaSet:
         replica = chosen[0]
         if not replica.healthy:
             replica.probing = True
+        seen = replica.verdicts
         try:
             response = await replica.upstream.passthrough(method, path, query, headers, body)
         except _RETRYABLE as error:
-            self._failed(replica, _what(error))
+            self._failed(replica, _what(error), seen)
             raise
         except UpstreamKeyRefused as error:  # (an answer: see ``send``)
             replica.answered, replica.answered_at = True, self.clock()
@@ -318,6 +338,7 @@ class ReplicaSet:
 
     def _succeeded(self, replica: ReplicaState) -> None:
         if not replica.healthy:
+            replica.verdicts += 1
             log.info(
                 "upstream %s answers again after %d failure(s)%s",
                 self._called(replica),
@@ -327,8 +348,15 @@ class ReplicaSet:
             replica.logged_at, replica.unlogged = None, 0
         replica.healthy, replica.probing, replica.failures = True, False, 0
 
-    def _failed(self, replica: ReplicaState, what: str) -> None:
+    def _failed(self, replica: ReplicaState, what: str, seen: int) -> None:
+        """A call of ``replica`` failed, sent when its state was ``seen`` (``verdicts``)."""
         replica.errors += 1
+        if seen != replica.verdicts:
+            # Sent before its last change of state: no news (see the module doc). Left for the
+            # next warning to count (one says what downed it already).
+            replica.unlogged += 1
+            return
+        replica.verdicts += 1
         replica.failures += 1
         replica.healthy, replica.probing, replica.answered = False, False, False
         backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
@@ -437,6 +465,7 @@ class ReplicaSet:
         for replica in self.replicas:
             if not replica.eligible(self.clock()):
                 continue
+            seen = replica.verdicts
             try:
                 async with asyncio.timeout(timeout):
                     response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
@@ -447,7 +476,7 @@ class ReplicaSet:
             except UpstreamKeyRefused as error:
                 self._refused(replica, error)  # an answer: reachable
             except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
-                self._failed(replica, f"readiness probe: {_what(error)}")
+                self._failed(replica, f"readiness probe: {_what(error)}", seen)
                 continue
             replica.answered, replica.answered_at = True, self.clock()
             if not replica.healthy:

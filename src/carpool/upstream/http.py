@@ -3,14 +3,22 @@
 Contract (on top of ``upstream.base``):
 - The calls of the cached endpoints (``send``: every miss and bypass) go through
   ``upstream.wire``, a lean HTTP/1.1 client: one pool of kept connections per replica, opened on
-  first use (inside the event loop), at most ``limits.upstream_max_connections``; connect and
-  read timeouts from ``limits``. Measured on this machine, aiohttp spent about 0.25 ms of CPU on
-  each such call, this about a fifth of that (benchmarks/README.md). A stream that ended whole
+  first use (inside the event loop), at most ``limits.upstream_max_connections``, an idle one
+  kept ``limits.upstream_keepalive`` seconds; connect and read timeouts from ``limits``. A
+  call that meets the keep-alive race (the server drops a kept connection as the call goes out
+  on it, before a byte of the answer) is sent again on a new connection by ``upstream.wire``,
+  not failed (no 502, no healthy replica left out). Measured on this machine, aiohttp spent
+  about 0.25 ms of CPU on each such call, this about a fifth of that (benchmarks/README.md).
+  A stream that ended whole
   gives its connection back to the pool; one left part-way closes it (the engine stops).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits.
-- Transport errors are translated here, the original error kept as ``__cause__``: a timeout ->
-  ``UpstreamTimeout`` (504), anything else before an answer -> ``UpstreamUnreachable`` (502), a
+- Transport errors are translated here, the original error kept as ``__cause__``: a read
+  timeout before the answer's head -> ``UpstreamNoAnswer`` (504: the request was written whole,
+  so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
+  elsewhere) when the server never read the whole request; anything else before an answer ->
+  ``UpstreamUnreachable`` (502), a connect timeout (TCP or TLS) included: nothing was sent
+  (``connection timed out``); a
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
   stalled: the engine took the call, not retried elsewhere), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
@@ -33,9 +41,18 @@ Contract (on top of ``upstream.base``):
   its query string too is the base URL's own, then the client's.
 - Request headers are forwarded except hop-by-hop ones (those the request's ``Connection``
   names too) and carpool's own controls (written as
-  UTF-8; one holding a control character is refused, never sent); an upstream
+  UTF-8; one holding a control character is refused, never sent). Pass-through, which carpool
+  neither caches nor makes idempotent, also forwards ``Cache-Control`` and the
+  ``Idempotency-Key`` (``X-Idempotency-Key``) as they came, so that a retried
+  ``POST /v1/batches`` is the upstream's to recognise; not the key, though, when the gateway
+  holds the upstream's key (``api_key``): every client's call is then the one account's, and
+  one client's key could replay another's answer. An upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
+- Pass-through relays the answer's headers but the hop-by-hop ones (``NOT_RELAYED``, and
+  those its ``Connection`` names) and, with a key the gateway holds, what the upstream says of
+  that key's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers carry only
+  their content type from the upstream.
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -56,6 +73,7 @@ from ..config import LimitsConfig
 from ..errors import (
     UpstreamAnswerCut,
     UpstreamKeyRefused,
+    UpstreamNoAnswer,
     UpstreamRedirected,
     UpstreamStreamBroken,
     UpstreamTimeout,
@@ -72,24 +90,39 @@ from .base import (
     connection_listed,
 )
 
-# Response headers not relayed by pass-through (the ASGI server frames the body itself).
-NOT_RELAYED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+# Response headers not relayed by pass-through: the framing (the ASGI server frames the body
+# itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616 13.5.1's list), which
+# describe the upstream's connection to the gateway, not the gateway's to its client; so are
+# those the answer's own ``Connection`` names.
+NOT_RELAYED = frozenset(
+    {
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
 # Nor, when the gateway holds the upstream's key, what an upstream says of that key's account
 # (OpenAI names its organization and project on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-# Idle pooled connections are dropped after this many seconds: before the upstream server drops
-# them itself (uvicorn, hence vLLM and SGLang, llama.cpp's server and Node do after 5 s). Reusing
-# a connection that the server is closing at that very moment makes the request fail with a
-# reset (a 502), which a busy gateway, reusing its oldest idle connection first, hit 2-3 times
-# in 2,000 requests with aiohttp's default of 15 s.
-KEEPALIVE_S = 4.0
 # The query string is forwarded as it came; only what a URL cannot hold (space, control, non-ASCII
 # bytes, "#") is percent-encoded, since the URL is handed to aiohttp as already encoded.
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
+
+# Request headers pass-through forwards and the cached endpoints' calls do not
+# (``NOT_FORWARDED``): nothing of carpool's caching or idempotency applies to pass-through.
+_PASSED = ("content-type", "accept-encoding", "cache-control")
+# And the client's idempotency key, unless the gateway holds the upstream's key (module doc).
+_PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
 
 # The client's credentials, replaced as a whole when the gateway holds the upstream's.
 _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
@@ -130,6 +163,8 @@ def replica_names(urls: Sequence[str], names: Sequence[str] = ()) -> list[tuple[
 
 def reason(error: BaseException) -> str:
     """What went wrong, in a few words fit for a client (no repr, no address)."""
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return "connection timed out"
     if isinstance(error, _TIMEOUTS):
         return "timed out"
     if isinstance(error, aiohttp.ClientConnectorDNSError):
@@ -203,7 +238,12 @@ class HttpUpstream:
                 connector=aiohttp.TCPConnector(
                     limit=self.limits.upstream_max_connections,
                     limit_per_host=0,
-                    keepalive_timeout=KEEPALIVE_S,
+                    # (Idle connections dropped before the upstream server drops them itself:
+                    # reusing one it is closing at that moment fails the call, which a busy
+                    # gateway hit 2-3 times in 2,000 requests with aiohttp's default of 15 s.
+                    # ``upstream.wire`` sends such a call again on a new connection; aiohttp
+                    # does so only for an idempotent method.)
+                    keepalive_timeout=self.limits.upstream_keepalive,
                 ),
                 timeout=aiohttp.ClientTimeout(
                     total=None,
@@ -224,7 +264,7 @@ class HttpUpstream:
                 limit=self.limits.upstream_max_connections,
                 connect_timeout=self.limits.upstream_connect_timeout,
                 read_timeout=self.limits.upstream_timeout,
-                keepalive_s=KEEPALIVE_S,
+                keepalive_s=self.limits.upstream_keepalive,
             )
         return self._pool
 
@@ -247,7 +287,11 @@ class HttpUpstream:
             if exc.answered:
                 raise self._mid_answer(exc) from exc
             if isinstance(exc, wire.WireTimeout):
-                raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
+                if exc.sent:  # (the engine may be running it: see ``UpstreamNoAnswer``)
+                    raise UpstreamNoAnswer(f"upstream {self.label} did not answer in time") from exc
+                raise UpstreamTimeout(
+                    f"upstream {self.label} did not take the request in time"
+                ) from exc
             raise UpstreamUnreachable(
                 f"upstream {self.label} is unreachable ({exc.reason})"
             ) from exc
@@ -261,7 +305,8 @@ class HttpUpstream:
             raise UpstreamKeyRefused(
                 f"upstream {self.label} refused the gateway's key ({status})", status
             )
-        if request.stream and 200 <= status < 300 and "text/event-stream" in content_type:
+        # (A media type is case-insensitive, RFC 9110 8.3.1: ``Text/Event-Stream`` is one.)
+        if request.stream and 200 <= status < 300 and "text/event-stream" in content_type.lower():
             return UpstreamResponse(
                 status,
                 {"content-type": content_type},
@@ -293,6 +338,11 @@ class HttpUpstream:
             response = await self._client().request(
                 method, url, data=body, headers=headers, allow_redirects=False
             )
+        except aiohttp.ConnectionTimeoutError as exc:
+            # (A ``ServerTimeoutError``, but nothing was sent: unreachable, as for ``send``.)
+            raise UpstreamUnreachable(
+                f"upstream {self.label} is unreachable ({reason(exc)})"
+            ) from exc
         except _TIMEOUTS as exc:
             raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
@@ -312,8 +362,9 @@ class HttpUpstream:
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
     ) -> PassthroughResponse:
         out_headers = forwarded_headers(headers)
-        for name in ("content-type", "accept-encoding"):
-            if name in headers:
+        listed = connection_listed(headers)  # (hop-by-hop, for this request)
+        for name in _PASSED if self._held else _PASSED_KEYS:
+            if name in headers and name not in listed:
                 out_headers[name] = headers[name]
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
@@ -336,6 +387,9 @@ class HttpUpstream:
                 f"upstream {self.label} answered a redirect ({response.status})"
             )
         dropped = NOT_RELAYED | HELD_KEY_NOT_RELAYED if self._held else NOT_RELAYED
+        named = response.headers.getall("connection", ())
+        if named:
+            dropped = dropped | connection_listed({"connection": ",".join(named)})
         relayed = [
             (k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in dropped
         ]

@@ -15,9 +15,22 @@ Contract:
   (then it is closed: before the server drops it itself, which races with its reuse; the
   oldest idle ones are closed so too whenever a connection comes back) or the server closed it
   or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
-- ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) once, never retried
-  (a POST may not be), on one connection, and returns an ``Answer`` once its status and headers
-  have come, or (``whole``) once all of it has.
+- ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) on one connection,
+  and returns an ``Answer`` once its status and headers have come, or (``whole``) once all of
+  it has. It is sent once (a POST may not be retried), but for the keep-alive race: when a
+  connection used before (idle, or just given back) is closed or reset by the server before a
+  byte of the answer came, the request is sent again, once, on a new connection (a place in
+  the pool, in turn, first in line), never on one used before. That is what a server dropping
+  a kept connection it deems idle, as a request goes out on it, looks like; it never read that
+  request (it was closing). Go's net/http client sends again in that case (a reused connection,
+  ``errServerClosedIdle``) a request it deems replayable (an idempotent method, or one with an
+  ``Idempotency-Key``), or any request when nothing of it was written. Here it is every
+  request, the calls of the cached endpoints being POSTs: the one case that reads the same and
+  is not the race, a server that read the request and then died or dropped the connection
+  without a byte of answer, gets it a second time, once, on a connection of its own, whose
+  failure is then final. (It was a 502, and with several replicas a healthy one left out.) A
+  timeout, a byte of an answer, a failure on a connection opened for the request: never sent
+  again.
 - ``Answer.read()`` the whole body; ``Answer.chunks()`` the body as it comes. ``release(drain)``
   puts the connection back in the pool if the answer came to its end and the server keeps the
   connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
@@ -25,10 +38,19 @@ Contract:
   Otherwise it is closed, which tells the server the caller has gone (an engine then stops
   generating). ``release`` is safe to call twice, and after a failure or a cancellation; a
   request cancelled while it waits closes its connection.
-- Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS); ``read_timeout``
+- An answer's head (status line and headers, with those of any interim ``1xx`` answer before
+  it) is at most ``MAX_HEAD`` bytes, counted as they come: beyond, the answer fails
+  (``WireError``, "answer head too large") and its connection is closed. A server that sends
+  an endless head, or trickles one (each byte restarting the read timer), would otherwise
+  grow the gateway's memory without bound. A chunked body's trailer fields count so too, once
+  each is whole.
+- Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
+  ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
 - Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
-  (``reason_of``: no address, no repr); ``answered`` whether the status had come; the OS's or
+  (``reason_of``: no address, no repr); ``answered`` whether the status had come; ``sent``
+  (a ``WireTimeout``'s) whether the request had been written whole by then (handed to the OS:
+  the server may be running it; not written whole, it cannot be); the OS's or
   the parser's error is its ``__cause__``. A header name or value with a control character
   (but tab) is refused before anything is sent (``ValueError``, as aiohttp did: no header
   injection through the library API).
@@ -59,14 +81,16 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 class WireError(Exception):
     """A transport failure (see the module's contract)."""
 
-    def __init__(self, reason: str, answered: bool = False) -> None:
+    def __init__(self, reason: str, answered: bool = False, sent: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.answered = answered
+        self.sent = sent
 
 
 class WireTimeout(WireError):
-    """No byte came from the server for ``read_timeout`` seconds, or no connection in time."""
+    """No byte came from the server for ``read_timeout`` seconds while it owed one (no
+    connection in time is a plain ``WireError``: nothing was sent)."""
 
 
 def reason_of(error: BaseException) -> str:
@@ -146,6 +170,21 @@ class Pool:
         connection = None if self._waiting else self._idle()
         if connection is None:
             connection = await self._acquire()
+        try:
+            return await self._exchange(connection, data, whole)
+        except WireError as failure:
+            if (
+                isinstance(failure, WireTimeout)
+                or connection.uses < 2
+                or connection.heard
+                or self.closed
+            ):
+                raise
+        # The keep-alive race (see the module's contract): once more, on a new connection.
+        return await self._exchange(await self._acquire(first=True, fresh=True), data, whole)
+
+    async def _exchange(self, connection: Connection, data: bytes, whole: bool) -> Answer:
+        """``data`` sent on ``connection``, and its answer's head (or, ``whole``, all of it)."""
         connection.begin()
         try:
             connection.transport.write(data)  # type: ignore[union-attr]  # (connected)
@@ -173,24 +212,34 @@ class Pool:
             self.discard(connection)
         return None
 
-    async def _acquire(self) -> Connection:
+    async def _acquire(self, first: bool = False, fresh: bool = False) -> Connection:
         """A connection, in turn: an idle one or a new one while nobody waits ahead (and the
         limit allows), else the one given back or the place freed (``_hand``) once every
         request that waited before has had its own. A request that came later and found
-        nobody waiting never takes what was freed for one that waits."""
+        nobody waiting never takes what was freed for one that waits. ``first``: ahead of
+        every request waiting (it has had its turn already); ``fresh``: a new connection,
+        never one used before (in the place of the oldest idle one if idle ones hold every
+        place, or of the one given back to it)."""
         waiting = self._waiting
-        first = False  # (given a connection that closed before it ran: first in line again)
+        # (``first``: also given a connection that closed before it ran: first in line again)
         while True:
             if self.closed:
                 raise WireError("connection failed")
             while waiting and waiting[0].done():
                 waiting.popleft()  # (one cancelled, its task not yet run to leave the line)
             if first or not waiting:
-                connection = self._idle()
+                connection = None if fresh else self._idle()
                 if connection is not None:
                     return connection
                 if self.open < self.limit:
                     self.open += 1
+                    return await self._connect()
+                if fresh and self.idle:
+                    # Every place is held, some by idle connections: the oldest one's is this
+                    # request's (not counted free, nor handed to one waiting behind it).
+                    oldest = self.idle.pop(0)
+                    oldest.counted = False
+                    self.discard(oldest)
                     return await self._connect()
             waiter: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
             if first:
@@ -212,7 +261,13 @@ class Pool:
             if given is None:
                 return await self._connect()  # (its place, counted for it already)
             if not given.lost:
-                return given
+                if not fresh:
+                    return given
+                # Its place: a server that drops every connection after an answer (without
+                # saying so) would drop this one too.
+                given.counted = False
+                self.discard(given)
+                return await self._connect()
             first = True
 
     async def _connect(self) -> Connection:
@@ -229,7 +284,9 @@ class Pool:
                 )
         except TimeoutError as exc:
             self._gone()
-            raise WireTimeout("timed out") from exc
+            # Not a ``WireTimeout``: nothing was sent, so this is an unreachable replica (502,
+            # tried elsewhere), not an upstream slow to answer a call it may be running.
+            raise WireError("connection timed out") from exc
         except BaseException as exc:
             self._gone()
             if isinstance(exc, (OSError, ssl_module.CertificateError)):
@@ -381,6 +438,16 @@ class _Pieces:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# The largest answer head taken, in bytes (see the module's contract): 64 KiB, as the gateway's
+# own default for a request's (``limits.max_header_bytes``); Go's client takes 1 MiB, engines
+# send well under 1 KiB.
+MAX_HEAD = 64 * 1024
+
+
+class _HeadTooLarge(Exception):
+    """Raised by the parser's ``on_header`` past ``MAX_HEAD`` (the parser's error's context)."""
+
+
 # What a request waits for (``Connection.wait``).
 HEAD, NEWS, END = 0, 1, 2
 # How long a connection whose reader has all it wanted waits for the rest of its answer (the
@@ -397,6 +464,10 @@ class Connection(asyncio.Protocol):
         "parser",
         "loop",
         "counted",
+        "uses",
+        "heard",
+        "head_bytes",
+        "field_bytes",
         "lost",
         "idle_since",
         "active",
@@ -423,6 +494,10 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.loop = asyncio.get_running_loop()
         self.counted = False  # against the pool's ``open``, until closed
+        self.uses = 0  # requests sent on it, this one included
+        self.heard = False  # a byte of this request's answer came
+        self.head_bytes = 0  # bytes of this request's answer come before its head was whole
+        self.field_bytes = 0  # the size of its header (and trailer) fields
         self.lost = False  # closed, by either side
         self.idle_since = 0.0
         self.active = False  # a request is in progress
@@ -449,6 +524,9 @@ class Connection(asyncio.Protocol):
 
     def begin(self) -> None:
         self.active = True
+        self.uses += 1
+        self.heard = False
+        self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
@@ -493,7 +571,10 @@ class Connection(asyncio.Protocol):
         if left > 0:
             self.timer = self.loop.call_later(left, self._check_timeout)
         else:
-            self._fail(WireTimeout("timed out", self.headed))
+            # Whether the request went whole: a server that never read all of it cannot be
+            # running it, one that did may be (it answers a whole answer once computed).
+            sent = self.transport is not None and self.transport.get_write_buffer_size() == 0
+            self._fail(WireTimeout("timed out", self.headed, sent))
 
     def drain(self) -> None:
         """Its reader is done: back in the pool once the rest of the answer has come, if it
@@ -555,11 +636,21 @@ class Connection(asyncio.Protocol):
             self.pool.discard(self)
             return
         self.last_read = self.loop.time()
+        self.heard = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._fail(WireError("malformed or truncated answer", self.headed), exc)
+            too_large = isinstance(exc.__context__, _HeadTooLarge)
+            reason = "answer head too large" if too_large else "malformed or truncated answer"
+            self._fail(WireError(reason, self.headed), exc)
             return
+        if not self.headed:
+            # Every byte so far is the head's (or an interim answer's): the parser keeps a
+            # field it has not seen whole, so an endless one is cut here, as it comes.
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
+                self._fail(WireError("answer head too large"))
+                return
         if self.draining and self.done:
             # Back in the pool only now that the whole read is parsed: bytes after the answer's
             # end in the same read (an answer nobody asked for) are seen (``unasked``) before
@@ -593,6 +684,10 @@ class Connection(asyncio.Protocol):
             self.keep_alive = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # (A head that came whole in one read, up to its 256 KiB, is cut here.)
+        self.field_bytes += len(name) + len(value) + 4
+        if self.field_bytes > MAX_HEAD:
+            raise _HeadTooLarge
         if self.headed or self.unasked:
             return  # a chunked body's trailers, or an unasked answer's: not the answer's head
         name = name.lower()
