@@ -596,6 +596,14 @@ def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope()
     assert view_of(RESPONSES, body_of("responses", store=True)) is None
 
 
+def test_a_stored_chat_completion_has_no_semantic_view():
+    # Its answer's id names the completion kept for its prompt (GET .../{id}/messages): a
+    # paraphrase served it would hold an id whose messages are another prompt's.
+    assert view_of(CHAT, body_of("messages")) is not None
+    assert view_of(CHAT, body_of("messages", store=True)) is None
+    assert view_of(CHAT, body_of("messages", store=False)) is not None
+
+
 @pytest.mark.parametrize(
     "path, body",
     [
@@ -605,14 +613,20 @@ def test_the_semantic_view_is_the_last_user_input_and_the_rest_is_in_the_scope()
     ids=["completion", "chat"],
 )
 @pytest.mark.parametrize(
-    "echoing", [{"echo": True}, {"prompt_logprobs": 0}, {"prompt_logprobs": 5}]
+    "echoing",
+    [{"echo": True}, {"prompt_logprobs": 0}, {"prompt_logprobs": 5}, {"return_token_ids": True}],
 )
 def test_a_request_whose_answer_repeats_its_prompt_has_no_semantic_view(path, body, echoing):
-    # The answer holds the prompt (echo, vLLM's prompt_logprobs): served to a paraphrase it
-    # would hand over another request's prompt. Matched exactly only.
+    # The answer holds the prompt (echo, vLLM's prompt_logprobs, vLLM's return_token_ids:
+    # prompt_token_ids decode to it): served to a paraphrase it would hand over another
+    # request's prompt. Matched exactly only.
     assert view_of(path, body) is not None
     assert view_of(path, {**body, **echoing}) is None
-    for off in ({"echo": False}, {"echo": None, "prompt_logprobs": None}):
+    for off in (
+        {"echo": False},
+        {"echo": None, "prompt_logprobs": None},
+        {"return_token_ids": False},
+    ):
         assert view_of(path, {**body, **off}) is not None
 
 

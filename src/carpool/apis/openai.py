@@ -123,7 +123,9 @@ class ChatApi(_Classic):
         ]
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-        if echoes_prompt(body):
+        if echoes_prompt(body) or body.get("store") is True:
+            # (Stored, the answer's id names the completion kept for this prompt: a paraphrase
+            # would be handed an id whose messages are another prompt's.)
             return None
         return last_user_turn(body)
 
@@ -178,11 +180,17 @@ class EmbeddingApi(Api):
 
 def echoes_prompt(body: dict[str, Any]) -> bool:
     """Whether the answer carries the request's own prompt: ``echo`` (the text is the prompt
-    and then the completion; vLLM's chat prepends the last message) or vLLM's
-    ``prompt_logprobs`` (the prompt's tokens, any value but null: 0 asks for them too). Served
-    to a paraphrase, such an answer would hand it another request's prompt word for word."""
+    and then the completion; vLLM's chat prepends the last message), vLLM's
+    ``prompt_logprobs`` (the prompt's tokens, any value but null: 0 asks for them too) or its
+    ``return_token_ids`` (``prompt_token_ids``: the prompt as token ids, which decode to it).
+    Served to a paraphrase, such an answer would hand it another request's prompt word for
+    word."""
     echo = body.get("echo")
-    return (echo is not None and echo is not False) or body.get("prompt_logprobs") is not None
+    return (
+        (echo is not None and echo is not False)
+        or body.get("prompt_logprobs") is not None
+        or body.get("return_token_ids") not in (None, False)
+    )
 
 
 def is_text_or_tokens(value: Any) -> bool:
