@@ -119,8 +119,43 @@ def test_the_window_is_the_latest_audits() -> None:
         ({"choices": [{"text": " four"}]}, " four"),
         ({"output": [{"type": "message", "content": [{"type": "output_text", "text": "4"}]}]}, "4"),
         ({"content": [{"type": "text", "text": "IV"}]}, "IV"),
-        ({"data": []}, "{'data': []}"),
+        ({"data": [], "id": "x"}, '{"data":[]}'),
     ],
 )
 def test_the_text_of_an_answer_for_every_api(body: object, text: str) -> None:
     assert answer_text(body) == text
+
+
+def _chat_call(call_id: str, arguments: str, created: int) -> dict:
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "weather", "arguments": arguments},
+    }
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"id": f"chatcmpl-{call_id}", "created": created, "choices": [{"message": message}]}
+
+
+def test_two_answers_making_the_same_tool_call_say_the_same_whatever_their_ids():
+    # A tool call was compared as its whole body, ids and times included: every audit of one
+    # was "wrong", and the error budget stopped the namespace serving.
+    same = _chat_call("call_1", '{"city": "Paris", "unit": "C"}', 1)
+    other = _chat_call("call_2", '{"unit":"C","city":"Paris"}', 2)
+    assert answer_text(same) == answer_text(other) == 'weather {"city":"Paris","unit":"C"}'
+    assert answer_text(_chat_call("call_3", '{"city": "Rome"}', 3)) != answer_text(same)
+    responses = {
+        "id": "resp_1",
+        "output": [
+            {
+                "type": "function_call",
+                "call_id": "c",
+                "name": "weather",
+                "arguments": '{"city":"Paris"}',
+            }
+        ],
+    }
+    messages = {
+        "id": "msg_1",
+        "content": [{"type": "tool_use", "id": "t", "name": "weather", "input": {"city": "Paris"}}],
+    }
+    assert answer_text(responses) == answer_text(messages) == 'weather {"city":"Paris"}'

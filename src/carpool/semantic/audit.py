@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 from ..lru import LRU
 
 __all__ = [
@@ -200,28 +202,64 @@ class Audits:
         return report
 
 
+# What differs between two answers that say the same: their ids, times and counts.
+_VOLATILE = frozenset(
+    {"id", "created", "created_at", "completed_at", "usage", "system_fingerprint", "service_tier"}
+)
+
+
 def answer_text(body: Any) -> str:
-    """The text an answer body says (chat, completion, Responses, Messages), for comparing two
-    answers; the body itself when it is none of those."""
+    """What an answer body says (chat, completion, Responses, Messages), for comparing two
+    answers: its text, and its tool calls as ``name arguments`` (the arguments as canonical
+    JSON, without their ids); the body without its ids, times and usage when it is none of
+    those. (A tool call was compared as the whole body, ids and times included: every audit
+    of one was "wrong", and the error budget then stopped the namespace serving.)"""
     if isinstance(body, dict):
+        said: list[str] = []
         choices = body.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             first = choices[0]
             message = first.get("message")
-            if isinstance(message, dict) and isinstance(message.get("content"), str):
-                return str(message["content"])
-            if isinstance(first.get("text"), str):
-                return str(first["text"])
+            if isinstance(message, dict):
+                if isinstance(message.get("content"), str):
+                    said.append(message["content"])
+                for call in message.get("tool_calls") or ():
+                    function = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(function, dict):
+                        said.append(_call(function.get("name"), function.get("arguments")))
+            elif isinstance(first.get("text"), str):
+                said.append(first["text"])
         parts = body.get("output") or body.get("content")
         if isinstance(parts, list):
-            texts = []
             for part in parts:
-                if isinstance(part, dict):
-                    if isinstance(part.get("text"), str):
-                        texts.append(part["text"])
-                    for inner in part.get("content") or ():
-                        if isinstance(inner, dict) and isinstance(inner.get("text"), str):
-                            texts.append(inner["text"])
-            if texts:
-                return "".join(texts)
+                if not isinstance(part, dict):
+                    continue
+                if isinstance(part.get("text"), str):
+                    said.append(part["text"])
+                if part.get("type") in ("function_call", "tool_use"):
+                    said.append(_call(part.get("name"), part.get("arguments", part.get("input"))))
+                for inner in part.get("content") or ():
+                    if isinstance(inner, dict) and isinstance(inner.get("text"), str):
+                        said.append(inner["text"])
+        if said:
+            return "\n".join(said)
+        return _canonical_json({k: v for k, v in body.items() if k not in _VOLATILE})
     return str(body)
+
+
+def _call(name: Any, arguments: Any) -> str:
+    """A tool call as ``name arguments``: arguments sent as a JSON string read, so that their
+    spacing and key order do not tell two calls apart."""
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return f"{name} {arguments}"
+    return f"{name} {_canonical_json(arguments)}"
+
+
+def _canonical_json(value: Any) -> str:
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:
+        return str(value)
