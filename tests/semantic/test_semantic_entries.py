@@ -5,6 +5,7 @@ everything: only the bookkeeping is under test here (test_semantic_cache.py has 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -90,6 +91,31 @@ async def test_the_same_text_replaces_its_entry_and_invalidate_empties_everythin
     assert await semantic.invalidate(Selector(everything=True)) == 1
     assert semantic.entries == 0 and semantic.bytes == 0
     assert not semantic.has_scope("s") and semantic._by_text == {}
+
+
+class HeldGuard(PassEverything):
+    """Passes everything, once ``release`` is set (a verifier or judge still reading)."""
+
+    def __init__(self) -> None:
+        self.reading, self.release = asyncio.Event(), asyncio.Event()
+
+    async def judge(self, new, candidates, similarities=None):
+        self.reading.set()
+        await self.release.wait()
+        return await super().judge(new, candidates, similarities)
+
+
+async def test_an_entry_invalidated_while_the_guard_reads_it_is_not_served():
+    # The lookup picked its candidate, then awaited the guard (the verifier's thread, the
+    # judge's call): an invalidation that answered meanwhile did not stop it serving the entry.
+    guard = HeldGuard()
+    semantic = SemanticCache(SemanticConfig(threshold=0.99), Embedder(), guard)
+    await insert(semantic, "same", tags=("t",))
+    lookup = asyncio.create_task(served(semantic, "same"))
+    await guard.reading.wait()
+    assert await semantic.invalidate(Selector(tag="t")) == 1
+    guard.release.set()
+    assert not await lookup
 
 
 async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_with, caplog):

@@ -279,6 +279,10 @@ class SemanticCache:
                     continue
                 if max_age is not None and candidate.answer.age() >= max_age:
                     continue
+            if self._entries.peek(entry.id) is not entry or entry.expires <= time.time():
+                # Dropped (invalidated, forgotten, evicted) or expired while the guard read it:
+                # an invalidation that answered stops what was found before it too.
+                continue
             probe.match = candidate
             self._entries.touch(entry.id)
             return True
