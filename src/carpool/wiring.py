@@ -422,6 +422,7 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
             max_batch=s.batch_size,
             max_delay_s=s.batch_delay_ms / 1000,
             precision=s.embedder_precision,
+            timeout_s=s.embed_timeout_s(),
         )
     replicas = itertools.cycle(upstreams).__next__
 
@@ -440,6 +441,7 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
         name=f"upstream:{s.embedding_model}",
         max_batch=s.batch_size,
         max_delay_s=s.batch_delay_ms / 1000,
+        timeout_s=s.embed_timeout_s(),
     )
 
 

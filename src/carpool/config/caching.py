@@ -20,6 +20,10 @@ from .base import Section
 from .upstream import held_key
 from .urls import checked_url
 
+#: ``semantic.embed_timeout_ms`` left null with ``embedder: upstream``: a healthy embeddings call
+#: takes milliseconds, an LLM's answer far longer, so the bound is seldom felt but by a hung one.
+UPSTREAM_EMBED_TIMEOUT_S = 1.0
+
 # A header name: RFC 9110's token characters (``tchar``), read lower-cased.
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 
@@ -318,6 +322,16 @@ class SemanticConfig(Section):
         ge=1,
         description="Length of the upstream's embedding vectors when `embedder: upstream`.",
     )
+    embed_timeout_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Longest wait for an embedding (a lookup's, an entry's), its upstream call "
+        "included: a timeout is an embedder failure, a miss (`embed_failures`), and no entry is "
+        "made for that prompt; a miss's reply waits for its prompt's embedding (to insert its "
+        "entry first) no longer than this after its upstream call began. null: 1000 with "
+        "`embedder: upstream` (a network call that may hang), none with local (the model in "
+        "process cannot hang; a bound would only turn slow embeddings under load into misses).",
+    )
     max_entries: int = Field(
         100_000, ge=1, description="Most entries kept; least recently used evicted first."
     )
@@ -353,3 +367,9 @@ class SemanticConfig(Section):
         "their rate exceeds it too) and comes back once audits put the upper bound under it "
         "(null: no budget).",
     )
+
+    def embed_timeout_s(self) -> float | None:
+        """``embed_timeout_ms`` in seconds, its null resolved for the embedder (None: none)."""
+        if self.embed_timeout_ms is not None:
+            return self.embed_timeout_ms / 1000
+        return UPSTREAM_EMBED_TIMEOUT_S if self.embedder == "upstream" else None

@@ -21,7 +21,7 @@ Contract:
   batch if it fails. The most similar that passes is the ``match``; the most similar one seen
   (passing or not) is ``nearest``, for ``semantic.mode: mark``.
 - The embedder failing (``embedder: upstream`` down, or refusing a text batched with this one;
-  a model error) fails no request: the probe finds nothing (a miss, counted in
+  a model error; no vector within ``semantic.embed_timeout_ms``) fails no request: the probe finds nothing (a miss, counted in
   ``embed_failures``, ``/stats`` ``layers.semantic``, and logged at most every
   ``FAILURE_LOG_S``: ``embed_failed``), and no entry is made for a prompt it could not embed
   (``Probe.failed``: not asked again for the entry).
