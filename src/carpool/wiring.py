@@ -5,14 +5,19 @@ Contract: every function here only constructs (no I/O, nothing started: ``Layers
 a layer whose config is off is ``None``; optional layers import their dependencies (the
 ``semantic`` and ``redis`` extras) only when they are on. A layer given to ``build_layers`` or
 ``build_gateway`` (upstreams, store, semantic cache, flights, idempotency records, a worker's
-peers) is used as it is, instead of the one the config would build.
+peers) is used as it is, instead of the one the config would build. ``embedder: upstream``
+with no credentials of the gateway's for its /v1/embeddings (``semantic.embedder_api_key``, a
+held key or a URL's user) is warned about as it is built: an upstream that wants a key refuses
+every embedding.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
+from urllib.parse import urlsplit
 
 import orjson
 from typing_extensions import Unpack
@@ -53,6 +58,8 @@ if TYPE_CHECKING:
     from .semantic.guard import Guard
     from .semantic.judge import Judge
     from .store.shared import SharedStore
+
+log = logging.getLogger("carpool.semantic")
 
 
 class Given(TypedDict, total=False):
@@ -425,10 +432,23 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
             timeout_s=s.embed_timeout_s(),
         )
     replicas = itertools.cycle(upstreams).__next__
+    # Every tenant's prompts, batched together: under the embedder's key, never a client's (a
+    # key the gateway holds replaces it on its replicas: ``upstream.http``).
+    key = s.embedder_api_key.get_secret_value() if s.embedder_api_key is not None else None
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if key is None and not _holds_upstream_credentials(config):
+        log.warning(
+            "semantic.embedder: upstream: its /v1/embeddings calls carry no credentials "
+            "(semantic.embedder_api_key and upstream.api_key unset): right for a keyless "
+            "upstream; one that wants a key refuses every embedding and the semantic cache "
+            "never hits (set semantic.embedder_api_key)"
+        )
 
     async def embeddings(texts: list[str]) -> list[list[float]]:
         response = await replicas().send(
-            UpstreamRequest("/embeddings", {"model": s.embedding_model, "input": texts}, {}, False)
+            UpstreamRequest(
+                "/embeddings", {"model": s.embedding_model, "input": texts}, headers, False
+            )
         )
         if response.status != 200:
             raise UpstreamStatusError(response.status, response.body)
@@ -443,6 +463,14 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
         max_delay_s=s.batch_delay_ms / 1000,
         timeout_s=s.embed_timeout_s(),
     )
+
+
+def _holds_upstream_credentials(config: Config) -> bool:
+    """Whether the gateway sends its upstreams credentials of its own: a held key, or a user and
+    password in an upstream's URL (or it has none: the simulated engine wants no key)."""
+    if config.upstream.api_key is not None or config.upstream.api_keys or not config.upstreams:
+        return True
+    return any(urlsplit(url).username is not None for url in config.upstreams)
 
 
 def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) -> ReplicaSet:

@@ -88,3 +88,46 @@ async def test_a_hung_upstream_embedder_delays_no_reply_past_its_timeout_each_a_
         assert gw.gateway.semantic.embed_failures == 2
         assert gw.gateway.semantic.entries == 1  # no entry for a prompt not embedded in time
         assert app.inner.count("/v1/chat/completions") == 3
+
+
+async def test_the_upstream_embedder_sends_its_own_key_never_a_clients(
+    fake, gateway_with, monkeypatch
+):
+    # Pass-through credentials: the clients' keys go upstream with their own calls, but the
+    # embeddings (every tenant's prompts, batched together) carry semantic.embedder_api_key
+    # (here from the environment). Without it they carried nothing: every embed a 401.
+    monkeypatch.setenv("CARPOOL_TEST_EMBEDDER_KEY", "sk-embedder")
+    fake.valid_keys = {"sk-tenant", "sk-embedder"}
+    semantic = {**UPSTREAM_EMBEDDER, "embedder_api_key": "${CARPOOL_TEST_EMBEDDER_KEY}"}
+    tenant = {"Authorization": "Bearer sk-tenant"}
+    async with gateway_with(semantic=semantic) as gw:
+        assert (await gw.chat("How do I reset my router?", headers=tenant)).status_code == 200
+        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the entry")
+        probed = await gw.chat("How can I reset my router?", headers=tenant)  # (a probe)
+        assert probed.status_code == 200
+        await eventually(lambda: gw.gateway.semantic.entries == 2, what="the second entry")
+        assert gw.gateway.semantic.embed_failures == 0
+    calls = {c.path: c.headers.get("authorization") for c in fake.calls}
+    embeds = [c.headers.get("authorization") for c in fake.calls if c.path == "/v1/embeddings"]
+    assert len(embeds) >= 2 and set(embeds) == {"Bearer sk-embedder"}
+    assert calls["/v1/chat/completions"] == "Bearer sk-tenant"
+
+
+async def test_an_upstream_embedder_with_no_credentials_is_warned_about_at_start(
+    fake, gateway_with, caplog
+):
+    # A keyless upstream (vLLM, TEI, Ollama) is common, so it is allowed; but one that wants a
+    # key refuses every embedding: said once at start, and each refusal's warning names the key.
+    async with gateway_with(semantic=UPSTREAM_EMBEDDER) as gw:
+        fake.valid_keys = {"sk-tenant"}
+        await gw.chat("How do I reset my router?", headers={"Authorization": "Bearer sk-tenant"})
+        await eventually(lambda: gw.gateway.semantic.embed_failures == 1, what="the refusal")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w for w in warnings if "carry no credentials" in w and "embedder_api_key" in w]
+    assert [w for w in warnings if "401" in w and "refused the embedder's credentials" in w]
+    caplog.clear()
+    for held in ({"embedder_api_key": "sk-embedder"}, {}):
+        upstream = {} if held else {"upstream": {"api_key": "sk-held"}}
+        async with gateway_with(semantic={**UPSTREAM_EMBEDDER, **held}, **upstream):
+            pass
+    assert not [r for r in caplog.records if "carry no credentials" in r.getMessage()]

@@ -322,6 +322,21 @@ class SemanticConfig(Section):
         ge=1,
         description="Length of the upstream's embedding vectors when `embedder: upstream`.",
     )
+    embedder_api_key: SecretStr | None = Field(
+        None,
+        description="`embedder: upstream`: the Bearer key its /v1/embeddings calls carry (a "
+        "value, or `${ENV_VAR}` read at start-up; never logged nor shown). Every tenant's "
+        "prompts are embedded under it, batched together: never a client's key. null: the "
+        "key the gateway holds (`upstream.api_key` / `api_keys`, which replaces any other on "
+        "its replicas), else none (a keyless upstream; start-up logs a warning: one that wants "
+        "a key refuses every embedding, and the semantic cache never hits).",
+    )
+
+    @field_validator("embedder_api_key", mode="before")
+    @classmethod
+    def _embedder_key_from_the_environment(cls, value: Any) -> Any:
+        return held_key(value)
+
     embed_timeout_ms: float | None = Field(
         None,
         gt=0,

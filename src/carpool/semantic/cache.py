@@ -209,11 +209,20 @@ class SemanticCache:
         now = time.monotonic()
         if now - self._failure_logged_at >= FAILURE_LOG_S:
             self._failure_logged_at = now
-            # Its type and our words only: an upstream's message may quote a prompt.
+            # Its type (and status) and our words only: an upstream's message may quote a prompt.
+            status = getattr(error, "upstream_status", None) or getattr(error, "status", None)
+            what = type(error).__name__ + (f" {status}" if isinstance(status, int) else "")
+            refused = (
+                ": the upstream refused the embedder's credentials (semantic.embedder_api_key, "
+                "upstream.api_key)"
+                if status in (401, 403)
+                else ""
+            )
             log.warning(
-                "the semantic cache's embedder failed (%s; %d failures so far): lookups miss",
-                type(error).__name__,
+                "the semantic cache's embedder failed (%s; %d failures so far): lookups miss%s",
+                what,
                 self.embed_failures,
+                refused,
             )
 
     async def vector(self, view: SemanticView) -> Any:
