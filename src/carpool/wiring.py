@@ -13,7 +13,6 @@ every embedding.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -139,9 +138,13 @@ def build_layers(
         neutral_headers=neutral_of(config.fingerprint),
         lists=ListCheck(batching.embeddings, upstreams, retry_s=batching.embeddings_probe_retry),
     )
-    judge = build_judge(config, lambda request: _via_replicas(layers, request))
+
+    async def via_replicas(request: UpstreamRequest) -> UpstreamResponse:
+        return await _via_replicas(layers, request)  # (``layers``: built below)
+
+    judge = build_judge(config, via_replicas)
     if semantic is None:
-        semantic = build_semantic(config, upstreams, store, judge)
+        semantic = build_semantic(config, via_replicas, store, judge)
     audits = (
         Audits(
             config.semantic.audit_rate, config.semantic.audit_window, config.semantic.max_wrong_rate
@@ -364,19 +367,21 @@ def build_judge(
 
 def build_semantic(
     config: Config,
-    upstreams: Sequence[Upstream],
+    via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None = None,
     store: Store | None = None,
     judge: Judge | None = None,
 ) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
-    shared with every instance (``redis/semantic.py``)."""
+    shared with every instance (``redis/semantic.py``). ``via_replicas``: a call through the
+    gateway's replicas (their health, back-off and failover), which ``embedder: upstream``
+    needs."""
     if not config.semantic.enabled:
         return None
     from .semantic.guard import RulesThenVerifier
     from .semantic.verifier import shared_cross_encoder
 
-    embedder = _embedder(config, upstreams)
+    embedder = _embedder(config, via_replicas)
     guard: Guard = RulesThenVerifier(
         shared_cross_encoder(config.semantic.verifier_dir),
         threshold=config.semantic.verifier_threshold,
@@ -419,7 +424,9 @@ def build_semantic(
     )
 
 
-def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
+def _embedder(
+    config: Config, via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None
+) -> Any:
     from .semantic.embed import LocalEmbedder, UpstreamEmbedder
 
     s = config.semantic
@@ -431,7 +438,9 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
             precision=s.embedder_precision,
             timeout_s=s.embed_timeout_s(),
         )
-    replicas = itertools.cycle(upstreams).__next__
+    if via_replicas is None:
+        raise ValueError("semantic.embedder: upstream embeds through the gateway's replicas")
+    through = via_replicas
     # Every tenant's prompts, batched together: under the embedder's key, never a client's (a
     # key the gateway holds replaces it on its replicas: ``upstream.http``).
     key = s.embedder_api_key.get_secret_value() if s.embedder_api_key is not None else None
@@ -445,15 +454,20 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
         )
 
     async def embeddings(texts: list[str]) -> list[list[float]]:
-        response = await replicas().send(
+        # Through the replicas: a downed one is left out (its back-off), a failed call retried
+        # once on another, and each attempt counted in ``upstream_calls`` (as the judge's).
+        response = await through(
             UpstreamRequest(
                 "/embeddings", {"model": s.embedding_model, "input": texts}, headers, False
             )
         )
-        if response.status != 200:
-            raise UpstreamStatusError(response.status, response.body)
-        data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
-        return [item["embedding"] for item in data]
+        try:
+            if response.status != 200:
+                raise UpstreamStatusError(response.status, response.body)
+            data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
+            return [item["embedding"] for item in data]
+        finally:
+            await response.aclose()
 
     return UpstreamEmbedder(
         embeddings,

@@ -4,6 +4,7 @@ timeout (a hung embedder holds no reply), its credentials and the replicas' heal
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -131,3 +132,21 @@ async def test_an_upstream_embedder_with_no_credentials_is_warned_about_at_start
         async with gateway_with(semantic={**UPSTREAM_EMBEDDER, **held}, **upstream):
             pass
     assert not [r for r in caplog.records if "carry no credentials" in r.getMessage()]
+
+
+async def test_the_upstream_embedder_goes_through_the_replicas_health_and_failover(fake):
+    # Two replicas, one down: the embeddings are sent as the gateway's own calls are (the
+    # downed replica left out, a failed attempt retried once on the other) and counted in
+    # upstream_calls. Cycled over the raw upstreams, every other embedding failed.
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{unused.getsockname()[1]}/v1"
+    async with run_gateway([fake.url, dead], semantic=UPSTREAM_EMBEDDER) as gw:
+        for i in range(8):
+            assert (await gw.chat(f"Question number {i} about routers")).status_code == 200
+        await eventually(lambda: gw.gateway.semantic.entries == 8, what="every entry")
+        assert gw.gateway.semantic.embed_failures == 0
+        stats = (await gw.client.get("/stats")).json()
+    tried = sum(replica["calls"] for replica in stats["replicas"].values())
+    assert fake.count("/v1/embeddings") >= 8  # (one a prompt: a lookup's, or its call's)
+    assert stats["upstream_calls"] == tried == fake.count() + stats["replicas"][dead]["calls"]

@@ -311,7 +311,8 @@ class SemanticConfig(Section):
         "local",
         description="local: the packaged "
         "sentence model; upstream: the upstream's "
-        "/v1/embeddings with `embedding_model`.",
+        "/v1/embeddings with `embedding_model`, sent through the replicas as the gateway's own "
+        "calls are (health, back-off, one failover; counted in `upstream_calls`).",
     )
     embedding_model: str = Field(
         "text-embedding-3-small",
