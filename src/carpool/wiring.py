@@ -144,7 +144,7 @@ def build_layers(
 
     judge = build_judge(config, via_replicas)
     if semantic is None:
-        semantic = build_semantic(config, via_replicas, store, judge)
+        semantic = build_semantic(config, via_replicas, store, judge, clock)
     audits = (
         Audits(
             config.semantic.audit_rate, config.semantic.audit_window, config.semantic.max_wrong_rate
@@ -370,12 +370,13 @@ def build_semantic(
     via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None = None,
     store: Store | None = None,
     judge: Judge | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
     shared with every instance (``redis/semantic.py``). ``via_replicas``: a call through the
     gateway's replicas (their health, back-off and failover), which ``embedder: upstream``
-    needs."""
+    needs. ``clock``: what the entries' expiry is read on (the answers' ``created``)."""
     if not config.semantic.enabled:
         return None
     from .semantic.guard import RulesThenVerifier
@@ -394,7 +395,7 @@ def build_semantic(
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
 
-        return SemanticCache(config.semantic, embedder, guard)
+        return SemanticCache(config.semantic, embedder, guard, clock=clock)
     from .redis.semantic import SharedSemanticCache
 
     d = config.distributed
@@ -421,6 +422,7 @@ def build_semantic(
         retry_interval=d.retry_interval,
         health=health,
         owns_client=owned,
+        clock=clock,
     )
 
 

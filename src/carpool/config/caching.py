@@ -351,6 +351,14 @@ class SemanticConfig(Section):
     max_entries: int = Field(
         100_000, ge=1, description="Most entries kept; least recently used evicted first."
     )
+    max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Budget of the semantic entries in bytes (least recently used evicted "
+        "first), apart from `cache.max_bytes`: each entry holds its own answer (counted whole, "
+        "even while the exact cache keeps a copy), its texts, its vector in the index (twice "
+        "its raw size) and its bookkeeping. An entry larger than the whole budget is not kept.",
+    )
     candidates: int = Field(8, ge=1, description="Nearest entries examined per lookup.")
     batch_size: int = Field(32, ge=1, description="Most texts embedded in one model call.")
     batch_delay_ms: float = Field(
