@@ -287,3 +287,20 @@ def test_fingerprint_neutral_headers_are_lower_cased_header_names_never_a_creden
         with pytest.raises(ConfigError, match="fingerprint.neutral_headers") as raised:
             Config.load(env={}, overrides={"fingerprint": {"neutral_headers": [name]}})
         assert said in str(raised.value), name
+
+
+def test_the_embedders_key_is_a_secret_read_from_the_environment_never_shown_kept_for_workers(
+    monkeypatch,
+):
+    # semantic.embedder_api_key: like the judge's key (``${VAR}`` read at start, an empty one
+    # refused), hidden from dumps and /admin/config, handed to `serve --workers` children.
+    monkeypatch.setenv("CARPOOL_TEST_EMBEDDER_KEY", "sk-embedder")
+    config = Config(semantic={"embedder_api_key": "${CARPOOL_TEST_EMBEDDER_KEY}"})
+    key = config.semantic.embedder_api_key
+    assert key is not None and key.get_secret_value() == "sk-embedder"
+    assert "sk-embedder" not in str(config.model_dump(mode="json"))
+    assert config.with_secrets()["semantic"]["embedder_api_key"] == "sk-embedder"
+    assert Config.model_validate(config.with_secrets()).semantic.embedder_api_key == key
+    for empty in ("", "${CARPOOL_TEST_NOT_SET}"):
+        with pytest.raises(ValueError, match="embedder_api_key"):
+            Config(semantic={"embedder_api_key": empty})

@@ -27,6 +27,10 @@ Contract:
 - With the semantic cache, the prompt is embedded while the upstream answers (unless the probe
   did already), so that its entry too is in before the flight ends; an entry whose embedding
   was not begun is inserted off the flight's path (``background``), not to delay its clients.
+  The clients wait for an embedding begun with the call no longer than the embedder's own
+  bound (``semantic.embed_timeout_ms``, from the call's start): a hung embedder delays no reply
+  past it, and a prompt it failed to embed in time (a timeout is a failure) gets no entry
+  (counted in ``embed_failures``), its clients their answer all the same.
   Semantic entries are shared with ``redis`` too (``redis/semantic.py``).
 """
 
@@ -206,7 +210,9 @@ class Leader:
         vector = probe.vector if probe is not None else None
         if vector is None and embedding is not None:
             try:
-                vector = await embedding  # mostly done: the upstream took longer
+                # Mostly done: the upstream took longer. Else bounded by the embedder's own
+                # timeout, from the call's start (``semantic.embed_timeout_ms``).
+                vector = await embedding
             except Exception as error:
                 self.semantic.embed_failed(error)
                 return key.key
@@ -239,7 +245,11 @@ class Leader:
     ) -> None:
         assert self.semantic is not None
         if vector is None:
-            vector = await self.semantic.vector(view)
+            try:
+                vector = await self.semantic.vector(view)
+            except Exception as error:  # (the cache's failure, counted: no entry)
+                self.semantic.embed_failed(error)
+                return
         # Checked again once the prompt is embedded: an invalidation may have come meanwhile.
         if epoch == self.flights.epoch:
             await self.semantic.insert(

@@ -11,7 +11,8 @@ Contract:
   hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
   ``tokens_saved`` is a lower bound whenever that is not 0.
 - ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a
-  failover's two, a judge's or an audit's call through the replicas too (what the engines were
+  failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
+  the replicas too (what the engines were
   asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).

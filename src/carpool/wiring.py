@@ -5,14 +5,18 @@ Contract: every function here only constructs (no I/O, nothing started: ``Layers
 a layer whose config is off is ``None``; optional layers import their dependencies (the
 ``semantic`` and ``redis`` extras) only when they are on. A layer given to ``build_layers`` or
 ``build_gateway`` (upstreams, store, semantic cache, flights, idempotency records, a worker's
-peers) is used as it is, instead of the one the config would build.
+peers) is used as it is, instead of the one the config would build. ``embedder: upstream``
+with no credentials of the gateway's for its /v1/embeddings (``semantic.embedder_api_key``, a
+held key or a URL's user) is warned about as it is built: an upstream that wants a key refuses
+every embedding.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
+from urllib.parse import urlsplit
 
 import orjson
 from typing_extensions import Unpack
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
     from .semantic.guard import Guard
     from .semantic.judge import Judge
     from .store.shared import SharedStore
+
+log = logging.getLogger("carpool.semantic")
 
 
 class Given(TypedDict, total=False):
@@ -132,9 +138,13 @@ def build_layers(
         neutral_headers=neutral_of(config.fingerprint),
         lists=ListCheck(batching.embeddings, upstreams, retry_s=batching.embeddings_probe_retry),
     )
-    judge = build_judge(config, lambda request: _via_replicas(layers, request))
+
+    async def via_replicas(request: UpstreamRequest) -> UpstreamResponse:
+        return await _via_replicas(layers, request)  # (``layers``: built below)
+
+    judge = build_judge(config, via_replicas)
     if semantic is None:
-        semantic = build_semantic(config, upstreams, store, judge)
+        semantic = build_semantic(config, via_replicas, store, judge, clock)
     audits = (
         Audits(
             config.semantic.audit_rate, config.semantic.audit_window, config.semantic.max_wrong_rate
@@ -357,19 +367,22 @@ def build_judge(
 
 def build_semantic(
     config: Config,
-    upstreams: Sequence[Upstream],
+    via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None = None,
     store: Store | None = None,
     judge: Judge | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
-    shared with every instance (``redis/semantic.py``)."""
+    shared with every instance (``redis/semantic.py``). ``via_replicas``: a call through the
+    gateway's replicas (their health, back-off and failover), which ``embedder: upstream``
+    needs. ``clock``: what the entries' expiry is read on (the answers' ``created``)."""
     if not config.semantic.enabled:
         return None
     from .semantic.guard import RulesThenVerifier
     from .semantic.verifier import shared_cross_encoder
 
-    embedder = _embedder(config, upstreams)
+    embedder = _embedder(config, via_replicas)
     guard: Guard = RulesThenVerifier(
         shared_cross_encoder(config.semantic.verifier_dir),
         threshold=config.semantic.verifier_threshold,
@@ -382,7 +395,7 @@ def build_semantic(
     if not config.redis or store is None:
         from .semantic.cache import SemanticCache
 
-        return SemanticCache(config.semantic, embedder, guard)
+        return SemanticCache(config.semantic, embedder, guard, clock=clock)
     from .redis.semantic import SharedSemanticCache
 
     d = config.distributed
@@ -409,10 +422,13 @@ def build_semantic(
         retry_interval=d.retry_interval,
         health=health,
         owns_client=owned,
+        clock=clock,
     )
 
 
-def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
+def _embedder(
+    config: Config, via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None
+) -> Any:
     from .semantic.embed import LocalEmbedder, UpstreamEmbedder
 
     s = config.semantic
@@ -422,17 +438,38 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
             max_batch=s.batch_size,
             max_delay_s=s.batch_delay_ms / 1000,
             precision=s.embedder_precision,
+            timeout_s=s.embed_timeout_s(),
         )
-    replicas = itertools.cycle(upstreams).__next__
+    if via_replicas is None:
+        raise ValueError("semantic.embedder: upstream embeds through the gateway's replicas")
+    through = via_replicas
+    # Every tenant's prompts, batched together: under the embedder's key, never a client's (a
+    # key the gateway holds replaces it on its replicas: ``upstream.http``).
+    key = s.embedder_api_key.get_secret_value() if s.embedder_api_key is not None else None
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if key is None and not _holds_upstream_credentials(config):
+        log.warning(
+            "semantic.embedder: upstream: its /v1/embeddings calls carry no credentials "
+            "(semantic.embedder_api_key and upstream.api_key unset): right for a keyless "
+            "upstream; one that wants a key refuses every embedding and the semantic cache "
+            "never hits (set semantic.embedder_api_key)"
+        )
 
     async def embeddings(texts: list[str]) -> list[list[float]]:
-        response = await replicas().send(
-            UpstreamRequest("/embeddings", {"model": s.embedding_model, "input": texts}, {}, False)
+        # Through the replicas: a downed one is left out (its back-off), a failed call retried
+        # once on another, and each attempt counted in ``upstream_calls`` (as the judge's).
+        response = await through(
+            UpstreamRequest(
+                "/embeddings", {"model": s.embedding_model, "input": texts}, headers, False
+            )
         )
-        if response.status != 200:
-            raise UpstreamStatusError(response.status, response.body)
-        data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
-        return [item["embedding"] for item in data]
+        try:
+            if response.status != 200:
+                raise UpstreamStatusError(response.status, response.body)
+            data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
+            return [item["embedding"] for item in data]
+        finally:
+            await response.aclose()
 
     return UpstreamEmbedder(
         embeddings,
@@ -440,7 +477,16 @@ def _embedder(config: Config, upstreams: Sequence[Upstream]) -> Any:
         name=f"upstream:{s.embedding_model}",
         max_batch=s.batch_size,
         max_delay_s=s.batch_delay_ms / 1000,
+        timeout_s=s.embed_timeout_s(),
     )
+
+
+def _holds_upstream_credentials(config: Config) -> bool:
+    """Whether the gateway sends its upstreams credentials of its own: a held key, or a user and
+    password in an upstream's URL (or it has none: the simulated engine wants no key)."""
+    if config.upstream.api_key is not None or config.upstream.api_keys or not config.upstreams:
+        return True
+    return any(urlsplit(url).username is not None for url in config.upstreams)
 
 
 def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) -> ReplicaSet:

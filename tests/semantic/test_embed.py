@@ -455,11 +455,33 @@ async def test_a_cancelled_caller_does_not_cancel_the_batch():
     assert len(fake.calls) == 1
 
 
+async def test_an_embedding_not_made_within_the_timeout_fails_and_frees_its_slot():
+    # One call at a time (max_in_flight=1): the first never answers. Its callers give up after
+    # timeout_s, and so does the call itself, so that the next batch is sent, not held behind it.
+    fake = FakeEmbeddings()
+    never = asyncio.Event()
+    answered = fake.__call__
+
+    async def call(texts: list[str]) -> list[list[float]]:
+        if not fake.calls:
+            fake.calls.append(list(texts))
+            await never.wait()
+        return await answered(texts)
+
+    embedder = UpstreamEmbedder(call, dim=8, max_in_flight=1, timeout_s=0.05)
+    with pytest.raises(TimeoutError):
+        await embedder.embed("hung")
+    np.testing.assert_allclose(await embedder.embed("next"), unit(fake.vector("next")), rtol=1e-6)
+    assert fake.calls == [["hung"], ["next"]]
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         UpstreamEmbedder(FakeEmbeddings(), dim=8, max_batch=0)
     with pytest.raises(ValueError):
         UpstreamEmbedder(FakeEmbeddings(), dim=0)
+    with pytest.raises(ValueError):
+        UpstreamEmbedder(FakeEmbeddings(), dim=8, timeout_s=0)
 
 
 async def test_embed_takes_a_str():

@@ -299,17 +299,16 @@ def test_the_verifier_threshold_and_folder_are_settings(tmp_path):
     from carpool.wiring import build_semantic
 
     cache = build_semantic(
-        Config.model_validate({"semantic": {"enabled": True, "verifier_threshold": 0.5}}), []
+        Config.model_validate({"semantic": {"enabled": True, "verifier_threshold": 0.5}})
     )
     assert cache.guard.threshold == 0.5
     assert (
-        build_semantic(Config.model_validate({"semantic": {"enabled": True}}), []).guard.threshold
+        build_semantic(Config.model_validate({"semantic": {"enabled": True}})).guard.threshold
         == shared_cross_encoder().threshold
     )
     with pytest.raises(VerifierFileError, match="no verifier"):
         build_semantic(
-            Config.model_validate({"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}}),
-            [],
+            Config.model_validate({"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}})
         )
 
 

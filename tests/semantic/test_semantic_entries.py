@@ -1,17 +1,19 @@
 """The semantic cache's bounded bookkeeping (carpool.semantic.cache on carpool.lru): at most
-``semantic.max_entries`` entries, least recently used out first, and an entry that leaves for
-any reason leaves the scope's index and the text map too. A fake embedder, a guard that passes
+``semantic.max_entries`` entries and ``semantic.max_bytes`` bytes, least recently used out first,
+expired entries swept, and an entry that leaves for any reason leaves the scope's index and the
+text map too. A fake embedder, a guard that passes
 everything: only the bookkeeping is under test here (test_semantic_cache.py has the rest)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from carpool.answer import Answer
+from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.config import SemanticConfig
 from carpool.fingerprint import SemanticView
 from carpool.semantic.cache import SemanticCache
@@ -41,14 +43,17 @@ class PassEverything:
         return [Verdict(True) for _ in candidates]
 
 
-def cache(max_entries: int) -> SemanticCache:
-    config = SemanticConfig(max_entries=max_entries, threshold=0.99)
-    return SemanticCache(config, Embedder(), PassEverything())
+def cache(max_entries: int = 100, clock: Clock = SYSTEM_CLOCK, **config: Any) -> SemanticCache:
+    settings = SemanticConfig(max_entries=max_entries, threshold=0.99, **config)
+    return SemanticCache(settings, Embedder(), PassEverything(), clock=clock)
 
 
-async def insert(semantic: SemanticCache, text: str, scope: str = "s", **kw) -> None:
-    answer = Answer("chat", text.encode(), True)
-    await semantic.insert(SemanticView(scope, text), None, answer, time.time() + 60, **kw)
+async def insert(
+    semantic: SemanticCache, text: str, scope: str = "s", *, body: bytes = b"", ttl=60.0, **kw
+) -> None:
+    answer = Answer("chat", body or text.encode(), True)
+    now = semantic._clock.now()
+    await semantic.insert(SemanticView(scope, text), None, answer, now + ttl, **kw)
 
 
 async def served(semantic: SemanticCache, text: str, scope: str = "s") -> bool:
@@ -109,13 +114,65 @@ async def test_an_entry_invalidated_while_the_guard_reads_it_is_not_served():
     # The lookup picked its candidate, then awaited the guard (the verifier's thread, the
     # judge's call): an invalidation that answered meanwhile did not stop it serving the entry.
     guard = HeldGuard()
-    semantic = SemanticCache(SemanticConfig(threshold=0.99), Embedder(), guard)
+    semantic = SemanticCache(SemanticConfig(threshold=0.99), Embedder(), guard, clock=SYSTEM_CLOCK)
     await insert(semantic, "same", tags=("t",))
     lookup = asyncio.create_task(served(semantic, "same"))
     await guard.reading.wait()
     assert await semantic.invalidate(Selector(tag="t")) == 1
     guard.release.set()
     assert not await lookup
+
+
+async def test_entries_are_bounded_in_bytes_each_counting_its_own_answer():
+    # semantic.max_bytes: cache.max_bytes does not bound the answers semantic entries hold
+    # (200 answers of 50 KB held 10 MB under a 1 MB exact cache). The least recently used go
+    # first, and leave the index and the maps with their bytes.
+    semantic = cache(max_bytes=200_000)
+    for i in range(20):
+        await insert(semantic, f"prompt {i}", body=b"x" * 50_000)
+        assert semantic.bytes <= 200_000
+    assert semantic.entries == 3  # each ~54 KB: its answer, its text, its vector, its objects
+    assert all(entry.size > 50_000 for _, entry in semantic._entries.items())
+    assert semantic.bytes == sum(entry.size for _, entry in semantic._entries.items())
+    assert len(semantic._by_text) == len(semantic._by_public) == len(semantic._scopes["s"]) == 3
+    assert await served(semantic, "prompt 19") and not await served(semantic, "prompt 16")
+
+
+async def test_an_entry_larger_than_the_whole_budget_is_not_kept_nor_indexed():
+    semantic = cache(max_bytes=10_000)
+    await insert(semantic, "small")
+    await insert(semantic, "huge", body=b"x" * 20_000)
+    assert semantic.entries == 1 and not await served(semantic, "huge")
+    assert len(semantic._scopes["s"]) == 1 and set(semantic._by_text) == {("s", "", "small")}
+
+
+async def test_expired_entries_are_swept_from_the_counts_the_index_and_the_maps():
+    # Found by no lookup, they held their memory and counted in /stats until evicted.
+    clock = ManualClock()
+    semantic = cache(clock=clock)
+    await insert(semantic, "short-lived", scope="a", ttl=1)
+    await insert(semantic, "long-lived", scope="b", ttl=60)
+    assert semantic.entries == 2
+    clock.advance(1)  # expired; a sweep is due (REAP_S)
+    assert semantic.entries == 1 and not semantic.has_scope("a") and semantic.has_scope("b")
+    assert semantic.bytes == sum(entry.size for _, entry in semantic._entries.items())
+    assert set(semantic._by_text) == {("b", "", "long-lived")} and len(semantic._by_public) == 1
+    clock.advance(60)
+    await insert(semantic, "newcomer", scope="c")  # an insert sweeps too
+    assert set(semantic._by_text) == {("c", "", "newcomer")} and set(semantic._scopes) == {"c"}
+
+
+async def test_stats_count_only_live_semantic_entries(fake, gateway_with):
+    # Over HTTP, on the gateway's clock: an answer's entry expires with its type's ttl, and
+    # /stats stops counting it (and its bytes) without any lookup finding it.
+    clock = ManualClock()
+    types = {"realtime": {"ttl": 1}}
+    async with gateway_with(clock=clock, cache={"types": types}, semantic={"enabled": True}) as gw:
+        await gw.chat("How do I reset my router?", headers={"x-carpool-type": "realtime"})
+        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the entry")
+        clock.advance(1)
+        semantic = (await gw.client.get("/stats")).json()["layers"]["semantic"]
+        assert (semantic["entries"], semantic["bytes"]) == (0, 0)
 
 
 async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_with, caplog):

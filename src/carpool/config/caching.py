@@ -20,6 +20,10 @@ from .base import Section
 from .upstream import held_key
 from .urls import checked_url
 
+#: ``semantic.embed_timeout_ms`` left null with ``embedder: upstream``: a healthy embeddings call
+#: takes milliseconds, an LLM's answer far longer, so the bound is seldom felt but by a hung one.
+UPSTREAM_EMBED_TIMEOUT_S = 1.0
+
 # A header name: RFC 9110's token characters (``tchar``), read lower-cased.
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 
@@ -307,7 +311,8 @@ class SemanticConfig(Section):
         "local",
         description="local: the packaged "
         "sentence model; upstream: the upstream's "
-        "/v1/embeddings with `embedding_model`.",
+        "/v1/embeddings with `embedding_model`, sent through the replicas as the gateway's own "
+        "calls are (health, back-off, one failover; counted in `upstream_calls`).",
     )
     embedding_model: str = Field(
         "text-embedding-3-small",
@@ -318,8 +323,41 @@ class SemanticConfig(Section):
         ge=1,
         description="Length of the upstream's embedding vectors when `embedder: upstream`.",
     )
+    embedder_api_key: SecretStr | None = Field(
+        None,
+        description="`embedder: upstream`: the Bearer key its /v1/embeddings calls carry (a "
+        "value, or `${ENV_VAR}` read at start-up; never logged nor shown). Every tenant's "
+        "prompts are embedded under it, batched together: never a client's key. null: the "
+        "key the gateway holds (`upstream.api_key` / `api_keys`, which replaces any other on "
+        "its replicas), else none (a keyless upstream; start-up logs a warning: one that wants "
+        "a key refuses every embedding, and the semantic cache never hits).",
+    )
+
+    @field_validator("embedder_api_key", mode="before")
+    @classmethod
+    def _embedder_key_from_the_environment(cls, value: Any) -> Any:
+        return held_key(value)
+
+    embed_timeout_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Longest wait for an embedding (a lookup's, an entry's), its upstream call "
+        "included: a timeout is an embedder failure, a miss (`embed_failures`), and no entry is "
+        "made for that prompt; a miss's reply waits for its prompt's embedding (to insert its "
+        "entry first) no longer than this after its upstream call began. null: 1000 with "
+        "`embedder: upstream` (a network call that may hang), none with local (the model in "
+        "process cannot hang; a bound would only turn slow embeddings under load into misses).",
+    )
     max_entries: int = Field(
         100_000, ge=1, description="Most entries kept; least recently used evicted first."
+    )
+    max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Budget of the semantic entries in bytes (least recently used evicted "
+        "first), apart from `cache.max_bytes`: each entry holds its own answer (counted whole, "
+        "even while the exact cache keeps a copy), its texts, its vector in the index (twice "
+        "its raw size) and its bookkeeping. An entry larger than the whole budget is not kept.",
     )
     candidates: int = Field(8, ge=1, description="Nearest entries examined per lookup.")
     batch_size: int = Field(32, ge=1, description="Most texts embedded in one model call.")
@@ -353,3 +391,9 @@ class SemanticConfig(Section):
         "their rate exceeds it too) and comes back once audits put the upper bound under it "
         "(null: no budget).",
     )
+
+    def embed_timeout_s(self) -> float | None:
+        """``embed_timeout_ms`` in seconds, its null resolved for the embedder (None: none)."""
+        if self.embed_timeout_ms is not None:
+            return self.embed_timeout_ms / 1000
+        return UPSTREAM_EMBED_TIMEOUT_S if self.embedder == "upstream" else None

@@ -154,6 +154,8 @@ class Config(Section):
         data["upstream"]["api_keys"] = [k.get_secret_value() for k in self.upstream.api_keys]
         judge = self.semantic.judge.api_key
         data["semantic"]["judge"]["api_key"] = judge.get_secret_value() if judge else None
+        embedder = self.semantic.embedder_api_key
+        data["semantic"]["embedder_api_key"] = embedder.get_secret_value() if embedder else None
         return data
 
     def ttl_for(self, request_type: str | None) -> float:

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..answer import Answer
+from ..clock import SYSTEM_CLOCK, Clock
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, SemanticEntry
@@ -116,8 +117,9 @@ class SharedSemanticCache(SemanticCache):
         retry_interval: float = 1.0,
         health: Health | None = None,
         owns_client: bool = False,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        super().__init__(config, embedder, guard, resolve)
+        super().__init__(config, embedder, guard, resolve, clock=clock)
         self.stream = prefix + "semantic"
         self.instance = secrets.token_hex(8).encode()
         self.maxlen = maxlen

@@ -21,14 +21,23 @@ Contract:
   batch if it fails. The most similar that passes is the ``match``; the most similar one seen
   (passing or not) is ``nearest``, for ``semantic.mode: mark``.
 - The embedder failing (``embedder: upstream`` down, or refusing a text batched with this one;
-  a model error) fails no request: the probe finds nothing (a miss, counted in
+  a model error; no vector within ``semantic.embed_timeout_ms``) fails no request: the probe finds nothing (a miss, counted in
   ``embed_failures``, ``/stats`` ``layers.semantic``, and logged at most every
   ``FAILURE_LOG_S``: ``embed_failed``), and no entry is made for a prompt it could not embed
   (``Probe.failed``: not asked again for the entry).
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
-  ``semantic.max_entries`` entries: the least recently used go first (``carpool.lru``). An
-  entry is its scope, context and text: the same three replace the older entry.
+  ``semantic.max_entries`` entries and ``semantic.max_bytes`` bytes: the least recently used go
+  first (``carpool.lru``). An entry counts (``SemanticEntry.size``) its answer whole (its own
+  copy: the exact cache's budget does not bound it), its texts, its vector in the index (twice
+  its raw size: the graph's copy and its links) and ``ENTRY_OBJECTS`` for its Python objects;
+  one larger than the whole budget is not kept (nor indexed). An entry is its scope, context
+  and text: the same three replace the older entry.
+- Expired entries (``expires``, on the cache's ``clock``: wall-clock seconds, as the answers'
+  ``created``) are never candidates, and they go: dropped when a lookup or ``forget`` finds
+  them, and swept (``LRU.expire``) at most every ``REAP_S`` by an ``insert`` or a read of
+  ``entries`` or ``bytes`` (``/stats``), so that those count live entries and their memory is
+  given back. Every entry that goes, for any reason, leaves its scope's index and the maps.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``redis/semantic.py``) a *reference*: the exact-cache key of its answer, fetched by
@@ -62,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..answer import Answer
+from ..clock import SYSTEM_CLOCK, Clock
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..lru import LRU
@@ -73,6 +83,12 @@ log = logging.getLogger("carpool.semantic")
 
 # Seconds between two warnings that the embedder failed (each failure is counted).
 FAILURE_LOG_S = 30.0
+#: Seconds (on the cache's clock) between two sweeps of the expired entries: a sweep scans every
+#: entry (~5 ms for 100,000).
+REAP_S = 1.0
+#: What an entry's Python objects hold besides its texts and answer (the entry, its id, its
+#: public id, its places in the three maps): measured at ~0.5 KB (docs/semantic.md).
+ENTRY_OBJECTS = 512
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.40
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
@@ -174,6 +190,8 @@ class SemanticCache:
         embedder: Any,
         guard: Guard,
         resolve: Callable[[str], Awaitable[Answer | None]] | None = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
         self.embedder = embedder
@@ -181,10 +199,19 @@ class SemanticCache:
         self.resolve = resolve
         self.threshold = config.threshold if config.threshold is not None else CALIBRATED_THRESHOLD
         self._scopes: dict[str, VectorIndex] = {}
-        # Expiry is checked by ``probe`` (with the answer's age), so the map only bounds.
+        # Bounded in entries and bytes; an expired entry is dropped when found, or swept
+        # (``_reap``); every one that goes leaves the index (``_unindex``).
         self._entries: LRU[int, SemanticEntry] = LRU(
-            max_entries=config.max_entries, size=_entry_size, on_evict=self._unindex
+            max_entries=config.max_entries,
+            max_bytes=config.max_bytes,
+            size=_entry_size,
+            expires=_entry_expires,
+            clock=clock,
+            wall_clock=True,
+            on_evict=self._unindex,
         )
+        self._clock = clock
+        self._reaped_at = float("-inf")  # (the clock's monotonic reading)
         self._by_text: dict[tuple[str, str, str], int] = {}  # (scope, context, text)
         self._by_public: dict[str, int] = {}  # public_id -> id (feedback names entries so)
         self._ids = itertools.count(1)
@@ -194,11 +221,22 @@ class SemanticCache:
 
     @property
     def entries(self) -> int:
+        """Live entries (the expired swept first, at most every ``REAP_S``)."""
+        self._reap()
         return len(self._entries)
 
     @property
     def bytes(self) -> int:
+        """What the live entries count (``SemanticEntry.size``) against ``max_bytes``."""
+        self._reap()
         return self._entries.bytes
+
+    def _reap(self) -> None:
+        """Sweep the expired entries, unless swept less than ``REAP_S`` ago."""
+        now = self._clock.monotonic()
+        if now - self._reaped_at >= REAP_S:
+            self._reaped_at = now
+            self._entries.expire()  # (each heard by ``_unindex``)
 
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes
@@ -209,11 +247,20 @@ class SemanticCache:
         now = time.monotonic()
         if now - self._failure_logged_at >= FAILURE_LOG_S:
             self._failure_logged_at = now
-            # Its type and our words only: an upstream's message may quote a prompt.
+            # Its type (and status) and our words only: an upstream's message may quote a prompt.
+            status = getattr(error, "upstream_status", None) or getattr(error, "status", None)
+            what = type(error).__name__ + (f" {status}" if isinstance(status, int) else "")
+            refused = (
+                ": the upstream refused the embedder's credentials (semantic.embedder_api_key, "
+                "upstream.api_key)"
+                if status in (401, 403)
+                else ""
+            )
             log.warning(
-                "the semantic cache's embedder failed (%s; %d failures so far): lookups miss",
-                type(error).__name__,
+                "the semantic cache's embedder failed (%s; %d failures so far): lookups miss%s",
+                what,
                 self.embed_failures,
+                refused,
             )
 
     async def vector(self, view: SemanticView) -> Any:
@@ -324,6 +371,7 @@ class SemanticCache:
         """
         if answer is None and ref is None:
             raise ValueError("an entry needs an answer or a reference")
+        self._reap()
         view = focus(view)
         if vector is None:
             vector = await self.embedder.embed(view.text)
@@ -346,6 +394,18 @@ class SemanticCache:
             created=created,
             context=view.context,
         )
+        # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
+        held = answer.size if answer is not None else len(ref or "")
+        entry.size = (
+            held
+            + len(view.text)
+            + len(view.context)
+            + len(prompt_prefix)
+            + 8 * self.embedder.dim
+            + ENTRY_OBJECTS
+        )
+        if entry.size > self.config.max_bytes:
+            return  # more than the whole budget: not kept (the older entry is gone all the same)
         index = self._scopes.get(view.scope)
         if index is None:
             index = self._scopes[view.scope] = VectorIndex(
@@ -355,11 +415,6 @@ class SemanticCache:
                 self.config.index_expansion_search,
             )
         index.add(entry.id, vector)
-        # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
-        held = answer.size if answer is not None else len(ref or "")
-        entry.size = (
-            held + len(view.text) + len(view.context) + len(prompt_prefix) + 8 * self.embedder.dim
-        )
         self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._by_public[entry.public_id] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
@@ -407,3 +462,7 @@ class SemanticCache:
 
 def _entry_size(key: int, entry: SemanticEntry) -> int:
     return entry.size  # set by ``insert`` before the entry comes in
+
+
+def _entry_expires(entry: SemanticEntry) -> float:
+    return entry.expires

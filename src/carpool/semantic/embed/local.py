@@ -52,7 +52,8 @@ class LocalEmbedder(_BatchingEmbedder):
     2.5x faster, the same decisions measured; see :mod:`.onnx_graph`) or ``"fp32"`` (the
     reference's numbers); the NumPy runtime is fp32 only. ``name`` says which, so vectors of
     another precision (from another instance, through Redis) are never mixed in. The model is
-    loaded here, once per process and settings.
+    loaded here, once per process and settings. ``timeout_s``: the longest ``embed`` waits
+    (:mod:`.microbatch`); the batch it leaves runs on, on its thread.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class LocalEmbedder(_BatchingEmbedder):
         runtime: str = "auto",
         threads: int | None = None,
         precision: str = "int8",
+        timeout_s: float | None = None,
     ) -> None:
         directory = find_model_dir(model_dir)
         self._model = _load_minilm(directory, verify, runtime, threads, precision)
@@ -76,7 +78,11 @@ class LocalEmbedder(_BatchingEmbedder):
         self.max_batch = max_batch
         self._executor: ThreadPoolExecutor | None = None
         self._init_batching(
-            self._compute, max_batch=max_batch, max_delay_s=max_delay_s, max_in_flight=1
+            self._compute,
+            max_batch=max_batch,
+            max_delay_s=max_delay_s,
+            max_in_flight=1,
+            timeout_s=timeout_s,
         )
 
     def encode(self, texts: Sequence[str], batch_size: int | None = None) -> Vector:

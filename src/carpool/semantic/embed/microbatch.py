@@ -12,7 +12,10 @@ once: within a batch, and also when a text is asked for again while a batch hold
 being computed. ``model_calls`` counts the batches sent to the model, ``texts_computed`` the
 distinct texts in them, ``requests`` the texts asked for. If the model call fails, every caller
 of that batch gets the exception; a cancelled caller does not cancel the batch (a text whose
-every caller left before its batch was sent is dropped from it). The scheduling is
+every caller left before its batch was sent is dropped from it). With ``timeout_s``, ``embed``
+waits at most that long (from its call: the wait for a batch to form or for the model to be free
+included) and then raises ``TimeoutError``; its batch goes on for its other callers. The
+scheduling is
 :class:`carpool.batching.KeyedBatcher` (one group, the text as key and item, ``grow_while_busy``).
 One embedder serves one event loop at a time.
 
@@ -48,9 +51,13 @@ class _BatchingEmbedder:
         max_batch: int,
         max_delay_s: float,
         max_in_flight: int,
+        timeout_s: float | None = None,
     ) -> None:
         if max_batch < 1 or max_in_flight < 1 or max_delay_s < 0:
             raise ValueError("max_batch and max_in_flight must be >= 1, max_delay_s >= 0")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0 (or None: no bound)")
+        self.timeout_s = timeout_s
         self._model_compute = compute
         self._batch_settings: dict[str, Any] = {
             "max_batch_size": max_batch,
@@ -89,7 +96,12 @@ class _BatchingEmbedder:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
-        vector: Vector = await self._batcher.submit(None, text, text)
+        vector: Vector
+        if self.timeout_s is None:
+            vector = await self._batcher.submit(None, text, text)
+        else:  # (leaving, this caller leaves the batch: it goes on for the others)
+            async with asyncio.timeout(self.timeout_s):
+                vector = await self._batcher.submit(None, text, text)
         return vector.copy()
 
     async def embed(self, text: str) -> Vector:

@@ -5,11 +5,15 @@ Contract
 - :class:`UpstreamEmbedder` calls an OpenAI-compatible ``/v1/embeddings`` through an injected
   ``async call(texts) -> list[list[float]]`` (so it does not depend on carpool's HTTP client),
   checks the shape and L2-normalises what comes back; ``max_delay_s`` defaults to 2 ms there (a
-  round trip costs far more than the wait).
+  round trip costs far more than the wait). With ``timeout_s``, each ``embed`` waits at most
+  that long (``TimeoutError``: :mod:`.microbatch`) and so does each ``call``: a hung upstream
+  never holds one of the ``max_in_flight`` slots longer, so the batches after it are not held
+  up behind it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -45,6 +49,7 @@ class UpstreamEmbedder(_BatchingEmbedder):
         max_batch: int = 32,
         max_delay_s: float = 0.002,
         max_in_flight: int = 4,
+        timeout_s: float | None = None,
     ) -> None:
         _require_numpy()
         if dim < 1:
@@ -53,11 +58,16 @@ class UpstreamEmbedder(_BatchingEmbedder):
         self.dim = dim
         self.name = name
         self._init_batching(
-            self._compute, max_batch=max_batch, max_delay_s=max_delay_s, max_in_flight=max_in_flight
+            self._compute,
+            max_batch=max_batch,
+            max_delay_s=max_delay_s,
+            max_in_flight=max_in_flight,
+            timeout_s=timeout_s,
         )
 
     async def _compute(self, texts: list[str]) -> Vector:
-        raw = await self._call(texts)
+        async with asyncio.timeout(self.timeout_s):  # (None: no bound)
+            raw = await self._call(texts)
         vectors = np.asarray(raw, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape != (len(texts), self.dim):
             raise ValueError(
