@@ -44,6 +44,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .answer import Answer
+from .apis.openai import answer_repeats_prompt
 from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
 from .fingerprint import Fingerprint, SemanticView, semantic_view
@@ -207,6 +208,8 @@ class Leader:
             await self.store.put(key.key, entry)
         if view is None or self.semantic is None or (probe is not None and probe.failed):
             return key.key  # (its embedder failed on the lookup: not asked again)
+        if answer_repeats_prompt(answer.body):
+            return key.key  # (its prompt inside: a paraphrase must never be handed it)
         vector = probe.vector if probe is not None else None
         if vector is None and embedding is not None:
             try:

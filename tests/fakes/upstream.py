@@ -139,6 +139,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   "server_error", "message": "fake upstream stream failure", "param": null,
   "sequence_number"}``, Messages' ``{"type": "error", "error": {"type": "overloaded_error",
   "message": "fake upstream stream failure"}}``) and ends.
+- ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
+  such as vLLM's ``prompt_token_ids``).
 - ``keeps_responses: bool``: the fake keeps the responses it makes (``store`` not false), in
   ``kept`` (id -> response), as vLLM and SGLang do, each replica its own: their ids then name
   this fake (``f"resp_{tag}_{n}"``, ``tag`` unique to the instance, so two fakes never make the
@@ -307,6 +309,7 @@ class FakeUpstream:
         self.embedding_fn: Callable[[Any], list[float]] | None = None
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
+        self.chat_extra: dict[str, Any] = {}
         self.keeps_responses: bool = False
         self.kept: dict[str, dict[str, Any]] = {}
 
@@ -697,6 +700,7 @@ class FakeUpstream:
                 ],
                 "usage": usage,
                 "system_fingerprint": "fp_fake",
+                **self.chat_extra,
             },
         )
 

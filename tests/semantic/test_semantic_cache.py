@@ -132,6 +132,29 @@ async def test_a_stored_response_is_never_served_to_a_paraphrase(sgw, fake):
     assert again.headers["x-carpool"] == "semantic-hit"
 
 
+@pytest.mark.parametrize(
+    "extra, kept",
+    [
+        ({"prompt_token_ids": [101, 7592, 102]}, False),
+        ({"prompt_logprobs": [None, {"7592": {"logprob": -1.5}}]}, False),
+        ({"prompt_token_ids": None, "prompt_logprobs": None}, True),  # (written null: none)
+    ],
+)
+async def test_an_answer_that_carries_its_prompt_is_never_served_semantically(
+    sgw, fake, extra, kept
+):
+    # Whatever asked for it (vLLM's return_token_ids, or a field or default carpool does not
+    # know), an answer holding its prompt's tokens would hand a paraphrase another's prompt.
+    fake.chat_extra = extra
+    first = await sgw.chat("How do I reset my router?")
+    assert first.json()["usage"]
+    if kept:
+        await stored(sgw)
+    again = await sgw.chat("how can i reset my router")
+    assert (again.headers["x-carpool"] == "semantic-hit") is kept
+    assert sgw.gateway.semantic.entries == (1 if kept else 0)
+
+
 async def test_echo_completions_are_never_served_semantically(sgw, fake):
     # With echo the answer's text is the prompt and then the completion (OpenAI, vLLM): a
     # paraphrase served the stored answer would read another request's prompt word for word.

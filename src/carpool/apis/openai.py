@@ -20,6 +20,7 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -191,6 +192,20 @@ def echoes_prompt(body: dict[str, Any]) -> bool:
         or body.get("prompt_logprobs") is not None
         or body.get("return_token_ids") not in (None, False)
     )
+
+
+# The answer's own copy of its prompt, whichever request field asked for it (vLLM's
+# ``prompt_token_ids`` and ``prompt_logprobs``, top level or per choice), with a value: an
+# engine may write them as null when not asked.
+_PROMPT_IN_ANSWER = re.compile(rb'"prompt_(?:token_ids|logprobs)"\s*:\s*[^\sn]')
+
+
+def answer_repeats_prompt(body: bytes) -> bool:
+    """Whether a JSON answer body carries its prompt (``echoes_prompt`` reads the request; this
+    reads what came back, whatever field of the request or default of the engine asked for
+    it): such an answer is never served to a paraphrase. (A bare-quoted name is a key: in a
+    JSON string its quotes are escaped.)"""
+    return body.find(b'"prompt_') != -1 and _PROMPT_IN_ANSWER.search(body) is not None
 
 
 def is_text_or_tokens(value: Any) -> bool:
