@@ -18,8 +18,9 @@ def test_the_readme_is_under_250_lines_and_starts_with_the_quick_start() -> None
     readme = (ROOT / "README.md").read_text().splitlines()
     assert len(readme) < 250
     start = readme.index("## Quick start")
-    commands = [line for line in readme[start : start + 8] if line.startswith("pip install")]
+    commands = [line for line in readme[start : start + 8] if line.startswith("python3 -m venv")]
     assert len(commands) == 2 and commands[0].endswith("# the gateway")
+    assert all(". .venv/bin/activate && pip install -r requirements/" in c for c in commands)
 
 
 def test_every_relative_link_resolves() -> None:
