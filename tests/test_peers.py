@@ -187,6 +187,27 @@ async def test_an_answer_from_the_owners_cache_keeps_its_age(fake):
         assert fake.count() == 1
 
 
+async def test_an_owners_answer_expired_here_by_its_age_is_relayed_but_not_stored(fake):
+    """The owner serves its answer until its TTL; relayed in its last second, its ``age`` (whole
+    seconds, counted up: ``Exchange.fetch``) makes it expired here: it takes no room in this
+    worker's cache."""
+    async with two_workers(fake.url, semantic={"enabled": True}) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+        key = key_of(pair.b.gateway, question)
+        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
+        original = await pair.b.gateway.store.get(key)
+        assert original is not None and await pair.b.gateway.store.get(key) is original
+        original.answer.created -= pair.b.gateway.config.ttl_for(None) - 0.5
+        relayed = await pair.a.chat(question)
+        assert relayed.status_code == 200 and relayed.headers["x-carpool"] == "hit"
+        store = pair.a.gateway.store
+        assert not store.holds(key) and (store.entries, store.bytes, store.evictions) == (0, 0, 0)
+        semantic = pair.a.gateway.layers.semantic
+        assert semantic is not None and semantic.entries == 0
+        assert fake.count() == 1
+
+
 async def test_a_joiner_with_max_age_does_not_take_the_owners_old_answer_its_leader_took(fake):
     """The leader on ``a`` takes ``b``'s cached answer (100 s old); a client asking at most
     10 s old arrives within the flight's window: its own call, with its own headers."""

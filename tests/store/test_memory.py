@@ -43,8 +43,10 @@ async def test_a_put_keeps_no_objects_and_an_entry_hit_twice_keeps_them():
 
 
 async def test_an_expired_entry_found_by_get_is_dropped():
-    store = MemoryStore(10_000)
-    await store.put("k", entry(ttl=-1))
+    clock = ManualClock()
+    store = MemoryStore(10_000, clock=clock)
+    await store.put("k", entry(ttl=1, now=clock.now()))
+    clock.advance(1)
     assert store.entries == 1
     assert await store.get("k") is None and store.entries == 0 and store.bytes == 0
 

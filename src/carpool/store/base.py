@@ -3,8 +3,10 @@
 Contract:
 - ``get(key)`` returns the stored ``Entry`` or None; an expired entry is never returned.
 - ``put(key, entry)`` stores a complete answer until ``entry.expires`` (wall-clock seconds); it
-  replaces any entry under the same key. The caller has already decided the answer may be stored
-  (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
+  replaces any entry under the same key. An entry already expired (``expires`` <= now: an
+  answer back-dated by an upstream's ``age``) is not stored: it counts nothing and evicts
+  nothing, and the key's entry is gone all the same. The caller has already decided the
+  answer may be stored (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
 - ``invalidate(selector)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
   returns how many it dropped.
 - ``entries`` and ``bytes`` report the current size, for /stats and /metrics. ``Entry.size`` is

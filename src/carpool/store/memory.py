@@ -37,7 +37,10 @@ Contract (on top of ``store.base``):
   that reading every entry of a full store once doubles the table (+42 MB at 1M entries:
   docs/architecture.md); a mark takes no place, and a hit on a marked entry writes nothing.
 - An expired entry found by ``get`` is dropped. Expiry reads ``clock.now()`` (wall-clock, as
-  ``Entry.expires``): the system's by default.
+  ``Entry.expires``): the system's by default. An entry already expired when put (an answer
+  back-dated by an upstream's ``age``: ``Exchange.fetch``) is not stored: it takes no room,
+  evicts nothing and is not counted (as one larger than the budget, it still replaces what
+  its key held).
 - Every operation is O(1) amortized (an eviction spares an entry at most once a hit) except
   ``invalidate``, which scans (it is an admin action); it counts only live entries, and drops
   the expired ones it meets.
@@ -228,6 +231,8 @@ class MemoryStore:
     async def put(self, key: str, entry: Entry) -> None:
         place = _place(key)
         self._forget(place)
+        if entry.expires <= self._entries.now():
+            return  # already expired (an answer back-dated by its ``age``): never served
         blob = packed.pack(entry, _rest(key, place))
         alone = _size(place, blob)
         if alone > self.max_bytes:
