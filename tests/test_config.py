@@ -59,6 +59,25 @@ def test_a_bad_value_names_the_field(overrides, field):
     assert field in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    "coalesce, field",
+    [
+        ({"window_ms": 5000}, "coalesce.window_ms"),  # above the default max_window_ms, 3000
+        ({"window_ms": 500, "max_window_ms": 400}, "coalesce.window_ms"),
+        ({"min_window_ms": 4000}, "coalesce.min_window_ms"),
+    ],
+)
+def test_the_adaptive_window_stays_within_its_staleness_bound_or_the_config_is_refused(
+    coalesce, field
+):
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={}, overrides={"coalesce": coalesce})
+    assert field in str(raised.value) and "coalesce.max_window_ms" in str(raised.value)
+    # Without adaptive, the window is window_ms as given (the bounds are the adaptive one's).
+    fixed = Config.load(env={}, overrides={"coalesce": {**coalesce, "adaptive": False}})
+    assert fixed.coalesce.window_ms == coalesce.get("window_ms", 1000)
+
+
 def test_a_request_types_policy_applies_whatever_the_case_of_its_key():
     # A request's type is read lower-cased (x-carpool-type: Realtime is realtime): a key given
     # as Realtime must be that type's policy, not one that never applies.

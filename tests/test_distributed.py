@@ -188,7 +188,9 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
     again, it forgets what lingered meanwhile (pub/sub replays nothing: an invalidation may have
     been missed), then delivers as before. The window is long: only invalidations end it."""
     admin = {"Authorization": "Bearer t"}
-    async with two_gateways(fake, killable_redis, coalesce={"window_ms": 60_000}) as (a, b):
+    async with two_gateways(
+        fake, killable_redis, coalesce={"window_ms": 60_000, "max_window_ms": 60_000}
+    ) as (a, b):
         ia, ib = a.gateway.invalidations, b.gateway.invalidations
         await eventually(lambda: ia.listening and ib.listening, what="both instances subscribed")
         killable_redis.kill()

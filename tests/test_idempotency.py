@@ -233,6 +233,39 @@ async def test_new_then_processing_then_done_replays_byte_exact(
         assert all(type(n) is bytes and type(v) is bytes for n, v in done.response.headers)
 
 
+async def test_a_record_keeps_when_its_answer_was_made_for_the_replays_age(
+    records: IdempotencyRecords,
+) -> None:
+    made = StoredResponse(OK.status, OK.headers, OK.body, created=1_712_345_678.123_456_7)
+    token = await begin_new(records)
+    assert await records.finish("k", token, made) is True
+    done = await records.begin("k", FP)
+    assert done.response == made and done.response.created == made.created
+    assert await records.wait("k", FP, timeout=0) == made
+    token = await begin_new(records, "unknown")
+    await records.finish("unknown", token, OK)
+    unknown = await records.begin("unknown", FP)
+    assert unknown.response is not None and unknown.response.created is None
+
+
+async def test_a_redis_record_written_before_the_answers_time_was_kept_replays_without_it(
+    redis_server: RedisServer,
+) -> None:
+    records = RedisIdempotencyRecords(redis_server.url, retention=60)
+    try:
+        token = await begin_new(records)
+        made = StoredResponse(OK.status, OK.headers, OK.body, created=1_712_345_678.5)
+        await records.finish("k", token, made)
+        client = aredis.Redis.from_url(redis_server.url)
+        await client.hdel(records.record_key("k"), "c")  # as an older gateway left it
+        await client.aclose()
+        done = await records.begin("k", FP)
+        assert done.response == StoredResponse(OK.status, OK.headers, OK.body)
+        assert await records.wait("k", FP, timeout=0) == done.response
+    finally:
+        await records.aclose()
+
+
 async def test_keys_are_independent(records: IdempotencyRecords) -> None:
     a = await begin_new(records, "a")
     await begin_new(records, "b")

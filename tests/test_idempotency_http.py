@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from carpool.clock import ManualClock
 from conftest import redis_settings, run_gateway
 from fakes.waiting import eventually
 
@@ -98,6 +99,34 @@ async def test_a_streamed_answer_is_replayed_as_the_same_stream(gw, fake):
     assert response.headers["idempotent-replayed"] == "true"
     assert response.headers["content-type"].startswith("text/event-stream")
     assert retry == first and fake.count() == 1
+
+
+@pytest.mark.parametrize("records", ["memory", "redis"])
+async def test_a_replay_is_a_hit_with_the_age_of_its_answer_whole_or_streamed(
+    fake, records, request
+):
+    """Hits carry ``age``: a replay too (it says ``x-carpool: hit``), counted from when its
+    answer was made: the first reply's time, less the age that reply said."""
+    clock = ManualClock()
+    shared = {} if records == "memory" else redis_settings(request.getfixturevalue("redis_server"))
+    async with run_gateway([fake.url], clock, **shared) as gw:
+        first = await gw.chat(headers=KEY)
+        assert first.headers["x-carpool"] == "miss" and "age" not in first.headers
+        clock.advance(42)
+        whole = await gw.chat(headers=KEY)
+        streamed, _ = await gw.stream_chat(headers=KEY)
+        for replay in (whole, streamed):
+            assert replay.headers["idempotent-replayed"] == "true"
+            assert (replay.headers["x-carpool"], replay.headers["age"]) == ("hit", "42")
+        await gw.chat("cached")
+        clock.advance(10)
+        other = {"Idempotency-Key": "other"}
+        hit = await gw.chat("cached", headers=other)
+        assert (hit.headers["x-carpool"], hit.headers["age"]) == ("hit", "10")
+        clock.advance(5)
+        replay = await gw.chat("cached", headers=other)
+        assert replay.headers["idempotent-replayed"] == "true" and replay.headers["age"] == "15"
+        assert fake.count() == 2
 
 
 async def test_a_request_whose_client_left_before_an_answer_can_be_retried(gw, fake):
@@ -240,6 +269,25 @@ async def test_a_list_items_replayed_from_their_records_are_counted_as_hits(fake
         # The failed item ran again (a miss); the two kept ones were replayed (hits).
         assert after["misses"] - before["misses"] == 1
         assert after["hits"] - before["hits"] == 2
+
+
+async def test_a_list_of_hits_says_the_age_of_its_oldest_item_one_replayed_from_its_record_too(
+    fake, gateway_with
+):
+    clock = ManualClock()
+    async with gateway_with(clock=clock) as gw:
+        words = ["alpha", "beta", "gamma"]
+        body = {"model": "e", "input": words}
+        fake.fail_status, fake.fail_times = 500, 1  # one item fails: the list is not kept
+        assert (await gw.client.post("/v1/embeddings", json=body, headers=KEY)).status_code == 500
+        clock.advance(30)
+        for word in words:  # the failed item computed now, without a key; the others hits
+            await gw.client.post("/v1/embeddings", json={"model": "e", "input": [word]})
+        clock.advance(5)
+        retry = await gw.client.post("/v1/embeddings", json=body, headers=KEY)
+        # Two items replayed from their records (35 s old), one from the cache (5 s old).
+        assert (retry.headers["x-carpool"], retry.headers["age"]) == ("hit", "35")
+        assert fake.count() == 4
 
 
 async def test_a_client_leaving_while_its_record_is_finished_is_counted_once_and_kept(gw, fake):

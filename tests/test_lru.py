@@ -333,6 +333,24 @@ def test_expiry_is_lazy_until_expire_sweeps():
     assert cache.expirations == 2 and cache.expire() == 0
 
 
+def test_sweep_drops_the_expired_among_a_bounded_step_going_on_where_the_last_stopped():
+    clock = ManualClock(monotonic=0.0)
+    cache, heard = lru(clock)
+    for i, expires in enumerate([1.0, 9.0, 1.0, 1.0, 9.0, 1.0, 9.0]):
+        cache.put(f"k{i}", (f"k{i}", 1, expires))
+    clock.advance(3)
+    assert cache.sweep(3) == 2  # k0 k1 k2: k0 and k2 expired
+    assert list(cache) == ["k1", "k3", "k4", "k5", "k6"] and cache.bytes == 5
+    assert cache.sweep(3) == 2  # from where it stopped: k3 k4 k5
+    assert list(cache) == ["k1", "k4", "k6"] and [k for k, _ in heard] == ["k0", "k2", "k3", "k5"]
+    assert cache.expirations == 4 and cache.evictions == 0
+    cache.put("k7", ("k7", 1, 4.0))
+    assert cache.sweep(3) == 0  # k6 and the last put, then nothing more this lap
+    clock.advance(1)
+    assert cache.sweep(2) == 0 and cache.sweep(2) == 1  # past the last: from the first again
+    assert list(cache) == ["k1", "k4", "k6"] and cache.sweep(0) == 0
+
+
 def test_an_expired_entry_is_evicted_in_its_turn_like_any_other():
     clock = ManualClock(monotonic=0.0)
     cache, heard = lru(clock, max_entries=2)

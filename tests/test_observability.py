@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from carpool.clock import ManualClock
 from carpool.config import Config
 from carpool.metrics import Buckets
 from carpool.tracing import NO_SPAN, Tracer
@@ -60,6 +61,25 @@ async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by
     assert samples(text, "carpool_cache_bytes")['{layer="exact"}'] > 0
     assert samples(text, "carpool_redis_errors_total") == {'{component="store"}': 0}
     assert samples(text, "carpool_redis_pool_exhausted_total") == {"": 0}
+
+
+async def test_stats_and_metrics_come_to_count_only_the_live_exact_entries(gateway_with, fake):
+    """Expired answers nobody asks for again are reaped (a bounded step at most once a second,
+    taken by the reports too): /stats and /metrics do not count them on and on."""
+    clock = ManualClock()
+    async with gateway_with(clock=clock, cache={"types": {"short": {"ttl": 1}}}) as gw:
+        for question in ("a", "b"):
+            await gw.chat(question)
+        await gw.chat("c", headers={"x-carpool-type": "short"})
+        assert (await gw.client.get("/stats")).json()["layers"]["exact"]["entries"] == 3
+        clock.advance(2)
+        exact = (await gw.client.get("/stats")).json()["layers"]["exact"]
+        assert exact["entries"] == 2 and exact["bytes"] == gw.gateway.store.bytes
+        clock.advance(3600)
+        text = (await gw.client.get("/metrics")).text
+        assert samples(text, "carpool_cache_entries")['{layer="exact"}'] == 0
+        assert samples(text, "carpool_cache_bytes")['{layer="exact"}'] == 0
+        assert gw.gateway.store.evictions == 0 and fake.count() == 3
 
 
 async def test_every_request_stats_count_is_in_metrics_idempotency_refusals_included(gw, fake):

@@ -187,6 +187,46 @@ async def test_an_answer_from_the_owners_cache_keeps_its_age(fake):
         assert fake.count() == 1
 
 
+async def test_a_hit_from_the_owners_cache_says_its_age_to_streaming_clients_too(fake):
+    """Hits carry ``age``: a streaming client's, relayed frame by frame from the owner's cached
+    answer, as a whole answer's."""
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+        key = key_of(pair.b.gateway, question)
+        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
+        original = await pair.b.gateway.store.get(key)
+        assert original is not None and await pair.b.gateway.store.get(key) is original
+        original.answer.created -= 100  # the owner's copy is 100 s old
+        streamed, text = await pair.a.stream_chat(question)
+        assert streamed.headers["x-carpool"] == "hit" and int(streamed.headers["age"]) >= 100
+        assert text.rstrip().endswith("data: [DONE]")
+        whole = await pair.a.chat(question)  # (from a's own cache now)
+        assert whole.headers["x-carpool"] == "hit" and int(whole.headers["age"]) >= 100
+        assert fake.count() == 1
+
+
+async def test_an_owners_answer_expired_here_by_its_age_is_relayed_but_not_stored(fake):
+    """The owner serves its answer until its TTL; relayed in its last second, its ``age`` (whole
+    seconds, counted up: ``Exchange.fetch``) makes it expired here: it takes no room in this
+    worker's cache."""
+    async with two_workers(fake.url, semantic={"enabled": True}) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+        key = key_of(pair.b.gateway, question)
+        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
+        original = await pair.b.gateway.store.get(key)
+        assert original is not None and await pair.b.gateway.store.get(key) is original
+        original.answer.created -= pair.b.gateway.config.ttl_for(None) - 0.5
+        relayed = await pair.a.chat(question)
+        assert relayed.status_code == 200 and relayed.headers["x-carpool"] == "hit"
+        store = pair.a.gateway.store
+        assert not store.holds(key) and (store.entries, store.bytes, store.evictions) == (0, 0, 0)
+        semantic = pair.a.gateway.layers.semantic
+        assert semantic is not None and semantic.entries == 0
+        assert fake.count() == 1
+
+
 async def test_a_joiner_with_max_age_does_not_take_the_owners_old_answer_its_leader_took(fake):
     """The leader on ``a`` takes ``b``'s cached answer (100 s old); a client asking at most
     10 s old arrives within the flight's window: its own call, with its own headers."""

@@ -160,6 +160,17 @@ async def test_an_answer_evicted_within_the_window_is_coalesced_not_called_again
         assert fake.count() == 2
 
 
+async def test_window_ms_0_lingers_no_answer_however_often_a_key_repeats(fake, gateway_with):
+    """``coalesce.window_ms: 0`` is no window, the adaptive one (on by default) included: once a
+    key has repeated enough for its own window, its finished answers still do not linger."""
+    clock = ManualClock()
+    async with gateway_with(coalesce={"window_ms": 0}, clock=clock) as gw:
+        for _ in range(8):
+            assert await outcome(gw, **{"x-carpool-type": "factual"}) == "miss"
+            clock.advance(0.02)
+        assert fake.count() == 8
+
+
 async def test_factual_after_the_window_calls_upstream_again(fake, gateway_with):
     clock = ManualClock()
     async with gateway_with(coalesce={"window_ms": 50}, clock=clock) as gw:

@@ -374,7 +374,9 @@ async def test_an_answer_invalidated_on_one_instance_is_not_served_from_anothers
     """B's invalidation reaches A's own coalescing window through Redis pub/sub
     (``invalidation.py``); the window is long, so only the invalidation can end it."""
     pytest.importorskip("redis")
-    async with two_instances(fake, shared_redis, coalesce={"window_ms": 60_000}) as (a, b):
+    async with two_instances(
+        fake, shared_redis, coalesce={"window_ms": 60_000, "max_window_ms": 60_000}
+    ) as (a, b):
         await eventually(
             lambda: a.gateway.invalidations.listening, what="instance A subscribed to invalidations"
         )

@@ -3,7 +3,8 @@
 Contract:
 - ``gauges(layers)``: the live figures ``/metrics`` scrapes (flights, waiters, each cache layer's
   entries and bytes, calls in flight per replica, Redis errors per component, Redis calls that
-  found the pool exhausted); read at scrape time, never kept.
+  found the pool exhausted); read at scrape time, never kept. The exact cache takes a step of
+  reaping first (``Store.reap``), so that its figures come to count live entries only.
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
   ``redis``, ``peer_calls`` and this worker's ``peers`` figures).
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 def gauges(layers: Layers) -> dict[str, Any]:
     """The live figures of ``/metrics`` (and part of ``/stats``)."""
     semantic, shared_store = layers.semantic, layers.shared_store
+    layers.store.reap()  # (the live entries counted: expired ones reaped, a bounded step)
     return {
         "flights": len(layers.flights),
         "waiters": layers.flights.waiters,

@@ -22,7 +22,9 @@ Contract (CONTRACT.md "Streaming"):
   cross-instance leader (``redis/flights.py``) uses it to forward frames to Redis.
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
   instance made (this instance's clients of the flight are then all ``coalesced``); ``cached``
-  when the answer came from another worker's exact cache (``carpool.peers``: they are ``hit``s).
+  when the answer came from another worker's exact cache (``carpool.peers``: they are ``hit``s),
+  and ``created`` (wall-clock) when that answer was made, known from the owner's ``age`` as its
+  head comes, before its frames: a streaming client's hit says its ``age`` too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Broadcast:
         "error",
         "remote",
         "cached",
+        "created",
         "on_publish",
         "_waiters",
     )
@@ -56,6 +59,7 @@ class Broadcast:
         self.error: CarpoolError | None = None
         self.remote = False
         self.cached = False
+        self.created: float | None = None  # (the answer's, when its head said: ``age``)
         self.on_publish: Callable[[], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)
 

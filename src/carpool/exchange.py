@@ -185,6 +185,13 @@ class Exchange:
             response = await send(
                 self.layers, upstream_request, self._routing_text(request), request
             )
+        made: float | None = None
+        if response.headers.get("age", "").isdigit():
+            # From a cache (the owner's): as old as it was there (an upper bound: the header
+            # counts whole seconds), so that no copy outlives the original's TTL. Known from
+            # the head, before the frames: a streaming client's hit says its age too.
+            made = self.layers.clock.now() - int(response.headers["age"]) - 1
+            broadcast.created = made
         if said is None or said == Outcome.MISS:
             # (An owner's hit or shared call says nothing of this requester's credentials: the
             # upstream did not see them.)
@@ -209,6 +216,7 @@ class Exchange:
                 raise  # (frames sent cannot be taken back: ``Gateway._follow`` takes it over)
             # The owner died before its first frame: nobody saw any of it, the call is made here.
             broadcast.remote = broadcast.cached = False
+            broadcast.created = None
             return await self.fetch(request, broadcast)
         except UpstreamStreamBroken as error:
             # Its head said 2xx, as the attempt was counted: the call failed all the same, for
@@ -224,11 +232,8 @@ class Exchange:
         # Produced now by the gateway's clock, which its stores' expiry and ages read (not the
         # system's: a test's clock may be moved, and both must move together).
         answer.created = self.layers.clock.now()
-        if response.headers.get("age", "").isdigit():
-            # From a cache (the owner's, or one in front of the upstream): as old as it was
-            # there (an upper bound: the header counts whole seconds), so that no copy outlives
-            # the original's TTL.
-            answer.created -= int(response.headers["age"]) + 1
+        if made is not None:
+            answer.created = made
         elif said == Outcome.COALESCED:
             # Joined at the owner, perhaps after its call ended (a finished flight stays
             # joinable for the coalescing window, and says no age): at most that old.

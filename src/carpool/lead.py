@@ -18,8 +18,9 @@ Contract:
   turn of the event loop: no request that follows a reply can be read in between, and one that
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
-  ttl > 0, without ``no-store``, and only if no invalidation came after the call began (the
-  flights' ``epoch``): the answer may predate what was invalidated. With ``redis``, whatever
+  ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, and
+  only if no invalidation came after the call began (the flights' ``epoch``): the answer may
+  predate what was invalidated. With ``redis``, whatever
   path the call took (led for all, alone, without shared flights), Redis's count of
   invalidations is read before the call and again once its answer is stored: one by any
   instance in between takes it back (``RedisStore.put``), so an invalidation that answered
@@ -73,6 +74,7 @@ class Leader:
         self.peers = layers.peers
         self.invalidations = layers.invalidations
         self.fetch = fetch
+        self.clock = layers.clock
         self.background: set[asyncio.Task[Any]] = set()  # semantic inserts off the path
         # An in-process store (``Store.get_now``) stores without waiting: a flight's clients
         # may reply before its answer is stored, in the same turn of the loop (``lead``).
@@ -197,6 +199,8 @@ class Leader:
             # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
         expires, prefix = answer.created + ttl, _prompt_prefix(request, self.config)
+        if expires <= self.clock.now():
+            return ""  # back-dated past its TTL by its ``age``: expired already, in no layer
         assert key.key is not None  # (checked above; a shared key is one too)
         entry = Entry(answer, expires, controls.tags, key.namespace, prefix)
         since = begun.generation if begun is not None else None

@@ -30,14 +30,19 @@ Contract:
   instant on (``expires(value) <= now``) the entry is never returned: a ``get``, ``peek``,
   ``in``, ``[]`` or ``remove_if`` that finds it expired drops it. Expiry is lazy: an expired
   entry no one looks at holds its place (and counts toward the bounds) until it is evicted, found
-  or swept by ``expire()``. A time-to-live is an ``expires`` that adds it to a time the value
+  or swept: by ``expire()``, all at once, or ``sweep(limit)``, a bounded step (``limit``
+  entries looked at, in the order of ``iter``, from where the last step stopped: by its
+  place, so that an entry removed before it makes the next step begin one later; from the
+  first again past the last). A time-to-live is an ``expires`` that adds it to a time the value
   holds (``expires=lambda v: v.at + ttl``).
 - ``on_evict(key, value)`` hears of every entry the cache drops on its own: evicted for a bound
   (``put`` also returns those; or by ``evict()``, for a caller's own bound) or dropped expired;
   ``evictions`` and ``expirations`` count them.
   It is not called for what the caller removes (``pop``, ``remove_if``, ``clear``) or replaces.
 - Every operation is O(1) amortized (plus the callbacks) except ``remove_if`` and ``expire``,
-  which scan (an eviction that spares entries steps over each once per mark). A use that moves
+  which scan (an eviction that spares entries steps over each once per mark), and ``sweep``:
+  O(limit), after stepping over the entries before its place at the speed of C (a dict finds
+  its n-th key no faster: ~6 ns an entry). A use that moves
   its entry keeps the key object it was given (an equal one) in place of the stored one.
 
 Byte budgets that bound what the process holds (``held``, ``SLOT_BYTES``): ``sys.getsizeof``
@@ -132,6 +137,7 @@ class LRU(Generic[K, V]):
         "_unmark",
         "_newest",
         "_bytes",
+        "_swept",
     )
 
     def __init__(
@@ -178,6 +184,7 @@ class LRU(Generic[K, V]):
         # spared go after it: it is not always the last key).
         self._newest: K | None = None
         self._bytes = 0
+        self._swept = 0  # where the next ``sweep`` begins, in the order of ``iter``
 
     def __len__(self) -> int:
         return len(self._data)
@@ -339,6 +346,21 @@ class LRU(Generic[K, V]):
         self.remove_if(_never)
         return self.expirations - before
 
+    def sweep(self, limit: int) -> int:
+        """Look at the next ``limit`` entries (from where the last sweep stopped, in the order of
+        ``iter``; from the first again past the last) and drop the expired ones, as ``expire``
+        does; returns how many."""
+        data, expires = self._data, self._expires
+        if expires is None or not data or limit <= 0:
+            return 0
+        at = self._swept if self._swept < len(data) else 0
+        now = self._time()
+        expired = [(k, v) for k, v in islice(data.items(), at, at + limit) if expires(v) <= now]
+        for key, value in expired:
+            self._expire(key, value)
+        self._swept = at + limit - len(expired)  # (the first not looked at, once they are gone)
+        return len(expired)
+
     def clear(self) -> None:
         """Drop everything (not counted as evictions)."""
         self._data.clear()
@@ -346,6 +368,7 @@ class LRU(Generic[K, V]):
         self._front.clear()
         self._newest = None
         self._bytes = 0
+        self._swept = 0
 
     def _bound(self) -> list[tuple[K, V]]:
         """Evict the least recently used entries until within the bounds; returns them."""

@@ -47,8 +47,10 @@ Contract:
   entries are shared too (``redis/semantic.py``): each instance's index is fed by the others'.
 - Without ``redis``, the workers of ``carpool serve --workers N`` share the same way
   (``carpool.peers``): a key's upstream calls are made by the worker that owns it, which the
-  others ask instead of the upstream (``lead.py``), keeping its answer in their own caches; a
-  request with an Idempotency-Key runs on the worker that owns its record. A peer's request
+  others ask instead of the upstream (``lead.py``), keeping its answer in their own caches (an
+  answer the owner served from its cache is a ``hit`` here, with the ``age`` the owner said,
+  streamed or whole); a request with an Idempotency-Key runs on the worker that owns its
+  record. A peer's request
   (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
@@ -134,7 +136,7 @@ class Gateway:
         self.leader = Leader(layers, self.exchange.fetch)
         self._background = self.leader.background  # semantic inserts off the flights' path
         self.once = AtMostOnce(
-            layers.idempotency, self.config, self.accepted, self.stats, self._answer
+            layers.idempotency, self.config, self.accepted, self.stats, self._answer, layers.clock
         )
         self.auditor = Auditor(layers)  # semantic hits checked against fresh answers
 
@@ -447,9 +449,14 @@ class Gateway:
             self.stats.count(route, outcome)
             saved = partial(self._saved, outcome) if outcome.saved else None
             shown = partial(_shown, ticket, request, key)
+            headers = [*SSE_HEADERS, outcome.header]
+            if outcome is Outcome.HIT and broadcast.created is not None:
+                # Another worker's cached answer: as old as the owner said (``Exchange.fetch``).
+                age = max(0, int(self.clock.now() - broadcast.created))
+                headers.append((b"age", str(age).encode()))
             return Reply(
                 200,
-                [*SSE_HEADERS, outcome.header],
+                headers,
                 stream=Relay(request.api, broadcast, request.include_usage, saved, shown),
                 outcome=outcome,
                 on_close=ticket.release,

@@ -20,7 +20,10 @@ Contract:
   with ``T`` the duration of the call that just finished, ``gap`` an exponentially weighted mean
   of the gaps between the key's arrivals (weight ``ALPHA`` on the newest) and ``C`` =
   ``coalesce.adaptive_tradeoff`` seconds. A key with fewer than ``MIN_GAPS`` gaps seen gets the
-  configured ``window_ms``, so a key's first repeats always see the documented window.
+  configured ``window_ms``, clamped the same way (the config refuses a ``window_ms`` above
+  ``max_window_ms``: ``config.caching``), so a key's first repeats see the documented window.
+  Every answer is within the bounds, whatever the key: ``max_window_ms`` wins over
+  ``min_window_ms`` should they cross (the config refuses that too).
 
   Why: while a key is asked every ``gap`` seconds, each cycle of ``T + W`` seconds costs one
   upstream call, and the requests served from the window (``W / gap`` of them) receive answers
@@ -29,6 +32,8 @@ Contract:
   requests that join its running call, so it gets a short window and fresh answers; a rare key
   (large gap) is shared only through the window, so it gets a long one. ``max_window_ms`` is the
   staleness bound: no lingering answer is ever shared older than it.
+- ``window_ms: 0`` is no window at all, adaptive or not: no finished answer lingers, whatever
+  the repeats (the adaptive window then answers 0 and remembers no key).
 - Memory is bounded: the gap table keeps the ``capacity`` most recently seen keys
   (``carpool.lru``).
 - The policies read no clock: the flight group passes ``now`` (its ``clock.monotonic()``).
@@ -70,8 +75,11 @@ class AdaptiveWindow:
     def __init__(
         self, base: float, low: float, high: float, tradeoff: float, capacity: int = 100_000
     ) -> None:
-        self.base, self.low, self.high, self.tradeoff = base, low, max(low, high), tradeoff
-        self.longest = max(base, self.high)  # (``base`` until a key has repeated enough)
+        # The staleness bound first: ``high`` wins should the bounds cross.
+        self.low, self.high, self.tradeoff = min(low, high), high, tradeoff
+        self.off = base <= 0  # ``window_ms: 0``: no window, whatever the repeats
+        self.base = 0.0 if self.off else min(self.high, max(self.low, base))
+        self.longest = 0.0 if self.off else self.high
         self.capacity = capacity
         # key -> (last arrival, mean gap, gaps seen): a tuple of numbers, which the garbage
         # collector stops tracking (a hundred thousand lists it would walk every full pass)
@@ -81,6 +89,8 @@ class AdaptiveWindow:
         return len(self._keys)
 
     def arrival(self, key: str, now: float) -> None:
+        if self.off:
+            return
         seen = self._keys.get(key)  # now the most recently seen
         if seen is None:
             self._keys.put(key, (now, 0.0, 0))
@@ -92,6 +102,6 @@ class AdaptiveWindow:
     def window(self, key: str, now: float, duration: float) -> float:
         seen = self._keys.peek(key)
         if seen is None or seen[2] < MIN_GAPS:
-            return self.base
+            return self.base  # (clamped, or 0: off)
         best = math.sqrt(duration * duration + self.tradeoff * seen[1]) - duration
         return min(self.high, max(self.low, best))

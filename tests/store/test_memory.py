@@ -18,7 +18,7 @@ import pytest
 from carpool.answer import Answer
 from carpool.clock import ManualClock
 from carpool.lru import SLOT_BYTES
-from carpool.store import Entry, MemoryStore
+from carpool.store import Entry, MemoryStore, memory
 from carpool.store.base import Selector
 from carpool.store.memory import packed_size_of, size_of
 
@@ -43,8 +43,10 @@ async def test_a_put_keeps_no_objects_and_an_entry_hit_twice_keeps_them():
 
 
 async def test_an_expired_entry_found_by_get_is_dropped():
-    store = MemoryStore(10_000)
-    await store.put("k", entry(ttl=-1))
+    clock = ManualClock()
+    store = MemoryStore(10_000, clock=clock)
+    await store.put("k", entry(ttl=1, now=clock.now()))
+    clock.advance(1)
     assert store.entries == 1
     assert await store.get("k") is None and store.entries == 0 and store.bytes == 0
 
@@ -233,6 +235,32 @@ async def test_a_hot_entry_expires_and_is_evicted_with_its_objects():
     assert store.bytes == sum(size_of(key, entry()) for key in hot) + sum(
         packed_size_of(key, entry()) for key in others
     )
+
+
+async def test_expired_entries_no_get_finds_are_reaped_a_bounded_step_a_second(monkeypatch):
+    """Expiry is lazy, so a step of reaping drops the expired entries among the next
+    ``SWEEP_STEP``, with their objects, at most once a ``SWEEP_EVERY`` (a put takes it when
+    due, as the reports do): ``entries`` and ``bytes`` come to count the live ones only."""
+    monkeypatch.setattr(memory, "SWEEP_STEP", 4)
+    clock = ManualClock()
+    store = MemoryStore(100_000, clock=clock)
+    keys = [f"k{i}" for i in range(10)]
+    for i, key in enumerate(keys):
+        await store.put(key, entry(ttl=10 if i % 3 else 100, now=clock.now()))
+    store.get_now("k1"), store.get_now("k1")  # (its objects kept)
+    assert store._hot_bytes > 0
+    clock.advance(10)
+    assert store.entries == 10 and store.reap() == 2  # the first step: k0..k3
+    assert store.entries == 8 and store._hot_bytes == 0 and store.evictions == 0
+    assert store.reap() == 0  # not due before a second has passed
+    clock.advance(memory.SWEEP_EVERY)
+    await store.put("new", entry(now=clock.now()))  # a put takes the step: k4..k7
+    assert store.entries == 9 - 3
+    clock.advance(memory.SWEEP_EVERY)
+    assert store.reap() == 1  # k8, k9 and new: the last ones
+    live = ["k0", "k3", "k6", "k9", "new"]
+    assert store.entries == 5 and all(store.holds(key) for key in live)
+    assert store.bytes == sum(packed_size_of(key, entry()) for key in live)
 
 
 async def test_an_entry_too_large_with_its_objects_is_kept_packed_if_it_fits_so():

@@ -250,6 +250,22 @@ async def test_putting_an_expired_entry_replaces_the_live_one(store: Store, cloc
     assert await store.get("k") is None
 
 
+async def test_an_entry_already_expired_when_put_is_not_stored_counted_nor_evicting(
+    store: Store, clock: Clock
+) -> None:
+    """An answer back-dated past its TTL (an upstream's ``age``) takes no room: the live
+    entries stay, nothing is counted for it, nothing is evicted."""
+    live = entry(clock=clock)
+    await store.put("live", live)
+    entries, size = store.entries, store.bytes
+    for i in range(5):
+        await store.put(f"dead {i}", entry(ttl=-3600, clock=clock))
+    assert (store.entries, store.bytes) == (entries, size) == (1, counted(store, "live", live))
+    assert_same(await store.get("live"), live)
+    if isinstance(store, MemoryStore):
+        assert store.evictions == 0 and store._entries.expirations == 0
+
+
 # --------------------------------------------------------------------------- invalidate
 
 

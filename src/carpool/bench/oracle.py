@@ -18,7 +18,7 @@ Contract:
   ``no-cache``/``no-store`` or its ``max-age`` is shorter; an answer in flight is joinable for
   ``call_seconds`` (the assumed duration of one upstream call; the report passes the run's median
   miss latency) and lingers joinable for the longest coalescing window (``max_window_ms`` when
-  adaptive, else ``window_ms``), except after a ``no-store`` leader. When the run is shorter than
+  adaptive, else ``window_ms``; none with ``window_ms`` 0), except after a ``no-store`` leader. When the run is shorter than
   every TTL none of this matters: the oracle is distinct fingerprints + unshareable requests.
 - Not modelled (stated in the report): cache evictions (``cache.max_bytes`` is assumed large
   enough), the semantic layer (it may go below this exact-match oracle: paraphrases count as new
@@ -105,7 +105,8 @@ def oracle(
     if len(times) != len(requests):
         raise ValueError("one time per request")
     coalesce = config.coalesce
-    window = max(coalesce.window_ms, coalesce.max_window_ms if coalesce.adaptive else 0) / 1000
+    longest = coalesce.max_window_ms if coalesce.adaptive else coalesce.window_ms
+    window = (longest if coalesce.window_ms > 0 else 0) / 1000  # (``window.py``: 0 is none)
     result = Oracle(needs_call=[False] * len(requests))
     lives: dict[str, _Life] = {}
     idempotency_seen: set[tuple[str, str]] = set()

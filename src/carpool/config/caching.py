@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ..identity import names_a_secret
 from .base import Section
@@ -130,15 +130,16 @@ class CoalesceConfig(Section):
         1000,
         ge=0,
         description="Milliseconds a finished answer stays joinable "
-        "by identical requests, even with ttl 0.",
+        "by identical requests, even with ttl 0; 0: no window, adaptive or not (no finished "
+        "answer lingers). With adaptive, at most max_window_ms.",
     )
     adaptive: bool = Field(
         True,
         description="Adapt the window per key to how often it is "
         "asked: sqrt(T^2 + adaptive_tradeoff x gap) - T for a call of T "
-        "seconds and a mean gap between arrivals of gap seconds, within "
-        "[min_window_ms, max_window_ms]; window_ms until the key has repeated "
-        "3 times (rule and derivation in carpool/window.py).",
+        "seconds and a mean gap between arrivals of gap seconds; window_ms until the key "
+        "has repeated 3 times; always within [min_window_ms, max_window_ms] (rule and "
+        "derivation in carpool/window.py). Off with window_ms 0.",
     )
     adaptive_tradeoff: float = Field(
         8.0,
@@ -153,12 +154,15 @@ class CoalesceConfig(Section):
         description="Keys whose arrival gaps the adaptive "
         "window remembers (least recently seen forgotten first).",
     )
-    min_window_ms: float = Field(50, ge=0, description="Shortest adaptive window (ms).")
+    min_window_ms: float = Field(
+        50, ge=0, description="Shortest adaptive window (ms); at most max_window_ms."
+    )
     max_window_ms: float = Field(
         3000,
         ge=0,
-        description="Longest adaptive window (ms): the "
-        "staleness bound, no lingering answer is shared older than this.",
+        description="Longest adaptive window (ms), window_ms included: the "
+        "staleness bound, no lingering answer is shared older than this (without adaptive, "
+        "the window is window_ms).",
     )
     join_timeout_ms: float = Field(
         30000,
@@ -172,6 +176,25 @@ class CoalesceConfig(Section):
         description="Finish an upstream call whose clients all "
         "left, to fill the cache, instead of cancelling it.",
     )
+
+    @model_validator(mode="after")
+    def _within_the_staleness_bound(self) -> CoalesceConfig:
+        """With ``adaptive``, ``max_window_ms`` bounds every window, ``window_ms`` (a key's
+        first) included: a config that says otherwise is refused, not quietly clamped."""
+        if not self.adaptive:
+            return self
+        if self.window_ms > self.max_window_ms:
+            raise ValueError(
+                f"coalesce.window_ms ({self.window_ms:g}) is above coalesce.max_window_ms "
+                f"({self.max_window_ms:g}), the staleness bound of the adaptive window: "
+                "raise max_window_ms, lower window_ms, or set adaptive: false"
+            )
+        if self.min_window_ms > self.max_window_ms:
+            raise ValueError(
+                f"coalesce.min_window_ms ({self.min_window_ms:g}) is above "
+                f"coalesce.max_window_ms ({self.max_window_ms:g})"
+            )
+        return self
 
 
 class JudgeConfig(Section):

@@ -245,4 +245,6 @@ def _wake(key: str, record: _Record) -> None:
 
 
 def _copy(response: StoredResponse) -> StoredResponse:
-    return StoredResponse(response.status, list(response.headers), response.body, response.streamed)
+    return StoredResponse(
+        response.status, list(response.headers), response.body, response.streamed, response.created
+    )

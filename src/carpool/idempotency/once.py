@@ -11,8 +11,11 @@ Contract:
   busy: ``IdempotencyUnavailable``) gets a 503 with ``Retry-After`` and is not run: running it
   without its record could run the key twice.
 - A finished key is replayed (``replay_as``): its first answer in the retry's format, with
-  ``idempotent-replayed: true`` and the ``hit`` outcome, without calling upstream; a 422
-  (``IdempotencyFormatMismatch``) when it has no faithful form in that format.
+  ``idempotent-replayed: true`` and the ``hit`` outcome, and, as every hit, ``age``: the
+  seconds since its answer was made (``StoredResponse.created``: the first reply's time on the
+  gateway's clock, less the ``age`` that reply said; none for a record kept without it),
+  without calling upstream; a 422 (``IdempotencyFormatMismatch``) when it has no faithful
+  form in that format. A list's item replayed from its record counts its age as well.
 - Only a final answer is kept (``is_final``): after a retryable one the record is dropped and a
   retry runs again. A stream is kept as the client received it, once it ended (``_Recorded``);
   one that ended with an error event, or whose client left, is dropped. The record is dropped
@@ -36,6 +39,7 @@ from typing import Any
 import orjson
 
 from ..canonical import names_of
+from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Config
 from ..errors import CarpoolError, UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
@@ -85,12 +89,14 @@ class AtMostOnce:
         accepted: AcceptedCredentials,
         stats: Stats,
         answer: Answering,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.records = records
         self.config = config
         self.accepted = accepted
         self.stats = stats
         self.answer = answer
+        self.clock = clock  # (wall-clock: when answers were made, and replays' ages)
         self._join_timeout = config.coalesce.join_timeout_ms / 1000
 
     async def run(
@@ -131,12 +137,11 @@ class AtMostOnce:
             if stored is None:
                 return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
             self._replayed(route, request.kind, begin.response)
-            return Reply(
-                stored.status,
-                [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER],
-                stored.body,
-                outcome=Outcome.HIT,
-            )
+            headers = [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER]
+            age = self._age(begin.response)
+            if age is not None:
+                headers.append((b"age", str(age).encode()))
+            return Reply(stored.status, headers, stored.body, outcome=Outcome.HIT)
         token = begin.token
         assert token is not None
         items = list_items(request)
@@ -156,7 +161,11 @@ class AtMostOnce:
             await _settle(records.abandon(scoped, token))
         elif reply.stream is None:
             stored = StoredResponse(
-                reply.status, _replayable(reply.headers), reply.body, request.stream
+                reply.status,
+                _replayable(reply.headers),
+                reply.body,
+                request.stream,
+                self._made(reply),
             )
             if is_final(request.kind, stored, request.body):
                 await _settle(records.finish(scoped, token, stored))
@@ -168,12 +177,29 @@ class AtMostOnce:
                 scoped,
                 token,
                 request.kind,
-                StoredResponse(reply.status, _replayable(reply.headers), b"", request.stream),
+                StoredResponse(
+                    reply.status,
+                    _replayable(reply.headers),
+                    b"",
+                    request.stream,
+                    self._made(reply),  # (its head: a hit's age is known before its frames)
+                ),
                 request.body,
             )
             reply.stream = _recorded(reply.stream, recorded)
             reply.on_close = partial(recorded.close, reply.on_close)
         return reply
+
+    def _made(self, reply: Reply) -> float:
+        """When ``reply``'s answer was made: now, less the ``age`` it says (a hit's)."""
+        return self.clock.now() - (_said_age(reply.headers) or 0)
+
+    def _age(self, response: StoredResponse) -> int | None:
+        """The ``age`` of a replay of ``response``: None if it is not known when its answer
+        was made."""
+        if response.created is None:
+            return None
+        return max(0, int(self.clock.now() - response.created))
 
     def _refused(self, error: CarpoolError, request: Request) -> Reply:
         """The gateway's own refusal of a keyed request (409, 422, 503), counted as the other
@@ -210,7 +236,7 @@ class AtMostOnce:
             if begin.state == "done":
                 assert begin.response is not None
                 self._replayed(route, request.kind, begin.response)
-                return begin.response, Outcome.HIT, None
+                return begin.response, Outcome.HIT, self._age(begin.response)
             if begin.state != "new" or begin.token is None:
                 error = (
                     IdempotencyMismatch() if begin.state == "mismatch" else IdempotencyConflict()
@@ -227,9 +253,11 @@ class AtMostOnce:
             except BaseException:
                 await _shielded(records.abandon(item_key, begin.token))
                 raise
-            stored = StoredResponse(reply.status, _replayable(reply.headers), reply.body)
+            stored = StoredResponse(
+                reply.status, _replayable(reply.headers), reply.body, created=self._made(reply)
+            )
             outcome = reply.outcome or Outcome.MISS
-            age = next((int(v) for k, v in reply.headers if k == b"age" and v.isdigit()), None)
+            age = _said_age(reply.headers)
             # Only a good answer is kept: whatever else the item got (an error, final or not,
             # or a 200 that is no answer) is computed again by a retry.
             if reply.status < 300 and is_final(request.kind, stored, request.body):
@@ -298,6 +326,11 @@ def _list_outcome(outcomes: set[Outcome]) -> Outcome:
     return Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED
 
 
+def _said_age(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The ``age`` a reply says (a hit's), if any."""
+    return next((int(v) for k, v in headers if k == b"age" and v.isdigit()), None)
+
+
 def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """What a replay repeats of the first answer's headers: its content type, not its outcome."""
     return [(name, value) for name, value in headers if name == b"content-type"]
@@ -327,7 +360,9 @@ class _Recorded:
     async def end(self, frames: list[bytes]) -> None:
         self.settled = True
         head = self.head
-        stored = StoredResponse(head.status, head.headers, b"".join(frames), head.streamed)
+        stored = StoredResponse(
+            head.status, head.headers, b"".join(frames), head.streamed, head.created
+        )
         if is_final(self.kind, stored, self.asked):
             await _settle(self.records.finish(self.key, self.token, stored))
         else:

@@ -13,7 +13,7 @@
   * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
   * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format:
     status, headers, body byte for byte; see ``replay_as``) plus ``idempotent-replayed: true``,
-    without calling upstream.
+    without calling upstream, with its ``age`` (from ``response.created``).
 - ``finish(key, token, response)``: only the owner token of a live PROCESSING record may finish;
   the record becomes SUCCESS (2xx) or FAILED (any other status: an upstream error is replayed
   too) and is kept ``retention`` seconds from now, with ``response.streamed``. The records
@@ -49,12 +49,16 @@ PROCESSING_TTL = 660.0  # s: the default upstream timeout (600) + a margin
 @dataclass(slots=True)
 class StoredResponse:
     """A final response, replayed as it is: status, headers (raw ASGI pairs), body bytes, and
-    ``streamed``: whether the request that made it asked for a stream (see ``replay_as``)."""
+    ``streamed``: whether the request that made it asked for a stream (see ``replay_as``);
+    ``created``: when its answer was made (wall-clock seconds: its reply's time less the
+    ``age`` it said), for the replay's ``age``; None when unknown (a record written before it
+    was kept)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
     streamed: bool = False
+    created: float | None = None
 
     @property
     def size(self) -> int:

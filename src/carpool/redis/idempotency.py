@@ -71,17 +71,18 @@ if rec[1] == 'p' then
   if rec[3] == ARGV[2] then return {'new'} end   -- this very call, retried after a lost reply
   return {'processing'}
 end
-local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm')
-return {'done', r[1], r[2], r[3], r[4]}
+local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm', 'c')
+return {'done', r[1], r[2], r[3], r[4], r[5]}
 """
 
-# ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0). 1 if stored.
+# ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0), created. 1 if
+# stored.
 _FINISH = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[2] ~= ARGV[1] then return 0 end
 if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
 redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6],
-           'm', ARGV[7])
+           'm', ARGV[7], 'c', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
@@ -121,6 +122,8 @@ class RedisIdempotencyRecords:
                        b  = body bytes                        (latin-1 strings: byte-exact)
                        m  = 1 if the request streamed, else 0 (absent in records written
                             before it existed: then the stored content type says)
+                       c  = when the answer was made (wall-clock seconds, decimal; empty:
+                            unknown; absent in records written before it existed)
 
     - ``ID`` is the 40-hex BLAKE2b digest of the (scoped) key: no user input in key names.
     - Every operation is one Lua script on one key (atomic, Cluster-safe). The lease is the key's
@@ -204,9 +207,8 @@ class RedisIdempotencyRecords:
         if state == "done":
             return Begin(
                 "done",
-                response=_decode(
-                    reply[1], reply[2], reply[3], reply[4] if len(reply) > 4 else None
-                ),
+                # (Fields absent in records written before they existed: None.)
+                response=_decode(*[*reply[1:], None, None][:5]),
             )
         return Begin(state)
 
@@ -224,6 +226,7 @@ class RedisIdempotencyRecords:
             headers,
             response.body,
             int(response.streamed),
+            "" if response.created is None else repr(float(response.created)),
         ]
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + self.lease / 2, BACKOFF_MIN
@@ -334,15 +337,16 @@ class RedisIdempotencyRecords:
                 changed = self._changed.get(record_key)
                 if changed is None:
                     changed = self._changed[record_key] = asyncio.Event()
-                state, found, status, headers, body, streamed = await self._call(
-                    "wait", lambda: self._client.hmget(record_key, "s", "fp", "st", "h", "b", "m")
+                state, found, status, headers, body, streamed, created = await self._call(
+                    "wait",
+                    lambda: self._client.hmget(record_key, "s", "fp", "st", "h", "b", "m", "c"),
                 )
                 if state is None:
                     return None
                 if found != mine:
                     return None
                 if state != b"p":
-                    return _decode(status, headers, body, streamed)
+                    return _decode(status, headers, body, streamed, created)
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
@@ -368,8 +372,11 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-def _decode(status: Any, headers: Any, body: Any, streamed: Any) -> StoredResponse:
+def _decode(
+    status: Any, headers: Any, body: Any, streamed: Any, created: Any = None
+) -> StoredResponse:
     pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(headers)]
     if streamed is None:  # written before the field existed: the content type says
         streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
-    return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"))
+    made = float(created) if created else None  # (None, empty: unknown)
+    return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"), made)

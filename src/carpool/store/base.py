@@ -3,11 +3,15 @@
 Contract:
 - ``get(key)`` returns the stored ``Entry`` or None; an expired entry is never returned.
 - ``put(key, entry)`` stores a complete answer until ``entry.expires`` (wall-clock seconds); it
-  replaces any entry under the same key. The caller has already decided the answer may be stored
-  (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
+  replaces any entry under the same key. An entry already expired (``expires`` <= now: an
+  answer back-dated by an upstream's ``age``) is not stored: it counts nothing and evicts
+  nothing, and the key's entry is gone all the same. The caller has already decided the
+  answer may be stored (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
 - ``invalidate(selector)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
   returns how many it dropped.
-- ``entries`` and ``bytes`` report the current size, for /stats and /metrics. ``Entry.size`` is
+- ``entries`` and ``bytes`` report the current size, for /stats and /metrics: the live
+  entries, or soon so (``reap()``, which the reports call first: a bounded step that drops
+  expired entries, for a backend whose expiry is otherwise lazy). ``Entry.size`` is
   the portable measure of an entry (its payload: what the Redis store counts); the in-process
   store counts what the entry takes in this process (packed, ``store.packed``, and its objects,
   ``Entry.held``, while it keeps them), so that its budget bounds the process's memory.
@@ -113,6 +117,11 @@ class Store(Protocol):
     async def forget(self, key: str) -> bool:
         """Drop ``key``'s entry; whether there was one (a call whose answer may predate an
         invalidation takes back what it stored: ``redis/flights.py``)."""
+        ...
+
+    def reap(self) -> int:
+        """Drop some expired entries, if it is time to (a bounded step: the reports call it
+        before reading ``entries`` and ``bytes``); how many."""
         ...
 
     @property

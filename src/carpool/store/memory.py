@@ -37,10 +37,23 @@ Contract (on top of ``store.base``):
   that reading every entry of a full store once doubles the table (+42 MB at 1M entries:
   docs/architecture.md); a mark takes no place, and a hit on a marked entry writes nothing.
 - An expired entry found by ``get`` is dropped. Expiry reads ``clock.now()`` (wall-clock, as
-  ``Entry.expires``): the system's by default.
+  ``Entry.expires``): the system's by default. An entry already expired when put (an answer
+  back-dated by an upstream's ``age``: ``Exchange.fetch``) is not stored: it takes no room,
+  evicts nothing and is not counted (as one larger than the budget, it still replaces what
+  its key held).
+- Expired entries no ``get`` finds are reaped (``reap``): at most once a ``SWEEP_EVERY``
+  seconds (the clock's ``monotonic()``), a step looks at the next ``SWEEP_STEP`` entries in
+  the map's order, from where the last one stopped, and drops the expired ones with their
+  objects (not evictions). A ``put`` takes a step when one is due, and so do the reports
+  (``/stats`` and ``/metrics``, ``admin.gauges``), so that ``entries`` and ``bytes`` come to
+  count the live entries only, and the memory of the others is released, whether or not
+  answers are stored meanwhile; a store of n entries is looked through in n / ``SWEEP_STEP``
+  steps.
 - Every operation is O(1) amortized (an eviction spares an entry at most once a hit) except
   ``invalidate``, which scans (it is an admin action); it counts only live entries, and drops
-  the expired ones it meets.
+  the expired ones it meets; and a step of ``reap``, which looks at ``SWEEP_STEP`` entries
+  after stepping over those before them at the speed of C (``LRU.sweep``: ~6 ms at a million
+  entries).
 """
 
 from __future__ import annotations
@@ -58,6 +71,9 @@ from .base import Entry, Selector
 
 #: How many of the entries most recently hit keep their objects (all are packed).
 HOT = 1024
+#: Seconds between two steps of ``reap``, and how many entries a step looks at (~1 ms).
+SWEEP_EVERY = 1.0
+SWEEP_STEP = 4096
 
 # The map's key for a key (``_place``). The map holds only ints, strings and bytes, which the
 # garbage collector does not track: a full collection does not walk its million entries.
@@ -134,6 +150,8 @@ class MemoryStore:
     def __init__(self, max_bytes: int, *, clock: Clock = SYSTEM_CLOCK, hot: int = HOT) -> None:
         self.max_bytes = max_bytes
         self.hot = hot
+        self._clock = clock
+        self._next_reap = clock.monotonic() + SWEEP_EVERY
         # Bounded by ``put``, counting the hot objects too, not by itself.
         self._entries: LRU[Place, Packed] = LRU(
             size=_size,
@@ -228,6 +246,8 @@ class MemoryStore:
     async def put(self, key: str, entry: Entry) -> None:
         place = _place(key)
         self._forget(place)
+        if entry.expires <= self._entries.now():
+            return  # already expired (an answer back-dated by its ``age``): never served
         blob = packed.pack(entry, _rest(key, place))
         alone = _size(place, blob)
         if alone > self.max_bytes:
@@ -236,6 +256,16 @@ class MemoryStore:
         while self.bytes > self.max_bytes:  # (the new entry, the most recent, fits: not it)
             if self._entries.evict() is None:
                 break
+        self.reap()
+
+    def reap(self) -> int:
+        """Drop the expired entries among the next ``SWEEP_STEP``, if a step is due (one a
+        ``SWEEP_EVERY`` seconds); how many."""
+        now = self._clock.monotonic()
+        if now < self._next_reap:
+            return 0
+        self._next_reap = now + SWEEP_EVERY
+        return self._entries.sweep(SWEEP_STEP)
 
     async def invalidate(self, selector: Selector) -> int:
         picks = packed.matcher(selector)

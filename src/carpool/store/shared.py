@@ -68,6 +68,10 @@ class SharedStore:
     def bytes(self) -> int:
         return self.local.bytes if self.degraded else self.redis.bytes
 
+    def reap(self) -> int:
+        """The local store's expired entries (what it holds since Redis went down)."""
+        return self.local.reap()
+
     def health(self) -> dict[str, Any]:
         return {
             "state": "degraded" if self.degraded else "up",
