@@ -20,10 +20,10 @@ Contract:
   with ``T`` the duration of the call that just finished, ``gap`` an exponentially weighted mean
   of the gaps between the key's arrivals (weight ``ALPHA`` on the newest) and ``C`` =
   ``coalesce.adaptive_tradeoff`` seconds. A key with fewer than ``MIN_GAPS`` gaps seen gets the
-  configured ``window_ms``, clamped the same way (the config refuses a ``window_ms`` above
-  ``max_window_ms``: ``config.caching``), so a key's first repeats see the documented window.
-  Every answer is within the bounds, whatever the key: ``max_window_ms`` wins over
-  ``min_window_ms`` should they cross (the config refuses that too).
+  configured ``window_ms``, at most ``max_window_ms`` (the config refuses a ``window_ms`` above
+  it: ``config.caching``), so a key's first repeats see the documented window. No window is
+  ever over ``max_window_ms``, whatever the key: it wins over ``min_window_ms`` should they
+  cross (the config refuses that too).
 
   Why: while a key is asked every ``gap`` seconds, each cycle of ``T + W`` seconds costs one
   upstream call, and the requests served from the window (``W / gap`` of them) receive answers
@@ -78,7 +78,9 @@ class AdaptiveWindow:
         # The staleness bound first: ``high`` wins should the bounds cross.
         self.low, self.high, self.tradeoff = min(low, high), high, tradeoff
         self.off = base <= 0  # ``window_ms: 0``: no window, whatever the repeats
-        self.base = 0.0 if self.off else min(self.high, max(self.low, base))
+        # (A new key's window is ``window_ms`` as configured, at most the staleness bound: not
+        # raised to ``low``, so a short window asked for is the window a key first sees.)
+        self.base = 0.0 if self.off else min(self.high, base)
         self.longest = 0.0 if self.off else self.high
         self.capacity = capacity
         # key -> (last arrival, mean gap, gaps seen): a tuple of numbers, which the garbage

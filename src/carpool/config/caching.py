@@ -137,8 +137,8 @@ class CoalesceConfig(Section):
         True,
         description="Adapt the window per key to how often it is "
         "asked: sqrt(T^2 + adaptive_tradeoff x gap) - T for a call of T "
-        "seconds and a mean gap between arrivals of gap seconds; window_ms until the key "
-        "has repeated 3 times; always within [min_window_ms, max_window_ms] (rule and "
+        "seconds and a mean gap between arrivals of gap seconds, within [min_window_ms, "
+        "max_window_ms]; window_ms until the key has repeated 3 times (rule and "
         "derivation in carpool/window.py). Off with window_ms 0.",
     )
     adaptive_tradeoff: float = Field(
