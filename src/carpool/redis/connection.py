@@ -25,6 +25,8 @@ Contract
   themselves once their layer is closed.
 - :class:`Health` is what a layer asks before a Redis call (``usable()``) and tells after it
   (``report(error or None)``): one state per instance, shared by every layer on that Redis.
+  ``invalidated_elsewhere()`` is what the invalidation subscriber tells it of another
+  instance's invalidation (what this instance keeps locally while degraded is dropped).
 - :func:`url_problem` is what redis-py would refuse in a URL when :func:`connect` makes its
   first connection (an unknown or malformed query parameter), and a database path that is no
   number (redis-py reads ``/abc`` as database 0): the config refuses them when it loads, so
@@ -107,6 +109,8 @@ class Health(Protocol):
     def usable(self) -> bool: ...
 
     def report(self, error: StoreUnavailable | None) -> None: ...
+
+    def invalidated_elsewhere(self) -> int: ...
 
 
 class ConnectOptions(TypedDict, total=False):

@@ -10,6 +10,13 @@ Contract (on top of ``store.base``):
   again at most once per ``retry_interval`` (a request never waits on a dead Redis twice in a
   row); the first success ends the degraded period and empties the local store, whose entries may
   have missed invalidations made elsewhere in the meantime.
+- An invalidation of another instance received through Redis (``invalidated_elsewhere``, from
+  ``redis.invalidation.InvalidationChannel``'s subscriber) empties the local store at once: a
+  degraded instance no longer serves, until its next Redis call succeeds, answers another
+  instance's invalidation dropped (the message names no selector: everything local goes). The
+  message also proves that Redis answers, so it ends a degraded period due for another attempt
+  (one not yet due goes on until ``retry_interval``: a Redis that delivers messages but fails
+  calls does not switch the instance up and down with every message).
 - Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
   ``health()`` for ``/stats`` and ``/healthz``. A call that waited ``pool_timeout`` for a free
   connection (``PoolExhausted``: Redis answers, this instance is overloaded) is counted apart
@@ -76,6 +83,12 @@ class SharedStore:
             "down_since": self.down_since,
         }
 
+    @property
+    def retry_due(self) -> bool:
+        """Whether Redis is up, or degraded and due for another attempt (a question only:
+        ``usable`` is the attempt)."""
+        return not self.degraded or time.monotonic() >= self._next_try
+
     def usable(self) -> bool:
         """Whether Redis should be tried now (up, or degraded and due for another attempt)."""
         return not self._skip_redis()
@@ -86,6 +99,15 @@ class SharedStore:
             self._answered()
         else:
             self._failed(error)
+
+    def invalidated_elsewhere(self) -> int:
+        """Another instance's invalidation reached this one through Redis (the module's
+        contract): the local store emptied; how many entries it held."""
+        dropped = self.local.entries
+        self.local.clear()
+        if self.retry_due:
+            self._answered()
+        return dropped
 
     async def get(self, key: str) -> Entry | None:
         if self._skip_redis():
