@@ -79,3 +79,40 @@ async def test_an_invalidation_received_when_due_ends_the_degraded_period(
         assert response.status_code == 200
         await eventually(lambda: channel.counts["received"] == 1, what="B receiving it")
         assert b.gateway.redis_health()["state"] == "up" and store.local.entries == 0
+
+
+async def test_a_degraded_instance_takes_one_attempt_per_retry_interval_not_one_per_caller(
+    redis_server: Any,
+) -> None:
+    """Degraded, due for another attempt, and Redis hangs: of 20 concurrent gets exactly one
+    waits on Redis (it took the attempt); the others are answered from this instance's memory
+    at once. (Before, every caller that found the attempt due made it: a herd waiting on a hung
+    Redis for ``distributed.timeout`` each.)"""
+    import asyncio
+
+    from carpool.redis.store import RedisStore
+    from carpool.store.base import StoreUnavailable
+    from carpool.store.memory import MemoryStore
+    from carpool.store.shared import SharedStore
+
+    redis_store = RedisStore(redis_server.url, socket_timeout=2.0)
+    store = SharedStore(redis_store, MemoryStore(1 << 20), retry_interval=0.2)
+    get, hung, attempts = redis_store.get, asyncio.Event(), []
+
+    async def hanging(key: str) -> Any:  # a Redis that hangs until the test lets it answer
+        attempts.append(key)
+        await hung.wait()
+        return await get(key)
+
+    try:
+        store.report(StoreUnavailable("injected"))
+        redis_store.get = hanging  # type: ignore[method-assign]
+        await eventually(lambda: store.retry_due, what="the attempt due")
+        gets = [asyncio.create_task(store.get(f"k{i}")) for i in range(20)]
+        await eventually(lambda: sum(g.done() for g in gets) == 19, what="19 local answers")
+        assert len(attempts) == 1 and store.degraded
+        hung.set()
+        assert await asyncio.gather(*gets) == [None] * 20
+        assert not store.degraded  # the one attempt succeeded
+    finally:
+        await store.aclose()

@@ -25,6 +25,8 @@ Contract
   themselves once their layer is closed.
 - :class:`Health` is what a layer asks before a Redis call (``usable()``) and tells after it
   (``report(error or None)``): one state per instance, shared by every layer on that Redis.
+  While degraded, a True from ``usable()`` is the one attempt per ``retry_interval``: the caller
+  that gets it must make its call (the others stay off Redis until then).
   ``invalidated_elsewhere()`` is what the invalidation subscriber tells it of another
   instance's invalidation (what this instance keeps locally while degraded is dropped).
 - :func:`url_problem` is what redis-py would refuse in a URL when :func:`connect` makes its

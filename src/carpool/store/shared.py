@@ -8,8 +8,10 @@ Contract (on top of ``store.base``):
   the in-process ``MemoryStore`` instead (a get finds what this instance stored meanwhile; a put
   stores there), so no client request fails because Redis did. While degraded, Redis is tried
   again at most once per ``retry_interval`` (a request never waits on a dead Redis twice in a
-  row); the first success ends the degraded period and empties the local store, whose entries may
-  have missed invalidations made elsewhere in the meantime.
+  row), by ONE caller: the first that finds the attempt due takes it (the next one is due
+  ``retry_interval`` later), the calls meanwhile stay local instead of all waiting on a Redis
+  that may hang; the first success ends the degraded period and empties the local store, whose
+  entries may have missed invalidations made elsewhere in the meantime.
 - An invalidation of another instance received through Redis (``invalidated_elsewhere``, from
   ``redis.invalidation.InvalidationChannel``'s subscriber) empties the local store at once: a
   degraded instance no longer serves, until its next Redis call succeeds, answers another
@@ -26,7 +28,9 @@ Contract (on top of ``store.base``):
   invalidation by any instance in between takes the answer back from Redis
   (``RedisStore.put``).
 - Other layers that use the same Redis (cross-instance flights) share this state: they ask
-  ``usable()`` before a Redis call and ``report()`` its failure or success.
+  ``usable()`` before a Redis call and ``report()`` its failure or success. A True from
+  ``usable()`` while degraded is the attempt (it is taken): ask it only to make the call;
+  ``retry_due`` and ``degraded`` are questions only.
 """
 
 from __future__ import annotations
@@ -90,7 +94,8 @@ class SharedStore:
         return not self.degraded or time.monotonic() >= self._next_try
 
     def usable(self) -> bool:
-        """Whether Redis should be tried now (up, or degraded and due for another attempt)."""
+        """Whether Redis should be tried now (up, or degraded and due for another attempt,
+        which this caller then takes: see the module's contract)."""
         return not self._skip_redis()
 
     def report(self, error: StoreUnavailable | None) -> None:
@@ -184,7 +189,13 @@ class SharedStore:
         await self.local.aclose()
 
     def _skip_redis(self) -> bool:
-        return self.degraded and time.monotonic() < self._next_try
+        if not self.degraded:
+            return False
+        now = time.monotonic()
+        if now < self._next_try:
+            return True
+        self._next_try = now + self.retry_interval  # this caller's attempt; the others wait
+        return False
 
     def _failed(self, error: StoreUnavailable) -> None:
         now = time.monotonic()
