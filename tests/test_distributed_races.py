@@ -74,7 +74,7 @@ async def test_an_invalidation_that_answered_leaves_no_answer_whose_store_was_on
         if path == "alone":
             await fake.wait_until(lambda: fake.count() == 1, what="A's call, alone")
             # (Its put goes to Redis, not to this process's memory, once Redis is tried again.)
-            await eventually(shared_store.usable, what="the shared store trying Redis again")
+            await eventually(lambda: shared_store.retry_due, what="Redis due to be tried again")
             assert fake.gate is not None
             fake.gate.set()
         first_answer = await first

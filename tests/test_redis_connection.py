@@ -121,6 +121,28 @@ async def test_server_mode_tells_a_cluster_node_from_a_standalone_server(
     assert await server_mode(redis_server.url) is None
 
 
+async def test_a_redis_that_evicts_keys_is_a_warning_at_start(redis_server, caplog):
+    """Under an eviction policy Redis drops carpool's indexes and idempotency records before hot
+    entries (an invalidation by tag then misses a served answer; a retried request runs twice):
+    the start says so. ``noeviction`` (the default) says nothing."""
+    import redis.asyncio as aredis
+
+    from carpool.redis.connection import server_mode
+
+    with caplog.at_level("WARNING", logger="carpool.redis"):
+        assert await server_mode(redis_server.url) == "standalone"
+    assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    client = aredis.Redis.from_url(redis_server.url)
+    try:
+        await client.config_set("maxmemory-policy", "allkeys-lru")
+    finally:
+        await client.aclose()
+    with caplog.at_level("WARNING", logger="carpool.redis"):
+        assert await server_mode(redis_server.url) == "standalone"
+    (warning,) = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    assert "allkeys-lru" in warning and "noeviction" in warning and "twice" in warning
+
+
 def test_serve_pointed_at_any_cluster_node_takes_a_cluster_client(redis_cluster):
     # (test_workers.py then checks, through a cluster, that what is shared is shared.)
     from fakes.instances import free_port, serve_log

@@ -12,7 +12,10 @@ Contract:
   ``/healthz``, with each shared layer's counts; ``"off"`` without ``redis``.
 - ``invalidate(layers, spec)``: drops the answers matching ``{"tag"|"namespace"|"prefix": str}``
   or ``{"all": true}`` from every layer, flights included (here and, with ``redis``, on every
-  instance); anything else is a ``RequestError``. Returns how many answers were dropped.
+  instance); anything else is a ``RequestError``. Returns how many answers were dropped. A
+  layer that could not reach Redis (the exact store's invalidation, the semantic stream's
+  ``invalidate`` record) raises ``StoreUnavailable`` once every layer has been done here: the
+  endpoint answers 503 "retry", never a success some instance did not get.
 - Every layer is read through its type (``Layers``): a Redis-backed layer's figures through
   ``layers.shared_store`` / ``layers.shared_semantic``, which are ``None`` without ``redis``.
 """
@@ -147,12 +150,16 @@ async def invalidate(layers: Layers, spec: Any) -> int:
             except StoreUnavailable as error:  # (dropped here; the shared answers stay)
                 missed = error
             if layers.semantic is not None:
-                dropped += await layers.semantic.invalidate(each)
+                try:
+                    dropped += await layers.semantic.invalidate(each)
+                except StoreUnavailable as error:  # (dropped here; the other instances' stay)
+                    missed = error
         if layers.invalidations is not None:  # last: the other instances' windows
             await layers.invalidations.publish()
         if missed is not None:
-            # Not a success: the answers in Redis were not dropped, and every instance still
-            # serves them. The caller retries (an invalidation may be repeated).
+            # Not a success: the answers in Redis (or the other instances' semantic entries)
+            # were not dropped, and they are still served. The caller retries (an
+            # invalidation may be repeated).
             raise StoreUnavailable(
                 "the invalidation did not reach Redis: its answers there stay; retry it"
             ) from missed

@@ -404,7 +404,7 @@ def build_semantic(
 
     async def resolve(key: str) -> Answer | None:
         entry = await shared_store.get(key)
-        if entry is None and health is not None and not health.usable():
+        if entry is None and health is not None and health.degraded:  # (Redis not asked)
             from .store.base import StoreUnavailable
 
             raise StoreUnavailable("redis degraded: another instance's answer is unknown")

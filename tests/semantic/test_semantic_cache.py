@@ -478,6 +478,44 @@ async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
 
 
+async def test_an_invalidation_whose_semantic_record_did_not_reach_redis_is_a_503_not_a_success(
+    two_semantic, fake
+):
+    """A's invalidation reaches the exact store but its semantic ``invalidate`` record is not
+    published (one connection reset): B keeps its entry, held with its answer, and serves it;
+    so the endpoint answers 503 "retry" (done here, nothing else skipped), and the retry
+    reaches B. (Before, the lost record answered 200.)"""
+    import redis.exceptions
+
+    async with two_semantic() as (a, b):
+        first = await ask(b, "How do I reset my router?", headers={"x-carpool-tags": "router"})
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        client = a.gateway.semantic._client
+        xadd, published = client.xadd, a.gateway.semantic.counts["published"]
+
+        async def reset_once(*args, **kwargs):
+            client.xadd = xadd
+            raise redis.exceptions.ConnectionError("connection reset (injected)")
+
+        client.xadd = reset_once
+        admin = {"Authorization": "Bearer t"}
+        refused = await a.client.post("/admin/invalidate", json={"tag": "router"}, headers=admin)
+        assert refused.status_code == 503 and "retry" in refused.text
+        assert a.gateway.semantic.entries == 0  # done here all the same
+        assert a.gateway.semantic.counts["published"] == published
+        assert b.gateway.semantic.entries == 1  # the record never came
+        retried = await a.client.post("/admin/invalidate", json={"tag": "router"}, headers=admin)
+        assert retried.status_code == 200
+        await eventually(
+            lambda: b.gateway.semantic.entries == 0,
+            timeout=PROPAGATION,
+            what="the retried invalidation to reach the other instance",
+        )
+        again = await ask(b, "how can i reset my router")
+        assert again.headers["x-carpool"] == "miss" and again.json() != first.json()
+
+
 async def test_an_instance_whose_reader_was_cut_off_never_serves_an_answer_invalidated_meanwhile(
     two_semantic, fake
 ):

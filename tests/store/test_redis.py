@@ -241,6 +241,21 @@ async def test_a_command_redis_refuses_raises_store_unavailable(
         await store.put("k", entry())
 
 
+async def test_the_invalidation_count_never_repeats_a_value_once_redis_lost_it(
+    store: RedisStore, raw: aredis.Redis
+) -> None:
+    """A call read the generation (``since``) after an invalidation; Redis then restarted
+    empty (here: the counter lost) and one invalidation answered before the call's answer was
+    put: the answer, which may predate what was dropped, must be taken back. (Before, the
+    counter restarted at 0 and came back to the value ``since`` held: the put was kept.)"""
+    await store.invalidate(Selector(tag="x"))
+    since = await store.generation()
+    await raw.delete("carpool:generation")  # as Redis restarting empty
+    assert await store.invalidate(Selector(tag="t")) == 0
+    assert not await store.put(FINGERPRINT, entry(tags=("t",)), since=since)
+    assert await store.get(FINGERPRINT) is None
+
+
 async def test_invalidating_everything_drops_only_the_stores_own_keys(
     store: RedisStore, raw: aredis.Redis
 ) -> None:

@@ -25,11 +25,18 @@ Contract
   themselves once their layer is closed.
 - :class:`Health` is what a layer asks before a Redis call (``usable()``) and tells after it
   (``report(error or None)``): one state per instance, shared by every layer on that Redis.
+  While degraded, a True from ``usable()`` is the one attempt per ``retry_interval``: the caller
+  that gets it must make its call (the others stay off Redis until then).
+  ``invalidated_elsewhere()`` is what the invalidation subscriber tells it of another
+  instance's invalidation (what this instance keeps locally while degraded is dropped).
 - :func:`url_problem` is what redis-py would refuse in a URL when :func:`connect` makes its
   first connection (an unknown or malformed query parameter), and a database path that is no
   number (redis-py reads ``/abc`` as database 0): the config refuses them when it loads, so
   ``carpool check-config`` says what ``carpool serve`` would fail on. Its message quotes nothing
   of the URL but the parameter's name.
+- :func:`server_mode` (``carpool serve``'s start) tells a cluster node from a standalone server
+  and warns, in the log, when the server evicts keys (``maxmemory-policy`` other than
+  ``noeviction``: :func:`eviction_problem` says what breaks).
 - The redis-py library is imported by the modules of this package only.
 """
 
@@ -38,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
@@ -47,12 +55,16 @@ from ..store.base import StoreUnavailable
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
+log = logging.getLogger("carpool.redis")
+
 __all__ = [
     "Backoff",
     "Health",
     "PoolExhausted",
     "StoreUnavailable",
     "connect",
+    "eviction_problem",
+    "server_mode",
     "stop_reader",
     "url_problem",
     "unavailable",
@@ -107,6 +119,8 @@ class Health(Protocol):
     def usable(self) -> bool: ...
 
     def report(self, error: StoreUnavailable | None) -> None: ...
+
+    def invalidated_elsewhere(self) -> int: ...
 
 
 class ConnectOptions(TypedDict, total=False):
@@ -281,13 +295,43 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
     ``"standalone"`` for any other server, None when it does not answer now (the instance then
     starts degraded and tries again). A cluster node spoken to by a plain client answers MOVED
     for the keys of the other masters: the instance would flip between up and degraded and
-    run every flight alone, so ``carpool serve`` turns ``distributed.cluster`` on instead."""
+    run every flight alone, so ``carpool serve`` turns ``distributed.cluster`` on instead.
+
+    It also reads the server's ``maxmemory-policy`` (``INFO memory``; a server that refuses it
+    is not checked) and logs a warning when it is an eviction policy (:func:`eviction_problem`)."""
     client = connect(url, socket_timeout=timeout, connect_timeout=timeout, retries=0)
     try:
         with unavailable("read the server's mode"):
             info = await client.info("cluster")
+        try:
+            with unavailable("read the server's memory policy"):
+                memory = await client.info("memory")
+        except StoreUnavailable:  # (INFO memory not allowed: nothing to say)
+            memory = {}
     except StoreUnavailable:
         return None
     finally:
         await client.aclose()
+    problem = eviction_problem(memory)
+    if problem is not None:
+        log.warning("%s", problem)
     return "cluster" if str(info.get("cluster_enabled", 0)) == "1" else "standalone"
+
+
+def eviction_problem(memory: dict[str, Any]) -> str | None:
+    """What an eviction policy in ``memory`` (a server's ``INFO memory``) breaks, or None
+    (``noeviction``, or no policy said). Under ``allkeys-*`` or ``volatile-*`` Redis evicts
+    what it chooses once ``maxmemory`` is reached: the tag and namespace indexes, the
+    invalidation count and idempotency records (rarely read) go before hot entries, so an
+    invalidation by tag drops nothing while the entry is served, and a request already run is
+    run again when its retry comes."""
+    policy = str(memory.get("maxmemory_policy", "noeviction") or "noeviction")
+    if policy == "noeviction":
+        return None
+    return (
+        f"Redis runs with maxmemory-policy {policy} (maxmemory "
+        f"{memory.get('maxmemory', '?')} bytes): once full it evicts carpool's indexes and "
+        "idempotency records before hot entries, so invalidations by tag, namespace or prefix "
+        "can miss answers that stay served, and a retried request with an Idempotency-Key can "
+        "run twice. Use maxmemory-policy noeviction, or a Redis of carpool's own"
+    )

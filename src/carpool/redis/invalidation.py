@@ -14,8 +14,10 @@ Contract:
   within milliseconds: tests wait on ``counts["received"]``).
 - One subscriber task per instance (``start()``: the server's startup, or lazily the first flight
   led; stopped by ``aclose``) subscribes to that channel on its own connection and, for every
-  message of ANOTHER instance, calls ``forget()`` (``FlightGroup.forget_all``). The
-  publisher's own messages are skipped: ``Gateway.invalidate`` forgot its flights already.
+  message of ANOTHER instance, calls ``forget()`` (``FlightGroup.forget_all``) and tells the
+  shared health (``health.invalidated_elsewhere()``: what this instance keeps in its own memory
+  while degraded goes, counted in ``dropped_locally``; the message proves Redis answers). The
+  publisher's own messages are skipped: ``Gateway.invalidate`` did both already.
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
   log); while that health says Redis is not to be tried, nothing is sent (``unsent``) and
@@ -87,6 +89,7 @@ class InvalidationChannel:
                 "unsent",  # not sent: Redis degraded (the others keep at most one window)
                 "received",  # invalidations of other instances applied here
                 "forgotten",  # finished flights forgotten on their account
+                "dropped_locally",  # answers kept here while degraded, dropped on their account
                 "resubscribed",  # subscriptions made again after a failure (each forgets all)
                 "errors",  # Redis failures (publishing and subscribing)
             ),
@@ -174,6 +177,9 @@ class InvalidationChannel:
                         elif kind == "message" and message.get("data") != self.instance:
                             self.counts["received"] += 1
                             self.counts["forgotten"] += self.forget()
+                            if self.health is not None:
+                                dropped = self.health.invalidated_elsewhere()
+                                self.counts["dropped_locally"] += dropped
             except StoreUnavailable as error:
                 self._failed(error)
                 backing_off = True

@@ -24,7 +24,10 @@ Contract:
   - ``invalidate``: ``invalidate(tag|namespace|prefix|everything)`` of the local index, so that
     the entries each instance holds *with their answer* go too (remote ones would die at
     resolution anyway, since the exact store is shared and invalidated everywhere).
-- ``invalidate`` applies locally and publishes an ``invalidate`` record.
+- ``invalidate`` applies locally and publishes an ``invalidate`` record; one that Redis did not
+  take (it failed, or the health says it is not to be tried) raises ``StoreUnavailable`` once
+  applied locally: the other instances keep their entries (those held with their answers are
+  served), so the admin endpoint must not report success (``admin.invalidate``: a 503).
 - Redis never fails a request: a failed publish is counted (``errors``) and reported to the
   shared store's health (``SharedStore.report``: /stats, /healthz, degraded mode, the log); while
   that health says Redis is not to be tried, nothing is published (local-only behaviour). The
@@ -134,7 +137,7 @@ class SharedSemanticCache(SemanticCache):
         self._client = client
         self._owns_client = owns_client
         self._reader: asyncio.Task[None] | None = None
-        self._publishing: set[asyncio.Task[None]] = set()
+        self._publishing: set[asyncio.Task[object]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -175,12 +178,14 @@ class SharedSemanticCache(SemanticCache):
             )
         )
 
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(work)
+    def _spawn(self, work: Awaitable[object]) -> None:
+        task: asyncio.Task[object] = asyncio.ensure_future(work)
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
     async def invalidate(self, selector: Selector) -> int:
+        """Here, then on the stream (the module's contract: ``StoreUnavailable`` when the
+        record was not published)."""
         self.start()
         dropped = await super().invalidate(selector)
         if selector.everything:
@@ -193,7 +198,7 @@ class SharedSemanticCache(SemanticCache):
             sel, val = "prefix", selector.prefix
         else:
             return dropped
-        await self._publish(
+        published = await self._publish(
             {
                 b"op": b"invalidate",
                 b"src": self.instance,
@@ -201,6 +206,11 @@ class SharedSemanticCache(SemanticCache):
                 b"val": val.encode(),
             }
         )
+        if not published:  # (dropped here only: the other instances keep theirs)
+            raise StoreUnavailable(
+                "the semantic invalidate record did not reach Redis: the other instances keep "
+                "their entries"
+            )
         return dropped
 
     def snapshot(self) -> dict[str, Any]:
@@ -224,18 +234,20 @@ class SharedSemanticCache(SemanticCache):
 
     # ------------------------------------------------------------------ publishing, reading
 
-    async def _publish(self, fields: dict[Any, Any]) -> None:
+    async def _publish(self, fields: dict[Any, Any]) -> bool:
+        """Whether Redis took the record (a failure is reported, not raised)."""
         if self.health is not None and not self.health.usable():
-            return  # Redis degraded: local only for now
+            return False  # Redis degraded: local only for now
         try:
             with _unavailable("publish a semantic entry"):
                 await self._client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
         except StoreUnavailable as error:
             self._failed(error)
-        else:
-            self.counts["published"] += 1
-            if self.health is not None:
-                self.health.report(None)
+            return False
+        self.counts["published"] += 1
+        if self.health is not None:
+            self.health.report(None)
+        return True
 
     async def _read(self) -> None:
         last: Any = None  # a stream id (bytes)

@@ -31,7 +31,8 @@ Contract (on top of ``store.base``):
   generation in Redis; ``put(..., since=generation())`` (the generation read before the call
   began) reads it again once the entry is in, and takes the entry back if it moved. (Should
   Redis fail on that read, the put raises ``StoreUnavailable`` and the entry may stay until
-  its TTL.)
+  its TTL.) A generation made anew (Redis restarted empty) starts at a random value, so no
+  value read before the restart comes back after it (``since`` never matches again).
 
 The key layout, an entry's encoding and the Lua scripts are :mod:`.store_layout`'s; the key IDs,
 digests and SCAN escaping that the Redis layers share are :mod:`.keys` (``glob_escape`` and
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +59,7 @@ from .connection import (
     unavailable_in,
 )
 from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
-from .store_layout import DROP, INDEX, PUT, STATS, StoreKeys, decode, encode
+from .store_layout import COUNT, DROP, INDEX, PUT, STATS, StoreKeys, decode, encode
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -133,8 +135,9 @@ class RedisStore:
         return decode(header, body, frames, prompt_prefix)
 
     async def generation(self) -> int:
-        """How many invalidations Redis has seen, from every instance: read before a call
-        begins, and given to ``put`` as ``since`` with its answer."""
+        """The count of invalidations Redis has seen, from every instance (from a random
+        start; 0 before any): read before a call begins, and given to ``put`` as ``since``
+        with its answer."""
         with _unavailable("read the invalidation generation"):
             value = await self._client.get(self._keys.generation)
         return int(value or 0)
@@ -188,7 +191,8 @@ class RedisStore:
         with _unavailable("invalidate"):
             # Counted before anything is dropped: a put whose call began before this (its
             # answer may predate what goes) reads the count again once its entry is in.
-            await self._client.incr(self._keys.generation)
+            start = secrets.randbits(62) + 1  # (a counter made anew: see ``COUNT``)
+            await self._client.eval(COUNT, 1, self._keys.generation, start)
             if selector.everything:
                 return await self._drop_everything()
             dropped = 0

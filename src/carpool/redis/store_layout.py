@@ -17,7 +17,10 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
     P {stats}:bytes   STRING                   sum of the sizes (the ``bytes`` count)
     P generation      STRING                   invalidations so far (INCR by each, before it
                                                drops anything): a put whose call began under
-                                               another value takes its entry back
+                                               another value takes its entry back. Made anew
+                                               (Redis restarted empty, the key lost), it starts
+                                               at a random 62-bit value (``COUNT``), never where
+                                               the lost one was: no value comes back
 
 - ``ID`` (``keys.key_id``) is the fingerprint as it is when it is one (32 lowercase hex digits);
   any other key is replaced by its 40-hex BLAKE2b digest (no raw text in a key; the lengths keep
@@ -47,7 +50,17 @@ from ..answer import Answer
 from ..store.base import Entry
 from .keys import digest, glob_escape
 
-__all__ = ["DROP", "FORMAT", "INDEX", "PUT", "STATS", "StoreKeys", "decode", "encode"]
+__all__ = [
+    "COUNT",
+    "DROP",
+    "FORMAT",
+    "INDEX",
+    "PUT",
+    "STATS",
+    "StoreKeys",
+    "decode",
+    "encode",
+]
 
 FORMAT = 1  # version of the entry header; another version reads as a miss
 
@@ -88,6 +101,15 @@ local old = redis.call('ZSCORE', key, ARGV[1])
 if not old or tonumber(old) < expires then redis.call('ZADD', key, ARGV[2], ARGV[1]) end
 local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - tonumber(now)))
+return 1
+"""
+
+# Count one invalidation: KEYS = the generation, ARGV = a random start (1 to 2^62) for a counter
+# made anew. (Counting from 0 again after Redis restarted empty, a put whose ``since`` was read
+# before the restart matched the first invalidation after it: its stale answer was kept.)
+COUNT = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+redis.call('INCR', KEYS[1])
 return 1
 """
 

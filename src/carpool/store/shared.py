@@ -8,8 +8,17 @@ Contract (on top of ``store.base``):
   the in-process ``MemoryStore`` instead (a get finds what this instance stored meanwhile; a put
   stores there), so no client request fails because Redis did. While degraded, Redis is tried
   again at most once per ``retry_interval`` (a request never waits on a dead Redis twice in a
-  row); the first success ends the degraded period and empties the local store, whose entries may
-  have missed invalidations made elsewhere in the meantime.
+  row), by ONE caller: the first that finds the attempt due takes it (the next one is due
+  ``retry_interval`` later), the calls meanwhile stay local instead of all waiting on a Redis
+  that may hang; the first success ends the degraded period and empties the local store, whose
+  entries may have missed invalidations made elsewhere in the meantime.
+- An invalidation of another instance received through Redis (``invalidated_elsewhere``, from
+  ``redis.invalidation.InvalidationChannel``'s subscriber) empties the local store at once: a
+  degraded instance no longer serves, until its next Redis call succeeds, answers another
+  instance's invalidation dropped (the message names no selector: everything local goes). The
+  message also proves that Redis answers, so it ends a degraded period due for another attempt
+  (one not yet due goes on until ``retry_interval``: a Redis that delivers messages but fails
+  calls does not switch the instance up and down with every message).
 - Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
   ``health()`` for ``/stats`` and ``/healthz``. A call that waited ``pool_timeout`` for a free
   connection (``PoolExhausted``: Redis answers, this instance is overloaded) is counted apart
@@ -19,7 +28,9 @@ Contract (on top of ``store.base``):
   invalidation by any instance in between takes the answer back from Redis
   (``RedisStore.put``).
 - Other layers that use the same Redis (cross-instance flights) share this state: they ask
-  ``usable()`` before a Redis call and ``report()`` its failure or success.
+  ``usable()`` before a Redis call and ``report()`` its failure or success. A True from
+  ``usable()`` while degraded is the attempt (it is taken): ask it only to make the call;
+  ``retry_due`` and ``degraded`` are questions only.
 """
 
 from __future__ import annotations
@@ -80,8 +91,15 @@ class SharedStore:
             "down_since": self.down_since,
         }
 
+    @property
+    def retry_due(self) -> bool:
+        """Whether Redis is up, or degraded and due for another attempt (a question only:
+        ``usable`` is the attempt)."""
+        return not self.degraded or time.monotonic() >= self._next_try
+
     def usable(self) -> bool:
-        """Whether Redis should be tried now (up, or degraded and due for another attempt)."""
+        """Whether Redis should be tried now (up, or degraded and due for another attempt,
+        which this caller then takes: see the module's contract)."""
         return not self._skip_redis()
 
     def report(self, error: StoreUnavailable | None) -> None:
@@ -90,6 +108,15 @@ class SharedStore:
             self._answered()
         else:
             self._failed(error)
+
+    def invalidated_elsewhere(self) -> int:
+        """Another instance's invalidation reached this one through Redis (the module's
+        contract): the local store emptied; how many entries it held."""
+        dropped = self.local.entries
+        self.local.clear()
+        if self.retry_due:
+            self._answered()
+        return dropped
 
     async def get(self, key: str) -> Entry | None:
         if self._skip_redis():
@@ -166,7 +193,13 @@ class SharedStore:
         await self.local.aclose()
 
     def _skip_redis(self) -> bool:
-        return self.degraded and time.monotonic() < self._next_try
+        if not self.degraded:
+            return False
+        now = time.monotonic()
+        if now < self._next_try:
+            return True
+        self._next_try = now + self.retry_interval  # this caller's attempt; the others wait
+        return False
 
     def _failed(self, error: StoreUnavailable) -> None:
         now = time.monotonic()

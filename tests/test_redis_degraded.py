@@ -1,0 +1,118 @@
+"""The degraded mode's rules (``store.shared``), each against a real Redis/Valkey: what a
+degraded instance keeps in its own memory and when it tries Redis again (a review found each).
+Failures are injected by wrapping one call, never by sleeping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fakes.waiting import eventually
+from test_distributed import gateways
+
+pytest.importorskip("redis")
+
+ADMIN = {"Authorization": "Bearer t"}
+TAG = {"x-carpool-tags": "faq"}
+
+
+def fail_once(served: Any) -> None:
+    """``served``'s next exact-store get fails as a Redis timeout would: it turns degraded."""
+    from carpool.store.base import StoreUnavailable
+
+    redis_store = served.gateway.layers.shared_store.redis
+    get = redis_store.get
+
+    async def failing(key: str) -> Any:
+        redis_store.get = get
+        raise StoreUnavailable("the Redis store failed to get: TimeoutError (injected)")
+
+    redis_store.get = failing
+
+
+async def degraded_with_an_answer(fake: Any, b: Any) -> Any:
+    """B, degraded by one failed call, with an answer kept in its own memory (a hit there)."""
+    fail_once(b)
+    first = await b.chat("q", headers=TAG)
+    assert b.gateway.redis_health()["state"] == "degraded"
+    assert (await b.chat("q", headers=TAG)).headers["x-carpool"] == "hit"
+    assert fake.count() == 1
+    return first
+
+
+async def test_an_invalidation_received_drops_what_a_degraded_instance_kept_locally(
+    fake: Any, redis_server: Any
+) -> None:
+    """A's invalidation answered 200 and reached B's subscriber: B, degraded (by one transient
+    failure) and not yet due to try Redis again, must not serve the answer it kept in its own
+    memory. (Before, that memory was emptied only by B's next successful Redis call: B served
+    the invalidated answer for up to ``retry_interval``.) The message does not switch B up
+    before it is due (no flapping)."""
+    distributed = {"retry_interval": 60.0}
+    async with gateways(2, fake, redis_server, distributed=distributed) as (a, b):
+        channel = b.gateway.invalidations
+        await eventually(lambda: a.gateway.invalidations.listening and channel.listening)
+        first = await degraded_with_an_answer(fake, b)
+        response = await a.client.post("/admin/invalidate", json={"tag": "faq"}, headers=ADMIN)
+        assert response.status_code == 200
+        await eventually(lambda: channel.counts["received"] == 1, what="B receiving it")
+        after = await b.chat("q", headers=TAG)
+        assert after.headers["x-carpool"] == "miss" and after.json()["id"] != first.json()["id"]
+        assert channel.counts["dropped_locally"] == 1 and fake.count() == 2
+        assert b.gateway.redis_health()["state"] == "degraded"  # not due yet: no flapping
+
+
+async def test_an_invalidation_received_when_due_ends_the_degraded_period(
+    fake: Any, redis_server: Any
+) -> None:
+    """A message from Redis proves it answers: B, degraded and due for another attempt, is up
+    once it receives A's invalidation, without a request of its own."""
+    distributed = {"retry_interval": 60.0}
+    async with gateways(2, fake, redis_server, distributed=distributed) as (a, b):
+        channel = b.gateway.invalidations
+        await eventually(lambda: a.gateway.invalidations.listening and channel.listening)
+        await degraded_with_an_answer(fake, b)
+        store = b.gateway.layers.shared_store
+        store._next_try = float("-inf")  # (its retry_interval has passed, without a request)
+        response = await a.client.post("/admin/invalidate", json={"all": True}, headers=ADMIN)
+        assert response.status_code == 200
+        await eventually(lambda: channel.counts["received"] == 1, what="B receiving it")
+        assert b.gateway.redis_health()["state"] == "up" and store.local.entries == 0
+
+
+async def test_a_degraded_instance_takes_one_attempt_per_retry_interval_not_one_per_caller(
+    redis_server: Any,
+) -> None:
+    """Degraded, due for another attempt, and Redis hangs: of 20 concurrent gets exactly one
+    waits on Redis (it took the attempt); the others are answered from this instance's memory
+    at once. (Before, every caller that found the attempt due made it: a herd waiting on a hung
+    Redis for ``distributed.timeout`` each.)"""
+    import asyncio
+
+    from carpool.redis.store import RedisStore
+    from carpool.store.base import StoreUnavailable
+    from carpool.store.memory import MemoryStore
+    from carpool.store.shared import SharedStore
+
+    redis_store = RedisStore(redis_server.url, socket_timeout=2.0)
+    store = SharedStore(redis_store, MemoryStore(1 << 20), retry_interval=0.2)
+    get, hung, attempts = redis_store.get, asyncio.Event(), []
+
+    async def hanging(key: str) -> Any:  # a Redis that hangs until the test lets it answer
+        attempts.append(key)
+        await hung.wait()
+        return await get(key)
+
+    try:
+        store.report(StoreUnavailable("injected"))
+        redis_store.get = hanging  # type: ignore[method-assign]
+        await eventually(lambda: store.retry_due, what="the attempt due")
+        gets = [asyncio.create_task(store.get(f"k{i}")) for i in range(20)]
+        await eventually(lambda: sum(g.done() for g in gets) == 19, what="19 local answers")
+        assert len(attempts) == 1 and store.degraded
+        hung.set()
+        assert await asyncio.gather(*gets) == [None] * 20
+        assert not store.degraded  # the one attempt succeeded
+    finally:
+        await store.aclose()
