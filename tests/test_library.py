@@ -140,7 +140,7 @@ async def test_flights_and_idempotency_records_are_injected_as_given():
     first = await gateway.request("/v1/chat/completions", body, {"Idempotency-Key": '"k"'})
     again = await gateway.request("/v1/chat/completions", body, {"Idempotency-Key": '"k"'})
     assert first.outcome is Outcome.MISS and len(records) == 1
-    assert again.headers[-1] == (b"idempotent-replayed", b"true")
+    assert (b"idempotent-replayed", b"true") in again.headers
     assert gateway.snapshot()["redis"] == {"state": "off"}
     await gateway.aclose()
 

@@ -41,6 +41,8 @@ class Fake:
             raise UpstreamTimeout(f"{self.name}: no answer")
         if self.mode == "5xx":
             return UpstreamResponse(503, {"content-type": "application/json"}, b'{"error": {}}')
+        if self.mode in ("501", "505"):  # (an engine without the endpoint: llama.cpp's embeddings)
+            return UpstreamResponse(int(self.mode), {"content-type": "application/json"}, b"{}")
         if self.mode == "hang":
             await asyncio.Event().wait()
         if request.stream:
@@ -443,6 +445,17 @@ async def test_5xx_before_any_byte_fails_over():
     await response.aclose()
     await response.aclose()  # safe twice
     assert r0.closed_streams == 1 and replicas.in_flight == 0
+
+
+@pytest.mark.parametrize("status", ["501", "505"])
+async def test_a_replica_that_does_not_implement_a_call_is_answered_not_down(status):
+    # llama.cpp and Ollama answer /v1/embeddings 501 when embeddings are off: each such call
+    # downed its replica and failed over to the next (down too), the chat traffic then ran
+    # as probes and /readyz said 503. Another replica of the same engine says the same.
+    replicas, (r0, r1), _ = replica_set(status, "ok")
+    response, replica, decision = await replicas.send(REQUEST)
+    assert (response.status, replica.name) == (int(status), "r0") and r1.sent == 0
+    assert replicas.snapshot()["r0"]["state"] == "healthy" and decision is not Decision.FAILOVER
 
 
 async def test_timeout_fails_over_and_every_replica_failing_raises():

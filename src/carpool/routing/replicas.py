@@ -29,8 +29,9 @@ all, and so whether ``text`` matters):
   502 or 504, by ``observe``). A request sent whole and not answered in time
   (``UpstreamNoAnswer``, 504) is not retried either (the engine may be running it: a long
   generation would run twice, its client waiting twice the timeout), but it downs the replica
-  (silent that long, it may be hung). Every 5xx downs its replica, also one the engine
-  returns for this input only: with several replicas that costs a retry and a back-off, not the
+  (silent that long, it may be hung). Every 5xx downs its replica (but 501 and 505, about
+  the call: an engine without the endpoint, as llama.cpp's embeddings when off, answers it on
+  every replica), also one the engine returns for this input only: with several replicas that costs a retry and a back-off, not the
   request. 4xx answers count as healthy (the replica answered), and so does a 401/403 to the
   gateway's own key (``UpstreamKeyRefused``, raised as it is, not failed over): as often about
   the request (a model the account may not use) as about the key, and one client's request
@@ -82,6 +83,12 @@ _RETRYABLE = (UpstreamUnreachable, UpstreamTimeout)
 
 # Seconds ``ready`` trusts a replica's last answer before it asks it again.
 READY_TRUST_S = 5.0
+
+
+# 5xx answers about the call, not the replica: "not implemented" (an engine without the
+# endpoint: llama.cpp's and Ollama's /v1/embeddings when embeddings are off) and "HTTP version
+# not supported". Another replica of the same engine answers the same; the replica is up.
+_NOT_THIS_CALL = frozenset({501, 505})
 
 
 @dataclass(eq=False)
@@ -250,7 +257,7 @@ class ReplicaSet:
                 replica.probing = False  # cancelled or unexpected: no verdict
                 raise
             self._observe(replica, response.status, decision)
-            if response.status < 500:
+            if response.status < 500 or response.status in _NOT_THIS_CALL:
                 self._succeeded(replica)
                 return response, replica, decision
             self._failed(replica, f"answered {response.status}", seen)
