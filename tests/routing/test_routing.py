@@ -6,10 +6,11 @@ import asyncio
 import random
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import pytest
 
-from carpool.errors import UpstreamTimeout, UpstreamUnreachable
+from carpool.errors import UpstreamNoAnswer, UpstreamTimeout, UpstreamUnreachable
 from carpool.routing import Decision, RoutingSettings, build_policy
 from carpool.routing.cache_aware import CacheAware, PrefixRecord
 from carpool.routing.least_loaded import LeastLoaded
@@ -31,6 +32,7 @@ class Fake:
         self.sent = 0
         self.closed_streams = 0
         self.started = asyncio.Event()
+        self.meanwhile: Any = None  # ("noanswer": what happens while the call waits)
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         self.sent += 1
@@ -41,6 +43,10 @@ class Fake:
             raise UpstreamTimeout(f"{self.name}: no answer")
         if self.mode == "5xx":
             return UpstreamResponse(503, {"content-type": "application/json"}, b'{"error": {}}')
+        if self.mode == "noanswer":  # (sent whole, no head in time)
+            if self.meanwhile is not None:
+                self.meanwhile()
+            raise UpstreamNoAnswer(f"{self.name}: no answer")
         if self.mode in ("501", "505"):  # (an engine without the endpoint: llama.cpp's embeddings)
             return UpstreamResponse(int(self.mode), {"content-type": "application/json"}, b"{}")
         if self.mode == "hang":
@@ -445,6 +451,20 @@ async def test_5xx_before_any_byte_fails_over():
     await response.aclose()
     await response.aclose()  # safe twice
     assert r0.closed_streams == 1 and replicas.in_flight == 0
+
+
+async def test_a_call_unanswered_by_a_replica_silent_to_every_call_fails_over_else_is_a_504():
+    # A frozen engine's socket takes a small request's bytes: "written whole" told nothing,
+    # and every call routed to it was a 504 (it failed over before). A replica that answered
+    # other calls while this one waited is alive and may be running it: not run twice.
+    replicas, (r0, r1), clock = replica_set("noanswer", "ok")
+    response, replica, decision = await replicas.send(REQUEST)
+    assert (response.status, replica.name, decision) == (200, "r1", Decision.FAILOVER)
+    replicas, (r0, r1), clock = replica_set("noanswer", "ok")
+    r0.meanwhile = lambda: setattr(replicas["r0"], "answered_at", clock())
+    with pytest.raises(UpstreamNoAnswer):
+        await replicas.send(REQUEST)
+    assert r1.sent == 0 and replicas.snapshot()["r0"]["state"] != "healthy"
 
 
 @pytest.mark.parametrize("status", ["501", "505"])

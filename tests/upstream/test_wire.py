@@ -554,17 +554,24 @@ def _replicas(ports: list[int], **limits: Any) -> Any:
 
 
 async def test_a_read_timeout_after_the_request_was_sent_is_not_failed_over(serve):
-    """The request went whole and no answer came in time: the engine may be running it (a
-    whole answer's head comes once it is computed). It was failed over like an unreachable
-    replica: the generation ran twice, its client waiting up to twice the timeout."""
+    """The request went whole and no answer came in time from a replica that answered other
+    calls meanwhile: the engine may be running it (a whole answer's head comes once it is
+    computed). It was failed over like an unreachable replica: the generation ran twice, its
+    client waiting up to twice the timeout. (A replica silent to every call since is taken for
+    hung: routing/test_routing.py.)"""
     from carpool.errors import UpstreamError
     from carpool.upstream.base import UpstreamRequest
 
+    made: dict[str, Any] = {}
+
     async def silent(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = made["replicas"].replicas[0]  # (another call of it answered meanwhile)
+        first.answered_at = made["replicas"].clock()
         await reader.read()  # (never answers, until the client goes)
 
     servers = [(await serve(silent))[0] for _ in range(2)]
     replicas, seen = _replicas([s.port for s in servers], upstream_timeout=0.2)
+    made["replicas"] = replicas
     try:
         with pytest.raises(UpstreamError) as raised:
             await replicas.send(UpstreamRequest("/chat/completions", {"model": "m"}))

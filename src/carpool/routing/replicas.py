@@ -27,9 +27,11 @@ all, and so whether ``text`` matters):
   the client) and does not down the replica; nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
   502 or 504, by ``observe``). A request sent whole and not answered in time
-  (``UpstreamNoAnswer``, 504) is not retried either (the engine may be running it: a long
-  generation would run twice, its client waiting twice the timeout), but it downs the replica
-  (silent that long, it may be hung). Every 5xx downs its replica (but 501 and 505, about
+  (``UpstreamNoAnswer``, 504) is not retried either when the replica answered other calls
+  meanwhile (it is alive and may be running it: a long generation would run twice, its client
+  waiting twice the timeout); silent to every call since, it is taken for hung (a frozen
+  engine's socket takes a request's bytes all the same) and the call fails over. Either way
+  it downs the replica. Every 5xx downs its replica (but 501 and 505, about
   the call: an engine without the endpoint, as llama.cpp's embeddings when off, answers it on
   every replica), also one the engine returns for this input only: with several replicas that costs a retry and a back-off, not the
   request. 4xx answers count as healthy (the replica answered), and so does a 401/403 to the
@@ -222,15 +224,22 @@ class ReplicaSet:
         tried: list[ReplicaState] = []
         while True:
             tried.append(replica)
-            seen = replica.verdicts
+            seen, sent_at = replica.verdicts, self.clock()
             try:
                 response = await self._attempt(replica, request, text)
             except UpstreamNoAnswer as error:
-                # Sent whole, no answer in time: the engine may be running it, so it is not
-                # run again elsewhere; silent that long, the replica may be hung: left out.
+                # Sent whole, no answer in time: silent that long, the replica may be hung:
+                # left out. If it answered other calls meanwhile it is alive and may be running
+                # this one: not run again elsewhere. Silent to every call since this one was
+                # sent (a frozen engine whose socket took the bytes), it is tried elsewhere.
                 self._failed(replica, _what(error), seen)
                 self._observe(replica, error.status, decision)
-                raise
+                alive = replica.answered_at >= sent_at
+                retry = self.choose(text, tried) if len(tried) < 2 and not alive else None
+                if retry is None:
+                    raise
+                replica, decision = retry[0], Decision.FAILOVER
+                continue
             except _RETRYABLE as error:
                 self._failed(replica, _what(error), seen)
                 self._observe(replica, error.status, decision)
