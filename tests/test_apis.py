@@ -980,6 +980,22 @@ async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tena
         assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
 
 
+def test_a_file_id_named_in_a_schema_or_metadata_does_not_bind_a_request_to_its_tenant():
+    # The whole body was walked: a tool's or a response format's property called file_id, or
+    # metadata.file_id (outside the key), kept a request out of its shared namespace.
+    from carpool.apis.base import names_tenant_state
+
+    schema = {"type": "object", "properties": {"file_id": {"type": "string"}}}
+    chat = body_of("messages")
+    assert not names_tenant_state({**chat, "metadata": {"file_id": "f"}})
+    assert not names_tenant_state({**chat, "response_format": {"json_schema": {"schema": schema}}})
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    assert not names_tenant_state({**chat, "tools": [tool]})
+    call = {"type": "tool_use", "id": "t", "name": "f", "input": {"file_id": "f"}}
+    assert not names_tenant_state({**chat, "messages": [{"role": "assistant", "content": [call]}]})
+    assert names_tenant_state({**chat, "messages": [{"role": "user", "content": [FILE_PART]}]})
+
+
 def bearer_of(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

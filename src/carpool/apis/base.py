@@ -290,29 +290,43 @@ _RANDOM_SEEDS_FROM = 2**32 - 1
 # What names an object the upstream keeps for one account: an uploaded file (chat's file
 # parts, Responses' input_file/input_image, Messages' file sources), an earlier response, a
 # stored item. Another tenant's request naming it would have been refused (404): in a shared
-# namespace it must not read the answer the owner got.
-_TENANT_STATE_KEYS = frozenset({"file_id", "previous_response_id"})
+# namespace it must not read the answer the owner got. Read where the APIs put them (a
+# message's or input item's content parts), not in schemas, tool arguments or metadata.
+_FILE_HOLDERS = ("file", "source")
 
 
 def names_tenant_state(body: Any) -> bool:
-    """Whether ``body`` names an object the upstream keeps for one account (a ``file_id`` or
-    ``previous_response_id`` anywhere, an ``item_reference``), or asks it to keep the answer
-    (``store: true``). Read only for a shared namespace's requests."""
-    if isinstance(body, dict) and body.get("store") is True:
+    """Whether ``body`` names an object the upstream keeps for one account (a
+    ``previous_response_id``, an ``item_reference``, a file part's ``file_id``), or asks it to
+    keep the answer (``store: true``). Read only for a shared namespace's requests."""
+    if not isinstance(body, dict):
+        return False
+    if body.get("store") is True or body.get("previous_response_id") is not None:
         return True
-    pending = [body]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, dict):
-            for name, item in value.items():
-                if name in _TENANT_STATE_KEYS and item is not None:
-                    return True
-                if name == "type" and item == "item_reference":
-                    return True
-                if isinstance(item, (dict, list)):
-                    pending.append(item)
-        elif isinstance(value, list):
-            pending.extend(item for item in value if isinstance(item, (dict, list)))
+    for field in ("messages", "input"):
+        items = body.get(field)
+        if not isinstance(items, list):
+            continue
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "item_reference" or _names_a_file(item):
+                return True
+            content = item.get("content")
+            if isinstance(content, list) and any(
+                isinstance(part, dict) and _names_a_file(part) for part in content
+            ):
+                return True
+    return False
+
+
+def _names_a_file(part: dict[str, Any]) -> bool:
+    if part.get("file_id") is not None:
+        return True
+    for name in _FILE_HOLDERS:
+        inner = part.get(name)
+        if isinstance(inner, dict) and inner.get("file_id") is not None:
+            return True
     return False
 
 
