@@ -146,6 +146,23 @@ async def test_an_entry_larger_than_the_whole_budget_is_not_kept_nor_indexed():
     assert len(semantic._scopes["s"]) == 1 and set(semantic._by_text) == {("s", "", "small")}
 
 
+async def test_a_sweep_step_looks_at_a_bounded_number_of_entries(monkeypatch):
+    # A step scanned every entry (~5 ms of the event loop at 100,000, on a miss's path).
+    from carpool.semantic import cache as module
+
+    monkeypatch.setattr(module, "SWEEP_STEP", 2)
+    clock = ManualClock()
+    semantic = cache(clock=clock)
+    for i in range(5):
+        await insert(semantic, f"prompt {i}", ttl=1)
+    clock.advance(1)
+    assert semantic.entries == 3  # one step: two of the five looked at
+    clock.advance(1)
+    assert semantic.entries == 1
+    clock.advance(1)
+    assert semantic.entries == 0
+
+
 async def test_expired_entries_are_swept_from_the_counts_the_index_and_the_maps():
     # Found by no lookup, they held their memory and counted in /stats until evicted.
     clock = ManualClock()

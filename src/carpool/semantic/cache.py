@@ -35,9 +35,9 @@ Contract:
   and text: the same three replace the older entry.
 - Expired entries (``expires``, on the cache's ``clock``: wall-clock seconds, as the answers'
   ``created``) are never candidates, and they go: dropped when a lookup or ``forget`` finds
-  them, and swept (``LRU.expire``) at most every ``REAP_S`` by an ``insert`` or a read of
-  ``entries`` or ``bytes`` (``/stats``), so that those count live entries and their memory is
-  given back. Every entry that goes, for any reason, leaves its scope's index and the maps.
+  them, and swept (``LRU.sweep``: the next ``SWEEP_STEP`` entries, from where the last step
+  stopped) at most every ``REAP_S`` by an ``insert`` or a read of ``entries`` or ``bytes``
+  (``/stats``), so that those come to count live entries and their memory is given back. Every entry that goes, for any reason, leaves its scope's index and the maps.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``redis/semantic.py``) a *reference*: the exact-cache key of its answer, fetched by
@@ -83,9 +83,10 @@ log = logging.getLogger("carpool.semantic")
 
 # Seconds between two warnings that the embedder failed (each failure is counted).
 FAILURE_LOG_S = 30.0
-#: Seconds (on the cache's clock) between two sweeps of the expired entries: a sweep scans every
-#: entry (~5 ms for 100,000).
+#: Seconds (on the cache's clock) between two steps of the sweep of the expired entries, and
+#: the entries a step looks at (a whole scan took ~5 ms of the loop at 100,000, on a miss's path).
 REAP_S = 1.0
+SWEEP_STEP = 4096
 #: What an entry's Python objects hold besides its texts and answer (the entry, its id, its
 #: public id, its places in the three maps): measured at ~0.5 KB (docs/semantic.md).
 ENTRY_OBJECTS = 512
@@ -236,7 +237,7 @@ class SemanticCache:
         now = self._clock.monotonic()
         if now - self._reaped_at >= REAP_S:
             self._reaped_at = now
-            self._entries.expire()  # (each heard by ``_unindex``)
+            self._entries.sweep(SWEEP_STEP)  # (each heard by ``_unindex``)
 
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes
