@@ -276,7 +276,15 @@ def test_a_redis_url_redis_py_would_refuse_or_misread_is_a_config_error(url, sai
 
 @pytest.mark.parametrize(
     "url",
-    ["redis://cache:6379", "redis://cache:6379/", "redis://cache/3", "unix:///run/r.sock?db=2"],
+    [
+        "redis://cache:6379",
+        "redis://cache:6379/",
+        "redis://cache/3",
+        "unix:///run/r.sock?db=2",
+        "redis://cache:6379/2/",  # (redis-py: database 2)
+        "redis://cache:6379/%31",  # (database 1)
+        "redis://cache:6379/0?read_from_replicas=true",  # (a cluster client's option)
+    ],
 )
 def test_a_redis_url_redis_py_reads_is_accepted(url):
     assert Config.load(env={}, overrides={"redis": url}).redis == url

@@ -192,23 +192,42 @@ def connect(
 
 def url_problem(url: str) -> str | None:
     """What is wrong with ``url`` for redis-py, or None (also when redis-py is not installed:
-    ``connect`` then says which extra to install)."""
+    ``connect`` then says which extra to install). A cluster client's own options
+    (``read_from_replicas``...) pass: the config may turn ``distributed.cluster`` on."""
     try:
         import redis.asyncio as aredis
+        from redis.connection import parse_url
         from redis.exceptions import RedisError
     except ImportError:  # pragma: no cover - depends on the install
         return None
     scheme, _, rest = url.partition("://")
     path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")[2]
-    if scheme != "unix" and path and not path.isdigit():
+    try:
+        read = parse_url(url)
+    except (ValueError, RedisError) as exc:
+        return urls_without_credentials(str(exc))
+    if scheme != "unix" and path.strip("/") and "db" not in read:
+        # (redis-py reads "/2/" and "/%31" as databases 2 and 1, and "/abc" as none: database 0)
         return "the path must be a database number (redis://host:port/0)"
     try:  # (what connect does, up to the socket: the pool reads the URL, a connection its options)
         aredis.BlockingConnectionPool.from_url(url).make_connection()
     except TypeError as exc:  # (an option no connection takes: "... argument 'foo'")
-        return f"a query parameter redis-py does not know ({str(exc).rsplit(' ', 1)[-1]})"
+        name = str(exc).rsplit(" ", 1)[-1]
+        if name.strip("'") in _cluster_options():
+            return None
+        return f"a query parameter redis-py does not know ({name})"
     except (ValueError, RedisError) as exc:
         return urls_without_credentials(str(exc))
     return None
+
+
+@functools.cache
+def _cluster_options() -> frozenset[str]:
+    import inspect
+
+    from redis.asyncio.cluster import RedisCluster
+
+    return frozenset(inspect.signature(RedisCluster.__init__).parameters)
 
 
 @functools.cache
