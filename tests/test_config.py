@@ -78,6 +78,15 @@ def test_the_adaptive_window_stays_within_its_staleness_bound_or_the_config_is_r
     assert fixed.coalesce.window_ms == coalesce.get("window_ms", 1000)
 
 
+def test_a_max_window_ms_alone_below_the_default_window_is_accepted_and_bounds_it():
+    # Refused once the bound was checked (the default window_ms, 1000, is above 500): a config
+    # that started before. The default is held to the bound instead.
+    from carpool.wiring import window_policy
+
+    config = Config.load(env={}, overrides={"coalesce": {"max_window_ms": 500}})
+    assert window_policy(config.coalesce).window("new", 0, 0.1) == 0.5
+
+
 def test_a_request_types_policy_applies_whatever_the_case_of_its_key():
     # A request's type is read lower-cased (x-carpool-type: Realtime is realtime): a key given
     # as Realtime must be that type's policy, not one that never applies.

@@ -180,16 +180,19 @@ class CoalesceConfig(Section):
     @model_validator(mode="after")
     def _within_the_staleness_bound(self) -> CoalesceConfig:
         """With ``adaptive``, ``max_window_ms`` bounds every window, ``window_ms`` (a key's
-        first) included: a config that says otherwise is refused, not quietly clamped."""
+        first) included: a config that says otherwise is refused, not quietly clamped. A
+        default it would contradict (``max_window_ms: 500`` alone) is held to the bound
+        (``window.AdaptiveWindow``): that config was accepted before the check came."""
         if not self.adaptive:
             return self
-        if self.window_ms > self.max_window_ms:
+        given = self.model_fields_set
+        if "window_ms" in given and self.window_ms > self.max_window_ms:
             raise ValueError(
                 f"coalesce.window_ms ({self.window_ms:g}) is above coalesce.max_window_ms "
                 f"({self.max_window_ms:g}), the staleness bound of the adaptive window: "
                 "raise max_window_ms, lower window_ms, or set adaptive: false"
             )
-        if self.min_window_ms > self.max_window_ms:
+        if "min_window_ms" in given and self.min_window_ms > self.max_window_ms:
             raise ValueError(
                 f"coalesce.min_window_ms ({self.min_window_ms:g}) is above "
                 f"coalesce.max_window_ms ({self.max_window_ms:g})"
