@@ -311,7 +311,8 @@ async def _consume(
     Only a stream that ended whole comes back (``[DONE]``, or a typed stream's last event:
     ``response.events()`` raises ``UpstreamStreamBroken`` otherwise, and so does an error event),
     judged by its API (``Api.judge_stream``): a chat or completions stream must have finished
-    every choice that ``asked`` (the request body sent) asked for, or it raises too; a typed
+    every choice in it, or it raises too (one with fewer choices than ``asked``, the request
+    body sent, asked for is the upstream's own answer: served, not stored); a typed
     stream that ended without completing (Responses ``incomplete``/``failed``, a message with no
     ``stop_reason``) is the upstream's own answer, served as it came and not stored. A raise
     fails the flight: every client gets an error (streaming ones an SSE error event) and

@@ -355,7 +355,7 @@ class SemanticConfig(Section):
         "value, or `${ENV_VAR}` read at start-up; never logged nor shown). Every tenant's "
         "prompts are embedded under it, batched together: never a client's key. null: the "
         "key the gateway holds (`upstream.api_key` / `api_keys`, which replaces any other on "
-        "its replicas), else none (a keyless upstream; start-up logs a warning: one that wants "
+        "its replicas, this one too when both are set), else none (a keyless upstream; start-up logs a warning: one that wants "
         "a key refuses every embedding, and the semantic cache never hits).",
     )
 

@@ -155,7 +155,8 @@ class UpstreamConfig(Section):
         True,
         description="Ask a streaming upstream for a final usage chunk "
         "(`stream_options.include_usage`) so tokens saved can be counted; "
-        "clients that did not ask for it never see it.",
+        "clients that did not ask for it never see it. A non-streaming leader of a "
+        "`stream_flights` call asks for it whatever this says (its whole answer has one).",
     )
     stream_flights: bool = Field(
         False,
