@@ -447,6 +447,24 @@ async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(tw
         assert a.gateway.semantic.counts["received"] == 0  # its own record is skipped
 
 
+async def test_an_entry_whose_texts_are_over_the_record_bound_is_not_published(
+    two_semantic, fake, monkeypatch
+):
+    # Each record copied the whole conversation (a 96 KB context: 107 KB a record, over a GB at
+    # the stream's length, read by every instance). Such an entry is its instance's only.
+    from carpool.redis import semantic as shared
+
+    monkeypatch.setattr(shared, "MAX_RECORD_TEXT", 40)
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I reset my router? It blinks red and orange.")
+        await eventually(lambda: a.gateway.semantic.entries == 1, what="A's own entry")
+        await ask(a, "Reset?")  # short: published
+        await propagated(b)
+        counts = a.gateway.semantic.counts
+        assert (counts["local_only"], counts["published"]) == (1, 1)
+        assert b.gateway.semantic.entries == 1
+
+
 async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic, fake):
     async with two_semantic() as (a, b):
         await ask(a, "How do I reset my router?")

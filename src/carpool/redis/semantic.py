@@ -9,7 +9,8 @@ Contract:
   then appends a ``put`` record to the stream ``P semantic`` (``P`` = ``distributed.key_prefix``;
   ``XADD MAXLEN ~ distributed.stream_maxlen``) in a task of its own, which ``aclose`` lets
   finish: the caller (the flight, before it ends) never waits for Redis. An insert without
-  ``key`` stays local.
+  ``key``, or whose texts (prompt and context) are over ``MAX_RECORD_TEXT`` bytes, stays
+  local: every instance reads every record, and the stream is bounded in records only.
 - A reader task per instance (started by ``start()``, from the server's startup or lazily by the
   first ``probe``/``insert``/``invalidate``, inside the event loop; stopped by ``aclose``) reads
   the stream from its end at start (new records only: nothing older is backfilled), with ``XREAD
@@ -91,6 +92,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
+# Characters of prompt and context a shared record may carry (``_inserted``).
+MAX_RECORD_TEXT = 32_768
 READ_COUNT = 256  # records per XREAD
 
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
@@ -131,7 +134,15 @@ class SharedSemanticCache(SemanticCache):
         self.health = health
         self.ready = asyncio.Event()
         self.counts = dict.fromkeys(
-            ("published", "received", "invalidations_received", "ignored", "errors", "forgotten"),
+            (
+                "published",
+                "received",
+                "invalidations_received",
+                "ignored",
+                "errors",
+                "forgotten",
+                "local_only",
+            ),
             0,
         )
         self._client = client
@@ -152,6 +163,11 @@ class SharedSemanticCache(SemanticCache):
     def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         self.start()
         if key is None:  # (an entry from another instance, or one without an answer's key)
+            return
+        if len(entry.text) + len(entry.context) > MAX_RECORD_TEXT:
+            # (A long conversation's record copied it whole: ~100 KB a record, over a GB at
+            # the stream's length, read by every instance. Such an entry is this one's only.)
+            self.counts["local_only"] += 1
             return
         import numpy as np
 
