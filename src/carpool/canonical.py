@@ -54,9 +54,22 @@ from .identity import credential_headers, tenant_of
 from .request import CONTROL_HEADERS, Request
 from .upstream.base import NOT_FORWARDED, connection_listed
 
-EXCLUDED_FIELDS = frozenset({"user", "stream", "stream_options", "metadata", "request_id"})
-# OpenAI's Responses API echoes ``metadata`` and ``user`` in its answer: there they are part of
-# what is served, so part of the key.
+# (``safety_identifier`` and ``prompt_cache_key`` are OpenAI's successors of ``user`` for abuse
+# tracking and its prompt cache's routing: neither changes the answer, and a chat or completion
+# does not echo them.)
+EXCLUDED_FIELDS = frozenset(
+    {
+        "user",
+        "stream",
+        "stream_options",
+        "metadata",
+        "request_id",
+        "safety_identifier",
+        "prompt_cache_key",
+    }
+)
+# OpenAI's Responses API echoes ``metadata``, ``user``, ``safety_identifier`` and
+# ``prompt_cache_key`` in its answer: there they are part of what is served, so part of the key.
 EXCLUDED_BY_KIND = {"responses": frozenset({"stream", "stream_options"})}
 # Request headers that reach the upstream but never change its answer: transport, tracing and
 # client telemetry (the SDKs' ``x-stainless-*``), the ids and attempt numbers other SDKs give
