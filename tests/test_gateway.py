@@ -385,25 +385,28 @@ async def test_upstream_timeout_is_504(fake, gateway_with):
 
 
 @pytest.mark.parametrize(
-    "body, code",
+    "body, code, param",
     [
-        (b"{not json", "invalid_json"),
-        (b"[1, 2]", "invalid_body"),
-        (b'"text"', "invalid_body"),
-        (b'{"model": "m", "messages": "hi"}', "invalid_request"),
+        (b"{not json", "invalid_json", None),
+        (b"[1, 2]", "invalid_body", None),
+        (b'"text"', "invalid_body", None),
+        (b'{"model": "m", "messages": "hi"}', "invalid_request", "messages"),
         (
             b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "0"}',
             "invalid_request",
+            "temperature",
         ),
     ],
 )
-async def test_malformed_requests_get_400_in_openai_error_shape(gw, fake, body, code):
+async def test_malformed_requests_get_400_in_openai_error_shape(gw, fake, body, code, param):
     response = await gw.client.post(
         CHAT, content=body, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
+    # OpenAI's error object always has a param (the field at fault, or null): the SDKs read it.
+    assert "param" in error and error["param"] == param
     assert response.headers["x-carpool"] == "bypass"
     assert fake.count() == 0
 

@@ -132,9 +132,27 @@ def test_errors_are_problem_details(error: CarpoolError, status: int) -> None:
     assert error.status == status
     assert error.headers() == {"content-type": "application/problem+json"}
     body = orjson.loads(error.body())
-    assert set(body) == {"type", "title", "status", "detail"}
+    assert set(body) == {"type", "title", "status", "detail", "message", "code"}
     assert body["status"] == status and body["detail"] == error.message
     assert body["type"].startswith("https://") and body["title"]
+    # Where the SDKs read an error's text and code (the openai SDK said "Error code: 422").
+    assert body["message"] == error.message and body["code"] == error.code
+
+
+def test_an_sdk_reads_an_idempotency_errors_message_and_code() -> None:
+    import httpx
+    import openai
+
+    error = IdempotencyMismatch()
+    response = httpx.Response(
+        422,
+        content=error.body(),
+        headers=error.headers(),
+        request=httpx.Request("POST", "http://x"),
+    )
+    raised = openai.OpenAI(api_key="k")._make_status_error_from_response(response)
+    assert isinstance(raised, openai.UnprocessableEntityError)
+    assert error.message in raised.message and raised.code == error.code
 
 
 def test_the_three_errors_have_distinct_titles_and_codes() -> None:

@@ -53,8 +53,14 @@ class CarpoolError(Exception):
         self.message = message
 
     def error_object(self) -> dict[str, Any]:
-        """The error as an OpenAI error object (the value of ``"error"``)."""
-        return {"message": self.message, "type": self.type, "code": self.code}
+        """The error as an OpenAI error object (the value of ``"error"``), with its ``param`` as
+        OpenAI's always has one (the field at fault, or null): the SDKs read ``e.param``."""
+        return {
+            "message": self.message,
+            "type": self.type,
+            "param": getattr(self, "param", None),
+            "code": self.code,
+        }
 
     def body(self) -> bytes:
         """The error as OpenAI's JSON error shape, ready to send."""

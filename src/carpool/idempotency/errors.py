@@ -29,12 +29,16 @@ class IdempotencyError(CarpoolError):
     title = "Idempotency-Key error"
 
     def body(self) -> bytes:
+        # RFC 9457 allows members of one's own: ``message`` and ``code`` are where the SDKs
+        # look for an error's text and code (the openai SDK's message was "Error code: 422").
         return orjson.dumps(
             {
                 "type": self.problem_type,
                 "title": self.title,
                 "status": self.status,
                 "detail": self.message,
+                "message": self.message,
+                "code": self.code,
             }
         )
 
