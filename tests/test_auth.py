@@ -69,13 +69,27 @@ async def test_a_request_without_a_listed_key_gets_401_before_anything(held, fak
         assert response.status_code == 401, headers
         assert response.json()["error"]["code"] == "invalid_api_key"
         assert "x-request-id" in response.headers
+        assert response.headers["x-carpool"] == "bypass"  # (a cached endpoint's refusal)
     passthrough = await held.client.get("/v1/models", headers=bearer("client-z"))
-    assert passthrough.status_code == 401
+    assert passthrough.status_code == 401 and "x-carpool" not in passthrough.headers
     assert fake.count() == 0  # nothing went upstream
     assert (await held.client.get("/stats")).json()["rejected"] == 5
     assert held.gateway.store.entries == 0
     # The control endpoints are not the API: /healthz answers whoever asks.
     assert (await held.client.get("/healthz")).status_code == 200
+
+
+async def test_a_refused_key_on_the_messages_api_is_answered_in_anthropics_shape(held, fake):
+    # It was OpenAI's shape on every path: the Anthropic SDK's error had no message of its own.
+    response = await held.client.post(
+        "/v1/messages",
+        json={"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-api-key": "nope"},
+    )
+    assert response.status_code == 401 and response.headers["x-carpool"] == "bypass"
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    assert body["error"]["message"] and fake.count() == 0
 
 
 async def test_a_hashed_key_and_the_other_credential_headers_are_accepted(held, fake):

@@ -21,20 +21,6 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import orjson
-
-#: The 401 for a request without a listed key, in OpenAI's error shape (its own wording).
-UNAUTHORIZED = orjson.dumps(
-    {
-        "error": {
-            "message": "Incorrect API key provided: this gateway does not know it.",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
-)
-UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 _CREDENTIALS = (b"authorization", b"api-key", b"x-api-key")
 

@@ -103,6 +103,19 @@ class BodyTooLarge(RequestError):
         )
 
 
+class ClientKeyRefused(CarpoolError):
+    """401: a request to ``/v1/...`` without a key ``auth.client_keys_file`` lists (``auth.py``),
+    answered before its body is read, in its API's error shape (Anthropic's on ``/v1/messages``)."""
+
+    status = 401
+    type = "invalid_request_error"  # (OpenAI's for a wrong key)
+    code = "invalid_api_key"
+    also = (("www-authenticate", "Bearer"),)
+
+    def __init__(self) -> None:
+        super().__init__("Incorrect API key provided: this gateway does not know it.")
+
+
 class HeadersTooLarge(RequestError):
     """The request's headers are larger than ``limits.max_header_bytes`` (RFC 6585: 431)."""
 

@@ -63,11 +63,12 @@ from starlette.routing import Route
 
 from .admin_http import admin_routes
 from .apis import BY_PATH
-from .auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, ClientKeys
+from .auth import ClientKeys
 from .config import Config
 from .errors import (
     AdminRequired,
     CarpoolError,
+    ClientKeyRefused,
     HeadersTooLarge,
     RequestError,
 )
@@ -124,9 +125,16 @@ class GatewayApp:
             and scope["path"].startswith("/v1/")
             and not self.client_keys.accepts(scope["headers"])
         ):
-            # Before anything is read, cached, shared or sent upstream (``auth.py``).
+            # Before anything is read, cached, shared or sent upstream (``auth.py``); in the
+            # API's error shape, and ``bypass`` on a cached endpoint, as every refusal there.
             self.gateway.stats.rejected += 1
-            await _send_whole(send, 401, UNAUTHORIZED_HEADERS, UNAUTHORIZED)
+            refused, api = ClientKeyRefused(), BY_PATH.get(scope["path"])
+            await _send_whole(
+                send,
+                refused.status,
+                [*_raw(refused.headers()), *([Outcome.BYPASS.header] if api else [])],
+                api.error_body(refused) if api else refused.body(),
+            )
             return
         if (
             scope["type"] == "http"
