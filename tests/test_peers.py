@@ -168,15 +168,22 @@ async def test_an_owner_that_is_down_fails_nothing(fake):
         assert (await pair.a.chat(question)).headers["x-carpool"] == "hit"
 
 
+async def aged_at_the_owner(pair: Any, question: str, seconds: float) -> tuple[str, Any]:
+    """``question`` answered by worker b (its owner) and kept there, ``seconds`` old now: its
+    key and the owner's entry."""
+    assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+    key = key_of(pair.b.gateway, question)
+    await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
+    original = await pair.b.gateway.store.get(key)
+    assert original is not None and await pair.b.gateway.store.get(key) is original
+    original.answer.created -= seconds
+    return key, original
+
+
 async def test_an_answer_from_the_owners_cache_keeps_its_age(fake):
     async with two_workers(fake.url) as pair:
         question = owned_by(pair.a.gateway, 1)
-        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
-        key = key_of(pair.b.gateway, question)
-        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
-        original = await pair.b.gateway.store.get(key)
-        assert original is not None and await pair.b.gateway.store.get(key) is original
-        original.answer.created -= 100  # the owner's copy is 100 s old
+        key, original = await aged_at_the_owner(pair, question, 100)
         relayed = await pair.a.chat(question)
         assert relayed.headers["x-carpool"] == "hit" and int(relayed.headers["age"]) >= 100
         kept = await pair.a.gateway.store.get(key)
@@ -192,12 +199,7 @@ async def test_a_hit_from_the_owners_cache_says_its_age_to_streaming_clients_too
     answer, as a whole answer's."""
     async with two_workers(fake.url) as pair:
         question = owned_by(pair.a.gateway, 1)
-        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
-        key = key_of(pair.b.gateway, question)
-        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
-        original = await pair.b.gateway.store.get(key)
-        assert original is not None and await pair.b.gateway.store.get(key) is original
-        original.answer.created -= 100  # the owner's copy is 100 s old
+        key, original = await aged_at_the_owner(pair, question, 100)
         streamed, text = await pair.a.stream_chat(question)
         assert streamed.headers["x-carpool"] == "hit" and int(streamed.headers["age"]) >= 100
         assert text.rstrip().endswith("data: [DONE]")
