@@ -214,12 +214,7 @@ async def test_an_owners_answer_expired_here_by_its_age_is_relayed_but_not_store
     worker's cache."""
     async with two_workers(fake.url, semantic={"enabled": True}) as pair:
         question = owned_by(pair.a.gateway, 1)
-        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
-        key = key_of(pair.b.gateway, question)
-        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
-        original = await pair.b.gateway.store.get(key)
-        assert original is not None and await pair.b.gateway.store.get(key) is original
-        original.answer.created -= pair.b.gateway.config.ttl_for(None) - 0.5
+        key, _ = await aged_at_the_owner(pair, question, pair.b.gateway.config.ttl_for(None) - 0.5)
         relayed = await pair.a.chat(question)
         assert relayed.status_code == 200 and relayed.headers["x-carpool"] == "hit"
         store = pair.a.gateway.store
@@ -234,12 +229,7 @@ async def test_a_joiner_with_max_age_does_not_take_the_owners_old_answer_its_lea
     10 s old arrives within the flight's window: its own call, with its own headers."""
     async with two_workers(fake.url, coalesce={"window_ms": 60_000, "adaptive": False}) as pair:
         question = owned_by(pair.a.gateway, 1)
-        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
-        key = key_of(pair.b.gateway, question)
-        await pair.b.gateway.store.get(key)  # (a first hit unpacks a copy; a second keeps it)
-        original = await pair.b.gateway.store.get(key)
-        assert original is not None and await pair.b.gateway.store.get(key) is original
-        original.answer.created -= 100
+        key, _ = await aged_at_the_owner(pair, question, 100)
         leader = await pair.a.chat(question)
         assert leader.headers["x-carpool"] == "hit" and int(leader.headers["age"]) >= 100
         fresh = await pair.a.chat(question, headers={"cache-control": "max-age=10"})
