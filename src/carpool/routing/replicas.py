@@ -227,23 +227,15 @@ class ReplicaSet:
             seen, sent_at = replica.verdicts, self.clock()
             try:
                 response = await self._attempt(replica, request, text)
-            except UpstreamNoAnswer as error:
-                # Sent whole, no answer in time: silent that long, the replica may be hung:
-                # left out. If it answered other calls meanwhile it is alive and may be running
-                # this one: not run again elsewhere. Silent to every call since this one was
-                # sent (a frozen engine whose socket took the bytes), it is tried elsewhere.
-                self._failed(replica, _what(error), seen)
-                self._observe(replica, error.status, decision)
-                alive = replica.answered_at >= sent_at
-                retry = self.choose(text, tried) if len(tried) < 2 and not alive else None
-                if retry is None:
-                    raise
-                replica, decision = retry[0], Decision.FAILOVER
-                continue
             except _RETRYABLE as error:
                 self._failed(replica, _what(error), seen)
                 self._observe(replica, error.status, decision)
-                retry = self.choose(text, tried) if len(tried) < 2 else None
+                # Sent whole and not answered in time (``UpstreamNoAnswer``) by a replica that
+                # answered other calls meanwhile: alive, it may be running this one: not run
+                # again elsewhere. Silent to every call since it was sent (a frozen engine whose
+                # socket took the bytes), it is tried elsewhere like one never sent.
+                running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
+                retry = self.choose(text, tried) if len(tried) < 2 and not running else None
                 if retry is None:
                     raise
                 replica, decision = retry[0], Decision.FAILOVER
