@@ -33,8 +33,11 @@ Contract:
   or swept: by ``expire()``, all at once, or ``sweep(limit)``, a bounded step (``limit``
   entries looked at, in the order of ``iter``, from where the last step stopped: by its
   place, so that an entry removed before it makes the next step begin one later; from the
-  first again past the last). A time-to-live is an ``expires`` that adds it to a time the value
-  holds (``expires=lambda v: v.at + ttl``).
+  first again past the last); ``reap(limit, every)`` takes such a step only if the last one it
+  took was ``every`` seconds ago or more (on the clock's monotonic time; the first ``every``
+  seconds after the cache was made), so that a caller on a hot path may ask on every call. A
+  time-to-live is an ``expires`` that adds it to a time the value holds
+  (``expires=lambda v: v.at + ttl``).
 - ``on_evict(key, value)`` hears of every entry the cache drops on its own: evicted for a bound
   (``put`` also returns those; or by ``evict()``, for a caller's own bound) or dropped expired;
   ``evictions`` and ``expirations`` count them.
@@ -138,6 +141,8 @@ class LRU(Generic[K, V]):
         "_newest",
         "_bytes",
         "_swept",
+        "_monotonic",
+        "_reaped",
     )
 
     def __init__(
@@ -177,6 +182,8 @@ class LRU(Generic[K, V]):
         self._size = size
         self._expires = expires
         self._time: Callable[[], float] = clock.now if wall_clock else clock.monotonic
+        self._monotonic = clock.monotonic  # (``reap``'s pace, whatever the wall clock does)
+        self._reaped = clock.monotonic()  # (when ``reap`` last took a step: as if on creation)
         self._on_evict = on_evict
         self._mark = mark
         self._unmark = unmark
@@ -345,6 +352,15 @@ class LRU(Generic[K, V]):
         before = self.expirations
         self.remove_if(_never)
         return self.expirations - before
+
+    def reap(self, limit: int, every: float) -> int:
+        """``sweep(limit)``, if ``every`` seconds have passed since the last step it took (see
+        the module doc); how many it dropped."""
+        now = self._monotonic()
+        if now - self._reaped < every:
+            return 0
+        self._reaped = now
+        return self.sweep(limit)
 
     def sweep(self, limit: int) -> int:
         """Look at the next ``limit`` entries (from where the last sweep stopped, in the order of

@@ -212,7 +212,6 @@ class SemanticCache:
             on_evict=self._unindex,
         )
         self._clock = clock
-        self._reaped_at = float("-inf")  # (the clock's monotonic reading)
         self._by_text: dict[tuple[str, str, str], int] = {}  # (scope, context, text)
         self._by_public: dict[str, int] = {}  # public_id -> id (feedback names entries so)
         self._ids = itertools.count(1)
@@ -233,11 +232,9 @@ class SemanticCache:
         return self._entries.bytes
 
     def _reap(self) -> None:
-        """Sweep the expired entries, unless swept less than ``REAP_S`` ago."""
-        now = self._clock.monotonic()
-        if now - self._reaped_at >= REAP_S:
-            self._reaped_at = now
-            self._entries.sweep(SWEEP_STEP)  # (each heard by ``_unindex``)
+        """A step of the sweep of the expired entries, unless one was taken less than
+        ``REAP_S`` ago (``LRU.reap``; each entry dropped heard by ``_unindex``)."""
+        self._entries.reap(SWEEP_STEP, REAP_S)
 
     def has_scope(self, scope: str) -> bool:
         return scope in self._scopes

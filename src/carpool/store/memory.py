@@ -150,8 +150,6 @@ class MemoryStore:
     def __init__(self, max_bytes: int, *, clock: Clock = SYSTEM_CLOCK, hot: int = HOT) -> None:
         self.max_bytes = max_bytes
         self.hot = hot
-        self._clock = clock
-        self._next_reap = clock.monotonic() + SWEEP_EVERY
         # Bounded by ``put``, counting the hot objects too, not by itself.
         self._entries: LRU[Place, Packed] = LRU(
             size=_size,
@@ -261,11 +259,7 @@ class MemoryStore:
     def reap(self) -> int:
         """Drop the expired entries among the next ``SWEEP_STEP``, if a step is due (one a
         ``SWEEP_EVERY`` seconds); how many."""
-        now = self._clock.monotonic()
-        if now < self._next_reap:
-            return 0
-        self._next_reap = now + SWEEP_EVERY
-        return self._entries.sweep(SWEEP_STEP)
+        return self._entries.reap(SWEEP_STEP, SWEEP_EVERY)
 
     async def invalidate(self, selector: Selector) -> int:
         picks = packed.matcher(selector)
