@@ -92,7 +92,7 @@ from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader
 from .outcome import Outcome
 from .repeat_memo import Repeat
-from .reply import SSE_HEADERS, Reply, error_reply, nearest, similarity, whole
+from .reply import SSE_HEADERS, Reply, age_header, error_reply, nearest, similarity, whole
 from .request import ClientRequest, Request, body_digest, parse, requester_digest
 from .routing.state import path_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
@@ -452,8 +452,7 @@ class Gateway:
             headers = [*SSE_HEADERS, outcome.header]
             if outcome is Outcome.HIT and broadcast.created is not None:
                 # Another worker's cached answer: as old as the owner said (``Exchange.fetch``).
-                age = max(0, int(self.clock.now() - broadcast.created))
-                headers.append((b"age", str(age).encode()))
+                headers.append(age_header(self.clock.now() - broadcast.created))
             return Reply(
                 200,
                 headers,

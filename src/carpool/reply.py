@@ -7,6 +7,8 @@ Contract:
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
   chunk if it asked for it), ``age`` on a hit; an answer whose body has no ``usage`` because
   the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented).
+- ``age_header(seconds)``: a hit's ``age`` (whole seconds, never negative), however the hit
+  came: a stored answer, another worker's, an idempotent replay.
 - ``error_reply``: an error as its API shapes it (Anthropic's for Messages, OpenAI's otherwise).
 - A semantic hit names the entry it was served from by its opaque id only (``similarity``);
   ``semantic.mode: mark`` says what would have been served (``nearest``), never the entry's
@@ -59,6 +61,11 @@ class Reply:
         return orjson.loads(self.body)
 
 
+def age_header(seconds: float) -> tuple[bytes, bytes]:
+    """The ``age`` header of an answer ``seconds`` old (0 for a clock that went back)."""
+    return (b"age", str(int(max(0.0, seconds))).encode())
+
+
 def whole(
     outcome: Outcome,
     answer: Answer,
@@ -73,7 +80,7 @@ def whole(
     wall-clock time its ``age`` counts to (the gateway's clock)."""
     headers = [JSON, outcome.header, *extra]
     if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
-        headers.append((b"age", str(int(answer.age(now))).encode()))
+        headers.append(age_header(answer.age(now)))
     if (not stream or include_usage) and answer.usage_missing:
         # The engine reported no usage for this answer (it ignored include_usage on the
         # stream it was assembled from): said so, rather than dropped silently or invented.

@@ -46,7 +46,7 @@ from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome
-from ..reply import JSON, Reply, error_reply
+from ..reply import JSON, Reply, age_header, error_reply
 from ..request import ClientRequest, Request, list_items, merge_items
 from .errors import (
     IdempotencyConflict,
@@ -140,7 +140,7 @@ class AtMostOnce:
             headers = [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER]
             age = self._age(begin.response)
             if age is not None:
-                headers.append((b"age", str(age).encode()))
+                headers.append(age_header(age))
             return Reply(stored.status, headers, stored.body, outcome=Outcome.HIT)
         token = begin.token
         assert token is not None
@@ -281,7 +281,7 @@ class AtMostOnce:
         headers = [JSON, outcome.header]
         ages = [age for _, _, age in results if age is not None]
         if outcome is Outcome.HIT and ages:
-            headers.append((b"age", str(max(ages)).encode()))  # (the oldest answer in it)
+            headers.append(age_header(max(ages)))  # (the oldest answer in it)
         n = items[0].body.get("n", 1)
         try:
             body = merge_items(
