@@ -184,7 +184,7 @@ async def test_a_leader_whose_link_stalls_once_renews_its_lease_again_and_keeps_
 
 
 async def test_frames_whose_publishing_failed_are_published_again(redis_server: Any) -> None:
-    """A batch of frames whose XADD failed once (a stall, a reset) is sent again with the next
+    """A batch of frames whose script failed once (a stall, a reset) is sent again with the next
     one: followers get every frame. (Before, ``sent`` moved on before the round trip, and one
     failure stopped publishing for good: the followers' streams ended broken.)"""
     import redis.exceptions
@@ -194,21 +194,16 @@ async def test_frames_whose_publishing_failed_are_published_again(redis_server: 
     from carpool.redis.flight_protocol import flight_keys
 
     async with shared_flights_on(redis_server) as flights:
-        client, pipeline = flights._client, flights._client.pipeline
+        client, send = flights._client, flights._frames  # (the frames script)
         failed = asyncio.Event()
 
-        def failing_once(*args: Any, **kwargs: Any) -> Any:
-            pipe = pipeline(*args, **kwargs)
+        async def failing_once(*args: Any, **kwargs: Any) -> Any:
             if not failed.is_set():
+                failed.set()
+                raise redis.exceptions.ConnectionError("the link stalled")
+            return await send(*args, **kwargs)
 
-                async def fail(*_: Any, **__: Any) -> Any:
-                    failed.set()
-                    raise redis.exceptions.ConnectionError("the link stalled")
-
-                pipe.execute = fail
-            return pipe
-
-        client.pipeline = failing_once
+        flights._frames = failing_once
         frames = [b"data: 1\n\n", b"data: 2\n\n"]
 
         async def call(broadcast: Broadcast) -> Answer:
@@ -221,7 +216,7 @@ async def test_frames_whose_publishing_failed_are_published_again(redis_server: 
             return ""
 
         await flights.run("k", Broadcast(), call, keep)
-        client.pipeline = pipeline
+        flights._frames = send
         _, streams = flight_keys(flights.prefix, "k")
         (stream,) = [key async for key in client.scan_iter(match=streams + "*")]
         entries = await client.xrange(stream)

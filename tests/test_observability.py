@@ -61,6 +61,7 @@ async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by
     assert samples(text, "carpool_cache_bytes")['{layer="exact"}'] > 0
     assert samples(text, "carpool_redis_errors_total") == {'{component="store"}': 0}
     assert samples(text, "carpool_redis_pool_exhausted_total") == {"": 0}
+    assert samples(text, "carpool_redis_full_total") == {"": 0}
 
 
 async def test_stats_and_metrics_come_to_count_only_the_live_exact_entries(gateway_with, fake):

@@ -257,3 +257,38 @@ async def test_a_keyed_request_while_every_connection_is_busy_is_refused_not_run
     assert "every connection to redis stayed busy" in caplog.text
     assert retried.status_code == 200 and replayed.headers["idempotent-replayed"] == "true"
     assert replayed.json() == retried.json() and fake.count("/v1/chat/completions") == 1
+
+
+def test_a_server_older_than_redis_7_is_refused_at_start():
+    """Every script's first line declares its flags (``#!lua``), which Redis reads from 7.0 on
+    (every Valkey says 7.2.4, the Redis it forked from): an older server would fail every shared
+    call, so ``carpool serve`` refuses it with the reason (``server_mode`` raises ValueError,
+    exit status 2)."""
+    from carpool.redis.connection import version_problem
+
+    problem = version_problem({"redis_version": "6.2.14"})
+    assert problem is not None and "6.2.14" in problem and ">= 7.0" in problem
+    for fine in ("7.0.0", "7.2.4", "8.2.1", ""):
+        assert version_problem({"redis_version": fine, "valkey_version": "9.1.2"}) is None
+    assert version_problem({}) is None  # (INFO server refused: nothing to judge)
+
+
+def test_every_lua_script_says_whether_a_full_redis_runs_it():
+    """A script without its first line is checked for memory at its first command that grows
+    Redis: one beginning with a DEL went past ``maxmemory`` (test_redis_full.py)."""
+    import importlib
+    import pkgutil
+
+    import carpool.redis
+    from carpool.redis.connection import ALWAYS, GROWS
+
+    scripts = {
+        f"{module.name}.{name}": value
+        for module in pkgutil.iter_modules(carpool.redis.__path__, "carpool.redis.")
+        for name, value in vars(importlib.import_module(module.name)).items()
+        if isinstance(value, str) and "redis.call(" in value and not name.startswith("__")
+    }
+    del scripts["carpool.redis.store_layout._STATS"]  # (the body of STATS and STATS_ADD)
+    assert {"carpool.redis.idempotency._BEGIN", "carpool.redis.store_layout.PUT"} <= set(scripts)
+    undeclared = [name for name, text in scripts.items() if not text.startswith((GROWS, ALWAYS))]
+    assert not undeclared

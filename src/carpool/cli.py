@@ -129,7 +129,7 @@ def serve(
             mode = asyncio.run(server_mode(config.redis))
         except ImportError as error:
             missing_extra("--redis", "redis", error)
-        except ValueError as error:  # a URL redis-py cannot read
+        except ValueError as error:  # a URL redis-py cannot read, a server older than 7.0
             click.echo(
                 f"carpool: --redis: {error}".replace(
                     config.redis, without_credentials(config.redis)

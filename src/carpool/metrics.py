@@ -198,6 +198,12 @@ class _StatsCollector(Collector):
             "nothing kept locally; Redis not marked down).",
             value=g["redis_pool_exhausted"],
         )
+        yield CounterMetricFamily(
+            "carpool_redis_full",
+            "Writes Redis refused because it was full (maxmemory under noeviction): answers "
+            "served, not shared; Redis not marked down.",
+            value=g["redis_full"],
+        )
         yield GaugeMetricFamily(
             "carpool_flights",
             "Upstream calls in flight (and lingering in the coalescing window).",

@@ -496,6 +496,44 @@ async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
 
 
+async def test_a_full_redis_takes_an_invalidation_to_the_others_but_no_new_entry(
+    two_semantic, fake, shared_redis
+):
+    """Redis full (maxmemory, noeviction): A's ``invalidate`` record still reaches B, which
+    drops the entry it holds with its answer (before, the record was refused: a 503 for as long
+    as Redis stayed full, and B served the answer); a new entry is A's own, not published, and
+    the instances stay up (Redis answers)."""
+    import redis.asyncio as aredis
+
+    async with two_semantic() as (a, b):
+        await ask(b, "How do I reset my router?", headers={"x-carpool-tags": "router"})
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        nodes = [aredis.Redis.from_url(node.url) for node in getattr(shared_redis, "nodes", [])]
+        nodes = nodes or [aredis.Redis.from_url(shared_redis.url)]
+        try:
+            for node in nodes:  # full from now on (each master of a cluster)
+                await node.config_set("maxmemory", 1)
+            admin = {"Authorization": "Bearer t"}
+            done = await a.client.post("/admin/invalidate", json={"tag": "router"}, headers=admin)
+            assert done.status_code == 200
+            await eventually(
+                lambda: b.gateway.semantic.entries == 0,
+                timeout=PROPAGATION,
+                what="the invalidation to reach the other instance",
+            )
+            published = a.gateway.semantic.counts["published"]
+            await ask(a, "What is the capital of France?")
+            await eventually(lambda: a.gateway.semantic.entries == 1, what="A's own entry")
+            await eventually(lambda: a.gateway.redis_health()["full"] >= 1, what="the refusal")
+            assert a.gateway.semantic.counts["published"] == published
+            assert a.gateway.redis_health()["state"] == b.gateway.redis_health()["state"] == "up"
+        finally:
+            for node in nodes:
+                await node.config_set("maxmemory", 0)
+                await node.aclose()
+
+
 async def test_an_invalidation_whose_semantic_record_did_not_reach_redis_is_a_503_not_a_success(
     two_semantic, fake
 ):
@@ -510,13 +548,13 @@ async def test_an_invalidation_whose_semantic_record_did_not_reach_redis_is_a_50
         await stored(b)  # B holds it with its answer, A as a reference
         await propagated(a)
         client = a.gateway.semantic._client
-        xadd, published = client.xadd, a.gateway.semantic.counts["published"]
+        append, published = client.eval, a.gateway.semantic.counts["published"]
 
-        async def reset_once(*args, **kwargs):
-            client.xadd = xadd
+        async def reset_once(*args, **kwargs):  # (an invalidate record is one script)
+            client.eval = append
             raise redis.exceptions.ConnectionError("connection reset (injected)")
 
-        client.xadd = reset_once
+        client.eval = reset_once
         admin = {"Authorization": "Bearer t"}
         refused = await a.client.post("/admin/invalidate", json={"tag": "router"}, headers=admin)
         assert refused.status_code == 503 and "retry" in refused.text

@@ -16,7 +16,17 @@ Contract
   :class:`StoreUnavailable`, the one error every Redis-backed layer raises; a wait for a pooled
   connection that ran out is :class:`PoolExhausted`, a subclass: Redis answered, this instance
   had more callers than connections. The health (``store.shared.SharedStore``, which every layer
-  reports to) counts and logs it and does **not** start a degraded period.
+  reports to) counts and logs it and does **not** start a degraded period. A write Redis
+  refused because it is full (``maxmemory`` reached under ``noeviction``: ``OOM``) is
+  :class:`RedisFull`, another: Redis answered; the health counts it (``full``), logs it, and
+  does not start a degraded period either.
+- Every Lua script declares its flags (a ``#!lua`` first line; Redis >= 7.0, every Valkey):
+  one that adds an answer to a cache is refused whole by a full Redis, before it writes
+  anything (without the line, Redis checks memory at the script's first command that grows
+  it: a script beginning with a DEL went past ``maxmemory``, without bound), and one that frees
+  memory or keeps a generation from running twice (invalidations, flights, idempotency
+  records, the counts) says ``allow-oom`` (without it, a full Redis could not be emptied
+  through /admin/invalidate). :data:`GROWS` and :data:`ALWAYS` are the two first lines.
 - :func:`stop_reader` ends a background task that loops on Redis commands (a subscriber, a
   stream reader): it cancels it and, while the task runs on, cancels it again every
   ``RECANCEL_S``, until it is done. redis-py's cluster client can swallow a cancellation: the
@@ -34,8 +44,9 @@ Contract
   number (redis-py reads ``/abc`` as database 0): the config refuses them when it loads, so
   ``carpool check-config`` says what ``carpool serve`` would fail on. Its message quotes nothing
   of the URL but the parameter's name.
-- :func:`server_mode` (``carpool serve``'s start) tells a cluster node from a standalone server
-  and warns, in the log, when the server evicts keys (``maxmemory-policy`` other than
+- :func:`server_mode` (``carpool serve``'s start) tells a cluster node from a standalone server,
+  refuses a server older than Redis 7.0 (:func:`version_problem`: the scripts' first lines) and
+  warns, in the log, when the server evicts keys (``maxmemory-policy`` other than
   ``noeviction``: :func:`eviction_problem` says what breaks).
 - The redis-py library is imported by the modules of this package only.
 """
@@ -59,8 +70,11 @@ log = logging.getLogger("carpool.redis")
 
 __all__ = [
     "Backoff",
+    "ALWAYS",
+    "GROWS",
     "Health",
     "PoolExhausted",
+    "RedisFull",
     "StoreUnavailable",
     "connect",
     "eviction_problem",
@@ -68,6 +82,7 @@ __all__ = [
     "stop_reader",
     "url_problem",
     "unavailable",
+    "version_problem",
     "unavailable_in",
 ]
 
@@ -113,6 +128,18 @@ async def stop_reader(task: asyncio.Task[Any] | None) -> None:
 class PoolExhausted(StoreUnavailable):
     """Every pooled connection stayed busy for ``pool_timeout``: this instance is overloaded,
     Redis is not down (never a reason for a degraded period)."""
+
+
+class RedisFull(StoreUnavailable):
+    """Redis refused a write that grows it: ``maxmemory`` reached under ``noeviction``. Redis
+    answers (never a reason for a degraded period); what was refused is not shared."""
+
+
+# The first line of every Lua script (the module's contract): refused whole by a full Redis,
+# or run even then (it frees memory, or keeps a generation from running twice).
+GROWS = "#!lua\n"
+ALWAYS = "#!lua flags=allow-oom\n"
+MIN_VERSION = (7, 0)  # the first Redis that reads a script's flags (every Valkey does)
 
 
 class Health(Protocol):
@@ -280,10 +307,17 @@ def _cluster_class() -> type:
 def unavailable(what: str) -> Iterator[None]:
     """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``."""
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
+    from redis.exceptions import (
+        MaxConnectionsError,
+        OutOfMemoryError,
+        RedisClusterException,
+        RedisError,
+    )
 
     try:
         yield
+    except OutOfMemoryError as exc:
+        raise RedisFull(f"{what}: Redis is full (maxmemory): {exc}") from exc
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out; a
         # cluster node's pool does not wait: it raises MaxConnectionsError at once.
@@ -316,12 +350,18 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
     for the keys of the other masters: the instance would flip between up and degraded and
     run every flight alone, so ``carpool serve`` turns ``distributed.cluster`` on instead.
 
-    It also reads the server's ``maxmemory-policy`` (``INFO memory``; a server that refuses it
-    is not checked) and logs a warning when it is an eviction policy (:func:`eviction_problem`)."""
+    It raises ``ValueError`` for a server older than Redis 7.0 (:func:`version_problem`), and
+    reads the server's ``maxmemory-policy`` (``INFO memory``; a server that refuses it is not
+    checked): a warning in the log when it is an eviction policy (:func:`eviction_problem`)."""
     client = connect(url, socket_timeout=timeout, connect_timeout=timeout, retries=0)
     try:
         with unavailable("read the server's mode"):
             info = await client.info("cluster")
+        try:
+            with unavailable("read the server's version"):
+                server = await client.info("server")
+        except StoreUnavailable:  # (INFO server not allowed: nothing to say)
+            server = {}
         try:
             with unavailable("read the server's memory policy"):
                 memory = await client.info("memory")
@@ -331,10 +371,31 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
         return None
     finally:
         await client.aclose()
+    too_old = version_problem(server)
+    if too_old is not None:
+        raise ValueError(too_old)
     problem = eviction_problem(memory)
     if problem is not None:
         log.warning("%s", problem)
     return "cluster" if str(info.get("cluster_enabled", 0)) == "1" else "standalone"
+
+
+def version_problem(server: dict[str, Any]) -> str | None:
+    """Why carpool cannot use the server whose ``INFO server`` is ``server``, or None. Every
+    script's first line declares its flags (the module's contract), which a Redis older than
+    7.0 reads as Lua and fails on: every shared call would fail. Valkey says ``redis_version``
+    7.2.4 (the Redis it forked from) besides its own ``valkey_version``."""
+    version = str(server.get("redis_version", "") or "")
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # (a server that names itself otherwise: not ours to judge)
+    if not version or found >= MIN_VERSION:
+        return None
+    return (
+        f"the server is Redis {version}; carpool needs Redis >= 7.0 or Valkey (its scripts "
+        "declare their flags, so that a full Redis takes no more answers yet can be emptied)"
+    )
 
 
 def eviction_problem(memory: dict[str, Any]) -> str | None:

@@ -55,6 +55,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from .connection import ALWAYS
 from .keys import glob_escape, key_id
 from .store_layout import StoreKeys
 
@@ -62,6 +63,7 @@ __all__ = [
     "CLAIM",
     "END",
     "FORGET",
+    "FRAMES",
     "RENEW",
     "TAKE",
     "answer_from",
@@ -102,7 +104,9 @@ def lock_pattern(prefix: str) -> str:
 # before an invalidation runs: ``TAKE`` sets it aside, in the key of its token) | {'stored'}
 # (no call runs, its answer is stored: a call that ended, without a window, since this request
 # missed the cache).
-CLAIM = """
+CLAIM = (
+    ALWAYS
+    + """
 local holder = redis.call('GET', KEYS[1])
 if holder then
   local mark = string.sub(holder, 1, 1)
@@ -120,22 +124,28 @@ if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored'} 
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'lead'}
 """
+)
 
 # KEYS: lock, the stale call's key (``stale_keys`` + its token). ARGV: the stale token, the new
 # token, lease ms. If the lock is still "~STALE": the stale call is set aside in its key, for
 # what is left of its lease, and the lock is the new token's: {'lead'}. Otherwise {'again'}
 # (the lock changed meanwhile: claim again).
-TAKE = """
+TAKE = (
+    ALWAYS
+    + """
 if redis.call('GET', KEYS[1]) ~= '~' .. ARGV[1] then return {'again'} end
 local left = redis.call('PTTL', KEYS[1])
 if left > 0 then redis.call('SET', KEYS[2], '1', 'PX', left) end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {'lead'}
 """
+)
 
 # KEYS: lock, stream, this call's stale key. ARGV: token, lease ms, stream PX ms. 1 if renewed
 # (the lock, or the stale key once set aside), 0 if the lock is lost.
-RENEW = """
+RENEW = (
+    ALWAYS
+    + """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] or holder == '~' .. ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -145,11 +155,14 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+)
 
 # KEYS: lock, stream, this call's stale key. ARGV: token, linger ms (0: none), stream PX ms,
 # MAXLEN, then the final record's field, value pairs. The record always goes to this leader's
 # own stream; the lock is changed only if it is still this leader's; a stale key goes.
-END = """
+END = (
+    ALWAYS
+    + """
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[3])
@@ -167,11 +180,31 @@ elseif holder == ARGV[1] then
 end
 return 1
 """
+)
+
+# KEYS: stream. ARGV: MAXLEN, stream PX ms, then per frame its index, its bytes and "1" if it
+# is the usage frame (else "0"). A leader's frames, added to its stream (``flights._flush``).
+FRAMES = (
+    ALWAYS
+    + """
+for i = 3, #ARGV, 3 do
+  if ARGV[i + 2] == '1' then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'i', ARGV[i], 'f', ARGV[i + 1], 'u', 1)
+  else
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'i', ARGV[i], 'f', ARGV[i + 1])
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+)
 
 # KEYS: lock. Drop it if it is a finished call's (lingering in the window); mark a running
 # call's "~TOKEN" (stale: its followers stay, nobody new follows it, it is not replayed once
 # finished; the next claim sets it aside and leads a fresh call). 1 if either.
-FORGET = """
+FORGET = (
+    ALWAYS
+    + """
 local holder = redis.call('GET', KEYS[1])
 if not holder then return 0 end
 local mark = string.sub(holder, 1, 1)
@@ -185,6 +218,7 @@ if mark ~= '~' then
 end
 return 0
 """
+)
 
 _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls

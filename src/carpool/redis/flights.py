@@ -103,6 +103,7 @@ from .flight_protocol import (
     CLAIM,
     END,
     FORGET,
+    FRAMES,
     RENEW,
     TAKE,
     answer_record,
@@ -167,6 +168,7 @@ class SharedFlights:
         self._owns_client = owns_client
         self._claim = client.register_script(CLAIM)
         self._renew = client.register_script(RENEW)
+        self._frames = client.register_script(FRAMES)
         self._end = client.register_script(END)
         self._take = client.register_script(TAKE)
         self._background: set[asyncio.Task[Any]] = set()
@@ -597,20 +599,17 @@ class _Publisher:
         if start >= end or self.aborted:
             return True
         usage, flights = self.broadcast.usage_frame, self.flights
-        pipe = flights._client.pipeline(transaction=False)
+        args: list[Any] = [flights.maxlen, 2 * flights.lease_ms]
         for index in range(start, end):
-            fields: dict[Any, Any] = {"i": index, "f": frames[index]}
-            if index == usage:
-                fields["u"] = 1
-            pipe.xadd(self.stream, fields, maxlen=flights.maxlen, approximate=True)
-        # Every batch, not the first only: the stream must expire if we die, and one that Redis
-        # lost (restarted empty) is made again by the XADD, without an expiry, and the renewal
-        # stops with the lock lost with it (a review found such streams left for ever).
-        pipe.pexpire(self.stream, 2 * flights.lease_ms)
+            args += (index, frames[index], 1 if index == usage else 0)
+        # The expiry with every batch, not the first only: the stream must expire if we die,
+        # and one that Redis lost (restarted empty) is made again by the XADD, without an
+        # expiry, and the renewal stops with the lock lost with it (a review found such streams
+        # left for ever). One script: it runs on a full Redis too (followers wait on it).
         self.sending = end - start
         try:
             with _unavailable("publish frames"):
-                await pipe.execute()
+                await flights._frames(keys=[self.stream], args=args)
         except StoreUnavailable as error:
             flights._failed(error)
             return False

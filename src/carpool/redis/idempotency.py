@@ -35,6 +35,7 @@ from typing_extensions import Unpack
 
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
 from .connection import (
+    ALWAYS,
     BACKOFF_MIN,
     POOL_TIMEOUT,
     ConnectOptions,
@@ -58,7 +59,9 @@ POLL_MIN = 0.005  # s: first pause of ``wait`` between two reads of the record
 POLL_MAX = 0.25  # s: longest pause (the back-off grows by half each time)
 
 # KEYS[1] = the record; ARGV = fingerprint, token, lease ms.
-_BEGIN = """
+_BEGIN = (
+    ALWAYS
+    + """
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 't')
 if not rec[1] then
   redis.call('DEL', KEYS[1])
@@ -74,10 +77,13 @@ end
 local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm', 'c')
 return {'done', r[1], r[2], r[3], r[4], r[5]}
 """
+)
 
 # ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0), created. 1 if
 # stored.
-_FINISH = """
+_FINISH = (
+    ALWAYS
+    + """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[2] ~= ARGV[1] then return 0 end
 if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
@@ -86,22 +92,29 @@ redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+)
 
 # ARGV = token. 1 if dropped.
-_ABANDON = """
+_ABANDON = (
+    ALWAYS
+    + """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 """
+)
 
 # ARGV = token, lease ms. 1 if renewed.
-_RENEW = """
+_RENEW = (
+    ALWAYS
+    + """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
+)
 
 _unavailable = unavailable_in("the Redis idempotency records")
 

@@ -28,7 +28,10 @@ Contract:
 - ``invalidate`` applies locally and publishes an ``invalidate`` record; one that Redis did not
   take (it failed, or the health says it is not to be tried) raises ``StoreUnavailable`` once
   applied locally: the other instances keep their entries (those held with their answers are
-  served), so the admin endpoint must not report success (``admin.invalidate``: a 503).
+  served), so the admin endpoint must not report success (``admin.invalidate``: a 503). A full
+  Redis (``maxmemory``, ``noeviction``) takes ``invalidate`` records still (a script that may
+  run then: ``ALWAYS_APPEND``), not ``put`` records (``RedisFull``: counted by the health, the
+  instance not degraded; the entry stays local).
 - Redis never fails a request: a failed publish is counted (``errors``) and reported to the
   shared store's health (``SharedStore.report``: /stats, /healthz, degraded mode, the log); while
   that health says Redis is not to be tried, nothing is published (local-only behaviour). The
@@ -84,7 +87,7 @@ from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, SemanticEntry
 from ..semantic.guard import Guard
 from ..store.base import Selector
-from .connection import Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
+from .connection import ALWAYS, Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -99,6 +102,17 @@ READ_COUNT = 256  # records per XREAD
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
 
 _unavailable = unavailable_in("the shared semantic cache")
+
+
+# KEYS: the stream. ARGV: MAXLEN, then the record's field, value pairs. For ``invalidate``
+# records, which a full Redis must take too: the other instances must drop their entries.
+ALWAYS_APPEND = (
+    ALWAYS
+    + """
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
+return 1
+"""
+)
 
 
 class SharedSemanticCache(SemanticCache):
@@ -220,7 +234,8 @@ class SharedSemanticCache(SemanticCache):
                 b"src": self.instance,
                 b"sel": sel.encode(),
                 b"val": val.encode(),
-            }
+            },
+            always=True,
         )
         if not published:  # (dropped here only: the other instances keep theirs)
             raise StoreUnavailable(
@@ -250,13 +265,20 @@ class SharedSemanticCache(SemanticCache):
 
     # ------------------------------------------------------------------ publishing, reading
 
-    async def _publish(self, fields: dict[Any, Any]) -> bool:
-        """Whether Redis took the record (a failure is reported, not raised)."""
+    async def _publish(self, fields: dict[Any, Any], *, always: bool = False) -> bool:
+        """Whether Redis took the record (a failure is reported, not raised). ``always``: a
+        full Redis takes it too (``ALWAYS_APPEND``)."""
         if self.health is not None and not self.health.usable():
             return False  # Redis degraded: local only for now
         try:
             with _unavailable("publish a semantic entry"):
-                await self._client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
+                if always:
+                    pairs = [part for pair in fields.items() for part in pair]
+                    await self._client.eval(ALWAYS_APPEND, 1, self.stream, self.maxlen, *pairs)
+                else:
+                    await self._client.xadd(
+                        self.stream, fields, maxlen=self.maxlen, approximate=True
+                    )
         except StoreUnavailable as error:
             self._failed(error)
             return False

@@ -12,6 +12,9 @@ Contract (on top of ``store.base``):
   connection is retried once at once (a pooled connection may be stale after a Redis restart),
   a timeout never is, so a dead Redis fails a call in milliseconds and a hung one in
   ``socket_timeout`` (connect: ``connect_timeout``).
+- A full Redis (``maxmemory`` reached under ``noeviction``) takes no entry: ``put`` raises
+  ``RedisFull`` (a ``StoreUnavailable``) and leaves nothing of it (an entry written as Redis
+  filled up, its count refused, is dropped again); gets and invalidations work as ever.
 - ``entries``/``bytes`` are the whole shared cache (all instances), as counted in Redis: an
   ``INCRBY``/``DECRBY`` byte counter and a set of live entries, kept by one Lua script that also
   reaps what expired. The properties are sync, so they return the last value this instance saw:
@@ -52,6 +55,7 @@ from typing_extensions import Unpack
 from ..store.base import Entry, Selector
 from .connection import (
     ConnectOptions,
+    RedisFull,
     StoreUnavailable,
     byte_client,
     connect,
@@ -59,7 +63,17 @@ from .connection import (
     unavailable_in,
 )
 from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
-from .store_layout import COUNT, DROP, INDEX, PUT, STATS, StoreKeys, decode, encode
+from .store_layout import (
+    COUNT,
+    DROP,
+    INDEX,
+    PUT,
+    STATS,
+    STATS_ADD,
+    StoreKeys,
+    decode,
+    encode,
+)
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -166,10 +180,19 @@ class RedisStore:
             for index, member in indexes:
                 pipe.eval(INDEX, 1, index, member, expires_ms, now_ms)
             await pipe.execute()
-            pipe = self._client.pipeline(transaction=False)
-            pipe.eval(PUT, 1, self._keys.entry(entry_id), ttl_ms, *fields)
-            pipe.eval(STATS, 3, *self._keys.stats, now_ms, "add", entry_id, expires_ms, entry.size)
-            _, counts = await pipe.execute()
+        pipe = self._client.pipeline(transaction=False)
+        pipe.eval(PUT, 1, self._keys.entry(entry_id), ttl_ms, *fields)
+        pipe.eval(STATS_ADD, 3, *self._keys.stats, now_ms, "add", entry_id, expires_ms, entry.size)
+        try:
+            with _unavailable("put"):
+                _, counts = await pipe.execute()
+        except RedisFull:
+            # Redis filled up between the two scripts (or before both): nothing of this put
+            # stays, neither an entry no count has nor a count whose entry was refused.
+            with _unavailable("put"):
+                await self._drop([entry_id])
+                await self._client.eval(STATS, 3, *self._keys.stats, now_ms, "del", entry_id)
+            raise
         self._counted(counts)
         if since is None:
             return True

@@ -48,6 +48,7 @@ import orjson
 
 from ..answer import Answer
 from ..store.base import Entry
+from .connection import ALWAYS, GROWS
 from .keys import digest, glob_escape
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "INDEX",
     "PUT",
     "STATS",
+    "STATS_ADD",
     "StoreKeys",
     "decode",
     "encode",
@@ -94,7 +96,9 @@ class StoreKeys:
 
 # Add MEMBER to the index ZSET with score EXPIRES unless it is already there with a higher one,
 # drop the members expired by NOW, and let the key expire with its last member.
-INDEX = """
+INDEX = (
+    GROWS
+    + """
 local key, expires, now = KEYS[1], tonumber(ARGV[2]), ARGV[3]
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 local old = redis.call('ZSCORE', key, ARGV[1])
@@ -103,29 +107,38 @@ local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - tonumber(now)))
 return 1
 """
+)
 
 # Count one invalidation: KEYS = the generation, ARGV = a random start (1 to 2^62) for a counter
 # made anew. (Counting from 0 again after Redis restarted empty, a put whose ``since`` was read
 # before the restart matched the first invalidation after it: its stale answer was kept.)
-COUNT = """
+COUNT = (
+    ALWAYS
+    + """
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 redis.call('INCR', KEYS[1])
 return 1
 """
+)
 
 # Replace the entry hash: ARGV = PX, then field, value pairs.
-PUT = """
+PUT = (
+    GROWS
+    + """
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
+)
 
 # Drop the entry if it still matches: ARGV = mode (t: tag digest, n: namespace digest,
 # p: prompt prefix, x: this exact expiry, ``xm``: the entry one put wrote), value, now (ms).
 # 1 if a live entry was dropped; an entry already expired by NOW (its PX may run a round trip
 # later than its own expiry) is dropped but not counted.
-DROP = """
+DROP = (
+    ALWAYS
+    + """
 local mode, value = ARGV[1], ARGV[2]
 local expires = redis.call('HGET', KEYS[1], 'xm')
 if expires and tonumber(expires) <= tonumber(ARGV[3]) then
@@ -145,10 +158,12 @@ end
 redis.call('UNLINK', KEYS[1])
 return 1
 """
+)
 
 # Reap the entries expired by NOW, then 'add' ID EXPIRES SIZE | 'del' ID... | 'read';
-# returns {live entries, bytes}. KEYS = live, size, bytes.
-STATS = """
+# returns {live entries, bytes}. KEYS = live, size, bytes. ``STATS`` runs on a full Redis (it
+# frees, or only counts); ``STATS_ADD``, the same script for 'add', is refused like the entry.
+_STATS = """
 local live, size, total, now, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
 local function forget(id)
   local s = redis.call('HGET', size, id)
@@ -175,6 +190,7 @@ if redis.call('ZCARD', live) == 0 then
 end
 return {redis.call('ZCOUNT', live, '(' .. now, '+inf'), tonumber(redis.call('GET', total) or '0')}
 """
+STATS, STATS_ADD = ALWAYS + _STATS, GROWS + _STATS
 
 
 def encode(entry: Entry) -> list[Any]:

@@ -23,7 +23,9 @@ Contract (on top of ``store.base``):
   ``health()`` for ``/stats`` and ``/healthz``. A call that waited ``pool_timeout`` for a free
   connection (``PoolExhausted``: Redis answers, this instance is overloaded) is counted apart
   (``pool_exhausted``), starts no degraded period and does not use the local store (a get is
-  a miss, a put is not kept: nothing would ever clear it of later invalidations).
+  a miss, a put is not kept: nothing would ever clear it of later invalidations). A write a full
+  Redis refused (``RedisFull``: ``maxmemory`` reached under ``noeviction``) is the same: Redis
+  answers, the answer is not kept anywhere (counted as ``full``, logged), no degraded period.
 - ``generation()`` before a call begins and ``put(..., since=...)`` with its answer: an
   invalidation by any instance in between takes the answer back from Redis
   (``RedisStore.put``).
@@ -39,7 +41,7 @@ import logging
 import time
 from typing import Any
 
-from ..redis.connection import PoolExhausted
+from ..redis.connection import PoolExhausted, RedisFull
 from ..redis.store import RedisStore
 from .base import Entry, Selector, StoreUnavailable
 from .memory import MemoryStore
@@ -62,7 +64,9 @@ class SharedStore:
         self.log_interval = log_interval
         self.errors = 0
         self.pool_exhausted = 0  # calls that found no free connection in time
+        self.full = 0  # writes a full Redis refused (maxmemory reached, noeviction)
         self._last_pool_log = float("-inf")
+        self._last_full_log = float("-inf")
         self.down_since: float | None = None  # wall clock, for /stats
         self._next_try = 0.0  # monotonic
         self._last_log = float("-inf")
@@ -88,6 +92,7 @@ class SharedStore:
             "state": "degraded" if self.degraded else "up",
             "errors": self.errors,
             "pool_exhausted": self.pool_exhausted,
+            "full": self.full,
             "down_since": self.down_since,
         }
 
@@ -154,7 +159,7 @@ class SharedStore:
         if not self._skip_redis():
             try:
                 await self.redis.put(key, entry, since=since)
-            except PoolExhausted as error:
+            except (PoolExhausted, RedisFull) as error:
                 self._failed(error)
                 return  # (not kept locally: see ``get``)
             except StoreUnavailable as error:
@@ -213,6 +218,17 @@ class SharedStore:
                     "every connection to redis stayed busy (%d times so far): raise "
                     "distributed.max_connections or pool_timeout",
                     self.pool_exhausted,
+                )
+            return
+        if isinstance(error, RedisFull):
+            # Redis answers; it takes no more answers until something expires or is dropped.
+            self.full += 1
+            if now - self._last_full_log >= self.log_interval:
+                self._last_full_log = now
+                log.warning(
+                    "redis is full (maxmemory, noeviction): %d writes refused so far, those "
+                    "answers are not shared; raise maxmemory or lower the TTLs",
+                    self.full,
                 )
             return
         self.errors += 1
