@@ -660,3 +660,39 @@ async def test_a_stream_the_upstream_breaks_counts_one_upstream_error_where_it_w
         a, b = pair.a.gateway.snapshot(), pair.b.gateway.snapshot()
         assert (a["upstream_calls"], a["upstream_errors"]) == (0, 0)
         assert (b["upstream_calls"], b["upstream_errors"]) == (1, 1) and fake.count() == 1
+
+
+def _summed(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+async def test_a_scrape_on_any_worker_counts_the_whole_run_once(fake):
+    """The workers share one port: each scrape landed on one worker, whose counters alone went
+    down from the last scrape's (a reset to Prometheus). Any worker now answers the run's sum,
+    and a request passed on to its key's owner is counted once, where its client sent it
+    (before: in the outcomes of both)."""
+    async with two_workers(fake.url, admin_token="t") as pair:
+        admin = {"Authorization": "Bearer t"}
+        passed_on = owned_by(pair.a.gateway, 1)
+        await pair.a.chat(passed_on)  # asked of B, the owner: B calls upstream
+        await pair.a.chat(passed_on)  # a hit on A
+        await pair.b.chat(owned_by(pair.b.gateway, 1, prefix="B's own"))  # a miss on B
+        assert fake.count() == 2
+        scrapes = [
+            (await served.client.get("/metrics", headers=admin)).text for served in (pair.a, pair.b)
+        ]
+        for text in scrapes:
+            assert _summed(text, "carpool_requests_total") == 3
+            assert _summed(text, "carpool_upstream_calls_total") == 2
+            assert _summed(text, "carpool_request_duration_seconds_count") == 3
+        assert pair.b.gateway.snapshot()["peers"]["served"] == 1
+        # Through the door, a worker answers for itself alone.
+        own = pair.b.gateway.metrics.render().decode()
+        assert _summed(own, "carpool_requests_total") == 1

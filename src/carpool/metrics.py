@@ -14,6 +14,8 @@ Contract:
   failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
   the replicas too (what the engines were
   asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
+- A request another worker passed on (``carpool.peers``, ``FOR_PEER``) is counted by that
+  worker only (outcome, tokens saved, latency): the workers' counts add up to the run's.
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
 """
@@ -37,6 +39,10 @@ RECENT = 1024
 # Whether the request whose task this is was counted in an outcome (``Stats.count``): one that
 # its client leaves is ``abandoned`` only if not (``server.GatewayApp.serve`` sets it False).
 COUNTED: ContextVar[bool] = ContextVar("carpool_counted", default=False)
+# Whether the request whose task this is was passed on by another worker (``carpool.peers``):
+# the worker its client sent it to counts it (its outcome, tokens saved, latency); this one
+# counts it in ``peers.served`` only, so that the workers' counts add up (``peers.metrics``).
+FOR_PEER: ContextVar[bool] = ContextVar("carpool_for_peer", default=False)
 # The most namespaces the semantic audit series are labelled with (``labelled``).
 METRIC_NAMESPACES = 100
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, float("inf"))
@@ -81,6 +87,9 @@ class Stats:
         return self.attempts()
 
     def count(self, route: str, outcome: Outcome) -> None:
+        if FOR_PEER.get():  # (counted by the worker its client sent it to)
+            COUNTED.set(True)
+            return
         self.outcomes[outcome] += 1
         self.routes[(route, outcome)] += 1  # a StrEnum: its own label value
         COUNTED.set(True)  # (this request's: its task's context)

@@ -90,6 +90,7 @@ from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader
+from .metrics import FOR_PEER
 from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, age_header, error_reply, nearest, similarity, whole
@@ -497,6 +498,8 @@ class Gateway:
         """A request answered without a call of its own: the tokens the engine reported for the
         answer were not recomputed. An answer it reported none for is counted apart, so that
         ``tokens_saved`` reads as what it is, a lower bound."""
+        if FOR_PEER.get():  # (counted by the worker its client sent it to)
+            return
         self.stats.tokens_saved += answer.tokens
         if answer.usage_missing:
             self.stats.saved_without_usage += 1

@@ -74,11 +74,12 @@ from .errors import (
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
-from .metrics import COUNTED
+from .metrics import COUNTED, FOR_PEER
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
 from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting
+from .peers.metrics import merge
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
@@ -230,6 +231,7 @@ class GatewayApp:
         waits or streams."""
         client.on_wait = watch.start
         COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
+        FOR_PEER.set(client.peer)  # (a peer's request is counted by the worker it came from)
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(client)
@@ -240,13 +242,13 @@ class GatewayApp:
             if not watch.client_left:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (always in a task here)
-            if not COUNTED.get():  # (left before any outcome was counted: its keyed
-                self.gateway.stats.abandoned += 1  # request's record may still be settling)
+            if not COUNTED.get() and not client.peer:  # (left before any outcome was counted:
+                self.gateway.stats.abandoned += 1  # its keyed request's record may still settle)
         finally:
             watch.stop()
             if reply is not None:
                 reply.close()
-                if reply.outcome is not None:
+                if reply.outcome is not None and not client.peer:
                     self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
 
 
@@ -354,9 +356,12 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
-        return Response(
-            gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        text, peers = gateway.metrics.render(), gateway.layers.peers
+        if peers is not None and request.scope.get(PEER) is not True:
+            # One port for the run: the sum of the workers', or the counters went down between
+            # two scrapes landing on different workers (``peers.metrics``).
+            text = merge([text.decode(), *await peers.metrics()])
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def dashboard(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:

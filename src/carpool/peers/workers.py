@@ -26,6 +26,9 @@ Contract:
   sockets and the spare ones); how many answers they dropped. A worker that does not answer
   holds nothing to drop when it is down (a new process starts empty); one that is alive but
   does not answer in time is logged.
+- ``metrics()``: every other worker's own ``/metrics`` text, asked at once through its door
+  (which answers for that worker alone), for ``peers.metrics.merge``; one that does not answer
+  within ``_SCRAPE_TIMEOUT`` is left out of that scrape (logged).
 - A worker without a slot (``Peers(meeting, config)``: every slot was held as it started) is a
   client of the owners, owning nothing: ``index`` is None, so ``owner_of`` always names an
   owner; it asks them, sends keyed requests to their records' owners, and passes invalidations
@@ -97,6 +100,8 @@ _UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefused
 # A worker without a slot: how often it tries for one, and how long past the wait for the worker
 # it replaces to stop (twice ``shutdown.grace_s``; uvicorn retires it once the new one serves).
 CLAIM_POLL_S = 0.05
+# How long a scrape waits for another worker's metrics (a hung one must not hang the scrape).
+_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 CLAIM_MARGIN_S = 15.0
 
 
@@ -222,13 +227,43 @@ class Peers:
 
     async def invalidate(self, spec: Any) -> int:
         """``spec`` invalidated on every other worker; how many answers they dropped."""
+        dropped = await asyncio.gather(
+            *(self._invalidate_on(path, spec) for path in self._others())
+        )
+        return sum(dropped)
+
+    def _others(self) -> list[Path]:
+        """The sockets of every other worker of the run: the slots', and the spare ones."""
         own = self._spare[1] if self._spare is not None else None
-        others = [
+        return [
             *(socket_path(self.directory, i) for i in range(self.count) if i != self.index),
             *(path for path in spares(self.directory) if path != own),
         ]
-        dropped = await asyncio.gather(*(self._invalidate_on(path, spec) for path in others))
-        return sum(dropped)
+
+    async def metrics(self) -> list[str]:
+        """Every other worker's own ``/metrics`` (``peers.metrics``); one that does not answer
+        adds nothing (logged)."""
+        texts = await asyncio.gather(*(self._metrics_of(path) for path in self._others()))
+        return [text for text in texts if text is not None]
+
+    async def _metrics_of(self, path: Path) -> str | None:
+        headers = {PEER_HEADER.decode(): self._secret}
+        if self._admin_token:
+            headers["authorization"] = f"Bearer {self._admin_token}"
+        try:
+            async with self._session(path).get(
+                "http://worker/metrics", headers=headers, timeout=_SCRAPE_TIMEOUT
+            ) as response:
+                if response.status == 200:
+                    return await response.text()
+                why = f"status {response.status}"
+        except _UNREACHED as error:  # (down: a spare's stale file, often)
+            log.info("worker %s is down: not in this scrape (%s)", path.name, _why(error))
+            return None
+        except _FAILED as error:
+            why = _why(error)
+        log.warning("worker %s gave no metrics: %s", path.name, why)
+        return None
 
     async def _invalidate_on(self, path: Path, spec: Any) -> int:
         headers = {"content-type": "application/json", PEER_HEADER.decode(): self._secret}
