@@ -91,6 +91,38 @@ async def test_a_hung_upstream_embedder_delays_no_reply_past_its_timeout_each_a_
         assert app.inner.count("/v1/chat/completions") == 3
 
 
+async def test_a_hung_upstream_embedder_is_skipped_after_three_failures_until_a_try_answers(
+    held,
+):
+    # Before, every lookup in a scope with entries waited the whole embed_timeout_ms (1 s by
+    # default) for as long as the embedder hung. Three failed embeddings open the breaker: lookups
+    # then send no embeddings call (a miss at once) but one try a second, and a try that
+    # answers closes it.
+    app, url = held
+    semantic = {**UPSTREAM_EMBEDDER, "embed_timeout_ms": 50}
+    async with run_gateway([url], semantic=semantic) as gw:
+        await chat(gw, "How do I reset my router?")
+        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the first entry")
+        breaker = gw.gateway.semantic.embedder.breaker
+        app.released.clear()
+        for n in range(5):
+            if breaker.retry_at is not None:
+                break
+            await chat(gw, f"How can I reset my router, take {n}?")
+        assert breaker.retry_at is not None and breaker.failures == 3
+        sent, failures = app.held, gw.gateway.semantic.embed_failures
+        for n in range(3):
+            skipped = await chat(gw, f"Router reset, please ({n})")
+            assert skipped.headers["x-carpool"] == "miss"
+        assert app.held == sent  # no embeddings call while it is open
+        assert gw.gateway.semantic.embed_failures == failures + 3  # (each a counted miss)
+        app.released.set()
+        breaker.retry_at = 0.0  # (its retry_s has passed)
+        await chat(gw, "How do I reset my modem?")
+        assert breaker.retry_at is None and breaker.failures == 0
+        await eventually(lambda: gw.gateway.semantic.entries == 2, what="an entry again")
+
+
 async def test_the_upstream_embedder_sends_its_own_key_never_a_clients(
     fake, gateway_with, monkeypatch
 ):

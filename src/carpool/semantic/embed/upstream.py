@@ -9,11 +9,19 @@ Contract
   that long (``TimeoutError``: :mod:`.microbatch`) and so does each ``call``: a hung upstream
   never holds one of the ``max_in_flight`` slots longer, so the batches after it are not held
   up behind it.
+- A breaker: ``FAILURES_TO_OPEN`` embeddings failed in a row (timed out, unreachable, a 5xx, an
+  answer of the wrong shape: not a 4xx about the texts) open it, and while it is open ``embed``
+  raises :class:`EmbedderDown` at once, but for one text let through every ``retry_s`` (1 s,
+  doubling while it fails, up to ``RETRY_MAX_S``); the first embedding that succeeds closes it.
+  Without it, a hung embedder cost every lookup in a scope with entries the whole timeout
+  (1 s by default) before its miss, for as long as it hung.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -22,13 +30,74 @@ try:  # numpy is in the "semantic" extra: this module must import without it.
 except ImportError:  # pragma: no cover - exercised only without the extra
     np = None  # type: ignore[assignment]  # (optional extra: callers check _require_numpy)
 
+from ...errors import UpstreamStatusError
 from .base import _require_numpy
 from .microbatch import _BatchingEmbedder
 
 if TYPE_CHECKING:
     from .base import Vector
 
-__all__ = ["UpstreamEmbedder"]
+__all__ = ["EmbedderDown", "UpstreamEmbedder"]
+
+log = logging.getLogger("carpool.semantic")
+
+FAILURES_TO_OPEN = 3  # embeddings failed in a row that open the breaker
+RETRY_MIN_S = 1.0  # s between the calls let through while it is open; doubles while they fail
+RETRY_MAX_S = 30.0
+# What an embeddings call answers about the texts it was given, not about the embedder.
+_ABOUT_THE_TEXTS = frozenset({400, 413, 422})
+
+
+class EmbedderDown(RuntimeError):
+    """The breaker is open: the upstream embedder failed its last calls (not tried now)."""
+
+
+class _Breaker:
+    """The module's breaker: ``admit()`` before a text is asked for (raises while open, but for
+    one text every ``retry_s``), ``succeeded()``/``failed(error)`` after its embedding."""
+
+    def __init__(self) -> None:
+        self.failures = 0  # calls failed in a row
+        self.retry_s = RETRY_MIN_S
+        self.retry_at: float | None = None  # open: when the next call may go (monotonic)
+        self._last: BaseException | None = None  # (a batch's error reaches all its callers)
+
+    def admit(self) -> None:
+        if self.retry_at is None:
+            return
+        now = time.monotonic()
+        if now < self.retry_at:
+            raise EmbedderDown(
+                f"the upstream embedder failed {self.failures} embeddings in a row; "
+                f"tried again at most every {self.retry_s:g} s"
+            )
+        self.retry_at = now + self.retry_s  # this caller's try; the others wait for its end
+
+    def succeeded(self) -> None:
+        if self.retry_at is not None:
+            log.info("the upstream embedder answers again: lookups use it")
+        self.failures, self.retry_s, self.retry_at = 0, RETRY_MIN_S, None
+
+    def failed(self, error: BaseException) -> None:
+        if error is self._last or (
+            isinstance(error, UpstreamStatusError) and error.status in _ABOUT_THE_TEXTS
+        ):
+            return  # (one failed call, counted once; or the texts' fault, not the embedder's)
+        self._last = error
+        self.failures += 1
+        if self.retry_at is not None:  # a try failed: longer until the next
+            self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+        elif self.failures < FAILURES_TO_OPEN:
+            return
+        else:
+            log.warning(
+                "the upstream embedder failed %d embeddings in a row (%s): lookups skip it (misses, "
+                "no entries) but for one try every %g s",
+                self.failures,
+                error.__class__.__name__,
+                self.retry_s,
+            )
+        self.retry_at = time.monotonic() + self.retry_s
 
 
 class UpstreamEmbedder(_BatchingEmbedder):
@@ -64,8 +133,24 @@ class UpstreamEmbedder(_BatchingEmbedder):
             max_in_flight=max_in_flight,
             timeout_s=timeout_s,
         )
+        self.breaker = _Breaker()
+
+    async def _submit(self, text: str) -> Vector:
+        # The breaker counts what its callers got: a caller that timed out may have left a
+        # batch then cancelled (its callers all gone), which never fails on its own.
+        self.breaker.admit()
+        try:
+            vector = await super()._submit(text)
+        except Exception as error:
+            self.breaker.failed(error)
+            raise
+        self.breaker.succeeded()
+        return vector
 
     async def _compute(self, texts: list[str]) -> Vector:
+        return await self._vectors(texts)
+
+    async def _vectors(self, texts: list[str]) -> Vector:
         async with asyncio.timeout(self.timeout_s):  # (None: no bound)
             raw = await self._call(texts)
         vectors = np.asarray(raw, dtype=np.float32)
