@@ -116,3 +116,31 @@ async def test_a_degraded_instance_takes_one_attempt_per_retry_interval_not_one_
         assert not store.degraded  # the one attempt succeeded
     finally:
         await store.aclose()
+
+
+async def test_a_degraded_instances_call_begun_before_an_invalidation_is_not_kept_locally(
+    fake: Any, redis_server: Any
+) -> None:
+    """B, degraded, runs a call; A's invalidation reaches B while it runs: the answer, which may
+    predate what was invalidated, is served to its client but kept nowhere (the flights' epoch
+    moved on with the message), so B's next request is a fresh call."""
+    import asyncio
+
+    distributed = {"retry_interval": 60.0}
+    async with gateways(2, fake, redis_server, distributed=distributed) as (a, b):
+        channel = b.gateway.invalidations
+        await eventually(lambda: a.gateway.invalidations.listening and channel.listening)
+        fail_once(b)
+        await b.chat("warm-up")  # (B degraded by its failed get)
+        assert b.gateway.redis_health()["state"] == "degraded"
+        fake.gate = asyncio.Event()
+        running = asyncio.create_task(b.chat("q", headers=TAG))
+        await fake.wait_until(lambda: fake.count() == 2, what="B's call")
+        response = await a.client.post("/admin/invalidate", json={"tag": "faq"}, headers=ADMIN)
+        assert response.status_code == 200
+        await eventually(lambda: channel.counts["received"] == 1, what="B receiving it")
+        fake.gate.set()
+        first = await running
+        assert first.status_code == 200
+        again = await b.chat("q", headers=TAG)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 3
