@@ -16,7 +16,7 @@ from carpool.answer import Answer
 from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.config import SemanticConfig
 from carpool.fingerprint import SemanticView
-from carpool.semantic.cache import SemanticCache
+from carpool.semantic.cache import SCOPE_BYTES, SemanticCache
 from carpool.semantic.guard import Side
 from carpool.semantic.verdict import Verdict
 from carpool.store.base import Selector
@@ -61,6 +61,11 @@ async def served(semantic: SemanticCache, text: str, scope: str = "s") -> bool:
     return probe.match is not None and probe.match.entry.text == text
 
 
+def counted(semantic: SemanticCache) -> int:
+    """What ``bytes`` must say: the entries' sizes and their scopes' indexes."""
+    return sum(e.size for _, e in semantic._entries.items()) + SCOPE_BYTES * len(semantic._scopes)
+
+
 async def test_at_most_max_entries_the_least_recently_used_out_first():
     semantic = cache(max_entries=3)
     for text in ("one", "two", "three"):
@@ -79,10 +84,10 @@ async def test_an_evicted_entry_leaves_its_index_and_text_map_and_bytes_stay_exa
     await insert(semantic, "gamma", scope="b")  # alpha out: its scope has nothing left
     assert not semantic.has_scope("a") and semantic.has_scope("b")
     assert len(semantic._by_text) == 2
-    assert semantic.bytes == sum(e.size for _, e in semantic._entries.items())
+    assert semantic.bytes == counted(semantic)
     await insert(semantic, "alpha", scope="a")  # beta out
     assert semantic.entries == 2 and len(semantic._by_text) == 2
-    assert semantic.bytes == sum(e.size for _, e in semantic._entries.items())
+    assert semantic.bytes == counted(semantic)
 
 
 async def test_the_same_text_replaces_its_entry_and_invalidate_empties_everything():
@@ -127,23 +132,40 @@ async def test_entries_are_bounded_in_bytes_each_counting_its_own_answer():
     # semantic.max_bytes: cache.max_bytes does not bound the answers semantic entries hold
     # (200 answers of 50 KB held 10 MB under a 1 MB exact cache). The least recently used go
     # first, and leave the index and the maps with their bytes.
-    semantic = cache(max_bytes=200_000)
+    semantic = cache(max_bytes=SCOPE_BYTES + 200_000)
     for i in range(20):
         await insert(semantic, f"prompt {i}", body=b"x" * 50_000)
-        assert semantic.bytes <= 200_000
+        assert semantic.bytes <= SCOPE_BYTES + 200_000
     assert semantic.entries == 3  # each ~54 KB: its answer, its text, its vector, its objects
     assert all(entry.size > 50_000 for _, entry in semantic._entries.items())
-    assert semantic.bytes == sum(entry.size for _, entry in semantic._entries.items())
+    assert semantic.bytes == counted(semantic)
     assert len(semantic._by_text) == len(semantic._by_public) == len(semantic._scopes["s"]) == 3
     assert await served(semantic, "prompt 19") and not await served(semantic, "prompt 16")
 
 
 async def test_an_entry_larger_than_the_whole_budget_is_not_kept_nor_indexed():
-    semantic = cache(max_bytes=10_000)
+    semantic = cache(max_bytes=SCOPE_BYTES + 10_000)
     await insert(semantic, "small")
-    await insert(semantic, "huge", body=b"x" * 20_000)
+    await insert(semantic, "huge", body=b"x" * (SCOPE_BYTES + 20_000))
     assert semantic.entries == 1 and not await served(semantic, "huge")
     assert len(semantic._scopes["s"]) == 1 and set(semantic._by_text) == {("s", "", "small")}
+
+
+async def test_each_scopes_index_counts_against_the_byte_budget():
+    # One index per scope (~52 KB of RSS each), uncounted before: one entry per scope (a unique
+    # system prompt per request) held ~10x what the budget said. An entry that opens a scope
+    # makes room for its index too; one joining a scope does not pay for it again.
+    budget = 5 * (SCOPE_BYTES + 2_000)
+    semantic = cache(max_bytes=budget)
+    for i in range(30):
+        await insert(semantic, f"prompt {i}", scope=f"system prompt {i}")
+        assert semantic.bytes <= budget and semantic.bytes == counted(semantic)
+    assert len(semantic._scopes) == semantic.entries == 5  # (each < 1 KB + its index)
+    assert await served(semantic, "prompt 29", scope="system prompt 29")
+    assert not semantic.has_scope("system prompt 24")  # (25 to 29 stay)
+    for i in range(20):
+        await insert(semantic, f"more {i}", scope="system prompt 29")
+    assert semantic.bytes == counted(semantic) and len(semantic._scopes) < 5
 
 
 async def test_a_sweep_step_looks_at_a_bounded_number_of_entries(monkeypatch):
@@ -172,7 +194,7 @@ async def test_expired_entries_are_swept_from_the_counts_the_index_and_the_maps(
     assert semantic.entries == 2
     clock.advance(1)  # expired; a sweep is due (REAP_S)
     assert semantic.entries == 1 and not semantic.has_scope("a") and semantic.has_scope("b")
-    assert semantic.bytes == sum(entry.size for _, entry in semantic._entries.items())
+    assert semantic.bytes == counted(semantic)
     assert set(semantic._by_text) == {("b", "", "long-lived")} and len(semantic._by_public) == 1
     clock.advance(60)
     await insert(semantic, "newcomer", scope="c")  # an insert sweeps too

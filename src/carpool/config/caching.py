@@ -383,7 +383,8 @@ class SemanticConfig(Section):
         description="Budget of the semantic entries in bytes (least recently used evicted "
         "first), apart from `cache.max_bytes`: each entry holds its own answer (counted whole, "
         "even while the exact cache keeps a copy), its texts, its vector in the index (twice "
-        "its raw size) and its bookkeeping. An entry larger than the whole budget is not kept.",
+        "its raw size) and its bookkeeping; each scope (tenant, namespace, parameters, system "
+        "prompt...) counts its index, 56 KB. An entry larger than the whole budget is not kept.",
     )
     candidates: int = Field(8, ge=1, description="Nearest entries examined per lookup.")
     batch_size: int = Field(32, ge=1, description="Most texts embedded in one model call.")

@@ -31,7 +31,9 @@ Contract:
   first (``carpool.lru``). An entry counts (``SemanticEntry.size``) its answer whole (its own
   copy: the exact cache's budget does not bound it), its texts, its vector in the index (twice
   its raw size: the graph's copy and its links) and ``ENTRY_OBJECTS`` for its Python objects;
-  one larger than the whole budget is not kept (nor indexed). An entry is its scope, context
+  each scope's index counts ``SCOPE_BYTES`` besides (room is made for it as an entry opens the
+  scope: one scope per entry held ~10x what its entries counted before); one larger than the
+  whole budget is not kept (nor indexed). An entry is its scope, context
   and text: the same three replace the older entry.
 - Expired entries (``expires``, on the cache's ``clock``: wall-clock seconds, as the answers'
   ``created``) are never candidates, and they go: dropped when a lookup or ``forget`` finds
@@ -90,6 +92,9 @@ SWEEP_STEP = 4096
 #: What an entry's Python objects hold besides its texts and answer (the entry, its id, its
 #: public id, its places in the three maps): measured at ~0.5 KB (docs/semantic.md).
 ENTRY_OBJECTS = 512
+# What a scope's index holds besides its entries' vectors (usearch's HNSW with its first vector,
+# 384 dimensions: ~52 KB of RSS measured, each), counted in ``bytes`` for every scope.
+SCOPE_BYTES = 56 * 1024
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.40
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
@@ -227,9 +232,13 @@ class SemanticCache:
 
     @property
     def bytes(self) -> int:
-        """What the live entries count (``SemanticEntry.size``) against ``max_bytes``."""
+        """What the live entries count (``SemanticEntry.size``) and their scopes' indexes
+        (``SCOPE_BYTES`` each), against ``max_bytes``."""
         self._reap()
-        return self._entries.bytes
+        return self._held()
+
+    def _held(self) -> int:
+        return self._entries.bytes + SCOPE_BYTES * len(self._scopes)
 
     def _reap(self) -> None:
         """A step of the sweep of the expired entries, unless one was taken less than
@@ -402,8 +411,17 @@ class SemanticCache:
             + 8 * self.embedder.dim
             + ENTRY_OBJECTS
         )
-        if entry.size > self.config.max_bytes:
+        opens = view.scope not in self._scopes
+        if entry.size + (SCOPE_BYTES if opens else 0) > self.config.max_bytes:
             return  # more than the whole budget: not kept (the older entry is gone all the same)
+        # A scope's index costs memory of its own (``SCOPE_BYTES``): room is made for the entry
+        # and, if it opens one, for its scope (one scope per entry, as a unique system prompt
+        # makes, held ~10x what the entries alone counted).
+        while self._entries and self._held() + entry.size + SCOPE_BYTES * opens > (
+            self.config.max_bytes
+        ):
+            self._entries.evict()  # (heard by ``_unindex``: a scope emptied goes)
+            opens = view.scope not in self._scopes
         index = self._scopes.get(view.scope)
         if index is None:
             index = self._scopes[view.scope] = VectorIndex(
