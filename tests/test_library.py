@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import subprocess
 import sys
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -176,3 +180,60 @@ async def test_a_flights_clients_reply_before_its_answer_is_stored_and_it_is_in_
     assert order == ["replied miss", "stored", "then stored 1"]
     assert again.outcome is Outcome.HIT
     await gateway.aclose()
+
+
+class _Cycle:
+    """Garbage only the cycle collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No automatic collection meanwhile: only what the code under test does happens."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+async def _started_with_garbage(app) -> weakref.ref[_Cycle]:
+    """Start ``app`` (its lifespan) while a cycle dropped just before awaits collection."""
+    from fakes.serving import serve_app
+
+    garbage = _Cycle()
+    dropped = weakref.ref(garbage)
+    del garbage
+    async with serve_app(app):
+        return dropped
+
+
+async def test_an_app_a_host_mounts_leaves_the_hosts_garbage_collector_as_it_was():
+    # Its startup froze the collector of whatever process mounted it: the host's garbage of
+    # that moment (and everything else) was never collected again.
+    from carpool import create_app
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(lambda path, body: {})])
+    frozen = gc.get_freeze_count()
+    with _collector_paused():
+        dropped = await _started_with_garbage(create_app(gateway))
+    assert gc.get_freeze_count() == frozen
+    gc.collect()
+    assert dropped() is None
+
+
+async def test_carpool_serve_collects_the_garbage_before_freezing_the_rest():
+    from carpool.server import GatewayApp
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(lambda path, body: {})])
+    try:
+        with _collector_paused():
+            dropped = await _started_with_garbage(GatewayApp(gateway, freeze_gc=True))
+            assert dropped() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # (this process runs other tests)
