@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
+import pytest
 
 import carpool
 from carpool import Config, FunctionUpstream, Outcome, build_gateway
@@ -237,3 +238,51 @@ async def test_carpool_serve_collects_the_garbage_before_freezing_the_rest():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()  # (this process runs other tests)
+
+
+async def _ok(path, body):
+    return _completion("hi")
+
+
+_BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+
+
+async def test_a_trailing_slash_names_the_same_endpoint_as_over_http():
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    first = await gateway.request("/v1/chat/completions/", _BODY)
+    again = await gateway.request("/v1/chat/completions", _BODY)
+    assert (first.outcome, again.outcome) == (Outcome.MISS, Outcome.HIT)
+    await gateway.aclose()
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/v1/models", "/v1/chat/completions//"])
+async def test_a_path_that_is_no_cached_endpoint_is_a_value_error_naming_the_endpoints(path):
+    # It was a bare KeyError of the path.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    with pytest.raises(ValueError, match="/v1/chat/completions, /v1/completions") as raised:
+        await gateway.request(path, _BODY)
+    assert repr(path) in str(raised.value) and "passthrough" in str(raised.value)
+    assert gateway.snapshot()["requests"] == 0
+    await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "headers, named",
+    [({"x-carpool-namespace": 5}, "'x-carpool-namespace'"), ({b"cache-control": "x"}, "b'cac")],
+)
+async def test_a_header_that_is_not_text_is_a_type_error_naming_it(headers, named):
+    # An int value was an AttributeError from deep in the header parsing.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    with pytest.raises(TypeError, match=f"header {named}"):
+        await gateway.request("/v1/chat/completions", _BODY, headers)
+    await gateway.aclose()
+
+
+@pytest.mark.parametrize("query", ["a=é€", "a=é", "a b", "a=1#x"])
+async def test_a_query_no_url_could_carry_is_a_value_error_saying_why(query):
+    # One out of latin-1 was a UnicodeEncodeError.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    with pytest.raises(ValueError, match=f"query {query!r}: the query string"):
+        await gateway.request("/v1/chat/completions", _BODY, query=query)
+    assert gateway.snapshot()["requests"] == 0
+    await gateway.aclose()

@@ -53,6 +53,8 @@ Contract:
   record. A peer's request
   (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
+  ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
+  carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
   stored response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
@@ -93,7 +95,14 @@ from .lead import Leader
 from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import SSE_HEADERS, Reply, age_header, error_reply, nearest, similarity, whole
-from .request import ClientRequest, Request, body_digest, parse, requester_digest
+from .request import (
+    ClientRequest,
+    Request,
+    body_digest,
+    check_query,
+    parse,
+    requester_digest,
+)
 from .routing.state import path_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
 from .store.base import Entry
@@ -512,10 +521,18 @@ class Gateway:
         query: str = "",
     ) -> Reply:
         """Run one request through the pipeline without HTTP; a stream is read to the end.
-        ``query``: the query string (forwarded upstream and part of the key), without ``?``."""
+        ``query``: the query string (forwarded upstream and part of the key), without ``?``.
+
+        A bad body or header value is answered as over HTTP: a 400 in the API's error shape,
+        counted as rejected. Arguments that no HTTP request to a cached endpoint could carry
+        raise instead, before anything is counted: ``ValueError`` for a ``path`` that is not a
+        cached endpoint (the message names them; one trailing ``/`` is the endpoint's, as over
+        HTTP; any other ``/v1`` path: ``passthrough``) or a ``query`` a URL cannot hold (not
+        ASCII: percent-encode it); ``TypeError`` for a header name or value, or a ``query``,
+        that is not a ``str``."""
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
-        lowered = {k.lower(): v for k, v in (headers or {}).items()}
-        reply = await self.handle(ClientRequest(path, raw, lowered, query.encode("latin-1")))
+        client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
+        reply = await self.handle(client)
         if reply.stream is not None:
             try:
                 reply.body = b"".join([chunk async for chunk in reply.stream])
@@ -572,6 +589,41 @@ class Gateway:
         """Close the layers (``Layers.aclose``), the audits still running first."""
         await self.auditor.aclose()
         await self.layers.aclose()
+
+
+def _endpoint(path: str) -> str:
+    """``path`` as the cached endpoint it names (``Gateway.request``); ``ValueError`` if none."""
+    endpoint = path[:-1] if path.endswith("/") else path  # (as the HTTP server takes it)
+    if endpoint not in BY_PATH:
+        raise ValueError(
+            f"Gateway.request serves the cached endpoints {', '.join(BY_PATH)}, not {path!r} "
+            "(any other /v1 path: Gateway.passthrough)"
+        )
+    return endpoint
+
+
+def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` with lower-case names (as ASGI gives them); ``TypeError`` for one not text."""
+    lowered = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            wrong = value if isinstance(name, str) else name
+            raise TypeError(
+                f"header {name!r}: names and values must be str, not {type(wrong).__name__}"
+            )
+        lowered[name.lower()] = value
+    return lowered
+
+
+def _query_of(query: str) -> bytes:
+    """``query`` as the bytes an HTTP request would bring; ``ValueError`` for one that no URL
+    could carry (``request.check_query``'s rule, which answers a 400 over HTTP)."""
+    if not isinstance(query, str):
+        raise TypeError(f"query must be str (without '?'), not {type(query).__name__}")
+    try:
+        return check_query(query.encode("utf-8")).encode("ascii")
+    except RequestError as error:
+        raise ValueError(f"query {query!r}: {error.message}") from None
 
 
 # What an upstream answers about the requester rather than the request: its key refused, out of
