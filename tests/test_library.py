@@ -286,3 +286,33 @@ async def test_a_query_no_url_could_carry_is_a_value_error_saying_why(query):
         await gateway.request("/v1/chat/completions", _BODY, query=query)
     assert gateway.snapshot()["requests"] == 0
     await gateway.aclose()
+
+
+def _durations(gateway) -> dict[str, float]:
+    """``carpool_request_duration_seconds_count`` by outcome, as /metrics renders it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = gateway.metrics.render().decode()
+    (family,) = (
+        f for f in text_string_to_metric_families(page) if f.name.endswith("duration_seconds")
+    )
+    return {
+        s.labels["outcome"]: s.value
+        for s in family.samples
+        if s.name.endswith("_count") and s.value
+    }
+
+
+async def test_a_library_request_is_timed_in_the_latency_metrics_as_an_http_one_is():
+    # Only the HTTP server timed requests: a library user's latency_ms and histogram stayed empty.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    await gateway.request("/v1/chat/completions", _BODY)
+    await gateway.request("/v1/chat/completions", _BODY)
+    await gateway.request("/v1/chat/completions", {**_BODY, "stream": True})
+    latency = gateway.snapshot()["latency_ms"]
+    assert {outcome: figures["count"] for outcome, figures in latency.items()} == {
+        "miss": 1,
+        "hit": 2,
+    }
+    assert _durations(gateway) == {"miss": 1, "hit": 2}
+    await gateway.aclose()

@@ -52,7 +52,8 @@ Contract:
   streamed or whole); a request with an Idempotency-Key runs on the worker that owns its
   record. A peer's request
   (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
-- The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
+- The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path,
+  and both time each request to its reply's end (``Gateway.observe``: the latency metrics).
   ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
@@ -67,6 +68,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -532,18 +534,27 @@ class Gateway:
         that is not a ``str``."""
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
+        started = time.monotonic()
         reply = await self.handle(client)
-        if reply.stream is not None:
-            try:
+        try:
+            if reply.stream is not None:
                 reply.body = b"".join([chunk async for chunk in reply.stream])
                 reply.stream = None
-            finally:
-                reply.close()
+        finally:
+            reply.close()
+            self.observe(reply, time.monotonic() - started)  # (to its end, as the server does)
         # A miss's clients are woken before its answer is stored, which follows in the same
         # turn of the loop (``Leader.lead``): a caller asking again at once, without the turn
         # any transport takes in between, would join the flight rather than hit its answer.
         await asyncio.sleep(0)
         return reply
+
+    def observe(self, reply: Reply, seconds: float) -> None:
+        """A request's latency, from its arrival to its reply's end, in ``latency_ms`` and
+        ``carpool_request_duration_seconds`` under its outcome (``request``, and the HTTP
+        server for the requests it serves: it never calls ``request``)."""
+        if reply.outcome is not None:
+            self.metrics.observe(reply.outcome, seconds)
 
     async def passthrough(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes

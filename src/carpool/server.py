@@ -197,8 +197,8 @@ class GatewayApp:
         HTTP protocol, which sends it before it makes a task for the request. None: ``serve``."""
         started = time.monotonic()
         reply = self.gateway.repeat_now(client)
-        if reply is not None and reply.outcome is not None:
-            self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
+        if reply is not None:
+            self.gateway.observe(reply, time.monotonic() - started)
         return reply
 
     async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any, path: str) -> None:
@@ -251,8 +251,7 @@ class GatewayApp:
             watch.stop()
             if reply is not None:
                 reply.close()
-                if reply.outcome is not None:
-                    self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
+                self.gateway.observe(reply, time.monotonic() - started)
 
 
 # How a reply is sent: ``_send_reply`` (ASGI) or the HTTP protocol's own writes.
