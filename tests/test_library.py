@@ -17,6 +17,7 @@ import pytest
 import carpool
 from carpool import Config, FunctionUpstream, Outcome, build_gateway
 from carpool.request import ClientRequest
+from fakes.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +103,50 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
     )
     assert [r.status for r in replies] == [502] * 3
     assert gateway.store.entries == 0
+    await gateway.aclose()
+
+
+async def test_a_function_that_raises_is_a_failed_call_of_its_replica():
+    # The client got its 502, but the replica's record said nothing: no upstream error, and
+    # the replica healthy.
+    async def call(path, body):
+        raise RuntimeError("model server down")
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    for content in ("a", "b"):
+        body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        assert (await gateway.request("/v1/chat/completions", body)).status == 502
+    stats = gateway.snapshot()
+    assert stats["upstream_calls"] == stats["upstream_errors"] == 2
+    assert stats["replicas"]["function"]["errors"] == 2
+    assert stats["replicas"]["function"]["state"] != "healthy"
+    assert 'carpool_upstream_requests_total{replica="function",status="502"} 2.0' in (
+        gateway.metrics.render().decode()
+    )
+    await gateway.aclose()
+
+
+async def test_a_function_call_its_client_cancelled_is_no_failure_of_its_replica():
+    entered, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def call(path, body):
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    asked = asyncio.create_task(gateway.request("/v1/chat/completions", body))
+    await asyncio.wait_for(entered.wait(), 5)
+    asked.cancel()
+    await asyncio.wait_for(cancelled.wait(), 5)  # its only client left: the call is cancelled
+    await eventually(lambda: gateway.replicas.in_flight == 0, what="the call's end")
+    stats = gateway.snapshot()
+    assert stats["upstream_calls"] == 1 and stats["upstream_errors"] == 0
+    assert stats["replicas"]["function"]["state"] == "healthy"
     await gateway.aclose()
 
 
