@@ -7,6 +7,9 @@ Contract:
   units (seconds, bytes) in the name.
 - ``latency_ms`` in /stats: p50/p95/p99 per outcome over the last ``RECENT`` requests of that
   outcome (a ring per outcome: the dashboard wants "now", not the histogram's whole history).
+  Only requests counted under an outcome are timed (``Gateway.observe``): the gateway's own
+  refusals are counted in ``rejected`` only, so ``carpool_request_duration_seconds``'s count
+  per outcome is ``carpool_requests_total``'s.
 - ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
   hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
   ``tokens_saved`` is a lower bound whenever that is not 0.

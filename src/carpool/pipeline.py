@@ -96,7 +96,16 @@ from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader
 from .outcome import Outcome
 from .repeat_memo import Repeat
-from .reply import SSE_HEADERS, Reply, age_header, error_reply, nearest, similarity, whole
+from .reply import (
+    SSE_HEADERS,
+    Reply,
+    age_header,
+    error_reply,
+    nearest,
+    refusal,
+    similarity,
+    whole,
+)
 from .request import (
     ClientRequest,
     Request,
@@ -192,8 +201,7 @@ class Gateway:
             idempotency_key = parse_key(client.headers)
         except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
-            # Every answer of a cached endpoint says what it was; a rejected one was not shared.
-            return error_reply(error, Outcome.BYPASS, BY_PATH[route])
+            return refusal(error, BY_PATH[route])
         key = fingerprint(request, self.config, self.accepted)
         remember = (
             partial(self.repeats.remember, memo_key, request, key, self._read_age(request))
@@ -552,8 +560,10 @@ class Gateway:
     def observe(self, reply: Reply, seconds: float) -> None:
         """A request's latency, from its arrival to its reply's end, in ``latency_ms`` and
         ``carpool_request_duration_seconds`` under its outcome (``request``, and the HTTP
-        server for the requests it serves: it never calls ``request``)."""
-        if reply.outcome is not None:
+        server for the requests it serves: it never calls ``request``). Only a request counted
+        under its outcome: not one the gateway refused (``rejected``), so that the histogram
+        counts what ``carpool_requests_total`` does."""
+        if reply.outcome is not None and not reply.rejected:
             self.metrics.observe(reply.outcome, seconds)
 
     async def passthrough(
