@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import subprocess
 import sys
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
+import pytest
 
 import carpool
 from carpool import Config, FunctionUpstream, Outcome, build_gateway
 from carpool.request import ClientRequest
+from fakes.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,6 +106,50 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
     await gateway.aclose()
 
 
+async def test_a_function_that_raises_is_a_failed_call_of_its_replica():
+    # The client got its 502, but the replica's record said nothing: no upstream error, and
+    # the replica healthy.
+    async def call(path, body):
+        raise RuntimeError("model server down")
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    for content in ("a", "b"):
+        body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        assert (await gateway.request("/v1/chat/completions", body)).status == 502
+    stats = gateway.snapshot()
+    assert stats["upstream_calls"] == stats["upstream_errors"] == 2
+    assert stats["replicas"]["function"]["errors"] == 2
+    assert stats["replicas"]["function"]["state"] != "healthy"
+    assert 'carpool_upstream_requests_total{replica="function",status="502"} 2.0' in (
+        gateway.metrics.render().decode()
+    )
+    await gateway.aclose()
+
+
+async def test_a_function_call_its_client_cancelled_is_no_failure_of_its_replica():
+    entered, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def call(path, body):
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    asked = asyncio.create_task(gateway.request("/v1/chat/completions", body))
+    await asyncio.wait_for(entered.wait(), 5)
+    asked.cancel()
+    await asyncio.wait_for(cancelled.wait(), 5)  # its only client left: the call is cancelled
+    await eventually(lambda: gateway.replicas.in_flight == 0, what="the call's end")
+    stats = gateway.snapshot()
+    assert stats["upstream_calls"] == 1 and stats["upstream_errors"] == 0
+    assert stats["replicas"]["function"]["state"] == "healthy"
+    await gateway.aclose()
+
+
 async def test_embedded_simulated_engine_is_the_default_upstream():
     gateway = build_gateway(Config(sim={"decode_ms_per_token": 0.1}))
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
@@ -175,4 +225,139 @@ async def test_a_flights_clients_reply_before_its_answer_is_stored_and_it_is_in_
     again = await gateway.request("/v1/chat/completions", body)
     assert order == ["replied miss", "stored", "then stored 1"]
     assert again.outcome is Outcome.HIT
+    await gateway.aclose()
+
+
+class _Cycle:
+    """Garbage only the cycle collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No automatic collection meanwhile: only what the code under test does happens."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+async def _started_with_garbage(app) -> weakref.ref[_Cycle]:
+    """Start ``app`` (its lifespan) while a cycle dropped just before awaits collection."""
+    from fakes.serving import serve_app
+
+    garbage = _Cycle()
+    dropped = weakref.ref(garbage)
+    del garbage
+    async with serve_app(app):
+        return dropped
+
+
+async def test_an_app_a_host_mounts_leaves_the_hosts_garbage_collector_as_it_was():
+    # Its startup froze the collector of whatever process mounted it: the host's garbage of
+    # that moment (and everything else) was never collected again.
+    from carpool import create_app
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(lambda path, body: {})])
+    frozen = gc.get_freeze_count()
+    with _collector_paused():
+        dropped = await _started_with_garbage(create_app(gateway))
+    assert gc.get_freeze_count() == frozen
+    gc.collect()
+    assert dropped() is None
+
+
+async def test_carpool_serve_collects_the_garbage_before_freezing_the_rest():
+    from carpool.server import GatewayApp
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(lambda path, body: {})])
+    try:
+        with _collector_paused():
+            dropped = await _started_with_garbage(GatewayApp(gateway, freeze_gc=True))
+            assert dropped() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # (this process runs other tests)
+
+
+async def _ok(path, body):
+    return _completion("hi")
+
+
+_BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+
+
+async def test_a_trailing_slash_names_the_same_endpoint_as_over_http():
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    first = await gateway.request("/v1/chat/completions/", _BODY)
+    again = await gateway.request("/v1/chat/completions", _BODY)
+    assert (first.outcome, again.outcome) == (Outcome.MISS, Outcome.HIT)
+    await gateway.aclose()
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/v1/models", "/v1/chat/completions//"])
+async def test_a_path_that_is_no_cached_endpoint_is_a_value_error_naming_the_endpoints(path):
+    # It was a bare KeyError of the path.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    with pytest.raises(ValueError, match="/v1/chat/completions, /v1/completions") as raised:
+        await gateway.request(path, _BODY)
+    assert repr(path) in str(raised.value) and "passthrough" in str(raised.value)
+    assert gateway.snapshot()["requests"] == 0
+    await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "headers, named",
+    [({"x-carpool-namespace": 5}, "'x-carpool-namespace'"), ({b"cache-control": "x"}, "b'cac")],
+)
+async def test_a_header_that_is_not_text_is_a_type_error_naming_it(headers, named):
+    # An int value was an AttributeError from deep in the header parsing.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    with pytest.raises(TypeError, match=f"header {named}"):
+        await gateway.request("/v1/chat/completions", _BODY, headers)
+    await gateway.aclose()
+
+
+@pytest.mark.parametrize("query", ["a=é€", "a=é", "a b", "a=1#x"])
+async def test_a_query_no_url_could_carry_is_a_value_error_saying_why(query):
+    # One out of latin-1 was a UnicodeEncodeError.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    with pytest.raises(ValueError, match=f"query {query!r}: the query string"):
+        await gateway.request("/v1/chat/completions", _BODY, query=query)
+    assert gateway.snapshot()["requests"] == 0
+    await gateway.aclose()
+
+
+def _durations(gateway) -> dict[str, float]:
+    """``carpool_request_duration_seconds_count`` by outcome, as /metrics renders it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = gateway.metrics.render().decode()
+    (family,) = (
+        f for f in text_string_to_metric_families(page) if f.name.endswith("duration_seconds")
+    )
+    return {
+        s.labels["outcome"]: s.value
+        for s in family.samples
+        if s.name.endswith("_count") and s.value
+    }
+
+
+async def test_a_library_request_is_timed_in_the_latency_metrics_as_an_http_one_is():
+    # Only the HTTP server timed requests: a library user's latency_ms and histogram stayed empty.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    await gateway.request("/v1/chat/completions", _BODY)
+    await gateway.request("/v1/chat/completions", _BODY)
+    await gateway.request("/v1/chat/completions", {**_BODY, "stream": True})
+    latency = gateway.snapshot()["latency_ms"]
+    assert {outcome: figures["count"] for outcome, figures in latency.items()} == {
+        "miss": 1,
+        "hit": 2,
+    }
+    assert _durations(gateway) == {"miss": 1, "hit": 2}
     await gateway.aclose()

@@ -97,6 +97,31 @@ async def test_every_request_stats_count_is_in_metrics_idempotency_refusals_incl
     assert samples(text, "carpool_saved_without_usage_total")[""] == stats["saved_without_usage"]
 
 
+async def test_only_requests_counted_under_an_outcome_are_timed_under_it(gw):
+    # The gateway's own refusals (counted in rejected) were timed under "bypass": the histogram
+    # counted 5 bypasses where carpool_requests_total counted 1.
+    key = {"Idempotency-Key": "order-1"}
+    assert (await gw.chat("a", headers=key)).status_code == 200
+    assert (await gw.chat("b", headers=key)).status_code == 422
+    for _ in range(3):
+        assert (await gw.client.post("/v1/chat/completions", content=b"{")).status_code == 400
+    assert (await gw.chat("c", temperature=0.9)).headers["x-carpool"] == "bypass"
+    text = (await gw.client.get("/metrics")).text
+    counted = samples(text, "carpool_requests_total")
+    assert samples(text, "carpool_requests_rejected_total")[""] == 4
+    durations = samples(text, "carpool_request_duration_seconds_count")
+    assert durations == {
+        f'{{outcome="{outcome}"}}': n
+        for outcome in ("hit", "semantic-hit", "coalesced", "miss", "bypass")
+        if (n := counted.get(f'{{outcome="{outcome}",route="/v1/chat/completions"}}', 0))
+    }
+    latency = (await gw.client.get("/stats")).json()["latency_ms"]
+    assert {outcome: figures["count"] for outcome, figures in latency.items()} == {
+        "miss": 1,
+        "bypass": 1,
+    }
+
+
 async def test_a_stream_the_upstream_breaks_after_its_head_is_an_upstream_error(gw, fake):
     fake.cut_after = 2
     response, text = await gw.stream_chat("cut")

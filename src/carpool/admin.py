@@ -72,6 +72,7 @@ def gauges(layers: Layers) -> dict[str, Any]:
         "redis_full": shared_store.full if shared_store is not None else 0,
         "judge_calls": layers.judge.calls if layers.judge is not None else 0,
         "semantic_audit": layers.audits.snapshot() if layers.audits is not None else {},
+        "semantic_audit_totals": layers.audits.totals() if layers.audits is not None else {},
     }
 
 

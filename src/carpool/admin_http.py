@@ -16,7 +16,8 @@ Contract:
   404, in OpenAI's shape too.
 - ``GET /admin/semantic/audit``: each namespace's audits, estimate and state (as ``/stats``
   ``semantic_audit``); ``POST /admin/semantic/audit/reset`` ``{"namespace": ns}`` (or ``{}``:
-  all) puts them back to ``serving`` with no audits: ``{"reset": n}``.
+  all) puts them back to ``serving`` with no audits: ``{"reset": n}`` (the Prometheus counters
+  of audits go on: ``Audits.totals``).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def serve(
     import uvicorn
 
     from . import http_protocol
-    from .server import create_app
+    from .server import GatewayApp
     from .wiring import build_gateway
 
     try:
@@ -207,7 +207,9 @@ def serve(
     if config.workers == 1:
         from .draining import DrainingServer
 
-        DrainingServer(uvicorn.Config(create_app(gateway), **served), gateway, config).run()
+        DrainingServer(
+            uvicorn.Config(GatewayApp(gateway, freeze_gc=True), **served), gateway, config
+        ).run()
         return
     # Several processes: each builds its own gateway from the resolved config, written once;
     # the one built here only checked the config (and would hold the embedding model).

@@ -7,6 +7,9 @@ Contract:
   units (seconds, bytes) in the name.
 - ``latency_ms`` in /stats: p50/p95/p99 per outcome over the last ``RECENT`` requests of that
   outcome (a ring per outcome: the dashboard wants "now", not the histogram's whole history).
+  Only requests counted under an outcome are timed (``Gateway.observe``): the gateway's own
+  refusals are counted in ``rejected`` only, so ``carpool_request_duration_seconds``'s count
+  per outcome is ``carpool_requests_total``'s.
 - ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
   hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
   ``tokens_saved`` is a lower bound whenever that is not 0.
@@ -16,6 +19,10 @@ Contract:
   asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
 - A request another worker passed on (``carpool.peers``, ``FOR_PEER``) is counted by that
   worker only (outcome, tokens saved, latency): the workers' counts add up to the run's.
+- A counter never goes down: ``carpool_semantic_audits_total`` and ``_wrong_total`` are a
+  namespace's audits in all (``Audits.totals``), which ``POST /admin/semantic/audit/reset``
+  leaves; what a reset empties (the estimate, the state) are gauges. At most
+  ``METRIC_NAMESPACES`` namespaces are labelled (``labelled``): one ranked out loses its series.
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
 """
@@ -268,26 +275,37 @@ def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
         "A namespace's error-budget state: 0 serving, 1 backed-off, 2 mark.",
         labels=["namespace"],
     )
-    for namespace, audit in labelled(g["semantic_audit"]):
-        audited.add_metric([namespace], audit["audited"])
-        wrong.add_metric([namespace], audit["wrong"])
-        for bound in ("estimate", "low", "high"):
-            estimate.add_metric([namespace, bound], audit[bound])
-        backed_off.add_metric([namespace], _STATES.index(audit["state"]))
+    windows = g["semantic_audit"]
+    for namespace, (in_all, wrong_in_all) in labelled(g["semantic_audit_totals"], windows):
+        # The counters from the totals, never reset; the rest from the windows, which an
+        # admin's reset empties (a namespace reset and not audited since: no estimate yet).
+        audited.add_metric([namespace], in_all)
+        wrong.add_metric([namespace], wrong_in_all)
+        audit = windows.get(namespace)
+        if audit is not None:
+            for bound in ("estimate", "low", "high"):
+                estimate.add_metric([namespace, bound], audit[bound])
+        state = audit["state"] if audit is not None else "serving"
+        backed_off.add_metric([namespace], _STATES.index(state))
     yield from (audited, wrong, estimate, backed_off)
 
 
 _STATES = ("serving", "backed-off", "mark")
 
 
-def labelled(audits: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """The namespaces ``/metrics`` labels its series with: at most ``METRIC_NAMESPACES``, those
-    not serving first (what an alert is for), then the most audited. Namespaces are the
-    clients' to name: a series set each would grow with every one audited (``/stats`` and
-    ``GET /admin/semantic/audit`` list them all)."""
-    ranked = sorted(
-        audits.items(), key=lambda item: (item[1]["state"] == "serving", -item[1]["audited"])
-    )
+def labelled(
+    totals: dict[str, tuple[int, int]], audits: dict[str, dict[str, Any]]
+) -> list[tuple[str, tuple[int, int]]]:
+    """The namespaces ``/metrics`` labels its series with, and their ``totals``: at most
+    ``METRIC_NAMESPACES``, those not serving first (what an alert is for), then the most
+    audited in all. Namespaces are the clients' to name: a series set each would grow with
+    every one audited (``/stats`` and ``GET /admin/semantic/audit`` list them all)."""
+
+    def serving(namespace: str) -> bool:
+        audit = audits.get(namespace)
+        return audit is None or audit["state"] == "serving"
+
+    ranked = sorted(totals.items(), key=lambda item: (serving(item[0]), -item[1][0]))
     return ranked[:METRIC_NAMESPACES]
 
 

@@ -52,7 +52,10 @@ Contract:
   streamed or whole); a request with an Idempotency-Key runs on the worker that owns its
   record. A peer's request
   (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
-- The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path.
+- The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path,
+  and both time each request to its reply's end (``Gateway.observe``: the latency metrics).
+  ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
+  carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
   stored response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
@@ -65,6 +68,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -93,8 +97,24 @@ from .lead import Leader
 from .metrics import FOR_PEER
 from .outcome import Outcome
 from .repeat_memo import Repeat
-from .reply import SSE_HEADERS, Reply, age_header, error_reply, nearest, similarity, whole
-from .request import ClientRequest, Request, body_digest, parse, requester_digest
+from .reply import (
+    SSE_HEADERS,
+    Reply,
+    age_header,
+    error_reply,
+    nearest,
+    refusal,
+    similarity,
+    whole,
+)
+from .request import (
+    ClientRequest,
+    Request,
+    body_digest,
+    check_query,
+    parse,
+    requester_digest,
+)
 from .routing.state import path_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
 from .store.base import Entry
@@ -182,8 +202,7 @@ class Gateway:
             idempotency_key = parse_key(client.headers)
         except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
-            # Every answer of a cached endpoint says what it was; a rejected one was not shared.
-            return error_reply(error, Outcome.BYPASS, BY_PATH[route])
+            return refusal(error, BY_PATH[route])
         key = fingerprint(request, self.config, self.accepted)
         remember = (
             partial(self.repeats.remember, memo_key, request, key, self._read_age(request))
@@ -515,21 +534,41 @@ class Gateway:
         query: str = "",
     ) -> Reply:
         """Run one request through the pipeline without HTTP; a stream is read to the end.
-        ``query``: the query string (forwarded upstream and part of the key), without ``?``."""
+        ``query``: the query string (forwarded upstream and part of the key), without ``?``.
+
+        A bad body or header value is answered as over HTTP: a 400 in the API's error shape,
+        counted as rejected. Arguments that no HTTP request to a cached endpoint could carry
+        raise instead, before anything is counted: ``ValueError`` for a ``path`` that is not a
+        cached endpoint (the message names them; one trailing ``/`` is the endpoint's, as over
+        HTTP; any other ``/v1`` path: ``passthrough``) or a ``query`` a URL cannot hold (not
+        ASCII: percent-encode it); ``TypeError`` for a header name or value, or a ``query``,
+        that is not a ``str``."""
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
-        lowered = {k.lower(): v for k, v in (headers or {}).items()}
-        reply = await self.handle(ClientRequest(path, raw, lowered, query.encode("latin-1")))
-        if reply.stream is not None:
-            try:
+        client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
+        started = time.monotonic()
+        reply = await self.handle(client)
+        try:
+            if reply.stream is not None:
                 reply.body = b"".join([chunk async for chunk in reply.stream])
                 reply.stream = None
-            finally:
-                reply.close()
+        finally:
+            reply.close()
+            self.observe(reply, time.monotonic() - started)  # (to its end, as the server does)
         # A miss's clients are woken before its answer is stored, which follows in the same
         # turn of the loop (``Leader.lead``): a caller asking again at once, without the turn
         # any transport takes in between, would join the flight rather than hit its answer.
         await asyncio.sleep(0)
         return reply
+
+    def observe(self, reply: Reply, seconds: float) -> None:
+        """A request's latency, from its arrival to its reply's end, in ``latency_ms`` and
+        ``carpool_request_duration_seconds`` under its outcome (``request``, and the HTTP
+        server for the requests it serves: it never calls ``request``). Only a request counted
+        under its outcome: not one the gateway refused (``rejected``), so that the histogram
+        counts what ``carpool_requests_total`` does; nor one another worker passed on
+        (``FOR_PEER``: timed where its client sent it)."""
+        if reply.outcome is not None and not reply.rejected and not FOR_PEER.get():
+            self.metrics.observe(reply.outcome, seconds)
 
     async def passthrough(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
@@ -575,6 +614,41 @@ class Gateway:
         """Close the layers (``Layers.aclose``), the audits still running first."""
         await self.auditor.aclose()
         await self.layers.aclose()
+
+
+def _endpoint(path: str) -> str:
+    """``path`` as the cached endpoint it names (``Gateway.request``); ``ValueError`` if none."""
+    endpoint = path[:-1] if path.endswith("/") else path  # (as the HTTP server takes it)
+    if endpoint not in BY_PATH:
+        raise ValueError(
+            f"Gateway.request serves the cached endpoints {', '.join(BY_PATH)}, not {path!r} "
+            "(any other /v1 path: Gateway.passthrough)"
+        )
+    return endpoint
+
+
+def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` with lower-case names (as ASGI gives them); ``TypeError`` for one not text."""
+    lowered = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            wrong = value if isinstance(name, str) else name
+            raise TypeError(
+                f"header {name!r}: names and values must be str, not {type(wrong).__name__}"
+            )
+        lowered[name.lower()] = value
+    return lowered
+
+
+def _query_of(query: str) -> bytes:
+    """``query`` as the bytes an HTTP request would bring; ``ValueError`` for one that no URL
+    could carry (``request.check_query``'s rule, which answers a 400 over HTTP)."""
+    if not isinstance(query, str):
+        raise TypeError(f"query must be str (without '?'), not {type(query).__name__}")
+    try:
+        return check_query(query.encode("utf-8")).encode("ascii")
+    except RequestError as error:
+        raise ValueError(f"query {query!r}: {error.message}") from None
 
 
 # What an upstream answers about the requester rather than the request: its key refused, out of

@@ -9,7 +9,8 @@ Contract:
   the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented).
 - ``age_header(seconds)``: a hit's ``age`` (whole seconds, never negative), however the hit
   came: a stored answer, another worker's, an idempotent replay.
-- ``error_reply``: an error as its API shapes it (Anthropic's for Messages, OpenAI's otherwise).
+- ``error_reply``: an error as its API shapes it (Anthropic's for Messages, OpenAI's otherwise);
+  ``refusal``: the gateway's own (``Reply.rejected``: counted in ``rejected``, under no outcome).
 - A semantic hit names the entry it was served from by its opaque id only (``similarity``);
   ``semantic.mode: mark`` says what would have been served (``nearest``), never the entry's
   text, which another request sent.
@@ -51,6 +52,8 @@ class Reply:
     stream: AsyncIterator[bytes] | None = None
     outcome: Outcome | None = None
     on_close: Callable[[], None] | None = field(default=None, repr=False)
+    # The gateway's own refusal (``refusal``): counted in ``rejected``, under no outcome.
+    rejected: bool = False
 
     def close(self) -> None:
         on_close, self.on_close = self.on_close, None
@@ -103,6 +106,16 @@ def error_reply(error: CarpoolError, outcome: Outcome | None, api: Api | None = 
         headers.append(outcome.header)
     body = api.error_body(error) if api is not None else error.body()
     return Reply(error.status, headers, body, outcome=outcome)
+
+
+def refusal(error: CarpoolError, api: Api) -> Reply:
+    """The gateway's own refusal of a request to a cached endpoint (bad input, a key it cannot
+    honour): ``x-carpool: bypass``, as every answer there says what it was (shared with none);
+    ``rejected``: its caller counts it in ``rejected``, not under that outcome, so it is not
+    timed under it either (``Gateway.observe``)."""
+    reply = error_reply(error, Outcome.BYPASS, api)
+    reply.rejected = True
+    return reply
 
 
 def similarity(candidate: Candidate) -> list[tuple[bytes, bytes]]:

@@ -131,7 +131,7 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
         parse_controls(client.headers),
         stream,
         include_usage,
-        _query(client.query),
+        check_query(client.query),
     )
 
 
@@ -149,7 +149,8 @@ def requester_digest(body: dict[str, Any]) -> str:
     return body_digest(unstreamed(body))
 
 
-def _query(raw: bytes) -> str:
+def check_query(raw: bytes) -> str:
+    """The query string ``raw`` as text; ``RequestError`` (400) for one a URL cannot hold."""
     try:
         query = raw.decode("ascii")
     except UnicodeDecodeError:

@@ -31,6 +31,10 @@ Contract:
   too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
   peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
   on measured the client's own headers, and the hop adds its own.
+- Under ``carpool serve`` (one process, or each worker: ``create_worker_app``), startup collects
+  the garbage then freezes the collector (``gc.freeze``): what was built lives as long as the
+  process, and full collections no longer walk it. ``create_app`` never does: a host that mounts
+  it keeps its collector as it was.
 - ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
   or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
   while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
@@ -95,8 +99,9 @@ Scope = dict[str, Any]
 class GatewayApp:
     """The gateway's ASGI application."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, *, freeze_gc: bool = False) -> None:
         self.gateway = gateway
+        self.freeze_gc = freeze_gc  # ``carpool serve``'s own process only (see the contract)
         self.max_body = gateway.config.limits.max_body_bytes
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = Deadlines(gateway.config.limits.body_read_timeout)
@@ -193,8 +198,8 @@ class GatewayApp:
         HTTP protocol, which sends it before it makes a task for the request. None: ``serve``."""
         started = time.monotonic()
         reply = self.gateway.repeat_now(client)
-        if reply is not None and reply.outcome is not None:
-            self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
+        if reply is not None:
+            self.gateway.observe(reply, time.monotonic() - started)
         return reply
 
     async def _cached_endpoint(self, scope: Scope, receive: Any, send: Any, path: str) -> None:
@@ -248,8 +253,7 @@ class GatewayApp:
             watch.stop()
             if reply is not None:
                 reply.close()
-                if reply.outcome is not None and not client.peer:
-                    self.gateway.metrics.observe(reply.outcome, time.monotonic() - started)
+                self.gateway.observe(reply, time.monotonic() - started)
 
 
 # How a reply is sent: ``_send_reply`` (ASGI) or the HTTP protocol's own writes.
@@ -399,9 +403,12 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         gateway.start()
         if gateway.layers.peers is not None:  # (a worker: its peers' door opens with it)
             await gateway.layers.peers.listen(app)
-        # Everything built so far (modules, config, the model when semantic) lives as long as
-        # the process: out of the collector's sight, a full collection no longer walks it.
-        gc.freeze()
+        if app.freeze_gc:
+            # Everything built so far (modules, config, the model when semantic) lives as long
+            # as the process: out of the collector's sight, a full collection no longer walks
+            # it. Garbage first, or its cycles would be frozen with it, never to be freed.
+            gc.collect()
+            gc.freeze()
         yield
         await gateway.aclose()
 
@@ -452,6 +459,8 @@ def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
 
 
 def create_app(gateway: Gateway | None = None) -> GatewayApp:
+    """The gateway's ASGI app, for any server or host app to mount (the host's process is left
+    as it is: its garbage collector is not frozen, unlike under ``carpool serve``)."""
     return GatewayApp(gateway or build_gateway())
 
 
@@ -473,7 +482,7 @@ def create_worker_app() -> GatewayApp:
             # adds one beyond N: a client of the owners meanwhile, it takes the first to free.
             log.info("every worker slot is held: this worker asks their owners until one frees")
         peers = Peers(slot or meeting(Path(directory), config.workers), config)
-    return GatewayApp(build_gateway(config, peers=peers))
+    return GatewayApp(build_gateway(config, peers=peers), freeze_gc=True)
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

@@ -104,6 +104,19 @@ def test_reset_puts_namespaces_back_to_serving_with_no_audits() -> None:
     assert audits.reset() == 1 and audits.snapshot() == {}
 
 
+def test_the_totals_outlast_a_reset_of_one_namespace_or_all() -> None:
+    audits = Audits(1.0, budget=0.05)
+    for _ in range(3):
+        audits.record("a", False)
+    audits.record("b", True)
+    audits.reset("a")
+    audits.record("a", True)
+    assert audits.snapshot()["a"]["audited"] == 1
+    assert audits.totals() == {"a": (4, 1), "b": (1, 1)}
+    audits.reset()
+    assert audits.snapshot() == {} and audits.totals() == {"a": (4, 1), "b": (1, 1)}
+
+
 def test_the_window_is_the_latest_audits() -> None:
     audits = Audits(1.0, window=10)
     for wrong in [True] * 10 + [False] * 10:

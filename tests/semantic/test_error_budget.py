@@ -186,6 +186,47 @@ async def test_metrics_label_a_bounded_number_of_namespaces_those_not_serving_fi
         assert len(stats["semantic_audit"]) == METRIC_NAMESPACES + 21
 
 
+async def test_the_audit_counters_never_go_down_an_admin_reset_empties_only_the_windows(
+    fake, gateway_with
+):
+    # The counters were the windows' counts: a reset took carpool_semantic_audits_total from
+    # 50 to 1 (and to nothing: no series, then 1, for a reset of every namespace).
+    async with gateway_with(**semantic(audit_rate=1.0, max_wrong_rate=0.05)) as gw:
+        audits = gw.gateway.layers.audits
+
+        async def counters() -> dict[str, float]:
+            text = (await admin(gw, "GET", "/metrics")).text
+            return {
+                f"{name}:{namespace}": float(value)
+                for name, namespace, value in re.findall(
+                    r'^(carpool_semantic_audits(?:_wrong)?_total)\{namespace="([^"]*)"\} (\S+)$',
+                    text,
+                    re.M,
+                )
+            }
+
+        for _ in range(50):
+            audits.record("team-a", False)
+        audits.record("team-b", True)  # backed off
+        before = await counters()
+        assert before["carpool_semantic_audits_total:team-a"] == 50
+        reset = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"namespace": "team-a"})
+        assert reset.json() == {"reset": 1}
+        assert await counters() == before  # nothing counted meanwhile: nothing moved
+        audits.record("team-a", False)
+        assert (await counters())["carpool_semantic_audits_total:team-a"] == 51
+        assert (await admin(gw, "POST", "/admin/semantic/audit/reset", json={})).json() == {
+            "reset": 2
+        }
+        after = await counters()
+        assert all(after[series] >= value for series, value in before.items())
+        assert after["carpool_semantic_audits_wrong_total:team-b"] == 1
+        text = (await admin(gw, "GET", "/metrics")).text
+        assert 'carpool_semantic_backoff{namespace="team-b"} 0.0' in text  # serving again
+        # /stats reports the windows: reset, with no audits since.
+        assert (await admin(gw, "GET", "/stats")).json()["semantic_audit"] == {}
+
+
 # --------------------------------------------------------------------------- the budget
 
 

@@ -730,3 +730,21 @@ def test_an_index_built_before_the_models_never_crashes_the_process():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "alive", done.stderr[-2000:]
+
+
+def embedding_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("carpool-embed")}
+
+
+@pytest.mark.parametrize("where", ["local", "shared"])
+async def test_a_closed_semantic_gateway_leaves_no_embedding_thread(gateway_with, request, where):
+    # Each gateway's embedder has a worker thread of its own; its cache's ``aclose`` never
+    # closed it: one thread left per gateway built and closed (the verifier's is shared, kept).
+    from conftest import redis_settings
+
+    shared = redis_settings(request.getfixturevalue("redis_server")) if where == "shared" else {}
+    before = embedding_threads()
+    async with gateway_with(**SEMANTIC, **shared) as gw:
+        await ask(gw, "How do I reset my router?")
+        assert embedding_threads() - before  # the model ran: its thread is there
+    assert embedding_threads() - before == set()

@@ -46,7 +46,7 @@ from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome
-from ..reply import JSON, Reply, age_header, error_reply
+from ..reply import JSON, Reply, age_header, error_reply, refusal
 from ..request import ClientRequest, Request, list_items, merge_items
 from .errors import (
     IdempotencyConflict,
@@ -205,7 +205,7 @@ class AtMostOnce:
         """The gateway's own refusal of a keyed request (409, 422, 503), counted as the other
         requests it refuses are (``rejected`` in /stats): nothing ran."""
         self.stats.rejected += 1
-        return error_reply(error, Outcome.BYPASS, request.api)
+        return refusal(error, request.api)
 
     def _replayed(self, route: str, kind: str, response: StoredResponse) -> None:
         """A replay counted as the hit it is, with the tokens its answer's usage says it saved

@@ -12,7 +12,8 @@ Contract:
   ``key``, or whose texts (prompt and context) are over ``MAX_RECORD_TEXT`` bytes, stays
   local: every instance reads every record, and the stream is bounded in records only.
 - A reader task per instance (started by ``start()``, from the server's startup or lazily by the
-  first ``probe``/``insert``/``invalidate``, inside the event loop; stopped by ``aclose``) reads
+  first ``probe``/``insert``/``invalidate``, inside the event loop; stopped by ``aclose``, which
+  then closes the embedder as ``SemanticCache.aclose`` does) reads
   the stream from its end at start (new records only: nothing older is backfilled), with ``XREAD
   BLOCK`` of at most half the client's socket timeout, and applies the records of the OTHER
   instances (its own carry its instance id and are skipped):
@@ -262,6 +263,7 @@ class SharedSemanticCache(SemanticCache):
         await stop_reader(reader)
         if self._owns_client:
             await self._client.aclose()
+        await super().aclose()
 
     # ------------------------------------------------------------------ publishing, reading
 

@@ -29,6 +29,10 @@ Contract:
   serves at (``serving``: the usual bar's; ``backed-off``, ``mark``: the near repeats'); ``reset(namespace=None)``: one namespace
   (or all) back to ``serving`` with no audits. At most ``MAX_NAMESPACES`` are tracked (least
   recently audited out).
+- ``totals()``: ``{namespace: (audited, wrong)}`` since the namespace was first tracked, for the
+  Prometheus counters (``carpool_semantic_audits_total``), which must never go down: kept apart
+  from what ``reset`` forgets, and least recently audited out at ``MAX_NAMESPACES`` as well (a
+  namespace tracked again after that starts a new series, as after a restart).
 """
 
 from __future__ import annotations
@@ -116,6 +120,14 @@ class _Namespace:
         return self.usual if self.state == SERVING else self.near
 
 
+@dataclass(slots=True)
+class _Totals:
+    """A namespace's audits in all, never reset (``Audits.totals``)."""
+
+    audited: int = 0
+    wrong: int = 0
+
+
 class Audits:
     """The audits of every namespace (the contract is the module's)."""
 
@@ -131,6 +143,7 @@ class Audits:
         self.budget = budget
         self._sample = sample
         self._namespaces: LRU[str, _Namespace] = LRU(max_entries=MAX_NAMESPACES)
+        self._totals: LRU[str, _Totals] = LRU(max_entries=MAX_NAMESPACES)
         self.calls = 0  # upstream calls the audits made
         self.failed = 0  # audits that got no fresh answer to compare with
 
@@ -142,6 +155,12 @@ class Audits:
         return found.state if found is not None else SERVING
 
     def record(self, namespace: str, wrong: bool, near: bool = False) -> None:
+        total = self._totals.get(namespace)
+        if total is None:
+            total = _Totals()
+            self._totals.put(namespace, total)
+        total.audited += 1
+        total.wrong += wrong
         found = self._namespaces.get(namespace)
         if found is None:
             found = _Namespace(
@@ -186,6 +205,10 @@ class Audits:
             self._namespaces.clear()
             return count
         return 0 if self._namespaces.pop(namespace) is None else 1
+
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """``{namespace: (audited, wrong)}`` in all: what ``reset`` leaves (see the contract)."""
+        return {namespace: (t.audited, t.wrong) for namespace, t in self._totals.items()}
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         report = {}

@@ -41,6 +41,8 @@ Contract:
   stopped) at most every ``REAP_S`` by an ``insert`` or a read of ``entries`` or ``bytes``
   (``/stats``), so that those come to count live entries and their memory is given back. Every entry that goes, for any reason, leaves its scope's index and the maps.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
+- ``aclose`` closes the embedder (``LocalEmbedder``: its ``carpool-embed`` worker thread), when
+  it has an ``aclose``; the verifier's thread is shared by the process and stays.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
   instance: ``redis/semantic.py``) a *reference*: the exact-cache key of its answer, fetched by
   ``await resolve(KEY)`` only when the entry passes every check. ``None`` from ``resolve`` means
@@ -457,7 +459,10 @@ class SemanticCache:
         return entry.namespace
 
     async def aclose(self) -> None:
-        """Nothing to release here (``SharedSemanticCache`` stops its reader)."""
+        """Close the embedder (the local one's worker thread), its batches finished first."""
+        close = getattr(self.embedder, "aclose", None)
+        if close is not None:  # an embedder of the caller's own may hold nothing to close
+            await close()
 
     def _drop(self, entry: SemanticEntry) -> None:
         if self._entries.pop(entry.id) is not None:

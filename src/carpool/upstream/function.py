@@ -4,7 +4,9 @@ Contract: ``FunctionUpstream(call)`` wraps ``async def call(path: str, body: dic
 where ``path`` is relative to ``/v1`` (``"/chat/completions"``) and the returned dict is the
 complete OpenAI-shaped response. The function is never asked to stream (``stream`` and
 ``stream_options`` are removed from ``body``); streaming clients get the answer as SSE. An
-exception it raises reaches every waiter of the flight as a 502 and is never stored.
+exception it raises reaches every waiter of the flight as a 502 and is never stored; it is a
+failed call of the replica (``upstream_errors``, a 502 in ``carpool_upstream_requests_total``),
+which is left out for its back-off as any failing replica is (``routing.replicas``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ that the dot product of two vectors is their cosine similarity:
 - ``dim: int`` and ``name: str`` (the model; vectors of different names are not comparable);
 - ``await embed(text) -> ndarray (dim,)`` and ``await embed_many(texts) -> ndarray (n, dim)``
   (``(0, dim)`` for an empty list). Every caller gets its own array (a copy), in the order asked.
+- optionally ``await aclose()``: the semantic cache that uses it calls it when closed
+  (``LocalEmbedder`` stops its worker thread; used again, it starts a new one).
 
 The embedders (:mod:`.local`, :mod:`.upstream`) micro-batch (:mod:`.microbatch`).
 
