@@ -18,6 +18,7 @@ from carpool.broadcast import JOINED_BYTES, Broadcast
 from carpool.clock import ManualClock
 from carpool.errors import FlightAbandoned, UpstreamTimeout
 from carpool.flight import FlightGroup, JoinTimeout
+from fakes.waiting import eventually
 
 
 class Upstream:
@@ -351,6 +352,35 @@ def _published(frames: list[bytes], usage: int | None, together: list[int]) -> B
     for index in range(start, len(frames)):
         broadcast.publish(frames[index], index == usage)
     return broadcast
+
+
+async def test_waiters_that_leave_a_broadcast_publishing_nothing_leave_no_future_behind():
+    broadcast = Broadcast()
+    staying = asyncio.create_task(broadcast.wait_changed())
+
+    def futures() -> list[asyncio.Future[None]]:
+        return list(broadcast._waiters or ())
+
+    for order in (list, reversed, lambda tasks: tasks[::2] + tasks[1::2]):
+        # A crowd joins the stalled broadcast, then leaves in some order.
+        crowd = [asyncio.create_task(broadcast.wait_changed()) for _ in range(100)]
+        await eventually(lambda: len(futures()) == 101, what="the crowd waiting")
+        for task in order(crowd):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Fewer futures of waiters that left than of waiters still waiting.
+            left = sum(future.cancelled() for future in futures())
+            assert left < sum(not future.done() for future in futures())
+        assert len(futures()) == 1 and not staying.done()
+    # A waiter bounded by a timeout leaves the same way.
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.001):
+            await broadcast.wait_started()
+    assert len(futures()) == 1
+    broadcast.publish(b"data: {}\n\n")
+    await staying  # the one still waiting is woken by the next frame
+    assert broadcast._waiters is None
 
 
 @settings(max_examples=200)

@@ -156,6 +156,40 @@ async def test_upstream_call_is_cancelled_when_every_client_has_gone(gw, fake):
     assert gw.gateway.store.entries == 0
 
 
+async def test_clients_leaving_a_stalled_stream_leave_nothing_waiting_on_it(gw, fake):
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(gw.stream_chat())
+    await fake.chunk_gate_reached.wait()  # the upstream stalls after its first chunks
+    flight = gw.gateway.flights.running()[0]
+    payload = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "What is carpool?"}],
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def streams_a_little_and_leaves() -> None:
+        async with gw.client.stream("POST", CHAT, json=payload) as response:
+            assert response.headers["x-carpool"] == "coalesced"
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # (the frames so far are there: it leaves the stream unread)
+
+    for _ in range(3):  # clients come and go while the flight makes no progress
+        waiting = [asyncio.create_task(gw.chat()) for _ in range(50)]
+        await asyncio.gather(*(streams_a_little_and_leaves() for _ in range(50)))
+        await eventually(lambda: flight_clients(gw) == 51, what="the waiting clients joined")
+        for client in waiting:
+            client.cancel()
+        await eventually(
+            lambda: flight_clients(gw) == 1 and len(flight.broadcast._waiters or ()) <= 1,
+            what="every client but the leader gone, its wait with it",
+        )
+    fake.chunk_gate.set()
+    response, raw = await leader
+    assert sse_text(raw) == "answer 1 to What is carpool?" and fake.count() == 1
+
+
 async def test_abandoned_call_is_finished_to_fill_the_cache_with_finish_abandoned(
     fake, gateway_with
 ):
