@@ -282,6 +282,34 @@ async def test_timed_out_joiners_share_one_fresh_call():
     slow.release.set()
 
 
+async def test_a_joiner_that_times_out_retakes_on_the_terms_it_acquired_on():
+    group, slow = FlightGroup(window=10, clock=ManualClock()), Upstream()
+    group.acquire("k", slow)
+    no_store = group.acquire("k", slow, linger=False)
+    no_cache = group.acquire("k", slow, max_age=0)
+    plain = group.acquire("k", slow)
+    await slow.started.wait()
+    for joiner in (no_store, plain, no_cache):
+        with pytest.raises(JoinTimeout):
+            await joiner.wait_done(0.001)
+    # A no-store request's fresh call does not linger once finished.
+    own = Upstream()
+    own.release.set()
+    await wait_answer(no_store.retake(own))
+    assert group.get("k") is None
+    # A plain one's does: a no-cache request that times out then leads a call of its own.
+    fresh, again = Upstream(), Upstream()
+    fresh.release.set()
+    await wait_answer(plain.retake(fresh))
+    assert group.get("k") is not None  # lingering in its window
+    retaken = no_cache.retake(again)
+    assert retaken.leader
+    again.release.set()
+    answer, _ = await wait_answer(retaken)
+    assert answer.body == b"answer 1" and again.calls == 1
+    slow.release.set()
+
+
 @pytest.mark.parametrize("ending", ["answer", "error", "cancel", "bug"])
 async def test_no_waiter_hangs_on_any_exit_path(ending):
     group = FlightGroup(window=0, finish_abandoned=False)

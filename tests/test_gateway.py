@@ -220,6 +220,22 @@ async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call(fake, g
         slow.cancel()
 
 
+async def test_a_no_store_joiner_that_times_out_runs_a_call_that_never_lingers(fake, gateway_with):
+    coalesce = {"join_timeout_ms": 100, "window_ms": 60_000, "adaptive": False}
+    async with gateway_with(coalesce=coalesce) as gw:
+        fake.gate = asyncio.Event()
+        slow = asyncio.create_task(gw.chat())
+        await fake.wait_for_calls(1)
+        fake.gate = None  # the next calls answer at once
+        # Joins, times out, runs its own call: lingering, its answer would be a form of storing.
+        no_store = await gw.chat(headers={"cache-control": "no-store"})
+        assert no_store.headers["x-carpool"] == "miss" and fake.count() == 2
+        later = await gw.chat()
+        assert later.headers["x-carpool"] == "miss" and fake.count() == 3
+        assert later.json()["choices"][0]["message"]["content"] == "answer 3 to What is carpool?"
+        slow.cancel()
+
+
 # --- the exact cache --------------------------------------------------------------------------
 
 
