@@ -626,6 +626,30 @@ async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_win
         assert content(fresh) == f"answer 2 to {QUESTION}" and fake.count() == 2
 
 
+async def test_without_stream_usage_a_call_asked_without_usage_is_shared_elsewhere_only_by_its_shape(
+    fake, redis_server
+):
+    async with two_gateways(fake, redis_server, upstream={"stream_usage": False}) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(a.stream_chat(QUESTION))  # asked without usage
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        await eventually(lambda: a.gateway.shared_flights.counts["led"] == 1)
+        alike = asyncio.create_task(b.stream_chat(QUESTION))  # follows it from the other instance
+        await eventually(lambda: b.gateway.shared_flights.counts["followed"] == 1)
+        # A non-streaming client's answer has the usage: it does not follow that call.
+        waiting = asyncio.create_task(b.chat(QUESTION))
+        try:
+            await fake.wait_for_calls(2)  # its own call, while the other one is held
+        finally:
+            fake.chunk_gate.set()
+        plain = await waiting
+        assert plain.headers["x-carpool"] == "miss" and plain.json()["usage"]["total_tokens"] > 0
+        (led, raw), (joined, joined_raw) = await leader, await alike
+    assert (led.headers["x-carpool"], joined.headers["x-carpool"]) == ("miss", "coalesced")
+    assert sse_text(joined_raw) == sse_text(raw) == ANSWER_1 and '"usage"' not in joined_raw
+    assert fake.count() == 2
+
+
 async def until_serving(
     client: httpx.AsyncClient, proc: subprocess.Popen, log, timeout: float = 10.0
 ) -> None:

@@ -10,6 +10,8 @@ answer, asked directly:
   that joined it and every later hit;
 - where the engine reports no usage on a stream, the answers built from it say so
   (``x-carpool-usage: missing``) and ``tokens_saved`` counts only what the engine reported;
+  where the gateway did not ask for it (``upstream.stream_usage: false``), no client whose own
+  request would have had it gets that answer, then or later;
 - a stream that fails before its first chunk is one engine call per client call, with the
   official ``openai`` SDK's retries on; an error the engine reported keeps its status and
   message;
@@ -36,7 +38,8 @@ from carpool.broadcast import Broadcast
 from carpool.errors import UpstreamStreamBroken, error_event
 from carpool.exchange import _consume
 from carpool.upstream.base import UpstreamResponse
-from fakes.flights import leader_and_joiners, stream
+from fakes.flights import flight_clients, leader_and_joiners, stream
+from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
@@ -164,6 +167,63 @@ async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
     after = await stats(gw)
     assert after["tokens_saved"] == counted["tokens_saved"]
     assert after["saved_without_usage"] == 3
+
+
+WITHOUT_STREAM_USAGE = {"upstream": {"stream_usage": False}}
+ASKING = {"stream_options": {"include_usage": True}}
+
+
+def usage_chunks(raw: str) -> list[dict[str, Any]]:
+    return [e["usage"] for e in events(raw) if not e.get("choices") and e.get("usage")]
+
+
+async def test_without_stream_usage_each_client_gets_the_usage_its_own_request_would_have(
+    gateway_with, fake
+):
+    body = tool_body("count my tokens")
+    engine = await direct(fake, CHAT, body)  # what a non-streaming client gets from the engine
+    async with gateway_with(**WITHOUT_STREAM_USAGE) as gw:
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(stream(gw, CHAT, body))  # asked without usage
+        await fake.chunk_gate_reached.wait()
+        fake.gate = asyncio.Event()  # (the calls that follow wait until every client is in)
+        alike = asyncio.create_task(stream(gw, CHAT, body))
+        plain = asyncio.create_task(gw.client.post(CHAT, json=body))
+        asking = asyncio.create_task(stream(gw, CHAT, {**body, **ASKING}))
+        await eventually(lambda: flight_clients(gw) == 4, what="four clients on flights")
+        fake.gate.set()
+        fake.chunk_gate.set()
+        (led, raw), (joined, alike_raw) = await leader, await alike
+        plain_response, (asked, asking_raw) = await plain, await asking
+    # A stream like the leader's shares its call: neither asked for the usage, neither gets it.
+    assert (led.headers["x-carpool"], joined.headers["x-carpool"]) == ("miss", "coalesced")
+    assert usage_chunks(raw) == usage_chunks(alike_raw) == [] and alike_raw == raw
+    # The others get it, as from the engine: from a call of their own, which they share.
+    assert plain_response.headers["x-carpool"] == "miss"
+    assert "x-carpool-usage" not in plain_response.headers
+    assert plain_response.json()["usage"] == engine["usage"]
+    assert asked.headers["x-carpool"] == "coalesced"
+    assert usage_chunks(asking_raw) == [engine["usage"]]
+    assert fake.count() == 1 + 2
+
+
+async def test_without_stream_usage_an_answer_asked_without_usage_is_never_stored(
+    gateway_with, fake
+):
+    body = tool_body("count my tokens")
+    async with gateway_with(**WITHOUT_STREAM_USAGE) as gw:
+        led, raw = await stream(gw, CHAT, body)
+        assert led.headers["x-carpool"] == "miss" and usage_chunks(raw) == []
+        # Neither stored nor joinable in its window by another shape: its own call.
+        plain = await gw.client.post(CHAT, json=body)
+        assert plain.headers["x-carpool"] == "miss" and plain.json()["usage"]["total_tokens"] > 0
+        # That answer has the usage: stored, it serves every shape.
+        asked, asked_raw = await stream(gw, CHAT, {**body, **ASKING})
+        assert asked.headers["x-carpool"] == "hit"
+        assert usage_chunks(asked_raw) == [plain.json()["usage"]]
+        again = await gw.client.post(CHAT, json=body)
+        assert again.headers["x-carpool"] == "hit" and again.json() == plain.json()
+    assert fake.count() == 2
 
 
 # --- 4. errors that do not multiply calls -------------------------------------------------------

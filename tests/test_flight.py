@@ -18,6 +18,7 @@ from carpool.broadcast import JOINED_BYTES, Broadcast
 from carpool.clock import ManualClock
 from carpool.errors import FlightAbandoned, UpstreamTimeout
 from carpool.flight import FlightGroup, JoinTimeout
+from fakes.waiting import eventually
 
 
 class Upstream:
@@ -281,6 +282,34 @@ async def test_timed_out_joiners_share_one_fresh_call():
     slow.release.set()
 
 
+async def test_a_joiner_that_times_out_retakes_on_the_terms_it_acquired_on():
+    group, slow = FlightGroup(window=10, clock=ManualClock()), Upstream()
+    group.acquire("k", slow)
+    no_store = group.acquire("k", slow, linger=False)
+    no_cache = group.acquire("k", slow, max_age=0)
+    plain = group.acquire("k", slow)
+    await slow.started.wait()
+    for joiner in (no_store, plain, no_cache):
+        with pytest.raises(JoinTimeout):
+            await joiner.wait_done(0.001)
+    # A no-store request's fresh call does not linger once finished.
+    own = Upstream()
+    own.release.set()
+    await wait_answer(no_store.retake(own))
+    assert group.get("k") is None
+    # A plain one's does: a no-cache request that times out then leads a call of its own.
+    fresh, again = Upstream(), Upstream()
+    fresh.release.set()
+    await wait_answer(plain.retake(fresh))
+    assert group.get("k") is not None  # lingering in its window
+    retaken = no_cache.retake(again)
+    assert retaken.leader
+    again.release.set()
+    answer, _ = await wait_answer(retaken)
+    assert answer.body == b"answer 1" and again.calls == 1
+    slow.release.set()
+
+
 @pytest.mark.parametrize("ending", ["answer", "error", "cancel", "bug"])
 async def test_no_waiter_hangs_on_any_exit_path(ending):
     group = FlightGroup(window=0, finish_abandoned=False)
@@ -351,6 +380,35 @@ def _published(frames: list[bytes], usage: int | None, together: list[int]) -> B
     for index in range(start, len(frames)):
         broadcast.publish(frames[index], index == usage)
     return broadcast
+
+
+async def test_waiters_that_leave_a_broadcast_publishing_nothing_leave_no_future_behind():
+    broadcast = Broadcast()
+    staying = asyncio.create_task(broadcast.wait_changed())
+
+    def futures() -> list[asyncio.Future[None]]:
+        return list(broadcast._waiters or ())
+
+    for order in (list, reversed, lambda tasks: tasks[::2] + tasks[1::2]):
+        # A crowd joins the stalled broadcast, then leaves in some order.
+        crowd = [asyncio.create_task(broadcast.wait_changed()) for _ in range(100)]
+        await eventually(lambda: len(futures()) == 101, what="the crowd waiting")
+        for task in order(crowd):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Fewer futures of waiters that left than of waiters still waiting.
+            left = sum(future.cancelled() for future in futures())
+            assert left < sum(not future.done() for future in futures())
+        assert len(futures()) == 1 and not staying.done()
+    # A waiter bounded by a timeout leaves the same way.
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.001):
+            await broadcast.wait_started()
+    assert len(futures()) == 1
+    broadcast.publish(b"data: {}\n\n")
+    await staying  # the one still waiting is woken by the next frame
+    assert broadcast._waiters is None
 
 
 @settings(max_examples=200)

@@ -156,6 +156,40 @@ async def test_upstream_call_is_cancelled_when_every_client_has_gone(gw, fake):
     assert gw.gateway.store.entries == 0
 
 
+async def test_clients_leaving_a_stalled_stream_leave_nothing_waiting_on_it(gw, fake):
+    fake.chunk_gate = asyncio.Event()
+    leader = asyncio.create_task(gw.stream_chat())
+    await fake.chunk_gate_reached.wait()  # the upstream stalls after its first chunks
+    flight = gw.gateway.flights.running()[0]
+    payload = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "What is carpool?"}],
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def streams_a_little_and_leaves() -> None:
+        async with gw.client.stream("POST", CHAT, json=payload) as response:
+            assert response.headers["x-carpool"] == "coalesced"
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # (the frames so far are there: it leaves the stream unread)
+
+    for _ in range(3):  # clients come and go while the flight makes no progress
+        waiting = [asyncio.create_task(gw.chat()) for _ in range(50)]
+        await asyncio.gather(*(streams_a_little_and_leaves() for _ in range(50)))
+        await eventually(lambda: flight_clients(gw) == 51, what="the waiting clients joined")
+        for client in waiting:
+            client.cancel()
+        await eventually(
+            lambda: flight_clients(gw) == 1 and len(flight.broadcast._waiters or ()) <= 1,
+            what="every client but the leader gone, its wait with it",
+        )
+    fake.chunk_gate.set()
+    response, raw = await leader
+    assert sse_text(raw) == "answer 1 to What is carpool?" and fake.count() == 1
+
+
 async def test_abandoned_call_is_finished_to_fill_the_cache_with_finish_abandoned(
     fake, gateway_with
 ):
@@ -183,6 +217,22 @@ async def test_joiner_waiting_longer_than_join_timeout_runs_its_own_call(fake, g
         assert response.json()["choices"][0]["message"]["content"] == "answer 2 to What is carpool?"
         slow_gate = fake.calls[0]
         assert slow_gate.number == 1 and fake.count() == 2
+        slow.cancel()
+
+
+async def test_a_no_store_joiner_that_times_out_runs_a_call_that_never_lingers(fake, gateway_with):
+    coalesce = {"join_timeout_ms": 100, "window_ms": 60_000, "adaptive": False}
+    async with gateway_with(coalesce=coalesce) as gw:
+        fake.gate = asyncio.Event()
+        slow = asyncio.create_task(gw.chat())
+        await fake.wait_for_calls(1)
+        fake.gate = None  # the next calls answer at once
+        # Joins, times out, runs its own call: lingering, its answer would be a form of storing.
+        no_store = await gw.chat(headers={"cache-control": "no-store"})
+        assert no_store.headers["x-carpool"] == "miss" and fake.count() == 2
+        later = await gw.chat()
+        assert later.headers["x-carpool"] == "miss" and fake.count() == 3
+        assert later.json()["choices"][0]["message"]["content"] == "answer 3 to What is carpool?"
         slow.cancel()
 
 

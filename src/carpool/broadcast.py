@@ -15,7 +15,10 @@ Contract (CONTRACT.md "Streaming"):
 - ``wait_started`` returns once there is a frame or an ending; ``wait_done`` once there is an
   ending; ``wait_changed`` once anything was published or it ended (or at once if it has). All
   can be bounded by the caller with ``asyncio.timeout``; a waiter costs one future, and a
-  publish wakes only the waiters there are.
+  publish wakes only the waiters there are. A waiter that leaves (cancelled: its client gone,
+  a timeout) does not leave its future for the next publish to drop, which a stalled flight
+  may never make: the futures kept of waiters that left are always fewer than those of the
+  waiters still waiting (none, when one waits or none does); a publish only resets a count.
 - ``publish_many`` publishes frames that came together, as ``publish`` would one by one, with
   one wake-up of the waiters.
 - ``on_publish`` (optional, sync, must not raise) is called after each publish: the
@@ -50,6 +53,7 @@ class Broadcast:
         "created",
         "on_publish",
         "_waiters",
+        "_left",
     )
 
     def __init__(self) -> None:
@@ -62,6 +66,7 @@ class Broadcast:
         self.created: float | None = None  # (the answer's, when its head said: ``age``)
         self.on_publish: Callable[[], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)
+        self._left = 0  # futures in ``_waiters`` whose waiter left (or more: see ``_leave``)
 
     @property
     def done(self) -> bool:
@@ -94,6 +99,7 @@ class Broadcast:
         # Every waiter wakes once, then waits again with a future of its own (a cancelled
         # waiter cancels only its own).
         waiters, self._waiters = self._waiters, None
+        self._left = 0
         for waiter in waiters or ():
             if not waiter.done():
                 waiter.set_result(None)
@@ -107,7 +113,31 @@ class Broadcast:
             self._waiters = [waiter]
         else:
             self._waiters.append(waiter)
-        await waiter
+        try:
+            await waiter
+        except BaseException:
+            self._leave(waiter)
+            raise
+
+    def _leave(self, waiter: asyncio.Future[None]) -> None:
+        """A waiter left before it was woken: its future out of ``_waiters``, which a flight
+        that publishes nothing more would otherwise keep, with every other that came and went.
+        Not searched for one by one (a crowd leaving at once, as a stalled flight's joiners
+        time out together, would take time quadratic in its size): counted, and the list
+        rebuilt without the futures that are done once they are half of it, so each leaving
+        costs O(1) amortized and publishing nothing more."""
+        if waiter.done() and not waiter.cancelled():
+            return  # (woken, then cancelled before it ran: ``_wake`` took the list away)
+        waiter.cancel()  # (left otherwise than by cancellation: done, so that it is dropped)
+        waiters = self._waiters
+        if waiters is None:
+            return
+        # (The count may take in a future of a list ``_wake`` took since: the list is then
+        # rebuilt sooner, never kept longer.)
+        self._left += 1
+        if 2 * self._left >= len(waiters):
+            self._waiters = [w for w in waiters if not w.done()] or None
+            self._left = 0
 
     async def wait_started(self) -> None:
         while not self.frames and not self.done:

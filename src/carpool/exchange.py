@@ -14,9 +14,11 @@ Contract:
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
   changes when streamed: a completion's ``best_of``/``echo``), so that streaming clients joining
   the call get it live; with the usage the clients may not have asked for
-  (``upstream.stream_usage``). A stream is published into the flight's ``Broadcast`` as it comes,
-  the frames of one read together (``_consume``; its API's ``Collector`` gathers it), a whole
-  body read at once (``_complete``); either comes back as an
+  (``upstream.stream_usage``; without it, a streaming request that does not ask for it is
+  asked without it: its call is shared only with requests of its shape, ``flight_key``, and
+  its answer never stored, ``without_usage``). A stream is published into the flight's
+  ``Broadcast`` as it comes, the frames of one read together (``_consume``; its API's
+  ``Collector`` gathers it), a whole body read at once (``_complete``); either comes back as an
   ``Answer``, ``complete`` (storable) only when its API judges it so. A status other than 2xx
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
@@ -63,7 +65,32 @@ from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
 if TYPE_CHECKING:
+    from .config import Config
     from .layers import Layers
+
+# The end of the key of a flight whose call is asked without its usage (``flight_key``).
+WITHOUT_USAGE = "\nwithout usage"
+
+
+def without_usage(request: Request, config: Config) -> bool:
+    """Whether ``request``'s own call is asked of the upstream without its usage: with
+    ``upstream.stream_usage: false``, a streaming request that does not ask for it itself, of
+    an API whose streams carry it only when asked (``Api.usage_asked``). Its answer lacks the
+    usage the request's other shapes get (a non-streaming client's body has it, a stream that
+    asks for it ends with it): it is shared only with requests of its shape (``flight_key``),
+    which would get the same from the upstream, and never stored (``Leader._store``)."""
+    return (
+        not config.upstream.stream_usage
+        and request.stream
+        and not request.include_usage
+        and request.api.usage_asked
+    )
+
+
+def flight_key(key: str, request: Request, config: Config) -> str:
+    """The key of the flight ``request`` leads or joins: its fingerprint's, but apart for a
+    call asked without its usage (``without_usage``): no request of another shape joins it."""
+    return key + WITHOUT_USAGE if without_usage(request, config) else key
 
 
 async def send(
@@ -163,7 +190,8 @@ class Exchange:
         api, body, stream = request.api, request.body, request.stream
         # Streamed anyway when the config says so (``_streams``), so that streaming clients
         # joining this call get it live; with the usage the clients may not have asked for
-        # (always for a leader that did not ask for a stream: its whole answer has one).
+        # (always for a leader that did not ask for a stream: its whole answer has one; a
+        # stream asked without it is shared only with its shape: ``without_usage``).
         if stream or self._streams(request):
             usage = self.config.upstream.stream_usage or not request.stream
             body, stream = api.streamed(body, usage and not request.include_usage), True

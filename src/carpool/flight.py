@@ -29,7 +29,9 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    starts afresh instead of joining a dying call.
 7. A joiner that waits longer than ``join_timeout`` runs its own call: ``Ticket.wait_*`` raise
    ``JoinTimeout``; the caller then ``retake``s, which forgets the slow flight and leads a fresh one
-   (or joins the fresh one another timed-out joiner already started), once.
+   (or joins the fresh one another timed-out joiner already started), once. It does so on the
+   terms its request acquired on (``max_age``, ``linger``): a ``no-store`` request's fresh call
+   does not linger either, and a ``no-cache`` one joins no finished flight.
 8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
    error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
 
@@ -108,12 +110,22 @@ class Flight:
 class Ticket:
     """One request's interest in a flight. Release it exactly when the request is done with it."""
 
-    __slots__ = ("group", "flight", "leader", "_released")
+    __slots__ = ("group", "flight", "leader", "max_age", "linger", "_released")
 
-    def __init__(self, group: FlightGroup, flight: Flight, leader: bool) -> None:
+    def __init__(
+        self,
+        group: FlightGroup,
+        flight: Flight,
+        leader: bool,
+        max_age: float | None = None,
+        linger: bool = True,
+    ) -> None:
         self.group = group
         self.flight = flight
         self.leader = leader
+        # The terms it was acquired on (``FlightGroup.acquire``), which its ``retake`` keeps.
+        self.max_age = max_age
+        self.linger = linger
         self._released = False
 
     @property
@@ -144,10 +156,14 @@ class Ticket:
 
     def retake(self, lead: Lead, owner: str = "") -> Ticket:
         """After a ``JoinTimeout`` (or an answer that was not for this request): leave the
-        flight and lead (or join) a fresh one."""
+        flight and lead (or join) a fresh one, on the terms this ticket was acquired on: the
+        request is the same (a ``no-store`` one's call must not linger, which would be a form
+        of storing; a ``no-cache`` one must not join a finished flight)."""
         self.release()
         self.group.forget(self.flight.key, self.flight)
-        return self.group.acquire(self.flight.key, lead, owner=owner)
+        return self.group.acquire(
+            self.flight.key, lead, max_age=self.max_age, linger=self.linger, owner=owner
+        )
 
     def release(self) -> None:
         if self._released:
@@ -255,7 +271,7 @@ class FlightGroup:
         assert flight is not None
         flight.clients += 1
         self.waiters += 1
-        return Ticket(self, flight, leader)
+        return Ticket(self, flight, leader, max_age, linger)
 
     def forget(self, key: str, flight: Flight | Lingering | None = None) -> None:
         """Make the next request for ``key`` start a fresh flight (only if ``flight`` is current)."""

@@ -18,9 +18,10 @@ Contract:
   turn of the event loop: no request that follows a reply can be read in between, and one that
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
-  ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, and
-  only if no invalidation came after the call began (the flights' ``epoch``): the answer may
-  predate what was invalidated. With ``redis``, whatever
+  ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, not
+  asked without the usage other shapes of the request get (``exchange.without_usage``: a
+  later hit of another shape would lack it), and only if no invalidation came after the call
+  began (the flights' ``epoch``): the answer may predate what was invalidated. With ``redis``, whatever
   path the call took (led for all, alone, without shared flights), Redis's count of
   invalidations is read before the call and again once its answer is stored: one by any
   instance in between takes it back (``RedisStore.put``), so an invalidation that answered
@@ -48,6 +49,7 @@ from .answer import Answer
 from .apis.openai import answer_repeats_prompt
 from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
+from .exchange import flight_key, without_usage
 from .fingerprint import Fingerprint, SemanticView, semantic_view
 from .request import Request
 from .store import Entry
@@ -114,7 +116,11 @@ class Leader:
         )
         begun = _Begun()
         controls = request.controls
-        storable = not controls.no_store and self.config.ttl_for(controls.request_type) > 0
+        storable = (
+            not controls.no_store
+            and self.config.ttl_for(controls.request_type) > 0
+            and not without_usage(request, self.config)
+        )
         shared_store = self.shared_store if key.key is not None and storable else None
 
         async def call(broadcast: Broadcast) -> Answer:
@@ -147,7 +153,8 @@ class Leader:
                 await store(answer)
                 return answer
             return await self.shared_flights.run(
-                key.key,
+                # (Apart, as here, for a call asked without its usage: ``flight_key``.)
+                flight_key(key.key, request, self.config),
                 broadcast,
                 call,
                 store,
@@ -190,6 +197,9 @@ class Leader:
             or ttl <= 0
             or key.key is None
             or epoch != self.flights.epoch
+            # Asked without the usage (``upstream.stream_usage: false``): a hit of another
+            # shape (a non-streaming client, a stream asking for usage) would lack it.
+            or without_usage(request, self.config)
         ):
             return ""
         if key.shared_key is not None:

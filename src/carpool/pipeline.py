@@ -15,7 +15,9 @@ Contract:
 - Every API's own knowledge (validation, sharing, framing, judging, assembling, synthesizing,
   error shapes) is its ``carpool.apis.Api`` (``request.api``): chat, completions, embeddings,
   OpenAI's Responses API and Anthropic's Messages API go through this same path.
-- Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``.
+- Nothing broken is stored: only complete 2xx answers, with ttl > 0, without ``no-store``, not
+  asked without the usage other shapes get (``upstream.stream_usage: false``: such a call is
+  a flight of its own shape, ``exchange.flight_key``, which no other shape joins).
   Complete: a chat/completions stream that ended with ``[DONE]`` and a finish for every choice
   asked for (``n`` per prompt: ``sse.expected_choices``), a typed stream (Responses, Messages)
   that ended with its last event and completed (``Api.judge_stream``). A stream that stopped
@@ -88,7 +90,7 @@ from .errors import (
     UpstreamStatusError,
     UpstreamStreamBroken,
 )
-from .exchange import Exchange, Relay
+from .exchange import Exchange, Relay, flight_key
 from .fingerprint import Fingerprint, fingerprint, requester, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
@@ -254,6 +256,8 @@ class Gateway:
                     route, Outcome.HIT, answer, request.stream, request.include_usage
                 )
         join_age = controls.max_age if controls.may_read else 0
+        # (Apart for a call asked without its usage, which no other shape may share.)
+        flying = flight_key(key.key, request, self.config)
         view = (
             semantic_view(request, key, self.config)
             if self.semantic is not None and not controls.no_store
@@ -265,7 +269,7 @@ class Gateway:
             and controls.may_read
             and read_age != 0
             and not client.peer  # (its worker probed its own index: an exact answer is asked)
-            and not self.flights.joinable(key.key, join_age)
+            and not self.flights.joinable(flying, join_age)
         ):
             assert self.semantic is not None  # (a view is made only with a semantic cache)
             _waiting(client)
@@ -303,7 +307,7 @@ class Gateway:
             self.leader.lead, request, key, view, probe, epoch=self.flights.epoch, alone=client.peer
         )
         ticket = self.flights.acquire(
-            key.key, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
+            flying, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
         if remember is not None:
             if ticket.leader:
@@ -432,8 +436,9 @@ class Gateway:
                     # Its own call, on a flight only its own tenant can join: another refused
                     # tenant's fresh call is not joined either.
                     ticket.release()
+                    flying = flight_key(f"{key.key}\n{key.owner}", request, self.config)
                     ticket = self.flights.acquire(
-                        f"{key.key}\n{key.owner}", lead, max_age=0, linger=False, owner=key.owner
+                        flying, lead, max_age=0, linger=False, owner=key.owner
                     )
                     await self._wait(ticket, request, None)
                 own = _refused_its_body(ticket, request)
@@ -442,8 +447,9 @@ class Gateway:
                     # metadata, user...; 10 and 10.0 are one key): its own call, on a flight
                     # shared only with the same body.
                     ticket.release()
+                    flying = flight_key(f"{key.key}\nbody {own}", request, self.config)
                     ticket = self.flights.acquire(
-                        f"{key.key}\nbody {own}", lead, max_age=0, linger=False, owner=key.owner
+                        flying, lead, max_age=0, linger=False, owner=key.owner
                     )
                     await self._wait(ticket, request, None)
         except BaseException:

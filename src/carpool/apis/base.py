@@ -72,6 +72,9 @@ class Api:
     last_event: Callable[[bytes], bool] | None = None
     # Whether answers may name state the upstream keeps for later calls (``state_made``).
     keeps_state: bool = False
+    # Whether its streams carry the usage only when asked (``stream_options.include_usage``):
+    # then a stream asked without it is an answer without the usage its other shapes have.
+    usage_asked: bool = False
 
     # --------------------------------------------------------------------------- the request
 

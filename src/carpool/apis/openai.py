@@ -4,7 +4,8 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
 - Streams are ``data:`` chunks ending with ``data: [DONE]``; the usage comes in a last chunk of
   its own (``"choices": []``) only when ``stream_options.include_usage`` asks for it, and the
   gateway asks for it on the streams it shares (``upstream.stream_usage``), hiding it from the
-  clients that did not.
+  clients that did not (``usage_asked``: a stream asked without it is an answer other shapes
+  of its request may not get, ``exchange.without_usage``).
 - A stream is whole when it ended with [DONE] (``upstream.base``) and every choice in it
   finished: anything less fails the flight (``judge_stream`` raises). A whole stream or body
   with fewer choices than asked for (``n`` per prompt: an engine that ignores ``n``, as
@@ -56,6 +57,8 @@ class _Assembling(Collector):
 
 class _Classic(Api):
     """What chat and completions share: [DONE] streams of choices."""
+
+    usage_asked = True
 
     def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
         body = {**body, "stream": True}

@@ -156,7 +156,11 @@ class UpstreamConfig(Section):
         description="Ask a streaming upstream for a final usage chunk "
         "(`stream_options.include_usage`) so tokens saved can be counted; "
         "clients that did not ask for it never see it. A non-streaming leader of a "
-        "`stream_flights` call asks for it whatever this says (its whole answer has one).",
+        "`stream_flights` call asks for it whatever this says (its whole answer has one). "
+        "false: a streaming chat or completions request that does not ask for it is sent "
+        "without it; its answer lacks the usage a non-streaming client or a stream asking for "
+        "it gets, so its call is shared only with requests like it (others make their own) "
+        "and its answer is never stored.",
     )
     stream_flights: bool = Field(
         False,
