@@ -361,3 +361,13 @@ async def test_a_library_request_is_timed_in_the_latency_metrics_as_an_http_one_
     }
     assert _durations(gateway) == {"miss": 1, "hit": 2}
     await gateway.aclose()
+
+
+async def test_a_closed_gateway_refuses_requests_rather_than_open_connections_again():
+    # Before, a closed gateway went on answering, and an HTTP upstream opened a new connection
+    # pool that nothing would ever close.
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(_ok)])
+    assert (await gateway.request("/v1/chat/completions", _BODY)).status == 200
+    await gateway.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await gateway.request("/v1/chat/completions", _BODY)

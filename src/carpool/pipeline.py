@@ -143,6 +143,7 @@ class Gateway:
         self.flights = layers.flights
         self.shared_flights = layers.shared_flights
         self.peers = layers.peers
+        self.closed = False  # (``aclose``)
         self.invalidations = layers.invalidations
         self.semantic = layers.semantic
         self.idempotency = layers.idempotency
@@ -548,7 +549,10 @@ class Gateway:
         cached endpoint (the message names them; one trailing ``/`` is the endpoint's, as over
         HTTP; any other ``/v1`` path: ``passthrough``) or a ``query`` a URL cannot hold (not
         ASCII: percent-encode it); ``TypeError`` for a header name or value, or a ``query``,
-        that is not a ``str``."""
+        that is not a ``str``; ``RuntimeError`` once the gateway is closed (``aclose``: its
+        upstream connections would be opened again, and nothing would close them)."""
+        if self.closed:
+            raise RuntimeError("this gateway is closed (aclose): build another")
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
         started = time.monotonic()
@@ -617,7 +621,9 @@ class Gateway:
         self.layers.start()
 
     async def aclose(self) -> None:
-        """Close the layers (``Layers.aclose``), the audits still running first."""
+        """Close the layers (``Layers.aclose``), the audits still running first; ``request``
+        refuses to run from then on."""
+        self.closed = True
         await self.auditor.aclose()
         await self.layers.aclose()
 
