@@ -696,3 +696,29 @@ async def test_a_scrape_on_any_worker_counts_the_whole_run_once(fake):
         # Through the door, a worker answers for itself alone.
         own = pair.b.gateway.metrics.render().decode()
         assert _summed(own, "carpool_requests_total") == 1
+
+
+async def test_a_keyed_request_passed_on_whole_is_counted_once_where_it_runs(fake):
+    """A keyed request runs whole on its record's owner, which alone sees what it saved (a hit
+    there) or refused (a reused key: 422): it counts it, the worker its client sent it to does
+    not. (Before, the owner's saving was counted nowhere, and a refusal twice: as the owner's
+    rejection and as the asking worker's bypass.)"""
+    async with two_workers(fake.url) as pair:
+        a, b = pair.a.gateway, pair.b.gateway
+        owned = [
+            f"order-{i}"
+            for i in range(1000)
+            if a.peers.owner_of(scope_of_key(a, f"order-{i}")) == 1
+        ]
+        first = await pair.a.chat("Charge my card", headers={"idempotency-key": owned[0]})
+        second = await pair.a.chat("Charge my card", headers={"idempotency-key": owned[1]})
+        assert second.headers["x-carpool"] == "hit" and fake.count() == 1
+        reused = await pair.a.chat("Charge my card twice", headers={"idempotency-key": owned[0]})
+        assert reused.status_code == 422
+        runs, asks = b.snapshot(), a.snapshot()
+        assert (runs["misses"], runs["hits"], runs["rejected"]) == (1, 1, 1)
+        assert runs["tokens_saved"] == first.json()["usage"]["total_tokens"] > 0
+        assert (asks["requests"], asks["tokens_saved"]) == (0, 0)
+        assert runs["requests"] + asks["requests"] == 3
+        assert sum(f["count"] for f in runs["latency_ms"].values()) == 2  # (the refusal: untimed)
+        assert asks["latency_ms"] == {}

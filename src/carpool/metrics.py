@@ -17,8 +17,11 @@ Contract:
   failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
   the replicas too (what the engines were
   asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
-- A request another worker passed on (``carpool.peers``, ``FOR_PEER``) is counted by that
-  worker only (outcome, tokens saved, latency): the workers' counts add up to the run's.
+- Among the workers (``carpool.peers``) a request is counted by one worker only
+  (``COUNTED_ELSEWHERE``: outcome, tokens saved, latency), so that the workers' counts add up
+  to the run's: a flight's call asked of its key's owner by the worker its client sent it to,
+  where the client is (the owner counts it in ``peers.served``); a keyed request passed on
+  whole, where it runs (the owner: only it sees what it saved or refused).
 - A counter never goes down: ``carpool_semantic_audits_total`` and ``_wrong_total`` are a
   namespace's audits in all (``Audits.totals``), which ``POST /admin/semantic/audit/reset``
   leaves; what a reset empties (the estimate, the state) are gauges. At most
@@ -46,10 +49,9 @@ RECENT = 1024
 # Whether the request whose task this is was counted in an outcome (``Stats.count``): one that
 # its client leaves is ``abandoned`` only if not (``server.GatewayApp.serve`` sets it False).
 COUNTED: ContextVar[bool] = ContextVar("carpool_counted", default=False)
-# Whether the request whose task this is was passed on by another worker (``carpool.peers``):
-# the worker its client sent it to counts it (its outcome, tokens saved, latency); this one
-# counts it in ``peers.served`` only, so that the workers' counts add up (``peers.metrics``).
-FOR_PEER: ContextVar[bool] = ContextVar("carpool_for_peer", default=False)
+# Whether the request whose task this is is counted by another worker (``carpool.peers``; the
+# module's contract): its outcome, tokens saved and latency are not counted here.
+COUNTED_ELSEWHERE: ContextVar[bool] = ContextVar("carpool_counted_elsewhere", default=False)
 # The most namespaces the semantic audit series are labelled with (``labelled``).
 METRIC_NAMESPACES = 100
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, float("inf"))
@@ -94,7 +96,7 @@ class Stats:
         return self.attempts()
 
     def count(self, route: str, outcome: Outcome) -> None:
-        if FOR_PEER.get():  # (counted by the worker its client sent it to)
+        if COUNTED_ELSEWHERE.get():  # (by another worker: the module's contract)
             COUNTED.set(True)
             return
         self.outcomes[outcome] += 1

@@ -96,7 +96,7 @@ from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader
-from .metrics import FOR_PEER
+from .metrics import COUNTED, COUNTED_ELSEWHERE
 from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import (
@@ -226,9 +226,12 @@ class Gateway:
                 _waiting(client)
                 reply = await self.peers.run_on(owner, client)
                 if reply is not None:
-                    if reply.outcome is not None:
-                        self.stats.count(route, reply.outcome)
+                    # Counted where it ran, which alone sees what it saved or refused.
+                    COUNTED.set(True)
+                    COUNTED_ELSEWHERE.set(True)
                     return reply
+            if client.peer:  # (passed on whole by another worker: counted here, where it runs)
+                COUNTED_ELSEWHERE.set(False)
             return await self.once.run(client, request, key, idempotency_key, route)
         return await self._answer(client, request, key, route, remember)
 
@@ -524,7 +527,7 @@ class Gateway:
         """A request answered without a call of its own: the tokens the engine reported for the
         answer were not recomputed. An answer it reported none for is counted apart, so that
         ``tokens_saved`` reads as what it is, a lower bound."""
-        if FOR_PEER.get():  # (counted by the worker its client sent it to)
+        if COUNTED_ELSEWHERE.get():  # (by another worker: ``metrics``' contract)
             return
         self.stats.tokens_saved += answer.tokens
         if answer.usage_missing:
@@ -576,8 +579,8 @@ class Gateway:
         server for the requests it serves: it never calls ``request``). Only a request counted
         under its outcome: not one the gateway refused (``rejected``), so that the histogram
         counts what ``carpool_requests_total`` does; nor one another worker passed on
-        (``FOR_PEER``: timed where its client sent it)."""
-        if reply.outcome is not None and not reply.rejected and not FOR_PEER.get():
+        (``COUNTED_ELSEWHERE``: timed where it is counted)."""
+        if reply.outcome is not None and not reply.rejected and not COUNTED_ELSEWHERE.get():
             self.metrics.observe(reply.outcome, seconds)
 
     async def passthrough(

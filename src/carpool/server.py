@@ -78,7 +78,7 @@ from .errors import (
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
-from .metrics import COUNTED, FOR_PEER
+from .metrics import COUNTED, COUNTED_ELSEWHERE
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
@@ -236,7 +236,7 @@ class GatewayApp:
         waits or streams."""
         client.on_wait = watch.start
         COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
-        FOR_PEER.set(client.peer)  # (a peer's request is counted by the worker it came from)
+        COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
         reply: Reply | None = None
         try:
             reply = await self.gateway.handle(client)

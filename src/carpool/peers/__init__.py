@@ -14,8 +14,8 @@ identical requests arriving at different workers still make one upstream call pe
 - A request with an Idempotency-Key runs whole on the owner of its record's scope (the
   requester and the key), so a retry finds the record on whichever worker it lands.
 - ``POST /admin/invalidate`` on any worker is passed on to every other one.
-- ``GET /metrics`` on any worker answers the sum of every worker's (``metrics.py``); a request
-  passed on to its owner is counted by the worker its client sent it to only.
+- ``GET /metrics`` on any worker answers the sum of every worker's (``metrics.py``); each
+  request is counted by one worker (``carpool.metrics``' contract).
 - A peer's request carries the run's secret; only the peer socket trusts it (``PeerApp``). The
   owner leads it itself and never passes it on: no request crosses more than one hop.
 - A peer that does not answer never fails a request: the asking worker does the work itself.

@@ -8,8 +8,8 @@ Contract:
   own exposition (``Peers.metrics``, through the peers' door: answered for that worker alone)
   and answers their sum (:func:`merge`).
 - Counters and histograms (buckets, sums, counts) are summed sample by sample, labels and all:
-  each worker counts only the requests its clients sent it (a request passed on to its key's
-  owner is counted where it landed; the owner counts it in ``peers.served``: ``FOR_PEER``), so
+  each request is counted by one worker (``metrics.COUNTED_ELSEWHERE``: a flight's call asked
+  of the key's owner where its client is, a keyed request passed on whole where it runs), so
   the sums are the run's. Gauges are summed too (flights, waiters, cache entries and bytes:
   each worker's own), but for those that are a state or a rate, not an amount
   (:data:`HIGHEST`: the highest of the workers', the conservative reading for an alert).
