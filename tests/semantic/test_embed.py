@@ -378,8 +378,12 @@ class FakeEmbeddings:
     async def __call__(self, texts: list[str]) -> list[list[float]]:
         self.calls.append(list(texts))
         await asyncio.sleep(self.delay)
-        if self.error is not None:
-            raise self.error
+        if self.error is not None:  # (each call its own, as a real client raises)
+            raise (
+                type(self.error)(*self.error.args)
+                if type(self.error) is RuntimeError
+                else self.error
+            )
         return [self.vector(t) for t in texts]
 
 
@@ -512,3 +516,35 @@ def test_an_embedder_outlives_its_event_loop():
     vector = asyncio.run(embedder.embed("a"))  # a new loop: not stuck on the old batch
     np.testing.assert_allclose(vector, unit(fake.vector("a")), rtol=1e-6)
     assert len(fake.calls) == 2
+
+
+async def test_the_breaker_opens_on_failures_in_a_row_and_backs_off_only_as_its_tries_fail():
+    # Calls sent before it opened and failing after doubled its pause each: a burst of ten
+    # lookups on a hung embedder opened it for 30 s at once. Now only a failed try doubles it,
+    # and an answer about the texts (a 4xx) closes it: the embedder answered.
+    from carpool.errors import UpstreamStatusError
+    from carpool.semantic.embed.upstream import RETRY_MIN_S, EmbedderDown
+
+    fake = FakeEmbeddings()
+    embedder = UpstreamEmbedder(fake, dim=8, max_batch=1)
+    breaker = embedder.breaker
+    fake.error = RuntimeError("upstream 503")
+    burst = await asyncio.gather(
+        *(embedder.embed(f"t{i}") for i in range(10)), return_exceptions=True
+    )
+    assert all(isinstance(r, RuntimeError) for r in burst) and len(fake.calls) == 10
+    assert breaker.retry_at is not None and breaker.retry_s == RETRY_MIN_S
+    with pytest.raises(EmbedderDown):
+        await embedder.embed("skipped")
+    assert len(fake.calls) == 10  # (not sent)
+    breaker.retry_at = 0.0  # (its pause has passed) the try fails: twice the pause
+    with pytest.raises(RuntimeError):
+        await embedder.embed("try")
+    assert breaker.retry_s == 2 * RETRY_MIN_S
+    fake.error = UpstreamStatusError(400, b'{"error": "input too long"}')
+    breaker.retry_at = 0.0
+    with pytest.raises(UpstreamStatusError):
+        await embedder.embed("a text it refuses")
+    assert breaker.retry_at is None and breaker.failures == 0  # it answered: closed
+    fake.error = None
+    assert (await embedder.embed("a")).shape == (8,)

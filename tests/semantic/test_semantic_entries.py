@@ -168,6 +168,17 @@ async def test_each_scopes_index_counts_against_the_byte_budget():
     assert semantic.bytes == counted(semantic) and len(semantic._scopes) < 5
 
 
+async def test_an_entry_is_kept_only_if_it_fits_with_an_index_of_its_own():
+    # It joined a scope, so its index was not counted; evicting that scope's last entry to make
+    # room took the index away: the entry, with a new index, was kept over the budget.
+    budget = SCOPE_BYTES + 5_000
+    semantic = cache(max_bytes=budget)
+    await insert(semantic, "small")
+    await insert(semantic, "large", body=b"x" * 30_000)
+    assert semantic.bytes <= budget and semantic.bytes == counted(semantic)
+    assert semantic.entries == 1 and await served(semantic, "small")  # (nothing evicted for it)
+
+
 async def test_a_sweep_step_looks_at_a_bounded_number_of_entries(monkeypatch):
     # A step scanned every entry (~5 ms of the event loop at 100,000, on a miss's path).
     from carpool.semantic import cache as module

@@ -413,9 +413,11 @@ class SemanticCache:
             + 8 * self.embedder.dim
             + ENTRY_OBJECTS
         )
+        if entry.size + SCOPE_BYTES > self.config.max_bytes:
+            # More than the whole budget with an index of its own (which it has, if the room
+            # made for it empties its scope): not kept (the older entry is gone all the same).
+            return
         opens = view.scope not in self._scopes
-        if entry.size + (SCOPE_BYTES if opens else 0) > self.config.max_bytes:
-            return  # more than the whole budget: not kept (the older entry is gone all the same)
         # A scope's index costs memory of its own (``SCOPE_BYTES``): room is made for the entry
         # and, if it opens one, for its scope (one scope per entry, as a unique system prompt
         # makes, held ~10x what the entries alone counted).

@@ -54,17 +54,19 @@ class EmbedderDown(RuntimeError):
 
 class _Breaker:
     """The module's breaker: ``admit()`` before a text is asked for (raises while open, but for
-    one text every ``retry_s``), ``succeeded()``/``failed(error)`` after its embedding."""
+    one text every ``retry_s``: the try, for which it returns True), then ``succeeded()`` or
+    ``failed(error, try_)`` after its embedding."""
 
     def __init__(self) -> None:
-        self.failures = 0  # calls failed in a row
+        self.failures = 0  # embeddings failed in a row
         self.retry_s = RETRY_MIN_S
-        self.retry_at: float | None = None  # open: when the next call may go (monotonic)
+        self.retry_at: float | None = None  # open: when the next try may go (monotonic)
         self._last: BaseException | None = None  # (a batch's error reaches all its callers)
 
-    def admit(self) -> None:
+    def admit(self) -> bool:
+        """Whether this text is the try of an open breaker (raises if it is not let through)."""
         if self.retry_at is None:
-            return
+            return False
         now = time.monotonic()
         if now < self.retry_at:
             raise EmbedderDown(
@@ -72,32 +74,35 @@ class _Breaker:
                 f"tried again at most every {self.retry_s:g} s"
             )
         self.retry_at = now + self.retry_s  # this caller's try; the others wait for its end
+        return True
 
     def succeeded(self) -> None:
         if self.retry_at is not None:
             log.info("the upstream embedder answers again: lookups use it")
         self.failures, self.retry_s, self.retry_at = 0, RETRY_MIN_S, None
 
-    def failed(self, error: BaseException) -> None:
-        if error is self._last or (
-            isinstance(error, UpstreamStatusError) and error.status in _ABOUT_THE_TEXTS
-        ):
-            return  # (one failed call, counted once; or the texts' fault, not the embedder's)
+    def failed(self, error: BaseException, try_: bool) -> None:
+        if isinstance(error, UpstreamStatusError) and error.status in _ABOUT_THE_TEXTS:
+            self.succeeded()  # (it answered: about the texts, not about itself)
+            return
+        if error is self._last:
+            return  # (one failed call, counted once)
         self._last = error
         self.failures += 1
-        if self.retry_at is not None:  # a try failed: longer until the next
-            self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
-        elif self.failures < FAILURES_TO_OPEN:
+        if self.retry_at is not None:
+            if try_:  # the try failed: longer until the next (not for calls sent before it)
+                self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+                self.retry_at = time.monotonic() + self.retry_s
             return
-        else:
+        if self.failures >= FAILURES_TO_OPEN:
             log.warning(
-                "the upstream embedder failed %d embeddings in a row (%s): lookups skip it (misses, "
-                "no entries) but for one try every %g s",
+                "the upstream embedder failed %d embeddings in a row (%s): lookups skip it "
+                "(misses, no entries) but for one try every %g s",
                 self.failures,
                 error.__class__.__name__,
                 self.retry_s,
             )
-        self.retry_at = time.monotonic() + self.retry_s
+            self.retry_at = time.monotonic() + self.retry_s
 
 
 class UpstreamEmbedder(_BatchingEmbedder):
@@ -138,11 +143,11 @@ class UpstreamEmbedder(_BatchingEmbedder):
     async def _submit(self, text: str) -> Vector:
         # The breaker counts what its callers got: a caller that timed out may have left a
         # batch then cancelled (its callers all gone), which never fails on its own.
-        self.breaker.admit()
+        try_ = self.breaker.admit()
         try:
             vector = await super()._submit(text)
         except Exception as error:
-            self.breaker.failed(error)
+            self.breaker.failed(error, try_)
             raise
         self.breaker.succeeded()
         return vector
