@@ -84,14 +84,26 @@ async def test_an_invalidation_empties_a_full_redis(fake: Any, redis_server: Any
         assert b.gateway.redis_health()["state"] == "up"
 
 
-async def test_a_keyed_request_runs_once_on_a_full_redis(fake: Any, redis_server: Any) -> None:
+async def test_a_keyed_request_runs_once_on_a_full_redis_and_its_retries_are_told(
+    fake: Any, redis_server: Any
+) -> None:
+    """Its response, kept for the retention, is not stored by a full Redis (each keyed request
+    grew Redis by its body for a day); that it ran is: a retry on another instance is a 507
+    saying so, never a second run. The instance that ran it kept a copy and replays it."""
     key = {"Idempotency-Key": "order-1"}
     async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
         await fill(client)
         first = await a.chat("q", headers=key)
+        assert first.status_code == 200
         retry = await b.chat("q", headers=key)
-        assert first.status_code == retry.status_code == 200
-        assert retry.json() == first.json() and fake.count() == 1
+        assert retry.status_code == 507
+        assert retry.json()["code"] == "idempotency_response_not_kept"
+        assert (await a.chat("q", headers=key)).json() == first.json()
+        assert fake.count() == 1
+        (record,) = [k async for k in client.scan_iter(match="carpool:*idem*")]
+        assert first.json()["choices"][0]["message"]["content"].encode() not in b"".join(
+            (await client.hgetall(record)).values()
+        )
 
 
 async def test_instances_share_one_flight_on_a_full_redis(fake: Any, redis_server: Any) -> None:

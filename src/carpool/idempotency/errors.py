@@ -10,6 +10,9 @@
 - ``IdempotencyUnavailable`` (503, ``Retry-After``): the shared records answer, but every
   connection to them stayed busy (``PoolExhausted``): the request was not run, so a retry with
   the same key is safe. (Running it on this instance's records instead could run the key twice.)
+- ``IdempotencyResponseNotKept`` (507): the request ran, but the shared records were full
+  (Redis at ``maxmemory``) when its response was to be kept: what its retries are answered
+  (the record says it ran, without the response), never a second run.
 """
 
 from __future__ import annotations
@@ -119,3 +122,21 @@ class IdempotencyUnavailable(IdempotencyError):
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), "retry-after": str(self.retry_after)}
+
+
+class IdempotencyResponseNotKept(IdempotencyError):
+    """507: the request ran, its response could not be kept (the shared records were full):
+    stored in its place, so that a retry is told, not run again."""
+
+    status = 507
+    type = "server_error"
+    code = "idempotency_response_not_kept"
+    title = "The response to this Idempotency-Key was not kept"
+
+    def __init__(
+        self,
+        message: str = "The request with this Idempotency-Key ran, but its response could not "
+        "be kept (the shared store was full), so it cannot be replayed. Use a new "
+        "Idempotency-Key to run it again.",
+    ) -> None:
+        super().__init__(message)

@@ -28,19 +28,23 @@ import hashlib
 import math
 import weakref
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from typing_extensions import Unpack
 
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
+from ..idempotency.errors import IdempotencyResponseNotKept
 from .connection import (
     ALWAYS,
     BACKOFF_MIN,
+    GROWS,
     POOL_TIMEOUT,
     ConnectOptions,
     Health,
     PoolExhausted,
+    RedisFull,
     StoreUnavailable,
     byte_client,
     connect,
@@ -80,10 +84,10 @@ return {'done', r[1], r[2], r[3], r[4], r[5]}
 )
 
 # ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0), created. 1 if
-# stored.
-_FINISH = (
-    ALWAYS
-    + """
+# stored. ``_FINISH`` is refused by a full Redis (a response's body, kept for the retention: by
+# the request rate, without bound); ``_NOT_KEPT`` then records the small answer a retry gets
+# (``IdempotencyResponseNotKept``): the request ran, it must not run again.
+_FINISHING = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[2] ~= ARGV[1] then return 0 end
 if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
@@ -92,6 +96,14 @@ redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+_FINISH, _NOT_KEPT = GROWS + _FINISHING, ALWAYS + _FINISHING
+_NOT_KEPT_ANSWER = StoredResponse(
+    IdempotencyResponseNotKept.status,
+    [
+        (name.encode(), value.encode())
+        for name, value in IdempotencyResponseNotKept().headers().items()
+    ],
+    IdempotencyResponseNotKept().body(),
 )
 
 # ARGV = token. 1 if dropped.
@@ -187,6 +199,7 @@ class RedisIdempotencyRecords:
         self._client = client = byte_client(client)
         self._begin = client.register_script(_BEGIN)
         self._finish = client.register_script(_FINISH)
+        self._not_kept = client.register_script(_NOT_KEPT)
         self._abandon = client.register_script(_ABANDON)
         self._renew = client.register_script(_RENEW)
         # Local wake-ups: waiters of this instance, set by this instance's finish/abandon.
@@ -226,30 +239,21 @@ class RedisIdempotencyRecords:
         return Begin(state)
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
+        """Keep ``response`` for the retries; on a full Redis (``RedisFull``), that the request
+        ran (``_NOT_KEPT``: its retries are told so, never run again). True once settled."""
         record_key = self.record_key(key)
-        headers = orjson.dumps(
-            [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers]
-        )
-        state = "s" if 200 <= response.status < 300 else "f"
-        args: list[Any] = [
-            token,
-            state,
-            _ms(self.retention),
-            response.status,
-            headers,
-            response.body,
-            int(response.streamed),
-            "" if response.created is None else repr(float(response.created)),
-        ]
+        script, args = self._finish, self._finish_args(token, response)
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + self.lease / 2, BACKOFF_MIN
         try:
             while True:
                 try:
-                    done = await self._call(
-                        "finish", lambda: self._finish(keys=[record_key], args=args)
-                    )
+                    done = await self._call("finish", partial(script, [record_key], args))
                     break
+                except RedisFull:
+                    if script is self._not_kept:
+                        raise
+                    script, args = self._not_kept, self._finish_args(token, _NOT_KEPT_ANSWER)
                 except PoolExhausted:
                     # Redis answers: a finished answer is worth more waiting (dropped, the
                     # lease would run out and a retry run the key again), for as long as the
@@ -262,6 +266,21 @@ class RedisIdempotencyRecords:
             self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
         return bool(done)
+
+    def _finish_args(self, token: str, response: StoredResponse) -> list[Any]:
+        headers = orjson.dumps(
+            [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers]
+        )
+        return [
+            token,
+            "s" if 200 <= response.status < 300 else "f",
+            _ms(self.retention),
+            response.status,
+            headers,
+            response.body,
+            int(response.streamed),
+            "" if response.created is None else repr(float(response.created)),
+        ]
 
     async def abandon(self, key: str, token: str) -> bool:
         record_key = self.record_key(key)
