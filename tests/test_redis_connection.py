@@ -75,7 +75,11 @@ async def test_stop_reader_cancels_again_a_task_that_swallowed_its_cancellation(
 
 
 async def test_callers_past_the_pool_size_wait_for_a_connection_instead_of_failing(redis_server):
-    client = connect(redis_server.url, max_connections=2, pool_timeout=5)
+    # (Generous timeouts: what is tested is the wait for a pooled connection; a busy 2-core
+    # machine once took longer than the default 0.25 s to connect.)
+    client = connect(
+        redis_server.url, max_connections=2, pool_timeout=5, connect_timeout=5, socket_timeout=5
+    )
     try:
         await client.set(b"k", b"v")
         # 300 calls at once on 2 connections: the library's default pool fails past its size
