@@ -4,6 +4,7 @@ timeout (a hung embedder holds no reply), its credentials and the replicas' heal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -66,6 +67,19 @@ async def chat(gw: Served, content: str, system: str | None = None) -> Any:
     return response
 
 
+@contextlib.asynccontextmanager
+async def hung_after_one_entry(held: Any) -> AsyncIterator[tuple[HeldEmbeddings, Served]]:
+    """A gateway embedding through ``held`` (50 ms bound), one entry made, then its embeddings
+    calls held (never answered until ``released``)."""
+    app, url = held
+    semantic = {**UPSTREAM_EMBEDDER, "embed_timeout_ms": 50}
+    async with run_gateway([url], semantic=semantic) as gw:
+        await chat(gw, "How do I reset my router?")
+        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the first entry")
+        app.released.clear()
+        yield app, gw
+
+
 async def test_a_hung_upstream_embedder_delays_no_reply_past_its_timeout_each_a_counted_miss(
     held,
 ):
@@ -73,12 +87,7 @@ async def test_a_hung_upstream_embedder_delays_no_reply_past_its_timeout_each_a_
     # a lookup's embedding (probe) and a miss's (begun with its call, awaited to insert its
     # entry) both give up after semantic.embed_timeout_ms, a miss each, and the clients get
     # their answers while the embeddings calls are still unanswered.
-    app, url = held
-    semantic = {**UPSTREAM_EMBEDDER, "embed_timeout_ms": 50}
-    async with run_gateway([url], semantic=semantic) as gw:
-        await chat(gw, "How do I reset my router?")
-        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the first entry")
-        app.released.clear()
+    async with hung_after_one_entry(held) as (app, gw):
         # A lookup in a scope with entries: its probe's embedding hangs.
         probed = await chat(gw, "How can I reset my router?")
         assert probed.headers["x-carpool"] == "miss"
@@ -98,13 +107,8 @@ async def test_a_hung_upstream_embedder_is_skipped_after_three_failures_until_a_
     # default) for as long as the embedder hung. Three failed embeddings open the breaker: lookups
     # then send no embeddings call (a miss at once) but one try a second, and a try that
     # answers closes it.
-    app, url = held
-    semantic = {**UPSTREAM_EMBEDDER, "embed_timeout_ms": 50}
-    async with run_gateway([url], semantic=semantic) as gw:
-        await chat(gw, "How do I reset my router?")
-        await eventually(lambda: gw.gateway.semantic.entries == 1, what="the first entry")
+    async with hung_after_one_entry(held) as (app, gw):
         breaker = gw.gateway.semantic.embedder.breaker
-        app.released.clear()
         for n in range(5):
             if breaker.retry_at is not None:
                 break
