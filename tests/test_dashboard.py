@@ -369,3 +369,48 @@ async def test_with_an_admin_token_the_dashboard_asks_for_it_and_then_polls_stat
         board = await page.evaluate("() => window.carpoolDashboard")
         assert board["errors"] == 0 and board["last"]["requests"] == 1
         await context.close()
+
+
+async def test_under_workers_the_dashboard_draws_the_runs_totals(gw, browser):
+    """``carpool serve --workers N``: one worker answers every poll (the page keeps its
+    connection); its document's ``run`` holds the run's figures, which the page draws and shows
+    instead of that worker's own."""
+    docs = [
+        {
+            "pid": 7,
+            "requests": 1,
+            "misses": 1,
+            "hits": 0,
+            "saved_fraction": 0.0,
+            "run": {"requests": 4, "misses": 2, "hits": 2, "saved_fraction": 0.5, "workers": 2},
+        },
+        {
+            "pid": 7,
+            "requests": 1,
+            "misses": 1,
+            "hits": 0,
+            "saved_fraction": 0.0,
+            "run": {"requests": 10, "misses": 3, "hits": 7, "saved_fraction": 0.7, "workers": 2},
+        },
+    ]
+    polls = 0
+
+    async def stats_route(route) -> None:
+        nonlocal polls
+        doc = docs[min(polls, len(docs) - 1)]
+        polls += 1
+        await route.fulfill(status=200, content_type="application/json", body=json.dumps(doc))
+
+    page = await browser.new_page()
+    thrown: list[str] = []
+    page.on("pageerror", lambda e: thrown.append(str(e)))
+    await page.route("**/stats", stats_route)
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 2", timeout=WAIT_MS)
+    view = await page.evaluate(SNAPSHOT_JS, None)
+    assert thrown == []
+    assert view["tiles"]["tile-requests"]["text"] == "10"
+    assert view["tiles"]["tile-saved"]["text"] == "70.0%"
+    series = view["board"]["drawn"]["outcomes"]["series"]
+    assert series["hit"]["total"] == 5 and series["miss"]["total"] == 1  # (the run's deltas)
+    await page.close()

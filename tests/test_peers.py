@@ -722,3 +722,23 @@ async def test_a_keyed_request_passed_on_whole_is_counted_once_where_it_runs(fak
         assert runs["requests"] + asks["requests"] == 3
         assert sum(f["count"] for f in runs["latency_ms"].values()) == 2  # (the refusal: untimed)
         assert asks["latency_ms"] == {}
+
+
+async def test_stats_on_any_worker_carries_the_runs_totals(fake):
+    """The dashboard keeps one connection, so one worker answered every poll and its charts
+    showed that worker's traffic alone: ``/stats`` is still the answering worker's document,
+    with ``run``, the workers' figures summed."""
+    async with two_workers(fake.url, admin_token="t") as pair:
+        admin = {"Authorization": "Bearer t"}
+        await pair.a.chat(owned_by(pair.a.gateway, 0, prefix="A's own"))  # a miss on A
+        mine = owned_by(pair.b.gateway, 1, prefix="B's own")
+        await pair.b.chat(mine)  # a miss on B
+        await pair.b.chat(mine)  # a hit on B
+        doc = (await pair.a.client.get("/stats", headers=admin)).json()
+        assert (doc["requests"], doc["pid"]) == (1, os.getpid())
+        run = doc["run"]
+        assert (run["workers"], run["requests"], run["misses"], run["hits"]) == (2, 3, 2, 1)
+        assert run["saved_fraction"] == round(1 / 3, 6) and run["upstream_calls"] == 2
+        assert run["layers"]["exact"]["entries"] == 2
+        assert run["latency_ms"]["miss"]["count"] == 2
+        assert "run" not in pair.b.gateway.snapshot()  # (a worker's own, through its door)

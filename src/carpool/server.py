@@ -83,7 +83,7 @@ from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
 from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting
-from .peers.metrics import merge
+from .peers.metrics import merge, run_totals
 from .pipeline import Gateway, Reply
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
@@ -256,6 +256,15 @@ class GatewayApp:
                 self.gateway.observe(reply, time.monotonic() - started)
 
 
+def _document(text: str) -> dict[str, Any] | None:
+    """A worker's ``/stats`` document, or None if it is none (never a 500 for the run's)."""
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 # How a reply is sent: ``_send_reply`` (ASGI) or the HTTP protocol's own writes.
 Respond = Callable[[Reply, ClientWatch], Awaitable[None]]
 
@@ -355,7 +364,12 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
     async def stats(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
-        return Response(orjson.dumps(gateway.snapshot()), media_type="application/json")
+        doc, peers = gateway.snapshot(), gateway.layers.peers
+        if peers is not None and request.scope.get(PEER) is not True:
+            # This worker's document, and the run's figures (``peers.metrics.run_totals``).
+            others = [_document(text) for text in await peers.stats()]
+            doc["run"] = run_totals([doc, *(o for o in others if o is not None)])
+        return Response(orjson.dumps(doc), media_type="application/json")
 
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:

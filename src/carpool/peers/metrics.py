@@ -1,4 +1,5 @@
-"""The workers' ``/metrics`` as one: what a scrape of the run's one port gets.
+"""The workers' ``/metrics`` as one: what a scrape of the run's one port gets; and the run's
+totals in ``/stats`` (``run``), which the dashboard draws.
 
 Contract:
 - The workers of ``carpool serve --workers N`` share one port, and the kernel gives each
@@ -16,18 +17,25 @@ Contract:
 - A worker that does not answer in time adds nothing to that scrape (logged by ``Peers``): its
   counters are missing from the sum once, which Prometheus reads as a reset, as it reads a
   worker that restarted (its counters start again from 0).
+- ``/stats`` stays the answering worker's document (its ``pid``), with ``run``
+  (:func:`run_totals`): the workers' counters summed (``saved_fraction`` of the sums), their
+  flights, caches and replicas' calls summed, and per outcome the latency figures of the
+  worker whose are highest (percentiles do not add up), ``workers`` the documents summed. The
+  dashboard draws ``run`` when there is one: it polls on one kept-alive connection, so one
+  worker answered every poll, and its charts showed that worker's traffic alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-__all__ = ["HIGHEST", "merge"]
+__all__ = ["HIGHEST", "merge", "run_totals"]
 
 # Gauges that are a state or a rate, not an amount: the highest worker's value, never a sum.
 HIGHEST = frozenset({"carpool_semantic_wrong_rate", "carpool_semantic_backoff"})
@@ -66,3 +74,58 @@ class _Fixed(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
+
+
+# The counters of a ``/stats`` document, summed in ``run``.
+SUMMED = (
+    "requests",
+    "hits",
+    "semantic_hits",
+    "coalesced",
+    "misses",
+    "bypass",
+    "rejected",
+    "abandoned",
+    "upstream_calls",
+    "upstream_errors",
+    "tokens_saved",
+    "saved_without_usage",
+    "flights",
+    "waiters",
+)
+
+
+def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures from its workers' ``/stats`` documents (the module's contract)."""
+    run: dict[str, Any] = {key: sum(_number(doc.get(key)) for doc in docs) for key in SUMMED}
+    saved = run["hits"] + run["semantic_hits"] + run["coalesced"]
+    eligible = saved + run["misses"]
+    run["saved_fraction"] = round(saved / eligible, 6) if eligible else 0.0
+    layers: dict[str, dict[str, float]] = {}
+    replicas: dict[str, dict[str, Any]] = {}
+    latency: dict[str, dict[str, float]] = {}
+    for doc in docs:
+        for name, layer in (doc.get("layers") or {}).items():
+            into = layers.setdefault(name, {"entries": 0, "bytes": 0})
+            for field in ("entries", "bytes"):
+                into[field] += _number(layer.get(field))
+        for name, replica in (doc.get("replicas") or {}).items():
+            into = replicas.setdefault(name, {**replica, "calls": 0, "in_flight": 0})
+            for field in ("calls", "in_flight"):
+                into[field] += _number(replica.get(field))
+        for outcome, figures in (doc.get("latency_ms") or {}).items():
+            into = latency.setdefault(outcome, {"p50": 0, "p95": 0, "p99": 0, "count": 0})
+            for field in ("p50", "p95", "p99"):
+                into[field] = max(into[field], _number(figures.get(field)))
+            into["count"] += _number(figures.get("count"))
+    return {
+        **run,
+        "layers": layers,
+        "replicas": replicas,
+        "latency_ms": latency,
+        "workers": len(docs),
+    }
+
+
+def _number(value: Any) -> float:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else 0

@@ -26,9 +26,9 @@ Contract:
   sockets and the spare ones); how many answers they dropped. A worker that does not answer
   holds nothing to drop when it is down (a new process starts empty); one that is alive but
   does not answer in time is logged.
-- ``metrics()``: every other worker's own ``/metrics`` text, asked at once through its door
-  (which answers for that worker alone), for ``peers.metrics.merge``; one that does not answer
-  within ``_SCRAPE_TIMEOUT`` is left out of that scrape (logged).
+- ``metrics()``, ``stats()``: every other worker's own ``/metrics`` text or ``/stats``
+  document, asked at once through its door (which answers for that worker alone), for
+  ``peers.metrics``; one that does not answer within ``_SCRAPE_TIMEOUT`` is left out (logged).
 - A worker without a slot (``Peers(meeting, config)``: every slot was held as it started) is a
   client of the owners, owning nothing: ``index`` is None, so ``owner_of`` always names an
   owner; it asks them, sends keyed requests to their records' owners, and passes invalidations
@@ -243,26 +243,35 @@ class Peers:
     async def metrics(self) -> list[str]:
         """Every other worker's own ``/metrics`` (``peers.metrics``); one that does not answer
         adds nothing (logged)."""
-        texts = await asyncio.gather(*(self._metrics_of(path) for path in self._others()))
+        return await self._own_of_each("/metrics")
+
+    async def stats(self) -> list[str]:
+        """Every other worker's own ``/stats`` document (JSON text), as ``metrics``."""
+        return await self._own_of_each("/stats")
+
+    async def _own_of_each(self, path: str) -> list[str]:
+        texts = await asyncio.gather(*(self._own_of(socket, path) for socket in self._others()))
         return [text for text in texts if text is not None]
 
-    async def _metrics_of(self, path: Path) -> str | None:
+    async def _own_of(self, socket: Path, path: str) -> str | None:
+        """``path`` (``/metrics``, ``/stats``) as the worker on ``socket`` answers it for itself
+        (through its door), or None."""
         headers = {PEER_HEADER.decode(): self._secret}
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"
         try:
-            async with self._session(path).get(
-                "http://worker/metrics", headers=headers, timeout=_SCRAPE_TIMEOUT
+            async with self._session(socket).get(
+                f"http://worker{path}", headers=headers, timeout=_SCRAPE_TIMEOUT
             ) as response:
                 if response.status == 200:
                     return await response.text()
                 why = f"status {response.status}"
         except _UNREACHED as error:  # (down: a spare's stale file, often)
-            log.info("worker %s is down: not in this scrape (%s)", path.name, _why(error))
+            log.info("worker %s is down: not in this %s (%s)", socket.name, path, _why(error))
             return None
         except _FAILED as error:
             why = _why(error)
-        log.warning("worker %s gave no metrics: %s", path.name, why)
+        log.warning("worker %s gave no %s: %s", socket.name, path, why)
         return None
 
     async def _invalidate_on(self, path: Path, spec: Any) -> int:
