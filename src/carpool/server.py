@@ -31,6 +31,9 @@ Contract:
   too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
   peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
   on measured the client's own headers, and the hop adds its own.
+- Among the workers of ``--workers N`` without Redis, ``/metrics`` answers the run's sum and
+  ``/stats`` the answering worker's document with the run's totals (``run``): the others' are
+  asked through their doors, which answer for their own worker alone (``peers.metrics``).
 - Under ``carpool serve`` (one process, or each worker: ``create_worker_app``), startup collects
   the garbage then freezes the collector (``gc.freeze``): what was built lives as long as the
   process, and full collections no longer walk it. ``create_app`` never does: a host that mounts
