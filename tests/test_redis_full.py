@@ -106,6 +106,24 @@ async def test_a_keyed_request_runs_once_on_a_full_redis_and_its_retries_are_tol
         )
 
 
+async def test_a_retry_of_a_stream_whose_response_a_full_redis_did_not_keep_is_told_too(
+    fake: Any, redis_server: Any
+) -> None:
+    """The record says it ran in whatever format the retry asks (it was a 422, "held as not a
+    stream"), counted as a refusal, not a hit."""
+    key = {"Idempotency-Key": "order-2"}
+    async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
+        await fill(client)
+        first, _ = await a.stream_chat("q", headers=key)
+        assert first.status_code == 200
+        for retry in ((await b.stream_chat("q", headers=key))[0], await b.chat("q", headers=key)):
+            assert retry.status_code == 507
+            assert retry.json()["code"] == "idempotency_response_not_kept"
+        counts = b.gateway.snapshot()
+        assert (counts["hits"], counts["rejected"], counts["latency_ms"]) == (0, 2, {})
+        assert fake.count() == 1
+
+
 async def test_instances_share_one_flight_on_a_full_redis(fake: Any, redis_server: Any) -> None:
     async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
         await fill(client)

@@ -52,6 +52,7 @@ from .errors import (
     IdempotencyConflict,
     IdempotencyFormatMismatch,
     IdempotencyMismatch,
+    IdempotencyResponseNotKept,
     IdempotencyUnavailable,
 )
 from .final import is_final, replay_as, saved_tokens
@@ -133,6 +134,8 @@ class AtMostOnce:
             return self._refused(IdempotencyConflict(), request)
         if begin.state == "done":
             assert begin.response is not None
+            if _not_kept(begin.response):  # (in any format: no answer is replayed)
+                return self._refused(IdempotencyResponseNotKept(), request)
             stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
             if stored is None:
                 return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
@@ -202,8 +205,9 @@ class AtMostOnce:
         return max(0, int(self.clock.now() - response.created))
 
     def _refused(self, error: CarpoolError, request: Request) -> Reply:
-        """The gateway's own refusal of a keyed request (409, 422, 503), counted as the other
-        requests it refuses are (``rejected`` in /stats): nothing ran."""
+        """The gateway's own refusal of a keyed request (409, 422, 503; 507: it ran, its
+        response was not kept), counted as the other requests it refuses are (``rejected`` in
+        /stats): nothing ran for it."""
         self.stats.rejected += 1
         return refusal(error, request.api)
 
@@ -235,6 +239,9 @@ class AtMostOnce:
                 )
             if begin.state == "done":
                 assert begin.response is not None
+                if _not_kept(begin.response):  # (the list's answer: this item's, below)
+                    self.stats.rejected += 1
+                    return begin.response, Outcome.BYPASS, None
                 self._replayed(route, request.kind, begin.response)
                 return begin.response, Outcome.HIT, self._age(begin.response)
             if begin.state != "new" or begin.token is None:
@@ -425,3 +432,12 @@ async def _shielded(work: Any) -> None:
     (the caller raises what it is handling)."""
     with contextlib.suppress(BaseException):
         await _settle(work)
+
+
+def _not_kept(response: StoredResponse) -> bool:
+    """Whether a record holds, in place of its response, that the request ran and its response
+    was not kept (``IdempotencyResponseNotKept``: a full Redis, ``redis.idempotency``)."""
+    return (
+        response.status == IdempotencyResponseNotKept.status
+        and IdempotencyResponseNotKept.code.encode() in response.body
+    )
