@@ -377,6 +377,9 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
             )
         assert held.is_set() and response.status_code == 503
         assert response.headers["retry-after"] == "1" and fake.count() == 0
+        # This worker's own refusal, counted here (it was counted by no worker for a while).
+        counts = gateway.snapshot()
+        assert (counts["requests"], counts["rejected"], counts["latency_ms"]) == (1, 1, {})
     finally:
         await door.aclose()
         peers.remove(directory)

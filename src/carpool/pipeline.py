@@ -226,9 +226,11 @@ class Gateway:
                 _waiting(client)
                 reply = await self.peers.run_on(owner, client)
                 if reply is not None:
-                    # Counted where it ran, which alone sees what it saved or refused.
-                    COUNTED.set(True)
-                    COUNTED_ELSEWHERE.set(True)
+                    if reply.rejected:  # this worker's own refusal (the owner out of reach)
+                        self.stats.rejected += 1
+                    else:  # counted where it ran, which alone sees what it saved or refused
+                        COUNTED.set(True)
+                        COUNTED_ELSEWHERE.set(True)
                     return reply
             if client.peer:  # (passed on whole by another worker: counted here, where it runs)
                 COUNTED_ELSEWHERE.set(False)

@@ -68,7 +68,7 @@ from ..apis import BY_PATH, Api
 from ..errors import LeaderLost, UpstreamStreamBroken
 from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
-from ..reply import Reply, error_reply
+from ..reply import Reply, refusal
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
 from ..upstream.http import closer, sse_payloads
 from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
@@ -461,7 +461,7 @@ def _owner_unreachable(owner: int, client: ClientRequest) -> Reply:
         f"The worker holding this Idempotency-Key's record (worker {owner}) is down or "
         "restarting; the request was not run. Retry it with the same key."
     )
-    return error_reply(refused, Outcome.BYPASS, BY_PATH[client.path])
+    return refusal(refused, BY_PATH[client.path])
 
 
 def _sent_unanswered(owner: int, client: ClientRequest, error: BaseException) -> Reply:
@@ -473,4 +473,4 @@ def _sent_unanswered(owner: int, client: ClientRequest, error: BaseException) ->
         "retry is answered from its record; if that worker died, its record (kept in its "
         "memory: no Redis) died with it, and the retry may run the request again."
     )
-    return error_reply(refused, Outcome.BYPASS, BY_PATH[client.path])
+    return refusal(refused, BY_PATH[client.path])
