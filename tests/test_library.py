@@ -371,3 +371,17 @@ async def test_a_closed_gateway_refuses_requests_rather_than_open_connections_ag
     await gateway.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await gateway.request("/v1/chat/completions", _BODY)
+
+
+@pytest.mark.parametrize("headers", [{"x-custom": "a\nb"}, {"x-custom": "a\x00b"}, {"x bad": "v"}])
+async def test_a_header_no_http_request_could_carry_is_a_value_error_and_no_replicas_fault(headers):
+    # The upstream client refused to build the call, which counted as the replica failing:
+    # three such calls downed both replicas, none having been sent anything.
+    gateway = build_gateway(
+        Config(), upstreams=[FunctionUpstream(_ok, "a"), FunctionUpstream(_ok, "b")]
+    )
+    with pytest.raises(ValueError, match="header"):
+        await gateway.request("/v1/chat/completions", _BODY, headers=headers)
+    assert gateway.snapshot()["upstream_errors"] == 0
+    assert all(r["state"] == "healthy" for r in gateway.replicas.health().values())
+    await gateway.aclose()

@@ -70,6 +70,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -645,7 +646,9 @@ def _endpoint(path: str) -> str:
 
 
 def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
-    """``headers`` with lower-case names (as ASGI gives them); ``TypeError`` for one not text."""
+    """``headers`` with lower-case names (as ASGI gives them); ``TypeError`` for one not text,
+    ``ValueError`` for one no HTTP request could carry (a name that is no RFC 9110 token, a
+    value with CR, LF or NUL: the upstream client refused it, and the replica was downed)."""
     lowered = {}
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
@@ -653,8 +656,14 @@ def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
             raise TypeError(
                 f"header {name!r}: names and values must be str, not {type(wrong).__name__}"
             )
+        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
+            raise ValueError(f"header {name!r}: no HTTP request could carry it (name or value)")
         lowered[name.lower()] = value
     return lowered
+
+
+# A header name: RFC 9110's token characters.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _query_of(query: str) -> bytes:

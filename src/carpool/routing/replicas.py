@@ -26,9 +26,9 @@ all, and so whether ``text`` matters):
   raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
   the client) and does not down the replica; nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
-  502 or 504, by ``observe``). Any other exception the upstream raises (a ``FunctionUpstream``'s
-  function failed) is a failed call too, counted as a 502 and downing the replica, and is not
-  retried (the call may have run); a cancellation is no verdict. A request sent whole and not answered in time
+  502 or 504, by ``observe``). A ``FunctionUpstream``'s function that raised
+  (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
+  not retried (the call may have run); a cancellation or any other exception is no verdict. A request sent whole and not answered in time
   (``UpstreamNoAnswer``, 504) is not retried either when the replica answered other calls
   meanwhile (it is alive and may be running it: a long generation would run twice, its client
   waiting twice the timeout); silent to every call since, it is taken for hung (a frozen
@@ -79,6 +79,7 @@ from carpool.errors import (
 )
 from carpool.routing import Decision, RoutingPolicy
 from carpool.upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
+from carpool.upstream.function import FunctionFailed
 
 log = logging.getLogger("carpool.routing")
 
@@ -256,15 +257,16 @@ class ReplicaSet:
                 replica.probing = False
                 self._observe(replica, error.status, decision)
                 raise
-            except Exception as error:
-                # Any other failure of the upstream's own (a ``FunctionUpstream``'s function
-                # raised): its clients get a 502, and so does the replica's record. Not failed
-                # over: the call may have run. (The traceback is the flight's to log.)
+            except FunctionFailed as error:
+                # A ``FunctionUpstream``'s function raised: its clients get a 502, and so does
+                # the replica's record. Not failed over: the call may have run. (Any other
+                # exception is no verdict on the replica: a request the client library could
+                # not even build, say. The traceback is the flight's to log.)
                 self._failed(replica, f"raised {type(error).__name__}", seen)
                 self._observe(replica, 502, decision)
                 raise
             except BaseException:
-                replica.probing = False  # cancelled: no verdict
+                replica.probing = False  # cancelled, or not the replica's doing: no verdict
                 raise
             self._observe(replica, response.status, decision)
             if response.status < 500 or response.status in _NOT_THIS_CALL:

@@ -22,6 +22,11 @@ from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse, unstre
 Call = Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]]
 
 
+class FunctionFailed(Exception):
+    """The wrapped function raised (its exception is the ``__cause__``): a failed call of the
+    replica (``routing.replicas``), a 502 to its clients."""
+
+
 class FunctionUpstream:
     def __init__(self, call: Call, name: str = "function") -> None:
         self.call = call
@@ -29,7 +34,10 @@ class FunctionUpstream:
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         body = unstreamed(request.body)
-        result = await self.call(request.path, body)
+        try:
+            result = await self.call(request.path, body)
+        except Exception as error:  # (the function's own failure: a failed call of its replica)
+            raise FunctionFailed(f"{self.name} raised {type(error).__name__}") from error
         return UpstreamResponse(
             200, {"content-type": "application/json"}, body=orjson.dumps(result)
         )
