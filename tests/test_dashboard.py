@@ -392,6 +392,16 @@ async def test_under_workers_the_dashboard_draws_the_runs_totals(gw, browser):
             "saved_fraction": 0.0,
             "run": {"requests": 10, "misses": 3, "hits": 7, "saved_fraction": 0.7, "workers": 2},
         },
+        # A worker missed this poll (its figures left out), then answers again: no rate from
+        # either, and no restart (the charts were cleared, then drew its lifetime as one step).
+        {
+            "pid": 7,
+            "run": {"requests": 6, "misses": 2, "hits": 4, "saved_fraction": 0.67, "workers": 1},
+        },
+        {
+            "pid": 7,
+            "run": {"requests": 15, "misses": 3, "hits": 12, "saved_fraction": 0.8, "workers": 2},
+        },
     ]
     polls = 0
 
@@ -406,11 +416,11 @@ async def test_under_workers_the_dashboard_draws_the_runs_totals(gw, browser):
     page.on("pageerror", lambda e: thrown.append(str(e)))
     await page.route("**/stats", stats_route)
     await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
-    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 2", timeout=WAIT_MS)
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 5", timeout=WAIT_MS)
     view = await page.evaluate(SNAPSHOT_JS, None)
     assert thrown == []
-    assert view["tiles"]["tile-requests"]["text"] == "10"
-    assert view["tiles"]["tile-saved"]["text"] == "70.0%"
+    assert view["tiles"]["tile-requests"]["text"] == "15"
+    assert view["tiles"]["tile-saved"]["text"] == "80.0%"
     series = view["board"]["drawn"]["outcomes"]["series"]
     assert series["hit"]["total"] == 5 and series["miss"]["total"] == 1  # (the run's deltas)
     await page.close()

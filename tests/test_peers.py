@@ -745,3 +745,23 @@ async def test_stats_on_any_worker_carries_the_runs_totals(fake):
         assert run["layers"]["exact"]["entries"] == 2
         assert run["latency_ms"]["miss"]["count"] == 2
         assert "run" not in pair.b.gateway.snapshot()  # (a worker's own, through its door)
+
+
+def test_the_runs_totals_sum_each_replicas_errors_take_its_worst_state_and_skip_odd_shapes():
+    # The run's replica showed one worker's errors and health beside the run's calls; a worker
+    # whose document had an odd part (a None where an object goes) made /stats a 500.
+    from carpool.peers.metrics import run_totals
+
+    a = {"requests": 2, "replicas": {"r0": {"state": "healthy", "calls": 5, "errors": 0}}}
+    b = {
+        "requests": 3,
+        "replicas": {"r0": {"state": "down", "calls": 7, "errors": 7}, "r1": None},
+        "layers": {"exact": None},
+        "latency_ms": {"miss": None, "hit": {"p50": 1.5, "count": 2}},
+    }
+    run = run_totals([a, b, {"replicas": [1, 2], "latency_ms": "x"}])
+    assert (run["requests"], run["workers"]) == (5, 3)
+    assert run["replicas"] == {
+        "r0": {"state": "down", "calls": 12, "errors": 7, "in_flight": 0, "failures": 0}
+    }
+    assert run["layers"] == {} and run["latency_ms"]["hit"]["count"] == 2

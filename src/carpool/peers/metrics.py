@@ -96,7 +96,9 @@ SUMMED = (
 
 
 def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run's figures from its workers' ``/stats`` documents (the module's contract)."""
+    """The run's figures from its workers' ``/stats`` documents (the module's contract). Each
+    replica's calls, load, errors and failures summed, its state the worst a worker saw. What
+    is not of the expected shape in a document counts nothing (never a 500 for the run's)."""
     run: dict[str, Any] = {key: sum(_number(doc.get(key)) for doc in docs) for key in SUMMED}
     saved = run["hits"] + run["semantic_hits"] + run["coalesced"]
     eligible = saved + run["misses"]
@@ -105,15 +107,17 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
     replicas: dict[str, dict[str, Any]] = {}
     latency: dict[str, dict[str, float]] = {}
     for doc in docs:
-        for name, layer in (doc.get("layers") or {}).items():
+        for name, layer in _pairs(doc.get("layers")):
             into = layers.setdefault(name, {"entries": 0, "bytes": 0})
             for field in ("entries", "bytes"):
                 into[field] += _number(layer.get(field))
-        for name, replica in (doc.get("replicas") or {}).items():
-            into = replicas.setdefault(name, {**replica, "calls": 0, "in_flight": 0})
-            for field in ("calls", "in_flight"):
+        for name, replica in _pairs(doc.get("replicas")):
+            into = replicas.setdefault(name, {**replica, **dict.fromkeys(_REPLICA_SUMMED, 0)})
+            for field in _REPLICA_SUMMED:
                 into[field] += _number(replica.get(field))
-        for outcome, figures in (doc.get("latency_ms") or {}).items():
+            if _WORSE.get(str(replica.get("state")), 0) > _WORSE.get(str(into.get("state")), 0):
+                into["state"] = replica["state"]
+        for outcome, figures in _pairs(doc.get("latency_ms")):
             into = latency.setdefault(outcome, {"p50": 0, "p95": 0, "p99": 0, "count": 0})
             for field in ("p50", "p95", "p99"):
                 into[field] = max(into[field], _number(figures.get(field)))
@@ -125,6 +129,19 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
         "latency_ms": latency,
         "workers": len(docs),
     }
+
+
+# A replica's figures summed over the workers, and its states from the best to the worst.
+_REPLICA_SUMMED = ("calls", "in_flight", "errors", "failures")
+_WORSE = {"healthy": 0, "probing": 1, "down": 2}
+
+
+def _pairs(value: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The name, object pairs of a document's object of objects (nothing of another shape)."""
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            if isinstance(name, str) and isinstance(inner, dict):
+                yield name, inner
 
 
 def _number(value: Any) -> float:
