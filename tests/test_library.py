@@ -371,6 +371,8 @@ async def test_a_closed_gateway_refuses_requests_rather_than_open_connections_ag
     await gateway.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await gateway.request("/v1/chat/completions", _BODY)
+    with pytest.raises(RuntimeError, match="closed"):
+        await gateway.passthrough("GET", "/models", b"", {}, b"")
 
 
 @pytest.mark.parametrize("headers", [{"x-custom": "a\nb"}, {"x-custom": "a\x00b"}, {"x bad": "v"}])

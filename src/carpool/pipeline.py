@@ -581,7 +581,8 @@ class Gateway:
         ``carpool_request_duration_seconds`` under its outcome (``request``, and the HTTP
         server for the requests it serves: it never calls ``request``). Only a request counted
         under its outcome: not one the gateway refused (``rejected``), so that the histogram
-        counts what ``carpool_requests_total`` does; nor one another worker passed on
+        counts what ``carpool_requests_total`` does (but for a keyed list, whose items are
+        counted each and which is timed once); nor one another worker passed on
         (``COUNTED_ELSEWHERE``: timed where it is counted)."""
         if reply.outcome is not None and not reply.rejected and not COUNTED_ELSEWHERE.get():
             self.metrics.observe(reply.outcome, seconds)
@@ -592,7 +593,10 @@ class Gateway:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
         a transport failure downs the replica (``ReplicaSet.passthrough``). A call on a stored
-        response (``/responses/{id}...``) goes to the replica that made it (``routing.state``)."""
+        response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
+        ``RuntimeError`` once the gateway is closed, as ``request``."""
+        if self.closed:
+            raise RuntimeError("this gateway is closed (aclose): build another")
         holder = None
         if self.replicas.chooses and (stored := path_state(path)) is not None:
             holder = self.layers.holders.holder(requester(headers, self.config), stored)
