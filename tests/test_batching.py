@@ -21,6 +21,7 @@ from carpool.batching import (
 )
 from carpool.errors import UpstreamUnreachable
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+from fakes.waiting import eventually
 
 
 def vector(model: str, item: Any) -> list[float]:
@@ -302,19 +303,81 @@ async def test_an_item_whose_callers_all_left_before_sending_is_dropped() -> Non
     assert send.items == [["kept"]] and len(waits) == 2
 
 
-async def test_a_request_joins_a_running_batch_of_its_item() -> None:
+async def test_the_generic_scheduler_joins_a_running_batch_of_its_item() -> None:
+    # (``join_running``, on by default: the semantic embedders' vectors of a text never change)
+    gate, calls, compute = gated_upper()
+    waits: list[float] = []
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(
+        compute, max_batch_size=8, max_batch_delay_s=0.0, observe_wait=waits.append
+    )
+    first = asyncio.create_task(batcher.submit("g", "same", "same"))
+    await eventually(lambda: len(calls) == 1, what="the first batch sent")
+    second = asyncio.create_task(batcher.submit("g", "same", "same"))
+    await eventually(lambda: len(waits) == 2, what="the second submit joining")
+    gate.set()
+    assert await asyncio.gather(first, second) == ["SAME", "SAME"]
+    assert calls == [["same"]] and waits[-1] == 0.0
+
+
+async def test_an_embeddings_request_never_joins_a_call_already_sent() -> None:
     gate = asyncio.Event()
     send = FakeSend(gate=gate)
-    waits: list[float] = []
-    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.0, observe_wait=waits.append)
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.0)
     first = asyncio.create_task(batcher.embed(req("same")))
     await send.entered.wait()
     second = asyncio.create_task(batcher.embed(req("same")))
-    await asyncio.sleep(0)
+    await eventually(lambda: len(send.calls) == 2, what="a call of its own")
     gate.set()
     a, b = await asyncio.gather(first, second)
-    assert a.body == b.body and len(send.calls) == 1
-    assert waits[-1] == 0.0 and len(waits) == 2
+    assert own(a)["data"] == own(b)["data"]
+
+
+EMBEDDINGS = "/v1/embeddings"
+
+
+def embedding_calls(fake: Any) -> list[Any]:
+    return [c for c in fake.calls if c.path == EMBEDDINGS]
+
+
+async def test_an_embeddings_request_after_an_invalidation_never_joins_a_call_begun_before_it(
+    gateway_with, fake
+):
+    """The flights promise it (``admin.invalidate``: no request joins a call begun before an
+    invalidation); the batcher let such a request join the running call of its item, whose
+    answer (from before the invalidation) it was served and stored."""
+    body, auth = {"model": "e", "input": "old fact"}, {"authorization": "Bearer A"}
+    async with gateway_with(batching={"max_batch_delay_ms": 0, "embeddings": "on"}) as gw:
+        fake.gate = asyncio.Event()
+        before = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(1)
+        await gw.gateway.invalidate({"all": True})
+        after = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(2)  # its own call, begun after the invalidation
+        fake.gate.set()
+        old, new = await before, await after
+        assert old.json()["model"] == "e#call1" and new.json()["model"] == "e#call2"
+        again = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
+        assert again.headers["x-carpool"] == "hit" and again.json()["model"] == "e#call2"
+        assert len(embedding_calls(fake)) == 2
+
+
+async def test_an_embeddings_joiner_that_timed_out_gets_a_call_of_its_own(gateway_with, fake):
+    """``coalesce.join_timeout_ms``: a joiner that waited that long runs its own call. Its call
+    went through the batcher, which joined it to the very call it had timed out on."""
+    body, auth = {"model": "e", "input": "slow"}, {"authorization": "Bearer A"}
+    async with gateway_with(
+        batching={"max_batch_delay_ms": 0, "embeddings": "on"},
+        coalesce={"join_timeout_ms": 50},
+    ) as gw:
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(1)
+        joiner = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(2)  # the joiner's own, once it timed out
+        fake.gate.set()
+        answers = await asyncio.gather(leader, joiner)
+        assert all(r.status_code == 200 for r in answers)
+        assert len(embedding_calls(fake)) == 2
 
 
 async def test_non_batchable_requests_bypass_the_batcher() -> None:

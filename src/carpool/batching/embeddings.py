@@ -22,6 +22,12 @@ Contract
   headers. The token budget
   (``max_batch_tokens``) counts approximate tokens: a string's characters / 4 (rounded up, at
   least 1), a token list's length.
+- Only a batch still filling is shared: identical items in it take one slot, but a request
+  never joins a call already sent (the scheduler's ``join_running`` is off). Identical requests
+  share one flight before they get here (``flight.py``), so one that reaches the batcher while
+  its item's call runs is one that must not share that call: a request after an invalidation
+  (no request joins a call begun before one), or a joiner that timed out waiting for that very
+  call (``coalesce.join_timeout_ms``) and runs its own.
 - Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
   send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
   "model": ..., "usage": {"prompt_tokens", "total_tokens"}}``, the upstream's usage apportioned
@@ -169,6 +175,12 @@ class EmbeddingBatcher:
             max_batch_delay_s=max_batch_delay_s,
             max_batch_cost=max_batch_tokens,
             max_in_flight=max_in_flight,
+            # No request joins a call already sent: identical requests already share one
+            # flight above, and a request that comes to the batcher while its item's call runs
+            # wants a call of its own: one after an invalidation must not get (and store) the
+            # answer of a call begun before it, nor a joiner that timed out on that very call
+            # (``coalesce.join_timeout_ms``) wait on it again.
+            join_running=False,
             observe_wait=observe_wait,
             observe_size=observe_size,
         )
