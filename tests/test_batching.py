@@ -300,7 +300,7 @@ async def test_an_item_whose_callers_all_left_before_sending_is_dropped() -> Non
     assert own(response)["data"][0]["embedding"] == vector("emb", "kept")
     with pytest.raises(asyncio.CancelledError):
         await leaving
-    assert send.items == [["kept"]] and len(waits) == 2
+    assert send.items == ["kept"] and len(waits) == 2  # (a batch of one: sent as it came)
 
 
 async def test_the_generic_scheduler_joins_a_running_batch_of_its_item() -> None:
@@ -413,7 +413,7 @@ async def test_a_text_and_a_token_list_are_never_batched_together() -> None:
         batcher.embed(req([1, 2, 3])),
         batcher.embed(req([4, 5])),
     )
-    assert sorted(send.items, key=len) == [["1 2 3"], [[1, 2, 3], [4, 5]]]
+    assert send.items in (["1 2 3", [[1, 2, 3], [4, 5]]], [[[1, 2, 3], [4, 5]], "1 2 3"])
     assert own(a)["data"][0]["embedding"] == vector("emb", [1, 2, 3])
     assert own(b)["data"][0]["embedding"] == vector("emb", "1 2 3")
     assert own(d)["data"][0]["embedding"] == vector("emb", [4, 5])
@@ -438,14 +438,14 @@ async def test_token_budget_flushes() -> None:
     send.calls.clear()
     big = "x" * 400
     await asyncio.wait_for(asyncio.gather(batcher.embed(req("small")), batcher.embed(req(big))), 1)
-    assert send.items == [["small"], [big]]
+    assert send.items == ["small", big]
 
 
 async def test_the_delay_timer_flushes() -> None:
     send = FakeSend()
     batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.005)
     await asyncio.wait_for(batcher.embed(req("alone")), 1)
-    assert send.items == [["alone"]]
+    assert send.items == ["alone"]
 
 
 async def test_usage_is_apportioned_across_distinct_items() -> None:
@@ -737,3 +737,49 @@ async def test_the_list_checks_verdicts_are_bounded_the_least_recently_used_forg
     assert lists.stats()["groups"] == 4
     assert lists.verdict(groups[0]) is True and lists.verdict(groups[1]) is None
     assert lists.verdict(groups[5]) is True
+
+
+def client_headers(i: int) -> dict[str, str]:
+    """Forwarded headers that change no answer (so they split no batch), each client's own."""
+    return {
+        "authorization": "Bearer A",
+        "traceparent": f"00-0af7651916cd43dd8448eb211c8031{i:02x}-b7ad6b7169203331-01",
+        "x-request-id": f"rid-{i}",
+        "user-agent": f"app/{i}",
+    }
+
+
+@pytest.mark.parametrize("why", ["a batch of one", "merging not known safe", "item by item"])
+async def test_an_embeddings_item_sent_alone_is_sent_as_its_client_sent_it(gateway_with, fake, why):
+    """A merged call carries none of the callers' own ``user`` nor headers (they may differ);
+    an item sent alone has no other caller, yet it was sent as that merged call would be: its
+    ``user``, trace context, request id and user agent dropped."""
+    batching: dict[str, Any] = {"max_batch_size": 2, "max_batch_delay_ms": 60_000}
+    if why == "a batch of one":
+        batching = {}  # the defaults (merging "auto"): a lone request is a batch of one
+    elif why == "item by item":
+        batching["embeddings"] = "on"  # merged, refused (a 500 may be one item's), retried
+        fake.fail_status, fake.fail_times = 500, 1
+    count = 1 if why == "a batch of one" else 2
+    texts = [f"{why} {i}" for i in range(count)]
+    async with gateway_with(batching=batching) as gw:
+        responses = await asyncio.gather(
+            *(
+                gw.client.post(
+                    EMBEDDINGS,
+                    json={"model": "e", "input": text, "user": f"end-user-{i}"},
+                    headers=client_headers(i),
+                )
+                for i, text in enumerate(texts)
+            )
+        )
+        await gw.gateway.batcher.wait_idle()
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    alone = [c for c in embedding_calls(fake) if c.body["input"] in texts]  # (not the probe's)
+    assert sorted(c.body["input"] for c in alone) == texts
+    for call in alone:
+        i = texts.index(call.body["input"])
+        assert call.body == {"model": "e", "input": texts[i], "user": f"end-user-{i}"}
+        assert {name: call.headers.get(name) for name in client_headers(i)} == client_headers(i)
+    if why == "item by item":
+        assert [c.body["input"] for c in embedding_calls(fake)][0] == texts  # the merged call
