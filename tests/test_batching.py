@@ -106,7 +106,8 @@ def own(response: UpstreamResponse) -> dict[str, Any]:
     assert parsed["object"] == "list"
     assert len(parsed["data"]) == 1
     assert parsed["data"][0]["object"] == "embedding" and parsed["data"][0]["index"] == 0
-    assert set(parsed["usage"]) == {"prompt_tokens", "total_tokens"}
+    # (a merged call's share is marked as such; an item sent alone has the upstream's own)
+    assert set(parsed["usage"]) - {"apportioned"} == {"prompt_tokens", "total_tokens"}
     return parsed
 
 
@@ -783,3 +784,47 @@ async def test_an_embeddings_item_sent_alone_is_sent_as_its_client_sent_it(gatew
         assert {name: call.headers.get(name) for name in client_headers(i)} == client_headers(i)
     if why == "item by item":
         assert [c.body["input"] for c in embedding_calls(fake)][0] == texts  # the merged call
+
+
+async def test_apportioned_embeddings_usage_is_marked_on_the_answer_and_on_every_copy(
+    gateway_with, fake
+):
+    """A merged call's usage is shared out by approximate tokens (characters / 4): an estimate,
+    not the engine's count for each input (a 1-token input alone was 1, merged 51). It was given
+    unmarked, and stored: later hits kept the estimate as if it were the engine's."""
+    words = " ".join(["word"] * 100)  # 100 tokens for the fake (one a word), ~125 by characters
+    one = "x" * 200  # 1 token for the fake, ~50 by characters
+    auth = {"authorization": "Bearer A"}
+    batching = {"max_batch_size": 2, "max_batch_delay_ms": 60_000, "embeddings": "on"}
+    async with gateway_with(batching=batching) as gw:
+        merged = await asyncio.gather(
+            gw.client.post(EMBEDDINGS, json={"model": "e", "input": words}, headers=auth),
+            gw.client.post(
+                EMBEDDINGS,
+                json={"model": "e", "input": one},
+                headers={**auth, "Idempotency-Key": "k1"},
+            ),
+        )
+        assert [c.body["input"] for c in embedding_calls(fake)] == [[words, one]]
+        usages = [r.json()["usage"] for r in merged]
+        assert all(u["apportioned"] is True for u in usages)
+        assert sum(u["prompt_tokens"] for u in usages) == 101  # the engine's total, shared
+        assert all(r.headers["x-carpool-usage"] == "apportioned" for r in merged)
+        # Stored with its mark: a hit, and an idempotent replay, say so too.
+        hit = await gw.client.post(EMBEDDINGS, json={"model": "e", "input": one}, headers=auth)
+        replay = await gw.client.post(
+            EMBEDDINGS,
+            json={"model": "e", "input": one},
+            headers={**auth, "Idempotency-Key": "k1"},
+        )
+        assert replay.headers.get("idempotent-replayed") == "true"
+        for copy in (hit, replay):
+            assert copy.headers["x-carpool"] == "hit"
+            assert copy.headers["x-carpool-usage"] == "apportioned"
+            assert copy.json()["usage"] == usages[1]
+    assert len(embedding_calls(fake)) == 1
+    async with gateway_with() as gw:  # (the defaults: a lone request goes alone at once)
+        # Sent alone, an input gets the engine's own count, unmarked.
+        alone = await gw.client.post(EMBEDDINGS, json={"model": "e", "input": "y" * 200})
+        assert alone.json()["usage"] == {"prompt_tokens": 1, "total_tokens": 1}
+        assert "x-carpool-usage" not in alone.headers

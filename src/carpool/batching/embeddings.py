@@ -36,23 +36,28 @@ Contract
   (no request joins a call begun before one), or a joiner that timed out waiting for that very
   call (``coalesce.join_timeout_ms``) and runs its own.
 - Each caller of a merged call receives a complete OpenAI embeddings response for its own item,
-  bytes ready to send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
-  "model": ..., "usage": {"prompt_tokens", "total_tokens"}}``, the upstream's usage apportioned
-  to the distinct items in proportion to their approximate tokens (integer shares by largest
-  remainder, summing to the upstream's figures; a duplicate caller is charged its item's share).
+  bytes ready to send: ``{"object": "list", "data": [{"object": "embedding", "index": 0,
+  "embedding": ...}], "model": ..., "usage": {"prompt_tokens", "total_tokens",
+  "apportioned"}}``, the upstream's usage apportioned to the distinct items in proportion to
+  their approximate tokens (integer shares by largest remainder, summing to the upstream's
+  figures; a duplicate caller is charged its item's share).
   Response headers are the upstream's, less framing ones (``content-length``...), with
   ``content-type: application/json``.
 - A non-2xx answer to a merged call of two or more items that one item may have caused (a 4xx
   or 5xx, except those about the call's credentials, model or load: ``_NOT_AN_ITEM``) is not
   every caller's: engines refuse a whole list for one bad item (a text over the context, a token
   id outside the vocabulary). Each item is then sent alone (above), and each caller gets the
-  upstream's answer to its own item. Any other non-2xx
-  answer reaches every caller of the batch as the same status, headers and body; an exception
-  from ``send`` is raised to every caller; a 2xx answer that does not hold one embedding per
-  input is an ``UpstreamError`` (502) for all of them.
+  upstream's answer to its own item. Any other non-2xx answer reaches every caller of the
+  batch as the same status, headers and body; an exception from ``send`` is raised to every
+  caller; a 2xx answer that does not hold one embedding per input is an ``UpstreamError``
+  (502) for all of them.
 - Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
   ``total_tokens``, each when it is there); an upstream that reported none gives answers
-  without ``usage``: nothing is invented.
+  without ``usage``: nothing is invented. Apportioned usage is an estimate (the engine counts
+  tokens, not characters), and says so: its object ends with ``"apportioned": true``
+  (``answer.APPORTIONED``), which the gateway answers with ``x-carpool-usage: apportioned``
+  (``reply.whole``). The answer is stored with it: a later hit gets the same figure, marked the
+  same way. An item sent alone gets the upstream's own usage, unmarked.
 
 Merging must not change an answer (issue 15), so merging is asked of a
 :class:`carpool.batching.ListCheck` (``lists``; None: always merge, for an upstream known to be
@@ -396,7 +401,12 @@ class EmbeddingBatcher:
                 "model": model_name,
             }
             if shares:
-                answer["usage"] = {name: values[i] for name, values in shares.items()}
+                # Marked, last (``answer.APPORTIONED``): an estimate, not the engine's count
+                # for this input; the mark rides in the body so that every copy keeps it.
+                answer["usage"] = {
+                    **{name: values[i] for name, values in shares.items()},
+                    "apportioned": True,
+                }
             out.append((orjson.dumps(answer), headers))
         return out
 
