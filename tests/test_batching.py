@@ -21,6 +21,7 @@ from carpool.batching import (
 )
 from carpool.errors import UpstreamUnreachable
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
+from fakes.waiting import eventually
 
 
 def vector(model: str, item: Any) -> list[float]:
@@ -105,7 +106,8 @@ def own(response: UpstreamResponse) -> dict[str, Any]:
     assert parsed["object"] == "list"
     assert len(parsed["data"]) == 1
     assert parsed["data"][0]["object"] == "embedding" and parsed["data"][0]["index"] == 0
-    assert set(parsed["usage"]) == {"prompt_tokens", "total_tokens"}
+    # (a merged call's share is marked as such; an item sent alone has the upstream's own)
+    assert set(parsed["usage"]) - {"apportioned"} == {"prompt_tokens", "total_tokens"}
     return parsed
 
 
@@ -299,22 +301,84 @@ async def test_an_item_whose_callers_all_left_before_sending_is_dropped() -> Non
     assert own(response)["data"][0]["embedding"] == vector("emb", "kept")
     with pytest.raises(asyncio.CancelledError):
         await leaving
-    assert send.items == [["kept"]] and len(waits) == 2
+    assert send.items == ["kept"] and len(waits) == 2  # (a batch of one: sent as it came)
 
 
-async def test_a_request_joins_a_running_batch_of_its_item() -> None:
+async def test_the_generic_scheduler_joins_a_running_batch_of_its_item() -> None:
+    # (``join_running``, on by default: the semantic embedders' vectors of a text never change)
+    gate, calls, compute = gated_upper()
+    waits: list[float] = []
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(
+        compute, max_batch_size=8, max_batch_delay_s=0.0, observe_wait=waits.append
+    )
+    first = asyncio.create_task(batcher.submit("g", "same", "same"))
+    await eventually(lambda: len(calls) == 1, what="the first batch sent")
+    second = asyncio.create_task(batcher.submit("g", "same", "same"))
+    await eventually(lambda: len(waits) == 2, what="the second submit joining")
+    gate.set()
+    assert await asyncio.gather(first, second) == ["SAME", "SAME"]
+    assert calls == [["same"]] and waits[-1] == 0.0
+
+
+async def test_an_embeddings_request_never_joins_a_call_already_sent() -> None:
     gate = asyncio.Event()
     send = FakeSend(gate=gate)
-    waits: list[float] = []
-    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.0, observe_wait=waits.append)
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.0)
     first = asyncio.create_task(batcher.embed(req("same")))
     await send.entered.wait()
     second = asyncio.create_task(batcher.embed(req("same")))
-    await asyncio.sleep(0)
+    await eventually(lambda: len(send.calls) == 2, what="a call of its own")
     gate.set()
     a, b = await asyncio.gather(first, second)
-    assert a.body == b.body and len(send.calls) == 1
-    assert waits[-1] == 0.0 and len(waits) == 2
+    assert own(a)["data"] == own(b)["data"]
+
+
+EMBEDDINGS = "/v1/embeddings"
+
+
+def embedding_calls(fake: Any) -> list[Any]:
+    return [c for c in fake.calls if c.path == EMBEDDINGS]
+
+
+async def test_an_embeddings_request_after_an_invalidation_never_joins_a_call_begun_before_it(
+    gateway_with, fake
+):
+    """The flights promise it (``admin.invalidate``: no request joins a call begun before an
+    invalidation); the batcher let such a request join the running call of its item, whose
+    answer (from before the invalidation) it was served and stored."""
+    body, auth = {"model": "e", "input": "old fact"}, {"authorization": "Bearer A"}
+    async with gateway_with(batching={"max_batch_delay_ms": 0, "embeddings": "on"}) as gw:
+        fake.gate = asyncio.Event()
+        before = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(1)
+        await gw.gateway.invalidate({"all": True})
+        after = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(2)  # its own call, begun after the invalidation
+        fake.gate.set()
+        old, new = await before, await after
+        assert old.json()["model"] == "e#call1" and new.json()["model"] == "e#call2"
+        again = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
+        assert again.headers["x-carpool"] == "hit" and again.json()["model"] == "e#call2"
+        assert len(embedding_calls(fake)) == 2
+
+
+async def test_an_embeddings_joiner_that_timed_out_gets_a_call_of_its_own(gateway_with, fake):
+    """``coalesce.join_timeout_ms``: a joiner that waited that long runs its own call. Its call
+    went through the batcher, which joined it to the very call it had timed out on."""
+    body, auth = {"model": "e", "input": "slow"}, {"authorization": "Bearer A"}
+    async with gateway_with(
+        batching={"max_batch_delay_ms": 0, "embeddings": "on"},
+        coalesce={"join_timeout_ms": 50},
+    ) as gw:
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(1)
+        joiner = asyncio.create_task(gw.client.post(EMBEDDINGS, json=body, headers=auth))
+        await fake.wait_for_calls(2)  # the joiner's own, once it timed out
+        fake.gate.set()
+        answers = await asyncio.gather(leader, joiner)
+        assert all(r.status_code == 200 for r in answers)
+        assert len(embedding_calls(fake)) == 2
 
 
 async def test_non_batchable_requests_bypass_the_batcher() -> None:
@@ -350,7 +414,7 @@ async def test_a_text_and_a_token_list_are_never_batched_together() -> None:
         batcher.embed(req([1, 2, 3])),
         batcher.embed(req([4, 5])),
     )
-    assert sorted(send.items, key=len) == [["1 2 3"], [[1, 2, 3], [4, 5]]]
+    assert send.items in (["1 2 3", [[1, 2, 3], [4, 5]]], [[[1, 2, 3], [4, 5]], "1 2 3"])
     assert own(a)["data"][0]["embedding"] == vector("emb", [1, 2, 3])
     assert own(b)["data"][0]["embedding"] == vector("emb", "1 2 3")
     assert own(d)["data"][0]["embedding"] == vector("emb", [4, 5])
@@ -375,14 +439,14 @@ async def test_token_budget_flushes() -> None:
     send.calls.clear()
     big = "x" * 400
     await asyncio.wait_for(asyncio.gather(batcher.embed(req("small")), batcher.embed(req(big))), 1)
-    assert send.items == [["small"], [big]]
+    assert send.items == ["small", big]
 
 
 async def test_the_delay_timer_flushes() -> None:
     send = FakeSend()
     batcher = EmbeddingBatcher(send, max_batch_size=32, max_batch_delay_s=0.005)
     await asyncio.wait_for(batcher.embed(req("alone")), 1)
-    assert send.items == [["alone"]]
+    assert send.items == ["alone"]
 
 
 async def test_usage_is_apportioned_across_distinct_items() -> None:
@@ -674,3 +738,93 @@ async def test_the_list_checks_verdicts_are_bounded_the_least_recently_used_forg
     assert lists.stats()["groups"] == 4
     assert lists.verdict(groups[0]) is True and lists.verdict(groups[1]) is None
     assert lists.verdict(groups[5]) is True
+
+
+def client_headers(i: int) -> dict[str, str]:
+    """Forwarded headers that change no answer (so they split no batch), each client's own."""
+    return {
+        "authorization": "Bearer A",
+        "traceparent": f"00-0af7651916cd43dd8448eb211c8031{i:02x}-b7ad6b7169203331-01",
+        "x-request-id": f"rid-{i}",
+        "user-agent": f"app/{i}",
+    }
+
+
+@pytest.mark.parametrize("why", ["a batch of one", "merging not known safe", "item by item"])
+async def test_an_embeddings_item_sent_alone_is_sent_as_its_client_sent_it(gateway_with, fake, why):
+    """A merged call carries none of the callers' own ``user`` nor headers (they may differ);
+    an item sent alone has no other caller, yet it was sent as that merged call would be: its
+    ``user``, trace context, request id and user agent dropped."""
+    batching: dict[str, Any] = {"max_batch_size": 2, "max_batch_delay_ms": 60_000}
+    if why == "a batch of one":
+        batching = {}  # the defaults (merging "auto"): a lone request is a batch of one
+    elif why == "item by item":
+        batching["embeddings"] = "on"  # merged, refused (a 500 may be one item's), retried
+        fake.fail_status, fake.fail_times = 500, 1
+    count = 1 if why == "a batch of one" else 2
+    texts = [f"{why} {i}" for i in range(count)]
+    async with gateway_with(batching=batching) as gw:
+        responses = await asyncio.gather(
+            *(
+                gw.client.post(
+                    EMBEDDINGS,
+                    json={"model": "e", "input": text, "user": f"end-user-{i}"},
+                    headers=client_headers(i),
+                )
+                for i, text in enumerate(texts)
+            )
+        )
+        await gw.gateway.batcher.wait_idle()
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    alone = [c for c in embedding_calls(fake) if c.body["input"] in texts]  # (not the probe's)
+    assert sorted(c.body["input"] for c in alone) == texts
+    for call in alone:
+        i = texts.index(call.body["input"])
+        assert call.body == {"model": "e", "input": texts[i], "user": f"end-user-{i}"}
+        assert {name: call.headers.get(name) for name in client_headers(i)} == client_headers(i)
+    if why == "item by item":
+        assert [c.body["input"] for c in embedding_calls(fake)][0] == texts  # the merged call
+
+
+async def test_apportioned_embeddings_usage_is_marked_on_the_answer_and_on_every_copy(
+    gateway_with, fake
+):
+    """A merged call's usage is shared out by approximate tokens (characters / 4): an estimate,
+    not the engine's count for each input (a 1-token input alone was 1, merged 51). It was given
+    unmarked, and stored: later hits kept the estimate as if it were the engine's."""
+    words = " ".join(["word"] * 100)  # 100 tokens for the fake (one a word), ~125 by characters
+    one = "x" * 200  # 1 token for the fake, ~50 by characters
+    auth = {"authorization": "Bearer A"}
+    batching = {"max_batch_size": 2, "max_batch_delay_ms": 60_000, "embeddings": "on"}
+    async with gateway_with(batching=batching) as gw:
+        merged = await asyncio.gather(
+            gw.client.post(EMBEDDINGS, json={"model": "e", "input": words}, headers=auth),
+            gw.client.post(
+                EMBEDDINGS,
+                json={"model": "e", "input": one},
+                headers={**auth, "Idempotency-Key": "k1"},
+            ),
+        )
+        assert [c.body["input"] for c in embedding_calls(fake)] == [[words, one]]
+        usages = [r.json()["usage"] for r in merged]
+        assert all(u["apportioned"] is True for u in usages)
+        assert sum(u["prompt_tokens"] for u in usages) == 101  # the engine's total, shared
+        assert all(r.headers["x-carpool-usage"] == "apportioned" for r in merged)
+        # Stored with its mark: a hit, and an idempotent replay, say so too.
+        hit = await gw.client.post(EMBEDDINGS, json={"model": "e", "input": one}, headers=auth)
+        replay = await gw.client.post(
+            EMBEDDINGS,
+            json={"model": "e", "input": one},
+            headers={**auth, "Idempotency-Key": "k1"},
+        )
+        assert replay.headers.get("idempotent-replayed") == "true"
+        for copy in (hit, replay):
+            assert copy.headers["x-carpool"] == "hit"
+            assert copy.headers["x-carpool-usage"] == "apportioned"
+            assert copy.json()["usage"] == usages[1]
+    assert len(embedding_calls(fake)) == 1
+    async with gateway_with() as gw:  # (the defaults: a lone request goes alone at once)
+        # Sent alone, an input gets the engine's own count, unmarked.
+        alone = await gw.client.post(EMBEDDINGS, json={"model": "e", "input": "y" * 200})
+        assert alone.json()["usage"] == {"prompt_tokens": 1, "total_tokens": 1}
+        assert "x-carpool-usage" not in alone.headers

@@ -16,7 +16,9 @@ answer, asked directly:
   official ``openai`` SDK's retries on; an error the engine reported keeps its status and
   message;
 - single embeddings are merged into list calls only once a probe has shown that the engine
-  answers lists item by item; an engine that does not never has its list answers served.
+  answers lists item by item (for the credentials and headers it was probed with: a router may
+  send another key to another engine); an engine that does not never has its list answers
+  served.
 
 Joiners get into a flight through the fake's ``chunk_gate`` (the upstream pauses mid-stream until
 every client is in), never by sleeping.
@@ -382,6 +384,58 @@ async def test_singles_are_merged_once_the_probe_shows_lists_are_answered_item_b
     ]
     assert [vector(r) for r in first + second] == alone
     assert calls == 4 + 3 + 1  # alone, the probe, one merged
+
+
+async def test_a_list_verdict_holds_only_for_the_credentials_and_headers_it_was_probed_with(
+    gateway_with, fake
+):
+    """A router in front of the engines may send one key, or one value of a forwarded header
+    that may change the answer, to an engine that answers lists wrongly. The verdict was kept
+    per body template only: a probe passed with tenant A's key let tenant B's items, and those
+    sent to another deployment, be merged and answered with wrong vectors."""
+
+    def routed_to_a_broken_engine(call) -> bool:
+        return (
+            call.headers.get("authorization") == "Bearer B"
+            or call.headers.get("x-backend") == "llama"
+        )
+
+    fake.broken_list_embeddings = routed_to_a_broken_engine
+    a = {"authorization": "Bearer A"}
+    asking = {"A": a, "B": {"authorization": "Bearer B"}, "A on llama": {**a, "x-backend": "llama"}}
+
+    async def pair(served, who: str, round_: int) -> list[httpx.Response]:
+        texts = [f"{who} item {i}, round {round_}" for i in range(2)]
+        responses = await asyncio.gather(
+            *(
+                served.client.post(
+                    EMBEDDINGS, json={"model": "e", "input": text}, headers=asking[who]
+                )
+                for text in texts
+            )
+        )
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        alone = [
+            (await direct(fake, EMBEDDINGS, {"model": "e", "input": text}))["data"][0]["embedding"]
+            for text in texts
+        ]
+        assert [vector(r) for r in responses] == alone, who
+        return responses
+
+    async with gateway_with(batching={"max_batch_size": 2, "max_batch_delay_ms": 60_000}) as gw:
+        await pair(gw, "A", 1)  # sent alone; the probe (with A's key) finds lists right
+        await gw.gateway.batcher.wait_idle()
+        await pair(gw, "A", 2)  # merged now
+        merged = [["A item 0, round 2", "A item 1, round 2"]]
+        assert list_calls(fake)[-1] == merged[0]
+        for who in ("B", "A on llama"):
+            await pair(gw, who, 1)  # not merged on A's verdict: alone, and probed on its own
+            await gw.gateway.batcher.wait_idle()
+        lists = gw.gateway.batcher.stats()["lists"]
+        assert (lists["probes"], lists["lists_right"], lists["lists_wrong"]) == (3, 1, 2)
+        for who in ("B", "A on llama"):
+            await pair(gw, who, 2)  # known wrong for them: still alone
+        assert [items for items in list_calls(fake) if items != list(PROBE_INPUTS)] == merged
 
 
 async def test_with_embeddings_batching_off_nothing_is_merged_nor_probed(gateway_with, fake):

@@ -15,6 +15,10 @@ Contract:
   as the upstream reported them (``usage``); 0 when it reported none. ``usage_missing`` says
   that the body has no ``usage`` at all (e.g. assembled from the stream of an engine that
   ignores ``stream_options.include_usage``): nothing is invented in its place.
+  ``usage_apportioned`` says that its ``usage`` is not the upstream's figure for it but a share
+  of a merged embeddings call's (``batching.embeddings``), which its body says itself: its
+  ``usage`` object ends with ``"apportioned": true`` (``APPORTIONED``), so every copy of it
+  (stored, lingering, another worker's, another instance's) says so too.
 - An ``Answer`` is immutable once built; many clients read it at once. Its ``body`` is a copy
   of exactly its length (see ``__post_init__``; ``restored`` is given one), so ``size`` is what
   it really holds.
@@ -29,6 +33,10 @@ from typing import Any
 import orjson
 
 from .apis import api_of
+
+# How the body of an answer whose usage is apportioned ends (``usage_apportioned``): the
+# batcher writes ``usage`` last, with ``apportioned`` its last key (orjson: no spaces).
+APPORTIONED = b',"apportioned":true}}'
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +102,12 @@ class Answer:
                 missing = False
             self._usage_missing = missing
         return missing
+
+    @property
+    def usage_apportioned(self) -> bool:
+        """Whether the body's ``usage`` is a share of a merged call's, not the upstream's own
+        figure for it (``carpool.batching.embeddings``). Read from the body's end: no parse."""
+        return self.kind == "embedding" and self.body.endswith(APPORTIONED)
 
     @property
     def size(self) -> int:

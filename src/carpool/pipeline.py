@@ -40,7 +40,8 @@ Contract:
   (``_refused_another``).
 - An answer served whole (JSON, or SSE to a client that asked for usage) whose body has no
   ``usage`` because the engine reported none carries ``x-carpool-usage: missing``; nothing is
-  invented. ``tokens_saved`` counts what the engine reported for the answers of hits and
+  invented. One whose ``usage`` is its share of a merged embeddings call's carries
+  ``x-carpool-usage: apportioned`` (``Answer.usage_apportioned``). ``tokens_saved`` counts what the engine reported for the answers of hits and
   joiners (streaming joiners once their stream ended whole); ``saved_without_usage`` counts the
   others.
 - With ``redis``, identical requests on different instances share one call too: the lead of each

@@ -6,7 +6,9 @@ Contract:
   ``Reply.close()``, which the transport calls when the stream ends or the client goes.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
   chunk if it asked for it), ``age`` on a hit; an answer whose body has no ``usage`` because
-  the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented).
+  the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented); one whose
+  ``usage`` is its share of a merged embeddings call's (``Answer.usage_apportioned``) carries
+  ``x-carpool-usage: apportioned``, whoever it is served to (a hit, a joiner, a replay too).
 - ``age_header(seconds)``: a hit's ``age`` (whole seconds, never negative), however the hit
   came: a stored answer, another worker's, an idempotent replay.
 - ``error_reply``: an error as its API shapes it (Anthropic's for Messages, OpenAI's otherwise);
@@ -40,6 +42,9 @@ SSE = (b"content-type", b"text/event-stream")
 SSE_HEADERS = [SSE, (b"cache-control", b"no-cache")]
 # On an answer whose body has no usage because the engine reported none (README, Streaming).
 USAGE_MISSING = (b"x-carpool-usage", b"missing")
+# On an answer whose usage is a share of a merged embeddings call's: an estimate, not the
+# engine's own count for this input (``carpool.batching.embeddings``).
+USAGE_APPORTIONED = (b"x-carpool-usage", b"apportioned")
 
 
 @dataclass(slots=True)
@@ -88,6 +93,10 @@ def whole(
         # The engine reported no usage for this answer (it ignored include_usage on the
         # stream it was assembled from): said so, rather than dropped silently or invented.
         headers.append(USAGE_MISSING)
+    elif answer.usage_apportioned:
+        # Its usage is its share of a merged embeddings call's, an estimate: said so, on every
+        # copy (the mark is in the body, which every layer keeps as it is).
+        headers.append(USAGE_APPORTIONED)
     if not stream:
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE

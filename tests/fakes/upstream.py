@@ -130,7 +130,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 - ``broken_list_embeddings: bool``: an embeddings call with a list of several inputs answers
   the first one's right vector and, for every other item, a wrong one (a deterministic vector
   of the item's index and the whole list), as llama-cpp-python's server does; a single input
-  (or a list of one) is answered right.
+  (or a list of one) is answered right. Or a function of the ``Call``, broken when it says so:
+  a router in front that sends some keys or headers to such an engine.
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
   (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
 - ``models: list[str]``: what ``GET /v1/models`` lists.
@@ -305,7 +306,7 @@ class FakeUpstream:
         self.tool_call_style: str = "openai"
         self.ignore_include_usage: bool = False
         self.empty_stream: bool = False
-        self.broken_list_embeddings: bool = False
+        self.broken_list_embeddings: bool | Callable[[Call], bool] = False
         self.embedding_fn: Callable[[Any], list[float]] | None = None
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
@@ -763,6 +764,9 @@ class FakeUpstream:
             return
         dims = body.get("dimensions") or 8
         model = body.get("model", "fake-embedding")
+        broken = self.broken_list_embeddings
+        if callable(broken):
+            broken = broken(call)
         data = []
         for i, item in enumerate(items):
             vector = (
@@ -770,7 +774,7 @@ class FakeUpstream:
                 if self.embedding_fn is not None
                 else _hash_vector(item, int(dims))
             )
-            if self.broken_list_embeddings and i > 0:
+            if broken and i > 0:
                 vector = _hash_vector(["wrong", i, items], len(vector))
             encoded: Any = vector
             if body.get("encoding_format") == "base64":

@@ -10,7 +10,9 @@ Contract
   ``compute(group, items) -> results`` (one result per item, same order). ``key`` identifies the
   item: submits with an equal ``key`` in the same group take *one* slot and share its result, and
   so does a submit whose item is already in a batch that was sent and is not finished yet
-  (``join_running``). Every caller gets the result of its own item.
+  (``join_running``, the default; without it such a submit starts the next batch, for a
+  caller that must not share a call already under way). Every caller gets the result of its
+  own item.
 - A batch is closed and sent when it holds ``max_batch_size`` distinct items, when adding an item
   would take its ``cost`` over ``max_batch_cost`` (the waiting batch leaves and the item starts
   the next; an item dearer than the budget goes alone), when its cost reaches the budget, or
@@ -33,8 +35,9 @@ Contract
 - One batcher serves one event loop.
 
 ``semantic.embed``'s embedders use this scheduler with a single group, ``key = item = text``,
-``cost = 1``, ``max_in_flight`` and ``grow_while_busy`` set; :mod:`carpool.batching.embeddings`
-uses it for the gateway's ``/embeddings``.
+``cost = 1``, ``max_in_flight`` and ``grow_while_busy`` set (and ``join_running``: a text's
+vector does not change); :mod:`carpool.batching.embeddings` uses it for the gateway's
+``/embeddings``, without ``join_running``.
 """
 
 from __future__ import annotations

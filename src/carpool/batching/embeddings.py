@@ -19,38 +19,53 @@ Contract
   ``fingerprint.neutral_headers``, left out as the key leaves them), so tenants' credentials
   and callers' options are never mixed. The merged call carries that body with a list
   ``input`` (its ``user`` dropped, as callers may differ), that query string and only those
-  headers. The token budget
-  (``max_batch_tokens``) counts approximate tokens: a string's characters / 4 (rounded up, at
-  least 1), a token list's length.
-- Each caller receives a complete OpenAI embeddings response for its own item, bytes ready to
-  send: ``{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": ...}],
-  "model": ..., "usage": {"prompt_tokens", "total_tokens"}}``, the upstream's usage apportioned
-  to the distinct items in proportion to their approximate tokens (integer shares by largest
-  remainder, summing to the upstream's figures; a duplicate caller is charged its item's share).
+  headers.
+- An item that goes alone (a batch of one item, each item while merging is not known safe,
+  the item-by-item retry below) is sent as its client sent it: its own request, body
+  (``user`` included) and every header forwarded (trace context, request id, user agent...:
+  nothing in it is another caller's), the first caller's when identical items shared its
+  slot; its caller gets the upstream's answer as it came (framing headers dropped on a 2xx),
+  status included, and an exception from ``send`` reaches that item's callers only. Such calls
+  are counted in ``alone``.
+- The token budget (``max_batch_tokens``) counts approximate tokens: a string's characters / 4
+  (rounded up, at least 1), a token list's length.
+- Only a batch still filling is shared: identical items in it take one slot, but a request
+  never joins a call already sent (the scheduler's ``join_running`` is off). Identical requests
+  share one flight before they get here (``flight.py``), so one that reaches the batcher while
+  its item's call runs is one that must not share that call: a request after an invalidation
+  (no request joins a call begun before one), or a joiner that timed out waiting for that very
+  call (``coalesce.join_timeout_ms``) and runs its own.
+- Each caller of a merged call receives a complete OpenAI embeddings response for its own item,
+  bytes ready to send: ``{"object": "list", "data": [{"object": "embedding", "index": 0,
+  "embedding": ...}], "model": ..., "usage": {"prompt_tokens", "total_tokens",
+  "apportioned"}}``, the upstream's usage apportioned to the distinct items in proportion to
+  their approximate tokens (integer shares by largest remainder, summing to the upstream's
+  figures; a duplicate caller is charged its item's share).
   Response headers are the upstream's, less framing ones (``content-length``...), with
   ``content-type: application/json``.
 - A non-2xx answer to a merged call of two or more items that one item may have caused (a 4xx
   or 5xx, except those about the call's credentials, model or load: ``_NOT_AN_ITEM``) is not
   every caller's: engines refuse a whole list for one bad item (a text over the context, a token
-  id outside the vocabulary). Each item is then sent alone, as while merging is not known
-  safe (below), and each caller gets the upstream's answer to its own item. Any other non-2xx
-  answer reaches every caller of the batch as the same status, headers and body; an exception
-  from ``send`` is raised to every caller; a 2xx answer that does not hold one embedding per
-  input is an ``UpstreamError`` (502) for all of them.
+  id outside the vocabulary). Each item is then sent alone (above), and each caller gets the
+  upstream's answer to its own item. Any other non-2xx answer reaches every caller of the
+  batch as the same status, headers and body; an exception from ``send`` is raised to every
+  caller; a 2xx answer that does not hold one embedding per input is an ``UpstreamError``
+  (502) for all of them.
 - Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
   ``total_tokens``, each when it is there); an upstream that reported none gives answers
-  without ``usage``: nothing is invented.
+  without ``usage``: nothing is invented. Apportioned usage is an estimate (the engine counts
+  tokens, not characters), and says so: its object ends with ``"apportioned": true``
+  (``answer.APPORTIONED``), which the gateway answers with ``x-carpool-usage: apportioned``
+  (``reply.whole``). The answer is stored with it: a later hit gets the same figure, marked the
+  same way. An item sent alone gets the upstream's own usage, unmarked.
 
 Merging must not change an answer (issue 15), so merging is asked of a
 :class:`carpool.batching.ListCheck` (``lists``; None: always merge, for an upstream known to be
 right; see :mod:`carpool.batching.lists` for its verdicts and probes):
 
 - ``embed``: a group whose verdict is False is not buffered at all: the request goes to
-  ``send`` as it came (counted in ``alone``). A batch closed while its verdict is not True is
-  sent item by item, each item's body with its own single ``input``, concurrently, and each
-  caller gets the upstream's own answer to its item, status included (an exception from
-  ``send`` reaches the callers of that item only). A batch of one item is a list of one
-  when merging is safe, the item alone otherwise.
+  ``send`` as it came (counted in ``alone``). A batch of two or more items closed while its
+  verdict is not True is sent item by item, each alone (above), concurrently.
 """
 
 from __future__ import annotations
@@ -110,6 +125,11 @@ class _BatchFailed(Exception):
         self.body = body
 
 
+# An item of a batch: its input, and the request of the caller that put it there (the first,
+# when identical items share its slot), sent as it came when the item goes alone.
+_Item = tuple[str | tuple[int, ...], UpstreamRequest]
+
+
 def approx_tokens(item: str | Sequence[int]) -> int:
     """Approximate tokens of one input: characters / 4 (at least 1) or a token list's length."""
     if isinstance(item, str):
@@ -163,12 +183,18 @@ class EmbeddingBatcher:
         self.lists = lists
         self.bypassed = 0
         self.alone = 0  # batchable requests/items sent alone, not merged
-        self._core: KeyedBatcher[str | tuple[int, ...], Any] = KeyedBatcher(
+        self._core: KeyedBatcher[_Item, Any] = KeyedBatcher(
             self._compute,
             max_batch_size=max_batch_size,
             max_batch_delay_s=max_batch_delay_s,
             max_batch_cost=max_batch_tokens,
             max_in_flight=max_in_flight,
+            # No request joins a call already sent: identical requests already share one
+            # flight above, and a request that comes to the batcher while its item's call runs
+            # wants a call of its own: one after an invalidation must not get (and store) the
+            # answer of a call begun before it, nor a joiner that timed out on that very call
+            # (``coalesce.join_timeout_ms``) wait on it again.
+            join_running=False,
             observe_wait=observe_wait,
             observe_size=observe_size,
         )
@@ -275,7 +301,8 @@ class EmbeddingBatcher:
             return await self._send(request)
         key = (type(item).__name__, item)
         try:
-            result = await self._core.submit(group, key, item, approx_tokens(item))
+            # The request rides with its item: sent alone, the item is sent as it came.
+            result = await self._core.submit(group, key, (item, request), approx_tokens(item))
         except _BatchFailed as failed:
             return UpstreamResponse(failed.status, failed.headers, failed.body)
         if isinstance(result, BaseException):  # this item's own call failed
@@ -283,36 +310,45 @@ class EmbeddingBatcher:
         return cast(UpstreamResponse, result)
 
     async def _compute(
-        self, group: Any, items: list[str | tuple[int, ...]]
+        self, group: Any, items: list[_Item]
     ) -> list[UpstreamResponse | BaseException]:
-        if self.lists is not None and self.lists.verdict(group) is not True:
-            if len(items) > 1:
+        if len(items) == 1 or (self.lists is not None and self.lists.verdict(group) is not True):
+            if len(items) > 1 and self.lists is not None:
                 self.lists.probe(group)  # in the background: these go alone now
-            self.alone += len(items)
-            return await asyncio.gather(
-                *(self._one(group, item) for item in items), return_exceptions=True
-            )
-        async with self._call(group, [_value(item) for item in items]) as (response, body):
+            return await self._alone(items)
+        values = [value for value, _ in items]
+        async with self._call(group, [_value(value) for value in values]) as (response, body):
             if 200 <= response.status < 300:
                 return [
                     UpstreamResponse(200, headers, answer)
-                    for answer, headers in self._split(response, items, body["model"])
+                    for answer, headers in self._split(response, values, body["model"])
                 ]
-            if len(items) == 1 or response.status in _NOT_AN_ITEM:
+            if response.status in _NOT_AN_ITEM:
                 raise _BatchFailed(response.status, response.headers, response.body)
         # Refused, maybe for one item (engines refuse a whole list for one): each item alone,
         # so that the others get their answers and that one its own refusal.
+        return await self._alone(items)
+
+    async def _alone(self, items: list[_Item]) -> list[UpstreamResponse | BaseException]:
+        """Each item in a call of its own, concurrently: each caller's own result."""
         self.alone += len(items)
         return await asyncio.gather(
-            *(self._one(group, item) for item in items), return_exceptions=True
+            *(self._one(request) for _, request in items), return_exceptions=True
         )
 
-    async def _one(self, group: Any, item: str | tuple[int, ...]) -> UpstreamResponse:
-        """One item in a call of its own: the upstream's answer to it, as it came."""
-        async with self._call(group, _value(item)) as (response, _):
+    async def _one(self, request: UpstreamRequest) -> UpstreamResponse:
+        """One item in a call of its own: its request as its client sent it (its body, ``user``
+        included, and every header forwarded: nothing in it is another caller's), and the
+        upstream's answer to it, as it came."""
+        response = await self._send(request)
+        try:
+            if response.streaming:
+                raise UpstreamError("the upstream answered an embeddings call with a stream")
             if not 200 <= response.status < 300:
                 return UpstreamResponse(response.status, response.headers, response.body)
             return UpstreamResponse(response.status, _answer_headers(response), response.body)
+        finally:
+            await response.aclose()
 
     @contextlib.asynccontextmanager
     async def _call(
@@ -365,7 +401,12 @@ class EmbeddingBatcher:
                 "model": model_name,
             }
             if shares:
-                answer["usage"] = {name: values[i] for name, values in shares.items()}
+                # Marked, last (``answer.APPORTIONED``): an estimate, not the engine's count
+                # for this input; the mark rides in the body so that every copy keeps it.
+                answer["usage"] = {
+                    **{name: values[i] for name, values in shares.items()},
+                    "apportioned": True,
+                }
             out.append((orjson.dumps(answer), headers))
         return out
 

@@ -10,16 +10,21 @@ Contract
 - ``ListCheck.verdict(group)`` is True when merging the group's items is known safe on every
   replica, False when it is known unsafe on one (or ``mode`` is ``off``), None while unknown.
   ``mode`` ``on`` is always True. With ``auto``, a replica is known safe for a group's path,
-  model, parameters, query string and kind of item (texts, or token lists: an engine may take
-  one and not the other, or answer a list of one kind wrongly) once a *probe* has sent it a
+  model, parameters, query string, kind of item (texts, or token lists: an engine may take
+  one and not the other, or answer a list of one kind wrongly), credentials and forwarded
+  headers that may change the answer (the group's identity: a proxy or router in front of the
+  engine may send each key or each such header to another engine, so a verdict found for one
+  says nothing of another; the price is one probe per tenant) once a *probe* has sent it a
   2-item list of two fixed items of that kind (``PROBE_INPUTS``: sentences; ``PROBE_TOKENS``:
   token ids) and each of them alone (with the group's credentials) and the list's vectors
   matched the single ones (cosine >= ``SAME_VECTOR``, same length). A list answered wrongly,
-  malformed, or refused with a 4xx other than 408/409/429 makes it unsafe for good; a probe
+  malformed, or refused with a 4xx other than 408/409/429 makes it unsafe for good (for that
+  identity: another key's may be answered right); a probe
   that cannot decide (a single answered non-2xx, a transport failure, a 5xx) is tried again
   after ``retry_s``. Verdicts are kept per replica, for at most ``max_groups`` groups (the
-  least recently asked forgotten: a group is a body template, the clients' to vary, so it is
-  probed again if it comes back). Probes run in the
+  least recently asked forgotten: a group is a body template and an identity, the clients' to
+  vary, so it is probed again if it comes back), the identity as a digest (the raw credentials
+  are never kept). Probes run in the
   background (``probe(group)``, at most one per replica and group at a time), started by the
   first batch of two or more items that could not be merged; their answers never reach a
   client. ``aclose()`` cancels those still running; ``wait_idle()`` waits for them.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import math
 import struct
 import time
@@ -97,8 +103,10 @@ class ListCheck:
 
     @staticmethod
     def _key(group: Any) -> Hashable:
-        path, _identity, template, query, kind = group
-        return path, template, query, kind  # what the engine answers: not who asks
+        path, identity, template, query, kind = group
+        # Who asks too: the credentials and answer-changing headers may pick another engine
+        # (a router's deployment, a tenant's own backend), whose lists may be answered wrongly.
+        return path, _digest(identity), template, query, kind
 
     def verdict(self, group: Any) -> bool | None:
         if self.mode != "auto":
@@ -197,6 +205,18 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
         _same(one[0], item)  # type: ignore[index]  # (each is a list: checked above)
         for one, item in zip(alone, listed, strict=True)
     )
+
+
+def _digest(identity: Sequence[tuple[str, str]]) -> bytes:
+    """A group's identity headers as a digest: verdicts outlive requests, and the raw
+    credentials are never kept (as ``identity.tenant_of``)."""
+    digest = hashlib.blake2b(digest_size=16, person=b"carpool-lists")
+    for name, value in identity:
+        for part in (name, value):
+            # Length-prefixed: no choice of values can make two identities hash the same text.
+            data = part.encode("utf-8", "surrogateescape")
+            digest.update(len(data).to_bytes(4, "big") + data)
+    return digest.digest()
 
 
 def _vectors(raw: bytes, count: int) -> list[list[float]] | None:

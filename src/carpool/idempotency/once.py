@@ -15,7 +15,9 @@ Contract:
   seconds since its answer was made (``StoredResponse.created``: the first reply's time on the
   gateway's clock, less the ``age`` that reply said; none for a record kept without it),
   without calling upstream; a 422 (``IdempotencyFormatMismatch``) when it has no faithful
-  form in that format. A list's item replayed from its record counts its age as well.
+  form in that format. A list's item replayed from its record counts its age as well. A replay
+  in the first answer's format repeats its content type and its ``x-carpool-usage`` (what it
+  said of the usage in the body it repeats: ``apportioned``, ``missing``), no other header.
 - Only a final answer is kept (``is_final``): after a retryable one the record is dropped and a
   retry runs again. A stream is kept as the client received it, once it ended (``_Recorded``);
   one that ended with an error event, or whose client left, is dropped. The record is dropped
@@ -339,8 +341,12 @@ def _said_age(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """What a replay repeats of the first answer's headers: its content type, not its outcome."""
-    return [(name, value) for name, value in headers if name == b"content-type"]
+    """What a replay repeats of the first answer's headers: its content type and what it says of
+    its usage (``x-carpool-usage``: the body it repeats is the same), not its outcome."""
+    return [(name, value) for name, value in headers if name in _REPLAYED_HEADERS]
+
+
+_REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
 
 
 class _Recorded:

@@ -166,8 +166,11 @@ def cached_endpoint(
                 "x-carpool-usage": {
                     "description": "`missing`: the answer has no `usage` "
                     "because the upstream reported none (it ignored "
-                    "`stream_options.include_usage`); none is invented.",
-                    "schema": {"type": "string", "enum": ["missing"]},
+                    "`stream_options.include_usage`); none is invented. `apportioned` "
+                    "(embeddings): the input was merged into one upstream call with others and "
+                    'its `usage` (marked `"apportioned": true`) is its share of that call\'s, '
+                    "by approximate tokens: an estimate, not the engine's count for it.",
+                    "schema": {"type": "string", "enum": ["missing", "apportioned"]},
                 },
             },
             "content": ok_content,
