@@ -242,14 +242,9 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
     await page.close()
 
 
-async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, browser):
-    """An older gateway (no latency_ms, no replicas, no layers) and a failed poll: the page says
-    so, draws what it has, keeps polling, and throws nothing."""
-    docs = [
-        {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.333333},
-        None,
-        {"requests": 5, "hits": 2, "misses": 3, "saved_fraction": 0.4},
-    ]
+async def polling(browser, gw, docs: list[dict[str, Any] | None]) -> tuple[Any, list[str]]:
+    """A page of the dashboard whose polls of ``stats`` get ``docs`` in turn (the last one
+    again and again; None: a 503), and the errors it throws."""
     polls = 0
 
     async def stats_route(route) -> None:
@@ -266,6 +261,18 @@ async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, br
     page.on("pageerror", lambda e: thrown.append(str(e)))
     await page.route("**/stats", stats_route)
     await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    return page, thrown
+
+
+async def test_dashboard_copes_with_a_sparse_stats_document_and_an_outage(gw, browser):
+    """An older gateway (no latency_ms, no replicas, no layers) and a failed poll: the page says
+    so, draws what it has, keeps polling, and throws nothing."""
+    docs = [
+        {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.333333},
+        None,
+        {"requests": 5, "hits": 2, "misses": 3, "saved_fraction": 0.4},
+    ]
+    page, thrown = await polling(browser, gw, docs)
     await page.wait_for_function(
         "() => { const d = window.carpoolDashboard; return d.errors >= 1 && d.ticks >= 2 }",
         timeout=WAIT_MS,
@@ -403,19 +410,7 @@ async def test_under_workers_the_dashboard_draws_the_runs_totals(gw, browser):
             "run": {"requests": 15, "misses": 3, "hits": 12, "saved_fraction": 0.8, "workers": 2},
         },
     ]
-    polls = 0
-
-    async def stats_route(route) -> None:
-        nonlocal polls
-        doc = docs[min(polls, len(docs) - 1)]
-        polls += 1
-        await route.fulfill(status=200, content_type="application/json", body=json.dumps(doc))
-
-    page = await browser.new_page()
-    thrown: list[str] = []
-    page.on("pageerror", lambda e: thrown.append(str(e)))
-    await page.route("**/stats", stats_route)
-    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    page, thrown = await polling(browser, gw, docs)
     await page.wait_for_function("() => window.carpoolDashboard.ticks >= 5", timeout=WAIT_MS)
     view = await page.evaluate(SNAPSHOT_JS, None)
     assert thrown == []
