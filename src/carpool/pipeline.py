@@ -554,8 +554,9 @@ class Gateway:
         counted as rejected. Arguments that no HTTP request to a cached endpoint could carry
         raise instead, before anything is counted: ``ValueError`` for a ``path`` that is not a
         cached endpoint (the message names them; one trailing ``/`` is the endpoint's, as over
-        HTTP; any other ``/v1`` path: ``passthrough``) or a ``query`` a URL cannot hold (not
-        ASCII: percent-encode it); ``TypeError`` for a header name or value, or a ``query``,
+        HTTP; any other ``/v1`` path: ``passthrough``), a header name that is no token, or a
+        ``query`` a URL cannot hold (not ASCII: percent-encode it); ``TypeError`` for a header
+        name or value, or a ``query``,
         that is not a ``str``; ``RuntimeError`` once the gateway is closed (``aclose``: its
         upstream connections would be opened again, and nothing would close them)."""
         if self.closed:
@@ -563,7 +564,15 @@ class Gateway:
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
         started = time.monotonic()
-        reply = await self.handle(client)
+        broken = next((n for n, v in client.headers.items() if _UNSENDABLE.search(v)), None)
+        if broken is not None:
+            # A value HTTP cannot carry (the upstream client refused to build the call): a
+            # bad header value, answered as the others are.
+            self.stats.rejected += 1
+            why = f"{broken}: a header value cannot hold CR, LF or NUL"
+            reply = refusal(RequestError(why, "invalid_header"), BY_PATH[client.path])
+        else:
+            reply = await self.handle(client)
         try:
             if reply.stream is not None:
                 reply.body = b"".join([chunk async for chunk in reply.stream])
@@ -652,8 +661,8 @@ def _endpoint(path: str) -> str:
 
 def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
     """``headers`` with lower-case names (as ASGI gives them); ``TypeError`` for one not text,
-    ``ValueError`` for one no HTTP request could carry (a name that is no RFC 9110 token, a
-    value with CR, LF or NUL: the upstream client refused it, and the replica was downed)."""
+    ``ValueError`` for a name that is no RFC 9110 token (the upstream client refused it, and
+    the replica was downed)."""
     lowered = {}
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
@@ -661,14 +670,15 @@ def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
             raise TypeError(
                 f"header {name!r}: names and values must be str, not {type(wrong).__name__}"
             )
-        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
-            raise ValueError(f"header {name!r}: no HTTP request could carry it (name or value)")
+        if not _TOKEN.fullmatch(name):
+            raise ValueError(f"header {name!r}: no HTTP request could carry this name")
         lowered[name.lower()] = value
     return lowered
 
 
-# A header name: RFC 9110's token characters.
+# A header name: RFC 9110's token characters; what no header value can hold.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_UNSENDABLE = re.compile(r"[\r\n\x00]")
 
 
 def _query_of(query: str) -> bytes:
