@@ -50,3 +50,51 @@ async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_re
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie no longer does: its reaper may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
+    """Killed (SIGKILL, the OOM killer), the parent cannot stop its workers: they served the
+    port on, orphans, and the next `carpool serve` on it found it in use. Each stops itself."""
+    import os
+    import signal
+
+    from fakes.waiting import eventually
+
+    port = free_port()
+    log = tmp_path / "workers.log"
+    proc = start_serve(
+        ["--upstream", fake.url, "--port", str(port), "--workers", "2"], serve_env(), log
+    )
+    workers: set[int] = set()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            await until_serving(probe, proc, log)
+        for _ in range(200):  # a new connection each: the kernel spreads them over both
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                workers.add((await client.get("/stats")).json()["pid"])
+            if len(workers) == 2:
+                break
+        assert len(workers) == 2
+        proc.kill()
+        proc.wait(10)
+        await eventually(
+            lambda: not any(_running(pid) for pid in workers),
+            timeout=30,
+            what="the orphaned workers to stop",
+        )
+    finally:
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

@@ -35,6 +35,7 @@ from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config
+from .config.loader import PARENT_VARIABLE
 from .config.urls import without_credentials
 from .logs import configure as configure_logging
 
@@ -223,7 +224,7 @@ def serve(
         os.environ[peers.PEERS_VARIABLE] = str(meeting)
         log.info(
             "%d workers share their flights without Redis: each key is led by one of them "
-            "(caches, semantic entries and metrics stay per worker)",
+            "(caches and semantic entries stay per worker; /metrics sums them all)",
             config.workers,
         )
     try:
@@ -231,6 +232,7 @@ def serve(
             resolved.write(json.dumps(config.with_secrets()))  # (a 0600 file: the workers' keys)
             resolved.flush()
             os.environ[CONFIG_FILE_VARIABLE] = resolved.name
+            os.environ[PARENT_VARIABLE] = str(os.getpid())  # (its workers stop when it is gone)
             uvicorn.run(
                 "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
             )

@@ -54,6 +54,8 @@ import gc
 import hmac
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from functools import partial
@@ -72,6 +74,7 @@ from .admin_http import admin_routes
 from .apis import BY_PATH
 from .auth import ClientKeys
 from .config import Config
+from .config.loader import PARENT_VARIABLE
 from .errors import (
     AdminRequired,
     CarpoolError,
@@ -483,13 +486,15 @@ def create_app(gateway: Gateway | None = None) -> GatewayApp:
 
 def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
-    the config file the parent wrote (``CARPOOL_CONFIG``). Without ``redis``, the worker takes
+    the config file the parent wrote (``CARPOOL_CONFIG``); it stops once that parent is gone
+    (``_leave_with_parent``). Without ``redis``, the worker takes
     a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names), or,
     every slot held, asks their owners until one frees (``Peers``). The file is the config
     the parent resolved (flags over ``CARPOOL_*`` over its file): read alone, not under the
     environment again (a variable beat a flag in every worker)."""
     config = Config.load(os.environ.get("CARPOOL_CONFIG"), env={})
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
+    _leave_with_parent(os.environ.get(PARENT_VARIABLE))
     directory = os.environ.get(PEERS_VARIABLE)
     peers = None
     if directory and not config.redis:
@@ -500,6 +505,28 @@ def create_worker_app() -> GatewayApp:
             log.info("every worker slot is held: this worker asks their owners until one frees")
         peers = Peers(slot or meeting(Path(directory), config.workers), config)
     return GatewayApp(build_gateway(config, peers=peers), freeze_gc=True)
+
+
+def _leave_with_parent(parent: str | None) -> None:
+    """A worker stops (SIGTERM to itself: its graceful shutdown) once the ``carpool serve`` that
+    started it is gone (``parent``, its pid; another parent pid then: init's or a subreaper's).
+    Killed (SIGKILL, the OOM killer), the parent could not stop its workers: they served the
+    port on, orphans, and the next ``carpool serve`` on it found it in use."""
+    if not parent or not parent.isdigit():
+        return
+    expected = int(parent)
+
+    def watch() -> None:
+        while os.getppid() == expected:
+            time.sleep(PARENT_POLL_S)
+        log.warning("carpool serve (pid %d) is gone: this worker stops", expected)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="carpool-parent-watch", daemon=True).start()
+
+
+# How often a worker looks whether its ``carpool serve`` is still there (``_leave_with_parent``).
+PARENT_POLL_S = 1.0
 
 
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that

@@ -52,7 +52,9 @@ ENV_PREFIX = "CARPOOL_"
 CONFIG_FILE_VARIABLE = "CARPOOL_CONFIG"
 # Names the workers' meeting place (``carpool.peers.slots``), set by ``carpool serve``: not a key.
 PEERS_VARIABLE = "CARPOOL_PEERS"
-NOT_KEYS = frozenset({CONFIG_FILE_VARIABLE, PEERS_VARIABLE})
+# The pid of ``carpool serve --workers N``'s parent, set for its workers (``server``): not a key.
+PARENT_VARIABLE = "CARPOOL_PARENT"
+NOT_KEYS = frozenset({CONFIG_FILE_VARIABLE, PEERS_VARIABLE, PARENT_VARIABLE})
 NESTED_DELIMITER = "__"
 
 
