@@ -27,6 +27,10 @@ Contract:
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password, so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+- In front of the embedded simulated engine (no upstreams configured), ``GET /sim/stats`` is the
+  simulated replicas' own counters (``SimReplica.stats()``: ``{"simulated": true, "replicas":
+  [...]}``), under the same admin-token rule as ``/stats``; in front of real upstreams it is
+  not served (404).
 - A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
   too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
   peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
@@ -374,6 +378,14 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             doc["run"] = run_totals([doc, *(o for o in others if o is not None)])
         return Response(orjson.dumps(doc), media_type="application/json")
 
+    sim_replicas = simulated_replicas(gateway)
+
+    async def sim_stats(request: HttpRequest) -> Response:
+        if (refusal := _admin_refusal(gateway, request)) is not None:
+            return refusal
+        doc = {"simulated": True, "replicas": [replica.stats() for replica in sim_replicas]}
+        return Response(orjson.dumps(doc), media_type="application/json")
+
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
@@ -435,6 +447,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/stats", stats),
+            *([Route("/sim/stats", sim_stats)] if sim_replicas else []),
             Route("/metrics", metrics),
             Route("/dashboard", dashboard),
             *admin_routes(gateway, body_of),
@@ -443,6 +456,16 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         ],
         lifespan=lifespan,
     )
+
+
+def simulated_replicas(gateway: Gateway) -> list[Any]:
+    """The embedded simulated engine's replicas (``SimReplica``) the gateway fronts; empty in
+    front of real upstreams (or of upstreams given to ``build_gateway`` that are not it)."""
+    if gateway.config.upstreams:
+        return []
+    from .upstream.sim import SimUpstream
+
+    return [u.replica for u in gateway.upstreams if isinstance(u, SimUpstream)]
 
 
 def _carpool_error(error: CarpoolError) -> Response:
