@@ -31,6 +31,12 @@ Contract:
   simulated replicas' own counters (``SimReplica.stats()``: ``{"simulated": true, "replicas":
   [...]}``), under the same admin-token rule as ``/stats``; in front of real upstreams it is
   not served (404).
+- In front of the embedded simulated engine, every answer of a cached endpoint (hits, misses,
+  joiners, streams, bypasses, errors and the gateway's own refusals) says so:
+  ``x-carpool-simulated: true`` (``SIMULATED_LABEL``, the simulator's own label), once, on
+  either transport (here, and ``http_protocol.py`` for what it writes itself). A ``GET`` there
+  is passed through, and carries the simulator's own. In front of real upstreams nothing is
+  added, and the hit path does no more work for it.
 - A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
   too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
   peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
@@ -102,6 +108,10 @@ log = logging.getLogger("carpool.server")
 
 Scope = dict[str, Any]
 
+# What the embedded simulated engine's answers carry through the gateway (the engine's own label,
+# ``upstream.sim.replies.SIMULATED_HEADER``): see the module contract.
+SIMULATED_LABEL = (b"x-carpool-simulated", b"true")
+
 
 class GatewayApp:
     """The gateway's ASGI application."""
@@ -113,6 +123,8 @@ class GatewayApp:
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = Deadlines(gateway.config.limits.body_read_timeout)
         self.allow = gateway.config.passthrough.allow
+        # In front of the embedded simulated engine: its answers are labelled (module contract).
+        self.simulated = bool(simulated_replicas(gateway))
         self.other = _control_app(gateway, self.deadlines, self)
         keys_file = gateway.config.auth.client_keys_file
         self.client_keys = ClientKeys.load(keys_file) if keys_file else None
@@ -130,6 +142,9 @@ class GatewayApp:
                 message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
             await send(message)
 
+        if self.simulated and scope["method"] == "POST" and _cached_path(scope["path"]):
+            await self._route(scope, receive, _labelled(send_with_id))
+            return
         await self._route(scope, receive, send_with_id)
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -284,6 +299,22 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
     as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
     return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
+
+
+def _cached_path(path: str) -> bool:
+    """A cached endpoint's path (``/v1/chat/completions/`` too: ``_route``)."""
+    return path in ENDPOINTS or path[:-1] in ENDPOINTS
+
+
+def _labelled(send: Any) -> Any:
+    """``send``, with the simulator's label on the response's head (``SIMULATED_LABEL``)."""
+
+    async def labelled(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), SIMULATED_LABEL]
+        await send(message)
+
+    return labelled
 
 
 def _header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
