@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from carpool.config import Config
@@ -105,3 +106,60 @@ async def test_answers_in_front_of_real_upstreams_are_not_labelled(gw):
     response = await gw.client.post("/v1/chat/completions", json=chat())
     assert response.status_code == 200
     assert "x-carpool-simulated" not in response.headers
+
+
+def sse_data(raw: str) -> list[dict[str, Any]]:
+    lines = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+    return [orjson.loads(line) for line in lines if line != "[DONE]"]
+
+
+async def test_the_simulator_cuts_chat_and_completions_before_the_first_stop_string():
+    async with run_gateway([]) as sim:
+        body = {**chat("stop here"), "max_tokens": 40}
+        full = (await sim.client.post("/v1/chat/completions", json=body)).json()
+        text = full["choices"][0]["message"]["content"]
+        words = text.split(" ")
+        assert len(words) > 4
+        # A stop string inside a word, and a later one: the earliest wins, and is not returned.
+        stop = [" " + words[4], words[2][1:] + " " + words[3]]
+        expected = text[: text.find(stop[1])]
+        cut = (await sim.client.post("/v1/chat/completions", json={**body, "stop": stop})).json()
+        assert cut["choices"][0]["message"]["content"] == expected
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert cut["usage"]["completion_tokens"] == len(expected.split(" "))
+        async with sim.client.stream(
+            "POST", "/v1/chat/completions", json={**body, "stop": stop, "stream": True, "seed": 1}
+        ) as response:
+            chunks = sse_data((await response.aread()).decode())
+        pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        assert "".join(pieces) == expected
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+        prompt = {"model": "m", "prompt": "stop here", "max_tokens": 40, "temperature": 0}
+        whole = (await sim.client.post("/v1/completions", json=prompt)).json()
+        text = whole["choices"][0]["text"]
+        first = text.split(" ")[1]
+        cut = (await sim.client.post("/v1/completions", json={**prompt, "stop": first})).json()
+        assert cut["choices"][0]["text"] == text[: text.find(first)]
+        invalid = await sim.client.post("/v1/completions", json={**prompt, "stop": 3})
+        assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "stop"
+
+
+async def test_the_simulator_ends_a_message_at_a_stop_sequence_and_names_it():
+    async with run_gateway([]) as sim:
+        body = {**BODIES["/v1/messages"], "max_tokens": 40}
+        full = (await sim.client.post("/v1/messages", json=body)).json()
+        text = full["content"][0]["text"]
+        stop = text.split(" ")[3]
+        expected = text[: text.find(stop)]
+        cut = await sim.client.post("/v1/messages", json={**body, "stop_sequences": [stop]})
+        answer = cut.json()
+        assert answer["content"][0]["text"] == expected
+        assert (answer["stop_reason"], answer["stop_sequence"]) == ("stop_sequence", stop)
+        async with sim.client.stream(
+            "POST",
+            "/v1/messages",
+            json={**body, "stop_sequences": [stop], "stream": True, "max_tokens": 41},
+        ) as response:
+            events = sse_data((await response.aread()).decode())
+        delta = next(e for e in events if e["type"] == "message_delta")["delta"]
+        assert (delta["stop_reason"], delta["stop_sequence"]) == ("stop_sequence", stop)

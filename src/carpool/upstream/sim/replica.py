@@ -112,7 +112,14 @@ class SimReplica:
                     200, chunks=self._typed_stream(path, plan, self._clock()), typed=True
                 )
             return SimReply(
-                200, sim_apis.from_chat(path, await self._complete(plan), plan.id, plan.created)
+                200,
+                sim_apis.from_chat(
+                    path,
+                    await self._complete(plan),
+                    plan.id,
+                    plan.created,
+                    plan.sequences[0].stop_sequence,
+                ),
             )
         if plan.stream:
             return SimReply(200, chunks=self._stream(plan, self._clock()))
@@ -247,7 +254,13 @@ class SimReplica:
                 piece = chunk["choices"][0]["delta"].get("content")
                 if "role" in chunk["choices"][0]["delta"]:
                     # Prefill is done: the text and usage are known, so is the whole answer.
-                    final = sim_apis.from_chat(api, completion_body(plan), plan.id, plan.created)
+                    final = sim_apis.from_chat(
+                        api,
+                        completion_body(plan),
+                        plan.id,
+                        plan.created,
+                        plan.sequences[0].stop_sequence,
+                    )
                     events = sim_apis.events(api, final)
                     at = next(
                         (i for i, e in enumerate(events) if sim_apis.is_text_delta(e)), len(events)
