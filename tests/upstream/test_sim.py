@@ -665,3 +665,22 @@ async def test_serve_replicas_runs_one_labelled_server_per_replica(capsys):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_http_server_404s_name_the_path_as_sent_and_keep_each_apis_shape(live_server):
+    url, _ = live_server
+    base = url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=base) as client:
+        foo = (await client.post("/v1/foo", json={})).json()
+        assert foo["error"]["message"] == "Invalid URL (POST /v1/foo)"
+        bare = (await client.post("/foo", json={})).json()
+        assert bare["error"]["message"] == "Invalid URL (POST /foo)"
+        response = await client.get("/v1/responses/abc")
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "unknown_url"
+        assert "GET /v1/responses/abc (of the Responses API)" in response.json()["error"]["message"]
+        count = await client.post("/v1/messages/count_tokens", json={})
+        assert count.status_code == 404
+        assert count.json()["type"] == "error"
+        assert count.json()["error"]["type"] == "not_found_error"
+        assert "POST /v1/messages/count_tokens" in count.json()["error"]["message"]
