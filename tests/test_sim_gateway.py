@@ -163,3 +163,19 @@ async def test_the_simulator_ends_a_message_at_a_stop_sequence_and_names_it():
             events = sse_data((await response.aread()).decode())
         delta = next(e for e in events if e["type"] == "message_delta")["delta"]
         assert (delta["stop_reason"], delta["stop_sequence"]) == ("stop_sequence", stop)
+
+
+async def test_a_cut_responses_stream_says_how_it_ended_only_in_its_last_event():
+    async with run_gateway([]) as sim:
+        body = {"model": "m", "input": "cut me", "max_output_tokens": 2, "stream": True}
+        async with sim.client.stream("POST", "/v1/responses", json=body) as response:
+            events = sse_data((await response.aread()).decode())
+        heads = [e for e in events if e["type"] in ("response.created", "response.in_progress")]
+        assert len(heads) == 2
+        for head in heads:
+            assert head["response"]["status"] == "in_progress"
+            assert head["response"]["incomplete_details"] is None
+            assert head["response"]["error"] is None
+        last = events[-1]["response"]
+        assert last["status"] == "incomplete"
+        assert last["incomplete_details"] == {"reason": "max_output_tokens"}
