@@ -197,3 +197,15 @@ def test_a_port_out_of_range_is_a_usage_error_not_a_traceback():
         )
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert "70000" in done.stderr
+
+
+def test_sim_replicas_past_the_last_port_are_a_usage_error_before_any_starts():
+    # carpool sim --port 65535 --replicas 2: replica 0 came up, then an OverflowError traceback.
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "sim", "--port", "65535", "--replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "65536" in done.stderr and "replica sim-0" not in done.stdout + done.stderr

@@ -65,6 +65,10 @@ Contract:
   path serves every request; so it does for an app of the user's wrapped around the gateway's
   (only uvicorn's own middleware, and wrappers marked ``TRANSPARENT``, are looked through:
   ``_gateway_app``), which must see every request.
+- In front of the embedded simulated engine (``GatewayApp.simulated``), what is written here for
+  a cached endpoint (an answer, a refusal) carries ``x-carpool-simulated: true`` before its
+  ``x-request-id``, as the ASGI path's does (``server.py``); the bytes are chosen once per
+  connection, so a hit costs nothing more otherwise.
 - Not done here: uvicorn's access log (off under ``carpool serve``, which counts requests in
   ``/stats`` and ``/metrics`` instead) has no line for a request answered or served here.
 """
@@ -94,7 +98,7 @@ from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
-from .server import GatewayApp
+from .server import SIMULATED_LABEL, GatewayApp
 
 if TYPE_CHECKING:
     from .reply import Reply
@@ -106,6 +110,8 @@ log = logging.getLogger("carpool.server")
 _ENDPOINTS = frozenset(path.encode("ascii") for path in ENDPOINTS)
 _POST = b"POST"
 _REQUEST_ID = HEADER + b": "
+# In front of the simulated engine, the label goes before the request's id (``_head``).
+_LABELLED_REQUEST_ID = b"%s: %s\r\n%s" % (*SIMULATED_LABEL, _REQUEST_ID)
 # uvicorn's 500, after its default headers (``_internal_error``).
 _INTERNAL_ERROR = (
     b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 21\r\n"
@@ -147,6 +153,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self.limits_app = _limits_app(self.app)
         self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
         self.head_timeout = self.limits_app.deadlines.timeout if self.limits_app else None
+        # In front of the simulated engine its answers say so (``_head``, ``_refuse``).
+        self.simulated = self.limits_app is not None and self.limits_app.simulated
+        self.request_id_line = _LABELLED_REQUEST_ID if self.simulated else _REQUEST_ID
         # Since when the request line and headers have been awaited (None: not awaited), and
         # the timer that cuts them (``_head_deadline``): one a connection, moved on, not one a
         # request.
@@ -526,7 +535,7 @@ class GatewayProtocol(HttpToolsProtocol):
             content += (name, b": ", value, b"\r\n")
         if body is not None:  # (in uvicorn's order: the reply's, then ours)
             content += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
-        content += (_REQUEST_ID, rid, b"\r\n")
+        content += (self.request_id_line, rid, b"\r\n")
         if not keep_alive:
             content.append(b"connection: close\r\n")
         if body is None:
@@ -632,6 +641,7 @@ class GatewayProtocol(HttpToolsProtocol):
             *self.server_state.default_headers,
             (b"content-type", b"application/json"),
             *((Outcome.BYPASS.header,) if api is not None else ()),
+            *((SIMULATED_LABEL,) if api is not None and self.simulated else ()),
             (b"content-length", str(len(body)).encode("ascii")),
             (HEADER, request_id(self.headers)),
             (b"connection", b"close"),

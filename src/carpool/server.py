@@ -27,6 +27,16 @@ Contract:
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password, so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+- In front of the embedded simulated engine (no upstreams configured), ``GET /sim/stats`` is the
+  simulated replicas' own counters (``SimReplica.stats()``: ``{"simulated": true, "replicas":
+  [...]}``), under the same admin-token rule as ``/stats``; in front of real upstreams it is
+  not served (404).
+- In front of the embedded simulated engine, every answer of a cached endpoint (hits, misses,
+  joiners, streams, bypasses, errors and the gateway's own refusals) says so:
+  ``x-carpool-simulated: true`` (``SIMULATED_LABEL``, the simulator's own label), once, on
+  either transport (here, and ``http_protocol.py`` for what it writes itself). A ``GET`` there
+  is passed through, and carries the simulator's own. In front of real upstreams nothing is
+  added, and the hit path does no more work for it.
 - A worker of ``--workers N`` without ``redis`` serves this app to its peers on a unix socket
   too (``carpool.peers``): only what came through it with the run's secret is a peer's. A
   peer's request is not held to ``limits.max_header_bytes`` again: the worker that passed it
@@ -101,6 +111,10 @@ log = logging.getLogger("carpool.server")
 
 Scope = dict[str, Any]
 
+# What the embedded simulated engine's answers carry through the gateway (the engine's own label,
+# ``upstream.sim.replies.SIMULATED_HEADER``): see the module contract.
+SIMULATED_LABEL = (b"x-carpool-simulated", b"true")
+
 
 class GatewayApp:
     """The gateway's ASGI application."""
@@ -112,6 +126,8 @@ class GatewayApp:
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = Deadlines(gateway.config.limits.body_read_timeout)
         self.allow = gateway.config.passthrough.allow
+        # In front of the embedded simulated engine: its answers are labelled (module contract).
+        self.simulated = bool(simulated_replicas(gateway))
         self.other = _control_app(gateway, self.deadlines, self)
         keys_file = gateway.config.auth.client_keys_file
         self.client_keys = ClientKeys.load(keys_file) if keys_file else None
@@ -129,6 +145,9 @@ class GatewayApp:
                 message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
             await send(message)
 
+        if self.simulated and scope["method"] == "POST" and _cached_path(scope["path"]):
+            await self._route(scope, receive, _labelled(send_with_id))
+            return
         await self._route(scope, receive, send_with_id)
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -285,6 +304,22 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
 
 
+def _cached_path(path: str) -> bool:
+    """A cached endpoint's path (``/v1/chat/completions/`` too: ``_route``)."""
+    return path in ENDPOINTS or path[:-1] in ENDPOINTS
+
+
+def _labelled(send: Any) -> Any:
+    """``send``, with the simulator's label on the response's head (``SIMULATED_LABEL``)."""
+
+    async def labelled(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), SIMULATED_LABEL]
+        await send(message)
+
+    return labelled
+
+
 def _header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
     return sum(map(len, chain.from_iterable(headers)))
 
@@ -377,6 +412,14 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             doc["run"] = run_totals([doc, *(o for o in others if o is not None)])
         return Response(orjson.dumps(doc), media_type="application/json")
 
+    sim_replicas = simulated_replicas(gateway)
+
+    async def sim_stats(request: HttpRequest) -> Response:
+        if (refusal := _admin_refusal(gateway, request)) is not None:
+            return refusal
+        doc = {"simulated": True, "replicas": [replica.stats() for replica in sim_replicas]}
+        return Response(orjson.dumps(doc), media_type="application/json")
+
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
@@ -438,6 +481,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/stats", stats),
+            *([Route("/sim/stats", sim_stats)] if sim_replicas else []),
             Route("/metrics", metrics),
             Route("/dashboard", dashboard),
             *admin_routes(gateway, body_of),
@@ -446,6 +490,16 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         ],
         lifespan=lifespan,
     )
+
+
+def simulated_replicas(gateway: Gateway) -> list[Any]:
+    """The embedded simulated engine's replicas (``SimReplica``) the gateway fronts; empty in
+    front of real upstreams (or of upstreams given to ``build_gateway`` that are not it)."""
+    if gateway.config.upstreams:
+        return []
+    from .upstream.sim import SimUpstream
+
+    return [u.replica for u in gateway.upstreams if isinstance(u, SimUpstream)]
 
 
 def _carpool_error(error: CarpoolError) -> Response:

@@ -18,6 +18,7 @@ from carpool.config import SimConfig
 from carpool.upstream.base import UpstreamRequest
 from carpool.upstream.sim import PrefixCache, SimReplica, SimUpstream, build_replicas
 from carpool.upstream.sim_server import create_app, serve_replicas
+from fakes.serving import serve_app
 from fakes.waiting import eventually
 
 FAST = SimConfig(decode_ms_per_token=0.5, prefill_ms_per_token=0.01)
@@ -665,3 +666,48 @@ async def test_serve_replicas_runs_one_labelled_server_per_replica(capsys):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_http_server_404s_name_the_path_as_sent_and_keep_each_apis_shape(live_server):
+    url, _ = live_server
+    base = url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=base) as client:
+        foo = (await client.post("/v1/foo", json={})).json()
+        assert foo["error"]["message"] == "Invalid URL (POST /v1/foo)"
+        bare = (await client.post("/foo", json={})).json()
+        assert bare["error"]["message"] == "Invalid URL (POST /foo)"
+        response = await client.get("/v1/responses/abc")
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "unknown_url"
+        assert "GET /v1/responses/abc (of the Responses API)" in response.json()["error"]["message"]
+        count = await client.post("/v1/messages/count_tokens", json={})
+        assert count.status_code == 404
+        assert count.json()["type"] == "error"
+        assert count.json()["error"]["type"] == "not_found_error"
+        assert "POST /v1/messages/count_tokens" in count.json()["error"]["message"]
+
+
+async def test_embeddings_in_flight_are_counted_apart_from_the_generation_slots():
+    # Embeddings run in their own passes: they never made max_in_flight exceed max_concurrency.
+    gate = asyncio.Event()
+
+    async def held_sleep(seconds: float) -> None:
+        await gate.wait()
+
+    sim = SimReplica(
+        "sim-0",
+        FAST.model_copy(update={"max_concurrency": 1, "embedding_concurrency": 3}),
+        sleep=held_sleep,
+    )
+    async with serve_app(create_app(sim)) as url, httpx.AsyncClient(base_url=url) as client:
+        calls = [
+            asyncio.create_task(client.post("/v1/embeddings", json={"input": f"item {i}"}))
+            for i in range(3)
+        ]
+        await eventually(lambda: sim.embedding_in_flight == 3, what="three passes at once")
+        gate.set()
+        assert all(r.status_code == 200 for r in await asyncio.gather(*calls))
+        stats = (await client.get("/sim/stats")).json()
+    assert stats["max_in_flight"] == 0 <= stats["max_concurrency"] == 1
+    assert stats["max_embedding_in_flight"] == 3 == stats["embedding_concurrency"]
+    assert stats["embedding_in_flight"] == 0

@@ -16,7 +16,8 @@ Contract (``apis.base.Api``):
   relayed to every client.
 - Synthesized streams (a cached or whole answer for a streaming client) are the events OpenAI
   sends, numbered from 0: ``response.created`` and ``response.in_progress`` (status
-  ``in_progress``, no output, no usage); per output item ``response.output_item.added``, its
+  ``in_progress``, no output, no usage, and ``error`` / ``incomplete_details`` null: how it
+  ended is said by its last event only); per output item ``response.output_item.added``, its
   content (a message's text parts as ``response.content_part.added``, one
   ``response.output_text.delta`` with the whole text, ``response.output_text.done``,
   ``response.content_part.done``; refusals alike; a function call's arguments as one
@@ -251,6 +252,9 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
         events.append({"type": kind, "sequence_number": next(numbers), **fields})
 
     head = {**body, "status": "in_progress", "output": [], "usage": None}
+    for ending in ("error", "incomplete_details"):  # (not known yet while in progress)
+        if ending in head:
+            head[ending] = None
     emit("response.created", response=head)
     emit("response.in_progress", response=head)
     output = body.get("output")

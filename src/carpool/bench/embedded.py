@@ -11,8 +11,8 @@ Contract:
 - A separate process, so the load generator and the gateway do not share one event loop (the
   latencies measured are the gateway's, not the client's queueing), as in production.
 - The child binds 127.0.0.1 port 0 itself and announces it; its log (stderr) goes to ``log_path``
-  (this process's stderr when None). It adds one route to the gateway: ``GET /sim/stats``, the
-  in-process simulated replicas' own counters (``SimReplica.stats()``), so the report can
+  (this process's stderr when None). In front of the simulated engine, the gateway's own
+  ``GET /sim/stats`` (``server.py``: the in-process replicas' counters) lets the report
   cross-check the gateway's ``upstream_calls`` against the calls the engine received.
 - Leaving the context terminates the child (SIGTERM, then SIGKILL after 10 s); the child also
   exits when its stdin closes, so it never outlives a parent that was killed.
@@ -29,7 +29,6 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 from ..config import Config
 from . import process
@@ -76,36 +75,6 @@ async def embedded_gateway(config: Config, log_path: Path) -> AsyncIterator[str]
 # ---------------------------------------------------------------------------------- the child
 
 
-def _with_sim_stats(app: Any, gateway: Any) -> Any:
-    """The gateway's app plus ``GET /sim/stats`` (the in-process simulated replicas' counters)."""
-    import orjson
-
-    from ..http_protocol import TRANSPARENT
-
-    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/sim/stats":
-            replicas = [u.replica.stats() for u in gateway.upstreams if hasattr(u, "replica")]
-            body = orjson.dumps({"simulated": bool(replicas), "replicas": replicas})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        await app(scope, receive, send)
-
-    # (Found under it by http_protocol: it hands the cached endpoints' requests on as they come.)
-    wrapped.app = app  # type: ignore[attr-defined]
-    setattr(wrapped, TRANSPARENT, True)
-    return wrapped
-
-
 def main(argv: list[str] | None = None) -> None:
     import logging
 
@@ -135,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sock = process.listen()
     process.announce(sock)
-    process.serve(_with_sim_stats(create_app(gateway), gateway), sock, http=protocol())
+    process.serve(create_app(gateway), sock, http=protocol())
 
 
 if __name__ == "__main__":

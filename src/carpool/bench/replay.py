@@ -129,7 +129,7 @@ async def replay(
     pool, control = Pool(address), Pool(address)
     try:
         before = await get_json(control, "/stats", admin)
-        sim_before = await _optional_json(control, "/sim/stats")
+        sim_before = await _optional_json(control, "/sim/stats", admin)
         start = time.monotonic()
         started_at = time.time()
         series: list[tuple[float, dict[str, Any]]] = [(0.0, before)]
@@ -169,7 +169,7 @@ async def replay(
         end = time.monotonic()
         after = await get_json(control, "/stats", admin)
         series.append((end - start, after))
-        sim_after = await _optional_json(control, "/sim/stats") if sim_before else None
+        sim_after = await _optional_json(control, "/sim/stats", admin) if sim_before else None
     finally:
         pool.close()
         control.close()

@@ -2,7 +2,8 @@
 
 Contract: its cost model is the config's ``sim`` section (the file, ``CARPOOL_SIM__*``, then these
 flags, strongest last); ``carpool.upstream.sim_server.serve_replicas`` runs it, saying that it is
-simulated.
+simulated. Replica i listens on ``--port`` + i: a port and a replica count (from the flag or
+the config) whose last port is beyond 65535 is a usage error (exit 2) before any replica starts.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def sim(
         if v is not None
     }
     config = load_config(config_file, {"sim": sim_overrides} if sim_overrides else {})
+    if port + config.sim.replicas - 1 > 65535:
+        raise click.BadParameter(
+            f"{port} + {config.sim.replicas} replicas: replica i listens on port + i, and the "
+            f"last would be {port + config.sim.replicas - 1} (at most 65535)",
+            param_hint="'--port'",
+        )
     from ..upstream.sim_server import serve_replicas
 
     asyncio.run(serve_replicas(config.sim, host, port))

@@ -16,7 +16,8 @@ Contract:
   ``max_output_tokens`` when the answer was cut), one output message with one ``output_text``,
   ``usage`` ``input_tokens`` / ``output_tokens`` / ``total_tokens`` (cached tokens in
   ``input_tokens_details``); Messages, a ``message`` with one ``text`` block, ``stop_reason``
-  ``end_turn`` or ``max_tokens``, ``usage`` ``input_tokens`` / ``output_tokens``.
+  ``end_turn``, ``max_tokens`` or ``stop_sequence`` (when one of ``stop_sequences`` ended it:
+  ``stop_sequence`` names it, the text ends before it), ``usage`` ``input_tokens`` / ``output_tokens``.
 - Streams: the events ``apis.{responses,messages}.synthesize`` makes of the final answer, with
   its single text delta replaced by one delta per decoded token, sent at the decode pace (see
   ``SimReplica._typed_stream``). Responses' ``sequence_number`` counts every event sent.
@@ -101,7 +102,14 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def from_chat(api: str, chat_body: Mapping[str, Any], plan_id: str, created: int) -> dict[str, Any]:
+def from_chat(
+    api: str,
+    chat_body: Mapping[str, Any],
+    plan_id: str,
+    created: int,
+    stop_sequence: str | None = None,
+) -> dict[str, Any]:
+    """The API's answer for a chat answer; ``stop_sequence``: the stop string that ended it."""
     choice = chat_body["choices"][0]
     text = choice["message"]["content"]
     cut = choice["finish_reason"] == "length"
@@ -142,8 +150,10 @@ def from_chat(api: str, chat_body: Mapping[str, Any], plan_id: str, created: int
         "role": "assistant",
         "model": model,
         "content": [{"type": "text", "text": text}],
-        "stop_reason": "max_tokens" if cut else "end_turn",
-        "stop_sequence": None,
+        "stop_reason": "max_tokens"
+        if cut
+        else ("stop_sequence" if stop_sequence is not None else "end_turn"),
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": prompt, "output_tokens": completion},
     }
 

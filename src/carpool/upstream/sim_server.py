@@ -6,7 +6,9 @@ Contract:
   ``/v1/models/{id}``) and ``GET /sim/stats`` (the replica's counters). Streams are SSE
   (``data: {...}\\n\\n`` frames, then ``data: [DONE]\\n\\n``); those of the Responses and
   Messages APIs are typed events (``event: TYPE\\ndata: {...}\\n\\n``) with no ``[DONE]``.
-  Malformed JSON is a 400 and an unknown path a 404, in OpenAI's error shape. Every response carries
+  Malformed JSON is a 400 and an unknown path a 404, in OpenAI's error shape, naming the path as
+  it came (the Responses and Messages APIs' other paths: their own 404s,
+  ``replies.not_found_reply``). Every response carries
   ``x-carpool-simulated: true``.
 - ``serve_replicas(config, host, port)`` runs ``config.replicas`` servers on ``port``,
   ``port+1``, ... in one event loop until interrupted (SIGINT/SIGTERM stop them all), printing one
@@ -94,7 +96,10 @@ def create_app(replica: SimReplica) -> Starlette:
         return _json(200, replica.stats())
 
     async def unknown(request: Request) -> Response:
-        return _to_response(not_found_reply(request.method, "/" + request.path_params["rest"]))
+        path = request.url.path
+        if path.startswith("/v1/"):  # (the replies speak of paths relative to /v1)
+            return _to_response(not_found_reply(request.method, path[len("/v1") :]))
+        return _to_response(error_reply(404, f"Invalid URL ({request.method} {path})"))
 
     routes = [
         Route("/v1/chat/completions", generate, methods=["POST"]),

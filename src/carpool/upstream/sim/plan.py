@@ -8,6 +8,13 @@ Contract:
 - ``max_completion_tokens`` / ``max_tokens`` (the newer name wins; default
   ``SimConfig.default_max_tokens``) cut the answer to a prefix of the same text, with
   ``finish_reason: "length"``; otherwise ``"stop"``.
+- ``stop`` (a string or a list of strings; Messages' ``stop_sequences`` come as it) cuts each
+  choice's text (within ``max_tokens``) just before the first occurrence of any of them, as
+  OpenAI does: the stop string itself is not returned, ``finish_reason`` is ``"stop"`` and the
+  choice's ``stop_sequence`` is the string that matched (the earliest; at one place, the first
+  listed). Its tokens are the cut text's words, the last one possibly partial (or empty: the
+  text is exactly what they join to), so streamed pieces add up to the whole text. Deterministic
+  as the text is. Anything else in ``stop`` is a 400.
 - ``Plan.usage()`` is OpenAI's ``usage`` object; ``cached_tokens`` is filled in by the replica's
   prefill.
 """
@@ -77,6 +84,7 @@ def _validate_generation(body: Mapping[str, Any]) -> None:
     int_field(body, "n", 1, MAX_CHOICES)
     int_field(body, "max_tokens", 1)
     int_field(body, "max_completion_tokens", 1)
+    stop_strings(body)  # (validated here: before anything is generated)
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise RequestError("'stream' must be a boolean", param="stream")
     temperature = body.get("temperature")
@@ -103,6 +111,8 @@ class Sequence:
     index: int
     words: list[str]
     finish_reason: str
+    # The stop string that ended it (``stop``), or None.
+    stop_sequence: str | None = None
 
 
 @dataclass(slots=True)
@@ -150,13 +160,43 @@ def _sequences(
 ) -> list[Sequence]:
     """n choices per prompt, indexed prompt-major as OpenAI does for a list of prompts."""
     n = body.get("n") or 1
+    stops = stop_strings(body)
     sequences = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
             natural = answer_words(body, endpoint, prompt, i)
             reason = "length" if len(natural) > cap else "stop"
-            sequences.append(Sequence(p * n + i, natural[:cap], reason))
+            sequence = Sequence(p * n + i, natural[:cap], reason)
+            if stops:
+                _cut_at_stop(sequence, stops)
+            sequences.append(sequence)
     return sequences
+
+
+def stop_strings(body: Mapping[str, Any]) -> list[str]:
+    """The request's ``stop`` strings (none: an empty list); anything but a string or a list of
+    strings is a 400. Empty strings stop nothing."""
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("'stop' must be a string or a list of strings", param="stop")
+    return [s for s in stop if s]
+
+
+def _cut_at_stop(sequence: Sequence, stops: list[str]) -> None:
+    """``sequence`` cut just before the first occurrence of any of ``stops`` in its text, if
+    one occurs (module contract)."""
+    text = " ".join(sequence.words)
+    found = [(at, order, s) for order, s in enumerate(stops) if (at := text.find(s)) != -1]
+    if not found:
+        return
+    at, _, stop = min(found)
+    sequence.words = text[:at].split(" ")  # (joined again, exactly the text before the stop)
+    sequence.finish_reason = "stop"
+    sequence.stop_sequence = stop
 
 
 def make_plan(endpoint: str, body: Mapping[str, Any], default_max_tokens: int) -> Plan:

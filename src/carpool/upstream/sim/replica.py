@@ -12,7 +12,11 @@ Contract:
 - The Responses and Messages APIs' typed event streams are paced as the chat stream they come
   from (``sim_apis.py``).
 - Counters (``SimReplica.stats()``): calls by endpoint, errors, prompt / cached prompt / completion
-  tokens, busy and queue-wait seconds, in-flight now and at most, time-to-first-token sum and count.
+  tokens, busy and queue-wait seconds and the requests waiting (embeddings included),
+  time-to-first-token sum and count. In flight now and at most are counted apart:
+  ``in_flight`` / ``max_in_flight`` are generation requests holding one of ``max_concurrency``
+  slots (never more), ``embedding_in_flight`` / ``max_embedding_in_flight`` embeddings calls in
+  one of ``embedding_concurrency`` passes (never more).
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class SimReplica:
         self.waiting = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.embedding_in_flight = 0
+        self.max_embedding_in_flight = 0
 
     # -- entry points
 
@@ -112,7 +118,14 @@ class SimReplica:
                     200, chunks=self._typed_stream(path, plan, self._clock()), typed=True
                 )
             return SimReply(
-                200, sim_apis.from_chat(path, await self._complete(plan), plan.id, plan.created)
+                200,
+                sim_apis.from_chat(
+                    path,
+                    await self._complete(plan),
+                    plan.id,
+                    plan.created,
+                    plan.sequences[0].stop_sequence,
+                ),
             )
         if plan.stream:
             return SimReply(200, chunks=self._stream(plan, self._clock()))
@@ -145,6 +158,9 @@ class SimReplica:
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
             "max_concurrency": self.config.max_concurrency,
+            "embedding_in_flight": self.embedding_in_flight,
+            "max_embedding_in_flight": self.max_embedding_in_flight,
+            "embedding_concurrency": self.config.embedding_concurrency,
             "prefix_cache_blocks": len(self.prefix_cache),
             "prefix_cache_capacity_blocks": self.prefix_cache.capacity_blocks,
         }
@@ -152,11 +168,10 @@ class SimReplica:
     # -- the cost model
 
     @asynccontextmanager
-    async def _slot(
-        self, arrived: float, slots: asyncio.Semaphore | None = None
-    ) -> AsyncIterator[None]:
-        """Hold one of ``max_concurrency`` slots; the time spent waiting for it is queue wait."""
-        slots = slots or self._slots
+    async def _slot(self, arrived: float, embeddings: bool = False) -> AsyncIterator[None]:
+        """Hold one of ``max_concurrency`` slots (``embeddings``: of ``embedding_concurrency``
+        passes); the time spent waiting for it is queue wait."""
+        slots = self._embedding_passes if embeddings else self._slots
         self.waiting += 1
         try:
             await slots.acquire()
@@ -164,12 +179,21 @@ class SimReplica:
             self.waiting -= 1
         started = self._clock()
         self.queue_wait_seconds += started - arrived
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if embeddings:
+            self.embedding_in_flight += 1
+            self.max_embedding_in_flight = max(
+                self.max_embedding_in_flight, self.embedding_in_flight
+            )
+        else:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             yield
         finally:
-            self.in_flight -= 1
+            if embeddings:
+                self.embedding_in_flight -= 1
+            else:
+                self.in_flight -= 1
             self.busy_seconds += self._clock() - started
             slots.release()
 
@@ -247,7 +271,13 @@ class SimReplica:
                 piece = chunk["choices"][0]["delta"].get("content")
                 if "role" in chunk["choices"][0]["delta"]:
                     # Prefill is done: the text and usage are known, so is the whole answer.
-                    final = sim_apis.from_chat(api, completion_body(plan), plan.id, plan.created)
+                    final = sim_apis.from_chat(
+                        api,
+                        completion_body(plan),
+                        plan.id,
+                        plan.created,
+                        plan.sequences[0].stop_sequence,
+                    )
                     events = sim_apis.events(api, final)
                     at = next(
                         (i for i, e in enumerate(events) if sim_apis.is_text_delta(e)), len(events)
@@ -274,7 +304,7 @@ class SimReplica:
         lengths = [len(input_tokens(item)) for item in items]
         tokens = sum(lengths)
         arrived = self._clock()
-        async with self._slot(arrived, self._embedding_passes):
+        async with self._slot(arrived, embeddings=True):
             # One forward pass computes every item of a call together (padded to the longest),
             # as an embedding server on a GPU does: a fixed cost per pass, then the longest item.
             # So a batch of items costs about what one item does: what makes batching pay.

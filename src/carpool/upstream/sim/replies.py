@@ -12,8 +12,11 @@ Contract:
   (``SimReply.typed``); their other paths (``/responses/{id}``, ``/messages/count_tokens``) are a
   404 that says so, the latter in Anthropic's error shape ``{"type": "error", "error": {"type":
   "not_found_error", "message"}}``.
-- It is labelled as a simulator wherever it appears: ``system_fingerprint: "carpool-sim"`` in
-  bodies (``SYSTEM_FINGERPRINT``), ``x-carpool-simulated: true`` in headers (``JSON_HEADERS``).
+- It is labelled as a simulator wherever it appears: ``x-carpool-simulated: true`` in the
+  headers of every answer (``JSON_HEADERS``; through the gateway too, which adds it to every
+  answer of a cached endpoint it serves in front of the simulator: ``server.py``), and
+  ``system_fingerprint: "carpool-sim"`` (``SYSTEM_FINGERPRINT``) in the bodies whose API has
+  that field (chat and completions; the Responses, Messages and embeddings shapes have none).
 - ``SimReply`` is a JSON body, or (streaming, 200) an async iterator of chunk objects; ``typed``
   chunks are the Responses / Messages APIs' typed events, which have no ``[DONE]``.
 """

@@ -1,0 +1,181 @@
+"""The gateway in front of its embedded simulated engine (no upstreams configured), over HTTP on
+loopback: what it serves of the simulator's own, and how its answers are labelled."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from carpool.config import Config
+from carpool.server import create_app
+from carpool.wiring import build_gateway
+from conftest import run_gateway
+from fakes.serving import serve_app
+
+
+def chat(content: str = "What is a carpool?") -> dict:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+
+
+async def test_sim_stats_is_served_in_front_of_the_embedded_simulator():
+    async with run_gateway([]) as sim:
+        await sim.client.post("/v1/chat/completions", json=chat())
+        response = await sim.client.get("/sim/stats")
+        assert response.status_code == 200
+        stats = response.json()
+        assert stats["simulated"] is True
+        assert [r["replica"] for r in stats["replicas"]] == ["sim-0"]
+        assert stats["replicas"][0]["calls"]["chat/completions"] == 1
+
+
+async def test_sim_stats_needs_the_admin_token_as_stats_does():
+    async with run_gateway([], admin_token="s3cret") as sim:
+        refused = await sim.client.get("/sim/stats")
+        assert refused.status_code == 401
+        allowed = await sim.client.get("/sim/stats", headers={"authorization": "Bearer s3cret"})
+        assert allowed.status_code == 200 and allowed.json()["simulated"] is True
+
+
+async def test_sim_stats_is_not_served_in_front_of_real_upstreams(gw):
+    assert (await gw.client.get("/sim/stats")).status_code == 404
+
+
+BODIES = {
+    "/v1/chat/completions": chat("labels"),
+    "/v1/completions": {"model": "m", "prompt": "labels", "max_tokens": 4, "temperature": 0},
+    "/v1/responses": {"model": "m", "input": "labels", "temperature": 0},
+    "/v1/messages": {
+        "model": "m",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "labels"}],
+    },
+    "/v1/embeddings": {"model": "m", "input": "labels"},
+}
+
+
+def labelled_once(response: httpx.Response) -> bool:
+    return response.headers.get_list("x-carpool-simulated") == ["true"]
+
+
+@contextlib.asynccontextmanager
+async def simulated_gateway(http: str, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway in front of its simulator, served by carpool's protocol or by h11 (the ASGI
+    path alone)."""
+    options = {} if http == "carpool" else {"http": http}
+    app = create_app(build_gateway(Config(**config)))
+    async with serve_app(app, **options) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            yield client
+
+
+@pytest.mark.parametrize("http", ["carpool", "h11"])
+@pytest.mark.parametrize("path", list(BODIES))
+async def test_every_answer_of_a_cached_endpoint_in_front_of_the_simulator_is_labelled(http, path):
+    async with simulated_gateway(http, limits={"max_header_bytes": 4096}) as client:
+        miss = await client.post(path, json=BODIES[path])
+        hit = await client.post(path, json=BODIES[path])
+        assert (miss.headers["x-carpool"], hit.headers["x-carpool"]) == ("miss", "hit")
+        assert labelled_once(miss) and labelled_once(hit)
+        if path != "/v1/embeddings":
+            body = {**BODIES[path], "stream": True, "max_tokens": 3}
+            body.pop("max_output_tokens", None)
+            async with client.stream("POST", path, json=body) as streamed:
+                await streamed.aread()
+            assert streamed.status_code == 200 and labelled_once(streamed)
+        invalid = await client.post(path, content=b"{nope")
+        assert invalid.status_code == 400 and labelled_once(invalid)
+        refused = await client.post(path, json=BODIES[path], headers={"x-big": "x" * 5000})
+        assert refused.status_code == 431 and labelled_once(refused)
+        # Not a cached endpoint's answer: the gateway adds nothing to the simulator's own.
+        models = await client.get("/v1/models")
+        assert labelled_once(models)
+
+
+async def test_answers_in_front_of_real_upstreams_are_not_labelled(gw):
+    response = await gw.client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 200
+    assert "x-carpool-simulated" not in response.headers
+
+
+def sse_data(raw: str) -> list[dict[str, Any]]:
+    lines = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+    return [orjson.loads(line) for line in lines if line != "[DONE]"]
+
+
+async def test_the_simulator_cuts_chat_and_completions_before_the_first_stop_string():
+    async with run_gateway([]) as sim:
+        body = {**chat("stop here"), "max_tokens": 40}
+        full = (await sim.client.post("/v1/chat/completions", json=body)).json()
+        text = full["choices"][0]["message"]["content"]
+        words = text.split(" ")
+        assert len(words) > 4
+        # A stop string inside a word, and a later one: the earliest wins, and is not returned.
+        stop = [" " + words[4], words[2][1:] + " " + words[3]]
+        expected = text[: text.find(stop[1])]
+        cut = (await sim.client.post("/v1/chat/completions", json={**body, "stop": stop})).json()
+        assert cut["choices"][0]["message"]["content"] == expected
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert cut["usage"]["completion_tokens"] == len(expected.split(" "))
+        async with sim.client.stream(
+            "POST", "/v1/chat/completions", json={**body, "stop": stop, "stream": True, "seed": 1}
+        ) as response:
+            chunks = sse_data((await response.aread()).decode())
+        pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        assert "".join(pieces) == expected
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+        prompt = {"model": "m", "prompt": "stop here", "max_tokens": 40, "temperature": 0}
+        whole = (await sim.client.post("/v1/completions", json=prompt)).json()
+        text = whole["choices"][0]["text"]
+        first = text.split(" ")[1]
+        cut = (await sim.client.post("/v1/completions", json={**prompt, "stop": first})).json()
+        assert cut["choices"][0]["text"] == text[: text.find(first)]
+        invalid = await sim.client.post("/v1/completions", json={**prompt, "stop": 3})
+        assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "stop"
+
+
+async def test_the_simulator_ends_a_message_at_a_stop_sequence_and_names_it():
+    async with run_gateway([]) as sim:
+        body = {**BODIES["/v1/messages"], "max_tokens": 40}
+        full = (await sim.client.post("/v1/messages", json=body)).json()
+        text = full["content"][0]["text"]
+        stop = text.split(" ")[3]
+        expected = text[: text.find(stop)]
+        cut = await sim.client.post("/v1/messages", json={**body, "stop_sequences": [stop]})
+        answer = cut.json()
+        assert answer["content"][0]["text"] == expected
+        assert (answer["stop_reason"], answer["stop_sequence"]) == ("stop_sequence", stop)
+        async with sim.client.stream(
+            "POST",
+            "/v1/messages",
+            json={**body, "stop_sequences": [stop], "stream": True, "max_tokens": 41},
+        ) as response:
+            events = sse_data((await response.aread()).decode())
+        delta = next(e for e in events if e["type"] == "message_delta")["delta"]
+        assert (delta["stop_reason"], delta["stop_sequence"]) == ("stop_sequence", stop)
+
+
+async def test_a_cut_responses_stream_says_how_it_ended_only_in_its_last_event():
+    async with run_gateway([]) as sim:
+        body = {"model": "m", "input": "cut me", "max_output_tokens": 2, "stream": True}
+        async with sim.client.stream("POST", "/v1/responses", json=body) as response:
+            events = sse_data((await response.aread()).decode())
+        heads = [e for e in events if e["type"] in ("response.created", "response.in_progress")]
+        assert len(heads) == 2
+        for head in heads:
+            assert head["response"]["status"] == "in_progress"
+            assert head["response"]["incomplete_details"] is None
+            assert head["response"]["error"] is None
+        last = events[-1]["response"]
+        assert last["status"] == "incomplete"
+        assert last["incomplete_details"] == {"reason": "max_output_tokens"}
