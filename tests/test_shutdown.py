@@ -5,7 +5,11 @@ unready and keeps serving for ``shutdown.drain_s``, then the requests in progres
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+from typing import Any
+
+import httpx
 
 from fakes.instances import instances
 
@@ -58,3 +62,78 @@ async def test_every_stopping_signal_exits_0(fake):
                     await asyncio.sleep(0.02)
             gw.proc.send_signal(sig)
             assert await asyncio.to_thread(gw.proc.wait, 20) == 0, gw.log.read_text()[-2000:]
+
+
+async def _first_event(client: httpx.AsyncClient, path: str, body: dict, **headers: str) -> Any:
+    """A stream opened, read until its first data line: it has begun (head and a frame)."""
+    response = await client.send(
+        client.build_request("POST", path, json=body, headers=headers), stream=True
+    )
+    assert response.status_code == 200, await response.aread()
+    lines = response.aiter_lines()
+    async for line in lines:
+        if line.startswith("data:"):
+            break
+    return response, lines
+
+
+async def _rest(response: httpx.Response, lines: Any) -> list[str]:
+    """The rest of a stream's lines, to its end (httpx raises if it is cut: no last chunk)."""
+    rest = [line async for line in lines if line]
+    await response.aclose()
+    return rest
+
+
+async def test_requests_still_running_when_the_grace_period_ends_get_their_apis_shutdown_error(
+    fake,
+):
+    # A stream under way ends with its API's error event, then its end ([DONE] for chat; none
+    # for Messages); a reply not begun is a 503 with Retry-After in the API's error shape,
+    # x-carpool: bypass; nothing logs a traceback. Before, uvicorn's cancel went through as a
+    # crash: a plain-text 500, streams cut with no error and no end, an ERROR traceback each.
+    # Served both ways: the HTTP protocol's own (keep-alive) and ASGI's ("connection: close").
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 0.3}, "log_level": "info"}
+    async with instances(1, fake.url, None, settings) as (gw,):
+        fake.chunk_gate = asyncio.Event()  # streams stop after their first chunks, never set
+        chat = await _first_event(
+            gw.client,
+            "/v1/chat/completions",
+            {**BODY, "stream": True, "messages": [{"role": "user", "content": "a long story"}]},
+        )
+        messages = await _first_event(
+            gw.client,
+            "/v1/messages",
+            {**BODY, "stream": True, "max_tokens": 64},
+            connection="close",
+        )
+        fake.gate = asyncio.Event()  # the whole answer's call waits for it, never set
+        leader = asyncio.create_task(gw.client.post("/v1/chat/completions", json=BODY))
+        joiner = asyncio.create_task(
+            gw.client.post("/v1/chat/completions", json=BODY, headers={"connection": "close"})
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (await gw.stats())["waiters"] < 4:  # the two streams, the leader, its joiner
+            assert loop.time() < deadline, "the requests never all joined their flights"
+            await asyncio.sleep(0.01)
+        gw.proc.send_signal(signal.SIGTERM)
+
+        for answer in await asyncio.gather(leader, joiner):
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["retry-after"] == "1"
+            assert answer.headers["x-carpool"] == "bypass"
+            error = answer.json()["error"]
+            assert (error["type"], error["code"]) == ("server_error", "shutting_down")
+        chat_rest = await _rest(*chat)
+        assert chat_rest[-1] == "data: [DONE]"
+        chat_error = json.loads(chat_rest[-2].removeprefix("data: "))["error"]
+        assert chat_error["code"] == "shutting_down"
+        messages_rest = await _rest(*messages)
+        assert messages_rest[-2:-1] == ["event: error"]
+        messages_error = json.loads(messages_rest[-1].removeprefix("data: "))
+        assert messages_error["type"] == "error" and "shutting down" in str(messages_error)
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+        log = gw.log.read_text()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+        assert log.count("shutting down: a request still waiting was cut") == 2, log
+        assert log.count("shutting down: a stream still running was cut") == 2, log

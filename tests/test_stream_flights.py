@@ -239,7 +239,7 @@ async def test_a_flight_streams_last_piece_ends_the_asgi_body_in_the_same_messag
     async def send(message: dict) -> None:
         sent.append(message)
 
-    state = SimpleNamespace(finished=False)
+    state = SimpleNamespace(finished=False, headed=False)  # (a ClientWatch's)
     reply = Reply(200, list(SSE_HEADERS), stream=Relay(api_of("chat"), broadcast, False))
     await _send_reply(send, reply, state)
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]

@@ -3,7 +3,9 @@
 Contract: on the first SIGTERM the gateway turns unready (``Gateway.draining``: ``/readyz`` 503)
 and keeps serving for ``shutdown.drain_s``, so that load balancers stop sending it requests; then
 uvicorn stops as it does on a signal: the listener closes, the requests in progress (a flight's
-waiters, streams) get ``shutdown.grace_s`` to finish, the lifespan closes the layers, the
+waiters, streams) get ``shutdown.grace_s`` to finish, those still running then are cut and told
+so in their API's terms (``server.GatewayApp.serve``: a 503 with ``Retry-After``, or a stream's
+error event and end; logged at INFO, not as a crash), the lifespan closes the layers, the
 process exits 0, whatever stopped it (SIGTERM, a second one, SIGINT). A second SIGTERM, or
 SIGINT, skips what is left of the drain. With Redis, a
 flight this instance leads still finishes here within the grace period; if the process is

@@ -28,7 +28,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
     │       │                         (the engine took the call: ``x-should-retry: false``)
     │       └── UpstreamAnswerCut     502 (504 if it stalled): a whole answer cut after its head
-    └── FlightAbandoned               499: every client of a flight left and its call was cancelled
+    ├── FlightAbandoned               499: every client of a flight left and its call was cancelled
+    └── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
 """
 
 from __future__ import annotations
@@ -404,3 +405,24 @@ class FlightAbandoned(CarpoolError):
 def error_event(error: CarpoolError) -> bytes:
     """The SSE frame that tells a streaming client its stream failed (OpenAI's SDK raises on it)."""
     return b"data: " + orjson.dumps({"error": error.error_object()}) + b"\n\n"
+
+
+class ShuttingDown(CarpoolError):
+    """503: the request was still running when the server's shutdown ran out of grace
+    (``shutdown.grace_s``), and was cut (``server.GatewayApp.serve``). Its client gets this in
+    its API's error shape: a reply not started yet as a 503 with ``Retry-After`` (another
+    instance, or this one restarted, may answer the retry), a stream under way as its API's
+    error event then its end."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+    retry_after = 1  # s
+    also = (("retry-after", str(retry_after)),)
+
+    def __init__(
+        self,
+        message: str = "The gateway is shutting down and stopped this request before its "
+        "answer was complete. Retry it.",
+    ) -> None:
+        super().__init__(message)

@@ -35,7 +35,10 @@ Contract:
   with the headers uvicorn would write, in its order: a whole one in one write; a stream
   chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
   client does not read. A failure there is what uvicorn makes of an app's: logged, a 500 if
-  nothing was sent, the connection closed.
+  nothing was sent, the connection closed; not the shutdown's cancel once the grace period is
+  over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
+  reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
+  stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
@@ -307,6 +310,10 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def shutdown(self) -> None:
         self._send_now()
+        if self.limits_app is not None:
+            # uvicorn is stopping (called on each connection): the gateway is draining, in each
+            # worker too, so a request its grace period cuts is ended as one (``GatewayApp._cut``).
+            self.limits_app.gateway.draining = True
         super().shutdown()
 
     def timeout_keep_alive_handler(self) -> None:
@@ -450,7 +457,9 @@ class GatewayProtocol(HttpToolsProtocol):
         assert app is not None
         try:
             await app.serve(client, watch, partial(self._respond, cycle, rid), started)
-        except BaseException as exc:  # (as uvicorn's cycle: a bug, or a shutdown's cancel)
+            if not cycle.response_complete and not cycle.disconnected:
+                self.transport.close()  # (a reply cut once begun: never left open, as uvicorn's)
+        except BaseException as exc:  # (as uvicorn's cycle: a bug, or a cancel not handled)
             self.logger.error("Exception in ASGI application\n", exc_info=exc)
             if not cycle.response_started and not cycle.disconnected:
                 cycle.response_started = True
@@ -465,22 +474,23 @@ class GatewayProtocol(HttpToolsProtocol):
         self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: ClientWatch
     ) -> None:
         """``reply`` on the wire: a whole one in one write; a stream as chunks, its head with its
-        first frame, waiting whenever the client does not read what it was sent."""
+        first frame, waiting whenever the client does not read what it was sent. Once its head
+        is sent (``state.headed``), a stream is the rest of it (``GatewayApp._cut``)."""
         flow, write = self.flow, self.transport.write
         if reply.stream is None:
             state.finished = True
             if flow.write_paused and not cycle.disconnected:
                 await flow.drain()
             if not cycle.disconnected:
-                cycle.response_started = True
+                cycle.response_started = state.headed = True
                 write(b"".join(self._head(reply, rid, reply.body, cycle.keep_alive)))
                 self._complete(cycle)
             return
-        head: list[bytes] | None = self._head(reply, rid, None, cycle.keep_alive)
+        head = None if state.headed else self._head(reply, rid, None, cycle.keep_alive)
         if reply.outcome is Outcome.BYPASS and head is not None and not cycle.disconnected:
             # Its own call, relayed as the upstream makes it: the head now, as the upstream's
             # came (a flight's reply comes with its first frame ready: sent with it).
-            cycle.response_started = True
+            cycle.response_started = state.headed = True
             write(b"".join(head))
             head = None
         stream = reply.stream
@@ -493,7 +503,7 @@ class GatewayProtocol(HttpToolsProtocol):
             last = getattr(stream, "ended", False)
             chunk = (b"%x\r\n" % len(frame), frame, b"\r\n0\r\n\r\n" if last else b"\r\n")
             if head is not None:
-                cycle.response_started = True
+                cycle.response_started = state.headed = True
                 write(b"".join((*head, *chunk)))
                 head = None
             else:
@@ -506,7 +516,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if flow.write_paused and not cycle.disconnected:
             await flow.drain()
         if not cycle.disconnected:
-            cycle.response_started = True
+            cycle.response_started = state.headed = True
             write(b"".join((*head, b"0\r\n\r\n")) if head is not None else b"0\r\n\r\n")
             self._complete(cycle)
 

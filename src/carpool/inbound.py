@@ -8,7 +8,8 @@ Contract:
 - ``Deadlines``: one timer for every body being read, rather than one per request.
 - ``ClientWatch``: cancels a request's task if its client leaves while it waits or streams
   (``start``), never after its reply is complete (``stop``); ``left`` is told when the client
-  goes. ``ReceiveWatch`` learns it from ASGI's ``receive`` (a watcher task, made only when the
+  goes. It also holds where the reply stands for whoever sends it: ``headed`` once its status
+  and headers are sent, ``finished`` once its end is on its way. ``ReceiveWatch`` learns it from ASGI's ``receive`` (a watcher task, made only when the
   request waits); the HTTP protocol tells its own (``http_protocol.py``) from the connection.
 """
 
@@ -33,11 +34,14 @@ class ClientWatch:
     of a list input wait in tasks of their own, and every one of them must be cancelled.
     """
 
-    __slots__ = ("task", "started", "gone", "finished", "client_left")
+    __slots__ = ("task", "started", "gone", "finished", "client_left", "headed")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.started = self.gone = self.finished = self.client_left = False
+        # The reply's status and headers are sent (set by whoever sends them): a request cut
+        # now can only end what was begun (``server.GatewayApp.serve``).
+        self.headed = False
 
     def start(self) -> None:
         self.started = True

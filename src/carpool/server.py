@@ -16,6 +16,15 @@ Contract:
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
   cancels the upstream call). A client leaving is not an error and is not logged as one.
+- A request still running when the server's shutdown runs out of grace (``shutdown.grace_s``) is
+  cancelled by uvicorn; a cancel that is the shutdown's (the gateway is draining: ``carpool
+  serve`` sets it on the signal, the HTTP protocol as uvicorn stops each worker; or uvicorn's
+  own cancel message), never one of a client that left, is ended in its API's terms, not as a
+  crash: a reply not begun is a 503 with ``Retry-After`` in the API's error shape
+  (``ShuttingDown``, ``x-carpool: bypass``, counted in ``rejected``), a stream under way ends
+  with the API's error event and its end (``[DONE]`` where it has one). Logged at INFO, without
+  a traceback. What the cancel undid on its way (a flight's place, an idempotency record, a
+  stream's answer not kept) is as for a client that left: nothing partial is stored.
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
   ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app.
 - Pass-through is confined to the upstream's ``/v1``: the path is judged as it came on the wire
@@ -91,6 +100,7 @@ from .errors import (
     ClientKeyRefused,
     HeadersTooLarge,
     RequestError,
+    ShuttingDown,
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
@@ -101,6 +111,7 @@ from .paths import confine
 from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting
 from .peers.metrics import merge, run_totals
 from .pipeline import Gateway, Reply
+from .reply import refusal
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, UPSTREAM_HEADER, request_id
@@ -268,17 +279,73 @@ class GatewayApp:
             if reply.stream is not None:
                 watch.start()
             await respond(reply, watch)
-        except asyncio.CancelledError:
-            if not watch.client_left:
+        except asyncio.CancelledError as cancel:
+            if watch.client_left:
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
+                if not COUNTED.get() and not client.peer:  # (left before any outcome was counted:
+                    self.gateway.stats.abandoned += 1  # its keyed request's record may settle)
+            elif self._stopping(cancel):
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
+                await self._cut(client, watch, respond)
+            else:
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (always in a task here)
-            if not COUNTED.get() and not client.peer:  # (left before any outcome was counted:
-                self.gateway.stats.abandoned += 1  # its keyed request's record may still settle)
         finally:
             watch.stop()
             if reply is not None:
                 reply.close()
                 self.gateway.observe(reply, time.monotonic() - started)
+
+    def _stopping(self, cancel: asyncio.CancelledError) -> bool:
+        """Whether ``cancel`` is the server's shutdown cutting the request (its grace period
+        over), not a client that left (told by its watch, and seen first): the gateway is
+        draining (``carpool serve`` sets it on the signal, each worker's protocol when uvicorn
+        stops it: ``http_protocol.py``), or the cancel is uvicorn's own (another host)."""
+        return self.gateway.draining or cancel.args == (_GRACE_OVER,)
+
+    async def _cut(self, client: ClientRequest, watch: ClientWatch, respond: Respond) -> None:
+        """Ends a request the server's shutdown cut (``_stopping``) as its API ends a failure,
+        not as a crash: a reply not started yet is a 503 with ``Retry-After`` in its API's error
+        shape (``x-carpool: bypass``: the gateway's own refusal); a stream under way ends with its
+        API's error event, then its end (``[DONE]`` where the API has one); a whole reply whose
+        head went out already (its client not reading) is left as it is. Logged without a
+        traceback: nothing failed. What the cancel undid on its way here (the flight's place,
+        an idempotency record) stays undone, as for a client that left."""
+        api, error = BY_PATH[client.path], ShuttingDown()
+        if not watch.headed:
+            log.info("shutting down: a request still waiting was cut (503, Retry-After)")
+            if not COUNTED.get() and not client.peer:
+                self.gateway.stats.rejected += 1  # (a refusal's count: no outcome was given)
+            await respond(refusal(error, api), watch)
+        elif not watch.finished:
+            log.info("shutting down: a stream still running was cut (it ends with an error)")
+            await respond(
+                Reply(200, [], stream=_Last(api.error_event(error) + api.stream_end)), watch
+            )
+        else:
+            log.info("shutting down: a reply still being sent was cut")
+
+
+# The message of uvicorn's cancel of a request still running when its graceful shutdown's time
+# (``timeout_graceful_shutdown``: ``shutdown.grace_s``) is over.
+_GRACE_OVER = "Task cancelled, timeout graceful shutdown exceeded"
+
+
+class _Last:
+    """What is left to send of a stream under way: one last piece (``exchange.Relay.ended``)."""
+
+    __slots__ = ("piece", "ended")
+
+    def __init__(self, piece: bytes) -> None:
+        self.piece, self.ended = piece, False
+
+    def __aiter__(self) -> _Last:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.ended:
+            raise StopAsyncIteration
+        self.ended = True
+        return self.piece
 
 
 def _document(text: str) -> dict[str, Any] | None:
@@ -357,12 +424,21 @@ async def _send_whole(
 
 
 async def _send_reply(send: Any, reply: Reply, state: ClientWatch) -> None:
-    """``reply`` as ASGI messages: whole, or its stream's frames as they come."""
+    """``reply`` as ASGI messages: whole, or its stream's frames as they come; once its head is
+    sent (``state.headed``), a stream is the rest of it (``GatewayApp._cut``)."""
     if reply.stream is None:
         state.finished = True
-        await _send_whole(send, reply.status, reply.headers, reply.body)
+        body = reply.body
+        head = [*reply.headers, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": reply.status, "headers": head})
+        state.headed = True
+        await send({"type": "http.response.body", "body": body})
         return
-    await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
+    if not state.headed:
+        await send(
+            {"type": "http.response.start", "status": reply.status, "headers": reply.headers}
+        )
+        state.headed = True
     stream = reply.stream
     async for frame in stream:
         # The last piece (``exchange.Relay.ended``): the body ends with it.

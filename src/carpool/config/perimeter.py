@@ -232,5 +232,7 @@ class ShutdownConfig(Section):
         30.0,
         ge=0,
         description="Seconds the requests in progress then have to finish (flights and their "
-        "waiters get their answers, streams end properly) before the process exits anyway.",
+        "waiters get their answers, streams end properly) before the process exits anyway: "
+        "those still running then are cut, a reply not begun as a 503 with Retry-After in its "
+        "API's error shape, a stream under way with its API's error event and its end.",
     )
