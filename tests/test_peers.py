@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from carpool import peers
 from carpool.config import Config
@@ -765,3 +766,26 @@ def test_the_runs_totals_sum_each_replicas_errors_take_its_worst_state_and_skip_
         "r0": {"state": "down", "calls": 12, "errors": 7, "in_flight": 0, "failures": 0}
     }
     assert run["layers"] == {} and run["latency_ms"]["hit"]["count"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_keyed_answer_run_by_its_owner_in_front_of_the_simulator_is_labelled_once(
+    stream,
+):
+    """The owner labels its answer, and the worker relaying it labelled it again: twice."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[])  # (the embedded simulated engine)
+    try:
+        a, b = (build_gateway(config, peers=Peers(claim(directory, 2), config)) for _ in range(2))
+        async with contextlib.AsyncExitStack() as stack:
+            url = await stack.enter_async_context(serve_app(create_app(a)))
+            await stack.enter_async_context(serve_app(create_app(b)))
+            client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+            body = {**_chat("Charge my card"), **({"stream": True} if stream else {})}
+            key = {"Idempotency-Key": idempotency_key_owned_by(a, 1)}
+            response = await client.post("/v1/chat/completions", json=body, headers=key)
+            assert response.status_code == 200
+            assert b.snapshot()["peers"]["served"] == 1
+            assert response.headers.get_list("x-carpool-simulated") == ["true"]
+    finally:
+        peers.remove(directory)

@@ -71,6 +71,7 @@ from ..outcome import Outcome
 from ..reply import Reply, refusal
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
 from ..upstream.http import closer, sse_payloads
+from ..upstream.sim.replies import SIMULATED_HEADER
 from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
 from .slots import Meeting, Slot, claim, socket_path, spare_path, spares
 
@@ -89,7 +90,14 @@ _IDEMPOTENCY = frozenset({"idempotency-key", "x-idempotency-key"})
 # Response headers the relaying worker writes itself (its server frames the body, names the
 # request).
 _NOT_RELAYED = frozenset(
-    {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"x-request-id"}
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"x-request-id",
+        SIMULATED_HEADER[0].encode(),  # (this worker writes its own: the client got it twice)
+    }
 )
 _OUTCOMES = frozenset(outcome.value for outcome in Outcome)
 _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
