@@ -65,12 +65,17 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
     """Killed (SIGKILL, the OOM killer), the parent cannot stop its workers: they served the
     port on, orphans, and the next `carpool serve` on it found it in use. Each stops itself."""
     import os
+    import shutil
     import signal
+    import tempfile
+    from pathlib import Path
 
     from fakes.waiting import eventually
 
     port = free_port()
     log = tmp_path / "workers.log"
+    # (The killed parent cannot remove its workers' meeting place: the test does.)
+    places = set(Path(tempfile.gettempdir()).glob("carpool-peers-*"))
     proc = start_serve(
         ["--upstream", fake.url, "--port", str(port), "--workers", "2"], serve_env(), log
     )
@@ -98,3 +103,5 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+        for left in set(Path(tempfile.gettempdir()).glob("carpool-peers-*")) - places:
+            shutil.rmtree(left, ignore_errors=True)
