@@ -65,7 +65,6 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
     """Killed (SIGKILL, the OOM killer), the parent cannot stop its workers: they served the
     port on, orphans, and the next `carpool serve` on it found it in use. Each stops itself."""
     import os
-    import shutil
     import signal
     import tempfile
     from pathlib import Path
@@ -74,8 +73,9 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
 
     port = free_port()
     log = tmp_path / "workers.log"
-    # (The killed parent cannot remove its workers' meeting place: the test does.)
-    places = set(Path(tempfile.gettempdir()).glob("carpool-peers-*"))
+    # What the killed parent left for its workers, which they remove as they stop.
+    temporary = Path(tempfile.gettempdir())
+    left_before = {*temporary.glob("carpool-peers-*"), *temporary.glob("carpool-config-*")}
     proc = start_serve(
         ["--upstream", fake.url, "--port", str(port), "--workers", "2"], serve_env(), log
     )
@@ -97,11 +97,11 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
             timeout=30,
             what="the orphaned workers to stop",
         )
+        left = {*temporary.glob("carpool-peers-*"), *temporary.glob("carpool-config-*")}
+        assert left <= left_before  # (the config holds the run's keys)
     finally:
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
-        for left in set(Path(tempfile.gettempdir()).glob("carpool-peers-*")) - places:
-            shutil.rmtree(left, ignore_errors=True)

@@ -93,7 +93,7 @@ from .admin_http import admin_routes
 from .apis import BY_PATH
 from .auth import ClientKeys
 from .config import Config
-from .config.loader import PARENT_VARIABLE
+from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
 from .errors import (
     AdminRequired,
     CarpoolError,
@@ -108,7 +108,7 @@ from .metrics import COUNTED, COUNTED_ELSEWHERE
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
-from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting
+from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting, remove
 from .peers.metrics import merge, run_totals
 from .pipeline import Gateway, Reply
 from .reply import refusal
@@ -641,15 +641,24 @@ def _leave_with_parent(parent: str | None) -> None:
     """A worker stops (SIGTERM to itself: its graceful shutdown) once the ``carpool serve`` that
     started it is gone (``parent``, its pid; another parent pid then: init's or a subreaper's).
     Killed (SIGKILL, the OOM killer), the parent could not stop its workers: they served the
-    port on, orphans, and the next ``carpool serve`` on it found it in use."""
+    port on, orphans, and the next ``carpool serve`` on it found it in use. Nor could it remove
+    what it left in the temporary directory for them, which they do: the resolved config (a
+    0600 file with the run's keys) and the peers' meeting place (each worker, whichever first)."""
     if not parent or not parent.isdigit():
         return
     expected = int(parent)
+    config_file = os.environ.get(CONFIG_FILE_VARIABLE)
+    place = os.environ.get(PEERS_VARIABLE)
 
     def watch() -> None:
         while os.getppid() == expected:
             time.sleep(PARENT_POLL_S)
         log.warning("carpool serve (pid %d) is gone: this worker stops", expected)
+        if config_file:
+            with contextlib.suppress(OSError):
+                os.remove(config_file)
+        if place:
+            remove(Path(place))
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="carpool-parent-watch", daemon=True).start()
