@@ -85,12 +85,20 @@ def other_credentials(headers: Mapping[str, str], query: str, known: Container[s
         found += [(n, v) for n, v in parse_qsl(query, keep_blank_values=True) if _secret_name(n)]
     if not found:
         return ""
-    digest = hashlib.blake2b(digest_size=8, person=b"carpool-others")
-    for name, value in sorted(found):
+    return pairs_digest(sorted(found), b"carpool-others", 8).hexdigest()
+
+
+def pairs_digest(pairs: Iterable[tuple[str, str]], person: bytes, size: int) -> hashlib.blake2b:
+    """A BLAKE2b of ``pairs`` (header or parameter names and values), each part
+    length-prefixed: no choice of values can make two different lists hash the same text.
+    The credentials' ids (``tenant_of``, ``other_credentials``) and the batcher's verdicts
+    (``batching.lists``) are made so: never the raw credentials."""
+    digest = hashlib.blake2b(digest_size=size, person=person)
+    for name, value in pairs:
         for part in (name, value):
             data = part.encode("utf-8", "surrogateescape")
             digest.update(len(data).to_bytes(4, "big") + data)
-    return digest.hexdigest()
+    return digest
 
 
 def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:
@@ -98,13 +106,7 @@ def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:
     present = [(name, headers[name]) for name in names if headers.get(name)]
     if not present:
         return ANONYMOUS_TENANT
-    digest = hashlib.blake2b(digest_size=8, person=b"carpool-tenant")
-    for name, value in present:
-        # Length-prefixed: no choice of values can make two different sets hash the same text.
-        for part in (name, value):
-            data = part.encode("utf-8", "surrogateescape")
-            digest.update(len(data).to_bytes(4, "big") + data)
-    return digest.hexdigest()
+    return pairs_digest(present, b"carpool-tenant", 8).hexdigest()
 
 
 class AcceptedCredentials:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import math
 import struct
 import time
@@ -49,6 +48,7 @@ from typing import Any, cast
 
 import orjson
 
+from carpool.identity import pairs_digest
 from carpool.lru import LRU
 from carpool.upstream.base import Upstream, UpstreamRequest
 
@@ -210,13 +210,7 @@ async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
 def _digest(identity: Sequence[tuple[str, str]]) -> bytes:
     """A group's identity headers as a digest: verdicts outlive requests, and the raw
     credentials are never kept (as ``identity.tenant_of``)."""
-    digest = hashlib.blake2b(digest_size=16, person=b"carpool-lists")
-    for name, value in identity:
-        for part in (name, value):
-            # Length-prefixed: no choice of values can make two identities hash the same text.
-            data = part.encode("utf-8", "surrogateescape")
-            digest.update(len(data).to_bytes(4, "big") + data)
-    return digest.digest()
+    return pairs_digest(identity, b"carpool-lists", 16).digest()
 
 
 def _vectors(raw: bytes, count: int) -> list[list[float]] | None:
