@@ -12,7 +12,8 @@ resident memory (VmRSS, Linux) over the same load:
   at 1M) and count as the store's.
 - ``memo``: N distinct requests remembered by a ``RepeatMemo`` with its configured budget.
 - ``idempotency``: N records begun and finished (a ~200-byte response each) in
-  ``MemoryIdempotencyRecords`` with their configured bounds.
+  ``MemoryIdempotencyRecords`` with their configured bounds, each of a client of its own (the
+  most a record holds: each tenant's share is kept apart).
 
 Not a test: a measurement, run by hand.
 
@@ -171,7 +172,7 @@ async def idempotency(entries: int, body_bytes: int) -> None:
     gc.collect()
     before = rss()
     for i in range(entries):
-        idempotency_key = f"order-{i:012d}"
+        idempotency_key = f"client-{i:012d}\norder-{i:012d}"  # (scope, then key: scope_of)
         begun = await records.begin(idempotency_key, key(i))
         assert begun.token is not None
         response = StoredResponse(200, list(headers), body(i, body_bytes))

@@ -516,6 +516,44 @@ async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
     assert len(records) == 0 and records.bytes == 0
 
 
+async def test_one_tenants_flood_of_keys_evicts_its_own_records_not_another_tenants() -> None:
+    """A record's key begins with its requester's scope (``scope_of``). Beyond the bounds the
+    oldest finished record of the tenant holding the largest share goes: before, the oldest
+    overall went, so a tenant sending many keys evicted a quiet tenant's record within its
+    retention, and that tenant's retry ran its generation again."""
+    records = MemoryIdempotencyRecords(60, max_records=4, max_bytes=4 * OK.size)
+    await records.finish("quiet\nk1", await begin_new(records, "quiet\nk1"), OK)
+    for n in range(20):
+        key = f"loud\n{n}"
+        await records.finish(key, await begin_new(records, key), OK)
+    assert len(records) <= 4 and records.bytes <= 4 * OK.size
+    assert (await records.begin("quiet\nk1", FP)).state == "done"  # still replayed
+    assert (await records.begin("loud\n19", FP)).state == "done"  # the flood's newest stay
+    assert (await records.begin("loud\n0", FP)).state == "new"  # its oldest went
+    # The quiet tenant's next record is kept too: the loud one, larger, pays for it.
+    await records.finish("quiet\nk2", await begin_new(records, "quiet\nk2"), OK)
+    assert (await records.begin("quiet\nk1", FP)).state == "done"
+    assert (await records.begin("quiet\nk2", FP)).state == "done"
+    # By bytes too: a tenant of a few large records pays for the next large one.
+    big = StoredResponse(200, [], b"x" * (2 * OK.size))
+    for n in range(3):
+        key = f"heavy\n{n}"
+        await records.finish(key, await begin_new(records, key), big)
+    assert records.bytes <= 4 * OK.size
+    assert (await records.begin("quiet\nk2", FP)).state == "done"
+    assert (await records.begin("heavy\n2", FP)).state == "done"
+
+
+async def test_equal_shares_evict_another_tenants_record_before_the_one_just_put() -> None:
+    records = MemoryIdempotencyRecords(60, max_records=2)
+    for key in ("a\n1", "b\n1", "c\n1"):
+        await records.finish(key, await begin_new(records, key), OK)
+    assert (await records.begin("c\n1", FP)).state == "done"
+    assert (await records.begin("b\n1", FP)).state == "done"
+    assert (await records.begin("a\n1", FP)).state == "new"  # the least recent gainer went
+    assert records.evictions == 1
+
+
 async def test_a_running_record_is_never_evicted_by_the_bounds() -> None:
     """The bounds evict finished records only: a record being processed stayed in the same
     bounded list, kept its place there and was the first to go (its retry ran the generation

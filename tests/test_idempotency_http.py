@@ -335,3 +335,19 @@ async def test_a_key_still_running_is_never_evicted_by_the_records_bounds(fake, 
             retry.headers.get("idempotent-replayed") == "true"
             and fake.count("/v1/chat/completions") == 5
         )
+
+
+async def test_one_tenants_flood_of_keys_never_makes_another_tenants_retry_run_again(
+    fake, gateway_with
+):
+    # In-process records beyond idempotency.max_records: the oldest overall went, so a tenant
+    # sending many keys evicted a quiet tenant's finished record, and its retry ran again.
+    async with gateway_with(idempotency={"max_records": 3}) as gw:
+        quiet = {**KEY, "Authorization": "Bearer quiet"}
+        first = await gw.chat("quiet question", temperature=0.9, headers=quiet)
+        for i in range(6):
+            loud = {"Idempotency-Key": f'"k{i}"', "Authorization": "Bearer loud"}
+            assert (await gw.chat(f"loud {i}", headers=loud)).status_code == 200
+        retry = await gw.chat("quiet question", temperature=0.9, headers=quiet)
+        assert retry.headers.get("idempotent-replayed") == "true"
+        assert retry.content == first.content and fake.count("/v1/chat/completions") == 7

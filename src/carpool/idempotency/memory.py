@@ -2,8 +2,9 @@
 
 One process only: a retry that reaches another instance is not protected (with ``redis``, the
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
-swept lazily and the oldest *finished* ones are evicted beyond ``max_records``/``max_bytes``
-(``carpool.lru``; counted in ``evictions``, logged): a record being processed is never evicted
+swept lazily and *finished* ones are evicted beyond ``max_records``/``max_bytes``, the oldest
+of the tenant holding the largest share first, so that one tenant's flood of keys cannot evict
+another's records (``finished``; counted in ``evictions``, logged): a record being processed is never evicted
 (its retry would run the generation again while it runs), and those are as many as the
 requests in flight. Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move
 it).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..lru import LRU
+from .finished import Finished
 from .records import PROCESSING_TTL, Begin, StoredResponse, _new_token
 
 log = logging.getLogger("carpool.idempotency")
@@ -53,7 +54,8 @@ class MemoryIdempotencyRecords:
 
     Bounded: expired records are dropped when met and swept every ``sweep_interval`` seconds;
     beyond ``max_records`` finished records or ``max_bytes`` of stored responses the oldest
-    finished ones are evicted (an evicted key is free again). Records being processed are kept
+    finished ones of the tenant with the largest share are evicted (``finished``; an evicted
+    key is free again). Records being processed are kept
     apart (``_running``), never evicted. A response larger than ``max_bytes`` is not kept.
     """
 
@@ -75,15 +77,15 @@ class MemoryIdempotencyRecords:
         self.max_bytes = max_bytes
         self.sweep_interval = sweep_interval
         self._clock = clock
-        # Oldest first by creation or finish (a look does not refresh: ``peek``); a record's
-        # size is its stored response's, so a finished record goes out and in again.
-        self._records: LRU[str, _Record] = LRU(
-            max_entries=max_records,
+        # Each tenant's oldest first by finish (a look does not refresh: ``peek``); a record's
+        # size is its stored response's.
+        self._records: Finished[_Record] = Finished(
+            max_records=max_records,
             max_bytes=max_bytes,
             size=_size,
             expires=_expires,
             clock=clock,
-            on_evict=_wake,
+            on_gone=_wake,
         )
         # The records being processed: apart, never evicted (as many as requests in flight).
         self._running: dict[str, _Record] = {}
@@ -134,10 +136,10 @@ class MemoryIdempotencyRecords:
         record.expires = self._clock.monotonic() + self.retention
         record.wake()
         before = self._records.evictions
-        self._records.put(key, record)  # too large to keep: not stored, the key is free again
+        kept = self._records.put(key, record)  # too large to keep: the key is free again
         if self._records.evictions > before:
             self._evicted()
-        return key in self._records
+        return kept
 
     async def abandon(self, key: str, token: str) -> bool:
         if self._owned(key, token) is None:

@@ -1,0 +1,208 @@
+"""The finished records in this process, shared fairly between tenants: ``Finished``.
+
+Contract:
+- ``Finished(max_records=, max_bytes=, size=, expires=, clock=, on_gone=)`` holds finished
+  records by key; a key's tenant is its part before the first newline (``once.scope_of``
+  writes the requester's scope there; a key without one is its own tenant).
+- After every ``put``: ``len <= max_records`` and ``bytes <= max_bytes``. Beyond a bound, the
+  oldest record of the tenant holding the largest share of it goes (share: the larger of its
+  records over ``max_records`` and its bytes over ``max_bytes``; of equal shares, the tenant
+  that gained a record least recently, so the record just put stays if another can go), so a
+  tenant that finishes records faster than the others evicts its own first: one tenant's
+  flood of keys cannot evict another's records (a retry of theirs would run its generation
+  again). A record too large for
+  ``max_bytes`` on its own is not kept. Evictions are counted in ``evictions``.
+- Expiry as ``carpool.lru``'s: ``expires(record)`` on the clock's monotonic time; lazy
+  (``peek`` drops what it finds expired), ``expire()`` drops all that have.
+- O(1) but ``expire`` (a scan) and an eviction's choice of tenant (O(log tenants)).
+- ``on_gone(key, record)`` hears of every record dropped on its own (evicted or expired), not
+  of those the caller pops or replaces.
+
+Why a tenant's share and not the oldest overall: the records guard the at-most-once promise,
+and the oldest overall may be a quiet tenant's record still within its retention. Why a list
+threaded through the records rather than an ``LRU`` a tenant: with a tenant per record (many
+clients, one key each) an ``LRU`` would add ~1.4 KB a record; a ``_Tenant`` adds ~100 bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from ..clock import SYSTEM_CLOCK, Clock
+
+V = TypeVar("V")
+
+
+class _Node(Generic[V]):
+    """A record in its tenant's list, oldest first."""
+
+    __slots__ = ("key", "value", "older", "newer")
+
+    def __init__(self, key: str, value: V, older: _Node[V] | None) -> None:
+        self.key = key
+        self.value = value
+        self.older = older
+        self.newer: _Node[V] | None = None
+
+
+class _Tenant(Generic[V]):
+    """A tenant's records: their list's ends, how many and their bytes, and when it last
+    gained one (in the order of puts)."""
+
+    __slots__ = ("oldest", "newest", "count", "bytes", "gained")
+
+    def __init__(self) -> None:
+        self.oldest: _Node[V] | None = None
+        self.newest: _Node[V] | None = None
+        self.count = 0
+        self.bytes = 0
+        self.gained = 0
+
+
+class Finished(Generic[V]):
+    """Finished records, a list a tenant, bounded together (the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        max_records: int,
+        max_bytes: int,
+        size: Callable[[str, V], int],
+        expires: Callable[[V], float],
+        clock: Clock = SYSTEM_CLOCK,
+        on_gone: Callable[[str, V], None] | None = None,
+    ) -> None:
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.evictions = 0
+        self._size = size
+        self._expires = expires
+        self._clock = clock
+        self._on_gone = on_gone
+        self._nodes: dict[str, _Node[V]] = {}
+        self._tenants: dict[str, _Tenant[V]] = {}
+        self._puts = 0
+        self._bytes = 0
+        # The tenants by (share, largest first; last put, earliest first), lazily: an entry is
+        # stale once its tenant's rank has changed (``_largest`` skips it); rebuilt when stale
+        # ones outnumber the rest.
+        self._heap: list[tuple[float, int, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._nodes))
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.peek(key) is not None
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def peek(self, key: str) -> V | None:
+        node = self._nodes.get(key)
+        if node is None:
+            return None
+        if self._expires(node.value) <= self._clock.monotonic():
+            self._gone(node)
+            return None
+        return node.value
+
+    def put(self, key: str, record: V) -> bool:
+        """Keep ``record`` under ``key`` as its tenant's newest; False if it is too large to
+        keep (whatever was under ``key`` is gone either way)."""
+        self.pop(key)
+        counted = self._size(key, record)
+        if counted > self.max_bytes:
+            return False
+        name = _tenant(key)
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = _Tenant()
+        node = self._nodes[key] = _Node(key, record, tenant.newest)
+        if tenant.newest is None:
+            tenant.oldest = node
+        else:
+            tenant.newest.newer = node
+        tenant.newest = node
+        tenant.count += 1
+        tenant.bytes += counted
+        self._bytes += counted
+        self._puts += 1
+        tenant.gained = self._puts
+        self._ranked(name, tenant)
+        while len(self._nodes) > self.max_records or self._bytes > self.max_bytes:
+            oldest = self._tenants[self._largest()].oldest
+            assert oldest is not None  # (a tenant with no record is not held)
+            self.evictions += 1
+            self._gone(oldest)
+        return key in self._nodes
+
+    def pop(self, key: str) -> V | None:
+        node = self._nodes.get(key)
+        if node is None:
+            return None
+        self._unlink(node)
+        return node.value
+
+    def expire(self) -> None:
+        now, expires = self._clock.monotonic(), self._expires
+        for node in [node for node in self._nodes.values() if expires(node.value) <= now]:
+            self._gone(node)
+
+    # ------------------------------------------------------------------ internals
+
+    def _gone(self, node: _Node[V]) -> None:
+        """``node`` dropped on its own: evicted, or found expired."""
+        self._unlink(node)
+        if self._on_gone is not None:
+            self._on_gone(node.key, node.value)
+
+    def _unlink(self, node: _Node[V]) -> None:
+        del self._nodes[node.key]
+        name = _tenant(node.key)
+        tenant = self._tenants[name]
+        if node.older is None:
+            tenant.oldest = node.newer
+        else:
+            node.older.newer = node.newer
+        if node.newer is None:
+            tenant.newest = node.older
+        else:
+            node.newer.older = node.older
+        node.older = node.newer = None
+        counted = self._size(node.key, node.value)
+        tenant.count -= 1
+        tenant.bytes -= counted
+        self._bytes -= counted
+        if tenant.count == 0:
+            del self._tenants[name]
+        else:
+            self._ranked(name, tenant)
+
+    def _rank(self, name: str, tenant: _Tenant[V]) -> tuple[float, int, str]:
+        share = max(tenant.count / max(self.max_records, 1), tenant.bytes / max(self.max_bytes, 1))
+        return (-share, tenant.gained, name)
+
+    def _ranked(self, name: str, tenant: _Tenant[V]) -> None:
+        heapq.heappush(self._heap, self._rank(name, tenant))
+        if len(self._heap) > 2 * len(self._tenants) + 64:
+            self._heap = [self._rank(n, t) for n, t in self._tenants.items()]
+            heapq.heapify(self._heap)
+
+    def _largest(self) -> str:
+        heap = self._heap
+        while True:
+            name = heap[0][2]
+            tenant = self._tenants.get(name)
+            if tenant is not None and heap[0] == self._rank(name, tenant):
+                return name
+            heapq.heappop(heap)
+
+
+def _tenant(key: str) -> str:
+    return key.partition("\n")[0]
