@@ -25,9 +25,9 @@ and it stops at the first block no eligible replica holds, so a prompt that matc
 costs one hash whatever its length; recording a prompt hashes and records only its first
 ``budget_blocks`` blocks (``tree_budget_chars / block_chars``: deeper ones could not stay in the
 replica's record: they would be inserted and evicted at once). Costs: O(min(len(text),
-tree_budget_chars) / block_chars) per request, however long the prompt, and a few hundred bytes
-per remembered block (~400 measured: the key, its LRU entry and its index entry). ``hashed`` counts the blocks
-hashed.
+tree_budget_chars) / block_chars) per request, however long the prompt, and ~400 bytes per
+remembered block (measured: the key, its LRU entry and its index entry). ``hashed`` counts the
+blocks hashed.
 Approximations: matches are whole blocks (a partial last block never matches, so prompts
 shorter than a block never match); hash collisions (128-bit) are ignored; and the engine's real
 cache may hold more or less than the record (``tree_budget_chars`` should approximate its KV
