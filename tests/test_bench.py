@@ -19,10 +19,11 @@ from carpool.bench.canned import canned
 from carpool.bench.client import fetch
 from carpool.bench.faults import FaultPlan
 from carpool.bench.fixed import fixed_app
-from carpool.bench.oracle import oracle, request_key
+from carpool.bench.oracle import Oracle, oracle, request_key
 from carpool.bench.recorded import load_jsonl
 from carpool.bench.relay import relay
-from carpool.bench.runner import BenchOptions, run_bench
+from carpool.bench.replay import Result, Run
+from carpool.bench.runner import BenchOptions, build_workload, run_bench
 from carpool.bench.stats import percentile, summary_ms
 from carpool.bench.synthetic import PRESETS, synthetic
 from carpool.bench.upstream import Options, expected, upstream
@@ -271,8 +272,70 @@ def test_a_malformed_recorded_workload_names_the_line_and_the_problem(tmp_path, 
     path = _write(tmp_path / "bad.jsonl", [good, line])
     with pytest.raises(WorkloadError, match=message) as error:
         load_jsonl(path)
-    if "timestamp" not in message:
-        assert f"{path}:2:" in str(error.value)
+    assert f"{path}:2:" in str(error.value)
+
+
+def test_a_workload_file_line_ends_at_a_line_feed_only(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (orjson writes them so): they
+    do not end a line; ``\\r\\n`` does; line numbers count line feeds."""
+    texts = ["one\u2028two", "three\u2029four", "five\u0085six"]
+    rows = [
+        orjson.dumps({"t": i, "body": {"model": "m", "prompt": text}}) + (b"\r\n" if i else b"\n")
+        for i, text in enumerate(texts)
+    ]
+    path = tmp_path / "seps.jsonl"
+    path.write_bytes(b"".join(rows))
+    assert all(text.encode() in path.read_bytes() for text in texts)  # written unescaped
+    assert [r.body["prompt"] for r in load_jsonl(path).requests] == texts
+    path.write_bytes(b"".join(rows) + b"\n" + b'{"t": 9, "body": {"model": "m", "prompt": "x"')
+    with pytest.raises(WorkloadError, match=f"^{path}:5: not valid JSON"):
+        load_jsonl(path)
+    path.write_bytes(b"".join(rows) + b"\n" + b'{"body": {"model": "m", "prompt": "x"}}\n')
+    with pytest.raises(WorkloadError, match=f"^{path}:5: this line has no timestamp"):
+        load_jsonl(path)
+
+
+def test_requests_keeps_a_workload_files_first_lines_in_the_files_order_then_sorts_them(
+    tmp_path,
+):
+    """``--requests 2`` keeps the file's first two requests (a blank line is none), not the two
+    earliest timestamps of the whole file; the kept ones are replayed in ``t`` order from 0."""
+    lines = [
+        {"t": t, "body": {"model": "m", "prompt": f"line {i}"}}
+        for i, t in enumerate((10, 7, 3, 1), 1)
+    ]
+    path = _write(tmp_path / "unsorted.jsonl", [lines[0], "", *lines[1:]])
+    workload = build_workload(
+        BenchOptions(out=tmp_path / "out", workload_file=str(path), requests=2)
+    )
+    assert [(r.t, r.body["prompt"]) for r in workload.requests] == [
+        (0.0, "line 2"),
+        (3.0, "line 1"),
+    ]
+    everything = build_workload(BenchOptions(out=tmp_path / "out", workload_file=str(path)))
+    assert [r.body["prompt"] for r in everything.requests] == [f"line {i}" for i in (4, 3, 2, 1)]
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--tenants", "8"), ("--duplicate-rate", "0"), ("--stream-share", "1")]
+)
+def test_synthetic_trait_options_are_refused_for_a_workload_they_do_not_shape(
+    tmp_path, flag, value
+):
+    path = _write(tmp_path / "two.jsonl", [{"body": _HI}, {"body": _HI}])
+    out = tmp_path / "out"
+    for source, what in (
+        (["--workload-file", str(path)], "a workload file"),
+        (["--workload", "audit"], "the audit workload"),
+    ):
+        code, output = _bench(*source, flag, value, "--requests", "2", "--out", str(out))
+        assert code == 2, output
+        assert f"{flag}: these shape the synthetic workloads only, not {what}" in output
+        assert not out.exists()
+    spec = {"tenants": None, "duplicate_rate": None, "stream_share": 0.5}
+    with pytest.raises(WorkloadError, match="--stream-share: these shape"):
+        build_workload(BenchOptions(out=out, workload="audit", requests=4, spec=spec))
+    assert traits(build_workload(BenchOptions(out=out, workload="faq", requests=40, spec=spec)))
 
 
 def test_the_cli_exits_2_on_a_malformed_workload_file_and_on_conflicting_options(tmp_path):
@@ -580,6 +643,106 @@ def test_the_markdown_report_states_the_arrivals_as_they_were():
     for params, want in cases:
         text = report.markdown({**run_report, "params": {**common, **params}})
         assert want in text, text
+
+
+def _report_of(results: list[Result], oracle_calls: int = 1) -> dict:
+    """``report.build`` over hand-made results (one chat request each) and a /stats delta."""
+    requests = [BenchRequest(0.0, CHAT, _HI) for _ in results]
+    run = Run(
+        results,
+        0.0,
+        1.0,
+        {"upstream_calls": 0, "tokens_saved": 0},
+        {"upstream_calls": 1, "tokens_saved": 30},
+    )
+    return report.build(
+        workload=Workload("w", requests),
+        workload_traits=traits(Workload("w", requests)),
+        run=run,
+        oracle=Oracle(calls=oracle_calls),
+        config=Config(),
+        params={"mode": "closed-loop", "target": "embedded", "seed": 0, "concurrency": 2},
+    )
+
+
+def _outcome_legend(results: list[Result]) -> list[str]:
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    figure = plots._outcomes(plt, Run(results, 0.0, 1.0, {}, {}), report.outcome_of)
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    plt.close(figure)
+    return legend
+
+
+def test_a_failed_request_is_an_error_whatever_its_header_and_is_never_saved():
+    """A 5xx shared by a flight's joiners says ``x-carpool: coalesced``: it is still a failure,
+    filed ``error`` in the outcomes, the saved fraction, the per-label table and the plot."""
+    results = [
+        Result(0, False, sent=0.0, latency=0.1, status=200, outcome="miss", prompt_tokens=10),
+        Result(1, False, sent=0.1, latency=0.1, status=500, outcome="coalesced", error="HTTP 500"),
+        Result(2, False, sent=0.2, latency=0.1, status=502, outcome="hit", error="HTTP 502"),
+        Result(3, False, sent=0.3, latency=0.001, status=200, outcome="hit", prompt_tokens=10),
+    ]
+    built = _report_of(results)
+    assert built["errors"] == 2
+    assert built["outcomes"] == {"hit": 1, "miss": 1, "error": 2}
+    assert built["saved_fraction"] == 0.25  # the one hit answered, of 4 sent
+    assert built["latency_ms"]["all"]["count"] == 2  # failures have no latency figures
+    text = report.markdown(built)
+    assert "| requests answered without reaching upstream" in text and "| 25.0% |" in text
+    assert "| error | 2 | 50.0% |" in text and "| coalesced |" not in text
+    assert sorted(_outcome_legend(results)) == ["error (2)", "hit (1)", "miss (1)"]
+
+
+def test_a_run_with_errors_makes_no_claim_against_the_oracle():
+    """One upstream call for an oracle of one looks "within 5%", but the failed requests may or
+    may not have cost calls: the verdict is null, with the reason, not true."""
+    failed = Result(1, False, latency=0.1, status=500, outcome="coalesced", error="HTTP 500")
+    answered = Result(0, False, latency=0.1, status=200, outcome="miss")
+    built = _report_of([answered, failed])
+    assert built["upstream_over_oracle"] == 1.0
+    assert built["within_5pct_of_oracle"] is None
+    assert "1 of 2 requests failed" in built["within_5pct_of_oracle_reason"]
+    assert "(not compared: requests failed)" in report.markdown(built)
+    clean = _report_of([answered, Result(1, False, latency=0.001, status=200, outcome="hit")])
+    assert clean["within_5pct_of_oracle"] is True and clean["within_5pct_of_oracle_reason"] is None
+    assert "(within 5%)" in report.markdown(clean)
+
+
+def test_a_semantic_hit_known_wrong_is_shown_apart_and_never_counts_as_saved():
+    """The audit workload knows each request's answer: a semantic hit that served another
+    question's answer is ``wrong_semantic_hit``, apart from the right ones, and not saved."""
+    results = [
+        Result(0, False, sent=0.0, latency=0.1, status=200, outcome="miss", wrong=False),
+        Result(1, False, sent=0.1, latency=0.01, status=200, outcome="semantic_hit", wrong=False),
+        Result(2, False, sent=0.2, latency=0.01, status=200, outcome="semantic_hit", wrong=True),
+        Result(3, False, sent=0.3, latency=0.01, status=200, outcome="semantic_hit", wrong=True),
+    ]
+    built = _report_of(results)
+    assert built["outcomes"] == {"semantic_hit": 1, "wrong_semantic_hit": 2, "miss": 1}
+    assert built["saved_fraction"] == 0.25 and built["errors"] == 0
+    assert built["latency_ms"]["wrong_semantic_hit"]["count"] == 2
+    assert "| wrong_semantic_hit | 2 | 50.0% |" in report.markdown(built)
+    assert "wrong_semantic_hit (2)" in _outcome_legend(results)
+
+
+def test_the_latency_plot_gives_the_p50_the_report_gives():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    results = [
+        Result(i, False, sent=0.1 * i, latency=s, status=200, outcome="miss")
+        for i, s in enumerate((0.010, 0.030, 0.050, 0.090))
+    ]
+    p50 = report._per_outcome(results, "latency")["miss"]["p50"]
+    assert p50 == 40.0  # interpolated between the two middle ones
+    figure = plots._latency(plt, Run(results, 0.0, 1.0, {}, {}), report.outcome_of)
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    plt.close(figure)
+    assert legend == ["miss (n=4, p50 40.0 ms)"]
 
 
 # ------------------------------------------------------------------- the benchmarks' pieces

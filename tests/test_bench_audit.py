@@ -96,8 +96,13 @@ async def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_tr
     report = await run_bench(options)
     audit = report["audit"]
     assert report["errors"] == 0 and report["params"]["semantic_enabled"] is True
-    assert audit["semantic_hits"] == report["outcomes"]["semantic_hit"] > 0
+    outcomes = report["outcomes"]
     assert audit["wrong_hits"] > 0  # the traps did their job
+    # The wrong hits apart from the right ones, and not among the requests saved.
+    assert outcomes["wrong_semantic_hit"] == audit["wrong_hits"]
+    assert outcomes["semantic_hit"] + outcomes["wrong_semantic_hit"] == audit["semantic_hits"]
+    saved = sum(outcomes.get(name, 0) for name in ("hit", "semantic_hit", "coalesced"))
+    assert report["saved_fraction"] == round(saved / report["requests"], 4)
     estimate = audit["audit"]
     # Every hit audited (rate 1.0 unless the config says otherwise), each by the labeled judge.
     assert estimate["audited"] == audit["semantic_hits"] and estimate["state"] == "serving"

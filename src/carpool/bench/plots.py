@@ -1,10 +1,13 @@
 """The plots of a ``carpool bench`` report (PNG, matplotlib's Agg backend, no display needed).
 
 Contract:
-- ``draw(run, needs_call, out_dir)`` writes three PNGs and returns their file names:
+- ``draw(run, needs_call, out_dir)`` writes three PNGs and returns their file names; outcomes
+  are filed as the report files them (``report.outcome_of``: a failed request is ``error``, a
+  semantic hit known wrong is ``wrong_semantic_hit``):
   * ``outcomes_over_time.png``: requests per second by outcome (stacked), by send time;
   * ``latency_cdf.png``: the latency CDF per outcome (log x), and beside it the time to first
-    byte of the streaming requests per outcome;
+    byte of the streaming requests per outcome, of the requests answered without error; each
+    legend's p50 is ``stats.percentile``'s, as in ``report.json``;
   * ``upstream_vs_oracle.png``: cumulative upstream calls over the run, from the gateway's
     ``/stats`` (polled), against the oracle's calls and the requests sent.
 - ``audit(graded, out_dir)`` (the ``audit`` workload, ``meanings.grade``) writes ``audit.png``:
@@ -20,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from . import stats
 from .replay import Result, Run
 
 if TYPE_CHECKING:
@@ -35,12 +39,13 @@ MISSING = (
 COLORS = {
     "hit": "#2ca02c",
     "semantic_hit": "#17becf",
+    "wrong_semantic_hit": "#9467bd",
     "coalesced": "#1f77b4",
     "miss": "#ff7f0e",
     "bypass": "#7f7f7f",
     "error": "#d62728",
 }
-ORDER = ("hit", "semantic_hit", "coalesced", "miss", "bypass", "error")
+ORDER = ("hit", "semantic_hit", "wrong_semantic_hit", "coalesced", "miss", "bypass", "error")
 
 
 def available() -> bool:
@@ -107,10 +112,10 @@ def _outcomes(plt: Any, run: Run, outcome_of: OutcomeOf) -> Figure:
 
 
 def _cdf(ax: Axes, values_ms: list[float], name: str, style: str = "-") -> None:
-    data = sorted(max(v, 1e-3) for v in values_ms)
+    data = sorted(max(v, 1e-3) for v in values_ms)  # (> 0 for the log scale)
     n = len(data)
     ys = [(i + 1) / n for i in range(n)]
-    median = data[(n - 1) // 2]
+    median = stats.percentile(values_ms, 50)  # the report's p50
     ax.step(
         data,
         ys,

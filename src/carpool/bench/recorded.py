@@ -1,18 +1,22 @@
 """Recorded workloads for ``carpool bench``: one JSON object per line (docs/bench.md).
 
 Contract:
-- ``load_jsonl(path, tenant_header)`` reads the recorded format; a malformed file raises
-  ``WorkloadError`` naming the file, the line and what is wrong. Its endpoints are the OpenAI
-  classics, ``/v1/responses`` and ``/v1/messages`` (``workloads.ENDPOINTS``); ``endpoint``
-  defaults to chat. A ``tenant`` without the tenant header among its ``headers`` gets one
+- ``load_jsonl(path, tenant_header, keep)`` reads the recorded format; a malformed file raises
+  ``WorkloadError`` naming the file, the line and what is wrong. Lines end at ``\n`` only (a
+  ``\r`` before it is dropped): a U+2028, U+2029 or U+0085 inside a JSON string, which JSON
+  allows unescaped, is part of its line. ``keep`` (None: all) keeps the first ``keep``
+  requests in the file's order (blank lines are not requests), before any sorting by ``t``;
+  the whole file is checked all the same. Its endpoints are the OpenAI classics,
+  ``/v1/responses`` and ``/v1/messages`` (``workloads.ENDPOINTS``); ``endpoint`` defaults to
+  chat. A ``tenant`` without the tenant header among its ``headers`` gets one
   (``tenant_header_value``).
 - Headers go out as one header line each (``client.build`` writes them as given): a header name
   is an HTTP token, a value (and a ``tenant``) holds no control character but the tab, and
   ``Host``, ``Content-Length`` and ``Transfer-Encoding``, which the client sets or must not
   send, are refused; anything else is a malformed line.
-- Either every line has a timestamp ``t`` or none does: with them the requests are shifted to
-  start at 0 and sorted (ties keep the file's order); without them ``timed`` is False and the run
-  needs a rate or a concurrency.
+- Either every line has a timestamp ``t`` or none does: with them the requests kept are shifted
+  to start at 0 and sorted (ties keep the file's order); without them ``timed`` is False and the
+  run needs a rate or a concurrency.
 """
 
 from __future__ import annotations
@@ -27,16 +31,22 @@ import orjson
 from .workloads import CHAT, ENDPOINTS, BenchRequest, Workload, WorkloadError, tenant_header_value
 
 
-def load_jsonl(path: str | Path, tenant_header: str = "Authorization") -> Workload:
-    """Read a recorded workload: one JSON object per line (docs/bench.md)."""
+def load_jsonl(
+    path: str | Path, tenant_header: str = "Authorization", keep: int | None = None
+) -> Workload:
+    """Read a recorded workload: one JSON object per line (docs/bench.md); ``keep``: only the
+    first ``keep`` requests of the file, in its order."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # Not str.splitlines(): it also ends a line at U+2028, U+2029, U+0085 (and more), which
+        # JSON strings may hold unescaped (orjson and json.dumps(ensure_ascii=False) write them so).
+        lines = path.read_bytes().decode("utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as error:
         raise WorkloadError(f"{path}: cannot read it: {error}") from None
     requests: list[BenchRequest] = []
-    timed: list[bool] = []
+    timed: list[tuple[int, bool]] = []  # (line number, has a 't')
     for number, line in enumerate(lines, 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -47,16 +57,19 @@ def load_jsonl(path: str | Path, tenant_header: str = "Authorization") -> Worklo
         if not isinstance(row, dict):
             raise WorkloadError(f"{where}: each line must be a JSON object")
         requests.append(_row(row, where, tenant_header))
-        timed.append("t" in row and row["t"] is not None)
+        timed.append((number, "t" in row and row["t"] is not None))
     if not requests:
         raise WorkloadError(f"{path}: no requests in the file")
-    if any(timed) and not all(timed):
-        missing = next(i for i, has in enumerate(timed) if not has)
+    has_t = [has for _, has in timed]
+    if any(has_t) and not all(has_t):
+        missing = next(number for number, has in timed if not has)
         raise WorkloadError(
-            f"{path}: request {missing + 1} has no timestamp 't' although others "
+            f"{path}:{missing}: this line has no timestamp 't' although others "
             "do; give every line a 't' or none"
         )
-    if all(timed):
+    if keep is not None:
+        requests = requests[:keep]
+    if all(has_t):
         start = min(r.t for r in requests)
         for r in requests:
             r.t = round(r.t - start, 6)
@@ -66,7 +79,7 @@ def load_jsonl(path: str | Path, tenant_header: str = "Authorization") -> Worklo
         requests,
         str(path),
         {"file": str(path), "tenant_header": tenant_header},
-        timed=all(timed),
+        timed=all(has_t),
     )
 
 

@@ -3,13 +3,19 @@
 Contract:
 - ``build(...)`` returns one JSON-able dict. Top-level keys: ``requests`` (sent), ``upstream_calls``
   (the gateway's ``/stats`` delta over the run), ``oracle_calls`` (``oracle.py``),
-  ``upstream_over_oracle``, ``errors``, ``saved_fraction`` (hits, semantic hits and coalesced
-  over *all* requests sent: "requests that did not reach upstream"; the gateway's own
-  ``/stats`` ``saved_fraction`` is over the eligible ones only, hits + coalesced + misses,
-  which ``stats_delta`` holds),
-  ``outcomes`` (counts by ``x-carpool``),
+  ``upstream_over_oracle``, ``within_5pct_of_oracle`` (null for a run with errors, with
+  ``within_5pct_of_oracle_reason`` saying so: a failed request may or may not have cost an
+  upstream call, so the comparison says nothing), ``errors``, ``saved_fraction`` (the requests
+  filed ``hit``, ``semantic_hit`` or ``coalesced`` over *all* requests sent: answered without
+  reaching upstream, failures and known-wrong answers left out; the gateway's own ``/stats``
+  ``saved_fraction`` is over the eligible ones only, hits + coalesced + misses, which
+  ``stats_delta`` holds),
+  ``outcomes`` (counts by outcome as ``outcome_of`` files them: the ``x-carpool`` header, but
+  ``error`` for every failed request whatever its header, and ``wrong_semantic_hit`` for a
+  semantic hit known to be wrong, ``Result.wrong``: the audit workload),
   ``outcomes_by_label`` (synthetic workloads: per request label), ``latency_ms`` and
-  ``ttfb_ms`` (streams only) per outcome and ``all`` (count, p50, p95, p99, mean, max),
+  ``ttfb_ms`` (streams only) per outcome and ``all`` (count, p50, p95, p99, mean, max), of the
+  requests answered without error,
   ``tokens_saved`` (``/stats`` delta), ``gpu_seconds_saved`` with its ``cost_model``,
   ``throughput_rps``, ``arrival_lag_ms`` (open loop), ``oracle`` (breakdown and assumptions),
   ``engine`` (the embedded simulator's own counters, delta), ``stats_delta`` (every numeric
@@ -46,7 +52,9 @@ from .oracle import Oracle
 from .replay import Result, Run
 from .workloads import Workload
 
-OUTCOMES = ("hit", "semantic_hit", "coalesced", "miss", "bypass")
+OUTCOMES = ("hit", "semantic_hit", "coalesced", "miss", "bypass")  # the x-carpool header's
+WRONG_HIT = "wrong_semantic_hit"
+FILED = ("hit", "semantic_hit", WRONG_HIT, "coalesced", "miss", "bypass", "error")  # outcome_of's
 SAVED = ("hit", "semantic_hit", "coalesced")
 TOLERANCE = 0.05
 
@@ -58,10 +66,15 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, Any]:
 
 
 def outcome_of(result: Result) -> str:
-    """The outcome a result is filed under: its ``x-carpool``, or ``error`` without one."""
-    if result.outcome in OUTCOMES:
-        return result.outcome
-    return "error"
+    """The outcome a result is filed under (one of ``FILED``): ``error`` for a failed request
+    (whatever its ``x-carpool`` said: a 5xx may carry ``coalesced``) or one without the header,
+    ``wrong_semantic_hit`` for a semantic hit known to have served another question's answer,
+    else its ``x-carpool``."""
+    if not result.ok or result.outcome not in OUTCOMES:
+        return "error"
+    if result.outcome == "semantic_hit" and result.wrong is True:
+        return WRONG_HIT
+    return result.outcome
 
 
 def _per_outcome(results: Sequence[Result], attr: str) -> dict[str, Any]:
@@ -71,8 +84,7 @@ def _per_outcome(results: Sequence[Result], attr: str) -> dict[str, Any]:
         if value is not None and r.ok:
             groups.setdefault(outcome_of(r), []).append(value)
             groups.setdefault("all", []).append(value)
-    order = [*OUTCOMES, "error", "all"]
-    return {name: summary_ms(groups[name]) for name in order if name in groups}
+    return {name: summary_ms(groups[name]) for name in (*FILED, "all") if name in groups}
 
 
 def _by_label(workload: Workload, results: Sequence[Result]) -> dict[str, dict[str, int]] | None:
@@ -141,8 +153,9 @@ def cost_model(config: Config) -> dict[str, Any]:
 
 
 def gpu_seconds_saved(results: Sequence[Result], tokens_saved: int, config: Config) -> float:
-    prompt = sum(r.prompt_tokens or 0 for r in results if r.ok and r.outcome in SAVED)
-    completion = sum(r.completion_tokens or 0 for r in results if r.ok and r.outcome in SAVED)
+    saved = [r for r in results if outcome_of(r) in SAVED]
+    prompt = sum(r.prompt_tokens or 0 for r in saved)
+    completion = sum(r.completion_tokens or 0 for r in saved)
     if tokens_saved <= 0:
         return 0.0
     share = prompt / (prompt + completion) if prompt + completion else 0.5
@@ -175,13 +188,21 @@ def build(
         "oracle_calls": oracle.calls,
         "upstream_over_oracle": round(upstream / oracle.calls, 4) if oracle.calls else None,
         "within_5pct_of_oracle": (
-            abs(upstream - oracle.calls) <= TOLERANCE * oracle.calls
+            None
+            if errors
+            else abs(upstream - oracle.calls) <= TOLERANCE * oracle.calls
             if oracle.calls
             else upstream == 0
         ),
+        "within_5pct_of_oracle_reason": (
+            f"{len(errors):,} of {len(results):,} requests failed: a failed request may or may "
+            "not have cost an upstream call, so the calls are not compared with the oracle's"
+            if errors
+            else None
+        ),
         "errors": len(errors),
         "error_samples": dict(Counter(r.error for r in errors).most_common(5)),
-        "outcomes": {name: outcomes[name] for name in [*OUTCOMES, "error"] if outcomes[name]},
+        "outcomes": {name: outcomes[name] for name in FILED if outcomes[name]},
         "outcomes_by_label": _by_label(workload, results),
         "latency_ms": _per_outcome(results, "latency"),
         "ttfb_ms": _per_outcome([r for r in results if r.stream], "ttfb"),
@@ -277,6 +298,14 @@ def markdown(report: dict[str, Any]) -> str:
     else:
         arrival = "open loop" + (f", {rate:g} req/s mean" if rate is not None else "")
     ratio = report["upstream_over_oracle"]
+    within = report["within_5pct_of_oracle"]
+    verdict = (
+        "not compared: requests failed"
+        if within is None
+        else "within 5%"
+        if within
+        else "NOT within 5%"
+    )
     lines = [
         f"# carpool bench: `{report['workload']['name']}`",
         "",
@@ -287,9 +316,9 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|",
         f"| upstream calls (gateway `/stats`) | **{report['upstream_calls']:,}** |",
         f"| oracle: fewest calls any correct deduplicator could make | **{report['oracle_calls']:,}** |",
-        f"| upstream / oracle | {ratio if ratio is not None else 'n/a'} "
-        f"({'within' if report['within_5pct_of_oracle'] else 'NOT within'} 5%) |",
-        f"| requests that did not reach upstream | {100 * report['saved_fraction']:.1f}% |",
+        f"| upstream / oracle | {ratio if ratio is not None else 'n/a'} ({verdict}) |",
+        "| requests answered without reaching upstream (failed and known-wrong answers left "
+        f"out) | {100 * report['saved_fraction']:.1f}% |",
         f"| tokens saved | {report['tokens_saved']:,} |",
         f"| engine seconds saved (cost model below) | {report['gpu_seconds_saved']:,.1f} |",
         f"| errors | {report['errors']} |",
@@ -304,7 +333,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     latency, ttfb = report["latency_ms"], report["ttfb_ms"]
     n = report["requests"] or 1
-    for name in [*OUTCOMES, "error", "all"]:
+    for name in (*FILED, "all"):
         count = report["requests"] if name == "all" else report["outcomes"].get(name, 0)
         if not count:
             continue
@@ -327,7 +356,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             "Labels: " + ", ".join(f"{k} {v:,}" for k, v in traits["labels"].items()) + "."
         )
-    wrong = (report.get("outcomes_by_label") or {}).get("new", {}).get("semantic_hit", 0)
+    new = (report.get("outcomes_by_label") or {}).get("new", {})
+    wrong = new.get("semantic_hit", 0) + new.get(WRONG_HIT, 0)
     if wrong:
         lines.append(
             f"**{wrong:,} new questions were served from the semantic cache**, i.e. with "

@@ -13,8 +13,13 @@ Contract:
   those arrivals (``_rate``): None in a closed loop, and for recorded timestamps all at one
   instant without ``rate`` (sent at once).
 - Sizes: ``requests`` (default ``FULL_REQUESTS``, or ``QUICK_REQUESTS`` with ``quick``); for a
-  recorded workload it keeps the first ``requests`` lines (all of them by default, the first
-  ``QUICK_REQUESTS`` with ``quick``). ``requests`` below 1 is a ``WorkloadError``.
+  recorded workload it keeps the file's first ``requests`` lines in the file's order (blank
+  lines do not count), as ``--help`` and docs/bench.md say, then sorts them by ``t`` (all of
+  them by default, the first ``QUICK_REQUESTS`` with ``quick``). ``requests`` below 1 is a
+  ``WorkloadError``.
+- ``spec`` (``--tenants``, ``--duplicate-rate``, ``--stream-share``) shapes the synthetic
+  presets only: a value given with a workload file or the ``audit`` workload, which it would
+  not change, is a ``WorkloadError`` naming the flags (``build_workload``).
 - The oracle sees the planned arrival times (open loop) or the actual send times (closed loop),
   and assumes a call lasts the run's median ``miss`` latency (it matters only for answers that
   expire during the run).
@@ -79,12 +84,10 @@ def default_out() -> Path:
 def build_workload(options: BenchOptions) -> Workload:
     size = options.requests or (QUICK_REQUESTS if options.quick else FULL_REQUESTS)
     header = options.config.tenant.header
+    _check_spec(options)
     if options.workload_file:
-        workload = load_jsonl(options.workload_file, header)
         keep = options.requests or (QUICK_REQUESTS if options.quick else None)
-        if keep:
-            workload.requests = workload.requests[:keep]
-        return workload
+        return load_jsonl(options.workload_file, header, keep)
     if options.workload == meanings.WORKLOAD:
         return meanings.audit_workload(size, options.rate or DEFAULT_RATE, options.seed, header)
     return synthetic(
@@ -94,6 +97,25 @@ def build_workload(options: BenchOptions) -> Workload:
         options.seed,
         tenant_header=header,
         **options.spec,
+    )
+
+
+def _check_spec(options: BenchOptions) -> None:
+    """Synthetic traits given for a workload they do not shape are refused, not ignored."""
+    given = [name for name, value in options.spec.items() if value is not None]
+    if not given:
+        return
+    if options.workload_file:
+        target = "a workload file (--workload-file), which is replayed as recorded"
+    elif options.workload == meanings.WORKLOAD:
+        target = (
+            "the audit workload, whose traffic is fixed (one tenant, no exact repeats, no streams)"
+        )
+    else:
+        return
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    raise WorkloadError(
+        f"{flags}: these shape the synthetic workloads only, not {target}; leave them out"
     )
 
 
@@ -280,7 +302,7 @@ class _Progress:
     def advance(self, result: Result) -> None:
         if self.progress is None:
             return
-        name = report.outcome_of(result) if result.ok else "error"
+        name = report.outcome_of(result)
         self.counts[name] = self.counts.get(name, 0) + 1
         text = " ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
         self.progress.update(self.task, advance=1, outcomes=text)

@@ -41,7 +41,8 @@ from .common import load_config
     "requests_",
     type=int,
     default=None,
-    help="Number of requests [3000; 600 with --quick]; with --workload-file the first N lines.",
+    help="Number of requests [3000; 600 with --quick]; with --workload-file the first N lines "
+    "(in the file's order, then sorted by t).",
 )
 @click.option(
     "--rate",
@@ -78,15 +79,24 @@ from .common import load_config
     type=click.Path(file_okay=False),
     help="Report directory [./carpool-bench-<timestamp>].",
 )
-@click.option("--tenants", type=int, default=None, help="Synthetic: number of tenants.")
+@click.option(
+    "--tenants",
+    type=int,
+    default=None,
+    help="Synthetic presets (not audit, nor --workload-file): number of tenants.",
+)
 @click.option(
     "--duplicate-rate",
     type=float,
     default=None,
-    help="Synthetic: share of shareable requests repeating an earlier one exactly.",
+    help="Synthetic presets (not audit, nor --workload-file): share of shareable requests "
+    "repeating an earlier one exactly.",
 )
 @click.option(
-    "--stream-share", type=float, default=None, help="Synthetic: share of streaming requests."
+    "--stream-share",
+    type=float,
+    default=None,
+    help="Synthetic presets (not audit, nor --workload-file): share of streaming requests.",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def bench(
