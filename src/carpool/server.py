@@ -90,6 +90,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from .admin_http import admin_routes
+from .admin_http import error as admin_error
 from .apis import BY_PATH
 from .auth import ClientKeys
 from .config import Config
@@ -552,7 +553,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         await gateway.aclose()
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-    return Starlette(
+    routed = Starlette(
         routes=[
             Route("/healthz", healthz),
             Route("/readyz", readyz),
@@ -565,7 +566,25 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             Route("/v1/{path:path}", passthrough, methods=methods),
         ],
         lifespan=lifespan,
+        exception_handlers={404: _not_served, 405: _not_served},
     )
+    # ``POST /v1`` is no endpoint: a 404, not a redirect to ``/v1/`` whose ``Location`` the
+    # router would build from the client's own ``Host`` header.
+    routed.router.redirect_slashes = False
+    return routed
+
+
+async def _not_served(request: HttpRequest, exc: Exception) -> Response:
+    """A path or method no route serves: 404 or 405 (with ``Allow``) in OpenAI's error shape,
+    as every other error of the gateway's own (Starlette's default is plain text)."""
+    status = getattr(exc, "status_code", 404)
+    headers = getattr(exc, "headers", None) or {}
+    if status == 405:
+        response = admin_error(405, f"use {headers.get('Allow', '')}", "method_not_allowed")
+        if "Allow" in headers:
+            response.headers["allow"] = headers["Allow"]
+        return response
+    return admin_error(404, "not found", "not_found")
 
 
 def simulated_replicas(gateway: Gateway) -> list[Any]:
