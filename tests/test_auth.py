@@ -1,14 +1,18 @@
-"""Gateway-held upstream keys (``upstream.api_key``) and gateway-side client keys
-(``auth.client_keys_file``): clients never see the upstream's key, and a request without a
-listed key gets 401 before anything is read, cached, shared or sent upstream."""
+"""Gateway-held upstream credentials (``upstream.api_key``, or a user and password in an
+upstream's URL) and gateway-side client keys (``auth.client_keys_file``): clients never see
+the upstream's credential, nor reach the one account's state, and a request without a listed
+key gets 401 before anything is read, cached, shared or sent upstream."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -16,6 +20,7 @@ from carpool.auth import ClientKeys
 from carpool.config import Config, ConfigError
 
 UPSTREAM_KEY = "sk-upstream-Zq8vTq2rWn5p"
+URL_USER, URL_PASSWORD = "gw-user", "pw-upstream-Hk3nB7x"
 BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -38,24 +43,50 @@ def keys_file(tmp_path):
     return path
 
 
+@dataclass
+class Holding:
+    """How the gateway holds the upstream's credential: its config, the ``Authorization`` every
+    call then carries, and the secret that must never show."""
+
+    config: dict[str, Any]
+    authorization: str
+    secret: str
+
+
+HOLDING_WAYS = ["upstream.api_key", "a user and password in the upstream URL"]
+
+
+@pytest.fixture(params=HOLDING_WAYS)
+def holding(request, fake) -> Holding:
+    if request.param == "upstream.api_key":
+        return Holding(
+            {"upstream": {"api_key": UPSTREAM_KEY}}, f"Bearer {UPSTREAM_KEY}", UPSTREAM_KEY
+        )
+    url = fake.url.replace("http://", f"http://{URL_USER}:{URL_PASSWORD}@", 1)
+    basic = base64.b64encode(f"{URL_USER}:{URL_PASSWORD}".encode()).decode()
+    return Holding({"upstreams": [url]}, f"Basic {basic}", URL_PASSWORD)
+
+
 @pytest.fixture
-async def held(gateway_with, keys_file):
-    config = {"upstream": {"api_key": UPSTREAM_KEY}, "auth": {"client_keys_file": str(keys_file)}}
-    async with gateway_with(**config) as gw:
+async def held(gateway_with, keys_file, holding):
+    async with gateway_with(**holding.config, auth={"client_keys_file": str(keys_file)}) as gw:
         yield gw
 
 
-async def test_the_upstream_gets_the_gateways_key_and_never_the_clients(held, fake, caplog):
+async def test_the_upstream_gets_the_gateways_key_and_never_the_clients(
+    held, holding, fake, caplog
+):
     caplog.set_level(logging.DEBUG)
     response = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
     assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
     (call,) = fake.calls
-    assert call.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert call.headers["authorization"] == holding.authorization
     assert "client-a" not in json.dumps(call.headers)
-    assert UPSTREAM_KEY not in response.text + json.dumps(dict(response.headers))
-    stats = await held.client.get("/stats")
-    assert UPSTREAM_KEY not in stats.text
-    assert UPSTREAM_KEY not in caplog.text and "client-a" not in caplog.text
+    assert holding.secret not in response.text + json.dumps(dict(response.headers))
+    stats, metrics = await held.client.get("/stats"), await held.client.get("/metrics")
+    assert holding.secret not in stats.text and holding.secret not in metrics.text
+    assert URL_USER not in stats.text + metrics.text
+    assert holding.secret not in caplog.text and "client-a" not in caplog.text
 
 
 async def test_a_request_without_a_listed_key_gets_401_before_anything(held, fake):
@@ -107,10 +138,10 @@ async def test_each_client_key_is_its_own_tenant(held, fake):
     assert fake.count() == 2
 
 
-async def test_pass_through_goes_with_the_gateways_key(held, fake):
+async def test_pass_through_goes_with_the_gateways_key(held, holding, fake):
     response = await held.client.get("/v1/models", headers=bearer("client-a"))
     assert response.status_code == 200
-    assert fake.calls[-1].headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert fake.calls[-1].headers["authorization"] == holding.authorization
 
 
 async def test_each_replica_may_hold_its_own_key(fake, gateway_with):
@@ -275,12 +306,15 @@ async def test_a_refusal_of_a_call_with_the_gateways_key_takes_no_replica_out(
         assert ok.status_code == 200
 
 
-async def test_an_upstream_refusing_the_gateways_key_is_a_502_that_quotes_nothing(held, fake):
+async def test_an_upstream_refusing_the_gateways_key_is_a_502_that_quotes_nothing(
+    held, holding, fake
+):
     fake.fail_status = 401
-    fake.fail_body = {"error": {"message": f"Incorrect API key provided: {UPSTREAM_KEY[:8]}****"}}
+    quoted = holding.secret[:8]
+    fake.fail_body = {"error": {"message": f"Incorrect credentials provided: {quoted}****"}}
     response = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-a"))
     assert response.status_code == 502
-    assert UPSTREAM_KEY[:8] not in response.text and "refused the gateway's key" in response.text
+    assert quoted not in response.text and "refused the gateway's key" in response.text
 
 
 def test_a_yaml_syntax_error_names_its_line_never_the_lines_text(tmp_path):
@@ -303,6 +337,82 @@ async def test_with_a_held_key_the_upstreams_account_headers_never_reach_a_clien
     response = await held.client.get("/v1/models", headers=bearer("client-a"))
     assert response.status_code == 200
     assert "OPERATOR" not in str(response.headers)
+
+
+async def test_where_pass_through_is_opened_no_credential_of_the_client_goes_upstream_next_to_the_gateways(
+    gateway_with, keys_file, holding, fake
+):
+    # The operator opened pass-through (``passthrough.allow``): the one account's files are
+    # every client's by choice, but a client's own key (its x-api-key beside the gateway's
+    # Basic credentials reached the upstream), its Idempotency-Key (one client's would replay
+    # another's answer) and the account's headers still stay on their side of the gateway.
+    fake.response_headers = [
+        (b"openai-organization", b"org-OPERATOR"),
+        (b"set-cookie", b"session=OPERATOR; HttpOnly"),
+    ]
+    client = {
+        **bearer("client-a"),
+        "x-api-key": "client-a",
+        "api-key": "client-a",
+        "OpenAI-Organization": "org-client-a",
+        "Idempotency-Key": "k-client-a",
+        "X-Idempotency-Key": "k-client-a",
+    }
+    auth = {"client_keys_file": str(keys_file)}
+    async with gateway_with(**holding.config, auth=auth, passthrough={"allow": ["/"]}) as gw:
+        files = await gw.client.get("/v1/files", headers=client)
+        chat = await gw.client.post("/v1/chat/completions", json=BODY, headers=client)
+    assert files.status_code == 200 and chat.status_code == 200
+    assert "OPERATOR" not in str(files.headers)
+    assert [c.path for c in fake.calls] == ["/v1/files", "/v1/chat/completions"]
+    for call in fake.calls:
+        assert call.headers["authorization"] == holding.authorization
+        assert "client-a" not in json.dumps(call.headers), call.headers
+
+
+def test_a_user_and_password_in_any_upstream_url_narrow_pass_through_as_a_held_key_does():
+    plain, held = "http://10.0.0.1:8000/v1", "http://svc:pw@10.0.0.2:8000/v1"
+    password_only, empty = "http://:pw@10.0.0.3:8000/v1", "http://@10.0.0.4:8000/v1"
+
+    def allowed(*upstreams: str, **config: Any) -> list[str]:
+        return Config.load(
+            env={}, overrides={"upstreams": list(upstreams), **config}
+        ).passthrough.allow
+
+    assert allowed(held) == ["/models"]
+    assert allowed(plain, held) == ["/models"]  # (any replica's: the account's state is there)
+    assert allowed(password_only) == ["/models"]
+    # No user and no password: nothing of the gateway's is sent, the client's key goes.
+    assert allowed(plain) == allowed(empty) == ["/"]
+    assert allowed(held, passthrough={"allow": ["/files"]}) == ["/files"]  # (the operator's)
+
+
+async def test_each_replica_is_called_with_the_credentials_of_its_own_url_in_place_of_the_clients(
+    fake, gateway_with
+):
+    east = fake.url.replace("http://", "http://east:pw-east@", 1)
+    west = fake.url.replace("http://", "http://west:pw-west@", 1)
+    config = {
+        "upstreams": [east, west, fake.url],
+        "routing": {"policy": "round-robin"},
+    }
+    client = {**bearer("client-a"), "x-api-key": "client-a"}
+    async with gateway_with(**config) as gw:
+        for prompt in ("one", "two", "three"):
+            body = {**BODY, "messages": [{"role": "user", "content": prompt}]}
+            response = await gw.client.post("/v1/chat/completions", json=body, headers=client)
+            assert response.status_code == 200
+    sent = sorted((c.headers["authorization"], c.headers.get("x-api-key")) for c in fake.calls)
+
+    def basic(user: str, password: str) -> str:
+        return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    # The replica without credentials of the gateway's gets the client's, as they came.
+    assert sent == [
+        (basic("east", "pw-east"), None),
+        (basic("west", "pw-west"), None),
+        ("Bearer client-a", "client-a"),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -829,6 +829,21 @@ def test_the_canned_engine_answers_whole_and_streamed_alike_and_completely():
             assert outcomes == ["miss", "hit"]
 
 
+def test_the_embedded_gateway_names_its_upstreams_without_their_credentials(tmp_path):
+    # Its first line printed the upstream URLs whole: a user and password in one went to the
+    # bench's log.
+    from carpool.bench.embedded import gateway
+
+    log = tmp_path / "gateway.log"
+    with canned(tokens=5) as engine:
+        url = engine.url.replace("http://", "http://bench-user:BENCH-PASSWORD@", 1) + "/v1"
+        with gateway(Config(upstreams=[url], log_level="warning"), log_path=log):
+            pass
+    text = log.read_text()
+    assert f"embedded gateway in front of {engine.url}/v1;" in text, text
+    assert "BENCH-PASSWORD" not in text and "bench-user" not in text
+
+
 def test_the_byte_relay_passes_every_byte_both_ways_as_the_engine_sent_them():
     """``carpool.bench.relay``: the floor of ``bench_perf``'s misses. Through it, a whole answer
     and a stream are the engine's bytes (but the call number in its ids), and many requests

@@ -118,10 +118,11 @@ def serve(
             "(%d replica(s)); its answers are synthetic text, not a real model",
             config.sim.replicas,
         )
-    if (config.upstream.api_key or config.upstream.api_keys) and not config.auth.client_keys_file:
+    if config.holds_upstream_credentials() and not config.auth.client_keys_file:
         log.warning(
-            "the gateway holds the upstream key and auth.client_keys_file is not set: anyone "
-            "who can reach this port spends that key"
+            "the gateway holds the upstream key (upstream.api_key, or a user and password in "
+            "an upstream URL) and auth.client_keys_file is not set: anyone who can reach this "
+            "port spends that key"
         )
     if config.redis:
         try:

@@ -251,8 +251,9 @@ class UpstreamRedirected(UpstreamError):
 
 class UpstreamKeyRefused(UpstreamError):
     """The upstream answered 401 or 403 to a call made with the gateway's own key
-    (``upstream.api_key``). Its body is not relayed: it can quote part of the key or name the
-    account, and it would blame the client's key, which was not sent.
+    (``upstream.api_key``, or a user and password in the upstream's URL). Its body is not
+    relayed: it can quote part of the key or name the account, and it would blame the client's
+    key, which was not sent.
 
     It is an answer, not a failure of the replica: about this request (OpenAI's 403 for a model
     the project may not use) as often as about the key. So routing neither fails over nor

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
-from urllib.parse import urlsplit
 
 import orjson
 from typing_extensions import Unpack
@@ -447,10 +446,12 @@ def _embedder(
     # key the gateway holds replaces it on its replicas: ``upstream.http``).
     key = s.embedder_api_key.get_secret_value() if s.embedder_api_key is not None else None
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    if key is None and not _holds_upstream_credentials(config):
+    # (The simulated engine wants no key.)
+    if key is None and config.upstreams and not config.holds_upstream_credentials():
         log.warning(
             "semantic.embedder: upstream: its /v1/embeddings calls carry no credentials "
-            "(semantic.embedder_api_key and upstream.api_key unset): right for a keyless "
+            "(semantic.embedder_api_key and upstream.api_key unset, no user in an upstream "
+            "URL): right for a keyless "
             "upstream; one that wants a key refuses every embedding and the semantic cache "
             "never hits (set semantic.embedder_api_key)"
         )
@@ -479,14 +480,6 @@ def _embedder(
         max_delay_s=s.batch_delay_ms / 1000,
         timeout_s=s.embed_timeout_s(),
     )
-
-
-def _holds_upstream_credentials(config: Config) -> bool:
-    """Whether the gateway sends its upstreams credentials of its own: a held key, or a user and
-    password in an upstream's URL (or it has none: the simulated engine wants no key)."""
-    if config.upstream.api_key is not None or config.upstream.api_keys or not config.upstreams:
-        return True
-    return any(urlsplit(url).username is not None for url in config.upstreams)
 
 
 def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) -> ReplicaSet:

@@ -164,11 +164,14 @@ async def test_pass_through_relays_no_hop_by_hop_header_of_the_answer():
     }
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["client's key", "gateway's key"])
+@pytest.mark.parametrize(
+    "held", [None, "key", "url"], ids=["client's key", "gateway's key", "gateway's URL credentials"]
+)
 async def test_pass_through_forwards_the_idempotency_key_and_cache_control(held):
     """Other /v1 paths pass through unchanged: a retried POST /v1/batches reached the upstream
-    twice without its Idempotency-Key. Not the key when the gateway holds the upstream's, though:
-    every client's call is then the one account's (one client's key would replay another's)."""
+    twice without its Idempotency-Key. Not the key when the gateway holds the upstream's, though
+    (a key, or a user and password in the URL): every client's call is then the one account's
+    (one client's key would replay another's)."""
     heads: list[bytes] = []
 
     async def batches(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -188,8 +191,11 @@ async def test_pass_through_forwards_the_idempotency_key_and_cache_control(held)
         "cache-control": "no-cache",
     }
     async with raw_server(batches) as port:
+        userinfo = "user:pw@" if held == "url" else ""
         upstream = HttpUpstream(
-            f"http://127.0.0.1:{port}/v1", LimitsConfig(), api_key="held" if held else None
+            f"http://{userinfo}127.0.0.1:{port}/v1",
+            LimitsConfig(),
+            api_key="held" if held == "key" else None,
         )
         try:
             response = await upstream.passthrough("POST", "/batches", b"", headers, b"{}")
@@ -199,4 +205,4 @@ async def test_pass_through_forwards_the_idempotency_key_and_cache_control(held)
     (head,) = heads
     assert b"\r\ncache-control: no-cache\r\n" in head
     keys = [b"\r\nidempotency-key: k-123\r\n", b"\r\nx-idempotency-key: k-456\r\n"]
-    assert [key in head for key in keys] == [not held, not held]
+    assert [key in head for key in keys] == [held is None, held is None]

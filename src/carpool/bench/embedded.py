@@ -8,6 +8,8 @@ Contract:
   ``carpool.server.create_app(build_gateway(config))`` on uvicorn (uvloop and httptools when
   installed, access log off, backlog 4096: the stack of ``carpool serve``), in front of
   ``config.upstreams`` or, when empty, the embedded simulated engine (the gateway's default).
+  Its first line (stderr) says which, the upstreams by their replica names (never a URL's user,
+  password or query).
 - A separate process, so the load generator and the gateway do not share one event loop (the
   latencies measured are the gateway's, not the client's queueing), as in production.
 - The child binds 127.0.0.1 port 0 itself and announces it; its log (stderr) goes to ``log_path``
@@ -94,8 +96,13 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    from ..upstream.http import replica_names
+
+    # The upstreams by their replica names (as ``carpool serve`` logs them): never a URL's
+    # user, password or query.
     engine = (
-        "the embedded SIMULATED engine" if not config.upstreams else ", ".join(config.upstreams)
+        ", ".join(name for name, _ in replica_names(config.upstreams, config.upstream_names))
+        or "the embedded SIMULATED engine"
     )
     print(
         f"carpool bench: embedded gateway in front of {engine}; semantic cache "

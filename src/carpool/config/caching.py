@@ -354,9 +354,10 @@ class SemanticConfig(Section):
         description="`embedder: upstream`: the Bearer key its /v1/embeddings calls carry (a "
         "value, or `${ENV_VAR}` read at start-up; never logged nor shown). Every tenant's "
         "prompts are embedded under it, batched together: never a client's key. null: the "
-        "key the gateway holds (`upstream.api_key` / `api_keys`, which replaces any other on "
-        "its replicas, this one too when both are set), else none (a keyless upstream; start-up logs a warning: one that wants "
-        "a key refuses every embedding, and the semantic cache never hits).",
+        "credential the gateway holds (`upstream.api_key` / `api_keys`, or a user and "
+        "password in a replica's URL, which replaces any other on its replicas, this one too "
+        "when both are set), else none (a keyless upstream; start-up logs a warning: one that "
+        "wants a key refuses every embedding, and the semantic cache never hits).",
     )
 
     @field_validator("embedder_api_key", mode="before")

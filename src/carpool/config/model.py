@@ -2,7 +2,10 @@
 
 Contract: ``Config()`` is all defaults and reads nothing; ``Config.load`` merges the sources
 (carpool.config.loader) and validates. Nested sections are the models of caching, perimeter,
-upstream and distributed; ``ttl_for`` is the one rule that reads the cache's TTL policy.
+upstream and distributed; ``ttl_for`` is the one rule that reads the cache's TTL policy, and
+``holds_upstream_credentials`` the one that says whether the gateway holds the credential its
+replicas are called with (a key, ``upstream.api_key``/``api_keys``, or a user and password in
+an upstream URL): then pass-through reaches only /v1/models unless ``passthrough.allow`` is set.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .perimeter import (
     TenantConfig,
 )
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
-from .urls import checked_url
+from .urls import checked_url, has_credentials
 
 
 class Config(Section):
@@ -36,7 +39,11 @@ class Config(Section):
         description="Base URLs ending in /v1 of "
         "OpenAI-compatible replicas; empty = the embedded simulated engine. A query in one "
         "(Azure's `?api-version=`) is sent with every call to it, cached and passed through, "
-        "before the client's own.",
+        "before the client's own. A user and password in one (`https://user:pass@host/v1`) "
+        "are a credential the gateway holds, as `upstream.api_key` is: sent as "
+        "`Authorization: Basic` in place of the client's credentials, with the same "
+        "protections (pass-through reaches only /v1/models unless `passthrough.allow` is "
+        "set); never shown.",
     )
     upstream_names: list[str] = Field(
         default_factory=list,
@@ -138,12 +145,23 @@ class Config(Section):
             raise ValueError(
                 f"upstream.api_keys: give one key per upstream ({len(self.upstreams)}), or none"
             )
-        if (keys or self.upstream.api_key) and "allow" not in self.passthrough.model_fields_set:
-            # With one key for every client, the upstream account's stored state (stored chat
-            # completions, responses, files, batches) would be every client's: pass-through
-            # reaches only the model list unless the operator lists more.
+        if self.holds_upstream_credentials() and "allow" not in self.passthrough.model_fields_set:
+            # With one credential for every client, the upstream account's stored state (stored
+            # chat completions, responses, files, batches) would be every client's:
+            # pass-through reaches only the model list unless the operator lists more.
             self.passthrough = PassthroughConfig(allow=["/models"])
         return self
+
+    def holds_upstream_credentials(self) -> bool:
+        """Whether the gateway holds a credential for its upstreams, sent in place of the
+        client's: a key (``upstream.api_key`` / ``api_keys``; one the simulated engine ignores)
+        or a user and password in any replica's URL (``urls.has_credentials``). Each replica's
+        own is decided so by ``upstream.http`` (``HttpUpstream._held``: its key, its URL)."""
+        return (
+            self.upstream.api_key is not None
+            or bool(self.upstream.api_keys)
+            or any(has_credentials(url) for url in self.upstreams)
+        )
 
     def with_secrets(self) -> dict[str, Any]:
         """The whole config as JSON-able data, its secrets (the held keys) included: for a

@@ -160,7 +160,9 @@ class PassthroughConfig(Section):
         description="Path prefixes, relative to the upstream's "
         "/v1, that pass-through forwards, matched by whole segments (`/models` allows "
         "`/v1/models` and `/v1/models/x`, not `/v1/modelsx`); other paths get 403. `/` = "
-        "everything under /v1; [] = pass-through off. Whatever the list, a path with a dot "
+        "everything under /v1; [] = pass-through off. Unset while the gateway holds the "
+        "upstream's credential (`upstream.api_key` / `api_keys`, or a user and password in an "
+        "upstream URL): `[/models]`, the account's stored state being every client's. Whatever the list, a path with a dot "
         "segment, an encoded `/` or `\\`, a backslash, a control character or an empty segment "
         "is refused (400), and nothing outside the upstream's /v1 is ever reached.",
     )

@@ -147,7 +147,8 @@ class UpstreamConfig(Section):
         "`${ENV_VAR}` to read it from the environment at start-up. Never logged nor shown. "
         "With it, pass-through reaches only /v1/models unless `passthrough.allow` is set (the "
         "account's stored state would be every client's). null: the client's credentials go "
-        "upstream as they came.",
+        "upstream as they came (unless a user and password in an upstream's URL are sent in "
+        "their place: a credential the gateway holds too, see `upstreams`).",
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,

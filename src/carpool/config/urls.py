@@ -8,6 +8,10 @@
   password replaced by ``***``, no query or fragment (where some services take their keys).
   It never raises, whatever the text.
 - ``urls_without_credentials(text)``: every URL in a text (a library's error message) so.
+- ``has_credentials(url)``: whether the URL holds a user or a password. An upstream's are a
+  credential the gateway holds (``Config.holds_upstream_credentials``): sent as
+  ``Authorization: Basic`` in place of the client's (``upstream.http``), with every protection
+  of a held key.
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 def urls_without_credentials(text: str) -> str:
     return _URL_IN_TEXT.sub(lambda found: without_credentials(found.group()), text)
+
+
+def has_credentials(url: str) -> bool:
+    # Read as ``upstream.http`` reads the URL it sends Basic credentials from (yarl): an empty
+    # userinfo (``http://@host``) is none, a password alone (``http://:pw@host``) is one.
+    parsed = URL(url)  # (a URL ``checked_url`` passed)
+    return parsed.user is not None or parsed.password is not None
 
 
 def checked_url(value: str, schemes: tuple[str, ...]) -> str:

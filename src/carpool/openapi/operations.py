@@ -142,7 +142,8 @@ def cached_endpoint(
             "client: a streaming one gets a 200 and an SSE error event), or its whole "
             "answer was cut after its head came; a broken stream or a cut answer carries "
             "`x-should-retry: false` (the engine took the call). Also the upstream's 401 or "
-            "403 to the gateway's own key (`upstream.api_key`), its body not relayed, with "
+            "403 to the gateway's own key (`upstream.api_key`, or a user and password in "
+            "the upstream's URL), its body not relayed, with "
             "`x-should-retry: false`."
         ),
         "504": (

@@ -261,7 +261,7 @@ class SemanticCache:
             what = type(error).__name__ + (f" {status}" if isinstance(status, int) else "")
             refused = (
                 ": the upstream refused the embedder's credentials (semantic.embedder_api_key, "
-                "upstream.api_key)"
+                "upstream.api_key, an upstream URL's user and password)"
                 if status in (401, 403)
                 else ""
             )

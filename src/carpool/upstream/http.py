@@ -30,9 +30,13 @@ Contract (on top of ``upstream.base``):
   configured one, or the URL without user, password, query and fragment; ``label`` is what
   clients may see (/healthz, error bodies): the configured name, or ``replica-<i>``.
 - A user and password in the URL are not sent as part of it: they become the ``Authorization:
-  Basic`` header of every call, in place of the client's.
-- With a key the gateway holds (``api_key``), an upstream 401 or 403 (to a cached endpoint's
-  call or a pass-through) is ``UpstreamKeyRefused`` (502): its body is not relayed.
+  Basic`` header of every call. They are a credential the gateway holds, as a key is
+  (``api_key``, which goes before them): one notion, ``_held`` (a key, or
+  ``config.urls.has_credentials``, as ``Config.holds_upstream_credentials``). With it, every
+  credential the client presented (``Authorization``, ``api-key``, ``x-api-key`` and the
+  tenant's credential headers) is left out of every call, the gateway's sent in its place.
+- With a credential the gateway holds, an upstream 401 or 403 (to a cached endpoint's call or
+  a pass-through) is ``UpstreamKeyRefused`` (502): its body is not relayed.
 - The cached endpoints' calls go to the base URL's path plus the endpoint's, with the client's
   query string as it came (after the base URL's own query, if it has one: Azure's
   ``api-version``).
@@ -45,14 +49,14 @@ Contract (on top of ``upstream.base``):
   neither caches nor makes idempotent, also forwards ``Cache-Control`` and the
   ``Idempotency-Key`` (``X-Idempotency-Key``) as they came, so that a retried
   ``POST /v1/batches`` is the upstream's to recognise; not the key, though, when the gateway
-  holds the upstream's key (``api_key``): every client's call is then the one account's, and
-  one client's key could replay another's answer. An upstream
+  holds the upstream's credential (``_held``): every client's call is then the one account's,
+  and one client's key could replay another's answer. An upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
 - Pass-through relays the answer's headers but the hop-by-hop ones (``NOT_RELAYED``, and
-  those its ``Connection`` names) and, with a key the gateway holds, what the upstream says of
-  that key's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers carry only
-  their content type from the upstream.
+  those its ``Connection`` names) and, with a credential the gateway holds, what the upstream
+  says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
+  carry only their content type from the upstream.
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -70,6 +74,7 @@ import orjson
 from yarl import URL
 
 from ..config import LimitsConfig
+from ..config.urls import has_credentials
 from ..errors import (
     UpstreamAnswerCut,
     UpstreamKeyRefused,
@@ -107,8 +112,9 @@ NOT_RELAYED = frozenset(
         "upgrade",
     }
 )
-# Nor, when the gateway holds the upstream's key, what an upstream says of that key's account
-# (OpenAI names its organization and project on every answer) or the session it opens for it.
+# Nor, when the gateway holds the upstream's credential (a key, or a URL's user and password),
+# what an upstream says of that credential's account (OpenAI names its organization and project
+# on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
@@ -121,10 +127,12 @@ _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 # Request headers pass-through forwards and the cached endpoints' calls do not
 # (``NOT_FORWARDED``): nothing of carpool's caching or idempotency applies to pass-through.
 _PASSED = ("content-type", "accept-encoding", "cache-control")
-# And the client's idempotency key, unless the gateway holds the upstream's key (module doc).
+# And the client's idempotency key, unless the gateway holds the upstream's credential
+# (module doc).
 _PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
 
-# The client's credentials, replaced as a whole when the gateway holds the upstream's.
+# The client's credentials, replaced as a whole when the gateway holds the upstream's (with the
+# tenant's credential headers).
 _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
 
 
@@ -201,19 +209,23 @@ class HttpUpstream:
         self._auth = (
             "Basic "
             + base64.b64encode(f"{url.user or ''}:{url.password or ''}".encode()).decode("ascii")
-            if url.user is not None or url.password is not None
+            if has_credentials(base_url)
             else None
         )
         self.base_url = str(url.with_user(None)) if self._auth else base_url.rstrip("/")
-        # A key the gateway holds (``upstream.api_key``): sent in place of every credential the
-        # client presented, which then never leaves the gateway.
-        self._replaced: frozenset[str] = frozenset({"authorization"})
-        self._held = bool(api_key)
-        if api_key:
-            # Every header that names the client (the tenant's credential headers included):
-            # none of them goes upstream next to the gateway's key.
-            names = {name.lower() for name in credential_headers}
-            self._auth, self._replaced = f"Bearer {api_key}", _CREDENTIAL_HEADERS | names
+        if api_key:  # (a held key goes before a URL's credentials)
+            self._auth = f"Bearer {api_key}"
+        # A credential the gateway holds (a key, ``upstream.api_key``, or the URL's user and
+        # password, ``config.urls.has_credentials``: the module doc): sent in place of every
+        # credential the client presented, which then never leaves the gateway. Every header
+        # that names the client (the tenant's credential headers included) is left out: none
+        # of them goes upstream next to the gateway's credential.
+        self._held = self._auth is not None
+        self._replaced: frozenset[str] = (
+            _CREDENTIAL_HEADERS | {name.lower() for name in credential_headers}
+            if self._held
+            else frozenset()
+        )
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None  # pass-through's
         # The cached endpoints' calls (``upstream.wire``): where to, and what to say.
@@ -270,7 +282,7 @@ class HttpUpstream:
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         headers = forwarded_headers(request.headers)
-        if self._auth is not None:
+        if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
         headers["content-type"] = "application/json"
@@ -331,7 +343,7 @@ class HttpUpstream:
     async def _open(
         self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
-        if self._auth is not None:
+        if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
         try:
