@@ -172,6 +172,14 @@ async def test_passthrough_forwards_the_path_under_the_upstreams_v1_and_the_quer
     assert fake.calls[-1].query == "purpose=x"
 
 
+async def test_passthrough_answers_carry_one_date_and_one_server_header(gw, fake):
+    # The upstream's were relayed beside the ones the gateway's server writes: two of each.
+    response = await raw_request(gw.url, "GET", b"/v1/models")
+    assert response.status_code == 200
+    names = [name for name, _ in response.header_list]
+    assert names.count("date") == 1 and names.count("server") <= 1
+
+
 async def test_an_upstream_urls_own_query_comes_before_the_clients_on_every_call(
     gateway_with, fake
 ):

@@ -53,8 +53,9 @@ Contract (on top of ``upstream.base``):
   and one client's key could replay another's answer. An upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
-- Pass-through relays the answer's headers but the hop-by-hop ones (``NOT_RELAYED``, and
-  those its ``Connection`` names) and, with a credential the gateway holds, what the upstream
+- Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
+  server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
+  names) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
   carry only their content type from the upstream.
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
@@ -110,6 +111,10 @@ NOT_RELAYED = frozenset(
         "te",
         "trailer",
         "upgrade",
+        # The gateway's server writes its own: relayed, the client got two of each (two
+        # ``Date`` lines, which a client merges into one value no parser reads).
+        "date",
+        "server",
     }
 )
 # Nor, when the gateway holds the upstream's credential (a key, or a URL's user and password),
