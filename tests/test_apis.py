@@ -368,6 +368,38 @@ async def test_x_carpool_share_sampled_shares_a_sampled_messages_request(gw, fak
     assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"user": "u"},
+        {"safety_identifier": "s"},
+        {"prompt_cache_key": "k"},
+        {"request_id": "r"},
+        {"stream_options": {"include_usage": True}},
+        {"metadata": {"session": "s"}},
+        {"metadata": {"user_id": "alice", "session": "s"}},
+        {"metadata": {"user_id": 5}},
+    ],
+)
+async def test_a_messages_field_anthropic_refuses_is_in_the_key(gw, fake, extra):
+    # Anthropic answers a field it does not know with a 400: such a request gets its own call
+    # (and the upstream's refusal), never the answer to the request without it.
+    first = await gw.client.post(MESSAGES, json=body_of("messages"))
+    again = await gw.client.post(MESSAGES, json=body_of("messages", **extra))
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "miss")
+    assert fake.count() == 2
+
+
+@pytest.mark.parametrize("metadata", [{"user_id": "bob"}, {"user_id": None}, {}])
+async def test_a_messages_metadata_of_only_a_user_id_is_out_of_the_key(gw, fake, metadata):
+    # Anthropic's one metadata field tags the request for abuse tracking: the answer is the same.
+    first = await gw.client.post(MESSAGES, json=body_of("messages", metadata={"user_id": "al"}))
+    again = await gw.client.post(MESSAGES, json=body_of("messages", metadata=metadata))
+    plain = await gw.client.post(MESSAGES, json=body_of("messages"))
+    assert [r.headers["x-carpool"] for r in (first, again, plain)] == ["miss", "hit", "hit"]
+    assert fake.count() == 1
+
+
 async def test_background_responses_pass_through_never_shared(gw, fake):
     # A background response is a job the client polls: never cached nor coalesced, whatever
     # the controls say.
@@ -497,6 +529,15 @@ async def test_the_gateways_own_errors_on_messages_are_in_anthropics_shape(gw, f
         "error": {"type": "api_error", "message": "fake upstream failure"},
     }
     assert fake.count() == 1
+
+
+async def test_a_timed_out_upstream_on_messages_is_anthropics_timeout_error(fake, gateway_with):
+    fake.hang = True  # the gateway's 504: the type the anthropic SDK has for it
+    async with gateway_with(limits={"upstream_timeout": 0.2}) as gw:
+        response = await gw.client.post(MESSAGES, json=body_of("messages"))
+    assert response.status_code == 504
+    assert response.json()["type"] == "error"
+    assert response.json()["error"]["type"] == "timeout_error"
 
 
 @BOTH
@@ -1042,3 +1083,158 @@ def test_malformed_upstream_answers_never_raise_in_assembly_or_synthesis():
         ]
     )
     assert message["content"][0]["text"] == "5a"
+
+
+# --- what a Messages stream carries besides text: the non-streaming answer keeps it all ----------
+
+CONTEXT_MANAGEMENT = {
+    "applied_edits": [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 2, "cleared_input_tokens": 500}
+    ]
+}
+
+
+def newer_message_stream(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fake's Messages stream as Anthropic streams a turn with compaction, a model fallback
+    and context management: a compaction block (its summary in a ``compaction_delta``) and a
+    ``fallback`` block (the model that served the rest) before the text, the applied edits at
+    the top of ``message_delta``, beside its delta."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        event = {**event}
+        if "index" in event:
+            event["index"] += 2
+        if event["type"] == "message_start":
+            event["message"] = {**event["message"], "context_management": None}
+            out += [
+                event,
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {
+                        "type": "compaction",
+                        "content": None,
+                        "encrypted_content": None,
+                    },
+                },
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {
+                        "type": "compaction_delta",
+                        "content": "A summary of the earlier turns.",
+                        "encrypted_content": "ZW5jcnlwdGVk",
+                    },
+                },
+                {"type": "content_block_stop", "index": 0},
+                {
+                    "type": "content_block_start",
+                    "index": 1,
+                    "content_block": {
+                        "type": "fallback",
+                        "from": {"model": "m"},
+                        "to": {"model": "m-fallback"},
+                        "trigger": {"type": "refusal"},
+                    },
+                },
+                {"type": "content_block_stop", "index": 1},
+            ]
+            continue
+        if event["type"] == "message_delta":
+            event["context_management"] = CONTEXT_MANAGEMENT
+        out.append(event)
+    return out
+
+
+async def test_a_whole_answer_of_a_streamed_message_is_what_the_anthropic_sdk_accumulates(gw, fake):
+    # The SDK reads the upstream's own stream (a miss), then the non-streaming answer carpool
+    # assembled from it (a hit): the same message, compaction summary, fallback model and
+    # applied context edits included.
+    fake.message_events = newer_message_stream
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": [{"role": "user", "content": QUESTION}],
+            "betas": ["context-management-2025-06-27"],
+        }
+        async with client.beta.messages.stream(**ask) as events:
+            streamed = await events.get_final_message()
+        raw = await client.beta.messages.with_raw_response.create(**ask)
+        assert raw.headers["x-carpool"] == "hit" and fake.count() == 1
+        whole = await raw.parse()
+    assert whole.model_dump(exclude={"content"}) == streamed.model_dump(exclude={"content"})
+    assert whole.model == "m-fallback"
+    assert whole.context_management is not None
+    assert whole.context_management.model_dump() == CONTEXT_MANAGEMENT
+    compaction = whole.content[0]
+    assert compaction.type == "compaction"
+    assert compaction.content == "A summary of the earlier turns."
+    assert compaction.encrypted_content == "ZW5jcnlwdGVk"
+    assert [block.model_dump() for block in whole.content] == [
+        block.model_dump(exclude={"parsed_output"}) for block in streamed.content
+    ]
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "novel_delta", "x": 1}},
+        {"type": "novel_event", "x": 1},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta"}},
+    ],
+    ids=["unknown delta", "unknown event", "delta of another block type"],
+)
+async def test_a_message_stream_carpool_cannot_assemble_faithfully_is_relayed_but_never_stored(
+    gw, fake, odd
+):
+    # Its non-streaming form would lack what the event carried: not stored, not lingering for
+    # later requests to join; the stream itself reaches its client as it came.
+    fake.message_events = lambda events: [*events[:-2], odd, *events[-2:]]
+    streamed, raw = await stream(gw, MESSAGES, body_of("messages"))
+    assert streamed.headers["x-carpool"] == "miss"
+    assert (odd["type"], odd) in events(raw) and events(raw)[-1][0] == "message_stop"
+    assert gw.gateway.store.entries == 0
+    again, raw = await stream(gw, MESSAGES, body_of("messages"))
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+def test_a_synthesized_message_stream_sends_compaction_and_context_management_as_anthropic_does():
+    # The summary in a compaction_delta after a block start without it, the applied context
+    # edits at the top of message_delta (null in message_start): a client reading the events
+    # (not only the SDK's accumulation) finds them where Anthropic puts them.
+    body = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m-fallback",
+        "content": [
+            {"type": "compaction", "content": "summary", "encrypted_content": "ZW5j"},
+            {"type": "fallback", "from": {"model": "m"}, "to": {"model": "m-fallback"}},
+            {"type": "text", "text": "Hello"},
+        ],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "context_management": CONTEXT_MANAGEMENT,
+        "usage": {"input_tokens": 3, "output_tokens": 4},
+    }
+    api = api_of("messages")
+    chunks = typed("messages", b"".join(api.synthesize(body, True)).decode())
+    assert chunks[0]["message"]["context_management"] is None
+    assert chunks[1]["content_block"] == {
+        "type": "compaction",
+        "content": None,
+        "encrypted_content": None,
+    }
+    assert chunks[2]["delta"] == {
+        "type": "compaction_delta",
+        "content": "summary",
+        "encrypted_content": "ZW5j",
+    }
+    (delta,) = [chunk for chunk in chunks if chunk["type"] == "message_delta"]
+    assert delta["context_management"] == CONTEXT_MANAGEMENT
+    assert api.judge_stream(chunks, None) == (body, True)
+    assert list(messages_api.assemble(chunks)) == list(body)

@@ -6,6 +6,10 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``stream_options.include_usage``, ``metadata``, request ids, and all transport headers. Every
   other stream option is in (vLLM's ``continuous_usage_stats`` puts a usage in every chunk,
   OpenAI's ``include_obfuscation`` pads them: frames a client that did not ask was replayed).
+  Per API (``EXCLUDED_BY_KIND``): Responses keeps ``user``, ``metadata``, ``safety_identifier``
+  and ``prompt_cache_key`` in (its answer echoes them); Messages leaves out only ``stream`` and
+  a ``metadata`` of at most a ``user_id`` (Anthropic refuses any field it does not know, so
+  every other one is in: a request refused alone is never served another's answer).
 - Canonical: key order, number spelling (``0`` vs ``0.0``, ``1e0``) and Unicode composition (NFC)
   never change a key. Text is otherwise exact: white space is meaning (Python indentation, counted
   spaces, tabs, Markdown hard breaks, non-ASCII spaces, control characters). Only with the opt-in
@@ -70,7 +74,14 @@ EXCLUDED_FIELDS = frozenset(
 )
 # OpenAI's Responses API echoes ``metadata``, ``user``, ``safety_identifier`` and
 # ``prompt_cache_key`` in its answer: there they are part of what is served, so part of the key.
-EXCLUDED_BY_KIND = {"responses": frozenset({"stream", "stream_options"})}
+# Anthropic's Messages API refuses every field it does not know (400, "Extra inputs are not
+# permitted"): OpenAI's ``user``, ``safety_identifier``, ``stream_options``... are in its key, so
+# that a request refused on its own is never served the answer to one without them. Its
+# ``metadata`` is out only as Anthropic takes it, its ``user_id`` alone (``_neutral_metadata``).
+EXCLUDED_BY_KIND = {
+    "responses": frozenset({"stream", "stream_options"}),
+    "messages": frozenset({"stream"}),
+}
 # Request headers that reach the upstream but never change its answer: transport, tracing and
 # client telemetry (the SDKs' ``x-stainless-*``), the ids and attempt numbers other SDKs give
 # each try of a request (Azure's, AWS's): a retry under an Idempotency-Key is the same request;
@@ -419,14 +430,16 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
     out: dict[str, Any] = {}
     excluded = EXCLUDED_BY_KIND.get(kind, EXCLUDED_FIELDS)
     for name, value in body.items():
-        if name == "stream_options" and isinstance(value, dict):
+        if name == "stream_options" and "stream_options" in excluded and isinstance(value, dict):
             # (include_usage decides only whether the client is sent the usage chunk, which
             # the gateway asks for anyway and hides from those that did not: outside the key)
             options = {k: v for k, v in value.items() if k != "include_usage"}
             if options:
                 out[name] = _canonical(options)
             continue
-        if name in excluded:
+        if name in excluded or (
+            name == "metadata" and kind == "messages" and _neutral_metadata(value)
+        ):
             continue
         if name == "messages" and isinstance(value, list):
             out[name] = [_canonical_message(m, collapse) for m in value]
@@ -439,6 +452,17 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
         else:
             out[name] = _canonical(value)
     return out
+
+
+def _neutral_metadata(value: Any) -> bool:
+    """A Messages ``metadata`` as Anthropic takes it: at most its ``user_id`` (text or null),
+    which tags the request for abuse tracking and never changes the answer. Any other field is
+    one Anthropic refuses: in the key."""
+    return (
+        isinstance(value, dict)
+        and value.keys() <= {"user_id"}
+        and (value.get("user_id") is None or isinstance(value["user_id"], str))
+    )
 
 
 def _exact_input(value: Any) -> Any:

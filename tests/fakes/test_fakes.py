@@ -659,6 +659,11 @@ async def test_typed_stream_controls(fake) -> None:
             "error": {"type": "overloaded_error", "message": "fake upstream stream failure"},
         },
     )
-    upstream.error_after, upstream.fail_status = None, 500
+    upstream.error_after = None
+    upstream.message_events = lambda events: [events[0], {"type": "novel"}, *events[1:]]
+    pairs = await typed_events(client, "/v1/messages", MESSAGES_BODY)
+    assert [n for n, _ in pairs][:3] == ["message_start", "novel", "content_block_start"]
+    assert pairs[1][1] == {"type": "novel"}
+    upstream.message_events, upstream.fail_status = None, 500
     failed = await client.post("/v1/messages", json=MESSAGES_BODY)
     assert failed.json()["type"] == "error" and failed.json()["error"]["type"] == "api_error"

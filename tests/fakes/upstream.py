@@ -140,6 +140,10 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   "server_error", "message": "fake upstream stream failure", "param": null,
   "sequence_number"}``, Messages' ``{"type": "error", "error": {"type": "overloaded_error",
   "message": "fake upstream stream failure"}}``) and ends.
+- ``message_events: Callable[[list[dict]], list[dict]] | None``: a Messages stream's events
+  (each event's data, with its ``type``) are what it returns for them: the blocks, deltas,
+  fields and events a newer API streams. The content events of what it returns are its
+  ``content_block_delta``s.
 - ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
   such as vLLM's ``prompt_token_ids``).
 - ``keeps_responses: bool``: the fake keeps the responses it makes (``store`` not false), in
@@ -311,6 +315,7 @@ class FakeUpstream:
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
         self.chat_extra: dict[str, Any] = {}
+        self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
         self.keeps_responses: bool = False
         self.kept: dict[str, dict[str, Any]] = {}
 
@@ -1145,6 +1150,11 @@ class FakeUpstream:
             ("message_stop", {}, False),
         ]
         events = [(name, {"type": name, **event}, content) for name, event, content in events]
+        if self.message_events is not None:
+            events = [
+                (event["type"], event, event["type"] == "content_block_delta")
+                for event in self.message_events([event for _, event, _ in events])
+            ]
         await self._typed_stream(
             call,
             send,

@@ -8,29 +8,43 @@ Contract (``apis.base.Api``):
   included); one without is served as the upstream sent it and never stored.
 - Its stream is typed events with no ``[DONE]``: ``message_start`` (the message, no content),
   per block ``content_block_start``, ``content_block_delta`` (``text_delta``,
-  ``input_json_delta``, ``thinking_delta``, ``signature_delta``, ``citations_delta``) and
-  ``content_block_stop``, then ``message_delta`` (``stop_reason``, ``stop_sequence``, the
-  cumulative ``usage``) and ``message_stop``; ``ping`` events anywhere. It ended whole at
-  ``message_stop``: a stream that stops before it fails the flight; an ``error`` event is the
-  upstream's failure, relayed to every client. Assembly is what the non-streaming call answers:
-  the blocks in index order, texts concatenated, a tool call's ``input`` parsed from its JSON
-  pieces, ``message_delta``'s fields and usage laid over ``message_start``'s.
+  ``input_json_delta``, ``thinking_delta``, ``signature_delta``, ``citations_delta``,
+  ``compaction_delta``) and ``content_block_stop``, then ``message_delta`` (its ``delta``:
+  ``stop_reason``, ``stop_sequence``...; the cumulative ``usage``; beside them message fields
+  such as ``context_management``) and ``message_stop``; ``ping`` events anywhere. It ended
+  whole at ``message_stop``: a stream that stops before it fails the flight; an ``error`` event
+  is the upstream's failure, relayed to every client.
+- Assembly is what the non-streaming call answers, as the ``anthropic`` SDK's own accumulation
+  makes it: the blocks in index order, texts and thinking concatenated, a tool call's
+  ``input`` parsed from its JSON pieces, a compaction block's ``content`` and
+  ``encrypted_content`` from its ``compaction_delta``, the ``model`` of a ``fallback`` block's
+  ``to`` as the message's; ``message_delta``'s delta (a null ``container`` aside), usage (its
+  non-null counts) and other fields (non-null: ``context_management``,
+  ``input_transformations``) laid over ``message_start``'s. A stream with an event or a delta
+  it does not know, or a delta on a block of another type, assembles into what it could make,
+  which may lack what the stream carried: served to the clients of its call, never stored
+  (``judge_stream``'s False).
 - Synthesized streams (a cached or whole answer for a streaming client): ``message_start``
-  (the message with no content, ``stop_reason`` and ``stop_sequence`` null, its usage), per block
-  a start, its text (or thinking, or a tool call's input as JSON) as one delta, a stop; then
-  ``message_delta`` with the stop fields and the usage, and ``message_stop``. The official
-  ``anthropic`` SDK's ``messages.create(stream=True)`` and ``messages.stream()`` read them.
+  (the message with no content, ``stop_reason``, ``stop_sequence`` and ``context_management``
+  null, its usage), per block a start, its text (or thinking, or a tool call's input as JSON,
+  or a compaction's summary in a ``compaction_delta``) as one delta, a stop; then
+  ``message_delta`` with the stop fields, the usage and ``context_management``, and
+  ``message_stop``. The official ``anthropic`` SDK's ``messages.create(stream=True)`` and
+  ``messages.stream()`` read them.
 - Sharing: Anthropic's default temperature is 1, so an absent ``temperature`` samples:
   ``bypass`` (``temperature: 0`` or ``top_k: 1`` shares). The tenant comes from ``x-api-key``
   like any credential; ``anthropic-version`` and ``anthropic-beta`` are forwarded and, as
-  headers that may change the answer, part of the key (``fingerprint.varying_headers``).
+  headers that may change the answer, part of the key (``fingerprint.varying_headers``). Out
+  of the key: ``stream``, and a ``metadata`` of at most its ``user_id``; every other field is
+  in, OpenAI's ``user`` too (Anthropic refuses what it does not know: ``canonical``).
 - The semantic view: the last message when it is the user's, of plain text; ``system``, the
   earlier turns and every parameter are in the scope.
 - Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (the type
-  from the status: ``invalid_request_error``, ``authentication_error``, ``not_found_error``,
-  ``request_too_large``, ``rate_limit_error``, ``api_error``...); an upstream's error passes
-  through as it came, and idempotency problems stay problem+json. A failed stream ends with
-  ``event: error`` carrying the same shape (the SDK raises on it).
+  from the status: ``invalid_request_error``, ``authentication_error``, ``billing_error``,
+  ``permission_error``, ``not_found_error``, ``request_too_large``, ``rate_limit_error``,
+  ``timeout_error`` (504: the upstream timed out), ``overloaded_error``, else ``api_error``);
+  an upstream's error passes through as it came, and idempotency problems stay problem+json.
+  A failed stream ends with ``event: error`` carrying the same shape (the SDK raises on it).
 """
 
 from __future__ import annotations
@@ -54,15 +68,32 @@ from .base import (
 LAST_EVENT = "message_stop"
 # The message fields that a stream sends in ``message_delta`` rather than ``message_start``.
 _DELTA_FIELDS = ("stop_reason", "stop_sequence", "stop_details", "container")
-_TOOL_BLOCKS = frozenset({"tool_use", "server_tool_use"})
+# The message fields that it sends beside ``message_delta``'s delta, at the top of the event.
+_END_FIELDS = ("context_management",)
+_TOOL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
+# The block types each delta type is for (what the ``anthropic`` SDK's accumulation lays it on).
+_DELTA_BLOCKS = {
+    "text_delta": frozenset({"text"}),
+    "citations_delta": frozenset({"text"}),
+    "input_json_delta": _TOOL_BLOCKS,
+    "thinking_delta": frozenset({"thinking"}),
+    "signature_delta": frozenset({"thinking"}),
+    "compaction_delta": frozenset({"compaction"}),
+}
+# The events that add nothing to the message; and message_delta's own fields (the others are
+# the message's).
+_NO_CONTENT_EVENTS = frozenset({"content_block_stop", "ping", LAST_EVENT})
+_DELTA_EVENT_OWN = frozenset({"type", "delta", "usage"})
 # Anthropic's error types, by HTTP status (https://docs.anthropic.com/en/api/errors).
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 
@@ -125,8 +156,8 @@ class MessagesApi(TypedApi):
     ) -> tuple[dict[str, Any], bool]:
         if not chunks or chunks[-1].get("type") != LAST_EVENT:
             raise UpstreamStreamBroken("the upstream stream ended before message_stop")
-        body = assemble(chunks)
-        return body, self.complete(body)
+        body, faithful = assembled(chunks)
+        return body, faithful and self.complete(body)
 
     # --------------------------------------------------------------------------- the answer
 
@@ -169,10 +200,18 @@ def _error_object(error: CarpoolError) -> dict[str, Any]:
 
 def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """The message a stream makes (see the module docstring)."""
+    return assembled(chunks)[0]
+
+
+def assembled(chunks: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """(the message a stream makes, whether it is faithful: every event and delta in it is one
+    this assembly knows, each delta on a block of the type it is for). What is not faithful
+    may lack what the stream carried: served, never stored."""
     message: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     blocks: dict[int, dict[str, Any]] = {}
     pieces: dict[int, list[str]] = {}  # a tool call's input, as JSON text in pieces
+    faithful = True
     for chunk in chunks:
         kind = chunk.get("type")
         if kind == "message_start" and isinstance(chunk.get("message"), dict):
@@ -182,21 +221,38 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         elif kind == "content_block_start" and isinstance(chunk.get("index"), int):
             block = chunk.get("content_block")
             blocks[chunk["index"]] = dict(block) if isinstance(block, dict) else {}
+            to = blocks[chunk["index"]].get("to")
+            if blocks[chunk["index"]].get("type") == "fallback" and isinstance(to, dict):
+                # The model that served what follows: the whole answer is labelled with it.
+                if "model" in to:
+                    message["model"] = to["model"]
         elif kind == "content_block_delta" and isinstance(chunk.get("index"), int):
             delta = chunk.get("delta")
             if isinstance(delta, dict):
-                _add_delta(
+                faithful &= _add_delta(
                     blocks.setdefault(chunk["index"], {}),
                     pieces.setdefault(chunk["index"], []),
                     delta,
                 )
+            else:
+                faithful = False
         elif kind == "message_delta":
             delta = chunk.get("delta")
             if isinstance(delta, dict):
-                message.update(delta)
+                # (A container is sent once, and kept when a later delta says null.)
+                message.update(
+                    (k, v) for k, v in delta.items() if v is not None or k != "container"
+                )
             if isinstance(chunk.get("usage"), dict):
                 # Cumulative counts: they replace message_start's; absent ones keep them.
                 usage.update((k, v) for k, v in chunk["usage"].items() if v is not None)
+            # Its other fields (context_management, input_transformations...) are the
+            # message's, laid over message_start's; a null one keeps message_start's.
+            message.update(
+                (k, v) for k, v in chunk.items() if k not in _DELTA_EVENT_OWN and v is not None
+            )
+        elif kind not in _NO_CONTENT_EVENTS:
+            faithful = False  # an event this assembly does not know, or a malformed one
     for index, parts in pieces.items():
         if parts:
             text = "".join(parts)
@@ -207,10 +263,12 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     message["content"] = [blocks[i] for i in sorted(blocks)]
     if usage or "usage" in message:
         message["usage"] = usage
-    return message
+    return message, faithful
 
 
-def _add_delta(block: dict[str, Any], pieces: list[str], delta: dict[str, Any]) -> None:
+def _add_delta(block: dict[str, Any], pieces: list[str], delta: dict[str, Any]) -> bool:
+    """Lay ``delta`` on ``block``; whether it is a delta of that block's type, as the
+    ``anthropic`` SDK's accumulation takes it (another is laid on all the same)."""
     kind = delta.get("type")
     if kind == "text_delta":
         block["text"] = str(block.get("text") or "") + str(delta.get("text") or "")
@@ -222,6 +280,13 @@ def _add_delta(block: dict[str, Any], pieces: list[str], delta: dict[str, Any]) 
         block["signature"] = delta.get("signature")
     elif kind == "citations_delta":
         block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+    elif kind == "compaction_delta":
+        # The summary and its opaque form, whole: each delta replaces them.
+        block["content"] = delta.get("content")
+        block["encrypted_content"] = delta.get("encrypted_content")
+    else:
+        return False
+    return block.get("type") in _DELTA_BLOCKS[kind]
 
 
 def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -232,19 +297,20 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
         k: None if k in _DELTA_FIELDS else v for k, v in body.items() if k not in _DELTA_FIELDS[2:]
     }
     start.update(content=[], stop_reason=None, stop_sequence=None)
+    start.update((k, None) for k in _END_FIELDS if k in start)
     events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
     content = body.get("content")
     for index, block in enumerate(content if isinstance(content, list) else ()):
         events += _block_events(index, block if isinstance(block, dict) else {})
     delta = {k: body.get(k) for k in _DELTA_FIELDS[:2]}
     delta.update((k, body[k]) for k in _DELTA_FIELDS[2:] if k in body)
-    events.append(
-        {
-            "type": "message_delta",
-            "delta": delta,
-            "usage": usage if isinstance(usage, dict) else {"output_tokens": 0},
-        }
-    )
+    last: dict[str, Any] = {
+        "type": "message_delta",
+        "delta": delta,
+        "usage": usage if isinstance(usage, dict) else {"output_tokens": 0},
+    }
+    last.update((k, body[k]) for k in _END_FIELDS if body.get(k) is not None)
+    events.append(last)
     events.append({"type": LAST_EVENT})
     return events
 
@@ -259,7 +325,14 @@ def _block_events(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
     elif kind == "thinking" and isinstance(block.get("thinking"), str):
         start = {**block, "thinking": "", "signature": ""}
         delta = {"type": "thinking_delta", "thinking": block["thinking"]}
-    else:  # redacted thinking, tool results...: whole
+    elif kind == "compaction":
+        start = {**block, "content": None, "encrypted_content": None}
+        delta = {
+            "type": "compaction_delta",
+            "content": block.get("content"),
+            "encrypted_content": block.get("encrypted_content"),
+        }
+    else:  # redacted thinking, tool results, a fallback...: whole
         start, delta = block, None
     events: list[dict[str, Any]] = [
         {"type": "content_block_start", "index": index, "content_block": start}
