@@ -440,6 +440,23 @@ async def test_a_4xx_refusing_another_instances_body_is_not_the_answer_of_a_join
         assert fake.count() == 2 and fake.calls[1].body["metadata"] == {"a": "x"}
 
 
+async def test_a_refusals_retry_headers_reach_a_joiner_on_another_instance(fake, shared_redis):
+    # What the upstream said of when to retry crosses Redis with its status and body.
+    async with two_gateways(fake, shared_redis) as (a, b):
+        fake.gate = asyncio.Event()
+        fake.fail_status, fake.fail_times = 429, 1
+        fake.response_headers = [(b"retry-after", b"7"), (b"x-should-retry", b"false")]
+        first = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(1)
+        joiner = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.following == 1)
+        fake.gate.set()
+        for response in await asyncio.gather(first, joiner):
+            assert response.status_code == 429 and response.headers["retry-after"] == "7"
+            assert response.headers["x-should-retry"] == "false"
+        assert fake.count() == 1
+
+
 async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a_full_answer(
     fake, shared_redis, tmp_path
 ):

@@ -87,3 +87,34 @@ async def test_openai_sdk_sees_upstream_errors_with_their_status(sdk, fake):
     fake.fail_status = 429
     with pytest.raises(openai.RateLimitError):
         await sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0)
+
+
+async def test_an_upstream_refusals_retry_headers_reach_the_client_and_its_sdk_obeys_them(gw, fake):
+    # They were dropped on the cached endpoints: the SDK retried a 429 the upstream had said
+    # not to, at once, whatever its Retry-After said. What it says of the account is not relayed.
+    fake.fail_status = 429
+    fake.response_headers = [
+        (b"retry-after", b"7"),
+        (b"retry-after-ms", b"7000"),
+        (b"x-should-retry", b"false"),
+        (b"x-ratelimit-remaining-requests", b"0"),
+    ]
+    retrying = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=2)
+    with pytest.raises(openai.RateLimitError) as raised:
+        await retrying.chat.completions.create(model="m", messages=MESSAGES, temperature=0)
+    assert fake.count() == 1  # x-should-retry: false, obeyed
+    headers = raised.value.response.headers
+    assert (headers["retry-after"], headers["retry-after-ms"]) == ("7", "7000")
+    assert "x-ratelimit-remaining-requests" not in headers
+    # A stream's refusal and a joiner of the refused call say it too.
+    fake.gate = asyncio.Event()
+    leader = asyncio.create_task(gw.chat("again", stream=True))
+    await fake.wait_for_calls(2)
+    joiner = asyncio.create_task(gw.chat("again"))
+    await eventually(
+        lambda: sum(f.clients for f in gw.gateway.flights.running()) == 2, what="a joiner"
+    )
+    fake.gate.set()
+    for response in await asyncio.gather(leader, joiner):
+        assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    assert fake.count() == 2

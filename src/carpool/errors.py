@@ -35,6 +35,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -324,14 +325,41 @@ class LeaderLost(UpstreamStreamBroken):
     frames get this error event; a client that got nothing takes the call over instead."""
 
 
-class UpstreamStatusError(UpstreamError):
-    """The upstream answered with a non-2xx status; its status and body reach the client as they are."""
+# What an upstream's refusal says of when to try again, relayed with its status and body: the
+# SDKs back off by them (a 429's ``Retry-After`` dropped, they retried at once). Not what it
+# says of the account (``x-ratelimit-*``): under a key the gateway holds, or a namespace shared
+# across tenants, that is another's quota.
+RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 
-    def __init__(self, status: int, content: bytes, content_type: str = "application/json"):
+
+def retry_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """``RETRY_HEADERS`` of an upstream's answer, those that hold a short printable value."""
+    return tuple(
+        (name, value)
+        for name in RETRY_HEADERS
+        if (value := headers.get(name)) is not None and _RETRY_VALUE.fullmatch(value)
+    )
+
+
+_RETRY_VALUE = re.compile(r"[ -~]{1,64}")  # (an HTTP date, seconds, ms, true/false)
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with a non-2xx status; its status and body reach the client as
+    they are, with what it said of when to retry (``RETRY_HEADERS``)."""
+
+    def __init__(
+        self,
+        status: int,
+        content: bytes,
+        content_type: str = "application/json",
+        retry: tuple[tuple[str, str], ...] = (),
+    ):
         super().__init__(f"upstream answered {status}")
         self.status = status
         self.content = content
         self.content_type = content_type
+        self.also = retry
         # The digest of the body the upstream answered so (``request.body_digest``), where
         # known: a request of the same key with another body (fields out of the key, another
         # spelling) may be answered otherwise (``pipeline._refused_its_body``).
@@ -341,7 +369,7 @@ class UpstreamStatusError(UpstreamError):
         return self.content
 
     def headers(self) -> dict[str, str]:
-        return {"content-type": self.content_type}
+        return {"content-type": self.content_type, **dict(self.also)}
 
     def for_others(self) -> UpstreamError:
         try:
@@ -352,7 +380,8 @@ class UpstreamStatusError(UpstreamError):
         # In the shape it came in: Anthropic's ``{"type": "error", "error": {...}}``, else OpenAI's.
         anthropic = isinstance(parsed, dict) and parsed.get("type") == "error"
         body = {"type": "error", "error": scrubbed} if anthropic else {"error": scrubbed}
-        error = UpstreamStatusError(self.status, orjson.dumps(body))
+        # (When to retry is the upstream's state, not the requester's: every joiner's too.)
+        error = UpstreamStatusError(self.status, orjson.dumps(body), retry=self.also)
         error.asked, error.requester = self.asked, self.requester
         return error
 

@@ -56,6 +56,7 @@ from .errors import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamStreamBroken,
+    retry_headers,
 )
 from .fingerprint import grant_of, names_of, neutral_of, requester
 from .identity import tenant_of
@@ -230,6 +231,7 @@ class Exchange:
                     response.status,
                     response.body,
                     response.headers.get("content-type", "application/json"),
+                    retry_headers(response.headers),
                 )
                 # Which body it refused: a joiner of the flight that sent another may not be.
                 error.asked = body_digest(request.body)

@@ -255,6 +255,7 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
                     "c": "status",
                     "s": error.status,
                     "ct": error.content_type,
+                    "rh": error.also,
                     "a": error.asked,
                     "r": error.requester,
                 }
@@ -280,7 +281,9 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
 def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
     """The leader's error, as the same class with the same status, type, code and message."""
     if meta["c"] == "status":
-        status_error = UpstreamStatusError(meta["s"], body, meta["ct"])
+        # (``rh``, when to retry, is absent from an older instance's record.)
+        retry = tuple((str(name), str(value)) for name, value in meta.get("rh") or ())
+        status_error = UpstreamStatusError(meta["s"], body, meta["ct"], retry)
         # (``a`` and ``r`` are absent from an older instance's record.)
         status_error.asked, status_error.requester = meta.get("a"), meta.get("r")
         return status_error

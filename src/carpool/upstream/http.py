@@ -57,7 +57,8 @@ Contract (on top of ``upstream.base``):
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
-  carry only their content type from the upstream.
+  carry only their content type from the upstream, and a refusal what it says of when to retry
+  (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -334,7 +335,10 @@ class HttpUpstream:
             data = await answer.read()
         except wire.WireError as exc:
             raise self._mid_answer(exc) from exc
-        return UpstreamResponse(status, {"content-type": content_type}, body=data)
+        headers = {"content-type": content_type}
+        if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
+            headers.update(answer.retry)
+        return UpstreamResponse(status, headers, body=data)
 
     def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
         """The answer's head came, its body did not whole: the engine took the call, so this

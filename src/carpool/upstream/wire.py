@@ -43,7 +43,8 @@ Contract:
   (``WireError``, "answer head too large") and its connection is closed. A server that sends
   an endless head, or trickles one (each byte restarting the read timer), would otherwise
   grow the gateway's memory without bound. A chunked body's trailer fields count so too, once
-  each is whole.
+  each is whole. Of its fields, an ``Answer`` keeps its content type and what it says of when
+  to retry (``RETRY_FIELDS``, names lower-case, values as they came): the rest is read by no one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
@@ -375,12 +376,13 @@ class Pool:
 class Answer:
     """An answer being read (see the module's contract)."""
 
-    __slots__ = ("connection", "status", "content_type", "_released")
+    __slots__ = ("connection", "status", "content_type", "retry", "_released")
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
         self.status = connection.status
         self.content_type = connection.content_type
+        self.retry = connection.retry  # (``RETRY_FIELDS`` it said, as they came)
         self._released = False
 
     async def read(self) -> bytes:
@@ -442,6 +444,9 @@ class _Pieces:
 # own default for a request's (``limits.max_header_bytes``); Go's client takes 1 MiB, engines
 # send well under 1 KiB.
 MAX_HEAD = 64 * 1024
+# The fields of an answer's head kept beside its content type: when to retry a refused call
+# (``errors.RETRY_HEADERS``, relayed to the client).
+RETRY_FIELDS = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry"})
 
 
 class _HeadTooLarge(Exception):
@@ -473,6 +478,7 @@ class Connection(asyncio.Protocol):
         "active",
         "status",
         "content_type",
+        "retry",
         "sized",
         "interim",
         "headed",
@@ -504,6 +510,7 @@ class Connection(asyncio.Protocol):
         # The answer being read.
         self.status = 0
         self.content_type = ""
+        self.retry: tuple[tuple[str, str], ...] = ()
         self.sized = False  # a Content-Length or chunked: the body does not end at EOF
         self.interim = False  # a 1xx answer, before the real one
         self.headed = False
@@ -528,6 +535,7 @@ class Connection(asyncio.Protocol):
         self.heard = False
         self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
+        self.retry = ()
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
         self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
@@ -695,6 +703,8 @@ class Connection(asyncio.Protocol):
             self.content_type = value.decode("latin-1")
         elif name == b"content-length" or name == b"transfer-encoding":
             self.sized = True
+        elif name in RETRY_FIELDS:
+            self.retry += ((name.decode("latin-1"), value.decode("latin-1")),)
 
     def on_headers_complete(self) -> None:
         if self.unasked:
@@ -717,7 +727,7 @@ class Connection(asyncio.Protocol):
             return
         if self.interim:
             self.interim = False
-            self.content_type, self.sized = "", False
+            self.content_type, self.sized, self.retry = "", False, ()
             return
         self.done = True
         self.keep_alive = not self.lost and self.parser.should_keep_alive()
