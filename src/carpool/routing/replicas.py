@@ -6,7 +6,8 @@ all, and so whether ``text`` matters):
 
 - Eligible: healthy replicas, plus downed ones whose back-off is over and that are not already
   being probed. One such request is the *probe*: success makes the replica healthy again, failure
-  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). Only
+  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``;
+  ``failures`` counts on for as long as it stays down, the exponent stops at 64). Only
   news counts: the failure of a call sent before the replica's last change of state (downed or
   healed) is counted in its ``errors``, not its ``failures``, and changes nothing else: the
   other calls in flight when the first failure of an incident came back, or the other calls
@@ -84,6 +85,11 @@ from carpool.upstream.function import FunctionFailed
 log = logging.getLogger("carpool.routing")
 
 _RETRYABLE = (UpstreamUnreachable, UpstreamTimeout)
+
+
+# The most times a back-off doubles (``_failed``): past the largest ``backoff_max_s`` /
+# ``backoff_s`` ratio anyone sets (2**64), and far from a float's limit (2**1024).
+_MAX_DOUBLINGS = 64
 
 
 # Seconds ``ready`` trusts a replica's last answer before it asks it again.
@@ -378,7 +384,11 @@ class ReplicaSet:
         replica.verdicts += 1
         replica.failures += 1
         replica.healthy, replica.probing, replica.answered = False, False, False
-        backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
+        # The exponent capped: a replica dead for hours keeps counting its failures (probed
+        # once every ``backoff_max_s``), and ``2 ** 1024`` overflows a float (OverflowError:
+        # every request sent to it then raised, none failed over, its back-off never moved).
+        doublings = min(replica.failures - 1, _MAX_DOUBLINGS)
+        backoff = min(self.backoff_s * 2.0**doublings, self.backoff_max_s)
         now = self.clock()
         replica.down_until = now + backoff
         if replica.logged_at is not None and now - replica.logged_at < self.log_interval:
