@@ -31,8 +31,8 @@ all, and so whether ``text`` matters):
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
   not retried (the call may have run); a cancellation or any other exception is no verdict. A request sent whole and not answered in time
   (``UpstreamNoAnswer``, 504) is not retried either when the replica answered other calls
-  meanwhile (it is alive and may be running it: a long generation would run twice, its client
-  waiting twice the timeout); silent to every call since, it is taken for hung (a frozen
+  meanwhile, a head or a stream's payloads (it is alive and may be running it: a long
+  generation would run twice, its client waiting twice the timeout); silent to every call since, it is taken for hung (a frozen
   engine's socket takes a request's bytes all the same) and the call fails over. Either way
   it downs the replica. Every 5xx downs its replica (but 501 and 505, about
   the call: an engine without the endpoint, as llama.cpp's embeddings when off, answers it on
@@ -65,7 +65,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +117,9 @@ class ReplicaState:
     verdicts: int = 0
     healthy: bool = True
     answered: bool = False  # it has answered since it last failed (reachable, proven)
-    answered_at: float = float("-inf")  # clock of its last answer (``ready`` trusts it a while)
+    # Clock of its last news: an answer's head, or a stream's payloads (``ready`` trusts it a
+    # while; a call it left unanswered meanwhile may be running, ``send``).
+    answered_at: float = float("-inf")
     down_until: float = 0.0  # clock value when the back-off ends (meaningful when not healthy)
     probing: bool = field(default=False, repr=False)  # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
@@ -317,9 +319,8 @@ class ReplicaSet:
             finally:
                 release()
 
-        return UpstreamResponse(
-            response.status, response.headers, response.body, response.events(), close
-        )
+        events = _Heard(response.events(), replica, self.clock)
+        return UpstreamResponse(response.status, response.headers, response.body, events, close)
 
     def _done(self, replica: ReplicaState) -> None:
         """A call of ``replica`` is over (answered whole, failed, or its stream closed)."""
@@ -517,6 +518,31 @@ class ReplicaSet:
         """Close every replica's upstream."""
         for replica in self.replicas:
             await replica.upstream.aclose()
+
+
+class _Heard:
+    """A stream's payloads as they come, each read (a list of them) noted as news from its
+    replica (``answered_at``): a replica streaming to other calls is alive, and a call it has
+    not answered in time may be running there (``UpstreamNoAnswer``: not run again elsewhere).
+    An iterator, not an async generator: see ``upstream.wire._Pieces``."""
+
+    __slots__ = ("events", "replica", "clock")
+
+    def __init__(
+        self,
+        events: AsyncIterator[list[bytes]],
+        replica: ReplicaState,
+        clock: Callable[[], float],
+    ) -> None:
+        self.events, self.replica, self.clock = events, replica, clock
+
+    def __aiter__(self) -> _Heard:
+        return self
+
+    async def __anext__(self) -> list[bytes]:
+        payloads = await self.events.__anext__()
+        self.replica.answered_at = self.clock()
+        return payloads
 
 
 def _what(error: BaseException) -> str:
