@@ -21,7 +21,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
-    │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere)
+    │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere;
+    │   │                             502 when the connection dropped unanswered)
     │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
     │   ├── UpstreamRedirected        502: a pass-through call answered with a redirect (not followed)
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
@@ -235,9 +236,19 @@ class UpstreamNoAnswer(UpstreamTimeout):
     client would wait twice the timeout for a generation run twice), nor retried by the SDKs
     (``x-should-retry: false``). A plain ``UpstreamTimeout`` is one that cannot have run (the
     server never read the whole request): tried elsewhere.
+
+    ``dropped``: not a timeout, the connection closed or reset after the request was written
+    whole and before a byte of answer (an engine that crashed, or a proxy that cut the call,
+    mid-generation): a 502 (``code`` ``upstream_unreachable``, as when nothing was sent), and
+    likewise not run again, since the engine may have run it.
     """
 
     also = _NOT_RETRIED
+
+    def __init__(self, message: str, dropped: bool = False) -> None:
+        super().__init__(message)
+        if dropped:
+            self.status, self.code = 502, "upstream_unreachable"
 
 
 class UpstreamRedirected(UpstreamError):

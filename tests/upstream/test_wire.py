@@ -634,6 +634,55 @@ async def _drain(events: Any) -> list[list[bytes]]:
     return [batch async for batch in events]
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+@pytest.mark.parametrize("size", [2, 12_000_000], ids=["small", "over the socket buffers"])
+async def test_a_call_dropped_unanswered_after_it_was_sent_whole_is_not_run_again_elsewhere(
+    serve, reset, size
+):
+    """A replica that read the request whole and then dropped the connection without a byte
+    of answer (a proxy's cut, mid-generation) may have run it: that was ``UpstreamUnreachable``,
+    failed over like a call that cannot have run, and the generation ran twice. Now it is
+    ``UpstreamNoAnswer`` (a 502): not run again on another replica while that one answers
+    other calls (silent to every call since, it is taken for hung: routing/test_routing.py)."""
+    from carpool.errors import UpstreamNoAnswer
+    from carpool.upstream.base import UpstreamRequest
+
+    arrived, go = asyncio.Event(), asyncio.Event()
+
+    async def drops(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            arrived.set()  # (read whole: ``Server.serve``)
+            await go.wait()
+            _hang_up(writer, reset)
+        else:
+            writer.write(OK)
+            await writer.drain()
+
+    dropping, _ = await serve(drops)
+    other, _ = await serve(answering(OK))
+    replicas, seen = _replicas([dropping.port, other.port])
+    first = replicas.replicas[0]
+    try:
+        body = {"model": "m", "input": "x" * size}
+        call = asyncio.create_task(replicas.send(UpstreamRequest("/embeddings", body)))
+        await asyncio.wait_for(arrived.wait(), 5)
+        # Meanwhile it answers another call: alive, it may be running the first.
+        answered, replica, _ = await replicas.send(
+            UpstreamRequest("/embeddings", {"model": "m", "input": "y"}), holder=first.name
+        )
+        assert answered.status == 200 and replica is first
+        go.set()
+        with pytest.raises(UpstreamNoAnswer) as raised:
+            await asyncio.wait_for(call, 5)
+    finally:
+        await replicas.aclose()
+    assert len(dropping.requests) == 2 and len(other.requests) == 0
+    assert raised.value.status == 502 and seen == [200, 502]
+    assert raised.value.headers()["x-should-retry"] == "false"
+    assert "took the call but gave no answer" in raised.value.message
+    assert not first.healthy  # (left out all the same)
+
+
 async def test_a_read_timeout_before_the_request_was_read_whole_is_failed_over(serve):
     """A server that never read the whole request cannot be running it: tried elsewhere."""
     import socket

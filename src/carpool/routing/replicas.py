@@ -29,8 +29,9 @@ all, and so whether ``text`` matters):
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
   502 or 504, by ``observe``). A ``FunctionUpstream``'s function that raised
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
-  not retried (the call may have run); a cancellation or any other exception is no verdict. A request sent whole and not answered in time
-  (``UpstreamNoAnswer``, 504) is not retried either when the replica answered other calls
+  not retried (the call may have run); a cancellation or any other exception is no verdict. A
+  request sent whole and not answered (``UpstreamNoAnswer``: 504 in time, 502 when its
+  connection dropped before a byte of answer) is not retried either when the replica answered other calls
   meanwhile, a head or a stream's payloads (it is alive and may be running it: a long
   generation would run twice, its client waiting twice the timeout); silent to every call since, it is taken for hung (a frozen
   engine's socket takes a request's bytes all the same) and the call fails over. Either way
