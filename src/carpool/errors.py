@@ -268,8 +268,10 @@ class UpstreamKeyRefused(UpstreamError):
     It is an answer, not a failure of the replica: about this request (OpenAI's 403 for a model
     the project may not use) as often as about the key. So routing neither fails over nor
     leaves the replica out (one client's request would take the gateway out of rotation), and
-    the same call would be refused again: ``x-should-retry: false``. ``upstream_status`` is
-    the upstream's 401 or 403.
+    the same call would be refused again: ``x-should-retry: false``. But with a key of its own
+    per replica (``upstream.api_keys``, not all the same) it is that replica's key: routing
+    leaves the replica out and tries the call on another (``routing.replicas``), and this is
+    raised only when that failed too. ``upstream_status`` is the upstream's 401 or 403.
     """
 
     status = 502
