@@ -163,6 +163,37 @@ async def test_each_replica_may_hold_its_own_key(fake, gateway_with):
         Config(upstreams=[fake.url], upstream={"api_keys": ["a", "b"]})
 
 
+async def test_a_replica_whose_own_key_is_refused_is_left_out_and_its_calls_fail_over(
+    fake, gateway_with
+):
+    """With a key per replica, one of them revoked: its replica answered 401 to every call,
+    taken for a refusal of the call (another replica would refuse it the same), so it was
+    never failed over nor left out: half the requests failed 502 for as long as the key stayed
+    wrong, and /stats showed the replica healthy, with no error."""
+    fake.valid_keys = {"sk-west"}
+    config = {
+        "upstreams": [fake.url, fake.url],
+        "upstream_names": ["east", "west"],
+        "routing": {"policy": "round-robin", "backoff_s": 600},
+        "upstream": {"api_keys": ["sk-east-REVOKED", "sk-west"]},
+    }
+    async with gateway_with(**config) as gw:
+        for i in range(6):
+            body = {**BODY, "messages": [{"role": "user", "content": f"question {i}"}]}
+            response = await gw.client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+        refused = [c for c in fake.calls if c.headers["authorization"] == "Bearer sk-east-REVOKED"]
+        assert len(refused) == 1  # tried once, then left out
+        stats = (await gw.client.get("/stats")).json()
+        east = stats["replicas"]["east"]
+        assert (east["state"], east["errors"], east["failures"]) == ("down", 1, 1)
+        assert stats["routing"]["failover"] == 1 and sum(stats["routing"].values()) == 6
+        metrics = (await gw.client.get("/metrics")).text
+        assert 'carpool_upstream_requests_total{replica="east",status="401"} 1.0' in metrics
+        assert not (await gw.client.get("/healthz")).json()["replicas"]["east"]["healthy"]
+        assert (await gw.client.get("/readyz")).status_code == 200  # (west answers)
+
+
 def test_the_upstream_key_may_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("CARPOOL_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     config = Config(upstream={"api_key": "${CARPOOL_TEST_UPSTREAM_KEY}"})
@@ -274,14 +305,20 @@ async def test_with_a_held_key_pass_through_reaches_only_the_model_list(held, fa
     assert fake.count("/v1/files") == 0
 
 
+@pytest.mark.parametrize(
+    "held",
+    [{"api_key": UPSTREAM_KEY}, {"api_keys": [UPSTREAM_KEY, UPSTREAM_KEY]}],
+    ids=["one key", "the same key for each replica"],
+)
 async def test_a_refusal_of_a_call_with_the_gateways_key_takes_no_replica_out(
-    gateway_with, keys_file, fake
+    gateway_with, keys_file, fake, held
 ):
     """OpenAI answers 403 to a project's key for a model the project may not use: a refusal of
     that call, not of every call. It was taken for a replica failing: the same call failed
     over to the next replica, each replica left out, /readyz 503: one client's request for a
-    model took the gateway out of rotation."""
-    config = {"upstream": {"api_key": UPSTREAM_KEY}, "auth": {"client_keys_file": str(keys_file)}}
+    model took the gateway out of rotation. (With keys that differ, a refusal is the
+    replica's key's: ``test_a_replica_whose_own_key_is_refused_is_left_out_...``.)"""
+    config = {"upstream": held, "auth": {"client_keys_file": str(keys_file)}}
     async with gateway_with(upstreams=[fake.url, fake.url], **config) as gw:
         fake.fail_status, fake.fail_times = 403, 1
         fake.fail_body = {

@@ -129,6 +129,18 @@ async def test_upstream_calls_count_every_attempt_a_failover_included():
             assert "carpool_upstream_calls_total 2.0" in metrics
 
 
+async def test_every_request_routed_counts_its_decision_a_failed_ones_too():
+    # Only a send that returned was counted: /stats said 10 routing decisions for 20 requests
+    # when 10 of them failed (its routing told nothing of the calls that failed).
+    dead = "http://127.0.0.1:9/v1"  # nothing listens there
+    async with run_gateway([dead, dead], routing={"policy": "round-robin"}) as gw:
+        responses = [await gw.chat(f"question {i}") for i in range(3)]
+        assert [r.status_code for r in responses] == [502] * 3
+        stats = (await gw.client.get("/stats")).json()
+        assert sum(stats["routing"].values()) == 3 and stats["routing"]["failover"] >= 1
+        assert stats["upstream_calls"] == 6  # (each failed over once)
+
+
 def _created_id(sse: str) -> str:
     """The response id of a Responses stream's first event (``response.created``)."""
     data = next(line for line in sse.splitlines() if line.startswith("data: "))

@@ -21,7 +21,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
-    │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere)
+    │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere;
+    │   │                             502 when the connection dropped unanswered)
     │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
     │   ├── UpstreamRedirected        502: a pass-through call answered with a redirect (not followed)
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
@@ -236,9 +237,19 @@ class UpstreamNoAnswer(UpstreamTimeout):
     client would wait twice the timeout for a generation run twice), nor retried by the SDKs
     (``x-should-retry: false``). A plain ``UpstreamTimeout`` is one that cannot have run (the
     server never read the whole request): tried elsewhere.
+
+    ``dropped``: not a timeout, the connection closed or reset after the request was written
+    whole and before a byte of answer (an engine that crashed, or a proxy that cut the call,
+    mid-generation): a 502 (``code`` ``upstream_unreachable``, as when nothing was sent), and
+    likewise not run again, since the engine may have run it.
     """
 
     also = _NOT_RETRIED
+
+    def __init__(self, message: str, dropped: bool = False) -> None:
+        super().__init__(message)
+        if dropped:
+            self.status, self.code = 502, "upstream_unreachable"
 
 
 class UpstreamRedirected(UpstreamError):
@@ -259,8 +270,10 @@ class UpstreamKeyRefused(UpstreamError):
     It is an answer, not a failure of the replica: about this request (OpenAI's 403 for a model
     the project may not use) as often as about the key. So routing neither fails over nor
     leaves the replica out (one client's request would take the gateway out of rotation), and
-    the same call would be refused again: ``x-should-retry: false``. ``upstream_status`` is
-    the upstream's 401 or 403.
+    the same call would be refused again: ``x-should-retry: false``. But with a key of its own
+    per replica (``upstream.api_keys``, not all the same) it is that replica's key: routing
+    leaves the replica out and tries the call on another (``routing.replicas``), and this is
+    raised only when that failed too. ``upstream_status`` is the upstream's 401 or 403.
     """
 
     status = 502

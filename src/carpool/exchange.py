@@ -3,7 +3,8 @@
 Contract:
 - ``send``: one upstream call, routed by the prompt (``ReplicaSet``: cache-aware by default,
   where there are replicas to choose among: the prompt is not even read otherwise) and failed
-  over once if need be; counted (routing decisions; ``upstream_calls`` counts its attempts) and traced
+  over once if need be; counted (its routing decision, by ``ReplicaSet``, a failed call's too;
+  ``upstream_calls`` counts its attempts) and traced
   (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself. A
   client's request of an API that keeps state upstream (a Responses call: ``Api.keeps_state``)
   goes to the replica that made the stored response it continues, and the response its 2xx
@@ -112,7 +113,6 @@ async def send(
             response, replica, decision = await replicas.send(upstream_request, text, holder)
             span.set_attribute("carpool.replica", replica.name)
             span.set_attribute("carpool.decision", decision.value)
-    layers.stats.routing[decision.value] += 1
     if tenant is not None and request is not None and 200 <= response.status < 300:
         remember = partial(layers.holders.remember, tenant, replica=replica.name)
         response = _remembering(response, request.api, remember)

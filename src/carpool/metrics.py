@@ -103,6 +103,10 @@ class Stats:
         self.routes[(route, outcome)] += 1  # a StrEnum: its own label value
         COUNTED.set(True)  # (this request's: its task's context)
 
+    def count_decision(self, decision: Any) -> None:
+        """A request's routing decision (its last attempt's), answered or failed."""
+        self.routing[decision.value] += 1
+
     def observe_attempt(self, replica: Any, status: int, decision: Any) -> None:
         """Every attempt on a replica (failed-over ones too), for /stats and /metrics."""
         self.upstream_status[(replica.name, str(status))] += 1

@@ -121,7 +121,7 @@ def build_layers(
     )
     # The gauges and the batcher's calls read the layers once they are all built (below).
     metrics = Metrics(stats, lambda: admin.gauges(layers))
-    replicas = build_replicas(config, upstreams, stats.observe_attempt)
+    replicas = build_replicas(config, upstreams, stats.observe_attempt, stats.count_decision)
     # Single embeddings are merged into list calls (identical ones were coalesced before),
     # but only where every replica is known to answer a list as it answers each item alone
     # (batching.embeddings; ``ListCheck``): merging must not change an answer.
@@ -482,8 +482,12 @@ def _embedder(
     )
 
 
-def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) -> ReplicaSet:
-    """The replicas with their routing policy (cache-aware by default with several) and health."""
+def build_replicas(
+    config: Config, upstreams: Sequence[Upstream], observe: Any, decided: Any = None
+) -> ReplicaSet:
+    """The replicas with their routing policy (cache-aware by default with several) and health.
+    With keys that differ from replica to replica (``upstream.api_keys``), a refusal of one's
+    key is that replica's failure (``own_keys``); with one key for all, the call's."""
     from .routing import build_policy
     from .routing.replicas import ReplicaSet
 
@@ -497,5 +501,7 @@ def build_replicas(config: Config, upstreams: Sequence[Upstream], observe: Any) 
         backoff_s=routing.backoff_s,
         backoff_max_s=routing.backoff_max_s,
         observe=observe,
+        decided=decided,
         log_interval=routing.log_interval,
+        own_keys=len({key.get_secret_value() for key in config.upstream.api_keys}) > 1,
     )

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from carpool.clock import ManualClock
 from carpool.errors import UpstreamNoAnswer, UpstreamTimeout, UpstreamUnreachable
 from carpool.routing import Decision, RoutingSettings, build_policy
 from carpool.routing.cache_aware import CacheAware, PrefixRecord
@@ -344,6 +345,31 @@ async def test_unreachable_fails_over_then_backoff_then_probe():
     snap = replicas.snapshot()["r0"]
     assert snap["state"] == "healthy" and snap["failures"] == 0 and snap["errors"] == 3
     assert [(await replicas.send(REQUEST))[2] for _ in range(3)] == [Decision.ROUND_ROBIN] * 3
+    assert replicas.in_flight == 0
+
+
+async def test_a_replica_down_for_days_keeps_failing_over():
+    """Its back-off doubled without bound: at its 1,025th failure (dead ~17 hours, probed once
+    every backoff_max_s) ``5 * 2 ** 1024`` overflowed a float. Every request sent to it then
+    raised OverflowError (a 500) instead of failing over, and its back-off never moved again."""
+    clock = ManualClock()
+    dead, alive = Fake("r0", "unreachable"), Fake("r1")
+    replicas = ReplicaSet(
+        [dead, alive],
+        build_policy("round-robin"),
+        clock=clock.monotonic,
+        backoff_s=5.0,  # (a float, as the config gives it: ``5 * 2**1024`` is an int)
+        backoff_max_s=60.0,
+        log_interval=1e9,
+    )
+    r0 = replicas["r0"]
+    for probe in range(1, 1101):  # (one probe a minute: over 18 hours)
+        clock.advance(max(0.0, r0.down_until - clock.monotonic()))  # its back-off is over
+        response, replica, decision = await replicas.send(REQUEST, holder="r0")
+        assert (response.status, replica.name, decision) == (200, "r1", Decision.FAILOVER)
+        assert dead.sent == r0.failures == probe
+    snap = replicas.snapshot()["r0"]
+    assert snap["state"] == "down" and snap["down_for_s"] == 60
     assert replicas.in_flight == 0
 
 

@@ -585,6 +585,104 @@ async def test_a_read_timeout_after_the_request_was_sent_is_not_failed_over(serv
     assert [r.healthy for r in replicas.replicas] == [False, True]
 
 
+async def test_a_replica_streaming_to_other_calls_is_alive_and_a_call_it_left_unanswered_not_run_again(
+    serve,
+):
+    """Only an answer's head counted as news of a replica: one streaming tokens to another call
+    all along was taken for hung when a call of its own got no head in time, and that call
+    (which it was running) was run again on another replica."""
+    from carpool.errors import UpstreamNoAnswer
+    from carpool.upstream.base import UpstreamRequest
+
+    asked = asyncio.Event()
+
+    async def busy(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if b'"stream":true' in streaming.requests[-1]:
+            writer.write(CHUNKED_HEAD + chunk(b'data: {"n": 1}\n\n'))
+            await writer.drain()
+            await asked.wait()  # (its next tokens come while the other call waits)
+            writer.write(chunk(b'data: {"n": 2}\n\n') + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+        else:
+            asked.set()
+            await reader.read()  # (running it: no answer before the client goes)
+
+    streaming, _ = await serve(busy)
+    other, _ = await serve(answering(OK))
+    replicas, seen = _replicas([streaming.port, other.port], upstream_timeout=0.5)
+    stream_request = UpstreamRequest(
+        "/chat/completions", {"model": "m", "stream": True}, stream=True
+    )
+    try:
+        stream, replica, _ = await replicas.send(stream_request)
+        assert replica.label == "replica-0"
+        events = stream.events()
+        assert await events.__anext__() == [b'{"n": 1}']  # (before the call below is sent)
+        rest = asyncio.create_task(_drain(events))
+        whole = UpstreamRequest("/chat/completions", {"model": "m"})
+        with pytest.raises(UpstreamNoAnswer):  # (sent to the streaming one: its holder, say)
+            await replicas.send(whole, holder=replica.name)
+        assert await rest == [[b'{"n": 2}']]
+        await stream.aclose()
+    finally:
+        await replicas.aclose()
+    assert len(streaming.requests) == 2 and len(other.requests) == 0
+    assert seen == [200, 504]
+
+
+async def _drain(events: Any) -> list[list[bytes]]:
+    return [batch async for batch in events]
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+@pytest.mark.parametrize("size", [2, 12_000_000], ids=["small", "over the socket buffers"])
+async def test_a_call_dropped_unanswered_after_it_was_sent_whole_is_not_run_again_elsewhere(
+    serve, reset, size
+):
+    """A replica that read the request whole and then dropped the connection without a byte
+    of answer (a proxy's cut, mid-generation) may have run it: that was ``UpstreamUnreachable``,
+    failed over like a call that cannot have run, and the generation ran twice. Now it is
+    ``UpstreamNoAnswer`` (a 502): not run again on another replica while that one answers
+    other calls (silent to every call since, it is taken for hung: routing/test_routing.py)."""
+    from carpool.errors import UpstreamNoAnswer
+    from carpool.upstream.base import UpstreamRequest
+
+    arrived, go = asyncio.Event(), asyncio.Event()
+
+    async def drops(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            arrived.set()  # (read whole: ``Server.serve``)
+            await go.wait()
+            _hang_up(writer, reset)
+        else:
+            writer.write(OK)
+            await writer.drain()
+
+    dropping, _ = await serve(drops)
+    other, _ = await serve(answering(OK))
+    replicas, seen = _replicas([dropping.port, other.port])
+    first = replicas.replicas[0]
+    try:
+        body = {"model": "m", "input": "x" * size}
+        call = asyncio.create_task(replicas.send(UpstreamRequest("/embeddings", body)))
+        await asyncio.wait_for(arrived.wait(), 5)
+        # Meanwhile it answers another call: alive, it may be running the first.
+        answered, replica, _ = await replicas.send(
+            UpstreamRequest("/embeddings", {"model": "m", "input": "y"}), holder=first.name
+        )
+        assert answered.status == 200 and replica is first
+        go.set()
+        with pytest.raises(UpstreamNoAnswer) as raised:
+            await asyncio.wait_for(call, 5)
+    finally:
+        await replicas.aclose()
+    assert len(dropping.requests) == 2 and len(other.requests) == 0
+    assert raised.value.status == 502 and seen == [200, 502]
+    assert raised.value.headers()["x-should-retry"] == "false"
+    assert "took the call but gave no answer" in raised.value.message
+    assert not first.healthy  # (left out all the same)
+
+
 async def test_a_read_timeout_before_the_request_was_read_whole_is_failed_over(serve):
     """A server that never read the whole request cannot be running it: tried elsewhere."""
     import socket

@@ -138,12 +138,13 @@ def cached_endpoint(
         "431": "The headers (or a chunked body's trailer fields) are larger than "
         "`limits.max_header_bytes`.",
         "502": (
-            "The upstream is unreachable, or its stream broke (for a non-streaming "
+            "The upstream is unreachable, or dropped the connection after taking the whole "
+            "request, or its stream broke (for a non-streaming "
             "client: a streaming one gets a 200 and an SSE error event), or its whole "
-            "answer was cut after its head came; a broken stream or a cut answer carries "
-            "`x-should-retry: false` (the engine took the call). Also the upstream's 401 or "
-            "403 to the gateway's own key (`upstream.api_key`, or a user and password in "
-            "the upstream's URL), its body not relayed, with "
+            "answer was cut after its head came; a dropped call, a broken stream or a cut "
+            "answer carries `x-should-retry: false` (the engine took the call). Also the "
+            "upstream's 401 or 403 to the gateway's own key (`upstream.api_key`, or a user and "
+            "password in the upstream's URL), its body not relayed, with "
             "`x-should-retry: false`."
         ),
         "504": (

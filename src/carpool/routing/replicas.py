@@ -6,7 +6,8 @@ all, and so whether ``text`` matters):
 
 - Eligible: healthy replicas, plus downed ones whose back-off is over and that are not already
   being probed. One such request is the *probe*: success makes the replica healthy again, failure
-  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``). Only
+  downs it for twice as long (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``;
+  ``failures`` counts on for as long as it stays down, the exponent stops at 64). Only
   news counts: the failure of a call sent before the replica's last change of state (downed or
   healed) is counted in its ``errors``, not its ``failures``, and changes nothing else: the
   other calls in flight when the first failure of an incident came back, or the other calls
@@ -28,26 +29,36 @@ all, and so whether ``text`` matters):
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
   502 or 504, by ``observe``). A ``FunctionUpstream``'s function that raised
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
-  not retried (the call may have run); a cancellation or any other exception is no verdict. A request sent whole and not answered in time
-  (``UpstreamNoAnswer``, 504) is not retried either when the replica answered other calls
-  meanwhile (it is alive and may be running it: a long generation would run twice, its client
-  waiting twice the timeout); silent to every call since, it is taken for hung (a frozen
-  engine's socket takes a request's bytes all the same) and the call fails over. Either way
-  it downs the replica. Every 5xx downs its replica (but 501 and 505, about
-  the call: an engine without the endpoint, as llama.cpp's embeddings when off, answers it on
-  every replica), also one the engine returns for this input only: with several replicas that costs a retry and a back-off, not the
-  request. 4xx answers count as healthy (the replica answered), and so does a 401/403 to the
-  gateway's own key (``UpstreamKeyRefused``, raised as it is, not failed over): as often about
-  the request (a model the account may not use) as about the key, and one client's request
-  must not take replicas out of rotation. Those are logged (a warning, at most one per replica
-  per ``log_interval``): a key the upstream refuses is the operator's to fix.
+  not retried (the call may have run); a cancellation or any other exception is no verdict. A
+  request sent whole and not answered (``UpstreamNoAnswer``: 504 in time, 502 when its
+  connection dropped before a byte of answer) is not retried either when the replica answered
+  other calls meanwhile, a head or a stream's payloads (it is alive and may be running it: a
+  long generation would run twice, its client waiting twice the timeout); silent to every call
+  since, it is taken for hung (a frozen engine's socket takes a request's bytes all the same)
+  and the call fails over. Either way it downs the replica. Every 5xx downs its replica (but
+  501 and 505, about the call: an engine without the endpoint, as llama.cpp's embeddings when
+  off, answers it on every replica), also one the engine returns for this input only: with
+  several replicas that costs a retry and a back-off, not the request. 4xx answers count as
+  healthy (the replica answered), and so does a 401/403 to the gateway's own key
+  (``UpstreamKeyRefused``, raised as it is, not failed over) when every replica is called with
+  the same key: as often about the request (a model the account may not use) as about the key,
+  another replica would refuse it the same, and one client's request must not take replicas
+  out of rotation. Those are logged (a warning, at most one per replica per
+  ``log_interval``): a key the upstream refuses is the operator's to fix. With a key of its
+  own per replica (``own_keys``: ``upstream.api_keys`` that are not all the same) a refusal is
+  about that replica's key (revoked, mistyped) and nothing ran: it downs the replica and the
+  call fails over, as for an unreachable one (a key several replicas share is found out on
+  each; a refusal of the request on one costs a retry and a back-off, not the request).
+- Decisions: ``decided(decision)`` once per ``send``, however it ended (answered, raised,
+  cancelled), with its last attempt's decision (``/stats`` ``routing``).
 - In flight: counted from the send until the answer is complete: for a complete body, when
   ``send`` returns; for a stream, until the returned response's ``aclose()`` (the caller must close
   every streaming response, as ``Gateway`` does; ``aclose`` is safe to call twice). Counts are
   released on every path: success, error, cancellation.
 - ``passthrough`` (other ``/v1/...`` calls): one attempt on the chosen replica, no failover (the
-  method may not be idempotent); a transport failure downs the replica like any other, an answer
-  of any status is relayed as it is and heals a downed replica.
+  method may not be idempotent); a transport failure downs the replica like any other (so does
+  a refusal of its own key, ``own_keys``), an answer of any status is relayed as it is and heals
+  a downed replica.
 - Operators see every failure: a warning on the ``carpool.routing`` logger naming the replica
   (``name``: never its credentials) and what happened, at most one per replica per
   ``log_interval`` seconds; the next one counts those left out. A downed replica that answers
@@ -56,7 +67,8 @@ all, and so whether ``text`` matters):
   ready while some replica is healthy or its back-off is over (then the next request probes it:
   reporting not-ready then would keep away the traffic that finds out it is back). A replica
   that answers the readiness probe at all, with a 401/403 to the gateway's key too, is
-  reachable.
+  reachable; but for a refusal of its own key (``own_keys``): none of its calls would be
+  answered, it is downed.
 """
 
 from __future__ import annotations
@@ -64,7 +76,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +96,11 @@ from carpool.upstream.function import FunctionFailed
 log = logging.getLogger("carpool.routing")
 
 _RETRYABLE = (UpstreamUnreachable, UpstreamTimeout)
+
+
+# The most times a back-off doubles (``_failed``): past the largest ``backoff_max_s`` /
+# ``backoff_s`` ratio anyone sets (2**64), and far from a float's limit (2**1024).
+_MAX_DOUBLINGS = 64
 
 
 # Seconds ``ready`` trusts a replica's last answer before it asks it again.
@@ -111,7 +128,9 @@ class ReplicaState:
     verdicts: int = 0
     healthy: bool = True
     answered: bool = False  # it has answered since it last failed (reachable, proven)
-    answered_at: float = float("-inf")  # clock of its last answer (``ready`` trusts it a while)
+    # Clock of its last news: an answer's head, or a stream's payloads (``ready`` trusts it a
+    # while; a call it left unanswered meanwhile may be running, ``send``).
+    answered_at: float = float("-inf")
     down_until: float = 0.0  # clock value when the back-off ends (meaningful when not healthy)
     probing: bool = field(default=False, repr=False)  # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
@@ -144,12 +163,17 @@ class ReplicaSet:
         backoff_max_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         observe: Observer | None = None,
+        decided: Callable[[Decision], None] | None = None,
         log_interval: float = 30.0,
+        own_keys: bool = False,
     ) -> None:
         """``observe(replica, status, decision)`` is called once per attempt (status: the HTTP
         status answered, or the error's status, 502/504, for a transport failure), e.g. for the
-        per-replica status counters of ``/stats``. ``log_interval``: seconds between two
-        failure warnings about one replica."""
+        per-replica status counters of ``/stats``; ``decided(decision)`` once per ``send``,
+        with its last attempt's decision, however it ended (``/stats`` ``routing``).
+        ``log_interval``: seconds between two failure warnings about one replica.
+        ``own_keys``: each replica is called with a key of its own (``upstream.api_keys``, not
+        all the same): a refusal of it (``UpstreamKeyRefused``) is that replica's failure."""
         if not upstreams:
             raise ValueError("at least one upstream is needed")
         self.replicas = [ReplicaState(u) for u in upstreams]
@@ -163,7 +187,9 @@ class ReplicaSet:
         self.backoff_max_s = backoff_max_s
         self.clock = clock
         self.observe = observe
+        self.decided = decided
         self.log_interval = log_interval
+        self.own_keys = own_keys
 
     def __getitem__(self, name: str) -> ReplicaState:
         for replica in self.replicas:
@@ -225,59 +251,77 @@ class ReplicaSet:
         assert chosen is not None
         replica, decision = chosen
         tried: list[ReplicaState] = []
-        while True:
-            tried.append(replica)
-            seen, sent_at = replica.verdicts, self.clock()
-            try:
-                response = await self._attempt(replica, request, text)
-            except _RETRYABLE as error:
-                self._failed(replica, _what(error), seen)
-                self._observe(replica, error.status, decision)
-                # Sent whole and not answered in time (``UpstreamNoAnswer``) by a replica that
-                # answered other calls meanwhile: alive, it may be running this one: not run
-                # again elsewhere. Silent to every call since it was sent (a frozen engine whose
-                # socket took the bytes), it is tried elsewhere like one never sent.
-                running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
-                retry = self.choose(text, tried) if len(tried) < 2 and not running else None
-                if retry is None:
+        try:
+            while True:
+                tried.append(replica)
+                seen, sent_at = replica.verdicts, self.clock()
+                try:
+                    response = await self._attempt(replica, request, text)
+                except _RETRYABLE as error:
+                    self._failed(replica, _what(error), seen)
+                    self._observe(replica, error.status, decision)
+                    # Sent whole and not answered in time (``UpstreamNoAnswer``) by a replica that
+                    # answered other calls meanwhile: alive, it may be running this one: not run
+                    # again elsewhere. Silent to every call since it was sent (a frozen engine whose
+                    # socket took the bytes), it is tried elsewhere like one never sent.
+                    running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
+                    retry = self.choose(text, tried) if len(tried) < 2 and not running else None
+                    if retry is None:
+                        raise
+                    replica, decision = retry[0], Decision.FAILOVER
+                    continue
+                except UpstreamKeyRefused as error:
+                    if not self.own_keys:
+                        # An answer (the replica is up), and another replica would refuse the same
+                        # call (the same key): not failed over, no replica left out.
+                        replica.answered, replica.answered_at = True, self.clock()
+                        self._succeeded(replica)
+                        self._refused(replica, error)
+                        self._observe(replica, error.upstream_status or error.status, decision)
+                        raise
+                    # Its own key refused (revoked, mistyped): nothing ran, and another replica,
+                    # called with another key, may take the call. Left out like a failing one,
+                    # or a share of the requests would fail for as long as its key is wrong.
+                    replica.answered_at = self.clock()  # (it answered: alive)
+                    self._failed(replica, _key_refused(error), seen)
+                    self._observe(replica, error.upstream_status or error.status, decision)
+                    retry = self.choose(text, tried) if len(tried) < 2 else None
+                    if retry is None:
+                        raise
+                    replica, decision = retry[0], Decision.FAILOVER
+                    continue
+                except UpstreamAnswerCut as error:
+                    # Answered, then cut: the engine took the call. Not run again on another
+                    # replica, and this one is not left out (as for a stream that broke part-way).
+                    replica.probing = False
+                    self._observe(replica, error.status, decision)
                     raise
+                except FunctionFailed as error:
+                    # A ``FunctionUpstream``'s function raised: its clients get a 502, and so does
+                    # the replica's record. Not failed over: the call may have run. (Any other
+                    # exception is no verdict on the replica: a request the client library could
+                    # not even build, say. The traceback is the flight's to log.)
+                    self._failed(replica, f"raised {type(error).__name__}", seen)
+                    self._observe(replica, 502, decision)
+                    raise
+                except BaseException:
+                    replica.probing = False  # cancelled, or not the replica's doing: no verdict
+                    raise
+                self._observe(replica, response.status, decision)
+                if response.status < 500 or response.status in _NOT_THIS_CALL:
+                    self._succeeded(replica)
+                    return response, replica, decision
+                self._failed(replica, f"answered {response.status}", seen)
+                retry = self.choose(text, tried) if len(tried) < 2 else None
+                if retry is None:
+                    return response, replica, decision
+                await response.aclose()
                 replica, decision = retry[0], Decision.FAILOVER
-                continue
-            except UpstreamKeyRefused as error:
-                # An answer (the replica is up), and another replica would refuse the same
-                # call: not failed over, no replica left out.
-                replica.answered, replica.answered_at = True, self.clock()
-                self._succeeded(replica)
-                self._refused(replica, error)
-                self._observe(replica, error.upstream_status or error.status, decision)
-                raise
-            except UpstreamAnswerCut as error:
-                # Answered, then cut: the engine took the call. Not run again on another
-                # replica, and this one is not left out (as for a stream that broke part-way).
-                replica.probing = False
-                self._observe(replica, error.status, decision)
-                raise
-            except FunctionFailed as error:
-                # A ``FunctionUpstream``'s function raised: its clients get a 502, and so does
-                # the replica's record. Not failed over: the call may have run. (Any other
-                # exception is no verdict on the replica: a request the client library could
-                # not even build, say. The traceback is the flight's to log.)
-                self._failed(replica, f"raised {type(error).__name__}", seen)
-                self._observe(replica, 502, decision)
-                raise
-            except BaseException:
-                replica.probing = False  # cancelled, or not the replica's doing: no verdict
-                raise
-            self._observe(replica, response.status, decision)
-            if response.status < 500 or response.status in _NOT_THIS_CALL:
-                self._succeeded(replica)
-                return response, replica, decision
-            self._failed(replica, f"answered {response.status}", seen)
-            retry = self.choose(text, tried) if len(tried) < 2 else None
-            if retry is None:
-                return response, replica, decision
-            await response.aclose()
-            replica, decision = retry[0], Decision.FAILOVER
+        finally:
+            # Once a request, however it ended (answered, failed, cancelled): the decision of
+            # its last attempt (``/stats`` ``routing``), a failed one's too.
+            if self.decided is not None:
+                self.decided(decision)
 
     async def _attempt(
         self, replica: ReplicaState, request: UpstreamRequest, text: str
@@ -311,9 +355,8 @@ class ReplicaSet:
             finally:
                 release()
 
-        return UpstreamResponse(
-            response.status, response.headers, response.body, response.events(), close
-        )
+        events = _Heard(response.events(), replica, self.clock)
+        return UpstreamResponse(response.status, response.headers, response.body, events, close)
 
     def _done(self, replica: ReplicaState) -> None:
         """A call of ``replica`` is over (answered whole, failed, or its stream closed)."""
@@ -342,7 +385,11 @@ class ReplicaSet:
         except _RETRYABLE as error:
             self._failed(replica, _what(error), seen)
             raise
-        except UpstreamKeyRefused as error:  # (an answer: see ``send``)
+        except UpstreamKeyRefused as error:  # (see ``send``)
+            if self.own_keys:
+                replica.answered_at = self.clock()
+                self._failed(replica, _key_refused(error), seen)
+                raise
             replica.answered, replica.answered_at = True, self.clock()
             self._succeeded(replica)
             self._refused(replica, error)
@@ -378,7 +425,11 @@ class ReplicaSet:
         replica.verdicts += 1
         replica.failures += 1
         replica.healthy, replica.probing, replica.answered = False, False, False
-        backoff = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
+        # The exponent capped: a replica dead for hours keeps counting its failures (probed
+        # once every ``backoff_max_s``), and ``2 ** 1024`` overflows a float (OverflowError:
+        # every request sent to it then raised, none failed over, its back-off never moved).
+        doublings = min(replica.failures - 1, _MAX_DOUBLINGS)
+        backoff = min(self.backoff_s * 2.0**doublings, self.backoff_max_s)
         now = self.clock()
         replica.down_until = now + backoff
         if replica.logged_at is not None and now - replica.logged_at < self.log_interval:
@@ -493,6 +544,9 @@ class ReplicaSet:
             except PathNotAllowed:
                 pass  # an in-process upstream: no /models, but up
             except UpstreamKeyRefused as error:
+                if self.own_keys:  # (its own key refused: no call of it would be answered)
+                    self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)
+                    continue
                 self._refused(replica, error)  # an answer: reachable
             except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
                 self._failed(replica, f"readiness probe: {_what(error)}", seen)
@@ -507,6 +561,36 @@ class ReplicaSet:
         """Close every replica's upstream."""
         for replica in self.replicas:
             await replica.upstream.aclose()
+
+
+class _Heard:
+    """A stream's payloads as they come, each read (a list of them) noted as news from its
+    replica (``answered_at``): a replica streaming to other calls is alive, and a call it has
+    not answered in time may be running there (``UpstreamNoAnswer``: not run again elsewhere).
+    An iterator, not an async generator: see ``upstream.wire._Pieces``."""
+
+    __slots__ = ("events", "replica", "clock")
+
+    def __init__(
+        self,
+        events: AsyncIterator[list[bytes]],
+        replica: ReplicaState,
+        clock: Callable[[], float],
+    ) -> None:
+        self.events, self.replica, self.clock = events, replica, clock
+
+    def __aiter__(self) -> _Heard:
+        return self
+
+    async def __anext__(self) -> list[bytes]:
+        payloads = await self.events.__anext__()
+        self.replica.answered_at = self.clock()
+        return payloads
+
+
+def _key_refused(error: UpstreamKeyRefused) -> str:
+    """A refusal of a replica's own key, for the failure's warning."""
+    return f"{error}: its key (upstream.api_keys), or that request (a model it may not use)"
 
 
 def _what(error: BaseException) -> str:

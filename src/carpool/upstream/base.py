@@ -3,7 +3,9 @@
 Contract:
 - ``Upstream.send(request)`` makes one call and returns an ``UpstreamResponse``. A non-2xx answer
   is *returned* (status + body), not raised: the pipeline passes it through. Transport failures are
-  raised as ``UpstreamUnreachable`` (502) or ``UpstreamTimeout`` (504), the cause kept.
+  raised as ``UpstreamUnreachable`` (502) or ``UpstreamTimeout`` (504), the cause kept; one after
+  the request was sent whole, before any answer, as ``UpstreamNoAnswer`` (an ``UpstreamTimeout``:
+  504, or 502 when the connection dropped): the engine may have run it.
 - A streaming response (``request.stream`` and a 2xx status) yields the ``data:`` payloads of the
   SSE stream, as bytes, without the ``data: `` prefix, until ``[DONE]`` (not yielded). The
   iterator ends normally only for a stream that ended whole: with ``[DONE]`` from an HTTP server,

@@ -16,9 +16,11 @@ Contract (on top of ``upstream.base``):
 - Transport errors are translated here, the original error kept as ``__cause__``: a read
   timeout before the answer's head -> ``UpstreamNoAnswer`` (504: the request was written whole,
   so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
-  elsewhere) when the server never read the whole request; anything else before an answer ->
-  ``UpstreamUnreachable`` (502), a connect timeout (TCP or TLS) included: nothing was sent
-  (``connection timed out``); a
+  elsewhere) when the server never read the whole request; a connection dropped (closed,
+  reset) after the request was written whole and before a byte of answer ->
+  ``UpstreamNoAnswer`` too (502, ``dropped``: the engine may have run it; the keep-alive race
+  above is sent again first); anything else before an answer -> ``UpstreamUnreachable`` (502),
+  a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``); a
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
   stalled: the engine took the call, not retried elsewhere), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
@@ -304,9 +306,19 @@ class HttpUpstream:
         except wire.WireError as exc:
             if exc.answered:
                 raise self._mid_answer(exc) from exc
-            if isinstance(exc, wire.WireTimeout):
-                if exc.sent:  # (the engine may be running it: see ``UpstreamNoAnswer``)
+            timed_out = isinstance(exc, wire.WireTimeout)
+            if exc.sent:
+                # Written whole: the engine may be running it (see ``UpstreamNoAnswer``), also
+                # when the connection then dropped with no byte of answer (an engine that
+                # crashed mid-generation, a proxy's cut): not unreachable, never tried elsewhere
+                # as one that cannot have run.
+                if timed_out:
                     raise UpstreamNoAnswer(f"upstream {self.label} did not answer in time") from exc
+                raise UpstreamNoAnswer(
+                    f"upstream {self.label} took the call but gave no answer ({exc.reason})",
+                    dropped=True,
+                ) from exc
+            if timed_out:
                 raise UpstreamTimeout(
                     f"upstream {self.label} did not take the request in time"
                 ) from exc

@@ -28,9 +28,9 @@ Contract:
   request, the calls of the cached endpoints being POSTs: the one case that reads the same and
   is not the race, a server that read the request and then died or dropped the connection
   without a byte of answer, gets it a second time, once, on a connection of its own, whose
-  failure is then final. (It was a 502, and with several replicas a healthy one left out.) A
-  timeout, a byte of an answer, a failure on a connection opened for the request: never sent
-  again.
+  failure is then final (one after the request went whole: it may have run, ``sent``). (It
+  was a 502, and with several replicas a healthy one left out.) A timeout, a byte of an
+  answer, a failure on a connection opened for the request: never sent again.
 - ``Answer.read()`` the whole body; ``Answer.chunks()`` the body as it comes. ``release(drain)``
   puts the connection back in the pool if the answer came to its end and the server keeps the
   connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
@@ -50,8 +50,10 @@ Contract:
   seconds without a byte from the server while it owes one (``WireTimeout``).
 - Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
   (``reason_of``: no address, no repr); ``answered`` whether the status had come; ``sent``
-  (a ``WireTimeout``'s) whether the request had been written whole by then (handed to the OS:
-  the server may be running it; not written whole, it cannot be); the OS's or
+  whether the request had been written whole by then (handed to the OS, over TLS to the TLS
+  layer: the server may be running it; not written whole, it cannot be), a timeout's as a
+  dropped connection's (``upstream.http`` tells them apart: a request sent whole may have run);
+  a write that failed, or went on a connection already closing, sent nothing. The OS's or
   the parser's error is its ``__cause__``. A header name or value with a control character
   (but tab) is refused before anything is sent (``ValueError``, as aiohttp did: no header
   injection through the library API).
@@ -187,11 +189,17 @@ class Pool:
     async def _exchange(self, connection: Connection, data: bytes, whole: bool) -> Answer:
         """``data`` sent on ``connection``, and its answer's head (or, ``whole``, all of it)."""
         connection.begin()
+        transport = connection.transport
+        assert transport is not None  # (connected)
         try:
-            connection.transport.write(data)  # type: ignore[union-attr]  # (connected)
+            transport.write(data)
         except (OSError, RuntimeError) as exc:  # (closed under it)
             self.discard(connection)
             raise WireError("connection failed") from exc
+        # Handed to the OS whole at once (the common case), unless the transport is closing (a
+        # failed write closes it, its data dropped; so does the server's close seen before):
+        # else once its buffer drains (``resume_writing``).
+        connection.sent = not transport.is_closing() and transport.get_write_buffer_size() == 0
         try:
             await connection.wait(END if whole else HEAD)
         except BaseException:
@@ -471,6 +479,7 @@ class Connection(asyncio.Protocol):
         "counted",
         "uses",
         "heard",
+        "sent",
         "head_bytes",
         "field_bytes",
         "lost",
@@ -502,6 +511,7 @@ class Connection(asyncio.Protocol):
         self.counted = False  # against the pool's ``open``, until closed
         self.uses = 0  # requests sent on it, this one included
         self.heard = False  # a byte of this request's answer came
+        self.sent = False  # this request was written whole (handed to the OS: ``_exchange``)
         self.head_bytes = 0  # bytes of this request's answer come before its head was whole
         self.field_bytes = 0  # the size of its header (and trailer) fields
         self.lost = False  # closed, by either side
@@ -532,7 +542,7 @@ class Connection(asyncio.Protocol):
     def begin(self) -> None:
         self.active = True
         self.uses += 1
-        self.heard = False
+        self.heard = self.sent = False
         self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
         self.retry = ()
@@ -567,6 +577,7 @@ class Connection(asyncio.Protocol):
     def _fail(self, failure: WireError, cause: BaseException | None = None) -> None:
         if self.failure is None and not self.done:
             failure.__cause__ = cause
+            failure.sent = self.sent
             self.failure = failure
             self._wake()
         self.close()
@@ -579,10 +590,10 @@ class Connection(asyncio.Protocol):
         if left > 0:
             self.timer = self.loop.call_later(left, self._check_timeout)
         else:
-            # Whether the request went whole: a server that never read all of it cannot be
-            # running it, one that did may be (it answers a whole answer once computed).
-            sent = self.transport is not None and self.transport.get_write_buffer_size() == 0
-            self._fail(WireTimeout("timed out", self.headed, sent))
+            # (``sent``, recorded by ``_fail``: a server that never read all of the request
+            # cannot be running it, one that did may be: it answers a whole answer once
+            # computed.)
+            self._fail(WireTimeout("timed out", self.headed))
 
     def drain(self) -> None:
         """Its reader is done: back in the pool once the rest of the answer has come, if it
@@ -619,7 +630,7 @@ class Connection(asyncio.Protocol):
             # Closed under a request still owed its answer (``Pool.close``): it fails now.
             # ``finish`` stops the read timer, and ``connection_lost`` fails no request that
             # is over, so a reader waiting for its head or body would wait forever.
-            self.failure = WireError("connection closed", self.headed)
+            self.failure = WireError("connection closed", self.headed, self.sent)
             self._wake()
         self.finish()
         if self.transport is not None and not self.lost:
@@ -636,6 +647,13 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (a stream transport)
+        # ``resume_writing`` once the write buffer is empty (by default: once under 16 KiB): a
+        # request not handed to the OS at once (over the socket's buffer) is sent whole then.
+        transport.set_write_buffer_limits(high=0)  # type: ignore[attr-defined]
+
+    def resume_writing(self) -> None:
+        if self.active:
+            self.sent = True  # (its request: the buffer drained)
 
     def data_received(self, data: bytes) -> None:
         if not self.active or self.done:
