@@ -432,6 +432,72 @@ async def test_previous_response_id_is_part_of_the_key(gw, fake):
     assert [c.body.get("previous_response_id") for c in fake.calls] == ["resp_1", "resp_2", None]
 
 
+async def test_a_deleted_response_and_its_follow_ups_are_no_longer_served(gw, fake):
+    # The upstream keeps the responses it makes; a client deletes one through the gateway (a
+    # pass-through). The identical request was a hit that handed back the deleted response
+    # (its id naming nothing now, its content what the client deleted), and a follow-up
+    # cached before was still served, where the upstream now refuses it (404).
+    fake.keeps_responses = True
+    asked = body_of("responses")
+    streamed = body_of("responses", "Streamed, then deleted", stream=True)
+    made = (await gw.client.post(RESPONSES, json=asked)).json()
+    made_streaming = await gw.client.post(RESPONSES, json=streamed)
+    made_streaming_id = typed("responses", made_streaming.text)[0]["response"]["id"]
+    follow = body_of("responses", "And then?", previous_response_id=made["id"])
+    assert (await gw.client.post(RESPONSES, json=follow)).status_code == 200
+    unrelated = body_of("responses", "Something else")
+    await gw.client.post(RESPONSES, json=unrelated)
+    for rid in (made["id"], made_streaming_id):
+        deleted = await gw.client.delete(f"{RESPONSES}/{rid}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    calls = fake.count()
+    again = await gw.client.post(RESPONSES, json=asked)
+    assert again.headers["x-carpool"] == "miss" and again.json()["id"] != made["id"]
+    assert (await gw.client.post(RESPONSES, json=without(streamed, "stream"))).headers[
+        "x-carpool"
+    ] == "miss"
+    refused = await gw.client.post(RESPONSES, json=follow)
+    assert refused.status_code == 404 and fake.count() == calls + 3
+    # Only what was or continued a deleted response is dropped; a DELETE the upstream refused
+    # (gone already) drops nothing.
+    assert (await gw.client.post(RESPONSES, json=unrelated)).headers["x-carpool"] == "hit"
+    assert (await gw.client.delete(f"{RESPONSES}/{made['id']}")).status_code == 404
+    assert (await gw.client.post(RESPONSES, json=asked)).headers["x-carpool"] == "hit"
+
+
+async def test_a_delete_drops_only_the_deleting_tenants_answers(gw, fake):
+    # Each tenant's stored responses are its own (the upstream keeps them per account): a
+    # DELETE drops the deleter's answers, and another tenant's DELETE of the same id (which
+    # the upstream would refuse; this one does not check) drops none of the owner's.
+    fake.keeps_responses = True
+    asked = body_of("responses")
+    made = {
+        key: (await gw.client.post(RESPONSES, json=asked, headers=bearer_of(key))).json()["id"]
+        for key in ("a", "b")
+    }
+    await gw.client.delete(f"{RESPONSES}/{made['b']}", headers=bearer_of("b"))
+    await gw.client.delete(f"{RESPONSES}/{made['a']}", headers=bearer_of("b"))
+    outcomes = {
+        key: (await gw.client.post(RESPONSES, json=asked, headers=bearer_of(key))).headers[
+            "x-carpool"
+        ]
+        for key in ("a", "b")
+    }
+    assert outcomes == {"a": "hit", "b": "miss"}
+
+
+def test_the_gateways_own_tags_are_no_clients_tags():
+    # The tag of a stored response's answers could be named by no client (nor collide with a
+    # client's tag): every tag a client gives is printable, and this one is not.
+    from carpool.request import parse_controls
+    from carpool.store.base import state_tag
+
+    tag = state_tag("anonymous", "resp_1")
+    assert not tag.isprintable()
+    for given in (tag, tag.strip(), "resp_1", f"x,{tag}"):
+        assert tag not in parse_controls({"x-carpool-tags": given}).tags
+
+
 async def test_store_is_forwarded_as_it_came_and_is_part_of_the_key(gw, fake):
     for body in (
         body_of("responses", store=False),
@@ -671,6 +737,31 @@ def test_a_request_whose_answer_repeats_its_prompt_has_no_semantic_view(path, bo
         assert view_of(path, {**body, **off}) is not None
 
 
+@pytest.mark.parametrize("asked", [True, 1, "yes"])
+def test_a_responses_request_whose_answer_repeats_its_prompt_has_no_semantic_view(asked):
+    # vLLM's enable_response_messages: the answer carries the whole prompt (input_messages),
+    # which a paraphrase from another tenant of a shared namespace would be handed.
+    body = body_of("responses", store=False)
+    assert view_of(RESPONSES, body) is not None
+    assert view_of(RESPONSES, {**body, "enable_response_messages": asked}) is None
+    for off in (False, None):
+        assert view_of(RESPONSES, {**body, "enable_response_messages": off}) is not None
+
+
+def test_a_responses_answer_that_carries_its_prompt_is_never_stored_semantically():
+    # Whatever asked for it, an answer holding input_messages holds its prompt.
+    from carpool.apis.openai import answer_repeats_prompt
+
+    prompt = [{"author": {"role": "user"}, "content": [{"type": "text", "text": QUESTION}]}]
+    answer = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+    assert answer_repeats_prompt(orjson.dumps({**answer, "input_messages": prompt}))
+    assert answer_repeats_prompt(orjson.dumps({**answer, "input_messages": []}))
+    assert not answer_repeats_prompt(orjson.dumps({**answer, "input_messages": None}))
+    assert not answer_repeats_prompt(orjson.dumps({**answer, "output_messages": prompt}))
+    quoted = {**answer, "output": [{"type": "message", "content": '"input_messages": [1]'}]}
+    assert not answer_repeats_prompt(orjson.dumps(quoted))
+
+
 def test_a_responses_answer_synthesized_into_events_assembles_back_to_itself():
     body = {
         "id": "resp_1",
@@ -792,6 +883,92 @@ async def test_the_openai_sdk_responses_stream_helper_reads_a_synthesized_hit(gw
         assert final.output_text == first.output_text and final.id == first.id
         assert final.usage.output_tokens == first.usage.output_tokens
         assert fake.count() == 1
+
+
+# A reasoning model's answer, with its text's logprobs (``include``), as OpenAI and vLLM make it.
+LOGPROBS = [
+    {"token": "Hello", "logprob": -0.1, "bytes": [72, 101, 108, 108, 111], "top_logprobs": []},
+    {
+        "token": " world",
+        "logprob": -0.2,
+        "bytes": [32, 119, 111, 114, 108, 100],
+        "top_logprobs": [],
+    },
+]
+REASONING_OUTPUT = [
+    {
+        "id": "rs_1",
+        "type": "reasoning",
+        "summary": [
+            {"type": "summary_text", "text": "First, think."},
+            {"type": "summary_text", "text": "Then, answer."},
+        ],
+        "content": [{"type": "reasoning_text", "text": "The user greets me."}],
+    },
+    {
+        "id": "msg_1",
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [
+            {"type": "output_text", "text": "Hello world", "annotations": [], "logprobs": LOGPROBS}
+        ],
+    },
+]
+
+
+async def test_a_replayed_responses_stream_carries_reasoning_summaries_and_logprobs(gw, fake):
+    # A whole answer replayed as a stream (a hit) dropped what a stream of the engine carries:
+    # the text's logprobs (its deltas said []) and the reasoning's summary and text, which came
+    # whole in the item only (a client showing them as they stream showed nothing).
+    fake.responses_output = REASONING_OUTPUT
+    ask = {
+        "model": "m",
+        "input": QUESTION,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "reasoning": {"summary": "auto"},
+    }
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="sk-test", max_retries=0
+    ) as client:
+        first = await client.responses.create(**ask)
+        streamed = [event async for event in await client.responses.create(**ask, stream=True)]
+        async with client.responses.stream(**ask) as events:
+            helped = [event.type async for event in events]
+            final = await events.get_final_response()
+    assert fake.count() == 1
+    assert final.output_text == first.output_text == "Hello world"
+    assert final.output[0].model_dump() == first.output[0].model_dump()
+    kinds = [event.type for event in streamed]
+    assert [kind for kind in helped if "reasoning" in kind] == [
+        kind for kind in kinds if "reasoning" in kind
+    ]
+    summary = [
+        (event.type, event.summary_index, getattr(event, "delta", None))
+        for event in streamed
+        if event.type.startswith("response.reasoning_summary")
+    ]
+    assert summary == [
+        (f"response.reasoning_summary_{step}", index, delta)
+        for index, text in enumerate(["First, think.", "Then, answer."])
+        for step, delta in (
+            ("part.added", None),
+            ("text.delta", text),
+            ("text.done", None),
+            ("part.done", None),
+        )
+    ]
+    assert [e.delta for e in streamed if e.type == "response.reasoning_text.delta"] == [
+        "The user greets me."
+    ]
+    added = next(e for e in streamed if e.type == "response.output_item.added")
+    assert added.item.summary == [] and kinds.index("response.reasoning_summary_part.added") > (
+        kinds.index("response.output_item.added")
+    )
+    for kind in ("response.output_text.delta", "response.output_text.done"):
+        (event,) = [e for e in streamed if e.type == kind]
+        assert [p.model_dump() for p in event.logprobs] == LOGPROBS, kind
 
 
 async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_call_and_a_repeat_is_a_hit(  # noqa: E501

@@ -61,6 +61,20 @@ async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, shar
         assert (await b.chat()).headers["x-carpool"] == "miss"
 
 
+async def test_a_deleted_response_is_dropped_on_every_instance(fake, shared_redis):
+    # Deleted through one instance, the stored response another instance made and stored in
+    # Redis is no longer served by either. (No window: nothing lingers in the instance that
+    # made it, whose pub/sub message may come a little later.)
+    fake.keeps_responses = True
+    body = {"model": "m", "input": "Keep me, then delete me", "temperature": 0}
+    async with two_gateways(fake, shared_redis, coalesce={"window_ms": 0}) as (a, b):
+        rid = (await a.client.post("/v1/responses", json=body)).json()["id"]
+        assert (await b.client.post("/v1/responses", json=body)).headers["x-carpool"] == "hit"
+        assert (await b.client.delete(f"/v1/responses/{rid}")).status_code == 200
+        again = await a.client.post("/v1/responses", json=body)
+        assert again.headers["x-carpool"] == "miss" and again.json()["id"] != rid
+
+
 async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()

@@ -677,6 +677,32 @@ def _summed(text: str, name: str) -> float:
     )
 
 
+async def test_a_deleted_response_is_dropped_on_every_worker(fake):
+    """A client deletes a stored response through one worker: every worker's answers that are
+    it go, with no admin token (the invalidation passed on through the peers' door). Before,
+    the worker that kept it (the key's owner) handed it out again to any worker asking."""
+    fake.keeps_responses = True
+    async with two_workers(fake.url) as pair:
+        a = pair.a.gateway
+        assert a.peers is not None
+        for i in range(1000):  # a request whose key worker 1 owns, as worker 0 sees it
+            body = {"model": "m", "input": f"Which worker keeps me, {i}?", "temperature": 0}
+            raw = httpx.Request("POST", "/", json=body).content
+            request = parse(ClientRequest("/v1/responses", raw, {}), 1 << 20)
+            key = fingerprint(request, a.config, a.accepted).key
+            if key is not None and a.peers.owner_of(key) == 1:
+                break
+        made = await pair.a.client.post("/v1/responses", json=body)  # B calls, both keep it
+        rid = made.json()["id"]
+        assert (await pair.b.client.post("/v1/responses", json=body)).headers["x-carpool"] == "hit"
+        deleted = await pair.a.client.delete(f"/v1/responses/{rid}")
+        assert deleted.status_code == 200, deleted.text
+        calls = fake.count()
+        again = await pair.a.client.post("/v1/responses", json=body)
+        assert again.status_code == 200 and again.json()["id"] != rid
+        assert fake.count() == calls + 1
+
+
 async def test_a_scrape_on_any_worker_counts_the_whole_run_once(fake):
     """The workers share one port: each scrape landed on one worker, whose counters alone went
     down from the last scrape's (a reset to Prometheus). Any worker now answers the run's sum,

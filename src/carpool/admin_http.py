@@ -7,7 +7,10 @@ Contract:
 - ``POST /admin/invalidate`` ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``:
   ``{"invalidated": n}`` (``admin.invalidate``); with ``--workers N`` and no ``redis``, on every
   worker (``carpool.peers``), ``n`` counting them all. With ``redis``, one that did not reach
-  it is a 503 with ``Retry-After`` (done in this process only: the shared answers stay).
+  it is a 503 with ``Retry-After`` (done in this process only: the shared answers stay). A
+  worker of the run passing an invalidation on (through its peers' door, with the run's
+  secret) needs no token: a deleted response's answers are dropped on every worker even
+  without one (``Gateway.passthrough``).
 - ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
   that was wrong): the entry is dropped and counts as a wrong hit of its namespace
   (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
@@ -66,10 +69,14 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
             raise RequestError(f"the body is not JSON: {exc}") from exc
 
     def admin(
-        work: Callable[[HttpRequest, Any], Awaitable[Response]], read: bool = True
+        work: Callable[[HttpRequest, Any], Awaitable[Response]],
+        read: bool = True,
+        peers: bool = False,
     ) -> Callable[[HttpRequest], Awaitable[Response]]:
         async def endpoint(request: HttpRequest) -> Response:
-            if (refused := refusal(request)) is not None:
+            # (``peers``: a worker of this run passing it on, token or not.)
+            trusted = peers and request.scope.get(PEER) is True
+            if not trusted and (refused := refusal(request)) is not None:
                 return refused
             try:
                 spec = await spec_of(request) if read else None
@@ -119,7 +126,7 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         return JSONResponse({"reset": audits.reset(namespace) if audits is not None else 0})
 
     routes = [
-        Route("/admin/invalidate", admin(invalidate), methods=["POST"]),
+        Route("/admin/invalidate", admin(invalidate, peers=True), methods=["POST"]),
         Route("/admin/semantic/feedback", admin(feedback), methods=["POST"]),
         Route("/admin/semantic/audit", admin(audit, read=False), methods=["GET"]),
         Route("/admin/semantic/audit/reset", admin(audit_reset), methods=["POST"]),

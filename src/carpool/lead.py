@@ -17,6 +17,9 @@ Contract:
   clients are woken with the answer first and it is stored right after they reply, in the same
   turn of the event loop: no request that follows a reply can be read in between, and one that
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
+- An answer is stored with its request's tags and, for an API that keeps state upstream
+  (Responses), the gateway's own (``store.base.state_tag``): the stored response it continues
+  and the one it is, in the requester's tenant, in the exact and the semantic cache alike.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, not
   asked without the usage other shapes of the request get (``exchange.without_usage``: a
@@ -45,6 +48,8 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from .answer import Answer
 from .apis.openai import answer_repeats_prompt
 from .broadcast import Broadcast
@@ -53,7 +58,7 @@ from .exchange import flight_key, without_usage
 from .fingerprint import Fingerprint, SemanticView, semantic_view
 from .request import Request
 from .store import Entry
-from .store.base import PROMPT_PREFIX_CHARS, prompt_text
+from .store.base import PROMPT_PREFIX_CHARS, prompt_text, state_tag
 
 if TYPE_CHECKING:
     from .config import Config
@@ -212,7 +217,10 @@ class Leader:
         if expires <= self.clock.now():
             return ""  # back-dated past its TTL by its ``age``: expired already, in no layer
         assert key.key is not None  # (checked above; a shared key is one too)
-        entry = Entry(answer, expires, controls.tags, key.namespace, prefix)
+        tags = controls.tags
+        if request.api.keeps_state:  # (tagged with the stored responses it is or continues)
+            tags = (*tags, *_state_tags(request, key.owner, answer))
+        entry = Entry(answer, expires, tags, key.namespace, prefix)
         since = begun.generation if begun is not None else None
         if self.shared_store is not None and since is not None:
             # Taken back from Redis if an invalidation by any instance came since the call
@@ -234,7 +242,7 @@ class Leader:
                 self.semantic.embed_failed(error)
                 return key.key
         insert = self._insert_semantic(
-            view, vector, answer, expires, controls.tags, key.namespace, prefix, key.key, epoch
+            view, vector, answer, expires, tags, key.namespace, prefix, key.key, epoch
         )
         if vector is not None:
             try:
@@ -295,6 +303,22 @@ def _discard(task: asyncio.Task[Any]) -> None:
         task.cancel()
     elif not task.cancelled():
         task.exception()
+
+
+def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]:
+    """The gateway's own tags of an answer of an API that keeps state upstream (``state_tag``):
+    the stored response it continues (``Api.state_continued``) and the one it is
+    (``Api.state_made``), each in the requester's tenant (``owner``), whose ``DELETE`` of
+    either drops it."""
+    api = request.api
+    named = [api.state_continued(request.body)]
+    try:
+        body = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        body = None
+    if isinstance(body, dict):
+        named.append(api.state_made(body))
+    return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
 
 
 def _prompt_prefix(request: Request, config: Config) -> str:

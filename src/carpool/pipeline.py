@@ -61,6 +61,10 @@ Contract:
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
   stored response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
+  A ``DELETE /responses/{id}`` the upstream answers 2xx first drops, in the deleter's tenant,
+  the answers that are or continue that response (their ``state_tag``: an invalidation of it,
+  ``invalidate``, every worker and instance, the flights forgotten), then is relayed; Redis
+  failing, the shared ones stay to their TTL (logged: the upstream deleted it all the same).
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
   are ``exchange.py`` (the upstream call and its stream), ``lead.py`` (a flight's task: the call,
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
@@ -71,6 +75,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -119,9 +124,9 @@ from .request import (
     parse,
     requester_digest,
 )
-from .routing.state import path_state
+from .routing.state import path_deleted, path_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
-from .store.base import Entry
+from .store.base import Entry, StoreUnavailable, state_tag
 from .upstream.base import PassthroughResponse
 
 if TYPE_CHECKING:
@@ -129,6 +134,8 @@ if TYPE_CHECKING:
     from .tracing import Tracer
 
 __all__ = ["Gateway", "Reply"]
+
+log = logging.getLogger("carpool.pipeline")
 
 
 class Gateway:
@@ -610,7 +617,26 @@ class Gateway:
         holder = None
         if self.replicas.chooses and (stored := path_state(path)) is not None:
             holder = self.layers.holders.holder(requester(headers, self.config), stored)
-        return await self.replicas.passthrough(method, path, query, headers, body, holder)
+        response = await self.replicas.passthrough(method, path, query, headers, body, holder)
+        if 200 <= response.status < 300 and (deleted := path_deleted(method, path)) is not None:
+            # Gone upstream: the answers that are or continue it go too, before the client
+            # hears so (their ids name nothing now; what it deleted is not served again).
+            await self._forget_state(requester(headers, self.config), deleted)
+        return response
+
+    async def _forget_state(self, tenant: str, state_id: str) -> None:
+        """Drop the answers tagged as being or continuing ``state_id`` (``state_tag``) in
+        ``tenant``, the deleter's: an invalidation of that tag (every layer, every worker and
+        instance). Redis failing, what it holds stays until its TTL (logged): the upstream
+        deleted it all the same, and a retried DELETE would be a 404."""
+        try:
+            await self.invalidate({"tag": state_tag(tenant, state_id)})
+        except StoreUnavailable as error:
+            log.warning(
+                "the answers of deleted response %r stay in Redis until their TTL: %s",
+                state_id,
+                error,
+            )
 
     async def invalidate(self, spec: Any, *, everywhere: bool = True) -> int:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``

@@ -146,10 +146,14 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   ``content_block_delta``s.
 - ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
   such as vLLM's ``prompt_token_ids``).
+- ``responses_output: list | None``: the ``output`` items of every whole Responses answer (a
+  reasoning model's items, logprobs...) in place of the one message; a stream asked of it is a
+  400 (it streams only its own message).
 - ``keeps_responses: bool``: the fake keeps the responses it makes (``store`` not false), in
   ``kept`` (id -> response), as vLLM and SGLang do, each replica its own: their ids then name
   this fake (``f"resp_{tag}_{n}"``, ``tag`` unique to the instance, so two fakes never make the
-  same id); ``GET /v1/responses/{id}`` answers the kept response, any other call under
+  same id); ``GET /v1/responses/{id}`` answers the kept response, ``DELETE`` of it forgets it
+  (``{"id", "object": "response", "deleted": true}``), any other call under
   ``/v1/responses/{id}/`` the echo, and ``POST /v1/responses`` with a ``previous_response_id`` it
   kept the usual answer; an id it did not keep is a 404 (``invalid_request_error``, "Response
   with id '...' not found.").
@@ -316,6 +320,7 @@ class FakeUpstream:
         self.error_after: int | None = None
         self.chat_extra: dict[str, Any] = {}
         self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+        self.responses_output: list[dict[str, Any]] | None = None
         self.keeps_responses: bool = False
         self.kept: dict[str, dict[str, Any]] = {}
 
@@ -570,6 +575,11 @@ class FakeUpstream:
                 return
             if method == "GET" and path == f"/v1/responses/{named}":
                 await self._send_json(send, call, 200, self.kept[named])
+                return
+            if method == "DELETE" and path == f"/v1/responses/{named}":
+                del self.kept[named]
+                deleted = {"id": named, "object": "response", "deleted": True}
+                await self._send_json(send, call, 200, deleted)
                 return
         if method == "POST" and path in ("/v1/responses", "/v1/messages"):
             if call.body is None:
@@ -1019,6 +1029,13 @@ class FakeUpstream:
                 "total_tokens": input_tokens + _count_words(text),
             },
         }
+        if self.responses_output is not None:
+            if body.get("stream"):
+                await self._send_error(
+                    send, call, 400, "responses_output: whole only", "invalid_request_error"
+                )
+                return
+            response["output"] = self.responses_output
         if self.keeps_responses and body.get("store") is not False:
             self.kept[response["id"]] = response
         if not body.get("stream"):

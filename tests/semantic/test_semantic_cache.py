@@ -132,6 +132,35 @@ async def test_a_stored_response_is_never_served_to_a_paraphrase(sgw, fake):
     assert again.headers["x-carpool"] == "semantic-hit"
 
 
+async def test_a_paraphrase_of_a_follow_up_of_a_deleted_response_is_not_served(sgw, fake):
+    # A follow-up (not stored itself) of a stored response the client then deleted: its
+    # semantic entry goes with it, as its exact one does. Before, a paraphrase was still served
+    # the follow-up, where the upstream now refuses it (404).
+    fake.keeps_responses = True
+    made = await sgw.client.post(
+        "/v1/responses", json={"model": "m", "temperature": 0, "input": "Keep this."}
+    )
+    rid = made.json()["id"]
+
+    def body(text):
+        return {
+            "model": "m",
+            "temperature": 0,
+            "input": text,
+            "store": False,
+            "previous_response_id": rid,
+        }
+
+    await sgw.client.post("/v1/responses", json=body("How do I reset my router?"))
+    await stored(sgw)
+    paraphrase = await sgw.client.post("/v1/responses", json=body("how can i reset my router"))
+    assert paraphrase.headers["x-carpool"] == "semantic-hit"
+    assert (await sgw.client.delete(f"/v1/responses/{rid}")).status_code == 200
+    assert sgw.gateway.semantic.entries == 0
+    again = await sgw.client.post("/v1/responses", json=body("how can i reset my router"))
+    assert again.status_code == 404
+
+
 @pytest.mark.parametrize(
     "extra, kept",
     [

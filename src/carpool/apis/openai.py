@@ -16,7 +16,9 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   integers. Embeddings are always deterministic and have no stream.
 - The semantic view: the last user message (chat; plain text only) or a string prompt
   (completions); embeddings have none, nor has a request whose answer repeats its prompt
-  (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`).
+  (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`). An answer that carries its
+  prompt whatever asked for it (vLLM's ``prompt_token_ids``, ``prompt_logprobs``, its
+  Responses ``input_messages``: :func:`answer_repeats_prompt`) gets no semantic entry.
 """
 
 from __future__ import annotations
@@ -198,9 +200,10 @@ def echoes_prompt(body: dict[str, Any]) -> bool:
 
 
 # The answer's own copy of its prompt, whichever request field asked for it (vLLM's
-# ``prompt_token_ids`` and ``prompt_logprobs``, top level or per choice), with a value: an
-# engine may write them as null when not asked.
-_PROMPT_IN_ANSWER = re.compile(rb'"prompt_(?:token_ids|logprobs)"\s*:\s*[^\sn]')
+# ``prompt_token_ids`` and ``prompt_logprobs``, top level or per choice; its Responses
+# ``input_messages``, the whole prompt as messages), with a value: an engine may write them as
+# null when not asked.
+_PROMPT_IN_ANSWER = re.compile(rb'"(?:prompt_(?:token_ids|logprobs)|input_messages)"\s*:\s*[^\sn]')
 
 
 def answer_repeats_prompt(body: bytes) -> bool:
@@ -208,7 +211,9 @@ def answer_repeats_prompt(body: bytes) -> bool:
     reads what came back, whatever field of the request or default of the engine asked for
     it): such an answer is never served to a paraphrase. (A bare-quoted name is a key: in a
     JSON string its quotes are escaped.)"""
-    return body.find(b'"prompt_') != -1 and _PROMPT_IN_ANSWER.search(body) is not None
+    return (
+        body.find(b'"prompt_') != -1 or body.find(b'"input_messages"') != -1
+    ) and _PROMPT_IN_ANSWER.search(body) is not None
 
 
 def is_text_or_tokens(value: Any) -> bool:

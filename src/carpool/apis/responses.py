@@ -19,10 +19,15 @@ Contract (``apis.base.Api``):
   ``in_progress``, no output, no usage, and ``error`` / ``incomplete_details`` null: how it
   ended is said by its last event only); per output item ``response.output_item.added``, its
   content (a message's text parts as ``response.content_part.added``, one
-  ``response.output_text.delta`` with the whole text, ``response.output_text.done``,
-  ``response.content_part.done``; refusals alike; a function call's arguments as one
-  ``response.function_call_arguments.delta`` and ``.done``) and ``response.output_item.done``
-  with the whole item; then the last event for the response's status with the whole response.
+  ``response.output_text.delta`` with the whole text and the part's ``logprobs``,
+  ``response.output_text.done`` with them too, ``response.content_part.done``; refusals alike;
+  a function call's arguments as one ``response.function_call_arguments.delta`` and ``.done``;
+  a reasoning item's summary parts each as ``response.reasoning_summary_part.added``, one
+  ``response.reasoning_summary_text.delta``, ``.done`` and
+  ``response.reasoning_summary_part.done``, then its text parts (``reasoning_text``, vLLM's)
+  each as ``response.content_part.added``, one ``response.reasoning_text.delta``, ``.done`` and
+  ``response.content_part.done``) and ``response.output_item.done`` with the whole item; then
+  the last event for the response's status with the whole response.
   The official SDK's ``responses.create(stream=True)`` and ``responses.stream()`` read them.
 - Sharing: ``temperature`` absent is the upstream's default (1), which samples: ``bypass``, as
   for chat. ``background: true`` never shares (the answer is a queued job the client polls with
@@ -36,12 +41,18 @@ Contract (``apis.base.Api``):
   ``state_made`` is a whole answer's ``id``, or a stream lifecycle event's response's (the
   first event, ``response.created``, has it), unless it says ``store: false``;
   ``state_continued`` is a request's ``previous_response_id``. With several replicas, the
-  follow-ups go to the one that made it (``routing.state``).
+  follow-ups go to the one that made it (``routing.state``). A stored answer is tagged with
+  both (``store.base.state_tag``, in its requester's tenant), so that a pass-through ``DELETE
+  /v1/responses/{id}`` the upstream answers 2xx drops what is or continues that response
+  (``Gateway.passthrough``).
 - The semantic view: ``input`` when it is a string, or the last input item when it is a user
   message of plain text (``input_text`` parts); ``instructions``, earlier items and every
   parameter are in the scope. Only with ``store: false``: a stored answer's id names the
   response kept for its own input (``previous_response_id`` continues that conversation,
-  ``input_items`` lists that input), which a paraphrase must not be handed.
+  ``input_items`` lists that input), which a paraphrase must not be handed. None either with
+  vLLM's ``enable_response_messages`` (anything but false or null): the answer carries the
+  whole prompt (``input_messages``; ``openai.answer_repeats_prompt`` reads it in the answer
+  too, whatever asked for it).
 - Errors: OpenAI's shape, as for chat. A failed stream ends with ``event: error`` whose data is
   the Responses API's error event (``type``, ``code``, ``message``, ``param``) carrying the error
   object under ``error`` too, so that the ``openai`` SDK raises ``APIError`` on it.
@@ -153,6 +164,8 @@ class ResponsesApi(TypedApi):
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         if body.get("store") is not False:  # stored (the default): the id names another input
             return None
+        if body.get("enable_response_messages") not in (None, False):
+            return None  # (vLLM's: the answer carries the prompt, ``input_messages``)
         value = body.get("input")
         rest = {k: v for k, v in body.items() if k != "input"}
         if isinstance(value, str):
@@ -278,7 +291,9 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
             )
             emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
             emit("response.function_call_arguments.done", **where, arguments=item["arguments"])
-        else:  # reasoning, tool calls of the server...: whole
+        elif item.get("type") == "reasoning":
+            _reasoning_events(emit, index, item)
+        else:  # tool calls of the server...: whole
             emit("response.output_item.added", output_index=index, item=item)
         emit("response.output_item.done", output_index=index, item=item)
     status = body.get("status")
@@ -286,14 +301,54 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
+def _reasoning_events(emit: Any, index: int, item: dict[str, Any]) -> None:
+    """A reasoning item: added with no summary (nor text) yet; each summary part (``summary_text``)
+    added, its text as one delta, done; then each part of its text (``reasoning_text``, vLLM's)
+    alike. (``response.output_item.done`` follows, with the whole item.)"""
+    summary, content = item.get("summary"), item.get("content")
+    added = dict(item)
+    for name, parts in (("summary", summary), ("content", content)):
+        if isinstance(parts, list):
+            added[name] = []
+    if "status" in item:
+        added["status"] = "in_progress"
+    emit("response.output_item.added", output_index=index, item=added)
+    where = {"item_id": item.get("id"), "output_index": index}
+    for position, part in enumerate(summary if isinstance(summary, list) else ()):
+        if _text_of(part, "summary_text") is None:
+            continue  # (a part OpenAI does not stream: in the whole item only)
+        at = {**where, "summary_index": position}
+        emit("response.reasoning_summary_part.added", **at, part={**part, "text": ""})
+        emit("response.reasoning_summary_text.delta", **at, delta=part["text"])
+        emit("response.reasoning_summary_text.done", **at, text=part["text"])
+        emit("response.reasoning_summary_part.done", **at, part=part)
+    for position, part in enumerate(content if isinstance(content, list) else ()):
+        if _text_of(part, "reasoning_text") is None:
+            continue
+        at = {**where, "content_index": position}
+        emit("response.content_part.added", **at, part={**part, "text": ""})
+        emit("response.reasoning_text.delta", **at, delta=part["text"])
+        emit("response.reasoning_text.done", **at, text=part["text"])
+        emit("response.content_part.done", **at, part=part)
+
+
+def _text_of(part: Any, kind: str) -> str | None:
+    """The text of a part of type ``kind``, or None."""
+    text = part.get("text") if isinstance(part, dict) and part.get("type") == kind else None
+    return text if isinstance(text, str) else None
+
+
 def _part_events(emit: Any, where: dict[str, Any], position: int, part: Any) -> None:
-    """A message's content part: added, its text as one delta, done."""
+    """A message's content part: added, its text as one delta (with its logprobs), done."""
     at = {**where, "content_index": position}
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "output_text" and isinstance(part.get("text"), str):
-        emit("response.content_part.added", **at, part={**part, "text": ""})
-        emit("response.output_text.delta", **at, delta=part["text"], logprobs=[])
-        emit("response.output_text.done", **at, text=part["text"], logprobs=[])
+        logprobs = part.get("logprobs")
+        logprobs = logprobs if isinstance(logprobs, list) else []
+        added = {**part, "text": "", **({"logprobs": []} if "logprobs" in part else {})}
+        emit("response.content_part.added", **at, part=added)
+        emit("response.output_text.delta", **at, delta=part["text"], logprobs=logprobs)
+        emit("response.output_text.done", **at, text=part["text"], logprobs=logprobs)
     elif kind == "refusal" and isinstance(part.get("refusal"), str):
         emit("response.content_part.added", **at, part={**part, "refusal": ""})
         emit("response.refusal.delta", **at, delta=part["refusal"])

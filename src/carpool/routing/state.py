@@ -23,6 +23,9 @@ send a follow-up to the other replica as a rule: it is the less loaded one). So:
   through another worker of ``--workers N`` or another gateway instance is unknown here, and
   routes by the policy (as does one forgotten). A cached answer needs nothing: its response
   was remembered when the upstream made it, if here.
+- ``path_deleted(method, path)``: the stored response a pass-through ``DELETE
+  /responses/{id}`` deletes; once the upstream said 2xx, the gateway drops the cached answers
+  that are or continue it, in the deleter's tenant (``Gateway.passthrough``, ``state_tag``).
 - The Conversations API (``/v1/conversations``, ``conversation``) is not followed: conversations
   are made by pass-through calls, whose replica this does not learn; neither vLLM nor SGLang
   serves it, and OpenAI has one store behind one endpoint.
@@ -34,7 +37,7 @@ from urllib.parse import unquote
 
 from carpool.lru import LRU
 
-__all__ = ["StateHolders", "path_state"]
+__all__ = ["StateHolders", "path_deleted", "path_state"]
 
 # Most responses remembered by default (``routing.state_entries``).
 DEFAULT_ENTRIES = 100_000
@@ -70,3 +73,11 @@ def path_state(path: str) -> str | None:
         return None
     segment = path[len("/responses/") :].split("/", 1)[0]
     return unquote(segment) or None
+
+
+def path_deleted(method: str, path: str) -> str | None:
+    """The stored response a pass-through call deletes (``DELETE /responses/{id}``), or None."""
+    if method != "DELETE" or (state := path_state(path)) is None:
+        return None
+    rest = path[len("/responses/") :].split("/", 1)
+    return state if len(rest) == 1 or rest[1] == "" else None
