@@ -217,6 +217,31 @@ def test_an_empty_held_key_is_a_config_error_never_no_key(monkeypatch, value):
         Config.load(env={}, overrides={"semantic": {"judge": {"api_key": value}}})
 
 
+@pytest.mark.parametrize(
+    "variable, field",
+    [
+        ("CARPOOL_UPSTREAM__API_KEY", "upstream.api_key"),
+        ("CARPOOL_SEMANTIC__EMBEDDER_API_KEY", "semantic.embedder_api_key"),
+        ("CARPOOL_SEMANTIC__JUDGE__API_KEY", "semantic.judge.api_key"),
+        ("CARPOOL_ADMIN_TOKEN", "admin_token"),
+    ],
+)
+def test_an_empty_variable_of_a_secret_is_refused_never_read_as_none(variable, field, tmp_path):
+    # An empty variable is otherwise null; for a secret it is what one that was not mounted
+    # looks like, and null would silently mean "no key held" (the clients' credentials go
+    # upstream) or "no admin token" (the admin surfaces open). `null` says none on purpose.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "upstreams: [http://127.0.0.1:9/v1]\nadmin_token: from-the-file\n"
+        "upstream:\n  api_key: from-the-file\n"
+        "semantic:\n  embedder_api_key: from-the-file\n  judge:\n    api_key: from-the-file\n"
+    )
+    with pytest.raises(ConfigError, match=field) as raised:
+        Config.load(path, env={variable: ""})
+    assert "from-the-file" not in str(raised.value)
+    Config.load(path, env={variable: "null"})  # (none, said so)
+
+
 def test_a_config_error_never_shows_a_secret(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(

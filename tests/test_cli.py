@@ -209,3 +209,79 @@ def test_sim_replicas_past_the_last_port_are_a_usage_error_before_any_starts():
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "65536" in done.stderr and "replica sim-0" not in done.stdout + done.stderr
+
+
+def test_an_empty_host_exits_2_naming_host():
+    # Empty, it was every interface (uvicorn and the socket check read it so), unsaid.
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve", "--host", "", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2 and "host" in result.stderr and "0.0.0.0" in result.stderr
+
+
+def test_a_config_file_that_is_not_utf8_exits_2_naming_the_byte(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b'port: 8080\nadmin_token: "\xff\xfe"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"config file {path}: not UTF-8 text (byte 25" in result.stderr
+
+
+def test_serve_warns_when_the_admin_surfaces_are_open_beyond_loopback(monkeypatch):
+    warning = "admin_token is not set and the gateway listens on 0.0.0.0, beyond loopback"
+    log = serve_log("--host", "0.0.0.0", "--port", str(free_port()))
+    assert log.count(warning) == 1 and "/stats, /metrics and /dashboard are open" in log
+    assert "admin_token is not set" not in serve_log("--port", str(free_port()))  # (loopback)
+    monkeypatch.setenv("CARPOOL_ADMIN_TOKEN", "admin-secret")
+    log = serve_log("--host", "0.0.0.0", "--port", str(free_port()))
+    assert "admin_token is not set" not in log and "admin-secret" not in log
+
+
+def test_serve_warns_once_naming_an_upstream_whose_path_does_not_end_in_v1():
+    # Used as given (a provider's /v1beta/openai is right), but said: /v1 may have been left out.
+    log = serve_log(
+        "--port",
+        str(free_port()),
+        "--upstream",
+        "http://user:s3cret-up@127.0.0.1:9/v1beta/openai?key=s3cret-q",
+        "--upstream",
+        "http://127.0.0.1:9/v1/",
+    )
+    said = [line for line in log.splitlines() if "does not end in /v1" in line]
+    assert len(said) == 1 and "http://***@127.0.0.1:9/v1beta/openai " in said[0]
+    assert "s3cret" not in log
+
+
+def test_serve_never_starts_workers_that_could_not_load_their_config(tmp_path):
+    """A worker that cannot load the config written for it (here: one written wrong on
+    purpose) was restarted by uvicorn for ever, the port never served: the parent loads it
+    back first, and exits 2 saying why."""
+    parent = (
+        "from carpool.config import Config\n"
+        "given = Config.with_secrets\n"
+        "def written_wrong(self):\n"
+        "    data = given(self)\n"
+        "    data.setdefault('coalesce', {})['window_ms'] = 5000  # (above max_window_ms)\n"
+        "    return data\n"
+        "Config.with_secrets = written_wrong\n"
+        "from carpool.cli import main\n"
+        "main()\n"
+    )
+    port = str(free_port())
+    result = subprocess.run(
+        [sys.executable, "-c", parent, "serve", "--workers", "2", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the workers could not load the config written for them" in result.stderr
+    assert "coalesce.window_ms" in result.stderr and "Traceback" not in result.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from carpool.config import Config, ConfigError
@@ -340,3 +342,213 @@ def test_the_embedders_key_is_a_secret_read_from_the_environment_never_shown_kep
     for empty in ("", "${CARPOOL_TEST_NOT_SET}"):
         with pytest.raises(ValueError, match="embedder_api_key"):
             Config(semantic={"embedder_api_key": empty})
+
+
+# ------------------------------------------------------- the config a worker of --workers N loads
+
+
+def _leaves(model: type, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """A strategy per leaf key of the config (by its type and bounds), but for the paths that
+    name files or folders, whose checks read the disk."""
+    from pydantic import BaseModel
+
+    leaves: dict[tuple[str, ...], Any] = {}
+    for name, field in model.model_fields.items():
+        where = (*path, name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            leaves.update(_leaves(annotation, where))
+        elif not name.endswith(("_dir", "_file")) and name != "redis":
+            leaves[where] = _values(annotation, field.metadata)
+    return leaves
+
+
+def _values(annotation: Any, metadata: list[Any]) -> Any:
+    from typing import Literal, get_args, get_origin
+
+    from hypothesis import strategies as st
+    from pydantic import SecretStr
+
+    bounds = {
+        kind: getattr(m, kind) for m in metadata for kind in ("ge", "gt", "le") if hasattr(m, kind)
+    }
+    low = bounds.get("ge", bounds.get("gt", -1))
+    high = bounds.get("le", 10**7)
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is bool:
+        return st.booleans()
+    if annotation is int:
+        return st.integers(int(low), int(min(high, 10**7)))
+    if annotation is float:
+        edges = st.sampled_from([v for v in (0.0, 1e-05, 40, 500, 1000, 3000) if low <= v <= high])
+        return edges | st.floats(low, high, allow_nan=False)
+    if annotation in (str, SecretStr):
+        return st.text(max_size=12) | st.sampled_from(["tok-\U0001f600", "yes", "null", "1e-05"])
+    if origin is Literal:
+        return st.sampled_from(args)
+    if type(None) in args:  # X | None
+        (inner,) = [a for a in args if a is not type(None)]
+        return st.none() | _values(inner, metadata)
+    if origin is list:
+        (inner,) = args
+        if inner is str and annotation is not None:
+            urls = st.sampled_from(["http://a/v1", "http://b:8000/v1", "https://u:p@c/v1beta/x"])
+            return st.lists(urls | st.text(max_size=12), max_size=3)
+        return st.lists(_values(inner, []), max_size=3)
+    if origin is tuple:
+        return st.tuples(*(_values(a, metadata) for a in args))
+    if origin is dict:
+        return st.dictionaries(
+            st.text(max_size=8), st.fixed_dictionaries({"ttl": st.floats(0, 10)})
+        )
+    return st.nothing()
+
+
+_LEAVES = _leaves(Config)
+
+
+def _configs() -> Any:
+    from hypothesis import strategies as st
+
+    def nested(values: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+        tree: dict[str, Any] = {}
+        for path, value in values.items():
+            node = tree
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = value
+        return tree
+
+    paths = st.lists(st.sampled_from(sorted(_LEAVES)), unique=True, max_size=6)
+    return paths.flatmap(lambda chosen: st.fixed_dictionaries({p: _LEAVES[p] for p in chosen})).map(
+        nested
+    )
+
+
+def _accepted(overrides: dict[str, Any]) -> Config | None:
+    try:
+        return Config.load(env={}, overrides=overrides)
+    except ConfigError:
+        return None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"coalesce": {"max_window_ms": 500}},  # (the default window_ms, 1000, held to it)
+        {"coalesce": {"max_window_ms": 40}},  # (and the default min_window_ms, 50)
+        {"admin_token": "tok-\U0001f600"},  # (outside the BMP: JSON wrote a surrogate pair)
+        {"upstreams": ["http://a/v1"], "upstream_names": ["\U0001f600"]},  # (refused there)
+        {"semantic": {"embedding_model": "e\u2028x\x85"}},  # (YAML line breaks)
+        {"upstreams": ["http://a/v1"], "upstream": {"api_key": "sk-\u00e9"}},  # (allow: /models)
+        {"semantic": {"audit_rate": 0.00001}},  # (JSON's 1e-05 is a string to YAML)
+    ],
+)
+def test_a_worker_rebuilds_exactly_the_config_its_parent_validated(overrides, tmp_path):
+    """`carpool serve --workers N` writes the config it validated to a file each worker loads
+    (``resolved_text``, then ``Config.load(file, env={})``): every config check-config accepts
+    comes back equal, with the same keys given (a validator may tell them from defaults)."""
+    from carpool.config.loader import resolved_text
+
+    config = Config.load(env={}, overrides=overrides)
+    path = tmp_path / "resolved.yaml"
+    path.write_text(resolved_text(config), encoding="ascii")
+    loaded = Config.load(path, env={})
+    assert loaded == config and loaded.with_secrets() == config.with_secrets()
+
+
+def test_a_worker_rebuilds_exactly_the_config_its_parent_validated_whatever_the_config(
+    tmp_path_factory,
+):
+    """The property over generated configs (any keys, values within their bounds or not, text
+    in any script): each that loads is rebuilt exactly, a field assigned after loading too
+    (``carpool serve`` sets ``distributed.cluster`` when Redis is a cluster node)."""
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+
+    from carpool.config.loader import resolved_text
+
+    folder = tmp_path_factory.mktemp("resolved")
+
+    @settings(
+        max_examples=300,
+        deadline=None,
+        suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+    )
+    @given(_configs(), st.booleans())
+    def rebuilt(overrides: dict[str, Any], cluster: bool) -> None:
+        config = _accepted(overrides)
+        assume(config is not None)
+        assert config is not None
+        if cluster:
+            config.distributed.cluster = True
+        path = folder / "resolved.yaml"
+        path.write_text(resolved_text(config), encoding="ascii")
+        loaded = Config.load(path, env={})
+        assert loaded == config and loaded.with_secrets() == config.with_secrets()
+
+    rebuilt()
+
+
+# ----------------------------------------------------------------------- values that never apply
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_the_byte(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b'admin_token: "\xff\xfe"\n')
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env={})
+    assert str(path) in str(raised.value) and "not UTF-8" in str(raised.value)
+    assert "byte 14" in str(raised.value)
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_an_empty_host_is_refused_every_interface_must_be_written(host):
+    # An empty host is every interface to uvicorn and socket.create_server: never by accident.
+    with pytest.raises(ConfigError, match="host"):
+        Config.load(env={}, overrides={"host": host})
+    for every in ("0.0.0.0", "::"):
+        assert Config.load(env={}, overrides={"host": every}).host == every
+
+
+@pytest.mark.parametrize("token", ["", "   ", " tok", "tok ", "to\nken", "tok\x00"])
+def test_an_admin_token_is_one_a_client_can_present_never_empty(token, tmp_path):
+    # Empty, it meant "no token": the admin surfaces open. With white space around it or a
+    # control character, no Bearer header could carry it.
+    with pytest.raises(ConfigError, match="admin_token"):
+        Config.load(env={}, overrides={"admin_token": token})
+    path = tmp_path / "c.yaml"
+    path.write_text("admin_token: from-the-file\n")
+    if not token.strip():  # an empty variable is a secret that was not mounted: refused too
+        with pytest.raises(ConfigError, match="admin_token"):
+            Config.load(path, env={"CARPOOL_ADMIN_TOKEN": token})
+    assert Config.load(path, env={"CARPOOL_ADMIN_TOKEN": "null"}).admin_token is None
+    assert Config.load(path, env={}).admin_token == "from-the-file"
+
+
+@pytest.mark.parametrize(
+    "tenant, field",
+    [
+        ({"header": "Bad Header"}, "tenant.header"),
+        ({"header": ""}, "tenant.header"),
+        ({"header": "x-\u212aey"}, "tenant.header"),  # (the Kelvin sign)
+        ({"credential_headers": ["x y"]}, "tenant.credential_headers"),
+        ({"credential_headers": ["api-key", ""]}, "tenant.credential_headers"),
+    ],
+)
+def test_tenant_headers_are_header_names(tenant, field):
+    # A name no request can carry would never be part of the tenant, silently.
+    with pytest.raises(ConfigError, match=field):
+        Config.load(env={}, overrides={"tenant": tenant})
+    config = Config.load(env={}, overrides={"tenant": {"header": "X-Team-Key"}})
+    assert config.tenant.header == "X-Team-Key"
+
+
+@pytest.mark.parametrize("namespace", ["", "  ", " faq", "n" * 257, "a\tb"])
+def test_a_shared_namespace_is_one_a_client_can_name(namespace):
+    # x-carpool-namespace is stripped, 1-256 printable characters; none is the default
+    # namespace, never shared: such an entry would share nothing, silently.
+    with pytest.raises(ConfigError, match="tenant.shared_namespaces"):
+        Config.load(env={}, overrides={"tenant": {"shared_namespaces": ["ok", namespace]}})
+    shared = Config.load(env={}, overrides={"tenant": {"shared_namespaces": ["faq", "n" * 256]}})
+    assert shared.tenant.shared_namespaces == ["faq", "n" * 256]

@@ -467,7 +467,8 @@ async def test_a_held_miss_is_served_by_the_protocol_as_the_asgi_path_serves_it(
 async def test_a_held_request_whose_serving_fails_gets_a_500_and_the_failure_is_logged(
     fake, caplog
 ):
-    """uvicorn's 500, its default headers (``server``, ``date``) too; the connection closed."""
+    """A 500 as uvicorn sends one, its default headers (``server``, ``date``) too, the connection
+    closed; in OpenAI's error shape, not uvicorn's bare ``Internal Server Error``."""
     async with _gateway(fake) as (served, counted):
         gateway = served.server.config.loaded_app.app.gateway
 
@@ -479,7 +480,9 @@ async def test_a_held_request_whose_serving_fails_gets_a_500_and_the_failure_is_
             writer.write(_request(_body()))
             status, headers, body = await _response(reader)
             assert await reader.read() == b""  # and the connection closed
-    assert (status, body, headers["connection"]) == (500, b"Internal Server Error", "close")
+    assert (status, headers["connection"]) == (500, "close")
+    assert orjson.loads(body)["error"]["code"] == "internal_error" and b"a bug" not in body
+    assert headers["content-type"] == "application/json" and "x-request-id" in headers
     assert headers["server"] == "uvicorn" and "GMT" in headers["date"]
     assert counted.asked == 1 and "RuntimeError: a bug" in caplog.text
 

@@ -452,7 +452,7 @@ async def test_with_an_admin_token_stats_metrics_and_dashboard_require_it(fake, 
                 None,
                 {"Authorization": "Bearer nope"},
                 {"Authorization": f"Bearer {ADMIN}x"},
-                {"Authorization": f"bearer {ADMIN}"},
+                {"Authorization": f"Bearer{ADMIN}"},
                 {"Authorization": ADMIN},
                 {"Authorization": f"Basic {ADMIN}"},
                 basic(ADMIN, "nope"),
@@ -485,6 +485,73 @@ async def test_the_dashboard_polls_stats_with_what_the_browser_was_asked_for(fak
         assert "credentials: 'omit'" not in page.text and "credentials:'omit'" not in page.text
         poll = await gw.client.get("/stats", headers={"Authorization": f"Basic {pair}"})
         assert poll.status_code == 200 and "requests" in poll.json()
+
+
+async def test_the_authorization_scheme_is_read_in_any_case(fake, gateway_with, tmp_path):
+    """RFC 9110 §11.1: the scheme is case-insensitive (``bearer``, ``BEARER``, ``basic``), on
+    every surface that reads a credential: the admin token's and the client keys'."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("client-a\n")
+    pair = base64.b64encode(f"admin:{ADMIN}".encode()).decode()
+    config = {"admin_token": ADMIN, "auth": {"client_keys_file": str(keys)}}
+    async with gateway_with(**config) as gw:
+        for scheme in ("bearer", "BEARER", "bEaReR"):
+            given = {"Authorization": f"{scheme} {ADMIN}"}
+            for path in ADMIN_SURFACES:
+                assert (await gw.client.get(path, headers=given)).status_code == 200, scheme
+            invalidate = await gw.client.post(
+                "/admin/invalidate", json={"all": True}, headers=given
+            )
+            assert invalidate.status_code == 200, scheme
+            chat = await gw.chat(headers={"Authorization": f"{scheme} client-a"})
+            assert chat.status_code == 200, scheme
+        for scheme in ("basic", "BASIC"):
+            given = {"Authorization": f"{scheme} {pair}"}
+            assert (await gw.client.get("/stats", headers=given)).status_code == 200, scheme
+        # The scheme only: the token itself is compared exactly.
+        wrong = {"Authorization": f"bearer {ADMIN.upper()}"}
+        assert (await gw.client.get("/stats", headers=wrong)).status_code == 401
+        refused = await gw.client.post("/admin/invalidate", json={"all": True}, headers=wrong)
+        assert refused.status_code == 401
+
+
+@pytest.mark.parametrize("http", ["carpool", "httptools"])
+async def test_a_failure_of_the_gateway_is_a_500_in_the_apis_error_shape(fake, http, caplog):
+    """A bug (an exception nothing handled) is a 500 in the API's error shape on every path: a
+    cached endpoint's request held by carpool's protocol or served through ASGI (uvicorn's own
+    protocol), and the Starlette surfaces (``/stats``): never a bare ``Internal Server Error``.
+    What failed is in the log, not in the answer."""
+    import httpx
+
+    from carpool.server import create_app
+    from carpool.wiring import build_gateway
+    from fakes.serving import serve_app_with_server
+
+    app = create_app(build_gateway(Config(upstreams=[fake.url])))
+
+    async def handle(_: object) -> None:
+        raise RuntimeError("a bug in the gateway")
+
+    def snapshot() -> None:
+        raise RuntimeError("a bug in the gateway")
+
+    app.gateway.handle = handle  # type: ignore[method-assign]
+    app.gateway.snapshot = snapshot  # type: ignore[method-assign]
+    options = {} if http == "carpool" else {"http": "httptools"}
+    chat = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    async with serve_app_with_server(app, **options) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+            chatted = await client.post("/v1/chat/completions", json=chat)
+            messages = await client.post("/v1/messages", json={**chat, "max_tokens": 4})
+            stats = await client.get("/stats")
+    assert_openai_error(chatted, 500, "internal_error", "server_error")
+    assert chatted.headers["x-carpool"] == "bypass" and "x-request-id" in chatted.headers
+    assert_openai_error(stats, 500, "internal_error", "server_error")
+    assert messages.status_code == 500 and messages.json()["type"] == "error"  # (Anthropic's)
+    assert messages.json()["error"]["type"] == "api_error"
+    for response in (chatted, messages, stats):
+        assert "a bug" not in response.text
+    assert caplog.text.count("RuntimeError: a bug in the gateway") >= 3
 
 
 def test_the_admin_surfaces_compare_the_token_in_constant_time():

@@ -105,3 +105,70 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_every_config_check_config_accepts_is_served_by_its_workers(fake, tmp_path):
+    """`max_window_ms: 500` alone (the default window_ms held to it) passed check-config and
+    one process, but every worker refused the config the parent wrote, every default written
+    out as if given: restarted for ever, the port never served."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "carpool.yaml"
+    config.write_text("coalesce:\n  max_window_ms: 500\n")
+    checked = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert checked.returncode == 0, checked.stderr
+    port = free_port()
+    log = tmp_path / "workers.log"
+    args = ["--config", str(config), "--upstream", fake.url, "--port", str(port), "--workers", "2"]
+    proc = start_serve(args, serve_env(), log)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            await until_serving(client, proc, log, timeout=30)
+            body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
+            answer = await client.post("/v1/chat/completions", json={**body, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert "Traceback" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_text_outside_the_bmp_reaches_every_worker_intact(fake, tmp_path):
+    """The config the workers load was JSON with ASCII escapes, which YAML read back as lone
+    surrogates: an emoji admin token made /stats and /admin/invalidate a bare 500 in every
+    worker, an emoji replica name a config every worker refused."""
+    token, name = "tok-\U0001f600", "模型-\U0001f600"
+    config = tmp_path / "carpool.yaml"
+    config.write_text(f'admin_token: "{token}"\nupstream_names: ["{name}"]\n', encoding="utf-8")
+    port = free_port()
+    log = tmp_path / "workers.log"
+    args = ["--config", str(config), "--upstream", fake.url, "--port", str(port), "--workers", "2"]
+    proc = start_serve(args, serve_env(), log)
+    admin = [(b"authorization", f"Bearer {token}".encode())]  # (its UTF-8 bytes, as sent)
+    workers: set[int] = set()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            await until_serving(probe, proc, log, timeout=30)
+            assert name in (await probe.get("/healthz")).json()["replicas"]
+        for _ in range(200):  # a new connection each: the kernel spreads them over both
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                stats = await client.get("/stats", headers=admin)
+                assert stats.status_code == 200, stats.text
+                workers.add(stats.json()["pid"])
+                invalidated = await client.post(
+                    "/admin/invalidate", json={"all": True}, headers=admin
+                )
+                assert invalidated.status_code == 200, invalidated.text
+            if len(workers) == 2:
+                break
+        assert len(workers) == 2
+    finally:
+        proc.terminate()
+        proc.wait(10)

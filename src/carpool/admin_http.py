@@ -2,8 +2,8 @@
 
 Contract:
 - Every one needs ``admin_token``: without one configured they do not exist (404); a request
-  without ``Authorization: Bearer <token>`` (compared in constant time) is 401. Errors in
-  OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
+  without ``Authorization: Bearer <token>`` (the scheme in any case, RFC 9110 §11.1; the token
+  compared in constant time) is 401. Errors in OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
 - ``POST /admin/invalidate`` ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``:
   ``{"invalidated": n}`` (``admin.invalidate``); with ``--workers N`` and no ``redis``, on every
   worker (``carpool.peers``), ``n`` counting them all. With ``redis``, one that did not reach
@@ -34,6 +34,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .auth import credentials
 from .errors import BodyTimeout, BodyTooLarge, RequestError
 from .peers import PEER
 from .pipeline import Gateway
@@ -52,8 +53,8 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
             return error(404, "not found", "not_found")
         # Header values arrive decoded as latin-1: back to the bytes the client sent, compared
         # with the token's UTF-8 (as the read surfaces do: server._admin_refusal).
-        given = request.headers.get("authorization", "").encode("latin-1")
-        if not hmac.compare_digest(given, b"Bearer " + token.encode("utf-8")):
+        given = credentials(request.headers.get("authorization", "").encode("latin-1"), b"bearer")
+        if not given or not hmac.compare_digest(given, token.encode("utf-8")):
             return error(401, "admin token required", "unauthorized")
         return None
 

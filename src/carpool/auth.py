@@ -7,11 +7,15 @@ Contract:
   ``#`` are skipped (a ``#`` inside a key is part of it). Only digests are kept in memory (hashed at rest: a key is never held,
   logged or compared as text).
 - ``accepts(headers)`` (ASGI header pairs): True when the request presents a listed key in
-  ``Authorization: Bearer <key>``, ``api-key`` or ``x-api-key`` (the first one present is the
-  one judged). The server answers 401 to any other request to ``/v1/...`` before reading its
+  ``Authorization: Bearer <key>`` (the scheme in any case: RFC 9110 §11.1), ``api-key`` or
+  ``x-api-key`` (the first one present is the one judged). The server answers 401 to any other request to ``/v1/...`` before reading its
   body, so nothing of it is cached, shared or sent upstream.
 - Each key stays its own tenant: the tenant is made of the credentials the request presents
   (``identity.py``), the client key among them.
+- ``credentials(authorization, scheme)``: what an ``Authorization`` value carries in ``scheme``,
+  the scheme compared in any case; how the client keys and the admin token are read. (The
+  tenant is made of the header's value as sent, ``bearer x`` another tenant than ``Bearer x``:
+  the upstream may tell them apart.)
 """
 
 from __future__ import annotations
@@ -63,11 +67,18 @@ class ClientKeys:
             value = presented.get(name)
             if value is None:
                 continue
-            key = value.strip()
-            if name == b"authorization":
-                scheme, _, key = key.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return False
+            key = credentials(value, b"bearer") if name == b"authorization" else value.strip()
+            if key is None:
+                return False
             # (the raw bytes: a key written in UTF-8 in the file matches as sent)
             return hashlib.sha256(key.strip()).hexdigest() in self._digests
         return False
+
+
+def credentials(authorization: bytes, scheme: bytes) -> bytes | None:
+    """The credentials of an ``Authorization`` value (as sent) in ``scheme`` (lower-case: it
+    is compared in any case, RFC 9110 §11.1); None when it is in another scheme."""
+    given, _, rest = authorization.strip().partition(b" ")
+    if given.lower() != scheme:
+        return None
+    return rest.lstrip(b" ")

@@ -5,14 +5,23 @@ a bad configuration exits with status 2 and a message naming the field and what 
 (``carpool.commands.common``). The first log line of ``carpool serve`` says which engine it
 fronts, so nobody mistakes the simulator for a real model. No log line carries a URL's credentials
 or query: upstreams are logged by their replica names (``upstream.http.replica_names``), other URLs
-without user, password and query (``without_credentials``).
+without user, password and query (``without_credentials``); so is an upstream whose path does not
+end in ``/v1``, in the one warning that says so. Start-up warns, once each, when the gateway
+holds an upstream key for anyone who asks, and when ``/stats``, ``/metrics`` and ``/dashboard``
+are open (no ``admin_token``) on an address beyond loopback.
+
+With ``--workers N``, each worker rebuilds the config from a file the parent writes
+(``config.loader.resolved_text``, a 0600 file): the parent loads that file back as a worker
+will, before any worker starts, and exits 2 with the reason if it fails or differs from its
+own, rather than let uvicorn restart workers that cannot start, for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
-import json
+import ipaddress
 import logging
 import os
 import socket
@@ -21,6 +30,7 @@ import tempfile
 from typing import Any
 
 import click
+from yarl import URL
 
 from . import peers
 from .commands.bench import bench
@@ -34,8 +44,8 @@ from .commands.common import (
 from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
-from .config import CONFIG_FILE_VARIABLE, Config
-from .config.loader import PARENT_VARIABLE
+from .config import CONFIG_FILE_VARIABLE, Config, ConfigError
+from .config.loader import PARENT_VARIABLE, resolved_text
 from .config.urls import without_credentials
 from .logs import configure as configure_logging
 
@@ -55,7 +65,11 @@ def main() -> None:
     help="Base URL of an OpenAI-compatible replica, ending in /v1 (repeat for several "
     "replicas). None: the embedded simulated engine.",
 )
-@click.option("--host", default=None, help=f"Address to listen on {default_of(Config, 'host')}.")
+@click.option(
+    "--host",
+    default=None,
+    help=f"Address to listen on {default_of(Config, 'host')}; 0.0.0.0 or :: for every interface.",
+)
 @click.option(
     "--port",
     type=click.IntRange(0, 65535),
@@ -118,11 +132,26 @@ def serve(
             "(%d replica(s)); its answers are synthetic text, not a real model",
             config.sim.replicas,
         )
+    for url in config.upstreams:
+        if not URL(url).path.rstrip("/").endswith("/v1"):
+            # Used as given (a provider's /v1beta/openai): only said, in case /v1 was left out.
+            log.warning(
+                "upstream %s does not end in /v1: the API's paths (/chat/completions...) are "
+                "sent under it as given; if the server serves them under /v1, add it",
+                without_credentials(url),
+            )
     if config.holds_upstream_credentials() and not config.auth.client_keys_file:
         log.warning(
             "the gateway holds the upstream key (upstream.api_key, or a user and password in "
             "an upstream URL) and auth.client_keys_file is not set: anyone who can reach this "
             "port spends that key"
+        )
+    if config.admin_token is None and not _loopback(config.host):
+        log.warning(
+            "admin_token is not set and the gateway listens on %s, beyond loopback: /stats, "
+            "/metrics and /dashboard are open to anyone who can reach this port (their counters "
+            "can tell whether another tenant sent a given prompt); set admin_token",
+            config.host,
         )
     if config.redis:
         try:
@@ -217,29 +246,74 @@ def serve(
     # the one built here only checked the config (and would hold the embedding model).
     asyncio.run(gateway.aclose())
     del gateway
-    # Without Redis the workers share through each other: each key's upstream calls are made
-    # by the worker that owns it, reached on a unix socket in a directory only this user can
-    # open, with a secret of this run (``carpool.peers``).
-    meeting = None if config.redis else peers.prepare(config.workers)
-    if meeting is not None:
-        os.environ[peers.PEERS_VARIABLE] = str(meeting)
-        log.info(
-            "%d workers share their flights without Redis: each key is led by one of them "
-            "(caches and semantic entries stay per worker; /metrics sums them all)",
-            config.workers,
-        )
-    try:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-config-") as resolved:
-            resolved.write(json.dumps(config.with_secrets()))  # (a 0600 file: the workers' keys)
-            resolved.flush()
-            os.environ[CONFIG_FILE_VARIABLE] = resolved.name
-            os.environ[PARENT_VARIABLE] = str(os.getpid())  # (its workers stop when it is gone)
-            uvicorn.run(
-                "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
+    with contextlib.ExitStack() as stack:
+        resolved = stack.enter_context(
+            tempfile.NamedTemporaryFile(
+                "w", encoding="ascii", suffix=".yaml", prefix="carpool-config-"
             )
-    finally:
+        )
+        resolved.write(resolved_text(config))  # (a 0600 file: the workers' keys)
+        resolved.flush()
+        _workers_load(resolved.name, config)
+        # Without Redis the workers share through each other: each key's upstream calls are
+        # made by the worker that owns it, reached on a unix socket in a directory only this
+        # user can open, with a secret of this run (``carpool.peers``).
+        meeting = None if config.redis else peers.prepare(config.workers)
         if meeting is not None:
-            peers.remove(meeting)
+            stack.callback(peers.remove, meeting)
+            os.environ[peers.PEERS_VARIABLE] = str(meeting)
+            log.info(
+                "%d workers share their flights without Redis: each key is led by one of them "
+                "(caches and semantic entries stay per worker; /metrics sums them all)",
+                config.workers,
+            )
+        os.environ[CONFIG_FILE_VARIABLE] = resolved.name
+        os.environ[PARENT_VARIABLE] = str(os.getpid())  # (its workers stop when it is gone)
+        uvicorn.run(
+            "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
+        )
+
+
+def _workers_load(path: str, config: Config) -> None:
+    """Load ``path`` as each worker will (``server.create_worker_app``) and exit 2 saying why
+    unless it is ``config``: a worker that cannot start is restarted by uvicorn for ever, the
+    port never served, and nothing said but in each worker's traceback."""
+    try:
+        loaded = Config.load(path, env={})
+    except ConfigError as error:
+        click.echo(
+            f"carpool: the workers could not load the config written for them: {error}", err=True
+        )
+        sys.exit(2)
+    differing = _differing(config, loaded)
+    if differing:
+        click.echo(
+            "carpool: the config written for the workers reads back otherwise, in "
+            + ", ".join(differing),
+            err=True,
+        )
+        sys.exit(2)
+
+
+def _differing(given: Any, loaded: Any, prefix: str = "") -> list[str]:
+    """The keys (dotted, never their values: some are secrets) whose values differ."""
+    from pydantic import BaseModel
+
+    if isinstance(given, BaseModel) and type(given) is type(loaded):
+        found: list[str] = []
+        for name in type(given).model_fields:
+            found += _differing(getattr(given, name), getattr(loaded, name), f"{prefix}{name}.")
+        return found
+    return [] if given == loaded else [prefix.rstrip(".")]
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``): reached from this machine only."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    return False
 
 
 for _command in (sim, bench, eval_semantic, config_reference, fetch_model, check_config):

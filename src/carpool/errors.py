@@ -30,7 +30,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │       │                         (the engine took the call: ``x-should-retry: false``)
     │       └── UpstreamAnswerCut     502 (504 if it stalled): a whole answer cut after its head
     ├── FlightAbandoned               499: every client of a flight left and its call was cancelled
-    └── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
+    ├── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
+    └── InternalError                 500: the gateway failed (a bug): what the client gets of it
 """
 
 from __future__ import annotations
@@ -467,5 +468,20 @@ class ShuttingDown(CarpoolError):
         self,
         message: str = "The gateway is shutting down and stopped this request before its "
         "answer was complete. Retry it.",
+    ) -> None:
+        super().__init__(message)
+
+
+class InternalError(CarpoolError):
+    """500: the gateway failed to answer (an exception nothing else handled: a bug). Its client
+    gets this, in its API's error shape like every other answer of the gateway, never a bare
+    ``Internal Server Error``; what failed goes to the log, never to the client."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(
+        self, message: str = "The gateway failed to answer this request (its log says why)."
     ) -> None:
         super().__init__(message)

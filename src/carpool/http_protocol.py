@@ -35,7 +35,7 @@ Contract:
   with the headers uvicorn would write, in its order: a whole one in one write; a stream
   chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
   client does not read. A failure there is what uvicorn makes of an app's: logged, a 500 if
-  nothing was sent, the connection closed; not the shutdown's cancel once the grace period is
+  nothing was sent (in the API's error shape: ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
   over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
   reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
   stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel.
@@ -95,7 +95,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from .apis import BY_PATH
-from .errors import HeadersTimeout, HeadersTooLarge, RequestError, TargetTooLong
+from .errors import HeadersTimeout, HeadersTooLarge, InternalError, RequestError, TargetTooLong
 from .inbound import ClientWatch
 from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
@@ -115,11 +115,6 @@ _POST = b"POST"
 _REQUEST_ID = HEADER + b": "
 # In front of the simulated engine, the label goes before the request's id (``_head``).
 _LABELLED_REQUEST_ID = b"%s: %s\r\n%s" % (*SIMULATED_LABEL, _REQUEST_ID)
-# uvicorn's 500, after its default headers (``_internal_error``).
-_INTERNAL_ERROR = (
-    b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 21\r\n"
-    b"\r\nInternal Server Error"
-)
 
 
 # Set true on a wrapper of the gateway's app (its ``app``) that hands every request to the
@@ -463,7 +458,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self.logger.error("Exception in ASGI application\n", exc_info=exc)
             if not cycle.response_started and not cycle.disconnected:
                 cycle.response_started = True
-                self.transport.write(self._internal_error())
+                self.transport.write(self._internal_error(client.path, rid))
             self.transport.close()
         finally:
             cycle.on_response = _nothing  # (as uvicorn's: the protocol is not kept by it)
@@ -528,12 +523,24 @@ class GatewayProtocol(HttpToolsProtocol):
             self.transport.close()
         cycle.on_response()
 
-    def _internal_error(self) -> bytes:
-        """uvicorn's 500, with its default headers (``server``, ``date``) as it sends them."""
+    def _internal_error(self, path: str, rid: bytes) -> bytes:
+        """The 500 of a request whose serving failed, as uvicorn sends one (its default headers,
+        the connection closed), in the API's error shape (``InternalError``), as the ASGI path's
+        (``server.GatewayApp``)."""
+        error, api = InternalError(), BY_PATH.get(path.rstrip("/"))
+        body = api.error_body(error) if api is not None else error.body()
         head = [STATUS_LINE[500]]
-        for name, value in self.server_state.default_headers:
+        for name, value in (
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            Outcome.BYPASS.header,
+            *((SIMULATED_LABEL,) if self.simulated else ()),
+            (HEADER, rid),
+            (b"connection", b"close"),
+            (b"content-length", str(len(body)).encode("ascii")),
+        ):
             head += (name, b": ", value, b"\r\n")
-        return b"".join(head) + _INTERNAL_ERROR
+        return b"".join((*head, b"\r\n", body))
 
     def _head(
         self, reply: Reply, rid: bytes, body: bytes | None, keep_alive: bool = True

@@ -7,8 +7,10 @@ Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
   Cloudflare's gateway and access tokens by default
   (``tenant.header`` plus ``tenant.credential_headers``). Two requests are the same tenant only if
   they present the same value for each of them, and the same absent ones: a wrong ``api-key``
-  beside no ``Authorization`` is not the tenant of a right one. The digest is keyed and
-  truncated; the raw value is never stored or shown.
+  beside no ``Authorization`` is not the tenant of a right one. The digest is one-way and
+  truncated (BLAKE2b, 8 bytes, with a ``person`` string that only separates it from carpool's
+  other digests), not keyed: whoever holds a credential can compute its tenant id, so the id is
+  written to no log line, response or metric, and is not the raw value.
 - A client with no credential at all is the tenant ``anonymous``: it shares only with other
   clients that present nothing, which the upstream treats alike.
 - ``AcceptedCredentials`` remembers what the upstream has recently answered with a 2xx on a

@@ -27,6 +27,10 @@ Contract:
   stream's answer not kept) is as for a client that left: nothing partial is stored.
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
   ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app.
+- A request whose handling fails (an exception nothing handled: a bug) is logged with its
+  traceback and, if nothing was sent yet, answered 500 in OpenAI's error shape (a cached
+  endpoint's in its API's, ``x-carpool: bypass``): ``InternalError``, never a bare
+  ``Internal Server Error``; once its head is sent, it is cut.
 - Pass-through is confined to the upstream's ``/v1``: the path is judged as it came on the wire
   (ASGI ``raw_path``) by ``paths.confine`` (dot segments, encoded separators, control characters,
   empty segments: 400; outside ``passthrough.allow``: 403) before anything is read or sent; what
@@ -34,7 +38,7 @@ Contract:
   as it came.
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
-  with the token as the password, so that a browser asks for it and then sends it with the
+  with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
 - In front of the embedded simulated engine (no upstreams configured), ``GET /sim/stats`` is the
   simulated replicas' own counters (``SimReplica.stats()``: ``{"simulated": true, "replicas":
@@ -92,7 +96,7 @@ from starlette.routing import Route
 from .admin_http import admin_routes
 from .admin_http import error as admin_error
 from .apis import BY_PATH
-from .auth import ClientKeys
+from .auth import ClientKeys, credentials
 from .config import Config
 from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
 from .errors import (
@@ -100,6 +104,7 @@ from .errors import (
     CarpoolError,
     ClientKeyRefused,
     HeadersTooLarge,
+    InternalError,
     RequestError,
     ShuttingDown,
 )
@@ -151,16 +156,29 @@ class GatewayApp:
         # Every response says which request it answers (``request_id``), as its log lines do.
         rid = request_id(scope["headers"])
         REQUEST_ID.set(rid.decode("ascii"))
+        headed = False
 
         async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal headed
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
+                headed = True
             await send(message)
 
-        if self.simulated and scope["method"] == "POST" and _cached_path(scope["path"]):
-            await self._route(scope, receive, _labelled(send_with_id))
-            return
-        await self._route(scope, receive, send_with_id)
+        cached = scope["method"] == "POST" and _cached_path(scope["path"])
+        respond = _labelled(send_with_id) if self.simulated and cached else send_with_id
+        try:
+            await self._route(scope, receive, respond)
+        except Exception:  # (a bug: said in the log, and to the client in its API's terms)
+            log.exception("a request failed (500)")
+            if not headed:
+                error, api = InternalError(), BY_PATH.get(scope["path"].rstrip("/"))
+                await _send_whole(
+                    respond,
+                    error.status,
+                    [*_raw(error.headers()), *([Outcome.BYPASS.header] if cached else [])],
+                    api.error_body(error) if api is not None and cached else error.body(),
+                )
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
         if (
@@ -552,6 +570,11 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         yield
         await gateway.aclose()
 
+    async def failed(_: HttpRequest, __: Exception) -> Response:
+        # Starlette's own would be a bare text 500; the exception goes on to ``GatewayApp``,
+        # which logs it.
+        return _carpool_error(InternalError())
+
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     routed = Starlette(
         routes=[
@@ -566,7 +589,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             Route("/v1/{path:path}", passthrough, methods=methods),
         ],
         lifespan=lifespan,
-        exception_handlers={404: _not_served, 405: _not_served},
+        exception_handlers={404: _not_served, 405: _not_served, Exception: failed},
     )
     # ``POST /v1`` is no endpoint: a 404, not a redirect to ``/v1/`` whose ``Location`` the
     # router would build from the client's own ``Host`` header.
@@ -609,13 +632,12 @@ def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
         return None
     expected = token.encode("utf-8")
     # Header values arrive decoded as latin-1: back to the bytes the client sent.
-    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-    given = b""
-    if scheme == "Bearer":
-        given = credentials.encode("latin-1")
-    elif scheme == "Basic":
+    authorization = request.headers.get("authorization", "").encode("latin-1")
+    given = credentials(authorization, b"bearer") or b""
+    basic = credentials(authorization, b"basic")
+    if basic is not None:
         with contextlib.suppress(binascii.Error, ValueError):
-            given = base64.b64decode(credentials, validate=True).partition(b":")[2]
+            given = base64.b64decode(basic, validate=True).partition(b":")[2]
     if given and hmac.compare_digest(given, expected):
         return None
     refusal = _carpool_error(
@@ -639,8 +661,10 @@ def create_worker_app() -> GatewayApp:
     (``_leave_with_parent``). Without ``redis``, the worker takes
     a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names), or,
     every slot held, asks their owners until one frees (``Peers``). The file is the config
-    the parent resolved (flags over ``CARPOOL_*`` over its file): read alone, not under the
-    environment again (a variable beat a flag in every worker)."""
+    the parent resolved (flags over ``CARPOOL_*`` over its file), written so that it reads back
+    as exactly that config (``config.loader.resolved_text``; the parent checked that it does
+    before starting any worker): read alone, not under the environment again (a variable beat
+    a flag in every worker)."""
     config = Config.load(os.environ.get("CARPOOL_CONFIG"), env={})
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
     _leave_with_parent(os.environ.get(PARENT_VARIABLE))

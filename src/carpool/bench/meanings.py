@@ -109,14 +109,15 @@ def audit_config(config: Config) -> dict[str, Any]:
     """The embedded gateway's config (as data) for the audit workload: see the contract."""
     semantic = config.semantic
     judge = semantic.judge
-    data: dict[str, Any] = config.with_secrets()
-    data["semantic"]["enabled"] = True
+    data: dict[str, Any] = config.with_secrets()  # (the keys given: sections may be absent)
+    given = data.setdefault("semantic", {})
+    given["enabled"] = True
     if "audit_rate" not in semantic.model_fields_set:
-        data["semantic"]["audit_rate"] = 1.0
+        given["audit_rate"] = 1.0
     if "model" not in judge.model_fields_set:
-        data["semantic"]["judge"]["model"] = JUDGE_MODEL
+        given.setdefault("judge", {})["model"] = JUDGE_MODEL
     if "band" not in judge.model_fields_set:
-        data["semantic"]["judge"]["band"] = [1.0, 1.0]  # no candidate: it compares answers only
+        given.setdefault("judge", {})["band"] = [1.0, 1.0]  # no candidate: it compares answers
     return data
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..config.loader import resolved_text
 from . import process
 from .client import fetch
 
@@ -80,9 +81,9 @@ def served(
         else:
             config = Config(upstreams=[upstream_url], port=port, workers=workers, redis=redis)
             resolved = stack.enter_context(
-                tempfile.NamedTemporaryFile("w", suffix=".json", prefix="carpool-bench-")
+                tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="carpool-bench-")
             )
-            resolved.write(json.dumps(config.with_secrets()))
+            resolved.write(resolved_text(config))  # (what carpool serve writes its workers)
             resolved.flush()
             env["CARPOOL_CONFIG"] = resolved.name
             args = ["-m", "uvicorn", "carpool.server:create_worker_app", "--factory"]

@@ -6,11 +6,14 @@ is finite (``.inf`` seconds overflowed Redis's expiry at the first put). ``OnOff
 ``auto``/``on``/``off`` that takes YAML's booleans for the words (``tracing: off`` written
 bare is YAML 1.1's false).
 ``ConfigError`` is what ``Config.load`` raises for any invalid source; its message names the
-field and what is allowed, and the CLI turns it into exit status 2.
+field and what is allowed, and the CLI turns it into exit status 2. ``header_name``: the one check
+of a header name in the config (RFC 9110's token characters, ASCII), so that a name that could
+never be sent (``Bad Header``, ``""``) is refused rather than never matched.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -31,3 +34,16 @@ def _words(value: Any) -> Any:
 
 
 OnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_words)]
+
+
+# A header name: RFC 9110's token characters (``tchar``), read lower-cased.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+
+
+def header_name(name: str) -> str:
+    """``name`` lower-cased, or a ``ValueError`` when it is no header name (a name a request
+    could never carry, so a setting naming it would never apply)."""
+    lowered = name.lower()  # (ASCII only: the Kelvin sign lower-cases to a "k")
+    if not name.isascii() or not _HEADER_NAME.fullmatch(lowered):
+        raise ValueError(f"{name!r} is not a header name (RFC 9110 token characters)")
+    return lowered

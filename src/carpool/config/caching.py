@@ -8,7 +8,6 @@ from these fields. Durations are seconds unless the name ends in ``_ms``; sizes 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -16,16 +15,13 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ..identity import names_a_secret
-from .base import Section
+from .base import Section, header_name
 from .upstream import held_key
 from .urls import checked_url
 
 #: ``semantic.embed_timeout_ms`` left null with ``embedder: upstream``: a healthy embeddings call
 #: takes milliseconds, an LLM's answer far longer, so the bound is seldom felt but by a hung one.
 UPSTREAM_EMBED_TIMEOUT_S = 1.0
-
-# A header name: RFC 9110's token characters (``tchar``), read lower-cased.
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 
 
 class FingerprintConfig(Section):
@@ -59,9 +55,7 @@ class FingerprintConfig(Section):
     def _neutral_headers_are_header_names(cls, value: list[str]) -> list[str]:
         names: list[str] = []
         for name in value:
-            lowered = name.lower()  # (ASCII only: the Kelvin sign lower-cases to a "k")
-            if not name.isascii() or not _HEADER_NAME.fullmatch(lowered):
-                raise ValueError(f"{name!r} is not a header name (RFC 9110 token characters)")
+            lowered = header_name(name)
             if names_a_secret(lowered):
                 raise ValueError(
                     f"{name!r} says it carries a credential: never neutral (a header the "

@@ -13,10 +13,17 @@ Contract:
   directory (``carpool serve`` sets it); they are not keys.
 - A value is the string as written, read by its key's type (``8080``, ``1.5``, ``yes``); a
   list or mapping (``[a, b]``, ``{k: v}``) is read as YAML; an empty value or ``null`` is null
-  (``_read_value``).
+  (``_read_value``), but for a secret's (``admin_token``, the keys held: ``SecretStr``):
+  there an empty value is what a secret that was not mounted looks like, and stays the empty
+  string, which the key refuses ("give one, or null"); ``null`` turns it off.
 - A ``CARPOOL_*`` variable that names no key is an error, like an unknown key in the file: a typo
   must not silently keep a default.
-- Any invalid source raises ``ConfigError`` naming the field and what is allowed.
+- Any invalid source raises ``ConfigError`` naming the field and what is allowed; a file that is
+  not UTF-8 text too, naming the byte where it stops being so.
+- ``resolved_text(config)``: the file from which a child process (a worker of ``carpool serve
+  --workers N``) rebuilds exactly ``config`` with ``load(path, env={})``: the keys given
+  (``Config.with_secrets``) as YAML, every character outside ASCII escaped, so that what is read
+  back is what was written, whatever the text.
 
 pydantic-settings finds the variables of each field (prefix, ``__`` nesting, case) and merges the
 sources in order (``settings_customise_sources``); what is carpool's own is above: YAML values
@@ -30,10 +37,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -75,6 +82,18 @@ def load(
     return Config.model_validate(dict(merged))
 
 
+def resolved_text(config: Config) -> str:
+    """``config`` as the text of a file that ``load(path, env={})`` reads back as exactly it
+    (the module contract): its secrets included, so only for a 0600 file."""
+    # PyYAML writes what PyYAML reads: escaped, a string outside the BMP or with a YAML line
+    # break in it comes back whole (JSON's surrogate-pair escapes came back as two lone
+    # surrogates), and a string that looks like another type is quoted.
+    text: str = yaml.safe_dump(
+        config.with_secrets(), sort_keys=False, width=2**31, allow_unicode=False
+    )
+    return text
+
+
 def describe(exc: ValidationError) -> str:
     """One line naming every invalid field, what it got and what is allowed.
 
@@ -111,9 +130,18 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     # Read here rather than by pydantic-settings' YAML source, which skips a missing file: a
     # --config that cannot be read is an error.
     try:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # Where, never the bytes: they may be a key's.
+        raise ConfigError(
+            f"config file {path}: not UTF-8 text (byte {exc.start} cannot be decoded)"
+        ) from None
+    try:
+        loaded = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         # Where and what, never the text: PyYAML's message quotes the line, a key perhaps.
         mark = getattr(exc, "problem_mark", None)
@@ -189,15 +217,40 @@ def _read_value(raw: str) -> Any:
     return str(raw)
 
 
-def _decoded(values: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key: _read_value(value)
-        if isinstance(value, _Raw)
-        else _decoded(value)
-        if isinstance(value, dict)
-        else value
-        for key, value in values.items()
-    }
+def _secrets(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The paths of the keys that hold a secret: a ``SecretStr`` (the keys held), or a field
+    marked ``{"secret": True}`` (``admin_token``)."""
+    for name, field in model.model_fields.items():
+        where = (*path, name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _secrets(annotation, where)
+        elif _holds_a_secret(annotation) or (
+            isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("secret")
+        ):
+            yield where
+
+
+def _holds_a_secret(annotation: Any) -> bool:
+    """Whether a type is, or is made of, ``SecretStr`` (``SecretStr | None``, a list of them)."""
+    return annotation is SecretStr or any(_holds_a_secret(arg) for arg in get_args(annotation))
+
+
+# An empty variable of one of these is the empty string, not null (the module contract).
+_SECRETS = frozenset(_secrets(Config))
+
+
+def _decoded(values: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    decoded: dict[str, Any] = {}
+    for key, value in values.items():
+        where = (*path, key)
+        if isinstance(value, _Raw):
+            decoded[key] = "" if value == "" and where in _SECRETS else _read_value(value)
+        elif isinstance(value, dict):
+            decoded[key] = _decoded(value, where)
+        else:
+            decoded[key] = value
+    return decoded
 
 
 class _Environment(EnvSettingsSource):

@@ -6,6 +6,10 @@ upstream and distributed; ``ttl_for`` is the one rule that reads the cache's TTL
 ``holds_upstream_credentials`` the one that says whether the gateway holds the credential its
 replicas are called with (a key, ``upstream.api_key``/``api_keys``, or a user and password in
 an upstream URL): then pass-through reaches only /v1/models unless ``passthrough.allow`` is set.
+``with_secrets`` is what a child process rebuilds exactly this config from: the keys given (a
+validator may tell them from defaults), secrets included. The top-level keys that could never
+work are refused: an empty ``host`` (every interface, unsaid), an ``admin_token`` that is empty
+or that no header could carry.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from .base import OnOff, Section
 from .caching import CacheConfig, CoalesceConfig, FingerprintConfig, SemanticConfig
@@ -36,14 +40,16 @@ class Config(Section):
 
     upstreams: list[str] = Field(
         default_factory=list,
-        description="Base URLs ending in /v1 of "
-        "OpenAI-compatible replicas; empty = the embedded simulated engine. A query in one "
-        "(Azure's `?api-version=`) is sent with every call to it, cached and passed through, "
-        "before the client's own. A user and password in one (`https://user:pass@host/v1`) "
-        "are a credential the gateway holds, as `upstream.api_key` is: sent as "
-        "`Authorization: Basic` in place of the client's credentials, with the same "
-        "protections (pass-through reaches only /v1/models unless `passthrough.allow` is "
-        "set); never shown.",
+        description="Base URLs of OpenAI-compatible replicas, ending in /v1 (the path the API's "
+        "paths, `/chat/completions`..., are appended to); empty = the embedded simulated engine. "
+        "One whose path ends otherwise (a provider's `/v1beta/openai`) is used as given, and "
+        "start-up logs a warning naming it (without its user and password), in case /v1 was "
+        "left out. A query in one (Azure's `?api-version=`) is sent with every call to it, "
+        "cached and passed through, before the client's own. A user and password in one "
+        "(`https://user:pass@host/v1`) are a credential the gateway holds, as `upstream.api_key` "
+        "is: sent as `Authorization: Basic` in place of the client's credentials, with the same "
+        "protections (pass-through reaches only /v1/models unless `passthrough.allow` is set); "
+        "never shown.",
     )
     upstream_names: list[str] = Field(
         default_factory=list,
@@ -58,7 +64,16 @@ class Config(Section):
         description="Redis/Valkey URL (redis://host:port/db) of the "
         "store shared by every instance; null = in-process only.",
     )
-    admin_token: str | None = Field(None, description="Bearer token that enables /admin/*.")
+    admin_token: str | None = Field(
+        None,
+        json_schema_extra={"secret": True},  # (an empty variable is refused: carpool.config.loader)
+        description="The token that enables /admin/* and guards /stats, /metrics and /dashboard: "
+        "`Authorization: Bearer <token>` (the scheme in any case), or the password of Basic. "
+        "Printable, without white space around it (a header value cannot carry that). An empty "
+        "one, in the file or as `CARPOOL_ADMIN_TOKEN=`, is refused (a secret that was not "
+        "mounted): give one, or null for none. null: /admin/* does not exist and the others are "
+        "open to whoever reaches the port (start-up warns when that is beyond loopback).",
+    )
     sampling: Literal["strict", "same-params"] = Field(
         "strict",
         description="strict: sampled "
@@ -66,7 +81,11 @@ class Config(Section):
         "same-params: they share with identical "
         "parameters.",
     )
-    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the gateway listens on. Every interface only when written: `0.0.0.0` "
+        "or `::` (an empty host, which would mean every interface too, is refused).",
+    )
     workers: int = Field(
         1,
         ge=1,
@@ -111,6 +130,33 @@ class Config(Section):
     @classmethod
     def _upstreams_are_urls(cls, value: list[str]) -> list[str]:
         return [checked_url(url.rstrip("/"), ("http", "https")) for url in value]
+
+    @field_validator("host")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        if not value.strip():
+            # (uvicorn and socket.create_server would listen on every interface)
+            raise ValueError(
+                "give an address to listen on (127.0.0.1; 0.0.0.0 or :: for every interface)"
+            )
+        return value
+
+    @field_validator("admin_token")
+    @classmethod
+    def _a_token_a_client_can_present(cls, value: str | None) -> str | None:
+        # As a held key (``upstream.held_key``): an empty token would silently mean "none", the
+        # admin surfaces open. One with white space around it or a control character could
+        # never be sent in a header (its value is stripped), a lone surrogate never encoded.
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("the token is empty: give one, or null for none")
+        if value != value.strip() or not value.isprintable():
+            raise ValueError(
+                "the token must be printable, without white space around it (a header value "
+                "cannot carry that)"
+            )
+        return value
 
     @field_validator("redis")
     @classmethod
@@ -164,17 +210,13 @@ class Config(Section):
         )
 
     def with_secrets(self) -> dict[str, Any]:
-        """The whole config as JSON-able data, its secrets (the held keys) included: for a
-        child process that must rebuild it (a 0600 file it reads), never for a log or a page."""
-        data = self.model_dump(mode="json")
-        key = self.upstream.api_key
-        data["upstream"]["api_key"] = key.get_secret_value() if key is not None else None
-        data["upstream"]["api_keys"] = [k.get_secret_value() for k in self.upstream.api_keys]
-        judge = self.semantic.judge.api_key
-        data["semantic"]["judge"]["api_key"] = judge.get_secret_value() if judge else None
-        embedder = self.semantic.embedder_api_key
-        data["semantic"]["embedder_api_key"] = embedder.get_secret_value() if embedder else None
-        return data
+        """The config as JSON-able data from which a child process rebuilds exactly this one
+        (``Config.model_validate``, or ``Config.load`` of it written as a file: a 0600 one),
+        its secrets included: never for a log or a page. Only the keys that were given (or
+        assigned since) are written, as given: a default is left to be the default again, so
+        that a validator that tells a given value from a default (``coalesce``'s bound, the
+        held key's ``passthrough.allow``) decides in the child as it did here."""
+        return _given(self)
 
     def ttl_for(self, request_type: str | None) -> float:
         """Seconds an answer of ``request_type`` may be stored (0 = never)."""
@@ -197,3 +239,20 @@ class Config(Section):
         from .loader import load
 
         return load(path, env, overrides)
+
+
+def _given(section: BaseModel) -> dict[str, Any]:
+    """``section``'s fields that were given or assigned (``model_fields_set``), as JSON-able
+    data, each secret (``SecretStr``) as its value."""
+    data: dict[str, Any] = section.model_dump(mode="json", exclude_unset=True)
+    for name in section.model_fields_set:
+        value = getattr(section, name)
+        if isinstance(value, SecretStr):
+            data[name] = value.get_secret_value()
+        elif isinstance(value, list) and any(isinstance(item, SecretStr) for item in value):
+            data[name] = [
+                item.get_secret_value() if isinstance(item, SecretStr) else item for item in value
+            ]
+        elif isinstance(value, BaseModel):
+            data[name] = _given(value)
+    return data

@@ -13,16 +13,17 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import Section
+from .base import Section, header_name
 
 
 class TenantConfig(Section):
     header: str = Field(
         "Authorization",
         min_length=1,
-        description="The primary credential "
-        "header. The tenant is a keyed digest (never the raw value) of this "
-        "header and every one in `credential_headers` that the client sends.",
+        description="The primary credential header (a header name, in any case). The tenant "
+        "is a one-way digest (BLAKE2b, not keyed; never the raw value) of this header and every "
+        "one in `credential_headers` that the client sends; it is written to no log line, "
+        "response or metric.",
     )
     credential_headers: list[str] = Field(
         default_factory=lambda: [
@@ -40,14 +41,17 @@ class TenantConfig(Section):
         "upstream bills (OpenAI's `Authorization`, Azure's `api-key`, Anthropic-style "
         "`x-api-key`, OpenAI's organization and project, Google's `x-goog-api-key`, "
         "Cloudflare AI Gateway's and Cloudflare Access's tokens): all of them, with `header`, "
-        "make the tenant. Remove one only if the upstream never reads it.",
+        "make the tenant. Remove one only if the upstream never reads it. Header names, in any "
+        "case.",
     )
     shared_namespaces: list[str] = Field(
         default_factory=list,
         description="Namespaces whose "
         "answers are shared across tenants, but only with a "
         "tenant the upstream has accepted within "
-        "`accepted_ttl`; others are scoped to themselves.",
+        "`accepted_ttl`; others are scoped to themselves. Each as a client names it in "
+        "`x-carpool-namespace`: 1-256 printable characters, no white space around them (the "
+        "default namespace, none given, is never shared).",
     )
     accepted_ttl: float = Field(
         600,
@@ -63,6 +67,40 @@ class TenantConfig(Section):
         "remembered (oldest out: a forgotten one is scoped to "
         "itself until its next 2xx).",
     )
+
+    @field_validator("header")
+    @classmethod
+    def _a_header_name(cls, value: str) -> str:
+        header_name(value)  # (kept as written: the tenant's names are lower-cased where read)
+        return value
+
+    @field_validator("credential_headers")
+    @classmethod
+    def _header_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            header_name(name)
+        return value
+
+    @field_validator("shared_namespaces")
+    @classmethod
+    def _namespaces_a_client_can_name(cls, value: list[str]) -> list[str]:
+        # A namespace no request can ask for (x-carpool-namespace is stripped, at most 256
+        # printable characters; an empty one is the default namespace, never shared) would
+        # silently share nothing.
+        from ..request import MAX_HEADER_TOKEN  # (what a request's namespace may be)
+
+        for namespace in value:
+            if (
+                not namespace.strip()
+                or namespace != namespace.strip()
+                or len(namespace) > MAX_HEADER_TOKEN
+                or not namespace.isprintable()
+            ):
+                raise ValueError(
+                    f"{namespace!r} is no namespace a client can name in x-carpool-namespace: "
+                    f"1-{MAX_HEADER_TOKEN} printable characters, no white space around them"
+                )
+        return value
 
 
 class IdempotencyConfig(Section):

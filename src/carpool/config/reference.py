@@ -24,8 +24,10 @@ def reference_markdown() -> str:
         "Generated from `carpool.config.Config` by `carpool config-reference`; do not edit.",
         "Sources, strongest first: CLI flags, `CARPOOL_*` environment variables (nested keys "
         "joined with `__`, e.g. `CARPOOL_CACHE__MAX_BYTES`), the YAML file (`--config`), "
-        "these defaults. Durations are seconds unless the key ends in `_ms`; sizes are "
-        "bytes.",
+        "these defaults. A variable set empty is null, but for a secret (`admin_token` and the "
+        "keys held), where an empty value is refused as a secret that was not mounted: `null` "
+        "says none. The file is UTF-8 text. Durations are seconds unless the key ends in `_ms`; "
+        "sizes are bytes.",
         "",
         "| key | type | default | meaning |",
         "|---|---|---|---|",
