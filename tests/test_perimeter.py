@@ -172,6 +172,16 @@ async def test_passthrough_forwards_the_path_under_the_upstreams_v1_and_the_quer
     assert fake.calls[-1].query == "purpose=x"
 
 
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completionsX", "/v1/completions2", "/v1/embeddingsx", "/v1/messagesX"]
+)
+async def test_a_cached_endpoints_path_with_a_character_more_is_another_path(gw, fake, path):
+    # It was taken for the endpoint (as its trailing "/" is), found in no table: a 500.
+    response = await gw.client.post(path, json={"model": "m", "prompt": "x"})
+    assert response.status_code == 200 and "x-carpool" not in response.headers
+    assert fake.calls[-1].path == path
+
+
 async def test_passthrough_answers_carry_one_date_and_one_server_header(gw, fake):
     # The upstream's were relayed beside the ones the gateway's server writes: two of each.
     response = await raw_request(gw.url, "GET", b"/v1/models")

@@ -219,7 +219,7 @@ class GatewayApp:
         elif (
             scope["type"] == "http"
             and scope["method"] == "POST"
-            and (scope["path"] in ENDPOINTS or scope["path"][:-1] in ENDPOINTS)
+            and _cached_path(scope["path"])
         ):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
             await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
@@ -391,8 +391,9 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
 
 
 def _cached_path(path: str) -> bool:
-    """A cached endpoint's path (``/v1/chat/completions/`` too: ``_route``)."""
-    return path in ENDPOINTS or path[:-1] in ENDPOINTS
+    """A cached endpoint's path (``/v1/chat/completions/`` too: ``_route``); one character
+    more of any other kind (``/v1/chat/completionsX``) is another path, passed through."""
+    return path in ENDPOINTS or (path[-1:] == "/" and path[:-1] in ENDPOINTS)
 
 
 def _labelled(send: Any) -> Any:
