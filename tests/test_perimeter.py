@@ -182,6 +182,20 @@ async def test_a_cached_endpoints_path_with_a_character_more_is_another_path(gw,
     assert fake.calls[-1].path == path
 
 
+async def test_passthrough_sends_a_header_sent_on_several_lines_as_one_joined_value(gw, fake):
+    # The cached endpoints joined them (RFC 9110 5.3); pass-through kept only the last line.
+    host, port = address(gw.url)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-odd: 1\r\nx-odd: 2\r\n"
+        b"connection: close\r\n\r\n"
+    )
+    await writer.drain()
+    assert Raw(await reader.read()).status_code == 200
+    writer.close()
+    assert fake.calls[-1].headers["x-odd"] == "1, 2"
+
+
 async def test_passthrough_answers_carry_one_date_and_one_server_header(gw, fake):
     # The upstream's were relayed beside the ones the gateway's server writes: two of each.
     response = await raw_request(gw.url, "GET", b"/v1/models")

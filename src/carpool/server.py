@@ -538,7 +538,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         scope = request.scope
         try:
             path = scope[CONFINED]  # judged by GatewayApp before routing
-            headers = {k.lower(): v for k, v in request.headers.items()}
+            headers = _decoded(scope["headers"])  # (a header's repeated lines, joined)
             body = await body_of(request)
             if body is None:
                 return Response(status_code=499)  # the client left
