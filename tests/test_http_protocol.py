@@ -802,3 +802,76 @@ async def test_a_request_pipelined_behind_a_closing_connection_is_never_run(fake
             assert status == 413 and await asyncio.wait_for(reader.read(), 5) == b""
         await eventually(lambda: not served.server.server_state.tasks, what="no request running")
     assert fake.count() == 0 and "Exception in ASGI application" not in caplog.text
+
+
+@pytest.mark.parametrize("target", ["GET /healthz", "POST /nope", "POST /v1/../x"])
+async def test_the_rest_of_a_body_answered_before_its_end_must_come_within_body_read_timeout(
+    fake, target
+):
+    """Slowloris after the answer: a request answered before its body came (a 404, a
+    refusal, a route that reads none), its client sending a byte of the rest now and then:
+    each read disarmed the keep-alive timer and nothing else bounded it, so the connection was
+    held for ever. It closes once the rest has not all come within ``body_read_timeout``."""
+    async with _gateway(fake, limits={"body_read_timeout": 0.5}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                f"{target} HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000000\r\n\r\n".encode()
+            )
+            status, _, _ = await asyncio.wait_for(_response(reader), 5)
+            writer.write(b"x")  # a byte of the rest, then nothing
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed
+    assert status in (200, 400, 404)
+    assert fake.count() == 0
+
+
+async def test_the_rest_of_a_body_that_comes_in_time_keeps_the_connection(fake):
+    async with _gateway(fake, limits={"body_read_timeout": 5}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(b"POST /nope HTTP/1.1\r\nhost: gw\r\ncontent-length: 4\r\n\r\nab")
+            status, _, _ = await asyncio.wait_for(_response(reader), 5)
+            writer.write(b"cd" + _request(_body()))  # the rest, then the next request
+            again, _, _ = await asyncio.wait_for(_response(reader), 5)
+    assert (status, again) == (404, 200)
+
+
+@pytest.mark.parametrize(
+    ("target", "upgrade"),
+    [
+        (CHAT, "h2c"),
+        ("/v1/models", "h2c"),
+        ("/v1/models", "websocket"),
+    ],
+)
+async def test_a_request_with_a_body_asking_to_upgrade_is_refused_never_served_without_it(
+    fake, target, upgrade
+):
+    """The HTTP parser takes what follows an upgrade's head for the new protocol: the body was
+    lost (pass-through sent the upstream an empty one, a cached endpoint said the JSON was
+    empty), and a WebSocket upgrade was handed to a handshake that waited for ever."""
+    async with _gateway(fake) as (served, _):
+        async with _socket(served) as (reader, writer):
+            body = _body()
+            writer.write(
+                (
+                    f"POST {target} HTTP/1.1\r\nhost: gw\r\nconnection: Upgrade\r\n"
+                    f"upgrade: {upgrade}\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    f"sec-websocket-version: 13\r\ncontent-length: {len(body)}\r\n\r\n"
+                ).encode()
+                + body
+            )
+            status, headers, error = await _refusal(reader)
+    assert (status, headers["connection"], error["code"]) == (400, "close", "upgrade_not_served")
+    assert fake.count() == 0
+
+
+@pytest.mark.parametrize("upgrade", ["h2c", "websocket"])
+async def test_a_request_without_a_body_asking_to_upgrade_is_served_as_if_it_had_not(fake, upgrade):
+    async with _gateway(fake) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                f"GET /healthz HTTP/1.1\r\nhost: gw\r\nconnection: Upgrade\r\nupgrade: {upgrade}"
+                "\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13"
+                "\r\n\r\n".encode()
+            )
+            status, _, _ = await asyncio.wait_for(_response(reader), 5)
+    assert status == 200

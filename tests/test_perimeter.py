@@ -187,8 +187,7 @@ async def test_passthrough_sends_a_header_sent_on_several_lines_as_one_joined_va
     host, port = address(gw.url)
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(
-        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-odd: 1\r\nx-odd: 2\r\n"
-        b"connection: close\r\n\r\n"
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-odd: 1\r\nx-odd: 2\r\nconnection: close\r\n\r\n"
     )
     await writer.drain()
     assert Raw(await reader.read()).status_code == 200

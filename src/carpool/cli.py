@@ -233,6 +233,9 @@ def serve(
         "log_config": None,  # (uvicorn's own lines through carpool's logging: its format)
         "loop": "auto",
         "http": http_protocol.protocol(),  # (exact hits answered as they are parsed)
+        # No WebSocket route is served: an upgrade to one is an ordinary request (refused if it
+        # has a body, ``http_protocol``), never a connection handed to a handshake that waits.
+        "ws": "none",
         "timeout_graceful_shutdown": config.shutdown.grace_s,
     }
     if config.workers == 1:

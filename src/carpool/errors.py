@@ -94,6 +94,22 @@ class RequestError(CarpoolError):
         self.param = param
 
 
+class UpgradeWithBody(RequestError):
+    """A request asks to upgrade the connection (``Upgrade``, an ``h2c`` or a WebSocket) and
+    has a body: the HTTP parser takes what follows the head for the new protocol, so the body
+    would be lost (an empty one served). The gateway serves no upgrade: refused, the connection
+    closed. One without a body is served as if it asked for none (RFC 9110 7.8)."""
+
+    also = _CLOSES
+
+    def __init__(self) -> None:
+        super().__init__(
+            "a request with a body cannot ask to upgrade the connection (Upgrade): none is "
+            "served; send it without the Upgrade header",
+            "upgrade_not_served",
+        )
+
+
 class BodyTooLarge(RequestError):
     """The body is larger than ``limits.max_body_bytes``. The connection is closed after the
     answer: the rest of the body is not read (nor waited for)."""

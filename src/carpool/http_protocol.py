@@ -56,6 +56,14 @@ Contract:
   come, it closes without a word, as uvicorn closes an idle one. Not while an earlier request
   of the connection is still being answered: the time counts again from then. Between
   requests, an idle connection is uvicorn's (its ``timeout_keep_alive``).
+- A request answered before its body's end (a 404, a refusal, a route that reads none): the
+  rest must come within ``limits.body_read_timeout`` seconds of the answer, or the connection
+  closes, lingering (each read of it disarms uvicorn's keep-alive timer, and no app reads it:
+  a byte now and then held the connection for ever).
+- A request asking to upgrade the connection (``Upgrade``: ``h2c``, a WebSocket) with a body
+  is refused, 400 ``upgrade_not_served``, and the connection closes: httptools takes what
+  follows the head for the new protocol, so its body would be lost. Without a body it is
+  served as if it asked for none (RFC 9110 7.8; no WebSocket is served: ``ws: none``).
 - uvicorn's request cycles close the connection through the protocol (``_CycleTransport``): a
   close while the client may still be sending its request (a 413 or a 408 answered before its
   body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
@@ -95,7 +103,14 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from .apis import BY_PATH
-from .errors import HeadersTimeout, HeadersTooLarge, InternalError, RequestError, TargetTooLong
+from .errors import (
+    HeadersTimeout,
+    HeadersTooLarge,
+    InternalError,
+    RequestError,
+    TargetTooLong,
+    UpgradeWithBody,
+)
 from .inbound import ClientWatch
 from .outcome import Outcome
 from .request import ENDPOINTS, ClientRequest
@@ -185,6 +200,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self.lingering = False
         self.linger_timer: asyncio.TimerHandle | None = None
         self.cycle_transport: _CycleTransport | None = None
+        # The rest of a body its request was answered before (``on_response_complete``) must
+        # come by this timer, or the connection closes.
+        self.rest_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -265,6 +283,11 @@ class GatewayProtocol(HttpToolsProtocol):
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.parser.should_upgrade() and _has_body(self.headers):
+            # httptools takes what follows the head for the new protocol: the body would be
+            # lost, an empty one served (pass-through sent none upstream).
+            self._refuse(UpgradeWithBody())
+            raise _Refused
         self.phase, self.fields_size, self.quiet = _BODY, 0, -1  # (then its trailer's)
         self.head_since = None
         if self.url_more is not None:
@@ -288,6 +311,9 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.phase, self.quiet = _IDLE, -1
+        if self.rest_timer is not None:
+            self.rest_timer.cancel()
+            self.rest_timer = None
         if self.held is None:
             super().on_message_complete()
             return
@@ -311,16 +337,30 @@ class GatewayProtocol(HttpToolsProtocol):
             self.limits_app.gateway.draining = True
         super().shutdown()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.phase == _BODY and self.head_timeout is not None and self.rest_timer is None:
+            # Answered before its body's end (a 404, a refusal, an endpoint that reads none):
+            # each read of the rest disarms the keep-alive timer, and no app reads it under
+            # ``body_read_timeout``: a client sending a byte now and then held the connection
+            # for ever. The rest must come within that long, or the connection closes.
+            self.rest_timer = self.loop.call_later(self.head_timeout, self._rest_too_late)
+
+    def _rest_too_late(self) -> None:
+        self.rest_timer = None
+        if self.phase != _IDLE:
+            self._linger()
+
     def timeout_keep_alive_handler(self) -> None:
         self._send_now()
         super().timeout_keep_alive_handler()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = self.soon = None
-        for timer in (self.linger_timer, self.head_timer):
+        for timer in (self.linger_timer, self.head_timer, self.rest_timer):
             if timer is not None:
                 timer.cancel()
-        self.linger_timer = self.head_timer = None
+        self.linger_timer = self.head_timer = self.rest_timer = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:
@@ -680,6 +720,14 @@ class GatewayProtocol(HttpToolsProtocol):
         if complete:
             cycle.more_body = False
         cycle.message_event.set()
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request with these (lower-case) header fields has a body."""
+    return any(
+        name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" 0"))
+        for name, value in headers
+    )
 
 
 class _Refused(Exception):

@@ -216,11 +216,7 @@ class GatewayApp:
                 [(b"content-type", b"application/json"), *([Outcome.BYPASS.header] if api else [])],
                 api.error_body(error) if api else error.body(),
             )
-        elif (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and _cached_path(scope["path"])
-        ):
+        elif scope["type"] == "http" and scope["method"] == "POST" and _cached_path(scope["path"]):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
             await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
         elif scope["type"] == "http" and scope["path"].startswith("/v1/"):

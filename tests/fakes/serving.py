@@ -138,6 +138,7 @@ async def serve_app_with_server(
         "lifespan": "auto",
         "log_config": None,
         "http": protocol(),
+        "ws": "none",  # (as ``carpool serve``)
     }
     options.update(config_kwargs)
     config = uvicorn.Config(app, host=host, port=0, **options)

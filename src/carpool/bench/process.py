@@ -270,6 +270,7 @@ def serve(
             lifespan=lifespan,  # type: ignore[arg-type]  # ("on" | "off" | "auto")
             backlog=BACKLOG,
             http=http,
+            ws="none",  # (as ``carpool serve``)
         )
     )
     exit_with_parent()
