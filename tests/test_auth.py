@@ -194,6 +194,30 @@ async def test_a_replica_whose_own_key_is_refused_is_left_out_and_its_calls_fail
         assert (await gw.client.get("/readyz")).status_code == 200  # (west answers)
 
 
+async def test_a_403_to_a_replicas_own_key_is_an_answer_and_takes_no_replica_out(
+    fake, gateway_with
+):
+    """A 403 says what a key may do (a model, an endpoint: a restricted key refused /models),
+    as often the request's as the key's: with keys of their own it downed the replica, so one
+    client asking for a model its account may not use took every replica out of rotation, and
+    an idle gateway whose keys may not list models was never ready."""
+    fake.fail_status = 403
+    config = {
+        "upstreams": [fake.url, fake.url],
+        "upstream_names": ["east", "west"],
+        "upstream": {"api_keys": ["sk-east", "sk-west"]},
+    }
+    async with gateway_with(**config) as gw:
+        response = await gw.client.post("/v1/chat/completions", json=BODY)
+        assert response.status_code == 502 and fake.count() == 1  # not failed over
+        assert (await gw.client.get("/readyz")).status_code == 200
+        replicas = (await gw.client.get("/stats")).json()["replicas"]
+        assert {name: replica["state"] for name, replica in replicas.items()} == {
+            "east": "healthy",
+            "west": "healthy",
+        }
+
+
 def test_the_upstream_key_may_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("CARPOOL_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     config = Config(upstream={"api_key": "${CARPOOL_TEST_UPSTREAM_KEY}"})

@@ -84,7 +84,7 @@ class RoutingConfig(Section):
         5.0,
         gt=0,
         description="Seconds a replica is left out after a connection failure, timeout or 5xx "
-        "(or a refusal of its own key, `upstream.api_keys`); "
+        "(or a 401 to its own key, `upstream.api_keys`); "
         "doubled each time a call sent to it once it was left out (a probe) fails, up to "
         "backoff_max_s (the calls already in flight that fail with the first failure add "
         "nothing). Shorter: a recovered "
@@ -155,9 +155,10 @@ class UpstreamConfig(Section):
         default_factory=list,
         description="One key per upstream replica, in the order of `upstreams` (each a value or "
         "`${ENV_VAR}`), when the replicas need different keys; overrides `api_key`. When they "
-        "differ, a replica that refuses its key (401/403: revoked, mistyped) is left out like "
-        "a failing one (`routing.backoff_s`) and the call is tried once on another replica; "
-        "with one key for every replica a refusal is the call's (a 502, no replica left out). "
+        "differ, a replica that refuses its key (401: revoked, mistyped) is left out like "
+        "a failing one (`routing.backoff_s`) and the call is tried once on another replica "
+        "(a 403, what the key may do, stays the call's); with one key for every replica a "
+        "refusal is the call's (a 502, no replica left out). "
         "Empty: `api_key` for every replica.",
     )
     stream_usage: bool = Field(

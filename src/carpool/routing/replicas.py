@@ -45,10 +45,11 @@ all, and so whether ``text`` matters):
   another replica would refuse it the same, and one client's request must not take replicas
   out of rotation. Those are logged (a warning, at most one per replica per
   ``log_interval``): a key the upstream refuses is the operator's to fix. With a key of its
-  own per replica (``own_keys``: ``upstream.api_keys`` that are not all the same) a refusal is
+  own per replica (``own_keys``: ``upstream.api_keys`` that are not all the same) a 401 is
   about that replica's key (revoked, mistyped) and nothing ran: it downs the replica and the
   call fails over, as for an unreachable one (a key several replicas share is found out on
-  each; a refusal of the request on one costs a retry and a back-off, not the request).
+  each). A 403 stays an answer there too: it says what the key may do (a model, an endpoint),
+  and a client asking for what its account may not have must not take replicas out.
 - Decisions: ``decided(decision)`` once per ``send``, however it ended (answered, raised,
   cancelled), with its last attempt's decision (``/stats`` ``routing``).
 - In flight: counted from the send until the answer is complete: for a complete body, when
@@ -67,8 +68,8 @@ all, and so whether ``text`` matters):
   ready while some replica is healthy or its back-off is over (then the next request probes it:
   reporting not-ready then would keep away the traffic that finds out it is back). A replica
   that answers the readiness probe at all, with a 401/403 to the gateway's key too, is
-  reachable; but for a refusal of its own key (``own_keys``): none of its calls would be
-  answered, it is downed.
+  reachable; but for a 401 to its own key (``own_keys``): none of its calls would be
+  answered, it is downed (a 403 to ``/models``, a restricted key's, is reachable).
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ class ReplicaSet:
                     replica, decision = retry[0], Decision.FAILOVER
                     continue
                 except UpstreamKeyRefused as error:
-                    if not self.own_keys:
+                    if not self._own_key_refused(error):
                         # An answer (the replica is up), and another replica would refuse the same
                         # call (the same key): not failed over, no replica left out.
                         replica.answered, replica.answered_at = True, self.clock()
@@ -386,7 +387,7 @@ class ReplicaSet:
             self._failed(replica, _what(error), seen)
             raise
         except UpstreamKeyRefused as error:  # (see ``send``)
-            if self.own_keys:
+            if self._own_key_refused(error):
                 replica.answered_at = self.clock()
                 self._failed(replica, _key_refused(error), seen)
                 raise
@@ -443,6 +444,13 @@ class ReplicaSet:
             what,
         )
         replica.logged_at, replica.unlogged = now, 0
+
+    def _own_key_refused(self, error: UpstreamKeyRefused) -> bool:
+        """A refusal about the replica's own key, not the call: a 401 (the key unknown,
+        revoked) with keys that differ from replica to replica. A 403 is about what the key
+        may do (a model, an endpoint: a restricted key refused ``/models``), as often the
+        request's: an answer, as with one key for all."""
+        return self.own_keys and error.upstream_status == 401
 
     def _refused(self, replica: ReplicaState, error: UpstreamKeyRefused) -> None:
         """A call refused with the gateway's key: a warning, at most one per ``log_interval``
@@ -544,7 +552,7 @@ class ReplicaSet:
             except PathNotAllowed:
                 pass  # an in-process upstream: no /models, but up
             except UpstreamKeyRefused as error:
-                if self.own_keys:  # (its own key refused: no call of it would be answered)
+                if self._own_key_refused(error):  # (no call of it would be answered)
                     self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)
                     continue
                 self._refused(replica, error)  # an answer: reachable
