@@ -423,10 +423,8 @@ async def test_the_admin_token_refuses_every_wrong_token_equal_length_or_not(fak
             f"Bearer {ADMIN[:-1]}",
             f"Bearer {ADMIN}x",
             f"Bearer {ADMIN}\tx",
-            f"bearer {ADMIN}",
             f"Basic {ADMIN}",
             ADMIN,
-            f"Bearer  {ADMIN}",
             f"Bearer {ADMIN.upper()}",
             b"Bearer \xff\xfe" + ADMIN.encode()[2:],
         ]
@@ -435,8 +433,10 @@ async def test_the_admin_token_refuses_every_wrong_token_equal_length_or_not(fak
             assert response.status_code == 401, authorization
             error = response.json()["error"]
             assert error["code"] == "unauthorized" and ADMIN not in response.text
-        accepted = await invalidate(f"Bearer {ADMIN}")
-        assert accepted.status_code == 200 and accepted.json() == {"invalidated": 0}
+        # A scheme is read in any case, and spaces may be more than one (RFC 9110 11.4).
+        for given in (f"Bearer {ADMIN}", f"bearer {ADMIN}", f"BEARER {ADMIN}", f"Bearer  {ADMIN}"):
+            accepted = await invalidate(given)
+            assert accepted.status_code == 200 and accepted.json() == {"invalidated": 0}
     async with gateway_with() as gw:  # no token configured: admin is off
         off = await gw.client.post(
             "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer anything"}
