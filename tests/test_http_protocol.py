@@ -875,3 +875,34 @@ async def test_a_request_without_a_body_asking_to_upgrade_is_served_as_if_it_had
             )
             status, _, _ = await asyncio.wait_for(_response(reader), 5)
     assert status == 200
+
+
+async def test_the_rest_of_a_body_answered_early_that_came_leaves_the_idle_connection_to_keep_alive(
+    fake,
+):
+    """The rest of a body answered before its end came in time, then nothing: each read of
+    the rest had disarmed uvicorn's keep-alive timer, and nothing armed it again (two writes
+    held a connection for ever). Idle between requests, it is keep-alive's again."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"body_read_timeout": 30})))
+    async with serve_app_with_server(app, timeout_keep_alive=1) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(b"POST /nope HTTP/1.1\r\nhost: gw\r\ncontent-length: 10\r\n\r\n12345")
+            status, _, _ = await asyncio.wait_for(_response(reader), 5)
+            writer.write(b"67890")  # the rest, in time; then idle
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by keep-alive
+    assert status == 404
+
+
+async def test_a_pipelined_requests_late_body_still_gets_its_408(fake):
+    """The rest timer of an answer given before its body's end was armed for the body of the
+    request pipelined behind it, and closed the connection without that request's 408."""
+    async with _gateway(fake, limits={"body_read_timeout": 0.5}) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n"
+                b"POST /v1/models HTTP/1.1\r\nhost: gw\r\ncontent-length: 20\r\n\r\n12345"
+            )
+            first, _, _ = await asyncio.wait_for(_response(reader), 5)
+            second, _, body = await asyncio.wait_for(_response(reader), 10)
+    assert (first, second) == (200, 408)
+    assert orjson.loads(body)["error"]["code"] == "body_timeout"

@@ -311,11 +311,19 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.phase, self.quiet = _IDLE, -1
-        if self.rest_timer is not None:
-            self.rest_timer.cancel()
+        rest = self.rest_timer
+        if rest is not None:
+            rest.cancel()
             self.rest_timer = None
         if self.held is None:
             super().on_message_complete()
+            if rest is not None and self.timeout_keep_alive_task is None and not self.pipeline:
+                # The rest of a body answered before its end came in time: each of its reads
+                # disarmed uvicorn's keep-alive timer. Between requests again, it is armed
+                # again, or the connection, idle, was held for ever.
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
             return
         if not self._answer():
             self._hand_over(complete=True)
@@ -338,8 +346,14 @@ class GatewayProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def on_response_complete(self) -> None:
+        behind = bool(self.pipeline)  # (then the body being read is the next request's)
         super().on_response_complete()
-        if self.phase == _BODY and self.head_timeout is not None and self.rest_timer is None:
+        if (
+            self.phase == _BODY
+            and not behind
+            and self.head_timeout is not None
+            and self.rest_timer is None
+        ):
             # Answered before its body's end (a 404, a refusal, an endpoint that reads none):
             # each read of the rest disarms the keep-alive timer, and no app reads it under
             # ``body_read_timeout``: a client sending a byte now and then held the connection
