@@ -370,10 +370,16 @@ async def test_every_admin_path_and_method_answers_in_openais_error_shape(fake, 
 async def test_every_path_and_method_no_route_serves_answers_in_openais_error_shape(gw, fake):
     # Starlette answered them in plain text, and ``POST /v1`` with a redirect to ``/v1/`` built
     # from the client's own ``Host`` header (``Host: evil.example`` came back in ``Location``).
-    for method, path in (("GET", "/"), ("GET", "/nonexistent"), ("POST", "/v1")):
+    for method, path in (
+        ("GET", "/"),
+        ("GET", "/nonexistent"),
+        ("POST", "/v1"),
+        ("GET", "/healthz/"),
+    ):
         response = await gw.client.request(method, path, headers={"host": "evil.example"})
         assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
         assert "location" not in response.headers
+        assert response.json()["error"]["param"] is None  # (OpenAI's shape: the SDKs read it)
     for path in ("/healthz", "/stats"):
         response = await gw.client.post(path, json={})
         assert (

@@ -154,7 +154,8 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
 
 def error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> Response:
     return Response(
-        orjson.dumps({"error": {"message": message, "type": kind, "code": code}}),
+        # (``param`` too, null: OpenAI's shape, as every other error of the gateway's own)
+        orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}),
         status,
         media_type="application/json",
     )

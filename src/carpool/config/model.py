@@ -70,7 +70,7 @@ class Config(Section):
         description="The token that enables /admin/* and guards /stats, /metrics and /dashboard: "
         "`Authorization: Bearer <token>` (the scheme in any case), or the password of Basic. "
         "Printable, without white space around it (a header value cannot carry that). An empty "
-        "one, in the file or as `CARPOOL_ADMIN_TOKEN=`, is refused (a secret that was not "
+        "one, `''` in the file or `CARPOOL_ADMIN_TOKEN=`, is refused (a secret that was not "
         "mounted): give one, or null for none. null: /admin/* does not exist and the others are "
         "open to whoever reaches the port (start-up warns when that is beyond loopback).",
     )
