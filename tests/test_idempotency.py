@@ -544,6 +544,29 @@ async def test_one_tenants_flood_of_keys_evicts_its_own_records_not_another_tena
     assert (await records.begin("heavy\n2", FP)).state == "done"
 
 
+@pytest.mark.parametrize(
+    "flood",
+    [lambda n: f"loud:cookie-{n}\n{n}", lambda n: f"made-up-{n}\n{n}"],
+    ids=["one tenant, a new cookie each", "a new tenant each"],
+)
+async def test_tenants_made_up_per_record_evict_no_one_sooner_than_a_plain_lru(flood) -> None:
+    """A key's tenant is its requester's own, not the digest of its other credentials (a
+    cookie changed on each request made a one-record tenant of each, and the quiet tenant,
+    then the largest, lost its newest records first); and records of many tenants of one
+    record each (keys made up, without client_keys_file) are each at their share: the oldest
+    of all goes, as in a plain LRU, never a quiet tenant's newer record before them."""
+    records = MemoryIdempotencyRecords(60, max_records=10)
+    for n in range(7):
+        await records.finish(flood(n), await begin_new(records, flood(n)), OK)
+    for n in range(3):
+        await records.finish(f"quiet\n{n}", await begin_new(records, f"quiet\n{n}"), OK)
+    for n in range(7, 10):
+        await records.finish(flood(n), await begin_new(records, flood(n)), OK)
+    for n in range(3):
+        assert (await records.begin(f"quiet\n{n}", FP)).state == "done"
+    assert [(await records.begin(flood(n), FP)).state for n in range(3)] == ["new"] * 3
+
+
 async def test_equal_shares_evict_another_tenants_record_before_the_one_just_put() -> None:
     records = MemoryIdempotencyRecords(60, max_records=2)
     for key in ("a\n1", "b\n1", "c\n1"):

@@ -342,7 +342,7 @@ async def test_one_tenants_flood_of_keys_never_makes_another_tenants_retry_run_a
 ):
     # In-process records beyond idempotency.max_records: the oldest overall went, so a tenant
     # sending many keys evicted a quiet tenant's finished record, and its retry ran again.
-    async with gateway_with(idempotency={"max_records": 3}) as gw:
+    async with gateway_with(idempotency={"max_records": 4}) as gw:
         quiet = {**KEY, "Authorization": "Bearer quiet"}
         first = await gw.chat("quiet question", temperature=0.9, headers=quiet)
         for i in range(6):

@@ -112,9 +112,10 @@ class IdempotencyConfig(Section):
         100_000,
         gt=0,
         description="In-process records kept (without `redis`, or its fallback): beyond it the "
-        "oldest finished ones of the tenant holding the most go before their retention "
-        "(logged), and a retry of theirs runs again: one tenant's flood of keys evicts its own; "
-        "records being processed are never evicted.",
+        "oldest finished ones go before their retention (logged), and a retry of theirs runs "
+        "again; but a tenant holding less than its share (max_records / tenants) keeps its "
+        "records while another holds more: one tenant's flood of keys evicts its own. Records "
+        "being processed are never evicted.",
     )
     max_bytes: int = Field(
         256 * 1024 * 1024,

@@ -2,26 +2,31 @@
 
 Contract:
 - ``Finished(max_records=, max_bytes=, size=, expires=, clock=, on_gone=)`` holds finished
-  records by key; a key's tenant is its part before the first newline (``once.scope_of``
-  writes the requester's scope there; a key without one is its own tenant).
+  records by key; a key's tenant is its requester's own: the part before its first newline
+  and any ``:`` (``once.scope_of`` writes the requester's scope there, then a digest of its
+  other credentials, which a client can change at will: a cookie).
 - After every ``put``: ``len <= max_records`` and ``bytes <= max_bytes``. Beyond a bound, the
-  oldest record of the tenant holding the largest share of it goes (share: the larger of its
-  records over ``max_records`` and its bytes over ``max_bytes``; of equal shares, the tenant
-  that gained a record least recently, so the record just put stays if another can go), so a
-  tenant that finishes records faster than the others evicts its own first: one tenant's
-  flood of keys cannot evict another's records (a retry of theirs would run its generation
-  again). A record too large for
-  ``max_bytes`` on its own is not kept. Evictions are counted in ``evictions``.
+  oldest record of all goes, as in a plain LRU, unless its tenant holds less than its fair
+  share of both bounds (fewer than ``max_records // tenants`` records and fewer than
+  ``max_bytes / tenants`` bytes, ``tenants`` those holding records; the tenant that put the
+  record judged without it): then the oldest record of
+  the tenant holding the largest share goes (share: the larger of its records over
+  ``max_records`` and its bytes over ``max_bytes``; of equal shares, the tenant that gained a
+  record least recently). So one tenant finishing records faster than the others evicts its
+  own, never a quiet tenant's (a retry of theirs would run its generation again); and many
+  tenants of a record each (keys a client without ``auth.client_keys_file`` can make up) are
+  each at their share, so no tenant is evicted sooner than a plain LRU would evict it. A
+  record too large for ``max_bytes`` on its own is not kept. Evictions are counted in
+  ``evictions``.
 - Expiry as ``carpool.lru``'s: ``expires(record)`` on the clock's monotonic time; lazy
   (``peek`` drops what it finds expired), ``expire()`` drops all that have.
 - O(1) but ``expire`` (a scan) and an eviction's choice of tenant (O(log tenants)).
 - ``on_gone(key, record)`` hears of every record dropped on its own (evicted or expired), not
   of those the caller pops or replaces.
 
-Why a tenant's share and not the oldest overall: the records guard the at-most-once promise,
-and the oldest overall may be a quiet tenant's record still within its retention. Why a list
-threaded through the records rather than an ``LRU`` a tenant: with a tenant per record (many
-clients, one key each) an ``LRU`` would add ~1.4 KB a record; a ``_Tenant`` adds ~100 bytes.
+Why lists threaded through the records rather than an ``LRU`` a tenant: with a tenant per
+record (many clients, one key each) an ``LRU`` would add ~1.4 KB a record; a ``_Tenant`` adds
+~100 bytes.
 """
 
 from __future__ import annotations
@@ -36,15 +41,18 @@ V = TypeVar("V")
 
 
 class _Node(Generic[V]):
-    """A record in its tenant's list, oldest first."""
+    """A record in its tenant's list (``older``/``newer``) and in the list of all
+    (``before``/``after``), oldest first in each."""
 
-    __slots__ = ("key", "value", "older", "newer")
+    __slots__ = ("key", "value", "older", "newer", "before", "after")
 
-    def __init__(self, key: str, value: V, older: _Node[V] | None) -> None:
+    def __init__(self, key: str, value: V) -> None:
         self.key = key
         self.value = value
-        self.older = older
+        self.older: _Node[V] | None = None
         self.newer: _Node[V] | None = None
+        self.before: _Node[V] | None = None
+        self.after: _Node[V] | None = None
 
 
 class _Tenant(Generic[V]):
@@ -62,7 +70,8 @@ class _Tenant(Generic[V]):
 
 
 class Finished(Generic[V]):
-    """Finished records, a list a tenant, bounded together (the module doc)."""
+    """Finished records, in the order of their puts and a list a tenant, bounded together (the
+    module doc)."""
 
     def __init__(
         self,
@@ -82,6 +91,8 @@ class Finished(Generic[V]):
         self._clock = clock
         self._on_gone = on_gone
         self._nodes: dict[str, _Node[V]] = {}
+        self._first: _Node[V] | None = None  # the oldest of all
+        self._last: _Node[V] | None = None
         self._tenants: dict[str, _Tenant[V]] = {}
         self._puts = 0
         self._bytes = 0
@@ -113,8 +124,8 @@ class Finished(Generic[V]):
         return node.value
 
     def put(self, key: str, record: V) -> bool:
-        """Keep ``record`` under ``key`` as its tenant's newest; False if it is too large to
-        keep (whatever was under ``key`` is gone either way)."""
+        """Keep ``record`` under ``key`` as the newest; False if it is too large to keep
+        (whatever was under ``key`` is gone either way)."""
         self.pop(key)
         counted = self._size(key, record)
         if counted > self.max_bytes:
@@ -123,12 +134,18 @@ class Finished(Generic[V]):
         tenant = self._tenants.get(name)
         if tenant is None:
             tenant = self._tenants[name] = _Tenant()
-        node = self._nodes[key] = _Node(key, record, tenant.newest)
+        node = self._nodes[key] = _Node(key, record)
+        node.older, node.before = tenant.newest, self._last
         if tenant.newest is None:
             tenant.oldest = node
         else:
             tenant.newest.newer = node
         tenant.newest = node
+        if self._last is None:
+            self._first = node
+        else:
+            self._last.after = node
+        self._last = node
         tenant.count += 1
         tenant.bytes += counted
         self._bytes += counted
@@ -136,10 +153,8 @@ class Finished(Generic[V]):
         tenant.gained = self._puts
         self._ranked(name, tenant)
         while len(self._nodes) > self.max_records or self._bytes > self.max_bytes:
-            oldest = self._tenants[self._largest()].oldest
-            assert oldest is not None  # (a tenant with no record is not held)
             self.evictions += 1
-            self._gone(oldest)
+            self._gone(self._evicted(name))
         return key in self._nodes
 
     def pop(self, key: str) -> V | None:
@@ -155,6 +170,30 @@ class Finished(Generic[V]):
             self._gone(node)
 
     # ------------------------------------------------------------------ internals
+
+    def _evicted(self, putter: str) -> _Node[V]:
+        """The record a bound evicts when ``putter`` put one: the oldest of all, unless its
+        tenant held less than its share of both bounds (``max_records // tenants`` records,
+        ``max_bytes / tenants`` bytes; the putter's judged without the record it put, which
+        would otherwise make its own oldest fair game); then the oldest of the tenant holding
+        the largest share."""
+        oldest = self._first
+        assert oldest is not None  # (over a bound: some record is held)
+        name = _tenant(oldest.key)
+        tenant, tenants = self._tenants[name], len(self._tenants)
+        held, held_bytes = tenant.count, tenant.bytes
+        if name == putter and tenant.newest is not None:
+            held, held_bytes = (
+                held - 1,
+                held_bytes - self._size(tenant.newest.key, tenant.newest.value),
+            )
+        if held < self.max_records // tenants and held_bytes * tenants < self.max_bytes:
+            largest = self._largest()
+            if largest != name:
+                oldest_of_largest = self._tenants[largest].oldest
+                assert oldest_of_largest is not None  # (a tenant with no record is not held)
+                return oldest_of_largest
+        return oldest
 
     def _gone(self, node: _Node[V]) -> None:
         """``node`` dropped on its own: evicted, or found expired."""
@@ -174,7 +213,15 @@ class Finished(Generic[V]):
             tenant.newest = node.older
         else:
             node.newer.older = node.older
-        node.older = node.newer = None
+        if node.before is None:
+            self._first = node.after
+        else:
+            node.before.after = node.after
+        if node.after is None:
+            self._last = node.before
+        else:
+            node.after.before = node.before
+        node.older = node.newer = node.before = node.after = None
         counted = self._size(node.key, node.value)
         tenant.count -= 1
         tenant.bytes -= counted
@@ -205,4 +252,8 @@ class Finished(Generic[V]):
 
 
 def _tenant(key: str) -> str:
-    return key.partition("\n")[0]
+    """A key's tenant: its requester's own (``Fingerprint.owner``), the part before the first
+    newline and before any ``:`` (``once.scope_of`` adds there a digest of the other
+    credentials a client presented, a cookie among them: one a request would make a new
+    tenant of each request)."""
+    return key.partition("\n")[0].partition(":")[0]

@@ -3,8 +3,9 @@
 One process only: a retry that reaches another instance is not protected (with ``redis``, the
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
 swept lazily and *finished* ones are evicted beyond ``max_records``/``max_bytes``, the oldest
-of the tenant holding the largest share first, so that one tenant's flood of keys cannot evict
-another's records (``finished``; counted in ``evictions``, logged): a record being processed is never evicted
+first, but a tenant holding less than its share keeps its own while another holds more, so
+that one tenant's flood of keys cannot evict another's records (``finished``; counted in
+``evictions``, logged): a record being processed is never evicted
 (its retry would run the generation again while it runs), and those are as many as the
 requests in flight. Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move
 it).
@@ -53,9 +54,9 @@ class MemoryIdempotencyRecords:
     """The records in this process. ``retention``/``processing_ttl`` in seconds.
 
     Bounded: expired records are dropped when met and swept every ``sweep_interval`` seconds;
-    beyond ``max_records`` finished records or ``max_bytes`` of stored responses the oldest
-    finished ones of the tenant with the largest share are evicted (``finished``; an evicted
-    key is free again). Records being processed are kept
+    beyond ``max_records`` finished records or ``max_bytes`` of stored responses finished ones
+    are evicted, oldest first but fairly between tenants (``finished``; an evicted key is free
+    again). Records being processed are kept
     apart (``_running``), never evicted. A response larger than ``max_bytes`` is not kept.
     """
 
