@@ -228,7 +228,10 @@ class Leader:
         if request.api.keeps_state:  # (tagged with the stored responses it is or continues)
             state = _state_tags(request, key.owner, answer)
             if self.states.deleted(state):
-                return ""  # (it is or continues a response deleted while its call ran)
+                # It is or continues a response deleted while its call ran: not stored, and
+                # its flight is joined by no request from now on (nor lingers, done).
+                self.flights.forget(led)
+                return ""
             tags = (*tags, *state)
             # Known before it is stored: a DELETE from now on drops it (``state_index``).
             self.states.add(state, dict.fromkeys((key.key, led)))
@@ -244,6 +247,7 @@ class Leader:
             # Deleted while it was being stored (Redis): the DELETE's own drop may have come
             # before the put; taken back.
             await self.store.forget(key.key)
+            self.flights.forget(led)
             return ""
         if view is None or self.semantic is None or (probe is not None and probe.failed):
             return key.key  # (its embedder failed on the lookup: not asked again)
