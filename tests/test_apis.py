@@ -582,6 +582,20 @@ async def test_an_answer_deleted_while_in_flight_is_not_stored(gw, fake):
     assert (await gw.chat("Another question", headers=bearer_of("a"))).headers["x-carpool"] == "hit"
 
 
+async def test_an_answer_whose_response_the_index_forgot_is_not_kept(fake, gateway_with):
+    # The index of what each stored response's DELETE drops is bounded (routing.state_entries):
+    # a response it no longer knows has its answers dropped then, so that none outlives a
+    # DELETE the index could not see to.
+    fake.keeps_responses = True
+    async with gateway_with(routing={"state_entries": 1}) as gw:
+        first = body_of("responses", "First")
+        assert (await gw.client.post(RESPONSES, json=first)).headers["x-carpool"] == "miss"
+        assert (await gw.client.post(RESPONSES, json=first)).headers["x-carpool"] == "hit"
+        await gw.client.post(RESPONSES, json=body_of("responses", "Second"))  # (First out)
+        await eventually(lambda: gw.gateway.store.entries == 1, what="First's answer dropped")
+        assert (await gw.client.post(RESPONSES, json=first)).headers["x-carpool"] == "miss"
+
+
 def test_the_gateways_own_tags_are_no_clients_tags():
     # The tag of a stored response's answers could be named by no client (nor collide with a
     # client's tag): every tag a client gives is printable, and this one is not.
