@@ -486,6 +486,116 @@ async def test_a_delete_drops_only_the_deleting_tenants_answers(gw, fake):
     assert outcomes == {"a": "hit", "b": "miss"}
 
 
+async def _in_flight(gw: Any, fake: Any, text: str, key: str) -> asyncio.Task[Any]:
+    """``key``'s chat call of ``text``, held by the fake upstream until ``fake.gate`` is set
+    (the gate it found: a DELETE sent after it goes through)."""
+    asked = fake.count(CHAT)
+    fake.gate = asyncio.Event()
+    call = asyncio.create_task(gw.chat(text, headers=bearer_of(key)))
+    await eventually(lambda: fake.count(CHAT) == asked + 1, what="the call at the upstream")
+    return call
+
+
+async def test_a_delete_splits_no_other_tenants_flight(gw, fake):
+    # A DELETE of a tenant's own stored response dropped every flight there was: another
+    # tenant's identical request, made while its first was in flight, was a second call.
+    fake.keeps_responses = True
+    made = await gw.client.post(RESPONSES, json=body_of("responses"), headers=bearer_of("b"))
+    first = await _in_flight(gw, fake, "A's question", "a")
+    held, fake.gate = fake.gate, None
+    assert (
+        await gw.client.delete(f"{RESPONSES}/{made.json()['id']}", headers=bearer_of("b"))
+    ).status_code == 200
+    fake.gate = held  # (a call made now would wait too: the join is seen, not raced)
+    second = asyncio.create_task(gw.chat("A's question", headers=bearer_of("a")))
+    await eventually(
+        lambda: gw.gateway.flights.waiters == 2 or fake.count(CHAT) == 2,
+        what="A's second request on A's flight, or at the upstream",
+    )
+    assert held is not None
+    held.set()
+    one, two = await first, await second
+    assert one.status_code == two.status_code == 200 and fake.count(CHAT) == 1
+    assert two.headers["x-carpool"] == "coalesced"
+
+
+async def test_a_delete_unstores_no_other_tenants_answer(gw, fake):
+    # A DELETE moved every flight's epoch: another tenant's answer in flight was not stored.
+    fake.keeps_responses = True
+    made = await gw.client.post(RESPONSES, json=body_of("responses"), headers=bearer_of("b"))
+    first = await _in_flight(gw, fake, "A's question", "a")
+    held, fake.gate = fake.gate, None
+    assert (
+        await gw.client.delete(f"{RESPONSES}/{made.json()['id']}", headers=bearer_of("b"))
+    ).status_code == 200
+    assert held is not None
+    held.set()
+    assert (await first).headers["x-carpool"] == "miss"
+    assert (await gw.chat("A's question", headers=bearer_of("a"))).headers["x-carpool"] == "hit"
+
+
+async def test_a_delete_invalidates_nothing(gw, fake, monkeypatch):
+    # A client's DELETE drops its response's answers by key: no layer is scanned, no flight
+    # forgotten (an invalidation of every layer is the operator's, and costs every tenant).
+    fake.keeps_responses = True
+    layers = gw.gateway.layers
+    scanned: list[str] = []
+
+    async def invalidate(selector: Any) -> int:
+        scanned.append(f"store.invalidate({selector})")
+        return 0
+
+    def forget_all() -> int:
+        scanned.append("flights.forget_all")
+        return 0
+
+    monkeypatch.setattr(layers.store, "invalidate", invalidate)
+    monkeypatch.setattr(layers.flights, "forget_all", forget_all)
+    asked = body_of("responses")
+    made = (await gw.client.post(RESPONSES, json=asked)).json()
+    epoch = layers.flights.epoch
+    assert (await gw.client.delete(f"{RESPONSES}/{made['id']}")).status_code == 200
+    assert scanned == [] and layers.flights.epoch == epoch
+    assert (await gw.client.post(RESPONSES, json=asked)).headers["x-carpool"] == "miss"
+
+
+async def test_an_answer_deleted_while_in_flight_is_not_stored(gw, fake):
+    # A stream names its response first (response.created): its client may delete it before
+    # the answer is whole. The answer being that response is not stored once whole (it would
+    # be served again under a deleted id); another answer in flight meanwhile is.
+    fake.keeps_responses = True
+    other = await _in_flight(gw, fake, "Another question", "a")
+    held, fake.gate = fake.gate, None
+    fake.chunk_gate, fake.chunk_gate_after = asyncio.Event(), 1
+    asked = body_of("responses", "Streamed, deleted while it streams")
+    streaming = asyncio.create_task(stream(gw, RESPONSES, asked))
+    await fake.chunk_gate_reached.wait()
+    (made,) = fake.kept  # (the only response made)
+    assert (await gw.client.delete(f"{RESPONSES}/{made}")).status_code == 200
+    fake.chunk_gate.set()
+    assert held is not None
+    held.set()
+    response, _ = await streaming
+    assert response.status_code == 200 and (await other).status_code == 200
+    again = await gw.client.post(RESPONSES, json=asked)
+    assert again.headers["x-carpool"] == "miss" and again.json()["id"] != made
+    assert (await gw.chat("Another question", headers=bearer_of("a"))).headers["x-carpool"] == "hit"
+
+
+async def test_an_answer_whose_response_the_index_forgot_is_not_kept(fake, gateway_with):
+    # The index of what each stored response's DELETE drops is bounded (routing.state_entries):
+    # a response it no longer knows has its answers dropped then, so that none outlives a
+    # DELETE the index could not see to.
+    fake.keeps_responses = True
+    async with gateway_with(routing={"state_entries": 1}) as gw:
+        first = body_of("responses", "First")
+        assert (await gw.client.post(RESPONSES, json=first)).headers["x-carpool"] == "miss"
+        assert (await gw.client.post(RESPONSES, json=first)).headers["x-carpool"] == "hit"
+        await gw.client.post(RESPONSES, json=body_of("responses", "Second"))  # (First out)
+        await eventually(lambda: gw.gateway.store.entries == 1, what="First's answer dropped")
+        assert (await gw.client.post(RESPONSES, json=first)).headers["x-carpool"] == "miss"
+
+
 def test_the_gateways_own_tags_are_no_clients_tags():
     # The tag of a stored response's answers could be named by no client (nor collide with a
     # client's tag): every tag a client gives is printable, and this one is not.

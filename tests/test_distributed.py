@@ -63,14 +63,19 @@ async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, shar
 
 async def test_a_deleted_response_is_dropped_on_every_instance(fake, shared_redis):
     # Deleted through one instance, the stored response another instance made and stored in
-    # Redis is no longer served by either. (No window: nothing lingers in the instance that
-    # made it, whose pub/sub message may come a little later.)
+    # Redis is no longer served by either: the instance that stored it (which alone knows its
+    # key) drops it, here and in Redis, once the deleter's message reaches it (pub/sub:
+    # milliseconds; until then it may be served). (No window: nothing lingers.)
     fake.keeps_responses = True
     body = {"model": "m", "input": "Keep me, then delete me", "temperature": 0}
     async with two_gateways(fake, shared_redis, coalesce={"window_ms": 0}) as (a, b):
         rid = (await a.client.post("/v1/responses", json=body)).json()["id"]
         assert (await b.client.post("/v1/responses", json=body)).headers["x-carpool"] == "hit"
+        channel = a.gateway.invalidations
+        assert channel is not None
         assert (await b.client.delete(f"/v1/responses/{rid}")).status_code == 200
+        await eventually(lambda: channel.counts["states_received"] == 1, what="A told of it")
+        assert channel.counts["received"] == 0  # (no invalidation: A forgot no flight)
         again = await a.client.post("/v1/responses", json=body)
         assert again.headers["x-carpool"] == "miss" and again.json()["id"] != rid
 

@@ -24,6 +24,7 @@ from carpool.peers.server import PeerServer
 from carpool.pipeline import Gateway
 from carpool.request import ClientRequest, parse
 from carpool.server import create_app
+from carpool.store.base import state_tag
 from carpool.wiring import build_gateway
 from conftest import Served
 from fakes.serving import serve_app
@@ -695,12 +696,31 @@ async def test_a_deleted_response_is_dropped_on_every_worker(fake):
         made = await pair.a.client.post("/v1/responses", json=body)  # B calls, both keep it
         rid = made.json()["id"]
         assert (await pair.b.client.post("/v1/responses", json=body)).headers["x-carpool"] == "hit"
+        epochs = [served.gateway.flights.epoch for served in (pair.a, pair.b)]
         deleted = await pair.a.client.delete(f"/v1/responses/{rid}")
         assert deleted.status_code == 200, deleted.text
         calls = fake.count()
         again = await pair.a.client.post("/v1/responses", json=body)
         assert again.status_code == 200 and again.json()["id"] != rid
         assert fake.count() == calls + 1
+        # By key ({"state": tag} through the peers' door): no invalidation of every layer.
+        assert [served.gateway.flights.epoch for served in (pair.a, pair.b)] == epochs
+
+
+async def test_only_a_worker_may_pass_a_deleted_responses_tag_on(fake):
+    """``{"state": tag}`` (a worker's DELETE passed on) comes through the peers' door only: on
+    the public port, even with the admin token, it is no selector."""
+    async with two_workers(fake.url, admin_token="t") as pair:
+        response = await pair.a.client.post(
+            "/admin/invalidate",
+            json={"state": state_tag("anonymous", "resp_1")},
+            headers={"Authorization": "Bearer t"},
+        )
+        assert response.status_code == 400
+        unauthorized = await pair.a.client.post(
+            "/admin/invalidate", json={"state": state_tag("anonymous", "resp_1")}
+        )
+        assert unauthorized.status_code == 401
 
 
 async def test_a_scrape_on_any_worker_counts_the_whole_run_once(fake):

@@ -8,9 +8,10 @@ Contract:
   ``{"invalidated": n}`` (``admin.invalidate``); with ``--workers N`` and no ``redis``, on every
   worker (``carpool.peers``), ``n`` counting them all. With ``redis``, one that did not reach
   it is a 503 with ``Retry-After`` (done in this process only: the shared answers stay). A
-  worker of the run passing an invalidation on (through its peers' door, with the run's
-  secret) needs no token: a deleted response's answers are dropped on every worker even
-  without one (``Gateway.passthrough``).
+  worker of the run passing it on (through its peers' door, with the run's secret) needs the
+  token too. Only such a worker may send ``{"state": tag}`` (a deleted response's, passed on
+  by ``Gateway.passthrough``: ``Gateway.forget_state``, what this worker stored under it, by
+  key), with or without a token; from anyone else it is an invalid selector (400).
 - ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
   that was wrong): the entry is dropped and counts as a wrong hit of its namespace
   (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
@@ -75,7 +76,7 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         peers: bool = False,
     ) -> Callable[[HttpRequest], Awaitable[Response]]:
         async def endpoint(request: HttpRequest) -> Response:
-            # (``peers``: a worker of this run passing it on, token or not.)
+            # (``peers``: a worker of this run, token or not: ``work`` checks what it may do.)
             trusted = peers and request.scope.get(PEER) is True
             if not trusted and (refused := refusal(request)) is not None:
                 return refused
@@ -96,8 +97,17 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         return endpoint
 
     async def invalidate(request: HttpRequest, spec: Any) -> Response:
+        peer = request.scope.get(PEER) is True
+        if peer and isinstance(spec, dict) and set(spec) == {"state"}:
+            # A deleted response's answers, by key (a worker's DELETE passed on): only a peer.
+            tag = spec["state"]
+            if not isinstance(tag, str) or not tag.startswith("\n"):
+                raise RequestError("a state is a stored response's tag")
+            return JSONResponse({"invalidated": await gateway.forget_state(tag)})
+        if peer and (refused := refusal(request)) is not None:
+            return refused  # (an invalidation of every layer: the operator's, token and all)
         # Passed on to the other workers, unless a worker passed it on to this one.
-        everywhere = request.scope.get(PEER) is not True
+        everywhere = not peer
         return JSONResponse({"invalidated": await gateway.invalidate(spec, everywhere=everywhere)})
 
     async def feedback(_: HttpRequest, spec: Any) -> Response:

@@ -279,6 +279,13 @@ class FlightGroup:
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
 
+    def forget_finished(self, key: str) -> None:
+        """No request joins ``key``'s finished flight (lingering in its window) any more; a
+        running one goes on (its answer, once stored, goes with its key: ``state_index``)."""
+        held = self._flights.get(key)
+        if held is not None and not _running(held):
+            del self._flights[key]
+
     def _linger(self, flight: Flight, answer: Answer, until: float, now: float) -> None:
         """Keep the finished ``flight`` joinable until ``until``, as a tuple (clause 3), if it
         is still the key's: then the timer frees it."""

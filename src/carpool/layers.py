@@ -9,6 +9,8 @@ Contract:
   ``/metrics`` and ``/healthz`` read of Redis (errors, pool exhaustion, health, stream counts).
 - ``holders``: which replica made each stored response this process saw (``routing.state``),
   for the follow-ups that only that replica can answer.
+- ``states``: the keys and semantic entries this process stored under each stored response's
+  tag (``state_index``), which a ``DELETE`` of it drops, and the responses deleted lately.
 - ``start()`` starts the background work that needs the event loop (the server calls it at
   startup; the layers also start lazily on first use); safe to call again.
 - ``peers`` is this worker's place among the workers of ``carpool serve --workers N`` without
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from .clock import SYSTEM_CLOCK, Clock
 from .routing.state import StateHolders
+from .state_index import StateIndex
 
 if TYPE_CHECKING:
     from .batching import EmbeddingBatcher
@@ -75,6 +78,8 @@ class Layers:
     clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
     # which replica made each stored response (``routing.state``)
     holders: StateHolders = field(default_factory=StateHolders)
+    # what each stored response's DELETE drops here, and the responses deleted (``state_index``)
+    states: StateIndex = field(default_factory=StateIndex)
 
     def start(self) -> None:
         """Start background work that needs the event loop (the server calls it at startup;

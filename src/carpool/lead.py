@@ -19,7 +19,11 @@ Contract:
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
 - An answer is stored with its request's tags and, for an API that keeps state upstream
   (Responses), the gateway's own (``store.base.state_tag``): the stored response it continues
-  and the one it is, in the requester's tenant, in the exact and the semantic cache alike.
+  and the one it is, in the requester's tenant, in the exact and the semantic cache alike;
+  its keys and semantic entry are indexed under those tags (``state_index``: what a ``DELETE``
+  of either drops). One whose response (continued or made) was deleted while its call ran is
+  not stored (``StateIndex.deleted``, asked before it is stored and again once it is: one
+  deleted meanwhile is taken back).
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, not
   asked without the usage other shapes of the request get (``exchange.without_usage``: a
@@ -80,6 +84,7 @@ class Leader:
         self.shared_store = layers.shared_store  # (``store`` itself, with ``redis``)
         self.peers = layers.peers
         self.invalidations = layers.invalidations
+        self.states = layers.states  # (what a stored response's DELETE drops: ``state_index``)
         self.fetch = fetch
         self.clock = layers.clock
         self.background: set[asyncio.Task[Any]] = set()  # semantic inserts off the path
@@ -207,6 +212,7 @@ class Leader:
             or without_usage(request, self.config)
         ):
             return ""
+        led = key.key  # (the key its flight was led under, the answer's until shared)
         if key.shared_key is not None:
             # A shared namespace's requester the upstream had not accepted yet: it just did, so
             # the answer is stored where the others read it.
@@ -218,8 +224,17 @@ class Leader:
             return ""  # back-dated past its TTL by its ``age``: expired already, in no layer
         assert key.key is not None  # (checked above; a shared key is one too)
         tags = controls.tags
+        state: tuple[str, ...] = ()
         if request.api.keeps_state:  # (tagged with the stored responses it is or continues)
-            tags = (*tags, *_state_tags(request, key.owner, answer))
+            state = _state_tags(request, key.owner, answer)
+            if self.states.deleted(state):
+                # It is or continues a response deleted while its call ran: not stored, and
+                # its flight is joined by no request from now on (nor lingers, done).
+                self.flights.forget(led)
+                return ""
+            tags = (*tags, *state)
+            # Known before it is stored: a DELETE from now on drops it (``state_index``).
+            self.states.add(state, dict.fromkeys((key.key, led)))
         entry = Entry(answer, expires, tags, key.namespace, prefix)
         since = begun.generation if begun is not None else None
         if self.shared_store is not None and since is not None:
@@ -228,6 +243,12 @@ class Leader:
             await self.shared_store.put(key.key, entry, since=since)
         else:
             await self.store.put(key.key, entry)
+        if state and self.states.deleted(state):
+            # Deleted while it was being stored (Redis): the DELETE's own drop may have come
+            # before the put; taken back.
+            await self.store.forget(key.key)
+            self.flights.forget(led)
+            return ""
         if view is None or self.semantic is None or (probe is not None and probe.failed):
             return key.key  # (its embedder failed on the lookup: not asked again)
         if answer_repeats_prompt(answer.body):
@@ -242,7 +263,7 @@ class Leader:
                 self.semantic.embed_failed(error)
                 return key.key
         insert = self._insert_semantic(
-            view, vector, answer, expires, tags, key.namespace, prefix, key.key, epoch
+            view, vector, answer, expires, tags, key.namespace, prefix, key.key, epoch, state
         )
         if vector is not None:
             try:
@@ -267,6 +288,7 @@ class Leader:
         prefix: str,
         key: str,
         epoch: int,
+        state: tuple[str, ...] = (),
     ) -> None:
         assert self.semantic is not None
         if vector is None:
@@ -275,11 +297,14 @@ class Leader:
             except Exception as error:  # (the cache's failure, counted: no entry)
                 self.semantic.embed_failed(error)
                 return
-        # Checked again once the prompt is embedded: an invalidation may have come meanwhile.
-        if epoch == self.flights.epoch:
-            await self.semantic.insert(
+        # Checked again once the prompt is embedded: an invalidation (or a DELETE of the
+        # response it is or continues) may have come meanwhile.
+        if epoch == self.flights.epoch and not self.states.deleted(state):
+            entry = await self.semantic.insert(
                 view, vector, answer, expires, tags, namespace, prefix, key=key
             )
+            if entry is not None and state:
+                self.states.add(state, entry=entry)
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self.background.discard(task)

@@ -62,9 +62,12 @@ Contract:
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
   stored response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
   A ``DELETE /responses/{id}`` the upstream answers 2xx first drops, in the deleter's tenant,
-  the answers that are or continue that response (their ``state_tag``: an invalidation of it,
-  ``invalidate``, every worker and instance, the flights forgotten), then is relayed; Redis
-  failing, the shared ones stay to their TTL (logged: the upstream deleted it all the same).
+  the answers that are or continue that response (their ``state_tag``), by key: those this
+  process stored under it (``state_index``: its keys, their lingering flights, their semantic
+  entries), then each other worker's (``Peers.forget_state``) and instance's (the Redis
+  invalidation channel's ``publish_state``), then is relayed. Not an invalidation: no other
+  flight is forgotten, no epoch moved, no layer scanned. Redis failing, the shared ones stay
+  to their TTL (logged: the upstream deleted it all the same).
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
   are ``exchange.py`` (the upstream call and its stream), ``lead.py`` (a flight's task: the call,
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
@@ -126,6 +129,7 @@ from .request import (
 )
 from .routing.state import path_deleted, path_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
+from .state_index import Held
 from .store.base import Entry, StoreUnavailable, state_tag
 from .upstream.base import PassthroughResponse
 
@@ -172,6 +176,11 @@ class Gateway:
             layers.idempotency, self.config, self.accepted, self.stats, self._answer, layers.clock
         )
         self.auditor = Auditor(layers)  # semantic hits checked against fresh answers
+        # A deleted response's answers, by key (``state_index``): those a tag pushed out of the
+        # index held; those of another instance's DELETE (Redis).
+        layers.states.evicted = self._forget_held
+        if self.invalidations is not None:
+            self.invalidations.on_state = self.forget_state
 
     @property
     def tracer(self) -> Tracer:
@@ -626,17 +635,40 @@ class Gateway:
 
     async def _forget_state(self, tenant: str, state_id: str) -> None:
         """Drop the answers tagged as being or continuing ``state_id`` (``state_tag``) in
-        ``tenant``, the deleter's: an invalidation of that tag (every layer, every worker and
-        instance). Redis failing, what it holds stays until its TTL (logged): the upstream
+        ``tenant``, the deleter's, by key: what this process stored under the tag
+        (``forget_state``), then what each other worker (``Peers.forget_state``) and instance
+        (``InvalidationChannel.publish_state``) did. No flight is forgotten, no epoch moved,
+        no layer scanned: a client's DELETE costs its own answers' keys, nothing of the other
+        tenants'. Redis failing, what it holds stays until its TTL (logged): the upstream
         deleted it all the same, and a retried DELETE would be a 404."""
-        try:
-            await self.invalidate({"tag": state_tag(tenant, state_id)})
-        except StoreUnavailable as error:
-            log.warning(
-                "the answers of deleted response %r stay in Redis until their TTL: %s",
-                state_id,
-                error,
-            )
+        tag = state_tag(tenant, state_id)
+        await self.forget_state(tag)
+        if self.peers is not None:
+            await self.peers.forget_state(tag)
+        if self.invalidations is not None:
+            await self.invalidations.publish_state(tag)
+
+    async def forget_state(self, tag: str) -> int:
+        """Here only: drop what this process stored under ``tag`` (a deleted response's
+        ``state_tag``: ``StateIndex.take``), and store no answer carrying it from now on; how
+        many answers went."""
+        return await self._forget_held(self.layers.states.take(tag))
+
+    async def _forget_held(self, held: Held) -> int:
+        """``held``'s answers dropped: each key's lingering flight, its entry (here and in
+        Redis: ``SharedStore.forget``), its semantic entries (this process's copies; another
+        instance's reference to the key dies with it)."""
+        dropped = 0
+        for key in held.keys:
+            self.flights.forget_finished(key)
+            try:
+                dropped += await self.store.forget(key)
+            except StoreUnavailable as error:
+                log.warning("an answer of a deleted response stays until its TTL: %s", error)
+        if self.semantic is not None:
+            for entry in held.entries:
+                dropped += self.semantic.forget_entry(entry)
+        return dropped
 
     async def invalidate(self, spec: Any, *, everywhere: bool = True) -> int:
         """Drop the answers matching ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``

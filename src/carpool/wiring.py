@@ -40,6 +40,7 @@ from .metrics import Metrics, Stats
 from .pipeline import Gateway
 from .routing.state import StateHolders
 from .semantic.audit import Audits
+from .state_index import StateIndex
 from .store import MemoryStore, Store
 from .tracing import Tracer
 from .upstream.base import Upstream, UpstreamRequest, UpstreamResponse
@@ -176,6 +177,7 @@ def build_layers(
         peers=peers,
         clock=clock,
         holders=StateHolders(config.routing.state_entries),
+        states=StateIndex(config.routing.state_entries),
     )
     return layers
 

@@ -25,7 +25,9 @@ Contract:
 - ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once (the slots'
   sockets and the spare ones); how many answers they dropped. A worker that does not answer
   holds nothing to drop when it is down (a new process starts empty); one that is alive but
-  does not answer in time is logged.
+  does not answer in time is logged. ``forget_state(tag)``: likewise, ``{"state": tag}`` (a
+  deleted response's, ``Gateway.forget_state``: what each stored under it, by key), which only
+  a peer may send (the door's secret) and no admin token opens.
 - ``metrics()``, ``stats()``: every other worker's own ``/metrics`` text or ``/stats``
   document, asked at once through its door (which answers for that worker alone), for
   ``peers.metrics``; one that does not answer within ``_SCRAPE_TIMEOUT`` is left out (logged).
@@ -237,6 +239,15 @@ class Peers:
         """``spec`` invalidated on every other worker; how many answers they dropped."""
         dropped = await asyncio.gather(
             *(self._invalidate_on(path, spec) for path in self._others())
+        )
+        return sum(dropped)
+
+    async def forget_state(self, tag: str) -> int:
+        """A deleted response's ``tag`` (``state_tag``) dropped on every other worker, by key:
+        ``{"state": tag}`` through their doors (``Gateway.forget_state``: no invalidation);
+        how many answers they dropped."""
+        dropped = await asyncio.gather(
+            *(self._invalidate_on(path, {"state": tag}) for path in self._others())
         )
         return sum(dropped)
 

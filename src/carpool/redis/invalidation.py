@@ -18,6 +18,12 @@ Contract:
   shared health (``health.invalidated_elsewhere()``: what this instance keeps in its own memory
   while degraded goes, counted in ``dropped_locally``; the message proves Redis answers). The
   publisher's own messages are skipped: ``Gateway.invalidate`` did both already.
+- ``publish_state(tag)`` (a 2xx ``DELETE`` of a stored response, ``Gateway.passthrough``): ``PUBLISH
+  P invalidations ID TAG`` (the tag, ``store.base.state_tag``, begins with a line feed): every
+  OTHER instance hands ``TAG`` to ``on_state`` (set by the gateway: ``Gateway.forget_state``,
+  which drops what that instance stored under it, by key: no flight forgotten, no scan), counted
+  in ``states_received``; nothing else. Sent and failing as ``publish`` (an instance that missed
+  it keeps what it stored under the tag until its TTL; its other answers are untouched).
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
   log); while that health says Redis is not to be tried, nothing is sent (``unsent``) and
@@ -39,7 +45,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .connection import Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
@@ -52,6 +58,7 @@ __all__ = ["InvalidationChannel"]
 log = logging.getLogger("carpool.invalidation")
 
 WAIT = 1.0  # s of one wait for a message (then the keepalive is considered)
+_ID = 16  # an instance's id: 16 hex digits
 KEEPALIVE = 5.0  # s without any message before the subscriber PINGs Redis
 
 _unavailable = unavailable_in("the invalidation channel")
@@ -79,6 +86,8 @@ class InvalidationChannel:
         self.channel = (prefix + "invalidations").encode()
         self.instance = secrets.token_hex(8).encode()
         self.forget = forget
+        # A deleted response's tag, from another instance (``publish_state``; the gateway's).
+        self.on_state: Callable[[str], Awaitable[object]] | None = None
         self.socket_timeout = socket_timeout
         self.retry_interval = retry_interval
         self.health = health
@@ -88,6 +97,7 @@ class InvalidationChannel:
                 "published",  # invalidations accepted by Redis
                 "unsent",  # not sent: Redis degraded (the others keep at most one window)
                 "received",  # invalidations of other instances applied here
+                "states_received",  # deleted responses of other instances dropped here
                 "forgotten",  # finished flights forgotten on their account
                 "dropped_locally",  # answers kept here while degraded, dropped on their account
                 "resubscribed",  # subscriptions made again after a failure (each forgets all)
@@ -125,12 +135,20 @@ class InvalidationChannel:
     async def publish(self) -> int:
         """Tell every other instance to forget its finished flights; how many subscribers Redis
         handed the message to (this instance's own included), 0 if it could not be sent."""
+        return await self._publish(self.instance)
+
+    async def publish_state(self, tag: str) -> int:
+        """Tell every other instance to drop what it stored under ``tag`` (a deleted response's
+        ``state_tag``), as ``publish``."""
+        return await self._publish(self.instance + tag.encode())
+
+    async def _publish(self, message: bytes) -> int:
         if self.health is not None and not self.health.usable():
             self.counts["unsent"] += 1
             return 0
         try:
             with _unavailable("publish an invalidation"):
-                receivers = await self._client.publish(self.channel, self.instance)
+                receivers = await self._client.publish(self.channel, message)
         except StoreUnavailable as error:
             self.counts["unsent"] += 1
             self._failed(error)
@@ -174,7 +192,12 @@ class InvalidationChannel:
                             subscribed_before = True
                             if self.health is not None:
                                 self.health.report(None)
-                        elif kind == "message" and message.get("data") != self.instance:
+                        elif kind != "message" or message.get("data") == self.instance:
+                            pass
+                        elif (state := _state_of(message.get("data"))) is not None:
+                            if state[0] != self.instance:
+                                await self._forget_state(state[1])
+                        else:
                             self.counts["received"] += 1
                             self.counts["forgotten"] += self.forget()
                             if self.health is not None:
@@ -191,12 +214,27 @@ class InvalidationChannel:
             if backing_off:
                 await backoff.wait()
 
+    async def _forget_state(self, tag: str) -> None:
+        try:
+            if self.on_state is not None:
+                await self.on_state(tag)
+        except Exception:  # (the subscriber goes on: the next message is another's)
+            log.exception("dropping the answers of a deleted response failed")
+        self.counts["states_received"] += 1  # (once done: tests wait on it)
+
     def _failed(self, error: StoreUnavailable) -> None:
         self.counts["errors"] += 1
         if self.health is not None:
             self.health.report(error)
         else:
             log.debug("invalidation channel: %s", error)
+
+
+def _state_of(data: Any) -> tuple[bytes, str] | None:
+    """A ``publish_state`` message's (instance, tag); None for any other."""
+    if not isinstance(data, bytes) or data[_ID : _ID + 1] != b"\n":
+        return None
+    return data[:_ID], data[_ID:].decode("utf-8", "replace")
 
 
 async def _quietly(closing: Any) -> None:

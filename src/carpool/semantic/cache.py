@@ -370,13 +370,14 @@ class SemanticCache:
         key: str | None = None,
         ref: str | None = None,
         created: float | None = None,
-    ) -> None:
+    ) -> int | None:
         """Store ``answer`` (or, with ``answer=None``, the reference ``ref``) under the view.
 
         ``vector``: the embedding of ``focus(view).text`` (``Probe.vector``), or None to compute
         it. ``key``: the answer's exact-cache key (here only passed on to ``_inserted``, which
         ``SharedSemanticCache`` overrides to publish the entry). ``created``: when the answer was
-        made (default: ``answer.created``).
+        made (default: ``answer.created``). Returns the entry's id (``forget_entry``), or None
+        when it was not kept.
         """
         if answer is None and ref is None:
             raise ValueError("an entry needs an answer or a reference")
@@ -416,7 +417,7 @@ class SemanticCache:
         if entry.size + SCOPE_BYTES > self.config.max_bytes:
             # More than the whole budget with an index of its own (which it has, if the room
             # made for it empties its scope): not kept (the older entry is gone all the same).
-            return
+            return None
         opens = view.scope not in self._scopes
         # A scope's index costs memory of its own (``SCOPE_BYTES``): room is made for the entry
         # and, if it opens one, for its scope (one scope per entry, as a unique system prompt
@@ -439,6 +440,7 @@ class SemanticCache:
         self._by_public[entry.public_id] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
         self._inserted(entry, vector, key)
+        return entry.id
 
     def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         """Called with each entry once it is in this cache (and its index); nothing here."""
@@ -459,6 +461,15 @@ class SemanticCache:
             return None
         self._drop(entry)
         return entry.namespace
+
+    def forget_entry(self, entry_id: int) -> bool:
+        """Drop the entry ``insert`` returned ``entry_id`` for, if this cache still holds it
+        (a deleted response's: ``state_index``); whether it did."""
+        entry = self._entries.peek(entry_id)
+        if entry is None:
+            return False
+        self._drop(entry)
+        return True
 
     async def aclose(self) -> None:
         """Close the embedder (the local one's worker thread), its batches finished first."""

@@ -1,0 +1,92 @@
+"""Which cached answers each stored response's ``DELETE`` drops, in this process: ``StateIndex``.
+
+An answer of an API that keeps state upstream (Responses) is stored with the gateway's own tags
+(``store.base.state_tag``): the stored response it continues and the one it is, in the
+requester's tenant. A 2xx pass-through ``DELETE /v1/responses/{id}`` drops them
+(``Gateway.passthrough``), by key, not by scanning the layers: a client may delete as often as
+it creates, and an invalidation of every layer (flights, epochs, a Redis SCAN) is an operator's.
+
+Contract:
+- ``add(tags, keys, entry)``: ``Leader._store`` names, before it stores an answer carrying state
+  tags, the exact-cache keys it is put (and its flight was led) under; ``entry``, once it is in
+  the semantic cache, that cache's id of it (``SemanticCache.forget_entry``). O(1) a tag.
+- ``take(tag)``: what this process stored under ``tag`` (its keys and semantic entries), no
+  longer held here; ``tag`` is remembered as deleted from then on (``deleted``). O(its keys).
+- ``deleted(tags)``: whether one of ``tags`` was taken: an answer continuing (or being) a
+  response deleted while its call ran is not stored (``Leader._store`` asks before storing,
+  and again once stored, taking back what it put meanwhile). The last ``TOMBSTONES`` tags
+  taken are remembered; a call outliving that many DELETEs since may store its answer.
+- Bounded: ``max_entries`` tags (``routing.state_entries``), the least recently stored under
+  out first. What a tag pushed out held is forgotten from the layers then (``evicted``, set by
+  the gateway; in a task of its own, not on the storing flight's path): no answer of a tag this
+  index no longer knows outlives a ``DELETE`` of it. In this process only: what another worker
+  or instance stored is in its own index, and a ``DELETE`` reaches it (``carpool.peers``'s
+  ``{"state": tag}``, the Redis invalidation channel's state message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from .lru import LRU
+
+__all__ = ["Held", "StateIndex"]
+
+# Most tags indexed by default (``routing.state_entries``).
+DEFAULT_ENTRIES = 100_000
+# Deleted tags remembered (``deleted``).
+TOMBSTONES = 10_000
+
+
+class Held:
+    """What one tag's answers are here: exact-cache keys, semantic entries (ids)."""
+
+    __slots__ = ("entries", "keys")
+
+    def __init__(self) -> None:
+        self.keys: dict[str, None] = {}  # (insertion-ordered, deduplicated)
+        self.entries: dict[int, None] = {}
+
+
+class StateIndex:
+    """state tag -> ``Held``; the tags deleted lately (see the module's contract)."""
+
+    def __init__(self, max_entries: int = DEFAULT_ENTRIES, tombstones: int = TOMBSTONES) -> None:
+        if max_entries < 1 or tombstones < 1:
+            raise ValueError("the bounds must be positive")
+        self._held: LRU[str, Held] = LRU(max_entries=max_entries, on_evict=self._pushed_out)
+        self._gone: LRU[str, bool] = LRU(max_entries=tombstones)
+        # What a tag pushed out held, forgotten from the layers (the gateway sets it).
+        self.evicted: Callable[[Held], Coroutine[Any, Any, Any]] | None = None
+        self._forgetting: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, tags: Iterable[str], keys: Iterable[str] = (), entry: int | None = None) -> None:
+        keys = tuple(keys)
+        for tag in tags:
+            held = self._held.get(tag)
+            if held is None:
+                held = Held()
+                self._held.put(tag, held)
+            for key in keys:
+                held.keys[key] = None
+            if entry is not None:
+                held.entries[entry] = None
+
+    def deleted(self, tags: Iterable[str]) -> bool:
+        return any(tag in self._gone for tag in tags)
+
+    def take(self, tag: str) -> Held:
+        self._gone.put(tag, True)
+        return self._held.pop(tag) or Held()
+
+    def _pushed_out(self, _: str, held: Held) -> None:
+        if self.evicted is None:
+            return
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(self.evicted(held))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
