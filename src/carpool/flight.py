@@ -279,12 +279,13 @@ class FlightGroup:
         if current is not None and (flight is None or current is flight):
             del self._flights[key]
 
-    def forget_finished(self, key: str) -> None:
-        """No request joins ``key``'s finished flight (lingering in its window) any more; a
-        running one goes on (its answer, once stored, goes with its key: ``state_index``)."""
-        held = self._flights.get(key)
-        if held is not None and not _running(held):
-            del self._flights[key]
+    def shut(self, key: str) -> None:
+        """No request joins ``key``'s flight any more, lingering or running: a running one
+        goes on for the clients it has, and does not linger once done (a deleted response's
+        answer, whose call may be finishing, storing: ``state_index``)."""
+        held = self._flights.pop(key, None)
+        if type(held) is Flight:  # (running, or done and not yet lingering: ``_linger`` skips it)
+            held.linger = False
 
     def _linger(self, flight: Flight, answer: Answer, until: float, now: float) -> None:
         """Keep the finished ``flight`` joinable until ``until``, as a tuple (clause 3), if it

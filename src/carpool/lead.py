@@ -299,7 +299,7 @@ class Leader:
                 return
         # Checked again once the prompt is embedded: an invalidation (or a DELETE of the
         # response it is or continues) may have come meanwhile.
-        if epoch == self.flights.epoch and not self.states.deleted(state):
+        if epoch == self.flights.epoch and not (state and self.states.deleted(state)):
             entry = await self.semantic.insert(
                 view, vector, answer, expires, tags, namespace, prefix, key=key
             )

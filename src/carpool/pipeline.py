@@ -660,7 +660,7 @@ class Gateway:
         instance's reference to the key dies with it)."""
         dropped = 0
         for key in held.keys:
-            self.flights.forget_finished(key)
+            self.flights.shut(key)
             try:
                 dropped += await self.store.forget(key)
             except StoreUnavailable as error:

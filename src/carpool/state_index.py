@@ -17,7 +17,10 @@ Contract:
   and again once stored, taking back what it put meanwhile). The last ``TOMBSTONES`` tags
   taken are remembered; a call outliving that many DELETEs since may store its answer.
 - Bounded: ``max_entries`` tags (``routing.state_entries``), the least recently stored under
-  out first. What a tag pushed out held is forgotten from the layers then (``evicted``, set by
+  out first; and ``2 * max_entries`` answers (keys and entries) under them in all, a tag
+  holding more than ``PER_TAG`` pushed out whole (one stored response continued by every
+  request: its list only grew, each key in it long gone from the cache). What a tag pushed out
+  held is forgotten from the layers then (``evicted``, set by
   the gateway; in a task of its own, not on the storing flight's path): no answer of a tag this
   index no longer knows outlives a ``DELETE`` of it. In this process only: what another worker
   or instance stored is in its own index, and a ``DELETE`` reaches it (``carpool.peers``'s
@@ -38,6 +41,8 @@ __all__ = ["Held", "StateIndex"]
 DEFAULT_ENTRIES = 100_000
 # Deleted tags remembered (``deleted``).
 TOMBSTONES = 10_000
+# Most answers one tag holds: beyond, it is pushed out whole (its answers forgotten).
+PER_TAG = 1_024
 
 
 class Held:
@@ -57,6 +62,8 @@ class StateIndex:
         if max_entries < 1 or tombstones < 1:
             raise ValueError("the bounds must be positive")
         self._held: LRU[str, Held] = LRU(max_entries=max_entries, on_evict=self._pushed_out)
+        self._answers = 0  # under every tag held, counted once a tag
+        self._max_answers = 2 * max_entries
         self._gone: LRU[str, bool] = LRU(max_entries=tombstones)
         # What a tag pushed out held, forgotten from the layers (the gateway sets it).
         self.evicted: Callable[[Held], Coroutine[Any, Any, Any]] | None = None
@@ -66,25 +73,50 @@ class StateIndex:
         return len(self._held)
 
     def add(self, tags: Iterable[str], keys: Iterable[str] = (), entry: int | None = None) -> None:
-        keys = tuple(keys)
+        keys, tags = tuple(keys), tuple(tags)
         for tag in tags:
             held = self._held.get(tag)
+            if held is not None and len(held.keys) + len(held.entries) >= PER_TAG:
+                # Full: what it held goes, and it starts again with what is added now (pushed
+                # out after, the answer being stored could be forgotten before it is put, then
+                # stored under a tag no longer held).
+                self._push_out(tag)
+                held = None
             if held is None:
                 held = Held()
                 self._held.put(tag, held)
+            before = len(held.keys) + len(held.entries)
             for key in keys:
                 held.keys[key] = None
             if entry is not None:
                 held.entries[entry] = None
+            self._answers += len(held.keys) + len(held.entries) - before
+        # Over the answers' bound: the least recently stored under go, never the tags just
+        # added to (the answer being stored is theirs).
+        while self._answers > self._max_answers and len(self._held) > len(tags):
+            self._held.evict()  # (``_pushed_out``)
+
+    def answers(self, tag: str) -> int:
+        """How many answers this process holds under ``tag`` (keys and entries)."""
+        held = self._held.peek(tag)
+        return 0 if held is None else len(held.keys) + len(held.entries)
 
     def deleted(self, tags: Iterable[str]) -> bool:
         return any(tag in self._gone for tag in tags)
 
     def take(self, tag: str) -> Held:
         self._gone.put(tag, True)
-        return self._held.pop(tag) or Held()
+        held = self._held.pop(tag) or Held()
+        self._answers -= len(held.keys) + len(held.entries)
+        return held
+
+    def _push_out(self, tag: str) -> None:
+        held = self._held.pop(tag)
+        if held is not None:
+            self._pushed_out(tag, held)
 
     def _pushed_out(self, _: str, held: Held) -> None:
+        self._answers -= len(held.keys) + len(held.entries)
         if self.evicted is None:
             return
         task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(self.evicted(held))

@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
-from carpool.store.base import Selector  # noqa: E402
+from carpool.fingerprint import requester  # noqa: E402
+from carpool.store.base import Selector, state_tag  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
 
 SEMANTIC = {"semantic": {"enabled": True}}
@@ -159,6 +160,45 @@ async def test_a_paraphrase_of_a_follow_up_of_a_deleted_response_is_not_served(s
     assert sgw.gateway.semantic.entries == 0
     again = await sgw.client.post("/v1/responses", json=body("how can i reset my router"))
     assert again.status_code == 404
+
+
+async def test_a_continuation_finishing_when_its_response_is_deleted_is_joined_by_no_one_after(
+    gateway_with, fake
+):
+    # A DELETE that came while the continuation's answer was being stored (waiting for its
+    # prompt's embedding) dropped its entry but left its flight, still running, to linger: an
+    # identical continuation right after was served it (coalesced), not the upstream's 404.
+    fake.keeps_responses = True
+    settings = {**SEMANTIC, "coalesce": {"window_ms": 5000, "adaptive": False}}
+    async with gateway_with(**settings) as gw:
+        made = await gw.client.post(
+            "/v1/responses", json={"model": "m", "temperature": 0, "input": "Keep this."}
+        )
+        rid = made.json()["id"]
+        semantic, release = gw.gateway.semantic, asyncio.Event()
+        vector = semantic.vector
+
+        async def held_vector(view):
+            await release.wait()
+            return await vector(view)
+
+        semantic.vector = held_vector
+        body = {
+            "model": "m",
+            "temperature": 0,
+            "input": "Go on.",
+            "store": False,
+            "previous_response_id": rid,
+        }
+        first = asyncio.create_task(gw.client.post("/v1/responses", json=body))
+        tag = state_tag(requester({}, gw.gateway.config), rid)
+        states = gw.gateway.layers.states
+        await eventually(lambda: states.answers(tag) == 2, what="the continuation being stored")
+        assert (await gw.client.delete(f"/v1/responses/{rid}")).status_code == 200
+        release.set()
+        assert (await first).status_code == 200
+        again = await gw.client.post("/v1/responses", json=body)
+        assert again.status_code == 404 and again.headers.get("x-carpool") != "coalesced"
 
 
 @pytest.mark.parametrize(
