@@ -496,23 +496,30 @@ async def _in_flight(gw: Any, fake: Any, text: str, key: str) -> asyncio.Task[An
     return call
 
 
-async def test_a_delete_splits_no_other_tenants_flight(gw, fake):
-    # A DELETE of a tenant's own stored response dropped every flight there was: another
-    # tenant's identical request, made while its first was in flight, was a second call.
+async def _b_deletes_while_a_is_in_flight(gw: Any, fake: Any) -> tuple[Any, asyncio.Event]:
+    """Tenant A's chat call, held at the upstream, while tenant B deletes a stored response of
+    its own (through the gate A's call found): A's call and its gate."""
     fake.keeps_responses = True
     made = await gw.client.post(RESPONSES, json=body_of("responses"), headers=bearer_of("b"))
     first = await _in_flight(gw, fake, "A's question", "a")
     held, fake.gate = fake.gate, None
+    assert held is not None
     assert (
         await gw.client.delete(f"{RESPONSES}/{made.json()['id']}", headers=bearer_of("b"))
     ).status_code == 200
+    return first, held
+
+
+async def test_a_delete_splits_no_other_tenants_flight(gw, fake):
+    # A DELETE of a tenant's own stored response dropped every flight there was: another
+    # tenant's identical request, made while its first was in flight, was a second call.
+    first, held = await _b_deletes_while_a_is_in_flight(gw, fake)
     fake.gate = held  # (a call made now would wait too: the join is seen, not raced)
     second = asyncio.create_task(gw.chat("A's question", headers=bearer_of("a")))
     await eventually(
         lambda: gw.gateway.flights.waiters == 2 or fake.count(CHAT) == 2,
         what="A's second request on A's flight, or at the upstream",
     )
-    assert held is not None
     held.set()
     one, two = await first, await second
     assert one.status_code == two.status_code == 200 and fake.count(CHAT) == 1
@@ -521,14 +528,7 @@ async def test_a_delete_splits_no_other_tenants_flight(gw, fake):
 
 async def test_a_delete_unstores_no_other_tenants_answer(gw, fake):
     # A DELETE moved every flight's epoch: another tenant's answer in flight was not stored.
-    fake.keeps_responses = True
-    made = await gw.client.post(RESPONSES, json=body_of("responses"), headers=bearer_of("b"))
-    first = await _in_flight(gw, fake, "A's question", "a")
-    held, fake.gate = fake.gate, None
-    assert (
-        await gw.client.delete(f"{RESPONSES}/{made.json()['id']}", headers=bearer_of("b"))
-    ).status_code == 200
-    assert held is not None
+    first, held = await _b_deletes_while_a_is_in_flight(gw, fake)
     held.set()
     assert (await first).headers["x-carpool"] == "miss"
     assert (await gw.chat("A's question", headers=bearer_of("a"))).headers["x-carpool"] == "hit"
