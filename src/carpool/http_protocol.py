@@ -102,8 +102,9 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from .apis import BY_PATH
+from .apis import BY_PATH, Api
 from .errors import (
+    CarpoolError,
     HeadersTimeout,
     HeadersTooLarge,
     InternalError,
@@ -581,17 +582,22 @@ class GatewayProtocol(HttpToolsProtocol):
         """The 500 of a request whose serving failed, as uvicorn sends one (its default headers,
         the connection closed), in the API's error shape (``InternalError``), as the ASGI path's
         (``server.GatewayApp``)."""
-        error, api = InternalError(), BY_PATH.get(path.rstrip("/"))
+        return self._closing_error(InternalError(), BY_PATH.get(path.rstrip("/")), rid)
+
+    def _closing_error(self, error: CarpoolError, api: Api | None, rid: bytes) -> bytes:
+        """``error`` as a whole response after which the connection closes: uvicorn's default
+        headers, in the API's error shape for a cached endpoint's path (``api``: with
+        ``x-carpool: bypass``, and the simulator's label in front of it), else OpenAI's."""
         body = api.error_body(error) if api is not None else error.body()
-        head = [STATUS_LINE[500]]
+        head = [STATUS_LINE[error.status]]
         for name, value in (
             *self.server_state.default_headers,
             (b"content-type", b"application/json"),
-            Outcome.BYPASS.header,
-            *((SIMULATED_LABEL,) if self.simulated else ()),
+            *((Outcome.BYPASS.header,) if api is not None else ()),
+            *((SIMULATED_LABEL,) if api is not None and self.simulated else ()),
+            (b"content-length", str(len(body)).encode("ascii")),
             (HEADER, rid),
             (b"connection", b"close"),
-            (b"content-length", str(len(body)).encode("ascii")),
         ):
             head += (name, b": ", value, b"\r\n")
         return b"".join((*head, b"\r\n", body))
@@ -706,19 +712,7 @@ class GatewayProtocol(HttpToolsProtocol):
         api = BY_PATH.get(self.url.partition(b"?")[0].decode("latin-1"))
         if api is not None and self.limits_app is not None:
             self.limits_app.gateway.stats.rejected += 1
-        body = api.error_body(error) if api is not None else error.body()
-        head = [STATUS_LINE[error.status]]
-        for name, value in (
-            *self.server_state.default_headers,
-            (b"content-type", b"application/json"),
-            *((Outcome.BYPASS.header,) if api is not None else ()),
-            *((SIMULATED_LABEL,) if api is not None and self.simulated else ()),
-            (b"content-length", str(len(body)).encode("ascii")),
-            (HEADER, request_id(self.headers)),
-            (b"connection", b"close"),
-        ):
-            head += (name, b": ", value, b"\r\n")
-        self.transport.write(b"".join((*head, b"\r\n", body)))
+        self.transport.write(self._closing_error(error, api, request_id(self.headers)))
         self._linger()
 
     def _hand_over(self, complete: bool) -> None:
