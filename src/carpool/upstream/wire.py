@@ -73,6 +73,8 @@ from collections.abc import AsyncIterator, Mapping
 
 import httptools
 
+from ..errors import RETRY_HEADERS
+
 monotonic = time.monotonic  # the idle clock (a test moves it)
 
 # Request header text that would let a value end its line (RFC 9110 5.5: no CTL but HTAB).
@@ -453,8 +455,8 @@ class _Pieces:
 # send well under 1 KiB.
 MAX_HEAD = 64 * 1024
 # The fields of an answer's head kept beside its content type: when to retry a refused call
-# (``errors.RETRY_HEADERS``, relayed to the client).
-RETRY_FIELDS = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry"})
+# (``errors.RETRY_HEADERS``, relayed to the client), as the parser reports them.
+RETRY_FIELDS = frozenset(name.encode("ascii") for name in RETRY_HEADERS)
 
 
 class _HeadTooLarge(Exception):
