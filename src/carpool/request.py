@@ -212,20 +212,20 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
                     )
     namespace = headers.get("x-carpool-namespace")
     if namespace is not None:
-        controls.namespace = _token(namespace, "x-carpool-namespace")
+        controls.namespace = header_token(namespace, "x-carpool-namespace")
     request_type = headers.get("x-carpool-type")
     if request_type is not None:
-        controls.request_type = _token(request_type, "x-carpool-type").lower() or None
+        controls.request_type = header_token(request_type, "x-carpool-type").lower() or None
     tags = headers.get("x-carpool-tags")
     if tags:
         controls.tags = tuple(
-            dict.fromkeys(_token(t, "x-carpool-tags") for t in tags.split(",") if t.strip())
+            dict.fromkeys(header_token(t, "x-carpool-tags") for t in tags.split(",") if t.strip())
         )
         if len(controls.tags) > MAX_TAGS:
             raise RequestError(f"x-carpool-tags: at most {MAX_TAGS} tags", "invalid_header")
     freshness = headers.get("x-carpool-freshness")
     if freshness is not None:
-        controls.freshness = _token(freshness, "x-carpool-freshness")
+        controls.freshness = header_token(freshness, "x-carpool-freshness")
     share = headers.get("x-carpool-share")
     if share is not None:
         if share.strip().lower() != "sampled":
@@ -234,7 +234,9 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
     return controls
 
 
-def _token(value: str, header: str) -> str:
+def header_token(value: str, header: str) -> str:
+    """``value`` of the control ``header`` as a request's is read: stripped, at most
+    ``MAX_HEADER_TOKEN`` printable characters, else a ``RequestError``."""
     value = value.strip()
     if len(value) > MAX_HEADER_TOKEN:
         raise RequestError(

@@ -87,15 +87,15 @@ class TenantConfig(Section):
         # A namespace no request can ask for (x-carpool-namespace is stripped, at most 256
         # printable characters; an empty one is the default namespace, never shared) would
         # silently share nothing.
-        from ..request import MAX_HEADER_TOKEN  # (what a request's namespace may be)
+        from ..errors import RequestError
+        from ..request import MAX_HEADER_TOKEN, header_token  # (as a request's is read)
 
         for namespace in value:
-            if (
-                not namespace.strip()
-                or namespace != namespace.strip()
-                or len(namespace) > MAX_HEADER_TOKEN
-                or not namespace.isprintable()
-            ):
+            try:
+                named = header_token(namespace, "x-carpool-namespace") == namespace != ""
+            except RequestError:
+                named = False
+            if not named:
                 raise ValueError(
                     f"{namespace!r} is no namespace a client can name in x-carpool-namespace: "
                     f"1-{MAX_HEADER_TOKEN} printable characters, no white space around them"
