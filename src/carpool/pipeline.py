@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from . import admin
+from . import admin, http_syntax
 from .answer import Answer
 from .apis import BY_PATH
 from .auditor import Auditor
@@ -728,14 +728,13 @@ def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
             raise TypeError(
                 f"header {name!r}: names and values must be str, not {type(wrong).__name__}"
             )
-        if not _TOKEN.fullmatch(name):
+        if not http_syntax.TOKEN.fullmatch(name):
             raise ValueError(f"header {name!r}: no HTTP request could carry this name")
         lowered[name.lower()] = value
     return lowered
 
 
-# A header name: RFC 9110's token characters; what no header value can hold.
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# What no header value can hold.
 _UNSENDABLE = re.compile(r"[\r\n\x00]")
 
 

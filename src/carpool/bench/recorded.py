@@ -22,12 +22,12 @@ Contract:
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from .. import http_syntax
 from .workloads import CHAT, ENDPOINTS, BenchRequest, Workload, WorkloadError, tenant_header_value
 
 
@@ -109,7 +109,7 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
     tenant = row.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
         raise WorkloadError(f"{where}: 'tenant' must be a string, got {tenant!r}")
-    if tenant is not None and _CONTROL.search(tenant):
+    if tenant is not None and http_syntax.CONTROL.search(tenant):
         raise WorkloadError(
             f"{where}: 'tenant' must be a string that fits in a header (no control characters "
             f"such as CR or LF), got {tenant!r}"
@@ -120,15 +120,13 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
     return BenchRequest(float(t or 0.0), endpoint, body, headers, tenant)
 
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token: a header name
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but the tab
 SET_BY_BENCH = frozenset({"host", "content-length", "transfer-encoding"})
 
 
 def _check_header(name: str, value: str, where: str) -> None:
     """One header that goes out as one header line and leaves the request's framing alone
     (``client.build`` writes headers as given)."""
-    if not _TOKEN.fullmatch(name):
+    if not http_syntax.TOKEN.fullmatch(name):
         raise WorkloadError(
             f"{where}: header {name!r}: not a valid header name (letters, digits and "
             "!#$%&'*+-.^_`|~ only)"
@@ -138,7 +136,7 @@ def _check_header(name: str, value: str, where: str) -> None:
             f"{where}: header {name!r}: carpool bench sets the host and framing headers itself "
             "(Host, Content-Length; no Transfer-Encoding)"
         )
-    if _CONTROL.search(value):
+    if http_syntax.CONTROL.search(value):
         raise WorkloadError(
             f"{where}: header {name!r}: its value holds a control character (CR, LF, NUL, ...), "
             f"so it would not go out as one header: {value!r}"

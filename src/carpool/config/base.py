@@ -13,10 +13,11 @@ never be sent (``Bad Header``, ``""``) is refused rather than never matched.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+from .. import http_syntax
 
 
 class ConfigError(ValueError):
@@ -36,14 +37,10 @@ def _words(value: Any) -> Any:
 OnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_words)]
 
 
-# A header name: RFC 9110's token characters (``tchar``), read lower-cased.
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
-
-
 def header_name(name: str) -> str:
     """``name`` lower-cased, or a ``ValueError`` when it is no header name (a name a request
     could never carry, so a setting naming it would never apply)."""
     lowered = name.lower()  # (ASCII only: the Kelvin sign lower-cases to a "k")
-    if not name.isascii() or not _HEADER_NAME.fullmatch(lowered):
+    if not name.isascii() or not http_syntax.TOKEN.fullmatch(lowered):
         raise ValueError(f"{name!r} is not a header name (RFC 9110 token characters)")
     return lowered

@@ -64,7 +64,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import re
 import socket
 import ssl as ssl_module
 import time
@@ -73,14 +72,10 @@ from collections.abc import AsyncIterator, Mapping
 
 import httptools
 
+from .. import http_syntax
 from ..errors import RETRY_HEADERS
 
 monotonic = time.monotonic  # the idle clock (a test moves it)
-
-# Request header text that would let a value end its line (RFC 9110 5.5: no CTL but HTAB).
-_FORBIDDEN_HEADER_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-# A header name is a token (RFC 9110 5.1): no space, tab, colon or separator in it.
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class WireError(Exception):
@@ -130,8 +125,8 @@ def request_head(target: str, host: str, headers: Mapping[str, str], length: int
     """A POST's head (request line and headers, ending with the blank line), UTF-8 (as aiohttp
     wrote them). ``headers``' names lower-case; ``host``, ``content-length`` added here, and
     ``accept`` (``*/*``) when absent, as aiohttp did."""
-    if _FORBIDDEN_HEADER_CHARS.search("\t".join(headers.values())) is not None or not all(
-        map(_TOKEN.fullmatch, headers)
+    if http_syntax.CONTROL.search("\t".join(headers.values())) is not None or not all(
+        map(http_syntax.TOKEN.fullmatch, headers)
     ):
         raise ValueError(
             "Forbidden control character detected in headers. Potential header injection attack."
