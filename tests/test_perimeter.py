@@ -578,10 +578,13 @@ async def test_a_failure_of_the_gateway_is_a_500_in_the_apis_error_shape(fake, h
 
 
 def test_the_admin_surfaces_compare_the_token_in_constant_time():
-    from carpool import server
+    from carpool import admin_http, auth, server
 
-    source = inspect.getsource(server._admin_refusal)
-    assert "hmac.compare_digest(" in source and "== expected" not in source
+    source = inspect.getsource(auth.presents)
+    assert "hmac.compare_digest(" in source and "==" not in source
+    # (Both the read surfaces and the write surfaces check the token by it.)
+    for surface in (inspect.getsource(server._admin_refusal), inspect.getsource(admin_http)):
+        assert "presents(token, " in surface
 
 
 # --- 3. bad input stays bad input ----------------------------------------------------------------

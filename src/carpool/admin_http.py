@@ -26,7 +26,6 @@ Contract:
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .auth import credentials
+from .auth import presents
 from .errors import BodyTimeout, BodyTooLarge, RequestError
 from .peers import PEER
 from .pipeline import Gateway
@@ -52,10 +51,7 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         token = gateway.config.admin_token
         if not token:
             return error(404, "not found", "not_found")
-        # Header values arrive decoded as latin-1: back to the bytes the client sent, compared
-        # with the token's UTF-8 (as the read surfaces do: server._admin_refusal).
-        given = credentials(request.headers.get("authorization", "").encode("latin-1"), b"bearer")
-        if not given or not hmac.compare_digest(given, token.encode("utf-8")):
+        if not presents(token, request.headers.get("authorization", "")):
             return error(401, "admin token required", "unauthorized")
         return None
 

@@ -20,7 +20,11 @@ Contract:
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import hashlib
+import hmac
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -82,3 +86,15 @@ def credentials(authorization: bytes, scheme: bytes) -> bytes | None:
     if given.lower() != scheme:
         return None
     return rest.lstrip(b" ")
+
+
+def presents(token: str, authorization: str, basic: bool = False) -> bool:
+    """Whether an ``Authorization`` value (as ASGI gives it: the bytes sent, read as latin-1)
+    presents ``token`` (compared with its UTF-8, in constant time): as Bearer credentials, or
+    with ``basic`` also as a Basic password (a browser's, user name ignored)."""
+    sent = authorization.encode("latin-1")
+    given = credentials(sent, b"bearer")
+    if basic and (encoded := credentials(sent, b"basic")) is not None:
+        with contextlib.suppress(binascii.Error, ValueError):
+            given = base64.b64decode(encoded, validate=True).partition(b":")[2]
+    return bool(given) and hmac.compare_digest(given or b"", token.encode("utf-8"))

@@ -70,11 +70,8 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -96,7 +93,7 @@ from starlette.routing import Route
 from .admin_http import admin_routes
 from .admin_http import error as admin_error
 from .apis import BY_PATH
-from .auth import ClientKeys, credentials
+from .auth import ClientKeys, presents
 from .config import Config
 from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
 from .errors import (
@@ -627,15 +624,7 @@ def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
     token = gateway.config.admin_token
     if not token:
         return None
-    expected = token.encode("utf-8")
-    # Header values arrive decoded as latin-1: back to the bytes the client sent.
-    authorization = request.headers.get("authorization", "").encode("latin-1")
-    given = credentials(authorization, b"bearer") or b""
-    basic = credentials(authorization, b"basic")
-    if basic is not None:
-        with contextlib.suppress(binascii.Error, ValueError):
-            given = base64.b64decode(basic, validate=True).partition(b":")[2]
-    if given and hmac.compare_digest(given, expected):
+    if presents(token, request.headers.get("authorization", ""), basic=True):
         return None
     refusal = _carpool_error(
         AdminRequired("this needs the admin token: Authorization: Bearer <admin token>")
