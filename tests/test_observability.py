@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from carpool.batching.lists import PROBE_INPUTS
 from carpool.clock import ManualClock
 from carpool.config import Config
 from carpool.metrics import Buckets
@@ -142,6 +143,56 @@ async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
     assert samples(text, "carpool_flight_waiters")[""] == 3
     fake.gate.set()
     await asyncio.gather(*calls)
+
+
+async def test_upstream_calls_count_every_call_the_engines_were_asked_list_probes_and_pass_through_too(
+    gateway_with, fake
+):
+    """The embeddings list probe's three calls (sent with the tenant's key: billed) and a
+    pass-through call reached the engine without being counted: ``upstream_calls`` said 2
+    where the engine had been asked 6 times."""
+    async with gateway_with(batching={"max_batch_delay_ms": 50}) as gw:  # "auto": probed
+        two = await asyncio.gather(
+            *(
+                gw.client.post("/v1/embeddings", json={"model": "e", "input": f"text {i}"})
+                for i in range(2)
+            )
+        )
+        assert [response.status_code for response in two] == [200, 200]
+        await gw.gateway.layers.batcher.wait_idle()  # (the probe, in the background)
+        assert (await gw.client.get("/v1/models")).status_code == 200
+        stats = (await gw.client.get("/stats")).json()
+        text = (await gw.client.get("/metrics")).text
+    assert stats["batching"]["lists"]["probes"] == 1
+    assert stats["upstream_calls"] == len(fake.calls) == 6
+    assert samples(text, "carpool_upstream_calls_total")[""] == 6
+    by_status = samples(text, "carpool_upstream_requests_total")
+    assert by_status == {f'{{replica="{fake.url}",status="200"}}': 6}
+
+
+async def test_batch_sizes_are_those_of_the_calls_sent_a_batch_sent_item_by_item_is_calls_of_one(
+    gateway_with, fake
+):
+    """Before the list probe's verdict a batch of two goes item by item; it was counted a
+    call of two (``carpool_batch_size``, ``max_items_seen``): batching seen working where no
+    list had been sent."""
+    async with gateway_with(batching={"max_batch_delay_ms": 50}) as gw:
+        await asyncio.gather(
+            *(
+                gw.client.post("/v1/embeddings", json={"model": "e", "input": f"text {i}"})
+                for i in range(2)
+            )
+        )
+        await gw.gateway.layers.batcher.wait_idle()
+        stats = (await gw.client.get("/stats")).json()["batching"]
+        text = (await gw.client.get("/metrics")).text
+    inputs = [c.body["input"] for c in fake.calls if c.path == "/v1/embeddings"]
+    inputs = [value if isinstance(value, list) else [value] for value in inputs]
+    sent = [value for value in inputs if not set(value) <= set(PROBE_INPUTS)]  # (the batcher's)
+    assert sorted(sent) == [["text 0"], ["text 1"]]
+    assert samples(text, "carpool_batch_size_count")[""] == stats["batches"] == 2
+    assert samples(text, "carpool_batch_size_sum")[""] == stats["items_sent"] == 2
+    assert stats["max_items_seen"] == 1 and stats["alone"] == 2
 
 
 async def test_metrics_show_batch_sizes_and_batch_wait(gateway_with, fake):

@@ -15,7 +15,7 @@ Contract:
   ``tokens_saved`` is a lower bound whenever that is not 0.
 - ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a
   failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
-  the replicas too (what the engines were
+  the replicas, pass-through calls and the embeddings list probe's (``OwnCalls``) too (what the engines were
   asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
 - Among the workers (``carpool.peers``) a request is counted by one worker only
   (``COUNTED_ELSEWHERE``: outcome, tokens saved, latency), so that the workers' counts add up
@@ -382,7 +382,7 @@ class Metrics:
         )
         self.batch_size = Buckets(
             "carpool_batch_size",
-            "Distinct items per batched upstream call (embeddings).",
+            "Items per upstream call of the embeddings batcher (1: an item sent alone).",
             BATCH_SIZE_BUCKETS,
         )
         self.batch_wait = Buckets(

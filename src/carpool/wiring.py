@@ -127,6 +127,8 @@ def build_layers(
     # but only where every replica is known to answer a list as it answers each item alone
     # (batching.embeddings; ``ListCheck``): merging must not change an answer.
     batching = config.batching
+    from .routing.replicas import OwnCalls
+
     batcher = EmbeddingBatcher(
         lambda upstream_request: send(layers, upstream_request, ""),
         max_batch_size=batching.max_batch_size,
@@ -136,7 +138,11 @@ def build_layers(
         observe_size=metrics.batch_size.observe,
         key_headers=names_of(config.tenant),
         neutral_headers=neutral_of(config.fingerprint),
-        lists=ListCheck(batching.embeddings, upstreams, retry_s=batching.embeddings_probe_retry),
+        lists=ListCheck(
+            batching.embeddings,
+            [OwnCalls(replicas, i) for i in range(len(upstreams))],
+            retry_s=batching.embeddings_probe_retry,
+        ),
     )
 
     async def via_replicas(request: UpstreamRequest) -> UpstreamResponse:

@@ -29,7 +29,6 @@ Contract
 - ``observe_wait(seconds)`` (optional) is called exactly once per ``submit``: the time it waited in
   the buffer before its batch was sent (0 when it joined a running batch; up to its cancellation
   for a caller that left before).
-- ``observe_size(items)`` (optional) is called once per ``compute`` call with its item count.
 - Counters: ``batches`` (calls to ``compute``), ``items_sent`` (distinct items in them),
   ``requests`` (``submit`` calls), ``max_items_seen`` (largest batch).
 - One batcher serves one event loop.
@@ -96,7 +95,6 @@ class KeyedBatcher(Generic[I, R]):
         join_running: bool = True,
         grow_while_busy: bool = False,
         observe_wait: Callable[[float], None] | None = None,
-        observe_size: Callable[[int], None] | None = None,
     ) -> None:
         if (
             max_batch_size < 1
@@ -116,7 +114,6 @@ class KeyedBatcher(Generic[I, R]):
         self.join_running = join_running
         self.grow_while_busy = grow_while_busy
         self.observe_wait = observe_wait
-        self.observe_size = observe_size
         self._open: dict[Hashable, _Batch] = {}  # group -> batch still filling
         self._queued: deque[_Batch] = deque()  # closed, waiting for a slot
         self._sent: dict[tuple[Hashable, Hashable], _Entry] = {}  # closed, not finished
@@ -271,8 +268,6 @@ class KeyedBatcher(Generic[I, R]):
         self.batches += 1
         self.items_sent += len(entries)
         self.max_items_seen = max(self.max_items_seen, len(entries))
-        if self.observe_size is not None:
-            self.observe_size(len(entries))
         try:
             results = await self._compute(batch.group, [entry.item for entry in entries])
             if len(results) != len(entries):

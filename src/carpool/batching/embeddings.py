@@ -27,6 +27,10 @@ Contract
   slot; its caller gets the upstream's answer as it came (framing headers dropped on a 2xx),
   status included, and an exception from ``send`` reaches that item's callers only. Such calls
   are counted in ``alone``.
+- Counters of the calls it sends (what the engines were asked, not the batches it gathered: a
+  batch of several items sent item by item is that many calls of one): ``batches`` (calls),
+  ``items_sent`` (the items in them), ``max_items_seen`` (the most in one call), and
+  ``observe_size(items)`` once per call; ``requests`` (``embed`` calls batched).
 - The token budget (``max_batch_tokens``) counts approximate tokens: a string's characters / 4
   (rounded up, at least 1), a token list's length.
 - Only a batch still filling is shared: identical items in it take one slot, but a request
@@ -196,8 +200,11 @@ class EmbeddingBatcher:
             # (``coalesce.join_timeout_ms``) wait on it again.
             join_running=False,
             observe_wait=observe_wait,
-            observe_size=observe_size,
         )
+        self.observe_size = observe_size
+        self.batches = 0
+        self.items_sent = 0
+        self.max_items_seen = 0
 
     @classmethod
     def from_config(
@@ -217,22 +224,17 @@ class EmbeddingBatcher:
             observe_wait=observe_wait,
         )
 
-    # counters of the scheduler
-    @property
-    def batches(self) -> int:
-        return self._core.batches
-
-    @property
-    def items_sent(self) -> int:
-        return self._core.items_sent
-
     @property
     def requests(self) -> int:
         return self._core.requests
 
-    @property
-    def max_items_seen(self) -> int:
-        return self._core.max_items_seen
+    def _sending(self, items: int) -> None:
+        """Counts one call of ``items`` items (the module's contract: ``batches``...)."""
+        self.batches += 1
+        self.items_sent += items
+        self.max_items_seen = max(self.max_items_seen, items)
+        if self.observe_size is not None:
+            self.observe_size(items)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -298,6 +300,7 @@ class EmbeddingBatcher:
         if self.lists is not None and self.lists.verdict(group) is False:
             # Known unsafe to merge: not even buffered, sent as the client sent it.
             self.alone += 1
+            self._sending(1)
             return await self._send(request)
         key = (type(item).__name__, item)
         try:
@@ -340,6 +343,7 @@ class EmbeddingBatcher:
         """One item in a call of its own: its request as its client sent it (its body, ``user``
         included, and every header forwarded: nothing in it is another caller's), and the
         upstream's answer to it, as it came."""
+        self._sending(1)
         response = await self._send(request)
         try:
             if response.streaming:
@@ -361,6 +365,7 @@ class EmbeddingBatcher:
         path, identity, template, query, _kind = group
         body = orjson.loads(template)
         body["input"] = value
+        self._sending(len(value))
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
         try:
             if response.streaming:

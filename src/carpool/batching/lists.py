@@ -44,13 +44,13 @@ import math
 import struct
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import orjson
 
 from carpool.identity import pairs_digest
 from carpool.lru import LRU
-from carpool.upstream.base import Upstream, UpstreamRequest
+from carpool.upstream.base import UpstreamRequest, UpstreamResponse
 
 __all__ = ["PROBE_INPUTS", "PROBE_TOKENS", "SAME_VECTOR", "ListCheck", "probe_lists"]
 
@@ -72,6 +72,15 @@ PROBE_TOKENS = (
 SAME_VECTOR = 0.99
 # The most groups (body templates) whose verdicts are kept (``ListCheck``).
 MAX_GROUPS = 4096
+
+
+class Replica(Protocol):
+    """What a probe asks: one replica itself, not routed (``routing.replicas.OwnCalls``, whose
+    calls are counted as any attempt)."""
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse: ...
+
+
 # A list refused with these is not an answer about lists: the probe is tried again later.
 _UNDECIDED = frozenset({408, 409, 429})
 
@@ -83,7 +92,7 @@ class ListCheck:
     def __init__(
         self,
         mode: str,
-        upstreams: Sequence[Upstream],
+        upstreams: Sequence[Replica],
         *,
         retry_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -134,7 +143,7 @@ class ListCheck:
             task = asyncio.get_running_loop().create_task(self._probe(slot, upstream, group))
             self._probes[slot] = task
 
-    async def _probe(self, slot: tuple[int, Hashable], upstream: Upstream, group: Any) -> None:
+    async def _probe(self, slot: tuple[int, Hashable], upstream: Replica, group: Any) -> None:
         self.probes += 1
         try:
             verdict = await probe_lists(upstream, group)
@@ -165,7 +174,7 @@ class ListCheck:
         await self.wait_idle()
 
 
-async def probe_lists(upstream: Upstream, group: Any) -> bool | None:
+async def probe_lists(upstream: Replica, group: Any) -> bool | None:
     """Whether ``upstream`` answers a 2-item list as it answers each item alone, for the
     group's path, body template, credentials, query and kind of item: True, False, or None
     (undecided)."""

@@ -85,6 +85,7 @@ from carpool.config.urls import urls_without_credentials
 from carpool.errors import (
     PathNotAllowed,
     UpstreamAnswerCut,
+    UpstreamError,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamTimeout,
@@ -149,7 +150,8 @@ class ReplicaState:
         return self.healthy or (not self.probing and now >= self.down_until)
 
 
-Observer = Callable[[ReplicaState, int, Decision], None]
+# (The decision is None for a call not routed: ``OwnCalls``.)
+Observer = Callable[[ReplicaState, int, Decision | None], None]
 
 
 class ReplicaSet:
@@ -377,16 +379,19 @@ class ReplicaSet:
         see the module doc."""
         chosen = self.choose("", holder=holder)
         assert chosen is not None
-        replica = chosen[0]
+        replica, decision = chosen
         if not replica.healthy:
             replica.probing = True
         seen = replica.verdicts
+        replica.calls += 1  # (an attempt like any: what the engines were asked)
         try:
             response = await replica.upstream.passthrough(method, path, query, headers, body)
         except _RETRYABLE as error:
             self._failed(replica, _what(error), seen)
+            self._observe(replica, error.status, decision)
             raise
         except UpstreamKeyRefused as error:  # (see ``send``)
+            self._observe(replica, error.upstream_status or error.status, decision)
             if self._own_key_refused(error):
                 replica.answered_at = self.clock()
                 self._failed(replica, _key_refused(error), seen)
@@ -398,6 +403,7 @@ class ReplicaSet:
         except BaseException:
             replica.probing = False
             raise
+        self._observe(replica, response.status, decision)
         replica.answered, replica.answered_at = True, self.clock()
         if not replica.healthy:
             self._succeeded(replica)
@@ -483,7 +489,7 @@ class ReplicaSet:
             f"{self.clock() - replica.logged_at:.0f} s)"
         )
 
-    def _observe(self, replica: ReplicaState, status: int, decision: Decision) -> None:
+    def _observe(self, replica: ReplicaState, status: int, decision: Decision | None) -> None:
         if self.observe is not None:
             self.observe(replica, status, decision)
 
@@ -610,3 +616,29 @@ def _what(error: BaseException) -> str:
         return str(error)
     detail = urls_without_credentials(str(cause))
     return f"{error} [{type(cause).__name__}" + (f": {detail[:300]}]" if detail else "]")
+
+
+class OwnCalls:
+    """Replica ``index`` of ``replicas`` called by the gateway itself, not routed: an
+    embeddings list probe (``batching.lists``) must ask that very replica. Each call is
+    counted as an attempt like any (``calls``; ``observe``, with no decision: the engines were
+    asked it, and bill it), and leaves the replica's health as it is (the probe judges its
+    answers itself: a refused list is no failure of the replica)."""
+
+    def __init__(self, replicas: ReplicaSet, index: int) -> None:
+        self.replica = replicas.replicas[index]
+        self.observe = replicas._observe
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        replica = self.replica
+        replica.calls += 1
+        try:
+            response = await replica.upstream.send(request)
+        except UpstreamKeyRefused as error:
+            self.observe(replica, error.upstream_status or error.status, None)
+            raise
+        except UpstreamError as error:
+            self.observe(replica, error.status, None)
+            raise
+        self.observe(replica, response.status, None)
+        return response
