@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 
 STREAMED = {"upstream": {"stream_flights": True}}
 
@@ -249,3 +250,38 @@ async def test_a_flight_streams_last_piece_ends_the_asgi_body_in_the_same_messag
         "more_body": False,
     }
     assert state.finished
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body", "error_body"),
+    [
+        (
+            "/v1/chat/completions",
+            body("overloaded?"),
+            {"error": {"message": "model overloaded", "type": "server_error", "code": None}},
+        ),
+        (
+            "/v1/messages",
+            {**body("overloaded?"), "max_tokens": 8},
+            {"type": "error", "error": {"type": "overloaded_error", "message": "model overloaded"}},
+        ),
+    ],
+    ids=["chat", "messages"],
+)
+async def test_a_2xx_body_reporting_an_error_reaches_a_streaming_client_as_its_streams_failure(
+    gw, fake, path, request_body, error_body
+):
+    """An upstream that answered 200 with an error object (some servers and proxies do, to a
+    stream too): its streaming client got ``data: [DONE]`` alone, an empty stream that the SDK
+    ends as a successful, empty answer."""
+    fake.fail_status, fake.fail_body = 200, error_body
+    streamed = await gw.client.post(path, json={**request_body, "stream": True})
+    plain = await gw.client.post(path, json=request_body)
+    assert streamed.status_code == 200
+    payloads = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert [orjson.loads(payload) for payload in payloads] == [
+        error_body if path == "/v1/messages" else {"error": error_body["error"]}
+    ]  # the engine's own error object, and no end of a stream that went well
+    assert "[DONE]" not in streamed.text and "message_stop" not in streamed.text
+    assert plain.status_code == 200 and plain.json() == error_body  # (asked JSON: as it came)
+    assert fake.count(path) == 2  # neither stored

@@ -29,7 +29,7 @@ import orjson
 
 from .answer import Answer
 from .apis import Api, api_of
-from .errors import CarpoolError
+from .errors import CarpoolError, UpstreamStreamBroken
 from .outcome import Outcome
 
 if TYPE_CHECKING:
@@ -100,11 +100,16 @@ def whole(
     if not stream:
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE
+    api = api_of(answer.kind)
+    if not answer.complete and (error := api.error_instead(orjson.loads(answer.body))) is not None:
+        # A 2xx body reporting an error, not an answer (never stored, so never a hit): its
+        # streaming clients are told it as a stream's failure (the engine's error object in
+        # the API's error event, no end), not sent an empty stream that ends as if all went
+        # well; a client asking JSON gets the body as it came.
+        failed = UpstreamStreamBroken("the upstream answered with an error", error)
+        return Reply(200, headers, api.error_event(failed), outcome=outcome)
     return Reply(
-        200,
-        headers,
-        b"".join(answer.sse(include_usage)) + api_of(answer.kind).stream_end,
-        outcome=outcome,
+        200, headers, b"".join(answer.sse(include_usage)) + api.stream_end, outcome=outcome
     )
 
 

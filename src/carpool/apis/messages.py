@@ -100,6 +100,7 @@ _ERROR_TYPES = {
 
 class MessagesApi(TypedApi):
     kind, path, upstream_path = "messages", "/v1/messages", "/messages"
+    answer_field = "content"
     last_event = staticmethod(ends_with(frozenset({LAST_EVENT})))
 
     # --------------------------------------------------------------------------- the request

@@ -159,6 +159,7 @@ class CompletionApi(_Classic):
 
 class EmbeddingApi(Api):
     kind, path, upstream_path = "embedding", "/v1/embeddings", "/embeddings"
+    answer_field = "data"
     streams = False
 
     def validate(self, body: dict[str, Any]) -> None:

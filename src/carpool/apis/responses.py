@@ -92,6 +92,7 @@ _INPUT_TEXT = frozenset({"input_text", "text"})
 
 class ResponsesApi(TypedApi):
     kind, path, upstream_path = "responses", "/v1/responses", "/responses"
+    answer_field = "output"
     last_event = staticmethod(ends_with(LAST_EVENTS))
     keeps_state = True
 
