@@ -79,6 +79,8 @@ BAD_GATEWAY = StoredResponse(
         ({"x-idempotency-key": '"alias"'}, "alias"),  # the X- alias
         ({"x-idempotency-key": "alias"}, "alias"),
         ({"idempotency-key": "main", "x-idempotency-key": "alias"}, "main"),  # the real one wins
+        ({"idempotency-key": '"abc";p=1'}, "abc"),  # an Item's parameters: read past, ignored
+        ({"idempotency-key": '"abc";a;b=?1;c="x\\"y";d=tok/1:2;e=:AAA=:;f=-1.5'}, "abc"),
     ],
 )
 def test_parse_key_reads_the_header(headers: dict[str, str], key: str | None) -> None:
@@ -105,6 +107,10 @@ def test_parse_key_reads_the_header(headers: dict[str, str], key: str | None) ->
         '"ab"c"',
         '"a\\nb"',
         '"a\\"',  # malformed sf-strings
+        '"abc" x',
+        '"abc";',
+        '"abc";p=',
+        '"abc";P=1',  # not parameters as RFC 8941 spells them
     ],
 )
 @pytest.mark.parametrize("name", ["idempotency-key", "x-idempotency-key"])

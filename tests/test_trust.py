@@ -107,6 +107,7 @@ async def test_a_header_of_a_family_carpool_does_not_know_all_of_is_never_neutra
     [
         ("?key=KEY-OF-A", "?key=KEY-OF-B", {}, {}),
         ("", "", {"cookie": "session=A"}, {"cookie": "session=B"}),
+        ("", "", {"cookie": "AWSALB=1; sid=A"}, {"cookie": "AWSALB=1; sid=B"}),
     ],
 )
 async def test_an_idempotency_key_is_scoped_by_a_query_key_and_a_cookie_too(
@@ -158,6 +159,50 @@ async def test_a_retry_differing_in_anything_but_a_credential_is_never_run_twice
         assert retry.headers["idempotent-replayed"] == "true" and retry.content == first.content
     else:
         assert retry.status_code == 422
+
+
+async def test_a_retry_whose_load_balancer_or_analytics_cookies_changed_is_never_run_twice(
+    gw, fake
+):
+    """AWS ALB re-issues its affinity cookie with a new value on every response, and a client
+    with a cookie jar (the openai SDK's httpx client, a browser) sends it with its retry: the
+    retry ran the generation again, during the first try too (no 409)."""
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "pay"}]}
+    key = {"idempotency-key": "order-1"}
+    fake.chunk_gate = asyncio.Event()
+    first = asyncio.create_task(
+        gw.client.post(
+            "/v1/chat/completions",
+            json={**body, "stream": True},
+            headers={**key, "cookie": "sid=S; AWSALB=a1; AWSALBCORS=a1"},
+        )
+    )
+    await fake.chunk_gate_reached.wait()  # (the first try is running)
+    during = await gw.client.post(
+        "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={**key, "cookie": "sid=S; AWSALB=b2; AWSALBCORS=b2"},
+    )
+    assert during.status_code == 409
+    fake.chunk_gate.set()
+    assert (await first).status_code == 200
+    after = await gw.client.post(
+        "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={**key, "cookie": "_ga=GA1.2.3; AWSALB=c3; sid=S; _ga_X1=GS1; __cf_bm=x"},
+    )
+    assert after.headers["idempotent-replayed"] == "true"
+    assert fake.count() == 1
+
+
+async def test_a_load_balancers_affinity_cookie_never_splits_the_cache_a_users_cookie_does(
+    gw, fake
+):
+    first = await gw.chat("lb", headers={"cookie": "sid=S; AWSALB=a1"})
+    again = await gw.chat("lb", headers={"cookie": "AWSALB=b2; _ga=GA1.2; sid=S"})
+    other = await gw.chat("lb", headers={"cookie": "sid=T; AWSALB=b2"})
+    assert again.headers["x-carpool"] == "hit" and text(again) == text(first)
+    assert other.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
 async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, gateway_with):

@@ -33,7 +33,8 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``NEUTRAL_HEADERS``/``NEUTRAL_PREFIXES`` of transport, tracing, client telemetry and what
   hosting platforms, CDNs and load balancers add to every request (a request id, a queue time,
   the client's address and geography: Heroku, Fly.io, Render, Vercel, CloudFront, Azure, App
-  Engine...), and those the operator names in ``fingerprint.neutral_headers``). A neutral header
+  Engine...), and those the operator names in ``fingerprint.neutral_headers``; of a ``Cookie``,
+  the cookies infrastructure sets: ``identity.user_cookies``). A neutral header
   only does not split the cache: the tenant is made of the credential headers whatever it says,
   so no header that may carry a credential, or pick a deployment, model or feature, is neutral.
   ``grant_of``, the repeat memo and the embeddings batcher's groups leave out the same ones.
@@ -54,7 +55,7 @@ import orjson
 
 from .config import Config, FingerprintConfig, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
-from .identity import credential_headers, tenant_of
+from .identity import credential_headers, tenant_of, user_cookies
 from .request import CONTROL_HEADERS, Request
 from .upstream.base import NOT_FORWARDED, connection_listed
 
@@ -344,7 +345,15 @@ def varying_headers(
         if name in listed:
             continue
         if _varies(name, names, neutral):
-            found.append((name, headers[name]))
+            value = headers[name]
+            if name == "cookie":
+                # Infrastructure's cookies are neutral: a load balancer's affinity (AWS ALB
+                # re-issues its own on every response: a client with a cookie jar would never
+                # meet its own answers, nor its retry its first try), analytics.
+                value = user_cookies(value)
+                if not value:
+                    continue
+            found.append((name, value))
         elif len(steady) < 4096:  # names are few; a flood of made-up ones is not
             steady.add(name)
     if len(found) > 1:

@@ -58,6 +58,15 @@ _SECRET_WORDS = frozenset(
     "sessionid credential credentials cookie".split()
 )
 _WORD = re.compile(r"[a-z0-9]+")
+# Cookies that infrastructure sets and changes, never a user's credential: load balancers'
+# affinity (AWS ALB/ELB re-issue theirs on every response, so a client with a cookie jar sends
+# a new value with each retry), Cloudflare's bot management, analytics. Lower-case names,
+# then prefixes.
+_INFRASTRUCTURE_COOKIES = frozenset(
+    "awsalb awsalbcors awsalbtg awsalbtgcors awselb awselbcors __cf_bm _cfuvid cf_clearance "
+    "ingresscookie serverid routeid _ga _gid _gat _fbp _fbc".split()
+)
+_INFRASTRUCTURE_PREFIXES = ("_ga_", "_gat_", "__utm", "bigipserver")
 
 
 def _secret_name(name: str) -> bool:
@@ -75,19 +84,37 @@ def names_a_secret(name: str) -> bool:
 
 def other_credentials(headers: Mapping[str, str], query: str, known: Container[str]) -> str:
     """A digest of the credentials a client presents beside the headers in ``known`` (the
-    tenant's, the idempotency key's), "" when none: its cookie, and every query parameter or
-    header whose name says it carries a secret. What the idempotency records are scoped by,
-    with the tenant: only credentials, so that a retry differing in anything else (a tracing
-    header each attempt sets anew, a query parameter) meets its first try's record, a replay
-    or a 422, never a second run."""
-    found = [
-        (name, value) for name, value in headers.items() if name not in known and _secret_name(name)
-    ]
+    tenant's, the idempotency key's), "" when none: its cookies (but infrastructure's: a load
+    balancer's affinity, analytics), and every query parameter or header whose name says it
+    carries a secret. What the idempotency records are scoped by, with the tenant: only
+    credentials, so that a retry differing in anything else (a tracing header each attempt sets
+    anew, a query parameter, a load balancer's new affinity cookie) meets its first try's
+    record, a replay or a 422, never a second run."""
+    found = []
+    for name, value in headers.items():
+        if name == "cookie" and name not in known:
+            value = user_cookies(value)
+        if value and name not in known and _secret_name(name):
+            found.append((name, value))
     if query:
         found += [(n, v) for n, v in parse_qsl(query, keep_blank_values=True) if _secret_name(n)]
     if not found:
         return ""
     return pairs_digest(sorted(found), b"carpool-others", 8).hexdigest()
+
+
+def user_cookies(header: str) -> str:
+    """A ``Cookie`` header's cookies but infrastructure's, in order of name ("": none)."""
+    kept = []
+    for pair in header.split(";"):
+        name = pair.partition("=")[0].strip().lower()
+        if (
+            name
+            and name not in _INFRASTRUCTURE_COOKIES
+            and not name.startswith(_INFRASTRUCTURE_PREFIXES)
+        ):
+            kept.append(pair.strip())
+    return "; ".join(sorted(kept))
 
 
 def pairs_digest(pairs: Iterable[tuple[str, str]], person: bytes, size: int) -> hashlib.blake2b:

@@ -2,7 +2,8 @@
 
 - ``parse_key(headers)`` reads ``idempotency-key``, else ``x-idempotency-key``; None when neither
   is sent. The value is a structured-field string (``"..."``, with ``\\"`` and ``\\\\`` escapes)
-  or, leniently, the bare text. It is refused with ``IdempotencyKeyInvalid`` (400) when it is
+  or, leniently, the bare text. A quoted string may carry parameters (an RFC 8941 Item:
+  ``"abc";p=1``), which are read past and ignored, as RFC 8941 asks of unknown ones. It is refused with ``IdempotencyKeyInvalid`` (400) when it is
   empty (or blank), longer than 255 characters once unquoted, or not a valid header string
   (anything outside printable ASCII 0x20-0x7E, a malformed quoted string).
 - The records take the key already scoped by the caller (tenant + the raw key): records never
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from .errors import IdempotencyKeyInvalid
@@ -19,6 +21,12 @@ HEADER = "idempotency-key"
 HEADER_ALIAS = "x-idempotency-key"
 MAX_KEY_LENGTH = 255
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")  # added to every replayed response
+# An Item's parameters (RFC 8941 §3.1.2): ``;key`` or ``;key=bare-item`` (an integer or
+# decimal, a string, a token, a byte sequence, a boolean), each key as the RFC spells it.
+_PARAMETERS = re.compile(
+    r';[ ]*[a-z*][a-z0-9_.*-]*(?:=(?:-?[0-9]+(?:\.[0-9]+)?|"(?:[^"\\]|\\["\\])*"'
+    r"|[A-Za-z*][!#$%&'*+.^_`|~0-9A-Za-z:/-]*|:[A-Za-z0-9+/=]*:|\?[01]))?"
+)
 
 
 def parse_key(headers: Mapping[str, str]) -> str | None:
@@ -66,7 +74,10 @@ def _sf_string(text: str, label: str) -> str:
                 continue
             break
         if char == '"':
-            if i == end - 1:
+            rest, at = text[i + 1 :], 0
+            while at < len(rest) and (parameter := _PARAMETERS.match(rest, at)) is not None:
+                at = parameter.end()
+            if at == len(rest):  # (nothing after the string but its parameters, if any)
                 return "".join(out)
             break
         out.append(char)
