@@ -446,12 +446,13 @@ async def test_the_admin_token_refuses_every_wrong_token_equal_length_or_not(fak
 
 def test_the_admin_token_is_compared_in_constant_time():
     """A supplement to the behaviour above: the comparison is ``hmac.compare_digest``."""
-    from carpool import admin_http
+    from carpool import admin_http, auth
 
     source = inspect.getsource(admin_http.admin_routes)  # every /admin/* route goes through it
     refusal = source[source.index("def refusal") :]
     refusal = refusal[: refusal.index("\n    async def", 1)]
-    assert "hmac.compare_digest(" in refusal
+    assert "presents(token, " in refusal  # (``auth.presents``: the read surfaces' check too)
+    assert "hmac.compare_digest(" in inspect.getsource(auth.presents)
     assert '== f"Bearer' not in source and '!= f"Bearer' not in source
 
 
