@@ -413,6 +413,22 @@ MALFORMED = [
         EMBEDDINGS, b'{"model": "e", "input": [[1], "a"]}', "invalid_request", id="input-mixed-list"
     ),
     pytest.param(EMBEDDINGS, b'{"input": "hi"}', "invalid_request", id="embedding-model-missing"),
+    # ``true`` is no token id (Python's bool is an int: ``[true]`` met ``[1]``'s answer).
+    pytest.param(
+        EMBEDDINGS, b'{"model": "e", "input": [true, false]}', "invalid_request", id="input-bools"
+    ),
+    pytest.param(
+        EMBEDDINGS,
+        b'{"model": "e", "input": [[1], [true]]}',
+        "invalid_request",
+        id="input-bool-ids",
+    ),
+    pytest.param(
+        COMPLETIONS,
+        b'{"model": "m", "temperature": 0, "prompt": [true]}',
+        "invalid_request",
+        id="prompt-bools",
+    ),
 ]
 
 

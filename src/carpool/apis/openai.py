@@ -225,9 +225,11 @@ def is_text_or_tokens(value: Any) -> bool:
     first = value[0]
     if isinstance(first, str):
         return all(isinstance(item, str) for item in value)
-    if isinstance(first, int):
-        return all(isinstance(item, int) for item in value)
-    return all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value)
+    # (``type(...) is int``: a JSON ``true`` is no token id, though Python's bool is an int:
+    # ``[true]`` would have met ``[1]``'s answer, in a batch's slot or a flight.)
+    if type(first) is int:
+        return all(type(item) is int for item in value)
+    return all(isinstance(item, list) and all(type(t) is int for t in item) for item in value)
 
 
 def _texts(value: Any) -> list[str]:
