@@ -506,7 +506,7 @@ async def test_two_instances_see_each_other(
 # --------------------------------------------------------------------------- memory only
 
 
-async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
+async def test_memory_records_are_bounded_in_count_and_bytes(caplog) -> None:
     records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * OK.size)
     for key in "abcde":
         await records.finish(key, await begin_new(records, key), OK)
@@ -518,6 +518,8 @@ async def test_memory_records_are_bounded_in_count_and_bytes() -> None:
     token = await begin_new(records, "big")
     assert await records.finish("big", token, big) is False  # too large: not kept...
     assert (await records.begin("e", FP)).state == "done"  # ...and evicts nothing
+    # (Said: an operator would not learn otherwise why a retry ran again.)
+    assert "larger than idempotency.max_bytes" in caplog.text and "runs again" in caplog.text
     await records.aclose()
     assert len(records) == 0 and records.bytes == 0
 

@@ -140,6 +140,14 @@ class MemoryIdempotencyRecords:
         kept = self._records.put(key, record)  # too large to keep: the key is free again
         if self._records.evictions > before:
             self._evicted()
+        if not kept:
+            # Said, or an operator would never learn why a retry ran again.
+            log.warning(
+                "a response of %d bytes is larger than idempotency.max_bytes (%d): not kept, "
+                "a retry with its key runs again",
+                len(response.body),
+                self._records.max_bytes,
+            )
         return kept
 
     async def abandon(self, key: str, token: str) -> bool:
