@@ -240,7 +240,11 @@ class Leader:
         if self.shared_store is not None and since is not None:
             # Taken back from Redis if an invalidation by any instance came since the call
             # began (its pub/sub message may reach this one after the epoch was read).
-            await self.shared_store.put(key.key, entry, since=since)
+            if not await self.shared_store.keep(key.key, entry, since=since):
+                # Taken back: an invalidation came since the call began (its message may
+                # reach this instance after the semantic entry would be in): outdated, kept in
+                # no layer, the semantic one included.
+                return ""
         else:
             await self.store.put(key.key, entry)
         if state and self.states.deleted(state):

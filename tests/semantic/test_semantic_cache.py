@@ -545,6 +545,27 @@ async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic
         assert fake.count() == 2
 
 
+async def test_an_answer_an_invalidation_took_back_gets_no_semantic_entry_either(
+    two_semantic, fake
+):
+    """Another instance invalidated everything while the call ran, and its message had not
+    reached this one when the answer was stored: Redis took the answer back (it may predate
+    what was dropped), but the semantic layer kept it, served to paraphrases until that
+    message came (for ever, had it been lost)."""
+    async with two_semantic() as (a, b):
+        fake.gate = asyncio.Event()
+        first = asyncio.create_task(ask(a, "How do I reset my router?"))
+        await fake.wait_until(lambda: fake.count() == 1, what="A's call")
+        # Redis's count of invalidations only: a message A has not had (as if lost).
+        await b.gateway.store.redis.invalidate(Selector(everything=True))
+        fake.gate.set()
+        assert (await first).headers["x-carpool"] == "miss"
+        # (Read-your-writes: its store, semantic entry included, was done before its answer.)
+        assert a.gateway.semantic.entries == 0
+        assert (await ask(a, "how can i reset my router")).headers["x-carpool"] == "miss"
+        assert fake.count() == 2
+
+
 async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_entries(
     two_semantic, fake
 ):

@@ -153,21 +153,27 @@ class SharedStore:
         self._answered()
         return generation
 
-    async def put(self, key: str, entry: Entry, *, since: int | None = None) -> None:
-        """``since``: see ``RedisStore.put`` (an answer an invalidation may have outdated is
-        taken back from Redis; one stored here while degraded is dropped when Redis is back)."""
+    async def put(self, key: str, entry: Entry) -> None:
+        await self.keep(key, entry)
+
+    async def keep(self, key: str, entry: Entry, *, since: int | None = None) -> bool:
+        """``put``; False when an invalidation took ``entry`` back as outdated, so that no
+        other layer keeps it either. ``since``: see ``RedisStore.put`` (an answer an
+        invalidation may have outdated is taken back from Redis; one stored here while degraded
+        is dropped when Redis is back)."""
         if not self._skip_redis():
             try:
-                await self.redis.put(key, entry, since=since)
+                kept = await self.redis.put(key, entry, since=since)
             except (PoolExhausted, RedisFull) as error:
                 self._failed(error)
-                return  # (not kept locally: see ``get``)
+                return True  # (not kept locally: see ``get``; but not outdated)
             except StoreUnavailable as error:
                 self._failed(error)
             else:
                 self._answered()
-                return
+                return kept
         await self.local.put(key, entry)
+        return True
 
     async def forget(self, key: str) -> bool:
         """``key``'s entry dropped here and in Redis (a failure there is reported, not raised:
