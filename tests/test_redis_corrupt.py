@@ -109,3 +109,36 @@ async def test_an_invalidation_passes_over_a_value_it_cannot_read(
         assert by_tag.status_code == 200
         assert [key async for key in client.scan_iter(match="carpool:e:*")] == []
         assert a.gateway.redis_health()["state"] == "up"
+
+
+SPOILED_RECORDS: dict[str, Spoil] = {
+    "headers that are no JSON": lambda c, k: _field(c, k, "h", b"\xff not json"),
+    "headers that are no pairs": lambda c, k: _field(c, k, "h", b'[["a"]]'),
+    "a header value that ends its line": lambda c, k: _field(
+        c, k, "h", b'[["content-type","application/json\\r\\nset-cookie: a=b"]]'
+    ),
+    "a status that is no number": lambda c, k: _field(c, k, "st", b"abc"),
+    "a status no HTTP answer has": lambda c, k: _field(c, k, "st", b"9999"),
+    "no body": lambda c, k: c.hdel(k, "b"),
+    "a string where a hash belongs (WRONGTYPE)": _string,
+}
+
+
+@pytest.mark.parametrize("spoil", list(SPOILED_RECORDS))
+async def test_an_idempotency_record_that_cannot_be_read_is_a_response_not_kept(
+    fake: Any, redis_server: Any, spoil: str
+) -> None:
+    """The request ran (the record says so, or may have): never again under its key, and its
+    retries are told so (507), as when a full Redis kept that it ran but not its response."""
+    key = {"Idempotency-Key": "order-1"}
+    async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
+        assert (await a.chat("q", headers=key)).status_code == 200
+        (record,) = [k async for k in client.scan_iter(match="carpool:idem:*")]
+        await SPOILED_RECORDS[spoil](client, record)
+        for _ in range(2):
+            retry = await b.chat("q", headers=key)
+            assert retry.status_code == 507
+            assert retry.json()["code"] == "idempotency_response_not_kept"
+        assert fake.count() == 1
+        health = b.gateway.redis_health()
+        assert (health["state"], health["errors"]) == ("up", 0)
