@@ -24,6 +24,10 @@ Contract:
   of either drops). One whose response (continued or made) was deleted while its call ran is
   not stored (``StateIndex.deleted``, asked before it is stored and again once it is: one
   deleted meanwhile is taken back).
+- A cached answer is read, whoever stored it, only while it is younger than its request's
+  ``read_age``: its ``max-age`` bounded by its type's TTL in this instance's config (0: not at
+  all). A shared flight's claim that finds an answer stored (``redis/flights.py``'s ``load``)
+  reads it so too, as the pipeline's reads of the exact and semantic caches do.
 - Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
   ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, not
   asked without the usage other shapes of the request get (``exchange.without_usage``: a
@@ -70,6 +74,17 @@ if TYPE_CHECKING:
     from .semantic.cache import Probe
 
 log = logging.getLogger("carpool.lead")
+
+
+def read_age(config: Config, request: Request) -> float | None:
+    """The oldest cached answer ``request`` accepts (0: none at all; None: any): its
+    ``max-age``, bounded by its type's TTL in this instance's config, whoever stored the
+    answer (another instance with a longer TTL, or this one before its TTL was lowered). The
+    one rule of every read of a cache: the exact cache, the semantic cache's candidates, a
+    shared flight's claim that finds an answer stored."""
+    ttl = config.ttl_for(request.controls.request_type)
+    max_age = request.controls.max_age
+    return ttl if max_age is None or ttl < max_age else max_age
 
 
 class Leader:
@@ -132,6 +147,7 @@ class Leader:
             and not without_usage(request, self.config)
         )
         shared_store = self.shared_store if key.key is not None and storable else None
+        oldest = read_age(self.config, request)
 
         async def call(broadcast: Broadcast) -> Answer:
             if shared_store is not None:  # (Redis's count of invalidations, before the call)
@@ -171,16 +187,19 @@ class Leader:
                 max_age=controls.max_age if controls.may_read else 0,
                 linger=not controls.no_store,
                 forget=self.store.forget,
-                load=partial(self._stored, key.key),
+                # (Asked only of a request that takes any cached answer: its TTL bounds it.)
+                load=partial(self._stored, key.key, oldest) if oldest != 0 else None,
             )
         finally:
             if embedding is not None:  # not stored (a failure, a follower)
                 _discard(embedding)
 
-    async def _stored(self, key: str) -> Answer | None:
-        """The exact cache's answer for ``key``, whatever its age."""
+    async def _stored(self, key: str, max_age: float | None) -> Answer | None:
+        """The exact cache's answer for ``key``, if younger than ``max_age`` (``read_age``)."""
         entry = await self.store.get(key)
-        return entry.answer if entry is not None else None
+        if entry is None or (max_age is not None and entry.answer.age(self.clock.now()) >= max_age):
+            return None
+        return entry.answer
 
     async def _store(
         self,

@@ -105,7 +105,7 @@ from .fingerprint import Fingerprint, fingerprint, requester, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
-from .lead import Leader
+from .lead import Leader, read_age
 from .metrics import COUNTED, COUNTED_ELSEWHERE
 from .outcome import Outcome
 from .repeat_memo import Repeat
@@ -361,11 +361,9 @@ class Gateway:
         )
 
     def _read_age(self, request: Request) -> float | None:
-        """The oldest cached answer ``request`` accepts: its ``max-age``, bounded by its type's TTL
-        (the reader's policy holds whoever wrote the answer); 0: none at all."""
-        ttl = self.config.ttl_for(request.controls.request_type)
-        max_age = request.controls.max_age
-        return ttl if max_age is None or ttl < max_age else max_age
+        """The oldest cached answer ``request`` accepts (``lead.read_age``: the reader's TTL
+        holds whoever wrote the answer); 0: none at all."""
+        return read_age(self.config, request)
 
     def repeat_now(self, client: ClientRequest) -> Reply | None:
         """The path's first step (``_handle``) taken without waiting on anything, for a transport

@@ -70,8 +70,9 @@ class TypePolicy(Section):
     ttl: float = Field(
         ...,
         ge=0,
-        description="Seconds an answer of this type stays in the cache; "
-        "0 = never stored (still coalesced while in flight and within the window).",
+        description="Seconds an answer of this type stays in the cache, and the oldest this "
+        "instance serves, whoever stored it; 0 = never stored nor served from a cache (still "
+        "coalesced while in flight and within the window).",
     )
 
 
@@ -89,7 +90,8 @@ class CacheConfig(Section):
         3600,
         ge=0,
         description="Seconds an answer stays cached when its "
-        "request has no `x-carpool-type` (or an unknown one).",
+        "request has no `x-carpool-type` (or an unknown one), and the oldest such answer this "
+        "instance serves, whoever stored it.",
     )
     max_bytes: int = Field(
         256 * 1024 * 1024,

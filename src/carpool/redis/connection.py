@@ -19,7 +19,11 @@ Contract
   reports to) counts and logs it and does **not** start a degraded period. A write Redis
   refused because it is full (``maxmemory`` reached under ``noeviction``: ``OOM``) is
   :class:`RedisFull`, another: Redis answered; the health counts it (``full``), logs it, and
-  does not start a degraded period either.
+  does not start a degraded period either. A command on a key that holds another type than
+  carpool writes there (``WRONGTYPE``: something else wrote it) is :class:`WrongType`, a
+  third: Redis answered; the layer that reads the key treats it as a value it cannot read
+  (``store``: a miss, the key dropped; ``idempotency``: a response not kept), never as an
+  outage. A layer that does not handle it takes it as any failure.
 - Every Lua script declares its flags (a ``#!lua`` first line; Redis >= 7.0, every Valkey):
   one that adds an answer to a cache is refused whole by a full Redis, before it writes
   anything (without the line, Redis checks memory at the script's first command that grows
@@ -76,6 +80,7 @@ __all__ = [
     "PoolExhausted",
     "RedisFull",
     "StoreUnavailable",
+    "WrongType",
     "connect",
     "eviction_problem",
     "server_mode",
@@ -128,6 +133,12 @@ async def stop_reader(task: asyncio.Task[Any] | None) -> None:
 class PoolExhausted(StoreUnavailable):
     """Every pooled connection stayed busy for ``pool_timeout``: this instance is overloaded,
     Redis is not down (never a reason for a degraded period)."""
+
+
+class WrongType(StoreUnavailable):
+    """A key holds a value of another type than carpool writes there (``WRONGTYPE``): Redis
+    answered, something else wrote the key (never a reason for a degraded period where the
+    layer handles it: the module's contract)."""
 
 
 class RedisFull(StoreUnavailable):
@@ -312,12 +323,17 @@ def unavailable(what: str) -> Iterator[None]:
         OutOfMemoryError,
         RedisClusterException,
         RedisError,
+        ResponseError,
     )
 
     try:
         yield
     except OutOfMemoryError as exc:
         raise RedisFull(f"{what}: Redis is full (maxmemory): {exc}") from exc
+    except ResponseError as exc:
+        # (In a script too: Redis >= 7 keeps the error's code at the start of its message.)
+        kind = WrongType if str(exc).startswith("WRONGTYPE") else StoreUnavailable
+        raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out; a
         # cluster node's pool does not wait: it raises MaxConnectionsError at once.

@@ -18,6 +18,13 @@ connection busy (``PoolExhausted``) is reported once (counted and logged there, 
 degraded period) and tried again, pausing ``BACKOFF_MIN`` doubling, until ``pool_timeout``
 has passed since it began: a cluster node's pool does not wait by itself, a single server's
 already waited that long (then it is not tried again).
+
+A record that cannot be read (something else wrote the key: a field missing or malformed, a
+status no HTTP answer has, a key of another type, ``WRONGTYPE``) is a request that ran, or may
+have, whose response was not kept: ``begin`` and ``wait`` answer it as ``_NOT_KEPT_ANSWER``
+(the 507 a full Redis leaves, its message saying why), logged with the record's digest, and
+the health is told Redis answered. Its key never runs again (a request that ran would), nor
+fails with a 500 for the record's retention.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import math
 import weakref
 from collections.abc import Awaitable, Callable
@@ -34,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from typing_extensions import Unpack
 
+from ..http_syntax import CONTROL, TOKEN
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
 from ..idempotency.errors import IdempotencyResponseNotKept
 from .connection import (
@@ -46,6 +55,7 @@ from .connection import (
     PoolExhausted,
     RedisFull,
     StoreUnavailable,
+    WrongType,
     byte_client,
     connect,
     unavailable_in,
@@ -56,6 +66,8 @@ if TYPE_CHECKING:
     import redis.asyncio as aredis
 
 __all__ = ["LEASE", "RedisIdempotencyRecords"]
+
+log = logging.getLogger("carpool.idempotency")
 
 LEASE = 6.0  # s a record being processed lives unless its owner renews it
 
@@ -104,6 +116,17 @@ _NOT_KEPT_ANSWER = StoredResponse(
         for name, value in IdempotencyResponseNotKept().headers().items()
     ],
     IdempotencyResponseNotKept().body(),
+)
+
+# What a record that cannot be read answers (the module's docstring).
+_UNREADABLE = IdempotencyResponseNotKept(
+    "The request with this Idempotency-Key ran, or may have, but its record could not be "
+    "read, so its response cannot be replayed. Use a new Idempotency-Key to run it again."
+)
+_UNREADABLE_ANSWER = StoredResponse(
+    _UNREADABLE.status,
+    [(name.encode(), value.encode()) for name, value in _UNREADABLE.headers().items()],
+    _UNREADABLE.body(),
 )
 
 # ARGV = token. 1 if dropped.
@@ -219,13 +242,14 @@ class RedisIdempotencyRecords:
     async def begin(self, key: str, fingerprint: str) -> Begin:
         # (Always asked, even while the health says Redis is down: a record that may be in
         # Redis must not be taken for absent because another layer's call failed.)
-        token = _new_token()
-        reply = await self._call(
-            "begin",
-            lambda: self._begin(
-                keys=[self.record_key(key)], args=[fingerprint, token, _ms(self.lease)]
-            ),
-        )
+        token, record_key = _new_token(), self.record_key(key)
+        try:
+            reply = await self._call(
+                "begin",
+                lambda: self._begin(keys=[record_key], args=[fingerprint, token, _ms(self.lease)]),
+            )
+        except WrongType as error:
+            return Begin("done", response=_unreadable(record_key, error.__cause__))
         state = reply[0].decode()
         if state == "new":
             self._keepers[token] = asyncio.create_task(self._keep(key, token))
@@ -234,7 +258,7 @@ class RedisIdempotencyRecords:
             return Begin(
                 "done",
                 # (Fields absent in records written before they existed: None.)
-                response=_decode(*[*reply[1:], None, None][:5]),
+                response=_decode(record_key, *[*reply[1:], None, None][:5]),
             )
         return Begin(state)
 
@@ -321,6 +345,9 @@ class RedisIdempotencyRecords:
                 await asyncio.sleep(min(pause, left))
                 pause *= 2
                 continue
+            except WrongType:
+                self._report(None)  # (Redis answered: a key something else wrote)
+                raise
             except StoreUnavailable as error:
                 self._report(error)
                 raise
@@ -369,16 +396,19 @@ class RedisIdempotencyRecords:
                 changed = self._changed.get(record_key)
                 if changed is None:
                     changed = self._changed[record_key] = asyncio.Event()
-                state, found, status, headers, body, streamed, created = await self._call(
-                    "wait",
-                    lambda: self._client.hmget(record_key, "s", "fp", "st", "h", "b", "m", "c"),
-                )
+                try:
+                    state, found, status, headers, body, streamed, created = await self._call(
+                        "wait",
+                        lambda: self._client.hmget(record_key, "s", "fp", "st", "h", "b", "m", "c"),
+                    )
+                except WrongType as error:
+                    return _unreadable(record_key, error.__cause__)
                 if state is None:
                     return None
                 if found != mine:
                     return None
                 if state != b"p":
-                    return _decode(status, headers, body, streamed, created)
+                    return _decode(record_key, status, headers, body, streamed, created)
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
@@ -405,10 +435,31 @@ def _ms(seconds: float) -> int:
 
 
 def _decode(
-    status: Any, headers: Any, body: Any, streamed: Any, created: Any = None
+    record_key: str, status: Any, headers: Any, body: Any, streamed: Any, created: Any = None
 ) -> StoredResponse:
-    pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(headers)]
+    """The response a finished record holds; ``_UNREADABLE_ANSWER`` if it cannot be read (the
+    module's docstring)."""
+    try:
+        code = int(status)
+        named = [(n, v) for n, v in orjson.loads(headers)]
+        readable = all(TOKEN.fullmatch(n) and not CONTROL.search(v) for n, v in named)
+        pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in named]
+        made = float(created) if created else None  # (None, empty: unknown)
+    except (TypeError, ValueError, AttributeError) as error:  # (JSONDecodeError: a ValueError)
+        return _unreadable(record_key, error)
+    if not (
+        readable and 100 <= code <= 599 and isinstance(body, bytes) and math.isfinite(made or 0.0)
+    ):
+        return _unreadable(record_key, "a status, header, body or time no answer has")
     if streamed is None:  # written before the field existed: the content type says
         streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
-    made = float(created) if created else None  # (None, empty: unknown)
-    return StoredResponse(int(status), pairs, bytes(body), streamed in (True, b"1"), made)
+    return StoredResponse(code, pairs, body, streamed in (True, b"1"), made)
+
+
+def _unreadable(record_key: str, why: object) -> StoredResponse:
+    log.warning(
+        "an idempotency record in Redis cannot be read (%s), answered as a response not kept: %s",
+        record_key,
+        why,
+    )
+    return _UNREADABLE_ANSWER

@@ -15,6 +15,11 @@ Contract (on top of ``store.base``):
 - A full Redis (``maxmemory`` reached under ``noeviction``) takes no entry: ``put`` raises
   ``RedisFull`` (a ``StoreUnavailable``) and leaves nothing of it (an entry written as Redis
   filled up, its count refused, is dropped again); gets and invalidations work as ever.
+- A value under an entry's key that carpool cannot read as an entry (something else wrote it:
+  ``store_layout.Unreadable``, or a key of another type, ``WRONGTYPE``) is a miss, never an
+  error: Redis answered (no ``StoreUnavailable``, no degraded period). It is logged and dropped
+  (unless an entry was put there since), so it costs one miss, not one per request until it
+  expires; an invalidation that meets one drops it too.
 - ``entries``/``bytes`` are the whole shared cache (all instances), as counted in Redis: an
   ``INCRBY``/``DECRBY`` byte counter and a set of live entries, kept by one Lua script that also
   reaps what expired. The properties are sync, so they return the last value this instance saw:
@@ -45,6 +50,7 @@ digests and SCAN escaping that the Redis layers share are :mod:`.keys` (``glob_e
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import secrets
 import time
@@ -57,6 +63,7 @@ from .connection import (
     ConnectOptions,
     RedisFull,
     StoreUnavailable,
+    WrongType,
     byte_client,
     connect,
     stop_reader,
@@ -70,7 +77,9 @@ from .store_layout import (
     PUT,
     STATS,
     STATS_ADD,
+    UNREADABLE,
     StoreKeys,
+    Unreadable,
     decode,
     encode,
 )
@@ -80,10 +89,14 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisStore", "StoreUnavailable", "glob_escape", "xread_entries"]
 
+log = logging.getLogger("carpool.store")
+
 STATS_INTERVAL = 1.0  # s between background refreshes of ``entries``/``bytes`` by gets
 BATCH = 500  # keys per SCAN page / per pipelined round trip in invalidations
 
 _unavailable = unavailable_in("the Redis store")
+
+Header = bytes | None  # (an entry's ``m`` as read; named here: ``bytes`` is a property below)
 
 
 class RedisStore:
@@ -140,13 +153,22 @@ class RedisStore:
         return self._bytes
 
     async def get(self, key: str) -> Entry | None:
-        with _unavailable("get"):
-            fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]  # (redis-py's return type is a union over sync and async)
-                self._keys.entry(key_id(key)), "m", "b", "f", "pp"
-            )  # (bytes: never decoded)
-            header, body, frames, prompt_prefix = fields
+        entry_id = key_id(key)
+        try:
+            with _unavailable("get"):
+                fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]  # (redis-py's return type is a union over sync and async)
+                    self._keys.entry(entry_id), "m", "b", "f", "pp"
+                )  # (bytes: never decoded)
+        except WrongType as error:
+            await self._unreadable(entry_id, None, str(error.__cause__))
+            return None
+        header, body, frames, prompt_prefix = fields
         self._refresh_soon()
-        return decode(header, body, frames, prompt_prefix)
+        try:
+            return decode(header, body, frames, prompt_prefix)
+        except Unreadable as error:
+            await self._unreadable(entry_id, header, str(error))
+            return None
 
     async def generation(self) -> int:
         """The count of invalidations Redis has seen, from every instance (from a random
@@ -310,6 +332,21 @@ class RedisStore:
             dropped += await unlink()
         self._counted([0, 0])
         return dropped
+
+    async def _unreadable(self, entry_id: str, header: Header, why: str) -> None:
+        """Drop the value under ``entry_id``'s key that is no entry (the module's contract),
+        unless an entry was put there since it was read (its header is no longer ``header``)."""
+        log.warning(
+            "dropping a value in Redis that is no cache entry, under e:{%s}: %s", entry_id, why
+        )
+        now_ms = int(time.time() * 1000)
+        with _unavailable("drop a value that is no entry"):
+            if not await self._client.eval(
+                UNREADABLE, 1, self._keys.entry(entry_id), header or b""
+            ):
+                return
+            counts = await self._client.eval(STATS, 3, *self._keys.stats, now_ms, "del", entry_id)
+        self._counted(counts)
 
     def _counted(self, counts: list[Any]) -> None:
         self._entries, self._bytes = int(counts[0]), int(counts[1])

@@ -35,6 +35,10 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
   (a put racing it must not lose the index of an entry it writes after the scan). The three
   ``{stats}`` keys share one slot because one Lua script updates them together; they go away
   when no entry is live.
+- A value under an entry's key that no carpool wrote (something else wrote the key: a hash
+  ``decode`` cannot read, ``Unreadable``, or another type, ``WRONGTYPE``) is dropped by the
+  first get that reads it (``UNREADABLE``, if it is still the value read) or invalidation
+  that meets it (``DROP``): a miss, once.
 - Every script touches keys of one slot only, and multi-key work is pipelined per key, so the
   layout works on Redis Cluster. The prefix must not contain ``{`` or ``}``.
 """
@@ -47,6 +51,7 @@ from typing import Any
 import orjson
 
 from ..answer import Answer
+from ..apis import APIS
 from ..store.base import Entry
 from .connection import ALWAYS, GROWS
 from .keys import digest, glob_escape
@@ -60,6 +65,8 @@ __all__ = [
     "STATS",
     "STATS_ADD",
     "StoreKeys",
+    "UNREADABLE",
+    "Unreadable",
     "decode",
     "encode",
 ]
@@ -140,8 +147,13 @@ DROP = (
     ALWAYS
     + """
 local mode, value = ARGV[1], ARGV[2]
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'hash' then  -- none, or no entry (something else wrote it: ``UNREADABLE``)
+  if kind ~= 'none' then redis.call('UNLINK', KEYS[1]) end
+  return 0
+end
 local expires = redis.call('HGET', KEYS[1], 'xm')
-if expires and tonumber(expires) <= tonumber(ARGV[3]) then
+if expires and (tonumber(expires) or 0) <= tonumber(ARGV[3]) then  -- (no number: unreadable)
   redis.call('UNLINK', KEYS[1])
   return 0
 end
@@ -155,6 +167,20 @@ elseif mode == 'n' or mode == 'x' then
 elseif string.sub(field, 1, #value) ~= value then
   return 0
 end
+redis.call('UNLINK', KEYS[1])
+return 1
+"""
+)
+
+# Drop a value under an entry's key that ``decode`` could not read (``Unreadable``, or not a
+# hash: ``WRONGTYPE``), if it is still the one read and not an entry put since: ARGV[1] = its
+# header (``m``) as read, "" when it had none or was no hash. 1 if dropped.
+UNREADABLE = (
+    ALWAYS
+    + """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if kind == 'hash' and (redis.call('HGET', KEYS[1], 'm') or '') ~= ARGV[1] then return 0 end
 redis.call('UNLINK', KEYS[1])
 return 1
 """
@@ -230,36 +256,81 @@ def encode(entry: Entry) -> list[Any]:
     return fields
 
 
+class Unreadable(ValueError):
+    """A value under an entry's key that is no entry carpool wrote (``decode``)."""
+
+
 def decode(
     header: bytes | None, body: bytes | None, frames: bytes | None, prompt_prefix: bytes | None
 ) -> Entry | None:
     """The entry of the hash fields ``m``, ``b``, ``f``, ``pp``; None if it is absent, of
-    another format or expired."""
-    if header is None or body is None:
+    another format or expired. ``Unreadable`` if it is none that carpool writes: a header that
+    is no JSON object, a field missing or of another type, frame lengths that are not the
+    frames' (checked here, on every read: read later, such a value failed the request it was
+    served to)."""
+    if header is None:
+        if body is None and frames is None and prompt_prefix is None:
+            return None  # (no such key)
+        raise Unreadable("fields without a header")
+    try:
+        meta = orjson.loads(header)
+    except orjson.JSONDecodeError:
+        raise Unreadable("a header that is no JSON") from None
+    if not isinstance(meta, dict) or type(meta.get("v")) is not int:
+        raise Unreadable("a header without its format")
+    if meta["v"] != FORMAT:
+        return None  # (another version's: a rolling upgrade, not ours to drop)
+    try:
+        expires, kind, complete, tokens = meta["x"], meta["k"], meta["c"], meta["t"]
+        created, usage_frame, lengths = meta["cr"], meta["u"], meta["fl"]
+        tags, namespace = meta["tags"], meta["ns"]
+    except KeyError as missing:
+        raise Unreadable(f"a header without {missing}") from None
+    if not (
+        body is not None
+        and _number(expires)
+        and _number(created)
+        and kind in APIS
+        and type(complete) is bool
+        and type(tokens) is int
+        and isinstance(tags, list)
+        and all(isinstance(tag, str) for tag in tags)
+        and isinstance(namespace, str)
+    ):
+        raise Unreadable("a header field of another type, or no body")
+    if expires <= time.time():
         return None
-    meta = orjson.loads(header)
-    if meta.get("v") != FORMAT or meta["x"] <= time.time():
-        return None
+    split = _split(frames or b"", lengths)
+    if usage_frame is not None and not (
+        split is not None and type(usage_frame) is int and 0 <= usage_frame < len(split)
+    ):
+        raise Unreadable("a usage frame that is none of the frames")
+    try:
+        prefix = (prompt_prefix or b"").decode()
+    except UnicodeDecodeError:
+        raise Unreadable("a prompt prefix that is no UTF-8") from None
     return Entry(
-        Answer(
-            meta["k"],
-            body,
-            meta["c"],
-            meta["t"],
-            meta["cr"],
-            _split(frames or b"", meta["fl"]),
-            meta["u"],
-        ),
-        meta["x"],
-        tuple(meta["tags"]),
-        meta["ns"],
-        (prompt_prefix or b"").decode(),
+        Answer(kind, body, complete, tokens, created, split, usage_frame),
+        expires,
+        tuple(tags),
+        namespace,
+        prefix,
     )
 
 
-def _split(joined: bytes, lengths: list[int] | None) -> list[bytes] | None:
+def _number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _split(joined: bytes, lengths: Any) -> list[bytes] | None:
     if lengths is None:
         return None
+    if (
+        not isinstance(lengths, list)
+        or not all(type(length) is int and length >= 0 for length in lengths)
+        or sum(lengths) != len(joined)
+    ):
+        raise Unreadable("frame lengths that are not the frames'")
     frames, at = [], 0
     for length in lengths:
         frames.append(joined[at : at + length])

@@ -1,0 +1,144 @@
+"""Values in Redis that carpool cannot read: written by something else (a script, another tool
+sharing the database, a bug of another version), never by carpool. Such a value is a miss or,
+for an idempotency record, a request that ran and whose response was not kept: never a 500,
+never served, and never an outage (Redis answered: the instance stays ``up``). A cache entry
+that cannot be read is dropped, so that it costs one miss, not one per request until its TTL.
+
+Each test writes the value over a real server with its own client."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from test_distributed import gateways
+
+aredis = pytest.importorskip("redis.asyncio")
+
+ADMIN = {"Authorization": "Bearer t"}
+NO_WINDOW = {"window_ms": 0}  # (a finished call's lingering flight would answer again)
+
+Spoil = Callable[[Any, bytes], Awaitable[object]]
+
+
+async def _field(client: Any, key: bytes, field: str, value: bytes) -> None:
+    await client.hset(key, field, value)
+
+
+async def _string(client: Any, key: bytes) -> None:
+    ttl = await client.pttl(key)
+    await client.delete(key)
+    await client.set(key, b"\xff\xfe not a hash", px=ttl)
+
+
+SPOILED_ENTRIES: dict[str, Spoil] = {
+    "a header that is no JSON": lambda c, k: _field(c, k, "m", b"\xff\x00garbage"),
+    "a header that is a list": lambda c, k: _field(c, k, "m", b"[1,2]"),
+    "a header without its fields": lambda c, k: _field(c, k, "m", b'{"v":1,"x":9999999999}'),
+    "frame lengths past the frames": lambda c, k: _field(
+        c,
+        k,
+        "m",
+        b'{"v":1,"k":"chat","c":true,"t":1,"cr":1,"x":9999999999,"u":null,'
+        b'"fl":[5,5],"tags":[],"ns":""}',
+    ),
+    "a string where a hash belongs (WRONGTYPE)": _string,
+}
+
+
+@contextlib.asynccontextmanager
+async def raw(redis_server: Any) -> AsyncIterator[Any]:
+    client = aredis.Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def the_entry(client: Any) -> bytes:
+    (key,) = [key async for key in client.scan_iter(match="carpool:e:*")]
+    return key
+
+
+@pytest.mark.parametrize("spoil", list(SPOILED_ENTRIES))
+async def test_a_cache_entry_in_redis_that_cannot_be_read_is_a_miss_and_is_dropped(
+    fake: Any, redis_server: Any, spoil: str
+) -> None:
+    async with (
+        raw(redis_server) as client,
+        gateways(2, fake, redis_server, coalesce=NO_WINDOW) as (a, b),
+    ):
+        assert (await a.chat("q")).headers["x-carpool"] == "miss"
+        key = await the_entry(client)
+        await SPOILED_ENTRIES[spoil](client, key)
+        # (an answer without its finish reason, served but not stored: B's own answer is not
+        # put where the spoiled value was, which must be gone)
+        fake.omit_finish_reason = True
+        first = await b.chat("q")
+        assert (first.status_code, first.headers["x-carpool"]) == (200, "miss")
+        assert await client.exists(key) == 0
+        fake.omit_finish_reason = False
+        assert (await b.chat("q")).headers["x-carpool"] == "miss"
+        assert (await a.chat("q")).headers["x-carpool"] == "hit"
+        assert fake.count() == 3
+        for served in (a, b):
+            health = served.gateway.redis_health()
+            assert (health["state"], health["errors"]) == ("up", 0)
+
+
+async def test_an_invalidation_passes_over_a_value_it_cannot_read(
+    fake: Any, redis_server: Any
+) -> None:
+    tagged = {"x-carpool-tags": "faq"}
+    async with (
+        raw(redis_server) as client,
+        gateways(1, fake, redis_server, coalesce=NO_WINDOW) as (a,),
+    ):
+        await a.chat("q", headers=tagged)
+        key = await the_entry(client)
+        await _string(client, key)
+        by_tag = await a.client.post("/admin/invalidate", json={"tag": "faq"}, headers=ADMIN)
+        assert by_tag.status_code == 200
+        assert await client.exists(key) == 0
+        await a.chat("r", headers=tagged)
+        await _field(client, await the_entry(client), "xm", b"not a number")
+        by_tag = await a.client.post("/admin/invalidate", json={"tag": "faq"}, headers=ADMIN)
+        assert by_tag.status_code == 200
+        assert [key async for key in client.scan_iter(match="carpool:e:*")] == []
+        assert a.gateway.redis_health()["state"] == "up"
+
+
+SPOILED_RECORDS: dict[str, Spoil] = {
+    "headers that are no JSON": lambda c, k: _field(c, k, "h", b"\xff not json"),
+    "headers that are no pairs": lambda c, k: _field(c, k, "h", b'[["a"]]'),
+    "a header value that ends its line": lambda c, k: _field(
+        c, k, "h", b'[["content-type","application/json\\r\\nset-cookie: a=b"]]'
+    ),
+    "a status that is no number": lambda c, k: _field(c, k, "st", b"abc"),
+    "a status no HTTP answer has": lambda c, k: _field(c, k, "st", b"9999"),
+    "no body": lambda c, k: c.hdel(k, "b"),
+    "a string where a hash belongs (WRONGTYPE)": _string,
+}
+
+
+@pytest.mark.parametrize("spoil", list(SPOILED_RECORDS))
+async def test_an_idempotency_record_that_cannot_be_read_is_a_response_not_kept(
+    fake: Any, redis_server: Any, spoil: str
+) -> None:
+    """The request ran (the record says so, or may have): never again under its key, and its
+    retries are told so (507), as when a full Redis kept that it ran but not its response."""
+    key = {"Idempotency-Key": "order-1"}
+    async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
+        assert (await a.chat("q", headers=key)).status_code == 200
+        (record,) = [k async for k in client.scan_iter(match="carpool:idem:*")]
+        await SPOILED_RECORDS[spoil](client, record)
+        for _ in range(2):
+            retry = await b.chat("q", headers=key)
+            assert retry.status_code == 507
+            assert retry.json()["code"] == "idempotency_response_not_kept"
+        assert fake.count() == 1
+        health = b.gateway.redis_health()
+        assert (health["state"], health["errors"]) == ("up", 0)
