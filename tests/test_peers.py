@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from carpool import peers
 from carpool.config import Config
+from carpool.errors import RETRY_HEADERS
 from carpool.fingerprint import fingerprint
 from carpool.peers import Peers, claim
 from carpool.peers.server import PeerServer
@@ -263,6 +265,74 @@ async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):
         again, same = await pair.b.stream_chat(question)
         assert again.headers["x-carpool"] == "hit"
         assert fake.count() == 1
+
+
+async def test_an_owners_refusal_reaches_the_client_with_when_to_retry(fake):
+    """Asked of its key's owner, a flight's refusal lost its Retry-After, retry-after-ms and
+    x-should-retry: the SDK retried a 429 at once, and ran a 504's generation (which may be
+    running) three times where it landed on the other worker."""
+    fake.fail_status = 429
+    fake.response_headers = [
+        (b"retry-after", b"7"),
+        (b"retry-after-ms", b"7000"),
+        (b"x-should-retry", b"false"),
+    ]
+    async with two_workers(fake.url) as pair:
+        for stream in (False, True):
+            question = owned_by(pair.a.gateway, 1, f"Refused, streamed {stream}")
+            response = await pair.a.client.post(
+                "/v1/chat/completions", json={**_chat(question), "stream": stream}
+            )
+            assert response.status_code == 429, response.text
+            retry = {name: response.headers.get(name) for name in RETRY_HEADERS}
+            assert retry == {
+                "retry-after": "7",
+                "retry-after-ms": "7000",
+                "x-should-retry": "false",
+            }
+        assert pair.b.gateway.peers is not None and fake.count() == 2
+
+
+async def test_a_keyed_stream_whose_owner_dies_mid_event_ends_with_whole_events_then_its_error(
+    fake,
+):
+    """The owner running a keyed stream died with an event half written: the half reached the
+    client as an event of its own (the SDK raised a JSONDecodeError, not an APIError)."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url])
+    door = PeerServer()
+    whole = (
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+    )
+
+    async def dies_mid_event(scope, receive, send):
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        half = b'data: {"id":"c","object":"chat.completion.chunk","choi'
+        await send({"type": "http.response.body", "body": whole + half, "more_body": True})
+        raise RuntimeError("the owner died")
+
+    try:
+        slot, owner = claim(directory, 2), claim(directory, 2)
+        assert slot is not None and owner is not None
+        await door.start(dies_mid_event, owner.socket_path(1), 1)
+        gateway = build_gateway(config, peers=Peers(slot, config))
+        key = idempotency_key_owned_by(gateway, 1)
+        async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
+            response = await c.post(
+                "/v1/chat/completions",
+                json={**_chat("Charge my card"), "stream": True},
+                headers={"idempotency-key": key},
+            )
+        events = [event for event in response.text.split("\n\n") if event]
+        assert events[0].encode() + b"\n\n" == whole
+        payloads = [orjson.loads(event.removeprefix("data: ")) for event in events]
+        assert len(payloads) == 2 and "went away" in payloads[1]["error"]["message"]
+        assert fake.count() == 0
+    finally:
+        await door.aclose()
+        peers.remove(directory)
 
 
 async def test_the_meeting_place_is_private(fake):

@@ -67,7 +67,7 @@ import orjson
 from yarl import URL
 
 from ..apis import BY_PATH, Api
-from ..errors import LeaderLost, UpstreamStreamBroken
+from ..errors import RETRY_HEADERS, LeaderLost, UpstreamStreamBroken
 from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, refusal
@@ -105,6 +105,8 @@ _OUTCOMES = frozenset(outcome.value for outcome in Outcome)
 _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 # What a gateway's own limits answer (body, headers too large): nothing was run.
 _OWN_LIMITS = frozenset({413, 431})
+# The owner's answer's headers a flight's call keeps: what it is, and when to retry.
+_KEPT = ("content-type", "x-carpool", "age", *RETRY_HEADERS)
 # The owner's socket could not be reached at all: nothing of the request was sent.
 _UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 # A worker without a slot: how often it tries for one, and how long past the wait for the worker
@@ -175,10 +177,8 @@ class Peers:
             response.release()
             self._missed(owner, RuntimeError(f"HTTP {response.status} from its limits"))
             return None
-        kept = {
-            name: response.headers[name]
-            for name in ("content-type", "x-carpool", "age")
-            if name in response.headers
+        kept = {  # (and when to retry: an SDK retried at once, or ran a generation again)
+            name: response.headers[name] for name in _KEPT if name in response.headers
         }
         content_type = kept.get("content-type", "")
         if call.stream and 200 <= response.status < 300 and "text/event-stream" in content_type:
@@ -456,13 +456,21 @@ async def _lost_if_cut(payloads: AsyncIterator[list[bytes]]) -> AsyncIterator[li
 
 
 async def _relayed(response: aiohttp.ClientResponse, api: Api) -> AsyncIterator[bytes]:
-    """A relayed stream's bytes as they come; if the worker running it dies part-way, the
-    client's stream ends with its API's error event, as when an upstream's stream breaks."""
+    """A relayed stream's events as they come, whole; if the worker running it dies part-way,
+    the client's stream ends with its API's error event, as when an upstream's stream breaks
+    (after the last whole event: an event cut in two reached the SDK as broken JSON)."""
+    held = b""  # the start of an event whose end has not come yet
     try:
         async for chunk in response.content.iter_any():
-            yield chunk
+            data = held + chunk if held else chunk
+            end = data.rfind(b"\n\n") + 2  # (the owner ends each event so: ``Api.frame``)
+            held = data[end:] if end > 1 else data
+            if end > 1:
+                yield data[:end]
+        if held:
+            yield held  # (ended whole: as it came)
     except _FAILED as error:
-        yield b"\n\n" + api.error_event(
+        yield api.error_event(
             UpstreamStreamBroken(f"the worker running it went away ({_why(error)})")
         )
     finally:
