@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import redis_settings, run_gateway
-from fakes.instances import free_port, serve_env, start_serve
+from fakes.instances import free_port, instances, serve_env, start_serve
 from fakes.waiting import eventually
 
 pytest.importorskip("redis")
@@ -625,6 +625,41 @@ async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader
         assert b.gateway.shared_flights.counts["broken"] == 1
         retry = await b.chat(QUESTION)  # the retry coalesces as usual: here, a new call
         assert retry.status_code == 200 and content(retry) == f"answer 2 to {QUESTION}"
+
+
+async def test_a_stream_arriving_after_its_leader_died_is_answered_whole_by_a_takeover(
+    fake, shared_redis
+):
+    """Instance A (a process) is SIGKILLed mid-stream: its frames are in Redis, its lock not
+    expired yet. A streaming request then arriving on B gets no frame of the dead call (they
+    wait for a sign of life that never comes) and no error: B's takeover answers it whole."""
+    lease_ms = 600
+    distributed = {"lease_ms": lease_ms, "retry_interval": 0.05, "cluster": shared_redis.cluster}
+    fake.chunk_gate = asyncio.Event()  # A's stream stops after its first words
+    async with (
+        instances(1, fake.url, shared_redis.url, {"distributed": distributed}) as (a,),
+        run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as b,
+    ):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "stream": True,
+        }
+        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=body))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        while (await a.stats())["redis"]["flights"]["frames_published"] < 3:
+            await asyncio.sleep(0.01)
+        a.kill()
+        fake.chunk_gate = None  # the takeover's call answers at once
+        response, raw = await b.stream_chat(QUESTION)
+        with contextlib.suppress(httpx.HTTPError):
+            await lost
+    assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
+    assert sse_text(raw) == f"answer 2 to {QUESTION}" and raw.rstrip().endswith("[DONE]")
+    shared = b.gateway.shared_flights
+    assert (shared.counts["takeovers"], shared.counts["frames_relayed"]) == (1, 0)
+    assert fake.count() == 2
 
 
 async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_call(

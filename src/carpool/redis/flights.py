@@ -42,7 +42,8 @@ which coalesces the local flights of every instance:
 - A follower relays the leader's stream, from its start, into its LOCAL broadcast: every local
   client of the flight, streaming or not, early or late, is served exactly as if this instance
   led, and gets the same ``Answer`` (or the same error) on the final record
-  (:mod:`.flight_relay`).
+  (:mod:`.flight_relay`). The frames the stream already held when it came are relayed only
+  once the leader shows life since (a new entry, its lock renewed): a dead leader's are not.
 
 Failure rules. A leader's death is noticed through its lock, within lease_ms + one XREAD block
 of the death (:mod:`.flight_relay`).
@@ -81,8 +82,8 @@ The keys, the records and the scripts: :mod:`.flight_protocol`.
 Round trips (measured by benchmarks/bench_distributed.py): a leader makes 1 (claim) + 1 per
 batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's), and its
 store reads the invalidation generation before the call and after the put (``lead.py``); a
-follower 1 (claim) + 1 per XREAD (each returns as soon as entries arrive, or after the block
-time); none while Redis is degraded. Needs Redis >= 5 (streams; scripts that call TIME before
+follower 1 (claim) + 1 per XREAD (the first does not block: what the stream holds; each other
+returns as soon as entries arrive, or after the block time); none while Redis is degraded. Needs Redis >= 5 (streams; scripts that call TIME before
 writing) or Valkey.
 """
 
