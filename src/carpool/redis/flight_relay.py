@@ -15,7 +15,8 @@ its lock renewed (its expiry moved on: read in the same round trips while they a
 a request that comes after its leader died (its lock not expired yet) relays nothing of the
 dead call, and is answered whole by a takeover; one that comes as its leader leaves (``gone``)
 too. A live leader's replay waits for its next entry, or about one renewal period (lease/3)
-and one block at most.
+and one block at most. Each read sets the call's followed key (``watch``), so that a leader
+whose own clients all left goes on.
 
 A leader's death is noticed through its lock, read in the same round trip as each XREAD: the
 lock is gone or names another leader (and the leader's call is not set aside, still running,
@@ -42,7 +43,7 @@ from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import LeaderLost
 from .connection import StoreUnavailable, unavailable_in
-from .flight_protocol import answer_from, error_from
+from .flight_protocol import FOLLOWED, answer_from, error_from
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -68,9 +69,12 @@ async def follow(
     token: str,
     broadcast: Broadcast,
     deadline: float,
+    watch: str | None = None,
 ) -> Answer | str:
     """Relay the leader's stream into ``broadcast`` until its final record. ``aside``: the
-    leader's stale key (its call set aside by an invalidation, it still runs)."""
+    leader's stale key (its call set aside by an invalidation, it still runs). ``watch``: the
+    key that tells the leader someone follows its call (one still running), set with every
+    read."""
     loop = asyncio.get_running_loop()
     ours, stale = token.encode(), b"~" + token.encode()
     ended = b"=" + ours + b":"
@@ -94,6 +98,8 @@ async def follow(
                 left_ms = int((deadline - loop.time()) * 1000)
                 block = min(block, left_ms) if left_ms >= 1 else None
             pipe = flights._client.pipeline(transaction=False)
+            if watch is not None:
+                pipe.eval(FOLLOWED, 1, watch, flights.lease_ms)
             pipe.xread({stream: last}, count=READ_COUNT, block=block)
             pipe.get(lock)
             pipe.exists(aside)
@@ -110,7 +116,7 @@ async def follow(
                         f"lost the stream from the instance leading this call: {error.message}",
                     ) from None
                 return DOWN
-            reply, holder, set_aside, *lease = replies
+            reply, holder, set_aside, *lease = replies[1:] if watch is not None else replies
             records = xread_entries(reply)
             for entry_id, fields in records:
                 last = entry_id
