@@ -12,8 +12,8 @@ import subprocess
 import httpx
 import pytest
 
-from conftest import redis_settings, run_gateway
-from fakes.instances import free_port, serve_env, start_serve
+from conftest import redis_keys, redis_settings, run_gateway
+from fakes.instances import free_port, instances, serve_env, start_serve
 from fakes.waiting import eventually
 
 pytest.importorskip("redis")
@@ -587,36 +587,72 @@ async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed
             assert after.status_code == 200 and content(after).startswith("answer ")
 
 
-async def test_a_leader_whose_clients_all_left_is_taken_over_by_a_waiter_elsewhere(
+async def test_a_leader_whose_clients_all_left_finishes_its_call_for_the_waiters_elsewhere(
     fake, shared_redis
 ):
-    """Nothing relayed yet: the waiter takes over at once (the leader records that it left)."""
+    """A's only client hangs up mid-stream while a streaming and a non-streaming client wait
+    on B: A's call goes on for them (one call, nothing cancelled), and its answer is stored."""
     async with two_gateways(fake, shared_redis) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        waiters = [
+            asyncio.create_task(b.stream_chat(QUESTION)),
+            asyncio.create_task(b.chat(QUESTION)),
+        ]
+        await eventually(
+            lambda: b.gateway.flights.waiters == 2 and b.gateway.shared_flights.following == 1
+        )
+        while not any(b"followed:" in key for key in await redis_keys(shared_redis)):
+            await asyncio.sleep(0.01)  # (B's first read has said that it follows A's call)
+        leader.cancel()  # A's only client goes
+        await eventually(lambda: a.gateway.flights.waiters == 0, what="A's client gone")
+        fake.chunk_gate.set()
+        (streamed, raw), plain = await asyncio.gather(*waiters)
+        assert sse_text(raw) == content(plain) == ANSWER_1 and '"error"' not in raw
+        assert [r.headers["x-carpool"] for r in (streamed, plain)] == ["coalesced"] * 2
+        assert fake.count() == 1 and fake.cancelled == 0
+        again = await a.chat(QUESTION)
+        assert (again.headers["x-carpool"], content(again)) == ("hit", ANSWER_1)
+
+
+async def test_a_call_is_cancelled_once_no_client_of_any_instance_waits(fake, shared_redis):
+    """Alone, a leader whose client left cancels its call at once; with a waiter elsewhere,
+    once that waiter has gone too (its reads stop: within lease_ms)."""
+    lease = {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0, "lease_ms": 600}
+    async with two_gateways(fake, shared_redis, distributed=lease) as (a, b):
         fake.gate = asyncio.Event()
-        leader = asyncio.create_task(a.chat(QUESTION))
+        alone = asyncio.create_task(a.chat("alone"))
         await fake.wait_for_calls(1)
-        waiter = asyncio.create_task(b.chat(QUESTION))
-        await eventually(lambda: b.gateway.shared_flights.following == 1)
-        fake.gate = None  # the takeover's call answers at once
-        leader.cancel()  # A's only client goes: A's call is cancelled
+        alone.cancel()
         await fake.wait_for_cancelled(1)
-        response = await waiter
-        assert (response.status_code, response.headers["x-carpool"]) == (200, "miss")
-        assert content(response) == f"answer 2 to {QUESTION}"
-        assert b.gateway.shared_flights.counts["takeovers"] == 1
+        leader = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(2)
+        waiter = asyncio.create_task(b.chat(QUESTION))
+        while not any(b"followed:" in key for key in await redis_keys(shared_redis)):
+            await asyncio.sleep(0.01)  # (B's first read has said that it follows A's call)
+        leader.cancel()
+        await eventually(lambda: a.gateway.shared_flights.counts["kept"] == 1, what="kept")
+        waiter.cancel()
+        await fake.wait_for_cancelled(2)
+        assert fake.count() == 2
 
 
 async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader_goes(
     fake, shared_redis
 ):
     """Frames already relayed cannot be taken back: the stream fails, its clients retry."""
-    async with two_gateways(fake, shared_redis) as (a, b):
+    lease = {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0, "lease_ms": 600}
+    async with two_gateways(fake, shared_redis, distributed=lease) as (a, b):
         fake.chunk_gate = asyncio.Event()
         leader = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         follower = asyncio.create_task(b.stream_chat(QUESTION))
+        # (Relayed once A's lock is renewed: the frames were there before B came.)
         await eventually(lambda: b.gateway.shared_flights.counts["frames_relayed"] >= 3)
-        leader.cancel()
+        for flight in a.gateway.flights.running():  # A's call ends, as its shutdown would
+            assert flight.task is not None
+            flight.task.cancel()
         response, raw = await asyncio.wait_for(follower, 5)
         assert response.status_code == 200 and response.headers["x-carpool"] == "coalesced"
         assert "data: [DONE]" not in raw
@@ -625,6 +661,42 @@ async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader
         assert b.gateway.shared_flights.counts["broken"] == 1
         retry = await b.chat(QUESTION)  # the retry coalesces as usual: here, a new call
         assert retry.status_code == 200 and content(retry) == f"answer 2 to {QUESTION}"
+        await asyncio.wait_for(leader, 5)
+
+
+async def test_a_stream_arriving_after_its_leader_died_is_answered_whole_by_a_takeover(
+    fake, shared_redis
+):
+    """Instance A (a process) is SIGKILLed mid-stream: its frames are in Redis, its lock not
+    expired yet. A streaming request then arriving on B gets no frame of the dead call (they
+    wait for a sign of life that never comes) and no error: B's takeover answers it whole."""
+    lease_ms = 600
+    distributed = {"lease_ms": lease_ms, "retry_interval": 0.05, "cluster": shared_redis.cluster}
+    fake.chunk_gate = asyncio.Event()  # A's stream stops after its first words
+    async with (
+        instances(1, fake.url, shared_redis.url, {"distributed": distributed}) as (a,),
+        run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as b,
+    ):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "stream": True,
+        }
+        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=body))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        while (await a.stats())["redis"]["flights"]["frames_published"] < 3:
+            await asyncio.sleep(0.01)
+        a.kill()
+        fake.chunk_gate = None  # the takeover's call answers at once
+        response, raw = await b.stream_chat(QUESTION)
+        with contextlib.suppress(httpx.HTTPError):
+            await lost
+    assert response.status_code == 200 and response.headers["x-carpool"] == "miss"
+    assert sse_text(raw) == f"answer 2 to {QUESTION}" and raw.rstrip().endswith("[DONE]")
+    shared = b.gateway.shared_flights
+    assert (shared.counts["takeovers"], shared.counts["frames_relayed"]) == (1, 0)
+    assert fake.count() == 2
 
 
 async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_call(

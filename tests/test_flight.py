@@ -239,6 +239,27 @@ async def test_upstream_call_is_cancelled_when_all_clients_have_gone():
     assert group.get("k") is None  # a later request starts afresh
 
 
+async def test_upstream_call_is_cancelled_when_all_clients_have_gone_by_a_lead_that_asks_to():
+    """A lead whose call others may wait on elsewhere (``Broadcast.on_abandoned``) is handed
+    the cancellation: the call runs until it uses it; the flight is dropped at once."""
+    group, upstream, handed = FlightGroup(window=0), Upstream(), []
+
+    async def lead(broadcast: Broadcast) -> Answer:
+        broadcast.on_abandoned = handed.append
+        return await upstream(broadcast)
+
+    ticket = group.acquire("k", lead)
+    await upstream.started.wait()
+    task, flight = ticket.flight.task, ticket.flight
+    ticket.release()
+    assert len(handed) == 1 and group.get("k") is None
+    await asyncio.sleep(0)
+    assert not task.done() and upstream.cancelled == 0
+    handed[0]()
+    await task
+    assert upstream.cancelled == 1 and isinstance(flight.broadcast.error, FlightAbandoned)
+
+
 async def test_upstream_call_is_finished_when_all_clients_have_gone_with_finish_abandoned():
     group, upstream = FlightGroup(window=10, finish_abandoned=True), Upstream()
     ticket = group.acquire("k", upstream)

@@ -237,7 +237,7 @@ async def scan_keys(redis_server) -> list[bytes]:
 KEY_NAME = re.compile(
     rb"carpool:(e:\{[0-9a-f]{32,40}\}|tag:[0-9a-f]{32}|ns:[0-9a-f]{32}|prefixes|semantic"
     rb"|\{stats\}:(live|size|bytes)|idem:\{[0-9a-f]{40}\}|lock:\{[0-9a-f]{32,40}\}"
-    rb"|flight:\{[0-9a-f]{32,40}\}:[0-9a-f]+)"
+    rb"|(flight|followed):\{[0-9a-f]{32,40}\}:[0-9a-f]+)"
 )
 
 

@@ -23,6 +23,10 @@ Contract (CONTRACT.md "Streaming"):
   one wake-up of the waiters.
 - ``on_publish`` (optional, sync, must not raise) is called after each publish: the
   cross-instance leader (``redis/flights.py``) uses it to forward frames to Redis.
+- ``on_abandoned`` (optional, sync, must not raise): when every client of the flight left
+  before its end, the flight group (``flight.py``) hands it the cancellation of the call
+  instead of cancelling it: the cross-instance leader cancels only once no client of another
+  instance waits on the call.
 - ``remote`` is true when the frames and the ending were relayed from a call that another gateway
   instance made (this instance's clients of the flight are then all ``coalesced``); ``cached``
   when the answer came from another worker's exact cache (``carpool.peers``: they are ``hit``s),
@@ -52,6 +56,7 @@ class Broadcast:
         "cached",
         "created",
         "on_publish",
+        "on_abandoned",
         "_waiters",
         "_left",
     )
@@ -65,6 +70,7 @@ class Broadcast:
         self.cached = False
         self.created: float | None = None  # (the answer's, when its head said: ``age``)
         self.on_publish: Callable[[], None] | None = None
+        self.on_abandoned: Callable[[Callable[[], object]], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)
         self._left = 0  # futures in ``_waiters`` whose waiter left (or more: see ``_leave``)
 

@@ -26,7 +26,10 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    own task, not in any client's.
 6. When all its clients have gone the upstream call is cancelled (unless ``finish_abandoned``): the
    last ``Ticket.release`` of an unfinished flight cancels its task and drops it, so a later request
-   starts afresh instead of joining a dying call.
+   starts afresh instead of joining a dying call. A lead that set its broadcast's
+   ``on_abandoned`` (clients of other instances may wait on the call: ``redis/flights.py``) is
+   handed the cancellation instead, and cancels when nobody waits anywhere; the flight is
+   dropped all the same (a later request here follows the call as those clients do).
 7. A joiner that waits longer than ``join_timeout`` runs its own call: ``Ticket.wait_*`` raise
    ``JoinTimeout``; the caller then ``retake``s, which forgets the slow flight and leads a fresh one
    (or joins the fresh one another timed-out joiner already started), once. It does so on the
@@ -174,8 +177,13 @@ class Ticket:
         self.group.waiters -= 1
         if flight.clients == 0 and not flight.broadcast.done and not self.group.finish_abandoned:
             self.group.forget(flight.key, flight)
-            if flight.task is not None:
-                flight.task.cancel()
+            task = flight.task
+            if task is not None:
+                keeper = flight.broadcast.on_abandoned
+                if keeper is None:
+                    task.cancel()
+                else:  # (other instances' clients may wait on it: its lead decides)
+                    keeper(task.cancel)
 
 
 class FlightGroup:

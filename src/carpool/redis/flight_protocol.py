@@ -17,6 +17,10 @@ included, in one Redis Cluster slot; every script and pipeline touches the keys 
                                    still runs: its leader renews it (PX lease_ms) instead of
                                    the lock, its followers read it as their leader alive, its
                                    end deletes it. Nobody new follows it
+    P followed:{ID}:TOKEN  STRING  "1" while a follower reads the call of TOKEN: every read of
+                                   every follower sets it, PX lease_ms. A leader whose own
+                                   clients all left ends its call (``gone``) only once it is
+                                   gone: nobody waits on the call anywhere
     P flight:{ID}:TOKEN    STREAM  one leader's output. One stream per leader: a follower never
                                    mixes two calls, and a new leader never deletes what another
                                    instance is still reading. Entries: one per frame {i: index,
@@ -62,6 +66,7 @@ from .store_layout import StoreKeys
 __all__ = [
     "CLAIM",
     "END",
+    "FOLLOWED",
     "FORGET",
     "FRAMES",
     "RENEW",
@@ -72,6 +77,7 @@ __all__ = [
     "error_from",
     "error_record",
     "flight_keys",
+    "followed_keys",
     "lock_pattern",
     "stale_keys",
 ]
@@ -91,6 +97,11 @@ def entry_key(prefix: str, key: str) -> str:
 def stale_keys(prefix: str, key: str) -> str:
     """The start of the keys of ``key``'s calls set aside by an invalidation (TOKEN follows)."""
     return f"{prefix}stale:{{{key_id(key)}}}:"
+
+
+def followed_keys(prefix: str, key: str) -> str:
+    """The start of the keys that say a follower reads one of ``key``'s calls (TOKEN follows)."""
+    return f"{prefix}followed:{{{key_id(key)}}}:"
 
 
 def lock_pattern(prefix: str) -> str:
@@ -157,12 +168,17 @@ return 1
 """
 )
 
-# KEYS: lock, stream, this call's stale key. ARGV: token, linger ms (0: none), stream PX ms,
-# MAXLEN, then the final record's field, value pairs. The record always goes to this leader's
-# own stream; the lock is changed only if it is still this leader's; a stale key goes.
+# KEYS: lock, stream, this call's stale key, and (a leader whose own clients all left) its
+# followed key. ARGV: token, linger ms (0: none), stream PX ms, MAXLEN, then the final record's
+# field, value pairs. The record always goes to this leader's own stream; the lock is changed
+# only if it is still this leader's; a stale key goes. 1, or 0 if nothing was done: the
+# followed key was given and exists (a follower reads the call: it goes on). One script, so a
+# follower's claim comes either before (its reads set the key, or it reads this record having
+# relayed nothing: ``flight_relay``) or after (no lock: it leads).
 END = (
     ALWAYS
     + """
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[3])
@@ -178,6 +194,16 @@ elseif holder == ARGV[1] then
     redis.call('DEL', KEYS[1])
   end
 end
+return 1
+"""
+)
+
+# KEYS: a call's followed key. ARGV: lease ms. A follower's read says it follows the call (a
+# script for its flag: it runs on a full Redis too, as the leader's do).
+FOLLOWED = (
+    ALWAYS
+    + """
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
 return 1
 """
 )

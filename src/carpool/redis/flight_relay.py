@@ -9,6 +9,15 @@ final record it returns the same ``Answer`` (or raises the same error); it never
 leader does). The local broadcast is marked ``remote``: this instance's clients are all
 ``coalesced``.
 
+A follower's first read does not block: it sees what the stream holds when it comes. Those
+frames (a late joiner's replay) are held until the leader shows life since: a newer entry, or
+its lock renewed (its expiry moved on: read in the same round trips while they are held). So
+a request that comes after its leader died (its lock not expired yet) relays nothing of the
+dead call, and is answered whole by a takeover; one that comes as its leader leaves (``gone``)
+too. A live leader's replay waits for its next entry, or about one renewal period (lease/3)
+and one block at most. Each read sets the call's followed key (``watch``), so that a leader
+whose own clients all left goes on.
+
 A leader's death is noticed through its lock, read in the same round trip as each XREAD: the
 lock is gone or names another leader (and the leader's call is not set aside, still running,
 in its stale key: an invalidation came, and a fresh call took the lock), and one more read
@@ -34,7 +43,7 @@ from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import LeaderLost
 from .connection import StoreUnavailable, unavailable_in
-from .flight_protocol import answer_from, error_from
+from .flight_protocol import FOLLOWED, answer_from, error_from
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -60,31 +69,45 @@ async def follow(
     token: str,
     broadcast: Broadcast,
     deadline: float,
+    watch: str | None = None,
 ) -> Answer | str:
     """Relay the leader's stream into ``broadcast`` until its final record. ``aside``: the
-    leader's stale key (its call set aside by an invalidation, it still runs)."""
+    leader's stale key (its call set aside by an invalidation, it still runs). ``watch``: the
+    key that tells the leader someone follows its call (one still running), set with every
+    read."""
     loop = asyncio.get_running_loop()
     ours, stale = token.encode(), b"~" + token.encode()
     ended = b"=" + ours + b":"
-    last: bytes | str = b"0-0"  # (XREAD BLOCK waits for the stream to exist)
-    relayed = 0  # frames published into the local broadcast (= next frame index)
+    last: bytes | str = b"0-0"
+    relayed = 0  # frames published into the local broadcast
+    taken = 0  # frames read in order, relayed or held (= next frame index)
+    # The frames the stream held when we first looked, until the leader shows life since
+    # (None: it has, or there were none): a dead leader's are never relayed.
+    held: list[tuple[bytes, bool]] | None = []
+    looking = True  # reading what the stream held then (not blocking)
+    expires: float | None = None  # when its lock expires (loop time), as last read
+    renewal = flights.lease_ms / 6000  # (s) its expiry moved on by more: renewed (lease/3)
     seen = 0  # frame records read, relayed or not: signs of life
     skipping = False  # frames were trimmed before we read them: serve the answer whole
     suspect = False  # the lock looked gone: read once more without blocking
     flights.following += 1
     try:
         while True:
-            block: int | None = None if suspect else flights.block_ms
+            block: int | None = None if suspect or looking else flights.block_ms
             if not seen and block is not None:
                 left_ms = int((deadline - loop.time()) * 1000)
                 block = min(block, left_ms) if left_ms >= 1 else None
             pipe = flights._client.pipeline(transaction=False)
+            if watch is not None:
+                pipe.eval(FOLLOWED, 1, watch, flights.lease_ms)
             pipe.xread({stream: last}, count=READ_COUNT, block=block)
             pipe.get(lock)
             pipe.exists(aside)
+            if held is not None:
+                pipe.pttl(lock)
             try:
                 with _unavailable("follow a flight"):
-                    reply, holder, set_aside = await pipe.execute()
+                    replies = await pipe.execute()
             except StoreUnavailable as error:
                 flights._failed(error)
                 if relayed:
@@ -93,27 +116,46 @@ async def follow(
                         f"lost the stream from the instance leading this call: {error.message}",
                     ) from None
                 return DOWN
+            reply, holder, set_aside, *lease = replies[1:] if watch is not None else replies
             records = xread_entries(reply)
             for entry_id, fields in records:
                 last = entry_id
-                if b"f" in fields:
-                    seen += 1
-                    index = int(fields[b"i"])
-                    if skipping or index < relayed:
-                        continue
-                    if index > relayed:  # trimmed (MAXLEN) before we read it
-                        if relayed:
-                            raise _broken(
-                                flights, "fell behind the stream of the instance leading this call"
-                            )
-                        skipping = True
-                        continue
-                    broadcast.remote = True
-                    broadcast.publish(fields[b"f"], usage_only=b"u" in fields)
-                    relayed += 1
-                    flights.counts["frames_relayed"] += 1
-                else:
+                if b"f" not in fields:
+                    if held and fields[b"e"] != b"g":  # (the leader lived to end it)
+                        relayed += _release(flights, broadcast, held)
                     return _ending(flights, fields, broadcast, relayed)
+                seen += 1
+                index = int(fields[b"i"])
+                if skipping or index < taken:
+                    continue
+                if index > taken:  # trimmed (MAXLEN) before we read it
+                    if relayed:
+                        raise _broken(
+                            flights, "fell behind the stream of the instance leading this call"
+                        )
+                    skipping, held = True, None
+                    continue
+                taken += 1
+                frame = (fields[b"f"], b"u" in fields)
+                if held is not None:
+                    held.append(frame)
+                    if looking:
+                        continue
+                    frame_held, held = held, None  # new since we looked: the leader lives
+                    relayed += _release(flights, broadcast, frame_held)
+                    continue
+                relayed += _release(flights, broadcast, [frame])
+            if looking and len(records) < READ_COUNT:
+                looking = False  # (what comes next came after we looked)
+                if not held:
+                    held = None
+            if held:
+                lock_held = holder in (ours, stale)
+                until = loop.time() + lease[0] / 1000 if lock_held and lease[0] > 0 else None
+                if until is not None and expires is not None and until > expires + renewal:
+                    frame_held, held = held, None  # its lock renewed since: the leader lives
+                    relayed += _release(flights, broadcast, frame_held)
+                expires = until
             if records:
                 suspect = False
                 continue
@@ -134,6 +176,15 @@ async def follow(
                 return TIMEOUT
     finally:
         flights.following -= 1
+
+
+def _release(flights: SharedFlights, broadcast: Broadcast, frames: list[tuple[bytes, bool]]) -> int:
+    """Publish ``frames`` (bytes, usage-only) into the local broadcast; how many."""
+    usage = next((i for i, (_, usage_only) in enumerate(frames) if usage_only), None)
+    broadcast.remote = True
+    broadcast.publish_many([frame for frame, _ in frames], usage)
+    flights.counts["frames_relayed"] += len(frames)
+    return len(frames)
 
 
 def _ending(

@@ -42,7 +42,9 @@ which coalesces the local flights of every instance:
 - A follower relays the leader's stream, from its start, into its LOCAL broadcast: every local
   client of the flight, streaming or not, early or late, is served exactly as if this instance
   led, and gets the same ``Answer`` (or the same error) on the final record
-  (:mod:`.flight_relay`).
+  (:mod:`.flight_relay`). The frames the stream already held when it came are relayed only
+  once the leader shows life since (a new entry, its lock renewed): a dead leader's are not.
+  Its every read says the call is followed (``P followed:{ID}:TOKEN``, for lease_ms).
 
 Failure rules. A leader's death is noticed through its lock, within lease_ms + one XREAD block
 of the death (:mod:`.flight_relay`).
@@ -54,7 +56,14 @@ of the death (:mod:`.flight_relay`).
   those frames, get an SSE error event, then the end of the stream (they retry, and the retry
   coalesces as usual); its clients that got nothing (non-streaming ones) take the call over in
   the pipeline (``Gateway._follow``), or get the answer if the leader stored it.
-- A leader whose local clients all left (its flight is cancelled) records ``gone`` at once;
+- A leader whose local clients all left goes on with the call while a follower on any instance
+  reads it (its followed key), and stores and ends it as usual; it is cancelled only once
+  nobody follows: then it records ``gone`` (one script with that check, ``END``) and its
+  local flight is cancelled (``Broadcast.on_abandoned``). A follower whose claim came just
+  before finds that record having relayed nothing (its first frames wait for a sign of life)
+  and claims again, to lead. A call nobody follows any more runs on for at most about
+  lease_ms + lease/3 (the followed key's life, and when the leader asks again); a Redis
+  failure keeps it going (unsure). A leader's call cancelled otherwise records ``gone`` too;
   followers treat it as a death without waiting for the lease.
 - Join timeout: a follower that has received nothing (no frame, no final record) within
   ``coalesce.join_timeout_ms`` of the start of ``run`` runs ``call`` and ``store`` itself,
@@ -81,9 +90,10 @@ The keys, the records and the scripts: :mod:`.flight_protocol`.
 Round trips (measured by benchmarks/bench_distributed.py): a leader makes 1 (claim) + 1 per
 batch of frames + 1 per lease/3 of call time (renewal) + 1 (end, alongside the store's), and its
 store reads the invalidation generation before the call and after the put (``lead.py``); a
-follower 1 (claim) + 1 per XREAD (each returns as soon as entries arrive, or after the block
-time); none while Redis is degraded. Needs Redis >= 5 (streams; scripts that call TIME before
-writing) or Valkey.
+follower 1 (claim) + 1 per XREAD (the first does not block: what the stream holds; each other
+returns as soon as entries arrive, or after the block time), its followed key set in the same
+round trip; a leader whose clients all left, 1 per lease/3 while followed; none while Redis is
+degraded. Needs Redis >= 5 (streams; scripts that call TIME before writing) or Valkey.
 """
 
 from __future__ import annotations
@@ -110,6 +120,7 @@ from .flight_protocol import (
     entry_key,
     error_record,
     flight_keys,
+    followed_keys,
     lock_pattern,
     stale_keys,
 )
@@ -182,6 +193,7 @@ class SharedFlights:
                 "replayed",  # finished calls replayed within the window
                 "stored",  # claims that found the call ended and its answer stored
                 "takeovers",  # calls led after their leader died
+                "kept",  # calls led whose own clients all left, finished for other instances'
                 "alone",  # calls run without Redis: unavailable, join timeout
                 "broken",  # follows failed after frames were relayed
                 "errors",  # Redis failures
@@ -265,7 +277,7 @@ class SharedFlights:
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
         lock, streams = flight_keys(self.prefix, key)
-        stales = stale_keys(self.prefix, key)
+        stales, followed = stale_keys(self.prefix, key), followed_keys(self.prefix, key)
         entry, look = entry_key(self.prefix, key), int(load is not None and max_age is None)
         deadline = asyncio.get_running_loop().time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
@@ -304,6 +316,7 @@ class SharedFlights:
                     store,
                     linger,
                     forget,
+                    followed + token,
                 )
             if reply[0] == b"again":  # the lock changed under the stale call's setting aside
                 continue
@@ -316,9 +329,18 @@ class SharedFlights:
                 look = 0  # (gone meanwhile, or expired by now: claim again, to lead)
                 continue
             leader = reply[1].decode()
-            self.counts["replayed" if reply[0] == b"replay" else "followed"] += 1
+            running = reply[0] == b"follow"
+            self.counts["followed" if running else "replayed"] += 1
             result = await follow(
-                self, lock, streams + leader, stales + leader, leader, broadcast, deadline
+                self,
+                lock,
+                streams + leader,
+                stales + leader,
+                leader,
+                broadcast,
+                deadline,
+                # (A call still running: its leader must know it is followed.)
+                followed + leader if running else None,
             )
             if isinstance(result, Answer):
                 return result
@@ -367,15 +389,18 @@ class SharedFlights:
         store: Store,
         linger: bool,
         forget: Forget | None = None,
+        followed: str = "",
     ) -> Answer:
-        publisher = _Publisher(self, lock, stream, stale, token, broadcast)
+        publisher = _Publisher(self, lock, stream, stale, token, broadcast, followed)
         self.leading += 1
         try:
             answer = await call(broadcast)
         except asyncio.CancelledError:
-            # Every local client left: tell the followers now rather than by the lease.
             publisher.abort()
-            self._spawn(self._finish(lock, stream, stale, token, {"e": "g"}, 0))
+            if not publisher.left:
+                # Cancelled otherwise than by its clients' leaving, which ended it already:
+                # tell the followers now rather than by the lease.
+                self._spawn(self._finish(lock, stream, stale, token, {"e": "g"}, 0))
             raise
         except CarpoolError as error:
             await self._close(publisher, error_record(error), 0)
@@ -386,6 +411,9 @@ class SharedFlights:
             raise
         finally:
             self.leading -= 1
+        # The call has returned: should its clients all leave now, its store and end go on,
+        # for the followers (and the cache).
+        broadcast.on_abandoned, publisher.cancel = _finished, None
         # Stored and ended (for the followers), both before the local clients have it.
         record = answer_record(answer)
         if await self._marked_stale(lock, stale, token):
@@ -462,6 +490,7 @@ class SharedFlights:
             await publisher.close()
         finally:
             publisher.broadcast.on_publish = None
+            publisher.broadcast.on_abandoned = None
         await self._finish(
             publisher.lock, publisher.stream, publisher.stale, publisher.token, record, linger_ms
         )
@@ -511,8 +540,19 @@ class SharedFlights:
             log.error("shared flight cleanup failed", exc_info=task.exception())
 
 
+def _finished(cancel: Callable[[], object]) -> None:
+    """A led call that has returned is not cancelled when its clients all leave."""
+
+
 class _Publisher:
     """The leader's side: frames to the stream as they come (batched), the lease renewed.
+
+    When every local client has left (``Broadcast.on_abandoned``), the call ends as ``gone``
+    and is cancelled unless a follower reads it (its ``followed`` key: one script, ``END``);
+    else it goes on for them, asked again every renewal time (lease/3): a follower's reads
+    keep that key for lease_ms, so a call nobody reads any more is cancelled within about
+    lease_ms + lease/3 of its last follower's leaving. A Redis failure then keeps it going too
+    (unsure: a generation nobody reads costs less than failing clients who wait).
 
     A Redis failure (a stall longer than ``distributed.timeout``, a reset) stops nothing for
     good: the next try is at the next renewal time (lease/3 after the failed renewal was sent),
@@ -528,6 +568,7 @@ class _Publisher:
         stale: str,
         token: str,
         broadcast: Broadcast,
+        followed: str = "",
     ) -> None:
         self.flights = flights
         self.lock = lock
@@ -535,6 +576,10 @@ class _Publisher:
         self.stale = stale  # this call's key once an invalidation set it aside
         self.token = token
         self.broadcast = broadcast
+        self.followed = followed  # the key its followers' reads keep
+        self.cancel: Callable[[], object] | None = None  # once every local client left
+        self.leave_at = 0.0  # (loop time) when to ask again whether anyone follows
+        self.left = False  # ended as gone, its clients all gone and no follower
         self.sent = 0  # frames Redis took
         self.sending = 0  # frames of the batch on its way (0: none)
         self.closing = False
@@ -544,7 +589,15 @@ class _Publisher:
         self._wake = asyncio.Event()
         self._closed = asyncio.Event()
         broadcast.on_publish = self._wake.set
+        if followed:
+            broadcast.on_abandoned = self._abandoned
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _abandoned(self, cancel: Callable[[], object]) -> None:
+        """Every local client left: the loop asks at once whether anyone follows."""
+        if not self.aborted:
+            self.cancel, self.leave_at = cancel, 0.0
+            self._wake.set()
 
     async def close(self) -> None:
         """Publish what is left (one more try, even after a failure), stop."""
@@ -554,7 +607,7 @@ class _Publisher:
         await self._task
 
     def abort(self) -> None:
-        self.broadcast.on_publish = None
+        self.broadcast.on_publish = self.broadcast.on_abandoned = None
         # Also stops the loop should redis-py swallow the cancellation (``stop_reader``).
         self.aborted = True
         self._task.cancel()
@@ -568,9 +621,10 @@ class _Publisher:
                 # After a failure, frames wait for the next renewal time (or the close), not
                 # to try a failing Redis once per frame.
                 event = self._closed if self.failing else self._wake
+                wake_at = renew_at if self.cancel is None else min(renew_at, self.leave_at)
                 if not event.is_set():
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(max(0.0, renew_at - loop.time())):
+                        async with asyncio.timeout(max(0.0, wake_at - loop.time())):
                             await event.wait()
                 self._wake.clear()
                 published = await self._flush()
@@ -580,6 +634,10 @@ class _Publisher:
                     if published:
                         await self._flush()
                     return
+                if self.cancel is not None and loop.time() >= self.leave_at:
+                    if await self._leave():
+                        return
+                    self.leave_at = loop.time() + interval
                 renewed = True
                 if loop.time() >= renew_at:
                     sent_at = loop.time()
@@ -620,6 +678,31 @@ class _Publisher:
         self.sent = end
         flights.counts["frames_published"] += end - start
         flights._answered()
+        return True
+
+    async def _leave(self) -> bool:
+        """Every local client left: True if the call ended as ``gone`` (nobody follows it;
+        then it is cancelled), False if it goes on (a follower reads it, or Redis failed)."""
+        flights = self.flights
+        try:
+            with _unavailable("leave a flight"):
+                ended = await flights._end(
+                    keys=[self.lock, self.stream, self.stale, self.followed],
+                    args=[self.token, 0, flights.lease_ms, flights.maxlen, "e", "g"],
+                )
+        except StoreUnavailable as error:
+            flights._failed(error)
+            return False
+        flights._answered()
+        if not ended:
+            if self.leave_at == 0.0:  # (the first time it is asked)
+                flights.counts["kept"] += 1
+            return False
+        self.left = self.aborted = True  # (as ``abort``, but this task ends by itself)
+        self.broadcast.on_publish = self.broadcast.on_abandoned = None
+        cancel = self.cancel
+        if cancel is not None:  # (None: the call returned meanwhile; its store goes on)
+            cancel()
         return True
 
     async def _renew(self) -> bool:
