@@ -8,13 +8,13 @@ Each test writes the value over a real server with its own client."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from test_distributed import gateways
+from test_redis_full import raw
 
 aredis = pytest.importorskip("redis.asyncio")
 
@@ -47,15 +47,6 @@ SPOILED_ENTRIES: dict[str, Spoil] = {
     ),
     "a string where a hash belongs (WRONGTYPE)": _string,
 }
-
-
-@contextlib.asynccontextmanager
-async def raw(redis_server: Any) -> AsyncIterator[Any]:
-    client = aredis.Redis.from_url(redis_server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 async def the_entry(client: Any) -> bytes:
