@@ -390,3 +390,78 @@ async def test_a_header_value_http_cannot_carry_is_a_400_and_no_replicas_fault(v
     with pytest.raises(ValueError, match="name"):
         await gateway.request("/v1/chat/completions", _BODY, headers={"x bad": "v"})
     await gateway.aclose()
+
+
+@pytest.mark.parametrize("how", ["mounted", "root_path"])
+async def test_an_app_mounted_under_a_prefix_serves_every_path_below_it(fake, how):
+    """Mounted by a host app (``Mount("/gw", ...)``) or served with a ``root_path``, every /v1
+    request was a 500: ASGI keeps the prefix in ``path``, and carpool routed on it."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Mount, Route
+
+    from carpool import create_app
+    from fakes.serving import serve_app
+
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+    inner = create_app(gateway)
+    if how == "mounted":
+        app: object = Starlette(
+            routes=[Route("/hello", lambda _: PlainTextResponse("host")), Mount("/gw", app=inner)]
+        )
+    else:
+
+        async def app(scope, receive, send):  # (a server's root_path: a proxy stripped it)
+            if scope["type"] == "http":
+                scope = {**scope, "root_path": "/gw", "path": "/gw" + scope["path"]}
+            await inner(scope, receive, send)
+
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    prefix = "/gw" if how == "mounted" else ""
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url + prefix) as client:
+        first = await client.post("/v1/chat/completions", json=body)
+        again = await client.post("/v1/chat/completions", json=body)
+        models = await client.get("/v1/models")
+        healthz = await client.get("/healthz")
+        escaped = await client.get("/v1/%2e%2e/admin")  # (judged as sent, below the prefix)
+    assert (first.status_code, first.headers["x-carpool"]) == (200, "miss")
+    assert again.headers["x-carpool"] == "hit" and again.json() == first.json()
+    assert models.status_code == 200 and healthz.status_code == 200
+    assert escaped.status_code == 400
+    assert [call.path for call in fake.calls] == ["/v1/chat/completions", "/v1/models"]
+    await gateway.aclose()  # (a mounted app's lifespan is the host's: it closes the gateway)
+
+
+async def test_an_app_served_again_after_its_shutdown_refuses_to_start():
+    """Its gateway closed by the first shutdown, a second startup (a second TestClient, a
+    server restarted in the process) served misses on an upstream pool opened again and a 500
+    for the rest: the startup fails, saying why."""
+    from carpool import create_app
+
+    app = create_app(build_gateway(Config(), upstreams=[FunctionUpstream(_ok)]))
+    await _lifespan(app, "startup.complete")
+    assert await _lifespan(app, "startup.failed") is not None
+
+
+async def _lifespan(app: object, expected: str) -> str | None:
+    """One lifespan of ``app`` (an ASGI app): startup, then shutdown if it started; the
+    failure's message when it did not (``expected``: the startup's answer)."""
+    messages: asyncio.Queue[dict] = asyncio.Queue()
+    for kind in ("lifespan.startup", "lifespan.shutdown"):
+        messages.put_nowait({"type": kind})
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}}
+    # (A failed startup is also raised, after its message: a server logs it.)
+    with (
+        contextlib.suppress(RuntimeError)
+        if expected == "startup.failed"
+        else contextlib.nullcontext()
+    ):
+        await app(scope, messages.get, send)  # type: ignore[operator]
+    assert sent[0]["type"] == f"lifespan.{expected}", sent
+    return sent[0].get("message")

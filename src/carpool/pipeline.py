@@ -693,7 +693,12 @@ class Gateway:
         return admin.redis_health(self.layers)
 
     def start(self) -> None:
-        """Start the layers' background work (``Layers.start``)."""
+        """Start the layers' background work (``Layers.start``); ``RuntimeError`` once the
+        gateway is closed: served again after its app's shutdown (a second ``TestClient``, a
+        server restarted in the process) it answered misses on an upstream pool reopened, and
+        every other request with a 500."""
+        if self.closed:
+            raise RuntimeError("this gateway is closed (aclose): build another")
         self.layers.start()
 
     async def aclose(self) -> None:

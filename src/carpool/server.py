@@ -150,6 +150,8 @@ class GatewayApp:
         if scope["type"] != "http":
             await self.other(scope, receive, send)
             return
+        if scope.get("root_path"):  # (mounted by a host app, or served under a prefix)
+            scope = _below(scope, scope["root_path"])
         # Every response says which request it answers (``request_id``), as its log lines do.
         rid = request_id(scope["headers"])
         REQUEST_ID.set(rid.decode("ascii"))
@@ -375,6 +377,21 @@ Respond = Callable[[Reply, ClientWatch], Awaitable[None]]
 
 # The scope key of a pass-through request's confined path (relative to /v1).
 CONFINED = "carpool.confined_path"
+
+
+def _below(scope: Scope, root: str) -> Scope:
+    """``scope`` as if the app were served at the root, for a request under ``root`` (its
+    ``root_path``: a host app's ``Mount``, a server's ``--root-path``; ASGI keeps it in
+    ``path``, so every /v1 request fell through to the pass-through route, a 500). Its raw path
+    loses the prefix too (when the server kept it there), so the pass-through judges the rest as
+    sent (``_passthrough_path``); a request not below ``root`` is left as it is."""
+    path = scope["path"]
+    if not path.startswith(root) or path[len(root) : len(root) + 1] not in ("", "/"):
+        return scope
+    raw, prefix = scope.get("raw_path"), root.encode("utf-8")
+    if raw is not None and raw.startswith(prefix):
+        raw = raw[len(prefix) :] or b"/"
+    return {**scope, "path": path[len(root) :] or "/", "raw_path": raw, "root_path": ""}
 
 
 def _passthrough_path(scope: Scope, allow: list[str]) -> str:
