@@ -9,8 +9,8 @@ matches "cancel it" in a chat about a phone plan (the guard reads both). The mod
 parameter and the system prompt (instructions) must be identical: they are in the scope.
 Embeddings requests, multimodal last turns, list prompts and requests whose answer repeats their
 prompt (``echo``, ``prompt_logprobs``) have no semantic view; nor has a text (or context) with
-a letter of a script the model does not read (``semantic.scripts``): it is matched exactly,
-never guessed at.
+a letter of a script the model does not read (``semantic.scripts``) or an invisible format
+character (:func:`invisible`): it is matched exactly, never guessed at.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ __all__ = [
     "INSTRUCTION_ROLES",
     "SemanticView",
     "conversation",
+    "invisible",
     "readable",
     "semantic_view",
 ]
@@ -57,6 +58,8 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     text, rest = split
     context, rest = conversation(rest)
     if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
+        return None
+    if invisible(text) or invisible(context):
         return None
     collapse = collapses(request, config)
     return SemanticView(
@@ -103,6 +106,14 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ):
         return "", rest
     return render_context(turns), {**rest, "messages": [*instructions, last]}
+
+
+def invisible(text: str) -> bool:
+    """Whether ``text`` holds a format character (Unicode Cf: a zero-width space or joiner, a
+    direction mark, a tag character). The models drop them unread (a zero-width space inside
+    "paypal" scored 1.0 against "paypal") while the upstream model may read them (text hidden
+    in tag characters): such a text is matched exactly, never by meaning."""
+    return not text.isascii() and any(unicodedata.category(ch) == "Cf" for ch in set(text))
 
 
 def _instruction(message: Any) -> bool:
