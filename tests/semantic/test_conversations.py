@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from fakes.waiting import eventually
+
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
@@ -88,22 +90,10 @@ async def sgw(gateway_with):
         yield served
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "extra_chatter",
-        "reworded_context",
-        # Known gap (README): the verifier scores a context with an extra greeting exchange 0.81,
-        # under its calibrated bar. Strict: this fails the day it is served.
-        pytest.param(
-            "irrelevant_history",
-            marks=pytest.mark.xfail(
-                strict=True, reason="the verifier does not read an extra exchange as irrelevant"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("kind", ["extra_chatter", "reworded_context", "irrelevant_history"])
 async def test_a_conversation_with_the_same_meaning_is_a_semantic_hit(sgw, fake, kind):
+    # (irrelevant_history: the verifier scored a context with an extra greeting exchange 0.81;
+    # leading small talk is now left out of the context, so it is not asked.)
     first, second = HITS[kind]
     answer = await chat(sgw, first)
     again = await chat(sgw, second)
@@ -127,6 +117,39 @@ async def test_the_system_prompt_still_scopes_a_conversation_exactly(sgw, fake):
     assert (await chat(sgw, second, system="You are a sales assistant.")).headers[
         "x-carpool"
     ] == "miss"
+
+
+INSTRUCTED = turns("From now on, reply only with yes or no.", "Understood.")
+BANNED = turns("Do not answer geography questions.", "OK.")
+
+
+@pytest.mark.parametrize("history", [INSTRUCTED, BANNED], ids=["yes_or_no", "no_geography"])
+@pytest.mark.parametrize("instructed_first", [True, False], ids=["instructed_first", "bare_first"])
+async def test_an_earlier_instruction_never_meets_the_bare_question(
+    sgw, fake, history, instructed_first
+):
+    # The verifier was asked about the instruction against no context at all, and scored it
+    # 0.99: the capital of Australia, answered in a sentence, was served as the yes-or-no reply.
+    question = [{"role": "user", "content": "What is the capital of Australia?"}]
+    first, second = (
+        (history + question, question) if instructed_first else (question, history + question)
+    )
+    await chat(sgw, first)
+    await eventually(lambda: sgw.gateway.semantic.entries >= 1, what="the semantic insert")
+    assert (await chat(sgw, second)).headers["x-carpool"] == "miss"
+    assert fake.count() == 2 and sgw.gateway.semantic.rejections == {"context": 1}
+
+
+@pytest.mark.parametrize(
+    "greeting",
+    [HELLO, turns("Good morning!", "Good morning! How can I help you today?"), turns("thanks")],
+    ids=["hello", "good_morning", "thanks"],
+)
+async def test_small_talk_before_a_question_still_meets_the_bare_question(sgw, fake, greeting):
+    question = [{"role": "user", "content": "What is the capital of Australia?"}]
+    answer = await chat(sgw, question)
+    again = await chat(sgw, greeting + question)
+    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
 
 
 async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fake):

@@ -34,9 +34,10 @@ for a single turn). Both the texts and the contexts must pass the rules and the 
 text that is the same on both sides up to the case of plain words, sentence marks, quotes and
 brackets at a word's edges, and spacing (:func:`retyped`: never a symbol, an emoji, an
 acronym's case or a line's indentation), or a context that is identical, is not asked about;
-contexts refused by the verifier give :attr:`Reason.CONTEXT`. ``judge_now`` is the same,
-synchronous (offline evaluation). Symmetric: swapping ``new`` and a candidate gives the same
-verdict.
+contexts refused by the verifier give :attr:`Reason.CONTEXT`, and so do earlier turns on one
+side only (never asked: the verifier scored an instruction against none 0.99). ``judge_now``
+is the same, synchronous (offline evaluation). Symmetric: swapping ``new`` and a candidate
+gives the same verdict.
 
 The verifier is passed in, never imported here: the cache does not know which model it is.
 """
@@ -281,6 +282,11 @@ class RulesThenVerifier:
             reason = refusal(new.text, cached.text, self.rules) or refusal(
                 new.context, cached.context, self.rules
             )
+            if reason is None and bool(new.context) != bool(cached.context):
+                # Earlier turns on one side only (small talk aside: ``view.conversation``): an
+                # instruction ("reply only with yes or no") against none. The verifier, asked
+                # about a text against nothing, scored that 0.99.
+                reason = Reason.CONTEXT
             verdicts.append(None if reason is None else Verdict.refused(reason))
             if reason is not None:
                 asked.append((None, None))

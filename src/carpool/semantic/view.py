@@ -4,8 +4,9 @@ Contract: ``semantic_view`` splits a shareable request into its scope, compared 
 text compared by meaning, if it has one. The last user turn is compared by meaning (each API's
 ``semantic_split``: chat and Messages' last user message, a completion's prompt, Responses' last
 user input), and so are a conversation's earlier turns (``context``: :func:`conversation`), so a
-reworded context or small talk can still hit while "cancel it" in a chat about a gym never
-matches "cancel it" in a chat about a phone plan (the guard reads both). The model, every
+reworded context can still hit while "cancel it" in a chat about a gym never matches "cancel
+it" in a chat about a phone plan (the guard reads both); leading small talk is left out of the
+context. The model, every
 parameter and the system prompt (instructions) must be identical: they are in the scope.
 Embeddings requests, multimodal last turns, list prompts and requests whose answer repeats their
 prompt (``echo``, ``prompt_logprobs``) have no semantic view; nor has a text (or context) with
@@ -16,6 +17,7 @@ character (:func:`invisible`): it is matched exactly, never guessed at.
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,7 @@ __all__ = [
     "invisible",
     "readable",
     "semantic_view",
+    "small_talk",
 ]
 
 
@@ -87,6 +90,9 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     Only plain turns move out of the scope: a role and a text content, nothing else. A turn with
     tool calls, a name, a role that is no string or non-text content, or an instruction after
     the first turn, keeps the whole conversation exact ("", ``rest``): when unsure, don't share.
+    Leading small talk (:func:`small_talk`: "hi there" / "Hello! How can I help?") is no
+    context: it is left out, so a greeting before a question still meets the bare question,
+    which an earlier instruction never does (the guard refuses earlier turns on one side only).
     """
     messages = rest.get("messages")
     if not isinstance(messages, list) or len(messages) < 2:
@@ -105,7 +111,32 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         for m in turns
     ):
         return "", rest
-    return render_context(turns), {**rest, "messages": [*instructions, last]}
+    chatter = 0
+    while chatter < len(turns) and small_talk(turns[chatter]):
+        chatter += 1
+    return render_context(turns[chatter:]), {**rest, "messages": [*instructions, last]}
+
+
+#: The words of small talk: greetings, thanks and an assistant's offer to help. A turn made only
+#: of these (and sentence marks) asks for nothing and changes no answer.
+SMALL_TALK_WORDS = frozenset(
+    """hi hello hey hiya howdy greetings there good morning afternoon evening day everyone all
+    thanks thank you so much very lot a cheers appreciate it ok okay great nice cool sure
+    how can could may i help assist with today what do for is anything else i'm am are doing
+    fine well glad happy to welcome you're your pleasure meet""".split()
+)
+#: A small-talk turn is short: "Hello! How can I help you today?" is 7 words.
+SMALL_TALK_MAX_WORDS = 12
+_SMALL_TALK_TEXT = re.compile(r"[A-Za-z'’ ,.!?]+")
+
+
+def small_talk(message: dict[str, Any]) -> bool:
+    """Whether a plain user or assistant turn is only small talk (:data:`SMALL_TALK_WORDS`)."""
+    content = message["content"]
+    if message["role"] not in ("user", "assistant") or not _SMALL_TALK_TEXT.fullmatch(content):
+        return False
+    words = re.findall(r"[a-z'’]+", content.lower().replace("’", "'"))
+    return 0 < len(words) <= SMALL_TALK_MAX_WORDS and all(w in SMALL_TALK_WORDS for w in words)
 
 
 def invisible(text: str) -> bool:
