@@ -169,6 +169,27 @@ async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fa
     assert (
         await chat(sgw, reworded + [{"role": "user", "content": "Should I take an umbrella?"}])
     ).headers["x-carpool"] == "miss"
+    # Its last turn too (it was compared by meaning), even after the very same tool result.
+    assert (
+        await chat(sgw, tool_turns + [{"role": "user", "content": "should i take an umbrella"}])
+    ).headers["x-carpool"] == "miss"
+    assert sgw.gateway.semantic.entries == 0 and fake.count() == 3
+
+
+async def test_a_responses_input_with_a_function_call_keeps_the_whole_request_exact(sgw, fake):
+    items = [
+        {"role": "user", "content": "What is the weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+
+    async def ask(text):
+        body = {"model": "m", "temperature": 0, "store": False, "input": [*items, text]}
+        return await sgw.client.post("/v1/responses", json=body)
+
+    await ask({"role": "user", "content": "Should I take an umbrella?"})
+    again = await ask({"role": "user", "content": "should i take an umbrella"})
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
 #: ~200 tokens of pasted mail in an earlier turn: more than the verifier reads of a pair.
@@ -211,7 +232,7 @@ async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500
     gateway_with, fake, kind
 ):
     # The role was looked up in a frozenset: unhashable, a TypeError, a 500 only with the
-    # semantic cache on. Now such a conversation has no earlier turns to compare: exact, whole.
+    # semantic cache on. Now such a conversation has no semantic view: exact, whole.
     from carpool.semantic.view import conversation
 
     body = {"model": "m", "temperature": 0, "messages": ODD_ROLES[kind]}
@@ -221,4 +242,4 @@ async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500
             response = await gw.client.post("/v1/chat/completions", json=body)
             statuses.append((response.status_code, response.headers.get("x-carpool")))
     assert statuses[1] == statuses[0] and statuses[1][0] < 500, statuses
-    assert conversation(body) == ("", body)
+    assert conversation(body) is None

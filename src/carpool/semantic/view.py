@@ -6,12 +6,13 @@ text compared by meaning, if it has one. The last user turn is compared by meani
 user input), and so are a conversation's earlier turns (``context``: :func:`conversation`), so a
 reworded context can still hit while "cancel it" in a chat about a gym never matches "cancel
 it" in a chat about a phone plan (the guard reads both); leading small talk is left out of the
-context. The model, every
-parameter and the system prompt (instructions) must be identical: they are in the scope.
-Embeddings requests, multimodal last turns, list prompts and requests whose answer repeats their
-prompt (``echo``, ``prompt_logprobs``) have no semantic view; nor has a text (or context) with
-a letter of a script the model does not read (``semantic.scripts``) or an invisible format
-character (:func:`invisible`): it is matched exactly, never guessed at.
+context. The model, every parameter and the system prompt (instructions) must be identical: they
+are in the scope. Embeddings requests, multimodal last turns, list prompts, requests whose answer
+repeats their prompt (``echo``, ``prompt_logprobs``) and conversations with a turn that is not
+plain (a tool call or result, a name, non-string content, a late instruction) have no semantic
+view; nor has a text (or context) with a letter of a script the model does not read
+(``semantic.scripts``) or an invisible format character (:func:`invisible`): it is matched
+exactly, never guessed at.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     if split is None:
         return None
     text, rest = split
-    context, rest = conversation(rest)
+    earlier = conversation(rest)
+    if earlier is None:
+        return None
+    context, rest = earlier
     if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
         return None
     if invisible(text) or invisible(context):
@@ -83,16 +87,19 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
 INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
-def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """A chat body's earlier turns as one text (``verifier.render_context``), and the body
-    without them: its instructions and the last turn's other fields stay in the scope.
+    without them: its instructions and the last turn's other fields stay in the scope; ("",
+    ``rest``) for a body with no earlier turns.
 
-    Only plain turns move out of the scope: a role and a text content, nothing else. A turn with
-    tool calls, a name, a role that is no string or non-text content, or an instruction after
-    the first turn, keeps the whole conversation exact ("", ``rest``): when unsure, don't share.
-    Leading small talk (:func:`small_talk`: "hi there" / "Hello! How can I help?") is no
-    context: it is left out, so a greeting before a question still meets the bare question,
-    which an earlier instruction never does (the guard refuses earlier turns on one side only).
+    Only plain turns move out of the scope: a role and a string content, nothing else. A turn
+    with tool calls or a tool result, a name, a role that is no string or content that is not a
+    string, or an instruction after the first turn, leaves the request no semantic view (None):
+    exact, whole, its last turn too (when unsure, don't share; the docs promised so, while its
+    last turn was still compared by meaning). Leading small talk (:func:`small_talk`: "hi
+    there" / "Hello! How can I help?") is no context: it is left out, so a greeting before a
+    question still meets the bare question, which an earlier instruction never does (the guard
+    refuses earlier turns on one side only).
     """
     messages = rest.get("messages")
     if not isinstance(messages, list) or len(messages) < 2:
@@ -102,7 +109,7 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     while lead < len(earlier) and _instruction(earlier[lead]):
         lead += 1
     instructions, turns = earlier[:lead], earlier[lead:]
-    if not turns or not all(
+    if not all(
         isinstance(m, dict)
         and set(m) <= {"role", "content"}
         and isinstance(m.get("role"), str)  # an odd role (an object, a list): exact, whole
@@ -110,7 +117,7 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         and isinstance(m.get("content"), str)
         for m in turns
     ):
-        return "", rest
+        return None
     chatter = 0
     while chatter < len(turns) and small_talk(turns[chatter]):
         chatter += 1
