@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from fakes.waiting import eventually
+
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
@@ -88,22 +90,10 @@ async def sgw(gateway_with):
         yield served
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "extra_chatter",
-        "reworded_context",
-        # Known gap (README): the verifier scores a context with an extra greeting exchange 0.81,
-        # under its calibrated bar. Strict: this fails the day it is served.
-        pytest.param(
-            "irrelevant_history",
-            marks=pytest.mark.xfail(
-                strict=True, reason="the verifier does not read an extra exchange as irrelevant"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("kind", ["extra_chatter", "reworded_context", "irrelevant_history"])
 async def test_a_conversation_with_the_same_meaning_is_a_semantic_hit(sgw, fake, kind):
+    # (irrelevant_history: the verifier scored a context with an extra greeting exchange 0.81;
+    # leading small talk is now left out of the context, so it is not asked.)
     first, second = HITS[kind]
     answer = await chat(sgw, first)
     again = await chat(sgw, second)
@@ -129,6 +119,39 @@ async def test_the_system_prompt_still_scopes_a_conversation_exactly(sgw, fake):
     ] == "miss"
 
 
+INSTRUCTED = turns("From now on, reply only with yes or no.", "Understood.")
+BANNED = turns("Do not answer geography questions.", "OK.")
+
+
+@pytest.mark.parametrize("history", [INSTRUCTED, BANNED], ids=["yes_or_no", "no_geography"])
+@pytest.mark.parametrize("instructed_first", [True, False], ids=["instructed_first", "bare_first"])
+async def test_an_earlier_instruction_never_meets_the_bare_question(
+    sgw, fake, history, instructed_first
+):
+    # The verifier was asked about the instruction against no context at all, and scored it
+    # 0.99: the capital of Australia, answered in a sentence, was served as the yes-or-no reply.
+    question = [{"role": "user", "content": "What is the capital of Australia?"}]
+    first, second = (
+        (history + question, question) if instructed_first else (question, history + question)
+    )
+    await chat(sgw, first)
+    await eventually(lambda: sgw.gateway.semantic.entries >= 1, what="the semantic insert")
+    assert (await chat(sgw, second)).headers["x-carpool"] == "miss"
+    assert fake.count() == 2 and sgw.gateway.semantic.rejections == {"context": 1}
+
+
+@pytest.mark.parametrize(
+    "greeting",
+    [HELLO, turns("Good morning!", "Good morning! How can I help you today?"), turns("thanks")],
+    ids=["hello", "good_morning", "thanks"],
+)
+async def test_small_talk_before_a_question_still_meets_the_bare_question(sgw, fake, greeting):
+    question = [{"role": "user", "content": "What is the capital of Australia?"}]
+    answer = await chat(sgw, question)
+    again = await chat(sgw, greeting + question)
+    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+
+
 async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fake):
     tool_turns = [
         {"role": "user", "content": "What is the weather?"},
@@ -146,6 +169,27 @@ async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fa
     assert (
         await chat(sgw, reworded + [{"role": "user", "content": "Should I take an umbrella?"}])
     ).headers["x-carpool"] == "miss"
+    # Its last turn too (it was compared by meaning), even after the very same tool result.
+    assert (
+        await chat(sgw, tool_turns + [{"role": "user", "content": "should i take an umbrella"}])
+    ).headers["x-carpool"] == "miss"
+    assert sgw.gateway.semantic.entries == 0 and fake.count() == 3
+
+
+async def test_a_responses_input_with_a_function_call_keeps_the_whole_request_exact(sgw, fake):
+    items = [
+        {"role": "user", "content": "What is the weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+
+    async def ask(text):
+        body = {"model": "m", "temperature": 0, "store": False, "input": [*items, text]}
+        return await sgw.client.post("/v1/responses", json=body)
+
+    await ask({"role": "user", "content": "Should I take an umbrella?"})
+    again = await ask({"role": "user", "content": "should i take an umbrella"})
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
 #: ~200 tokens of pasted mail in an earlier turn: more than the verifier reads of a pair.
@@ -188,7 +232,7 @@ async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500
     gateway_with, fake, kind
 ):
     # The role was looked up in a frozenset: unhashable, a TypeError, a 500 only with the
-    # semantic cache on. Now such a conversation has no earlier turns to compare: exact, whole.
+    # semantic cache on. Now such a conversation has no semantic view: exact, whole.
     from carpool.semantic.view import conversation
 
     body = {"model": "m", "temperature": 0, "messages": ODD_ROLES[kind]}
@@ -198,4 +242,4 @@ async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500
             response = await gw.client.post("/v1/chat/completions", json=body)
             statuses.append((response.status_code, response.headers.get("x-carpool")))
     assert statuses[1] == statuses[0] and statuses[1][0] < 500, statuses
-    assert conversation(body) == ("", body)
+    assert conversation(body) is None

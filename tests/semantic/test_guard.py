@@ -146,6 +146,61 @@ def test_a_retyped_prompt_is_served_without_asking_the_model(guard):
     assert guard.verifier.pairs == before
 
 
+#: Pairs that differ only in what the retyping shortcut dropped (case, every non-word character)
+#: and so were served 1.0, the verifier never asked.
+NOT_RETYPED = [
+    ("👍", "👎"),
+    ("What does 🍎 mean?", "What does 🍌 mean?"),
+    ("What does ls -a do?", "What does ls -A do?"),
+    ("Is A ⊂ B true when A is empty?", "Is A ⊄ B true when A is empty?"),
+    ("Explain x++ in Java", "Explain x-- in Java"),
+    ("Write a hello world program in C", "Write a hello world program in C++"),
+    ("Write a hello world program in C", "Write a hello world program in C#"),
+    ("Is .NET free?", "Is NET free?"),
+    ("What is IT?", "What is it?"),
+    ("What is √16?", "What is ∛16?"),
+    ("Is P ⇒ Q equivalent to not P or Q?", "Is P ⇔ Q equivalent to not P or Q?"),
+    ("Is pay\u200bpal safe?", "Is paypal safe?"),
+    ("Explain the -v flag of grep", "Explain the v flag of grep"),
+    (
+        "Fix:\n```\nfor x in xs:\n    f(x)\ng(x)\n```",
+        "Fix:\n```\nfor x in xs:\n    f(x)\n    g(x)\n```",
+    ),
+    ("for x in xs:\n    f(x)\ng(x)", "for x in xs:\n    f(x)\n    g(x)"),
+]
+
+
+@pytest.mark.parametrize("a, b", NOT_RETYPED)
+def test_a_symbol_emoji_acronym_flag_or_indentation_is_never_retyping(guard, a, b):
+    from carpool.semantic.guard import retyped
+
+    assert not retyped(a, b) and not retyped(b, a)
+    # Nor served by the verifier: it is blind to case, spacing and "⊄" (read as "⊂"), so a
+    # difference only there is refused before it is asked; emoji and symbols it cannot read
+    # (``[UNK]``) score 0.
+    assert not verdict(guard, a, b).ok
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("Cancel it.", "cancel it"),
+        ("How do I reset my router?", "how do i reset my router"),
+        ("HOW DO I RESET MY ROUTER", "how do i reset my router"),
+        ("How long does delivery take???", "  how long does delivery take "),
+        ("A dog bit me. What do I do?", "a dog bit me. what do i do"),
+        ("What's the capital of Australia?", "what's the  capital of australia"),
+        ('Explain "dependency injection" (briefly).', "explain dependency injection briefly"),
+        ("Is Wi-Fi safe?", "is wi-fi safe"),
+        ("¿Qué hora es?", "qué hora es"),
+    ],
+)
+def test_case_edge_punctuation_and_spacing_are_retyping(guard, a, b):
+    from carpool.semantic.guard import retyped
+
+    assert retyped(a, b) and retyped(b, a)
+
+
 def test_identical_prompts_are_served_without_asking_the_model(guard):
     before = guard.verifier.pairs
     assert guard.judge_now(Side("What is a hash map?"), [Side("What is a hash map?")]) == [

@@ -275,6 +275,72 @@ async def test_a_changed_number_is_never_served(sgw, fake):
     assert response.headers["x-carpool"] == "miss"
 
 
+#: Prompts that differ only in what the guard once took for retyping (case, and every character
+#: that is no letter or digit): the shortcut served them without asking the verifier.
+_CODE = "What does this Python function return for [1, 2, 3]?\n```\ndef f(xs):\n    total = 0\n"
+NOT_RETYPED = {
+    "emoji": ("👍", "👎"),
+    "emoji_in_a_question": ("What does 🍎 mean?", "What does 🍌 mean?"),
+    "flag_case": ("What does ls -a do?", "What does ls -A do?"),
+    "math_symbol": ("Is A ⊂ B true when A is empty?", "Is A ⊄ B true when A is empty?"),
+    "operator_symbol": ("Explain x++ in Java", "Explain x-- in Java"),
+    "language_name": ("Write a hello world program in C", "Write a hello world program in C++"),
+    "leading_dot": ("Is .NET free?", "Is NET free?"),
+    "acronym": ("What is IT?", "What is it?"),
+    "root": ("What is √16?", "What is ∛16?"),
+    "arrow": ("Is P ⇒ Q equivalent to not P or Q?", "Is P ⇔ Q equivalent to not P or Q?"),
+    "indentation": (
+        _CODE + "    for x in xs:\n        total += x\n    return total\n```",
+        _CODE + "    for x in xs:\n        total += x\n        return total\n```",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_RETYPED))
+async def test_a_prompt_differing_only_in_a_symbol_emoji_case_or_indentation_is_never_served(
+    sgw, fake, kind
+):
+    # Case-folded with every non-word character dropped, these were "retyped" (1.0, the verifier
+    # never asked): a thumbs down was served the thumbs up's answer, C the answer for C++.
+    first, second = NOT_RETYPED[kind]
+    headers = {"x-carpool-type": "code"}  # white space kept as sent
+    await ask(sgw, first, headers=headers)
+    await stored(sgw)
+    again = await ask(sgw, second, headers=headers)
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2, kind
+
+
+async def test_an_invisible_format_character_keeps_a_prompt_exact(sgw, fake):
+    # The models do not see a zero-width space: "pay\u200bpal" scored 1.0 against "paypal".
+    await ask(sgw, "Is paypal a safe way to pay online?")
+    await stored(sgw)
+    again = await ask(sgw, "Is pay\u200bpal a safe way to pay online?")
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.entries == 1  # no semantic view: not indexed either
+    assert (await ask(sgw, "Is pay\u200bpal a safe way to pay online?")).headers[
+        "x-carpool"
+    ] == "hit"
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("How do I reset my router?", "how do i reset my router"),
+        ("How long does standard shipping take?", "  How long does standard shipping take ?  "),
+        ("What are your opening hours?", "WHAT ARE YOUR OPENING HOURS"),
+        ("Cancel it.", "cancel  it"),
+        ('Explain "dependency injection" (briefly).', "explain dependency injection briefly"),
+    ],
+)
+async def test_a_near_repeat_up_to_case_edge_punctuation_and_spacing_is_still_served(
+    sgw, fake, first, second
+):
+    answer = await ask(sgw, first)
+    await stored(sgw)
+    again = await ask(sgw, second)
+    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+
+
 async def test_the_earlier_turns_are_compared_too_another_context_never_matches(sgw, fake):
     gym = [
         {"role": "user", "content": "I have a gym membership."},

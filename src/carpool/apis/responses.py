@@ -47,7 +47,8 @@ Contract (``apis.base.Api``):
   (``Gateway.passthrough``).
 - The semantic view: ``input`` when it is a string, or the last input item when it is a user
   message of plain text (``input_text`` parts); ``instructions``, earlier items and every
-  parameter are in the scope. Only with ``store: false``: a stored answer's id names the
+  parameter are in the scope. None when an earlier item is no message (a function call, its
+  output: exact, whole, as a chat with a tool call). Only with ``store: false``: a stored answer's id names the
   response kept for its own input (``previous_response_id`` continues that conversation,
   ``input_items`` lists that input), which a paraphrase must not be handed. None either with
   vLLM's ``enable_response_messages`` (anything but false or null): the answer carries the
@@ -176,6 +177,11 @@ class ResponsesApi(TypedApi):
         last = value[-1]
         if last.get("role") != "user" or last.get("type", "message") != "message":
             return None
+        if not all(
+            isinstance(item, dict) and item.get("type", "message") == "message"
+            for item in value[:-1]
+        ):
+            return None  # a function call or its output before: exact, whole, as in chat
         text = plain_text(last.get("content"), _INPUT_TEXT)
         if text is None:
             return None

@@ -4,18 +4,21 @@ Contract: ``semantic_view`` splits a shareable request into its scope, compared 
 text compared by meaning, if it has one. The last user turn is compared by meaning (each API's
 ``semantic_split``: chat and Messages' last user message, a completion's prompt, Responses' last
 user input), and so are a conversation's earlier turns (``context``: :func:`conversation`), so a
-reworded context or small talk can still hit while "cancel it" in a chat about a gym never
-matches "cancel it" in a chat about a phone plan (the guard reads both). The model, every
-parameter and the system prompt (instructions) must be identical: they are in the scope.
-Embeddings requests, multimodal last turns, list prompts and requests whose answer repeats their
-prompt (``echo``, ``prompt_logprobs``) have no semantic view; nor has a text (or context) with
-a letter of a script the model does not read (``semantic.scripts``): it is matched exactly,
-never guessed at.
+reworded context can still hit while "cancel it" in a chat about a gym never matches "cancel
+it" in a chat about a phone plan (the guard reads both); leading small talk is left out of the
+context. The model, every parameter and the system prompt (instructions) must be identical: they
+are in the scope. Embeddings requests, multimodal last turns, list prompts, requests whose answer
+repeats their prompt (``echo``, ``prompt_logprobs``) and conversations with a turn that is not
+plain (a tool call or result, a name, non-string content, a late instruction) have no semantic
+view; nor has a text (or context) with a letter of a script the model does not read
+(``semantic.scripts``) or an invisible format character (:func:`invisible`): it is matched
+exactly, never guessed at.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,8 +35,10 @@ __all__ = [
     "INSTRUCTION_ROLES",
     "SemanticView",
     "conversation",
+    "invisible",
     "readable",
     "semantic_view",
+    "small_talk",
 ]
 
 
@@ -55,8 +60,13 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     if split is None:
         return None
     text, rest = split
-    context, rest = conversation(rest)
+    earlier = conversation(rest)
+    if earlier is None:
+        return None
+    context, rest = earlier
     if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
+        return None
+    if invisible(text) or invisible(context):
         return None
     collapse = collapses(request, config)
     return SemanticView(
@@ -77,13 +87,19 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
 INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
-def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """A chat body's earlier turns as one text (``verifier.render_context``), and the body
-    without them: its instructions and the last turn's other fields stay in the scope.
+    without them: its instructions and the last turn's other fields stay in the scope; ("",
+    ``rest``) for a body with no earlier turns.
 
-    Only plain turns move out of the scope: a role and a text content, nothing else. A turn with
-    tool calls, a name, a role that is no string or non-text content, or an instruction after
-    the first turn, keeps the whole conversation exact ("", ``rest``): when unsure, don't share.
+    Only plain turns move out of the scope: a role and a string content, nothing else. A turn
+    with tool calls or a tool result, a name, a role that is no string or content that is not a
+    string, or an instruction after the first turn, leaves the request no semantic view (None):
+    exact, whole, its last turn too (when unsure, don't share; the docs promised so, while its
+    last turn was still compared by meaning). Leading small talk (:func:`small_talk`: "hi
+    there" / "Hello! How can I help?") is no context: it is left out, so a greeting before a
+    question still meets the bare question, which an earlier instruction never does (the guard
+    refuses earlier turns on one side only).
     """
     messages = rest.get("messages")
     if not isinstance(messages, list) or len(messages) < 2:
@@ -93,7 +109,7 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     while lead < len(earlier) and _instruction(earlier[lead]):
         lead += 1
     instructions, turns = earlier[:lead], earlier[lead:]
-    if not turns or not all(
+    if not all(
         isinstance(m, dict)
         and set(m) <= {"role", "content"}
         and isinstance(m.get("role"), str)  # an odd role (an object, a list): exact, whole
@@ -101,8 +117,41 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         and isinstance(m.get("content"), str)
         for m in turns
     ):
-        return "", rest
-    return render_context(turns), {**rest, "messages": [*instructions, last]}
+        return None
+    chatter = 0
+    while chatter < len(turns) and small_talk(turns[chatter]):
+        chatter += 1
+    return render_context(turns[chatter:]), {**rest, "messages": [*instructions, last]}
+
+
+#: The words of small talk: greetings, thanks and an assistant's offer to help. A turn made only
+#: of these (and sentence marks) asks for nothing and changes no answer.
+SMALL_TALK_WORDS = frozenset(
+    """hi hello hey hiya howdy greetings there good morning afternoon evening day everyone all
+    thanks thank you so much very lot a cheers appreciate it ok okay great nice cool sure
+    how can could may i help assist with today what do for is anything else i'm am are doing
+    fine well glad happy to welcome you're your pleasure meet""".split()
+)
+#: A small-talk turn is short: "Hello! How can I help you today?" is 7 words.
+SMALL_TALK_MAX_WORDS = 12
+_SMALL_TALK_TEXT = re.compile(r"[A-Za-z'’ ,.!?]+")
+
+
+def small_talk(message: dict[str, Any]) -> bool:
+    """Whether a plain user or assistant turn is only small talk (:data:`SMALL_TALK_WORDS`)."""
+    content = message["content"]
+    if message["role"] not in ("user", "assistant") or not _SMALL_TALK_TEXT.fullmatch(content):
+        return False
+    words = re.findall(r"[a-z'’]+", content.lower().replace("’", "'"))
+    return 0 < len(words) <= SMALL_TALK_MAX_WORDS and all(w in SMALL_TALK_WORDS for w in words)
+
+
+def invisible(text: str) -> bool:
+    """Whether ``text`` holds a format character (Unicode Cf: a zero-width space or joiner, a
+    direction mark, a tag character). The models drop them unread (a zero-width space inside
+    "paypal" scored 1.0 against "paypal") while the upstream model may read them (text hidden
+    in tag characters): such a text is matched exactly, never by meaning."""
+    return not text.isascii() and any(unicodedata.category(ch) == "Cf" for ch in set(text))
 
 
 def _instruction(message: Any) -> bool:
