@@ -172,7 +172,7 @@ NOT_RETYPED = [
 
 @pytest.mark.parametrize("a, b", NOT_RETYPED)
 def test_a_symbol_emoji_acronym_flag_or_indentation_is_never_retyping(guard, a, b):
-    from carpool.semantic.guard import retyped
+    from carpool.semantic.retyping import retyped
 
     assert not retyped(a, b) and not retyped(b, a)
     # Nor served by the verifier: it is blind to case, spacing and "⊄" (read as "⊂"), so a
@@ -196,7 +196,7 @@ def test_a_symbol_emoji_acronym_flag_or_indentation_is_never_retyping(guard, a, 
     ],
 )
 def test_case_edge_punctuation_and_spacing_are_retyping(guard, a, b):
-    from carpool.semantic.guard import retyped
+    from carpool.semantic.retyping import retyped
 
     assert retyped(a, b) and retyped(b, a)
 

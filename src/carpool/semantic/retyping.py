@@ -1,0 +1,170 @@
+"""What a retyping may change in a prompt, and what a model cannot see: the guard's
+near-repeat tests (:mod:`carpool.semantic.guard`).
+
+Contract
+--------
+- :func:`retyped`: the same words in the same order up to the case of plain words, sentence
+  marks, quotes and brackets at a word's edges, and spacing; never across a symbol, an emoji,
+  an acronym's or a single letter's case, a mark inside or before a word, code in a fence or a
+  line's indentation. Such a pair is served on the exact rules alone (the model scored
+  "Cancel it." / "cancel it" 0.45).
+- :func:`unseen_difference`: the pair differs only where an uncased model cannot read (case,
+  accents, indentation): the guard refuses it unasked.
+- :func:`close`: nearly the same words in the same order (a context retyped with a word or two
+  changed): it only picks the verifier's bar, never serves by itself.
+All are pure, symmetric and deterministic.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+import unicodedata
+
+__all__ = ["CLOSE_CONTEXT", "close", "retyped", "unseen_difference"]
+
+
+_NOT_WORD = re.compile(r"[^\w]+")
+
+
+def _plain_words(text: str) -> list[str]:
+    """The words of ``text``, case-folded, punctuation and spacing dropped (for :func:`close`,
+    which only picks a bar for the verifier, never serves by itself)."""
+    return _NOT_WORD.sub(" ", text.casefold()).split()
+
+
+@functools.lru_cache(maxsize=1024)
+def _edge(ch: str) -> int:
+    """Where ``ch`` may be added or dropped by retyping a word: 1 before it (an opening bracket or
+    quote), 2 after it (a closing one, a sentence mark), 3 either, 0 nowhere. Only such marks:
+    a "." before a word (".NET"), a "-" (``-a``, ``x--``), a "#" (``C#``), a symbol or an emoji
+    are part of the word."""
+    category = unicodedata.category(ch)
+    if category in ("Ps", "Pi"):
+        return 1
+    if category in ("Pe", "Pf"):
+        return 2
+    if category != "Po":
+        return 0
+    name = unicodedata.name(ch, "")
+    if "QUOTATION" in name or "APOSTROPHE" in name or "INVERTED" in name:
+        return 3  # 'quoted', ¿...?
+    return 2 if any(mark in name for mark in _SENTENCE_MARKS) else 0
+
+
+_SENTENCE_MARKS = (
+    "FULL STOP",
+    "COMMA",
+    "COLON",
+    "SEMICOLON",
+    "EXCLAMATION",
+    "QUESTION",
+    "ELLIPSIS",
+)
+#: A word whose case a retyping may change: letters and digits, joined by an apostrophe or a
+#: hyphen ("What's", "Wi-Fi"); touching any other mark (``-A``), its case is kept.
+_FOLDABLE = re.compile(r"[^\W_]+(?:['’-][^\W_]+)*")
+_PARTS = re.compile(r"([^\W_]+)")
+
+
+def _word(token: str, shouted: bool, initial: bool) -> str:
+    """A whitespace-separated token as a retyping leaves it: edge marks dropped, and the case of
+    its plain words folded, but for a single letter or an acronym ("IT", "A") in a text that is
+    not shouted whole: the pronoun I and a sentence's first letter ("A dog...") excepted."""
+    start, end = 0, len(token)
+    while start < end and _edge(token[start]) & 1:
+        start += 1
+    while end > start and _edge(token[end - 1]) & 2:
+        end -= 1
+    word = token[start:end]
+    if not _FOLDABLE.fullmatch(word):
+        return word
+    word = word.replace("’", "'")  # a phone's apostrophe
+    if shouted or (initial and len(word) == 1):
+        return word.casefold()
+    return _PARTS.sub(_folded_part, word)
+
+
+def _folded_part(match: re.Match[str]) -> str:
+    part = match.group(1)
+    if part in ("I", "i") or not (len(part) == 1 or part.isupper()):
+        return part.casefold()
+    return part
+
+
+def _retyping(text: str) -> list[str]:
+    """What a retyping keeps of ``text``: its words (:func:`_word`), each line's indentation
+    (code: the ``return`` inside or after a loop) and the inside of a ``` fence verbatim. Line
+    breaks, blank lines, runs of spaces inside a line and a one-line text's leading spaces go
+    (prose reflowed, a question typed with a stray space)."""
+    shouted = not any(ch.islower() for ch in text)
+    initial = True  # at a sentence's first word
+    tokens: list[str] = []
+    for i, piece in enumerate(text.split("```")):
+        if i % 2:  # inside a fence: code, every character kept
+            tokens.append("```" + piece)
+            continue
+        lines = [line for line in piece.splitlines() if line.strip()]
+        for n, line in enumerate(lines):
+            indent = line[: len(line) - len(line.lstrip())]
+            if indent and (n or i or len(lines) > 1):
+                tokens.append("\n" + indent)
+            for token in line.split():
+                word = _word(token, shouted, initial)
+                if word:
+                    tokens.append(word)
+                initial = token[-1] in ".!?"
+    return tokens
+
+
+def retyped(a: str, b: str) -> bool:
+    """The same words, in the same order, up to the case of plain words, sentence marks, quotes
+    and brackets at a word's edges, and spacing (:func:`_retyping`). Asked after the rules, so
+    the model is not asked: it scored "Cancel it." / "cancel it" 0.45. Never across a symbol, an
+    emoji, an acronym's or a single letter's case, a mark inside or before a word, code in a
+    fence or a line's indentation: "👍" / "👎", "ls -a" / "ls -A", "C" / "C++" and "What is
+    IT?" / "What is it?" were served so (everything but letters and digits dropped, case folded),
+    the verifier never asked."""
+    return a == b or _retyping(a) == _retyping(b)
+
+
+def _unseen(text: str) -> str:
+    """``text`` as an uncased model reads it (the packaged verifier's BERT normalisation):
+    white space only between words, invisible characters dropped, accents stripped, lower
+    case."""
+    text = " ".join(text.split())
+    if text.isascii():
+        return text.lower()
+    kept = "".join(ch for ch in text if unicodedata.category(ch) not in ("Cc", "Cf"))
+    decomposed = unicodedata.normalize("NFD", kept)
+    return "".join(ch for ch in decomposed if unicodedata.category(ch) != "Mn").lower()
+
+
+def unseen_difference(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ somewhere a model cannot read: a difference that
+    :func:`retyped` keeps (an acronym's or a flag's case, "⊂" / "⊄", "résumé" / "resume", a
+    line's indentation) but
+    that reads the same to an uncased model. It would vouch for what it never saw ("ls -a" /
+    "ls -A" scored 0.98, "A ⊂ B" / "A ⊄ B" 0.99). (Quadratic at worst: asked only of pairs the
+    verifier reads whole.)"""
+    x, y = _retyping(a), _retyping(b)
+    matcher = difflib.SequenceMatcher(None, x, y, autojunk=False)
+    return any(
+        tag != "equal" and _unseen(" ".join(x[i1:i2])) == _unseen(" ".join(y[j1:j2]))
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+    )
+
+
+#: Contexts are not embedded (that would cost a second embedding per lookup); a context pair
+#: whose words are this close (difflib's ratio over the words) gets the near-repeat bar instead.
+CLOSE_CONTEXT = 0.9
+
+
+def close(a: str, b: str) -> bool:
+    """Nearly the same words in the same order: a context retyped with a word or two changed.
+    (Quadratic at worst: asked only of pairs the verifier reads whole, 256 tokens at most.)"""
+    return (
+        difflib.SequenceMatcher(None, _plain_words(a), _plain_words(b), autojunk=False).ratio()
+        >= CLOSE_CONTEXT
+    )
