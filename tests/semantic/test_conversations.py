@@ -152,6 +152,17 @@ async def test_small_talk_before_a_question_still_meets_the_bare_question(sgw, f
     assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
 
 
+def test_a_users_question_is_never_small_talk_an_assistants_offer_to_help_is():
+    # Made of small-talk words, "Is it okay?" asked something: left out of the context, its
+    # answer ("Yes.") would have met another conversation's.
+    from carpool.semantic.view import small_talk
+
+    assert small_talk({"role": "user", "content": "Hello there, good morning!"})
+    assert small_talk({"role": "assistant", "content": "Hello! How can I help you today?"})
+    for question in ("Is it okay?", "What is it?", "Can I?", "How can I help?"):
+        assert not small_talk({"role": "user", "content": question}), question
+
+
 async def test_a_turn_with_tool_calls_keeps_the_whole_conversation_exact(sgw, fake):
     tool_turns = [
         {"role": "user", "content": "What is the weather?"},

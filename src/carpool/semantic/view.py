@@ -124,13 +124,17 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return render_context(turns[chatter:]), {**rest, "messages": [*instructions, last]}
 
 
-#: The words of small talk: greetings, thanks and an assistant's offer to help. A turn made only
-#: of these (and sentence marks) asks for nothing and changes no answer.
-SMALL_TALK_WORDS = frozenset(
+#: The words of a user's small talk: greetings and thanks. A turn made only of these (and
+#: sentence marks) asks for nothing and changes no answer. (No question word: "Is it okay?"
+#: asks something.)
+USER_SMALL_TALK_WORDS = frozenset(
     """hi hello hey hiya howdy greetings there good morning afternoon evening day everyone all
-    thanks thank you so much very lot a cheers appreciate it ok okay great nice cool sure
-    how can could may i help assist with today what do for is anything else i'm am are doing
-    fine well glad happy to welcome you're your pleasure meet""".split()
+    thanks thank you so much very lot a cheers appreciate it ok okay great nice cool""".split()
+)
+#: An assistant's: those, and its offer to help ("Hello! How can I help you today?").
+SMALL_TALK_WORDS = USER_SMALL_TALK_WORDS | frozenset(
+    """sure how can could may i help assist with today what do for is anything else i'm am
+    are doing fine well glad happy to welcome you're your pleasure meet""".split()
 )
 #: A small-talk turn is short: "Hello! How can I help you today?" is 7 words.
 SMALL_TALK_MAX_WORDS = 12
@@ -138,12 +142,14 @@ _SMALL_TALK_TEXT = re.compile(r"[A-Za-z'’ ,.!?]+")
 
 
 def small_talk(message: dict[str, Any]) -> bool:
-    """Whether a plain user or assistant turn is only small talk (:data:`SMALL_TALK_WORDS`)."""
-    content = message["content"]
-    if message["role"] not in ("user", "assistant") or not _SMALL_TALK_TEXT.fullmatch(content):
+    """Whether a plain user or assistant turn is only small talk (:data:`USER_SMALL_TALK_WORDS`,
+    :data:`SMALL_TALK_WORDS`)."""
+    content, role = message["content"], message["role"]
+    if role not in ("user", "assistant") or not _SMALL_TALK_TEXT.fullmatch(content):
         return False
+    allowed = USER_SMALL_TALK_WORDS if role == "user" else SMALL_TALK_WORDS
     words = re.findall(r"[a-z'’]+", content.lower().replace("’", "'"))
-    return 0 < len(words) <= SMALL_TALK_MAX_WORDS and all(w in SMALL_TALK_WORDS for w in words)
+    return 0 < len(words) <= SMALL_TALK_MAX_WORDS and all(w in allowed for w in words)
 
 
 def invisible(text: str) -> bool:
