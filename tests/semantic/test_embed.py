@@ -300,8 +300,70 @@ def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
         LocalEmbedder(tmp_path)
 
 
+def test_a_model_folder_without_its_files_is_an_error_naming_the_folder_and_file(
+    tmp_path, model_dir
+):
+    # A FileNotFoundError: `carpool serve` ended in a traceback; the folder is the operator's
+    # choice (semantic.model_dir), so no other copy is looked for.
+    with pytest.raises(ValueError, match="model.safetensors") as raised:
+        LocalEmbedder(tmp_path)
+    assert str(tmp_path) in str(raised.value)
+    (tmp_path / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="tokenizer.json") as raised:
+        LocalEmbedder(tmp_path)
+    assert str(tmp_path) in str(raised.value)
+
+
+def _opens(directory: Path):
+    """A counter of the files opened in ``directory`` (Linux inotify: whoever opens them, Python
+    or a library's native code): ``read()`` -> ``{name: opens}`` since the last read."""
+    import ctypes
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    # IN_OPEN, and IN_CLOSE_NOWRITE between them: two opens in a row would be one event.
+    if fd < 0 or libc.inotify_add_watch(fd, str(directory).encode(), 0x20 | 0x10) < 0:
+        pytest.skip("no inotify here")
+
+    class Opens:
+        def read(self) -> dict[str, int]:
+            counts: dict[str, int] = {}
+            while True:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    return counts
+                at = 0
+                while at < len(data):
+                    _, mask, _, size = struct.unpack_from("iIII", data, at)
+                    name = data[at + 16 : at + 16 + size].rstrip(b"\0").decode()
+                    if mask & 0x20:
+                        counts[name] = counts.get(name, 0) + 1
+                    at += 16 + size
+
+        def close(self) -> None:
+            os.close(fd)
+
+    return Opens()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts opens with inotify")
+def test_the_embedder_loads_the_bytes_it_checked_reading_each_file_once(tmp_path, model_dir):
+    # It hashed each file, then opened it again to load it: bytes replaced in between were
+    # loaded unchecked (the verifier already read its files once).
+    for name in E.MODEL_SHA256:
+        shutil.copyfile(model_dir / name, tmp_path / name)
+    opens = _opens(tmp_path)
+    try:
+        model = minilm._MiniLM(tmp_path, runtime="numpy", precision="fp32")
+        assert opens.read() == {name: 1 for name in E.MODEL_SHA256}
+    finally:
+        opens.close()
+    assert model.tokenize(["hello"]) == [[101, 7592, 102]]
+
+
 def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(monkeypatch):
-    monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(weights, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
     monkeypatch.setattr(weights, "_hub_cache_dir", lambda: None)
     with pytest.raises(SemanticDependencyError, match="carpool fetch-model"):
@@ -327,7 +389,6 @@ def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_do
     monkeypatch, tmp_path, model_dir
 ):
     huggingface_hub = pytest.importorskip("huggingface_hub")
-    monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(weights, "MODEL_PACKAGES", ())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = _hub_snapshot(tmp_path, model_dir)

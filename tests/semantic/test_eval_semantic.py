@@ -260,3 +260,20 @@ def test_a_pairs_file_with_no_pair_to_score_exits_2_naming_the_file(tmp_path, co
     result = _eval("--pairs", str(pairs), *extra)
     assert result.exit_code == 2, (result.output, result.exception)
     assert said in result.output and "pairs.jsonl" in result.output
+
+
+@pytest.mark.parametrize(
+    "option, lacking", [("--model-dir", "model.safetensors"), ("--verifier-dir", "verifier.json")]
+)
+def test_eval_semantic_loads_the_model_folders_it_is_given_and_says_what_they_lack(
+    option, lacking, tmp_path
+):
+    # The embedding model's folder was $CARPOOL_EMBED_MODEL_DIR, which `carpool serve` refused
+    # (an unknown CARPOOL_ key) and which, without the files, was passed over for another copy.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    result = _eval("--pairs", str(pairs), option, str(folder))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert str(folder) in result.output and lacking in result.output
