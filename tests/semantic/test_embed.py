@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -417,6 +420,97 @@ def test_fetch_model_keeps_only_files_with_the_pinned_digests(monkeypatch, tmp_p
     with pytest.raises(ValueError, match="SHA-256"):
         E.fetch_model()
     assert not (tmp_path / "hub" / "tokenizer.json").exists()
+
+
+class FakeHub:
+    """The Hugging Face hub's file endpoint on loopback, serving the pinned revision's two files
+    (ETag = their SHA-256, as the hub's LFS files have); ``gets`` counts the downloads."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hub = self
+        self.gets: dict[str, int] = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def _head(self) -> bytes | None:
+                name = self.path.rsplit("/", 1)[-1]
+                data = files.get(name)
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
+                etag = f'"{hashlib.sha256(data).hexdigest()}"'
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", E.MODEL_REVISION)
+                self.send_header("ETag", etag)
+                self.send_header("X-Linked-Etag", etag)
+                self.send_header("X-Linked-Size", str(len(data)))
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                return data
+
+            def do_HEAD(self) -> None:
+                self._head()
+
+            def do_GET(self) -> None:
+                data = self._head()
+                if data is not None:
+                    name = self.path.rsplit("/", 1)[-1]
+                    hub.gets[name] = hub.gets.get(name, 0) + 1
+                    self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_fetch_model_deletes_the_bytes_it_refused_so_the_next_fetch_downloads_them_afresh(
+    tmp_path, model_dir
+):
+    # It said "removed" but unlinked only the snapshot's link: the hub client linked the same
+    # cached bytes (its blob, by ETag) again, and every later fetch-model failed the digest.
+    pytest.importorskip("huggingface_hub")
+    hub = FakeHub({name: (model_dir / name).read_bytes() for name in E.MODEL_SHA256})
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf"))
+
+    def fetch() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(cache)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    try:
+        first = fetch()
+        assert first.returncode == 0, first.stderr
+        snapshot = Path(first.stdout.strip())
+        blob = (snapshot / "tokenizer.json").resolve()
+        with blob.open("ab") as f:  # (the disk, an edit, a bad mirror earlier)
+            f.write(b" ")
+        refused = fetch()
+        assert refused.returncode == 1 and "SHA-256" in refused.stderr, refused.stderr
+        assert f"deleted {blob}" in refused.stderr and not blob.exists()
+        again = fetch()
+        assert again.returncode == 0, again.stderr
+        assert hub.gets == {"model.safetensors": 1, "tokenizer.json": 2}
+        assert (snapshot / "tokenizer.json").read_bytes() == (
+            model_dir / "tokenizer.json"
+        ).read_bytes()
+    finally:
+        hub.close()
 
 
 # ------------------------------------------------------------------------------------------------

