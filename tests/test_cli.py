@@ -76,6 +76,45 @@ def test_a_verifier_folder_without_a_verifier_exits_2_saying_so(tmp_path):
     assert result.returncode == 2 and f"no verifier in {tmp_path}" in result.stderr
 
 
+@pytest.mark.parametrize("folder", ["model", "verifier"])
+def test_a_model_folder_missing_a_file_or_setting_exits_2_naming_it(folder, tmp_path):
+    # A FileNotFoundError (no tokenizer.json) or a KeyError (verifier.json without its threshold)
+    # was a traceback (exit 1).
+    pytest.importorskip("onnxruntime")
+    import json
+
+    from carpool.semantic import embed
+    from carpool.semantic.verifier import PACKAGED
+
+    if folder == "model":
+        try:
+            weights = embed.find_model_dir()
+        except embed.SemanticDependencyError as error:
+            pytest.skip(str(error))
+        (tmp_path / "model.safetensors").symlink_to(weights / "model.safetensors")
+        said = ("tokenizer.json",)
+    else:
+        for name in ("model.onnx", "tokenizer.json"):
+            (tmp_path / name).symlink_to(PACKAGED / name)
+        meta = json.loads((PACKAGED / "verifier.json").read_text())
+        del meta["threshold"]
+        (tmp_path / "verifier.json").write_text(json.dumps(meta))
+        said = ("verifier.json", "threshold")
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **os.environ,
+            "CARPOOL_SEMANTIC__ENABLED": "true",
+            f"CARPOOL_SEMANTIC__{folder.upper()}_DIR": str(tmp_path),
+        },
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert str(tmp_path) in result.stderr and all(s in result.stderr for s in said)
+
+
 def test_a_bad_environment_value_exits_2(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "carpool.cli", "serve"],

@@ -201,7 +201,7 @@ def serve(
         gateway = build_gateway(config)
     except ImportError as error:
         missing_extra("semantic.enabled (and its model)", "semantic", error)
-    except ValueError as error:  # a verifier folder that is absent or tampered with
+    except ValueError as error:  # a model or verifier folder: a file or setting missing or bad
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
     if gateway.semantic is None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -300,8 +303,70 @@ def test_a_tampered_model_file_is_refused(tmp_path, model_dir):
         LocalEmbedder(tmp_path)
 
 
+def test_a_model_folder_without_its_files_is_an_error_naming_the_folder_and_file(
+    tmp_path, model_dir
+):
+    # A FileNotFoundError: `carpool serve` ended in a traceback; the folder is the operator's
+    # choice (semantic.model_dir), so no other copy is looked for.
+    with pytest.raises(ValueError, match="model.safetensors") as raised:
+        LocalEmbedder(tmp_path)
+    assert str(tmp_path) in str(raised.value)
+    (tmp_path / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="tokenizer.json") as raised:
+        LocalEmbedder(tmp_path)
+    assert str(tmp_path) in str(raised.value)
+
+
+def _opens(directory: Path):
+    """A counter of the files opened in ``directory`` (Linux inotify: whoever opens them, Python
+    or a library's native code): ``read()`` -> ``{name: opens}`` since the last read."""
+    import ctypes
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    # IN_OPEN, and IN_CLOSE_NOWRITE between them: two opens in a row would be one event.
+    if fd < 0 or libc.inotify_add_watch(fd, str(directory).encode(), 0x20 | 0x10) < 0:
+        pytest.skip("no inotify here")
+
+    class Opens:
+        def read(self) -> dict[str, int]:
+            counts: dict[str, int] = {}
+            while True:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    return counts
+                at = 0
+                while at < len(data):
+                    _, mask, _, size = struct.unpack_from("iIII", data, at)
+                    name = data[at + 16 : at + 16 + size].rstrip(b"\0").decode()
+                    if mask & 0x20:
+                        counts[name] = counts.get(name, 0) + 1
+                    at += 16 + size
+
+        def close(self) -> None:
+            os.close(fd)
+
+    return Opens()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts opens with inotify")
+def test_the_embedder_loads_the_bytes_it_checked_reading_each_file_once(tmp_path, model_dir):
+    # It hashed each file, then opened it again to load it: bytes replaced in between were
+    # loaded unchecked (the verifier already read its files once).
+    for name in E.MODEL_SHA256:
+        shutil.copyfile(model_dir / name, tmp_path / name)
+    opens = _opens(tmp_path)
+    try:
+        model = minilm._MiniLM(tmp_path, runtime="numpy", precision="fp32")
+        assert opens.read() == {name: 1 for name in E.MODEL_SHA256}
+    finally:
+        opens.close()
+    assert model.tokenize(["hello"]) == [[101, 7592, 102]]
+
+
 def test_missing_weights_say_how_to_fetch_them_and_a_missing_module_names_the_extra(monkeypatch):
-    monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(weights, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
     monkeypatch.setattr(weights, "_hub_cache_dir", lambda: None)
     with pytest.raises(SemanticDependencyError, match="carpool fetch-model"):
@@ -327,7 +392,6 @@ def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_do
     monkeypatch, tmp_path, model_dir
 ):
     huggingface_hub = pytest.importorskip("huggingface_hub")
-    monkeypatch.delenv(E.ENV_MODEL_DIR, raising=False)
     monkeypatch.setattr(weights, "MODEL_PACKAGES", ())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = _hub_snapshot(tmp_path, model_dir)
@@ -356,6 +420,97 @@ def test_fetch_model_keeps_only_files_with_the_pinned_digests(monkeypatch, tmp_p
     with pytest.raises(ValueError, match="SHA-256"):
         E.fetch_model()
     assert not (tmp_path / "hub" / "tokenizer.json").exists()
+
+
+class FakeHub:
+    """The Hugging Face hub's file endpoint on loopback, serving the pinned revision's two files
+    (ETag = their SHA-256, as the hub's LFS files have); ``gets`` counts the downloads."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hub = self
+        self.gets: dict[str, int] = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def _head(self) -> bytes | None:
+                name = self.path.rsplit("/", 1)[-1]
+                data = files.get(name)
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
+                etag = f'"{hashlib.sha256(data).hexdigest()}"'
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", E.MODEL_REVISION)
+                self.send_header("ETag", etag)
+                self.send_header("X-Linked-Etag", etag)
+                self.send_header("X-Linked-Size", str(len(data)))
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                return data
+
+            def do_HEAD(self) -> None:
+                self._head()
+
+            def do_GET(self) -> None:
+                data = self._head()
+                if data is not None:
+                    name = self.path.rsplit("/", 1)[-1]
+                    hub.gets[name] = hub.gets.get(name, 0) + 1
+                    self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_fetch_model_deletes_the_bytes_it_refused_so_the_next_fetch_downloads_them_afresh(
+    tmp_path, model_dir
+):
+    # It said "removed" but unlinked only the snapshot's link: the hub client linked the same
+    # cached bytes (its blob, by ETag) again, and every later fetch-model failed the digest.
+    pytest.importorskip("huggingface_hub")
+    hub = FakeHub({name: (model_dir / name).read_bytes() for name in E.MODEL_SHA256})
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf"))
+
+    def fetch() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(cache)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    try:
+        first = fetch()
+        assert first.returncode == 0, first.stderr
+        snapshot = Path(first.stdout.strip())
+        blob = (snapshot / "tokenizer.json").resolve()
+        with blob.open("ab") as f:  # (the disk, an edit, a bad mirror earlier)
+            f.write(b" ")
+        refused = fetch()
+        assert refused.returncode == 1 and "SHA-256" in refused.stderr, refused.stderr
+        assert f"deleted {blob}" in refused.stderr and not blob.exists()
+        again = fetch()
+        assert again.returncode == 0, again.stderr
+        assert hub.gets == {"model.safetensors": 1, "tokenizer.json": 2}
+        assert (snapshot / "tokenizer.json").read_bytes() == (
+            model_dir / "tokenizer.json"
+        ).read_bytes()
+    finally:
+        hub.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -186,3 +186,94 @@ def test_eval_semantic_options_out_of_what_the_config_takes_exit_2_naming_them(
     pairs.write_text(json.dumps(PAIRS[0]) + "\n")
     result = CliRunner().invoke(cli.main, ["eval-semantic", "--pairs", str(pairs), *options])
     assert result.exit_code == 2 and named in result.output, result.output
+
+
+def _eval(*args: str):
+    from click.testing import CliRunner
+
+    from carpool import cli
+
+    return CliRunner().invoke(cli.main, ["eval-semantic", *args])
+
+
+def _rows(output: str, section: str) -> dict[str, list[str]]:
+    """The report's rows of one section (``categories`` above the rule, ``totals`` below)."""
+    above, _, below = output.partition("-" * 10)
+    lines = (above if section == "categories" else below).splitlines()
+    return {line.split()[0]: line.split() for line in lines if line.strip()}
+
+
+def test_a_category_named_like_a_total_is_counted_apart_from_the_totals(tmp_path):
+    # A file all.jsonl (its pairs' category by default) was merged into the total: 2 pairs
+    # counted as 4.
+    for name in ("all", "conversations"):
+        pairs = tmp_path / f"{name}.jsonl"
+        rows = [{k: v for k, v in p.items() if k != "category"} for p in (PAIRS[0], PAIRS[2])]
+        pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        result = _eval("--pairs", str(pairs))
+        assert result.exit_code == 0, result.output
+        assert _rows(result.output, "categories")[name][1:] == ["1", "100.0%", "1", "0.0%"]
+        totals = _rows(result.output, "totals")
+        assert totals["all"][1:] == ["1", "100.0%", "1", "0.0%"] and "conversations" not in totals
+
+
+def test_decisions_and_the_sweep_decide_with_the_labeled_judge_the_report_uses(tmp_path):
+    # --decisions called decide() without the judge's band: its rows disagreed with the printed
+    # report; --sweep ignored the judge too, and printed a rate of no pairs as 0.0%.
+    pairs = tmp_path / "judge.jsonl"
+    pairs.write_text(json.dumps({"a": "What is 2+2?", "b": "What is 3+3?", "same_answer": True}))
+    decisions = tmp_path / "decisions.jsonl"
+    result = _eval(
+        *("--pairs", str(pairs), "--decisions", str(decisions), "--sweep", "--threshold", "0"),
+        *("--labeled-judge", "0", "1", "--judge-overrules", "number"),
+    )
+    assert result.exit_code == 0, result.output
+    assert _rows(result.output, "totals")["all"][1:] == ["1", "100.0%", "0", "-"]
+    (row,) = [json.loads(line) for line in decisions.read_text().splitlines()]
+    assert row["decision"] == "hit" and row["reason"] == "judge" and row["correct"]
+    sweep = result.output.split("verifier")[-1].split("\n")[1:]
+    swept = [line.split() for line in sweep if line.strip()]
+    assert swept and all(r[2:] == ["100.0%", "-"] for r in swept if float(r[0]) <= 0.5), swept
+    without = _eval("--pairs", str(pairs), "--threshold", "0", "--decisions", str(decisions))
+    assert _rows(without.output, "totals")["all"][1:] == ["1", "0.0%", "0", "-"]
+    assert json.loads(decisions.read_text())["reason"] == "number"
+
+
+@pytest.mark.parametrize(
+    "content, extra, said",
+    [
+        # Each was a traceback (rc 1), or a report of no pairs (rc 0), or named no file.
+        ('{"a": [1, 2], "b": "y", "same_answer": true}\n', [], "line 1"),
+        ('{"a": [], "b": "y", "same_answer": true}\n', [], "line 1"),
+        ("", ["--sweep"], "no pairs"),
+        ("\n  \n", [], "no pairs"),
+        (json.dumps(PAIRS[0]) + "\n", ["--half", "odd"], "no pairs"),
+        ('{"a": "caf\xe9", "b": "cafe", "same_answer": true}\n'.encode("latin-1"), [], "UTF-8"),
+    ],
+)
+def test_a_pairs_file_with_no_pair_to_score_exits_2_naming_the_file(tmp_path, content, extra, said):
+    pairs = tmp_path / "pairs.jsonl"
+    if isinstance(content, bytes):
+        pairs.write_bytes(content)
+    else:
+        pairs.write_text(content)
+    result = _eval("--pairs", str(pairs), *extra)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert said in result.output and "pairs.jsonl" in result.output
+
+
+@pytest.mark.parametrize(
+    "option, lacking", [("--model-dir", "model.safetensors"), ("--verifier-dir", "verifier.json")]
+)
+def test_eval_semantic_loads_the_model_folders_it_is_given_and_says_what_they_lack(
+    option, lacking, tmp_path
+):
+    # The embedding model's folder was $CARPOOL_EMBED_MODEL_DIR, which `carpool serve` refused
+    # (an unknown CARPOOL_ key) and which, without the files, was passed over for another copy.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    result = _eval("--pairs", str(pairs), option, str(folder))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert str(folder) in result.output and lacking in result.output

@@ -1,9 +1,13 @@
 """The semantic cache's commands: ``carpool eval-semantic`` (score its decisions on labeled
 pairs) and ``carpool fetch-model`` (download its model).
 
-Contract: both need the semantic extra and say so (exit 2) without it. ``fetch-model`` is the only
-thing that ever downloads the model: it checks the SHA-256 digests and prints the directory (exit
-1 when the download fails or a digest differs).
+Contract: both need the semantic extra and say so (exit 2) without it. ``eval-semantic`` loads
+the models the gateway would (``--model-dir``, ``--verifier-dir``: ``semantic.model_dir`` and
+``semantic.verifier_dir``, read from the same variables); a folder without its files, or pairs
+files with no pair to score, exit 2 saying which. ``fetch-model`` is the only thing that ever
+downloads the model: it checks the SHA-256 digests and prints the directory (exit 1 when the
+download fails or a digest differs: the bytes refused are deleted from the cache, so that the
+next run downloads them afresh).
 """
 
 from __future__ import annotations
@@ -101,6 +105,23 @@ def _as_judge_setting(field: str) -> Any:
     default=None,
     help="Only the even (development) or odd (held-out) rows of each file [all].",
 )
+@click.option(
+    "--model-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    envvar="CARPOOL_SEMANTIC__MODEL_DIR",
+    show_envvar=True,
+    help="The embedding model's folder, as semantic.model_dir [the Hugging Face cache, filled "
+    "by carpool fetch-model].",
+)
+@click.option(
+    "--verifier-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    envvar="CARPOOL_SEMANTIC__VERIFIER_DIR",
+    show_envvar=True,
+    help="The verifier's folder, as semantic.verifier_dir [the one packaged with carpool].",
+)
 def eval_semantic(
     pair_files: tuple[str, ...],
     decisions: str | None,
@@ -111,19 +132,25 @@ def eval_semantic(
     band: tuple[float, float] | None,
     judge_overrules: list[str],
     judge_verifier_band: tuple[float, float],
+    model_dir: str | None,
+    verifier_dir: str | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     from pathlib import Path
 
     try:
         from ..semantic.cache import CALIBRATED_THRESHOLD
-        from ..semantic.embed import default_embedder
-        from ..semantic.evaluate import Evaluator, format_report, load_pairs, write_decisions
+        from ..semantic.embed import LocalEmbedder
+        from ..semantic.evaluate import (
+            Evaluator,
+            LabeledJudge,
+            format_report,
+            load_pairs,
+            percent,
+            write_decisions,
+        )
         from ..semantic.guard import RulesThenVerifier
         from ..semantic.verifier import shared_cross_encoder
-
-        embedder = default_embedder()
-        guard = RulesThenVerifier(shared_cross_encoder(), threshold=verifier_threshold)
     except ImportError as error:
         missing_extra("the semantic cache", "semantic", error)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
@@ -133,24 +160,37 @@ def eval_semantic(
         )
     try:
         pairs = load_pairs(pair_files, half)
-    except ValueError as error:  # a line that is no labeled pair: said, exit 2
+    except ValueError as error:  # a line that is no labeled pair, no pair at all: said, exit 2
         raise click.BadParameter(str(error), param_hint="--pairs") from None
-    evaluator = Evaluator(pairs, embedder, guard)
-    report = evaluator.report(
-        threshold, None, band, frozenset(judge_overrules), judge_verifier_band
+    try:
+        embedder = LocalEmbedder(model_dir)
+        guard = RulesThenVerifier(shared_cross_encoder(verifier_dir), threshold=verifier_threshold)
+    except ImportError as error:
+        missing_extra("the semantic cache", "semantic", error)
+    except ValueError as error:  # a model folder without its files, or not the model's files
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(2)
+    try:
+        evaluator = Evaluator(pairs, embedder, guard)
+    except ValueError as error:  # a side that is no chat request the gateway takes
+        raise click.BadParameter(str(error), param_hint="--pairs") from None
+    # The same judge decides the report, the sweep and the decisions written.
+    judge = (
+        None
+        if band is None
+        else LabeledJudge(band, frozenset(judge_overrules), judge_verifier_band)
     )
-    click.echo(format_report(report, threshold))
+    click.echo(format_report(evaluator.report(threshold, None, judge), threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
         verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]
-        for row in evaluator.sweep([0.3, 0.4, 0.5, 0.6, 0.7, 0.8], verifier):
+        for row in evaluator.sweep([0.3, 0.4, 0.5, 0.6, 0.7, 0.8], verifier, judge):
             click.echo(
                 f"{row['threshold']:>10.2f}{row['verifier_threshold']:>10.2f}"
-                f"{100 * (row['hit_rate'] or 0):>8.1f}%"
-                f"{100 * (row['wrong_rate'] or 0):>7.1f}%"
+                f"{percent(row['hit_rate']):>9}{percent(row['wrong_rate']):>8}"
             )
     if decisions:
-        write_decisions(evaluator, threshold, Path(decisions))
+        write_decisions(evaluator, threshold, Path(decisions), None, judge)
 
 
 @click.command("fetch-model")

@@ -2,7 +2,10 @@
 
 Contract:
 - Input: JSONL rows ``{"a", "b", "same_answer", "category"?}``; ``a``/``b`` a string (one user
-  turn) or a list of chat messages. ``a`` plays the cached request, ``b`` the new one.
+  turn) or a list of chat messages, each side a chat request the gateway would take (else a
+  ``ValueError`` naming the file and line). ``a`` plays the cached request, ``b`` the new one.
+  A file that is not UTF-8, or files (or a half) with no pair at all, are a ``ValueError`` too:
+  never a report of nothing.
 - Each pair is decided exactly as the gateway decides it: both sides become chat requests
   (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` and
   ``cache.focus``; a different scope (system prompt, earlier turns, a long head) is a miss;
@@ -12,11 +15,13 @@ Contract:
 - ``half``: ``even`` (the development half: lines 0, 2, 4... of each file) or ``odd`` (the
   held-out half), or every pair (None): rules and settings are tuned on one half and reported on
   the other.
-- Output: per category, for conversations (pairs where either side has more than one turn
-  besides a system prompt) and overall, the share of should-hit pairs served ("hit rate") and of
-  should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
-  ``--sweep`` prints both rates over a range of similarity thresholds and verifier thresholds
-  (the guard included), which is how the defaults were calibrated.
+- Output: per category, and in totals kept apart from the categories (a category may be named
+  ``all``), for conversations (pairs where either side has more than one turn besides a system
+  prompt) and overall, the share of should-hit pairs served ("hit rate") and of should-miss
+  pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair; ``--sweep`` prints
+  both rates over a range of similarity thresholds and verifier thresholds (the guard
+  included), which is how the defaults were calibrated. A :class:`LabeledJudge` decides the
+  same pairs in the report, the decisions and the sweep.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import orjson
 
 from ..config import Config
+from ..errors import RequestError
 from ..fingerprint import SemanticView, fingerprint, semantic_view
 from ..request import ClientRequest, parse
 from .cache import focus
@@ -44,6 +50,7 @@ class Pair:
     b: Any
     same_answer: bool
     category: str
+    where: str = ""  # "FILE, line N": what an error about the pair names
 
     @property
     def conversation(self) -> bool:
@@ -63,7 +70,20 @@ class Decision:
     judged: bool = False  # decided by the (labeled) judge
 
 
+@dataclass(frozen=True, slots=True)
+class LabeledJudge:
+    """``semantic.judge`` at its best, answering from the pair's own label: it decides the pairs
+    in the similarity ``band`` that only the verifier judged (with a score in ``verifier_band``)
+    or that a rule in ``overrules`` refused (what a judge can buy, and how often it is asked)."""
+
+    band: tuple[float, float]
+    overrules: frozenset[str] = frozenset()
+    verifier_band: tuple[float, float] = (0.0, 1.0)
+
+
 HALVES = ("even", "odd")
+#: The report's totals: kept apart from the categories, whatever those are named.
+TOTALS = ("conversations", "all")
 
 
 def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pair]:
@@ -73,11 +93,20 @@ def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pai
         raise ValueError(f"half must be one of {HALVES}, got {half!r}")
     pairs = []
     for path in paths:
-        rows = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        try:
+            text = Path(path).read_bytes().decode()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        except OSError as exc:
+            raise ValueError(f"{path}: {exc.strerror or exc}") from None
+        rows = [line for line in text.splitlines() if line.strip()]
         for n, line in enumerate(rows):
             if half is not None and n % 2 != HALVES.index(half):
                 continue
-            pairs.append(_pair(row_of(path, n, line), path))
+            pairs.append(_pair(row_of(path, n, line), path, n))
+    if not pairs:  # (a report of no pairs would read as a report)
+        where = ", ".join(str(p) for p in paths)
+        raise ValueError(f"no pairs in {where}" + (f" (in its {half} half)" if half else ""))
     return pairs
 
 
@@ -98,8 +127,9 @@ def row_of(path: str | Path, n: int, line: str) -> dict[str, Any]:
     return row
 
 
-def _pair(row: dict[str, Any], path: str | Path) -> Pair:
-    return Pair(row["a"], row["b"], row["same_answer"], str(row.get("category") or Path(path).stem))
+def _pair(row: dict[str, Any], path: str | Path, n: int) -> Pair:
+    category = str(row.get("category") or Path(path).stem)
+    return Pair(row["a"], row["b"], row["same_answer"], category, f"{path}, line {n + 1}")
 
 
 def _view(side: Any, config: Config) -> SemanticView | None:
@@ -124,7 +154,12 @@ class Evaluator:
         self.pairs = pairs
         self.guard = guard
         config = config or Config()
-        self.views = [(_view(p.a, config), _view(p.b, config)) for p in pairs]
+        self.views = []
+        for p in pairs:
+            try:
+                self.views.append((_view(p.a, config), _view(p.b, config)))
+            except RequestError as error:  # (a side the gateway would refuse: no pair to score)
+                raise ValueError(f"{p.where}: not a chat request: {error.message}") from None
         texts = sorted({v.text for pair in self.views for v in pair if v is not None})
         vectors = embedder.encode(texts) if texts else []
         row = {text: i for i, text in enumerate(texts)}
@@ -141,13 +176,10 @@ class Evaluator:
         i: int,
         threshold: float,
         verifier_threshold: float | None = None,
-        band: tuple[float, float] | None = None,
-        overrules: frozenset[str] = frozenset(),
-        verifier_band: tuple[float, float] = (0.0, 1.0),
+        judge: LabeledJudge | None = None,
     ) -> Decision:
-        """``band``: a labeled judge (``semantic.judge`` answering from the pair's own label)
-        decides the pairs in this similarity band that only the verifier judged (or a rule in
-        ``overrules`` refused): what a judge can buy at best, and how often it is asked."""
+        """Pair ``i``'s decision at these thresholds, with ``judge`` (:class:`LabeledJudge`)
+        deciding the pairs it would be asked about."""
         similarity = self.similarity[i]
         if similarity is None:
             return Decision(False, 0.0, "scope")
@@ -162,15 +194,15 @@ class Evaluator:
             )
         (verdict,) = self.guard.decide(scored, [similarity], verifier_threshold)
         if (
-            band is not None
-            and band[0] <= similarity <= band[1]
+            judge is not None
+            and judge.band[0] <= similarity <= judge.band[1]
             and (
-                str(verdict.reason) in overrules
+                str(verdict.reason) in judge.overrules
                 or (
                     (verdict.ok or verdict.reason in (Reason.MEANING, Reason.CONTEXT))
                     and (
                         verdict.score is None
-                        or verifier_band[0] <= verdict.score <= verifier_band[1]
+                        or judge.verifier_band[0] <= verdict.score <= judge.verifier_band[1]
                     )
                 )
             )
@@ -185,24 +217,23 @@ class Evaluator:
         self,
         threshold: float,
         verifier_threshold: float | None = None,
-        band: tuple[float, float] | None = None,
-        overrules: frozenset[str] = frozenset(),
-        verifier_band: tuple[float, float] = (0.0, 1.0),
-    ) -> dict[str, Any]:
-        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        judge: LabeledJudge | None = None,
+    ) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{"categories": {name: rates}, "totals": {"conversations"?: rates, "all": rates}}``
+        (``hit_rate``/``wrong_rate`` None when there is no pair to rate)."""
+        # Keyed apart: a category named "all" (a file all.jsonl) is not the total.
+        categories: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         lookups = judged = 0
         for i, pair in enumerate(self.pairs):
-            decision = self.decide(i, threshold, verifier_threshold, band, overrules, verifier_band)
+            decision = self.decide(i, threshold, verifier_threshold, judge)
             hit = decision.hit
             lookups += self.similarity[i] is not None  # (a candidate in its scope: a lookup)
             judged += decision.judged
-            names = (
-                (pair.category, "conversations", "all")
-                if pair.conversation
-                else (pair.category, "all")
-            )
-            for name in names:
-                c = counts[name]
+            counted = [categories[pair.category], totals["all"]]
+            if pair.conversation:
+                counted.append(totals["conversations"])
+            for c in counted:
                 if pair.same_answer:
                     c[0] += 1
                     c[1] += hit
@@ -210,52 +241,72 @@ class Evaluator:
                     c[2] += 1
                     c[3] += hit
         report = {
-            name: {
-                "should_hit": c[0],
-                "hit_rate": c[1] / c[0] if c[0] else None,
-                "should_miss": c[2],
-                "wrong_rate": c[3] / c[2] if c[2] else None,
-            }
-            for name, c in sorted(
-                counts.items(),
-                key=lambda kv: (kv[0] in ("conversations", "all"), kv[0] == "all", kv[0]),
-            )
+            "categories": {name: _rates(c) for name, c in sorted(categories.items())},
+            "totals": {
+                name: _rates(totals[name]) for name in TOTALS if name in totals or name == "all"
+            },
         }
-        if band is not None and "all" in report:
-            report["all"]["judge_per_lookup"] = judged / lookups if lookups else 0.0
+        if judge is not None:
+            report["totals"]["all"]["judge_per_lookup"] = judged / lookups if lookups else 0.0
         return report
 
     def sweep(
         self,
         thresholds: Sequence[float],
         verifier_thresholds: Sequence[float | None] = (None,),
+        judge: LabeledJudge | None = None,
     ) -> list[dict[str, Any]]:
+        """The overall rates at each similarity threshold and verifier threshold."""
         return [
-            {"threshold": t, "verifier_threshold": v, **self.report(t, v)["all"]}
+            {"threshold": t, "verifier_threshold": v, **self.report(t, v, judge)["totals"]["all"]}
             for v in verifier_thresholds
             for t in thresholds
         ]
 
 
-def format_report(report: dict[str, Any], threshold: float) -> str:
+def _rates(c: list[int]) -> dict[str, Any]:
+    return {
+        "should_hit": c[0],
+        "hit_rate": c[1] / c[0] if c[0] else None,
+        "should_miss": c[2],
+        "wrong_rate": c[3] / c[2] if c[2] else None,
+    }
+
+
+def percent(rate: float | None) -> str:
+    """A rate as the report prints it: ``-`` when there was no pair to rate."""
+    return "-" if rate is None else f"{100 * rate:.1f}%"
+
+
+def format_report(report: dict[str, dict[str, dict[str, Any]]], threshold: float) -> str:
+    """The categories, a rule, then the totals (a category may bear a total's name)."""
     lines = [
         f"threshold {threshold:.3f}",
         f"{'category':<22}{'should-hit':>11}{'served':>9}{'should-miss':>13}{'wrong':>8}",
     ]
-    for name, r in report.items():
-        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
-        wrong = "-" if r["wrong_rate"] is None else f"{100 * r['wrong_rate']:.1f}%"
-        lines.append(f"{name:<22}{r['should_hit']:>11}{hit:>9}{r['should_miss']:>13}{wrong:>8}")
-    judge = report.get("all", {}).get("judge_per_lookup")
+    for section in ("categories", "totals"):
+        if section == "totals":
+            lines.append("-" * 63)
+        for name, r in report[section].items():
+            hit, wrong = percent(r["hit_rate"]), percent(r["wrong_rate"])
+            lines.append(f"{name:<22}{r['should_hit']:>11}{hit:>9}{r['should_miss']:>13}{wrong:>8}")
+    judge = report["totals"]["all"].get("judge_per_lookup")
     if judge is not None:
         lines.append(f"labeled judge: {judge:.3f} calls per lookup")
     return "\n".join(lines)
 
 
-def write_decisions(evaluator: Evaluator, threshold: float, out: Path) -> None:
+def write_decisions(
+    evaluator: Evaluator,
+    threshold: float,
+    out: Path,
+    verifier_threshold: float | None = None,
+    judge: LabeledJudge | None = None,
+) -> None:
+    """One row per pair, decided as the report decides it (the same thresholds and judge)."""
     with out.open("w") as f:
         for i, pair in enumerate(evaluator.pairs):
-            d = evaluator.decide(i, threshold)
+            d = evaluator.decide(i, threshold, verifier_threshold, judge)
             f.write(
                 json.dumps(
                     {

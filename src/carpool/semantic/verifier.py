@@ -11,8 +11,9 @@ Contract
 - :class:`CrossEncoder` runs a fine-tuned cross-encoder (``[CLS] a [SEP] b [SEP]``, one logit) with
   ONNX Runtime on one worker thread of its own, so the event loop never waits on it. It loads a
   folder holding ``model.onnx``, ``tokenizer.json`` and ``verifier.json`` (``threshold``,
-  ``max_length``, the SHA-256 of both files, checked at load: a file that does not match is
-  refused). The default folder is the one packaged with carpool (:data:`PACKAGED`), made by
+  ``max_length``, the SHA-256 of both files, checked at load: a file that does not match, a
+  setting missing or out of range, a model that does not load is a :class:`VerifierFileError`
+  naming the folder). The default folder is the one packaged with carpool (:data:`PACKAGED`), made by
   ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
 - The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
   them. ``unread(pairs)`` says which pairs it would have to cut (the longer side first): those
@@ -99,6 +100,7 @@ class CrossEncoder:
             meta = json.loads((folder / "verifier.json").read_text())
         except (OSError, ValueError) as exc:
             raise VerifierFileError(f"no verifier in {folder}: {exc}") from exc
+        threshold, max_length, digests = _settings(folder / "verifier.json", meta)
         # The bytes checked are the bytes loaded: nothing is read from disk twice.
         files: dict[str, bytes] = {}
         for name in ("model.onnx", "tokenizer.json"):
@@ -107,26 +109,35 @@ class CrossEncoder:
                 files[name] = path.read_bytes()
             except OSError:
                 files[name] = b""
-            if hashlib.sha256(files[name]).hexdigest() != meta.get("sha256", {}).get(name):
+            if hashlib.sha256(files[name]).hexdigest() != digests.get(name):
                 raise VerifierFileError(f"{path} is missing or does not match its SHA-256")
         from .embed import _require, _require_numpy, default_threads  # its imports are heavy
 
         ort = _require("onnxruntime")
         self._np = _require_numpy()
         tokenizers = _require("tokenizers")
-        self.name = f"cross-encoder:{meta['sha256']['model.onnx'][:12]}"
-        self.threshold = float(meta["threshold"])  # calibrated with the model
-        self._tokenizer = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
+        self.name = f"cross-encoder:{digests['model.onnx'][:12]}"
+        self.threshold = threshold  # calibrated with the model
+        # (The digests are the folder's own: files that match them may still be no model.)
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
+        except Exception as exc:
+            raise VerifierFileError(
+                f"{folder / 'tokenizer.json'}: not a tokenizer ({exc})"
+            ) from None
         self._tokenizer.no_padding()
-        self._tokenizer.enable_truncation(max_length=int(meta.get("max_length", MAX_LENGTH)))
+        self._tokenizer.enable_truncation(max_length=max_length)
         self._unknown = self._tokenizer.token_to_id("[UNK]")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or default_threads()
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(
-            files["model.onnx"], options, providers=["CPUExecutionProvider"]
-        )
+        try:
+            self._session = ort.InferenceSession(
+                files["model.onnx"], options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:
+            raise VerifierFileError(f"{folder / 'model.onnx'}: not a model ({exc})") from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
         self.calls = 0  # model calls (one per ``scores`` with pairs)
         self.pairs = 0  # pairs scored
@@ -173,6 +184,30 @@ class CrossEncoder:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
+
+
+def _settings(path: Path, meta: Any) -> tuple[float, int, dict[str, str]]:
+    """``verifier.json``'s threshold, max_length and digests, or a :class:`VerifierFileError`
+    naming the file and the setting (a KeyError or a TypeError was a traceback)."""
+    if not isinstance(meta, dict):
+        raise VerifierFileError(f"{path}: not a JSON object")
+    threshold, max_length = meta.get("threshold"), meta.get("max_length", MAX_LENGTH)
+    digests = meta.get("sha256")
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, int | float)
+        or not 0 <= threshold <= 1  # (NaN included)
+    ):
+        raise VerifierFileError(f"{path}: 'threshold' must be a number in [0, 1]")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 3:
+        raise VerifierFileError(f"{path}: 'max_length' must be a whole number of tokens (>= 3)")
+    if not isinstance(digests, dict) or not all(
+        isinstance(digests.get(name), str) for name in ("model.onnx", "tokenizer.json")
+    ):
+        raise VerifierFileError(
+            f"{path}: 'sha256' must give the SHA-256 of model.onnx and tokenizer.json"
+        )
+    return float(threshold), max_length, digests
 
 
 @functools.lru_cache(maxsize=4)

@@ -38,13 +38,13 @@ from .minilm import PRECISIONS as PRECISIONS
 from .minilm import RUNTIMES as RUNTIMES
 from .onnx_encoder import default_threads as default_threads
 from .upstream import UpstreamEmbedder
-from .weights import ENV_MODEL_DIR as ENV_MODEL_DIR
 from .weights import (
     MODEL_NAME,
     MODEL_PACKAGES,
     MODEL_REPO,
     MODEL_REVISION,
     MODEL_SHA256,
+    ModelFileError,
     fetch_model,
     find_model_dir,
 )
@@ -57,6 +57,7 @@ __all__ = [
     "MODEL_SHA256",
     "Embedder",
     "LocalEmbedder",
+    "ModelFileError",
     "SemanticDependencyError",
     "UpstreamEmbedder",
     "default_embedder",

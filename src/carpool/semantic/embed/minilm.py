@@ -3,7 +3,9 @@
 Contract
 --------
 ``_load_minilm(directory, verify, runtime, threads, precision)`` is the model in ``directory``
-(its digests checked when ``verify``), loaded once per process and settings and shared.
+(its digests checked when ``verify``), loaded once per process and settings and shared. Each
+file is read once: the bytes checked are the bytes loaded. A file missing, unreadable, not the
+pinned one or not loadable is a :class:`~.weights.ModelFileError` (a ``ValueError``) naming it.
 ``_MiniLM.encode(texts, batch_size)`` returns the unit-norm float32 embeddings
 ``(len(texts), dim)``, in the order of ``texts``, computed in chunks of similar token counts
 (:func:`_length_chunks`). ``runtime`` is ``"onnxruntime"``, ``"numpy"`` or ``"auto"``;
@@ -54,6 +56,7 @@ differs by more than 4e-7. ``tests/semantic/test_embed.py`` pins a few reference
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
 import math
@@ -70,7 +73,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from .base import _require, _require_numpy
 from .encoder import _Layer, _layer_norm, _numpy_encoder
 from .onnx_encoder import _onnx_encoder
-from .weights import MODEL_NAME, MODEL_SHA256, _sha256
+from .weights import MODEL_NAME, MODEL_SHA256, ModelFileError
 
 __all__ = ["HEADS", "MAX_SEQ_LENGTH", "PAD_RATIO", "PAD_TOKENS", "PRECISIONS", "RUNTIMES"]
 
@@ -113,19 +116,37 @@ class _MiniLM:
                 runtime = "numpy"
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES} or 'auto', not {runtime!r}")
-        if verify:
-            for name, expected in MODEL_SHA256.items():
-                if _sha256(directory / name) != expected:
-                    raise ValueError(
-                        f"{directory / name} is not the {MODEL_NAME} file it "
-                        f"should be (SHA-256 mismatch)"
-                    )
+        # Each file is read once, hashed, and loaded from those bytes: a file replaced between
+        # its check and its load would be used unchecked.
+        files: dict[str, bytes] = {}
+        for name, expected in MODEL_SHA256.items():
+            try:
+                files[name] = (directory / name).read_bytes()
+            except OSError as exc:
+                raise ModelFileError(
+                    f"{directory} holds no readable {name} ({exc.strerror or exc})"
+                ) from None
+            if verify and hashlib.sha256(files[name]).hexdigest() != expected:
+                raise ModelFileError(
+                    f"{directory / name} is not the {MODEL_NAME} file it should be "
+                    f"(SHA-256 mismatch)"
+                )
         self.directory = directory
-        tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        try:  # (checked files load; unchecked ones, verify=False, may be anything)
+            tokenizer = tokenizers.Tokenizer.from_str(files.pop("tokenizer.json").decode())
+        except Exception as exc:
+            raise ModelFileError(
+                f"{directory / 'tokenizer.json'}: not a tokenizer ({exc})"
+            ) from None
         tokenizer.no_padding()  # the file asks for fixed padding to 128
         tokenizer.enable_truncation(MAX_SEQ_LENGTH)
         self.tokenizer = tokenizer
-        w = st_numpy.load_file(str(directory / "model.safetensors"))
+        try:
+            w = st_numpy.load(files.pop("model.safetensors"))
+        except Exception as exc:
+            raise ModelFileError(
+                f"{directory / 'model.safetensors'}: not safetensors weights ({exc})"
+            ) from None
         w = {k.removeprefix("bert."): v for k, v in w.items()}
 
         def f32(name: str) -> Any:

