@@ -28,9 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.loader import REDIS_SERVER_VARIABLE
 from .process import HOST, free_port, stop
 
-ENV_VAR = "CARPOOL_REDIS_SERVER"
+ENV_VAR = REDIS_SERVER_VARIABLE
 START_TIMEOUT_S = 20.0
 
 

@@ -10,7 +10,8 @@ Contract:
   or a list can also be given whole (``CARPOOL_UPSTREAMS='[http://a:8000/v1, http://b:8000/v1]'``,
   ``CARPOOL_CACHE='{max_bytes: 1000}'``); the nested variables of that section apply over it.
   ``CARPOOL_CONFIG`` names the file (the CLI reads it) and ``CARPOOL_PEERS`` the workers'
-  directory (``carpool serve`` sets it); they are not keys.
+  directory (``carpool serve`` sets it), ``CARPOOL_REDIS_SERVER`` the server binary
+  ``carpool bench`` starts; they are not keys.
 - A value is the string as written, read by its key's type (``8080``, ``1.5``, ``yes``); a
   list or mapping (``[a, b]``, ``{k: v}``) is read as YAML; an empty value or ``null`` is null
   (``_read_value``), but for a secret's (``admin_token``, the keys held: ``SecretStr``):
@@ -61,7 +62,10 @@ CONFIG_FILE_VARIABLE = "CARPOOL_CONFIG"
 PEERS_VARIABLE = "CARPOOL_PEERS"
 # The pid of ``carpool serve --workers N``'s parent, set for its workers (``server``): not a key.
 PARENT_VARIABLE = "CARPOOL_PARENT"
-NOT_KEYS = frozenset({CONFIG_FILE_VARIABLE, PEERS_VARIABLE, PARENT_VARIABLE})
+# The Redis/Valkey server binary that `carpool bench` and the tests start (``bench.redis_server``):
+# not a key (set in a shell, every other command refused to start).
+REDIS_SERVER_VARIABLE = "CARPOOL_REDIS_SERVER"
+NOT_KEYS = frozenset({CONFIG_FILE_VARIABLE, PEERS_VARIABLE, PARENT_VARIABLE, REDIS_SERVER_VARIABLE})
 NESTED_DELIMITER = "__"
 
 
