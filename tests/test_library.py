@@ -375,7 +375,7 @@ async def test_a_closed_gateway_refuses_requests_rather_than_open_connections_ag
         await gateway.passthrough("GET", "/models", b"", {}, b"")
 
 
-@pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x00b"])
+@pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x00b", "a\x01b", "a\x7fb"])
 async def test_a_header_value_http_cannot_carry_is_a_400_and_no_replicas_fault(value):
     # The upstream client refused to build the call, which counted as the replica failing:
     # three such calls downed both replicas, none having been sent anything.
@@ -392,10 +392,16 @@ async def test_a_header_value_http_cannot_carry_is_a_400_and_no_replicas_fault(v
     await gateway.aclose()
 
 
-@pytest.mark.parametrize("how", ["mounted", "root_path"])
-async def test_an_app_mounted_under_a_prefix_serves_every_path_below_it(fake, how):
+@pytest.mark.parametrize(
+    ("how", "prefix"),
+    [("mounted", "/gw"), ("mounted", "/café llm"), ("root_path", "/gw")],
+    ids=["mounted", "mounted-encoded", "root_path"],
+)
+async def test_an_app_mounted_under_a_prefix_serves_every_path_below_it(fake, how, prefix):
     """Mounted by a host app (``Mount("/gw", ...)``) or served with a ``root_path``, every /v1
     request was a 500: ASGI keeps the prefix in ``path``, and carpool routed on it."""
+    from urllib.parse import quote
+
     import httpx
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
@@ -408,7 +414,7 @@ async def test_an_app_mounted_under_a_prefix_serves_every_path_below_it(fake, ho
     inner = create_app(gateway)
     if how == "mounted":
         app: object = Starlette(
-            routes=[Route("/hello", lambda _: PlainTextResponse("host")), Mount("/gw", app=inner)]
+            routes=[Route("/hello", lambda _: PlainTextResponse("host")), Mount(prefix, app=inner)]
         )
     else:
 
@@ -418,8 +424,10 @@ async def test_an_app_mounted_under_a_prefix_serves_every_path_below_it(fake, ho
             await inner(scope, receive, send)
 
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-    prefix = "/gw" if how == "mounted" else ""
-    async with serve_app(app) as url, httpx.AsyncClient(base_url=url + prefix) as client:
+    # (A prefix sent percent-encoded, as a client sends it: the pass-through judged its raw
+    # path with the prefix still on it.)
+    sent = quote(prefix) if how == "mounted" else ""
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url + sent) as client:
         first = await client.post("/v1/chat/completions", json=body)
         again = await client.post("/v1/chat/completions", json=body)
         models = await client.get("/v1/models")

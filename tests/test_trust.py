@@ -205,6 +205,37 @@ async def test_a_load_balancers_affinity_cookie_never_splits_the_cache_a_users_c
     assert other.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+@pytest.mark.parametrize(
+    ("alice", "bob"),
+    [
+        # Two lines, joined: the user's session after the load balancer's cookie.
+        (
+            [("cookie", "AWSALB=lb1"), ("cookie", "session=alice")],
+            [("cookie", "AWSALB=lb1"), ("cookie", "session=bob")],
+        ),
+        ([("cookie", "=alice-secret")], [("cookie", "=bob-secret")]),  # nameless
+        ([("cookie", "AWSALB=lb1, session=alice")], [("cookie", "AWSALB=lb1, session=bob")]),
+        ([("cookie", 'sid="a;AWSALB=x"')], [("cookie", 'sid="b;AWSALB=x"')]),  # quoted
+    ],
+    ids=["two-lines", "nameless", "comma-joined", "quoted"],
+)
+async def test_a_cookie_carpool_cannot_read_as_name_value_pairs_stays_whole_in_the_key(
+    gw, fake, alice, bob
+):
+    """Only plain name=value pairs of the infrastructure's are left out: two Cookie lines
+    joined by ", " read as one cookie named AWSALB, dropped, and a nameless cookie was dropped
+    too: Bob got Alice's answer and her idempotency record's replay."""
+    for key in (None, "order-1"):
+        idempotency = [("idempotency-key", key)] if key else []
+        content = f"mine ({key})"
+        body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        first = await gw.client.post("/v1/chat/completions", json=body, headers=alice + idempotency)
+        other = await gw.client.post("/v1/chat/completions", json=body, headers=bob + idempotency)
+        assert first.headers["x-carpool"] == other.headers["x-carpool"] == "miss"
+        assert "idempotent-replayed" not in other.headers and text(first) != text(other)
+    assert fake.calls[0].headers["cookie"] == "; ".join(value for _, value in alice)
+
+
 async def test_in_a_shared_namespace_a_made_up_key_never_reads_anything(fake, gateway_with):
     fake.valid_keys = {"good-1", "good-2"}
     shared = {"x-carpool-namespace": "docs"}

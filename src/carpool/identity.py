@@ -104,17 +104,23 @@ def other_credentials(headers: Mapping[str, str], query: str, known: Container[s
 
 
 def user_cookies(header: str) -> str:
-    """A ``Cookie`` header's cookies but infrastructure's, in order of name ("": none)."""
+    """A ``Cookie`` header's cookies but infrastructure's, in their order ("": none). Only a
+    plain ``name=value`` list is read so: a header with a quote or a comma in it (lines joined
+    by another client, a quoted value holding a ";") is kept whole, as sent; a part that is not
+    ``name=value`` (``=value``, a bare word) is kept as it is: when unsure, don't share."""
+    if '"' in header or "," in header:
+        return header
     kept = []
     for pair in header.split(";"):
-        name = pair.partition("=")[0].strip().lower()
-        if (
-            name
-            and name not in _INFRASTRUCTURE_COOKIES
-            and not name.startswith(_INFRASTRUCTURE_PREFIXES)
-        ):
-            kept.append(pair.strip())
-    return "; ".join(sorted(kept))
+        part = pair.strip()
+        name, equals, _ = part.partition("=")
+        name = name.strip().lower()
+        infrastructure = name in _INFRASTRUCTURE_COOKIES or name.startswith(
+            _INFRASTRUCTURE_PREFIXES
+        )
+        if part and not (equals and name and infrastructure):
+            kept.append(part)
+    return "; ".join(kept)
 
 
 def pairs_digest(pairs: Iterable[tuple[str, str]], person: bytes, size: int) -> hashlib.blake2b:

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -578,12 +577,12 @@ class Gateway:
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
         started = time.monotonic()
-        broken = next((n for n, v in client.headers.items() if _UNSENDABLE.search(v)), None)
+        broken = next((n for n, v in client.headers.items() if http_syntax.CONTROL.search(v)), None)
         if broken is not None:
             # A value HTTP cannot carry (the upstream client refused to build the call): a
             # bad header value, answered as the others are.
             self.stats.rejected += 1
-            why = f"{broken}: a header value cannot hold CR, LF or NUL"
+            why = f"{broken}: a header value cannot hold a control character (but a tab)"
             reply = refusal(RequestError(why, "invalid_header"), BY_PATH[client.path])
         else:
             reply = await self.handle(client)
@@ -735,10 +734,6 @@ def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
             raise ValueError(f"header {name!r}: no HTTP request could carry this name")
         lowered[name.lower()] = value
     return lowered
-
-
-# What no header value can hold.
-_UNSENDABLE = re.compile(r"[\r\n\x00]")
 
 
 def _query_of(query: str) -> bytes:

@@ -83,6 +83,7 @@ from importlib import resources
 from itertools import chain
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import orjson
 from starlette.applications import Starlette
@@ -388,9 +389,15 @@ def _below(scope: Scope, root: str) -> Scope:
     path = scope["path"]
     if not path.startswith(root) or path[len(root) : len(root) + 1] not in ("", "/"):
         return scope
-    raw, prefix = scope.get("raw_path"), root.encode("utf-8")
-    if raw is not None and raw.startswith(prefix):
-        raw = raw[len(prefix) :] or b"/"
+    raw = scope.get("raw_path")
+    if raw is not None:
+        # (Segment by segment: the raw path holds the prefix as sent, percent-encoded.)
+        parts, segments = raw.split(b"/"), root.split("/")
+        if len(parts) >= len(segments) and all(
+            unquote_to_bytes(part) == segment.encode("utf-8")
+            for part, segment in zip(parts[1 : len(segments)], segments[1:], strict=True)
+        ):
+            raw = b"/" + b"/".join(parts[len(segments) :])
     return {**scope, "path": path[len(root) :] or "/", "raw_path": raw, "root_path": ""}
 
 
@@ -426,14 +433,17 @@ def _decoded(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
     A header sent on several lines is one value, its lines joined by ", " (RFC 9110 §5.3):
     ``Cache-Control: no-cache`` beside ``Cache-Control: max-age=60`` is both directives, not
-    the last one."""
+    the last one; a ``Cookie``'s by "; " (RFC 9113 §8.2.3: its cookies, as one line lists
+    them)."""
     decoded = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
     if len(decoded) == len(headers):
         return decoded
     joined: dict[str, list[str]] = {}
     for name, value in headers:
         joined.setdefault(name.decode("latin-1"), []).append(value.decode("latin-1"))
-    return {name: ", ".join(values) for name, values in joined.items()}
+    return {
+        name: ("; " if name == "cookie" else ", ").join(values) for name, values in joined.items()
+    }
 
 
 def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
