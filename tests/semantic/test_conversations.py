@@ -28,6 +28,12 @@ BILL_REWORDED = turns(
     "Happy to help. What's the issue with your electricity bill?",
 )
 HELLO = turns("hi there", "Hello! How can I help?")
+
+
+def ASSISTANT(content: str) -> dict[str, str]:  # noqa: N802 (reads as the turn it is)
+    return {"role": "assistant", "content": content}
+
+
 JACKET = turns(
     "I want to return the blue jacket I bought.",
     "Sure, the blue jacket can be returned within 30 days.",
@@ -142,8 +148,8 @@ async def test_an_earlier_instruction_never_meets_the_bare_question(
 
 @pytest.mark.parametrize(
     "greeting",
-    [HELLO, turns("Good morning!", "Good morning! How can I help you today?"), turns("thanks")],
-    ids=["hello", "good_morning", "thanks"],
+    [HELLO, turns("Hello there!", "Hi! How can I help you today?"), turns("thanks")],
+    ids=["hello", "hello_there", "thanks"],
 )
 async def test_small_talk_before_a_question_still_meets_the_bare_question(sgw, fake, greeting):
     question = [{"role": "user", "content": "What is the capital of Australia?"}]
@@ -152,12 +158,38 @@ async def test_small_talk_before_a_question_still_meets_the_bare_question(sgw, f
     assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (
+            [ASSISTANT("Hello! Is there anything I can help you with today?"), *turns("No.")],
+            [ASSISTANT("Hello! Are you doing well today?"), *turns("No.")],
+        ),
+        (
+            turns("Good evening!", "Good evening! How can I help you today?")
+            + turns("What should I eat now?"),
+            turns("Good morning!", "Good morning! How can I help you today?")
+            + turns("What should I eat now?"),
+        ),
+    ],
+    ids=["how_the_user_is", "time_of_day"],
+)
+async def test_small_talk_that_the_last_turn_answers_or_depends_on_is_context(
+    sgw, fake, first, second
+):
+    # Left out as small talk, both contexts were empty and the last turns the same: "No." (not
+    # well) was served "No." (nothing, thanks)'s answer, the morning's meal the evening's.
+    await chat(sgw, first)
+    await eventually(lambda: sgw.gateway.semantic.entries >= 1, what="the semantic insert")
+    assert (await chat(sgw, second)).headers["x-carpool"] == "miss"
+
+
 def test_a_users_question_is_never_small_talk_an_assistants_offer_to_help_is():
     # Made of small-talk words, "Is it okay?" asked something: left out of the context, its
     # answer ("Yes.") would have met another conversation's.
     from carpool.semantic.view import small_talk
 
-    assert small_talk({"role": "user", "content": "Hello there, good morning!"})
+    assert small_talk({"role": "user", "content": "Hello there, thanks a lot!"})
     assert small_talk({"role": "assistant", "content": "Hello! How can I help you today?"})
     for question in ("Is it okay?", "What is it?", "Can I?", "How can I help?"):
         assert not small_talk({"role": "user", "content": question}), question

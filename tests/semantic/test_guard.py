@@ -184,7 +184,30 @@ def test_a_symbol_emoji_acronym_flag_or_indentation_is_never_retyping(guard, a, 
 @pytest.mark.parametrize(
     "a, b",
     [
+        ("What does {} mean in Python?", "What does [] mean in Python?"),
+        ("What does ?? do in JavaScript?", "What does !! do in JavaScript?"),
+        ("Is 5! equal to 120?", "Is 5 equal to 120?"),
+        ("In Python, what type is 1.?", "In Python, what type is 1?"),
+        ("Is 10. a valid number in JSON?", "Is 10 a valid number in JSON?"),
+        ("What does String? mean in Kotlin?", "What does String mean in Kotlin?"),
+        ("What does the : operator do in Python?", "What does the ; operator do in Python?"),
+        ("What does x? mean in regex?", "What does x mean in regex?"),
+    ],
+)
+def test_a_mark_that_is_what_is_asked_about_is_never_retyping(a, b):
+    # A token of marks alone vanished, and a sentence mark went wherever it was: each pair was
+    # served 1.0, the verifier never asked. They are the verifier's to judge now.
+    from carpool.semantic.retyping import retyped
+
+    assert not retyped(a, b) and not retyped(b, a)
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
         ("Cancel it.", "cancel it"),
+        ("Why? Because I said so.", "why because i said so"),
+        ("I got this: Dear team. We made it.", "i got this: dear team. we made it."),
         ("How do I reset my router?", "how do i reset my router"),
         ("HOW DO I RESET MY ROUTER", "how do i reset my router"),
         ("How long does delivery take???", "  how long does delivery take "),

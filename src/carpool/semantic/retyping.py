@@ -37,7 +37,9 @@ def _plain_words(text: str) -> list[str]:
 @functools.lru_cache(maxsize=1024)
 def _edge(ch: str) -> int:
     """Where ``ch`` may be added or dropped by retyping a word: 1 before it (an opening bracket or
-    quote), 2 after it (a closing one, a sentence mark), 3 either, 0 nowhere. Only such marks:
+    quote), 2 after it (a closing one), 3 either, 10 after it, a sentence mark (a comma, a full
+    stop, a colon...), 4 after it at a sentence's end only (a question or exclamation mark:
+    "String? mean" asks of Kotlin's nullable type), 0 nowhere. Only such marks:
     a "." before a word (".NET"), a "-" (``-a``, ``x--``), a "#" (``C#``), a symbol or an emoji
     are part of the word."""
     category = unicodedata.category(ch)
@@ -50,7 +52,9 @@ def _edge(ch: str) -> int:
     name = unicodedata.name(ch, "")
     if "QUOTATION" in name or "APOSTROPHE" in name or "INVERTED" in name:
         return 3  # 'quoted', ¿...?
-    return 2 if any(mark in name for mark in _SENTENCE_MARKS) else 0
+    if "QUESTION" in name or "EXCLAMATION" in name:
+        return 4
+    return 10 if any(mark in name for mark in _SENTENCE_MARKS) else 0
 
 
 _SENTENCE_MARKS = (
@@ -68,16 +72,23 @@ _FOLDABLE = re.compile(r"[^\W_]+(?:['’-][^\W_]+)*")
 _PARTS = re.compile(r"([^\W_]+)")
 
 
-def _word(token: str, shouted: bool, initial: bool) -> str:
-    """A whitespace-separated token as a retyping leaves it: edge marks dropped, and the case of
-    its plain words folded, but for a single letter or an acronym ("IT", "A") in a text that is
-    not shouted whole: the pronoun I and a sentence's first letter ("A dog...") excepted."""
+def _word(token: str, shouted: bool, initial: bool, ends: bool) -> str:
+    """A whitespace-separated token as a retyping leaves it: edge marks dropped (sentence marks
+    only where a sentence ``ends``, after a word of letters), and the case of its plain words
+    folded, but for a single letter or an acronym ("IT", "A") in a text that is not shouted
+    whole: the pronoun I and a sentence's first letter ("A dog...") excepted. A token of marks
+    alone ("{}", "??", ":") is what is asked about: kept as it is, as is one whose sentence mark
+    follows a digit or a single letter ("5!", "1.", "x?")."""
     start, end = 0, len(token)
     while start < end and _edge(token[start]) & 1:
         start += 1
-    while end > start and _edge(token[end - 1]) & 2:
+    marked = False  # (a sentence mark dropped)
+    while end > start and (edge := _edge(token[end - 1])) & (6 if ends else 2):
+        marked = marked or bool(edge & 12)
         end -= 1
     word = token[start:end]
+    if not word or (marked and (len(word) == 1 or word[-1].isdigit())):
+        return token
     if not _FOLDABLE.fullmatch(word):
         return word
     word = word.replace("’", "'")  # a phone's apostrophe
@@ -110,10 +121,11 @@ def _retyping(text: str) -> list[str]:
             indent = line[: len(line) - len(line.lstrip())]
             if indent and (n or i or len(lines) > 1):
                 tokens.append("\n" + indent)
-            for token in line.split():
-                word = _word(token, shouted, initial)
-                if word:
-                    tokens.append(word)
+            words = line.split()
+            for k, token in enumerate(words):
+                # (A sentence ends with the line, or before a capital.)
+                ends = k + 1 == len(words) or words[k + 1].lstrip("\"'(“‘[")[:1].isupper()
+                tokens.append(_word(token, shouted, initial, ends))
                 initial = token[-1] in ".!?"
     return tokens
 

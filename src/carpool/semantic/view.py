@@ -126,15 +126,16 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
 
 #: The words of a user's small talk: greetings and thanks. A turn made only of these (and
 #: sentence marks) asks for nothing and changes no answer. (No question word: "Is it okay?"
-#: asks something.)
+#: asks something; no time of day: "Good evening!" changes what to eat now.)
 USER_SMALL_TALK_WORDS = frozenset(
-    """hi hello hey hiya howdy greetings there good morning afternoon evening day everyone all
-    thanks thank you so much very lot a cheers appreciate it ok okay great nice cool""".split()
+    """hi hello hey hiya howdy greetings there good everyone all thanks thank you so much very
+    lot a cheers appreciate it ok okay great nice cool""".split()
 )
-#: An assistant's: those, and its offer to help ("Hello! How can I help you today?").
+#: An assistant's: those, and its offer to help ("Hello! How can I help you today?"). (Not how
+#: the user is: "Are you doing well today?" is answered by the turn after it: "No.")
 SMALL_TALK_WORDS = USER_SMALL_TALK_WORDS | frozenset(
     """sure how can could may i help assist with today what do for is anything else i'm am
-    are doing fine well glad happy to welcome you're your pleasure meet""".split()
+    glad happy to welcome you're your pleasure meet""".split()
 )
 #: A small-talk turn is short: "Hello! How can I help you today?" is 7 words.
 SMALL_TALK_MAX_WORDS = 12
