@@ -281,6 +281,20 @@ def test_a_verifier_file_that_does_not_match_its_digest_is_refused(tmp_path):
         CrossEncoder(tmp_path / "absent")
 
 
+def test_a_verifier_whose_max_length_is_more_than_its_model_reads_is_refused_at_load(tmp_path):
+    # It loaded, and the first pair longer than the model's 512 positions raised inside a lookup.
+    import json
+
+    from carpool.semantic.verifier import PACKAGED, VerifierFileError
+
+    for name in ("model.onnx", "tokenizer.json"):
+        (tmp_path / name).write_bytes((PACKAGED / name).read_bytes())
+    meta = json.loads((PACKAGED / "verifier.json").read_text())
+    (tmp_path / "verifier.json").write_text(json.dumps({**meta, "max_length": 100_000}))
+    with pytest.raises(VerifierFileError, match="max_length 100000"):
+        CrossEncoder(tmp_path)
+
+
 def test_a_pair_the_verifier_cannot_read_is_never_the_same(guard):
     # The packaged English model maps most Chinese characters to [UNK]: such a pair scores 0,
     # even where semantic.scripts lets Chinese through (with a multilingual embedder).

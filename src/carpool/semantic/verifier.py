@@ -138,6 +138,16 @@ class CrossEncoder:
             )
         except Exception as exc:
             raise VerifierFileError(f"{folder / 'model.onnx'}: not a model ({exc})") from None
+        try:  # (at the longest the tokenizer lets through: one past the model's positions
+            # failed only in a lookup, at the first pair that long)
+            longest = self._np.zeros((1, max_length), dtype=self._np.int64)
+            feed = {"input_ids": longest, "attention_mask": longest + 1, "token_type_ids": longest}
+            self._session.run(["logits"], feed)
+        except Exception as exc:
+            raise VerifierFileError(
+                f"{folder / 'verifier.json'}: the model cannot read max_length {max_length} "
+                f"tokens ({type(exc).__name__})"
+            ) from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
         self.calls = 0  # model calls (one per ``scores`` with pairs)
         self.pairs = 0  # pairs scored
