@@ -270,6 +270,24 @@ ODD_ROLES = {
 }
 
 
+@pytest.mark.parametrize(
+    "earlier",
+    [
+        {"role": "tool", "content": "sunny"},  # (no tool_call_id: it passed as a plain turn)
+        {"role": "function", "content": "sunny"},
+        {"role": "critic", "content": "sunny"},
+    ],
+    ids=["tool", "function", "made_up"],
+)
+def test_only_a_users_or_an_assistants_plain_turn_is_compared_by_meaning(earlier):
+    from carpool.semantic.view import conversation
+
+    body = {"messages": [*turns("Weather?", "Let me see."), earlier, *turns("And tomorrow?")]}
+    assert conversation(body) is None
+    plain = {"messages": [*turns("Weather?", "Let me see.", "And tomorrow?")]}
+    assert conversation(plain) is not None
+
+
 @pytest.mark.parametrize("kind", sorted(ODD_ROLES))
 async def test_a_role_that_is_no_string_keeps_the_conversation_exact_never_a_500(
     gateway_with, fake, kind

@@ -112,8 +112,9 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     if not all(
         isinstance(m, dict)
         and set(m) <= {"role", "content"}
-        and isinstance(m.get("role"), str)  # an odd role (an object, a list): exact, whole
-        and not _instruction(m)
+        # A user's or an assistant's: not a tool's (even without its tool_call_id), an odd
+        # role (an object, a list) or a late instruction: exact, whole.
+        and m.get("role") in ("user", "assistant")
         and isinstance(m.get("content"), str)
         for m in turns
     ):
