@@ -102,6 +102,30 @@ async def test_an_invalidation_passes_over_a_value_it_cannot_read(
         assert a.gateway.redis_health()["state"] == "up"
 
 
+@pytest.mark.parametrize(
+    "spoiled", [b"not a count", b"12x", b"9" * 30], ids=["word", "mixed", "huge"]
+)
+async def test_an_invalidation_count_that_is_no_count_is_made_anew_never_a_500(
+    fake: Any, redis_server: Any, spoiled: bytes
+) -> None:
+    # Read before every shared call and counted up by every invalidation, it has no TTL: a
+    # value that was no count made every miss a 500 and every invalidation fail, for good.
+    async with (
+        raw(redis_server) as client,
+        gateways(1, fake, redis_server, coalesce=NO_WINDOW) as (a,),
+    ):
+        await client.set("carpool:generation", spoiled)
+        missed = await a.chat("q")
+        assert (missed.status_code, missed.headers["x-carpool"]) == (200, "miss")
+        assert int(await client.get("carpool:generation")) > 0
+        await client.set("carpool:generation", spoiled)
+        done = await a.client.post("/admin/invalidate", json={"all": True}, headers=ADMIN)
+        assert done.status_code == 200
+        assert int(await client.get("carpool:generation")) > 0
+        assert (await a.chat("q")).headers["x-carpool"] == "miss"
+        assert (await a.chat("q")).headers["x-carpool"] == "hit"
+
+
 SPOILED_RECORDS: dict[str, Spoil] = {
     "headers that are no JSON": lambda c, k: _field(c, k, "h", b"\xff not json"),
     "headers that are no pairs": lambda c, k: _field(c, k, "h", b'[["a"]]'),

@@ -75,6 +75,7 @@ from .store_layout import (
     DROP,
     INDEX,
     PUT,
+    RECOUNT,
     STATS,
     STATS_ADD,
     UNREADABLE,
@@ -176,7 +177,17 @@ class RedisStore:
         with its answer."""
         with _unavailable("read the invalidation generation"):
             value = await self._client.get(self._keys.generation)
-        return int(value or 0)
+        try:
+            return int(value or 0)
+        except ValueError:
+            # No count (written by something else): made anew from a random start, as after
+            # Redis restarted empty (a put whose ``since`` predates it is taken back), not a
+            # ValueError on every miss until someone deletes it.
+            log.warning("the invalidation generation in Redis was no count: made anew")
+            start = secrets.randbits(62) + 1
+            with _unavailable("make the invalidation generation anew"):
+                value = await self._client.eval(RECOUNT, 1, self._keys.generation, start)
+            return int(value)
 
     async def put(self, key: str, entry: Entry, *, since: int | None = None) -> bool:
         """Store ``entry``; whether it stays. ``since``: the ``generation()`` read before the

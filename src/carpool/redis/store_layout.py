@@ -116,17 +116,30 @@ return 1
 """
 )
 
+# A generation that is no count (written by something else: INCR refused it, and every
+# invalidation failed) is made anew from the random start ARGV[1].
+_RECOUNTED = """
+local current = redis.call('GET', KEYS[1])
+if current and (not string.match(current, '^%d+$') or #current > 18) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+"""
+
 # Count one invalidation: KEYS = the generation, ARGV = a random start (1 to 2^62) for a counter
 # made anew. (Counting from 0 again after Redis restarted empty, a put whose ``since`` was read
 # before the restart matched the first invalidation after it: its stale answer was kept.)
 COUNT = (
     ALWAYS
+    + _RECOUNTED
     + """
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 redis.call('INCR', KEYS[1])
 return 1
 """
 )
+
+# The generation as a count, made anew (``_RECOUNTED``) if it is none: KEYS, ARGV as ``COUNT``.
+RECOUNT = ALWAYS + _RECOUNTED + "return redis.call('GET', KEYS[1])\n"
 
 # Replace the entry hash: ARGV = PX, then field, value pairs.
 PUT = (
