@@ -91,6 +91,7 @@ from .answer import Answer
 from .apis import BY_PATH
 from .auditor import Auditor
 from .broadcast import Broadcast
+from .canonical import IDEMPOTENCY_HEADERS
 from .errors import (
     CarpoolError,
     LeaderLost,
@@ -577,10 +578,18 @@ class Gateway:
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
         started = time.monotonic()
-        broken = next((n for n, v in client.headers.items() if http_syntax.CONTROL.search(v)), None)
+        broken = next(
+            (
+                name
+                for name, value in client.headers.items()
+                if http_syntax.CONTROL.search(value) and name not in IDEMPOTENCY_HEADERS
+            ),
+            None,
+        )
         if broken is not None:
             # A value HTTP cannot carry (the upstream client refused to build the call): a
-            # bad header value, answered as the others are.
+            # bad header value, answered as the others are. (Not the idempotency key's: never
+            # sent upstream, its own check answers it, in its own shape.)
             self.stats.rejected += 1
             why = f"{broken}: a header value cannot hold a control character (but a tab)"
             reply = refusal(RequestError(why, "invalid_header"), BY_PATH[client.path])
