@@ -92,9 +92,11 @@ def other_credentials(headers: Mapping[str, str], query: str, known: Container[s
     record, a replay or a 422, never a second run."""
     found = []
     for name, value in headers.items():
-        if name == "cookie" and name not in known:
+        if name in known or not _secret_name(name):
+            continue
+        if name == "cookie":
             value = user_cookies(value)
-        if value and name not in known and _secret_name(name):
+        if value:
             found.append((name, value))
     if query:
         found += [(n, v) for n, v in parse_qsl(query, keep_blank_values=True) if _secret_name(n)]
