@@ -920,13 +920,15 @@ async def test_the_invalidation_subscriber_stops_by_itself_once_its_channel_is_c
 
 
 @contextlib.asynccontextmanager
-async def shared_flights_on(target, **coalesce):
+async def shared_flights_on(target, distributed=None, **coalesce):
     """The shared flights as a gateway builds them (``wiring``), on ``target``."""
     from carpool.config import Config
     from carpool.wiring import build_shared_flights, build_store
 
     config = Config(
-        upstreams=["http://127.0.0.1:9/v1"], coalesce=coalesce, **redis_settings(target)
+        upstreams=["http://127.0.0.1:9/v1"],
+        coalesce=coalesce,
+        **redis_settings(target, **(distributed or {})),
     )
     store = build_store(config)
     flights = build_shared_flights(config, store)
@@ -996,6 +998,50 @@ async def test_a_leader_whose_lock_an_invalidation_marked_does_not_store_its_ans
         assert answer.body == b"{}" and kept == []
         await flights.run("unmarked", Broadcast(), plain, keep)
         assert len(kept) == 1
+
+
+async def test_a_claim_whose_clients_left_while_it_was_on_its_way_leaves_no_lock(redis_server):
+    """The clients leaving cancels the flight while its claim is on its way to Redis: the claim
+    may have landed all the same (its reply never read), a lock in this instance's name that
+    nobody renews or ends. It is taken back, so a request for the key on any instance leads a
+    call at once instead of waiting lease_ms on a flight nobody runs."""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+    from carpool.redis.flight_protocol import flight_keys
+
+    # (A lease far longer than the test: only taking the claim back removes the lock.)
+    async with shared_flights_on(redis_server, {"lease_ms": 600_000}) as flights:
+        lock, _ = flight_keys(flights.prefix, "left")
+        claim, landed = flights._claim, asyncio.Event()
+
+        async def claim_then_the_client_leaves(**kwargs):
+            reply = await claim(**kwargs)
+            landed.set()
+            await asyncio.Event().wait()  # (its reply is never read: the cancellation comes)
+            return reply
+
+        async def call(_: Broadcast) -> Answer:
+            return Answer("chat", b"{}", True)
+
+        async def keep(_: Answer) -> str:
+            return ""
+
+        flights._claim = claim_then_the_client_leaves
+        leaving = asyncio.create_task(flights.run("left", Broadcast(), call, keep))
+        await landed.wait()
+        assert await flights._client.exists(lock) == 1
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        flights._claim = claim
+
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 5
+        while await flights._client.exists(lock) and loop.time() < until:
+            await asyncio.sleep(0.005)
+        assert await flights._client.exists(lock) == 0, "the claim was not taken back"
+        assert (await flights.run("left", Broadcast(), call, keep)).body == b"{}"
+        assert flights.counts["led"] == 1 and flights.counts["alone"] == 0
 
 
 async def test_a_leaders_stream_made_again_after_redis_lost_it_still_expires(redis_server):

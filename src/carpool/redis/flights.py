@@ -74,7 +74,8 @@ of the death (:mod:`.flight_relay`).
   because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
   is not even tried): ``call`` runs here, as without Redis; a claim that failed may have landed
   (a timeout on our side), so its lock, if in our name, is ended as ``gone`` once Redis
-  answers (tried for up to lease_ms): nobody follows a leader that does not know it leads.
+  answers (tried for up to lease_ms): nobody follows a leader that does not know it leads. So
+  is a claim cancelled on its way (its clients all left).
   Failing while leading: the call goes on for this instance's clients; publishing and renewing
   are tried again at the next renewal time (lease/3), as long as the lock is ours, the frames
   of a failed batch sent again with the next (a link that stalls for less than the lease costs
@@ -303,6 +304,11 @@ class SharedFlights:
                     # name that nobody renews, publishes into or ends, followed for lease_ms.
                     self._spawn(self._unclaim(lock, streams + token, stales + token, token))
                 return await self._alone(call, store, broadcast)
+            except asyncio.CancelledError:
+                # Its clients left while the claim was on its way: it may have landed, a lock
+                # every instance would wait on for lease_ms. Taken back if it is ours.
+                self._spawn(self._unclaim(lock, streams + token, stales + token, token))
+                raise
             self._answered()
             if reply[0] == b"lead":
                 self.counts["takeovers" if deaths else "led"] += 1
