@@ -1253,6 +1253,31 @@ async def test_a_stored_response_is_never_shared_across_tenants_even_in_a_shared
 
 
 FILE_PART = {"type": "file", "file": {"file_id": "file-of-a"}}
+# A file named only inside a nested part: a tool's result (Messages), a function's output
+# (Responses). Such requests were shared across tenants: Bob read Alice's answer on her file.
+TOOL_RESULT_NAMING_A_FILE = [
+    {"role": "user", "content": "describe the image the tool returned"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+    {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "t",
+                "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}],
+            }
+        ],
+    },
+]
+FUNCTION_OUTPUT_NAMING_A_FILE = [
+    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+    {
+        "type": "function_call_output",
+        "call_id": "c",
+        "output": [{"type": "input_file", "file_id": "f"}],
+    },
+    {"role": "user", "content": "summarize the file"},
+]
 
 
 @pytest.mark.parametrize(
@@ -1288,6 +1313,8 @@ FILE_PART = {"type": "file", "file": {"file_id": "file-of-a"}}
         ),
         (CHAT, {**body_of("messages"), "messages": [{"role": "user", "content": [FILE_PART]}]}),
         (CHAT, {**body_of("messages"), "store": True}),
+        (MESSAGES, body_of("messages", messages=TOOL_RESULT_NAMING_A_FILE)),
+        (RESPONSES, body_of("responses", store=False, input=FUNCTION_OUTPUT_NAMING_A_FILE)),
     ],
 )
 async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tenants(
@@ -1322,6 +1349,18 @@ def test_a_file_id_named_in_a_schema_or_metadata_does_not_bind_a_request_to_its_
     call = {"type": "tool_use", "id": "t", "name": "f", "input": {"file_id": "f"}}
     assert not names_tenant_state({**chat, "messages": [{"role": "assistant", "content": [call]}]})
     assert names_tenant_state({**chat, "messages": [{"role": "user", "content": [FILE_PART]}]})
+
+
+def test_parts_nested_deeper_than_any_api_defines_are_taken_as_naming_a_tenants_object():
+    # When unsure, a request is not shared: the walk does not go on for ever either.
+    from carpool.apis.base import names_tenant_state
+
+    part: dict = {"type": "text", "text": "x"}
+    for _ in range(40):
+        part = {"type": "tool_result", "content": [part]}
+    assert names_tenant_state({"messages": [{"role": "user", "content": [part]}]})
+    shallow = {"type": "tool_result", "content": [{"type": "text", "text": "x"}]}
+    assert not names_tenant_state({"messages": [{"role": "user", "content": [shallow]}]})
 
 
 def bearer_of(key: str) -> dict[str, str]:

@@ -285,3 +285,19 @@ async def test_a_2xx_body_reporting_an_error_reaches_a_streaming_client_as_its_s
     assert "[DONE]" not in streamed.text and "message_stop" not in streamed.text
     assert plain.status_code == 200 and plain.json() == error_body  # (asked JSON: as it came)
     assert fake.count(path) == 2  # neither stored
+
+
+async def test_a_stream_event_whose_error_field_is_null_is_no_failure(gw, fake):
+    """Some servers write every field of an event, ``"error": null`` too: each such event was
+    read as a failure ("None"), every client got an error event, nothing was stored."""
+    from carpool.apis import api_of
+
+    fake.message_events = lambda events: [{**event, "error": None} for event in events]
+    request = {**body("null error?"), "max_tokens": 8, "stream": True}
+    streamed = await gw.client.post("/v1/messages", json=request)
+    again = await gw.client.post("/v1/messages", json=request)
+    assert "event: error" not in streamed.text and "message_stop" in streamed.text
+    assert again.headers["x-carpool"] == "hit" and fake.count("/v1/messages") == 1
+    for name in ("chat", "responses", "messages"):
+        assert api_of(name).failure({"type": "message", "error": None}) is None
+        assert api_of(name).failure({"error": {"message": "m", "type": "t"}}) is not None

@@ -135,8 +135,8 @@ class Api:
         obj; a typed error event, ``{"type": "error", "error": obj}`` (Messages, Responses) ->
         obj, or ``{"type": "error", "code", "message", "param"}`` (Responses) -> those as an
         OpenAI error object."""
-        if "error" in chunk:
-            error = chunk["error"]
+        error = chunk.get("error")
+        if error is not None:  # (some servers write every field, ``"error": null`` too)
             if isinstance(error, dict):
                 return self.failure(error) if error.get("type") == "error" else error
             return {"message": str(error), "type": "error", "code": None}
@@ -308,8 +308,13 @@ _RANDOM_SEEDS_FROM = 2**32 - 1
 # parts, Responses' input_file/input_image, Messages' file sources), an earlier response, a
 # stored item. Another tenant's request naming it would have been refused (404): in a shared
 # namespace it must not read the answer the owner got. Read where the APIs put them (a
-# message's or input item's content parts), not in schemas, tool arguments or metadata.
+# message's or input item's content parts, and the parts nested in those: a Messages
+# tool_result's content, a Responses function_call_output's output), not in schemas, tool
+# arguments or metadata. Parts nested deeper than anything the APIs define are taken as naming
+# one (when unsure, a request is not shared).
 _FILE_HOLDERS = ("file", "source")
+_NESTED_PARTS = ("content", "output")
+_DEEPEST_PART = 8
 
 
 def names_tenant_state(body: Any) -> bool:
@@ -322,17 +327,24 @@ def names_tenant_state(body: Any) -> bool:
         return True
     for field in ("messages", "input"):
         items = body.get(field)
-        if not isinstance(items, list):
-            continue
-        for item in items:
-            if not isinstance(item, dict):
-                continue
-            if item.get("type") == "item_reference" or _names_a_file(item):
+        if isinstance(items, list) and any(_names_state(item, 0) for item in items):
+            return True
+    return False
+
+
+def _names_state(part: Any, depth: int) -> bool:
+    """Whether an input item or a content part names an account's object, itself or in the
+    parts it holds."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "item_reference" or _names_a_file(part):
+        return True
+    for name in _NESTED_PARTS:
+        inner = part.get(name)
+        if isinstance(inner, list) and inner:
+            if depth >= _DEEPEST_PART:
                 return True
-            content = item.get("content")
-            if isinstance(content, list) and any(
-                isinstance(part, dict) and _names_a_file(part) for part in content
-            ):
+            if any(_names_state(nested, depth + 1) for nested in inner):
                 return True
     return False
 
