@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -236,6 +238,45 @@ def test_a_port_out_of_range_is_a_usage_error_not_a_traceback():
         )
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert "70000" in done.stderr
+
+
+def two_free_ports_in_a_row() -> int:
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two free ports in a row")
+
+
+def test_sim_replicas_n_listen_on_port_plus_i():
+    port = two_free_ports_in_a_row()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "sim", "--port", str(port), "--replicas", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for replica in (port, port + 1):
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, "carpool sim exited"
+                try:
+                    answer = httpx.post(
+                        f"http://127.0.0.1:{replica}/v1/chat/completions",
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, f"replica on {replica} never answered"
+                    time.sleep(0.05)
+            assert answer.status_code == 200 and answer.json()["choices"], answer.text
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def test_sim_replicas_past_the_last_port_are_a_usage_error_before_any_starts():

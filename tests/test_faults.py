@@ -438,6 +438,13 @@ async def test_refused_connection_is_502_for_every_client_and_the_next_request_t
         await nothing_left(baseline, gw, failed=True)
 
 
+async def test_a_pass_through_call_to_an_unreachable_upstream_is_502_in_openais_shape(gateway_with):
+    async with gateway_with(upstreams=[f"http://127.0.0.1:{closed_port()}/v1"]) as gw:
+        response = await gw.client.get("/v1/models")
+        assert response.status_code == 502
+        assert error_of(response)["code"] == "upstream_unreachable"
+
+
 async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothing_is_stored(
     gw, fake
 ):

@@ -50,6 +50,7 @@ def test_excluded_fields_do_not_change_the_key():
     base = key(chat())
     assert key(chat(user="alice")) == base
     assert key(chat(stream=True, stream_options={"include_usage": True})) == base
+    assert key(chat(stream_options={"include_usage": True})) == base  # (asked without a stream)
     assert key(chat(metadata={"trace": "1"}, request_id="abc")) == base
     # OpenAI's successors of ``user``: an SDK user following its advice shared nothing.
     assert key(chat(safety_identifier="end-user-1", prompt_cache_key="a")) == base
@@ -80,12 +81,16 @@ def test_a_stream_option_other_than_include_usage_changes_the_key(options):
         ("max_tokens", 5),
         ("max_completion_tokens", 5),
         ("top_p", 0.5),
+        ("top_k", 5),
+        ("min_p", 0.1),
         ("stop", ["\n"]),
         ("seed", 1),
         ("presence_penalty", 1),
         ("frequency_penalty", 1),
+        ("repetition_penalty", 1.1),
         ("logit_bias", {"1": 2}),
         ("logprobs", True),
+        ("top_logprobs", 2),
         ("n", 2),
         ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),

@@ -86,6 +86,22 @@ async def test_max_age_is_read_with_spaces_around_its_equals_sign(fake, gateway_
         assert await outcome(gw, **{"Cache-Control": "max-age = 1"}) == "miss"
 
 
+async def test_max_age_0_is_never_served_from_the_exact_cache(gw, fake):
+    assert await outcome(gw) == "miss"
+    assert await outcome(gw, **{"Cache-Control": "max-age=0"}) == "miss"
+    assert await outcome(gw) == "hit"  # (its answer stored: max-age only bounds what it reads)
+    assert fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "value", ["NO-CACHE", "No-Cache", "private, no-cache", "no-transform,no-cache"]
+)
+async def test_cache_control_is_read_in_any_case_and_as_a_list(gw, fake, value):
+    assert await outcome(gw) == "miss"
+    assert await outcome(gw, **{"Cache-Control": value}) == "miss"
+    assert fake.count() == 2
+
+
 @pytest.mark.parametrize("value", ["max-age=abc", "max-age=-1"])
 async def test_a_malformed_cache_control_is_400(gw, fake, value):
     response = await gw.chat(headers={"Cache-Control": value})
