@@ -265,6 +265,19 @@ def test_a_duration_is_a_finite_number(value, tmp_path):
             Config.load(path, env={})
 
 
+def test_a_ttl_or_a_retention_past_100_years_is_refused_naming_it():
+    # 1e300 was accepted: every put in Redis failed (an expiry it cannot take), unsaid.
+    from carpool.config.base import LONGEST_TTL
+
+    for overrides, field in (
+        ({"cache": {"default_ttl": 1e300}}, "default_ttl"),
+        ({"cache": {"types": {"faq": {"ttl": LONGEST_TTL + 1}}}}, "ttl"),
+        ({"idempotency": {"retention": 1e300}}, "retention"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            Config.load(env={}, overrides=overrides)
+
+
 @pytest.mark.parametrize("field", ["model_dir", "verifier_dir"])
 def test_a_semantic_model_folder_that_is_not_one_is_a_config_error(field, tmp_path):
     # check-config said ok; serve then failed with a FileNotFoundError traceback.

@@ -51,6 +51,23 @@ async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, share
         assert stats.json()["redis"]["state"] == "up"
 
 
+async def test_an_answer_and_a_record_kept_for_the_longest_ttl_are_shared_through_redis(
+    fake, shared_redis
+):
+    # (A TTL past what Redis takes as an expiry failed every put, unsaid: no answer shared.)
+    from carpool.config.base import LONGEST_TTL
+
+    longest = {"cache": {"default_ttl": LONGEST_TTL}, "idempotency": {"retention": LONGEST_TTL}}
+    async with two_gateways(fake, shared_redis, coalesce={"window_ms": 0}, **longest) as (a, b):
+        assert (await a.chat()).headers["x-carpool"] == "miss"
+        assert (await b.chat()).headers["x-carpool"] == "hit"
+        keyed = {"Idempotency-Key": '"k"'}
+        first = await a.chat("another question", headers=keyed)
+        retry = await b.chat("another question", headers=keyed)
+        assert retry.headers["idempotent-replayed"] == "true" and retry.json() == first.json()
+        assert fake.count() == 2
+
+
 async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         await a.chat(headers={"x-carpool-tags": "faq"})

@@ -19,6 +19,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from .. import http_syntax
 
+# The longest an answer or a record may be kept (100 years): "for ever" in practice, and within
+# what Redis takes as an expiry (past ~292 million years every put there failed, silently: no
+# answer was shared, no record kept).
+LONGEST_TTL = 100 * 365 * 86400
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ..identity import names_a_secret
-from .base import Section, header_name
+from .base import LONGEST_TTL, Section, header_name
 from .upstream import held_key
 from .urls import checked_url
 
@@ -70,6 +70,7 @@ class TypePolicy(Section):
     ttl: float = Field(
         ...,
         ge=0,
+        le=LONGEST_TTL,
         description="Seconds an answer of this type stays in the cache, and the oldest this "
         "instance serves, whoever stored it; 0 = never stored nor served from a cache (still "
         "coalesced while in flight and within the window).",
@@ -89,6 +90,7 @@ class CacheConfig(Section):
     default_ttl: float = Field(
         3600,
         ge=0,
+        le=LONGEST_TTL,
         description="Seconds an answer stays cached when its "
         "request has no `x-carpool-type` (or an unknown one), and the oldest such answer this "
         "instance serves, whoever stored it.",

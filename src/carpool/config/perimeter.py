@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import Section, header_name
+from .base import LONGEST_TTL, Section, header_name
 
 
 class TenantConfig(Section):
@@ -104,7 +104,9 @@ class TenantConfig(Section):
 
 
 class IdempotencyConfig(Section):
-    retention: float = Field(86400, gt=0, description="Seconds an idempotency record is kept.")
+    retention: float = Field(
+        86400, gt=0, le=LONGEST_TTL, description="Seconds an idempotency record is kept."
+    )
     on_conflict: Literal["reject", "wait"] = Field(
         "reject", description="Same key while the first is processing: 409 (reject) or wait for it."
     )
