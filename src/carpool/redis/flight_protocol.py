@@ -111,7 +111,8 @@ def lock_pattern(prefix: str) -> str:
 
 # KEYS: lock, the exact store's entry (``entry_key``). ARGV: token, lease ms, max age ms (-1:
 # any age), 1 to look for a stored answer (with any age) before leading, else 0.
-# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN} | {'stale', TOKEN} (a call begun
+# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN, AGE} (a finished call lingering in
+# the window, AGE ms after its end, Redis time) | {'stale', TOKEN} (a call begun
 # before an invalidation runs: ``TAKE`` sets it aside, in the key of its token) | {'stored'}
 # (no call runs, its answer is stored: a call that ended, without a window, since this request
 # missed the cache).
@@ -125,11 +126,10 @@ if holder then
   if mark ~= '=' then return {'follow', holder} end
   local sep = string.find(holder, ':', 2, true)
   local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
-  if max_age < 0 then return {'replay', leader} end
   local now = redis.call('TIME')
   local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
     - tonumber(string.sub(holder, sep + 1))
-  if age < max_age then return {'replay', leader} end
+  if max_age < 0 or age < max_age then return {'replay', leader, age} end
 end
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored'} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
