@@ -832,6 +832,42 @@ async def test_a_replay_lingers_on_another_instance_no_longer_than_its_window_fr
         assert b.gateway.shared_flights.counts["replayed"] == 2
 
 
+async def test_a_no_store_leaders_answer_does_not_linger_on_an_instance_that_followed_it(
+    fake, shared_redis
+):
+    """Lingering in the window is a form of storing: a no-store request's call, followed by
+    a plain request on B, is not handed to B's next request (in one process, a no-store
+    leader's flight does not linger either)."""
+    window = {"window_ms": 600_000, "max_window_ms": 600_000, "adaptive": False}
+    async with two_gateways(fake, shared_redis, coalesce=window) as (a, b):
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(a.chat(QUESTION, headers={"Cache-Control": "no-store"}))
+        await fake.wait_for_calls(1)
+        follower = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.counts["followed"] == 1)
+        fake.gate.set()
+        led, followed = await leader, await follower
+        assert (led.headers["x-carpool"], followed.headers["x-carpool"]) == ("miss", "coalesced")
+        assert content(followed) == ANSWER_1
+        fake.gate = None
+        later = await b.chat(QUESTION)
+        assert later.headers["x-carpool"] == "miss"
+        assert content(later) == f"answer 2 to {QUESTION}" and fake.count() == 2
+
+
+def test_an_answer_record_of_an_older_instance_without_the_linger_field_lingers_as_before():
+    import orjson
+
+    from carpool.answer import Answer
+    from carpool.redis.flight_protocol import answer_record, lingers
+
+    answer = Answer("chat", b"{}", True)
+    meta = orjson.loads(answer_record(answer)["m"])
+    assert lingers(meta) and not lingers(orjson.loads(answer_record(answer, False)["m"]))
+    del meta["l"]  # (as an instance before the field wrote it)
+    assert lingers(meta)
+
+
 async def test_without_stream_usage_a_call_asked_without_usage_is_shared_elsewhere_only_by_its_shape(
     fake, redis_server
 ):

@@ -151,13 +151,16 @@ async def test_a_finished_flight_is_joined_only_while_younger_than_max_age():
 
 async def test_a_flight_that_replayed_a_finished_call_is_as_old_as_that_call():
     """Its age (``max_age``) and its window count from the end of the call it replayed
-    (``Broadcast.replayed``), not from the replay."""
+    (``Broadcast.replayed``), not from the replay; a relayed answer its remote leader said may
+    not linger (``Broadcast.may_linger``) does not."""
     clock = ManualClock()
-    group = FlightGroup(window=PerKeyWindow({"replayed": 8, "too old": 4}), clock=clock)
+    group = FlightGroup(
+        window=PerKeyWindow({"replayed": 8, "too old": 4, "no-store": 8}), clock=clock
+    )
 
-    def relayed(age: float):
+    def relayed(age: float | None, may_linger: bool = True):
         async def lead(broadcast: Broadcast) -> Answer:
-            broadcast.remote, broadcast.replayed = True, age
+            broadcast.remote, broadcast.replayed, broadcast.may_linger = True, age, may_linger
             return Answer("chat", b"replayed", True)
 
         return lead
@@ -170,6 +173,8 @@ async def test_a_flight_that_replayed_a_finished_call_is_as_old_as_that_call():
     assert not group.joinable("replayed")
     await wait_answer(group.acquire("too old", relayed(5)))  # (its window ended 1 s ago)
     assert group.get("too old") is None
+    await wait_answer(group.acquire("no-store", relayed(None, may_linger=False)))
+    assert group.get("no-store") is None
 
 
 async def test_incomplete_answer_does_not_linger_in_the_window():

@@ -36,7 +36,9 @@ Contract (CONTRACT.md "Streaming"):
   instance had finished before this one asked (its answer lingering in the window): how old
   that answer was as the replay ended here. The flight (``flight.py``) counts its age and its
   window from the end of that call, and a joiner of it takes it only if that age is one it
-  accepts (``pipeline.py``), as for a finished flight of its own.
+  accepts (``pipeline.py``), as for a finished flight of its own. ``may_linger`` is false when
+  the leader of a relayed call said its answer may not linger (a ``no-store`` request:
+  lingering is a form of storing): it does not linger here either.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Broadcast:
         "cached",
         "created",
         "replayed",
+        "may_linger",
         "on_publish",
         "on_abandoned",
         "_waiters",
@@ -76,6 +79,7 @@ class Broadcast:
         self.cached = False
         self.created: float | None = None  # (the answer's, when its head said: ``age``)
         self.replayed: float | None = None  # (a replay: its answer's age as it ended here)
+        self.may_linger = True  # (False: relayed from a leader whose answer may not linger)
         self.on_publish: Callable[[], None] | None = None
         self.on_abandoned: Callable[[Callable[[], object]], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)

@@ -40,7 +40,9 @@ which coalesces the local flights of every instance:
   (Redis time), and the local flight that replayed it finished then (``Broadcast.replayed``):
   a request that joins it here, while it replays or lingering, gets it only if that age is one
   it accepts (a ``no-cache`` one never does: it makes a fresh call), and it lingers here for
-  what is left of this instance's window since then.
+  what is left of this instance's window since then. The final record says whether the answer
+  may linger at all (not a ``no-store`` leader's, nor a call set aside by an invalidation): a
+  follower's local flight lingers only if it may.
 - A claim that finds no call running may find its answer stored (``load``; the entry's key is
   in the lock's slot): a call that ended without a window (``coalesce.window_ms: 0``) after
   this request missed the cache. It serves that answer (a hit) rather than lead a second call.
@@ -432,12 +434,14 @@ class SharedFlights:
         # for the followers (and the cache).
         broadcast.on_abandoned, publisher.cancel = _finished, None
         # Stored and ended (for the followers), both before the local clients have it.
-        record = answer_record(answer)
         if await self._marked_stale(lock, stale, token):
             # An invalidation came while it ran (``forget_all``, on any instance): its answer
-            # may predate what was dropped, so it is not stored (the followers still get it).
-            await self._close(publisher, record, 0)
+            # may predate what was dropped, so it is not stored (the followers still get it,
+            # and do not let it linger).
+            await self._close(publisher, answer_record(answer, linger=False), 0)
             return answer
+        # (Whether it may linger where it is relayed: not a ``no-store`` request's answer.)
+        record = answer_record(answer, linger)
         lingers = linger and answer.complete and self.linger_ms > 0
         if lingers:
             # At once: the lock stays, with the answer, for the window.
