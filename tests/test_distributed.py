@@ -754,6 +754,137 @@ async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_win
         assert content(fresh) == f"answer 2 to {QUESTION}" and fake.count() == 2
 
 
+async def test_a_no_cache_request_never_takes_a_replay_of_a_call_that_ended_before_it(
+    fake, redis_server
+):
+    """B's flight replays a call A finished (its answer lingering in the window); a no-cache
+    request on B joins that flight while its claim is on its way (B's link held): it is not
+    handed that finished answer, but makes a fresh call, as in one process (where it would
+    have found the call finished, and joined none)."""
+    from fakes.latency_proxy import LinkProxy
+
+    factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
+    window = {"window_ms": 600_000, "max_window_ms": 600_000, "adaptive": False}
+    proxy = await LinkProxy(redis_server.host, redis_server.port).start()
+    distributed = {"retry_interval": 0.05, "timeout": 30}  # (the hold is no outage)
+    try:
+        async with (
+            run_gateway(
+                [fake.url], coalesce=window, **redis_settings(redis_server, **distributed)
+            ) as a,
+            run_gateway([fake.url], coalesce=window, redis=proxy.url, distributed=distributed) as b,
+        ):
+            first = await a.chat(QUESTION, headers=factual)
+            proxy.hold()
+            flights = b.gateway.flights
+            plain = asyncio.create_task(b.chat(QUESTION, headers=factual))
+            await eventually(lambda: sum(f.clients for f in flights.running()) == 1)
+            no_cache = {**factual, "Cache-Control": "no-cache"}
+            fresh = asyncio.create_task(b.chat(QUESTION, headers=no_cache))
+            await eventually(lambda: sum(f.clients for f in flights.running()) == 2)
+            proxy.release()
+            replayed, fresh_reply = await plain, await fresh
+    finally:
+        await proxy.aclose()
+    assert (replayed.headers["x-carpool"], content(replayed)) == ("coalesced", content(first))
+    assert fresh_reply.headers["x-carpool"] == "miss"
+    assert content(fresh_reply) == f"answer 2 to {QUESTION}" and fake.count() == 2
+
+
+async def backdate_lingering_lock(target, seconds: float) -> None:
+    """Make the one call lingering in ``target``'s window look as if it ended ``seconds``
+    earlier: its lock says when it ended (``=TOKEN:MS``, Redis time)."""
+    import redis.asyncio as aredis
+
+    raw = aredis.Redis.from_url(target.url)
+    try:
+        (lock,) = [key async for key in raw.scan_iter(match="carpool:lock:*")]
+        token, ended = (await raw.get(lock)).decode().split(":")
+        assert token.startswith("=")
+        await raw.set(lock, f"{token}:{int(ended) - int(seconds * 1000)}", keepttl=True)
+    finally:
+        await raw.aclose()
+
+
+async def test_a_replayed_answer_is_as_old_as_its_call_for_max_age_on_another_instance(
+    fake, redis_server
+):
+    """The age of an answer B replayed from A's window counts from the end of A's call, not
+    from B's replay: a max-age request on B does not take it once it is older than it accepts
+    (here the call ended 100 s ago, as its lock in Redis says)."""
+    factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
+    window = {"window_ms": 600_000, "max_window_ms": 600_000, "adaptive": False}
+    async with two_gateways(fake, redis_server, coalesce=window) as (a, b):
+        first = await a.chat(QUESTION, headers=factual)
+        await backdate_lingering_lock(redis_server, 100)
+        replayed = await b.chat(QUESTION, headers=factual)
+        assert (replayed.headers["x-carpool"], content(replayed)) == ("coalesced", content(first))
+        younger = {**factual, "Cache-Control": "max-age=50"}
+        fresh = await b.chat(QUESTION, headers=younger)
+        assert fresh.headers["x-carpool"] == "miss"
+        assert content(fresh) == f"answer 2 to {QUESTION}" and fake.count() == 2
+
+
+async def test_a_replay_lingers_on_another_instance_no_longer_than_its_window_from_the_call_end(
+    fake, redis_server
+):
+    """B keeps a call it replayed for its own window counted from the end of that call, not
+    from its replay (windows would pile up from instance to instance): here A's window is
+    longer than B's, and A's call ended (as its lock says) before B's window would end, so B
+    keeps nothing: its next request replays from Redis again."""
+    factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
+    settings = redis_settings(redis_server, retry_interval=0.05, timeout=2.0)
+    long, short = (
+        {"window_ms": ms, "max_window_ms": ms, "adaptive": False} for ms in (600_000, 60_000)
+    )
+    async with (
+        run_gateway([fake.url], coalesce=long, **settings) as a,
+        run_gateway([fake.url], coalesce=short, **settings) as b,
+    ):
+        first = await a.chat(QUESTION, headers=factual)
+        await backdate_lingering_lock(redis_server, 100)
+        again = [await b.chat(QUESTION, headers=factual) for _ in range(2)]
+        assert [r.headers["x-carpool"] for r in again] == ["coalesced", "coalesced"]
+        assert {content(r) for r in again} == {content(first)} and fake.count() == 1
+        assert b.gateway.shared_flights.counts["replayed"] == 2
+
+
+async def test_a_no_store_leaders_answer_does_not_linger_on_an_instance_that_followed_it(
+    fake, shared_redis
+):
+    """Lingering in the window is a form of storing: a no-store request's call, followed by
+    a plain request on B, is not handed to B's next request (in one process, a no-store
+    leader's flight does not linger either)."""
+    window = {"window_ms": 600_000, "max_window_ms": 600_000, "adaptive": False}
+    async with two_gateways(fake, shared_redis, coalesce=window) as (a, b):
+        fake.gate = asyncio.Event()
+        leader = asyncio.create_task(a.chat(QUESTION, headers={"Cache-Control": "no-store"}))
+        await fake.wait_for_calls(1)
+        follower = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.counts["followed"] == 1)
+        fake.gate.set()
+        led, followed = await leader, await follower
+        assert (led.headers["x-carpool"], followed.headers["x-carpool"]) == ("miss", "coalesced")
+        assert content(followed) == ANSWER_1
+        fake.gate = None
+        later = await b.chat(QUESTION)
+        assert later.headers["x-carpool"] == "miss"
+        assert content(later) == f"answer 2 to {QUESTION}" and fake.count() == 2
+
+
+def test_an_answer_record_of_an_older_instance_without_the_linger_field_lingers_as_before():
+    import orjson
+
+    from carpool.answer import Answer
+    from carpool.redis.flight_protocol import answer_record, lingers
+
+    answer = Answer("chat", b"{}", True)
+    meta = orjson.loads(answer_record(answer)["m"])
+    assert lingers(meta) and not lingers(orjson.loads(answer_record(answer, False)["m"]))
+    del meta["l"]  # (as an instance before the field wrote it)
+    assert lingers(meta)
+
+
 async def test_without_stream_usage_a_call_asked_without_usage_is_shared_elsewhere_only_by_its_shape(
     fake, redis_server
 ):

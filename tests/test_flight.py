@@ -149,6 +149,34 @@ async def test_a_finished_flight_is_joined_only_while_younger_than_max_age():
     assert (await wait_answer(fresh))[0].body == b"answer 2"
 
 
+async def test_a_flight_that_replayed_a_finished_call_is_as_old_as_that_call():
+    """Its age (``max_age``) and its window count from the end of the call it replayed
+    (``Broadcast.replayed``), not from the replay; a relayed answer its remote leader said may
+    not linger (``Broadcast.may_linger``) does not."""
+    clock = ManualClock()
+    group = FlightGroup(
+        window=PerKeyWindow({"replayed": 8, "too old": 4, "no-store": 8}), clock=clock
+    )
+
+    def relayed(age: float | None, may_linger: bool = True):
+        async def lead(broadcast: Broadcast) -> Answer:
+            broadcast.remote, broadcast.replayed, broadcast.may_linger = True, age, may_linger
+            return Answer("chat", b"replayed", True)
+
+        return lead
+
+    await wait_answer(group.acquire("replayed", relayed(5)))  # (ended 5 s before the replay)
+    assert group.joinable("replayed", max_age=6) and not group.joinable("replayed", max_age=5)
+    clock.advance(2.5)  # (7.5 s after that call ended)
+    assert group.joinable("replayed")
+    clock.advance(1)  # (8.5 s: its window has closed)
+    assert not group.joinable("replayed")
+    await wait_answer(group.acquire("too old", relayed(5)))  # (its window ended 1 s ago)
+    assert group.get("too old") is None
+    await wait_answer(group.acquire("no-store", relayed(None, may_linger=False)))
+    assert group.get("no-store") is None
+
+
 async def test_incomplete_answer_does_not_linger_in_the_window():
     group, upstream = FlightGroup(window=10), Upstream()
     upstream.complete = False

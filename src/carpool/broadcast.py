@@ -32,6 +32,13 @@ Contract (CONTRACT.md "Streaming"):
   when the answer came from another worker's exact cache (``carpool.peers``: they are ``hit``s),
   and ``created`` (wall-clock) when that answer was made, known from the owner's ``age`` as its
   head comes, before its frames: a streaming client's hit says its ``age`` too.
+- ``replayed`` (seconds) is set when the frames and the ending were replayed from a call another
+  instance had finished before this one asked (its answer lingering in the window): how old
+  that answer was as the replay ended here. The flight (``flight.py``) counts its age and its
+  window from the end of that call, and a joiner of it takes it only if that age is one it
+  accepts (``pipeline.py``), as for a finished flight of its own. ``may_linger`` is false when
+  the leader of a relayed call said its answer may not linger (a ``no-store`` request:
+  lingering is a form of storing): it does not linger here either.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class Broadcast:
         "remote",
         "cached",
         "created",
+        "replayed",
+        "may_linger",
         "on_publish",
         "on_abandoned",
         "_waiters",
@@ -69,6 +78,8 @@ class Broadcast:
         self.remote = False
         self.cached = False
         self.created: float | None = None  # (the answer's, when its head said: ``age``)
+        self.replayed: float | None = None  # (a replay: its answer's age as it ended here)
+        self.may_linger = True  # (False: relayed from a leader whose answer may not linger)
         self.on_publish: Callable[[], None] | None = None
         self.on_abandoned: Callable[[Callable[[], object]], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)

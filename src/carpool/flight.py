@@ -11,7 +11,10 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    is dropped at once so the next request calls again.
 3. A finished flight stays joinable for the window, then is gone: a complete answer lingers
    for the window its ``WindowPolicy`` gives (joiners get it at once; see ``window.py``), an
-   incomplete one (or one led by a ``no-store`` request) does not linger at all. Lingering, it
+   incomplete one (or one led by a ``no-store`` request, or relayed from another instance's
+   leader that said so: ``Broadcast.may_linger``) does not linger at all. A flight that
+   replayed a call another instance had finished (``Broadcast.replayed``) finished when that
+   call did: its age and its window count from then. Lingering, it
    is kept as a plain tuple of strings, bytes and numbers (``_lingering_record``), not as the
    flight's objects: the garbage collector stops walking such a tuple after one pass, where a
    flight, its broadcast, its answer and its frames would be walked by every young pass for as
@@ -382,15 +385,21 @@ class FlightGroup:
             self.forget(flight.key, flight)
             return
         broadcast.finish(answer)
-        flight.finished_at = now = self.clock.monotonic()
+        now = self.clock.monotonic()
+        # A replay of a call another instance had finished (``Broadcast.replayed``) is as old as
+        # that call: its age (``max_age``) and its window count from that call's end, not from
+        # the replay (else each instance that replays it would open a window of its own).
+        replayed = broadcast.replayed
+        flight.finished_at = ended = now if replayed is None else now - replayed
         window = (
             self.windows.window(flight.key, now, now - flight.started_at)
-            if answer.complete and flight.linger
+            # (Not an answer whose remote leader said no: ``no-store``.)
+            if answer.complete and flight.linger and broadcast.may_linger
             else 0
         )
-        if window > 0:
+        if ended + window > now:
             # Freed by the timer if no request comes to find its window closed (``_lingering``).
-            self._linger(flight, answer, now + window, now)
+            self._linger(flight, answer, ended + window, now)
         else:
             self.forget(flight.key, flight)
 

@@ -454,6 +454,13 @@ class Gateway:
                     # own headers (``carpool.peers``).
                     ticket = ticket.retake(lead, key.owner)
                     await self._wait(ticket, request, None)
+                elif not ticket.leader and self._too_old(ticket, request):
+                    # The flight it joined while it ran was replaying a call another instance
+                    # had finished before (``Broadcast.replayed``), longer ago than this joiner
+                    # accepts (no-cache: any; max-age): a fresh call, as in one process, where
+                    # it would have found that call finished (``FlightGroup.acquire``).
+                    ticket = ticket.retake(takeover or lead, key.owner)
+                    await self._wait(ticket, request, None)
                 if _refused_another(ticket, key):
                     # Its own call, on a flight only its own tenant can join: another refused
                     # tenant's fresh call is not joined either.
@@ -514,6 +521,17 @@ class Gateway:
             return error_reply(_shown(ticket, request, key, broadcast.error), outcome, request.api)
         assert broadcast.answer is not None
         return self._served(route, outcome, broadcast.answer, request.stream, request.include_usage)
+
+    def _too_old(self, ticket: Ticket, request: Request) -> bool:
+        """Whether ``ticket``'s flight replayed a finished call (``Broadcast.replayed``; it
+        finished when that call did) longer ago than ``request`` accepts: ``acquire``'s rule
+        for a finished flight, its join age 0 with no-cache."""
+        finished_at = ticket.flight.finished_at
+        if ticket.broadcast.replayed is None or finished_at is None:
+            return False
+        controls = request.controls
+        max_age = controls.max_age if controls.may_read else 0
+        return max_age is not None and self.flights.clock.monotonic() - finished_at >= max_age
 
     @staticmethod
     async def _wait(ticket: Ticket, request: Request, timeout: float | None) -> None:

@@ -32,11 +32,13 @@ included, in one Redis Cluster slot; every script and pipeline touches the keys 
                                    if it may not linger): time for followers to read the end
 
 The final record is the answer (body, kind, complete, tokens, created, the usage frame's index,
-the frame count: the frames are already in the stream) or the error (an ``UpstreamStatusError``
-as status, content type and body exactly as the upstream sent them, with ``asked``, the digest
-of the request body it answered; any other error as class, status, message and code, and the
-engine's own error object of a stream that failed; both with ``requester``, whose call it was:
-``UpstreamError.for_others``):
+the frame count: the frames are already in the stream; and whether it may linger in the window
+of an instance that relayed it: not a ``no-store`` leader's, nor a call set aside by an
+invalidation; a record without it, from an older instance: it may) or the error (an
+``UpstreamStatusError`` as status, content type and body exactly as the upstream sent them,
+with ``asked``, the digest of the request body it answered; any other error as class, status,
+message and code, and the engine's own error object of a stream that failed; both with
+``requester``, whose call it was: ``UpstreamError.for_others``):
 ``answer_record``/``error_record`` write it, ``answer_from``/``error_from`` read it back as the
 same ``Answer`` or the same error.
 """
@@ -78,6 +80,7 @@ __all__ = [
     "error_record",
     "flight_keys",
     "followed_keys",
+    "lingers",
     "lock_pattern",
     "stale_keys",
 ]
@@ -111,7 +114,8 @@ def lock_pattern(prefix: str) -> str:
 
 # KEYS: lock, the exact store's entry (``entry_key``). ARGV: token, lease ms, max age ms (-1:
 # any age), 1 to look for a stored answer (with any age) before leading, else 0.
-# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN} | {'stale', TOKEN} (a call begun
+# Returns {'lead'} | {'follow', TOKEN} | {'replay', TOKEN, AGE} (a finished call lingering in
+# the window, AGE ms after its end, Redis time) | {'stale', TOKEN} (a call begun
 # before an invalidation runs: ``TAKE`` sets it aside, in the key of its token) | {'stored'}
 # (no call runs, its answer is stored: a call that ended, without a window, since this request
 # missed the cache).
@@ -125,11 +129,10 @@ if holder then
   if mark ~= '=' then return {'follow', holder} end
   local sep = string.find(holder, ':', 2, true)
   local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
-  if max_age < 0 then return {'replay', leader} end
   local now = redis.call('TIME')
   local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
     - tonumber(string.sub(holder, sep + 1))
-  if age < max_age then return {'replay', leader} end
+  if max_age < 0 or age < max_age then return {'replay', leader, age} end
 end
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored'} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -260,7 +263,8 @@ _ERRORS: dict[str, type[UpstreamError]] = {
 }
 
 
-def answer_record(answer: Answer) -> dict[str, Any]:
+def answer_record(answer: Answer, linger: bool = True) -> dict[str, Any]:
+    """``linger``: whether the answer may linger where it is relayed (``lingers``)."""
     meta = {
         "k": answer.kind,
         "c": answer.complete,
@@ -268,8 +272,15 @@ def answer_record(answer: Answer) -> dict[str, Any]:
         "cr": answer.created,
         "fl": None if answer.frames is None else len(answer.frames),
         "u": answer.usage_frame,
+        "l": linger,
     }
     return {"e": "a", "m": orjson.dumps(meta), "b": answer.body}
+
+
+def lingers(meta: dict[str, Any]) -> bool:
+    """Whether an answer record's answer may linger where it is relayed (a record without the
+    field, written by an older instance: it may, as it did then)."""
+    return meta.get("l") is not False
 
 
 def error_record(error: CarpoolError) -> dict[str, Any]:

@@ -6,8 +6,9 @@ of at most min(lease/3, ``distributed.timeout``/2), so that the client's socket 
 cuts a block), publishing each frame into its LOCAL broadcast: every local client of the
 flight, streaming or not, early or late, is served exactly as if this instance led. On the
 final record it returns the same ``Answer`` (or raises the same error); it never stores it (the
-leader does). The local broadcast is marked ``remote``: this instance's clients are all
-``coalesced``.
+leader does), nor lets it linger in this instance's window when the record says it may not
+(``Broadcast.may_linger``: a ``no-store`` leader's). The local broadcast is marked ``remote``:
+this instance's clients are all ``coalesced``.
 
 A follower's first read does not block: it sees what the stream holds when it comes. Those
 frames (a late joiner's replay) are held until the leader shows life since: a newer entry, or
@@ -43,7 +44,7 @@ from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import LeaderLost
 from .connection import StoreUnavailable, unavailable_in
-from .flight_protocol import FOLLOWED, answer_from, error_from
+from .flight_protocol import FOLLOWED, answer_from, error_from, lingers
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -205,6 +206,8 @@ def _ending(
     if relayed and relayed != count:
         raise _broken(flights, "the stream of the instance leading this call has gaps")
     broadcast.remote = True
+    # (A ``no-store`` leader's answer lingers nowhere: lingering is a form of storing.)
+    broadcast.may_linger = lingers(meta)
     frames = broadcast.frames if count is not None and relayed == count else None
     return answer_from(meta, body, frames)
 

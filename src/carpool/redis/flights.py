@@ -36,6 +36,13 @@ which coalesces the local flights of every instance:
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
   request leads a new call. ``forget_all`` (``/admin/invalidate``) deletes every lingering
   lock, whichever instance made it.
+- A replay is as old as the call it replays: the claim says how long ago that call ended
+  (Redis time), and the local flight that replayed it finished then (``Broadcast.replayed``):
+  a request that joins it here, while it replays or lingering, gets it only if that age is one
+  it accepts (a ``no-cache`` one never does: it makes a fresh call), and it lingers here for
+  what is left of this instance's window since then. The final record says whether the answer
+  may linger at all (not a ``no-store`` leader's, nor a call set aside by an invalidation): a
+  follower's local flight lingers only if it may.
 - A claim that finds no call running may find its answer stored (``load``; the entry's key is
   in the lock's slot): a call that ended without a window (``coalesce.window_ms: 0``) after
   this request missed the cache. It serves that answer (a hit) rather than lead a second call.
@@ -280,11 +287,13 @@ class SharedFlights:
         lock, streams = flight_keys(self.prefix, key)
         stales, followed = stale_keys(self.prefix, key), followed_keys(self.prefix, key)
         entry, look = entry_key(self.prefix, key), int(load is not None and max_age is None)
-        deadline = asyncio.get_running_loop().time() + self.join_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
         deaths = 0  # leaders followed that died or left
         for _ in range(MAX_TAKEOVERS + 1):
             token = secrets.token_hex(8)
+            asked = loop.time()
             try:
                 with _unavailable("claim a flight"):
                     reply = await self._claim(
@@ -349,6 +358,10 @@ class SharedFlights:
                 followed + leader if running else None,
             )
             if isinstance(result, Answer):
+                if not running:
+                    # A finished call replayed: as old as that call, not as this replay (its
+                    # age counted from before the claim was sent, not to make it younger).
+                    broadcast.replayed = int(reply[2]) / 1000 + loop.time() - asked
                 return result
             if result != GONE:
                 break
@@ -421,12 +434,14 @@ class SharedFlights:
         # for the followers (and the cache).
         broadcast.on_abandoned, publisher.cancel = _finished, None
         # Stored and ended (for the followers), both before the local clients have it.
-        record = answer_record(answer)
         if await self._marked_stale(lock, stale, token):
             # An invalidation came while it ran (``forget_all``, on any instance): its answer
-            # may predate what was dropped, so it is not stored (the followers still get it).
-            await self._close(publisher, record, 0)
+            # may predate what was dropped, so it is not stored (the followers still get it,
+            # and do not let it linger).
+            await self._close(publisher, answer_record(answer, linger=False), 0)
             return answer
+        # (Whether it may linger where it is relayed: not a ``no-store`` request's answer.)
+        record = answer_record(answer, linger)
         lingers = linger and answer.complete and self.linger_ms > 0
         if lingers:
             # At once: the lock stays, with the answer, for the window.
