@@ -67,6 +67,23 @@ async def test_no_store_may_still_coalesce_with_a_call_in_flight(gw, fake):
     assert fake.count() == 1
 
 
+async def test_a_no_store_leaders_answer_is_stored_for_a_joiner_that_would_store_it(gw, fake):
+    # no-store binds only the request that sends it: the plain request that joined its call
+    # found nothing stored after, and the next identical request called the upstream again.
+    fake.gate = asyncio.Event()
+    first = asyncio.create_task(gw.chat(headers={"Cache-Control": "no-store"}))
+    await fake.wait_for_calls(1)
+    second = asyncio.create_task(gw.chat())
+    await eventually(lambda: clients_on_flights(gw) == 2)
+    fake.gate.set()
+    assert (await first).headers["x-carpool"] == "miss"
+    assert (await second).headers["x-carpool"] == "coalesced"
+    assert await outcome(gw) == "hit" and fake.count() == 1
+    # Alone, it stores nothing still.
+    assert await outcome(gw, "another", **{"Cache-Control": "no-store"}) == "miss"
+    assert await outcome(gw, "another") == "miss" and fake.count() == 3
+
+
 async def test_max_age_refuses_an_answer_older_than_n_seconds(fake, gateway_with):
     clock = ManualClock()
     async with gateway_with(clock=clock) as gw:

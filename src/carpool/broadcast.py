@@ -39,12 +39,16 @@ Contract (CONTRACT.md "Streaming"):
   accepts (``pipeline.py``), as for a finished flight of its own. ``may_linger`` is false when
   the leader of a relayed call said its answer may not linger (a ``no-store`` request:
   lingering is a form of storing): it does not linger here either.
+- ``kept_for`` is the first joiner that would store the answer (its request and fingerprint,
+  set by ``pipeline.py``): a ``no-store`` leader's answer is stored for it (``lead.py``), as
+  ``no-store`` binds only the request that sends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from .answer import Answer
 from .errors import CarpoolError
@@ -64,6 +68,7 @@ class Broadcast:
         "created",
         "replayed",
         "may_linger",
+        "kept_for",
         "on_publish",
         "on_abandoned",
         "_waiters",
@@ -80,6 +85,7 @@ class Broadcast:
         self.created: float | None = None  # (the answer's, when its head said: ``age``)
         self.replayed: float | None = None  # (a replay: its answer's age as it ended here)
         self.may_linger = True  # (False: relayed from a leader whose answer may not linger)
+        self.kept_for: Any = None  # (a joiner that keeps what its no-store leader will not)
         self.on_publish: Callable[[], None] | None = None
         self.on_abandoned: Callable[[Callable[[], object]], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)

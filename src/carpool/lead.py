@@ -141,10 +141,9 @@ class Leader:
         )
         begun = _Begun()
         controls = request.controls
-        storable = (
-            not controls.no_store
-            and self.config.ttl_for(controls.request_type) > 0
-            and not without_usage(request, self.config)
+        # (A no-store leader's answer may be stored for a joiner: ``_keep_for_joiner``.)
+        storable = self.config.ttl_for(controls.request_type) > 0 and not without_usage(
+            request, self.config
         )
         shared_store = self.shared_store if key.key is not None and storable else None
         oldest = read_age(self.config, request)
@@ -154,7 +153,7 @@ class Leader:
                 begun.generation = await shared_store.generation()
             return await self.fetch(request, broadcast, owner=owner)
 
-        store = partial(
+        store: Callable[[Answer], Awaitable[str]] = partial(
             self._store,
             request,
             key,
@@ -164,6 +163,8 @@ class Leader:
             embedding=embedding,
             begun=begun,
         )
+        if controls.no_store:
+            store = partial(self._keep_for_joiner, broadcast, epoch=epoch, begun=begun)
         if self.invalidations is not None:  # (lazily, without the server)
             self.invalidations.start()
         try:
@@ -200,6 +201,18 @@ class Leader:
         if entry is None or (max_age is not None and entry.answer.age(self.clock.now()) >= max_age):
             return None
         return entry.answer
+
+    async def _keep_for_joiner(
+        self, broadcast: Broadcast, answer: Answer, *, epoch: int, begun: _Begun
+    ) -> str:
+        """A ``no-store`` leader's answer, stored for the first joiner that would store it
+        (``Broadcast.kept_for``: ``no-store`` binds only the request that sends it), under that
+        joiner's request; none: not stored. Its prompt gets no semantic entry (the leader made
+        no view of it)."""
+        if broadcast.kept_for is None:
+            return ""
+        request, key = broadcast.kept_for
+        return await self._store(request, key, answer, None, None, epoch, begun=begun)
 
     async def _store(
         self,

@@ -333,6 +333,9 @@ class Gateway:
         ticket = self.flights.acquire(
             flying, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
+        if not ticket.leader and not controls.no_store and ticket.broadcast.kept_for is None:
+            # Should its leader be a no-store request, the answer is still stored for this one.
+            ticket.broadcast.kept_for = (request, key)
         if remember is not None:
             if ticket.leader:
                 # After the flight's first step (its task, made first, runs first), which
