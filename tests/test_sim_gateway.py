@@ -11,8 +11,10 @@ import httpx
 import orjson
 import pytest
 
-from carpool.config import Config
+from carpool.config import Config, SimConfig
 from carpool.server import create_app
+from carpool.upstream.sim import SimReplica
+from carpool.upstream.sim_server import create_app as create_sim_app
 from carpool.wiring import build_gateway
 from conftest import run_gateway
 from fakes.serving import serve_app
@@ -179,3 +181,33 @@ async def test_a_cut_responses_stream_says_how_it_ended_only_in_its_last_event()
         last = events[-1]["response"]
         assert last["status"] == "incomplete"
         assert last["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def spelled(temperature: str) -> bytes:
+    return (
+        '{"model": "m", "messages": [{"role": "user", "content": "spell it"}], "seed": 5, '
+        f'"max_tokens": 8, "temperature": {temperature}, "top_p": {temperature}}}'
+    ).encode()
+
+
+async def posted(client: httpx.AsyncClient, path: str, content: bytes) -> httpx.Response:
+    return await client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+async def test_every_spelling_of_a_number_gets_the_engines_own_answer_through_the_gateway():
+    engine = create_sim_app(SimReplica("sim-0", SimConfig()))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=engine), base_url="http://sim"
+    ) as alone:
+        own = {
+            spelling: (await posted(alone, "/v1/chat/completions", spelled(spelling))).json()
+            for spelling in ("1", "1.0")
+        }
+    texts = {s: body["choices"][0]["message"]["content"] for s, body in own.items()}
+    assert texts["1"] == texts["1.0"]
+    async with run_gateway([]) as sim:
+        first = await posted(sim.client, "/v1/chat/completions", spelled("1.0"))
+        second = await posted(sim.client, "/v1/chat/completions", spelled("1"))
+        assert (first.headers["x-carpool"], second.headers["x-carpool"]) == ("miss", "hit")
+        for response in (first, second):
+            assert response.json()["choices"][0]["message"]["content"] == texts["1"]

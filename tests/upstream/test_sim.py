@@ -711,3 +711,25 @@ async def test_embeddings_in_flight_are_counted_apart_from_the_generation_slots(
     assert stats["max_in_flight"] == 0 <= stats["max_concurrency"] == 1
     assert stats["max_embedding_in_flight"] == 3 == stats["embedding_concurrency"]
     assert stats["embedding_in_flight"] == 0
+
+
+# --------------------------------------------------------------------------- sampling values
+
+
+async def test_a_number_is_read_as_its_value_whatever_its_spelling(http_client):
+    def raw(temperature: str, top_p: str) -> bytes:
+        return (
+            '{"model": "m", "messages": [{"role": "user", "content": "spell"}], "seed": 5, '
+            f'"temperature": {temperature}, "top_p": {top_p}}}'
+        ).encode()
+
+    async def text(content: bytes) -> str:
+        response = await http_client.post(
+            "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200, response.text
+        return text_of(response.json())
+
+    spellings = [("1", "1"), ("1.0", "1.0"), ("1e0", "10e-1"), ("1", "1.0")]
+    assert len({await text(raw(*spelling)) for spelling in spellings}) == 1
+    assert await text(raw("0.5", "1")) != await text(raw("1", "1"))
