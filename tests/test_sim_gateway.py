@@ -211,3 +211,21 @@ async def test_every_spelling_of_a_number_gets_the_engines_own_answer_through_th
         assert (first.headers["x-carpool"], second.headers["x-carpool"]) == ("miss", "hit")
         for response in (first, second):
             assert response.json()["choices"][0]["message"]["content"] == texts["1"]
+
+
+async def test_the_engines_400s_for_its_ranges_reach_clients_through_the_gateway():
+    async with run_gateway([]) as sim:
+        refused = [
+            ("/v1/chat/completions", {**chat(), "temperature": 3, "seed": 1}, "temperature"),
+            ("/v1/chat/completions", {**chat(), "top_p": 1.5}, "top_p"),
+            ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 6}, "logprobs"),
+            ("/v1/completions", {"model": "m", "prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
+        ]
+        for path, body, param in refused:
+            for _ in range(2):  # never stored: the second is the engine's 400 again
+                response = await sim.client.post(path, json=body)
+                assert response.status_code == 400, (path, body)
+                error = response.json()["error"]
+                assert (error["type"], error["param"]) == ("invalid_request_error", param)
+        calls = (await sim.client.get("/sim/stats")).json()["replicas"][0]["calls"]
+        assert sum(calls.values()) == 2 * len(refused)

@@ -733,3 +733,50 @@ async def test_a_number_is_read_as_its_value_whatever_its_spelling(http_client):
     spellings = [("1", "1"), ("1.0", "1.0"), ("1e0", "10e-1"), ("1", "1.0")]
     assert len({await text(raw(*spelling)) for spelling in spellings}) == 1
     assert await text(raw("0.5", "1")) != await text(raw("1", "1"))
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/chat/completions", {"temperature": 2.01}, "temperature"),
+        ("/chat/completions", {"temperature": 3, "seed": 1}, "temperature"),
+        ("/chat/completions", {"temperature": -0.5}, "temperature"),
+        ("/chat/completions", {"top_p": 1.5}, "top_p"),
+        ("/chat/completions", {"top_p": -0.1}, "top_p"),
+        ("/chat/completions", {"top_p": "1"}, "top_p"),
+        ("/chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/chat/completions", {"presence_penalty": -3}, "presence_penalty"),
+        ("/chat/completions", {"top_logprobs": 21}, "top_logprobs"),
+        ("/chat/completions", {"seed": "5"}, "seed"),
+        ("/completions", {"logprobs": 6}, "logprobs"),
+        ("/completions", {"best_of": 1, "n": 2}, "best_of"),
+        ("/completions", {"best_of": 21}, "best_of"),
+        ("/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/responses", {"temperature": 2.5}, "temperature"),
+    ],
+)
+async def test_a_sampling_value_openai_refuses_is_a_400_naming_the_field(path, fields, param):
+    body = {
+        "/chat/completions": chat(),
+        "/completions": {"model": "m", "prompt": "hi"},
+        "/responses": responses_body(),
+    }[path]
+    reply = await replica().handle(path, {**body, **fields})
+    assert reply.status == 400, reply.body
+    error = reply.body["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert param in error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/chat/completions", {"temperature": 2, "top_p": 0, "seed": -1}),
+        ("/chat/completions", {"frequency_penalty": -2, "presence_penalty": 2.0}),
+        ("/chat/completions", {"logprobs": True, "top_logprobs": 20}),
+        ("/completions", {"logprobs": 5, "best_of": 3, "n": 3, "top_p": 1}),
+    ],
+)
+async def test_the_sampling_values_openai_accepts_at_its_bounds_are_answered(path, fields):
+    body = chat() if path == "/chat/completions" else {"model": "m", "prompt": "hi"}
+    await answer(replica(), {**body, **fields}, path=path)

@@ -5,6 +5,11 @@ Contract:
 - ``make_plan(endpoint, body, default_max_tokens)`` validates a ``/chat/completions`` or
   ``/completions`` body (raising ``RequestError``, a 400) and returns its ``Plan``. ``n`` choices
   per prompt (at most ``MAX_CHOICES``), indexed prompt-major as OpenAI does for a list of prompts.
+- Sampling values are checked against OpenAI's ranges, a 400 naming the field otherwise:
+  ``temperature`` 0..2, ``top_p`` 0..1, ``frequency_penalty`` / ``presence_penalty`` -2..2, ``seed``
+  an integer (as the gateway checks it: ``apis.base.check_fields``, which checks only types, so the
+  ranges are the engine's, as they are a real engine's); chat ``logprobs`` a boolean and
+  ``top_logprobs`` 0..20; completions ``logprobs`` 0..5 and ``best_of`` 1..20, at least ``n``.
 - ``max_completion_tokens`` / ``max_tokens`` (the newer name wins; default
   ``SimConfig.default_max_tokens``) cut the answer to a prefix of the same text, with
   ``finish_reason: "length"``; otherwise ``"stop"``.
@@ -80,20 +85,42 @@ def int_field(body: Mapping[str, Any], name: str, lowest: int, highest: int | No
         raise RequestError(f"'{name}' must be an integer {bounds}", param=name)
 
 
-def _validate_generation(body: Mapping[str, Any]) -> None:
+def number_field(body: Mapping[str, Any], name: str, lowest: float, highest: float) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not lowest <= value <= highest
+    ):
+        raise RequestError(f"'{name}' must be a number between {lowest} and {highest}", param=name)
+
+
+def _validate_generation(endpoint: str, body: Mapping[str, Any]) -> None:
     int_field(body, "n", 1, MAX_CHOICES)
     int_field(body, "max_tokens", 1)
     int_field(body, "max_completion_tokens", 1)
     stop_strings(body)  # (validated here: before anything is generated)
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise RequestError("'stream' must be a boolean", param="stream")
-    temperature = body.get("temperature")
-    if temperature is not None and (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or temperature < 0
-    ):
-        raise RequestError("'temperature' must be a number >= 0", param="temperature")
+    # OpenAI's ranges (module contract).
+    number_field(body, "temperature", 0, 2)
+    number_field(body, "top_p", 0, 1)
+    number_field(body, "frequency_penalty", -2, 2)
+    number_field(body, "presence_penalty", -2, 2)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise RequestError("'seed' must be an integer", param="seed")
+    if endpoint == "/chat/completions":
+        if not isinstance(body.get("logprobs", False), (bool, type(None))):
+            raise RequestError("'logprobs' must be a boolean", param="logprobs")
+        int_field(body, "top_logprobs", 0, 20)
+    else:
+        int_field(body, "logprobs", 0, 5)
+        int_field(body, "best_of", 1, 20)
+        if body.get("best_of") is not None and body["best_of"] < (body.get("n") or 1):
+            raise RequestError("'best_of' must be greater than or equal to 'n'", param="best_of")
 
 
 def max_new_tokens(body: Mapping[str, Any], default: int) -> int:
@@ -201,7 +228,7 @@ def _cut_at_stop(sequence: Sequence, stops: list[str]) -> None:
 
 def make_plan(endpoint: str, body: Mapping[str, Any], default_max_tokens: int) -> Plan:
     """The plan of a chat or text completion request (raises ``RequestError`` if it is invalid)."""
-    _validate_generation(body)
+    _validate_generation(endpoint, body)
     if endpoint == "/chat/completions":
         sim_apis.validate_messages(body)
         prompt_inputs: list[Any] = [body["messages"]]
