@@ -13,7 +13,7 @@ import pytest
 
 from carpool.config import Config, SimConfig
 from carpool.server import create_app
-from carpool.upstream.sim import SimReplica
+from carpool.upstream.sim import SimReplica, embedding_vector
 from carpool.upstream.sim_server import create_app as create_sim_app
 from carpool.wiring import build_gateway
 from conftest import run_gateway
@@ -213,13 +213,15 @@ async def test_every_spelling_of_a_number_gets_the_engines_own_answer_through_th
             assert response.json()["choices"][0]["message"]["content"] == texts["1"]
 
 
-async def test_the_engines_400s_for_its_ranges_reach_clients_through_the_gateway():
+async def test_the_engines_400s_for_its_limits_and_ranges_reach_clients_through_the_gateway():
     async with run_gateway([]) as sim:
         refused = [
             ("/v1/chat/completions", {**chat(), "temperature": 3, "seed": 1}, "temperature"),
             ("/v1/chat/completions", {**chat(), "top_p": 1.5}, "top_p"),
             ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 6}, "logprobs"),
             ("/v1/completions", {"model": "m", "prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
+            ("/v1/embeddings", {"model": "m", "input": "hi", "dimensions": 4097}, "dimensions"),
+            ("/v1/completions", {"model": "m", "prompt": ["a"] * 17, "n": 128}, "n"),
         ]
         for path, body, param in refused:
             for _ in range(2):  # never stored: the second is the engine's 400 again
@@ -229,3 +231,17 @@ async def test_the_engines_400s_for_its_ranges_reach_clients_through_the_gateway
                 assert (error["type"], error["param"]) == ("invalid_request_error", param)
         calls = (await sim.client.get("/sim/stats")).json()["replicas"][0]["calls"]
         assert sum(calls.values()) == 2 * len(refused)
+
+
+async def test_the_largest_embeddings_call_the_engine_allows_is_answered_through_the_gateway():
+    inputs = [f"item {i}" for i in range(2048)]
+    async with run_gateway([]) as sim:
+        response = await sim.client.post(
+            "/v1/embeddings", json={"model": "e", "input": inputs, "dimensions": 512}
+        )
+        assert response.status_code == 200
+        data = response.json()["data"]
+        assert [d["index"] for d in data] == list(range(2048))
+        assert all(len(d["embedding"]) == 512 for d in data)
+        for i in (0, 1, 1000, 2047):  # (each vector takes as long to check as to make)
+            assert data[i]["embedding"] == embedding_vector("e", inputs[i], 512)
