@@ -11,8 +11,10 @@ import httpx
 import orjson
 import pytest
 
-from carpool.config import Config
+from carpool.config import Config, SimConfig
 from carpool.server import create_app
+from carpool.upstream.sim import SimReplica, embedding_vector
+from carpool.upstream.sim_server import create_app as create_sim_app
 from carpool.wiring import build_gateway
 from conftest import run_gateway
 from fakes.serving import serve_app
@@ -179,3 +181,67 @@ async def test_a_cut_responses_stream_says_how_it_ended_only_in_its_last_event()
         last = events[-1]["response"]
         assert last["status"] == "incomplete"
         assert last["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def spelled(temperature: str) -> bytes:
+    return (
+        '{"model": "m", "messages": [{"role": "user", "content": "spell it"}], "seed": 5, '
+        f'"max_tokens": 8, "temperature": {temperature}, "top_p": {temperature}}}'
+    ).encode()
+
+
+async def posted(client: httpx.AsyncClient, path: str, content: bytes) -> httpx.Response:
+    return await client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+async def test_every_spelling_of_a_number_gets_the_engines_own_answer_through_the_gateway():
+    engine = create_sim_app(SimReplica("sim-0", SimConfig()))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=engine), base_url="http://sim"
+    ) as alone:
+        own = {
+            spelling: (await posted(alone, "/v1/chat/completions", spelled(spelling))).json()
+            for spelling in ("1", "1.0")
+        }
+    texts = {s: body["choices"][0]["message"]["content"] for s, body in own.items()}
+    assert texts["1"] == texts["1.0"]
+    async with run_gateway([]) as sim:
+        first = await posted(sim.client, "/v1/chat/completions", spelled("1.0"))
+        second = await posted(sim.client, "/v1/chat/completions", spelled("1"))
+        assert (first.headers["x-carpool"], second.headers["x-carpool"]) == ("miss", "hit")
+        for response in (first, second):
+            assert response.json()["choices"][0]["message"]["content"] == texts["1"]
+
+
+async def test_the_engines_400s_for_its_limits_and_ranges_reach_clients_through_the_gateway():
+    async with run_gateway([]) as sim:
+        refused = [
+            ("/v1/chat/completions", {**chat(), "temperature": 3, "seed": 1}, "temperature"),
+            ("/v1/chat/completions", {**chat(), "top_p": 1.5}, "top_p"),
+            ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 6}, "logprobs"),
+            ("/v1/completions", {"model": "m", "prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
+            ("/v1/embeddings", {"model": "m", "input": "hi", "dimensions": 4097}, "dimensions"),
+            ("/v1/completions", {"model": "m", "prompt": ["a"] * 17, "n": 128}, "n"),
+        ]
+        for path, body, param in refused:
+            for _ in range(2):  # never stored: the second is the engine's 400 again
+                response = await sim.client.post(path, json=body)
+                assert response.status_code == 400, (path, body)
+                error = response.json()["error"]
+                assert (error["type"], error["param"]) == ("invalid_request_error", param)
+        calls = (await sim.client.get("/sim/stats")).json()["replicas"][0]["calls"]
+        assert sum(calls.values()) == 2 * len(refused)
+
+
+async def test_the_largest_embeddings_call_the_engine_allows_is_answered_through_the_gateway():
+    inputs = [f"item {i}" for i in range(2048)]
+    async with run_gateway([]) as sim:
+        response = await sim.client.post(
+            "/v1/embeddings", json={"model": "e", "input": inputs, "dimensions": 512}
+        )
+        assert response.status_code == 200
+        data = response.json()["data"]
+        assert [d["index"] for d in data] == list(range(2048))
+        assert all(len(d["embedding"]) == 512 for d in data)
+        for i in (0, 1, 1000, 2047):  # (each vector takes as long to check as to make)
+            assert data[i]["embedding"] == embedding_vector("e", inputs[i], 512)

@@ -16,7 +16,13 @@ import uvicorn
 from carpool.apis import messages as messages_api
 from carpool.config import SimConfig
 from carpool.upstream.base import UpstreamRequest
-from carpool.upstream.sim import PrefixCache, SimReplica, SimUpstream, build_replicas
+from carpool.upstream.sim import (
+    PrefixCache,
+    SimReplica,
+    SimUpstream,
+    build_replicas,
+    embedding_vector,
+)
 from carpool.upstream.sim_server import create_app, serve_replicas
 from fakes.serving import serve_app
 from fakes.waiting import eventually
@@ -711,3 +717,165 @@ async def test_embeddings_in_flight_are_counted_apart_from_the_generation_slots(
     assert stats["max_in_flight"] == 0 <= stats["max_concurrency"] == 1
     assert stats["max_embedding_in_flight"] == 3 == stats["embedding_concurrency"]
     assert stats["embedding_in_flight"] == 0
+
+
+# ------------------------------------------------------------------- what one request may ask
+
+
+def prompts(count: int) -> list[str]:
+    return [f"prompt {i}" for i in range(count)]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/embeddings", {"input": "hi", "dimensions": 4097}, "dimensions"),
+        ("/embeddings", {"input": prompts(2049)}, "input"),
+        ("/embeddings", {"input": prompts(2048), "dimensions": 513}, "dimensions"),
+        ("/completions", {"prompt": prompts(2049)}, "prompt"),
+        ("/completions", {"prompt": prompts(17), "n": 128}, "n"),
+        ("/chat/completions", chat(n=129), "n"),
+    ],
+)
+async def test_a_request_past_one_of_the_engines_limits_is_a_400_that_names_it(path, body, param):
+    reply = await replica().handle(path, body)
+    assert reply.status == 400
+    error = reply.body["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert any(str(limit) in error["message"] for limit in (4096, 2048, 1048576, 128))
+
+
+class Ticker:
+    """Counts the turns the event loop gives other tasks while a request is served."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.done = False
+
+    async def run(self) -> None:
+        while not self.done:
+            self.turns += 1
+            await asyncio.sleep(0)
+
+
+async def served_beside_a_ticker(sim: SimReplica, path: str, body: dict) -> tuple[dict, int]:
+    ticker = Ticker()
+    task = asyncio.create_task(ticker.run())
+    try:
+        return await answer(sim, body, path=path), ticker.turns
+    finally:
+        ticker.done = True
+        await task
+
+
+async def test_the_largest_embeddings_call_allowed_is_answered_yielding_the_loop_between_items():
+    # The cost model's sleeps are one turn each here: the ticker counts the turns between items.
+    sim = SimReplica(
+        "sim-0", FAST.model_copy(update={"embedding_dim": 512}), sleep=RecordingSleep()
+    )
+    inputs = prompts(2048)
+    body, turns = await served_beside_a_ticker(sim, "/embeddings", {"model": "e", "input": inputs})
+    assert [d["index"] for d in body["data"]] == list(range(2048))
+    assert all(len(datum["embedding"]) == 512 for datum in body["data"])
+    for i in (0, 1, 1000, 2047):  # (each vector takes as long to check as to make)
+        assert body["data"][i]["embedding"] == embedding_vector("e", inputs[i], 512)
+    assert turns >= 2048
+
+
+async def test_the_most_choices_allowed_are_answered_whole_handing_the_loop_back_between_prompts():
+    sim = SimReplica("sim-0", FAST, sleep=RecordingSleep())
+    request = {"model": "m", "prompt": prompts(16), "n": 128, "temperature": 0.7, "seed": 3}
+    body, turns = await served_beside_a_ticker(sim, "/completions", {**request, "max_tokens": 2})
+    assert [c["index"] for c in body["choices"]] == list(range(2048))
+    one = await answer(
+        replica(), {**request, "prompt": "prompt 5", "max_tokens": 2}, "/completions"
+    )
+    assert [c["text"] for c in body["choices"][5 * 128 : 6 * 128]] == [
+        c["text"] for c in one["choices"]
+    ]
+    assert turns >= 16
+
+
+async def test_a_stream_of_many_choices_hands_the_loop_back_within_each_decode_step():
+    sim = SimReplica("sim-0", FAST, sleep=RecordingSleep())
+    request = {"prompt": prompts(16), "n": 128, "temperature": 0, "max_tokens": 2}
+    ticker = Ticker()
+    task = asyncio.create_task(ticker.run())
+    try:
+        chunks = await collect(sim, request, path="/completions")
+    finally:
+        ticker.done = True
+        await task
+    finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(finished) == list(range(2048))
+    # 2 tokens and a finish chunk per choice: 3 x 2048 chunks, a turn every 128 of them.
+    assert ticker.turns >= 3 * 2048 // 128
+
+
+# --------------------------------------------------------------------------- sampling values
+
+
+async def test_a_number_is_read_as_its_value_whatever_its_spelling(http_client):
+    def raw(temperature: str, top_p: str) -> bytes:
+        return (
+            '{"model": "m", "messages": [{"role": "user", "content": "spell"}], "seed": 5, '
+            f'"temperature": {temperature}, "top_p": {top_p}}}'
+        ).encode()
+
+    async def text(content: bytes) -> str:
+        response = await http_client.post(
+            "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200, response.text
+        return text_of(response.json())
+
+    spellings = [("1", "1"), ("1.0", "1.0"), ("1e0", "10e-1"), ("1", "1.0")]
+    assert len({await text(raw(*spelling)) for spelling in spellings}) == 1
+    assert await text(raw("0.5", "1")) != await text(raw("1", "1"))
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/chat/completions", {"temperature": 2.01}, "temperature"),
+        ("/chat/completions", {"temperature": 3, "seed": 1}, "temperature"),
+        ("/chat/completions", {"temperature": -0.5}, "temperature"),
+        ("/chat/completions", {"top_p": 1.5}, "top_p"),
+        ("/chat/completions", {"top_p": -0.1}, "top_p"),
+        ("/chat/completions", {"top_p": "1"}, "top_p"),
+        ("/chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/chat/completions", {"presence_penalty": -3}, "presence_penalty"),
+        ("/chat/completions", {"top_logprobs": 21}, "top_logprobs"),
+        ("/chat/completions", {"seed": "5"}, "seed"),
+        ("/completions", {"logprobs": 6}, "logprobs"),
+        ("/completions", {"best_of": 1, "n": 2}, "best_of"),
+        ("/completions", {"best_of": 21}, "best_of"),
+        ("/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/responses", {"temperature": 2.5}, "temperature"),
+    ],
+)
+async def test_a_sampling_value_openai_refuses_is_a_400_naming_the_field(path, fields, param):
+    body = {
+        "/chat/completions": chat(),
+        "/completions": {"model": "m", "prompt": "hi"},
+        "/responses": responses_body(),
+    }[path]
+    reply = await replica().handle(path, {**body, **fields})
+    assert reply.status == 400, reply.body
+    error = reply.body["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert param in error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/chat/completions", {"temperature": 2, "top_p": 0, "seed": -1}),
+        ("/chat/completions", {"frequency_penalty": -2, "presence_penalty": 2.0}),
+        ("/chat/completions", {"logprobs": True, "top_logprobs": 20}),
+        ("/completions", {"logprobs": 5, "best_of": 3, "n": 3, "top_p": 1}),
+    ],
+)
+async def test_the_sampling_values_openai_accepts_at_its_bounds_are_answered(path, fields):
+    body = chat() if path == "/chat/completions" else {"model": "m", "prompt": "hi"}
+    await answer(replica(), {**body, **fields}, path=path)

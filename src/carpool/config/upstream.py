@@ -227,7 +227,13 @@ class SimConfig(Section):
         "in its simulated KV (prefix) cache, LRU by block.",
     )
     block_tokens: int = Field(16, ge=1, description="Prefix-cache block size in tokens.")
-    embedding_dim: int = Field(64, ge=1, description="Length of the simulated embedding vectors.")
+    embedding_dim: int = Field(
+        64,
+        ge=1,
+        le=4096,  # (``sim.replica.MAX_DIMENSIONS``: what a request's ``dimensions`` may ask)
+        description="Length of the simulated embedding vectors (at most 4096, as a request's "
+        "`dimensions`).",
+    )
     embedding_call_ms: float = Field(
         2.0,
         ge=0,

@@ -23,6 +23,8 @@ from carpool.upstream.sim.adapter import SimUpstream, build_upstreams
 from carpool.upstream.sim.bodies import completion_body, opening_chunks, step_chunks, usage_chunk
 from carpool.upstream.sim.plan import (
     MAX_CHOICES,
+    MAX_INPUTS,
+    MAX_SEQUENCES,
     Plan,
     Sequence,
     make_plan,
@@ -30,7 +32,13 @@ from carpool.upstream.sim.plan import (
     parse_inputs,
 )
 from carpool.upstream.sim.prefix_cache import PrefixCache
-from carpool.upstream.sim.replica import SimReplica, Sleep, build_replicas
+from carpool.upstream.sim.replica import (
+    MAX_DIMENSIONS,
+    MAX_EMBEDDING_VALUES,
+    SimReplica,
+    Sleep,
+    build_replicas,
+)
 from carpool.upstream.sim.replies import (
     ENDPOINTS,
     JSON_HEADERS,
@@ -49,6 +57,7 @@ from carpool.upstream.sim.text import (
     TOKENS_PER_MESSAGE,
     VOCABULARY,
     answer_words,
+    answers,
     chat_prompt_tokens,
     embedding_vector,
     input_tokens,
@@ -62,6 +71,10 @@ __all__ = [
     "JSON_HEADERS",
     "MAX_ANSWER_WORDS",
     "MAX_CHOICES",
+    "MAX_DIMENSIONS",
+    "MAX_EMBEDDING_VALUES",
+    "MAX_INPUTS",
+    "MAX_SEQUENCES",
     "MIN_ANSWER_WORDS",
     "MODEL_ID",
     "SERVED",
@@ -77,6 +90,7 @@ __all__ = [
     "SimUpstream",
     "Sleep",
     "answer_words",
+    "answers",
     "build_replicas",
     "build_upstreams",
     "chat_prompt_tokens",

@@ -2,9 +2,22 @@
 it is served (its prompts' tokens, each choice's words and finish reason, streaming or not).
 
 Contract:
-- ``make_plan(endpoint, body, default_max_tokens)`` validates a ``/chat/completions`` or
+- ``await make_plan(endpoint, body, default_max_tokens)`` validates a ``/chat/completions`` or
   ``/completions`` body (raising ``RequestError``, a 400) and returns its ``Plan``. ``n`` choices
   per prompt (at most ``MAX_CHOICES``), indexed prompt-major as OpenAI does for a list of prompts.
+- What one request may ask is bounded, so that no small body makes a large answer: a list
+  ``prompt`` (or embeddings ``input``) holds at most ``MAX_INPUTS`` items (OpenAI's limit for an
+  array of inputs), and a request at most ``MAX_SEQUENCES`` choices in all (prompts x ``n``).
+  Past a limit: a 400 whose ``param`` is the field and whose message names the limit. What is
+  allowed is planned a prompt at a time, handing the event loop back between prompts
+  (``asyncio.sleep(0)``): the engine shares the gateway's loop when embedded, and a worker thread
+  would still hold the GIL, could not be cancelled with its request, and would make tests wait
+  on threads; one prompt's choices (at most ``MAX_CHOICES``) take about 2 ms.
+- Sampling values are checked against OpenAI's ranges, a 400 naming the field otherwise:
+  ``temperature`` 0..2, ``top_p`` 0..1, ``frequency_penalty`` / ``presence_penalty`` -2..2, ``seed``
+  an integer (as the gateway checks it: ``apis.base.check_fields``, which checks only types, so the
+  ranges are the engine's, as they are a real engine's); chat ``logprobs`` a boolean and
+  ``top_logprobs`` 0..20; completions ``logprobs`` 0..5 and ``best_of`` 1..20, at least ``n``.
 - ``max_completion_tokens`` / ``max_tokens`` (the newer name wins; default
   ``SimConfig.default_max_tokens``) cut the answer to a prefix of the same text, with
   ``finish_reason: "length"``; otherwise ``"stop"``.
@@ -21,6 +34,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Mapping
@@ -30,9 +44,11 @@ from typing import Any
 from carpool.errors import RequestError
 from carpool.upstream import sim_apis
 from carpool.upstream.sim.replies import MODEL_ID
-from carpool.upstream.sim.text import answer_words, chat_prompt_tokens, input_tokens
+from carpool.upstream.sim.text import answers, chat_prompt_tokens, input_tokens
 
-MAX_CHOICES = 128
+MAX_CHOICES = 128  # ``n``, as OpenAI's
+MAX_INPUTS = 2048  # items of a list prompt or embeddings input, as OpenAI's
+MAX_SEQUENCES = 2048  # choices of one request in all: prompts x n
 
 
 def _is_token_array(value: Any) -> bool:
@@ -61,6 +77,10 @@ def parse_inputs(value: Any, param: str, allow_empty_text: bool) -> list[str | l
             "or a list of lists of token ids",
             param=param,
         )
+    if len(items) > MAX_INPUTS:
+        raise RequestError(
+            f"'{param}' may hold at most {MAX_INPUTS} items, not {len(items)}", param=param
+        )
     if not allow_empty_text and any(item == "" for item in items):
         raise RequestError(f"'{param}' must not contain empty strings", param=param)
     return items
@@ -80,20 +100,42 @@ def int_field(body: Mapping[str, Any], name: str, lowest: int, highest: int | No
         raise RequestError(f"'{name}' must be an integer {bounds}", param=name)
 
 
-def _validate_generation(body: Mapping[str, Any]) -> None:
+def number_field(body: Mapping[str, Any], name: str, lowest: float, highest: float) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not lowest <= value <= highest
+    ):
+        raise RequestError(f"'{name}' must be a number between {lowest} and {highest}", param=name)
+
+
+def _validate_generation(endpoint: str, body: Mapping[str, Any]) -> None:
     int_field(body, "n", 1, MAX_CHOICES)
     int_field(body, "max_tokens", 1)
     int_field(body, "max_completion_tokens", 1)
     stop_strings(body)  # (validated here: before anything is generated)
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise RequestError("'stream' must be a boolean", param="stream")
-    temperature = body.get("temperature")
-    if temperature is not None and (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or temperature < 0
-    ):
-        raise RequestError("'temperature' must be a number >= 0", param="temperature")
+    # OpenAI's ranges (module contract).
+    number_field(body, "temperature", 0, 2)
+    number_field(body, "top_p", 0, 1)
+    number_field(body, "frequency_penalty", -2, 2)
+    number_field(body, "presence_penalty", -2, 2)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise RequestError("'seed' must be an integer", param="seed")
+    if endpoint == "/chat/completions":
+        if not isinstance(body.get("logprobs", False), (bool, type(None))):
+            raise RequestError("'logprobs' must be a boolean", param="logprobs")
+        int_field(body, "top_logprobs", 0, 20)
+    else:
+        int_field(body, "logprobs", 0, 5)
+        int_field(body, "best_of", 1, 20)
+        if body.get("best_of") is not None and body["best_of"] < (body.get("n") or 1):
+            raise RequestError("'best_of' must be greater than or equal to 'n'", param="best_of")
 
 
 def max_new_tokens(body: Mapping[str, Any], default: int) -> int:
@@ -155,21 +197,18 @@ class Plan:
         }
 
 
-def _sequences(
-    body: Mapping[str, Any], endpoint: str, prompts: list[Any], cap: int
+def _choices(
+    body: Mapping[str, Any], endpoint: str, prompt: Any, p: int, cap: int, stops: list[str]
 ) -> list[Sequence]:
-    """n choices per prompt, indexed prompt-major as OpenAI does for a list of prompts."""
+    """The n choices of prompt ``p``, indexed prompt-major as OpenAI does for a list of prompts."""
     n = body.get("n") or 1
-    stops = stop_strings(body)
     sequences = []
-    for p, prompt in enumerate(prompts):
-        for i in range(n):
-            natural = answer_words(body, endpoint, prompt, i)
-            reason = "length" if len(natural) > cap else "stop"
-            sequence = Sequence(p * n + i, natural[:cap], reason)
-            if stops:
-                _cut_at_stop(sequence, stops)
-            sequences.append(sequence)
+    for i, natural in enumerate(answers(body, endpoint, prompt, n)):
+        reason = "length" if len(natural) > cap else "stop"
+        sequence = Sequence(p * n + i, natural[:cap], reason)
+        if stops:
+            _cut_at_stop(sequence, stops)
+        sequences.append(sequence)
     return sequences
 
 
@@ -199,27 +238,36 @@ def _cut_at_stop(sequence: Sequence, stops: list[str]) -> None:
     sequence.stop_sequence = stop
 
 
-def make_plan(endpoint: str, body: Mapping[str, Any], default_max_tokens: int) -> Plan:
-    """The plan of a chat or text completion request (raises ``RequestError`` if it is invalid)."""
-    _validate_generation(body)
+async def make_plan(endpoint: str, body: Mapping[str, Any], default_max_tokens: int) -> Plan:
+    """The plan of a chat or text completion request (raises ``RequestError`` if it is invalid),
+    made a prompt at a time, handing the loop back between prompts (module contract)."""
+    _validate_generation(endpoint, body)
     if endpoint == "/chat/completions":
         sim_apis.validate_messages(body)
         prompt_inputs: list[Any] = [body["messages"]]
-        prompts = [chat_prompt_tokens(body)]
     else:
         if "prompt" not in body:
             raise RequestError("'prompt' is required", param="prompt")
         prompt_inputs = parse_inputs(body["prompt"], "prompt", allow_empty_text=True)
-        prompts = [input_tokens(item) for item in prompt_inputs]
+    n = body.get("n") or 1
+    if len(prompt_inputs) * n > MAX_SEQUENCES:
+        raise RequestError(
+            f"a request may ask for at most {MAX_SEQUENCES} choices in all ('n' for each "
+            f"prompt): {len(prompt_inputs)} prompts x n {n} is more",
+            param="n",
+        )
     cap = max_new_tokens(body, default_max_tokens)
+    stops = stop_strings(body)
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, Mapping) and bool(options.get("include_usage"))
-    return Plan(
-        endpoint,
-        body,
-        prompts,
-        _sequences(body, endpoint, prompt_inputs, cap),
-        stream,
-        include_usage,
-    )
+    plan = Plan(endpoint, body, [], [], stream, include_usage)
+    for p, prompt in enumerate(prompt_inputs):
+        if p:
+            await asyncio.sleep(0)
+        if endpoint == "/chat/completions":
+            plan.prompts.append(chat_prompt_tokens(body))
+        else:
+            plan.prompts.append(input_tokens(prompt))
+        plan.sequences += _choices(body, endpoint, prompt, p, cap, stops)
+    return plan

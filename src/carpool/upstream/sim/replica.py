@@ -17,6 +17,14 @@ Contract:
   ``in_flight`` / ``max_in_flight`` are generation requests holding one of ``max_concurrency``
   slots (never more), ``embedding_in_flight`` / ``max_embedding_in_flight`` embeddings calls in
   one of ``embedding_concurrency`` passes (never more).
+- What one request may ask is bounded, a 400 naming the limit past it (generation: ``plan.py``).
+  Embeddings: at most ``MAX_INPUTS`` (2048) inputs, as OpenAI, ``dimensions`` at most
+  ``MAX_DIMENSIONS`` (4096), and at most ``MAX_EMBEDDING_VALUES`` numbers in all (inputs x
+  dimensions: 2048 x 512), so a small body never makes an answer of hundreds of MB. The vectors
+  are computed an item at a time, handing the event loop back between items (``asyncio.sleep(0)``,
+  not a worker thread: ``plan.py`` says why): one vector takes about 2 ms at 4096 dimensions.
+  A stream hands the loop back every ``MAX_CHOICES`` chunks of a decode step too: a step of
+  many choices is thousands of chunks, each one the gateway's to fan out before the next.
 """
 
 from __future__ import annotations
@@ -31,7 +39,14 @@ from carpool.config import SimConfig
 from carpool.errors import RequestError
 from carpool.upstream import sim_apis
 from carpool.upstream.sim.bodies import completion_body, opening_chunks, step_chunks, usage_chunk
-from carpool.upstream.sim.plan import Plan, int_field, make_plan, parse_inputs
+from carpool.upstream.sim.plan import (
+    MAX_CHOICES,
+    MAX_INPUTS,
+    Plan,
+    int_field,
+    make_plan,
+    parse_inputs,
+)
 from carpool.upstream.sim.prefix_cache import PrefixCache
 from carpool.upstream.sim.replies import (
     ENDPOINTS,
@@ -44,6 +59,11 @@ from carpool.upstream.sim.replies import (
 from carpool.upstream.sim.text import as_base64, embedding_vector, input_tokens
 
 Sleep = Callable[[float], Awaitable[Any]]
+
+# What one embeddings call may ask (module contract): ``dimensions`` up to the largest of
+# OpenAI's models and a little more, and about 20 MB of JSON in all.
+MAX_DIMENSIONS = 4096
+MAX_EMBEDDING_VALUES = 2048 * 512
 
 
 class SimReplica:
@@ -94,13 +114,13 @@ class SimReplica:
             if path == "/embeddings":
                 return await self._embeddings(body)
             if path in sim_apis.TYPED:
-                plan = make_plan(
+                plan = await make_plan(
                     "/chat/completions",
                     sim_apis.to_chat(path, body),
                     self.config.default_max_tokens,
                 )
             else:
-                plan = make_plan(path, body, self.config.default_max_tokens)
+                plan = await make_plan(path, body, self.config.default_max_tokens)
         except RequestError as exc:
             self.errors += 1
             if path == sim_apis.MESSAGES:
@@ -244,8 +264,10 @@ class SimReplica:
                     self._first_token(arrived)
                 # Count as decoded, so a stream cut short still counts the tokens it produced.
                 self.completion_tokens += sum(step < len(seq.words) for seq in plan.sequences)
-                for chunk in step_chunks(plan, step):
+                for sent, chunk in enumerate(step_chunks(plan, step), 1):
                     yield chunk
+                    if sent % MAX_CHOICES == 0:  # (a step of many choices: module contract)
+                        await asyncio.sleep(0)
             if plan.include_usage:
                 yield usage_chunk(plan)
 
@@ -294,13 +316,20 @@ class SimReplica:
         if "input" not in body:
             raise RequestError("'input' is required", param="input")
         items = parse_inputs(body["input"], "input", allow_empty_text=False)
-        int_field(body, "dimensions", 1, 65536)
+        int_field(body, "dimensions", 1, MAX_DIMENSIONS)
         encoding = body.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
             raise RequestError(
                 "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
             )
         dim = body.get("dimensions") or self.config.embedding_dim
+        if len(items) * dim > MAX_EMBEDDING_VALUES:
+            raise RequestError(
+                f"an embeddings call may return at most {MAX_EMBEDDING_VALUES} numbers in all "
+                f"({MAX_INPUTS} inputs of {MAX_EMBEDDING_VALUES // MAX_INPUTS} dimensions): "
+                f"{len(items)} inputs x {dim} dimensions is more",
+                param="dimensions" if body.get("dimensions") else "input",
+            )
         lengths = [len(input_tokens(item)) for item in items]
         tokens = sum(lengths)
         arrived = self._clock()
@@ -317,6 +346,8 @@ class SimReplica:
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL_ID
         data = []
         for i, item in enumerate(items):
+            if i:
+                await asyncio.sleep(0)  # (module contract: the loop is handed back between items)
             vector = embedding_vector(model, item, dim)
             data.append(
                 {

@@ -6,7 +6,10 @@ Contract:
   stable across processes. Greedy decoding (``temperature: 0`` or ``top_k: 1``) hashes model +
   input, so every choice is the same; a ``seed`` (sampling) also hashes seed, temperature, top_p
   and the choice index; otherwise (sampled, no seed) each call draws fresh text. ``max_tokens``
-  only cuts the natural answer later (``plan.py``).
+  only cuts the natural answer later (``plan.py``). A number is hashed as its value, not as it was
+  spelled: an integral float as the integer (``1.0``, ``1e0`` and ``1`` are one temperature), as
+  the gateway's fingerprint reads it (``canonical``), so an answer through the gateway is the
+  engine's own for every spelling. A prompt is hashed once for all its choices (``answers``).
 - Prompt tokens: the words of every message (its role, name and content, tool calls) plus a few
   framing tokens per message, as chat templates add; tools count as a prefix before the messages.
   A completion prompt or embedding input counts its words, or its token ids one each.
@@ -134,8 +137,24 @@ def words(text: str) -> list[str]:
     return text.split()
 
 
+# The integers the JSON parser reads as integers (i64 and u64): an integral float outside them is
+# kept a float, as ``canonical`` keeps it.
+_INT_MIN, _INT_END = -(2**63), 2**64
+
+
+def _by_value(value: Any) -> Any:
+    """``value`` with each integral float as the integer it is (module contract)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
+    if isinstance(value, Mapping):
+        return {k: _by_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_by_value(v) for v in value]
+    return value
+
+
 def _stable_dump(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str)
+    return orjson.dumps(_by_value(value), option=orjson.OPT_SORT_KEYS, default=str)
 
 
 def _content_tokens(content: Any) -> list[str]:
@@ -193,27 +212,40 @@ def is_greedy(body: Mapping[str, Any]) -> bool:
     return body.get("temperature") == 0 or body.get("top_k") == 1
 
 
-def answer_words(body: Mapping[str, Any], endpoint: str, prompt: Any, choice: int) -> list[str]:
-    """The natural (uncapped) answer of one choice; ``max_tokens`` only cuts it later."""
+def answers(body: Mapping[str, Any], endpoint: str, prompt: Any, n: int) -> list[list[str]]:
+    """The natural (uncapped) answers of a prompt's ``n`` choices; ``max_tokens`` only cuts
+    them later. The prompt is dumped and hashed once for all of them."""
     model = body.get("model")
     if is_greedy(body):
-        rng = random.Random(_seed_from(endpoint, model, prompt, body.get("tools")))
-    elif body.get("seed") is not None:
-        rng = random.Random(
-            _seed_from(
-                endpoint,
-                model,
-                prompt,
-                body.get("tools"),
-                body["seed"],
-                body.get("temperature"),
-                body.get("top_p"),
-                choice,
-            )
-        )
-    else:
-        rng = random.Random(os.urandom(16))
-    return _draw_answer(rng)
+        return [
+            _draw_answer(random.Random(_seed_from(endpoint, model, prompt, body.get("tools"))))
+        ] * n
+    if body.get("seed") is None:
+        return [_draw_answer(random.Random(os.urandom(16))) for _ in range(n)]
+    # ``_seed_from(endpoint, ..., choice)`` for each choice: the dump of a list is its items'
+    # dumps joined, so the head (the prompt's dump) is hashed once and copied for each choice.
+    head = hashlib.blake2b(digest_size=16)
+    shared = (
+        endpoint,
+        model,
+        prompt,
+        body.get("tools"),
+        body["seed"],
+        body.get("temperature"),
+        body.get("top_p"),
+    )
+    head.update(b"[" + b",".join(_stable_dump(part) for part in shared) + b",")
+    drawn = []
+    for choice in range(n):
+        digest = head.copy()
+        digest.update(_stable_dump(choice) + b"]")
+        drawn.append(_draw_answer(random.Random(int.from_bytes(digest.digest(), "big"))))
+    return drawn
+
+
+def answer_words(body: Mapping[str, Any], endpoint: str, prompt: Any, choice: int) -> list[str]:
+    """The natural (uncapped) answer of one choice; ``max_tokens`` only cuts it later."""
+    return answers(body, endpoint, prompt, choice + 1)[choice]
 
 
 def embedding_vector(model: Any, item: str | list[int], dim: int) -> list[float]:
