@@ -419,3 +419,70 @@ async def test_under_workers_the_dashboard_draws_the_runs_totals(gw, browser):
     series = view["board"]["drawn"]["outcomes"]["series"]
     assert series["hit"]["total"] == 5 and series["miss"]["total"] == 1  # (the run's deltas)
     await page.close()
+
+
+async def test_a_tile_for_what_stats_no_longer_reports_leaves_the_page(gw, browser):
+    """A layer's tile and a namespace's wrong-hit tile were made once and never taken away: a
+    namespace whose audits were reset stayed on the page, red, until it was reloaded."""
+    audit = {"audited": 20, "wrong": 20, "estimate": 1.0, "low": 0.8, "high": 1.0}
+    before = {
+        "requests": 3,
+        "layers": {"exact": {"entries": 2, "bytes": 10}, "semantic": {"entries": 1, "bytes": 5}},
+        "semantic_audit": {
+            "": {**audit, "state": "serving"},
+            "faq": {**audit, "state": "backed-off"},
+        },
+    }
+    after = {"requests": 4, "layers": {"exact": {"entries": 3, "bytes": 15}}}
+    after["semantic_audit"] = {"": before["semantic_audit"][""]}
+    current = before
+
+    async def stats_route(route) -> None:
+        await route.fulfill(status=200, content_type="application/json", body=json.dumps(current))
+
+    page = await browser.new_page()
+    await page.route("**/stats", stats_route)
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    shown = set((await page.evaluate(SNAPSHOT_JS, None))["tiles"])
+    assert {"tile-layer-semantic", "tile-audit-ns-faq"} <= shown
+    current = after
+    await page.wait_for_function(
+        "() => window.carpoolDashboard.last.requests === 4", timeout=WAIT_MS
+    )
+    tiles = (await page.evaluate(SNAPSHOT_JS, None))["tiles"]
+    assert "tile-layer-semantic" not in tiles and "tile-audit-ns-faq" not in tiles
+    assert tiles["tile-layer-exact"]["entries"] == "3" and "tile-audit-default" in tiles
+    assert list(tiles)[-1] == "tile-redis"  # (the ones made for /stats' keys go before it)
+    await page.close()
+
+
+async def test_a_namespace_reset_by_the_admin_api_leaves_the_page(fake, gateway_with, browser):
+    """The real gateway: 20 wrong audits back a namespace off (a red tile); POST
+    /admin/semantic/audit/reset takes it out of /stats, and so off the page."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("usearch")
+    token = "dash-token"
+    semantic = {"enabled": True, "audit_rate": 1.0, "max_wrong_rate": 0.05}
+    async with gateway_with(admin_token=token, semantic=semantic) as gw:
+        for _ in range(20):
+            gw.gateway.layers.audits.record("faq", True, near=True)
+        context = await browser.new_context(
+            http_credentials={"username": "admin", "password": token}
+        )
+        page = await context.new_page()
+        await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+        await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+        state = await page.get_attribute("#tile-audit-ns-faq", "data-state")
+        assert state in ("backed-off", "mark")  # (a red tile)
+        reset = await gw.client.post(
+            "/admin/semantic/audit/reset",
+            headers={"Authorization": f"Bearer {token}"},
+            json={"namespace": "faq"},
+        )
+        assert reset.json() == {"reset": 1}
+        await page.wait_for_function(
+            "() => !('faq' in window.carpoolDashboard.last.semantic_audit)", timeout=WAIT_MS
+        )
+        assert await page.query_selector("#tile-audit-ns-faq") is None
+        await context.close()
