@@ -486,3 +486,52 @@ async def test_a_namespace_reset_by_the_admin_api_leaves_the_page(fake, gateway_
         )
         assert await page.query_selector("#tile-audit-ns-faq") is None
         await context.close()
+
+
+# What the page asks setTimeout for between two polls (each delay given for its ``poll``).
+RECORD_POLL_DELAYS = """
+window.pollDelays = [];
+const setTimeoutOfThePage = window.setTimeout;
+window.setTimeout = function (f, delay, ...rest) {
+  if (f && f.name === 'poll') window.pollDelays.push(delay);
+  return setTimeoutOfThePage.call(window, f, delay, ...rest);
+};
+"""
+
+
+@pytest.mark.parametrize(
+    "given, used",
+    [
+        ("1500", 1500),
+        ("50", 100),  # the floor
+        ("3000000000", 3_600_000),  # setTimeout takes past 2^31-1 ms as 0: polls without a pause
+        ("2147483648", 3_600_000),
+        ("Infinity", 1000),  # not a number of milliseconds: the default
+        ("1e400", 1000),
+        ("NaN", 1000),
+        ("-5", 1000),
+        ("soon", 1000),
+    ],
+)
+async def test_the_poll_interval_is_a_finite_number_of_ms_between_100_ms_and_an_hour(
+    gw, browser, given, used
+):
+    page = await browser.new_page()
+    await page.add_init_script(RECORD_POLL_DELAYS)
+    await page.goto(f"{gw.url}/dashboard?interval={given}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    board = await page.evaluate(
+        "() => ({interval: window.carpoolDashboard.interval, delays: window.pollDelays, "
+        "cadence: document.getElementById('cadence').textContent})"
+    )
+    assert board["interval"] == used
+    assert board["delays"] and set(board["delays"]) == {used}
+    every = (
+        f"{used // 1000} s"
+        if used % 1000 == 0
+        else f"{used / 1000:g} s"
+        if used > 1000
+        else f"{used} ms"
+    )
+    assert board["cadence"].startswith(f"polled every {every} ·"), board["cadence"]
+    await page.close()
