@@ -535,3 +535,47 @@ async def test_the_poll_interval_is_a_finite_number_of_ms_between_100_ms_and_an_
     )
     assert board["cadence"].startswith(f"polled every {every} ·"), board["cadence"]
     await page.close()
+
+
+async def test_the_charts_start_again_when_another_process_answers(gw, browser):
+    """A restarted gateway (another ``pid``) that counted past the old one by the next poll:
+    no counter went back, and the page drew the new process's lifetime as one interval."""
+    docs = [
+        {"pid": 100, "requests": 2, "hits": 0, "misses": 2, "saved_fraction": 0.0},
+        {"pid": 100, "requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33},
+        None,  # restarting
+        {"pid": 200, "requests": 60, "hits": 50, "misses": 10, "saved_fraction": 0.83},
+        {"pid": 200, "requests": 64, "hits": 53, "misses": 11, "saved_fraction": 0.83},
+    ]
+    page, thrown = await polling(browser, gw, docs)
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 6", timeout=WAIT_MS)
+    board = await page.evaluate("() => window.carpoolDashboard")
+    assert thrown == []
+    series = board["drawn"]["outcomes"]["series"]
+    assert series["hit"]["base"] == 50 and series["miss"]["base"] == 10  # the new process's
+    assert series["hit"]["total"] == 3 and series["miss"]["total"] == 1  # its deltas alone
+    await page.close()
+
+
+async def test_under_workers_the_charts_start_again_when_a_worker_was_replaced(gw, browser):
+    """``run.pids``: the workers whose figures make the run's. Another of them answering the
+    poll is the same run; a worker replaced (its counters from 0) is not, whatever the sums."""
+
+    def doc(pid: int, pids: list[int], hits: int, misses: int) -> dict[str, Any]:
+        run = {"requests": hits + misses, "hits": hits, "misses": misses, "workers": len(pids)}
+        return {"pid": pid, "run": {**run, "pids": pids}}
+
+    docs = [
+        doc(7, [7, 8], 1, 1),
+        doc(8, [7, 8], 3, 2),  # another worker answered: the same run, its deltas drawn
+        doc(8, [8, 9], 30, 20),  # 7 replaced by 9
+        doc(9, [8, 9], 34, 20),
+    ]
+    page, thrown = await polling(browser, gw, docs)
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 5", timeout=WAIT_MS)
+    board = await page.evaluate("() => window.carpoolDashboard")
+    assert thrown == []
+    series = board["drawn"]["outcomes"]["series"]
+    assert series["hit"]["base"] == 30 and series["hit"]["total"] == 4
+    assert series["miss"]["total"] == 0
+    await page.close()
