@@ -397,6 +397,24 @@ def test_an_out_directory_that_cannot_be_created_is_a_bad_option(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "url", ["notaurl", "ftp://127.0.0.1:1", "", "http://", "http://127.0.0.1:99999", "//host:80"]
+)
+def test_a_url_that_is_not_an_http_url_is_a_bad_option_not_an_unreachable_gateway(tmp_path, url):
+    out = tmp_path / "out"
+    code, output = _bench("--url", url, "--requests", "5", "--out", str(out))
+    assert code == 2, output
+    assert f"--url {url!r}: not an http(s) URL" in output and "Traceback" not in output
+    assert not out.exists()
+
+
+def test_a_gateway_that_does_not_answer_is_unreachable_exit_1(tmp_path):
+    url = f"http://127.0.0.1:{process.free_port()}"
+    code, output = _bench("--url", url, "--requests", "5", "--out", str(tmp_path / "out"))
+    assert code == 1, output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
     "extra, message",
     [
         ({"headers": {"X-Note": "a\r\nX-Injected: 1"}}, "header 'X-Note': its value"),
