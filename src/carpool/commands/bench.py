@@ -77,7 +77,8 @@ from .common import load_config
     default=None,
     type=click.Path(dir_okay=False),
     help="YAML config of the embedded gateway (e.g. semantic.enabled: true); with --url "
-    "it gives the tenant header and the cost model (sim section) only.",
+    "it gives the tenant header, the cost model (sim section) and the admin_token (for the "
+    "gateway's /stats) only.",
 )
 @click.option(
     "--out",
