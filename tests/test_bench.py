@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -393,6 +397,24 @@ def test_an_out_directory_that_cannot_be_created_is_a_bad_option(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "url", ["notaurl", "ftp://127.0.0.1:1", "", "http://", "http://127.0.0.1:99999", "//host:80"]
+)
+def test_a_url_that_is_not_an_http_url_is_a_bad_option_not_an_unreachable_gateway(tmp_path, url):
+    out = tmp_path / "out"
+    code, output = _bench("--url", url, "--requests", "5", "--out", str(out))
+    assert code == 2, output
+    assert f"--url {url!r}: not an http(s) URL" in output and "Traceback" not in output
+    assert not out.exists()
+
+
+def test_a_gateway_that_does_not_answer_is_unreachable_exit_1(tmp_path):
+    url = f"http://127.0.0.1:{process.free_port()}"
+    code, output = _bench("--url", url, "--requests", "5", "--out", str(tmp_path / "out"))
+    assert code == 1, output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
     "extra, message",
     [
         ({"headers": {"X-Note": "a\r\nX-Injected: 1"}}, "header 'X-Note': its value"),
@@ -478,6 +500,63 @@ def test_quick_bench_on_the_embedded_gateway_writes_the_report_and_matches_the_o
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({name})" in markdown
     assert f"requests {report['requests']}  upstream_calls" in result.output
+
+
+def _children(pid: int) -> set[int]:
+    """The processes ``pid`` started (from any of its threads) and still holds."""
+    kids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            kids |= {int(kid) for kid in (task / "children").read_text().split()}
+    return kids
+
+
+@pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, signal_):
+    """The embedded gateway's config (the admin token, the upstream key) went to a temporary
+    file that only the command's ``finally`` removed: SIGTERM (a timeout, CI cancelling) and
+    SIGKILL skipped it. SIGTERM now stops the run as Ctrl-C does: the gateway stopped, exit
+    143; and no file ever holds the config, so not even SIGKILL leaves one."""
+    private = tmp_path / "tmp"  # this run's TMPDIR: nobody else's files in it
+    private.mkdir()
+    config = tmp_path / "secrets.yaml"
+    config.write_text("admin_token: TOPSECRET-ADMIN\nupstream:\n  api_key: sk-REAL-UPSTREAM-KEY\n")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "carpool.cli", "bench", "--config", str(config)]
+    command += ["--requests", "3000", "--rate", "20", "--out", str(out), "--no-progress"]
+    bench = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(private)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        started = "embedded gateway in front of"  # the gateway's first line: it has its config
+        while started not in _text(out / "gateway.log"):
+            assert bench.poll() is None and time.monotonic() < deadline, "no embedded gateway"
+            time.sleep(0.05)
+        gateway = _children(bench.pid)
+        assert gateway
+        bench.send_signal(signal_)
+        output = bench.communicate(timeout=60)[0].decode()
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    left = [path for path in private.rglob("*") if path.is_file()]
+    assert left == [], left
+    if signal_ == signal.SIGTERM:
+        assert bench.returncode == 143, output
+        assert "stopped by SIGTERM" in output and "Traceback" not in output
+        assert not any(Path(f"/proc/{pid}").exists() for pid in gateway)  # stopped and reaped
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_quick_bench_of_the_apis_preset_matches_the_oracle_on_every_endpoint(tmp_path):
@@ -870,9 +949,6 @@ def test_pinned_holds_each_process_to_its_cpus_and_gives_them_back():
     """``process.pinned``: ``bench_perf`` measures misses with the engine on a CPU of its own.
     This process (pid 0) is pinned too, so a child it starts meanwhile inherits its CPUs; a
     process gone by the block's end is skipped."""
-    import subprocess
-    import sys
-
     mine = os.sched_getaffinity(0)
     one = {min(mine)}
     sleeper = [sys.executable, "-c", "import sys; sys.stdin.read()"]

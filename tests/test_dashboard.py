@@ -419,3 +419,163 @@ async def test_under_workers_the_dashboard_draws_the_runs_totals(gw, browser):
     series = view["board"]["drawn"]["outcomes"]["series"]
     assert series["hit"]["total"] == 5 and series["miss"]["total"] == 1  # (the run's deltas)
     await page.close()
+
+
+async def test_a_tile_for_what_stats_no_longer_reports_leaves_the_page(gw, browser):
+    """A layer's tile and a namespace's wrong-hit tile were made once and never taken away: a
+    namespace whose audits were reset stayed on the page, red, until it was reloaded."""
+    audit = {"audited": 20, "wrong": 20, "estimate": 1.0, "low": 0.8, "high": 1.0}
+    before = {
+        "requests": 3,
+        "layers": {"exact": {"entries": 2, "bytes": 10}, "semantic": {"entries": 1, "bytes": 5}},
+        "semantic_audit": {
+            "": {**audit, "state": "serving"},
+            "faq": {**audit, "state": "backed-off"},
+        },
+    }
+    after = {"requests": 4, "layers": {"exact": {"entries": 3, "bytes": 15}}}
+    after["semantic_audit"] = {"": before["semantic_audit"][""]}
+    current = before
+
+    async def stats_route(route) -> None:
+        await route.fulfill(status=200, content_type="application/json", body=json.dumps(current))
+
+    page = await browser.new_page()
+    await page.route("**/stats", stats_route)
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    shown = set((await page.evaluate(SNAPSHOT_JS, None))["tiles"])
+    assert {"tile-layer-semantic", "tile-audit-ns-faq"} <= shown
+    current = after
+    await page.wait_for_function(
+        "() => window.carpoolDashboard.last.requests === 4", timeout=WAIT_MS
+    )
+    tiles = (await page.evaluate(SNAPSHOT_JS, None))["tiles"]
+    assert "tile-layer-semantic" not in tiles and "tile-audit-ns-faq" not in tiles
+    assert tiles["tile-layer-exact"]["entries"] == "3" and "tile-audit-default" in tiles
+    assert list(tiles)[-1] == "tile-redis"  # (the ones made for /stats' keys go before it)
+    await page.close()
+
+
+async def test_a_namespace_reset_by_the_admin_api_leaves_the_page(fake, gateway_with, browser):
+    """The real gateway: 20 wrong audits back a namespace off (a red tile); POST
+    /admin/semantic/audit/reset takes it out of /stats, and so off the page."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("usearch")
+    token = "dash-token"
+    semantic = {"enabled": True, "audit_rate": 1.0, "max_wrong_rate": 0.05}
+    async with gateway_with(admin_token=token, semantic=semantic) as gw:
+        for _ in range(20):
+            gw.gateway.layers.audits.record("faq", True, near=True)
+        context = await browser.new_context(
+            http_credentials={"username": "admin", "password": token}
+        )
+        page = await context.new_page()
+        await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+        await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+        state = await page.get_attribute("#tile-audit-ns-faq", "data-state")
+        assert state in ("backed-off", "mark")  # (a red tile)
+        reset = await gw.client.post(
+            "/admin/semantic/audit/reset",
+            headers={"Authorization": f"Bearer {token}"},
+            json={"namespace": "faq"},
+        )
+        assert reset.json() == {"reset": 1}
+        await page.wait_for_function(
+            "() => !('faq' in window.carpoolDashboard.last.semantic_audit)", timeout=WAIT_MS
+        )
+        assert await page.query_selector("#tile-audit-ns-faq") is None
+        await context.close()
+
+
+# What the page asks setTimeout for between two polls (each delay given for its ``poll``).
+RECORD_POLL_DELAYS = """
+window.pollDelays = [];
+const setTimeoutOfThePage = window.setTimeout;
+window.setTimeout = function (f, delay, ...rest) {
+  if (f && f.name === 'poll') window.pollDelays.push(delay);
+  return setTimeoutOfThePage.call(window, f, delay, ...rest);
+};
+"""
+
+
+@pytest.mark.parametrize(
+    "given, used",
+    [
+        ("1500", 1500),
+        ("50", 100),  # the floor
+        ("3000000000", 3_600_000),  # setTimeout takes past 2^31-1 ms as 0: polls without a pause
+        ("2147483648", 3_600_000),
+        ("Infinity", 1000),  # not a number of milliseconds: the default
+        ("1e400", 1000),
+        ("NaN", 1000),
+        ("-5", 1000),
+        ("soon", 1000),
+    ],
+)
+async def test_the_poll_interval_is_a_finite_number_of_ms_between_100_ms_and_an_hour(
+    gw, browser, given, used
+):
+    page = await browser.new_page()
+    await page.add_init_script(RECORD_POLL_DELAYS)
+    await page.goto(f"{gw.url}/dashboard?interval={given}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    board = await page.evaluate(
+        "() => ({interval: window.carpoolDashboard.interval, delays: window.pollDelays, "
+        "cadence: document.getElementById('cadence').textContent})"
+    )
+    assert board["interval"] == used
+    assert board["delays"] and set(board["delays"]) == {used}
+    every = (
+        f"{used // 1000} s"
+        if used % 1000 == 0
+        else f"{used / 1000:g} s"
+        if used > 1000
+        else f"{used} ms"
+    )
+    assert board["cadence"].startswith(f"polled every {every} ·"), board["cadence"]
+    await page.close()
+
+
+async def test_the_charts_start_again_when_another_process_answers(gw, browser):
+    """A restarted gateway (another ``pid``) that counted past the old one by the next poll:
+    no counter went back, and the page drew the new process's lifetime as one interval."""
+    docs = [
+        {"pid": 100, "requests": 2, "hits": 0, "misses": 2, "saved_fraction": 0.0},
+        {"pid": 100, "requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33},
+        None,  # restarting
+        {"pid": 200, "requests": 60, "hits": 50, "misses": 10, "saved_fraction": 0.83},
+        {"pid": 200, "requests": 64, "hits": 53, "misses": 11, "saved_fraction": 0.83},
+    ]
+    page, thrown = await polling(browser, gw, docs)
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 6", timeout=WAIT_MS)
+    board = await page.evaluate("() => window.carpoolDashboard")
+    assert thrown == []
+    series = board["drawn"]["outcomes"]["series"]
+    assert series["hit"]["base"] == 50 and series["miss"]["base"] == 10  # the new process's
+    assert series["hit"]["total"] == 3 and series["miss"]["total"] == 1  # its deltas alone
+    await page.close()
+
+
+async def test_under_workers_the_charts_start_again_when_a_worker_was_replaced(gw, browser):
+    """``run.pids``: the workers whose figures make the run's. Another of them answering the
+    poll is the same run; a worker replaced (its counters from 0) is not, whatever the sums."""
+
+    def doc(pid: int, pids: list[int], hits: int, misses: int) -> dict[str, Any]:
+        run = {"requests": hits + misses, "hits": hits, "misses": misses, "workers": len(pids)}
+        return {"pid": pid, "run": {**run, "pids": pids}}
+
+    docs = [
+        doc(7, [7, 8], 1, 1),
+        doc(8, [7, 8], 3, 2),  # another worker answered: the same run, its deltas drawn
+        doc(8, [8, 9], 30, 20),  # 7 replaced by 9
+        doc(9, [8, 9], 34, 20),
+    ]
+    page, thrown = await polling(browser, gw, docs)
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 5", timeout=WAIT_MS)
+    board = await page.evaluate("() => window.carpoolDashboard")
+    assert thrown == []
+    series = board["drawn"]["outcomes"]["series"]
+    assert series["hit"]["base"] == 30 and series["hit"]["total"] == 4
+    assert series["miss"]["total"] == 0
+    await page.close()

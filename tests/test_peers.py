@@ -858,6 +858,7 @@ async def test_stats_on_any_worker_carries_the_runs_totals(fake):
         assert (doc["requests"], doc["pid"]) == (1, os.getpid())
         run = doc["run"]
         assert (run["workers"], run["requests"], run["misses"], run["hits"]) == (2, 3, 2, 1)
+        assert run["pids"] == [os.getpid()] * 2  # (both workers in this process)
         assert run["saved_fraction"] == round(1 / 3, 6) and run["upstream_calls"] == 2
         assert run["layers"]["exact"]["entries"] == 2
         assert run["latency_ms"]["miss"]["count"] == 2
@@ -869,15 +870,20 @@ def test_the_runs_totals_sum_each_replicas_errors_take_its_worst_state_and_skip_
     # whose document had an odd part (a None where an object goes) made /stats a 500.
     from carpool.peers.metrics import run_totals
 
-    a = {"requests": 2, "replicas": {"r0": {"state": "healthy", "calls": 5, "errors": 0}}}
+    a = {
+        "pid": 11,
+        "requests": 2,
+        "replicas": {"r0": {"state": "healthy", "calls": 5, "errors": 0}},
+    }
     b = {
+        "pid": 4,
         "requests": 3,
         "replicas": {"r0": {"state": "down", "calls": 7, "errors": 7}, "r1": None},
         "layers": {"exact": None},
         "latency_ms": {"miss": None, "hit": {"p50": 1.5, "count": 2}},
     }
     run = run_totals([a, b, {"replicas": [1, 2], "latency_ms": "x"}])
-    assert (run["requests"], run["workers"]) == (5, 3)
+    assert (run["requests"], run["workers"], run["pids"]) == (5, 3, [4, 11])
     assert run["replicas"] == {
         "r0": {"state": "down", "calls": 12, "errors": 7, "in_flight": 0, "failures": 0}
     }

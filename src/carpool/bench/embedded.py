@@ -1,9 +1,11 @@
 """The gateway of the benchmarks and of ``carpool bench``: the real app in a child process.
 
 Contract:
-- ``gateway(config, log_path, env)`` (context manager) starts ``python -m carpool.bench.embedded
-  CONFIG.json`` (``process.server``) and yields its ``Server`` (``url``, ``port``, ``pid``) once
-  ``/healthz`` answers; ``embedded_gateway(config, log_path)`` is the same as an async context
+- ``gateway(config, log_path, env)`` (context manager) starts ``python -m carpool.bench.embedded``
+  (``process.server``), hands it ``config`` (secrets included) as the first line of its stdin,
+  and yields its ``Server`` (``url``, ``port``, ``pid``) once ``/healthz`` answers. Never in a
+  file: one in /tmp outlived a ``carpool bench`` that was killed, with the admin token and the
+  upstream key in it. ``embedded_gateway(config, log_path)`` is the same as an async context
   manager yielding the URL (``carpool bench``). The child runs
   ``carpool.server.create_app(build_gateway(config))`` on uvicorn (uvloop and httptools when
   installed, access log off, backlog 4096: the stack of ``carpool serve``), in front of
@@ -26,9 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -45,26 +45,18 @@ def gateway(
     config: Config, log_path: Path | None = None, env: dict[str, str] | None = None
 ) -> Iterator[process.Server]:
     """Run the gateway for ``config`` in a child process for the block."""
-    with tempfile.NamedTemporaryFile(
-        "w", suffix=".json", prefix="carpool-bench-", delete=False
-    ) as handle:
-        json.dump(config.with_secrets(), handle)
-        config_path = handle.name
     try:
         with process.server(
             "carpool.bench.embedded",
-            [config_path],
             name="the embedded gateway",
             health="/healthz",
             log_path=log_path,
             env=env,
+            stdin=json.dumps(config.with_secrets()).encode() + b"\n",  # (one line: JSON's)
         ) as child:
             yield child
     except process.ChildError as error:
         raise EmbeddedError(str(error)) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(config_path)
 
 
 @contextlib.asynccontextmanager
@@ -77,15 +69,14 @@ async def embedded_gateway(config: Config, log_path: Path) -> AsyncIterator[str]
 # ---------------------------------------------------------------------------------- the child
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     import logging
 
     from ..http_protocol import protocol
     from ..server import create_app
     from ..wiring import build_gateway
 
-    args = sys.argv[1:] if argv is None else argv
-    config = Config.model_validate(json.loads(Path(args[0]).read_text()))
+    config = Config.model_validate(json.loads(sys.stdin.buffer.readline()))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
         gateway = build_gateway(config)

@@ -4,15 +4,16 @@ and say so, one-shot workers that print their result, and how any of them is sto
 Contract (parent side):
 - Every child runs this interpreter with this process's ``carpool`` first on its PYTHONPATH (so a
   checkout's code measures itself, not an installed copy) and ``PYTHONHASHSEED=0`` unless set.
-- ``server(module, args, name, health, log_path)`` (context manager) starts ``python -m MODULE ARGS``,
-  reads the port it announces (below), waits until ``GET health`` answers 200, and yields a
+- ``server(module, args, name, health, log_path, stdin)`` (context manager) starts ``python -m
+  MODULE ARGS``, writes ``stdin`` (bytes, e.g. a config with secrets: never in a file nor on a
+  command line) to its stdin, which stays open, reads the port it announces (below), waits until ``GET health`` answers 200, and yields a
   ``Server`` (``pid``, ``port``, ``url``). Its stderr goes to ``log_path`` (inherited when None),
   its stdout is discarded after the announcement. A child that exits, or announces nothing, or
   does not answer within ``timeout`` raises ``ChildError`` (naming it ``name``) with the end of its
   log. Leaving the
   block stops it: SIGTERM, SIGKILL after ``grace`` seconds.
 - ``in_thread(context)``: such a context manager entered from async code (start and stop in a
-  worker thread).
+  worker thread); cancelled while it starts, it stops what it started once started.
 - ``run_child(args, spec, timeout)``: ``python ARGS '<spec as JSON>'``, whose stdout is one JSON
   value, returned; a failure raises ``ChildError`` with the end of its stderr.
 - For servers started otherwise (the peers' own command lines): ``free_port()``,
@@ -97,6 +98,7 @@ def server(
     env: dict[str, str] | None = None,
     timeout: float = START_TIMEOUT_S,
     grace: float = 10.0,
+    stdin: bytes = b"",
 ) -> Iterator[Server]:
     """Run ``python -m MODULE ARGS`` (a server that announces its port) for the block."""
     log = None
@@ -111,6 +113,8 @@ def server(
         env=child_env(env),
     )
     try:
+        if stdin:
+            _write(proc, stdin)
         port = _announced(proc, timeout)
         if port is None:
             raise ChildError(f"{name or module} did not start:\n{_tail(log_path)}")
@@ -126,12 +130,28 @@ def server(
 @contextlib.asynccontextmanager
 async def in_thread(context: contextlib.AbstractContextManager[T]) -> AsyncIterator[T]:
     """A blocking context manager (a child's start and stop) entered from async code: its
-    ``__enter__`` and ``__exit__`` run in a worker thread, so the event loop keeps running."""
-    value = await asyncio.to_thread(context.__enter__)
+    ``__enter__`` and ``__exit__`` run in a worker thread, so the event loop keeps running.
+    Cancelled while it starts, it still stops what it started, once started."""
+    entering = asyncio.ensure_future(asyncio.to_thread(context.__enter__))
+    try:
+        value = await asyncio.shield(entering)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # (a start that failed started nothing)
+            await entering
+            await asyncio.to_thread(context.__exit__, None, None, None)
+        raise
     try:
         yield value
     finally:
         await asyncio.to_thread(context.__exit__, None, None, None)
+
+
+def _write(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    """``data`` to the child's stdin, kept open (its close tells the child to stop)."""
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError):  # it exited: said below, with its log
+        proc.stdin.write(data)
+        proc.stdin.flush()
 
 
 def _announced(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

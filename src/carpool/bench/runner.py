@@ -29,8 +29,9 @@ Contract:
   ``/stats`` read, and adds ``audit`` (``meanings.grade``: the true wrong-hit rate next to the
   audits' estimate) and ``audit.png`` to the report; it refuses ``url``.
 - Errors a user can fix raise ``WorkloadError`` (a bad workload or option, ``out`` a directory
-  that cannot be created included: exit 2 in the CLI), ``EmbeddedError`` or
-  ``GatewayUnreachable`` (exit 1).
+  that cannot be created and ``url`` not an http(s) URL included: exit 2 in the CLI),
+  ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1: a gateway that did not start or
+  answer).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 from ..config import Config
 from . import meanings, plots, process, report
+from .client import Address
 from .embedded import embedded_gateway
 from .oracle import oracle
 from .recorded import load_jsonl
@@ -148,6 +150,15 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise WorkloadError(f"--requests must be >= 1, got {options.requests}")
     if options.concurrency is not None and options.concurrency < 1:
         raise WorkloadError(f"--concurrency must be >= 1, got {options.concurrency}")
+    if options.url is not None:
+        # Up front: a URL that names no gateway is a bad option, not an unreachable gateway.
+        try:
+            Address.parse(_normalise_url(options.url))
+        except ValueError as error:
+            why = "" if str(error).startswith("not an http(s) URL") else f": {error}"
+            raise WorkloadError(
+                f"--url {options.url!r}: not an http(s) URL (http://host:port){why}"
+            ) from None
     audit = options.workload == meanings.WORKLOAD and not options.workload_file
     if audit and options.url:
         raise WorkloadError(

@@ -2,13 +2,19 @@
 
 Contract: the run itself is ``carpool.bench.runner.run_bench`` (its contract says what it does and
 writes); here only the flags, the summary printed, and the exit statuses: 2 for a workload the
-user can fix, 1 for a gateway that could not be started or reached.
+user can fix, 1 for a gateway that could not be started or reached, 143 when SIGTERM stopped the
+run. SIGTERM (a timeout, a CI job cancelled) stops it as Ctrl-C does: the run is cancelled, so
+the children it started (the embedded gateway, the audit's upstream) are stopped on the way out
+rather than left to notice that their stdin closed; no report is written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
+from typing import Any
 
 import click
 
@@ -71,7 +77,8 @@ from .common import load_config
     default=None,
     type=click.Path(dir_okay=False),
     help="YAML config of the embedded gateway (e.g. semantic.enabled: true); with --url "
-    "it gives the tenant header and the cost model (sim section) only.",
+    "it gives the tenant header, the cost model (sim section) and the admin_token (for the "
+    "gateway's /stats) only.",
 )
 @click.option(
     "--out",
@@ -142,7 +149,10 @@ def bench(
         spec={"tenants": tenants, "duplicate_rate": duplicate_rate, "stream_share": stream_share},
     )
     try:
-        report = asyncio.run(run_bench(options))
+        report = asyncio.run(_stopped_by_sigterm(run_bench(options)))
+    except asyncio.CancelledError:
+        click.echo("carpool bench: stopped by SIGTERM; no report written", err=True)
+        sys.exit(128 + signal.SIGTERM)
     except WorkloadError as error:
         click.echo(f"carpool bench: {error}", err=True)
         sys.exit(2)
@@ -164,3 +174,14 @@ def bench(
     if report.get("plots_missing"):
         click.echo(report["plots_missing"])
     click.echo(f"report: {options.out / 'report.md'}")
+
+
+async def _stopped_by_sigterm(run: Any) -> Any:
+    """``run``, cancelled on SIGTERM: its ``finally`` blocks stop what it started (the default
+    action ended this process there and then)."""
+    task = asyncio.current_task()
+    assert task is not None
+    # (No signal handlers on this platform, or not in the main thread: a test's CliRunner.)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await run

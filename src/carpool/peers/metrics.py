@@ -20,9 +20,11 @@ Contract:
 - ``/stats`` stays the answering worker's document (its ``pid``), with ``run``
   (:func:`run_totals`): the workers' counters summed (``saved_fraction`` of the sums), their
   flights, caches and replicas' calls summed, and per outcome the latency figures of the
-  worker whose are highest (percentiles do not add up), ``workers`` the documents summed. The
-  dashboard draws ``run`` when there is one: it polls on one kept-alive connection, so one
-  worker answered every poll, and its charts showed that worker's traffic alone.
+  worker whose are highest (percentiles do not add up), ``workers`` the documents summed and
+  ``pids`` their processes (sorted). The dashboard draws ``run`` when there is one: it polls on
+  one kept-alive connection, so one worker answered every poll, and its charts showed that
+  worker's traffic alone. ``pids`` tells it a run whose worker was replaced (its counters from 0
+  again) from the same run answered by another worker.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
         "replicas": replicas,
         "latency_ms": latency,
         "workers": len(docs),
+        "pids": sorted(pid for doc in docs if isinstance(pid := doc.get("pid"), int)),
     }
 
 
