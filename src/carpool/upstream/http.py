@@ -55,6 +55,9 @@ Contract (on top of ``upstream.base``):
   and one client's key could replay another's answer. An upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
+- Pass-through relays the answer's status, but a redirect's (with a ``Location``:
+  ``UpstreamRedirected``, neither followed nor relayed) and a final status no answer has (a
+  1xx, 600-999: ``UpstreamBadStatus``), both a 502; a 304 is relayed (a conditional GET's).
 - Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names) and, with a credential the gateway holds, what the upstream
@@ -81,6 +84,7 @@ from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
     UpstreamAnswerCut,
+    UpstreamBadStatus,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamRedirected,
@@ -418,6 +422,13 @@ class HttpUpstream:
             response.release()
             raise UpstreamRedirected(
                 f"upstream {self.label} answered a redirect ({response.status})"
+            )
+        if not 200 <= response.status < 600:
+            # A 1xx taken as final (a 101: the gateway asked for no upgrade), 600-999: no answer
+            # a client can read (``UpstreamBadStatus``), as for the cached endpoints' calls.
+            response.release()
+            raise UpstreamBadStatus(
+                f"upstream {self.label} answered with status {response.status}, which no answer has"
             )
         dropped = NOT_RELAYED | HELD_KEY_NOT_RELAYED if self._held else NOT_RELAYED
         named = response.headers.getall("connection", ())
