@@ -392,13 +392,14 @@ _RETRY_VALUE = re.compile(r"[ -~]{1,64}")  # (an HTTP date, seconds, ms, true/fa
 
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with a non-2xx status; its status and body reach the client as
-    they are, with what it said of when to retry (``RETRY_HEADERS``)."""
+    they are, with its content type (none when it named none: ``content_type`` None) and what
+    it said of when to retry (``RETRY_HEADERS``)."""
 
     def __init__(
         self,
         status: int,
         content: bytes,
-        content_type: str = "application/json",
+        content_type: str | None = "application/json",
         retry: tuple[tuple[str, str], ...] = (),
     ):
         super().__init__(f"upstream answered {status}")
@@ -415,7 +416,9 @@ class UpstreamStatusError(UpstreamError):
         return self.content
 
     def headers(self) -> dict[str, str]:
-        return {"content-type": self.content_type, **dict(self.also)}
+        # (An upstream that named no content type: none, never an empty one.)
+        named = {"content-type": self.content_type} if self.content_type else {}
+        return {**named, **dict(self.also)}
 
     def for_others(self) -> UpstreamError:
         try:

@@ -247,7 +247,7 @@ class Exchange:
                 error = UpstreamStatusError(
                     response.status,
                     response.body,
-                    response.headers.get("content-type", "application/json"),
+                    response.headers.get("content-type"),  # (none: relayed without one)
                     retry_headers(response.headers),
                 )
                 # Which body it refused: a joiner of the flight that sent another may not be.
@@ -327,10 +327,11 @@ class Exchange:
                 stream=_pipe(api, response),
                 outcome=Outcome.BYPASS,
             )
-        ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+        ctype = response.headers.get("content-type")
         return Reply(
             response.status,
-            [(b"content-type", ctype), header],
+            # (The upstream's, or none if it named none: never an empty one.)
+            [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header],
             response.body,
             outcome=Outcome.BYPASS,
         )

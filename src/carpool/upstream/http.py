@@ -62,8 +62,8 @@ Contract (on top of ``upstream.base``):
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
-  carry only their content type from the upstream, and a refusal what it says of when to retry
-  (``errors.RETRY_HEADERS``).
+  carry only their content type from the upstream (none when it named none), and a refusal
+  what it says of when to retry (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -351,7 +351,8 @@ class HttpUpstream:
             data = await answer.read()
         except wire.WireError as exc:
             raise self._mid_answer(exc) from exc
-        headers = {"content-type": content_type}
+        # (None named: none relayed, never an empty one.)
+        headers = {"content-type": content_type} if content_type else {}
         if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
             headers.update(answer.retry)
         return UpstreamResponse(status, headers, body=data)
