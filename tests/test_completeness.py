@@ -183,6 +183,29 @@ async def test_a_body_with_fewer_choices_than_n_is_served_as_it_came_but_not_sto
     await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
 
 
+@pytest.mark.parametrize("error", [{"message": "partial failure"}, "partial failure"])
+async def test_a_body_with_finished_choices_and_a_top_level_error_is_served_as_it_came_but_not_stored(
+    gw, fake, error
+):
+    """Judged by its choices alone it was stored and served as a hit, while the same error in
+    a stream's chunk fails the flight: an answer reporting an error is not complete."""
+    fake.chat_extra = {"error": error}
+    body = chat_body("partly failed?")
+    first = await gw.client.post(CHAT, json=body)
+    assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
+    assert first.json()["error"] == error and first.json()["choices"]
+    await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
+
+
+async def test_a_body_whose_error_field_is_null_is_complete_and_stored(gw, fake):
+    """Some servers write every field, ``"error": null`` too: no failure (as in a stream)."""
+    fake.chat_extra = {"error": None}
+    first = await gw.client.post(CHAT, json=chat_body("all well?"))
+    again = await gw.client.post(CHAT, json=chat_body("all well?"))
+    assert again.headers["x-carpool"] == "hit" and again.json() == first.json()
+    assert fake.count() == 1
+
+
 async def test_a_stream_with_fewer_choices_than_n_that_ended_whole_is_served_as_it_came_but_not_stored(
     gw, fake
 ):
@@ -225,6 +248,7 @@ async def test_the_embedded_simulators_streams_are_complete_and_stored():
 # --- the rules, unit by unit -------------------------------------------------------------------
 
 DONE_CHOICE = {"index": 0, "finish_reason": "stop"}
+EMBEDDED = {"data": [{"index": 0, "embedding": [0.5, 0.5]}]}
 
 
 def test_every_choice_asked_for_must_be_there_and_finished():
@@ -237,6 +261,15 @@ def test_every_choice_asked_for_must_be_there_and_finished():
     )
     # Without an index, a choice counts at its position.
     assert is_complete("completion", {"choices": [{"finish_reason": "stop"}] * 2}, 2)
+
+
+def test_an_answer_reporting_an_error_at_its_top_is_not_complete_a_null_error_is():
+    for kind, answered in (("chat", {"choices": [DONE_CHOICE]}), ("embedding", EMBEDDED)):
+        assert is_complete(kind, {**answered, "error": None})
+        assert not is_complete(kind, {**answered, "error": {"message": "m"}})
+        assert not is_complete(kind, {**answered, "error": "m"})
+        assert api_of(kind).complete({**answered, "error": None})
+        assert not api_of(kind).complete({**answered, "error": {"message": "m"}})
 
 
 def test_the_choices_expected_are_n_per_prompt_whatever_best_of():

@@ -35,6 +35,7 @@ import json
 import random
 import socket
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -49,6 +50,8 @@ from carpool.fingerprint import RepeatMemo, fingerprint
 from carpool.request import ClientRequest, parse
 from carpool.upstream import wire
 from conftest import Served, redis_settings, run_gateway
+from fakes.raw_upstream import RawCall, raw_upstream
+from fakes.raw_upstream import answer as raw_answer
 from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
 from fakes.waiting import eventually
 
@@ -765,3 +768,108 @@ async def test_redis_killed_mid_stream_and_restarted_no_client_gets_a_broken_ans
         again = await a.chat()
         assert again.headers["x-carpool"] == "hit" and again.json() == retry.json()
         await nothing_left(baseline, a, b, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------
+# Statuses that are no answer (a raw upstream: ``fakes/raw_upstream.py``)
+
+_UPSTREAM_SECRET = orjson.dumps({"error": {"message": "alice's metadata: s3cr3t", "type": "x"}})
+
+
+def _chat_answer(text: str = "fine") -> bytes:
+    return raw_answer(
+        200,
+        b"OK",
+        orjson.dumps(
+            {
+                "id": "chatcmpl-raw",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        ),
+    )
+
+
+def _odd(status: int) -> Callable[[RawCall], bytes | tuple[bytes, bool]]:
+    """Answers ``status`` to the prompt "odd", a normal chat answer to anything else; a 101 as
+    a server switching protocols does (no body, the connection then closed)."""
+
+    def respond(call: RawCall) -> bytes | tuple[bytes, bool]:
+        if call.body["messages"][-1]["content"] != "odd":
+            return _chat_answer()
+        if status == 101:
+            return raw_answer(101, b"Switching Protocols", content_type=None), True
+        if status == 304:  # (a 304 has no body: what follows its head is the next answer)
+            return raw_answer(304, b"Not Modified")
+        return raw_answer(status, b"Whatever", _UPSTREAM_SECRET)
+
+    return respond
+
+
+@pytest.mark.parametrize("status", [101, 302, 304, 600, 999])
+@pytest.mark.parametrize("shape", ["whole", "stream", "bypass"])
+async def test_an_upstream_status_neither_2xx_4xx_nor_5xx_is_a_502_of_the_gateways_never_relayed(
+    status, shape
+):
+    """1xx taken as final, 3xx, 600-999 (httptools reads any three digits): relayed, a 999 was
+    a KeyError and a connection closed without an answer (the SDK retried it twice), a 101 told
+    the client its connection switched protocols, a 304 carried a body. Now the gateway's own
+    502 in the API's error shape, as pass-through answers a redirect; nothing stored; the
+    client's connection goes on."""
+    code = "upstream_redirect" if 300 <= status < 400 else "upstream_bad_status"
+    async with raw_upstream(_odd(status)) as upstream, run_gateway([upstream.url]) as gw:
+        body = {"model": "m", "messages": [{"role": "user", "content": "odd"}], "temperature": 0}
+        if shape == "bypass":
+            body["temperature"] = 1
+        one = httpx.Limits(max_connections=1)
+        async with httpx.AsyncClient(base_url=gw.url, limits=one, timeout=10) as client:
+            for attempt in (1, 2):
+                if shape == "stream":
+                    response = await client.post(CHAT, json={**body, "stream": True})
+                else:
+                    response = await client.post(CHAT, json=body)
+                assert response.status_code == 502
+                assert response.headers["content-type"] == "application/json"
+                assert response.headers["x-carpool"] == ("bypass" if shape == "bypass" else "miss")
+                error = error_of(response)
+                assert error["code"] == code and error["type"] == "upstream_error"
+                assert "s3cr3t" not in response.text
+                assert len(upstream.calls) == attempt  # never stored: called again
+            assert gw.gateway.store.entries == 0
+            # The same connection serves the next request.
+            fine = {**body, "messages": [{"role": "user", "content": "hello"}]}
+            after = await client.post(CHAT, json=fine)
+            assert after.status_code == 200 and content(after) == "fine"
+
+
+async def test_a_joiner_of_another_users_call_answered_304_gets_the_502_and_keeps_its_connection():
+    """A 304 with the joiner's ``for_others`` body (194 bytes) desynchronised its keep-alive
+    connection: its next request read that body as its answer's head."""
+    async with raw_upstream(_odd(304)) as upstream, run_gateway([upstream.url]) as gw:
+        upstream.gate = asyncio.Event()
+        body = {"model": "m", "messages": [{"role": "user", "content": "odd"}], "temperature": 0}
+        one = httpx.Limits(max_connections=1)
+        async with httpx.AsyncClient(base_url=gw.url, limits=one, timeout=10) as bob:
+            alice = asyncio.create_task(gw.client.post(CHAT, json={**body, "user": "alice"}))
+            await upstream.arrived.wait()
+            joiner = asyncio.create_task(bob.post(CHAT, json={**body, "user": "bob"}))
+            await eventually(lambda: flight_clients(gw) == 2, what="bob joining alice's call")
+            upstream.gate.set()
+            led, joined = await asyncio.gather(alice, joiner)
+            assert joined.headers["x-carpool"] == "coalesced"
+            for response in (led, joined):
+                assert response.status_code == 502
+                assert error_of(response)["code"] == "upstream_redirect"
+            fine = {**body, "messages": [{"role": "user", "content": "hello"}]}
+            after = await bob.post(CHAT, json=fine)
+            assert after.status_code == 200 and content(after) == "fine"
+        assert len(upstream.calls) == 2

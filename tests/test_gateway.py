@@ -10,6 +10,9 @@ import orjson
 import pytest
 
 from carpool.clock import ManualClock
+from conftest import run_gateway
+from fakes.raw_upstream import RawCall, raw_upstream
+from fakes.raw_upstream import answer as raw_answer
 from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
@@ -569,3 +572,40 @@ async def test_every_response_of_a_cached_endpoint_carries_x_carpool(gw, fake):
     ]
     assert [r.headers["x-carpool"] for r in responses] == ["miss", "hit", "bypass", "bypass"]
     assert orjson.loads(responses[0].content) == orjson.loads(responses[1].content)
+
+
+# --- what is relayed of an upstream's head ----------------------------------------------------
+
+
+async def test_an_upstream_answer_without_a_content_type_is_relayed_without_one_not_an_empty_one():
+    """An upstream that names no content type: its refusal and a bypassed answer were relayed
+    with ``content-type:`` and nothing after it. Now without the header, as it came."""
+    whole = orjson.dumps(
+        {
+            "id": "chatcmpl-raw",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hi"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
+
+    def respond(call: RawCall) -> bytes:
+        if call.body["messages"][-1]["content"] == "refused":
+            return raw_answer(429, b"Busy", b"upstream overloaded", content_type=None)
+        return raw_answer(200, b"OK", whole, content_type=None)
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        refused = await gw.chat("refused")
+        bypassed = await gw.chat("hello", temperature=1)
+        assert refused.status_code == 429 and refused.content == b"upstream overloaded"
+        assert bypassed.status_code == 200 and bypassed.headers["x-carpool"] == "bypass"
+        assert bypassed.content == whole
+        for response in (refused, bypassed):
+            assert "content-type" not in response.headers

@@ -16,6 +16,7 @@ import pytest
 
 from carpool.config import Config
 from carpool.http_protocol import GatewayProtocol
+from carpool.reply import Reply
 from carpool.server import GatewayApp, create_app
 from carpool.wiring import build_gateway
 from fakes.serving import ServedApp, serve_app_with_server
@@ -906,3 +907,25 @@ async def test_a_pipelined_requests_late_body_still_gets_its_408(fake):
             second, _, body = await asyncio.wait_for(_response(reader), 10)
     assert (first, second) == (200, 408)
     assert orjson.loads(body)["error"]["code"] == "body_timeout"
+
+
+@pytest.mark.parametrize("status", [600, 999])
+async def test_a_reply_with_a_status_of_no_known_reason_phrase_is_written_never_a_keyerror(
+    fake, status
+):
+    """uvicorn's status lines cover 100-599: a reply of any other status (what an upstream's
+    three digits can say) was a KeyError and a connection closed with no answer at all. It is
+    written with an empty reason phrase (RFC 9112 4: the phrase may be empty)."""
+    async with _gateway(fake) as (served, counted):
+        gateway = served.server.config.loaded_app.app.gateway
+
+        async def odd(client: Any) -> Reply:
+            return Reply(status, [(b"content-type", b"application/json")], b"{}")
+
+        gateway.handle = odd
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            assert await reader.readuntil(b"\r\n") == b"HTTP/1.1 %d \r\n" % status
+            assert b"content-length: 2\r\n" in await reader.readuntil(b"\r\n\r\n")
+            assert await reader.readexactly(2) == b"{}"
+    assert counted.asked == 1

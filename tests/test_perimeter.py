@@ -38,6 +38,8 @@ from carpool.upstream.base import PassthroughResponse, UpstreamRequest, Upstream
 from carpool.upstream.http import HttpUpstream, replica_names
 from conftest import run_gateway
 from fakes.errors import assert_openai_error
+from fakes.raw_upstream import RawCall, raw_upstream
+from fakes.raw_upstream import answer as raw_answer
 from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream
 
@@ -811,3 +813,39 @@ async def test_passthrough_never_follows_a_redirect_with_the_clients_credentials
         response = await gw.client.get("/v1/files", headers={"api-key": "CLIENT-SECRET"})
         assert response.status_code == 502 and elsewhere.count() == 0
         assert response.json()["error"]["code"] == "upstream_redirect"
+
+
+@pytest.mark.parametrize("status", [101, 600, 999])
+async def test_passthrough_answers_a_status_no_client_can_read_with_a_502(status):
+    """A final status no answer has (a 1xx taken as final, 600-999: httptools reads any three
+    digits) was relayed: a 999 a KeyError in the server, a connection closed without an
+    answer; a 101 told the client its connection switched protocols. A 502, as a cached
+    endpoint answers it; a 304 is an answer (a conditional GET's) and is relayed."""
+
+    def respond(call: RawCall) -> bytes | tuple[bytes, bool]:
+        if call.line.startswith("GET /v1/files/same"):
+            return raw_answer(304, b"Not Modified", content_type=None)
+        return raw_answer(status, b"Whatever", b'{"error": "upstream words"}'), status == 101
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        response = await gw.client.get("/v1/files/odd")
+        assert response.status_code == 502 and b"upstream words" not in response.content
+        assert response.json()["error"]["code"] == "upstream_bad_status"
+        same = await gw.client.get("/v1/files/same", headers={"if-none-match": '"1"'})
+        assert same.status_code == 304 and same.content == b""
+
+
+@pytest.mark.parametrize("status", [302, 999])
+async def test_an_upstream_answering_the_readiness_probe_with_a_status_not_relayed_is_ready(
+    status,
+):
+    """A redirect (or a 999) to ``GET /v1/models`` is an answer pass-through does not relay
+    (a 502 for its client): the upstream is reachable, and /readyz says so rather than fail."""
+    location = ((b"location", b"http://elsewhere.example/v1/models"),)
+
+    def respond(call: RawCall) -> bytes:
+        return raw_answer(status, b"Whatever", b"{}", headers=location)
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        ready = await gw.client.get("/readyz")
+        assert ready.status_code == 200 and len(upstream.calls) == 1

@@ -7,6 +7,9 @@ import asyncio
 import orjson
 import pytest
 
+from fakes.flights import CHAT, flight_clients
+from fakes.waiting import eventually
+
 STREAMED = {"upstream": {"stream_flights": True}}
 
 
@@ -301,3 +304,38 @@ async def test_a_stream_event_whose_error_field_is_null_is_no_failure(gw, fake):
     for name in ("chat", "responses", "messages"):
         assert api_of(name).failure({"type": "message", "error": None}) is None
         assert api_of(name).failure({"error": {"message": "m", "type": "t"}}) is not None
+
+
+@pytest.mark.parametrize("choices", ["missing", "empty"])
+async def test_a_2xx_body_without_choices_reaches_a_streaming_client_as_its_streams_failure(
+    gw, fake, choices
+):
+    """A whole 200 body with no answer in it (``choices`` missing or empty), to a streaming
+    request or to a streaming joiner of a non-streaming leader: the client got ``data: [DONE]``
+    alone, which the SDK ends as an empty success. Now its stream's failure (an error event, no
+    end), as a body reporting an error; the non-streaming leader gets the body as it came."""
+    answer = {"id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "m"}
+    if choices == "empty":
+        answer["choices"] = []
+    fake.fail_status, fake.fail_body = 200, answer
+
+    def failed(streamed) -> None:
+        assert streamed.status_code == 200 and "[DONE]" not in streamed.text
+        payloads = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        [event] = [orjson.loads(payload) for payload in payloads]
+        assert event["error"]["code"] == "upstream_stream_broken"
+        assert "choices" in event["error"]["message"]
+
+    failed(await gw.client.post(CHAT, json={**body("no answer?"), "stream": True}))
+    fake.gate = asyncio.Event()
+    fake.arrived.clear()
+    leader = asyncio.create_task(gw.client.post(CHAT, json=body("none?")))
+    await fake.arrived.wait()
+    joiner = asyncio.create_task(gw.client.post(CHAT, json={**body("none?"), "stream": True}))
+    await eventually(lambda: flight_clients(gw) == 2, what="the streaming joiner")
+    fake.gate.set()
+    plain, streamed = await asyncio.gather(leader, joiner)
+    assert plain.status_code == 200 and plain.json() == answer  # (asked JSON: as it came)
+    assert streamed.headers["x-carpool"] == "coalesced"
+    failed(streamed)
+    assert fake.count(CHAT) == 2  # neither stored

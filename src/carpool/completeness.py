@@ -5,7 +5,8 @@ Pure functions; no I/O.
 Contract:
 
 - ``is_complete(kind, body, choices=None)`` says whether a body is a complete, successful answer
-  worth caching: for "chat"/"completion" a non-empty ``choices`` whose every finish_reason is set
+  worth caching: never one with a non-null top-level ``error`` (``"error": null`` is none);
+  for "chat"/"completion" a non-empty ``choices`` whose every finish_reason is set
   (and is not vLLM's "abort" or "error") and, with ``choices`` (a count), one such choice for every
   index 0..choices-1 (a choice without ``index`` counts at its position); for "embedding" a
   non-empty ``data`` whose every item has an ``embedding``. ``expected_choices(kind, request)`` is
@@ -24,10 +25,15 @@ _FAILED = frozenset(("abort", "error"))
 
 
 def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
-    """A complete, successful answer: every choice finished (chat/completion), and each of the
-    ``choices`` asked for is there; or every item has an embedding ("embedding"). Malformed
-    bodies are simply not complete; never raises."""
+    """A complete, successful answer: no top-level error; every choice finished
+    (chat/completion), and each of the ``choices`` asked for is there; or every item has an
+    embedding ("embedding"). Malformed bodies are simply not complete; never raises."""
     try:
+        if body.get("error") is not None:
+            # An answer reporting an error is no success, whatever else it holds (as the same
+            # error in a stream's chunk fails it); ``"error": null`` is no error (some servers
+            # write every field).
+            return False
         if kind in ("chat", "completion"):
             found = body["choices"]
             if (

@@ -24,7 +24,9 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere;
     │   │                             502 when the connection dropped unanswered)
     │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
-    │   ├── UpstreamRedirected        502: a pass-through call answered with a redirect (not followed)
+    │   ├── UpstreamRedirected        502: a redirect (not followed): a pass-through call's with a
+    │   │                             ``Location``, any 3xx to a cached endpoint's call
+    │   ├── UpstreamBadStatus         502: a final status no answer has (1xx, 600-999)
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
     │       │                         (the engine took the call: ``x-should-retry: false``)
@@ -272,10 +274,24 @@ class UpstreamNoAnswer(UpstreamTimeout):
 class UpstreamRedirected(UpstreamError):
     """A pass-through call answered with a redirect. Not followed: the client's credentials
     (an ``api-key`` header, a query key) would go to whatever host it names; nor relayed: its
-    ``Location`` names the upstream."""
+    ``Location`` names the upstream. A cached endpoint's call answered with any 3xx (a 304,
+    one without ``Location``) too: no answer of those endpoints has such a status, and a
+    joiner of another request's call would get it with a body (``for_others``), which no
+    client reads after a 304: its connection's next answer would begin there."""
 
     status = 502
     code = "upstream_redirect"
+
+
+class UpstreamBadStatus(UpstreamError):
+    """A final status no answer can have: a 1xx taken as final (101 Switching Protocols, to a
+    call that asked for no upgrade), or one HTTP does not define (600-999: the parser reads any
+    three digits). Relayed, a 101 told the client its connection switched protocols, and a 999
+    had no status line to be written with (the connection closed unanswered): a 502, on the
+    cached endpoints and pass-through alike."""
+
+    status = 502
+    code = "upstream_bad_status"
 
 
 class UpstreamKeyRefused(UpstreamError):
@@ -376,13 +392,14 @@ _RETRY_VALUE = re.compile(r"[ -~]{1,64}")  # (an HTTP date, seconds, ms, true/fa
 
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with a non-2xx status; its status and body reach the client as
-    they are, with what it said of when to retry (``RETRY_HEADERS``)."""
+    they are, with its content type (none when it named none: ``content_type`` None) and what
+    it said of when to retry (``RETRY_HEADERS``)."""
 
     def __init__(
         self,
         status: int,
         content: bytes,
-        content_type: str = "application/json",
+        content_type: str | None = "application/json",
         retry: tuple[tuple[str, str], ...] = (),
     ):
         super().__init__(f"upstream answered {status}")
@@ -399,7 +416,9 @@ class UpstreamStatusError(UpstreamError):
         return self.content
 
     def headers(self) -> dict[str, str]:
-        return {"content-type": self.content_type, **dict(self.also)}
+        # (An upstream that named no content type: none, never an empty one.)
+        named = {"content-type": self.content_type} if self.content_type else {}
+        return {**named, **dict(self.also)}
 
     def for_others(self) -> UpstreamError:
         try:

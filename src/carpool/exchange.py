@@ -5,7 +5,10 @@ Contract:
   where there are replicas to choose among: the prompt is not even read otherwise) and failed
   over once if need be; counted (its routing decision, by ``ReplicaSet``, a failed call's too;
   ``upstream_calls`` counts its attempts) and traced
-  (``carpool.upstream``). Embeddings go through the batcher, which calls ``send`` itself. A
+  (``carpool.upstream``). A final status that is neither 2xx nor 4xx/5xx (a 3xx, a 1xx taken
+  as final, 600-999) is no answer of the cached endpoints: it raises the gateway's own 502
+  (``UpstreamRedirected`` for a 3xx, as pass-through answers a redirect; else
+  ``UpstreamBadStatus``), so a flight fails with it and a bypass answers it; never relayed. Embeddings go through the batcher, which calls ``send`` itself. A
   client's request of an API that keeps state upstream (a Responses call: ``Api.keeps_state``)
   goes to the replica that made the stored response it continues, and the response its 2xx
   answer makes is remembered with its replica before the answer is read further (a whole
@@ -54,7 +57,9 @@ from .broadcast import Broadcast
 from .errors import (
     CarpoolError,
     LeaderLost,
+    UpstreamBadStatus,
     UpstreamError,
+    UpstreamRedirected,
     UpstreamStatusError,
     UpstreamStreamBroken,
     retry_headers,
@@ -113,7 +118,19 @@ async def send(
             response, replica, decision = await replicas.send(upstream_request, text, holder)
             span.set_attribute("carpool.replica", replica.name)
             span.set_attribute("carpool.decision", decision.value)
-    if tenant is not None and request is not None and 200 <= response.status < 300:
+    status = response.status
+    if not (200 <= status < 300 or 400 <= status < 600):
+        # No answer of these endpoints: a 3xx (a 304 has no body to relay, a redirect is not
+        # followed), a 1xx taken as final, 600-999. Relayed, the client's connection was
+        # broken (see ``UpstreamRedirected``, ``UpstreamBadStatus``): the gateway's own 502,
+        # stored nowhere. (Routing has judged the replica by it already.)
+        await response.aclose()
+        if 300 <= status < 400:
+            raise UpstreamRedirected(f"upstream {replica.label} answered a redirect ({status})")
+        raise UpstreamBadStatus(
+            f"upstream {replica.label} answered with status {status}, which no answer has"
+        )
+    if tenant is not None and request is not None and 200 <= status < 300:
         remember = partial(layers.holders.remember, tenant, replica=replica.name)
         response = _remembering(response, request.api, remember)
     return response
@@ -230,7 +247,7 @@ class Exchange:
                 error = UpstreamStatusError(
                     response.status,
                     response.body,
-                    response.headers.get("content-type", "application/json"),
+                    response.headers.get("content-type"),  # (none: relayed without one)
                     retry_headers(response.headers),
                 )
                 # Which body it refused: a joiner of the flight that sent another may not be.
@@ -310,10 +327,11 @@ class Exchange:
                 stream=_pipe(api, response),
                 outcome=Outcome.BYPASS,
             )
-        ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+        ctype = response.headers.get("content-type")
         return Reply(
             response.status,
-            [(b"content-type", ctype), header],
+            # (The upstream's, or none if it named none: never an empty one.)
+            [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header],
             response.body,
             outcome=Outcome.BYPASS,
         )

@@ -32,8 +32,9 @@ Contract:
   serves it (the same ``Gateway.handle``, the same watch for the client leaving, the same counts),
   with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
   the client leaving is seen, a shutdown makes it the connection's last). Its reply is written
-  with the headers uvicorn would write, in its order: a whole one in one write; a stream
-  chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
+  with the status line and headers uvicorn would write, in its order (a status it has no
+  line for, outside 100-599, with an empty reason phrase: ``status_line``): a whole one in
+  one write; a stream chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
   client does not read. A failure there is what uvicorn makes of an app's: logged, a 500 if
   nothing was sent (in the API's error shape: ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
   over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
@@ -127,6 +128,16 @@ __all__ = ["GatewayProtocol", "protocol"]
 log = logging.getLogger("carpool.server")
 
 _ENDPOINTS = frozenset(path.encode("ascii") for path in ENDPOINTS)
+
+
+def status_line(status: int) -> bytes:
+    """The status line of a response: uvicorn's for 100-599, else with an empty reason phrase
+    (RFC 9112 4 allows one). The gateway relays no such status (``exchange.send``), but a
+    missing line was a KeyError and a connection closed with no answer at all."""
+    line = STATUS_LINE.get(status)
+    return line if line is not None else b"HTTP/1.1 %d \r\n" % status
+
+
 _POST = b"POST"
 _REQUEST_ID = HEADER + b": "
 # In front of the simulated engine, the label goes before the request's id (``_head``).
@@ -589,7 +600,7 @@ class GatewayProtocol(HttpToolsProtocol):
         headers, in the API's error shape for a cached endpoint's path (``api``: with
         ``x-carpool: bypass``, and the simulator's label in front of it), else OpenAI's."""
         body = api.error_body(error) if api is not None else error.body()
-        head = [STATUS_LINE[error.status]]
+        head = [status_line(error.status)]
         for name, value in (
             *self.server_state.default_headers,
             (b"content-type", b"application/json"),
@@ -607,7 +618,7 @@ class GatewayProtocol(HttpToolsProtocol):
     ) -> list[bytes]:
         """The response's head (uvicorn's default headers, the reply's, ``x-request-id``), and
         ``body`` after it: with its ``content-length``; None: a stream, chunked."""
-        content = [STATUS_LINE[reply.status]]
+        content = [status_line(reply.status)]
         for name, value in (*self.server_state.default_headers, *reply.headers):
             content += (name, b": ", value, b"\r\n")
         if body is not None:  # (in uvicorn's order: the reply's, then ours)

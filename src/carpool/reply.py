@@ -5,7 +5,9 @@ Contract:
   a body or an SSE stream. A streaming one holds its request's place in its flight until
   ``Reply.close()``, which the transport calls when the stream ends or the client goes.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
-  chunk if it asked for it), ``age`` on a hit; an answer whose body has no ``usage`` because
+  chunk if it asked for it), ``age`` on a hit; an incomplete 2xx body that reports an error or
+  lacks the answer's field (no choices) reaches a streaming client as its stream's failure (an
+  error event, no end), as it came a client asking JSON; an answer whose body has no ``usage`` because
   the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented); one whose
   ``usage`` is its share of a merged embeddings call's (``Answer.usage_apportioned``) carries
   ``x-carpool-usage: apportioned``, whoever it is served to (a hit, a joiner, a replay too).
@@ -101,16 +103,24 @@ def whole(
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE
     api = api_of(answer.kind)
-    if not answer.complete and (error := api.error_instead(orjson.loads(answer.body))) is not None:
-        # A 2xx body reporting an error, not an answer (never stored, so never a hit): its
-        # streaming clients are told it as a stream's failure (the engine's error object in
-        # the API's error event, no end), not sent an empty stream that ends as if all went
-        # well; a client asking JSON gets the body as it came.
-        failed = UpstreamStreamBroken("the upstream answered with an error", error)
+    if not answer.complete and (failed := _failure(api, orjson.loads(answer.body))) is not None:
         return Reply(200, headers, api.error_event(failed), outcome=outcome)
     return Reply(
         200, headers, b"".join(answer.sse(include_usage)) + api.stream_end, outcome=outcome
     )
+
+
+def _failure(api: Api, body: Any) -> UpstreamStreamBroken | None:
+    """What a streaming client is told of an incomplete 2xx body (never stored, so never a
+    hit) that is no answer: one reporting an error (the engine's error object), or one without
+    the answer's field (``Api.answer_missing``: no choices), as a stream's failure (the API's
+    error event, no end), not an empty stream that ends as if all went well; None for an
+    answer, however incomplete. A client asking JSON gets the body as it came."""
+    if (error := api.error_instead(body)) is not None:
+        return UpstreamStreamBroken("the upstream answered with an error", error)
+    if api.answer_missing(body):
+        return UpstreamStreamBroken(f"the upstream answered with no {api.answer_field}")
+    return None
 
 
 def error_reply(error: CarpoolError, outcome: Outcome | None, api: Api | None = None) -> Reply:

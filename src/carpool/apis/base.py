@@ -222,6 +222,12 @@ class Api:
                 return error
         return None
 
+    def answer_missing(self, body: Any) -> bool:
+        """Whether a 2xx body lacks the answer's field ``answer_field`` (absent, or null): a
+        streaming client is told so as its stream's failure, not sent a stream with no answer
+        in it that ends as if all went well (``reply.whole``)."""
+        return isinstance(body, dict) and body.get(self.answer_field) is None
+
     def final(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         """Whether a 2xx answer means the upstream executed the request ``asked`` (``idempotency``:
         a retry replays it rather than running again). The default: a complete answer."""

@@ -100,6 +100,10 @@ class _Classic(Api):
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         return is_complete(self.kind, body, expected_choices(self.kind, asked))
 
+    def answer_missing(self, body: Any) -> bool:
+        # (Empty too: the stream made of it would be ``data: [DONE]`` alone.)
+        return isinstance(body, dict) and not body.get("choices")
+
     def usage_tokens(self, body: Any) -> int:
         return usage_tokens(body)
 

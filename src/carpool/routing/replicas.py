@@ -67,7 +67,8 @@ all, and so whether ``text`` matters):
 - ``health()`` (``/healthz``) and ``ready()`` (``/readyz``): per replica by its public ``label``;
   ready while some replica is healthy or its back-off is over (then the next request probes it:
   reporting not-ready then would keep away the traffic that finds out it is back). A replica
-  that answers the readiness probe at all, with a 401/403 to the gateway's key too, is
+  that answers the readiness probe at all, with a 401/403 to the gateway's key too (or a
+  status pass-through does not relay: a redirect, a 101, a 999), is
   reachable; but for a 401 to its own key (``own_keys``): none of its calls would be
   answered, it is downed (a 403 to ``/models``, a restricted key's, is reachable).
 """
@@ -85,9 +86,11 @@ from carpool.config.urls import urls_without_credentials
 from carpool.errors import (
     PathNotAllowed,
     UpstreamAnswerCut,
+    UpstreamBadStatus,
     UpstreamError,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
+    UpstreamRedirected,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -557,6 +560,8 @@ class ReplicaSet:
                         pass
             except PathNotAllowed:
                 pass  # an in-process upstream: no /models, but up
+            except (UpstreamRedirected, UpstreamBadStatus):
+                pass  # an answer, if none to relay: reachable
             except UpstreamKeyRefused as error:
                 if self._own_key_refused(error):  # (no call of it would be answered)
                     self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)

@@ -55,12 +55,15 @@ Contract (on top of ``upstream.base``):
   and one client's key could replay another's answer. An upstream
   ``event: error`` in a stream is yielded as a payload ``{"error": ...}`` so the caller sees one
   shape for every mid-stream error (``apis.base.Api.failure`` reads it, and typed error events).
+- Pass-through relays the answer's status, but a redirect's (with a ``Location``:
+  ``UpstreamRedirected``, neither followed nor relayed) and a final status no answer has (a
+  1xx, 600-999: ``UpstreamBadStatus``), both a 502; a 304 is relayed (a conditional GET's).
 - Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
-  carry only their content type from the upstream, and a refusal what it says of when to retry
-  (``errors.RETRY_HEADERS``).
+  carry only their content type from the upstream (none when it named none), and a refusal
+  what it says of when to retry (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came.
 """
@@ -81,6 +84,7 @@ from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
     UpstreamAnswerCut,
+    UpstreamBadStatus,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamRedirected,
@@ -347,7 +351,8 @@ class HttpUpstream:
             data = await answer.read()
         except wire.WireError as exc:
             raise self._mid_answer(exc) from exc
-        headers = {"content-type": content_type}
+        # (None named: none relayed, never an empty one.)
+        headers = {"content-type": content_type} if content_type else {}
         if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
             headers.update(answer.retry)
         return UpstreamResponse(status, headers, body=data)
@@ -418,6 +423,13 @@ class HttpUpstream:
             response.release()
             raise UpstreamRedirected(
                 f"upstream {self.label} answered a redirect ({response.status})"
+            )
+        if not 200 <= response.status < 600:
+            # A 1xx taken as final (a 101: the gateway asked for no upgrade), 600-999: no answer
+            # a client can read (``UpstreamBadStatus``), as for the cached endpoints' calls.
+            response.release()
+            raise UpstreamBadStatus(
+                f"upstream {self.label} answered with status {response.status}, which no answer has"
             )
         dropped = NOT_RELAYED | HELD_KEY_NOT_RELAYED if self._held else NOT_RELAYED
         named = response.headers.getall("connection", ())

@@ -1,0 +1,106 @@
+"""An upstream whose answers are raw bytes, for what the ASGI fake (``fakes.upstream``) cannot
+send: a status uvicorn would not write (101 taken as final, 600-999), an answer without a
+content type, exactly the head a test wants.
+
+    async with raw_upstream(lambda call: answer(304, b"Not Modified")) as up:
+        ...  # point the gateway at up.url; up.calls, up.arrived
+
+Details:
+- Each request (its head, and a body of ``content-length`` bytes) is recorded in ``calls`` (a
+  ``RawCall``: request line, lower-case headers, the body parsed as JSON or None) and
+  ``arrived`` is set; then, once ``gate`` (when one is set) is, the bytes ``respond(call)``
+  returns are written as they are. The connection is kept for the next request, unless
+  ``respond`` returned ``close=True`` along with its bytes (a tuple), then it is closed.
+- ``answer(status, reason, body, content_type, headers)`` makes an answer's bytes, with its
+  ``content-length`` (``content_type=None``: no ``content-type`` line at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RawCall", "RawUpstream", "answer", "raw_upstream"]
+
+
+@dataclass
+class RawCall:
+    line: str
+    headers: dict[str, str]
+    body: Any = field(default=None)
+
+
+def answer(
+    status: int,
+    reason: bytes = b"",
+    body: bytes = b"",
+    content_type: bytes | None = b"application/json",
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> bytes:
+    """An HTTP/1.1 answer's bytes, with its ``content-length``."""
+    head = b"HTTP/1.1 %d %s\r\n" % (status, reason)
+    if content_type is not None:
+        head += b"content-type: " + content_type + b"\r\n"
+    for name, value in headers:
+        head += name + b": " + value + b"\r\n"
+    return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+class RawUpstream:
+    def __init__(self, respond: Callable[[RawCall], bytes | tuple[bytes, bool]]) -> None:
+        self.respond = respond
+        self.calls: list[RawCall] = []
+        self.arrived = asyncio.Event()
+        self.gate: asyncio.Event | None = None
+        self.url = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                line, *fields = head.decode("latin-1").split("\r\n")
+                headers = {}
+                for field_line in fields:
+                    name, colon, value = field_line.partition(":")
+                    if colon:
+                        headers[name.strip().lower()] = value.strip()
+                raw = await reader.readexactly(int(headers.get("content-length", "0")))
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    body = None
+                call = RawCall(line, headers, body)
+                self.calls.append(call)
+                self.arrived.set()
+                if self.gate is not None:
+                    await self.gate.wait()
+                out = self.respond(call)
+                data, close = out if isinstance(out, tuple) else (out, False)
+                writer.write(data)
+                await writer.drain()
+                if close:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_upstream(
+    respond: Callable[[RawCall], bytes | tuple[bytes, bool]],
+) -> AsyncIterator[RawUpstream]:
+    upstream = RawUpstream(respond)
+    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        yield upstream
+    finally:
+        server.close()
