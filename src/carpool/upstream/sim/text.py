@@ -9,7 +9,8 @@ Contract:
   only cuts the natural answer later (``plan.py``). A number is hashed as its value, not as it was
   spelled: an integral float as the integer (``1.0``, ``1e0`` and ``1`` are one temperature), as
   the gateway's fingerprint reads it (``canonical``), so an answer through the gateway is the
-  engine's own for every spelling. A prompt is hashed once for all its choices (``answers``).
+  engine's own for every spelling; a text as its composed form (NFC), as the key reads it
+  (``café`` with a combining accent is one request to the gateway). A prompt is hashed once for all its choices (``answers``).
 - Prompt tokens: the words of every message (its role, name and content, tool calls) plus a few
   framing tokens per message, as chat templates add; tools count as a prefix before the messages.
   A completion prompt or embedding input counts its words, or its token ids one each.
@@ -24,6 +25,7 @@ import hashlib
 import os
 import random
 import struct
+import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,7 +145,10 @@ _INT_MIN, _INT_END = -(2**63), 2**64
 
 
 def _by_value(value: Any) -> Any:
-    """``value`` with each integral float as the integer it is (module contract)."""
+    """``value`` with each integral float as the integer it is and each string in NFC (module
+    contract)."""
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value)
     if isinstance(value, float):
         return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
     if isinstance(value, Mapping):
