@@ -1269,6 +1269,32 @@ TOOL_RESULT_NAMING_A_FILE = [
         ],
     },
 ]
+# Shapes the walk of those parts did not enter either: a computer call's output (an object), a
+# Messages document whose source is content blocks.
+SCREENSHOT_NAMING_A_FILE = [
+    {"type": "computer_call", "call_id": "c", "action": {"type": "screenshot"}},
+    {
+        "type": "computer_call_output",
+        "call_id": "c",
+        "output": {"type": "computer_screenshot", "file_id": "f"},
+    },
+    {"role": "user", "content": "what is on the screen?"},
+]
+CONTENT_DOCUMENT_NAMING_A_FILE = [
+    {
+        "role": "user",
+        "content": [
+            {
+                "type": "document",
+                "source": {
+                    "type": "content",
+                    "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}],
+                },
+            },
+            {"type": "text", "text": "describe it"},
+        ],
+    }
+]
 FUNCTION_OUTPUT_NAMING_A_FILE = [
     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
     {
@@ -1315,6 +1341,8 @@ FUNCTION_OUTPUT_NAMING_A_FILE = [
         (CHAT, {**body_of("messages"), "store": True}),
         (MESSAGES, body_of("messages", messages=TOOL_RESULT_NAMING_A_FILE)),
         (RESPONSES, body_of("responses", store=False, input=FUNCTION_OUTPUT_NAMING_A_FILE)),
+        (RESPONSES, body_of("responses", store=False, input=SCREENSHOT_NAMING_A_FILE)),
+        (MESSAGES, body_of("messages", messages=CONTENT_DOCUMENT_NAMING_A_FILE)),
     ],
 )
 async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tenants(

@@ -1053,3 +1053,18 @@ async def test_requests_jsonl_names_a_tenant_by_a_digest_never_by_its_credential
     assert "REALKEY" not in text
     rows = [orjson.loads(line) for line in text.splitlines()]
     assert rows[0]["tenant"] == rows[1]["tenant"] and len(rows[0]["tenant"]) == 12
+
+
+def test_a_streamed_chunk_whose_error_field_is_null_is_no_error_event():
+    # (Some servers write every field: the bench counted each such stream as failed.)
+    from carpool.bench.replay import Result, _read_stream
+
+    ok = Result(0, True, status=200)
+    _read_stream(
+        b'data: {"choices": [], "error": null, "usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n',
+        ok,
+    )
+    assert ok.error is None
+    failed = Result(1, True, status=200)
+    _read_stream(b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n', failed)
+    assert failed.error is not None and "error event" in failed.error

@@ -265,7 +265,7 @@ def test_a_duration_is_a_finite_number(value, tmp_path):
             Config.load(path, env={})
 
 
-def test_a_ttl_or_a_retention_past_100_years_is_refused_naming_it():
+def test_a_ttl_a_retention_or_a_lease_past_100_years_is_refused_naming_it():
     # 1e300 was accepted: every put in Redis failed (an expiry it cannot take), unsaid.
     from carpool.config.base import LONGEST_TTL
 
@@ -273,6 +273,10 @@ def test_a_ttl_or_a_retention_past_100_years_is_refused_naming_it():
         ({"cache": {"default_ttl": 1e300}}, "default_ttl"),
         ({"cache": {"types": {"faq": {"ttl": LONGEST_TTL + 1}}}}, "ttl"),
         ({"idempotency": {"retention": 1e300}}, "retention"),
+        # (Expiries in Redis too: a lease of 1e16 s took the instance off Redis.)
+        ({"idempotency": {"lease": 1e16}}, "lease"),
+        ({"distributed": {"lease_ms": 1e300}}, "lease_ms"),
+        ({"coalesce": {"max_window_ms": 1e300}}, "max_window_ms"),
     ):
         with pytest.raises(ConfigError, match=field):
             Config.load(env={}, overrides=overrides)

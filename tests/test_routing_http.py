@@ -211,3 +211,24 @@ async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():
             got = await gw.client.get(f"/v1/responses/{rid}")
             assert got.status_code == 404
             assert holder.count() == 2 and other.count(f"/v1/responses/{rid}") == 1
+
+
+@pytest.mark.parametrize("status", [302, 307, 101, 999])
+async def test_a_replica_answering_a_redirect_or_a_status_no_client_can_read_is_failed_over_and_left_out(
+    fake, status
+):
+    # Each such answer is the gateway's 502; counted as the replica answering, a replica behind
+    # an http -> https redirect stayed in rotation and failed half the calls for good.
+    from fakes.raw_upstream import answer, raw_upstream
+
+    def respond(call):
+        if status == 101:
+            return answer(101, b"Switching Protocols", content_type=None), True
+        return answer(status, b"X", b"{}", headers=((b"location", b"https://elsewhere/v1"),))
+
+    async with raw_upstream(respond) as bad, run_gateway([bad.url, fake.url]) as gw:
+        replies = [await gw.chat(f"question {i}") for i in range(8)]
+        assert [reply.status_code for reply in replies] == [200] * 8
+        assert len(bad.calls) == 1  # tried once, failed over, then left out
+        health = (await gw.client.get("/healthz")).json()
+        assert health["replicas"]["replica-0"]["state"] == "down"  # (the first: ``bad``)

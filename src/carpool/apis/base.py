@@ -311,22 +311,22 @@ _RANDOM_SEEDS_FROM = 2**32 - 1
 
 
 # What names an object the upstream keeps for one account: an uploaded file (chat's file
-# parts, Responses' input_file/input_image, Messages' file sources), an earlier response, a
-# stored item. Another tenant's request naming it would have been refused (404): in a shared
-# namespace it must not read the answer the owner got. Read where the APIs put them (a
-# message's or input item's content parts, and the parts nested in those: a Messages
-# tool_result's content, a Responses function_call_output's output), not in schemas, tool
-# arguments or metadata. Parts nested deeper than anything the APIs define are taken as naming
-# one (when unsure, a request is not shared).
-_FILE_HOLDERS = ("file", "source")
-_NESTED_PARTS = ("content", "output")
-_DEEPEST_PART = 8
+# parts, Responses' input_file/input_image/computer screenshots, Messages' file sources), an
+# earlier response, a stored item. Another tenant's request naming it would have been refused
+# (404): in a shared namespace it must not read the answer the owner got. Any ``file_id`` in an
+# input item counts, at any depth (a Messages tool_result's content, a document's content
+# source, a Responses function or computer call's output: shapes the APIs add), but in a tool
+# call's arguments (``input``, ``arguments``: what the model wrote, no file of the account's);
+# schemas and metadata are outside the items. Parts nested deeper than anything the APIs
+# define are taken as naming one (when unsure, a request is not shared).
+_TOOL_ARGUMENTS = frozenset({"input", "arguments"})
+_DEEPEST_PART = 16
 
 
 def names_tenant_state(body: Any) -> bool:
     """Whether ``body`` names an object the upstream keeps for one account (a
-    ``previous_response_id``, an ``item_reference``, a file part's ``file_id``), or asks it to
-    keep the answer (``store: true``). Read only for a shared namespace's requests."""
+    ``previous_response_id``, an ``item_reference``, a ``file_id``), or asks it to keep the
+    answer (``store: true``). Read only for a shared namespace's requests."""
     if not isinstance(body, dict):
         return False
     if body.get("store") is True or body.get("previous_response_id") is not None:
@@ -339,30 +339,22 @@ def names_tenant_state(body: Any) -> bool:
 
 
 def _names_state(part: Any, depth: int) -> bool:
-    """Whether an input item or a content part names an account's object, itself or in the
-    parts it holds."""
-    if not isinstance(part, dict):
-        return False
-    if part.get("type") == "item_reference" or _names_a_file(part):
-        return True
-    for name in _NESTED_PARTS:
-        inner = part.get(name)
-        if isinstance(inner, list) and inner:
-            if depth >= _DEEPEST_PART:
-                return True
-            if any(_names_state(nested, depth + 1) for nested in inner):
-                return True
-    return False
-
-
-def _names_a_file(part: dict[str, Any]) -> bool:
-    if part.get("file_id") is not None:
-        return True
-    for name in _FILE_HOLDERS:
-        inner = part.get(name)
-        if isinstance(inner, dict) and inner.get("file_id") is not None:
+    """Whether an input item or anything in it names an account's object."""
+    if isinstance(part, list):
+        inner = [value for value in part if isinstance(value, (dict, list))]
+    elif isinstance(part, dict):
+        if part.get("type") == "item_reference" or part.get("file_id") is not None:
             return True
-    return False
+        inner = [
+            value
+            for name, value in part.items()
+            if name not in _TOOL_ARGUMENTS and isinstance(value, (dict, list))
+        ]
+    else:
+        return False
+    if inner and depth >= _DEEPEST_PART:
+        return True
+    return any(_names_state(value, depth + 1) for value in inner)
 
 
 def is_deterministic(body: Any) -> bool:

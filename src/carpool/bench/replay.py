@@ -269,7 +269,7 @@ def _read_stream(raw: bytes, result: Result) -> None:
         except orjson.JSONDecodeError:
             result.error = "a stream chunk is not valid JSON"
             continue
-        if "error" in chunk:
+        if chunk.get("error") is not None:  # (``"error": null`` is no error: as the gateway)
             result.error = f"error event: {orjson.dumps(chunk['error'])[:200].decode()}"
         elif chunk.get("usage") and not usage_seen:
             _usage(result, chunk["usage"])

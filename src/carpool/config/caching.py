@@ -158,6 +158,7 @@ class CoalesceConfig(Section):
     max_window_ms: float = Field(
         3000,
         ge=0,
+        le=LONGEST_TTL * 1000,
         description="Longest adaptive window (ms), window_ms included: the "
         "staleness bound, no lingering answer is shared older than this (without adaptive, "
         "the window is window_ms).",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from .base import Section
+from .base import LONGEST_TTL, Section
 
 
 class DistributedConfig(Section):
@@ -79,6 +79,7 @@ class DistributedConfig(Section):
     lease_ms: float = Field(
         5000,
         ge=30,
+        le=LONGEST_TTL * 1000,
         description="Milliseconds the lock of a cross-instance "
         "flight's leader lives unless renewed (it is renewed every "
         "lease_ms/3 while the call runs): an instance that dies mid-call is "

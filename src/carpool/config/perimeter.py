@@ -127,6 +127,7 @@ class IdempotencyConfig(Section):
     lease: float = Field(
         6.0,
         gt=0,
+        le=LONGEST_TTL,
         description="With `redis`: seconds a record being processed "
         "is held unless its instance renews it (every lease/3 while the request "
         "runs): a retry on another instance after this one died runs within "

@@ -38,7 +38,9 @@ all, and so whether ``text`` matters):
   and the call fails over. Either way it downs the replica. Every 5xx downs its replica (but
   501 and 505, about the call: an engine without the endpoint, as llama.cpp's embeddings when
   off, answers it on every replica), also one the engine returns for this input only: with
-  several replicas that costs a retry and a back-off, not the request. 4xx answers count as
+  several replicas that costs a retry and a back-off, not the request. So does a redirect (but
+  304), a 1xx taken as final or a status past 599: no answer, the gateway's 502 (``exchange``),
+  failed over as a 5xx is. 4xx answers count as
   healthy (the replica answered), and so does a 401/403 to the gateway's own key
   (``UpstreamKeyRefused``, raised as it is, not failed over) when every replica is called with
   the same key: as often about the request (a model the account may not use) as about the key,
@@ -116,6 +118,16 @@ READY_TRUST_S = 5.0
 # endpoint: llama.cpp's and Ollama's /v1/embeddings when embeddings are off) and "HTTP version
 # not supported". Another replica of the same engine answers the same; the replica is up.
 _NOT_THIS_CALL = frozenset({501, 505})
+
+
+def _answered(status: int) -> bool:
+    """Whether a final status is the replica answering (2xx, 4xx, 304, or a 5xx about the call
+    only): a 5xx, a redirect (an engine moved behind http -> https, a path that moved), a 1xx
+    taken as final or a status past 599 is no answer (the gateway's 502 for the last three):
+    left in rotation, such a replica failed its share of the calls for good."""
+    if status in _NOT_THIS_CALL or status == 304:  # (a conditional GET's pass-through answer)
+        return True
+    return 200 <= status < 300 or 400 <= status < 500
 
 
 @dataclass(eq=False)
@@ -314,7 +326,7 @@ class ReplicaSet:
                     replica.probing = False  # cancelled, or not the replica's doing: no verdict
                     raise
                 self._observe(replica, response.status, decision)
-                if response.status < 500 or response.status in _NOT_THIS_CALL:
+                if _answered(response.status):
                     self._succeeded(replica)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
