@@ -27,16 +27,22 @@ Contract:
   the work (19-20 µs of system time per hit against 6, under wrk: hits at 0.55 of the
   fixed-bytes app instead of 0.85). Whatever would write to the connection or close it first
   sends it before: a request behind it in the same read, uvicorn's 400, the end of the client's
-  side, a shutdown, the keep-alive timer.
+  side, a shutdown, the keep-alive timer. A reply longer than a slice (``reply.SLICE_BYTES``)
+  is not written at once: it is written as a served request's is (below), in a task, a slice
+  at a time.
 - Otherwise the request is served in a task of its own by ``GatewayApp.serve``, as the ASGI path
   serves it (the same ``Gateway.handle``, the same watch for the client leaving, the same counts),
   with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
   the client leaving is seen, a shutdown makes it the connection's last). Its reply is written
   with the status line and headers uvicorn would write, in its order (a status it has no
   line for, outside 100-599, with an empty reason phrase: ``status_line``): a whole one in
-  one write; a stream chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
-  client does not read. A failure there is what uvicorn makes of an app's: logged, a 500 if
-  nothing was sent (in the API's error shape: ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
+  one write, or, longer than a slice, a slice at a time (``Reply.slices``: views of the
+  answer's bytes, its frames joined a few at a time; never a copy of the whole); a stream
+  chunked, its head with its first frame (a bypassed stream's head at once), a frame longer
+  than a slice in slices; waiting while the client does not read, so that a client that stops
+  reading holds about a slice beyond the transport's high-water mark. A failure there is what
+  uvicorn makes of an app's: logged, a 500 if nothing was sent (in the API's error shape:
+  ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
   over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
   reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
   stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel.
@@ -94,7 +100,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -115,13 +121,11 @@ from .errors import (
 )
 from .inbound import ClientWatch
 from .outcome import Outcome
+from .reply import SLICE_BYTES, Reply, sliced
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
 from .server import SIMULATED_LABEL, GatewayApp
-
-if TYPE_CHECKING:
-    from .reply import Reply
 
 __all__ = ["GatewayProtocol", "protocol"]
 
@@ -446,7 +450,14 @@ class GatewayProtocol(HttpToolsProtocol):
             log.exception("answering a held request failed; it goes the ASGI way")
             return False
         self.held = None
-        self._send_soon(b"".join(self._head(reply, rid, reply.body)))
+        if reply.parts is not None or len(reply.body) > SLICE_BYTES:
+            # Too long for one write: written a slice at a time in a task of its own, waiting
+            # for the client to read (``_respond``), as a reply served there is.
+            self._serve(client, rid, path, query, started, reply)
+            return True
+        head = self._head(reply, rid, len(reply.body))
+        head.append(reply.body)
+        self._send_soon(b"".join(head))
         try:
             reply.close()
         except Exception:  # (sent already: nothing else may follow it on the wire)
@@ -468,12 +479,20 @@ class GatewayProtocol(HttpToolsProtocol):
             self.transport.write(data)
 
     def _serve(
-        self, client: ClientRequest, rid: bytes, path: str, query: bytes, started: float
+        self,
+        client: ClientRequest,
+        rid: bytes,
+        path: str,
+        query: bytes,
+        started: float,
+        reply: Reply | None = None,
     ) -> None:
         """The held request, not answered at once, served in a task of its own as the ASGI path
-        serves it (``GatewayApp.serve``), its reply written here: whole in one write, a stream
-        with its first frame. Its cycle is uvicorn's, for what the connection does meanwhile
-        (requests pipelined behind it, the client leaving, a shutdown)."""
+        serves it (``GatewayApp.serve``), its reply written here: a whole one in one write (a
+        long one a slice at a time), a stream with its first frame. Its cycle is uvicorn's, for
+        what the connection does meanwhile (requests pipelined behind it, the client leaving, a
+        shutdown). ``reply``: its answer, made at once (``_answer``) but too long to be written
+        in one piece: only written."""
         scope = self.scope  # (as uvicorn would have filled it, for whoever reads the cycle's)
         scope["method"], scope["path"], scope["raw_path"] = "POST", path, path.encode("ascii")
         scope["query_string"] = query
@@ -493,7 +512,7 @@ class GatewayProtocol(HttpToolsProtocol):
         cycle.more_body = False  # (its whole body is the client's: ``receive`` only waits)
         # Told by ``connection_lost`` if the client leaves (no watcher task needed).
         watch = _ConnectionWatch(self.flow)
-        served = self._served(cycle, client, rid, watch, started)
+        served = self._served(cycle, client, rid, watch, started, reply)
         task = (
             self.loop.create_task(served, context=contextvars.Context())
             if self.config.reset_contextvars  # (uvicorn's opt-in, kept)
@@ -512,12 +531,19 @@ class GatewayProtocol(HttpToolsProtocol):
         rid: bytes,
         watch: ClientWatch,
         started: float,
+        reply: Reply | None,
     ) -> None:
         REQUEST_ID.set(rid.decode("ascii"))
         app = self.gateway_app
         assert app is not None
         try:
-            await app.serve(client, watch, partial(self._respond, cycle, rid), started)
+            if reply is None:
+                await app.serve(client, watch, partial(self._respond, cycle, rid), started)
+            else:  # (answered, counted and timed already: ``_answer``)
+                try:
+                    await self._respond(cycle, rid, reply, watch)
+                finally:
+                    reply.close()
             if not cycle.response_complete and not cycle.disconnected:
                 self.transport.close()  # (a reply cut once begun: never left open, as uvicorn's)
         except BaseException as exc:  # (as uvicorn's cycle: a bug, or a cancel not handled)
@@ -534,18 +560,27 @@ class GatewayProtocol(HttpToolsProtocol):
     async def _respond(
         self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: ClientWatch
     ) -> None:
-        """``reply`` on the wire: a whole one in one write; a stream as chunks, its head with its
-        first frame, waiting whenever the client does not read what it was sent. Once its head
-        is sent (``state.headed``), a stream is the rest of it (``GatewayApp._cut``)."""
+        """``reply`` on the wire: a whole one in one write (a long one a slice at a time:
+        ``Reply.slices``); a stream as chunks, its head with its first frame; waiting whenever
+        the client does not read what it was sent. Once its head is sent (``state.headed``), a
+        stream is the rest of it (``GatewayApp._cut``)."""
         flow, write = self.flow, self.transport.write
         if reply.stream is None:
             state.finished = True
             if flow.write_paused and not cycle.disconnected:
                 await flow.drain()
-            if not cycle.disconnected:
-                cycle.response_started = state.headed = True
-                write(b"".join(self._head(reply, rid, reply.body, cycle.keep_alive)))
-                self._complete(cycle)
+            if cycle.disconnected:
+                return
+            cycle.response_started = state.headed = True
+            top, pieces = self._head(reply, rid, reply.size, cycle.keep_alive), reply.slices()
+            write(b"".join((*top, next(pieces, b""))))  # (the head with its first slice)
+            for piece in pieces:  # (a long one: each slice once the client took the last)
+                if flow.write_paused and not cycle.disconnected:
+                    await flow.drain()
+                if cycle.disconnected:
+                    return
+                write(piece)
+            self._complete(cycle)
             return
         head = None if state.headed else self._head(reply, rid, None, cycle.keep_alive)
         if reply.outcome is Outcome.BYPASS and head is not None and not cycle.disconnected:
@@ -562,13 +597,29 @@ class GatewayProtocol(HttpToolsProtocol):
                 continue
             # The last piece (``exchange.Relay.ended``): the body's end goes with it.
             last = getattr(stream, "ended", False)
-            chunk = (b"%x\r\n" % len(frame), frame, b"\r\n0\r\n\r\n" if last else b"\r\n")
-            if head is not None:
+            end = b"\r\n0\r\n\r\n" if last else b"\r\n"
+            if len(frame) > SLICE_BYTES:  # (one long frame: not copied whole into the chunk)
+                if head is not None:
+                    cycle.response_started = state.headed = True
+                    write(b"".join(head))
+                    head = None
+                write(b"%x\r\n" % len(frame))
+                for piece in sliced(frame, SLICE_BYTES):
+                    if flow.write_paused and not cycle.disconnected:
+                        await flow.drain()
+                    if cycle.disconnected:
+                        break
+                    write(piece)
+                else:
+                    write(end)
+            elif head is not None:
                 cycle.response_started = state.headed = True
-                write(b"".join((*head, *chunk)))
+                write(b"".join((*head, b"%x\r\n" % len(frame), frame, end)))
                 head = None
             else:
-                write(b"".join(chunk))
+                write(b"".join((b"%x\r\n" % len(frame), frame, end)))
+            if cycle.disconnected:
+                continue
             if last:
                 state.finished = True
                 self._complete(cycle)
@@ -614,22 +665,19 @@ class GatewayProtocol(HttpToolsProtocol):
         return b"".join((*head, b"\r\n", body))
 
     def _head(
-        self, reply: Reply, rid: bytes, body: bytes | None, keep_alive: bool = True
+        self, reply: Reply, rid: bytes, length: int | None, keep_alive: bool = True
     ) -> list[bytes]:
-        """The response's head (uvicorn's default headers, the reply's, ``x-request-id``), and
-        ``body`` after it: with its ``content-length``; None: a stream, chunked."""
+        """The response's head (uvicorn's default headers, the reply's, ``x-request-id``), its
+        body ``length`` bytes long (``content-length``); None: a stream, chunked."""
         content = [status_line(reply.status)]
         for name, value in (*self.server_state.default_headers, *reply.headers):
             content += (name, b": ", value, b"\r\n")
-        if body is not None:  # (in uvicorn's order: the reply's, then ours)
-            content += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
+        if length is not None:  # (in uvicorn's order: the reply's, then ours)
+            content += (b"content-length: ", str(length).encode("ascii"), b"\r\n")
         content += (self.request_id_line, rid, b"\r\n")
         if not keep_alive:
             content.append(b"connection: close\r\n")
-        if body is None:
-            content.append(b"transfer-encoding: chunked\r\n\r\n")
-        else:
-            content += (b"\r\n", body)
+        content.append(b"transfer-encoding: chunked\r\n\r\n" if length is None else b"\r\n")
         return content
 
     def _cycle_transport(self) -> None:
