@@ -990,6 +990,69 @@ def _content_of(body: bytes, stream: bool) -> str:
 _LONG = " ".join(["w" * 1000] * 600)  # ~600 KB of answer, in 600 chunks when streamed
 
 
+@pytest.mark.parametrize("asgi", [False, True], ids=["held", "asgi-path"])
+async def test_a_client_that_reads_nothing_for_send_timeout_is_cut_and_its_stream_goes_on_for_the_others(
+    fake, asgi
+):
+    """A streaming client that stops reading is cut once it has read nothing for
+    ``limits.send_timeout`` seconds, as if it had left: its place in the flight is released,
+    and another client of the same stream gets the whole answer. Either way its request went
+    (held by the protocol, or the ASGI path's: ``connection: close`` is not held)."""
+    fake.answer_text = lambda n, body: _LONG
+    fake.chunk_gate = asyncio.Event()  # the stream waits, after its first words, for the joiner
+    body = orjson.dumps({**orjson.loads(_body("long")), "stream": True})
+    async with (
+        _gateway(fake, limits={"send_timeout": 0.2}) as (served, _),
+        _small_buffered(served) as (sock, connection),
+    ):
+        gateway = served.server.config.loaded_app.app.gateway
+        state = served.server.server_state
+        extra = "connection: close\r\n" if asgi else ""
+        await asyncio.get_running_loop().sock_sendall(sock, _request(body, extra=extra))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+
+            async def reads_it_all() -> bytes:
+                async with client.stream("POST", CHAT, content=body) as response:
+                    return await response.aread()
+
+            reader = asyncio.create_task(reads_it_all())
+            await eventually(lambda: gateway.flights.waiters == 2, what="the joiner")
+            fake.chunk_gate.set()
+            await eventually(
+                lambda: connection not in state.connections,
+                timeout=20,
+                what="the client reading nothing cut",
+            )
+            read = await asyncio.wait_for(reader, 20)
+        await eventually(lambda: gateway.flights.waiters == 0, what="every place released")
+    assert _content_of(read, stream=True) == _LONG
+    assert fake.count() == 1 and fake.cancelled == 0  # (the flight went on for the other)
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_cut_by_send_timeout(fake):
+    """``send_timeout`` bounds how long a client may read nothing, not how long it takes to
+    read: a reader slower than the gateway writes (its writes wait for it), reading a little
+    with pauses shorter than the timeout, gets its whole answer."""
+    fake.answer_text = lambda n, body: " ".join(["w" * 1000] * 200)  # ~200 KB
+    body = _body("slow")
+    async with _gateway(fake, limits={"send_timeout": 0.2}) as (served, _):
+        answer = await _store(served, body)
+        async with _small_buffered(served) as (sock, connection):
+            loop = asyncio.get_running_loop()
+            await loop.sock_sendall(sock, _request(body))
+            paused = False
+            received = bytearray()
+            while not received.endswith(answer):
+                data = await loop.sock_recv(sock, 8192)
+                assert data, "the connection was closed"
+                received += data
+                paused = paused or connection.flow.write_paused
+                await asyncio.sleep(0.03)
+    assert paused  # (the client did read slower than it was sent)
+    assert received.endswith(answer)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("http", ["carpool", "httptools"])
 async def test_a_client_that_does_not_read_a_long_answer_holds_a_slice_of_it_not_a_copy(

@@ -46,6 +46,15 @@ Contract:
   over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
   reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
   stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel.
+- A client that reads nothing of what it is sent for ``limits.send_timeout`` seconds, while
+  the transport holds more than its high-water mark for it (writing paused), has its
+  connection aborted (``_send_deadline``; looked at every quarter of that, so within 1.25 times
+  it), whatever waits to write to it (a reply written here, uvicorn's cycle for a request of
+  the ASGI path, a close waiting to send what is left): its request ends as a client's that
+  left (a stream's place in its flight released, the flight going on for the others), and
+  what was held for it (a slice, the flight's frames) is let go. A client that reads some,
+  however slowly, is not cut. Under another server (the app under uvicorn's own protocol),
+  its flow control bounds what is held (a slice), not for how long.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
@@ -182,6 +191,13 @@ class GatewayProtocol(HttpToolsProtocol):
         self.limits_app = _limits_app(self.app)
         self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
         self.head_timeout = self.limits_app.deadlines.timeout if self.limits_app else None
+        # How long a client may read nothing of what it was sent (``_send_deadline``), and,
+        # while the transport holds more than it takes (writing paused), the bytes it held
+        # when the client last read some, since when, and the timer that looks again.
+        self.send_timeout = self.limits_app.send_timeout if self.limits_app else None
+        self.send_left = 0
+        self.send_since = 0.0
+        self.send_timer: asyncio.TimerHandle | None = None
         # In front of the simulated engine its answers say so (``_head``, ``_refuse``).
         self.simulated = self.limits_app is not None and self.limits_app.simulated
         self.request_id_line = _LABELLED_REQUEST_ID if self.simulated else _REQUEST_ID
@@ -385,12 +401,53 @@ class GatewayProtocol(HttpToolsProtocol):
         self._send_now()
         super().timeout_keep_alive_handler()
 
+    def pause_writing(self) -> None:
+        """The transport holds more than its high-water mark: the client is not reading as fast
+        as it is sent. From now on it must read some every ``send_timeout`` seconds
+        (``_send_deadline``), whoever waits for it (a reply written here, uvicorn's cycle, a
+        connection closing once its buffer is sent)."""
+        super().pause_writing()
+        if self.send_timeout is not None and self.send_timer is None:
+            self.send_left = self.transport.get_write_buffer_size()
+            self.send_since = self.loop.time()
+            self._send_watch()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
+
+    def _send_watch(self) -> None:
+        assert self.send_timeout is not None
+        self.send_timer = self.loop.call_later(self.send_timeout / 4, self._send_deadline)
+
+    def _send_deadline(self) -> None:
+        """Closes the connection of a client that has read nothing of what it was sent for
+        ``send_timeout`` seconds (looked at every quarter of it: cut within 1.25 times that).
+        Aborted, not closed: a close waits to send what the transport holds, which this client
+        would never take, and the reply (a whole answer's slice, a flight it follows) held on.
+        Its request ends as one whose client left (``connection_lost``): a stream's place in
+        its flight released, the flight going on for its other clients."""
+        self.send_timer = None
+        timeout, transport = self.send_timeout, self.transport
+        if timeout is None or not self.flow.write_paused:
+            return
+        left, now = transport.get_write_buffer_size(), self.loop.time()
+        if left < self.send_left:  # (it read some: it is slow, not gone)
+            self.send_left, self.send_since = left, now
+        elif now - self.send_since >= timeout:
+            log.info("a client read nothing for %g s: its connection is closed", timeout)
+            transport.abort()
+            return
+        self._send_watch()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = self.soon = None
-        for timer in (self.linger_timer, self.head_timer, self.rest_timer):
+        for timer in (self.linger_timer, self.head_timer, self.rest_timer, self.send_timer):
             if timer is not None:
                 timer.cancel()
-        self.linger_timer = self.head_timer = self.rest_timer = None
+        self.linger_timer = self.head_timer = self.rest_timer = self.send_timer = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:

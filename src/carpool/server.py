@@ -142,6 +142,8 @@ class GatewayApp:
         self.max_body = gateway.config.limits.max_body_bytes
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = Deadlines(gateway.config.limits.body_read_timeout)
+        # (kept by the HTTP protocol: a client reading nothing of its reply, ``http_protocol.py``)
+        self.send_timeout = gateway.config.limits.send_timeout
         self.allow = gateway.config.passthrough.allow
         # In front of the embedded simulated engine: its answers are labelled (module contract).
         self.simulated = bool(simulated_replicas(gateway))
