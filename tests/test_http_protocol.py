@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from carpool.config import Config
 from carpool.http_protocol import GatewayProtocol
-from carpool.reply import Reply
+from carpool.reply import SLICE_BYTES, Reply
 from carpool.server import GatewayApp, create_app
 from carpool.wiring import build_gateway
 from fakes.serving import ServedApp, serve_app_with_server
@@ -929,3 +930,155 @@ async def test_a_reply_with_a_status_of_no_known_reason_phrase_is_written_never_
             assert b"content-length: 2\r\n" in await reader.readuntil(b"\r\n\r\n")
             assert await reader.readexactly(2) == b"{}"
     assert counted.asked == 1
+
+
+# --- Clients that do not read what they are sent ------------------------------------------------
+
+# Socket buffers made small at both ends, so that what a client does not read is soon left in
+# the gateway's transport (the kernel's would otherwise hold megabytes of it on loopback).
+_SMALL_BUFFER = 4096
+
+
+@contextlib.asynccontextmanager
+async def _small_buffered(served: ServedApp) -> AsyncIterator[tuple[socket.socket, Any]]:
+    """A connection to ``served`` with small socket buffers at both ends, nothing sent yet: the
+    client's socket (non-blocking: ``loop.sock_*``) and the server's protocol of it."""
+    loop = asyncio.get_running_loop()
+    state = served.server.server_state
+    before = set(state.connections)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SMALL_BUFFER)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", served.port))
+        await eventually(lambda: bool(set(state.connections) - before), what="the connection")
+        (connection,) = set(state.connections) - before
+        server_socket = connection.transport.get_extra_info("socket")
+        server_socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SMALL_BUFFER)
+        yield sock, connection
+    finally:
+        sock.close()
+
+
+async def _read_all(sock: socket.socket, until: bytes, pause: float = 0.0) -> bytes:
+    """What ``sock`` receives until it ends with ``until`` (or the connection ends), read a
+    little at a time, ``pause`` seconds between two reads."""
+    loop = asyncio.get_running_loop()
+    received = bytearray()
+    while not received.endswith(until):
+        data = await loop.sock_recv(sock, 65536)
+        if not data:
+            break
+        received += data
+        if pause:
+            await asyncio.sleep(pause)
+    return bytes(received)
+
+
+def _content_of(body: bytes, stream: bool) -> str:
+    """The answer's text in a response body: a JSON answer's, or a stream's chunks'."""
+    if not stream:
+        return orjson.loads(body)["choices"][0]["message"]["content"]
+    text = []
+    for line in body.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in orjson.loads(line[6:])["choices"]:
+                text.append(choice["delta"].get("content") or "")
+    return "".join(text)
+
+
+_LONG = " ".join(["w" * 1000] * 600)  # ~600 KB of answer, in 600 chunks when streamed
+
+
+@pytest.mark.parametrize("asgi", [False, True], ids=["held", "asgi-path"])
+async def test_a_client_that_reads_nothing_for_send_timeout_is_cut_and_its_stream_goes_on_for_the_others(
+    fake, asgi
+):
+    """A streaming client that stops reading is cut once it has read nothing for
+    ``limits.send_timeout`` seconds, as if it had left: its place in the flight is released,
+    and another client of the same stream gets the whole answer. Either way its request went
+    (held by the protocol, or the ASGI path's: ``connection: close`` is not held)."""
+    fake.answer_text = lambda n, body: _LONG
+    fake.chunk_gate = asyncio.Event()  # the stream waits, after its first words, for the joiner
+    body = orjson.dumps({**orjson.loads(_body("long")), "stream": True})
+    async with (
+        _gateway(fake, limits={"send_timeout": 0.2}) as (served, _),
+        _small_buffered(served) as (sock, connection),
+    ):
+        gateway = served.server.config.loaded_app.app.gateway
+        state = served.server.server_state
+        extra = "connection: close\r\n" if asgi else ""
+        await asyncio.get_running_loop().sock_sendall(sock, _request(body, extra=extra))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+
+            async def reads_it_all() -> bytes:
+                async with client.stream("POST", CHAT, content=body) as response:
+                    return await response.aread()
+
+            reader = asyncio.create_task(reads_it_all())
+            await eventually(lambda: gateway.flights.waiters == 2, what="the joiner")
+            fake.chunk_gate.set()
+            await eventually(
+                lambda: connection not in state.connections,
+                timeout=20,
+                what="the client reading nothing cut",
+            )
+            read = await asyncio.wait_for(reader, 20)
+        await eventually(lambda: gateway.flights.waiters == 0, what="every place released")
+    assert _content_of(read, stream=True) == _LONG
+    assert fake.count() == 1 and fake.cancelled == 0  # (the flight went on for the other)
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_cut_by_send_timeout(fake):
+    """``send_timeout`` bounds how long a client may read nothing, not how long it takes to
+    read: a reader slower than the gateway writes (its writes wait for it), reading a little
+    with pauses shorter than the timeout, gets its whole answer."""
+    fake.answer_text = lambda n, body: " ".join(["w" * 1000] * 200)  # ~200 KB
+    body = _body("slow")
+    async with _gateway(fake, limits={"send_timeout": 0.2}) as (served, _):
+        answer = await _store(served, body)
+        async with _small_buffered(served) as (sock, connection):
+            loop = asyncio.get_running_loop()
+            await loop.sock_sendall(sock, _request(body))
+            paused = False
+            received = bytearray()
+            while not received.endswith(answer):
+                data = await loop.sock_recv(sock, 8192)
+                assert data, "the connection was closed"
+                received += data
+                paused = paused or connection.flow.write_paused
+                await asyncio.sleep(0.03)
+    assert paused  # (the client did read slower than it was sent)
+    assert received.endswith(answer)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("http", ["carpool", "httptools"])
+async def test_a_client_that_does_not_read_a_long_answer_holds_a_slice_of_it_not_a_copy(
+    fake, stream, http
+):
+    """A long stored answer asked by a client that reads nothing: what waits for it in the
+    gateway's transport is about a slice of it (``SLICE_BYTES``, beyond the transport's
+    high-water mark), not a copy of the whole, through carpool's protocol as through uvicorn's
+    (the ASGI path); once it reads, it gets all of it."""
+    fake.answer_text = lambda n, body: _LONG
+    body = orjson.dumps({**orjson.loads(_body("long hit")), "stream": stream})
+    app = create_app(build_gateway(Config(upstreams=[fake.url])))
+    options = {"http": "httptools"} if http == "httptools" else {}
+    async with serve_app_with_server(app, **options) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            stored = (await client.post(CHAT, content=body)).content
+            hit = await client.post(CHAT, content=body)
+        assert hit.headers["x-carpool"] == "hit" and hit.content == stored
+        assert len(stored) > 8 * SLICE_BYTES
+        async with _small_buffered(served) as (sock, connection):
+            await asyncio.get_running_loop().sock_sendall(sock, _request(body))
+            await eventually(lambda: connection.flow.write_paused, what="the writes waiting")
+            for _ in range(10):  # (whatever would be written now, without waiting, is)
+                await asyncio.sleep(0)
+            held = connection.transport.get_write_buffer_size()
+            _, high_water = connection.transport.get_write_buffer_limits()
+            received = await _read_all(sock, stored)
+    assert held <= high_water + SLICE_BYTES + 1024  # (+ the head)
+    assert received.endswith(b"\r\n\r\n" + stored)

@@ -92,6 +92,34 @@ async def test_wrapped_function_is_coalesced_and_cached():
     await gateway.aclose()
 
 
+async def test_a_long_answer_hit_as_a_stream_is_its_whole_body_through_the_library():
+    """A streamed hit longer than a slice is kept as its answer's frames (``Reply.parted``),
+    not joined for the transport: through the library, its ``body`` is all of it all the same,
+    as long as the stream of the miss that stored it, and as every other hit of it."""
+
+    async def call(path, body):
+        return _completion(" ".join(["w" * 1000] * 300))  # ~300 KB
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "stream": True,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    miss = await gateway.request("/v1/chat/completions", body)
+    hits = [await gateway.request("/v1/chat/completions", body) for _ in range(2)]
+    assert [hit.outcome for hit in hits] == [Outcome.HIT] * 2
+    for hit in hits:
+        assert hit.parts is not None  # (its answer's frames, not joined...)
+        size = hit.size
+        assert hit.body.endswith(b"data: [DONE]\n\n")
+        assert hit.parts is None and len(hit.body) == size > 300_000  # (...until read)
+    assert hits[0].body == hits[1].body
+    assert miss.outcome is Outcome.MISS and miss.body.endswith(b"data: [DONE]\n\n")
+    await gateway.aclose()
+
+
 async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored():
     async def call(path, body):
         raise RuntimeError("model exploded")

@@ -11,7 +11,9 @@ Contract (CONTRACT.md "Streaming"):
   of at most about ``JOINED_BYTES`` (a burst of frames is one write to a client, not one each),
   for a caller that ``wait_changed``s for more.
 - Frames are kept in one shared list, not copied per client: memory is one answer, not N (and
-  at most one joined piece per client, which its transport holds until the client reads).
+  at most one joined piece per client, which its transport holds until the client reads, or,
+  under ``carpool serve``, until it has read nothing for ``limits.send_timeout``: then it is
+  cut, and lets go of the flight).
 - ``wait_started`` returns once there is a frame or an ending; ``wait_done`` once there is an
   ending; ``wait_changed`` once anything was published or it ended (or at once if it has). All
   can be bounded by the caller with ``asyncio.timeout``; a waiter costs one future, and a

@@ -27,19 +27,34 @@ Contract:
   the work (19-20 µs of system time per hit against 6, under wrk: hits at 0.55 of the
   fixed-bytes app instead of 0.85). Whatever would write to the connection or close it first
   sends it before: a request behind it in the same read, uvicorn's 400, the end of the client's
-  side, a shutdown, the keep-alive timer.
+  side, a shutdown, the keep-alive timer. A reply longer than a slice (``reply.SLICE_BYTES``)
+  is not written at once: it is written as a served request's is (below), in a task, a slice
+  at a time.
 - Otherwise the request is served in a task of its own by ``GatewayApp.serve``, as the ASGI path
   serves it (the same ``Gateway.handle``, the same watch for the client leaving, the same counts),
   with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
   the client leaving is seen, a shutdown makes it the connection's last). Its reply is written
   with the status line and headers uvicorn would write, in its order (a status it has no
   line for, outside 100-599, with an empty reason phrase: ``status_line``): a whole one in
-  one write; a stream chunked, its head with its first frame (a bypassed stream's head at once), waiting while the
-  client does not read. A failure there is what uvicorn makes of an app's: logged, a 500 if
-  nothing was sent (in the API's error shape: ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
+  one write, or, longer than a slice, a slice at a time (``Reply.slices``: views of the
+  answer's bytes, its frames joined a few at a time; never a copy of the whole); a stream
+  chunked, its head with its first frame (a bypassed stream's head at once), a frame longer
+  than a slice in slices; waiting while the client does not read, so that a client that stops
+  reading holds about a slice beyond the transport's high-water mark. A failure there is what
+  uvicorn makes of an app's: logged, a 500 if nothing was sent (in the API's error shape:
+  ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
   over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
   reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
   stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel.
+- A client that reads nothing of what it is sent for ``limits.send_timeout`` seconds, while
+  the transport holds more than its high-water mark for it (writing paused), has its
+  connection aborted (``_send_deadline``; looked at every quarter of that, so within 1.25 times
+  it), whatever waits to write to it (a reply written here, uvicorn's cycle for a request of
+  the ASGI path, a close waiting to send what is left): its request ends as a client's that
+  left (a stream's place in its flight released, the flight going on for the others), and
+  what was held for it (a slice, the flight's frames) is let go. A client that reads some,
+  however slowly, is not cut. Under another server (the app under uvicorn's own protocol),
+  its flow control bounds what is held (a slice), not for how long.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
@@ -94,7 +109,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -115,13 +130,11 @@ from .errors import (
 )
 from .inbound import ClientWatch
 from .outcome import Outcome
+from .reply import SLICE_BYTES, Reply, sliced
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
 from .server import SIMULATED_LABEL, GatewayApp
-
-if TYPE_CHECKING:
-    from .reply import Reply
 
 __all__ = ["GatewayProtocol", "protocol"]
 
@@ -178,6 +191,13 @@ class GatewayProtocol(HttpToolsProtocol):
         self.limits_app = _limits_app(self.app)
         self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
         self.head_timeout = self.limits_app.deadlines.timeout if self.limits_app else None
+        # How long a client may read nothing of what it was sent (``_send_deadline``), and,
+        # while the transport holds more than it takes (writing paused), the bytes it held
+        # when the client last read some, since when, and the timer that looks again.
+        self.send_timeout = self.limits_app.send_timeout if self.limits_app else None
+        self.send_left = 0
+        self.send_since = 0.0
+        self.send_timer: asyncio.TimerHandle | None = None
         # In front of the simulated engine its answers say so (``_head``, ``_refuse``).
         self.simulated = self.limits_app is not None and self.limits_app.simulated
         self.request_id_line = _LABELLED_REQUEST_ID if self.simulated else _REQUEST_ID
@@ -381,12 +401,53 @@ class GatewayProtocol(HttpToolsProtocol):
         self._send_now()
         super().timeout_keep_alive_handler()
 
+    def pause_writing(self) -> None:
+        """The transport holds more than its high-water mark: the client is not reading as fast
+        as it is sent. From now on it must read some every ``send_timeout`` seconds
+        (``_send_deadline``), whoever waits for it (a reply written here, uvicorn's cycle, a
+        connection closing once its buffer is sent)."""
+        super().pause_writing()
+        if self.send_timeout is not None and self.send_timer is None:
+            self.send_left = self.transport.get_write_buffer_size()
+            self.send_since = self.loop.time()
+            self._send_watch()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
+
+    def _send_watch(self) -> None:
+        assert self.send_timeout is not None
+        self.send_timer = self.loop.call_later(self.send_timeout / 4, self._send_deadline)
+
+    def _send_deadline(self) -> None:
+        """Closes the connection of a client that has read nothing of what it was sent for
+        ``send_timeout`` seconds (looked at every quarter of it: cut within 1.25 times that).
+        Aborted, not closed: a close waits to send what the transport holds, which this client
+        would never take, and the reply (a whole answer's slice, a flight it follows) held on.
+        Its request ends as one whose client left (``connection_lost``): a stream's place in
+        its flight released, the flight going on for its other clients."""
+        self.send_timer = None
+        timeout, transport = self.send_timeout, self.transport
+        if timeout is None or not self.flow.write_paused:
+            return
+        left, now = transport.get_write_buffer_size(), self.loop.time()
+        if left < self.send_left:  # (it read some: it is slow, not gone)
+            self.send_left, self.send_since = left, now
+        elif now - self.send_since >= timeout:
+            log.info("a client read nothing for %g s: its connection is closed", timeout)
+            transport.abort()
+            return
+        self._send_watch()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.held = self.soon = None
-        for timer in (self.linger_timer, self.head_timer, self.rest_timer):
+        for timer in (self.linger_timer, self.head_timer, self.rest_timer, self.send_timer):
             if timer is not None:
                 timer.cancel()
-        self.linger_timer = self.head_timer = self.rest_timer = None
+        self.linger_timer = self.head_timer = self.rest_timer = self.send_timer = None
         super().connection_lost(exc)
         # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
         if self.serving is not None and not self.serving.response_complete:
@@ -446,7 +507,14 @@ class GatewayProtocol(HttpToolsProtocol):
             log.exception("answering a held request failed; it goes the ASGI way")
             return False
         self.held = None
-        self._send_soon(b"".join(self._head(reply, rid, reply.body)))
+        if reply.parts is not None or len(reply.body) > SLICE_BYTES:
+            # Too long for one write: written a slice at a time in a task of its own, waiting
+            # for the client to read (``_respond``), as a reply served there is.
+            self._serve(client, rid, path, query, started, reply)
+            return True
+        head = self._head(reply, rid, len(reply.body))
+        head.append(reply.body)
+        self._send_soon(b"".join(head))
         try:
             reply.close()
         except Exception:  # (sent already: nothing else may follow it on the wire)
@@ -468,12 +536,20 @@ class GatewayProtocol(HttpToolsProtocol):
             self.transport.write(data)
 
     def _serve(
-        self, client: ClientRequest, rid: bytes, path: str, query: bytes, started: float
+        self,
+        client: ClientRequest,
+        rid: bytes,
+        path: str,
+        query: bytes,
+        started: float,
+        reply: Reply | None = None,
     ) -> None:
         """The held request, not answered at once, served in a task of its own as the ASGI path
-        serves it (``GatewayApp.serve``), its reply written here: whole in one write, a stream
-        with its first frame. Its cycle is uvicorn's, for what the connection does meanwhile
-        (requests pipelined behind it, the client leaving, a shutdown)."""
+        serves it (``GatewayApp.serve``), its reply written here: a whole one in one write (a
+        long one a slice at a time), a stream with its first frame. Its cycle is uvicorn's, for
+        what the connection does meanwhile (requests pipelined behind it, the client leaving, a
+        shutdown). ``reply``: its answer, made at once (``_answer``) but too long to be written
+        in one piece: only written."""
         scope = self.scope  # (as uvicorn would have filled it, for whoever reads the cycle's)
         scope["method"], scope["path"], scope["raw_path"] = "POST", path, path.encode("ascii")
         scope["query_string"] = query
@@ -493,7 +569,7 @@ class GatewayProtocol(HttpToolsProtocol):
         cycle.more_body = False  # (its whole body is the client's: ``receive`` only waits)
         # Told by ``connection_lost`` if the client leaves (no watcher task needed).
         watch = _ConnectionWatch(self.flow)
-        served = self._served(cycle, client, rid, watch, started)
+        served = self._served(cycle, client, rid, watch, started, reply)
         task = (
             self.loop.create_task(served, context=contextvars.Context())
             if self.config.reset_contextvars  # (uvicorn's opt-in, kept)
@@ -512,12 +588,19 @@ class GatewayProtocol(HttpToolsProtocol):
         rid: bytes,
         watch: ClientWatch,
         started: float,
+        reply: Reply | None,
     ) -> None:
         REQUEST_ID.set(rid.decode("ascii"))
         app = self.gateway_app
         assert app is not None
         try:
-            await app.serve(client, watch, partial(self._respond, cycle, rid), started)
+            if reply is None:
+                await app.serve(client, watch, partial(self._respond, cycle, rid), started)
+            else:  # (answered, counted and timed already: ``_answer``)
+                try:
+                    await self._respond(cycle, rid, reply, watch)
+                finally:
+                    reply.close()
             if not cycle.response_complete and not cycle.disconnected:
                 self.transport.close()  # (a reply cut once begun: never left open, as uvicorn's)
         except BaseException as exc:  # (as uvicorn's cycle: a bug, or a cancel not handled)
@@ -534,18 +617,27 @@ class GatewayProtocol(HttpToolsProtocol):
     async def _respond(
         self, cycle: RequestResponseCycle, rid: bytes, reply: Reply, state: ClientWatch
     ) -> None:
-        """``reply`` on the wire: a whole one in one write; a stream as chunks, its head with its
-        first frame, waiting whenever the client does not read what it was sent. Once its head
-        is sent (``state.headed``), a stream is the rest of it (``GatewayApp._cut``)."""
+        """``reply`` on the wire: a whole one in one write (a long one a slice at a time:
+        ``Reply.slices``); a stream as chunks, its head with its first frame; waiting whenever
+        the client does not read what it was sent. Once its head is sent (``state.headed``), a
+        stream is the rest of it (``GatewayApp._cut``)."""
         flow, write = self.flow, self.transport.write
         if reply.stream is None:
             state.finished = True
             if flow.write_paused and not cycle.disconnected:
                 await flow.drain()
-            if not cycle.disconnected:
-                cycle.response_started = state.headed = True
-                write(b"".join(self._head(reply, rid, reply.body, cycle.keep_alive)))
-                self._complete(cycle)
+            if cycle.disconnected:
+                return
+            cycle.response_started = state.headed = True
+            top, pieces = self._head(reply, rid, reply.size, cycle.keep_alive), reply.slices()
+            write(b"".join((*top, next(pieces, b""))))  # (the head with its first slice)
+            for piece in pieces:  # (a long one: each slice once the client took the last)
+                if flow.write_paused and not cycle.disconnected:
+                    await flow.drain()
+                if cycle.disconnected:
+                    return
+                write(piece)
+            self._complete(cycle)
             return
         head = None if state.headed else self._head(reply, rid, None, cycle.keep_alive)
         if reply.outcome is Outcome.BYPASS and head is not None and not cycle.disconnected:
@@ -562,13 +654,29 @@ class GatewayProtocol(HttpToolsProtocol):
                 continue
             # The last piece (``exchange.Relay.ended``): the body's end goes with it.
             last = getattr(stream, "ended", False)
-            chunk = (b"%x\r\n" % len(frame), frame, b"\r\n0\r\n\r\n" if last else b"\r\n")
-            if head is not None:
+            end = b"\r\n0\r\n\r\n" if last else b"\r\n"
+            if len(frame) > SLICE_BYTES:  # (one long frame: not copied whole into the chunk)
+                if head is not None:
+                    cycle.response_started = state.headed = True
+                    write(b"".join(head))
+                    head = None
+                write(b"%x\r\n" % len(frame))
+                for piece in sliced(frame, SLICE_BYTES):
+                    if flow.write_paused and not cycle.disconnected:
+                        await flow.drain()
+                    if cycle.disconnected:
+                        break
+                    write(piece)
+                else:
+                    write(end)
+            elif head is not None:
                 cycle.response_started = state.headed = True
-                write(b"".join((*head, *chunk)))
+                write(b"".join((*head, b"%x\r\n" % len(frame), frame, end)))
                 head = None
             else:
-                write(b"".join(chunk))
+                write(b"".join((b"%x\r\n" % len(frame), frame, end)))
+            if cycle.disconnected:
+                continue
             if last:
                 state.finished = True
                 self._complete(cycle)
@@ -614,22 +722,19 @@ class GatewayProtocol(HttpToolsProtocol):
         return b"".join((*head, b"\r\n", body))
 
     def _head(
-        self, reply: Reply, rid: bytes, body: bytes | None, keep_alive: bool = True
+        self, reply: Reply, rid: bytes, length: int | None, keep_alive: bool = True
     ) -> list[bytes]:
-        """The response's head (uvicorn's default headers, the reply's, ``x-request-id``), and
-        ``body`` after it: with its ``content-length``; None: a stream, chunked."""
+        """The response's head (uvicorn's default headers, the reply's, ``x-request-id``), its
+        body ``length`` bytes long (``content-length``); None: a stream, chunked."""
         content = [status_line(reply.status)]
         for name, value in (*self.server_state.default_headers, *reply.headers):
             content += (name, b": ", value, b"\r\n")
-        if body is not None:  # (in uvicorn's order: the reply's, then ours)
-            content += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
+        if length is not None:  # (in uvicorn's order: the reply's, then ours)
+            content += (b"content-length: ", str(length).encode("ascii"), b"\r\n")
         content += (self.request_id_line, rid, b"\r\n")
         if not keep_alive:
             content.append(b"connection: close\r\n")
-        if body is None:
-            content.append(b"transfer-encoding: chunked\r\n\r\n")
-        else:
-            content += (b"\r\n", body)
+        content.append(b"transfer-encoding: chunked\r\n\r\n" if length is None else b"\r\n")
         return content
 
     def _cycle_transport(self) -> None:

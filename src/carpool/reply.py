@@ -4,8 +4,15 @@ Contract:
 - A ``Reply`` is a status, headers (raw ASGI pairs; ``x-carpool`` on every cached endpoint's) and
   a body or an SSE stream. A streaming one holds its request's place in its flight until
   ``Reply.close()``, which the transport calls when the stream ends or the client goes.
+- A long body need not be one piece: a ``Reply.parted``'s ``parts`` are the runs of pieces it
+  is made of (a streamed hit's frames, shared with its answer), joined only if its ``body`` is
+  read. ``slices`` gives any body in pieces of about ``SLICE_BYTES`` (views of its bytes, or a
+  few parts joined), for a transport to write one at a time as its client reads: a client that
+  stops reading then holds a slice of an answer, never its own copy of the whole. Every other
+  reply's ``body`` is a plain attribute: a hit reads it at no cost.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
-  chunk if it asked for it), ``age`` on a hit; an incomplete 2xx body that reports an error or
+  chunk if it asked for it; an answer longer than a slice as ``parts``, its own frames, not
+  joined), ``age`` on a hit; an incomplete 2xx body that reports an error or
   lacks the answer's field (no choices) reaches a streaming client as its stream's failure (an
   error event, no end), as it came a client asking JSON; an answer whose body has no ``usage`` because
   the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented); one whose
@@ -23,14 +30,16 @@ Contract:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .answer import Answer
 from .apis import Api, api_of
+from .broadcast import JOINED_BYTES
 from .errors import CarpoolError, UpstreamStreamBroken
 from .outcome import Outcome
 
@@ -49,9 +58,18 @@ USAGE_MISSING = (b"x-carpool-usage", b"missing")
 USAGE_APPORTIONED = (b"x-carpool-usage", b"apportioned")
 
 
+# The most a whole reply is written in at a time (``Reply.slices``), with a wait for the client
+# to read between two: a client that stops reading holds about one slice (beyond the transport's
+# own buffer), never a copy of its whole answer. Broadcast's joined pieces are as big.
+SLICE_BYTES = JOINED_BYTES
+
+
 @dataclass(slots=True)
 class Reply:
-    """What the transport sends back: a complete body, or an SSE stream of frames."""
+    """What the transport sends back: a complete body, or an SSE stream of frames. A long body
+    may be kept as the runs of pieces it is made of (``parted``: a streamed hit's frames, its
+    answer's own), not joined: a transport writes them a slice at a time (``slices``), and
+    ``body`` joins them only if it is read."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
@@ -61,6 +79,50 @@ class Reply:
     on_close: Callable[[], None] | None = field(default=None, repr=False)
     # The gateway's own refusal (``refusal``): counted in ``rejected``, under no outcome.
     rejected: bool = False
+    # The body as runs of pieces, in order, shared with its answer: set by ``parted`` only;
+    # None once joined, or for a body made whole.
+    parts: tuple[Sequence[bytes], ...] | None = field(default=None, repr=False)
+
+    @classmethod
+    def parted(
+        cls,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        parts: tuple[Sequence[bytes], ...],
+        outcome: Outcome | None = None,
+    ) -> Reply:
+        """A whole reply whose body is ``parts``, joined only if ``body`` is read."""
+        return _Parted(status, headers, outcome=outcome, parts=parts)
+
+    @property
+    def size(self) -> int:
+        """The body's length in bytes, without joining it."""
+        parts = self.parts
+        if parts is None:
+            return len(self.body)
+        return sum(len(part) for run in parts for part in run)
+
+    def slices(self, size: int = SLICE_BYTES) -> Iterator[bytes | memoryview]:
+        """The body in pieces of about ``size`` bytes, made as they are asked for: views of a
+        body's bytes, or ``parts`` joined a few at a time (a part longer than ``size``: in views
+        of it). A body no longer than ``size`` is one piece, itself."""
+        parts = self.parts
+        if parts is None:
+            yield from sliced(self.body, size)
+            return
+        pending: list[bytes] = []
+        held = 0
+        for part in chain.from_iterable(parts):
+            if pending and held + len(part) > size:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, held = [], 0
+            if len(part) > size:
+                yield from sliced(part, size)
+                continue
+            pending.append(part)
+            held += len(part)
+        if pending:
+            yield pending[0] if len(pending) == 1 else b"".join(pending)
 
     def close(self) -> None:
         on_close, self.on_close = self.on_close, None
@@ -69,6 +131,41 @@ class Reply:
 
     def json(self) -> Any:
         return orjson.loads(self.body)
+
+
+def sliced(data: bytes, size: int) -> Iterator[bytes | memoryview]:
+    """``data`` in views of ``size`` bytes (the last shorter); itself if no longer than that."""
+    if len(data) <= size:
+        yield data
+        return
+    view = memoryview(data)
+    for start in range(0, len(data), size):
+        yield view[start : start + size]
+
+
+# The slot that holds a reply's body (a ``_Parted`` one's once joined).
+_BODY: Any = vars(Reply)["body"]
+
+
+class _Parted(Reply):
+    """A ``Reply.parted``: its ``body`` a property that joins its parts when first read. Only
+    such a reply pays for one: every other's ``body`` is a plain slot (a hit reads it at no
+    cost)."""
+
+    __slots__ = ()
+
+    @property
+    def body(self) -> bytes:
+        parts = self.parts
+        if parts is not None:
+            _BODY.__set__(self, b"".join(chain.from_iterable(parts)))
+            self.parts = None
+        return _BODY.__get__(self)  # type: ignore[no-any-return]
+
+    @body.setter
+    def body(self, body: bytes) -> None:
+        _BODY.__set__(self, body)
+        self.parts = None
 
 
 def age_header(seconds: float) -> tuple[bytes, bytes]:
@@ -105,9 +202,12 @@ def whole(
     api = api_of(answer.kind)
     if not answer.complete and (failed := _failure(api, orjson.loads(answer.body))) is not None:
         return Reply(200, headers, api.error_event(failed), outcome=outcome)
-    return Reply(
-        200, headers, b"".join(answer.sse(include_usage)) + api.stream_end, outcome=outcome
-    )
+    frames = answer.sse(include_usage)
+    if len(answer.body) <= SLICE_BYTES:  # (the usual hit: one small piece, one write)
+        return Reply(200, headers, b"".join(frames) + api.stream_end, outcome=outcome)
+    # A long one is written a slice at a time from the answer's own frames (``Reply.slices``),
+    # not copied whole for each request: many clients of one answer hold it once.
+    return Reply.parted(200, headers, (frames, (api.stream_end,)), outcome)
 
 
 def _failure(api: Api, body: Any) -> UpstreamStreamBroken | None:

@@ -6,7 +6,9 @@ Contract:
   body within ``limits.max_body_bytes`` (413 beyond it, and the connection is closed without
   reading the rest: it would be read with no deadline) and within
   ``limits.body_read_timeout`` seconds (408 after it, and the connection is closed: a body that
-  trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``.
+  trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``
+  (a whole one longer than a slice, ``reply.SLICE_BYTES``, in slices: the server's flow
+  control then holds a slice for a client that does not read, not the whole answer).
   Pass-through and admin bodies are read under the same two limits.
 - Under ``carpool serve``, a small request to a cached endpoint is served below ASGI by the HTTP
   protocol (``http_protocol.py``): a byte-identical repeat whose answer is stored through
@@ -115,7 +117,7 @@ from .paths import confine
 from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting, remove
 from .peers.metrics import merge, run_totals
 from .pipeline import Gateway, Reply
-from .reply import refusal
+from .reply import SLICE_BYTES, refusal
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, UPSTREAM_HEADER, request_id
@@ -140,6 +142,8 @@ class GatewayApp:
         self.max_body = gateway.config.limits.max_body_bytes
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = Deadlines(gateway.config.limits.body_read_timeout)
+        # (kept by the HTTP protocol: a client reading nothing of its reply, ``http_protocol.py``)
+        self.send_timeout = gateway.config.limits.send_timeout
         self.allow = gateway.config.passthrough.allow
         # In front of the embedded simulated engine: its answers are labelled (module contract).
         self.simulated = bool(simulated_replicas(gateway))
@@ -468,11 +472,19 @@ async def _send_reply(send: Any, reply: Reply, state: ClientWatch) -> None:
     sent (``state.headed``), a stream is the rest of it (``GatewayApp._cut``)."""
     if reply.stream is None:
         state.finished = True
-        body = reply.body
-        head = [*reply.headers, (b"content-length", str(len(body)).encode())]
+        size = reply.size
+        head = [*reply.headers, (b"content-length", str(size).encode())]
         await send({"type": "http.response.start", "status": reply.status, "headers": head})
         state.headed = True
-        await send({"type": "http.response.body", "body": body})
+        if size <= SLICE_BYTES:
+            await send({"type": "http.response.body", "body": reply.body})
+            return
+        # A long one a slice at a time (``Reply.slices``): the server writes each once the
+        # client took the last (uvicorn's flow control), so a client that does not read holds
+        # a slice, not a copy of the whole answer. (ASGI's body is bytes: each slice a copy.)
+        for piece in reply.slices():
+            await send({"type": "http.response.body", "body": bytes(piece), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     if not state.headed:
         await send(

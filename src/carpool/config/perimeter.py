@@ -183,6 +183,17 @@ class LimitsConfig(Section):
         "connection closed (closed alone if nothing came). An idle connection between "
         "requests is closed after uvicorn's keep-alive timeout (5 s).",
     )
+    send_timeout: float = Field(
+        60,
+        gt=0,
+        description="Seconds a client may go without reading any of what it is sent while "
+        "more waits for it (its socket's buffers full): its connection is then closed, as if "
+        "it had left (a stream it followed goes on for its other clients). A slow reader is "
+        "not cut while it reads some. 60 s, as nginx's `send_timeout`: a stalled client no "
+        "longer holds what it was sent (a flight's frames, a slice of a long answer) for as "
+        "long as it keeps its connection open. Kept by `carpool serve`'s HTTP protocol; the "
+        "app under another server has that server's limits.",
+    )
     max_json_depth: int = Field(
         64,
         ge=2,
