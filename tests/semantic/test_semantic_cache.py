@@ -600,6 +600,24 @@ async def test_an_entry_whose_texts_are_over_the_record_bound_is_not_published(
         assert b.gateway.semantic.entries == 1
 
 
+async def test_the_record_bound_counts_the_bytes_of_the_texts_not_their_characters(
+    two_semantic, fake, monkeypatch
+):
+    # The bound counted characters while the record carries UTF-8: 4-byte characters (emoji;
+    # CJK takes 3) made records ~4x the bound (136 KB where 35 KB was meant).
+    from carpool.redis import semantic as shared
+
+    monkeypatch.setattr(shared, "MAX_RECORD_TEXT", 60)
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I reset my router? " + "\N{FIRE}" * 10)  # 36 characters, 66 bytes
+        await eventually(lambda: a.gateway.semantic.entries == 1, what="A's own entry")
+        await ask(a, "Reset?")  # short: published
+        await propagated(b)
+        counts = a.gateway.semantic.counts
+        assert (counts["local_only"], counts["published"]) == (1, 1)
+        assert b.gateway.semantic.entries == 1
+
+
 async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic, fake):
     async with two_semantic() as (a, b):
         await ask(a, "How do I reset my router?")

@@ -96,7 +96,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
-# Characters of prompt and context a shared record may carry (``_inserted``).
+# Bytes (UTF-8) of prompt and context a shared record may carry (``_inserted``).
 MAX_RECORD_TEXT = 32_768
 READ_COUNT = 256  # records per XREAD
 
@@ -179,9 +179,11 @@ class SharedSemanticCache(SemanticCache):
         self.start()
         if key is None:  # (an entry from another instance, or one without an answer's key)
             return
-        if len(entry.text) + len(entry.context) > MAX_RECORD_TEXT:
+        text, context = entry.text.encode(), entry.context.encode()
+        if len(text) + len(context) > MAX_RECORD_TEXT:
             # (A long conversation's record copied it whole: ~100 KB a record, over a GB at
-            # the stream's length, read by every instance. Such an entry is this one's only.)
+            # the stream's length, read by every instance. Such an entry is this one's only.
+            # Bytes, as the record carries them: 4-byte characters made it 4x the bound.)
             self.counts["local_only"] += 1
             return
         import numpy as np
@@ -195,8 +197,8 @@ class SharedSemanticCache(SemanticCache):
                     b"op": b"put",
                     b"src": self.instance,
                     b"s": entry.scope.encode(),
-                    b"t": entry.text.encode(),
-                    b"ctx": entry.context.encode(),
+                    b"t": text,
+                    b"ctx": context,
                     b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
                     b"e": str(getattr(self.embedder, "name", "")).encode(),
                     b"k": key.encode(),
