@@ -541,9 +541,9 @@ def two_semantic(fake, shared_redis):
     from conftest import redis_settings, run_gateway
 
     @contextlib.asynccontextmanager
-    async def start(**extra):
+    async def start(distributed=None, **extra):
         shared = {
-            **redis_settings(shared_redis, retry_interval=0.05),
+            **redis_settings(shared_redis, retry_interval=0.05, **(distributed or {})),
             "admin_token": "t",
             **SEMANTIC,
             **extra,
@@ -790,6 +790,71 @@ async def test_an_instance_whose_reader_was_cut_off_never_serves_an_answer_inval
         assert semantic.counts["invalidations_received"] == 0  # (never read: missed)
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
         assert semantic.counts["forgotten"] == 1 and fake.count() == 2
+
+
+@pytest.mark.parametrize("lost", ["trimmed", "evicted"])
+async def test_an_instance_whose_unread_records_left_the_stream_never_serves_what_they_invalidated(
+    two_semantic, fake, lost
+):
+    """B's reader stalled (a GC or VM pause, or slower than the fleet's publishing) while A
+    invalidated B's tag, and the stream then moved past that record unread: trimmed by the
+    records published after it (``XADD MAXLEN ~``), or the stream itself gone (evicted under an
+    ``allkeys-*`` policy). B resumed at its last id, read what came after, and served the
+    invalidated answer it holds, even to the identical request, until its TTL."""
+    async with two_semantic(distributed={"stream_maxlen": 10}) as (a, b):
+        tags = {"x-carpool-tags": "router"}
+        first = await ask(b, "How do I reset my router?", headers=tags)
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        semantic, client = b.gateway.semantic, a.gateway.semantic._client
+        real_xread, stalled, resumed, reads = (
+            semantic._client.xread,
+            asyncio.Event(),
+            asyncio.Event(),
+            [0],
+        )
+
+        async def xread(streams, *args, **kwargs):  # B's reader stalls once we say so
+            if semantic.stream in streams:
+                if not resumed.is_set():
+                    stalled.set()
+                    await resumed.wait()
+                reads[0] += 1
+            return await real_xread(streams, *args, **kwargs)
+
+        semantic._client.xread = xread
+        try:
+            await asyncio.wait_for(stalled.wait(), 5)
+            admin = {"Authorization": "Bearer t"}
+            invalidated = await a.client.post(
+                "/admin/invalidate", json={"tag": "router"}, headers=admin
+            )
+            assert invalidated.status_code == 200
+            ((record, _),) = await client.xrevrange(semantic.stream, count=1)
+            if lost == "trimmed":  # the others' records, until A's is trimmed away
+                while (await client.xrange(semantic.stream, count=1))[0][0] <= record:
+                    await client.xadd(
+                        semantic.stream,
+                        {b"op": b"other", b"src": b"c"},
+                        maxlen=10,
+                        approximate=True,
+                    )
+            else:
+                await client.delete(semantic.stream)
+            resumed.set()
+            if lost == "trimmed":  # B reads what came after, to A's next entry
+                await ask(a, "What is the capital of France?")
+                await eventually(
+                    lambda: semantic.counts["received"] == 1, what="B reading A's next entry"
+                )
+            else:  # B looked at the stream again, and went on reading
+                await eventually(lambda: reads[0] >= 2, what="B's reader back at the stream")
+        finally:
+            semantic._client.xread = real_xread
+        assert semantic.counts["invalidations_received"] == 0  # (never read: missed)
+        again = await ask(b, "How do I reset my router?", headers=tags)
+        assert again.headers["x-carpool"] == "miss" and again.json() != first.json()
+        assert semantic.counts["forgotten"] >= 1
 
 
 async def test_the_semantic_stream_reader_stops_by_itself_once_its_cache_is_closed(

@@ -43,6 +43,14 @@ Contract:
   after a failure it forgets every entry (``forgotten``), as the invalidation channel forgets
   its flights when it subscribes again: misses, never an answer invalidated meanwhile. While it
   is cut off the instance serves what it holds, like the exact cache in degraded mode.
+- Records it never read may also leave the stream while the reader is connected: trimmed by the
+  others' ``XADD MAXLEN ~`` while it stalled (a GC or VM pause) or lagged by about
+  ``stream_maxlen`` records, or the stream evicted (an ``allkeys-*`` policy) or deleted. XREAD
+  says nothing of them, so after each XREAD (records or none) the reader reads where the stream
+  stands (``HEAD``: a script; a few bytes back): no stream, or its first record past the id it
+  read from (records go only from the start), and it forgets every entry too (``lost``, then
+  ``forgotten``), before it applies what it read. A reader about ``stream_maxlen`` behind may
+  forget with nothing lost: misses.
   ``ready`` is set each time the reader has positioned itself (tests wait on it).
 
 Record layout (one stream entry, all values bytes):
@@ -67,7 +75,8 @@ Record layout (one stream entry, all values bytes):
       val  the tag, namespace or prefix ("" for all)
 
 The stream is one key (one Redis Cluster slot): every instance reads it; the load is one XADD
-per stored answer, which is the rate of upstream calls.
+per stored answer, which is the rate of upstream calls, and per instance an XREAD and a ``HEAD``
+script per batch of records read (or per ``BLOCK`` of half the socket timeout, idle).
 """
 
 from __future__ import annotations
@@ -116,6 +125,21 @@ return 1
 )
 
 
+# KEYS: the stream. Where it stands, read after each XREAD (``_read``): {} when there is none,
+# else {its first record's id ("": none), the last id it gave, its length, the records ever
+# added}. Read-only (a full Redis runs it too); XINFO's records stay in Redis.
+HEAD = (
+    ALWAYS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local info, at = redis.call('XINFO', 'STREAM', KEYS[1]), {}
+for i = 1, #info, 2 do at[info[i]] = info[i + 1] end
+local first = at['first-entry']
+return {first and first[1] or '', at['last-generated-id'], at['length'], at['entries-added'] or 0}
+"""
+)
+
+
 class SharedSemanticCache(SemanticCache):
     """A ``SemanticCache`` fed by, and feeding, every instance through the stream ``P semantic``.
 
@@ -156,6 +180,7 @@ class SharedSemanticCache(SemanticCache):
                 "ignored",
                 "errors",
                 "forgotten",
+                "lost",
                 "local_only",
             ),
             0,
@@ -311,7 +336,15 @@ class SharedSemanticCache(SemanticCache):
                     reply = await self._client.xread(
                         {self.stream: last}, count=READ_COUNT, block=self.block_ms
                     )
+                    # Records after ``last`` that left the stream before this read (trimmed by
+                    # the XADDs' MAXLEN while this reader stalled or lagged, or the stream
+                    # evicted) are never read, and XREAD says nothing of them.
+                    head = await self._client.eval(HEAD, 1, self.stream)
                 backoff.reset()
+                if _left_unread(last, head):  # an ``invalidate`` among them, maybe: as above
+                    self.counts["lost"] += 1
+                    everything = Selector(everything=True)
+                    self.counts["forgotten"] += await super().invalidate(everything)
                 for ident, fields in xread_entries(reply):
                     last = ident
                     try:
@@ -319,6 +352,10 @@ class SharedSemanticCache(SemanticCache):
                     except Exception:  # a malformed record never stops the reader
                         self.counts["ignored"] += 1
                         log.warning("ignoring a malformed semantic record %r", ident, exc_info=True)
+                if not head:  # gone: the next one begins anew
+                    last = b"0-0"
+                elif not head[2]:  # emptied: its next record comes after its last id
+                    last = head[1]
             except StoreUnavailable as error:
                 self._failed(error)
                 self.ready.clear()
@@ -374,3 +411,24 @@ class SharedSemanticCache(SemanticCache):
             self.health.report(error)
         else:
             log.debug("shared semantic cache: %s", error)
+
+
+def _left_unread(last: bytes, head: list[Any]) -> bool:
+    """Whether records after ``last``, the id a reader read from, left the stream before it read
+    them, by ``head`` (``HEAD``, read after that XREAD). Records leave only from the stream's
+    start (MAXLEN; carpool deletes none), so one that went unread took ``last`` with it: the
+    first record is then past ``last``. A reader lagging by about the stream's length may be
+    told so with nothing lost: it forgets its entries for nothing (misses)."""
+    if not head:  # (evicted, deleted: whatever it held after ``last``)
+        return last != b"0-0"
+    first, newest, length, added = head
+    if not length:  # (emptied: any record after ``last`` went)
+        return _stream_id(newest) > _stream_id(last)
+    if last == b"0-0":  # (read from its start: there was none, or an empty one, when we looked)
+        return int(added) > int(length)
+    return _stream_id(first) > _stream_id(last)
+
+
+def _stream_id(ident: bytes) -> tuple[int, int]:
+    milliseconds, _, sequence = ident.partition(b"-")
+    return int(milliseconds), int(sequence or 0)
