@@ -792,6 +792,49 @@ async def test_an_instance_whose_reader_was_cut_off_never_serves_an_answer_inval
         assert semantic.counts["forgotten"] == 1 and fake.count() == 2
 
 
+async def test_an_entry_embedded_after_an_invalidation_read_from_the_stream_is_not_inserted(
+    two_semantic, fake
+):
+    """B's answer was kept in Redis before A invalidated its tag; its prompt's embedding was
+    done only after B had applied A's ``invalidate`` record from the stream, and A's pub/sub
+    message had not come (lost here: the window was then for ever). B's entry, which holds the
+    invalidated answer, went into its index and was served to paraphrases until its TTL."""
+    async with two_semantic() as (a, b):
+        semantic, store = b.gateway.semantic, b.gateway.store
+        real_vector, real_keep = semantic.vector, store.keep
+        embedded, kept = asyncio.Event(), asyncio.Event()
+
+        async def vector(view):  # B's embedder, slower than the upstream
+            await embedded.wait()
+            return await real_vector(view)
+
+        async def keep(*args, **kwargs):
+            try:
+                return await real_keep(*args, **kwargs)
+            finally:
+                kept.set()
+
+        semantic.vector, store.keep = vector, keep
+        try:
+            tags = {"x-carpool-tags": "router"}
+            first = asyncio.create_task(ask(b, "How do I reset my router?", headers=tags))
+            await asyncio.wait_for(kept.wait(), 5)  # in Redis, its embedding still to come
+            # A's invalidation without its PUBLISH (as if lost): Redis's count, the exact
+            # store, the semantic stream's record.
+            await a.gateway.store.invalidate(Selector(tag="router"))
+            await a.gateway.semantic.invalidate(Selector(tag="router"))
+            await eventually(
+                lambda: semantic.counts["invalidations_received"] == 1,
+                what="B applying A's invalidate record",
+            )
+            embedded.set()
+            assert (await first).headers["x-carpool"] == "miss"
+        finally:
+            semantic.vector, store.keep = real_vector, real_keep
+        again = await ask(b, "how can i reset my router", headers=tags)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 @pytest.mark.parametrize("lost", ["trimmed", "evicted"])
 async def test_an_instance_whose_unread_records_left_the_stream_never_serves_what_they_invalidated(
     two_semantic, fake, lost

@@ -25,7 +25,10 @@ Contract:
     embedding model or dimension, are ignored.
   - ``invalidate``: ``invalidate(tag|namespace|prefix|everything)`` of the local index, so that
     the entries each instance holds *with their answer* go too (remote ones would die at
-    resolution anyway, since the exact store is shared and invalidated everywhere).
+    resolution anyway, since the exact store is shared and invalidated everywhere). It moves
+    the cache's ``generation`` (as every ``invalidate`` does): an entry whose call began before
+    it is not inserted (``Leader._insert_semantic``), though its answer was kept in Redis before
+    the invalidation and the pub/sub message that moves the flights' epoch has not come.
 - ``invalidate`` applies locally and publishes an ``invalidate`` record; one that Redis did not
   take (it failed, or the health says it is not to be tried) raises ``StoreUnavailable`` once
   applied locally: the other instances keep their entries (those held with their answers are
