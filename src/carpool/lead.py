@@ -32,7 +32,9 @@ Contract:
   ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, not
   asked without the usage other shapes of the request get (``exchange.without_usage``: a
   later hit of another shape would lack it), and only if no invalidation came after the call
-  began (the flights' ``epoch``): the answer may predate what was invalidated. With ``redis``, whatever
+  began (the flights' ``epoch``; for its semantic entry, the semantic cache's ``generation``
+  too, which another instance's invalidation may move first: ``redis/semantic.py``): the
+  answer may predate what was invalidated. With ``redis``, whatever
   path the call took (led for all, alone, without shared flights), Redis's count of
   invalidations is read before the call and again once its answer is stored: one by any
   instance in between takes it back (``RedisStore.put``), so an invalidation that answered
@@ -140,6 +142,8 @@ class Leader:
             else None
         )
         begun = _Begun()
+        if self.semantic is not None:  # (the semantic layer's count of invalidations, now)
+            begun.semantic = self.semantic.generation
         controls = request.controls
         # (A no-store leader's answer may be stored for a joiner: ``_keep_for_joiner``.)
         storable = self.config.ttl_for(controls.request_type) > 0 and not without_usage(
@@ -299,7 +303,17 @@ class Leader:
                 self.semantic.embed_failed(error)
                 return key.key
         insert = self._insert_semantic(
-            view, vector, answer, expires, tags, key.namespace, prefix, key.key, epoch, state
+            view,
+            vector,
+            answer,
+            expires,
+            tags,
+            key.namespace,
+            prefix,
+            key.key,
+            epoch,
+            state,
+            since=begun.semantic if begun is not None else None,
         )
         if vector is not None:
             try:
@@ -325,7 +339,10 @@ class Leader:
         key: str,
         epoch: int,
         state: tuple[str, ...] = (),
+        *,
+        since: int | None = None,
     ) -> None:
+        """``since``: the semantic cache's ``generation`` as the call began (None: not read)."""
         assert self.semantic is not None
         if vector is None:
             try:
@@ -334,8 +351,14 @@ class Leader:
                 self.semantic.embed_failed(error)
                 return
         # Checked again once the prompt is embedded: an invalidation (or a DELETE of the
-        # response it is or continues) may have come meanwhile.
-        if epoch == self.flights.epoch and not (state and self.states.deleted(state)):
+        # response it is or continues) may have come meanwhile. Another instance's reaches
+        # the semantic layer on its stream, the flights' epoch by pub/sub: either may come
+        # first (or alone, the other lost), so each is asked.
+        if (
+            epoch == self.flights.epoch
+            and (since is None or since == self.semantic.generation)
+            and not (state and self.states.deleted(state))
+        ):
             entry = await self.semantic.insert(
                 view, vector, answer, expires, tags, namespace, prefix, key=key
             )
@@ -349,12 +372,14 @@ class Leader:
 
 
 class _Begun:
-    """What a flight's call saw as it began: the shared store's generation (None: not read)."""
+    """What a flight's call saw as it began: the shared store's generation, the semantic
+    cache's (None: not read)."""
 
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "semantic")
 
     def __init__(self) -> None:
         self.generation: int | None = None
+        self.semantic: int | None = None
 
 
 def _discard(task: asyncio.Task[Any]) -> None:

@@ -541,9 +541,9 @@ def two_semantic(fake, shared_redis):
     from conftest import redis_settings, run_gateway
 
     @contextlib.asynccontextmanager
-    async def start(**extra):
+    async def start(distributed=None, **extra):
         shared = {
-            **redis_settings(shared_redis, retry_interval=0.05),
+            **redis_settings(shared_redis, retry_interval=0.05, **(distributed or {})),
             "admin_token": "t",
             **SEMANTIC,
             **extra,
@@ -592,6 +592,24 @@ async def test_an_entry_whose_texts_are_over_the_record_bound_is_not_published(
     monkeypatch.setattr(shared, "MAX_RECORD_TEXT", 40)
     async with two_semantic() as (a, b):
         await ask(a, "How do I reset my router? It blinks red and orange.")
+        await eventually(lambda: a.gateway.semantic.entries == 1, what="A's own entry")
+        await ask(a, "Reset?")  # short: published
+        await propagated(b)
+        counts = a.gateway.semantic.counts
+        assert (counts["local_only"], counts["published"]) == (1, 1)
+        assert b.gateway.semantic.entries == 1
+
+
+async def test_the_record_bound_counts_the_bytes_of_the_texts_not_their_characters(
+    two_semantic, fake, monkeypatch
+):
+    # The bound counted characters while the record carries UTF-8: 4-byte characters (emoji;
+    # CJK takes 3) made records ~4x the bound (136 KB where 35 KB was meant).
+    from carpool.redis import semantic as shared
+
+    monkeypatch.setattr(shared, "MAX_RECORD_TEXT", 60)
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I reset my router? " + "\N{FIRE}" * 10)  # 36 characters, 66 bytes
         await eventually(lambda: a.gateway.semantic.entries == 1, what="A's own entry")
         await ask(a, "Reset?")  # short: published
         await propagated(b)
@@ -772,6 +790,114 @@ async def test_an_instance_whose_reader_was_cut_off_never_serves_an_answer_inval
         assert semantic.counts["invalidations_received"] == 0  # (never read: missed)
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
         assert semantic.counts["forgotten"] == 1 and fake.count() == 2
+
+
+async def test_an_entry_embedded_after_an_invalidation_read_from_the_stream_is_not_inserted(
+    two_semantic, fake
+):
+    """B's answer was kept in Redis before A invalidated its tag; its prompt's embedding was
+    done only after B had applied A's ``invalidate`` record from the stream, and A's pub/sub
+    message had not come (lost here: the window was then for ever). B's entry, which holds the
+    invalidated answer, went into its index and was served to paraphrases until its TTL."""
+    async with two_semantic() as (a, b):
+        semantic, store = b.gateway.semantic, b.gateway.store
+        real_vector, real_keep = semantic.vector, store.keep
+        embedded, kept = asyncio.Event(), asyncio.Event()
+
+        async def vector(view):  # B's embedder, slower than the upstream
+            await embedded.wait()
+            return await real_vector(view)
+
+        async def keep(*args, **kwargs):
+            try:
+                return await real_keep(*args, **kwargs)
+            finally:
+                kept.set()
+
+        semantic.vector, store.keep = vector, keep
+        try:
+            tags = {"x-carpool-tags": "router"}
+            first = asyncio.create_task(ask(b, "How do I reset my router?", headers=tags))
+            await asyncio.wait_for(kept.wait(), 5)  # in Redis, its embedding still to come
+            # A's invalidation without its PUBLISH (as if lost): Redis's count, the exact
+            # store, the semantic stream's record.
+            await a.gateway.store.invalidate(Selector(tag="router"))
+            await a.gateway.semantic.invalidate(Selector(tag="router"))
+            await eventually(
+                lambda: semantic.counts["invalidations_received"] == 1,
+                what="B applying A's invalidate record",
+            )
+            embedded.set()
+            assert (await first).headers["x-carpool"] == "miss"
+        finally:
+            semantic.vector, store.keep = real_vector, real_keep
+        again = await ask(b, "how can i reset my router", headers=tags)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+@pytest.mark.parametrize("lost", ["trimmed", "evicted"])
+async def test_an_instance_whose_unread_records_left_the_stream_never_serves_what_they_invalidated(
+    two_semantic, fake, lost
+):
+    """B's reader stalled (a GC or VM pause, or slower than the fleet's publishing) while A
+    invalidated B's tag, and the stream then moved past that record unread: trimmed by the
+    records published after it (``XADD MAXLEN ~``), or the stream itself gone (evicted under an
+    ``allkeys-*`` policy). B resumed at its last id, read what came after, and served the
+    invalidated answer it holds, even to the identical request, until its TTL."""
+    async with two_semantic(distributed={"stream_maxlen": 10}) as (a, b):
+        tags = {"x-carpool-tags": "router"}
+        first = await ask(b, "How do I reset my router?", headers=tags)
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        semantic, client = b.gateway.semantic, a.gateway.semantic._client
+        real_xread, stalled, resumed, reads = (
+            semantic._client.xread,
+            asyncio.Event(),
+            asyncio.Event(),
+            [0],
+        )
+
+        async def xread(streams, *args, **kwargs):  # B's reader stalls once we say so
+            if semantic.stream in streams:
+                if not resumed.is_set():
+                    stalled.set()
+                    await resumed.wait()
+                reads[0] += 1
+            return await real_xread(streams, *args, **kwargs)
+
+        semantic._client.xread = xread
+        try:
+            await asyncio.wait_for(stalled.wait(), 5)
+            admin = {"Authorization": "Bearer t"}
+            invalidated = await a.client.post(
+                "/admin/invalidate", json={"tag": "router"}, headers=admin
+            )
+            assert invalidated.status_code == 200
+            ((record, _),) = await client.xrevrange(semantic.stream, count=1)
+            if lost == "trimmed":  # the others' records, until A's is trimmed away
+                while (await client.xrange(semantic.stream, count=1))[0][0] <= record:
+                    await client.xadd(
+                        semantic.stream,
+                        {b"op": b"other", b"src": b"c"},
+                        maxlen=10,
+                        approximate=True,
+                    )
+            else:
+                await client.delete(semantic.stream)
+            resumed.set()
+            if lost == "trimmed":  # B reads what came after, to A's next entry
+                await ask(a, "What is the capital of France?")
+                await eventually(
+                    lambda: semantic.counts["received"] == 1, what="B reading A's next entry"
+                )
+            else:  # B looked at the stream again, and went on reading
+                await eventually(lambda: reads[0] >= 2, what="B's reader back at the stream")
+        finally:
+            semantic._client.xread = real_xread
+        assert semantic.counts["invalidations_received"] == 0  # (never read: missed)
+        again = await ask(b, "How do I reset my router?", headers=tags)
+        assert again.headers["x-carpool"] == "miss" and again.json() != first.json()
+        assert semantic.counts["forgotten"] >= 1
 
 
 async def test_the_semantic_stream_reader_stops_by_itself_once_its_cache_is_closed(

@@ -91,5 +91,7 @@ class DistributedConfig(Section):
         description="Most entries (streamed chunks) kept in a "
         "cross-instance flight's Redis stream (XADD MAXLEN ~); an instance "
         "that joins after older chunks were trimmed gets the answer whole "
-        "once it is complete.",
+        "once it is complete. It bounds the shared semantic stream too (one "
+        "record per stored answer, read by every instance): an instance "
+        "whose reader falls that far behind forgets its semantic entries.",
     )

@@ -25,7 +25,10 @@ Contract:
     embedding model or dimension, are ignored.
   - ``invalidate``: ``invalidate(tag|namespace|prefix|everything)`` of the local index, so that
     the entries each instance holds *with their answer* go too (remote ones would die at
-    resolution anyway, since the exact store is shared and invalidated everywhere).
+    resolution anyway, since the exact store is shared and invalidated everywhere). It moves
+    the cache's ``generation`` (as every ``invalidate`` does): an entry whose call began before
+    it is not inserted (``Leader._insert_semantic``), though its answer was kept in Redis before
+    the invalidation and the pub/sub message that moves the flights' epoch has not come.
 - ``invalidate`` applies locally and publishes an ``invalidate`` record; one that Redis did not
   take (it failed, or the health says it is not to be tried) raises ``StoreUnavailable`` once
   applied locally: the other instances keep their entries (those held with their answers are
@@ -43,6 +46,14 @@ Contract:
   after a failure it forgets every entry (``forgotten``), as the invalidation channel forgets
   its flights when it subscribes again: misses, never an answer invalidated meanwhile. While it
   is cut off the instance serves what it holds, like the exact cache in degraded mode.
+- Records it never read may also leave the stream while the reader is connected: trimmed by the
+  others' ``XADD MAXLEN ~`` while it stalled (a GC or VM pause) or lagged by about
+  ``stream_maxlen`` records, or the stream evicted (an ``allkeys-*`` policy) or deleted. XREAD
+  says nothing of them, so after each XREAD (records or none) the reader reads where the stream
+  stands (``HEAD``: a script; a few bytes back): no stream, or its first record past the id it
+  read from (records go only from the start), and it forgets every entry too (``lost``, then
+  ``forgotten``), before it applies what it read. A reader about ``stream_maxlen`` behind may
+  forget with nothing lost: misses.
   ``ready`` is set each time the reader has positioned itself (tests wait on it).
 
 Record layout (one stream entry, all values bytes):
@@ -67,7 +78,8 @@ Record layout (one stream entry, all values bytes):
       val  the tag, namespace or prefix ("" for all)
 
 The stream is one key (one Redis Cluster slot): every instance reads it; the load is one XADD
-per stored answer, which is the rate of upstream calls.
+per stored answer, which is the rate of upstream calls, and per instance an XREAD and a ``HEAD``
+script per batch of records read (or per ``BLOCK`` of half the socket timeout, idle).
 """
 
 from __future__ import annotations
@@ -96,7 +108,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
-# Characters of prompt and context a shared record may carry (``_inserted``).
+# Bytes (UTF-8) of prompt and context a shared record may carry (``_inserted``).
 MAX_RECORD_TEXT = 32_768
 READ_COUNT = 256  # records per XREAD
 
@@ -112,6 +124,21 @@ ALWAYS_APPEND = (
     + """
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
 return 1
+"""
+)
+
+
+# KEYS: the stream. Where it stands, read after each XREAD (``_read``): {} when there is none,
+# else {its first record's id ("": none), the last id it gave, its length, the records ever
+# added}. Read-only (a full Redis runs it too); XINFO's records stay in Redis.
+HEAD = (
+    ALWAYS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local info, at = redis.call('XINFO', 'STREAM', KEYS[1]), {}
+for i = 1, #info, 2 do at[info[i]] = info[i + 1] end
+local first = at['first-entry']
+return {first and first[1] or '', at['last-generated-id'], at['length'], at['entries-added'] or 0}
 """
 )
 
@@ -156,6 +183,7 @@ class SharedSemanticCache(SemanticCache):
                 "ignored",
                 "errors",
                 "forgotten",
+                "lost",
                 "local_only",
             ),
             0,
@@ -179,9 +207,11 @@ class SharedSemanticCache(SemanticCache):
         self.start()
         if key is None:  # (an entry from another instance, or one without an answer's key)
             return
-        if len(entry.text) + len(entry.context) > MAX_RECORD_TEXT:
+        text, context = entry.text.encode(), entry.context.encode()
+        if len(text) + len(context) > MAX_RECORD_TEXT:
             # (A long conversation's record copied it whole: ~100 KB a record, over a GB at
-            # the stream's length, read by every instance. Such an entry is this one's only.)
+            # the stream's length, read by every instance. Such an entry is this one's only.
+            # Bytes, as the record carries them: 4-byte characters made it 4x the bound.)
             self.counts["local_only"] += 1
             return
         import numpy as np
@@ -195,8 +225,8 @@ class SharedSemanticCache(SemanticCache):
                     b"op": b"put",
                     b"src": self.instance,
                     b"s": entry.scope.encode(),
-                    b"t": entry.text.encode(),
-                    b"ctx": entry.context.encode(),
+                    b"t": text,
+                    b"ctx": context,
                     b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
                     b"e": str(getattr(self.embedder, "name", "")).encode(),
                     b"k": key.encode(),
@@ -309,7 +339,15 @@ class SharedSemanticCache(SemanticCache):
                     reply = await self._client.xread(
                         {self.stream: last}, count=READ_COUNT, block=self.block_ms
                     )
+                    # Records after ``last`` that left the stream before this read (trimmed by
+                    # the XADDs' MAXLEN while this reader stalled or lagged, or the stream
+                    # evicted) are never read, and XREAD says nothing of them.
+                    head = await self._client.eval(HEAD, 1, self.stream)
                 backoff.reset()
+                if _left_unread(last, head):  # an ``invalidate`` among them, maybe: as above
+                    self.counts["lost"] += 1
+                    everything = Selector(everything=True)
+                    self.counts["forgotten"] += await super().invalidate(everything)
                 for ident, fields in xread_entries(reply):
                     last = ident
                     try:
@@ -317,6 +355,10 @@ class SharedSemanticCache(SemanticCache):
                     except Exception:  # a malformed record never stops the reader
                         self.counts["ignored"] += 1
                         log.warning("ignoring a malformed semantic record %r", ident, exc_info=True)
+                if not head:  # gone: the next one begins anew
+                    last = b"0-0"
+                elif not head[2]:  # emptied: its next record comes after its last id
+                    last = head[1]
             except StoreUnavailable as error:
                 self._failed(error)
                 self.ready.clear()
@@ -372,3 +414,24 @@ class SharedSemanticCache(SemanticCache):
             self.health.report(error)
         else:
             log.debug("shared semantic cache: %s", error)
+
+
+def _left_unread(last: bytes, head: list[Any]) -> bool:
+    """Whether records after ``last``, the id a reader read from, left the stream before it read
+    them, by ``head`` (``HEAD``, read after that XREAD). Records leave only from the stream's
+    start (MAXLEN; carpool deletes none), so one that went unread took ``last`` with it: the
+    first record is then past ``last``. A reader lagging by about the stream's length may be
+    told so with nothing lost: it forgets its entries for nothing (misses)."""
+    if not head:  # (evicted, deleted: whatever it held after ``last``)
+        return last != b"0-0"
+    first, newest, length, added = head
+    if not length:  # (emptied: any record after ``last`` went)
+        return _stream_id(newest) > _stream_id(last)
+    if last == b"0-0":  # (read from its start: there was none, or an empty one, when we looked)
+        return int(added) > int(length)
+    return _stream_id(first) > _stream_id(last)
+
+
+def _stream_id(ident: bytes) -> tuple[int, int]:
+    milliseconds, _, sequence = ident.partition(b"-")
+    return int(milliseconds), int(sequence or 0)

@@ -40,7 +40,9 @@ Contract:
   them, and swept (``LRU.sweep``: the next ``SWEEP_STEP`` entries, from where the last step
   stopped) at most every ``REAP_S`` by an ``insert`` or a read of ``entries`` or ``bytes``
   (``/stats``), so that those come to count live entries and their memory is given back. Every entry that goes, for any reason, leaves its scope's index and the maps.
-- ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store.
+- ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store,
+  and counts itself in ``generation``: whoever inserts an answer whose call began before one
+  (read then) must not (``Leader._insert_semantic``), as it may predate what was dropped.
 - ``aclose`` closes the embedder (``LocalEmbedder``: its ``carpool-embed`` worker thread), when
   it has an ``aclose``; the verifier's thread is shared by the process and stays.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
@@ -224,6 +226,7 @@ class SemanticCache:
         self._ids = itertools.count(1)
         self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
         self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
+        self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
 
     @property
@@ -446,6 +449,7 @@ class SemanticCache:
         """Called with each entry once it is in this cache (and its index); nothing here."""
 
     async def invalidate(self, selector: Selector) -> int:
+        self.generation += 1
         doomed = self._entries.remove_if(lambda _, e: selector.picks(e))
         for key, entry in doomed:
             self._unindex(key, entry)
