@@ -119,7 +119,19 @@ async def test_cache_control_is_read_in_any_case_and_as_a_list(gw, fake, value):
     assert fake.count() == 2
 
 
-@pytest.mark.parametrize("value", ["max-age=abc", "max-age=-1"])
+async def test_of_two_max_ages_the_stricter_holds(fake, gateway_with):
+    # ("max-age=0, max-age=100" was served a cached answer: the later, looser one won.)
+    clock = ManualClock()
+    async with gateway_with(clock=clock) as gw:
+        assert await outcome(gw) == "miss"
+        for value in ("max-age=0, max-age=100", "max-age=100, max-age=5"):
+            clock.advance(10)  # (each miss stores a fresh answer: 10 s old at the next)
+            assert await outcome(gw, **{"Cache-Control": value}) == "miss"
+        assert await outcome(gw, **{"Cache-Control": "max-age=100"}) == "hit"
+        assert fake.count() == 3
+
+
+@pytest.mark.parametrize("value", ["max-age=abc", "max-age=-1", "max-age=1_0", "max-age=+5"])
 async def test_a_malformed_cache_control_is_400(gw, fake, value):
     response = await gw.chat(headers={"Cache-Control": value})
     assert response.status_code == 400 and fake.count() == 0
