@@ -282,7 +282,9 @@ class ShutdownConfig(Section):
         ge=0,
         description="Seconds between SIGTERM and closing the listening socket: /readyz answers "
         "503 meanwhile, so that load balancers stop sending, while requests are still served. "
-        "(One worker; with `workers` > 1 the listener closes at once.)",
+        "(One worker. With `workers` > 1 the workers stop at once, while uvicorn's parent "
+        "keeps the socket open until the run exits: a connection made meanwhile waits, then is "
+        "reset; take the instance out of the load balancer before SIGTERM.)",
     )
     grace_s: float = Field(
         30.0,
