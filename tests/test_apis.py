@@ -486,6 +486,56 @@ async def test_a_delete_drops_only_the_deleting_tenants_answers(gw, fake):
     assert outcomes == {"a": "hit", "b": "miss"}
 
 
+def stored_chat(text: str, **extra: Any) -> dict[str, Any]:
+    """A deterministic chat request the upstream keeps the answer of (``store: true``)."""
+    return {**body_of("chat", text), "store": True, **extra}
+
+
+def chunk_id(raw: str) -> str:
+    """The id of a classic stream's first chunk (every chunk carries the completion's)."""
+    data = next(line for line in raw.splitlines() if line.startswith("data: "))
+    return orjson.loads(data.removeprefix("data: "))["id"]
+
+
+async def test_a_deleted_stored_chat_completion_is_no_longer_served(gw, fake):
+    # A chat completion asked with ``store: true`` is kept upstream under its id, which a
+    # client deletes through the gateway (a pass-through), as a stored response. The identical
+    # request was still a hit handing back the deleted completion's id (a retrieve or an
+    # update of it: the upstream's 404).
+    fake.keeps_completions = True
+    asked, streamed = stored_chat("Keep me, then delete me"), stored_chat("Streamed, deleted")
+    made = (await gw.client.post(CHAT, json=asked)).json()["id"]
+    made_streaming = chunk_id((await stream(gw, CHAT, streamed))[1])
+    assert {made, made_streaming} == set(fake.kept_completions)
+    unrelated, plain = stored_chat("Something else"), without(asked, "store")
+    for body in (unrelated, plain):
+        assert (await gw.client.post(CHAT, json=body)).headers["x-carpool"] == "miss"
+    for cid in (made, made_streaming):
+        deleted = await gw.client.delete(f"{CHAT}/{cid}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    calls = fake.count(CHAT)
+    again = await gw.client.post(CHAT, json=asked)
+    assert again.headers["x-carpool"] == "miss" and again.json()["id"] != made
+    assert (await gw.client.post(CHAT, json=streamed)).headers["x-carpool"] == "miss"
+    assert fake.count(CHAT) == calls + 2
+    # Only the deleted completions' answers go: another stored one, a completion not stored
+    # (its id names nothing kept: no DELETE can name it) stay; a refused DELETE drops nothing.
+    for body in (unrelated, plain):
+        assert (await gw.client.post(CHAT, json=body)).headers["x-carpool"] == "hit"
+    assert (await gw.client.delete(f"{CHAT}/{made}")).status_code == 404
+    assert (await gw.client.post(CHAT, json=asked)).headers["x-carpool"] == "hit"
+
+
+async def test_a_chat_completion_not_stored_upstream_is_tagged_with_no_state(gw, fake):
+    # Its id names nothing the upstream keeps: nothing to drop it by, nothing to route by.
+    for body in (body_of("chat"), body_of("chat", "Not kept", store=False)):
+        assert (await gw.client.post(CHAT, json=body)).headers["x-carpool"] == "miss"
+        await stream(gw, CHAT, {**body, "messages": [{"role": "user", "content": "streamed"}]})
+    assert len(gw.gateway.layers.states) == 0 and gw.gateway.store.entries == 4
+    assert (await gw.client.post(CHAT, json=stored_chat("Kept"))).status_code == 200
+    assert len(gw.gateway.layers.states) == 1
+
+
 async def _in_flight(gw: Any, fake: Any, text: str, key: str) -> asyncio.Task[Any]:
     """``key``'s chat call of ``text``, held by the fake upstream until ``fake.gate`` is set
     (the gate it found: a DELETE sent after it goes through)."""

@@ -97,6 +97,30 @@ async def test_a_deleted_response_is_dropped_on_every_instance(fake, shared_redi
         assert again.headers["x-carpool"] == "miss" and again.json()["id"] != rid
 
 
+async def test_a_deleted_stored_chat_completion_is_dropped_on_every_instance(fake, shared_redis):
+    # As a stored response: deleted through one instance, the chat completion (``store:
+    # true``) another instance made and stored in Redis is no longer served by either.
+    fake.keeps_completions = True
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Keep me, then delete me"}],
+        "temperature": 0,
+        "store": True,
+    }
+    async with two_gateways(fake, shared_redis, coalesce={"window_ms": 0}) as (a, b):
+        cid = (await a.client.post("/v1/chat/completions", json=body)).json()["id"]
+        assert (await b.client.post("/v1/chat/completions", json=body)).headers[
+            "x-carpool"
+        ] == "hit"
+        channel = a.gateway.invalidations
+        assert channel is not None
+        assert (await b.client.delete(f"/v1/chat/completions/{cid}")).status_code == 200
+        await eventually(lambda: channel.counts["states_received"] == 1, what="A told of it")
+        for gateway in (a, b):
+            again = await gateway.client.post("/v1/chat/completions", json=body)
+            assert again.status_code == 200 and again.json()["id"] != cid
+
+
 async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         fake.gate = asyncio.Event()

@@ -777,6 +777,30 @@ async def test_a_deleted_response_is_dropped_on_every_worker(fake):
         assert [served.gateway.flights.epoch for served in (pair.a, pair.b)] == epochs
 
 
+async def test_a_deleted_stored_chat_completion_is_dropped_on_every_worker(fake):
+    """As a stored response: a chat completion kept upstream (``store: true``), deleted
+    through one worker, is served by no worker again (the owner of its key kept it too)."""
+    fake.keeps_completions = True
+    async with two_workers(fake.url) as pair:
+        a = pair.a.gateway
+        assert a.peers is not None
+        for i in range(1000):  # a request whose key worker 1 owns, as worker 0 sees it
+            body = {**_chat(f"Which worker keeps me, {i}?"), "store": True}
+            raw = httpx.Request("POST", "/", json=body).content
+            request = parse(ClientRequest("/v1/chat/completions", raw, {}), 1 << 20)
+            key = fingerprint(request, a.config, a.accepted).key
+            if key is not None and a.peers.owner_of(key) == 1:
+                break
+        cid = (await pair.a.client.post("/v1/chat/completions", json=body)).json()["id"]
+        hit = await pair.b.client.post("/v1/chat/completions", json=body)
+        assert hit.headers["x-carpool"] == "hit" and hit.json()["id"] == cid
+        deleted = await pair.a.client.delete(f"/v1/chat/completions/{cid}")
+        assert deleted.status_code == 200, deleted.text
+        for served in (pair.a, pair.b):
+            again = await served.client.post("/v1/chat/completions", json=body)
+            assert again.status_code == 200 and again.json()["id"] != cid
+
+
 async def test_only_a_worker_may_pass_a_deleted_responses_tag_on(fake):
     """``{"state": tag}`` (a worker's DELETE passed on) comes through the peers' door only: on
     the public port, even with the admin token, it is no selector."""

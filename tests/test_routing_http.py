@@ -149,6 +149,12 @@ def _created_id(sse: str) -> str:
     return event["response"]["id"]
 
 
+def _chunk_id(sse: str) -> str:
+    """The completion id of a chat stream's first chunk."""
+    data = next(line for line in sse.splitlines() if line.startswith("data: "))
+    return json.loads(data.removeprefix("data: "))["id"]
+
+
 @pytest.mark.parametrize("policy", ["cache-aware", "least-loaded", "round-robin"])
 async def test_a_stored_response_is_fetched_and_continued_on_the_replica_that_made_it(policy):
     # Each replica keeps its own responses (vLLM, SGLang): a follow-up went where the policy
@@ -191,6 +197,55 @@ async def test_a_stored_response_is_fetched_and_continued_on_the_replica_that_ma
             routing = (await client.get("/stats")).json()["routing"]
             assert routing["state_holder"] == 4 * 2  # the two POSTs that continued one
             assert sum(f.count() for f in fakes) == 4 * 8
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "least-loaded", "round-robin"])
+async def test_a_stored_chat_completion_is_fetched_updated_and_deleted_on_the_replica_that_made_it(
+    policy,
+):
+    # A chat completion asked with ``store: true`` is kept by the replica that made it, as a
+    # stored response: its retrieve, update, messages and DELETE went where the policy said
+    # (the other replica: its 404). One not stored is remembered nowhere.
+    async with replicas(2) as fakes:
+        for fake in fakes:
+            fake.keeps_completions = True
+        async with run_gateway([f.url for f in fakes], routing={"policy": policy}) as gw:
+            client, made = gw.client, []
+            for i in range(4):
+                asked = {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": f"question {i} " + "x" * 100}],
+                    "temperature": 0,
+                    "store": True,
+                }
+                whole = await client.post("/v1/chat/completions", json=asked)
+                assert whole.status_code == 200, whole.text
+                streamed = await client.post(
+                    "/v1/chat/completions", json={**asked, "seed": i, "stream": True}
+                )
+                sampled = await client.post(  # (a bypass)
+                    "/v1/chat/completions",
+                    json={k: v for k, v in asked.items() if k != "temperature"},
+                )
+                assert streamed.status_code == sampled.status_code == 200
+                ids = [whole.json()["id"], _chunk_id(streamed.text), sampled.json()["id"]]
+                for cid in ids:
+                    got = await client.get(f"/v1/chat/completions/{cid}")
+                    assert got.status_code == 200 and got.json()["id"] == cid, got.text
+                messages = await client.get(f"/v1/chat/completions/{ids[0]}/messages")
+                assert messages.status_code == 200, messages.text
+                updated = await client.post(
+                    f"/v1/chat/completions/{ids[0]}", json={"metadata": {"k": "v"}}
+                )
+                assert updated.status_code == 200 and updated.json()["metadata"] == {"k": "v"}
+                plain = {**asked, "store": False}
+                assert (await client.post("/v1/chat/completions", json=plain)).status_code == 200
+                made += ids
+            assert len(gw.gateway.layers.holders) == len(made)  # (not the plain ones)
+            for cid in made:
+                assert (await client.delete(f"/v1/chat/completions/{cid}")).status_code == 200
+            assert not any(f.kept_completions for f in fakes)
+            assert sum(f.count() for f in fakes) == 4 * 9 + len(made)
 
 
 async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():

@@ -9,10 +9,11 @@ Contract:
   as final, 600-999) is no answer of the cached endpoints: it raises the gateway's own 502
   (``UpstreamRedirected`` for a 3xx, as pass-through answers a redirect; else
   ``UpstreamBadStatus``), so a flight fails with it and a bypass answers it; never relayed. Embeddings go through the batcher, which calls ``send`` itself. A
-  client's request of an API that keeps state upstream (a Responses call: ``Api.keeps_state``)
-  goes to the replica that made the stored response it continues, and the response its 2xx
-  answer makes is remembered with its replica before the answer is read further (a whole
-  body's id; a stream's, at its first lifecycle event, before that event is passed on), in
+  client's request that keeps state upstream (a Responses call, a chat completion with ``store:
+  true``: ``Api.keeps_state``) goes to the replica that made the stored response it continues,
+  and what its 2xx answer makes is remembered with its replica before the answer is read
+  further (a whole body's id; a stream's, at its first payload naming it, ``Api.state_field``:
+  a Responses lifecycle event, a chat chunk, before that payload is passed on), in
   ``layers.holders`` (``routing.state``): where there are replicas to choose among only.
 - ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
@@ -108,7 +109,7 @@ async def send(
     answer makes remembered (see the module doc)."""
     replicas = layers.replicas
     holder = tenant = None
-    if request is not None and request.api.keeps_state and replicas.chooses:
+    if request is not None and replicas.chooses and request.api.keeps_state(request.body):
         tenant = requester(request.headers, layers.config)
         holder = layers.holders.holder(tenant, request.api.state_continued(request.body))
     if not layers.tracer.enabled:
@@ -175,9 +176,9 @@ class _Remembering:
         payloads = await self.events.__anext__()
         if self.remember is not None:
             for payload in payloads:
-                # Only an event carrying the response has this key (text in a string has its
+                # Only a payload naming the state has this key (text in a string has its
                 # quotes escaped); ``find``: see ``Api.frame``.
-                if payload.find(b'"response"') == -1:
+                if payload.find(self.api.state_field) == -1:
                     continue
                 try:
                     chunk = orjson.loads(payload)

@@ -17,9 +17,10 @@ Contract:
   clients are woken with the answer first and it is stored right after they reply, in the same
   turn of the event loop: no request that follows a reply can be read in between, and one that
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
-- An answer is stored with its request's tags and, for an API that keeps state upstream
-  (Responses), the gateway's own (``store.base.state_tag``): the stored response it continues
-  and the one it is, in the requester's tenant, in the exact and the semantic cache alike;
+- An answer is stored with its request's tags and, for a request that keeps state upstream
+  (Responses; a chat completion with ``store: true``: ``Api.keeps_state``), the gateway's own
+  (``store.base.state_tag``): the stored response it continues and the one it is, in the
+  requester's tenant, in the exact and the semantic cache alike;
   its keys and semantic entry are indexed under those tags (``state_index``: what a ``DELETE``
   of either drops). One whose response (continued or made) was deleted while its call ran is
   not stored (``StateIndex.deleted``, asked before it is stored and again once it is: one
@@ -261,7 +262,7 @@ class Leader:
         assert key.key is not None  # (checked above; a shared key is one too)
         tags = controls.tags
         state: tuple[str, ...] = ()
-        if request.api.keeps_state:  # (tagged with the stored responses it is or continues)
+        if request.api.keeps_state(request.body):  # (tagged with the state it is or continues)
             state = _state_tags(request, key.owner, answer)
             if self.states.deleted(state):
                 # It is or continues a response deleted while its call ran: not stored, and
@@ -392,8 +393,8 @@ def _discard(task: asyncio.Task[Any]) -> None:
 
 
 def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]:
-    """The gateway's own tags of an answer of an API that keeps state upstream (``state_tag``):
-    the stored response it continues (``Api.state_continued``) and the one it is
+    """The gateway's own tags of an answer of a request that keeps state upstream
+    (``state_tag``): the stored response it continues (``Api.state_continued``) and the one it is
     (``Api.state_made``), each in the requester's tenant (``owner``), whose ``DELETE`` of
     either drops it."""
     api = request.api

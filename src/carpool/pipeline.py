@@ -60,9 +60,10 @@ Contract:
   ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
-  stored response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
-  A ``DELETE /responses/{id}`` the upstream answers 2xx first drops, in the deleter's tenant,
-  the answers that are or continue that response (their ``state_tag``), by key: those this
+  stored response (``/responses/{id}...``) or chat completion (``/chat/completions/{id}...``)
+  goes to the replica that made it (``routing.state``). A ``DELETE /responses/{id}`` or
+  ``DELETE /chat/completions/{id}`` the upstream answers 2xx first drops, in the deleter's
+  tenant, the answers that are or continue that object (their ``state_tag``), by key: those this
   process stored under it (``state_index``: its keys, their lingering flights, their semantic
   entries), then each other worker's (``Peers.forget_state``) and instance's (the Redis
   invalidation channel's ``publish_state``), then is relayed. Not an invalidation: no other
@@ -646,7 +647,8 @@ class Gateway:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
         a transport failure downs the replica (``ReplicaSet.passthrough``). A call on a stored
-        response (``/responses/{id}...``) goes to the replica that made it (``routing.state``).
+        response or chat completion (``/responses/{id}...``, ``/chat/completions/{id}...``)
+        goes to the replica that made it (``routing.state``).
         ``RuntimeError`` once the gateway is closed, as ``request``."""
         if self.closed:
             raise RuntimeError("this gateway is closed (aclose): build another")

@@ -1,8 +1,9 @@
 """Which cached answers each stored response's ``DELETE`` drops, in this process: ``StateIndex``.
 
-An answer of an API that keeps state upstream (Responses) is stored with the gateway's own tags
-(``store.base.state_tag``): the stored response it continues and the one it is, in the
-requester's tenant. A 2xx pass-through ``DELETE /v1/responses/{id}`` drops them
+An answer of a request that keeps state upstream (Responses; a chat completion with ``store:
+true``: ``Api.keeps_state``) is stored with the gateway's own tags (``store.base.state_tag``):
+the stored response it continues and the one it is, in the requester's tenant. A 2xx
+pass-through ``DELETE /v1/responses/{id}`` or ``DELETE /v1/chat/completions/{id}`` drops them
 (``Gateway.passthrough``), by key, not by scanning the layers: a client may delete as often as
 it creates, and an invalidation of every layer (flights, epochs, a Redis SCAN) is an operator's.
 

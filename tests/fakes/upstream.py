@@ -157,6 +157,13 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   ``/v1/responses/{id}/`` the echo, and ``POST /v1/responses`` with a ``previous_response_id`` it
   kept the usual answer; an id it did not keep is a 404 (``invalid_request_error``, "Response
   with id '...' not found.").
+- ``keeps_completions: bool``: the fake keeps the chat completions asked with ``store: true``
+  (whole or streamed), in ``kept_completions`` (id -> completion), as OpenAI does: their ids
+  then name this fake (``f"chatcmpl-{tag}-{n}"``); ``GET /v1/chat/completions/{id}`` answers the
+  kept completion, ``POST`` to it sets its ``metadata`` and answers it, ``GET
+  /v1/chat/completions/{id}/messages`` lists its request's messages, ``DELETE`` of it forgets it
+  (``{"id", "object": "chat.completion.deleted", "deleted": true}``); an id it did not keep is a
+  404 (``invalid_request_error``). A completion asked without ``store: true`` is not kept.
 - ``valid_keys: set[str] | dict[str, set[str]] | None``: when set, a request is answered only if
   it presents at least one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``)
   and every key it presents is valid: in the set, or (a dict) mapped to a set of models that
@@ -323,6 +330,8 @@ class FakeUpstream:
         self.responses_output: list[dict[str, Any]] | None = None
         self.keeps_responses: bool = False
         self.kept: dict[str, dict[str, Any]] = {}
+        self.keeps_completions: bool = False
+        self.kept_completions: dict[str, dict[str, Any]] = {}
 
     def _authorized(self, headers: dict[str, str], body: Any) -> bool:
         """Like OpenAI and Azure: one presented key, and every key presented, must be valid (for
@@ -558,6 +567,9 @@ class FakeUpstream:
             else:
                 await self._embeddings(call, send)
             return
+        if self.keeps_completions and path.startswith("/v1/chat/completions/"):
+            await self._kept_completion(call, send, path.split("/")[4:])
+            return
         if self.keeps_responses and path.startswith("/v1/responses"):
             named = (
                 path.split("/")[3]
@@ -687,7 +699,21 @@ class FakeUpstream:
         )
         texts = [text] * self._n(body)
         usage = self._usage(prompt_tokens, sum(_count_words(t) for t in texts))
-        cid = f"chatcmpl-fake-{call.number}"
+        keep = self.keeps_completions and body.get("store") is True
+        cid = f"chatcmpl-{self.tag}-{call.number}" if keep else f"chatcmpl-fake-{call.number}"
+        if keep:
+            self.kept_completions[cid] = {
+                "id": cid,
+                "object": "chat.completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [
+                    {"index": i, "message": {"role": "assistant", "content": t}}
+                    for i, t in enumerate(texts)
+                ],
+                "metadata": body.get("metadata") or {},
+                "messages": messages,
+            }
         if body.get("stream"):
             await self._stream(
                 call, send, gone, chat=True, cid=cid, model=model, texts=texts, usage=usage
@@ -719,6 +745,38 @@ class FakeUpstream:
                 **self.chat_extra,
             },
         )
+
+    async def _kept_completion(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], rest: list[str]
+    ) -> None:
+        """A call on a kept chat completion: ``rest`` is the path after /v1/chat/completions/."""
+        kept = self.kept_completions.get(rest[0])
+        if kept is None:
+            await self._send_error(
+                send,
+                call,
+                404,
+                f"Chat completion with id '{rest[0]}' not found.",
+                "invalid_request_error",
+            )
+            return
+        shown = {k: v for k, v in kept.items() if k != "messages"}
+        if rest[1:] == ["messages"] and call.method == "GET":
+            listed = [{"id": f"{kept['id']}-{i}", **m} for i, m in enumerate(kept["messages"])]
+            await self._send_json(send, call, 200, {"object": "list", "data": listed})
+        elif rest[1:] or call.method not in ("GET", "POST", "DELETE"):
+            await self._send_error(
+                send, call, 404, f"no route for {call.method} {call.path}", "invalid_request_error"
+            )
+        elif call.method == "DELETE":
+            del self.kept_completions[rest[0]]
+            deleted = {"id": rest[0], "object": "chat.completion.deleted", "deleted": True}
+            await self._send_json(send, call, 200, deleted)
+        else:
+            if call.method == "POST":
+                kept["metadata"] = (call.body or {}).get("metadata") or {}
+                shown["metadata"] = kept["metadata"]
+            await self._send_json(send, call, 200, shown)
 
     async def _completions(
         self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event

@@ -17,7 +17,7 @@ from carpool.routing.cache_aware import CacheAware, PrefixRecord
 from carpool.routing.least_loaded import LeastLoaded
 from carpool.routing.replicas import ReplicaSet, ReplicaState
 from carpool.routing.round_robin import RoundRobin
-from carpool.routing.state import StateHolders, path_state
+from carpool.routing.state import StateHolders, path_deleted, path_state
 from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 
 REQUEST = UpstreamRequest("/chat/completions", {"model": "m"})
@@ -416,6 +416,24 @@ def test_a_pass_through_path_names_the_stored_response_it_is_about():
     assert path_state("/responses/resp%5F1/cancel") == "resp_1"
     assert path_state("/responses") is None and path_state("/responses/") is None
     assert path_state("/models/resp_1") is None
+
+
+def test_a_pass_through_path_names_the_stored_chat_completion_it_is_about():
+    # (A chat completion asked with ``store: true``: retrieved, updated, listed, deleted.)
+    assert path_state("/chat/completions/chatcmpl-1") == "chatcmpl-1"
+    assert path_state("/chat/completions/chatcmpl-1/messages") == "chatcmpl-1"
+    assert path_state("/chat/completions") is None and path_state("/chat/completions/") is None
+    assert path_state("/completions/cmpl-1") is None
+
+
+def test_only_a_delete_of_the_stored_object_itself_names_what_it_deletes():
+    for path, named in [("/responses/resp_1", "resp_1"), ("/chat/completions/c%2D1/", "c-1")]:
+        assert path_deleted("DELETE", path) == named
+        assert path_deleted("GET", path) is None and path_deleted("POST", path) is None
+    assert path_deleted("DELETE", "/responses/resp_1/input_items") is None
+    assert path_deleted("DELETE", "/chat/completions/chatcmpl-1/messages") is None
+    assert path_deleted("DELETE", "/chat/completions") is None
+    assert path_deleted("DELETE", "/files/file-1") is None
 
 
 class _Gated(Fake):

@@ -20,9 +20,11 @@ Contract:
   that ``judge_stream`` judges at the end); an API may take some chunks by their raw payload
   alone (``Collector.add_texts``: the classics' text chunks, ``chunks.Assembly``), framed
   as one-line payloads (``one_line_frames``).
-- State the upstream keeps between calls (Responses: a stored response): ``keeps_state`` says
-  whether an API has any; ``state_continued`` names what a request continues and ``state_made``
-  what an answer made, so that follow-ups go to the replica holding it (``routing.state``).
+- State the upstream keeps between calls (Responses: a stored response; chat: a completion
+  asked with ``store: true``): ``keeps_state(body)`` says whether a request may continue or
+  make any; ``state_continued`` names what it continues and ``state_made`` what its answer
+  made (asked only where ``keeps_state`` said so), so that follow-ups go to the replica holding
+  it (``routing.state``) and a ``DELETE`` of it drops its answers (``state_index``).
 - Methods never raise on a malformed answer (they judge it incomplete), except ``validate``
   (``RequestError``) and ``judge_stream`` (``UpstreamStreamBroken`` for a stream that did not end
   whole).
@@ -70,8 +72,6 @@ class Api:
     # For a typed stream: tells whether a payload is the stream's last event (the upstream's
     # iterator ends after it). None: the stream ends with ``data: [DONE]``.
     last_event: Callable[[bytes], bool] | None = None
-    # Whether answers may name state the upstream keeps for later calls (``state_made``).
-    keeps_state: bool = False
     # Whether its streams carry the usage only when asked (``stream_options.include_usage``):
     # then a stream asked without it is an answer without the usage its other shapes have.
     usage_asked: bool = False
@@ -116,6 +116,12 @@ class Api:
         """The request's input text as the engine reads it, system prompt first: for routing
         (the prefix cache) and for invalidation by prompt prefix."""
         return []
+
+    def keeps_state(self, body: dict[str, Any]) -> bool:
+        """Whether this request may continue state the upstream keeps, or its answer make some
+        (``state_continued``, ``state_made``): only then are they asked (an answer of no such
+        request is not even parsed for them)."""
+        return False
 
     def state_continued(self, body: dict[str, Any]) -> str | None:
         """The id of state the upstream keeps that this request continues (a stored response),
@@ -237,9 +243,14 @@ class Api:
         """Input + output tokens the upstream reported for ``body``; 0 for what is absent."""
         return 0
 
+    # The key every stream payload that ``state_made`` reads has (``exchange``'s filter, before
+    # a payload is parsed).
+    state_field: bytes = b'"id"'
+
     def state_made(self, answer: dict[str, Any]) -> str | None:
-        """The id of the state that ``answer`` (a whole body, or a stream event) says the
-        upstream now keeps, for later calls to continue (``state_continued``); or None."""
+        """The id of the state that ``answer`` (a whole body, or a stream event) of a request
+        that ``keeps_state`` says the upstream now keeps, for later calls (``state_continued``,
+        a pass-through call on it); or None."""
         return None
 
     def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:

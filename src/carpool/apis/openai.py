@@ -19,6 +19,12 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`). An answer that carries its
   prompt whatever asked for it (vLLM's ``prompt_token_ids``, ``prompt_logprobs``, its
   Responses ``input_messages``: :func:`answer_repeats_prompt`) gets no semantic entry.
+- State (chat only): a chat completion asked with ``store: true`` is kept upstream under its
+  answer's ``id`` (a whole body's, every stream chunk's), which ``GET``/``POST``/``DELETE
+  /v1/chat/completions/{id}`` and ``.../messages`` name: ``keeps_state`` is that request's,
+  ``state_made`` its answer's id. Its follow-ups go to the replica that made it, its answers
+  are tagged with it and a 2xx ``DELETE`` of it drops them, as a stored response's
+  (``apis.responses``). Without ``store: true`` the id names nothing kept: no state.
 """
 
 from __future__ import annotations
@@ -131,6 +137,13 @@ class ChatApi(_Classic):
             if isinstance(m, dict)
             for text in text_parts(m.get("content"))
         ]
+
+    def keeps_state(self, body: dict[str, Any]) -> bool:
+        return body.get("store") is True  # (OpenAI's default is false: nothing kept)
+
+    def state_made(self, answer: dict[str, Any]) -> str | None:
+        made = answer.get("id")  # (a whole body's, or a stream chunk's: the same)
+        return made if isinstance(made, str) and made else None
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         if echoes_prompt(body) or body.get("store") is True:

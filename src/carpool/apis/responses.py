@@ -95,7 +95,7 @@ class ResponsesApi(TypedApi):
     kind, path, upstream_path = "responses", "/v1/responses", "/responses"
     answer_field = "output"
     last_event = staticmethod(ends_with(LAST_EVENTS))
-    keeps_state = True
+    state_field = b'"response"'  # (only a lifecycle event carries the response)
 
     # --------------------------------------------------------------------------- the request
 
@@ -158,6 +158,9 @@ class ResponsesApi(TypedApi):
             if isinstance(item, dict):
                 texts += text_parts(item.get("content"))
         return texts
+
+    def keeps_state(self, body: dict[str, Any]) -> bool:
+        return True  # stored unless ``store: false``, which still continues one
 
     def state_continued(self, body: dict[str, Any]) -> str | None:
         previous = body.get("previous_response_id")

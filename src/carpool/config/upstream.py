@@ -72,11 +72,12 @@ class RoutingConfig(Section):
     state_entries: int = Field(
         100_000,
         ge=1,
-        description="Stored responses (Responses API) whose replica is remembered, whatever the "
-        "policy, so that GET /v1/responses/{id} (and the other /v1/responses/{id}/... calls) "
-        "and a request with previous_response_id go to the replica that made the response, the "
-        "only one that holds it (vLLM and SGLang each keep their own); beyond it the least "
-        "recently made or named are forgotten, and their follow-ups routed by the policy. At "
+        description="Stored responses (Responses API) and chat completions (store: true) whose "
+        "replica is remembered, whatever the policy, so that GET /v1/responses/{id} (and the "
+        "other /v1/responses/{id}/... calls), a request with previous_response_id and the calls "
+        "on /v1/chat/completions/{id} go to the replica that made it, the only one that holds "
+        "it (vLLM and SGLang each keep their own responses); beyond it the least recently "
+        "made or named are forgotten, and their follow-ups routed by the policy. At "
         "most ~250 bytes an entry: 100,000 (under 25 MB) cover the last ~15 minutes at 100 "
         "responses a second.",
     )

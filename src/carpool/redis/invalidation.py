@@ -18,9 +18,9 @@ Contract:
   shared health (``health.invalidated_elsewhere()``: what this instance keeps in its own memory
   while degraded goes, counted in ``dropped_locally``; the message proves Redis answers). The
   publisher's own messages are skipped: ``Gateway.invalidate`` did both already.
-- ``publish_state(tag)`` (a 2xx ``DELETE`` of a stored response, ``Gateway.passthrough``): ``PUBLISH
-  P invalidations ID TAG`` (the tag, ``store.base.state_tag``, begins with a line feed): every
-  OTHER instance hands ``TAG`` to ``on_state`` (set by the gateway: ``Gateway.forget_state``,
+- ``publish_state(tag)`` (a 2xx ``DELETE`` of a stored response or chat completion,
+  ``Gateway.passthrough``): ``PUBLISH P invalidations ID TAG`` (the tag,
+  ``store.base.state_tag``, begins with a line feed): every OTHER instance hands ``TAG`` to ``on_state`` (set by the gateway: ``Gateway.forget_state``,
   which drops what that instance stored under it, by key: no flight forgotten, no scan), counted
   in ``states_received``; nothing else. Sent and failing as ``publish`` (an instance that missed
   it keeps what it stored under the tag until its TTL; its other answers are untouched).

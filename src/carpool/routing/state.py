@@ -4,13 +4,17 @@ vLLM and SGLang keep the responses they make (Responses API, ``store`` true, the
 their own process. Only the replica that made a response can answer for it: ``GET
 /v1/responses/{id}`` and the other ``/v1/responses/{id}/...`` calls (``input_items``,
 ``cancel``, ``DELETE``), and ``POST /v1/responses`` with ``previous_response_id``; any other
-replica answers 404. The routing policies know nothing of it (cache-aware and least-loaded even
-send a follow-up to the other replica as a rule: it is the less loaded one). So:
+replica answers 404. A chat completion asked with ``store: true`` is kept alike by an upstream
+that keeps them (OpenAI), under its answer's ``id``: ``GET``/``POST``/``DELETE
+/v1/chat/completions/{id}`` and ``.../messages`` (``apis.openai``); followed the same way. The
+routing policies know nothing of it (cache-aware and least-loaded even send a follow-up to the
+other replica as a rule: it is the less loaded one). So:
 
 - ``StateHolders.remember(tenant, id, replica)``: the exchange (``exchange.send``) tells it which
   replica made each response, from the answer itself, before a client sees it: a whole body's
   ``id``, a stream's first event carrying the response (``response.created``); not one made with
-  ``store: false`` (nothing is kept). Only where there is a choice (``ReplicaSet.chooses``).
+  ``store: false`` (nothing is kept), nor a chat completion without ``store: true``
+  (``Api.keeps_state``). Only where there is a choice (``ReplicaSet.chooses``).
 - ``StateHolders.holder(tenant, id)``: the replica that made ``id``, or None. A request that
   continues a response (``Api.state_continued``) and a pass-through call on one (``path_state``)
   are sent there by ``ReplicaSet`` when it is eligible (``Decision.STATE_HOLDER``); when it is
@@ -23,9 +27,13 @@ send a follow-up to the other replica as a rule: it is the less loaded one). So:
   through another worker of ``--workers N`` or another gateway instance is unknown here, and
   routes by the policy (as does one forgotten). A cached answer needs nothing: its response
   was remembered when the upstream made it, if here.
-- ``path_deleted(method, path)``: the stored response a pass-through ``DELETE
-  /responses/{id}`` deletes; once the upstream said 2xx, the gateway drops the cached answers
-  that are or continue it, in the deleter's tenant (``Gateway.passthrough``, ``state_tag``).
+- ``path_state(path)``: the stored object a pass-through path is about (``/responses/{id}``,
+  ``/chat/completions/{id}`` and below). ``path_deleted(method, path)``: the one a
+  pass-through ``DELETE /responses/{id}`` or ``DELETE /chat/completions/{id}`` deletes; once
+  the upstream said 2xx, the gateway drops the cached answers that are or continue it, in the
+  deleter's tenant (``Gateway.passthrough``, ``state_tag``). (One namespace of ids for both:
+  a response's and a completion's are each the upstream's own, ``resp_...`` and
+  ``chatcmpl-...``.)
 - The Conversations API (``/v1/conversations``, ``conversation``) is not followed: conversations
   are made by pass-through calls, whose replica this does not learn; neither vLLM nor SGLang
   serves it, and OpenAI has one store behind one endpoint.
@@ -66,18 +74,30 @@ class StateHolders:
         return len(self._held)
 
 
+# The pass-through paths under which a stored object's id comes first.
+_STORED = ("/responses/", "/chat/completions/")
+
+
+def _after_id(path: str) -> tuple[str, str | None] | None:
+    """(the id segment, what follows it or None) of a path under ``_STORED``; else None."""
+    for prefix in _STORED:
+        if path.startswith(prefix):
+            segment, *rest = path[len(prefix) :].split("/", 1)
+            return segment, rest[0] if rest else None
+    return None
+
+
 def path_state(path: str) -> str | None:
-    """The stored response a pass-through ``path`` (relative to ``/v1``, as ``paths.confine``
-    gives it) is about: ``/responses/{id}`` and below, or None."""
-    if not path.startswith("/responses/"):
+    """The stored object a pass-through ``path`` (relative to ``/v1``, as ``paths.confine``
+    gives it) is about: ``/responses/{id}``, ``/chat/completions/{id}`` and below, or None."""
+    if (named := _after_id(path)) is None:
         return None
-    segment = path[len("/responses/") :].split("/", 1)[0]
-    return unquote(segment) or None
+    return unquote(named[0]) or None
 
 
 def path_deleted(method: str, path: str) -> str | None:
-    """The stored response a pass-through call deletes (``DELETE /responses/{id}``), or None."""
-    if method != "DELETE" or (state := path_state(path)) is None:
+    """The stored object a pass-through call deletes (``DELETE /responses/{id}``, ``DELETE
+    /chat/completions/{id}``), or None."""
+    if method != "DELETE" or (named := _after_id(path)) is None or named[1]:
         return None
-    rest = path[len("/responses/") :].split("/", 1)
-    return state if len(rest) == 1 or rest[1] == "" else None
+    return unquote(named[0]) or None

@@ -10,7 +10,8 @@ Contract:
 - ``invalidate(selector)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
   returns how many it dropped.
 - An entry's tags are its request's (``x-carpool-tags``) and the gateway's own (``state_tag``:
-  the stored responses its answer is or continues), which no client's tag can be.
+  the stored responses or chat completions its answer is or continues), which no client's tag
+  can be.
 - ``entries`` and ``bytes`` report the current size, for /stats and /metrics: the live
   entries, or soon so (``reap()``, which the reports call first: a bounded step that drops
   expired entries, for a backend whose expiry is otherwise lazy). ``Entry.size`` is
@@ -54,11 +55,11 @@ def prompt_text(text: str) -> str:
 
 
 def state_tag(tenant: str, state_id: str) -> str:
-    """The gateway's own tag of the answers that are, or continue, ``state_id`` (a response the
-    upstream stores for ``tenant``, ``Api.state_made`` / ``Api.state_continued``): a 2xx
-    ``DELETE`` of it by that tenant drops them (``Gateway.passthrough``). It starts with a line
-    feed, which no client's tag holds (``x-carpool-tags`` are printable), so no client can name
-    it nor collide with it."""
+    """The gateway's own tag of the answers that are, or continue, ``state_id`` (a response or
+    a chat completion the upstream stores for ``tenant``, ``Api.state_made`` /
+    ``Api.state_continued``): a 2xx ``DELETE`` of it by that tenant drops them
+    (``Gateway.passthrough``). It starts with a line feed, which no client's tag holds
+    (``x-carpool-tags`` are printable), so no client can name it nor collide with it."""
     return f"\nstate {tenant} {state_id}"
 
 
