@@ -60,6 +60,14 @@ def test_excluded_fields_do_not_change_the_key():
     )  # (echoed in a Responses answer)
 
 
+def test_metadata_is_in_the_key_of_a_chat_stored_upstream():
+    # The stored completion keeps its metadata (listed and filtered by it): a hit gave a
+    # request with other metadata the id of a completion stored with the first one's.
+    stored = chat(store=True, metadata={"feature": "a"})
+    assert key({**stored, "metadata": {"feature": "b"}}) != key(stored)
+    assert key(chat(store=False, metadata={"feature": "b"})) == key(chat(store=False))
+
+
 @pytest.mark.parametrize(
     "options", [{"continuous_usage_stats": True}, {"include_obfuscation": False}]
 )

@@ -73,6 +73,8 @@ EXCLUDED_FIELDS = frozenset(
         "prompt_cache_key",
     }
 )
+# ``metadata`` is in the key of a request that asks the upstream to store its answer
+# (``store: true``): the stored object keeps it, and listing stored objects filters by it.
 # OpenAI's Responses API echoes ``metadata``, ``user``, ``safety_identifier`` and
 # ``prompt_cache_key`` in its answer: there they are part of what is served, so part of the key.
 # Anthropic's Messages API refuses every field it does not know (400, "Extra inputs are not
@@ -446,9 +448,11 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             if options:
                 out[name] = _canonical(options)
             continue
-        if name in excluded or (
+        if (name in excluded and not (name == "metadata" and body.get("store") is True)) or (
             name == "metadata" and kind == "messages" and _neutral_metadata(value)
         ):
+            # (A chat stored upstream, ``store: true``, keeps its metadata there: the stored
+            # objects are listed and filtered by it, so it is what the request makes.)
             continue
         if name == "messages" and isinstance(value, list):
             out[name] = [_canonical_message(m, collapse) for m in value]
