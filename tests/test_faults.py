@@ -50,7 +50,7 @@ from carpool.fingerprint import RepeatMemo, fingerprint
 from carpool.request import ClientRequest, parse
 from carpool.upstream import wire
 from conftest import Served, redis_settings, run_gateway
-from fakes.raw_upstream import RawCall, raw_upstream
+from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
 from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
 from fakes.waiting import eventually
@@ -777,26 +777,7 @@ _UPSTREAM_SECRET = orjson.dumps({"error": {"message": "alice's metadata: s3cr3t"
 
 
 def _chat_answer(text: str = "fine") -> bytes:
-    return raw_answer(
-        200,
-        b"OK",
-        orjson.dumps(
-            {
-                "id": "chatcmpl-raw",
-                "object": "chat.completion",
-                "created": 1,
-                "model": "m",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        ),
-    )
+    return raw_answer(200, b"OK", chat_completion(text))
 
 
 def _odd(status: int) -> Callable[[RawCall], bytes | tuple[bytes, bool]]:

@@ -11,7 +11,7 @@ import pytest
 
 from carpool.clock import ManualClock
 from conftest import run_gateway
-from fakes.raw_upstream import RawCall, raw_upstream
+from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
 from fakes.waiting import eventually
 
@@ -580,21 +580,7 @@ async def test_every_response_of_a_cached_endpoint_carries_x_carpool(gw, fake):
 async def test_an_upstream_answer_without_a_content_type_is_relayed_without_one_not_an_empty_one():
     """An upstream that names no content type: its refusal and a bypassed answer were relayed
     with ``content-type:`` and nothing after it. Now without the header, as it came."""
-    whole = orjson.dumps(
-        {
-            "id": "chatcmpl-raw",
-            "object": "chat.completion",
-            "created": 1,
-            "model": "m",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "hi"},
-                    "finish_reason": "stop",
-                }
-            ],
-        }
-    )
+    whole = chat_completion("hi")
 
     def respond(call: RawCall) -> bytes:
         if call.body["messages"][-1]["content"] == "refused":

@@ -12,7 +12,8 @@ Details:
   returns are written as they are. The connection is kept for the next request, unless
   ``respond`` returned ``close=True`` along with its bytes (a tuple), then it is closed.
 - ``answer(status, reason, body, content_type, headers)`` makes an answer's bytes, with its
-  ``content-length`` (``content_type=None``: no ``content-type`` line at all).
+  ``content-length`` (``content_type=None``: no ``content-type`` line at all);
+  ``chat_completion(text)`` a complete chat answer's body.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RawCall", "RawUpstream", "answer", "raw_upstream"]
+__all__ = ["RawCall", "RawUpstream", "answer", "chat_completion", "raw_upstream"]
 
 
 @dataclass
@@ -48,6 +49,26 @@ def answer(
     for name, value in headers:
         head += name + b": " + value + b"\r\n"
     return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+def chat_completion(text: str = "fine") -> bytes:
+    """A complete chat completion's JSON body answering ``text``."""
+    return json.dumps(
+        {
+            "id": "chatcmpl-raw",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
 
 
 class RawUpstream:
