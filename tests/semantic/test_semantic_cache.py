@@ -835,6 +835,24 @@ async def test_an_entry_embedded_after_an_invalidation_read_from_the_stream_is_n
         assert again.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+async def test_a_reader_that_read_every_record_is_never_told_records_were_lost(two_semantic, fake):
+    # With a short stream_maxlen, MAXLEN trims the record a caught-up reader read last as soon
+    # as the next one comes: taken for records lost unread, it forgot every entry (once a node
+    # of records: after 77 here).
+    async with two_semantic(distributed={"stream_maxlen": 1}) as (a, b):
+        await ask(b, "How do I reset my router?")
+        await stored(b)
+        semantic, client = b.gateway.semantic, a.gateway.semantic._client
+        for n in range(1, 151):  # another instance's records, each read by B before the next
+            await client.xadd(
+                semantic.stream, {b"op": b"other", b"src": b"c"}, maxlen=1, approximate=True
+            )
+            await eventually(lambda n=n: semantic.counts["ignored"] >= n, what="B read it")
+        assert semantic.counts["lost"] == 0 and semantic.entries == 1
+        again = await ask(b, "How can I reset my router?")
+        assert again.headers["x-carpool"] == "semantic-hit"
+
+
 @pytest.mark.parametrize("lost", ["trimmed", "evicted"])
 async def test_an_instance_whose_unread_records_left_the_stream_never_serves_what_they_invalidated(
     two_semantic, fake, lost

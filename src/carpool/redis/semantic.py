@@ -322,6 +322,9 @@ class SharedSemanticCache(SemanticCache):
     async def _read(self) -> None:
         last: Any = None  # a stream id (bytes)
         missed = False  # cut off since the last record read: some may never be read
+        # (The id this reader had read up to when it was caught up, and the stream's count of
+        # records ever added then: how many the next read must return, when it catches up.)
+        caught: tuple[bytes, int] | None = None
         backoff = Backoff(self.retry_interval)
         while not self._closed:
             try:
@@ -344,11 +347,15 @@ class SharedSemanticCache(SemanticCache):
                     # evicted) are never read, and XREAD says nothing of them.
                     head = await self._client.eval(HEAD, 1, self.stream)
                 backoff.reset()
-                if _left_unread(last, head):  # an ``invalidate`` among them, maybe: as above
+                entries = xread_entries(reply)
+                read = entries[-1][0] if entries else last
+                if _left_unread(last, head, caught, len(entries), read):
+                    # An ``invalidate`` among them, maybe: as above.
                     self.counts["lost"] += 1
                     everything = Selector(everything=True)
                     self.counts["forgotten"] += await super().invalidate(everything)
-                for ident, fields in xread_entries(reply):
+                caught = (read, int(head[3])) if head and head[2] and read == head[1] else None
+                for ident, fields in entries:
                     last = ident
                     try:
                         await self._apply(fields)
@@ -416,12 +423,18 @@ class SharedSemanticCache(SemanticCache):
             log.debug("shared semantic cache: %s", error)
 
 
-def _left_unread(last: bytes, head: list[Any]) -> bool:
+def _left_unread(
+    last: bytes, head: list[Any], caught: tuple[bytes, int] | None, count: int, read: bytes
+) -> bool:
     """Whether records after ``last``, the id a reader read from, left the stream before it read
-    them, by ``head`` (``HEAD``, read after that XREAD). Records leave only from the stream's
-    start (MAXLEN; carpool deletes none), so one that went unread took ``last`` with it: the
-    first record is then past ``last``. A reader lagging by about the stream's length may be
-    told so with nothing lost: it forgets its entries for nothing (misses)."""
+    them, by ``head`` (``HEAD``, read after that XREAD, which returned ``count`` records up to
+    ``read``). Records leave only from the stream's start (MAXLEN; carpool deletes none), so
+    one that went unread took ``last`` with it: the first record is then past ``last``. But
+    ``last`` itself may go with nothing lost (read already; a short ``stream_maxlen`` trims it
+    as soon as the next record comes): a reader that was caught up at ``last`` (``caught``:
+    it and the count of records ever added then) and is again at ``read`` lost one only if it
+    read fewer than were added since. Otherwise, a reader lagging by about the stream's length
+    may be told so with nothing lost: it forgets its entries for nothing (misses)."""
     if not head:  # (evicted, deleted: whatever it held after ``last``)
         return last != b"0-0"
     first, newest, length, added = head
@@ -429,6 +442,8 @@ def _left_unread(last: bytes, head: list[Any]) -> bool:
         return _stream_id(newest) > _stream_id(last)
     if last == b"0-0":  # (read from its start: there was none, or an empty one, when we looked)
         return int(added) > int(length)
+    if caught is not None and caught[0] == last and read == newest:
+        return int(added) - caught[1] > count
     return _stream_id(first) > _stream_id(last)
 
 
