@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Any
@@ -47,6 +48,14 @@ class DrainingServer(uvicorn.Server):
         captured = getattr(self, "_captured_signals", None)
         if captured is not None:
             captured.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # The grace period ends then (uvicorn's: a tenth of a second, then ``grace_s``): the
+        # lifespan's ``Gateway.aclose`` lets the calls still running end until then.
+        grace = self.config.timeout_graceful_shutdown
+        if grace is not None:
+            self.gateway.stop_by = time.monotonic() + 0.1 + grace
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         if self._drained_at is not None and time.monotonic() >= self._drained_at:

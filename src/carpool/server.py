@@ -293,6 +293,9 @@ class GatewayApp:
         COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
         COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
         reply: Reply | None = None
+        task = asyncio.current_task()
+        if task is not None:  # (``Gateway.settle`` lets it end, cut, before the layers close)
+            self.gateway.serving.add(task)
         try:
             reply = await self.gateway.handle(client)
             if reply.stream is not None:
@@ -309,6 +312,7 @@ class GatewayApp:
             else:
                 raise
         finally:
+            self.gateway.serving.discard(task)  # type: ignore[arg-type]
             watch.stop()
             if reply is not None:
                 reply.close()
