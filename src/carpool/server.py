@@ -312,7 +312,7 @@ class GatewayApp:
             else:
                 raise
         finally:
-            self.gateway.serving.discard(task)  # type: ignore[arg-type]
+            self.gateway.serving.discard(task)
             watch.stop()
             if reply is not None:
                 reply.close()
