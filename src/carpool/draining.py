@@ -7,9 +7,14 @@ waiters, streams) get ``shutdown.grace_s`` to finish, those still running then a
 so in their API's terms (``server.GatewayApp.serve``: a 503 with ``Retry-After``, or a stream's
 error event and end; logged at INFO, not as a crash), the lifespan closes the layers, the
 process exits 0, whatever stopped it (SIGTERM, a second one, SIGINT). A second SIGTERM, or
-SIGINT, skips what is left of the drain. With Redis, a
-flight this instance leads still finishes here within the grace period; if the process is
-killed before, the other instances' followers take it over as after a crash.
+SIGINT, skips what is left of the drain. With Redis, a flight this instance leads still
+finishes here within the grace period, its own clients gone or not: the lifespan's
+``Gateway.aclose`` first lets the calls still running end until the grace period does
+(``Gateway.stop_by``, set here as uvicorn's shutdown begins), then cancels those left, which the
+other instances' followers take over at once (their leader left), and lets the cut requests'
+cleanup run (an Idempotency-Key record given up) before it closes Redis and the upstream
+clients (``Gateway.settle``). If the process is killed before, the followers take the call over
+as after a crash.
 """
 
 from __future__ import annotations

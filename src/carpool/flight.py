@@ -40,6 +40,9 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    does not linger either, and a ``no-cache`` one joins no finished flight.
 8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
    error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
+   ``calls`` holds every flight's task still running, forgotten ones too (a call kept for
+   another instance's followers): what a closing gateway lets end, or cancels
+   (``Gateway.settle``).
 
 Time: the window a finished flight lingers and the age of a finished flight (``max_age``) are read
 from the group's ``clock.monotonic()`` (``carpool.clock``; the system's unless given another): a

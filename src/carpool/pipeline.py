@@ -73,6 +73,10 @@ Contract:
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
   most once around ``_answer``) and ``reply.py`` (the replies). Starting and closing the layers
   (``layers.py``) and the admin surfaces (``admin.py``) are not on the path.
+- ``aclose`` settles first (``settle``): the flights' calls still running go on until
+  ``stop_by`` (the server's grace period; other instances' followers may wait on them), those
+  left are cancelled (their followers elsewhere take them over: leader gone, not an upstream
+  failure), and the cancelled calls' and cut requests' cleanup runs, then the layers close.
 """
 
 from __future__ import annotations
