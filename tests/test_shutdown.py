@@ -10,6 +10,7 @@ import signal
 from typing import Any
 
 import httpx
+import redis.asyncio as aredis
 
 from fakes.instances import instances
 
@@ -137,3 +138,95 @@ async def test_requests_still_running_when_the_grace_period_ends_get_their_apis_
         assert "Traceback" not in log and "Exception in ASGI application" not in log, log
         assert log.count("shutting down: a request still waiting was cut") == 2, log
         assert log.count("shutting down: a stream still running was cut") == 2, log
+
+
+async def _until(check: Any, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while not await check():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_call_only_another_instances_follower_needs_finishes_within_the_grace_period(
+    fake, redis_server
+):
+    # A leads a call; its own client leaves, B's follower still waits on it. A gets SIGTERM:
+    # its lifespan closed the upstream client and Redis at once, under the call (a healthy
+    # replica logged as failed), and B took the call over once the lease ran out: 2 calls.
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 20}, "log_level": "info"}
+    redis = aredis.Redis.from_url(redis_server.url)
+    async with instances(2, fake.url, redis_server.url, settings) as (a, b):
+        fake.gate = asyncio.Event()
+        mine = asyncio.create_task(a.client.post("/v1/chat/completions", json=BODY))
+        await _until(async_(lambda: fake.count("/v1/chat/completions") == 1), "A's call")
+        theirs = asyncio.create_task(b.client.post("/v1/chat/completions", json=BODY))
+        await _until(lambda: redis.keys("*followed*"), "B following A's call")
+        mine.cancel()  # A's own client leaves: the call goes on for B
+        await _until(lambda: _waiters(a, 0), "A's client gone")
+        a.proc.send_signal(signal.SIGTERM)
+        await _until(
+            async_(lambda: "Waiting for application shutdown" in a.log.read_text()),
+            "A's lifespan shutdown",
+        )
+        fake.gate.set()
+        answer = await theirs
+        assert answer.status_code == 200, answer.text
+        assert fake.count("/v1/chat/completions") == 1  # A's call, finished for B
+        assert await asyncio.to_thread(a.proc.wait, 20) == 0
+        assert "failed" not in a.log.read_text().lower(), a.log.read_text()
+    await redis.aclose()
+
+
+async def test_a_leader_cut_at_the_grace_deadline_hands_its_call_to_its_followers_elsewhere(
+    fake, redis_server
+):
+    # A leads a stream's call, B's whole-answer request follows it; A's grace period ends
+    # before the answer. B's client got a 502 "coalesced" (the upstream client closed under
+    # the call, published as its failure) where it takes the call over, as after a SIGKILL.
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 0.3}, "log_level": "info"}
+    redis = aredis.Redis.from_url(redis_server.url)
+    async with instances(2, fake.url, redis_server.url, settings) as (a, b):
+        fake.chunk_gate = asyncio.Event()  # the stream stops after its first chunks
+        body = {**BODY, "messages": [{"role": "user", "content": "a long story"}]}
+        mine = await _first_event(a.client, "/v1/chat/completions", {**body, "stream": True})
+        theirs = asyncio.create_task(b.client.post("/v1/chat/completions", json=body))
+        await _until(lambda: redis.keys("*followed*"), "B following A's call")
+        a.proc.send_signal(signal.SIGTERM)
+        assert "shutting_down" in "".join(await _rest(*mine))
+        assert await asyncio.to_thread(a.proc.wait, 20) == 0
+        fake.chunk_gate.set()  # (B's own call, once it took it over)
+        answer = await theirs
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-carpool"] == "miss"
+    await redis.aclose()
+
+
+async def test_an_idempotency_key_request_cut_at_the_grace_deadline_leaves_no_record_behind(
+    fake, redis_server
+):
+    # Its record stayed 'processing' in Redis (Redis closed before the cut request gave it
+    # up): a retry after the advised Retry-After got 409 until the lease ran out.
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 0.3}, "log_level": "info"}
+    key = {"Idempotency-Key": "order-42"}
+    async with instances(2, fake.url, redis_server.url, settings) as (a, b):
+        fake.gate = asyncio.Event()
+        cut = asyncio.create_task(a.client.post("/v1/chat/completions", json=BODY, headers=key))
+        await _until(async_(lambda: fake.count("/v1/chat/completions") == 1), "A's call")
+        a.proc.send_signal(signal.SIGTERM)
+        assert (await cut).status_code == 503
+        assert await asyncio.to_thread(a.proc.wait, 20) == 0
+        fake.gate.set()
+        retry = await b.client.post("/v1/chat/completions", json=BODY, headers=key)
+        assert retry.status_code == 200, retry.text
+
+
+async def _waiters(instance: Any, n: int) -> bool:
+    return bool((await instance.stats())["waiters"] == n)
+
+
+def async_(check: Any) -> Any:
+    async def checked() -> Any:
+        return check()
+
+    return checked

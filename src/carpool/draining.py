@@ -7,15 +7,21 @@ waiters, streams) get ``shutdown.grace_s`` to finish, those still running then a
 so in their API's terms (``server.GatewayApp.serve``: a 503 with ``Retry-After``, or a stream's
 error event and end; logged at INFO, not as a crash), the lifespan closes the layers, the
 process exits 0, whatever stopped it (SIGTERM, a second one, SIGINT). A second SIGTERM, or
-SIGINT, skips what is left of the drain. With Redis, a
-flight this instance leads still finishes here within the grace period; if the process is
-killed before, the other instances' followers take it over as after a crash.
+SIGINT, skips what is left of the drain. With Redis, a flight this instance leads still
+finishes here within the grace period, its own clients gone or not: the lifespan's
+``Gateway.aclose`` first lets the calls still running end until the grace period does
+(``Gateway.stop_by``, set here as uvicorn's shutdown begins), then cancels those left, which the
+other instances' followers take over at once (their leader left), and lets the cut requests'
+cleanup run (an Idempotency-Key record given up) before it closes Redis and the upstream
+clients (``Gateway.settle``). If the process is killed before, the followers take the call over
+as after a crash.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Any
@@ -47,6 +53,14 @@ class DrainingServer(uvicorn.Server):
         captured = getattr(self, "_captured_signals", None)
         if captured is not None:
             captured.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # The grace period ends then (uvicorn's: a tenth of a second, then ``grace_s``): the
+        # lifespan's ``Gateway.aclose`` lets the calls still running end until then.
+        grace = self.config.timeout_graceful_shutdown
+        if grace is not None:
+            self.gateway.stop_by = time.monotonic() + 0.1 + grace
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         if self._drained_at is not None and time.monotonic() >= self._drained_at:

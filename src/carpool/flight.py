@@ -40,6 +40,9 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    does not linger either, and a ``no-cache`` one joins no finished flight.
 8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
    error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
+   ``calls`` holds every flight's task still running, forgotten ones too (a call kept for
+   another instance's followers): what a closing gateway lets end, or cancels
+   (``Gateway.settle``).
 
 Time: the window a finished flight lingers and the age of a finished flight (``max_age``) are read
 from the group's ``clock.monotonic()`` (``carpool.clock``; the system's unless given another): a
@@ -206,6 +209,9 @@ class FlightGroup:
         self.clock = clock
         self.waiters = 0  # tickets not yet released, for /stats and metrics
         self.epoch = 0  # invalidations so far (``forget_all``)
+        # Every flight's task still running, forgotten ones too (a call kept for another
+        # instance's followers once its clients here left): what a closing gateway lets end.
+        self.calls: set[asyncio.Task[None]] = set()
         # The flights by key: running, or finished and lingering (a ``Lingering`` tuple).
         self._flights: dict[str, Flight | Lingering] = {}
         # The lingering flights by the end of their window (a heap), and the one timer that
@@ -279,6 +285,8 @@ class FlightGroup:
                 leader = True
                 flight = self._flights[key] = Flight(key, linger, owner, started_at=now)
                 flight.task = asyncio.get_running_loop().create_task(self._run(flight, lead))
+                self.calls.add(flight.task)
+                flight.task.add_done_callback(self.calls.discard)
         assert flight is not None
         flight.clients += 1
         self.waiters += 1

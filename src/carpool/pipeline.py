@@ -74,6 +74,10 @@ Contract:
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
   most once around ``_answer``) and ``reply.py`` (the replies). Starting and closing the layers
   (``layers.py``) and the admin surfaces (``admin.py``) are not on the path.
+- ``aclose`` settles first (``settle``): the flights' calls still running go on until
+  ``stop_by`` (the server's grace period; other instances' followers may wait on them), those
+  left are cancelled (their followers elsewhere take them over: leader gone, not an upstream
+  failure), and the cancelled calls' and cut requests' cleanup runs, then the layers close.
 """
 
 from __future__ import annotations
@@ -168,6 +172,12 @@ class Gateway:
         self.metrics = layers.metrics
         self.clock = layers.clock
         self.draining = False  # for whoever stops the gateway gracefully: /readyz says 503
+        # When the server's grace period ends (``time.monotonic()``), set by whoever stops it
+        # gracefully (``carpool serve``): ``aclose`` lets the calls still running end until then.
+        self.stop_by: float | None = None
+        # The requests being served (``GatewayApp.serve``): ``aclose`` lets a cut one's cleanup
+        # run before the layers close.
+        self.serving: set[asyncio.Task[Any]] = set()
         self._join_timeout = self.config.coalesce.join_timeout_ms / 1000
         # The parts of the path: the upstream call, a flight's lead, a key's record.
         self.exchange = Exchange(layers)
@@ -736,8 +746,32 @@ class Gateway:
         """Close the layers (``Layers.aclose``), the audits still running first; ``request``
         refuses to run from then on."""
         self.closed = True
+        await self.settle()
         await self.auditor.aclose()
         await self.layers.aclose()
+
+    async def settle(self) -> None:
+        """Before the layers close (the upstream clients, Redis): the flights' calls still
+        running (nothing here waits on them any more once the server stopped its requests; other
+        instances' followers may) go on until ``stop_by``, the end of the grace period. Those
+        left then are cancelled, as a call whose clients all left, not cut by their client's
+        closing under them: followers elsewhere take the call over (its leader ``gone``), none
+        is told the upstream failed, no replica is downed. Then, for at most ``SETTLE_S``, the
+        cleanup of those calls and of the requests the server cut runs (a key's record given
+        up, a flight's lock released), while Redis is still open."""
+        calls = list(self.flights.calls)
+        if calls and self.stop_by is not None and (left := self.stop_by - time.monotonic()) > 0:
+            await asyncio.wait(calls, timeout=left)
+        for call in calls:
+            call.cancel()
+        ending = [*calls, *(task for task in self.serving if task is not asyncio.current_task())]
+        if ending:
+            await asyncio.wait(ending, timeout=SETTLE_S)
+
+
+# How long a closing gateway lets the cut requests' and cancelled calls' cleanup run (a few
+# Redis round trips each, bounded by ``distributed.timeout``).
+SETTLE_S = 2.0
 
 
 def _endpoint(path: str) -> str:

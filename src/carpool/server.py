@@ -26,7 +26,9 @@ Contract:
   (``ShuttingDown``, ``x-carpool: bypass``, counted in ``rejected``), a stream under way ends
   with the API's error event and its end (``[DONE]`` where it has one). Logged at INFO, without
   a traceback. What the cancel undid on its way (a flight's place, an idempotency record, a
-  stream's answer not kept) is as for a client that left: nothing partial is stored.
+  stream's answer not kept) is as for a client that left: nothing partial is stored; that
+  cleanup runs before the lifespan closes the layers (``Gateway.settle``: ``serve`` keeps its
+  task in ``Gateway.serving``).
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
   ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app.
 - A request whose handling fails (an exception nothing handled: a bug) is logged with its
@@ -293,6 +295,9 @@ class GatewayApp:
         COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
         COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
         reply: Reply | None = None
+        task = asyncio.current_task()
+        if task is not None:  # (``Gateway.settle`` lets it end, cut, before the layers close)
+            self.gateway.serving.add(task)
         try:
             reply = await self.gateway.handle(client)
             if reply.stream is not None:
@@ -309,6 +314,7 @@ class GatewayApp:
             else:
                 raise
         finally:
+            self.gateway.serving.discard(task)
             watch.stop()
             if reply is not None:
                 reply.close()
