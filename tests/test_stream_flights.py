@@ -306,6 +306,31 @@ async def test_a_stream_event_whose_error_field_is_null_is_no_failure(gw, fake):
         assert api_of(name).failure({"error": {"message": "m", "type": "t"}}) is not None
 
 
+async def test_a_2xx_body_with_choices_and_an_error_reaches_a_streaming_client_as_its_failure(
+    gw, fake
+):
+    """Not stored (an answer reporting an error is not complete), yet a streaming client got
+    its choices and [DONE], as if all went well, where the same error in a stream's chunk fails
+    the flight: an idempotent streamed retry was replayed what a JSON one ran again."""
+    answer = {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "pa"}, "finish_reason": "stop"}
+        ],
+        "error": {"message": "partial failure", "type": "server_error"},
+    }
+    fake.fail_status, fake.fail_body = 200, answer
+    streamed = await gw.client.post(CHAT, json={**body("partly?"), "stream": True})
+    assert streamed.status_code == 200 and "[DONE]" not in streamed.text
+    payloads = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert orjson.loads(payloads[-1])["error"]["message"] == "partial failure"
+    plain = await gw.client.post(CHAT, json=body("partly?"))
+    assert plain.json() == answer and fake.count(CHAT) == 2  # (asked JSON: as it came)
+
+
 @pytest.mark.parametrize("choices", ["missing", "empty"])
 async def test_a_2xx_body_without_choices_reaches_a_streaming_client_as_its_streams_failure(
     gw, fake, choices

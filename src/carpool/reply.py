@@ -212,11 +212,19 @@ def whole(
 
 def _failure(api: Api, body: Any) -> UpstreamStreamBroken | None:
     """What a streaming client is told of an incomplete 2xx body (never stored, so never a
-    hit) that is no answer: one reporting an error (the engine's error object), or one without
+    hit) that is no answer: one reporting an error (the engine's error object, beside choices
+    too), or one without
     the answer's field (``Api.answer_missing``: no choices), as a stream's failure (the API's
     error event, no end), not an empty stream that ends as if all went well; None for an
     answer, however incomplete. A client asking JSON gets the body as it came."""
     if (error := api.error_instead(body)) is not None:
+        return UpstreamStreamBroken("the upstream answered with an error", error)
+    reported = body.get("error") if isinstance(body, dict) else None
+    if reported is not None:
+        # An answer that also reports an error (not complete: ``completeness``), as the same
+        # error in a stream's chunk fails the flight: a streamed retry is not replayed as final
+        # what a JSON one is not.
+        error = reported if isinstance(reported, dict) else {"message": str(reported)}
         return UpstreamStreamBroken("the upstream answered with an error", error)
     if api.answer_missing(body):
         return UpstreamStreamBroken(f"the upstream answered with no {api.answer_field}")
