@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -242,14 +242,17 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
     await page.close()
 
 
-async def polling(browser, gw, docs: list[dict[str, Any] | None]) -> tuple[Any, list[str]]:
+async def polling(
+    browser, gw, docs: list[dict[str, Any] | None] | Callable[[], dict[str, Any]]
+) -> tuple[Any, list[str]]:
     """A page of the dashboard whose polls of ``stats`` get ``docs`` in turn (the last one
-    again and again; None: a 503), and the errors it throws."""
+    again and again; None: a 503), or what ``docs()`` returns at each poll, and the errors it
+    throws."""
     polls = 0
 
     async def stats_route(route) -> None:
         nonlocal polls
-        doc = docs[min(polls, len(docs) - 1)]
+        doc = docs() if callable(docs) else docs[min(polls, len(docs) - 1)]
         polls += 1
         if doc is None:
             await route.fulfill(status=503, body="unavailable")
@@ -324,13 +327,7 @@ async def test_dashboard_shows_each_namespaces_wrong_hit_estimate_and_budget_sta
         },
     }
     doc = {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33, "semantic_audit": audit}
-
-    async def stats_route(route) -> None:
-        await route.fulfill(status=200, content_type="application/json", body=json.dumps(doc))
-
-    page = await browser.new_page()
-    await page.route("**/stats", stats_route)
-    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    page, _ = await polling(browser, gw, [doc])
     await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
     tiles = (await page.evaluate(SNAPSHOT_JS, None))["tiles"]
     assert tiles["tile-audit-default"]["text"] == "2.5%"
@@ -436,13 +433,7 @@ async def test_a_tile_for_what_stats_no_longer_reports_leaves_the_page(gw, brows
     after = {"requests": 4, "layers": {"exact": {"entries": 3, "bytes": 15}}}
     after["semantic_audit"] = {"": before["semantic_audit"][""]}
     current = before
-
-    async def stats_route(route) -> None:
-        await route.fulfill(status=200, content_type="application/json", body=json.dumps(current))
-
-    page = await browser.new_page()
-    await page.route("**/stats", stats_route)
-    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    page, _ = await polling(browser, gw, lambda: current)
     await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
     shown = set((await page.evaluate(SNAPSHOT_JS, None))["tiles"])
     assert {"tile-layer-semantic", "tile-audit-ns-faq"} <= shown
