@@ -217,13 +217,12 @@ def _failure(api: Api, body: Any) -> UpstreamStreamBroken | None:
     the answer's field (``Api.answer_missing``: no choices), as a stream's failure (the API's
     error event, no end), not an empty stream that ends as if all went well; None for an
     answer, however incomplete. A client asking JSON gets the body as it came."""
-    if (error := api.error_instead(body)) is not None:
-        return UpstreamStreamBroken("the upstream answered with an error", error)
     reported = body.get("error") if isinstance(body, dict) else None
     if reported is not None:
-        # An answer that also reports an error (not complete: ``completeness``), as the same
-        # error in a stream's chunk fails the flight: a streamed retry is not replayed as final
-        # what a JSON one is not.
+        # Instead of an answer (some servers and proxies answer 200 so; Anthropic's ``{"type":
+        # "error", "error": obj}``), or beside one (not complete: ``completeness``), as the
+        # same error in a stream's chunk fails the flight: a streamed retry is not replayed as
+        # final what a JSON one is not.
         error = reported if isinstance(reported, dict) else {"message": str(reported)}
         return UpstreamStreamBroken("the upstream answered with an error", error)
     if api.answer_missing(body):

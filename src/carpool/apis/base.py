@@ -75,7 +75,7 @@ class Api:
     # Whether its streams carry the usage only when asked (``stream_options.include_usage``):
     # then a stream asked without it is an answer without the usage its other shapes have.
     usage_asked: bool = False
-    # The field of a whole 2xx body that holds the answer (``error_instead``).
+    # The field of a whole 2xx body that holds the answer (``answer_missing``).
     answer_field: str = "choices"
 
     # --------------------------------------------------------------------------- the request
@@ -215,18 +215,6 @@ class Api:
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         """Whether a whole answer is complete and successful, worth storing."""
         return isinstance(body, dict) and "error" not in body
-
-    def error_instead(self, body: Any) -> dict[str, Any] | None:
-        """The error object of a 2xx body that reports an error instead of an answer
-        (``{"error": obj}``, Anthropic's ``{"type": "error", "error": obj}``, with none of the
-        answer's field ``answer_field`` in it: some servers and proxies answer 200 so), else
-        None. A streaming client is told it as its stream's failure, not sent an empty stream
-        that ends as if all went well (``reply.whole``)."""
-        if isinstance(body, dict) and self.answer_field not in body:
-            error = body.get("error")
-            if isinstance(error, dict):
-                return error
-        return None
 
     def answer_missing(self, body: Any) -> bool:
         """Whether a 2xx body lacks the answer's field ``answer_field`` (absent, or null): a
