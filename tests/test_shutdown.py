@@ -178,6 +178,34 @@ async def test_a_call_only_another_instances_follower_needs_finishes_within_the_
     await redis.aclose()
 
 
+async def test_a_worker_lets_a_call_another_instances_follower_needs_finish_within_the_grace_period(
+    fake, redis_server
+):
+    # As above, A being ``--workers 2``: uvicorn's workers are plain uvicorn servers, which never
+    # said when their shutdown began (``Gateway.stop_by``), so the worker's lifespan cancelled
+    # the call at once and B took it over: 2 calls.
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 20}, "log_level": "info"}
+    redis = aredis.Redis.from_url(redis_server.url)
+    async with instances(2, fake.url, redis_server.url, settings, workers=[2, 1]) as (a, b):
+        fake.gate = asyncio.Event()
+        mine = asyncio.create_task(a.client.post("/v1/chat/completions", json=BODY))
+        await _until(async_(lambda: fake.count("/v1/chat/completions") == 1), "A's call")
+        theirs = asyncio.create_task(b.client.post("/v1/chat/completions", json=BODY))
+        await _until(lambda: redis.keys("*followed*"), "B following A's call")
+        mine.cancel()  # A's own client leaves: the call goes on for B
+        a.proc.send_signal(signal.SIGTERM)
+        await _until(
+            async_(lambda: a.log.read_text().count("Waiting for application shutdown") == 2),
+            "A's workers' lifespan shutdown",
+        )
+        fake.gate.set()
+        answer = await theirs
+        assert answer.status_code == 200, answer.text
+        assert fake.count("/v1/chat/completions") == 1  # A's call, finished for B
+        assert await asyncio.to_thread(a.proc.wait, 30) == 0
+    await redis.aclose()
+
+
 async def test_a_leader_cut_at_the_grace_deadline_hands_its_call_to_its_followers_elsewhere(
     fake, redis_server
 ):

@@ -14,7 +14,9 @@ finishes here within the grace period, its own clients gone or not: the lifespan
 other instances' followers take over at once (their leader left), and lets the cut requests'
 cleanup run (an Idempotency-Key record given up) before it closes Redis and the upstream
 clients (``Gateway.settle``). If the process is killed before, the followers take the call over
-as after a crash.
+as after a crash. Each worker of ``--workers N`` runs uvicorn's own server, which sets no
+``stop_by``: the HTTP protocol sets it as uvicorn stops the worker's connections
+(``http_protocol``), else the lifespan's end does (``GatewayApp.grace_s``).
 """
 
 from __future__ import annotations

@@ -374,7 +374,12 @@ class GatewayProtocol(HttpToolsProtocol):
         if self.limits_app is not None:
             # uvicorn is stopping (called on each connection): the gateway is draining, in each
             # worker too, so a request its grace period cuts is ended as one (``GatewayApp._cut``).
-            self.limits_app.gateway.draining = True
+            gateway = self.limits_app.gateway
+            gateway.draining = True
+            grace = self.config.timeout_graceful_shutdown
+            if gateway.stop_by is None and grace is not None:
+                # (a worker's server does not say when its grace period ends: it is from now)
+                gateway.stop_by = monotonic() + 0.1 + grace
         super().shutdown()
 
     def on_response_complete(self) -> None:

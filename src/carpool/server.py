@@ -138,9 +138,15 @@ SIMULATED_LABEL = (b"x-carpool-simulated", b"true")
 class GatewayApp:
     """The gateway's ASGI application."""
 
-    def __init__(self, gateway: Gateway, *, freeze_gc: bool = False) -> None:
+    def __init__(
+        self, gateway: Gateway, *, freeze_gc: bool = False, grace_s: float | None = None
+    ) -> None:
         self.gateway = gateway
         self.freeze_gc = freeze_gc  # ``carpool serve``'s own process only (see the contract)
+        # A server that does not say when its shutdown began (``Gateway.stop_by``: uvicorn's
+        # own, as each worker of ``--workers N`` runs): its grace period, counted from the
+        # lifespan's end, where nothing of its own connections' says otherwise.
+        self.grace_s = grace_s
         self.max_body = gateway.config.limits.max_body_bytes
         self.max_headers = gateway.config.limits.max_header_bytes
         self.deadlines = Deadlines(gateway.config.limits.body_read_timeout)
@@ -607,6 +613,8 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             gc.collect()
             gc.freeze()
         yield
+        if app.grace_s is not None and gateway.stop_by is None:
+            gateway.stop_by = time.monotonic() + app.grace_s
         await gateway.aclose()
 
     async def failed(_: HttpRequest, __: Exception) -> Response:
@@ -708,7 +716,9 @@ def create_worker_app() -> GatewayApp:
             # adds one beyond N: a client of the owners meanwhile, it takes the first to free.
             log.info("every worker slot is held: this worker asks their owners until one frees")
         peers = Peers(slot or meeting(Path(directory), config.workers), config)
-    return GatewayApp(build_gateway(config, peers=peers), freeze_gc=True)
+    return GatewayApp(
+        build_gateway(config, peers=peers), freeze_gc=True, grace_s=config.shutdown.grace_s
+    )
 
 
 def _leave_with_parent(parent: str | None) -> None:

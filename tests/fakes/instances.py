@@ -128,7 +128,9 @@ async def instances(
     settings: dict[str, Any] | None = None,
     *,
     connections: int = 1000,
+    workers: list[int] | None = None,
 ) -> AsyncIterator[list[Instance]]:
+    """``workers``: each instance's ``--workers`` (default 1)."""
     env = serve_env(settings)
     started: list[Instance] = []
     with tempfile.TemporaryDirectory(prefix="carpool-instances-") as folder:
@@ -143,6 +145,7 @@ async def instances(
                         *(["--redis", redis] if redis else []),
                         "--port",
                         str(port),
+                        *(["--workers", str(workers[i])] if workers else []),
                     ],
                     env,
                     log,
