@@ -390,11 +390,13 @@ async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_on
     shared_redis: RedisServer,
 ) -> None:
     url, cluster = shared_redis.url, shared_redis.cluster
-    records = RedisIdempotencyRecords(url, retention=60, lease=0.15, cluster=cluster)
-    other = RedisIdempotencyRecords(url, retention=60, lease=0.15, cluster=cluster)
+    # A lease long enough that a renewal late on a busy machine still lands in time (at 0.15 s
+    # one CI run saw the record lapse): four renewals outlast it all the same.
+    records = RedisIdempotencyRecords(url, retention=60, lease=1.2, cluster=cluster)
+    other = RedisIdempotencyRecords(url, retention=60, lease=1.2, cluster=cluster)
     try:
         token = await begin_new(records)
-        await eventually(lambda: records.renewals >= 4, timeout=5, what="4 renewals (4/3 lease)")
+        await eventually(lambda: records.renewals >= 4, timeout=10, what="4 renewals (4/3 lease)")
         assert (await other.begin("k", FP)).state == "processing"  # still held, elsewhere too
         assert await records.finish("k", token, OK) is True
         assert records._keepers == {}
@@ -411,10 +413,8 @@ async def test_wait_returns_the_response_when_another_task_finishes(
     waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
     assert not waiter.done()
-    started = time.monotonic()
     await records.finish("k", token, OK)
-    assert await asyncio.wait_for(waiter, 2) == OK
-    assert time.monotonic() - started < 0.5
+    assert await asyncio.wait_for(waiter, 5) == OK  # (woken: its own timeout is 10 s)
     assert records.waiters == 0  # type: ignore[attr-defined]
 
 
@@ -422,16 +422,15 @@ async def test_wait_returns_none_on_timeout(records: IdempotencyRecords) -> None
     await begin_new(records)
     started = time.monotonic()
     assert await records.wait("k", FP, timeout=0.1) is None
-    assert 0.09 <= time.monotonic() - started < 1.0
+    assert time.monotonic() - started >= 0.09  # (not before its timeout)
     assert (await records.begin("k", FP)).state == "processing"  # waiting changed nothing
 
 
 async def test_wait_returns_none_without_a_record_or_once_abandoned(
     records: IdempotencyRecords,
 ) -> None:
-    started = time.monotonic()
-    assert await records.wait("nothing", FP, timeout=5) is None
-    assert time.monotonic() - started < 0.5
+    # At once, not at its timeout (60 s).
+    assert await asyncio.wait_for(records.wait("nothing", FP, timeout=60), 5) is None
     token = await begin_new(records)
     waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
     await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
