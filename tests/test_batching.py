@@ -828,3 +828,129 @@ async def test_apportioned_embeddings_usage_is_marked_on_the_answer_and_on_every
         alone = await gw.client.post(EMBEDDINGS, json={"model": "e", "input": "y" * 200})
         assert alone.json()["usage"] == {"prompt_tokens": 1, "total_tokens": 1}
         assert "x-carpool-usage" not in alone.headers
+
+
+async def test_a_duplicate_sharing_a_slot_never_gets_a_refusal_of_another_callers_user(
+    gateway_with, fake
+):
+    """Two requests of one tenant for one input that are two flights (their namespaces differ)
+    shared one slot of a batch, and the item went alone as the first caller sent it, its
+    ``user`` with it: the upstream refused that ``user``, and the second caller, which sent
+    none, got the first's 400 (its message quoting the first's ``user``), labelled as a refusal
+    of its own body (so neither scrubbed nor retried with it). Each is now its own slot."""
+    refused_user = "alice-secret-user-id"
+    fake.refuse = lambda call: (
+        f"user {refused_user!r} is not allowed"
+        if isinstance(call.body, dict) and call.body.get("user") == refused_user
+        else None
+    )
+    auth = {"authorization": "Bearer A"}
+    # (the defaults otherwise: merging "auto", so two items of a batch each go alone now)
+    async with gateway_with(batching={"max_batch_size": 2, "max_batch_delay_ms": 100}) as gw:
+        first = asyncio.create_task(
+            gw.client.post(
+                EMBEDDINGS,
+                json={"model": "e", "input": "hello", "user": refused_user},
+                headers={**auth, "x-carpool-namespace": "one"},
+            )
+        )
+        await eventually(lambda: gw.gateway.batcher.requests == 1, what="the first buffered")
+        second = await gw.client.post(
+            EMBEDDINGS,
+            json={"model": "e", "input": "hello"},
+            headers={**auth, "x-carpool-namespace": "two"},
+        )
+        assert second.status_code == 200, second.text
+        assert refused_user not in second.text
+        assert (await first).status_code == 400  # its own refusal
+        await gw.gateway.batcher.wait_idle()
+    sent = [c.body for c in embedding_calls(fake) if c.body["input"] == "hello"]
+    assert {"model": "e", "input": "hello"} in sent  # the second's own, without a ``user``
+
+
+async def test_a_client_leaving_an_item_by_item_batch_cancels_its_own_items_call(
+    gateway_with, fake
+):
+    """A batch whose items go one by one (merging not known safe yet) ran them all in its one
+    task, which was cancelled only once every caller of every item had left: a client that
+    left had its own item's call run on at the upstream, though no client wanted it."""
+    auth = {"authorization": "Bearer A"}
+    mine = ("leaving", "staying")
+    async with gateway_with(batching={"max_batch_size": 2, "max_batch_delay_ms": 60_000}) as gw:
+        fake.gate = asyncio.Event()
+        leaving, staying = (
+            asyncio.create_task(
+                gw.client.post(EMBEDDINGS, json={"model": "e", "input": text}, headers=auth)
+            )
+            for text in mine
+        )
+        await eventually(
+            lambda: sum(c.body["input"] in mine for c in embedding_calls(fake)) == 2,
+            what="each item's call at the upstream",
+        )
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await fake.wait_for_cancelled(1)  # its own call, and only that one
+        fake.gate.set()
+        response = await staying
+        assert response.status_code == 200 and response.json()["data"][0]["embedding"]
+        await gw.gateway.batcher.wait_idle()
+    assert fake.cancelled == 1
+
+
+async def test_a_client_leaving_an_item_by_item_retry_cancels_its_own_items_call() -> None:
+    """The same, for the item-by-item retry of a merged call refused (a 500 may be one item's)."""
+    gates = {"leaving": asyncio.Event(), "staying": asyncio.Event()}
+    at_gate: list[Any] = []
+    cancelled: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        if isinstance(given, list):
+            return UpstreamResponse(500, {}, b'{"error": {"message": "one of them"}}')
+        at_gate.append(given)
+        try:
+            await gates[given].wait()
+        except asyncio.CancelledError:
+            cancelled.append(given)
+            raise
+        return await FakeSend()(request)
+
+    batcher = EmbeddingBatcher(send, max_batch_size=2, max_batch_delay_s=30.0)
+    leaving = asyncio.create_task(batcher.embed(req("leaving")))
+    staying = asyncio.create_task(batcher.embed(req("staying")))
+    await eventually(lambda: len(at_gate) == 2, what="the retry, item by item")
+    leaving.cancel()
+    await eventually(lambda: cancelled == ["leaving"], what="the leaving item's call cancelled")
+    gates["staying"].set()
+    assert own(await staying)["data"][0]["embedding"] == vector("emb", "staying")
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await batcher.wait_idle()
+    assert cancelled == ["leaving"]
+
+
+async def test_a_merged_2xx_answer_reporting_an_error_is_not_stored(gateway_with, fake):
+    """A 2xx answer with a non-null top-level ``error`` beside its ``data`` is no success
+    (``completeness.is_complete``): alone, it reaches its client as it came and is not stored.
+    Merged, each caller's body was rebuilt from ``data`` alone, without the error: complete,
+    stored and served as hits. Such a merged call's items now go one by one, as a refusal's do,
+    each caller getting the upstream's own answer to its own item."""
+    error = {"message": "partial failure", "type": "server_error"}
+    fake.embeddings_extra = {"error": error}
+    auth = {"authorization": "Bearer A"}
+    # (two callers fill a batch at once; the lone request after them waits out the delay)
+    batching = {"max_batch_size": 2, "max_batch_delay_ms": 100, "embeddings": "on"}
+    async with gateway_with(batching=batching) as gw:
+        merged = await asyncio.gather(
+            *(
+                gw.client.post(EMBEDDINGS, json={"model": "e", "input": text}, headers=auth)
+                for text in ("aaa", "bbb")
+            )
+        )
+        assert all(r.json().get("error") == error for r in merged), [r.text for r in merged]
+        again = await gw.client.post(EMBEDDINGS, json={"model": "e", "input": "aaa"}, headers=auth)
+        assert again.headers["x-carpool"] != "hit"
+    inputs = [c.body["input"] for c in embedding_calls(fake)]
+    assert inputs[0] == ["aaa", "bbb"] and sorted(inputs[1:3]) == ["aaa", "bbb"]

@@ -89,6 +89,9 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   {"type": "api_error", "message": "fake upstream failure"}}``), on every path.
   ``fail_times: int | None``: when set, only that many more requests fail (it counts down),
   then answers are normal again.
+- ``refuse: Callable[[Call], str | None] | None``: a call for which it gives a message is
+  answered 400 ``invalid_request_error`` with that message (an upstream refusing one field of
+  one request, its ``user`` say), on every path.
 - ``response_headers``: ``(name, value)`` byte pairs added to every JSON answer's headers.
 - ``redirect_to: str | None``: any other path (the echo below) answers 307 to that URL.
 - ``chunk_delay: float``: seconds between streamed chunks.
@@ -146,6 +149,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   ``content_block_delta``s.
 - ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
   such as vLLM's ``prompt_token_ids``).
+- ``embeddings_extra: dict``: top-level fields added to every embeddings answer (an ``error``
+  beside its ``data``, say).
 - ``responses_output: list | None``: the ``output`` items of every whole Responses answer (a
   reasoning model's items, logprobs...) in place of the one message; a stream asked of it is a
   400 (it streams only its own message).
@@ -305,6 +310,7 @@ class FakeUpstream:
         self.fail_status: int | None = None
         self.fail_body: dict[str, Any] | None = None
         self.fail_times: int | None = None
+        self.refuse: Callable[[Call], str | None] | None = None
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.redirect_to: str | None = None
         self.chunk_delay: float = 0.0
@@ -326,6 +332,7 @@ class FakeUpstream:
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
         self.chat_extra: dict[str, Any] = {}
+        self.embeddings_extra: dict[str, Any] = {}
         self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
         self.responses_output: list[dict[str, Any]] | None = None
         self.keeps_responses: bool = False
@@ -541,6 +548,10 @@ class FakeUpstream:
                 ANTHROPIC_FAIL_BODY if call.path.startswith("/v1/messages") else DEFAULT_FAIL_BODY
             )
             await self._send_json(send, call, self.fail_status, self.fail_body or default)
+            return
+        refused = self.refuse(call) if self.refuse is not None else None
+        if refused is not None:
+            await self._send_error(send, call, 400, refused, "invalid_request_error")
             return
 
         path = call.path.rstrip("/") or "/"
@@ -863,6 +874,7 @@ class FakeUpstream:
                 "data": data,
                 "model": f"{model}#call{call.number}",
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                **self.embeddings_extra,
             },
         )
 

@@ -26,6 +26,10 @@ Contract
   the exception. A cancelled caller never cancels the batch for the others; an item whose every
   caller left before its batch was sent is dropped from it, and a sent batch whose every caller
   (of every item) has left is cancelled.
+- ``compute`` may give an item's result as an ``asyncio.Future`` (a task of its own, already
+  running: the item's own call) instead: that item's callers get what it gives (its exception,
+  if it raises), and it is cancelled once every caller of that item has left, while the others'
+  go on. The batch runs (``max_in_flight``, ``wait_idle``) until every such task is done.
 - ``observe_wait(seconds)`` (optional) is called exactly once per ``submit``: the time it waited in
   the buffer before its batch was sent (0 when it joined a running batch; up to its cancellation
   for a caller that left before).
@@ -56,7 +60,7 @@ R = TypeVar("R")  # a result
 class _Entry:
     """One distinct item of a batch and the callers waiting for it."""
 
-    __slots__ = ("item", "cost", "future", "arrivals", "sent", "waiting", "batch")
+    __slots__ = ("item", "cost", "future", "arrivals", "sent", "waiting", "batch", "task")
 
     def __init__(self, item: Any, cost: float, future: asyncio.Future[Any]) -> None:
         self.item = item
@@ -66,6 +70,8 @@ class _Entry:
         self.sent = False
         self.waiting = 0  # callers awaiting the result now
         self.batch: _Batch | None = None  # once sent: the batch it went in
+        # once computed as a task of its own (``compute`` gave a future): that task
+        self.task: asyncio.Future[Any] | None = None
 
 
 class _Batch:
@@ -86,7 +92,7 @@ class KeyedBatcher(Generic[I, R]):
 
     def __init__(
         self,
-        compute: Callable[[Any, list[I]], Awaitable[Sequence[R]]],
+        compute: Callable[[Any, list[I]], Awaitable[Sequence[R | asyncio.Future[R]]]],
         *,
         max_batch_size: int,
         max_batch_delay_s: float,
@@ -118,7 +124,7 @@ class KeyedBatcher(Generic[I, R]):
         self._queued: deque[_Batch] = deque()  # closed, waiting for a slot
         self._sent: dict[tuple[Hashable, Hashable], _Entry] = {}  # closed, not finished
         self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # batches', items' own (``_own``)
         self.batches = 0
         self.items_sent = 0
         self.requests = 0
@@ -184,17 +190,25 @@ class KeyedBatcher(Generic[I, R]):
         finally:
             entry.waiting -= 1
             sent = entry.batch
-            if (
-                sent is not None
-                and sent.task is not None
-                and not entry.future.done()
-                and not any(e.waiting for e in sent.entries.values())
-            ):
-                # Every caller of the batch has left: cancel it, and let no new caller join it.
-                for key, candidate in sent.entries.items():
-                    if self._sent.get((sent.group, key)) is candidate:
-                        del self._sent[(sent.group, key)]
-                sent.task.cancel()
+            if sent is not None and sent.task is not None and not entry.future.done():
+                if not any(e.waiting for e in sent.entries.values()):
+                    # Every caller of the batch has left: cancel it, and let no new caller
+                    # join it.
+                    for key, candidate in sent.entries.items():
+                        if self._sent.get((sent.group, key)) is candidate:
+                            del self._sent[(sent.group, key)]
+                    sent.task.cancel()
+                elif not entry.waiting and entry.task is not None:
+                    # Every caller of this item has left, not the others: its own call goes.
+                    self._abandon(sent, entry)
+
+    def _abandon(self, batch: _Batch, entry: _Entry) -> None:
+        """Cancel an item's own task (no new caller joins it), its batch going on."""
+        for key, candidate in batch.entries.items():
+            if candidate is entry and self._sent.get((batch.group, key)) is entry:
+                del self._sent[(batch.group, key)]
+        assert entry.task is not None
+        entry.task.cancel()
 
     def _drop(self, batch: _Batch, entry: _Entry) -> None:
         """Every caller of an item still in an open batch left: take it out."""
@@ -268,13 +282,27 @@ class KeyedBatcher(Generic[I, R]):
         self.batches += 1
         self.items_sent += len(entries)
         self.max_items_seen = max(self.max_items_seen, len(entries))
+        own: list[asyncio.Future[Any]] = []  # the items' own tasks
         try:
             results = await self._compute(batch.group, [entry.item for entry in entries])
             if len(results) != len(entries):
+                for result in results:
+                    if isinstance(result, asyncio.Future):
+                        result.cancel()
                 raise ValueError(
                     f"compute returned {len(results)} results for {len(entries)} items"
                 )
+            for entry, result in zip(entries, results, strict=True):
+                if isinstance(result, asyncio.Future):
+                    own.append(result)
+                    self._own(batch, entry, result)
+                elif not entry.future.done():
+                    entry.future.set_result(result)
+            if own:
+                await asyncio.wait(own)
         except asyncio.CancelledError:
+            for task in own:
+                task.cancel()
             for entry in entries:
                 entry.future.cancel()
             raise
@@ -282,10 +310,6 @@ class KeyedBatcher(Generic[I, R]):
             for entry in entries:
                 if not entry.future.done():
                     entry.future.set_exception(exc)
-        else:
-            for entry, result in zip(entries, results, strict=True):
-                if not entry.future.done():
-                    entry.future.set_result(result)
         finally:
             for key, entry in batch.entries.items():
                 if self._sent.get((batch.group, key)) is entry:
@@ -298,6 +322,15 @@ class KeyedBatcher(Generic[I, R]):
                     break
                 self._close(due)
 
+    def _own(self, batch: _Batch, entry: _Entry, task: asyncio.Future[Any]) -> None:
+        """An item computed by a task of its own: its callers get what the task gives."""
+        entry.task = task
+        self._tasks.add(task)  # (``wait_idle`` and ``idle`` see it, cancelled ones included)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: _settle(entry.future, done))
+        if not entry.waiting:  # every caller of this item left while ``compute`` ran
+            self._abandon(batch, entry)
+
     def _observe(self, seconds: float) -> None:
         if self.observe_wait is not None:
             self.observe_wait(max(0.0, seconds))
@@ -306,6 +339,18 @@ class KeyedBatcher(Generic[I, R]):
         """Wait until every batch started so far has finished."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
+    """Give ``future`` what ``task`` (done) gave."""
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif (exc := task.exception()) is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(task.result())
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

@@ -22,36 +22,46 @@ Contract
   headers.
 - An item that goes alone (a batch of one item, each item while merging is not known safe,
   the item-by-item retry below) is sent as its client sent it: its own request, body
-  (``user`` included) and every header forwarded (trace context, request id, user agent...:
-  nothing in it is another caller's), the first caller's when identical items shared its
-  slot; its caller gets the upstream's answer as it came (framing headers dropped on a 2xx),
-  status included, and an exception from ``send`` reaches that item's callers only. Such calls
-  are counted in ``alone``.
+  (``user`` included) and every header forwarded (trace context, request id, user agent...),
+  the first caller's when identical requests shared its slot (below: they differ at most in
+  the headers that change no answer, as a flight's joiners and its leader may); its callers
+  get the upstream's answer as it came (framing headers dropped on a 2xx), status included,
+  and an exception from ``send`` reaches that item's callers only. Each such call of a batch
+  is a task of its own, cancelled once every caller of its item has left, though the batch's
+  other items still have callers (a call is cancelled when every client of it has gone).
+  Such calls are counted in ``alone``.
 - Counters of the calls it sends (what the engines were asked, not the batches it gathered: a
   batch of several items sent item by item is that many calls of one): ``batches`` (calls),
   ``items_sent`` (the items in them), ``max_items_seen`` (the most in one call), and
   ``observe_size(items)`` once per call; ``requests`` (``embed`` calls batched).
 - The token budget (``max_batch_tokens``) counts approximate tokens: a string's characters / 4
   (rounded up, at least 1), a token list's length.
-- Only a batch still filling is shared: identical items in it take one slot, but a request
-  never joins a call already sent (the scheduler's ``join_running`` is off). Identical requests
-  share one flight before they get here (``flight.py``), so one that reaches the batcher while
-  its item's call runs is one that must not share that call: a request after an invalidation
-  (no request joins a call begun before one), or a joiner that timed out waiting for that very
-  call (``coalesce.join_timeout_ms``) and runs its own.
+- Only a batch still filling is shared: identical requests in it take one slot (the same item,
+  path and body as sent, ``user`` included: an item sent alone is sent as the first caller
+  of its slot sent it, so that no caller ever gets the answer to another's ``user``, a refusal
+  quoting it, as its own), but a request never joins a call already sent (the scheduler's
+  ``join_running`` is off). Identical requests share one flight before they get here
+  (``flight.py``), so one that reaches the batcher while its item's call runs is one that must
+  not share that call: a request after an invalidation (no request joins a call begun before
+  one), or a joiner that timed out waiting for that very call (``coalesce.join_timeout_ms``)
+  and runs its own.
 - Each caller of a merged call receives a complete OpenAI embeddings response for its own item,
   bytes ready to send: ``{"object": "list", "data": [{"object": "embedding", "index": 0,
   "embedding": ...}], "model": ..., "usage": {"prompt_tokens", "total_tokens",
-  "apportioned"}}``, the upstream's usage apportioned to the distinct items in proportion to
+  "apportioned"}}``, the upstream's usage apportioned to the slots (above) in proportion to
   their approximate tokens (integer shares by largest remainder, summing to the upstream's
-  figures; a duplicate caller is charged its item's share).
+  figures; a caller sharing a slot is charged its slot's share).
   Response headers are the upstream's, less framing ones (``content-length``...), with
   ``content-type: application/json``.
 - A non-2xx answer to a merged call of two or more items that one item may have caused (a 4xx
   or 5xx, except those about the call's credentials, model or load: ``_NOT_AN_ITEM``) is not
   every caller's: engines refuse a whole list for one bad item (a text over the context, a token
   id outside the vocabulary). Each item is then sent alone (above), and each caller gets the
-  upstream's answer to its own item. Any other non-2xx answer reaches every caller of the
+  upstream's answer to its own item. So it is for a 2xx answer that reports an error (a
+  non-null top-level ``error``, whatever else it holds): no success
+  (``completeness.is_complete``: alone, such an answer reaches its client as it came and is
+  not stored), and it does not say whose; rebuilt per caller from its ``data``, it would
+  lose the error and be stored. Any other non-2xx answer reaches every caller of the
   batch as the same status, headers and body; an exception from ``send`` is raised to every
   caller; a 2xx answer that does not hold one embedding per input is an ``UpstreamError``
   (502) for all of them.
@@ -69,13 +79,15 @@ right; see :mod:`carpool.batching.lists` for its verdicts and probes):
 
 - ``embed``: a group whose verdict is False is not buffered at all: the request goes to
   ``send`` as it came (counted in ``alone``). A batch of two or more items closed while its
-  verdict is not True is sent item by item, each alone (above), concurrently.
+  verdict is not True is sent item by item, each alone (above), concurrently (each call a
+  task of its own, cancelled when its item's callers have all left).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
 from collections.abc import (
     AsyncIterator,
@@ -130,7 +142,7 @@ class _BatchFailed(Exception):
 
 
 # An item of a batch: its input, and the request of the caller that put it there (the first,
-# when identical items share its slot), sent as it came when the item goes alone.
+# when identical requests share its slot), sent as it came when the item goes alone.
 _Item = tuple[str | tuple[int, ...], UpstreamRequest]
 
 
@@ -258,8 +270,11 @@ class EmbeddingBatcher:
         if self.lists is not None:
             await self.lists.aclose()
 
-    def _plan(self, request: UpstreamRequest) -> tuple[Hashable, str | tuple[int, ...]] | None:
-        """(group, item) of a batchable request, else None."""
+    def _plan(
+        self, request: UpstreamRequest
+    ) -> tuple[Hashable, str | tuple[int, ...], bytes] | None:
+        """(group, item, slot) of a batchable request, else None: ``slot`` a digest of the
+        request as it goes alone (the module's contract: identical requests share a slot)."""
         path = "/" + request.path.lstrip("/")
         if path.startswith("/v1/"):
             path = path[3:]
@@ -274,6 +289,10 @@ class EmbeddingBatcher:
         rest = {k: v for k, v in body.items() if k not in ("input", "user")}
         try:
             template = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS)
+            # What of the request, sent alone, may differ from another's of the group (whose
+            # query and headers that might change the answer are the group's): its path as
+            # it came, and its body as sent, ``user`` included.
+            slot = hashlib.blake2b(orjson.dumps([request.path, body]), digest_size=16).digest()
         except TypeError:
             return None
         lowered = {k.lower(): v for k, v in request.headers.items()}
@@ -289,55 +308,56 @@ class EmbeddingBatcher:
         # The item's kind too: texts and token lists never share a list (``input`` is a list of
         # texts or a list of token lists, never both: engines refuse a mixed one, 400).
         kind = "text" if isinstance(item, str) else "tokens"
-        return (path, identity, template, request.query, kind), item
+        return (path, identity, template, request.query, kind), item, slot
 
     async def embed(self, request: UpstreamRequest) -> UpstreamResponse:
         plan = self._plan(request)
         if plan is None:
             self.bypassed += 1
             return await self._send(request)
-        group, item = plan
+        group, item, slot = plan
         if self.lists is not None and self.lists.verdict(group) is False:
             # Known unsafe to merge: not even buffered, sent as the client sent it.
             self.alone += 1
             self._sending(1)
             return await self._send(request)
-        key = (type(item).__name__, item)
+        # One slot per body as it would go alone, not per item: a slot sent alone is sent as its
+        # first caller sent it, and no caller may get the answer to another's ``user`` (a
+        # refusal of it, quoting it, labelled as a refusal of the caller's own body).
+        key = (type(item).__name__, item, slot)
         try:
             # The request rides with its item: sent alone, the item is sent as it came.
             result = await self._core.submit(group, key, (item, request), approx_tokens(item))
         except _BatchFailed as failed:
             return UpstreamResponse(failed.status, failed.headers, failed.body)
-        if isinstance(result, BaseException):  # this item's own call failed
-            raise result
         return cast(UpstreamResponse, result)
 
     async def _compute(
         self, group: Any, items: list[_Item]
-    ) -> list[UpstreamResponse | BaseException]:
+    ) -> Sequence[UpstreamResponse | asyncio.Future[UpstreamResponse]]:
         if len(items) == 1 or (self.lists is not None and self.lists.verdict(group) is not True):
             if len(items) > 1 and self.lists is not None:
                 self.lists.probe(group)  # in the background: these go alone now
-            return await self._alone(items)
+            return self._alone(items)
         values = [value for value, _ in items]
         async with self._call(group, [_value(value) for value in values]) as (response, body):
             if 200 <= response.status < 300:
-                return [
-                    UpstreamResponse(200, headers, answer)
-                    for answer, headers in self._split(response, values, body["model"])
-                ]
-            if response.status in _NOT_AN_ITEM:
+                split = self._split(response, values, body["model"])
+                if split is not None:
+                    return [UpstreamResponse(200, headers, answer) for answer, headers in split]
+            elif response.status in _NOT_AN_ITEM:
                 raise _BatchFailed(response.status, response.headers, response.body)
-        # Refused, maybe for one item (engines refuse a whole list for one): each item alone,
-        # so that the others get their answers and that one its own refusal.
-        return await self._alone(items)
+        # Refused, maybe for one item (engines refuse a whole list for one), or answered with
+        # an error beside the data (whose item's, it does not say): each item alone, so that
+        # the others get their answers and that one its own refusal.
+        return self._alone(items)
 
-    async def _alone(self, items: list[_Item]) -> list[UpstreamResponse | BaseException]:
-        """Each item in a call of its own, concurrently: each caller's own result."""
+    def _alone(self, items: list[_Item]) -> list[asyncio.Future[UpstreamResponse]]:
+        """Each item in a call of its own, concurrently: a task per item, whose result (or
+        exception) is that item's callers' only, cancelled when they have all left (the
+        scheduler's contract), the other items' calls going on."""
         self.alone += len(items)
-        return await asyncio.gather(
-            *(self._one(request) for _, request in items), return_exceptions=True
-        )
+        return [asyncio.ensure_future(self._one(request)) for _, request in items]
 
     async def _one(self, request: UpstreamRequest) -> UpstreamResponse:
         """One item in a call of its own: its request as its client sent it (its body, ``user``
@@ -377,9 +397,15 @@ class EmbeddingBatcher:
     @staticmethod
     def _split(
         response: UpstreamResponse, items: list[str | tuple[int, ...]], model: str
-    ) -> list[tuple[bytes, dict[str, str]]]:
+    ) -> list[tuple[bytes, dict[str, str]]] | None:
+        """Each item's own answer from a merged call's 2xx answer; None when it reports an
+        error (a non-null top-level ``error``), whatever else it holds."""
         try:
             parsed = orjson.loads(response.body)
+            if isinstance(parsed, dict) and parsed.get("error") is not None:
+                # No success (``completeness.is_complete``), and not every caller's: rebuilt
+                # from ``data`` alone, it would lose the error and be stored as complete.
+                return None
             data = sorted(parsed["data"], key=lambda row: row["index"])
             embeddings = [row["embedding"] for row in data]
             if [row["index"] for row in data] != list(range(len(items))):

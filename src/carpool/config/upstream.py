@@ -112,7 +112,7 @@ class BatchingConfig(Section):
         32,
         ge=1,
         description="Most distinct items merged into one "
-        "upstream /v1/embeddings call (identical items take one slot).",
+        "upstream /v1/embeddings call (identical requests take one slot).",
     )
     max_batch_delay_ms: float = Field(5, ge=0, description="Longest wait for a batch to fill.")
     max_batch_tokens: int = Field(
