@@ -32,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import random
 import socket
 import tracemalloc
@@ -48,10 +49,13 @@ from carpool.batching import KeyedBatcher
 from carpool.config import Config
 from carpool.fingerprint import RepeatMemo, fingerprint
 from carpool.request import ClientRequest, parse
+from carpool.server import create_app
 from carpool.upstream import wire
+from carpool.wiring import build_gateway
 from conftest import Served, redis_settings, run_gateway
 from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
+from fakes.serving import serve_app
 from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
 from fakes.waiting import eventually
 
@@ -446,6 +450,55 @@ async def test_a_pass_through_call_to_an_unreachable_upstream_is_502_in_openais_
         response = await gw.client.get("/v1/models")
         assert response.status_code == 502
         assert error_of(response)["code"] == "upstream_unreachable"
+
+
+async def test_a_passthrough_answer_the_replica_cuts_is_logged_as_a_cut_not_a_crash(caplog):
+    """A pass-through answer cut after its head (aiohttp's ``ClientPayloadError``) reached its
+    client as a cut, but the gateway logged it as its own crash: ``a request failed (500)``
+    with a traceback, and uvicorn's ``ASGI callable returned without completing response``.
+    It is the upstream's failure: one warning naming the replica, no traceback; the client's
+    connection is cut (never a short body that looks whole), and the replica stays in
+    rotation (as after a stream that broke part-way: it took the call)."""
+    caplog.set_level(logging.INFO)
+    cuts = [True]
+
+    def respond(call: RawCall) -> bytes | tuple[bytes, bool]:
+        if cuts.pop(0) if cuts else False:
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n"
+            return head + b'\r\n{"data": [', True
+        return raw_answer(200, b"OK", b'{"object": "list", "data": []}')
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await gw.client.get("/v1/models")
+        await eventually(lambda: any(r.name == "carpool.routing" for r in caplog.records))
+        again = await gw.client.get("/v1/models")  # the gateway and the replica serve on
+        assert again.status_code == 200 and again.json()["data"] == []
+        assert gw.gateway.replicas.snapshot()[upstream.url]["state"] == "healthy"
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    cut = [r for r in caplog.records if r.name == "carpool.routing"]
+    assert len(cut) == 1 and cut[0].levelno == logging.WARNING and cut[0].exc_info is None
+    line = cut[0].getMessage()
+    assert "replica-0" in line and "cut" in line and "truncated" in line
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_under_another_server_a_passthrough_answer_the_replica_cuts_still_cuts_its_client(
+    http,
+):
+    """Without carpool's HTTP protocol (a host serving the app itself) the response is left
+    incomplete, and the server closes the connection: never a short body ended as if whole."""
+
+    def respond(call: RawCall) -> tuple[bytes, bool]:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n"
+        return head + b'\r\n{"data": [', True
+
+    async with raw_upstream(respond) as upstream:
+        gateway = build_gateway(Config(upstreams=[upstream.url]))
+        async with serve_app(create_app(gateway), http=http) as url:
+            async with httpx.AsyncClient(base_url=url) as client:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await client.get("/v1/models")
 
 
 async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothing_is_stored(

@@ -849,3 +849,37 @@ async def test_an_upstream_answering_the_readiness_probe_with_a_status_not_relay
     async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
         ready = await gw.client.get("/readyz")
         assert ready.status_code == 200 and len(upstream.calls) == 1
+
+
+def cut_models(call: RawCall) -> tuple[bytes, bool]:
+    """``GET /v1/models`` answered 200, its head promising 100 bytes: 10 come, then the
+    connection closes."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    return head + b'{"data": [', True
+
+
+async def test_readyz_is_200_when_one_replica_cuts_its_models_answer_and_another_answers(caplog):
+    """The cut escaped the readiness probe (aiohttp's ``ClientPayloadError``): /readyz was a 500
+    with a traceback, the healthy replica never asked. A replica whose status line came is
+    reachable, its body cut or not."""
+    caplog.set_level(logging.WARNING)
+    healthy = FakeUpstream()
+    async with (
+        raw_upstream(cut_models) as cutting,
+        serve_app(healthy) as other,
+        run_gateway([cutting.url, other + "/v1"]) as gw,
+    ):
+        ready = await gw.client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        assert len(cutting.calls) == 1  # (asked first: its head came, so it is reachable)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_readyz_with_a_single_replica_that_cuts_its_models_answer_is_200_not_a_500(caplog):
+    caplog.set_level(logging.WARNING)
+    async with raw_upstream(cut_models) as cutting, run_gateway([cutting.url]) as gw:
+        for _ in range(2):
+            ready = await gw.client.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["ready"] is True
+        assert gw.gateway.replicas.snapshot()[cutting.url]["state"] == "healthy"
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -85,6 +85,10 @@ Contract:
   body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
   still comes is read and dropped until the client closes its side, for 2 s at most. Closed at
   once with data unread, the kernel resets the connection, and the client may lose its answer.
+- A request of the ASGI path can be cut by its app (its scope's ``server.CUT``, called once its
+  response began and will not end: a pass-through answer its upstream cut): its connection
+  closes as uvicorn closes one whose app left its response incomplete, but without uvicorn's
+  error line (the app logged why), and nothing more is written to it.
 - A chunked body's trailer fields are not headers (RFC 9110 6.5.1): httptools reports them as
   it reports headers, and they are dropped, on either path.
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
@@ -109,7 +113,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from time import monotonic
-from typing import Any
+from typing import Any, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -134,7 +138,7 @@ from .reply import SLICE_BYTES, Reply, sliced
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
-from .server import SIMULATED_LABEL, GatewayApp
+from .server import CUT, SIMULATED_LABEL, GatewayApp
 
 __all__ = ["GatewayProtocol", "protocol"]
 
@@ -328,6 +332,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if target is None:
             super().on_headers_complete()
             self._cycle_transport()
+            self._cuttable()
             return
         self.held, self.held_size, self.held_target = [], 0, target
 
@@ -750,6 +755,23 @@ class GatewayProtocol(HttpToolsProtocol):
             proxy = self.cycle_transport = _CycleTransport(self.transport, self._close)
         if self.cycle is not None:
             self.cycle.transport = proxy  # type: ignore[assignment]
+
+    def _cuttable(self) -> None:
+        """uvicorn's cycle just made for this request can be cut by its app (``server.CUT``)."""
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # (none made: an upgrade)
+            cast(dict[str, Any], cycle.scope)[CUT] = partial(self._cut, cycle)  # (a key of ours)
+
+    def _cut(self, cycle: RequestResponseCycle) -> None:
+        """Cuts ``cycle``'s response, begun and not to be ended (a pass-through answer its
+        upstream cut part-way: ``server._Relay``): the connection closes as uvicorn closes one
+        whose app left its response incomplete, without uvicorn's error line (the app logged
+        why); the cycle writes nothing more (its client's side is gone, as far as it knows)."""
+        if cycle.response_complete or cycle.disconnected:
+            return
+        cycle.disconnected = True
+        cycle.message_event.set()
+        cycle.transport.close()
 
     def _close(self) -> None:
         """Closes the connection: at once between requests; while the client may still be

@@ -39,7 +39,11 @@ Contract:
   (ASGI ``raw_path``) by ``paths.confine`` (dot segments, encoded separators, control characters,
   empty segments: 400; outside ``passthrough.allow``: 403) before anything is read or sent; what
   is forwarded is the upstream's base URL plus the confined relative path, and the query string
-  as it came.
+  as it came. A pass-through answer its upstream cuts after its head (``UpstreamAnswerCut``,
+  logged by ``ReplicaSet.passthrough`` as the upstream's) is cut for its client too: its
+  connection closed, never its body ended as if whole; not logged as a failure of the
+  gateway's (under carpool's HTTP protocol, ``CUT``; uvicorn's own logs that a response was
+  left incomplete).
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
@@ -109,6 +113,7 @@ from .errors import (
     InternalError,
     RequestError,
     ShuttingDown,
+    UpstreamError,
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
@@ -394,6 +399,35 @@ Respond = Callable[[Reply, ClientWatch], Awaitable[None]]
 
 # The scope key of a pass-through request's confined path (relative to /v1).
 CONFINED = "carpool.confined_path"
+# The scope key of what cuts the request's connection, its response begun and not to be ended
+# (``_Relay``): set by carpool's HTTP protocol (``http_protocol.py``), which then writes
+# nothing more and logs nothing of it. Under another server it is absent: the response is left
+# incomplete, and the server closes the connection (uvicorn's own with an error line).
+CUT = "carpool.cut_connection"
+
+
+class _Relay(StreamingResponse):
+    """A pass-through answer relayed as it comes. Cut by its upstream part-way (its body
+    raising an ``UpstreamError``, which ``ReplicaSet.passthrough`` logged), its client's
+    connection is cut too: never ended as if whole (chunked, a short body would read as the
+    whole answer), nor taken for the gateway's own failure."""
+
+    def __init__(self, content: AsyncIterator[bytes], status: int, cut: Any) -> None:
+        super().__init__(content, status)
+        self.cut: Callable[[], None] | None = cut
+
+    async def stream_response(self, send: Any) -> None:  # (Starlette's, but for a cut)
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError:
+            if self.cut is not None:
+                self.cut()
+            return  # (left incomplete: the server closes the connection)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _below(scope: Scope, root: str) -> Scope:
@@ -591,7 +625,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             )
         except CarpoolError as error:
             return _carpool_error(error)
-        response = StreamingResponse(upstream.body, upstream.status)
+        response = _Relay(upstream.body, upstream.status, scope.get(CUT))
         # One x-request-id per response, the gateway's: the upstream's own is kept under
         # another name (the only answers whose headers the gateway did not write).
         response.raw_headers = [

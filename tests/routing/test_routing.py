@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from carpool.clock import ManualClock
-from carpool.errors import UpstreamNoAnswer, UpstreamTimeout, UpstreamUnreachable
+from carpool.errors import (
+    UpstreamAnswerCut,
+    UpstreamError,
+    UpstreamNoAnswer,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from carpool.routing import Decision, RoutingSettings, build_policy
 from carpool.routing.cache_aware import CacheAware, PrefixRecord
 from carpool.routing.least_loaded import LeastLoaded
@@ -616,6 +622,41 @@ async def test_readiness_trusts_an_answer_for_a_while_then_asks_the_replica_agai
     assert await replicas.ready()  # (its answer is recent: not asked)
     clock.now += READY_TRUST_S
     assert not await replicas.ready() and replicas.replicas[0].errors == 1
+
+
+class _Probed(Fake):
+    """A ``Fake`` whose ``GET /models`` fails as ``probe`` says: ``head`` (no answer at all, an
+    ``UpstreamError`` no other branch names), ``body`` (its head came, then its body was cut),
+    or answers."""
+
+    probe = "ok"
+
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
+        self.sent += 1
+        if self.probe == "head":
+            raise UpstreamError(f"{self.name}: something odd")
+
+        async def content() -> AsyncIterator[bytes]:
+            yield b'{"data": ['
+            if self.probe == "body":
+                raise UpstreamAnswerCut(f"{self.name} failed mid-answer")
+            yield b"]}"
+
+        return PassthroughResponse(200, [], content())
+
+
+async def test_a_readiness_probe_failing_with_any_upstream_error_leaves_that_replica_out_and_asks_the_next():
+    # An error no branch of ``ready`` named escaped it: /readyz was a 500, the next replica
+    # never asked.
+    odd, cut, clock = _Probed("r0"), _Probed("r1"), Clock()
+    odd.probe, cut.probe = "head", "body"
+    replicas = ReplicaSet([odd, cut], build_policy("round-robin"), clock=clock)
+    assert await replicas.ready()  # (r1's head came: reachable, its body cut or not)
+    assert (odd.sent, cut.sent) == (1, 1)
+    assert replicas.snapshot()["r0"]["state"] == "down" and replicas.replicas[0].errors == 1
+    assert replicas.snapshot()["r1"]["state"] == "healthy" and replicas.replicas[1].errors == 0
 
 
 def test_a_failure_logged_shows_its_urls_without_query_or_credentials():

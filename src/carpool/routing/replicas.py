@@ -61,7 +61,10 @@ all, and so whether ``text`` matters):
 - ``passthrough`` (other ``/v1/...`` calls): one attempt on the chosen replica, no failover (the
   method may not be idempotent); a transport failure downs the replica like any other (so does
   a refusal of its own key, ``own_keys``), an answer of any status is relayed as it is and heals
-  a downed replica.
+  a downed replica. An answer cut after its head (its body raising ``UpstreamAnswerCut``) is
+  logged as such, a warning naming the replica without a traceback, and raised on (the server
+  cuts its client's connection); it leaves the replica in rotation, as a stream that broke
+  part-way does (its head was counted by ``observe``, once, at its status).
 - Operators see every failure: a warning on the ``carpool.routing`` logger naming the replica
   (``name``: never its credentials) and what happened, at most one per replica per
   ``log_interval`` seconds; the next one counts those left out. A downed replica that answers
@@ -70,14 +73,17 @@ all, and so whether ``text`` matters):
   ready while some replica is healthy or its back-off is over (then the next request probes it:
   reporting not-ready then would keep away the traffic that finds out it is back). A replica
   that answers the readiness probe at all, with a 401/403 to the gateway's key too (or a
-  status pass-through does not relay: a redirect, a 101, a 999), is
-  reachable; but for a 401 to its own key (``own_keys``): none of its calls would be
-  answered, it is downed (a 403 to ``/models``, a restricted key's, is reachable).
+  status pass-through does not relay: a redirect, a 101, a 999; or a head whose body is then
+  cut or stalls), is reachable; but for a 401 to its own key (``own_keys``): none of its
+  calls would be answered, it is downed (a 403 to ``/models``, a restricted key's, is
+  reachable). Any other failure of the probe (no answer, or an ``UpstreamError`` none of these
+  names) downs that replica and the next one is asked: ``ready`` raises none of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -422,7 +428,32 @@ class ReplicaSet:
         replica.answered, replica.answered_at = True, self.clock()
         if not replica.healthy:
             self._succeeded(replica)
-        return response
+        return PassthroughResponse(
+            response.status, response.headers, self._relayed(replica, response.body)
+        )
+
+    async def _relayed(
+        self, replica: ReplicaState, body: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """A pass-through answer's body as it comes. Cut by its replica part-way (an
+        ``UpstreamError`` now: ``UpstreamAnswerCut``), it is logged (a warning naming the
+        replica, no traceback) and raised on for the server to cut its client's connection; the
+        replica took the call and stays in rotation, as after a stream that broke part-way."""
+        try:
+            async for chunk in body:
+                yield chunk
+        except UpstreamError as error:
+            log.warning(
+                "upstream %s cut a pass-through answer part-way (its client's connection is "
+                "cut too): %s",
+                self._called(replica),
+                _what(error),
+            )
+            raise
+        finally:
+            close = getattr(body, "aclose", None)
+            if close is not None:  # (left part-way by its client: its connection let go now)
+                await close()
 
     def _succeeded(self, replica: ReplicaState) -> None:
         if not replica.healthy:
@@ -566,10 +597,8 @@ class ReplicaSet:
                 continue
             seen = replica.verdicts
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(timeout) as within:
                     response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
-                    async for _ in response.body:
-                        pass
             except PathNotAllowed:
                 pass  # an in-process upstream: no /models, but up
             except (UpstreamRedirected, UpstreamBadStatus):
@@ -579,9 +608,13 @@ class ReplicaSet:
                     self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)
                     continue
                 self._refused(replica, error)  # an answer: reachable
-            except (UpstreamUnreachable, UpstreamTimeout, TimeoutError, OSError) as error:
+            except (UpstreamError, TimeoutError, OSError) as error:
+                # No answer (unreachable, timed out), or a failure no branch above names: this
+                # replica failed, and the next one is asked (never a 500 for /readyz).
                 self._failed(replica, f"readiness probe: {_what(error)}", seen)
                 continue
+            else:
+                await _drained(response.body, within.when())
             replica.answered, replica.answered_at = True, self.clock()
             if not replica.healthy:
                 self._succeeded(replica)
@@ -617,6 +650,17 @@ class _Heard:
         payloads = await self.events.__anext__()
         self.replica.answered_at = self.clock()
         return payloads
+
+
+async def _drained(body: AsyncIterator[bytes], deadline: float | None) -> None:
+    """A readiness answer's body read to its end (its connection then goes back to the pool),
+    by ``deadline`` (the loop's time). Cut or stalled, its head came all the same: the replica
+    is reachable (a whole answer cut after its head is no failure of its replica on any path:
+    ``UpstreamAnswerCut``)."""
+    with contextlib.suppress(UpstreamError, TimeoutError):
+        async with asyncio.timeout_at(deadline):
+            async for _ in body:
+                pass
 
 
 def _key_refused(error: UpstreamKeyRefused) -> str:

@@ -22,7 +22,8 @@ Contract (on top of ``upstream.base``):
   above is sent again first); anything else before an answer -> ``UpstreamUnreachable`` (502),
   a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``); a
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
-  stalled: the engine took the call, not retried elsewhere), a
+  stalled: the engine took the call, not retried elsewhere; a pass-through answer's body
+  raises it as it is read, its status relayed already), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event; an empty one included: its message says it sent nothing) ->
   ``UpstreamStreamBroken`` (502). Their messages
@@ -440,9 +441,19 @@ class HttpUpstream:
         ]
 
         async def content() -> AsyncIterator[bytes]:
+            # Its head came (its status relayed already): a failure now is the answer's cut,
+            # said in the gateway's terms, as for a cached endpoint's (``_mid_answer``).
             try:
                 async for chunk in response.content.iter_any():
                     yield chunk
+            except _TIMEOUTS as exc:  # (before ``ClientError``: aiohttp's read timeout is both)
+                raise UpstreamAnswerCut(
+                    f"upstream {self.label} timed out sending its answer", timed_out=True
+                ) from exc
+            except aiohttp.ClientError as exc:
+                raise UpstreamAnswerCut(
+                    f"upstream {self.label} failed mid-answer ({reason(exc)})"
+                ) from exc
             finally:
                 response.release()
 
