@@ -12,6 +12,7 @@ from carpool.config import Config
 from carpool.metrics import Buckets
 from carpool.tracing import NO_SPAN, Tracer
 from carpool.wiring import build_gateway
+from conftest import redis_settings
 from fakes.waiting import eventually
 
 
@@ -63,6 +64,26 @@ async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by
     assert samples(text, "carpool_redis_errors_total") == {'{component="store"}': 0}
     assert samples(text, "carpool_redis_pool_exhausted_total") == {"": 0}
     assert samples(text, "carpool_redis_full_total") == {"": 0}
+
+
+async def test_healthz_shows_no_traffic_counters_when_the_admin_token_is_set(
+    gateway_with, redis_server
+):
+    # /healthz is open whatever the admin token: it says whether Redis is up, not the shared
+    # layers' counters (flights led and followed, invalidations, semantic records), which tell
+    # when someone's request was a miss. Those are in /stats, behind the token.
+    token = "t0ken-t0ken-t0ken-t0ken"
+    async with gateway_with(admin_token=token, **redis_settings(redis_server)) as gw:
+        assert (await gw.client.get("/stats")).status_code == 401
+        before = (await gw.client.get("/healthz")).json()["redis"]
+        for _ in range(2):
+            await gw.chat("a secret prompt", headers={"Authorization": "Bearer victim"})
+        after = (await gw.client.get("/healthz")).json()["redis"]
+        assert after == before and set(after) == {"state", "errors", "down_since"}
+        assert after["state"] == "up"
+        admin = {"Authorization": f"Bearer {token}"}
+        stats = (await gw.client.get("/stats", headers=admin)).json()["redis"]
+        assert stats["state"] == "up" and stats["flights"]["led"] >= 1
 
 
 async def test_stats_and_metrics_come_to_count_only_the_live_exact_entries(gateway_with, fake):

@@ -16,11 +16,13 @@ import asyncio
 import collections
 import contextlib
 import inspect
+import json
 import logging
 import re
 
 import pytest
 
+from carpool.errors import OTHERS_MESSAGE
 from conftest import redis_keys, redis_settings, run_gateway
 from fakes.waiting import eventually
 
@@ -518,10 +520,11 @@ LEAKY = {
 }
 
 
-async def _leader_and_joiners(gw, fake, leader: dict, joiners: list[dict]):
-    """The leader's call held at the fake until every joiner is on its flight, then failed."""
+async def _leader_and_joiners(gw, fake, leader: dict, joiners: list[dict], status: int = 500):
+    """The leader's call held at the fake until every joiner is on its flight, then failed
+    (answered ``status`` with ``LEAKY``: a 200 is an error reported in a 2xx body)."""
     fake.gate = asyncio.Event()
-    fake.fail_status, fake.fail_body = 500, LEAKY
+    fake.fail_status, fake.fail_body = status, LEAKY
     first = asyncio.create_task(gw.chat("Q", **leader))
     await fake.wait_for_calls(1)
     others = [asyncio.create_task(gw.chat("Q", **joiner)) for joiner in joiners]
@@ -579,3 +582,123 @@ async def test_an_instance_following_another_requesters_call_gets_no_error_text(
         assert leader.json() == LEAKY and joined.status_code == 500
         assert "alice" not in joined.text and joined.json()["error"]["code"] == "engine_crashed"
         assert fake.count() == 1
+
+
+# --- an error reported in a 2xx body is its requester's too --------------------------------------
+
+SCRUBBED = {"type": "server_error", "code": "engine_crashed"}
+
+
+def sse_error(text: str) -> dict:
+    """The error object of the error event ending an SSE text."""
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    return json.loads(events[-1])["error"]
+
+
+async def test_a_joiner_with_another_body_never_gets_the_error_text_of_a_2xx_body(fake, gw):
+    # Some servers and proxies report an error with a 200: the body is the leader's failure as
+    # much as a 500's, and may quote its request as well. A joiner of another request (``user``
+    # is out of the key) gets the same shape with its type and code, not its words, whether it
+    # asked JSON or a stream.
+    leader, (twin, other, streamed) = await _leader_and_joiners(
+        gw,
+        fake,
+        {"user": "alice-42"},
+        [{"user": "alice-42"}, {"user": "bob"}, {"user": "bob", "stream": True}],
+        status=200,
+    )
+    assert leader.json() == twin.json() == LEAKY  # its own request's error: as it came
+    assert other.status_code == streamed.status_code == 200
+    for response in (other, streamed):
+        assert response.headers["x-carpool"] == "coalesced"
+        assert "alice" not in response.text and "tenant-01" not in response.text
+    error = other.json()["error"]
+    assert {k: error[k] for k in SCRUBBED} == SCRUBBED and error["message"] == OTHERS_MESSAGE
+    assert {k: sse_error(streamed.text)[k] for k in SCRUBBED} == SCRUBBED
+    assert "[DONE]" not in streamed.text  # a failure, not a stream that ended well
+    assert fake.count() == 1  # still one call: sharing the failure is not given up
+
+
+async def test_a_tenant_joining_another_tenants_call_in_a_shared_namespace_gets_no_2xx_error_text(
+    fake, gateway_with
+):
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        docs = {"x-carpool-namespace": "docs"}
+        for i in (1, 2):  # both accepted by the upstream: they share the namespace's calls
+            assert (await gw.chat(f"warm {i}", headers={**bearer(i), **docs})).status_code == 200
+        leader, (other,) = await _leader_and_joiners(
+            gw,
+            fake,
+            {"headers": {**bearer(1), **docs}},
+            [{"headers": {**bearer(2), **docs}}],
+            status=200,
+        )
+        assert leader.json() == LEAKY and other.status_code == 200
+        assert other.headers["x-carpool"] == "coalesced" and "tenant-01" not in other.text
+        assert other.json()["error"]["code"] == "engine_crashed" and fake.count() == 3
+
+
+async def test_an_instance_following_another_requesters_call_gets_no_2xx_error_text(
+    fake, shared_redis
+):
+    pytest.importorskip("redis")
+    async with two_instances(fake, shared_redis) as (a, b):
+        fake.gate = asyncio.Event()
+        fake.fail_status, fake.fail_body = 200, LEAKY
+        first = asyncio.create_task(a.chat("Q", user="alice-42"))
+        await fake.wait_for_calls(1)
+        others = [
+            asyncio.create_task(b.chat("Q", user="bob")),
+            asyncio.create_task(b.chat("Q", user="bob", stream=True)),
+        ]
+        await eventually(
+            lambda: (
+                b.gateway.layers.shared_flights.counts["followed"] == 1
+                and sum(f.clients for f in b.gateway.flights.running()) == 2
+            ),
+            what="b following a's call, both of its clients on it",
+        )
+        fake.gate.set()
+        leader, (joined, streamed) = await first, await asyncio.gather(*others)
+        assert leader.json() == LEAKY
+        assert "alice" not in joined.text + streamed.text
+        assert (
+            joined.json()["error"]["code"] == sse_error(streamed.text)["code"] == "engine_crashed"
+        )
+        assert fake.count() == 1
+
+
+async def test_a_2xx_body_reporting_an_error_does_not_accept_the_credential(fake, gateway_with):
+    # A proxy refusing a made-up key with a 200 and an error body: the upstream did not accept
+    # it, so it reads nothing of a namespace shared across accepted tenants, whether the 200
+    # came on a shared call, a bypass (its body relayed as it came), or a streamed bypass.
+    fake.answer_text = lambda n, body: f"for {fake.calls[n - 1].headers.get('authorization')}"
+    shared = {"x-carpool-namespace": "docs"}
+    refused = {"error": {"message": "invalid api key", "type": "auth", "code": "invalid_api_key"}}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for prompt in ("Q", "R"):
+            good = await gw.chat(prompt, headers={"Authorization": "Bearer good", **shared})
+            assert good.status_code == 200
+        refusals = [
+            {"content": "anything"},
+            {"content": "sampled", "temperature": 0.7},
+            {"content": "sampled", "temperature": 0.7, "stream": True},
+        ]
+        for i, body in enumerate(refusals):
+            made_up = {"Authorization": f"Bearer made-up-{i}", **shared}
+            fake.fail_status, fake.fail_body, fake.fail_times = 200, refused, 1
+            assert (await gw.chat(headers=made_up, **body)).status_code == 200
+            calls = fake.count()
+            read = await gw.chat("Q", headers=made_up)
+            assert read.headers["x-carpool"] == "miss", body
+            assert read.json()["choices"][0]["message"]["content"] == f"for Bearer made-up-{i}"
+            assert fake.count() == calls + 1
+        # A complete answer accepts, whole or streamed, shared or bypassed: the namespace is
+        # read then.
+        for i, asked in enumerate(
+            [{}, {"stream": True}, {"temperature": 0.7}, {"temperature": 0.7, "stream": True}]
+        ):
+            new = {"Authorization": f"Bearer new-{i}", **shared}
+            assert (await gw.chat(f"own {i}", headers=new, **asked)).status_code == 200
+            hit = await gw.chat("R", headers=new, stream=asked.get("stream", False))
+            assert hit.headers["x-carpool"] == "hit" and "good" in hit.text, asked

@@ -8,8 +8,11 @@ Contract:
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
   ``redis``, ``peer_calls`` and this worker's ``peers`` figures).
-- ``redis_health(layers)``: ``{"state": "off" | "up" | "degraded", ...}`` for ``/stats`` and
-  ``/healthz``, with each shared layer's counts; ``"off"`` without ``redis``.
+- ``redis_health(layers)``: ``{"state": "off" | "up" | "degraded", ...}`` for ``/stats``, with
+  each shared layer's counts; ``"off"`` without ``redis``. ``redis_state(layers)``: for the
+  open ``/healthz``, only whether Redis is up (``state``, ``errors``, ``down_since``): no
+  traffic counter (flights led or followed, invalidations, semantic records, writes a full
+  Redis refused), which would tell anyone when someone's request was a miss.
 - ``invalidate(layers, spec)``: drops the answers matching ``{"tag"|"namespace"|"prefix": str}``
   or ``{"all": true}`` from every layer, flights included (here and, with ``redis``, on every
   instance); anything else is a ``RequestError``. Returns how many answers were dropped. A
@@ -104,8 +107,16 @@ def snapshot(layers: Layers) -> dict[str, Any]:
     }
 
 
+def redis_state(layers: Layers) -> dict[str, Any]:
+    """``{"state": "off" | "up" | "degraded", "errors", "down_since"}`` for /healthz."""
+    if layers.shared_store is None:
+        return {"state": "off"}
+    health = layers.shared_store.health()
+    return {name: health[name] for name in ("state", "errors", "down_since")}
+
+
 def redis_health(layers: Layers) -> dict[str, Any]:
-    """``{"state": "off" | "up" | "degraded", ...}`` for /stats and /healthz."""
+    """``{"state": "off" | "up" | "degraded", ...}`` for /stats, every counter in."""
     report = layers.shared_store.health() if layers.shared_store is not None else {"state": "off"}
     if layers.shared_flights is not None:
         report = {**report, "flights": layers.shared_flights.snapshot()}

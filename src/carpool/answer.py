@@ -19,6 +19,11 @@ Contract:
   of a merged embeddings call's (``batching.embeddings``), which its body says itself: its
   ``usage`` object ends with ``"apportioned": true`` (``APPORTIONED``), so every copy of it
   (stored, lingering, another worker's, another instance's) says so too.
+- ``requester`` is whose call made an incomplete answer (``request.requester_digest`` of the
+  body sent; None: not known, or complete). A body that reports an error (a 2xx some servers and
+  proxies answer a failure with) may quote that request, as an error status's body may: a client
+  of another request gets ``for_others``, the error's type and code without its words, as
+  ``UpstreamError.for_others`` tells an error (``pipeline._own_call`` says who is which).
 - An ``Answer`` is immutable once built; many clients read it at once. Its ``body`` is a copy
   of exactly its length (see ``__post_init__``; ``restored`` is given one), so ``size`` is what
   it really holds.
@@ -33,6 +38,7 @@ from typing import Any
 import orjson
 
 from .apis import api_of
+from .errors import scrubbed
 
 # How the body of an answer whose usage is apportioned ends (``usage_apportioned``): the
 # batcher writes ``usage`` last, with ``apportioned`` its last key (orjson: no spaces).
@@ -50,6 +56,7 @@ class Answer:
     usage_frame: int | None = None  # index in frames of the usage-only chunk, if any
     _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
     _usage_missing: bool | None = None  # computed on first use (``usage_missing``)
+    requester: str | None = None  # (an incomplete answer's: whose call it was)
 
     def __post_init__(self) -> None:
         # A copy holds exactly its length. orjson (>= 3.12) returns bytes whose buffer is at
@@ -82,11 +89,36 @@ class Answer:
         answer.usage_frame = usage_frame
         answer._synthesized = {}
         answer._usage_missing = None
+        answer.requester = None  # (only complete answers are stored or linger)
         return answer
 
     @classmethod
     def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:
         return cls(kind, raw, complete, api_of(kind).usage_tokens(parsed))
+
+    def for_others(self) -> Answer:
+        """This answer as told to a client of another request than ``requester``'s: itself,
+        but for an incomplete one whose body reports an error (``error``), which becomes the
+        upstream's type and code without its words (``errors.scrubbed``): in place beside an
+        answer (choices), else the whole body, in the shape it came in (Anthropic's ``{"type":
+        "error", "error": ...}``, else OpenAI's ``{"error": ...}``)."""
+        if self.complete:
+            return self
+        try:
+            body = orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            return self
+        reported = body.get("error") if isinstance(body, dict) else None
+        if reported is None:
+            return self
+        error = scrubbed(reported if isinstance(reported, dict) else {})
+        if not api_of(self.kind).answer_missing(body):
+            told = {**body, "error": error}
+        elif body.get("type") == "error":
+            told = {"type": "error", "error": error}
+        else:
+            told = {"error": error}
+        return Answer(self.kind, orjson.dumps(told), False, self.tokens, self.created)
 
     @property
     def usage_missing(self) -> bool:

@@ -343,7 +343,7 @@ class UpstreamStreamBroken(UpstreamError):
     def for_others(self) -> UpstreamError:
         if self.upstream_error is None:
             return self  # (the gateway's words: how the stream ended)
-        error = type(self)(OTHERS_MESSAGE, _scrubbed(self.upstream_error))
+        error = type(self)(OTHERS_MESSAGE, scrubbed(self.upstream_error))
         error.status, error.code = self.status, self.code
         return error
 
@@ -425,10 +425,10 @@ class UpstreamStatusError(UpstreamError):
             parsed = orjson.loads(self.content)
         except orjson.JSONDecodeError:
             parsed = None
-        scrubbed = _scrubbed(self.error_object())
+        error_object = scrubbed(self.error_object())
         # In the shape it came in: Anthropic's ``{"type": "error", "error": {...}}``, else OpenAI's.
         anthropic = isinstance(parsed, dict) and parsed.get("type") == "error"
-        body = {"type": "error", "error": scrubbed} if anthropic else {"error": scrubbed}
+        body = {"type": "error", "error": error_object} if anthropic else {"error": error_object}
         # (When to retry is the upstream's state, not the requester's: every joiner's too.)
         error = UpstreamStatusError(self.status, orjson.dumps(body), retry=self.also)
         error.asked, error.requester = self.asked, self.requester
@@ -456,7 +456,7 @@ OTHERS_MESSAGE = (
 _LABEL = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
-def _scrubbed(upstream: dict[str, Any]) -> dict[str, Any]:
+def scrubbed(upstream: dict[str, Any]) -> dict[str, Any]:
     """An upstream's error object with no text of its own: its ``type`` and ``code`` where they
     are labels (``server_error``, ``context_length_exceeded``; a number), the message ours."""
 

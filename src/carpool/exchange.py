@@ -36,7 +36,10 @@ Contract:
 - ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
   (``_pipe``), never judged further, never stored.
 - What the upstream's answer says of the requester's credentials is told to
-  ``AcceptedCredentials`` on every call (``identity.py``): a 2xx accepts, a 401/403 refuses.
+  ``AcceptedCredentials`` on every call (``identity.py``): a 401/403 refuses, from its head; a
+  2xx accepts once its answer is read and judged an answer (``accepts``: a stream that ended
+  whole, a body that reports no error and has the answer's field), never a 2xx body that
+  reports an error (a proxy refusing a made-up key with a 200) or lacks the answer.
 - ``Relay``: a flight's stream for one client, framed as its API frames streams, ending with the
   API's error event if the flight failed; it says when it gave its last piece (``ended``), for a
   writer to end the response with it.
@@ -68,7 +71,7 @@ from .errors import (
 from .fingerprint import grant_of, names_of, neutral_of, requester
 from .identity import tenant_of
 from .outcome import Outcome
-from .reply import SSE_HEADERS, Reply, error_reply
+from .reply import SSE_HEADERS, Reply, error_reply, failure_of
 from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
@@ -239,10 +242,11 @@ class Exchange:
             # the head, before the frames: a streaming client's hit says its age too.
             made = self.layers.clock.now() - int(response.headers["age"]) - 1
             broadcast.created = made
-        if said is None or said == Outcome.MISS:
-            # (An owner's hit or shared call says nothing of this requester's credentials: the
-            # upstream did not see them.)
-            self._judged(request, response.status)
+        # (An owner's hit or shared call says nothing of this requester's credentials: the
+        # upstream did not see them.)
+        judges = said is None or said == Outcome.MISS
+        if judges:
+            self._refused(request, response.status)
         try:
             if not 200 <= response.status < 300:
                 error = UpstreamStatusError(
@@ -277,6 +281,12 @@ class Exchange:
             raise
         finally:
             await response.aclose()
+        if judges and accepts(answer):
+            self._accepted(request)
+        if not answer.complete:
+            # Whose call it was: a body reporting an error may quote this request, which a
+            # client of another is told without its words (``Answer.for_others``).
+            answer.requester = requester_digest(request.body)
         # Produced now by the gateway's clock, which its stores' expiry and ages read (not the
         # system's: a test's clock may be moved, and both must move together).
         answer.created = self.layers.clock.now()
@@ -320,14 +330,19 @@ class Exchange:
             self.layers.stats.count(route, Outcome.BYPASS)
             return error_reply(error, Outcome.BYPASS, api)
         self.layers.stats.count(route, Outcome.BYPASS)
-        self._judged(request, response.status)
+        self._refused(request, response.status)
+        ok = 200 <= response.status < 300
         if response.streaming:
+            # (Its credential accepted once the stream ended whole, as a flight's call.)
+            accepted = partial(self._accepted, request) if ok else None
             return Reply(
                 response.status,
                 [*SSE_HEADERS, header],
-                stream=_pipe(api, response),
+                stream=_pipe(api, response, accepted),
                 outcome=Outcome.BYPASS,
             )
+        if ok and _whole_answer(api, response.body):
+            self._accepted(request)
         ctype = response.headers.get("content-type")
         return Reply(
             response.status,
@@ -337,18 +352,39 @@ class Exchange:
             outcome=Outcome.BYPASS,
         )
 
-    def _judged(self, request: Request, status: int) -> None:
-        """What the upstream's answer says of the requester's credentials (``identity.py``)."""
-        if 200 <= status < 300:
-            names = names_of(self.config.tenant)
-            grant = grant_of(request, names, neutral_of(self.config.fingerprint))
-            self.layers.accepted.accept(tenant_of(request.headers, names), grant)
-        elif status in (401, 403):
+    def _refused(self, request: Request, status: int) -> None:
+        """A 401 or 403 refuses the requester's credentials (``identity.py``), from its head."""
+        if status in (401, 403):
             self.layers.accepted.refuse(requester(request.headers, self.config))
+
+    def _accepted(self, request: Request) -> None:
+        """The upstream answered the requester (``accepts``): its credentials are accepted for
+        the request's grant (``identity.py``)."""
+        names = names_of(self.config.tenant)
+        grant = grant_of(request, names, neutral_of(self.config.fingerprint))
+        self.layers.accepted.accept(tenant_of(request.headers, names), grant)
 
     def _routing_text(self, request: Request) -> str:
         """The prompt for routing, where there is a choice to make (``ReplicaSet.chooses``)."""
         return _routing_text(request) if self.layers.replicas.chooses else ""
+
+
+def accepts(answer: Answer) -> bool:
+    """Whether a 2xx call's ``answer`` says the upstream accepted its requester's credentials:
+    a complete answer, or an incomplete one that is an answer still (fewer choices, a response
+    cut by its token limit). Not a body that reports an error (some servers and proxies refuse
+    a key with a 200 and ``{"error": {"code": "invalid_api_key"}}``) or lacks the answer's
+    field: a made-up key refused so would read a shared namespace (``identity.py``)."""
+    return answer.complete or _whole_answer(api_of(answer.kind), answer.body)
+
+
+def _whole_answer(api: Api, raw: bytes) -> bool:
+    """Whether a 2xx body is an answer (``reply.failure_of`` finds none of an error in it)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(body, dict) and failure_of(api, body) is None
 
 
 async def _consume(
@@ -499,11 +535,13 @@ class Relay:
         raise StopAsyncIteration
 
 
-async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
+async def _pipe(
+    api: Api, response: UpstreamResponse, accepted: Callable[[], None] | None = None
+) -> AsyncIterator[bytes]:
     """A bypassed stream, relayed as it comes (framed as its API frames it); a failure part-way
     (a stream that stops without ``[DONE]`` or its last event included) ends it with an error
     event. It is not judged further: nothing stores it, and a client of its own gets what the
-    upstream sent."""
+    upstream sent. ``accepted`` is called once it ended whole, without an error event."""
     try:
         async for payloads in response.events():
             frames: list[bytes] = []
@@ -521,6 +559,8 @@ async def _pipe(api: Api, response: UpstreamResponse) -> AsyncIterator[bytes]:
                     return
                 frames.append(api.frame(payload))
             yield b"".join(frames)
+        if accepted is not None:
+            accepted()
         if api.stream_end:
             yield api.stream_end
     except UpstreamError as error:

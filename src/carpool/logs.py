@@ -11,7 +11,10 @@ Contract:
   (and ``exception`` when there is one), for log shippers. Every record carries the request id
   of the request it was logged for (``request_id.RequestIdFilter``), ``-`` outside one.
 - No log line carries a credential, an upstream URL's user or query, or a prompt (the loggers'
-  own contracts; ``tests/test_tenants_adversarial.py`` checks it at debug level).
+  own contracts; ``tests/test_tenants_adversarial.py`` checks it at debug level), with one
+  exception kept on purpose (docs/security.md): with ``semantic.mode: mark``, the debug line of
+  a near miss (``reply.nearest``) quotes the nearest stored entry's first 200 characters, for
+  tuning the threshold.
 """
 
 from __future__ import annotations

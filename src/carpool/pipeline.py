@@ -31,7 +31,9 @@ Contract:
   would make one client call several engine calls. An error the engine reported keeps its
   status and body (before the stream) or its error object (in the stream), for its own
   requester (``_shown``): a client that joined another request's call (another ``user``,
-  metadata, tenant) gets its status, type and code, not its words. Unreachable (502) and
+  metadata, tenant) gets its status, type and code, not its words. So does an error reported
+  in a 2xx body (an incomplete answer: ``Answer.for_others``), as a JSON body or a stream's
+  error event, on this instance or relayed from another's call. Unreachable (502) and
   timed-out (504) upstreams keep their statuses, for every client.
 - A 4xx the upstream answered to another body than a client's (``_refused_its_body``: the key
   leaves out ``metadata``, ``user``...) is not that client's answer: it makes its own call,
@@ -533,8 +535,13 @@ class Gateway:
         if broadcast.error is not None:
             self.stats.count(route, outcome)
             return error_reply(_shown(ticket, request, key, broadcast.error), outcome, request.api)
-        assert broadcast.answer is not None
-        return self._served(route, outcome, broadcast.answer, request.stream, request.include_usage)
+        answer = broadcast.answer
+        assert answer is not None
+        if not answer.complete and not _own_call(ticket, request, key, answer.requester):
+            # An incomplete 2xx body may report the upstream's error, quoting the request whose
+            # call it was, as an error status's may (``_shown``): told without its words.
+            answer = answer.for_others()
+        return self._served(route, outcome, answer, request.stream, request.include_usage)
 
     def _too_old(self, ticket: Ticket, request: Request) -> bool:
         """Whether ``ticket``'s flight replayed a finished call (``Broadcast.replayed``; it
@@ -730,8 +737,12 @@ class Gateway:
         return admin.snapshot(self.layers)
 
     def redis_health(self) -> dict[str, Any]:
-        """``{"state": "off" | "up" | "degraded", ...}`` for /stats and /healthz."""
+        """``{"state": "off" | "up" | "degraded", ...}`` for /stats (``admin.redis_health``)."""
         return admin.redis_health(self.layers)
+
+    def redis_state(self) -> dict[str, Any]:
+        """Whether Redis is up, for /healthz: no traffic counter (``admin.redis_state``)."""
+        return admin.redis_state(self.layers)
 
     def start(self) -> None:
         """Start the layers' background work (``Layers.start``); ``RuntimeError`` once the
@@ -831,19 +842,27 @@ def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:
     )
 
 
-def _shown(ticket: Ticket, request: Request, key: Fingerprint, error: CarpoolError) -> CarpoolError:
-    """The flight's ``error`` as ``request``'s client may see it: as it came when the call was
-    for the same request (the same body but for its delivery, ``requester_digest``, and the
-    same tenant: in a shared namespace, a call led here by it), else without the upstream's
-    words (``UpstreamError.for_others``), which may quote the leader's request: its ``user``,
-    its metadata, its key."""
-    if not isinstance(error, UpstreamError) or (
-        error.requester is not None
-        and error.requester == requester_digest(request.body)
+def _own_call(ticket: Ticket, request: Request, key: Fingerprint, requester: str | None) -> bool:
+    """Whether the flight's call, made for ``requester`` (``requester_digest`` of the body it
+    sent; None: not known), was for ``request``: the same body but for its delivery, and the
+    same tenant (in a shared namespace, a call led here by it). What the upstream said of a
+    call may quote its request (its ``user``, its metadata, its key): only that request's
+    client is told it in the upstream's words."""
+    return (
+        requester is not None
+        and requester == requester_digest(request.body)
         and (
             key.tenant != "*" or (not ticket.broadcast.remote and ticket.flight.owner == key.owner)
         )
-    ):
+    )
+
+
+def _shown(ticket: Ticket, request: Request, key: Fingerprint, error: CarpoolError) -> CarpoolError:
+    """The flight's ``error`` as ``request``'s client may see it: as it came for the request
+    whose call it was (``_own_call``), else without the upstream's words
+    (``UpstreamError.for_others``). (An error reported in a 2xx body, an incomplete answer, is
+    told likewise: ``Answer.for_others``.)"""
+    if not isinstance(error, UpstreamError) or _own_call(ticket, request, key, error.requester):
         return error
     return error.for_others()
 

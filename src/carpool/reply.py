@@ -14,7 +14,8 @@ Contract:
   chunk if it asked for it; an answer longer than a slice as ``parts``, its own frames, not
   joined), ``age`` on a hit; an incomplete 2xx body that reports an error or
   lacks the answer's field (no choices) reaches a streaming client as its stream's failure (an
-  error event, no end), as it came a client asking JSON; an answer whose body has no ``usage`` because
+  error event, no end), as it came a client asking JSON (the error's words only to the request
+  whose call it was: ``Answer.for_others``, ``pipeline``); an answer whose body has no ``usage`` because
   the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented); one whose
   ``usage`` is its share of a merged embeddings call's (``Answer.usage_apportioned``) carries
   ``x-carpool-usage: apportioned``, whoever it is served to (a hit, a joiner, a replay too).
@@ -200,7 +201,7 @@ def whole(
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE
     api = api_of(answer.kind)
-    if not answer.complete and (failed := _failure(api, orjson.loads(answer.body))) is not None:
+    if not answer.complete and (failed := failure_of(api, orjson.loads(answer.body))) is not None:
         return Reply(200, headers, api.error_event(failed), outcome=outcome)
     frames = answer.sse(include_usage)
     if len(answer.body) <= SLICE_BYTES:  # (the usual hit: one small piece, one write)
@@ -210,7 +211,7 @@ def whole(
     return Reply.parted(200, headers, (frames, (api.stream_end,)), outcome)
 
 
-def _failure(api: Api, body: Any) -> UpstreamStreamBroken | None:
+def failure_of(api: Api, body: Any) -> UpstreamStreamBroken | None:
     """What a streaming client is told of an incomplete 2xx body (never stored, so never a
     hit) that is no answer: one reporting an error (the engine's error object, beside choices
     too), or one without

@@ -561,8 +561,9 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
 
     async def healthz(_: HttpRequest) -> Response:
         # Serving is what health means: a Redis outage or a dead replica degrades the gateway,
-        # it does not stop it (readiness is /readyz).
-        redis = gateway.redis_health()
+        # it does not stop it (readiness is /readyz). Open to all, whatever the admin token:
+        # Redis's state, not its layers' traffic counters (/stats has them).
+        redis = gateway.redis_state()
         replicas = gateway.replicas.health()
         degraded = redis["state"] == "degraded" or not all(r["healthy"] for r in replicas.values())
         return JSONResponse(

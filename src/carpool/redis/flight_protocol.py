@@ -32,9 +32,10 @@ included, in one Redis Cluster slot; every script and pipeline touches the keys 
                                    if it may not linger): time for followers to read the end
 
 The final record is the answer (body, kind, complete, tokens, created, the usage frame's index,
-the frame count: the frames are already in the stream; and whether it may linger in the window
+the frame count: the frames are already in the stream; whether it may linger in the window
 of an instance that relayed it: not a ``no-store`` leader's, nor a call set aside by an
-invalidation; a record without it, from an older instance: it may) or the error (an
+invalidation; a record without it, from an older instance: it may; and an incomplete one's
+``requester``: ``Answer.for_others``) or the error (an
 ``UpstreamStatusError`` as status, content type and body exactly as the upstream sent them,
 with ``asked``, the digest of the request body it answered; any other error as class, status,
 message and code, and the engine's own error object of a stream that failed; both with
@@ -273,6 +274,7 @@ def answer_record(answer: Answer, linger: bool = True) -> dict[str, Any]:
         "fl": None if answer.frames is None else len(answer.frames),
         "u": answer.usage_frame,
         "l": linger,
+        "r": answer.requester,
     }
     return {"e": "a", "m": orjson.dumps(meta), "b": answer.body}
 
@@ -335,7 +337,7 @@ def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
 
 def answer_from(meta: dict[str, Any], body: bytes, frames: list[bytes] | None) -> Answer:
     """The leader's answer, with ``frames`` (None: served whole, without the usage frame)."""
-    return Answer(
+    answer = Answer(
         meta["k"],
         body,
         meta["c"],
@@ -344,3 +346,6 @@ def answer_from(meta: dict[str, Any], body: bytes, frames: list[bytes] | None) -
         frames,
         meta["u"] if frames is not None else None,
     )
+    # (Absent from an older instance's record: not known, told to every client as to others.)
+    answer.requester = meta.get("r")
+    return answer
