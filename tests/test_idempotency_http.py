@@ -86,6 +86,15 @@ async def test_x_idempotency_key_is_an_alias(gw, fake):
     assert retry.headers["idempotent-replayed"] == "true" and fake.count() == 1
 
 
+async def test_a_bare_key_is_the_same_key_as_its_quoted_form(gw, fake):
+    # The draft's value is an RFC 8941 string; Stripe-style clients send the bare text.
+    first = await gw.chat(temperature=0.9, headers={"Idempotency-Key": '"abc"'})
+    for headers in ({"Idempotency-Key": "abc"}, {"X-Idempotency-Key": "abc"}):
+        retry = await gw.chat(temperature=0.9, headers=headers)
+        assert retry.headers["idempotent-replayed"] == "true" and retry.content == first.content
+    assert fake.count() == 1
+
+
 async def test_keys_are_scoped_by_tenant(gw, fake):
     a = await gw.chat(temperature=0.9, headers={**KEY, "Authorization": "Bearer a"})
     b = await gw.chat(temperature=0.9, headers={**KEY, "Authorization": "Bearer b"})
@@ -216,6 +225,8 @@ async def test_a_stream_retry_of_a_list_recomputes_only_the_items_that_failed(fa
         again = await gw.client.post("/v1/completions", json=body, headers=headers)
         assert again.headers["idempotent-replayed"] == "true" and fake.count() == 3
         assert [c["text"].split(" to ")[1] for c in again.json()["choices"]] == ["a", "b"]
+        # Its stream had no usage chunk (not asked for), but its record kept it.
+        assert again.json()["usage"]["total_tokens"] > 0
 
 
 async def test_a_list_says_what_its_items_were(gw, fake):
@@ -251,10 +262,19 @@ async def test_a_replay_counts_the_tokens_it_saved_whole_or_streamed(gw, fake):
     after = (await gw.client.get("/stats")).json()
     assert after["hits"] == 2 and after["tokens_saved"] > stats["tokens_saved"]
     assert after["saved_without_usage"] == 0
-    await gw.stream_chat("no usage", headers={"Idempotency-Key": '"order-44"'})
-    await gw.stream_chat("no usage", headers={"Idempotency-Key": '"order-44"'})
+    # A stream that did not ask for the usage: its record kept the usage chunk its client was
+    # not sent, so its replay counts the tokens too.
+    await gw.stream_chat("not asked", headers={"Idempotency-Key": '"order-44"'})
+    await gw.stream_chat("not asked", headers={"Idempotency-Key": '"order-44"'})
+    asked = (await gw.client.get("/stats")).json()
+    assert asked["hits"] == 3 and asked["tokens_saved"] > after["tokens_saved"]
+    assert asked["saved_without_usage"] == 0
+    fake.ignore_include_usage = True  # an engine that reports none: counted apart
+    await gw.stream_chat("no usage", headers={"Idempotency-Key": '"order-45"'})
+    await gw.stream_chat("no usage", headers={"Idempotency-Key": '"order-45"'})
     last = (await gw.client.get("/stats")).json()
-    assert last["hits"] == 3 and last["saved_without_usage"] == 1
+    assert last["hits"] == 4 and last["tokens_saved"] == asked["tokens_saved"]
+    assert last["saved_without_usage"] == 1
 
 
 async def test_a_list_items_replayed_from_their_records_are_counted_as_hits(fake, gateway_with):

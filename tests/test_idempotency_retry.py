@@ -339,6 +339,90 @@ async def test_a_completion_is_replayed_in_either_format(fake, gateway_with, bac
         assert text == first.json()["choices"][0]["text"] and fake.count() == 1
 
 
+def usage_chunks(raw: str) -> list[Any]:
+    """The usage-only chunks of an SSE body (``"choices": []``)."""
+    return [p for p in sse_payloads(raw) if isinstance(p, dict) and p.get("choices") == []]
+
+
+@pytest.mark.parametrize("first_usage", [False, True], ids=["first without usage", "with"])
+@pytest.mark.parametrize("path", ["bypass", "flight", "hit"])
+async def test_a_streamed_record_replays_the_usage_its_retry_asks_for_in_either_format(
+    fake, gateway_with, backend, path, first_usage
+):
+    """``stream_options.include_usage`` is outside the request's digest: a retry may differ in
+    it. Its replay has the usage chunk only if it asks for it, and a JSON retry has its usage,
+    as a hit of the stored answer would, whatever the first client asked: the record keeps
+    the usage chunk the first client may not have been sent (a bypassed stream, a flight's
+    relay, a hit served whole)."""
+    async with gateway_with(**backend) as gw:
+        temperature = SAMPLED if path == "bypass" else 0
+        if path == "hit":
+            assert (await gw.chat()).status_code == 200  # stored: the keyed stream is a hit
+        calls = fake.count()
+        with_usage = {"stream_options": {"include_usage": True}}
+        first, raw = await gw.stream_chat(
+            temperature=temperature, headers=KEY, **(with_usage if first_usage else {})
+        )
+        assert first.status_code == 200 and bool(usage_chunks(raw)) is first_usage
+        asked, full = await gw.stream_chat(temperature=temperature, headers=KEY, **with_usage)
+        bare_response, bare = await gw.stream_chat(temperature=temperature, headers=KEY)
+        whole = await gw.chat(temperature=temperature, headers=KEY)
+        for retry in (asked, bare_response, whole):
+            assert replayed(retry) and "x-carpool-usage" not in retry.headers
+        assert fake.count() == calls + (path != "hit")  # (the first stream's call only)
+        usage = whole.json()["usage"]
+        assert usage["total_tokens"] > 0
+        assert [chunk["usage"] for chunk in usage_chunks(full)] == [usage]
+        assert usage_chunks(bare) == []
+        # The same stream but for its usage chunk, the first client's byte for byte.
+        assert sse_payloads(bare) == [p for p in sse_payloads(full) if p not in usage_chunks(full)]
+        assert (full if first_usage else bare) == raw
+        assert sse_text(full) == whole.json()["choices"][0]["message"]["content"]
+
+
+async def test_a_streamed_record_replayed_as_json_has_its_usage(fake, gateway_with, backend):
+    """A sampled stream without the usage (bypassed: asked of the upstream as it came), then a
+    JSON retry: its body has the usage a JSON answer has, and the replay counts the tokens it
+    saved in /stats."""
+    async with gateway_with(**backend) as gw:
+        _, raw = await gw.stream_chat(temperature=SAMPLED, headers=KEY)
+        assert usage_chunks(raw) == []
+        before = (await gw.client.get("/stats")).json()
+        retry = await gw.chat(temperature=SAMPLED, headers=KEY)
+        assert replayed(retry) and "x-carpool-usage" not in retry.headers
+        usage = retry.json()["usage"]
+        assert usage["total_tokens"] > 0 and fake.count() == 1
+        after = (await gw.client.get("/stats")).json()
+        assert after["tokens_saved"] - before["tokens_saved"] == usage["total_tokens"]
+        assert after["saved_without_usage"] == before["saved_without_usage"]
+        # The keyed stream was asked for its usage; one without a key is sent as it came.
+        await gw.stream_chat(temperature=SAMPLED)
+        asked = [call.body.get("stream_options") for call in fake.calls]
+        assert asked == [{"include_usage": True}, None]
+
+
+@pytest.mark.parametrize("path", ["bypass", "flight"])
+async def test_a_streamed_record_without_usage_says_so_to_a_retry_that_asks_for_it(
+    fake, gateway_with, backend, path
+):
+    """An engine that sends no usage (it ignores ``include_usage``): a replay that asks for
+    it (JSON, or a stream with ``include_usage``) says ``x-carpool-usage: missing``, as a hit
+    of such an answer does; one that does not ask says nothing."""
+    async with gateway_with(**backend) as gw:
+        fake.ignore_include_usage = True
+        temperature = SAMPLED if path == "bypass" else 0
+        await gw.stream_chat(temperature=temperature, headers=KEY)
+        whole = await gw.chat(temperature=temperature, headers=KEY)
+        asked, raw = await gw.stream_chat(
+            temperature=temperature, headers=KEY, stream_options={"include_usage": True}
+        )
+        bare, _ = await gw.stream_chat(temperature=temperature, headers=KEY)
+        assert all(replayed(r) for r in (whole, asked, bare)) and fake.count() == 1
+        assert "usage" not in whole.json() and usage_chunks(raw) == []
+        assert whole.headers["x-carpool-usage"] == asked.headers["x-carpool-usage"] == "missing"
+        assert "x-carpool-usage" not in bare.headers
+
+
 @pytest.mark.parametrize("first_streams", [False, True])
 async def test_an_error_stored_for_one_format_is_422_to_a_retry_in_the_other(
     fake, gateway_with, backend, first_streams

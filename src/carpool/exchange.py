@@ -34,7 +34,10 @@ Contract:
   cache keeps its age (``age``), so no copy outlives the original's TTL. The owner not
   answering, the upstream is called here.
 - ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
-  (``_pipe``), never judged further, never stored.
+  (``_pipe``), never judged further, never stored; but a stream an idempotency record keeps
+  (``Request.recorded``) is asked for its usage as a flight is (``upstream.stream_usage``), its
+  usage chunk hidden from a client that did not ask and kept for the record
+  (``Reply.with_usage``).
 - What the upstream's answer says of the requester's credentials is told to
   ``AcceptedCredentials`` on every call (``identity.py``): a 401/403 refuses, from its head; a
   2xx accepts once its answer is read and judged an answer (``accepts``: a stream that ended
@@ -42,7 +45,8 @@ Contract:
   reports an error (a proxy refusing a made-up key with a 200) or lacks the answer.
 - ``Relay``: a flight's stream for one client, framed as its API frames streams, ending with the
   API's error event if the flight failed; it says when it gave its last piece (``ended``), for a
-  writer to end the response with it.
+  writer to end the response with it, and, once it ended whole, the stream with the usage chunk
+  its client may not have asked for (``with_usage``).
 """
 
 from __future__ import annotations
@@ -309,15 +313,30 @@ class Exchange:
 
     async def bypass(self, request: Request, route: str) -> Reply:
         """A request that shares nothing, sent as it came and relayed as it comes. Counted once
-        the upstream answered (or failed): a client that leaves before is ``abandoned``."""
+        the upstream answered (or failed): a client that leaves before is ``abandoned``.
+
+        But a stream an idempotency record keeps (``Request.recorded``) that did not ask for
+        its usage is asked with it (``upstream.stream_usage``), as a flight is: its retries
+        may ask for it, or for JSON, which has it. Its client is not sent the usage chunk; the
+        record keeps it (``Reply.with_usage``)."""
         header = Outcome.BYPASS.header
         api = request.api
+        body = request.body
+        kept: list[bytes] | None = None
+        if (
+            request.recorded
+            and request.stream
+            and not request.include_usage
+            and api.usage_asked
+            and self.config.upstream.stream_usage
+        ):
+            body, kept = api.streamed(body, True), []
         try:
             response = await send(
                 self.layers,
                 UpstreamRequest(
                     request.upstream_path,
-                    request.body,
+                    body,
                     request.headers,
                     request.stream,
                     request.query,
@@ -338,8 +357,9 @@ class Exchange:
             return Reply(
                 response.status,
                 [*SSE_HEADERS, header],
-                stream=_pipe(api, response, accepted),
+                stream=_pipe(api, response, accepted, kept),
                 outcome=Outcome.BYPASS,
+                with_usage=None if kept is None else partial(b"".join, kept),
             )
         if ok and _whole_answer(api, response.body):
             self._accepted(request)
@@ -534,14 +554,28 @@ class Relay:
             return piece + self.api.stream_end
         raise StopAsyncIteration
 
+    def with_usage(self) -> bytes | None:
+        """The flight's stream with its usage chunk, as a client that asked for it receives it
+        (``Reply.with_usage``), once it ended whole; None if it has not, or failed."""
+        broadcast = self.broadcast
+        if broadcast.answer is None or broadcast.error is not None:
+            return None
+        return b"".join(broadcast.frames) + self.api.stream_end
+
 
 async def _pipe(
-    api: Api, response: UpstreamResponse, accepted: Callable[[], None] | None = None
+    api: Api,
+    response: UpstreamResponse,
+    accepted: Callable[[], None] | None = None,
+    kept: list[bytes] | None = None,
 ) -> AsyncIterator[bytes]:
     """A bypassed stream, relayed as it comes (framed as its API frames it); a failure part-way
     (a stream that stops without ``[DONE]`` or its last event included) ends it with an error
     event. It is not judged further: nothing stores it, and a client of its own gets what the
-    upstream sent. ``accepted`` is called once it ended whole, without an error event."""
+    upstream sent; but with ``kept`` (``Exchange.bypass``: asked with the usage its client did
+    not ask for), the usage chunk is left out of what the client is sent, and every frame, that
+    one too, is added to ``kept``, then the stream's end if it ended whole. ``accepted`` is
+    called once it ended whole, without an error event."""
     try:
         async for payloads in response.events():
             frames: list[bytes] = []
@@ -557,16 +591,34 @@ async def _pipe(
                         )
                     )
                     return
-                frames.append(api.frame(payload))
+                framed = api.frame(payload)
+                if kept is not None:
+                    kept.append(framed)
+                    # (Parsed only if it names the usage: with it asked, OpenAI's chunks all
+                    # do, ``"usage": null`` but in the last.)
+                    if payload.find(b'"usage"') != -1 and _usage_only(api, payload):
+                        continue
+                frames.append(framed)
             yield b"".join(frames)
         if accepted is not None:
             accepted()
+        if kept is not None:
+            kept.append(api.stream_end)
         if api.stream_end:
             yield api.stream_end
     except UpstreamError as error:
         yield api.error_event(error)
     finally:
         await response.aclose()
+
+
+def _usage_only(api: Api, payload: bytes) -> bool:
+    """Whether a stream payload is the chunk that carries only the usage (``Api.usage_only``)."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and api.usage_only(parsed)
 
 
 def _error_in(api: Api, payload: bytes) -> dict[str, Any] | None:

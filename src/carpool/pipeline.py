@@ -524,12 +524,14 @@ class Gateway:
             if outcome is Outcome.HIT and broadcast.created is not None:
                 # Another worker's cached answer: as old as the owner said (``Exchange.fetch``).
                 headers.append(age_header(self.clock.now() - broadcast.created))
+            relay = Relay(request.api, broadcast, request.include_usage, saved, shown)
             return Reply(
                 200,
                 headers,
-                stream=Relay(request.api, broadcast, request.include_usage, saved, shown),
+                stream=relay,
                 outcome=outcome,
                 on_close=ticket.release,
+                with_usage=None if request.include_usage else relay.with_usage,
             )
         ticket.release()
         if broadcast.error is not None:

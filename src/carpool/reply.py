@@ -10,6 +10,9 @@ Contract:
   few parts joined), for a transport to write one at a time as its client reads: a client that
   stops reading then holds a slice of an answer, never its own copy of the whole. Every other
   reply's ``body`` is a plain attribute: a hit reads it at no cost.
+- ``Reply.with_usage``: a streaming client's reply without the usage chunk it did not ask
+  for (``whole``'s, a flight's ``Relay``, a bypassed stream asked with it) gives its stream
+  with that chunk at its place, once it ended whole: what an idempotency record keeps.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
   chunk if it asked for it; an answer longer than a slice as ``parts``, its own frames, not
   joined), ``age`` on a hit; an incomplete 2xx body that reports an error or
@@ -33,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +87,11 @@ class Reply:
     # The body as runs of pieces, in order, shared with its answer: set by ``parted`` only;
     # None once joined, or for a body made whole.
     parts: tuple[Sequence[bytes], ...] | None = field(default=None, repr=False)
+    # A streaming client's reply without the usage chunk it did not ask for: its stream with
+    # it, as a client that asked for it gets it, once the stream ended whole (None if it did
+    # not). What an idempotency record keeps (``idempotency.once``): a retry may ask for the
+    # usage, or for JSON, which has it. None: the reply is all there is of its answer.
+    with_usage: Callable[[], bytes | None] | None = field(default=None, repr=False)
 
     @classmethod
     def parted(
@@ -189,14 +198,9 @@ def whole(
     headers = [JSON, outcome.header, *extra]
     if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
         headers.append(age_header(answer.age(now)))
-    if (not stream or include_usage) and answer.usage_missing:
-        # The engine reported no usage for this answer (it ignored include_usage on the
-        # stream it was assembled from): said so, rather than dropped silently or invented.
-        headers.append(USAGE_MISSING)
-    elif answer.usage_apportioned:
-        # Its usage is its share of a merged embeddings call's, an estimate: said so, on every
-        # copy (the mark is in the body, which every layer keeps as it is).
-        headers.append(USAGE_APPORTIONED)
+    said = usage_said(answer, stream, include_usage)
+    if said is not None:
+        headers.append(said)
     if not stream:
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE
@@ -205,10 +209,52 @@ def whole(
         return Reply(200, headers, api.error_event(failed), outcome=outcome)
     frames = answer.sse(include_usage)
     if len(answer.body) <= SLICE_BYTES:  # (the usual hit: one small piece, one write)
-        return Reply(200, headers, b"".join(frames) + api.stream_end, outcome=outcome)
-    # A long one is written a slice at a time from the answer's own frames (``Reply.slices``),
-    # not copied whole for each request: many clients of one answer hold it once.
-    return Reply.parted(200, headers, (frames, (api.stream_end,)), outcome)
+        reply = Reply(200, headers, b"".join(frames) + api.stream_end, outcome=outcome)
+    else:
+        # A long one is written a slice at a time from the answer's own frames
+        # (``Reply.slices``), not copied whole for each request: many clients of one answer
+        # hold it once.
+        reply = Reply.parted(200, headers, (frames, (api.stream_end,)), outcome)
+    if not include_usage:
+        reply.with_usage = partial(_with_usage, answer)
+    return reply
+
+
+def _with_usage(answer: Answer) -> bytes:
+    """The stream of ``answer`` a client that did not ask for the usage receives, with the usage
+    chunk added at its place (``Reply.with_usage``): the answer's own frames, that one among
+    them; or, for a stream synthesized from its body, the one that body makes without the
+    usage (``Answer.sse``), the usage chunk last, as a stream synthesized with it ends
+    (``chunks.synthesize``; which also writes ``"usage": null`` on every other chunk, which
+    this client was not sent)."""
+    if answer.frames is not None:
+        return sse_of(answer, True)
+    frames, full = answer.sse(False), answer.sse(True)
+    if len(full) == len(frames) + 1:  # (a usage chunk: the body has one)
+        frames = [*frames, full[-1]]
+    return b"".join(frames) + api_of(answer.kind).stream_end
+
+
+def sse_of(answer: Answer, include_usage: bool) -> bytes:
+    """``answer`` as the whole SSE body a streaming client receives (``Answer.sse``, then the
+    API's ``stream_end``), with the final usage chunk if it asked for it (``include_usage``)."""
+    return b"".join(answer.sse(include_usage)) + api_of(answer.kind).stream_end
+
+
+def usage_said(answer: Answer, stream: bool, include_usage: bool) -> tuple[bytes, bytes] | None:
+    """What a reply of ``answer`` says of its usage (``x-carpool-usage``), if anything: as JSON,
+    or as SSE to a client that asked for the usage chunk (``include_usage``), ``missing`` when
+    the engine reported none; ``apportioned`` when its usage is a share of a merged embeddings
+    call's."""
+    if (not stream or include_usage) and answer.usage_missing:
+        # The engine reported no usage for this answer (it ignored include_usage on the
+        # stream it was assembled from): said so, rather than dropped silently or invented.
+        return USAGE_MISSING
+    if answer.usage_apportioned:
+        # Its usage is its share of a merged embeddings call's, an estimate: said so, on every
+        # copy (the mark is in the body, which every layer keeps as it is).
+        return USAGE_APPORTIONED
+    return None
 
 
 def failure_of(api: Api, body: Any) -> UpstreamStreamBroken | None:

@@ -99,6 +99,9 @@ class Request:
     stream: bool
     include_usage: bool  # the client asked for the final usage chunk
     query: str = ""  # the query string, forwarded as it came
+    # An idempotency record keeps its answer for retries that may ask for the usage it did not
+    # (``idempotency.once``): a bypassed stream then asks the upstream for it (``bypass``).
+    recorded: bool = False
 
     @property
     def api(self) -> Api:

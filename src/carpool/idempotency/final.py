@@ -25,11 +25,15 @@ Final or retryable
 
 The format
 - ``StoredResponse.streamed`` is the format of the request that made the record (``stream``
-  is outside the request digest, so a retry may ask for the other one). ``replay_as`` gives the
-  stored response in the format a retry asks for: as it is in the same format; a complete 2xx
-  chat/completion answer converted (JSON synthesized into SSE chunks, SSE assembled into the
-  JSON body); otherwise None, and the caller answers ``IdempotencyFormatMismatch`` (422): an
-  error or an embedding stored for one format is never replayed in the other, and a client
+  is outside the request digest, so a retry may ask for the other one; and so is
+  ``stream_options.include_usage``). ``replay_as`` gives the stored response as a retry asks
+  for it: a 2xx answer of an API with streams as a hit of it is served (``reply.whole``): a
+  stored stream (kept with its usage chunk: ``once``) its frames as they were sent, but the
+  usage chunk only for a retry that asks for it, or assembled into the JSON body; a stored
+  JSON body as it is, or, complete, synthesized into the API's stream; with ``x-carpool-usage:
+  missing`` where the retry asks for a usage the engine did not report. An error or an
+  embedding is replayed as it is in its own format; in the other, None, and the caller answers
+  ``IdempotencyFormatMismatch`` (422): it is never replayed in the other format, and a client
   never gets JSON on a stream or SSE for a non-streaming request.
 """
 
@@ -39,13 +43,13 @@ from typing import Any
 
 import orjson
 
+from ..answer import Answer
 from ..apis import APIS, Api
 from ..errors import UpstreamStreamBroken
+from ..reply import JSON, SSE, sse_of, usage_said
 from .records import StoredResponse
 
 SSE_TYPE = b"text/event-stream"
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-_SSE_HEADERS = [(b"content-type", SSE_TYPE)]
 _RETRY_MEANT = frozenset((408, 409, 425, 429, 499))
 _NOT_REACHED = frozenset((502, 503, 504))
 
@@ -94,32 +98,35 @@ def is_final(kind: str, response: StoredResponse, asked: dict[str, Any] | None =
 def replay_as(
     response: StoredResponse, kind: str, stream: bool, include_usage: bool
 ) -> StoredResponse | None:
-    """``response`` in the format a retry asks for (``stream``), or None when it has no faithful
-    form in it (then: ``IdempotencyFormatMismatch``). Same format: as it is. Another format: a
-    complete 2xx answer of an API with streams (``carpool.apis``: chat, completions, Responses,
-    Messages), its JSON body synthesized into the API's stream (with the usage chunk if
-    ``include_usage``) or its stream assembled into the JSON body. An error, or an answer of
-    another kind, stored for one format is not replayed in the other: the upstream might have
-    answered the other format differently."""
-    if response.streamed == stream:
-        return response
+    """``response`` as a retry asks for it (``stream``, ``include_usage``), or None when it has
+    no faithful form in that format (then: ``IdempotencyFormatMismatch``).
+
+    A 2xx answer of an API with streams (``carpool.apis``: chat, completions, Responses,
+    Messages) is served as a hit of it would be (``reply.whole``: ``Answer.sse``, ``usage_said``):
+    a stored stream is its frames as they were sent, with the usage chunk only if the retry
+    asks for it (``include_usage``), or its body assembled for JSON; a stored JSON body is that
+    body as it is, or synthesized into the API's stream, if complete; ``x-carpool-usage:
+    missing`` on what asks for a usage the engine did not report. Anything else (an error, an
+    embedding) is as it is in its own format, and has no form in the other: the upstream might
+    have answered the other format differently."""
     api = APIS.get(kind)
     if not 200 <= response.status < 300 or api is None or not api.streams:
-        return None
-    if stream:
-        body = _json_body(response.body)
-        if body is None or not api.complete(body):
-            return None
-        return StoredResponse(
-            response.status,
-            list(_SSE_HEADERS),
-            b"".join(api.synthesize(body, include_usage)) + api.stream_end,
-            True,
-        )
-    assembled = _assembled(api, response.body)
-    if assembled is None:
-        return None
-    return StoredResponse(response.status, list(_JSON_HEADERS), orjson.dumps(assembled), False)
+        return response if response.streamed == stream else None
+    if response.streamed:
+        answer = _stream_answer(api, kind, response.body)
+    elif stream:
+        answer = _json_answer(api, kind, response.body)
+    else:
+        return response  # (its body as it is, and what it said of its usage)
+    if answer is None:  # (a stream not whole, a body not complete: as it is, if at all)
+        return response if response.streamed == stream else None
+    headers = [SSE if stream else JSON]
+    said = usage_said(answer, stream, include_usage)
+    if said is not None:
+        headers.append(said)
+    return StoredResponse(
+        response.status, headers, sse_of(answer, include_usage) if stream else answer.body, stream
+    )
 
 
 def saved_tokens(kind: str, response: StoredResponse) -> int | None:
@@ -153,6 +160,15 @@ def _answered(kind: str, response: StoredResponse, asked: dict[str, Any] | None)
 def _assembled(api: Api, raw: bytes, asked: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The complete answer a whole SSE body makes: None unless it ended as the API's streams
     end (``[DONE]``, or its last event), no event in it is an error, and it is complete."""
+    judged = _judged(api, raw, asked)
+    return None if judged is None else judged[1]
+
+
+def _judged(
+    api: Api, raw: bytes, asked: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any], bool] | None:
+    """(the chunks of a whole SSE body, the answer they make, whether it is complete), or None
+    (``_assembled``)."""
     chunks = api.stream_chunks(raw)
     if chunks is None:
         return None
@@ -160,7 +176,39 @@ def _assembled(api: Api, raw: bytes, asked: dict[str, Any] | None = None) -> dic
         body, complete = api.judge_stream(chunks, asked)
     except UpstreamStreamBroken:
         return None
-    return body if complete or api.final(body, asked) else None
+    return (chunks, body, complete) if complete or api.final(body, asked) else None
+
+
+def _json_answer(api: Api, kind: str, raw: bytes) -> Answer | None:
+    """The answer a stored JSON body holds (``Answer``: its stream synthesized from it), if it
+    is complete; None otherwise."""
+    body = _json_body(raw)
+    if body is None or not api.complete(body):
+        return None
+    return Answer(kind, raw, True, api.usage_tokens(body))
+
+
+def _stream_answer(api: Api, kind: str, raw: bytes) -> Answer | None:
+    """The answer a stored whole stream holds, as a streamed answer is cached (``Answer``): its
+    frames as they were sent, the usage chunk's index among them, its body assembled; None
+    unless it ended whole (``_assembled``)."""
+    judged = _judged(api, raw)
+    if judged is None:
+        return None
+    chunks, body, complete = judged
+    end = api.stream_end
+    sent = raw[: len(raw) - len(end)] if end and raw.endswith(end) else raw
+    # The gateway wrote it (``Api.frame``, its synthesized chunks): every event ends with a
+    # blank line, which no event holds within (a blank line ends an SSE event), one a chunk.
+    frames = [event + b"\n\n" for event in sent.split(b"\n\n")[:-1]]
+    usage: int | None = None
+    if len(frames) == len(chunks) and b"".join(frames) == sent:
+        usage = next((i for i, chunk in enumerate(chunks) if api.usage_only(chunk)), None)
+    else:  # (not one event a chunk: sent as it is, usage chunk or not)
+        frames = [sent]
+    return Answer(
+        kind, orjson.dumps(body), complete, api.usage_tokens(body), frames=frames, usage_frame=usage
+    )
 
 
 def _json_body(raw: bytes) -> dict[str, Any] | None:

@@ -16,13 +16,17 @@ Contract:
   gateway's clock, less the ``age`` that reply said; none for a record kept without it),
   without calling upstream; a 422 (``IdempotencyFormatMismatch``) when it has no faithful
   form in that format. A list's item replayed from its record counts its age as well. A replay
-  in the first answer's format repeats its content type and its ``x-carpool-usage`` (what it
-  said of the usage in the body it repeats: ``apportioned``, ``missing``), no other header.
+  says what its answer's ``x-carpool-usage`` says (``apportioned``, ``missing``), no other
+  header but its content type; an answer of an API with streams is replayed with the usage
+  the retry asks for, as a hit of it is served (``replay_as``): ``stream_options.include_usage``
+  is outside the request's digest, so a retry may differ in it.
 - Only a final answer is kept (``is_final``): after a retryable one the record is dropped and a
-  retry runs again. A stream is kept as the client received it, once it ended (``_Recorded``);
-  one that ended with an error event, or whose client left, is dropped. The record is dropped
-  too when the request fails or is cancelled before its answer (shielded: a cancelled task
-  still drops it).
+  retry runs again. A stream is kept once it ended (``_Recorded``), as a client that asked for
+  the usage receives it: with the usage chunk its client may not have been sent
+  (``Reply.with_usage``; a bypassed stream is asked for it: ``Request.recorded``), which a
+  retry may ask for, or a JSON retry, whose body has it. One that ended with an error event,
+  or whose client left, is dropped. The record is dropped too when the request fails or is
+  cancelled before its answer (shielded: a cancelled task still drops it).
 - A list input (``list_items``) has one record for the list and one per item (the list's key +
   ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer, and the
   list's only when every item has one; otherwise the list's record is dropped and a retry
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -149,6 +154,8 @@ class AtMostOnce:
             return Reply(stored.status, headers, stored.body, outcome=Outcome.HIT)
         token = begin.token
         assert token is not None
+        # Its answer is kept for retries that may ask for the usage it did not (``bypass``).
+        request = replace(request, recorded=True)
         items = list_items(request)
         try:
             if items is None:
@@ -165,10 +172,11 @@ class AtMostOnce:
             # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
             await _settle(records.abandon(scoped, token))
         elif reply.stream is None:
+            kept = reply.with_usage() if reply.with_usage is not None else None
             stored = StoredResponse(
                 reply.status,
                 _replayable(reply.headers),
-                reply.body,
+                reply.body if kept is None else kept,
                 request.stream,
                 self._made(reply),
             )
@@ -190,6 +198,7 @@ class AtMostOnce:
                     self._made(reply),  # (its head: a hit's age is known before its frames)
                 ),
                 request.body,
+                reply.with_usage,
             )
             reply.stream = _recorded(reply.stream, recorded)
             reply.on_close = partial(recorded.close, reply.on_close)
@@ -310,18 +319,19 @@ class AtMostOnce:
 
 def _streamed(reply: Reply, request: Request) -> Reply:
     """A list's merged answer as the stream its client asked for (its items are asked whole:
-    ``list_items``), the SSE a server could have sent for it."""
+    ``list_items``), the SSE a server could have sent for it; with its usage chunk for the
+    record (``Reply.with_usage``) if the client did not ask for it."""
     assert reply.body is not None
-    sse = replay_as(
-        StoredResponse(reply.status, [JSON], reply.body, False),
-        request.kind,
-        True,
-        request.include_usage,
-    )
+    merged = StoredResponse(reply.status, [JSON], reply.body, False)
+    sse = replay_as(merged, request.kind, True, request.include_usage)
     if sse is None:  # (a merged answer is complete: it converts)
         return reply
     kept = [(name, value) for name, value in reply.headers if name != JSON[0]]
-    return Reply(sse.status, [*sse.headers, *kept], sse.body, outcome=reply.outcome)
+    streamed = Reply(sse.status, [*sse.headers, *kept], sse.body, outcome=reply.outcome)
+    if not request.include_usage:
+        whole = replay_as(merged, request.kind, True, True)
+        streamed.with_usage = None if whole is None else partial(bytes, whole.body)
+    return streamed
 
 
 def _list_outcome(outcomes: set[Outcome]) -> Outcome:
@@ -351,10 +361,11 @@ _REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
 
 class _Recorded:
     """The idempotency record of a stream being relayed (``_recorded``), settled once: finished
-    with what the client received if that is final (``is_final``), else dropped (the stream
+    with the stream whole, as a client that asked for the usage receives it (``with_usage``;
+    else what the client received), if that is final (``is_final``), else dropped (the stream
     ended with an error event, or its client left), so that a retry runs again."""
 
-    __slots__ = ("records", "key", "token", "kind", "head", "asked", "settled")
+    __slots__ = ("records", "key", "token", "kind", "head", "asked", "with_usage", "settled")
 
     def __init__(
         self,
@@ -364,17 +375,24 @@ class _Recorded:
         kind: str,
         head: StoredResponse,
         asked: dict[str, Any],
+        with_usage: Callable[[], bytes | None] | None = None,
     ) -> None:
         self.records, self.key, self.token, self.kind = records, key, token, kind
         self.head = head  # status, headers and format; the frames are the body
         self.asked = asked  # the request's body (how many choices make it whole)
+        self.with_usage = with_usage  # (``Reply.with_usage``)
         self.settled = False
 
     async def end(self, frames: list[bytes]) -> None:
         self.settled = True
         head = self.head
+        whole = self.with_usage() if self.with_usage is not None else None
         stored = StoredResponse(
-            head.status, head.headers, b"".join(frames), head.streamed, head.created
+            head.status,
+            head.headers,
+            b"".join(frames) if whole is None else whole,
+            head.streamed,
+            head.created,
         )
         if is_final(self.kind, stored, self.asked):
             await _settle(self.records.finish(self.key, self.token, stored))
@@ -406,7 +424,7 @@ _DROPPING: set[asyncio.Task[None]] = set()  # strong references to the drops und
 
 
 async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncIterator[bytes]:
-    """Relay a stream and keep it whole: the record stores what the client received, if final."""
+    """Relay a stream and keep it whole: the record stores it once it ended, if final."""
     sent: list[bytes] = []
     try:
         async for frame in frames:

@@ -11,8 +11,9 @@
     with the token; the caller processes the request and must end with ``finish`` or ``abandon``;
   * a record with another fingerprint, whatever its state -> ``"mismatch"`` (422);
   * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
-  * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format:
-    status, headers, body byte for byte; see ``replay_as``) plus ``idempotent-replayed: true``,
+  * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format
+    and with the same usage asked: status, headers, body byte for byte; see ``replay_as``) plus
+    ``idempotent-replayed: true``,
     without calling upstream, with its ``age`` (from ``response.created``).
 - ``finish(key, token, response)``: only the owner token of a live PROCESSING record may finish;
   the record becomes SUCCESS (2xx) or FAILED (any other status: an upstream error is replayed
