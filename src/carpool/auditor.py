@@ -1,19 +1,24 @@
 """The audits of semantic hits, run: a fresh upstream answer compared with the one served.
 
 Contract (the estimate and the budget are ``semantic/audit.py``'s):
-- ``Auditor(layers).maybe(request, namespace, served, near)``: when the draw says so
-  (``Audits.sampled``), a background task (never the client's: it already has its answer) sends
-  the request upstream once, not streamed, and compares the fresh answer's text with the served
-  one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
-  guard over the two texts (its exact rules, and its verifier at the calibrated bar even when
-  ``semantic.verifier_threshold`` loosens the cache's; two answers longer than it reads whole
-  are not judged: no verdict). A disagreement is a wrong hit of
-  ``namespace`` (``near``: of a near repeat too, ``Audits.record``). The fresh answer is
-  never stored, never shared, never written over the entry. An upstream error, a timeout, a
-  non-2xx answer or a judge without a verdict counts nothing (``Audits.failed``). Only
-  deterministic requests are audited (two samples may differ), and at most ``MAX_RUNNING``
-  audits run at once (a draw beyond is skipped). Each audit's call is an upstream call
-  (``/stats`` ``upstream_calls``), counted in ``Audits.calls`` too.
+- ``Auditor(layers).maybe(request, namespace, match, view, near, flight=None)``: when the draw
+  says so (``Audits.sampled``), a background task (never the client's: it already has its
+  answer) gets a fresh answer to the request and compares its text with the match's (the
+  semantic cache's ``Candidate``, found for ``view``): by the judge when there is one
+  (``Judge.answers_agree``), else by the semantic cache's guard over the two texts (its exact
+  rules, and its verifier at the calibrated bar even when ``semantic.verifier_threshold``
+  loosens the cache's; two answers longer than it reads whole are not judged: no verdict). The
+  fresh answer: for a match served, the request sent upstream once, not streamed (an upstream
+  call, ``/stats`` ``upstream_calls``, counted in ``Audits.calls`` too); for a match not
+  served (``semantic.mode: mark``, a namespace its error budget holds back), the request went
+  upstream all the same: the answer of its ``flight`` (``Broadcast``), no call of its own. A
+  disagreement is a wrong hit of ``namespace`` (``near``: of a near repeat too,
+  ``Audits.record``), and the pair is refused from then on (``SemanticCache.refuse``: that
+  entry is no longer served for that prompt, here). The fresh answer is never stored by the
+  audit, never shared, never written over the entry. An upstream error, a timeout, a non-2xx
+  answer, a flight that failed or a judge without a verdict counts nothing (``Audits.failed``).
+  Only deterministic requests are audited (two samples may differ), and at most
+  ``MAX_RUNNING`` audits run at once (a draw beyond is skipped).
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
   (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace
   (at every bar: which match was served is not known).
@@ -35,10 +40,12 @@ from .semantic.guard import Reason, RulesThenVerifier, Side
 from .upstream.base import UpstreamRequest, unstreamed
 
 if TYPE_CHECKING:
-    from .answer import Answer
+    from .broadcast import Broadcast
+    from .fingerprint import SemanticView
     from .layers import Layers
     from .request import Request
     from .semantic.audit import Audits
+    from .semantic.cache import Candidate
 
 log = logging.getLogger("carpool.semantic")
 
@@ -53,35 +60,63 @@ class Auditor:
         self._running: set[asyncio.Task[None]] = set()
         self._strict: RulesThenVerifier | None = None
 
-    def maybe(self, request: Request, namespace: str, served: Answer, near: bool) -> None:
+    def maybe(
+        self,
+        request: Request,
+        namespace: str,
+        match: Candidate,
+        view: SemanticView,
+        near: bool,
+        flight: Broadcast | None = None,
+    ) -> None:
         audits = self.layers.audits
         if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
             return
-        task = asyncio.ensure_future(self._audit(request, namespace, served, near))
+        task = asyncio.ensure_future(self._audit(request, namespace, match, view, near, flight))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _audit(self, request: Request, namespace: str, served: Answer, near: bool) -> None:
+    async def _audit(
+        self,
+        request: Request,
+        namespace: str,
+        match: Candidate,
+        view: SemanticView,
+        near: bool,
+        flight: Broadcast | None,
+    ) -> None:
         audits = self.layers.audits
         assert audits is not None
         try:
-            await self._compare(audits, request, namespace, served, near)
+            await self._compare(audits, request, namespace, match, view, near, flight)
         except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
             audits.failed += 1
             log.warning("an audit failed (%s)", type(error).__name__)
 
     async def _compare(
-        self, audits: Audits, request: Request, namespace: str, served: Answer, near: bool
+        self,
+        audits: Audits,
+        request: Request,
+        namespace: str,
+        match: Candidate,
+        view: SemanticView,
+        near: bool,
+        flight: Broadcast | None,
     ) -> None:
-        fresh = await self._fresh(request)
+        assert match.answer is not None  # (a match has its answer)
+        fresh = await (self._fresh(request) if flight is None else _flown(flight))
         if fresh is None:
             audits.failed += 1
             return
-        agree = await self._agree(_text(served.body), fresh)
+        agree = await self._agree(_text(match.answer.body), fresh)
         if agree is None:  # the judge gave no verdict: nothing learned
             audits.failed += 1
             return
         audits.record(namespace, not agree, near)
+        semantic = self.layers.semantic
+        if not agree and semantic is not None:
+            # Served again, this pair would be wrong again (audit after audit saying so).
+            semantic.refuse(match.entry, view)
 
     async def _fresh(self, request: Request) -> str | None:
         """The upstream's answer to ``request`` now, whole, as text; None when it has none."""
@@ -139,6 +174,13 @@ class Auditor:
             task.cancel()
         if self._running:
             await asyncio.wait(self._running)
+
+
+async def _flown(flight: Broadcast) -> str | None:
+    """The answer of the request's own flight, once it has one, as text; None when it failed
+    (only a 2xx answer ends a broadcast with ``finish``)."""
+    await flight.wait_done()
+    return None if flight.answer is None else _text(flight.answer.body)
 
 
 def _text(body: bytes) -> str:

@@ -301,6 +301,7 @@ class Gateway:
             else None
         )
         probe = None
+        unserved = None  # a match not served (its audit, if drawn, reads this request's flight)
         if (
             view is not None
             and controls.may_read
@@ -321,11 +322,12 @@ class Gateway:
                 # The namespace's error budget (``semantic/audit.py``) may hold hits back; its
                 # audits go on either way, on the answer served or the one that would have been.
                 near = match.similarity >= BACKED_OFF_SIMILARITY  # (served even backed off)
-                if request.api.deterministic(request.body):  # (two samples may differ)
-                    self.auditor.maybe(request, key.namespace, match.answer, near)
+                audited = request.api.deterministic(request.body)  # (two samples may differ)
                 if self.config.semantic.mode == "serve" and (
                     state == SERVING or (state == BACKED_OFF and near)
                 ):
+                    if audited:
+                        self.auditor.maybe(request, key.namespace, match, view, near)
                     self.metrics.similarity.observe(match.similarity)
                     if remember is not None:
                         remember()
@@ -337,6 +339,8 @@ class Gateway:
                         request.include_usage,
                         similarity(match),
                     )
+                if audited:
+                    unserved = match, near
         # The epoch of invalidations this call begins in: its answer is stored only if no
         # invalidation came before it ended (``Leader._store``).
         # A peer's request is led here, never passed on again: its worker chose this one.
@@ -346,6 +350,12 @@ class Gateway:
         ticket = self.flights.acquire(
             flying, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
         )
+        if unserved is not None:
+            # Not served, the request goes upstream all the same (its own call, or one it
+            # joined): its audit compares that answer with the match, no call of its own.
+            assert view is not None  # (a match is found only through a view)
+            match, near = unserved
+            self.auditor.maybe(request, key.namespace, match, view, near, ticket.broadcast)
         if not ticket.leader and not controls.no_store and ticket.broadcast.kept_for is None:
             # Should its leader be a no-store request, the answer is still stored for this one.
             ticket.broadcast.kept_for = (request, key)

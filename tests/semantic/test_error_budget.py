@@ -129,6 +129,28 @@ async def test_a_failing_judge_is_a_miss(fake, gateway_with, judge, failure):
         fake_judge.hang.set()
 
 
+async def test_identical_concurrent_paraphrases_ask_the_judge_once(fake, gateway_with, judge):
+    # 40 identical paraphrases at once sent the judge 40 identical questions at once.
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True
+    fake_judge.hang = asyncio.Event()
+    config = semantic(url, judge={"band": [0.0, 1.0], "timeout_ms": 60_000})
+    async with gateway_with(**config) as gw:
+        await ask(gw, ROUTER)
+        lookups = [asyncio.ensure_future(ask(gw, PARAPHRASES[0])) for _ in range(40)]
+        asked = gw.gateway.layers.judge
+        # Each lookup's question sent (before) or joined to the one asked (now).
+        await eventually(
+            lambda: fake_judge.calls("same") + asked.snapshot().get("joined", 0) == 40,
+            what="40 lookups at the judge",
+        )
+        fake_judge.hang.set()
+        assert [outcome(r) for r in await asyncio.gather(*lookups)] == ["semantic-hit"] * 40
+        assert fake_judge.calls("same") == 1 and asked.calls == 1
+        stats = (await admin(gw, "GET", "/stats")).json()
+        assert stats["judge"]["joined"] == 39 and stats["judge"]["busy"] == 0
+
+
 # --------------------------------------------------------------------------- audits
 
 
@@ -163,6 +185,42 @@ async def test_an_audit_that_disagrees_counts_a_wrong_hit_in_its_namespace(fake,
         metrics = (await admin(gw, "GET", "/metrics")).text
         assert 'carpool_semantic_audits_wrong_total{namespace="faq"} 1.0' in metrics
         assert 'carpool_semantic_wrong_rate{bound="estimate",namespace="faq"} 1.0' in metrics
+
+
+async def test_an_audit_of_an_unserved_match_makes_no_extra_upstream_call(fake, gateway_with):
+    # mode: mark serves no match: the request leads its own upstream call, and its audit sent
+    # the same body upstream again. It now compares the flight's own answer with the match.
+    async with gateway_with(**semantic(mode="mark", audit_rate=1.0)) as gw:  # answers differ
+        audits = gw.gateway.layers.audits
+        await ask(gw, ROUTER)
+        marked = await ask(gw, PARAPHRASES[0])
+        assert outcome(marked) == "miss" and "x-carpool-semantic-nearest" in marked.headers
+        await eventually(lambda: "" in audits.snapshot(), what="the audit")
+        report = audits.snapshot()[""]
+        assert (report["audited"], report["wrong"]) == (1, 1)  # recorded as before
+        assert fake.count() == 2 and audits.calls == 0  # the two requests' own calls only
+        assert audits.failed == 0
+
+
+async def test_a_pair_an_audit_found_wrong_is_not_served_again(fake, gateway_with):
+    # A hit an audit found wrong was served to the same paraphrase again and again, every
+    # audit saying wrong. The pair (entry, prompt) is now refused; the entry still serves others.
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:  # answers differ: audits disagree
+        audits = gw.gateway.layers.audits
+        await ask(gw, ROUTER)
+        hit = await ask(gw, PARAPHRASES[0])
+        assert outcome(hit) == "semantic-hit"
+        await eventually(lambda: audits.snapshot().get("", {}).get("audited") == 1, what="audit")
+        other = await ask(gw, PARAPHRASES[3])  # another paraphrase: the entry is kept
+        assert outcome(other) == "semantic-hit"
+        assert other.headers["x-carpool-entry"] == hit.headers["x-carpool-entry"]
+        await eventually(lambda: audits.snapshot()[""]["audited"] == 2, what="its audit")
+        again = await ask(gw, PARAPHRASES[0])
+        assert outcome(again) == "miss"
+        assert gw.gateway.layers.semantic.rejections.get("audit") == 1
+        # (still named in mark mode's headers, with the reason: guard:audit)
+        await gw.gateway.auditor.settle()
+        assert audits.snapshot()[""]["audited"] == 2  # a pair not served is not audited again
 
 
 async def test_metrics_label_a_bounded_number_of_namespaces_those_not_serving_first(

@@ -92,6 +92,82 @@ async def test_an_error_or_a_timeout_is_a_no_and_is_not_remembered(failure: str)
     assert judge.calls == 2
 
 
+class Gated:
+    """An ``ask`` that holds every question until ``gate`` is set; ``asked(n)`` waits for the
+    n-th question to reach it."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self._reached: dict[int, asyncio.Event] = {}
+
+    def reached(self, n: int) -> asyncio.Event:
+        event = self._reached.setdefault(n, asyncio.Event())
+        if len(self.bodies) >= n:
+            event.set()
+        return event
+
+    async def __call__(self, body: dict[str, Any]) -> str:
+        self.bodies.append(body)
+        for n, event in self._reached.items():
+            if len(self.bodies) >= n:
+                event.set()
+        await self.gate.wait()
+        return "yes"
+
+
+async def test_identical_concurrent_lookups_ask_the_judge_once() -> None:
+    # 40 identical paraphrases at once each sent the judge the same question (through the
+    # gateway's own replicas, competing with the clients): only finished verdicts were
+    # remembered. Those that come while it is asked now await that one answer.
+    asked = Gated()
+    judge = Judge(asked, model="j")
+    new, cached = Side("how can i reset my router"), Side("How do I reset my router?")
+    lookups = [asyncio.ensure_future(judge.same_answer(new, cached)) for _ in range(40)]
+    # (Every lookup has taken its first step once the question reached the judge: they were
+    # all scheduled before the task that asks it.)
+    await asked.reached(1).wait()
+    asked.gate.set()
+    assert await asyncio.gather(*lookups) == [True] * 40
+    assert len(asked.bodies) == 1
+    assert (judge.calls, judge.joined, judge.remembered) == (1, 39, 0)
+    assert await judge.same_answer(cached, new) is True  # then remembered, either order
+    assert len(asked.bodies) == 1 and judge.remembered == 1
+
+
+async def test_the_judge_asks_at_most_max_calls_at_once_and_a_full_queue_is_no_verdict() -> None:
+    asked = Gated()
+    judge = Judge(asked, model="j", max_calls=2, max_waiting=1)
+    questions = [asyncio.ensure_future(judge.answers_agree(f"answer {i}", "x")) for i in range(5)]
+    await asked.reached(2).wait()
+    # Two asked, one waiting for a slot; the queue full, the last two get no verdict at once.
+    assert await asyncio.gather(*questions[3:]) == [None, None]
+    assert len(asked.bodies) == 2 and judge.busy == 2
+    assert judge.snapshot()["busy"] == 2
+    asked.gate.set()
+    assert await asyncio.gather(*questions[:3]) == [True, True, True]
+    assert len(asked.bodies) == judge.calls == 3
+    # A lookup turned away is a miss, not a verdict: not remembered, asked again later.
+    assert await judge.same_answer(Side("answer 3"), Side("x")) is True
+    assert judge.calls == 4
+
+
+async def test_judge_memo_keys_are_digests_not_answers() -> None:
+    # Keyed on both whole texts, 10,000 verdicts on 200 KB answers held ~4 GB, outside every
+    # byte budget. A digest of (question, a, b) holds the same verdicts in a few bytes each.
+    asked = Asked("yes")
+    judge = Judge(asked, model="j")
+    big = "x " * 100_000
+    for i in range(10):
+        assert await judge.answers_agree(f"{i} {big}", f"{i + 1} {big}") is True
+    assert await judge.same_answer(Side(big, big), Side("short")) is True
+    keys = [key for key, _ in judge._verdicts.items()]
+    assert len(keys) == 11
+    assert all(isinstance(key, bytes) and len(key) <= 32 for key in keys)
+    assert await judge.answers_agree(f"1 {big}", f"0 {big}") is True  # either order: one key
+    assert judge.remembered == 1 and len(asked.bodies) == 11
+
+
 class Inner:
     """A guard whose verdicts are given."""
 

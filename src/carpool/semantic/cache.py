@@ -57,6 +57,12 @@ Contract:
   ``semantic.mode: mark``): a digest of its scope and text keyed with a random secret of this
   process (``_ENTRY_ID_KEY``), so it cannot be reversed, nor confirmed by hashing a guessed
   prompt; it is stable for the life of the process, and differs across instances and restarts.
+- ``refuse(entry, view)``: an audit found ``entry``'s answer wrong for ``view``'s prompt
+  (``auditor.py``): that pair is refused from then on (:attr:`Reason.AUDIT`, without asking the
+  guard; still ``nearest``), the entry still a candidate for every other prompt. Remembered as
+  16-byte digests of (entry, scope, context, text), the latest ``MAX_REFUSED`` pairs; an entry
+  made again for the same prompt (a new answer) is a new entry, not refused. Only here: another
+  instance's copy of a shared entry is refused by its own audits.
 - The threshold is ``semantic.threshold``, or ``CALIBRATED_THRESHOLD``: a candidate below it is
   not even shown to the guard (it bounds the verifier's work, not the error rate: the verifier's
   own threshold does that).
@@ -84,6 +90,7 @@ from ..lru import LRU
 from ..store.base import Selector, StoreUnavailable
 from .guard import Guard, Side, Verdict
 from .index import VectorIndex
+from .verdict import Reason
 
 log = logging.getLogger("carpool.semantic")
 
@@ -101,6 +108,8 @@ ENTRY_OBJECTS = 512
 SCOPE_BYTES = 56 * 1024
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.40
+#: Pairs (entry, prompt) audits found wrong, remembered (``refuse``): 16-byte digests, ~2 MB.
+MAX_REFUSED = 10_000
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
 #: scope, and a tail compared by meaning, when the head has at least ``HEAD_MIN_WORDS`` words and
 #: either ``HEAD_TAIL_RATIO`` times as many as the tail (context around a question, not a
@@ -228,6 +237,7 @@ class SemanticCache:
         self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
         self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
+        self._refused: LRU[bytes, bool] = LRU(max_entries=MAX_REFUSED)  # (``refuse``)
 
     @property
     def entries(self) -> int:
@@ -319,11 +329,21 @@ class SemanticCache:
         max_age: float | None,
     ) -> bool:
         """The guard's verdicts on ``found``; sets ``probe.match`` (True) on the first served."""
-        verdicts = await self.guard.judge(
-            Side(view.text, view.context),
-            [entry.side for entry, _ in found],
-            [similarity for _, similarity in found],
+        prompt = _prompt(view) if len(self._refused) else None
+        refused = [
+            prompt is not None and _pair(entry, prompt) in self._refused for entry, _ in found
+        ]
+        asked = [pair for pair, no in zip(found, refused, strict=True) if not no]
+        judged = iter(
+            await self.guard.judge(
+                Side(view.text, view.context),
+                [entry.side for entry, _ in asked],
+                [similarity for _, similarity in asked],
+            )
+            if asked
+            else ()
         )
+        verdicts = [Verdict.refused(Reason.AUDIT) if no else next(judged) for no in refused]
         for (entry, similarity), verdict in zip(found, verdicts, strict=True):
             candidate = Candidate(entry, similarity, verdict, entry.answer)
             if probe.nearest is None:
@@ -466,6 +486,10 @@ class SemanticCache:
         self._drop(entry)
         return entry.namespace
 
+    def refuse(self, entry: SemanticEntry, view: SemanticView) -> None:
+        """Never serve ``entry`` for ``view``'s prompt again (an audit found it wrong)."""
+        self._refused.put(_pair(entry, _prompt(focus(view))), True)
+
     def forget_entry(self, entry_id: int) -> bool:
         """Drop the entry ``insert`` returned ``entry_id`` for, if this cache still holds it
         (a deleted response's: ``state_index``); whether it did."""
@@ -496,6 +520,19 @@ class SemanticCache:
             index.remove(entry.id)
             if len(index) == 0:
                 del self._scopes[entry.scope]
+
+
+def _prompt(view: SemanticView) -> bytes:
+    """A digest of a (focused) view's prompt: its scope, context and text."""
+    return hashlib.blake2b(
+        f"{view.scope}\x00{view.context}\x00{view.text}".encode("utf-8", "surrogatepass"),
+        digest_size=16,
+    ).digest()
+
+
+def _pair(entry: SemanticEntry, prompt: bytes) -> bytes:
+    """The key of a refused pair (``refuse``): the entry (its id, never reused) and a prompt."""
+    return hashlib.blake2b(entry.id.to_bytes(8, "little") + prompt, digest_size=16).digest()
 
 
 def _entry_size(key: int, entry: SemanticEntry) -> int:

@@ -11,9 +11,15 @@ Contract:
   judge's reply text. The verdict is yes only when the reply's first word is "yes" (any case,
   punctuation ignored); any other reply, an error or no reply within ``timeout`` is no, so a
   failing judge never serves. Verdicts are remembered per pair, either order (an LRU of
-  ``cache_entries``); ``calls`` counts the questions asked of the model (not those answered from
-  memory: ``remembered``), ``failures`` those that errored or timed out. Judge calls are never
-  upstream calls saved.
+  ``cache_entries``, keyed on a 16-byte BLAKE2b digest of the question and both texts: never
+  the texts, which may be whole answers, outside every byte budget). A question asked now is
+  asked once: those who ask it meanwhile await that answer (``joined``); it runs in a task of
+  its own, so an asker that leaves leaves it to the others. At most ``max_calls`` questions are
+  asked at once (the judge may be the gateway's own replicas, serving the clients) and
+  ``max_waiting`` more wait for a slot, within ``timeout``; a question beyond those is not
+  asked: no verdict (``busy``), a miss. ``calls`` counts the questions asked of the model (not
+  those answered from memory: ``remembered``), ``failures`` those that errored or timed out
+  (waiting for a slot included). Judge calls are never upstream calls saved.
 - ``JudgedGuard(inner, judge, band, overrules=(), verifier_band=(0, 1))`` is a
   :class:`~carpool.semantic.guard.Guard`:
   the inner guard judges every candidate first; a candidate an exact rule refused stays refused,
@@ -22,12 +28,13 @@ Contract:
   overruled rule refused) is served when the judge says yes, else refused with
   :attr:`Reason.JUDGE`; outside the band the inner verdict stands, and so does a verifier's
   verdict whose score lies outside ``verifier_band`` (the verifier sure enough). Candidates in
-  the band are asked about concurrently.
+  the band are asked about concurrently (within the judge's ``max_calls`` and ``max_waiting``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -62,6 +69,13 @@ _FIRST_WORD = re.compile(r"[^\w]*(\w+)")
 
 #: The verifier's reasons: the only refusals the judge may overrule (a rule's never).
 _MODEL_REASONS = (Reason.MEANING, Reason.CONTEXT)
+
+#: Questions asked of the judge at once, and those waiting for a slot: beyond, no verdict. A
+#: lookup asks about the candidates in the band at once (``semantic.candidates`` at most), and
+#: the audits at most ``auditor.MAX_RUNNING``; a burst of distinct questions waits, or misses,
+#: rather than sending the judge (the gateway's own replicas, by default) all of them at once.
+MAX_CALLS = 16
+MAX_WAITING = 64
 
 
 def is_yes(reply: str) -> bool:
@@ -106,6 +120,8 @@ class Judge:
         timeout: float = 2.0,
         max_tokens: int = 4,
         cache_entries: int = 10_000,
+        max_calls: int = MAX_CALLS,
+        max_waiting: int = MAX_WAITING,
         closing: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._ask = ask
@@ -113,27 +129,45 @@ class Judge:
         self.model = model
         self.timeout = timeout
         self.max_tokens = max_tokens
-        self._verdicts: LRU[tuple[str, str, str], bool] = LRU(max_entries=cache_entries)
+        self._verdicts: LRU[bytes, bool] = LRU(max_entries=cache_entries)
+        self._asking: dict[bytes, asyncio.Task[bool | None]] = {}  # in flight or waiting
+        self._slots = asyncio.Semaphore(max_calls)
+        self._most = max_calls + max_waiting  # questions in ``_asking`` at most
         self.calls = 0
         self.remembered = 0
+        self.joined = 0
+        self.busy = 0
         self.failures = 0
 
     async def same_answer(self, a: Side, b: Side) -> bool:
         return await self._verdict(SAME_ANSWER, _render(a), _render(b)) is True  # (None: a miss)
 
     async def answers_agree(self, a: str, b: str) -> bool | None:
-        """Whether two answers agree; None when the judge gave no verdict (an error, a timeout):
-        an audit then counts nothing."""
+        """Whether two answers agree; None when the judge gave no verdict (an error, a timeout,
+        too many questions at once): an audit then counts nothing."""
         return await self._verdict(ANSWERS_AGREE, a, b)
 
     async def _verdict(self, question: str, a: str, b: str) -> bool | None:
-        first, second = sorted((a, b))  # (either order: one verdict)
-        key = (question, first, second)
+        key = _pair(question, a, b)
         known = self._verdicts.get(key)
         if known is not None:
             self.remembered += 1
             return known
-        self.calls += 1
+        asking = self._asking.get(key)
+        if asking is not None:
+            self.joined += 1
+        elif len(self._asking) >= self._most:
+            self.busy += 1
+            return None  # (not remembered: the next lookup asks again)
+        else:
+            asking = asyncio.ensure_future(self._asked(key, question, a, b))
+            self._asking[key] = asking
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        # Shielded: an asker that leaves (its client gone) does not cancel the others' answer.
+        return await asyncio.shield(asking)
+
+    async def _asked(self, key: bytes, question: str, a: str, b: str) -> bool | None:
+        """The judge's verdict, asked once a slot is free (the question's own task)."""
         body = {
             "model": self.model,
             "temperature": 0,
@@ -141,7 +175,8 @@ class Judge:
             "messages": [{"role": "user", "content": question.format(a=a, b=b)}],
         }
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout), self._slots:
+                self.calls += 1
                 reply = await self._ask(body)
         except Exception as error:  # noqa: BLE001 - any failure of the judge is a "no"
             self.failures += 1
@@ -152,11 +187,33 @@ class Judge:
         return verdict
 
     async def aclose(self) -> None:
+        asking = list(self._asking.values())
+        for task in asking:
+            task.cancel()
+        if asking:
+            await asyncio.wait(asking)
         if self._closing is not None:
             await self._closing()
 
     def snapshot(self) -> dict[str, int]:
-        return {"calls": self.calls, "remembered": self.remembered, "failures": self.failures}
+        return {
+            "calls": self.calls,
+            "remembered": self.remembered,
+            "joined": self.joined,
+            "busy": self.busy,
+            "failures": self.failures,
+        }
+
+
+def _pair(question: str, a: str, b: str) -> bytes:
+    """The memo's key of a question about ``a`` and ``b``, either order: 16 bytes, whatever the
+    texts' length (an audit's are two whole answers)."""
+    sides = sorted(_digest(text) for text in (a, b))
+    return hashlib.blake2b(_digest(question) + b"".join(sides), digest_size=16).digest()
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class JudgedGuard:

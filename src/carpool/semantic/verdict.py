@@ -21,6 +21,7 @@ class Reason(StrEnum):
     CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
     JUDGE = "judge"  # the judge (semantic.judge): not the same answer, or no verdict
     LENGTH = "length"  # longer than the guard reads whole: too long to check
+    AUDIT = "audit"  # an audit found this entry's answer wrong for this prompt (not asked again)
 
 
 @dataclass(frozen=True, slots=True)
