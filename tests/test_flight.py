@@ -417,6 +417,46 @@ async def test_forget_all_drops_running_and_lingering_flights_and_moves_the_epoc
 # --- the broadcast's reads (carpool.broadcast) ----------------------------------------------
 
 
+class _CountedFrames(list[bytes]):
+    """A broadcast's frames that count how many of them are read (an index: one; a slice: its
+    length), as the work a ``take`` does: it joins what it reads."""
+
+    read = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        got = super().__getitem__(index)
+        self.read += len(got) if isinstance(index, slice) else 1
+        return got
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_late_joiner_of_a_big_stream_takes_time_linear_in_its_size(include_usage):
+    """A client far behind (a late joiner of a long stream) reads it a piece of about
+    ``JOINED_BYTES`` at a time, and each take reads the frames of its piece (and a few more
+    near the end): every frame is read about once in all, not all it has yet to take at each
+    take (quadratic: a 64 MB stream took 42 s of the event loop every client shares)."""
+    frame = b"data: " + b"x" * 2042 + b"\n\n"  # (2 KB: a chunk with its top logprobs)
+    count = 8 * 1024 * 1024 // len(frame)  # 8 MB, 128 pieces
+    broadcast = Broadcast()
+    broadcast.frames = _CountedFrames()
+    broadcast.publish_many([frame] * (count // 2))
+    broadcast.publish_many([b"data: {usage}\n\n"], 0)  # (left out of a client's not asking)
+    broadcast.publish_many([frame] * (count - count // 2))
+    frames = broadcast.frames
+    assert isinstance(frames, _CountedFrames) and frames.read == 0
+    sent, pieces = 0, []
+    while sent < len(frames):
+        piece, sent = broadcast.take(sent, include_usage)
+        assert len(piece) < JOINED_BYTES + len(frame)
+        pieces.append(piece)
+    read, published, taken = frames.read, len(frames), len(pieces)
+    wanted = [f for i, f in enumerate(frames) if include_usage or i != count // 2]
+    assert b"".join(pieces) == b"".join(wanted)
+    # Each frame read once, and a few more around each piece's end: not the rest each time.
+    assert taken >= 8 * 1024 * 1024 // JOINED_BYTES
+    assert read <= published + 2 * taken
+
+
 def _published(frames: list[bytes], usage: int | None, together: list[int]) -> Broadcast:
     """``frames`` published in runs of the sizes ``together`` (what is left: one by one)."""
     broadcast, start = Broadcast(), 0

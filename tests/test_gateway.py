@@ -10,6 +10,8 @@ import orjson
 import pytest
 
 from carpool.clock import ManualClock
+from carpool.outcome import Outcome
+from carpool.reply import SLICE_BYTES
 from conftest import run_gateway
 from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
@@ -274,6 +276,36 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_both_kinds_of_client(
     assert sse_text(raw_again) == sse_text(raw) == plain.json()["choices"][0]["message"]["content"]
     assert plain.json()["usage"]["total_tokens"] > 0
     assert fake.count() == 1
+
+
+async def test_a_streamed_hit_whose_frames_exceed_a_slice_is_parted_even_if_its_body_is_small(
+    gw, fake
+):
+    """A token stream's frames are many times the body they assemble to (each chunk repeats
+    the id, the model, the choice around a word): a hit of one whose body is under a slice but
+    whose frames are far over is its answer's own frames (``Reply.parted``), written a slice at
+    a time, not one copy of the whole stream for each client. Its bytes are the same."""
+    fake.answer_text = lambda n, body: " ".join(["ab"] * 15_000)  # ~45 KB, 15,000 chunks
+    miss, raw_miss = await gw.stream_chat("many")
+    hit, raw_hit = await gw.stream_chat("many")
+    plain = await gw.chat("many")
+    assert [r.headers["x-carpool"] for r in (miss, hit, plain)] == ["miss", "hit", "hit"]
+    assert raw_hit == raw_miss and fake.count() == 1
+    assert len(plain.content) < SLICE_BYTES < 10 * SLICE_BYTES < len(raw_hit)
+    # The same hit through the library: the reply the transport is handed.
+    reply = await gw.gateway.request(
+        CHAT,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "many"}],
+            "temperature": 0,
+            "stream": True,
+        },
+    )
+    assert reply.outcome is Outcome.HIT
+    assert reply.parts is not None  # (its answer's frames, not joined...)
+    assert reply.size == len(raw_hit.encode())
+    assert reply.body == raw_hit.encode()  # (...until read: the same bytes)
 
 
 async def test_sampled_requests_bypass_and_seeded_ones_are_shared(gw, fake):

@@ -57,6 +57,7 @@ class Answer:
     _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
     _usage_missing: bool | None = None  # computed on first use (``usage_missing``)
     requester: str | None = None  # (an incomplete answer's: whose call it was)
+    _frames_size: int | None = None  # computed on first use (``frames_size``)
 
     def __post_init__(self) -> None:
         # A copy holds exactly its length. orjson (>= 3.12) returns bytes whose buffer is at
@@ -90,6 +91,7 @@ class Answer:
         answer._synthesized = {}
         answer._usage_missing = None
         answer.requester = None  # (only complete answers are stored or linger)
+        answer._frames_size = None
         return answer
 
     @classmethod
@@ -142,9 +144,18 @@ class Answer:
         return self.kind == "embedding" and self.body.endswith(APPORTIONED)
 
     @property
+    def frames_size(self) -> int:
+        """The length of its frames (0 for none), summed once: a streamed hit is served them
+        in slices or in one piece by it (``reply.whole``), and the cache counts it (``size``)."""
+        size = self._frames_size
+        if size is None:
+            size = self._frames_size = sum(len(f) for f in self.frames or ())
+        return size
+
+    @property
     def size(self) -> int:
         """Bytes this answer holds, for the cache budget."""
-        return len(self.body) + sum(len(f) for f in self.frames or ()) + 200
+        return len(self.body) + self.frames_size + 200
 
     def sse(self, include_usage: bool) -> list[bytes]:
         """The frames a streaming client receives (without the API's ``stream_end``, the final

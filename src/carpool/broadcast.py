@@ -9,7 +9,9 @@ Contract (CONTRACT.md "Streaming"):
   caller then reads ``error`` / ``answer`` to end its own stream. ``take`` is the same read
   without a generator: the frames from ``sent`` on that are there now, joined into one piece
   of at most about ``JOINED_BYTES`` (a burst of frames is one write to a client, not one each),
-  for a caller that ``wait_changed``s for more.
+  for a caller that ``wait_changed``s for more. It costs what that piece holds (and a few
+  dozen frames' lengths more): a client far behind (a late joiner of a long stream) pays for
+  each piece, not for all it has yet to take each time.
 - Frames are kept in one shared list, not copied per client: memory is one answer, not N (and
   at most one joined piece per client, which its transport holds until the client reads, or,
   under ``carpool serve``, until it has read nothing for ``limits.send_timeout``: then it is
@@ -57,6 +59,9 @@ from .errors import CarpoolError
 
 # The most one joined piece of frames holds (``take``), beyond one frame bigger than that.
 JOINED_BYTES = 64 * 1024
+# The most frames ``take`` measures at once to give them all in one piece (more: it walks them
+# up to ``JOINED_BYTES``): a bounded cost for a client behind, the usual read at C speed.
+_MEASURED = 64
 
 
 class Broadcast:
@@ -182,13 +187,18 @@ class Broadcast:
         skip = None if include_usage else self.usage_frame
         if end - sent == 1:
             return (b"" if sent == skip else frames[sent]), end
-        # The usual read: every frame there (but the usage one, if skipped) in one piece.
-        if skip is not None and sent <= skip < end:
-            piece = b"".join(frames[sent:skip] + frames[skip + 1 : end])
-        else:
-            piece = b"".join(frames[sent:end])
-        if len(piece) <= JOINED_BYTES:
-            return piece, end
+        if end - sent <= _MEASURED:
+            # The usual read, a client keeping up: every frame there (but the usage one, if
+            # skipped) in one piece, measured and joined at C speed when it is within the bound.
+            if skip is not None and sent <= skip < end:
+                run = frames[sent:skip] + frames[skip + 1 : end]
+            else:
+                run = frames[sent:end]
+            if sum(map(len, run)) <= JOINED_BYTES:
+                return b"".join(run), end
+        # A client further behind (a late joiner of a long stream): the frames from ``sent`` on
+        # up to the bound, and only those, read and joined. It pays for what it takes, not for
+        # all it has yet to take at each take (that was quadratic in the stream's size).
         pieces: list[bytes] = []
         size = 0
         while sent < end and size < JOINED_BYTES:
@@ -197,7 +207,15 @@ class Broadcast:
                 pieces.append(frame)
                 size += len(frame)
             sent += 1
-        return b"".join(pieces), sent
+        if size == JOINED_BYTES:
+            # Exactly the bound: the piece is everything there if all after it is left out
+            # (the usage frame), as a piece under the bound is.
+            rest = sent
+            while rest < end and (rest == skip or not frames[rest]):
+                rest += 1
+            if rest == end:
+                sent = end
+        return (pieces[0] if len(pieces) == 1 else b"".join(pieces)), sent
 
     async def follow(self, include_usage: bool) -> AsyncIterator[bytes]:
         """Every frame so far, then the rest live, until the broadcast ends."""

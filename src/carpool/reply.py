@@ -14,13 +14,14 @@ Contract:
   for (``whole``'s, a flight's ``Relay``, a bypassed stream asked with it) gives its stream
   with that chunk at its place, once it ended whole: what an idempotency record keeps.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
-  chunk if it asked for it; an answer longer than a slice as ``parts``, its own frames, not
-  joined), ``age`` on a hit; an incomplete 2xx body that reports an error or
-  lacks the answer's field (no choices) reaches a streaming client as its stream's failure (an
-  error event, no end), as it came a client asking JSON (the error's words only to the request
-  whose call it was: ``Answer.for_others``, ``pipeline``); an answer whose body has no ``usage`` because
-  the engine reported none carries ``x-carpool-usage: missing`` (nothing is invented); one whose
-  ``usage`` is its share of a merged embeddings call's (``Answer.usage_apportioned``) carries
+  chunk if it asked for it; an answer whose frames are longer than a slice as ``parts``, its
+  own frames, not joined, however short its body), ``age`` on a hit; an incomplete 2xx body
+  that reports an error or lacks the answer's field (no choices) reaches a streaming client as
+  its stream's failure (an error event, no end), as it came a client asking JSON (the error's
+  words only to the request whose call it was: ``Answer.for_others``, ``pipeline``); an answer
+  whose body has no ``usage`` because the engine reported none carries
+  ``x-carpool-usage: missing`` (nothing is invented); one whose ``usage`` is its share of a
+  merged embeddings call's (``Answer.usage_apportioned``) carries
   ``x-carpool-usage: apportioned``, whoever it is served to (a hit, a joiner, a replay too).
 - ``age_header(seconds)``: a hit's ``age`` (whole seconds, never negative), however the hit
   came: a stored answer, another worker's, an idempotent replay.
@@ -208,7 +209,11 @@ def whole(
     if not answer.complete and (failed := failure_of(api, orjson.loads(answer.body))) is not None:
         return Reply(200, headers, api.error_event(failed), outcome=outcome)
     frames = answer.sse(include_usage)
-    if len(answer.body) <= SLICE_BYTES:  # (the usual hit: one small piece, one write)
+    # Measured by its frames, not its body: a token stream's are many times the body they
+    # assemble to (each chunk repeats the id, the model, the choice around a few characters).
+    # Stored ones are summed once per answer; synthesized ones are a few.
+    size = answer.frames_size if answer.frames is not None else sum(len(f) for f in frames)
+    if size <= SLICE_BYTES:  # (the usual hit: one small piece, one write)
         reply = Reply(200, headers, b"".join(frames) + api.stream_end, outcome=outcome)
     else:
         # A long one is written a slice at a time from the answer's own frames
