@@ -1,23 +1,24 @@
 """The audits of semantic hits, run: a fresh upstream answer compared with the one served.
 
 Contract (the estimate and the budget are ``semantic/audit.py``'s):
-- ``Auditor(layers).maybe(request, namespace, served, near)``: when the draw says so
+- ``Auditor(layers).maybe(request, budget, served, near)``: when the draw says so
   (``Audits.sampled``), a background task (never the client's: it already has its answer) sends
   the request upstream once, not streamed, and compares the fresh answer's text with the served
   one's: by the judge when there is one (``Judge.answers_agree``), else by the semantic cache's
   guard over the two texts (its exact rules, and its verifier at the calibrated bar even when
   ``semantic.verifier_threshold`` loosens the cache's; two answers longer than it reads whole
-  are not judged: no verdict). A disagreement is a wrong hit of
-  ``namespace`` (``near``: of a near repeat too, ``Audits.record``). The fresh answer is
+  are not judged: no verdict). A disagreement is a wrong hit in
+  ``budget`` (the scope's tenant and namespace; ``near``: of a near repeat too,
+  ``Audits.record``). The fresh answer is
   never stored, never shared, never written over the entry. An upstream error, a timeout, a
   non-2xx answer or a judge without a verdict counts nothing (``Audits.failed``). Only
   deterministic requests are audited (two samples may differ), and at most ``MAX_RUNNING``
   audits run at once (a draw beyond is skipped). Each audit's call is an upstream call
   (``/stats`` ``upstream_calls``), counted in ``Audits.calls`` too.
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
-  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace
-  (at every bar: which match was served is not known).
-  Returns the namespace, or None for an entry this instance does not hold.
+  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its budget
+  (its tenant's, ``SemanticEntry.tenant``, in its namespace; at every bar: which match was
+  served is not known). Returns that budget, or None for an entry this instance does not hold.
 - ``settle`` waits for the audits running now; ``aclose`` cancels them.
 """
 
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from .exchange import send
-from .semantic.audit import answer_text
+from .semantic.audit import Budget, answer_text
 from .semantic.guard import Reason, RulesThenVerifier, Side
 from .upstream.base import UpstreamRequest, unstreamed
 
@@ -53,25 +54,25 @@ class Auditor:
         self._running: set[asyncio.Task[None]] = set()
         self._strict: RulesThenVerifier | None = None
 
-    def maybe(self, request: Request, namespace: str, served: Answer, near: bool) -> None:
+    def maybe(self, request: Request, budget: Budget, served: Answer, near: bool) -> None:
         audits = self.layers.audits
         if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
             return
-        task = asyncio.ensure_future(self._audit(request, namespace, served, near))
+        task = asyncio.ensure_future(self._audit(request, budget, served, near))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _audit(self, request: Request, namespace: str, served: Answer, near: bool) -> None:
+    async def _audit(self, request: Request, budget: Budget, served: Answer, near: bool) -> None:
         audits = self.layers.audits
         assert audits is not None
         try:
-            await self._compare(audits, request, namespace, served, near)
+            await self._compare(audits, request, budget, served, near)
         except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
             audits.failed += 1
             log.warning("an audit failed (%s)", type(error).__name__)
 
     async def _compare(
-        self, audits: Audits, request: Request, namespace: str, served: Answer, near: bool
+        self, audits: Audits, request: Request, budget: Budget, served: Answer, near: bool
     ) -> None:
         fresh = await self._fresh(request)
         if fresh is None:
@@ -81,7 +82,7 @@ class Auditor:
         if agree is None:  # the judge gave no verdict: nothing learned
             audits.failed += 1
             return
-        audits.record(namespace, not agree, near)
+        audits.record(budget, not agree, near)
 
     async def _fresh(self, request: Request) -> str | None:
         """The upstream's answer to ``request`` now, whole, as text; None when it has none."""
@@ -120,14 +121,16 @@ class Auditor:
             return None  # not read whole: no verdict (a "no" would count every long answer)
         return verdict.ok
 
-    def feedback(self, public_id: str) -> str | None:
+    def feedback(self, public_id: str) -> Budget | None:
         semantic, audits = self.layers.semantic, self.layers.audits
         if semantic is None or audits is None:
             return None
-        namespace = semantic.forget(public_id)
-        if namespace is not None:
-            audits.record(namespace, True, near=True)  # (a report counts against every bar)
-        return namespace
+        entry = semantic.forget(public_id)
+        if entry is None:
+            return None
+        budget = Budget(entry.tenant, entry.namespace)
+        audits.record(budget, True, near=True)  # (a report counts against every bar)
+        return budget
 
     async def settle(self) -> None:
         """Wait for the audits running now (for whoever needs their verdicts: benchmarks)."""
