@@ -576,3 +576,34 @@ def test_a_shared_namespace_is_one_a_client_can_name(namespace):
         Config.load(env={}, overrides={"tenant": {"shared_namespaces": ["ok", namespace]}})
     shared = Config.load(env={}, overrides={"tenant": {"shared_namespaces": ["faq", "n" * 256]}})
     assert shared.tenant.shared_namespaces == ["faq", "n" * 256]
+
+
+@pytest.mark.parametrize(
+    "semantic, needed",
+    [
+        ({"max_wrong_rate": 0.005}, 765),  # the default window, 500: 0.0076 at best
+        ({"max_wrong_rate": 0.05, "audit_window": 72}, 73),
+        ({"max_wrong_rate": 0.5, "audit_window": 10}, 30),  # under the audits a move needs
+    ],
+)
+def test_check_config_refuses_a_budget_the_window_cannot_resolve(semantic, needed):
+    # With no audit of a full window wrong, the 95% upper bound is z^2 / (n + z^2): 0.0076 at
+    # 500. A budget under it was accepted, and a namespace that backed off never served again.
+    from carpool.semantic.audit import BACKED_OFF, SERVING, Audits, Budget
+
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={}, overrides={"semantic": semantic})
+    said = str(raised.value)
+    assert "semantic.max_wrong_rate" in said and f"audit_window >= {needed}" in said, said
+    # The window it names is enough: a namespace backed off comes back on agreeing audits.
+    config = Config.load(env={}, overrides={"semantic": {**semantic, "audit_window": needed}})
+    budget, faq = config.semantic.max_wrong_rate, Budget("*", "faq")
+    assert budget is not None
+    audits = Audits(1.0, window=needed, budget=budget)
+    while audits.state(faq) == SERVING:
+        audits.record(faq, True)
+    assert audits.state(faq) == BACKED_OFF
+    for _ in range(needed):
+        audits.record(faq, False, near=True)
+    assert audits.state(faq) == SERVING
+    assert Config.load(env={}, overrides={"semantic": {"max_wrong_rate": 0.05}})  # (as before)

@@ -449,15 +449,17 @@ async def test_a_tile_for_what_stats_no_longer_reports_leaves_the_page(gw, brows
 
 
 async def test_a_namespace_reset_by_the_admin_api_leaves_the_page(fake, gateway_with, browser):
-    """The real gateway: 20 wrong audits back a namespace off (a red tile); POST
+    """The real gateway: wrong audits back a namespace off, then mark it (a red tile); POST
     /admin/semantic/audit/reset takes it out of /stats, and so off the page."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("usearch")
+    from carpool.semantic.audit import MIN_AUDITS, SHARED, Budget
+
     token = "dash-token"
     semantic = {"enabled": True, "audit_rate": 1.0, "max_wrong_rate": 0.05}
     async with gateway_with(admin_token=token, semantic=semantic) as gw:
-        for _ in range(20):
-            gw.gateway.layers.audits.record("faq", True, near=True)
+        for _ in range(2 * MIN_AUDITS):  # (a window's worth to back off, another to mark)
+            gw.gateway.layers.audits.record(Budget(SHARED, "faq"), True, near=True)
         context = await browser.new_context(
             http_credentials={"username": "admin", "password": token}
         )

@@ -321,6 +321,55 @@ async def _share_one_call_per_key(served: Workers, fake: Any) -> None:
     assert fake.count() == 3
 
 
+async def test_audit_reset_reaches_every_worker(fake, tmp_path):
+    """Each worker keeps its own audits (an error budget is per process): the reset, and a
+    report of a wrong hit, landed on one worker and said it was done. Both are passed on now."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("usearch")
+    semantic = {"semantic": {"enabled": True, "audit_rate": 1.0, "max_wrong_rate": 0.05}}
+    paraphrases = ["how can i reset my router", "How can I reset my router?"]
+    async with workers(fake.url, tmp_path, semantic) as served:
+        for question in ("How do I reset my router?", *paraphrases):
+            await served.spread(lambda c, q=question: c.post("/v1/chat/completions", json=chat(q)))
+
+        async def audited() -> dict[int, dict[str, Any]]:
+            """Each worker's ``GET /admin/semantic/audit``."""
+            seen = await served.spread(lambda c: c.get("/admin/semantic/audit", headers=ADMIN))
+            return {pid: response.json() for response, pid in seen}
+
+        # Until each worker has audited a semantic hit it served.
+        for _ in range(TRIES):
+            if all("" in report for report in (await audited()).values()):
+                break
+            await served.spread(lambda c: c.post("/v1/chat/completions", json=chat(paraphrases[0])))
+        else:
+            pytest.fail(f"a worker audited nothing: {await audited()}")
+        response, _ = await served.once(
+            lambda c: c.post("/admin/semantic/audit/reset", json={}, headers=ADMIN)
+        )
+        assert response.json() == {"reset": 2}  # one budget on each worker
+        assert list((await audited()).values()) == [{}, {}]
+        # A report of a wrong hit, sent to the worker that did not serve it (a wording not asked
+        # before: a pair an audit found wrong is refused from then on).
+        hit, holder = await served.once(
+            lambda c: c.post("/v1/chat/completions", json=chat("how do I reset my router?"))
+        )
+        assert hit.headers["x-carpool"] == "semantic-hit"
+        entry = hit.headers["x-carpool-entry"]
+        for _ in range(TRIES):
+            async with httpx.AsyncClient(base_url=served.base, timeout=20) as client:
+                if (await client.get("/stats", headers=ADMIN)).json()["pid"] == holder:
+                    continue  # (the next connection may land on the other one)
+                reported = await client.post(
+                    "/admin/semantic/feedback", json={"entry": entry}, headers=ADMIN
+                )
+                assert reported.status_code == 200, reported.text
+                assert reported.json()["dropped"] is True and reported.json()["namespace"] == ""
+                break
+        else:
+            pytest.fail("every connection landed on the worker that served the hit")
+
+
 def _streamed_text(sse: str) -> str:
     import json
 

@@ -13,21 +13,27 @@ Contract:
   by ``Gateway.passthrough``: ``Gateway.forget_state``, what this worker stored under it, by
   key), with or without a token; from anyone else it is an invalid selector (400).
 - ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
-  that was wrong): the entry is dropped and counts as a wrong hit of its namespace
-  (``auditor.Auditor.feedback``): ``{"dropped": true, "namespace": ns}``; an id this instance
-  does not hold (any more): 404. Without the semantic cache: 404.
+  that was wrong): the entry is dropped and counts as a wrong hit in its error budget
+  (``auditor.Auditor.feedback``: its tenant's in its namespace): ``{"dropped": true,
+  "namespace": ns, "tenant": label}`` (``Audits.label``); an id this instance does not hold (any
+  more): 404. With ``--workers N`` an id is one worker's: one that does not hold it asks the
+  others (``carpool.peers``), and answers with the one that did. Without the semantic cache:
+  404.
 - Any other method or path under ``/admin``: the same refusals, then 405 (with ``Allow``) or
   404, in OpenAI's shape too.
 - ``GET /admin/semantic/audit``: each namespace's audits, estimate and state (as ``/stats``
-  ``semantic_audit``); ``POST /admin/semantic/audit/reset`` ``{"namespace": ns}`` (or ``{}``:
-  all) puts them back to ``serving`` with no audits: ``{"reset": n}`` (the Prometheus counters
-  of audits go on: ``Audits.totals``).
+  ``semantic_audit``), and its error budgets' by tenant label (``tenants``: only here, never in
+  ``/stats``, which may be open; ``Audits.snapshot``); the answering worker's (with ``--workers
+  N``, as ``/stats``). ``POST /admin/semantic/audit/reset`` ``{"namespace": ns, "tenant":
+  label}`` (either, or ``{}``: all) puts those budgets back to ``serving`` with no audits:
+  ``{"reset": n}``, how many, with ``--workers N`` on every worker, ``n`` counting them all (the
+  Prometheus counters of audits go on: ``Audits.totals``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request as HttpRequest
@@ -39,6 +45,10 @@ from .errors import BodyTimeout, BodyTooLarge, RequestError
 from .peers import PEER
 from .pipeline import Gateway
 from .store.base import StoreUnavailable
+
+if TYPE_CHECKING:
+    from .peers import Peers
+    from .semantic.audit import Budget
 
 BodyOf = Callable[[HttpRequest], Awaitable[bytes | None]]
 _LEFT = object()  # ``spec_of``: the client left before its body came
@@ -106,31 +116,52 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         everywhere = not peer
         return JSONResponse({"invalidated": await gateway.invalidate(spec, everywhere=everywhere)})
 
-    async def feedback(_: HttpRequest, spec: Any) -> Response:
+    def others(request: HttpRequest) -> Peers | None:
+        """This run's other workers, to pass a request on to; None when a worker passed it on
+        (it went to every one) or there are none."""
+        return gateway.layers.peers if request.scope.get(PEER) is not True else None
+
+    async def feedback(request: HttpRequest, spec: Any) -> Response:
         entry = spec.get("entry") if isinstance(spec, dict) else None
         if not isinstance(entry, str) or not entry:
             raise RequestError('give {"entry": "<the x-carpool-entry of the wrong hit>"}')
-        if gateway.semantic is None:
+        if gateway.semantic is None or gateway.layers.audits is None:
             return error(404, "the semantic cache is off", "not_found")
-        namespace = gateway.auditor.feedback(entry)
-        if namespace is None:
-            return error(404, "no such semantic entry here (any more)", "not_found")
-        return JSONResponse({"dropped": True, "namespace": namespace})
+        budget = gateway.auditor.feedback(entry)
+        if budget is not None:
+            return JSONResponse(reported(budget))
+        if (peers := others(request)) is not None:
+            # An entry id is one worker's (keyed with its own secret): the one holding it.
+            for status, answer in await peers.admin("/admin/semantic/feedback", spec):
+                if status == 200:
+                    return JSONResponse(answer)
+        return error(404, "no such semantic entry here (any more)", "not_found")
+
+    def reported(budget: Budget) -> dict[str, Any]:
+        assert gateway.layers.audits is not None  # (a report is recorded only with audits)
+        label = gateway.layers.audits.label(budget.tenant)
+        return {"dropped": True, "namespace": budget.namespace, "tenant": label}
 
     async def audit(_: HttpRequest, __: Any) -> Response:
         audits = gateway.layers.audits
-        return JSONResponse(audits.snapshot() if audits is not None else {})
+        return JSONResponse(audits.snapshot(tenants=True) if audits is not None else {})
 
-    async def audit_reset(_: HttpRequest, spec: Any) -> Response:
-        namespace = spec.get("namespace") if isinstance(spec, dict) else None
+    async def audit_reset(request: HttpRequest, spec: Any) -> Response:
         if (
             not isinstance(spec, dict)
-            or set(spec) - {"namespace"}  # (a misspelt name is no {}: that resets them all)
-            or not isinstance(namespace, str | None)
+            or set(spec) - {"namespace", "tenant"}  # (a misspelt name is no {}: that is all)
+            or not all(isinstance(value, str | None) for value in spec.values())
         ):
-            raise RequestError('give {"namespace": "<name>"}, or {} for every namespace')
+            raise RequestError(
+                'give {"namespace": "<name>", "tenant": "<label>"} (either), or {} for all'
+            )
         audits = gateway.layers.audits
-        return JSONResponse({"reset": audits.reset(namespace) if audits is not None else 0})
+        count = audits.reset(spec.get("namespace"), spec.get("tenant")) if audits is not None else 0
+        if (peers := others(request)) is not None:
+            for status, answer in await peers.admin("/admin/semantic/audit/reset", spec):
+                reset = answer.get("reset")
+                count += reset if status == 200 and isinstance(reset, int) else 0
+        return JSONResponse({"reset": count})
 
     routes = [
         Route("/admin/invalidate", admin(invalidate, peers=True), methods=["POST"]),

@@ -1,7 +1,7 @@
 """The audits of semantic hits, run: a fresh upstream answer compared with the one served.
 
 Contract (the estimate and the budget are ``semantic/audit.py``'s):
-- ``Auditor(layers).maybe(request, namespace, match, view, near, flight=None)``: when the draw
+- ``Auditor(layers).maybe(request, budget, match, view, near, flight=None)``: when the draw
   says so (``Audits.sampled``), a background task (never the client's: it already has its
   answer) gets a fresh answer to the request and compares its text with the match's (the
   semantic cache's ``Candidate``, found for ``view``): by the judge when there is one
@@ -10,9 +10,9 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   loosens the cache's; two answers longer than it reads whole are not judged: no verdict). The
   fresh answer: for a match served, the request sent upstream once, not streamed (an upstream
   call, ``/stats`` ``upstream_calls``, counted in ``Audits.calls`` too); for a match not
-  served (``semantic.mode: mark``, a namespace its error budget holds back), the request went
-  upstream all the same: the answer of its ``flight`` (``Broadcast``), no call of its own. A
-  disagreement is a wrong hit of ``namespace`` (``near``: of a near repeat too,
+  served (``semantic.mode: mark``, a budget held back), the request went upstream all the
+  same: the answer of its ``flight`` (``Broadcast``), no call of its own. A disagreement is a
+  wrong hit in ``budget`` (the scope's tenant and namespace; ``near``: of a near repeat too,
   ``Audits.record``), and the pair is refused from then on (``SemanticCache.refuse``: that
   entry is no longer served for that prompt, here). The fresh answer is never stored by the
   audit, never shared, never written over the entry. An upstream error, a timeout, a non-2xx
@@ -20,9 +20,9 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   Only deterministic requests are audited (two samples may differ), and at most
   ``MAX_RUNNING`` audits run at once (a draw beyond is skipped).
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
-  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its namespace
-  (at every bar: which match was served is not known).
-  Returns the namespace, or None for an entry this instance does not hold.
+  (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its budget
+  (its tenant's, ``SemanticEntry.tenant``, in its namespace; at every bar: which match was
+  served is not known). Returns that budget, or None for an entry this instance does not hold.
 - ``settle`` waits for the audits running now; ``aclose`` cancels them.
 """
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from .exchange import send
-from .semantic.audit import answer_text
+from .semantic.audit import Budget, answer_text
 from .semantic.guard import Reason, RulesThenVerifier, Side
 from .upstream.base import UpstreamRequest, unstreamed
 
@@ -63,7 +63,7 @@ class Auditor:
     def maybe(
         self,
         request: Request,
-        namespace: str,
+        budget: Budget,
         match: Candidate,
         view: SemanticView,
         near: bool,
@@ -72,14 +72,14 @@ class Auditor:
         audits = self.layers.audits
         if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
             return
-        task = asyncio.ensure_future(self._audit(request, namespace, match, view, near, flight))
+        task = asyncio.ensure_future(self._audit(request, budget, match, view, near, flight))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
     async def _audit(
         self,
         request: Request,
-        namespace: str,
+        budget: Budget,
         match: Candidate,
         view: SemanticView,
         near: bool,
@@ -88,7 +88,7 @@ class Auditor:
         audits = self.layers.audits
         assert audits is not None
         try:
-            await self._compare(audits, request, namespace, match, view, near, flight)
+            await self._compare(audits, request, budget, match, view, near, flight)
         except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
             audits.failed += 1
             log.warning("an audit failed (%s)", type(error).__name__)
@@ -97,7 +97,7 @@ class Auditor:
         self,
         audits: Audits,
         request: Request,
-        namespace: str,
+        budget: Budget,
         match: Candidate,
         view: SemanticView,
         near: bool,
@@ -112,7 +112,7 @@ class Auditor:
         if agree is None:  # the judge gave no verdict: nothing learned
             audits.failed += 1
             return
-        audits.record(namespace, not agree, near)
+        audits.record(budget, not agree, near)
         semantic = self.layers.semantic
         if not agree and semantic is not None:
             # Served again, this pair would be wrong again (audit after audit saying so).
@@ -155,14 +155,16 @@ class Auditor:
             return None  # not read whole: no verdict (a "no" would count every long answer)
         return verdict.ok
 
-    def feedback(self, public_id: str) -> str | None:
+    def feedback(self, public_id: str) -> Budget | None:
         semantic, audits = self.layers.semantic, self.layers.audits
         if semantic is None or audits is None:
             return None
-        namespace = semantic.forget(public_id)
-        if namespace is not None:
-            audits.record(namespace, True, near=True)  # (a report counts against every bar)
-        return namespace
+        entry = semantic.forget(public_id)
+        if entry is None:
+            return None
+        budget = Budget(entry.tenant, entry.namespace)
+        audits.record(budget, True, near=True)  # (a report counts against every bar)
+        return budget
 
     async def settle(self) -> None:
         """Wait for the audits running now (for whoever needs their verdicts: benchmarks)."""

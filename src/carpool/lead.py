@@ -315,6 +315,7 @@ class Leader:
             epoch,
             state,
             since=begun.semantic if begun is not None else None,
+            tenant=key.tenant,
         )
         if vector is not None:
             try:
@@ -342,8 +343,10 @@ class Leader:
         state: tuple[str, ...] = (),
         *,
         since: int | None = None,
+        tenant: str,
     ) -> None:
-        """``since``: the semantic cache's ``generation`` as the call began (None: not read)."""
+        """``since``: the semantic cache's ``generation`` as the call began (None: not read);
+        ``tenant``: the scope's, whose error budget the entry's hits count in."""
         assert self.semantic is not None
         if vector is None:
             try:
@@ -361,7 +364,7 @@ class Leader:
             and not (state and self.states.deleted(state))
         ):
             entry = await self.semantic.insert(
-                view, vector, answer, expires, tags, namespace, prefix, key=key
+                view, vector, answer, expires, tags, namespace, prefix, key=key, tenant=tenant
             )
             if entry is not None and state:
                 self.states.add(state, entry=entry)

@@ -278,7 +278,8 @@ def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
     )
     backed_off = GaugeMetricFamily(
         "carpool_semantic_backoff",
-        "A namespace's error-budget state: 0 serving, 1 backed-off, 2 mark.",
+        "A namespace's error-budget state, the furthest from serving of its tenants' budgets: "
+        "0 serving, 1 backed-off, 2 mark.",
         labels=["namespace"],
     )
     windows = g["semantic_audit"]

@@ -135,7 +135,7 @@ from .request import (
     requester_digest,
 )
 from .routing.state import path_deleted, path_state
-from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING
+from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING, Budget
 from .state_index import Held
 from .store.base import Entry, StoreUnavailable, state_tag
 from .upstream.base import PassthroughResponse
@@ -318,16 +318,18 @@ class Gateway:
             match = probe.match
             if match is not None:
                 assert match.answer is not None
-                state = self.layers.audits.state(key.namespace) if self.layers.audits else SERVING
-                # The namespace's error budget (``semantic/audit.py``) may hold hits back; its
-                # audits go on either way, on the answer served or the one that would have been.
+                # The scope's error budget (``semantic/audit.py``: its tenant's in its namespace,
+                # one for a shared namespace) may hold hits back; its audits go on either way,
+                # on the answer served or the one that would have been.
+                budget = Budget(key.tenant, key.namespace)
+                state = self.layers.audits.state(budget) if self.layers.audits else SERVING
                 near = match.similarity >= BACKED_OFF_SIMILARITY  # (served even backed off)
                 audited = request.api.deterministic(request.body)  # (two samples may differ)
                 if self.config.semantic.mode == "serve" and (
                     state == SERVING or (state == BACKED_OFF and near)
                 ):
                     if audited:
-                        self.auditor.maybe(request, key.namespace, match, view, near)
+                        self.auditor.maybe(request, budget, match, view, near)
                     self.metrics.similarity.observe(match.similarity)
                     if remember is not None:
                         remember()
@@ -340,7 +342,7 @@ class Gateway:
                         similarity(match),
                     )
                 if audited:
-                    unserved = match, near
+                    unserved = budget, match, near
         # The epoch of invalidations this call begins in: its answer is stored only if no
         # invalidation came before it ended (``Leader._store``).
         # A peer's request is led here, never passed on again: its worker chose this one.
@@ -354,8 +356,8 @@ class Gateway:
             # Not served, the request goes upstream all the same (its own call, or one it
             # joined): its audit compares that answer with the match, no call of its own.
             assert view is not None  # (a match is found only through a view)
-            match, near = unserved
-            self.auditor.maybe(request, key.namespace, match, view, near, ticket.broadcast)
+            budget, match, near = unserved
+            self.auditor.maybe(request, budget, match, view, near, ticket.broadcast)
         if not ticket.leader and not controls.no_store and ticket.broadcast.kept_for is None:
             # Should its leader be a no-store request, the answer is still stored for this one.
             ticket.broadcast.kept_for = (request, key)
@@ -375,15 +377,15 @@ class Gateway:
         )
         # Named only where the cache serves nothing by design: semantic.mode: mark, or a
         # namespace its error budget marked. A serve-mode miss does not name what it was near.
-        if probe is not None and probe.nearest is not None and self._marking(key.namespace):
+        if probe is not None and probe.nearest is not None and self._marking(key):
             reply.headers.extend(nearest(probe.nearest))
         return reply
 
-    def _marking(self, namespace: str) -> bool:
+    def _marking(self, key: Fingerprint) -> bool:
         """Whether a miss names the nearest entry (``reply.nearest``)."""
         audits = self.layers.audits
         return self.config.semantic.mode == "mark" or (
-            audits is not None and audits.state(namespace) == MARK
+            audits is not None and audits.state(Budget(key.tenant, key.namespace)) == MARK
         )
 
     def _read_age(self, request: Request) -> float | None:

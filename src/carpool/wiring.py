@@ -39,7 +39,7 @@ from .layers import Layers
 from .metrics import Metrics, Stats
 from .pipeline import Gateway
 from .routing.state import StateHolders
-from .semantic.audit import Audits
+from .semantic.audit import Audits, label_key
 from .state_index import StateIndex
 from .store import MemoryStore, Store
 from .tracing import Tracer
@@ -153,7 +153,10 @@ def build_layers(
         semantic = build_semantic(config, via_replicas, store, judge, clock)
     audits = (
         Audits(
-            config.semantic.audit_rate, config.semantic.audit_window, config.semantic.max_wrong_rate
+            config.semantic.audit_rate,
+            config.semantic.audit_window,
+            config.semantic.max_wrong_rate,
+            label_key=label_key(config.admin_token),
         )
         if semantic is not None
         else None

@@ -13,6 +13,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
+from carpool.canonical import requester  # noqa: E402
+from carpool.identity import ANONYMOUS_TENANT  # noqa: E402
+from carpool.semantic.audit import MIN_AUDITS, Budget  # noqa: E402
 from fakes.judge import FakeJudge  # noqa: E402
 from fakes.serving import serve_app  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
@@ -51,6 +54,11 @@ async def ask(gw, content: str, namespace: str | None = None):
     )
     assert response.status_code == 200, response.text
     return response
+
+
+def budget(namespace: str, tenant: str = ANONYMOUS_TENANT) -> Budget:
+    """The error budget of ``namespace`` for a tenant (the requests here send no credential)."""
+    return Budget(tenant, namespace)
 
 
 def outcome(response) -> str:
@@ -233,10 +241,11 @@ async def test_metrics_label_a_bounded_number_of_namespaces_those_not_serving_fi
     async with gateway_with(**semantic(audit_rate=1.0, max_wrong_rate=0.05)) as gw:
         audits = gw.gateway.layers.audits
         for i in range(METRIC_NAMESPACES + 20):
-            audits.record(f"busy-{i}", False)
-            audits.record(f"busy-{i}", False)
-        audits.record("troubled", True)  # one audit, wrong: backed off
-        assert audits.state("troubled") == "backed-off"
+            audits.record(budget(f"busy-{i}"), False)
+            audits.record(budget(f"busy-{i}"), False)
+        for _ in range(MIN_AUDITS):  # every audit wrong: backed off
+            audits.record(budget("troubled"), True)
+        assert audits.state(budget("troubled")) == "backed-off"
         metrics = (await admin(gw, "GET", "/metrics")).text
         labelled = re.findall(r'carpool_semantic_audits_total\{namespace="([^"]*)"\}', metrics)
         assert len(labelled) == METRIC_NAMESPACES and "troubled" in labelled
@@ -264,21 +273,22 @@ async def test_the_audit_counters_never_go_down_an_admin_reset_empties_only_the_
             }
 
         for _ in range(50):
-            audits.record("team-a", False)
-        audits.record("team-b", True)  # backed off
+            audits.record(budget("team-a"), False)
+        for _ in range(MIN_AUDITS):
+            audits.record(budget("team-b"), True)  # backed off
         before = await counters()
         assert before["carpool_semantic_audits_total:team-a"] == 50
         reset = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"namespace": "team-a"})
         assert reset.json() == {"reset": 1}
         assert await counters() == before  # nothing counted meanwhile: nothing moved
-        audits.record("team-a", False)
+        audits.record(budget("team-a"), False)
         assert (await counters())["carpool_semantic_audits_total:team-a"] == 51
         assert (await admin(gw, "POST", "/admin/semantic/audit/reset", json={})).json() == {
             "reset": 2
         }
         after = await counters()
         assert all(after[series] >= value for series, value in before.items())
-        assert after["carpool_semantic_audits_wrong_total:team-b"] == 1
+        assert after["carpool_semantic_audits_wrong_total:team-b"] == MIN_AUDITS
         text = (await admin(gw, "GET", "/metrics")).text
         assert 'carpool_semantic_backoff{namespace="team-b"} 0.0' in text  # serving again
         # /stats reports the windows: reset, with no audits since.
@@ -295,19 +305,27 @@ async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_the
     fake_judge.decide = lambda a, b: True  # every paraphrase a hit, until the budget says no
     config = semantic(url, judge={"band": [0.0, 1.0]}, audit_rate=1.0, max_wrong_rate=0.05)
     async with gateway_with(**config) as gw:  # the upstream's answers differ: audits disagree
-        audits = gw.gateway.layers.audits
+        audits, bad = gw.gateway.layers.audits, budget("bad")
         for namespace in ("bad", "good"):
             await ask(gw, ROUTER, namespace)
+        # A window moves nothing before MIN_AUDITS: all but the last of them recorded wrong
+        # here, the last the audit of a hit served.
+        for _ in range(MIN_AUDITS - 1):
+            audits.record(bad, True)
+        assert audits.state(bad) == "serving"
         assert outcome(await ask(gw, PARAPHRASES[0], "bad")) == "semantic-hit"
-        await eventually(lambda: audits.state("bad") == "backed-off", what="the back-off")
+        await eventually(lambda: audits.state(bad) == "backed-off", what="the back-off")
         assert outcome(await ask(gw, PARAPHRASES[1], "bad")) == "miss"  # not a near repeat
-        await eventually(lambda: audits.snapshot()["bad"]["audited"] == 2, what="its audit")
-        assert (
-            audits.state("bad") == "backed-off"
-        )  # (the near repeats it serves are not judged yet)
-        # A near repeat is still served; its audit disagrees too: nothing is served any more.
+        await eventually(
+            lambda: audits.snapshot()["bad"]["audited"] == MIN_AUDITS + 1, what="its audit"
+        )
+        assert audits.state(bad) == "backed-off"  # (the near repeats it serves: not judged yet)
+        # A near repeat is still served; its audit disagrees too, the last of a window of near
+        # repeats found wrong: nothing is served any more.
+        for _ in range(MIN_AUDITS - 1):
+            audits.record(bad, True, near=True)
         assert outcome(await ask(gw, NEAR_REPEAT, "bad")) == "semantic-hit"
-        await eventually(lambda: audits.state("bad") == "mark", what="mark-only")
+        await eventually(lambda: audits.state(bad) == "mark", what="mark-only")
         marked = await ask(gw, PARAPHRASES[2], "bad")
         assert outcome(marked) == "miss"
         assert "x-carpool-semantic-nearest" in marked.headers  # (marked: the match only named)
@@ -316,29 +334,86 @@ async def test_a_namespace_over_budget_backs_off_while_another_keeps_serving_the
         states = (await admin(gw, "GET", "/admin/semantic/audit")).json()
         assert states["bad"]["state"] == "mark"
         # Audits that agree bring it back, one step at a time (what agreeing audits record).
-        await eventually(lambda: audits.snapshot()["bad"]["audited"] == 4, what="the 4th audit")
+        await eventually(
+            lambda: audits.snapshot()["bad"]["audited"] == 2 * MIN_AUDITS + 2, what="the audits"
+        )
         # (mark -> backed-off on near repeats' audits, backed-off -> serving on the usual bar's)
         for step, near in (("backed-off", True), ("serving", False)):
             for _ in range(200):  # (the upper bound under 0.05: some 75 to 150 agreeing audits)
-                audits.record("bad", False, near)
-                if audits.state("bad") == step:
+                audits.record(bad, False, near)
+                if audits.state(bad) == step:
                     break
-            assert audits.state("bad") == step
+            assert audits.state(bad) == step
         assert outcome(await ask(gw, PARAPHRASES[3], "bad")) == "semantic-hit"
+
+
+async def test_one_tenants_wrong_hits_do_not_back_off_another(fake, gateway_with, judge):
+    # The budget was the namespace's: tenant A's wrong hits in the default namespace (where
+    # each tenant has its own entries) took it to backed-off for tenant B too, and A's right
+    # ones could hide B's wrong ones. A budget is now the scope's: tenant and namespace.
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True  # every paraphrase a hit, until the budget says no
+    config = semantic(url, judge={"band": [0.0, 1.0]}, audit_rate=1.0, max_wrong_rate=0.05)
+    async with gateway_with(**config) as gw:  # the upstream's answers differ: audits disagree
+        audits, config = gw.gateway.layers.audits, gw.gateway.config
+        a = {"authorization": "Bearer key-of-tenant-a"}
+        b = {"authorization": "Bearer key-of-tenant-b"}
+        of_a, of_b = (budget("", requester(headers, config)) for headers in (a, b))
+
+        async def asked(content: str, headers: dict[str, str]) -> str:
+            body = {
+                "model": "m",
+                "temperature": 0,
+                "messages": [{"role": "user", "content": content}],
+            }
+            response = await gw.client.post("/v1/chat/completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+            return outcome(response)
+
+        assert await asked(ROUTER, a) == await asked(ROUTER, b) == "miss"
+        for _ in range(MIN_AUDITS - 1):  # A's hits found wrong, all but the last
+            audits.record(of_a, True)
+        assert await asked(PARAPHRASES[1], a) == "semantic-hit"  # (its audit disagrees too)
+        await eventually(lambda: audits.state(of_a) == "backed-off", what="A's back-off")
+        assert await asked(PARAPHRASES[2], a) == "miss"  # A: only near repeats now
+        assert await asked(PARAPHRASES[2], b) == "semantic-hit"  # B had no wrong hit till now
+        label_a, label_b = audits.label(of_a.tenant), audits.label(of_b.tenant)
+        await eventually(
+            lambda: label_b in audits.snapshot(tenants=True)[""]["tenants"], what="B's audit"
+        )
+        assert audits.state(of_b) == "serving"  # (its first wrong one: too few to say)
+        # /stats (open without an admin token) says no tenant's budget; the admin's view does,
+        # by a label that is not the tenant id.
+        stats = (await admin(gw, "GET", "/stats")).json()["semantic_audit"][""]
+        assert stats["budgets"] == {"serving": 1, "backed-off": 1} and "tenants" not in stats
+        view = (await admin(gw, "GET", "/admin/semantic/audit")).json()[""]["tenants"]
+        assert (view[label_a]["state"], view[label_b]["state"]) == ("backed-off", "serving")
+        assert of_a.tenant not in str(view) and of_b.tenant not in str(view)
+        # The admin puts one tenant's budget back: the other's stays as it is.
+        reset = await admin(
+            gw, "POST", "/admin/semantic/audit/reset", json={"namespace": "", "tenant": label_a}
+        )
+        assert reset.json() == {"reset": 1}
+        assert (
+            audits.state(of_a) == "serving"
+            and label_b in audits.snapshot(tenants=True)[""]["tenants"]
+        )
 
 
 async def test_the_admin_endpoint_resets_a_namespace(fake, gateway_with):
     async with gateway_with(**semantic(audit_rate=1.0, max_wrong_rate=0.05)) as gw:
-        audits = gw.gateway.layers.audits
-        audits.record("faq", True)
-        assert audits.state("faq") == "backed-off"
+        audits, faq = gw.gateway.layers.audits, budget("faq")
+        for _ in range(MIN_AUDITS):
+            audits.record(faq, True)
+        assert audits.state(faq) == "backed-off"
         reset = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"namespace": "faq"})
-        assert reset.json() == {"reset": 1} and audits.state("faq") == "serving"
+        assert reset.json() == {"reset": 1} and audits.state(faq) == "serving"
         assert (await admin(gw, "POST", "/admin/semantic/audit/reset", json=[])).status_code == 400
         # A misspelt name is refused, not read as {} (which resets every namespace).
-        audits.record("faq", True)
+        for _ in range(MIN_AUDITS):
+            audits.record(faq, True)
         typo = await admin(gw, "POST", "/admin/semantic/audit/reset", json={"nmspace": "faq"})
-        assert typo.status_code == 400 and audits.state("faq") == "backed-off"
+        assert typo.status_code == 400 and audits.state(faq) == "backed-off"
         denied = await admin(gw, "POST", "/admin/semantic/audit/reset", token="no", json={})
         assert denied.status_code == 401
 
@@ -358,7 +433,8 @@ async def test_feedback_drops_the_entry_and_counts_a_wrong_hit(fake, gateway_wit
         assert denied.status_code == 401
         reported = await admin(gw, "POST", "/admin/semantic/feedback", json={"entry": entry})
         assert reported.status_code == 200, reported.text
-        assert reported.json() == {"dropped": True, "namespace": "faq"}
+        label = gw.gateway.layers.audits.label(ANONYMOUS_TENANT)
+        assert reported.json() == {"dropped": True, "namespace": "faq", "tenant": label}
         report = gw.gateway.layers.audits.snapshot()["faq"]
         assert (report["audited"], report["wrong"]) == (1, 1)
         assert outcome(await ask(gw, PARAPHRASES[1], "faq")) == "miss"  # the entry is gone

@@ -585,6 +585,37 @@ async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(tw
         assert a.gateway.semantic.counts["received"] == 0  # its own record is skipped
 
 
+async def test_a_report_of_an_entry_from_another_instance_counts_in_its_tenants_budget(
+    two_semantic, fake
+):
+    # A hit counts in its scope's error budget: the tenant's in the namespace. An entry from
+    # another instance carries its tenant (the record's ``u``), so a report of it does too.
+    from carpool.canonical import requester
+    from carpool.semantic.audit import Budget
+
+    tenant = {"authorization": "Bearer key-of-a-tenant"}
+    async with two_semantic() as (a, b):
+        await ask(a, "How do I reset my router?", headers=tenant)
+        await propagated(b)
+        hit = await ask(b, "how can i reset my router", headers=tenant)
+        assert hit.headers["x-carpool"] == "semantic-hit"
+        reported = await b.client.post(
+            "/admin/semantic/feedback",
+            json={"entry": hit.headers["x-carpool-entry"]},
+            headers={"Authorization": "Bearer t"},
+        )
+        audits = b.gateway.layers.audits
+        budget = Budget(requester(tenant, b.gateway.config), "")
+        assert reported.json() == {
+            "dropped": True,
+            "namespace": "",
+            "tenant": audits.label(budget.tenant),
+        }
+        assert (
+            audits.snapshot(tenants=True)[""]["tenants"][audits.label(budget.tenant)]["wrong"] == 1
+        )
+
+
 async def test_an_entry_whose_texts_are_over_the_record_bound_is_not_published(
     two_semantic, fake, monkeypatch
 ):

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ..identity import names_a_secret
+from ..semantic.audit import MIN_AUDITS, smallest_window, wilson
 from .base import LONGEST_TTL, Section, header_name
 from .upstream import held_key
 from .urls import checked_url
@@ -407,17 +408,44 @@ class SemanticConfig(Section):
         "client got its answer, to compare the answers (the namespace's wrong-hit estimate).",
     )
     audit_window: int = Field(
-        500, ge=10, description="Audits per namespace the estimate is made of (the latest)."
+        500,
+        ge=10,
+        description="Audits per error budget (a tenant's in a namespace) the estimate is made "
+        "of (the latest). With max_wrong_rate, at least the window that can show the budget "
+        "met: one whose 95% upper bound, with no audit wrong, is under it (the config is "
+        "refused otherwise, naming it).",
     )
     max_wrong_rate: float | None = Field(
         None,
-        ge=0,
+        gt=0,
         le=1,
-        description="Error budget: when the 95% interval's lower bound of a namespace's "
-        "wrong-hit rate exceeds it, the namespace backs off (near repeats only; mark-only if "
-        "their rate exceeds it too) and comes back once audits put the upper bound under it "
-        "(null: no budget).",
+        description="Error budget, per tenant and namespace (a shared namespace's tenants "
+        "share one): when the 95% interval's lower bound of its wrong-hit rate exceeds it, "
+        f"over at least {MIN_AUDITS} audits, the namespace backs off for that tenant (near repeats only; "
+        "mark-only if their rate exceeds it too) and comes back once audits put the upper "
+        "bound under it (null: no budget).",
     )
+
+    @model_validator(mode="after")
+    def _a_budget_the_window_can_show_met(self) -> SemanticConfig:
+        """A budget the window cannot resolve is refused: even with none of its audits wrong,
+        the 95% upper bound of a full window (z^2 / (n + z^2): 0.0076 at 500) would stay over
+        it, and a namespace that backed off would never come back."""
+        budget, window = self.max_wrong_rate, self.audit_window
+        if budget is None or window >= (needed := smallest_window(budget)):
+            return self
+        if window < MIN_AUDITS:
+            why = f"a window moves an error budget only once it holds {MIN_AUDITS} audits"
+        else:
+            why = (
+                f"with no audit of the window wrong, its 95% upper bound is "
+                f"{wilson(0, window)[2]:.4f}, not under the budget: a namespace that backed "
+                "off would never serve again"
+            )
+        raise ValueError(
+            f"semantic.max_wrong_rate ({budget:g}) needs a longer semantic.audit_window than "
+            f"{window}: {why}; give audit_window >= {needed}, or a larger max_wrong_rate"
+        )
 
     def embed_timeout_s(self) -> float | None:
         """``embed_timeout_ms`` in seconds, its null resolved for the embedder (None: none)."""

@@ -211,25 +211,38 @@ def document() -> dict[str, Any]:
                 "post",
                 "Report a wrong semantic hit: its entry is dropped and counts as wrong",
                 _object({"entry": {"type": "string", "minLength": 1}}),
-                _object({"dropped": {"type": "boolean"}, "namespace": {"type": "string"}}),
-                "The entry was dropped; a wrong hit counts in its namespace.",
+                _object(
+                    {
+                        "dropped": {"type": "boolean"},
+                        "namespace": {"type": "string"},
+                        "tenant": {"type": "string"},
+                    }
+                ),
+                "The entry was dropped; a wrong hit counts in its error budget (its tenant's, by "
+                "label, in its namespace).",
                 'No "entry", or not JSON.',
                 "No admin token is configured, the semantic cache is off, or no such entry here.",
             ),
             "/admin/semantic/audit": _admin(
                 "get",
-                "Each namespace's audits of semantic hits, wrong-hit estimate and state",
+                "Each namespace's audits of semantic hits, wrong-hit estimate and state, and its "
+                "error budgets' by tenant label",
                 None,
                 {"type": "object", "additionalProperties": ref("SemanticAudit")},
                 "By namespace (the default namespace is the empty string).",
             ),
             "/admin/semantic/audit/reset": _admin(
                 "post",
-                "Put one namespace (or all) back to serving, with no audits",
-                _object({"namespace": {"type": "string"}}),
+                "Put the error budgets of a namespace, a tenant label, both (or all) back to "
+                "serving, with no audits",
+                {
+                    "type": "object",
+                    "properties": {"namespace": {"type": "string"}, "tenant": {"type": "string"}},
+                    "additionalProperties": False,
+                },
                 _object({"reset": {"type": "integer", "minimum": 0}}),
-                "How many namespaces were reset.",
-                "Not an object, or a namespace that is not a string.",
+                "How many error budgets were reset (on every worker).",
+                "Not an object, another key, or a value that is not a string.",
             ),
         },
         "components": {

@@ -50,17 +50,31 @@ _SAMPLING: dict[str, Any] = {
     "user": {"type": "string"},
 }
 
+_STATES = ["serving", "backed-off", "mark"]
+_BUDGET_FIGURES: dict[str, Any] = {
+    "audited": {"type": "integer", "minimum": 0},
+    "wrong": {"type": "integer", "minimum": 0},
+    "estimate": {"type": "number", "minimum": 0, "maximum": 1},
+    "low": {"type": "number", "minimum": 0, "maximum": 1},
+    "high": {"type": "number", "minimum": 0, "maximum": 1},
+    "state": {"type": "string", "enum": _STATES},
+}
+# One error budget's audits (``semantic.audit.Audits.snapshot``): a tenant's in a namespace.
+_BUDGET = {"type": "object", "required": list(_BUDGET_FIGURES), "properties": _BUDGET_FIGURES}
+
 SCHEMAS: dict[str, Any] = {
+    # A namespace's budgets together; ``tenants``: each one's, by tenant label (the admin's).
     "SemanticAudit": {
         "type": "object",
-        "required": ["audited", "wrong", "estimate", "low", "high", "state"],
+        "required": [*_BUDGET_FIGURES, "budgets"],
         "properties": {
-            "audited": {"type": "integer", "minimum": 0},
-            "wrong": {"type": "integer", "minimum": 0},
-            "estimate": {"type": "number", "minimum": 0, "maximum": 1},
-            "low": {"type": "number", "minimum": 0, "maximum": 1},
-            "high": {"type": "number", "minimum": 0, "maximum": 1},
-            "state": {"type": "string", "enum": ["serving", "backed-off", "mark"]},
+            **_BUDGET_FIGURES,
+            "budgets": {
+                "type": "object",
+                "properties": {state: {"type": "integer", "minimum": 1} for state in _STATES},
+                "additionalProperties": False,
+            },
+            "tenants": {"type": "object", "additionalProperties": _BUDGET},
         },
     },
     "Error": {

@@ -27,7 +27,9 @@ Contract:
   holds nothing to drop when it is down (a new process starts empty); one that is alive but
   does not answer in time is logged. ``forget_state(tag)``: likewise, ``{"state": tag}`` (a
   deleted response's, ``Gateway.forget_state``: what each stored under it, by key), which only
-  a peer may send (the door's secret) and no admin token opens.
+  a peer may send (the door's secret) and no admin token opens. ``admin(route, spec)``: likewise
+  any other ``POST /admin/...`` (the semantic audits' reset and reports: ``admin_http``), each
+  answer's status and JSON object.
 - ``metrics()``, ``stats()``: every other worker's own ``/metrics`` text or ``/stats``
   document, asked at once through its door (which answers for that worker alone), for
   ``peers.metrics``; one that does not answer within ``_SCRAPE_TIMEOUT`` is left out (logged).
@@ -294,22 +296,38 @@ class Peers:
         return None
 
     async def _invalidate_on(self, path: Path, spec: Any) -> int:
+        answer = await self._admin_on(path, "/admin/invalidate", spec, "invalidation")
+        dropped = answer[1].get("invalidated") if answer is not None else None
+        return dropped if isinstance(dropped, int) else 0
+
+    async def admin(self, route: str, spec: Any) -> list[tuple[int, dict[str, Any]]]:
+        """``POST route`` (``/admin/semantic/...``) with ``spec`` on every other worker at once,
+        as the operator's (its admin token): each answer's status and JSON object, of those that
+        gave one (one down or that does not answer in time gives none: logged)."""
+        answers = await asyncio.gather(
+            *(self._admin_on(path, route, spec, route) for path in self._others())
+        )
+        return [answer for answer in answers if answer is not None]
+
+    async def _admin_on(
+        self, path: Path, route: str, spec: Any, what: str
+    ) -> tuple[int, dict[str, Any]] | None:
+        """``POST route`` through the door on ``path``: its status and JSON object, or None."""
         headers = {"content-type": "application/json", PEER_HEADER.decode(): self._secret}
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"
         try:
             async with self._session(path).post(
-                "http://worker/admin/invalidate", data=orjson.dumps(spec), headers=headers
+                f"http://worker{route}", data=orjson.dumps(spec), headers=headers
             ) as response:
-                answer = await response.json(content_type=None)
+                status, answer = response.status, await response.json(content_type=None)
         except _UNREACHED as error:  # (down: it holds nothing; a spare's stale file, often)
-            log.info("worker %s is down: nothing to invalidate (%s)", path.name, _why(error))
-            return 0
+            log.info("worker %s is down: no %s there (%s)", path.name, what, _why(error))
+            return None
         except (*_FAILED, ValueError) as error:
-            log.warning("worker %s did not take the invalidation: %s", path.name, _why(error))
-            return 0
-        dropped = answer.get("invalidated") if isinstance(answer, dict) else None
-        return dropped if isinstance(dropped, int) else 0
+            log.warning("worker %s did not take the %s: %s", path.name, what, _why(error))
+            return None
+        return (status, answer) if isinstance(answer, dict) else None
 
     def _headers(self, given: Mapping[str, str], dropped: frozenset[str]) -> dict[str, str]:
         headers, raw = {}, []

@@ -72,6 +72,8 @@ Record layout (one stream entry, all values bytes):
       c    when the answer was created, wall-clock seconds (decimal; for max_age)
       g    the tags, a JSON list of strings
       n    the namespace
+      u    the scope's tenant (``Fingerprint.tenant``: a digest, ``*`` in a shared namespace),
+           whose error budget a report of the entry counts in (``semantic/audit.py``)
       p    the prompt prefix (for prefix invalidation)
     invalidate:
       sel  "tag" | "namespace" | "prefix" | "all"
@@ -234,6 +236,7 @@ class SharedSemanticCache(SemanticCache):
                     b"c": repr(float(entry.created)).encode(),
                     b"g": orjson.dumps(list(entry.tags)),
                     b"n": entry.namespace.encode(),
+                    b"u": entry.tenant.encode(),
                     b"p": entry.prompt_prefix.encode(),
                 }
             )
@@ -413,6 +416,8 @@ class SharedSemanticCache(SemanticCache):
             fields.get(b"p", b"").decode(),
             ref=fields[b"k"].decode(),
             created=float(fields[b"c"]),
+            # (A record of an instance from before the field: the namespace's shared budget.)
+            tenant=fields.get(b"u", b"*").decode(),
         )
 
     def _failed(self, error: StoreUnavailable) -> None:

@@ -169,6 +169,7 @@ class SemanticEntry:
     ref: str | None = None  # the exact-cache key of the answer, if remote
     created: float = 0.0  # when the answer was made (for max_age)
     context: str = ""  # a conversation's earlier turns
+    tenant: str = "*"  # the scope's (``Fingerprint.tenant``): whose error budget its hits count in
     public_id: str = field(default="", init=False)  # what clients see of it: an opaque id
 
     def __post_init__(self) -> None:
@@ -393,13 +394,16 @@ class SemanticCache:
         key: str | None = None,
         ref: str | None = None,
         created: float | None = None,
+        tenant: str = "*",
     ) -> int | None:
         """Store ``answer`` (or, with ``answer=None``, the reference ``ref``) under the view.
 
         ``vector``: the embedding of ``focus(view).text`` (``Probe.vector``), or None to compute
         it. ``key``: the answer's exact-cache key (here only passed on to ``_inserted``, which
         ``SharedSemanticCache`` overrides to publish the entry). ``created``: when the answer was
-        made (default: ``answer.created``). Returns the entry's id (``forget_entry``), or None
+        made (default: ``answer.created``). ``tenant``: the scope's (``Fingerprint.tenant``:
+        ``*`` in a shared namespace), whose error budget a report of the entry counts in
+        (``forget``). Returns the entry's id (``forget_entry``), or None
         when it was not kept.
         """
         if answer is None and ref is None:
@@ -426,6 +430,7 @@ class SemanticCache:
             ref=ref,
             created=created,
             context=view.context,
+            tenant=tenant,
         )
         # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
         held = answer.size if answer is not None else len(ref or "")
@@ -475,16 +480,16 @@ class SemanticCache:
             self._unindex(key, entry)
         return len(doomed)
 
-    def forget(self, public_id: str) -> str | None:
+    def forget(self, public_id: str) -> SemanticEntry | None:
         """Drop the entry clients know as ``public_id`` (``x-carpool-entry``: a reported wrong
-        hit); its namespace, or None when this cache holds no such entry (any more). Only this
+        hit); the entry, or None when this cache holds no such entry (any more). Only this
         instance's copy: another instance's copy of a shared entry stays."""
         key = self._by_public.get(public_id)
         entry = None if key is None else self._entries.peek(key)
         if entry is None:
             return None
         self._drop(entry)
-        return entry.namespace
+        return entry
 
     def refuse(self, entry: SemanticEntry, view: SemanticView) -> None:
         """Never serve ``entry`` for ``view``'s prompt again (an audit found it wrong)."""
