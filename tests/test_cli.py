@@ -365,3 +365,107 @@ def test_serve_never_starts_workers_that_could_not_load_their_config(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "the workers could not load the config written for them" in result.stderr
     assert "coalesce.window_ms" in result.stderr and "Traceback" not in result.stderr
+
+
+def _served_log(*args: str, env: dict[str, str]) -> str:
+    """``carpool serve ARGS`` run until ``/healthz`` answers, then stopped: all it wrote
+    (whatever its log level: ``serve_log`` waits for a line logged at info)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "carpool serve never served"
+                time.sleep(0.05)
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    return output
+
+
+@pytest.mark.parametrize("level, log_format", [("warning", "text"), ("error", "json")])
+def test_serve_says_simulated_engine_first_at_any_log_level(level, log_format):
+    # Logged at info, it was never said at warning or error: nothing told the operator that the
+    # answers were synthetic text.
+    log = _served_log(env={"CARPOOL_LOG_LEVEL": level, "CARPOOL_LOG_FORMAT": log_format})
+    assert "SIMULATED" in log.splitlines()[0], log
+
+
+def _check_config(path, *, hidden: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``carpool check-config PATH``, the module ``hidden`` made not installed (find_spec of
+    a name whose ``sys.modules`` entry is None answers None)."""
+    code = "import sys\n"
+    if hidden is not None:
+        code += f"sys.modules[{hidden!r}] = None\n"
+    code += "from carpool.cli import main\nmain()\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_config_refuses_a_model_folder_without_its_files(tmp_path):
+    # check-config said ok to a semantic.model_dir or verifier_dir that was a folder without the
+    # model's files, or to semantic.enabled without the semantic extra: serve refused them all.
+    path = tmp_path / "c.yaml"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for key, lacking in (("model_dir", "model.safetensors"), ("verifier_dir", "verifier.json")):
+        path.write_text(f"semantic:\n  enabled: true\n  {key}: {folder}\n")
+        result = _check_config(path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"semantic.{key}" in result.stderr and lacking in result.stderr
+    path.write_text("semantic:\n  enabled: true\n")
+    result = _check_config(path, hidden="usearch")
+    assert result.returncode == 2 and "needs the semantic extra" in result.stderr, result.stderr
+    path.write_text("tracing: on\n")
+    result = _check_config(path, hidden="opentelemetry")
+    assert result.returncode == 2 and "needs the otel extra" in result.stderr, result.stderr
+    assert _check_config(path).returncode == 0  # (installed here)
+
+
+@pytest.mark.parametrize("host", ["a\\0b", "\\udc80", "\\u00e4..b"])
+def test_a_host_no_socket_can_take_exits_2_not_a_traceback(host, tmp_path):
+    # check-config said ok; serve then failed with a TypeError or UnicodeError traceback.
+    path = tmp_path / "c.yaml"
+    path.write_text(f'host: "{host}"\n')
+    for command in (["check-config", str(path)], ["serve", "--config", str(path)]):
+        result = subprocess.run(
+            [sys.executable, "-m", "carpool.cli", *command],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=60,
+        )
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "host" in result.stderr
+    # (No argument can hold a NUL: another control character stands for it.)
+    text = {"a\\0b": "a\x01b", "\\udc80": "\udc80", "\\u00e4..b": "\u00e4..b"}[host]
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "sim", "--host", text, "--port", "1"],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=60,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--host" in result.stderr
+
+
+def test_an_empty_carpool_config_variable_means_no_file():
+    # CARPOOL_CONFIG= (as a template leaves it) was the file "": "[Errno 21] Is a directory".
+    log = _served_log(env={"CARPOOL_CONFIG": ""})
+    assert "SIMULATED" in log and "config file" not in log

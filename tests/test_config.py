@@ -23,6 +23,13 @@ def test_defaults_match_the_contract():
     assert config.coalesce.window_ms == 1000 and config.coalesce.join_timeout_ms == 30000
     assert config.limits.max_body_bytes == 8388608 and config.limits.upstream_timeout == 600
     assert config.idempotency.retention == 86400 and config.tenant.header == "Authorization"
+    assert config.fingerprint.normalize_whitespace is False
+    assert config.coalesce.adaptive is True and config.coalesce.finish_abandoned is False
+    assert config.semantic.enabled is False and config.semantic.threshold is None
+    assert config.tenant.shared_namespaces == [] and config.idempotency.on_conflict == "reject"
+    assert config.routing.policy == "cache-aware"
+    assert config.batching.max_batch_size == 32 and config.batching.max_batch_delay_ms == 5
+    assert config.admin_token is None and (config.host, config.port) == ("127.0.0.1", 8080)
 
 
 def test_flags_override_environment_override_file(tmp_path):
@@ -94,6 +101,27 @@ def test_a_request_types_policy_applies_whatever_the_case_of_its_key():
     # as Realtime must be that type's policy, not one that never applies.
     config = Config.load(env={}, overrides={"cache": {"types": {"Realtime": {"ttl": 5}}}})
     assert config.ttl_for("realtime") == 5 and "Realtime" not in config.cache.types
+
+
+def test_an_environment_variable_beats_a_file_type_key_written_in_another_case(tmp_path):
+    # Variable names are read lower-cased: the file's Realtime and the variable's realtime were
+    # merged as two keys, then refused ("two keys differ only in case"), not the variable won.
+    path = tmp_path / "c.yaml"
+    path.write_text("cache:\n  types:\n    Realtime: {ttl: 5}\n    NEWS: {ttl: 60}\n")
+    assert Config.load(path, env={}).ttl_for("realtime") == 5
+    env = {"CARPOOL_CACHE__TYPES__REALTIME__TTL": "10"}
+    config = Config.load(path, env=env)
+    assert config.ttl_for("realtime") == 10 and config.ttl_for("news") == 60
+    assert set(config.cache.types) == {"translation", "faq", "code", "realtime", "factual", "news"}
+    overridden = {"cache": {"types": {"ReAlTiMe": {"ttl": 20}}}}
+    assert Config.load(path, env=env, overrides=overridden).ttl_for("realtime") == 20
+    # A whole section given in a variable is one source too.
+    whole = {"CARPOOL_CACHE": "{types: {REALTIME: {ttl: 30}}}"}
+    assert Config.load(path, env=whole).ttl_for("realtime") == 30
+    # Within one source, two keys that differ only in case are still refused.
+    path.write_text("cache:\n  types:\n    Realtime: {ttl: 5}\n    realtime: {ttl: 6}\n")
+    with pytest.raises(ConfigError, match="cache.types"):
+        Config.load(path, env=env)
 
 
 def test_ttl_for_a_type_falls_back_to_the_default():
@@ -282,11 +310,22 @@ def test_a_ttl_a_retention_or_a_lease_past_100_years_is_refused_naming_it():
             Config.load(env={}, overrides=overrides)
 
 
-@pytest.mark.parametrize("field", ["model_dir", "verifier_dir"])
-def test_a_semantic_model_folder_that_is_not_one_is_a_config_error(field, tmp_path):
-    # check-config said ok; serve then failed with a FileNotFoundError traceback.
+@pytest.mark.parametrize(
+    "field, files",
+    [
+        ("model_dir", ["model.safetensors", "tokenizer.json"]),
+        ("verifier_dir", ["verifier.json", "model.onnx", "tokenizer.json"]),
+    ],
+)
+def test_a_semantic_model_folder_that_is_not_one_is_a_config_error(field, files, tmp_path):
+    # check-config said ok; serve then failed with a FileNotFoundError traceback. A folder
+    # without one of its files is refused naming it (its digests are checked when it loads).
     with pytest.raises(ConfigError, match=field):
         Config.load(env={}, overrides={"semantic": {field: str(tmp_path / "nowhere")}})
+    for name in files:
+        with pytest.raises(ConfigError, match=f"{field}.*{name}"):
+            Config.load(env={}, overrides={"semantic": {field: str(tmp_path)}})
+        (tmp_path / name).write_text("{}")
     assert getattr(
         Config.load(env={}, overrides={"semantic": {field: str(tmp_path)}}).semantic, field
     )
@@ -607,3 +646,19 @@ def test_check_config_refuses_a_budget_the_window_cannot_resolve(semantic, neede
         audits.record(faq, False, near=True)
     assert audits.state(faq) == SERVING
     assert Config.load(env={}, overrides={"semantic": {"max_wrong_rate": 0.05}})  # (as before)
+
+
+def test_an_unknown_key_never_echoes_its_value(tmp_path):
+    # A misspelt key was shown with its value ("redis_pass: unknown key; got 'hunter2'"): only
+    # a key whose name looks secret hid it, and a misspelt name is anything.
+    path = tmp_path / "c.yaml"
+    path.write_text("admin_tokn: adm-SECRET\nupstream:\n  bearer: sk-live-SECRET\nport: 1\n")
+    env = {"CARPOOL_REDIS_PASS": "hunter2-SECRET", "CARPOOL_CACHE__TYPO": "7-SECRET"}
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env=env)
+    said = str(raised.value)
+    assert "SECRET" not in said, said
+    for key in ("admin_tokn", "upstream.bearer", "redis_pass", "cache.typo"):
+        assert f"{key}: unknown key" in said
+    with pytest.raises(ConfigError, match="port: .*got 'x'"):  # a known key's value is shown
+        Config.load(env={"CARPOOL_PORT": "x"})

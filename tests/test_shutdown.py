@@ -258,3 +258,29 @@ def async_(check: Any) -> Any:
         return check()
 
     return checked
+
+
+async def test_sighup_to_one_worker_is_logged_and_ignored(fake):
+    # SIGHUP's default action killed a one-worker gateway at once: no drain, no log line, the
+    # requests in progress cut. A reload is uvicorn's with --workers; here it is said, not done.
+    async with instances(1, fake.url, None) as (gw,):
+        fake.gate = asyncio.Event()  # the upstream call waits for it
+        request = asyncio.create_task(gw.client.post("/v1/chat/completions", json=BODY))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (await gw.stats())["waiters"] < 1:  # in progress
+            assert loop.time() < deadline, "the request never reached its flight"
+            await asyncio.sleep(0.01)
+        gw.proc.send_signal(signal.SIGHUP)
+        while "SIGHUP" not in gw.log.read_text():
+            assert gw.proc.poll() is None, gw.log.read_text()[-2000:]
+            assert loop.time() < deadline, "SIGHUP was never logged"
+            await asyncio.sleep(0.02)
+        said = [line for line in gw.log.read_text().splitlines() if "SIGHUP" in line]
+        assert len(said) == 1 and "WARNING" in said[0] and "--workers" in said[0], said
+        fake.gate.set()
+        assert (await request).status_code == 200
+        other = {**BODY, "messages": [{"role": "user", "content": "after the SIGHUP"}]}
+        assert (await gw.client.post("/v1/chat/completions", json=other)).status_code == 200
+        assert (await gw.client.get("/readyz")).status_code == 200  # (not draining)
+        assert gw.proc.poll() is None

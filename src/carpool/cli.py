@@ -2,11 +2,13 @@
 
 Contract: every option can also come from the config file and ``CARPOOL_*`` variables (flags win);
 a bad configuration exits with status 2 and a message naming the field and what is allowed
-(``carpool.commands.common``). The first log line of ``carpool serve`` says which engine it
-fronts, so nobody mistakes the simulator for a real model. No log line carries a URL's credentials
-or query: upstreams are logged by their replica names (``upstream.http.replica_names``), other URLs
-without user, password and query (``without_credentials``); so is an upstream whose path does not
-end in ``/v1``, in the one warning that says so. Start-up warns, once each, when the gateway
+(``carpool.commands.common``), as does a host no socket can take. The first log line of
+``carpool serve`` says which engine it fronts, so nobody mistakes the simulator for a real model:
+the simulated engine's is a WARNING, written whatever ``log_level`` (``_said_at_any_level``).
+No log line carries a URL's credentials or query: upstreams are logged by their replica names
+(``upstream.http.replica_names``), other URLs without user, password and query
+(``without_credentials``); so is an upstream whose path does not end in ``/v1``, in the one
+warning that says so. Start-up warns, once each, when the gateway
 holds an upstream key for anyone who asks, and when ``/stats``, ``/metrics`` and ``/dashboard``
 are open (no ``admin_token``) on an address beyond loopback.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import ipaddress
 import logging
 import os
@@ -36,10 +37,13 @@ from . import peers
 from .commands.bench import bench
 from .commands.check import check_config
 from .commands.common import (
+    SEMANTIC_MODULES,
     default_of,
     install_hint,
     load_config,
     missing_extra,
+    missing_module,
+    refuse_missing_extras,
 )
 from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
@@ -115,6 +119,7 @@ def serve(
             "workers": workers,
         },
     )
+    refuse_missing_extras(config)
     configure_logging(config.log_level, config.log_format)
     log = logging.getLogger("carpool.cli")
     if config.upstreams:
@@ -127,7 +132,8 @@ def serve(
             ", ".join(name for name, _ in replica_names(config.upstreams, config.upstream_names)),
         )
     else:
-        log.info(
+        _said_at_any_level(
+            log,
             "no --upstream given, using the embedded SIMULATED engine "
             "(%d replica(s)); its answers are synthetic text, not a real model",
             config.sim.replicas,
@@ -205,7 +211,7 @@ def serve(
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
     if gateway.semantic is None:
-        installed = all(importlib.util.find_spec(m) for m in ("onnxruntime", "usearch", "numpy"))
+        installed = missing_module(SEMANTIC_MODULES) is None
         log.info(
             "semantic cache off (turn it on with semantic.enabled: true, or "
             "CARPOOL_SEMANTIC__ENABLED=true%s)",
@@ -221,7 +227,7 @@ def serve(
     try:  # (said before anything says it listens: uvicorn would only fail after)
         with socket.create_server((config.host, config.port)):
             pass
-    except OSError as error:
+    except (OSError, TypeError, ValueError) as error:  # (a host no name lookup could take)
         click.echo(f"carpool: cannot listen on {config.host}:{config.port}: {error}", err=True)
         sys.exit(2)
     log.info("listening on http://%s:%d/v1", config.host, config.port)
@@ -275,6 +281,13 @@ def serve(
         uvicorn.run(
             "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
         )
+
+
+def _said_at_any_level(log: logging.Logger, message: str, *args: Any) -> None:
+    """``message`` as a WARNING record handed to the handlers whatever ``log_level`` is (the
+    level is checked by ``Logger.warning``, not by ``Logger.handle``; the handler has none):
+    at ``error``, nothing else would tell the operator that the answers are synthetic."""
+    log.handle(log.makeRecord(log.name, logging.WARNING, __file__, 0, message, args, None))
 
 
 def _workers_load(path: str, config: Config) -> None:

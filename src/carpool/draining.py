@@ -17,14 +17,22 @@ clients (``Gateway.settle``). If the process is killed before, the followers tak
 as after a crash. Each worker of ``--workers N`` runs uvicorn's own server, which sets no
 ``stop_by``: the HTTP protocol sets it as uvicorn stops the worker's connections
 (``http_protocol``), else the lifespan's end does (``GatewayApp.grace_s``).
+
+SIGHUP is no stop: with one process there are no workers to restart (``--workers N`` is
+uvicorn's supervisor, whose SIGHUP restarts them, on the config the run started with), and its
+default action killed the process at once, the requests in progress cut, nothing logged. It is
+logged as a WARNING saying so, and otherwise ignored: the gateway serves on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -41,6 +49,27 @@ class DrainingServer(uvicorn.Server):
         self.gateway = gateway
         self.drain_s = settings.shutdown.drain_s
         self._drained_at: float | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's handles SIGINT and SIGTERM; SIGHUP is added beside them, and put back as
+        # it was when they are (signals can only be handled on the main thread).
+        with super().capture_signals():
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = signal.signal(signal.SIGHUP, self.handle_hangup)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGHUP, previous)
+
+    def handle_hangup(self, sig: int, frame: FrameType | None) -> None:
+        log.warning(
+            "SIGHUP ignored, serving on: one process has no workers to restart; run with "
+            "--workers N for a SIGHUP that restarts them (on the config the run started with), "
+            "or restart carpool serve to read its config again"
+        )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self._drained_at is None and self.drain_s > 0:

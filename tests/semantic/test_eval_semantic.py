@@ -277,3 +277,13 @@ def test_eval_semantic_loads_the_model_folders_it_is_given_and_says_what_they_la
     result = _eval("--pairs", str(pairs), option, str(folder))
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert str(folder) in result.output and lacking in result.output
+
+
+def test_a_decisions_file_that_cannot_be_written_exits_2_before_the_run(tmp_path):
+    # Its folder was checked, not the file: the whole evaluation ran, then a traceback.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    unwritable = tmp_path / ("d" * 300 + ".jsonl")  # (a name too long, even for root)
+    result = _eval("--pairs", str(pairs), "--decisions", str(unwritable))
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "--decisions" in result.output and "near_repeat" not in result.output

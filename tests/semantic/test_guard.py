@@ -398,6 +398,9 @@ def test_the_verifier_threshold_and_folder_are_settings(tmp_path):
         build_semantic(Config.model_validate({"semantic": {"enabled": True}})).guard.threshold
         == shared_cross_encoder().threshold
     )
+    for name in ("model.onnx", "tokenizer.json"):  # (a folder without them: a config error)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "verifier.json").write_text("not JSON")
     with pytest.raises(VerifierFileError, match="no verifier"):
         build_semantic(
             Config.model_validate({"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}})

@@ -3,7 +3,8 @@
 Contract: the file (and the ``CARPOOL_*`` variables, which a served gateway would read too) is
 loaded exactly as ``carpool serve --config FILE`` loads it (``commands.common.load_config``):
 valid, it prints ``ok: FILE`` and a one-line summary and exits 0; invalid (or missing, or not
-YAML), it exits 2 with a message naming the field and what is allowed. Nothing is started,
+YAML, or turning on what an extra that is not installed provides: ``refuse_missing_extras``, as
+serve), it exits 2 with a message naming the field and what is allowed. Nothing is started,
 nothing is fetched, no connection is made.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import click
 
 from ..config.urls import without_credentials
-from .common import load_config
+from .common import load_config, refuse_missing_extras
 
 
 @click.command("check-config")
@@ -20,6 +21,7 @@ from .common import load_config
 def check_config(file: str) -> None:
     """Validate FILE (a carpool YAML config) without serving: exit 0, or 2 naming the field."""
     config = load_config(file, {})
+    refuse_missing_extras(config)
     upstreams = (
         ", ".join(without_credentials(u) for u in config.upstreams) or "the simulated engine"
     )

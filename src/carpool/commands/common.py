@@ -1,16 +1,20 @@
 """What every ``carpool`` command shares.
 
-Contract: every option can also come from the config file (``--config``, else ``CARPOOL_CONFIG``)
-and ``CARPOOL_*`` variables; flags win (``load_config``). A bad configuration exits with status 2
-and a message naming the field and what is allowed. No log line carries a URL's credentials or
-query: ``carpool.config.urls.without_credentials`` is how a URL other than an upstream's is
-written into one.
+Contract: every option can also come from the config file (``--config``, else ``CARPOOL_CONFIG``;
+an empty ``CARPOOL_CONFIG=`` is no file) and ``CARPOOL_*`` variables; flags win
+(``load_config``). A bad configuration exits with status 2 and a message naming the field and
+what is allowed; so does one that turns on what an extra that is not installed provides
+(``refuse_missing_extras``: ``carpool serve`` and ``carpool check-config`` alike). No log line
+carries a URL's credentials or query: ``carpool.config.urls.without_credentials`` is how a URL
+other than an upstream's is written into one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import click
@@ -24,7 +28,8 @@ def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
     exits 2 naming the field when it is invalid."""
     try:
         return Config.load(
-            config_file or os.environ.get(CONFIG_FILE_VARIABLE),
+            # (An empty variable, as a template leaves it, is no file: not the file "".)
+            config_file or os.environ.get(CONFIG_FILE_VARIABLE) or None,
             overrides={k: v for k, v in overrides.items() if v is not None},
         )
     except ConfigError as error:
@@ -35,6 +40,37 @@ def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
 def install_hint(extra: str) -> str:
     """How to install an extra (carpool installs from its repository, not a package index)."""
     return f"pip install '.[{extra}]' in carpool's checkout"
+
+
+#: The modules of the semantic extra that a served gateway imports with semantic.enabled (its
+#: huggingface_hub only fetches the model: ``carpool fetch-model``); of the otel extra, with
+#: ``tracing: on`` (``carpool.tracing``).
+SEMANTIC_MODULES = ("numpy", "tokenizers", "safetensors", "onnxruntime", "onnx", "usearch")
+OTEL_MODULES = ("opentelemetry.trace",)
+
+
+def missing_module(modules: Iterable[str]) -> str | None:
+    """The first of ``modules`` that is not installed (found, not imported), or None."""
+    for module in modules:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return module
+        except (ImportError, ValueError):  # (a parent package missing, or blocked)
+            return module
+    return None
+
+
+def refuse_missing_extras(config: Config) -> None:
+    """Exit 2 naming the setting and the extra when ``config`` turns on what an extra that is
+    not installed provides: ``semantic.enabled``, ``tracing: on`` (``auto`` traces only when
+    OpenTelemetry is there, so it asks for nothing)."""
+    for on, what, extra, modules in (
+        (config.semantic.enabled, "semantic.enabled", "semantic", SEMANTIC_MODULES),
+        (config.tracing == "on", "tracing: on", "otel", OTEL_MODULES),
+    ):
+        missing = missing_module(modules) if on else None
+        if missing is not None:
+            missing_extra(what, extra, ModuleNotFoundError(f"no module named {missing!r}"))
 
 
 def missing_extra(what: str, extra: str, error: Exception) -> NoReturn:

@@ -4,7 +4,8 @@ pairs) and ``carpool fetch-model`` (download its model).
 Contract: both need the semantic extra and say so (exit 2) without it. ``eval-semantic`` loads
 the models the gateway would (``--model-dir``, ``--verifier-dir``: ``semantic.model_dir`` and
 ``semantic.verifier_dir``, read from the same variables); a folder without its files, or pairs
-files with no pair to score, exit 2 saying which. ``fetch-model`` is the only thing that ever
+files with no pair to score, or a ``--decisions`` file that cannot be written (opened before
+the run), exit 2 saying which. ``fetch-model`` is the only thing that ever
 downloads the model: it checks the SHA-256 digests and prints the directory (exit 1 when the
 download fails or a digest differs: the bytes refused are deleted from the cache, so that the
 next run downloads them afresh).
@@ -13,7 +14,7 @@ next run downloads them afresh).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import click
 from pydantic import ValidationError
@@ -52,7 +53,9 @@ def _as_judge_setting(field: str) -> Any:
 )
 @click.option(
     "--decisions",
-    type=click.Path(dir_okay=False),
+    # Opened as the options are read: a file that cannot be written is a usage error (exit 2)
+    # before the run, not a traceback after it.
+    type=click.File("w", encoding="utf-8", lazy=False),
     default=None,
     help="Write one JSONL row per pair with its decision.",
 )
@@ -124,7 +127,7 @@ def _as_judge_setting(field: str) -> Any:
 )
 def eval_semantic(
     pair_files: tuple[str, ...],
-    decisions: str | None,
+    decisions: TextIO | None,
     threshold: float | None,
     verifier_threshold: float | None,
     sweep: bool,
@@ -136,8 +139,6 @@ def eval_semantic(
     verifier_dir: str | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
-    from pathlib import Path
-
     try:
         from ..semantic.cache import CALIBRATED_THRESHOLD
         from ..semantic.embed import LocalEmbedder
@@ -154,10 +155,6 @@ def eval_semantic(
     except ImportError as error:
         missing_extra("the semantic cache", "semantic", error)
     threshold = CALIBRATED_THRESHOLD if threshold is None else threshold
-    if decisions and not Path(decisions).parent.is_dir():  # (not after the whole run)
-        raise click.BadParameter(
-            f"{Path(decisions).parent} is not a folder", param_hint="--decisions"
-        )
     try:
         pairs = load_pairs(pair_files, half)
     except ValueError as error:  # a line that is no labeled pair, no pair at all: said, exit 2
@@ -189,8 +186,8 @@ def eval_semantic(
                 f"{row['threshold']:>10.2f}{row['verifier_threshold']:>10.2f}"
                 f"{percent(row['hit_rate']):>9}{percent(row['wrong_rate']):>8}"
             )
-    if decisions:
-        write_decisions(evaluator, threshold, Path(decisions), None, judge)
+    if decisions is not None:
+        write_decisions(evaluator, threshold, decisions, None, judge)
 
 
 @click.command("fetch-model")

@@ -3,7 +3,9 @@
 Contract: its cost model is the config's ``sim`` section (the file, ``CARPOOL_SIM__*``, then these
 flags, strongest last); ``carpool.upstream.sim_server.serve_replicas`` runs it, saying that it is
 simulated. Replica i listens on ``--port`` + i: a port and a replica count (from the flag or
-the config) whose last port is beyond 65535 is a usage error (exit 2) before any replica starts.
+the config) whose last port is beyond 65535 is a usage error (exit 2) before any replica starts,
+as is a ``--host`` that ``host`` would refuse in a config (``config.urls.checked_host``).
+``--host`` and ``--port`` are flags only (the config's ``host`` and ``port`` are the gateway's).
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ import asyncio
 import click
 
 from ..config import SimConfig
+from ..config.urls import checked_host
 from .common import default_of, load_config
 
 
+def _an_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--host`` as ``host`` is checked in a config (``config.urls.checked_host``)."""
+    try:
+        return checked_host(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, callback=_an_address)
 @click.option(
     "--port",
     type=click.IntRange(0, 65535),

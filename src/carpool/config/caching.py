@@ -8,11 +8,12 @@ from these fields. Durations are seconds unless the name ends in ``_ms``; sizes 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from ..identity import names_a_secret
 from ..semantic.audit import MIN_AUDITS, smallest_window, wilson
@@ -311,11 +312,27 @@ class SemanticConfig(Section):
 
     @field_validator("model_dir", "verifier_dir")
     @classmethod
-    def _a_folder(cls, value: str | None) -> str | None:
-        # Checked when the config loads: check-config refuses what serve would fail on (its
-        # files and digests are checked when the model loads).
-        if value is not None and not Path(value).is_dir():
+    def _a_folder_with_its_files(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # Checked when the config loads: check-config refuses what serve would fail on. Only
+        # that each file is there and readable: their digests are checked when the model loads.
+        if value is None:
+            return None
+        folder = Path(value)
+        if not folder.is_dir():
             raise ValueError(f"{value!r} is not a folder")
+        # (Imported here: light, but the embed package imports numpy when it is installed.)
+        if info.field_name == "model_dir":
+            from ..semantic.embed.weights import MODEL_SHA256
+
+            what, files = "model", tuple(MODEL_SHA256)
+        else:
+            from ..semantic.verifier import FILES
+
+            what, files = "verifier", FILES
+        for name in files:
+            path = folder / name
+            if not (path.is_file() and os.access(path, os.R_OK)):
+                raise ValueError(f"no {what} in {value}: it holds no readable {name}")
         return value
 
     verifier_threshold: float | None = Field(

@@ -5,6 +5,9 @@ Contract:
 - Sources, strongest first: explicit overrides (CLI flags) > ``CARPOOL_*`` environment variables >
   the YAML file > the defaults. Mappings merge key by key (a file's ``cache.types`` and
   ``CARPOOL_CACHE__DEFAULT_TTL`` both apply); anything else is replaced by the stronger source.
+  ``cache.types``' keys are lower-cased in each source before the merge, as a request's type is
+  read (``_types_in_lower_case``): a variable's ``realtime`` replaces a file's ``Realtime``; two
+  keys of one source that differ only in case are refused.
 - A variable is ``CARPOOL_`` (in capitals) followed by the key in any case; nested keys are joined
   with ``__``: ``CARPOOL_CACHE__MAX_BYTES=1000``, ``CARPOOL_CACHE__TYPES__FAQ__TTL=5``. A section
   or a list can also be given whole (``CARPOOL_UPSTREAMS='[http://a:8000/v1, http://b:8000/v1]'``,
@@ -18,7 +21,8 @@ Contract:
   there an empty value is what a secret that was not mounted looks like, and stays the empty
   string, which the key refuses ("give one, or null"); ``null`` turns it off.
 - A ``CARPOOL_*`` variable that names no key is an error, like an unknown key in the file: a typo
-  must not silently keep a default.
+  must not silently keep a default. The error names the key, never its value (a misspelt
+  secret's name is anything).
 - Any invalid source raises ``ConfigError`` naming the field and what is allowed; a file that is
   not UTF-8 text too, naming the byte where it stops being so.
 - ``resolved_text(config)``: the file from which a child process (a worker of ``carpool serve
@@ -76,14 +80,30 @@ def load(
 ) -> Config:
     """``Config.load``: the file at ``path``, ``env`` (``os.environ`` unless given) and
     ``overrides`` merged over the defaults, validated."""
-    file_values = _read_file(path) if path is not None else {}
+    file_values = _types_in_lower_case(_read_file(path) if path is not None else {})
     with _sources(os.environ if env is None else env, file_values):
         try:
-            merged = _Sources(**dict(overrides or {}))
+            merged = _Sources(**_types_in_lower_case(overrides or {}))
         except ValidationError as exc:
             raise ConfigError(describe(exc)) from exc
     # The fields are validated already; this makes the result a plain Config.
     return Config.model_validate(dict(merged))
+
+
+def _types_in_lower_case(values: Mapping[str, Any]) -> dict[str, Any]:
+    """One source's values, its ``cache.types`` keys lower-cased (as a request's type is read):
+    so that a stronger source's ``realtime`` (a variable's name is read lower-cased) replaces a
+    weaker one's ``Realtime`` when the sources merge, instead of both reaching the validator as
+    two keys. Two keys of this source that differ only in case are left as they are, for the
+    validator to refuse (``CacheConfig._merge_default_types``)."""
+    cache = values.get("cache")
+    types = cache.get("types") if isinstance(cache, Mapping) else None
+    if not isinstance(cache, Mapping) or not isinstance(types, Mapping):
+        return dict(values)
+    lowered = {k.lower() if isinstance(k, str) else k: v for k, v in types.items()}
+    if len(lowered) < len(types):
+        return dict(values)
+    return {**values, "cache": {**cache, "types": lowered}}
 
 
 def resolved_text(config: Config) -> str:
@@ -101,18 +121,21 @@ def resolved_text(config: Config) -> str:
 def describe(exc: ValidationError) -> str:
     """One line naming every invalid field, what it got and what is allowed.
 
-    What it got is shown only when it is one plain value of a field that holds no secret: the
-    input of a section or of the whole config holds every key and token in it, and a URL its
-    user and password (those go through ``without_credentials``; a validator's own message
-    does the same).
+    What it got is shown only when it is one plain value of a known field that holds no
+    secret: the input of a section or of the whole config holds every key and token in it, a
+    URL its user and password (those go through ``without_credentials``; a validator's own
+    message does the same), and an unknown key may be a secret's, misspelt (``admin_tokn``,
+    ``CARPOOL_REDIS_PASS``): its name is no guide, so its value is never shown.
     """
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
         field = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{field}: unknown key")
+            continue
         # pydantic's messages already say what is allowed ("Input should be 'a' or 'b'").
-        message = err["msg"] if err["type"] != "extra_forbidden" else "unknown key"
-        lines.append(f"{field}: {message}{_got(loc, err.get('input'))}")
+        lines.append(f"{field}: {err['msg']}{_got(loc, err.get('input'))}")
     return "invalid config: " + "; ".join(lines)
 
 
@@ -304,4 +327,4 @@ class _Environment(EnvSettingsSource):
                     node[part] = {}
                 node = node[part]
             node[last] = value
-        return _decoded(data)
+        return _types_in_lower_case(_decoded(data))

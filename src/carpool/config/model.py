@@ -8,8 +8,8 @@ replicas are called with (a key, ``upstream.api_key``/``api_keys``, or a user an
 an upstream URL): then pass-through reaches only /v1/models unless ``passthrough.allow`` is set.
 ``with_secrets`` is what a child process rebuilds exactly this config from: the keys given (a
 validator may tell them from defaults), secrets included. The top-level keys that could never
-work are refused: an empty ``host`` (every interface, unsaid), an ``admin_token`` that is empty
-or that no header could carry.
+work are refused: an empty ``host`` (every interface, unsaid) or one no socket could take
+(``urls.checked_host``), an ``admin_token`` that is empty or that no header could carry.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .perimeter import (
     TenantConfig,
 )
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
-from .urls import checked_url, has_credentials
+from .urls import checked_host, checked_url, has_credentials
 
 
 class Config(Section):
@@ -108,7 +108,8 @@ class Config(Section):
         description="OpenTelemetry spans per "
         "layer (extra otel). auto: when a tracer "
         "provider is installed (e.g. by "
-        "opentelemetry-instrument).",
+        "opentelemetry-instrument); on: always (without the otel extra, serve and "
+        "check-config exit 2 saying so).",
     )
     fingerprint: FingerprintConfig = Field(default_factory=FingerprintConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -134,12 +135,7 @@ class Config(Section):
     @field_validator("host")
     @classmethod
     def _an_address(cls, value: str) -> str:
-        if not value.strip():
-            # (uvicorn and socket.create_server would listen on every interface)
-            raise ValueError(
-                "give an address to listen on (127.0.0.1; 0.0.0.0 or :: for every interface)"
-            )
-        return value
+        return checked_host(value)
 
     @field_validator("admin_token")
     @classmethod

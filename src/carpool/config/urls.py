@@ -8,6 +8,10 @@
   password replaced by ``***``, no query or fragment (where some services take their keys).
   It never raises, whatever the text.
 - ``urls_without_credentials(text)``: every URL in a text (a library's error message) so.
+- ``checked_host(value)``: an address to listen on, or a ``ValueError``: empty (every interface,
+  unsaid), or one no socket call could take (a NUL or another control character, a lone
+  surrogate, a non-ASCII name IDNA cannot encode: a TypeError or UnicodeError traceback once
+  serve bound it). ``Config.host`` and ``carpool sim --host``.
 - ``has_credentials(url)``: whether the URL holds a user or a password. An upstream's are a
   credential the gateway holds (``Config.holds_upstream_credentials``): sent as
   ``Authorization: Basic`` in place of the client's (``upstream.http``), with every protection
@@ -59,4 +63,20 @@ def checked_url(value: str, schemes: tuple[str, ...]) -> str:
         raise ValueError(f"{shown!r} is not a {' or '.join(schemes)} URL")
     if not url.host and url.scheme != "unix":
         raise ValueError(f"{shown!r} names no host")
+    return value
+
+
+def checked_host(value: str) -> str:
+    if not value.strip():
+        # (uvicorn and socket.create_server would listen on every interface)
+        raise ValueError(
+            "give an address to listen on (127.0.0.1; 0.0.0.0 or :: for every interface)"
+        )
+    if not value.isprintable():  # (NUL, a control character, a lone surrogate)
+        raise ValueError("it holds a control character or a lone surrogate: no address does")
+    if not value.isascii():
+        try:
+            value.encode("idna")  # (as the socket calls encode a name that is not ASCII)
+        except UnicodeError:
+            raise ValueError("no host name: IDNA cannot encode it") from None
     return value

@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
@@ -299,27 +299,28 @@ def format_report(report: dict[str, dict[str, dict[str, Any]]], threshold: float
 def write_decisions(
     evaluator: Evaluator,
     threshold: float,
-    out: Path,
+    out: TextIO,
     verifier_threshold: float | None = None,
     judge: LabeledJudge | None = None,
 ) -> None:
-    """One row per pair, decided as the report decides it (the same thresholds and judge)."""
-    with out.open("w") as f:
-        for i, pair in enumerate(evaluator.pairs):
-            d = evaluator.decide(i, threshold, verifier_threshold, judge)
-            f.write(
-                json.dumps(
-                    {
-                        "a": pair.a,
-                        "b": pair.b,
-                        "same_answer": pair.same_answer,
-                        "category": pair.category,
-                        "similarity": round(d.similarity, 4),
-                        "decision": "hit" if d.hit else "miss",
-                        "reason": d.reason,
-                        "score": None if d.score is None else round(d.score, 4),
-                        "correct": d.hit == pair.same_answer,
-                    }
-                )
-                + "\n"
+    """One row per pair, decided as the report decides it (the same thresholds and judge),
+    written to ``out`` (opened by the caller: before the run, so that a file that cannot be
+    written fails first)."""
+    for i, pair in enumerate(evaluator.pairs):
+        d = evaluator.decide(i, threshold, verifier_threshold, judge)
+        out.write(
+            json.dumps(
+                {
+                    "a": pair.a,
+                    "b": pair.b,
+                    "same_answer": pair.same_answer,
+                    "category": pair.category,
+                    "similarity": round(d.similarity, 4),
+                    "decision": "hit" if d.hit else "miss",
+                    "reason": d.reason,
+                    "score": None if d.score is None else round(d.score, 4),
+                    "correct": d.hit == pair.same_answer,
+                }
             )
+            + "\n"
+        )

@@ -46,6 +46,11 @@ from typing import Any, Protocol
 MAX_LENGTH = 256
 #: The verifier shipped with carpool.
 PACKAGED = Path(__file__).parent / "verifier_model"
+#: A verifier folder's settings (threshold, max_length, digests), and the files they digest.
+SETTINGS_FILE = "verifier.json"
+DIGESTED_FILES = ("model.onnx", "tokenizer.json")
+#: What a verifier folder holds (``semantic.verifier_dir`` is refused without one of them).
+FILES = (SETTINGS_FILE, *DIGESTED_FILES)
 
 
 class Verifier(Protocol):
@@ -97,13 +102,13 @@ class CrossEncoder:
     ) -> None:
         folder = Path(directory) if directory is not None else PACKAGED
         try:
-            meta = json.loads((folder / "verifier.json").read_text())
+            meta = json.loads((folder / SETTINGS_FILE).read_text())
         except (OSError, ValueError) as exc:
             raise VerifierFileError(f"no verifier in {folder}: {exc}") from exc
-        threshold, max_length, digests = _settings(folder / "verifier.json", meta)
+        threshold, max_length, digests = _settings(folder / SETTINGS_FILE, meta)
         # The bytes checked are the bytes loaded: nothing is read from disk twice.
         files: dict[str, bytes] = {}
-        for name in ("model.onnx", "tokenizer.json"):
+        for name in DIGESTED_FILES:
             path = folder / name
             try:
                 files[name] = path.read_bytes()
@@ -212,10 +217,10 @@ def _settings(path: Path, meta: Any) -> tuple[float, int, dict[str, str]]:
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 3:
         raise VerifierFileError(f"{path}: 'max_length' must be a whole number of tokens (>= 3)")
     if not isinstance(digests, dict) or not all(
-        isinstance(digests.get(name), str) for name in ("model.onnx", "tokenizer.json")
+        isinstance(digests.get(name), str) for name in DIGESTED_FILES
     ):
         raise VerifierFileError(
-            f"{path}: 'sha256' must give the SHA-256 of model.onnx and tokenizer.json"
+            f"{path}: 'sha256' must give the SHA-256 of {' and '.join(DIGESTED_FILES)}"
         )
     return float(threshold), max_length, digests
 
