@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from .fingerprint import SemanticView
     from .layers import Layers
     from .request import Request
-    from .semantic.audit import Audits
     from .semantic.cache import Candidate
 
 log = logging.getLogger("carpool.semantic")
@@ -87,29 +86,15 @@ class Auditor:
     ) -> None:
         audits = self.layers.audits
         assert audits is not None
+        assert match.answer is not None  # (a match has its answer)
         try:
-            await self._compare(audits, request, budget, match, view, near, flight)
+            fresh = await (self._fresh(request) if flight is None else _flown(flight))
+            agree = None if fresh is None else await self._agree(_text(match.answer.body), fresh)
         except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
             audits.failed += 1
             log.warning("an audit failed (%s)", type(error).__name__)
-
-    async def _compare(
-        self,
-        audits: Audits,
-        request: Request,
-        budget: Budget,
-        match: Candidate,
-        view: SemanticView,
-        near: bool,
-        flight: Broadcast | None,
-    ) -> None:
-        assert match.answer is not None  # (a match has its answer)
-        fresh = await (self._fresh(request) if flight is None else _flown(flight))
-        if fresh is None:
-            audits.failed += 1
             return
-        agree = await self._agree(_text(match.answer.body), fresh)
-        if agree is None:  # the judge gave no verdict: nothing learned
+        if agree is None:  # no fresh answer, or the judge gave no verdict: nothing learned
             audits.failed += 1
             return
         audits.record(budget, not agree, near)
