@@ -1068,3 +1068,38 @@ def test_a_streamed_chunk_whose_error_field_is_null_is_no_error_event():
     failed = Result(1, True, status=200)
     _read_stream(b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n', failed)
     assert failed.error is not None and "error event" in failed.error
+
+
+async def test_a_bench_request_cancelled_as_its_answer_arrives_stays_cancelled():
+    """``carpool bench`` stops on SIGTERM by cancelling its run once; a request timed by
+    ``asyncio.wait_for`` returned its answer when the cancel came in the same turn of the loop
+    as the answer (Python 3.11), so the cancel was lost and the run went on to its end (CI: a
+    bench still running 60 s after SIGTERM). A cancel the task accepted now always ends it."""
+    from carpool.bench.client import Address, Pool, Response
+
+    class Held:
+        """A connection whose answer the test releases."""
+
+        reusable = True
+
+        def __init__(self) -> None:
+            self.answer: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+
+        async def request(self, raw: bytes) -> Response:
+            return await self.answer
+
+        def abort(self) -> None:
+            pass
+
+    for timeout in (60.0, None):
+        held = Held()
+        pool = Pool(Address.parse("http://127.0.0.1:9"))
+        pool.idle.append(held)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(pool.request(b"GET / HTTP/1.1\r\n\r\n", timeout))
+        await asyncio.sleep(0)  # (the request is waiting for its answer)
+        held.answer.set_result(Response(200, None, b"{}", time.monotonic()))
+        await asyncio.sleep(0)  # (the answer is in; the request has not been resumed yet)
+        accepted = task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert not accepted or task.cancelled(), f"a cancel accepted, then lost ({timeout=})"

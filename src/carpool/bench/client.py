@@ -231,7 +231,10 @@ class Pool:
         if conn is None:
             conn = await connect(self.address)
         try:
-            response = await asyncio.wait_for(conn.request(raw), timeout)
+            # (asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the answer when a
+            # cancel comes in the same turn of the loop, and SIGTERM's one cancel is lost.)
+            async with asyncio.timeout(timeout):
+                response = await conn.request(raw)
         except BaseException:
             conn.abort()
             raise

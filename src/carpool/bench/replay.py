@@ -189,7 +189,8 @@ async def _poll(
 ) -> None:
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), every)
+            async with asyncio.timeout(every):
+                await stop.wait()
         except TimeoutError:
             stats = await _optional_json(control, "/stats", admin)
             if stats is not None:

@@ -181,7 +181,8 @@ class Controls:
         raw = await read_body(receive)
         if self.options.hold:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._released().wait(), HOLD_LIMIT_S)
+                async with asyncio.timeout(HOLD_LIMIT_S):
+                    await self._released().wait()
         tenant = _tenant(scope)
         try:
             body = orjson.loads(raw)

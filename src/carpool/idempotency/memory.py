@@ -186,9 +186,9 @@ class MemoryIdempotencyRecords:
                 changed = record.changed
                 # Wake at the latest when the lease runs out, to see the record gone.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        changed.wait(), max(0.0, min(left, _expires(record) - now)) + 0.001
-                    )
+                    # (asyncio.timeout: wait_for on 3.11 loses a cancel that comes as it is set)
+                    async with asyncio.timeout(max(0.0, min(left, _expires(record) - now)) + 0.001):
+                        await changed.wait()
         finally:
             self.waiters -= 1
 

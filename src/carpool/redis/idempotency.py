@@ -413,7 +413,8 @@ class RedisIdempotencyRecords:
                 if left <= 0:
                     return None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), min(pause, left))
+                    async with asyncio.timeout(min(pause, left)):  # (wait_for: a lost cancel)
+                        await changed.wait()
                 pause = min(pause * 1.5, self.poll_max)
         finally:
             self.waiters -= 1
