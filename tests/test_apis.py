@@ -1413,6 +1413,34 @@ async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tena
         assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
 
 
+async def test_chat_audio_is_tenant_bound_in_a_shared_namespace(fake, gateway_with):
+    # An audio answer's id names the audio the upstream keeps for the account that asked (a
+    # later turn refers to it by ``audio.id``): another tenant must not be handed that id, nor
+    # read the answer to a conversation naming one it could not.
+    chat = {**body_of("messages"), "max_tokens": 7}
+    asked = {**chat, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+    follow = {
+        **chat,
+        "messages": [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "audio": {"id": "audio_of_a"}},
+            {"role": "user", "content": "And then?"},
+        ],
+    }
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
+            await gw.client.post(CHAT, json=chat, headers=bearer_of(key))
+        for body in (asked, follow):
+            first = await gw.client.post(CHAT, json=body, headers={**bearer_of("a"), **shared})
+            assert first.status_code == 200
+            calls = fake.count()
+            other = await gw.client.post(CHAT, json=body, headers={**bearer_of("b"), **shared})
+            assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+            again = await gw.client.post(CHAT, json=body, headers={**bearer_of("a"), **shared})
+            assert again.headers["x-carpool"] == "hit"  # (still cached for its own tenant)
+
+
 def test_a_file_id_named_in_a_schema_or_metadata_does_not_bind_a_request_to_its_tenant():
     # The whole body was walked: a tool's or a response format's property called file_id, or
     # metadata.file_id (outside the key), kept a request out of its shared namespace.
@@ -1460,6 +1488,18 @@ async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, 
     first = await gw.client.post(path_of(kind), json=body)
     again = await gw.client.post(path_of(kind), json=body)
     assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
+
+
+async def test_chat_web_search_options_is_never_shared(gw, fake):
+    # Chat's web search answers from a live search, as the Responses and Messages search
+    # tools do: two identical requests are not the same request.
+    body = {**body_of("messages"), "web_search_options": {"search_context_size": "low"}}
+    first = await gw.client.post(CHAT, json=body)
+    again = await gw.client.post(CHAT, json=body)
+    assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
+    assert fake.count() == 2
+    plain = await gw.client.post(CHAT, json=body_of("messages"))
+    assert plain.headers["x-carpool"] == "miss"  # (without it, as any chat)
 
 
 @BOTH

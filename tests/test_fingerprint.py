@@ -246,6 +246,69 @@ def test_strings_in_a_schema_are_exact_while_prompt_text_is_nfc():
     assert key(body(nfc, content=nfc)) == key(body(nfc, content=nfd))  # the prompt: NFC
 
 
+def test_stop_sequences_and_choice_constraints_are_exact_not_nfc():
+    # The engine matches a stop sequence, a guided choice, a regex or a grammar against the
+    # tokens it writes, and fetches an image by the URL's bytes: "é" and "e" + U+0301 there
+    # are two requests with two answers. NFC is for the input text alone.
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    for field, of in [
+        ("stop", lambda v: [v]),
+        ("stop", lambda v: v),
+        ("guided_choice", lambda v: [v, "tea"]),
+        ("guided_regex", lambda v: v + "|tea"),
+        ("regex", lambda v: v + "|tea"),  # SGLang
+        ("ebnf", lambda v: f'root ::= "{v}"'),  # SGLang
+        ("guided_grammar", lambda v: f'root ::= "{v}"'),
+    ]:
+        assert key(chat(**{field: of(nfc)})) != key(chat(**{field: of(nfd)})), field
+        assert key(chat(**{field: of(nfc)})) == key(chat(**{field: of(nfc)}))
+
+    def messages(stop):
+        return {**chat(), "max_tokens": 8, "stop_sequences": [stop]}
+
+    assert key(messages(nfc), path="/v1/messages") != key(messages(nfd), path="/v1/messages")
+
+    def image(url, text="describe"):
+        parts = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+        return chat(parts)
+
+    assert key(image(f"https://x.test/{nfc}.png")) != key(image(f"https://x.test/{nfd}.png"))
+    # The input text still is NFC: in a message, a text part, a prompt, a system prompt.
+    assert key(chat(nfc, stop=["."])) == key(chat(nfd, stop=["."]))
+    assert key(image("https://x.test/a.png", nfc)) == key(image("https://x.test/a.png", nfd))
+    prompt = {"model": "m", "temperature": 0}
+    assert key({**prompt, "prompt": nfc}, path="/v1/completions") == key(
+        {**prompt, "prompt": nfd}, path="/v1/completions"
+    )
+    system = {**chat(), "max_tokens": 8}
+    assert key({**system, "system": nfc}, path="/v1/messages") == key(
+        {**system, "system": nfd}, path="/v1/messages"
+    )
+
+
+def test_an_int_and_a_float_in_a_tool_schema_are_two_keys():
+    # A chat template renders a tool with tojson, structured outputs write an enum value as
+    # given: "minimum": 1 and "minimum": 1.0, [1] and [1.0] are two prompts, two answers.
+    def tool(minimum):
+        parameters = {"type": "object", "properties": {"n": {"type": "number", "minimum": minimum}}}
+        return chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        )
+
+    def enum(values):
+        schema = {"type": "object", "properties": {"v": {"enum": values}}}
+        return chat(response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+
+    assert key(tool(1)) != key(tool(1.0))
+    assert key(tool(0)) != key(tool(0.0))
+    assert key(enum([1, 2.5])) != key(enum([1.0, 2.5]))
+    # A float is the same float however it is spelled, an int the same int.
+    assert key(tool(1.0)) == key(orjson.loads(orjson.dumps(tool(1.0)).replace(b"1.0", b"1e0")))
+    assert key(tool(1)) == key(tool(1))
+    # Sampling parameters are numbers by value: 1 and 1.0 are one temperature.
+    assert key(chat(temperature=1, seed=3)) == key(chat(temperature=1.0, seed=3))
+
+
 def test_an_ordered_field_as_deep_as_the_depth_limit_allows_gets_a_key():
     # Each ordered object took three levels in the key's JSON: past ~85 levels of a tool's
     # schema (max_json_depth allows 200) the digest raised and the request was a 500.

@@ -148,15 +148,19 @@ ORDERED = frozenset({"response_format", "tools"})
 
 
 def ref(value: Any, *, text: bool = False, ordered: bool = False) -> Any:
-    """A value up to what the contract calls the same: numbers by value, NFC strings, objects
-    whatever their key order (``ordered``: in it)."""
+    """A value up to what the contract calls the same: numbers by value, strings exact but the
+    input text (``text``) in NFC, objects whatever their key order (``ordered``: in it, and an
+    int apart from a float)."""
     if isinstance(value, bool) or value is None:
         return ("literal", value)
     if isinstance(value, (int, float)):
+        if ordered:  # (rendered as text: 1 and 1.0 are two)
+            return ("number", type(value).__name__, value)
         return ("number", value)  # Python compares int and float exactly
     if isinstance(value, str):
-        # (in an ordered field, as written: an enum value is copied into the answer)
-        return ("text", value if ordered else unicodedata.normalize("NFC", value))
+        # (outside the input text, as written: a stop sequence is matched by its code points,
+        # an enum value copied into the answer)
+        return ("text", unicodedata.normalize("NFC", value) if text else value)
     if isinstance(value, list):
         return ("list", tuple(ref(v, text=text, ordered=ordered) for v in value))
     members = [(k, ref(v, text=text, ordered=ordered)) for k, v in value.items()]
@@ -192,45 +196,61 @@ def shuffled(value: Any, rng: random.Random, *, keep: frozenset[str] = frozenset
     return value
 
 
-def decomposed(value: Any, form: str, *, top: bool = True) -> Any:
-    """Every string value (not member names) in Unicode normal form ``form``, but in the
-    ``ORDERED`` fields (exact there: a schema's strings are written into the answer)."""
-    if isinstance(value, str):
-        return unicodedata.normalize(form, value)
-    if isinstance(value, dict):
-        return {
-            k: v if top and k in ORDERED else decomposed(v, form, top=False)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [decomposed(v, form, top=False) for v in value]
-    return value
+def decomposed(body: dict[str, Any], form: str) -> dict[str, Any]:
+    """``body`` with its input text (every message's content, a string or its text parts) in
+    Unicode normal form ``form``; every other string as it was (exact there: a stop sequence,
+    a schema's strings)."""
+
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        return {**p, "text": unicodedata.normalize(form, p["text"])}
+
+    return {
+        **body,
+        "messages": [
+            {
+                **m,
+                "content": unicodedata.normalize(form, m["content"])
+                if isinstance(m["content"], str)
+                else [part(p) for p in m["content"]],
+            }
+            for m in body["messages"]
+        ],
+    }
 
 
 INTEGER_FIELDS = {"top_k", "seed", "n"}  # the parser wants JSON integers there (as OpenAI does)
 
 
-def spelled(value: Any, rng: random.Random, *, integral_only: bool = False) -> str:
-    """``value`` as JSON text, each number spelled one of the ways that denote the same value."""
+def spelled(
+    value: Any, rng: random.Random, *, integral_only: bool = False, ordered: bool = False
+) -> str:
+    """``value`` as JSON text, each number spelled one of the ways that denote the same value
+    (``ordered``: an int as an int and a float as a float, the same double)."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, int):
         options = [str(value)]
-        if value == 0:
+        if value == 0 and not ordered:
             options.append("-0")
-        if not integral_only and float(value) == value:  # the same number as a float
+        if not (integral_only or ordered) and float(value) == value:  # the same as a float
             options += [f"{value}.0", f"{value}e0", f"{value}.000E+0"]
             if value:
                 options.append(f"{value}0e-1")  # "00e-1" is not JSON (leading zero)
         return rng.choice(options)
     if isinstance(value, float):
         options = [repr(value), f"{value:.17e}", f"{value:.17g}", f"{value:.25E}"]
-        if value.is_integer():
+        if value.is_integer() and not ordered:
             options.append(str(int(value)))
+        if ordered:  # (a float spelled without a point or an exponent is parsed as an int)
+            options = [o for o in options if any(c in o for c in ".eE")]
         return rng.choice(options)
     if isinstance(value, list):
-        return "[" + ",".join(spelled(v, rng) for v in value) + "]"
-    return "{" + ",".join(json.dumps(k) + ":" + spelled(v, rng) for k, v in value.items()) + "}"
+        return "[" + ",".join(spelled(v, rng, ordered=ordered) for v in value) + "]"
+    return (
+        "{"
+        + ",".join(json.dumps(k) + ":" + spelled(v, rng, ordered=ordered) for k, v in value.items())
+        + "}"
+    )
 
 
 # --- what never changes a key --------------------------------------------------------------------
@@ -258,11 +278,14 @@ def test_key_order_within_a_schema_or_a_tool_changes_a_fingerprint(body, rng):
 @PROPERTY
 @given(body=chat_bodies, rng=st.randoms(use_true_random=False))
 def test_number_spelling_never_changes_a_fingerprint(body, rng):
-    """0 / 0.0 / -0 / 0e0, 1 / 1.0 / 1e0 / 10e-1, 0.5 / 5.00000000000000000e-01: one value."""
+    """0 / 0.0 / -0 / 0e0, 1 / 1.0 / 1e0 / 10e-1, 0.5 / 5.00000000000000000e-01: one value (in
+    a schema or a tool, rendered as text, an int and a float are two: there 1.0 / 1e0 alone)."""
     raw = (
         "{"
         + ",".join(
-            json.dumps(k) + ":" + spelled(v, rng, integral_only=k in INTEGER_FIELDS)
+            json.dumps(k)
+            + ":"
+            + spelled(v, rng, integral_only=k in INTEGER_FIELDS, ordered=k in ORDERED)
             for k, v in body.items()
         )
         + "}"
@@ -284,9 +307,19 @@ def test_a_large_integer_and_its_float_spelling_are_one_fingerprint(value):
 @PROPERTY
 @given(body=chat_bodies, form=st.sampled_from(["NFC", "NFD"]))
 def test_unicode_composition_never_changes_a_fingerprint(body, form):
-    """NFC and NFD of the same text are one request: every string value is compared in NFC
-    (but in the fields that carry a schema or a tool: there strings are exact)."""
+    """NFC and NFD of the same input text are one request: the input text is compared in NFC
+    (every other string is exact: a stop sequence, a schema's strings)."""
     assert digests(decomposed(body, form)) == digests(body)
+
+
+@PROPERTY
+@given(text=texts, field=st.sampled_from(["stop", "guided_choice", "guided_regex", "model"]))
+def test_unicode_composition_of_any_other_string_is_exact(text, field):
+    """A stop sequence, a guided choice or a regex is matched against the code points the
+    engine writes: there NFC and NFD are two requests (unless they are the same text)."""
+    nfd, nfc = unicodedata.normalize("NFD", text), unicodedata.normalize("NFC", text)
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    assert (key({**body, field: nfd}) == key({**body, field: nfc})) is (nfd == nfc)
 
 
 @PROPERTY

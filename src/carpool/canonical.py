@@ -10,20 +10,28 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   and ``prompt_cache_key`` in (its answer echoes them); Messages leaves out only ``stream`` and
   a ``metadata`` of at most a ``user_id`` (Anthropic refuses any field it does not know, so
   every other one is in: a request refused alone is never served another's answer).
-- Canonical: key order, number spelling (``0`` vs ``0.0``, ``1e0``) and Unicode composition (NFC)
-  never change a key. Text is otherwise exact: white space is meaning (Python indentation, counted
-  spaces, tabs, Markdown hard breaks, non-ASCII spaces, control characters). Only with the opt-in
+- Canonical: key order and number spelling (``0`` vs ``0.0``, ``1e0``) never change a key, nor
+  does the Unicode composition (NFC) of the input text: a message's content (a string, its text
+  parts, the text and content nested in them), a prompt, a Responses ``input`` (its items' text
+  and content: ``INPUT_TEXT``), a Messages ``system``, a Responses ``instructions``. Every other
+  string is exact: a stop sequence, a guided choice, a regex or a grammar is matched against the
+  tokens the engine writes, an image or file URL fetched by its bytes, a tool call's arguments
+  rendered as sent; two spellings there are two requests. Text is otherwise exact: white space
+  is meaning (Python indentation, counted spaces, tabs, Markdown hard breaks, non-ASCII spaces,
+  control characters). Only with the opt-in
   ``fingerprint.normalize_whitespace`` is the input text (message contents, prompt) trimmed and
   are runs of white space collapsed to one space, except inside ``` fenced code, in requests of
   type ``code`` and in embeddings inputs (a vector of different text is a different vector).
 - Two exceptions, where what looks the same is not to the engine: the fields that carry a JSON
   schema or a tool's definition (``ORDERED_FIELDS``), and the ``input`` of a Messages
-  ``tool_use`` block, keep their key order and their strings exact, without NFC (OpenAI's
-  structured outputs write an object's keys in the schema's order, and an ``enum`` value as
-  written; chat templates render tools and tool calls as given), and embeddings inputs are
+  ``tool_use`` block, keep their key order, their strings exact and their numbers as written,
+  an int apart from a float (OpenAI's structured outputs write an object's keys in the schema's
+  order, and an ``enum`` value as written; chat templates render tools and tool calls as given,
+  ``"minimum": 1`` apart from ``"minimum": 1.0``), and embeddings inputs are
   exact, not NFC (an embedding is of the code points as sent: the Ohm sign and Omega, ``e`` +
-  U+0301 and ``é``, tokenize apart). An ordered value is in the key as its JSON text (numbers
-  canonical), which nests no deeper than the body: any depth ``limits.max_json_depth`` lets in.
+  U+0301 and ``é``, tokenize apart). An ordered value is in the key as its JSON text (a number
+  as the double or integer parsed: ``1.0`` and ``1e0`` one, ``1`` another), which nests no
+  deeper than the body: any depth ``limits.max_json_depth`` lets in.
 - The scope (``scope``) is everything besides the body that decides which answer a request may
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
   tenant, the namespace, the freshness token, the request type, the tags (but for ``request``:
@@ -258,10 +266,11 @@ NEUTRAL_PREFIXES = (
     "cloudfront-viewer-",
     "x-vercel-ip-",
 )
-# (Not moved on when ``ORDERED_FIELDS`` and exact embeddings inputs came: an ordered field's
-# objects are written in a form no key had before, and an embeddings input in NFC keeps the
-# key it had, whose answer, if a canonically equivalent input's, goes with its TTL. Every
-# other key stays, and with it the cache.)
+# (Not moved on when ``ORDERED_FIELDS``, exact embeddings inputs, exact strings outside the
+# input text and integral floats kept in ordered fields came: an ordered field's objects are
+# written in a form no key had before, and a string in NFC, or an ordered field with no
+# integral float, keeps the key it had, whose answer, if a canonically equivalent request's,
+# goes with its TTL. Every other key stays, and with it the cache.)
 KEY_VERSION = 2
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
@@ -284,6 +293,11 @@ ORDERED_FIELDS = frozenset(
         "output_config",
     }
 )
+# The fields of the input text besides ``messages``, ``prompt`` and ``input`` (per API), and the
+# members of an input item or a content part that hold its text (``_input_text``): NFC there,
+# exact everywhere else.
+_INSTRUCTION_FIELDS = {"messages": "system", "responses": "instructions"}
+INPUT_TEXT = frozenset({"text", "content"})
 # The Messages content blocks whose ``input`` is a tool call's arguments as an object (chat and
 # Responses send them as a string, compared exactly): rendered by the template as given.
 _TOOL_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
@@ -460,6 +474,8 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             out[name] = _exact_input(value)
         elif name in ("prompt", "input"):
             out[name] = _canonical_text_field(value, collapse)
+        elif name == _INSTRUCTION_FIELDS.get(kind):
+            out[name] = _input_text(value)
         elif name in ORDERED_FIELDS:
             out[name] = _ordered(value)
         else:
@@ -490,20 +506,12 @@ def _exact_input(value: Any) -> Any:
 
 def _ordered(value: Any) -> str:
     """An ``ORDERED_FIELDS`` value in the key: its JSON text, every object's keys in their
-    order (the digest sorts keys only of what is not text), numbers canonical, strings exact.
-    (Each object written as a list of its pairs instead nested three levels for one and failed
-    the digest past ~85 levels: a 500.)"""
-    return orjson.dumps(_as_written(value)).decode()
-
-
-def _as_written(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _as_written(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_as_written(v) for v in value]
-    if isinstance(value, float):
-        return _canonical(value)
-    return value
+    order (the digest sorts keys only of what is not text), strings exact, numbers as parsed:
+    an int apart from a float (a schema or a tool is rendered as text, ``tojson`` writes
+    ``1.0`` for a float and ``1`` for an int: two prompts), a float in its one shortest
+    spelling (``1.0`` and ``1e0`` are one). (Each object written as a list of its pairs
+    instead nested three levels for one and failed the digest past ~85 levels: a 500.)"""
+    return orjson.dumps(value).decode()
 
 
 def _canonical_message(message: Any, collapse: bool) -> Any:
@@ -529,15 +537,44 @@ def _canonical_part(part: Any, collapse: bool) -> Any:
         return {**_canonical(part), "text": normalize_text(part["text"], collapse)}
     if isinstance(part, dict) and part.get("type") in _TOOL_CALL_BLOCKS and "input" in part:
         return {**_canonical(part), "input": _ordered(part["input"])}
-    return _canonical(part)
+    return _input_text(part)
 
 
 def _canonical_text_field(value: Any, collapse: bool) -> Any:
     if isinstance(value, str):
         return normalize_text(value, collapse)
     if isinstance(value, list):
-        return [normalize_text(v, collapse) if isinstance(v, str) else _canonical(v) for v in value]
+        return [
+            normalize_text(v, collapse) if isinstance(v, str) else _input_text(v) for v in value
+        ]
+    return _input_text(value)
+
+
+def _input_text(value: Any) -> Any:
+    """Input text in its structure (a content part, a Responses input item, a Messages system
+    prompt's blocks): the strings that are its text (``INPUT_TEXT`` members, at any depth: a
+    tool result's content) in NFC, every other string exact (a URL, a tool call's arguments,
+    an id), numbers canonical."""
+    if isinstance(value, str):
+        return _nfc(value)
+    if isinstance(value, dict):
+        return {
+            k: _nfc(v) if k in INPUT_TEXT and isinstance(v, str) else _input_text_inner(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_input_text_inner(v) for v in value]
     return _canonical(value)
+
+
+def _input_text_inner(value: Any) -> Any:
+    # Below the top, a bare string is no text (an id, a URL, a token list's...): only the
+    # members named text or content are.
+    return _canonical(value) if isinstance(value, str) else _input_text(value)
+
+
+def _nfc(text: str) -> str:
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
 
 
 def normalize_text(text: str, collapse: bool) -> str:
@@ -577,8 +614,8 @@ def _needs_collapse(text: str) -> bool:
 
 
 def _canonical(value: Any) -> Any:
-    if isinstance(value, str):
-        return value if value.isascii() else unicodedata.normalize("NFC", value)
+    """A value outside the input text: numbers by value, strings exact (no NFC: a stop
+    sequence, a guided choice or a URL is matched or fetched by its code points)."""
     if isinstance(value, float):
         # 0 and 0.0 (and 1e0) are the same number; keep integral floats as ints in the key,
         # over the whole range the parser reads as integers (i64 and u64; past it, every

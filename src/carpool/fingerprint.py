@@ -20,13 +20,14 @@ the key and how it is spelled: :mod:`carpool.canonical`):
   for a tenant ``accepted`` for the request's grant (the upstream answered it recently for
   this endpoint, model and query string): any other is scoped to itself. A request naming
   state the upstream keeps for one account (``Api.tenant_bound``: a stored answer, a file, an
-  earlier response) is scoped to its tenant even there. ``owner`` is always the requester's
+  earlier response, a chat's audio) is scoped to its tenant even there. ``owner`` is always the requester's
   tenant, which
   scopes what is never shared (idempotency records).
 - Sampling: a request is shareable when its output is deterministic: ``temperature`` 0, ``top_k``
   1, or a ``seed`` (``Api.deterministic``). An absent temperature is the upstream's default, which
   samples (Anthropic's default is 1). A request whose API says it never shares
-  (``Api.never_shared``: Responses' ``background`` and ``conversation``) bypasses whatever the
+  (``Api.never_shared``: Responses' ``background`` and ``conversation``, the tools an upstream
+  runs itself, chat's ``web_search_options``) bypasses whatever the
   controls say. Sampled requests
   get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
   ``x-carpool-share: sampled``; then they share only with identical parameters, which the key
@@ -133,7 +134,7 @@ def fingerprint(
         in accepted
     ):
         tenant, shared = "*", False
-    never = api.never_shared(request.body)  # (Responses' background, conversation)
+    never = api.never_shared(request.body)  # (Responses' background, server tools...)
     if never is not None:
         return Fingerprint(None, tenant, namespace, never, owner)
     if not api.deterministic(request.body):

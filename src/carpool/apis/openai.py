@@ -19,6 +19,12 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`). An answer that carries its
   prompt whatever asked for it (vLLM's ``prompt_token_ids``, ``prompt_logprobs``, its
   Responses ``input_messages``: :func:`answer_repeats_prompt`) gets no semantic entry.
+- Sharing (chat): ``web_search_options`` never shares (``server_tools``): the answer is made of
+  a live web search, as with the Responses and Messages search tools. Audio (``modalities``
+  with ``audio``, an ``audio`` output, or an assistant message naming an earlier one by its
+  ``audio.id``) binds a request to its tenant (``tenant_bound``): the answer's audio id names
+  audio the upstream keeps for the account that asked, which a later turn refers to and
+  another account could not.
 - State (chat only): a chat completion asked with ``store: true`` is kept upstream under its
   answer's ``id`` (a whole body's, every stream chunk's), which ``GET``/``POST``/``DELETE
   /v1/chat/completions/{id}`` and ``.../messages`` name: ``keeps_state`` is that request's,
@@ -43,6 +49,7 @@ from .base import (
     check_fields,
     check_messages,
     last_user_turn,
+    names_tenant_state,
     require_model,
     text_parts,
 )
@@ -129,6 +136,16 @@ class ChatApi(_Classic):
     def validate(self, body: dict[str, Any]) -> None:
         check_messages(body)
 
+    def never_shared(self, body: dict[str, Any]) -> str | None:
+        # A search the upstream runs itself reads a web that changes: two identical requests
+        # are not the same request (as Responses' and Messages' web search tools).
+        if body.get("web_search_options") is not None:
+            return "server_tools"
+        return None
+
+    def tenant_bound(self, body: dict[str, Any]) -> bool:
+        return names_tenant_state(body) or _audio(body)
+
     def input_texts(self, body: dict[str, Any]) -> list[str]:
         # (Content as a string or as parts: the SDKs send either for the same text.)
         return [
@@ -200,6 +217,18 @@ class EmbeddingApi(Api):
 
     def error_event(self, error: CarpoolError) -> bytes:
         return error_event(error)
+
+
+def _audio(body: dict[str, Any]) -> bool:
+    """Whether a chat asks for an audio answer (whose ``audio.id`` the upstream keeps for the
+    account, for later turns) or names one in an assistant message."""
+    modalities = body.get("modalities")
+    if body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities):
+        return True
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and m.get("audio") is not None for m in messages
+    )
 
 
 def echoes_prompt(body: dict[str, Any]) -> bool:
