@@ -104,10 +104,33 @@ async def test_a_request_without_a_listed_key_gets_401_before_anything(held, fak
     passthrough = await held.client.get("/v1/models", headers=bearer("client-z"))
     assert passthrough.status_code == 401 and "x-carpool" not in passthrough.headers
     assert fake.count() == 0  # nothing went upstream
-    assert (await held.client.get("/stats")).json()["rejected"] == 5
+    # (the cached endpoints' four: pass-through is in none of the request counters)
+    assert (await held.client.get("/stats")).json()["rejected"] == 4
     assert held.gateway.store.entries == 0
     # The control endpoints are not the API: /healthz answers whoever asks.
     assert (await held.client.get("/healthz")).status_code == 200
+
+
+async def test_rejected_counts_pass_through_refusals_consistently(held, fake):
+    # A client key refused on /v1/models was in requests and rejected, the same request
+    # answered was in neither, and the gateway's 431 or 400 there in neither: pass-through is
+    # now in none of the request counters, whoever answers it; a cached endpoint's refusal is.
+    async def counters() -> tuple[int, int]:
+        stats = (await held.client.get("/stats")).json()
+        return stats["requests"], stats["rejected"]
+
+    for headers, status in (
+        (bearer("client-z"), 401),
+        (bearer("client-a"), 200),
+        ({**bearer("client-a"), "x-pad": "a" * (64 * 1024 + 1)}, 431),
+    ):
+        assert (await held.client.get("/v1/models", headers=headers)).status_code == status
+        assert await counters() == (0, 0), (headers.keys(), status)
+    refused_path = await held.client.get("/v1/models%2F..%2Ffiles", headers=bearer("client-a"))
+    assert refused_path.status_code == 400 and await counters() == (0, 0)
+    assert fake.count("/v1/models") == 1  # (the one answered)
+    cached = await held.client.post("/v1/chat/completions", json=BODY, headers=bearer("client-z"))
+    assert cached.status_code == 401 and await counters() == (1, 1)
 
 
 async def test_a_refused_key_on_the_messages_api_is_answered_in_anthropics_shape(held, fake):

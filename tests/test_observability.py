@@ -119,6 +119,22 @@ async def test_every_request_stats_count_is_in_metrics_idempotency_refusals_incl
     assert samples(text, "carpool_saved_without_usage_total")[""] == stats["saved_without_usage"]
 
 
+async def test_readiness_probes_are_counted_in_upstream_calls(gw, fake):
+    # /readyz's GET /models went to the engine with the gateway's key and into no counter:
+    # /stats' upstream_calls, "every attempt sent to a replica", left it out.
+    assert (await gw.client.get("/readyz")).status_code == 200
+    assert (await gw.client.get("/readyz")).status_code == 200  # (the answer is recent: trusted)
+    assert fake.count("/v1/models") == 1
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["upstream_calls"] == 1 and stats["upstream_errors"] == 0
+    assert stats["requests"] == 0  # (a control endpoint's: no request of the API)
+    assert gw.gateway.replicas.snapshot()[fake.url]["calls"] == 1
+    text = (await gw.client.get("/metrics")).text
+    assert samples(text, "carpool_upstream_calls_total")[""] == 1
+    upstream = samples(text, "carpool_upstream_requests_total")
+    assert upstream == {f'{{replica="{fake.url}",status="200"}}': 1}
+
+
 async def test_only_requests_counted_under_an_outcome_are_timed_under_it(gw):
     # The gateway's own refusals (counted in rejected) were timed under "bypass": the histogram
     # counted 5 bypasses where carpool_requests_total counted 1.

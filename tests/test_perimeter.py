@@ -758,6 +758,34 @@ async def test_healthz_and_readyz_with_a_healthy_upstream_and_with_the_simulator
         assert (await simulated.client.get("/healthz")).json()["status"] == "ok"
 
 
+async def test_concurrent_readyz_send_one_probe_per_replica(gw, fake, monkeypatch):
+    """/readyz is open to anyone, and while no replica had answered in the last few seconds
+    each call sent its own ``GET /models`` with the gateway's key: a hundred concurrent calls,
+    a hundred upstream calls. They now wait for the one probe under way."""
+    n = 20
+    fake.gate = asyncio.Event()  # (the probe's /models held until every /readyz is in)
+    replicas = gw.gateway.replicas
+    ready, entered, all_in = replicas.ready, 0, asyncio.Event()
+
+    async def counted(*args, **kwargs):  # (a spy: the /readyz calls that reached the replicas)
+        nonlocal entered
+        entered += 1
+        if entered == n:
+            all_in.set()
+        return await ready(*args, **kwargs)
+
+    monkeypatch.setattr(replicas, "ready", counted)
+    calls = [asyncio.ensure_future(gw.client.get("/readyz")) for _ in range(n)]
+    # Bounded only so that a regression fails instead of hanging.
+    await asyncio.wait_for(all_in.wait(), 30)
+    await fake.wait_for_calls(1)
+    fake.gate.set()
+    responses = await asyncio.gather(*calls)
+    assert [r.status_code for r in responses] == [200] * n
+    assert fake.count("/v1/models") == 1
+    assert (await gw.client.get("/stats")).json()["upstream_calls"] == 1
+
+
 class Dead:
     """An in-process upstream that is never reachable."""
 

@@ -395,6 +395,22 @@ async def test_admin_requires_the_token_and_is_disabled_without_one(fake, gatewa
         ).status_code == 404
 
 
+async def test_admin_401_carries_a_bearer_challenge(fake, gateway_with):
+    # The /admin/* 401 named no scheme (RFC 9110 §15.5.2: a 401 MUST carry WWW-Authenticate),
+    # where /stats, /metrics and /dashboard's do. Bearer only: only it is accepted there.
+    async with gateway_with(admin_token="s3cret") as gw:
+        for method, path, headers in (
+            ("POST", "/admin/invalidate", {}),
+            ("POST", "/admin/invalidate", {"Authorization": "Bearer nope"}),
+            ("GET", "/admin/semantic/audit", {}),
+            ("DELETE", "/admin/nope", {}),  # (any other path or method: the same refusal)
+        ):
+            refused = await gw.client.request(method, path, headers=headers, json={"all": True})
+            assert refused.status_code == 401, (method, path)
+            assert refused.headers.get_list("www-authenticate") == ['Bearer realm="carpool admin"']
+            assert refused.json()["error"]["code"] == "unauthorized"
+
+
 async def test_every_admin_path_and_method_answers_in_openais_error_shape(fake, gateway_with):
     # Starlette answered a wrong method 405 and an unknown /admin path 404 in plain text, and
     # without a token a GET of an existing path said 405 where every admin path is 404.

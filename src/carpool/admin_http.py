@@ -3,7 +3,8 @@
 Contract:
 - Every one needs ``admin_token``: without one configured they do not exist (404); a request
   without ``Authorization: Bearer <token>`` (the scheme in any case, RFC 9110 §11.1; the token
-  compared in constant time) is 401. Errors in OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
+  compared in constant time) is 401, with its challenge (``WWW-Authenticate: Bearer realm="carpool
+  admin"``, RFC 9110 §15.5.2). Errors in OpenAI's shape; bodies are JSON objects read under the gateway's body limits.
 - ``POST /admin/invalidate`` ``{"tag"|"namespace"|"prefix": str}`` or ``{"all": true}``:
   ``{"invalidated": n}`` (``admin.invalidate``); with ``--workers N`` and no ``redis``, on every
   worker (``carpool.peers``), ``n`` counting them all. With ``redis``, one that did not reach
@@ -62,7 +63,11 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         if not token:
             return error(404, "not found", "not_found")
         if not presents(token, request.headers.get("authorization", "")):
-            return error(401, "admin token required", "unauthorized")
+            refused = error(401, "admin token required", "unauthorized")
+            # A 401 names its scheme (RFC 9110 §15.5.2: MUST): Bearer only, as only it is
+            # accepted here (no browser opens these: ``server._admin_refusal`` adds Basic).
+            refused.headers["www-authenticate"] = 'Bearer realm="carpool admin"'
+            return refused
         return None
 
     async def spec_of(request: HttpRequest) -> Any:

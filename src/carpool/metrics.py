@@ -15,8 +15,12 @@ Contract:
   ``tokens_saved`` is a lower bound whenever that is not 0.
 - ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a
   failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
-  the replicas, pass-through calls and the embeddings list probe's (``OwnCalls``) too (what the engines were
+  the replicas, pass-through calls, the embeddings list probe's (``OwnCalls``) and the
+  readiness probe's (``ReplicaSet.ready``) too (what the engines were
   asked, as ``upstream_errors`` counts failed attempts), not calls asked of a peer worker.
+- ``requests`` and the counters that add up to it are the cached endpoints' requests: a
+  pass-through request is in none of them, answered or refused by the gateway
+  (``server.GatewayApp``).
 - Among the workers (``carpool.peers``) a request is counted by one worker only
   (``COUNTED_ELSEWHERE``: outcome, tokens saved, latency), so that the workers' counts add up
   to the run's: a flight's call asked of its key's owner by the worker its client sent it to,

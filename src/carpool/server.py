@@ -43,7 +43,10 @@ Contract:
   logged by ``ReplicaSet.passthrough`` as the upstream's) is cut for its client too: its
   connection closed, never its body ended as if whole; not logged as a failure of the
   gateway's (under carpool's HTTP protocol, ``CUT``; uvicorn's own logs that a response was
-  left incomplete).
+  left incomplete). Pass-through requests are in none of ``/stats``' request counters
+  (``requests``, ``rejected``...): neither their answers nor the gateway's refusals of them
+  (a client key refused, headers too large, a path refused); only their calls, in
+  ``upstream_calls``. A cached endpoint's refusals are in ``rejected``.
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
@@ -205,8 +208,12 @@ class GatewayApp:
         ):
             # Before anything is read, cached, shared or sent upstream (``auth.py``); in the
             # API's error shape, and ``bypass`` on a cached endpoint, as every refusal there.
-            self.gateway.stats.rejected += 1
+            # Counted in ``rejected`` there only, as the 431 below (and ``http_protocol``'s):
+            # pass-through is in none of ``/stats``' request counters, its answers and the
+            # gateway's refusals alike (the module doc).
             refused, api = ClientKeyRefused(), BY_PATH.get(scope["path"])
+            if api is not None:
+                self.gateway.stats.rejected += 1
             await _send_whole(
                 send,
                 refused.status,

@@ -659,6 +659,46 @@ async def test_a_readiness_probe_failing_with_any_upstream_error_leaves_that_rep
     assert replicas.snapshot()["r1"]["state"] == "healthy" and replicas.replicas[1].errors == 0
 
 
+class _Held(Fake):
+    """A ``Fake`` whose ``GET /models`` waits for ``answer`` (``started`` set as it arrives)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.answer = asyncio.Event()
+
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
+        self.sent += 1
+        self.started.set()
+        await self.answer.wait()
+
+        async def content() -> AsyncIterator[bytes]:
+            yield b'{"data": []}'
+
+        return PassthroughResponse(200, [], content())
+
+
+async def test_a_caller_leaving_does_not_cancel_the_readiness_probe_the_others_wait_for():
+    # Concurrent /readyz share one probe; the first caller's leaving (its client gone) must not
+    # cancel it for the others, nor leave them a cancellation.
+    fake, seen = _Held("r0"), []
+    replicas = ReplicaSet(
+        [fake], build_policy("round-robin"), clock=Clock(), observe=lambda *a: seen.append(a)
+    )
+    first = asyncio.ensure_future(replicas.ready())
+    await fake.started.wait()
+    others = [asyncio.ensure_future(replicas.ready()) for _ in range(3)]
+    await asyncio.sleep(0)  # (each in: awaiting the probe under way)
+    first.cancel()
+    fake.answer.set()
+    assert await asyncio.gather(*others) == [True, True, True]
+    assert first.cancelled() and fake.sent == 1
+    # Counted as an attempt like any (``upstream_calls``), with no routing decision.
+    assert replicas.attempts() == 1 and [(r.name, s, d) for r, s, d in seen] == [("r0", 200, None)]
+    assert await replicas.ready() and fake.sent == 1  # (its answer is recent: trusted)
+
+
 def test_a_failure_logged_shows_its_urls_without_query_or_credentials():
     # aiohttp's errors quote the URL they failed on: an upstream's query (api-version,
     # api-key), a pass-through client's query (key=...) and a user and password.

@@ -78,6 +78,13 @@ all, and so whether ``text`` matters):
   calls would be answered, it is downed (a 403 to ``/models``, a restricted key's, is
   reachable). Any other failure of the probe (no answer, or an ``UpstreamError`` none of these
   names) downs that replica and the next one is asked: ``ready`` raises none of them.
+  One readiness probe at a time per set (``/readyz`` is open to anyone: its calls must not be
+  as many calls of the replicas with the gateway's key): concurrent callers await the one
+  under way, shielded (a caller that leaves does not cancel it for the others); each
+  replica's call within the first caller's ``timeout``. Each probe sent is an attempt like
+  any (``calls``; ``observe``, with no decision: the engines were asked it, and bill it), so
+  ``upstream_calls`` counts it; an in-process upstream without ``/models``
+  (``PathNotAllowed``) was sent nothing and counts nothing.
 """
 
 from __future__ import annotations
@@ -214,6 +221,8 @@ class ReplicaSet:
         self.decided = decided
         self.log_interval = log_interval
         self.own_keys = own_keys
+        # The readiness probe under way, which concurrent ``ready`` calls share (module doc).
+        self._readiness: asyncio.Task[bool] | None = None
 
     def __getitem__(self, name: str) -> ReplicaState:
         for replica in self.replicas:
@@ -586,12 +595,29 @@ class ReplicaSet:
         (any HTTP answer proves it reachable; a failure starts its back-off), so that a dead
         upstream is not ready before any request has failed on it, nor once its back-off ends.
         An answer is trusted for ``READY_TRUST_S``: an upstream that died since, with no request
-        to find it out, is asked again (it was ready for ever, a balancer sending it traffic)."""
+        to find it out, is asked again (it was ready for ever, a balancer sending it traffic).
+        A probe under way is awaited, not sent again (``timeout``: each replica's, the first
+        caller's)."""
         now = self.clock()
         if any(
             r.healthy and r.answered and now - r.answered_at < READY_TRUST_S for r in self.replicas
         ):
             return True
+        probe = self._readiness
+        # (One of another event loop, a library user's earlier ``asyncio.run``, is none of ours.)
+        if probe is None or probe.get_loop() is not asyncio.get_running_loop():
+            probe = self._readiness = asyncio.ensure_future(self._probe(timeout))
+            probe.add_done_callback(self._probed)
+        # Shielded: a caller that leaves (its client gone) must not cancel the others' probe.
+        return await asyncio.shield(probe)
+
+    def _probed(self, probe: asyncio.Task[bool]) -> None:
+        if self._readiness is probe:  # (the next ``ready`` that trusts no answer asks again)
+            self._readiness = None
+
+    async def _probe(self, timeout: float) -> bool:
+        """The readiness probe (``ready``): each replica not in back-off asked ``GET /models``
+        in turn, within ``timeout`` each, until one answers."""
         for replica in self.replicas:
             if not replica.eligible(self.clock()):
                 continue
@@ -600,10 +626,11 @@ class ReplicaSet:
                 async with asyncio.timeout(timeout) as within:
                     response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
             except PathNotAllowed:
-                pass  # an in-process upstream: no /models, but up
-            except (UpstreamRedirected, UpstreamBadStatus):
-                pass  # an answer, if none to relay: reachable
+                pass  # an in-process upstream: no /models (nothing was sent), but up
+            except (UpstreamRedirected, UpstreamBadStatus) as error:
+                self._probe_sent(replica, error.status)  # an answer, if none to relay: reachable
             except UpstreamKeyRefused as error:
+                self._probe_sent(replica, error.upstream_status or error.status)
                 if self._own_key_refused(error):  # (no call of it would be answered)
                     self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)
                     continue
@@ -611,9 +638,14 @@ class ReplicaSet:
             except (UpstreamError, TimeoutError, OSError) as error:
                 # No answer (unreachable, timed out), or a failure no branch above names: this
                 # replica failed, and the next one is asked (never a 500 for /readyz).
+                if isinstance(error, UpstreamError):
+                    self._probe_sent(replica, error.status)
+                else:
+                    self._probe_sent(replica, 504 if isinstance(error, TimeoutError) else 502)
                 self._failed(replica, f"readiness probe: {_what(error)}", seen)
                 continue
             else:
+                self._probe_sent(replica, response.status)
                 await _drained(response.body, within.when())
             replica.answered, replica.answered_at = True, self.clock()
             if not replica.healthy:
@@ -621,8 +653,19 @@ class ReplicaSet:
             return True
         return False
 
+    def _probe_sent(self, replica: ReplicaState, status: int) -> None:
+        """A readiness probe sent to ``replica``, answered ``status`` (or failed with it): an
+        attempt like any in ``calls`` and ``observe`` (no decision: not routed), as
+        ``OwnCalls``' are."""
+        replica.calls += 1
+        self._observe(replica, status, None)
+
     async def aclose(self) -> None:
-        """Close every replica's upstream."""
+        """Close every replica's upstream (a readiness probe under way cancelled first)."""
+        probe, self._readiness = self._readiness, None
+        if probe is not None and probe.get_loop() is asyncio.get_running_loop():
+            probe.cancel()
+            await asyncio.wait([probe])  # (its callers get the cancellation; not this one)
         for replica in self.replicas:
             await replica.upstream.aclose()
 
