@@ -7,7 +7,7 @@ Contract:
   stream); a streaming client is served those, or frames synthesized once from ``body`` by its
   API (``Api.synthesize``: chat chunks, or the typed events of Responses and Messages).
 - ``complete`` is true only for a 2xx answer its API judges complete (``Api.complete``: every
-  choice has a finish reason; embeddings: every item has a vector; Responses: status
+  choice has a finish reason; embeddings: one vector per input; Responses: status
   ``completed``; Messages: a ``stop_reason``). Only complete answers are stored or kept joinable
   after their flight.
 - ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
