@@ -954,3 +954,25 @@ async def test_a_merged_2xx_answer_reporting_an_error_is_not_stored(gateway_with
         assert again.headers["x-carpool"] != "hit"
     inputs = [c.body["input"] for c in embedding_calls(fake)]
     assert inputs[0] == ["aaa", "bbb"] and sorted(inputs[1:3]) == ["aaa", "bbb"]
+
+
+async def test_embeddings_answer_short_of_its_inputs_is_not_stored(gateway_with, fake):
+    """An embeddings answer holding fewer vectors than its request has inputs (an engine that
+    dropped some) is the upstream's own answer: its client gets it as it came, as a chat
+    answer with fewer choices than ``n`` (tests/test_completeness.py). It is not complete:
+    never stored, so the same request is a fresh upstream call, not a hit short of vectors."""
+    body, auth = {"model": "e", "input": ["one", "two", "three"]}, {"authorization": "Bearer A"}
+    fake.drop_embeddings = {1, 2}  # only the first input's vector comes back
+    async with gateway_with() as gw:
+        short = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
+        assert short.status_code == 200 and short.headers["x-carpool"] == "miss"
+        assert [row["index"] for row in short.json()["data"]] == [0]
+        assert gw.gateway.store.entries == 0
+        again = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
+        assert again.headers["x-carpool"] == "miss" and len(again.json()["data"]) == 1
+        fake.drop_embeddings = set()
+        whole = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
+        assert [row["index"] for row in whole.json()["data"]] == [0, 1, 2]
+        hit = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
+        assert hit.headers["x-carpool"] == "hit" and hit.json()["data"] == whole.json()["data"]
+    assert len(embedding_calls(fake)) == 3

@@ -280,7 +280,31 @@ def test_the_choices_expected_are_n_per_prompt_whatever_best_of():
     assert expected_choices("completion", {"prompt": [[1, 2], [3]]}) == 2
     assert expected_choices("completion", {"prompt": [1, 2, 3]}) == 1  # one token prompt
     assert expected_choices("chat", {"n": 0}) is None
-    assert expected_choices("embedding", {"input": ["a", "b"]}) is None
+    assert expected_choices("responses", {"input": "a"}) is None
+
+
+def test_the_vectors_expected_are_one_per_embeddings_input():
+    assert expected_choices("embedding", {"input": "a"}) == 1
+    assert expected_choices("embedding", {"input": [1, 2, 3]}) == 1  # one token list
+    assert expected_choices("embedding", {"input": ["a", "b", "c"]}) == 3
+    assert expected_choices("embedding", {"input": [[1, 2], [3]]}) == 2
+    assert expected_choices("embedding", {"input": []}) is None
+    assert expected_choices("embedding", {"input": None}) is None
+
+
+def test_an_embeddings_answer_needs_one_vector_per_input_at_indexes_0_to_n():
+    row = {"object": "embedding", "embedding": [0.5]}
+    three = {"data": [{**row, "index": i} for i in (2, 0, 1)]}  # (any order)
+    assert is_complete("embedding", three, 3) and is_complete("embedding", three)
+    assert not is_complete("embedding", three, 4)  # one input's vector missing
+    assert not is_complete("embedding", three, 2)  # one more than asked
+    assert not is_complete("embedding", {"data": [{**row, "index": i} for i in (0, 0, 1)]}, 3)
+    assert not is_complete("embedding", {"data": [{**row, "index": i} for i in (0, 2)]})
+    # Without an index, an item counts at its position.
+    assert is_complete("embedding", {"data": [row, row]}, 2)
+    assert not is_complete("embedding", {"data": [{**row, "index": "0"}]}, 1)
+    assert api_of("embedding").complete(three, {"input": ["a", "b", "c"]})
+    assert not api_of("embedding").complete(three, {"input": ["a", "b", "c", "d"]})
 
 
 async def test_an_upstream_error_event_ends_a_bypassed_stream_without_a_second_one():

@@ -7,7 +7,7 @@ Contract:
   stream); a streaming client is served those, or frames synthesized once from ``body`` by its
   API (``Api.synthesize``: chat chunks, or the typed events of Responses and Messages).
 - ``complete`` is true only for a 2xx answer its API judges complete (``Api.complete``: every
-  choice has a finish reason; embeddings: every item has a vector; Responses: status
+  choice has a finish reason; embeddings: one vector per input; Responses: status
   ``completed``; Messages: a ``stop_reason``). Only complete answers are stored or kept joinable
   after their flight.
 - ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
@@ -24,6 +24,10 @@ Contract:
   proxies answer a failure with) may quote that request, as an error status's body may: a client
   of another request gets ``for_others``, the error's type and code without its words, as
   ``UpstreamError.for_others`` tells an error (``pipeline._own_call`` says who is which).
+- Frames synthesized for streaming clients are made once each way (with the usage chunk and
+  without) and kept in the answer (``sse``, ``synthesized``); ``on_synthesized``, if set, is
+  called with the answer each time it keeps some: the in-process store counts them against its
+  budget for the entries it keeps (``store.memory``).
 - An ``Answer`` is immutable once built; many clients read it at once. Its ``body`` is a copy
   of exactly its length (see ``__post_init__``; ``restored`` is given one), so ``size`` is what
   it really holds.
@@ -32,6 +36,7 @@ Contract:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +63,8 @@ class Answer:
     _usage_missing: bool | None = None  # computed on first use (``usage_missing``)
     requester: str | None = None  # (an incomplete answer's: whose call it was)
     _frames_size: int | None = None  # computed on first use (``frames_size``)
+    # Told of frames ``sse`` synthesized and kept (the in-process store, for its budget).
+    on_synthesized: Callable[[Answer], None] | None = None
 
     def __post_init__(self) -> None:
         # A copy holds exactly its length. orjson (>= 3.12) returns bytes whose buffer is at
@@ -92,6 +99,7 @@ class Answer:
         answer._usage_missing = None
         answer.requester = None  # (only complete answers are stored or linger)
         answer._frames_size = None
+        answer.on_synthesized = None
         return answer
 
     @classmethod
@@ -169,7 +177,14 @@ class Answer:
             cached = self._synthesized[include_usage] = api_of(self.kind).synthesize(
                 orjson.loads(self.body), include_usage
             )
+            if self.on_synthesized is not None:
+                self.on_synthesized(self)  # (kept: counted by whoever keeps this answer)
         return cached
+
+    @property
+    def synthesized(self) -> Mapping[bool, list[bytes]]:
+        """The frames ``sse`` synthesized and keeps, by ``include_usage`` (none yet: empty)."""
+        return self._synthesized
 
     def age(self, now: float | None = None) -> float:
         return max(0.0, (time.time() if now is None else now) - self.created)

@@ -9,11 +9,15 @@ Contract:
   for "chat"/"completion" a non-empty ``choices`` whose every finish_reason is set
   (and is not vLLM's "abort" or "error") and, with ``choices`` (a count), one such choice for every
   index 0..choices-1 (a choice without ``index`` counts at its position); for "embedding" a
-  non-empty ``data`` whose every item has an ``embedding``. ``expected_choices(kind, request)`` is
-  that count for a request body: ``n`` (default 1) per prompt, so ``n`` times the prompts of a
-  completion's list ``prompt`` (``best_of`` picks among candidates but returns ``n``); None when it
-  cannot tell (embeddings, an ``n`` that is not a positive integer). ``usage_tokens(body)`` is
-  prompt + completion tokens. None of them ever raises.
+  non-empty ``data`` whose every item has an ``embedding``, their indexes exactly 0..n-1 once
+  each (an item without ``index`` counts at its position), n being ``choices`` when given (one
+  vector per input), else the items there are. ``expected_choices(kind, request)`` is that count
+  for a request body: ``n`` (default 1) per prompt, so ``n`` times the prompts of a completion's
+  list ``prompt`` (``best_of`` picks among candidates but returns ``n``); for embeddings the
+  inputs (a list of strings or of token lists: one each; a string or one token list: 1); None
+  when it cannot tell (another kind, an ``n`` that is not a positive integer, an ``input`` of
+  no such shape). ``usage_tokens(body)`` is prompt + completion tokens. None of them ever
+  raises.
 """
 
 from __future__ import annotations
@@ -54,13 +58,21 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
             }
         if kind == "embedding":
             data = body["data"]
-            return (
-                isinstance(data, list)
-                and bool(data)
-                and all(
+            if (
+                not isinstance(data, list)
+                or not data
+                or not all(
                     isinstance(d, dict) and isinstance(d.get("embedding"), (list, str))
                     for d in data
                 )
+            ):
+                return False
+            # One vector per input, no more, no fewer: an answer short of some inputs (an
+            # engine that dropped them) would be served, as a hit, to every client of the
+            # request without them (the batcher's ``_split`` holds a merged call to the same).
+            wanted = len(data) if choices is None else choices
+            return sorted(d.get("index", position) for position, d in enumerate(data)) == list(
+                range(wanted)
             )
     except Exception:
         return False
@@ -69,11 +81,22 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
 
 def expected_choices(kind: str, request: Any) -> int | None:
     """How many choices a complete answer to the request body ``request`` has: ``n`` per prompt
-    (a completion's list ``prompt`` is one prompt per item, a flat list of token ids one prompt).
-    None when that cannot be told: not chat/completion, or ``n`` not a positive integer (the
-    upstream then refuses the request anyway). Never raises."""
+    (a completion's list ``prompt`` is one prompt per item, a flat list of token ids one prompt);
+    for embeddings, how many vectors: one per input (a list of strings or of token lists), or 1
+    (a string, one token list). None when that cannot be told: another kind, ``n`` not a
+    positive integer, an ``input`` of none of those shapes (the upstream then refuses the
+    request anyway). Never raises."""
     try:
-        if kind not in ("chat", "completion") or not isinstance(request, dict):
+        if not isinstance(request, dict):
+            return None
+        if kind == "embedding":
+            given = request.get("input")
+            if isinstance(given, str):
+                return 1
+            if not isinstance(given, list) or not given:
+                return None
+            return 1 if type(given[0]) is int else len(given)
+        if kind not in ("chat", "completion"):
             return None
         n = request.get("n")
         if n is None:

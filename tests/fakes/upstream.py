@@ -135,6 +135,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   of the item's index and the whole list), as llama-cpp-python's server does; a single input
   (or a list of one) is answered right. Or a function of the ``Call``, broken when it says so:
   a router in front that sends some keys or headers to such an engine.
+- ``drop_embeddings: set[int]``: input indices whose vector never appears in an embeddings
+  answer's ``data`` (the others keep their indices): an engine that answered fewer inputs.
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
   (default: 8 floats, a unit vector derived from a hash of the item; ``dimensions`` is honoured).
 - ``models: list[str]``: what ``GET /v1/models`` lists.
@@ -329,6 +331,7 @@ class FakeUpstream:
         self.empty_stream: bool = False
         self.broken_list_embeddings: bool | Callable[[Call], bool] = False
         self.embedding_fn: Callable[[Any], list[float]] | None = None
+        self.drop_embeddings: set[int] = set()
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
         self.chat_extra: dict[str, Any] = {}
@@ -863,7 +866,8 @@ class FakeUpstream:
             encoded: Any = vector
             if body.get("encoding_format") == "base64":
                 encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-            data.append({"object": "embedding", "index": i, "embedding": encoded})
+            if i not in self.drop_embeddings:
+                data.append({"object": "embedding", "index": i, "embedding": encoded})
         tokens = sum(_count_words(x) if isinstance(x, str) else len(x) for x in items)
         await self._send_json(
             send,

@@ -13,11 +13,12 @@ import sys
 import time
 import tracemalloc
 
+import orjson
 import pytest
 
 from carpool.answer import Answer
 from carpool.clock import ManualClock
-from carpool.lru import SLOT_BYTES
+from carpool.lru import SLOT_BYTES, held
 from carpool.store import Entry, MemoryStore, memory
 from carpool.store.base import Selector
 from carpool.store.memory import packed_size_of, size_of
@@ -270,6 +271,105 @@ async def test_an_entry_too_large_with_its_objects_is_kept_packed_if_it_fits_so(
     got = store.get_now("k")
     assert store.entries == 1 and got is not None and got.answer.body == put.answer.body
     assert store.bytes == packed_size_of("k", put)
+
+
+def chat_answer(i: int, words: int = 2000) -> Answer:
+    """A whole chat answer as a non-streamed miss stores it: a body, no frames."""
+    body = {
+        "id": f"c{i}",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": f"word{i} " * words},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": words, "total_tokens": words + 1},
+    }
+    return Answer("chat", orjson.dumps(body), True, words + 1)
+
+
+def synthesized_bytes(answer: Answer) -> int:
+    """What the frames a streaming client of ``answer`` is sent take, with the usage chunk and
+    without (made anew, on a copy)."""
+    copy = Answer(answer.kind, answer.body, True, answer.tokens)
+    return sum(held(frames, *frames) for frames in (copy.sse(True), copy.sse(False)))
+
+
+async def test_memory_store_budget_counts_frames_synthesized_for_streaming_hits():
+    """A streaming client of a hit on an answer stored without frames is sent frames made from
+    its body (``Answer.sse``), which a hot entry keeps for the next such hits (with the usage
+    chunk and without: its text twice, and more). The budget counts them from when they are made,
+    the least recently used hot entries letting their objects go to make room: ``bytes`` stays
+    within ``max_bytes`` and counts what the store really holds."""
+    keys = [f"{i:032x}" for i in range(2)]
+    puts = {key: Entry(chat_answer(i), time.time() + 60) for i, key in enumerate(keys)}
+    hot = sum(size_of(key, put) for key, put in puts.items())
+    frames = synthesized_bytes(puts[keys[0]].answer)
+    assert frames > 2 * len(puts[keys[0]].answer.body)  # (its text twice, and more)
+    # Room for both entries hot, and for one's frames, not two's.
+    store = MemoryStore(hot + frames + frames // 2)
+    for key, put in puts.items():
+        await store.put(key, put)
+    kept = {}
+    for key in keys:  # each hit twice: kept hot
+        store.get_now(key)
+        kept[key] = store.get_now(key)
+        assert kept[key] is not None and store.get_now(key) is kept[key]
+    assert store.bytes == hot
+    first = kept[keys[0]].answer
+    assert first.sse(True) is first.sse(True) and first.sse(False) is first.sse(False)
+    # Counted (and the dict keeping them grown), both entries still hot: there is room.
+    assert hot + frames <= store.bytes <= hot + frames + 256 <= store.max_bytes
+    assert store.get_now(keys[0]) is kept[keys[0]] and store.get_now(keys[1]) is kept[keys[1]]
+    # The other one's: no room for both; the least recently used hot entry lets its objects go.
+    second = kept[keys[1]].answer
+    second.sse(True), second.sse(False)
+    assert store.bytes <= store.max_bytes and store.evictions == 0
+    assert store.get_now(keys[1]) is kept[keys[1]] and second.sse(True) is second.sse(True)
+    let_go = store.get_now(keys[0])
+    assert let_go is not None and let_go is not kept[keys[0]]
+    assert store.bytes >= packed_size_of(keys[0], puts[keys[0]]) + size_of(keys[1], puts[keys[1]])
+    assert store.bytes - frames >= packed_size_of(keys[0], puts[keys[0]]) + size_of(
+        keys[1], puts[keys[1]]
+    )
+    # Frames made later on an entry that is no longer hot are not the store's: not counted.
+    counted = store.bytes
+    first.sse(True), let_go.answer.sse(True)
+    assert store.bytes == counted
+    # Let go with their entry: nothing counted is left.
+    await store.invalidate(Selector(everything=True))
+    assert store.entries == 0 and store.bytes == 0
+
+
+async def test_the_budget_bounds_what_hot_entries_really_hold_frames_synthesized_included():
+    """The streaming hits of hot entries stored without frames (``Answer.sse``'s, kept): what
+    the store counts is at least what Python allocated for them, and close to it."""
+    store = MemoryStore(1 << 40, hot=64)
+    keys = [f"{i:032x}" for i in range(64)]
+    for i, key in enumerate(keys):
+        await store.put(key, Entry(chat_answer(i, words=200), time.time() + 60))
+        # A first hit: its packed form marked used (a new copy, in place of one made before
+        # the measure: it would count as grown) and nothing kept.
+        store.get_now(key)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, counted = tracemalloc.get_traced_memory()[0], store.bytes
+        for key in keys:
+            got = store.get_now(key)  # (a second hit: kept)
+            assert got is not None
+            got.answer.sse(True), got.answer.sse(False)
+        del got
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(store._hot) == len(keys)
+    assert grown <= store.bytes - counted <= grown * 1.25, (grown, store.bytes - counted)
 
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"

@@ -210,7 +210,8 @@ class EmbeddingApi(Api):
         return _texts(body.get("input"))
 
     def complete(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
-        return is_complete(self.kind, body)
+        # One vector per input of the request ``asked``: one short of some is not complete.
+        return is_complete(self.kind, body, expected_choices(self.kind, asked))
 
     def usage_tokens(self, body: Any) -> int:
         return usage_tokens(body)

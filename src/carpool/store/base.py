@@ -36,7 +36,8 @@ from ..errors import CarpoolError
 from ..lru import held
 
 # Every Answer has its own dict for the frames it synthesizes once (``Answer.sse``): counted as
-# the empty dict it is when stored (what fills it later is not counted; see ``Entry.held``).
+# the empty dict it is when stored (what fills it later is ``synthesized_held``'s: the memory
+# store counts it for an entry it keeps, when it is made; see ``Entry.held``).
 _SYNTHESIZED = held({})
 # The prompt's start an entry keeps for invalidation by prefix (``prompt_text``).
 PROMPT_PREFIX_CHARS = 1024
@@ -81,7 +82,7 @@ class Entry:
         """Bytes the entry's objects take in this process (``lru.held``): the ``Entry``, its
         ``Answer``, the body, the frames, the strings and numbers they alone refer to. The same
         for the same entry at any time: frames the answer synthesizes later for streaming
-        clients (``Answer.sse``) are not counted."""
+        clients (``Answer.sse``) are not counted here (``synthesized_held``)."""
         answer = self.answer
         frames = answer.frames
         if (
@@ -176,6 +177,19 @@ class Selector:
             or (self.namespace is not None and entry.namespace == self.namespace)
             or (self.prefix is not None and entry.prompt_prefix.startswith(self.prefix))
         )
+
+
+def synthesized_held(answer: Answer) -> int:
+    """Bytes the frames ``answer`` synthesized and keeps take (``Answer.synthesized``): the
+    lists, their frames and what their dict grew by (``Entry.held`` counts it empty)."""
+    synthesized = answer.synthesized
+    if not synthesized:
+        return 0
+    return (
+        held(synthesized)
+        - _SYNTHESIZED
+        + sum(held(frames) + _frames_held(frames) for frames in synthesized.values())
+    )
 
 
 def _frames_held(frames: list[bytes]) -> int:

@@ -8,12 +8,17 @@ Contract (on top of ``store.base``):
 - ``bytes`` counts what the entries hold in this process, so that ``max_bytes`` bounds the
   memory the cache takes, not only its payload: per entry its key, its packed form, its place
   in the map (``lru.SLOT_BYTES``, the most a place takes: a map that only grew takes less) and,
-  while it has them, its objects. Not counted: a fixed cost, the keys of the last hits on
-  packed entries (``hot`` at most).
+  while it has them, its objects, with the frames its answer synthesized for streaming hits
+  since it was kept (``Answer.sse``, stored without frames: a non-streamed miss's), counted
+  when they are made (``Answer.on_synthesized``): the least recently used entries with objects
+  (this one last) let theirs go until ``bytes`` is within ``max_bytes`` again (no eviction: the
+  entries stay, packed). Not counted: a fixed cost, the keys of the last hits on packed entries
+  (``hot`` at most), frames made for a hit on a packed entry (that entry is the hit's alone).
 - Two forms, one behaviour: every entry is kept packed into one bytes object (``store.packed``:
   about 40% of the memory of its objects); the ``hot`` entries most recently hit also keep
   their objects (a ``get`` returns the very ``Entry``, with what its answer computed since, as
-  frames synthesized for streaming clients). A hit on another unpacks a new, equal ``Entry``;
+  frames synthesized for streaming clients: each stream hit after the first sends them as they
+  are). A hit on another unpacks a new, equal ``Entry``;
   a second hit while the first is among the last ``hot`` ones keeps its objects, if the budget
   has room for them without evicting (the least recently used entry with objects, beyond
   ``hot``, lets its own go). A put keeps none: what was put is its flight's clients' already,
@@ -61,13 +66,14 @@ from __future__ import annotations
 import re
 import sys
 from collections import OrderedDict
+from functools import partial
 from typing import TypeAlias
 
 from ..answer import Answer
 from ..clock import SYSTEM_CLOCK, Clock
 from ..lru import LRU, SLOT_BYTES, allocated, held
 from . import packed
-from .base import Entry, Selector
+from .base import Entry, Selector, synthesized_held
 
 #: How many of the entries most recently hit keep their objects (all are packed).
 HOT = 1024
@@ -95,6 +101,10 @@ _HOT_PLACES = 3 * SLOT_BYTES + held(("", None, 0))
 _sample = Answer.restored("chat", b"", True, 2**40, 0.5)
 _UNPACKED = held(Entry(_sample, 0.5), _sample, _sample.created, 0.5, _sample.tokens, {})
 del _sample
+# A hot entry's answer's ``on_synthesized``: a partial of the store's method and the key.
+_hook = partial(print, "")
+_HOOK = held(_hook, _hook.args, _hook.keywords)
+del _hook
 
 
 def _place(key: str) -> Place:
@@ -123,8 +133,9 @@ def _size(place: Place, blob: bytes) -> int:
 def _objects(key: str, place: Place, entry: Entry) -> int:
     """What an entry's objects count while it keeps them (an entry a hit unpacked): its places
     in the hot tables, its place's object again (the map may have another since a get), its key
-    (a string key is its own place) and the entry's objects: a usual entry's by their shape."""
-    counted = _HOT_PLACES + held(place)
+    (a string key is its own place), its answer's ``on_synthesized`` and the entry's objects: a
+    usual entry's by their shape."""
+    counted = _HOT_PLACES + _HOOK + held(place)
     if type(place) is int:
         counted += held(key)
     if not entry.tags and not entry.namespace and entry.answer.frames is None:
@@ -136,7 +147,8 @@ def _objects(key: str, place: Place, entry: Entry) -> int:
 
 def size_of(key: str, entry: Entry) -> int:
     """What ``entry`` counts under ``key`` while it keeps its objects (hot: those of the entry a
-    hit unpacked, by their shape)."""
+    hit unpacked, by their shape), before its answer synthesizes frames for streaming hits
+    (then ``synthesized_held`` more)."""
     return packed_size_of(key, entry) + _objects(key, _place(key), entry)
 
 
@@ -170,6 +182,8 @@ class MemoryStore:
         # its key is here keeps the objects. (A first would waste the work when hits spread
         # wider than ``hot`` entries, each then pushing another out.)
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # (One bound method for every hot entry's hook: ``_keep``.)
+        self._synthesized = self._count_synthesized
 
     @property
     def entries(self) -> int:
@@ -284,7 +298,25 @@ class MemoryStore:
         self._hot[key] = (place, entry, objects)
         self._hot_places[place] = key
         self._hot_bytes += objects
+        # The frames its answer will synthesize for streaming hits live as long as its objects
+        # here: counted when they are made, not on every hit (``_count_synthesized``).
+        entry.answer.on_synthesized = partial(self._synthesized, key)
         if len(self._hot) > self.hot:
+            self._let_go(next(iter(self._hot.values()))[0])
+
+    def _count_synthesized(self, key: str, answer: Answer) -> None:
+        """``answer`` (of ``key``'s hot entry, unless let go since) kept frames it synthesized:
+        counted with its objects; the least recently used hot entries (this one last) let their
+        objects go until the budget holds them."""
+        hot = self._hot.get(key)
+        if hot is None or hot[1].answer is not answer:
+            return  # let go since (or another entry's objects now): not kept here
+        place, entry, counted = hot
+        objects = _objects(key, place, entry) + synthesized_held(answer)
+        self._hot[key] = (place, entry, objects)
+        self._hot.move_to_end(key)  # (made for a client of it now: the most recently used)
+        self._hot_bytes += objects - counted
+        while self._hot and self.bytes > self.max_bytes:
             self._let_go(next(iter(self._hot.values()))[0])
 
     def _let_go(self, place: Place) -> None:
