@@ -320,6 +320,46 @@ async def test_abandon_lets_a_retry_start_new(records: IdempotencyRecords) -> No
     assert (await records.begin("k", OTHER_FP)).state == "processing"
 
 
+async def test_a_released_record_keeps_the_key_for_its_request_alone(
+    records: IdempotencyRecords,
+) -> None:
+    # (A list whose items did not all succeed: its retry runs again, another request is a 422.)
+    token = await begin_new(records)
+    assert await records.release("k", "not the owner") is False
+    assert await records.release("k", token) is True
+    assert await records.begin("k", OTHER_FP) == Begin("mismatch")
+    assert await asyncio.wait_for(records.wait("k", FP, timeout=60), 5) is None  # not running
+    assert await records.wait("k", OTHER_FP, timeout=0) is None
+    retry = await begin_new(records)  # its own request runs again, under a new owner
+    assert retry != token
+    assert await records.finish("k", token, OK) is False  # the old owner's turn is over
+    assert await records.release("k", token) is False
+    assert (await records.begin("k", FP)).state == "processing"
+    assert await records.begin("k", OTHER_FP) == Begin("mismatch")
+    assert await records.finish("k", retry, OK) is True
+    assert (await records.begin("k", FP)).response == OK
+    assert await records.release("k", retry) is False  # a finished record stays
+
+
+async def test_a_released_record_wakes_its_waiters(records: IdempotencyRecords) -> None:
+    token = await begin_new(records)
+    waiter = asyncio.create_task(records.wait("k", FP, timeout=10))
+    await eventually(lambda: records.waiters == 1, timeout=2, what="the waiter")  # type: ignore[attr-defined]
+    await records.release("k", token)
+    assert await asyncio.wait_for(waiter, 2) is None  # (woken: its own timeout is 10 s)
+
+
+async def test_a_released_record_expires_after_the_retention(make: Make) -> None:
+    records = make(retention=0.1)
+    await records.release("k", await begin_new(records))
+    await make.let_pass(0.1)
+
+    async def expired() -> bool:
+        return (await records.begin("k", OTHER_FP)).state == "new"
+
+    await until(expired)
+
+
 async def test_only_the_owner_token_finishes(records: IdempotencyRecords) -> None:
     token = await begin_new(records)
     assert await records.finish("k", "not the owner", OK) is False
@@ -800,6 +840,27 @@ async def test_keyed_requests_live_locally_while_redis_is_dead_and_never_rerun_a
         errors = store.errors
         assert await records.finish("before", in_redis, OK) is False
         assert store.errors == errors + 1 and store.pool_exhausted == 0
+    finally:
+        await records.aclose()
+        await store.aclose()
+
+
+async def test_a_wait_for_a_key_begun_in_redis_while_redis_is_dead_lasts_until_it_is_settled(
+    killable_redis: RedisServer,
+) -> None:
+    # ``begin`` says ``processing`` for it; ``wait`` answered None at once, so a retry that waits
+    # (on_conflict: wait) went round begin and wait, each a failed call to Redis, until then.
+    store, records = shared_records(killable_redis, retry_interval=3600)
+    try:
+        token = await begin_new(records)
+        killable_redis.kill()
+        errors = store.errors
+        waiter = asyncio.create_task(records.wait("k", FP, timeout=60))
+        await eventually(lambda: store.errors == errors + 1, what="the wait's call to Redis")
+        assert not waiter.done()
+        assert await records.finish("k", token, OK) is False  # (not in Redis: kept here)
+        assert await asyncio.wait_for(waiter, 5) == OK  # (woken: its own timeout is 60 s)
+        assert store.errors == errors + 2  # the wait's one call, and the finish's
     finally:
         await records.aclose()
         await store.aclose()

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from carpool.clock import ManualClock
+from carpool.idempotency.once import MAX_KEYED_ITEMS
 from conftest import redis_settings, run_gateway
 from fakes.waiting import eventually
 
@@ -371,3 +372,87 @@ async def test_one_tenants_flood_of_keys_never_makes_another_tenants_retry_run_a
         retry = await gw.chat("quiet question", temperature=0.9, headers=quiet)
         assert retry.headers.get("idempotent-replayed") == "true"
         assert retry.content == first.content and fake.count("/v1/chat/completions") == 7
+
+
+def idempotency_settings(records: str, request: pytest.FixtureRequest) -> dict:
+    """The gateway config whose idempotency records live in memory, or in a Redis server."""
+    if records == "memory":
+        return {}
+    return redis_settings(request.getfixturevalue("redis_server"))
+
+
+def waiting(gw) -> int:
+    """The retries waiting on the gateway's records (Redis's, behind the fallback)."""
+    records = gw.gateway.idempotency
+    return getattr(records, "shared", records).waiters
+
+
+@pytest.mark.parametrize("records", ["memory", "redis"])
+async def test_a_different_list_under_a_partly_failed_lists_key_is_422_and_the_first_lists_retry_still_runs(
+    fake, gateway_with, records, request
+):
+    # The list's record was dropped after its partial failure: another list under the key took
+    # it over (its first item replayed from the first list's), and the first list's own retry
+    # got a 422 for the retention.
+    async with gateway_with(**idempotency_settings(records, request)) as gw:
+
+        async def embed(items: list[str]):
+            body = {"model": "e", "input": items}
+            return await gw.client.post("/v1/embeddings", json=body, headers=KEY)
+
+        fake.refuse = lambda call: "no b" if call.body and call.body.get("input") == ["b"] else None
+        assert (await embed(["a", "b"])).status_code == 400  # "a" answered and kept, "b" refused
+        fake.refuse = None
+        other = await embed(["a", "c"])
+        assert other.status_code == 422 and other.json()["code"] == "idempotency_mismatch"
+        assert fake.count() == 2  # nothing of the other list ran
+        retry = await embed(["a", "b"])
+        assert retry.status_code == 200 and fake.count() == 3  # "b" alone ran again
+        again = await embed(["a", "b"])
+        assert again.headers["idempotent-replayed"] == "true" and again.content == retry.content
+        assert (await embed(["a", "c"])).status_code == 422
+
+
+@pytest.mark.parametrize("records", ["memory", "redis"])
+async def test_every_waiting_retry_waits_again_when_the_first_run_is_dropped(
+    fake, gateway_with, records, request
+):
+    # With on_conflict: wait, the first run's record dropped (a 503: retryable), one waiting
+    # retry began a new run and the other got a 409 at once (Redis: both woke to no record).
+    config = idempotency_settings(records, request)
+    async with gateway_with(idempotency={"on_conflict": "wait"}, **config) as gw:
+        fake.gate = asyncio.Event()
+        fake.fail_status, fake.fail_times = 503, 1
+        first = asyncio.create_task(gw.chat(temperature=0.9, headers=KEY))
+        await fake.wait_for_calls(1)
+        retries = [asyncio.create_task(gw.chat(temperature=0.9, headers=KEY)) for _ in range(2)]
+        await eventually(lambda: waiting(gw) == 2, what="the two waiting retries")
+        fake.gate.set()
+        assert (await first).status_code == 503
+        answers = await asyncio.gather(*retries)
+        assert [r.status_code for r in answers] == [200, 200]
+        replayed = [r.headers.get("idempotent-replayed") == "true" for r in answers]
+        assert sorted(replayed) == [False, True] and answers[0].content == answers[1].content
+        assert fake.count() == 2  # the dropped run, and the one run after it
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [("/v1/embeddings", "input", {"model": "e"}), ("/v1/completions", "prompt", {"model": "m"})],
+)
+async def test_a_keyed_list_over_the_item_cap_is_400(gw, fake, path, field, body):
+    # A keyed list ran one upstream call and kept one record per item, however many: 20,000
+    # inputs made 20,000 calls and 20,001 records.
+    items = [f"item {i}" for i in range(MAX_KEYED_ITEMS + 1)]
+    refused = await gw.client.post(path, json={**body, field: items}, headers=KEY)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", field)
+    assert str(MAX_KEYED_ITEMS) in error["message"]
+    assert fake.count() == 0 and len(gw.gateway.idempotency) == 0  # nothing ran, nothing kept
+    # Without a key the list is the upstream's to judge (one call), not the gateway's.
+    unkeyed = await gw.client.post(path, json={**body, field: items})
+    assert unkeyed.status_code == 200 and fake.count() == 1
+    if field == "input":  # (a call an item: once is enough)
+        at_the_cap = {**body, field: items[:MAX_KEYED_ITEMS]}
+        assert (await gw.client.post(path, json=at_the_cap, headers=KEY)).status_code == 200

@@ -249,18 +249,28 @@ def header_token(value: str, header: str) -> str:
     return value
 
 
-def list_items(request: Request) -> list[Request] | None:
-    """A list input split into one request per item, or None when it is not a list of several.
-
-    ``/v1/embeddings`` with a list ``input`` and ``/v1/completions`` with a list ``prompt``
-    (strings, or token arrays: a flat list of ints is *one* prompt). The items of a stream are
-    asked whole (``stream`` is not in an item's record, so a retry in either format finds the
-    items done before); the caller streams the merged answer.
-    """
+def list_input(request: Request) -> tuple[str, list[Any]] | None:
+    """The field that holds a list input and its items, or None when it is not a list of
+    several: ``/v1/embeddings`` with a list ``input``, ``/v1/completions`` with a list ``prompt``
+    (strings, or token arrays: a flat list of ints is *one* prompt)."""
     name = {"embedding": "input", "completion": "prompt"}.get(request.kind)
     value = request.body.get(name) if name else None
     if name is None or not isinstance(value, list) or len(value) < 2 or isinstance(value[0], int):
         return None
+    return name, value
+
+
+def list_items(request: Request) -> list[Request] | None:
+    """A list input (``list_input``) split into one request per item, or None when it is not a
+    list of several.
+
+    The items of a stream are asked whole (``stream`` is not in an item's record, so a retry in
+    either format finds the items done before); the caller streams the merged answer.
+    """
+    listed = list_input(request)
+    if listed is None:
+        return None
+    name, value = listed
     whole = unstreamed(request.body) if request.stream else request.body
     return [
         dataclasses.replace(

@@ -170,7 +170,9 @@ class CoalesceConfig(Section):
         gt=0,
         description="Milliseconds a joiner waits for "
         "the flight's first output (its first streamed chunk, or its "
-        "whole answer) before it runs its own upstream call.",
+        "whole answer) before it runs its own upstream call. Also the longest a retry with an "
+        "Idempotency-Key waits for the first request's answer (idempotency.on_conflict: wait) "
+        "before its 409.",
     )
     finish_abandoned: bool = Field(
         False,

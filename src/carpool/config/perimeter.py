@@ -108,7 +108,9 @@ class IdempotencyConfig(Section):
         86400, gt=0, le=LONGEST_TTL, description="Seconds an idempotency record is kept."
     )
     on_conflict: Literal["reject", "wait"] = Field(
-        "reject", description="Same key while the first is processing: 409 (reject) or wait for it."
+        "reject",
+        description="Same key while the first is processing: 409 (reject), or wait for its "
+        "answer (wait) up to coalesce.join_timeout_ms, then 409.",
     )
     max_records: int = Field(
         100_000,

@@ -20,11 +20,25 @@ another layer's call failed; a hung Redis then costs each keyed request one time
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
 from ..redis.connection import PoolExhausted
 from ..store.base import StoreUnavailable
 from .errors import IdempotencyUnavailable
 from .memory import MemoryIdempotencyRecords
 from .records import Begin, IdempotencyRecords, StoredResponse
+
+
+@dataclass(slots=True)
+class _Open:
+    """A record this instance began in Redis and has not settled: its owner token, its
+    request's fingerprint, and ``settled``, set once it is (finished, abandoned, released)."""
+
+    token: str
+    fingerprint: str
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class FallbackRecords:
@@ -43,16 +57,21 @@ class FallbackRecords:
     this instance finished, or tried to finish, in Redis) is answered from it first, whatever
     Redis says: Redis back, it has no record of a key run here meanwhile, and a key whose
     finish there failed is free there once its lease runs out.
+
+    While Redis cannot be read, a retry that waits (``wait``) for a record this instance began
+    there and has not settled waits for it to be settled here (then finds the copy kept here,
+    or nothing): ``begin`` says ``processing`` for it, and a ``wait`` that answered None at
+    once would send a waiting retry round ``begin`` and ``wait`` without a pause.
     """
 
     def __init__(self, shared: IdempotencyRecords, local: MemoryIdempotencyRecords) -> None:
         self.shared = shared
         self.local = local
         self._local_tokens: set[str] = set()
-        # This instance's records begun in Redis and not settled yet: key -> (token,
-        # fingerprint). While Redis cannot be read, a retry of one of them here is answered
+        # This instance's records begun in Redis and not settled yet: key -> its token,
+        # fingerprint and settling. While Redis cannot be read, a retry of one of them here is answered
         # ``processing`` (or ``mismatch``), not run again from this process's records.
-        self._open_in_shared: dict[str, tuple[str, str]] = {}
+        self._open_in_shared: dict[str, _Open] = {}
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
         known = self.local.look(key, fingerprint)
@@ -65,23 +84,25 @@ class FallbackRecords:
         except StoreUnavailable:
             opened = self._open_in_shared.get(key)
             if opened is not None:
-                return Begin("processing" if opened[1] == fingerprint else "mismatch")
+                return Begin("processing" if opened.fingerprint == fingerprint else "mismatch")
             begin = await self.local.begin(key, fingerprint)
             if begin.token is not None:
                 self._local_tokens.add(begin.token)
             return begin
         if begin.token is not None:
-            self._open_in_shared[key] = (begin.token, fingerprint)
+            self._open_in_shared[key] = _Open(begin.token, fingerprint)
         return begin
 
     def _owner(self, token: str) -> IdempotencyRecords:
         return self.local if token in self._local_tokens else self.shared
 
-    def _settled(self, key: str, token: str) -> tuple[str, str] | None:
+    def _settled(self, key: str, token: str) -> _Open | None:
         self._local_tokens.discard(token)
         opened = self._open_in_shared.get(key)
-        if opened is not None and opened[0] == token:
-            return self._open_in_shared.pop(key)
+        if opened is not None and opened.token == token:
+            del self._open_in_shared[key]
+            opened.settled.set()
+            return opened
         return None
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
@@ -97,7 +118,7 @@ class FallbackRecords:
             # is replayed, not run again, while Redis cannot be read and after; also when this
             # finish could not reach it (the key's record there runs out with its lease, and a
             # retry on another instance runs again then).
-            local = await self.local.begin(key, opened[1])
+            local = await self.local.begin(key, opened.fingerprint)
             if local.token is not None:
                 await self.local.finish(key, local.token, response)
         return finished
@@ -107,6 +128,14 @@ class FallbackRecords:
             return await self._owner(token).abandon(key, token)
         except StoreUnavailable:
             return False
+        finally:
+            self._settled(key, token)
+
+    async def release(self, key: str, token: str) -> bool:
+        try:
+            return await self._owner(token).release(key, token)
+        except StoreUnavailable:
+            return False  # (its lease there runs out: the key is free again, as if abandoned)
         finally:
             self._settled(key, token)
 
@@ -124,6 +153,13 @@ class FallbackRecords:
         except PoolExhausted as exhausted:
             raise IdempotencyUnavailable() from exhausted
         except StoreUnavailable:
+            opened = self._open_in_shared.get(key)
+            if opened is not None and opened.fingerprint == fingerprint:
+                # This instance's own run, begun in Redis: waited for here (the class doc).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await opened.settled.wait()
+                timeout = 0  # (then only what is kept here: a finished copy, or nothing)
             return await self.local.wait(key, fingerprint, timeout)
 
     async def aclose(self) -> None:

@@ -20,8 +20,9 @@ Final or retryable
   (400 bad body or fields, 413, 431, an invalid key: ``parse``/``parse_key``) never reach it.
 - A list input (the caller's ``list_items``) has one record for the list and one per item
   (``key`` + ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer,
-  and the list's only when every item has one; otherwise the list's record is dropped and a
-  retry recomputes just the items without an answer (``carpool.idempotency.once``).
+  and the list's only when every item has one; otherwise the list's record is released (kept
+  with its fingerprint, while any item's is kept) or dropped, and a retry recomputes just the
+  items without an answer (``carpool.idempotency.once``).
 
 The format
 - ``StoredResponse.streamed`` is the format of the request that made the record (``stream``

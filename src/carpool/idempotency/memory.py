@@ -2,8 +2,8 @@
 
 One process only: a retry that reaches another instance is not protected (with ``redis``, the
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
-swept lazily and *finished* ones are evicted beyond ``max_records``/``max_bytes``, the oldest
-first, but a tenant holding less than its share keeps its own while another holds more, so
+swept lazily and *finished* ones (RELEASED ones too: no response, no bytes) are evicted beyond
+``max_records``/``max_bytes``, the oldest first, but a tenant holding less than its share keeps its own while another holds more, so
 that one tenant's flood of keys cannot evict another's records (``finished``; counted in
 ``evictions``, logged): a record being processed is never evicted
 (its retry would run the generation again while it runs), and those are as many as the
@@ -41,7 +41,8 @@ class _Record:
     fingerprint: str
     token: str
     expires: float  # monotonic: the lease, then the retention
-    response: StoredResponse | None = None  # None while PROCESSING
+    response: StoredResponse | None = None  # None while PROCESSING or RELEASED
+    released: bool = False  # RELEASED: kept with its fingerprint, for its request to begin again
     changed: asyncio.Event | None = None  # created by the first waiter; set on any change
     owner: asyncio.Task[Any] | None = None  # the task that began it, while PROCESSING
 
@@ -111,6 +112,8 @@ class MemoryIdempotencyRecords:
         found = self.look(key, fingerprint)
         if found is not None:
             return found
+        # No record, or this request's RELEASED one: begun (again), apart with the running.
+        self._records.pop(key)
         token = _new_token()
         owner = asyncio.current_task()
         self._running[key] = _Record(fingerprint, token, now + self.processing_ttl, owner=owner)
@@ -118,12 +121,14 @@ class MemoryIdempotencyRecords:
 
     def look(self, key: str, fingerprint: str) -> Begin | None:
         """What ``begin`` would find for a request of ``fingerprint``, without beginning: None
-        when there is no record."""
+        when there is no record, or a RELEASED one of this request (``begin`` begins it)."""
         record = self._found(key)
         if record is None:
             return None
         if record.fingerprint != fingerprint:
             return Begin("mismatch")
+        if record.released:
+            return None
         if record.response is None:
             return Begin("processing")
         return Begin("done", response=_copy(record.response))
@@ -156,6 +161,20 @@ class MemoryIdempotencyRecords:
         self._drop(key)
         return True
 
+    async def release(self, key: str, token: str) -> bool:
+        record = self._owned(key, token)
+        if record is None:
+            return False
+        del self._running[key]  # among the finished (no response: no bytes), as the newest
+        record.released, record.owner = True, None
+        record.expires = self._clock.monotonic() + self.retention
+        record.wake()
+        before = self._records.evictions
+        self._records.put(key, record)
+        if self._records.evictions > before:
+            self._evicted()
+        return True
+
     async def renew(self, key: str, token: str) -> bool:
         record = self._owned(key, token)
         if record is None:
@@ -174,8 +193,8 @@ class MemoryIdempotencyRecords:
                 record = self._found(key)
                 if record is None:
                     return None
-                if record.fingerprint != fingerprint:
-                    return None
+                if record.fingerprint != fingerprint or record.released:
+                    return None  # (RELEASED: not running; its request begins it again)
                 if record.response is not None:
                     return _copy(record.response)
                 left = deadline - loop.time()
@@ -210,7 +229,12 @@ class MemoryIdempotencyRecords:
 
     def _owned(self, key: str, token: str) -> _Record | None:
         record = self._found(key)
-        if record is None or record.response is not None or record.token != token:
+        if (
+            record is None
+            or record.response is not None
+            or record.released
+            or record.token != token
+        ):
             return None
         return record
 

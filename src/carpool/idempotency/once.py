@@ -6,7 +6,9 @@ Contract:
   cross tenants. Its fingerprint is the request's digest (``request_digest``), so the same key
   with another request is a 422 (``IdempotencyMismatch``), whatever the record's state.
 - A request whose key is being processed gets a 409 (``IdempotencyConflict``), or, with
-  ``idempotency.on_conflict: wait``, waits for it up to the join timeout and looks again.
+  ``idempotency.on_conflict: wait``, waits for it, up to ``coalesce.join_timeout_ms`` in all,
+  then a 409: a run finished is replayed; a run dropped (a retryable answer) or released is
+  begun again by one waiting retry, and the others wait for that one in turn.
 - A request whose record cannot be read although the shared records answer (every connection
   busy: ``IdempotencyUnavailable``) gets a 503 with ``Retry-After`` and is not run: running it
   without its record could run the key twice.
@@ -29,9 +31,13 @@ Contract:
   cancelled before its answer (shielded: a cancelled task still drops it).
 - A list input (``list_items``) has one record for the list and one per item (the list's key +
   ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer, and the
-  list's only when every item has one; otherwise the list's record is dropped and a retry
-  recomputes just the items without an answer. A 200 that is not an answer fails the list as
-  the upstream's failure (502), never as the gateway's crash.
+  list's only when every item has one; otherwise the list's record is released (``release``:
+  kept with its fingerprint) if any item's record is kept, else dropped, and a retry
+  recomputes just the items without an answer; another request under the key is a 422, never
+  answered from this list's items. A 200 that is not an answer fails the list as the
+  upstream's failure (502), never as the gateway's crash. A list of more than
+  ``MAX_KEYED_ITEMS`` items (an upstream call and a record each) is refused with a 400 in
+  OpenAI's error shape (``param``: the field), before any record or call.
 """
 
 from __future__ import annotations
@@ -48,13 +54,13 @@ import orjson
 from ..canonical import names_of
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Config
-from ..errors import CarpoolError, UpstreamError
+from ..errors import CarpoolError, RequestError, UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome
 from ..reply import JSON, Reply, age_header, error_reply, refusal
-from ..request import ClientRequest, Request, list_items, merge_items
+from ..request import ClientRequest, Request, list_input, list_items, merge_items
 from .errors import (
     IdempotencyConflict,
     IdempotencyFormatMismatch,
@@ -65,6 +71,10 @@ from .errors import (
 from .final import is_final, replay_as, saved_tokens
 from .header import HEADER, HEADER_ALIAS, REPLAYED_HEADER
 from .records import IdempotencyRecords, StoredResponse
+
+# Items of a list input under an Idempotency-Key, at most (OpenAI's own limit for embeddings
+# inputs): each is an upstream call and a record of its own.
+MAX_KEYED_ITEMS = 2048
 
 # ``Gateway._answer``: a request's reply, however it is answered (cache, flight, bypass).
 Answering = Callable[[ClientRequest, Request, Fingerprint, str], Awaitable[Reply]]
@@ -121,6 +131,18 @@ class AtMostOnce:
         executed, not a complete answer, a stream that failed) the record is dropped and a
         retry runs again. A replay comes in the retry's format, or is a 422 (``replay_as``).
         """
+        listed = list_input(request)
+        if listed is not None and len(listed[1]) > MAX_KEYED_ITEMS:
+            # One upstream call and one record an item: bounded before any of them.
+            name, values = listed
+            return self._refused(
+                RequestError(
+                    f"'{name}' may hold at most {MAX_KEYED_ITEMS} items with an "
+                    f"Idempotency-Key, not {len(values)}",
+                    param=name,
+                ),
+                request,
+            )
         records = self.records
         scoped, digest = (
             scope_of(key, idempotency_key, request, self.config),
@@ -131,8 +153,14 @@ class AtMostOnce:
             if begin.state == "processing" and self.config.idempotency.on_conflict == "wait":
                 if client.on_wait is not None:
                     client.on_wait()
-                await records.wait(scoped, digest, self._join_timeout)
-                begin = await records.begin(scoped, digest)
+                # Up to the join timeout in all. A wait ends when the record changes: finished
+                # (replayed), dropped or released (begun again: by this retry, or by another
+                # waiting retry, which this one then waits for in turn).
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + self._join_timeout
+                while begin.state == "processing" and (left := deadline - loop.time()) > 0:
+                    await records.wait(scoped, digest, left)
+                    begin = await records.begin(scoped, digest)
         except IdempotencyUnavailable as error:  # nothing ran: a retry is safe
             return self._refused(error, request)
         if begin.state == "mismatch":
@@ -157,20 +185,25 @@ class AtMostOnce:
         # Its answer is kept for retries that may ask for the usage it did not (``bypass``).
         request = replace(request, recorded=True)
         items = list_items(request)
+        # A list not kept whole, some of whose items are (``_items``), stays this list's key
+        # (released, with its fingerprint): another request under it is a 422, never answered
+        # in part from this list's items; a retry of it computes the rest.
+        items_kept: list[bool] = []
         try:
             if items is None:
                 reply = await self.answer(client, request, key, route)
             else:
-                reply = await self._items(client, items, scoped, route)
+                reply = await self._items(client, items, scoped, route, items_kept)
                 if request.stream and reply.status < 300:
                     reply = _streamed(reply, request)
         except BaseException:
-            await _shielded(records.abandon(scoped, token))
+            settle = records.release if any(items_kept) else records.abandon
+            await _shielded(settle(scoped, token))
             raise
         # (Settled to the end even if the client leaves meanwhile: ``_settle``.)
         if items is not None and reply.status >= 300:
-            # Not kept whole: its items that succeeded are kept, so a retry computes the rest.
-            await _settle(records.abandon(scoped, token))
+            settle = records.release if any(items_kept) else records.abandon
+            await _settle(settle(scoped, token))
         elif reply.stream is None:
             kept = reply.with_usage() if reply.with_usage is not None else None
             stored = StoredResponse(
@@ -232,9 +265,16 @@ class AtMostOnce:
             self.stats.saved_without_usage += tokens == 0
 
     async def _items(
-        self, client: ClientRequest, items: list[Request], scoped: str, route: str
+        self,
+        client: ClientRequest,
+        items: list[Request],
+        scoped: str,
+        route: str,
+        kept: list[bool],
     ) -> Reply:
-        """A list input under one Idempotency-Key: each item is a sub-request with its record."""
+        """A list input under one Idempotency-Key: each item is a sub-request with its record.
+        ``kept``: True added for each item whose record is kept (done: finished now or before),
+        as it is."""
         records = self.records
 
         async def item(i: int, request: Request) -> tuple[StoredResponse, Outcome, int | None]:
@@ -250,6 +290,7 @@ class AtMostOnce:
                 )
             if begin.state == "done":
                 assert begin.response is not None
+                kept.append(True)
                 if _not_kept(begin.response):  # (the list's answer: this item's, below)
                     self.stats.rejected += 1
                     return begin.response, Outcome.BYPASS, None
@@ -279,7 +320,8 @@ class AtMostOnce:
             # Only a good answer is kept: whatever else the item got (an error, final or not,
             # or a 200 that is no answer) is computed again by a retry.
             if reply.status < 300 and is_final(request.kind, stored, request.body):
-                await _settle(records.finish(item_key, begin.token, stored))
+                if await _settle(records.finish(item_key, begin.token, stored)):
+                    kept.append(True)
                 return stored, outcome, age
             await _settle(records.abandon(item_key, begin.token))
             if reply.status < 300:
@@ -443,12 +485,13 @@ def _item_failed(index: int | None) -> StoredResponse:
     return StoredResponse(error.status, _replayable(error_reply(error, None).headers), error.body())
 
 
-async def _settle(work: Any) -> None:
+async def _settle(work: Any) -> Any:
     """A record's update, run to its end even if the request is cancelled meanwhile (its client
     left as its answer was being kept: cancelled with it, the record stayed ``processing``, a
     retry got 409 until the lease ran out, then ran the generation again). The cancellation
-    still reaches the request; the work's own failure too, when it is not cancelled."""
-    await asyncio.shield(asyncio.ensure_future(work))
+    still reaches the request; the work's own failure too, when it is not cancelled. Its
+    result, when it is not."""
+    return await asyncio.shield(asyncio.ensure_future(work))
 
 
 async def _shielded(work: Any) -> None:

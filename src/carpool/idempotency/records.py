@@ -1,14 +1,18 @@
 """The records: one per key, with the fingerprint of the request that created it.
 
     (none) --begin--> PROCESSING --finish(2xx)----> SUCCESS  } kept ``retention`` s from the
-                          |      --finish(other)--> FAILED   } finish, then (none) again
-                          |--abandon--> (none)
-                          '--lease runs out--> (none)
+                        |  ^     --finish(other)--> FAILED   } finish (release), then (none)
+                        |  |     --release--------> RELEASED } again
+                        |  '--begin, same fingerprint--'
+                        |--abandon--> (none)
+                        '--lease runs out--> (none)
 
 - ``begin(key, fingerprint)``, atomic (one winner among any number of concurrent callers, on any
   number of instances sharing the backend):
   * no record (or an expired one): a PROCESSING record with a fresh owner token -> ``"new"``
-    with the token; the caller processes the request and must end with ``finish`` or ``abandon``;
+    with the token; the caller processes the request and must end with ``finish``, ``abandon``
+    or ``release``;
+  * RELEASED with the same fingerprint: PROCESSING again, with a fresh owner token -> ``"new"``;
   * a record with another fingerprint, whatever its state -> ``"mismatch"`` (422);
   * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
   * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format
@@ -24,6 +28,13 @@
 - ``abandon(key, token)``: the owner gives up without a final answer (its client left and the
   call was cancelled, the gateway failed before an answer): the record is dropped, so a retry
   runs as ``"new"``. Returns whether there was a record to drop.
+- ``release(key, token)``: the owner gives up without a final answer, but the key stays its
+  request's: a list input some of whose items succeeded (``once``: their records are kept
+  under the key, and only the same list may be answered from them). The record becomes
+  RELEASED, kept ``retention`` seconds from now with its fingerprint: a retry of the same
+  request begins it again as ``"new"`` (and recomputes what was not kept), another request is a
+  ``"mismatch"``; its waiters are woken and ``wait`` answers None. Returns whether it was
+  released (False: not the owner's, or no longer PROCESSING).
 - ``renew(key, token)``: extends the owner's lease from now (in process: ``processing_ttl``; in
   Redis: ``idempotency.lease``, renewed by the records themselves); False when the
   record is no longer this owner's (then it may already run elsewhere). A PROCESSING record whose
@@ -31,11 +42,14 @@
   ``"new"``, and the old owner's ``finish`` is refused.
 - ``wait(key, fingerprint, timeout)``: for ``idempotency.on_conflict: wait``. Returns the stored
   response once the record of ``fingerprint`` (the waiting request's) is finished; None when the
-  timeout passes, when there is no record (abandoned, lease run out, expired), or when the record
-  belongs to another fingerprint (taken over by another request, even before the first look). On None the
-  caller should ``begin`` again (it may now be ``"new"``, ``"mismatch"``...), not assume a 409.
-- Retention: SUCCESS and FAILED records live ``retention`` seconds (config
-  ``idempotency.retention``, default 24 h) from their finish; then the key is free again.
+  timeout passes, when there is no record (abandoned, lease run out, expired), when it is
+  RELEASED, or when the record belongs to another fingerprint (taken over by another request,
+  even before the first look). On None the caller should ``begin`` again (it may now be
+  ``"new"``, ``"mismatch"``, or ``"processing"`` again: another waiter began it first), not
+  assume a 409.
+- Retention: SUCCESS, FAILED and RELEASED records live ``retention`` seconds (config
+  ``idempotency.retention``, default 24 h) from their finish or release; then the key is free
+  again.
 """
 
 from __future__ import annotations
@@ -82,6 +96,8 @@ class IdempotencyRecords(Protocol):
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool: ...
 
     async def abandon(self, key: str, token: str) -> bool: ...
+
+    async def release(self, key: str, token: str) -> bool: ...
 
     async def renew(self, key: str, token: str) -> bool: ...
 

@@ -4,8 +4,8 @@
 
 Leases: a record being processed lives ``lease`` seconds (``idempotency.lease``, default 6) and
 its owner renews it every lease/3 while the request runs (a task per record begun here, stopped
-by ``finish``/``abandon``), so a record whose instance died is free again within ``lease``
-seconds, while one whose request runs for minutes stays taken. A renewal that fails (Redis down
+by ``finish``/``abandon``/``release``), so a record whose instance died is free again within
+``lease`` seconds, while one whose request runs for minutes stays taken. A renewal that fails (Redis down
 or paused) is tried again at the next interval; one that finds the record no longer this owner's
 (its lease ran out, Redis restarted empty) stops.
 
@@ -86,6 +86,11 @@ if not rec[1] then
   return {'new'}
 end
 if rec[2] ~= ARGV[1] then return {'mismatch'} end
+if rec[1] == 'r' then                            -- released: this request's to begin again
+  redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {'new'}
+end
 if rec[1] == 'p' then
   if rec[3] == ARGV[2] then return {'new'} end   -- this very call, retried after a lost reply
   return {'processing'}
@@ -101,7 +106,7 @@ return {'done', r[1], r[2], r[3], r[4], r[5]}
 # (``IdempotencyResponseNotKept``): the request ran, it must not run again.
 _FINISHING = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[2] ~= ARGV[1] then return 0 end
+if rec[2] ~= ARGV[1] or rec[1] == 'r' then return 0 end
 if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
 redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6],
            'm', ARGV[7], 'c', ARGV[8])
@@ -140,6 +145,20 @@ return 1
 """
 )
 
+# ARGV = token, retention ms. 1 if released (the fingerprint kept, no response: small).
+_RELEASE = (
+    ALWAYS
+    + """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[2] ~= ARGV[1] then return 0 end
+if rec[1] == 'r' then return 1 end               -- released by this token: a retried call
+if rec[1] ~= 'p' then return 0 end
+redis.call('HSET', KEYS[1], 's', 'r')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+)
+
 # ARGV = token, lease ms. 1 if renewed.
 _RENEW = (
     ALWAYS
@@ -164,7 +183,7 @@ class RedisIdempotencyRecords:
     Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Cluster hash tag):
 
         P idem:{ID}    HASH, PX = lease, then retention
-                       s  = p (PROCESSING) | s (SUCCESS) | f (FAILED)
+                       s  = p (PROCESSING) | s (SUCCESS) | f (FAILED) | r (RELEASED)
                        fp = the request fingerprint       t = the owner token
                        st = status (decimal)              h = headers, orjson [[name, value]...]
                        b  = body bytes                        (latin-1 strings: byte-exact)
@@ -178,7 +197,8 @@ class RedisIdempotencyRecords:
       PX while PROCESSING, so Redis itself drops the record of a dead owner. ``begin`` retried
       after a lost reply recognises its own token and still answers ``new``.
     - ``wait`` polls the record (back-off ``POLL_MIN`` to ``POLL_MAX``, bounded by the
-      timeout); a ``finish``/``abandon`` by this same instance wakes its waiters at once.
+      timeout); a ``finish``/``abandon``/``release`` by this same instance wakes its waiters at
+      once.
     - Every Redis or network failure, and any answer slower than ``socket_timeout``, raises
       ``StoreUnavailable`` (the client library's error is its ``__cause__``); a refused
       connection is retried once at once, a timeout never; every pooled connection busy is
@@ -224,8 +244,9 @@ class RedisIdempotencyRecords:
         self._finish = client.register_script(_FINISH)
         self._not_kept = client.register_script(_NOT_KEPT)
         self._abandon = client.register_script(_ABANDON)
+        self._release_record = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
-        # Local wake-ups: waiters of this instance, set by this instance's finish/abandon.
+        # Local wake-ups: waiters of this instance, set by its finish/abandon/release.
         self._changed: weakref.WeakValueDictionary[str, asyncio.Event] = (
             weakref.WeakValueDictionary()
         )
@@ -317,6 +338,18 @@ class RedisIdempotencyRecords:
         self._wake(record_key)
         return bool(dropped)
 
+    async def release(self, key: str, token: str) -> bool:
+        record_key = self.record_key(key)
+        try:
+            released = await self._call(
+                "release",
+                lambda: self._release_record(keys=[record_key], args=[token, _ms(self.retention)]),
+            )
+        finally:
+            self._release(token)
+        self._wake(record_key)
+        return bool(released)
+
     async def renew(self, key: str, token: str) -> bool:
         return bool(
             await self._call(
@@ -403,10 +436,8 @@ class RedisIdempotencyRecords:
                     )
                 except WrongType as error:
                     return _unreadable(record_key, error.__cause__)
-                if state is None:
-                    return None
-                if found != mine:
-                    return None
+                if state is None or found != mine or state == b"r":
+                    return None  # (RELEASED: not running; its request begins it again)
                 if state != b"p":
                     return _decode(record_key, status, headers, body, streamed, created)
                 left = deadline - loop.time()
