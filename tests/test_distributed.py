@@ -934,9 +934,11 @@ async def test_without_stream_usage_a_call_asked_without_usage_is_shared_elsewhe
 
 
 async def until_serving(
-    client: httpx.AsyncClient, proc: subprocess.Popen, log, timeout: float = 10.0
+    client: httpx.AsyncClient, proc: subprocess.Popen, log, timeout: float = 60.0
 ) -> None:
-    """Until the gateway in ``proc`` answers /healthz (it exits, or takes too long: fail)."""
+    """Until the gateway in ``proc`` answers /healthz (it exits, or takes too long: fail). The
+    bound is generous: a start that loads the semantic models in each of two workers took over
+    10 s on this shared 2-core machine under load; one that exits fails at once."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

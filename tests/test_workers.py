@@ -129,7 +129,7 @@ async def test_every_config_check_config_accepts_is_served_by_its_workers(fake, 
     proc = start_serve(args, serve_env(), log)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            await until_serving(client, proc, log, timeout=30)
+            await until_serving(client, proc, log)
             body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
             answer = await client.post("/v1/chat/completions", json={**body, "temperature": 0})
         assert answer.status_code == 200, answer.text
@@ -155,7 +155,7 @@ async def test_text_outside_the_bmp_reaches_every_worker_intact(fake, tmp_path):
     try:
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
-            await until_serving(probe, proc, log, timeout=30)
+            await until_serving(probe, proc, log)
             assert name in (await probe.get("/healthz")).json()["replicas"]
         for _ in range(200):  # a new connection each: the kernel spreads them over both
             async with httpx.AsyncClient(base_url=base, timeout=10) as client:
