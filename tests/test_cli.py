@@ -128,6 +128,24 @@ def test_a_bad_environment_value_exits_2(tmp_path):
     assert result.returncode == 2 and "sampling" in result.stderr
 
 
+def test_serve_fronts_the_one_replica_named_by_carpool_upstreams(monkeypatch):
+    # Every option can come from a CARPOOL_* variable: one URL, as --upstream takes it.
+    monkeypatch.setenv("CARPOOL_UPSTREAMS", "http://127.0.0.1:9/v1")
+    log = serve_log("--port", str(free_port()))
+    assert "fronting 1 upstream replica(s): http://127.0.0.1:9/v1" in log
+
+
+def test_carpool_upstream_holding_a_url_exits_2_saying_carpool_upstreams():
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "CARPOOL_UPSTREAM": "http://127.0.0.1:9/v1"},
+    )
+    assert result.returncode == 2 and "did you mean CARPOOL_UPSTREAMS" in result.stderr
+
+
 def test_serve_never_logs_the_credentials_in_a_redis_or_upstream_url():
     log = serve_log(
         "--port",

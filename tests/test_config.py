@@ -182,6 +182,67 @@ def test_values_are_yaml_lists_mappings_and_scalars():
     assert config.admin_token == "@not-yaml"
 
 
+def test_a_single_url_in_carpool_upstreams_is_a_one_replica_list():
+    # `upstreams` is "same as --upstream": one URL, as the flag takes it, was refused ("upstreams:
+    # Input should be a valid list"); only the YAML list '[http://.../v1]' was read.
+    config = Config.load(env={"CARPOOL_UPSTREAMS": "http://127.0.0.1:8000/v1"})
+    assert config.upstreams == ["http://127.0.0.1:8000/v1"]
+    # Any list key, at any depth, found by its type (not by its name).
+    env = {
+        "CARPOOL_TENANT__SHARED_NAMESPACES": "pub",
+        "CARPOOL_UPSTREAMS": "http://a:8000/v1",
+        "CARPOOL_UPSTREAM__API_KEYS": "sk-one",
+        "CARPOOL_SEMANTIC__JUDGE__OVERRULES": "entity",
+    }
+    config = Config.load(env=env)
+    assert config.tenant.shared_namespaces == ["pub"]
+    assert [k.get_secret_value() for k in config.upstream.api_keys] == ["sk-one"]
+    assert config.semantic.judge.overrules == ["entity"]
+    # A key that is not a list keeps its one value (a port, a URL).
+    config = Config.load(env={"CARPOOL_ADMIN_TOKEN": "a,b", "CARPOOL_PORT": "8081"})
+    assert config.admin_token == "a,b" and config.port == 8081
+
+
+def test_a_comma_separated_env_list_is_a_list():
+    env = {
+        "CARPOOL_UPSTREAMS": "http://a:8000/v1, http://b:8000/v1",
+        "CARPOOL_TENANT__SHARED_NAMESPACES": "pub,docs",
+        "CARPOOL_SEMANTIC__SCRIPTS": " Latin , Greek ",
+        "CARPOOL_UPSTREAM_NAMES": "left,right",
+    }
+    config = Config.load(env=env)
+    assert config.upstreams == ["http://a:8000/v1", "http://b:8000/v1"]
+    assert config.tenant.shared_namespaces == ["pub", "docs"]
+    assert config.semantic.scripts == ["Latin", "Greek"]
+    assert config.upstream_names == ["left", "right"]
+    # The YAML list is read as before, commas inside its quoted items kept.
+    env = {"CARPOOL_TENANT__SHARED_NAMESPACES": '["a,b", c]'}
+    assert Config.load(env=env).tenant.shared_namespaces == ["a,b", "c"]
+    # An empty item is an item, refused by its key as in a file: a stray comma is not dropped.
+    with pytest.raises(ConfigError, match="tenant.shared_namespaces"):
+        Config.load(env={"CARPOOL_TENANT__SHARED_NAMESPACES": "pub,"})
+
+
+def test_carpool_upstream_holding_a_url_says_carpool_upstreams(tmp_path):
+    # CARPOOL_UPSTREAM is the `upstream` section (the key the gateway holds...), not the
+    # --upstream flag's replicas: the error said only "should be a valid dictionary".
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={"CARPOOL_UPSTREAM": "http://user:pw@127.0.0.1:8000/v1"})
+    message = str(raised.value)
+    assert "did you mean CARPOOL_UPSTREAMS" in message and "upstream:" in message
+    assert "pw" not in message
+    # The same mistake in the file is named as the file's key.
+    path = tmp_path / "carpool.yaml"
+    path.write_text("upstream: http://127.0.0.1:8000/v1\n")
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env={})
+    assert "did you mean `upstreams`" in str(raised.value)
+    assert "CARPOOL_UPSTREAMS" not in str(raised.value)
+    # A section given whole is still a section.
+    config = Config.load(env={"CARPOOL_UPSTREAM": "{stream_usage: false}"})
+    assert config.upstream.stream_usage is False
+
+
 def test_an_empty_or_null_variable_sets_null_over_the_file(tmp_path):
     path = tmp_path / "carpool.yaml"
     path.write_text("redis: redis://localhost:6379/0\nadmin_token: secret\n")
@@ -222,7 +283,8 @@ def test_precedence_of_a_nested_key_file_then_environment_then_overrides(tmp_pat
         ({"CARPOOL_BOGUS__X": "1"}, "bogus: unknown key"),
         ({"CARPOOL_PORT__X": "1", "CARPOOL_PORT": "5"}, "port:"),  # port has no keys
         ({"CARPOOL_CACHE__MAX_BYTES": "-1"}, "cache.max_bytes"),
-        ({"CARPOOL_SEMANTIC__SCRIPTS": "Latin"}, "semantic.scripts"),
+        ({"CARPOOL_SEMANTIC__SCRIPTS": "{Latin: 1}"}, "semantic.scripts"),
+        ({"CARPOOL_SEMANTIC__JUDGE__OVERRULES": "entity,nonsense"}, "semantic.judge.overrules"),
     ],
 )
 def test_a_variable_that_names_no_key_or_a_bad_value_is_an_error_naming_it(env, field):

@@ -365,6 +365,44 @@ async def test_stats_and_metrics_count_outcomes_and_tokens_saved(gw, fake):
     assert (await gw.client.get("/healthz")).status_code == 200
 
 
+async def test_stats_reports_each_replicas_in_flight_calls_while_they_run(gw, fake):
+    # "per-upstream-replica in-flight load": four calls (three chats and an embedding) held at
+    # the fake upstream are four in flight on its replica, in /stats and /metrics; none after.
+    fake.gate = asyncio.Event()
+    held = [asyncio.create_task(gw.chat(f"question {i}")) for i in range(3)]
+    held.append(
+        asyncio.create_task(gw.client.post("/v1/embeddings", json={"model": "e", "input": "x"}))
+    )
+    await fake.wait_for_calls(4)
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["replicas"][fake.url]["in_flight"] == 4
+    metrics = (await gw.client.get("/metrics")).text
+    assert f'carpool_upstream_in_flight{{replica="{fake.url}"}} 4.0' in metrics
+    fake.gate.set()
+    assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 4
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["replicas"][fake.url]["in_flight"] == 0
+    metrics = (await gw.client.get("/metrics")).text
+    assert f'carpool_upstream_in_flight{{replica="{fake.url}"}} 0.0' in metrics
+
+
+async def test_saved_fraction_leaves_out_bypassed_and_rejected_requests(gw, fake):
+    # "share of eligible requests that did not reach upstream": one miss, one hit -> 0.5,
+    # whatever the requests that were never eligible (bypassed, refused by the gateway).
+    await gw.chat()
+    await gw.chat()
+    for sampled in ("Tell me a story", "Tell me another"):  # (no-store still coalesces: a miss)
+        assert (await gw.chat(sampled, temperature=0.9)).headers["x-carpool"] == "bypass"
+    refused = await gw.client.post(
+        CHAT, content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert refused.status_code == 400
+    stats = (await gw.client.get("/stats")).json()
+    assert (stats["misses"], stats["hits"], stats["bypass"], stats["rejected"]) == (1, 1, 2, 1)
+    assert stats["requests"] == 5 and stats["upstream_calls"] == 3
+    assert stats["saved_fraction"] == 0.5
+
+
 # --- failures ---------------------------------------------------------------------------------
 
 

@@ -287,3 +287,38 @@ def test_a_decisions_file_that_cannot_be_written_exits_2_before_the_run(tmp_path
     result = _eval("--pairs", str(pairs), "--decisions", str(unwritable))
     assert result.exit_code == 2, (result.output, result.exception)
     assert "--decisions" in result.output and "near_repeat" not in result.output
+
+
+def test_eval_semantic_takes_the_threshold_from_carpool_semantic_threshold(tmp_path, monkeypatch):
+    # It read only its flags: CARPOOL_SEMANTIC__THRESHOLD=0.99 (and the file's semantic
+    # settings) were ignored, and it scored a cache other than the one configured.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[1]) + "\n")  # similar, but under 0.99
+
+    def header_and_served() -> tuple[str, str]:
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()[0], _rows(result.output, "totals")["all"][2]
+
+    result = _eval("--pairs", str(pairs))
+    assert header_and_served() == ("threshold 0.400  verifier 0.982", "100.0%")
+    monkeypatch.setenv("CARPOOL_SEMANTIC__THRESHOLD", "0.99")
+    monkeypatch.setenv("CARPOOL_SEMANTIC__VERIFIER_THRESHOLD", "0.25")
+    result = _eval("--pairs", str(pairs))
+    assert header_and_served() == ("threshold 0.990  verifier 0.250", "0.0%")
+    # The flags win over the environment...
+    result = _eval("--pairs", str(pairs), "--threshold", "0.5", "--verifier-threshold", "0.3")
+    assert header_and_served() == ("threshold 0.500  verifier 0.300", "100.0%")
+    # ...which wins over the file (--config, else CARPOOL_CONFIG), as for every command.
+    config = tmp_path / "carpool.yaml"
+    config.write_text("semantic:\n  threshold: 0.95\n  verifier_threshold: 0.75\n")
+    monkeypatch.delenv("CARPOOL_SEMANTIC__VERIFIER_THRESHOLD")
+    result = _eval("--pairs", str(pairs), "--config", str(config))
+    assert header_and_served() == ("threshold 0.990  verifier 0.750", "0.0%")
+    monkeypatch.delenv("CARPOOL_SEMANTIC__THRESHOLD")
+    monkeypatch.setenv("CARPOOL_CONFIG", str(config))
+    result = _eval("--pairs", str(pairs))
+    assert header_and_served()[0] == "threshold 0.950  verifier 0.750"
+    # A bad setting is refused as by every command: exit 2 naming it.
+    monkeypatch.setenv("CARPOOL_SEMANTIC__THRESHOLD", "2")
+    result = _eval("--pairs", str(pairs))
+    assert result.exit_code == 2 and "semantic.threshold" in result.output

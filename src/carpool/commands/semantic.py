@@ -1,11 +1,16 @@
 """The semantic cache's commands: ``carpool eval-semantic`` (score its decisions on labeled
 pairs) and ``carpool fetch-model`` (download its model).
 
-Contract: both need the semantic extra and say so (exit 2) without it. ``eval-semantic`` loads
-the models the gateway would (``--model-dir``, ``--verifier-dir``: ``semantic.model_dir`` and
-``semantic.verifier_dir``, read from the same variables); a folder without its files, or pairs
-files with no pair to score, or a ``--decisions`` file that cannot be written (opened before
-the run), exit 2 saying which. ``fetch-model`` is the only thing that ever
+Contract: both need the semantic extra and say so (exit 2) without it. ``eval-semantic`` scores
+the semantic cache configured as every command reads it (``--config``, else ``CARPOOL_CONFIG``,
+and the ``CARPOOL_*`` variables: ``load_config``), its flags winning: ``semantic.threshold``
+(``--threshold``), ``semantic.verifier_threshold`` (``--verifier-threshold``), the models the
+gateway would load (``semantic.model_dir`` / ``--model-dir``, ``semantic.verifier_dir`` /
+``--verifier-dir``, ``semantic.embedder_precision``) and, for ``--labeled-judge``,
+``semantic.judge.verifier_band`` and ``overrules``; the report's first line says the thresholds
+used. It always embeds with the local model (``semantic.embedder: upstream`` is not scored). A
+bad config, a folder without its files, or pairs files with no pair to score, or a
+``--decisions`` file that cannot be written (opened before the run), exit 2 saying which. ``fetch-model`` is the only thing that ever
 downloads the model: it checks the SHA-256 digests and prints the directory (exit 1 when the
 download fails or a digest differs: the bytes refused are deleted from the cache, so that the
 next run downloads them afresh).
@@ -20,7 +25,7 @@ import click
 from pydantic import ValidationError
 
 from ..config.caching import JudgeConfig
-from .common import missing_extra
+from .common import load_config, missing_extra
 
 
 def _as_judge_setting(field: str) -> Any:
@@ -44,6 +49,14 @@ def _as_judge_setting(field: str) -> Any:
 
 @click.command("eval-semantic")
 @click.option(
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="YAML config file (also CARPOOL_CONFIG): its semantic section, under the CARPOOL_* "
+    "variables, sets what the flags below do not.",
+)
+@click.option(
     "--pairs",
     "pair_files",
     multiple=True,
@@ -63,13 +76,13 @@ def _as_judge_setting(field: str) -> Any:
     "--threshold",
     type=click.FloatRange(0, 1),
     default=None,
-    help="Similarity threshold [the calibrated default].",
+    help="Similarity threshold [semantic.threshold, else the calibrated default].",
 )
 @click.option(
     "--verifier-threshold",
     type=click.FloatRange(0, 1),
     default=None,
-    help="The verifier's threshold [the packaged model's calibrated one].",
+    help="The verifier's threshold [semantic.verifier_threshold, else the model's calibrated one].",
 )
 @click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
 @click.option(
@@ -88,19 +101,19 @@ def _as_judge_setting(field: str) -> Any:
     "--judge-verifier-band",
     type=float,
     nargs=2,
-    default=(0.0, 1.0),
+    default=None,
     callback=_as_judge_setting("verifier_band"),
     metavar="LOW HIGH",
     help="With --labeled-judge: only pairs whose verifier score is in this band are asked "
-    "(as semantic.judge.verifier_band) [0 1].",
+    "[semantic.judge.verifier_band].",
 )
 @click.option(
     "--judge-overrules",
-    default="",
+    default=None,
     callback=_as_judge_setting("overrules"),
     metavar="REASONS",
     help="With --labeled-judge: rules whose refusals the judge may overrule in the band "
-    "(comma-separated, as semantic.judge.overrules: entity,identifier,number).",
+    "(comma-separated: entity,identifier,number) [semantic.judge.overrules].",
 )
 @click.option(
     "--half",
@@ -112,20 +125,17 @@ def _as_judge_setting(field: str) -> Any:
     "--model-dir",
     type=click.Path(exists=True, file_okay=False),
     default=None,
-    envvar="CARPOOL_SEMANTIC__MODEL_DIR",
-    show_envvar=True,
-    help="The embedding model's folder, as semantic.model_dir [the Hugging Face cache, filled "
+    help="The embedding model's folder [semantic.model_dir, else the Hugging Face cache, filled "
     "by carpool fetch-model].",
 )
 @click.option(
     "--verifier-dir",
     type=click.Path(exists=True, file_okay=False),
     default=None,
-    envvar="CARPOOL_SEMANTIC__VERIFIER_DIR",
-    show_envvar=True,
-    help="The verifier's folder, as semantic.verifier_dir [the one packaged with carpool].",
+    help="The verifier's folder [semantic.verifier_dir, else the one packaged with carpool].",
 )
 def eval_semantic(
+    config_file: str | None,
     pair_files: tuple[str, ...],
     decisions: TextIO | None,
     threshold: float | None,
@@ -133,12 +143,24 @@ def eval_semantic(
     sweep: bool,
     half: str | None,
     band: tuple[float, float] | None,
-    judge_overrules: list[str],
-    judge_verifier_band: tuple[float, float],
+    judge_overrules: list[str] | None,
+    judge_verifier_band: tuple[float, float] | None,
     model_dir: str | None,
     verifier_dir: str | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
+    # The settings as `carpool serve` would read them (the file, the variables); a flag given
+    # wins. Read first: a bad config exits 2 before any model loads.
+    semantic = load_config(config_file, {}).semantic
+    threshold = semantic.threshold if threshold is None else threshold
+    if verifier_threshold is None:
+        verifier_threshold = semantic.verifier_threshold
+    model_dir = semantic.model_dir if model_dir is None else model_dir
+    verifier_dir = semantic.verifier_dir if verifier_dir is None else verifier_dir
+    if judge_verifier_band is None:
+        judge_verifier_band = semantic.judge.verifier_band
+    if judge_overrules is None:
+        judge_overrules = list(semantic.judge.overrules)
     try:
         from ..semantic.cache import CALIBRATED_THRESHOLD
         from ..semantic.embed import LocalEmbedder
@@ -160,7 +182,7 @@ def eval_semantic(
     except ValueError as error:  # a line that is no labeled pair, no pair at all: said, exit 2
         raise click.BadParameter(str(error), param_hint="--pairs") from None
     try:
-        embedder = LocalEmbedder(model_dir)
+        embedder = LocalEmbedder(model_dir, precision=semantic.embedder_precision)
         guard = RulesThenVerifier(shared_cross_encoder(verifier_dir), threshold=verifier_threshold)
     except ImportError as error:
         missing_extra("the semantic cache", "semantic", error)
@@ -177,7 +199,8 @@ def eval_semantic(
         if band is None
         else LabeledJudge(band, frozenset(judge_overrules), judge_verifier_band)
     )
-    click.echo(format_report(evaluator.report(threshold, None, judge), threshold))
+    report = evaluator.report(threshold, None, judge)
+    click.echo(format_report(report, threshold, guard.threshold))
     if sweep:
         click.echo(f"\n{'threshold':>10}{'verifier':>10}{'served':>9}{'wrong':>8}")
         verifier = [0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99]

@@ -17,14 +17,20 @@ Contract:
   ``carpool bench`` starts; they are not keys.
 - A value is the string as written, read by its key's type (``8080``, ``1.5``, ``yes``); a
   list or mapping (``[a, b]``, ``{k: v}``) is read as YAML; an empty value or ``null`` is null
-  (``_read_value``), but for a secret's (``admin_token``, the keys held: ``SecretStr``):
+  (``_read_value``). A list key's value (found by its type, at any depth) can also be one item
+  or items separated by commas, each trimmed: ``CARPOOL_UPSTREAMS=http://a:8000/v1`` (as
+  ``--upstream`` takes it), ``CARPOOL_TENANT__SHARED_NAMESPACES=pub,docs`` (``_items``); an
+  item holding a comma is written in the YAML list (``'["a,b"]'``). An empty value or ``null``
+  is null there too, but for a secret's (``admin_token``, the keys held: ``SecretStr``):
   there an empty value is what a secret that was not mounted looks like, and stays the empty
   string, which the key refuses ("give one, or null"); ``null`` turns it off.
 - A ``CARPOOL_*`` variable that names no key is an error, like an unknown key in the file: a typo
   must not silently keep a default. The error names the key, never its value (a misspelt
   secret's name is anything).
 - Any invalid source raises ``ConfigError`` naming the field and what is allowed; a file that is
-  not UTF-8 text too, naming the byte where it stops being so.
+  not UTF-8 text too, naming the byte where it stops being so. A URL given to the ``upstream``
+  section (``CARPOOL_UPSTREAM``, the flag's name, or ``upstream:`` in the file) asks whether
+  ``upstreams`` was meant, by the name of the source it came from (``_NEAR_MISSES``).
 - ``resolved_text(config)``: the file from which a child process (a worker of ``carpool serve
   --workers N``) rebuilds exactly ``config`` with ``load(path, env={})``: the keys given
   (``Config.with_secrets``) as YAML, every character outside ASCII escaped, so that what is read
@@ -42,7 +48,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -81,11 +87,12 @@ def load(
     """``Config.load``: the file at ``path``, ``env`` (``os.environ`` unless given) and
     ``overrides`` merged over the defaults, validated."""
     file_values = _types_in_lower_case(_read_file(path) if path is not None else {})
-    with _sources(os.environ if env is None else env, file_values):
+    env = os.environ if env is None else env
+    with _sources(env, file_values):
         try:
             merged = _Sources(**_types_in_lower_case(overrides or {}))
         except ValidationError as exc:
-            raise ConfigError(describe(exc)) from exc
+            raise ConfigError(describe(exc, _variables_named(env))) from exc
     # The fields are validated already; this makes the result a plain Config.
     return Config.model_validate(dict(merged))
 
@@ -118,7 +125,7 @@ def resolved_text(config: Config) -> str:
     return text
 
 
-def describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError, variables: frozenset[str] = frozenset()) -> str:
     """One line naming every invalid field, what it got and what is allowed.
 
     What it got is shown only when it is one plain value of a known field that holds no
@@ -126,6 +133,9 @@ def describe(exc: ValidationError) -> str:
     URL its user and password (those go through ``without_credentials``; a validator's own
     message does the same), and an unknown key may be a secret's, misspelt (``admin_tokn``,
     ``CARPOOL_REDIS_PASS``): its name is no guide, so its value is never shown.
+
+    ``variables``: the keys (lower case, ``__``-joined) that a ``CARPOOL_*`` variable set, to
+    name a near miss by the variable rather than by the file's key.
     """
     lines = []
     for err in exc.errors():
@@ -135,11 +145,40 @@ def describe(exc: ValidationError) -> str:
             lines.append(f"{field}: unknown key")
             continue
         # pydantic's messages already say what is allowed ("Input should be 'a' or 'b'").
-        lines.append(f"{field}: {err['msg']}{_got(loc, err.get('input'))}")
+        line = f"{field}: {err['msg']}{_got(loc, err.get('input'))}"
+        lines.append(line + _near_miss(loc, err.get("input"), variables))
     return "invalid config: " + "; ".join(lines)
 
 
 _SECRET_PARTS = ("key", "token", "secret", "password")
+
+# A section whose name, with an ``s``, is a list key's: a string given to the section was meant
+# for the list. ``upstream`` holds the key the gateway sends; ``--upstream``, the flag, fills
+# ``upstreams``, so ``CARPOOL_UPSTREAM=http://...`` is the natural mistake.
+_NEAR_MISSES = {"upstream": ("upstreams", "the replicas' URLs, as --upstream takes them")}
+
+
+def _near_miss(loc: list[str], value: Any, variables: frozenset[str]) -> str:
+    if len(loc) != 1 or loc[0] not in _NEAR_MISSES or not isinstance(value, str):
+        return ""
+    section = loc[0]
+    meant, what = _NEAR_MISSES[section]
+    if section in variables:  # the environment is stronger than the file: it was the variable's
+        variable = (ENV_PREFIX + section).upper()
+        return (
+            f" ({variable} is the `{section}` section, set key by key as "
+            f"{variable}__<KEY>; did you mean {(ENV_PREFIX + meant).upper()}, {what}?)"
+        )
+    return f" (`{section}` is a section of keys; did you mean `{meant}`, {what}?)"
+
+
+def _variables_named(env: Mapping[str, str]) -> frozenset[str]:
+    """The keys that ``env``'s ``CARPOOL_*`` variables set, as ``_Environment`` reads them."""
+    return frozenset(
+        name[len(ENV_PREFIX) :].lower()
+        for name in env
+        if name.startswith(ENV_PREFIX) and name not in NOT_KEYS
+    )
 
 
 def _got(loc: list[str], value: Any) -> str:
@@ -244,6 +283,39 @@ def _read_value(raw: str) -> Any:
     return str(raw)
 
 
+def _items(raw: str) -> list[str]:
+    """A list key's value written without brackets: one item, or items separated by commas,
+    each trimmed (no URL, namespace, header or script name has a comma in practice; one that
+    does is written as a YAML list). An empty item stays, for the key to refuse: ``pub,`` is a
+    mistake, not ``[pub]``."""
+    return [item.strip() for item in raw.split(",")]
+
+
+def _annotation_at(path: tuple[str, ...]) -> Any:
+    """The type of the key at ``path`` (the environment's names, lower case), through sections
+    and mappings of sections (``cache.types.<name>.ttl``); None where it names no key."""
+    annotation: Any = Config
+    rest = list(path)
+    while rest:
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        field = annotation.model_fields.get(rest.pop(0))
+        if field is None:
+            return None
+        annotation = field.annotation
+        if get_origin(annotation) is dict and rest:  # a mapping's key is any name
+            annotation = get_args(annotation)[1]
+            rest.pop(0)
+    return annotation
+
+
+def _is_list(annotation: Any) -> bool:
+    """``list[...]``, or ``list[...] | None``."""
+    return get_origin(annotation) is list or any(
+        get_origin(arg) is list for arg in get_args(annotation)
+    )
+
+
 def _secrets(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
     """The paths of the keys that hold a secret: a ``SecretStr`` (the keys held), or a field
     marked ``{"secret": True}`` (``admin_token``)."""
@@ -272,7 +344,15 @@ def _decoded(values: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, An
     for key, value in values.items():
         where = (*path, key)
         if isinstance(value, _Raw):
-            decoded[key] = "" if value == "" and where in _SECRETS else _read_value(value)
+            if value == "" and where in _SECRETS:
+                decoded[key] = ""
+                continue
+            read = _read_value(value)
+            # Not a YAML list (a ``[`` that YAML cannot read stays the string, refused as one).
+            if isinstance(read, str) and read.lstrip()[:1] not in ("[", "{"):
+                if _is_list(_annotation_at(where)):
+                    read = _items(read)
+            decoded[key] = read
         elif isinstance(value, dict):
             decoded[key] = _decoded(value, where)
         else:

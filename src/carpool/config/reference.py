@@ -26,7 +26,9 @@ def reference_markdown() -> str:
         "joined with `__`, e.g. `CARPOOL_CACHE__MAX_BYTES`), the YAML file (`--config`), "
         "these defaults. A variable set empty is null, but for a secret (`admin_token` and the "
         "keys held), where an empty value is refused as a secret that was not mounted: `null` "
-        "says none. The file is UTF-8 text. Durations are seconds unless the key ends in `_ms`; "
+        "says none. A list key's variable is a YAML list (`'[a, b]'`), one item, or items "
+        "separated by commas, each trimmed (`CARPOOL_UPSTREAMS=http://a:8000/v1,http://b:8000/v1`"
+        ", `CARPOOL_TENANT__SHARED_NAMESPACES=pub`). The file is UTF-8 text. Durations are seconds unless the key ends in `_ms`; "
         "sizes are bytes.",
         "",
         "| key | type | default | meaning |",

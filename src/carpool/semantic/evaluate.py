@@ -278,10 +278,16 @@ def percent(rate: float | None) -> str:
     return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
-def format_report(report: dict[str, dict[str, dict[str, Any]]], threshold: float) -> str:
-    """The categories, a rule, then the totals (a category may bear a total's name)."""
+def format_report(
+    report: dict[str, dict[str, dict[str, Any]]],
+    threshold: float,
+    verifier_threshold: float | None = None,
+) -> str:
+    """The thresholds used, the categories, a rule, then the totals (a category may bear a
+    total's name)."""
+    verifier = "" if verifier_threshold is None else f"  verifier {verifier_threshold:.3f}"
     lines = [
-        f"threshold {threshold:.3f}",
+        f"threshold {threshold:.3f}{verifier}",
         f"{'category':<22}{'should-hit':>11}{'served':>9}{'should-miss':>13}{'wrong':>8}",
     ]
     for section in ("categories", "totals"):
