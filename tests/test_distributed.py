@@ -7,6 +7,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import subprocess
 
 import httpx
@@ -139,6 +140,44 @@ async def test_after_an_invalidation_no_instance_follows_a_call_begun_before_it(
         # The stale call's answer is replayed to nobody: the next request gets the fresh one.
         third = await a.chat("running")
         assert third.json()["id"] == second.json()["id"] and fake.count() == 2
+
+
+async def test_an_answer_taken_back_by_the_generation_is_not_replayed_from_its_lock(
+    fake, redis_server
+):
+    """A call that claims its lock while B's invalidation is on its way, before its count
+    moves: its answer may predate what was dropped. Before, the flights' locks were scanned
+    and marked before the count moved: such a call's lock was missed, its answer taken back
+    from the store (``RedisStore.put``) yet lingering in its lock, replayed to a request made
+    after the invalidation answered. Now the count moves first: a call claimed after the scan
+    began after the count (fresh); one claimed before is marked."""
+    async with two_gateways(fake, redis_server) as (a, b):
+        store = b.gateway.layers.store
+        invalidate = store.invalidate
+        reached, proceed = asyncio.Event(), asyncio.Event()
+
+        async def held_invalidate(selector):  # the store's invalidation, held at its start
+            reached.set()
+            await proceed.wait()
+            return await invalidate(selector)
+
+        store.invalidate = held_invalidate
+        fake.gate = asyncio.Event()
+        invalidation = asyncio.create_task(
+            b.client.post(
+                "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer t"}
+            )
+        )
+        await asyncio.wait_for(reached.wait(), 5)
+        before = asyncio.create_task(a.chat(QUESTION))  # claims its lock now, calls upstream
+        await fake.wait_for_calls(1)
+        proceed.set()
+        assert (await invalidation).status_code == 200
+        fake.gate.set()
+        assert content(await before) == ANSWER_1  # (its own client gets it)
+        after = await b.chat(QUESTION)
+        assert after.headers["x-carpool"] == "miss"
+        assert content(after) == f"answer 2 to {QUESTION}" and fake.count() == 2
 
 
 async def test_redis_killed_requests_still_succeed_and_health_says_degraded(fake, killable_redis):
@@ -600,7 +639,8 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
 async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed(
     fake, killable_redis
 ):
-    async with two_gateways(fake, killable_redis) as (a, b):
+    # (B reads again for the lease, a stall being no death: a short one, for a short test.)
+    async with two_gateways(fake, killable_redis, distributed={"lease_ms": 1000}) as (a, b):
         fake.gate = asyncio.Event()
         leading = [
             asyncio.create_task(a.chat(QUESTION)),
@@ -621,7 +661,7 @@ async def test_redis_killed_while_a_flight_is_in_progress_requests_still_succeed
         )
         assert [r.status_code for r in (led, led_stream, followed, followed_stream)] == [200] * 4
         assert content(led) == sse_text(raw_a) == ANSWER_1
-        # B could no longer follow A's call through Redis: it made its own.
+        # B could no longer follow A's call through Redis (for the lease): it made its own.
         assert content(followed) == sse_text(raw_b) == f"answer 2 to {QUESTION}"
         for served in (a, b):
             after = await served.chat("after")
@@ -708,6 +748,78 @@ async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader
         await asyncio.wait_for(leader, 5)
 
 
+@contextlib.contextmanager
+def paused(server):
+    """``server`` (the test's own Redis process) stopped (SIGSTOP) until the block ends."""
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+async def test_a_follower_relaying_a_stream_survives_a_redis_stall_shorter_than_the_lease(
+    fake, redis_server
+):
+    """A leads a stream, B relays it to a streaming and a non-streaming client; Redis stalls
+    for longer than ``distributed.timeout`` (B's reads fail, twice) but less than the lease:
+    B reads on from where it was once Redis answers. Before, B's first failed read ended its
+    flight (an error event for the streaming client, a second upstream call for the other)."""
+    lease = {"timeout": 0.3, "connect_timeout": 0.3, "retry_interval": 0.05, "lease_ms": 5000}
+    async with two_gateways(fake, redis_server, distributed=lease) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        streaming = asyncio.create_task(b.stream_chat(QUESTION))
+        plain = asyncio.create_task(b.chat(QUESTION))
+        shared = b.gateway.shared_flights
+        await eventually(
+            lambda: shared.counts["frames_relayed"] >= 3 and b.gateway.flights.waiters == 2
+        )
+        with paused(redis_server):
+            # (Or, as before, B gave up at its first failed read.)
+            await eventually(
+                lambda: shared.counts["errors"] >= 2 or shared.counts["broken"],
+                what="two failed reads on B",
+            )
+        fake.chunk_gate.set()
+        (led, raw_a), (relayed, raw_b), whole = await asyncio.gather(leader, streaming, plain)
+    assert sse_text(raw_a) == sse_text(raw_b) == content(whole) == ANSWER_1
+    assert '"error"' not in raw_b and raw_b.rstrip().endswith("[DONE]")
+    assert relayed.headers["x-carpool"] == whole.headers["x-carpool"] == "coalesced"
+    assert fake.count() == 1
+    assert (shared.counts["broken"], shared.counts["alone"], shared.counts["takeovers"]) == (
+        0,
+        0,
+        0,
+    )
+
+
+async def test_a_lost_relay_tells_the_client_no_redis_address(fake, redis_server):
+    """Redis stalls for longer than the lease while B relays A's stream: B's streaming client
+    gets the error event, which says what happened, not Redis's address or exception (those
+    are in B's log)."""
+    lease = {"timeout": 0.3, "connect_timeout": 0.3, "retry_interval": 0.05, "lease_ms": 600}
+    async with two_gateways(fake, redis_server, distributed=lease) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        follower = asyncio.create_task(b.stream_chat(QUESTION))
+        shared = b.gateway.shared_flights
+        await eventually(lambda: shared.counts["frames_relayed"] >= 3)
+        with paused(redis_server):
+            await eventually(lambda: shared.counts["broken"] == 1, what="B giving the relay up")
+        fake.chunk_gate.set()
+        (_, raw_a), (response, raw) = await asyncio.gather(leader, follower)
+    assert sse_text(raw_a) == ANSWER_1  # (A's own client is not Redis's concern)
+    assert response.status_code == 200 and "data: [DONE]" not in raw
+    error = json.loads(raw.strip().splitlines()[-1][len("data: ") :])["error"]
+    assert error["code"] == "upstream_stream_broken"
+    assert error["message"] == "lost the stream of the instance leading this call"
+    for leak in (str(redis_server.port), "127.0.0.1", "Timeout", "Error", "redis", "Redis"):
+        assert leak not in raw
+
+
 async def test_a_stream_arriving_after_its_leader_died_is_answered_whole_by_a_takeover(
     fake, shared_redis
 ):
@@ -760,6 +872,26 @@ async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_c
         assert b.gateway.shared_flights.counts["alone"] == 1
         gate.set()
         assert content(await slow) == ANSWER_1
+
+
+async def test_waiters_on_one_instance_timing_out_on_a_remote_call_share_one_fresh_call(
+    fake, shared_redis
+):
+    """Five requests on B follow A's stalled call through one local flight. Its lead gives A's
+    call up at the join timeout and makes its own; its joiners, timing out at the same moment,
+    share that call. Before, they retook a flight of their own: a third call (one instance
+    makes two: the stalled one and one fresh call)."""
+    async with two_gateways(fake, shared_redis, coalesce={"join_timeout_ms": 300}) as (a, b):
+        gate = fake.gate = asyncio.Event()
+        stalled = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(1)
+        fake.gate = None
+        fake.delay = 0.05  # (the fresh call's first byte comes after the joiners' timeout)
+        waiters = await asyncio.gather(*(b.chat(QUESTION) for _ in range(5)))
+        assert [content(r) for r in waiters] == [f"answer 2 to {QUESTION}"] * 5
+        assert fake.count() == 2 and b.gateway.shared_flights.counts["alone"] == 1
+        gate.set()
+        assert content(await stalled) == ANSWER_1
 
 
 async def test_an_unstored_answer_is_replayed_on_another_instance_within_the_window(
@@ -984,7 +1116,8 @@ async def test_a_cluster_node_killed_mid_flight_no_request_fails(fake):
     from fakes.redis_cluster import RedisCluster
 
     with RedisCluster() as cluster:
-        async with two_gateways(fake, cluster) as (a, b):
+        # (B reads again for the lease, a stall being no death: a short one, for a short test.)
+        async with two_gateways(fake, cluster, distributed={"lease_ms": 1000}) as (a, b):
             fake.gate = asyncio.Event()
             led = asyncio.create_task(a.chat(QUESTION))
             await fake.wait_for_calls(1)

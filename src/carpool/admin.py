@@ -153,8 +153,6 @@ async def invalidate(layers: Layers, spec: Any) -> int:
         # before the invalidation, and that call's answer is not stored. Flights do not
         # know their tags, so all go (at worst one extra upstream call per key).
         layers.flights.forget_all()
-        if layers.shared_flights is not None:  # and those of every instance
-            await layers.shared_flights.forget_all()
         missed: StoreUnavailable | None = None
         dropped = 0
         for each in (selector, *also):
@@ -167,6 +165,14 @@ async def invalidate(layers: Layers, spec: Any) -> int:
                     dropped += await layers.semantic.invalidate(each)
                 except StoreUnavailable as error:  # (dropped here; the other instances' stay)
                     missed = error
+        if layers.shared_flights is not None:
+            # Every instance's, after the store's invalidation has moved Redis's count of them
+            # (``RedisStore.invalidate``, first): a call that claims its lock after these marks
+            # read the count after it moved (``lead.py`` reads it once claimed), its answer
+            # is fresh; one claimed before is marked (not stored, nor replayed). Marked first,
+            # a call claimed between the marks and the count was missed: its answer, taken
+            # back from the store by the count, still lingered in its lock for every instance.
+            await layers.shared_flights.forget_all()
         if layers.invalidations is not None:  # last: the other instances' windows
             await layers.invalidations.publish()
         if missed is not None:

@@ -43,6 +43,12 @@ Contract (CONTRACT.md "Streaming"):
   accepts (``pipeline.py``), as for a finished flight of its own. ``may_linger`` is false when
   the leader of a relayed call said its answer may not linger (a ``no-store`` request:
   lingering is a form of storing): it does not linger here either.
+- ``lead_times_out`` is set when the flight's lead follows another instance's call
+  (``redis/flights.py``): it gives that call up itself at the join timeout (counted from its
+  start, which is before any joiner's) and then runs the fresh call in this very flight (as it
+  does when it takes a dead leader's call over). A joiner that times out waits on
+  (``pipeline.py``) rather than retake: the joiners that time out together share the lead's
+  one fresh call, not one of their own besides.
 - ``kept_for`` is the first joiner that would store the answer (its request and fingerprint,
   set by ``pipeline.py``): a ``no-store`` leader's answer is stored for it (``lead.py``), as
   ``no-store`` binds only the request that sends it.
@@ -75,6 +81,7 @@ class Broadcast:
         "created",
         "replayed",
         "may_linger",
+        "lead_times_out",
         "kept_for",
         "on_publish",
         "on_abandoned",
@@ -92,6 +99,7 @@ class Broadcast:
         self.created: float | None = None  # (the answer's, when its head said: ``age``)
         self.replayed: float | None = None  # (a replay: its answer's age as it ended here)
         self.may_linger = True  # (False: relayed from a leader whose answer may not linger)
+        self.lead_times_out = False  # (its lead follows another instance's call: see above)
         self.kept_for: Any = None  # (a joiner that keeps what its no-store leader will not)
         self.on_publish: Callable[[], None] | None = None
         self.on_abandoned: Callable[[Callable[[], object]], None] | None = None

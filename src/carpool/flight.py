@@ -37,7 +37,9 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    ``JoinTimeout``; the caller then ``retake``s, which forgets the slow flight and leads a fresh one
    (or joins the fresh one another timed-out joiner already started), once. It does so on the
    terms its request acquired on (``max_age``, ``linger``): a ``no-store`` request's fresh call
-   does not linger either, and a ``no-cache`` one joins no finished flight.
+   does not linger either, and a ``no-cache`` one joins no finished flight. (The pipeline waits
+   on instead when the flight's lead times out itself, ``Broadcast.lead_times_out``: it follows
+   another instance's call, and makes the fresh call in this very flight.)
 8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
    error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
    ``calls`` holds every flight's task still running, forgotten ones too (a call kept for

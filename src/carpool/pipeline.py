@@ -447,7 +447,11 @@ class Gateway:
                 try:
                     await self._wait(ticket, request, self._join_timeout)
                 except JoinTimeout:
-                    ticket = ticket.retake(lead, key.owner)
+                    if not ticket.broadcast.lead_times_out:
+                        ticket = ticket.retake(lead, key.owner)
+                    # (Else its lead, following another instance's call, gives that up at the
+                    # join timeout from its own start, before this joiner's, and makes the
+                    # fresh call in this flight: the one its joiners that time out share.)
                     await self._wait(ticket, request, None)
                 if (
                     takeover is not None

@@ -26,6 +26,14 @@ finds no final record (so within lease_ms + one block of the death). What the fo
 then (take the call over, or end its flight with ``LeaderLost``) is in the failure rules of
 :mod:`.flights`.
 
+A read that fails (Redis stalled longer than ``distributed.timeout``, a reset connection) says
+nothing of the leader, whose own link stalls as ours does and renews again after (lease/3): the
+follower reads again from where it was (pauses from ``BACKOFF_MIN`` doubling up to one block),
+its clients waiting, until Redis has failed it for lease_ms since it last answered (or, having
+seen nothing of the call, until the join timeout): a stall shorter than the lease costs its
+clients nothing. Past that, it gives up as the failure rules say (``DOWN``, or ``LeaderLost``
+with frames relayed). A client is never told Redis's address or error (``LOST``): the log is.
+
 Entries trimmed by MAXLEN before a follower read them (it joined late, or fell that far
 behind): with nothing relayed, it skips the frames and serves the answer whole from the final
 record (streaming clients get frames synthesized from it); with frames relayed,
@@ -36,6 +44,7 @@ leader's publishing broke).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 import orjson
@@ -43,14 +52,16 @@ import orjson
 from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import LeaderLost
-from .connection import StoreUnavailable, unavailable_in
+from .connection import Backoff, StoreUnavailable, unavailable_in
 from .flight_protocol import FOLLOWED, answer_from, error_from, lingers
 from .keys import xread_entries
 
 if TYPE_CHECKING:
     from .flights import SharedFlights
 
-__all__ = ["DOWN", "GONE", "READ_COUNT", "TIMEOUT", "follow"]
+__all__ = ["DOWN", "GONE", "LOST", "READ_COUNT", "TIMEOUT", "follow"]
+
+log = logging.getLogger("carpool.flight")
 
 READ_COUNT = 1000  # entries per XREAD
 
@@ -58,6 +69,10 @@ READ_COUNT = 1000  # entries per XREAD
 GONE = "gone"  # the leader died or left: claim again (nothing was relayed)
 TIMEOUT = "timeout"  # nothing within the join timeout: run the call here
 DOWN = "unavailable"  # Redis failed: run the call here
+
+# What a client that got part of a relayed stream is told when Redis failed longer than the
+# lease (never Redis's address nor its error: those go to the log).
+LOST = "lost the stream of the instance leading this call"
 
 _unavailable = unavailable_in("the Redis flights")
 
@@ -91,6 +106,10 @@ async def follow(
     seen = 0  # frame records read, relayed or not: signs of life
     skipping = False  # frames were trimmed before we read them: serve the answer whole
     suspect = False  # the lock looked gone: read once more without blocking
+    lease_s = flights.lease_ms / 1000
+    answered = loop.time()  # when Redis last answered a read (or the follow began)
+    failing = False  # the last read failed
+    backoff = Backoff(flights.block_ms / 1000)  # the pauses between reads that failed
     flights.following += 1
     try:
         while True:
@@ -111,12 +130,26 @@ async def follow(
                     replies = await pipe.execute()
             except StoreUnavailable as error:
                 flights._failed(error)
+                failing = True
+                now = loop.time()
+                # A stall or a reset shorter than the lease is no sign that the leader died
+                # (its own link comes back as ours does): read again from where we were.
+                # Not past the join timeout with nothing seen, nor past the lease since
+                # Redis last answered: the leader may have died meanwhile, unseen.
+                if now - answered < lease_s and (seen or now < deadline):
+                    await backoff.wait()
+                    continue
                 if relayed:
-                    raise _broken(
-                        flights,
-                        f"lost the stream from the instance leading this call: {error.message}",
-                    ) from None
+                    # (The client hears what happened, not Redis's address or error: the log
+                    # has them.)
+                    log.warning("following %s: %s", stream, error.message)
+                    raise _broken(flights, LOST) from None
                 return DOWN
+            answered = loop.time()
+            if failing:  # (Redis answers again: a degraded period ends)
+                failing = False
+                backoff.reset()
+                flights._answered()
             reply, holder, set_aside, *lease = replies[1:] if watch is not None else replies
             records = xread_entries(reply)
             for entry_id, fields in records:

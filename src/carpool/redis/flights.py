@@ -21,10 +21,13 @@ which coalesces the local flights of every instance:
   (an invalidation drops its lingering answer; a retry after an error makes a new call). A
   leader whose lock an invalidation marked stale meanwhile (``forget_all``, from any instance)
   does not store its answer: it may predate what was dropped. It reads its lock again once
-  stored, and a mark then (or the lock gone) takes the answer back (``forget``): an
-  invalidation marks the locks before it drops the entries, so a store lands before that drop
-  or is read back marked. (The store's own generation check covers every path too:
-  ``RedisStore.put``.)
+  stored, and a mark then (or the lock gone) takes the answer back (``forget``). What covers
+  every store is the count of invalidations, which an invalidation moves first, before it
+  drops the entries and then marks the locks (``admin.invalidate``): ``RedisStore.put`` takes
+  back an answer whose call read the count before it moved, and a call reads it once its lock
+  is claimed, so one claimed after the marks is fresh, and one claimed before them is marked:
+  its answer lingers nowhere either. (Marked before the count moved, a call claimed in
+  between was missed: its answer, taken back from the store, lingered in its lock.)
 - After an invalidation the instances share one fresh call per key again: the first claim
   that finds a call marked stale sets it aside (its lock moves to ``P stale:{ID}:TOKEN``, which
   its leader renews and its followers read as their leader alive: they keep it to its end) and
@@ -77,6 +80,9 @@ of the death (:mod:`.flight_relay`).
   without the lock and publishing nothing, as a local joiner that times out runs its own call
   (``flight.JoinTimeout``; such a local joiner's fresh call is made directly, not through Redis).
   So no waiter waits on another instance longer than the join timeout for a first sign of life.
+  The local joiners of a flight whose lead follows (``Broadcast.lead_times_out``) leave the
+  timeout to it: one that times out waits on for the lead's own call, which those that time
+  out together share (each retaking its own flight made one call more than one instance does).
 - Redis unreachable, refusing commands or slower than ``distributed.timeout``: no request fails
   because of it. Failing at the claim (or while the shared store reports Redis degraded, when it
   is not even tried): ``call`` runs here, as without Redis; a claim that failed may have landed
@@ -87,8 +93,11 @@ of the death (:mod:`.flight_relay`).
   are tried again at the next renewal time (lease/3), as long as the lock is ours, the frames
   of a failed batch sent again with the next (a link that stalls for less than the lease costs
   its followers nothing); the final record is still tried (followers get the answer, or see a
-  death). Failing while following: nothing relayed -> the call runs here; frames relayed ->
-  ``UpstreamStreamBroken``, as for a death. Failures go to the shared store's health
+  death). Failing while following: the follower reads again from where it was, its clients
+  waiting, until Redis has failed it for lease_ms (or, nothing of the call seen, the join
+  timeout passed): a stall shorter than the lease costs nothing here either. Only then: nothing
+  relayed -> the call runs here; frames relayed -> ``UpstreamStreamBroken`` (its message names
+  no Redis address or error), as for a death. Failures go to the shared store's health
   (``/stats``, ``/healthz``, the log, degraded mode); successes end a degraded period.
 - Entries trimmed by MAXLEN before a follower read them, or a final record whose frame count
   is not what was relayed: see :mod:`.flight_relay`.
@@ -218,8 +227,8 @@ class SharedFlights:
         return {**self.counts, "leading": self.leading, "following": self.following}
 
     async def forget_all(self) -> int:
-        """After an invalidation: stop replaying every finished call, and mark every running
-        one stale, so that no request on any instance follows it (the first request that finds
+        """After an invalidation (once it has moved Redis's count of them: the module's
+        contract): stop replaying every finished call, and mark every running one stale, so that no request on any instance follows it (the first request that finds
         a stale call sets it aside and leads a fresh one, which the others follow: ``TAKE``);
         its followers keep it, and it is not replayed once finished.
 
@@ -346,6 +355,9 @@ class SharedFlights:
             leader = reply[1].decode()
             running = reply[0] == b"follow"
             self.counts["followed" if running else "replayed"] += 1
+            # The join timeout is this lead's from now on: its local joiners wait for the fresh
+            # call it makes when ``deadline`` passes, rather than each make their own.
+            broadcast.lead_times_out = True
             result = await follow(
                 self,
                 lock,
@@ -452,11 +464,12 @@ class SharedFlights:
             # The store first: once the lock is gone, a request that finds none must find the
             # answer stored, or it would lead a second call.
             stored = await store(answer)
-        # Read again once stored: an invalidation whose mark came after the read above (its
-        # entries dropped before this store landed, perhaps) finds the lock marked now, or
-        # gone (the end drops a marked lock; an invalidation drops a lingering one). Either
-        # way the answer is taken back; a mark that comes later comes before that
-        # invalidation drops its entries, this one among them.
+        # Read again once stored: an invalidation whose mark came after the read above finds
+        # the lock marked now, or gone (the end drops a marked lock; an invalidation drops a
+        # lingering one). Either way the answer is taken back. A mark that comes later comes
+        # after its invalidation moved the count: before the store read it once the entry was
+        # in (``RedisStore.put`` took it back), or after, then before its drop of the entries,
+        # this one among them.
         if stored and forget is not None and not await self._fresh(lock, token, lingers):
             await forget(stored)
         if not lingers:
