@@ -9,6 +9,7 @@ import json
 import pytest
 
 from conftest import run_gateway
+from fakes.raw_upstream import RawCall, answer, chat_completion, raw_upstream
 from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream
 
@@ -139,6 +140,42 @@ async def test_every_request_routed_counts_its_decision_a_failed_ones_too():
         stats = (await gw.client.get("/stats")).json()
         assert sum(stats["routing"].values()) == 3 and stats["routing"]["failover"] >= 1
         assert stats["upstream_calls"] == 6  # (each failed over once)
+
+
+async def test_a_call_a_live_replica_took_and_dropped_is_not_run_on_another_when_its_resend_cannot_connect():
+    """Replica A reads a call whole, answers another call meanwhile (alive: it may be running
+    the first), then drops the first without a byte of answer and goes down (no connection
+    taken). The transport sent the call again on a new connection (the keep-alive race, it
+    took the drop for), whose refusal was "unreachable": failed over, B ran it too. It is
+    never sent again now: the replica set's rule holds (not run on another), a 502."""
+    took, drop = asyncio.Event(), asyncio.Event()
+
+    async def respond(call: RawCall) -> bytes | tuple[bytes, bool]:
+        if call.body["messages"][-1]["content"] == "crash":
+            took.set()
+            await drop.wait()
+            return b"", True  # (the engine died mid-generation: nothing answered)
+        return answer(200, b"OK", chat_completion())
+
+    async with raw_upstream(respond) as a, replicas(1) as (b,):
+        async with run_gateway([a.url, b.url], routing={"policy": "round-robin"}) as gw:
+            assert (await gw.chat("warm a")).status_code == 200  # -> A (its kept connection)
+            assert (await gw.chat("warm b")).status_code == 200  # -> B
+            crash = asyncio.create_task(gw.chat("crash"))  # -> A, on the kept connection
+            await asyncio.wait_for(took.wait(), 5)
+            assert (await gw.chat("other b")).status_code == 200  # -> B
+            assert (await gw.chat("other a")).status_code == 200  # -> A: answered meanwhile
+            assert a.server is not None
+            a.server.close()  # A goes down: no new connection taken...
+            drop.set()  # ...and the call it took is dropped without a byte
+            reply = await asyncio.wait_for(crash, 10)
+            stats = (await gw.client.get("/stats")).json()
+    asked = [call.body["messages"][-1]["content"] for call in a.calls]
+    assert asked == ["warm a", "crash", "other a"]  # (sent once)
+    assert [c.body["messages"][-1]["content"] for c in b.calls] == ["warm b", "other b"]
+    assert reply.status_code == 502 and reply.headers["x-should-retry"] == "false"
+    assert "took the call but gave no answer" in reply.json()["error"]["message"]
+    assert stats["upstream_calls"] == 5 and stats["routing"].get("failover", 0) == 0
 
 
 def _created_id(sse: str) -> str:

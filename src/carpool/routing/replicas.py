@@ -31,7 +31,9 @@ all, and so whether ``text`` matters):
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
   not retried (the call may have run); a cancellation or any other exception is no verdict. A
   request sent whole and not answered (``UpstreamNoAnswer``: 504 in time, 502 when its
-  connection dropped before a byte of answer) is not retried either when the replica answered
+  connection dropped before a byte of answer; never sent again by the transport, whose
+  resend of the keep-alive race is for a call the server cannot have read whole, and counts
+  in ``calls``: ``upstream.wire``) is not retried either when the replica answered
   other calls meanwhile, a head or a stream's payloads (it is alive and may be running it: a
   long generation would run twice, its client waiting twice the timeout); silent to every call
   since, it is taken for hung (a frozen engine's socket takes a request's bytes all the same)
@@ -151,7 +153,8 @@ class ReplicaState:
     name: str = ""  # defaults to upstream.name (operators: /stats, metrics, logs)
     label: str = ""  # defaults to upstream.label, else name (clients: /healthz)
     in_flight: int = 0  # requests sent and not finished (streams: not yet closed)
-    calls: int = 0  # attempts sent, failed ones and failovers included
+    # Attempts sent, failed ones and failovers included (and its upstream's own, ``_calls``).
+    calls: int = 0
     errors: int = 0  # attempts that failed (transport error or 5xx)
     failures: int = 0  # failures that downed it or grew its back-off (news); 0 once healthy
     # Changes of its state (downed, healed): a failed call sent before the last one is no news.
@@ -271,7 +274,7 @@ class ReplicaSet:
 
     def attempts(self) -> int:
         """Calls sent to the replicas so far, failed ones and failovers included."""
-        return sum(r.calls for r in self.replicas)
+        return sum(_calls(r) for r in self.replicas)
 
     async def send(
         self, request: UpstreamRequest, text: str = "", holder: str | None = None
@@ -569,7 +572,7 @@ class ReplicaSet:
             out[r.name] = {
                 "state": state,
                 "in_flight": r.in_flight,
-                "calls": r.calls,
+                "calls": _calls(r),
                 "errors": r.errors,
                 "failures": r.failures,
                 "down_until": None if r.healthy else r.down_until,
@@ -704,6 +707,12 @@ async def _drained(body: AsyncIterator[bytes], deadline: float | None) -> None:
         async with asyncio.timeout_at(deadline):
             async for _ in body:
                 pass
+
+
+def _calls(replica: ReplicaState) -> int:
+    """Its calls (``calls``), and those its upstream sent a second time itself (``resent``:
+    ``upstream.wire``'s keep-alive race): each an attempt the engine was asked."""
+    return replica.calls + getattr(replica.upstream, "resent", 0)
 
 
 def _key_refused(error: UpstreamKeyRefused) -> str:
