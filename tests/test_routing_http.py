@@ -285,6 +285,49 @@ async def test_a_stored_chat_completion_is_fetched_updated_and_deleted_on_the_re
             assert sum(f.count() for f in fakes) == 4 * 9 + len(made)
 
 
+@pytest.mark.parametrize("policy", ["cache-aware", "least-loaded", "round-robin"])
+async def test_a_file_uploaded_through_the_gateway_is_read_and_batched_on_the_replica_that_keeps_it(
+    policy,
+):
+    # SGLang keeps the files uploaded to it, and the batches made of them, in its own process:
+    # a follow-up went where the policy said (the other replica, by load or in turn), whose
+    # 404 the client got: the file it had just uploaded, not found.
+    async with replicas(2) as fakes:
+        for fake in fakes:
+            fake.keeps_files = True
+        async with run_gateway([f.url for f in fakes], routing={"policy": policy}) as gw:
+            client = gw.client
+            for i in range(4):
+                lines = b'{"custom_id": "%d"}\n' % i
+                uploaded = await client.post("/v1/files", content=lines)
+                assert uploaded.status_code == 200, uploaded.text
+                file_id = uploaded.json()["id"]
+                got = await client.get(f"/v1/files/{file_id}")
+                assert got.status_code == 200 and got.json()["id"] == file_id, got.text
+                content = await client.get(f"/v1/files/{file_id}/content")
+                assert content.status_code == 200 and content.content == lines
+                asked = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+                batch = await client.post("/v1/batches", json=asked)
+                assert batch.status_code == 200, batch.text
+                polled = await client.get(f"/v1/batches/{batch.json()['id']}")
+                assert polled.status_code == 200, polled.text
+                output = await client.get(f"/v1/files/{polled.json()['output_file_id']}/content")
+                assert output.status_code == 200, output.text
+                cancelled = await client.post(f"/v1/batches/{batch.json()['id']}/cancel")
+                assert cancelled.status_code == 200, cancelled.text
+                deleted = await client.delete(f"/v1/files/{file_id}")
+                assert deleted.status_code == 200, deleted.text
+            assert sum(f.count() for f in fakes) == 4 * 8
+            # (Each call on an id went to the replica that made it: ids name their fake.)
+            assert all(
+                f"-{fake.tag}-" in call.path
+                or f"_{fake.tag}_" in call.path
+                or call.path in ("/v1/files", "/v1/batches")
+                for fake in fakes
+                for call in fake.calls
+            )
+
+
 async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():
     async with replicas(2) as fakes:
         for fake in fakes:

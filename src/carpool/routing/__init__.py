@@ -9,7 +9,7 @@ that made it, before any policy is asked (``state``: only that replica holds it)
     ├── least_loaded.LeastLoaded     ``least-loaded``: fewest requests in flight
     └── cache_aware.CacheAware       ``cache-aware``: SGLang-style prefix affinity under a load guard
     replicas.ReplicaSet              health, back-off, probing, one failover, in-flight accounting
-    state.StateHolders               which replica made a stored response (follow-ups go there)
+    state.StateHolders               which replica keeps a stored response, file, batch
 
 The ``Decision`` a request was routed by is both a metric label and what the tests assert.
 

@@ -441,7 +441,7 @@ class ReplicaSet:
         if not replica.healthy:
             self._succeeded(replica)
         return PassthroughResponse(
-            response.status, response.headers, self._relayed(replica, response.body)
+            response.status, response.headers, self._relayed(replica, response.body), replica.name
         )
 
     async def _relayed(
