@@ -58,6 +58,47 @@ async def test_misses_sharing_a_long_system_prompt_stay_on_one_replica():
             assert (await gw.client.get("/stats")).json()["routing"]["prefix_match"] >= 10
 
 
+async def test_one_tenants_prefix_does_not_steer_another_tenants_request():
+    # Cache-aware matched a prompt against every tenant's: a prefix one tenant sent drew
+    # another tenant's request to the replica that computed it, whose time to first token
+    # then told that tenant what the first had asked (the prefix-cache timing side channel,
+    # made sure by routing). Each tenant's prompts now match only its own (and its model's).
+    secret = "Patient record: John Q. Public, DOB 1970-01-01, diagnosis: " + "z" * 400
+
+    def where(fakes: list[FakeUpstream], text: str) -> list[int]:
+        return [
+            i
+            for i, fake in enumerate(fakes)
+            for call in fake.calls
+            if call.body and call.body["messages"][-1]["content"] == text
+        ]
+
+    handbook = "Shared handbook, chapter one: " + "y" * 400
+    async with replicas(3) as fakes:
+        tenant = {"shared_namespaces": ["docs"]}
+        async with run_gateway([f.url for f in fakes], tenant=tenant) as gw:  # cache-aware
+            alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
+            assert (await gw.chat(secret + " summarise", headers=alice)).status_code == 200
+            assert (await gw.chat(secret + " guess", headers=mallory)).status_code == 200
+            assert (await gw.chat(secret + " again", headers=alice)).status_code == 200
+            answered = await gw.chat(secret + " other model", headers=alice, model="other")
+            assert answered.status_code == 200
+            salted = await gw.chat(secret + " salted", headers=alice, cache_salt="s1")
+            assert salted.status_code == 200  # (vLLM's: no hit under another salt)
+            # In a shared namespace the tenants share answers already, and prefixes too.
+            for text, who in [(" summarise", alice), (" guess", mallory)]:
+                shared = {**who, "x-carpool-namespace": "docs"}
+                assert (await gw.chat(handbook + text, headers=shared)).status_code == 200
+            routing = (await gw.client.get("/stats")).json()["routing"]
+    [held] = where(fakes, secret + " summarise")
+    assert where(fakes, secret + " guess") != [held]  # (the least loaded: another one)
+    assert where(fakes, secret + " again") == [held]  # its own tenant's prefix: followed
+    assert where(fakes, secret + " other model") != [held]
+    assert where(fakes, secret + " salted") != [held]
+    assert where(fakes, handbook + " guess") == where(fakes, handbook + " summarise")
+    assert routing == {"least_loaded": 5, "prefix_match": 2}
+
+
 async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_its_own_vector(
     fake, gateway_with
 ):

@@ -18,6 +18,7 @@ from carpool.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from carpool.prefix import root_of
 from carpool.routing import Decision, RoutingSettings, build_policy
 from carpool.routing.cache_aware import CacheAware, PrefixRecord
 from carpool.routing.least_loaded import LeastLoaded
@@ -402,6 +403,17 @@ async def test_the_replica_that_made_a_stored_response_is_chosen_while_it_is_eli
     # Back-off over: it is the one asked, as a probe.
     clock.now += 5
     assert replicas.choose("", holder="r2") == (r2_state, Decision.PROBE)
+
+
+def test_a_prefix_is_matched_only_within_its_scope():
+    record = PrefixRecord(budget_chars=10_000, block_chars=8)
+    text = "a shared system prompt, then a question"
+    alice, mallory = root_of(["alice", "", "m", ""]), root_of(["mallory", "", "m", ""])
+    record.insert(text, "r1", alice)
+    assert record.match(text, root=alice) == (32, {"r1"})
+    assert record.match(text, root=mallory) == (0, set())
+    assert record.match(text) == (0, set())  # (unscoped: another scope still)
+    assert root_of(["alice", "", "m", ""]) == alice and root_of(["alice", "", "m", "s"]) != alice
 
 
 def test_a_stored_response_routes_only_its_own_tenants_requests():

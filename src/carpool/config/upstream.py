@@ -23,7 +23,9 @@ class RoutingConfig(Section):
         "cache-aware",
         description="How a miss picks an upstream replica when there are several: "
         "cache-aware (the replica that already holds the prompt's prefix in its KV cache, unless "
-        "load is imbalanced), round-robin, least-loaded (fewest calls in flight).",
+        "load is imbalanced; a prefix sent by the same tenant, or in the same shared namespace, "
+        "for the same model and cache_salt: another tenant's never steers a request), "
+        "round-robin, least-loaded (fewest calls in flight).",
     )
     cache_threshold: float = Field(
         0.5,

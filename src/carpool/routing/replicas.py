@@ -243,10 +243,15 @@ class ReplicaSet:
         return len(self.replicas) > 1
 
     def choose(
-        self, text: str, exclude: Sequence[ReplicaState] = (), holder: str | None = None
+        self,
+        text: str,
+        exclude: Sequence[ReplicaState] = (),
+        holder: str | None = None,
+        scope: bytes = b"",
     ) -> tuple[ReplicaState, Decision] | None:
         """The replica for the next attempt and why, or None when every replica is excluded.
-        ``holder``: the replica holding the state the request continues, if eligible."""
+        ``holder``: the replica holding the state the request continues, if eligible;
+        ``scope``: whose prompts ``text`` may share a prefix with (``RoutingPolicy``)."""
         if not exclude and len(self.replicas) == 1:  # (the rest below, in short)
             replica = self.replicas[0]
             return replica, Decision.ONLY_HEALTHY if replica.healthy else Decision.PROBE
@@ -264,7 +269,7 @@ class ReplicaSet:
         elif len(eligible) == 1:
             replica, decision = eligible[0], Decision.ONLY_HEALTHY
         else:
-            replica, decision = self.policy.select(text, eligible)
+            replica, decision = self.policy.select(text, eligible, scope)
         if not replica.healthy:
             decision = Decision.PROBE
         return replica, decision
@@ -277,13 +282,18 @@ class ReplicaSet:
         return sum(_calls(r) for r in self.replicas)
 
     async def send(
-        self, request: UpstreamRequest, text: str = "", holder: str | None = None
+        self,
+        request: UpstreamRequest,
+        text: str = "",
+        holder: str | None = None,
+        scope: bytes = b"",
     ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
-        """Send ``request`` (prompt ``text``) to a replica, failing over once; see the module doc.
+        """Send ``request`` (prompt ``text``, in ``scope``: ``RoutingPolicy``) to a replica,
+        failing over once; see the module doc.
 
         Raises the last ``UpstreamUnreachable`` / ``UpstreamTimeout`` when every attempt failed.
         """
-        chosen = self.choose(text, holder=holder)
+        chosen = self.choose(text, holder=holder, scope=scope)
         assert chosen is not None
         replica, decision = chosen
         tried: list[ReplicaState] = []
@@ -292,7 +302,7 @@ class ReplicaSet:
                 tried.append(replica)
                 seen, sent_at = replica.verdicts, self.clock()
                 try:
-                    response = await self._attempt(replica, request, text)
+                    response = await self._attempt(replica, request, text, scope)
                 except _RETRYABLE as error:
                     self._failed(replica, _what(error), seen)
                     self._observe(replica, error.status, decision)
@@ -301,7 +311,11 @@ class ReplicaSet:
                     # again elsewhere. Silent to every call since it was sent (a frozen engine whose
                     # socket took the bytes), it is tried elsewhere like one never sent.
                     running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
-                    retry = self.choose(text, tried) if len(tried) < 2 and not running else None
+                    retry = (
+                        self.choose(text, tried, scope=scope)
+                        if len(tried) < 2 and not running
+                        else None
+                    )
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -321,7 +335,7 @@ class ReplicaSet:
                     replica.answered_at = self.clock()  # (it answered: alive)
                     self._failed(replica, _key_refused(error), seen)
                     self._observe(replica, error.upstream_status or error.status, decision)
-                    retry = self.choose(text, tried) if len(tried) < 2 else None
+                    retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -348,7 +362,7 @@ class ReplicaSet:
                     self._succeeded(replica)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
-                retry = self.choose(text, tried) if len(tried) < 2 else None
+                retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
                 if retry is None:
                     return response, replica, decision
                 await response.aclose()
@@ -360,7 +374,7 @@ class ReplicaSet:
                 self.decided(decision)
 
     async def _attempt(
-        self, replica: ReplicaState, request: UpstreamRequest, text: str
+        self, replica: ReplicaState, request: UpstreamRequest, text: str, scope: bytes
     ) -> UpstreamResponse:
         """One call, counted in flight until its answer is complete (or its stream closed)."""
         if not replica.healthy:
@@ -368,7 +382,7 @@ class ReplicaSet:
         replica.in_flight += 1
         replica.calls += 1
         try:
-            self.policy.on_sent(text, replica)
+            self.policy.on_sent(text, replica, scope)
             response = await replica.upstream.send(request)
         except BaseException:
             self._done(replica)
