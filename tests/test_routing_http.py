@@ -9,6 +9,7 @@ import json
 import pytest
 
 from conftest import run_gateway
+from fakes.raw_upstream import RawCall, answer, chat_completion, raw_upstream
 from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream
 
@@ -55,6 +56,47 @@ async def test_misses_sharing_a_long_system_prompt_stay_on_one_replica():
             counts = sorted(f.count() for f in fakes)
             assert counts[-1] >= 11  # affinity: one replica serves them
             assert (await gw.client.get("/stats")).json()["routing"]["prefix_match"] >= 10
+
+
+async def test_one_tenants_prefix_does_not_steer_another_tenants_request():
+    # Cache-aware matched a prompt against every tenant's: a prefix one tenant sent drew
+    # another tenant's request to the replica that computed it, whose time to first token
+    # then told that tenant what the first had asked (the prefix-cache timing side channel,
+    # made sure by routing). Each tenant's prompts now match only its own (and its model's).
+    secret = "Patient record: John Q. Public, DOB 1970-01-01, diagnosis: " + "z" * 400
+
+    def where(fakes: list[FakeUpstream], text: str) -> list[int]:
+        return [
+            i
+            for i, fake in enumerate(fakes)
+            for call in fake.calls
+            if call.body and call.body["messages"][-1]["content"] == text
+        ]
+
+    handbook = "Shared handbook, chapter one: " + "y" * 400
+    async with replicas(3) as fakes:
+        tenant = {"shared_namespaces": ["docs"]}
+        async with run_gateway([f.url for f in fakes], tenant=tenant) as gw:  # cache-aware
+            alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
+            assert (await gw.chat(secret + " summarise", headers=alice)).status_code == 200
+            assert (await gw.chat(secret + " guess", headers=mallory)).status_code == 200
+            assert (await gw.chat(secret + " again", headers=alice)).status_code == 200
+            answered = await gw.chat(secret + " other model", headers=alice, model="other")
+            assert answered.status_code == 200
+            salted = await gw.chat(secret + " salted", headers=alice, cache_salt="s1")
+            assert salted.status_code == 200  # (vLLM's: no hit under another salt)
+            # In a shared namespace the tenants share answers already, and prefixes too.
+            for text, who in [(" summarise", alice), (" guess", mallory)]:
+                shared = {**who, "x-carpool-namespace": "docs"}
+                assert (await gw.chat(handbook + text, headers=shared)).status_code == 200
+            routing = (await gw.client.get("/stats")).json()["routing"]
+    [held] = where(fakes, secret + " summarise")
+    assert where(fakes, secret + " guess") != [held]  # (the least loaded: another one)
+    assert where(fakes, secret + " again") == [held]  # its own tenant's prefix: followed
+    assert where(fakes, secret + " other model") != [held]
+    assert where(fakes, secret + " salted") != [held]
+    assert where(fakes, handbook + " guess") == where(fakes, handbook + " summarise")
+    assert routing == {"least_loaded": 5, "prefix_match": 2}
 
 
 async def test_96_concurrent_embeddings_of_16_texts_make_few_calls_each_client_its_own_vector(
@@ -139,6 +181,42 @@ async def test_every_request_routed_counts_its_decision_a_failed_ones_too():
         stats = (await gw.client.get("/stats")).json()
         assert sum(stats["routing"].values()) == 3 and stats["routing"]["failover"] >= 1
         assert stats["upstream_calls"] == 6  # (each failed over once)
+
+
+async def test_a_call_a_live_replica_took_and_dropped_is_not_run_on_another_when_its_resend_cannot_connect():
+    """Replica A reads a call whole, answers another call meanwhile (alive: it may be running
+    the first), then drops the first without a byte of answer and goes down (no connection
+    taken). The transport sent the call again on a new connection (the keep-alive race, it
+    took the drop for), whose refusal was "unreachable": failed over, B ran it too. It is
+    never sent again now: the replica set's rule holds (not run on another), a 502."""
+    took, drop = asyncio.Event(), asyncio.Event()
+
+    async def respond(call: RawCall) -> bytes | tuple[bytes, bool]:
+        if call.body["messages"][-1]["content"] == "crash":
+            took.set()
+            await drop.wait()
+            return b"", True  # (the engine died mid-generation: nothing answered)
+        return answer(200, b"OK", chat_completion())
+
+    async with raw_upstream(respond) as a, replicas(1) as (b,):
+        async with run_gateway([a.url, b.url], routing={"policy": "round-robin"}) as gw:
+            assert (await gw.chat("warm a")).status_code == 200  # -> A (its kept connection)
+            assert (await gw.chat("warm b")).status_code == 200  # -> B
+            crash = asyncio.create_task(gw.chat("crash"))  # -> A, on the kept connection
+            await asyncio.wait_for(took.wait(), 5)
+            assert (await gw.chat("other b")).status_code == 200  # -> B
+            assert (await gw.chat("other a")).status_code == 200  # -> A: answered meanwhile
+            assert a.server is not None
+            a.server.close()  # A goes down: no new connection taken...
+            drop.set()  # ...and the call it took is dropped without a byte
+            reply = await asyncio.wait_for(crash, 10)
+            stats = (await gw.client.get("/stats")).json()
+    asked = [call.body["messages"][-1]["content"] for call in a.calls]
+    assert asked == ["warm a", "crash", "other a"]  # (sent once)
+    assert [c.body["messages"][-1]["content"] for c in b.calls] == ["warm b", "other b"]
+    assert reply.status_code == 502 and reply.headers["x-should-retry"] == "false"
+    assert "took the call but gave no answer" in reply.json()["error"]["message"]
+    assert stats["upstream_calls"] == 5 and stats["routing"].get("failover", 0) == 0
 
 
 def _created_id(sse: str) -> str:
@@ -246,6 +324,49 @@ async def test_a_stored_chat_completion_is_fetched_updated_and_deleted_on_the_re
                 assert (await client.delete(f"/v1/chat/completions/{cid}")).status_code == 200
             assert not any(f.kept_completions for f in fakes)
             assert sum(f.count() for f in fakes) == 4 * 9 + len(made)
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "least-loaded", "round-robin"])
+async def test_a_file_uploaded_through_the_gateway_is_read_and_batched_on_the_replica_that_keeps_it(
+    policy,
+):
+    # SGLang keeps the files uploaded to it, and the batches made of them, in its own process:
+    # a follow-up went where the policy said (the other replica, by load or in turn), whose
+    # 404 the client got: the file it had just uploaded, not found.
+    async with replicas(2) as fakes:
+        for fake in fakes:
+            fake.keeps_files = True
+        async with run_gateway([f.url for f in fakes], routing={"policy": policy}) as gw:
+            client = gw.client
+            for i in range(4):
+                lines = b'{"custom_id": "%d"}\n' % i
+                uploaded = await client.post("/v1/files", content=lines)
+                assert uploaded.status_code == 200, uploaded.text
+                file_id = uploaded.json()["id"]
+                got = await client.get(f"/v1/files/{file_id}")
+                assert got.status_code == 200 and got.json()["id"] == file_id, got.text
+                content = await client.get(f"/v1/files/{file_id}/content")
+                assert content.status_code == 200 and content.content == lines
+                asked = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+                batch = await client.post("/v1/batches", json=asked)
+                assert batch.status_code == 200, batch.text
+                polled = await client.get(f"/v1/batches/{batch.json()['id']}")
+                assert polled.status_code == 200, polled.text
+                output = await client.get(f"/v1/files/{polled.json()['output_file_id']}/content")
+                assert output.status_code == 200, output.text
+                cancelled = await client.post(f"/v1/batches/{batch.json()['id']}/cancel")
+                assert cancelled.status_code == 200, cancelled.text
+                deleted = await client.delete(f"/v1/files/{file_id}")
+                assert deleted.status_code == 200, deleted.text
+            assert sum(f.count() for f in fakes) == 4 * 8
+            # (Each call on an id went to the replica that made it: ids name their fake.)
+            assert all(
+                f"-{fake.tag}-" in call.path
+                or f"_{fake.tag}_" in call.path
+                or call.path in ("/v1/files", "/v1/batches")
+                for fake in fakes
+                for call in fake.calls
+            )
 
 
 async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():

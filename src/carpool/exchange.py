@@ -15,6 +15,8 @@ Contract:
   further (a whole body's id; a stream's, at its first payload naming it, ``Api.state_field``:
   a Responses lifecycle event, a chat chunk, before that payload is passed on), in
   ``layers.holders`` (``routing.state``): where there are replicas to choose among only.
+  The prompt routes within its ``routing_scope`` (its tenant, or its shared namespace; its
+  model; its ``cache_salt``): no tenant's prefix steers another tenant's request.
 - ``Exchange.fetch``: a flight's call. A non-streaming request is asked of the upstream as a
   stream when ``upstream.stream_flights`` says so (and its API streams, and nothing in it
   changes when streamed: a completion's ``best_of``/``echo``), so that streaming clients joining
@@ -75,6 +77,7 @@ from .errors import (
 from .fingerprint import grant_of, names_of, neutral_of, requester
 from .identity import tenant_of
 from .outcome import Outcome
+from .prefix import root_of
 from .reply import SSE_HEADERS, Reply, error_reply, failure_of
 from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
@@ -119,11 +122,13 @@ async def send(
     if request is not None and replicas.chooses and request.api.keeps_state(request.body):
         tenant = requester(request.headers, layers.config)
         holder = layers.holders.holder(tenant, request.api.state_continued(request.body))
+    # (``text`` only where there is a choice: ``Exchange._routing_text``.)
+    scope = routing_scope(request, layers.config) if request is not None and text else b""
     if not layers.tracer.enabled:
-        response, replica, decision = await replicas.send(upstream_request, text, holder)
+        response, replica, decision = await replicas.send(upstream_request, text, holder, scope)
     else:
         with layers.tracer.span("carpool.upstream") as span:
-            response, replica, decision = await replicas.send(upstream_request, text, holder)
+            response, replica, decision = await replicas.send(upstream_request, text, holder, scope)
             span.set_attribute("carpool.replica", replica.name)
             span.set_attribute("carpool.decision", decision.value)
     status = response.status
@@ -633,3 +638,27 @@ def _error_in(api: Api, payload: bytes) -> dict[str, Any] | None:
 def _routing_text(request: Request) -> str:
     """The prompt as the engine sees it, system prompt first: what its prefix cache holds."""
     return "\n".join(request.api.input_texts(request.body))
+
+
+def routing_scope(request: Request, config: Config) -> bytes:
+    """Whose prompts ``request``'s may share a prefix with in routing (a chain root,
+    ``routing.cache_aware``): its tenant's, or in a shared namespace (``tenant.shared_namespaces``,
+    unless it names state of its tenant's, ``Api.tenant_bound``) every tenant's there, whose
+    answers are shared already; of its model (another model's cache is none of its); of its
+    ``cache_salt`` (vLLM's: a prefix cached under another salt is no hit)."""
+    body = request.body
+    namespace = request.controls.namespace
+    if (
+        namespace
+        and namespace in config.tenant.shared_namespaces
+        and not request.api.tenant_bound(body)
+    ):
+        whose = ["*", namespace]
+    else:
+        whose = [requester(request.headers, config), ""]
+    return root_of([*whose, _scope_part(body.get("model")), _scope_part(body.get("cache_salt"))])
+
+
+def _scope_part(value: Any) -> str:
+    """A body field as a part of a routing scope: a string as it is, else its JSON."""
+    return value if isinstance(value, str) else orjson.dumps(value).decode()

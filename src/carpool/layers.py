@@ -7,8 +7,8 @@ Contract:
 - ``shared_store`` and ``shared_semantic`` are the Redis-backed layers as what they are (the
   same objects as ``store`` and ``semantic``; ``None`` without ``redis``): what ``/stats``,
   ``/metrics`` and ``/healthz`` read of Redis (errors, pool exhaustion, health, stream counts).
-- ``holders``: which replica made each stored response this process saw (``routing.state``),
-  for the follow-ups that only that replica can answer.
+- ``holders``: which replica keeps each stored response, file or batch this process saw
+  (``routing.state``), for the follow-ups that only that replica can answer.
 - ``states``: the keys and semantic entries this process stored under each stored response's
   tag (``state_index``), which a ``DELETE`` of it drops, and the responses deleted lately.
 - ``start()`` starts the background work that needs the event loop (the server calls it at

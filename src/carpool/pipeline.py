@@ -134,7 +134,7 @@ from .request import (
     parse,
     requester_digest,
 )
-from .routing.state import path_deleted, path_state
+from .routing.state import answer_names, learning, path_deleted, path_state, posted_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING, Budget
 from .state_index import Held
 from .store.base import Entry, StoreUnavailable, state_tag
@@ -682,15 +682,27 @@ class Gateway:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
         a transport failure downs the replica (``ReplicaSet.passthrough``). A call on a stored
-        response or chat completion (``/responses/{id}...``, ``/chat/completions/{id}...``)
-        goes to the replica that made it (``routing.state``).
+        response or chat completion (``/responses/{id}...``, ``/chat/completions/{id}...``), a
+        file or a batch (``/files/{id}...``, ``/batches/{id}...``, a ``POST /batches`` of a
+        file) goes to the replica that keeps it (``routing.state``), which an upload's or a
+        batch's answer tells (``learning``).
         ``RuntimeError`` once the gateway is closed, as ``request``."""
         if self.closed:
             raise RuntimeError("this gateway is closed (aclose): build another")
-        holder = None
-        if self.replicas.chooses and (stored := path_state(path)) is not None:
-            holder = self.layers.holders.holder(requester(headers, self.config), stored)
+        holder: str | None = None
+        tenant: str | None = None
+        learns = False
+        if self.replicas.chooses:
+            stored = path_state(path) or posted_state(method, path, body)
+            learns = answer_names(method, path)
+            if stored is not None or learns:
+                tenant = requester(headers, self.config)
+                holder = self.layers.holders.holder(tenant, stored)
         response = await self.replicas.passthrough(method, path, query, headers, body, holder)
+        if learns and tenant is not None and 200 <= response.status < 300:
+            # (A file uploaded, a batch made or looked at: where it and its files are kept.)
+            remember = partial(self.layers.holders.remember, tenant, replica=response.replica)
+            response.body = learning(response.body, remember)
         if 200 <= response.status < 300 and (deleted := path_deleted(method, path)) is not None:
             # Gone upstream: the answers that are or continue it go too, before the client
             # hears so (their ids name nothing now; what it deleted is not served again).

@@ -19,6 +19,10 @@ Contract:
 - ``iter_block_hashes`` gives the same keys one at a time, each hashed only when asked for: a
   caller that stops early (a prefix match at its first miss) hashes no further. ``block_hashes``
   with ``limit`` gives only the first ``limit`` keys (and hashes no more).
+- ``root``: the key before the first block, ``ROOT`` unless given. ``root_of(parts)`` makes one
+  of a scope (strings: the router's tenant, model, ``cache_salt``): the keys of a sequence under
+  one root never equal those of any sequence under another (up to collisions), as vLLM's block
+  hashes under another ``cache_salt``.
 - Cost: one hash per block asked for, O(len(seq)) at most; nothing is kept between calls.
 """
 
@@ -44,16 +48,24 @@ def _block_bytes(block: str | Sequence[str]) -> bytes:
     return repr(list(block)).encode()
 
 
-def iter_block_hashes(seq: str | Sequence[str], block_size: int) -> Iterator[bytes]:
+def root_of(parts: Sequence[str]) -> bytes:
+    """A chain root for the scope ``parts`` (see the module's contract), never ``ROOT``."""
+    material = "\x00".join(parts).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(material, digest_size=KEY_BYTES, person=b"carpool-scope").digest()
+
+
+def iter_block_hashes(
+    seq: str | Sequence[str], block_size: int, root: bytes = ROOT
+) -> Iterator[bytes]:
     """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first,
-    each hashed when it is asked for."""
+    each hashed when it is asked for; the first hashed after ``root``."""
     if block_size < 1:
         raise ValueError("block_size must be positive")
-    return _chain(seq, block_size)
+    return _chain(seq, block_size, root)
 
 
-def _chain(seq: str | Sequence[str], block_size: int) -> Iterator[bytes]:
-    key = ROOT
+def _chain(seq: str | Sequence[str], block_size: int, root: bytes) -> Iterator[bytes]:
+    key = root
     blake2b = hashlib.blake2b
     for start in range(0, len(seq) - block_size + 1, block_size):
         block = _block_bytes(seq[start : start + block_size])
@@ -62,8 +74,8 @@ def _chain(seq: str | Sequence[str], block_size: int) -> Iterator[bytes]:
 
 
 def block_hashes(
-    seq: str | Sequence[str], block_size: int, limit: int | None = None
+    seq: str | Sequence[str], block_size: int, limit: int | None = None, root: bytes = ROOT
 ) -> list[bytes]:
-    """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first;
-    only the first ``limit`` of them when given."""
-    return list(islice(iter_block_hashes(seq, block_size), limit))
+    """The chained keys of ``seq``'s whole blocks of ``block_size`` items, first block first
+    (after ``root``); only the first ``limit`` of them when given."""
+    return list(islice(iter_block_hashes(seq, block_size, root), limit))

@@ -9,8 +9,10 @@ Details:
 - Each request (its head, and a body of ``content-length`` bytes) is recorded in ``calls`` (a
   ``RawCall``: request line, lower-case headers, the body parsed as JSON or None) and
   ``arrived`` is set; then, once ``gate`` (when one is set) is, the bytes ``respond(call)``
-  returns are written as they are. The connection is kept for the next request, unless
-  ``respond`` returned ``close=True`` along with its bytes (a tuple), then it is closed.
+  returns are written as they are (``respond`` may be a coroutine function: its result is
+  awaited). The connection is kept for the next request, unless ``respond`` returned
+  ``close=True`` along with its bytes (a tuple), then it is closed. ``server`` is the
+  listening server (closed: no new connection is taken, those open are kept).
 - ``answer(status, reason, body, content_type, headers)`` makes an answer's bytes, with its
   ``content-length`` (``content_type=None``: no ``content-type`` line at all);
   ``chat_completion(text)`` a complete chat answer's body.
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +74,13 @@ def chat_completion(text: str = "fine") -> bytes:
     ).encode()
 
 
+Respond = Callable[[RawCall], "bytes | tuple[bytes, bool] | Awaitable[bytes | tuple[bytes, bool]]"]
+
+
 class RawUpstream:
-    def __init__(self, respond: Callable[[RawCall], bytes | tuple[bytes, bool]]) -> None:
+    def __init__(self, respond: Respond) -> None:
         self.respond = respond
+        self.server: asyncio.Server | None = None
         self.calls: list[RawCall] = []
         self.arrived = asyncio.Event()
         self.gate: asyncio.Event | None = None
@@ -103,6 +110,8 @@ class RawUpstream:
                 if self.gate is not None:
                     await self.gate.wait()
                 out = self.respond(call)
+                if inspect.isawaitable(out):
+                    out = await out
                 data, close = out if isinstance(out, tuple) else (out, False)
                 writer.write(data)
                 await writer.drain()
@@ -115,11 +124,9 @@ class RawUpstream:
 
 
 @contextlib.asynccontextmanager
-async def raw_upstream(
-    respond: Callable[[RawCall], bytes | tuple[bytes, bool]],
-) -> AsyncIterator[RawUpstream]:
+async def raw_upstream(respond: Respond) -> AsyncIterator[RawUpstream]:
     upstream = RawUpstream(respond)
-    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    server = upstream.server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
     upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
     try:
         yield upstream

@@ -171,6 +171,15 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   /v1/chat/completions/{id}/messages`` lists its request's messages, ``DELETE`` of it forgets it
   (``{"id", "object": "chat.completion.deleted", "deleted": true}``); an id it did not keep is a
   404 (``invalid_request_error``). A completion asked without ``store: true`` is not kept.
+- ``keeps_files: bool``: the fake keeps the files uploaded to it and the batches made of them in
+  its own process, as SGLang does (``/v1/files``, ``/v1/batches``), each replica its own, in
+  ``files`` (id -> the uploaded bytes) and ``batches`` (id -> batch): ``POST /v1/files`` keeps
+  its raw body (``f"file-{tag}-{n}"``), ``GET /v1/files/{id}`` answers the file object, ``GET
+  .../content`` its bytes, ``DELETE`` forgets it; ``POST /v1/batches`` with an
+  ``input_file_id`` it keeps makes a batch (``f"batch_{tag}_{n}"``), done at once: its output
+  is a file of its own (``output_file_id``); ``GET /v1/batches/{id}`` answers it, ``POST
+  .../cancel`` too (``cancelled``). An id it does not keep is a 404 (a batch's input file
+  included).
 - ``valid_keys: set[str] | dict[str, set[str]] | None``: when set, a request is answered only if
   it presents at least one key (``Authorization: Bearer K``, ``api-key: K``, ``x-api-key: K``)
   and every key it presents is valid: in the set, or (a dict) mapped to a set of models that
@@ -342,6 +351,9 @@ class FakeUpstream:
         self.kept: dict[str, dict[str, Any]] = {}
         self.keeps_completions: bool = False
         self.kept_completions: dict[str, dict[str, Any]] = {}
+        self.keeps_files: bool = False
+        self.files: dict[str, bytes] = {}
+        self.batches: dict[str, dict[str, Any]] = {}
 
     def _authorized(self, headers: dict[str, str], body: Any) -> bool:
         """Like OpenAI and Azure: one presented key, and every key presented, must be valid (for
@@ -581,6 +593,9 @@ class FakeUpstream:
             else:
                 await self._embeddings(call, send)
             return
+        if self.keeps_files and (path.startswith(("/v1/files", "/v1/batches"))):
+            await self._kept_file(call, send, path.split("/")[2:])
+            return
         if self.keeps_completions and path.startswith("/v1/chat/completions/"):
             await self._kept_completion(call, send, path.split("/")[4:])
             return
@@ -791,6 +806,61 @@ class FakeUpstream:
                 kept["metadata"] = (call.body or {}).get("metadata") or {}
                 shown["metadata"] = kept["metadata"]
             await self._send_json(send, call, 200, shown)
+
+    def _file(self, file_id: str) -> dict[str, Any]:
+        size = len(self.files[file_id])
+        return {"id": file_id, "object": "file", "bytes": size, "purpose": "batch"}
+
+    async def _kept_file(
+        self, call: Call, send: Callable[[dict], Awaitable[None]], named: list[str]
+    ) -> None:
+        """A call on the files or batches it keeps (``keeps_files``): ``named`` is the path
+        after /v1/ (``["files"]``, ``["batches", id, "cancel"]``...)."""
+        kind, rest, method = named[0], named[1:], call.method
+        number = call.number
+        if kind == "files" and not rest and method == "POST":
+            file_id = f"file-{self.tag}-{number}"
+            self.files[file_id] = call.raw_body
+            await self._send_json(send, call, 200, self._file(file_id))
+            return
+        if kind == "batches" and not rest and method == "POST":
+            input_id = (call.body or {}).get("input_file_id")
+            if input_id not in self.files:
+                await self._send_error(
+                    send, call, 404, f"File '{input_id}' not found.", "invalid_request_error"
+                )
+                return
+            batch_id, output_id = f"batch_{self.tag}_{number}", f"file-{self.tag}-{number}-out"
+            self.files[output_id] = b'{"custom_id": "done"}\n'
+            batch = {"id": batch_id, "object": "batch", "status": "completed"}
+            batch |= {"input_file_id": input_id, "output_file_id": output_id}
+            self.batches[batch_id] = batch
+            await self._send_json(send, call, 200, batch)
+            return
+        kept = self.files if kind == "files" else self.batches
+        if not rest or rest[0] not in kept:
+            what = "File" if kind == "files" else "Batch"
+            message = f"{what} '{rest[0] if rest else ''}' not found."
+            await self._send_error(send, call, 404, message, "invalid_request_error")
+        elif kind == "files" and rest[1:] == ["content"] and method == "GET":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": self.files[rest[0]]})
+        elif kind == "files" and not rest[1:] and method in ("GET", "DELETE"):
+            shown = self._file(rest[0])
+            if method == "DELETE":
+                del self.files[rest[0]]
+                shown = {"id": rest[0], "object": "file", "deleted": True}
+            await self._send_json(send, call, 200, shown)
+        elif kind == "batches" and (
+            (not rest[1:] and method == "GET") or (rest[1:] == ["cancel"] and method == "POST")
+        ):
+            if rest[1:]:
+                self.batches[rest[0]]["status"] = "cancelled"
+            await self._send_json(send, call, 200, self.batches[rest[0]])
+        else:
+            await self._send_error(
+                send, call, 404, f"no route for {method} {call.path}", "invalid_request_error"
+            )
 
     async def _completions(
         self, call: Call, send: Callable[[dict], Awaitable[None]], gone: asyncio.Event

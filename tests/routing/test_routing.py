@@ -18,12 +18,21 @@ from carpool.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from carpool.prefix import root_of
 from carpool.routing import Decision, RoutingSettings, build_policy
 from carpool.routing.cache_aware import CacheAware, PrefixRecord
 from carpool.routing.least_loaded import LeastLoaded
 from carpool.routing.replicas import ReplicaSet, ReplicaState
 from carpool.routing.round_robin import RoundRobin
-from carpool.routing.state import StateHolders, path_deleted, path_state
+from carpool.routing.state import (
+    MAX_LEARNED,
+    StateHolders,
+    answer_names,
+    learning,
+    path_deleted,
+    path_state,
+    posted_state,
+)
 from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
 
 REQUEST = UpstreamRequest("/chat/completions", {"model": "m"})
@@ -396,6 +405,17 @@ async def test_the_replica_that_made_a_stored_response_is_chosen_while_it_is_eli
     assert replicas.choose("", holder="r2") == (r2_state, Decision.PROBE)
 
 
+def test_a_prefix_is_matched_only_within_its_scope():
+    record = PrefixRecord(budget_chars=10_000, block_chars=8)
+    text = "a shared system prompt, then a question"
+    alice, mallory = root_of(["alice", "", "m", ""]), root_of(["mallory", "", "m", ""])
+    record.insert(text, "r1", alice)
+    assert record.match(text, root=alice) == (32, {"r1"})
+    assert record.match(text, root=mallory) == (0, set())
+    assert record.match(text) == (0, set())  # (unscoped: another scope still)
+    assert root_of(["alice", "", "m", ""]) == alice and root_of(["alice", "", "m", "s"]) != alice
+
+
 def test_a_stored_response_routes_only_its_own_tenants_requests():
     holders = StateHolders()
     holders.remember("tenant-a", "resp_1", "r1")
@@ -430,6 +450,46 @@ def test_a_pass_through_path_names_the_stored_chat_completion_it_is_about():
     assert path_state("/chat/completions/chatcmpl-1/messages") == "chatcmpl-1"
     assert path_state("/chat/completions") is None and path_state("/chat/completions/") is None
     assert path_state("/completions/cmpl-1") is None
+
+
+def test_a_pass_through_call_names_the_file_or_batch_it_is_about():
+    # (SGLang keeps each upload and batch in the process it reached.)
+    assert path_state("/files/file-1") == "file-1"
+    assert path_state("/files/file-1/content") == "file-1"
+    assert path_state("/batches/batch_1/cancel") == "batch_1"
+    assert path_state("/files") is None and path_state("/batches") is None
+    made = b'{"input_file_id": "file-1", "endpoint": "/v1/chat/completions"}'
+    assert posted_state("POST", "/batches", made) == "file-1"
+    assert posted_state("GET", "/batches", made) is None
+    assert posted_state("POST", "/files", made) is None
+    for body in (b"", b"[]", b"{", b'{"input_file_id": 1}'):
+        assert posted_state("POST", "/batches", body) is None
+    assert answer_names("POST", "/files") and answer_names("POST", "/batches")
+    assert answer_names("GET", "/batches/batch_1") and answer_names("POST", "/batches/b/cancel")
+    assert not answer_names("GET", "/files") and not answer_names("GET", "/batches")
+    assert not answer_names("GET", "/files/file-1") and not answer_names("POST", "/responses")
+
+
+async def test_the_ids_a_kept_objects_answer_names_are_remembered_before_its_last_piece_goes():
+    answer = b'{"id": "batch_1", "input_file_id": "file-1", "output_file_id": "file-2", '
+    answer += b'"error_file_id": null, "status": "completed"}'
+    remembered: list[str] = []
+    passed: list[tuple[bytes, list[str]]] = []
+
+    async def pieces(data: bytes, size: int) -> AsyncIterator[bytes]:
+        for start in range(0, len(data), size):
+            yield data[start : start + size]
+
+    async for piece in learning(pieces(answer, 10), remembered.append):
+        passed.append((piece, list(remembered)))
+    assert b"".join(piece for piece, _ in passed) == answer
+    assert passed[-2][1] == [] and passed[-1][1] == ["batch_1", "file-1", "file-2"]
+    for other in (b'[{"id": "x"}]', b'"x"', b"\x1f\x8b gzip", b'{"id": "' + b"x" * MAX_LEARNED):
+        remembered.clear()
+        assert (
+            b"".join([p async for p in learning(pieces(other, 1000), remembered.append)]) == other
+        )
+        assert remembered == []
 
 
 def test_only_a_delete_of_the_stored_object_itself_names_what_it_deletes():

@@ -29,13 +29,21 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class Server:
-    """Counts connections and requests; ``handle`` answers each request."""
+# Whether the server drops the connection as a request's head comes, its body unread (the
+# server closing a kept connection as a request arrives on it): given the head and the writer.
+Cut = Callable[[bytes, asyncio.StreamWriter], bool]
 
-    def __init__(self, handle: Respond) -> None:
+
+class Server:
+    """Counts connections and requests (read whole); ``handle`` answers each request, but one
+    that ``cut`` drops at its head (counted in ``cuts``)."""
+
+    def __init__(self, handle: Respond, cut: Cut | None = None) -> None:
         self.handle = handle
+        self.cut = cut
         self.connections = 0
         self.requests: list[bytes] = []
+        self.cuts = 0
         self.closed = asyncio.Event()
         self.port = 0
 
@@ -44,6 +52,9 @@ class Server:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if self.cut is not None and self.cut(head, writer):
+                    self.cuts += 1
+                    return  # (closed with the body unread: an RST)
                 length = next(
                     int(line.split(b":")[1])
                     for line in head.split(b"\r\n")
@@ -72,8 +83,10 @@ async def serve() -> AsyncIterator[Callable[..., Awaitable[tuple[Server, wire.Po
     servers: list[asyncio.Server] = []
     pools: list[wire.Pool] = []
 
-    async def start(handle: Respond, **pool: float) -> tuple[Server, wire.Pool]:
-        server = Server(handle)
+    async def start(
+        handle: Respond, cut: Cut | None = None, **pool: float
+    ) -> tuple[Server, wire.Pool]:
+        server = Server(handle, cut)
         listening = await asyncio.start_server(server.serve, "127.0.0.1", 0)
         servers.append(listening)
         server.port = listening.sockets[0].getsockname()[1]
@@ -727,27 +740,104 @@ def _hang_up(writer: asyncio.StreamWriter, reset: bool) -> None:
         writer.close()
 
 
+# A body over both ends' socket buffers: not written whole (``sent``) when the server drops
+# the connection at its head.
+BIG = b'"' + b"x" * 12_000_000 + b'"'
+
+
+def _big(head: bytes, _: object = None) -> bool:
+    """Whether a request's head says a body of a megabyte or more."""
+    length = next(line for line in head.split(b"\r\n") if line.startswith(b"content-length:"))
+    return int(length.split(b":")[1]) >= 1_000_000
+
+
+def _bodies(server: Server) -> list[bytes]:
+    return [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
-async def test_a_reused_connection_dropped_before_a_byte_of_the_answer_is_sent_again_on_a_new_one(
-    serve, reset
-):
-    """The keep-alive race: the server drops a kept connection it deems idle as a request goes
-    out on it. That was a 502 (and, with several replicas, a healthy one left out); it is
-    sent again, once, on a new connection (see ``upstream.wire``'s contract)."""
+async def test_a_call_a_kept_connection_dropped_late_is_not_sent_again(serve, reset):
+    """A server that read the request whole and then dropped the kept connection without a
+    byte of answer (an engine killed mid-generation, a proxy's cut) may be running it. That
+    was taken for the keep-alive race and sent again on a new connection: a generation ran
+    twice on its replica (three times once failed over). It fails now, once (``sent``: the
+    replica set's "may be running it")."""
 
     async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if n == 2:
-            _hang_up(writer, reset)  # (no byte of an answer)
+            _hang_up(writer, reset)  # (read whole: no byte of an answer)
         else:
             writer.write(OK)
             await writer.drain()
 
     server, pool = await serve(handle, limit=1)
     assert await _ask(pool, b'"first"') == b"{}"
-    assert await _ask(pool, b'"second"') == b"{}"  # (sent on the kept one, then on a new one)
-    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
-    assert bodies == [b'"first"', b'"second"', b'"second"']
-    assert server.connections == 2 and pool.open == 1 and len(pool.idle) == 1
+    with pytest.raises(wire.WireError) as raised:
+        await _ask(pool, b'"second"')
+    assert raised.value.sent and not raised.value.answered
+    assert _bodies(server) == [b'"first"', b'"second"']
+    assert server.connections == 1 and pool.resent == 0 and pool.open == 0
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_kept_connection_the_server_closed_before_the_request_is_not_written_to(
+    serve, reset
+):
+    """The keep-alive race as it mostly comes: the server closed a kept connection it deemed
+    idle, and its FIN (or RST) is there, the loop not yet told, as a request is to go out on
+    it. Nothing is written on it: the request goes on a new connection, once (not counted as
+    sent again: it was not)."""
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(OK)
+        await writer.drain()
+        if n == 1:
+            _hang_up(writer, reset)
+
+    server, pool = await serve(handle)
+    assert await _ask(pool, b'"first"') == b"{}"
+    kept = pool.idle[0]
+    kept.transport.pause_reading()  # (the loop does not read its close: as if it came just now)
+    await asyncio.wait_for(server.closed.wait(), 5)  # (closed: its FIN or RST sent)
+    assert not kept.lost
+    assert await _ask(pool, b'"second"') == b"{}"
+    assert _bodies(server) == [b'"first"', b'"second"']
+    assert server.connections == 2 and pool.resent == 0 and pool.open == 1
+
+
+async def test_a_kept_connection_dropped_before_the_request_went_whole_sends_it_again_on_a_new_one(
+    serve,
+):
+    """The keep-alive race as the request goes out: the server drops the kept connection as
+    the request arrives, never reading it whole (it cannot be running it). That was a 502
+    (and, with several replicas, a healthy one left out): it is sent again, once, on a new
+    connection, and counted (``resent``: the replica set's ``upstream_calls``)."""
+    # (Dropped at its head once, on the kept connection; read whole on the new one.)
+    server, pool = await serve(answering(OK), lambda head, _: _big(head) and server.cuts == 0)
+    assert await _ask(pool, b'"first"') == b"{}"
+    assert await _ask(pool, BIG) == b"{}"
+    assert _bodies(server) == [b'"first"', BIG] and server.cuts == 1
+    assert server.connections == 2 and pool.resent == 1 and pool.open == 1 and len(pool.idle) == 1
+
+
+async def test_a_call_sent_again_is_an_attempt_of_its_replica(serve):
+    """``upstream_calls`` (the replica set's ``attempts``) counts what the engines were asked:
+    a call the transport sent a second time was counted once."""
+    from carpool.upstream.base import UpstreamRequest
+
+    server, _ = await serve(answering(OK), lambda head, _: _big(head) and server.cuts == 0)
+    replicas, seen = _replicas([server.port])
+    try:
+        for text in ("y", "x" * 12_000_000):  # (the second dropped at its head, on the kept one)
+            response, _, _ = await replicas.send(
+                UpstreamRequest("/embeddings", {"model": "m", "input": text})
+            )
+            assert response.status == 200
+        assert replicas.attempts() == 3
+        assert next(iter(replicas.snapshot().values()))["calls"] == 3
+    finally:
+        await replicas.aclose()
+    assert server.cuts == 1 and len(server.requests) == 2 and seen == [200, 200]
 
 
 @pytest.mark.parametrize(
@@ -761,9 +851,7 @@ async def test_a_request_is_sent_again_only_for_a_reused_connection_dropped_befo
     the server took the request then (it may be running it)."""
 
     async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if drop == "a new connection" or (drop == "the second time" and n >= 2):
-            _hang_up(writer, reset=False)
-        elif drop == "after a byte of its answer" and n == 2:
+        if drop == "after a byte of its answer" and n == 2:
             writer.write(b"HTTP/1.1 200")
             await writer.drain()
             _hang_up(writer, reset=False)
@@ -771,13 +859,18 @@ async def test_a_request_is_sent_again_only_for_a_reused_connection_dropped_befo
             writer.write(OK)
             await writer.drain()
 
-    server, pool = await serve(handle)
+    def cut(head: bytes, _: asyncio.StreamWriter) -> bool:
+        # (Each time the big one comes: on the kept connection, then on the new one.)
+        return drop != "after a byte of its answer" and _big(head)
+
+    server, pool = await serve(handle, cut)
     if drop != "a new connection":
         assert await _ask(pool, b"{}") == b"{}"
     with pytest.raises(wire.WireError):
-        await _ask(pool, b"{}")
-    assert len(server.requests) == {"a new connection": 1, "the second time": 3}.get(drop, 2)
-    assert pool.open == 0
+        await _ask(pool, b"{}" if drop == "after a byte of its answer" else BIG)
+    assert server.cuts == {"a new connection": 1, "the second time": 2}.get(drop, 0)
+    assert len(server.requests) == {"after a byte of its answer": 2}.get(drop, 1 - server.cuts % 2)
+    assert pool.resent == (drop == "the second time") and pool.open == 0
 
 
 async def test_a_request_sent_again_goes_on_a_connection_that_carried_nothing_before(serve):
@@ -785,39 +878,43 @@ async def test_a_request_sent_again_goes_on_a_connection_that_carried_nothing_be
     after its answer (without saying so) drops that one too, and it failed then, for good."""
     held = asyncio.Event()
     carried: dict[int, list[bytes]] = {}  # what each connection carried (by its port)
-    dropped = False
+
+    def port(writer: asyncio.StreamWriter) -> int:
+        return int(writer.get_extra_info("peername")[1])
+
+    def cut(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        if _big(head) and server.cuts == 0:
+            carried.setdefault(port(writer), []).append(b"big")
+            return True
+        return False
 
     async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal dropped
         body = server.requests[-1].rsplit(b"\r\n\r\n", 1)[1]
-        carried.setdefault(writer.get_extra_info("peername")[1], []).append(body)
+        carried.setdefault(port(writer), []).append(b"big" if body == BIG else body)
         if body == b'"held"':
             await held.wait()
-        elif body == b'"dropped"' and not dropped:
-            dropped = True
-            _hang_up(writer, reset=False)
-            return
         writer.write(OK)
         await writer.drain()
 
-    server, pool = await serve(handle, limit=2)
+    server, pool = await serve(handle, cut, limit=2)
     assert await asyncio.gather(_ask(pool, b"{}"), _ask(pool, b"{}")) == [b"{}", b"{}"]
     assert len(pool.idle) == 2
     holding = asyncio.create_task(_ask(pool, b'"held"'))
     async with asyncio.timeout(5):
         while len(server.requests) < 3:
             await asyncio.sleep(0)
-    # The second idle one, dropped as it carries its request; a third request waits for a
-    # place (the dropped one's) and gives its connection back before the held one does.
-    again = asyncio.create_task(_ask(pool, b'"dropped"'))
+    # The second idle one, dropped as its request comes; a third request waits for a place
+    # (the dropped one's) and gives its connection back before the held one does.
+    again = asyncio.create_task(_ask(pool, BIG))
     waiting = asyncio.create_task(_ask(pool, b'"waiting"'))
     assert await asyncio.wait_for(waiting, 5) == b"{}"
     assert await asyncio.wait_for(again, 5) == b"{}"
     held.set()
     assert await asyncio.wait_for(holding, 5) == b"{}"
     assert sorted(carried.values()) == sorted(
-        [[b"{}", b'"held"'], [b"{}", b'"dropped"'], [b'"waiting"'], [b'"dropped"']]
+        [[b"{}", b'"held"'], [b"{}", b"big"], [b'"waiting"'], [b"big"]]
     )
+    assert pool.resent == 1
 
 
 @pytest.mark.parametrize("how", ["whole", "trickled", "interim answers without end"])

@@ -165,8 +165,9 @@ class LimitsConfig(Section):
         description="Seconds an idle connection to an upstream is kept for the next call. "
         "Keep it below the upstream server's own idle timeout (uvicorn's, hence vLLM's and "
         "SGLang's, and llama.cpp's server's: 5 s), so that the gateway closes an idle "
-        "connection before the server does. A call whose kept connection the server closes "
-        "anyway, before any byte of its answer, is sent again once on a new connection.",
+        "connection before the server does. A call whose kept connection the server has "
+        "closed anyway goes on a new connection, and so, once, does one dropped before it "
+        "was written whole; one the server may have read whole is never sent again.",
     )
     upstream_max_connections: int = Field(
         1000,

@@ -23,7 +23,9 @@ class RoutingConfig(Section):
         "cache-aware",
         description="How a miss picks an upstream replica when there are several: "
         "cache-aware (the replica that already holds the prompt's prefix in its KV cache, unless "
-        "load is imbalanced), round-robin, least-loaded (fewest calls in flight).",
+        "load is imbalanced; a prefix sent by the same tenant, or in the same shared namespace, "
+        "for the same model and cache_salt: another tenant's never steers a request), "
+        "round-robin, least-loaded (fewest calls in flight).",
     )
     cache_threshold: float = Field(
         0.5,
@@ -76,7 +78,9 @@ class RoutingConfig(Section):
         "replica is remembered, whatever the policy, so that GET /v1/responses/{id} (and the "
         "other /v1/responses/{id}/... calls), a request with previous_response_id and the calls "
         "on /v1/chat/completions/{id} go to the replica that made it, the only one that holds "
-        "it (vLLM and SGLang each keep their own responses); beyond it the least recently "
+        "it (vLLM and SGLang each keep their own responses); so do the files uploaded and the "
+        "batches made through the gateway (/v1/files/{id}, /v1/batches/{id}, a POST "
+        "/v1/batches of such a file: SGLang keeps them per process). Beyond it the least recently "
         "made or named are forgotten, and their follow-ups routed by the policy. At "
         "most ~250 bytes an entry: 100,000 (under 25 MB) cover the last ~15 minutes at 100 "
         "responses a second.",

@@ -9,12 +9,15 @@ that made it, before any policy is asked (``state``: only that replica holds it)
     ├── least_loaded.LeastLoaded     ``least-loaded``: fewest requests in flight
     └── cache_aware.CacheAware       ``cache-aware``: SGLang-style prefix affinity under a load guard
     replicas.ReplicaSet              health, back-off, probing, one failover, in-flight accounting
-    state.StateHolders               which replica made a stored response (follow-ups go there)
+    state.StateHolders               which replica keeps a stored response, file, batch
 
 The ``Decision`` a request was routed by is both a metric label and what the tests assert.
 
 ``text`` is the prompt as the engine will see it, in order (system prompt first): only its
-prefix structure matters to ``cache-aware``; the other policies ignore it.
+prefix structure matters to ``cache-aware``; the other policies ignore it. ``scope`` (a chain
+root, ``prefix.root_of``; ``b""``: none) is whose prefixes it may share: ``cache-aware``
+matches a prompt only against the prompts of the same scope (one tenant, or one shared
+namespace; one model; one ``cache_salt``).
 """
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ class RoutingPolicy(Protocol):
     name: str
 
     def select(
-        self, text: str, replicas: Sequence[ReplicaState]
+        self, text: str, replicas: Sequence[ReplicaState], scope: bytes = b""
     ) -> tuple[ReplicaState, Decision]: ...
 
-    def on_sent(self, text: str, replica: ReplicaState) -> None:
+    def on_sent(self, text: str, replica: ReplicaState, scope: bytes = b"") -> None:
         """The request with ``text`` is being sent to ``replica`` (also a failover's retry)."""
         return None
 

@@ -33,6 +33,15 @@ shorter than a block never match); hash collisions (128-bit) are ignored; and th
 cache may hold more or less than the record (``tree_budget_chars`` should approximate its KV
 capacity).
 
+Scoped: a prompt's chain starts from its request's ``scope`` (``prefix.root_of``: the tenant,
+or the shared namespace; the model; vLLM's ``cache_salt``: ``exchange.routing_scope``), so one
+tenant's prompts never steer another tenant's: a prefix one tenant sent does not draw another's
+request to the replica that computed it, which would tell that tenant, by the time to its first
+token, what the other asked (the prefix-cache timing side channel, made sure by routing). The
+cost: tenants share no prefix outside a shared namespace (a common system prompt is computed on
+each replica a tenant's requests go to, not once for all tenants). A policy given no scope
+(``b""``) uses the unscoped root.
+
 Eviction keeps each replica's record prefix-closed: when a prompt is recorded its keys are
 touched from the deepest block to the first, so a block is always more recently used than every
 block below it and LRU eviction (per replica, beyond ``tree_budget_chars``) removes leaves first:
@@ -45,7 +54,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from carpool.lru import LRU
-from carpool.prefix import block_hashes, iter_block_hashes
+from carpool.prefix import ROOT, block_hashes, iter_block_hashes
 from carpool.routing import Decision, RoutingPolicy
 from carpool.routing.replicas import ReplicaState
 
@@ -62,12 +71,15 @@ class PrefixRecord:
         self._index: dict[bytes, set[str]] = {}  # key -> replicas holding it
         self.hashed = 0  # blocks hashed so far (matching and recording)
 
-    def keys(self, text: str) -> list[bytes]:
-        """The chain keys of ``text``'s whole blocks, first block first."""
-        return block_hashes(text, self.block_chars)
+    def keys(self, text: str, root: bytes = ROOT) -> list[bytes]:
+        """The chain keys of ``text``'s whole blocks, first block first (after ``root``)."""
+        return block_hashes(text, self.block_chars, root=root)
 
-    def match(self, text: str, names: Sequence[str] | None = None) -> tuple[int, set[str]]:
-        """(matched characters, the replicas among ``names`` matching that many): the best match."""
+    def match(
+        self, text: str, names: Sequence[str] | None = None, root: bytes = ROOT
+    ) -> tuple[int, set[str]]:
+        """(matched characters, the replicas among ``names`` matching that many): the best match
+        (of ``text``'s chain after ``root``)."""
         alive = set(names) if names is not None else set(self._lru)
         best: set[str] = set()
         depth = 0
@@ -75,7 +87,7 @@ class PrefixRecord:
         index = self._index
         # Hashed block by block: the walk ends at the first block nobody eligible holds, and
         # the rest of a long prompt is never hashed.
-        for key in iter_block_hashes(text, self.block_chars):
+        for key in iter_block_hashes(text, self.block_chars, root):
             hashed += 1
             holders = index.get(key)
             if not holders:
@@ -87,9 +99,9 @@ class PrefixRecord:
         self.hashed += hashed
         return depth * self.block_chars, best
 
-    def insert(self, text: str, replica: str) -> None:
-        """Record that ``text`` was sent to ``replica`` (touching its prefix, at most
-        ``budget_blocks`` blocks of it), then evict."""
+    def insert(self, text: str, replica: str, root: bytes = ROOT) -> None:
+        """Record that ``text`` (its chain after ``root``) was sent to ``replica`` (touching its
+        prefix, at most ``budget_blocks`` blocks of it), then evict."""
         lru = self._lru.get(replica)
         if lru is None:
             lru = self._lru[replica] = LRU(
@@ -97,7 +109,7 @@ class PrefixRecord:
             )
         # Only the first budget_blocks blocks: deeper ones are touched first (below), so the
         # blocks before them would evict them before this call ends.
-        keys = block_hashes(text, self.block_chars, self.budget_blocks)
+        keys = block_hashes(text, self.block_chars, self.budget_blocks, root)
         self.hashed += len(keys)
         for key in reversed(keys):  # deepest first: prefixes end up most recent
             if key in lru:
@@ -122,9 +134,9 @@ class PrefixRecord:
         lru = self._lru.get(replica)
         return len(lru) * self.block_chars if lru else 0
 
-    def holds(self, text: str, replica: str) -> int:
-        """Characters of ``text``'s prefix recorded for ``replica``."""
-        return self.match(text, [replica])[0]
+    def holds(self, text: str, replica: str, root: bytes = ROOT) -> int:
+        """Characters of ``text``'s prefix (after ``root``) recorded for ``replica``."""
+        return self.match(text, [replica], root)[0]
 
 
 class CacheAware(RoutingPolicy):
@@ -149,8 +161,10 @@ class CacheAware(RoutingPolicy):
         high, low = max(loads), min(loads)
         return high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low
 
-    def select(self, text: str, replicas: Sequence[ReplicaState]) -> tuple[ReplicaState, Decision]:
-        matched, holders = self.record.match(text, [r.name for r in replicas])
+    def select(
+        self, text: str, replicas: Sequence[ReplicaState], scope: bytes = b""
+    ) -> tuple[ReplicaState, Decision]:
+        matched, holders = self.record.match(text, [r.name for r in replicas], scope or ROOT)
         rate = matched / len(text) if text else 0.0
         least = min(replicas, key=lambda r: (r.in_flight, self.record.size_chars(r.name), r.calls))
         if text and rate >= self.cache_threshold and holders:
@@ -164,8 +178,8 @@ class CacheAware(RoutingPolicy):
             return least, Decision.IMBALANCED
         return least, Decision.LEAST_LOADED
 
-    def on_sent(self, text: str, replica: ReplicaState) -> None:
+    def on_sent(self, text: str, replica: ReplicaState, scope: bytes = b"") -> None:
         # Recorded when sent, before the engine has computed it: the next request sharing the
-        # prefix should follow it (SGLang inserts at selection too).
+        # prefix (in its scope) should follow it (SGLang inserts at selection too).
         if text:
-            self.record.insert(text, replica.name)
+            self.record.insert(text, replica.name, scope or ROOT)

@@ -20,5 +20,7 @@ def least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState:
 class LeastLoaded(RoutingPolicy):
     name = "least-loaded"
 
-    def select(self, text: str, replicas: Sequence[ReplicaState]) -> tuple[ReplicaState, Decision]:
+    def select(
+        self, text: str, replicas: Sequence[ReplicaState], scope: bytes = b""
+    ) -> tuple[ReplicaState, Decision]:
         return least_loaded(replicas), Decision.LEAST_LOADED

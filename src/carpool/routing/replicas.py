@@ -31,7 +31,9 @@ all, and so whether ``text`` matters):
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
   not retried (the call may have run); a cancellation or any other exception is no verdict. A
   request sent whole and not answered (``UpstreamNoAnswer``: 504 in time, 502 when its
-  connection dropped before a byte of answer) is not retried either when the replica answered
+  connection dropped before a byte of answer; never sent again by the transport, whose
+  resend of the keep-alive race is for a call the server cannot have read whole, and counts
+  in ``calls``: ``upstream.wire``) is not retried either when the replica answered
   other calls meanwhile, a head or a stream's payloads (it is alive and may be running it: a
   long generation would run twice, its client waiting twice the timeout); silent to every call
   since, it is taken for hung (a frozen engine's socket takes a request's bytes all the same)
@@ -151,7 +153,8 @@ class ReplicaState:
     name: str = ""  # defaults to upstream.name (operators: /stats, metrics, logs)
     label: str = ""  # defaults to upstream.label, else name (clients: /healthz)
     in_flight: int = 0  # requests sent and not finished (streams: not yet closed)
-    calls: int = 0  # attempts sent, failed ones and failovers included
+    # Attempts sent, failed ones and failovers included (and its upstream's own, ``_calls``).
+    calls: int = 0
     errors: int = 0  # attempts that failed (transport error or 5xx)
     failures: int = 0  # failures that downed it or grew its back-off (news); 0 once healthy
     # Changes of its state (downed, healed): a failed call sent before the last one is no news.
@@ -240,10 +243,15 @@ class ReplicaSet:
         return len(self.replicas) > 1
 
     def choose(
-        self, text: str, exclude: Sequence[ReplicaState] = (), holder: str | None = None
+        self,
+        text: str,
+        exclude: Sequence[ReplicaState] = (),
+        holder: str | None = None,
+        scope: bytes = b"",
     ) -> tuple[ReplicaState, Decision] | None:
         """The replica for the next attempt and why, or None when every replica is excluded.
-        ``holder``: the replica holding the state the request continues, if eligible."""
+        ``holder``: the replica holding the state the request continues, if eligible;
+        ``scope``: whose prompts ``text`` may share a prefix with (``RoutingPolicy``)."""
         if not exclude and len(self.replicas) == 1:  # (the rest below, in short)
             replica = self.replicas[0]
             return replica, Decision.ONLY_HEALTHY if replica.healthy else Decision.PROBE
@@ -261,7 +269,7 @@ class ReplicaSet:
         elif len(eligible) == 1:
             replica, decision = eligible[0], Decision.ONLY_HEALTHY
         else:
-            replica, decision = self.policy.select(text, eligible)
+            replica, decision = self.policy.select(text, eligible, scope)
         if not replica.healthy:
             decision = Decision.PROBE
         return replica, decision
@@ -271,16 +279,21 @@ class ReplicaSet:
 
     def attempts(self) -> int:
         """Calls sent to the replicas so far, failed ones and failovers included."""
-        return sum(r.calls for r in self.replicas)
+        return sum(_calls(r) for r in self.replicas)
 
     async def send(
-        self, request: UpstreamRequest, text: str = "", holder: str | None = None
+        self,
+        request: UpstreamRequest,
+        text: str = "",
+        holder: str | None = None,
+        scope: bytes = b"",
     ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
-        """Send ``request`` (prompt ``text``) to a replica, failing over once; see the module doc.
+        """Send ``request`` (prompt ``text``, in ``scope``: ``RoutingPolicy``) to a replica,
+        failing over once; see the module doc.
 
         Raises the last ``UpstreamUnreachable`` / ``UpstreamTimeout`` when every attempt failed.
         """
-        chosen = self.choose(text, holder=holder)
+        chosen = self.choose(text, holder=holder, scope=scope)
         assert chosen is not None
         replica, decision = chosen
         tried: list[ReplicaState] = []
@@ -289,7 +302,7 @@ class ReplicaSet:
                 tried.append(replica)
                 seen, sent_at = replica.verdicts, self.clock()
                 try:
-                    response = await self._attempt(replica, request, text)
+                    response = await self._attempt(replica, request, text, scope)
                 except _RETRYABLE as error:
                     self._failed(replica, _what(error), seen)
                     self._observe(replica, error.status, decision)
@@ -298,7 +311,11 @@ class ReplicaSet:
                     # again elsewhere. Silent to every call since it was sent (a frozen engine whose
                     # socket took the bytes), it is tried elsewhere like one never sent.
                     running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
-                    retry = self.choose(text, tried) if len(tried) < 2 and not running else None
+                    retry = (
+                        self.choose(text, tried, scope=scope)
+                        if len(tried) < 2 and not running
+                        else None
+                    )
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -318,7 +335,7 @@ class ReplicaSet:
                     replica.answered_at = self.clock()  # (it answered: alive)
                     self._failed(replica, _key_refused(error), seen)
                     self._observe(replica, error.upstream_status or error.status, decision)
-                    retry = self.choose(text, tried) if len(tried) < 2 else None
+                    retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -345,7 +362,7 @@ class ReplicaSet:
                     self._succeeded(replica)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
-                retry = self.choose(text, tried) if len(tried) < 2 else None
+                retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
                 if retry is None:
                     return response, replica, decision
                 await response.aclose()
@@ -357,7 +374,7 @@ class ReplicaSet:
                 self.decided(decision)
 
     async def _attempt(
-        self, replica: ReplicaState, request: UpstreamRequest, text: str
+        self, replica: ReplicaState, request: UpstreamRequest, text: str, scope: bytes
     ) -> UpstreamResponse:
         """One call, counted in flight until its answer is complete (or its stream closed)."""
         if not replica.healthy:
@@ -365,7 +382,7 @@ class ReplicaSet:
         replica.in_flight += 1
         replica.calls += 1
         try:
-            self.policy.on_sent(text, replica)
+            self.policy.on_sent(text, replica, scope)
             response = await replica.upstream.send(request)
         except BaseException:
             self._done(replica)
@@ -438,7 +455,7 @@ class ReplicaSet:
         if not replica.healthy:
             self._succeeded(replica)
         return PassthroughResponse(
-            response.status, response.headers, self._relayed(replica, response.body)
+            response.status, response.headers, self._relayed(replica, response.body), replica.name
         )
 
     async def _relayed(
@@ -569,7 +586,7 @@ class ReplicaSet:
             out[r.name] = {
                 "state": state,
                 "in_flight": r.in_flight,
-                "calls": r.calls,
+                "calls": _calls(r),
                 "errors": r.errors,
                 "failures": r.failures,
                 "down_until": None if r.healthy else r.down_until,
@@ -704,6 +721,12 @@ async def _drained(body: AsyncIterator[bytes], deadline: float | None) -> None:
         async with asyncio.timeout_at(deadline):
             async for _ in body:
                 pass
+
+
+def _calls(replica: ReplicaState) -> int:
+    """Its calls (``calls``), and those its upstream sent a second time itself (``resent``:
+    ``upstream.wire``'s keep-alive race): each an attempt the engine was asked."""
+    return replica.calls + getattr(replica.upstream, "resent", 0)
 
 
 def _key_refused(error: UpstreamKeyRefused) -> str:

@@ -18,7 +18,9 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._turn = 0
 
-    def select(self, text: str, replicas: Sequence[ReplicaState]) -> tuple[ReplicaState, Decision]:
+    def select(
+        self, text: str, replicas: Sequence[ReplicaState], scope: bytes = b""
+    ) -> tuple[ReplicaState, Decision]:
         # A counter over the eligible replicas: when one is down, its turns go to the others.
         replica = replicas[self._turn % len(replicas)]
         self._turn += 1

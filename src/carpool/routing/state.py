@@ -1,4 +1,4 @@
-"""Which replica holds a stored response: follow-up calls go where the state is.
+"""Which replica holds a stored response, file or batch: follow-up calls go where it is.
 
 vLLM and SGLang keep the responses they make (Responses API, ``store`` true, the default) in
 their own process. Only the replica that made a response can answer for it: ``GET
@@ -8,13 +8,22 @@ replica answers 404. A chat completion asked with ``store: true`` is kept alike 
 that keeps them (OpenAI), under its answer's ``id``: ``GET``/``POST``/``DELETE
 /v1/chat/completions/{id}`` and ``.../messages`` (``apis.openai``); followed the same way. The
 routing policies know nothing of it (cache-aware and least-loaded even send a follow-up to the
-other replica as a rule: it is the less loaded one). So:
+other replica as a rule: it is the less loaded one). SGLang keeps the files uploaded to it
+(``/v1/files``) and the batches made of them (``/v1/batches``, whose output and error files it
+makes) in its own process too: ``/files/{id}`` (``.../content``, ``DELETE``),
+``/batches/{id}`` (``.../cancel``) and a ``POST /v1/batches`` naming an ``input_file_id`` are
+followed alike. So:
 
 - ``StateHolders.remember(tenant, id, replica)``: the exchange (``exchange.send``) tells it which
   replica made each response, from the answer itself, before a client sees it: a whole body's
   ``id``, a stream's first event carrying the response (``response.created``); not one made with
   ``store: false`` (nothing is kept), nor a chat completion without ``store: true``
-  (``Api.keeps_state``). Only where there is a choice (``ReplicaSet.chooses``).
+  (``Api.keeps_state``). Only where there is a choice (``ReplicaSet.chooses``). Pass-through
+  (``Gateway.passthrough``) tells it the ids a 2xx answer of ``POST /files``, ``POST
+  /batches`` or ``/batches/{id}...`` names (``answer_names``: its ``id``, a batch's
+  ``input_file_id``, ``output_file_id``, ``error_file_id``), read as the answer is relayed
+  (``learning``) and remembered before its last piece goes to the client; an answer that is
+  not a JSON object within ``MAX_LEARNED`` bytes (a list, a compressed body) teaches nothing.
 - ``StateHolders.holder(tenant, id)``: the replica that made ``id``, or None. A request that
   continues a response (``Api.state_continued``) and a pass-through call on one (``path_state``)
   are sent there by ``ReplicaSet`` when it is eligible (``Decision.STATE_HOLDER``); when it is
@@ -28,24 +37,36 @@ other replica as a rule: it is the less loaded one). So:
   routes by the policy (as does one forgotten). A cached answer needs nothing: its response
   was remembered when the upstream made it, if here.
 - ``path_state(path)``: the stored object a pass-through path is about (``/responses/{id}``,
-  ``/chat/completions/{id}`` and below). ``path_deleted(method, path)``: the one a
+  ``/chat/completions/{id}``, ``/files/{id}``, ``/batches/{id}`` and below);
+  ``posted_state(method, path, body)``: the one a pass-through body names (a ``POST /batches``'s
+  ``input_file_id``). ``path_deleted(method, path)``: the one a
   pass-through ``DELETE /responses/{id}`` or ``DELETE /chat/completions/{id}`` deletes; once
   the upstream said 2xx, the gateway drops the cached answers that are or continue it, in the
   deleter's tenant (``Gateway.passthrough``, ``state_tag``). (One namespace of ids for both:
   a response's and a completion's are each the upstream's own, ``resp_...`` and
   ``chatcmpl-...``.)
-- The Conversations API (``/v1/conversations``, ``conversation``) is not followed: conversations
-  are made by pass-through calls, whose replica this does not learn; neither vLLM nor SGLang
-  serves it, and OpenAI has one store behind one endpoint.
+- The Conversations API (``/v1/conversations``, ``conversation``) is not followed: neither
+  vLLM nor SGLang serves it, and OpenAI has one store behind one endpoint. Nor are the lists
+  (``GET /files``, ``GET /batches``): each replica lists its own, the policy chooses which.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import unquote
+
+import orjson
 
 from carpool.lru import LRU
 
-__all__ = ["StateHolders", "path_deleted", "path_state"]
+__all__ = [
+    "StateHolders",
+    "answer_names",
+    "learning",
+    "path_deleted",
+    "path_state",
+    "posted_state",
+]
 
 # Most responses remembered by default (``routing.state_entries``).
 DEFAULT_ENTRIES = 100_000
@@ -74,13 +95,19 @@ class StateHolders:
         return len(self._held)
 
 
-# The pass-through paths under which a stored object's id comes first.
+# The pass-through paths under which a stored object's id comes first: those whose objects
+# cached answers may be or continue (``path_deleted``), and all those followed.
 _STORED = ("/responses/", "/chat/completions/")
+_KEPT = (*_STORED, "/files/", "/batches/")
+# What a kept object's answer names, each kept where it answered (``learning``).
+_NAMED = ("id", "input_file_id", "output_file_id", "error_file_id")
+# The most bytes of an answer read for its ids: a file or batch object is well under 2 KiB.
+MAX_LEARNED = 64 * 1024
 
 
-def _after_id(path: str) -> tuple[str, str | None] | None:
-    """(the id segment, what follows it or None) of a path under ``_STORED``; else None."""
-    for prefix in _STORED:
+def _after_id(path: str, prefixes: tuple[str, ...] = _STORED) -> tuple[str, str | None] | None:
+    """(the id segment, what follows it or None) of a path under ``prefixes``; else None."""
+    for prefix in prefixes:
         if path.startswith(prefix):
             segment, *rest = path[len(prefix) :].split("/", 1)
             return segment, rest[0] if rest else None
@@ -89,10 +116,63 @@ def _after_id(path: str) -> tuple[str, str | None] | None:
 
 def path_state(path: str) -> str | None:
     """The stored object a pass-through ``path`` (relative to ``/v1``, as ``paths.confine``
-    gives it) is about: ``/responses/{id}``, ``/chat/completions/{id}`` and below, or None."""
-    if (named := _after_id(path)) is None:
+    gives it) is about: ``/responses/{id}``, ``/chat/completions/{id}``, ``/files/{id}``,
+    ``/batches/{id}`` and below, or None."""
+    if (named := _after_id(path, _KEPT)) is None:
         return None
     return unquote(named[0]) or None
+
+
+def posted_state(method: str, path: str, body: bytes) -> str | None:
+    """The kept object a pass-through call's body names: a ``POST /batches``'s
+    ``input_file_id`` (the file it is made of, on the replica that keeps it), or None."""
+    if method != "POST" or path != "/batches":
+        return None
+    try:
+        asked = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # (the replica says what is wrong with it)
+    named = asked.get("input_file_id") if isinstance(asked, dict) else None
+    return named if isinstance(named, str) and named else None
+
+
+def answer_names(method: str, path: str) -> bool:
+    """Whether a pass-through call's 2xx answer names objects its replica keeps: a file
+    uploaded (``POST /files``), a batch made (``POST /batches``) or looked at (``/batches/{id}``
+    and below: its output and error files, made there)."""
+    return (method == "POST" and path in ("/files", "/batches")) or (path.startswith("/batches/"))
+
+
+async def learning(
+    body: AsyncIterator[bytes], remember: Callable[[str], None]
+) -> AsyncIterator[bytes]:
+    """``body`` as it comes, each id its JSON object names (``_NAMED``) given to ``remember``
+    once the object is whole, before the piece that completed it is passed on: a client that
+    has the whole answer asks after the id only once it routes. An answer not a JSON object
+    within ``MAX_LEARNED`` bytes names nothing. ``body`` is closed however this ends."""
+    seen = bytearray()
+    learned = False
+    try:
+        async for piece in body:
+            if not learned:
+                seen += piece
+                learned = len(seen) > MAX_LEARNED
+                if not learned:
+                    try:
+                        answer = orjson.loads(seen)
+                    except orjson.JSONDecodeError:
+                        pass  # (not whole yet)
+                    else:
+                        learned = True
+                        if isinstance(answer, dict):
+                            for name in _NAMED:
+                                if isinstance(named := answer.get(name), str) and named:
+                                    remember(named)
+            yield piece
+    finally:
+        close = getattr(body, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def path_deleted(method: str, path: str) -> str | None:

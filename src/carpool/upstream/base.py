@@ -137,6 +137,7 @@ class PassthroughResponse:
     status: int
     headers: list[tuple[bytes, bytes]]
     body: AsyncIterator[bytes]
+    replica: str = ""  # the name of the replica that answered (``ReplicaSet.passthrough``)
 
 
 class Upstream(Protocol):

@@ -6,8 +6,9 @@ Contract (on top of ``upstream.base``):
   first use (inside the event loop), at most ``limits.upstream_max_connections``, an idle one
   kept ``limits.upstream_keepalive`` seconds; connect and read timeouts from ``limits``. A
   call that meets the keep-alive race (the server drops a kept connection as the call goes out
-  on it, before a byte of the answer) is sent again on a new connection by ``upstream.wire``,
-  not failed (no 502, no healthy replica left out). Measured on this machine, aiohttp spent
+  on it, before it could read the call whole) is sent again on a new connection by
+  ``upstream.wire``, not failed (no 502, no healthy replica left out), and counted
+  (``resent``). Measured on this machine, aiohttp spent
   about 0.25 ms of CPU on each such call, this about a fifth of that (benchmarks/README.md).
   A stream that ended whole
   gives its connection back to the pool; one left part-way closes it (the engine stops).
@@ -18,8 +19,8 @@ Contract (on top of ``upstream.base``):
   so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
   elsewhere) when the server never read the whole request; a connection dropped (closed,
   reset) after the request was written whole and before a byte of answer ->
-  ``UpstreamNoAnswer`` too (502, ``dropped``: the engine may have run it; the keep-alive race
-  above is sent again first); anything else before an answer -> ``UpstreamUnreachable`` (502),
+  ``UpstreamNoAnswer`` too (502, ``dropped``: the engine may have run it; never sent again,
+  ``upstream.wire``); anything else before an answer -> ``UpstreamUnreachable`` (502),
   a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``); a
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
   stalled: the engine took the call, not retried elsewhere; a pass-through answer's body
@@ -279,6 +280,12 @@ class HttpUpstream:
                 skip_auto_headers=("User-Agent",),
             )
         return self._session
+
+    @property
+    def resent(self) -> int:
+        """Calls ``upstream.wire`` sent a second time (the keep-alive race): each an attempt,
+        counted by the replica set (``upstream_calls``)."""
+        return self._pool.resent if self._pool is not None else 0
 
     def _wire(self) -> wire.Pool:
         if self._pool is None:

@@ -17,20 +17,29 @@ Contract:
   or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
 - ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) on one connection,
   and returns an ``Answer`` once its status and headers have come, or (``whole``) once all of
-  it has. It is sent once (a POST may not be retried), but for the keep-alive race: when a
-  connection used before (idle, or just given back) is closed or reset by the server before a
-  byte of the answer came, the request is sent again, once, on a new connection (a place in
-  the pool, in turn, first in line), never on one used before. That is what a server dropping
-  a kept connection it deems idle, as a request goes out on it, looks like; it never read that
-  request (it was closing). Go's net/http client sends again in that case (a reused connection,
-  ``errServerClosedIdle``) a request it deems replayable (an idempotent method, or one with an
-  ``Idempotency-Key``), or any request when nothing of it was written. Here it is every
-  request, the calls of the cached endpoints being POSTs: the one case that reads the same and
-  is not the race, a server that read the request and then died or dropped the connection
-  without a byte of answer, gets it a second time, once, on a connection of its own, whose
-  failure is then final (one after the request went whole: it may have run, ``sent``). (It
-  was a 502, and with several replicas a healthy one left out.) A timeout, a byte of an
-  answer, a failure on a connection opened for the request: never sent again.
+  it has. It is sent once: a POST may not be sent again once a server may have read it whole,
+  which no client can tell from a server that closed the connection just then (a drop 0.5 s
+  into a generation and the keep-alive race read the same, a closed or reset connection with
+  no byte of answer: sent again, a generation ran twice on its replica, and a third time on
+  another once that one failed too). As Go's net/http client does for a request it may not
+  replay (``shouldRetryRequest``: only "nothing written"), a request is sent again only when
+  the server cannot have read it whole, for the keep-alive race (a server dropping a kept
+  connection it deems idle as a request goes out on it) in its two forms:
+  - the server's close (its FIN or RST, or anything it sent unasked: a 408, TLS's
+    close_notify) had come when the request was to go out on a kept connection, the loop not
+    yet told (readable in the kernel: ``Connection.stale``), or the transport was closing
+    already: nothing is written on it; the request goes on a new connection, not counted as
+    sent again (nothing was);
+  - a kept connection (used before) closed or reset by the server before the request was
+    written whole (``sent``, below: a large body the server never took): sent again, once, on
+    a new connection (a place in the pool, in turn, first in line), never on one used before,
+    and counted in ``resent`` (``upstream.http``'s, the replica set's ``upstream_calls``:
+    the engine was asked twice).
+  Any other failure is the caller's, once: one after the request was written whole (``sent``:
+  it may be running, ``upstream.http``'s ``UpstreamNoAnswer``), a timeout, a byte of an
+  answer, a failure on a connection opened for the request. The race is rare besides: an idle
+  connection is closed at ``keepalive_s`` (4 s by default), before uvicorn's (vLLM's,
+  SGLang's, llama.cpp's server's) 5 s.
 - ``Answer.read()`` the whole body; ``Answer.chunks()`` the body as it comes. ``release(drain)``
   puts the connection back in the pool if the answer came to its end and the server keeps the
   connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
@@ -64,6 +73,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import select
 import socket
 import ssl as ssl_module
 import time
@@ -164,23 +174,32 @@ class Pool:
         # connection (or None: a place, counted for it, to open one) by ``_hand``.
         self._waiting: deque[asyncio.Future[Connection | None]] = deque()
         self.closed = False
+        self.resent = 0  # requests sent a second time (the keep-alive race, module contract)
 
     async def request(self, data: bytes, whole: bool) -> Answer:
         # Nobody waiting (the common case): the most recent idle one at once; else in turn.
         connection = None if self._waiting else self._idle()
         if connection is None:
             connection = await self._acquire()
+        if connection.uses and connection.stale():
+            # Closed by the server since it was last used (the keep-alive race, before the
+            # request): nothing written on it, the request goes on a new one.
+            self.discard(connection)
+            connection = await self._acquire(first=True, fresh=True)
         try:
             return await self._exchange(connection, data, whole)
         except WireError as failure:
+            # Sent again only if the server cannot have read it whole (see the module's
+            # contract): a kept connection dropped before the request went whole.
             if (
-                isinstance(failure, WireTimeout)
+                failure.sent
+                or isinstance(failure, WireTimeout)
                 or connection.uses < 2
                 or connection.heard
                 or self.closed
             ):
                 raise
-        # The keep-alive race (see the module's contract): once more, on a new connection.
+        self.resent += 1
         return await self._exchange(await self._acquire(first=True, fresh=True), data, whole)
 
     async def _exchange(self, connection: Connection, data: bytes, whole: bool) -> Answer:
@@ -305,6 +324,9 @@ class Pool:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            if hasattr(select, "poll"):  # (``Connection.stale``; not on Windows)
+                connection.poll = select.poll()
+                connection.poll.register(sock.fileno(), select.POLLIN)
         if self.closed:
             connection.close()
             raise WireError("connection failed")
@@ -498,6 +520,7 @@ class Connection(asyncio.Protocol):
         "want",
         "last_read",
         "timer",
+        "poll",
     )
 
     def __init__(self, pool: Pool) -> None:
@@ -533,6 +556,7 @@ class Connection(asyncio.Protocol):
         self.want = HEAD
         self.last_read = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.poll: select.poll | None = None  # its socket, readable or not (``stale``)
 
     # -------------------------------------------------------------------------- a request
 
@@ -604,6 +628,22 @@ class Connection(asyncio.Protocol):
         self.timer = None
         if self.draining:
             self.pool.discard(self)
+
+    def stale(self) -> bool:
+        """Whether a kept connection is unfit for the next request before anything is written
+        on it: closed, closing, or with something to read that the loop has not read yet (it
+        reads a socket between two of its rounds): the server's FIN or RST, TLS's
+        close_notify, bytes it sent unasked. The keep-alive race caught before the request
+        goes out (see the module's contract); one call of ``poll`` (a microsecond)."""
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            return True
+        if self.poll is None:
+            return False
+        try:
+            return bool(self.poll.poll(0))
+        except OSError:
+            return True
 
     def reusable(self) -> bool:
         return (
