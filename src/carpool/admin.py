@@ -15,7 +15,9 @@ Contract:
   Redis refused), which would tell anyone when someone's request was a miss.
 - ``invalidate(layers, spec)``: drops the answers matching ``{"tag"|"namespace"|"prefix": str}``
   or ``{"all": true}`` from every layer, flights included (here and, with ``redis``, on every
-  instance); anything else is a ``RequestError``. Returns how many answers were dropped. A
+  instance); anything else is a ``RequestError``. Returns how many answers were dropped (a
+  prefix also stops the semantic entries of other prompts, made before it, being served to
+  prompts that start with it: ``SemanticCache``; those are not dropped, nor counted). A
   layer that could not reach Redis (the exact store's invalidation, the semantic stream's
   ``invalidate`` record) raises ``StoreUnavailable`` once every layer has been done here: the
   endpoint answers 503 "retry", never a success some instance did not get.

@@ -256,7 +256,7 @@ class Leader:
             key = dataclasses.replace(key, key=key.shared_key, tenant="*", shared_key=None)
             # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
-        expires, prefix = answer.created + ttl, _prompt_prefix(request, self.config)
+        expires, prefix = answer.created + ttl, prompt_prefix(request, self.config)
         if expires <= self.clock.now():
             return ""  # back-dated past its TTL by its ``age``: expired already, in no layer
         assert key.key is not None  # (checked above; a shared key is one too)
@@ -411,10 +411,11 @@ def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]
     return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
 
 
-def _prompt_prefix(request: Request, config: Config) -> str:
+def prompt_prefix(request: Request, config: Config) -> str:
     """The start of the prompt, for invalidation by prompt prefix: collapsed as the key
     collapsed it (``fingerprint.normalize_whitespace``), so that a prefix names every prompt
-    the answer is served to (``admin.invalidate`` matches the collapsed prefix too)."""
+    the answer is served to (``admin.invalidate`` matches the collapsed prefix too). The
+    semantic lookup reads the requester's too (``SemanticCache.probe``)."""
     text = " ".join(request.api.input_texts(request.body))
     if collapses(request, config):  # (cut first: the start is all it keeps)
         text = normalize_text(text[: 16 * PROMPT_PREFIX_CHARS], True)

@@ -112,7 +112,7 @@ from .fingerprint import Fingerprint, fingerprint, requester, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
-from .lead import Leader, read_age
+from .lead import Leader, prompt_prefix, read_age
 from .metrics import COUNTED, COUNTED_ELSEWHERE
 from .outcome import Outcome
 from .repeat_memo import Repeat
@@ -312,7 +312,11 @@ class Gateway:
             assert self.semantic is not None  # (a view is made only with a semantic cache)
             _waiting(client)
             with self.tracer.span("carpool.semantic") as span:
-                probe = await self.semantic.probe(view, read_age)
+                # (The requester's prompt prefix: an entry made before a prefix invalidation
+                # that names it is not served to it, whatever the entry's own prompt.)
+                probe = await self.semantic.probe(
+                    view, read_age, partial(prompt_prefix, request, self.config)
+                )
                 if probe.match is not None:
                     span.set_attribute("carpool.similarity", probe.match.similarity)
             match = probe.match

@@ -462,15 +462,131 @@ async def test_max_age_applies_to_semantic_hits(sgw, fake):
     assert response.headers["x-carpool"] == "miss"
 
 
+ADMIN = {"Authorization": "Bearer t"}
+
+
 async def test_invalidation_by_tag_reaches_the_semantic_cache(fake, gateway_with):
+    # Asked again with its tags: without them the paraphrase was another scope, a miss
+    # whatever the invalidation did.
+    tagged = {"x-carpool-tags": "router"}
     async with gateway_with(admin_token="t", **SEMANTIC) as gw:
-        await ask(gw, "How do I reset my router?", headers={"x-carpool-tags": "router"})
+        await ask(gw, "How do I reset my router?", headers=tagged)
         await stored(gw)
-        dropped = await gw.client.post(
-            "/admin/invalidate", json={"tag": "router"}, headers={"Authorization": "Bearer t"}
-        )
+        assert (await ask(gw, "how can i reset my router", headers=tagged)).headers[
+            "x-carpool"
+        ] == "semantic-hit"
+        dropped = await gw.client.post("/admin/invalidate", json={"tag": "router"}, headers=ADMIN)
         assert dropped.json() == {"invalidated": 2}  # exact + semantic
-        assert (await ask(gw, "how can i reset my router")).headers["x-carpool"] == "miss"
+        again = await ask(gw, "how can i reset my router", headers=tagged)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "selector, headers",
+    [
+        ({"tag": "router"}, {"x-carpool-tags": "router"}),
+        ({"namespace": "support"}, {"x-carpool-namespace": "support"}),
+        ({"all": True}, {}),
+        ({"prefix": "How do I"}, {}),  # the entry's own prompt starts with it
+    ],
+    ids=["tag", "namespace", "all", "own-prefix"],
+)
+async def test_every_invalidation_selector_stops_semantic_hits(
+    fake, gateway_with, selector, headers
+):
+    async with gateway_with(admin_token="t", **SEMANTIC) as gw:
+        await ask(gw, "How do I reset my router?", headers=headers)
+        await stored(gw)
+        hit = await ask(gw, "how can i reset my router", headers=headers)
+        assert hit.headers["x-carpool"] == "semantic-hit"  # the same scope: a hit before
+        dropped = await gw.client.post("/admin/invalidate", json=selector, headers=ADMIN)
+        assert dropped.status_code == 200, dropped.text
+        again = await ask(gw, "how can i reset my router?", headers=headers)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "stored_prompt, prefix, asked",
+    [
+        # The entry's own prompt does not start with the prefix (nothing of it is dropped); the
+        # prompt served it does, and its own exact answer would have been dropped.
+        (
+            "What's the price of the Pro plan?",
+            "What is the price",
+            "What is the price of the Pro plan?",
+        ),
+        ("How do I reset my router?", "how can i reset", "how can i reset my router"),
+    ],
+    ids=["price", "router"],
+)
+async def test_a_prefix_invalidation_stops_semantic_hits_for_prompts_with_that_prefix(
+    fake, gateway_with, stored_prompt, prefix, asked
+):
+    async with gateway_with(admin_token="t", **SEMANTIC) as gw:
+        await ask(gw, stored_prompt)
+        await stored(gw)
+        assert (await ask(gw, asked)).headers["x-carpool"] == "semantic-hit"
+        dropped = await gw.client.post("/admin/invalidate", json={"prefix": prefix}, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 0}  # no answer's prompt starts with it
+        again = await ask(gw, asked)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+        # A prompt without the prefix is still served the entry; the fresh answer, made after
+        # the invalidation, is served to paraphrases that have it.
+        other = await ask(gw, stored_prompt.rstrip("?").lower())
+        assert other.headers["x-carpool"] == "semantic-hit"
+        await stored(gw, 2)
+        fresh = await ask(gw, asked.rstrip("?") + " ?")
+        assert fresh.headers["x-carpool"] == "semantic-hit"
+        assert fresh.json() == again.json() and fake.count() == 2
+
+
+@pytest.mark.parametrize("control", ["\x00", "\x7f", "\x08", "\x1f", "\x0b", "\x85", "\ufffd"])
+async def test_a_control_character_keeps_a_prompt_exact(sgw, fake, control):
+    # The embedding model's normaliser drops them unread, as it does format characters:
+    # "pay\x00pal" scored 1.0 against "paypal" and was served its answer.
+    await ask(sgw, "Is paypal a safe site?")
+    await stored(sgw)
+    again = await ask(sgw, f"Is pay{control}pal a safe site?")
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.entries == 1  # no semantic view: not indexed either
+    repeat = await ask(sgw, f"Is pay{control}pal a safe site?")
+    assert repeat.headers["x-carpool"] == "hit"
+
+
+async def test_a_semantic_entry_is_not_served_past_its_ttl(fake, gateway_with):
+    # The lookup read the system's time for an entry's age and expiry, while the answers'
+    # ``created`` and ``expires`` and the sweep read the gateway's clock.
+    from carpool.clock import ManualClock
+
+    clock = ManualClock()
+    short = {"x-carpool-type": "realtime"}
+    types = {"realtime": {"ttl": 5}}
+    async with gateway_with(clock=clock, cache={"types": types}, **SEMANTIC) as gw:
+        await ask(gw, "How do I reset my router?", headers=short)
+        await stored(gw)
+        clock.advance(4)
+        hit = await ask(gw, "how can i reset my router", headers=short)
+        assert hit.headers["x-carpool"] == "semantic-hit" and hit.headers["age"] == "4"
+        too_old = await ask(
+            gw, "how can i reset my router", headers={**short, "Cache-Control": "max-age=3"}
+        )
+        assert too_old.headers["x-carpool"] == "miss" and fake.count() == 2
+        clock.advance(6)  # past both entries' TTL (the first's, and the one made at 4 s)
+        expired = await ask(gw, "how could i reset my router?", headers=short)
+        assert expired.headers["x-carpool"] == "miss" and fake.count() == 3
+
+
+async def test_a_semantic_entry_is_served_within_its_ttl_on_the_gateways_clock(fake, gateway_with):
+    # A clock behind the system's: the lookup found its fresh entries expired by the system's
+    # time (and dropped them).
+    from carpool.clock import ManualClock
+
+    clock = ManualClock(now=time.time() - 3600)
+    async with gateway_with(clock=clock, **SEMANTIC) as gw:
+        await ask(gw, "How do I reset my router?")
+        await stored(gw)
+        hit = await ask(gw, "how can i reset my router")
+        assert hit.headers["x-carpool"] == "semantic-hit" and fake.count() == 1
 
 
 async def test_mark_mode_never_serves_and_annotates_the_nearest_prior_request(fake, gateway_with):
@@ -702,6 +818,31 @@ async def test_an_invalidation_by_tag_on_one_instance_drops_the_others_semantic_
         )
         assert a.gateway.semantic.entries == 0
         assert (await ask(b, "how can i reset my router")).headers["x-carpool"] == "miss"
+
+
+async def test_a_prefix_invalidation_on_one_instance_stops_the_others_older_entries_for_it(
+    two_semantic, fake
+):
+    # The entry's own prompt does not start with the prefix: no instance drops it, and its
+    # exact answer stays in Redis. Neither instance serves it to a prompt that starts with it.
+    async with two_semantic() as (a, b):
+        old = await ask(b, "What's the price of the Pro plan?")
+        await stored(b)  # B holds it with its answer, A as a reference
+        await propagated(a)
+        dropped = await a.client.post(
+            "/admin/invalidate", json={"prefix": "What is the price"}, headers=ADMIN
+        )
+        assert dropped.json() == {"invalidated": 0}
+        await eventually(
+            lambda: b.gateway.semantic.counts["invalidations_received"] == 1,
+            timeout=PROPAGATION,
+            what="the invalidation to reach the other instance",
+        )
+        on_a = await ask(a, "What is the price of the Pro plan?")
+        assert on_a.headers["x-carpool"] == "miss" and fake.count() == 2
+        # B: a miss, or A's fresh answer (made after the invalidation), never the old one.
+        on_b = await ask(b, "What is the price of the pro plan")
+        assert on_b.json() != old.json()
 
 
 async def test_a_full_redis_takes_an_invalidation_to_the_others_but_no_new_entry(

@@ -16,7 +16,7 @@ from carpool.answer import Answer
 from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.config import SemanticConfig
 from carpool.fingerprint import SemanticView
-from carpool.semantic.cache import SCOPE_BYTES, SemanticCache
+from carpool.semantic.cache import COMPACT_MAX_LIVE, SCOPE_BYTES, SemanticCache
 from carpool.semantic.guard import Side
 from carpool.semantic.verdict import Verdict
 from carpool.store.base import Selector
@@ -52,7 +52,7 @@ async def insert(
     semantic: SemanticCache, text: str, scope: str = "s", *, body: bytes = b"", ttl=60.0, **kw
 ) -> None:
     answer = Answer("chat", body or text.encode(), True)
-    now = semantic._clock.now()
+    now = answer.created = semantic._clock.now()  # (made on the cache's clock, as a gateway's)
     await semantic.insert(SemanticView(scope, text), None, answer, now + ttl, **kw)
 
 
@@ -62,8 +62,11 @@ async def served(semantic: SemanticCache, text: str, scope: str = "s") -> bool:
 
 
 def counted(semantic: SemanticCache) -> int:
-    """What ``bytes`` must say: the entries' sizes and their scopes' indexes."""
-    return sum(e.size for _, e in semantic._entries.items()) + SCOPE_BYTES * len(semantic._scopes)
+    """What ``bytes`` must say: the entries' sizes and their scopes' indexes, with the slots
+    those hold empty (a vector's count each: twice its raw size)."""
+    return sum(e.size for _, e in semantic._entries.items()) + sum(
+        SCOPE_BYTES + 8 * DIM * (index.peak - len(index)) for index in semantic._scopes.values()
+    )
 
 
 async def test_at_most_max_entries_the_least_recently_used_out_first():
@@ -177,6 +180,90 @@ async def test_an_entry_is_kept_only_if_it_fits_with_an_index_of_its_own():
     await insert(semantic, "large", body=b"x" * 30_000)
     assert semantic.bytes <= budget and semantic.bytes == counted(semantic)
     assert semantic.entries == 1 and await served(semantic, "small")  # (nothing evicted for it)
+
+
+async def test_a_scope_that_shrank_gives_back_its_index_memory():
+    # usearch keeps a removed vector's slot: a scope that once held 30,000 entries and kept two
+    # hot ones held ~53 MB, counted 56 KB. Its slots are counted while it shrinks, and once it
+    # is down to a quarter of its peak (and cheap to rebuild) its index is rebuilt.
+    semantic = cache(max_entries=600)
+    for i in range(598):
+        await insert(semantic, f"cold {i}", scope="big")
+    for hot in ("hot a", "hot b"):  # the most recently used: evicted last
+        await insert(semantic, hot, scope="big")
+    big = semantic._scopes["big"]
+    assert big.peak == 600 and big.capacity >= 600
+    for i in range(598):  # another scope's entries push the cold ones out
+        await insert(semantic, f"other {i}", scope="other")
+        assert semantic.bytes == counted(semantic)
+        if len(big) == COMPACT_MAX_LIVE + 1:  # a quarter of its peak, too large to rebuild
+            assert big.peak == 600 and semantic.bytes > counted_without_slack(semantic)
+    assert len(big) == 2 and semantic._scopes["big"] is big
+    assert big.capacity <= 32 and big.peak <= 32  # rebuilt: its slots given back
+    assert semantic.bytes == counted(semantic)  # (what it still holds empty counted)
+    assert await served(semantic, "hot a", scope="big") and await served(
+        semantic, "hot b", scope="big"
+    )
+    assert not await served(semantic, "cold 597", scope="big")
+
+
+def counted_without_slack(semantic: SemanticCache) -> int:
+    return sum(e.size for _, e in semantic._entries.items()) + SCOPE_BYTES * len(semantic._scopes)
+
+
+async def test_a_prefix_invalidation_stops_an_older_entry_for_prompts_with_that_prefix():
+    # The entry's own prompt does not start with it; a requester's that does is not served
+    # an entry made before it, whether the entry was inserted before it or, from another
+    # instance, its answer created before it and its record read after.
+    clock = ManualClock()
+    semantic = cache(clock=clock)
+    await insert(semantic, "price", prompt_prefix="What's the price")
+    clock.advance(1)
+    await semantic.invalidate(Selector(prefix="What is the price"))
+    view = SemanticView("s", "price")
+    asked = await semantic.probe(view, prompt_prefix=lambda: "What is the price of Pro?")
+    assert asked.match is None
+    other = await semantic.probe(view, prompt_prefix=lambda: "What's the price of Pro?")
+    assert other.match is not None  # still served to the prompts the prefix does not name
+    assert (await semantic.probe(view)).match is None  # (no prefix known: every one applies)
+
+    # A record from another instance, read after the invalidation, of an answer made before.
+    await semantic.invalidate(Selector(everything=True))
+    answer = Answer("chat", b"old", True)
+    late = semantic._clock.now() - 0.5
+    await semantic.insert(view, None, answer, late + 60, created=late)
+    asked = await semantic.probe(view, prompt_prefix=lambda: "What is the price of Pro?")
+    assert asked.match is None
+    # One made after it is served.
+    clock.advance(1)
+    await insert(semantic, "price")
+    asked = await semantic.probe(view, prompt_prefix=lambda: "What is the price of Pro?")
+    assert asked.match is not None
+
+
+async def test_prefix_invalidations_are_remembered_within_a_bound_then_as_a_floor(monkeypatch):
+    from carpool.semantic import cache as module
+
+    monkeypatch.setattr(module, "MAX_PREFIX_INVALIDATIONS", 2)
+    clock = ManualClock()
+    semantic = cache(clock=clock)
+    await insert(semantic, "first", ttl=60)
+    clock.advance(1)
+    for prefix in ("a", "b", "c"):
+        await semantic.invalidate(Selector(prefix=prefix))
+    assert [p for p, _, _ in semantic._prefixes] == ["b", "c"]  # "a": the floor
+    # Made before the floor: served to no prompt, and dropped when found.
+    assert (
+        await semantic.probe(SemanticView("s", "first"), prompt_prefix=lambda: "z")
+    ).match is None
+    assert semantic.entries == 0
+    await insert(semantic, "second", ttl=60)
+    assert (await semantic.probe(SemanticView("s", "second"), prompt_prefix=lambda: "z")).match
+    # Forgotten once older than the longest TTL of an entry: nothing made before lives on.
+    clock.advance(61)
+    await insert(semantic, "third", ttl=60)
+    assert (await semantic.probe(SemanticView("s", "third"), prompt_prefix=lambda: "b")).match
+    assert not semantic._prefixes
 
 
 async def test_a_sweep_step_looks_at_a_bounded_number_of_entries(monkeypatch):

@@ -28,7 +28,10 @@ Contract:
     resolution anyway, since the exact store is shared and invalidated everywhere). It moves
     the cache's ``generation`` (as every ``invalidate`` does): an entry whose call began before
     it is not inserted (``Leader._insert_semantic``), though its answer was kept in Redis before
-    the invalidation and the pub/sub message that moves the flights' epoch has not come.
+    the invalidation and the pub/sub message that moves the flights' epoch has not come. A
+    prefix is remembered as a local one is (``SemanticCache``: no entry made before it, by the
+    reader's clock as the record is read, is served to a prompt that starts with it): the
+    entries of another prompt, which it drops nowhere, are not served to those prompts either.
 - ``invalidate`` applies locally and publishes an ``invalidate`` record; one that Redis did not
   take (it failed, or the health says it is not to be tried) raises ``StoreUnavailable`` once
   applied locally: the other instances keep their entries (those held with their answers are
@@ -89,7 +92,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -201,9 +203,14 @@ class SharedSemanticCache(SemanticCache):
 
     # ------------------------------------------------------------------ the cache's interface
 
-    async def probe(self, view: SemanticView, max_age: float | None = None) -> Any:
+    async def probe(
+        self,
+        view: SemanticView,
+        max_age: float | None = None,
+        prompt_prefix: Callable[[], str] | None = None,
+    ) -> Any:
         self.start()
-        return await super().probe(view, max_age)
+        return await super().probe(view, max_age, prompt_prefix)
 
     def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         self.start()
@@ -397,7 +404,7 @@ class SharedSemanticCache(SemanticCache):
         expires = float(fields[b"x"])
         if (
             vector.shape != (self.embedder.dim,)
-            or expires <= time.time()
+            or expires <= self._clock.now()
             or fields.get(b"e", b"").decode() != str(getattr(self.embedder, "name", ""))
         ):
             self.counts["ignored"] += 1

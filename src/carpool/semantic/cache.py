@@ -13,9 +13,11 @@ Contract:
   texts embed alike whatever their question (the shared head dominates the mean-pooled vector, and
   the model reads only the first 256 tokens: a 300-word system prompt leaves nothing of the
   question, similarity 1.0).
-- ``probe(view, max_age)`` embeds the text (only when its scope holds entries at all), asks the
-  scope's ANN index for the nearest entries, and keeps those at or above the threshold,
-  unexpired and younger than ``max_age`` (``Cache-Control``); the guard (``guard.Guard``, passed
+- ``probe(view, max_age, prompt_prefix)`` embeds the text (only when its scope holds entries at
+  all), asks the scope's ANN index for the nearest entries, and keeps those at or above the
+  threshold, unexpired and younger than ``max_age`` (``Cache-Control``), on the cache's
+  ``clock``, and not made before a prefix invalidation that names the requester's prompt
+  (below); the guard (``guard.Guard``, passed
   in) judges them: the exact rules, then the verifier, on the texts and on the conversations'
   earlier turns (``SemanticView.context``); the most similar alone first, the others in one
   batch if it fails. The most similar that passes is the ``match``; the most similar one seen
@@ -32,17 +34,32 @@ Contract:
   copy: the exact cache's budget does not bound it), its texts, its vector in the index (twice
   its raw size: the graph's copy and its links) and ``ENTRY_OBJECTS`` for its Python objects;
   each scope's index counts ``SCOPE_BYTES`` besides (room is made for it as an entry opens the
-  scope: one scope per entry held ~10x what its entries counted before); one larger than the
-  whole budget is not kept (nor indexed). An entry is its scope, context
+  scope: one scope per entry held ~10x what its entries counted before), and each slot its
+  removed vectors left (``VectorIndex.slack``: usearch keeps them) what a vector counts. An
+  index that fell to a quarter of its ``peak`` is rebuilt from its live vectors when that is
+  cheap (``COMPACT_MAX_LIVE`` of them at most, from a peak of ``COMPACT_MIN_PEAK``): a scope
+  that once held 30,000 entries and keeps two hot ones held ~53 MB, counted 56 KB. One larger
+  than the whole budget is not kept (nor indexed). An entry is its scope, context
   and text: the same three replace the older entry.
 - Expired entries (``expires``, on the cache's ``clock``: wall-clock seconds, as the answers'
-  ``created``) are never candidates, and they go: dropped when a lookup or ``forget`` finds
-  them, and swept (``LRU.sweep``: the next ``SWEEP_STEP`` entries, from where the last step
+  ``created``; the gateway's, which a test moves) are never candidates, and they go: dropped
+  when a lookup or ``forget`` finds them, and swept (``LRU.sweep``: the next ``SWEEP_STEP`` entries, from where the last step
   stopped) at most every ``REAP_S`` by an ``insert`` or a read of ``entries`` or ``bytes``
   (``/stats``), so that those come to count live entries and their memory is given back. Every entry that goes, for any reason, leaves its scope's index and the maps.
 - ``invalidate`` drops entries by tag, namespace, prompt prefix or all, like the exact store,
   and counts itself in ``generation``: whoever inserts an answer whose call began before one
   (read then) must not (``Leader._insert_semantic``), as it may predate what was dropped.
+- A prefix names the prompts whose answers go, and an entry is served to other prompts than
+  its own: an entry for "What's the price of the Pro plan?" survives the prefix "What is the
+  price" and would be served to "What is the price of the Pro plan?", whose own answer was
+  dropped. So the cache remembers its prefix invalidations (another instance's too, read from
+  the stream: ``redis/semantic.py``) and serves no entry made before one (inserted before it,
+  or its answer ``created`` before it: a record from another instance may come late) to a
+  requester whose prompt prefix (``probe``'s ``prompt_prefix``: what the exact layer keeps,
+  ``lead.prompt_prefix``; None: unknown, every one applies) starts with it. At most
+  ``MAX_PREFIX_INVALIDATIONS`` are remembered, each until it is older than the longest TTL of
+  an entry inserted (no entry made before it lives on); one forgotten for the bound or its age
+  leaves a *floor*: no entry made before it is served to anyone (dropped when found).
 - ``aclose`` closes the embedder (``LocalEmbedder``: its ``carpool-embed`` worker thread), when
   it has an ``aclose``; the verifier's thread is shared by the process and stays.
 - An entry holds its ``Answer``, or (``insert(..., ref=KEY)``, an entry fed by another gateway
@@ -78,6 +95,7 @@ import logging
 import re
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +124,16 @@ ENTRY_OBJECTS = 512
 # What a scope's index holds besides its entries' vectors (usearch's HNSW with its first vector,
 # 384 dimensions: ~52 KB of RSS measured, each), counted in ``bytes`` for every scope.
 SCOPE_BYTES = 56 * 1024
+#: An index whose live vectors fell to a quarter of its peak (``VectorIndex.slack``) is rebuilt
+#: (``VectorIndex.compact``) when it holds at most ``COMPACT_MAX_LIVE`` vectors (~5 ms at 384
+#: dimensions, on the event loop: a larger one keeps its slack, counted) and its peak was at
+#: least ``COMPACT_MIN_PEAK`` (a smaller slack, ~100 KB at most, is counted, not worth a
+#: rebuild). Amortised: a rebuild of n vectors comes after at least 3n removals since the last.
+COMPACT_MAX_LIVE = 128
+COMPACT_MIN_PEAK = 64
+#: Prefix invalidations remembered (``probe``: the module's docstring); the oldest past it
+#: becomes the floor (served to nobody: everything made before it).
+MAX_PREFIX_INVALIDATIONS = 256
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.40
 #: Pairs (entry, prompt) audits found wrong, remembered (``refuse``): 16-byte digests, ~2 MB.
@@ -239,6 +267,12 @@ class SemanticCache:
         self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
         self._refused: LRU[bytes, bool] = LRU(max_entries=MAX_REFUSED)  # (``refuse``)
+        self._slack = 0  # slots the scopes' indexes hold empty (``VectorIndex.slack``), in all
+        # The prefix invalidations remembered: (prefix, the first id inserted after it, when
+        # on the clock); the floor: the same for every prompt (module docstring).
+        self._prefixes: deque[tuple[str, int, float]] = deque()
+        self._floor: tuple[int, float] = (0, float("-inf"))
+        self._longest_ttl = 0.0  # the longest an entry inserted was to live (expires - created)
 
     @property
     def entries(self) -> int:
@@ -249,12 +283,18 @@ class SemanticCache:
     @property
     def bytes(self) -> int:
         """What the live entries count (``SemanticEntry.size``) and their scopes' indexes
-        (``SCOPE_BYTES`` each), against ``max_bytes``."""
+        (``SCOPE_BYTES`` each, and the slots they hold empty), against ``max_bytes``."""
         self._reap()
         return self._held()
 
     def _held(self) -> int:
-        return self._entries.bytes + SCOPE_BYTES * len(self._scopes)
+        return (
+            self._entries.bytes + SCOPE_BYTES * len(self._scopes) + self._slot_bytes() * self._slack
+        )
+
+    def _slot_bytes(self) -> int:
+        """What a vector's slot in an index counts: as an entry counts its vector (``insert``)."""
+        return 8 * int(self.embedder.dim)
 
     def _reap(self) -> None:
         """A step of the sweep of the expired entries, unless one was taken less than
@@ -290,7 +330,14 @@ class SemanticCache:
         """The embedding ``insert`` would compute for ``view`` (``focus(view).text``)."""
         return await self.embedder.embed(focus(view).text)
 
-    async def probe(self, view: SemanticView, max_age: float | None = None) -> Probe:
+    async def probe(
+        self,
+        view: SemanticView,
+        max_age: float | None = None,
+        prompt_prefix: Callable[[], str] | None = None,
+    ) -> Probe:
+        """``prompt_prefix``: the requester's prompt prefix (``lead.prompt_prefix``), asked only
+        when a prefix invalidation is remembered; None: unknown (every one applies)."""
         view = focus(view)
         index = self._scopes.get(view.scope)
         if index is None:
@@ -301,26 +348,58 @@ class SemanticCache:
             self.embed_failed(error)
             return Probe(failed=True)
         probe = Probe(vector)
-        now = time.time()
+        now = self._clock.now()
+        prefix = None  # the requester's prompt prefix, if a prefix invalidation is remembered
+        if self._prefixes:
+            self._forget_prefixes(now)
+            if self._prefixes and prompt_prefix is not None:
+                prefix = prompt_prefix()
         found: list[tuple[SemanticEntry, float]] = []
         for key, similarity in index.search(vector, self.config.candidates):
             entry = self._entries.peek(key)
             if entry is None:
                 continue
-            if entry.expires <= now:
-                self._drop(entry)
+            if entry.expires <= now or self._below_floor(entry):
+                self._drop(entry)  # (made before a forgotten invalidation: served to nobody)
                 continue
             if similarity < self.threshold:
                 break
             if max_age is not None and now - entry.created >= max_age:
                 continue
+            if self._predates(entry, prefix):
+                continue  # (still served to prompts without the prefix)
             found.append((entry, similarity))
         # The most similar candidate is asked about alone (the usual hit: one pair, ~3 ms),
         # the others together only if it fails (a batch of 8 pairs costs ~19 ms).
         for batch in (found[:1], found[1:]):
-            if batch and await self._judge(view, batch, probe, max_age):
+            if batch and await self._judge(view, batch, probe, max_age, prefix):
                 break
         return probe
+
+    def _below_floor(self, entry: SemanticEntry) -> bool:
+        """Whether ``entry`` was made before a prefix invalidation no longer remembered."""
+        mark, at = self._floor
+        return entry.id < mark or entry.created < at
+
+    def _predates(self, entry: SemanticEntry, prefix: str | None) -> bool:
+        """Whether ``entry`` was made before a remembered prefix invalidation that names
+        ``prefix`` (None: unknown, any does), or before the floor."""
+        if self._below_floor(entry):
+            return True
+        return any(
+            (entry.id < mark or entry.created < at) and (prefix is None or prefix.startswith(p))
+            for p, mark, at in self._prefixes
+        )
+
+    def _forget_prefixes(self, now: float) -> None:
+        """Forget the prefix invalidations over the bound or older than every entry's TTL; each
+        raises the floor (``MAX_PREFIX_INVALIDATIONS``)."""
+        prefixes = self._prefixes
+        while prefixes and (
+            len(prefixes) > MAX_PREFIX_INVALIDATIONS or now - prefixes[0][2] > self._longest_ttl
+        ):
+            _, mark, at = prefixes.popleft()
+            self._floor = (max(self._floor[0], mark), max(self._floor[1], at))
 
     async def _judge(
         self,
@@ -328,8 +407,10 @@ class SemanticCache:
         found: list[tuple[SemanticEntry, float]],
         probe: Probe,
         max_age: float | None,
+        prefix: str | None,
     ) -> bool:
-        """The guard's verdicts on ``found``; sets ``probe.match`` (True) on the first served."""
+        """The guard's verdicts on ``found``; sets ``probe.match`` (True) on the first served.
+        ``prefix``: the requester's prompt prefix (``probe``)."""
         prompt = _prompt(view) if len(self._refused) else None
         refused = [
             prompt is not None and _pair(entry, prompt) in self._refused for entry, _ in found
@@ -359,7 +440,11 @@ class SemanticCache:
                     continue
                 if max_age is not None and candidate.answer.age() >= max_age:
                     continue
-            if self._entries.peek(entry.id) is not entry or entry.expires <= time.time():
+            if (
+                self._entries.peek(entry.id) is not entry
+                or entry.expires <= self._clock.now()
+                or self._predates(entry, prefix)
+            ):
                 # Dropped (invalidated, forgotten, evicted) or expired while the guard read it:
                 # an invalidation that answered stops what was found before it too.
                 continue
@@ -417,7 +502,7 @@ class SemanticCache:
         if older is not None:
             self._drop(older)
         if created is None:
-            created = answer.created if answer is not None else time.time()
+            created = answer.created if answer is not None else self._clock.now()
         entry = SemanticEntry(
             next(self._ids),
             view.scope,
@@ -463,7 +548,10 @@ class SemanticCache:
                 self.config.index_expansion_add,
                 self.config.index_expansion_search,
             )
-        index.add(entry.id, vector)
+        slack = index.slack
+        index.add(entry.id, vector)  # (into a slot a removed vector left, if any)
+        self._slack += index.slack - slack
+        self._longest_ttl = max(self._longest_ttl, expires - created)
         self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._by_public[entry.public_id] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
@@ -475,6 +563,11 @@ class SemanticCache:
 
     async def invalidate(self, selector: Selector) -> int:
         self.generation += 1
+        if selector.prefix is not None and not selector.everything:
+            # Remembered: what it names is what a requester's prompt starts with (``probe``).
+            now = self._clock.now()
+            self._prefixes.append((selector.prefix, next(self._ids), now))
+            self._forget_prefixes(now)
         doomed = self._entries.remove_if(lambda _, e: selector.picks(e))
         for key, entry in doomed:
             self._unindex(key, entry)
@@ -522,9 +615,19 @@ class SemanticCache:
             del self._by_public[entry.public_id]
         index = self._scopes.get(entry.scope)
         if index is not None:
+            slack = index.slack
             index.remove(entry.id)
             if len(index) == 0:
                 del self._scopes[entry.scope]
+                self._slack -= slack
+                return
+            if (
+                4 * len(index) <= index.peak
+                and index.peak >= COMPACT_MIN_PEAK
+                and len(index) <= COMPACT_MAX_LIVE
+            ):
+                index.compact()  # (COMPACT_MAX_LIVE: cheap; a larger one's slack is counted)
+            self._slack += index.slack - slack
 
 
 def _prompt(view: SemanticView) -> bytes:

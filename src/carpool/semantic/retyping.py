@@ -22,7 +22,7 @@ import functools
 import re
 import unicodedata
 
-__all__ = ["CLOSE_CONTEXT", "close", "retyped", "unseen_difference"]
+__all__ = ["CLOSE_CONTEXT", "UNREAD", "close", "retyped", "unseen_difference"]
 
 
 _NOT_WORD = re.compile(r"[^\w]+")
@@ -141,14 +141,21 @@ def retyped(a: str, b: str) -> bool:
     return a == b or _retyping(a) == _retyping(b)
 
 
+#: What the models' BERT normaliser drops unread (``clean_text``): the control characters but
+#: tab, line feed and carriage return (C0, DEL, C1), and U+FFFD. (Format characters, Unicode Cf,
+#: too: looked up by category.) "pay\x00pal" reads "paypal".
+UNREAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
+
+
 def _unseen(text: str) -> str:
     """``text`` as an uncased model reads it (the packaged verifier's BERT normalisation):
     white space only between words, invisible characters dropped, accents stripped, lower
     case."""
-    text = " ".join(text.split())
+    # (Dropped before the split: Python splits at \x1c-\x1f, which the model drops.)
+    text = " ".join(UNREAD.sub("", text).split())
     if text.isascii():
         return text.lower()
-    kept = "".join(ch for ch in text if unicodedata.category(ch) not in ("Cc", "Cf"))
+    kept = "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
     decomposed = unicodedata.normalize("NFD", kept)
     return "".join(ch for ch in decomposed if unicodedata.category(ch) != "Mn").lower()
 

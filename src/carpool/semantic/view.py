@@ -11,8 +11,8 @@ are in the scope. Embeddings requests, multimodal last turns, list prompts, requ
 repeats their prompt (``echo``, ``prompt_logprobs``) and conversations with a turn that is not
 plain (a tool call or result, a name, non-string content, a late instruction) have no semantic
 view; nor has a text (or context) with a letter of a script the model does not read
-(``semantic.scripts``) or an invisible format character (:func:`invisible`): it is matched
-exactly, never guessed at.
+(``semantic.scripts``) or a character the models drop unread (:func:`invisible`: a format or
+control character): it is matched exactly, never guessed at.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..canonical import canonical_body, collapses, digest, normalize_text
 from ..config import Config
 from ..request import Request
+from .retyping import UNREAD
 from .verifier import render_context
 
 if TYPE_CHECKING:
@@ -155,10 +156,14 @@ def small_talk(message: dict[str, Any]) -> bool:
 
 
 def invisible(text: str) -> bool:
-    """Whether ``text`` holds a format character (Unicode Cf: a zero-width space or joiner, a
-    direction mark, a tag character). The models drop them unread (a zero-width space inside
-    "paypal" scored 1.0 against "paypal") while the upstream model may read them (text hidden
-    in tag characters): such a text is matched exactly, never by meaning."""
+    """Whether ``text`` holds a character the models drop unread: a format character (Unicode
+    Cf: a zero-width space or joiner, a direction mark, a tag character), a control character
+    but tab, line feed and carriage return (NUL, DEL, a backspace, C1), or U+FFFD
+    (``retyping.UNREAD``). A zero-width space or a NUL inside "paypal" scored 1.0 against
+    "paypal", while the upstream model may read them (text hidden in tag characters,
+    "yes\b\b\bno"): such a text is matched exactly, never by meaning."""
+    if UNREAD.search(text) is not None:
+        return True
     return not text.isascii() and any(unicodedata.category(ch) == "Cf" for ch in set(text))
 
 
