@@ -710,6 +710,23 @@ def test_check_config_refuses_a_budget_the_window_cannot_resolve(semantic, neede
     assert Config.load(env={}, overrides={"semantic": {"max_wrong_rate": 0.05}})  # (as before)
 
 
+@pytest.mark.parametrize("budget", [1e-300, 1e-17, 3e-6])
+def test_a_budget_no_audit_window_can_show_met_is_refused_at_once(budget):
+    # Its window was counted up to one by one: 1e-300 overflowed a float (a traceback, not a
+    # config error), 1e-17 never ended (n + 1 rounds to n past 2**53).
+    from carpool.semantic.audit import MAX_WINDOW
+
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={}, overrides={"semantic": {"max_wrong_rate": budget}})
+    assert "smaller than any audit window" in str(raised.value), raised.value
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={}, overrides={"semantic": {"audit_window": MAX_WINDOW + 1}})
+    assert "semantic.audit_window" in str(raised.value)
+    # The smallest budget the largest window shows met is accepted with it.
+    window = {"audit_window": MAX_WINDOW, "max_wrong_rate": 3.9e-6}
+    assert Config.load(env={}, overrides={"semantic": window}).semantic.audit_window == MAX_WINDOW
+
+
 def test_an_unknown_key_never_echoes_its_value(tmp_path):
     # A misspelt key was shown with its value ("redis_pass: unknown key; got 'hunter2'"): only
     # a key whose name looks secret hid it, and a misspelt name is anything.

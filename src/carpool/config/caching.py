@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from ..identity import names_a_secret
-from ..semantic.audit import MIN_AUDITS, smallest_window, wilson
+from ..semantic.audit import MAX_WINDOW, MIN_AUDITS, smallest_window, wilson
 from .base import LONGEST_TTL, Section, header_name
 from .upstream import held_key
 from .urls import checked_url
@@ -429,6 +429,7 @@ class SemanticConfig(Section):
     audit_window: int = Field(
         500,
         ge=10,
+        le=MAX_WINDOW,
         description="Audits per error budget (a tenant's in a namespace) the estimate is made "
         "of (the latest). With max_wrong_rate, at least the window that can show the budget "
         "met: one whose 95% upper bound, with no audit wrong, is under it (the config is "
@@ -455,6 +456,11 @@ class SemanticConfig(Section):
             return self
         if window < MIN_AUDITS:
             why = f"a window moves an error budget only once it holds {MIN_AUDITS} audits"
+        elif needed > MAX_WINDOW:
+            raise ValueError(
+                f"semantic.max_wrong_rate ({budget:g}) is smaller than any audit window (at "
+                f"most {MAX_WINDOW}) can show met; give a larger max_wrong_rate"
+            )
         else:
             why = (
                 f"with no audit of the window wrong, its 95% upper bound is "

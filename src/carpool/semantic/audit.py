@@ -78,6 +78,7 @@ __all__ = [
     "BACKED_OFF",
     "BACKED_OFF_SIMILARITY",
     "MARK",
+    "MAX_WINDOW",
     "MIN_AUDITS",
     "SERVING",
     "SHARED",
@@ -101,6 +102,10 @@ _STATES: tuple[State, ...] = (SERVING, BACKED_OFF, MARK)  # (the further from se
 BACKED_OFF_SIMILARITY = 0.97
 #: Audits a window holds before it may move a budget's state (the contract; docs/semantic.md).
 MIN_AUDITS = 30
+# The most audits a window may hold (``semantic.audit_window``'s bound): a deque of that many
+# per budget is 8 MB; it shows a budget down to ~3.8e-6 met. A smaller budget needs a window
+# no config may give (``smallest_window`` says MAX_WINDOW + 1 for it, without counting on).
+MAX_WINDOW = 1_000_000
 MAX_BUDGETS = 10_000  # serving budgets tracked (and namespaces' totals)
 MAX_HELD = 10_000  # budgets not serving, tracked apart (the contract)
 #: The tenant of a budget shared by the tenants of a shared namespace (``Fingerprint.tenant``).
@@ -136,7 +141,12 @@ def smallest_window(budget: float) -> int:
     back."""
     if budget <= 0:
         raise ValueError("no window shows a wrong-hit rate under 0")
-    n = max(MIN_AUDITS, math.floor(_Z * _Z * (1 - budget) / budget) + 1)
+    estimate = _Z * _Z * (1 - budget) / budget
+    if estimate >= MAX_WINDOW:
+        # (Counting on from there took minutes, for ever past 2**53 where n + 1 rounds to n,
+        # or overflowed a float for a budget of 1e-300: more than any window may hold.)
+        return MAX_WINDOW + 1
+    n = max(MIN_AUDITS, math.floor(estimate) + 1)
     while wilson(0, n)[2] >= budget:  # (the bound as ``record`` computes it, rounding and all)
         n += 1
     return n
