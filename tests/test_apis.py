@@ -353,6 +353,22 @@ async def test_a_bypassed_stream_that_stops_before_its_last_event_ends_with_an_e
     assert name == "error" and error_of(kind, data)["message"]
 
 
+@BOTH
+async def test_a_bypassed_typed_stream_cut_with_done_ends_with_an_error_event(gw, fake, kind):
+    # A typed stream sends no [DONE]: one in place of its last event (a proxy ending a stream
+    # it cut as chat's end) is no whole end. Taken for one, the stream ended silently, its
+    # client none the wiser, its credential accepted.
+    fake.typed_done = True
+    response, raw = await stream(gw, path_of(kind), without(body_of(kind), "temperature"))
+    assert response.headers["x-carpool"] == "bypass"
+    name, data = events(raw)[-1]
+    assert name == "error" and "without its last event" in error_of(kind, data)["message"]
+    assert LAST[kind] not in raw and "[DONE]" not in raw
+    shared, raw = await stream(gw, path_of(kind), body_of(kind))  # a flight's too
+    assert shared.headers["x-carpool"] == "miss" and events(raw)[-1][0] == "error"
+    assert gw.gateway.store.entries == 0
+
+
 async def test_messages_at_temperature_0_or_top_k_1_share(gw, fake):
     for body in (body_of("messages"), {**without(body_of("messages"), "temperature"), "top_k": 1}):
         first = await gw.client.post(MESSAGES, json=body)

@@ -6,7 +6,10 @@ broken stream (no [DONE], or a choice in it that never finished) reaches every c
 flight as an error (streaming clients: an SSE error event, then the end of the stream; the
 others: a 502 in OpenAI's error shape) and is not stored, so the next identical request is a
 fresh upstream call. A whole stream or body with fewer choices than asked for is the upstream's
-own answer: its clients get it as it came, and it is not stored either.
+own answer: its clients get it as it came, and it is not stored either. So is a body whose
+choices are not of the shape a stream is made of (a message that is no object...): a streaming
+client gets its stream's failure. A stream with a chunk the assembly cannot read fails as the
+upstream's fault.
 
 Joiners get into a flight through the fake's ``chunk_gate`` (the upstream pauses mid-stream until
 every client is in), never by sleeping.
@@ -15,6 +18,7 @@ every client is in), never by sleeping.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
@@ -23,9 +27,11 @@ import pytest
 from carpool.apis import api_of
 from carpool.errors import UpstreamStreamBroken
 from carpool.exchange import _pipe
-from carpool.sse import expected_choices, is_complete
+from carpool.sse import expected_choices, is_complete, well_formed
 from carpool.upstream.base import UpstreamResponse
+from conftest import run_gateway
 from fakes.flights import leader_and_joiners, stream
+from fakes.raw_upstream import answer, raw_upstream
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -137,6 +143,74 @@ async def test_a_bypassed_stream_without_done_ends_with_an_error_event(gw, fake)
     assert_failed_stream(response, raw)
 
 
+def sse_of(*chunks: dict) -> bytes:
+    return (
+        b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    )
+
+
+CHUNK = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+MALFORMED_CHOICES = {
+    "list-index": {"index": [0], "delta": {"content": "x"}, "finish_reason": None},
+    "int-tool_calls": {"index": 0, "delta": {"tool_calls": 5}, "finish_reason": None},
+    "string-function": {
+        "index": 0,
+        "delta": {"tool_calls": [{"index": 0, "function": "f"}]},
+        "finish_reason": None,
+    },
+    "string-function_call": {"index": 0, "delta": {"function_call": "f"}, "finish_reason": None},
+    "dict-tool-index": {
+        "index": 0,
+        "delta": {"tool_calls": [{"index": {"a": 1}, "function": {"name": "f"}}]},
+        "finish_reason": None,
+    },
+}
+
+
+def malformed_stream(name: str) -> bytes:
+    """A whole chat stream, [DONE] and all, with one chunk of an odd shape in its middle."""
+    return sse_of(
+        {**CHUNK, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+        {**CHUNK, "choices": [MALFORMED_CHOICES[name]]},
+        {**CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    )
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_CHOICES))
+async def test_a_malformed_chunk_fails_the_stream_as_the_upstreams_fault(name, caplog):
+    """The assembly raised on it (a TypeError...): the clients were told of a failure, but the
+    gateway logged its own ("failed unexpectedly", a traceback, at ERROR), not the upstream's."""
+    sent = answer(200, b"OK", malformed_stream(name), content_type=b"text/event-stream")
+    async with raw_upstream(lambda call: sent) as up:
+        async with run_gateway([up.url], **STREAMED) as served:
+            streamed, raw = await stream(served, CHAT, chat_body("odd?"))
+            assert streamed.headers["x-carpool"] == "miss"
+            assert_failed_stream(streamed, raw)
+            assert "the upstream sent a malformed stream chunk" in raw
+            plain = await served.client.post(CHAT, json=chat_body("odd?"))  # (streamed too)
+            assert_openai_error(plain)
+            assert plain.json()["error"]["message"] == "the upstream sent a malformed stream chunk"
+            assert served.gateway.store.entries == 0 and len(up.calls) == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_a_recorded_bypassed_stream_with_a_malformed_chunk_is_relayed_as_it_came(caplog):
+    # An idempotency record judges the stream it keeps (``idempotency.final``): its assembly
+    # raised, which cut the client's stream mid-way (the connection dropped) after a traceback.
+    sent = answer(200, b"OK", malformed_stream("int-tool_calls"), content_type=b"text/event-stream")
+    async with raw_upstream(lambda call: sent) as up:
+        async with run_gateway([up.url]) as served:
+            key = {"Idempotency-Key": '"odd-1"'}
+            async with served.client.stream(
+                "POST", CHAT, json=chat_body("odd?", temperature=1, stream=True), headers=key
+            ) as response:
+                raw = (await response.aread()).decode()
+            assert response.headers["x-carpool"] == "bypass"
+            assert raw.encode() == malformed_stream("int-tool_calls")  # as it came, whole
+            assert len(up.calls) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
 # --- non-streaming leaders ---------------------------------------------------------------------
 
 
@@ -197,6 +271,70 @@ async def test_a_body_with_finished_choices_and_a_top_level_error_is_served_as_i
     await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
 
 
+def odd_body(kind: str, choice: object) -> dict:
+    """A 2xx answer of ``kind`` whose one choice is ``choice``: finished, but of an odd shape."""
+    return {
+        "id": "odd",
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
+FINISHED = {"logprobs": None, "finish_reason": "stop"}
+
+
+def odd_message(**message: object) -> dict:
+    return {"index": 0, "message": {"role": "assistant", "content": None, **message}, **FINISHED}
+
+
+MALFORMED = {
+    "null-choice": ("chat", None),
+    "string-message": ("chat", {"index": 0, "message": "hi", **FINISHED}),
+    "tool_calls-object": ("chat", odd_message(tool_calls={"id": "t"})),
+    "tool_calls-with-null": ("chat", odd_message(tool_calls=[None])),
+    "function_call-string": ("chat", odd_message(function_call="f")),
+    "completion-text-number": ("completion", {"index": 0, "text": 5, **FINISHED}),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+async def test_a_malformed_but_finished_answer_never_crashes_a_streaming_client(name):
+    """Judged by its finish reasons alone it was stored, and every streaming hit of it was a
+    500 (no stream is made of it); not stored, its streaming clients were 500s too. Now it is
+    not complete (never stored): a JSON client gets it as it came, a streaming one its
+    stream's failure, an error event that says so."""
+    kind, choice = MALFORMED[name]
+    body = odd_body(kind, choice)
+    path = CHAT if kind == "chat" else COMPLETIONS
+    request = chat_body("odd?") if kind == "chat" else {"model": "m", "prompt": "odd?"}
+    request["temperature"] = 0
+    async with raw_upstream(lambda call: answer(200, b"OK", json.dumps(body).encode())) as up:
+        async with run_gateway([up.url]) as served:
+            streamed, raw = await stream(served, path, request)
+            assert streamed.headers["x-carpool"] == "miss"
+            assert_failed_stream(streamed, raw)
+            assert "malformed choices" in raw
+            plain = await served.client.post(path, json=request)
+            assert plain.status_code == 200 and plain.json() == body  # as it came
+            again, raw = await stream(served, path, request)
+            assert again.headers["x-carpool"] == "miss"  # never stored
+            assert_failed_stream(again, raw)
+            assert served.gateway.store.entries == 0 and len(up.calls) == 3
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_answer_is_not_complete_and_a_stream_is_still_made_of_it(name):
+    # Not complete, so never stored now; but one stored before it was judged so is still
+    # served to streaming clients: a stream is made of its well-formed parts, never a raise.
+    kind, choice = MALFORMED[name]
+    body = odd_body(kind, choice)
+    assert not is_complete(kind, body) and not well_formed(kind, body)
+    assert b'"usage"' in api_of(kind).synthesize(body, include_usage=True)[-1]
+
+
 async def test_a_body_whose_error_field_is_null_is_complete_and_stored(gw, fake):
     """Some servers write every field, ``"error": null`` too: no failure (as in a stream)."""
     fake.chat_extra = {"error": None}
@@ -247,7 +385,11 @@ async def test_the_embedded_simulators_streams_are_complete_and_stored():
 
 # --- the rules, unit by unit -------------------------------------------------------------------
 
-DONE_CHOICE = {"index": 0, "finish_reason": "stop"}
+DONE_CHOICE = {
+    "index": 0,
+    "message": {"role": "assistant", "content": "x"},
+    "finish_reason": "stop",
+}
 EMBEDDED = {"data": [{"index": 0, "embedding": [0.5, 0.5]}]}
 
 
@@ -260,7 +402,7 @@ def test_every_choice_asked_for_must_be_there_and_finished():
         "chat", {"choices": [DONE_CHOICE, {"index": 1, "finish_reason": "abort"}]}, 2
     )
     # Without an index, a choice counts at its position.
-    assert is_complete("completion", {"choices": [{"finish_reason": "stop"}] * 2}, 2)
+    assert is_complete("completion", {"choices": [{"text": "x", "finish_reason": "stop"}] * 2}, 2)
 
 
 def test_an_answer_reporting_an_error_at_its_top_is_not_complete_a_null_error_is():

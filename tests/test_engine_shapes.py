@@ -41,6 +41,7 @@ from carpool.errors import UpstreamStreamBroken, error_event
 from carpool.exchange import _consume
 from carpool.upstream.base import UpstreamResponse
 from fakes.flights import flight_clients, leader_and_joiners, stream
+from fakes.upstream import token_id
 from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
@@ -122,6 +123,34 @@ async def test_a_streamed_tool_call_is_served_as_the_engines_own_non_streaming_a
     hit = await gw.client.post(CHAT, json=body)
     assert hit.headers["x-carpool"] == "hit" and hit.json() == plain.json()
     assert fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "Say hello to the world"}]}),
+        ("/v1/completions", {"prompt": ["Say hello", "Say goodbye"], "n": 2}),
+    ],
+    ids=["chat", "completions"],
+)
+async def test_a_streamed_answers_token_ids_assemble_whole_as_the_engines_own_answer(
+    gw, fake, path, body
+):
+    # vLLM's return_token_ids: each chunk's choice carries the ids of its new tokens (and the
+    # prompt's once); its whole answer carries them all, which the assembled answer must too.
+    body = {"model": "m", "temperature": 0, "return_token_ids": True, **body}
+    fake.answer_text = lambda n, body: "Hello to the whole world"  # (the same for each call)
+    engine = await direct(fake, path, body)
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, path, body)
+    assert leader.headers["x-carpool"] == "miss" and plain.headers["x-carpool"] == "coalesced"
+    assert sum("token_ids" in json.dumps(e) for e in events(raw)) > 3  # ...chunk by chunk
+    assert without_ids(plain.json()) == without_ids(engine)
+    hit = await gw.client.post(path, json=body)
+    assert hit.headers["x-carpool"] == "hit" and hit.json() == plain.json()
+    for choice in hit.json()["choices"]:
+        text = choice["message"]["content"] if path == CHAT else choice["text"]
+        assert choice["token_ids"] == [token_id(word) for word in text.split()]
+    assert fake.count() == 2  # the direct call, then one
 
 
 async def test_an_engine_that_ignores_include_usage_gives_answers_that_say_usage_is_missing(

@@ -1231,14 +1231,57 @@ def test_round_trip_keeps_extra_fields_of_other_servers():
 # --- is_complete, usage_tokens ------------------------------------------------------------------
 
 
+def test_token_ids_concatenate_and_a_choices_prompt_token_ids_are_its_first():
+    # vLLM's return_token_ids on completions: each chunk's choice the ids of its new tokens,
+    # its first the prompt's too.
+    chunks = [
+        {"choices": [{"index": 0, "text": "a", "token_ids": [1], "prompt_token_ids": [7, 8]}]},
+        {"choices": [{"index": 0, "text": "b", "token_ids": [2, 3], "prompt_token_ids": [9]}]},
+        {"choices": [{"index": 0, "text": "", "token_ids": None, "prompt_token_ids": None}]},
+        {"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "stop"}]},
+    ]
+    original = copy.deepcopy(chunks)
+    choice = assemble("completion", chunks)["choices"][0]
+    assert (choice["text"], choice["token_ids"], choice["prompt_token_ids"]) == (
+        "ab",
+        [1, 2, 3],
+        [7, 8],
+    )
+    assert chunks == original  # (the first chunk's list is not the one extended)
+
+
 def test_is_complete_requires_every_choice_to_have_finished():
-    done = {"index": 0, "finish_reason": "stop"}
+    done = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"}
     assert is_complete("chat", {"choices": [done]})
-    assert is_complete("completion", {"choices": [done, {**done, "index": 1}]})
-    assert not is_complete("chat", {"choices": [done, {"index": 1, "finish_reason": None}]})
-    assert not is_complete("chat", {"choices": [{"index": 0}]})
+    said = {"index": 0, "text": "x", "finish_reason": "stop"}
+    assert is_complete("completion", {"choices": [said, {**said, "index": 1}]})
+    assert not is_complete("chat", {"choices": [done, {**done, "index": 1, "finish_reason": None}]})
+    assert not is_complete("chat", {"choices": [{"index": 0, "message": done["message"]}]})
     assert not is_complete("chat", {"choices": []})
     assert not is_complete("chat", {})
+
+
+def test_is_complete_requires_choices_a_stream_can_be_made_of():
+    # A chat message an object, its calls a list of objects; a completion's text a string.
+    message = {"role": "assistant", "content": None}
+    for kind, choice in (
+        ("chat", {"message": {**message, "tool_calls": [{"id": "t"}], "function_call": None}}),
+        ("chat", {"message": {**message, "function_call": {"name": "f"}, "tool_calls": None}}),
+        ("completion", {"text": ""}),
+    ):
+        assert is_complete(kind, {"choices": [{**choice, "finish_reason": "stop"}]})
+    for kind, choice in (
+        ("chat", {}),
+        ("chat", {"message": None}),
+        ("chat", {"message": "hi"}),
+        ("chat", {"message": {**message, "tool_calls": {"id": "t"}}}),
+        ("chat", {"message": {**message, "tool_calls": [{"id": "t"}, None]}}),
+        ("chat", {"message": {**message, "function_call": "f"}}),
+        ("completion", {}),
+        ("completion", {"text": None}),
+        ("completion", {"text": ["x"]}),
+    ):
+        assert not is_complete(kind, {"choices": [{**choice, "finish_reason": "stop"}]}), choice
 
 
 def test_is_complete_rejects_aborted_and_errored_choices():

@@ -94,6 +94,31 @@ async def test_completions_with_best_of_or_echo_are_never_streamed_for_others(ga
     assert [c.body.get("stream") for c in fake.calls] == [None, None, True]
 
 
+def vllm_refuses_prompt_logprobs_on_a_stream(call) -> str | None:
+    """vLLM's own check (its request models): prompt_logprobs above 0 (or -1) with stream."""
+    asked = (call.body or {}).get("prompt_logprobs")
+    if asked is not None and (call.body or {}).get("stream") and (asked > 0 or asked == -1):
+        return "`prompt_logprobs` are not available when `stream=True`."
+    return None
+
+
+async def test_stream_flights_asks_a_prompt_logprobs_request_whole(gateway_with, fake):
+    # Streamed for others, its non-streaming client got vLLM's 400, which its own request
+    # (not a stream) never gets; only the whole answer carries the prompt's logprobs anyway.
+    fake.refuse = vllm_refuses_prompt_logprobs_on_a_stream
+    async with gateway_with(**STREAMED) as gw:
+        for i, path, extra in (
+            (1, CHAT, body("logprobs of my prompt")),
+            (0, CHAT, body("logprobs of my prompt")),
+            (-1, "/v1/completions", {"model": "m", "temperature": 0, "prompt": "mine"}),
+        ):
+            response = await gw.client.post(path, json={**extra, "prompt_logprobs": i})
+            assert response.status_code == 200, response.text
+        plain = await gw.chat("plain")
+        assert plain.status_code == 200
+    assert [c.body.get("stream") for c in fake.calls] == [None, None, None, True]
+
+
 def chunk(content: str, finish: str | None = None) -> bytes:
     return orjson.dumps(
         {

@@ -21,7 +21,9 @@ Contract:
   Any other top-level, choice or message field survives as well: top-level ones keep their first
   non-null value (``id``, ``model``, ``created`` and ``system_fingerprint`` their first
   non-blank one: Azure OpenAI opens its streams with a chunk that has ``""`` and ``0`` there,
-  before the real ones), choice ones their last non-null value; message ones (``refusal``,
+  before the real ones), choice ones their last non-null value (but vLLM's ``token_ids``,
+  the ids of each chunk's new tokens, whose lists concatenate into the whole answer's, and its
+  ``prompt_token_ids``, said once, which keep their first); message ones (``refusal``,
   ``reasoning_content``, ``audio``, ``annotations``...) merge as the SDKs accumulate deltas:
   strings concatenate, objects merge key by key (an ``index`` or ``type`` in them is replaced,
   not added to), list items with an ``index`` merge with the earlier item of that index, other
@@ -39,12 +41,21 @@ Contract:
   without ``usage``: nothing is invented.
   The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
   input: copy before mutating those.
+- ``synthesize`` never raises on a body whose choices are odd (a choice that is no object, a
+  ``message`` that is none, ``tool_calls`` that are no list of objects): those parts are left
+  out. No complete answer has them (``completeness.is_complete``), and an incomplete one that
+  does reaches a streaming client as its stream's failure instead (``reply.whole``); but an
+  answer stored before they were judged so is still served.
 - ``Assembly(kind)`` is ``assemble`` one chunk at a time (``add``; ``body()``), for a stream as it
   comes. Its ``add_texts(payloads, start)`` takes chat text chunks by their raw payloads alone,
   from ``start`` on, without parsing them into dicts, while each payload is that of the last
   text chunk ``add``ed with its payload but for its text (``TextTemplate``); the body is the
   same as if they had been parsed and ``add``ed. It returns how many it took (0: none, nothing
   done).
+- A chunk that is not an object, or a choice that is not one, is passed over; a chunk whose
+  fields are of a shape no server sends where the assembly reads them (``tool_calls: 5``, a
+  choice ``index`` that is a list...) raises one of ``MALFORMED_CHUNK``, which callers tell as
+  the upstream's malformed stream.
 """
 
 from __future__ import annotations
@@ -52,6 +63,12 @@ from __future__ import annotations
 from typing import Any
 
 from .text_template import TextTemplate
+
+# What assembling a chunk of the wrong shape raises (a choice index that is a list,
+# ``tool_calls: 5``, a ``function`` that is a string...): the caller's to tell as the upstream's
+# malformed stream (``exchange._publish``, ``apis.openai``), not to check field by field on the
+# hot path.
+MALFORMED_CHUNK = (TypeError, AttributeError, ValueError, KeyError)
 
 # Top-level fields every chunk repeats (synthesize copies them into each chunk).
 _IDENTITY = ("id", "created", "model", "system_fingerprint", "service_tier")
@@ -147,10 +164,28 @@ def _merge_into(fields: dict[str, _Merged], source: dict[str, Any], skip: frozen
             merged.add(value)
 
 
+# Choice fields that carry a piece of the answer in each chunk, as its text does: vLLM's
+# ``return_token_ids`` gives each chunk's choice the ids of its new tokens, and its whole answer
+# the ids of all of them. Their lists concatenate.
+_CONCATENATED = frozenset(("token_ids",))
+# Choice fields said once, in a choice's first chunk (vLLM's completions ``prompt_token_ids``):
+# the first non-null value is the answer's.
+_FIRST = frozenset(("prompt_token_ids",))
+
+
 def _keep_last(fields: dict[str, Any], source: dict[str, Any], skip: frozenset[str]) -> None:
-    """The last non-null value of each field; a field only ever null is kept as None."""
+    """The last non-null value of each field (a field only ever null is kept as None), but
+    ``_CONCATENATED`` lists, which concatenate, and ``_FIRST`` fields, whose first one is kept."""
     for key, value in source.items():
-        if key not in skip and (value is not None or key not in fields):
+        if key in skip or (value is None and key in fields):
+            continue
+        if key in _CONCATENATED and type(value) is list:
+            held = fields.get(key)
+            if type(held) is list:
+                held.extend(value)  # (a copy of its own: made below)
+            else:
+                fields[key] = list(value)  # (not the chunk's: the next ones extend it)
+        elif key not in _FIRST or fields.get(key) is None:
             fields[key] = value
 
 
@@ -484,7 +519,11 @@ def synthesize(kind: str, body: dict[str, Any], *, include_usage: bool) -> list[
     head = {**identity, "object": _CHUNK_OBJECT[kind]}
     if include_usage:
         head["usage"] = None  # as OpenAI does: null on all but the last chunk
-    choices = body.get("choices") or []
+    # Only objects: a stored answer the gateway judged complete before it asked for well-formed
+    # choices (``completeness.is_complete``) may hold others, and no client's stream may fail
+    # for them (what else is odd in it goes out as it is).
+    found = body.get("choices")
+    choices = [choice for choice in found if type(choice) is dict] if type(found) is list else []
     content = [_content_choice(kind, choice) for choice in choices]
     finish = [_finish_choice(kind, choice) for choice in choices]
     chunks = [{**head, "choices": [choice]} for choice in content + finish]
@@ -505,12 +544,16 @@ def _content_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
             "logprobs": logprobs,
             "finish_reason": None,
         }
-    message = choice.get("message") or {}
+    message = choice.get("message")
+    if type(message) is not dict:
+        message = {}  # (see ``synthesize``: never one of a complete answer)
     delta = {key: value for key, value in message.items() if key != "tool_calls"}
-    if message.get("tool_calls") is not None:
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-    elif "tool_calls" in message:
-        delta["tool_calls"] = message["tool_calls"]
+    calls = message.get("tool_calls")
+    if type(calls) is list:
+        calls = [call for call in calls if type(call) is dict]
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+    elif "tool_calls" in message and calls is None:
+        delta["tool_calls"] = None
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 

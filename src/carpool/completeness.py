@@ -18,6 +18,11 @@ Contract:
   when it cannot tell (another kind, an ``n`` that is not a positive integer, an ``input`` of
   no such shape). ``usage_tokens(body)`` is prompt + completion tokens. None of them ever
   raises.
+- A complete "chat"/"completion" answer is also ``well_formed``: each choice of the shape a
+  stream is made of (a chat ``message`` an object, with ``tool_calls`` null or a list of
+  objects and ``function_call`` null or an object; a completion's ``text`` a string), so that
+  every answer stored can be served to a streaming client. ``well_formed(kind, body)`` says so
+  of any body (true of one without choices, and of other kinds').
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
                     isinstance(c, dict)
                     and c.get("finish_reason") is not None
                     and c["finish_reason"] not in _FAILED
+                    and _well_formed(kind, c)
                     for c in found
                 )
             ):
@@ -77,6 +83,38 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
     except Exception:
         return False
     return False
+
+
+def well_formed(kind: str, body: Any) -> bool:
+    """Whether every choice of a "chat"/"completion" body is of the shape its stream is made of
+    (``_well_formed``): true of a body without choices (``choices`` absent, null or empty),
+    and of any other kind's. Never raises."""
+    if kind not in ("chat", "completion") or not isinstance(body, dict):
+        return True
+    found = body.get("choices")
+    if not found:
+        return True
+    return isinstance(found, list) and all(_well_formed(kind, c) for c in found)
+
+
+def _well_formed(kind: str, choice: Any) -> bool:
+    # What a stream is synthesized from (``chunks.synthesize``) and an engine always sends: a
+    # chat choice's ``message`` an object, its ``tool_calls`` (unless null) a list of objects
+    # and its legacy ``function_call`` (unless null) an object; a completion's ``text`` a string.
+    if not isinstance(choice, dict):
+        return False
+    if kind != "chat":
+        return isinstance(choice.get("text"), str)
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return False
+    calls = message.get("tool_calls")
+    if calls is not None and not (
+        isinstance(calls, list) and all(isinstance(call, dict) for call in calls)
+    ):
+        return False
+    call = message.get("function_call")
+    return call is None or isinstance(call, dict)
 
 
 def expected_choices(kind: str, request: Any) -> int | None:

@@ -64,6 +64,7 @@ from .answer import Answer
 from .apis import Api, api_of
 from .apis.base import Collector
 from .broadcast import Broadcast
+from .chunks import MALFORMED_CHUNK
 from .errors import (
     CarpoolError,
     LeaderLost,
@@ -313,7 +314,12 @@ class Exchange:
             return False
         body = request.body
         # A completion's best_of picks among candidates at the end, and echo repeats the prompt:
-        # engines refuse or change them when streamed.
+        # engines refuse or change them when streamed. vLLM refuses ``prompt_logprobs`` (chat
+        # and completions) with ``stream: true`` ("not available when `stream=True`"; all but
+        # 0), and only its whole answer carries the prompt's logprobs: such a call goes whole,
+        # as its client asked, whatever the value.
+        if body.get("prompt_logprobs") is not None:
+            return False
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def bypass(self, request: Request, route: str) -> Reply:
@@ -398,8 +404,9 @@ def accepts(answer: Answer) -> bool:
     """Whether a 2xx call's ``answer`` says the upstream accepted its requester's credentials:
     a complete answer, or an incomplete one that is an answer still (fewer choices, a response
     cut by its token limit). Not a body that reports an error (some servers and proxies refuse
-    a key with a 200 and ``{"error": {"code": "invalid_api_key"}}``) or lacks the answer's
-    field: a made-up key refused so would read a shared namespace (``identity.py``)."""
+    a key with a 200 and ``{"error": {"code": "invalid_api_key"}}``), lacks the answer's
+    field or holds a malformed one (``reply.failure_of``): a made-up key refused so would read
+    a shared namespace (``identity.py``)."""
     return answer.complete or _whole_answer(api_of(answer.kind), answer.body)
 
 
@@ -453,7 +460,8 @@ async def _consume(
 
 def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: Broadcast) -> None:
     """Payloads that came together, judged into ``collector`` and framed into ``broadcast`` at
-    once; a payload that is not a JSON object, or is the engine's error, raises
+    once; a payload that is not a JSON object, is the engine's error, or is a chunk the
+    assembly cannot read (``chunks.MALFORMED_CHUNK``: ``tool_calls: 5``...), raises
     ``UpstreamStreamBroken`` once the frames before it are published."""
     if not payloads:
         return
@@ -488,7 +496,13 @@ def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: B
                 raise UpstreamStreamBroken(
                     f"the upstream stream failed: {error.get('message')}", error
                 )
-            add(chunk, payload)
+            try:
+                add(chunk, payload)
+            except MALFORMED_CHUNK:
+                # A chunk of the wrong shape where the assembly reads it (a choice index that
+                # is a list, ``tool_calls: 5``, a ``function`` that is a string): the
+                # upstream's fault, told as such, not the gateway's failure.
+                raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
             if usage_only(chunk):
                 usage = len(frames)
             frames.append(frame(payload, chunk))

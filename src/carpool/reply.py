@@ -16,9 +16,11 @@ Contract:
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
   chunk if it asked for it; an answer whose frames are longer than a slice as ``parts``, its
   own frames, not joined, however short its body), ``age`` on a hit; an incomplete 2xx body
-  that reports an error or lacks the answer's field (no choices) reaches a streaming client as
-  its stream's failure (an error event, no end), as it came a client asking JSON (the error's
-  words only to the request whose call it was: ``Answer.for_others``, ``pipeline``); an answer
+  that reports an error, lacks the answer's field (no choices) or holds a malformed one (a
+  choice that is no object, a chat message that is none, tool calls that are no list of
+  objects) reaches a streaming client as its stream's failure (an error event, no end), as it
+  came a client asking JSON (the error's words only to the request whose call it was:
+  ``Answer.for_others``, ``pipeline``); an answer
   whose body has no ``usage`` because the engine reported none carries
   ``x-carpool-usage: missing`` (nothing is invented); one whose ``usage`` is its share of a
   merged embeddings call's (``Answer.usage_apportioned``) carries
@@ -265,10 +267,11 @@ def usage_said(answer: Answer, stream: bool, include_usage: bool) -> tuple[bytes
 def failure_of(api: Api, body: Any) -> UpstreamStreamBroken | None:
     """What a streaming client is told of an incomplete 2xx body (never stored, so never a
     hit) that is no answer: one reporting an error (the engine's error object, beside choices
-    too), or one without
-    the answer's field (``Api.answer_missing``: no choices), as a stream's failure (the API's
-    error event, no end), not an empty stream that ends as if all went well; None for an
-    answer, however incomplete. A client asking JSON gets the body as it came."""
+    too), one without the answer's field (``Api.answer_missing``: no choices), or one whose
+    answer is malformed (``Api.answer_malformed``: a choice that is no object...), as a
+    stream's failure (the API's error event, no end), not a stream that ends as if all went
+    well; None for an answer, however incomplete. A client asking JSON gets the body as it
+    came."""
     reported = body.get("error") if isinstance(body, dict) else None
     if reported is not None:
         # Instead of an answer (some servers and proxies answer 200 so; Anthropic's ``{"type":
@@ -279,6 +282,10 @@ def failure_of(api: Api, body: Any) -> UpstreamStreamBroken | None:
         return UpstreamStreamBroken("the upstream answered with an error", error)
     if api.answer_missing(body):
         return UpstreamStreamBroken(f"the upstream answered with no {api.answer_field}")
+    if api.answer_malformed(body):
+        # (A choice that is no object, a chat message that is none...: no stream is made of
+        # it but by leaving parts out, which would end as if it were the whole answer.)
+        return UpstreamStreamBroken(f"the upstream answered with malformed {api.answer_field}")
     return None
 
 

@@ -26,7 +26,7 @@ Contract:
 from __future__ import annotations
 
 from .chunks import assemble, synthesize
-from .completeness import expected_choices, is_complete, usage_tokens
+from .completeness import expected_choices, is_complete, usage_tokens, well_formed
 
 __all__ = [
     "DONE",
@@ -39,6 +39,7 @@ __all__ = [
     "is_complete",
     "synthesize",
     "usage_tokens",
+    "well_formed",
 ]
 
 DONE = b"data: [DONE]\n\n"

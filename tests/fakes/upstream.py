@@ -61,9 +61,10 @@ Its stream is typed events with no ``[DONE]``: ``message_start`` (the message wi
 The stream controls below act on these typed streams too, counting content events where chat
 counts content chunks (``chunk_gate``, ``chunk_delay``, ``cut_after``, ``empty_stream``);
 ``omit_done`` ends a typed stream cleanly without its last event (``response.completed``,
-``message_stop``); ``omit_finish_reason`` makes the answer one that ended without completing:
-a response with status ``incomplete`` (``incomplete_details.reason: "max_output_tokens"``; its
-stream ends with ``response.incomplete``), a message with ``stop_reason: null``.
+``message_stop``), ``typed_done`` with ``data: [DONE]`` in its place; ``omit_finish_reason``
+makes the answer one that ended without completing: a response with status ``incomplete``
+(``incomplete_details.reason: "max_output_tokens"``; its stream ends with
+``response.incomplete``), a message with ``stop_reason: null``.
 
 Records:
 - ``calls: list[Call]``: every HTTP request, with ``path``, parsed JSON ``body`` (None when absent
@@ -106,6 +107,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 - ``finish_reason: str``: the finish reason used otherwise (default ``"stop"``).
 - ``omit_done: bool``: streams end cleanly (the whole HTTP body sent, the connection kept) after
   their last chunk, finish and usage chunks included, but without ``data: [DONE]``.
+- ``typed_done: bool``: a typed stream (Responses, Messages) ends with ``data: [DONE]`` in
+  place of its last event, as a proxy that ends every stream as chat's would end one it cut.
 - ``drop_choices: set[int]``: choice indices that never appear: no chunk of a stream, no item of
   a non-streaming body's ``choices`` (the others keep their indices).
 - ``unfinished_choices: set[int]``: choice indices whose finish never comes: a stream sends their
@@ -151,6 +154,12 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   ``content_block_delta``s.
 - ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
   such as vLLM's ``prompt_token_ids``).
+- ``return_token_ids`` in a chat or completions request (vLLM's): the answer carries token
+  ids, one per word (``token_id``): a chat answer the prompt's (its messages' words) as a
+  top-level ``prompt_token_ids``, each choice those of its text as ``token_ids``; a completion
+  both on each choice. A stream carries them as vLLM streams them: each chunk's choice the ids of
+  its new words (``[]`` for none), the prompt's once (chat: top-level, on the first chunk; a
+  completion: on each choice's first chunk).
 - ``embeddings_extra: dict``: top-level fields added to every embeddings answer (an ``error``
   beside its ``data``, say).
 - ``responses_output: list | None``: the ``output`` items of every whole Responses answer (a
@@ -282,6 +291,15 @@ def _count_words(text: object) -> int:
     return len(text.split()) if isinstance(text, str) else len(str(text).split())
 
 
+def token_id(word: str) -> int:
+    """The fake's token id of a word (``return_token_ids``), its leading space taken off."""
+    return int.from_bytes(hashlib.sha256(word.strip().encode()).digest()[:2], "big")
+
+
+def _token_ids(text: str) -> list[int]:
+    return [token_id(word) for word in _WORD.findall(text)]
+
+
 def _hash_vector(item: Any, dims: int) -> list[float]:
     data = item.encode() if isinstance(item, str) else _json(item)
     raw = hashlib.shake_256(data).digest(2 * dims)
@@ -331,6 +349,7 @@ class FakeUpstream:
         self.omit_finish_reason: bool = False
         self.finish_reason: str = "stop"
         self.omit_done: bool = False
+        self.typed_done: bool = False
         self.drop_choices: set[int] = set()
         self.unfinished_choices: set[int] = set()
         self.answer_text: Callable[[int, dict[str, Any]], str] | None = None
@@ -743,9 +762,24 @@ class FakeUpstream:
                 "metadata": body.get("metadata") or {},
                 "messages": messages,
             }
+        ids = bool(body.get("return_token_ids"))
+        prompt_ids = [
+            i
+            for m in messages
+            if isinstance(m, dict)
+            for i in _token_ids(_text_of(m.get("content")))
+        ]
         if body.get("stream"):
             await self._stream(
-                call, send, gone, chat=True, cid=cid, model=model, texts=texts, usage=usage
+                call,
+                send,
+                gone,
+                chat=True,
+                cid=cid,
+                model=model,
+                texts=texts,
+                usage=usage,
+                prompt_ids=prompt_ids if ids else None,
             )
             return
         await self._send_json(
@@ -765,12 +799,14 @@ class FakeUpstream:
                         else self._tool_call_message(call),
                         "logprobs": None,
                         "finish_reason": self._finish(i),
+                        **({"token_ids": _token_ids(t)} if ids else {}),
                     }
                     for i, t in enumerate(texts)
                     if i not in self.drop_choices
                 ],
                 "usage": usage,
                 "system_fingerprint": "fp_fake",
+                **({"prompt_token_ids": prompt_ids} if ids else {}),
                 **self.chat_extra,
             },
         )
@@ -877,9 +913,20 @@ class FakeUpstream:
             sum(_count_words(p) for p in prompts), sum(_count_words(t) for t in texts)
         )
         cid = f"cmpl-fake-{call.number}"
+        ids = bool(body.get("return_token_ids"))
+        # (Each choice's prompt: ``n`` per prompt, prompt-major.)
+        prompt_ids = [_token_ids(p) for p in prompts for _ in range(self._n(body))]
         if body.get("stream"):
             await self._stream(
-                call, send, gone, chat=False, cid=cid, model=model, texts=texts, usage=usage
+                call,
+                send,
+                gone,
+                chat=False,
+                cid=cid,
+                model=model,
+                texts=texts,
+                usage=usage,
+                prompt_ids=prompt_ids if ids else None,
             )
             return
         await self._send_json(
@@ -892,7 +939,17 @@ class FakeUpstream:
                 "created": CREATED,
                 "model": model,
                 "choices": [
-                    {"text": t, "index": i, "logprobs": None, "finish_reason": self._finish(i)}
+                    {
+                        "text": t,
+                        "index": i,
+                        "logprobs": None,
+                        "finish_reason": self._finish(i),
+                        **(
+                            {"token_ids": _token_ids(t), "prompt_token_ids": prompt_ids[i]}
+                            if ids
+                            else {}
+                        ),
+                    }
                     for i, t in enumerate(texts)
                     if i not in self.drop_choices
                 ],
@@ -963,7 +1020,10 @@ class FakeUpstream:
         model: str,
         texts: list[str],
         usage: dict[str, int],
+        prompt_ids: Any = None,
     ) -> None:
+        """``prompt_ids`` (``return_token_ids``): the prompt's token ids, chat's (a list), or
+        each completion choice's (a list of them); None: no token ids at all."""
         body = call.body or {}
         stream_options = body.get("stream_options")
         include_usage = (
@@ -981,7 +1041,14 @@ class FakeUpstream:
         shown = [i for i in range(len(texts)) if i not in self.drop_choices]
         finishing = [(i, reason) for i in shown if (reason := self._finish(i)) is not None]
 
-        def frame(choices: list[dict[str, Any]], with_usage: dict[str, int] | None = None) -> bytes:
+        ids = prompt_ids is not None
+        begun: set[int] = set()  # the completion choices that said their prompt's ids
+
+        def frame(
+            choices: list[dict[str, Any]],
+            with_usage: dict[str, int] | None = None,
+            prompt: list[int] | None = None,
+        ) -> bytes:
             chunk: dict[str, Any] = {
                 "id": cid,
                 "object": "chat.completion.chunk" if chat else "text_completion",
@@ -992,6 +1059,8 @@ class FakeUpstream:
             }
             if include_usage:
                 chunk["usage"] = with_usage
+            if prompt is not None:
+                chunk["prompt_token_ids"] = prompt
             return b"data: " + _json(chunk) + b"\n\n"
 
         def tool_delta(piece: str, first: bool) -> dict[str, Any]:
@@ -1032,18 +1101,25 @@ class FakeUpstream:
                     delta = tool_delta(piece, False)
                 else:
                     delta = {"content": piece}
-                return {
+                out = {
                     "index": index,
                     "delta": delta,
                     "logprobs": None,
                     "finish_reason": finish_reason,
                 }
-            return {
-                "text": piece or "",
-                "index": index,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            else:
+                out = {
+                    "text": piece or "",
+                    "index": index,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            if ids:
+                out["token_ids"] = _token_ids(piece or "")
+                if not chat and index not in begun:
+                    begun.add(index)
+                    out["prompt_token_ids"] = prompt_ids[index]
+            return out
 
         async def emit(data: bytes) -> None:
             if gone.is_set():
@@ -1092,9 +1168,16 @@ class FakeUpstream:
             await emit(
                 frame(
                     [
-                        {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
+                        {
+                            "index": i,
+                            "delta": first,
+                            "logprobs": None,
+                            "finish_reason": None,
+                            **({"token_ids": []} if ids else {}),
+                        }
                         for i in shown
-                    ]
+                    ],
+                    prompt=prompt_ids if ids else None,
                 )
             )
         for index in shown:
@@ -1339,7 +1422,7 @@ class FakeUpstream:
         item of each event says whether it carries content (the gate, cut and error counts)."""
         chunk_gate, gate_after = self.chunk_gate, self.chunk_gate_after
         cut_after, error_after = self.cut_after, self.error_after
-        if self.omit_done:
+        if self.omit_done or self.typed_done:
             events = events[:-1]  # ends cleanly, without its last event
         await send(
             {
@@ -1385,6 +1468,10 @@ class FakeUpstream:
                     await self._until(asyncio.sleep(self.chunk_delay), gone)
                 sent += 1
             await emit(name, event)
+        else:  # (no error event ended it)
+            if self.typed_done:
+                end = b"data: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": end, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------- plain responses

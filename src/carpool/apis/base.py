@@ -222,6 +222,13 @@ class Api:
         in it that ends as if all went well (``reply.whole``)."""
         return isinstance(body, dict) and body.get(self.answer_field) is None
 
+    def answer_malformed(self, body: Any) -> bool:
+        """Whether a 2xx body's answer is not of the shape a stream is made of (chat and
+        completions: ``completeness.well_formed``): never complete, so never stored, and a
+        streaming client is told so as its stream's failure (``reply.whole``), not sent a
+        stream made of what could be made of it."""
+        return False
+
     def final(self, body: Any, asked: dict[str, Any] | None = None) -> bool:
         """Whether a 2xx answer means the upstream executed the request ``asked`` (``idempotency``:
         a retry replays it rather than running again). The default: a complete answer."""

@@ -7,7 +7,8 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   clients that did not (``usage_asked``: a stream asked without it is an answer other shapes
   of its request may not get, ``exchange.without_usage``).
 - A stream is whole when it ended with [DONE] (``upstream.base``) and every choice in it
-  finished: anything less fails the flight (``judge_stream`` raises). A whole stream or body
+  finished: anything less fails the flight (``judge_stream`` raises), and so does a chunk the
+  assembly cannot read (``chunks.MALFORMED_CHUNK``: ``tool_calls: 5``...). A whole stream or body
   with fewer choices than asked for (``n`` per prompt: an engine that ignores ``n``, as
   Ollama's) is served as it came, but not stored (``complete``; ``judge_stream``'s False).
 - Validation: ``model`` a string; ``messages`` a non-empty list of objects (chat); ``prompt`` /
@@ -40,9 +41,17 @@ from typing import Any
 
 import orjson
 
-from ..chunks import Assembly
+from ..chunks import MALFORMED_CHUNK, Assembly
 from ..errors import CarpoolError, RequestError, UpstreamStreamBroken, error_event
-from ..sse import assemble, expected_choices, frame, is_complete, synthesize, usage_tokens
+from ..sse import (
+    assemble,
+    expected_choices,
+    frame,
+    is_complete,
+    synthesize,
+    usage_tokens,
+    well_formed,
+)
 from .base import (
     Api,
     Collector,
@@ -95,7 +104,13 @@ class _Classic(Api):
     def judge_stream(
         self, chunks: list[dict[str, Any]], asked: dict[str, Any] | None
     ) -> tuple[dict[str, Any], bool]:
-        return self.judged(assemble(self.kind, chunks), asked)
+        try:
+            body = assemble(self.kind, chunks)
+        except MALFORMED_CHUNK:
+            # (As ``exchange._publish`` tells it of a stream as it comes: a recorded stream a
+            # bypass relayed as it came is judged so, ``idempotency.final``.)
+            raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
+        return self.judged(body, asked)
 
     def judged(
         self, body: dict[str, Any], asked: dict[str, Any] | None
@@ -116,6 +131,9 @@ class _Classic(Api):
     def answer_missing(self, body: Any) -> bool:
         # (Empty too: the stream made of it would be ``data: [DONE]`` alone.)
         return isinstance(body, dict) and not body.get("choices")
+
+    def answer_malformed(self, body: Any) -> bool:
+        return not well_formed(self.kind, body)
 
     def usage_tokens(self, body: Any) -> int:
         return usage_tokens(body)

@@ -184,7 +184,8 @@ class UpstreamConfig(Section):
         "leading it did not ask to: streaming clients that join it get "
         "its tokens live, non-streaming ones the assembled answer (an "
         "unfinished one is then a 502, not served). Not for completions "
-        "with `best_of` or `echo`. Off: the call streams only when its "
+        "with `best_of` or `echo`, nor for vLLM's `prompt_logprobs` (chat and completions; "
+        "refused on a stream): those go whole. Off: the call streams only when its "
         "leader asked to.",
     )
 

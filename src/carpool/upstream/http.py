@@ -26,7 +26,8 @@ Contract (on top of ``upstream.base``):
   stalled: the engine took the call, not retried elsewhere; a pass-through answer's body
   raises it as it is read, its status relayed already), a
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
-  stream, without its last event; an empty one included: its message says it sent nothing) ->
+  stream, without its last event, ``[DONE]`` before it included: typed streams send none; an
+  empty one included: its message says it sent nothing) ->
   ``UpstreamStreamBroken`` (502). Their messages
   reach clients: they name the replica by its ``label`` and say what happened in words
   (``reason``, ``wire.reason_of``), never an exception repr, an address or a credential.
@@ -522,7 +523,7 @@ async def _payloads(
     event, else ``UpstreamStreamBroken``), whichever client reads it: its ``timeouts`` and
     ``errors`` become ``UpstreamStreamBroken``; ``done(ended whole)`` at the end."""
     decoder = SSEDecoder()
-    sent = ended = False
+    sent = ended = broken = False
     try:
         async for data in chunks:
             pieces: tuple[bytes, ...] = (data,)
@@ -537,6 +538,11 @@ async def _payloads(
                 batch: list[bytes] = []
                 for event, payload in decoder.feed(piece):
                     if payload == b"[DONE]":
+                        if last_event is not None:
+                            # A typed stream sends no [DONE]: one before its last event (a
+                            # proxy's end of a stream it cut) ends it short, not whole.
+                            broken = True
+                            break
                         ended = True
                         break
                     if event == "error" and not payload.startswith(b'{"error"'):
@@ -550,6 +556,8 @@ async def _payloads(
                     yield batch
                 if ended:
                     return
+                if broken:
+                    raise UpstreamStreamBroken(f"{who} ended its stream without its last event")
         # The body ended cleanly but the stream did not: a server that stopped (a crash, a
         # proxy's cut) reads just like this. Without [DONE] (or a typed stream's last event)
         # nothing says the answer is whole.
