@@ -102,6 +102,20 @@ class Answer:
         answer.on_synthesized = None
         return answer
 
+    def served_copy(self) -> Answer:
+        """This answer with a memo of its own (``sse``), its body and frames shared, not copied:
+        what a holder that does not count the memo (the semantic cache) hands a client, so that
+        frames synthesized for a streaming one are not kept in the answer it holds."""
+        return Answer.restored(
+            self.kind,
+            self.body,
+            self.complete,
+            self.tokens,
+            self.created,
+            self.frames,
+            self.usage_frame,
+        )
+
     @classmethod
     def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:
         return cls(kind, raw, complete, api_of(kind).usage_tokens(parsed))

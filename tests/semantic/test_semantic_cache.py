@@ -75,6 +75,30 @@ async def test_a_paraphrase_is_a_semantic_hit_with_its_similarity(sgw, fake):
     assert stats["semantic_hits"] == 1 and stats["layers"]["semantic"]["entries"] == 1
 
 
+async def test_a_streaming_semantic_hit_keeps_no_frames_in_the_cache_its_budget_does_not_count(
+    sgw, fake
+):
+    # An entry counts its answer as stored (``semantic.max_bytes``); frames synthesized for a
+    # streaming client of an answer stored without frames were kept in that very answer (its
+    # memo, twice: with the usage chunk and without), uncounted, for as long as the entry lived.
+    await ask(sgw, "How do I reset my router?")  # a whole answer: stored without frames
+    await stored(sgw)
+    held = sgw.gateway.semantic.bytes
+    for include_usage in (False, True):
+        options = {"stream_options": {"include_usage": True}} if include_usage else {}
+        message = {"role": "user", "content": "how can i reset my router"}
+        request = {"model": "m", "temperature": 0, "messages": [message], "stream": True}
+        async with sgw.client.stream(
+            "POST", "/v1/chat/completions", json={**request, **options}
+        ) as streamed:
+            raw = (await streamed.aread()).decode()
+        assert streamed.headers["x-carpool"] == "semantic-hit"
+        assert raw.endswith("data: [DONE]\n\n") and ('"usage"' in raw) == include_usage
+    entries = [entry for _, entry in sgw.gateway.semantic._entries.items()]
+    assert [entry.answer.synthesized for entry in entries if entry.answer] == [{}]
+    assert sgw.gateway.semantic.bytes == held and fake.count() == 1
+
+
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 async def test_the_responses_and_messages_apis_last_user_input_is_compared_by_meaning(
     sgw, fake, path

@@ -31,8 +31,10 @@ Contract:
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
   ``semantic.max_entries`` entries and ``semantic.max_bytes`` bytes: the least recently used go
   first (``carpool.lru``). An entry counts (``SemanticEntry.size``) its answer whole (its own
-  copy: the exact cache's budget does not bound it), its texts, its vector in the index (twice
-  its raw size: the graph's copy and its links) and ``ENTRY_OBJECTS`` for its Python objects;
+  copy: the exact cache's budget does not bound it; a client is served a copy sharing its
+  bytes, ``Answer.served_copy``, so that frames synthesized for a streaming one are not kept
+  in it uncounted), its texts, its vector in the index (twice its raw size: the graph's copy
+  and its links) and ``ENTRY_OBJECTS`` for its Python objects;
   each scope's index counts ``SCOPE_BYTES`` besides (room is made for it as an entry opens the
   scope: one scope per entry held ~10x what its entries counted before), and each slot its
   removed vectors left (``VectorIndex.slack``: usearch keeps them) what a vector counts. An
@@ -440,6 +442,10 @@ class SemanticCache:
                     continue
                 if max_age is not None and candidate.answer.age() >= max_age:
                     continue
+            else:
+                # A copy of its own for the client: frames synthesized for a streaming one
+                # would stay in the entry's answer, which ``size`` counts as stored.
+                candidate.answer = candidate.answer.served_copy()
             if (
                 self._entries.peek(entry.id) is not entry
                 or entry.expires <= self._clock.now()
