@@ -895,6 +895,23 @@ async def test_the_rest_of_a_body_answered_early_that_came_leaves_the_idle_conne
     assert status == 404
 
 
+@pytest.mark.parametrize("between", [b"\r\n", b"\r\n\r\n"])
+async def test_a_blank_line_between_requests_does_not_hold_an_idle_connection_past_keep_alive(
+    fake, between
+):
+    """A blank line after an answer (one a client may send between requests, RFC 9112 2.2)
+    disarmed uvicorn's keep-alive timer, as every read does, and began no request that would
+    arm the head's: the connection, idle, was held for ever. It is keep-alive's again."""
+    app = create_app(build_gateway(Config(upstreams=[fake.url], limits={"body_read_timeout": 30})))
+    async with serve_app_with_server(app, timeout_keep_alive=1) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+            status, _, _ = await asyncio.wait_for(_response(reader), 5)
+            writer.write(between)  # then idle
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by keep-alive
+    assert status == 200
+
+
 async def test_a_pipelined_requests_late_body_still_gets_its_408(fake):
     """The rest timer of an answer given before its body's end was armed for the body of the
     request pipelined behind it, and closed the connection without that request's 408."""

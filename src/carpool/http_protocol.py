@@ -275,6 +275,18 @@ class GatewayProtocol(HttpToolsProtocol):
                 return
         if self.held is not None:  # its body did not all come in this read: uvicorn's
             self._hand_over(complete=False)
+        elif (
+            self.phase == _IDLE
+            and self.timeout_keep_alive_task is None
+            and not self.pipeline
+            and (self.cycle is None or self.cycle.response_complete)
+        ):
+            # A read that began no request (a blank line between requests, which httptools
+            # skips) disarmed uvicorn's keep-alive timer and armed no head's: idle again, the
+            # connection was held for ever. Keep-alive's again, as after an answer.
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
     def on_message_begin(self) -> None:
         self._send_now()  # (a request behind one answered here, in the same read: after it)
