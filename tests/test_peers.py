@@ -935,3 +935,59 @@ async def test_a_keyed_answer_run_by_its_owner_in_front_of_the_simulator_is_labe
             assert response.headers.get_list("x-carpool-simulated") == ["true"]
     finally:
         peers.remove(directory)
+
+
+async def test_a_tenant_accepted_on_one_worker_only_never_deadlocks_the_two_owners(fake):
+    """In a shared namespace each worker keys a request by what the upstream accepted there: a
+    tenant accepted on one worker only had two keys, whose owners could be each other. Sent to
+    both at once, each led a flight asking the other, and each peer request joined the other's
+    flight, waiting on it: both waited out the join timeout, then both called the upstream. The
+    owner is chosen from the shared key, the same on every worker: one call, no wait."""
+    shared = {"authorization": "Bearer sk-t1", "x-carpool-namespace": "pub"}
+    async with two_workers(
+        fake.url, tenant={"shared_namespaces": ["pub"]}, coalesce={"join_timeout_ms": 3000}
+    ) as pair:
+        a, b = pair.a.gateway, pair.b.gateway
+        assert a.peers is not None and b.peers is not None
+
+        def owner_key(gateway: Gateway, question: str) -> str:
+            body = httpx.Request("POST", "/", json=_chat(question)).content
+            request = parse(ClientRequest("/v1/chat/completions", body, shared), 1 << 20)
+            key = fingerprint(request, gateway.config, gateway.accepted)
+            assert key.key is not None
+            return key.shared_key or key.key
+
+        # The tenant accepted by b only: a call b makes itself.
+        warm = next(
+            q
+            for q in (f"warm {i}?" for i in range(1000))
+            if b.peers.owner_of(owner_key(b, q)) is None
+            and b.peers.owner_of(key_of(b, q, shared)) is None
+        )
+        assert (await pair.b.chat(warm, headers=shared)).headers["x-carpool"] == "miss"
+        assert len(a.accepted) == 0 and len(b.accepted) == 1
+        # A question whose two keys' owners were each other: a's (the tenant's own) b, b's
+        # (the shared one) a.
+        question = next(
+            q
+            for q in (f"split {i}?" for i in range(2000))
+            if a.peers.owner_of(key_of(a, q, shared)) == 1
+            and b.peers.owner_of(key_of(b, q, shared)) == 0
+        )
+        # Each worker asks its owner only once both have begun their flights (as when the two
+        # arrive together).
+        for worker in (a.peers, b.peers):
+            ask = worker.ask
+
+            async def once_both_fly(*args: Any, _ask: Any = ask, **kwargs: Any) -> Any:
+                await eventually(lambda: a.flights.calls and b.flights.calls, what="two flights")
+                return await _ask(*args, **kwargs)
+
+            worker.ask = once_both_fly  # type: ignore[method-assign]
+        fake.delay = 0.5  # (the call still running as the other worker's request comes)
+        calls = fake.count()
+        first, second = await asyncio.gather(
+            pair.a.chat(question, headers=shared), pair.b.chat(question, headers=shared)
+        )
+        assert first.status_code == second.status_code == 200
+        assert first.json() == second.json() and fake.count() == calls + 1

@@ -137,8 +137,11 @@ class Leader:
         ):
             embedding = asyncio.get_running_loop().create_task(self.semantic.vector(view))
         # Without redis, among the workers of one run: the key's owner makes the call for all.
+        # Chosen from the shared key where there is one (a shared namespace's requester not yet
+        # accepted here): each worker keys such a request by what the upstream accepted there,
+        # and two keys' owners could be each other, each flight waiting on the other's.
         owner = (
-            self.peers.owner_of(key.key)
+            self.peers.owner_of(key.shared_key or key.key)
             if self.peers is not None and not alone and key.key is not None
             else None
         )

@@ -3,7 +3,9 @@
 Contract:
 - ``owner_of(key)``: the worker that leads the upstream calls of ``key`` (a fingerprint, or an
   idempotency record's scope): BLAKE2b(key) mod N, the same in every worker (Python's ``hash``
-  is salted per process); None when it is this one.
+  is salted per process); None when it is this one. A flight's is its shared key where it has
+  one (``lead.py``: a shared namespace's key, which every worker computes alike, whatever the
+  upstream accepted there).
 - ``ask(owner, request, call)``: a flight's call, asked of the owner instead of the upstream
   (``Exchange.fetch``): the body the upstream would get (``call``), under the gateway path of
   its API, with the client's own headers (its credentials and controls: the owner computes the
