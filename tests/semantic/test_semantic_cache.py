@@ -685,8 +685,12 @@ def two_semantic(fake, shared_redis):
 
     @contextlib.asynccontextmanager
     async def start(distributed=None, **extra):
+        # Redis's timeouts generous: a connection that took over 0.25 s on the busy CI machine
+        # put an instance in degraded mode for 0.1 s, and the semantic record it was writing
+        # then was its alone (by design), never reaching the other one the test waited on.
+        settings = {"retry_interval": 0.05, "connect_timeout": 5.0, "timeout": 5.0}
         shared = {
-            **redis_settings(shared_redis, retry_interval=0.05, **(distributed or {})),
+            **redis_settings(shared_redis, **{**settings, **(distributed or {})}),
             "admin_token": "t",
             **SEMANTIC,
             **extra,
