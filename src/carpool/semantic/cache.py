@@ -380,8 +380,7 @@ class SemanticCache:
 
     def _below_floor(self, entry: SemanticEntry) -> bool:
         """Whether ``entry`` was made before a prefix invalidation no longer remembered."""
-        mark, at = self._floor
-        return entry.id < mark or entry.created < at
+        return _made_before(entry, *self._floor)
 
     def _predates(self, entry: SemanticEntry, prefix: str | None) -> bool:
         """Whether ``entry`` was made before a remembered prefix invalidation that names
@@ -389,7 +388,7 @@ class SemanticCache:
         if self._below_floor(entry):
             return True
         return any(
-            (entry.id < mark or entry.created < at) and (prefix is None or prefix.startswith(p))
+            _made_before(entry, mark, at) and (prefix is None or prefix.startswith(p))
             for p, mark, at in self._prefixes
         )
 
@@ -655,3 +654,9 @@ def _entry_size(key: int, entry: SemanticEntry) -> int:
 
 def _entry_expires(entry: SemanticEntry) -> float:
     return entry.expires
+
+
+def _made_before(entry: SemanticEntry, mark: int, at: float) -> bool:
+    """Whether ``entry`` predates an invalidation that drew entry id ``mark`` at ``at``: it
+    came into this cache before (a smaller id), or its answer was made before (``created``)."""
+    return entry.id < mark or entry.created < at
