@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import orjson
 import pytest
 
 from carpool.clock import ManualClock
@@ -490,6 +491,33 @@ async def test_the_ids_a_kept_objects_answer_names_are_remembered_before_its_las
             b"".join([p async for p in learning(pieces(other, 1000), remembered.append)]) == other
         )
         assert remembered == []
+
+
+async def test_an_answer_learned_from_is_parsed_when_it_can_be_whole_not_once_per_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[int] = []
+    loads = orjson.loads
+
+    def counting(data: bytes | bytearray | str) -> object:
+        parsed.append(len(data))
+        return loads(data)
+
+    monkeypatch.setattr(orjson, "loads", counting)
+
+    async def bytewise(data: bytes) -> AsyncIterator[bytes]:
+        for at in range(len(data)):
+            yield data[at : at + 1]
+
+    answer = b'{"id": "file-1", "object": "file", "bytes": 140, "purpose": "batch"}\n'
+    remembered: list[str] = []
+    assert b"".join([p async for p in learning(bytewise(answer), remembered.append)]) == answer
+    assert remembered == ["file-1"] and parsed == [len(answer) - 1]
+    # Not an object: given up at its first byte, never parsed.
+    parsed.clear()
+    listed = b'  [{"id": "x"}' + b", {}" * 1000 + b"]"
+    assert b"".join([p async for p in learning(bytewise(listed), remembered.append)]) == listed
+    assert parsed == [] and remembered == ["file-1"]
 
 
 def test_only_a_delete_of_the_stored_object_itself_names_what_it_deletes():

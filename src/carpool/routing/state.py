@@ -103,6 +103,7 @@ _KEPT = (*_STORED, "/files/", "/batches/")
 _NAMED = ("id", "input_file_id", "output_file_id", "error_file_id")
 # The most bytes of an answer read for its ids: a file or batch object is well under 2 KiB.
 MAX_LEARNED = 64 * 1024
+_SPACES = b" \t\r\n"  # JSON's whitespace
 
 
 def _after_id(path: str, prefixes: tuple[str, ...] = _STORED) -> tuple[str, str | None] | None:
@@ -151,13 +152,19 @@ async def learning(
     has the whole answer asks after the id only once it routes. An answer not a JSON object
     within ``MAX_LEARNED`` bytes names nothing. ``body`` is closed however this ends."""
     seen = bytearray()
-    learned = False
+    learned = False  # done with it: its ids remembered, or it names none
+    opened = False  # whether a byte but JSON's spaces has come
+    closed = False  # whether the last such byte is "}": only then can an object be whole
     try:
         async for piece in body:
             if not learned:
                 seen += piece
-                learned = len(seen) > MAX_LEARNED
-                if not learned:
+                if tail := piece.rstrip(_SPACES):
+                    learned = not opened and not tail.lstrip(_SPACES).startswith(b"{")
+                    opened, closed = True, tail.endswith(b"}")
+                learned = learned or len(seen) > MAX_LEARNED
+                # Parsed only when it can be whole: once per piece was quadratic in its size.
+                if not learned and closed:
                     try:
                         answer = orjson.loads(seen)
                     except orjson.JSONDecodeError:
