@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ from carpool.errors import RETRY_HEADERS
 from carpool.fingerprint import fingerprint
 from carpool.peers import Peers, claim
 from carpool.peers.server import PeerServer
+from carpool.peers.slots import spare_path
+from carpool.peers.workers import STALE_SPARE_S
 from carpool.pipeline import Gateway
 from carpool.request import ClientRequest, parse
 from carpool.server import create_app
@@ -991,3 +995,26 @@ async def test_a_tenant_accepted_on_one_worker_only_never_deadlocks_the_two_owne
         )
         assert first.status_code == second.status_code == 200
         assert first.json() == second.json() and fake.count() == calls + 1
+
+
+async def test_a_killed_spare_workers_socket_is_removed_not_tried_on_every_invalidation(fake):
+    """A worker without a slot killed (SIGKILL) leaves its spare socket's file, refusing
+    connections: the first invalidation that finds it so past ``STALE_SPARE_S`` removes it
+    and lets its connections go; a spare socket made a moment ago is kept (it may be binding)."""
+    admin = {"authorization": "Bearer adm"}
+    async with two_workers(fake.url, admin_token="adm") as pair:
+        peers_a = pair.a.gateway.peers
+        assert peers_a is not None
+        killed, binding = spare_path(peers_a.directory), spare_path(peers_a.directory)
+        for path in (killed, binding):
+            with socket.socket(socket.AF_UNIX) as made:
+                made.bind(str(path))  # (never listening: as a killed worker's file)
+        long_ago = time.time() - STALE_SPARE_S - 60
+        os.utime(killed, (long_ago, long_ago))
+        first = await pair.a.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert first.status_code == 200
+        assert not killed.exists() and binding.exists()
+        again = await pair.a.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert again.status_code == 200
+        assert killed not in peers_a._sessions and binding in peers_a._sessions
+        assert binding.exists()

@@ -61,6 +61,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,7 +80,7 @@ from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
 from ..upstream.http import closer, sse_payloads
 from ..upstream.sim.replies import SIMULATED_HEADER
 from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
-from .slots import Meeting, Slot, claim, socket_path, spare_path, spares
+from .slots import SPARE_PREFIX, Meeting, Slot, claim, socket_path, spare_path, spares
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -119,6 +120,9 @@ CLAIM_POLL_S = 0.05
 # How long a scrape waits for another worker's metrics (a hung one must not hang the scrape).
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 CLAIM_MARGIN_S = 15.0
+# A spare socket refusing connections this long after it was made is a killed worker's (a spare
+# listens from the moment its file is made, and one that stops removes its own file).
+STALE_SPARE_S = 10.0
 
 
 class Peers:
@@ -242,7 +246,7 @@ class Peers:
     async def invalidate(self, spec: Any) -> int:
         """``spec`` invalidated on every other worker; how many answers they dropped."""
         dropped = await asyncio.gather(
-            *(self._invalidate_on(path, spec) for path in self._others())
+            *(self._invalidate_on(path, spec) for path in await self._others())
         )
         return sum(dropped)
 
@@ -251,17 +255,34 @@ class Peers:
         ``{"state": tag}`` through their doors (``Gateway.forget_state``: no invalidation);
         how many answers they dropped."""
         dropped = await asyncio.gather(
-            *(self._invalidate_on(path, {"state": tag}) for path in self._others())
+            *(self._invalidate_on(path, {"state": tag}) for path in await self._others())
         )
         return sum(dropped)
 
-    def _others(self) -> list[Path]:
-        """The sockets of every other worker of the run: the slots', and the spare ones."""
+    async def _others(self) -> list[Path]:
+        """The sockets of every other worker of the run: the slots', and the spare ones (the
+        connections to a spare no longer there let go)."""
         own = self._spare[1] if self._spare is not None else None
-        return [
+        others = [
             *(socket_path(self.directory, i) for i in range(self.count) if i != self.index),
             *(path for path in spares(self.directory) if path != own),
         ]
+        for path in [p for p in self._sessions if _is_spare(p) and p not in others]:
+            if (session := self._sessions.pop(path, None)) is not None:
+                await session.close()
+        return others
+
+    async def _unreached(self, path: Path, error: BaseException) -> None:
+        """``path`` did not answer: a spare socket that refuses connections past
+        ``STALE_SPARE_S`` is a killed worker's file, removed (else every invalidation, scrape
+        and admin call of the run tries it again, and logs it)."""
+        if _is_spare(path) and isinstance(
+            getattr(error, "os_error", error), ConnectionRefusedError
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - path.stat().st_mtime > STALE_SPARE_S:
+                    path.unlink()
+                    log.info("removed %s, a stopped worker's spare socket", path.name)
 
     async def metrics(self) -> list[str]:
         """Every other worker's own ``/metrics`` (``peers.metrics``); one that does not answer
@@ -273,7 +294,9 @@ class Peers:
         return await self._own_of_each("/stats")
 
     async def _own_of_each(self, path: str) -> list[str]:
-        texts = await asyncio.gather(*(self._own_of(socket, path) for socket in self._others()))
+        texts = await asyncio.gather(
+            *(self._own_of(socket, path) for socket in await self._others())
+        )
         return [text for text in texts if text is not None]
 
     async def _own_of(self, socket: Path, path: str) -> str | None:
@@ -291,6 +314,7 @@ class Peers:
                 why = f"status {response.status}"
         except _UNREACHED as error:  # (down: a spare's stale file, often)
             log.info("worker %s is down: not in this %s (%s)", socket.name, path, _why(error))
+            await self._unreached(socket, error)
             return None
         except _FAILED as error:
             why = _why(error)
@@ -307,7 +331,7 @@ class Peers:
         as the operator's (its admin token): each answer's status and JSON object, of those that
         gave one (one down or that does not answer in time gives none: logged)."""
         answers = await asyncio.gather(
-            *(self._admin_on(path, route, spec, route) for path in self._others())
+            *(self._admin_on(path, route, spec, route) for path in await self._others())
         )
         return [answer for answer in answers if answer is not None]
 
@@ -325,6 +349,7 @@ class Peers:
                 status, answer = response.status, await response.json(content_type=None)
         except _UNREACHED as error:  # (down: it holds nothing; a spare's stale file, often)
             log.info("worker %s is down: no %s there (%s)", path.name, what, _why(error))
+            await self._unreached(path, error)
             return None
         except (*_FAILED, ValueError) as error:
             log.warning("worker %s did not take the %s: %s", path.name, what, _why(error))
@@ -495,6 +520,10 @@ async def _relayed(response: aiohttp.ClientResponse, api: Api) -> AsyncIterator[
         )
     finally:
         response.close()
+
+
+def _is_spare(path: Path) -> bool:
+    return path.name.startswith(SPARE_PREFIX)
 
 
 def _why(error: BaseException) -> str:
