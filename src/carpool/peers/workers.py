@@ -27,7 +27,8 @@ Contract:
 - ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once (the slots'
   sockets and the spare ones); how many answers they dropped. A worker that does not answer
   holds nothing to drop when it is down (a new process starts empty); one that is alive but
-  does not answer in time is logged. ``forget_state(tag)``: likewise, ``{"state": tag}`` (a
+  does not answer in time is logged. A spare socket refusing connections ``STALE_SPARE_S``
+  after it was made is a killed worker's file: removed, and never tried again. ``forget_state(tag)``: likewise, ``{"state": tag}`` (a
   deleted response's, ``Gateway.forget_state``: what each stored under it, by key), which only
   a peer may send (the door's secret) and no admin token opens. ``admin(route, spec)``: likewise
   any other ``POST /admin/...`` (the semantic audits' reset and reports: ``admin_http``), each
