@@ -15,6 +15,8 @@ Contract
   setting missing or out of range, a model that does not load is a :class:`VerifierFileError`
   naming the folder). The default folder is the one packaged with carpool (:data:`PACKAGED`), made by
   ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
+  Its int8 products are computed exactly on every CPU (:mod:`carpool.semantic.embed.exact_int8`:
+  where ONNX Runtime would clip them, the threshold calibrated on exact ones would not hold).
 - The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
   them. ``unread(pairs)`` says which pairs it would have to cut (the longer side first): those
   score 0, as does a pair with a token the model's vocabulary does not have (``[UNK]``: most
@@ -119,6 +121,7 @@ class CrossEncoder:
         from .embed import _require, _require_numpy, default_threads  # its imports are heavy
 
         ort = _require("onnxruntime")
+        _require("onnx")  # (reads the model where this CPU's int8 products need it: _loadable)
         self._np = _require_numpy()
         tokenizers = _require("tokenizers")
         self.name = f"cross-encoder:{digests['model.onnx'][:12]}"
@@ -139,7 +142,7 @@ class CrossEncoder:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self._session = ort.InferenceSession(
-                files["model.onnx"], options, providers=["CPUExecutionProvider"]
+                _loadable(files["model.onnx"]), options, providers=["CPUExecutionProvider"]
             )
         except Exception as exc:
             raise VerifierFileError(f"{folder / 'model.onnx'}: not a model ({exc})") from None
@@ -230,3 +233,16 @@ def shared_cross_encoder(directory: str | None = None) -> CrossEncoder:
     """One :class:`CrossEncoder` per folder for the process (loading it takes ~0.3 s and ~30 MB;
     every gateway and cache in the process may share it: the threshold is the guard's)."""
     return CrossEncoder(directory)
+
+
+def _loadable(model: bytes) -> bytes:
+    """``model`` as this CPU computes its int8 products exactly (``exact_int8``), or as given
+    when ``onnx`` cannot read it (ONNX Runtime then says why it is no model)."""
+    from google.protobuf.message import DecodeError  # (onnx's, which reads the model)
+
+    from .embed.exact_int8 import model_bytes
+
+    try:
+        return model_bytes(model)
+    except DecodeError:  # (a file that is no model: reported by the session's load)
+        return model

@@ -54,9 +54,12 @@ def _onnx_encoder(
     against 53.1 % / 1.6 %)."""
     ort = _require("onnxruntime")
     _require("onnx")  # (before onnx_graph imports it: a missing one names the extra)
+    from .exact_int8 import exactly, saturates
     from .onnx_graph import encoder_graph
 
     model = encoder_graph(layers, heads, hidden, precision)
+    if precision == "int8" and saturates():
+        exactly(model)  # (this CPU clips int8 products: the same integers as uint8)
     output = model.graph.output[0].name
     serialized = model.SerializeToString()
     del model  # its copy of the weights: freed before the session makes its own

@@ -12,7 +12,8 @@ The weights are initializers: the model holds a copy of them (~43 MB fp32, ~11 M
 ``precision="int8"``: the four weight matrices of each layer are quantised to int8 (one
 symmetric scale per output column) and their inputs quantised at run time (one scale per call:
 ONNX's ``DynamicQuantizeLinear``), what ONNX Runtime's ``quantize_dynamic`` writes. The
-attention products stay fp32.
+attention products stay fp32. (Where this CPU clips such products, the encoder's session loads
+the graph rewritten by :func:`carpool.semantic.embed.exact_int8.exactly`.)
 
 This module imports ``onnx`` (the ``semantic`` extra) at the top: only
 :func:`carpool.semantic.embed.onnx_encoder._onnx_encoder` imports it, once it has checked that
