@@ -260,15 +260,66 @@ async def test_upstream_exception_reaches_every_caller() -> None:
     assert all(isinstance(r, UpstreamUnreachable) for r in results)
 
 
-async def test_malformed_answer_is_an_upstream_error_for_all() -> None:
+async def test_a_merged_2xx_answer_that_is_not_json_is_an_upstream_error_for_all() -> None:
     async def bad(request: UpstreamRequest) -> UpstreamResponse:
-        return UpstreamResponse(200, {}, b'{"data": [{"index": 0, "embedding": [1]}]}')
+        return UpstreamResponse(200, {}, b"<html>proxy says hello</html>")
 
     batcher = EmbeddingBatcher(bad, max_batch_delay_s=0.01)
     results = await asyncio.gather(
         batcher.embed(req("a")), batcher.embed(req("b")), return_exceptions=True
     )
     assert all(getattr(r, "status", None) == 502 for r in results)
+    assert batcher.stats()["alone"] == 0  # (no item by item retry of a broken proxy's page)
+
+
+@pytest.mark.parametrize(
+    "indexes", [[0], [0, 0], [1, 2], [0, 2]], ids=["short", "twice", "from-1", "a-gap"]
+)
+async def test_a_merged_2xx_answer_not_one_vector_per_item_in_order_sends_each_item_alone(
+    indexes,
+) -> None:
+    """Merging must not change an answer: a merged call's 2xx answer that is not one vector
+    per item, indexed 0..n-1 (an engine that left one out, or numbered them wrong), was a 502
+    for every caller, though each item alone is answered fine. Each item now goes alone, as
+    for a refusal, and each caller gets the engine's own answer to its own item."""
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        calls.append(given)
+        if not isinstance(given, list):
+            return await FakeSend()(request)
+        rows = [{"object": "embedding", "index": i, "embedding": [float(i)]} for i in indexes]
+        return UpstreamResponse(200, {}, orjson.dumps({"object": "list", "data": rows}))
+
+    batcher = EmbeddingBatcher(send, max_batch_size=2, max_batch_delay_s=30.0)
+    first, second = await asyncio.gather(batcher.embed(req("first")), batcher.embed(req("second")))
+    assert own(first)["data"][0]["embedding"] == vector("emb", "first")
+    assert own(second)["data"][0]["embedding"] == vector("emb", "second")
+    assert calls[0] == ["first", "second"] and sorted(calls[1:]) == ["first", "second"]
+    assert batcher.stats()["alone"] == 2
+
+
+async def test_an_engine_answering_a_list_short_of_an_item_answers_each_caller_its_own(
+    gateway_with, fake
+):
+    """The same over HTTP: an engine that leaves a list's 2nd input out of its answer (but
+    answers every input alone) gave both clients a 502; each now gets its own vector."""
+    fake.embedding_fn = lambda item: [float(len(item)), 1.0]
+    fake.drop_embeddings = {1}  # a list's 2nd vector never comes back; a single input's does
+    auth = {"authorization": "Bearer A"}
+    batching = {"max_batch_size": 2, "max_batch_delay_ms": 60_000, "embeddings": "on"}
+    async with gateway_with(batching=batching) as gw:
+        answers = await asyncio.gather(
+            *(
+                gw.client.post(EMBEDDINGS, json={"model": "e", "input": text}, headers=auth)
+                for text in ("one", "three")
+            )
+        )
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    assert [r.json()["data"][0]["embedding"] for r in answers] == [[3.0, 1.0], [5.0, 1.0]]
+    inputs = [c.body["input"] for c in embedding_calls(fake)]
+    assert inputs[0] == ["one", "three"] and sorted(inputs[1:]) == ["one", "three"]
 
 
 async def test_a_cancelled_caller_does_not_break_the_batch() -> None:

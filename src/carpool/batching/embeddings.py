@@ -61,10 +61,13 @@ Contract
   non-null top-level ``error``, whatever else it holds): no success
   (``completeness.is_complete``: alone, such an answer reaches its client as it came and is
   not stored), and it does not say whose; rebuilt per caller from its ``data``, it would
-  lose the error and be stored. Any other non-2xx answer reaches every caller of the
-  batch as the same status, headers and body; an exception from ``send`` is raised to every
-  caller; a 2xx answer that does not hold one embedding per input is an ``UpstreamError``
-  (502) for all of them.
+  lose the error and be stored. And so it is for a 2xx JSON answer that is not one embedding
+  per input, indexed exactly 0..n-1 (an engine that left an input out, or numbered them
+  wrong): whose vector is whose, it does not say, and each item alone may well be answered
+  right. Any other non-2xx answer reaches every caller of the batch as the same status,
+  headers and body; an exception from ``send`` is raised to every caller; a 2xx answer
+  that is not JSON at all (a proxy's page, a cut body: nothing an engine answers about an
+  item) is an ``UpstreamError`` (502) for all of them.
 - Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
   ``total_tokens``, each when it is there); an upstream that reported none gives answers
   without ``usage``: nothing is invented. Apportioned usage is an estimate (the engine counts
@@ -348,8 +351,8 @@ class EmbeddingBatcher:
             elif response.status in _NOT_AN_ITEM:
                 raise _BatchFailed(response.status, response.headers, response.body)
         # Refused, maybe for one item (engines refuse a whole list for one), or answered with
-        # an error beside the data (whose item's, it does not say): each item alone, so that
-        # the others get their answers and that one its own refusal.
+        # an error beside the data, or not one vector per item in order (whose item's, it
+        # does not say): each item alone, so that each caller gets the engine's own answer.
         return self._alone(items)
 
     def _alone(self, items: list[_Item]) -> list[asyncio.Future[UpstreamResponse]]:
@@ -398,22 +401,30 @@ class EmbeddingBatcher:
     def _split(
         response: UpstreamResponse, items: list[str | tuple[int, ...]], model: str
     ) -> list[tuple[bytes, dict[str, str]]] | None:
-        """Each item's own answer from a merged call's 2xx answer; None when it reports an
-        error (a non-null top-level ``error``), whatever else it holds."""
+        """Each item's own answer from a merged call's 2xx answer; None (each item then goes
+        alone) when it reports an error (a non-null top-level ``error``), whatever else it
+        holds, or is not one embedding per item indexed 0..n-1; an ``UpstreamError`` when it
+        is not JSON at all."""
         try:
             parsed = orjson.loads(response.body)
-            if isinstance(parsed, dict) and parsed.get("error") is not None:
-                # No success (``completeness.is_complete``), and not every caller's: rebuilt
-                # from ``data`` alone, it would lose the error and be stored as complete.
-                return None
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(
+                f"the upstream's embeddings answer for {len(items)} inputs is not JSON"
+            ) from exc
+        if isinstance(parsed, dict) and parsed.get("error") is not None:
+            # No success (``completeness.is_complete``), and not every caller's: rebuilt
+            # from ``data`` alone, it would lose the error and be stored as complete.
+            return None
+        try:
             data = sorted(parsed["data"], key=lambda row: row["index"])
             embeddings = [row["embedding"] for row in data]
-            if [row["index"] for row in data] != list(range(len(items))):
-                raise ValueError("indexes")
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise UpstreamError(
-                f"the upstream's embeddings answer for {len(items)} inputs is malformed"
-            ) from exc
+            indexes = [row["index"] for row in data]
+        except (KeyError, TypeError):
+            return None  # (no ``data`` list of indexed embeddings: whose answer, it says not)
+        if indexes != list(range(len(items))):
+            # An input left out, or two answered as one index: which vector is whose is not
+            # known, and each alone is answered by the engine itself.
+            return None
         weights = [approx_tokens(item) for item in items]
         usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
         # Only what the upstream reported is shared out: a figure it did not give is not made up.
