@@ -322,6 +322,34 @@ async def test_an_engine_answering_a_list_short_of_an_item_answers_each_caller_i
     assert inputs[0] == ["one", "three"] and sorted(inputs[1:]) == ["one", "three"]
 
 
+async def test_alone_counts_the_calls_sent_alone_not_an_item_whose_callers_left() -> None:
+    """``alone`` counts the calls sent alone: an item of an item by item retry whose callers
+    had all left is never sent (its call is dropped before it starts), yet was counted."""
+    gate = asyncio.Event()
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        calls.append(request.body["input"])
+        if isinstance(request.body["input"], list):
+            await gate.wait()
+            return UpstreamResponse(500, {}, b'{"error": {"message": "one of them"}}')
+        return await FakeSend()(request)
+
+    batcher = EmbeddingBatcher(send, max_batch_size=2, max_batch_delay_s=30.0)
+    leaving = asyncio.create_task(batcher.embed(req("leaving")))
+    staying = asyncio.create_task(batcher.embed(req("staying")))
+    await eventually(lambda: len(calls) == 1, what="the merged call")
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving  # (its caller has left the batch)
+    gate.set()  # the merged call is refused: its items go alone, but "leaving" has no caller
+    assert own(await staying)["data"][0]["embedding"] == vector("emb", "staying")
+    await batcher.wait_idle()
+    assert calls == [["leaving", "staying"], "staying"]
+    stats = batcher.stats()
+    assert stats["alone"] == 1 and stats["batches"] == 2 and stats["items_sent"] == 3
+
+
 async def test_a_cancelled_caller_does_not_break_the_batch() -> None:
     gate = asyncio.Event()
     send = FakeSend(gate=gate)

@@ -29,7 +29,8 @@ Contract
   and an exception from ``send`` reaches that item's callers only. Each such call of a batch
   is a task of its own, cancelled once every caller of its item has left, though the batch's
   other items still have callers (a call is cancelled when every client of it has gone).
-  Such calls are counted in ``alone``.
+  Such calls are counted in ``alone`` as they are sent: an item whose callers have all left
+  before its call starts is never sent, nor counted.
 - Counters of the calls it sends (what the engines were asked, not the batches it gathered: a
   batch of several items sent item by item is that many calls of one): ``batches`` (calls),
   ``items_sent`` (the items in them), ``max_items_seen`` (the most in one call), and
@@ -359,13 +360,15 @@ class EmbeddingBatcher:
         """Each item in a call of its own, concurrently: a task per item, whose result (or
         exception) is that item's callers' only, cancelled when they have all left (the
         scheduler's contract), the other items' calls going on."""
-        self.alone += len(items)
         return [asyncio.ensure_future(self._one(request)) for _, request in items]
 
     async def _one(self, request: UpstreamRequest) -> UpstreamResponse:
         """One item in a call of its own: its request as its client sent it (its body, ``user``
         included, and every header forwarded: nothing in it is another caller's), and the
         upstream's answer to it, as it came."""
+        # Counted here, as it is sent: the task of an item whose callers have all left is
+        # cancelled before it starts (``KeyedBatcher``), and that call is never made.
+        self.alone += 1
         self._sending(1)
         response = await self._send(request)
         try:
