@@ -8,7 +8,9 @@ a layer whose config is off is ``None``; optional layers import their dependenci
 peers) is used as it is, instead of the one the config would build. ``embedder: upstream``
 with no credentials of the gateway's for its /v1/embeddings (``semantic.embedder_api_key``, a
 held key or a URL's user) is warned about as it is built: an upstream that wants a key refuses
-every embedding.
+every embedding. Its texts are merged into one list call only where the list check of the
+gateway's own /v1/embeddings batching (``batcher.lists``, ``batching.embeddings``) says lists
+are answered item by item, for its key and model (``semantic.embed.upstream``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
-import orjson
 from typing_extensions import Unpack
 
 from . import admin
@@ -25,7 +26,6 @@ from .answer import Answer
 from .batching import EmbeddingBatcher, ListCheck
 from .clock import SYSTEM_CLOCK, Clock
 from .config import CoalesceConfig, Config
-from .errors import UpstreamStatusError
 from .exchange import send
 from .fingerprint import RepeatMemo, names_of, neutral_of
 from .flight import FlightGroup
@@ -150,7 +150,8 @@ def build_layers(
 
     judge = build_judge(config, via_replicas)
     if semantic is None:
-        semantic = build_semantic(config, via_replicas, store, judge, clock)
+        # (``batcher.lists``: the embedder's lists are merged only where the gateway's would be)
+        semantic = build_semantic(config, via_replicas, store, judge, clock, batcher.lists)
     audits = (
         Audits(
             config.semantic.audit_rate,
@@ -381,18 +382,21 @@ def build_semantic(
     store: Store | None = None,
     judge: Judge | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    lists: ListCheck | None = None,
 ) -> SemanticCache | None:
     """The semantic cache when ``semantic.enabled`` (its dependencies are the [semantic] extra);
     with ``redis`` (and ``store``, the exact store that resolves other instances' entries), one
     shared with every instance (``redis/semantic.py``). ``via_replicas``: a call through the
     gateway's replicas (their health, back-off and failover), which ``embedder: upstream``
-    needs. ``clock``: what the entries' expiry is read on (the answers' ``created``)."""
+    needs, with ``lists``: whether its texts may be merged into one list call (the gateway's
+    ``batcher.lists``; None: no probe, merged only with ``batching.embeddings: on``).
+    ``clock``: what the entries' expiry is read on (the answers' ``created``)."""
     if not config.semantic.enabled:
         return None
     from .semantic.guard import RulesThenVerifier
     from .semantic.verifier import shared_cross_encoder
 
-    embedder = _embedder(config, via_replicas)
+    embedder = _embedder(config, via_replicas, lists)
     guard: Guard = RulesThenVerifier(
         shared_cross_encoder(config.semantic.verifier_dir),
         threshold=config.semantic.verifier_threshold,
@@ -437,9 +441,12 @@ def build_semantic(
 
 
 def _embedder(
-    config: Config, via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None
+    config: Config,
+    via_replicas: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]] | None,
+    lists: ListCheck | None = None,
 ) -> Any:
     from .semantic.embed import LocalEmbedder, UpstreamEmbedder
+    from .semantic.embed.upstream import embeddings_through
 
     s = config.semantic
     if s.embedder == "local":
@@ -452,7 +459,6 @@ def _embedder(
         )
     if via_replicas is None:
         raise ValueError("semantic.embedder: upstream embeds through the gateway's replicas")
-    through = via_replicas
     # Every tenant's prompts, batched together: under the embedder's key, never a client's (a
     # key the gateway holds replaces it on its replicas: ``upstream.http``).
     key = s.embedder_api_key.get_secret_value() if s.embedder_api_key is not None else None
@@ -467,24 +473,14 @@ def _embedder(
             "never hits (set semantic.embedder_api_key)"
         )
 
-    async def embeddings(texts: list[str]) -> list[list[float]]:
+    if lists is None:  # (built alone, no replicas to probe: merged only with ``on``)
+        lists = ListCheck(config.batching.embeddings, [])
+    return UpstreamEmbedder(
         # Through the replicas: a downed one is left out (its back-off), a failed call retried
         # once on another, and each attempt counted in ``upstream_calls`` (as the judge's).
-        response = await through(
-            UpstreamRequest(
-                "/embeddings", {"model": s.embedding_model, "input": texts}, headers, False
-            )
-        )
-        try:
-            if response.status != 200:
-                raise UpstreamStatusError(response.status, response.body)
-            data = sorted(orjson.loads(response.body)["data"], key=lambda item: item["index"])
-            return [item["embedding"] for item in data]
-        finally:
-            await response.aclose()
-
-    return UpstreamEmbedder(
-        embeddings,
+        # A micro-batch is merged into one list call only where lists are known to be
+        # answered item by item (``lists``): merging must not change a vector.
+        embeddings_through(via_replicas, s.embedding_model, headers, lists),
         s.embedding_dim,
         name=f"upstream:{s.embedding_model}",
         max_batch=s.batch_size,

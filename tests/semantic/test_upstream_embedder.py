@@ -1,22 +1,27 @@
 """``semantic.embedder: upstream`` over HTTP: the upstream's /v1/embeddings behind the fake, its
-timeout (a hung embedder holds no reply), its credentials and the replicas' health."""
+timeout (a hung embedder holds no reply), its credentials, the replicas' health, and its lists
+(merged only once the list check says they are answered item by item)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 import pytest
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
+np = pytest.importorskip("numpy")
 
+from carpool.batching import PROBE_INPUTS  # noqa: E402
 from conftest import Served, run_gateway  # noqa: E402
 from fakes.serving import serve_app  # noqa: E402
-from fakes.upstream import FakeUpstream  # noqa: E402
+from fakes.upstream import FakeUpstream, _hash_vector  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
 
 UPSTREAM_EMBEDDER = {"enabled": True, "embedder": "upstream", "embedding_dim": 8}
@@ -186,3 +191,134 @@ async def test_the_upstream_embedder_goes_through_the_replicas_health_and_failov
     tried = sum(replica["calls"] for replica in stats["replicas"].values())
     assert fake.count("/v1/embeddings") >= 8  # (one a prompt: a lookup's, or its call's)
     assert stats["upstream_calls"] == tried == fake.count() + stats["replicas"][dead]["calls"]
+
+
+class EmbeddingsRewritten:
+    """The fake upstream, each of its 2xx /v1/embeddings answers passed through ``rewrite`` (the
+    parsed JSON in, the JSON to send out): an engine that answers embeddings otherwise."""
+
+    def __init__(self, inner: FakeUpstream, rewrite: Callable[[Any], Any]) -> None:
+        self.inner = inner
+        self.rewrite = rewrite
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/embeddings":
+            return await self.inner(scope, receive, send)
+        start: dict[str, Any] = {}
+
+        async def rewritten(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)  # (sent with the body: its length changes)
+                return
+            body = message["body"]
+            if 200 <= start["status"] < 300:
+                body = orjson.dumps(self.rewrite(orjson.loads(body)))
+            headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+            length = (b"content-length", str(len(body)).encode())
+            await send({**start, "headers": [*headers, length]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.inner(scope, receive, rewritten)
+
+
+def first_vector_for_all(answer: Any) -> Any:
+    """A list answered with its first item's vector for every item (a single input is answered
+    right): one way an engine answers a list wrongly."""
+    for row in answer["data"]:
+        row["embedding"] = answer["data"][0]["embedding"]
+    return answer
+
+
+def numbered_from_1(answer: Any) -> Any:
+    for row in answer["data"]:
+        row["index"] += 1
+    return answer
+
+
+def by_words(text: Any) -> list[float]:
+    """Prompts with the same words (case and punctuation aside) embed the same; others not."""
+    words = " ".join(sorted(set(re.findall(r"[a-z0-9]+", str(text).lower()))))
+    return _hash_vector(words, 64)
+
+
+def embedded_texts(fake: FakeUpstream) -> list[Any]:
+    """The inputs of the embedder's calls (the list probe's left out)."""
+    probe = (list(PROBE_INPUTS), *PROBE_INPUTS)
+    calls = [c.body["input"] for c in fake.calls if c.path == "/v1/embeddings"]
+    return [given for given in calls if given not in probe]
+
+
+@pytest.mark.parametrize("lists_right", [False, True], ids=["lists-wrong", "lists-right"])
+async def test_an_upstream_embedding_is_the_same_whatever_it_was_batched_with(
+    fake, gateway_with, lists_right
+):
+    # The embedder merged every micro-batch (every tenant's prompts) into one list call without
+    # the list check the gateway's own /v1/embeddings batching asks: behind an engine that
+    # answers lists wrongly (llama-cpp-python's server), every text but a batch's first got a
+    # wrong vector. Its texts now go one by one until the probe says lists are answered item
+    # by item, and merged only then.
+    fake.broken_list_embeddings = not lists_right
+    texts = ["How do I reset my router?", "What is the capital of France?"]
+    later = ["Is it raining in Paris?", "How tall is Mount Everest?"]
+    async with gateway_with(semantic=UPSTREAM_EMBEDDER) as gw:
+        embedder = gw.gateway.semantic.embedder
+        together = await embedder.embed_many(texts)  # (one micro-batch: asked together)
+        await gw.gateway.batcher.wait_idle()  # the list probe that batch started
+        then = await embedder.embed_many(later)
+        alone = [await embedder.embed(text) for text in [*texts, *later]]
+    np.testing.assert_allclose(np.vstack([together, then]), np.stack(alone), atol=1e-6)
+    sent = embedded_texts(fake)
+    assert texts not in sent  # before the probe's verdict: one by one
+    assert (later in sent) is lists_right  # merged once it says lists are answered right
+    assert sorted(given for given in sent if given != later) == sorted(
+        [*texts, *texts, *later] + ([] if lists_right else later)
+    )
+
+
+async def test_a_prompt_embedded_with_another_tenants_gets_its_own_vector_in_the_cache():
+    # Two tenants' prompts embedded in one list call, behind an engine that gives a list's
+    # items its first one's vector: one of the two entries was stored under the other's
+    # vector. Its tenant's paraphrase of it missed, and that tenant asking the other's
+    # question hit it: an answer to another question, served as a semantic hit.
+    fake = FakeUpstream()
+    fake.embedding_fn = by_words
+    semantic = {**UPSTREAM_EMBEDDER, "embedding_dim": 64, "batch_delay_ms": 50}
+    theirs, mine = "How do I reset my router?", "How can I reset my router password?"
+    async with serve_app(EmbeddingsRewritten(fake, first_vector_for_all)) as url:
+        async with run_gateway([url + "/v1"], semantic=semantic) as gw:
+
+            async def ask(content: str, tenant: str) -> Any:
+                return await gw.client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": content}],
+                    },
+                    headers={"authorization": f"Bearer {tenant}"},
+                )
+
+            first = await asyncio.gather(ask(theirs, "A"), ask(mine, "B"))
+            assert [r.status_code for r in first] == [200, 200]
+            await eventually(lambda: gw.gateway.semantic.entries == 2, what="both entries")
+            # Tenant A's paraphrase of its own question: its entry, under its own vector.
+            paraphrase = await ask("how do I reset my router", "A")
+            assert paraphrase.headers["x-carpool"] == "semantic-hit"
+            assert paraphrase.json()["choices"] == first[0].json()["choices"]
+            # Tenant B asking A's question: B's entry is about a password, a miss.
+            other = await ask("how do I reset my router", "B")
+            assert other.headers["x-carpool"] == "miss", other.json()
+
+
+async def test_an_embeddings_answer_not_indexed_0_to_n_minus_1_is_an_embedder_failure():
+    # An answer whose ``data`` is not numbered exactly 0..n-1 does not say which vector is
+    # whose: it was sorted by its indexes and taken (here a single text's vector numbered 1
+    # was that text's). It is an embedder failure now: no entry, a counted miss.
+    fake = FakeUpstream()
+    async with serve_app(EmbeddingsRewritten(fake, numbered_from_1)) as url:
+        async with run_gateway([url + "/v1"], semantic=UPSTREAM_EMBEDDER) as gw:
+            answered = await chat(gw, "How do I reset my router?")
+            assert answered.headers["x-carpool"] == "miss"
+            await eventually(lambda: gw.gateway.semantic.embed_failures == 1, what="a failure")
+            assert gw.gateway.semantic.entries == 0
+    assert fake.count("/v1/embeddings") >= 1

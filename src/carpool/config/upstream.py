@@ -134,7 +134,9 @@ class BatchingConfig(Section):
         "a 2-item list and its two items alone, vectors compared, sent at the first batch; "
         "until then, and for good if a replica fails it, each request is sent alone); on: "
         "always merged (an engine known to be right); off: never merged. Texts and token "
-        "lists are never merged into one list (engines refuse a mixed one).",
+        "lists are never merged into one list (engines refuse a mixed one). The semantic "
+        "cache's upstream embedder (`semantic.embedder: upstream`) asks the same check, for "
+        "its own key and model: its texts go one by one until lists are known right.",
     )
     embeddings_probe_retry: float = Field(
         30,

@@ -15,6 +15,20 @@ Contract
   doubling while it fails, up to ``RETRY_MAX_S``); the first embedding that succeeds closes it.
   Without it, a hung embedder cost every lookup in a scope with entries the whole timeout
   (1 s by default) before its miss, for as long as it hung.
+- :func:`embeddings_through` is that ``call`` for the gateway's replicas (``send``), under the
+  embedder's ``model`` and ``headers`` (its key). A micro-batch holds every tenant's prompts,
+  and merging must not change an answer: some engines answer a list wrongly (llama-cpp-python's
+  server: every item but the first gets a wrong vector, so a prompt would be stored under
+  another's vector, a paraphrase of it a miss and another's a wrong hit). So its texts are
+  merged into one list ``input`` only while ``lists`` (the :class:`carpool.batching.ListCheck`
+  of the gateway's own /v1/embeddings batching, ``batching.embeddings``; None: always) says
+  they are answered item by item for the embedder's group (path, key, model, texts); until then
+  (its probe started in the background by the first batch of two or more), and for good when
+  it says they are not (or ``batching.embeddings`` is ``off``), each text goes in a call of its
+  own, as a single input, concurrently. An answer that is not 200, or whose ``data`` is not
+  numbered exactly 0..n-1 (which vector is whose, it does not say), fails the embedding (an
+  :class:`~carpool.errors.UpstreamError`: the semantic layer's miss, no entry); a text's
+  failure fails its whole micro-batch, as a refused list did.
 """
 
 from __future__ import annotations
@@ -22,22 +36,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import orjson
 
 try:  # numpy is in the "semantic" extra: this module must import without it.
     import numpy as np
 except ImportError:  # pragma: no cover - exercised only without the extra
     np = None  # type: ignore[assignment]  # (optional extra: callers check _require_numpy)
 
-from ...errors import UpstreamStatusError
+from ...errors import UpstreamError, UpstreamStatusError
+from ...upstream.base import UpstreamRequest, UpstreamResponse
 from .base import _require_numpy
 from .microbatch import _BatchingEmbedder
 
 if TYPE_CHECKING:
+    from ...batching import ListCheck
     from .base import Vector
 
-__all__ = ["EmbedderDown", "UpstreamEmbedder"]
+__all__ = ["EmbedderDown", "UpstreamEmbedder", "embeddings_through"]
 
 log = logging.getLogger("carpool.semantic")
 
@@ -108,9 +126,9 @@ class _Breaker:
 class UpstreamEmbedder(_BatchingEmbedder):
     """Embeddings from an OpenAI-compatible ``/v1/embeddings``, micro-batched.
 
-    ``call(texts)`` sends one request for all ``texts`` (the ``input`` list) and returns the
-    vectors in the same order (``data[i].embedding``, sorted by ``index``); it is injected so
-    this module needs no HTTP client. Vectors are checked to be ``dim`` long and L2-normalised
+    ``call(texts)`` returns the vectors of ``texts`` in the same order (one list call, or a
+    call per text: :func:`embeddings_through`); it is injected so this module needs no HTTP
+    client. Vectors are checked to be ``dim`` long and L2-normalised
     here. Up to ``max_in_flight`` requests run at once.
     """
 
@@ -168,3 +186,52 @@ class UpstreamEmbedder(_BatchingEmbedder):
             raise ValueError("the upstream returned a non-finite embedding")
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         return cast("Vector", vectors / np.maximum(norms, np.float32(1e-12)))
+
+
+def embeddings_through(
+    send: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]],
+    model: str,
+    headers: Mapping[str, str],
+    lists: ListCheck | None,
+) -> Callable[[list[str]], Awaitable[list[list[float]]]]:
+    """``call(texts)`` for :class:`UpstreamEmbedder` through ``send`` (the module's contract:
+    lists merged only once ``lists`` says they are answered item by item)."""
+    path, sent = "/embeddings", dict(headers)
+    # The group of :class:`carpool.batching.EmbeddingBatcher` this call is: its verdict is
+    # the embedder's key's and model's (another key may reach another engine).
+    template = orjson.dumps({"model": model}, option=orjson.OPT_SORT_KEYS)
+    group = (path, tuple(sorted(sent.items())), template, "", "text")
+
+    async def embedded(given: str | list[str], count: int) -> list[list[float]]:
+        response = await send(UpstreamRequest(path, {"model": model, "input": given}, sent))
+        try:
+            if response.status != 200:
+                raise UpstreamStatusError(response.status, response.body)
+            data: list[dict[str, Any]] = sorted(
+                orjson.loads(response.body)["data"], key=lambda row: row["index"]
+            )
+            if [row["index"] for row in data] != list(range(count)):
+                raise UpstreamError(
+                    f"the upstream's embeddings answer for {count} texts is not one vector "
+                    "per text, numbered 0..n-1"
+                )
+            return [row["embedding"] for row in data]
+        finally:
+            await response.aclose()
+
+    async def call(texts: list[str]) -> list[list[float]]:
+        if len(texts) == 1:
+            return await embedded(texts[0], 1)
+        if lists is None or lists.verdict(group) is True:
+            return await embedded(texts, len(texts))
+        lists.probe(group)  # (in the background; a verdict reached already is not asked again)
+        # One by one, as the probe asks them alone, concurrently; the others given up as soon
+        # as one fails (the batch has failed), or when the call is cancelled (its timeout).
+        alone = [asyncio.ensure_future(embedded(text, 1)) for text in texts]
+        try:
+            return [vectors[0] for vectors in await asyncio.gather(*alone)]
+        finally:
+            for task in alone:
+                task.cancel()
+
+    return call
