@@ -1222,6 +1222,27 @@ async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake)
         assert fake.count() == 1
 
 
+async def test_a_null_stream_asks_for_a_whole_message(gw, fake):
+    # As the OpenAI APIs take it (tests/test_openai_sdk.py): null is no stream, and the
+    # upstream is asked without it.
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        raw = await client.messages.with_raw_response.create(**ask, stream=None)
+        assert raw.http_request.content.count(b'"stream":null') == 1
+        assert raw.headers["x-carpool"] == "miss"
+        whole = await raw.parse()
+        assert whole.stop_reason == "end_turn" and "stream" not in fake.calls[0].body
+        again = await client.messages.with_raw_response.create(**ask)
+        assert again.headers["x-carpool"] == "hit" and fake.count() == 1
+
+
 async def test_the_sdks_raise_on_a_stream_that_fails_part_way(gw, fake):
     fake.error_after = 2
     async with openai.AsyncOpenAI(
