@@ -1222,6 +1222,27 @@ async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake)
         assert fake.count() == 1
 
 
+async def test_a_null_stream_asks_for_a_whole_message(gw, fake):
+    # As the OpenAI APIs take it (tests/test_openai_sdk.py): null is no stream, and the
+    # upstream is asked without it.
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        raw = await client.messages.with_raw_response.create(**ask, stream=None)
+        assert raw.http_request.content.count(b'"stream":null') == 1
+        assert raw.headers["x-carpool"] == "miss"
+        whole = await raw.parse()
+        assert whole.stop_reason == "end_turn" and "stream" not in fake.calls[0].body
+        again = await client.messages.with_raw_response.create(**ask)
+        assert again.headers["x-carpool"] == "hit" and fake.count() == 1
+
+
 async def test_the_sdks_raise_on_a_stream_that_fails_part_way(gw, fake):
     fake.error_after = 2
     async with openai.AsyncOpenAI(
@@ -1660,6 +1681,71 @@ async def test_a_message_stream_carpool_cannot_assemble_faithfully_is_relayed_bu
     assert gw.gateway.store.entries == 0
     again, raw = await stream(gw, MESSAGES, body_of("messages"))
     assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+CUT_PIECES = ['{"location"', ': "San', " Fra"]
+
+
+def tool_input_cut_by_max_tokens(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message stream whose only block is a tool call cut by ``max_tokens`` mid-way through
+    its input's JSON (in three pieces: the fake holds its stream at the third)."""
+    return [
+        events[0],
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}},
+        },
+        *[
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": piece},
+            }
+            for piece in CUT_PIECES
+        ],
+        {"type": "content_block_stop", "index": 0},
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+            "usage": {"output_tokens": 8},
+        },
+        {"type": "message_stop"},
+    ]
+
+
+async def test_a_tool_input_cut_short_is_an_object_for_its_flight_and_never_stored(gw, fake):
+    # Its JSON does not parse: a non-streaming client of the flight gets the input as the
+    # anthropic SDK's accumulation of the stream makes it (an object: ``{}``, here), and the
+    # message, short of what the stream carried, is not stored for later requests.
+    fake.message_events = tool_input_cut_by_max_tokens
+    body = body_of("messages", tools=[{"name": "weather", "input_schema": {"type": "object"}}])
+    (leader, raw), (joiner, joined), plain = await leader_and_joiners(gw, fake, MESSAGES, body)
+    assert leader.headers["x-carpool"] == "miss" and joined == raw
+    relayed = [e["delta"] for e in typed("messages", raw) if e["type"] == "content_block_delta"]
+    assert [delta["partial_json"] for delta in relayed] == CUT_PIECES  # (as they came)
+    assert plain.status_code == 200 and plain.headers["x-carpool"] == "coalesced"
+    assert plain.json()["stop_reason"] == "max_tokens"
+    assert plain.json()["content"] == [
+        {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}}
+    ]
+    assert gw.gateway.store.entries == 0
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": body["messages"],
+            "tools": body["tools"],
+        }
+        async with client.messages.stream(**ask) as stream_events:
+            accumulated = await stream_events.get_final_message()
+        assert stream_events.response.headers["x-carpool"] == "miss" and fake.count() == 2
+        assert accumulated.content[0].input == plain.json()["content"][0]["input"]
+        raw_again = await client.messages.with_raw_response.create(**ask)
+        assert raw_again.headers["x-carpool"] == "miss" and fake.count() == 3
 
 
 def test_a_synthesized_message_stream_sends_compaction_and_context_management_as_anthropic_does():

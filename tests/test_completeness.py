@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -31,7 +33,7 @@ from carpool.sse import expected_choices, is_complete, well_formed
 from carpool.upstream.base import UpstreamResponse
 from conftest import run_gateway
 from fakes.flights import leader_and_joiners, stream
-from fakes.raw_upstream import answer, raw_upstream
+from fakes.raw_upstream import answer, chat_completion, raw_upstream
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -57,6 +59,28 @@ def assert_failed_stream(response: httpx.Response, raw: str) -> None:
     events = data_lines(raw)
     assert "[DONE]" not in events, raw[-300:]
     assert set(json.loads(events[-1])) == {"error"}, raw[-300:]
+
+
+# What judging an answer may allocate at most, whatever the request asked for. A check sized by
+# the ``n`` asked allocates tens of MB for the million choices the tests ask (and, for the 2**62
+# a client can ask, never ends): a million is as far as a test may go on code that does so.
+JUDGING_BYTES = 4 * 2**20
+MANY = 10**6
+
+
+async def peak_bytes(work: Callable[[], Awaitable[Any]]) -> tuple[Any, int]:
+    """``work``'s result and the most memory allocated (Python's heap) while it ran."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        result = await work()
+        return result, tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not tracing:
+            tracemalloc.stop()
 
 
 def assert_openai_error(response: httpx.Response, status: int = 502) -> None:
@@ -257,6 +281,29 @@ async def test_a_body_with_fewer_choices_than_n_is_served_as_it_came_but_not_sto
     await assert_fresh_call_next(gw, fake, CHAT, body, calls=1)
 
 
+async def test_a_client_asking_for_more_choices_than_the_engine_gives_costs_only_what_came():
+    """An engine that ignores ``n`` (Ollama) answers one choice to a request for any number: the
+    client gets it as it came, and it is not stored; judging it costs the one choice, never
+    the ``n`` asked (a request with ``n`` 2**62 once froze the gateway's event loop: it built
+    the set of every index asked for, until memory ran out)."""
+    async with raw_upstream(lambda call: answer(200, b"OK", chat_completion("fine"))) as up:
+        async with run_gateway([up.url]) as served:
+            warm = await served.client.post(CHAT, json=chat_body())  # (one asked: stored)
+            assert warm.headers["x-carpool"] == "miss" and served.gateway.store.entries == 1
+            many, peak = await peak_bytes(lambda: served.client.post(CHAT, json=chat_body(n=MANY)))
+            assert many.status_code == 200 and many.headers["x-carpool"] == "miss"
+            assert [choice["index"] for choice in many.json()["choices"]] == [0]
+            assert peak < JUDGING_BYTES, peak
+            # (Past the bound above only: on code sized by ``n`` this would never end.)
+            huge = await served.client.post(CHAT, json=chat_body(n=2**62))
+            assert huge.status_code == 200 and huge.headers["x-carpool"] == "miss"
+            assert [choice["index"] for choice in huge.json()["choices"]] == [0]
+            again = await served.client.post(CHAT, json=chat_body(n=2**62))
+            assert again.headers["x-carpool"] == "miss"
+            assert served.gateway.store.entries == 1 and len(up.calls) == 4
+            assert (await served.client.get("/healthz")).status_code == 200
+
+
 @pytest.mark.parametrize("error", [{"message": "partial failure"}, "partial failure"])
 async def test_a_body_with_finished_choices_and_a_top_level_error_is_served_as_it_came_but_not_stored(
     gw, fake, error
@@ -403,6 +450,35 @@ def test_every_choice_asked_for_must_be_there_and_finished():
     )
     # Without an index, a choice counts at its position.
     assert is_complete("completion", {"choices": [{"text": "x", "finish_reason": "stop"}] * 2}, 2)
+
+
+async def test_judging_an_answer_costs_what_came_never_the_choices_asked_for():
+    one = {"choices": [DONE_CHOICE]}
+    two_prompts = {"choices": [{"index": i, "text": "x", "finish_reason": "stop"} for i in (0, 1)]}
+    embedded = {"data": [{"index": 0, "embedding": [0.5]}]}
+
+    async def judge() -> list[bool]:
+        return [
+            is_complete("chat", one, MANY),
+            api_of("chat").complete(one, {"n": MANY}),
+            api_of("completion").complete(two_prompts, {"prompt": ["a", "b"], "n": MANY}),
+            is_complete("embedding", embedded, MANY),
+        ]
+
+    verdicts, peak = await peak_bytes(judge)
+    assert verdicts == [False] * 4
+    assert peak < JUDGING_BYTES, peak
+    # (Past the bound above only: on code sized by what was asked this would never end.)
+    assert not is_complete("chat", one, 2**62)
+    assert not is_complete(
+        "completion",
+        two_prompts,
+        expected_choices("completion", {"prompt": ["a", "b"], "n": 2**62}),
+    )
+    assert not is_complete("embedding", embedded, 2**62)
+    # What came is still judged as before: every index asked for, once at least.
+    assert is_complete("completion", two_prompts, 2)
+    assert not is_complete("chat", {"choices": [DONE_CHOICE, DONE_CHOICE]}, 2)
 
 
 def test_an_answer_reporting_an_error_at_its_top_is_not_complete_a_null_error_is():

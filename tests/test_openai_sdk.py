@@ -73,6 +73,29 @@ async def test_openai_sdk_embeddings_and_completions(sdk, fake):
     assert fake.count() == 2
 
 
+async def test_a_null_stream_is_no_stream_as_openai_takes_it(sdk, gw, fake):
+    # The SDK sends ``"stream": null`` for ``stream=None`` (its parameter is optional): OpenAI
+    # and vLLM answer it whole. So does the gateway, and the upstream is asked without it (an
+    # engine that types ``stream`` a plain boolean, SGLang's, refuses null).
+    chat = await sdk.chat.completions.with_raw_response.create(
+        model="m", messages=MESSAGES, temperature=0, stream=None
+    )
+    assert chat.headers["x-carpool"] == "miss"
+    assert chat.parse().choices[0].message.content == "answer 1 to What is carpool?"
+    completion = await sdk.completions.create(
+        model="m", prompt="Say hi", temperature=0, stream=None
+    )
+    assert completion.choices[0].text == "answer 2 to Say hi"
+    response = await sdk.responses.create(model="m", input="Say hi", temperature=0, stream=None)
+    assert response.output_text == "answer 3 to Say hi"
+    assert fake.count() == 3 and all("stream" not in call.body for call in fake.calls)
+    # The same request as one without ``stream``: a hit.
+    again = await sdk.chat.completions.with_raw_response.create(
+        model="m", messages=MESSAGES, temperature=0
+    )
+    assert again.headers["x-carpool"] == "hit" and fake.count() == 3
+
+
 async def test_openai_sdk_raises_on_a_stream_that_fails_part_way(sdk, fake):
     fake.cut_after = 2
     stream = await sdk.chat.completions.create(

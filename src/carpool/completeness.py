@@ -17,7 +17,8 @@ Contract:
   inputs (a list of strings or of token lists: one each; a string or one token list: 1); None
   when it cannot tell (another kind, an ``n`` that is not a positive integer, an ``input`` of
   no such shape). ``usage_tokens(body)`` is prompt + completion tokens. None of them ever
-  raises.
+  raises, and none costs more than the answer it is given: the count asked for (the client's
+  ``n``, any integer, 2**62 as well) is compared with what came, never built.
 - A complete "chat"/"completion" answer is also ``well_formed``: each choice of the shape a
   stream is made of (a chat ``message`` an object, with ``tool_calls`` null or a list of
   objects and ``function_call`` null or an object; a completion's ``text`` a string), so that
@@ -59,9 +60,9 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
                 return False
             # A choice that never came (or whose finish never came: a stream assembles only what
             # it saw) is missing here, though every choice present finished.
-            return choices is None or set(range(choices)) <= {
-                c.get("index", position) for position, c in enumerate(found)
-            }
+            return choices is None or _every_index(
+                {c.get("index", position) for position, c in enumerate(found)}, choices
+            )
         if kind == "embedding":
             data = body["data"]
             if (
@@ -77,12 +78,20 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
             # engine that dropped them) would be served, as a hit, to every client of the
             # request without them (the batcher's ``_split`` holds a merged call to the same).
             wanted = len(data) if choices is None else choices
-            return sorted(d.get("index", position) for position, d in enumerate(data)) == list(
-                range(wanted)
-            )
+            return len(data) == wanted and sorted(
+                d.get("index", position) for position, d in enumerate(data)
+            ) == list(range(wanted))
     except Exception:
         return False
     return False
+
+
+def _every_index(indexes: set[Any], wanted: int) -> bool:
+    """Whether ``indexes`` (those of the choices that came) hold each of 0..wanted-1. Counted
+    first, so that nothing is sized by ``wanted``: that is the client's ``n``, any integer (an
+    engine that ignores it, Ollama, answers one choice to a request for 2**62; a set of every
+    index asked for would take the event loop and all memory)."""
+    return len(indexes) >= wanted and all(i in indexes for i in range(wanted))
 
 
 def well_formed(kind: str, body: Any) -> bool:

@@ -7,7 +7,8 @@ Contract:
   ``prompt``, ``input``, ``model``, ``stream``, ``temperature``, ``top_k``, ``seed``, ``n``...:
   each API's ``validate``), a missing ``model`` where the API requires one, and
   ``BodyTooLarge`` (413) over the size limit. It does not re-implement the upstream's validation of everything else:
-  unknown fields pass through (and are part of the fingerprint).
+  unknown fields pass through (and are part of the fingerprint). A ``"stream": null`` is no
+  ``stream`` (as OpenAI takes it): dropped from the body, the upstream is asked without it.
 - ``Controls`` is what the request asks of the cache layers, read from its headers
   (``Cache-Control``, ``x-carpool-*``). Malformed header values are 400, never silently ignored.
 - Nothing here touches a cache or the network.
@@ -121,6 +122,11 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", "invalid_body")
     check_json_depth(client.body, body, max_json_depth)
+    if "stream" in body and body["stream"] is None:
+        # What the official SDKs send for ``stream=None``; OpenAI (and vLLM) take it as absent,
+        # and so does the upstream here: it is asked without it (an engine that types
+        # ``stream`` a plain boolean, as SGLang does, refuses null).
+        del body["stream"]
     api = api_of(kind)
     api.validate(body)
     # An API without a stream form (embeddings) answers JSON whatever ``stream`` says.

@@ -21,9 +21,10 @@ Contract (``apis.base.Api``):
   ``to`` as the message's; ``message_delta``'s delta (a null ``container`` aside), usage (its
   non-null counts) and other fields (non-null: ``context_management``,
   ``input_transformations``) laid over ``message_start``'s. A stream with an event or a delta
-  it does not know, or a delta on a block of another type, assembles into what it could make,
-  which may lack what the stream carried: served to the clients of its call, never stored
-  (``judge_stream``'s False).
+  it does not know, or a delta on a block of another type, or a tool call whose pieces make
+  no JSON object (``max_tokens`` cut it mid-way: its ``input`` is then ``{}``, an object as
+  the schema and the SDK have it), assembles into what it could make, which may lack what the
+  stream carried: served to the clients of its call, never stored (``judge_stream``'s False).
 - Synthesized streams (a cached or whole answer for a streaming client): ``message_start``
   (the message with no content, ``stop_reason``, ``stop_sequence`` and ``context_management``
   null, its usage), per block a start, its text (or thinking, or a tool call's input as JSON,
@@ -206,8 +207,9 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def assembled(chunks: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
     """(the message a stream makes, whether it is faithful: every event and delta in it is one
-    this assembly knows, each delta on a block of the type it is for). What is not faithful
-    may lack what the stream carried: served, never stored."""
+    this assembly knows, each delta on a block of the type it is for, every tool input's
+    pieces a JSON object). What is not faithful may lack what the stream carried: served,
+    never stored."""
     message: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     blocks: dict[int, dict[str, Any]] = {}
@@ -258,9 +260,16 @@ def assembled(chunks: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
         if parts:
             text = "".join(parts)
             try:
-                blocks[index]["input"] = orjson.loads(text) if text else {}
+                value = orjson.loads(text) if text else {}
             except orjson.JSONDecodeError:
-                blocks[index]["input"] = text  # as it came: the engine's own output
+                value = None
+            if not isinstance(value, dict):
+                # JSON cut short (by ``max_tokens`` mid-call) or no object: the input is an
+                # object all the same, as the schema has it and as the SDK's accumulation makes
+                # of an unfinished key (``{}``; it parses a prefix, where this does not). Short
+                # of what the stream carried: served to this call's clients, never stored.
+                value, faithful = {}, False
+            blocks[index]["input"] = value
     message["content"] = [blocks[i] for i in sorted(blocks)]
     if usage or "usage" in message:
         message["usage"] = usage

@@ -13,8 +13,9 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   Ollama's) is served as it came, but not stored (``complete``; ``judge_stream``'s False).
 - Validation: ``model`` a string; ``messages`` a non-empty list of objects (chat); ``prompt`` /
   ``input`` a string, a list of strings or token lists (completions, embeddings); and, except
-  for embeddings, ``stream`` a boolean, ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n``
-  integers. Embeddings are always deterministic and have no stream.
+  for embeddings, ``stream`` a boolean (null is no stream: ``request.parse``),
+  ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n`` integers. Embeddings are always
+  deterministic and have no stream.
 - The semantic view: the last user message (chat; plain text only) or a string prompt
   (completions); embeddings have none, nor has a request whose answer repeats its prompt
   (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`). An answer that carries its
