@@ -7,6 +7,7 @@ import asyncio
 import openai
 import pytest
 
+from conftest import run_gateway
 from fakes.waiting import eventually
 
 MESSAGES = [{"role": "user", "content": "What is carpool?"}]
@@ -94,6 +95,27 @@ async def test_a_null_stream_is_no_stream_as_openai_takes_it(sdk, gw, fake):
         model="m", messages=MESSAGES, temperature=0
     )
     assert again.headers["x-carpool"] == "hit" and fake.count() == 3
+
+
+async def test_a_null_prompt_is_the_upstreams_to_answer_as_openai_takes_it(sdk, fake):
+    # The SDK sends ``"prompt": null`` for ``prompt=None``; OpenAI answers it (its default
+    # prompt, ``<|endoftext|>``). The gateway refused it with its own 400, calling no upstream.
+    completion = await sdk.completions.with_raw_response.create(
+        model="m", prompt=None, temperature=0
+    )
+    assert completion.headers["x-carpool"] == "miss" and completion.parse().choices
+    assert fake.count() == 1 and fake.calls[0].body["prompt"] is None
+    with pytest.raises(openai.BadRequestError, match="'prompt' must be"):
+        await sdk.completions.create(model="m", prompt=7, temperature=0)  # type: ignore[arg-type]
+    assert fake.count() == 1
+
+
+async def test_a_null_prompt_is_an_empty_one_to_the_simulated_engine():
+    async with run_gateway([]) as sim:
+        sdk = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="k", max_retries=0)
+        completion = await sdk.completions.create(model="m", prompt=None, temperature=0)
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        await sdk.close()
 
 
 async def test_openai_sdk_raises_on_a_stream_that_fails_part_way(sdk, fake):

@@ -12,7 +12,8 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   with fewer choices than asked for (``n`` per prompt: an engine that ignores ``n``, as
   Ollama's) is served as it came, but not stored (``complete``; ``judge_stream``'s False).
 - Validation: ``model`` a string; ``messages`` a non-empty list of objects (chat); ``prompt`` /
-  ``input`` a string, a list of strings or token lists (completions, embeddings); and, except
+  ``input`` a string, a list of strings or token lists (completions, embeddings; a completion's
+  ``prompt`` may be null, OpenAI's default prompt, left to the upstream); and, except
   for embeddings, ``stream`` a boolean (null is no stream: ``request.parse``),
   ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n`` integers. Embeddings are always
   deterministic and have no stream.
@@ -194,7 +195,10 @@ class CompletionApi(_Classic):
 
     def validate(self, body: dict[str, Any]) -> None:
         require_model(body)
-        if not is_text_or_tokens(body.get("prompt")):
+        # ``"prompt": null`` is OpenAI's (its default prompt, ``<|endoftext|>``), and what the
+        # SDK sends for ``prompt=None``: the upstream's to answer or refuse, not the gateway's.
+        prompt = body.get("prompt", ...)
+        if prompt is not None and not is_text_or_tokens(prompt):
             raise RequestError(
                 "'prompt' must be a string, a list of strings or token lists", param="prompt"
             )

@@ -248,7 +248,9 @@ async def make_plan(endpoint: str, body: Mapping[str, Any], default_max_tokens: 
     else:
         if "prompt" not in body:
             raise RequestError("'prompt' is required", param="prompt")
-        prompt_inputs = parse_inputs(body["prompt"], "prompt", allow_empty_text=True)
+        # (null: OpenAI's default prompt, the end of a text: an empty one here)
+        prompt = "" if body["prompt"] is None else body["prompt"]
+        prompt_inputs = parse_inputs(prompt, "prompt", allow_empty_text=True)
     n = body.get("n") or 1
     if len(prompt_inputs) * n > MAX_SEQUENCES:
         raise RequestError(
