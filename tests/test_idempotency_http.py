@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 import pytest
 
 from carpool.clock import ManualClock
@@ -35,6 +36,30 @@ async def test_an_upstream_error_is_stored_and_replayed_too(gw, fake):
     retry = await gw.chat(headers=KEY)
     assert first.status_code == retry.status_code == 400
     assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    assert fake.count() == 1
+
+
+async def test_a_replayed_engine_failure_tells_the_sdk_not_to_retry_it(gw, fake):
+    # A 500 of the engine is kept under its key (as Stripe does) and replayed to every retry:
+    # the SDK, which retries a 5xx on its own, spent its retries (~1.3 s) on replays of it.
+    messages = [{"role": "user", "content": "What is carpool?"}]
+    sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+    fake.fail_status = 500
+    with pytest.raises(openai.InternalServerError) as first:
+        await sdk.chat.completions.create(
+            model="m", messages=messages, temperature=0, extra_headers=KEY
+        )
+    fake.fail_status = None
+    with pytest.raises(openai.InternalServerError) as failed:
+        await sdk.with_options(max_retries=2).chat.completions.create(
+            model="m", messages=messages, temperature=0, extra_headers=KEY
+        )
+    await sdk.close()
+    replay = failed.value.response
+    assert first.value.response.headers["x-carpool"] == "miss"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.headers["x-should-retry"] == "false"
+    assert replay.request.headers["x-stainless-retry-count"] == "0"  # (asked once: no retry)
     assert fake.count() == 1
 
 

@@ -19,7 +19,8 @@ Contract:
   without calling upstream; a 422 (``IdempotencyFormatMismatch``) when it has no faithful
   form in that format. A list's item replayed from its record counts its age as well. A replay
   says what its answer's ``x-carpool-usage`` says (``apportioned``, ``missing``), no other
-  header but its content type; an answer of an API with streams is replayed with the usage
+  header but its content type (and, for a 5xx, ``x-should-retry: false``: a retry with the
+  key gets it again); an answer of an API with streams is replayed with the usage
   the retry asks for, as a hit of it is served (``replay_as``): ``stream_options.include_usage``
   is outside the request's digest, so a retry may differ in it.
 - Only a final answer is kept (``is_final``): after a retryable one the record is dropped and a
@@ -176,6 +177,8 @@ class AtMostOnce:
                 return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
             self._replayed(route, request.kind, begin.response)
             headers = [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER]
+            if stored.status >= 500:
+                headers.append(_NOT_RETRIED)
             age = self._age(begin.response)
             if age is not None:
                 headers.append(age_header(age))
@@ -399,6 +402,9 @@ def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
 
 
 _REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
+# A replayed 5xx (the engine's failure, final: ``is_final``) is what every retry with its key
+# gets: the SDKs, which retry a 5xx on their own, are told not to spend their retries on it.
+_NOT_RETRIED = (b"x-should-retry", b"false")
 
 
 class _Recorded:
