@@ -60,6 +60,56 @@ def test_int8_products_a_clipping_cpu_gets_wrong_are_exact_once_rewritten():
     )
 
 
+def test_weights_an_older_exporter_lists_as_graph_inputs_are_rewritten_with_their_input():
+    # (keep_initializers_as_inputs): the int8 original went, its graph input stayed, and the
+    # session then asked to be fed it: a verifier folder of that layout failed to load.
+    weights = np.full((64, 4), 127, np.int8)
+    model = _product_model(weights, np.zeros(4, np.int8))
+    for name, tensor in (("b", weights), ("bz", np.zeros(4, np.int8))):
+        model.graph.input.append(
+            helper.make_tensor_value_info(name, TensorProto.INT8, list(tensor.shape))
+        )
+    rewritten = exactly(model)
+    onnx.checker.check_model(rewritten, full_check=True)
+    assert [value.name for value in rewritten.graph.input] == ["a"]
+    a = np.full((2, 64), 255, np.uint8)
+    np.testing.assert_array_equal(_run(rewritten, a), a.astype(np.int64) @ weights)
+
+
+def test_weights_shared_with_a_node_whose_zero_point_is_fed_are_moved_for_the_other_only():
+    weights = np.full((64, 4), 127, np.int8)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMulInteger", ["a", "b", "", "fed_zero"], ["y1"], name="fed"),
+            helper.make_node("MatMulInteger", ["a", "b"], ["y2"], name="constant"),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("a", TensorProto.UINT8, [None, 64]),
+            helper.make_tensor_value_info("fed_zero", TensorProto.INT8, []),
+        ],
+        [
+            helper.make_tensor_value_info("y1", TensorProto.INT32, [None, 4]),
+            helper.make_tensor_value_info("y2", TensorProto.INT32, [None, 4]),
+        ],
+        [numpy_helper.from_array(weights, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    rewritten = exactly(model)
+    onnx.checker.check_model(rewritten, full_check=True)  # (no initializer made twice)
+    assert [list(node.input) for node in rewritten.graph.node] == [
+        ["a", "b", "", "fed_zero"],
+        ["a", "b.uint8", "", "carpool.exact_int8.zero.uint8"],
+    ]
+    a = np.full((2, 64), 255, np.uint8)
+    session = ort.InferenceSession(
+        rewritten.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    second = session.run(["y2"], {"a": a, "fed_zero": np.array(0, np.int8)})[0]
+    np.testing.assert_array_equal(second, a.astype(np.int64) @ weights)
+
+
 def test_a_serialized_model_is_rewritten_only_where_the_cpu_clips():
     model = _product_model(np.full((64, 4), 127, np.int8), None)
     given = model.SerializeToString()

@@ -29,6 +29,8 @@ import numpy as np
 
 # The probe: every product 255 x 127, summed over K: 64,770 a pair, more than int16 holds.
 _PROBE_K = 64
+# The name of the zero point given to a node that had none (0, moved to 128).
+_NO_ZERO = "carpool.exact_int8.zero"
 
 
 @functools.cache
@@ -54,49 +56,49 @@ def saturates() -> bool:
 
 def exactly(model: Any) -> Any:
     """``model`` (an ``onnx.ModelProto``, changed in place and returned) with each
-    ``MatMulInteger``'s int8 weight initializer and its zero point as uint8, moved by 128."""
+    ``MatMulInteger``'s int8 weight initializer and its zero point as uint8, moved by 128. A
+    node whose weights or zero point are not int8 initializers (computed at run time) is left
+    as it is. An initializer an older exporter also lists as a graph input is taken as the
+    constant it holds (carpool feeds a model its token inputs only), and its input goes with it."""
     from onnx import numpy_helper
 
     graph = model.graph
-    initializers = {tensor.name: tensor for tensor in graph.initializer}
-    moved: dict[str, str] = {}  # an int8 initializer's name -> its uint8 one's
+    constants = {t.name: t for t in graph.initializer}
+    made: dict[str, str] = {}  # an int8 constant's name -> its uint8 copy's
 
-    def as_uint8(name: str) -> str | None:
-        if name not in moved:
-            tensor = initializers.get(name)
-            if tensor is None:
-                return None
-            values = numpy_helper.to_array(tensor)
-            if values.dtype != np.int8:
-                return None
+    def int8(name: str) -> Any:
+        tensor = constants.get(name)
+        values = numpy_helper.to_array(tensor) if tensor is not None else None
+        return values if values is not None and values.dtype == np.int8 else None
+
+    def as_uint8(name: str, values: Any) -> str:
+        if name not in made:
+            made[name] = f"{name}.uint8"
             shifted = (values.astype(np.int16) + 128).astype(np.uint8)
-            moved[name] = f"{name}.uint8"
-            graph.initializer.append(numpy_helper.from_array(shifted, moved[name]))
-        return moved[name]
+            graph.initializer.append(numpy_helper.from_array(shifted, made[name]))
+        return made[name]
 
     for node in graph.node:
         if node.op_type != "MatMulInteger" or len(node.input) < 2:
             continue
-        weights = as_uint8(node.input[1])
-        if weights is None:
-            continue  # (weights computed at run time, or already uint8)
+        given_zero = node.input[3] if len(node.input) > 3 else ""
+        weights = int8(node.input[1])
+        zero = int8(given_zero) if given_zero else np.array(0, np.int8)
+        if weights is None or zero is None:
+            continue  # (not int8 constants: moving one without the other would be wrong)
         while len(node.input) < 4:
             node.input.append("")
-        given_zero = node.input[3]
-        if given_zero:
-            zero = as_uint8(given_zero)
-            if zero is None:  # (not a constant int8: the weights cannot be moved with it)
-                del moved[node.input[1]]
-                continue
-        else:
-            zero = f"{node.name or node.output[0]}.zero.uint8"
-            graph.initializer.append(numpy_helper.from_array(np.array(128, np.uint8), zero))
-        node.input[1], node.input[3] = weights, zero
+        node.input[1] = as_uint8(node.input[1], weights)
+        node.input[3] = as_uint8(given_zero or _NO_ZERO, zero)
     # The int8 originals no node reads any more go: the session would hold both copies.
     still_used = {name for node in graph.node for name in node.input}
-    kept = [t for t in graph.initializer if t.name not in moved or t.name in still_used]
+    gone = {name for name in made if name not in still_used}
+    kept = [t for t in graph.initializer if t.name not in gone]
     del graph.initializer[:]
     graph.initializer.extend(kept)
+    inputs = [value for value in graph.input if value.name not in gone]
+    del graph.input[:]
+    graph.input.extend(inputs)
     return model
 
 
