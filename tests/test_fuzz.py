@@ -207,3 +207,16 @@ async def test_the_openapi_document_describes_every_route_of_the_gateway(gw):
         "stream",
     } <= set(request["properties"])
     schemathesis.openapi.from_dict(document)  # a document schemathesis accepts
+
+
+async def test_the_openapi_document_takes_the_nulls_the_gateway_takes(gw):
+    # "prompt": null (a completion: OpenAI's default prompt) and "stream": null are served; a
+    # client or fuzzer generated from the document refused what the gateway serves.
+    document = (await gw.client.get("/openapi.json")).json()
+    schemas = document["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["prompt"]["nullable"] is True
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponseRequest", "MessageRequest"):
+        assert schemas[name]["properties"]["stream"]["nullable"] is True, name
+    assert "nullable" not in schemas["EmbeddingRequest"]["properties"]["input"]
+    answered = await gw.client.post("/v1/completions", json={"model": "m", "prompt": None})
+    assert answered.status_code == 200

@@ -177,7 +177,8 @@ SCHEMAS: dict[str, Any] = {
         "additionalProperties": True,
         "properties": {
             **_SAMPLING,
-            "prompt": _TEXT_OR_TOKENS,
+            # (null: OpenAI's default prompt, passed on to the upstream to answer)
+            "prompt": {**_TEXT_OR_TOKENS, "nullable": True},
             "echo": {"type": "boolean"},
             "suffix": {"type": "string"},
         },
