@@ -803,7 +803,11 @@ async def test_a_redis_lease_outlives_a_redis_pause_shorter_than_half_of_it(
 def shared_records(
     target: RedisServer, **distributed: object
 ) -> tuple[SharedStore, FallbackRecords]:
-    """The shared store (the instance's health) and the records on its client and health."""
+    """The shared store (the instance's health) and the records on its client and health.
+    Redis's timeouts generous unless given: a connection over 0.25 s on a busy CI machine
+    began a record in this process instead (degraded), and a test that needs it begun in Redis
+    failed (a dead server refuses at once, so a killed one is still found out at once)."""
+    distributed = {"connect_timeout": 5.0, "timeout": 5.0, **distributed}
     config = Config(**redis_settings(target, **distributed))
     store = build_store(config)
     records = build_idempotency(config, store)
