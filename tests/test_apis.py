@@ -1784,3 +1784,30 @@ def test_a_synthesized_message_stream_sends_compaction_and_context_management_as
     assert delta["context_management"] == CONTEXT_MANAGEMENT
     assert api.judge_stream(chunks, None) == (body, True)
     assert list(messages_api.assemble(chunks)) == list(body)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/"])
+async def test_the_gateways_refusals_on_messages_are_anthropic_shaped_with_a_slash_too(
+    fake, gateway_with, tmp_path, path
+):
+    # /v1/messages/ is served as /v1/messages; a client key refused there, and headers over the
+    # limit, were answered in OpenAI's shape without ``x-carpool: bypass``.
+    keys = tmp_path / "keys"
+    keys.write_text("good\n")
+    ask = {
+        "model": "m",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    config = {"auth": {"client_keys_file": str(keys)}, "limits": {"max_header_bytes": 4096}}
+    async with gateway_with(**config) as gw:
+        served = await gw.client.post(path, json=ask, headers={"x-api-key": "good"})
+        refused = await gw.client.post(path, json=ask, headers={"x-api-key": "bad"})
+        padded = {"x-api-key": "good", "x-pad": "p" * 8000}
+        too_large = await gw.client.post(path, json=ask, headers=padded)
+    assert served.status_code == 200 and served.headers["x-carpool"] == "miss"
+    for answer, status, kind in ((refused, 401, "authentication_error"), (too_large, 431, None)):
+        assert answer.status_code == status and answer.headers["x-carpool"] == "bypass"
+        assert answer.json()["type"] == "error"
+        assert kind is None or answer.json()["error"]["type"] == kind

@@ -122,7 +122,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from .apis import BY_PATH, Api
+from .apis import Api, api_at
 from .errors import (
     CarpoolError,
     HeadersTimeout,
@@ -723,7 +723,7 @@ class GatewayProtocol(HttpToolsProtocol):
         """The 500 of a request whose serving failed, as uvicorn sends one (its default headers,
         the connection closed), in the API's error shape (``InternalError``), as the ASGI path's
         (``server.GatewayApp``)."""
-        return self._closing_error(InternalError(), BY_PATH.get(path.rstrip("/")), rid)
+        return self._closing_error(InternalError(), api_at(path), rid)
 
     def _closing_error(self, error: CarpoolError, api: Api | None, rid: bytes) -> bytes:
         """``error`` as a whole response after which the connection closes: uvicorn's default
@@ -864,7 +864,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if not free:
             self.transport.close()
             return
-        api = BY_PATH.get(self.url.partition(b"?")[0].decode("latin-1"))
+        api = api_at(self.url.partition(b"?")[0].decode("latin-1"))
         if api is not None and self.limits_app is not None:
             self.limits_app.gateway.stats.rejected += 1
         self.transport.write(self._closing_error(error, api, request_id(self.headers)))

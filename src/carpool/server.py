@@ -104,7 +104,7 @@ from starlette.routing import Route
 
 from .admin_http import admin_routes
 from .admin_http import error as admin_error
-from .apis import BY_PATH
+from .apis import BY_PATH, api_at
 from .auth import ClientKeys, presents
 from .config import Config
 from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
@@ -192,7 +192,7 @@ class GatewayApp:
         except Exception:  # (a bug: said in the log, and to the client in its API's terms)
             log.exception("a request failed (500)")
             if not headed:
-                error, api = InternalError(), BY_PATH.get(scope["path"].rstrip("/"))
+                error, api = InternalError(), api_at(scope["path"])
                 await _send_whole(
                     respond,
                     error.status,
@@ -211,7 +211,7 @@ class GatewayApp:
             # Counted in ``rejected`` there only, as the 431 below (and ``http_protocol``'s):
             # pass-through is in none of ``/stats``' request counters, its answers and the
             # gateway's refusals alike (the module doc).
-            refused, api = ClientKeyRefused(), BY_PATH.get(scope["path"])
+            refused, api = ClientKeyRefused(), api_at(scope["path"])
             if api is not None:
                 self.gateway.stats.rejected += 1
             await _send_whole(
@@ -230,7 +230,7 @@ class GatewayApp:
             # them as they arrive: ``http_protocol.py``), and they go upstream.
             # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
             # and the hop's own (its host, accept, accept-encoding) are not the client's.
-            api = BY_PATH.get(scope["path"])
+            api = api_at(scope["path"])
             if api is not None:
                 self.gateway.stats.rejected += 1
             error = HeadersTooLarge(self.max_headers)

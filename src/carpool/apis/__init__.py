@@ -24,9 +24,15 @@ APIS: dict[str, Api] = {
 BY_PATH: dict[str, Api] = {api.path: api for api in APIS.values()}
 
 
+def api_at(path: str) -> Api | None:
+    """The API served at ``path``: its endpoint's, or with one trailing slash (the gateway
+    serves ``/v1/messages/`` as ``/v1/messages``, and refuses there in the same shape)."""
+    return BY_PATH.get(path) or (BY_PATH.get(path[:-1]) if path[-1:] == "/" else None)
+
+
 def api_of(kind: str) -> Api:
     """The ``Api`` of a cached endpoint's kind (``KeyError`` for another)."""
     return APIS[kind]
 
 
-__all__ = ["APIS", "Api", "BY_PATH", "api_of"]
+__all__ = ["APIS", "Api", "BY_PATH", "api_at", "api_of"]
