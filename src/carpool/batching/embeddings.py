@@ -112,7 +112,7 @@ from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse, connection_listed
 
 from .core import KeyedBatcher
-from .lists import ListCheck
+from .lists import ListCheck, rows_in_order
 
 __all__ = ["DEFAULT_KEY_HEADERS", "EmbeddingBatcher", "approx_tokens"]
 
@@ -418,15 +418,15 @@ class EmbeddingBatcher:
             # No success (``completeness.is_complete``), and not every caller's: rebuilt
             # from ``data`` alone, it would lose the error and be stored as complete.
             return None
+        # An input left out, or two answered as one index, or no ``data`` list of indexed
+        # embeddings: which vector is whose is not known, and each alone is answered by the
+        # engine itself.
+        data = rows_in_order(parsed.get("data") if isinstance(parsed, dict) else None, len(items))
+        if data is None:
+            return None
         try:
-            data = sorted(parsed["data"], key=lambda row: row["index"])
             embeddings = [row["embedding"] for row in data]
-            indexes = [row["index"] for row in data]
         except (KeyError, TypeError):
-            return None  # (no ``data`` list of indexed embeddings: whose answer, it says not)
-        if indexes != list(range(len(items))):
-            # An input left out, or two answered as one index: which vector is whose is not
-            # known, and each alone is answered by the engine itself.
             return None
         weights = [approx_tokens(item) for item in items]
         usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}

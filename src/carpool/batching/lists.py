@@ -52,7 +52,14 @@ from carpool.identity import pairs_digest
 from carpool.lru import LRU
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
 
-__all__ = ["PROBE_INPUTS", "PROBE_TOKENS", "SAME_VECTOR", "ListCheck", "probe_lists"]
+__all__ = [
+    "PROBE_INPUTS",
+    "PROBE_TOKENS",
+    "SAME_VECTOR",
+    "ListCheck",
+    "probe_lists",
+    "rows_in_order",
+]
 
 # The probe's two inputs: unrelated sentences, so that one's vector given for the other (the
 # usual way a broken list goes wrong) cannot pass for right.
@@ -222,11 +229,21 @@ def _digest(identity: Sequence[tuple[str, str]]) -> bytes:
     return pairs_digest(identity, b"carpool-lists", 16).digest()
 
 
+def rows_in_order(data: Any, count: int) -> list[Any] | None:
+    """An embeddings answer's ``data`` rows in index order when they are exactly one per input,
+    indexed 0..count-1; else None: which vector is whose, it does not say. Never raises."""
+    try:
+        rows = sorted(data, key=lambda row: row["index"])
+    except (KeyError, TypeError):
+        return None
+    return rows if [row["index"] for row in rows] == list(range(count)) else None
+
+
 def _vectors(raw: bytes, count: int) -> list[list[float]] | None:
     """The ``count`` vectors of an embeddings answer in index order, or None if it has not."""
     try:
-        data = sorted(orjson.loads(raw)["data"], key=lambda row: row["index"])
-        if [row["index"] for row in data] != list(range(count)):
+        data = rows_in_order(orjson.loads(raw)["data"], count)
+        if data is None:
             return None
         out = []
         for row in data:

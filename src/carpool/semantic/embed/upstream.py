@@ -37,7 +37,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import orjson
 
@@ -46,6 +46,7 @@ try:  # numpy is in the "semantic" extra: this module must import without it.
 except ImportError:  # pragma: no cover - exercised only without the extra
     np = None  # type: ignore[assignment]  # (optional extra: callers check _require_numpy)
 
+from ...batching.lists import rows_in_order
 from ...errors import UpstreamError, UpstreamStatusError
 from ...upstream.base import UpstreamRequest, UpstreamResponse
 from .base import _require_numpy
@@ -207,10 +208,8 @@ def embeddings_through(
         try:
             if response.status != 200:
                 raise UpstreamStatusError(response.status, response.body)
-            data: list[dict[str, Any]] = sorted(
-                orjson.loads(response.body)["data"], key=lambda row: row["index"]
-            )
-            if [row["index"] for row in data] != list(range(count)):
+            data = rows_in_order(orjson.loads(response.body)["data"], count)
+            if data is None:
                 raise UpstreamError(
                     f"the upstream's embeddings answer for {count} texts is not one vector "
                     "per text, numbered 0..n-1"
