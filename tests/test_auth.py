@@ -167,6 +167,32 @@ async def test_pass_through_goes_with_the_gateways_key(held, holding, fake):
     assert fake.calls[-1].headers["authorization"] == holding.authorization
 
 
+async def test_a_refusal_of_the_gateways_key_on_pass_through_takes_back_no_clients_acceptance(
+    gateway_with, keys_file, holding, fake
+):
+    """An upstream 401 to a pass-through call takes back its tenant's acceptance (the key was
+    revoked upstream), but not when the call went with the gateway's key: the upstream refused
+    that one (a 502 that quotes nothing), and said nothing of the client's, which the gateway
+    judges itself."""
+    shared = {"x-carpool-namespace": "docs"}
+    config = {**holding.config, "auth": {"client_keys_file": str(keys_file)}}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}, **config) as gw:
+
+        async def ask(content: str, key: str, **headers: str) -> Any:
+            body = {**BODY, "messages": [{"role": "user", "content": content}]}
+            return await gw.client.post(
+                "/v1/chat/completions", json=body, headers={**bearer(key), **headers}
+            )
+
+        assert (await ask("shared", "client-a", **shared)).status_code == 200
+        assert (await ask("warm up", "client-b")).status_code == 200  # client-b accepted
+        fake.fail_status, fake.fail_times = 401, 1
+        models = await gw.client.get("/v1/models", headers=bearer("client-b"))
+        assert models.status_code == 502 and "refused the gateway's key" in models.text
+        again = await ask("shared", "client-b", **shared)
+        assert again.status_code == 200 and again.headers["x-carpool"] == "hit"
+
+
 async def test_each_replica_may_hold_its_own_key(fake, gateway_with):
     config = {
         "upstreams": [fake.url, fake.url],

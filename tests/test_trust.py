@@ -499,6 +499,31 @@ async def test_a_key_the_upstream_refuses_is_accepted_for_nothing_any_more(fake,
         assert again.status_code == 401 and again.headers["x-carpool"] == "miss"
 
 
+@pytest.mark.parametrize("refusal", [401, 403])
+async def test_a_key_refused_on_a_pass_through_call_is_accepted_for_nothing_any_more(
+    fake, gateway_with, refusal
+):
+    """A 401 or 403 for a tenant takes back its acceptance whatever call it answered: one to a
+    pass-through call (``GET /v1/models``) did not, and the revoked key read another tenant's
+    answers in the shared namespace for up to ``tenant.accepted_ttl``."""
+    fake.valid_keys = {"a", "b"}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        asked = await gw.chat("shared", headers={"Authorization": "Bearer a", **shared})
+        assert asked.status_code == 200
+        warm = await gw.chat("warm up", headers={"Authorization": "Bearer b"})
+        assert warm.status_code == 200  # b accepted by the upstream
+        if refusal == 401:
+            fake.valid_keys = {"a"}  # b's key revoked upstream
+        else:
+            fake.fail_status, fake.fail_times = 403, 1  # b's key denied what it had
+        models = await gw.client.get("/v1/models", headers={"Authorization": "Bearer b"})
+        assert models.status_code == refusal
+        again = await gw.chat("shared", headers={"Authorization": "Bearer b", **shared})
+        assert again.headers["x-carpool"] == "miss", "a refused key read another tenant's answer"
+        assert again.status_code == (401 if refusal == 401 else 200)
+
+
 async def test_in_a_shared_namespace_another_tenants_refusal_is_not_handed_to_a_joiner(
     fake, gateway_with
 ):

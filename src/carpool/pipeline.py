@@ -61,7 +61,9 @@ Contract:
   and both time each request to its reply's end (``Gateway.observe``: the latency metrics).
   ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
-- ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; one on a
+- ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; a 401 or
+  403 it gets takes back its tenant's every acceptance (``identity.py``), as one to a cached
+  endpoint's call does (a key revoked upstream is caught by its next refused call). One on a
   stored response (``/responses/{id}...``) or chat completion (``/chat/completions/{id}...``)
   goes to the replica that made it (``routing.state``). A ``DELETE /responses/{id}`` or
   ``DELETE /chat/completions/{id}`` the upstream answers 2xx first drops, in the deleter's
@@ -685,11 +687,13 @@ class Gateway:
     ) -> PassthroughResponse:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);
-        a transport failure downs the replica (``ReplicaSet.passthrough``). A call on a stored
-        response or chat completion (``/responses/{id}...``, ``/chat/completions/{id}...``), a
-        file or a batch (``/files/{id}...``, ``/batches/{id}...``, a ``POST /batches`` of a
-        file) goes to the replica that keeps it (``routing.state``), which an upload's or a
-        batch's answer tells (``learning``).
+        a transport failure downs the replica (``ReplicaSet.passthrough``). A 401 or 403 it
+        answers takes back its tenant's acceptance (``AcceptedCredentials.refuse``), as on the
+        cached endpoints. A call on a stored response or chat completion
+        (``/responses/{id}...``, ``/chat/completions/{id}...``), a file or a batch
+        (``/files/{id}...``, ``/batches/{id}...``, a ``POST /batches`` of a file) goes to the
+        replica that keeps it (``routing.state``), which an upload's or a batch's answer tells
+        (``learning``).
         ``RuntimeError`` once the gateway is closed, as ``request``."""
         if self.closed:
             raise RuntimeError("this gateway is closed (aclose): build another")
@@ -703,6 +707,13 @@ class Gateway:
                 tenant = requester(headers, self.config)
                 holder = self.layers.holders.holder(tenant, stored)
         response = await self.replicas.passthrough(method, path, query, headers, body, holder)
+        if response.status in (401, 403):
+            # The upstream refused the requester's credentials, whatever the call: every
+            # acceptance of its tenant is taken back, as a cached endpoint's refusal takes it
+            # (``Exchange._refused``), or a key revoked upstream read the shared namespaces
+            # until ``tenant.accepted_ttl``. (A refusal of the gateway's own key never comes
+            # here: ``UpstreamKeyRefused``, which says nothing of the client's.)
+            self.accepted.refuse(tenant if tenant is not None else requester(headers, self.config))
         if learns and tenant is not None and 200 <= response.status < 300:
             # (A file uploaded, a batch made or looked at: where it and its files are kept.)
             remember = partial(self.layers.holders.remember, tenant, replica=response.replica)
