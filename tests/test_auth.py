@@ -370,6 +370,20 @@ def test_client_keys_keep_only_digests(keys_file):
     assert not keys.accepts([])
 
 
+async def test_a_client_keys_file_saved_with_a_byte_order_mark_keeps_its_first_key(
+    tmp_path, gateway_with, fake
+):
+    # Windows' editors save UTF-8 with one: it was read as part of the first key, which then
+    # matched no request (check-config said ok).
+    keys = tmp_path / "keys.txt"
+    keys.write_bytes(b"\xef\xbb\xbfclient-first\r\nclient-second\r\n")
+    async with gateway_with(auth={"client_keys_file": str(keys)}) as gw:
+        for key in ("client-first", "client-second"):
+            response = await gw.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+            assert response.status_code == 200, key
+    assert len(ClientKeys.load(keys)) == 2
+
+
 def test_a_missing_keys_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="auth.client_keys_file"):
         Config.load(None, overrides={"auth": {"client_keys_file": str(tmp_path / "absent.txt")}})

@@ -1,7 +1,8 @@
 """Gateway-side client keys (``auth.client_keys_file``): who may use the gateway at all.
 
 Contract:
-- ``ClientKeys.load(path)``: one key per line, the key itself or its SHA-256 in hex (of its
+- ``ClientKeys.load(path)``: UTF-8 text (a byte order mark at its start skipped), one key per
+  line, the key itself or its SHA-256 in hex (of its
   UTF-8 bytes; ``sha256:`` before it is allowed): a line of 64 hex digits is a digest, so a key
   that is itself 64 hex digits is listed by its digest. Blank lines and lines starting with
   ``#`` are skipped (a ``#`` inside a key is part of it). Only digests are kept in memory (hashed at rest: a key is never held,
@@ -47,7 +48,9 @@ class ClientKeys:
     @classmethod
     def load(cls, path: str | Path) -> ClientKeys:
         digests = []
-        for raw in Path(path).read_text(encoding="utf-8").splitlines():
+        # (``utf-8-sig``: a byte order mark, as Windows' editors write one, is no part of the
+        # first key, which no request would then present.)
+        for raw in Path(path).read_text(encoding="utf-8-sig").splitlines():
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue

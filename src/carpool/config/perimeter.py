@@ -247,7 +247,8 @@ class AuthConfig(Section):
 
     client_keys_file: str | None = Field(
         None,
-        description="A file of the client keys the gateway accepts, one per line: the key "
+        description="A UTF-8 file (a byte order mark at its start is skipped) of the client "
+        "keys the gateway accepts, one per line: the key "
         "itself, or its SHA-256 in hex (64 hex digits, `sha256:` before them allowed: a key "
         "that is itself 64 hex digits is listed by its digest; a line starting with `#` is a "
         "comment). "
