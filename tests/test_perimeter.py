@@ -184,6 +184,35 @@ async def test_a_cached_endpoints_path_with_a_character_more_is_another_path(gw,
     assert fake.calls[-1].path == path
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/files", "/v1/chat/completions"])
+async def test_a_cors_preflight_is_passed_through_on_any_v1_path(path):
+    """OPTIONS (a browser's CORS preflight, which an engine started with ``--allowed-origins``
+    answers) was the gateway's own 405 on every /v1 path. It is passed through as any other
+    method is, on a cached endpoint's path too: a preflight is no cached request."""
+    allowed = (
+        (b"access-control-allow-origin", b"https://app.example"),
+        (b"access-control-allow-methods", b"GET, POST"),
+        (b"access-control-allow-headers", b"authorization, content-type"),
+    )
+
+    def respond(call: RawCall) -> bytes:
+        return raw_answer(200, b"OK", b"OK", b"text/plain; charset=utf-8", allowed)
+
+    preflight = {
+        "origin": "https://app.example",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        response = await gw.client.request("OPTIONS", path, headers=preflight)
+    assert response.status_code == 200, response.text
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    assert "x-carpool" not in response.headers  # (no cached request: nothing to say of one)
+    (call,) = upstream.calls
+    assert call.line == f"OPTIONS {path} HTTP/1.1"
+    assert {name: call.headers[name] for name in preflight} == preflight
+
+
 async def test_passthrough_sends_a_header_sent_on_several_lines_as_one_joined_value(gw, fake):
     # The cached endpoints joined them (RFC 9110 5.3); pass-through kept only the last line.
     host, port = address(gw.url)

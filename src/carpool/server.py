@@ -30,7 +30,10 @@ Contract:
   cleanup runs before the lifespan closes the layers (``Gateway.settle``: ``serve`` keeps its
   task in ``Gateway.serving``).
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
-  ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app.
+  ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app. Pass-through
+  takes GET (HEAD), POST, PUT, PATCH, DELETE and OPTIONS (a browser's CORS preflight), on a
+  cached endpoint's path too for all but POST, its only cached request; any other method is a
+  405.
 - A request whose handling fails (an exception nothing handled: a bug) is logged with its
   traceback and, if nothing was sent yet, answered 500 in OpenAI's error shape (a cached
   endpoint's in its API's, ``x-carpool: bypass``): ``InternalError``, never a bare
@@ -664,7 +667,9 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         # which logs it.
         return _carpool_error(InternalError())
 
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    # OPTIONS too: a browser's CORS preflight, which an engine started with --allowed-origins
+    # answers (on a cached endpoint's path as well: a preflight is no cached request).
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     routed = Starlette(
         routes=[
             Route("/healthz", healthz),
