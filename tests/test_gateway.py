@@ -564,6 +564,28 @@ async def test_request_headers_are_forwarded_upstream(gw, fake):
     assert "x-carpool-namespace" not in headers
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"], ids=["cached", "passed"])
+@pytest.mark.parametrize(
+    "value",
+    ["Café ☕".encode(), "Café".encode("latin-1"), "Bearer sk-clé-1".encode()],
+    ids=["utf-8", "latin-1", "utf-8 key"],
+)
+async def test_a_header_value_reaches_the_upstream_byte_for_byte_as_the_client_sent_it(
+    gw, fake, path, value
+):
+    # Read as latin-1 and written as UTF-8, every byte over 0x7f reached the upstream as two:
+    # a client key written in UTF-8 was another key there.
+    name = "authorization" if value.startswith(b"Bearer") else "x-title"
+    if path == "/v1/models":
+        response = await gw.client.get(path, headers={name: value})
+    else:
+        response = await gw.chat(repr(value), headers={name: value})
+    assert response.status_code == 200, response.text
+    (call,) = fake.calls
+    # (The fake reads header bytes as latin-1, as the gateway's server does: its code points.)
+    assert call.headers[name].encode("latin-1") == value
+
+
 async def test_tenants_do_not_share_answers(gw, fake):
     a = await gw.chat(headers={"Authorization": "Bearer a"})
     b = await gw.chat(headers={"Authorization": "Bearer b"})

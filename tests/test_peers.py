@@ -518,7 +518,8 @@ async def test_a_request_asked_of_the_owner_reaches_it_with_the_clients_own_byte
     owner accepts the key, and the upstream sees what it sees when the owner is asked directly.
     (The peer hop's HTTP client would send the value as UTF-8 of its latin-1 reading, and
     normalize the query: the owner refused the key with a 401.) A client's own
-    ``x-carpool-peer-raw`` is never passed on."""
+    ``x-carpool-peer-raw`` is never passed on. The upstream gets the client's bytes too,
+    through the owner or directly (both wrote them as UTF-8 of their latin-1 reading)."""
     key = "sk-clé-1"
     keys = tmp_path / "keys"
     keys.write_text(key + "\n", encoding="utf-8")
@@ -557,6 +558,8 @@ async def test_a_request_asked_of_the_owner_reaches_it_with_the_clients_own_byte
         direct = await upstream_saw(pair.b, owned(pair.a.gateway, "direct"))
         assert fake.count() == 2 and pair.a.gateway.snapshot()["peer_calls"] == 1
         assert through == direct and through[1] == query
+        # (and reach the upstream so: the owner's call writes them back as the client's bytes)
+        assert through[0] == headers["authorization"]
 
 
 async def test_a_clients_own_peer_raw_header_is_never_honoured_by_the_owner(fake):

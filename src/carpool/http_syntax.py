@@ -6,6 +6,11 @@ Contract:
   separator).
 - ``CONTROL`` finds what no header value may hold (RFC 9110 5.5: a control character but the
   tab), so no value can end its line and start another.
+- ``value_bytes(value)``: a header value's bytes on the wire. A client's value is read by the
+  server a byte a character (latin-1: the gateway keeps it so, ``server._decoded``), and goes
+  back out as those bytes, byte for byte: UTF-8 would make every byte over 0x7f two (a client
+  key written in UTF-8 was another key upstream). A value beyond latin-1 can only be text a
+  library caller gave (``Gateway.request``): its UTF-8.
 """
 
 from __future__ import annotations
@@ -14,3 +19,11 @@ import re
 
 TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def value_bytes(value: str) -> bytes:
+    """``value`` as it goes on the wire: a client's bytes as it sent them (see the contract)."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape")

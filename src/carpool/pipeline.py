@@ -61,6 +61,8 @@ Contract:
   and both time each request to its reply's end (``Gateway.observe``: the latency metrics).
   ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
+  A header value it forwards upstream goes as an HTTP client's does (``http_syntax.value_bytes``:
+  a character a byte, latin-1), or, with a character beyond latin-1, as its UTF-8.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; a 401 or
   403 it gets takes back its tenant's every acceptance (``identity.py``), as one to a cached
   endpoint's call does (a key revoked upstream is caught by its next refused call). One on a

@@ -132,9 +132,11 @@ def os_reason(error: BaseException | None) -> str | None:
 
 
 def request_head(target: str, host: str, headers: Mapping[str, str], length: int) -> bytes:
-    """A POST's head (request line and headers, ending with the blank line), UTF-8 (as aiohttp
-    wrote them). ``headers``' names lower-case; ``host``, ``content-length`` added here, and
-    ``accept`` (``*/*``) when absent, as aiohttp did."""
+    """A POST's head (request line and headers, ending with the blank line), each header value
+    as the client sent it (``http_syntax.value_bytes``: latin-1, as the server read it; not
+    UTF-8, as aiohttp wrote them, each byte over 0x7f two). ``headers``' names lower-case;
+    ``host``, ``content-length`` added here, and ``accept`` (``*/*``) when absent, as aiohttp
+    did."""
     if http_syntax.CONTROL.search("\t".join(headers.values())) is not None or not all(
         map(http_syntax.TOKEN.fullmatch, headers)
     ):
@@ -143,9 +145,24 @@ def request_head(target: str, host: str, headers: Mapping[str, str], length: int
         )
     lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
     accept = "" if "accept" in headers else "accept: */*\r\n"
-    return (
+    head = (
         f"POST {target} HTTP/1.1\r\nhost: {host}\r\n{accept}{lines}content-length: {length}\r\n\r\n"
-    ).encode()
+    )
+    try:
+        return head.encode("latin-1")  # (the target, the host and the names are ASCII)
+    except UnicodeEncodeError:
+        # A value beyond latin-1 (a library caller's text): that one as UTF-8, the others so.
+        fields = b"".join(
+            [
+                name.encode("ascii") + b": " + http_syntax.value_bytes(value) + b"\r\n"
+                for name, value in headers.items()
+            ]
+        )
+        return (
+            f"POST {target} HTTP/1.1\r\nhost: {host}\r\n{accept}".encode("latin-1")
+            + fields
+            + f"content-length: {length}\r\n\r\n".encode("ascii")
+        )
 
 
 class Pool:
