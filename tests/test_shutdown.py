@@ -10,9 +10,12 @@ import signal
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aredis
 
 from fakes.instances import instances
+from fakes.raw_upstream import RawCall, raw_upstream
+from fakes.raw_upstream import answer as raw_answer
 
 BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "a slow one"}]}
 
@@ -138,6 +141,64 @@ async def test_requests_still_running_when_the_grace_period_ends_get_their_apis_
         assert "Traceback" not in log and "Exception in ASGI application" not in log, log
         assert log.count("shutting down: a request still waiting was cut") == 2, log
         assert log.count("shutting down: a stream still running was cut") == 2, log
+
+
+async def test_pass_through_requests_still_running_when_the_grace_period_ends_are_cut_in_the_apis_terms():
+    # A pass-through call not answered yet is a 503 with Retry-After in OpenAI's error shape,
+    # with its x-request-id; an answer being relayed has its connection cut (never ended as if
+    # whole); neither logs a traceback. uvicorn's cancel went through them as a crash: a bare
+    # text/plain 500 without x-request-id, and "Exception in ASGI application" at ERROR.
+    release = asyncio.Event()  # (the held call's answer, once the test is over)
+
+    async def respond(call: RawCall) -> bytes:
+        if call.line.startswith("POST /v1/held "):
+            await release.wait()
+        if call.line.startswith("GET /v1/half "):
+            return _half_answer()  # the rest of its body never comes
+        return raw_answer(200, b"OK", b'{"object": "list", "data": []}')
+
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 0.3}, "log_level": "info"}
+    async with raw_upstream(respond) as upstream:
+        try:
+            async with instances(1, upstream.url, None, settings) as (gw,):
+                half = await gw.client.send(gw.client.build_request("GET", "/v1/half"), stream=True)
+                assert half.status_code == 200
+                chunks = half.aiter_raw()
+                assert await anext(chunks) == b"the first part"  # its relay under way
+                held = asyncio.create_task(gw.client.post("/v1/held", json={"a": 1}))
+                await _until(
+                    async_(lambda: any(c.line.startswith("POST /v1/held") for c in upstream.calls)),
+                    "the held call upstream",
+                )
+                gw.proc.send_signal(signal.SIGTERM)
+
+                answer = await held
+                assert answer.status_code == 503, answer.text
+                assert answer.headers["retry-after"] == "1"
+                assert answer.headers["content-type"] == "application/json"
+                assert answer.headers["x-request-id"]
+                assert "x-carpool" not in answer.headers  # (pass-through: never labelled)
+                error = answer.json()["error"]
+                assert (error["type"], error["code"]) == ("server_error", "shutting_down")
+                with pytest.raises(httpx.RemoteProtocolError):  # cut, not ended as if whole
+                    async for _ in chunks:
+                        pass
+                await half.aclose()
+                assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+                log = gw.log.read_text()
+        finally:
+            release.set()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+    assert "returned without completing response" not in log, log
+    assert log.count("shutting down: a request still waiting was cut (503") == 1, log
+    assert log.count("shutting down: an answer still being relayed was cut") == 1, log
+
+
+def _half_answer() -> bytes:
+    """An answer's head and the first part of a body its ``content-length`` says is longer."""
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 1000\r\n\r\n" + (
+        b"the first part"
+    )
 
 
 async def _until(check: Any, what: str) -> None:

@@ -28,7 +28,10 @@ Contract:
   a traceback. What the cancel undid on its way (a flight's place, an idempotency record, a
   stream's answer not kept) is as for a client that left: nothing partial is stored; that
   cleanup runs before the lifespan closes the layers (``Gateway.settle``: ``serve`` keeps its
-  task in ``Gateway.serving``).
+  task in ``Gateway.serving``). So is any other request the shutdown cuts (``_cut_unserved``):
+  a pass-through call not answered yet is a 503 with ``Retry-After`` in OpenAI's error shape,
+  with its ``x-request-id``; a pass-through answer being relayed has its connection cut, never
+  its body ended as if whole.
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
   ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app. Pass-through
   takes GET (HEAD), POST, PUT, PATCH, DELETE and OPTIONS (a browser's CORS preflight), on a
@@ -192,6 +195,13 @@ class GatewayApp:
         respond = _labelled(send_with_id) if self.simulated and cached else send_with_id
         try:
             await self._route(scope, receive, respond)
+        except asyncio.CancelledError as cancel:
+            # The shutdown's cancel of a request ``serve`` does not end itself (pass-through, a
+            # body still being read...): uvicorn made it a bare text/plain 500 with a traceback.
+            if not self._stopping(cancel):
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
+            await self._cut_unserved(scope, respond, headed, cached)
         except Exception:  # (a bug: said in the log, and to the client in its API's terms)
             log.exception("a request failed (500)")
             if not headed:
@@ -340,6 +350,31 @@ class GatewayApp:
             if reply is not None:
                 reply.close()
                 self.gateway.observe(reply, time.monotonic() - started)
+
+    async def _cut_unserved(self, scope: Scope, send: Any, headed: bool, cached: bool) -> None:
+        """Ends a request other than ``serve``'s that the server's shutdown cut (``_stopping``),
+        as ``_cut`` ends one of ``serve``'s: not answered yet (a pass-through call waiting on
+        its upstream, a body still coming), a 503 with ``Retry-After`` in its API's error shape
+        (a cached endpoint's with ``x-carpool: bypass``, counted in ``rejected``; pass-through
+        in OpenAI's, in no request counter); an answer being relayed (a pass-through stream),
+        its connection cut (``CUT``), never its body ended as if whole. Logged without a
+        traceback: nothing failed."""
+        if not headed:
+            log.info("shutting down: a request still waiting was cut (503, Retry-After)")
+            error, api = ShuttingDown(), api_at(scope["path"]) if cached else None
+            if api is not None:
+                self.gateway.stats.rejected += 1
+            await _send_whole(
+                send,
+                error.status,
+                [*_raw(error.headers()), *([Outcome.BYPASS.header] if api else [])],
+                api.error_body(error) if api is not None else error.body(),
+            )
+            return
+        log.info("shutting down: an answer still being relayed was cut (its connection closed)")
+        cut = scope.get(CUT)
+        if cut is not None:
+            cut()  # (else the server closes it, the response left incomplete)
 
     def _stopping(self, cancel: asyncio.CancelledError) -> bool:
         """Whether ``cancel`` is the server's shutdown cutting the request (its grace period

@@ -296,5 +296,7 @@ class ShutdownConfig(Section):
         description="Seconds the requests in progress then have to finish (flights and their "
         "waiters get their answers, streams end properly) before the process exits anyway: "
         "those still running then are cut, a reply not begun as a 503 with Retry-After in its "
-        "API's error shape, a stream under way with its API's error event and its end.",
+        "API's error shape (pass-through's too, in OpenAI's), a stream under way with its API's "
+        "error event and its end (a pass-through answer being relayed: its connection closed, "
+        "never its body ended as if whole).",
     )
