@@ -564,11 +564,16 @@ async def test_request_headers_are_forwarded_upstream(gw, fake):
     assert "x-carpool-namespace" not in headers
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"], ids=["cached", "passed"])
 @pytest.mark.parametrize(
-    "value",
-    ["Café ☕".encode(), "Café".encode("latin-1"), "Bearer sk-clé-1".encode()],
-    ids=["utf-8", "latin-1", "utf-8 key"],
+    ("path", "value"),
+    [
+        ("/v1/chat/completions", "Café ☕".encode()),
+        ("/v1/chat/completions", "Café".encode("latin-1")),
+        ("/v1/chat/completions", "Bearer sk-clé-1".encode()),
+        ("/v1/models", "Café ☕".encode()),
+        ("/v1/models", "Bearer sk-clé-1".encode()),
+    ],
+    ids=["cached-utf-8", "cached-latin-1", "cached-utf-8 key", "passed-utf-8", "passed-utf-8 key"],
 )
 async def test_a_header_value_reaches_the_upstream_byte_for_byte_as_the_client_sent_it(
     gw, fake, path, value
@@ -584,6 +589,20 @@ async def test_a_header_value_reaches_the_upstream_byte_for_byte_as_the_client_s
     (call,) = fake.calls
     # (The fake reads header bytes as latin-1, as the gateway's server does: its code points.)
     assert call.headers[name].encode("latin-1") == value
+
+
+async def test_a_header_value_pass_through_cannot_send_unaltered_is_refused_never_sent_changed(
+    gw, fake
+):
+    # aiohttp writes header values as UTF-8: bytes that are not (a legacy latin-1 value) would
+    # reach the upstream changed, a byte over 0x7f as two.
+    response = await gw.client.get("/v1/models", headers={"x-title": "Café".encode("latin-1")})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_header"
+    assert "x-title" in response.json()["error"]["message"]
+    assert fake.calls == []
+    # The gateway is unharmed, and the same header in UTF-8 goes through.
+    assert (await gw.client.get("/v1/models", headers={"x-title": "Café".encode()})).status_code == 200
 
 
 async def test_tenants_do_not_share_answers(gw, fake):

@@ -53,9 +53,9 @@ Contract (on top of ``upstream.base``):
   (``http_syntax.value_bytes``: the server read them a byte a character, latin-1; written as
   UTF-8, each byte over 0x7f went as two), on both transports; one holding a control
   character is refused, never sent. aiohttp (pass-through) writes every value as UTF-8: a
-  value that is not ASCII goes to it marked (``_Bytes``), and its header writer
-  (``aiohttp.http_writer._serialize_headers``, wrapped once at import) writes such a value's
-  bytes; whatever else aiohttp writes, in this process, it writes as before.
+  client's UTF-8 value is given to it as the text it spells (the same bytes on the wire); a
+  value that is neither ASCII nor UTF-8 (legacy latin-1) is a 400 on pass-through
+  (``invalid_header``), never sent altered.
   Pass-through, which carpool neither caches nor makes idempotent, also forwards
   ``Cache-Control`` and the
   ``Idempotency-Key`` (``X-Idempotency-Key``) as they came, so that a retried
@@ -83,19 +83,16 @@ import asyncio
 import base64
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from itertools import chain
 from urllib.parse import quote
 
 import aiohttp
 import orjson
-from aiohttp import http_writer
-from multidict import CIMultiDict
 from yarl import URL
 
-from .. import http_syntax
 from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
+    RequestError,
     UpstreamAnswerCut,
     UpstreamBadStatus,
     UpstreamKeyRefused,
@@ -161,46 +158,26 @@ _PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
 _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
 
 
-class _Bytes(str):
-    """A header value aiohttp is to write as its characters' bytes (latin-1), as the client sent
-    it: ``_serialize_headers``. (aiohttp writes every value as UTF-8.)"""
-
-    __slots__ = ()
-
-
-def _as_sent(value: str) -> str:
-    """``value`` for aiohttp to write as ``http_syntax.value_bytes`` says: marked when it is not
-    ASCII, unless it is beyond latin-1 (a library caller's text), which aiohttp's UTF-8 is."""
+def _as_sent(name: str, value: str) -> str:
+    """``value`` for aiohttp, which writes every header value as UTF-8, to put on the wire as
+    the client sent it (``http_syntax.value_bytes``): the server read it a byte a character
+    (latin-1), so a client's UTF-8 is given back to aiohttp as the text it spells. A value
+    beyond latin-1 is a library caller's text, written as its UTF-8. Bytes that are neither
+    (a legacy latin-1 value) aiohttp cannot send unaltered: refused, never sent changed."""
     if value.isascii():
         return value
     try:
-        value.encode("latin-1")
+        sent = value.encode("latin-1")
     except UnicodeEncodeError:
         return value
-    return _Bytes(value)
-
-
-_AIOHTTP_HEADERS = http_writer._serialize_headers
-
-
-def _serialize_headers(status_line: str, headers: CIMultiDict[str]) -> bytes:
-    """aiohttp's request and response heads, but a ``_Bytes`` value written as its bytes, not as
-    UTF-8, with aiohttp's own refusal of a control character (no header injection). Heads
-    without one (every other aiohttp call in the process) are aiohttp's, untouched."""
-    if not any(type(value) is _Bytes for value in headers.values()):
-        return _AIOHTTP_HEADERS(status_line, headers)
-    if any(map(http_syntax.CONTROL.search, [status_line, *chain.from_iterable(headers.items())])):
-        raise ValueError(
-            "Forbidden control character detected in headers. Potential header injection attack."
-        )
-    lines = [status_line.encode("utf-8")]
-    for name, value in headers.items():
-        written = value.encode("latin-1") if type(value) is _Bytes else value.encode("utf-8")
-        lines.append(name.encode("utf-8") + b": " + written)
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-http_writer._serialize_headers = _serialize_headers  # (see the module's contract)
+    try:
+        return sent.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError(
+            f"header {name!r} is neither ASCII nor UTF-8, which a pass-through call cannot"
+            " forward unaltered",
+            code="invalid_header",
+        ) from None
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -466,7 +443,7 @@ class HttpUpstream:
             if name in headers and name not in listed:
                 out_headers[name] = headers[name]
         # (As the client sent them: aiohttp would write a value that is not ASCII as UTF-8.)
-        out_headers = {name: _as_sent(value) for name, value in out_headers.items()}
+        out_headers = {name: _as_sent(name, value) for name, value in out_headers.items()}
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
