@@ -602,7 +602,9 @@ async def test_a_header_value_pass_through_cannot_send_unaltered_is_refused_neve
     assert "x-title" in response.json()["error"]["message"]
     assert fake.calls == []
     # The gateway is unharmed, and the same header in UTF-8 goes through.
-    assert (await gw.client.get("/v1/models", headers={"x-title": "Café".encode()})).status_code == 200
+    assert (
+        await gw.client.get("/v1/models", headers={"x-title": "Café".encode()})
+    ).status_code == 200
 
 
 async def test_tenants_do_not_share_answers(gw, fake):
