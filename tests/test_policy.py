@@ -355,6 +355,59 @@ async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
         assert gw.gateway.store.entries == 0
 
 
+# The coalescing window is held open by a clock that does not move: what lingers, lingers.
+HELD_WINDOW = {"window_ms": 1000, "adaptive": False}
+
+
+async def test_an_answer_only_the_coalescing_window_holds_is_counted_when_invalidated(
+    fake, gateway_with
+):
+    # factual (ttl 0): its answer lives in the window alone. The invalidation dropped it (the
+    # next request was a miss) but answered {"invalidated": 0}.
+    factual = {"x-carpool-type": "factual", "x-carpool-tags": "t"}
+    async with gateway_with(admin_token="s3cret", coalesce=HELD_WINDOW, clock=ManualClock()) as gw:
+        assert await outcome(gw, **factual) == "miss"
+        assert await outcome(gw, **factual) == "coalesced"
+        dropped = await gw.client.post("/admin/invalidate", json={"tag": "t"}, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert await outcome(gw, **factual) == "miss" and fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "selector, named, other",
+    [
+        ({"tag": "t"}, {"x-carpool-tags": "t"}, {"x-carpool-tags": "u"}),
+        ({"namespace": "ns"}, {"x-carpool-namespace": "ns"}, {"x-carpool-namespace": "other"}),
+        ({"prefix": "How do"}, {}, {}),  # (the prompts tell them apart: "How do I..." / "Why...")
+    ],
+    ids=["tag", "namespace", "prefix"],
+)
+async def test_an_invalidation_drops_only_the_lingering_answers_it_names(
+    fake, gateway_with, selector, named, other
+):
+    # Lingering answers kept no tag, namespace nor prompt: every one went, whatever was named.
+    factual = {"x-carpool-type": "factual"}
+    async with gateway_with(admin_token="s3cret", coalesce=HELD_WINDOW, clock=ManualClock()) as gw:
+        assert await outcome(gw, "How do I pay?", **factual, **named) == "miss"
+        assert await outcome(gw, "Why pay?", **factual, **other) == "miss"
+        dropped = await gw.client.post("/admin/invalidate", json=selector, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert await outcome(gw, "Why pay?", **factual, **other) == "coalesced"
+        assert await outcome(gw, "How do I pay?", **factual, **named) == "miss"
+        assert fake.count() == 3
+
+
+async def test_an_answer_both_stored_and_lingering_counts_once_when_invalidated(fake, gateway_with):
+    # One copy a cache layer: the window's copy of an answer the exact cache keeps is the same
+    # answer for the same requests (else the count would say whether the window was still open).
+    async with gateway_with(admin_token="s3cret", coalesce=HELD_WINDOW, clock=ManualClock()) as gw:
+        assert await outcome(gw, **{"x-carpool-tags": "t"}) == "miss"
+        assert len(gw.gateway.flights) == 1  # (lingering)
+        dropped = await gw.client.post("/admin/invalidate", json={"tag": "t"}, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert await outcome(gw, **{"x-carpool-tags": "t"}) == "miss" and fake.count() == 2
+
+
 async def test_with_collapsed_white_space_a_prefix_drops_every_prompt_the_answer_was_served_to(
     fake, gateway_with
 ):
