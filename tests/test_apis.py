@@ -615,8 +615,13 @@ async def test_a_delete_invalidates_nothing(gw, fake, monkeypatch):
         scanned.append("flights.forget_all")
         return 0
 
+    def forget_named(picks: Any) -> list:
+        scanned.append("flights.invalidate")
+        return []
+
     monkeypatch.setattr(layers.store, "invalidate", invalidate)
     monkeypatch.setattr(layers.flights, "forget_all", forget_all)
+    monkeypatch.setattr(layers.flights, "invalidate", forget_named)
     asked = body_of("responses")
     made = (await gw.client.post(RESPONSES, json=asked)).json()
     epoch = layers.flights.epoch

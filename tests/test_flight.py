@@ -414,6 +414,49 @@ async def test_forget_all_drops_running_and_lingering_flights_and_moves_the_epoc
     await wait_answer(fresh)
 
 
+async def test_invalidate_forgets_the_running_flights_and_only_the_lingering_ones_it_picks():
+    clock = ManualClock()
+    group, running = FlightGroup(window=10, clock=clock), Upstream()
+
+    def labelled(labels, kept):
+        async def lead(broadcast: Broadcast) -> Answer:
+            broadcast.labels, broadcast.kept = labels, kept
+            return Answer("chat", b"answer", True)
+
+        return lead
+
+    await wait_answer(group.acquire("named", labelled((("t",), "", "q"), False)))
+    await wait_answer(group.acquire("stored", labelled((("t",), "", "q"), True)))
+    await wait_answer(group.acquire("other", labelled((("u",), "", "q"), False)))
+    await wait_answer(group.acquire("unlabelled", labelled(None, False)))
+    joiner = group.acquire("named", running)  # (made again from its tuple: a Flight now)
+    assert not joiner.leader and joiner.flight.broadcast.labels == (("t",), "", "q")
+    joiner.release()
+    ticket = group.acquire("running", running)
+    dropped = group.invalidate(lambda labels: "t" in labels[0])
+    assert sorted(dropped, key=str) == sorted(
+        [((("t",), "", "q"), False), ((("t",), "", "q"), True), (None, False)], key=str
+    )
+    assert group.epoch == 1 and group.get("other") is not None
+    assert all(group.get(key) is None for key in ("named", "stored", "unlabelled", "running"))
+    running.release.set()
+    await wait_answer(ticket)
+
+
+async def test_live_counts_a_call_forgotten_while_it_runs_until_it_ends():
+    group, running, done = FlightGroup(window=10), Upstream(), Upstream()
+    done.release.set()
+    await wait_answer(group.acquire("lingering", done))
+    ticket = group.acquire("running", running)
+    assert (len(group), group.live()) == (2, 2)
+    group.forget_all()
+    assert (len(group), group.live()) == (0, 1)  # (its call runs on, for its client)
+    running.release.set()
+    await wait_answer(ticket)
+    await eventually(lambda: not group.calls, what="the call's end")
+    assert group.live() == 0
+
+
 # --- the broadcast's reads (carpool.broadcast) ----------------------------------------------
 
 

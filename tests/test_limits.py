@@ -7,7 +7,7 @@ Limits that the gateway enforces (CONTRACT.md "Errors from the gateway itself", 
 - ``Idempotency-Key``: 1 to 255 printable ASCII characters (a structured-field string, or bare)
   -> else 400 problem+json;
 - ``x-carpool-namespace``, ``-type``, ``-freshness`` and each tag: at most 256 printable
-  characters; at most 32 distinct tags -> else 400 ``invalid_header``;
+  characters, sent as UTF-8; at most 32 distinct tags -> else 400 ``invalid_header``;
 - the body: a JSON object with ``model`` (a string) and the endpoint's input of the right type
   -> else 400 in OpenAI's error shape.
 """
@@ -309,6 +309,23 @@ async def test_control_characters_in_a_namespace_or_tag_are_400(gw, fake):
             assert reply.json()["error"]["code"] == "invalid_header"
             assert dict(reply.headers)[b"x-carpool"] == b"bypass"
     assert fake.count() == 0
+
+
+async def test_a_control_header_whose_bytes_are_not_utf8_is_a_400_in_the_apis_shape(gw, fake):
+    """Its text is what the operator names again (``/admin/invalidate``, ``cache.types``): bytes
+    that spell no UTF-8 text (a latin-1 "é", a lone continuation byte) name nothing."""
+    chat = orjson.dumps({"model": "m", "temperature": 0, "messages": MESSAGES})
+    messages = orjson.dumps({"model": "m", "max_tokens": 5, "messages": MESSAGES})
+    for name in CONTROL_HEADERS:
+        for value in (b"caf\xe9", b"a\x80b", b"\xc3"):
+            refused = await raw_post(gw.url, CHAT, {name: value}, chat)
+            error = assert_openai_error(refused, 400, "invalid_header")
+            assert name in error["message"] and "UTF-8" in error["message"], error
+            assert refused.headers["x-carpool"] == "bypass"
+        anthropic = await raw_post(gw.url, "/v1/messages", {name: b"caf\xe9"}, messages)
+        assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+        assert "UTF-8" in anthropic.json()["error"]["message"]
+    await assert_still_serving_and_nothing_stored(gw, fake)
 
 
 async def test_glob_and_key_syntax_characters_are_plain_text_in_tags_and_namespaces(gw, fake):

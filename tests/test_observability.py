@@ -182,6 +182,29 @@ async def test_metrics_show_flights_and_waiters_in_progress(gw, fake):
     await asyncio.gather(*calls)
 
 
+async def test_a_call_running_through_an_invalidation_is_still_a_flight_in_stats_and_metrics(
+    fake, gateway_with
+):
+    # The invalidation forgot the running flight (nobody joins it any more): /stats flights
+    # and carpool_flights fell to 0 while its call ran on (its waiter and the replica's
+    # in_flight still 1).
+    admin = {"Authorization": "Bearer s3cret"}
+    async with gateway_with(admin_token="s3cret", coalesce={"window_ms": 0}) as gw:
+        fake.gate = asyncio.Event()
+        call = asyncio.create_task(gw.chat("held"))
+        await fake.wait_for_calls(1)
+        await gw.client.post("/admin/invalidate", json={"tag": "unrelated"}, headers=admin)
+        stats = (await gw.client.get("/stats", headers=admin)).json()
+        text = (await gw.client.get("/metrics", headers=admin)).text
+        fake.gate.set()
+        assert (await call).headers["x-carpool"] == "miss"
+        assert (stats["waiters"], stats["flights"]) == (1, 1)
+        assert samples(text, "carpool_flights")[""] == 1
+        # Once it ended (no window: nothing lingers), it is no flight.
+        await eventually(lambda: not gw.gateway.flights.calls, what="the call's end")
+        assert (await gw.client.get("/stats", headers=admin)).json()["flights"] == 0
+
+
 async def test_upstream_calls_count_every_call_the_engines_were_asked_list_probes_and_pass_through_too(
     gateway_with, fake
 ):

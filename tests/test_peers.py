@@ -562,6 +562,29 @@ async def test_a_request_asked_of_the_owner_reaches_it_with_the_clients_own_byte
         assert through[0] == headers["authorization"]
 
 
+async def test_a_name_sent_as_utf8_is_the_same_name_on_the_owner_it_is_asked_of(fake):
+    """A namespace and a tag sent as UTF-8 are read as that text by the worker the client
+    reached, and by the owner it asks: the owner keeps the answer under the same namespace and
+    tag (a hit for the client asking it directly), not under their bytes read as latin-1, nor
+    refuses them (``carpool.request.header_text``)."""
+    named = {"x-carpool-namespace": "café", "x-carpool-tags": "prix-été"}
+    sent = {name: value.encode() for name, value in named.items()}
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1, headers=named)
+
+        async def asked(served: Served) -> httpx.Response:
+            return await served.client.post(
+                "/v1/chat/completions", json=_chat(question), headers=sent
+            )
+
+        through = await asked(pair.a)
+        assert through.status_code == 200, through.text
+        assert through.headers["x-carpool"] == "miss"
+        assert pair.a.gateway.snapshot()["peer_calls"] == 1  # (asked of the owner)
+        assert (await asked(pair.b)).headers["x-carpool"] == "hit"
+        assert fake.count() == 1
+
+
 async def test_a_clients_own_peer_raw_header_is_never_honoured_by_the_owner(fake):
     """``x-carpool-peer-raw`` names the headers the asking worker percent-encoded; one a client
     sends is dropped before the hop, so the owner decodes nothing of the client's choosing (its

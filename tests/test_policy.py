@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
 from carpool.clock import ManualClock
 from conftest import redis_settings
 from fakes.waiting import eventually
+from test_limits import raw_post
 
 
 def clients_on_flights(served) -> int:
@@ -289,6 +291,58 @@ async def test_callers_tagged_otherwise_never_join_one_call(fake, gateway_with):
     assert fake.count() == 2
 
 
+CHAT = "/v1/chat/completions"
+
+
+def chat_of(content: str) -> dict:
+    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+
+
+async def raw_outcome(served, content: str, **headers: bytes) -> str:
+    """The outcome of a chat whose header values are sent as these bytes (what curl or Go's
+    net/http send for a UTF-8 string; httpx refuses non-ASCII values)."""
+    response = await raw_post(served.url, CHAT, headers, orjson.dumps(chat_of(content)))
+    assert response.status_code == 200, response.text
+    return response.headers["x-carpool"]
+
+
+async def test_a_tag_or_namespace_sent_as_utf8_is_invalidated_by_the_name_an_operator_types(
+    fake, gateway_with
+):
+    # Read as latin-1, "prix-été" was kept as "prix-Ã©tÃ©": the admin, naming it in JSON,
+    # dropped nothing, and the answer was served on.
+    tagged = {"x-carpool-tags": "prix-été, faq".encode()}
+    spaced = {"x-carpool-namespace": "café".encode()}
+    async with gateway_with(admin_token="s3cret") as gw:
+        post = lambda body: gw.client.post("/admin/invalidate", json=body, headers=ADMIN)  # noqa
+        assert await raw_outcome(gw, "q1", **tagged) == "miss"
+        assert await raw_outcome(gw, "q2", **spaced) == "miss"
+        assert (await post({"tag": "prix-été"})).json() == {"invalidated": 1}
+        assert (await post({"namespace": "café"})).json() == {"invalidated": 1}
+        assert await raw_outcome(gw, "q1", **tagged) == "miss"
+        assert await raw_outcome(gw, "q2", **spaced) == "miss"
+        assert fake.count() == 4
+
+
+async def test_a_request_type_sent_as_utf8_takes_the_ttl_configured_for_it(fake, gateway_with):
+    # Read as latin-1, "prévision" was no configured type: the default TTL stored its answer.
+    types = {"types": {"prévision": {"ttl": 0}}}
+    async with gateway_with(cache=types, coalesce={"window_ms": 0}) as gw:
+        for _ in range(2):
+            assert await raw_outcome(gw, "q", **{"x-carpool-type": "prévision".encode()}) == "miss"
+        assert gw.gateway.store.entries == 0 and fake.count() == 2
+
+
+async def test_control_headers_sent_as_utf8_over_http_are_the_text_the_library_sends(gw, fake):
+    # One answer for one name, however it arrives: the library takes text, HTTP carries bytes.
+    named = {"x-carpool-namespace": "café", "x-carpool-tags": "été", "x-carpool-freshness": "v-ü"}
+    sent = {name: value.encode() for name, value in named.items()}
+    assert await raw_outcome(gw, "q", **sent) == "miss"
+    reply = await gw.gateway.request(CHAT, chat_of("q"), named)
+    assert reply.status == 200 and dict(reply.headers)[b"x-carpool"] == b"hit"
+    assert await raw_outcome(gw, "q", **sent) == "hit" and fake.count() == 1
+
+
 async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
     async with gateway_with(admin_token="s3cret") as gw:
         await gw.chat("How do I reset it?", headers={"x-carpool-namespace": "docs"})
@@ -299,6 +353,59 @@ async def test_invalidation_by_namespace_prefix_and_all(fake, gateway_with):
         assert (await post({"prefix": "How do"})).json() == {"invalidated": 1}
         assert (await post({"all": True})).json() == {"invalidated": 1}
         assert gw.gateway.store.entries == 0
+
+
+# The coalescing window is held open by a clock that does not move: what lingers, lingers.
+HELD_WINDOW = {"window_ms": 1000, "adaptive": False}
+
+
+async def test_an_answer_only_the_coalescing_window_holds_is_counted_when_invalidated(
+    fake, gateway_with
+):
+    # factual (ttl 0): its answer lives in the window alone. The invalidation dropped it (the
+    # next request was a miss) but answered {"invalidated": 0}.
+    factual = {"x-carpool-type": "factual", "x-carpool-tags": "t"}
+    async with gateway_with(admin_token="s3cret", coalesce=HELD_WINDOW, clock=ManualClock()) as gw:
+        assert await outcome(gw, **factual) == "miss"
+        assert await outcome(gw, **factual) == "coalesced"
+        dropped = await gw.client.post("/admin/invalidate", json={"tag": "t"}, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert await outcome(gw, **factual) == "miss" and fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "selector, named, other",
+    [
+        ({"tag": "t"}, {"x-carpool-tags": "t"}, {"x-carpool-tags": "u"}),
+        ({"namespace": "ns"}, {"x-carpool-namespace": "ns"}, {"x-carpool-namespace": "other"}),
+        ({"prefix": "How do"}, {}, {}),  # (the prompts tell them apart: "How do I..." / "Why...")
+    ],
+    ids=["tag", "namespace", "prefix"],
+)
+async def test_an_invalidation_drops_only_the_lingering_answers_it_names(
+    fake, gateway_with, selector, named, other
+):
+    # Lingering answers kept no tag, namespace nor prompt: every one went, whatever was named.
+    factual = {"x-carpool-type": "factual"}
+    async with gateway_with(admin_token="s3cret", coalesce=HELD_WINDOW, clock=ManualClock()) as gw:
+        assert await outcome(gw, "How do I pay?", **factual, **named) == "miss"
+        assert await outcome(gw, "Why pay?", **factual, **other) == "miss"
+        dropped = await gw.client.post("/admin/invalidate", json=selector, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert await outcome(gw, "Why pay?", **factual, **other) == "coalesced"
+        assert await outcome(gw, "How do I pay?", **factual, **named) == "miss"
+        assert fake.count() == 3
+
+
+async def test_an_answer_both_stored_and_lingering_counts_once_when_invalidated(fake, gateway_with):
+    # One copy a cache layer: the window's copy of an answer the exact cache keeps is the same
+    # answer for the same requests (else the count would say whether the window was still open).
+    async with gateway_with(admin_token="s3cret", coalesce=HELD_WINDOW, clock=ManualClock()) as gw:
+        assert await outcome(gw, **{"x-carpool-tags": "t"}) == "miss"
+        assert len(gw.gateway.flights) == 1  # (lingering)
+        dropped = await gw.client.post("/admin/invalidate", json={"tag": "t"}, headers=ADMIN)
+        assert dropped.json() == {"invalidated": 1}
+        assert await outcome(gw, **{"x-carpool-tags": "t"}) == "miss" and fake.count() == 2
 
 
 async def test_with_collapsed_white_space_a_prefix_drops_every_prompt_the_answer_was_served_to(

@@ -1,10 +1,12 @@
 """What the admin surfaces read of the layers, and the invalidation they order.
 
 Contract:
-- ``gauges(layers)``: the live figures ``/metrics`` scrapes (flights, waiters, each cache layer's
-  entries and bytes, calls in flight per replica, Redis errors per component, Redis calls that
-  found the pool exhausted); read at scrape time, never kept. The exact cache takes a step of
-  reaping first (``Store.reap``), so that its figures come to count live entries only.
+- ``gauges(layers)``: the live figures ``/metrics`` scrapes (flights: the upstream calls in
+  flight, those an invalidation forgot included, and the answers lingering in the window,
+  ``FlightGroup.live``; waiters, each cache layer's entries and bytes, calls in flight per
+  replica, Redis errors per component, Redis calls that found the pool exhausted); read at
+  scrape time, never kept. The exact cache takes a step of reaping first (``Store.reap``), so
+  that its figures come to count live entries only.
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
   ``redis``, ``peer_calls`` and this worker's ``peers`` figures).
@@ -15,12 +17,20 @@ Contract:
   Redis refused), which would tell anyone when someone's request was a miss.
 - ``invalidate(layers, spec)``: drops the answers matching ``{"tag"|"namespace"|"prefix": str}``
   or ``{"all": true}`` from every layer, flights included (here and, with ``redis``, on every
-  instance); anything else is a ``RequestError``. Returns how many answers were dropped (a
-  prefix also stops the semantic entries of other prompts, made before it, being served to
-  prompts that start with it: ``SemanticCache``; those are not dropped, nor counted). A
-  layer that could not reach Redis (the exact store's invalidation, the semantic stream's
-  ``invalidate`` record) raises ``StoreUnavailable`` once every layer has been done here: the
-  endpoint answers 503 "retry", never a success some instance did not get.
+  instance); anything else is a ``RequestError``. Returns how many answers were dropped, one
+  per copy a layer held: an entry of the exact cache, one of the semantic cache, and an
+  answer lingering in this instance's coalescing window that no cache keeps (ttl 0, say: the
+  window's copy of a stored answer is that answer, counted in the cache). Lingering answers
+  keep their labels (``Broadcast.labels``): only those the selector names are dropped. Every
+  call running here is forgotten, named or not, and its answer not stored (it may predate
+  what was dropped); none is counted. What the other instances drop (their windows, through
+  ``InvalidationChannel``, which names nothing: all of them; the shared flights' lingering
+  locks, which name nothing either: all of them) is not counted either. A prefix also stops
+  the semantic entries of other prompts, made before it, being served to prompts that start
+  with it (``SemanticCache``); those are not dropped, nor counted. A layer that could not
+  reach Redis (the exact store's invalidation, the semantic stream's ``invalidate`` record)
+  raises ``StoreUnavailable`` once every layer has been done here: the endpoint answers 503
+  "retry", never a success some instance did not get.
 - Every layer is read through its type (``Layers``): a Redis-backed layer's figures through
   ``layers.shared_store`` / ``layers.shared_semantic``, which are ``None`` without ``redis``.
 """
@@ -43,7 +53,8 @@ def gauges(layers: Layers) -> dict[str, Any]:
     semantic, shared_store = layers.semantic, layers.shared_store
     layers.store.reap()  # (the live entries counted: expired ones reaped, a bounded step)
     return {
-        "flights": len(layers.flights),
+        # (Calls an invalidation forgot too: upstream calls in flight all the same.)
+        "flights": layers.flights.live(),
         "waiters": layers.flights.waiters,
         "layers": {
             "exact": {"entries": layers.store.entries, "bytes": layers.store.bytes},
@@ -152,12 +163,16 @@ async def invalidate(layers: Layers, spec: Any) -> int:
                 also.append(Selector(prefix=collapsed))
     if selector is not None:
         # Flights are a layer too, running ones included: no request joins a call begun
-        # before the invalidation, and that call's answer is not stored. Flights do not
-        # know their tags, so all go (at worst one extra upstream call per key).
-        layers.flights.forget_all()
+        # before the invalidation, and that call's answer is not stored (its labels are known
+        # once it has one: all go, at worst one extra upstream call per key). A lingering
+        # answer goes if the selector names it, counted if the window held it alone.
+        selectors = (selector, *also)
+        lingering = layers.flights.invalidate(
+            lambda labels: any(each.picks_labels(labels) for each in selectors)
+        )
         missed: StoreUnavailable | None = None
-        dropped = 0
-        for each in (selector, *also):
+        dropped = sum(not kept for _, kept in lingering)
+        for each in selectors:
             try:
                 dropped += await layers.store.invalidate(each)
             except StoreUnavailable as error:  # (dropped here; the shared answers stay)

@@ -52,6 +52,10 @@ Contract (CONTRACT.md "Streaming"):
 - ``kept_for`` is the first joiner that would store the answer (its request and fingerprint,
   set by ``pipeline.py``): a ``no-store`` leader's answer is stored for it (``lead.py``), as
   ``no-store`` binds only the request that sends it.
+- ``labels`` is what an invalidation names the answer by (``Labels``: its request's tags, its
+  namespace, its prompt's start, as its cache entry keeps them) and ``kept`` whether a cache
+  keeps it, both set by the lead with the answer (``lead.py``): the flight keeps them while the
+  answer lingers in the window, for ``FlightGroup.invalidate``. None: a lead that set none.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ from typing import Any
 from .answer import Answer
 from .errors import CarpoolError
 
+# What an invalidation names an answer by (``store.base.Selector``): its request's tags, its
+# namespace, the start of its prompt (``store.base.prompt_text``).
+Labels = tuple[tuple[str, ...], str, str]
 # The most one joined piece of frames holds (``take``), beyond one frame bigger than that.
 JOINED_BYTES = 64 * 1024
 # The most frames ``take`` measures at once to give them all in one piece (more: it walks them
@@ -83,6 +90,8 @@ class Broadcast:
         "may_linger",
         "lead_times_out",
         "kept_for",
+        "labels",
+        "kept",
         "on_publish",
         "on_abandoned",
         "_waiters",
@@ -101,6 +110,8 @@ class Broadcast:
         self.may_linger = True  # (False: relayed from a leader whose answer may not linger)
         self.lead_times_out = False  # (its lead follows another instance's call: see above)
         self.kept_for: Any = None  # (a joiner that keeps what its no-store leader will not)
+        self.labels: Labels | None = None  # (what an invalidation names the answer by)
+        self.kept = False  # (a cache keeps the answer: the window's copy is not its only one)
         self.on_publish: Callable[[], None] | None = None
         self.on_abandoned: Callable[[Callable[[], object]], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)

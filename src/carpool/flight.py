@@ -23,8 +23,13 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    the tuple (``_revived``): equal frames, an equal answer.
 4. ``forget`` makes the next request start a fresh flight, and the old flight finishing never removes
    the new one: the group only ever drops the flight it holds if it is the same object.
-   ``forget_all`` (an invalidation) forgets every flight, running ones too (their clients keep
-   their call), and moves ``epoch`` on: a call that began in an older epoch must not be stored.
+   ``forget_all`` (an invalidation on another instance, which names no answer here) forgets
+   every flight, running ones too (their clients keep their call), and moves ``epoch`` on: a
+   call that began in an older epoch must not be stored. ``invalidate(picks)`` (an
+   invalidation here) does the same to the running flights, and forgets only the lingering
+   ones whose labels it picks (``Broadcast.labels``, kept with the answer; one without labels
+   is picked by any); it returns the labels of those it dropped, with whether a cache keeps
+   each answer (``Broadcast.kept``).
 5. The leader's client disconnecting does not cancel the call while others wait: the call runs in its
    own task, not in any client's.
 6. When all its clients have gone the upstream call is cancelled (unless ``finish_abandoned``): the
@@ -43,8 +48,10 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
 8. No waiter can hang on any exit path: the flight's task ends the broadcast in every case (answer,
    error, cancellation, a bug in the lead function), so every ``wait_*`` returns or raises.
    ``calls`` holds every flight's task still running, forgotten ones too (a call kept for
-   another instance's followers): what a closing gateway lets end, or cancels
-   (``Gateway.settle``).
+   another instance's followers, one an invalidation forgot): what a closing gateway lets
+   end, or cancels (``Gateway.settle``). ``live()`` counts those calls and the answers
+   lingering: the flights ``/stats`` and ``carpool_flights`` report, a call forgotten by an
+   invalidation counted until it ends.
 
 Time: the window a finished flight lingers and the age of a finished flight (``max_age``) are read
 from the group's ``clock.monotonic()`` (``carpool.clock``; the system's unless given another): a
@@ -66,7 +73,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeGuard
 
 from .answer import Answer
-from .broadcast import Broadcast
+from .broadcast import Broadcast, Labels
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import CarpoolError, FlightAbandoned, UpstreamError
 from .window import FixedWindow, WindowPolicy
@@ -78,11 +85,13 @@ _TIMER_SLACK = 0.002  # seconds
 # A finished flight lingering in its window (clause 3): (lingers until, finished at, owner,
 # remote, cached, the broadcast's frames (``_joined``), its usage frame, the answer's kind,
 # body, complete, tokens, created, frames (None, ``_SAME``: the broadcast's, or joined), usage
-# frame). Frames are kept joined into one bytes object with their lengths in another: a
-# tuple of a stream's thirty frames would be thirty more items for every pass to visit.
+# frame, the broadcast's labels and kept: what an invalidation reads). Frames are kept joined
+# into one bytes object with their lengths in another: a tuple of a stream's thirty frames
+# would be thirty more items for every pass to visit.
 Lingering = tuple[
     float, float, str, bool, bool, bytes, bytes, "int | None",
     str, bytes, bool, int, float, "bytes | bool | None", "bytes | None", "int | None",
+    "Labels | None", bool,
 ]  # fmt: skip
 _SAME = True  # (the answer's frames are the broadcast's list)
 
@@ -224,7 +233,14 @@ class FlightGroup:
         self._timer_at = 0.0  # when it fires, on the group's clock
 
     def __len__(self) -> int:
+        """The flights a request may join: running, or finished and lingering."""
         return len(self._flights)
+
+    def live(self) -> int:
+        """The upstream calls in flight (forgotten ones too: an invalidation's, one kept for
+        another instance's followers) and the answers lingering in their window."""
+        running = sum(not task.done() for task in self.calls)
+        return running + sum(not _running(held) for held in self._flights.values())
 
     def running(self) -> list[Flight]:
         """The flights whose call is in progress (not the finished ones lingering)."""
@@ -355,8 +371,9 @@ class FlightGroup:
         return flight
 
     def forget_all(self) -> int:
-        """After an invalidation: no request joins any flight there is now, running or
-        lingering; the running ones go on for the clients they have. Returns how many."""
+        """After an invalidation that names nothing here (another instance's): no request
+        joins any flight there is now, running or lingering; the running ones go on for the
+        clients they have. Returns how many."""
         self.epoch += 1
         dropped = len(self._flights)
         self._flights.clear()
@@ -364,6 +381,25 @@ class FlightGroup:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        return dropped
+
+    def invalidate(self, picks: Callable[[Labels], bool]) -> list[tuple[Labels | None, bool]]:
+        """After an invalidation here: no request joins a running flight (its answer may
+        predate what was dropped: the ``epoch`` moves on, and it is not stored), nor a
+        lingering one whose labels ``picks`` (one without labels: picked). The lingering
+        answers it does not pick stay joinable: they are as fresh as the cache's. Returns
+        (labels, kept) of each lingering answer dropped."""
+        self.epoch += 1
+        dropped: list[tuple[Labels | None, bool]] = []
+        for key, held in list(self._flights.items()):
+            if _running(held):
+                del self._flights[key]
+                continue
+            labels, kept = _labels_of(held)
+            if labels is None or picks(labels):
+                del self._flights[key]
+                dropped.append((labels, kept))
+        # (The timer and its heap stay: they skip a key no longer lingering, ``_free``.)
         return dropped
 
     async def _run(self, flight: Flight, lead: Lead) -> None:
@@ -428,6 +464,13 @@ def _window_of(held: Flight | Lingering) -> tuple[float, float]:
     return (float("inf") if until is None else until), held.finished_at
 
 
+def _labels_of(held: Flight | Lingering) -> tuple[Labels | None, bool]:
+    """(labels, kept) of a finished flight, whichever its form."""
+    if type(held) is Flight:
+        return held.broadcast.labels, held.broadcast.kept
+    return held[16], held[17]  # type: ignore[index]
+
+
 def _lingering_record(flight: Flight, answer: Answer, until: float) -> Lingering:
     """The finished ``flight`` as a plain tuple (clause 3)."""
     broadcast = flight.broadcast
@@ -455,18 +498,21 @@ def _lingering_record(flight: Flight, answer: Answer, until: float) -> Lingering
         answer.created,
         *own,
         answer.usage_frame,
+        broadcast.labels,
+        broadcast.kept,
     )
 
 
 def _revived(key: str, record: Lingering) -> Flight:
     """A finished flight made again from its tuple: equal frames, an equal answer."""
     until, finished_at, owner, remote, cached, joined, lengths, usage_frame = record[:8]
-    kind, body, complete, tokens, created, own, own_lengths, own_usage = record[8:]
+    kind, body, complete, tokens, created, own, own_lengths, own_usage = record[8:16]
     flight = Flight(key, True, owner, started_at=finished_at)
     flight.finished_at, flight.lingers_until = finished_at, until
     broadcast = flight.broadcast
     broadcast.frames, broadcast.usage_frame = _split(joined, lengths), usage_frame
     broadcast.remote, broadcast.cached = remote, cached
+    broadcast.labels, broadcast.kept = record[16], record[17]
     frames = broadcast.frames if own is _SAME else None
     if isinstance(own, bytes) and own_lengths is not None:  # (a list of its own: joined)
         frames = _split(own, own_lengths)

@@ -185,23 +185,43 @@ class Leader:
                     # Until then the flight runs still: an identical request joins it.
                     broadcast.finish(answer)
                     await asyncio.sleep(0)
-                await store(answer)
+                self._label(broadcast, request, key, bool(await store(answer)))
                 return answer
-            return await self.shared_flights.run(
+            stored: list[str] = []  # (what ``store`` returned, if it ran here)
+
+            async def keep(answer: Answer) -> str:
+                stored.append(await store(answer))
+                return stored[-1]
+
+            answer = await self.shared_flights.run(
                 # (Apart, as here, for a call asked without its usage: ``flight_key``.)
                 flight_key(key.key, request, self.config),
                 broadcast,
                 call,
-                store,
+                keep,
                 max_age=controls.max_age if controls.may_read else 0,
                 linger=not controls.no_store,
                 forget=self.store.forget,
                 # (Asked only of a request that takes any cached answer: its TTL bounds it.)
                 load=partial(self._stored, key.key, oldest) if oldest != 0 else None,
             )
+            # Followed, replayed or loaded: the instance that led it stored it as this one
+            # would have (a loaded answer is the stored one).
+            kept = bool(stored[-1]) if stored else storable or broadcast.cached
+            self._label(broadcast, request, key, kept)
+            return answer
         finally:
             if embedding is not None:  # not stored (a failure, a follower)
                 _discard(embedding)
+
+    def _label(self, broadcast: Broadcast, request: Request, key: Fingerprint, kept: bool) -> None:
+        """What an invalidation names the answer by and whether a cache keeps it, for its
+        flight while it lingers in the window (``FlightGroup.invalidate``): the labels its
+        cache entry has (``_store``). Not read where nothing lingers (no window, ``no-store``)."""
+        if request.controls.no_store or self.flights.windows.longest <= 0:
+            return
+        prefix = prompt_prefix(request, self.config)
+        broadcast.labels, broadcast.kept = (request.controls.tags, key.namespace, prefix), kept
 
     async def _stored(self, key: str, max_age: float | None) -> Answer | None:
         """The exact cache's answer for ``key``, if younger than ``max_age`` (``read_age``)."""

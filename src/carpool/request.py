@@ -11,6 +11,11 @@ Contract:
   ``stream`` (as OpenAI takes it): dropped from the body, the upstream is asked without it.
 - ``Controls`` is what the request asks of the cache layers, read from its headers
   (``Cache-Control``, ``x-carpool-*``). Malformed header values are 400, never silently ignored.
+- The control headers that carry names (``TEXT_HEADERS``: a namespace, tags, a type, a
+  freshness token) are read as the UTF-8 text their bytes spell (``header_text``, by the
+  transport): the name an operator types in ``/admin/invalidate`` or ``cache.types``, and the
+  one a library caller passes as text. Bytes that are no UTF-8 are a 400 (``header_token``).
+  Every other header is read a byte a character (latin-1).
 - Nothing here touches a cache or the network.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +51,16 @@ CONTROL_HEADERS = (
     "x-carpool-tags",
     "x-carpool-freshness",
     "x-carpool-share",
+)
+
+# The control headers whose values are names (``parse_controls``): sent as UTF-8 (curl, Go's
+# net/http, a browser's fetch send a string so), read as that text (``header_text``), so that
+# "prix-été" is the tag an operator names in JSON, not "prix-Ã©tÃ©".
+TEXT_HEADERS = (
+    "x-carpool-namespace",
+    "x-carpool-type",
+    "x-carpool-tags",
+    "x-carpool-freshness",
 )
 
 
@@ -244,15 +260,43 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
 
 def header_token(value: str, header: str) -> str:
     """``value`` of the control ``header`` as a request's is read: stripped, at most
-    ``MAX_HEADER_TOKEN`` printable characters, else a ``RequestError``."""
+    ``MAX_HEADER_TOKEN`` printable characters of UTF-8 text, else a ``RequestError``."""
     value = value.strip()
     if len(value) > MAX_HEADER_TOKEN:
         raise RequestError(
             f"{header}: value longer than {MAX_HEADER_TOKEN} characters", "invalid_header"
         )
     if not value.isprintable():
+        if _NOT_UTF8.search(value):  # (what ``header_text`` kept of bytes no UTF-8 spells)
+            raise RequestError(f"{header}: value must be UTF-8 text", "invalid_header")
         raise RequestError(f"{header}: value must be printable text", "invalid_header")
     return value
+
+
+# The lone surrogates ``surrogateescape`` reads bytes that are no UTF-8 as (never printable).
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def header_text(value: str) -> str:
+    """A ``TEXT_HEADERS`` value as a transport reads every header (its bytes, a character
+    each: latin-1) made the UTF-8 text those bytes spell. Bytes that spell none are kept as
+    lone surrogates (``surrogateescape``), which ``header_token`` refuses and ``header_bytes``
+    gives back as they came."""
+    if value.isascii():  # (nearly every value: the same text either way)
+        return value
+    return value.encode("latin-1").decode("utf-8", "surrogateescape")
+
+
+def header_bytes(name: str, value: str) -> bytes:
+    """The bytes a client sent for header ``name``, read as ``value`` by the transport
+    (``header_text`` for ``TEXT_HEADERS``, latin-1 for the others); a value no transport read
+    (a library caller's text): its UTF-8."""
+    if name not in TEXT_HEADERS:
+        try:
+            return value.encode("latin-1")
+        except UnicodeEncodeError:
+            pass
+    return value.encode("utf-8", "surrogateescape")
 
 
 def list_input(request: Request) -> tuple[str, list[Any]] | None:

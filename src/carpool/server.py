@@ -134,7 +134,7 @@ from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting, remove
 from .peers.metrics import merge, run_totals
 from .pipeline import Gateway, Reply
 from .reply import SLICE_BYTES, refusal
-from .request import ENDPOINTS, ClientRequest
+from .request import ENDPOINTS, TEXT_HEADERS, ClientRequest, header_text
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, UPSTREAM_HEADER, request_id
 from .wiring import build_gateway
@@ -529,16 +529,22 @@ def _decoded(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     A header sent on several lines is one value, its lines joined by ", " (RFC 9110 §5.3):
     ``Cache-Control: no-cache`` beside ``Cache-Control: max-age=60`` is both directives, not
     the last one; a ``Cookie``'s by "; " (RFC 9113 §8.2.3: its cookies, as one line lists
-    them)."""
+    them). Values are their bytes a character each (latin-1), but the control headers that
+    carry names: the UTF-8 text their bytes spell (``request.header_text``)."""
     decoded = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
-    if len(decoded) == len(headers):
-        return decoded
-    joined: dict[str, list[str]] = {}
-    for name, value in headers:
-        joined.setdefault(name.decode("latin-1"), []).append(value.decode("latin-1"))
-    return {
-        name: ("; " if name == "cookie" else ", ").join(values) for name, values in joined.items()
-    }
+    if len(decoded) != len(headers):
+        joined: dict[str, list[str]] = {}
+        for name, value in headers:
+            joined.setdefault(name.decode("latin-1"), []).append(value.decode("latin-1"))
+        decoded = {
+            name: ("; " if name == "cookie" else ", ").join(values)
+            for name, values in joined.items()
+        }
+    for header in TEXT_HEADERS:
+        read = decoded.get(header)
+        if read is not None:
+            decoded[header] = header_text(read)
+    return decoded
 
 
 def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

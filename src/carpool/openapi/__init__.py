@@ -204,7 +204,9 @@ def document() -> dict[str, Any]:
                 "Drop the matching answers from every layer",
                 ref("Invalidate"),
                 _object({"invalidated": {"type": "integer", "minimum": 0}}),
-                "How many answers were dropped.",
+                "How many answers were dropped: one per copy a layer held (the exact "
+                "cache's, the semantic cache's, and this instance's coalescing window's where "
+                "no cache keeps the answer).",
                 "Not exactly one valid selector, or not JSON.",
             ),
             "/admin/semantic/feedback": _admin(

@@ -40,7 +40,7 @@ HEADER_PARAMETERS: list[dict[str, Any]] = [
         "in": "header",
         "required": False,
         "description": f"A separate cache partition (at most {MAX_HEADER_TOKEN} printable "
-        "characters).",
+        "characters, sent as UTF-8: the name `/admin/invalidate` takes).",
         "schema": {"type": "string", "maxLength": MAX_HEADER_TOKEN},
     },
     {
@@ -57,7 +57,8 @@ HEADER_PARAMETERS: list[dict[str, Any]] = [
         "in": "header",
         "required": False,
         "description": f"Comma-separated tags stored with the answer, for invalidation (at most "
-        f"{MAX_TAGS} tags of at most {MAX_HEADER_TOKEN} printable characters).",
+        f"{MAX_TAGS} tags of at most {MAX_HEADER_TOKEN} printable characters, sent as UTF-8: "
+        "the names `/admin/invalidate` takes).",
         "schema": {"type": "string", "maxLength": 1024},
     },
     {

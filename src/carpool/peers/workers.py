@@ -77,6 +77,7 @@ from ..errors import RETRY_HEADERS, LeaderLost, UpstreamStreamBroken
 from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, refusal
+from ..request import header_bytes
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
 from ..upstream.http import closer, sse_payloads
 from ..upstream.sim.replies import SIMULATED_HEADER
@@ -364,8 +365,9 @@ class Peers:
             if name in dropped or name in listed:
                 continue
             if not value.isascii():
-                # (The client's bytes, read as latin-1: sent as they came, not as UTF-8.)
-                value = quote_from_bytes(_bytes_of(value), safe="")
+                # (The client's bytes, sent as they came: the owner reads them as this worker
+                # did, a control header's name as UTF-8, any other a byte a character.)
+                value = quote_from_bytes(header_bytes(name, value), safe="")
                 raw.append(name)
             headers[name] = value
         if raw:
@@ -480,14 +482,6 @@ def _url(path: str, query: str) -> URL:
     # (The host is a placeholder: the connector reaches the worker through its socket. The
     # query as it came: not normalized, as yarl would, ``%7E`` to ``~``.)
     return URL("http://worker" + path + ("?" + query if query else ""), encoded=True)
-
-
-def _bytes_of(value: str) -> bytes:
-    """A header value's bytes: read as latin-1 from the client's (the server's), else UTF-8."""
-    try:
-        return value.encode("latin-1")
-    except UnicodeEncodeError:
-        return value.encode("utf-8", "surrogateescape")
 
 
 async def _lost_if_cut(payloads: AsyncIterator[list[bytes]]) -> AsyncIterator[list[bytes]]:

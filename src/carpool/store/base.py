@@ -171,11 +171,17 @@ class Selector:
     def picks(self, entry: Any) -> bool:
         """Whether this selector picks ``entry``: anything with ``tags``, ``namespace`` and
         ``prompt_prefix`` (exact or semantic)."""
+        return self.picks_labels((entry.tags, entry.namespace, entry.prompt_prefix))
+
+    def picks_labels(self, labels: tuple[tuple[str, ...], str, str]) -> bool:
+        """Whether this selector picks an answer labelled (tags, namespace, prompt prefix): an
+        entry's, or a lingering flight's (``broadcast.Labels``)."""
+        tags, namespace, prompt_prefix = labels
         return (
             self.everything
-            or (self.tag is not None and self.tag in entry.tags)
-            or (self.namespace is not None and entry.namespace == self.namespace)
-            or (self.prefix is not None and entry.prompt_prefix.startswith(self.prefix))
+            or (self.tag is not None and self.tag in tags)
+            or (self.namespace is not None and namespace == self.namespace)
+            or (self.prefix is not None and prompt_prefix.startswith(self.prefix))
         )
 
 
