@@ -855,6 +855,96 @@ async def test_a_stream_arriving_after_its_leader_died_is_answered_whole_by_a_ta
     assert fake.count() == 2
 
 
+async def test_a_stream_joining_a_relayed_call_after_its_leader_died_is_answered_whole_by_the_takeover(
+    fake, shared_redis
+):
+    """As above, but instance C already relays A's stream to a client of its own when A is
+    SIGKILLed: a streaming request then joining C's flight gets no frame of the dead call (it
+    holds them until the call shows life since it came, which never happens) and no error: the
+    takeover answers it whole, one call shared with a request that came to B meanwhile. C's
+    first client, which got A's first words, gets the error event. (Before, the joiner was
+    replayed those words and then the error, while the takeover's answer existed.)"""
+    lease_ms = 2000  # (the joiner comes long before C can notice the death)
+    distributed = {"lease_ms": lease_ms, "retry_interval": 0.05, "cluster": shared_redis.cluster}
+    fake.chunk_gate = asyncio.Event()  # A's stream stops after its first words
+    async with (
+        instances(1, fake.url, shared_redis.url, {"distributed": distributed}) as (a,),
+        run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as b,
+        run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as c,
+    ):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "stream": True,
+        }
+        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=body))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        following = asyncio.create_task(c.stream_chat(QUESTION))
+        counts = c.gateway.shared_flights.counts
+        await eventually(lambda: counts["frames_relayed"] >= 3, what="C relaying A's first words")
+        (relaying,) = c.gateway.flights.running()
+        a.kill()
+        fake.chunk_gate = None  # the takeover's call answers at once
+        late = asyncio.create_task(c.stream_chat(QUESTION))
+        await eventually(lambda: relaying.clients == 2, what="the late request joining C's flight")
+        elsewhere = asyncio.create_task(b.stream_chat(QUESTION))
+        (response, raw), (_, raw_first), (_, raw_b) = await asyncio.wait_for(
+            asyncio.gather(late, following, elsewhere), 20
+        )
+        with contextlib.suppress(httpx.HTTPError):
+            await lost
+    assert response.status_code == 200 and '"error"' not in raw
+    assert sse_text(raw) == sse_text(raw_b) == f"answer 2 to {QUESTION}"
+    assert raw.rstrip().endswith("data: [DONE]")
+    error = json.loads(raw_first.strip().splitlines()[-1][len("data: ") :])["error"]
+    assert error["code"] == "upstream_stream_broken"
+    assert counts["broken"] == 1
+    assert fake.count() == 2
+
+
+async def test_a_stream_joining_a_relayed_call_takes_its_frames_once_its_live_leader_renews(
+    fake, shared_redis
+):
+    """The other side of the rule above: a streaming request joining C's relay of A's call
+    while A's upstream is paused (no frame comes) takes the frames relayed so far once A's
+    lease renewal shows it alive, not at the call's end; then the rest live."""
+    lease = {"retry_interval": 0.05, "timeout": 2.0, "connect_timeout": 2.0, "lease_ms": 600}
+    async with two_gateways(fake, shared_redis, distributed=lease) as (a, c):
+        fake.chunk_gate = asyncio.Event()  # A's stream stops after its first words
+        leader = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        following = asyncio.create_task(c.stream_chat(QUESTION))
+        counts = c.gateway.shared_flights.counts
+        await eventually(lambda: counts["frames_relayed"] >= 3, what="C relaying A's first words")
+        (relaying,) = c.gateway.flights.running()
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "stream": True,
+        }
+        received: list[str] = []
+
+        async def join() -> None:
+            async with c.client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for text in response.aiter_text():
+                    received.append(text)
+
+        late = asyncio.create_task(join())
+        await eventually(lambda: relaying.clients == 2, what="the late request joining C's flight")
+        await eventually(
+            lambda: "".join(received).count("data: ") >= 3,
+            what="the joiner's first frames, A's upstream still paused",
+        )
+        assert not late.done()
+        fake.chunk_gate.set()
+        (_, raw_a), (_, raw_c), _ = await asyncio.gather(leader, following, late)
+    assert sse_text("".join(received)) == sse_text(raw_c) == sse_text(raw_a) == ANSWER_1
+    assert counts["broken"] == 0
+    assert fake.count() == 1
+
+
 async def test_a_waiter_that_sees_nothing_within_the_join_timeout_runs_its_own_call(
     fake, shared_redis
 ):

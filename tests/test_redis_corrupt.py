@@ -157,3 +157,24 @@ async def test_an_idempotency_record_that_cannot_be_read_is_a_response_not_kept(
         assert fake.count() == 1
         health = b.gateway.redis_health()
         assert (health["state"], health["errors"]) == ("up", 0)
+
+
+async def test_a_retry_of_an_idempotency_record_that_cannot_be_read_is_told_so_not_that_redis_was_full(
+    fake: Any, redis_server: Any
+) -> None:
+    """The 507 says why its response cannot be replayed: its record could not be read (Redis
+    is not full), in either format. (Before, the message the record's reading made was
+    dropped, and every such retry was told that the shared store was full.)"""
+    key = {"Idempotency-Key": "order-1"}
+    async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
+        assert (await a.chat("q", headers=key)).status_code == 200
+        (record,) = [k async for k in client.scan_iter(match="carpool:idem:*")]
+        await client.hset(record, "st", b"abc")
+        for retry in (await b.chat("q", headers=key), (await b.stream_chat("q", headers=key))[0]):
+            assert retry.status_code == 507
+            problem = retry.json()
+            assert problem["code"] == "idempotency_response_not_kept"
+            assert "its record could not be read" in problem["detail"]
+            assert "full" not in problem["detail"]
+            assert problem["message"] == problem["detail"]
+        assert fake.count() == 1

@@ -49,6 +49,13 @@ Contract (CONTRACT.md "Streaming"):
   does when it takes a dead leader's call over). A joiner that times out waits on
   (``pipeline.py``) rather than retake: the joiners that time out together share the lead's
   one fresh call, not one of their own besides.
+- ``leader_elsewhere`` is true while the frames are relayed from a call that another instance
+  leads, read through Redis (``redis/flight_relay.py``): a leader that may have died unseen (its
+  death is noticed through its lease, late). A streaming client that joins then takes no frame
+  until that call shows life since it came: it ``hold``s, then ``wait_alive``s, which returns
+  once the relay said so (``showed_life``: a frame or a renewal of the leader's lease found by a
+  read sent after it came) or the broadcast ended (a dead leader's ``LeaderLost``: the client got
+  nothing, and a takeover answers it: ``pipeline.py``).
 - ``kept_for`` is the first joiner that would store the answer (its request and fingerprint,
   set by ``pipeline.py``): a ``no-store`` leader's answer is stored for it (``lead.py``), as
   ``no-store`` binds only the request that sends it.
@@ -89,6 +96,9 @@ class Broadcast:
         "replayed",
         "may_linger",
         "lead_times_out",
+        "leader_elsewhere",
+        "holding",
+        "lived_for",
         "kept_for",
         "labels",
         "kept",
@@ -109,6 +119,9 @@ class Broadcast:
         self.replayed: float | None = None  # (a replay: its answer's age as it ended here)
         self.may_linger = True  # (False: relayed from a leader whose answer may not linger)
         self.lead_times_out = False  # (its lead follows another instance's call: see above)
+        self.leader_elsewhere = False  # (relayed from a leader that may have died: see above)
+        self.holding = 0  # clients that held so far (``hold``), numbered in order
+        self.lived_for = 0  # the call showed life since the first that many came
         self.kept_for: Any = None  # (a joiner that keeps what its no-store leader will not)
         self.labels: Labels | None = None  # (what an invalidation names the answer by)
         self.kept = False  # (a cache keeps the answer: the window's copy is not its only one)
@@ -187,6 +200,24 @@ class Broadcast:
         if 2 * self._left >= len(waiters):
             self._waiters = [w for w in waiters if not w.done()] or None
             self._left = 0
+
+    def hold(self) -> int:
+        """A client joining a call led elsewhere (``leader_elsewhere``) holds its replay: its
+        number, for ``wait_alive``."""
+        self.holding += 1
+        return self.holding
+
+    async def wait_alive(self, number: int) -> None:
+        """Until the call shows life since the client ``number`` came (``showed_life``), or the
+        broadcast ends."""
+        while self.lived_for < number and not self.done:
+            await self.wait_changed()
+
+    def showed_life(self, upto: int) -> None:
+        """The call showed life since the first ``upto`` clients that held came: they take it."""
+        if upto > self.lived_for:
+            self.lived_for = upto
+            self._wake()
 
     async def wait_started(self) -> None:
         while not self.frames and not self.done:

@@ -48,7 +48,12 @@ Contract:
   others.
 - With ``redis``, identical requests on different instances share one call too: the lead of each
   instance's flight leads it for all of them or relays it from the instance that does
-  (``redis/flights.py``); whatever Redis does, the flight still gets its answer. Semantic
+  (``redis/flights.py``); whatever Redis does, the flight still gets its answer. A client
+  whose flight lost that other instance's leader (``LeaderLost``) before its reply began,
+  streaming or not, got nothing of the call: it is answered by the stored answer or a takeover
+  call (``_follow``); a streaming joiner of a flight relaying such a call takes no frame until
+  the call shows life since it came (``_wait``), so a leader's death before then leaves it
+  nothing of the dead call. Semantic
   entries are shared too (``redis/semantic.py``): each instance's index is fed by the others'.
 - Without ``redis``, the workers of ``carpool serve --workers N`` share the same way
   (``carpool.peers``): a key's upstream calls are made by the worker that owns it, which the
@@ -461,16 +466,13 @@ class Gateway:
                     # join timeout from its own start, before this joiner's, and makes the
                     # fresh call in this flight: the one its joiners that time out share.)
                     await self._wait(ticket, request, None)
-                if (
-                    takeover is not None
-                    and not request.stream
-                    and isinstance(ticket.broadcast.error, LeaderLost)
-                ):
+                if takeover is not None and isinstance(ticket.broadcast.error, LeaderLost):
                     # Another instance's call was lost after part of it was relayed here: this
-                    # client got none of it. Its leader may have finished and stored it (only
-                    # the relay broke): then that answer; else it takes the call over, once (its
-                    # identical neighbours here join the same new flight; other instances,
-                    # through Redis).
+                    # client got none of it (its reply is not made yet; a streaming joiner held
+                    # the frames there were: ``_wait``). Its leader may have finished and stored
+                    # it (only the relay broke): then that answer; else it takes the call over,
+                    # once (its identical neighbours here join the same new flight; other
+                    # instances, through Redis).
                     stored = (
                         await self._cached(key.key, self._read_age(request))
                         if key.key is not None and request.controls.may_read
@@ -587,9 +589,18 @@ class Gateway:
         if not request.stream and (ticket.leader or timeout is None):
             await ticket.wait_done(None)  # (the same, in one wait: nothing bounds it)
             return
+        broadcast = ticket.broadcast
+        # A streaming joiner of a call another instance leads takes none of its frames until
+        # that call shows life since it came (``Broadcast.leader_elsewhere``): its leader may
+        # have died unseen, and then this client gets nothing of the dead call, and a takeover
+        # answers it whole (``_follow``), as the relay holds the frames it found at its start.
+        joiner = request.stream and not ticket.leader
+        held = broadcast.hold() if joiner and broadcast.leader_elsewhere else 0
         await ticket.wait_started(timeout)
         if not request.stream:
             await ticket.wait_done(None)
+        elif held:
+            await broadcast.wait_alive(held)
 
     def _served(
         self,

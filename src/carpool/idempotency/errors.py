@@ -12,7 +12,9 @@
   the same key is safe. (Running it on this instance's records instead could run the key twice.)
 - ``IdempotencyResponseNotKept`` (507): the request ran, but the shared records were full
   (Redis at ``maxmemory``) when its response was to be kept: what its retries are answered
-  (the record says it ran, without the response), never a second run.
+  (the record says it ran, without the response), never a second run. A record in Redis that
+  cannot be read is answered so too (it ran, or may have), its message saying that instead
+  (``redis.idempotency``); a retry is told the message its record holds.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ class IdempotencyUnavailable(IdempotencyError):
 
 
 class IdempotencyResponseNotKept(IdempotencyError):
-    """507: the request ran, its response could not be kept (the shared records were full):
-    stored in its place, so that a retry is told, not run again."""
+    """507: the request ran, its response could not be kept (the shared records were full, or
+    its record could not be read: the message says which): stored in its place, so that a
+    retry is told, not run again."""
 
     status = 507
     type = "server_error"

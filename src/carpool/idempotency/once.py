@@ -23,6 +23,10 @@ Contract:
   key gets it again); an answer of an API with streams is replayed with the usage
   the retry asks for, as a hit of it is served (``replay_as``): ``stream_options.include_usage``
   is outside the request's digest, so a retry may differ in it.
+- A finished key whose record holds, in place of its response, that it ran and its response
+  was not kept (a full Redis; a record in Redis that could not be read: ``_not_kept``) is
+  answered that 507 in any format, in the retry's API's shape, with the message the record
+  holds, which says why (``_why_not_kept``); it never runs again.
 - Only a final answer is kept (``is_final``): after a retryable one the record is dropped and a
   retry runs again. A stream is kept once it ended (``_Recorded``), as a client that asked for
   the usage receives it: with the usage chunk its client may not have been sent
@@ -171,7 +175,7 @@ class AtMostOnce:
         if begin.state == "done":
             assert begin.response is not None
             if _not_kept(begin.response):  # (in any format: no answer is replayed)
-                return self._refused(IdempotencyResponseNotKept(), request)
+                return self._refused(_why_not_kept(begin.response), request)
             stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
             if stored is None:
                 return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
@@ -509,8 +513,23 @@ async def _shielded(work: Any) -> None:
 
 def _not_kept(response: StoredResponse) -> bool:
     """Whether a record holds, in place of its response, that the request ran and its response
-    was not kept (``IdempotencyResponseNotKept``: a full Redis, ``redis.idempotency``)."""
+    was not kept (``IdempotencyResponseNotKept``: a full Redis, or a record that could not be
+    read, ``redis.idempotency``)."""
     return (
         response.status == IdempotencyResponseNotKept.status
         and IdempotencyResponseNotKept.code.encode() in response.body
     )
+
+
+def _why_not_kept(response: StoredResponse) -> IdempotencyResponseNotKept:
+    """The refusal a ``_not_kept`` record answers, saying what its problem details say (why:
+    the shared store was full, or the record could not be read), in the retry's API's shape."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        problem = orjson.loads(response.body)
+        if (
+            isinstance(problem, dict)
+            and problem.get("code") == IdempotencyResponseNotKept.code
+            and isinstance(problem.get("detail"), str)
+        ):
+            return IdempotencyResponseNotKept(problem["detail"])
+    return IdempotencyResponseNotKept()

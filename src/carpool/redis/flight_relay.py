@@ -19,6 +19,15 @@ too. A live leader's replay waits for its next entry, or about one renewal perio
 and one block at most. Each read sets the call's followed key (``watch``), so that a leader
 whose own clients all left goes on.
 
+The same holds for a streaming client that joins the local flight while it relays
+(``Broadcast.leader_elsewhere``): it holds the frames relayed so far (``Broadcast.hold``) until
+the call shows life since it came, which the follower tells it (``Broadcast.showed_life``): new
+entries, or the lock renewed, found by a read after one sent once it came (that one read the
+stream to its end; the lock's expiry is read in the same round trips while a client holds). So
+one that joins after the leader died takes none of the dead call's frames: the flight ends with
+``LeaderLost`` before, and the client, which got nothing, is answered by a takeover
+(``pipeline.py``). A live leader's joiner waits about what a replay does, and one read more.
+
 A leader's death is noticed through its lock, read in the same round trip as each XREAD: the
 lock is gone or names another leader (and the leader's call is not set aside, still running,
 in its stale key: an invalidation came, and a fresh call took the lock), and one more read
@@ -104,6 +113,10 @@ async def follow(
     expires: float | None = None  # when its lock expires (loop time), as last read
     renewal = flights.lease_ms / 6000  # (s) its expiry moved on by more: renewed (lease/3)
     seen = 0  # frame records read, relayed or not: signs of life
+    # The clients of the local flight holding their replay (``Broadcast.hold``) when the last
+    # read that answered was sent, and whether it took all the stream held: what a read finds
+    # after it (new entries, the lock renewed since) is then life since they came.
+    vouching, drained = 0, False
     skipping = False  # frames were trimmed before we read them: serve the answer whole
     suspect = False  # the lock looked gone: read once more without blocking
     lease_s = flights.lease_ms / 1000
@@ -111,19 +124,21 @@ async def follow(
     failing = False  # the last read failed
     backoff = Backoff(flights.block_ms / 1000)  # the pauses between reads that failed
     flights.following += 1
+    broadcast.leader_elsewhere = True
     try:
         while True:
             block: int | None = None if suspect or looking else flights.block_ms
             if not seen and block is not None:
                 left_ms = int((deadline - loop.time()) * 1000)
                 block = min(block, left_ms) if left_ms >= 1 else None
+            asking = broadcast.holding  # (the clients holding as this read is sent)
             pipe = flights._client.pipeline(transaction=False)
             if watch is not None:
                 pipe.eval(FOLLOWED, 1, watch, flights.lease_ms)
             pipe.xread({stream: last}, count=READ_COUNT, block=block)
             pipe.get(lock)
             pipe.exists(aside)
-            if held is not None:
+            if held is not None or asking > broadcast.lived_for:
                 pipe.pttl(lock)
             try:
                 with _unavailable("follow a flight"):
@@ -183,13 +198,20 @@ async def follow(
                 looking = False  # (what comes next came after we looked)
                 if not held:
                     held = None
-            if held:
+            renewed = False
+            if lease:  # (its lock's expiry, read in this round trip)
                 lock_held = holder in (ours, stale)
                 until = loop.time() + lease[0] / 1000 if lock_held and lease[0] > 0 else None
-                if until is not None and expires is not None and until > expires + renewal:
-                    frame_held, held = held, None  # its lock renewed since: the leader lives
-                    relayed += _release(flights, broadcast, frame_held)
+                renewed = until is not None and expires is not None and until > expires + renewal
                 expires = until
+            else:
+                expires = None  # (not read: the next read has none to compare with)
+            if held and renewed:
+                frame_held, held = held, None  # its lock renewed since: the leader lives
+                relayed += _release(flights, broadcast, frame_held)
+            if vouching > broadcast.lived_for and (renewed or (records and drained)):
+                broadcast.showed_life(vouching)  # (they take the frames there are)
+            vouching, drained = asking, len(records) < READ_COUNT
             if records:
                 suspect = False
                 continue
@@ -209,6 +231,7 @@ async def follow(
             if not seen and loop.time() >= deadline:
                 return TIMEOUT
     finally:
+        broadcast.leader_elsewhere = False
         flights.following -= 1
 
 

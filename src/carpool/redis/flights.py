@@ -54,6 +54,8 @@ which coalesces the local flights of every instance:
   led, and gets the same ``Answer`` (or the same error) on the final record
   (:mod:`.flight_relay`). The frames the stream already held when it came are relayed only
   once the leader shows life since (a new entry, its lock renewed): a dead leader's are not.
+  So a streaming client that joins the local flight meanwhile takes the frames it holds only
+  once the leader shows life since that client came (``Broadcast.leader_elsewhere``).
   Its every read says the call is followed (``P followed:{ID}:TOKEN``, for lease_ms).
 
 Failure rules. A leader's death is noticed through its lock, within lease_ms + one XREAD block
@@ -64,8 +66,10 @@ of the death (:mod:`.flight_relay`).
   ``MAX_TAKEOVERS`` times, then it runs them alone). A follower that HAS relayed frames ends its
   flight with ``LeaderLost`` (an ``UpstreamStreamBroken``): its streaming clients, which got
   those frames, get an SSE error event, then the end of the stream (they retry, and the retry
-  coalesces as usual); its clients that got nothing (non-streaming ones) take the call over in
-  the pipeline (``Gateway._follow``), or get the answer if the leader stored it.
+  coalesces as usual); its clients that got nothing (non-streaming ones, and streaming ones
+  that joined it since the leader last showed life: they hold their replay until it does)
+  take the call over in the pipeline (``Gateway._follow``), or get the answer if the leader
+  stored it.
 - A leader whose local clients all left goes on with the call while a follower on any instance
   reads it (its followed key), and stores and ends it as usual; it is cancelled only once
   nobody follows: then it records ``gone`` (one script with that check, ``END``) and its

@@ -21,8 +21,9 @@ already waited that long (then it is not tried again).
 
 A record that cannot be read (something else wrote the key: a field missing or malformed, a
 status no HTTP answer has, a key of another type, ``WRONGTYPE``) is a request that ran, or may
-have, whose response was not kept: ``begin`` and ``wait`` answer it as ``_NOT_KEPT_ANSWER``
-(the 507 a full Redis leaves, its message saying why), logged with the record's digest, and
+have, whose response was not kept: ``begin`` and ``wait`` answer it as ``_UNREADABLE_ANSWER``
+(the 507 a full Redis leaves, its message saying why: the record could not be read, which the
+retry is told as it is), logged with the record's digest, and
 the health is told Redis answered. Its key never runs again (a request that ran would), nor
 fails with a 500 for the record's retention.
 """
