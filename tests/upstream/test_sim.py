@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import math
 import struct
 from typing import Any
@@ -717,6 +718,44 @@ async def test_embeddings_in_flight_are_counted_apart_from_the_generation_slots(
     assert stats["max_in_flight"] == 0 <= stats["max_concurrency"] == 1
     assert stats["max_embedding_in_flight"] == 3 == stats["embedding_concurrency"]
     assert stats["embedding_in_flight"] == 0
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", chat("left", max_tokens=40)),
+        ("/v1/responses", {"model": "m", "input": "left", "max_output_tokens": 40}),
+    ],
+)
+async def test_a_whole_answer_whose_client_left_is_abandoned_freeing_its_slot(http, path, body):
+    # vLLM and SGLang abort a request whose connection closed, and the gateway relies on it: it
+    # cancels a call every client left (coalesce.finish_abandoned: false). The simulator kept
+    # decoding such a whole answer, holding one of max_concurrency slots, its tokens counted.
+    released = asyncio.Event()
+
+    async def decoding_until_released(seconds: float) -> None:
+        await released.wait()
+
+    sim = SimReplica(
+        "sim-0", FAST.model_copy(update={"max_concurrency": 1}), sleep=decoding_until_released
+    )
+    async with serve_app(create_app(sim), http=http) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            left = asyncio.create_task(client.post(path, json=body))
+            await eventually(lambda: sim.in_flight == 1, what="the request holding its slot")
+            left.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await left
+        # The client and its connection are closed; nothing lets the decode finish.
+        await eventually(lambda: sim.in_flight == 0, what="the abandoned request's slot freed")
+        released.set()
+        async with httpx.AsyncClient(base_url=url) as client:
+            stats = (await client.get("/sim/stats")).json()
+            assert (stats["in_flight"], stats["waiting"], stats["completion_tokens"]) == (0, 0, 0)
+            after = await client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+    assert sim.completion_tokens == 2  # the abandoned answer's tokens were never decoded
 
 
 # ------------------------------------------------------------------- what one request may ask
