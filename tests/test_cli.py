@@ -65,6 +65,24 @@ def test_a_bad_config_value_exits_2_naming_the_field(tmp_path):
     assert "coalesce.window_ms" in result.stderr and "greater than or equal to 0" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("port: true\n", "port"),  # (it listened on port 1)
+        ("coalesce:\n  window_ms: false\n", "coalesce.window_ms"),  # (0: no window)
+        ("upstreams: ['http://llm host:8000/v1']\n", "upstreams"),  # (a host no lookup finds)
+    ],
+)
+def test_check_config_refuses_a_boolean_for_a_number_and_a_url_with_white_space(
+    text, field, tmp_path
+):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    result = _check_config(path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"{field}:" in result.stderr
+
+
 def test_a_verifier_folder_without_a_verifier_exits_2_saying_so(tmp_path):
     pytest.importorskip("onnxruntime")
     path = tmp_path / "c.yaml"
