@@ -327,6 +327,29 @@ def test_sim_replicas_past_the_last_port_are_a_usage_error_before_any_starts():
     assert "65536" in done.stderr and "replica sim-0" not in done.stdout + done.stderr
 
 
+def test_sim_that_cannot_listen_exits_2_naming_host_and_port_before_any_replica_starts():
+    # It exited 3 with uvicorn's bare "error while attempting to bind", replica sim-0 already
+    # announced when it was replica sim-1's port that was taken; `carpool serve` exits 2.
+    port = two_free_ports_in_a_row()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port + 1))
+        held.listen()
+        for args in (
+            ["--host", "no such host", "--port", "0"],
+            ["--port", str(port + 1)],
+            ["--port", str(port), "--replicas", "2"],
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "carpool.cli", "sim", *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
+            assert "'--host' / '--port'" in done.stderr and "cannot listen on" in done.stderr
+            assert "replica sim-0" not in done.stdout, args
+
+
 def test_an_empty_host_exits_2_naming_host():
     # Empty, it was every interface (uvicorn and the socket check read it so), unsaid.
     result = subprocess.run(
