@@ -1,9 +1,10 @@
 """The ``carpool`` command line: ``serve`` here, the other commands in ``carpool.commands``.
 
-Contract: every option can also come from the config file and ``CARPOOL_*`` variables (flags win);
-a bad configuration exits with status 2 and a message naming the field and what is allowed
-(``carpool.commands.common``), as does a host no socket can take, or an address it cannot
-listen on (``listen_problem``). The first log line of
+Contract: every setting can also come from the config file and ``CARPOOL_*`` variables (flags
+win; a run's own options, ``carpool bench``'s and ``eval-semantic``'s, are flags only); a bad
+configuration exits with status 2 and a message naming the field and what is allowed
+(``carpool.commands.common``), as does a host no socket can take, or an address it cannot listen
+on (``listen_problem``). The first log line of
 ``carpool serve`` says which engine it fronts, so nobody mistakes the simulator for a real model:
 the simulated engine's is a WARNING, written whatever ``log_level`` (``_said_at_any_level``).
 No log line carries a URL's credentials or query: upstreams are logged by their replica names

@@ -1,8 +1,10 @@
 """What every ``carpool`` command shares.
 
-Contract: every option can also come from the config file (``--config``, else ``CARPOOL_CONFIG``;
-an empty ``CARPOOL_CONFIG=`` is no file) and ``CARPOOL_*`` variables; flags win
-(``load_config``). A bad configuration exits with status 2 and a message naming the field and
+Contract: every option that is a setting can also come from the config file (``--config``, else
+``CARPOOL_CONFIG``; an empty ``CARPOOL_CONFIG=`` is no file) and ``CARPOOL_*`` variables; flags
+win (``load_config``). A run's own options are flags only (docs/deviations.md): what ``carpool
+bench`` replays and ``carpool eval-semantic`` scores, and ``carpool sim``'s ``--host`` /
+``--port``; they are one-off runs, not a deployment's settings. A bad configuration exits with status 2 and a message naming the field and
 what is allowed; so does one that turns on what an extra that is not installed provides
 (``refuse_missing_extras``: ``carpool serve`` and ``carpool check-config`` alike). No log line
 carries a URL's credentials or query: ``carpool.config.urls.without_credentials`` is how a URL
