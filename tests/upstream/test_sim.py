@@ -525,6 +525,34 @@ async def test_invalid_api_bodies_get_a_400_in_the_apis_shape(path, make):
         assert reply.body["error"]["param"] == "input"
 
 
+@pytest.mark.parametrize(
+    "path, fields, name",
+    [
+        ("/responses", {"max_output_tokens": 0}, "max_output_tokens"),
+        ("/responses", {"max_output_tokens": "many"}, "max_output_tokens"),
+        ("/messages", {"max_tokens": 0}, "max_tokens"),
+        ("/messages", {"stop_sequences": 5}, "stop_sequences"),
+        ("/messages", {"stop_sequences": ["end", 5]}, "stop_sequences"),
+    ],
+)
+async def test_an_api_field_refused_is_named_as_the_client_sent_it(path, fields, name):
+    # They were checked as the chat request they stand for: the 400 named `max_tokens` for a
+    # Responses request's max_output_tokens, and `stop` for a message's stop_sequences.
+    make = responses_body if path == "/responses" else messages_body
+    async with serve_app(create_app(replica()), http="httptools") as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(f"/v1{path}", json=make(**fields))
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert f"'{name}'" in error["message"], error
+    chat_name = {"max_output_tokens": "max_tokens", "stop_sequences": "stop"}.get(name)
+    assert chat_name is None or f"'{chat_name}'" not in error["message"]
+    if path == "/responses":
+        assert error["param"] == name
+    else:
+        assert (refused.json()["type"], error["type"]) == ("error", "invalid_request_error")
+
+
 # --------------------------------------------------------------------------- HTTP server
 
 
