@@ -83,11 +83,12 @@ def _to_response(reply: SimReply) -> Response:
     return _json(reply.status, reply.body)
 
 
-async def _disconnected(receive: Receive) -> None:
-    """Return when the client has disconnected (its body read already: what else comes is the
-    ``http.disconnect``, whenever the connection closes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+async def _client_left(receive: Receive) -> bool:
+    """Whether the next message is the client's disconnect. The body is read already, so a
+    server's ``receive`` waits until the connection closes (then ``http.disconnect``); a wrapper
+    that replays the body (``carpool bench``'s upstreams) may answer another at once: that is
+    no disconnect, and there is nothing more to watch."""
+    return bool((await receive())["type"] == "http.disconnect")
 
 
 async def _unless_abandoned(
@@ -96,9 +97,11 @@ async def _unless_abandoned(
     """``work``'s reply, or None when the client disconnected first: then ``work`` is cancelled
     (module contract), as a real engine aborts a request nobody waits for any more."""
     serving = asyncio.create_task(work)
-    leaving = asyncio.create_task(_disconnected(request.receive))
+    leaving = asyncio.create_task(_client_left(request.receive))
     try:
         await asyncio.wait((serving, leaving), return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done() and not (leaving.exception() is None and leaving.result()):
+            await asyncio.wait((serving,))  # (no disconnect to come: served as it is)
     finally:
         # However this ends (an answer, a disconnect, the server stopping): no task outlives it.
         for task in (serving, leaving):
