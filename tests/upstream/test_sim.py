@@ -525,6 +525,36 @@ async def test_invalid_api_bodies_get_a_400_in_the_apis_shape(path, make):
         assert reply.body["error"]["param"] == "input"
 
 
+async def test_a_receive_that_replays_the_body_is_no_disconnect_and_the_request_is_served():
+    # carpool bench's meaning upstream hands the simulator a receive that gives the body again
+    # at once: the watch for a disconnect spun on it, and the event loop hung.
+    body = orjson.dumps(chat(max_tokens=2))
+
+    async def replaying() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("sim", 80),
+    }
+    await create_app(replica())(scope, replaying, send)
+    assert sent[0]["status"] == 200
+    assert orjson.loads(sent[1]["body"])["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize(
     "path, fields, name",
     [
