@@ -34,6 +34,8 @@ from carpool.bench.upstream import Options, expected, upstream
 from carpool.bench.workloads import (
     CHAT,
     COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
     BenchRequest,
     Workload,
     WorkloadError,
@@ -223,6 +225,15 @@ def test_the_oracle_refreshes_answers_that_expire_during_the_run():
     result = oracle(Workload("ttl", requests), Config(), call_seconds=0.2)
     assert (result.calls, result.distinct, result.refreshes) == (5, 2, 3)
     assert any("expire during the run" in note for note in result.assumptions)
+
+
+def test_an_answer_never_stored_is_joined_only_while_its_call_is_in_flight():
+    requests = [_chat("q", 0.0), _chat("q", 0.1), _chat("q", 0.5), _chat("q", 0.6)]
+    cut = oracle(Workload("cut", requests), Config(), call_seconds=0.2, never_stored=[True] * 4)
+    assert cut.needs_call == [True, False, True, False]  # (no window, no cache after it)
+    assert cut.never_stored == 2 and any("never stores" in note for note in cut.assumptions)
+    whole = oracle(Workload("whole", requests), Config(), call_seconds=0.2)
+    assert (whole.calls, whole.never_stored) == (1, 0)
 
 
 # ------------------------------------------------------------------------------ recorded JSONL
@@ -644,6 +655,36 @@ async def test_a_closed_loop_run_without_matplotlib_says_how_to_get_the_plots(
         "errors",
         "params",
     }
+
+
+async def test_the_oracle_counts_a_call_for_each_request_whose_answer_is_never_stored(
+    fake, gw, tmp_path
+):
+    # A Responses answer that ended incomplete and a message without a stop reason are never
+    # stored, nor do they linger (docs/design.md): each later request calls again. The oracle
+    # counted one call for three such requests, and the report said 3x the optimum.
+    responses = {"model": "m", "input": "Summarise the notes", "max_output_tokens": 4}
+    messages = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Sum"}]}
+    rows = [
+        {"t": t + offset, "endpoint": endpoint, "body": {**body, "temperature": 0}}
+        for t in (0.0, 0.5, 1.0)
+        for offset, endpoint, body in ((0, RESPONSES, responses), (0.25, MESSAGES, messages))
+    ]
+    path = _write(tmp_path / "cut.jsonl", rows)
+    fake.omit_finish_reason = True  # (the answers end without completing)
+    cut = await run_bench(
+        BenchOptions(out=tmp_path / "cut", url=gw.url, workload_file=str(path), progress=False)
+    )
+    assert cut["errors"] == 0
+    assert cut["upstream_calls"] == fake.count() == 6 == cut["oracle_calls"]
+    assert cut["oracle"]["never_stored"] == 6
+    fake.omit_finish_reason = False  # the same requests, answered whole: stored, one call each
+    whole = await run_bench(
+        BenchOptions(out=tmp_path / "whole", url=gw.url, workload_file=str(path), progress=False)
+    )
+    assert whole["errors"] == 0
+    assert whole["upstream_calls"] == fake.count() - 6 == 2 == whole["oracle_calls"]
+    assert whole["oracle"]["never_stored"] == 0
 
 
 async def test_an_untimed_workload_file_reports_the_rate_its_arrivals_were_spaced_at(

@@ -65,6 +65,24 @@ def test_a_bad_config_value_exits_2_naming_the_field(tmp_path):
     assert "coalesce.window_ms" in result.stderr and "greater than or equal to 0" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("port: true\n", "port"),  # (it listened on port 1)
+        ("coalesce:\n  window_ms: false\n", "coalesce.window_ms"),  # (0: no window)
+        ("upstreams: ['http://llm host:8000/v1']\n", "upstreams"),  # (a host no lookup finds)
+    ],
+)
+def test_check_config_refuses_a_boolean_for_a_number_and_a_url_with_white_space(
+    text, field, tmp_path
+):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    result = _check_config(path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"{field}:" in result.stderr
+
+
 def test_a_verifier_folder_without_a_verifier_exits_2_saying_so(tmp_path):
     pytest.importorskip("onnxruntime")
     path = tmp_path / "c.yaml"
@@ -307,6 +325,29 @@ def test_sim_replicas_past_the_last_port_are_a_usage_error_before_any_starts():
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "65536" in done.stderr and "replica sim-0" not in done.stdout + done.stderr
+
+
+def test_sim_that_cannot_listen_exits_2_naming_host_and_port_before_any_replica_starts():
+    # It exited 3 with uvicorn's bare "error while attempting to bind", replica sim-0 already
+    # announced when it was replica sim-1's port that was taken; `carpool serve` exits 2.
+    port = two_free_ports_in_a_row()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port + 1))
+        held.listen()
+        for args in (
+            ["--host", "no such host", "--port", "0"],
+            ["--port", str(port + 1)],
+            ["--port", str(port), "--replicas", "2"],
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "carpool.cli", "sim", *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
+            assert "'--host' / '--port'" in done.stderr and "cannot listen on" in done.stderr
+            assert "replica sim-0" not in done.stdout, args
 
 
 def test_an_empty_host_exits_2_naming_host():

@@ -741,3 +741,55 @@ def test_an_unknown_key_never_echoes_its_value(tmp_path):
         assert f"{key}: unknown key" in said
     with pytest.raises(ConfigError, match="port: .*got 'x'"):  # a known key's value is shown
         Config.load(env={"CARPOOL_PORT": "x"})
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        # Each was read as its number: port 1, a 1 s upstream timeout, no coalescing window...
+        ("port: true\n", "port"),
+        ("limits: {upstream_timeout: true}\n", "limits.upstream_timeout"),
+        ("coalesce: {window_ms: false}\n", "coalesce.window_ms"),
+        ("sim: {replicas: true}\n", "sim.replicas"),
+        ("semantic: {threshold: true}\n", "semantic.threshold"),
+        ("semantic: {judge: {verifier_band: [false, 1]}}\n", "semantic.judge.verifier_band"),
+        ("cache: {types: {faq: {ttl: true}}}\n", "cache.types.faq.ttl"),
+    ],
+)
+def test_a_boolean_where_a_number_belongs_is_refused_naming_the_field(text, field, tmp_path):
+    path = tmp_path / "carpool.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="a boolean is not a number") as raised:
+        Config.load(path, env={})
+    assert f"{field}:" in str(raised.value)
+
+
+def test_a_number_in_a_variable_or_set_on_a_config_is_still_a_number_never_a_boolean():
+    # A variable is a string, read by its key's type: the numbers still come through.
+    env = {"CARPOOL_PORT": "1", "CARPOOL_COALESCE__WINDOW_MS": "0", "CARPOOL_SIM__REPLICAS": "2"}
+    config = Config.load(env=env)
+    assert (config.port, config.coalesce.window_ms, config.sim.replicas) == (1, 0, 2)
+    with pytest.raises(ConfigError, match="CARPOOL_PORT|port"):
+        Config.load(env={"CARPOOL_PORT": "true"})
+    config.sim.replicas = 3  # (assignments are validated as loaded values are)
+    with pytest.raises(ValueError, match="a boolean is not a number"):
+        config.sim.replicas = True
+    assert config.sim.replicas == 3
+
+
+@pytest.mark.parametrize(
+    "key, url",
+    [
+        ("upstreams", "http://a b/v1"),
+        ("upstreams", "http://127.0.0.1:8000/v1 "),
+        ("upstreams", "http://127.0.0.1:8000/v1\t"),
+        ("redis", "redis://cache:6379/0 "),
+    ],
+)
+def test_a_url_with_white_space_in_it_is_refused_naming_the_field(key, url):
+    # check-config passed them: the gateway then called a host no lookup finds, or a path with
+    # "%20" appended to every call.
+    value = [url] if key == "upstreams" else url
+    with pytest.raises(ConfigError, match="white space") as raised:
+        Config.load(env={}, overrides={key: value})
+    assert f"{key}:" in str(raised.value)

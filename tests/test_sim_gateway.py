@@ -3,6 +3,7 @@ loopback: what it serves of the simulator's own, and how its answers are labelle
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ from carpool.upstream.sim_server import create_app as create_sim_app
 from carpool.wiring import build_gateway
 from conftest import run_gateway
 from fakes.serving import serve_app
+from fakes.waiting import eventually
 
 
 def chat(content: str = "What is a carpool?") -> dict:
@@ -245,3 +247,31 @@ async def test_the_largest_embeddings_call_the_engine_allows_is_answered_through
         assert all(len(d["embedding"]) == 512 for d in data)
         for i in (0, 1, 1000, 2047):  # (each vector takes as long to check as to make)
             assert data[i]["embedding"] == embedding_vector("e", inputs[i], 512)
+
+
+async def test_a_call_every_client_left_frees_the_simulators_slot_when_it_runs_apart():
+    # `carpool sim` behind the gateway: the gateway cancels a call every client left
+    # (coalesce.finish_abandoned: false), closing its connection, to free the engine, as vLLM
+    # and SGLang free a request whose connection closed. The simulator kept decoding it.
+    released = asyncio.Event()
+
+    async def decoding_until_released(seconds: float) -> None:
+        await released.wait()
+
+    engine = SimReplica("sim-0", SimConfig(max_concurrency=1), sleep=decoding_until_released)
+    async with serve_app(create_sim_app(engine), http="httptools") as engine_url:
+        async with run_gateway([engine_url + "/v1"]) as gw:
+            leaving = asyncio.create_task(
+                gw.client.post("/v1/chat/completions", json=chat("a question nobody waits for"))
+            )
+            await eventually(lambda: engine.in_flight == 1, what="the call holding its slot")
+            leaving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await leaving
+            await eventually(lambda: gw.gateway.stats.abandoned == 1, what="the client gone")
+            await eventually(lambda: engine.in_flight == 0, what="the engine's slot freed")
+            released.set()
+            answered = await gw.client.post("/v1/chat/completions", json=chat("the next one"))
+            assert answered.status_code == 200 and answered.headers["x-carpool"] == "miss"
+    assert engine.stats()["calls"]["chat/completions"] == 2
+    assert engine.completion_tokens == answered.json()["usage"]["completion_tokens"]

@@ -1,8 +1,10 @@
 """The ``carpool`` command line: ``serve`` here, the other commands in ``carpool.commands``.
 
-Contract: every option can also come from the config file and ``CARPOOL_*`` variables (flags win);
-a bad configuration exits with status 2 and a message naming the field and what is allowed
-(``carpool.commands.common``), as does a host no socket can take. The first log line of
+Contract: every setting can also come from the config file and ``CARPOOL_*`` variables (flags
+win; a run's own options, ``carpool bench``'s and ``eval-semantic``'s, are flags only); a bad
+configuration exits with status 2 and a message naming the field and what is allowed
+(``carpool.commands.common``), as does a host no socket can take, or an address it cannot listen
+on (``listen_problem``). The first log line of
 ``carpool serve`` says which engine it fronts, so nobody mistakes the simulator for a real model:
 the simulated engine's is a WARNING, written whatever ``log_level`` (``_said_at_any_level``).
 No log line carries a URL's credentials or query: upstreams are logged by their replica names
@@ -25,7 +27,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import socket
 import sys
 import tempfile
 from typing import Any
@@ -40,6 +41,7 @@ from .commands.common import (
     SEMANTIC_MODULES,
     default_of,
     install_hint,
+    listen_problem,
     load_config,
     missing_extra,
     missing_module,
@@ -224,11 +226,9 @@ def serve(
             gateway.semantic.threshold,
             gateway.semantic.embedder.name,
         )
-    try:  # (said before anything says it listens: uvicorn would only fail after)
-        with socket.create_server((config.host, config.port)):
-            pass
-    except (OSError, TypeError, ValueError) as error:  # (a host no name lookup could take)
-        click.echo(f"carpool: cannot listen on {config.host}:{config.port}: {error}", err=True)
+    problem = listen_problem(config.host, config.port)  # (before anything says it listens)
+    if problem is not None:
+        click.echo(f"carpool: {problem}", err=True)
         sys.exit(2)
     log.info("listening on http://%s:%d/v1", config.host, config.port)
     served: dict[str, Any] = {

@@ -139,7 +139,7 @@ def test_a_pairs_file_line_that_is_no_labeled_pair_is_named_and_refused():
         ('{"a": "x", "b": "y", "same_answer": "false"}', "same_answer"),
     ):
         with pytest.raises(ValueError, match=said) as raised:
-            row_of("pairs.jsonl", 6, line)
+            row_of("pairs.jsonl", 7, line)
         assert "pairs.jsonl, line 7" in str(raised.value)
 
 
@@ -322,3 +322,62 @@ def test_eval_semantic_takes_the_threshold_from_carpool_semantic_threshold(tmp_p
     monkeypatch.setenv("CARPOOL_SEMANTIC__THRESHOLD", "2")
     result = _eval("--pairs", str(pairs))
     assert result.exit_code == 2 and "semantic.threshold" in result.output
+
+
+def test_a_pair_whose_text_holds_a_unicode_line_separator_is_one_line_of_its_file(tmp_path):
+    # JSON allows U+2028, U+2029 and U+0085 unescaped in a string (orjson and
+    # json.dumps(ensure_ascii=False) write them so): str.splitlines() cut the line there, and
+    # the pair was refused as "not JSON". A line ends at a line feed only (a CR before it
+    # dropped), as `carpool bench --workload-file` reads its lines.
+    from carpool.semantic.evaluate import load_pairs
+
+    texts = ["Reset my router\u2028please", "reset my router\u2029please", "next\x85line"]
+    rows = [{"a": t, "b": t.upper(), "same_answer": True} for t in texts]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\r\n" for r in rows))
+    loaded = load_pairs([pairs])
+    assert [(p.a, p.b) for p in loaded] == [(t, t.upper()) for t in texts]
+    assert [p.where for p in loaded] == [f"{pairs}, line {n}" for n in (1, 2, 3)]
+    result = _eval("--pairs", str(pairs))
+    assert result.exit_code == 0, result.output
+
+
+def test_a_text_the_gateway_would_refuse_as_json_is_refused_naming_the_line_not_a_traceback(
+    tmp_path,
+):
+    # A lone surrogate is JSON that json.loads reads; the gateway refuses the request that holds
+    # one (400 invalid_json: orjson reads its bodies), and the pair went on to a TypeError
+    # traceback, exit 1. The rows are read as the gateway reads a body.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + '\n{"a": "\\ud800x", "b": "y", "same_answer": true}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs)],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"{pairs}, line 2: not JSON" in done.stderr
+
+
+def test_a_pairs_file_line_is_named_by_its_number_in_the_file_whatever_blank_lines_precede_it(
+    tmp_path,
+):
+    # Blank lines were left out of the count: the error named line 2 of a file whose line 5 was
+    # wrong. --half still counts the pairs (the non-empty lines), so a blank line moves no pair
+    # from one half to the other.
+    from carpool.semantic.evaluate import load_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    good = json.dumps(PAIRS[0])
+    pairs.write_text(f'\n\n{good}\n\n{{"a": "x", "b": 5, "same_answer": true}}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl, line 5: 'b' must be"):
+        load_pairs([pairs])
+    result = _eval("--pairs", str(pairs))
+    assert result.exit_code == 2 and "pairs.jsonl, line 5" in result.output, result.output
+    pairs.write_text(f"\n{good}\n\n\n{json.dumps(PAIRS[2])}\n  \n{json.dumps(PAIRS[1])}\n")
+    assert [p.where.rsplit(" ", 1)[1] for p in load_pairs([pairs])] == ["2", "5", "7"]
+    (odd,) = load_pairs([pairs], "odd")
+    assert (odd.a, odd.where) == (PAIRS[2]["a"], f"{pairs}, line 5")
+    assert [p.a for p in load_pairs([pairs], "even")] == [PAIRS[0]["a"], PAIRS[1]["a"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import math
 import struct
 from typing import Any
@@ -524,6 +525,64 @@ async def test_invalid_api_bodies_get_a_400_in_the_apis_shape(path, make):
         assert reply.body["error"]["param"] == "input"
 
 
+async def test_a_receive_that_replays_the_body_is_no_disconnect_and_the_request_is_served():
+    # carpool bench's meaning upstream hands the simulator a receive that gives the body again
+    # at once: the watch for a disconnect spun on it, and the event loop hung.
+    body = orjson.dumps(chat(max_tokens=2))
+
+    async def replaying() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("sim", 80),
+    }
+    await create_app(replica())(scope, replaying, send)
+    assert sent[0]["status"] == 200
+    assert orjson.loads(sent[1]["body"])["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "path, fields, name",
+    [
+        ("/responses", {"max_output_tokens": 0}, "max_output_tokens"),
+        ("/responses", {"max_output_tokens": "many"}, "max_output_tokens"),
+        ("/messages", {"max_tokens": 0}, "max_tokens"),
+        ("/messages", {"stop_sequences": 5}, "stop_sequences"),
+        ("/messages", {"stop_sequences": ["end", 5]}, "stop_sequences"),
+    ],
+)
+async def test_an_api_field_refused_is_named_as_the_client_sent_it(path, fields, name):
+    # They were checked as the chat request they stand for: the 400 named `max_tokens` for a
+    # Responses request's max_output_tokens, and `stop` for a message's stop_sequences.
+    make = responses_body if path == "/responses" else messages_body
+    async with serve_app(create_app(replica()), http="httptools") as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(f"/v1{path}", json=make(**fields))
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert f"'{name}'" in error["message"], error
+    chat_name = {"max_output_tokens": "max_tokens", "stop_sequences": "stop"}.get(name)
+    assert chat_name is None or f"'{chat_name}'" not in error["message"]
+    if path == "/responses":
+        assert error["param"] == name
+    else:
+        assert (refused.json()["type"], error["type"]) == ("error", "invalid_request_error")
+
+
 # --------------------------------------------------------------------------- HTTP server
 
 
@@ -717,6 +776,44 @@ async def test_embeddings_in_flight_are_counted_apart_from_the_generation_slots(
     assert stats["max_in_flight"] == 0 <= stats["max_concurrency"] == 1
     assert stats["max_embedding_in_flight"] == 3 == stats["embedding_concurrency"]
     assert stats["embedding_in_flight"] == 0
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", chat("left", max_tokens=40)),
+        ("/v1/responses", {"model": "m", "input": "left", "max_output_tokens": 40}),
+    ],
+)
+async def test_a_whole_answer_whose_client_left_is_abandoned_freeing_its_slot(http, path, body):
+    # vLLM and SGLang abort a request whose connection closed, and the gateway relies on it: it
+    # cancels a call every client left (coalesce.finish_abandoned: false). The simulator kept
+    # decoding such a whole answer, holding one of max_concurrency slots, its tokens counted.
+    released = asyncio.Event()
+
+    async def decoding_until_released(seconds: float) -> None:
+        await released.wait()
+
+    sim = SimReplica(
+        "sim-0", FAST.model_copy(update={"max_concurrency": 1}), sleep=decoding_until_released
+    )
+    async with serve_app(create_app(sim), http=http) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            left = asyncio.create_task(client.post(path, json=body))
+            await eventually(lambda: sim.in_flight == 1, what="the request holding its slot")
+            left.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await left
+        # The client and its connection are closed; nothing lets the decode finish.
+        await eventually(lambda: sim.in_flight == 0, what="the abandoned request's slot freed")
+        released.set()
+        async with httpx.AsyncClient(base_url=url) as client:
+            stats = (await client.get("/sim/stats")).json()
+            assert (stats["in_flight"], stats["waiting"], stats["completion_tokens"]) == (0, 0, 0)
+            after = await client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+    assert sim.completion_tokens == 2  # the abandoned answer's tokens were never decoded
 
 
 # ------------------------------------------------------------------- what one request may ask

@@ -48,7 +48,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..config import Config
 from ..semantic.judge import ANSWERS_AGREE, SAME_ANSWER
 from .catalog import ACTIONS, CONTEXTS, OBJECTS, WORDINGS, core_of, question
-from .upstream import read_body
+from .upstream import read_body, replaying
 from .workloads import CHAT, MODEL, BenchRequest, Workload, WorkloadError, tenant_header_value
 
 WORKLOAD = "audit"
@@ -137,7 +137,7 @@ class MeaningAnswers:
         raw = await read_body(receive)
         text = _answer(raw)
         if text is None:
-            await self.app(scope, _replaying(raw), send)
+            await self.app(scope, replaying(raw, receive), send)
             return
         body = orjson.loads(raw)
         stream = body.get("stream") is True
@@ -206,13 +206,6 @@ def _chunks(model: str, text: str) -> bytes:
 
     opening = chunk({"role": "assistant", "content": text}, None)
     return opening + chunk({}, "stop") + b"data: [DONE]\n\n"
-
-
-def _replaying(raw: bytes) -> Receive:
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    return receive
 
 
 # --------------------------------------------------------------------------------- the truth

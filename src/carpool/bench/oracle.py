@@ -1,8 +1,10 @@
 """The oracle: the fewest upstream calls any correct deduplicator could make on a workload.
 
 Contract:
-- Computed from the workload alone (its requests and their arrival times), never from what the
-  gateway reported, so it can judge the gateway's ``upstream_calls``.
+- Computed from the workload (its requests and their arrival times) and, given it, which of
+  its requests' answers are ones the gateway never stores (``never_stored``: read from each
+  answer itself by its API, as the gateway judges it; ``replay.Result.storable``), never from
+  what the gateway reported, so it can judge the gateway's ``upstream_calls``.
 - "Identical" is the gateway's own definition, reused rather than re-implemented: each request is
   parsed with ``carpool.request.parse`` and keyed with ``carpool.fingerprint.fingerprint`` under
   the run's config (tenant header, namespaces, sampling policy, white-space normalisation). So the
@@ -18,8 +20,12 @@ Contract:
   ``no-cache``/``no-store`` or its ``max-age`` is shorter; an answer in flight is joinable for
   ``call_seconds`` (the assumed duration of one upstream call; the report passes the run's median
   miss latency) and lingers joinable for the longest coalescing window (``max_window_ms`` when
-  adaptive, else ``window_ms``; none with ``window_ms`` 0), except after a ``no-store`` leader. When the run is shorter than
-  every TTL none of this matters: the oracle is distinct fingerprints + unshareable requests.
+  adaptive, else ``window_ms``; none with ``window_ms`` 0), except after a ``no-store`` leader.
+  A call whose answer is never stored (a Responses answer that ended ``incomplete`` or
+  ``failed``, a message without a stop reason: docs/design.md, "What is stored") is joinable
+  only while in flight: it is neither stored nor lingers, so the next request after it calls
+  again. When the run is shorter than every TTL and every answer is stored, none of this
+  matters: the oracle is distinct fingerprints + unshareable requests.
 - Not modelled (stated in the report): cache evictions (``cache.max_bytes`` is assumed large
   enough), the semantic layer (it may go below this exact-match oracle: paraphrases count as new
   fingerprints here), and the embeddings batcher (it merges distinct embeddings into one call).
@@ -75,6 +81,7 @@ class Oracle:
     refreshes: int = 0  # further calls of a fingerprint whose answer had expired
     rejected: int = 0  # the gateway answers these itself: no call
     replays: int = 0  # a reused Idempotency-Key: no call
+    never_stored: int = 0  # calls whose answer the gateway never stores (nor lingers)
     needs_call: list[bool] = field(default_factory=list)  # per request, in workload order
     assumptions: list[str] = field(default_factory=list)
 
@@ -86,6 +93,7 @@ class Oracle:
             "refreshes": self.refreshes,
             "rejected": self.rejected,
             "idempotent_replays": self.replays,
+            "never_stored": self.never_stored,
             "method": "carpool.fingerprint.fingerprint under the run's config; one call per "
             "distinct fingerprint while its answer lives + one per unshareable "
             "request",
@@ -98,12 +106,16 @@ def oracle(
     config: Config,
     times: Sequence[float] | None = None,
     call_seconds: float = 0.0,
+    never_stored: Sequence[bool] | None = None,
 ) -> Oracle:
-    """The oracle for ``workload`` with requests arriving at ``times`` (default: their ``t``)."""
+    """The oracle for ``workload`` with requests arriving at ``times`` (default: their ``t``);
+    ``never_stored``: per request, whether its answer is one the gateway never stores (default:
+    every answer is stored)."""
     requests = workload.requests
     times = [r.t for r in requests] if times is None else list(times)
-    if len(times) != len(requests):
-        raise ValueError("one time per request")
+    unstored = [False] * len(requests) if never_stored is None else list(never_stored)
+    if len(times) != len(requests) or len(unstored) != len(requests):
+        raise ValueError("one time and one never_stored per request")
     coalesce = config.coalesce
     longest = coalesce.max_window_ms if coalesce.adaptive else coalesce.window_ms
     window = (longest if coalesce.window_ms > 0 else 0) / 1000  # (``window.py``: 0 is none)
@@ -142,9 +154,13 @@ def oracle(
             result.refreshes += 1
         result.calls += 1
         result.needs_call[i] = True
+        result.never_stored += unstored[i]
         life.flight_end = t + call_seconds
-        life.linger = not controls.no_store
-        if not controls.no_store and ttl > 0:
+        # The answer this call makes is the one request i got (its engine answers a request
+        # alike each time): one never stored does not linger either (docs/design.md).
+        stored = not controls.no_store and not unstored[i]
+        life.linger = stored
+        if stored and ttl > 0:
             life.cache_produced = t + call_seconds
             life.cache_until = life.cache_produced + ttl
     span = max(times) - min(times) if times else 0.0
@@ -169,6 +185,12 @@ def oracle(
             f"every answer outlives the run (shortest ttl "
             f"{'n/a' if shortest is None else f'{shortest:g} s'} >= run "
             f"{span:.1f} s): no refreshes"
+        )
+    if result.never_stored:
+        notes.append(
+            f"{result.never_stored} calls made answers the gateway never stores (a Responses "
+            "answer that ended incomplete or failed, a message without a stop reason, as the "
+            "client received them): each is joinable only while in flight"
         )
     result.assumptions = notes
     return result

@@ -4,8 +4,9 @@ Contract:
 - ``load_jsonl(path, tenant_header, keep)`` reads the recorded format; a malformed file raises
   ``WorkloadError`` naming the file, the line and what is wrong. Lines end at ``\n`` only (a
   ``\r`` before it is dropped): a U+2028, U+2029 or U+0085 inside a JSON string, which JSON
-  allows unescaped, is part of its line. ``keep`` (None: all) keeps the first ``keep``
-  requests in the file's order (blank lines are not requests), before any sorting by ``t``;
+  allows unescaped, is part of its line (``carpool.jsonl``). ``keep`` (None: all) keeps the
+  first ``keep`` requests in the file's order (blank lines are not requests), before any sorting
+  by ``t``;
   the whole file is checked all the same. Its endpoints are the OpenAI classics,
   ``/v1/responses`` and ``/v1/messages`` (``workloads.ENDPOINTS``); ``endpoint`` defaults to
   chat. A ``tenant`` without the tenant header among its ``headers`` gets one
@@ -28,6 +29,7 @@ from typing import Any
 import orjson
 
 from .. import http_syntax
+from ..jsonl import numbered_lines
 from .workloads import CHAT, ENDPOINTS, BenchRequest, Workload, WorkloadError, tenant_header_value
 
 
@@ -38,17 +40,12 @@ def load_jsonl(
     first ``keep`` requests of the file, in its order."""
     path = Path(path)
     try:
-        # Not str.splitlines(): it also ends a line at U+2028, U+2029, U+0085 (and more), which
-        # JSON strings may hold unescaped (orjson and json.dumps(ensure_ascii=False) write them so).
-        lines = path.read_bytes().decode("utf-8").split("\n")
+        text = path.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise WorkloadError(f"{path}: cannot read it: {error}") from None
     requests: list[BenchRequest] = []
     timed: list[tuple[int, bool]] = []  # (line number, has a 't')
-    for number, line in enumerate(lines, 1):
-        line = line.removesuffix("\r")
-        if not line.strip():
-            continue
+    for number, line in numbered_lines(text):  # (not str.splitlines(): ``carpool.jsonl``)
         where = f"{path}:{number}"
         try:
             row = orjson.loads(line)

@@ -18,6 +18,11 @@ Contract:
   ``prompt_tokens`` / ``completion_tokens``, or the typed APIs' ``input_tokens`` /
   ``output_tokens`` (of the answer, or of the stream assembled by ``carpool.apis``). A request
   that carries its ``expected`` answer (non-streaming) is marked ``wrong`` when another was served.
+  ``storable``: whether the answer is one the gateway stores, judged by its API as the gateway
+  judges it (``Api.complete``: a Responses answer that ended ``incomplete`` or ``failed``, a
+  message without a stop reason, are not), of a whole answer or an assembled typed stream; None
+  when no answer came, and for a chat or completions stream (not assembled here, to keep the
+  client cheap: one that ended with ``[DONE]`` is taken as stored). The oracle reads it.
 - ``on_result`` is called once per finished request (the progress bar); ``settle``, when given,
   is awaited after the last answer and before the final ``/stats`` read (work the requests left
   running in the background, such as audits, to finish).
@@ -36,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from ..apis import api_at
 from ..apis import messages as messages_api
 from ..apis import responses as responses_api
 from ..semantic.audit import answer_text
@@ -60,6 +66,7 @@ class Result:
     completion_tokens: int | None = None
     error: str | None = None
     wrong: bool | None = None  # the request's ``expected`` answer known: was another served?
+    storable: bool | None = None  # the answer is one the gateway stores (module contract)
 
     @property
     def ok(self) -> bool:
@@ -221,7 +228,7 @@ async def _send(
         else:
             _read_stream(response.body, result)
     else:
-        _read_body(response.body, result, request.expected)
+        _read_body(response.body, result, request)
 
 
 def _usage(result: Result, usage: Any) -> None:
@@ -233,7 +240,7 @@ def _usage(result: Result, usage: Any) -> None:
         result.completion_tokens = completion if isinstance(completion, int) else 0
 
 
-def _read_body(raw: bytes, result: Result, expected: str | None = None) -> None:
+def _read_body(raw: bytes, result: Result, request: BenchRequest) -> None:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -246,8 +253,11 @@ def _read_body(raw: bytes, result: Result, expected: str | None = None) -> None:
         return
     if isinstance(body, dict):
         _usage(result, body.get("usage"))
-        if expected is not None:
-            result.wrong = answer_text(body) != expected
+        if request.expected is not None:
+            result.wrong = answer_text(body) != request.expected
+        api = api_at(request.endpoint)
+        if api is not None:  # (always: a workload's endpoints are the cached APIs')
+            result.storable = api.complete(body, request.body)
     else:
         result.error = "the answer is not a JSON object"
 
@@ -307,4 +317,8 @@ def _read_typed_stream(raw: bytes, result: Result, endpoint: str) -> None:
         result.error = f"the stream did not end with {' or '.join(sorted(last))}"
         return
     api = responses_api if endpoint == RESPONSES else messages_api
-    _usage(result, api.assemble(events).get("usage"))
+    assembled = api.assemble(events)
+    _usage(result, assembled.get("usage"))
+    judge = api_at(endpoint)
+    if judge is not None:
+        result.storable = judge.complete(assembled)

@@ -208,7 +208,8 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     misses = [r.latency for r in run.results if r.outcome == "miss" and r.latency is not None]
     call_seconds = statistics.median(misses) if misses else 0.0
     times = arrivals if arrivals is not None else [r.sent for r in run.results]
-    best = oracle(workload, config, times, call_seconds)
+    never_stored = [r.storable is False for r in run.results]  # (None: no answer judged)
+    best = oracle(workload, config, times, call_seconds, never_stored)
     mode = "closed-loop" if options.concurrency is not None else "open-loop"
     params = {
         "workload": workload.name,

@@ -194,7 +194,7 @@ class Controls:
         chat = scope["path"].endswith("/chat/completions")
         if chat:
             send = self._stamping(send)
-        replay = _replaying(raw, receive)
+        replay = replaying(raw, receive)
         messages = body.get("messages") if isinstance(body, dict) else None
         if chat and self.faults is not None and isinstance(messages, list) and messages:
             text = str(messages[-1].get("content") if isinstance(messages[-1], dict) else "")
@@ -252,7 +252,7 @@ async def read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
-def _replaying(raw: bytes, receive: Receive) -> Receive:
+def replaying(raw: bytes, receive: Receive) -> Receive:
     """A ``receive`` that gives ``raw`` as the whole body, then waits as the real one does."""
     given = False
 

@@ -1,18 +1,23 @@
 """What every ``carpool`` command shares.
 
-Contract: every option can also come from the config file (``--config``, else ``CARPOOL_CONFIG``;
-an empty ``CARPOOL_CONFIG=`` is no file) and ``CARPOOL_*`` variables; flags win
-(``load_config``). A bad configuration exits with status 2 and a message naming the field and
+Contract: every option that is a setting can also come from the config file (``--config``, else
+``CARPOOL_CONFIG``; an empty ``CARPOOL_CONFIG=`` is no file) and ``CARPOOL_*`` variables; flags
+win (``load_config``). A run's own options are flags only (docs/deviations.md): what ``carpool
+bench`` replays and ``carpool eval-semantic`` scores, and ``carpool sim``'s ``--host`` /
+``--port``; they are one-off runs, not a deployment's settings. A bad configuration exits with status 2 and a message naming the field and
 what is allowed; so does one that turns on what an extra that is not installed provides
 (``refuse_missing_extras``: ``carpool serve`` and ``carpool check-config`` alike). No log line
 carries a URL's credentials or query: ``carpool.config.urls.without_credentials`` is how a URL
-other than an upstream's is written into one.
+other than an upstream's is written into one. ``listen_problem`` is the one check that a server
+can listen where it is told to (``carpool serve``, each replica of ``carpool sim``), made before
+anything says it listens, so that a port in use or a host no lookup finds exits 2 saying so.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
@@ -85,3 +90,14 @@ def default_of(section: type[BaseModel], key: str) -> str:
     """A key's default as an option's help shows it (``[8080]``): read from the config model,
     which owns it."""
     return f"[{section.model_fields[key].get_default(call_default_factory=True)}]"
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host``:``port`` (None: it can), found by binding it
+    once: uvicorn would only fail after start-up began, with a bare message and exit 3."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except (OSError, TypeError, ValueError) as error:  # (a host no name lookup could take)
+        return f"cannot listen on {host}:{port}: {error}"
+    return None

@@ -4,8 +4,11 @@ Contract: its cost model is the config's ``sim`` section (the file, ``CARPOOL_SI
 flags, strongest last); ``carpool.upstream.sim_server.serve_replicas`` runs it, saying that it is
 simulated. Replica i listens on ``--port`` + i: a port and a replica count (from the flag or
 the config) whose last port is beyond 65535 is a usage error (exit 2) before any replica starts,
-as is a ``--host`` that ``host`` would refuse in a config (``config.urls.checked_host``).
-``--host`` and ``--port`` are flags only (the config's ``host`` and ``port`` are the gateway's).
+as is a ``--host`` that ``host`` would refuse in a config (``config.urls.checked_host``), and an
+address one replica could not listen on (a port in use, a host no lookup finds: every port is
+tried first, as ``carpool serve`` tries its own, ``common.listen_problem``), naming ``--host`` /
+``--port``. ``--host`` and ``--port`` are flags only (the config's ``host`` and ``port`` are the
+gateway's).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import click
 
 from ..config import SimConfig
 from ..config.urls import checked_host
-from .common import default_of, load_config
+from .common import default_of, listen_problem, load_config
 
 
 def _an_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -79,6 +82,14 @@ def sim(
             f"last would be {port + config.sim.replicas - 1} (at most 65535)",
             param_hint="'--port'",
         )
+    # Every replica's port, before any replica starts (port 0: each takes a free one, so only
+    # the host can fail): uvicorn would fail one replica after the others had started, with its
+    # bare message and exit 3.
+    for i in range(config.sim.replicas if port else 1):
+        problem = listen_problem(host, port + i if port else 0)
+        if problem is not None:
+            replica = f"replica sim-{i} (--port + {i}): " if i else ""
+            raise click.BadParameter(replica + problem, param_hint="'--host' / '--port'")
     from ..upstream.sim_server import serve_replicas
 
     asyncio.run(serve_replicas(config.sim, host, port))

@@ -2,7 +2,10 @@
 
 Contract: a section forbids unknown keys (a typo must not silently keep a default) and validates
 assignments too (``config.distributed.cluster = True`` is checked like a loaded value); a number
-is finite (``.inf`` seconds overflowed Redis's expiry at the first put). ``OnOff``: a key of
+is finite (``.inf`` seconds overflowed Redis's expiry at the first put) and never a boolean,
+in a list or tuple of numbers too (pydantic reads ``port: true`` as 1 and ``window_ms: false`` as
+0: a slip taken as a setting); a variable's string is still read by its key's type
+(``CARPOOL_PORT=1``). ``OnOff``: a key of
 ``auto``/``on``/``off`` that takes YAML's booleans for the words (``tracing: off`` written
 bare is YAML 1.1's false).
 ``ConfigError`` is what ``Config.load`` raises for any invalid source; its message names the
@@ -13,9 +16,11 @@ never be sent (``Bad Header``, ``""``) is refused rather than never matched.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import types
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo, field_validator
 
 from .. import http_syntax
 
@@ -33,6 +38,46 @@ class Section(BaseModel):
     """A part of the configuration: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _boolean_for_a_number(field.annotation, value):
+            raise ValueError("a boolean is not a number (true is not 1, false is not 0)")
+        return value
+
+
+def _takes_a_number(annotation: Any) -> bool:
+    """``int`` or ``float``, alone or in a union that has no ``bool`` (``float | None``)."""
+    if annotation in (int, float):
+        return True
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _takes_a_number(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        arms = get_args(annotation)
+        return bool not in arms and any(_takes_a_number(arm) for arm in arms)
+    return False
+
+
+def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` holds a boolean where ``annotation`` takes a number (at its top, or as
+    an item of a list, tuple or set, or a value of a mapping; a section checks its own keys)."""
+    if isinstance(value, bool):
+        return _takes_a_number(annotation)
+    origin, args = get_origin(annotation), [a for a in get_args(annotation) if a is not ...]
+    if origin in (Union, types.UnionType):
+        return any(_boolean_for_a_number(arm, value) for arm in args)
+    if origin in (list, tuple, set, frozenset) and isinstance(value, list | tuple) and args:
+        fixed = origin is tuple and len(args) == len(value)
+        return any(
+            _boolean_for_a_number(args[i] if fixed else args[0], item)
+            for i, item in enumerate(value)
+        )
+    if origin is dict and isinstance(value, Mapping) and len(args) == 2:
+        return any(_boolean_for_a_number(args[1], item) for item in value.values())
+    return False
 
 
 def _words(value: Any) -> Any:

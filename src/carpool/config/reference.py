@@ -29,7 +29,7 @@ def reference_markdown() -> str:
         "says none. A list key's variable is a YAML list (`'[a, b]'`), one item, or items "
         "separated by commas, each trimmed (`CARPOOL_UPSTREAMS=http://a:8000/v1,http://b:8000/v1`"
         ", `CARPOOL_TENANT__SHARED_NAMESPACES=pub`). The file is UTF-8 text. Durations are seconds unless the key ends in `_ms`; "
-        "sizes are bytes.",
+        "sizes are bytes. A number is never a boolean: `port: true` is refused, not read as 1.",
         "",
         "| key | type | default | meaning |",
         "|---|---|---|---|",

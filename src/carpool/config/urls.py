@@ -1,7 +1,8 @@
 """URLs in the config: checked when the config loads, shown without their secrets.
 
 - ``checked_url(value, schemes)``: the URL, or a ``ValueError`` that says what is wrong with it
-  (a scheme not in ``schemes``, no host, a port that is no port, a malformed IPv6 address), so
+  (white space anywhere in it, a scheme not in ``schemes``, no host, a port that is no port, a
+  malformed IPv6 address), so
   that ``carpool check-config`` refuses what ``carpool serve`` would fail on, both with exit 2
   naming the field. The message shows the URL through ``without_credentials``.
 - ``without_credentials(url)``: the URL fit for a log line or an error message: any user and
@@ -54,6 +55,10 @@ def has_credentials(url: str) -> bool:
 
 def checked_url(value: str, schemes: tuple[str, ...]) -> str:
     shown = without_credentials(value)
+    if any(c.isspace() for c in value):
+        # No URL holds any (RFC 3986): yarl took "http://a b/v1" as a host no lookup finds, and
+        # a trailing space as "%20" added to the path of every call.
+        raise ValueError(f"{shown!r} holds white space: no URL does (in a path, write %20)")
     try:
         url = URL(value)
         url.port  # noqa: B018  (yarl checks the port when it is read)

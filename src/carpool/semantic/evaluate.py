@@ -5,16 +5,19 @@ Contract:
   turn) or a list of chat messages, each side a chat request the gateway would take (else a
   ``ValueError`` naming the file and line). ``a`` plays the cached request, ``b`` the new one.
   A file that is not UTF-8, or files (or a half) with no pair at all, are a ``ValueError`` too:
-  never a report of nothing.
+  never a report of nothing. Lines are read as ``carpool bench`` reads its workload files
+  (``carpool.jsonl``: a U+2028 in a text is part of its line; a message names the line by its
+  number in the file, blank lines counted), each row as the gateway reads a body (orjson: a
+  lone surrogate is not JSON).
 - Each pair is decided exactly as the gateway decides it: both sides become chat requests
   (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` and
   ``cache.focus``; a different scope (system prompt, earlier turns, a long head) is a miss;
   otherwise the cosine similarity of the last user turns (their tails) must reach the threshold
   and the pair must pass the guard (``Guard.judge_now(new=b, [cached=a])``: the exact rules,
   then the verifier on the turns and, for conversations, on their earlier turns).
-- ``half``: ``even`` (the development half: lines 0, 2, 4... of each file) or ``odd`` (the
-  held-out half), or every pair (None): rules and settings are tuned on one half and reported on
-  the other.
+- ``half``: ``even`` (the development half: pairs 0, 2, 4... of each file, in its order, blank
+  lines not counted) or ``odd`` (the held-out half), or every pair (None): rules and settings are
+  tuned on one half and reported on the other.
 - Output: per category, and in totals kept apart from the categories (a category may be named
   ``all``), for conversations (pairs where either side has more than one turn besides a system
   prompt) and overall, the share of should-hit pairs served ("hit rate") and of should-miss
@@ -38,6 +41,7 @@ import orjson
 from ..config import Config
 from ..errors import RequestError
 from ..fingerprint import SemanticView, fingerprint, semantic_view
+from ..jsonl import numbered_lines
 from ..request import ClientRequest, parse
 from .cache import focus
 from .guard import RulesThenVerifier, Scored, Side
@@ -88,7 +92,7 @@ TOTALS = ("conversations", "all")
 
 def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pair]:
     """The pairs of every file, or of one ``half`` of each (``even``/``odd`` rows, counting the
-    non-empty lines of each file from 0)."""
+    non-empty lines of each file from 0: a blank line moves no pair to the other half)."""
     if half is not None and half not in HALVES:
         raise ValueError(f"half must be one of {HALVES}, got {half!r}")
     pairs = []
@@ -99,37 +103,38 @@ def load_pairs(paths: Iterable[str | Path], half: str | None = None) -> list[Pai
             raise ValueError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror or exc}") from None
-        rows = [line for line in text.splitlines() if line.strip()]
-        for n, line in enumerate(rows):
+        for n, (number, line) in enumerate(numbered_lines(text)):
             if half is not None and n % 2 != HALVES.index(half):
                 continue
-            pairs.append(_pair(row_of(path, n, line), path, n))
+            pairs.append(_pair(row_of(path, number, line), path, number))
     if not pairs:  # (a report of no pairs would read as a report)
         where = ", ".join(str(p) for p in paths)
         raise ValueError(f"no pairs in {where}" + (f" (in its {half} half)" if half else ""))
     return pairs
 
 
-def row_of(path: str | Path, n: int, line: str) -> dict[str, Any]:
-    """Line ``n`` of a pairs file as a row ``{a, b, same_answer}``, or a ``ValueError`` naming
-    the file and line: ``same_answer`` a JSON boolean (``"false"`` was read as true)."""
+def row_of(path: str | Path, number: int, line: str) -> dict[str, Any]:
+    """Line ``number`` (from 1) of a pairs file as a row ``{a, b, same_answer}``, or a
+    ``ValueError`` naming the file and line: ``same_answer`` a JSON boolean (``"false"`` was read
+    as true)."""
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}, line {n + 1}: not JSON ({exc.msg})") from None
+        # As the gateway reads a body: what it refuses (a lone surrogate) is no pair to score.
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
     if not isinstance(row, dict):
-        raise ValueError(f"{path}, line {n + 1}: not a JSON object")
+        raise ValueError(f"{path}, line {number}: not a JSON object")
     for side in ("a", "b"):
         if not isinstance(row.get(side), str | list):
-            raise ValueError(f"{path}, line {n + 1}: {side!r} must be a text or a conversation")
+            raise ValueError(f"{path}, line {number}: {side!r} must be a text or a conversation")
     if not isinstance(row.get("same_answer"), bool):
-        raise ValueError(f"{path}, line {n + 1}: 'same_answer' must be true or false")
+        raise ValueError(f"{path}, line {number}: 'same_answer' must be true or false")
     return row
 
 
-def _pair(row: dict[str, Any], path: str | Path, n: int) -> Pair:
+def _pair(row: dict[str, Any], path: str | Path, number: int) -> Pair:
     category = str(row.get("category") or Path(path).stem)
-    return Pair(row["a"], row["b"], row["same_answer"], category, f"{path}, line {n + 1}")
+    return Pair(row["a"], row["b"], row["same_answer"], category, f"{path}, line {number}")
 
 
 def _view(side: Any, config: Config) -> SemanticView | None:

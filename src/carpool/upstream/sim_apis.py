@@ -4,7 +4,10 @@ into the API's own object and typed event stream.
 
 Contract:
 - ``to_chat(api, body)`` is the chat request a Responses / Messages request stands for (raises
-  ``RequestError`` for a malformed one). Responses: ``instructions`` is a system message,
+  ``RequestError`` for a malformed one, naming the field as the client sent it: the fields
+  that become chat's are checked by chat's rules under their own names first, so a 400 says
+  ``max_output_tokens`` or ``stop_sequences``, not ``max_tokens`` or ``stop``). Responses:
+  ``instructions`` is a system message,
   ``input`` (a string, or items with a ``role`` and text content; other items count by their
   JSON) the messages, ``max_output_tokens`` the ``max_tokens``. Messages: ``system`` (string or
   text blocks) is a system message, ``messages`` the messages, ``max_tokens`` and
@@ -33,6 +36,7 @@ import orjson
 from carpool.apis import messages as messages_api
 from carpool.apis import responses as responses_api
 from carpool.errors import RequestError
+from carpool.upstream.sim.plan import int_field, stop_strings
 
 RESPONSES, MESSAGES = "/responses", "/messages"
 TYPED = (RESPONSES, MESSAGES)
@@ -78,6 +82,7 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
                     messages.append({"role": "user", "content": orjson.dumps(item).decode()})
         else:
             raise RequestError("'input' must be a string or a list of input items", param="input")
+        int_field(body, "max_output_tokens", 1)
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
     else:
@@ -92,8 +97,10 @@ def to_chat(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
                     "content": _text(message.get("content"), f"messages[{i}]"),
                 }
             )
+        int_field(body, "max_tokens", 1)
         if body.get("max_tokens") is not None:
             chat["max_tokens"] = body["max_tokens"]
+        stop_strings(body, "stop_sequences")
         if body.get("stop_sequences") is not None:
             chat["stop"] = body["stop_sequences"]
     if not messages:

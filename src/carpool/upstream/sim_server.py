@@ -10,6 +10,12 @@ Contract:
   it came (the Responses and Messages APIs' other paths: their own 404s,
   ``replies.not_found_reply``). Every response carries
   ``x-carpool-simulated: true``.
+- A request whose client disconnects before its answer is ready is abandoned, as vLLM and SGLang
+  abort one whose connection closed: a whole answer (or an embeddings call) is cancelled where
+  it is, queued or decoding, so its slot is freed at once and the tokens it had yet to decode are
+  never counted; a stream ends with its response (at the disconnect, or at the first chunk
+  sent after it), which closes the replica's stream (``_sse``). The gateway relies on it: it
+  cancels a call every client left (``coalesce.finish_abandoned: false``) to free the engine.
 - ``serve_replicas(config, host, port)`` runs ``config.replicas`` servers on ``port``,
   ``port+1``, ... in one event loop until interrupted (SIGINT/SIGTERM stop them all), printing one
   line per replica that says it is simulated.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -29,6 +35,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive
 
 from carpool.config import SimConfig
 from carpool.sse import event_frame
@@ -76,6 +83,34 @@ def _to_response(reply: SimReply) -> Response:
     return _json(reply.status, reply.body)
 
 
+async def _client_left(receive: Receive) -> bool:
+    """Whether the next message is the client's disconnect. The body is read already, so a
+    server's ``receive`` waits until the connection closes (then ``http.disconnect``); a wrapper
+    that replays the body (``carpool bench``'s upstreams) may answer another at once: that is
+    no disconnect, and there is nothing more to watch."""
+    return bool((await receive())["type"] == "http.disconnect")
+
+
+async def _unless_abandoned(
+    request: Request, work: Coroutine[Any, Any, SimReply]
+) -> SimReply | None:
+    """``work``'s reply, or None when the client disconnected first: then ``work`` is cancelled
+    (module contract), as a real engine aborts a request nobody waits for any more."""
+    serving = asyncio.create_task(work)
+    leaving = asyncio.create_task(_client_left(request.receive))
+    try:
+        await asyncio.wait((serving, leaving), return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done() and not (leaving.exception() is None and leaving.result()):
+            await asyncio.wait((serving,))  # (no disconnect to come: served as it is)
+    finally:
+        # However this ends (an answer, a disconnect, the server stopping): no task outlives it.
+        for task in (serving, leaving):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(serving, leaving, return_exceptions=True)
+    return None if serving.cancelled() else serving.result()
+
+
 def create_app(replica: SimReplica) -> Starlette:
     """An OpenAI-compatible app for one simulated replica."""
 
@@ -84,7 +119,10 @@ def create_app(replica: SimReplica) -> Starlette:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
             return _to_response(error_reply(400, f"the request body is not valid JSON: {exc}"))
-        return _to_response(await replica.handle(request.url.path, body))
+        reply = await _unless_abandoned(request, replica.handle(request.url.path, body))
+        if reply is None:  # (nobody reads it: nginx's "client closed request")
+            return Response(status_code=499, headers=dict([SIMULATED_HEADER]))
+        return _to_response(reply)
 
     async def models(request: Request) -> Response:
         return _json(200, replica.models())

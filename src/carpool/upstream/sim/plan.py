@@ -212,16 +212,16 @@ def _choices(
     return sequences
 
 
-def stop_strings(body: Mapping[str, Any]) -> list[str]:
+def stop_strings(body: Mapping[str, Any], name: str = "stop") -> list[str]:
     """The request's ``stop`` strings (none: an empty list); anything but a string or a list of
-    strings is a 400. Empty strings stop nothing."""
-    stop = body.get("stop")
+    strings is a 400 naming ``name`` (Messages: ``stop_sequences``). Empty strings stop nothing."""
+    stop = body.get(name)
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("'stop' must be a string or a list of strings", param="stop")
+        raise RequestError(f"'{name}' must be a string or a list of strings", param=name)
     return [s for s in stop if s]
 
 
