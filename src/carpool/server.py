@@ -110,7 +110,7 @@ from starlette.routing import Route
 
 from .admin_http import admin_routes
 from .admin_http import error as admin_error
-from .apis import BY_PATH, api_at
+from .apis import BY_PATH, Api, api_at
 from .auth import ClientKeys, presents
 from .config import Config
 from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
@@ -224,15 +224,7 @@ class GatewayApp:
             # Counted in ``rejected`` there only, as the 431 below (and ``http_protocol``'s):
             # pass-through is in none of ``/stats``' request counters, its answers and the
             # gateway's refusals alike (the module doc).
-            refused, api = ClientKeyRefused(), api_at(scope["path"])
-            if api is not None:
-                self.gateway.stats.rejected += 1
-            await _send_whole(
-                send,
-                refused.status,
-                [*_raw(refused.headers()), *([Outcome.BYPASS.header] if api else [])],
-                api.error_body(refused) if api else refused.body(),
-            )
+            await self._refuse(send, ClientKeyRefused(), api_at(scope["path"]))
             return
         if (
             scope["type"] == "http"
@@ -243,16 +235,7 @@ class GatewayApp:
             # them as they arrive: ``http_protocol.py``), and they go upstream.
             # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
             # and the hop's own (its host, accept, accept-encoding) are not the client's.
-            api = api_at(scope["path"])
-            if api is not None:
-                self.gateway.stats.rejected += 1
-            error = HeadersTooLarge(self.max_headers)
-            await _send_whole(
-                send,
-                error.status,
-                [(b"content-type", b"application/json"), *([Outcome.BYPASS.header] if api else [])],
-                api.error_body(error) if api else error.body(),
-            )
+            await self._refuse(send, HeadersTooLarge(self.max_headers), api_at(scope["path"]))
         elif scope["type"] == "http" and scope["method"] == "POST" and _cached_path(scope["path"]):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
             await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
@@ -361,20 +344,25 @@ class GatewayApp:
         traceback: nothing failed."""
         if not headed:
             log.info("shutting down: a request still waiting was cut (503, Retry-After)")
-            error, api = ShuttingDown(), api_at(scope["path"]) if cached else None
-            if api is not None:
-                self.gateway.stats.rejected += 1
-            await _send_whole(
-                send,
-                error.status,
-                [*_raw(error.headers()), *([Outcome.BYPASS.header] if api else [])],
-                api.error_body(error) if api is not None else error.body(),
-            )
+            await self._refuse(send, ShuttingDown(), api_at(scope["path"]) if cached else None)
             return
         log.info("shutting down: an answer still being relayed was cut (its connection closed)")
         cut = scope.get(CUT)
         if cut is not None:
             cut()  # (else the server closes it, the response left incomplete)
+
+    async def _refuse(self, send: Any, error: CarpoolError, api: Api | None) -> None:
+        """The gateway's own refusal of a request it served nothing of: on a cached endpoint
+        (``api``), in that API's error shape with ``x-carpool: bypass``, counted in
+        ``rejected``; elsewhere (pass-through) in OpenAI's, in no request counter."""
+        if api is not None:
+            self.gateway.stats.rejected += 1
+        await _send_whole(
+            send,
+            error.status,
+            [*_raw(error.headers()), *([Outcome.BYPASS.header] if api is not None else [])],
+            api.error_body(error) if api is not None else error.body(),
+        )
 
     def _stopping(self, cancel: asyncio.CancelledError) -> bool:
         """Whether ``cancel`` is the server's shutdown cutting the request (its grace period
