@@ -903,6 +903,48 @@ async def test_a_stream_joining_a_relayed_call_after_its_leader_died_is_answered
     assert fake.count() == 2
 
 
+async def test_a_stream_held_on_a_follow_that_relayed_nothing_takes_this_instances_own_call_live(
+    fake, shared_redis
+):
+    """B's flight follows A's call, which sends nothing; its streaming joiner holds (the call is
+    led elsewhere). B's follow times out and B makes its own call in the same flight: the joiner
+    takes that call's frames live, as its lead client does, not only once it has ended."""
+    async with two_gateways(fake, shared_redis, coalesce={"join_timeout_ms": 300}) as (a, b):
+        gate = fake.gate = asyncio.Event()  # A's call: stalled before any frame
+        stalled = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_for_calls(1)
+        fake.gate = None
+        chunk_gate = fake.chunk_gate = asyncio.Event()  # B's own call pauses after 2 chunks
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "stream": True,
+        }
+        got: dict[str, list[str]] = {"lead": [], "joiner": []}
+
+        async def client(name: str) -> None:
+            async with b.client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for text in response.aiter_text():
+                    got[name].append(text)
+
+        frames = lambda name: "".join(got[name]).count("data: ")  # noqa: E731
+        lead = asyncio.create_task(client("lead"))
+        await eventually(lambda: len(b.gateway.flights.running()) == 1, what="B's flight")
+        (flight,) = b.gateway.flights.running()
+        joiner = asyncio.create_task(client("joiner"))
+        await eventually(lambda: flight.clients == 2, what="the joiner on B's flight")
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 10)  # B's own call streams
+        await eventually(lambda: frames("lead") >= 2, what="B's lead client's first words")
+        # (Before, the joiner held until B's call ended: this timed out.)
+        await eventually(lambda: frames("joiner") >= 2, what="the joiner's first words, live")
+        assert not chunk_gate.is_set()  # (B's call is still under way)
+        chunk_gate.set()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(lead, joiner, stalled), 20)
+    assert "".join(got["joiner"]) == "".join(got["lead"])
+
+
 async def test_a_stream_joining_a_relayed_call_takes_its_frames_once_its_live_leader_renews(
     fake, shared_redis
 ):

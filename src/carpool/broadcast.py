@@ -54,7 +54,8 @@ Contract (CONTRACT.md "Streaming"):
   death is noticed through its lease, late). A streaming client that joins then takes no frame
   until that call shows life since it came: it ``hold``s, then ``wait_alive``s, which returns
   once the relay said so (``showed_life``: a frame or a renewal of the leader's lease found by a
-  read sent after it came) or the broadcast ended (a dead leader's ``LeaderLost``: the client got
+  read sent after it came), or the relay stopped (the call this instance's own from then, its
+  frames live), or the broadcast ended (a dead leader's ``LeaderLost``: the client got
   nothing, and a takeover answers it: ``pipeline.py``).
 - ``kept_for`` is the first joiner that would store the answer (its request and fingerprint,
   set by ``pipeline.py``): a ``no-store`` leader's answer is stored for it (``lead.py``), as

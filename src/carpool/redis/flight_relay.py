@@ -232,6 +232,11 @@ async def follow(
                 return TIMEOUT
     finally:
         broadcast.leader_elsewhere = False
+        # The call is no other instance's any more: ended (an answer, a dead leader's
+        # ``LeaderLost``), or this instance's own from here (a follow that timed out or found
+        # the leader gone before relaying anything: this broadcast carries its own call next).
+        # Whoever held takes what it carries, live.
+        broadcast.showed_life(broadcast.holding)
         flights.following -= 1
 
 
