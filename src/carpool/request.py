@@ -14,8 +14,8 @@ Contract:
 - The control headers that carry names (``TEXT_HEADERS``: a namespace, tags, a type, a
   freshness token) are read as the UTF-8 text their bytes spell (``header_text``, by the
   transport): the name an operator types in ``/admin/invalidate`` or ``cache.types``, and the
-  one a library caller passes as text. Bytes that are no UTF-8 are a 400 (``header_token``).
-  Every other header is read a byte a character (latin-1).
+  one a library caller passes as text. Bytes that are no UTF-8 are read as latin-1 (Python's
+  ``requests`` and ``urllib`` write a text value so): that name too. Every other header is read a byte a character (latin-1).
 - Nothing here touches a cache or the network.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,8 +53,9 @@ CONTROL_HEADERS = (
 )
 
 # The control headers whose values are names (``parse_controls``): sent as UTF-8 (curl, Go's
-# net/http, a browser's fetch send a string so), read as that text (``header_text``), so that
-# "prix-été" is the tag an operator names in JSON, not "prix-Ã©tÃ©".
+# net/http, a browser's fetch send a string so) or latin-1 (Python's requests, urllib), read as
+# that text (``header_text``), so that "prix-été" is the tag an operator names in JSON, not
+# "prix-Ã©tÃ©".
 TEXT_HEADERS = (
     "x-carpool-namespace",
     "x-carpool-type",
@@ -260,37 +260,36 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
 
 def header_token(value: str, header: str) -> str:
     """``value`` of the control ``header`` as a request's is read: stripped, at most
-    ``MAX_HEADER_TOKEN`` printable characters of UTF-8 text, else a ``RequestError``."""
+    ``MAX_HEADER_TOKEN`` printable characters, else a ``RequestError``."""
     value = value.strip()
     if len(value) > MAX_HEADER_TOKEN:
         raise RequestError(
             f"{header}: value longer than {MAX_HEADER_TOKEN} characters", "invalid_header"
         )
     if not value.isprintable():
-        if _NOT_UTF8.search(value):  # (what ``header_text`` kept of bytes no UTF-8 spells)
-            raise RequestError(f"{header}: value must be UTF-8 text", "invalid_header")
         raise RequestError(f"{header}: value must be printable text", "invalid_header")
     return value
 
 
-# The lone surrogates ``surrogateescape`` reads bytes that are no UTF-8 as (never printable).
-_NOT_UTF8 = re.compile("[\udc80-\udcff]")
-
-
 def header_text(value: str) -> str:
     """A ``TEXT_HEADERS`` value as a transport reads every header (its bytes, a character
-    each: latin-1) made the UTF-8 text those bytes spell. Bytes that spell none are kept as
-    lone surrogates (``surrogateescape``), which ``header_token`` refuses and ``header_bytes``
-    gives back as they came."""
+    each: latin-1) made the UTF-8 text those bytes spell (curl, Go, browsers). Bytes that spell
+    none are read as latin-1, as they came (Python's ``http.client``, ``urllib`` and
+    ``requests`` write a text value so): the same name either way to ``/admin/invalidate``,
+    whose JSON is text."""
     if value.isascii():  # (nearly every value: the same text either way)
         return value
-    return value.encode("latin-1").decode("utf-8", "surrogateescape")
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeDecodeError:
+        return value
 
 
 def header_bytes(name: str, value: str) -> bytes:
     """The bytes a client sent for header ``name``, read as ``value`` by the transport
     (``header_text`` for ``TEXT_HEADERS``, latin-1 for the others); a value no transport read
-    (a library caller's text): its UTF-8."""
+    (a library caller's text): its UTF-8. (A ``TEXT_HEADERS`` value a client sent as latin-1
+    goes as the UTF-8 of the same text: the owner reads the same name.)"""
     if name not in TEXT_HEADERS:
         try:
             return value.encode("latin-1")
