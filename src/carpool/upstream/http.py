@@ -54,8 +54,8 @@ Contract (on top of ``upstream.base``):
   UTF-8, each byte over 0x7f went as two), on both transports; one holding a control
   character is refused, never sent. aiohttp (pass-through) writes every value as UTF-8: a
   client's UTF-8 value is given to it as the text it spells (the same bytes on the wire); a
-  value that is neither ASCII nor UTF-8 (legacy latin-1) is a 400 on pass-through
-  (``invalid_header``), never sent altered.
+  value that is neither ASCII nor UTF-8 (legacy latin-1) goes as the UTF-8 of its latin-1
+  reading (each byte over 0x7f two), as aiohttp can write no other: a deviation.
   Pass-through, which carpool neither caches nor makes idempotent, also forwards
   ``Cache-Control`` and the
   ``Idempotency-Key`` (``X-Idempotency-Key``) as they came, so that a retried
@@ -92,7 +92,6 @@ from yarl import URL
 from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
-    RequestError,
     UpstreamAnswerCut,
     UpstreamBadStatus,
     UpstreamKeyRefused,
@@ -158,26 +157,20 @@ _PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
 _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
 
 
-def _as_sent(name: str, value: str) -> str:
+def _as_sent(value: str) -> str:
     """``value`` for aiohttp, which writes every header value as UTF-8, to put on the wire as
     the client sent it (``http_syntax.value_bytes``): the server read it a byte a character
     (latin-1), so a client's UTF-8 is given back to aiohttp as the text it spells. A value
     beyond latin-1 is a library caller's text, written as its UTF-8. Bytes that are neither
-    (a legacy latin-1 value) aiohttp cannot send unaltered: refused, never sent changed."""
+    (a legacy latin-1 value: Python's requests, urllib) aiohttp can only write as the UTF-8 of
+    their latin-1 reading (docs/deviations.md); the cached endpoints' calls send them as they
+    came (``wire.request_head``)."""
     if value.isascii():
         return value
     try:
-        sent = value.encode("latin-1")
-    except UnicodeEncodeError:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
         return value
-    try:
-        return sent.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RequestError(
-            f"header {name!r} is neither ASCII nor UTF-8, which a pass-through call cannot"
-            " forward unaltered",
-            code="invalid_header",
-        ) from None
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -443,7 +436,7 @@ class HttpUpstream:
             if name in headers and name not in listed:
                 out_headers[name] = headers[name]
         # (As the client sent them: aiohttp would write a value that is not ASCII as UTF-8.)
-        out_headers = {name: _as_sent(name, value) for name, value in out_headers.items()}
+        out_headers = {name: _as_sent(value) for name, value in out_headers.items()}
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
