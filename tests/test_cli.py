@@ -435,7 +435,8 @@ def _served_log(*args: str, env: dict[str, str]) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        # (No drain on the SIGTERM that stops it, unless ``env`` sets one: ``serve_log``.)
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "CARPOOL_SHUTDOWN__DRAIN_S": "0", **env},
     )
     try:
         deadline = time.monotonic() + 60

@@ -49,6 +49,9 @@ def serve_log(*args: str) -> str:
     """``carpool serve ARGS`` run until it says it is listening, then stopped: its log so far
     (fails if it exits first)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # (No drain on the SIGTERM that stops it, unless the test sets one: nothing here is behind
+    # a load balancer, and the default's 5 s a run was a minute of every CI run.)
+    env.setdefault("CARPOOL_SHUTDOWN__DRAIN_S", "0")
     process = subprocess.Popen(
         [sys.executable, "-m", "carpool.cli", "serve", *args],
         stdout=subprocess.PIPE,
