@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from . import http_syntax
 from .apis import APIS, Api, api_of
 from .errors import BodyTooLarge, RequestError
 from .upstream.base import unstreamed
@@ -291,10 +292,7 @@ def header_bytes(name: str, value: str) -> bytes:
     (a library caller's text): its UTF-8. (A ``TEXT_HEADERS`` value a client sent as latin-1
     goes as the UTF-8 of the same text: the owner reads the same name.)"""
     if name not in TEXT_HEADERS:
-        try:
-            return value.encode("latin-1")
-        except UnicodeEncodeError:
-            pass
+        return http_syntax.value_bytes(value)
     return value.encode("utf-8", "surrogateescape")
 
 
