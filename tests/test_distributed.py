@@ -378,6 +378,13 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
 
 QUESTION = "What is carpool?"
 ANSWER_1 = f"answer 1 to {QUESTION}"
+# QUESTION asked as a stream, at temperature 0 (shared).
+STREAMED = {
+    "model": "m",
+    "messages": [{"role": "user", "content": QUESTION}],
+    "temperature": 0,
+    "stream": True,
+}
 
 
 def sse_text(raw: str) -> str:
@@ -833,13 +840,7 @@ async def test_a_stream_arriving_after_its_leader_died_is_answered_whole_by_a_ta
         instances(1, fake.url, shared_redis.url, {"distributed": distributed}) as (a,),
         run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as b,
     ):
-        body = {
-            "model": "m",
-            "messages": [{"role": "user", "content": QUESTION}],
-            "temperature": 0,
-            "stream": True,
-        }
-        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=body))
+        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=STREAMED))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         while (await a.stats())["redis"]["flights"]["frames_published"] < 3:
             await asyncio.sleep(0.01)
@@ -872,13 +873,7 @@ async def test_a_stream_joining_a_relayed_call_after_its_leader_died_is_answered
         run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as b,
         run_gateway([fake.url], redis=shared_redis.url, distributed=distributed) as c,
     ):
-        body = {
-            "model": "m",
-            "messages": [{"role": "user", "content": QUESTION}],
-            "temperature": 0,
-            "stream": True,
-        }
-        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=body))
+        lost = asyncio.create_task(a.client.post("/v1/chat/completions", json=STREAMED))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         following = asyncio.create_task(c.stream_chat(QUESTION))
         counts = c.gateway.shared_flights.counts
@@ -915,16 +910,10 @@ async def test_a_stream_held_on_a_follow_that_relayed_nothing_takes_this_instanc
         await fake.wait_for_calls(1)
         fake.gate = None
         chunk_gate = fake.chunk_gate = asyncio.Event()  # B's own call pauses after 2 chunks
-        body = {
-            "model": "m",
-            "messages": [{"role": "user", "content": QUESTION}],
-            "temperature": 0,
-            "stream": True,
-        }
         got: dict[str, list[str]] = {"lead": [], "joiner": []}
 
         async def client(name: str) -> None:
-            async with b.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async with b.client.stream("POST", "/v1/chat/completions", json=STREAMED) as response:
                 async for text in response.aiter_text():
                     got[name].append(text)
 
@@ -960,16 +949,10 @@ async def test_a_stream_joining_a_relayed_call_takes_its_frames_once_its_live_le
         counts = c.gateway.shared_flights.counts
         await eventually(lambda: counts["frames_relayed"] >= 3, what="C relaying A's first words")
         (relaying,) = c.gateway.flights.running()
-        body = {
-            "model": "m",
-            "messages": [{"role": "user", "content": QUESTION}],
-            "temperature": 0,
-            "stream": True,
-        }
         received: list[str] = []
 
         async def join() -> None:
-            async with c.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async with c.client.stream("POST", "/v1/chat/completions", json=STREAMED) as response:
                 async for text in response.aiter_text():
                     received.append(text)
 
