@@ -3,8 +3,10 @@ meaning, and the semantic cache's audits held against the true wrong-hit rate.""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -88,12 +90,30 @@ def test_the_meaning_upstream_answers_every_wording_alike_and_judges_by_the_labe
         assert up.count()["chat"] == 9
 
 
-async def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_true_rate(tmp_path):
-    loose = Config(semantic={"verifier_threshold": 0.2})  # a loose cache: it serves wrong hits
+def audit_run(out: Path, **semantic) -> dict:
+    """One replay of the audit workload against a loose cache (it serves wrong hits): its report."""
     options = BenchOptions(
-        out=tmp_path, config=loose, workload="audit", requests=240, rate=60, seed=1, progress=False
+        out=out,
+        config=Config(semantic={"verifier_threshold": 0.2, **semantic}),
+        workload="audit",
+        requests=240,
+        rate=60,
+        seed=1,
+        progress=False,
     )
-    report = await run_bench(options)
+    return asyncio.run(run_bench(options))
+
+
+@pytest.fixture(scope="module")
+def free(tmp_path_factory) -> tuple[Path, dict]:
+    """The loose cache's run without a budget, read by both tests below (the replay takes ~15 s
+    on two cores, and the same options make the same run)."""
+    out = tmp_path_factory.mktemp("free")
+    return out, audit_run(out)
+
+
+def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_true_rate(free):
+    out, report = free
     audit = report["audit"]
     assert report["errors"] == 0 and report["params"]["semantic_enabled"] is True
     outcomes = report["outcomes"]
@@ -110,43 +130,30 @@ async def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_tr
     assert estimate["low"] <= audit["true_wrong_rate"] <= estimate["high"]
     assert audit["interval_holds_true_rate"] is True and audit["judge_calls"] > 0
     # A wrong hit is a new meaning's (or a trap's) answer, never the meaning's own.
-    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     wrong_labels = {row["label"] for row in rows if row["wrong"]}
     assert wrong_labels <= {"new", "trap", "paraphrase"}
     assert all(row["wrong"] is False for row in rows if row["outcome"] == "miss")
-    assert (tmp_path / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    markdown = (tmp_path / "report.md").read_text()
+    assert (out / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "report.md").read_text()
     assert "## Audits against the truth" in markdown and "it holds the true rate" in markdown
 
 
-async def audit_run(tmp_path, name: str, **semantic) -> dict:
-    options = BenchOptions(
-        out=tmp_path / name,
-        config=Config(semantic={"verifier_threshold": 0.2, **semantic}),
-        workload="audit",
-        requests=240,
-        rate=60,
-        seed=1,
-        progress=False,
-    )
-    return (await run_bench(options))["audit"]
-
-
-async def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_wrong_hits_stop(
-    tmp_path,
+def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_wrong_hits_stop(
+    free, tmp_path
 ):
-    free = await audit_run(tmp_path, "free")
-    budgeted = await audit_run(tmp_path, "budgeted", max_wrong_rate=0.02)
-    assert free["true_wrong_rate"] > 0.02 and free["state_changes"] == []
+    free_audit = free[1]["audit"]
+    budgeted = audit_run(tmp_path, max_wrong_rate=0.02)["audit"]
+    assert free_audit["true_wrong_rate"] > 0.02 and free_audit["state_changes"] == []
     first = budgeted["state_changes"][0]
     assert first["state"] == "backed-off", budgeted["state_changes"]
     # From the back-off on, only near repeats are served: the wrong hits (nearly) stop, while
     # the same requests without a budget go on getting them.
     at = first["at_request"]
     after_budget = budgeted["series"]["wrong"][-1] - budgeted["series"]["wrong"][at - 1]
-    after_free = free["series"]["wrong"][-1] - free["series"]["wrong"][at - 1]
+    after_free = free_audit["series"]["wrong"][-1] - free_audit["series"]["wrong"][at - 1]
     assert after_free >= 8 and 4 * after_budget <= after_free, (after_budget, after_free)
-    assert budgeted["wrong_hits"] < free["wrong_hits"]
+    assert budgeted["wrong_hits"] < free_audit["wrong_hits"]
     assert budgeted["audit"]["state"] != "serving"
 
 
