@@ -96,6 +96,21 @@ def test_a_max_window_ms_alone_below_the_default_window_is_accepted_and_bounds_i
     assert window_policy(config.coalesce).window("new", 0, 0.1) == 0.5
 
 
+@pytest.mark.parametrize("routing", [{"backoff_s": 120}, {"backoff_s": 10, "backoff_max_s": 8}])
+def test_a_back_off_above_its_maximum_is_refused_naming_both(routing):
+    # Accepted before: every back-off was then the maximum, never the back-off the config gave.
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={}, overrides={"routing": routing})
+    assert "routing.backoff_s" in str(raised.value)
+    assert "routing.backoff_max_s" in str(raised.value)
+
+
+def test_a_back_off_maximum_alone_below_the_default_back_off_is_accepted_and_bounds_it():
+    # As max_window_ms alone: a config that started before the check is held to its bound.
+    config = Config.load(env={}, overrides={"routing": {"backoff_max_s": 2}})
+    assert config.routing.backoff_max_s == 2 and config.routing.backoff_s == 5
+
+
 def test_a_request_types_policy_applies_whatever_the_case_of_its_key():
     # A request's type is read lower-cased (x-carpool-type: Realtime is realtime): a key given
     # as Realtime must be that type's policy, not one that never applies.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from .base import OnOff, Section
 
@@ -109,6 +109,20 @@ class RoutingConfig(Section):
         "timed out, 5xx); the next warning counts the failures not logged in between. The "
         "first failure after a quiet period is always logged.",
     )
+
+    @model_validator(mode="after")
+    def _backoff_within_its_maximum(self) -> RoutingConfig:
+        """A ``backoff_s`` given above ``backoff_max_s`` is refused, not quietly clamped (every
+        back-off would be the maximum, the first included). A ``backoff_max_s`` alone below
+        the default ``backoff_s`` is held to (every back-off is that maximum), as
+        ``coalesce.max_window_ms`` alone is: such a config was accepted before the check."""
+        if "backoff_s" in self.model_fields_set and self.backoff_s > self.backoff_max_s:
+            raise ValueError(
+                f"routing.backoff_s ({self.backoff_s:g}) is above routing.backoff_max_s "
+                f"({self.backoff_max_s:g}), the longest back-off: raise backoff_max_s or "
+                "lower backoff_s"
+            )
+        return self
 
 
 class BatchingConfig(Section):
