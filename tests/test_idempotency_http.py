@@ -1,4 +1,5 @@
-"""Idempotency keys over HTTP (CONTRACT.md "Idempotency"): client retries never run twice."""
+"""Idempotency keys over HTTP (CONTRACT.md "Idempotency"): client retries never run twice on
+the cached endpoints; on pass-through a key is held to the same rule but kept by no record."""
 
 from __future__ import annotations
 
@@ -481,3 +482,57 @@ async def test_a_keyed_list_over_the_item_cap_is_400(gw, fake, path, field, body
     if field == "input":  # (a call an item: once is enough)
         at_the_cap = {**body, field: items[:MAX_KEYED_ITEMS]}
         assert (await gw.client.post(path, json=at_the_cap, headers=KEY)).status_code == 200
+
+
+# --- pass-through: keys validated, never recorded ---------------------------------------------
+
+IMAGE = {"model": "dall-e-3", "prompt": "a red car"}
+BATCH = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ['""', "", "x" * 256, "clé".encode(), '"order-42', "order\t42"],
+    ids=["empty-string", "empty", "too-long", "non-ascii", "unterminated", "tab"],
+)
+async def test_an_invalid_idempotency_key_on_a_pass_through_call_is_400_and_reaches_no_upstream(
+    gw, fake, value
+):
+    # Only the cached endpoints read the key: on pass-through an invalid one was a 200, the
+    # call made (and, with pass-through credentials, the key sent on to the upstream).
+    cached = await gw.client.post(
+        "/v1/chat/completions",
+        headers={"Idempotency-Key": value},
+        json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert cached.status_code == 400
+    calls = [
+        ("POST", "/v1/images/generations", IMAGE, "Idempotency-Key"),
+        ("POST", "/v1/batches", BATCH, "X-Idempotency-Key"),
+        ("GET", "/v1/models", None, "Idempotency-Key"),
+        ("DELETE", "/v1/files/file-1", None, "X-Idempotency-Key"),
+    ]
+    for method, path, body, header in calls:
+        refused = await gw.client.request(method, path, json=body, headers={header: value})
+        assert refused.status_code == 400, (method, path)
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert refused.json()["code"] == "idempotency_key_invalid"
+        if header == "Idempotency-Key":  # the cached endpoints' very answer (its label aside)
+            assert refused.content == cached.content
+    assert fake.calls == []
+
+
+async def test_a_valid_idempotency_key_on_a_pass_through_call_is_forwarded_and_its_retry_runs_again(
+    gw, fake
+):
+    # What docs/idempotency.md says of the other paths: no record is kept of a call the gateway
+    # does not understand; with pass-through credentials the key goes on, for the upstream to
+    # honour (or not), and a retry is another call.
+    first = await gw.client.post("/v1/images/generations", json=IMAGE, headers=KEY)
+    retry = await gw.client.post("/v1/images/generations", json=IMAGE, headers=KEY)
+    assert first.status_code == retry.status_code == 200
+    assert "idempotent-replayed" not in retry.headers
+    assert [(c.path, c.headers.get("idempotency-key")) for c in fake.calls] == [
+        ("/v1/images/generations", '"order-42"'),
+        ("/v1/images/generations", '"order-42"'),
+    ]

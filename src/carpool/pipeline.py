@@ -68,7 +68,11 @@ Contract:
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
   A header value it forwards upstream goes as an HTTP client's does (``http_syntax.value_bytes``:
   a character a byte, latin-1), or, with a character beyond latin-1, as its UTF-8.
-- ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached; a 401 or
+- ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached, nor run
+  at most once: its ``Idempotency-Key`` is refused when invalid, as on the cached endpoints
+  (400, problem+json, nothing sent), and a valid one is kept by no record (a retry runs the
+  call again), only forwarded, for the upstream to honour, unless the gateway holds the
+  upstream's credential (``upstream.http``: then it is dropped); a 401 or
   403 it gets takes back its tenant's every acceptance (``identity.py``), as one to a cached
   endpoint's call does (a key revoked upstream is caught by its next refused call). One on a
   stored response (``/responses/{id}...``) or chat completion (``/chat/completions/{id}...``)
@@ -707,9 +711,19 @@ class Gateway:
         (``/files/{id}...``, ``/batches/{id}...``, a ``POST /batches`` of a file) goes to the
         replica that keeps it (``routing.state``), which an upload's or a batch's answer tells
         (``learning``).
+        An ``Idempotency-Key`` (``X-Idempotency-Key``) is held to the cached endpoints' rule
+        (``parse_key``): an invalid one raises ``IdempotencyKeyInvalid`` (400, problem+json),
+        nothing sent. A valid one is no record's: the call runs each time it comes, its key
+        forwarded for the upstream to honour (or not), but with a credential the gateway holds
+        (``upstream.http``).
         ``RuntimeError`` once the gateway is closed, as ``request``."""
         if self.closed:
             raise RuntimeError("this gateway is closed (aclose): build another")
+        # The key is checked as on the cached endpoints (a client that sent a malformed one
+        # hears so wherever it sent it) but not recorded: the gateway keeps no record of a call
+        # it does not understand (a body of any size and type, a stream, a file), so it cannot
+        # replay one; the upstream may.
+        parse_key(headers)
         holder: str | None = None
         tenant: str | None = None
         learns = False

@@ -49,10 +49,15 @@ Contract:
   logged by ``ReplicaSet.passthrough`` as the upstream's) is cut for its client too: its
   connection closed, never its body ended as if whole; not logged as a failure of the
   gateway's (under carpool's HTTP protocol, ``CUT``; uvicorn's own logs that a response was
-  left incomplete). Pass-through requests are in none of ``/stats``' request counters
-  (``requests``, ``rejected``...): neither their answers nor the gateway's refusals of them
-  (a client key refused, headers too large, a path refused); only their calls, in
-  ``upstream_calls``. A cached endpoint's refusals are in ``rejected``.
+  left incomplete). An ``Idempotency-Key`` (or ``X-Idempotency-Key``) on a pass-through
+  call, whatever its method, is held to the cached endpoints' rule (``Gateway.passthrough``):
+  an invalid one is their 400 (problem+json) and nothing is sent; a valid one is forwarded
+  (not with a key the gateway holds) but recorded nowhere: a retry runs the call again, unless
+  the upstream honours the key. Pass-through requests are in none of ``/stats``' request
+  counters (``requests``, ``rejected``...): neither their answers nor the gateway's refusals
+  of them (a client key refused, headers too large, a path refused, an invalid idempotency
+  key); only their calls, in ``upstream_calls``. A cached endpoint's refusals are in
+  ``rejected``.
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
@@ -653,6 +658,8 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         return Response(orjson.dumps(openapi_document()), media_type="application/json")
 
     async def passthrough(request: HttpRequest) -> Response:
+        """Any other ``/v1/...`` call, relayed (``Gateway.passthrough``); the gateway's own
+        refusals of it (an invalid idempotency key among them) in their error's shape."""
         scope = request.scope
         try:
             path = scope[CONFINED]  # judged by GatewayApp before routing

@@ -58,7 +58,8 @@ Contract (on top of ``upstream.base``):
   reading (each byte over 0x7f two), as aiohttp can write no other: a deviation.
   Pass-through, which carpool neither caches nor makes idempotent, also forwards
   ``Cache-Control`` and the
-  ``Idempotency-Key`` (``X-Idempotency-Key``) as they came, so that a retried
+  ``Idempotency-Key`` (``X-Idempotency-Key``) as they came (a valid one: the gateway refuses
+  any other, ``Gateway.passthrough``), so that a retried
   ``POST /v1/batches`` is the upstream's to recognise; not the key, though, when the gateway
   holds the upstream's credential (``_held``): every client's call is then the one account's,
   and one client's key could replay another's answer. An upstream
