@@ -369,24 +369,36 @@ async def test_a_file_uploaded_through_the_gateway_is_read_and_batched_on_the_re
             )
 
 
-async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():
+async def test_a_follow_up_whose_holder_fails_gets_its_holders_failure_and_its_retry_goes_there():
+    # Only the replica that made a response holds it. Its transient 503 was failed over to the
+    # other replica, whose final 404 "Response ... not found" the client got (the SDKs retry a
+    # 5xx, never a 404), and so did the client's retry: the holder was then in back-off, and
+    # the policy chose the other replica again.
     async with replicas(2) as fakes:
         for fake in fakes:
             fake.keeps_responses = True
         async with run_gateway([f.url for f in fakes], routing={"backoff_s": 60}) as gw:
-            body = {"model": "m", "input": "question", "temperature": 0}
+            body = {"model": "m", "input": "question " + "x" * 100, "temperature": 0}
             rid = (await gw.client.post("/v1/responses", json=body)).json()["id"]
             holder, other = fakes if rid in fakes[0].kept else fakes[::-1]
+            asked_other = other.count()
+            follow = {**body, "input": "and then?", "previous_response_id": rid}
             holder.fail_status, holder.fail_times = 503, 1
-            # Sent to its holder, which fails: failed over to the other, which has no such
-            # response: its 404, not the gateway's error.
-            then = await gw.client.post("/v1/responses", json={**body, "previous_response_id": rid})
-            assert then.status_code == 404
-            assert holder.count() == 2 and other.count() == 1
-            # Its holder in back-off: the policy's choice, the other replica (its 404 again).
-            got = await gw.client.get(f"/v1/responses/{rid}")
-            assert got.status_code == 404
-            assert holder.count() == 2 and other.count(f"/v1/responses/{rid}") == 1
+            then = await gw.client.post("/v1/responses", json=follow)
+            assert then.status_code == 503, then.text  # the holder's own answer
+            # Its holder in back-off (60 s): still the one asked, and it answers.
+            retry = await gw.client.post("/v1/responses", json=follow)
+            assert retry.status_code == 200, retry.text
+            assert retry.json()["previous_response_id"] == rid
+            holder.fail_status, holder.fail_times = 503, 1
+            another = {**follow, "input": "and after that?"}  # (the first is a cache hit now)
+            assert (await gw.client.post("/v1/responses", json=another)).status_code == 503
+            got = await gw.client.get(f"/v1/responses/{rid}")  # (pass-through, in back-off)
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+            stats = (await gw.client.get("/stats")).json()
+    assert other.count() == asked_other  # never asked for what it cannot have
+    assert holder.count("/v1/responses") == 4 and holder.count(f"/v1/responses/{rid}") == 1
+    assert stats["routing"].get("failover", 0) == 0
 
 
 @pytest.mark.parametrize("status", [302, 307, 101, 999])

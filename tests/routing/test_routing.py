@@ -372,38 +372,59 @@ async def test_a_replica_down_for_days_keeps_failing_over():
     dead, alive = Fake("r0", "unreachable"), Fake("r1")
     replicas = ReplicaSet(
         [dead, alive],
-        build_policy("round-robin"),
+        build_policy("least-loaded"),
         clock=clock.monotonic,
         backoff_s=5.0,  # (a float, as the config gives it: ``5 * 2**1024`` is an int)
         backoff_max_s=60.0,
         log_interval=1e9,
     )
     r0 = replicas["r0"]
+    replicas["r1"].in_flight = 1  # (busier: r0 is asked whenever it is eligible)
     for probe in range(1, 1101):  # (one probe a minute: over 18 hours)
         clock.advance(max(0.0, r0.down_until - clock.monotonic()))  # its back-off is over
-        response, replica, decision = await replicas.send(REQUEST, holder="r0")
+        response, replica, decision = await replicas.send(REQUEST)
         assert (response.status, replica.name, decision) == (200, "r1", Decision.FAILOVER)
         assert dead.sent == r0.failures == probe
     snap = replicas.snapshot()["r0"]
     assert snap["state"] == "down" and snap["down_for_s"] == 60
-    assert replicas.in_flight == 0
+    assert r0.in_flight == 0 and replicas["r1"].in_flight == 1
 
 
-async def test_the_replica_that_made_a_stored_response_is_chosen_while_it_is_eligible():
+async def test_the_replica_that_made_a_stored_response_is_chosen_in_back_off_too():
     replicas, (r0, r1, r2), clock = replica_set("ok", "ok", "ok", policy="least-loaded")
     r2_state = replicas["r2"]
     r2_state.in_flight = 5  # the policy would never pick it
     assert replicas.choose("", holder="r2") == (r2_state, Decision.STATE_HOLDER)
     assert replicas.choose("", holder="gone")[1] is Decision.LEAST_LOADED  # unknown: the policy
-    # Down: sent there, failed over; during its back-off the policy chooses.
+    # Down: its back-off is no reason to ask a replica that cannot have the state (its 404).
     r2.mode = "unreachable"
-    _, replica, decision = await replicas.send(REQUEST, holder="r2")
-    assert replica is not r2_state and decision is Decision.FAILOVER and r2.sent == 1
-    r2_state.in_flight = 0
-    assert replicas.choose("", holder="r2") == (replicas["r1"], Decision.LEAST_LOADED)
-    # Back-off over: it is the one asked, as a probe.
-    clock.now += 5
+    with pytest.raises(UpstreamUnreachable):
+        await replicas.send(REQUEST, holder="r2")
     assert replicas.choose("", holder="r2") == (r2_state, Decision.PROBE)
+    assert replicas.choose("", [r2_state], holder="r2")[0] is not r2_state  # (excluded)
+    r2.mode = "ok"
+    _, replica, decision = await replicas.send(REQUEST, holder="r2")
+    assert (replica, decision) == (r2_state, Decision.PROBE) and r2_state.healthy
+
+
+@pytest.mark.parametrize("mode", ["unreachable", "timeout", "noanswer", "5xx"])
+async def test_a_request_sent_to_its_states_holder_is_never_failed_over(mode):
+    # Only the holder has the state it continues: failed over, the other replica's answer was
+    # a false, final 404 (no SDK retries one), the holder's transient failure hidden.
+    replicas, (r0, r1), _ = replica_set(mode, "ok")
+    if mode == "5xx":
+        response, replica, decision = await replicas.send(REQUEST, holder="r0")
+        assert (response.status, replica.name, decision) == (503, "r0", Decision.STATE_HOLDER)
+    else:
+        with pytest.raises(UpstreamError):
+            await replicas.send(REQUEST, holder="r0")
+    assert r1.sent == 0 and r0.sent == 1 and replicas.snapshot()["r0"]["state"] == "down"
+    assert replicas.in_flight == 0
+    # Anything else still fails over from it.
+    assert (await replicas.send(REQUEST))[1:] == (replicas["r1"], Decision.ONLY_HEALTHY)
+    replicas["r0"].down_until = 0.0  # (its back-off over)
+    _, replica, decision = await replicas.send(REQUEST)
+    assert (replica.name, decision) == ("r1", Decision.FAILOVER) and r0.sent == 2
 
 
 def test_a_prefix_is_matched_only_within_its_scope():

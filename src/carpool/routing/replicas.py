@@ -17,15 +17,25 @@ all, and so whether ``text`` matters):
   rather than failing the request without trying. A single eligible replica is
   ``Decision.ONLY_HEALTHY``.
 - ``holder`` (``send``, ``passthrough``): the name of the replica holding state the request
-  continues (a stored response, ``routing.state``): chosen when it is eligible, before the
-  policy is asked (``Decision.STATE_HOLDER``, or ``PROBE``); unknown or not eligible, the policy
-  chooses.
+  continues (a stored response, ``routing.state``): chosen before the policy is asked,
+  whatever its state (``Decision.STATE_HOLDER``; in back-off, ``PROBE``: asked anyway, a probe
+  in flight or not, its failure news as any probe's); unknown, the policy chooses. Only it can
+  answer: another replica's answer is a false, final 404 ("not found": the SDKs retry a 5xx,
+  never a 404). So a request sent to it is never failed over (``send``): its failure is the
+  request's, the holder's own 5xx relayed as it is, a refused connection's 502, a timeout's
+  504, and the client's retry goes to it again. Asked in back-off rather than answered a 503
+  with ``Retry-After`` until its back-off ends: a transient failure (one overloaded answer)
+  then costs the client one retry, not the back-off (``backoff_s`` and up), and no request is
+  failed untried (as when nothing is eligible, below); a dead holder's follow-ups each fail
+  on it (a refused connection at once, a hung one after ``limits.upstream_timeout``): no
+  other replica could answer them but with a 404.
 - Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout`` (one that cannot have run: nothing
   sent, or the request not read whole), or a 5xx answer before any byte was
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
-  and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
-  raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
-  the client) and does not down the replica; nor is a whole answer cut after its head came
+  and retries ONCE on another one (``Decision.FAILOVER``), but for a request sent to its
+  state's holder (above). If no other replica exists the error is raised / the 5xx returned as
+  it is. A stream that breaks part-way is not retried (bytes reached the client) and does not
+  down the replica; nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
   502 or 504, by ``observe``). A ``FunctionUpstream``'s function that raised
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
@@ -250,7 +260,7 @@ class ReplicaSet:
         scope: bytes = b"",
     ) -> tuple[ReplicaState, Decision] | None:
         """The replica for the next attempt and why, or None when every replica is excluded.
-        ``holder``: the replica holding the state the request continues, if eligible;
+        ``holder``: the replica holding the state the request continues, in back-off too;
         ``scope``: whose prompts ``text`` may share a prefix with (``RoutingPolicy``)."""
         if not exclude and len(self.replicas) == 1:  # (the rest below, in short)
             replica = self.replicas[0]
@@ -259,14 +269,15 @@ class ReplicaSet:
         pool = [r for r in self.replicas if r not in exclude]
         if not pool:
             return None
+        held = next((r for r in pool if r.name == holder), None) if holder else None
+        if held is not None:
+            # Only it can answer for that state (another replica's answer is a false, final
+            # 404): load and prefixes do not matter, nor its back-off (asked anyway: a probe).
+            return held, Decision.STATE_HOLDER if held.healthy else Decision.PROBE
         eligible = [r for r in pool if r.eligible(now)]
         if not eligible:
             return min(pool, key=lambda r: r.down_until), Decision.PROBE
-        held = next((r for r in eligible if r.name == holder), None) if holder else None
-        if held is not None:
-            # Only it can answer for that state: load and prefixes do not matter.
-            replica, decision = held, Decision.STATE_HOLDER
-        elif len(eligible) == 1:
+        if len(eligible) == 1:
             replica, decision = eligible[0], Decision.ONLY_HEALTHY
         else:
             replica, decision = self.policy.select(text, eligible, scope)
@@ -296,6 +307,9 @@ class ReplicaSet:
         chosen = self.choose(text, holder=holder, scope=scope)
         assert chosen is not None
         replica, decision = chosen
+        # Asked for the state it holds: no other replica has it, so its failure is the
+        # request's, never failed over (another's answer would be a false, final 404).
+        pinned = replica.name == holder
         tried: list[ReplicaState] = []
         try:
             while True:
@@ -313,7 +327,7 @@ class ReplicaSet:
                     running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
                     retry = (
                         self.choose(text, tried, scope=scope)
-                        if len(tried) < 2 and not running
+                        if len(tried) < 2 and not running and not pinned
                         else None
                     )
                     if retry is None:
@@ -335,7 +349,11 @@ class ReplicaSet:
                     replica.answered_at = self.clock()  # (it answered: alive)
                     self._failed(replica, _key_refused(error), seen)
                     self._observe(replica, error.upstream_status or error.status, decision)
-                    retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
+                    retry = (
+                        self.choose(text, tried, scope=scope)
+                        if len(tried) < 2 and not pinned
+                        else None
+                    )
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -362,7 +380,9 @@ class ReplicaSet:
                     self._succeeded(replica)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
-                retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
+                retry = (
+                    self.choose(text, tried, scope=scope) if len(tried) < 2 and not pinned else None
+                )
                 if retry is None:
                     return response, replica, decision
                 await response.aclose()
