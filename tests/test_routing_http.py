@@ -401,6 +401,38 @@ async def test_a_follow_up_whose_holder_fails_gets_its_holders_failure_and_its_r
     assert stats["routing"].get("failover", 0) == 0
 
 
+@pytest.mark.parametrize("meanwhile", ["nothing", "another call answered", "data first"])
+async def test_a_stream_silent_after_its_head_leaves_its_replica_out_when_the_replica_answered_nothing_since(
+    fake, meanwhile
+):
+    # vLLM with a stuck engine answers a stream's head at once, then nothing. Only silence
+    # before the head counted: such a replica stayed healthy (0 failures) and every stream
+    # sent there failed after upstream_timeout. A stall the replica's other answers belie (it
+    # is alive: a long generation is slow), or after some of the stream came, leaves it in.
+    fake.chunk_gate, fake.chunk_gate_after = asyncio.Event(), 0  # (never set: it stalls)
+    async with run_gateway([fake.url], limits={"upstream_timeout": 0.5}) as gw:
+
+        async def stalled() -> str:
+            if meanwhile == "data first":  # (a chat stream's first chunk precedes its words)
+                return (await gw.stream_chat("stalls"))[1]
+            # A completion's stream has nothing before its words: its head, then nothing.
+            asked = {"model": "m", "prompt": "stalls", "temperature": 0, "stream": True}
+            return (await gw.client.post("/v1/completions", json=asked)).text
+
+        stream = asyncio.create_task(stalled())
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        if meanwhile == "another call answered":
+            assert (await gw.chat("answered meanwhile")).status_code == 200
+        text = await stream
+        replica = (await gw.client.get("/stats")).json()["replicas"][fake.url]
+    assert '"error"' in text and "stalled" in text  # (the stream's client is told either way)
+    if meanwhile == "nothing":
+        assert (replica["state"], replica["errors"], replica["failures"]) == ("down", 1, 1)
+    else:
+        assert (replica["state"], replica["errors"], replica["failures"]) == ("healthy", 0, 0)
+    assert fake.count() == (2 if meanwhile == "another call answered" else 1)  # (never re-run)
+
+
 @pytest.mark.parametrize("status", [302, 307, 101, 999])
 async def test_a_replica_answering_a_redirect_or_a_status_no_client_can_read_is_failed_over_and_left_out(
     fake, status

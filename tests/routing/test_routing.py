@@ -16,6 +16,7 @@ from carpool.errors import (
     UpstreamAnswerCut,
     UpstreamError,
     UpstreamNoAnswer,
+    UpstreamStreamStalled,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -45,7 +46,7 @@ class Fake:
 
     def __init__(self, name: str, mode: str = "ok") -> None:
         self.name = name
-        self.mode = mode  # ok | unreachable | timeout | 5xx | hang
+        self.mode = mode  # ok | unreachable | timeout | 5xx | hang | stall
         self.sent = 0
         self.closed_streams = 0
         self.started = asyncio.Event()
@@ -71,6 +72,8 @@ class Fake:
         if request.stream:
 
             async def events() -> AsyncIterator[list[bytes]]:
+                if self.mode == "stall":  # (its head, then nothing for upstream_timeout)
+                    raise UpstreamStreamStalled(f"{self.name} stalled mid-stream")
                 yield [b'{"from": "%s"}' % self.name.encode()]
 
             async def close() -> None:
@@ -610,6 +613,30 @@ async def test_5xx_before_any_byte_fails_over():
     await response.aclose()
     await response.aclose()  # safe twice
     assert r0.closed_streams == 1 and replicas.in_flight == 0
+
+
+async def test_a_stream_stalled_after_its_head_downs_its_replica_only_if_it_answered_nothing_since():
+    # A stuck engine behind a live HTTP layer (vLLM's) sends every stream's head, then nothing:
+    # its replica stayed healthy. One whose other calls are answered meanwhile is alive.
+    replicas, (r0,), clock = replica_set("stall")
+    first = (await replicas.send(STREAM))[0]
+    clock.now += 1
+    second = (await replicas.send(STREAM))[0]  # (its head: news after the first's)
+    for stream in (first, second):
+        with pytest.raises(UpstreamStreamStalled):
+            await anext(stream.events())
+        await stream.aclose()
+    r0_state = replicas["r0"]
+    assert (r0_state.healthy, r0_state.errors, r0_state.failures) == (False, 1, 1)
+    # Its probe's head heals it; its stall is news again (not run again: raised as it is).
+    clock.now += 5
+    probe, _, decision = await replicas.send(STREAM)
+    assert decision is Decision.PROBE and r0_state.healthy
+    with pytest.raises(UpstreamStreamStalled):
+        await anext(probe.events())
+    await probe.aclose()
+    assert (r0_state.healthy, r0_state.errors, r0_state.failures) == (False, 2, 1)
+    assert r0.sent == 3 and replicas.in_flight == 0
 
 
 async def test_a_call_unanswered_by_a_replica_silent_to_every_call_fails_over_else_is_a_504():

@@ -35,7 +35,13 @@ all, and so whether ``text`` matters):
   and retries ONCE on another one (``Decision.FAILOVER``), but for a request sent to its
   state's holder (above). If no other replica exists the error is raised / the 5xx returned as
   it is. A stream that breaks part-way is not retried (bytes reached the client) and does not
-  down the replica; nor is a whole answer cut after its head came
+  down the replica; nor does one that stalls (``UpstreamStreamStalled``: nothing for
+  ``limits.upstream_timeout``), a long generation being slow, but for one with nothing after
+  its head on a replica silent to every call since that head: taken for hung, as one silent
+  before its head is (below: a stuck engine whose HTTP layer still answers heads at once,
+  vLLM's), it downs the replica, and is not retried either (the engine took it). A stuck
+  replica's probe stream heals it at its head and its stall downs it again: one stream per
+  back-off fails there. Nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
   502 or 504, by ``observe``). A ``FunctionUpstream``'s function that raised
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
@@ -118,6 +124,7 @@ from carpool.errors import (
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamRedirected,
+    UpstreamStreamStalled,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -425,7 +432,7 @@ class ReplicaSet:
             finally:
                 release()
 
-        events = _Heard(response.events(), replica, self.clock)
+        events = _Heard(response.events(), replica, self)
         return UpstreamResponse(response.status, response.headers, response.body, events, close)
 
     def _done(self, replica: ReplicaState) -> None:
@@ -542,6 +549,20 @@ class ReplicaSet:
             what,
         )
         replica.logged_at, replica.unlogged = now, 0
+
+    def _stalled(self, replica: ReplicaState, head_at: float, error: UpstreamStreamStalled) -> None:
+        """A stream of ``replica`` stalled (``limits.upstream_timeout``) with nothing after its
+        head, which came at ``head_at``. Silent to every call since, the replica is taken for
+        hung (a stuck engine whose HTTP layer still sends heads: vLLM's), as one silent before a
+        head is (``send``): failed. Having answered meanwhile, it is alive and the stream merely
+        slow (a long generation): nothing. Never sent again either way (the engine took it)."""
+        if replica.answered_at > head_at:
+            return
+        what = f"{_what(error)} (nothing after its head, and no other call answered since)"
+        # Still in rotation, it is in the state its head left it in (healed, if it was a probe:
+        # any change since would have come with news); left out since, by another call's
+        # failure, this is no news (counted in its ``errors``, as for a call sent before).
+        self._failed(replica, what, replica.verdicts if replica.healthy else -1)
 
     def _own_key_refused(self, error: UpstreamKeyRefused) -> bool:
         """A refusal about the replica's own key, not the call: a 401 (the key unknown,
@@ -711,24 +732,30 @@ class _Heard:
     """A stream's payloads as they come, each read (a list of them) noted as news from its
     replica (``answered_at``): a replica streaming to other calls is alive, and a call it has
     not answered in time may be running there (``UpstreamNoAnswer``: not run again elsewhere).
-    An iterator, not an async generator: see ``upstream.wire._Pieces``."""
+    A stall before its first payload is judged by ``ReplicaSet._stalled``. An iterator, not an
+    async generator: see ``upstream.wire._Pieces``."""
 
-    __slots__ = ("events", "replica", "clock")
+    __slots__ = ("events", "replica", "replicas", "head_at", "heard")
 
     def __init__(
-        self,
-        events: AsyncIterator[list[bytes]],
-        replica: ReplicaState,
-        clock: Callable[[], float],
+        self, events: AsyncIterator[list[bytes]], replica: ReplicaState, replicas: ReplicaSet
     ) -> None:
-        self.events, self.replica, self.clock = events, replica, clock
+        self.events, self.replica, self.replicas = events, replica, replicas
+        self.head_at = replica.answered_at  # (its head's news, noted as it came)
+        self.heard = False  # whether a payload has come
 
     def __aiter__(self) -> _Heard:
         return self
 
     async def __anext__(self) -> list[bytes]:
-        payloads = await self.events.__anext__()
-        self.replica.answered_at = self.clock()
+        try:
+            payloads = await self.events.__anext__()
+        except UpstreamStreamStalled as error:
+            if not self.heard:
+                self.replicas._stalled(self.replica, self.head_at, error)
+            raise
+        self.heard = True
+        self.replica.answered_at = self.replicas.clock()
         return payloads
 
 
