@@ -369,24 +369,68 @@ async def test_a_file_uploaded_through_the_gateway_is_read_and_batched_on_the_re
             )
 
 
-async def test_a_follow_up_whose_replica_is_down_goes_where_the_policy_says():
+async def test_a_follow_up_whose_holder_fails_gets_its_holders_failure_and_its_retry_goes_there():
+    # Only the replica that made a response holds it. Its transient 503 was failed over to the
+    # other replica, whose final 404 "Response ... not found" the client got (the SDKs retry a
+    # 5xx, never a 404), and so did the client's retry: the holder was then in back-off, and
+    # the policy chose the other replica again.
     async with replicas(2) as fakes:
         for fake in fakes:
             fake.keeps_responses = True
         async with run_gateway([f.url for f in fakes], routing={"backoff_s": 60}) as gw:
-            body = {"model": "m", "input": "question", "temperature": 0}
+            body = {"model": "m", "input": "question " + "x" * 100, "temperature": 0}
             rid = (await gw.client.post("/v1/responses", json=body)).json()["id"]
             holder, other = fakes if rid in fakes[0].kept else fakes[::-1]
+            asked_other = other.count()
+            follow = {**body, "input": "and then?", "previous_response_id": rid}
             holder.fail_status, holder.fail_times = 503, 1
-            # Sent to its holder, which fails: failed over to the other, which has no such
-            # response: its 404, not the gateway's error.
-            then = await gw.client.post("/v1/responses", json={**body, "previous_response_id": rid})
-            assert then.status_code == 404
-            assert holder.count() == 2 and other.count() == 1
-            # Its holder in back-off: the policy's choice, the other replica (its 404 again).
-            got = await gw.client.get(f"/v1/responses/{rid}")
-            assert got.status_code == 404
-            assert holder.count() == 2 and other.count(f"/v1/responses/{rid}") == 1
+            then = await gw.client.post("/v1/responses", json=follow)
+            assert then.status_code == 503, then.text  # the holder's own answer
+            # Its holder in back-off (60 s): still the one asked, and it answers.
+            retry = await gw.client.post("/v1/responses", json=follow)
+            assert retry.status_code == 200, retry.text
+            assert retry.json()["previous_response_id"] == rid
+            holder.fail_status, holder.fail_times = 503, 1
+            another = {**follow, "input": "and after that?"}  # (the first is a cache hit now)
+            assert (await gw.client.post("/v1/responses", json=another)).status_code == 503
+            got = await gw.client.get(f"/v1/responses/{rid}")  # (pass-through, in back-off)
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+            stats = (await gw.client.get("/stats")).json()
+    assert other.count() == asked_other  # never asked for what it cannot have
+    assert holder.count("/v1/responses") == 4 and holder.count(f"/v1/responses/{rid}") == 1
+    assert stats["routing"].get("failover", 0) == 0
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "another call answered", "data first"])
+async def test_a_stream_silent_after_its_head_leaves_its_replica_out_when_the_replica_answered_nothing_since(
+    fake, meanwhile
+):
+    # vLLM with a stuck engine answers a stream's head at once, then nothing. Only silence
+    # before the head counted: such a replica stayed healthy (0 failures) and every stream
+    # sent there failed after upstream_timeout. A stall the replica's other answers belie (it
+    # is alive: a long generation is slow), or after some of the stream came, leaves it in.
+    fake.chunk_gate, fake.chunk_gate_after = asyncio.Event(), 0  # (never set: it stalls)
+    async with run_gateway([fake.url], limits={"upstream_timeout": 0.5}) as gw:
+
+        async def stalled() -> str:
+            if meanwhile == "data first":  # (a chat stream's first chunk precedes its words)
+                return (await gw.stream_chat("stalls"))[1]
+            # A completion's stream has nothing before its words: its head, then nothing.
+            asked = {"model": "m", "prompt": "stalls", "temperature": 0, "stream": True}
+            return (await gw.client.post("/v1/completions", json=asked)).text
+
+        stream = asyncio.create_task(stalled())
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+        if meanwhile == "another call answered":
+            assert (await gw.chat("answered meanwhile")).status_code == 200
+        text = await stream
+        replica = (await gw.client.get("/stats")).json()["replicas"][fake.url]
+    assert '"error"' in text and "stalled" in text  # (the stream's client is told either way)
+    if meanwhile == "nothing":
+        assert (replica["state"], replica["errors"], replica["failures"]) == ("down", 1, 1)
+    else:
+        assert (replica["state"], replica["errors"], replica["failures"]) == ("healthy", 0, 0)
+    assert fake.count() == (2 if meanwhile == "another call answered" else 1)  # (never re-run)
 
 
 @pytest.mark.parametrize("status", [302, 307, 101, 999])

@@ -16,6 +16,7 @@ from carpool.errors import (
     UpstreamAnswerCut,
     UpstreamError,
     UpstreamNoAnswer,
+    UpstreamStreamStalled,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -45,7 +46,7 @@ class Fake:
 
     def __init__(self, name: str, mode: str = "ok") -> None:
         self.name = name
-        self.mode = mode  # ok | unreachable | timeout | 5xx | hang
+        self.mode = mode  # ok | unreachable | timeout | 5xx | hang | stall
         self.sent = 0
         self.closed_streams = 0
         self.started = asyncio.Event()
@@ -71,6 +72,8 @@ class Fake:
         if request.stream:
 
             async def events() -> AsyncIterator[list[bytes]]:
+                if self.mode == "stall":  # (its head, then nothing for upstream_timeout)
+                    raise UpstreamStreamStalled(f"{self.name} stalled mid-stream")
                 yield [b'{"from": "%s"}' % self.name.encode()]
 
             async def close() -> None:
@@ -372,38 +375,59 @@ async def test_a_replica_down_for_days_keeps_failing_over():
     dead, alive = Fake("r0", "unreachable"), Fake("r1")
     replicas = ReplicaSet(
         [dead, alive],
-        build_policy("round-robin"),
+        build_policy("least-loaded"),
         clock=clock.monotonic,
         backoff_s=5.0,  # (a float, as the config gives it: ``5 * 2**1024`` is an int)
         backoff_max_s=60.0,
         log_interval=1e9,
     )
     r0 = replicas["r0"]
+    replicas["r1"].in_flight = 1  # (busier: r0 is asked whenever it is eligible)
     for probe in range(1, 1101):  # (one probe a minute: over 18 hours)
         clock.advance(max(0.0, r0.down_until - clock.monotonic()))  # its back-off is over
-        response, replica, decision = await replicas.send(REQUEST, holder="r0")
+        response, replica, decision = await replicas.send(REQUEST)
         assert (response.status, replica.name, decision) == (200, "r1", Decision.FAILOVER)
         assert dead.sent == r0.failures == probe
     snap = replicas.snapshot()["r0"]
     assert snap["state"] == "down" and snap["down_for_s"] == 60
-    assert replicas.in_flight == 0
+    assert r0.in_flight == 0 and replicas["r1"].in_flight == 1
 
 
-async def test_the_replica_that_made_a_stored_response_is_chosen_while_it_is_eligible():
+async def test_the_replica_that_made_a_stored_response_is_chosen_in_back_off_too():
     replicas, (r0, r1, r2), clock = replica_set("ok", "ok", "ok", policy="least-loaded")
     r2_state = replicas["r2"]
     r2_state.in_flight = 5  # the policy would never pick it
     assert replicas.choose("", holder="r2") == (r2_state, Decision.STATE_HOLDER)
     assert replicas.choose("", holder="gone")[1] is Decision.LEAST_LOADED  # unknown: the policy
-    # Down: sent there, failed over; during its back-off the policy chooses.
+    # Down: its back-off is no reason to ask a replica that cannot have the state (its 404).
     r2.mode = "unreachable"
-    _, replica, decision = await replicas.send(REQUEST, holder="r2")
-    assert replica is not r2_state and decision is Decision.FAILOVER and r2.sent == 1
-    r2_state.in_flight = 0
-    assert replicas.choose("", holder="r2") == (replicas["r1"], Decision.LEAST_LOADED)
-    # Back-off over: it is the one asked, as a probe.
-    clock.now += 5
+    with pytest.raises(UpstreamUnreachable):
+        await replicas.send(REQUEST, holder="r2")
     assert replicas.choose("", holder="r2") == (r2_state, Decision.PROBE)
+    assert replicas.choose("", [r2_state], holder="r2")[0] is not r2_state  # (excluded)
+    r2.mode = "ok"
+    _, replica, decision = await replicas.send(REQUEST, holder="r2")
+    assert (replica, decision) == (r2_state, Decision.PROBE) and r2_state.healthy
+
+
+@pytest.mark.parametrize("mode", ["unreachable", "timeout", "noanswer", "5xx"])
+async def test_a_request_sent_to_its_states_holder_is_never_failed_over(mode):
+    # Only the holder has the state it continues: failed over, the other replica's answer was
+    # a false, final 404 (no SDK retries one), the holder's transient failure hidden.
+    replicas, (r0, r1), _ = replica_set(mode, "ok")
+    if mode == "5xx":
+        response, replica, decision = await replicas.send(REQUEST, holder="r0")
+        assert (response.status, replica.name, decision) == (503, "r0", Decision.STATE_HOLDER)
+    else:
+        with pytest.raises(UpstreamError):
+            await replicas.send(REQUEST, holder="r0")
+    assert r1.sent == 0 and r0.sent == 1 and replicas.snapshot()["r0"]["state"] == "down"
+    assert replicas.in_flight == 0
+    # Anything else still fails over from it.
+    assert (await replicas.send(REQUEST))[1:] == (replicas["r1"], Decision.ONLY_HEALTHY)
+    replicas["r0"].down_until = 0.0  # (its back-off over)
+    _, replica, decision = await replicas.send(REQUEST)
+    assert (replica.name, decision) == ("r1", Decision.FAILOVER) and r0.sent == 2
 
 
 def test_a_prefix_is_matched_only_within_its_scope():
@@ -589,6 +613,30 @@ async def test_5xx_before_any_byte_fails_over():
     await response.aclose()
     await response.aclose()  # safe twice
     assert r0.closed_streams == 1 and replicas.in_flight == 0
+
+
+async def test_a_stream_stalled_after_its_head_downs_its_replica_only_if_it_answered_nothing_since():
+    # A stuck engine behind a live HTTP layer (vLLM's) sends every stream's head, then nothing:
+    # its replica stayed healthy. One whose other calls are answered meanwhile is alive.
+    replicas, (r0,), clock = replica_set("stall")
+    first = (await replicas.send(STREAM))[0]
+    clock.now += 1
+    second = (await replicas.send(STREAM))[0]  # (its head: news after the first's)
+    for stream in (first, second):
+        with pytest.raises(UpstreamStreamStalled):
+            await anext(stream.events())
+        await stream.aclose()
+    r0_state = replicas["r0"]
+    assert (r0_state.healthy, r0_state.errors, r0_state.failures) == (False, 1, 1)
+    # Its probe's head heals it; its stall is news again (not run again: raised as it is).
+    clock.now += 5
+    probe, _, decision = await replicas.send(STREAM)
+    assert decision is Decision.PROBE and r0_state.healthy
+    with pytest.raises(UpstreamStreamStalled):
+        await anext(probe.events())
+    await probe.aclose()
+    assert (r0_state.healthy, r0_state.errors, r0_state.failures) == (False, 2, 1)
+    assert r0.sent == 3 and replicas.in_flight == 0
 
 
 async def test_a_call_unanswered_by_a_replica_silent_to_every_call_fails_over_else_is_a_504():

@@ -17,15 +17,31 @@ all, and so whether ``text`` matters):
   rather than failing the request without trying. A single eligible replica is
   ``Decision.ONLY_HEALTHY``.
 - ``holder`` (``send``, ``passthrough``): the name of the replica holding state the request
-  continues (a stored response, ``routing.state``): chosen when it is eligible, before the
-  policy is asked (``Decision.STATE_HOLDER``, or ``PROBE``); unknown or not eligible, the policy
-  chooses.
+  continues (a stored response, ``routing.state``): chosen before the policy is asked,
+  whatever its state (``Decision.STATE_HOLDER``; in back-off, ``PROBE``: asked anyway, a probe
+  in flight or not, its failure news as any probe's); unknown, the policy chooses. Only it can
+  answer: another replica's answer is a false, final 404 ("not found": the SDKs retry a 5xx,
+  never a 404). So a request sent to it is never failed over (``send``): its failure is the
+  request's, the holder's own 5xx relayed as it is, a refused connection's 502, a timeout's
+  504, and the client's retry goes to it again. Asked in back-off rather than answered a 503
+  with ``Retry-After`` until its back-off ends: a transient failure (one overloaded answer)
+  then costs the client one retry, not the back-off (``backoff_s`` and up), and no request is
+  failed untried (as when nothing is eligible, below); a dead holder's follow-ups each fail
+  on it (a refused connection at once, a hung one after ``limits.upstream_timeout``): no
+  other replica could answer them but with a 404.
 - Failover: ``UpstreamUnreachable`` / ``UpstreamTimeout`` (one that cannot have run: nothing
   sent, or the request not read whole), or a 5xx answer before any byte was
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
-  and retries ONCE on another one (``Decision.FAILOVER``). If no other replica exists the error is
-  raised / the 5xx returned as it is. A stream that breaks part-way is not retried (bytes reached
-  the client) and does not down the replica; nor is a whole answer cut after its head came
+  and retries ONCE on another one (``Decision.FAILOVER``), but for a request sent to its
+  state's holder (above). If no other replica exists the error is raised / the 5xx returned as
+  it is. A stream that breaks part-way is not retried (bytes reached the client) and does not
+  down the replica; nor does one that stalls (``UpstreamStreamStalled``: nothing for
+  ``limits.upstream_timeout``), a long generation being slow, but for one with nothing after
+  its head on a replica silent to every call since that head: taken for hung, as one silent
+  before its head is (below: a stuck engine whose HTTP layer still answers heads at once,
+  vLLM's), it downs the replica, and is not retried either (the engine took it). A stuck
+  replica's probe stream heals it at its head and its stall downs it again: one stream per
+  back-off fails there. Nor is a whole answer cut after its head came
   (``UpstreamAnswerCut``: the engine took the call, which would run twice; it is counted, at its
   502 or 504, by ``observe``). A ``FunctionUpstream``'s function that raised
   (``FunctionFailed``) is a failed call too, counted as a 502 and downing the replica, and is
@@ -108,6 +124,7 @@ from carpool.errors import (
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamRedirected,
+    UpstreamStreamStalled,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -250,7 +267,7 @@ class ReplicaSet:
         scope: bytes = b"",
     ) -> tuple[ReplicaState, Decision] | None:
         """The replica for the next attempt and why, or None when every replica is excluded.
-        ``holder``: the replica holding the state the request continues, if eligible;
+        ``holder``: the replica holding the state the request continues, in back-off too;
         ``scope``: whose prompts ``text`` may share a prefix with (``RoutingPolicy``)."""
         if not exclude and len(self.replicas) == 1:  # (the rest below, in short)
             replica = self.replicas[0]
@@ -259,14 +276,15 @@ class ReplicaSet:
         pool = [r for r in self.replicas if r not in exclude]
         if not pool:
             return None
+        held = next((r for r in pool if r.name == holder), None) if holder else None
+        if held is not None:
+            # Only it can answer for that state (another replica's answer is a false, final
+            # 404): load and prefixes do not matter, nor its back-off (asked anyway: a probe).
+            return held, Decision.STATE_HOLDER if held.healthy else Decision.PROBE
         eligible = [r for r in pool if r.eligible(now)]
         if not eligible:
             return min(pool, key=lambda r: r.down_until), Decision.PROBE
-        held = next((r for r in eligible if r.name == holder), None) if holder else None
-        if held is not None:
-            # Only it can answer for that state: load and prefixes do not matter.
-            replica, decision = held, Decision.STATE_HOLDER
-        elif len(eligible) == 1:
+        if len(eligible) == 1:
             replica, decision = eligible[0], Decision.ONLY_HEALTHY
         else:
             replica, decision = self.policy.select(text, eligible, scope)
@@ -296,6 +314,9 @@ class ReplicaSet:
         chosen = self.choose(text, holder=holder, scope=scope)
         assert chosen is not None
         replica, decision = chosen
+        # Asked for the state it holds: no other replica has it, so its failure is the
+        # request's, never failed over (another's answer would be a false, final 404).
+        pinned = replica.name == holder
         tried: list[ReplicaState] = []
         try:
             while True:
@@ -313,7 +334,7 @@ class ReplicaSet:
                     running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
                     retry = (
                         self.choose(text, tried, scope=scope)
-                        if len(tried) < 2 and not running
+                        if len(tried) < 2 and not running and not pinned
                         else None
                     )
                     if retry is None:
@@ -335,7 +356,11 @@ class ReplicaSet:
                     replica.answered_at = self.clock()  # (it answered: alive)
                     self._failed(replica, _key_refused(error), seen)
                     self._observe(replica, error.upstream_status or error.status, decision)
-                    retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
+                    retry = (
+                        self.choose(text, tried, scope=scope)
+                        if len(tried) < 2 and not pinned
+                        else None
+                    )
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -362,7 +387,9 @@ class ReplicaSet:
                     self._succeeded(replica)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
-                retry = self.choose(text, tried, scope=scope) if len(tried) < 2 else None
+                retry = (
+                    self.choose(text, tried, scope=scope) if len(tried) < 2 and not pinned else None
+                )
                 if retry is None:
                     return response, replica, decision
                 await response.aclose()
@@ -405,7 +432,7 @@ class ReplicaSet:
             finally:
                 release()
 
-        events = _Heard(response.events(), replica, self.clock)
+        events = _Heard(response.events(), replica, self)
         return UpstreamResponse(response.status, response.headers, response.body, events, close)
 
     def _done(self, replica: ReplicaState) -> None:
@@ -522,6 +549,20 @@ class ReplicaSet:
             what,
         )
         replica.logged_at, replica.unlogged = now, 0
+
+    def _stalled(self, replica: ReplicaState, head_at: float, error: UpstreamStreamStalled) -> None:
+        """A stream of ``replica`` stalled (``limits.upstream_timeout``) with nothing after its
+        head, which came at ``head_at``. Silent to every call since, the replica is taken for
+        hung (a stuck engine whose HTTP layer still sends heads: vLLM's), as one silent before a
+        head is (``send``): failed. Having answered meanwhile, it is alive and the stream merely
+        slow (a long generation): nothing. Never sent again either way (the engine took it)."""
+        if replica.answered_at > head_at:
+            return
+        what = f"{_what(error)} (nothing after its head, and no other call answered since)"
+        # Still in rotation, it is in the state its head left it in (healed, if it was a probe:
+        # any change since would have come with news); left out since, by another call's
+        # failure, this is no news (counted in its ``errors``, as for a call sent before).
+        self._failed(replica, what, replica.verdicts if replica.healthy else -1)
 
     def _own_key_refused(self, error: UpstreamKeyRefused) -> bool:
         """A refusal about the replica's own key, not the call: a 401 (the key unknown,
@@ -691,24 +732,30 @@ class _Heard:
     """A stream's payloads as they come, each read (a list of them) noted as news from its
     replica (``answered_at``): a replica streaming to other calls is alive, and a call it has
     not answered in time may be running there (``UpstreamNoAnswer``: not run again elsewhere).
-    An iterator, not an async generator: see ``upstream.wire._Pieces``."""
+    A stall before its first payload is judged by ``ReplicaSet._stalled``. An iterator, not an
+    async generator: see ``upstream.wire._Pieces``."""
 
-    __slots__ = ("events", "replica", "clock")
+    __slots__ = ("events", "replica", "replicas", "head_at", "heard")
 
     def __init__(
-        self,
-        events: AsyncIterator[list[bytes]],
-        replica: ReplicaState,
-        clock: Callable[[], float],
+        self, events: AsyncIterator[list[bytes]], replica: ReplicaState, replicas: ReplicaSet
     ) -> None:
-        self.events, self.replica, self.clock = events, replica, clock
+        self.events, self.replica, self.replicas = events, replica, replicas
+        self.head_at = replica.answered_at  # (its head's news, noted as it came)
+        self.heard = False  # whether a payload has come
 
     def __aiter__(self) -> _Heard:
         return self
 
     async def __anext__(self) -> list[bytes]:
-        payloads = await self.events.__anext__()
-        self.replica.answered_at = self.clock()
+        try:
+            payloads = await self.events.__anext__()
+        except UpstreamStreamStalled as error:
+            if not self.heard:
+                self.replicas._stalled(self.replica, self.head_at, error)
+            raise
+        self.heard = True
+        self.replica.answered_at = self.replicas.clock()
         return payloads
 
 

@@ -26,9 +26,11 @@ followed alike. So:
   not a JSON object within ``MAX_LEARNED`` bytes (a list, a compressed body) teaches nothing.
 - ``StateHolders.holder(tenant, id)``: the replica that made ``id``, or None. A request that
   continues a response (``Api.state_continued``) and a pass-through call on one (``path_state``)
-  are sent there by ``ReplicaSet`` when it is eligible (``Decision.STATE_HOLDER``); when it is
-  unknown or in back-off, the policy chooses as for any other request (and the replica chosen
-  answers what it knows: a 404).
+  are sent there by ``ReplicaSet`` (``Decision.STATE_HOLDER``), in back-off too (a probe),
+  and never failed over: any other replica would answer a false, final 404, so the holder's
+  failure is the request's (its 5xx, a 502 or 504), which the client's retry sends to it
+  again. When it is unknown, the policy chooses as for any other request (and the replica
+  chosen answers what it knows: a 404).
 - Keyed by (tenant, id): an id routes only the requests of the tenant whose call made it;
   another tenant naming it is routed by the policy, as for an id unknown.
 - Bounded: ``max_entries`` (``routing.state_entries``), the least recently made or named out

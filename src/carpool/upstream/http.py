@@ -28,7 +28,8 @@ Contract (on top of ``upstream.base``):
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event, ``[DONE]`` before it included: typed streams send none; an
   empty one included: its message says it sent nothing) ->
-  ``UpstreamStreamBroken`` (502). Their messages
+  ``UpstreamStreamBroken`` (502; ``UpstreamStreamStalled`` when no byte came for
+  ``limits.upstream_timeout``, for routing to judge its replica). Their messages
   reach clients: they name the replica by its ``label`` and say what happened in words
   (``reason``, ``wire.reason_of``), never an exception repr, an address or a credential.
 - Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
@@ -99,6 +100,7 @@ from ..errors import (
     UpstreamNoAnswer,
     UpstreamRedirected,
     UpstreamStreamBroken,
+    UpstreamStreamStalled,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -594,7 +596,7 @@ async def _payloads(
         end = "[DONE]" if last_event is None else "its last event"
         raise UpstreamStreamBroken(f"{who} ended its stream without {end}")
     except timeouts as exc:
-        raise UpstreamStreamBroken(f"{who} stalled mid-stream") from exc
+        raise UpstreamStreamStalled(f"{who} stalled mid-stream") from exc
     except errors as exc:
         raise UpstreamStreamBroken(f"{who} stream broke ({reason(exc)})") from exc
     finally:
