@@ -454,6 +454,38 @@ async def test_a_4xx_refusing_another_body_than_a_joiners_is_not_its_answer(
     assert gw.gateway.store.entries == (1 if own_call else 0)
 
 
+async def test_a_joiner_whose_body_only_orders_its_keys_otherwise_shares_the_4xx_and_its_words(
+    gw, fake
+):
+    # Key order is no difference (the same fingerprint, and the upstream reads JSON objects
+    # unordered): before, such a joiner was "another request", sent upstream again after the
+    # 4xx and, on a failed stream, told the gateway's redaction instead of the engine's words.
+    fake.gate = asyncio.Event()
+    fake.fail_status, fake.fail_times = 400, 1
+    messages = [{"role": "user", "content": "hi"}]
+    led = asyncio.create_task(
+        gw.client.post(
+            "/v1/chat/completions",
+            json={"model": "m", "temperature": 0, "metadata": {"a": "1", "b": "2"}}
+            | {"messages": messages},
+        )
+    )
+    await fake.wait_for_calls(1)
+    reordered = asyncio.create_task(
+        gw.client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "metadata": {"b": "2", "a": "1"}}
+            | {"temperature": 0, "model": "m"},
+        )
+    )
+    await eventually(lambda: flight_clients(gw) == 2, what="the joiner on the flight")
+    fake.gate.set()
+    led, reordered = await asyncio.gather(led, reordered)
+    assert led.status_code == reordered.status_code == 400
+    assert reordered.headers["x-carpool"] == "coalesced" and fake.count() == 1
+    assert reordered.json()["error"]["message"] == led.json()["error"]["message"]
+
+
 async def test_a_stream_failing_part_way_reaches_every_client_as_an_error_and_is_never_stored(
     gw, fake
 ):

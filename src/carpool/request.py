@@ -163,8 +163,14 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
 
 def body_digest(body: dict[str, Any]) -> str:
     """A digest of ``body`` as it is sent upstream (re-serialized as parsed: ``10`` and
-    ``10.0`` differ, as they do to the upstream; so does key order)."""
-    return hashlib.blake2b(orjson.dumps(body), digest_size=16).hexdigest()
+    ``10.0`` differ, as they may to the upstream). Not its objects' key order, which no
+    upstream reads (JSON objects are unordered), and which differs from one client's JSON
+    encoder to another's: two clients asking the same are one requester whatever their
+    encoders (a failed call's words and its 4xx are both's). Where key order changes the
+    answer (a tool's schema, rendered into the prompt in order), it is in the fingerprint."""
+    return hashlib.blake2b(
+        orjson.dumps(body, option=orjson.OPT_SORT_KEYS), digest_size=16
+    ).hexdigest()
 
 
 def requester_digest(body: dict[str, Any]) -> str:
