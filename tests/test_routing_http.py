@@ -8,10 +8,12 @@ import json
 
 import pytest
 
+from carpool.clock import ManualClock
 from conftest import run_gateway
 from fakes.raw_upstream import RawCall, answer, chat_completion, raw_upstream
 from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream
+from fakes.waiting import eventually
 
 
 @contextlib.asynccontextmanager
@@ -452,3 +454,147 @@ async def test_a_replica_answering_a_redirect_or_a_status_no_client_can_read_is_
         assert len(bad.calls) == 1  # tried once, failed over, then left out
         health = (await gw.client.get("/healthz")).json()
         assert health["replicas"]["replica-0"]["state"] == "down"  # (the first: ``bad``)
+
+
+# ------------------------------------------------------------------------------------------
+# Pass-through calls (/v1/models, /v1/rerank, ...) and the replica set
+
+
+DEAD = "http://127.0.0.1:9/v1"  # nothing listens there: the connection is refused, nothing sent
+PROMPTED = "You are the support assistant of ACME. " * 10  # (a prompt of whole blocks)
+
+
+def _manual_replica_clock(served) -> ManualClock:
+    """A clock the test moves for the replica set's back-off (no sleeping it out)."""
+    clock = ManualClock()
+    served.gateway.replicas.clock = clock.monotonic
+    return clock
+
+
+async def test_a_pass_through_call_a_replica_refuses_is_tried_once_on_another():
+    # A refused connection sent nothing: whatever the method, the call is tried on another
+    # replica (as a cached endpoint's is). It was answered 502 with a healthy replica there,
+    # once per back-off period for as long as the dead one stayed dead.
+    async with replicas(1) as (healthy,):
+        async with run_gateway([DEAD, healthy.url]) as gw:  # cache-aware, the default
+            clock = _manual_replica_clock(gw)
+            listed = await gw.client.get("/v1/models")  # (a tie: the first listed, the dead one)
+            clock.advance(gw.gateway.config.routing.backoff_s)  # (the next call probes it)
+            ranked = await gw.client.post("/v1/rerank", json={"model": "m", "query": "q"})
+            dead = (await gw.client.get("/stats")).json()["replicas"][DEAD]
+    assert (listed.status_code, ranked.status_code) == (200, 200), ranked.text
+    assert healthy.count("/v1/models") == healthy.count("/v1/rerank") == 1
+    assert dead["errors"] == 2 and dead["state"] == "down"
+
+
+async def _dropping(call: RawCall) -> tuple[bytes, bool]:
+    return b"", True  # (the call read whole, the connection closed: no byte of answer)
+
+
+@pytest.mark.parametrize("how", ["dropped", "silent"])
+async def test_a_pass_through_call_a_replica_took_is_never_sent_to_another(how):
+    # Its bytes reached the replica, which may have acted on them (the method may not be
+    # idempotent): a 502 or 504, never run a second time elsewhere.
+    async with contextlib.AsyncExitStack() as stack:
+        (other,) = await stack.enter_async_context(replicas(1))
+        if how == "dropped":
+            took = await stack.enter_async_context(raw_upstream(_dropping))
+        else:
+            (took,) = await stack.enter_async_context(replicas(1))
+            took.hang = True
+        gw = await stack.enter_async_context(
+            run_gateway(
+                [took.url, other.url],
+                routing={"policy": "round-robin"},
+                limits={"upstream_timeout": 0.5},
+            )
+        )
+        reply = await gw.client.post("/v1/rerank", json={"model": "m", "query": "q"})
+    assert len(took.calls) == 1 and other.count() == 0
+    assert reply.status_code == (502 if how == "dropped" else 504)
+    assert reply.headers["x-should-retry"] == "false"
+
+
+async def test_concurrent_pass_through_calls_are_counted_in_flight_and_spread():
+    # Pass-through calls were not counted in flight (/stats said 0 while they ran), and
+    # cache-aware broke the tie on load by the size of each replica's prefix record: every
+    # one went to the replica that had been sent no prompt yet.
+    async with replicas(2) as (a, b):
+        async with run_gateway([a.url, b.url]) as gw:  # cache-aware, the default
+            assert (await gw.chat(PROMPTED)).status_code == 200  # (-> a: its record grows)
+            a.gate = b.gate = asyncio.Event()
+            calls = [
+                asyncio.create_task(
+                    gw.client.post("/v1/rerank", json={"model": "m", "query": f"q{i}"})
+                )
+                for i in range(4)
+            ]
+            await eventually(lambda: a.count("/v1/rerank") + b.count("/v1/rerank") == 4)
+            during = (await gw.client.get("/stats")).json()["replicas"]
+            a.gate.set()
+            assert [r.status_code for r in await asyncio.gather(*calls)] == [200] * 4
+            after = (await gw.client.get("/stats")).json()["replicas"]
+    assert [during[f.url]["in_flight"] for f in (a, b)] == [2, 2]
+    assert (a.count("/v1/rerank"), b.count("/v1/rerank")) == (2, 2)
+    assert [after[f.url]["in_flight"] for f in (a, b)] == [0, 0]
+
+
+async def test_pass_through_calls_one_at_a_time_are_spread_over_the_replicas():
+    # With no prompt, a replica's cache room says nothing of where the call should go: ties on
+    # load go to the replica with fewer calls (they all went to the one with no prompt sent).
+    async with replicas(2) as (a, b):
+        async with run_gateway([a.url, b.url]) as gw:  # cache-aware, the default
+            assert (await gw.chat(PROMPTED)).status_code == 200  # (-> a: its record grows)
+            for _ in range(4):
+                assert (await gw.client.get("/v1/models")).status_code == 200
+    assert (a.count("/v1/models"), b.count("/v1/models")) == (2, 2)
+
+
+async def _head_then_wait(scope, receive, send) -> None:
+    """An upstream whose pass-through answer sends its head and a first piece, then nothing
+    until its client goes."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b'{"data": [', "more_body": True})
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def test_a_pass_through_call_its_client_leaves_is_no_longer_counted_in_flight():
+    # Its client gone part-way through the body, or before the answer came (the replica still
+    # at work on it until then): the count goes back down.
+    async with replicas(1) as (waiting,), serve_app(_head_then_wait) as slow:
+        async with run_gateway(
+            [waiting.url, slow + "/v1"], routing={"policy": "round-robin"}
+        ) as gw:
+            waiting.gate = asyncio.Event()
+            unanswered = asyncio.create_task(gw.client.get("/v1/models"))  # -> waiting
+            await eventually(lambda: gw.gateway.replicas.in_flight == 1)
+            async with gw.client.stream("GET", "/v1/models") as reply:  # -> slow
+                assert reply.status_code == 200
+                await anext(reply.aiter_raw())
+                assert gw.gateway.replicas.in_flight == 2
+            await eventually(lambda: gw.gateway.replicas.in_flight == 1)
+            unanswered.cancel()
+            waiting.gate.set()
+            await eventually(lambda: gw.gateway.replicas.in_flight == 0)
+
+
+async def test_a_5xx_answer_to_a_pass_through_call_is_relayed_and_leaves_its_replica_out():
+    # A downed replica answering a pass-through call's probe with a 503 was made healthy again
+    # (its back-off reset, /healthz "healthy") while it failed every call. The answer is relayed
+    # as it is (not tried elsewhere: its body may have been acted on); the replica stays out.
+    async with replicas(2) as (a, b):
+        a.fail_status = 503
+        async with run_gateway([a.url, b.url], routing={"policy": "round-robin"}) as gw:
+            clock = _manual_replica_clock(gw)
+            assert (await gw.chat("q")).status_code == 200  # (a 503, failed over: a is down)
+            clock.advance(gw.gateway.config.routing.backoff_s)  # (its back-off over)
+            statuses = [(await gw.client.get("/v1/models")).status_code for _ in range(2)]
+            health = (await gw.client.get("/healthz")).json()["replicas"]["replica-0"]
+    assert sorted(statuses) == [200, 503]
+    assert a.count("/v1/models") == b.count("/v1/models") == 1
+    assert health["healthy"] is False and health["failures"] == 2

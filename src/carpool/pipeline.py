@@ -83,7 +83,9 @@ Contract:
   entries), then each other worker's (``Peers.forget_state``) and instance's (the Redis
   invalidation channel's ``publish_state``), then is relayed. Not an invalidation: no other
   flight is forgotten, no epoch moved, no layer scanned. Redis failing, the shared ones stay
-  to their TTL (logged: the upstream deleted it all the same).
+  to their TTL (logged: the upstream deleted it all the same). Its answer is the caller's to
+  read to its end or close (``PassthroughResponse.aclose``, as the server's relay does however
+  it ends): the call counts in its replica's load until then.
 - Every layer is injected (``Layers``, built by ``wiring.build_gateway``); the path's own parts
   are ``exchange.py`` (the upstream call and its stream), ``lead.py`` (a flight's task: the call,
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
@@ -710,7 +712,8 @@ class Gateway:
         (``/responses/{id}...``, ``/chat/completions/{id}...``), a file or a batch
         (``/files/{id}...``, ``/batches/{id}...``, a ``POST /batches`` of a file) goes to the
         replica that keeps it (``routing.state``), which an upload's or a batch's answer tells
-        (``learning``).
+        (``learning``). The answer is the caller's to read to its end or close
+        (``PassthroughResponse.aclose``): the call is counted in flight on its replica until then.
         An ``Idempotency-Key`` (``X-Idempotency-Key``) is held to the cached endpoints' rule
         (``parse_key``): an invalid one raises ``IdempotencyKeyInvalid`` (400, problem+json),
         nothing sent. A valid one is no record's: the call runs each time it comes, its key
@@ -748,7 +751,11 @@ class Gateway:
         if 200 <= response.status < 300 and (deleted := path_deleted(method, path)) is not None:
             # Gone upstream: the answers that are or continue it go too, before the client
             # hears so (their ids name nothing now; what it deleted is not served again).
-            await self._forget_state(requester(headers, self.config), deleted)
+            try:
+                await self._forget_state(requester(headers, self.config), deleted)
+            except BaseException:
+                await response.aclose()  # (never relayed: its replica's call is over)
+                raise
         return response
 
     async def _forget_state(self, tenant: str, state_id: str) -> None:

@@ -49,15 +49,17 @@ Contract:
   logged by ``ReplicaSet.passthrough`` as the upstream's) is cut for its client too: its
   connection closed, never its body ended as if whole; not logged as a failure of the
   gateway's (under carpool's HTTP protocol, ``CUT``; uvicorn's own logs that a response was
-  left incomplete). An ``Idempotency-Key`` (or ``X-Idempotency-Key``) on a pass-through
-  call, whatever its method, is held to the cached endpoints' rule (``Gateway.passthrough``):
-  an invalid one is their 400 (problem+json) and nothing is sent; a valid one is forwarded
-  (not with a key the gateway holds) but recorded nowhere: a retry runs the call again, unless
-  the upstream honours the key. Pass-through requests are in none of ``/stats``' request
-  counters (``requests``, ``rejected``...): neither their answers nor the gateway's refusals
-  of them (a client key refused, headers too large, a path refused, an invalid idempotency
-  key); only their calls, in ``upstream_calls``. A cached endpoint's refusals are in
-  ``rejected``.
+  left incomplete). However its relay ends (whole, cut, its client gone before or during the
+  body), the answer is closed (``PassthroughResponse.aclose``): its call counted in flight no
+  more, its connection let go. An ``Idempotency-Key`` (or ``X-Idempotency-Key``) on a
+  pass-through call, whatever its method, is held to the cached endpoints' rule
+  (``Gateway.passthrough``): an invalid one is their 400 (problem+json) and nothing is sent; a
+  valid one is forwarded (not with a key the gateway holds) but recorded nowhere: a retry runs
+  the call again, unless the upstream honours the key. Pass-through requests are in none of
+  ``/stats``' request counters (``requests``, ``rejected``...): neither their answers nor the
+  gateway's refusals of them (a client key refused, headers too large, a path refused, an
+  invalid idempotency key); only their calls, in ``upstream_calls``. A cached endpoint's
+  refusals are in ``rejected``.
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
@@ -142,6 +144,7 @@ from .reply import SLICE_BYTES, refusal
 from .request import ENDPOINTS, TEXT_HEADERS, ClientRequest, header_text
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, UPSTREAM_HEADER, request_id
+from .upstream.base import PassthroughResponse
 from .wiring import build_gateway
 
 log = logging.getLogger("carpool.server")
@@ -448,24 +451,34 @@ class _Relay(StreamingResponse):
     """A pass-through answer relayed as it comes. Cut by its upstream part-way (its body
     raising an ``UpstreamError``, which ``ReplicaSet.passthrough`` logged), its client's
     connection is cut too: never ended as if whole (chunked, a short body would read as the
-    whole answer), nor taken for the gateway's own failure."""
+    whole answer), nor taken for the gateway's own failure. However the relay ends (whole,
+    cut, its client gone before or during the body), the answer is closed: its replica's count
+    of calls in flight goes back down, its connection is let go."""
 
-    def __init__(self, content: AsyncIterator[bytes], status: int, cut: Any) -> None:
-        super().__init__(content, status)
+    def __init__(self, answer: PassthroughResponse, cut: Any) -> None:
+        super().__init__(answer.body, answer.status)
+        self.answer = answer
         self.cut: Callable[[], None] | None = cut
 
     async def stream_response(self, send: Any) -> None:  # (Starlette's, but for a cut)
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
         try:
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError:
-            if self.cut is not None:
-                self.cut()
-            return  # (left incomplete: the server closes the connection)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            try:
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except UpstreamError:
+                if self.cut is not None:
+                    self.cut()
+                return  # (left incomplete: the server closes the connection)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.answer.aclose()
 
 
 def _below(scope: Scope, root: str) -> Scope:
@@ -672,7 +685,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             )
         except CarpoolError as error:
             return _carpool_error(error)
-        response = _Relay(upstream.body, upstream.status, scope.get(CUT))
+        response = _Relay(upstream, scope.get(CUT))
         # One x-request-id per response, the gateway's: the upstream's own is kept under
         # another name (the only answers whose headers the gateway did not write).
         response.raw_headers = [

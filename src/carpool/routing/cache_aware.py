@@ -13,6 +13,9 @@ and decides per request:
 3. otherwise  ->  the least-loaded replica (``Decision.LEAST_LOADED``; ties: the replica that
    remembers the fewest characters, i.e. has the most cache room, then fewest calls: a new
    prefix goes where it displaces least, which also spreads distinct prefixes over replicas).
+   A request with no prompt text (a pass-through call, say: nothing to match or record) breaks
+   the tie by fewest calls alone: by cache room, every one went to the replica sent fewest
+   prompts.
 
 The record is a **hashed-block chain** rather than a character trie: a prompt is cut into blocks
 of ``block_chars`` characters and block *i* is keyed by a hash of (key of block i-1, text of
@@ -166,7 +169,15 @@ class CacheAware(RoutingPolicy):
     ) -> tuple[ReplicaState, Decision]:
         matched, holders = self.record.match(text, [r.name for r in replicas], scope or ROOT)
         rate = matched / len(text) if text else 0.0
-        least = min(replicas, key=lambda r: (r.in_flight, self.record.size_chars(r.name), r.calls))
+        if text:
+            least = min(
+                replicas, key=lambda r: (r.in_flight, self.record.size_chars(r.name), r.calls)
+            )
+        else:
+            # No prompt text (a pass-through call, say): nothing will be recorded, so cache room
+            # says nothing of where it should go; by it, every such call went to the replica
+            # sent the fewest prompts. Fewest calls spreads them, as least-loaded does.
+            least = min(replicas, key=lambda r: (r.in_flight, r.calls))
         if text and rate >= self.cache_threshold and holders:
             best = min(
                 (r for r in replicas if r.name in holders), key=lambda r: (r.in_flight, r.calls)

@@ -74,15 +74,28 @@ all, and so whether ``text`` matters):
   cancelled), with its last attempt's decision (``/stats`` ``routing``).
 - In flight: counted from the send until the answer is complete: for a complete body, when
   ``send`` returns; for a stream, until the returned response's ``aclose()`` (the caller must close
-  every streaming response, as ``Gateway`` does; ``aclose`` is safe to call twice). Counts are
-  released on every path: success, error, cancellation.
-- ``passthrough`` (other ``/v1/...`` calls): one attempt on the chosen replica, no failover (the
-  method may not be idempotent); a transport failure downs the replica like any other (so does
-  a refusal of its own key, ``own_keys``), an answer of any status is relayed as it is and heals
-  a downed replica. An answer cut after its head (its body raising ``UpstreamAnswerCut``) is
-  logged as such, a warning naming the replica without a traceback, and raised on (the server
-  cuts its client's connection); it leaves the replica in rotation, as a stream that broke
-  part-way does (its head was counted by ``observe``, once, at its status).
+  every streaming response, as ``Gateway`` does; ``aclose`` is safe to call twice); for a
+  pass-through answer, until its body has been read to its end or the answer closed
+  (``PassthroughResponse.aclose``, which the server's relay calls however it ends: the client
+  gone before or during the body included). Counts are released on every path: success,
+  error, cancellation. Pass-through calls are load like any (the policy weighs them: with no
+  prompt text, cache-aware spreads them by calls, not by cache room).
+- ``passthrough`` (other ``/v1/...`` calls): the method may not be idempotent, so a call is
+  tried on another replica (once, ``Decision.FAILOVER``) only when nothing was sent: the
+  connection refused or not made in time (``UpstreamUnreachable``, ``UpstreamTimeout``). Once
+  its bytes may have reached the replica (``UpstreamNoAnswer``: no answer in time, the
+  connection dropped) it never is, nor is a call on the state its holder keeps (no other
+  replica has it). A transport failure downs the replica like any other (so does a refusal of
+  its own key, ``own_keys``). An answer is relayed as it is, whatever its status; one that
+  ``send`` counts as the replica answering (2xx, 4xx, 304, 501, 505) heals a downed replica,
+  and any other (a 5xx; a 3xx without ``Location``, the one redirect relayed) is that
+  replica's failure as on the cached endpoints (downed, or its back-off grown: a probe
+  answered 503 made it healthy again while it failed every call), relayed all the same: not
+  tried elsewhere, the call may have been acted on. An answer cut after its head (its body
+  raising ``UpstreamAnswerCut``) is logged as such, a warning naming the replica without a
+  traceback, and raised on (the server cuts its client's connection); it leaves the replica
+  in rotation, as a stream that broke part-way does (its head was counted by ``observe``,
+  once, at its status).
 - Operators see every failure: a warning on the ``carpool.routing`` logger naming the replica
   (``name``: never its credentials) and what happened, at most one per replica per
   ``log_interval`` seconds; the next one counts those left out. A downed replica that answers
@@ -449,49 +462,94 @@ class ReplicaSet:
         body: bytes,
         holder: str | None = None,
     ) -> PassthroughResponse:
-        """Another ``/v1/...`` call on one replica (``holder``'s when eligible), not retried;
-        see the module doc."""
+        """Another ``/v1/...`` call on one replica (``holder``'s, in back-off too), tried on another
+        only when nothing was sent; see the module doc. The answer is counted in flight until
+        its body is read or the answer closed (``PassthroughResponse.aclose``)."""
         chosen = self.choose("", holder=holder)
         assert chosen is not None
         replica, decision = chosen
-        if not replica.healthy:
-            replica.probing = True
-        seen = replica.verdicts
-        replica.calls += 1  # (an attempt like any: what the engines were asked)
-        try:
-            response = await replica.upstream.passthrough(method, path, query, headers, body)
-        except _RETRYABLE as error:
-            self._failed(replica, _what(error), seen)
-            self._observe(replica, error.status, decision)
-            raise
-        except UpstreamKeyRefused as error:  # (see ``send``)
-            self._observe(replica, error.upstream_status or error.status, decision)
-            if self._own_key_refused(error):
-                replica.answered_at = self.clock()
-                self._failed(replica, _key_refused(error), seen)
+        tried: list[ReplicaState] = []
+        while True:
+            tried.append(replica)
+            seen = replica.verdicts
+            if not replica.healthy:
+                replica.probing = True
+            replica.in_flight += 1
+            replica.calls += 1  # (an attempt like any: what the engines were asked)
+            try:
+                self.policy.on_sent("", replica)
+                response = await replica.upstream.passthrough(method, path, query, headers, body)
+            except _RETRYABLE as error:
+                self._done(replica)
+                self._failed(replica, _what(error), seen)
+                self._observe(replica, error.status, decision)
+                # Nothing sent (refused, no connection in time): any method may be tried once on
+                # another replica. Sent, maybe in part (``UpstreamNoAnswer``), never: it may have
+                # been acted on. Nor a call on the state its holder keeps: no other has it.
+                retry = (
+                    self.choose("", tried)
+                    if len(tried) < 2
+                    and not isinstance(error, UpstreamNoAnswer)
+                    and replica.name != holder
+                    else None
+                )
+                if retry is None:
+                    raise
+                replica, decision = retry[0], Decision.FAILOVER
+                continue
+            except UpstreamKeyRefused as error:  # (see ``send``)
+                self._done(replica)
+                self._observe(replica, error.upstream_status or error.status, decision)
+                if self._own_key_refused(error):
+                    replica.answered_at = self.clock()
+                    self._failed(replica, _key_refused(error), seen)
+                    raise
+                replica.answered, replica.answered_at = True, self.clock()
+                self._succeeded(replica)
+                self._refused(replica, error)
                 raise
-            replica.answered, replica.answered_at = True, self.clock()
-            self._succeeded(replica)
-            self._refused(replica, error)
-            raise
-        except BaseException:
-            replica.probing = False
-            raise
+            except BaseException:
+                self._done(replica)
+                replica.probing = False
+                raise
+            break
         self._observe(replica, response.status, decision)
         replica.answered, replica.answered_at = True, self.clock()
-        if not replica.healthy:
+        if _answered(response.status):
             self._succeeded(replica)
+        else:
+            # A 5xx (but 501, 505), or a 3xx without ``Location``, fails the replica as on the
+            # cached endpoints; relayed as it is, not tried elsewhere: the call may have been
+            # acted on before it failed. (Healed by it, a replica failing every call was back.)
+            self._failed(replica, f"answered {response.status}", seen)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._done(replica)
+
+        async def close() -> None:
+            release()  # (first: nothing awaited below can keep the call counted)
+            await response.aclose()  # (its upstream's: a body never read, its connection)
+
         return PassthroughResponse(
-            response.status, response.headers, self._relayed(replica, response.body), replica.name
+            response.status,
+            response.headers,
+            self._relayed(replica, response.body, release),
+            replica.name,
+            close,
         )
 
     async def _relayed(
-        self, replica: ReplicaState, body: AsyncIterator[bytes]
+        self, replica: ReplicaState, body: AsyncIterator[bytes], release: Callable[[], None]
     ) -> AsyncIterator[bytes]:
         """A pass-through answer's body as it comes. Cut by its replica part-way (an
         ``UpstreamError`` now: ``UpstreamAnswerCut``), it is logged (a warning naming the
         replica, no traceback) and raised on for the server to cut its client's connection; the
-        replica took the call and stays in rotation, as after a stream that broke part-way."""
+        replica took the call and stays in rotation, as after a stream that broke part-way.
+        However it ends (read whole, cut, closed part-way), the call is no longer in flight."""
         try:
             async for chunk in body:
                 yield chunk
@@ -504,6 +562,7 @@ class ReplicaSet:
             )
             raise
         finally:
+            release()  # (first: synchronous, so that no cancellation of the close skips it)
             close = getattr(body, "aclose", None)
             if close is not None:  # (left part-way by its client: its connection let go now)
                 await close()

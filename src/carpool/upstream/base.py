@@ -18,7 +18,11 @@ Contract:
   ``sse.is_complete``) is for the caller to judge.
 - ``aclose()`` on a response releases its connection; it is safe to call twice and after a
   cancellation.
-- ``passthrough`` forwards any other ``/v1/...`` call unchanged and is never cached.
+- ``passthrough`` forwards any other ``/v1/...`` call unchanged and is never cached. Its
+  transport failures are told as ``send``'s are: ``UpstreamUnreachable`` / ``UpstreamTimeout``
+  only when nothing can have been acted on (no connection; the routing tries another replica),
+  ``UpstreamNoAnswer`` once the request may have reached the server. Its answer
+  (``PassthroughResponse``) is read to its end or closed (``aclose``) by whoever relays it.
 - Implementations: ``carpool.upstream.http.HttpUpstream`` (a real server over pooled HTTP) and
   ``carpool.upstream.sim.SimUpstream`` (the embedded simulated engine, no sockets).
 """
@@ -26,7 +30,7 @@ Contract:
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -134,10 +138,29 @@ class UpstreamResponse:
 
 @dataclass(slots=True)
 class PassthroughResponse:
+    """A pass-through answer: its status, raw headers and body as it comes. Whoever relays it
+    reads the body to its end or calls ``aclose`` (it may do both): only then is what its maker
+    holds for it let go (``close``: a connection, ``ReplicaSet``'s count of the call in flight),
+    however the relay ended: read whole, left part-way, or never begun."""
+
     status: int
     headers: list[tuple[bytes, bytes]]
     body: AsyncIterator[bytes]
     replica: str = ""  # the name of the replica that answered (``ReplicaSet.passthrough``)
+    close: Callable[[], Awaitable[None]] | None = None
+
+    async def aclose(self) -> None:
+        """Done with the answer: its body closed (a body never begun holds nothing then: an
+        async generator runs no ``finally`` of its own before its first step), then ``close``.
+        Safe to call twice."""
+        try:
+            closing = getattr(self.body, "aclose", None)
+            if closing is not None:
+                await closing()
+        finally:
+            close, self.close = self.close, None
+            if close is not None:
+                await close()
 
 
 class Upstream(Protocol):

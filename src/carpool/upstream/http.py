@@ -13,7 +13,8 @@ Contract (on top of ``upstream.base``):
   A stream that ended whole
   gives its connection back to the pool; one left part-way closes it (the engine stops).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
-  replica, opened on first use, with the same limits.
+  replica, opened on first use, with the same limits; an answer's connection is let go once
+  its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not.
 - Transport errors are translated here, the original error kept as ``__cause__``: a read
   timeout before the answer's head -> ``UpstreamNoAnswer`` (504: the request was written whole,
   so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
@@ -21,7 +22,11 @@ Contract (on top of ``upstream.base``):
   reset) after the request was written whole and before a byte of answer ->
   ``UpstreamNoAnswer`` too (502, ``dropped``: the engine may have run it; never sent again,
   ``upstream.wire``); anything else before an answer -> ``UpstreamUnreachable`` (502),
-  a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``); a
+  a connect timeout (TCP or TLS) included: nothing was sent (``connection timed out``).
+  Pass-through (aiohttp, which cannot say whether a request went out whole) is told so
+  too, warier: only a failure to connect is ``UpstreamUnreachable``; any failure once connected,
+  before the answer's head (a timeout, the connection closed or reset), is ``UpstreamNoAnswer``
+  (504, or 502 ``dropped``), as the request may have reached the engine. A
   whole answer cut or stalled after its head came -> ``UpstreamAnswerCut`` (502, 504 when it
   stalled: the engine took the call, not retried elsewhere; a pass-through answer's body
   raises it as it is read, its status relayed already), a
@@ -143,6 +148,9 @@ HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
+# aiohttp's failures to connect (refused, name resolution, TLS, a connect timeout): nothing of the
+# request was sent. (aiohttp's own split: the errors it never resends.)
+_NOT_CONNECTED = (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)
 # The query string is forwarded as it came; only what a URL cannot hold (space, control, non-ASCII
 # bytes, "#") is percent-encoded, since the URL is handed to aiohttp as already encoded.
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
@@ -410,16 +418,20 @@ class HttpUpstream:
             response = await self._client().request(
                 method, url, data=body, headers=headers, allow_redirects=False
             )
-        except aiohttp.ConnectionTimeoutError as exc:
-            # (A ``ServerTimeoutError``, but nothing was sent: unreachable, as for ``send``.)
+        except _NOT_CONNECTED as exc:
+            # (A connect timeout is a ``ServerTimeoutError`` too.) Nothing was sent: unreachable,
+            # as for ``send``, and the routing may try the call on another replica.
             raise UpstreamUnreachable(
                 f"upstream {self.label} is unreachable ({reason(exc)})"
             ) from exc
         except _TIMEOUTS as exc:
-            raise UpstreamTimeout(f"upstream {self.label} did not answer in time") from exc
+            # Connected: the request went out (aiohttp cannot say whether whole), and the engine
+            # may be running it: never tried elsewhere (the method may not be idempotent).
+            raise UpstreamNoAnswer(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(
-                f"upstream {self.label} is unreachable ({reason(exc)})"
+            # The connection closed or reset once made, before a byte of answer: as above.
+            raise UpstreamNoAnswer(
+                f"upstream {self.label} gave no answer ({reason(exc)})", dropped=True
             ) from exc
         if self._held and response.status in (401, 403):
             # As for the cached endpoints' calls (``send``).
@@ -492,7 +504,11 @@ class HttpUpstream:
             finally:
                 response.release()
 
-        return PassthroughResponse(response.status, relayed, content())
+        async def close() -> None:
+            # (Its body never read, ``content``'s ``finally`` never ran: the connection let go.)
+            response.release()
+
+        return PassthroughResponse(response.status, relayed, content(), close=close)
 
     async def aclose(self) -> None:
         if self._pool is not None:
