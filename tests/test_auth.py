@@ -223,7 +223,7 @@ async def test_a_replica_whose_own_key_is_refused_is_left_out_and_its_calls_fail
     config = {
         "upstreams": [fake.url, fake.url],
         "upstream_names": ["east", "west"],
-        "routing": {"policy": "round-robin", "backoff_s": 600},
+        "routing": {"policy": "round-robin", "backoff_s": 600, "backoff_max_s": 600},
         "upstream": {"api_keys": ["sk-east-REVOKED", "sk-west"]},
     }
     async with gateway_with(**config) as gw:
