@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import socket
 from collections.abc import AsyncIterator
@@ -20,7 +21,8 @@ from carpool.http_protocol import GatewayProtocol
 from carpool.reply import SLICE_BYTES, Reply
 from carpool.server import GatewayApp, create_app
 from carpool.wiring import build_gateway
-from fakes.serving import ServedApp, serve_app_with_server
+from fakes.serving import ServedApp, serve_app, serve_app_with_server
+from fakes.upstream import FakeUpstream
 from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
@@ -1099,3 +1101,54 @@ async def test_a_client_that_does_not_read_a_long_answer_holds_a_slice_of_it_not
             received = await _read_all(sock, stored)
     assert held <= high_water + SLICE_BYTES + 1024  # (+ the head)
     assert received.endswith(b"\r\n\r\n" + stored)
+
+
+async def _pipelined_client_leaves(stream: bool) -> None:
+    """A client pipelines a request of another path, the one to be answered, and one more, on a
+    connection with small buffers; closes it while the second is being answered on the ASGI path
+    (queued behind the first, it is not held), its stream waiting on its upstream or its whole
+    reply waiting for the client to read; then each request ends, none run after."""
+    fake = FakeUpstream()
+    if stream:
+        fake.chunk_gate = asyncio.Event()  # the stream stops after its first words
+    else:
+        fake.answer_text = lambda n, body: _LONG  # more than the connection's buffers hold
+    async with serve_app(fake) as url:
+        fake.url = url + "/v1"
+        async with _gateway(fake) as (served, _), _small_buffered(served) as (sock, connection):
+            gateway = served.server.config.loaded_app.app.gateway
+            answered = orjson.dumps({**orjson.loads(_body("answered")), "stream": stream})
+            await asyncio.get_running_loop().sock_sendall(
+                sock,
+                b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n"
+                + _request(answered)
+                + _request(_body("queued")),
+            )
+            if stream:
+                await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+            else:
+                await eventually(lambda: connection.flow.write_paused, what="the reply waiting")
+            # Answered on the ASGI path, and not uvicorn's newest cycle: the queued one is.
+            assert connection.serving is None and len(connection.pipeline) == 1
+            sock.close()  # (with what it was sent unread: the connection is reset)
+            if stream:
+                await fake.wait_for_cancelled(1)  # (its client was the flight's last)
+            state = served.server.server_state
+            await eventually(lambda: not state.tasks, what="the requests ended")
+            assert gateway.flights.waiters == 0
+    assert fake.count() == 1  # (the queued request was never run)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream-waiting", "reply-waiting"])
+def test_a_request_answered_with_requests_pipelined_behind_it_ends_quietly_when_its_client_goes(
+    stream, caplog
+):
+    """The request being answered on the ASGI path learns its client left as soon as the
+    connection is lost, though uvicorn's current cycle is the request queued behind it: a
+    stream waiting on its upstream is cancelled (its place in the flight released), a reply
+    waiting for the client to read writes nothing more; nothing is logged as a failure. On
+    uvloop, as ``carpool serve`` runs: its transport refuses a write once the connection is
+    lost (a RuntimeError, which was logged as the gateway's 500)."""
+    uvloop = pytest.importorskip("uvloop")
+    uvloop.run(_pipelined_client_leaves(stream))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

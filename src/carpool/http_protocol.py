@@ -55,6 +55,11 @@ Contract:
   what was held for it (a slice, the flight's frames) is let go. A client that reads some,
   however slowly, is not cut. Under another server (the app under uvicorn's own protocol),
   its flow control bounds what is held (a slice), not for how long.
+- A connection lost (its client closed it, or it was aborted) is its client leaving for every
+  request on it (``connection_lost``), not only uvicorn's current cycle (the request parsed
+  last): the one being answered, on either path, with requests pipelined behind it too, ends as
+  a client's that left whatever it waits for (its upstream, the client to read), writes
+  nothing more, and is logged as no failure; those queued behind it are never run.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A
@@ -218,6 +223,9 @@ class GatewayProtocol(HttpToolsProtocol):
         # The held request being served, if any: its cycle and its watch (``_serve``).
         self.serving: RequestResponseCycle | None = None
         self.watch: ClientWatch | None = None
+        # The cycle of the request uvicorn last started on the ASGI path (``_start_asgi_task``):
+        # with requests pipelined behind it, not uvicorn's current one (``connection_lost``).
+        self.answering: RequestResponseCycle | None = None
         # A response answered here, not written yet (``_send_soon``).
         self.soon: bytes | None = None
         # Where the request being read stands: between requests, in its head (its header
@@ -471,11 +479,22 @@ class GatewayProtocol(HttpToolsProtocol):
                 timer.cancel()
         self.linger_timer = self.head_timer = self.rest_timer = self.send_timer = None
         super().connection_lost(exc)
-        # uvicorn marks only its current cycle: a request pipelined behind this one has its own.
-        if self.serving is not None and not self.serving.response_complete:
-            self.serving.disconnected = True
+        # uvicorn tells only its current cycle, the request parsed last: with requests pipelined
+        # behind the one being answered, the last one queued. The one answered went on as if
+        # its client were there (a stream held its place in its flight; its watch waits on its
+        # own cycle) and wrote to the closed connection, which uvloop refuses: a RuntimeError,
+        # logged as the gateway's 500. Every request of the connection is told.
+        queued = (cycle for cycle, _ in self.pipeline)
+        for cycle in (self.answering, self.serving, *queued):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         if self.watch is not None:
             self.watch.left()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self.answering = cycle  # (the first of a connection, or one pipelined, now answered)
+        super()._start_asgi_task(cycle, app)
 
     def _held_target(self) -> tuple[str, bytes] | None:
         """The path and query of a request that may be held (module contract), else None."""
