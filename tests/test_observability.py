@@ -12,7 +12,7 @@ from carpool.config import Config
 from carpool.metrics import Buckets
 from carpool.tracing import NO_SPAN, Tracer
 from carpool.wiring import build_gateway
-from conftest import redis_settings
+from conftest import Served, redis_settings, run_gateway
 from fakes.waiting import eventually
 
 
@@ -103,6 +103,79 @@ async def test_stats_and_metrics_come_to_count_only_the_live_exact_entries(gatew
         assert samples(text, "carpool_cache_entries")['{layer="exact"}'] == 0
         assert samples(text, "carpool_cache_bytes")['{layer="exact"}'] == 0
         assert gw.gateway.store.evictions == 0 and fake.count() == 3
+
+
+async def exact_figures(served: Served) -> list[tuple[float, float]]:
+    """The exact cache's (entries, bytes) as ``/stats`` and then ``/metrics`` report them."""
+    exact = (await served.client.get("/stats")).json()["layers"]["exact"]
+    text = (await served.client.get("/metrics")).text
+    layer = '{layer="exact"}'
+    scraped = samples(text, "carpool_cache_entries")[layer], samples(text, "carpool_cache_bytes")
+    return [(exact["entries"], exact["bytes"]), (scraped[0], scraped[1][layer])]
+
+
+async def until_reported(served: Served, figures: tuple[int, int], what: str) -> None:
+    """Read ``served``'s reports until both say ``figures`` (bounded: they read Redis's counts
+    again at most once per stats interval, 1 s)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (reported := await exact_figures(served)) != [figures, figures]:
+        assert loop.time() < deadline, f"{what}: reported {reported}, not {figures}"
+        await asyncio.sleep(0.05)
+
+
+async def test_with_redis_every_instance_reports_the_live_entries_of_the_whole_shared_cache(
+    fake, redis_server
+):
+    # With Redis, the exact cache's figures are Redis's counts of the shared cache; they were
+    # read again only by this instance's own puts, invalidations and gets: an idle instance
+    # reported 0 while Redis held another's answers, and answers expired since stayed counted
+    # however often the reports were read. The reports read the counts again themselves.
+    config = {**redis_settings(redis_server), "cache": {"types": {"short": {"ttl": 1}}}}
+    async with run_gateway([fake.url], **config) as a, run_gateway([fake.url], **config) as b:
+        for question in ("a", "b"):
+            assert (await a.chat(question)).headers["x-carpool"] == "miss"
+        two = (a.gateway.store.entries, a.gateway.store.bytes)
+        short = await a.chat("c", headers={"x-carpool-type": "short"})
+        assert short.headers["x-carpool"] == "miss"
+        three = (a.gateway.store.entries, a.gateway.store.bytes)
+        assert two[0] == 2 and three[0] == 3 and three[1] > two[1]
+        await until_reported(b, three, "the idle instance, of what the other one stored")
+        await until_reported(a, two, "the instance that stored them, once one expired")
+        await until_reported(b, two, "the idle instance, once one expired")
+        assert fake.count() == 3
+
+
+async def test_with_redis_each_layer_counts_its_own_failed_redis_calls_the_store_only_its_own(
+    fake, redis_server
+):
+    # Every Redis layer tells the one health of its failures, and the health counted them all
+    # as the store's: with Redis down and no request (no store call), the invalidation
+    # subscriber's failed reconnections moved component="store" as much as their own series,
+    # and the components' sum counted each of them twice. The idempotency records' failures had
+    # no series but the store's.
+    settings = redis_settings(redis_server, retry_interval=0.05)
+    async with run_gateway([fake.url], **settings) as gw:
+        assert (await gw.chat("before")).headers["x-carpool"] == "miss"
+        channel = gw.gateway.invalidations
+        assert channel is not None
+        await eventually(lambda: not gw.gateway.flights.calls, what="the call's end, stored")
+        redis_server.kill()
+        await eventually(
+            lambda: channel.counts["errors"] >= 2, what="the subscriber's failed reconnections"
+        )
+        scraped = await gw.client.get("/metrics")  # (answered: its figures' read fails quietly)
+        assert scraped.status_code == 200
+        errors = samples(scraped.text, "carpool_redis_errors_total")
+        assert errors['{component="store"}'] == 0, errors
+        assert errors['{component="invalidations"}'] >= 2
+        assert errors['{component="flights"}'] == errors['{component="idempotency"}'] == 0
+        stats = await gw.client.get("/stats")
+        assert stats.status_code == 200 and stats.json()["redis"]["state"] == "degraded"
+        keyed = await gw.chat("keyed", headers={"Idempotency-Key": '"k"'})
+        assert keyed.status_code == 200  # (run from this process's records)
+        errors = samples((await gw.client.get("/metrics")).text, "carpool_redis_errors_total")
+        assert errors['{component="idempotency"}'] >= 1
 
 
 async def test_every_request_stats_count_is_in_metrics_idempotency_refusals_included(gw, fake):

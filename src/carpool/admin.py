@@ -3,10 +3,24 @@
 Contract:
 - ``gauges(layers)``: the live figures ``/metrics`` scrapes (flights: the upstream calls in
   flight, those an invalidation forgot included, and the answers lingering in the window,
-  ``FlightGroup.live``; waiters, each cache layer's entries and bytes, calls in flight per
-  replica, Redis errors per component, Redis calls that found the pool exhausted); read at
-  scrape time, never kept. The exact cache takes a step of reaping first (``Store.reap``), so
-  that its figures come to count live entries only.
+  ``FlightGroup.live``; with ``redis``, a call led by another instance that clients here follow
+  is a flight here too, so the instances' sum counts it once per instance; waiters, each cache
+  layer's entries and bytes, calls in flight per replica, Redis errors per component, Redis
+  calls that found the pool exhausted); read at scrape time, never kept. The exact cache takes
+  a step of reaping first (``Store.reap``), so that its figures come to count live entries
+  only.
+- ``refresh(layers)``, awaited by the reports (``/stats``, ``/metrics``) before they read the
+  gauges: with ``redis``, the exact cache's figures are Redis's counts of the whole shared cache
+  (every instance's entries, those expired reaped), read again when older than the store's
+  stats interval (1 s; ``SharedStore.fresh_counts``). A read Redis does not answer (within the
+  client's timeouts) leaves the last figures read: the report is answered all the same.
+  Degraded, the figures are this instance's own memory's, and Redis is not asked.
+- Redis errors per component: each layer's own failed calls, counted once, by the layer that
+  made them: ``store`` (the exact cache), ``flights``, ``invalidations`` (the subscriber's
+  reconnections too), ``semantic``, ``idempotency``; a component without its layer is left out
+  (``store`` is always there, 0 without ``redis``). ``redis_health``'s ``errors`` is every
+  layer's together, as the one health they all tell counts them (which counts a full pool or a
+  full Redis apart: ``pool_exhausted``, ``full``).
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
   ``redis``, ``peer_calls`` and this worker's ``peers`` figures).
@@ -71,25 +85,33 @@ def gauges(layers: Layers) -> dict[str, Any]:
             ),
         },
         "replicas": {name: r["in_flight"] for name, r in layers.replicas.snapshot().items()},
-        "redis_errors": {
-            "store": shared_store.errors if shared_store is not None else 0,
-            **(
-                {"flights": layers.shared_flights.counts["errors"]}
-                if layers.shared_flights is not None
-                else {}
-            ),
-            **(
-                {"invalidations": layers.invalidations.counts["errors"]}
-                if layers.invalidations is not None
-                else {}
-            ),
-        },
+        "redis_errors": redis_errors(layers),
         "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
         "redis_full": shared_store.full if shared_store is not None else 0,
         "judge_calls": layers.judge.calls if layers.judge is not None else 0,
         "semantic_audit": layers.audits.snapshot() if layers.audits is not None else {},
         "semantic_audit_totals": layers.audits.totals() if layers.audits is not None else {},
     }
+
+
+async def refresh(layers: Layers) -> None:
+    """Bring the figures the reports read from Redis up to date (the module's contract)."""
+    if layers.shared_store is not None:
+        await layers.shared_store.fresh_counts()
+
+
+def redis_errors(layers: Layers) -> dict[str, int]:
+    """Each Redis layer's own failed calls, by component (the module's contract)."""
+    errors = {"store": layers.shared_store.store_errors if layers.shared_store is not None else 0}
+    if layers.shared_flights is not None:
+        errors["flights"] = layers.shared_flights.counts["errors"]
+    if layers.invalidations is not None:
+        errors["invalidations"] = layers.invalidations.counts["errors"]
+    if layers.shared_semantic is not None:
+        errors["semantic"] = layers.shared_semantic.counts["errors"]
+    if layers.shared_idempotency is not None:
+        errors["idempotency"] = layers.shared_idempotency.errors
+    return errors
 
 
 def snapshot(layers: Layers) -> dict[str, Any]:

@@ -4,15 +4,17 @@ and closed together: ``Layers``.
 Contract:
 - ``Layers`` holds every layer the request's path reads (``Gateway``, ``pipeline.py``) and the
   admin surfaces report (``admin.py``); a layer whose config is off is ``None``.
-- ``shared_store`` and ``shared_semantic`` are the Redis-backed layers as what they are (the
-  same objects as ``store`` and ``semantic``; ``None`` without ``redis``): what ``/stats``,
-  ``/metrics`` and ``/healthz`` read of Redis (errors, pool exhaustion, health, stream counts).
+- ``shared_store``, ``shared_semantic`` and ``shared_idempotency`` are the Redis-backed layers
+  as what they are (the same objects as ``store`` and ``semantic``, and the shared side of
+  ``idempotency``; ``None`` without ``redis``): what ``/stats``, ``/metrics`` and ``/healthz``
+  read of Redis (errors, pool exhaustion, health, stream counts).
 - ``holders``: which replica keeps each stored response, file or batch this process saw
   (``routing.state``), for the follow-ups that only that replica can answer.
 - ``states``: the keys and semantic entries this process stored under each stored response's
   tag (``state_index``), which a ``DELETE`` of it drops, and the responses deleted lately.
 - ``start()`` starts the background work that needs the event loop (the server calls it at
-  startup; the layers also start lazily on first use); safe to call again.
+  startup; the layers also start lazily on first use), a first read of the shared cache's
+  counts among it; safe to call again.
 - ``peers`` is this worker's place among the workers of ``carpool serve --workers N`` without
   ``redis`` (``carpool.peers``): who owns a key, and asking the owner; ``None`` otherwise.
 - ``aclose()`` closes what the layers hold, each once, users before what they use (the peers'
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from .metrics import Metrics, Stats
     from .peers import Peers
     from .redis.flights import SharedFlights
+    from .redis.idempotency import RedisIdempotencyRecords
     from .redis.invalidation import InvalidationChannel
     from .redis.semantic import SharedSemanticCache
     from .routing.replicas import ReplicaSet
@@ -74,6 +77,7 @@ class Layers:
     invalidations: InvalidationChannel | None = None
     shared_store: SharedStore | None = None
     shared_semantic: SharedSemanticCache | None = None
+    shared_idempotency: RedisIdempotencyRecords | None = None
     peers: Peers | None = None  # the other workers of this run, without redis
     clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
     # which replica made each stored response (``routing.state``)
@@ -85,6 +89,9 @@ class Layers:
         """Start background work that needs the event loop (the server calls it at startup;
         it also starts lazily on first use)."""
         self.tracer.refresh()
+        if self.shared_store is not None:
+            # (The figures of the whole shared cache, before this instance serves anything.)
+            self.shared_store.refresh_soon()
         if self.shared_semantic is not None:
             self.shared_semantic.start()
         if self.invalidations is not None:

@@ -30,6 +30,11 @@ Contract:
   namespace's audits in all (``Audits.totals``), which ``POST /admin/semantic/audit/reset``
   leaves; what a reset empties (the estimate, the state) are gauges. At most
   ``METRIC_NAMESPACES`` namespaces are labelled (``labelled``): one ranked out loses its series.
+- The gauges (flights, caches, Redis errors...) are ``admin.gauges``', as it says:
+  ``carpool_redis_errors_total{component}`` counts each Redis layer's own failed calls, none
+  twice; with Redis the exact cache's entries and bytes are the whole shared cache's, at most
+  a stats interval old; a call led by another instance (or worker) is a flight here too while
+  requests here follow it.
 - ``saved_fraction`` is the share of *eligible* requests (not bypassed, not rejected) that did not
   reach upstream: (hits + semantic hits + coalesced) / (hits + semantic hits + coalesced + misses).
 """
@@ -209,9 +214,9 @@ class _StatsCollector(Collector):
         g = self.gauges()
         redis = CounterMetricFamily(
             "carpool_redis_errors",
-            "Redis calls that failed, by "
-            "component (the gateway served from its own memory "
-            "meanwhile).",
+            "Redis calls that failed, by the layer that made them (store, flights, "
+            "invalidations, semantic, idempotency), each counted once; the gateway served from "
+            "its own memory meanwhile.",
             labels=["component"],
         )
         for component, n in g["redis_errors"].items():
@@ -232,14 +237,17 @@ class _StatsCollector(Collector):
         )
         yield GaugeMetricFamily(
             "carpool_flights",
-            "Upstream calls in flight (and lingering in the coalescing window).",
+            "Upstream calls in flight (and lingering in the coalescing window); with Redis or "
+            "--workers, a call led elsewhere that requests here follow too.",
             value=g["flights"],
         )
         yield GaugeMetricFamily(
             "carpool_flight_waiters", "Requests attached to a flight.", value=g["waiters"]
         )
         entries = GaugeMetricFamily(
-            "carpool_cache_entries", "Cached answers by layer.", labels=["layer"]
+            "carpool_cache_entries",
+            "Cached answers by layer (with Redis, exact: the whole shared cache, at most 1 s old).",
+            labels=["layer"],
         )
         size = GaugeMetricFamily(
             "carpool_cache_bytes", "Bytes held by cached answers, by layer.", labels=["layer"]

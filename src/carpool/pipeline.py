@@ -815,6 +815,11 @@ class Gateway:
         """The /stats document (``admin.snapshot``)."""
         return admin.snapshot(self.layers)
 
+    async def refresh_figures(self) -> None:
+        """Before a report (``snapshot``, ``metrics``): the figures read from Redis brought up
+        to date when they are older than its stats interval (``admin.refresh``)."""
+        await admin.refresh(self.layers)
+
     def redis_health(self) -> dict[str, Any]:
         """``{"state": "off" | "up" | "degraded", ...}`` for /stats (``admin.redis_health``)."""
         return admin.redis_health(self.layers)

@@ -81,6 +81,9 @@ Contract:
 - Among the workers of ``--workers N`` without Redis, ``/metrics`` answers the run's sum and
   ``/stats`` the answering worker's document with the run's totals (``run``): the others' are
   asked through their doors, which answer for their own worker alone (``peers.metrics``).
+- ``/stats`` and ``/metrics`` first bring the figures read from Redis up to date
+  (``Gateway.refresh_figures``: the shared cache's counts, at most one stats interval old),
+  never failing when Redis does not answer (``admin.refresh``).
 - Under ``carpool serve`` (one process, or each worker: ``create_worker_app``), startup collects
   the garbage then freezes the collector (``gc.freeze``): what was built lives as long as the
   process, and full collections no longer walk it. ``create_app`` never does: a host that mounts
@@ -637,6 +640,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
     async def stats(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
+        await gateway.refresh_figures()
         doc, peers = gateway.snapshot(), gateway.layers.peers
         if peers is not None and request.scope.get(PEER) is not True:
             # This worker's document, and the run's figures (``peers.metrics.run_totals``).
@@ -655,6 +659,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
+        await gateway.refresh_figures()
         text, peers = gateway.metrics.render(), gateway.layers.peers
         if peers is not None and request.scope.get(PEER) is not True:
             # One port for the run: the sum of the workers', or the counters went down between

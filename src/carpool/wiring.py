@@ -49,6 +49,7 @@ from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 if TYPE_CHECKING:
     from .peers import Peers
     from .redis.flights import SharedFlights
+    from .redis.idempotency import RedisIdempotencyRecords
     from .redis.invalidation import InvalidationChannel
     from .redis.semantic import SharedSemanticCache
     from .redis.store import RedisStore
@@ -184,6 +185,7 @@ def build_layers(
         invalidations=invalidations,
         shared_store=_redis_backed_store(config, store),
         shared_semantic=_redis_backed_semantic(config, semantic),
+        shared_idempotency=_redis_backed_idempotency(config, idempotency),
         peers=peers,
         clock=clock,
         holders=StateHolders(config.routing.state_entries),
@@ -210,6 +212,18 @@ def _redis_backed_semantic(
     from .redis.semantic import SharedSemanticCache
 
     return semantic if isinstance(semantic, SharedSemanticCache) else None
+
+
+def _redis_backed_idempotency(
+    config: Config, idempotency: IdempotencyRecords
+) -> RedisIdempotencyRecords | None:
+    """The records in Redis that ``idempotency`` falls back from, with ``redis``."""
+    if not config.redis or not isinstance(idempotency, FallbackRecords):
+        return None
+    from .redis.idempotency import RedisIdempotencyRecords
+
+    shared = idempotency.shared
+    return shared if isinstance(shared, RedisIdempotencyRecords) else None
 
 
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:

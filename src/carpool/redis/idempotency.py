@@ -10,9 +10,10 @@ or paused) is tried again at the next interval; one that finds the record no lon
 (its lease ran out, Redis restarted empty) stops.
 
 Health: the instance's one health (``connection.Health``, the shared store's), as every Redis
-layer: every call (renewals included) reports its failure or success to it. Unlike the other
-layers, ``begin`` and ``wait`` call Redis even while it says Redis is down: a record that may be
-there (processing, or done) must not be taken for absent because another layer's call failed;
+layer: every call (renewals included) reports its failure or success to it, and one that failed
+is counted here too (``errors``; a full pool or a full Redis is the health's count only). Unlike
+the other layers, ``begin`` and ``wait`` call Redis even while it says Redis is down: a record
+that may be there (processing, or done) must not be taken for absent because another layer's call failed;
 only this call's own failure sends a request to this process's records (``FallbackRecords``). A call that finds every pooled
 connection busy (``PoolExhausted``) is reported once (counted and logged there, never a
 degraded period) and tried again, pausing ``BACKOFF_MIN`` doubling, until ``pool_timeout``
@@ -226,6 +227,7 @@ class RedisIdempotencyRecords:
         self.retention = retention
         self.lease = lease
         self.renewals = 0  # leases renewed (all records)
+        self.errors = 0  # calls that failed (``/metrics``' component="idempotency")
         self._keepers: dict[str, asyncio.Task[None]] = {}  # token -> its renewing task
         self.prefix = prefix
         self.poll_max = poll_max
@@ -383,6 +385,8 @@ class RedisIdempotencyRecords:
                 self._report(None)  # (Redis answered: a key something else wrote)
                 raise
             except StoreUnavailable as error:
+                if not isinstance(error, RedisFull):  # (Redis answered: the health counts it)
+                    self.errors += 1
                 self._report(error)
                 raise
             self._report(None)

@@ -23,10 +23,15 @@ Contract (on top of ``store.base``):
 - ``entries``/``bytes`` are the whole shared cache (all instances), as counted in Redis: an
   ``INCRBY``/``DECRBY`` byte counter and a set of live entries, kept by one Lua script that also
   reaps what expired. The properties are sync, so they return the last value this instance saw:
-  refreshed by every put and invalidation, by ``refresh_stats()``, and in the background by gets
-  (at most once per ``stats_interval``). They are approximate: a put racing an invalidation of
-  the same key on another instance may be counted until its TTL ends. ``bytes`` is
-  ``Entry.size`` summed, as for the memory store, not Redis's own memory use.
+  refreshed by every put and invalidation, by ``refresh_stats()``, and, when older than
+  ``stats_interval``, by ``fresh_stats()`` (awaited: the reports, ``/stats`` and ``/metrics``,
+  read them through it) and in the background by gets and ``refresh_soon()`` (at start). One
+  read at a time, shared by all of them; one that fails leaves the last value (never raised
+  from ``fresh_stats``), and is tried again an interval later. So an idle instance's reports
+  count what other instances stored, and what expired since, within ``stats_interval``. They
+  are approximate: a put racing an invalidation of the same key on another instance may be
+  counted until its TTL ends. ``bytes`` is ``Entry.size`` summed, as for the memory store, not
+  Redis's own memory use.
 - ``invalidate`` returns how many live entries it dropped. Tag and namespace invalidation read an
   index of candidates and drop each candidate only if its entry, checked atomically in Redis,
   still carries the tag/namespace (a replaced entry is never dropped for its old tags). Prefix
@@ -92,7 +97,7 @@ __all__ = ["RedisStore", "StoreUnavailable", "glob_escape", "xread_entries"]
 
 log = logging.getLogger("carpool.store")
 
-STATS_INTERVAL = 1.0  # s between background refreshes of ``entries``/``bytes`` by gets
+STATS_INTERVAL = 1.0  # s between two reads of ``entries``/``bytes`` by reports and gets
 BATCH = 500  # keys per SCAN page / per pipelined round trip in invalidations
 
 _unavailable = unavailable_in("the Redis store")
@@ -127,7 +132,7 @@ class RedisStore:
         self._keys = StoreKeys(prefix)
         self._entries = 0
         self._bytes = 0
-        self._stats_at = 0.0
+        self._stats_at = float("-inf")  # (monotonic) never read yet: the first report reads them
         self._refreshing: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -164,7 +169,7 @@ class RedisStore:
             await self._unreadable(entry_id, None, str(error.__cause__))
             return None
         header, body, frames, prompt_prefix = fields
-        self._refresh_soon()
+        self.refresh_soon()
         try:
             return decode(header, body, frames, prompt_prefix)
         except Unreadable as error:
@@ -266,6 +271,26 @@ class RedisStore:
         """Nothing: Redis expires entries itself, and the counts' script reaps them."""
         return 0
 
+    async def fresh_stats(self) -> None:
+        """``entries``/``bytes`` read again from Redis if older than ``stats_interval`` (the
+        reports'), the read awaited; bounded by the client's timeouts, and a failure leaves the
+        last values (the module's contract)."""
+        refreshing = self.refresh_soon()
+        if refreshing is not None:
+            # Shielded: a report whose client left does not cancel the read others wait on.
+            await asyncio.shield(refreshing)
+
+    def refresh_soon(self) -> asyncio.Task[None] | None:
+        """Read ``entries``/``bytes`` again in the background if they are older than
+        ``stats_interval``: the read (or the one already under way), None when they are fresh."""
+        if self._refreshing is not None:
+            return self._refreshing
+        if time.monotonic() - self._stats_at < self.stats_interval:
+            return None
+        self._stats_at = time.monotonic()  # one attempt per interval, even a failed one
+        self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly())
+        return self._refreshing
+
     async def refresh_stats(self) -> None:
         """Read ``entries``/``bytes`` from Redis now (reaping what expired)."""
         with _unavailable("stats"):
@@ -363,17 +388,10 @@ class RedisStore:
         self._entries, self._bytes = int(counts[0]), int(counts[1])
         self._stats_at = time.monotonic()
 
-    def _refresh_soon(self) -> None:
-        """Refresh the counts in the background if they are older than ``stats_interval``."""
-        if self._refreshing is not None or time.monotonic() - self._stats_at < self.stats_interval:
-            return
-        self._stats_at = time.monotonic()  # one attempt per interval, even a failed one
-        self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly())
-
     async def _refresh_quietly(self) -> None:
         try:
             await self.refresh_stats()
         except StoreUnavailable:
-            pass  # the counts stay as last seen; the next get tries again
+            pass  # the counts stay as last seen; the next report or get tries again
         finally:
             self._refreshing = None

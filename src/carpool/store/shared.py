@@ -19,20 +19,30 @@ Contract (on top of ``store.base``):
   message also proves that Redis answers, so it ends a degraded period due for another attempt
   (one not yet due goes on until ``retry_interval``: a Redis that delivers messages but fails
   calls does not switch the instance up and down with every message).
-- Failures are counted (``errors``), logged at most once per ``log_interval``, and reported by
-  ``health()`` for ``/stats`` and ``/healthz``. A call that waited ``pool_timeout`` for a free
-  connection (``PoolExhausted``: Redis answers, this instance is overloaded) is counted apart
-  (``pool_exhausted``), starts no degraded period and does not use the local store (a get is
-  a miss, a put is not kept: nothing would ever clear it of later invalidations). A write a full
-  Redis refused (``RedisFull``: ``maxmemory`` reached under ``noeviction``) is the same: Redis
-  answers, the answer is not kept anywhere (counted as ``full``, logged), no degraded period.
+- Failures are counted, logged at most once per ``log_interval``, and reported by ``health()``
+  for ``/stats`` and ``/healthz``: ``errors`` counts every layer's failed Redis calls (this
+  store's and those the other layers ``report``), ``store_errors`` this store's own only (what
+  ``/metrics`` labels ``component="store"``: each other layer counts its own). A call that
+  waited ``pool_timeout`` for a free connection (``PoolExhausted``: Redis answers, this
+  instance is overloaded) is counted apart (``pool_exhausted``), starts no degraded period and
+  does not use the local store (a get is a miss, a put is not kept: nothing would ever clear it
+  of later invalidations). A write a full Redis refused (``RedisFull``: ``maxmemory`` reached
+  under ``noeviction``) is the same: Redis answers, the answer is not kept anywhere (counted as
+  ``full``, logged), no degraded period.
 - ``generation()`` before a call begins and ``put(..., since=...)`` with its answer: an
   invalidation by any instance in between takes the answer back from Redis
   (``RedisStore.put``).
-- Other layers that use the same Redis (cross-instance flights) share this state: they ask
-  ``usable()`` before a Redis call and ``report()`` its failure or success. A True from
-  ``usable()`` while degraded is the attempt (it is taken): ask it only to make the call;
-  ``retry_due`` and ``degraded`` are questions only.
+- ``entries``/``bytes`` are Redis's counts of the whole shared cache (``RedisStore``) while
+  Redis is up, the local store's while degraded. ``fresh_counts()``, awaited by the reports
+  before they read them, has Redis's read again when older than its ``stats_interval``, never
+  while degraded (the figures are then the local store's, which ``reap`` keeps live); a read
+  that fails leaves the last ones and is neither counted nor reported (a report does not make
+  the instance degraded). ``refresh_soon()`` starts such a read in the background (at start).
+- Other layers that use the same Redis (flights, invalidations, semantic entries, idempotency
+  records) share this state: they ``report()`` each Redis call's failure or success, and ask
+  ``usable()`` before one (not the idempotency records: ``redis.idempotency`` says why). A
+  True from ``usable()`` while degraded is the attempt (it is taken): ask it only to make the
+  call; ``retry_due`` and ``degraded`` are questions only.
 """
 
 from __future__ import annotations
@@ -62,7 +72,8 @@ class SharedStore:
         self.local = local
         self.retry_interval = retry_interval
         self.log_interval = log_interval
-        self.errors = 0
+        self.errors = 0  # failed Redis calls, every layer's (the module's contract)
+        self.store_errors = 0  # this store's own among them
         self.pool_exhausted = 0  # calls that found no free connection in time
         self.full = 0  # writes a full Redis refused (maxmemory reached, noeviction)
         self._last_pool_log = float("-inf")
@@ -86,6 +97,16 @@ class SharedStore:
     def reap(self) -> int:
         """The local store's expired entries (what it holds since Redis went down)."""
         return self.local.reap()
+
+    async def fresh_counts(self) -> None:
+        """``entries``/``bytes`` brought up to date for a report (the module's contract)."""
+        if not self.degraded:
+            await self.redis.fresh_stats()
+
+    def refresh_soon(self) -> None:
+        """Redis's counts read again in the background (at start), unless degraded."""
+        if not self.degraded:
+            self.redis.refresh_soon()
 
     def health(self) -> dict[str, Any]:
         return {
@@ -112,7 +133,7 @@ class SharedStore:
         if error is None:
             self._answered()
         else:
-            self._failed(error)
+            self._failed(error, own=False)  # (that layer counts it as its own)
 
     def invalidated_elsewhere(self) -> int:
         """Another instance's invalidation reached this one through Redis (the module's
@@ -212,7 +233,7 @@ class SharedStore:
         self._next_try = now + self.retry_interval  # this caller's attempt; the others wait
         return False
 
-    def _failed(self, error: StoreUnavailable) -> None:
+    def _failed(self, error: StoreUnavailable, *, own: bool = True) -> None:
         now = time.monotonic()
         if isinstance(error, PoolExhausted):
             # Redis answers; this instance had more callers than connections for pool_timeout.
@@ -238,6 +259,8 @@ class SharedStore:
                 )
             return
         self.errors += 1
+        if own:
+            self.store_errors += 1
         self._next_try = now + self.retry_interval
         if self.down_since is None:
             self.down_since = time.time()
