@@ -11,8 +11,10 @@ Contract:
   refusals are counted in ``rejected`` only, so ``carpool_request_duration_seconds``'s count
   per outcome is ``carpool_requests_total``'s.
 - ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
-  hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
-  ``tokens_saved`` is a lower bound whenever that is not 0.
+  hits and joiners got, prompt + completion (``Api.usage_tokens``: a message's prompt-cache
+  tokens, which Anthropic counts apart from ``input_tokens``, included);
+  ``saved_without_usage`` counts those answers it reported none for, so ``tokens_saved`` is a
+  lower bound whenever that is not 0.
 - ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a
   failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
   the replicas, pass-through calls, the embeddings list probe's (``OwnCalls``) and the
