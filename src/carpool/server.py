@@ -133,7 +133,7 @@ from .errors import (
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
-from .metrics import COUNTED, COUNTED_ELSEWHERE
+from .metrics import COUNTED, COUNTED_ELSEWHERE, Counted
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
@@ -314,7 +314,8 @@ class GatewayApp:
         request it held. ``watch`` (made in this task) cancels it if its client leaves while it
         waits or streams."""
         client.on_wait = watch.start
-        COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
+        counted = Counted()  # (``Stats.count`` fills it in: this request's, in its task's context)
+        COUNTED.set(counted)
         COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
         reply: Reply | None = None
         task = asyncio.current_task()
@@ -328,7 +329,7 @@ class GatewayApp:
         except asyncio.CancelledError as cancel:
             if watch.client_left:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
-                if not COUNTED.get() and not client.peer:  # (left before any outcome was counted:
+                if not counted.done and not client.peer:  # (left before any outcome was counted:
                     self.gateway.stats.abandoned += 1  # its keyed request's record may settle)
             elif self._stopping(cancel):
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
@@ -341,6 +342,8 @@ class GatewayApp:
             if reply is not None:
                 reply.close()
                 self.gateway.observe(reply, time.monotonic() - started)
+            else:  # (cancelled once counted, as its record was kept: timed under its outcome)
+                self.gateway.observe_unanswered(counted, time.monotonic() - started)
 
     async def _cut_unserved(self, scope: Scope, send: Any, headed: bool, cached: bool) -> None:
         """Ends a request other than ``serve``'s that the server's shutdown cut (``_stopping``),
@@ -390,7 +393,8 @@ class GatewayApp:
         api, error = BY_PATH[client.path], ShuttingDown()
         if not watch.headed:
             log.info("shutting down: a request still waiting was cut (503, Retry-After)")
-            if not COUNTED.get() and not client.peer:
+            counted = COUNTED.get()
+            if (counted is None or not counted.done) and not client.peer:
                 self.gateway.stats.rejected += 1  # (a refusal's count: no outcome was given)
             await respond(refusal(error, api), watch)
         elif not watch.finished:
