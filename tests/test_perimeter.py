@@ -608,6 +608,52 @@ async def test_a_failure_of_the_gateway_is_a_500_in_the_apis_error_shape(fake, h
     assert caplog.text.count("RuntimeError: a bug in the gateway") >= 3
 
 
+@pytest.mark.parametrize("http", ["carpool", "httptools"])
+@pytest.mark.parametrize("method", ["GET", "OPTIONS", "DELETE"])
+async def test_only_a_post_to_a_cached_endpoints_path_is_that_endpoints_request_when_refused(
+    fake, tmp_path, http, method
+):
+    """Any other method on a cached endpoint's path is pass-through: the gateway's refusal of it
+    (a client key, headers too large: as they arrive under carpool's protocol, through ASGI
+    under uvicorn's own) is pass-through's, in OpenAI's error shape, without ``x-carpool``,
+    and in none of the request counters, as on ``/v1/models``; a POST there is the
+    endpoint's request, refused in its API's shape and counted in ``rejected``."""
+    import httpx
+
+    from carpool.server import create_app
+    from carpool.wiring import build_gateway
+    from fakes.serving import serve_app_with_server
+
+    keys = tmp_path / "keys"
+    keys.write_text("good\n")
+    config = Config(
+        upstreams=[fake.url],
+        auth={"client_keys_file": str(keys)},
+        limits={"max_header_bytes": 4096},
+    )
+    options = {} if http == "carpool" else {"http": "httptools"}
+    refusals = [({"authorization": "Bearer bad"}, 401), ({"x-pad": "p" * 8000}, 431)]
+    async with serve_app_with_server(create_app(build_gateway(config)), **options) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+
+            async def counters() -> tuple[int, int]:
+                stats = (await client.get("/stats")).json()
+                return stats["requests"], stats["rejected"]
+
+            for path in ("/v1/chat/completions", "/v1/messages/", "/v1/models"):
+                for headers, status in refusals:
+                    headers = {"authorization": "Bearer good", **headers}
+                    refused = await client.request(method, path, headers=headers)
+                    assert_openai_error(refused, status)
+                    assert "x-carpool" not in refused.headers, (path, status)
+                    assert await counters() == (0, 0), (path, status)
+            headers = {"x-api-key": "bad"}
+            posted = await client.post("/v1/messages", json=CHAT_BODY, headers=headers)
+    assert posted.status_code == 401 and posted.headers["x-carpool"] == "bypass"
+    assert posted.json()["type"] == "error"  # (Anthropic's shape)
+    assert fake.count() == 0
+
+
 def test_the_admin_surfaces_compare_the_token_in_constant_time():
     from carpool import admin_http, auth, server
 

@@ -58,8 +58,10 @@ Contract:
   the call again, unless the upstream honours the key. Pass-through requests are in none of
   ``/stats``' request counters (``requests``, ``rejected``...): neither their answers nor the
   gateway's refusals of them (a client key refused, headers too large, a path refused, an
-  invalid idempotency key); only their calls, in ``upstream_calls``. A cached endpoint's
-  refusals are in ``rejected``.
+  invalid idempotency key), in OpenAI's error shape without ``x-carpool``; only their calls,
+  in ``upstream_calls``. A cached endpoint's refusals are in ``rejected``, in its API's shape
+  with ``x-carpool: bypass``: those of a POST to its path alone (``_endpoint_api``), any other
+  method there being pass-through's.
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
@@ -232,7 +234,7 @@ class GatewayApp:
             # Counted in ``rejected`` there only, as the 431 below (and ``http_protocol``'s):
             # pass-through is in none of ``/stats``' request counters, its answers and the
             # gateway's refusals alike (the module doc).
-            await self._refuse(send, ClientKeyRefused(), api_at(scope["path"]))
+            await self._refuse(send, ClientKeyRefused(), _endpoint_api(scope))
             return
         if (
             scope["type"] == "http"
@@ -243,7 +245,7 @@ class GatewayApp:
             # them as they arrive: ``http_protocol.py``), and they go upstream.
             # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
             # and the hop's own (its host, accept, accept-encoding) are not the client's.
-            await self._refuse(send, HeadersTooLarge(self.max_headers), api_at(scope["path"]))
+            await self._refuse(send, HeadersTooLarge(self.max_headers), _endpoint_api(scope))
         elif scope["type"] == "http" and scope["method"] == "POST" and _cached_path(scope["path"]):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
             await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
@@ -510,6 +512,13 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
     as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
     return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
+
+
+def _endpoint_api(scope: Scope) -> Api | None:
+    """The cached endpoint whose request this is (its refusals in its API's shape, with
+    ``x-carpool: bypass``, counted in ``rejected``): a POST to its path, the only request
+    there it caches; any other method on that path is pass-through's."""
+    return api_at(scope["path"]) if scope["method"] == "POST" else None
 
 
 def _cached_path(path: str) -> bool:
