@@ -1227,6 +1227,37 @@ async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake)
         assert fake.count() == 1
 
 
+def prompt_cached(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Messages stream whose prompt was mostly written to and read from Anthropic's prompt
+    cache: counted apart from ``input_tokens``, as Anthropic reports them."""
+    for event in events:
+        if event["type"] == "message_start":
+            event["message"]["usage"].update(
+                input_tokens=10, cache_creation_input_tokens=7000, cache_read_input_tokens=990
+            )
+    return events
+
+
+async def test_tokens_saved_counts_the_prompt_tokens_anthropic_reports_apart_for_its_cache(
+    gw, fake
+):
+    # tokens_saved is prompt + completion tokens not recomputed: a message's prompt is its
+    # input_tokens and the tokens its prompt cache wrote and read, as OpenAI's cached tokens
+    # are inside prompt_tokens.
+    fake.message_events = prompt_cached
+    body = body_of("messages")
+    first, _ = await stream(gw, MESSAGES, body)
+    assert first.headers["x-carpool"] == "miss"
+    whole = await gw.client.post(MESSAGES, json=body)
+    streamed, _ = await stream(gw, MESSAGES, body)
+    assert (whole.headers["x-carpool"], streamed.headers["x-carpool"]) == ("hit", "hit")
+    usage = whole.json()["usage"]
+    assert usage["cache_creation_input_tokens"] == 7000
+    prompt_and_completion = sum(usage.values())  # input, output, cache written, cache read
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["tokens_saved"] == 2 * prompt_and_completion > 2 * 7990
+
+
 async def test_a_null_stream_asks_for_a_whole_message(gw, fake):
     # As the OpenAI APIs take it (tests/test_openai_sdk.py): null is no stream, and the
     # upstream is asked without it.

@@ -1111,6 +1111,24 @@ def test_a_streamed_chunk_whose_error_field_is_null_is_no_error_event():
     assert failed.error is not None and "error event" in failed.error
 
 
+def test_a_messages_prompt_tokens_count_its_prompt_cache_as_tokens_saved_does():
+    # gpu_seconds_saved splits the gateway's tokens_saved (a message's prompt-cache tokens in
+    # its prompt) by the prompt/completion mix of the answers received: the same prompt.
+    from carpool.bench.replay import Result, _read_body
+    from carpool.bench.workloads import MESSAGES, BenchRequest
+
+    usage = {
+        "input_tokens": 10,
+        "cache_creation_input_tokens": 7000,
+        "cache_read_input_tokens": 990,
+        "output_tokens": 4,
+    }
+    body = {"type": "message", "content": [], "stop_reason": "end_turn", "usage": usage}
+    result = Result(0, False, status=200)
+    _read_body(orjson.dumps(body), result, BenchRequest(0.0, MESSAGES, {}))
+    assert (result.prompt_tokens, result.completion_tokens) == (8000, 4)
+
+
 async def test_a_bench_request_cancelled_as_its_answer_arrives_stays_cancelled():
     """``carpool bench`` stops on SIGTERM by cancelling its run once; a request timed by
     ``asyncio.wait_for`` returned its answer when the cancel came in the same turn of the loop

@@ -363,6 +363,48 @@ async def test_a_client_leaving_while_its_record_is_finished_is_counted_once_and
     assert (stats["requests"], stats["abandoned"]) == (2, 0)
 
 
+@pytest.mark.parametrize(
+    "path, body, items",
+    [
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, 1),
+        ("/v1/embeddings", {"model": "e", "input": ["alpha", "beta"]}, 2),
+    ],
+    ids=["one", "a list"],
+)
+async def test_a_request_counted_under_its_outcome_is_timed_under_it_when_its_client_leaves_as_its_record_is_kept(  # noqa: E501
+    gw, fake, path, body, items
+):
+    # Its outcome was counted, then the cancel landed while its record was kept: its reply
+    # never came back to be timed (carpool_request_duration_seconds a miss short of
+    # carpool_requests_total); a list, counted item by item in tasks of their own, was counted
+    # abandoned as well.
+    records = gw.gateway.once.records
+    original, release, finishing = records.finish, asyncio.Event(), []
+
+    def finish(*args, **kwargs):
+        finishing.append(args)
+
+        async def held():  # as a slow Redis round trip would be
+            await release.wait()
+            return await original(*args, **kwargs)
+
+        return held()
+
+    records.finish = finish
+    leaving = asyncio.create_task(
+        gw.client.post(path, json={**body, "temperature": 0}, headers=KEY)
+    )
+    await eventually(lambda: len(finishing) == items, what="its records being kept")
+    leaving.cancel()
+    await eventually(lambda: not gw.gateway.serving, what="the request's end")
+    release.set()
+    stats = (await gw.client.get("/stats")).json()
+    assert (stats["misses"], stats["abandoned"]) == (items, 0)
+    assert {outcome: f["count"] for outcome, f in stats["latency_ms"].items()} == {"miss": 1}
+    retry = await gw.client.post(path, json={**body, "temperature": 0}, headers=KEY)
+    assert retry.headers["x-carpool"] == "hit" and fake.count() == items  # (what it kept)
+
+
 async def test_a_key_still_running_is_never_evicted_by_the_records_bounds(fake, gateway_with):
     # In-process records beyond idempotency.max_records: a running one was the oldest, went
     # first, and its retry ran the generation again while the first still streamed.

@@ -608,6 +608,52 @@ async def test_a_failure_of_the_gateway_is_a_500_in_the_apis_error_shape(fake, h
     assert caplog.text.count("RuntimeError: a bug in the gateway") >= 3
 
 
+@pytest.mark.parametrize("http", ["carpool", "httptools"])
+@pytest.mark.parametrize("method", ["GET", "OPTIONS", "DELETE"])
+async def test_only_a_post_to_a_cached_endpoints_path_is_that_endpoints_request_when_refused(
+    fake, tmp_path, http, method
+):
+    """Any other method on a cached endpoint's path is pass-through: the gateway's refusal of it
+    (a client key, headers too large: as they arrive under carpool's protocol, through ASGI
+    under uvicorn's own) is pass-through's, in OpenAI's error shape, without ``x-carpool``,
+    and in none of the request counters, as on ``/v1/models``; a POST there is the
+    endpoint's request, refused in its API's shape and counted in ``rejected``."""
+    import httpx
+
+    from carpool.server import create_app
+    from carpool.wiring import build_gateway
+    from fakes.serving import serve_app_with_server
+
+    keys = tmp_path / "keys"
+    keys.write_text("good\n")
+    config = Config(
+        upstreams=[fake.url],
+        auth={"client_keys_file": str(keys)},
+        limits={"max_header_bytes": 4096},
+    )
+    options = {} if http == "carpool" else {"http": "httptools"}
+    refusals = [({"authorization": "Bearer bad"}, 401), ({"x-pad": "p" * 8000}, 431)]
+    async with serve_app_with_server(create_app(build_gateway(config)), **options) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+
+            async def counters() -> tuple[int, int]:
+                stats = (await client.get("/stats")).json()
+                return stats["requests"], stats["rejected"]
+
+            for path in ("/v1/chat/completions", "/v1/messages/", "/v1/models"):
+                for headers, status in refusals:
+                    headers = {"authorization": "Bearer good", **headers}
+                    refused = await client.request(method, path, headers=headers)
+                    assert_openai_error(refused, status)
+                    assert "x-carpool" not in refused.headers, (path, status)
+                    assert await counters() == (0, 0), (path, status)
+            headers = {"x-api-key": "bad"}
+            posted = await client.post("/v1/messages", json=CHAT_BODY, headers=headers)
+    assert posted.status_code == 401 and posted.headers["x-carpool"] == "bypass"
+    assert posted.json()["type"] == "error"  # (Anthropic's shape)
+    assert fake.count() == 0
+
+
 def test_the_admin_surfaces_compare_the_token_in_constant_time():
     from carpool import admin_http, auth, server
 
@@ -859,6 +905,83 @@ async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with
     assert replicas.replicas[0].errors == 6 and not await replicas.ready()
     now[0] = 5000  # back-off over: /readyz probes it, in vain
     assert not await replicas.ready() and replicas.replicas[0].errors == 7
+
+
+class Flaky(Dead):
+    """An in-process upstream whose calls fail while ``failing`` says so."""
+
+    failing = True
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        if self.failing:
+            raise UpstreamUnreachable("upstream replica-0 is unreachable (connection refused)")
+        return UpstreamResponse(200, {"content-type": "application/json"}, b"{}")
+
+
+def routing_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "carpool.routing"]
+
+
+async def test_a_replica_that_fails_and_recovers_over_and_over_is_logged_at_most_once_per_interval(
+    caplog,
+):
+    # Its recovery does not make its next failure the first: that one is logged, and the line
+    # saying it answers again; what follows within the interval is held back, and counted by
+    # the first failure logged after it.
+    caplog.set_level(logging.INFO, logger="carpool.routing")
+    now = [1000.0]
+    upstream = Flaky()
+    replicas = ReplicaSet(
+        [upstream], build_policy("round-robin"), clock=lambda: now[0], log_interval=30
+    )
+    request = UpstreamRequest("/chat/completions", {"model": "m"})
+
+    async def call(t: float, fails: bool) -> None:
+        now[0], upstream.failing = t, fails
+        if fails:
+            with pytest.raises(UpstreamUnreachable):
+                await replicas.send(request)
+        else:
+            response, _, _ = await replicas.send(request)
+            assert response.status == 200
+
+    for t in range(1000, 1020, 2):  # (one replica: tried in its back-off all the same)
+        await call(t, True)
+        await call(t + 1, False)
+    first = routing_lines(caplog)
+    assert len(first) == 2
+    assert "failed" in first[0] and "answers again after 1 failure(s)" in first[1]
+    await call(1040, True)  # the first failure after a quiet period
+    await call(1041, False)
+    later = routing_lines(caplog)[2:]
+    assert len(later) == 2 and "answers again" in later[1]
+    assert "9 more failure(s) and 9 recoveries not logged in the last 39 s" in later[0]
+    # A logged failure's recovery is logged, its failed probes held back in between or not.
+    await call(1080, True)
+    await call(1090, True)
+    await call(1100, False)
+    last = routing_lines(caplog)[4:]
+    assert len(last) == 2 and "failed" in last[0]
+    assert "answers again after 2 failure(s) (1 more failure(s) not logged" in last[1]
+
+
+async def test_a_flapping_replica_is_not_a_log_line_per_failure_and_recovery(fake, caplog):
+    caplog.set_level(logging.INFO, logger="carpool.routing")
+    # (An interval no run of this test outlasts: what is held back is held back.)
+    async with run_gateway([fake.url], routing={"log_interval": 3600}) as gw:
+        statuses = []
+        for i in range(20):
+            if i % 2 == 0:
+                fake.fail_status, fake.fail_times = 500, 1  # this call fails, the next answers
+            response = await gw.client.post(
+                "/v1/chat/completions",
+                json={**CHAT_BODY, "messages": [{"role": "user", "content": f"q{i}"}]},
+            )
+            statuses.append(response.status_code)
+    assert statuses == [500, 200] * 10
+    lines = routing_lines(caplog)
+    assert len(lines) == 2
+    assert "failed" in lines[0] and "answers again" in lines[1]
 
 
 async def test_passthrough_never_follows_a_redirect_with_the_clients_credentials(gw, fake):

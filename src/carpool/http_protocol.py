@@ -68,8 +68,9 @@ Contract:
   (under any wrappers: ``_limits_app``): its target to ``limits.max_header_bytes`` bytes
   (414), its header names and values together to as many (431; counted as ``GatewayApp``
   counts them), and a chunked body's trailer section as its headers; a line still coming
-  counts as what has come of it. The refusal is the API's error (for a cached endpoint's path:
-  its shape, ``x-carpool: bypass``, counted as rejected) with ``connection: close``, and the
+  counts as what has come of it. The refusal is the API's error (for a POST to a cached
+  endpoint's path: its shape, ``x-carpool: bypass``, counted as rejected; any other method
+  there is pass-through's, as elsewhere) with ``connection: close``, and the
   connection closes, lingering; while another response is under way on it, it only closes.
 - The request line and headers must all come within ``limits.body_read_timeout`` seconds of
   the connection (its first request) or of the request's first byte (``_head_deadline``): else
@@ -883,7 +884,13 @@ class GatewayProtocol(HttpToolsProtocol):
         if not free:
             self.transport.close()
             return
-        api = api_at(self.url.partition(b"?")[0].decode("latin-1"))
+        # Only a POST is a cached endpoint's request: any other method on its path is
+        # pass-through's, refused in OpenAI's shape and counted nowhere (as ``GatewayApp``).
+        api = (
+            api_at(self.url.partition(b"?")[0].decode("latin-1"))
+            if self.parser.get_method() == _POST
+            else None
+        )
         if api is not None and self.limits_app is not None:
             self.limits_app.gateway.stats.rejected += 1
         self.transport.write(self._closing_error(error, api, request_id(self.headers)))

@@ -7,12 +7,17 @@ Contract:
   units (seconds, bytes) in the name.
 - ``latency_ms`` in /stats: p50/p95/p99 per outcome over the last ``RECENT`` requests of that
   outcome (a ring per outcome: the dashboard wants "now", not the histogram's whole history).
-  Only requests counted under an outcome are timed (``Gateway.observe``): the gateway's own
-  refusals are counted in ``rejected`` only, so ``carpool_request_duration_seconds``'s count
-  per outcome is ``carpool_requests_total``'s.
+  Only requests counted under an outcome are timed (``Gateway.observe``), and each of those
+  is (``Counted``: one whose reply never came back, its client gone as its idempotency record
+  was being kept, to its end): the gateway's own refusals are counted in ``rejected`` only, a
+  client that left before any outcome in ``abandoned`` only, so
+  ``carpool_request_duration_seconds``'s count per outcome is ``carpool_requests_total``'s
+  (but for a keyed list, whose items are counted each, timed once).
 - ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
-  hits and joiners got; ``saved_without_usage`` counts those answers it reported none for, so
-  ``tokens_saved`` is a lower bound whenever that is not 0.
+  hits and joiners got, prompt + completion (``Api.usage_tokens``: a message's prompt-cache
+  tokens, which Anthropic counts apart from ``input_tokens``, included);
+  ``saved_without_usage`` counts those answers it reported none for, so ``tokens_saved`` is a
+  lower bound whenever that is not 0.
 - ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a
   failover's two, a judge's, an audit's or an ``embedder: upstream`` embedding's call through
   the replicas, pass-through calls, the embeddings list probe's (``OwnCalls``) and the
@@ -52,12 +57,37 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .outcome import Outcome
+from .outcome import Outcome, list_outcome
 
 RECENT = 1024
-# Whether the request whose task this is was counted in an outcome (``Stats.count``): one that
-# its client leaves is ``abandoned`` only if not (``server.GatewayApp.serve`` sets it False).
-COUNTED: ContextVar[bool] = ContextVar("carpool_counted", default=False)
+
+
+class Counted:
+    """How the request whose task this is was counted (``Stats.count``): one per request
+    (``server.GatewayApp.serve`` makes it), shared with the tasks its parts run in (a keyed
+    list's items, counted each), which see it through their copy of the context.
+
+    ``done``: counted under an outcome, here or by another worker: a client that leaves it is
+    not ``abandoned`` too. ``outcomes``: those counted here, for the request whose reply never
+    came back to be timed (the cancel of its client leaving, or of the shutdown, landed while
+    its idempotency record was being kept): timed under ``outcome`` all the same."""
+
+    __slots__ = ("done", "outcomes")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.outcomes: list[Outcome] = []
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """What the request was, as its reply says it (a keyed list: as its items were)."""
+        if len(self.outcomes) > 1:
+            return list_outcome(set(self.outcomes))
+        return self.outcomes[0] if self.outcomes else None
+
+
+# The request whose task this is (``Counted``); None outside a served request (the library's).
+COUNTED: ContextVar[Counted | None] = ContextVar("carpool_counted", default=None)
 # Whether the request whose task this is is counted by another worker (``carpool.peers``; the
 # module's contract): its outcome, tokens saved and latency are not counted here.
 COUNTED_ELSEWHERE: ContextVar[bool] = ContextVar("carpool_counted_elsewhere", default=False)
@@ -86,6 +116,14 @@ DURATION_BUCKETS = (
 )
 
 
+def counted_elsewhere() -> None:
+    """The request whose task this is is counted by another worker (``COUNTED_ELSEWHERE``)."""
+    COUNTED_ELSEWHERE.set(True)
+    counted = COUNTED.get()
+    if counted is not None:
+        counted.done = True
+
+
 class Stats:
     def __init__(self, attempts: Callable[[], int] = lambda: 0) -> None:
         self.attempts = attempts  # upstream calls: read from the replicas, never counted twice
@@ -105,12 +143,15 @@ class Stats:
         return self.attempts()
 
     def count(self, route: str, outcome: Outcome) -> None:
+        counted = COUNTED.get()
         if COUNTED_ELSEWHERE.get():  # (by another worker: the module's contract)
-            COUNTED.set(True)
+            counted_elsewhere()
             return
         self.outcomes[outcome] += 1
         self.routes[(route, outcome)] += 1  # a StrEnum: its own label value
-        COUNTED.set(True)  # (this request's: its task's context)
+        if counted is not None:
+            counted.done = True
+            counted.outcomes.append(outcome)
 
     def count_decision(self, decision: Any) -> None:
         """A request's routing decision (its last attempt's), answered or failed."""

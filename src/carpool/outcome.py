@@ -19,3 +19,14 @@ class Outcome(StrEnum):
         # Plain attributes, not properties: every reply reads them.
         self.header = (b"x-carpool", value.encode())
         self.saved = value in ("hit", "semantic-hit", "coalesced")
+
+
+def list_outcome(outcomes: set[Outcome]) -> Outcome:
+    """What a list request was, from what its items were: a miss if any item was computed, a
+    bypass if any was not shared (sampled), a hit if every one was served from the cache or
+    its record, else coalesced."""
+    if Outcome.MISS in outcomes:
+        return Outcome.MISS
+    if Outcome.BYPASS in outcomes:
+        return Outcome.BYPASS
+    return Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED

@@ -128,7 +128,7 @@ from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
 from .lead import Leader, prompt_prefix, read_age
-from .metrics import COUNTED, COUNTED_ELSEWHERE
+from .metrics import COUNTED_ELSEWHERE, Counted, counted_elsewhere
 from .outcome import Outcome
 from .repeat_memo import Repeat
 from .reply import (
@@ -275,8 +275,7 @@ class Gateway:
                     if reply.rejected:  # this worker's own refusal (the owner out of reach)
                         self.stats.rejected += 1
                     else:  # counted where it ran, which alone sees what it saved or refused
-                        COUNTED.set(True)
-                        COUNTED_ELSEWHERE.set(True)
+                        counted_elsewhere()
                     return reply
             if client.peer:  # (passed on whole by another worker: counted here, where it runs)
                 COUNTED_ELSEWHERE.set(False)
@@ -700,6 +699,15 @@ class Gateway:
         (``COUNTED_ELSEWHERE``: timed where it is counted)."""
         if reply.outcome is not None and not reply.rejected and not COUNTED_ELSEWHERE.get():
             self.metrics.observe(reply.outcome, seconds)
+
+    def observe_unanswered(self, counted: Counted, seconds: float) -> None:
+        """``observe``, for a request served over HTTP whose reply never came back to be timed:
+        cancelled (its client gone, or the shutdown) after its outcome was counted here (as
+        its idempotency record was being kept). Timed under that outcome all the same, so
+        that each request counted under an outcome is timed under it."""
+        outcome = counted.outcome
+        if outcome is not None:
+            self.metrics.observe(outcome, seconds)
 
     async def passthrough(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes

@@ -58,8 +58,10 @@ Contract:
   the call again, unless the upstream honours the key. Pass-through requests are in none of
   ``/stats``' request counters (``requests``, ``rejected``...): neither their answers nor the
   gateway's refusals of them (a client key refused, headers too large, a path refused, an
-  invalid idempotency key); only their calls, in ``upstream_calls``. A cached endpoint's
-  refusals are in ``rejected``.
+  invalid idempotency key), in OpenAI's error shape without ``x-carpool``; only their calls,
+  in ``upstream_calls``. A cached endpoint's refusals are in ``rejected``, in its API's shape
+  with ``x-carpool: bypass``: those of a POST to its path alone (``_endpoint_api``), any other
+  method there being pass-through's.
 - With ``admin_token`` set, ``/stats``, ``/metrics`` and ``/dashboard`` need it (401 otherwise,
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
@@ -136,7 +138,7 @@ from .errors import (
 )
 from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
 from .logs import configure as configure_logging
-from .metrics import COUNTED, COUNTED_ELSEWHERE
+from .metrics import COUNTED, COUNTED_ELSEWHERE, Counted
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
@@ -235,7 +237,7 @@ class GatewayApp:
             # Counted in ``rejected`` there only, as the 431 below (and ``http_protocol``'s):
             # pass-through is in none of ``/stats``' request counters, its answers and the
             # gateway's refusals alike (the module doc).
-            await self._refuse(send, ClientKeyRefused(), api_at(scope["path"]))
+            await self._refuse(send, ClientKeyRefused(), _endpoint_api(scope))
             return
         if (
             scope["type"] == "http"
@@ -246,7 +248,7 @@ class GatewayApp:
             # them as they arrive: ``http_protocol.py``), and they go upstream.
             # Not a peer's (``carpool.peers``): its worker measured the client's own headers,
             # and the hop's own (its host, accept, accept-encoding) are not the client's.
-            await self._refuse(send, HeadersTooLarge(self.max_headers), api_at(scope["path"]))
+            await self._refuse(send, HeadersTooLarge(self.max_headers), _endpoint_api(scope))
         elif scope["type"] == "http" and scope["method"] == "POST" and _cached_path(scope["path"]):
             # ``/v1/chat/completions/`` is the same endpoint: never around the cache's rules.
             await self._cached_endpoint(scope, receive, send, scope["path"].rstrip("/"))
@@ -317,7 +319,8 @@ class GatewayApp:
         request it held. ``watch`` (made in this task) cancels it if its client leaves while it
         waits or streams."""
         client.on_wait = watch.start
-        COUNTED.set(False)  # (``Stats.count`` sets it: in this task's own context)
+        counted = Counted()  # (``Stats.count`` fills it in: this request's, in its task's context)
+        COUNTED.set(counted)
         COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
         reply: Reply | None = None
         task = asyncio.current_task()
@@ -331,7 +334,7 @@ class GatewayApp:
         except asyncio.CancelledError as cancel:
             if watch.client_left:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
-                if not COUNTED.get() and not client.peer:  # (left before any outcome was counted:
+                if not counted.done and not client.peer:  # (left before any outcome was counted:
                     self.gateway.stats.abandoned += 1  # its keyed request's record may settle)
             elif self._stopping(cancel):
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
@@ -344,6 +347,8 @@ class GatewayApp:
             if reply is not None:
                 reply.close()
                 self.gateway.observe(reply, time.monotonic() - started)
+            else:  # (cancelled once counted, as its record was kept: timed under its outcome)
+                self.gateway.observe_unanswered(counted, time.monotonic() - started)
 
     async def _cut_unserved(self, scope: Scope, send: Any, headed: bool, cached: bool) -> None:
         """Ends a request other than ``serve``'s that the server's shutdown cut (``_stopping``),
@@ -393,7 +398,8 @@ class GatewayApp:
         api, error = BY_PATH[client.path], ShuttingDown()
         if not watch.headed:
             log.info("shutting down: a request still waiting was cut (503, Retry-After)")
-            if not COUNTED.get() and not client.peer:
+            counted = COUNTED.get()
+            if (counted is None or not counted.done) and not client.peer:
                 self.gateway.stats.rejected += 1  # (a refusal's count: no outcome was given)
             await respond(refusal(error, api), watch)
         elif not watch.finished:
@@ -509,6 +515,13 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
     as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
     return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
+
+
+def _endpoint_api(scope: Scope) -> Api | None:
+    """The cached endpoint whose request this is (its refusals in its API's shape, with
+    ``x-carpool: bypass``, counted in ``rejected``): a POST to its path, the only request
+    there it caches; any other method on that path is pass-through's."""
+    return api_at(scope["path"]) if scope["method"] == "POST" else None
 
 
 def _cached_path(path: str) -> bool:

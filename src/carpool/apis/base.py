@@ -235,7 +235,8 @@ class Api:
         return self.complete(body, asked)
 
     def usage_tokens(self, body: Any) -> int:
-        """Input + output tokens the upstream reported for ``body``; 0 for what is absent."""
+        """Input (the whole prompt, however the API splits its count) + output tokens the
+        upstream reported for ``body``; 0 for what is absent."""
         return 0
 
     # The key every stream payload that ``state_made`` reads has (``exchange``'s filter, before
@@ -263,9 +264,12 @@ class Api:
 
 class TypedApi(Api):
     """An API whose streams are typed events with no ``[DONE]`` (Responses, Messages), whose
-    usage counts ``input_tokens`` and ``output_tokens``."""
+    usage counts ``input_tokens`` and ``output_tokens`` (and ``prompt_apart``)."""
 
     stream_end = b""
+    # Prompt tokens the API's usage counts apart from ``input_tokens`` (Messages: its prompt
+    # cache's): part of the prompt all the same, so part of ``usage_tokens``.
+    prompt_apart: tuple[str, ...] = ()
 
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of a stream that makes ``body``."""
@@ -273,7 +277,10 @@ class TypedApi(Api):
 
     def usage_tokens(self, body: Any) -> int:
         return tokens(
-            body.get("usage") if isinstance(body, dict) else None, "input_tokens", "output_tokens"
+            body.get("usage") if isinstance(body, dict) else None,
+            "input_tokens",
+            *self.prompt_apart,
+            "output_tokens",
         )
 
     def synthesize(self, body: dict[str, Any], include_usage: bool) -> list[bytes]:

@@ -3,9 +3,12 @@
 Contract (``apis.base.Api``):
 - The answer is a message: ``{"id", "type": "message", "role": "assistant", "content":
   [blocks], "model", "stop_reason", "stop_sequence", "usage": {"input_tokens",
-  "output_tokens", ...}}``. It is complete (storable) when it has a ``stop_reason`` (``end_turn``,
-  ``max_tokens``, ``stop_sequence``, ``tool_use``...: like chat's finish reasons, ``max_tokens``
-  included); one without is served as the upstream sent it and never stored.
+  "output_tokens", ...}}``; its prompt's tokens are ``input_tokens`` plus those its prompt
+  cache wrote and read (``cache_creation_input_tokens``, ``cache_read_input_tokens``, counted
+  apart): ``usage_tokens`` (``tokens_saved``) adds all of them to ``output_tokens``. It is
+  complete (storable) when it has a ``stop_reason`` (``end_turn``, ``max_tokens``,
+  ``stop_sequence``, ``tool_use``...: like chat's finish reasons, ``max_tokens`` included); one
+  without is served as the upstream sent it and never stored.
 - Its stream is typed events with no ``[DONE]``: ``message_start`` (the message, no content),
   per block ``content_block_start``, ``content_block_delta`` (``text_delta``,
   ``input_json_delta``, ``thinking_delta``, ``signature_delta``, ``citations_delta``,
@@ -103,6 +106,9 @@ class MessagesApi(TypedApi):
     kind, path, upstream_path = "messages", "/v1/messages", "/messages"
     answer_field = "content"
     last_event = staticmethod(ends_with(frozenset({LAST_EVENT})))
+    # Anthropic counts the prompt tokens its prompt cache wrote and read apart from
+    # ``input_tokens`` (OpenAI's cached tokens are inside ``prompt_tokens``).
+    prompt_apart = ("cache_creation_input_tokens", "cache_read_input_tokens")
 
     # --------------------------------------------------------------------------- the request
 

@@ -15,7 +15,8 @@ Contract:
   a transport failure, a non-2xx status, or a stream that did not end with ``data: [DONE]`` (for
   the Responses and Messages APIs: with the API's last event, ``response.completed`` or
   ``message_stop``) or carried an error event. A failure never stops the run. Usage is
-  ``prompt_tokens`` / ``completion_tokens``, or the typed APIs' ``input_tokens`` /
+  ``prompt_tokens`` / ``completion_tokens``, or the typed APIs' ``input_tokens`` (with the
+  Messages prompt cache's tokens, counted apart, as the gateway's ``tokens_saved`` has them) /
   ``output_tokens`` (of the answer, or of the stream assembled by ``carpool.apis``). A request
   that carries its ``expected`` answer (non-streaming) is marked ``wrong`` when another was served.
   ``storable``: whether the answer is one the gateway stores, judged by its API as the gateway
@@ -44,6 +45,7 @@ import orjson
 from ..apis import api_at
 from ..apis import messages as messages_api
 from ..apis import responses as responses_api
+from ..apis.base import tokens
 from ..semantic.audit import answer_text
 from .client import Address, Pool, build
 from .workloads import MESSAGES, RESPONSES, BenchRequest, Workload
@@ -236,6 +238,10 @@ def _usage(result: Result, usage: Any) -> None:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if prompt is None and completion is None:  # the Responses / Messages APIs
             prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+            # Messages counts its prompt cache's tokens apart; the gateway's tokens_saved has
+            # them in the prompt, so the split of it (report.gpu_seconds_saved) must too.
+            if isinstance(prompt, int):
+                prompt += tokens(usage, *messages_api.MessagesApi.prompt_apart)
         result.prompt_tokens = prompt if isinstance(prompt, int) else None
         result.completion_tokens = completion if isinstance(completion, int) else 0
 

@@ -63,7 +63,7 @@ from ..errors import CarpoolError, RequestError, UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
-from ..outcome import Outcome
+from ..outcome import Outcome, list_outcome
 from ..reply import JSON, Reply, age_header, error_reply, refusal
 from ..request import ClientRequest, Request, list_input, list_items, merge_items
 from .errors import (
@@ -344,7 +344,7 @@ class AtMostOnce:
                 return Reply(
                     stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
                 )
-        outcome = _list_outcome({outcome for _, outcome, _ in results})
+        outcome = list_outcome({outcome for _, outcome, _ in results})
         headers = [JSON, outcome.header]
         ages = [age for _, _, age in results if age is not None]
         if outcome is Outcome.HIT and ages:
@@ -381,17 +381,6 @@ def _streamed(reply: Reply, request: Request) -> Reply:
         whole = replay_as(merged, request.kind, True, True)
         streamed.with_usage = None if whole is None else partial(bytes, whole.body)
     return streamed
-
-
-def _list_outcome(outcomes: set[Outcome]) -> Outcome:
-    """What a list request was, from what its items were: a miss if any item was computed, a
-    bypass if any was not shared (sampled), a hit if every one was served from the cache or
-    its record, else coalesced."""
-    if Outcome.MISS in outcomes:
-        return Outcome.MISS
-    if Outcome.BYPASS in outcomes:
-        return Outcome.BYPASS
-    return Outcome.HIT if outcomes == {Outcome.HIT} else Outcome.COALESCED
 
 
 def _said_age(headers: list[tuple[bytes, bytes]]) -> int | None:

@@ -98,8 +98,11 @@ all, and so whether ``text`` matters):
   once, at its status).
 - Operators see every failure: a warning on the ``carpool.routing`` logger naming the replica
   (``name``: never its credentials) and what happened, at most one per replica per
-  ``log_interval`` seconds; the next one counts those left out. A downed replica that answers
-  again is logged at info.
+  ``log_interval`` seconds, recoveries in between or not (a replica that fails every other
+  call is one warning per interval, not one per failure); the first failure after a quiet
+  ``log_interval`` is always logged. A downed replica that answers again is logged at info
+  when the failure that downed it was logged, and held back with it otherwise. Each line
+  counts the failures and recoveries held back since the last line that counted them.
 - ``health()`` (``/healthz``) and ``ready()`` (``/readyz``): per replica by its public ``label``;
   ready while some replica is healthy or its back-off is over (then the next request probes it:
   reporting not-ready then would keep away the traffic that finds out it is back). A replica
@@ -197,7 +200,13 @@ class ReplicaState:
     down_until: float = 0.0  # clock value when the back-off ends (meaningful when not healthy)
     probing: bool = field(default=False, repr=False)  # a probe request is in flight
     logged_at: float | None = field(default=None, repr=False)  # clock of the last warning
-    unlogged: int = field(default=0, repr=False)  # failures since, not logged
+    # Whether the failure that downed it was warned of: then so is its recovery.
+    down_logged: bool = field(default=False, repr=False)
+    # Held back since the last line that counted them (at ``counted_at``): failures, and
+    # recoveries of failures held back.
+    unlogged: int = field(default=0, repr=False)
+    unlogged_recoveries: int = field(default=0, repr=False)
+    counted_at: float | None = field(default=None, repr=False)
     refusals: int = 0  # calls refused with the gateway's key (401/403: ``UpstreamKeyRefused``)
     refusal_logged_at: float | None = field(default=None, repr=False)  # (its last warning's)
 
@@ -570,13 +579,19 @@ class ReplicaSet:
     def _succeeded(self, replica: ReplicaState) -> None:
         if not replica.healthy:
             replica.verdicts += 1
-            log.info(
-                "upstream %s answers again after %d failure(s)%s",
-                self._called(replica),
-                replica.failures,
-                self._unlogged(replica),
-            )
-            replica.logged_at, replica.unlogged = None, 0
+            if replica.down_logged:
+                log.info(
+                    "upstream %s answers again after %d failure(s)%s",
+                    self._called(replica),
+                    replica.failures,
+                    self._unlogged(replica),
+                )
+                self._counted(replica)
+            else:
+                # Its failure was held back (a replica flapping within ``log_interval``): so
+                # is the news that it is over, counted by the next line. ``logged_at`` stays:
+                # a recovery does not make the next failure the first after a quiet period.
+                replica.unlogged_recoveries += 1
         replica.healthy, replica.probing, replica.failures = True, False, 0
 
     def _failed(self, replica: ReplicaState, what: str, seen: int) -> None:
@@ -599,6 +614,10 @@ class ReplicaSet:
         replica.down_until = now + backoff
         if replica.logged_at is not None and now - replica.logged_at < self.log_interval:
             replica.unlogged += 1
+            if replica.failures == 1:
+                # It downed a healthy replica, unsaid: its recovery goes unsaid too. (A failed
+                # probe of a replica whose downing was logged leaves its recovery to be told.)
+                replica.down_logged = False
             return
         log.warning(
             "upstream %s failed, left out for %.3g s%s: %s",
@@ -607,7 +626,8 @@ class ReplicaSet:
             self._unlogged(replica),
             what,
         )
-        replica.logged_at, replica.unlogged = now, 0
+        replica.logged_at, replica.down_logged = now, True
+        self._counted(replica)
 
     def _stalled(self, replica: ReplicaState, head_at: float, error: UpstreamStreamStalled) -> None:
         """A stream of ``replica`` stalled (``limits.upstream_timeout``) with nothing after its
@@ -654,12 +674,22 @@ class ReplicaSet:
         )
 
     def _unlogged(self, replica: ReplicaState) -> str:
-        if not replica.unlogged or replica.logged_at is None:
+        """What a line about ``replica`` says of the failures and recoveries held back since
+        the last line that counted them."""
+        if replica.counted_at is None or not (replica.unlogged or replica.unlogged_recoveries):
             return ""
+        held = [f"{replica.unlogged} more failure(s)"] if replica.unlogged else []
+        if replica.unlogged_recoveries:
+            held.append(f"{replica.unlogged_recoveries} recoveries")
         return (
-            f" ({replica.unlogged} more failure(s) not logged in the last "
-            f"{self.clock() - replica.logged_at:.0f} s)"
+            f" ({' and '.join(held)} not logged in the last "
+            f"{self.clock() - replica.counted_at:.0f} s)"
         )
+
+    def _counted(self, replica: ReplicaState) -> None:
+        """A line about ``replica`` said what was held back (``_unlogged``): counted afresh."""
+        replica.unlogged = replica.unlogged_recoveries = 0
+        replica.counted_at = self.clock()
 
     def _observe(self, replica: ReplicaState, status: int, decision: Decision | None) -> None:
         if self.observe is not None:
