@@ -440,13 +440,7 @@ class ReplicaSet:
         if not response.streaming:
             self._done(replica)
             return response
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._done(replica)
+        release = self._release_once(replica)
 
         async def close() -> None:
             try:
@@ -456,6 +450,19 @@ class ReplicaSet:
 
         events = _Heard(response.events(), replica, self)
         return UpstreamResponse(response.status, response.headers, response.body, events, close)
+
+    def _release_once(self, replica: ReplicaState) -> Callable[[], None]:
+        """What takes a call off ``replica``'s count in flight (``_done``): the first time it
+        is called only, however many of a stream's or a relay's ends call it."""
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._done(replica)
+
+        return release
 
     def _done(self, replica: ReplicaState) -> None:
         """A call of ``replica`` is over (answered whole, failed, or its stream closed)."""
@@ -531,13 +538,7 @@ class ReplicaSet:
             # cached endpoints; relayed as it is, not tried elsewhere: the call may have been
             # acted on before it failed. (Healed by it, a replica failing every call was back.)
             self._failed(replica, f"answered {response.status}", seen)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._done(replica)
+        release = self._release_once(replica)
 
         async def close() -> None:
             release()  # (first: nothing awaited below can keep the call counted)
