@@ -231,6 +231,40 @@ def test_a_messages_tool_use_input_keeps_its_key_order():
     )
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": "m", "temperature": 0, "echo": True}),
+        ("/v1/completions", {"model": "m", "temperature": 0, "prompt_logprobs": 0}),
+        ("/v1/completions", {"model": "m", "temperature": 0, "return_token_ids": True}),
+        (CHAT, {"model": "m", "temperature": 0, "echo": True}),
+        ("/v1/responses", {"model": "m", "temperature": 0, "store": False}),
+    ],
+    ids=["completions-echo", "prompt_logprobs", "return_token_ids", "chat-echo", "responses"],
+)
+def test_an_answer_that_repeats_its_prompt_is_keyed_by_the_prompt_exactly_as_sent(path, body):
+    # The answer carries the prompt (echo, the prompt's tokens or logprobs; a Responses
+    # answer its instructions): folded in the key (NFC, white space), one spelling was served
+    # the other's text back, word for word, as its own.
+    def asked(text: str) -> dict:
+        if path == "/v1/completions":
+            return {**body, "prompt": text}
+        if path == CHAT:
+            return {**body, "messages": [{"role": "user", "content": text}]}
+        return {**body, "input": "x", "instructions": text}
+
+    nfc, nfd = "Caf\u00e9 cr\u00e8me", "Cafe\u0301 cre\u0300me"
+    assert key(asked(nfc), path=path) != key(asked(nfd), path=path)
+    spaced, tight = "def f():\n    return  1", "def f(): return 1"
+    assert key(asked(spaced), path=path, config=COLLAPSE) != key(
+        asked(tight), path=path, config=COLLAPSE
+    )
+    # Without an echo, the prompt is input text: NFC (and collapsed when asked), as before.
+    if path == "/v1/completions":
+        plain = {"model": "m", "temperature": 0}
+        assert key({**plain, "prompt": nfc}, path=path) == key({**plain, "prompt": nfd}, path=path)
+
+
 def test_strings_in_a_schema_are_exact_while_prompt_text_is_nfc():
     # An enum value is written into the answer as given: a client whose enum said "café" in
     # NFD got the NFC client's "café", which its own schema does not allow.

@@ -13,7 +13,7 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
 - Canonical: key order and number spelling (``0`` vs ``0.0``, ``1e0``) never change a key, nor
   does the Unicode composition (NFC) of the input text: a message's content (a string, its text
   parts, the text and content nested in them), a prompt, a Responses ``input`` (its items' text
-  and content: ``INPUT_TEXT``), a Messages ``system``, a Responses ``instructions``. Every other
+  and content: ``INPUT_TEXT``), a Messages ``system``. Every other
   string is exact: a stop sequence, a guided choice, a regex or a grammar is matched against the
   tokens the engine writes, an image or file URL fetched by its bytes, a tool call's arguments
   rendered as sent; two spellings there are two requests. Text is otherwise exact: white space
@@ -22,6 +22,11 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``fingerprint.normalize_whitespace`` is the input text (message contents, prompt) trimmed and
   are runs of white space collapsed to one space, except inside ``` fenced code, in requests of
   type ``code`` and in embeddings inputs (a vector of different text is a different vector).
+- A prompt the answer repeats is keyed exactly as sent, neither NFC nor collapsed: with
+  ``echo``, vLLM's ``prompt_logprobs``, ``return_token_ids`` or Responses
+  ``enable_response_messages`` (``apis.openai.echoes_prompt``), the input text is exact; a
+  Responses ``instructions``, which every Responses answer repeats, always is. Folded, one
+  spelling was served the other's text back, word for word, as its own.
 - Two exceptions, where what looks the same is not to the engine: the fields that carry a JSON
   schema or a tool's definition (``ORDERED_FIELDS``), and the ``input`` of a Messages
   ``tool_use`` block, keep their key order, their strings exact and their numbers as written,
@@ -61,6 +66,7 @@ from typing import Any
 
 import orjson
 
+from .apis.openai import echoes_prompt
 from .config import Config, FingerprintConfig, TenantConfig
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import credential_headers, tenant_of, user_cookies
@@ -295,8 +301,9 @@ ORDERED_FIELDS = frozenset(
 )
 # The fields of the input text besides ``messages``, ``prompt`` and ``input`` (per API), and the
 # members of an input item or a content part that hold its text (``_input_text``): NFC there,
-# exact everywhere else.
-_INSTRUCTION_FIELDS = {"messages": "system", "responses": "instructions"}
+# exact everywhere else. Not a Responses request's ``instructions``: every Responses answer
+# repeats them, so they are keyed exactly as sent (``canonical_body``).
+_INSTRUCTION_FIELDS = {"messages": "system"}
 INPUT_TEXT = frozenset({"text", "content"})
 # The Messages content blocks whose ``input`` is a tool call's arguments as an object (chat and
 # Responses send them as a string, compared exactly): rendered by the template as given.
@@ -454,6 +461,10 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
     """The body with excluded fields dropped, numbers and text in canonical form."""
     out: dict[str, Any] = {}
     excluded = EXCLUDED_BY_KIND.get(kind, EXCLUDED_FIELDS)
+    # An answer that carries its prompt (echo, the prompt's tokens or logprobs, vLLM's
+    # Responses ``input_messages``) is keyed by the prompt exactly as sent: folded (NFC, white
+    # space), one spelling was served the other's text back as its own.
+    exact = echoes_prompt(body) or body.get("enable_response_messages") not in (None, False)
     for name, value in body.items():
         if name == "stream_options" and "stream_options" in excluded and isinstance(value, dict):
             # (include_usage decides only whether the client is sent the usage chunk, which
@@ -468,7 +479,9 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             # (A chat stored upstream, ``store: true``, keeps its metadata there: the stored
             # objects are listed and filtered by it, so it is what the request makes.)
             continue
-        if name == "messages" and isinstance(value, list):
+        if exact and name in ("messages", "prompt", "input", "system", "instructions"):
+            out[name] = _canonical(value)  # (strings exact, numbers canonical)
+        elif name == "messages" and isinstance(value, list):
             out[name] = [_canonical_message(m, collapse) for m in value]
         elif name == "input" and kind == "embedding":
             out[name] = _exact_input(value)

@@ -39,6 +39,7 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -255,7 +256,7 @@ def _audio(body: dict[str, Any]) -> bool:
     )
 
 
-def echoes_prompt(body: dict[str, Any]) -> bool:
+def echoes_prompt(body: Mapping[str, Any]) -> bool:
     """Whether the answer carries the request's own prompt: ``echo`` (the text is the prompt
     and then the completion; vLLM's chat prepends the last message), vLLM's
     ``prompt_logprobs`` (the prompt's tokens, any value but null: 0 asks for them too) or its
