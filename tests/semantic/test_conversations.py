@@ -252,7 +252,8 @@ async def test_a_changed_wish_at_the_end_of_a_long_earlier_turn_is_never_served(
         ]
 
     await chat(sgw, mail("I want to accept the invitation."))
-    for wish in ("I want to decline the invitation.", "Tell them I am quitting my job."):
+    # ("turn it down": "decline" is an opposite of "accept" that the polarity rule refuses.)
+    for wish in ("I want to turn the invitation down.", "Tell them I am quitting my job."):
         assert (await chat(sgw, mail(wish))).headers["x-carpool"] == "miss", wish
     assert set(sgw.gateway.semantic.rejections) == {"length"}  # too long to check: not read
     again = await chat(sgw, mail("I want to accept the invitation."))  # the same: exact

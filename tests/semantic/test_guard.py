@@ -31,6 +31,77 @@ TRAPS = {
         ("How do I turn up the volume?", "How do I turn down the volume?"),
         ("Why is my package late?", "Why is my package early?"),
         ("What are the benefits of fasting?", "What are the dangers of fasting?"),
+        # "no longer" against "still", and an exclusion on one side: served before (0.97, 0.93).
+        ("Is Pluto still a planet?", "Is Pluto no longer a planet?"),
+        ("Do I still need a visa for Japan?", "Do I no longer need a visa for Japan?"),
+        (
+            "List the countries in Europe that use the euro.",
+            "List the countries in Europe except those that use the euro.",
+        ),
+        ("Which browsers support WebGPU?", "Which browsers other than Chrome support WebGPU?"),
+    ],
+    # One-word opposites in their comparative and superlative forms, and opposites the list
+    # lacked: served before, in the same words otherwise.
+    "opposite_forms": [
+        ("Which is bigger, the Sun or the Earth?", "Which is smaller, the Sun or the Earth?"),
+        ("Which planet is larger, Mars or Venus?", "Which planet is smaller, Mars or Venus?"),
+        (
+            "Who is older, Barack Obama or Michelle Obama?",
+            "Who is younger, Barack Obama or Michelle Obama?",
+        ),
+        ("Which is faster, Python or Java?", "Which is slower, Python or Java?"),
+        (
+            "Which river is longer, the Nile or the Amazon?",
+            "Which river is shorter, the Nile or the Amazon?",
+        ),
+        ("Which is stronger, steel or titanium?", "Which is weaker, steel or titanium?"),
+        (
+            "Which month has the longest day in Sydney?",
+            "Which month has the shortest day in Sydney?",
+        ),
+        (
+            "Write a Python function that sorts a list in ascending order.",
+            "Write a Python function that sorts a list in descending order.",
+        ),
+        (
+            "Which is wider, the Atlantic or the Pacific?",
+            "Which is narrower, the Atlantic or the Pacific?",
+        ),
+        (
+            "Which is newer, HDMI 2.1 or DisplayPort 1.4?",
+            "Which is older, HDMI 2.1 or DisplayPort 1.4?",
+        ),
+        (
+            "Which side of the road do they drive on in Japan, left?",
+            "Which side of the road do they drive on in Japan, right?",
+        ),
+        ("What foods raise blood sugar?", "What foods reduce blood sugar?"),
+        ("Why do some people succeed at dieting?", "Why do some people fail at dieting?"),
+        ("How do I stay awake while driving?", "How do I fall asleep while driving?"),
+    ],
+    # One thing in place of another inside shared filler: the verifier scored "router" /
+    # "console" 0.13 bare, 0.99 with the filler.
+    "swapped_object": [
+        ("how can i reset my router please", "how can i reset my modem please"),
+        ("How can I reset my router, please?", "How can I reset my modem, please?"),
+        ("How do I unclog a kitchen sink please", "How do I unclog a bathroom sink please"),
+        (
+            "how can i reset my router right now please",
+            "how can i reset my laptop right now please",
+        ),
+        (
+            "how can i reset my modem right now please",
+            "how can i reset my console right now please",
+        ),
+        (
+            "how can i reset my microwave right now please, it has been acting up all week",
+            "how can i reset my oven right now please, it has been acting up all week",
+        ),
+        (
+            "Can you tell me how to clean my oven quickly please",
+            "Can you tell me how to clean my grill quickly please",
+        ),
+        ("How do I descale my kettle at home, thanks", "How do I descale my iron at home, thanks"),
     ],
     "entity": [
         ("What is the currency of Peru?", "What is the currency of Chile?"),
@@ -57,6 +128,8 @@ TRAPS = {
         ),
         ("How do I cancel my subscription?", "How do I cancel my subscription from abroad?"),
         ("How long do cats live?", "How long do outdoor cats live?"),
+        ("Explain quantum computing for beginners.", "Explain quantum computing for experts."),
+        ("Recommend a chess book for novices.", "Recommend a chess book for experts."),
     ],
     "comparison": [
         ("Is 8 > 5?", "Is 8 < 5?"),
@@ -246,7 +319,7 @@ async def test_one_lookups_candidates_are_scored_in_one_model_call(guard):
         Side("How do I reset my router?"),
         [
             Side("how can i reset my router"),
-            Side("How do I reset my modem?"),
+            Side("How do I restart my router?"),
             Side("How do I reset my router 2?"),
             Side("How do I reset my router?"),
         ],
@@ -315,8 +388,9 @@ EMAIL = (
 def test_a_pair_the_verifier_did_not_read_whole_is_never_served(guard):
     # The pair is cut to 256 tokens (~127 a side): what differs past that was never read, so
     # "accept" / "decline" at the end of the same long mail scored as the same. Refused, as
-    # too long to check, in a text or in a context, before the model is asked.
-    accept, decline = EMAIL + "I want to accept the invitation.", EMAIL + "I want to decline it."
+    # too long to check, in a text or in a context, before the model is asked. (Declined in
+    # words no rule reads: "decline" itself is an opposite of "accept" the polarity rule refuses.)
+    accept, decline = EMAIL + "I want to accept the invitation.", EMAIL + "I want to turn it down."
     assert guard.verifier.unread([(accept, decline), (accept[-300:], decline[-300:])]) == [
         True,
         False,

@@ -294,10 +294,133 @@ def test_polarity_a_one_word_opposite_is_refused():
         assert refused(a, b) == "polarity", (a, b)
 
 
+def test_polarity_a_comparative_or_superlative_of_an_opposite_is_refused():
+    # A review found these served: the list held "big" / "small", never "bigger" / "smaller".
+    for a, b in (
+        ("Which is bigger, the Sun or the Earth?", "Which is smaller, the Sun or the Earth?"),
+        ("Which planet is larger, Mars or Venus?", "Which planet is smaller, Mars or Venus?"),
+        ("Who is older, Barack or Michelle?", "Who is younger, Barack or Michelle?"),
+        ("Which is faster, Python or Java?", "Which is slower, Python or Java?"),
+        (
+            "Which river is longer, the Nile or the Amazon?",
+            "Which is shorter, the Nile or the Amazon?",
+        ),
+        ("Which is stronger, steel or titanium?", "Which is weaker, steel or titanium?"),
+        ("Which month has the longest day?", "Which month has the shortest day?"),
+        ("Which is newer, HDMI or DisplayPort?", "Which is older, HDMI or DisplayPort?"),
+        ("Is Spanish easier to learn?", "Is Spanish harder to learn?"),
+        ("What is the hottest planet?", "What is the coldest planet?"),
+        ("Which is the earliest flight?", "Which is the latest flight?"),
+        ("Which is safer, flying or driving?", "Which is riskier, flying or driving?"),
+        ("Which is heavier, water or oil?", "Which is lighter, water or oil?"),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_opposites_the_list_lacked_are_refused():
+    for a, b in (
+        ("Sort a list in ascending order.", "Sort a list in descending order."),
+        ("Do they drive on the left in Japan?", "Do they drive on the right in Japan?"),
+        ("What foods raise blood sugar?", "What foods reduce blood sugar?"),
+        ("What foods raise blood pressure?", "What foods lower blood pressure?"),
+        ("Why do some people succeed at dieting?", "Why do some people fail at dieting?"),
+        ("Which way is north from here?", "Which way is south from here?"),
+        ("Is the Atlantic wider than it was?", "Is the Atlantic narrower than it was?"),
+        ("How deep is the lake?", "How shallow is the lake?"),
+        ("Explain quantum computing for beginners.", "Explain quantum computing for experts."),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_a_word_with_two_opposites_is_refused_both_ways():
+    # A word with two opposites kept only the last listed: "old" read "young", never "new", so
+    # "Is this car old?" / "Is this car new?" was refused one way and left to the verifier the
+    # other (which side was cached decided).
+    for a, b in (
+        ("Is this car old?", "Is this car new?"),
+        ("Is the train fast?", "Is the train slow?"),
+        ("Is the box big?", "Is the box small?"),
+        ("Should I increase the dose?", "Should I decrease the dose?"),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_every_listed_opposite_is_refused_both_ways():
+    for word, others in polarity.OPPOSITES.items():
+        for other in others:
+            a, b = f"Is it {word} now?", f"Is it {other} now?"
+            negated = word in polarity.NEGATORS or other in polarity.NEGATORS
+            assert polarity.RULE.differs(a, b) is polarity.RULE.differs(b, a) is not negated, (a, b)
+
+
+def test_polarity_still_against_no_longer_and_an_exclusion_on_one_side_are_refused():
+    # "no longer" has a negator that "still" lacks: the counts differed, so it was the
+    # verifier's, which served it (0.97); nothing read "except".
+    for a, b in (
+        ("Is Pluto still a planet?", "Is Pluto no longer a planet?"),
+        ("Is Pluto still a planet?", "Is Pluto not a planet anymore?"),
+        ("Do I still need a visa?", "Don't I need a visa any longer?"),
+        (
+            "List the countries in Europe that use the euro.",
+            "List the countries in Europe except those that use the euro.",
+        ),
+        ("Which fruits are high in fiber?", "Which fruits other than apples are high in fiber?"),
+        ("Show all my files.", "Show all my files excluding photos."),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_an_exclusion_or_no_longer_said_on_both_sides_passes():
+    for a, b in (
+        ("What can I eat other than bread?", "What can I eat except bread?"),
+        ("Is Pluto no longer a planet?", "Is Pluto not a planet anymore?"),
+        ("Is Pluto a planet?", "Is Pluto still a planet?"),
+        # "apart from" is as often "in addition to": no exclusion read.
+        ("Apart from metrics, what tools are there?", "In addition to metrics, what tools exist?"),
+    ):
+        assert passes(polarity.RULE, a, b), (a, b)
+
+
 def test_polarity_an_opposite_with_a_negation_is_left_to_the_verifier():
     # "not fast" / "slow" says the same twice over; the verifier reads negations.
     assert polarity.RULE.differs("The train is not fast.", "The train is slow.") is False
     assert polarity.RULE.differs("Is it safe?", "Is it not safe?") is False
+
+
+# ------------------------------------------------------------------------------ substitution
+
+
+def test_substitution_one_thing_named_in_place_of_another_is_refused():
+    # The verifier scored "router" / "modem" 0.13 bare and 0.99 inside shared filler.
+    for a, b in (
+        ("how can i reset my router please", "how can i reset my modem please"),
+        ("How can I reset my router, please?", "How can I reset my modem, please?"),
+        ("How do I unclog a kitchen sink please", "How do I unclog a bathroom sink please"),
+        ("how can i reset my old router right now", "how can i reset my old console right now"),
+        (
+            "how can i reset my microwave right now please, it has been acting up all week",
+            "how can i reset my oven right now please, it has been acting up all week",
+        ),
+    ):
+        assert refused(a, b) == "substitution", (a, b)
+
+
+def test_substitution_a_reworded_frame_another_form_or_a_verb_passes():
+    from carpool.semantic.rules import substitution
+
+    for a, b in (
+        ("How do I reset my router?", "How can I reset my router?"),
+        ("How do I reset my router?", "How do I reset my routers?"),
+        ("How do I change the colour of my text?", "How do I change the color of my text?"),
+        ("How do I recieve a refund for my order?", "How do I receive a refund for my order?"),
+        ("What are the best tech jobs?", "What are the best technology jobs?"),
+        ("What is the best way to learn Python?", "What is the best method to learn Python?"),
+        ("What do you want to purchase right now?", "What do you want to buy right now?"),
+        ("Why are dogs afraid of fireworks?", "Why are dogs scared of fireworks?"),
+        ("How do I reset my router?", "How do I reset my modem and my router?"),
+        ("Write a function that sorts a list.", "Write a function that orders a list."),
+    ):
+        assert passes(substitution.RULE, a, b), (a, b)
 
 
 # ------------------------------------------------------------------------------ all rules
@@ -312,6 +435,7 @@ def test_every_rule_names_its_own_reason():
         Reason.ENTITY,
         Reason.ORDER,
         Reason.POLARITY,
+        Reason.SUBSTITUTION,
     ]
 
 

@@ -292,6 +292,79 @@ async def test_a_negation_is_never_served(sgw, fake):
     assert response.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+#: Pairs a review found served as semantic hits, each with the rule that refuses it now: an
+#: opposite in its comparative or superlative form (the list held only "big" / "small"), one the
+#: list lacked, "still" / "no longer" (its negator left it to the verifier), an exclusion and an
+#: audience nothing read, and one thing in place of another inside shared filler (the verifier
+#: scored "router" / "modem" low bare, 0.99 with the filler).
+SERVED_BY_THE_VERIFIER = {
+    "comparative": (
+        "Which is bigger, the Sun or the Earth?",
+        "Which is smaller, the Sun or the Earth?",
+        "polarity",
+    ),
+    "superlative": (
+        "Which month has the longest day in Sydney?",
+        "Which month has the shortest day in Sydney?",
+        "polarity",
+    ),
+    "sort_order": (
+        "Write a Python function that sorts a list in ascending order.",
+        "Write a Python function that sorts a list in descending order.",
+        "polarity",
+    ),
+    "no_longer": ("Is Pluto still a planet?", "Is Pluto no longer a planet?", "polarity"),
+    "exclusion": (
+        "List the countries in Europe that use the euro.",
+        "List the countries in Europe except those that use the euro.",
+        "polarity",
+    ),
+    "audience": (
+        "Explain quantum computing for beginners.",
+        "Explain quantum computing for experts.",
+        "polarity",
+    ),
+    "object_in_filler": (
+        "how can i reset my router please",
+        "how can i reset my modem please",
+        "substitution",
+    ),
+    "object_in_a_long_filler": (
+        "how can i reset my microwave right now please, it has been acting up all week",
+        "how can i reset my oven right now please, it has been acting up all week",
+        "substitution",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SERVED_BY_THE_VERIFIER))
+async def test_an_opposite_an_exclusion_or_another_object_in_the_same_words_is_never_served(
+    sgw, fake, kind
+):
+    first, second, reason = SERVED_BY_THE_VERIFIER[kind]
+    await ask(sgw, first)
+    await stored(sgw)
+    response = await ask(sgw, second)
+    assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.rejections == {reason: 1}
+
+
+async def test_a_conversation_whose_earlier_turns_ask_the_opposite_is_never_served(sgw, fake):
+    bigger = [
+        {"role": "user", "content": "Which is bigger, a cat or a dog?"},
+        {"role": "assistant", "content": "A dog is usually bigger."},
+    ]
+    smaller = [
+        {"role": "user", "content": "Which is smaller, a cat or a dog?"},
+        {"role": "assistant", "content": "A cat is usually smaller."},
+    ]
+    await ask(sgw, "By how much?", history=bigger)
+    await stored(sgw)
+    response = await ask(sgw, "By how much?", history=smaller)
+    assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.rejections == {"polarity": 1}
+
+
 async def test_a_changed_number_is_never_served(sgw, fake):
     await ask(sgw, "What is the baggage allowance for 2 passengers?")
     await stored(sgw)

@@ -245,7 +245,16 @@ class JudgeConfig(Section):
         "only a rule in `overrules` refused is always asked.",
     )
     overrules: list[
-        Literal["quoted", "number", "operator", "identifier", "entity", "order", "polarity"]
+        Literal[
+            "quoted",
+            "number",
+            "operator",
+            "identifier",
+            "entity",
+            "order",
+            "polarity",
+            "substitution",
+        ]
     ] = Field(
         default_factory=list,
         description="Exact rules whose refusals the judge may overrule in the band (the "

@@ -5,8 +5,9 @@ that flip an answer ("Is ibuprofen safe with alcohol?" / "...unsafe with alcohol
 The guard decides each candidate pair (new request, cached entry) in two steps:
 
 1. the exact rules (:mod:`carpool.semantic.rules`): numbers, units and dates, operators, quoted
-   text and task inputs, identifiers, names, word order. The first that fires refuses the pair
-   with its :class:`Reason`; no model is asked. A side longer than :data:`READ_CHARS` is not
+   text and task inputs, identifiers, names, word order, the opposites, negations and exclusions
+   the verifier misses, one thing named in place of another. The first that fires refuses the
+   pair with its :class:`Reason`; no model is asked. A side longer than :data:`READ_CHARS` is not
    read at all (:attr:`Reason.LENGTH`: too long to check), and ``judge`` reads on a worker
    thread: a lookup never stalls the event loop, whatever a client sends.
 2. the verifier (:mod:`carpool.semantic.verifier`), a cross-encoder that reads both prompts

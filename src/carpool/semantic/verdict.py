@@ -17,6 +17,7 @@ class Reason(StrEnum):
     ENTITY = "entity"  # a name on one side only
     ORDER = "order"  # the same words in another order (roles, direction)
     POLARITY = "polarity"  # a negation or an opposite on one side only
+    SUBSTITUTION = "substitution"  # one thing named in place of another, the rest word for word
     MEANING = "meaning"  # the verifier: not the same answer
     CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
     JUDGE = "judge"  # the judge (semantic.judge): not the same answer, or no verdict

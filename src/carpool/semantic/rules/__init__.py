@@ -17,15 +17,27 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.entities`: names (capitalised words inside a sentence);
 - :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
   the cat", "JSON to YAML" / "YAML to JSON");
-- :mod:`.polarity`: a negation or a one-word opposite on one side only ("safe" / "unsafe"), the
-  kind the verifier was measured to miss.
+- :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
+  "unsafe", "bigger" / "smaller", "still" / "no longer", "except"), the kind the verifier was
+  measured to miss;
+- :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
+  router please" / "reset my modem please"), which shared filler hides from the verifier.
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """
 
 from __future__ import annotations
 
-from . import entities, identifiers, numbers, operators, order, polarity, quoted
+from . import (
+    entities,
+    identifiers,
+    numbers,
+    operators,
+    order,
+    polarity,
+    quoted,
+    substitution,
+)
 
 RULES = (
     quoted.RULE,
@@ -35,6 +47,7 @@ RULES = (
     entities.RULE,
     order.RULE,
     polarity.RULE,
+    substitution.RULE,
 )
 
 __all__ = ["RULES"]
