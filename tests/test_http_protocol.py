@@ -9,12 +9,18 @@ import contextlib
 import logging
 import re
 import socket
+import tomllib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+import uvicorn
+from packaging.requirements import Requirement
+from packaging.version import Version
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from carpool.config import Config
 from carpool.http_protocol import GatewayProtocol
@@ -1152,3 +1158,20 @@ def test_a_request_answered_with_requests_pipelined_behind_it_ends_quietly_when_
     uvloop = pytest.importorskip("uvloop")
     uvloop.run(_pipelined_client_leaves(stream))
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+# The first uvicorn with the two internals GatewayProtocol leans on: the hook it overrides to
+# know the request being answered with others pipelined behind it, and the context setting it
+# keeps (under 0.44 most of this file fails: held requests are answered with a 500).
+_FIRST_UVICORN_WITH_THE_HOOKS = Version("0.45")
+
+
+def test_the_uvicorn_carpool_requires_has_the_internals_its_protocol_leans_on() -> None:
+    assert hasattr(HttpToolsProtocol, "_start_asgi_task")
+    assert hasattr(uvicorn.Config(app=None), "reset_contextvars")
+    assert Version(uvicorn.__version__) >= _FIRST_UVICORN_WITH_THE_HOOKS
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    (required,) = [Requirement(d) for d in dependencies if Requirement(d).name == "uvicorn"]
+    allowed = [Version(f"0.{minor}") for minor in range(30, 60)]
+    assert min(v for v in allowed if v in required.specifier) == _FIRST_UVICORN_WITH_THE_HOOKS
