@@ -98,6 +98,30 @@ async def test_eviction_goes_in_the_order_of_the_puts_sparing_once_each_entry_hi
     assert [key for key in "abcdefgh" if store.get_now(key) is not None] == ["c", "f", "g", "h"]
 
 
+async def test_hot_objects_let_go_before_any_entry_is_evicted():
+    """Which entries keep their objects changes nothing else, not the order of eviction: a put
+    that needs room first takes it from the least recently used entries' objects (they stay,
+    packed), and evicts an entry only when no objects are left to let go. The same puts and
+    hits keep the same entries with or without hot objects."""
+    one = packed_size_of("a", entry())
+    objects = size_of("a", entry()) - one  # what a hot entry's objects add
+    budget = 4 * one + objects - 1  # room for 3 entries and one's objects, or 4 entries packed
+    kept = {}
+    for hot in (0, 1024):
+        store = MemoryStore(budget, hot=hot)
+        for key in "abc":
+            await store.put(key, entry())
+        store.get_now("a")
+        kept_a = store.get_now("a")  # a second hit: with hot, a keeps its objects (room)
+        assert (store._hot != {}) == bool(hot)
+        await store.put("d", entry())
+        assert store.bytes <= budget and store.evictions == 0 and store._hot == {}
+        kept[hot] = [key for key in "abcd" if store.holds(key)]
+        again = store.get_now("a")  # a is still served, unpacked anew
+        assert again is not None and again is not kept_a and again.answer.body == b"x" * 100
+    assert kept[0] == kept[1024] == ["a", "b", "c", "d"]
+
+
 @pytest.mark.parametrize("hot", [0, 1024])
 async def test_the_entry_put_last_is_evicted_last_even_when_every_other_was_hit(hot):
     store = MemoryStore(budget_for(3), hot=hot)
@@ -218,21 +242,27 @@ async def test_the_most_recently_used_entries_keep_their_objects_the_others_are_
     assert store.entries == 0 and store.bytes == 0
 
 
-async def test_a_hot_entry_expires_and_is_evicted_with_its_objects():
+async def test_a_hot_entry_expires_with_its_objects_and_keeps_none_once_evictions_begin():
     clock = ManualClock()
     store = MemoryStore(10_000, clock=clock)
     await store.put("k", entry(ttl=30, now=clock.now()))
+    store.get_now("k")
+    assert store.get_now("k") is not None and list(store._hot) == ["k"]  # kept
     clock.advance(30)
     assert store.get_now("k") is None and store.entries == 0 and store.bytes == 0
+    assert store._hot == {}
     await store.put("a", entry(now=clock.now()))
-    for i in range(20):  # each one hit twice (its objects kept), evicting the oldest
+    for i in range(40):  # each one hit twice (its objects kept while there is room)
+        evictions = store.evictions
         await store.put(f"k{i}", entry(now=clock.now()))
+        if store.evictions > evictions:  # an entry evicted only once no objects were left
+            assert store._hot == {}
         store.get_now(f"k{i}")
         store.get_now(f"k{i}")
     assert store.evictions > 0 and store.get_now("a") is None
     hot = [key for key in store._hot if store.holds(key)]
-    assert hot == list(store._hot) and 0 < len(hot) < 20
-    others = [f"k{i}" for i in range(20) if store.holds(f"k{i}") and f"k{i}" not in hot]
+    assert hot == list(store._hot)
+    others = [f"k{i}" for i in range(40) if store.holds(f"k{i}") and f"k{i}" not in hot]
     assert store.bytes == sum(size_of(key, entry()) for key in hot) + sum(
         packed_size_of(key, entry()) for key in others
     )

@@ -2,9 +2,11 @@
 ``carpool.lru``).
 
 Contract (on top of ``store.base``):
-- Total ``bytes`` never exceeds ``max_bytes`` after a ``put``: entries are evicted in the order
-  they were put, sparing those used since (below; counted in ``evictions``); an entry larger
-  than the whole budget is not stored at all (and, as any put, replaces what its key held).
+- Total ``bytes`` never exceeds ``max_bytes`` after a ``put``: the least recently used entries
+  with objects let theirs go first (the entries stay, packed); only then are entries evicted,
+  in the order they were put, sparing those used since (below; counted in ``evictions``); an
+  entry larger than the whole budget is not stored at all (and, as any put, replaces what its
+  key held).
 - ``bytes`` counts what the entries hold in this process, so that ``max_bytes`` bounds the
   memory the cache takes, not only its payload: per entry its key, its packed form, its place
   in the map (``lru.SLOT_BYTES``, the most a place takes: a map that only grew takes less) and,
@@ -265,6 +267,11 @@ class MemoryStore:
         if alone > self.max_bytes:
             return
         self._entries.put(place, blob)
+        # Room is taken from the objects first, the least recently used first: which entries
+        # keep objects must not change which entries are kept (an entry evicted for a copy of
+        # another is a miss the budget could have served).
+        while self._hot and self.bytes > self.max_bytes:
+            self._let_go(next(iter(self._hot.values()))[0])
         while self.bytes > self.max_bytes:  # (the new entry, the most recent, fits: not it)
             if self._entries.evict() is None:
                 break
