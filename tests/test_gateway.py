@@ -244,6 +244,73 @@ async def test_a_no_store_joiner_that_times_out_runs_a_call_that_never_lingers(f
 # --- the exact cache --------------------------------------------------------------------------
 
 
+# An upstream whose Cache-Control keeps its answer out of shared caches (RFC 9111 3: no-store,
+# private), in several lines and any case; a window long enough that a lingering answer shows.
+KEPT_OUT = [(b"cache-control", b"max-age=600"), (b"Cache-Control", b"public, PRIVATE")]
+WINDOW = {"window_ms": 60_000, "adaptive": False}
+
+
+@pytest.mark.parametrize("said", [b"No-Store", b"private", b'private="set-cookie", max-age=9'])
+async def test_an_answer_the_upstream_says_no_shared_cache_may_store_is_relayed_never_stored(
+    fake, gateway_with, said
+):
+    async with gateway_with(coalesce=WINDOW) as gw:
+        fake.response_headers = [(b"cache-control", b"max-age=600"), (b"cache-control", said)]
+        first = await gw.chat()
+        assert first.headers["x-carpool"] == "miss"
+        assert first.json()["choices"][0]["message"]["content"] == "answer 1 to What is carpool?"
+        assert gw.gateway.store.entries == 0
+        again = await gw.chat()
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+        assert again.json()["choices"][0]["message"]["content"] == "answer 2 to What is carpool?"
+
+
+async def test_a_stream_whose_head_says_no_store_is_relayed_whole_never_stored(fake, gateway_with):
+    async with gateway_with(coalesce=WINDOW) as gw:
+        fake.response_headers = KEPT_OUT  # (beside the stream's own "no-cache")
+        response, raw = await gw.stream_chat()
+        assert response.headers["x-carpool"] == "miss" and raw.rstrip().endswith("data: [DONE]")
+        assert sse_text(raw) == "answer 1 to What is carpool?"
+        assert gw.gateway.store.entries == 0
+        again, raw = await gw.stream_chat()
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+        assert sse_text(raw) == "answer 2 to What is carpool?"
+
+
+async def test_the_joiners_of_a_no_store_answers_call_get_it_from_that_one_call(fake, gateway_with):
+    """Coalescing is not storing: the clients of the call it answers all get it; none after."""
+    async with gateway_with(coalesce=WINDOW) as gw:
+        fake.response_headers = KEPT_OUT
+        fake.gate = asyncio.Event()
+        clients = [asyncio.create_task(gw.chat()), asyncio.create_task(gw.stream_chat())]
+        await fake.wait_for_calls(1)
+        await eventually(lambda: flight_clients(gw) == 2, what="both clients on the flight")
+        fake.gate.set()
+        whole, (streamed, raw) = await asyncio.gather(*clients)
+        assert sorted([whole.headers["x-carpool"], streamed.headers["x-carpool"]]) == [
+            "coalesced",
+            "miss",
+        ]
+        text = whole.json()["choices"][0]["message"]["content"]
+        assert text == sse_text(raw) == "answer 1 to What is carpool?" and fake.count() == 1
+        after = await gw.chat()  # (its flight over: nothing of it is kept)
+        assert after.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_the_request_after_a_no_store_answer_is_a_miss_that_calls_the_upstream_again(
+    fake, gateway_with
+):
+    """Neither stored nor lingering in the coalescing window for a later request."""
+    async with gateway_with(coalesce=WINDOW) as gw:
+        fake.response_headers = KEPT_OUT
+        assert (await gw.chat()).headers["x-carpool"] == "miss"
+        fake.response_headers = []  # (the next answer may be stored: the next request hits it)
+        later = await gw.chat()
+        assert later.headers["x-carpool"] == "miss" and fake.count() == 2
+        assert later.json()["choices"][0]["message"]["content"] == "answer 2 to What is carpool?"
+        assert (await gw.chat()).headers["x-carpool"] in ("hit", "coalesced") and fake.count() == 2
+
+
 async def test_repeat_is_a_hit_with_age_whatever_user_key_order_or_number_spelling(gw, fake):
     first = await gw.chat(user="alice")
     assert first.headers["x-carpool"] == "miss"

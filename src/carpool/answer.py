@@ -8,8 +8,14 @@ Contract:
   API (``Api.synthesize``: chat chunks, or the typed events of Responses and Messages).
 - ``complete`` is true only for a 2xx answer its API judges complete (``Api.complete``: every
   choice has a finish reason; embeddings: one vector per input; Responses: status
-  ``completed``; Messages: a ``stop_reason``). Only complete answers are stored or kept joinable
-  after their flight.
+  ``completed``; Messages: a ``stop_reason``).
+- ``no_store`` says that the upstream's ``Cache-Control`` forbids a shared cache to store it
+  (``no-store`` or ``private``: ``http_syntax.shared_cache_may_store``), read from its head
+  (a stream's too, before its frames). ``storable``: complete and not ``no_store``. Only
+  storable answers are stored (exact and semantic cache, in-process and Redis) or kept
+  joinable after their flight; one that is not is still its flight's clients' (the joiners of
+  its call included: coalescing is not storing), and an idempotency record keeps it (the same
+  client's retry).
 - ``created`` is the wall-clock time the answer was produced: the ``age`` header counts from it.
 - ``tokens`` is prompt + completion tokens of the call: what a hit or a joiner did not recompute,
   as the upstream reported them (``usage``); 0 when it reported none. ``usage_missing`` says
@@ -62,6 +68,7 @@ class Answer:
     _synthesized: dict[bool, list[bytes]] = field(default_factory=dict)
     _usage_missing: bool | None = None  # computed on first use (``usage_missing``)
     requester: str | None = None  # (an incomplete answer's: whose call it was)
+    no_store: bool = False  # the upstream said no shared cache may store it (``storable``)
     _frames_size: int | None = None  # computed on first use (``frames_size``)
     # Told of frames ``sse`` synthesized and kept (the in-process store, for its budget).
     on_synthesized: Callable[[Answer], None] | None = None
@@ -97,7 +104,8 @@ class Answer:
         answer.usage_frame = usage_frame
         answer._synthesized = {}
         answer._usage_missing = None
-        answer.requester = None  # (only complete answers are stored or linger)
+        answer.requester = None  # (only storable answers are stored or linger)
+        answer.no_store = False
         answer._frames_size = None
         answer.on_synthesized = None
         return answer
@@ -115,6 +123,11 @@ class Answer:
             self.frames,
             self.usage_frame,
         )
+
+    @property
+    def storable(self) -> bool:
+        """Whether a cache may keep it: complete, and not ``no_store``."""
+        return self.complete and not self.no_store
 
     @classmethod
     def from_body(cls, kind: str, parsed: dict[str, Any], raw: bytes, complete: bool) -> Answer:

@@ -26,7 +26,9 @@ Contract:
   its answer never stored, ``without_usage``). A stream is published into the flight's
   ``Broadcast`` as it comes, the frames of one read together (``_consume``; its API's
   ``Collector`` gathers it), a whole body read at once (``_complete``); either comes back as an
-  ``Answer``, ``complete`` (storable) only when its API judges it so. A status other than 2xx
+  ``Answer``, ``complete`` only when its API judges it so, and ``storable`` only if complete
+  and its ``Cache-Control`` (a stream's head's too) says neither ``no-store`` nor ``private``
+  (``Answer.no_store``). A status other than 2xx
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
   the flight fails, and nothing is stored.
@@ -76,6 +78,7 @@ from .errors import (
     retry_headers,
 )
 from .fingerprint import grant_of, names_of, neutral_of, requester
+from .http_syntax import shared_cache_may_store
 from .identity import tenant_of
 from .outcome import Outcome
 from .prefix import root_of
@@ -300,6 +303,9 @@ class Exchange:
         # Produced now by the gateway's clock, which its stores' expiry and ages read (not the
         # system's: a test's clock may be moved, and both must move together).
         answer.created = self.layers.clock.now()
+        # The upstream said no shared cache may store it (``no-store``, ``private``): its
+        # clients get it, no cache keeps it (``Answer.storable``).
+        answer.no_store = not shared_cache_may_store(response.headers.get("cache-control", ""))
         if made is not None:
             answer.created = made
         elif said == Outcome.COALESCED:

@@ -9,10 +9,12 @@ Contract (each clause has a test of the same name in tests/test_flight.py):
    starts the call only when no flight for the key exists.
 2. A leader's error reaches every waiter and is never stored: the flight ends with the error, and
    is dropped at once so the next request calls again.
-3. A finished flight stays joinable for the window, then is gone: a complete answer lingers
-   for the window its ``WindowPolicy`` gives (joiners get it at once; see ``window.py``), an
-   incomplete one (or one led by a ``no-store`` request, or relayed from another instance's
-   leader that said so: ``Broadcast.may_linger``) does not linger at all. A flight that
+3. A finished flight stays joinable for the window, then is gone: a storable answer
+   (``Answer.storable``) lingers for the window its ``WindowPolicy`` gives (joiners get it at
+   once; see ``window.py``), one that is not (incomplete, or one the upstream's
+   ``Cache-Control`` keeps out of shared caches: ``no-store``, ``private``; or one led by a
+   ``no-store`` request, or relayed from another instance's leader that said so:
+   ``Broadcast.may_linger``) does not linger at all. A flight that
    replayed a call another instance had finished (``Broadcast.replayed``) finished when that
    call did: its age and its window count from then. Lingering, it
    is kept as a plain tuple of strings, bytes and numbers (``_lingering_record``), not as the
@@ -439,8 +441,9 @@ class FlightGroup:
         flight.finished_at = ended = now if replayed is None else now - replayed
         window = (
             self.windows.window(flight.key, now, now - flight.started_at)
-            # (Not an answer whose remote leader said no: ``no-store``.)
-            if answer.complete and flight.linger and broadcast.may_linger
+            # (Not an answer whose remote leader said no: ``no-store``; nor one the upstream
+            # said no shared cache may keep: ``Answer.storable``.)
+            if answer.storable and flight.linger and broadcast.may_linger
             else 0
         )
         if ended + window > now:

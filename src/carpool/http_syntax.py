@@ -11,6 +11,10 @@ Contract:
   back out as those bytes, byte for byte: UTF-8 would make every byte over 0x7f two (a client
   key written in UTF-8 was another key upstream). A value beyond latin-1 can only be text a
   library caller gave (``Gateway.request``): its UTF-8.
+- ``shared_cache_may_store(cache_control)``: whether an answer whose ``Cache-Control`` (its
+  lines joined by ", ") is ``cache_control`` may be stored by a shared cache (RFC 9111 3):
+  not with ``no-store`` (5.2.2.3) nor ``private`` (5.2.2.7, with field names or without: the
+  gateway does not store an answer in part), directive names read case-insensitively.
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ import re
 
 TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def shared_cache_may_store(cache_control: str) -> bool:
+    """Whether a shared cache may store an answer that says ``cache_control`` (see the
+    contract)."""
+    if not cache_control:
+        return True
+    for directive in cache_control.lower().split(","):
+        # (A quoted argument's commas split it too: only what comes before "=" is read.)
+        if directive.partition("=")[0].strip() in ("no-store", "private"):
+            return False
+    return True
 
 
 def value_bytes(value: str) -> bytes:

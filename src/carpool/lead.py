@@ -29,7 +29,10 @@ Contract:
   ``read_age``: its ``max-age`` bounded by its type's TTL in this instance's config (0: not at
   all). A shared flight's claim that finds an answer stored (``redis/flights.py``'s ``load``)
   reads it so too, as the pipeline's reads of the exact and semantic caches do.
-- Nothing broken is stored (``_store``): only complete answers (``Answer.complete``), with
+- Nothing broken is stored (``_store``): only storable answers (``Answer.storable``: complete,
+  and not one the upstream's ``Cache-Control`` keeps out of shared caches, ``no-store`` or
+  ``private``: relayed to its flight's clients, joiners included, and kept by an idempotency
+  record, but in no cache, exact or semantic, nor lingering in the window), with
   ttl > 0 and not past it (an answer back-dated by its ``age``), without ``no-store``, not
   asked without the usage other shapes of the request get (``exchange.without_usage``: a
   later hit of another shape would lack it), and only if no invalidation came after the call
@@ -262,7 +265,7 @@ class Leader:
         controls = request.controls
         ttl = self.config.ttl_for(controls.request_type)
         if (
-            not answer.complete
+            not answer.storable  # (incomplete, or the upstream's ``no-store``/``private``)
             or controls.no_store
             or ttl <= 0
             or key.key is None

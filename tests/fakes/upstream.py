@@ -93,7 +93,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
 - ``refuse: Callable[[Call], str | None] | None``: a call for which it gives a message is
   answered 400 ``invalid_request_error`` with that message (an upstream refusing one field of
   one request, its ``user`` say), on every path.
-- ``response_headers``: ``(name, value)`` byte pairs added to every JSON answer's headers.
+- ``response_headers``: ``(name, value)`` byte pairs added to every 2xx answer's headers, JSON and
+  streams (a ``cache-control`` pair: one more line beside a stream's own ``no-cache``).
 - ``redirect_to: str | None``: any other path (the echo below) answers 307 to that URL.
 - ``chunk_delay: float``: seconds between streamed chunks.
 - ``chunk_gate: asyncio.Event | None`` and ``chunk_gate_after: int`` (default 2): a stream sends

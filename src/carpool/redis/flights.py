@@ -33,7 +33,9 @@ which coalesces the local flights of every instance:
   its leader renews and its followers read as their leader alive: they keep it to its end) and
   takes the lock for a fresh call, which every later request follows (``TAKE``). Nobody new
   follows the stale call, and it is not replayed once finished.
-- A complete answer of a request that may linger (no ``no-store``) leaves the lock as
+- A storable answer (``Answer.storable``: complete, and not kept out of shared caches by the
+  upstream's ``no-store``/``private``) of a request that may linger (no ``no-store``) leaves
+  the lock as
   ``=TOKEN:MS`` for ``coalesce.window_ms``: requests on any instance replay that stream within
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
@@ -44,7 +46,8 @@ which coalesces the local flights of every instance:
   a request that joins it here, while it replays or lingering, gets it only if that age is one
   it accepts (a ``no-cache`` one never does: it makes a fresh call), and it lingers here for
   what is left of this instance's window since then. The final record says whether the answer
-  may linger at all (not a ``no-store`` leader's, nor a call set aside by an invalidation): a
+  may linger at all (not a ``no-store`` leader's, nor an answer that is not storable, nor a
+  call set aside by an invalidation): a
   follower's local flight lingers only if it may.
 - A claim that finds no call running may find its answer stored (``load``; the entry's key is
   in the lock's slot): a call that ended without a window (``coalesce.window_ms: 0``) after
@@ -456,9 +459,11 @@ class SharedFlights:
             # and do not let it linger).
             await self._close(publisher, answer_record(answer, linger=False), 0)
             return answer
-        # (Whether it may linger where it is relayed: not a ``no-store`` request's answer.)
+        # (Whether it may linger where it is relayed: not a ``no-store`` request's answer, nor
+        # one the upstream said no shared cache may keep, ``Answer.storable``.)
+        linger = linger and answer.storable
         record = answer_record(answer, linger)
-        lingers = linger and answer.complete and self.linger_ms > 0
+        lingers = linger and self.linger_ms > 0
         if lingers:
             # At once: the lock stays, with the answer, for the window.
             stored, _ = await asyncio.gather(

@@ -6,7 +6,8 @@ Contract:
   replaces any entry under the same key. An entry already expired (``expires`` <= now: an
   answer back-dated by an upstream's ``age``) is not stored: it counts nothing and evicts
   nothing, and the key's entry is gone all the same. The caller has already decided the
-  answer may be stored (complete, 2xx, ttl > 0, no ``no-store``): a store never judges answers.
+  answer may be stored (``Answer.storable``: complete, 2xx, and the upstream said neither
+  ``no-store`` nor ``private``; ttl > 0, no ``no-store`` request): a store never judges answers.
 - ``invalidate(selector)`` drops the entries matching a tag, a namespace, a prompt prefix, or all, and
   returns how many it dropped.
 - An entry's tags are its request's (``x-carpool-tags``) and the gateway's own (``state_tag``:

@@ -52,8 +52,11 @@ Contract:
   (``WireError``, "answer head too large") and its connection is closed. A server that sends
   an endless head, or trickles one (each byte restarting the read timer), would otherwise
   grow the gateway's memory without bound. A chunked body's trailer fields count so too, once
-  each is whole. Of its fields, an ``Answer`` keeps its content type and what it says of when
-  to retry (``RETRY_FIELDS``, names lower-case, values as they came): the rest is read by no one.
+  each is whole. Of its fields, an ``Answer`` keeps its content type, what it says of when
+  to retry (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
+  (``cache_control``: every line of it, joined by ", " as RFC 9110 5.3 allows; "" for none;
+  a ``no-store`` or ``private`` answer is never stored, ``Answer.storable``): the rest is read
+  by no one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
@@ -420,13 +423,14 @@ class Pool:
 class Answer:
     """An answer being read (see the module's contract)."""
 
-    __slots__ = ("connection", "status", "content_type", "retry", "_released")
+    __slots__ = ("connection", "status", "content_type", "retry", "cache_control", "_released")
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
         self.status = connection.status
         self.content_type = connection.content_type
         self.retry = connection.retry  # (``RETRY_FIELDS`` it said, as they came)
+        self.cache_control = connection.cache_control
         self._released = False
 
     async def read(self) -> bytes:
@@ -524,6 +528,7 @@ class Connection(asyncio.Protocol):
         "status",
         "content_type",
         "retry",
+        "cache_control",
         "sized",
         "interim",
         "headed",
@@ -558,6 +563,7 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.content_type = ""
         self.retry: tuple[tuple[str, str], ...] = ()
+        self.cache_control = ""  # (its lines joined: ``Answer.cache_control``)
         self.sized = False  # a Content-Length or chunked: the body does not end at EOF
         self.interim = False  # a 1xx answer, before the real one
         self.headed = False
@@ -583,7 +589,7 @@ class Connection(asyncio.Protocol):
         self.heard = self.sent = False
         self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
-        self.retry = ()
+        self.retry, self.cache_control = (), ""
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
         self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
@@ -777,6 +783,10 @@ class Connection(asyncio.Protocol):
             self.sized = True
         elif name in RETRY_FIELDS:
             self.retry += ((name.decode("latin-1"), value.decode("latin-1")),)
+        elif name == b"cache-control":
+            # Every line: a ``no-store`` on the second line of several binds as on the first.
+            said = value.decode("latin-1")
+            self.cache_control = f"{self.cache_control}, {said}" if self.cache_control else said
 
     def on_headers_complete(self) -> None:
         if self.unasked:
@@ -799,7 +809,7 @@ class Connection(asyncio.Protocol):
             return
         if self.interim:
             self.interim = False
-            self.content_type, self.sized, self.retry = "", False, ()
+            self.content_type, self.sized, self.retry, self.cache_control = "", False, (), ""
             return
         self.done = True
         self.keep_alive = not self.lost and self.parser.should_keep_alive()
