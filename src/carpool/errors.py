@@ -15,6 +15,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── TargetTooLong             414: a request target over ``limits.max_header_bytes``
     │   ├── BodyTimeout               408: body not received within ``limits.body_read_timeout``
     │   ├── HeadersTimeout            408: request line and headers, likewise
+    │   ├── ContentCodingRefused      415: a cached endpoint's body in a content coding (gzip...)
     │   ├── PathRefused               400: a pass-through path that could leave the upstream's /v1
     │   └── PathNotAllowed            403: a pass-through path outside ``passthrough.allow``
     ├── AdminRequired                 401: /stats, /metrics, /dashboard without the admin token
@@ -187,6 +188,23 @@ class HeadersTimeout(RequestError):
         super().__init__(
             f"the request's headers were not received within {timeout:g} seconds",
             "header_timeout",
+        )
+
+
+class ContentCodingRefused(RequestError):
+    """A cached endpoint's body sent in a content coding (``Content-Encoding``: gzip, deflate,
+    br...), which the gateway does not decode: its JSON is parsed and re-serialized, so the
+    body must come as it is (``identity``). RFC 9110 15.5.16: 415, with ``Accept-Encoding``
+    saying which coding would have been accepted."""
+
+    status = 415
+    also = (("accept-encoding", "identity"),)
+
+    def __init__(self, coding: str) -> None:
+        super().__init__(
+            f"Content-Encoding {coding[:64]!r} is not accepted here: send the JSON body "
+            "uncompressed (identity)",
+            "unsupported_content_encoding",
         )
 
 
