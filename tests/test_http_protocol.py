@@ -887,6 +887,144 @@ async def test_a_request_without_a_body_asking_to_upgrade_is_served_as_if_it_had
     assert status == 200
 
 
+def _chunks(body: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+
+# Requests httptools cannot read (RFC 9112): the header fields after the request's own, its body.
+_MALFORMED = {
+    "content-length not a number": (b"content-length: abc\r\n", _body()),
+    "two content-lengths": (b"content-length: %d\r\ncontent-length: 5\r\n" % len(_body()), _body()),
+    "content-length and chunked": (
+        b"content-length: 5\r\ntransfer-encoding: chunked\r\n",
+        _chunks(_body()),
+    ),
+    "a bad chunk size": (b"transfer-encoding: chunked\r\n", b"zz\r\nabc\r\n0\r\n\r\n"),
+    "a space before a colon": (b"content-length : %d\r\n" % len(_body()), _body()),
+}
+# A target and what its refusals look like: the API's error shape on a cached endpoint, with
+# ``x-carpool: bypass`` and counted in ``rejected``; OpenAI's elsewhere, counted nowhere.
+_TARGETS = [CHAT, "/v1/messages", "/v1/files"]
+
+
+async def _refused_framing(
+    fake: Any, target: str, fields: bytes, body: bytes
+) -> tuple[int, dict[str, str], dict[str, Any], int]:
+    """``target`` POSTed with ``fields`` and ``body``, its answer read to the connection's end:
+    status, headers, JSON body, and the gateway's ``rejected`` count."""
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+    async with serve_app_with_server(create_app(gateway)) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                f"POST {target} HTTP/1.1\r\nhost: gw\r\nx-request-id: framing-1\r\n"
+                "content-type: application/json\r\n".encode()
+                + fields
+                + b"\r\n"
+                + body
+            )
+            status, headers, content = await asyncio.wait_for(_response(reader), 5)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # and the connection closed
+        await eventually(lambda: not served.server.server_state.tasks, what="no request running")
+    assert fake.count() == 0  # (nothing of it reached the upstream)
+    return status, headers, orjson.loads(content), gateway.stats.rejected
+
+
+def _assert_in_the_apis_shape(
+    target: str, headers: dict[str, str], answer: dict[str, Any], rejected: int
+) -> dict[str, Any]:
+    """The refusal is the API's error (its shape, ``bypass``, counted), with the request's id
+    and ``connection: close``; its error object."""
+    assert headers["x-request-id"] == "framing-1" and headers["connection"] == "close"
+    assert headers["content-type"] == "application/json"
+    if target == "/v1/messages":
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    else:
+        assert answer["error"]["type"] == "invalid_request_error"
+    if target == "/v1/files":  # (pass-through: in no request counter, no x-carpool)
+        assert "x-carpool" not in headers and rejected == 0
+    else:
+        assert headers["x-carpool"] == "bypass" and rejected == 1
+    return answer["error"]
+
+
+@pytest.mark.parametrize("target", _TARGETS)
+@pytest.mark.parametrize("case", list(_MALFORMED))
+async def test_a_request_with_malformed_framing_is_a_400_in_the_apis_shape_with_its_request_id(
+    fake, case, target
+):
+    """uvicorn answered it itself: a text/plain 400 "Invalid HTTP request received.", without
+    ``x-request-id``, in no API's error shape, counted nowhere."""
+    fields, body = _MALFORMED[case]
+    status, headers, answer, rejected = await _refused_framing(fake, target, fields, body)
+    assert status == 400, answer
+    error = _assert_in_the_apis_shape(target, headers, answer, rejected)
+    assert "HTTP" in error["message"]
+    if target != "/v1/messages":
+        assert error["code"] == "invalid_http"
+
+
+@pytest.mark.parametrize("target", _TARGETS)
+@pytest.mark.parametrize(
+    "fields",
+    [
+        b"transfer-encoding: gzip, chunked\r\n",
+        b"transfer-encoding: gzip\r\ntransfer-encoding: Chunked\r\n",
+    ],
+    ids=["one line", "two lines"],
+)
+async def test_a_transfer_coding_other_than_chunked_is_501_in_the_apis_shape(fake, fields, target):
+    """RFC 9112 6.1. The gzip was ignored: the body, de-chunked but still said to be gzip, was
+    served as it came (a plain body labelled so, a 200; a compressed one, a 400 blaming its
+    JSON), and passed through without its coding."""
+    status, headers, answer, rejected = await _refused_framing(
+        fake, target, fields, _chunks(_body())
+    )
+    assert status == 501, answer
+    error = _assert_in_the_apis_shape(target, headers, answer, rejected)
+    assert "Transfer-Encoding" in error["message"]
+    if target != "/v1/messages":
+        assert error["code"] == "unsupported_transfer_encoding"
+
+
+async def test_a_malformed_request_pipelined_behind_one_being_answered_is_refused_after_its_answer(
+    fake,
+):
+    """uvicorn's 400 was written as the bytes were parsed, the connection closed with it: the
+    answer to the request before it was lost."""
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+    async with serve_app_with_server(create_app(gateway)) as served:
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n"
+                + f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\nx-request-id: framing-2\r\n".encode()
+                + b"content-length: abc\r\n\r\n"
+            )
+            answered, _, _ = await asyncio.wait_for(_response(reader), 5)
+            status, headers, error = await _refusal(reader)
+    assert answered == 200
+    assert (status, error["code"], headers["x-request-id"]) == (400, "invalid_http", "framing-2")
+    assert headers["x-carpool"] == "bypass" and gateway.stats.rejected == 1
+
+
+async def test_a_malformed_body_refused_while_it_still_comes_is_answered_and_the_rest_dropped(
+    fake,
+):
+    """The 400 was written and the connection closed at once, with the client still sending:
+    the kernel reset the connection, and the client could lose its answer. It lingers, as
+    the other refusals made as the request is read."""
+    async with _gateway(fake) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n".encode()
+            )
+            status, headers, _ = await asyncio.wait_for(_response(reader), 5)
+            writer.write(b"x" * 4_000_000)  # (what the client was still sending)
+            await asyncio.wait_for(writer.drain(), 5)  # read and dropped, never reset
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # (this side shut)
+    assert (status, headers["connection"]) == (400, "close")
+    assert fake.count() == 0
+
+
 async def test_the_rest_of_a_body_answered_early_that_came_leaves_the_idle_connection_to_keep_alive(
     fake,
 ):

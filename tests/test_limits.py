@@ -15,6 +15,8 @@ Limits that the gateway enforces (CONTRACT.md "Errors from the gateway itself", 
 from __future__ import annotations
 
 import asyncio
+import gzip
+import zlib
 
 import orjson
 import pytest
@@ -203,6 +205,64 @@ async def test_a_malformed_cache_control_max_age_is_400(gw, fake):
     await assert_still_serving_and_nothing_stored(gw, fake)
 
 
+# --- content codings -------------------------------------------------------------------------
+
+CHAT_BODY = orjson.dumps({"model": "m", "temperature": 0, "messages": MESSAGES})
+MESSAGES_BODY = orjson.dumps(
+    {"model": "m", "temperature": 0, "max_tokens": 10, "messages": MESSAGES}
+)
+# (The bytes need not be what they say: the coding alone is refused, before the body is read.)
+CODED = [
+    ("gzip", gzip.compress(CHAT_BODY)),
+    ("deflate", zlib.compress(CHAT_BODY)),
+    ("br", b"\x8b\x02\x80" + CHAT_BODY),
+    ("GZIP", gzip.compress(CHAT_BODY)),
+    ("identity, gzip", gzip.compress(CHAT_BODY)),
+    ("gzip", CHAT_BODY),  # (a plain body labelled gzip: a byte-identical repeat of the first)
+]
+
+
+async def test_a_content_coding_other_than_identity_on_a_cached_endpoint_is_415_naming_it(gw, fake):
+    """The body was read as JSON whatever its coding: a compressed one got a 400 blaming the
+    JSON ("surrogates not allowed"), and a plain one labelled gzip was served, forwarded to the
+    upstream still labelled gzip."""
+    stored = await gw.client.post(CHAT, content=CHAT_BODY, headers=JSON)
+    assert stored.headers["x-carpool"] == "miss"
+    for coding, body in CODED:
+        refused = await gw.client.post(
+            CHAT, content=body, headers={**JSON, "content-encoding": coding}
+        )
+        error = assert_openai_error(refused, 415, "unsupported_content_encoding")
+        assert "Content-Encoding" in error["message"], coding
+        assert refused.headers["x-carpool"] == "bypass", coding
+        assert refused.headers["accept-encoding"] == "identity", coding  # (RFC 9110 15.5.16)
+    # Anthropic's error shape on /v1/messages, as for its other refusals.
+    refused = await gw.client.post(
+        "/v1/messages", content=MESSAGES_BODY, headers={**JSON, "content-encoding": "gzip"}
+    )
+    assert refused.status_code == 415 and refused.headers["x-carpool"] == "bypass"
+    anthropic = refused.json()
+    assert anthropic["type"] == "error" and anthropic["error"]["type"] == "invalid_request_error"
+    assert "Content-Encoding" in anthropic["error"]["message"]
+    assert gw.gateway.stats.rejected == len(CODED) + 1
+    assert fake.count() == 1  # (the first request's call alone)
+
+
+async def test_a_cached_endpoints_call_never_carries_the_clients_content_encoding(gw, fake):
+    """Its body is re-serialized JSON: ``identity`` is served, and not forwarded. Pass-through
+    forwards the body as it came, and its coding with it."""
+    served = await gw.client.post(
+        CHAT, content=CHAT_BODY, headers={**JSON, "content-encoding": "Identity"}
+    )
+    assert served.status_code == 200 and served.headers["x-carpool"] == "miss"
+    assert "content-encoding" not in fake.calls[-1].headers
+    packed = gzip.compress(b'{"purpose": "batch"}')
+    await gw.client.post("/v1/files", content=packed, headers={**JSON, "content-encoding": "gzip"})
+    passed = fake.calls[-1]
+    assert passed.path == "/v1/files" and passed.raw_body == packed
+    assert passed.headers["content-encoding"] == "gzip"
+
+
 # --- idempotency keys ------------------------------------------------------------------------
 
 INVALID_KEYS = {
@@ -229,9 +289,9 @@ async def test_an_invalid_idempotency_key_is_400_problem_json_and_nothing_is_sto
     for case, value in INVALID_KEYS.items():
         for header in ("Idempotency-Key", "X-Idempotency-Key"):
             response = await raw_post(gw.url, CHAT, {header: value}, orjson.dumps(body))
-            if response.headers["content-type"].startswith("text/plain"):
-                # The HTTP server's own parser refused the header line (DEL): never got here.
-                assert response.status_code == 400, case
+            if response.headers["content-type"] == "application/json":
+                # The HTTP parser refused the header line (DEL): the request never got here.
+                assert_openai_error(response, 400, "invalid_http")
             else:
                 problem = assert_problem(response)
                 assert problem["title"] and response.headers["x-carpool"] == "bypass", case

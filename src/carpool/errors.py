@@ -15,6 +15,9 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── TargetTooLong             414: a request target over ``limits.max_header_bytes``
     │   ├── BodyTimeout               408: body not received within ``limits.body_read_timeout``
     │   ├── HeadersTimeout            408: request line and headers, likewise
+    │   ├── ContentCodingRefused      415: a cached endpoint's body in a content coding (gzip...)
+    │   ├── MalformedHttp             400: a request that is not valid HTTP/1.1 (its framing...)
+    │   ├── TransferCodingRefused     501: a transfer coding other than chunked (RFC 9112 6.1)
     │   ├── PathRefused               400: a pass-through path that could leave the upstream's /v1
     │   └── PathNotAllowed            403: a pass-through path outside ``passthrough.allow``
     ├── AdminRequired                 401: /stats, /metrics, /dashboard without the admin token
@@ -187,6 +190,52 @@ class HeadersTimeout(RequestError):
         super().__init__(
             f"the request's headers were not received within {timeout:g} seconds",
             "header_timeout",
+        )
+
+
+class ContentCodingRefused(RequestError):
+    """A cached endpoint's body sent in a content coding (``Content-Encoding``: gzip, deflate,
+    br...), which the gateway does not decode: its JSON is parsed and re-serialized, so the
+    body must come as it is (``identity``). RFC 9110 15.5.16: 415, with ``Accept-Encoding``
+    saying which coding would have been accepted."""
+
+    status = 415
+    also = (("accept-encoding", "identity"),)
+
+    def __init__(self, coding: str) -> None:
+        super().__init__(
+            f"Content-Encoding {coding[:64]!r} is not accepted here: send the JSON body "
+            "uncompressed (identity)",
+            "unsupported_content_encoding",
+        )
+
+
+class MalformedHttp(RequestError):
+    """A request the HTTP parser cannot read (RFC 9112): a malformed or ambiguous framing (a
+    ``Content-Length`` that is no number, two that differ, one with ``Transfer-Encoding``, a
+    bad chunk size), a header line it cannot split. Refused by the HTTP protocol as it is read;
+    the connection is closed, since where the next request begins is unknown."""
+
+    also = _CLOSES
+
+    def __init__(self, reason: str | None = None) -> None:
+        said = f" ({reason})" if reason else ""
+        super().__init__(f"the request is not valid HTTP/1.1{said}", "invalid_http")
+
+
+class TransferCodingRefused(RequestError):
+    """A request whose ``Transfer-Encoding`` lists a coding other than ``chunked`` (``gzip,
+    chunked``): the gateway decodes none, and the body would be read still coded. RFC 9112
+    6.1: 501; the connection is closed."""
+
+    status = 501
+    also = _CLOSES
+
+    def __init__(self, codings: str) -> None:
+        super().__init__(
+            f"Transfer-Encoding {codings[:64]!r} is not implemented: only chunked is; send the "
+            "body uncompressed",
+            "unsupported_transfer_encoding",
         )
 
 

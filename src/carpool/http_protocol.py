@@ -26,10 +26,10 @@ Contract:
   ASGI app's task writes them. Written within the read, an answer cost the kernel three times
   the work (19-20 µs of system time per hit against 6, under wrk: hits at 0.55 of the
   fixed-bytes app instead of 0.85). Whatever would write to the connection or close it first
-  sends it before: a request behind it in the same read, uvicorn's 400, the end of the client's
-  side, a shutdown, the keep-alive timer. A reply longer than a slice (``reply.SLICE_BYTES``)
-  is not written at once: it is written as a served request's is (below), in a task, a slice
-  at a time.
+  sends it before: a request behind it in the same read, a refusal (``_refuse``), the end of
+  the client's side, a shutdown, the keep-alive timer. A reply longer than a slice
+  (``reply.SLICE_BYTES``) is not written at once: it is written as a served request's is
+  (below), in a task, a slice at a time.
 - Otherwise the request is served in a task of its own by ``GatewayApp.serve``, as the ASGI path
   serves it (the same ``Gateway.handle``, the same watch for the client leaving, the same counts),
   with uvicorn's request cycle for the connection's state (requests pipelined behind it wait,
@@ -71,13 +71,26 @@ Contract:
   counts as what has come of it. The refusal is the API's error (for a POST to a cached
   endpoint's path: its shape, ``x-carpool: bypass``, counted as rejected; any other method
   there is pass-through's, as elsewhere) with ``connection: close``, and the
-  connection closes, lingering; while another response is under way on it, it only closes.
+  connection closes, lingering. Pipelined behind requests still being answered, it is written
+  once they are (closed at once, their answers were lost); while its own answer is under way
+  (a trailer section too large), the connection only closes.
 - The request line and headers must all come within ``limits.body_read_timeout`` seconds of
   the connection (its first request) or of the request's first byte (``_head_deadline``): else
   a 408 (the same shape) and the connection closes, lingering, or, nothing of a request having
   come, it closes without a word, as uvicorn closes an idle one. Not while an earlier request
   of the connection is still being answered: the time counts again from then. Between
   requests, an idle connection is uvicorn's (its ``timeout_keep_alive``).
+- A request httptools cannot read (RFC 9112: a ``Content-Length`` that is no number, two that
+  differ, one beside ``Transfer-Encoding``, a bad chunk size, a space before a header's colon,
+  a malformed request line) is ``MalformedHttp``: a 400 ``invalid_http`` naming the parser's
+  reason, and a ``Transfer-Encoding`` naming a coding other than chunked (``gzip, chunked``,
+  on one line or two), which httptools reads as chunked and hands on still coded, is
+  ``TransferCodingRefused``: a 501 ``unsupported_transfer_encoding`` (RFC 9112 6.1). Both are
+  refused as the 431 is, and the connection closes, lingering (the rest of a body may still be
+  coming: closed at once, the client could lose its answer): for a POST to a cached endpoint's
+  path in its API's shape, ``x-carpool: bypass``, counted as rejected; else in OpenAI's; with
+  ``x-request-id`` (the client's, if its header came before the fault). Not uvicorn's
+  text/plain 400, which carried none. Under another app, they are uvicorn's.
 - A request answered before its body's end (a 404, a refusal, a route that reads none): the
   rest must come within ``limits.body_read_timeout`` seconds of the answer, or the connection
   closes, lingering (each read of it disarms uvicorn's keep-alive timer, and no app reads it:
@@ -134,8 +147,10 @@ from .errors import (
     HeadersTimeout,
     HeadersTooLarge,
     InternalError,
+    MalformedHttp,
     RequestError,
     TargetTooLong,
+    TransferCodingRefused,
     UpgradeWithBody,
 )
 from .inbound import ClientWatch
@@ -238,8 +253,12 @@ class GatewayProtocol(HttpToolsProtocol):
         # last reported (-1: one was, in this read): ``data_received``.
         self.target_size = self.fields_size = self.quiet = 0
         self.url_more: bytearray | None = None
+        # Its ``Transfer-Encoding`` names a coding other than chunked (``_codes``).
+        self.transfer_coded = False
         # The request was refused as it was read (``_refuse``): answered, the connection closing.
         self.refused = False
+        # Its refusal, while requests before it are still being answered (``_refuse_now``).
+        self.refusal: bytes | None = None
         # The connection closing while the client may still send (``_linger``); the proxy
         # uvicorn's cycles write through and close (``_cycle_transport``).
         self.lingering = False
@@ -256,16 +275,27 @@ class GatewayProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return  # (read and dropped: ``_linger``)
-        # uvicorn's, but for a request refused as it is parsed: answered already (``_refuse``).
+        # uvicorn's, but for a request refused as it is parsed: answered already (``_refuse``);
+        # and one httptools cannot read, refused as the gateway refuses the others.
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as error:
             if self.refused:
                 return
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            if self.limits_app is None:  # (not the gateway's app: uvicorn's protocol)
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+                return
+            # uvicorn's 400 was text/plain, without ``x-request-id``, counted nowhere. The
+            # parser's reason is a fixed phrase of llhttp's ("Invalid character in
+            # Content-Length"), never the client's bytes; a callback's failure (a target
+            # uvicorn cannot take) has none worth saying.
+            callback = isinstance(error, httptools.HttpParserCallbackError)
+            reason = None if callback else str(error)
+            log.info("a request that is not valid HTTP/1.1 was refused (400): %s", reason)
+            self._refuse(MalformedHttp(reason))
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
@@ -305,6 +335,7 @@ class GatewayProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.phase, self.target_size, self.fields_size, self.quiet = _HEAD, 0, 0, -1
         self.url_more = None
+        self.transfer_coded = False
         if self.head_since is None:  # (a connection's first request: since the connection)
             self.head_since = self.loop.time()
             if self.head_timer is None:
@@ -337,18 +368,29 @@ class GatewayProtocol(HttpToolsProtocol):
             name = name.lower()
             if name == b"expect" and value.lower() == b"100-continue":
                 self.expect_100_continue = True
+            elif name == b"transfer-encoding" and _codes(value):
+                self.transfer_coded = (
+                    True  # (refused once the head is complete: ``on_headers_complete``)
+                )
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.url_more is not None:  # (first: a refusal below reads the whole target)
+            self.url, self.url_more = bytes(self.url_more), None
         if self.parser.should_upgrade() and _has_body(self.headers):
             # httptools takes what follows the head for the new protocol: the body would be
             # lost, an empty one served (pass-through sent none upstream).
             self._refuse(UpgradeWithBody())
             raise _Refused
+        if self.transfer_coded and self.limits_app is not None:
+            # httptools takes ``gzip, chunked`` for chunked and hands on the body still coded:
+            # it was served as it came (a plain body labelled so, a 200), passed through
+            # without its coding. RFC 9112 6.1: a coding the server does not know, 501.
+            codings = b", ".join(v for n, v in self.headers if n == b"transfer-encoding")
+            self._refuse(TransferCodingRefused(codings.decode("latin-1")))
+            raise _Refused
         self.phase, self.fields_size, self.quiet = _BODY, 0, -1  # (then its trailer's)
         self.head_since = None
-        if self.url_more is not None:
-            self.url, self.url_more = bytes(self.url_more), None
         target = self._held_target()
         if target is None:
             super().on_headers_complete()
@@ -411,6 +453,9 @@ class GatewayProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         behind = bool(self.pipeline)  # (then the body being read is the next request's)
         super().on_response_complete()
+        if self.refusal is not None:
+            self._refuse_now()
+            return
         if (
             self.phase == _BODY
             and not behind
@@ -474,7 +519,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self._send_watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.held = self.soon = None
+        self.held = self.soon = self.refusal = None
         for timer in (self.linger_timer, self.head_timer, self.rest_timer, self.send_timer):
             if timer is not None:
                 timer.cancel()
@@ -849,7 +894,13 @@ class GatewayProtocol(HttpToolsProtocol):
         answered (this one waits behind it, unread): its time counts again from then."""
         self.head_timer = None
         since, timeout = self.head_since, self.head_timeout
-        if since is None or timeout is None or self.lingering or self.transport.is_closing():
+        if (
+            since is None
+            or timeout is None
+            or self.refused  # (answered, or to be once those before it are: ``_refuse``)
+            or self.lingering
+            or self.transport.is_closing()
+        ):
             return  # (none awaited: the next head arms it again)
         now = self.loop.time()
         cycle = self.cycle
@@ -867,34 +918,61 @@ class GatewayProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _refuse(self, error: RequestError) -> None:
-        """Answers ``error`` (431, 414, 408) to the request being read, in the API's error shape,
-        and closes the connection, lingering; only closes it while another response is under
-        way on it (not to be cut into). The parser reads no more of it."""
+        """Answers ``error`` (431, 414, 408, a malformed request's 400, 501) to the request being
+        read, in the API's error shape, and closes the connection, lingering. While earlier
+        requests of the connection are still being answered, once they are (``refusal``);
+        while its own answer is under way (its trailer section), it only closes it (not to be
+        cut into). The parser reads no more of it."""
         self.refused = True
         self._send_now()
         cycle = self.cycle
-        if self.phase == _BODY and self.held is None and cycle is not None:
-            # (its trailer section: uvicorn has the request, whose app reads no more of it)
+        earlier = False
+        if (
+            self.phase == _BODY
+            and self.held is None
+            and cycle is not None
+            and cycle.scope is self.scope  # (not an earlier request's: uvicorn's made none)
+        ):
+            # (its body or trailer section: uvicorn has the request, whose app reads no more)
             free = not self.pipeline and not cycle.response_started
             cycle.disconnected = True
             cycle.message_event.set()
         else:
             free = cycle is None or cycle.response_complete
+            earlier = not free
         self.held = None
-        if not free:
+        if not free and not earlier:
             self.transport.close()
             return
         # Only a POST is a cached endpoint's request: any other method on its path is
         # pass-through's, refused in OpenAI's shape and counted nowhere (as ``GatewayApp``).
+        target = self.url if self.url_more is None else self.url_more  # (a target in pieces)
         api = (
-            api_at(self.url.partition(b"?")[0].decode("latin-1"))
+            api_at(target.partition(b"?")[0].decode("latin-1"))
             if self.parser.get_method() == _POST
             else None
         )
         if api is not None and self.limits_app is not None:
             self.limits_app.gateway.stats.rejected += 1
-        self.transport.write(self._closing_error(error, api, request_id(self.headers)))
+        refusal = self._closing_error(error, api, request_id(self.headers))
+        if earlier:
+            # Pipelined behind requests not answered yet: closed now, their answers were lost
+            # with it (and uvicorn's 400 cut into them). Written once they are.
+            self.refusal = refusal
+            return
+        self.transport.write(refusal)
         self._linger()
+
+    def _refuse_now(self) -> None:
+        """The refusal kept for after the answers to the requests before it (``_refuse``):
+        written once the last of them is complete, and the connection closes, lingering."""
+        refusal, cycle = self.refusal, self.cycle
+        if refusal is None or self.pipeline or (cycle is not None and not cycle.response_complete):
+            return
+        self.refusal = None
+        if not self.transport.is_closing():  # (the last answer closed it: ``connection: close``)
+            self.transport.write(refusal)
+            self._linger()
 
     def _hand_over(self, complete: bool) -> None:
         """The held request to uvicorn, with the body it has so far, as if never held."""
@@ -917,6 +995,12 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
         name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" 0"))
         for name, value in headers
     )
+
+
+def _codes(value: bytes) -> bool:
+    """Whether a ``Transfer-Encoding`` value names a coding other than chunked (``gzip,
+    chunked``; codings are case-insensitive, RFC 9112 7)."""
+    return any(coding.strip() not in (b"chunked", b"") for coding in value.lower().split(b","))
 
 
 class _Refused(Exception):

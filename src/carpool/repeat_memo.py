@@ -10,7 +10,9 @@ Contract:
   requester: a repeat in a shared namespace carries its requester (``shared_by``) to be
   checked again.
 - Remembered only for a request that parsed, is shareable and may read the cache; a request
-  carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first).
+  carrying an ``Idempotency-Key`` has no memo key (its record must be consulted first), nor
+  has one with a ``Content-Encoding`` (not forwarded, so not in the key: ``request.parse``
+  must judge its coding, or a plain body labelled gzip was served as its twin's hit).
 - Bounded by ``max_bytes``, counting each entry's body, header values and a fixed overhead
   (oldest out first: ``carpool.lru``, a look does not refresh); bodies over ``max_body`` bytes and header values over
   ``MAX_MEMO_HEADERS`` bytes in all are not remembered. A forgotten repeat costs one parse.
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     from .fingerprint import Fingerprint
 
 __all__ = ["MAX_MEMO_HEADERS", "Repeat", "RepeatMemo"]
+
+# Headers whose request has no memo key (module contract): one intersection a request.
+_UNREMEMBERED = IDEMPOTENCY_HEADERS | {"content-encoding"}
 
 
 class Repeat(NamedTuple):
@@ -77,11 +82,7 @@ class RepeatMemo:
 
     def key_of(self, client: ClientRequest) -> tuple[Any, ...] | None:
         headers = client.headers
-        if (
-            IDEMPOTENCY_HEADERS & headers.keys()
-            or len(client.body) > self.max_body
-            or not self.max_bytes
-        ):
+        if _UNREMEMBERED & headers.keys() or len(client.body) > self.max_body or not self.max_bytes:
             return None
         return (
             client.path,

@@ -6,7 +6,11 @@ Contract:
   JSON object, a field of the wrong type where the layers depend on it (``messages``,
   ``prompt``, ``input``, ``model``, ``stream``, ``temperature``, ``top_k``, ``seed``, ``n``...:
   each API's ``validate``), a missing ``model`` where the API requires one, and
-  ``BodyTooLarge`` (413) over the size limit. It does not re-implement the upstream's validation of everything else:
+  ``BodyTooLarge`` (413) over the size limit. A body in a content coding (``Content-Encoding``
+  other than ``identity``, in any case, anywhere in its list: gzip, deflate, br...) is
+  ``ContentCodingRefused`` (415), before it is read: the gateway decodes none, and the JSON it
+  sends upstream is its own serialization (so no ``Content-Encoding`` is forwarded with it:
+  ``upstream.base.NOT_FORWARDED``). It does not re-implement the upstream's validation of everything else:
   unknown fields pass through (and are part of the fingerprint). A ``"stream": null`` is no
   ``stream`` (as OpenAI takes it): dropped from the body, the upstream is asked without it.
 - ``Controls`` is what the request asks of the cache layers, read from its headers
@@ -31,7 +35,7 @@ import orjson
 
 from . import http_syntax
 from .apis import APIS, Api, api_of
-from .errors import BodyTooLarge, RequestError
+from .errors import BodyTooLarge, ContentCodingRefused, RequestError
 from .upstream.base import unstreamed
 
 # The cached endpoints: gateway path -> (kind, path relative to the upstream's /v1 base).
@@ -130,6 +134,9 @@ class Request:
 def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) -> Request:
     """Validate ``client`` for its endpoint; raise ``RequestError``/``BodyTooLarge`` when it is bad."""
     kind, upstream_path = ENDPOINTS[client.path]
+    coding = client.headers.get("content-encoding")
+    if coding is not None:
+        check_content_coding(coding)
     if len(client.body) > max_body_bytes:
         raise BodyTooLarge(max_body_bytes)
     try:
@@ -159,6 +166,16 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
         include_usage,
         check_query(client.query),
     )
+
+
+def check_content_coding(value: str) -> None:
+    """``ContentCodingRefused`` (415) for a ``Content-Encoding`` that lists any coding but
+    ``identity`` (codings are case-insensitive, RFC 9110 8.4.1): compressed bytes read as JSON
+    were a 400 blaming the JSON, and a plain body labelled gzip was served as JSON."""
+    for coding in value.split(","):
+        coding = coding.strip().lower()
+        if coding and coding != "identity":
+            raise ContentCodingRefused(value.strip())
 
 
 def body_digest(body: dict[str, Any]) -> str:

@@ -57,7 +57,7 @@ from typing import Any
 
 import orjson
 
-from ..errors import CarpoolError, UpstreamStatusError, UpstreamStreamBroken
+from ..errors import CarpoolError, RequestError, UpstreamStatusError, UpstreamStreamBroken
 from ..sse import event_frame
 from .base import (
     TypedApi,
@@ -198,10 +198,11 @@ def _error_object(error: CarpoolError) -> dict[str, Any]:
         upstream = error.error_object()
         if isinstance(upstream.get("type"), str) and isinstance(upstream.get("message"), str):
             return upstream
+    # (The client's own error is never Anthropic's ``api_error``, its internal failure: a
+    # transfer coding refused is a 501, RFC 9112's status, and the request's fault.)
+    client = 400 <= error.status < 500 or isinstance(error, RequestError)
     return {
-        "type": _ERROR_TYPES.get(
-            error.status, "invalid_request_error" if 400 <= error.status < 500 else "api_error"
-        ),
+        "type": _ERROR_TYPES.get(error.status, "invalid_request_error" if client else "api_error"),
         "message": error.message,
     }
 

@@ -59,6 +59,9 @@ NOT_FORWARDED = HOP_BY_HOP | frozenset(
         "idempotency-key",
         "x-idempotency-key",
         "content-type",
+        # A cached endpoint's body goes as the gateway serializes it, never in the client's
+        # coding (any but identity is refused: ``request.parse``); pass-through forwards it.
+        "content-encoding",
         # The gateway has the whole body before it calls: a client's 100-continue was its own.
         "expect",
     }

@@ -83,7 +83,9 @@ Contract (on top of ``upstream.base``):
   ``Answer.storable``; not relayed to the clients), and a refusal what it says of when to
   retry (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
-  pass-through relays the bytes with their ``content-encoding`` as they came.
+  pass-through relays the bytes with their ``content-encoding`` as they came. Likewise a
+  pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
+  endpoint's call, whose body is the gateway's own serialization, carries none.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
 # Request headers pass-through forwards and the cached endpoints' calls do not
 # (``NOT_FORWARDED``): nothing of carpool's caching or idempotency applies to pass-through.
-_PASSED = ("content-type", "accept-encoding", "cache-control")
+_PASSED = ("content-type", "content-encoding", "accept-encoding", "cache-control")
 # And the client's idempotency key, unless the gateway holds the upstream's credential
 # (module doc).
 _PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
