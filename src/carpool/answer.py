@@ -48,6 +48,7 @@ from typing import Any
 
 import orjson
 
+from . import exact_json
 from .apis import api_of
 from .errors import scrubbed
 
@@ -142,7 +143,7 @@ class Answer:
         if self.complete:
             return self
         try:
-            body = orjson.loads(self.body)
+            body = exact_json.loads(self.body)
         except orjson.JSONDecodeError:
             return self
         reported = body.get("error") if isinstance(body, dict) else None
@@ -202,7 +203,7 @@ class Answer:
         cached = self._synthesized.get(include_usage)
         if cached is None:
             cached = self._synthesized[include_usage] = api_of(self.kind).synthesize(
-                orjson.loads(self.body), include_usage
+                exact_json.loads(self.body), include_usage
             )
             if self.on_synthesized is not None:
                 self.on_synthesized(self)  # (kept: counted by whoever keeps this answer)

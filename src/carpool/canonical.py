@@ -10,18 +10,20 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   and ``prompt_cache_key`` in (its answer echoes them); Messages leaves out only ``stream`` and
   a ``metadata`` of at most a ``user_id`` (Anthropic refuses any field it does not know, so
   every other one is in: a request refused alone is never served another's answer).
-- Canonical: key order and number spelling (``0`` vs ``0.0``, ``1e0``) never change a key, nor
-  does the Unicode composition (NFC) of the input text: a message's content (a string, its text
-  parts, the text and content nested in them), a prompt, a Responses ``input`` (its items' text
-  and content: ``INPUT_TEXT``), a Messages ``system``. Every other
+- Canonical: key order and number spelling (``0`` vs ``0.0``, ``1e0``) never change a key: a
+  number is keyed by its value, an integer past 64 bits too (read as its digits by
+  ``exact_json``, never as the float it rounds to: two such integers, or one and that float, are
+  two requests). Nor does the Unicode composition (NFC) of the input text: a message's content
+  (a string, its text parts, the text and content nested in them), a prompt, a Responses
+  ``input`` (its items' text and content: ``INPUT_TEXT``), a Messages ``system``. Every other
   string is exact: a stop sequence, a guided choice, a regex or a grammar is matched against the
   tokens the engine writes, an image or file URL fetched by its bytes, a tool call's arguments
   rendered as sent; two spellings there are two requests. Text is otherwise exact: white space
   is meaning (Python indentation, counted spaces, tabs, Markdown hard breaks, non-ASCII spaces,
-  control characters). Only with the opt-in
-  ``fingerprint.normalize_whitespace`` is the input text (message contents, prompt) trimmed and
-  are runs of white space collapsed to one space, except inside ``` fenced code, in requests of
-  type ``code`` and in embeddings inputs (a vector of different text is a different vector).
+  control characters). Only with the opt-in ``fingerprint.normalize_whitespace`` is the input
+  text (message contents, prompt) trimmed and are runs of white space collapsed to one space,
+  except inside ``` fenced code, in requests of type ``code`` and in embeddings inputs (a vector
+  of different text is a different vector).
 - A prompt the answer repeats is keyed exactly as sent, neither NFC nor collapsed: with
   ``echo``, vLLM's ``prompt_logprobs``, ``return_token_ids`` or Responses
   ``enable_response_messages`` (``apis.openai.echoes_prompt``), the input text is exact; a
@@ -35,8 +37,9 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``"minimum": 1`` apart from ``"minimum": 1.0``), and embeddings inputs are
   exact, not NFC (an embedding is of the code points as sent: the Ohm sign and Omega, ``e`` +
   U+0301 and ``é``, tokenize apart). An ordered value is in the key as its JSON text (a number
-  as the double or integer parsed: ``1.0`` and ``1e0`` one, ``1`` another), which nests no
-  deeper than the body: any depth ``limits.max_json_depth`` lets in.
+  as the double or integer parsed: ``1.0`` and ``1e0`` one, ``1`` another, an integer past 64
+  bits its digits), which nests no deeper than the body: any depth ``limits.max_json_depth``
+  lets in.
 - The scope (``scope``) is everything besides the body that decides which answer a request may
   get: the key version, a label (one per kind of key: ``answer``, ``request``, ``semantic``), the
   tenant, the namespace, the freshness token, the request type, the tags (but for ``request``:
@@ -68,6 +71,7 @@ import orjson
 
 from .apis.openai import echoes_prompt
 from .config import Config, FingerprintConfig, TenantConfig
+from .exact_json import big_int
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import credential_headers, tenant_of, user_cookies
 from .request import CONTROL_HEADERS, Request
@@ -276,7 +280,9 @@ NEUTRAL_PREFIXES = (
 # input text and integral floats kept in ordered fields came: an ordered field's objects are
 # written in a form no key had before, and a string in NFC, or an ordered field with no
 # integral float, keeps the key it had, whose answer, if a canonically equivalent request's,
-# goes with its TTL. Every other key stays, and with it the cache.)
+# goes with its TTL. Every other key stays, and with it the cache. Nor when integers past 64
+# bits came to be keyed by their digits: only a request holding one, or an integral float past
+# 64 bits, has a new key; every other keeps its own.)
 KEY_VERSION = 2
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
@@ -312,7 +318,7 @@ _TOOL_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
 _FENCE = "```"
 _WHITESPACE_RUN = re.compile(r"\s+")
-_INT_MIN, _INT_END = -(2**63), 2**64  # the integers orjson parses (and writes) as integers
+_INT_MIN, _INT_END = -(2**63), 2**64  # the integers orjson writes as integers
 
 
 @functools.lru_cache(maxsize=16)
@@ -630,10 +636,14 @@ def _canonical(value: Any) -> Any:
     """A value outside the input text: numbers by value, strings exact (no NFC: a stop
     sequence, a guided choice or a URL is matched or fetched by its code points)."""
     if isinstance(value, float):
-        # 0 and 0.0 (and 1e0) are the same number; keep integral floats as ints in the key,
-        # over the whole range the parser reads as integers (i64 and u64; past it, every
-        # spelling is parsed as the same double), so 2**60 and 1152921504606846976.0 are one.
-        return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
+        # 0 and 0.0 (and 1e0) are the same number: an integral float is keyed as the integer
+        # it is, so 2**60 and 1152921504606846976.0 are one; past the 64 bits orjson writes
+        # as ints, as the big integer ``exact_json`` reads such an integer as (its digits), so
+        # 2**70 and 1180591620717411303424.0 are one too, and an integer and the float it
+        # rounds to are two.
+        if not value.is_integer():
+            return value
+        return int(value) if _INT_MIN <= value < _INT_END else big_int(int(value))
     if isinstance(value, dict):
         return {k: _canonical(v) for k, v in value.items()}
     if isinstance(value, list):

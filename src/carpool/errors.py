@@ -48,6 +48,8 @@ from typing import Any
 
 import orjson
 
+from . import exact_json
+
 
 class CarpoolError(Exception):
     """Base of every error carpool raises on purpose."""
@@ -494,7 +496,7 @@ class UpstreamStatusError(UpstreamError):
     def error_object(self) -> dict[str, Any]:
         """The upstream's error as an OpenAI error object, for an SSE error event."""
         try:
-            parsed = orjson.loads(self.content)
+            parsed = exact_json.loads(self.content)
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from . import exact_json
 from .answer import Answer
 from .apis import Api, api_of
 from .apis.base import Collector
@@ -490,7 +491,7 @@ def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: B
             payload = payloads[at]
             at += 1
             try:
-                chunk = orjson.loads(payload)
+                chunk = exact_json.loads(payload)
             except orjson.JSONDecodeError:
                 raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
             if type(chunk) is not dict:
@@ -649,7 +650,7 @@ def _usage_only(api: Api, payload: bytes) -> bool:
 def _error_in(api: Api, payload: bytes) -> dict[str, Any] | None:
     """The error object of a stream payload that is an error event (``Api.failure``)."""
     try:
-        parsed = orjson.loads(payload)
+        parsed = exact_json.loads(payload)  # (written again, in the client's error event)
     except orjson.JSONDecodeError:
         return None
     return api.failure(parsed) if isinstance(parsed, dict) else None

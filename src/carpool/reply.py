@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from . import exact_json
 from .answer import Answer
 from .apis import Api, api_of
 from .broadcast import JOINED_BYTES
@@ -208,7 +209,10 @@ def whole(
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE
     api = api_of(answer.kind)
-    if not answer.complete and (failed := failure_of(api, orjson.loads(answer.body))) is not None:
+    if (
+        not answer.complete
+        and (failed := failure_of(api, exact_json.loads(answer.body))) is not None
+    ):
         return Reply(200, headers, api.error_event(failed), outcome=outcome)
     frames = answer.sse(include_usage)
     # Measured by its frames, not its body: a token stream's are many times the body they

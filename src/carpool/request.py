@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from . import http_syntax
+from . import exact_json, http_syntax
 from .apis import APIS, Api, api_of
 from .errors import BodyTooLarge, ContentCodingRefused, RequestError
 from .upstream.base import unstreamed
@@ -140,7 +140,7 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
     if len(client.body) > max_body_bytes:
         raise BodyTooLarge(max_body_bytes)
     try:
-        body = orjson.loads(client.body)
+        body = exact_json.loads(client.body)
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):

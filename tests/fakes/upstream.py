@@ -153,6 +153,11 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   (each event's data, with its ``type``) are what it returns for them: the blocks, deltas,
   fields and events a newer API streams. The content events of what it returns are its
   ``content_block_delta``s.
+- ``message_content: list | None``: the content blocks of every Messages answer (a tool call,
+  say) in place of its one text block. Streamed, each block is a ``content_block_start`` of it
+  without its text or input, then its text one word a delta (``text_delta``), or its tool
+  input's JSON, as the fake writes it, in two ``input_json_delta`` halves, then a
+  ``content_block_stop``.
 - ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
   such as vLLM's ``prompt_token_ids``).
 - ``return_token_ids`` in a chat or completions request (vLLM's): the answer carries token
@@ -269,6 +274,29 @@ class _HideDeliberateCuts(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_HideDeliberateCuts())
 
 
+def _block_events(index: int, block: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """A Messages content block streamed (``message_content``): its start, its deltas (content
+    events), its stop."""
+    if block.get("type") == "text":
+        start = {**block, "text": ""}
+        deltas = [{"type": "text_delta", "text": word} for word in _WORD.findall(block["text"])]
+    elif "input" in block:
+        start = {**block, "input": {}}
+        written = json.dumps(block["input"])
+        half = len(written) // 2
+        deltas = [
+            {"type": "input_json_delta", "partial_json": piece}
+            for piece in (written[:half], written[half:])
+        ]
+    else:
+        start, deltas = block, []
+    return [
+        ("content_block_start", {"index": index, "content_block": start}, False),
+        *[("content_block_delta", {"index": index, "delta": delta}, True) for delta in deltas],
+        ("content_block_stop", {"index": index}, False),
+    ]
+
+
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -367,6 +395,7 @@ class FakeUpstream:
         self.embeddings_extra: dict[str, Any] = {}
         self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
         self.responses_output: list[dict[str, Any]] | None = None
+        self.message_content: list[dict[str, Any]] | None = None
         self.keeps_responses: bool = False
         self.kept: dict[str, dict[str, Any]] = {}
         self.keeps_completions: bool = False
@@ -1348,7 +1377,11 @@ class FakeUpstream:
             "type": "message",
             "role": "assistant",
             "model": body.get("model", "fake-model"),
-            "content": [{"type": "text", "text": text}],
+            "content": (
+                [{"type": "text", "text": text}]
+                if self.message_content is None
+                else self.message_content
+            ),
             "stop_reason": stop_reason,
             "stop_sequence": None,
             "usage": usage,
@@ -1356,6 +1389,11 @@ class FakeUpstream:
         if not body.get("stream"):
             await self._send_json(send, call, 200, message)
             return
+        blocks = [
+            event
+            for index, block in enumerate(message["content"])
+            for event in _block_events(index, block)
+        ]
         events: list[tuple[str, dict[str, Any], bool]] = [
             (
                 "message_start",
@@ -1369,21 +1407,9 @@ class FakeUpstream:
                 },
                 False,
             ),
-            (
-                "content_block_start",
-                {"index": 0, "content_block": {"type": "text", "text": ""}},
-                False,
-            ),
-            ("ping", {}, False),
-            *[
-                (
-                    "content_block_delta",
-                    {"index": 0, "delta": {"type": "text_delta", "text": word}},
-                    True,
-                )
-                for word in _WORD.findall(text)
-            ],
-            ("content_block_stop", {"index": 0}, False),
+            *blocks[:1],
+            ("ping", {}, False),  # (after the first block's start, as Anthropic sends it)
+            *blocks[1:],
             (
                 "message_delta",
                 {

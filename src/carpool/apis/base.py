@@ -37,6 +37,7 @@ from typing import Any
 
 import orjson
 
+from .. import exact_json
 from ..errors import CarpoolError, RequestError, UpstreamStatusError
 from ..sse import DONE, SSEDecoder, event_frame
 
@@ -202,7 +203,7 @@ class Api:
         chunks = []
         for event, payload in events:
             try:
-                chunk = orjson.loads(payload) if event != "error" else None
+                chunk = exact_json.loads(payload) if event != "error" else None
             except orjson.JSONDecodeError:
                 return None
             if not isinstance(chunk, dict) or self.failure(chunk) is not None:
@@ -386,7 +387,7 @@ def typed_frame(payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
     """One event of a typed stream: its name is the payload's own ``type``."""
     if chunk is None:
         try:
-            chunk = orjson.loads(payload)
+            chunk = exact_json.loads(payload)
         except orjson.JSONDecodeError:
             chunk = None
         if not isinstance(chunk, dict):
@@ -467,8 +468,14 @@ def check_fields(body: dict[str, Any]) -> None:
         raise RequestError("'stream' must be a boolean", param="stream")
     for name in ("temperature", "top_p"):
         value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        if (
+            value is not None
+            and (not isinstance(value, (int, float)) or isinstance(value, bool))
+            and not exact_json.is_big(value)  # (a number: the upstream judges its range)
+        ):
             raise RequestError(f"'{name}' must be a number", param=name)
+    # (An integer past 64 bits is refused here, as the float it was once parsed as was: no
+    # engine takes a seed, a count or a top-k that large.)
     for name in ("top_k", "seed", "n"):
         value = body.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

@@ -19,7 +19,8 @@ Contract (``apis.base.Api``):
   is the upstream's failure, relayed to every client.
 - Assembly is what the non-streaming call answers, as the ``anthropic`` SDK's own accumulation
   makes it: the blocks in index order, texts and thinking concatenated, a tool call's
-  ``input`` parsed from its JSON pieces, a compaction block's ``content`` and
+  ``input`` parsed from its JSON pieces (an integer past 64 bits as written: ``exact_json``),
+  a compaction block's ``content`` and
   ``encrypted_content`` from its ``compaction_delta``, the ``model`` of a ``fallback`` block's
   ``to`` as the message's; ``message_delta``'s delta (a null ``container`` aside), usage (its
   non-null counts) and other fields (non-null: ``context_management``,
@@ -57,6 +58,7 @@ from typing import Any
 
 import orjson
 
+from .. import exact_json
 from ..errors import CarpoolError, RequestError, UpstreamStatusError, UpstreamStreamBroken
 from ..sse import event_frame
 from .base import (
@@ -267,7 +269,7 @@ def assembled(chunks: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
         if parts:
             text = "".join(parts)
             try:
-                value = orjson.loads(text) if text else {}
+                value = exact_json.loads(text) if text else {}
             except orjson.JSONDecodeError:
                 value = None
             if not isinstance(value, dict):

@@ -106,6 +106,7 @@ from typing import Any, cast
 
 import orjson
 
+from carpool import exact_json
 from carpool.errors import UpstreamError
 from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
@@ -389,7 +390,7 @@ class EmbeddingBatcher:
         """The group's embeddings call with ``value`` as its input: the upstream's (non-stream)
         response and the body sent; the response is closed on the way out."""
         path, identity, template, query, _kind = group
-        body = orjson.loads(template)
+        body = exact_json.loads(template)
         body["input"] = value
         self._sending(len(value))
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
@@ -409,7 +410,7 @@ class EmbeddingBatcher:
         holds, or is not one embedding per item indexed 0..n-1; an ``UpstreamError`` when it
         is not JSON at all."""
         try:
-            parsed = orjson.loads(response.body)
+            parsed = exact_json.loads(response.body)
         except orjson.JSONDecodeError as exc:
             raise UpstreamError(
                 f"the upstream's embeddings answer for {len(items)} inputs is not JSON"

@@ -48,6 +48,7 @@ from typing import Any, Protocol, cast
 
 import orjson
 
+from carpool import exact_json
 from carpool.identity import pairs_digest
 from carpool.lru import LRU
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
@@ -187,7 +188,7 @@ async def probe_lists(upstream: Replica, group: Any) -> bool | None:
     (undecided)."""
     path, identity, template, query, kind = group
     inputs: Sequence[Any] = PROBE_INPUTS if kind == "text" else [list(t) for t in PROBE_TOKENS]
-    body = orjson.loads(template)
+    body = exact_json.loads(template)
     body.pop("encoding_format", None)  # floats, to compare
 
     async def ask(value: Any) -> tuple[int, bytes]:

@@ -56,6 +56,7 @@ from typing import Any
 
 import orjson
 
+from .. import exact_json
 from ..canonical import names_of
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Config
@@ -353,7 +354,7 @@ class AtMostOnce:
         try:
             body = merge_items(
                 kind,
-                [orjson.loads(stored.body) for stored, _, _ in results],
+                [exact_json.loads(stored.body) for stored, _, _ in results],
                 n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
             )
         except (KeyError, TypeError, ValueError, AttributeError):
