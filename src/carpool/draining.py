@@ -18,6 +18,9 @@ as after a crash. Each worker of ``--workers N`` runs uvicorn's own server, whic
 ``stop_by``: the HTTP protocol sets it as uvicorn stops the worker's connections
 (``http_protocol``), else the lifespan's end does (``GatewayApp.grace_s``).
 
+Once the socket is bound, ``listening`` is told the port it got (``--port 0``: the system's
+choice), for ``carpool serve``'s "listening on" line.
+
 SIGHUP is no stop: with one process there are no workers to restart (``--workers N`` is
 uvicorn's supervisor, whose SIGHUP restarts them, on the config the run started with), and its
 default action killed the process at once, the requests in progress cut, nothing logged. It is
@@ -32,7 +35,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -44,11 +47,24 @@ log = logging.getLogger("carpool.server")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: Any, settings: Config) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        gateway: Any,
+        settings: Config,
+        listening: Callable[[int], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.listening = listening  # told the port the socket got, once bound
         self.drain_s = settings.shutdown.drain_s
         self._drained_at: float | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.listening is not None:
+            # (port 0: the one the system chose, which ``config.port`` does not say)
+            self.listening(self.servers[0].sockets[0].getsockname()[1])
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
