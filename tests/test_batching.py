@@ -1055,3 +1055,22 @@ async def test_embeddings_answer_short_of_its_inputs_is_not_stored(gateway_with,
         hit = await gw.client.post(EMBEDDINGS, json=body, headers=auth)
         assert hit.headers["x-carpool"] == "hit" and hit.json()["data"] == whole.json()["data"]
     assert len(embedding_calls(fake)) == 3
+
+
+async def test_a_flush_sends_the_batches_waiting_and_later_ones_wait_no_longer() -> None:
+    # (``Gateway.begin_draining``: a batch's delay may be longer than the grace period left.)
+    calls: list[list[int]] = []
+
+    async def compute(group: Any, items: list[int]) -> list[int]:
+        calls.append(items)
+        return [item * 10 for item in items]
+
+    batcher: KeyedBatcher[int, int] = KeyedBatcher(compute, max_batch_size=8, max_batch_delay_s=600)
+    waiting = [asyncio.create_task(batcher.submit(None, i, i)) for i in range(3)]
+    await eventually(lambda: batcher.requests == 3)
+    assert calls == []
+    batcher.flush()
+    assert await asyncio.gather(*waiting) == [0, 10, 20] and calls == [[0, 1, 2]]
+    later = [asyncio.create_task(batcher.submit(None, i, i)) for i in (3, 4)]
+    assert await asyncio.wait_for(asyncio.gather(*later), 30) == [30, 40]  # (not 600 s)
+    assert calls[1:] == [[3, 4]]  # (still batched, within a turn of the event loop)

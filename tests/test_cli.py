@@ -52,6 +52,32 @@ def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
         process.wait(10)
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_on_port_0_says_the_port_the_system_chose(workers):
+    # "listening on http://127.0.0.1:0/v1": the configured port, logged before the socket was
+    # bound, with one worker or several.
+    process = carpool("serve", "--port", "0", "--workers", workers)
+    try:
+        for line in process.stdout:
+            if "listening on http://" in line:
+                break
+        else:
+            raise AssertionError("carpool serve exited before saying where it listens")
+        port = int(line.split("listening on http://127.0.0.1:")[1].split("/")[0])
+        assert port != 0, line
+        deadline = time.monotonic() + 30
+        while True:  # (with workers, the socket is bound before they start)
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"nothing answers on port {port}"
+                time.sleep(0.05)
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 def test_a_bad_config_value_exits_2_naming_the_field(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("coalesce:\n  window_ms: -5\n")

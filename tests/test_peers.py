@@ -21,13 +21,14 @@ import pytest
 
 from carpool import peers
 from carpool.config import Config
-from carpool.errors import RETRY_HEADERS
+from carpool.errors import RETRY_HEADERS, LeaderLost
 from carpool.fingerprint import fingerprint
 from carpool.peers import Peers, claim
 from carpool.peers.server import PeerServer
 from carpool.peers.slots import spare_path
 from carpool.peers.workers import STALE_SPARE_S
 from carpool.pipeline import Gateway
+from carpool.redis.flight_relay import LOST
 from carpool.request import ClientRequest, parse
 from carpool.server import create_app
 from carpool.store.base import state_tag
@@ -422,6 +423,44 @@ async def test_an_owner_that_dies_before_its_first_frame_costs_no_client_anythin
 
 
 SSE = [(b"content-type", b"text/event-stream")]
+
+
+async def test_a_stream_whose_owner_dies_after_its_first_frame_says_its_leading_worker_was_lost(
+    fake,
+):
+    """The owner leading a stream's call died after a frame reached the client: its error event
+    said "worker 1 stream broke (malformed or truncated answer)", blaming the upstream. It is a
+    leader lost, as with Redis (``flight_relay.LOST``): said so, under the same code."""
+    directory = peers.prepare(2)
+    config = Config(upstreams=[fake.url])
+    door = PeerServer()
+    whole = (
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+    )
+    try:
+        slot, owner = claim(directory, 2), claim(directory, 2)
+        assert slot is not None and owner is not None
+
+        async def dies_after_a_frame(scope, receive, send):
+            assert scope["type"] == "http"
+            await send({"type": "http.response.start", "status": 200, "headers": SSE})
+            await send({"type": "http.response.body", "body": whole, "more_body": True})
+            raise RuntimeError("the owner died")
+
+        await door.start(dies_after_a_frame, owner.socket_path(1), 1)
+        gateway = build_gateway(config, peers=Peers(slot, config))
+        async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
+            response, text = await Served(url, gateway, c).stream_chat(owned_by(gateway, 1))
+        events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+        assert events[0].encode() == whole.removeprefix(b"data: ").rstrip(b"\n")
+        error = orjson.loads(events[1])["error"]
+        assert error["message"] == "lost the stream of the worker leading this call", error
+        assert error["code"] == LeaderLost(LOST).code  # (the Redis path's)
+        assert fake.count() == 0  # (nothing asked of the upstream here: frames were relayed)
+    finally:
+        await door.aclose()
+        peers.remove(directory)
 
 
 async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_here_too(fake):

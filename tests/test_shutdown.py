@@ -345,3 +345,92 @@ async def test_sighup_to_one_worker_is_logged_and_ignored(fake):
         assert (await gw.client.post("/v1/chat/completions", json=other)).status_code == 200
         assert (await gw.client.get("/readyz")).status_code == 200  # (not draining)
         assert gw.proc.poll() is None
+
+
+@pytest.mark.parametrize("drain_s", [0, 30])
+async def test_embedding_requests_waiting_in_a_batch_are_sent_when_the_drain_begins(fake, drain_s):
+    # A batch left when full or when its delay was over, nothing else: with a delay longer
+    # than the grace period, its requests sat through the drain and the grace, then were cut
+    # (503), the upstream never asked.
+    settings = {
+        "shutdown": {"drain_s": drain_s, "grace_s": 20},
+        "batching": {"embeddings": "on", "max_batch_delay_ms": 600_000},
+        "log_level": "info",
+    }
+    async with instances(1, fake.url, None, settings) as (gw,):
+        waiting = [
+            asyncio.create_task(
+                gw.client.post("/v1/embeddings", json={"model": "m", "input": f"text {i}"})
+            )
+            for i in range(3)
+        ]
+
+        async def batched() -> bool:
+            return bool((await gw.stats())["batching"]["requests"] == 3)
+
+        await _until(batched, "the three requests waiting in a batch")
+        gw.proc.send_signal(signal.SIGTERM)
+        answers = await asyncio.gather(*waiting)
+        assert [a.status_code for a in answers] == [200] * 3, answers[0].text
+        assert fake.count("/v1/embeddings") == 1  # (one batch, sent whole)
+        if drain_s:  # answered while still draining
+            assert (await gw.client.get("/readyz")).status_code == 503
+            assert gw.proc.poll() is None
+            gw.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+
+
+async def test_a_second_sigint_stops_as_a_second_sigterm_letting_requests_finish(fake):
+    # Ctrl-C twice: uvicorn's force quit cut the requests in progress at once, skipped the
+    # lifespan's shutdown (the layers never closed) and logged a CancelledError traceback.
+    settings = {"shutdown": {"drain_s": 5, "grace_s": 60}, "log_level": "info"}
+    async with instances(1, fake.url, None, settings) as (gw,):
+        fake.gate = asyncio.Event()  # the upstream call waits for it
+        request = asyncio.create_task(gw.client.post("/v1/chat/completions", json=BODY))
+        await _until(lambda: _waiters(gw, 1), "the request in progress")
+        gw.proc.send_signal(signal.SIGINT)
+        await _until(async_(lambda: "Shutting down" in gw.log.read_text()), "stopping")
+        gw.proc.send_signal(signal.SIGINT)
+        await _until(
+            async_(lambda: "already stopping" in gw.log.read_text() or gw.proc.poll() is not None),
+            "the second SIGINT handled",
+        )
+        assert gw.proc.poll() is None, gw.log.read_text()[-3000:]
+        fake.gate.set()
+        answer = await request
+        assert answer.status_code == 200, answer.text
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+        log = gw.log.read_text()
+        assert "Application shutdown complete" in log, log  # (the layers closed)
+        assert "Traceback" not in log and " ERROR " not in log, log
+
+
+async def test_a_third_stopping_signal_quits_at_once_cutting_the_requests_as_the_grace_end_does(
+    fake,
+):
+    # Mashing Ctrl-C quits: the requests still running are cut as at the grace period's end
+    # (a 503 with Retry-After), the lifespan still closes the layers, nothing logs a traceback.
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 600}, "log_level": "info"}
+    async with instances(1, fake.url, None, settings) as (gw,):
+        fake.gate = asyncio.Event()  # the upstream call waits for it, never set
+        request = asyncio.create_task(gw.client.post("/v1/chat/completions", json=BODY))
+        await _until(lambda: _waiters(gw, 1), "the request in progress")
+        # (Each once the one before was handled: a signal sent while the same one is pending
+        # is lost.)
+        for handled in ("Shutting down", "already stopping", "quitting now"):
+            gw.proc.send_signal(signal.SIGINT)
+            await _until(
+                async_(
+                    lambda said=handled: said in gw.log.read_text() or gw.proc.poll() is not None
+                ),
+                handled,
+            )
+        answer = await request
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["code"] == "shutting_down"
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+        log = gw.log.read_text()
+        assert "Application shutdown complete" in log, log
+        assert "Traceback" not in log and " ERROR " not in log, log
+        assert log.count("shutting down: a request still waiting was cut") == 1, log

@@ -7,6 +7,8 @@ configuration exits with status 2 and a message naming the field and what is all
 on (``listen_problem``). The first log line of
 ``carpool serve`` says which engine it fronts, so nobody mistakes the simulator for a real model:
 the simulated engine's is a WARNING, written whatever ``log_level`` (``_said_at_any_level``).
+The "listening on" line comes once the socket is bound and names the port it got (``--port 0``:
+the one the system chose), with one worker (``DrainingServer``) or several.
 No log line carries a URL's credentials or query: upstreams are logged by their replica names
 (``upstream.http.replica_names``), other URLs without user, password and query
 (``without_credentials``); so is an upstream whose path does not end in ``/v1``, in the one
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import ipaddress
 import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -230,7 +234,12 @@ def serve(
     if problem is not None:
         click.echo(f"carpool: {problem}", err=True)
         sys.exit(2)
-    log.info("listening on http://%s:%d/v1", config.host, config.port)
+
+    def listening(port: int) -> None:
+        # Once the socket is bound: the port it got, not the one asked for (0: the system's
+        # choice, which nothing else says).
+        log.info("listening on http://%s:%d/v1", config.host, port)
+
     served: dict[str, Any] = {
         "host": config.host,
         "port": config.port,
@@ -248,7 +257,10 @@ def serve(
         from .draining import DrainingServer
 
         DrainingServer(
-            uvicorn.Config(GatewayApp(gateway, freeze_gc=True), **served), gateway, config
+            uvicorn.Config(GatewayApp(gateway, freeze_gc=True), **served),
+            gateway,
+            config,
+            listening,
         ).run()
         return
     # Several processes: each builds its own gateway from the resolved config, written once;
@@ -278,9 +290,29 @@ def serve(
             )
         os.environ[CONFIG_FILE_VARIABLE] = resolved.name
         os.environ[PARENT_VARIABLE] = str(os.getpid())  # (its workers stop when it is gone)
-        uvicorn.run(
+        server_config = uvicorn.Config(
             "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
         )
+        _supervise_workers(server_config, listening)
+
+
+def _supervise_workers(server_config: Any, listening: Callable[[int], None]) -> None:
+    """What ``uvicorn.run`` does for ``workers`` > 1, the socket's port said once bound: the
+    workers share the socket the parent binds, in ``uvicorn.run`` out of sight."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    socket = server_config.bind_socket()
+    listening(socket.getsockname()[1])
+    # (uvicorn's supervisor was given the function each worker runs up to some version (0.35
+    # still); it builds the workers' servers itself since (0.54).)
+    target = (
+        {"target": uvicorn.Server(server_config).run}
+        if "target" in inspect.signature(Multiprocess).parameters
+        else {}
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # (as ``uvicorn.run``)
+        Multiprocess(server_config, sockets=[socket], **target).run()
 
 
 def _said_at_any_level(log: logging.Logger, message: str, *args: Any) -> None:

@@ -45,7 +45,8 @@ Contract:
   ``InternalError``), the connection closed; not the shutdown's cancel once the grace period is
   over, which ``GatewayApp.serve`` answers (a 503, or a stream's error event and end), nor a
   reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
-  stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel.
+  stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel
+  (``Gateway.begin_draining``: the requests waiting in an embeddings batch are sent then).
 - A client that reads nothing of what it is sent for ``limits.send_timeout`` seconds, while
   the transport holds more than its high-water mark for it (writing paused), has its
   connection aborted (``_send_deadline``; looked at every quarter of that, so within 1.25 times
@@ -441,9 +442,10 @@ class GatewayProtocol(HttpToolsProtocol):
         self._send_now()
         if self.limits_app is not None:
             # uvicorn is stopping (called on each connection): the gateway is draining, in each
-            # worker too, so a request its grace period cuts is ended as one (``GatewayApp._cut``).
+            # worker too, so a request its grace period cuts is ended as one (``GatewayApp._cut``),
+            # and what waits in an embeddings batch leaves now, not after the grace period.
             gateway = self.limits_app.gateway
-            gateway.draining = True
+            gateway.begin_draining()
             grace = self.config.timeout_graceful_shutdown
             if gateway.stop_by is None and grace is not None:
                 # (a worker's server does not say when its grace period ends: it is from now)

@@ -91,6 +91,11 @@ Contract:
   then the answer stored), ``idempotency/once.py`` (a request with an Idempotency-Key, run at
   most once around ``_answer``) and ``reply.py`` (the replies). Starting and closing the layers
   (``layers.py``) and the admin surfaces (``admin.py``) are not on the path.
+- ``begin_draining()``, by whoever stops the gateway gracefully, as its shutdown begins (the
+  drain, or the grace period where there is none): ``draining`` (``/readyz`` 503), and the
+  requests waiting in an embeddings batch sent at once (``EmbeddingBatcher.flush``), later
+  ones within a turn of the event loop: a batch's delay may be longer than the grace period.
+  Safe to call again.
 - ``aclose`` settles first (``settle``): the flights' calls still running go on until
   ``stop_by`` (the server's grace period; other instances' followers may wait on them), those
   left are cancelled (their followers elsewhere take them over: leader gone, not an upstream
@@ -844,6 +849,11 @@ class Gateway:
         if self.closed:
             raise RuntimeError("this gateway is closed (aclose): build another")
         self.layers.start()
+
+    def begin_draining(self) -> None:
+        """The gateway is stopping (see the module docstring)."""
+        self.draining = True
+        self.batcher.flush()
 
     async def aclose(self) -> None:
         """Close the layers (``Layers.aclose``), the audits still running first; ``request``

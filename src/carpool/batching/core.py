@@ -22,6 +22,9 @@ Contract
   while no slot is free is not closed: it stays open, still taking items (up to
   ``max_batch_size`` / ``max_batch_cost``), and leaves as soon as a slot frees (after the
   queued ones), so that under load the batches grow by themselves.
+- ``flush()`` (the process is stopping: a wait for more items could outlast it) closes every
+  batch still filling at once (sent, or queued behind ``max_in_flight``), and from then on no
+  batch waits for more than the next turn of the event loop (``max_batch_delay_s`` 0).
 - If ``compute`` raises (or returns the wrong number of results), every caller of that batch gets
   the exception. A cancelled caller never cancels the batch for the others; an item whose every
   caller left before its batch was sent is dropped from it, and a sent batch whose every caller
@@ -222,6 +225,13 @@ class KeyedBatcher(Generic[I, R]):
             if batch.timer is not None:
                 batch.timer.cancel()
             del self._open[batch.group]
+
+    def flush(self) -> None:
+        """Send every batch still filling now, and let none wait from now on (see the module
+        docstring)."""
+        self.max_batch_delay_s = 0.0
+        for batch in list(self._open.values()):
+            self._close(batch)
 
     def _timeout(self, batch: _Batch) -> None:
         batch.timer = None

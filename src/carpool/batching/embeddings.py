@@ -35,6 +35,9 @@ Contract
   batch of several items sent item by item is that many calls of one): ``batches`` (calls),
   ``items_sent`` (the items in them), ``max_items_seen`` (the most in one call), and
   ``observe_size(items)`` once per call; ``requests`` (``embed`` calls batched).
+- ``flush()``, once the gateway begins to stop (``Gateway.begin_draining``): the batches
+  still filling are sent at once, and later ones wait no longer than the next turn of the
+  event loop, so that no request sits in a batch while the grace period runs out.
 - The token budget (``max_batch_tokens``) counts approximate tokens: a string's characters / 4
   (rounded up, at least 1), a token list's length.
 - Only a batch still filling is shared: identical requests in it take one slot (the same item,
@@ -269,6 +272,12 @@ class EmbeddingBatcher:
         await self._core.wait_idle()
         if self.lists is not None:
             await self.lists.wait_idle()
+
+    def flush(self) -> None:
+        """The gateway is stopping: send the requests waiting in a batch now, and let none wait
+        for more from now on (``KeyedBatcher.flush``): a batch's delay may well be longer than
+        the grace period its requests have left."""
+        self._core.flush()
 
     async def aclose(self) -> None:
         """Cancel the list probes still running (before the upstreams close)."""

@@ -133,7 +133,12 @@ class BatchingConfig(Section):
         description="Most distinct items merged into one "
         "upstream /v1/embeddings call (identical requests take one slot).",
     )
-    max_batch_delay_ms: float = Field(5, ge=0, description="Longest wait for a batch to fill.")
+    max_batch_delay_ms: float = Field(
+        5,
+        ge=0,
+        description="Longest wait for a batch to fill (none once shutdown begins: the batches "
+        "waiting are sent then).",
+    )
     max_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one batch (approximated as characters / 4)."
     )

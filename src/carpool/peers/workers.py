@@ -14,7 +14,9 @@ Contract:
   cache, its flight, its upstream call: one per key); what comes back is read as an upstream's
   answer, its ``x-carpool`` and ``age`` headers kept. None: the owner did not answer (down,
   restarting, or gone before its answer was whole): the caller calls the upstream itself. An
-  owner's stream cut short raises ``LeaderLost``, as a Redis follower's does.
+  owner's stream cut short raises ``LeaderLost``, as a Redis follower's does, saying so
+  (``LOST``: "lost the stream of the worker leading this call", the Redis path's code), not
+  that the upstream broke it; how the stream ended is logged.
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers: a value that is not ASCII goes percent-encoded and is
   restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
@@ -90,6 +92,11 @@ if TYPE_CHECKING:
     from ..upstream.base import UpstreamRequest
 
 log = logging.getLogger("carpool.peers")
+
+# What a client that got part of a stream relayed from its key's owner is told when that worker
+# went away part-way: a lost leader, as with Redis (``redis.flight_relay.LOST``), not an
+# upstream's broken stream.
+LOST = "lost the stream of the worker leading this call"
 
 # Never sent to a peer: they describe this hop (the body sent may not be the client's), and the
 # peer's secret is set here, never copied from a client.
@@ -195,7 +202,9 @@ class Peers:
             return UpstreamResponse(
                 response.status,
                 kept,
-                events=_lost_if_cut(sse_payloads(response, call.last_event, f"worker {owner}")),
+                events=_lost_if_cut(
+                    sse_payloads(response, call.last_event, f"worker {owner}"), owner
+                ),
                 close=closer(response),
             )
         try:
@@ -484,15 +493,20 @@ def _url(path: str, query: str) -> URL:
     return URL("http://worker" + path + ("?" + query if query else ""), encoded=True)
 
 
-async def _lost_if_cut(payloads: AsyncIterator[list[bytes]]) -> AsyncIterator[list[bytes]]:
+async def _lost_if_cut(
+    payloads: AsyncIterator[list[bytes]], owner: int
+) -> AsyncIterator[list[bytes]]:
     """The owner's stream; cut short (the owner died: its own failures come as error events),
     the call is lost, as a Redis follower's whose leader died (``LeaderLost``): taken over
-    here if nothing was relayed yet (``Exchange.fetch``, ``Gateway._follow``)."""
+    here if nothing was relayed yet (``Exchange.fetch``, ``Gateway._follow``). Its clients are
+    told that (``LOST``), not that the upstream broke it: the upstream did not; how the owner's
+    stream ended goes to the log."""
     try:
         async for payload in payloads:
             yield payload
     except UpstreamStreamBroken as error:
-        raise LeaderLost(str(error)) from error
+        log.warning("worker %d leading a stream's call went away: %s", owner, error)
+        raise LeaderLost(LOST) from error
 
 
 async def _relayed(response: aiohttp.ClientResponse, api: Api) -> AsyncIterator[bytes]:
