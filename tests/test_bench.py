@@ -276,7 +276,7 @@ def test_a_recorded_workload_is_read_sorted_with_its_tenants_and_headers(tmp_pat
         ('{"t": 0, "body": {', "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
         ('{"t": 0}', "'body' must be a JSON object"),
-        ('{"t": -1, "body": {}}', "'t' must be a number"),
+        ('{"t": "soon", "body": {}}', "'t' must be a finite number"),
         ('{"t": 0, "body": {}, "endpoint": "/v1/models"}', "'endpoint' must be one of"),
         ('{"t": 0, "body": {}, "headers": {"a": 1}}', "'headers' must be an object of strings"),
         ('{"body": {}}', "has no timestamp"),

@@ -17,10 +17,14 @@ Contract:
   refusal).
 - Lifetimes, per fingerprint, from the call that produced the answer: stored answers live their
   type's TTL (``config.ttl_for``; 0 = never stored), readable unless the request says
-  ``no-cache``/``no-store`` or its ``max-age`` is shorter; an answer in flight is joinable for
-  ``call_seconds`` (the assumed duration of one upstream call; the report passes the run's median
-  miss latency) and lingers joinable for the longest coalescing window (``max_window_ms`` when
-  adaptive, else ``window_ms``; none with ``window_ms`` 0), except after a ``no-store`` leader.
+  ``no-cache``/``no-store`` or its ``max-age`` is shorter; an answer in flight is joinable until
+  it arrived: the call a request makes ends at its send time + ``call_durations[i]`` (the run's
+  measured latency of that request, when it was a miss: its answer came from its own call), or
+  + ``call_seconds`` where that is unknown (None; the report passes the run's median miss
+  latency). Ending every call after the median had a request sent after a short call's answer
+  arrived join it (a closed loop's next request): fewer calls than any deduplicator can make.
+  It then lingers joinable for the longest coalescing window (``max_window_ms`` when adaptive,
+  else ``window_ms``; none with ``window_ms`` 0), except after a ``no-store`` leader.
   A call whose answer is never stored (a Responses answer that ended ``incomplete`` or
   ``failed``, a message without a stop reason: docs/design.md, "What is stored") is joinable
   only while in flight: it is neither stored nor lingers, so the next request after it calls
@@ -107,15 +111,21 @@ def oracle(
     times: Sequence[float] | None = None,
     call_seconds: float = 0.0,
     never_stored: Sequence[bool] | None = None,
+    call_durations: Sequence[float | None] | None = None,
 ) -> Oracle:
     """The oracle for ``workload`` with requests arriving at ``times`` (default: their ``t``);
     ``never_stored``: per request, whether its answer is one the gateway never stores (default:
-    every answer is stored)."""
+    every answer is stored); ``call_durations``: per request, how long the call it made took
+    (None: unknown, ``call_seconds``)."""
     requests = workload.requests
     times = [r.t for r in requests] if times is None else list(times)
     unstored = [False] * len(requests) if never_stored is None else list(never_stored)
+    durations = [None] * len(requests) if call_durations is None else list(call_durations)
     if len(times) != len(requests) or len(unstored) != len(requests):
         raise ValueError("one time and one never_stored per request")
+    if len(durations) != len(requests):
+        raise ValueError("one call duration (or None) per request")
+    measured = 0  # calls ended at their measured answer, not after the assumed call_seconds
     coalesce = config.coalesce
     longest = coalesce.max_window_ms if coalesce.adaptive else coalesce.window_ms
     window = (longest if coalesce.window_ms > 0 else 0) / 1000  # (``window.py``: 0 is none)
@@ -155,13 +165,17 @@ def oracle(
         result.calls += 1
         result.needs_call[i] = True
         result.never_stored += unstored[i]
-        life.flight_end = t + call_seconds
+        # The call ends when its answer arrived, as measured; a closed loop's next request is
+        # sent after that, so it cannot join it.
+        duration = durations[i]
+        measured += duration is not None
+        life.flight_end = t + (call_seconds if duration is None else duration)
         # The answer this call makes is the one request i got (its engine answers a request
         # alike each time): one never stored does not linger either (docs/design.md).
         stored = not controls.no_store and not unstored[i]
         life.linger = stored
         if stored and ttl > 0:
-            life.cache_produced = t + call_seconds
+            life.cache_produced = life.flight_end
             life.cache_until = life.cache_produced + ttl
     span = max(times) - min(times) if times else 0.0
     shortest = min(ttls_used) if ttls_used else None
@@ -172,13 +186,18 @@ def oracle(
         "embeddings requests count one call per distinct input request; the gateway's "
         "batcher may merge several into one upstream call",
     ]
+    notes.append(
+        f"a call is joinable until its answer arrived: its request's send time + that "
+        f"request's measured latency ({measured:,} of the {result.calls - result.unshareable:,} "
+        f"calls of shareable requests), else + {call_seconds * 1000:.0f} ms (the run's median "
+        f"miss latency, where the request was not a miss in the run)"
+    )
     if shortest is not None and shortest < span:
         notes.append(
             f"some answers expire during the run (ttl {shortest:g} s < run {span:.1f} "
             f"s): each is refreshed by one call at its first request after expiry; "
-            f"a call is assumed to take {call_seconds * 1000:.0f} ms and a finished "
-            f"answer stays joinable {window * 1000:.0f} ms (the longest coalescing "
-            f"window)"
+            f"a finished answer stays joinable {window * 1000:.0f} ms (the longest "
+            f"coalescing window)"
         )
     else:
         notes.append(

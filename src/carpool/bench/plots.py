@@ -4,7 +4,9 @@ Contract:
 - ``draw(run, needs_call, out_dir)`` writes three PNGs and returns their file names; outcomes
   are filed as the report files them (``report.outcome_of``: a failed request is ``error``, a
   semantic hit known wrong is ``wrong_semantic_hit``):
-  * ``outcomes_over_time.png``: requests per second by outcome (stacked), by send time;
+  * ``outcomes_over_time.png``: requests per second by outcome (stacked), by send time
+    (``outcome_rates``: each bin's count over its own duration; the last bin runs to the last
+    send, so a steady rate reads steady to the end);
   * ``latency_cdf.png``: the latency CDF per outcome (log x), and beside it the time to first
     byte of the streaming requests per outcome, of the requests answered without error; each
     legend's p50 is ``stats.percentile``'s, as in ``report.json``;
@@ -77,36 +79,54 @@ def draw(run: Run, needs_call: Sequence[bool], out: Path) -> list[str]:
     return names
 
 
-def _outcomes(plt: Any, run: Run, outcome_of: OutcomeOf) -> Figure:
-    results = run.results
+def outcome_rates(
+    results: Sequence[Result], outcome_of: OutcomeOf
+) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """``outcomes_over_time.png``'s series: the bins' starts and durations (seconds since the
+    start, by send time) and, per outcome (``ORDER``), its requests per second in each bin."""
     span = max((r.sent for r in results), default=0.0)
     width = max(1.0, span / 60)  # at most ~60 bars
-    bins = int(span / width) + 1
+    # Whole bins, the last one stretched to the last send (less than two widths): a partial
+    # bin divided by a full width drew a steady rate as a collapse at the end of every run,
+    # and a sliver of one divided by its own would be noise.
+    bins = max(1, int(span / width))
     counts = {name: [0] * bins for name in ORDER}
     for r in results:
         counts[outcome_of(r)][min(int(r.sent / width), bins - 1)] += 1
+    starts = [i * width for i in range(bins)]
+    last = span - starts[-1]
+    # (All sent at one instant: no duration to divide by; a bin's nominal width stands in.)
+    durations = [width] * (bins - 1) + [last if last > 0 else width]
+    rates = {name: [c / d for c, d in zip(counts[name], durations, strict=True)] for name in ORDER}
+    return starts, durations, rates
+
+
+def _outcomes(plt: Any, run: Run, outcome_of: OutcomeOf) -> Figure:
+    starts, durations, rates = outcome_rates(run.results, outcome_of)
+    totals = {name: 0 for name in ORDER}
+    for r in run.results:
+        totals[outcome_of(r)] += 1
     figure, ax = plt.subplots(figsize=(9, 4.2))
-    x = [i * width for i in range(bins)]
-    bottom = [0.0] * bins
+    bottom = [0.0] * len(starts)
     for name in ORDER:
-        series = [c / width for c in counts[name]]
+        series = rates[name]
         if not any(series):
             continue
         ax.bar(
-            x,
+            starts,
             series,
-            width=width * 0.95,
+            width=[d * 0.95 for d in durations],
             bottom=bottom,
             align="edge",
             color=COLORS[name],
-            label=f"{name} ({sum(counts[name]):,})",
+            label=f"{name} ({totals[name]:,})",
         )
         bottom = [b + s for b, s in zip(bottom, series, strict=True)]
     ax.set_xlabel("seconds since start (send time)")
     ax.set_ylabel("requests / s")
     ax.set_title("Outcome mix over time (x-carpool header)")
     ax.legend(loc="upper left", fontsize=8, ncols=3)
-    ax.set_xlim(0, bins * width)
+    ax.set_xlim(0, starts[-1] + durations[-1])
     ax.grid(axis="y", alpha=0.3)
     return cast("Figure", figure)
 

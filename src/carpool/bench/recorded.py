@@ -15,9 +15,10 @@ Contract:
   is an HTTP token, a value (and a ``tenant``) holds no control character but the tab, and
   ``Host``, ``Content-Length`` and ``Transfer-Encoding``, which the client sets or must not
   send, are refused; anything else is a malformed line.
-- Either every line has a timestamp ``t`` or none does: with them the requests kept are shifted
-  to start at 0 and sorted (ties keep the file's order); without them ``timed`` is False and the
-  run needs a rate or a concurrency.
+- Either every line has a timestamp ``t`` or none does: a finite number of seconds from any
+  origin (negative included); with them the requests kept are shifted to start at 0 and sorted
+  (ties keep the file's order); without them ``timed`` is False and the run needs a rate or a
+  concurrency.
 """
 
 from __future__ import annotations
@@ -83,9 +84,11 @@ def load_jsonl(
 def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
     t = row.get("t")
     if t is not None and (
-        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t)
     ):
-        raise WorkloadError(f"{where}: 't' must be a number of seconds >= 0, got {t!r}")
+        # Any origin, a negative one included (a clock started after the first line): the
+        # earliest kept becomes 0 (``load_jsonl``).
+        raise WorkloadError(f"{where}: 't' must be a finite number of seconds, got {t!r}")
     body = row.get("body")
     if not isinstance(body, dict):
         raise WorkloadError(

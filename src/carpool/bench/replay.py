@@ -97,6 +97,17 @@ async def get_json(pool: Pool, path: str, headers: dict[str, str] | None = None)
         response = await pool.request(build("GET", path, pool.address, b"", headers), 60.0)
     except TRANSPORT_ERRORS as error:
         raise GatewayUnreachable(f"cannot read {url}: {type(error).__name__}: {error}") from None
+    if response.status == 401 and path == "/stats":
+        # The gateway guards /stats with its admin token: say how to pass it, not just "401".
+        raise GatewayUnreachable(
+            f"GET {url}: HTTP 401: "
+            + (
+                "the gateway refused the admin token given (admin_token): give it its own"
+                if headers
+                else "the gateway has an admin token, which guards /stats: give carpool bench "
+                "the same one, as admin_token in --config or in CARPOOL_ADMIN_TOKEN"
+            )
+        )
     if response.status != 200:
         raise GatewayUnreachable(f"GET {url}: HTTP {response.status}")
     try:

@@ -16,7 +16,8 @@ Contract:
   ``outcomes_by_label`` (synthetic workloads: per request label), ``latency_ms`` and
   ``ttfb_ms`` (streams only) per outcome and ``all`` (count, p50, p95, p99, mean, max), of the
   requests answered without error,
-  ``tokens_saved`` (``/stats`` delta), ``gpu_seconds_saved`` with its ``cost_model``,
+  ``tokens_saved`` (``/stats`` delta), ``gpu_seconds_saved`` (null when unknown, with
+  ``gpu_seconds_saved_reason``) with its ``cost_model`` (its ``split``: how it was made),
   ``throughput_rps``, ``arrival_lag_ms`` (open loop), ``oracle`` (breakdown and assumptions),
   ``engine`` (the embedded simulator's own counters, delta), ``stats_delta`` (every numeric
   ``/stats`` counter), ``workload`` (name, source, parameters, measured traits), ``params`` (the
@@ -24,14 +25,23 @@ Contract:
 - Percentiles: ``stats.percentile`` (linear interpolation between closest ranks); times are milliseconds, rounded to µs.
 - The cost model: a saved request would have cost its prompt tokens x ``prefill_ms_per_token``
   plus its completion tokens x ``decode_ms_per_token`` (``config.sim``: the simulator's own cost
-  model, or the values of ``--config`` for a real engine) of engine time for one sequence. The
-  ``/stats`` ``tokens_saved`` (prompt + completion) is split in the proportion of the prompt and
-  completion tokens of the saved answers the client received. This counts sequence-seconds, as
+  model, or the values of ``--config`` for a real engine; ``cost_source`` says which) of engine
+  time for one sequence. The ``/stats`` ``tokens_saved`` (prompt + completion) is split
+  (``_split``) in the proportion of the prompt and completion tokens of the saved answers the
+  client received that carried usage; when none did (streams without
+  ``stream_options.include_usage``), of the tokens the embedded simulated engine counted for its
+  calls; when there is no such engine either, ``gpu_seconds_saved`` is null and
+  ``gpu_seconds_saved_reason`` says why: a guessed split (it was 50/50) priced decode, 100x
+  prefill, on half of a prompt-heavy saving. ``cost_model.split`` records the source, the
+  prompt share and how many saved answers it was based on. This counts sequence-seconds, as
   if the saved calls had run alone; an engine batching B sequences spends about 1/B of that in
   GPU time on decode, and a prefix cache may have spared part of the prefill: an upper bound.
-- ``write(report, out_dir)`` writes ``report.json`` and ``report.md`` (the arrivals as
-  ``params`` states them, a null ``rate`` included; a table per outcome, the headline numbers,
-  and the plots linked, or how to get them when matplotlib is missing);
+- ``write(report, out_dir)`` writes ``report.json`` and ``report.md`` (the target as ``params``
+  states it: the simulated engine, or the embedded gateway's configured upstreams by name, or the
+  URL; the arrivals, a null ``rate`` included; no seed for a recorded workload, whose ``seed`` is
+  null; with failures, how many requests succeeded rather than a rate "achieved"; a table per
+  outcome, the headline numbers, and the plots linked, or how to get them when matplotlib is
+  missing);
   ``write_results`` writes ``requests.jsonl``, one row per request (send time, outcome, status,
   latency, TTFB, tokens, error), for analyses of your own.
 """
@@ -140,30 +150,65 @@ def engine_delta(
     return out
 
 
-def cost_model(config: Config) -> dict[str, Any]:
+def cost_model(config: Config, source: str | None = None) -> dict[str, Any]:
+    """The per-token costs and where they come from (``source``: default, the simulated engine's
+    own; ``runner`` says when they price another engine)."""
     return {
         "prefill_ms_per_token": config.sim.prefill_ms_per_token,
         "decode_ms_per_token": config.sim.decode_ms_per_token,
-        "source": "config.sim (the simulated engine's cost model)",
+        "source": source or "config.sim (the simulated engine's cost model)",
         "meaning": "engine time of one sequence: prompt tokens x prefill + completion tokens "
         "x decode; tokens_saved split by the prompt/completion mix of the saved "
-        "answers received; an upper bound on GPU time (batching and prefix "
-        "caching share part of it)",
+        "answers received (or, when none carried usage, of the embedded engine's own "
+        "token counts); an upper bound on GPU time (batching and prefix caching share "
+        "part of it)",
     }
 
 
-def gpu_seconds_saved(results: Sequence[Result], tokens_saved: int, config: Config) -> float:
+def _split(results: Sequence[Result], engine: dict[str, Any] | None) -> dict[str, Any]:
+    """How ``tokens_saved`` splits into prompt and completion tokens, from what the run measured:
+    the usage of the saved answers that carried it; else the simulated engine's own counts of
+    the tokens it prefilled and decoded; else unknown (``prompt_share`` None). A stream without
+    ``stream_options.include_usage`` carries none: the split must not be guessed, since decode
+    costs 100x prefill per token in the default model."""
     saved = [r for r in results if outcome_of(r) in SAVED]
-    prompt = sum(r.prompt_tokens or 0 for r in saved)
-    completion = sum(r.completion_tokens or 0 for r in saved)
+    told = [r for r in saved if r.prompt_tokens is not None or r.completion_tokens is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in told)
+    completion = sum(r.completion_tokens or 0 for r in told)
+    split: dict[str, Any] = {
+        "source": None,
+        "prompt_share": None,
+        "saved_answers": len(saved),
+        "saved_answers_with_usage": len(told),
+        "engine_calls": engine.get("calls") if engine else None,
+    }
+    if prompt + completion:
+        split.update(source="saved answers", prompt_share=round(prompt / (prompt + completion), 6))
+    elif engine and engine.get("prompt_tokens", 0) + engine.get("completion_tokens", 0) > 0:
+        total = engine["prompt_tokens"] + engine["completion_tokens"]
+        split.update(source="engine", prompt_share=round(engine["prompt_tokens"] / total, 6))
+    return split
+
+
+def gpu_seconds_saved(
+    tokens_saved: int, config: Config, split: dict[str, Any]
+) -> tuple[float | None, str | None]:
+    """The engine seconds the saved tokens would have cost, and why it is unknown (None) when
+    it is: no split of the tokens was measured."""
     if tokens_saved <= 0:
-        return 0.0
-    share = prompt / (prompt + completion) if prompt + completion else 0.5
+        return 0.0, None
+    share = split["prompt_share"]
+    if share is None:
+        return None, (
+            f"none of the {split['saved_answers']:,} saved answers carried usage (a stream "
+            "without stream_options.include_usage has none) and no engine counted its tokens: "
+            "the prompt/completion split of tokens_saved is unknown"
+        )
     ms = (
         tokens_saved * share * config.sim.prefill_ms_per_token
         + tokens_saved * (1 - share) * config.sim.decode_ms_per_token
     )
-    return round(ms / 1000, 3)
+    return round(ms / 1000, 3), None
 
 
 def build(
@@ -174,7 +219,9 @@ def build(
     oracle: Oracle,
     config: Config,
     params: dict[str, Any],
+    cost_source: str | None = None,
 ) -> dict[str, Any]:
+    """``cost_source``: where the per-token costs come from (``cost_model``)."""
     results = run.results
     delta = stats_delta(run.stats_before, run.stats_after)
     upstream = int(delta.get("upstream_calls", 0))
@@ -182,6 +229,9 @@ def build(
     outcomes = Counter(outcome_of(r) for r in results)
     tokens_saved = int(delta.get("tokens_saved", 0))
     lags = [r.lag for r in results]
+    engine = engine_delta(run.sim_before, run.sim_after)
+    split = _split(results, engine)
+    engine_seconds, unknown = gpu_seconds_saved(tokens_saved, config, split)
     report: dict[str, Any] = {
         "requests": len(results),
         "upstream_calls": upstream,
@@ -207,8 +257,9 @@ def build(
         "latency_ms": _per_outcome(results, "latency"),
         "ttfb_ms": _per_outcome([r for r in results if r.stream], "ttfb"),
         "tokens_saved": tokens_saved,
-        "gpu_seconds_saved": gpu_seconds_saved(results, tokens_saved, config),
-        "cost_model": cost_model(config),
+        "gpu_seconds_saved": engine_seconds,
+        "gpu_seconds_saved_reason": unknown,
+        "cost_model": {**cost_model(config, cost_source), "split": split},
         "saved_fraction": round(sum(outcomes[o] for o in SAVED) / len(results), 4)
         if results
         else 0.0,
@@ -216,7 +267,7 @@ def build(
         "throughput_rps": round(len(results) / run.duration, 2) if run.duration > 0 else None,
         "arrival_lag_ms": summary_ms(lags) if params.get("mode") == "open-loop" else None,
         "oracle": oracle.summary(),
-        "engine": engine_delta(run.sim_before, run.sim_after),
+        "engine": engine,
         "stats_delta": delta,
         "workload": {
             "name": workload.name,
@@ -283,11 +334,16 @@ def _ms(summary: dict[str, Any], key: str) -> str:
 def markdown(report: dict[str, Any]) -> str:
     p = report["params"]
     traits = report["workload"]["traits"]
-    target = (
-        "embedded gateway + simulated engine"
-        if p["target"] == "embedded"
-        else f"`{p['gateway_url']}`"
-    )
+    upstreams = p.get("upstreams") or []
+    if p["target"] != "embedded":
+        target = f"`{p['gateway_url']}`"
+    elif upstreams:  # (its config's: no simulated engine in this run)
+        names = ", ".join(f"`{name}`" for name in upstreams)
+        target = f"embedded gateway + {len(upstreams)} configured upstream" + (
+            f"s ({names})" if len(upstreams) > 1 else f" ({names})"
+        )
+    else:
+        target = "embedded gateway + simulated engine"
     rate = p.get("rate")
     if p["mode"] != "open-loop":
         arrival = f"closed loop, {p['concurrency']} clients"
@@ -306,11 +362,20 @@ def markdown(report: dict[str, Any]) -> str:
         if within
         else "NOT within 5%"
     )
+    seed = "" if p.get("seed") is None else f"seed {p['seed']}; "  # (none: a recorded run)
+    errors, sent = report["errors"], report["requests"]
+    pace = (
+        # A failed request was not served: no rate "achieved" counts it.
+        f"{sent - errors:,} of {sent:,} requests succeeded"
+        if errors
+        else f"{report['throughput_rps'] or 0:.1f} req/s achieved"
+    )
+    seconds = report["gpu_seconds_saved"]
     lines = [
         f"# carpool bench: `{report['workload']['name']}`",
         "",
-        f"{report['requests']:,} requests against the {target}; {arrival}; seed {p['seed']}; "
-        f"{report['duration_s']:.1f} s ({report['throughput_rps'] or 0:.1f} req/s achieved).",
+        f"{sent:,} requests against the {target}; {arrival}; {seed}"
+        f"{report['duration_s']:.1f} s ({pace}).",
         "",
         "| | |",
         "|---|---|",
@@ -320,7 +385,9 @@ def markdown(report: dict[str, Any]) -> str:
         "| requests answered without reaching upstream (failed and known-wrong answers left "
         f"out) | {100 * report['saved_fraction']:.1f}% |",
         f"| tokens saved | {report['tokens_saved']:,} |",
-        f"| engine seconds saved (cost model below) | {report['gpu_seconds_saved']:,.1f} |",
+        "| engine seconds saved (cost model below) | "
+        + ("unknown" if seconds is None else f"{seconds:,.1f}")
+        + " |",
         f"| errors | {report['errors']} |",
     ]
     if report.get("engine"):
@@ -384,6 +451,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{cm['prefill_ms_per_token']} ms per prompt token, {cm['decode_ms_per_token']} ms "
         f"per completion token ({cm['source']}): {cm['meaning']}.",
         "",
+        *_split_lines(report),
         "## Plots",
         "",
     ]
@@ -392,6 +460,28 @@ def markdown(report: dict[str, Any]) -> str:
     else:
         lines.append(report.get("plots_missing") or "No plots.")
     return "\n".join(lines) + "\n"
+
+
+def _split_lines(report: dict[str, Any]) -> list[str]:
+    """What the prompt/completion split of ``tokens_saved`` was based on, or why it is unknown."""
+    split = report["cost_model"].get("split")
+    if not split or not report["tokens_saved"]:
+        return []
+    of = f"{split['saved_answers_with_usage']:,} of the {split['saved_answers']:,} saved answers"
+    if split["source"] == "saved answers":
+        text = (
+            f"The saved tokens are split {100 * split['prompt_share']:.1f}% prompt by the usage "
+            f"of {of} (those that carried usage)."
+        )
+    elif split["source"] == "engine":
+        text = (
+            f"No saved answer carried usage ({of}): the saved tokens are split "
+            f"{100 * split['prompt_share']:.1f}% prompt by the engine's own counts of the "
+            f"tokens of its {split['engine_calls']:,} calls."
+        )
+    else:
+        text = f"Engine seconds saved: unknown: {report['gpu_seconds_saved_reason']}."
+    return [text, ""]
 
 
 def _audit_lines(audit: dict[str, Any]) -> list[str]:

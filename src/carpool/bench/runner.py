@@ -21,8 +21,8 @@ Contract:
   presets only: a value given with a workload file or the ``audit`` workload, which it would
   not change, is a ``WorkloadError`` naming the flags (``build_workload``).
 - The oracle sees the planned arrival times (open loop) or the actual send times (closed loop),
-  and assumes a call lasts the run's median ``miss`` latency (it matters only for answers that
-  expire during the run).
+  and ends each call when its answer arrived: its request's send time + that request's latency
+  when it was a ``miss`` (answered by its own call), else + the run's median ``miss`` latency.
 - The ``audit`` workload (``meanings.py``) also starts the benchmark upstream answering by
   meaning (``upstream.py``, ``by_meaning``; its log ``upstream.log``), runs the embedded gateway
   on ``meanings.audit_config`` in front of it, waits for the audits to finish before the final
@@ -31,7 +31,16 @@ Contract:
 - Errors a user can fix raise ``WorkloadError`` (a bad workload or option, ``out`` a directory
   that cannot be created and ``url`` not an http(s) URL included: exit 2 in the CLI),
   ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1: a gateway that did not start or
-  answer).
+  answer). A run that fails removes the ``out`` directory it created when nothing was written
+  in it (a ``gateway.log`` stays, with the directory).
+- ``workload`` (None: ``DEFAULT_WORKLOAD``) and ``seed`` (None: 0) choose a built-in workload: given
+  with ``workload_file`` they are a ``WorkloadError`` (``_check_spec``), and a recorded run's
+  ``params.seed`` is None.
+- ``params`` records ``config_file`` (the file ``config`` was read from: --config or
+  CARPOOL_CONFIG) and ``upstreams``: the gateway's, as its ``/stats`` names them (never a URL's
+  credentials), None for the embedded simulated engine; then the cost model's source says
+  whether ``config.sim`` was given for that engine or is the simulator's default
+  (``_cost_source``).
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from .upstream import upstream
 from .workloads import Workload, WorkloadError, traits
 
 DEFAULT_RATE = 40.0
+DEFAULT_WORKLOAD = "mixed"
 FULL_REQUESTS = 3000
 QUICK_REQUESTS = 600
 
@@ -67,16 +77,16 @@ class BenchOptions:
     out: Path
     config: Config = field(default_factory=Config)
     url: str | None = None
-    workload: str = "mixed"
+    workload: str | None = None  # a built-in one; None: DEFAULT_WORKLOAD (or the file's)
     workload_file: str | None = None
     requests: int | None = None
     rate: float | None = None
     concurrency: int | None = None
-    seed: int = 0
+    seed: int | None = None  # None: 0 for a synthetic workload; a recorded one has none
     quick: bool = False
     spec: dict[str, Any] = field(default_factory=dict)  # Spec overrides
     progress: bool = True
-    config_file: str | None = None
+    config_file: str | None = None  # the file ``config`` was read from (--config or CARPOOL_CONFIG)
 
 
 def default_out() -> Path:
@@ -90,20 +100,34 @@ def build_workload(options: BenchOptions) -> Workload:
     if options.workload_file:
         keep = options.requests or (QUICK_REQUESTS if options.quick else None)
         return load_jsonl(options.workload_file, header, keep)
+    seed = options.seed or 0
     if options.workload == meanings.WORKLOAD:
-        return meanings.audit_workload(size, options.rate or DEFAULT_RATE, options.seed, header)
+        return meanings.audit_workload(size, options.rate or DEFAULT_RATE, seed, header)
     return synthetic(
-        options.workload,
+        options.workload or DEFAULT_WORKLOAD,
         size,
         options.rate or DEFAULT_RATE,
-        options.seed,
+        seed,
         tenant_header=header,
         **options.spec,
     )
 
 
 def _check_spec(options: BenchOptions) -> None:
-    """Synthetic traits given for a workload they do not shape are refused, not ignored."""
+    """Synthetic traits given for a workload they do not shape are refused, not ignored; so are a
+    seed and a built-in workload's name given with a workload file, which is replayed as it is
+    (the report printed "seed 0" for a recorded run)."""
+    if options.workload_file:
+        chosen = [
+            flag
+            for flag, value in (("--workload", options.workload), ("--seed", options.seed))
+            if value is not None
+        ]
+        if chosen:
+            raise WorkloadError(
+                f"{', '.join(chosen)}: these choose and seed a built-in workload, not a "
+                "workload file (--workload-file), which is replayed as recorded; leave them out"
+            )
     given = [name for name, value in options.spec.items() if value is not None]
     if not given:
         return
@@ -168,12 +192,26 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     workload = build_workload(options)
     arrivals = arrival_times(workload, options)
     out = options.out
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise WorkloadError(
             f"--out {out}: cannot create the report directory ({error.strerror or error})"
         ) from None
+    try:
+        return await _run(options, workload, arrivals, audit)
+    except BaseException:
+        if created:  # a failed run leaves no empty report directory (a gateway.log stays)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+async def _run(
+    options: BenchOptions, workload: Workload, arrivals: list[float] | None, audit: bool
+) -> dict[str, Any]:
+    out = options.out
     config = options.config
     with _Progress(len(workload), options.progress, workload.name) as progress:
         async with contextlib.AsyncExitStack() as stack:
@@ -209,12 +247,18 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     call_seconds = statistics.median(misses) if misses else 0.0
     times = arrivals if arrivals is not None else [r.sent for r in run.results]
     never_stored = [r.storable is False for r in run.results]  # (None: no answer judged)
-    best = oracle(workload, config, times, call_seconds, never_stored)
+    # A miss's answer came from its own call: the call ended when that answer arrived.
+    durations = [
+        r.latency if r.ok and r.outcome == "miss" and r.latency is not None else None
+        for r in run.results
+    ]
+    best = oracle(workload, config, times, call_seconds, never_stored, durations)
     mode = "closed-loop" if options.concurrency is not None else "open-loop"
+    simulated = options.url is None and not config.upstreams
     params = {
         "workload": workload.name,
         "workload_file": options.workload_file,
-        "seed": options.seed,
+        "seed": None if options.workload_file else options.seed or 0,
         "mode": mode,
         "rate": _rate(options, workload, arrivals),
         "concurrency": options.concurrency,
@@ -227,6 +271,9 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         "target": "url" if options.url else "embedded",
         "gateway_url": _normalise_url(options.url) if options.url else url,
         "config_file": options.config_file,
+        # As /stats names them (never a URL's user, password or query); None: the embedded
+        # simulated engine.
+        "upstreams": None if simulated else list(run.stats_after.get("replicas") or {}),
         "semantic_enabled": config.semantic.enabled,
         "started_at": _dt.datetime.fromtimestamp(run.started_at, _dt.UTC).isoformat(
             timespec="seconds"
@@ -240,6 +287,7 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         oracle=best,
         config=config,
         params=params,
+        cost_source=None if simulated else _cost_source(config, options.config_file),
     )
     if audit:
         result["audit"] = meanings.grade(workload, run, config.semantic.audit_window)
@@ -252,6 +300,16 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     report.write(result, out)
     report.write_results(workload, run, out)
     return result
+
+
+def _cost_source(config: Config, config_file: str | None) -> str:
+    """Where the per-token costs of a run on another engine than the simulated one come from."""
+    if "sim" in config.model_fields_set:
+        return f"the sim section of {config_file or 'the config'}: the per-token costs given there"
+    return (
+        "config.sim's defaults: the simulated engine's cost model, not measured on the engine "
+        "used here (give its per-token costs in the sim section of --config)"
+    )
 
 
 def _version() -> str:

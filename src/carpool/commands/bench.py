@@ -1,23 +1,27 @@
 """``carpool bench``: replay a workload against a gateway and report upstream calls vs the oracle.
 
 Contract: the run itself is ``carpool.bench.runner.run_bench`` (its contract says what it does and
-writes); here only the flags, the summary printed, and the exit statuses: 2 for a workload the
-user can fix, 1 for a gateway that could not be started or reached, 143 when SIGTERM stopped the
-run. SIGTERM (a timeout, a CI job cancelled) stops it as Ctrl-C does: the run is cancelled, so
-the children it started (the embedded gateway, the audit's upstream) are stopped on the way out
-rather than left to notice that their stdin closed; no report is written.
+writes); here only the flags, the summary printed (with the commonest errors, when requests
+failed, and for a 401 how the workload's tenants authenticate), and the exit statuses: 2 for a
+workload or options the user can fix, 1 for a gateway that could not be started or reached and
+for a run in which every request failed (its report is written all the same), 143 when SIGTERM
+stopped the run. SIGTERM (a timeout, a CI job cancelled) stops it as Ctrl-C does: the run is
+cancelled, so the children it started (the embedded gateway, the audit's upstream) are stopped on
+the way out rather than left to notice that their stdin closed; no report is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from typing import Any
 
 import click
 
+from ..config import CONFIG_FILE_VARIABLE
 from .common import load_config
 
 
@@ -31,10 +35,9 @@ from .common import load_config
 )
 @click.option(
     "--workload",
-    default="mixed",
-    show_default=True,
+    default=None,
     help="Built-in synthetic workload: mixed, faq, bursty, tenants, streaming, prefix, "
-    "paraphrase, apis, audit (docs/bench.md).",
+    "paraphrase, apis, audit (docs/bench.md) [mixed]; not with --workload-file.",
 )
 @click.option(
     "--workload-file",
@@ -66,9 +69,8 @@ from .common import load_config
 @click.option(
     "--seed",
     type=int,
-    default=0,
-    show_default=True,
-    help="Seed of the synthetic workload (same seed, same requests).",
+    default=None,
+    help="Seed of the synthetic workload (same seed, same requests) [0]; not with --workload-file.",
 )
 @click.option("--quick", is_flag=True, help="A short run (600 requests, under a minute).")
 @click.option(
@@ -108,12 +110,12 @@ from .common import load_config
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def bench(
     url: str | None,
-    workload: str,
+    workload: str | None,
     workload_file: str | None,
     requests_: int | None,
     rate: float | None,
     concurrency: int | None,
-    seed: int,
+    seed: int | None,
     quick: bool,
     config_file: str | None,
     out: str | None,
@@ -133,6 +135,8 @@ def bench(
     if rate is not None and concurrency is not None:
         raise click.UsageError("give --rate (open loop) or --concurrency (closed loop), not both")
     config = load_config(config_file, {})
+    # The file the config was read from, the flag's or CARPOOL_CONFIG's (as ``load_config``).
+    config_file = config_file or os.environ.get(CONFIG_FILE_VARIABLE) or None
     options = BenchOptions(
         out=Path(out) if out else default_out(),
         config=config,
@@ -165,6 +169,8 @@ def bench(
         f"oracle_calls {report['oracle_calls']}  errors {report['errors']}  "
         f"tokens_saved {report['tokens_saved']}"
     )
+    if report["errors"]:
+        _print_errors(report, config.tenant.header, synthetic=workload_file is None)
     click.echo(
         "p50 ms: "
         + "  ".join(
@@ -174,6 +180,32 @@ def bench(
     if report.get("plots_missing"):
         click.echo(report["plots_missing"])
     click.echo(f"report: {options.out / 'report.md'}")
+    if report["requests"] and report["errors"] == report["requests"]:
+        sys.exit(1)  # nothing was measured: a run of failures is no benchmark
+
+
+def _print_errors(report: dict[str, Any], tenant_header: str, synthetic: bool) -> None:
+    """The commonest errors of the run on stderr, and what a 401 most likely means."""
+    from ..bench.workloads import tenant_header_value
+
+    click.echo(
+        f"carpool bench: {report['errors']} of {report['requests']} requests failed; the "
+        "commonest errors:",
+        err=True,
+    )
+    for error, count in report["error_samples"].items():
+        click.echo(f"  {count} x {error}", err=True)
+    if any(str(error).startswith("HTTP 401") for error in report["error_samples"]):
+        sent = (
+            "the synthetic workloads' tenants send "
+            f"`{tenant_header}: {tenant_header_value(tenant_header, 'bench-tenant-K')}` "
+            "(K = 1, 2, ...): a gateway that checks client keys (auth.client_keys_file) must "
+            "accept those, or replay a --workload-file whose requests carry valid keys"
+            if synthetic
+            else "the requests carry the tenant and headers of the workload file: a gateway "
+            "that checks client keys must accept those"
+        )
+        click.echo(f"carpool bench: HTTP 401: {sent}", err=True)
 
 
 async def _stopped_by_sigterm(run: Any) -> Any:
