@@ -10,8 +10,10 @@ Contract (on top of ``upstream.base``):
   ``upstream.wire``, not failed (no 502, no healthy replica left out), and counted
   (``resent``). Measured on this machine, aiohttp spent
   about 0.25 ms of CPU on each such call, this about a fifth of that (benchmarks/README.md).
-  A stream that ended whole
-  gives its connection back to the pool; one left part-way closes it (the engine stops).
+  A stream that ended whole (its ``[DONE]``, or a typed stream's last event)
+  gives its connection back to the pool; any other closes it: one left part-way (the engine
+  stops), one broken, and one whose body ended without it (a server closing the connection
+  after an empty stream, llama-cpp-python's: the next call went on it, a 502).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits; an answer's connection is let go once
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not.
@@ -393,7 +395,7 @@ class HttpUpstream:
                 status,
                 {"content-type": content_type, **said},
                 events=wire_payloads(answer, request.last_event, f"upstream {self.label}"),
-                close=answer.aclose,
+                close=_discarding(answer),
             )
         try:
             data = await answer.read()
@@ -546,7 +548,9 @@ def wire_payloads(
     answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
 ) -> AsyncIterator[list[bytes]]:
     """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
-    pool once the stream ended whole, else it is closed (the upstream stops generating)."""
+    pool once the stream ended whole, else it is closed (the upstream stops generating), also
+    when its body ended whole as HTTP goes: a server that sent no ``[DONE]`` may be closing it
+    (llama-cpp-python's, after a prompt over its context), and the next call would go on it."""
     return _payloads(
         answer.chunks(),
         last_event,
@@ -554,8 +558,18 @@ def wire_payloads(
         timeouts=(wire.WireTimeout,),
         errors=(wire.WireError,),
         reason=wire.reason_of,
-        done=lambda ended: answer.release(drain=ended),
+        done=lambda ended: answer.release(drain=True) if ended else answer.discard(),
     )
+
+
+def _discarding(answer: wire.Answer) -> Callable[[], Awaitable[None]]:
+    """A stream's ``aclose``: its connection closed unless its events were read to their end
+    (``wire_payloads`` gave it back then; ``discard`` after that does nothing)."""
+
+    async def close() -> None:
+        answer.discard()
+
+    return close
 
 
 async def _payloads(
