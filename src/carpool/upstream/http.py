@@ -80,10 +80,11 @@ Contract (on top of ``upstream.base``):
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
-  carry only their content type from the upstream (none when it named none), their
-  ``Cache-Control`` (every line of it, joined: whether a shared cache may store the answer,
-  ``Answer.storable``; not relayed to the clients), and a refusal what it says of when to
-  retry (``errors.RETRY_HEADERS``).
+  carry only their content type from the upstream (none when it named none), a whole
+  answer's ``Cache-Control`` (every line of it, joined: whether a shared cache may store the
+  answer, ``Answer.storable``; not relayed to the clients; a stream's is not carried: SSE
+  servers say ``no-store`` on every event stream by default, of the live feed, not of the
+  answer), and a refusal what it says of when to retry (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came. Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
@@ -388,12 +389,11 @@ class HttpUpstream:
                 f"upstream {self.label} refused the gateway's key ({status})", status
             )
         # (A media type is case-insensitive, RFC 9110 8.3.1: ``Text/Event-Stream`` is one.)
-        # (A stream's head carries its Cache-Control too: whether a shared cache may store it.)
-        said = {"cache-control": answer.cache_control} if answer.cache_control else {}
         if request.stream and 200 <= status < 300 and "text/event-stream" in content_type.lower():
+            # (Without its Cache-Control: an SSE server's ``no-store`` is the live feed's.)
             return UpstreamResponse(
                 status,
-                {"content-type": content_type, **said},
+                {"content-type": content_type},
                 events=wire_payloads(answer, request.last_event, f"upstream {self.label}"),
                 close=_discarding(answer),
             )
@@ -405,7 +405,8 @@ class HttpUpstream:
         headers = {"content-type": content_type} if content_type else {}
         if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
             headers.update(answer.retry)
-        headers.update(said)
+        if answer.cache_control:  # (whether a shared cache may store it: ``Answer.storable``)
+            headers["cache-control"] = answer.cache_control
         return UpstreamResponse(status, headers, body=data)
 
     def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:

@@ -59,8 +59,9 @@ Contract:
   each is whole. Of its fields, an ``Answer`` keeps its content type, what it says of when
   to retry (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
   (``cache_control``: every line of it, joined by ", " as RFC 9110 5.3 allows; "" for none;
-  a ``no-store`` or ``private`` answer is never stored, ``Answer.storable``): the rest is read
-  by no one.
+  a whole answer that says ``no-store`` or ``private`` is never stored, ``Answer.storable``;
+  a stream's is not read, an SSE server's default of the live feed): the rest is read by no
+  one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
