@@ -265,16 +265,29 @@ async def test_an_answer_the_upstream_says_no_shared_cache_may_store_is_relayed_
         assert again.json()["choices"][0]["message"]["content"] == "answer 2 to What is carpool?"
 
 
-async def test_a_stream_whose_head_says_no_store_is_relayed_whole_never_stored(fake, gateway_with):
-    async with gateway_with(coalesce=WINDOW) as gw:
-        fake.response_headers = KEPT_OUT  # (beside the stream's own "no-cache")
-        response, raw = await gw.stream_chat()
-        assert response.headers["x-carpool"] == "miss" and raw.rstrip().endswith("data: [DONE]")
-        assert sse_text(raw) == "answer 1 to What is carpool?"
-        assert gw.gateway.store.entries == 0
-        again, raw = await gw.stream_chat()
-        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
-        assert sse_text(raw) == "answer 2 to What is carpool?"
+@pytest.mark.parametrize("stream_flights", [False, True], ids=["streamed", "stream_flights"])
+async def test_a_stream_whose_head_says_no_store_as_sse_servers_do_by_default_is_stored_and_its_repeat_a_hit(
+    fake, gateway_with, stream_flights
+):
+    """sse-starlette (llama-cpp-python's server) says ``Cache-Control: no-store`` on every event
+    stream: "do not buffer or keep this live feed", nothing of the answer assembled from it.
+    Read as the answer's, every streamed answer was a miss, and with ``stream_flights`` (every
+    shared call streamed) nothing was cached at all. A whole answer's is read (above)."""
+    async with gateway_with(upstream={"stream_flights": stream_flights}) as gw:
+        fake.response_headers = [(b"cache-control", b"no-store")]  # (beside its own "no-cache")
+        if stream_flights:
+            first = await gw.chat()  # (asked whole, called as a stream)
+            text = first.json()["choices"][0]["message"]["content"]
+        else:
+            first, raw = await gw.stream_chat()
+            text = sse_text(raw)
+        assert first.headers["x-carpool"] == "miss" and text == "answer 1 to What is carpool?"
+        assert fake.calls[0].body["stream"] is True and gw.gateway.store.entries == 1
+        streamed, raw = await gw.stream_chat()
+        whole = await gw.chat()
+        assert streamed.headers["x-carpool"] == whole.headers["x-carpool"] == "hit"
+        assert sse_text(raw) == whole.json()["choices"][0]["message"]["content"] == text
+        assert fake.count() == 1
 
 
 async def test_the_joiners_of_a_no_store_answers_call_get_it_from_that_one_call(fake, gateway_with):
@@ -282,15 +295,15 @@ async def test_the_joiners_of_a_no_store_answers_call_get_it_from_that_one_call(
     async with gateway_with(coalesce=WINDOW) as gw:
         fake.response_headers = KEPT_OUT
         fake.gate = asyncio.Event()
-        clients = [asyncio.create_task(gw.chat()), asyncio.create_task(gw.stream_chat())]
+        # Its leader asks for it whole (a stream's head's Cache-Control is not read), then a
+        # streaming client joins that call.
+        leader = asyncio.create_task(gw.chat())
         await fake.wait_for_calls(1)
+        joiner = asyncio.create_task(gw.stream_chat())
         await eventually(lambda: flight_clients(gw) == 2, what="both clients on the flight")
         fake.gate.set()
-        whole, (streamed, raw) = await asyncio.gather(*clients)
-        assert sorted([whole.headers["x-carpool"], streamed.headers["x-carpool"]]) == [
-            "coalesced",
-            "miss",
-        ]
+        whole, (streamed, raw) = await asyncio.gather(leader, joiner)
+        assert (whole.headers["x-carpool"], streamed.headers["x-carpool"]) == ("miss", "coalesced")
         text = whole.json()["choices"][0]["message"]["content"]
         assert text == sse_text(raw) == "answer 1 to What is carpool?" and fake.count() == 1
         after = await gw.chat()  # (its flight over: nothing of it is kept)

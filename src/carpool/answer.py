@@ -10,8 +10,10 @@ Contract:
   choice has a finish reason; embeddings: one vector per input; Responses: status
   ``completed``; Messages: a ``stop_reason``).
 - ``no_store`` says that the upstream's ``Cache-Control`` forbids a shared cache to store it
-  (``no-store`` or ``private``: ``http_syntax.shared_cache_may_store``), read from its head
-  (a stream's too, before its frames). ``storable``: complete and not ``no_store``. Only
+  (``no-store`` or ``private``: ``http_syntax.shared_cache_may_store``), read from a whole
+  answer's head only: an answer assembled from a stream is never ``no_store``, as SSE servers
+  say ``no-store`` on every event stream by default (sse-starlette, llama-cpp-python's server),
+  of the live feed, not of the answer. ``storable``: complete and not ``no_store``. Only
   storable answers are stored (exact and semantic cache, in-process and Redis) or kept
   joinable after their flight; one that is not is still its flight's clients' (the joiners of
   its call included: coalescing is not storing), and an idempotency record keeps it (the same

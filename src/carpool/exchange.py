@@ -27,8 +27,9 @@ Contract:
   ``Broadcast`` as it comes, the frames of one read together (``_consume``; its API's
   ``Collector`` gathers it), a whole body read at once (``_complete``); either comes back as an
   ``Answer``, ``complete`` only when its API judges it so, and ``storable`` only if complete
-  and its ``Cache-Control`` (a stream's head's too) says neither ``no-store`` nor ``private``
-  (``Answer.no_store``). A status other than 2xx
+  and, a whole answer, its ``Cache-Control`` says neither ``no-store`` nor ``private``
+  (``Answer.no_store``; a stream's head's is not read: SSE servers say ``no-store`` on every
+  event stream, of the live feed, sse-starlette's by default). A status other than 2xx
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
   the flight fails, and nothing is stored.
@@ -305,8 +306,12 @@ class Exchange:
         # system's: a test's clock may be moved, and both must move together).
         answer.created = self.layers.clock.now()
         # The upstream said no shared cache may store it (``no-store``, ``private``): its
-        # clients get it, no cache keeps it (``Answer.storable``).
-        answer.no_store = not shared_cache_may_store(response.headers.get("cache-control", ""))
+        # clients get it, no cache keeps it (``Answer.storable``). A whole answer's only: SSE
+        # servers say ``no-store`` on every event stream by default (sse-starlette, hence
+        # llama-cpp-python's server), which keeps proxies from buffering or keeping the live
+        # feed and says nothing of the answer assembled from it.
+        if not response.streaming:
+            answer.no_store = not shared_cache_may_store(response.headers.get("cache-control", ""))
         if made is not None:
             answer.created = made
         elif said == Outcome.COALESCED:

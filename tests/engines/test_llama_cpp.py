@@ -282,6 +282,39 @@ async def test_coalesced_clients_streaming_or_not_get_the_engines_answer(engine,
     assert live == as_assembled(direct)
 
 
+async def test_a_streamed_miss_is_stored_and_its_repeats_streamed_or_not_are_hits_equal_to_the_engine(
+    engine, gw
+):
+    """This server's SSE library (sse-starlette) says ``Cache-Control: no-store`` on every event
+    stream, of the live feed: read as the answer's, no streamed answer of it was ever stored."""
+    body = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Name a city."}],
+    }
+    direct = await reference(client(engine).chat.completions.create, **body)
+    via = client(gw.url + "/v1")
+    usage = {"stream_options": {"include_usage": True}}
+    raw = await via.chat.completions.with_raw_response.create(**body, stream=True, **usage)
+    assert raw.headers["x-carpool"] == "miss"
+    got = await assembled(raw.parse())
+    want, live = same(direct), as_assembled(direct)
+    if got["usage"] is None:
+        # This engine streams no usage (``include_usage`` is not read): the answer assembled
+        # from its stream has none, and its hits say so (``x-carpool-usage: missing``) rather
+        # than invent it; everything else is the engine's answer.
+        want["usage"] = live["usage"] = None
+    assert got == live
+    said = "missing" if live["usage"] is None else None
+    raw = await via.chat.completions.with_raw_response.create(**body, stream=True, **usage)
+    assert (raw.headers["x-carpool"], raw.headers.get("x-carpool-usage")) == ("hit", said)
+    assert await assembled(raw.parse()) == live
+    raw = await via.chat.completions.with_raw_response.create(**body)
+    assert (raw.headers["x-carpool"], raw.headers.get("x-carpool-usage")) == ("hit", said)
+    assert same(raw.parse()) == want
+
+
 async def test_completions_through_carpool_equal_the_engine(engine, gw):
     body = {
         "model": MODEL,

@@ -325,6 +325,53 @@ async def test_through_the_http_upstream_a_stream_that_ended_whole_keeps_its_con
     assert len({call.peer for call in fake.calls}) == 1
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"0\r\n\r\n", chunk(b'data: {"n": 1}\n\n') + b"0\r\n\r\n"],
+    ids=["empty", "without its [DONE]"],
+)
+async def test_a_stream_that_did_not_end_whole_closes_its_connection_never_reused(body):
+    """llama-cpp-python's server answers a streamed prompt over its context with a 200, an
+    empty chunked body, then closes the connection a few ms later. The body ended whole as
+    HTTP goes, with keep-alive, so the connection went back to the pool, and the next call
+    (anyone's) was written on it as the server closed it: a 502 "took the call but gave no
+    answer", its replica counted failed. Here that server's connection takes no call after it."""
+    from carpool.config import LimitsConfig
+    from carpool.errors import UpstreamStreamBroken
+    from carpool.upstream.base import UpstreamRequest
+    from carpool.upstream.http import HttpUpstream
+
+    broke: set[asyncio.StreamWriter] = set()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if writer in broke:
+            writer.close()  # (the call read whole, never answered: the server closing)
+        elif n == 1:
+            writer.write(CHUNKED_HEAD + body)  # (the server keeps the connection, so far)
+            broke.add(writer)
+        else:
+            writer.write(OK)
+        await writer.drain()
+
+    server = Server(handle)
+    listening = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    upstream = HttpUpstream(f"http://127.0.0.1:{port}/v1", LimitsConfig())
+    streamed = {"model": "m", "messages": [], "stream": True}
+    try:
+        response = await upstream.send(UpstreamRequest("/chat/completions", streamed, stream=True))
+        with pytest.raises(UpstreamStreamBroken):
+            async for _ in response.events():
+                pass
+        await response.aclose()
+        after = await upstream.send(UpstreamRequest("/chat/completions", {"model": "m"}))
+        assert (after.status, after.body) == (200, b"{}")
+        assert server.connections == 2
+    finally:
+        await upstream.aclose()
+        listening.close()
+
+
 async def test_a_stream_read_to_its_done_leaves_nothing_for_the_loops_generator_finalizer(fake):
     """A stream's reader stops at [DONE], before the body's end. Were the body's pieces an
     async generator, the one left so would go to the loop's finalizer hook, which schedules its

@@ -10,8 +10,10 @@ Contract (on top of ``upstream.base``):
   ``upstream.wire``, not failed (no 502, no healthy replica left out), and counted
   (``resent``). Measured on this machine, aiohttp spent
   about 0.25 ms of CPU on each such call, this about a fifth of that (benchmarks/README.md).
-  A stream that ended whole
-  gives its connection back to the pool; one left part-way closes it (the engine stops).
+  A stream that ended whole (its ``[DONE]``, or a typed stream's last event)
+  gives its connection back to the pool; any other closes it: one left part-way (the engine
+  stops), one broken, and one whose body ended without it (a server closing the connection
+  after an empty stream, llama-cpp-python's: the next call went on it, a 502).
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits; an answer's connection is let go once
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not.
@@ -78,10 +80,11 @@ Contract (on top of ``upstream.base``):
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
-  carry only their content type from the upstream (none when it named none), their
-  ``Cache-Control`` (every line of it, joined: whether a shared cache may store the answer,
-  ``Answer.storable``; not relayed to the clients), and a refusal what it says of when to
-  retry (``errors.RETRY_HEADERS``).
+  carry only their content type from the upstream (none when it named none), a whole
+  answer's ``Cache-Control`` (every line of it, joined: whether a shared cache may store the
+  answer, ``Answer.storable``; not relayed to the clients; a stream's is not carried: SSE
+  servers say ``no-store`` on every event stream by default, of the live feed, not of the
+  answer), and a refusal what it says of when to retry (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
   pass-through relays the bytes with their ``content-encoding`` as they came. Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
@@ -386,14 +389,13 @@ class HttpUpstream:
                 f"upstream {self.label} refused the gateway's key ({status})", status
             )
         # (A media type is case-insensitive, RFC 9110 8.3.1: ``Text/Event-Stream`` is one.)
-        # (A stream's head carries its Cache-Control too: whether a shared cache may store it.)
-        said = {"cache-control": answer.cache_control} if answer.cache_control else {}
         if request.stream and 200 <= status < 300 and "text/event-stream" in content_type.lower():
+            # (Without its Cache-Control: an SSE server's ``no-store`` is the live feed's.)
             return UpstreamResponse(
                 status,
-                {"content-type": content_type, **said},
+                {"content-type": content_type},
                 events=wire_payloads(answer, request.last_event, f"upstream {self.label}"),
-                close=answer.aclose,
+                close=_discarding(answer),
             )
         try:
             data = await answer.read()
@@ -403,7 +405,8 @@ class HttpUpstream:
         headers = {"content-type": content_type} if content_type else {}
         if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
             headers.update(answer.retry)
-        headers.update(said)
+        if answer.cache_control:  # (whether a shared cache may store it: ``Answer.storable``)
+            headers["cache-control"] = answer.cache_control
         return UpstreamResponse(status, headers, body=data)
 
     def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
@@ -546,7 +549,9 @@ def wire_payloads(
     answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
 ) -> AsyncIterator[list[bytes]]:
     """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
-    pool once the stream ended whole, else it is closed (the upstream stops generating)."""
+    pool once the stream ended whole, else it is closed (the upstream stops generating), also
+    when its body ended whole as HTTP goes: a server that sent no ``[DONE]`` may be closing it
+    (llama-cpp-python's, after a prompt over its context), and the next call would go on it."""
     return _payloads(
         answer.chunks(),
         last_event,
@@ -554,8 +559,18 @@ def wire_payloads(
         timeouts=(wire.WireTimeout,),
         errors=(wire.WireError,),
         reason=wire.reason_of,
-        done=lambda ended: answer.release(drain=ended),
+        done=lambda ended: answer.release(drain=True) if ended else answer.discard(),
     )
+
+
+def _discarding(answer: wire.Answer) -> Callable[[], Awaitable[None]]:
+    """A stream's ``aclose``: its connection closed unless its events were read to their end
+    (``wire_payloads`` gave it back then; ``discard`` after that does nothing)."""
+
+    async def close() -> None:
+        answer.discard()
+
+    return close
 
 
 async def _payloads(

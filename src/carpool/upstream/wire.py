@@ -45,8 +45,12 @@ Contract:
   connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
   connection goes back once the rest of the answer (its end) has come, if it does in time.
   Otherwise it is closed, which tells the server the caller has gone (an engine then stops
-  generating). ``release`` is safe to call twice, and after a failure or a cancellation; a
-  request cancelled while it waits closes its connection.
+  generating). ``discard()`` closes it whatever came: a stream that did not end whole (no
+  ``[DONE]``) is no answer its server finished, even when its HTTP body ended with keep-alive
+  (llama-cpp-python's server answers a prompt over its context with an empty body, then closes
+  the connection a few ms later: kept, the next request went on it as it closed). ``release``
+  and ``discard`` are safe to call twice (the first counts), and after a failure or a
+  cancellation; a request cancelled while it waits closes its connection.
 - An answer's head (status line and headers, with those of any interim ``1xx`` answer before
   it) is at most ``MAX_HEAD`` bytes, counted as they come: beyond, the answer fails
   (``WireError``, "answer head too large") and its connection is closed. A server that sends
@@ -55,8 +59,9 @@ Contract:
   each is whole. Of its fields, an ``Answer`` keeps its content type, what it says of when
   to retry (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
   (``cache_control``: every line of it, joined by ", " as RFC 9110 5.3 allows; "" for none;
-  a ``no-store`` or ``private`` answer is never stored, ``Answer.storable``): the rest is read
-  by no one.
+  a whole answer that says ``no-store`` or ``private`` is never stored, ``Answer.storable``;
+  a stream's is not read, an SSE server's default of the live feed): the rest is read by no
+  one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
   seconds without a byte from the server while it owes one (``WireTimeout``).
@@ -459,6 +464,14 @@ class Answer:
             connection.drain()
         else:
             connection.pool.release(connection)
+
+    def discard(self) -> None:
+        """The connection closed, never reused, whatever came of the answer: its reader stopped
+        short of what it wanted (a stream not ended whole), see the module's contract."""
+        if self._released:
+            return
+        self._released = True
+        self.connection.pool.discard(self.connection)
 
     async def aclose(self) -> None:
         self.release()
