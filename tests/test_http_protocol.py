@@ -1313,3 +1313,35 @@ def test_the_uvicorn_carpool_requires_has_the_internals_its_protocol_leans_on() 
     (required,) = [Requirement(d) for d in dependencies if Requirement(d).name == "uvicorn"]
     allowed = [Version(f"0.{minor}") for minor in range(30, 60)]
     assert min(v for v in allowed if v in required.specifier) == _FIRST_UVICORN_WITH_THE_HOOKS
+
+
+@pytest.mark.parametrize("target", [CHAT, "/v1/files"], ids=["cached", "pass-through"])
+@pytest.mark.parametrize("between", [0, 1], ids=["right behind", "one more between"])
+async def test_a_body_not_valid_http_pipelined_behind_one_being_answered_is_refused_after_its_answer(
+    fake, target, between
+):
+    """A fault in the body of a request pipelined behind one being answered (its cycle queued
+    by uvicorn) closed the connection at once without a word: the answers to the requests
+    before it were lost, and its own refusal never written."""
+    fake.gate = asyncio.Event()  # (the first request's call is held until the rest is read)
+    async with _gateway(fake) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(_body()))
+            await asyncio.wait_for(fake.arrived.wait(), 5)
+            writer.write(
+                b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n" * between
+                + f"POST {target} HTTP/1.1\r\nhost: gw\r\nx-request-id: framing-3\r\n".encode()
+                + b"transfer-encoding: chunked\r\n\r\nzz\r\n"
+            )
+            connections = served.server.server_state.connections
+            await eventually(
+                lambda: any(getattr(c, "refusal", None) for c in connections),
+                what="the refusal kept for after the answers before it",
+            )
+            fake.gate.set()
+            answered = [
+                (await asyncio.wait_for(_response(reader), 5))[0] for _ in range(1 + between)
+            ]
+            status, headers, error = await _refusal(reader)
+    assert answered == [200] * (1 + between)
+    assert (status, error["code"], headers["x-request-id"]) == (400, "invalid_http", "framing-3")

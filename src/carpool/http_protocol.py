@@ -72,8 +72,9 @@ Contract:
   counts as what has come of it. The refusal is the API's error (for a POST to a cached
   endpoint's path: its shape, ``x-carpool: bypass``, counted as rejected; any other method
   there is pass-through's, as elsewhere) with ``connection: close``, and the
-  connection closes, lingering. Pipelined behind requests still being answered, it is written
-  once they are (closed at once, their answers were lost); while its own answer is under way
+  connection closes, lingering. Pipelined behind requests still being answered (a fault in
+  its head or in its body), it is written once they are (closed at once, their answers were
+  lost); while its own answer is under way
   (a trailer section too large), the connection only closes.
 - The request line and headers must all come within ``limits.body_read_timeout`` seconds of
   the connection (its first request) or of the request's first byte (``_head_deadline``): else
@@ -240,6 +241,9 @@ class GatewayProtocol(HttpToolsProtocol):
         # The held request being served, if any: its cycle and its watch (``_serve``).
         self.serving: RequestResponseCycle | None = None
         self.watch: ClientWatch | None = None
+        # uvicorn's current cycle before the request being read made its own: with this one
+        # pipelined, the one being answered or queued ahead of it (``_refuse``).
+        self.before: RequestResponseCycle | None = None
         # The cycle of the request uvicorn last started on the ASGI path (``_start_asgi_task``):
         # with requests pipelined behind it, not uvicorn's current one (``connection_lost``).
         self.answering: RequestResponseCycle | None = None
@@ -394,6 +398,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.head_since = None
         target = self._held_target()
         if target is None:
+            self.before = self.cycle
             super().on_headers_complete()
             self._cycle_transport()
             self._cuttable()
@@ -936,7 +941,14 @@ class GatewayProtocol(HttpToolsProtocol):
             and cycle.scope is self.scope  # (not an earlier request's: uvicorn's made none)
         ):
             # (its body or trailer section: uvicorn has the request, whose app reads no more)
-            free = not self.pipeline and not cycle.response_started
+            if self.before is not None and self.pipeline and self.pipeline[0][0] is cycle:
+                # Pipelined behind requests still being answered, its cycle queued, never
+                # started: dropped, and the refusal written once they are answered, as a
+                # refused head's (closed at once, their answers were lost, and its own).
+                self.pipeline.popleft()
+                self.cycle, earlier, free = self.before, True, False
+            else:
+                free = not self.pipeline and not cycle.response_started
             cycle.disconnected = True
             cycle.message_event.set()
         else:
@@ -981,6 +993,7 @@ class GatewayProtocol(HttpToolsProtocol):
         held, self.held = self.held, None
         if held is None or self.transport.is_closing():
             return  # (uvicorn refused the request as it was parsed: a 400, closed)
+        self.before = self.cycle
         super().on_headers_complete()  # (its cycle and task, from the parser's state)
         self._cycle_transport()
         cycle = self.cycle
