@@ -833,7 +833,8 @@ def client_headers(i: int) -> dict[str, str]:
 async def test_an_embeddings_item_sent_alone_is_sent_as_its_client_sent_it(gateway_with, fake, why):
     """A merged call carries none of the callers' own ``user`` nor headers (they may differ);
     an item sent alone has no other caller, yet it was sent as that merged call would be: its
-    ``user``, trace context, request id and user agent dropped."""
+    ``user``, trace context, request id and user agent dropped. (Its request id is never sent:
+    every call carries the gateway's own, ``test_request_id``.)"""
     batching: dict[str, Any] = {"max_batch_size": 2, "max_batch_delay_ms": 60_000}
     if why == "a batch of one":
         batching = {}  # the defaults (merging "auto"): a lone request is a batch of one
@@ -860,7 +861,9 @@ async def test_an_embeddings_item_sent_alone_is_sent_as_its_client_sent_it(gatew
     for call in alone:
         i = texts.index(call.body["input"])
         assert call.body == {"model": "e", "input": texts[i], "user": f"end-user-{i}"}
-        assert {name: call.headers.get(name) for name in client_headers(i)} == client_headers(i)
+        sent = {name: call.headers.get(name) for name in client_headers(i)}
+        assert sent == {**client_headers(i), "x-request-id": call.headers["x-request-id"]}
+        assert call.headers["x-request-id"] != f"rid-{i}"  # (the call's own id, not the client's)
     if why == "item by item":
         assert [c.body["input"] for c in embedding_calls(fake)][0] == texts  # the merged call
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
+from typing import Any
 
 import pytest
 
 from carpool.request_id import RequestIdFilter
+from fakes.flights import flight_clients
+from fakes.waiting import eventually
 
 NEW_ID = re.compile(r"[0-9a-f]{16}")
 
@@ -87,3 +92,136 @@ async def test_an_upstreams_own_request_id_is_relayed_under_another_name(gateway
     assert response.status_code == 200
     assert response.headers.get_list("x-request-id") == ["mine"]
     assert response.headers["x-upstream-request-id"] == "up-1"
+
+
+# What one client names its request by: an engine that names its answer after the request id
+# it was sent (vLLM: ``"id": "chatcmpl-" + X-Request-Id``, else the body's ``request_id``) stored
+# it in an answer that other clients were then served.
+SECRET = "acme-corp-patient-4711"
+CHAT = "/v1/chat/completions"
+QUESTION = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Capital of France?"}],
+    "temperature": 0,
+}
+NAMED_BY = {
+    "x-request-id": lambda: ({"x-request-id": SECRET}, {}),
+    "request_id": lambda: ({}, {"request_id": SECRET}),
+}
+# Two clients who may be served one answer: two tenants in a shared namespace, one tenant's
+# two users (``user`` is out of the key).
+CLIENTS = {
+    "two tenants": (
+        ({"authorization": "Bearer sk-alice", "x-carpool-namespace": "pub"}, {}),
+        ({"authorization": "Bearer sk-bob", "x-carpool-namespace": "pub"}, {}),
+    ),
+    "two users": (
+        ({"authorization": "Bearer sk-team"}, {"user": "alice"}),
+        ({"authorization": "Bearer sk-team"}, {"user": "bob"}),
+    ),
+}
+
+
+async def _two_clients(gw, who: str) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
+    """The clients ``who`` names, each of whose credentials the upstream has accepted (a tenant
+    is served from a shared namespace only then)."""
+    alice, bob = CLIENTS[who]
+    for headers, body in (alice, bob):
+        warm = {**QUESTION, "messages": [{"role": "user", "content": "hi"}], **body}
+        assert (await gw.client.post(CHAT, json=warm, headers=headers)).status_code == 200
+    return alice, bob
+
+
+@pytest.mark.parametrize("who", CLIENTS)
+@pytest.mark.parametrize("named_by", NAMED_BY)
+async def test_a_hit_never_carries_another_clients_request_id(fake, gateway_with, named_by, who):
+    fake.names_after_request_id = True
+    async with gateway_with(tenant={"shared_namespaces": ["pub"]}) as gw:
+        (alice, alice_body), (bob, bob_body) = await _two_clients(gw, who)
+        headers, body = NAMED_BY[named_by]()
+        first = await gw.client.post(
+            CHAT, json={**QUESTION, **alice_body, **body}, headers={**alice, **headers}
+        )
+        assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
+        calls = fake.count()
+        second = await gw.client.post(CHAT, json={**QUESTION, **bob_body}, headers=bob)
+        streamed = await gw.client.post(
+            CHAT, json={**QUESTION, **bob_body, "stream": True}, headers=bob
+        )
+    assert fake.count() == calls  # both served from the cache
+    assert (second.headers["x-carpool"], streamed.headers["x-carpool"]) == ("hit", "hit")
+    assert SECRET not in second.text and SECRET not in streamed.text
+    assert first.json()["id"] == second.json()["id"]  # (the one answer, named by the gateway)
+
+
+@pytest.mark.parametrize("who", CLIENTS)
+@pytest.mark.parametrize("named_by", NAMED_BY)
+async def test_a_joiner_never_carries_its_leaders_request_id(fake, gateway_with, named_by, who):
+    fake.names_after_request_id = True
+    async with gateway_with(tenant={"shared_namespaces": ["pub"]}) as gw:
+        (alice, alice_body), (bob, bob_body) = await _two_clients(gw, who)
+        headers, body = NAMED_BY[named_by]()
+        fake.gate = asyncio.Event()
+        calls = fake.count()
+        leader = asyncio.create_task(
+            gw.client.post(
+                CHAT, json={**QUESTION, **alice_body, **body}, headers={**alice, **headers}
+            )
+        )
+        await fake.wait_for_calls(calls + 1)
+        joiners = [
+            asyncio.create_task(
+                gw.client.post(CHAT, json={**QUESTION, **bob_body, **stream}, headers=bob)
+            )
+            for stream in ({}, {"stream": True})
+        ]
+        await eventually(lambda: flight_clients(gw) == 3, what="two joiners in the flight")
+        fake.gate.set()
+        await leader
+        joined = await asyncio.gather(*joiners)
+    assert fake.count() == calls + 1
+    for response in joined:
+        assert response.status_code == 200 and response.headers["x-carpool"] == "coalesced"
+        assert SECRET not in response.text
+
+
+async def test_an_upstream_call_carries_the_gateways_own_request_id_not_the_clients(gw, fake):
+    """Each call of a cached endpoint names itself by an id the gateway made for it; the
+    client's ``x-request-id``, ``request-id`` and body ``request_id`` never reach the engine."""
+    given = {"x-request-id": "mine-1", "request-id": "mine-2"}
+    for stream in (False, True):
+        asked = [{"role": "user", "content": f"streamed: {stream}"}]
+        body = {**QUESTION, "messages": asked, "request_id": "mine-3", "stream": stream}
+        response = await gw.client.post(CHAT, json=body, headers=given)
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "mine-1"  # (the client's, echoed to it)
+    completion = {"model": "m", "prompt": "p", "request_id": "mine-3"}
+    embedding = {"model": "e", "input": "i", "request_id": "mine-3"}
+    for path, body in (("/v1/completions", completion), ("/v1/embeddings", embedding)):
+        assert (await gw.client.post(path, json=body, headers=given)).status_code == 200
+    calls = fake.calls
+    assert len(calls) == 4
+    for call in calls:
+        assert NEW_ID.fullmatch(call.headers["x-request-id"])
+        assert call.headers["request-id"] == call.headers["x-request-id"]
+        assert "mine" not in json.dumps([call.headers, call.body])
+    assert len({call.headers["x-request-id"] for call in calls}) == 4  # one per call
+
+
+async def test_a_passthrough_call_still_carries_the_clients_request_id(gw, fake):
+    # Its answer is never shared: the engine may name it after the client's id.
+    response = await gw.client.get("/v1/models", headers={"x-request-id": "mine"})
+    assert response.status_code == 200
+    assert fake.calls[-1].headers["x-request-id"] == "mine"
+
+
+async def test_an_upstream_calls_id_is_logged_with_the_client_request_ids_it_serves(
+    gw, fake, caplog
+):
+    caplog.set_level(logging.DEBUG, logger="carpool.upstream")
+    body: dict[str, Any] = {**QUESTION, "request_id": "body-7"}
+    response = await gw.client.post(CHAT, json=body, headers={"x-request-id": "head-7"})
+    assert response.status_code == 200
+    call_id = fake.calls[-1].headers["x-request-id"]
+    lines = [r.getMessage() for r in caplog.records if call_id in r.getMessage()]
+    assert len(lines) == 1 and "head-7" in lines[0] and "body-7" in lines[0]

@@ -112,7 +112,14 @@ class Auditor:
         try:
             response = await send(
                 self.layers,
-                UpstreamRequest(request.upstream_path, body, request.headers, False, request.query),
+                UpstreamRequest(
+                    request.upstream_path,
+                    body,
+                    request.headers,
+                    False,
+                    request.query,
+                    serves=request.client_ids,
+                ),
                 "",
             )
         except Exception as error:  # noqa: BLE001 - an audit that failed judges nothing

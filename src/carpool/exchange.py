@@ -233,7 +233,13 @@ class Exchange:
             usage = self.config.upstream.stream_usage or not request.stream
             body, stream = api.streamed(body, usage and not request.include_usage), True
         upstream_request = UpstreamRequest(
-            request.upstream_path, body, request.headers, stream, request.query, api.last_event
+            request.upstream_path,
+            body,
+            request.headers,
+            stream,
+            request.query,
+            api.last_event,
+            request.client_ids,
         )
         peers = self.layers.peers
         response, said = None, None
@@ -364,6 +370,7 @@ class Exchange:
                     request.stream,
                     request.query,
                     api.last_event,
+                    request.client_ids,
                 ),
                 self._routing_text(request),
                 request,

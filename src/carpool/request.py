@@ -13,6 +13,12 @@ Contract:
   ``upstream.base.NOT_FORWARDED``). It does not re-implement the upstream's validation of everything else:
   unknown fields pass through (and are part of the fingerprint). A ``"stream": null`` is no
   ``stream`` (as OpenAI takes it): dropped from the body, the upstream is asked without it.
+- The ids a client names its request by (``client_ids``: its ``x-request-id`` and
+  ``request-id`` headers, its body's ``request_id`` on chat, completions and embeddings:
+  ``Api.request_id_fields``) are for the gateway's log alone: the body's is taken out of the
+  body, the headers are replaced on the upstream call (``upstream.http``). An engine names its
+  answer after the id it is sent (vLLM), and the key leaves them out: sent, one client's id was
+  served to others.
 - ``Controls`` is what the request asks of the cache layers, read from its headers
   (``Cache-Control``, ``x-carpool-*``). Malformed header values are 400, never silently ignored.
 - The control headers that carry names (``TEXT_HEADERS``: a namespace, tags, a type, a
@@ -36,7 +42,7 @@ import orjson
 from . import exact_json, http_syntax
 from .apis import APIS, Api, api_of
 from .errors import BodyTooLarge, ContentCodingRefused, RequestError
-from .upstream.base import unstreamed
+from .upstream.base import REQUEST_ID_HEADERS, unstreamed
 
 # The cached endpoints: gateway path -> (kind, path relative to the upstream's /v1 base).
 ENDPOINTS: dict[str, tuple[str, str]] = {
@@ -124,6 +130,9 @@ class Request:
     # An idempotency record keeps its answer for retries that may ask for the usage it did not
     # (``idempotency.once``): a bypassed stream then asks the upstream for it (``bypass``).
     recorded: bool = False
+    # The ids the client named it by (its request id headers, its body's ``request_id``):
+    # logged with the upstream calls made for it, never sent (module doc).
+    client_ids: tuple[str, ...] = ()
 
     @property
     def api(self) -> Api:
@@ -153,6 +162,10 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
         del body["stream"]
     api = api_of(kind)
     api.validate(body)
+    client_ids = [v for name in REQUEST_ID_HEADERS if (v := client.headers.get(name))]
+    for name in api.request_id_fields & body.keys():
+        named = body.pop(name)  # (never sent: the module doc)
+        client_ids.append(named if isinstance(named, str) else orjson.dumps(named).decode())
     # An API without a stream form (embeddings) answers JSON whatever ``stream`` says.
     stream = api.streams and body.get("stream") is True
     include_usage = api.client_usage(body, stream)
@@ -165,6 +178,7 @@ def parse(client: ClientRequest, max_body_bytes: int, max_json_depth: int = 64) 
         stream,
         include_usage,
         check_query(client.query),
+        client_ids=tuple(client_ids),
     )
 
 

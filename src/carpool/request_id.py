@@ -7,6 +7,10 @@ Contract:
   header must not carry a client's arbitrary bytes.
 - An upstream's own ``x-request-id`` (a pass-through answer) is relayed as
   ``x-upstream-request-id``: a response carries one ``x-request-id``, the gateway's.
+- A client's id is never sent to an engine on a cached endpoint's call: each such call carries
+  an id of its own (``new_id``, ``upstream.http``), logged with the client's. An engine names
+  its answer after the id it is sent (vLLM: ``chatcmpl-<x-request-id>``), and that answer is
+  served to other clients. Pass-through, whose answers are never shared, forwards it.
 - ``CURRENT`` holds the id of the request the running task serves (a ``ContextVar``: tasks the
   request starts inherit it); ``RequestIdFilter`` puts it on every log record as
   ``record.request_id`` (``-`` outside a request), for the log format's ``%(request_id)s``.
@@ -31,7 +35,13 @@ def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
     for name, value in headers:
         if name == HEADER and _USABLE.fullmatch(value):
             return value
-    return b"%016x" % getrandbits(64)  # (no system call, unlike os.urandom: ids need not be secret)
+    return new_id().encode()
+
+
+def new_id() -> str:
+    """A new id: 16 hex digits, random (a request's, an upstream call's)."""
+    # (No system call, unlike os.urandom: ids need not be secret.)
+    return f"{getrandbits(64):016x}"
 
 
 class RequestIdFilter(logging.Filter):

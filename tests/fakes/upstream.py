@@ -158,6 +158,9 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   without its text or input, then its text one word a delta (``text_delta``), or its tool
   input's JSON, as the fake writes it, in two ``input_json_delta`` halves, then a
   ``content_block_stop``.
+- ``names_after_request_id: bool``: a chat or completion answer is named after the request id
+  it was sent, as vLLM names it (``_base_request_id``): ``f"chatcmpl-{rid}"`` (``cmpl-``), where
+  ``rid`` is the ``x-request-id`` header, else the body's ``request_id``; neither: as usual.
 - ``chat_extra: dict``: top-level fields added to every whole chat answer (an engine's own,
   such as vLLM's ``prompt_token_ids``).
 - ``return_token_ids`` in a chat or completions request (vLLM's): the answer carries token
@@ -391,6 +394,7 @@ class FakeUpstream:
         self.drop_embeddings: set[int] = set()
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
+        self.names_after_request_id: bool = False
         self.chat_extra: dict[str, Any] = {}
         self.embeddings_extra: dict[str, Any] = {}
         self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
@@ -714,6 +718,15 @@ class FakeUpstream:
             },
         )
 
+    def _named(self, call: Call, prefix: str) -> str | None:
+        """The id an answer is named by after the request id it was sent (vLLM's
+        ``_base_request_id``: the ``X-Request-Id`` header, else the body's ``request_id``), when
+        ``names_after_request_id``; else None."""
+        if not self.names_after_request_id:
+            return None
+        given = call.headers.get("x-request-id") or (call.body or {}).get("request_id")
+        return f"{prefix}{given}" if given else None
+
     def _answer(self, call: Call, prompt: str) -> str:
         if self.answer_text is not None:
             return self.answer_text(call.number, call.body or {})
@@ -779,6 +792,7 @@ class FakeUpstream:
         usage = self._usage(prompt_tokens, sum(_count_words(t) for t in texts))
         keep = self.keeps_completions and body.get("store") is True
         cid = f"chatcmpl-{self.tag}-{call.number}" if keep else f"chatcmpl-fake-{call.number}"
+        cid = self._named(call, "chatcmpl-") or cid
         if keep:
             self.kept_completions[cid] = {
                 "id": cid,
@@ -942,7 +956,7 @@ class FakeUpstream:
         usage = self._usage(
             sum(_count_words(p) for p in prompts), sum(_count_words(t) for t in texts)
         )
-        cid = f"cmpl-fake-{call.number}"
+        cid = self._named(call, "cmpl-") or f"cmpl-fake-{call.number}"
         ids = bool(body.get("return_token_ids"))
         # (Each choice's prompt: ``n`` per prompt, prompt-major.)
         prompt_ids = [_token_ids(p) for p in prompts for _ in range(self._n(body))]

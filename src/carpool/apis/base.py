@@ -78,6 +78,12 @@ class Api:
     usage_asked: bool = False
     # The field of a whole 2xx body that holds the answer (``answer_missing``).
     answer_field: str = "choices"
+    # The body fields in which a client names its request (vLLM's ``request_id``), which the
+    # key leaves out: never sent upstream (``request.parse`` takes them out), as an engine
+    # names its answer after them and that answer is served to other clients. (None for
+    # Responses, whose ``request_id``, vLLM's, is the id of the response it stores, and is in
+    # its key; nor for Messages, which defines none and keys every field.)
+    request_id_fields: frozenset[str] = frozenset()
 
     # --------------------------------------------------------------------------- the request
 

@@ -86,6 +86,7 @@ class _Classic(Api):
     """What chat and completions share: [DONE] streams of choices."""
 
     usage_asked = True
+    request_id_fields = frozenset({"request_id"})  # (vLLM's; out of the key: ``canonical``)
 
     def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
         body = {**body, "stream": True}
@@ -219,6 +220,7 @@ class EmbeddingApi(Api):
     kind, path, upstream_path = "embedding", "/v1/embeddings", "/embeddings"
     answer_field = "data"
     streams = False
+    request_id_fields = frozenset({"request_id"})  # (vLLM's; out of the key: ``canonical``)
 
     def validate(self, body: dict[str, Any]) -> None:
         require_model(body)

@@ -18,6 +18,11 @@ Contract:
   ``sse.is_complete``) is for the caller to judge.
 - ``aclose()`` on a response releases its connection; it is safe to call twice and after a
   cancellation.
+- A call names itself by an id of its own (``x-request-id``; ``request-id`` too when the client
+  sent one), made for it by the gateway, in place of the client's: an engine names its answer
+  after it, and the answer may be served to other clients. It is logged (DEBUG) with the
+  client ids it serves (``UpstreamRequest.serves``), for operators to match gateway and engine
+  logs. (``HttpUpstream``; the in-process upstreams are sent no headers.)
 - ``passthrough`` forwards any other ``/v1/...`` call unchanged and is never cached. Its
   transport failures are told as ``send``'s are: ``UpstreamUnreachable`` / ``UpstreamTimeout``
   only when nothing can have been acted on (no connection; the routing tries another replica),
@@ -68,6 +73,10 @@ NOT_FORWARDED = HOP_BY_HOP | frozenset(
 )
 
 
+# The request headers in which a client names its request: a cached endpoint's call carries
+# the gateway's own id for the call in their place (``upstream.http``), never the client's.
+REQUEST_ID_HEADERS = ("x-request-id", "request-id")
+
 _NONE: frozenset[str] = frozenset()
 
 
@@ -101,6 +110,9 @@ class UpstreamRequest:
     # For a typed stream (``apis.base.Api.last_event``): whether a payload is its last event,
     # after which it has ended whole. None: it ends with ``data: [DONE]``.
     last_event: Callable[[bytes], bool] | None = None
+    # The ids the clients it serves named their requests by (``Request.client_ids``): logged
+    # with the call's own id, never sent.
+    serves: tuple[str, ...] = ()
 
 
 class UpstreamResponse:

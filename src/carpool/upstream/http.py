@@ -57,7 +57,10 @@ Contract (on top of ``upstream.base``):
   the base URL's path: checked once more here, and never re-quoted or dot-resolved on the way;
   its query string too is the base URL's own, then the client's.
 - Request headers are forwarded except hop-by-hop ones (those the request's ``Connection``
-  names too) and carpool's own controls, each value's bytes as the client sent them
+  names too) and carpool's own controls, and but for a cached endpoint's call's request ids:
+  it carries its own (``x-request-id``, and ``request-id`` where the client sent one), a new
+  one each call, never the client's (``upstream.base``), logged (DEBUG) with the client ids it
+  serves; each value's bytes as the client sent them
   (``http_syntax.value_bytes``: the server read them a byte a character, latin-1; written as
   UTF-8, each byte over 0x7f went as two), on both transports; one holding a control
   character is refused, never sent. aiohttp (pass-through) writes every value as UTF-8: a
@@ -95,6 +98,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from urllib.parse import quote
@@ -117,6 +121,7 @@ from ..errors import (
     UpstreamUnreachable,
 )
 from ..paths import confine
+from ..request_id import new_id
 from ..sse import SSEDecoder
 from . import wire
 from .base import (
@@ -153,6 +158,8 @@ NOT_RELAYED = frozenset(
 # on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+log = logging.getLogger("carpool.upstream")
 
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 # aiohttp's failures to connect (refused, name resolution, TLS, a connect timeout): nothing of the
@@ -343,6 +350,15 @@ class HttpUpstream:
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         headers = forwarded_headers(request.headers)
+        # The call's own id in place of the client's: an engine names its answer after it
+        # (vLLM's ``chatcmpl-<x-request-id>``), and the answer is served to other clients.
+        call_id = new_id()
+        if "request-id" in headers:
+            headers["request-id"] = call_id
+        headers["x-request-id"] = call_id
+        if log.isEnabledFor(logging.DEBUG):
+            serves = orjson.dumps(list(request.serves)).decode()  # (escaped: a client's text)
+            log.debug("upstream call %s to %s for request ids %s", call_id, self.name, serves)
         if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
