@@ -802,6 +802,82 @@ async def test_a_follower_relaying_a_stream_survives_a_redis_stall_shorter_than_
     )
 
 
+# The instances' own Redis timeouts (``distributed.*`` defaults): a stalled Redis fails each
+# command within 0.5 s, far within the lease.
+SHORT_STALL = {"timeout": 0.5, "connect_timeout": 0.25, "retry_interval": 0.05, "lease_ms": 5000}
+
+
+async def test_a_call_ending_during_a_redis_stall_shorter_than_the_lease_is_not_made_again_by_its_follower(
+    fake, redis_server
+):
+    """A leads, B follows; the upstream answers while Redis is stopped, and A's client has its
+    answer before Redis is back (A's end of the flight failed). A ends the flight once Redis
+    answers, well within the lease. Before, A tried that end once: its lock stayed until the
+    lease ran out, and B then made the call a second time."""
+    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_until(lambda: fake.count() == 1, what="the call A leads")
+        followed = asyncio.create_task(b.chat(QUESTION))
+        flights = b.gateway.shared_flights
+        await eventually(lambda: flights.following == 1, what="B following A's call")
+        with paused(redis_server):
+            fake.gate.set()
+            first = await led  # the call ended while Redis was stopped
+        second = await followed
+    assert second.json() == first.json()
+    assert second.headers["x-carpool"] == "coalesced"
+    assert fake.count() == 1
+    assert flights.counts["takeovers"] == flights.counts["alone"] == 0
+
+
+async def test_a_stream_ending_during_a_redis_stall_shorter_than_the_lease_reaches_its_follower_whole(
+    fake, redis_server
+):
+    """As above, a stream that B relays in part before Redis stops: B's client gets the rest,
+    then [DONE]. Before, B gave the relay up once the lease ran out: an error event."""
+    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        led = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 10)
+        followed = asyncio.create_task(b.stream_chat(QUESTION))
+        flights = b.gateway.shared_flights
+        # (Relayed once A shows life since B came: its next renewal, within lease/3.)
+        await eventually(lambda: flights.counts["frames_relayed"] >= 3, timeout=10)
+        with paused(redis_server):
+            fake.chunk_gate.set()
+            _, raw_a = await led
+        _, raw_b = await followed
+    assert sse_text(raw_b) == sse_text(raw_a) == ANSWER_1
+    assert fake.count() == 1
+    assert flights.counts["broken"] == flights.counts["takeovers"] == 0
+
+
+async def test_an_instance_closing_while_its_flights_end_waits_for_redis_leaves_no_task_behind(
+    fake, redis_server
+):
+    """The end of a flight that Redis failed is tried again in the background: an instance
+    that closes meanwhile ends that task too."""
+    settings = {**redis_settings(redis_server, **SHORT_STALL), "admin_token": "t"}
+    async with run_gateway([fake.url], **settings) as b, contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(run_gateway([fake.url], **settings))
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_until(lambda: fake.count() == 1, what="the call A leads")
+        followed = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.following == 1)
+        flights = a.gateway.shared_flights
+        with paused(redis_server):
+            fake.gate.set()
+            await led
+            ending = set(flights._background)
+            assert ending, "the flight's end is being tried again"
+            await stack.aclose()  # A closes, its lifespan closing its layers
+            assert all(task.done() for task in ending) and not flights._background
+        # (A never ended the flight: B makes the call itself once A's lease runs out.)
+        assert (await followed).status_code == 200
+
+
 async def test_a_lost_relay_tells_the_client_no_redis_address(fake, redis_server):
     """Redis stalls for longer than the lease while B relays A's stream: B's streaming client
     gets the error event, which says what happened, not Redis's address or exception (those
