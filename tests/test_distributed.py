@@ -878,6 +878,65 @@ async def test_an_instance_closing_while_its_flights_end_waits_for_redis_leaves_
         assert (await followed).status_code == 200
 
 
+def idempotency_states(redis_server) -> list[bytes | None]:
+    """The state (``s``) of every idempotency record in ``redis_server``."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        return [client.hget(key, "s") for key in client.scan_iter(match="*idem:*")]
+    finally:
+        client.close()
+
+
+async def test_a_keyed_request_finishing_during_a_redis_pause_shorter_than_the_lease_is_replayed_not_run_again(
+    fake, redis_server
+):
+    """A keyed request begun in Redis by A whose upstream answers while Redis is stopped: A's
+    client has its answer, and A keeps its record's lease and finishes it once Redis answers;
+    a retry on B is replayed. Before, A tried the finish once: the record stayed ``processing``
+    (a retry on B got 409) until the lease ran out, then a retry on B ran the request again."""
+    keyed = {"Idempotency-Key": "order-9"}
+    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION, headers=keyed))
+        await fake.wait_until(lambda: fake.count() == 1, what="the keyed request on A")
+        with paused(redis_server):  # (far shorter than idempotency.lease, 6 s)
+            fake.gate.set()
+            first = await led  # its finish failed: Redis stopped
+        await eventually(
+            lambda: idempotency_states(redis_server) == [b"s"],
+            timeout=15,
+            what="A's record finished in Redis",
+        )
+        retry = await b.chat(QUESTION, headers=keyed)
+    assert first.status_code == retry.status_code == 200
+    assert retry.headers["idempotent-replayed"] == "true" and retry.json() == first.json()
+    assert fake.count() == 1
+
+
+async def test_an_instance_closing_while_a_keyed_requests_finish_waits_for_redis_leaves_no_task_behind(
+    fake, redis_server
+):
+    """A finish that Redis failed is tried again in the background: an instance that closes
+    meanwhile ends that task too."""
+    settings = {**redis_settings(redis_server, **SHORT_STALL), "admin_token": "t"}
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(run_gateway([fake.url], **settings))
+        records = a.gateway.layers.shared_idempotency
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION, headers={"Idempotency-Key": "order-10"}))
+        await fake.wait_until(lambda: fake.count() == 1, what="the keyed request on A")
+        with paused(redis_server):
+            fake.gate.set()
+            assert (await led).status_code == 200
+            finishing = set(records._finishing)
+            assert finishing, "the record's finish is being tried again"
+            await stack.aclose()  # A closes, its lifespan closing its layers
+            assert all(task.done() for task in finishing) and not records._finishing
+            assert not records._keepers  # (nor is its lease renewed any more)
+
+
 async def test_a_lost_relay_tells_the_client_no_redis_address(fake, redis_server):
     """Redis stalls for longer than the lease while B relays A's stream: B's streaming client
     gets the error event, which says what happened, not Redis's address or exception (those
