@@ -802,6 +802,141 @@ async def test_a_follower_relaying_a_stream_survives_a_redis_stall_shorter_than_
     )
 
 
+# The instances' own Redis timeouts (``distributed.*`` defaults): a stalled Redis fails each
+# command within 0.5 s, far within the lease.
+SHORT_STALL = {"timeout": 0.5, "connect_timeout": 0.25, "retry_interval": 0.05, "lease_ms": 5000}
+
+
+async def test_a_call_ending_during_a_redis_stall_shorter_than_the_lease_is_not_made_again_by_its_follower(
+    fake, redis_server
+):
+    """A leads, B follows; the upstream answers while Redis is stopped, and A's client has its
+    answer before Redis is back (A's end of the flight failed). A ends the flight once Redis
+    answers, well within the lease. Before, A tried that end once: its lock stayed until the
+    lease ran out, and B then made the call a second time."""
+    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_until(lambda: fake.count() == 1, what="the call A leads")
+        followed = asyncio.create_task(b.chat(QUESTION))
+        flights = b.gateway.shared_flights
+        await eventually(lambda: flights.following == 1, what="B following A's call")
+        with paused(redis_server):
+            fake.gate.set()
+            first = await led  # the call ended while Redis was stopped
+        second = await followed
+    assert second.json() == first.json()
+    assert second.headers["x-carpool"] == "coalesced"
+    assert fake.count() == 1
+    assert flights.counts["takeovers"] == flights.counts["alone"] == 0
+
+
+async def test_a_stream_ending_during_a_redis_stall_shorter_than_the_lease_reaches_its_follower_whole(
+    fake, redis_server
+):
+    """As above, a stream that B relays in part before Redis stops: B's client gets the rest,
+    then [DONE]. Before, B gave the relay up once the lease ran out: an error event."""
+    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+        fake.chunk_gate = asyncio.Event()
+        led = asyncio.create_task(a.stream_chat(QUESTION))
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 10)
+        followed = asyncio.create_task(b.stream_chat(QUESTION))
+        flights = b.gateway.shared_flights
+        # (Relayed once A shows life since B came: its next renewal, within lease/3.)
+        await eventually(lambda: flights.counts["frames_relayed"] >= 3, timeout=10)
+        with paused(redis_server):
+            fake.chunk_gate.set()
+            _, raw_a = await led
+        _, raw_b = await followed
+    assert sse_text(raw_b) == sse_text(raw_a) == ANSWER_1
+    assert fake.count() == 1
+    assert flights.counts["broken"] == flights.counts["takeovers"] == 0
+
+
+async def test_an_instance_closing_while_its_flights_end_waits_for_redis_leaves_no_task_behind(
+    fake, redis_server
+):
+    """The end of a flight that Redis failed is tried again in the background: an instance
+    that closes meanwhile ends that task too."""
+    settings = {**redis_settings(redis_server, **SHORT_STALL), "admin_token": "t"}
+    async with run_gateway([fake.url], **settings) as b, contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(run_gateway([fake.url], **settings))
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION))
+        await fake.wait_until(lambda: fake.count() == 1, what="the call A leads")
+        followed = asyncio.create_task(b.chat(QUESTION))
+        await eventually(lambda: b.gateway.shared_flights.following == 1)
+        flights = a.gateway.shared_flights
+        with paused(redis_server):
+            fake.gate.set()
+            await led
+            ending = set(flights._background)
+            assert ending, "the flight's end is being tried again"
+            await stack.aclose()  # A closes, its lifespan closing its layers
+            assert all(task.done() for task in ending) and not flights._background
+        # (A never ended the flight: B makes the call itself once A's lease runs out.)
+        assert (await followed).status_code == 200
+
+
+def idempotency_states(redis_server) -> list[bytes | None]:
+    """The state (``s``) of every idempotency record in ``redis_server``."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        return [client.hget(key, "s") for key in client.scan_iter(match="*idem:*")]
+    finally:
+        client.close()
+
+
+async def test_a_keyed_request_finishing_during_a_redis_pause_shorter_than_the_lease_is_replayed_not_run_again(
+    fake, redis_server
+):
+    """A keyed request begun in Redis by A whose upstream answers while Redis is stopped: A's
+    client has its answer, and A keeps its record's lease and finishes it once Redis answers;
+    a retry on B is replayed. Before, A tried the finish once: the record stayed ``processing``
+    (a retry on B got 409) until the lease ran out, then a retry on B ran the request again."""
+    keyed = {"Idempotency-Key": "order-9"}
+    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION, headers=keyed))
+        await fake.wait_until(lambda: fake.count() == 1, what="the keyed request on A")
+        with paused(redis_server):  # (far shorter than idempotency.lease, 6 s)
+            fake.gate.set()
+            first = await led  # its finish failed: Redis stopped
+        await eventually(
+            lambda: idempotency_states(redis_server) == [b"s"],
+            timeout=15,
+            what="A's record finished in Redis",
+        )
+        retry = await b.chat(QUESTION, headers=keyed)
+    assert first.status_code == retry.status_code == 200
+    assert retry.headers["idempotent-replayed"] == "true" and retry.json() == first.json()
+    assert fake.count() == 1
+
+
+async def test_an_instance_closing_while_a_keyed_requests_finish_waits_for_redis_leaves_no_task_behind(
+    fake, redis_server
+):
+    """A finish that Redis failed is tried again in the background: an instance that closes
+    meanwhile ends that task too."""
+    settings = {**redis_settings(redis_server, **SHORT_STALL), "admin_token": "t"}
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(run_gateway([fake.url], **settings))
+        records = a.gateway.layers.shared_idempotency
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION, headers={"Idempotency-Key": "order-10"}))
+        await fake.wait_until(lambda: fake.count() == 1, what="the keyed request on A")
+        with paused(redis_server):
+            fake.gate.set()
+            assert (await led).status_code == 200
+            finishing = set(records._finishing)
+            assert finishing, "the record's finish is being tried again"
+            await stack.aclose()  # A closes, its lifespan closing its layers
+            assert all(task.done() for task in finishing) and not records._finishing
+            assert not records._keepers  # (nor is its lease renewed any more)
+
+
 async def test_a_lost_relay_tells_the_client_no_redis_address(fake, redis_server):
     """Redis stalls for longer than the lease while B relays A's stream: B's streaming client
     gets the error event, which says what happened, not Redis's address or exception (those

@@ -14,8 +14,11 @@ another layer's call failed; a hung Redis then costs each keyed request one time
   period): never this process's records, which would let the key run here while it runs, or
   has run, on another instance. ``begin``/``wait`` raise ``IdempotencyUnavailable`` (503 with
   ``Retry-After``: the request is not run; its retry with the same key is safe); a ``finish``
-  that meets it returns False (the answer is not kept: the record's lease runs out and a retry
-  runs again, as after any failed finish).
+  that meets it returns False, as after any failed finish (a copy kept here: ``finish``).
+- A ``finish`` in Redis that failed (but for a refusal: a full Redis) goes on in the background
+  there, the record's lease renewed (``carpool.redis.idempotency``): once Redis takes it, a retry
+  on any instance is replayed. Only if the lease runs out first may a retry on another instance
+  run the key again, once.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class FallbackRecords:
     A key that has a record here (begun here while Redis could not be read, or a copy of one
     this instance finished, or tried to finish, in Redis) is answered from it first, whatever
     Redis says: Redis back, it has no record of a key run here meanwhile, and a key whose
-    finish there failed is free there once its lease runs out.
+    finish there failed is free there should its lease run out before the finish, tried again
+    in the background, lands.
 
     While Redis cannot be read, a retry that waits (``wait``) for a record this instance began
     there and has not settled waits for it to be settled here (then finds the copy kept here,
@@ -116,8 +120,9 @@ class FallbackRecords:
         if opened is not None and (finished or failed):
             # Kept here too, and looked up first (``begin``): a retry that reaches this instance
             # is replayed, not run again, while Redis cannot be read and after; also when this
-            # finish could not reach it (the key's record there runs out with its lease, and a
-            # retry on another instance runs again then).
+            # finish could not reach it (it is tried again there in the background while the
+            # record's lease holds; should the lease run out first, a retry on another instance
+            # runs again then).
             local = await self.local.begin(key, opened.fingerprint)
             if local.token is not None:
                 await self.local.finish(key, local.token, response)

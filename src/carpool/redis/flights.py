@@ -16,13 +16,14 @@ which coalesces the local flights of every instance:
   ``call`` has returned, one script adds the final record (the answer or the error:
   :mod:`.flight_protocol`) and releases the lock: in the same round-trip time as ``store`` when
   the lock stays for the window with the answer, after it when the lock goes (a request that
-  finds no lock must find the answer stored). Both finish before the local flight ends: once
-  any client has its answer, the answer is stored and every instance sees the call as finished
-  (an invalidation drops its lingering answer; a retry after an error makes a new call). A
-  leader whose lock an invalidation marked stale meanwhile (``forget_all``, from any instance)
-  does not store its answer: it may predate what was dropped. It reads its lock again once
-  stored, and a mark then (or the lock gone) takes the answer back (``forget``). What covers
-  every store is the count of invalidations, which an invalidation moves first, before it
+  finds no lock must find the answer stored). Both finish (Redis answering: else see the
+  failure rules) before the local flight ends: once any client has its answer, the answer is
+  stored and every instance sees the call as finished (an invalidation drops its lingering
+  answer; a retry after an error makes a new call). A leader whose lock an invalidation
+  marked stale meanwhile (``forget_all``, from any instance) does not store its answer: it may
+  predate what was dropped. It reads its lock again once stored, and a mark then (or the lock
+  gone) takes the answer back (``forget``). What covers every store is the count of
+  invalidations, which an invalidation moves first, before it
   drops the entries and then marks the locks (``admin.invalidate``): ``RedisStore.put`` takes
   back an answer whose call read the count before it moved, and a call reads it once its lock
   is claimed, so one claimed after the marks is fresh, and one claimed before them is marked:
@@ -99,8 +100,16 @@ of the death (:mod:`.flight_relay`).
   Failing while leading: the call goes on for this instance's clients; publishing and renewing
   are tried again at the next renewal time (lease/3), as long as the lock is ours, the frames
   of a failed batch sent again with the next (a link that stalls for less than the lease costs
-  its followers nothing); the final record is still tried (followers get the answer, or see a
-  death). Failing while following: the follower reads again from where it was, its clients
+  its followers nothing). The end (the last frames, then the final record and the lock's
+  release) is tried once before the local clients have their answer; should Redis fail it
+  (a stall, a reset: not a refusal, a full Redis), it goes on in the background, nothing of
+  theirs waiting on it: tried again with back-off (``BACKOFF_MIN`` doubling up to
+  ``END_RETRY_MAX_S``), the lock renewed every lease/3 (for at most one more lease), until
+  Redis takes it or the lease since the last renewal Redis took has run out (the followers
+  take the call over then, as for a death). So a call that ends during a stall shorter than
+  the lease reaches its followers once Redis answers, and is not made again. ``aclose`` ends
+  that task (after ``CLOSE_WAIT_S`` for a command on its way: the lock is then left to its
+  lease). Failing while following: the follower reads again from where it was, its clients
   waiting, until Redis has failed it for lease_ms (or, nothing of the call seen, the join
   timeout passed): a stall shorter than the lease costs nothing here either. Only then: nothing
   relayed -> the call runs here; frames relayed -> ``UpstreamStreamBroken`` (its message names
@@ -117,7 +126,9 @@ store reads the invalidation generation before the call and after the put (``lea
 follower 1 (claim) + 1 per XREAD (the first does not block: what the stream holds; each other
 returns as soon as entries arrive, or after the block time), its followed key set in the same
 round trip; a leader whose clients all left, 1 per lease/3 while followed; none while Redis is
-degraded. Needs Redis >= 5 (streams; scripts that call TIME before writing) or Valkey.
+degraded, but for the end of a flight that Redis failed (1 or 2 per try, ``END_RETRY_MAX_S``
+apart at the most, for up to a lease). Needs Redis >= 5 (streams; scripts that call TIME before
+writing) or Valkey.
 """
 
 from __future__ import annotations
@@ -132,7 +143,16 @@ from typing import TYPE_CHECKING, Any
 from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import CarpoolError, UpstreamError
-from .connection import Health, PoolExhausted, StoreUnavailable, unavailable_in
+from .connection import (
+    BACKOFF_MIN,
+    Health,
+    PoolExhausted,
+    RedisFull,
+    StoreUnavailable,
+    WrongType,
+    stop_reader,
+    unavailable_in,
+)
 from .flight_protocol import (
     CLAIM,
     END,
@@ -166,6 +186,8 @@ Forget = Callable[[str], Awaitable[object]]
 Load = Callable[[], Awaitable[Answer | None]]
 
 MAX_TAKEOVERS = 3  # claims after a leader's death, within one run, before running alone
+END_RETRY_MAX_S = 0.25  # s at most between two tries of a flight's end that Redis failed
+CLOSE_WAIT_S = 1.0  # s ``aclose`` lets the background work finish before cancelling it
 
 _unavailable = unavailable_in("the Redis flights")
 
@@ -208,6 +230,7 @@ class SharedFlights:
         self._take = client.register_script(TAKE)
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._closed = asyncio.Event()  # (set by ``aclose``: background waits end at once)
         self.leading = 0  # flights this instance leads now
         self.following = 0  # flights this instance follows now
         self.counts = dict.fromkeys(
@@ -265,9 +288,15 @@ class SharedFlights:
         return sum(await pipe.execute())
 
     async def aclose(self) -> None:
+        """Background work (a claim taken back, a flight's end tried again) ends: it stops
+        waiting at once, gets ``CLOSE_WAIT_S`` for a command on its way, then is cancelled
+        (a flight whose end never landed is left to its lease, as for a dead leader)."""
         self._closing = True
+        self._closed.set()
         if self._background:
-            await asyncio.wait(list(self._background), timeout=1.0)
+            await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
+        for task in list(self._background):
+            await stop_reader(task)
         if self._owns_client:
             await self._client.aclose()
 
@@ -405,8 +434,14 @@ class SharedFlights:
             left = until - loop.time()
             if left <= 0:
                 return
-            await asyncio.sleep(min(pause, left))
+            await self._pause(min(pause, left))
             pause = min(pause * 2, 0.25)
+
+    async def _pause(self, seconds: float) -> None:
+        """A background task's wait between two tries: ``seconds``, or until ``aclose``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._closed.wait()
 
     async def _alone(self, call: Call, store: Store, broadcast: Broadcast) -> Answer:
         self.counts["alone"] += 1
@@ -528,15 +563,54 @@ class SharedFlights:
     async def _end_with(
         self, publisher: _Publisher, record: dict[str, Any], linger_ms: int
     ) -> None:
-        """The last frames, then the final record and the lock's release."""
+        """The last frames, then the final record and the lock's release: tried once while
+        the local clients wait; what Redis failed goes on in the background (``_end_later``)."""
         try:
             await publisher.close()
         finally:
             publisher.broadcast.on_publish = None
             publisher.broadcast.on_abandoned = None
-        await self._finish(
+        if publisher.unsent or not await self._finish(
             publisher.lock, publisher.stream, publisher.stale, publisher.token, record, linger_ms
-        )
+        ):
+            self._spawn(self._end_later(publisher, record, linger_ms))
+
+    async def _end_later(
+        self, publisher: _Publisher, record: dict[str, Any], linger_ms: int
+    ) -> None:
+        """The end of a flight that Redis failed (a stall, a reset), tried again with back-off,
+        the lock renewed meanwhile (every lease/3), until Redis takes it, or until the lease
+        since the last renewal Redis took would have run out: the followers have taken the call
+        over by then (or will, the lock expiring), and the end is of no use to them. Without
+        it a stall shorter than the lease, during which a call ended, cost its followers the
+        lease and a second call (or a broken stream). Nothing of the local clients waits on
+        it: they have their answer. Renewals keep the lock for at most one lease past the
+        first failure (a Redis that renews but never takes the end must not hold it for ever).
+        """
+        loop = asyncio.get_running_loop()
+        interval = self.lease_ms / 3000
+        renew_by = loop.time() + self.lease_ms / 1000
+        renew_at = publisher.renewed_at + interval
+        pause, longest = BACKOFF_MIN, min(END_RETRY_MAX_S, interval)
+        while not self._closing and loop.time() < publisher.held_until:
+            await self._pause(min(pause, max(0.0, publisher.held_until - loop.time())))
+            pause = min(pause * 2, longest)
+            if self._closing or loop.time() >= publisher.held_until:
+                return
+            if loop.time() >= renew_at and loop.time() < renew_by:
+                renew_at = loop.time() + interval
+                await publisher._renew()
+            if publisher.unsent and not await publisher._flush():
+                continue
+            if await self._finish(
+                publisher.lock,
+                publisher.stream,
+                publisher.stale,
+                publisher.token,
+                record,
+                linger_ms,
+            ):
+                return
 
     async def _finish(
         self,
@@ -546,7 +620,9 @@ class SharedFlights:
         token: str,
         record: dict[str, Any],
         linger_ms: int,
-    ) -> None:
+    ) -> bool:
+        """True once Redis took the end (or refused it for good: full, or a key of another
+        type), False if it failed (it may be tried again)."""
         args: list[Any] = [token, linger_ms, linger_ms + self.lease_ms, self.maxlen]
         for name, value in record.items():
             args += [name, value]
@@ -555,8 +631,9 @@ class SharedFlights:
                 await self._end(keys=[lock, stream, stale], args=args)
         except StoreUnavailable as error:
             self._failed(error)
-        else:
-            self._answered()
+            return _answered_by_redis(error)
+        self._answered()
+        return True
 
     # ------------------------------------------------------------------ health, tasks
 
@@ -571,7 +648,7 @@ class SharedFlights:
         if self.health is not None:
             self.health.report(None)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background_done)
@@ -581,6 +658,12 @@ class SharedFlights:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("shared flight cleanup failed", exc_info=task.exception())
+
+
+def _answered_by_redis(error: StoreUnavailable) -> bool:
+    """Whether Redis answered the command ``error`` failed (full, a key of another type): no
+    use sending it again. (Anything else, a stall, a reset, a busy pool, may pass.)"""
+    return isinstance(error, (RedisFull, WrongType))
 
 
 def _finished(cancel: Callable[[], object]) -> None:
@@ -629,12 +712,24 @@ class _Publisher:
         self.aborted = False  # the flight was cancelled: publish and renew no more
         self.renewing = True  # False once the lock is lost
         self.failing = False  # the last try failed: nothing more before the next renewal time
+        self.refused = False  # Redis answered the last batch with a refusal (full, wrong type)
+        loop = asyncio.get_running_loop()
+        # (loop time) when the last renewal Redis took was sent, and when the lock it kept
+        # runs out: the claim's, just made, at first (a few ms late: its round trip).
+        self.renewed_at = loop.time()
+        self.held_until = self.renewed_at + flights.lease_ms / 1000
         self._wake = asyncio.Event()
         self._closed = asyncio.Event()
         broadcast.on_publish = self._wake.set
         if followed:
             broadcast.on_abandoned = self._abandoned
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = loop.create_task(self._run())
+
+    @property
+    def unsent(self) -> int:
+        """Frames of the call Redis has not taken yet, and may (none once the flight was
+        cancelled, or Redis refused them for good)."""
+        return 0 if self.aborted or self.refused else len(self.broadcast.frames) - self.sent
 
     def _abandoned(self, cancel: Callable[[], object]) -> None:
         """Every local client left: the loop asks at once whether anyone follows."""
@@ -713,6 +808,7 @@ class _Publisher:
                 await flights._frames(keys=[self.stream], args=args)
         except StoreUnavailable as error:
             flights._failed(error)
+            self.refused = _answered_by_redis(error)
             return False
         finally:
             self.sending = 0
@@ -753,6 +849,7 @@ class _Publisher:
         if not self.renewing:
             return True
         flights = self.flights
+        sent_at = asyncio.get_running_loop().time()
         try:
             with _unavailable("renew a flight's lock"):
                 held = await flights._renew(
@@ -765,4 +862,7 @@ class _Publisher:
         flights._answered()
         if not held:  # expired (a long pause) or taken over: followers have moved on
             self.renewing = False
+            self.held_until = sent_at
+        else:
+            self.renewed_at, self.held_until = sent_at, sent_at + flights.lease_ms / 1000
         return True

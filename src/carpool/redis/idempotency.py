@@ -9,6 +9,17 @@ by ``finish``/``abandon``/``release``), so a record whose instance died is free 
 or paused) is tried again at the next interval; one that finds the record no longer this owner's
 (its lease ran out, Redis restarted empty) stops.
 
+A ``finish`` that Redis failed (a stall, a reset, a pool busy past its wait: anything but a
+refusal, a full Redis or a key of another type) raises as before (the caller keeps a copy of the
+answer: ``FallbackRecords``), and goes on in the background (``_finish_later``; nothing of the
+request waits on it): tried again with back-off (``BACKOFF_MIN`` doubling up to
+``FINISH_RETRY_MAX``), the record's lease renewed meanwhile (for at most one more lease), until
+Redis takes it, or until the lease since the last renewal Redis took has run out: then the key
+may run again on another instance, once (what a failed finish always risked). So a request
+that finishes during a Redis pause shorter than the lease is replayed everywhere once Redis
+answers, never run again. ``aclose`` ends those tasks (after ``CLOSE_WAIT_S`` for a command on
+its way).
+
 Health: the instance's one health (``connection.Health``, the shared store's), as every Redis
 layer: every call (renewals included) reports its failure or success to it, and one that failed
 is counted here too (``errors``; a full pool or a full Redis is the health's count only). Unlike
@@ -60,6 +71,7 @@ from .connection import (
     WrongType,
     byte_client,
     connect,
+    stop_reader,
     unavailable_in,
 )
 from .keys import check_prefix
@@ -75,6 +87,8 @@ LEASE = 6.0  # s a record being processed lives unless its owner renews it
 
 POLL_MIN = 0.005  # s: first pause of ``wait`` between two reads of the record
 POLL_MAX = 0.25  # s: longest pause (the back-off grows by half each time)
+FINISH_RETRY_MAX = 0.25  # s at most between two tries of a finish that Redis failed
+CLOSE_WAIT_S = 1.0  # s ``aclose`` lets a finish on its way land before cancelling it
 
 # KEYS[1] = the record; ARGV = fingerprint, token, lease ms.
 _BEGIN = (
@@ -229,6 +243,11 @@ class RedisIdempotencyRecords:
         self.renewals = 0  # leases renewed (all records)
         self.errors = 0  # calls that failed (``/metrics``' component="idempotency")
         self._keepers: dict[str, asyncio.Task[None]] = {}  # token -> its renewing task
+        # token -> (loop time) when its record's lease runs out: the begin's, or the last
+        # renewal's Redis took, counted from when it was sent.
+        self._held: dict[str, float] = {}
+        self._finishing: set[asyncio.Task[None]] = set()  # finishes Redis failed, tried again
+        self._closing = asyncio.Event()
         self.prefix = prefix
         self.poll_max = poll_max
         self.health = health
@@ -267,6 +286,7 @@ class RedisIdempotencyRecords:
         # (Always asked, even while the health says Redis is down: a record that may be in
         # Redis must not be taken for absent because another layer's call failed.)
         token, record_key = _new_token(), self.record_key(key)
+        sent = asyncio.get_running_loop().time()
         try:
             reply = await self._call(
                 "begin",
@@ -276,6 +296,7 @@ class RedisIdempotencyRecords:
             return Begin("done", response=_unreadable(record_key, error.__cause__))
         state = reply[0].decode()
         if state == "new":
+            self._held[token] = sent + self.lease
             self._keepers[token] = asyncio.create_task(self._keep(key, token))
             return Begin("new", token)
         if state == "done":
@@ -293,6 +314,7 @@ class RedisIdempotencyRecords:
         script, args = self._finish, self._finish_args(token, response)
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + self.lease / 2, BACKOFF_MIN
+        later = False  # tried again in the background, which releases the lease then
         try:
             while True:
                 try:
@@ -310,10 +332,68 @@ class RedisIdempotencyRecords:
                         raise
                     await asyncio.sleep(pause)
                     pause *= 2
+        except (RedisFull, WrongType):  # (Redis answered: no use sending it again)
+            raise
+        except StoreUnavailable:
+            # A stall, a reset: Redis may take it in a moment (the module's docstring).
+            later = not self._closing.is_set()
+            if later:
+                task = asyncio.get_running_loop().create_task(
+                    self._finish_later(record_key, token, script, args)
+                )
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
+            raise
         finally:
-            self._release(token)  # (only now: the lease must outlive the script)
+            if not later:
+                self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
         return bool(done)
+
+    async def _finish_later(
+        self, record_key: str, token: str, script: Any, args: list[Any]
+    ) -> None:
+        """A finish Redis failed, tried again until it lands or the lease is lost (the module's
+        docstring); the record's lease renewed by its keeper meanwhile, for one more lease at
+        most (a Redis that renews but never takes the finish must not hold the key for ever)."""
+        loop = asyncio.get_running_loop()
+        renew_by = loop.time() + self.lease
+        pause = BACKOFF_MIN
+        try:
+            while not self._closing.is_set():
+                left = self._held.get(token, 0.0) - loop.time()
+                if left <= 0:
+                    return  # the lease ran out (or the record is no longer ours)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(pause, left)):
+                        await self._closing.wait()
+                pause = min(pause * 2, FINISH_RETRY_MAX)
+                if self._closing.is_set() or loop.time() >= self._held.get(token, 0.0):
+                    return
+                if loop.time() >= renew_by:
+                    keeper = self._keepers.pop(token, None)
+                    if keeper is not None:
+                        keeper.cancel()
+                try:
+                    # (No longer than the lease holds: a busy pool's wait is ``pool_timeout``.)
+                    async with asyncio.timeout(max(0.0, self._held.get(token, 0.0) - loop.time())):
+                        await self._call("finish", partial(script, [record_key], args))
+                except TimeoutError:
+                    return  # (the lease ran out meanwhile)
+                except RedisFull:
+                    if script is self._not_kept:
+                        return
+                    # (The response is not kept: that the request ran is, as ``finish`` does.)
+                    script, args = self._not_kept, self._finish_args(token, _NOT_KEPT_ANSWER)
+                    continue
+                except WrongType:
+                    return
+                except StoreUnavailable:
+                    continue
+                self._wake(record_key)
+                return
+        finally:
+            self._release(token)
 
     def _finish_args(self, token: str, response: StoredResponse) -> list[Any]:
         headers = orjson.dumps(
@@ -403,8 +483,10 @@ class RedisIdempotencyRecords:
         that fails is tried again after lease/12, so a lease survives a Redis pause of about
         half of it (3 s at the default 6 s) rather than expiring while its request runs."""
         pause = self.lease / 3
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(pause)
+            sent = loop.time()
             try:
                 async with asyncio.timeout(self.lease / 6):
                     alive = await self.renew(key, token)
@@ -413,11 +495,14 @@ class RedisIdempotencyRecords:
                 continue
             if not alive:
                 self._keepers.pop(token, None)
+                self._held[token] = 0.0  # (lost: a finish tried again stops)
                 return
+            self._held[token] = sent + self.lease
             self.renewals += 1
             pause = self.lease / 3
 
     def _release(self, token: str) -> None:
+        self._held.pop(token, None)
         keeper = self._keepers.pop(token, None)
         if keeper is not None:
             keeper.cancel()
@@ -456,6 +541,13 @@ class RedisIdempotencyRecords:
             self.waiters -= 1
 
     async def aclose(self) -> None:
+        """The finishes tried again stop waiting (one on its way gets ``CLOSE_WAIT_S``, then
+        is cancelled: the record is left to its lease), the leases are no longer renewed."""
+        self._closing.set()
+        if self._finishing:
+            await asyncio.wait(list(self._finishing), timeout=CLOSE_WAIT_S)
+        for task in list(self._finishing):
+            await stop_reader(task)
         for token in list(self._keepers):
             self._release(token)
         if self._owns_client:
