@@ -1,6 +1,6 @@
 """Who is asking: the tenant of a request, from every credential it presents.
 
-Contract (CONTRACT.md "Tenants"; README "What is shared with whom"):
+Contract (CONTRACT.md "Tenants"; docs/security.md):
 - The tenant is a digest of the values of *every* credential header the client sent, by name:
   ``Authorization`` (OpenAI, vLLM, SGLang...), ``api-key`` (Azure OpenAI), ``x-api-key``
   (Anthropic-style), ``OpenAI-Organization``, ``OpenAI-Project``, ``x-goog-api-key`` and

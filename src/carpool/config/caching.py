@@ -312,7 +312,7 @@ class SemanticConfig(Section):
         le=1,
         description="Cosine similarity at or above "
         "which a candidate is considered; null = the calibrated "
-        "default (README, Semantic cache).",
+        "default, 0.40 (docs/semantic.md).",
     )
     verifier_dir: str | None = Field(
         None,

@@ -86,7 +86,7 @@ Contract:
   not even shown to the guard (it bounds the verifier's work, not the error rate: the verifier's
   own threshold does that).
 
-How the defaults were chosen: README, "Semantic cache", and ``scripts/train_verifier.py``.
+How the defaults were chosen: docs/semantic.md and ``scripts/train_verifier.py``.
 """
 
 from __future__ import annotations
