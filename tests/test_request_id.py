@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import uuid
 from typing import Any
 
 import pytest
@@ -202,7 +203,7 @@ async def test_an_upstream_call_carries_the_gateways_own_request_id_not_the_clie
     calls = fake.calls
     assert len(calls) == 4
     for call in calls:
-        assert NEW_ID.fullmatch(call.headers["x-request-id"])
+        assert _is_uuid4(call.headers["x-request-id"])
         assert call.headers["request-id"] == call.headers["x-request-id"]
         assert "mine" not in json.dumps([call.headers, call.body])
     assert len({call.headers["x-request-id"] for call in calls}) == 4  # one per call
@@ -225,3 +226,25 @@ async def test_an_upstream_calls_id_is_logged_with_the_client_request_ids_it_ser
     call_id = fake.calls[-1].headers["x-request-id"]
     lines = [r.getMessage() for r in caplog.records if call_id in r.getMessage()]
     assert len(lines) == 1 and "head-7" in lines[0] and "body-7" in lines[0]
+
+
+def _is_uuid4(value: str) -> bool:
+    try:
+        return str(uuid.UUID(value, version=4)) == value
+    except ValueError:
+        return False
+
+
+async def test_an_upstream_calls_id_is_a_uuid_as_llama_cpp_pythons_server_requires(gw, fake):
+    """llama-cpp-python's server (starlette-context's RequestIdPlugin) refuses an
+    ``x-request-id`` that is not a version-4 UUID with an empty 400: every call of every
+    cached endpoint was refused when the gateway sent its 16-hex ids."""
+    for path, body in (
+        (CHAT, QUESTION),
+        (CHAT, {**QUESTION, "messages": [{"role": "user", "content": "s"}], "stream": True}),
+        ("/v1/completions", {"model": "m", "prompt": "p"}),
+        ("/v1/embeddings", {"model": "e", "input": "i"}),
+    ):
+        assert (await gw.client.post(path, json=body)).status_code == 200
+    assert len(fake.calls) == 4
+    assert all(_is_uuid4(call.headers["x-request-id"]) for call in fake.calls)

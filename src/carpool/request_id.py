@@ -8,9 +8,11 @@ Contract:
 - An upstream's own ``x-request-id`` (a pass-through answer) is relayed as
   ``x-upstream-request-id``: a response carries one ``x-request-id``, the gateway's.
 - A client's id is never sent to an engine on a cached endpoint's call: each such call carries
-  an id of its own (``new_id``, ``upstream.http``), logged with the client's. An engine names
-  its answer after the id it is sent (vLLM: ``chatcmpl-<x-request-id>``), and that answer is
-  served to other clients. Pass-through, whose answers are never shared, forwards it.
+  an id of its own (``new_call_id``, ``upstream.http``), logged with the client's. An engine
+  names its answer after the id it is sent (vLLM: ``chatcmpl-<x-request-id>``), and that answer
+  is served to other clients. Pass-through, whose answers are never shared, forwards it. A
+  call's id is a UUID (version 4, its canonical text): llama-cpp-python's server refuses any
+  other ``x-request-id`` with an empty 400 (starlette-context's ``RequestIdPlugin``).
 - ``CURRENT`` holds the id of the request the running task serves (a ``ContextVar``: tasks the
   request starts inherit it); ``RequestIdFilter`` puts it on every log record as
   ``record.request_id`` (``-`` outside a request), for the log format's ``%(request_id)s``.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import Iterable
 from contextvars import ContextVar
 from random import getrandbits
@@ -39,9 +42,15 @@ def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
 
 
 def new_id() -> str:
-    """A new id: 16 hex digits, random (a request's, an upstream call's)."""
+    """A new id: 16 hex digits, random (a request's)."""
     # (No system call, unlike os.urandom: ids need not be secret.)
     return f"{getrandbits(64):016x}"
+
+
+def new_call_id() -> str:
+    """A new upstream call's id: a random UUID, version 4, as its canonical text (see the
+    module's contract)."""
+    return str(uuid.UUID(int=getrandbits(128), version=4))
 
 
 class RequestIdFilter(logging.Filter):

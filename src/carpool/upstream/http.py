@@ -121,7 +121,7 @@ from ..errors import (
     UpstreamUnreachable,
 )
 from ..paths import confine
-from ..request_id import new_id
+from ..request_id import new_call_id
 from ..sse import SSEDecoder
 from . import wire
 from .base import (
@@ -352,7 +352,7 @@ class HttpUpstream:
         headers = forwarded_headers(request.headers)
         # The call's own id in place of the client's: an engine names its answer after it
         # (vLLM's ``chatcmpl-<x-request-id>``), and the answer is served to other clients.
-        call_id = new_id()
+        call_id = new_call_id()
         if "request-id" in headers:
             headers["request-id"] = call_id
         headers["x-request-id"] = call_id
