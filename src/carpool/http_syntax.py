@@ -11,6 +11,10 @@ Contract:
   back out as those bytes, byte for byte: UTF-8 would make every byte over 0x7f two (a client
   key written in UTF-8 was another key upstream). A value beyond latin-1 can only be text a
   library caller gave (``Gateway.request``): its UTF-8.
+- ``cache_directives(cache_control)``: a ``Cache-Control`` value's directives as (name, argument)
+  pairs, names lower-cased and stripped, arguments as written (lower-cased; a quoted argument's
+  commas split it too: only a name is to be read from what comes after one). Read so for a
+  request's controls (``request.parse_controls``) and an answer's (below).
 - ``shared_cache_may_store(cache_control)``: whether an answer whose ``Cache-Control`` (its
   lines joined by ", ") is ``cache_control`` may be stored by a shared cache (RFC 9111 3):
   not with ``no-store`` (5.2.2.3) nor ``private`` (5.2.2.7, with field names or without: the
@@ -20,21 +24,24 @@ Contract:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
+def cache_directives(cache_control: str) -> Iterator[tuple[str, str]]:
+    """(name, argument) of each directive of ``cache_control`` (see the contract)."""
+    for directive in cache_control.lower().split(","):
+        name, _, argument = directive.partition("=")
+        # ("max-age = 5": RFC 9110 allows no spaces; a client sent them)
+        yield name.strip(), argument
+
+
 def shared_cache_may_store(cache_control: str) -> bool:
     """Whether a shared cache may store an answer that says ``cache_control`` (see the
     contract)."""
-    if not cache_control:
-        return True
-    for directive in cache_control.lower().split(","):
-        # (A quoted argument's commas split it too: only what comes before "=" is read.)
-        if directive.partition("=")[0].strip() in ("no-store", "private"):
-            return False
-    return True
+    return not any(name in ("no-store", "private") for name, _ in cache_directives(cache_control))
 
 
 def value_bytes(value: str) -> bytes:

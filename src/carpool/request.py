@@ -253,9 +253,7 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
     controls = Controls()
     cache_control = headers.get("cache-control")
     if cache_control:
-        for directive in cache_control.lower().split(","):
-            name, _, value = directive.partition("=")
-            name = name.strip()  # ("max-age = 5": RFC 9110 allows no spaces; a client sent them)
+        for name, value in http_syntax.cache_directives(cache_control):
             if name == "no-cache":
                 controls.no_cache = True
             elif name == "no-store":
