@@ -71,7 +71,7 @@ import orjson
 
 from .apis.openai import echoes_prompt
 from .config import Config, FingerprintConfig, TenantConfig
-from .exact_json import big_int
+from .exact_json import INT_END, INT_MIN, big_int
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import credential_headers, tenant_of, user_cookies
 from .request import CONTROL_HEADERS, Request
@@ -318,7 +318,6 @@ _TOOL_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
 IDEMPOTENCY_HEADERS = frozenset({HEADER, HEADER_ALIAS})
 _FENCE = "```"
 _WHITESPACE_RUN = re.compile(r"\s+")
-_INT_MIN, _INT_END = -(2**63), 2**64  # the integers orjson writes as integers
 
 
 @functools.lru_cache(maxsize=16)
@@ -643,7 +642,7 @@ def _canonical(value: Any) -> Any:
         # rounds to are two.
         if not value.is_integer():
             return value
-        return int(value) if _INT_MIN <= value < _INT_END else big_int(int(value))
+        return int(value) if INT_MIN <= value < INT_END else big_int(int(value))
     if isinstance(value, dict):
         return {k: _canonical(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -34,8 +34,8 @@ from typing import Any
 
 import orjson
 
-# The integers orjson reads (and writes) as integers.
-_INT_MIN, _INT_END = -(2**63), 2**64
+# The integers orjson reads (and writes) as integers: [INT_MIN, INT_END).
+INT_MIN, INT_END = -(2**63), 2**64
 
 
 def _class_of(byte: int) -> int:
@@ -79,7 +79,7 @@ def _integer(literal: str) -> Any:
     if len(literal) > 21:  # (no int() of thousands of digits: Python refuses past 4300)
         return orjson.Fragment(literal)
     number = int(literal)
-    return number if _INT_MIN <= number < _INT_END else orjson.Fragment(literal)
+    return number if INT_MIN <= number < INT_END else orjson.Fragment(literal)
 
 
 def is_big(value: Any) -> bool:

@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from ...exact_json import INT_END, INT_MIN
+
 MIN_ANSWER_WORDS, MAX_ANSWER_WORDS = 8, 40
 # Framing tokens a chat template adds: <|start|> role ... <|end|> per message, and the assistant
 # header that primes the answer.
@@ -139,18 +141,15 @@ def words(text: str) -> list[str]:
     return text.split()
 
 
-# The integers the JSON parser reads as integers (i64 and u64): an integral float outside them is
-# kept a float, as ``canonical`` keeps it.
-_INT_MIN, _INT_END = -(2**63), 2**64
-
-
 def _by_value(value: Any) -> Any:
     """``value`` with each integral float as the integer it is and each string in NFC (module
     contract)."""
     if isinstance(value, str):
         return unicodedata.normalize("NFC", value)
     if isinstance(value, float):
-        return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
+        # (Within the integers the JSON parser reads as integers, i64 and u64: one outside them is
+        # kept a float.)
+        return int(value) if value.is_integer() and INT_MIN <= value < INT_END else value
     if isinstance(value, Mapping):
         return {k: _by_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
