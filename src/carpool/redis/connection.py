@@ -31,6 +31,8 @@ Contract
   memory or keeps a generation from running twice (invalidations, flights, idempotency
   records, the counts) says ``allow-oom`` (without it, a full Redis could not be emptied
   through /admin/invalidate). :data:`GROWS` and :data:`ALWAYS` are the two first lines.
+- :func:`wait_set` waits for an event, for so many seconds at most: a background task's
+  pause between two tries, which a change or its layer's close ends early.
 - :func:`stop_reader` ends a background task that loops on Redis commands (a subscriber, a
   stream reader): it cancels it and, while the task runs on, cancels it again every
   ``RECANCEL_S``, until it is done. redis-py's cluster client can swallow a cancellation: the
@@ -85,6 +87,7 @@ __all__ = [
     "eviction_problem",
     "server_mode",
     "stop_reader",
+    "wait_set",
     "url_problem",
     "unavailable",
     "version_problem",
@@ -116,6 +119,14 @@ class Backoff:
     async def wait(self) -> None:
         await asyncio.sleep(self.pause)
         self.pause = min(self.pause * 2, self.longest)
+
+
+async def wait_set(event: asyncio.Event, seconds: float) -> None:
+    """Until ``event`` is set, ``seconds`` at most (the module's contract). (A timeout scope,
+    not ``asyncio.wait_for``, whose wrapping task could lose a cancel.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
 
 
 async def stop_reader(task: asyncio.Task[Any] | None) -> None:

@@ -134,7 +134,6 @@ writing) or Valkey.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Coroutine
@@ -152,6 +151,7 @@ from .connection import (
     WrongType,
     stop_reader,
     unavailable_in,
+    wait_set,
 )
 from .flight_protocol import (
     CLAIM,
@@ -434,14 +434,8 @@ class SharedFlights:
             left = until - loop.time()
             if left <= 0:
                 return
-            await self._pause(min(pause, left))
+            await wait_set(self._closed, min(pause, left))  # (or until ``aclose``)
             pause = min(pause * 2, 0.25)
-
-    async def _pause(self, seconds: float) -> None:
-        """A background task's wait between two tries: ``seconds``, or until ``aclose``."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._closed.wait()
 
     async def _alone(self, call: Call, store: Store, broadcast: Broadcast) -> Answer:
         self.counts["alone"] += 1
@@ -593,7 +587,7 @@ class SharedFlights:
         renew_at = publisher.renewed_at + interval
         pause, longest = BACKOFF_MIN, min(END_RETRY_MAX_S, interval)
         while not self._closing and loop.time() < publisher.held_until:
-            await self._pause(min(pause, max(0.0, publisher.held_until - loop.time())))
+            await wait_set(self._closed, min(pause, max(0.0, publisher.held_until - loop.time())))
             pause = min(pause * 2, longest)
             if self._closing or loop.time() >= publisher.held_until:
                 return
@@ -761,9 +755,7 @@ class _Publisher:
                 event = self._closed if self.failing else self._wake
                 wake_at = renew_at if self.cancel is None else min(renew_at, self.leave_at)
                 if not event.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(max(0.0, wake_at - loop.time())):
-                            await event.wait()
+                    await wait_set(event, max(0.0, wake_at - loop.time()))
                 self._wake.clear()
                 published = await self._flush()
                 if self.closing:

@@ -43,7 +43,6 @@ fails with a 500 for the record's retention.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
@@ -73,6 +72,7 @@ from .connection import (
     connect,
     stop_reader,
     unavailable_in,
+    wait_set,
 )
 from .keys import check_prefix
 
@@ -364,9 +364,7 @@ class RedisIdempotencyRecords:
                 left = self._held.get(token, 0.0) - loop.time()
                 if left <= 0:
                     return  # the lease ran out (or the record is no longer ours)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(pause, left)):
-                        await self._closing.wait()
+                await wait_set(self._closing, min(pause, left))
                 pause = min(pause * 2, FINISH_RETRY_MAX)
                 if self._closing.is_set() or loop.time() >= self._held.get(token, 0.0):
                     return
@@ -533,9 +531,7 @@ class RedisIdempotencyRecords:
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(pause, left)):  # (wait_for: a lost cancel)
-                        await changed.wait()
+                await wait_set(changed, min(pause, left))
                 pause = min(pause * 1.5, self.poll_max)
         finally:
             self.waiters -= 1
