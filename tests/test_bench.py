@@ -12,6 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -719,10 +720,9 @@ async def test_recorded_timestamps_at_one_instant_have_no_mean_rate_and_the_repo
         assert len((out / "requests.jsonl").read_text().splitlines()) == lines
 
 
-def test_the_markdown_report_states_the_arrivals_as_they_were():
-    """``report.markdown`` for every arrival mode, a null rate included."""
-    base = synthetic("faq", 3, 10)
-    run_report = {
+def empty_run_report(workload_traits: dict[str, Any]) -> dict[str, Any]:
+    """A report of a run of no requests, its workload's ``traits`` given, without ``params``."""
+    return {
         "requests": 0,
         "upstream_calls": 0,
         "oracle_calls": 0,
@@ -740,9 +740,14 @@ def test_the_markdown_report_states_the_arrivals_as_they_were():
         "duration_s": 0.0,
         "throughput_rps": None,
         "oracle": oracle(Workload("w", []), Config()).summary(),
-        "workload": {"name": "w", "source": "w.jsonl", "traits": traits(base)},
+        "workload": {"name": "w", "source": "w.jsonl", "traits": workload_traits},
         "plots": [],
     }
+
+
+def test_the_markdown_report_states_the_arrivals_as_they_were():
+    """``report.markdown`` for every arrival mode, a null rate included."""
+    run_report = empty_run_report(traits(synthetic("faq", 3, 10)))
     common = {"target": "embedded", "seed": 0, "concurrency": None}
     cases = [
         (

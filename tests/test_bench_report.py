@@ -19,6 +19,7 @@ from carpool.bench.workloads import WorkloadError
 from carpool.cli import main
 from carpool.config import Config
 from carpool.upstream.http import replica_names
+from test_bench import empty_run_report
 
 _HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
@@ -242,31 +243,12 @@ def test_a_recorded_workloads_report_names_no_seed():
 
 
 def _empty_report(params: dict) -> dict:
-    from carpool.bench.oracle import oracle
     from carpool.bench.workloads import CHAT, BenchRequest, Workload, traits
 
     hi = BenchRequest(0.0, CHAT, _HI)
 
     return {
-        "requests": 0,
-        "upstream_calls": 0,
-        "oracle_calls": 0,
-        "upstream_over_oracle": None,
-        "within_5pct_of_oracle": True,
-        "errors": 0,
-        "outcomes": {},
-        "outcomes_by_label": None,
-        "latency_ms": {},
-        "ttfb_ms": {},
-        "tokens_saved": 0,
-        "gpu_seconds_saved": 0.0,
-        "cost_model": report.cost_model(Config()),
-        "saved_fraction": 0.0,
-        "duration_s": 0.0,
-        "throughput_rps": None,
-        "oracle": oracle(Workload("w", []), Config()).summary(),
-        "workload": {"name": "w", "source": "w.jsonl", "traits": traits(Workload("w", [hi]))},
-        "plots": [],
+        **empty_run_report(traits(Workload("w", [hi]))),
         "params": {
             "target": "embedded",
             "mode": "closed-loop",
