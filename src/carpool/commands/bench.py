@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 from typing import Any
 
 import click
 
-from ..config import CONFIG_FILE_VARIABLE
-from .common import load_config
+from .common import config_path, load_config
 
 
 @click.command()
@@ -136,7 +134,7 @@ def bench(
         raise click.UsageError("give --rate (open loop) or --concurrency (closed loop), not both")
     config = load_config(config_file, {})
     # The file the config was read from, the flag's or CARPOOL_CONFIG's (as ``load_config``).
-    config_file = config_file or os.environ.get(CONFIG_FILE_VARIABLE) or None
+    config_file = config_path(config_file)
     options = BenchOptions(
         out=Path(out) if out else default_out(),
         config=config,

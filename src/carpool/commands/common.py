@@ -28,13 +28,18 @@ from pydantic import BaseModel
 from ..config import CONFIG_FILE_VARIABLE, Config, ConfigError
 
 
+def config_path(config_file: str | None) -> str | None:
+    """The file the configuration is read from: ``--config``'s, else ``CARPOOL_CONFIG``'s."""
+    # (An empty variable, as a template leaves it, is no file: not the file "".)
+    return config_file or os.environ.get(CONFIG_FILE_VARIABLE) or None
+
+
 def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
     """The configuration from the file, the environment and the flags given (``None``: not given);
     exits 2 naming the field when it is invalid."""
     try:
         return Config.load(
-            # (An empty variable, as a template leaves it, is no file: not the file "".)
-            config_file or os.environ.get(CONFIG_FILE_VARIABLE) or None,
+            config_path(config_file),
             overrides={k: v for k, v in overrides.items() if v is not None},
         )
     except ConfigError as error:
