@@ -233,6 +233,47 @@ async def test_an_owners_answer_expired_here_by_its_age_is_relayed_but_not_store
         assert fake.count() == 1
 
 
+async def test_an_answer_the_upstream_says_no_shared_cache_may_store_is_stored_on_no_worker(fake):
+    """Relayed from the worker owning its key, the upstream's ``no-store`` (RFC 9111 5.2.2.3)
+    reached only the owner: the worker that asked stored it, and served it as a hit."""
+    async with two_workers(fake.url, semantic={"enabled": True}) as pair:
+        fake.response_headers = [(b"cache-control", b"private")]
+        question = owned_by(pair.a.gateway, 1)
+        first = await pair.a.chat(question)
+        assert first.status_code == 200 and first.headers["x-carpool"] == "miss"
+        assert first.headers["cache-control"] == "no-store"  # (for the caches past this one)
+        assert pair.a.gateway.store.entries == pair.b.gateway.store.entries == 0
+        semantic = pair.a.gateway.layers.semantic
+        assert semantic is not None and semantic.entries == 0
+        again = await pair.a.chat(question)
+        assert again.headers["x-carpool"] == "miss" and fake.count() == 2
+        assert again.json()["choices"][0]["message"]["content"].startswith("answer 2 to")
+
+
+async def test_a_streaming_joiner_of_the_owners_no_store_call_stores_nothing_either(fake):
+    """A streaming client asked here joins, at the owner, a call asked whole whose answer the
+    upstream said no cache may store: the owner's stream of it says so, and is not stored here."""
+    async with two_workers(fake.url) as pair:
+        fake.response_headers = [(b"cache-control", b"no-store")]
+        fake.gate = asyncio.Event()
+        question = owned_by(pair.a.gateway, 1)
+        leader = asyncio.create_task(pair.b.chat(question))
+        await fake.wait_for_calls(1)
+        joiner = asyncio.create_task(pair.a.stream_chat(question))
+        await eventually(
+            lambda: sum(f.clients for f in pair.b.gateway.flights.running()) == 2,
+            what="the relayed joiner on the owner's flight",
+        )
+        fake.gate.set()
+        whole, (streamed, raw) = await asyncio.gather(leader, joiner)
+        assert (whole.headers["x-carpool"], streamed.headers["x-carpool"]) == ("miss", "coalesced")
+        assert raw.rstrip().endswith("data: [DONE]") and fake.count() == 1
+        assert pair.a.gateway.store.entries == pair.b.gateway.store.entries == 0
+        fake.gate = None
+        assert (await pair.a.chat(question)).headers["x-carpool"] == "miss"
+        assert fake.count() == 2
+
+
 async def test_a_joiner_with_max_age_does_not_take_the_owners_old_answer_its_leader_took(fake):
     """The leader on ``a`` takes ``b``'s cached answer (100 s old); a client asking at most
     10 s old arrives within the flight's window: its own call, with its own headers."""

@@ -11,9 +11,10 @@ Contract:
   ``completed``; Messages: a ``stop_reason``).
 - ``no_store`` says that the upstream's ``Cache-Control`` forbids a shared cache to store it
   (``no-store`` or ``private``: ``http_syntax.shared_cache_may_store``), read from a whole
-  answer's head only: an answer assembled from a stream is never ``no_store``, as SSE servers
-  say ``no-store`` on every event stream by default (sse-starlette, llama-cpp-python's server),
-  of the live feed, not of the answer. ``storable``: complete and not ``no_store``. Only
+  answer's head only: an answer assembled from an upstream's stream is never ``no_store``, as
+  SSE servers say ``no-store`` on every event stream by default (sse-starlette,
+  llama-cpp-python's server), of the live feed, not of the answer (an owner worker's stream
+  says it of the answer: ``reply.whole``). ``storable``: complete and not ``no_store``. Only
   storable answers are stored (exact and semantic cache, in-process and Redis) or kept
   joinable after their flight; one that is not is still its flight's clients' (the joiners of
   its call included: coalescing is not storing), and an idempotency record keeps it (the same

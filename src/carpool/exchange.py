@@ -29,7 +29,8 @@ Contract:
   ``Answer``, ``complete`` only when its API judges it so, and ``storable`` only if complete
   and, a whole answer, its ``Cache-Control`` says neither ``no-store`` nor ``private``
   (``Answer.no_store``; a stream's head's is not read: SSE servers say ``no-store`` on every
-  event stream, of the live feed, sse-starlette's by default). A status other than 2xx
+  event stream, of the live feed, sse-starlette's by default; an owner worker's is: it says
+  ``no-store`` only of such an answer). A status other than 2xx
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
   the flight fails, and nothing is stored.
@@ -315,8 +316,9 @@ class Exchange:
         # clients get it, no cache keeps it (``Answer.storable``). A whole answer's only: SSE
         # servers say ``no-store`` on every event stream by default (sse-starlette, hence
         # llama-cpp-python's server), which keeps proxies from buffering or keeping the live
-        # feed and says nothing of the answer assembled from it.
-        if not response.streaming:
+        # feed and says nothing of the answer assembled from it. An owner worker's stream says
+        # it of the answer (``reply.whole``: a stream of a whole answer it was told so of).
+        if not response.streaming or said is not None:
             answer.no_store = not shared_cache_may_store(response.headers.get("cache-control", ""))
         if made is not None:
             answer.created = made

@@ -15,7 +15,8 @@ Contract:
   with that chunk at its place, once it ended whole: what an idempotency record keeps.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
   chunk if it asked for it; an answer whose frames are longer than a slice as ``parts``, its
-  own frames, not joined, however short its body), ``age`` on a hit; an incomplete 2xx body
+  own frames, not joined, however short its body), ``age`` on a hit, ``Cache-Control:
+  no-store`` on an answer the upstream said no shared cache may store; an incomplete 2xx body
   that reports an error, lacks the answer's field (no choices) or holds a malformed one (a
   choice that is no object, a chat message that is none, tool calls that are no list of
   objects) reaches a streaming client as its stream's failure (an error event, no end), as it
@@ -60,6 +61,8 @@ log = logging.getLogger("carpool.reply")
 JSON = (b"content-type", b"application/json")
 SSE = (b"content-type", b"text/event-stream")
 SSE_HEADERS = [SSE, (b"cache-control", b"no-cache")]
+# On an answer the upstream said no shared cache may store (``Answer.no_store``).
+NO_STORE = (b"cache-control", b"no-store")
 # On an answer whose body has no usage because the engine reported none (README, Streaming).
 USAGE_MISSING = (b"x-carpool-usage", b"missing")
 # On an answer whose usage is a share of a merged embeddings call's: an estimate, not the
@@ -205,6 +208,10 @@ def whole(
     said = usage_said(answer, stream, include_usage)
     if said is not None:
         headers.append(said)
+    if answer.no_store:
+        # What the upstream said, passed on to the caches past this one: another worker that
+        # asked this one for it (``peers.ask``) stores nothing either, nor does a proxy.
+        headers.append(NO_STORE)
     if not stream:
         return Reply(200, headers, answer.body, outcome=outcome)
     headers[0] = SSE

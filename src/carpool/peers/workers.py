@@ -12,7 +12,8 @@ Contract:
   same tenant and fingerprint) less the hop-by-hop ones and any Idempotency-Key (the key's
   record is not the flight's), plus the run's secret. The owner's own path answers it (its
   cache, its flight, its upstream call: one per key); what comes back is read as an upstream's
-  answer, its ``x-carpool`` and ``age`` headers kept. None: the owner did not answer (down,
+  answer, its ``x-carpool``, ``age`` and ``Cache-Control`` headers kept (the owner says
+  ``no-store`` of an answer its upstream said no cache may store: stored here neither). None: the owner did not answer (down,
   restarting, or gone before its answer was whole): the caller calls the upstream itself. An
   owner's stream cut short raises ``LeaderLost``, as a Redis follower's does, saying so
   (``LOST``: "lost the stream of the worker leading this call", the Redis path's code), not
@@ -120,7 +121,7 @@ _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 # What a gateway's own limits answer (body, headers too large): nothing was run.
 _OWN_LIMITS = frozenset({413, 431})
 # The owner's answer's headers a flight's call keeps: what it is, and when to retry.
-_KEPT = ("content-type", "x-carpool", "age", *RETRY_HEADERS)
+_KEPT = ("content-type", "x-carpool", "age", "cache-control", *RETRY_HEADERS)
 # The owner's socket could not be reached at all: nothing of the request was sent.
 _UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 # A worker without a slot: how often it tries for one, and how long past the wait for the worker

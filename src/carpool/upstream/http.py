@@ -85,7 +85,8 @@ Contract (on top of ``upstream.base``):
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
   carry only their content type from the upstream (none when it named none), a whole
   answer's ``Cache-Control`` (every line of it, joined: whether a shared cache may store the
-  answer, ``Answer.storable``; not relayed to the clients; a stream's is not carried: SSE
+  answer, ``Answer.storable``; not relayed to the clients as it came (``reply.whole`` says
+  ``no-store`` of such an answer); a stream's is not carried: SSE
   servers say ``no-store`` on every event stream by default, of the live feed, not of the
   answer), and a refusal what it says of when to retry (``errors.RETRY_HEADERS``).
 - Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
