@@ -107,6 +107,25 @@ async def test_an_invalid_key_is_400_and_nothing_is_stored(gw, fake, value):
     assert response.status_code == 400 and fake.count() == 0
 
 
+async def test_two_idempotency_keys_are_400_never_one_key_made_of_both(gw, fake):
+    """Two header lines read as one comma-joined value (RFC 9110 5.3): ``a, b`` is no key the
+    client sent, and its retry with either line alone would run the generation again."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    for headers in (
+        [("Idempotency-Key", "a"), ("Idempotency-Key", "b")],
+        [("Idempotency-Key", "a, b")],
+        [("X-Idempotency-Key", "a"), ("X-Idempotency-Key", "b")],
+    ):
+        response = await gw.client.post("/v1/chat/completions", headers=headers, json=body)
+        assert response.status_code == 400, headers
+        assert "one key" in response.json()["detail"]
+    assert fake.count() == 0
+    quoted = await gw.client.post(  # (a comma inside a quoted key is part of it)
+        "/v1/chat/completions", headers={"Idempotency-Key": '"a, b"'}, json=body
+    )
+    assert quoted.status_code == 200 and fake.count() == 1
+
+
 async def test_x_idempotency_key_is_an_alias(gw, fake):
     await gw.chat(headers={"X-Idempotency-Key": "k1"})
     retry = await gw.chat(headers={"X-Idempotency-Key": "k1"})

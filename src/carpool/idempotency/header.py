@@ -5,7 +5,8 @@
   or, leniently, the bare text. A quoted string may carry parameters (an RFC 8941 Item:
   ``"abc";p=1``), which are read past and ignored, as RFC 8941 asks of unknown ones. It is refused with ``IdempotencyKeyInvalid`` (400) when it is
   empty (or blank), longer than 255 characters once unquoted, or not a valid header string
-  (anything outside printable ASCII 0x20-0x7E, a malformed quoted string).
+  (anything outside printable ASCII 0x20-0x7E, a malformed quoted string), or when a bare
+  value holds a comma (two header lines, joined: RFC 9110 5.3; a quoted key may hold one).
 - The records take the key already scoped by the caller (tenant + the raw key): records never
   cross tenants. A backend outside the process hashes it before it goes into its key space.
 """
@@ -51,6 +52,13 @@ def parse_key(headers: Mapping[str, str]) -> str | None:
             )
     if value.startswith('"'):
         value = _sf_string(value, label)
+    elif "," in value:
+        # Two header lines arrive joined by a comma (RFC 9110 5.3): not one key the client
+        # sent, and its retry with either line alone would not find the record.
+        raise IdempotencyKeyInvalid(
+            f"The {label} header holds more than one value (a comma): send one key, "
+            "quoted if it holds a comma."
+        )
     if not value.strip():
         raise IdempotencyKeyInvalid(f"The {label} header is empty.")
     if len(value) > MAX_KEY_LENGTH:
