@@ -665,6 +665,47 @@ async def test_a_name_sent_as_utf8_is_the_same_name_on_the_owner_it_is_asked_of(
         assert fake.count() == 1
 
 
+@pytest.mark.parametrize(
+    "control",
+    [
+        ("x-carpool-freshness", "v2"),
+        ("x-carpool-namespace", "private"),
+        ("cache-control", "no-cache"),
+    ],
+    ids=lambda control: control[0],
+)
+async def test_a_control_the_client_lists_in_connection_reaches_the_owner_it_is_asked_of(
+    fake, control
+):
+    """A client may list a header in ``Connection`` (RFC 9110 7.6.1: for the first recipient
+    only), carpool's controls too: the worker it reached read it, but the hop to the owner
+    dropped it, so the owner served the request the answer of another freshness token, another
+    namespace, or its cache despite ``no-cache``."""
+    name, value = control
+    headers = {name: value, "connection": f"keep-alive, {name}"}
+    async with two_workers(fake.url) as pair:
+        question = owned_by(pair.a.gateway, 1, headers=headers)
+        # (Asked of b, which holds it whichever worker owns the plain request's key.)
+        assert (await pair.b.chat(question)).headers["x-carpool"] == "miss"
+        controlled = await pair.a.chat(question, headers=headers)
+        assert controlled.headers["x-carpool"] == "miss" and fake.count() == 2
+        assert pair.a.gateway.snapshot()["peer_calls"] == 1  # (asked of the owner)
+        assert name not in fake.calls[-1].headers  # (still this hop's only)
+
+
+async def test_an_idempotency_key_the_client_lists_in_connection_reaches_its_records_owner(fake):
+    """Sent whole to its record's owner without its key, the request ran there unrecorded: its
+    retry ran the generation again."""
+    async with two_workers(fake.url) as pair:
+        key = idempotency_key_owned_by(pair.a.gateway, 1)
+        headers = {"idempotency-key": key, "connection": "keep-alive, idempotency-key"}
+        first = await pair.a.chat("Roll a die", headers=headers, temperature=1)
+        retry = await pair.a.chat("Roll a die", headers=headers, temperature=1)
+        assert first.status_code == retry.status_code == 200
+        assert retry.headers.get("idempotent-replayed") == "true" and fake.count() == 1
+        assert retry.content == first.content
+
+
 async def test_a_clients_own_peer_raw_header_is_never_honoured_by_the_owner(fake):
     """``x-carpool-peer-raw`` names the headers the asking worker percent-encoded; one a client
     sends is dropped before the hop, so the owner decodes nothing of the client's choosing (its

@@ -13,6 +13,10 @@ Contract:
   ``x-carpool-peer-raw`` (the asking worker's HTTP client would send them as UTF-8, not as the
   bytes the client sent): a peer's request gets them back byte for byte. That header too is
   dropped either way, and read only from a peer.
+- The client's ``Connection`` header comes as ``x-carpool-peer-connection`` (the headers it
+  lists come too: the worker that asked read them, a control, a credential, an
+  Idempotency-Key, and so must the owner), and becomes the request's ``Connection`` again: the
+  owner forwards none of what it lists. Dropped either way, read only from a peer.
 - The public port never marks a request as a peer's (``GatewayApp`` reads only the scope key,
   which only this wrapper sets): a client's ``x-carpool-peer`` is never trusted.
 - ``PeerServer``: uvicorn's HTTP protocol (the stack of the public port) on the unix socket,
@@ -32,6 +36,8 @@ PEER = "carpool.peer"
 PEER_HEADER = b"x-carpool-peer"
 # The headers whose values a peer sent percent-encoded (``workers.Peers``), by name.
 RAW_HEADER = b"x-carpool-peer-raw"
+# The client's own ``Connection`` header, which the hop's HTTP client would not send as it came.
+CONNECTION_HEADER = b"x-carpool-peer-connection"
 
 
 class PeerApp:
@@ -44,19 +50,24 @@ class PeerApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            given = raw = b""
+            given = raw = connection = b""
             kept = []
             for name, value in scope["headers"]:
                 if name == PEER_HEADER:
                     given = value
                 elif name == RAW_HEADER:
                     raw = value
+                elif name == CONNECTION_HEADER:
+                    connection = value
                 else:
                     kept.append((name, value))
             trusted = bool(given) and hmac.compare_digest(given, self.secret)
             if trusted and raw:
                 encoded = set(raw.split(b","))
                 kept = [(n, unquote_to_bytes(v) if n in encoded else v) for n, v in kept]
+            if trusted and connection:
+                kept = [(n, v) for n, v in kept if n != b"connection"]  # (the hop's own)
+                kept.append((b"connection", connection))
             scope = {**scope, "headers": kept, PEER: trusted}
             if trusted and self.on_request is not None:
                 self.on_request(scope)

@@ -81,10 +81,10 @@ from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, refusal
 from ..request import header_bytes
-from ..upstream.base import HOP_BY_HOP, UpstreamResponse, connection_listed
+from ..upstream.base import HOP_BY_HOP, UpstreamResponse
 from ..upstream.http import closer, sse_payloads
 from ..upstream.sim.replies import SIMULATED_HEADER
-from .server import PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
+from .server import CONNECTION_HEADER, PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
 from .slots import SPARE_PREFIX, Meeting, Slot, claim, socket_path, spare_path, spares
 
 if TYPE_CHECKING:
@@ -102,7 +102,12 @@ LOST = "lost the stream of the worker leading this call"
 # Never sent to a peer: they describe this hop (the body sent may not be the client's), and the
 # peer's secret is set here, never copied from a client.
 # (A client's own peer headers are never passed on: only this worker sets them.)
-_HOP = HOP_BY_HOP | {"accept-encoding", PEER_HEADER.decode(), RAW_HEADER.decode()}
+_HOP = HOP_BY_HOP | {
+    "accept-encoding",
+    PEER_HEADER.decode(),
+    RAW_HEADER.decode(),
+    CONNECTION_HEADER.decode(),
+}
 _IDEMPOTENCY = frozenset({"idempotency-key", "x-idempotency-key"})
 # Response headers the relaying worker writes itself (its server frames the body, names the
 # request).
@@ -370,9 +375,8 @@ class Peers:
 
     def _headers(self, given: Mapping[str, str], dropped: frozenset[str]) -> dict[str, str]:
         headers, raw = {}, []
-        listed = connection_listed(given)  # (this hop's too: the owner would forward them)
         for name, value in given.items():
-            if name in dropped or name in listed:
+            if name in dropped:
                 continue
             if not value.isascii():
                 # (The client's bytes, sent as they came: the owner reads them as this worker
@@ -382,6 +386,11 @@ class Peers:
             headers[name] = value
         if raw:
             headers[RAW_HEADER.decode()] = ",".join(raw)
+        if "connection" in given:
+            # The headers it lists are the client's to the first recipient, read by this
+            # worker (a control, a credential, an Idempotency-Key): sent on, with the list
+            # itself, so that the owner reads them alike and forwards none of them upstream.
+            headers[CONNECTION_HEADER.decode()] = given["connection"]
         headers["accept-encoding"] = "identity"
         headers[PEER_HEADER.decode()] = self._secret
         return headers
