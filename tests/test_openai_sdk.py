@@ -97,6 +97,22 @@ async def test_a_null_stream_is_no_stream_as_openai_takes_it(sdk, gw, fake):
     assert again.headers["x-carpool"] == "hit" and fake.count() == 3
 
 
+async def test_a_field_sent_as_null_is_another_request_than_the_field_left_out(sdk, fake):
+    """OpenAI reads a null as the field left out, but not every engine does: vLLM's completions
+    take ``"max_tokens": null`` as "up to the context's end" and no ``max_tokens`` as 16 tokens
+    (``max_tokens: Optional[int] = 16``). Shared, one would get the other's answer."""
+    completion = await sdk.completions.with_raw_response.create(
+        model="m", prompt="Say hi", temperature=0, max_tokens=None
+    )
+    assert completion.headers["x-carpool"] == "miss"
+    assert fake.calls[0].body["max_tokens"] is None  # (forwarded as sent)
+    left_out = await sdk.completions.with_raw_response.create(
+        model="m", prompt="Say hi", temperature=0
+    )
+    assert left_out.headers["x-carpool"] == "miss" and "max_tokens" not in fake.calls[1].body
+    assert fake.count() == 2
+
+
 async def test_a_null_prompt_is_the_upstreams_to_answer_as_openai_takes_it(sdk, fake):
     # The SDK sends ``"prompt": null`` for ``prompt=None``; OpenAI answers it (its default
     # prompt, ``<|endoftext|>``). The gateway refused it with its own 400, calling no upstream.
@@ -163,3 +179,14 @@ async def test_an_upstream_refusals_retry_headers_reach_the_client_and_its_sdk_o
     for response in await asyncio.gather(leader, joiner):
         assert response.status_code == 429 and response.headers["retry-after"] == "7"
     assert fake.count() == 2
+
+
+async def test_models_retrieve_of_a_name_holding_a_slash_is_a_400_the_list_names_it(sdk, fake):
+    """The SDK sends the ``/`` of ``org/name`` encoded (``%2F``), which an upstream may decode
+    into a separator and route on: refused, reaching nobody (docs/security.md)."""
+    with pytest.raises(openai.BadRequestError, match=r"encoded /"):
+        await sdk.models.retrieve("Qwen/Qwen2.5-7B-Instruct")
+    assert fake.count() == 0
+    assert [model.id for model in (await sdk.models.list()).data] == ["fake-model"]
+    await sdk.models.retrieve("fake-model")  # (passed through: a name without a slash)
+    assert fake.calls[-1].path == "/v1/models/fake-model"
