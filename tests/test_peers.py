@@ -592,6 +592,39 @@ async def test_an_invalidation_is_not_undone_by_the_worker_that_takes_it_last(fa
         assert fake.count() == 2
 
 
+async def test_an_invalidation_a_live_worker_did_not_take_is_a_503_to_retry_not_a_200(fake):
+    """A worker that answers its door but not with the invalidation done (an error, here its
+    door's 500) keeps its answers: the admin call said 200 all the same, as if every answer
+    were gone. It says 503 with ``Retry-After``, as with Redis (an invalidation may be
+    repeated); a worker that is down holds nothing and stays no reason to."""
+
+    def failing(i: int, worker: Peers) -> None:
+        if i != 1:
+            return
+        listen = worker.listen
+
+        async def failing_listen(app: Any) -> None:
+            async def refuse(scope: Any, receive: Any, send: Any) -> None:
+                if scope["type"] == "http" and scope["path"] == "/admin/invalidate":
+                    await send({"type": "http.response.start", "status": 500, "headers": []})
+                    await send({"type": "http.response.body", "body": b"{}"})
+                    return
+                await app(scope, receive, send)
+
+            await listen(refuse)
+
+        worker.listen = failing_listen  # type: ignore[method-assign]
+
+    admin = {"authorization": "Bearer adm"}
+    async with workers(2, fake.url, wrap=failing, admin_token="adm") as (w0, w1):
+        question = owned_by(w0.gateway, 1)
+        assert (await w1.chat(question)).headers["x-carpool"] == "miss"
+        refused = await w0.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "worker peer-1 did not take" in refused.json()["error"]["message"]
+        assert (await w1.chat(question)).headers["x-carpool"] == "hit"  # (what it kept)
+
+
 async def test_a_request_asked_of_the_owner_reaches_it_with_the_clients_own_bytes(fake, tmp_path):
     """A header value that is not ASCII (a client key written in UTF-8, here accepted by the
     gateway's own keys) and a query as the client wrote it reach the owner byte for byte: the

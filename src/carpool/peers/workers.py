@@ -30,7 +30,8 @@ Contract:
 - ``invalidate(spec)``: ``POST /admin/invalidate`` on every other worker at once (the slots'
   sockets and the spare ones); how many answers they dropped. A worker that does not answer
   holds nothing to drop when it is down (a new process starts empty); one that is alive but
-  does not answer in time is logged. A spare socket refusing connections ``STALE_SPARE_S``
+  does not take it (no answer in time, an error) keeps its answers: ``StoreUnavailable``, the
+  admin call's 503 with ``Retry-After``, once the others have. A spare socket refusing connections ``STALE_SPARE_S``
   after it was made is a killed worker's file: removed, and never tried again. ``forget_state(tag)``: likewise, ``{"state": tag}`` (a
   deleted response's, ``Gateway.forget_state``: what each stored under it, by key), which only
   a peer may send (the door's secret) and no admin token opens. ``admin(route, spec)``: likewise
@@ -81,6 +82,7 @@ from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, refusal
 from ..request import header_bytes
+from ..store.base import StoreUnavailable
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse
 from ..upstream.http import closer, sse_payloads
 from ..upstream.sim.replies import SIMULATED_HEADER
@@ -127,6 +129,8 @@ _FAILED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 _OWN_LIMITS = frozenset({413, 431})
 # The owner's answer's headers a flight's call keeps: what it is, and when to retry.
 _KEPT = ("content-type", "x-carpool", "age", "cache-control", *RETRY_HEADERS)
+# A worker's door that could not be reached: the worker is down (``Peers._admin_on``).
+_DOWN: tuple[int, dict[str, Any]] = (0, {})
 # The owner's socket could not be reached at all: nothing of the request was sent.
 _UNREACHED = (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError)
 # A worker without a slot: how often it tries for one, and how long past the wait for the worker
@@ -261,11 +265,19 @@ class Peers:
         return Reply(response.status, headers, body, outcome=outcome)
 
     async def invalidate(self, spec: Any) -> int:
-        """``spec`` invalidated on every other worker; how many answers they dropped."""
-        dropped = await asyncio.gather(
-            *(self._invalidate_on(path, spec) for path in await self._others())
-        )
-        return sum(dropped)
+        """``spec`` invalidated on every other worker; how many answers they dropped. Raises
+        ``StoreUnavailable`` (a 503: the caller retries; an invalidation may be repeated) when
+        a worker that answers its door did not take it, once every other worker has: it keeps
+        its answers. One that is down holds none."""
+        others = await self._others()
+        dropped = await asyncio.gather(*(self._invalidate_on(path, spec) for path in others))
+        missed = [path.stem for path, count in zip(others, dropped, strict=True) if count is None]
+        if missed:
+            raise StoreUnavailable(
+                f"worker {', '.join(missed)} did not take the invalidation: its answers "
+                "stay; retry it"
+            )
+        return sum(count or 0 for count in dropped)
 
     async def forget_state(self, tag: str) -> int:
         """A deleted response's ``tag`` (``state_tag``) dropped on every other worker, by key:
@@ -274,7 +286,7 @@ class Peers:
         dropped = await asyncio.gather(
             *(self._invalidate_on(path, {"state": tag}) for path in await self._others())
         )
-        return sum(dropped)
+        return sum(count or 0 for count in dropped)  # (one that did not take it: logged)
 
     async def _others(self) -> list[Path]:
         """The sockets of every other worker of the run: the slots', and the spare ones (the
@@ -338,10 +350,18 @@ class Peers:
         log.warning("worker %s gave no %s: %s", socket.name, path, why)
         return None
 
-    async def _invalidate_on(self, path: Path, spec: Any) -> int:
+    async def _invalidate_on(self, path: Path, spec: Any) -> int | None:
+        """How many answers the worker on ``path`` dropped: 0 if it is down (it holds none),
+        None if it answered without taking it (it keeps them)."""
         answer = await self._admin_on(path, "/admin/invalidate", spec, "invalidation")
+        if answer is _DOWN:
+            return 0
         dropped = answer[1].get("invalidated") if answer is not None else None
-        return dropped if isinstance(dropped, int) else 0
+        if answer is None or answer[0] != 200 or not isinstance(dropped, int):
+            if answer is not None:
+                log.warning("worker %s did not take the invalidation: %s", path.name, answer[0])
+            return None
+        return dropped
 
     async def admin(self, route: str, spec: Any) -> list[tuple[int, dict[str, Any]]]:
         """``POST route`` (``/admin/semantic/...``) with ``spec`` on every other worker at once,
@@ -350,12 +370,13 @@ class Peers:
         answers = await asyncio.gather(
             *(self._admin_on(path, route, spec, route) for path in await self._others())
         )
-        return [answer for answer in answers if answer is not None]
+        return [answer for answer in answers if answer is not None and answer is not _DOWN]
 
     async def _admin_on(
         self, path: Path, route: str, spec: Any, what: str
     ) -> tuple[int, dict[str, Any]] | None:
-        """``POST route`` through the door on ``path``: its status and JSON object, or None."""
+        """``POST route`` through the door on ``path``: its status and JSON object; ``_DOWN``
+        when nothing could be sent (the worker is down); None when it gave no such answer."""
         headers = {"content-type": "application/json", PEER_HEADER.decode(): self._secret}
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"
@@ -367,7 +388,7 @@ class Peers:
         except _UNREACHED as error:  # (down: it holds nothing; a spare's stale file, often)
             log.info("worker %s is down: no %s there (%s)", path.name, what, _why(error))
             await self._unreached(path, error)
-            return None
+            return _DOWN
         except (*_FAILED, ValueError) as error:
             log.warning("worker %s did not take the %s: %s", path.name, what, _why(error))
             return None
