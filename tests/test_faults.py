@@ -398,9 +398,13 @@ async def test_upstream_timeout_is_504_for_every_client_and_the_hung_call_is_clo
         await nothing_left(baseline, gw, fake=fake)
 
 
-async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_event(
+async def test_a_stall_mid_stream_ends_every_stream_with_an_error_event_and_is_504_to_the_others(
     fake, gateway_with
 ):
+    """A stall is a timeout: a client sent nothing yet (the non-streaming one) gets 504
+    ``upstream_timeout``, not the 502 of a broken stream (it got that, though the same stall
+    of a whole answer's call was a 504), still with ``x-should-retry: false`` (the engine took
+    the call); those sent frames already get the error event, the timeout's."""
     fake.chunk_gate = asyncio.Event()  # 2 words, then nothing: the stream stalls
     async with gateway_with(limits={"upstream_timeout": 0.5}) as gw:
         baseline = Baseline()
@@ -412,8 +416,9 @@ async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_even
             assert response.status_code == 200
             text, error = sse_failure(raw)
             assert f"answer 1 to {QUESTION}".startswith(text)
-            assert error["code"] == "upstream_stream_broken"
-        assert plain.status_code == 502 and error_of(plain)["code"] == "upstream_stream_broken"
+            assert error["code"] == "upstream_timeout"
+        assert plain.status_code == 504 and error_of(plain)["code"] == "upstream_timeout"
+        assert plain.headers["x-should-retry"] == "false"
         await fake.wait_for_cancelled(fake.count())
         assert gw.gateway.store.entries == 0
         await nothing_left(baseline, gw, fake=fake, failed=True)

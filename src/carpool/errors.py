@@ -33,7 +33,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
     │       │                         (the engine took the call: ``x-should-retry: false``)
-    │       ├── UpstreamStreamStalled 502: a stream silent for ``limits.upstream_timeout``
+    │       ├── UpstreamStreamStalled 504: a stream stalled for ``limits.upstream_timeout``
     │       └── UpstreamAnswerCut     502 (504 if it stalled): a whole answer cut after its head
     ├── FlightAbandoned               499: every client of a flight left and its call was cancelled
     ├── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
@@ -402,9 +402,16 @@ class UpstreamStreamBroken(UpstreamError):
 
 class UpstreamStreamStalled(UpstreamStreamBroken):
     """A stream that sent nothing for ``limits.upstream_timeout`` after its head (or after its
-    last payload): a broken stream to its clients (502, not retried), told apart for routing,
-    which leaves out a replica whose stream stalled with nothing after its head while it
-    answered no other call (``routing.replicas``: a stuck engine behind a live HTTP layer)."""
+    last payload): a timeout, 504 ``upstream_timeout`` to a client sent nothing yet, as the same
+    stall of a whole answer's call is (``UpstreamAnswerCut``: a 502 here made a non-streaming
+    client's status hang on whether its call happened to be a stream); streaming clients sent
+    frames already get it as their error event. Not retried (``x-should-retry: false``): the
+    engine took the call. Told apart for routing, which leaves out a replica whose stream
+    stalled with nothing after its head while it answered no other call
+    (``routing.replicas``: a stuck engine behind a live HTTP layer)."""
+
+    status = 504
+    code = "upstream_timeout"
 
 
 class UpstreamAnswerCut(UpstreamStreamBroken):

@@ -150,7 +150,8 @@ def cached_endpoint(
         ),
         "504": (
             "The upstream did not answer within `limits.upstream_timeout` (without a byte "
-            "for that long once its answer's head came: with `x-should-retry: false`)."
+            "for that long once its answer's head came, or mid-stream for a non-streaming "
+            "client: with `x-should-retry: false`)."
         ),
     }
     responses: dict[str, Any] = {

@@ -35,8 +35,8 @@ Contract (on top of ``upstream.base``):
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event, ``[DONE]`` before it included: typed streams send none; an
   empty one included: its message says it sent nothing) ->
-  ``UpstreamStreamBroken`` (502; ``UpstreamStreamStalled`` when no byte came for
-  ``limits.upstream_timeout``, for routing to judge its replica). Their messages
+  ``UpstreamStreamBroken`` (502; ``UpstreamStreamStalled``, a timeout's 504, when no byte came
+  for ``limits.upstream_timeout``, which routing also judges its replica by). Their messages
   reach clients: they name the replica by its ``label`` and say what happened in words
   (``reason``, ``wire.reason_of``), never an exception repr, an address or a credential.
 - Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
