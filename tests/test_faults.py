@@ -36,7 +36,7 @@ import logging
 import random
 import socket
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -398,9 +398,13 @@ async def test_upstream_timeout_is_504_for_every_client_and_the_hung_call_is_clo
         await nothing_left(baseline, gw, fake=fake)
 
 
-async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_event(
+async def test_a_stall_mid_stream_ends_every_stream_with_an_error_event_and_is_504_to_the_others(
     fake, gateway_with
 ):
+    """A stall is a timeout: a client sent nothing yet (the non-streaming one) gets 504
+    ``upstream_timeout``, not the 502 of a broken stream (it got that, though the same stall
+    of a whole answer's call was a 504), still with ``x-should-retry: false`` (the engine took
+    the call); those sent frames already get the error event, the timeout's."""
     fake.chunk_gate = asyncio.Event()  # 2 words, then nothing: the stream stalls
     async with gateway_with(limits={"upstream_timeout": 0.5}) as gw:
         baseline = Baseline()
@@ -412,8 +416,9 @@ async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_even
             assert response.status_code == 200
             text, error = sse_failure(raw)
             assert f"answer 1 to {QUESTION}".startswith(text)
-            assert error["code"] == "upstream_stream_broken"
-        assert plain.status_code == 502 and error_of(plain)["code"] == "upstream_stream_broken"
+            assert error["code"] == "upstream_timeout"
+        assert plain.status_code == 504 and error_of(plain)["code"] == "upstream_timeout"
+        assert plain.headers["x-should-retry"] == "false"
         await fake.wait_for_cancelled(fake.count())
         assert gw.gateway.store.entries == 0
         await nothing_left(baseline, gw, fake=fake, failed=True)
@@ -423,6 +428,135 @@ async def test_upstream_stalling_mid_stream_ends_every_stream_with_an_error_even
         assert response.headers["x-carpool"] == "miss"
         assert sse_text(raw) == f"answer {calls + 1} to {QUESTION}"
         await nothing_left(baseline, gw, fake=fake)
+
+
+# An upstream that keeps its connection warm without answering (``fakes/raw_upstream.py``): a
+# byte every WARM_S, well within the timeout the gateway is given (TRICKLED_TIMEOUT_S).
+WARM_S = 0.05
+TRICKLED_TIMEOUT_S = 1.0
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def body_chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def chat_event(content: str, finish_reason: str | None = None) -> bytes:
+    """A chat stream's event (its ``data:`` line and blank line) carrying ``content``."""
+    delta = {"role": "assistant", "content": content}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    return b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n"
+
+
+async def first_event_then_comments() -> AsyncIterator[bytes]:
+    """A stream's head and first event, then SSE comments only, for ever: a keep-alive
+    (sse-starlette's and llama-cpp-python's ``: ping``, OpenRouter's ``: OPENROUTER
+    PROCESSING``) from an upstream that sends nothing else."""
+    yield STREAM_HEAD + body_chunk(chat_event("hel"))
+    while True:
+        await asyncio.sleep(WARM_S)  # (the upstream's pace)
+        yield body_chunk(b": ping\n\n")
+
+
+async def whole_answer_a_byte_at_a_time() -> AsyncIterator[bytes]:
+    """A whole answer's head, then its body a byte at a time (padded: longer than any test
+    waits)."""
+    body = chat_completion("fine") + b" " * 100_000
+    yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(
+        body
+    )
+    for i in range(len(body)):
+        await asyncio.sleep(WARM_S)
+        yield body[i : i + 1]
+
+
+async def test_a_stream_with_only_comments_after_its_first_event_times_out_for_every_client():
+    """``limits.upstream_timeout`` runs between a stream's events: a read that brings no
+    ``data:`` (an SSE comment, a keep-alive) is none. Counted between any two bytes, a stream
+    kept warm by comments after its first event held its streaming client and its joiner for
+    ever. The streaming client gets its first event then the timeout's error event, the joiner
+    (sent nothing yet) a 504; nothing is stored, the call's connection is closed (not kept for
+    another call), and the next request calls again."""
+
+    def respond(call: RawCall) -> bytes | AsyncIterator[bytes]:
+        if len(upstream.calls) == 1:
+            return first_event_then_comments()
+        return raw_answer(200, b"OK", chat_completion("fine"))
+
+    limits = {"upstream_timeout": TRICKLED_TIMEOUT_S}
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url], limits=limits) as gw:
+        baseline = Baseline()
+        async with asyncio.timeout(10):
+            streaming = asyncio.create_task(gw.stream_chat())
+            await upstream.arrived.wait()
+            plain = asyncio.create_task(gw.chat())
+            (response, raw), joined = await asyncio.gather(streaming, plain)
+        assert response.status_code == 200
+        text, error = sse_failure(raw)
+        assert text == "hel" and error["code"] == "upstream_timeout"
+        assert joined.headers["x-carpool"] == "coalesced"
+        assert (joined.status_code, error_of(joined)["code"]) == (504, "upstream_timeout")
+        assert joined.headers["x-should-retry"] == "false"
+        assert gw.gateway.store.entries == 0
+        await eventually(lambda: upstream.ended == 1, what="the stalled call's connection closed")
+        await nothing_left(baseline, gw, failed=True)
+        again = await gw.chat()
+        assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
+        assert len(upstream.calls) == upstream.connections == 2
+
+
+async def test_a_whole_answer_trickling_in_is_504_once_upstream_timeout_has_passed_since_its_call():
+    """A whole answer's head and body must come within ``limits.upstream_timeout`` of its call:
+    counted between any two bytes, a body sent a byte at a time held its client for as long as
+    it took (hours, for a large one). Its client gets 504 ``upstream_timeout`` with
+    ``x-should-retry: false`` (the engine took the call); nothing is stored, the connection is
+    closed, and the next request calls again."""
+
+    def respond(call: RawCall) -> bytes | AsyncIterator[bytes]:
+        if len(upstream.calls) == 1:
+            return whole_answer_a_byte_at_a_time()
+        return raw_answer(200, b"OK", chat_completion("fine"))
+
+    limits = {"upstream_timeout": TRICKLED_TIMEOUT_S}
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url], limits=limits) as gw:
+        baseline = Baseline()
+        response = await asyncio.wait_for(gw.chat(), 10)
+        assert (response.status_code, error_of(response)["code"]) == (504, "upstream_timeout")
+        assert response.headers["x-should-retry"] == "false"
+        assert gw.gateway.store.entries == 0
+        await eventually(lambda: upstream.ended == 1, what="the trickling call's connection closed")
+        await nothing_left(baseline, gw, failed=True)
+        again = await gw.chat()
+        assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
+        assert content(again) == "fine"
+        assert len(upstream.calls) == upstream.connections == 2
+
+
+async def test_a_stream_whose_events_keep_coming_is_not_timed_out_however_long_it_lasts():
+    """The timeout runs between two events, not over the whole stream: events a little apart,
+    comments between them, for longer in all than ``limits.upstream_timeout``, make a whole
+    answer."""
+    words = [f"w{i} " for i in range(8)]
+
+    async def events_apart(call: RawCall) -> AsyncIterator[bytes]:
+        yield STREAM_HEAD
+        for word in words:
+            await asyncio.sleep(TRICKLED_TIMEOUT_S / 4)  # (the upstream's pace)
+            yield body_chunk(b": ping\n\n") + body_chunk(chat_event(word))
+        yield body_chunk(chat_event("", "stop") + b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    limits = {"upstream_timeout": TRICKLED_TIMEOUT_S}
+    async with (
+        raw_upstream(events_apart) as upstream,
+        run_gateway([upstream.url], limits=limits) as gw,
+    ):
+        response, raw = await asyncio.wait_for(gw.stream_chat(), 20)
+    assert response.status_code == 200 and sse_text(raw) == "".join(words)
+    assert len(upstream.calls) == 1
 
 
 async def test_refused_connection_is_502_for_every_client_and_the_next_request_tries_again(

@@ -74,6 +74,22 @@ async def test_a_non_streaming_leader_of_a_streamed_call_gets_its_usage_without_
     assert "x-carpool-usage" not in first.headers
 
 
+async def test_a_non_streaming_client_of_a_streamed_call_that_stalls_gets_504(gateway_with, fake):
+    """Its call streamed for it (``stream_flights``) or not, a non-streaming client whose
+    upstream stalls gets the same answer: 504 ``upstream_timeout`` (the streamed call's stall
+    was a 502 ``upstream_stream_broken``, a status hanging on what the client cannot see),
+    with ``x-should-retry: false`` (the engine took the call); nothing stored."""
+    async with gateway_with(**STREAMED, limits={"upstream_timeout": 0.5}) as gw:
+        fake.chunk_gate = asyncio.Event()  # 2 words, then nothing: the stream stalls
+        stalled = await asyncio.wait_for(gw.chat("a long story"), 10)
+        assert (stalled.status_code, stalled.json()["error"]["code"]) == (504, "upstream_timeout")
+        assert stalled.headers["x-should-retry"] == "false"
+        fake.chunk_gate.set()
+        again = await gw.chat("a long story")
+    assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
+    assert fake.count() == 2
+
+
 async def test_without_stream_flights_the_upstream_call_follows_its_leader(gw, fake):
     await gw.chat("plain")
     assert "stream" not in fake.calls[0].body

@@ -33,8 +33,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── UpstreamStatusError       the upstream answered with an error status: passed through
     │   └── UpstreamStreamBroken      502: a stream ended or failed before it was complete
     │       │                         (the engine took the call: ``x-should-retry: false``)
-    │       ├── UpstreamStreamStalled 502: a stream silent for ``limits.upstream_timeout``
-    │       └── UpstreamAnswerCut     502 (504 if it stalled): a whole answer cut after its head
+    │       ├── UpstreamStreamStalled 504: a stream with no event for ``limits.upstream_timeout``
+    │       └── UpstreamAnswerCut     502 (504 not whole in time): a whole answer cut after its head
     ├── FlightAbandoned               499: every client of a flight left and its call was cancelled
     ├── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
     └── InternalError                 500: the gateway failed (a bug): what the client gets of it
@@ -401,15 +401,23 @@ class UpstreamStreamBroken(UpstreamError):
 
 
 class UpstreamStreamStalled(UpstreamStreamBroken):
-    """A stream that sent nothing for ``limits.upstream_timeout`` after its head (or after its
-    last payload): a broken stream to its clients (502, not retried), told apart for routing,
-    which leaves out a replica whose stream stalled with nothing after its head while it
-    answered no other call (``routing.replicas``: a stuck engine behind a live HTTP layer)."""
+    """A stream that sent no event for ``limits.upstream_timeout`` since its call (or since its
+    last event; bytes that are none, such as SSE comments, do not count): a timeout, 504 ``upstream_timeout`` to a client sent nothing yet, as the same
+    stall of a whole answer's call is (``UpstreamAnswerCut``: a 502 here made a non-streaming
+    client's status hang on whether its call happened to be a stream); streaming clients sent
+    frames already get it as their error event. Not retried (``x-should-retry: false``): the
+    engine took the call. Told apart for routing, which leaves out a replica whose stream
+    stalled with nothing after its head while it answered no other call
+    (``routing.replicas``: a stuck engine behind a live HTTP layer)."""
+
+    status = 504
+    code = "upstream_timeout"
 
 
 class UpstreamAnswerCut(UpstreamStreamBroken):
     """A whole (not streamed) answer whose status and headers came, but whose body was cut
-    (502) or stalled for ``limits.upstream_timeout`` (504, ``code`` ``upstream_timeout``).
+    (502) or not whole within ``limits.upstream_timeout`` of its call, however it trickled in
+    (504, ``code`` ``upstream_timeout``).
 
     As for a stream that broke part-way, the engine took the call (an engine sends a whole
     answer's head once it has computed it): it is not run again on another replica

@@ -1,6 +1,7 @@
 """An upstream whose answers are raw bytes, for what the ASGI fake (``fakes.upstream``) cannot
 send: a status uvicorn would not write (101 taken as final, 600-999), an answer without a
-content type, exactly the head a test wants.
+content type, exactly the head a test wants, an answer that trickles in (a body a byte at a
+time, a stream kept warm by SSE comments).
 
     async with raw_upstream(lambda call: answer(304, b"Not Modified")) as up:
         ...  # point the gateway at up.url; up.calls, up.arrived
@@ -10,9 +11,13 @@ Details:
   ``RawCall``: request line, lower-case headers, the body parsed as JSON or None) and
   ``arrived`` is set; then, once ``gate`` (when one is set) is, the bytes ``respond(call)``
   returns are written as they are (``respond`` may be a coroutine function: its result is
-  awaited). The connection is kept for the next request, unless ``respond`` returned
-  ``close=True`` along with its bytes (a tuple), then it is closed. ``server`` is the
-  listening server (closed: no new connection is taken, those open are kept).
+  awaited), or, when it returns an async iterable of bytes, each piece as it comes (drained
+  before the next: an answer that trickles in, for as long as the iterable goes on). The
+  connection is kept for the next request, unless ``respond`` returned ``close=True`` along
+  with its bytes (a tuple), then it is closed. ``connections`` counts the connections taken,
+  ``ended`` those over (either side closed it: a gateway that gave up on an answer trickling
+  in closes it, and the next write fails). ``server`` is the listening server (closed: no
+  new connection is taken, those open are kept).
 - ``answer(status, reason, body, content_type, headers)`` makes an answer's bytes, with its
   ``content-length`` (``content_type=None``: no ``content-type`` line at all);
   ``chat_completion(text)`` a complete chat answer's body.
@@ -24,7 +29,7 @@ import asyncio
 import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +79,9 @@ def chat_completion(text: str = "fine") -> bytes:
     ).encode()
 
 
-Respond = Callable[[RawCall], "bytes | tuple[bytes, bool] | Awaitable[bytes | tuple[bytes, bool]]"]
+# Its bytes (with whether to close the connection after them), or its pieces as they come.
+Answered = bytes | tuple[bytes, bool] | AsyncIterable[bytes]
+Respond = Callable[[RawCall], Answered | Awaitable[Answered]]
 
 
 class RawUpstream:
@@ -85,8 +92,11 @@ class RawUpstream:
         self.arrived = asyncio.Event()
         self.gate: asyncio.Event | None = None
         self.url = ""
+        self.connections = 0
+        self.ended = 0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 try:
@@ -112,6 +122,11 @@ class RawUpstream:
                 out = self.respond(call)
                 if inspect.isawaitable(out):
                     out = await out
+                if isinstance(out, AsyncIterable):
+                    async for piece in out:
+                        writer.write(piece)
+                        await writer.drain()
+                    continue
                 data, close = out if isinstance(out, tuple) else (out, False)
                 writer.write(data)
                 await writer.drain()
@@ -120,6 +135,7 @@ class RawUpstream:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self.ended += 1
             writer.close()
 
 

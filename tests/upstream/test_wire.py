@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from carpool.upstream import wire
+from fakes.waiting import eventually
 
 # A server's answer to its n-th request.
 Respond = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -250,18 +251,50 @@ async def test_a_refused_connection_says_so():
     assert pool.open == 0
 
 
-async def test_a_server_silent_for_the_read_timeout_times_out(serve):
+async def test_a_server_silent_for_the_answer_timeout_times_out(serve):
     async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(CHUNKED_HEAD + chunk(b"data: 1\n\n"))
         await writer.drain()
         await reader.read()  # (until the client goes)
 
-    _, pool = await serve(handle, read_timeout=0.2)
+    _, pool = await serve(handle, answer_timeout=0.2)
     answer = await pool.request(post(), False)
     with pytest.raises(wire.WireTimeout):
         async for _ in answer.chunks():
             pass
     assert pool.open == 0
+
+
+async def test_a_piece_unread_when_the_time_is_up_is_judged_once_its_reader_has_read_it(serve):
+    """Bytes are no progress: only the reader says what is (``Answer.progressed``, a stream's
+    event). A piece that came but was not read yet when the answer's time ran out (an event
+    read in that very round of the loop, or a reader busy elsewhere) may be that progress: it
+    is given to the reader, and the timeout judged at its next wait, once it has said (here it
+    says nothing: timed out at once)."""
+    more = asyncio.Event()
+
+    async def handle(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await more.wait()
+        writer.write(chunk(b"data: 2\n\n"))
+        await writer.drain()
+        await reader.read()  # (until the client goes)
+
+    _, pool = await serve(handle, answer_timeout=0.2)
+    answer = await pool.request(post(), False)
+    pieces = answer.chunks()
+    assert await anext(pieces) == b"data: 1\n\n"
+    answer.progressed()
+    more.set()
+    connection = answer.connection
+    await eventually(lambda: bool(connection.chunks), what="the second piece, unread")
+    await eventually(lambda: connection.timer is None, what="the answer's time up")
+    assert connection.failure is None and not connection.lost
+    assert await anext(pieces) == b"data: 2\n\n"
+    with pytest.raises(wire.WireTimeout):
+        await anext(pieces)
+    assert connection.lost and pool.open == 0
 
 
 async def test_a_request_cancelled_while_it_waits_closes_its_connection(serve):
@@ -457,7 +490,7 @@ async def test_an_answer_nobody_asked_for_after_a_drained_streams_end_is_never_r
             writer.write(OK)
         await writer.drain()
 
-    server, pool = await serve(handle, read_timeout=5)
+    server, pool = await serve(handle, answer_timeout=5)
     answer = await pool.request(post(), False)
     async for data in answer.chunks():
         assert data == b"data: [DONE]\n\n"
@@ -621,7 +654,7 @@ def _replicas(ports: list[int], **limits: Any) -> Any:
     return replicas, seen
 
 
-async def test_a_read_timeout_after_the_request_was_sent_is_not_failed_over(serve):
+async def test_a_timeout_after_the_request_was_sent_is_not_failed_over(serve):
     """The request went whole and no answer came in time from a replica that answered other
     calls meanwhile: the engine may be running it (a whole answer's head comes once it is
     computed). It was failed over like an unreachable replica: the generation ran twice, its
@@ -751,7 +784,7 @@ async def test_a_call_dropped_unanswered_after_it_was_sent_whole_is_not_run_agai
     assert not first.healthy  # (left out all the same)
 
 
-async def test_a_read_timeout_before_the_request_was_read_whole_is_failed_over(serve):
+async def test_a_timeout_before_the_request_was_read_whole_is_failed_over(serve):
     """A server that never read the whole request cannot be running it: tried elsewhere."""
     import socket
 

@@ -153,8 +153,12 @@ class LimitsConfig(Section):
     upstream_timeout: float = Field(
         600,
         gt=0,
-        description="Seconds to wait for the upstream's "
-        "answer (for streams: between two chunks) before 504.",
+        description="Seconds to wait for the upstream's answer before 504. A whole answer, "
+        "head and body, must come within it of the call being sent, however it trickles in; "
+        "a stream's first event within it of the call, and each next event within it of the "
+        "one before (SSE comments, such as keep-alive pings, are no event). The call's "
+        "connection is then closed. Pass-through answers, relayed as they come, get it "
+        "between two reads.",
     )
     upstream_connect_timeout: float = Field(
         10, gt=0, description="Seconds to wait for a connection to the upstream before 502."

@@ -149,8 +149,10 @@ def cached_endpoint(
             "`x-should-retry: false`."
         ),
         "504": (
-            "The upstream did not answer within `limits.upstream_timeout` (without a byte "
-            "for that long once its answer's head came: with `x-should-retry: false`)."
+            "The upstream did not answer within `limits.upstream_timeout` of the call, or "
+            "its stream sent no event for that long (for a non-streaming client); with "
+            "`x-should-retry: false` once the upstream had the whole call (it may be running "
+            "it)."
         ),
     }
     responses: dict[str, Any] = {

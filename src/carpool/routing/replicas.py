@@ -35,7 +35,7 @@ all, and so whether ``text`` matters):
   and retries ONCE on another one (``Decision.FAILOVER``), but for a request sent to its
   state's holder (above). If no other replica exists the error is raised / the 5xx returned as
   it is. A stream that breaks part-way is not retried (bytes reached the client) and does not
-  down the replica; nor does one that stalls (``UpstreamStreamStalled``: nothing for
+  down the replica; nor does one that stalls (``UpstreamStreamStalled``: no event for
   ``limits.upstream_timeout``), a long generation being slow, but for one with nothing after
   its head on a replica silent to every call since that head: taken for hung, as one silent
   before its head is (below: a stuck engine whose HTTP layer still answers heads at once,

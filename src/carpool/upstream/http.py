@@ -4,7 +4,7 @@ Contract (on top of ``upstream.base``):
 - The calls of the cached endpoints (``send``: every miss and bypass) go through
   ``upstream.wire``, a lean HTTP/1.1 client: one pool of kept connections per replica, opened on
   first use (inside the event loop), at most ``limits.upstream_max_connections``, an idle one
-  kept ``limits.upstream_keepalive`` seconds; connect and read timeouts from ``limits``. A
+  kept ``limits.upstream_keepalive`` seconds; connect and answer timeouts from ``limits``. A
   call that meets the keep-alive race (the server drops a kept connection as the call goes out
   on it, before it could read the call whole) is sent again on a new connection by
   ``upstream.wire``, not failed (no 502, no healthy replica left out), and counted
@@ -14,10 +14,21 @@ Contract (on top of ``upstream.base``):
   gives its connection back to the pool; any other closes it: one left part-way (the engine
   stops), one broken, and one whose body ended without it (a server closing the connection
   after an empty stream, llama-cpp-python's: the next call went on it, a 502).
+- ``limits.upstream_timeout`` bounds such a call's answer (``upstream.wire``'s
+  ``answer_timeout``): a whole answer's head and body must both come within it of the call
+  being sent, bytes trickling in or not; a stream's first event within it of the call, and
+  each next one within it of the one before (``wire_payloads`` notes each read that brought
+  an event, ``Answer.progressed``: an SSE comment, a keep-alive, is none). Bytes alone kept
+  such a call, and every client of its flight, waiting for ever. Past it the call's
+  connection is closed (never reused: the engine stops) and its clients get a timeout (504
+  ``upstream_timeout``; a streaming client sent frames already, the error event). Pass-through
+  keeps aiohttp's timeout between two reads: its body goes as it comes to its one client, to
+  which each byte is news; so does a worker's relay of another worker's stream
+  (``sse_payloads``), whose own call is bounded so.
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits; an answer's connection is let go once
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not.
-- Transport errors are translated here, the original error kept as ``__cause__``: a read
+- Transport errors are translated here, the original error kept as ``__cause__``: a
   timeout before the answer's head -> ``UpstreamNoAnswer`` (504: the request was written whole,
   so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
   elsewhere) when the server never read the whole request; a connection dropped (closed,
@@ -35,8 +46,8 @@ Contract (on top of ``upstream.base``):
   failure while a stream is being read, or a stream that ends without ``[DONE]`` (for a typed
   stream, without its last event, ``[DONE]`` before it included: typed streams send none; an
   empty one included: its message says it sent nothing) ->
-  ``UpstreamStreamBroken`` (502; ``UpstreamStreamStalled`` when no byte came for
-  ``limits.upstream_timeout``, for routing to judge its replica). Their messages
+  ``UpstreamStreamBroken`` (502; ``UpstreamStreamStalled``, a timeout's 504, when no event
+  came for ``limits.upstream_timeout``, which routing also judges its replica by). Their messages
   reach clients: they name the replica by its ``label`` and say what happened in words
   (``reason``, ``wire.reason_of``), never an exception repr, an address or a credential.
 - Names (``replica_names``): ``name`` is what operators see (/stats, /metrics, logs): the
@@ -323,6 +334,8 @@ class HttpUpstream:
                 timeout=aiohttp.ClientTimeout(
                     total=None,
                     sock_connect=self.limits.upstream_connect_timeout,
+                    # (Between two reads, unlike a cached endpoint's call: a pass-through body
+                    # goes to its one client as it comes, each byte news to it.)
                     sock_read=self.limits.upstream_timeout,
                 ),
                 auto_decompress=False,
@@ -344,7 +357,7 @@ class HttpUpstream:
                 ssl=ssl.create_default_context() if self._tls else None,
                 limit=self.limits.upstream_max_connections,
                 connect_timeout=self.limits.upstream_connect_timeout,
-                read_timeout=self.limits.upstream_timeout,
+                answer_timeout=self.limits.upstream_timeout,
                 keepalive_s=self.limits.upstream_keepalive,
             )
         return self._pool
@@ -565,7 +578,9 @@ def sse_payloads(
 def wire_payloads(
     answer: wire.Answer, last_event: Callable[[bytes], bool] | None, who: str
 ) -> AsyncIterator[list[bytes]]:
-    """``sse_payloads`` of an answer read by ``upstream.wire``. Its connection goes back to the
+    """``sse_payloads`` of an answer read by ``upstream.wire``, each read that brought an event
+    noted as its progress (``limits.upstream_timeout`` runs between two events, not two
+    bytes). Its connection goes back to the
     pool once the stream ended whole, else it is closed (the upstream stops generating), also
     when its body ended whole as HTTP goes: a server that sent no ``[DONE]`` may be closing it
     (llama-cpp-python's, after a prompt over its context), and the next call would go on it."""
@@ -577,6 +592,7 @@ def wire_payloads(
         errors=(wire.WireError,),
         reason=wire.reason_of,
         done=lambda ended: answer.release(drain=True) if ended else answer.discard(),
+        progressed=answer.progressed,
     )
 
 
@@ -599,11 +615,14 @@ async def _payloads(
     errors: tuple[type[BaseException], ...],
     reason: Callable[[BaseException], str],
     done: Callable[[bool], None],
+    progressed: Callable[[], None] | None = None,
 ) -> AsyncIterator[list[bytes]]:
     """The ``data:`` payloads of an SSE body, those of one read in one list, the stream's first
     event in a list of its own (``upstream.base``: until ``[DONE]`` or a typed stream's last
     event, else ``UpstreamStreamBroken``), whichever client reads it: its ``timeouts`` and
-    ``errors`` become ``UpstreamStreamBroken``; ``done(ended whole)`` at the end."""
+    ``errors`` become ``UpstreamStreamBroken`` (``UpstreamStreamStalled`` for a timeout);
+    ``progressed()`` whenever a read brought payloads (not for one of comments
+    only); ``done(ended whole)`` at the end."""
     decoder = SSEDecoder()
     sent = ended = broken = False
     try:
@@ -635,6 +654,8 @@ async def _payloads(
                         break  # a typed stream's last event: it ended whole
                 if batch:
                     sent = True
+                    if progressed is not None:
+                        progressed()
                     yield batch
                 if ended:
                     return

@@ -54,17 +54,24 @@ Contract:
 - An answer's head (status line and headers, with those of any interim ``1xx`` answer before
   it) is at most ``MAX_HEAD`` bytes, counted as they come: beyond, the answer fails
   (``WireError``, "answer head too large") and its connection is closed. A server that sends
-  an endless head, or trickles one (each byte restarting the read timer), would otherwise
-  grow the gateway's memory without bound. A chunked body's trailer fields count so too, once
-  each is whole. Of its fields, an ``Answer`` keeps its content type, what it says of when
-  to retry (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
+  an endless head would otherwise grow the gateway's memory without bound until the answer's
+  timeout (below). A chunked body's trailer fields count so too, once each is whole. Of its
+  fields, an ``Answer`` keeps its content type, what it says of when to retry
+  (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
   (``cache_control``: every line of it, joined by ", " as RFC 9110 5.3 allows; "" for none;
   a whole answer that says ``no-store`` or ``private`` is never stored, ``Answer.storable``;
   a stream's is not read, an SSE server's default of the live feed): the rest is read by no
   one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
-  ("connection timed out"), like a refused one, since nothing was sent; ``read_timeout``
-  seconds without a byte from the server while it owes one (``WireTimeout``).
+  ("connection timed out"), like a refused one, since nothing was sent; ``answer_timeout``
+  seconds for the answer, counted from when its request was sent (``WireTimeout``, the
+  connection closed): a whole answer (``read``) must come all of it by then, head and body;
+  an answer read as it comes (``chunks``) is given ``answer_timeout`` more each time its
+  reader says it got something of use (``Answer.progressed``: a stream's event). Bytes alone
+  are no progress: a server that sends a byte now and then (a body trickled in, a stream
+  kept warm by SSE comments and nothing else) would otherwise hold its caller for ever.
+  Pieces its reader has not read yet when the time is up may hold its progress: then it is
+  judged when the reader next waits, once it has read them.
 - Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
   (``reason_of``: no address, no repr); ``answered`` whether the status had come; ``sent``
   whether the request had been written whole by then (handed to the OS, over TLS to the TLS
@@ -107,7 +114,7 @@ class WireError(Exception):
 
 
 class WireTimeout(WireError):
-    """No byte came from the server for ``read_timeout`` seconds while it owed one (no
+    """The answer did not come within ``answer_timeout`` (see the module's contract; no
     connection in time is a plain ``WireError``: nothing was sent)."""
 
 
@@ -184,13 +191,13 @@ class Pool:
         ssl: ssl_module.SSLContext | None = None,
         limit: int = 1000,
         connect_timeout: float = 10.0,
-        read_timeout: float = 600.0,
+        answer_timeout: float = 600.0,
         keepalive_s: float = 4.0,
     ) -> None:
         self.host, self.port, self.ssl = host, port, ssl
         self.limit = limit
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        self.answer_timeout = answer_timeout
         self.keepalive_s = keepalive_s
         self.open = 0  # connections open or being opened, counted against ``limit``
         self.idle: list[Connection] = []  # the most recently used last
@@ -465,6 +472,11 @@ class Answer:
         else:
             connection.pool.release(connection)
 
+    def progressed(self) -> None:
+        """Its reader got something of use from the pieces it read (a stream's event): the
+        answer has ``answer_timeout`` more from now (see the module's contract)."""
+        self.connection.progress_at = self.connection.loop.time()
+
     def discard(self) -> None:
         """The connection closed, never reused, whatever came of the answer: its reader stopped
         short of what it wanted (a stream not ended whole), see the module's contract."""
@@ -553,7 +565,7 @@ class Connection(asyncio.Protocol):
         "failure",
         "waiter",
         "want",
-        "last_read",
+        "progress_at",
         "timer",
         "poll",
     )
@@ -590,7 +602,9 @@ class Connection(asyncio.Protocol):
         self.failure: WireError | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.want = HEAD
-        self.last_read = 0.0
+        # When its answer last made progress (its request sent, or what its reader said:
+        # ``Answer.progressed``): the answer's timeout runs from there. Bytes alone do not.
+        self.progress_at = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.poll: select.poll | None = None  # its socket, readable or not (``stale``)
 
@@ -608,16 +622,21 @@ class Connection(asyncio.Protocol):
         self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
         self.chunks = []
         self.failure = None
-        self.last_read = now = self.loop.time()
-        self.timer = self.loop.call_at(now + self.pool.read_timeout, self._check_timeout)
+        self.want = HEAD
+        self.progress_at = now = self.loop.time()
+        self.timer = self.loop.call_at(now + self.pool.answer_timeout, self._check_timeout)
 
     async def wait(self, want: int) -> None:
         """Until the answer's head has come (``HEAD``), a piece of its body or its end
         (``NEWS``), or its end (``END``); raises its failure."""
+        self.want = want  # (also what it reads by while it does not wait: ``_check_timeout``)
+        if self.timer is None and self.active and not self.done and not self.draining:
+            # Its time ran out while its reader had pieces unread (``_check_timeout``): judged
+            # now that it has read them (one may have been an event: progress).
+            self._check_timeout()
         if self.failure is None and not (
             self.done or (want == HEAD and self.headed) or (want == NEWS and self.chunks)
         ):
-            self.want = want
             waiter = self.waiter = self.loop.create_future()
             try:
                 await waiter
@@ -643,9 +662,14 @@ class Connection(asyncio.Protocol):
         self.timer = None
         if not self.active or self.done:
             return
-        left = self.last_read + self.pool.read_timeout - self.loop.time()
+        left = self.progress_at + self.pool.answer_timeout - self.loop.time()
         if left > 0:
             self.timer = self.loop.call_later(left, self._check_timeout)
+        elif self.want == NEWS and self.chunks:
+            # Its reader has not read what came yet (a piece of it may be the progress it
+            # would note: an event read in this very round of the loop): ``wait`` judges it
+            # once it has.
+            return
         else:
             # (``sent``, recorded by ``_fail``: a server that never read all of the request
             # cannot be running it, one that did may be: it answers a whole answer once
@@ -701,7 +725,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.active and not self.done and self.failure is None:
             # Closed under a request still owed its answer (``Pool.close``): it fails now.
-            # ``finish`` stops the read timer, and ``connection_lost`` fails no request that
+            # ``finish`` stops the answer's timer, and ``connection_lost`` fails no request that
             # is over, so a reader waiting for its head or body would wait forever.
             self.failure = WireError("connection closed", self.headed, self.sent)
             self._wake()
@@ -734,7 +758,8 @@ class Connection(asyncio.Protocol):
             # to be trusted with the next request.
             self.pool.discard(self)
             return
-        self.last_read = self.loop.time()
+        # (No progress of itself: a byte now and then does not keep the answer's timeout off;
+        # see the module's contract.)
         self.heard = True
         try:
             self.parser.feed_data(data)
