@@ -17,7 +17,10 @@ Contract:
   ``limits.max_header_bytes`` are refused there as they arrive.
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
-  cancels the upstream call). A client leaving is not an error and is not logged as one.
+  cancels the upstream call). Not while a retry with its Idempotency-Key waits on its record
+  (``ClientWatch.keep``, ``idempotency.once``): it goes on, its reply written to no one, and is
+  cancelled once no retry waits, if still running. A client leaving is not an error and is not
+  logged as one.
 - A request still running when the server's shutdown runs out of grace (``shutdown.grace_s``) is
   cancelled by uvicorn; a cancel that is the shutdown's (the gateway is draining: ``carpool
   serve`` sets it on the signal, the HTTP protocol as uvicorn stops each worker; or uvicorn's
@@ -321,6 +324,7 @@ class GatewayApp:
         request it held. ``watch`` (made in this task) cancels it if its client leaves while it
         waits or streams."""
         client.on_wait = watch.start
+        client.keep = watch.keep
         counted = Counted()  # (``Stats.count`` fills it in: this request's, in its task's context)
         COUNTED.set(counted)
         COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
