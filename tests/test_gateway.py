@@ -15,6 +15,7 @@ from carpool.reply import SLICE_BYTES
 from conftest import run_gateway
 from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
+from fakes.serving import serve_app
 from fakes.waiting import eventually
 
 CHAT = "/v1/chat/completions"
@@ -665,6 +666,68 @@ async def test_other_v1_paths_and_models_pass_through_uncached(gw, fake):
     assert moderation.json()["path"] == "/v1/moderations" and moderation.json()["query"] == "x=1"
     await gw.client.post("/v1/moderations?x=1", json={"input": "hi"})
     assert fake.count() == 3
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+async def test_a_pass_through_call_whose_client_leaves_before_its_answer_is_cancelled_upstream(
+    gw, fake, streamed
+):
+    # A long call (a transcription, a speech stream) whose client went: its upstream call stayed
+    # open until the upstream answered or limits.upstream_timeout passed, counted in flight on
+    # its replica, and a shutdown waited for it through its whole grace period.
+    fake.hang = True
+    call = asyncio.create_task(
+        gw.client.post("/v1/audio/transcriptions", json={"model": "w", "stream": streamed})
+    )
+    await fake.wait_for_calls(1)
+    call.cancel()  # (its connection closed)
+    await fake.wait_for_cancelled(1)
+    await eventually(lambda: gw.gateway.replicas.in_flight == 0, what="its replica freed")
+
+
+async def test_a_pass_through_answer_whose_client_leaves_part_way_closes_its_upstream_call():
+    upstream_saw_it_leave = asyncio.Event()
+
+    async def head_then_wait(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"RIFF", "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        upstream_saw_it_leave.set()
+
+    async with serve_app(head_then_wait) as slow, run_gateway([slow + "/v1"]) as gw:
+        async with gw.client.stream("POST", "/v1/audio/speech", json={"input": "hi"}) as reply:
+            assert await anext(reply.aiter_raw()) == b"RIFF"
+        # (closed with its body unread: the connection goes)
+        await asyncio.wait_for(upstream_saw_it_leave.wait(), 5)
+        await eventually(lambda: gw.gateway.replicas.in_flight == 0, what="its replica freed")
+
+
+async def test_a_pass_through_client_that_sent_its_whole_body_and_waits_is_not_gone(gw, fake):
+    # Watched for leaving once its body is read, not before: a body in pieces reaches the
+    # upstream whole, and the client waiting for the answer gets it.
+    fake.gate = asyncio.Event()
+
+    async def pieces():
+        for piece in (b"a" * 70_000, b"b" * 70_000, b"c" * 70_000):
+            yield piece
+
+    call = asyncio.create_task(
+        gw.client.post(
+            "/v1/moderations",
+            content=pieces(),
+            headers={"content-type": "application/octet-stream"},
+        )
+    )
+    await fake.wait_for_calls(1)
+    fake.gate.set()
+    assert (await call).status_code == 200
+    assert fake.calls[0].raw_body == b"a" * 70_000 + b"b" * 70_000 + b"c" * 70_000
+    assert fake.cancelled == 0 and gw.gateway.replicas.in_flight == 0
 
 
 async def test_request_headers_are_forwarded_upstream(gw, fake):

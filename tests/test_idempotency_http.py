@@ -4,16 +4,27 @@ the cached endpoints; on pass-through a key is held to the same rule but kept by
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
+import httpx
 import openai
+import orjson
 import pytest
 
 from carpool.clock import ManualClock
+from carpool.config import Config
 from carpool.idempotency.once import MAX_KEYED_ITEMS
+from carpool.pipeline import Gateway
+from carpool.server import create_app
+from carpool.wiring import build_gateway
 from conftest import redis_settings, run_gateway
+from fakes.serving import ServedApp, serve_app_with_server
 from fakes.waiting import eventually
 
 KEY = {"Idempotency-Key": '"order-42"'}
+CHAT = "/v1/chat/completions"
 
 
 def text(response) -> str:
@@ -597,3 +608,94 @@ async def test_a_valid_idempotency_key_on_a_pass_through_call_is_forwarded_and_i
         ("/v1/images/generations", '"order-42"'),
         ("/v1/images/generations", '"order-42"'),
     ]
+
+
+@contextlib.asynccontextmanager
+async def _served(
+    fake, **config: Any
+) -> AsyncIterator[tuple[ServedApp, Gateway, httpx.AsyncClient]]:
+    """The gateway over HTTP, its server at hand: its connections say when one has ended."""
+    gateway = build_gateway(Config(upstreams=[fake.url], **config))
+    async with serve_app_with_server(create_app(gateway)) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            yield served, gateway, client
+
+
+async def _first_then_gone(served: ServedApp, body: dict, fake, *, streamed: bool):
+    """Sends the first keyed request on a connection of its own; returns, once its answer is
+    under way (streamed: its head and first words sent), its writer (kept: collected, it closes
+    the connection) and the server's side of that connection."""
+    payload = orjson.dumps(body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        b'idempotency-key: "order-42"\r\ncontent-length: %d\r\n\r\n' % len(payload) + payload
+    )
+    if streamed:
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
+    else:
+        await fake.wait_for_calls(1)
+    (connection,) = served.server.server_state.connections
+    return writer, connection
+
+
+def _records_waiting(gateway: Gateway) -> int:
+    return getattr(gateway.idempotency, "shared", gateway.idempotency).waiters
+
+
+@pytest.mark.parametrize("records", ["memory", "redis"])
+@pytest.mark.parametrize(
+    "asked",
+    [
+        pytest.param({"temperature": 0}, id="coalesced"),
+        pytest.param({"temperature": 0.9}, id="sampled"),
+        pytest.param({"temperature": 0, "stream": True}, id="streamed, gone part-way"),
+    ],
+)
+async def test_a_retry_waiting_on_its_key_keeps_the_first_run_going_when_its_client_leaves(
+    fake, records, asked, request
+):
+    # The usual reason for a retry: the first request's connection dropped. The first run was
+    # cancelled part-way, then run again for the retry waiting on its record: two generations
+    # for one key, the first thrown away.
+    config = {"idempotency": {"on_conflict": "wait"}, **idempotency_settings(records, request)}
+    streamed = asked.get("stream", False)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
+    async with _served(fake, **config) as (served, gateway, client):
+        gate = asyncio.Event()
+        if streamed:
+            fake.chunk_gate = gate  # (its head and first words sent, then the rest held)
+        else:
+            fake.gate = gate
+        writer, first = await _first_then_gone(served, body, fake, streamed=streamed)
+        retry = asyncio.create_task(client.post(CHAT, json=body, headers=KEY))
+        await eventually(lambda: _records_waiting(gateway) == 1, what="the waiting retry")
+        writer.transport.abort()  # (the first client's connection drops)
+        await eventually(
+            lambda: first not in served.server.server_state.connections, what="the first gone"
+        )
+        gate.set()
+        answer = await retry
+    assert answer.status_code == 200 and answer.headers["idempotent-replayed"] == "true"
+    assert (fake.count(), fake.cancelled) == (1, 0)
+
+
+async def test_once_the_waiting_retry_leaves_too_the_first_run_is_cancelled(fake):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    async with _served(fake, idempotency={"on_conflict": "wait"}) as (served, gateway, client):
+        fake.gate = asyncio.Event()
+        writer, first = await _first_then_gone(served, body, fake, streamed=False)
+        retry = asyncio.create_task(client.post(CHAT, json=body, headers=KEY))
+        await eventually(lambda: _records_waiting(gateway) == 1, what="the waiting retry")
+        writer.transport.abort()  # (the first client's connection drops)
+        await eventually(
+            lambda: first not in served.server.server_state.connections, what="the first gone"
+        )
+        retry.cancel()  # (its connection closed)
+        await fake.wait_for_cancelled(1)
+        await eventually(lambda: gateway.flights.waiters == 0, what="the flight left")
+        fake.gate = None
+        again = await client.post(CHAT, json=body, headers=KEY)  # its record was dropped
+    assert again.status_code == 200 and "idempotent-replayed" not in again.headers
+    assert fake.count() == 2

@@ -564,8 +564,8 @@ async def _head_then_wait(scope, receive, send) -> None:
 
 
 async def test_a_pass_through_call_its_client_leaves_is_no_longer_counted_in_flight():
-    # Its client gone part-way through the body, or before the answer came (the replica still
-    # at work on it until then): the count goes back down.
+    # Its client gone part-way through the body, or before the answer came (its call cancelled
+    # with it): the count goes back down.
     async with replicas(1) as (waiting,), serve_app(_head_then_wait) as slow:
         async with run_gateway(
             [waiting.url, slow + "/v1"], routing={"policy": "round-robin"}

@@ -60,7 +60,9 @@ Contract:
   request on it (``connection_lost``), not only uvicorn's current cycle (the request parsed
   last): the one being answered, on either path, with requests pipelined behind it too, ends as
   a client's that left whatever it waits for (its upstream, the client to read), writes
-  nothing more, and is logged as no failure; those queued behind it are never run.
+  nothing more, and is logged as no failure (one a waiting retry keeps going,
+  ``ClientWatch.keep``, ends so once let go, writing nothing meanwhile); those queued behind it
+  are never run.
 - A body is held only within one read from the socket: one not complete when the bytes read so
   far are parsed (a large body, one that trickles in) is handed to uvicorn with what has
   arrived, and its app reads the rest under its usual limits (size, ``body_read_timeout``). A

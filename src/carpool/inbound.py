@@ -8,7 +8,9 @@ Contract:
 - ``Deadlines``: one timer for every body being read, rather than one per request.
 - ``ClientWatch``: cancels a request's task if its client leaves while it waits or streams
   (``start``), never after its reply is complete (``stop``); ``left`` is told when the client
-  goes. It also holds where the reply stands for whoever sends it: ``headed`` once its status
+  goes. While it is kept (``keep``: a retry with its Idempotency-Key waits on its record), a
+  client leaving does not cancel it: it goes on, its reply written to no one, and is cancelled
+  once the last keeper lets go, if it is still running. It also holds where the reply stands for whoever sends it: ``headed`` once its status
   and headers are sent, ``finished`` once its end is on its way. ``ReceiveWatch`` learns it from ASGI's ``receive`` (a watcher task, made only when the
   request waits); the HTTP protocol tells its own (``http_protocol.py``) from the connection.
 """
@@ -16,7 +18,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import BodyTimeout, BodyTooLarge
@@ -34,7 +36,7 @@ class ClientWatch:
     of a list input wait in tasks of their own, and every one of them must be cancelled.
     """
 
-    __slots__ = ("task", "started", "gone", "finished", "client_left", "headed")
+    __slots__ = ("task", "started", "gone", "finished", "client_left", "headed", "kept")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
@@ -42,6 +44,7 @@ class ClientWatch:
         # The reply's status and headers are sent (set by whoever sends them): a request cut
         # now can only end what was begun (``server.GatewayApp.serve``).
         self.headed = False
+        self.kept = 0  # keepers not yet let go (``keep``)
 
     def start(self) -> None:
         self.started = True
@@ -56,7 +59,28 @@ class ClientWatch:
         if self.started:
             self._cancel()
 
+    def keep(self) -> Callable[[], None]:
+        """Keeps the request going should its client leave, until the function returned (to call
+        once) lets go: a retry with the request's Idempotency-Key waits on its record
+        (``idempotency.once``), and the record's run is that retry's answer too. Cancelled, the
+        run was made again for the retry: two generations for one key, the first thrown away.
+        Let go by its last keeper, a request whose client left meanwhile is cancelled then."""
+        self.kept += 1
+        held = True
+
+        def let_go() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.kept -= 1
+                if not self.kept and self.gone and self.started:
+                    self._cancel()
+
+        return let_go
+
     def _cancel(self) -> None:
+        if self.kept:  # (once let go: ``keep``)
+            return
         if not self.finished and not self.client_left and self.task is not None:
             self.client_left = True
             self.task.cancel()

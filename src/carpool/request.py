@@ -88,6 +88,9 @@ class ClientRequest:
     # Called once the request must wait (on a flight or the upstream), so that a transport can
     # start watching for its client leaving only then: an immediate hit never pays for it.
     on_wait: Callable[[], None] | None = None
+    # Keeps the request going should its client leave, until the function it returns is called
+    # (``inbound.ClientWatch.keep``): a retry with its Idempotency-Key waits on its record.
+    keep: Callable[[], Callable[[], None]] | None = None
     # Sent by another worker of this run (``carpool.peers``), which chose this one to lead it:
     # led here, never passed on. Only the peers' own door sets it (``peers.PeerApp``).
     peer: bool = False

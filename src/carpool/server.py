@@ -17,7 +17,10 @@ Contract:
   ``limits.max_header_bytes`` are refused there as they arrive.
 - While a request waits or streams, a watcher listens for the client going away; if it does, the
   request's task is cancelled, which releases its place in the flight (and, for the last client,
-  cancels the upstream call). A client leaving is not an error and is not logged as one.
+  cancels the upstream call). Not while a retry with its Idempotency-Key waits on its record
+  (``ClientWatch.keep``, ``idempotency.once``): it goes on, its reply written to no one, and is
+  cancelled once no retry waits, if still running. A client leaving is not an error and is not
+  logged as one.
 - A request still running when the server's shutdown runs out of grace (``shutdown.grace_s``) is
   cancelled by uvicorn; a cancel that is the shutdown's (the gateway is draining: ``carpool
   serve`` sets it on the signal, the HTTP protocol as uvicorn stops each worker; or uvicorn's
@@ -49,9 +52,11 @@ Contract:
   logged by ``ReplicaSet.passthrough`` as the upstream's) is cut for its client too: its
   connection closed, never its body ended as if whole; not logged as a failure of the
   gateway's (under carpool's HTTP protocol, ``CUT``; uvicorn's own logs that a response was
-  left incomplete). However its relay ends (whole, cut, its client gone before or during the
-  body), the answer is closed (``PassthroughResponse.aclose``): its call counted in flight no
-  more, its connection let go. An ``Idempotency-Key`` (or ``X-Idempotency-Key``) on a
+  left incomplete). A pass-through client that leaves takes its call with it: before the
+  answer (watched once its whole body is read, so a client waiting for the answer is not gone:
+  ``ReceiveWatch``), the upstream request is cancelled; during the relay, the relay ends. However
+  its relay ends (whole, cut, its client gone before or during the body), the answer is closed
+  (``PassthroughResponse.aclose``): its call counted in flight no more, its connection let go. An ``Idempotency-Key`` (or ``X-Idempotency-Key``) on a
   pass-through call, whatever its method, is held to the cached endpoints' rule
   (``Gateway.passthrough``): an invalid one is their 400 (problem+json) and nothing is sent; a
   valid one is forwarded (not with a key the gateway holds) but recorded nowhere: a retry runs
@@ -319,6 +324,7 @@ class GatewayApp:
         request it held. ``watch`` (made in this task) cancels it if its client leaves while it
         waits or streams."""
         client.on_wait = watch.start
+        client.keep = watch.keep
         counted = Counted()  # (``Stats.count`` fills it in: this request's, in its task's context)
         COUNTED.set(counted)
         COUNTED_ELSEWHERE.set(client.peer)  # (a peer's: counted where it came from, but keyed)
@@ -698,9 +704,25 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             body = await body_of(request)
             if body is None:
                 return Response(status_code=499)  # the client left
-            upstream = await gateway.passthrough(
-                request.method, path, scope.get("query_string", b""), headers, body
-            )
+            # Watched from now on, its whole body read (waiting for the answer is no leaving):
+            # a client gone before its answer takes its call with it, as a cached endpoint's
+            # last client does, or the call held its upstream and its replica's slot until the
+            # upstream answered or ``limits.upstream_timeout`` passed, and a shutdown's drain
+            # waited for it. Once the answer is relayed, the relay sees its client go
+            # (``_Relay``).
+            watch = ReceiveWatch(request.receive)
+            watch.start()
+            try:
+                upstream = await gateway.passthrough(
+                    request.method, path, scope.get("query_string", b""), headers, body
+                )
+            except asyncio.CancelledError:
+                if not watch.client_left:
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # (in a task here)
+                return Response(status_code=499)  # (written to no one: the client left)
+            finally:
+                watch.stop()
         except CarpoolError as error:
             return _carpool_error(error)
         response = _Relay(upstream, scope.get(CUT))

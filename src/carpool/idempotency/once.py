@@ -9,6 +9,13 @@ Contract:
   ``idempotency.on_conflict: wait``, waits for it, up to ``coalesce.join_timeout_ms`` in all,
   then a 409: a run finished is replayed; a run dropped (a retryable answer) or released is
   begun again by one waiting retry, and the others wait for that one in turn.
+- A retry waiting on a key whose run began in this process keeps that run going (its
+  request's ``ClientRequest.keep``): the first client leaving (the usual reason for the retry)
+  no longer cancels it, so the key is generated once and the retry gets that answer. Once no
+  retry waits on it any more (each answered, timed out or gone), a run whose client left is
+  cancelled as before (its call, with the flight's last client, unless
+  ``coalesce.finish_abandoned``), and its record dropped. A run in another instance (Redis
+  records) is not kept from here.
 - A request whose record cannot be read although the shared records answer (every connection
   busy: ``IdempotencyUnavailable``) gets a 503 with ``Retry-After`` and is not run: running it
   without its record could run the key twice.
@@ -122,6 +129,9 @@ class AtMostOnce:
         self.answer = answer
         self.clock = clock  # (wall-clock: when answers were made, and replays' ages)
         self._join_timeout = config.coalesce.join_timeout_ms / 1000
+        # The keys whose run began here and whose record is not settled yet, with the request
+        # that runs it: what a retry waiting on the key keeps going (``_Keeping``).
+        self._runs: dict[str, ClientRequest] = {}
 
     async def run(
         self,
@@ -164,9 +174,15 @@ class AtMostOnce:
                 # waiting retry, which this one then waits for in turn).
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + self._join_timeout
-                while begin.state == "processing" and (left := deadline - loop.time()) > 0:
-                    await records.wait(scoped, digest, left)
-                    begin = await records.begin(scoped, digest)
+                keeping = _Keeping()
+                try:
+                    while begin.state == "processing" and (left := deadline - loop.time()) > 0:
+                        # (The run may change as it waits: dropped, then begun by another retry.)
+                        keeping.keep(self._runs.get(scoped))
+                        await records.wait(scoped, digest, left)
+                        begin = await records.begin(scoped, digest)
+                finally:
+                    keeping.let_go()  # (a run whose client left is cancelled now, if unsettled)
         except IdempotencyUnavailable as error:  # nothing ran: a retry is safe
             return self._refused(error, request)
         if begin.state == "mismatch":
@@ -190,6 +206,34 @@ class AtMostOnce:
             return Reply(stored.status, headers, stored.body, outcome=Outcome.HIT)
         token = begin.token
         assert token is not None
+        self._runs[scoped] = client  # (until its record settles: ``_settled``)
+        settled = partial(self._settled, scoped, client)
+        try:
+            reply = await self._run(client, request, key, route, scoped, token, settled)
+        except BaseException:
+            settled()
+            raise
+        if reply.stream is None:  # (a stream's record settles as it ends: ``_Recorded``)
+            settled()
+        return reply
+
+    def _settled(self, scoped: str, client: ClientRequest) -> None:
+        """The record of ``client``'s run of ``scoped`` is settled: no retry keeps it now."""
+        if self._runs.get(scoped) is client:  # (not a run begun since, by a retry)
+            del self._runs[scoped]
+
+    async def _run(
+        self,
+        client: ClientRequest,
+        request: Request,
+        key: Fingerprint,
+        route: str,
+        scoped: str,
+        token: str,
+        settled: Callable[[], None],
+    ) -> Reply:
+        """The run of a key begun here (``run``): its answer, kept by its record."""
+        records = self.records
         # Its answer is kept for retries that may ask for the usage it did not (``bypass``).
         request = replace(request, recorded=True)
         items = list_items(request)
@@ -240,6 +284,7 @@ class AtMostOnce:
                 ),
                 request.body,
                 reply.with_usage,
+                settled,
             )
             reply.stream = _recorded(reply.stream, recorded)
             reply.on_close = partial(recorded.close, reply.on_close)
@@ -407,7 +452,17 @@ class _Recorded:
     else what the client received), if that is final (``is_final``), else dropped (the stream
     ended with an error event, or its client left), so that a retry runs again."""
 
-    __slots__ = ("records", "key", "token", "kind", "head", "asked", "with_usage", "settled")
+    __slots__ = (
+        "records",
+        "key",
+        "token",
+        "kind",
+        "head",
+        "asked",
+        "with_usage",
+        "settled",
+        "on_settled",
+    )
 
     def __init__(
         self,
@@ -418,15 +473,22 @@ class _Recorded:
         head: StoredResponse,
         asked: dict[str, Any],
         with_usage: Callable[[], bytes | None] | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> None:
         self.records, self.key, self.token, self.kind = records, key, token, kind
         self.head = head  # status, headers and format; the frames are the body
         self.asked = asked  # the request's body (how many choices make it whole)
         self.with_usage = with_usage  # (``Reply.with_usage``)
         self.settled = False
+        self.on_settled = on_settled  # (``AtMostOnce._settled``: no retry keeps the run now)
+
+    def _settling(self) -> None:
+        self.settled = True
+        if self.on_settled is not None:
+            self.on_settled()
 
     async def end(self, frames: list[bytes]) -> None:
-        self.settled = True
+        self._settling()
         head = self.head
         whole = self.with_usage() if self.with_usage is not None else None
         stored = StoredResponse(
@@ -442,7 +504,7 @@ class _Recorded:
             await _settle(self.records.abandon(self.key, self.token))
 
     async def drop(self) -> None:
-        self.settled = True
+        self._settling()
         with contextlib.suppress(Exception):
             await self.records.abandon(self.key, self.token)
 
@@ -463,6 +525,29 @@ class _Recorded:
 
 
 _DROPPING: set[asyncio.Task[None]] = set()  # strong references to the drops under way
+
+
+class _Keeping:
+    """What a retry waiting on a key keeps going: the request running the key here, if any
+    (``ClientRequest.keep``); the one it keeps changes as the run does."""
+
+    __slots__ = ("run", "let_go_of")
+
+    def __init__(self) -> None:
+        self.run: ClientRequest | None = None
+        self.let_go_of: Callable[[], None] | None = None
+
+    def keep(self, run: ClientRequest | None) -> None:
+        if run is self.run:
+            return
+        self.let_go()
+        if run is not None and run.keep is not None:
+            self.run, self.let_go_of = run, run.keep()
+
+    def let_go(self) -> None:
+        let_go_of, self.run, self.let_go_of = self.let_go_of, None, None
+        if let_go_of is not None:
+            let_go_of()
 
 
 async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncIterator[bytes]:
