@@ -555,3 +555,51 @@ def test_an_empty_carpool_config_variable_means_no_file():
     # CARPOOL_CONFIG= (as a template leaves it) was the file "": "[Errno 21] Is a directory".
     log = _served_log(env={"CARPOOL_CONFIG": ""})
     assert "SIMULATED" in log and "config file" not in log
+
+
+def test_serve_refuses_a_held_key_ending_in_a_newline_naming_it_never_its_value(tmp_path):
+    # `HELD=$(cat key)` keeps no newline, a Kubernetes secret mounted as a variable may: serve
+    # started, and every call then failed (a 502 "internal error while calling upstream",
+    # /v1/models a 500 with a traceback: "Forbidden control character detected in headers").
+    path = tmp_path / "c.yaml"
+    path.write_text('upstream: {api_key: "${HELD}"}\n')
+    env = {**os.environ, "HELD": "sk-HELD-VALUE\n"}
+    for command in (
+        ["serve", "--config", str(path), "--port", str(free_port())],
+        ["check-config", str(path)],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "carpool.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert result.returncode == 2, result.stderr
+        assert "upstream.api_key" in result.stderr and "${HELD}" in result.stderr
+        assert (
+            "sk-HELD-VALUE" not in result.stdout + result.stderr
+            and "Traceback" not in result.stderr
+        )
+
+
+def test_an_empty_config_path_exits_2_never_all_defaults_nor_another_file(tmp_path):
+    # `carpool check-config "$CONFIG"` with the variable unset said "ok: " (or validated the
+    # file CARPOOL_CONFIG named), and `serve --config ""` started on every default.
+    other = tmp_path / "other.yaml"
+    other.write_text("port: 1234\n")
+    for env in ({}, {"CARPOOL_CONFIG": str(other)}):
+        for command in (
+            ["check-config", ""],
+            ["serve", "--config", "", "--port", str(free_port())],
+        ):
+            result = subprocess.run(
+                [sys.executable, "-m", "carpool.cli", *command],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, **env},
+            )
+            assert result.returncode == 2, (command, env, result.stdout, result.stderr)
+            assert "config file '': an empty path names no file" in result.stderr
+            assert "1234" not in result.stdout + result.stderr

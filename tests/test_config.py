@@ -808,3 +808,111 @@ def test_a_url_with_white_space_in_it_is_refused_naming_the_field(key, url):
     with pytest.raises(ConfigError, match="white space") as raised:
         Config.load(env={}, overrides={key: value})
     assert f"{key}:" in str(raised.value)
+
+
+HELD_KEYS = {
+    "upstream.api_key": 'upstream: {api_key: "${HELD}"}\n',
+    "upstream.api_keys": 'upstreams: ["http://a:1/v1"]\nupstream: {api_keys: ["${HELD}"]}\n',
+    "semantic.judge.api_key": 'semantic: {judge: {model: m, api_key: "${HELD}"}}\n',
+    "semantic.embedder_api_key": 'semantic: {embedder_api_key: "${HELD}"}\n',
+}
+
+
+@pytest.mark.parametrize(
+    "key", ["sk-HELD\n", "sk-HELD\r\n", "sk-HE\rLD", " sk-HELD", "sk-\x7fHELD"]
+)
+@pytest.mark.parametrize("field", sorted(HELD_KEYS))
+def test_a_held_key_no_header_can_carry_is_refused_naming_it_and_its_variable_never_its_value(
+    field, key, tmp_path, monkeypatch
+):
+    # A key from a secret file (its trailing newline) passed, and every call then failed: a 502
+    # "internal error while calling upstream", /v1/models a 500 ("Forbidden control character
+    # detected in headers"). Refused, never trimmed: a key silently changed is another key.
+    monkeypatch.setenv("HELD", key)
+    path = tmp_path / "c.yaml"
+    path.write_text(HELD_KEYS[field])
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env={})
+    said = str(raised.value)
+    assert f"{field}:" in said and "${HELD}" in said, said
+    assert "sk-" not in said, said
+    # Given as the value itself (a variable of the key's own), it is refused all the same.
+    with pytest.raises(ConfigError, match="upstream.api_key"):
+        Config.load(env={"CARPOOL_UPSTREAM__API_KEY": key})
+    monkeypatch.setenv("HELD", "sk-HELD")
+    Config.load(path, env={})  # the key as it should be
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        # A stray brace: YAML cannot read it, so the section got the string, echoed whole.
+        {"CARPOOL_UPSTREAM": "{api_key: sk-LIVE-SECRET, stream_usage: true"},
+        {"CARPOOL_SEMANTIC__JUDGE": "{model: m, api_key: sk-LIVE-SECRET"},
+        {"CARPOOL_SEMANTIC": "{embedder_api_key: sk-LIVE-SECRET"},
+        {"CARPOOL_UPSTREAMS": "[http://a:1/v1, sk-LIVE-SECRET"},
+    ],
+)
+def test_a_section_or_list_written_as_a_string_never_echoes_it(env, tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env=env)
+    said = str(raised.value)
+    assert "SECRET" not in said and "cannot be read" in said, said
+    path = tmp_path / "c.yaml"
+    path.write_text('upstream: "api_key=sk-FILE-SECRET"\nsemantic: {judge: "sk-FILE-SECRET"}\n')
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env={})
+    said = str(raised.value)
+    assert "SECRET" not in said and "upstream:" in said and "semantic.judge:" in said, said
+
+
+@pytest.mark.parametrize(
+    "text, key, line, first",
+    [
+        ("cache:\n  max_bytes: 1000\nport: 9000\ncache:\n  default_ttl: 5\n", "cache", 4, 1),
+        ("cache:\n  types:\n    faq: {ttl: 1}\n    faq: {ttl: 2}\n", "faq", 4, 3),
+        ("port: 1\ncache: {max_bytes: 1, max_bytes: 2}\n", "max_bytes", 2, 2),
+    ],
+)
+def test_a_key_given_twice_in_the_file_is_refused_naming_it_and_its_lines(
+    text, key, line, first, tmp_path
+):
+    # PyYAML keeps the last: the first `cache:` section's max_bytes was silently the default.
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        Config.load(path, env={})
+    said = str(raised.value)
+    assert f"at line {line}," in said and f"{key!r} is given twice (first at line {first})" in said
+    # A key a merge brought in may be given again: that is what a merge is for.
+    path.write_text("semantic:\n  judge:\n    <<: {model: m, url: 'http://j:1/v1'}\n    model: n\n")
+    assert Config.load(path, env={}).semantic.judge.model == "n"
+
+
+@pytest.mark.parametrize("token", ["{Xy7-tok}", "[Xy7]", "{a: b}", "[a, b]"])
+def test_a_string_keys_variable_starting_with_a_bracket_or_brace_is_the_string(token, tmp_path):
+    # It was read as YAML: a mapping or list, which the key refused ("Input should be a valid
+    # string"), while the file's "{Xy7-tok}" was accepted.
+    path = tmp_path / "c.yaml"
+    path.write_text(f'admin_token: "{token}"\n')
+    assert Config.load(path, env={}).admin_token == token
+    config = Config.load(env={"CARPOOL_ADMIN_TOKEN": token, "CARPOOL_UPSTREAM__API_KEY": token})
+    assert config.admin_token == token
+    assert config.upstream.api_key is not None
+    assert config.upstream.api_key.get_secret_value() == token
+    # A key that holds a section, a mapping or a list still reads one written as YAML.
+    config = Config.load(
+        env={
+            "CARPOOL_CACHE": "{max_bytes: 5}",
+            "CARPOOL_UPSTREAMS": "[http://a:1/v1]",
+            "CARPOOL_SEMANTIC__JUDGE": "{model: m, band: [0.5, 0.9]}",
+        }
+    )
+    assert config.cache.max_bytes == 5 and config.upstreams == ["http://a:1/v1"]
+    assert config.semantic.judge.band == (0.5, 0.9)
+
+
+def test_an_empty_config_path_is_refused_it_names_no_file():
+    # Path("") is the working directory: "[Errno 21] Is a directory: '.'".
+    with pytest.raises(ConfigError, match="config file '': an empty path names no file"):
+        Config.load("", env={})

@@ -78,6 +78,8 @@ def gauges(layers: Layers) -> dict[str, Any]:
                         "entries": semantic.entries,
                         "bytes": semantic.bytes,
                         "embed_failures": semantic.embed_failures,
+                        # (a setting to correct, said once in the log: ``embed_problem``)
+                        "embed_problem": semantic.embed_problem,
                     }
                 }
                 if semantic

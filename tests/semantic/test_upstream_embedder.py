@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -322,3 +323,30 @@ async def test_an_embeddings_answer_not_indexed_0_to_n_minus_1_is_an_embedder_fa
             await eventually(lambda: gw.gateway.semantic.embed_failures == 1, what="a failure")
             assert gw.gateway.semantic.entries == 0
     assert fake.count("/v1/embeddings") >= 1
+
+
+async def test_an_embedding_dim_the_model_does_not_answer_is_named_once_with_both_lengths(caplog):
+    # The fake's model answers 8 floats; the setting says 16 (as the default 1536 in front of a
+    # 64- or 384-dimension model). Every embedding failed, and the log said only "the semantic
+    # cache's embedder failed (ValueError; ...)", every 30 s: nothing named the setting.
+    fake = FakeUpstream()
+    semantic = {**UPSTREAM_EMBEDDER, "embedding_dim": 16}
+    caplog.set_level(logging.WARNING, logger="carpool.semantic")
+    async with serve_app(fake) as url, run_gateway([url + "/v1"], semantic=semantic) as gw:
+        prompts = [f"How do I reset my router, take {n}?" for n in range(6)]
+        for prompt in prompts:
+            assert (await chat(gw, prompt)).headers["x-carpool"] == "miss"
+        await eventually(lambda: gw.gateway.semantic.embed_failures >= 6, what="the failures")
+        stats = (await gw.client.get("/stats")).json()["layers"]["semantic"]
+    said = [r.getMessage() for r in caplog.records if r.name == "carpool.semantic"]
+    named = [r for r in caplog.records if "semantic.embedding_dim" in r.getMessage()]
+    assert [r.levelname for r in named] == ["ERROR"], said  # once, however many failed after it
+    assert "returns vectors of 8 dimensions, semantic.embedding_dim says 16" in named[0].message
+    # The failures that followed (the breaker's refusals among them): counted, not logged.
+    assert [m for m in said if "the semantic cache's embedder failed" in m] == [named[0].message]
+    assert not any("router" in m for m in said)  # no prompt in the log
+    assert (
+        stats["embed_problem"] in named[0].message
+        and "semantic.embedding_dim" in stats["embed_problem"]
+    )
+    assert stats["embed_failures"] >= 6 and stats["entries"] == 0

@@ -2,10 +2,10 @@
 
 Contract: the file (and the ``CARPOOL_*`` variables, which a served gateway would read too) is
 loaded exactly as ``carpool serve --config FILE`` loads it (``commands.common.load_config``):
-valid, it prints ``ok: FILE`` and a one-line summary and exits 0; invalid (or missing, or not
-YAML, or turning on what an extra that is not installed provides: ``refuse_missing_extras``, as
-serve), it exits 2 with a message naming the field and what is allowed. Nothing is started,
-nothing is fetched, no connection is made.
+valid, it prints ``ok: FILE`` and a one-line summary and exits 0; invalid (or missing, or
+``""``, or not YAML, or turning on what an extra that is not installed provides:
+``refuse_missing_extras``, as serve), it exits 2 with a message naming the field and what is
+allowed. Nothing is started, nothing is fetched, no connection is made.
 """
 
 from __future__ import annotations

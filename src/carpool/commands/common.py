@@ -1,7 +1,8 @@
 """What every ``carpool`` command shares.
 
 Contract: every option that is a setting can also come from the config file (``--config``, else
-``CARPOOL_CONFIG``; an empty ``CARPOOL_CONFIG=`` is no file) and ``CARPOOL_*`` variables; flags
+``CARPOOL_CONFIG``; an empty ``CARPOOL_CONFIG=`` is no file, as any empty variable is null, but
+``--config ""`` or ``check-config ""`` names a file that cannot be read: exit 2) and ``CARPOOL_*`` variables; flags
 win (``load_config``). A run's own options are flags only (docs/deviations.md): what ``carpool
 bench`` replays and ``carpool eval-semantic`` scores, and ``carpool sim``'s ``--host`` /
 ``--port``; they are one-off runs, not a deployment's settings. A bad configuration exits with status 2 and a message naming the field and
@@ -30,8 +31,13 @@ from ..config import CONFIG_FILE_VARIABLE, Config, ConfigError
 
 def config_path(config_file: str | None) -> str | None:
     """The file the configuration is read from: ``--config``'s, else ``CARPOOL_CONFIG``'s."""
-    # (An empty variable, as a template leaves it, is no file: not the file "".)
-    return config_file or os.environ.get(CONFIG_FILE_VARIABLE) or None
+    if config_file is not None:
+        # Given, even empty: ``--config "$UNSET"`` is a mistake to report (``load`` refuses
+        # the path ""), never all defaults, nor the file CARPOOL_CONFIG names.
+        return config_file
+    # (An empty variable, as a template leaves it, is no file, as an empty CARPOOL_* variable
+    # is null: not the file "".)
+    return os.environ.get(CONFIG_FILE_VARIABLE) or None
 
 
 def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:

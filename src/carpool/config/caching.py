@@ -375,7 +375,9 @@ class SemanticConfig(Section):
     embedding_dim: int = Field(
         1536,
         ge=1,
-        description="Length of the upstream's embedding vectors when `embedder: upstream`.",
+        description="Length of the upstream's embedding vectors when `embedder: upstream`. "
+        "A model answering another length fails every embedding: said once, as an error "
+        "naming both lengths, and in /stats (`layers.semantic.embed_problem`).",
     )
     embedder_api_key: SecretStr | None = Field(
         None,

@@ -16,7 +16,9 @@ Contract:
   directory (``carpool serve`` sets it), ``CARPOOL_REDIS_SERVER`` the server binary
   ``carpool bench`` starts; they are not keys.
 - A value is the string as written, read by its key's type (``8080``, ``1.5``, ``yes``); a
-  list or mapping (``[a, b]``, ``{k: v}``) is read as YAML; an empty value or ``null`` is null
+  list or mapping (``[a, b]``, ``{k: v}``) given to a key that holds one (a section, a mapping,
+  a list: ``_is_structured``) is read as YAML, to any other key it is the string (an
+  ``admin_token`` of ``{Xy7}``, as the file's ``"{Xy7}"``); an empty value or ``null`` is null
   (``_read_value``). A list key's value (found by its type, at any depth) can also be one item
   or items separated by commas, each trimmed: ``CARPOOL_UPSTREAMS=http://a:8000/v1`` (as
   ``--upstream`` takes it), ``CARPOOL_TENANT__SHARED_NAMESPACES=pub,docs`` (``_items``); an
@@ -28,7 +30,9 @@ Contract:
   must not silently keep a default. The error names the key, never its value (a misspelt
   secret's name is anything).
 - Any invalid source raises ``ConfigError`` naming the field and what is allowed; a file that is
-  not UTF-8 text too, naming the byte where it stops being so. A URL given to the ``upstream``
+  not UTF-8 text too, naming the byte where it stops being so; a key given twice in one mapping
+  of the file (at any depth; PyYAML kept the last) too, naming it and its lines
+  (``_OneValuePerKey``); and the path ``""``, which names no file. A URL given to the ``upstream``
   section (``CARPOOL_UPSTREAM``, the flag's name, or ``upstream:`` in the file) asks whether
   ``upstreams`` was meant, by the name of the source it came from (``_NEAR_MISSES``).
 - ``resolved_text(config)``: the file from which a child process (a worker of ``carpool serve
@@ -48,7 +52,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -159,6 +164,10 @@ _NEAR_MISSES = {"upstream": ("upstreams", "the replicas' URLs, as --upstream tak
 
 
 def _near_miss(loc: list[str], value: Any, variables: frozenset[str]) -> str:
+    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
+        # A section or list written whole that YAML could not read (a brace or quote missing):
+        # said so, as its text is not shown (``_got``).
+        return " (written as YAML that cannot be read: a bracket, brace or quote missing?)"
     if len(loc) != 1 or loc[0] not in _NEAR_MISSES or not isinstance(value, str):
         return ""
     section = loc[0]
@@ -184,17 +193,26 @@ def _variables_named(env: Mapping[str, str]) -> frozenset[str]:
 def _got(loc: list[str], value: Any) -> str:
     if any(part in name.lower() for name in loc for part in _SECRET_PARTS):
         return ""
+    # Only a plain value's: a string given to a section, a mapping or a list (a variable
+    # ``CARPOOL_UPSTREAM='{api_key: sk-..., '`` that YAML could not read, or ``upstream:
+    # "api_key=sk-..."`` in the file) is that section's keys, secrets among them, as written;
+    # and a place no key names (a validator's union branch) is not known to be plain.
+    annotation = _annotation_at(tuple(loc))
+    if annotation is None or _is_structured(annotation):
+        return ""
     if isinstance(value, str):
         shown = without_credentials(value) if "@" in value or "://" in value else value
         return f"; got {shown!r}"
     if value is None or isinstance(value, int | float):
         return f"; got {value!r}"
-    return ""  # (a mapping or a list: a section, or the whole config)
+    return ""  # (a mapping or a list given to a plain key: it may hold anything)
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:
     # Read here rather than by pydantic-settings' YAML source, which skips a missing file: a
     # --config that cannot be read is an error.
+    if str(path) == "":  # (Path("") is ".", the directory: "Is a directory" said nothing useful)
+        raise ConfigError("config file '': an empty path names no file")
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
@@ -207,7 +225,7 @@ def _read_file(path: str | Path) -> dict[str, Any]:
             f"config file {path}: not UTF-8 text (byte {exc.start} cannot be decoded)"
         ) from None
     try:
-        loaded = yaml.safe_load(text) or {}
+        loaded = yaml.load(text, Loader=_OneValuePerKey) or {}  # (a SafeLoader)
     except yaml.YAMLError as exc:
         # Where and what, never the text: PyYAML's message quotes the line, a key perhaps.
         mark = getattr(exc, "problem_mark", None)
@@ -217,6 +235,35 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping")
     return loaded
+
+
+class _OneValuePerKey(yaml.SafeLoader):  # type: ignore[misc]  # (PyYAML has no types)
+    """PyYAML's safe loader, refusing a key given twice in one mapping, at any depth: PyYAML
+    keeps the last, so a second ``cache:`` section silently dropped the first one's keys. A
+    key that a merge (``<<: *base``) brings in may be given again: that is what a merge is
+    for."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # (an unhashable key: PyYAML's own error names it below)
+                continue
+            if first is not key_node:
+                # The key and where, never a value: a value may be a secret.
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {key!r} is given twice (first at line "
+                    f"{first.start_mark.line + 1}); give it once",
+                    key_node.start_mark,
+                )
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 # The environment and file of the ``load`` in progress: settings_customise_sources, which builds
@@ -268,14 +315,16 @@ class _Raw(str):
     """An environment value as written, not read as YAML yet."""
 
 
-def _read_value(raw: str) -> Any:
-    """A variable's value: empty or ``null`` is null; a list or mapping (``[...]``, ``{...}``)
-    is read as YAML; anything else is the string as written, which the key's type reads
-    (pydantic: ``8080`` for a port, ``yes`` for a flag). Read as YAML, a token ``&Xyz`` was an
-    anchor (null), ``abc #x`` lost its tail, ``off`` was a boolean."""
+def _read_value(raw: str, structured: bool) -> Any:
+    """A variable's value: empty or ``null`` is null; for a key that holds a list or mapping
+    (``structured``: ``_is_structured``), one written as such (``[...]``, ``{...}``) is read as
+    YAML; anything else is the string as written, which the key's type reads (pydantic:
+    ``8080`` for a port, ``yes`` for a flag). Read as YAML, a token ``&Xyz`` was an anchor
+    (null), ``abc #x`` lost its tail, ``off`` was a boolean, and a string key's ``{Xy7}`` a
+    mapping its key refused (the file's ``"{Xy7}"`` was accepted)."""
     if raw == "" or raw == "null":
         return None
-    if raw.lstrip()[:1] in ("[", "{"):
+    if structured and raw.lstrip()[:1] in ("[", "{"):
         try:
             return yaml.safe_load(raw)
         except yaml.YAMLError:
@@ -297,16 +346,38 @@ def _annotation_at(path: tuple[str, ...]) -> Any:
     annotation: Any = Config
     rest = list(path)
     while rest:
+        annotation = _without_none(annotation)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         field = annotation.model_fields.get(rest.pop(0))
         if field is None:
             return None
         annotation = field.annotation
-        if get_origin(annotation) is dict and rest:  # a mapping's key is any name
-            annotation = get_args(annotation)[1]
+        if get_origin(_without_none(annotation)) is dict and rest:  # a mapping's key: any name
+            annotation = get_args(_without_none(annotation))[1]
+            rest.pop(0)
+        elif get_origin(_without_none(annotation)) is list and rest and rest[0].isdigit():
+            annotation = get_args(_without_none(annotation))[0]  # (an error's place in a list)
             rest.pop(0)
     return annotation
+
+
+def _without_none(annotation: Any) -> Any:
+    """``X`` of ``X | None`` (a section that may be null: ``semantic.judge``); else as given."""
+    args = [arg for arg in get_args(annotation) if arg is not type(None)]
+    if get_origin(annotation) in (Union, UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _is_structured(annotation: Any) -> bool:
+    """Whether a key holds a section, a mapping or a list (through ``| None`` and the like):
+    what a variable may give as YAML. None (a name no key has): no."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    if get_origin(annotation) in (list, tuple, dict, set, frozenset):
+        return True
+    return any(_is_structured(arg) for arg in get_args(annotation))
 
 
 def _is_list(annotation: Any) -> bool:
@@ -347,10 +418,11 @@ def _decoded(values: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, An
             if value == "" and where in _SECRETS:
                 decoded[key] = ""
                 continue
-            read = _read_value(value)
+            annotation = _annotation_at(where)
+            read = _read_value(value, _is_structured(annotation))
             # Not a YAML list (a ``[`` that YAML cannot read stays the string, refused as one).
             if isinstance(read, str) and read.lstrip()[:1] not in ("[", "{"):
-                if _is_list(_annotation_at(where)):
+                if _is_list(annotation):
                     read = _items(read)
             decoded[key] = read
         elif isinstance(value, dict):
@@ -386,7 +458,7 @@ class _Environment(EnvSettingsSource):
         # YAML (of which JSON is a subset) instead of JSON. A mapping or list is decoded here, so
         # that nested variables merge into it; anything else stays raw and is read in __call__
         # (an empty or null value then stays set, as null, instead of being dropped).
-        decoded = _read_value(value)
+        decoded = _read_value(value, structured=True)  # (only a complex field's comes here)
         return decoded if isinstance(decoded, (dict, list)) else value
 
     def __call__(self) -> dict[str, Any]:

@@ -28,7 +28,12 @@ def reference_markdown() -> str:
         "keys held), where an empty value is refused as a secret that was not mounted: `null` "
         "says none. A list key's variable is a YAML list (`'[a, b]'`), one item, or items "
         "separated by commas, each trimmed (`CARPOOL_UPSTREAMS=http://a:8000/v1,http://b:8000/v1`"
-        ", `CARPOOL_TENANT__SHARED_NAMESPACES=pub`). The file is UTF-8 text. Durations are seconds unless the key ends in `_ms`; "
+        ", `CARPOOL_TENANT__SHARED_NAMESPACES=pub`). A section's or mapping's variable may be "
+        "YAML too (`CARPOOL_CACHE='{max_bytes: 1000}'`); any other key's value is the string "
+        "as written (`CARPOOL_ADMIN_TOKEN='{tok}'` is that token). The file is UTF-8 text; a "
+        "key given twice in one of its mappings is refused, naming it and its lines. "
+        '`--config ""` is refused (it names no file); an empty `CARPOOL_CONFIG` is no file. '
+        "Durations are seconds unless the key ends in `_ms`; "
         "sizes are bytes. A number is never a boolean: `port: true` is refused, not read as 1.",
         "",
         "| key | type | default | meaning |",

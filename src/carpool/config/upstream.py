@@ -173,6 +173,9 @@ class UpstreamConfig(Section):
         description="A key the gateway holds for its upstreams, sent as `Authorization: Bearer "
         "...` in place of the client's credentials (which then never go upstream): a value, or "
         "`${ENV_VAR}` to read it from the environment at start-up. Never logged nor shown. "
+        "A key with white space around it or a control character (a secret file's trailing "
+        "newline) is refused, naming the key and its variable, never trimmed: no header can "
+        "carry it, and a key silently changed is another key (so every held key). "
         "With it, pass-through reaches only /v1/models unless `passthrough.allow` is set (the "
         "account's stored state would be every client's). null: the client's credentials go "
         "upstream as they came (unless a user and password in an upstream's URL are sent in "
@@ -277,14 +280,28 @@ class SimConfig(Section):
 def held_key(value: Any) -> Any:
     """A key the gateway holds: ``${NAME}`` is the environment variable's value. An error when
     it is not set, or when the key is empty: an empty key would silently mean "no key held",
-    and the clients' own credentials would then go upstream (a secret that was not mounted)."""
+    and the clients' own credentials would then go upstream (a secret that was not mounted).
+    An error too when the key has white space around it or a control character (a secret file's
+    trailing newline): no header can carry it, so every call would fail (as ``admin_token``).
+    The message names the variable, never the value."""
+    variable = ""
     if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
         name = value[2:-1]
+        variable = f"the environment variable {name} (named by ${{{name}}})"
         if name not in os.environ:
-            raise ValueError(f"the environment variable {name} (named by ${{{name}}}) is not set")
+            raise ValueError(f"{variable} is not set")
         value = os.environ[name]
         if not value.strip():
-            raise ValueError(f"the environment variable {name} (named by ${{{name}}}) is empty")
+            raise ValueError(f"{variable} is empty")
     if isinstance(value, str) and not value.strip():
         raise ValueError("the key is empty: give one, or null for none")
+    if isinstance(value, str) and (value != value.strip() or not value.isprintable()):
+        # Refused, not trimmed, not even of the one newline a file ends with: a key the gateway
+        # changed silently would be another key, and the fix (printf '%s', or the file written
+        # without it) belongs where the secret is made.
+        where = variable or "the key"
+        raise ValueError(
+            f"{where} has white space around it or a control character (a trailing newline, "
+            "as a secret file or `echo` leaves?): a header cannot carry it; remove it"
+        )
     return value

@@ -26,7 +26,11 @@ Contract:
   a model error; no vector within ``semantic.embed_timeout_ms``) fails no request: the probe finds nothing (a miss, counted in
   ``embed_failures``, ``/stats`` ``layers.semantic``, and logged at most every
   ``FAILURE_LOG_S``: ``embed_failed``), and no entry is made for a prompt it could not embed
-  (``Probe.failed``: not asked again for the entry).
+  (``Probe.failed``: not asked again for the entry). Vectors of another length than
+  ``semantic.embedding_dim`` (``EmbeddingDimMismatch``: a setting to correct, every embedding
+  fails until it is) are logged once, as an error naming the key and both lengths (no text),
+  and kept in ``embed_problem`` (``/stats`` ``layers.semantic.embed_problem``); the breaker's
+  refusals that follow are counted, not logged.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
   ``semantic.max_entries`` entries and ``semantic.max_bytes`` bytes: the least recently used go
@@ -108,6 +112,8 @@ from ..config import SemanticConfig
 from ..fingerprint import SemanticView
 from ..lru import LRU
 from ..store.base import Selector, StoreUnavailable
+from .embed.base import EmbeddingDimMismatch
+from .embed.upstream import EmbedderDown
 from .guard import Guard, Side, Verdict
 from .index import VectorIndex
 from .verdict import Reason
@@ -268,6 +274,9 @@ class SemanticCache:
         self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
         self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
+        # The embedder's vectors are not the length semantic.embedding_dim says (a setting to
+        # correct: every embedding fails until it is): logged once as an error, in /stats.
+        self.embed_problem: str | None = None
         self._refused: LRU[bytes, bool] = LRU(max_entries=MAX_REFUSED)  # (``refuse``)
         self._slack = 0  # slots the scopes' indexes hold empty (``VectorIndex.slack``), in all
         # The prefix invalidations remembered: (prefix, the first id inserted after it, when
@@ -309,6 +318,16 @@ class SemanticCache:
     def embed_failed(self, error: Exception) -> None:
         """Counted and logged (at most every ``FAILURE_LOG_S``): a lookup's or an entry's."""
         self.embed_failures += 1
+        if isinstance(error, EmbeddingDimMismatch):
+            # Once, as an error naming the setting and both lengths (the message holds no text):
+            # it is no passing failure, and the type name alone ("ValueError") sent the operator
+            # nowhere. Its repeats are counted, not logged again.
+            if self.embed_problem is None:
+                self.embed_problem = str(error)
+                log.error("the semantic cache's embedder failed: %s; lookups miss", error)
+            return
+        if self.embed_problem is not None and isinstance(error, EmbedderDown):
+            return  # (the breaker open for that same mismatch: said once already)
         now = time.monotonic()
         if now - self._failure_logged_at >= FAILURE_LOG_S:
             self._failure_logged_at = now

@@ -23,7 +23,7 @@ the module that reads it.)
 """
 
 from .base import INSTALL_HINT as INSTALL_HINT
-from .base import Embedder, SemanticDependencyError
+from .base import Embedder, EmbeddingDimMismatch, SemanticDependencyError
 
 # (private, but carpool.semantic.verifier imports them, with default_threads)
 from .base import _require as _require
@@ -56,6 +56,7 @@ __all__ = [
     "MODEL_REVISION",
     "MODEL_SHA256",
     "Embedder",
+    "EmbeddingDimMismatch",
     "LocalEmbedder",
     "ModelFileError",
     "SemanticDependencyError",

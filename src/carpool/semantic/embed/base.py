@@ -8,6 +8,8 @@ that the dot product of two vectors is their cosine similarity:
 - ``dim: int`` and ``name: str`` (the model; vectors of different names are not comparable);
 - ``await embed(text) -> ndarray (dim,)`` and ``await embed_many(texts) -> ndarray (n, dim)``
   (``(0, dim)`` for an empty list). Every caller gets its own array (a copy), in the order asked.
+  Vectors of another length than ``dim`` (a model other than the setting says) raise
+  :class:`EmbeddingDimMismatch`, naming both lengths.
 - optionally ``await aclose()``: the semantic cache that uses it calls it when closed
   (``LocalEmbedder`` stops its worker thread; used again, it starts a new one).
 
@@ -35,9 +37,23 @@ if TYPE_CHECKING:
 
     Vector = NDArray[np.float32]
 
-__all__ = ["INSTALL_HINT", "Embedder", "SemanticDependencyError"]
+__all__ = ["INSTALL_HINT", "Embedder", "EmbeddingDimMismatch", "SemanticDependencyError"]
 
 INSTALL_HINT = "pip install '.[semantic]' in carpool's checkout"
+
+
+class EmbeddingDimMismatch(ValueError):
+    """The embedding model answers vectors of another length than ``semantic.embedding_dim``
+    says: a setting to correct, not a passing failure (every embedding fails until it is). Its
+    message holds the two lengths and the key's name only, no text."""
+
+    def __init__(self, expected: int, received: int) -> None:
+        self.expected = expected
+        self.received = received
+        super().__init__(
+            f"the embedding model returns vectors of {received} dimensions, "
+            f"semantic.embedding_dim says {expected}: set semantic.embedding_dim: {received}"
+        )
 
 
 class SemanticDependencyError(ImportError):

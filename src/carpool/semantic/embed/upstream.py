@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from ...batching.lists import rows_in_order
 from ...errors import UpstreamError, UpstreamStatusError
 from ...upstream.base import UpstreamRequest, UpstreamResponse
-from .base import _require_numpy
+from .base import EmbeddingDimMismatch, _require_numpy
 from .microbatch import _BatchingEmbedder
 
 if TYPE_CHECKING:
@@ -178,6 +178,9 @@ class UpstreamEmbedder(_BatchingEmbedder):
         async with asyncio.timeout(self.timeout_s):  # (None: no bound)
             raw = await self._call(texts)
         vectors = np.asarray(raw, dtype=np.float32)
+        if vectors.ndim == 2 and len(vectors) == len(texts) and vectors.shape[1] != self.dim:
+            # A setting to correct, said as such (the cache logs it once, /stats shows it).
+            raise EmbeddingDimMismatch(self.dim, int(vectors.shape[1]))
         if vectors.ndim != 2 or vectors.shape != (len(texts), self.dim):
             raise ValueError(
                 f"the upstream returned embeddings of shape {vectors.shape} for "
