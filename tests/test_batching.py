@@ -620,6 +620,35 @@ async def test_a_queued_batch_whose_every_caller_left_is_never_sent() -> None:
     assert seen == [["a", "b"], ["c"]] and batcher.idle
 
 
+async def test_a_batch_whose_callers_left_before_its_task_began_gives_its_slot_back() -> None:
+    """Every caller gone in the turn its batch was sent (a timeout, a client leaving, a flight
+    ending and dropping its prompt's embedding): the batch's task was cancelled before its first
+    step, so nothing of ``_run`` ran, its ``finally`` neither, and its ``max_in_flight`` slot was
+    never given back. The semantic embedder (one slot for the local model) then queued every
+    later embedding for good."""
+    seen: list[list[str]] = []
+
+    async def compute(group: Any, items: list[str]) -> list[str]:
+        seen.append(items)
+        return [item.upper() for item in items]
+
+    batcher: KeyedBatcher[str, str] = KeyedBatcher(
+        compute, max_batch_size=8, max_batch_delay_s=10.0, max_in_flight=1
+    )
+    for round in range(3):
+        caller = asyncio.create_task(batcher.submit(None, "a", "a"))
+        await asyncio.sleep(0)  # (waiting in its open batch)
+        caller.cancel()  # (delivered in the turn its batch is sent)
+        batcher.flush()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await batcher.wait_idle()
+        assert batcher.idle and batcher.in_flight == 0, round
+    served = asyncio.create_task(batcher.submit(None, "b", "b"))
+    batcher.flush()
+    assert await served == "B" and seen == [["b"]]
+
+
 # --- merging must not change an answer (issue 15) -----------------------------------------------
 
 

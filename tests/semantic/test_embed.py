@@ -597,7 +597,7 @@ async def test_a_wrong_shape_from_upstream_is_an_error():
     async def call(texts: list[str]) -> list[list[float]]:
         return [[1.0, 0.0]] * len(texts)
 
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(ValueError, match="vectors of 2 dimensions, semantic.embedding_dim says 8"):
         await UpstreamEmbedder(call, dim=8).embed("a")
 
 

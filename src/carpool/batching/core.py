@@ -52,6 +52,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 __all__ = ["KeyedBatcher"]
@@ -285,7 +286,7 @@ class KeyedBatcher(Generic[I, R]):
             self._in_flight += 1
             task = batch.task = loop.create_task(self._run(batch))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(partial(self._ran, batch))
 
     async def _run(self, batch: _Batch) -> None:
         entries = list(batch.entries.values())
@@ -320,17 +321,26 @@ class KeyedBatcher(Generic[I, R]):
             for entry in entries:
                 if not entry.future.done():
                     entry.future.set_exception(exc)
-        finally:
-            for key, entry in batch.entries.items():
-                if self._sent.get((batch.group, key)) is entry:
-                    del self._sent[(batch.group, key)]
-            self._in_flight -= 1
-            if self._queued:
-                self._dispatch()
-            for due in [b for b in self._open.values() if b.due]:
-                if self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
-                    break
-                self._close(due)
+
+    def _ran(self, batch: _Batch, task: asyncio.Task[None]) -> None:
+        """The end of ``batch``'s task, however it ended: its items joinable no more, its slot
+        given back, the next batches sent. A callback of the task rather than ``_run``'s
+        ``finally``: a task cancelled before its first step (every caller gone in the turn it
+        was sent) runs none of ``_run``, and its slot was never given back: the semantic
+        embedder, one slot for the local model, then queued every later embedding for good."""
+        self._tasks.discard(task)
+        for key, entry in batch.entries.items():
+            if not entry.future.done():
+                entry.future.cancel()  # (not run: its callers all left)
+            if self._sent.get((batch.group, key)) is entry:
+                del self._sent[(batch.group, key)]
+        self._in_flight -= 1
+        if self._queued:
+            self._dispatch()
+        for due in [b for b in self._open.values() if b.due]:
+            if self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
+                break
+            self._close(due)
 
     def _own(self, batch: _Batch, entry: _Entry, task: asyncio.Future[Any]) -> None:
         """An item computed by a task of its own: its callers get what the task gives."""
