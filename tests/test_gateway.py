@@ -291,6 +291,25 @@ async def test_a_stream_whose_head_says_no_store_as_sse_servers_do_by_default_is
         assert fake.count() == 1
 
 
+async def test_a_no_store_answer_says_no_store_to_its_client_bypassed_or_replayed_too(gw, fake):
+    """For the caches past carpool: a sampled request's (bypass) said nothing, nor did a keyed
+    request's replay of the answer its record kept."""
+    fake.response_headers = [(b"cache-control", b"no-store")]
+    cached = await gw.chat("same question")
+    assert cached.headers["x-carpool"] == "miss" and cached.headers["cache-control"] == "no-store"
+    sampled = await gw.chat("same question", temperature=0.9)
+    assert sampled.headers["x-carpool"] == "bypass"
+    assert sampled.headers["cache-control"] == "no-store"
+    key = {"Idempotency-Key": '"ns-1"'}
+    first = await gw.chat("keyed", headers=key)
+    replay = await gw.chat("keyed", headers=key)
+    assert first.headers["cache-control"] == replay.headers["cache-control"] == "no-store"
+    assert replay.headers["idempotent-replayed"] == "true" and fake.count() == 3
+    fake.response_headers = []  # (an answer that may be stored says nothing of it)
+    plain = await gw.chat("another question", temperature=0.9)
+    assert "cache-control" not in plain.headers
+
+
 async def test_the_joiners_of_a_no_store_answers_call_get_it_from_that_one_call(fake, gateway_with):
     """Coalescing is not storing: the clients of the call it answers all get it; none after."""
     async with gateway_with(coalesce=WINDOW) as gw:

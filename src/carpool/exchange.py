@@ -85,7 +85,7 @@ from .http_syntax import shared_cache_may_store
 from .identity import tenant_of
 from .outcome import Outcome
 from .prefix import root_of
-from .reply import SSE_HEADERS, Reply, error_reply, failure_of
+from .reply import NO_STORE, SSE_HEADERS, Reply, error_reply, failure_of
 from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
@@ -396,13 +396,11 @@ class Exchange:
         if ok and _whole_answer(api, response.body):
             self._accepted(request)
         ctype = response.headers.get("content-type")
-        return Reply(
-            response.status,
-            # (The upstream's, or none if it named none: never an empty one.)
-            [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header],
-            response.body,
-            outcome=Outcome.BYPASS,
-        )
+        # (The upstream's, or none if it named none: never an empty one.)
+        headers = [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header]
+        if ok and not shared_cache_may_store(response.headers.get("cache-control", "")):
+            headers.append(NO_STORE)  # (as ``reply.whole`` says it: for the caches past this one)
+        return Reply(response.status, headers, response.body, outcome=Outcome.BYPASS)
 
     def _refused(self, request: Request, status: int) -> None:
         """A 401 or 403 refuses the requester's credentials (``identity.py``), from its head."""

@@ -72,7 +72,7 @@ from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome, list_outcome
-from ..reply import JSON, Reply, age_header, error_reply, refusal
+from ..reply import JSON, NO_STORE, Reply, age_header, error_reply, refusal
 from ..request import ClientRequest, Request, list_input, list_items, merge_items
 from .errors import (
     IdempotencyConflict,
@@ -435,9 +435,15 @@ def _said_age(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """What a replay repeats of the first answer's headers: its content type and what it says of
-    its usage (``x-carpool-usage``: the body it repeats is the same), not its outcome."""
-    return [(name, value) for name, value in headers if name in _REPLAYED_HEADERS]
+    """What a replay repeats of the first answer's headers: its content type, what it says of
+    its usage (``x-carpool-usage``: the body it repeats is the same) and ``Cache-Control:
+    no-store`` (an answer the upstream said no cache may store: ``reply.NO_STORE``), not its
+    outcome (nor a stream's ``no-cache``, which a replay's own form says or not)."""
+    return [
+        (name, value)
+        for name, value in headers
+        if name in _REPLAYED_HEADERS or (name, value) == NO_STORE
+    ]
 
 
 _REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
