@@ -2,7 +2,8 @@
 
 Contract:
 - ``request_id(headers)``: the client's own ``x-request-id`` when it sent a usable one (1 to 128
-  characters of letters, digits and ``-_.:/+=``: echoed back as it came), else a new one (16 hex
+  characters of letters, digits and ``-_.:/+=``, a letter or a digit among them: echoed back as
+  it came), else a new one (16 hex
   digits, random). Anything else a client sends there is replaced, never echoed: a response
   header must not carry a client's arbitrary bytes.
 - An upstream's own ``x-request-id`` (a pass-through answer) is relayed as
@@ -30,7 +31,9 @@ from random import getrandbits
 HEADER = b"x-request-id"
 UPSTREAM_HEADER = b"x-upstream-request-id"  # an upstream's own id, relayed by pass-through
 CURRENT: ContextVar[str] = ContextVar("carpool_request_id", default="-")
-_USABLE = re.compile(rb"[A-Za-z0-9\-_.:/+=]{1,128}")
+# (With a letter or a digit: a lone ``-``, the log lines' "outside any request", or ``...``
+# would make a request's log lines look like none's.)
+_USABLE = re.compile(rb"(?=[^A-Za-z0-9]*[A-Za-z0-9])[A-Za-z0-9\-_.:/+=]{1,128}")
 
 
 def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
