@@ -40,7 +40,9 @@ Contract:
   cache keeps its age (``age``), so no copy outlives the original's TTL. The owner not
   answering, the upstream is called here.
 - ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
-  (``_pipe``), never judged further, never stored; but a stream an idempotency record keeps
+  (``_pipe``), never judged further, never stored; but a whole 2xx body that is not JSON
+  (cut short: a close-delimited body its server dropped midway) gets the miss path's 502
+  (``NOT_JSON``), never a 200 its client cannot parse; and a stream an idempotency record keeps
   (``Request.recorded``) is asked for its usage as a flight is (``upstream.stream_usage``), its
   usage chunk hidden from a client that did not ask and kept for the record
   (``Reply.with_usage``).
@@ -393,8 +395,16 @@ class Exchange:
                 outcome=Outcome.BYPASS,
                 with_usage=None if kept is None else partial(b"".join, kept),
             )
-        if ok and _whole_answer(api, response.body):
-            self._accepted(request)
+        if ok:
+            try:
+                parsed = orjson.loads(response.body)
+            except orjson.JSONDecodeError:
+                # Cut short (a close-delimited body its server dropped midway) or not JSON at
+                # all: no answer, as the miss path judges it (``_complete``), never a 200 a
+                # client cannot parse.
+                return error_reply(UpstreamError(NOT_JSON), Outcome.BYPASS, api)
+            if isinstance(parsed, dict) and failure_of(api, parsed) is None:
+                self._accepted(request)
         ctype = response.headers.get("content-type")
         # (The upstream's, or none if it named none: never an empty one.)
         headers = [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header]
@@ -417,6 +427,9 @@ class Exchange:
     def _routing_text(self, request: Request) -> str:
         """The prompt for routing, where there is a choice to make (``ReplicaSet.chooses``)."""
         return _routing_text(request) if self.layers.replicas.chooses else ""
+
+
+NOT_JSON = "the upstream answered with a body that is not JSON"  # (a 2xx's: 502)
 
 
 def accepts(answer: Answer) -> bool:
@@ -538,7 +551,7 @@ def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise UpstreamError("the upstream answered with a body that is not JSON") from None
+        raise UpstreamError(NOT_JSON) from None
     if not isinstance(parsed, dict):
         raise UpstreamError("the upstream answered with a body that is not a JSON object")
     return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))

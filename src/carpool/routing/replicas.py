@@ -874,10 +874,19 @@ def _key_refused(error: UpstreamKeyRefused) -> str:
 def _what(error: BaseException) -> str:
     """A failure for the log: the client's message, plus the cause's type and text (operators
     only), any URL in it without user, password or query (aiohttp quotes the URL it failed on:
-    an upstream's ``api-key`` query, a pass-through client's ``?key=``)."""
+    an upstream's ``api-key`` query, a pass-through client's ``?key=``). A cause whose text
+    the message says already (``upstream.wire``'s ``WireError``: its reason) is passed for
+    the one below it: OpenSSL's own words for a certificate it refused (which names the host
+    a client is never told) were one level down, and the log said no more than the client's
+    "TLS certificate not trusted"."""
     cause = error.__cause__
+    message = str(error)
+    while (
+        cause is not None and cause.__cause__ is not None and str(cause) and str(cause) in message
+    ):
+        cause = cause.__cause__
     if cause is None:
-        return str(error)
+        return message
     detail = urls_without_credentials(str(cause))
     return f"{error} [{type(cause).__name__}" + (f": {detail[:300]}]" if detail else "]")
 

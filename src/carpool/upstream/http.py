@@ -27,7 +27,14 @@ Contract (on top of ``upstream.base``):
   (``sse_payloads``), whose own call is bounded so.
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
   replica, opened on first use, with the same limits; an answer's connection is let go once
-  its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not.
+  its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not:
+  aborted then if its body had not come to its end (its client left: the engine stops; over
+  TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``).
+- An https replica is verified, on both transports, with one TLS context made at its first
+  call (``_trust``): OpenSSL's default trust, the system's bundle, or what ``SSL_CERT_FILE``
+  / ``SSL_CERT_DIR`` name (docs/security.md). A certificate it refuses fails the call as
+  unreachable, "TLS certificate not trusted: " and its kind (``wire.certificate_problem``);
+  OpenSSL's message, which names the host, goes to the operator's log only.
 - Transport errors are translated here, the original error kept as ``__cause__``: a
   timeout before the answer's head -> ``UpstreamNoAnswer`` (504: the request was written whole,
   so the engine may be running it; not retried elsewhere), or ``UpstreamTimeout`` (504, tried
@@ -251,7 +258,12 @@ def reason(error: BaseException) -> str:
         return "timed out"
     if isinstance(error, aiohttp.ClientConnectorDNSError):
         return "name not resolved"
-    if isinstance(error, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError)):
+    if isinstance(error, aiohttp.ClientConnectorCertificateError):
+        refused = error.certificate_error
+        if isinstance(refused, ssl.SSLCertVerificationError):
+            return wire.reason_of(refused)  # (the same words as a cached endpoint's call)
+        return "TLS handshake failed"
+    if isinstance(error, aiohttp.ClientSSLError):
         return "TLS handshake failed"
     if isinstance(error, aiohttp.ServerDisconnectedError):
         return "connection closed by the upstream"
@@ -317,6 +329,17 @@ class HttpUpstream:
         self._base_query = bare.raw_query_string
         self._query = self._base_query + "&" if self._base_query else ""
         self._pool: wire.Pool | None = None
+        self._context: ssl.SSLContext | None = None
+
+    def _trust(self) -> ssl.SSLContext | None:
+        """The TLS context of both transports (None over plain HTTP), made at the first call:
+        OpenSSL's default trust (the system's bundle, or ``SSL_CERT_FILE``/``SSL_CERT_DIR``
+        as the process found them then). One for both, so that pass-through trusts what the
+        cached endpoints do (aiohttp's own is made as it is imported)."""
+        if self._tls and self._context is None:
+            self._context = ssl.create_default_context()
+            self._context.set_alpn_protocols(["http/1.1"])  # (as aiohttp's: neither speaks h2)
+        return self._context
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -330,6 +353,7 @@ class HttpUpstream:
                     # ``upstream.wire`` sends such a call again on a new connection; aiohttp
                     # does so only for an idempotent method.)
                     keepalive_timeout=self.limits.upstream_keepalive,
+                    ssl=self._trust() or True,
                 ),
                 timeout=aiohttp.ClientTimeout(
                     total=None,
@@ -354,7 +378,7 @@ class HttpUpstream:
             self._pool = wire.Pool(
                 self._host,
                 self._port,
-                ssl=ssl.create_default_context() if self._tls else None,
+                ssl=self._trust(),
                 limit=self.limits.upstream_max_connections,
                 connect_timeout=self.limits.upstream_connect_timeout,
                 answer_timeout=self.limits.upstream_timeout,
@@ -542,11 +566,11 @@ class HttpUpstream:
                     f"upstream {self.label} failed mid-answer ({reason(exc)})"
                 ) from exc
             finally:
-                response.release()
+                _let_go(response)
 
         async def close() -> None:
             # (Its body never read, ``content``'s ``finally`` never ran: the connection let go.)
-            response.release()
+            _let_go(response)
 
         return PassthroughResponse(response.status, relayed, content(), close=close)
 
@@ -677,6 +701,22 @@ async def _payloads(
         raise UpstreamStreamBroken(f"{who} stream broke ({reason(exc)})") from exc
     finally:
         done(ended)
+
+
+def _let_go(response: aiohttp.ClientResponse) -> None:
+    """A pass-through answer done with: its connection back in the pool if its body came to its
+    end, else aborted (as ``upstream.wire`` aborts a cut answer's): aiohttp would close it
+    cleanly, which over TLS sends close_notify and keeps the socket open up to 30 s for the
+    server's (asyncio's ``ssl_shutdown_timeout``), an engine generating all that time for a
+    client gone. Aborted, the server's next write fails at once."""
+    if not response.content.is_eof():
+        connection = response.connection
+        transport = connection.transport if connection is not None else None
+        if transport is not None:
+            transport.abort()
+        response.close()
+    else:
+        response.release()
 
 
 def closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:

@@ -45,7 +45,11 @@ Contract:
   connection; ``drain``: the caller has read all it wanted (a stream's ``[DONE]``), so the
   connection goes back once the rest of the answer (its end) has come, if it does in time.
   Otherwise it is closed, which tells the server the caller has gone (an engine then stops
-  generating). ``discard()`` closes it whatever came: a stream that did not end whole (no
+  generating): aborted, as is any connection whose answer did not come whole (a failure, a
+  timeout, a reader gone), never closed cleanly: over TLS a clean close waits up to 30 s
+  (asyncio's ``ssl_shutdown_timeout``) for the server's close_notify, the socket open, and a
+  server that notices a gone caller only when a write fails went on generating all that time.
+  ``discard()`` closes it whatever came: a stream that did not end whole (no
   ``[DONE]``) is no answer its server finished, even when its HTTP body ended with keep-alive
   (llama-cpp-python's server answers a prompt over its context with an empty body, then closes
   the connection a few ms later: kept, the next request went on it as it closed). ``release``
@@ -73,7 +77,10 @@ Contract:
   Pieces its reader has not read yet when the time is up may hold its progress: then it is
   judged when the reader next waits, once it has read them.
 - Failures are ``WireError``: ``reason`` says what happened in a few words fit for a client
-  (``reason_of``: no address, no repr); ``answered`` whether the status had come; ``sent``
+  (``reason_of``: no address, no repr; a certificate the TLS handshake refused, "TLS
+  certificate not trusted: " and its kind, ``certificate_problem``: hostname mismatch,
+  expired, unknown issuer..., OpenSSL's own message, which names the host, only in the
+  ``__cause__``, for the operator's log); ``answered`` whether the status had come; ``sent``
   whether the request had been written whole by then (handed to the OS, over TLS to the TLS
   layer: the server may be running it; not written whole, it cannot be), a timeout's as a
   dropped connection's (``upstream.http`` tells them apart: a request sent whole may have run);
@@ -126,11 +133,35 @@ def reason_of(error: BaseException) -> str:
         return "timed out"
     if isinstance(error, socket.gaierror):
         return "name not resolved"
-    if isinstance(error, (ssl_module.SSLError, ssl_module.CertificateError)):
+    if isinstance(error, ssl_module.SSLCertVerificationError):
+        return f"TLS certificate not trusted: {certificate_problem(error)}"
+    if isinstance(error, ssl_module.SSLError):
         return "TLS handshake failed"
     return os_reason(error) or (
         "connection failed" if isinstance(error, OSError) else "transport error"
     )
+
+
+# OpenSSL's verify codes (``X509_V_ERR_*``), by what an operator would fix.
+_CERTIFICATE_PROBLEMS = {
+    9: "not yet valid",
+    10: "expired",
+    2: "unknown issuer",
+    18: "unknown issuer",  # (self-signed)
+    19: "unknown issuer",  # (a self-signed root in the chain)
+    20: "unknown issuer",
+    21: "unknown issuer",
+    62: "hostname mismatch",
+    64: "hostname mismatch",  # (an IP address)
+}
+
+
+def certificate_problem(error: ssl_module.SSLCertVerificationError) -> str:
+    """The kind of a certificate the upstream's TLS handshake refused, fit for a client: a
+    category of OpenSSL's verify code, never its message, which names the host the operator
+    configured (a client never learns the upstream's address); the message is in the
+    operator's log (the error is the ``WireError``'s cause, ``routing.replicas``)."""
+    return _CERTIFICATE_PROBLEMS.get(error.verify_code, "verification failed")
 
 
 def os_reason(error: BaseException | None) -> str | None:
@@ -723,7 +754,15 @@ class Connection(asyncio.Protocol):
             self.timer = None
 
     def close(self) -> None:
-        if self.active and not self.done and self.failure is None:
+        # An answer that did not come whole (its reader left, it failed or timed out): the
+        # connection is aborted, never closed cleanly. Over TLS a clean close sends
+        # close_notify and keeps the socket open until the server's own comes (asyncio's
+        # ``ssl_shutdown_timeout``, 30 s): an engine that notices a gone caller only when a
+        # write fails went on generating all that time. Aborted, the server's next write fails
+        # at once, as over plain TCP. An answer that came whole (idle, or done and not kept)
+        # is closed cleanly.
+        cut = self.active and not self.done
+        if cut and self.failure is None:
             # Closed under a request still owed its answer (``Pool.close``): it fails now.
             # ``finish`` stops the answer's timer, and ``connection_lost`` fails no request that
             # is over, so a reader waiting for its head or body would wait forever.
@@ -732,7 +771,10 @@ class Connection(asyncio.Protocol):
         self.finish()
         if self.transport is not None and not self.lost:
             self.lost = True
-            self.transport.close()
+            if cut:
+                self.transport.abort()
+            else:
+                self.transport.close()
         self._uncount()
 
     def _uncount(self) -> None:
