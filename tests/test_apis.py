@@ -1227,6 +1227,37 @@ async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake)
         assert fake.count() == 1
 
 
+async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit_of_a_message_without_usage(
+    gw, fake
+):
+    """An engine's whole message without ``usage`` (or a thinking block without a signature, as
+    engines other than Anthropic's answer it): the synthesized stream's ``message_start``
+    carried no usage, and the SDK's stream helper raised on the hit (AttributeError on
+    ``output_tokens``); the thinking block gained an empty ``signature`` it never had."""
+    fake.omit_message_usage = True
+    fake.message_content = [
+        {"type": "thinking", "thinking": "hmm"},
+        {"type": "text", "text": "Hello"},
+    ]
+    async with anthropic.AsyncAnthropic(
+        base_url=gw.url, api_key="sk-ant-test", max_retries=0
+    ) as client:
+        ask = {
+            "model": "m",
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        first = await client.messages.with_raw_response.create(**ask)
+        assert first.headers["x-carpool"] == "miss"
+        async with client.messages.stream(**ask) as events:
+            final = await events.get_final_message()
+        assert final.content[1].text == "Hello" and final.stop_reason == "end_turn"
+        thinking = final.content[0].model_dump(exclude_unset=True)
+        assert thinking == {"type": "thinking", "thinking": "hmm"}
+        assert fake.count() == 1
+
+
 def prompt_cached(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A Messages stream whose prompt was mostly written to and read from Anthropic's prompt
     cache: counted apart from ``input_tokens``, as Anthropic reports them."""

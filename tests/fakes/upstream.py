@@ -400,6 +400,7 @@ class FakeUpstream:
         self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
         self.responses_output: list[dict[str, Any]] | None = None
         self.message_content: list[dict[str, Any]] | None = None
+        self.omit_message_usage: bool = False  # (a whole message without ``usage``)
         self.keeps_responses: bool = False
         self.kept: dict[str, dict[str, Any]] = {}
         self.keeps_completions: bool = False
@@ -1401,6 +1402,8 @@ class FakeUpstream:
             "usage": usage,
         }
         if not body.get("stream"):
+            if self.omit_message_usage:
+                del message["usage"]
             await self._send_json(send, call, 200, message)
             return
         blocks = [

@@ -317,6 +317,12 @@ def synthesize(body: dict[str, Any]) -> list[dict[str, Any]]:
     }
     start.update(content=[], stop_reason=None, stop_sequence=None)
     start.update((k, None) for k in _END_FIELDS if k in start)
+    if not isinstance(usage, dict):
+        # (An engine's message without one: the SDKs build the message from message_start's
+        # and add message_delta's counts to its usage, which must be there: the stream helper
+        # raised on such a hit. Zeros, as message_delta's below; the reply says the usage is
+        # missing, ``x-carpool-usage``.)
+        start["usage"] = {"input_tokens": 0, "output_tokens": 0}
     events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
     content = body.get("content")
     for index, block in enumerate(content if isinstance(content, list) else ()):
@@ -342,7 +348,11 @@ def _block_events(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
         start = {**block, "input": {}}
         delta = {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
     elif kind == "thinking" and isinstance(block.get("thinking"), str):
-        start = {**block, "thinking": "", "signature": ""}
+        # (An empty signature to begin, as Anthropic's streams have it, only for a signed block:
+        # an engine's unsigned one gained a signature it never had.)
+        start = {**block, "thinking": ""}
+        if isinstance(block.get("signature"), str):
+            start["signature"] = ""
         delta = {"type": "thinking_delta", "thinking": block["thinking"]}
     elif kind == "compaction":
         start = {**block, "content": None, "encrypted_content": None}
