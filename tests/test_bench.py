@@ -419,6 +419,43 @@ def test_a_url_that_is_not_an_http_url_is_a_bad_option_not_an_unreachable_gatewa
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "url, part",
+    [
+        ("http://admin:s3cret@127.0.0.1:1/v1", "a user or password"),
+        ("http://s3cret@127.0.0.1:1", "a user or password"),
+        ("http://127.0.0.1:1/v1?key=s3cret", "a query"),
+        ("http://127.0.0.1:1/?s3cret", "a query"),
+        ("http://127.0.0.1:1/v1#s3cret", "a fragment"),
+        ("http://127.0.0.1:1/s3cret", "a path other than /v1"),
+        ("http://127.0.0.1:1/v1/s3cret", "a path other than /v1"),
+        ("http://127.0.0.1:1/v1/v1", "a path other than /v1"),
+    ],
+)
+def test_a_url_with_credentials_a_query_a_fragment_or_another_path_is_a_bad_option_never_echoed(
+    tmp_path, url, part
+):
+    """None of these is sent as given (userinfo and query were dropped, "/v1?..." became a
+    "/v1/v1/..." pass-through path), and the refusal must not repeat the secret it carries."""
+    out = tmp_path / "out"
+    code, output = _bench("--url", url, "--requests", "5", "--out", str(out))
+    assert code == 2, output
+    assert part in output and "s3cret" not in output and "Traceback" not in output
+    assert not out.exists()
+
+
+async def test_the_report_names_the_gateway_url_the_requests_were_sent_to(fake, gw, tmp_path):
+    out = tmp_path / "url"
+    # As typed, not as used: an upper-case scheme and "/v1/" (both valid) must not reach the report.
+    given = gw.url.replace("http://", "HTTP://", 1) + "/v1/"
+    args = ["bench", "--url", given, "--requests", "5", "--out", str(out)]
+    result = await asyncio.to_thread(CliRunner().invoke, main, [*args, "--no-progress"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["errors"] == 0 and report["params"]["gateway_url"] == gw.url
+    assert f"`{gw.url}`" in (out / "report.md").read_text()
+
+
 def test_a_gateway_that_does_not_answer_is_unreachable_exit_1(tmp_path):
     url = f"http://127.0.0.1:{process.free_port()}"
     code, output = _bench("--url", url, "--requests", "5", "--out", str(tmp_path / "out"))

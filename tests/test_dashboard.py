@@ -572,3 +572,43 @@ async def test_under_workers_the_charts_start_again_when_a_worker_was_replaced(g
     assert series["hit"]["base"] == 30 and series["hit"]["total"] == 4
     assert series["miss"]["total"] == 0
     await page.close()
+
+
+REPLICAS_JS = """() => {
+  const d = window.carpoolDashboard.drawn.replicas;
+  return {names: d.names,
+          series: d.names.map((n) => Object.hasOwn(d.series, n) ? d.series[n] : null),
+          legend: document.getElementById('legend-replicas').innerText};
+}"""
+
+
+async def test_replicas_named_like_object_properties_are_drawn_with_their_numbers(
+    fake, gateway_with, browser
+):
+    """Replica names are the operator's (``upstream_names``): the page kept each replica's
+    figures in plain objects, so ``__proto__`` set an object's prototype instead of an entry
+    and ``toString`` found the prototype's function (``name in ...``): no numbers, or a page
+    error at the first poll."""
+    names = ["__proto__", "toString"]
+    async with gateway_with(upstreams=[fake.url, fake.url], upstream_names=names) as gw:
+        for i in range(6):
+            assert (await gw.chat(f"question {i}")).status_code == 200
+        page = await browser.new_page()
+        thrown: list[str] = []
+        page.on("pageerror", lambda e: thrown.append(str(e)))
+        await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+        await page.wait_for_function("() => window.carpoolDashboard.ticks >= 3", timeout=WAIT_MS)
+        drawn = await page.evaluate(REPLICAS_JS)
+        replicas = (await stats(gw))["replicas"]
+        assert thrown == [] and drawn["names"] == names
+        for name, series in zip(names, drawn["series"], strict=True):
+            assert series is not None, name
+            assert series["calls"] == replicas[name]["calls"] and series["lastValue"] == 0
+            assert series["callRate"] == 0  # (no calls between the polls: a rate, not "none")
+            # (the legend item: its name, then "0 in flight · <rate> calls/s · <n> calls")
+            assert (
+                f"{name}0 in flight · 0.00 calls/s · {replicas[name]['calls']} calls"
+                in (drawn["legend"])
+            )
+        assert sum(series["calls"] for series in drawn["series"]) == 6
+        await page.close()

@@ -1198,3 +1198,56 @@ async def test_a_killed_spare_workers_socket_is_removed_not_tried_on_every_inval
         assert again.status_code == 200
         assert killed not in peers_a._sessions and binding in peers_a._sessions
         assert binding.exists()
+
+
+def _labelled(text: str) -> dict[str, float]:
+    """carpool_semantic_audits_total per namespace labelled in an exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels["namespace"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "carpool_semantic_audits_total"
+    }
+
+
+async def test_a_workers_run_labels_at_most_100_namespaces_ranked_over_the_runs_totals(fake):
+    """Each worker held its own /metrics to METRIC_NAMESPACES, but a scrape of the run summed
+    the workers' labelled sets (up to N x 100), and a namespace ranked out on one worker and
+    in on another was labelled with that one's count alone (then jumped, or went down: a reset
+    to Prometheus, when a worker's ranking moved). Now the run's sum is ranked again, by the
+    same rule: not serving first, then the most audited in all the workers."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("usearch")
+    from carpool.identity import ANONYMOUS_TENANT
+    from carpool.metrics import METRIC_NAMESPACES
+    from carpool.semantic.audit import MIN_AUDITS, Budget
+
+    settings = {"semantic": {"enabled": True, "audit_rate": 1.0, "max_wrong_rate": 0.05}}
+    async with two_workers(fake.url, admin_token="t", **settings) as pair:
+        a, b = pair.a.gateway.layers.audits, pair.b.gateway.layers.audits
+        assert a is not None and b is not None
+        for audits, worker in ((a, "a"), (b, "b")):
+            for i in range(METRIC_NAMESPACES + 50):
+                for _ in range(3):
+                    audits.record(Budget(ANONYMOUS_TENANT, f"{worker}-{i}"), False)
+        # Ranked out on each worker (fewer audits than its 150), in over the run's (4 of 3s).
+        for audits in (a, b):
+            for _ in range(2):
+                audits.record(Budget(ANONYMOUS_TENANT, "both"), False)
+        # Not serving on b only (every audit wrong): first, whatever its count.
+        for _ in range(MIN_AUDITS):
+            b.record(Budget(ANONYMOUS_TENANT, "troubled"), True)
+        admin = {"Authorization": "Bearer t"}
+        own = _labelled(pair.a.gateway.metrics.render().decode())
+        assert len(own) == METRIC_NAMESPACES and "both" not in own
+        scrapes = [
+            _labelled((await served.client.get("/metrics", headers=admin)).text)
+            for served in (pair.a, pair.b)
+        ]
+        assert scrapes[0] == scrapes[1]  # whichever worker the scrape lands on
+        run = scrapes[0]
+        assert len(run) == METRIC_NAMESPACES
+        assert run["both"] == 4 and run["troubled"] == MIN_AUDITS
+        assert all(count == 3 for ns, count in run.items() if ns not in ("both", "troubled"))

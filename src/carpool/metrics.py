@@ -34,7 +34,11 @@ Contract:
 - A counter never goes down: ``carpool_semantic_audits_total`` and ``_wrong_total`` are a
   namespace's audits in all (``Audits.totals``), which ``POST /admin/semantic/audit/reset``
   leaves; what a reset empties (the estimate, the state) are gauges. At most
-  ``METRIC_NAMESPACES`` namespaces are labelled (``labelled``): one ranked out loses its series.
+  ``METRIC_NAMESPACES`` namespaces are labelled (``labelled``): one ranked out loses its series
+  (a gap, not a reset: ranked in again, it is back with its count in all, never lower). Among
+  the workers each renders
+  every namespace for the merge, which ranks the run's sums by the same rule
+  (``peers.metrics.merge``).
 - The gauges (flights, caches, Redis errors...) are ``admin.gauges``', as it says:
   ``carpool_redis_errors_total{component}`` counts each Redis layer's own failed calls, none
   twice; with Redis the exact cache's entries and bytes are the whole shared cache's, at most
@@ -199,6 +203,7 @@ class _StatsCollector(Collector):
     def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
         self.stats = stats
         self.gauges = gauges
+        self.every_namespace = False  # (``Metrics.render``)
 
     def collect(self) -> Iterator[Any]:
         s = self.stats
@@ -304,10 +309,10 @@ class _StatsCollector(Collector):
         for replica, n in g["replicas"].items():
             load.add_metric([replica], n)
         yield load
-        yield from _semantic_audit(g)
+        yield from _semantic_audit(g, None if self.every_namespace else METRIC_NAMESPACES)
 
 
-def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
+def _semantic_audit(g: dict[str, Any], limit: int | None) -> Iterator[Any]:
     """The judge's calls, and per namespace the audits of semantic hits and the estimate."""
     yield CounterMetricFamily(
         "carpool_semantic_judge_calls",
@@ -336,7 +341,7 @@ def _semantic_audit(g: dict[str, Any]) -> Iterator[Any]:
         labels=["namespace"],
     )
     windows = g["semantic_audit"]
-    for namespace, (in_all, wrong_in_all) in labelled(g["semantic_audit_totals"], windows):
+    for namespace, (in_all, wrong_in_all) in labelled(g["semantic_audit_totals"], windows, limit):
         # The counters from the totals, never reset; the rest from the windows, which an
         # admin's reset empties (a namespace reset and not audited since: no estimate yet).
         audited.add_metric([namespace], in_all)
@@ -354,19 +359,22 @@ _STATES = ("serving", "backed-off", "mark")
 
 
 def labelled(
-    totals: dict[str, tuple[int, int]], audits: dict[str, dict[str, Any]]
+    totals: dict[str, tuple[int, int]],
+    audits: dict[str, dict[str, Any]],
+    limit: int | None = METRIC_NAMESPACES,
 ) -> list[tuple[str, tuple[int, int]]]:
     """The namespaces ``/metrics`` labels its series with, and their ``totals``: at most
-    ``METRIC_NAMESPACES``, those not serving first (what an alert is for), then the most
-    audited in all. Namespaces are the clients' to name: a series set each would grow with
-    every one audited (``/stats`` and ``GET /admin/semantic/audit`` list them all)."""
+    ``limit``, those not serving first (what an alert is for), then the most audited in all
+    (``peers.metrics.merge`` ranks a workers' run by the same rule). Namespaces are the
+    clients' to name: a series set each would grow with every one audited (``/stats`` and
+    ``GET /admin/semantic/audit`` list them all). ``limit`` None: every one, for the merge."""
 
     def serving(namespace: str) -> bool:
         audit = audits.get(namespace)
         return audit is None or audit["state"] == "serving"
 
     ranked = sorted(totals.items(), key=lambda item: (serving(item[0]), -item[1][0]))
-    return ranked[:METRIC_NAMESPACES]
+    return ranked if limit is None else ranked[:limit]
 
 
 class Buckets:
@@ -424,7 +432,8 @@ class Metrics:
 
     def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StatsCollector(stats, gauges))
+        self._stats = _StatsCollector(stats, gauges)
+        self.registry.register(self._stats)
         self.duration = {
             o: Buckets("carpool_request_duration_seconds", "", DURATION_BUCKETS) for o in Outcome
         }
@@ -457,5 +466,12 @@ class Metrics:
         self.duration[outcome].observe(seconds)
         self._recent[outcome].append(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, every_namespace: bool = False) -> bytes:
+        """The exposition; ``every_namespace``: each namespace audited here labelled, for
+        ``peers.metrics.merge`` to rank over the run's totals (a worker's own top
+        ``METRIC_NAMESPACES`` would leave out what it saw of a namespace in the run's)."""
+        self._stats.every_namespace = every_namespace
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._stats.every_namespace = False

@@ -87,7 +87,8 @@ Contract:
   on measured the client's own headers, and the hop adds its own.
 - Among the workers of ``--workers N`` without Redis, ``/metrics`` answers the run's sum and
   ``/stats`` the answering worker's document with the run's totals (``run``): the others' are
-  asked through their doors, which answer for their own worker alone (``peers.metrics``).
+  asked through their doors, which answer for their own worker alone (``peers.metrics``), with
+  every namespace it labels a ``carpool_semantic_*`` series with: the merge ranks them again.
 - ``/stats`` and ``/metrics`` first bring the figures read from Redis up to date
   (``Gateway.refresh_figures``: the shared cache's counts, at most one stats interval old),
   never failing when Redis does not answer (``admin.refresh``).
@@ -679,7 +680,10 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
         await gateway.refresh_figures()
-        text, peers = gateway.metrics.render(), gateway.layers.peers
+        peers = gateway.layers.peers
+        # Among workers every namespace, for the merge to rank over the run's sums: a worker's
+        # own top ones would sum to up to N x METRIC_NAMESPACES, each a part of its count.
+        text = gateway.metrics.render(every_namespace=peers is not None)
         if peers is not None and request.scope.get(PEER) is not True:
             # One port for the run: the sum of the workers', or the counters went down between
             # two scrapes landing on different workers (``peers.metrics``).

@@ -29,13 +29,16 @@ Contract:
   ``/stats`` read, and adds ``audit`` (``meanings.grade``: the true wrong-hit rate next to the
   audits' estimate) and ``audit.png`` to the report; it refuses ``url``.
 - Errors a user can fix raise ``WorkloadError`` (a bad workload or option, ``out`` a directory
-  that cannot be created and ``url`` not an http(s) URL included: exit 2 in the CLI),
-  ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1: a gateway that did not start or
+  that cannot be created and a ``url`` that is not ``http(s)://host:port`` with ``/v1`` optional
+  included: exit 2 in the CLI; ``_gateway_url``, whose refusal of a user, password, query or
+  fragment does not repeat the URL), ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1: a gateway that did not start or
   answer). A run that fails removes the ``out`` directory it created when nothing was written
   in it (a ``gateway.log`` stays, with the directory).
 - ``workload`` (None: ``DEFAULT_WORKLOAD``) and ``seed`` (None: 0) choose a built-in workload: given
   with ``workload_file`` they are a ``WorkloadError`` (``_check_spec``), and a recorded run's
   ``params.seed`` is None.
+- ``params.gateway_url`` is the URL the requests went to (``scheme://host:port``), never
+  ``url`` as typed.
 - ``params`` records ``config_file`` (the file ``config`` was read from: --config or
   CARPOOL_CONFIG) and ``upstreams``: the gateway's, as its ``/stats`` names them (never a URL's
   credentials), None for the embedded simulated engine; then the cost model's source says
@@ -50,6 +53,7 @@ import datetime as _dt
 import functools
 import math
 import statistics
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,9 +166,35 @@ def arrival_times(workload: Workload, options: BenchOptions) -> list[float] | No
     return times
 
 
-def _normalise_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
+def _gateway_url(url: str) -> str:
+    """The gateway's base URL as requests are sent to it (``scheme://host:port``), or a
+    ``WorkloadError``: the replay sends to a host, a port and the API's own paths, so a user or
+    password, a query or a fragment would be silently dropped and any path but ``/v1`` would
+    turn every request into a pass-through one. The refusals that may carry a secret do not
+    repeat the URL."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        Address.parse(url)  # a scheme, a host and a port in range
+    except ValueError as error:
+        why = "" if str(error).startswith("not an http(s) URL") else f": {error}"
+        raise WorkloadError(f"--url {url!r}: not an http(s) URL (http://host:port){why}") from None
+    refused = [
+        what
+        for what, present in (
+            ("a user or password", "@" in parts.netloc),
+            # Even an empty "?" or "#": what follows them is never sent.
+            ("a query", "?" in url.partition("#")[0]),
+            ("a fragment", "#" in url),
+            ("a path other than /v1", parts.path not in ("", "/", "/v1", "/v1/")),
+        )
+        if present
+    ]
+    if refused:
+        raise WorkloadError(
+            f"--url: a gateway URL is http(s)://host:port with /v1 optional; this one has "
+            f"{', '.join(refused)} (not repeated here: it may hold a secret)"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 async def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -174,15 +204,8 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise WorkloadError(f"--requests must be >= 1, got {options.requests}")
     if options.concurrency is not None and options.concurrency < 1:
         raise WorkloadError(f"--concurrency must be >= 1, got {options.concurrency}")
-    if options.url is not None:
-        # Up front: a URL that names no gateway is a bad option, not an unreachable gateway.
-        try:
-            Address.parse(_normalise_url(options.url))
-        except ValueError as error:
-            why = "" if str(error).startswith("not an http(s) URL") else f": {error}"
-            raise WorkloadError(
-                f"--url {options.url!r}: not an http(s) URL (http://host:port){why}"
-            ) from None
+    # Up front: a URL that names no gateway is a bad option, not an unreachable gateway.
+    gateway_url = None if options.url is None else _gateway_url(options.url)
     audit = options.workload == meanings.WORKLOAD and not options.workload_file
     if audit and options.url:
         raise WorkloadError(
@@ -200,7 +223,7 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
             f"--out {out}: cannot create the report directory ({error.strerror or error})"
         ) from None
     try:
-        return await _run(options, workload, arrivals, audit)
+        return await _run(options, gateway_url, workload, arrivals, audit)
     except BaseException:
         if created:  # a failed run leaves no empty report directory (a gateway.log stays)
             with contextlib.suppress(OSError):
@@ -209,7 +232,11 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
 
 
 async def _run(
-    options: BenchOptions, workload: Workload, arrivals: list[float] | None, audit: bool
+    options: BenchOptions,
+    gateway_url: str | None,  # ``options.url`` as used (``_gateway_url``); None: embedded
+    workload: Workload,
+    arrivals: list[float] | None,
+    audit: bool,
 ) -> dict[str, Any]:
     out = options.out
     config = options.config
@@ -225,9 +252,9 @@ async def _run(
                 config = Config.model_validate(
                     {**meanings.audit_config(config), "upstreams": [by_meaning.url]}
                 )
-            url = (
-                _normalise_url(options.url)
-                if options.url
+            url: str = (
+                gateway_url
+                if gateway_url is not None
                 else await stack.enter_async_context(embedded_gateway(config, out / "gateway.log"))
             )
             if audit:
@@ -269,7 +296,7 @@ async def _run(
         "quick": options.quick,
         "duration_s": round(run.duration, 3),
         "target": "url" if options.url else "embedded",
-        "gateway_url": _normalise_url(options.url) if options.url else url,
+        "gateway_url": url,
         "config_file": options.config_file,
         # As /stats names them (never a URL's user, password or query); None: the embedded
         # simulated engine.

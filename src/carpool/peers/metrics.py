@@ -14,6 +14,14 @@ Contract:
   the sums are the run's. Gauges are summed too (flights, waiters, cache entries and bytes:
   each worker's own), but for those that are a state or a rate, not an amount
   (:data:`HIGHEST`: the highest of the workers', the conservative reading for an alert).
+- The ``carpool_semantic_*`` series of the sum are labelled with at most ``METRIC_NAMESPACES``
+  namespaces, as one worker's are, ranked by ``metrics.labelled``'s rule over the run's sums
+  (:func:`_labelled_namespaces`); each worker renders every one of its own for the merge, else
+  the sum held up to N x ``METRIC_NAMESPACES``, and a namespace ranked out on one worker was
+  labelled with the others' part of its count, which went down (a reset) when their rankings
+  moved. As in one process, a namespace ranked out loses its series, and is back with the
+  run's count in all when ranked in again (never lower, but for a worker that did not answer
+  or was replaced: below).
 - A worker that does not answer in time adds nothing to that scrape (logged by ``Peers``): its
   counters are missing from the sum once, which Prometheus reads as a reset, as it reads a
   worker that restarted (its counters start again from 0).
@@ -36,6 +44,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from ..metrics import METRIC_NAMESPACES
 
 __all__ = ["HIGHEST", "merge", "run_totals"]
 
@@ -62,12 +72,45 @@ def merge(expositions: Iterable[str]) -> bytes:
                     summed[at] = max(summed[at], sample.value)
                 else:
                     summed[at] += sample.value
+    kept = _labelled_namespaces(values)
     for name, family in families.items():
+        ranked = name.startswith(_SEMANTIC)
         for (sample_name, labels), value in values[name].items():
-            family.add_sample(sample_name, dict(labels), value)
+            named = dict(labels)
+            if ranked and named.get("namespace", kept) not in kept:
+                continue
+            family.add_sample(sample_name, named, value)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed(list(families.values())))
     return generate_latest(registry)
+
+
+# The families labelled by namespace, which ``metrics.labelled`` bounds in one process.
+_SEMANTIC = "carpool_semantic_"
+
+
+def _labelled_namespaces(values: dict[str, dict[Any, float]]) -> set[str]:
+    """The run's namespaces to label, ranked over the workers' sums by ``metrics.labelled``'s
+    rule: not serving first (the backoff gauge: the highest worker's), then the most audited in
+    all; at most ``METRIC_NAMESPACES``. Each worker renders every one of its own for this
+    (``Metrics.render``), so a namespace's count here is the run's, never a part of it."""
+    audited: dict[str, float] = {}
+    serving: dict[str, bool] = {}
+    for name, samples in values.items():
+        if not name.startswith(_SEMANTIC):
+            continue
+        for (sample_name, labels), value in samples.items():
+            namespace = dict(labels).get("namespace")
+            if namespace is None:
+                continue
+            audited.setdefault(namespace, 0)
+            serving.setdefault(namespace, True)
+            if sample_name == "carpool_semantic_audits_total":
+                audited[namespace] = value
+            elif sample_name == "carpool_semantic_backoff" and value != 0:
+                serving[namespace] = False
+    ranked = sorted(audited, key=lambda ns: (serving[ns], -audited[ns], ns))
+    return set(ranked[:METRIC_NAMESPACES])
 
 
 class _Fixed(Collector):
