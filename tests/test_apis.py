@@ -34,6 +34,22 @@ from fakes.waiting import eventually
 RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
 CHAT = "/v1/chat/completions"
 QUESTION = "What is carpool?"
+# A Messages request as the anthropic SDK sends it greedy: recent SDKs no longer take
+# ``temperature`` as an argument, only in ``extra_body`` (without it a request samples, and
+# bypasses).
+GREEDY_MESSAGE: dict[str, Any] = {
+    "model": "m",
+    "max_tokens": 64,
+    "extra_body": {"temperature": 0},
+    "messages": [{"role": "user", "content": QUESTION}],
+}
+
+
+def anthropic_client(gw: Any) -> anthropic.AsyncAnthropic:
+    """The official SDK pointed at the gateway (it adds ``/v1/messages`` itself)."""
+    return anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-test", max_retries=0)
+
+
 BOTH = pytest.mark.parametrize("kind", ["responses", "messages"])
 # The last event of each API's stream, and what a complete answer says.
 LAST = {"responses": "response.completed", "messages": "message_stop"}
@@ -1155,17 +1171,8 @@ async def test_a_replayed_responses_stream_carries_reasoning_summaries_and_logpr
 async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_call_and_a_repeat_is_a_hit(  # noqa: E501
     gw, fake
 ):
-    # Recent anthropic SDKs no longer take ``temperature`` as an argument: it goes in
-    # ``extra_body`` (without it a request samples, and bypasses).
-    async with anthropic.AsyncAnthropic(
-        base_url=gw.url, api_key="sk-ant-test", max_retries=0
-    ) as client:
-        ask = {
-            "model": "m",
-            "max_tokens": 64,
-            "extra_body": {"temperature": 0},
-            "messages": [{"role": "user", "content": QUESTION}],
-        }
+    async with anthropic_client(gw) as client:
+        ask = dict(GREEDY_MESSAGE)
 
         async def helper() -> str:  # messages.stream()
             async with client.messages.stream(**ask) as events:
@@ -1210,15 +1217,8 @@ async def test_the_anthropic_sdk_20_concurrent_messages_half_streaming_make_one_
 
 
 async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit(gw, fake):
-    async with anthropic.AsyncAnthropic(
-        base_url=gw.url, api_key="sk-ant-test", max_retries=0
-    ) as client:
-        ask = {
-            "model": "m",
-            "max_tokens": 64,
-            "extra_body": {"temperature": 0},
-            "messages": [{"role": "user", "content": QUESTION}],
-        }
+    async with anthropic_client(gw) as client:
+        ask = dict(GREEDY_MESSAGE)
         first = await client.messages.create(**ask)  # whole: the hit is synthesized
         async with client.messages.stream(**ask) as events:
             final = await events.get_final_message()
@@ -1239,15 +1239,8 @@ async def test_the_anthropic_sdk_stream_helper_reads_a_synthesized_hit_of_a_mess
         {"type": "thinking", "thinking": "hmm"},
         {"type": "text", "text": "Hello"},
     ]
-    async with anthropic.AsyncAnthropic(
-        base_url=gw.url, api_key="sk-ant-test", max_retries=0
-    ) as client:
-        ask = {
-            "model": "m",
-            "max_tokens": 64,
-            "extra_body": {"temperature": 0},
-            "messages": [{"role": "user", "content": QUESTION}],
-        }
+    async with anthropic_client(gw) as client:
+        ask = dict(GREEDY_MESSAGE)
         first = await client.messages.with_raw_response.create(**ask)
         assert first.headers["x-carpool"] == "miss"
         async with client.messages.stream(**ask) as events:
@@ -1292,15 +1285,8 @@ async def test_tokens_saved_counts_the_prompt_tokens_anthropic_reports_apart_for
 async def test_a_null_stream_asks_for_a_whole_message(gw, fake):
     # As the OpenAI APIs take it (tests/test_openai_sdk.py): null is no stream, and the
     # upstream is asked without it.
-    async with anthropic.AsyncAnthropic(
-        base_url=gw.url, api_key="sk-ant-test", max_retries=0
-    ) as client:
-        ask: dict[str, Any] = {
-            "model": "m",
-            "max_tokens": 64,
-            "extra_body": {"temperature": 0},
-            "messages": [{"role": "user", "content": QUESTION}],
-        }
+    async with anthropic_client(gw) as client:
+        ask: dict[str, Any] = dict(GREEDY_MESSAGE)
         raw = await client.messages.with_raw_response.create(**ask, stream=None)
         assert raw.http_request.content.count(b'"stream":null') == 1
         assert raw.headers["x-carpool"] == "miss"
@@ -1699,16 +1685,8 @@ async def test_a_whole_answer_of_a_streamed_message_is_what_the_anthropic_sdk_ac
     # assembled from it (a hit): the same message, compaction summary, fallback model and
     # applied context edits included.
     fake.message_events = newer_message_stream
-    async with anthropic.AsyncAnthropic(
-        base_url=gw.url, api_key="sk-ant-test", max_retries=0
-    ) as client:
-        ask: dict[str, Any] = {
-            "model": "m",
-            "max_tokens": 64,
-            "extra_body": {"temperature": 0},
-            "messages": [{"role": "user", "content": QUESTION}],
-            "betas": ["context-management-2025-06-27"],
-        }
+    async with anthropic_client(gw) as client:
+        ask: dict[str, Any] = {**GREEDY_MESSAGE, "betas": ["context-management-2025-06-27"]}
         async with client.beta.messages.stream(**ask) as events:
             streamed = await events.get_final_message()
         raw = await client.beta.messages.with_raw_response.create(**ask)
@@ -1797,13 +1775,9 @@ async def test_a_tool_input_cut_short_is_an_object_for_its_flight_and_never_stor
         {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}}
     ]
     assert gw.gateway.store.entries == 0
-    async with anthropic.AsyncAnthropic(
-        base_url=gw.url, api_key="sk-ant-test", max_retries=0
-    ) as client:
+    async with anthropic_client(gw) as client:
         ask: dict[str, Any] = {
-            "model": "m",
-            "max_tokens": 64,
-            "extra_body": {"temperature": 0},
+            **GREEDY_MESSAGE,
             "messages": body["messages"],
             "tools": body["tools"],
         }

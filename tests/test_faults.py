@@ -474,6 +474,20 @@ async def whole_answer_a_byte_at_a_time() -> AsyncIterator[bytes]:
         yield body[i : i + 1]
 
 
+def first_call_then_fine(
+    first: Callable[[], bytes | AsyncIterator[bytes]],
+) -> Callable[[RawCall], bytes | AsyncIterator[bytes]]:
+    """A raw upstream's answers: ``first()`` to its first call, a plain chat answer after."""
+    calls = 0
+
+    def respond(call: RawCall) -> bytes | AsyncIterator[bytes]:
+        nonlocal calls
+        calls += 1
+        return first() if calls == 1 else raw_answer(200, b"OK", chat_completion("fine"))
+
+    return respond
+
+
 async def test_a_stream_with_only_comments_after_its_first_event_times_out_for_every_client():
     """``limits.upstream_timeout`` runs between a stream's events: a read that brings no
     ``data:`` (an SSE comment, a keep-alive) is none. Counted between any two bytes, a stream
@@ -482,11 +496,7 @@ async def test_a_stream_with_only_comments_after_its_first_event_times_out_for_e
     (sent nothing yet) a 504; nothing is stored, the call's connection is closed (not kept for
     another call), and the next request calls again."""
 
-    def respond(call: RawCall) -> bytes | AsyncIterator[bytes]:
-        if len(upstream.calls) == 1:
-            return first_event_then_comments()
-        return raw_answer(200, b"OK", chat_completion("fine"))
-
+    respond = first_call_then_fine(first_event_then_comments)
     limits = {"upstream_timeout": TRICKLED_TIMEOUT_S}
     async with raw_upstream(respond) as upstream, run_gateway([upstream.url], limits=limits) as gw:
         baseline = Baseline()
@@ -516,11 +526,7 @@ async def test_a_whole_answer_trickling_in_is_504_once_upstream_timeout_has_pass
     ``x-should-retry: false`` (the engine took the call); nothing is stored, the connection is
     closed, and the next request calls again."""
 
-    def respond(call: RawCall) -> bytes | AsyncIterator[bytes]:
-        if len(upstream.calls) == 1:
-            return whole_answer_a_byte_at_a_time()
-        return raw_answer(200, b"OK", chat_completion("fine"))
-
+    respond = first_call_then_fine(whole_answer_a_byte_at_a_time)
     limits = {"upstream_timeout": TRICKLED_TIMEOUT_S}
     async with raw_upstream(respond) as upstream, run_gateway([upstream.url], limits=limits) as gw:
         baseline = Baseline()

@@ -668,30 +668,33 @@ async def test_a_retry_waiting_on_its_key_keeps_the_first_run_going_when_its_cli
             fake.chunk_gate = gate  # (its head and first words sent, then the rest held)
         else:
             fake.gate = gate
-        writer, first = await _first_then_gone(served, body, fake, streamed=streamed)
-        retry = asyncio.create_task(client.post(CHAT, json=body, headers=KEY))
-        await eventually(lambda: _records_waiting(gateway) == 1, what="the waiting retry")
-        writer.transport.abort()  # (the first client's connection drops)
-        await eventually(
-            lambda: first not in served.server.server_state.connections, what="the first gone"
-        )
+        retry = await _first_gone_while_a_retry_waits(fake, served, gateway, client, body, streamed)
         gate.set()
         answer = await retry
     assert answer.status_code == 200 and answer.headers["idempotent-replayed"] == "true"
     assert (fake.count(), fake.cancelled) == (1, 0)
 
 
+async def _first_gone_while_a_retry_waits(
+    fake: Any, served: Any, gateway: Any, client: Any, body: dict[str, Any], streamed: bool
+) -> asyncio.Task[Any]:
+    """The first keyed request sent, a retry with its key waiting on its record, then the first
+    client's connection dropped (the usual reason for a retry): the retry, still waiting."""
+    writer, first = await _first_then_gone(served, body, fake, streamed=streamed)
+    retry = asyncio.create_task(client.post(CHAT, json=body, headers=KEY))
+    await eventually(lambda: _records_waiting(gateway) == 1, what="the waiting retry")
+    writer.transport.abort()  # (the first client's connection drops)
+    await eventually(
+        lambda: first not in served.server.server_state.connections, what="the first gone"
+    )
+    return retry
+
+
 async def test_once_the_waiting_retry_leaves_too_the_first_run_is_cancelled(fake):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     async with _served(fake, idempotency={"on_conflict": "wait"}) as (served, gateway, client):
         fake.gate = asyncio.Event()
-        writer, first = await _first_then_gone(served, body, fake, streamed=False)
-        retry = asyncio.create_task(client.post(CHAT, json=body, headers=KEY))
-        await eventually(lambda: _records_waiting(gateway) == 1, what="the waiting retry")
-        writer.transport.abort()  # (the first client's connection drops)
-        await eventually(
-            lambda: first not in served.server.server_state.connections, what="the first gone"
-        )
+        retry = await _first_gone_while_a_retry_waits(fake, served, gateway, client, body, False)
         retry.cancel()  # (its connection closed)
         await fake.wait_for_cancelled(1)
         await eventually(lambda: gateway.flights.waiters == 0, what="the flight left")
