@@ -488,6 +488,22 @@ def first_call_then_fine(
     return respond
 
 
+async def timed_out_then_called_again(
+    timed_out: httpx.Response, gw: Any, upstream: Any, baseline: Baseline
+) -> None:
+    """``timed_out`` got the timeout's 504, not to be retried (the engine took the call);
+    nothing was stored, the call's connection was closed (never kept for another call), nothing
+    is left behind, and the next request calls the upstream again."""
+    assert (timed_out.status_code, error_of(timed_out)["code"]) == (504, "upstream_timeout")
+    assert timed_out.headers["x-should-retry"] == "false"
+    assert gw.gateway.store.entries == 0
+    await eventually(lambda: upstream.ended == 1, what="the timed-out call's connection closed")
+    await nothing_left(baseline, gw, failed=True)
+    again = await gw.chat()
+    assert (again.status_code, again.headers["x-carpool"], content(again)) == (200, "miss", "fine")
+    assert len(upstream.calls) == upstream.connections == 2
+
+
 async def test_a_stream_with_only_comments_after_its_first_event_times_out_for_every_client():
     """``limits.upstream_timeout`` runs between a stream's events: a read that brings no
     ``data:`` (an SSE comment, a keep-alive) is none. Counted between any two bytes, a stream
@@ -509,14 +525,7 @@ async def test_a_stream_with_only_comments_after_its_first_event_times_out_for_e
         text, error = sse_failure(raw)
         assert text == "hel" and error["code"] == "upstream_timeout"
         assert joined.headers["x-carpool"] == "coalesced"
-        assert (joined.status_code, error_of(joined)["code"]) == (504, "upstream_timeout")
-        assert joined.headers["x-should-retry"] == "false"
-        assert gw.gateway.store.entries == 0
-        await eventually(lambda: upstream.ended == 1, what="the stalled call's connection closed")
-        await nothing_left(baseline, gw, failed=True)
-        again = await gw.chat()
-        assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
-        assert len(upstream.calls) == upstream.connections == 2
+        await timed_out_then_called_again(joined, gw, upstream, baseline)
 
 
 async def test_a_whole_answer_trickling_in_is_504_once_upstream_timeout_has_passed_since_its_call():
@@ -531,15 +540,7 @@ async def test_a_whole_answer_trickling_in_is_504_once_upstream_timeout_has_pass
     async with raw_upstream(respond) as upstream, run_gateway([upstream.url], limits=limits) as gw:
         baseline = Baseline()
         response = await asyncio.wait_for(gw.chat(), 10)
-        assert (response.status_code, error_of(response)["code"]) == (504, "upstream_timeout")
-        assert response.headers["x-should-retry"] == "false"
-        assert gw.gateway.store.entries == 0
-        await eventually(lambda: upstream.ended == 1, what="the trickling call's connection closed")
-        await nothing_left(baseline, gw, failed=True)
-        again = await gw.chat()
-        assert (again.status_code, again.headers["x-carpool"]) == (200, "miss")
-        assert content(again) == "fine"
-        assert len(upstream.calls) == upstream.connections == 2
+        await timed_out_then_called_again(response, gw, upstream, baseline)
 
 
 async def test_a_stream_whose_events_keep_coming_is_not_timed_out_however_long_it_lasts():
