@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from carpool import peers
 from carpool.config import Config
@@ -1210,6 +1211,21 @@ def _labelled(text: str) -> dict[str, float]:
         for sample in family.samples
         if sample.name == "carpool_semantic_audits_total"
     }
+
+
+async def test_a_workers_runs_metrics_keep_the_semantic_series_no_namespace_labels(fake):
+    """The namespaces' ranking of the merge (``peers.metrics.merge``) skipped every
+    ``carpool_semantic_*`` sample without a namespace: a workers' run lost the judge's calls
+    and the similarity histogram, which one process exports."""
+    async with two_workers(fake.url, admin_token="t") as pair:
+
+        def series(text: str) -> set[str]:
+            return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+        wanted = {"carpool_semantic_judge_calls_total", "carpool_semantic_similarity_count"}
+        assert wanted <= series(pair.a.gateway.metrics.render().decode())  # (one worker's)
+        scraped = await pair.a.client.get("/metrics", headers={"authorization": "Bearer t"})
+        assert scraped.status_code == 200 and wanted <= series(scraped.text)
 
 
 async def test_a_workers_run_labels_at_most_100_namespaces_ranked_over_the_runs_totals(fake):

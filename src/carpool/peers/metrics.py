@@ -77,7 +77,10 @@ def merge(expositions: Iterable[str]) -> bytes:
         ranked = name.startswith(_SEMANTIC)
         for (sample_name, labels), value in values[name].items():
             named = dict(labels)
-            if ranked and named.get("namespace", kept) not in kept:
+            # (Only a sample labelled by namespace is ranked: the judge's calls and the
+            # similarity histogram, in the same families' prefix, carry none.)
+            namespace = named.get("namespace")
+            if ranked and namespace is not None and namespace not in kept:
                 continue
             family.add_sample(sample_name, named, value)
     registry = CollectorRegistry(auto_describe=False)
