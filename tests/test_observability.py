@@ -131,7 +131,7 @@ async def test_with_redis_every_instance_reports_the_live_entries_of_the_whole_s
     # read again only by this instance's own puts, invalidations and gets: an idle instance
     # reported 0 while Redis held another's answers, and answers expired since stayed counted
     # however often the reports were read. The reports read the counts again themselves.
-    config = {**redis_settings(redis_server), "cache": {"types": {"short": {"ttl": 1}}}}
+    config = {**redis_settings(redis_server), "cache": {"types": {"short": {"ttl": 3}}}}
     async with run_gateway([fake.url], **config) as a, run_gateway([fake.url], **config) as b:
         for question in ("a", "b"):
             assert (await a.chat(question)).headers["x-carpool"] == "miss"
