@@ -328,6 +328,11 @@ async def test_audit_reset_reaches_every_worker(fake, tmp_path):
     pytest.importorskip("usearch")
     semantic = {"semantic": {"enabled": True, "audit_rate": 1.0, "max_wrong_rate": 0.05}}
     paraphrases = ["how can i reset my router", "How can I reset my router?"]
+    # Every audit finds the hit right. (With the fake's numbered answers each found it wrong,
+    # and a worker refused the pair from then on: its next miss stored the paraphrase's own
+    # answer, an exact hit on both workers, so a worker that had served no semantic hit by
+    # then never audited one: the test failed by the order of the two workers' audits.)
+    fake.answer_text = lambda n, body: "Hold the reset button for ten seconds."
     async with workers(fake.url, tmp_path, semantic) as served:
         for question in ("How do I reset my router?", *paraphrases):
             await served.spread(lambda c, q=question: c.post("/v1/chat/completions", json=chat(q)))
