@@ -42,6 +42,26 @@ async def two_gateways(fake, redis_server, **config):
         yield a, b
 
 
+async def until_relaying(c, a=None) -> None:
+    """Until C relays the first words (3 frames) of the stream A leads. It takes one read and
+    one block (~0.2 s in 30 runs); it timed out once at 5 s in CI, cause unknown: the wait is
+    as long as its siblings', and a failure says what the flights were doing (A's too when it
+    runs in this process)."""
+    counts = c.gateway.shared_flights.counts
+
+    def flights(gw) -> dict:
+        running = [(f.clients, len(f.broadcast.frames)) for f in gw.gateway.flights.running()]
+        shared = gw.gateway.shared_flights
+        return {"counts": shared.counts, "following": shared.following, "running": running}
+
+    await eventually(
+        lambda: counts["frames_relayed"] >= 3,
+        timeout=10,
+        what="C relaying A's first words",
+        state=lambda: {"A": a and flights(a), "C": flights(c)},
+    )
+
+
 async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, shared_redis):
     async with two_gateways(fake, shared_redis) as (a, b):
         first = await a.chat()
@@ -1012,7 +1032,7 @@ async def test_a_stream_joining_a_relayed_call_after_its_leader_died_is_answered
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         following = asyncio.create_task(c.stream_chat(QUESTION))
         counts = c.gateway.shared_flights.counts
-        await eventually(lambda: counts["frames_relayed"] >= 3, what="C relaying A's first words")
+        await until_relaying(c)
         (relaying,) = c.gateway.flights.running()
         a.kill()
         fake.chunk_gate = None  # the takeover's call answers at once
@@ -1082,7 +1102,7 @@ async def test_a_stream_joining_a_relayed_call_takes_its_frames_once_its_live_le
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         following = asyncio.create_task(c.stream_chat(QUESTION))
         counts = c.gateway.shared_flights.counts
-        await eventually(lambda: counts["frames_relayed"] >= 3, what="C relaying A's first words")
+        await until_relaying(c, a)
         (relaying,) = c.gateway.flights.running()
         received: list[str] = []
 

@@ -7,12 +7,17 @@ from collections.abc import Callable
 
 
 async def eventually(
-    condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+    condition: Callable[[], bool],
+    timeout: float = 5.0,
+    what: str = "condition",
+    state: Callable[[], object] | None = None,
 ) -> None:
-    """Return as soon as ``condition()`` holds; fail after ``timeout`` seconds."""
+    """Return as soon as ``condition()`` holds; fail after ``timeout`` seconds, saying
+    ``state()`` then (what a failure seen once in CI needs to be understood)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not condition():
         if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            seen = "" if state is None else f"; then: {state()!r}"
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
         await asyncio.sleep(0.002)
