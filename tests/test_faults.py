@@ -31,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gzip
 import json
 import logging
 import random
 import socket
 import tracemalloc
+import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -50,6 +52,7 @@ from carpool.config import Config
 from carpool.fingerprint import RepeatMemo, fingerprint
 from carpool.request import ClientRequest, parse
 from carpool.server import create_app
+from carpool.upstream import http as upstream_http
 from carpool.upstream import wire
 from carpool.wiring import build_gateway
 from conftest import Served, redis_settings, run_gateway
@@ -1048,3 +1051,123 @@ async def test_a_joiner_of_another_users_call_answered_304_gets_the_502_and_keep
             after = await bob.post(CHAT, json=fine)
             assert after.status_code == 200 and content(after) == "fine"
         assert len(upstream.calls) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Answers in a content coding the gateway did not ask for (a raw upstream)
+
+_REFUSAL = orjson.dumps({"error": {"message": "slow down", "type": "rate_limit", "code": None}})
+_SSE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+
+
+def _coded(status: int, body: bytes, coding: bytes, *more: tuple[bytes, bytes]) -> bytes:
+    return raw_answer(status, b"Whatever", body, headers=((b"content-encoding", coding), *more))
+
+
+@pytest.mark.parametrize(
+    ("coding", "compress", "status", "retry"),
+    [
+        (b"gzip", gzip.compress, 429, (b"retry-after", b"7")),
+        (b"x-gzip", gzip.compress, 429, (b"retry-after", b"7")),
+        (b"deflate", zlib.compress, 400, None),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_coded_upstream_refusal_reaches_the_client_decoded_with_when_to_retry(
+    coding, compress, status, retry, stream
+):
+    """Asked for ``identity``, an upstream (a proxy before it) compressed its refusal anyway:
+    it was relayed as compressed bytes labelled ``application/json`` with no
+    ``Content-Encoding``, unreadable (an SDK retrying a 429 could not even read it). Decoded,
+    it reaches the client as it would have come uncompressed, its ``Retry-After`` with it."""
+    also = () if retry is None else (retry,)
+    async with (
+        raw_upstream(lambda call: _coded(status, compress(_REFUSAL), coding, *also)) as upstream,
+        run_gateway([upstream.url]) as gw,
+    ):
+        response = await gw.chat(stream=stream)
+        assert upstream.calls[0].headers["accept-encoding"] == "identity"
+        assert response.status_code == status
+        assert "content-encoding" not in response.headers
+        assert response.headers["content-type"] == "application/json"
+        assert error_of(response)["message"] == "slow down"
+        if retry is not None:
+            assert response.headers["retry-after"] == "7"
+
+
+@pytest.mark.parametrize(
+    ("coding", "compress"), [(b"gzip", gzip.compress), (b"deflate", zlib.compress)]
+)
+async def test_a_coded_whole_answer_is_stored_decoded_and_served_to_a_hit_uncoded(coding, compress):
+    """A 2xx whole answer so compressed was a 502 "not JSON": decoded, it is the answer, stored
+    as its JSON, and a hit serves that without any ``Content-Encoding``."""
+    async with (
+        raw_upstream(lambda call: _coded(200, compress(chat_completion("fine")), coding)) as up,
+        run_gateway([up.url]) as gw,
+    ):
+        first = await gw.chat()
+        assert (first.status_code, first.headers["x-carpool"]) == (200, "miss")
+        again = await gw.chat()
+        assert (again.status_code, again.headers["x-carpool"]) == (200, "hit")
+        for response in (first, again):
+            assert "content-encoding" not in response.headers
+            assert content(response) == "fine"
+        assert len(up.calls) == 1
+
+
+_GZIP_STREAM = _coded(200, gzip.compress(_SSE + b"data: [DONE]\n\n"), b"gzip")
+_GZIP_STREAM = _GZIP_STREAM.replace(b"application/json", b"text/event-stream")
+
+
+@pytest.mark.parametrize(
+    ("answered", "named", "stream"),
+    [
+        (_coded(200, b"\x0b\x02\x80fine\x03", b"br"), "br", False),
+        (_coded(429, b"(\xb5/\xfd\x00\x00", b"zstd", (b"retry-after", b"7")), "zstd", False),
+        (_coded(200, b"\x1f\x8b\x08 not gzip", b"gzip"), "gzip", False),
+        (_GZIP_STREAM, "gzip", True),
+    ],
+    ids=["br", "zstd refusal", "broken gzip", "gzip stream"],
+)
+async def test_an_answer_in_a_coding_the_gateway_cannot_read_is_a_502_naming_it_nothing_stored(
+    answered, named, stream
+):
+    """An answer in a coding the gateway does not decode (br, zstd, unknown), a gzip that does
+    not decode, and any coded stream: the gateway's own 502 in OpenAI's error shape (a stream's
+    error event), naming the
+    coding the upstream sent although asked for ``identity`` (a coded stream was "ended its
+    stream without sending anything", a br answer relayed unreadable or "not JSON"); nothing
+    stored: the next identical request calls the upstream again."""
+    async with raw_upstream(lambda call: answered) as upstream, run_gateway([upstream.url]) as gw:
+        for attempt in (1, 2):
+            response = await gw.chat(stream=stream)
+            assert "content-encoding" not in response.headers
+            if stream:
+                # (A stream that fails before its first chunk: a 200 and its error event, as
+                # for an engine's empty stream, which the SDKs would not retry.)
+                assert response.status_code == 200
+                text, error = sse_failure(response.text)
+                assert text == ""
+            else:
+                assert response.status_code == 502
+                error = error_of(response)
+            assert error["code"] == "upstream_content_coding"
+            assert named in error["message"] and "identity" in error["message"]
+            assert len(upstream.calls) == attempt
+        assert gw.gateway.store.entries == 0
+
+
+async def test_a_coded_answer_decoding_past_the_cap_is_a_502_nothing_stored(monkeypatch):
+    """Decoding is bounded (``upstream.http.MAX_DECODED``): a small gzip that inflates past it
+    (a bomb) is refused, never held whole."""
+    monkeypatch.setattr(upstream_http, "MAX_DECODED", 1024)
+    bomb = gzip.compress(b'{"x": "' + b"a" * 4096 + b'"}')
+    async with (
+        raw_upstream(lambda call: _coded(200, bomb, b"gzip")) as upstream,
+        run_gateway([upstream.url]) as gw,
+    ):
+        response = await gw.chat()
+        assert response.status_code == 502
+        error = error_of(response)
+        assert error["code"] == "upstream_content_coding" and "gzip" in error["message"]
+        assert gw.gateway.store.entries == 0

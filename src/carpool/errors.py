@@ -35,6 +35,7 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │       │                         (the engine took the call: ``x-should-retry: false``)
     │       ├── UpstreamStreamStalled 504: a stream with no event for ``limits.upstream_timeout``
     │       └── UpstreamAnswerCut     502 (504 not whole in time): a whole answer cut after its head
+    │           └── UpstreamContentCoding 502: an answer in a content coding the gateway cannot read
     ├── FlightAbandoned               499: every client of a flight left and its call was cancelled
     ├── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
     └── InternalError                 500: the gateway failed (a bug): what the client gets of it
@@ -430,6 +431,21 @@ class UpstreamAnswerCut(UpstreamStreamBroken):
         super().__init__(message)
         if timed_out:
             self.status, self.code = 504, "upstream_timeout"
+
+
+class UpstreamContentCoding(UpstreamAnswerCut):
+    """An answer to a cached endpoint's call in a content coding the gateway did not ask for
+    (it asks for ``identity``: an upstream, or a proxy before it, compressed all the same) and
+    cannot read: a coding other than gzip and deflate (br, zstd...), one that does not decode,
+    or decodes past ``upstream.http.MAX_DECODED``, and any coded stream (read as it comes, it
+    is never decoded). Its message names the coding. Relayed, the client got compressed bytes
+    labelled ``application/json`` without their ``Content-Encoding``; stored, every hit would.
+
+    As for an answer cut after its head, the engine took the call: not run again on another
+    replica, nor retried by the SDKs (``x-should-retry: false``: it would come coded again).
+    """
+
+    code = "upstream_content_coding"
 
 
 class LeaderLost(UpstreamStreamBroken):

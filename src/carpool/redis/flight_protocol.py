@@ -54,6 +54,7 @@ from ..answer import Answer
 from ..errors import (
     CarpoolError,
     UpstreamAnswerCut,
+    UpstreamContentCoding,
     UpstreamError,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
@@ -259,6 +260,7 @@ _ERRORS: dict[str, type[UpstreamError]] = {
         UpstreamNoAnswer,
         UpstreamStreamBroken,
         UpstreamAnswerCut,
+        UpstreamContentCoding,
         UpstreamKeyRefused,
     )
 }

@@ -107,8 +107,17 @@ Contract (on top of ``upstream.base``):
   ``no-store`` of such an answer); a stream's is not carried: SSE
   servers say ``no-store`` on every event stream by default, of the live feed, not of the
   answer), and a refusal what it says of when to retry (``errors.RETRY_HEADERS``).
-- Bodies are never decompressed here: the cached endpoints ask the upstream for ``identity``, and
-  pass-through relays the bytes with their ``content-encoding`` as they came. Likewise a
+- The cached endpoints ask the upstream for ``identity``; an upstream (or a proxy before it)
+  may compress all the same. Relayed as they came, such bytes reached the client labelled
+  ``application/json`` without their ``Content-Encoding`` (an SDK retrying a 429 could not
+  read it), so they are judged here (``_decoded``): a whole answer, of any status, in gzip
+  (``x-gzip``) or deflate is decoded (bounded: past ``MAX_DECODED`` bytes it is refused) and
+  then judged as if it had come as ``identity`` (a refusal relayed readable, with when to
+  retry; a 2xx stored and served decoded, with no ``Content-Encoding``). Any other coding
+  (br, zstd, unknown), one that does not decode, and any coded stream (read as it comes) is
+  ``UpstreamContentCoding`` (502, naming the coding; a streaming client's error event), its
+  connection closed: never relayed nor stored. Pass-through is left as it is: it relays the
+  bytes with their ``content-encoding`` as they came. Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
   endpoint's call, whose body is the gateway's own serialization, carries none.
 """
@@ -119,6 +128,7 @@ import asyncio
 import base64
 import logging
 import ssl
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from urllib.parse import quote
 
@@ -131,6 +141,7 @@ from ..config.urls import has_credentials
 from ..errors import (
     UpstreamAnswerCut,
     UpstreamBadStatus,
+    UpstreamContentCoding,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamRedirected,
@@ -139,6 +150,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from ..http_syntax import TOKEN
 from ..paths import confine
 from ..request_id import new_call_id
 from ..sse import SSEDecoder
@@ -177,6 +189,15 @@ NOT_RELAYED = frozenset(
 # on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+# The most bytes a coded whole answer may decode to (``_decoded``). The gateway sets no limit on
+# an answer as it comes (identity), but a few KiB of gzip can inflate to gigabytes; this is well
+# over the largest answers of the cached endpoints (2,048 embeddings of 3,072 floats as JSON,
+# about 130 MB).
+MAX_DECODED = 256 * 1024 * 1024
+# The content codings ``_decoded`` reads, and the ``wbits`` zlib reads each with (RFC 9110
+# 8.4.1: gzip's header and trailer; deflate is the zlib format).
+_DECODED = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 
 log = logging.getLogger("carpool.upstream")
 
@@ -442,8 +463,13 @@ class HttpUpstream:
             raise UpstreamKeyRefused(
                 f"upstream {self.label} refused the gateway's key ({status})", status
             )
+        codings = _codings(answer.content_encoding)
         # (A media type is case-insensitive, RFC 9110 8.3.1: ``Text/Event-Stream`` is one.)
         if request.stream and 200 <= status < 300 and "text/event-stream" in content_type.lower():
+            if codings:
+                # Read as it comes, a stream is never decoded: its events would be none.
+                answer.discard()  # (the engine stops: nothing of it can be used)
+                raise self._coded(codings, "which the gateway does not decode in a stream")
             # (Without its Cache-Control: an SSE server's ``no-store`` is the live feed's.)
             return UpstreamResponse(
                 status,
@@ -455,6 +481,8 @@ class HttpUpstream:
             data = await answer.read()
         except wire.WireError as exc:
             raise self._mid_answer(exc) from exc
+        if codings:
+            data = self._decoded(data, codings)
         # (None named: none relayed, never an empty one.)
         headers = {"content-type": content_type} if content_type else {}
         if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
@@ -462,6 +490,34 @@ class HttpUpstream:
         if answer.cache_control:  # (whether a shared cache may store it: ``Answer.storable``)
             headers["cache-control"] = answer.cache_control
         return UpstreamResponse(status, headers, body=data)
+
+    def _decoded(self, data: bytes, codings: list[str]) -> bytes:
+        """A whole answer's body in ``codings`` (in the order they were applied), decoded, at
+        most ``MAX_DECODED`` bytes; else ``UpstreamContentCoding`` (see the module doc)."""
+        for coding in reversed(codings):
+            wbits = _DECODED.get(coding)
+            if wbits is None:
+                raise self._coded(codings, "which the gateway does not decode")
+            decoder = zlib.decompressobj(wbits)
+            try:
+                # (One byte past the bound: what tells a body at the bound from one beyond.)
+                data = decoder.decompress(data, MAX_DECODED + 1)
+            except zlib.error as exc:
+                raise self._coded(codings, "which does not decode") from exc
+            if len(data) > MAX_DECODED:
+                raise self._coded(codings, f"decoding to more than {MAX_DECODED} bytes")
+            if not decoder.eof or decoder.unused_data:
+                raise self._coded(codings, "which does not decode (cut, or bytes after it)")
+        return data
+
+    def _coded(self, codings: list[str], why: str) -> UpstreamContentCoding:
+        # (The client reads the codings' names: a name that is no short token, the upstream's
+        # text of any length, is not quoted.)
+        named = [c if len(c) <= 32 and TOKEN.fullmatch(c) else "(unknown)" for c in codings]
+        return UpstreamContentCoding(
+            f"upstream {self.label} answered in content coding {', '.join(named)}"
+            f" although asked for identity, {why}"
+        )
 
     def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
         """The answer's head came, its body did not whole: the engine took the call, so this
@@ -618,6 +674,13 @@ def wire_payloads(
         done=lambda ended: answer.release(drain=True) if ended else answer.discard(),
         progressed=answer.progressed,
     )
+
+
+def _codings(content_encoding: str) -> list[str]:
+    """The content codings an answer's ``Content-Encoding`` lists, lower-case (RFC 9110 8.4.1:
+    case-insensitive), ``identity`` (no coding) left out."""
+    listed = (coding.strip().lower() for coding in content_encoding.split(","))
+    return [coding for coding in listed if coding and coding != "identity"]
 
 
 def _discarding(answer: wire.Answer) -> Callable[[], Awaitable[None]]:

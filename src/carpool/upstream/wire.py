@@ -64,8 +64,10 @@ Contract:
   (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
   (``cache_control``: every line of it, joined by ", " as RFC 9110 5.3 allows; "" for none;
   a whole answer that says ``no-store`` or ``private`` is never stored, ``Answer.storable``;
-  a stream's is not read, an SSE server's default of the live feed): the rest is read by no
-  one.
+  a stream's is not read, an SSE server's default of the live feed) and its
+  ``Content-Encoding`` (``content_encoding``, its lines joined so too; "" for none): the body
+  is never decoded here, ``upstream.http`` judges it (asked for ``identity``, an upstream or a
+  proxy before it may compress all the same). The rest is read by no one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``answer_timeout``
   seconds for the answer, counted from when its request was sent (``WireTimeout``, the
@@ -466,7 +468,15 @@ class Pool:
 class Answer:
     """An answer being read (see the module's contract)."""
 
-    __slots__ = ("connection", "status", "content_type", "retry", "cache_control", "_released")
+    __slots__ = (
+        "connection",
+        "status",
+        "content_type",
+        "retry",
+        "cache_control",
+        "content_encoding",
+        "_released",
+    )
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
@@ -474,6 +484,7 @@ class Answer:
         self.content_type = connection.content_type
         self.retry = connection.retry  # (``RETRY_FIELDS`` it said, as they came)
         self.cache_control = connection.cache_control
+        self.content_encoding = connection.content_encoding  # ("" for none; never decoded here)
         self._released = False
 
     async def read(self) -> bytes:
@@ -585,6 +596,7 @@ class Connection(asyncio.Protocol):
         "content_type",
         "retry",
         "cache_control",
+        "content_encoding",
         "sized",
         "interim",
         "headed",
@@ -620,6 +632,7 @@ class Connection(asyncio.Protocol):
         self.content_type = ""
         self.retry: tuple[tuple[str, str], ...] = ()
         self.cache_control = ""  # (its lines joined: ``Answer.cache_control``)
+        self.content_encoding = ""  # (likewise: ``Answer.content_encoding``)
         self.sized = False  # a Content-Length or chunked: the body does not end at EOF
         self.interim = False  # a 1xx answer, before the real one
         self.headed = False
@@ -647,7 +660,7 @@ class Connection(asyncio.Protocol):
         self.heard = self.sent = False
         self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
-        self.retry, self.cache_control = (), ""
+        self.retry, self.cache_control, self.content_encoding = (), "", ""
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
         self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
@@ -867,6 +880,11 @@ class Connection(asyncio.Protocol):
             # Every line: a ``no-store`` on the second line of several binds as on the first.
             said = value.decode("latin-1")
             self.cache_control = f"{self.cache_control}, {said}" if self.cache_control else said
+        elif name == b"content-encoding":
+            # Every line too: codings are listed in the order they were applied, over lines.
+            said = value.decode("latin-1")
+            coded = self.content_encoding
+            self.content_encoding = f"{coded}, {said}" if coded else said
 
     def on_headers_complete(self) -> None:
         if self.unasked:
@@ -889,7 +907,8 @@ class Connection(asyncio.Protocol):
             return
         if self.interim:
             self.interim = False
-            self.content_type, self.sized, self.retry, self.cache_control = "", False, (), ""
+            self.content_type, self.sized, self.retry = "", False, ()
+            self.cache_control = self.content_encoding = ""
             return
         self.done = True
         self.keep_alive = not self.lost and self.parser.should_keep_alive()
