@@ -322,6 +322,28 @@ async def test_an_upstream_error_event_reaches_every_client_in_the_apis_shape_an
     assert gw.gateway.store.entries == 0 and fake.count() == 1
 
 
+@pytest.mark.parametrize("how", ["cut", "upstream_error", "bypassed"])
+async def test_a_responses_error_event_is_numbered_after_the_events_before_it(gw, fake, how):
+    # Every event of a Responses stream has its ``sequence_number``, from 0 without a gap
+    # (OpenAI's ``ResponseErrorEvent`` too): the gateway's own error event had none.
+    body = body_of("responses")
+    if how == "cut":
+        fake.cut_after = 3
+    elif how == "upstream_error":
+        fake.error_after = 3
+    else:
+        fake.omit_done, body = True, without(body, "temperature")
+    if how == "bypassed":
+        raws = [(await stream(gw, RESPONSES, body))[1]]
+    else:  # (the flight's leader and its streaming joiner, which came mid-stream)
+        (_, raw), (_, joined), _ = await leader_and_joiners(gw, fake, RESPONSES, body)
+        raws = [raw, joined]
+    for raw in raws:
+        pairs = events(raw)
+        assert pairs[-1][0] == "error" and len(pairs) > 3
+        assert [data["sequence_number"] for _, data in pairs] == list(range(len(pairs)))
+
+
 async def test_an_error_event_reaches_a_joiner_with_another_body_without_the_upstreams_text(
     gw, fake
 ):

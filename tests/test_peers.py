@@ -340,18 +340,32 @@ async def test_an_owners_refusal_reaches_the_client_with_when_to_retry(fake):
         assert pair.b.gateway.peers is not None and fake.count() == 2
 
 
+_RESPONSES_EVENTS = b"".join(
+    b'event: %s\ndata: {"type":"%s","sequence_number":%d}\n\n' % (name, name, number)
+    for number, name in enumerate((b"response.created", b"response.in_progress"))
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "whole"),
+    [
+        (
+            "/v1/chat/completions",
+            b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+            b'"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n',
+        ),
+        ("/v1/responses", _RESPONSES_EVENTS),
+    ],
+)
 async def test_a_keyed_stream_whose_owner_dies_mid_event_ends_with_whole_events_then_its_error(
-    fake,
+    fake, path, whole
 ):
     """The owner running a keyed stream died with an event half written: the half reached the
-    client as an event of its own (the SDK raised a JSONDecodeError, not an APIError)."""
+    client as an event of its own (the SDK raised a JSONDecodeError, not an APIError). The
+    error event is numbered after the events relayed, where the API numbers its events."""
     directory = peers.prepare(2)
     config = Config(upstreams=[fake.url])
     door = PeerServer()
-    whole = (
-        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-        b'"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
-    )
 
     async def dies_mid_event(scope, receive, send):
         assert scope["type"] == "http"
@@ -366,16 +380,19 @@ async def test_a_keyed_stream_whose_owner_dies_mid_event_ends_with_whole_events_
         await door.start(dies_mid_event, owner.socket_path(1), 1)
         gateway = build_gateway(config, peers=Peers(slot, config))
         key = idempotency_key_owned_by(gateway, 1)
+        body = {"model": "m", "input": "Charge my card", "temperature": 0}
+        if path == "/v1/chat/completions":
+            body = _chat("Charge my card")
         async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
             response = await c.post(
-                "/v1/chat/completions",
-                json={**_chat("Charge my card"), "stream": True},
-                headers={"idempotency-key": key},
+                path, json={**body, "stream": True}, headers={"idempotency-key": key}
             )
         events = [event for event in response.text.split("\n\n") if event]
-        assert events[0].encode() + b"\n\n" == whole
-        payloads = [orjson.loads(event.removeprefix("data: ")) for event in events]
-        assert len(payloads) == 2 and "went away" in payloads[1]["error"]["message"]
+        assert "".join(f"{event}\n\n" for event in events[:-1]).encode() == whole
+        payloads = [orjson.loads(event.partition("data: ")[2]) for event in events]
+        assert "went away" in payloads[-1]["error"]["message"]
+        if path == "/v1/responses":
+            assert [p["sequence_number"] for p in payloads] == [0, 1, 2]
         assert fake.count() == 0
     finally:
         await door.aclose()

@@ -598,7 +598,7 @@ class Relay:
         self.ended = True
         if broadcast.error is not None:
             error = broadcast.error if self.shown is None else self.shown(broadcast.error)
-            return piece + self.api.error_event(error)
+            return piece + self.api.error_event(error, self.sent)
         if self.saved is not None and broadcast.answer is not None:
             self.saved(broadcast.answer)
         if piece or self.api.stream_end:
@@ -627,6 +627,7 @@ async def _pipe(
     not ask for), the usage chunk is left out of what the client is sent, and every frame, that
     one too, is added to ``kept``, then the stream's end if it ended whole. ``accepted`` is
     called once it ended whole, without an error event."""
+    sent = 0  # events its client was sent (an error event is numbered after them)
     try:
         async for payloads in response.events():
             frames: list[bytes] = []
@@ -639,7 +640,8 @@ async def _pipe(
                     yield b"".join(frames) + api.error_event(
                         UpstreamStreamBroken(
                             f"the upstream stream failed: {error.get('message')}", error
-                        )
+                        ),
+                        sent + len(frames),
                     )
                     return
                 framed = api.frame(payload)
@@ -650,6 +652,7 @@ async def _pipe(
                     if payload.find(b'"usage"') != -1 and _usage_only(api, payload):
                         continue
                 frames.append(framed)
+            sent += len(frames)
             yield b"".join(frames)
         if accepted is not None:
             accepted()
@@ -658,7 +661,7 @@ async def _pipe(
         if api.stream_end:
             yield api.stream_end
     except UpstreamError as error:
-        yield api.error_event(error)
+        yield api.error_event(error, sent)
     finally:
         await response.aclose()
 

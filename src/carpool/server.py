@@ -412,7 +412,9 @@ class GatewayApp:
         elif not watch.finished:
             log.info("shutting down: a stream still running was cut (it ends with an error)")
             await respond(
-                Reply(200, [], stream=_Last(api.error_event(error) + api.stream_end)), watch
+                # (How many events went out is not known here: none numbered.)
+                Reply(200, [], stream=_Last(api.error_event(error, None) + api.stream_end)),
+                watch,
             )
         else:
             log.info("shutting down: a reply still being sent was cut")

@@ -260,8 +260,10 @@ class Api:
         """The SSE frames a server could have streamed for ``body`` (without ``stream_end``)."""
         raise NotImplementedError
 
-    def error_event(self, error: CarpoolError) -> bytes:
-        """The SSE event that tells a streaming client its stream failed."""
+    def error_event(self, error: CarpoolError, sent: int | None = 0) -> bytes:
+        """The SSE event that tells a streaming client its stream failed. ``sent``: the events
+        of the stream its client was sent before it (a typed stream that numbers its events
+        numbers this one after them: Responses' ``sequence_number``); None if not known."""
         return b"data: " + orjson.dumps({"error": error.error_object()}) + b"\n\n"
 
     def error_body(self, error: CarpoolError) -> bytes:

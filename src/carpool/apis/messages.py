@@ -182,7 +182,7 @@ class MessagesApi(TypedApi):
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         return synthesize(body)
 
-    def error_event(self, error: CarpoolError) -> bytes:
+    def error_event(self, error: CarpoolError, sent: int | None = 0) -> bytes:
         return event_frame(b"error", orjson.dumps({"type": "error", "error": _error_object(error)}))
 
     def error_body(self, error: CarpoolError) -> bytes:

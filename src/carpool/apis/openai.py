@@ -148,7 +148,7 @@ class _Classic(Api):
             for chunk in synthesize(self.kind, body, include_usage=include_usage)
         ]
 
-    def error_event(self, error: CarpoolError) -> bytes:
+    def error_event(self, error: CarpoolError, sent: int | None = 0) -> bytes:
         return error_event(error)
 
 
@@ -242,7 +242,7 @@ class EmbeddingApi(Api):
     def usage_tokens(self, body: Any) -> int:
         return usage_tokens(body)
 
-    def error_event(self, error: CarpoolError) -> bytes:
+    def error_event(self, error: CarpoolError, sent: int | None = 0) -> bytes:
         return error_event(error)
 
 

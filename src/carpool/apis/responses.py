@@ -13,7 +13,8 @@ Contract (``apis.base.Api``):
   ``response.failed``, each carrying the whole response object, which is the assembled answer
   (its ``output``, if empty, is made of the ``response.output_item.done`` items). A stream that
   stops before one of them fails the flight; an ``error`` event is the upstream's failure,
-  relayed to every client.
+  relayed to every client. The gateway's own ``error`` event (a stream that failed) is
+  numbered after the events its client was sent (``error_event``'s ``sent``).
 - Synthesized streams (a cached or whole answer for a streaming client) are the events OpenAI
   sends, numbered from 0: ``response.created`` and ``response.in_progress`` (status
   ``in_progress``, no output, no usage, and ``error`` / ``incomplete_details`` null: how it
@@ -237,7 +238,7 @@ class ResponsesApi(TypedApi):
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         return synthesize(body)
 
-    def error_event(self, error: CarpoolError) -> bytes:
+    def error_event(self, error: CarpoolError, sent: int | None = 0) -> bytes:
         obj = error.error_object()
         event = {
             "type": "error",
@@ -246,6 +247,10 @@ class ResponsesApi(TypedApi):
             "param": obj.get("param"),
             "error": obj,
         }
+        if sent is not None:
+            # (Every event of a Responses stream is numbered, from 0 without a gap: OpenAI's
+            # ``ResponseErrorEvent`` too. Without it a strict reader took the end for broken.)
+            event["sequence_number"] = sent
         return event_frame(b"error", orjson.dumps(event))
 
 

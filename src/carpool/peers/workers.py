@@ -545,18 +545,20 @@ async def _relayed(response: aiohttp.ClientResponse, api: Api) -> AsyncIterator[
     the client's stream ends with its API's error event, as when an upstream's stream breaks
     (after the last whole event: an event cut in two reached the SDK as broken JSON)."""
     held = b""  # the start of an event whose end has not come yet
+    sent = 0  # events relayed (an error event is numbered after them: ``Api.error_event``)
     try:
         async for chunk in response.content.iter_any():
             data = held + chunk if held else chunk
             end = data.rfind(b"\n\n") + 2  # (the owner ends each event so: ``Api.frame``)
             held = data[end:] if end > 1 else data
             if end > 1:
+                sent += data.count(b"\n\n", 0, end)
                 yield data[:end]
         if held:
             yield held  # (ended whole: as it came)
     except _FAILED as error:
         yield api.error_event(
-            UpstreamStreamBroken(f"the worker running it went away ({_why(error)})")
+            UpstreamStreamBroken(f"the worker running it went away ({_why(error)})"), sent
         )
     finally:
         response.close()
