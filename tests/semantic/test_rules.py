@@ -23,6 +23,7 @@ from carpool.semantic.rules import (
     order,
     polarity,
     quoted,
+    substitution,
 )
 from carpool.semantic.verdict import Reason
 
@@ -157,6 +158,60 @@ def test_quoted_the_same_quoted_text_and_task_pass():
         assert passes(quoted.RULE, a, b), (a, b)
 
 
+def test_quoted_the_input_after_a_colon_of_an_instruction_naming_a_language_is_compared():
+    # No task verb ("put"), so the input was never read: both pairs were served.
+    for a, b in (
+        (
+            "Put this in Spanish please: she is reading a book",
+            "Put this in Spanish please: she was reading a book",
+        ),
+        (
+            "Put this in Spanish please: she is reading a book",
+            "Put this in Spanish please: he is reading a book",
+        ),
+        ("Say this in French: I will call you", "Say this in French: you will call me"),
+        ("translate into french: good morning", "translate into german: good morning"),
+    ):
+        assert refused(a, b) == "quoted", (a, b)
+
+
+def test_quoted_the_same_input_after_a_colon_in_another_instruction_passes():
+    for a, b in (
+        (
+            "Put this in Spanish please: she is reading a book",
+            "Can you say this in Spanish: She is reading a book.",
+        ),
+        ("In French: good morning", "How do you say this in French: good morning?"),
+        ("Note: how do I learn Spanish?", "Note: what is the best way to learn Spanish?"),
+    ):
+        assert passes(quoted.RULE, a, b), (a, b)
+
+
+def test_quoted_code_that_differs_in_one_punctuation_mark_is_refused():
+    # Code outside backticks was read as prose: a missing colon or a trailing comma was served.
+    for a, b in (
+        (
+            "What's wrong with this line: for i in range(10) print(i)",
+            "What's wrong with this line: for i in range(10): print(i)",
+        ),
+        (
+            "Is this valid JavaScript: const a = [1, 2, 3,]",
+            "Is this valid JavaScript: const a = [1, 2, 3]",
+        ),
+        ("Why does print(len(x) fail?", "Why does print(len(x)) fail?"),
+    ):
+        assert refused(a, b) == "quoted", (a, b)
+
+
+def test_quoted_code_with_the_same_punctuation_and_prose_punctuation_pass():
+    for a, b in (
+        ("How do I use print() in Python?", "How do I use print() in Python"),
+        ("What does x = [1, 2] do?", "What does x = [1, 2] do."),
+        ("In Python, what does len(x) return?", "In Python what does len(x) return?"),
+    ):
+        assert passes(quoted.RULE, a, b), (a, b)
+
+
 # ------------------------------------------------------------------------------ identifiers
 
 
@@ -239,6 +294,83 @@ def test_order_a_reworded_question_that_moves_words_passes():
             "How do I get from the station to the museum?",
             "How do I get to the museum from the station?",
         ),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+
+
+def test_order_refuses_a_direction_between_phrases_reversed():
+    # Only single words were exchanged: a direction between names of several words was served.
+    for a, b in (
+        (
+            "Write a function that converts a Unix timestamp to an ISO 8601 string.",
+            "Write a function that converts an ISO 8601 string to a Unix timestamp.",
+        ),
+        (
+            "How do I migrate from MySQL 5.7 to PostgreSQL 15?",
+            "How do I migrate from PostgreSQL 15 to MySQL 5.7?",
+        ),
+        (
+            "How do I move my photos from Google Photos to iCloud?",
+            "How do I move my photos from iCloud to Google Photos?",
+        ),
+    ):
+        assert order.RULE.differs(a, b), (a, b)
+        assert refused(a, b) == "order", (a, b)
+
+
+def test_order_the_same_direction_between_phrases_reworded_passes():
+    for a, b in (
+        (
+            "How do I move my photos from Google Photos to iCloud?",
+            "What is the best way to move photos from Google Photos to iCloud?",
+        ),
+        (
+            "Write a function that converts a Unix timestamp to an ISO 8601 string.",
+            "Write a function converting a Unix timestamp into an ISO 8601 string",
+        ),
+        (
+            "How do I migrate from MySQL 5.7 to PostgreSQL 15?",
+            "Migrating to PostgreSQL 15 from MySQL 5.7: how?",
+        ),
+        ("How do I convert JSON to YAML in Python?", "Python: convert JSON into YAML"),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+
+
+def test_order_refuses_roles_swapped_through_a_pronoun():
+    # Pronouns were words without a role (STOP): who does what to whom was served.
+    for a, b in (
+        (
+            "My manager keeps interrupting me in meetings. How should I handle it?",
+            "I keep interrupting my manager in meetings. How should I handle it?",
+        ),
+        (
+            "My brother owes me $200 and won't pay. What should I do?",
+            "I owe my brother $200 and won't pay. What should I do?",
+        ),
+        (
+            "My landlord is suing me. What are my options?",
+            "I am suing my landlord. What are my options?",
+        ),
+        (
+            "She asked him to marry her. How should he respond?",
+            "He asked her to marry him. How should he respond?",
+        ),
+    ):
+        assert order.RULE.differs(a, b), (a, b)
+        assert refused(a, b) == "order", (a, b)
+
+
+def test_order_the_same_roles_with_pronouns_reworded_pass():
+    for a, b in (
+        ("My boss yells at me. What should I do?", "What should I do when my boss yells at me?"),
+        ("Why does my dog bite me?", "Why does my dog keep biting me?"),
+        (
+            "My landlord is suing me. What are my options?",
+            "My landlord is suing me, what can I do?",
+        ),
+        ("How can I improve my English?", "How can I improve my English skills?"),
+        ("How do I tell him I like him?", "How do I tell her I like her?"),
     ):
         assert passes(order.RULE, a, b), (a, b)
 
@@ -381,6 +513,29 @@ def test_polarity_an_exclusion_or_no_longer_said_on_both_sides_passes():
         assert passes(polarity.RULE, a, b), (a, b)
 
 
+def test_polarity_no_longer_on_one_side_only_is_refused():
+    # "no longer" was subtracted from the negators and read only against "still": said on one
+    # side of a long prompt, the verifier served it (0.96).
+    memo = (
+        "I'm drafting a memo to the team. Please make the tone formal, keep it under 200 words, "
+        "and mention that the Friday meeting is {}happening as planned."
+    )
+    for a, b in (
+        (memo.format(""), memo.format("no longer ")),
+        ("Is the store open on Sundays?", "Is the store no longer open on Sundays?"),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_no_longer_on_both_sides_or_against_a_negation_passes():
+    for a, b in (
+        ("Why is the app no longer working?", "Why does the app no longer work?"),
+        ("Is Pluto no longer a planet?", "Why is Pluto not a planet any longer?"),
+        ("Is the meeting no longer happening?", "Is the meeting not happening?"),
+    ):
+        assert passes(polarity.RULE, a, b), (a, b)
+
+
 def test_polarity_an_opposite_with_a_negation_is_left_to_the_verifier():
     # "not fast" / "slow" says the same twice over; the verifier reads negations.
     assert polarity.RULE.differs("The train is not fast.", "The train is slow.") is False
@@ -406,8 +561,6 @@ def test_substitution_one_thing_named_in_place_of_another_is_refused():
 
 
 def test_substitution_a_reworded_frame_another_form_or_a_verb_passes():
-    from carpool.semantic.rules import substitution
-
     for a, b in (
         ("How do I reset my router?", "How can I reset my router?"),
         ("How do I reset my router?", "How do I reset my routers?"),
@@ -419,6 +572,28 @@ def test_substitution_a_reworded_frame_another_form_or_a_verb_passes():
         ("Why are dogs afraid of fireworks?", "Why are dogs scared of fireworks?"),
         ("How do I reset my router?", "How do I reset my modem and my router?"),
         ("Write a function that sorts a list.", "Write a function that orders a list."),
+    ):
+        assert passes(substitution.RULE, a, b), (a, b)
+
+
+def test_substitution_my_against_your_before_the_same_noun_is_refused():
+    # Only the content word after a determiner was read: "my essay" / "your essay" was served.
+    for a, b in (
+        ("Can you check my essay for plagiarism?", "Can you check your essay for plagiarism?"),
+        (
+            "Can you review my cover letter for a nursing job?",
+            "Can you review your cover letter for a nursing job?",
+        ),
+        ("What do you think of our plan?", "What do you think of your plan?"),
+    ):
+        assert refused(a, b) == "substitution", (a, b)
+
+
+def test_substitution_a_question_asked_of_oneself_or_in_general_passes():
+    for a, b in (
+        ("How can I improve my English?", "How can you improve your English?"),
+        ("How do I check my essay for plagiarism?", "How can I check my essay for plagiarism?"),
+        ("What is your favourite book?", "What is your favorite book?"),
     ):
         assert passes(substitution.RULE, a, b), (a, b)
 

@@ -334,6 +334,56 @@ SERVED_BY_THE_VERIFIER = {
         "how can i reset my oven right now please, it has been acting up all week",
         "substitution",
     ),
+    # A review's traps, served before: a direction between names of several words, a task's
+    # input after a colon with no task verb, "my" / "your", "no longer" on one side of a long
+    # prompt, code that differs in one punctuation mark, roles swapped through a pronoun.
+    "direction_between_phrases": (
+        "Write a function that converts a Unix timestamp to an ISO 8601 string.",
+        "Write a function that converts an ISO 8601 string to a Unix timestamp.",
+        "order",
+    ),
+    "direction_from_to": (
+        "How do I move my photos from Google Photos to iCloud?",
+        "How do I move my photos from iCloud to Google Photos?",
+        "order",
+    ),
+    "migration_reversed": (
+        "How do I migrate from MySQL 5.7 to PostgreSQL 15?",
+        "How do I migrate from PostgreSQL 15 to MySQL 5.7?",
+        "order",
+    ),
+    "roles_through_a_pronoun": (
+        "My manager keeps interrupting me in meetings. How should I handle it?",
+        "I keep interrupting my manager in meetings. How should I handle it?",
+        "order",
+    ),
+    "task_input_after_a_colon": (
+        "Put this in Spanish please: she is reading a book",
+        "Put this in Spanish please: she was reading a book",
+        "quoted",
+    ),
+    "whose_essay": (
+        "Can you check my essay for plagiarism?",
+        "Can you check your essay for plagiarism?",
+        "substitution",
+    ),
+    "no_longer_in_a_long_prompt": (
+        "I'm drafting a memo to the team. Please make the tone formal, keep it under 200 words, "
+        "and mention that the Friday meeting is happening as planned.",
+        "I'm drafting a memo to the team. Please make the tone formal, keep it under 200 words, "
+        "and mention that the Friday meeting is no longer happening as planned.",
+        "polarity",
+    ),
+    "code_missing_colon": (
+        "What's wrong with this line: for i in range(10) print(i)",
+        "What's wrong with this line: for i in range(10): print(i)",
+        "quoted",
+    ),
+    "code_trailing_comma": (
+        "Is this valid JavaScript: const a = [1, 2, 3,]",
+        "Is this valid JavaScript: const a = [1, 2, 3]",
+        "quoted",
+    ),
 }
 
 

@@ -10,18 +10,22 @@ and memoised; linear in the text, which the guard bounds: ``guard.READ_CHARS``; 
 on a worker thread), and reads English and Chinese. A rule never proves two prompts the same; it only
 refuses, ahead of the model, what the model reads badly:
 
-- :mod:`.quoted`: quoted strings, code spans and the input of a task (translate, convert...);
+- :mod:`.quoted`: quoted strings, code spans and the input of a task (translate, convert...;
+  after a colon, "Put this in Spanish: ..."), and code outside backticks to its punctuation;
 - :mod:`.numbers`: numbers (digits, spelled out, Chinese), units and currencies, relative dates;
 - :mod:`.operators`: comparison and code operators, in symbols or words;
 - :mod:`.identifiers`: codes and identifiers (``S24``, ``snake_case``, URLs, paths, ``ALLCAPS``);
 - :mod:`.entities`: names (capitalised words inside a sentence);
 - :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
-  the cat", "JSON to YAML" / "YAML to JSON");
+  the cat", "JSON to YAML" / "YAML to JSON"), a direction between phrases reversed ("from Google
+  Photos to iCloud") and roles exchanged through a pronoun ("My landlord is suing me" / "I am
+  suing my landlord");
 - :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
-  "unsafe", "bigger" / "smaller", "still" / "no longer", "except"), the kind the verifier was
-  measured to miss;
+  "unsafe", "bigger" / "smaller", "still" / "no longer", "is happening" / "is no longer
+  happening", "except"), the kind the verifier was measured to miss;
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
-  router please" / "reset my modem please"), which shared filler hides from the verifier.
+  router please" / "reset my modem please", "check my essay" / "check your essay"), which shared
+  filler hides from the verifier.
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """

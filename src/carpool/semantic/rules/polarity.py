@@ -15,6 +15,12 @@ which is exactly what a short list can read:
   superlative forms too ("bigger", "biggest", "easier", "wider", "hottest" are "big", "big",
   "easy", "wide", "hot"), so "bigger" / "smaller" and "longest" / "shortest" are opposites;
 - "still" on one side and "no longer" (or "not ... anymore", "not ... any longer") on the other;
+- "no longer" (or "not ... anymore") said on one side more often than on the other, before a
+  word the other side says, the other negators as many: "...mention that the meeting is
+  happening as planned" / "...is no longer happening as planned" (a review found the verifier
+  serving it at 0.96 in a long prompt). "My reset link expired" / "The link no longer works
+  because it expired" passes: what is no longer so is said otherwise on the other side (two
+  true rewordings of the held-out pairs were refused without that condition);
 - an exclusion ("except", "excepting", "excluding", "other than", "besides") on one side more
   often than on the other: "the countries that use the euro" / "the countries except those
   that use the euro". Not "apart from" and "aside from": as often "in addition to" ("Apart
@@ -25,7 +31,7 @@ Only when both sides have as many negators ("not", "no", "never", "n't", "withou
 separate word ("safe" / "not safe") is the verifier's, which reads it (semantoneg's held-out
 negations: 0.1 % served). Counting negators here refused four in five true rewordings of the
 "not likely" / "unlikely" kind. The "no" of "no longer" and the "not" of "not ... anymore" are
-not counted: they are read with "still".
+not counted: they are read with "still" and against each other.
 """
 
 from __future__ import annotations
@@ -111,6 +117,8 @@ GRADED = frozenset(
 _NO_LONGER = re.compile(
     r"\bno longer\b|\b(?:not|never|\w+n't)\b(?: \S+){0,6}? (?:anymore|any longer)\b"
 )
+#: Words between "no longer" (or "not") and what is no longer so: "no longer *a* planet".
+_FILLER = frozenset({"no", "longer", "not", "never", "a", "an", "the", "be", "been", "being"})
 #: What leaves something out: one side more than the other is another question.
 _EXCLUSION = re.compile(r"\b(?:except|excepting|excluding|besides|other than)\b")
 
@@ -130,18 +138,23 @@ def _forms(word: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=8192)
-def _read(text: str) -> tuple[int, int, frozenset[str]]:
-    """(negators, exclusions, words) of ``text``; CJK text adds its listed one- and two-character
-    words, and "no longer" is one word."""
+def _read(text: str) -> tuple[int, int, tuple[str, ...], frozenset[str]]:
+    """(negators, exclusions, what each "no longer" is said of, words) of ``text``; CJK text adds
+    its listed one- and two-character words, and "no longer" is one word."""
     words = lower_words(text)
     flat = norm(text)
     said = " ".join(words)
-    no_longer = len(_NO_LONGER.findall(said))
+    no_longer_of = []
+    for match in _NO_LONGER.finditer(said):
+        after = said[match.start() :].split()[1:]
+        no_longer_of.append(next((w for w in after if w not in _FILLER), ""))
+    no_longer = len(no_longer_of)
     negators = sum(w in NEGATORS or w.endswith("n't") for w in words) - no_longer
     negators += len(_CN_NEGATORS.findall(flat))
     cjk = {flat[i : i + 2] for i in range(len(flat) - 1)} | set(flat)
     read = frozenset(words) | frozenset(w for w in cjk if w in OPPOSITES)
-    return negators, len(_EXCLUSION.findall(said)), read | ({"no longer"} if no_longer else set())
+    exclusions = len(_EXCLUSION.findall(said))
+    return negators, exclusions, tuple(no_longer_of), read | ({"no longer"} if no_longer else set())
 
 
 def _prefixed(w: str, other: frozenset[str]) -> bool:
@@ -166,8 +179,15 @@ def _opposed(x: frozenset[str], y: frozenset[str]) -> bool:
 
 
 def differs(a: str, b: str) -> bool:
-    (na, ea, wa), (nb, eb, wb) = _read(a), _read(b)
-    return na == nb and (ea != eb or _opposed(wa, wb))
+    (na, ea, la, wa), (nb, eb, lb, wb) = _read(a), _read(b)
+    return na == nb and (
+        ea != eb or _no_longer(la, lb, wb) or _no_longer(lb, la, wa) or _opposed(wa, wb)
+    )
+
+
+def _no_longer(of: tuple[str, ...], other_of: tuple[str, ...], other: frozenset[str]) -> bool:
+    """More "no longer"s on this side, one said of a word the other side says plainly."""
+    return len(of) > len(other_of) and any(w in other for w in of)
 
 
 RULE = Rule(Reason.POLARITY, differs)

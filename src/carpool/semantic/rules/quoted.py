@@ -9,13 +9,24 @@ request; the answer differs in every word. So:
 - a *task* prompt (it starts with a verb that works on a text: translate, convert, rewrite,
   summarize...; or Chinese 翻译, 转换, 改写, 总结) has an input, the words after its instruction:
   everything but the instruction words (:data:`INSTRUCTION_WORDS`) must be the same words in the
-  same order. "Translate I will go into French" / "Translate I went into French" differ.
+  same order. "Translate I will go into French" / "Translate I went into French" differ;
+- the text after a colon is a task's input when the instruction before it has a task verb or
+  names a language (:data:`LANGUAGES`): "Put this in Spanish please: she is reading a book" /
+  "...: she was reading a book" differ (no task verb starts it). When both sides are such a
+  task, the words after the colon must be the same, all of them, in order;
+- code outside backticks (a word with a bracket attached, ``f(x)``, ``a[0]``, or a `` = ``)
+  keeps its punctuation: when both sides have code and the same words, every chunk between
+  spaces that has a bracket, a brace, ``=``, ``;`` or ``:`` must be on both sides (sentence
+  marks at a chunk's end dropped). "for i in range(10) print(i)" / "for i in range(10):
+  print(i)" and "[1, 2, 3,]" / "[1, 2, 3]" differ; "print() in Python?" / "print() in Python"
+  do not.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 
 from ..verdict import Reason, Rule
 from .text import lower_words, norm
@@ -45,6 +56,13 @@ TASK_VERBS = frozenset(
         "改",
         "总",
     }
+)
+#: Languages an instruction names before a colon ("Put this in Spanish: ...").
+LANGUAGES = frozenset(
+    """english spanish french german italian portuguese dutch russian chinese mandarin
+    cantonese japanese korean arabic hindi bengali urdu turkish polish swedish norwegian danish
+    finnish greek hebrew latin vietnamese thai indonesian malay persian ukrainian czech
+    romanian hungarian swahili tagalog 英语 英文 中文 日语 法语 德语""".split()
 )
 #: Words of the instruction around a task's input, dropped before the inputs are compared.
 INSTRUCTION_WORDS = frozenset(
@@ -120,6 +138,33 @@ def _task_input(text: str) -> tuple[str, ...] | None:
 
 
 @functools.lru_cache(maxsize=8192)
+def _after_colon(text: str) -> tuple[str, ...] | None:
+    """The words after the first colon when the instruction before it is a task's."""
+    head, colon, tail = norm(text).partition(":")
+    if not colon:
+        head, colon, tail = norm(text).partition("：")
+    instruction = set(lower_words(head))
+    if not colon or not (instruction & TASK_VERBS or instruction & LANGUAGES):
+        return None
+    return lower_words(tail)
+
+
+#: Code outside backticks: a bracket or parenthesis attached to a word, or a spaced "=".
+_CODE = re.compile(r"\w[(\[]|\s=\s")
+_CODE_MARK = re.compile(r"[()\[\]{}=;:]")
+
+
+@functools.lru_cache(maxsize=8192)
+def _code_chunks(text: str) -> Counter[str] | None:
+    """The chunks of code that hold its punctuation, or None when ``text`` has no code."""
+    text = norm(text)
+    if not _CODE.search(text):
+        return None
+    chunks = (c.rstrip("?!.") for c in text.split())
+    return Counter(c for c in chunks if _CODE_MARK.search(c))
+
+
+@functools.lru_cache(maxsize=8192)
 def _flat(text: str) -> str:
     return _squash(re.sub(r"[`'\"「」『』《》“”]", " ", norm(text)))
 
@@ -128,6 +173,12 @@ def differs(a: str, b: str) -> bool:
     # A quoted string must occur on the other side, quoted or not ("'hello'" = "hello").
     if any(q not in _flat(b) for q in _quoted(a)) or any(q not in _flat(a) for q in _quoted(b)):
         return True
+    ca, cb = _code_chunks(a), _code_chunks(b)
+    if ca is not None and cb is not None and ca != cb and lower_words(a) == lower_words(b):
+        return True  # the same words, the code's punctuation changed
+    ia, ib = _after_colon(a), _after_colon(b)
+    if ia is not None and ib is not None and ia != ib:
+        return True  # then the task's input read the older way too ("into French" / "German")
     ta, tb = _task_input(a), _task_input(b)
     if ta is None or tb is None:
         return False
