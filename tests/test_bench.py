@@ -430,6 +430,11 @@ def test_a_url_that_is_not_an_http_url_is_a_bad_option_not_an_unreachable_gatewa
         ("http://127.0.0.1:1/s3cret", "a path other than /v1"),
         ("http://127.0.0.1:1/v1/s3cret", "a path other than /v1"),
         ("http://127.0.0.1:1/v1/v1", "a path other than /v1"),
+        # A URL that does not parse either was repeated whole, with the parser's error.
+        ("http://alice:s3cret@127.0.0.1:99999", "a user or password"),
+        ("ftp://alice:s3cret@127.0.0.1:8080", "a user or password"),
+        ("alice:s3cret@127.0.0.1:8080", "a user or password"),
+        ("http://127.0.0.1:8080x/v1?api_key=s3cret", "a query"),
     ],
 )
 def test_a_url_with_credentials_a_query_a_fragment_or_another_path_is_a_bad_option_never_echoed(

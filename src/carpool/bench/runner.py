@@ -171,24 +171,30 @@ def _gateway_url(url: str) -> str:
     ``WorkloadError``: the replay sends to a host, a port and the API's own paths, so a user or
     password, a query or a fragment would be silently dropped and any path but ``/v1`` would
     turn every request into a pass-through one. The refusals that may carry a secret do not
-    repeat the URL."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        Address.parse(url)  # a scheme, a host and a port in range
-    except ValueError as error:
-        why = "" if str(error).startswith("not an http(s) URL") else f": {error}"
-        raise WorkloadError(f"--url {url!r}: not an http(s) URL (http://host:port){why}") from None
+    repeat the URL: those parts are looked for in the text first, so a URL that also does not
+    parse (a port out of range, another scheme, none) is not repeated either."""
+    before_query = url.partition("#")[0]
     refused = [
         what
         for what, present in (
-            ("a user or password", "@" in parts.netloc),
+            ("a user or password", "@" in before_query.partition("?")[0]),
             # Even an empty "?" or "#": what follows them is never sent.
-            ("a query", "?" in url.partition("#")[0]),
+            ("a query", "?" in before_query),
             ("a fragment", "#" in url),
-            ("a path other than /v1", parts.path not in ("", "/", "/v1", "/v1/")),
         )
         if present
     ]
+    if not refused:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            Address.parse(url)  # a scheme, a host and a port in range
+        except ValueError as error:
+            why = "" if str(error).startswith("not an http(s) URL") else f": {error}"
+            raise WorkloadError(
+                f"--url {url!r}: not an http(s) URL (http://host:port){why}"
+            ) from None
+        if parts.path not in ("", "/", "/v1", "/v1/"):
+            refused.append("a path other than /v1")
     if refused:
         raise WorkloadError(
             f"--url: a gateway URL is http(s)://host:port with /v1 optional; this one has "
