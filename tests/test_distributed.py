@@ -42,6 +42,17 @@ async def two_gateways(fake, redis_server, **config):
         yield a, b
 
 
+@contextlib.asynccontextmanager
+async def fleet(fake, redis_server, *configs):
+    """One instance per config (a fleet mid-change: its configs differ), sharing
+    ``redis_server``, each with the generous Redis timeouts of ``gateways``."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            (await stack.enter_async_context(gateways(1, fake, redis_server, **config)))[0]
+            for config in configs
+        ]
+
+
 async def until_relaying(c, a=None) -> None:
     """Until C relays the first words (3 frames) of the stream A leads. It takes one read and
     one block (~0.2 s in 30 runs); it timed out once at 5 s in CI, cause unknown: the wait is
@@ -70,6 +81,116 @@ async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, share
         assert again.json() == first.json() and fake.count() == 1
         stats = await b.client.get("/stats", headers={"Authorization": "Bearer t"})
         assert stats.json()["redis"]["state"] == "up"
+
+
+# A fleet mid-change (a rolling config change): what one instance's config makes an answer must
+# not reach a client of another whose config would not have given it. ``window_ms: 0``: the
+# second request reads the store, not a lingering call.
+NO_WINDOW = {"window_ms": 0}
+
+
+async def test_an_answer_made_with_a_held_key_is_not_served_where_the_gateway_holds_none(
+    fake, shared_redis
+):
+    """A calls the upstream with a key it holds; B passes its clients' credentials on, and the
+    upstream refuses an anonymous client's. B's anonymous client gets that refusal for a
+    prompt A answered too, not A's answer."""
+    fake.valid_keys = {"sk-held"}
+    held = {"upstream": {"api_key": "sk-held"}, "coalesce": NO_WINDOW}
+    async with fleet(fake, shared_redis, held, {"coalesce": NO_WINDOW}) as (a, b):
+        assert (await a.chat(QUESTION)).headers["x-carpool"] == "miss"
+        got = await b.chat(QUESTION)
+        assert got.status_code == 401, (got.status_code, got.headers.get("x-carpool"))
+        assert fake.count() == 2
+
+
+async def test_a_call_made_with_a_held_key_is_not_followed_where_the_gateway_holds_none(
+    fake, shared_redis
+):
+    """The same rule for a call still running: B's anonymous client does not follow A's call
+    (made with A's key) but makes its own, which the upstream refuses."""
+    fake.valid_keys = {"sk-held"}
+    async with fleet(fake, shared_redis, {"upstream": {"api_key": "sk-held"}}, {}) as (a, b):
+        fake.gate = asyncio.Event()
+        led = asyncio.create_task(a.chat(QUESTION))
+        alone = None
+        try:
+            await fake.wait_for_calls(1)
+            alone = asyncio.create_task(b.chat(QUESTION))
+            await fake.wait_for_calls(2)  # B's own call: it followed none
+        finally:
+            fake.gate.set()
+            answers = await asyncio.gather(led, *[alone] if alone else [])
+        assert [answer.status_code for answer in answers] == [200, 401]
+
+
+async def test_a_keyed_request_run_with_a_held_key_is_not_replayed_where_the_gateway_holds_none(
+    fake, shared_redis
+):
+    """A retry on B of a keyed request A ran with its key is another request there (a 422),
+    never A's answer replayed to a client the upstream would refuse, nor run twice."""
+    fake.valid_keys = {"sk-held"}
+    keyed = {"Idempotency-Key": '"k"'}
+    async with fleet(fake, shared_redis, {"upstream": {"api_key": "sk-held"}}, {}) as (a, b):
+        assert (await a.chat(QUESTION, headers=keyed)).status_code == 200
+        retry = await b.chat(QUESTION, headers=keyed)
+        assert retry.status_code == 422 and "idempotent-replayed" not in retry.headers
+        assert fake.count() == 1
+
+
+async def test_an_answer_to_a_collapsed_prompt_is_not_served_where_white_space_is_kept(
+    fake, shared_redis
+):
+    """A collapses white space (``fingerprint.normalize_whitespace``), B does not: for B
+    "hi there" and "hi  there" are two prompts, and A's answer to the second, sent upstream as
+    it came, is not B's answer to the first."""
+    async with fleet(
+        fake,
+        shared_redis,
+        {"fingerprint": {"normalize_whitespace": True}, "coalesce": NO_WINDOW},
+        {"coalesce": NO_WINDOW},
+    ) as (a, b):
+        assert (await a.chat("hi  there")).headers["x-carpool"] == "miss"
+        got = await b.chat("hi there")
+        assert got.headers["x-carpool"] == "miss"
+        assert content(got) == "answer 2 to hi there"
+
+
+async def test_an_answer_keyed_without_a_neutral_header_is_not_served_where_that_header_is_keyed(
+    fake, shared_redis
+):
+    """A lists ``x-deployment`` in ``fingerprint.neutral_headers``, B does not (for B it may
+    change the answer): A's answer to a client that sent ``x-deployment: beta`` is not B's to
+    a client that sent none."""
+    async with fleet(
+        fake,
+        shared_redis,
+        {"fingerprint": {"neutral_headers": ["x-deployment"]}, "coalesce": NO_WINDOW},
+        {"coalesce": NO_WINDOW},
+    ) as (a, b):
+        beta = {"x-deployment": "beta"}
+        assert (await a.chat(QUESTION, headers=beta)).headers["x-carpool"] == "miss"
+        assert (await b.chat(QUESTION)).headers["x-carpool"] == "miss"
+        assert fake.count() == 2
+
+
+async def test_instances_whose_configs_agree_on_what_keys_share_answers(fake, shared_redis):
+    """Those settings keep apart only instances that differ in them: two holding a key
+    (another one: a key rotated), or two with the same neutral headers, share."""
+    same = {
+        "fingerprint": {"normalize_whitespace": True, "neutral_headers": ["x-deployment"]},
+        "coalesce": NO_WINDOW,
+    }
+    async with fleet(
+        fake,
+        shared_redis,
+        {**same, "upstream": {"api_key": "sk-old"}},
+        {**same, "upstream": {"api_key": "sk-new"}},
+    ) as (a, b):
+        assert (await a.chat("hi  there", headers={"x-deployment": "beta"})).headers[
+            "x-carpool"
+        ] == "miss"
+        assert (await b.chat("hi there")).headers["x-carpool"] == "hit"
 
 
 async def test_an_answer_and_a_record_kept_for_the_longest_ttl_are_shared_through_redis(

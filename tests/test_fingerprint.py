@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.config import Config
-from carpool.fingerprint import fingerprint, is_deterministic, normalize_text
+from carpool.fingerprint import (
+    fingerprint,
+    is_deterministic,
+    normalize_text,
+    request_digest,
+    semantic_view,
+)
 from carpool.request import ClientRequest, parse
 
 CHAT = "/v1/chat/completions"
@@ -599,3 +605,59 @@ def test_property_any_change_of_a_parameter_changes_the_key(field, a, b):
 )
 def test_property_the_fast_path_agrees_with_split_and_join(text):
     assert normalize_text(text, True) == " ".join(unicodedata.normalize("NFC", text).split())
+
+
+def keys_of(config, headers=None, content="How do I reset it?"):
+    """Every key a request has (its answer, its idempotency record, its semantic scope) under
+    ``config``: what instances sharing one Redis compare."""
+    request = parse(ClientRequest(CHAT, orjson.dumps(chat(content)), headers or {}), 1 << 20)
+    found = fingerprint(request, config)
+    return (
+        found.key,
+        request_digest(request, found, config),
+        semantic_view(request, found, config).scope,
+    )
+
+
+# What an instance's config changes in the answer it gives, or in whom it gives one to: an
+# instance that differs in it (a fleet mid-change) must share none of its keys.
+KEYED_SETTINGS = {
+    "held key": {"upstream": {"api_key": "sk-held"}},
+    "held keys": {"upstreams": ["http://a/v1"], "upstream": {"api_keys": ["sk-held"]}},
+    "held URL credentials": {"upstreams": ["http://user:pw@a/v1"]},
+    "collapsed white space": {"fingerprint": {"normalize_whitespace": True}},
+    "neutral headers": {"fingerprint": {"neutral_headers": ["x-deployment"]}},
+}
+
+
+@pytest.mark.parametrize("setting", KEYED_SETTINGS)
+def test_each_key_of_an_instance_whose_config_changes_the_answer_is_apart(setting):
+    # (No x-deployment: a client that sends none asks both alike, but for their configs.)
+    default = keys_of(Config())
+    keyed = keys_of(Config(**KEYED_SETTINGS[setting]))
+    assert all(mine != theirs for mine, theirs in zip(keyed, default, strict=True))
+
+
+def test_each_setting_that_changes_the_answer_keys_apart_from_every_other():
+    every = {setting: keys_of(Config(**config)) for setting, config in KEYED_SETTINGS.items()}
+    held = [every.pop("held keys"), every.pop("held URL credentials")]
+    assert all(keys == every["held key"] for keys in held)  # one notion: a credential held
+    assert len({keys[0] for keys in every.values()}) == len(every)
+
+
+def test_rotating_the_held_key_keeps_every_key():
+    """The mark is that a key is held, not which: rotating it must not empty the cache."""
+    assert keys_of(Config(upstream={"api_key": "sk-old"})) == keys_of(
+        Config(upstream={"api_key": "sk-new"})
+    )
+
+
+def test_a_default_config_keeps_its_keys():
+    """Keys of a config holding no key, collapsing nothing and naming no neutral header are
+    what they were before those settings were keyed (pinned: a change of any key empties a
+    fleet's shared cache at its upgrade, and must come with ``KEY_VERSION``)."""
+    assert keys_of(Config(), {"x-deployment": "beta"}) == (
+        "d679d71e2632a9c7c6fe7c05bb83c605",
+        "a99b68b0af065fc6a6d7c8db01fe457e",
+        "1004606a6c2a04f8c7b2e5e8450302d3",
+    )

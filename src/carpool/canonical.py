@@ -54,6 +54,16 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   only does not split the cache: the tenant is made of the credential headers whatever it says,
   so no header that may carry a credential, or pick a deployment, model or feature, is neutral.
   ``grant_of``, the repeat memo and the embeddings batcher's groups leave out the same ones.
+  Last, what the instance's config changes in the answer or in who may get it, each only when
+  set (the keys of a config with none stay): that the gateway holds the upstream's credential
+  (``Config.holds_upstream_credentials``: that one is held, not which, so rotating it keeps
+  every key), that it collapses this request's white space (``collapses``), and the
+  names of ``fingerprint.neutral_headers``. Instances sharing one Redis whose configs differ in
+  them (a rolling change) share none of those keys, answers, calls, semantic scopes nor
+  idempotency records (a retry there is a 422 until the change is done): otherwise a client
+  of one got another's answer its own request would not have (the held key's to a client the
+  upstream refuses; "hi  there"'s to "hi there"; one made with a header left out to a
+  request without it).
   ``digest`` is the 32-hex-digit BLAKE2b digest of a scope and a canonical body: the one form
   every key takes.
 """
@@ -450,7 +460,40 @@ def scope(request: Request, config: Config, label: str, tenant: str, namespace: 
         # it past an invalidation of its own tags. (Appended only when there are tags: the keys
         # of untagged requests stay; an idempotency record is the request's, whatever its tags.)
         scoped.append(sorted(controls.tags))
+    configured = _configured(request, config)
+    if configured:
+        # Appended only when some setting is on (a dict: never taken for the tags' list), so
+        # that the keys of a config with none of them stay what they were.
+        scoped.append(configured)
     return scoped
+
+
+def _configured(request: Request, config: Config) -> dict[str, Any]:
+    """What this instance's config changes in the answer a request gets, or in whether its
+    client may get it: instances sharing one Redis whose configs differ in it (a rolling
+    change) share none of those keys, each answering only as its own config would."""
+    configured: dict[str, Any] = {}
+    if config.holds_upstream_credentials():
+        # Called with the gateway's credential, a request is answered whatever its client
+        # presents; passed through, only if the upstream accepts the client's own. Only that
+        # one is held is marked, not which key (no digest of it): rotating the held key must
+        # not empty the cache.
+        configured["held"] = True
+    if collapses(request, config):
+        # "hi  there" went upstream as sent, keyed as "hi there": for an instance that keeps
+        # white space that answer is another prompt's.
+        configured["collapsed"] = True
+    neutral = neutral_of(config.fingerprint)
+    if neutral:
+        # Left out of this key, these headers may have changed the answer: an instance keying
+        # them must not take it for the answer to a request without them.
+        configured["neutral"] = _sorted(neutral)
+    return configured
+
+
+@functools.lru_cache(maxsize=16)
+def _sorted(names: frozenset[str]) -> tuple[str, ...]:
+    return tuple(sorted(names))
 
 
 def collapses(request: Request, config: Config) -> bool:

@@ -15,7 +15,10 @@ the key and how it is spelled: :mod:`carpool.canonical`):
   that reaches the upstream and might change its answer (``OpenAI-Beta``, a deployment
   selector...): all forwarded headers but the ``NEUTRAL_HEADERS`` of transport, tracing,
   client telemetry and hosting platforms' request ids and client addresses, and those named in
-  ``fingerprint.neutral_headers`` (``varying_headers``). A namespace listed in
+  ``fingerprint.neutral_headers`` (``varying_headers``). So are the settings of the instance
+  that change the answer or who may get it (a held upstream credential, white space collapsed,
+  the neutral headers: ``canonical.scope``), so that instances whose configs differ in them
+  share none of those keys. A namespace listed in
   ``tenant.shared_namespaces`` drops the tenant from the scope (``tenant`` is ``*``), but only
   for a tenant ``accepted`` for the request's grant (the upstream answered it recently for
   this endpoint, model and query string): any other is scoped to itself. A request naming

@@ -32,7 +32,7 @@ from .perimeter import (
     TenantConfig,
 )
 from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
-from .urls import checked_host, checked_url, has_credentials
+from .urls import any_credentials, checked_host, checked_url
 
 
 class Config(Section):
@@ -197,12 +197,12 @@ class Config(Section):
     def holds_upstream_credentials(self) -> bool:
         """Whether the gateway holds a credential for its upstreams, sent in place of the
         client's: a key (``upstream.api_key`` / ``api_keys``; one the simulated engine ignores)
-        or a user and password in any replica's URL (``urls.has_credentials``). Each replica's
+        or a user and password in any replica's URL (``urls.any_credentials``). Each replica's
         own is decided so by ``upstream.http`` (``HttpUpstream._held``: its key, its URL)."""
         return (
             self.upstream.api_key is not None
             or bool(self.upstream.api_keys)
-            or any(has_credentials(url) for url in self.upstreams)
+            or any_credentials(tuple(self.upstreams))
         )
 
     def with_secrets(self) -> dict[str, Any]:

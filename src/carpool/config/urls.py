@@ -13,7 +13,8 @@
   unsaid), or one no socket call could take (a NUL or another control character, a lone
   surrogate, a non-ASCII name IDNA cannot encode: a TypeError or UnicodeError traceback once
   serve bound it). ``Config.host`` and ``carpool sim --host``.
-- ``has_credentials(url)``: whether the URL holds a user or a password. An upstream's are a
+- ``has_credentials(url)``: whether the URL holds a user or a password (``any_credentials``: one
+  of several, remembered). An upstream's are a
   credential the gateway holds (``Config.holds_upstream_credentials``): sent as
   ``Authorization: Basic`` in place of the client's (``upstream.http``), with every protection
   of a held key.
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from yarl import URL
@@ -51,6 +53,14 @@ def has_credentials(url: str) -> bool:
     # userinfo (``http://@host``) is none, a password alone (``http://:pw@host``) is one.
     parsed = URL(url)  # (a URL ``checked_url`` passed)
     return parsed.user is not None or parsed.password is not None
+
+
+# Cached: every key's scope asks (``Config.holds_upstream_credentials``), of the same few
+# configured URLs, and parsing each takes a fraction of a microsecond.
+@functools.lru_cache(maxsize=16)
+def any_credentials(urls: tuple[str, ...]) -> bool:
+    """Whether any of ``urls`` holds a user or a password (``has_credentials``)."""
+    return any(map(has_credentials, urls))
 
 
 def checked_url(value: str, schemes: tuple[str, ...]) -> str:
