@@ -1813,23 +1813,23 @@ async def test_each_instance_serves_no_answer_older_than_its_own_ttl(fake, share
     """Each instance reads with its own TTLs, whoever stored the answer: one whose config says
     5 s (or 0, never cached) serves no answer older than that stored by an instance with a
     longer TTL (a TTL lowered on some instances first, or answers stored before it was). Its
-    claim of the flight, which also finds an answer stored (no window), reads it so too."""
-    from carpool.clock import ManualClock
+    claim of the flight, which also finds an answer stored (no window), reads it so too. An
+    answer's age is Redis time (``test_redis_clock``): it is Redis's clock that moves here."""
+    from test_redis_clock import redis_time_passes
 
-    clock = ManualClock()
     longer = {"default_ttl": 3600, "types": {"faq": {"ttl": 3600}}}
-    shorter = {"default_ttl": 5, "types": {"faq": {"ttl": 0}}}
+    shorter = {"default_ttl": 1, "types": {"faq": {"ttl": 0}}}
     no_window = {"window_ms": 0}
     async with (
         gateways(1, fake, shared_redis, cache=longer, coalesce=no_window) as (a,),
-        gateways(1, fake, shared_redis, cache=shorter, coalesce=no_window, clock=clock) as (b,),
+        gateways(1, fake, shared_redis, cache=shorter, coalesce=no_window) as (b,),
     ):
         faq = {"x-carpool-type": "faq"}
         assert (await a.chat("never cached", headers=faq)).headers["x-carpool"] == "miss"
         assert (await b.chat("never cached", headers=faq)).headers["x-carpool"] == "miss"
         assert (await a.chat("aging")).headers["x-carpool"] == "miss"
         assert (await b.chat("aging")).headers["x-carpool"] == "hit"
-        clock.advance(10)  # (B's answers are 10 s older for it; A's TTL keeps them in Redis)
+        await redis_time_passes(shared_redis, 1.2)  # (past B's TTL; A's keeps them in Redis)
         assert (await b.chat("aging")).headers["x-carpool"] == "miss"
         assert (await a.chat("aging")).headers["x-carpool"] == "hit"
         assert fake.count() == 4

@@ -247,11 +247,14 @@ def build_store(config: Config, clock: Clock = SYSTEM_CLOCK) -> Store:
 
     d = config.distributed
     return SharedStore(
-        _redis_store(config), local, retry_interval=d.retry_interval, log_interval=d.log_interval
+        _redis_store(config, clock),
+        local,
+        retry_interval=d.retry_interval,
+        log_interval=d.log_interval,
     )
 
 
-def _redis_store(config: Config) -> RedisStore:
+def _redis_store(config: Config, clock: Clock = SYSTEM_CLOCK) -> RedisStore:
     from .redis.store import RedisStore
 
     assert config.redis is not None
@@ -264,6 +267,7 @@ def _redis_store(config: Config) -> RedisStore:
         max_connections=d.max_connections,
         pool_timeout=d.pool_timeout,
         cluster=d.cluster,
+        clock=clock,
     )
 
 

@@ -33,11 +33,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_serve(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``python -m carpool.cli serve ARGS`` in a process of its own, its output in ``log``."""
+def start_serve(
+    args: list[str], env: dict[str, str], log: Path, skew_s: float = 0
+) -> subprocess.Popen[bytes]:
+    """``python -m carpool.cli serve ARGS`` in a process of its own, its output in ``log``;
+    ``skew_s``: its wall clock that many seconds off the system's (``skewed_serve.py``)."""
+    command = [sys.executable, "-m", "carpool.cli", "serve", *args]
+    if skew_s:
+        command[1:3] = [str(Path(__file__).with_name("skewed_serve.py"))]
+        env = {**env, "SKEW_S": str(skew_s)}
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "carpool.cli", "serve", *args],
+            command,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -132,8 +139,10 @@ async def instances(
     *,
     connections: int = 1000,
     workers: list[int] | None = None,
+    skews: list[float] | None = None,
 ) -> AsyncIterator[list[Instance]]:
-    """``workers``: each instance's ``--workers`` (default 1)."""
+    """``workers``: each instance's ``--workers`` (default 1); ``skews``: how many seconds each
+    one's wall clock is off the system's (default 0: another machine's clock, minutes off)."""
     env = serve_env(settings)
     started: list[Instance] = []
     with tempfile.TemporaryDirectory(prefix="carpool-instances-") as folder:
@@ -152,6 +161,7 @@ async def instances(
                     ],
                     env,
                     log,
+                    skews[i] if skews else 0,
                 )
                 instance = Instance(port, log, proc)
                 # (a few more than the load, so /stats is never queued behind it)

@@ -88,7 +88,8 @@ async def test_keys_follow_the_layout_and_hold_no_raw_user_input(
     }
     assert not any(text in key for key in await keys(raw) for text in (EVIL, "evil", "faq", "{1}"))
     assert 59_000 < await raw.pttl(f"carpool:e:{{{FINGERPRINT}}}") <= 60_001
-    assert 59_000 < await raw.pttl(f"carpool:tag:{digest(EVIL)}") <= 60_001
+    # (An index outlives its entries by ``INDEX_SLACK_MS``: their TTLs start apart.)
+    assert 60_000 < await raw.pttl(f"carpool:tag:{digest(EVIL)}") <= 61_001
 
 
 async def test_a_key_that_is_not_a_fingerprint_is_hashed(

@@ -7,6 +7,15 @@ Contract (on top of ``store.base``):
   ``entry.expires``); an entry already expired is not stored (a put of one drops the key's entry,
   as a replace followed by expiry would). ``get`` also checks ``expires``, so clock rounding never
   serves an expired answer.
+- What is shared runs on Redis's clock (``TIME`` in the scripts), never an instance's: their
+  wall clocks may be minutes apart (separate machines). A put sends durations (its TTL, its
+  answer's age, read on the gateway's ``clock``); Redis stamps the entry's expiry and when its
+  answer was made, the indexes' scores and the counts' live entries, and reaps them, on its
+  own clock. ``get`` reads Redis's now with the entry (one round trip) and returns the entry
+  with ``expires`` and ``created`` on this instance's clock, as far ahead and ago of its now as
+  they are of Redis's: every age the gateway judges (``Age``, ``max-age``, its own TTL) is Redis
+  time, whoever wrote the entry. (On a Redis Cluster a script reads its node's clock: the
+  nodes' must agree; an index keeps its members ``INDEX_SLACK_MS`` past their entries.)
 - Every Redis or network failure, and any answer slower than ``socket_timeout``, raises
   ``StoreUnavailable`` (the client library's error is its ``__cause__``). Nothing hangs: a refused
   connection is retried once at once (a pooled connection may be stale after a Redis restart),
@@ -63,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Unpack
 
+from ..clock import SYSTEM_CLOCK, Clock
 from ..store.base import Entry, Selector
 from .connection import (
     ConnectOptions,
@@ -78,7 +88,9 @@ from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
 from .store_layout import (
     COUNT,
     DROP,
+    GET,
     INDEX,
+    INDEX_SLACK_MS,
     PUT,
     RECOUNT,
     STATS,
@@ -112,6 +124,8 @@ class RedisStore:
     label, the timeouts and retries are the client's, and ``aclose`` leaves it open); it must
     not decode responses. Otherwise the client is :func:`.connection.connect`'s, with its
     ``options`` (``ConnectOptions``: timeouts, retries, pool, cluster); ``stats_interval`` (s).
+    ``clock``: the gateway's, whose ``now()`` its entries' ``expires`` and answers' ``created``
+    are read on (in Redis they are Redis time: the module's contract).
     """
 
     def __init__(
@@ -121,12 +135,14 @@ class RedisStore:
         prefix: str = "carpool:",
         client: aredis.Redis | None = None,
         stats_interval: float = STATS_INTERVAL,
+        clock: Clock = SYSTEM_CLOCK,
         **options: Unpack[ConnectOptions],
     ) -> None:
         check_prefix(prefix)
         self.url = url
         self.prefix = prefix
         self.stats_interval = stats_interval
+        self._clock = clock
         self._owns_client = client is None
         self._client = byte_client(client if client is not None else connect(url, **options))
         self._keys = StoreKeys(prefix)
@@ -162,18 +178,16 @@ class RedisStore:
         entry_id = key_id(key)
         try:
             with _unavailable("get"):
-                fields: list[bytes | None] = await self._client.hmget(  # type: ignore[assignment]  # (redis-py's return type is a union over sync and async)
-                    self._keys.entry(entry_id), "m", "b", "f", "pp"
-                )  # (bytes: never decoded)
+                # (Redis's now comes with the fields, in the one round trip: ``decode``.)
+                read: list[Any] = await self._client.eval(GET, 1, self._keys.entry(entry_id))
         except WrongType as error:
             await self._unreadable(entry_id, None, str(error.__cause__))
             return None
-        header, body, frames, prompt_prefix = fields
         self.refresh_soon()
         try:
-            return decode(header, body, frames, prompt_prefix)
+            return decode(read, self._clock.now())
         except Unreadable as error:
-            await self._unreadable(entry_id, header, str(error))
+            await self._unreadable(entry_id, read[1], str(error))
             return None
 
     async def generation(self) -> int:
@@ -198,13 +212,15 @@ class RedisStore:
         """Store ``entry``; whether it stays. ``since``: the ``generation()`` read before the
         call that made it began; an invalidation since then (read once the entry is in) takes
         it back, as it may predate what was dropped."""
-        entry_id, now = key_id(key), time.time()
+        entry_id, now = key_id(key), self._clock.now()
+        # Sent as durations, stamped in Redis time by the scripts: this instance's clock may be
+        # minutes off the others' (the module's contract).
         ttl_ms = math.ceil((entry.expires - now) * 1000)
         if ttl_ms <= 0:
             with _unavailable("put"):
                 await self._drop([entry_id])
             return False
-        expires_ms, now_ms = math.ceil(entry.expires * 1000), int(now * 1000)
+        age_ms = max(0, int((now - entry.answer.created) * 1000))
         fields = encode(entry)
         indexes = [(self._keys.tag(tag), entry_id) for tag in dict.fromkeys(entry.tags)]
         indexes += [
@@ -216,20 +232,20 @@ class RedisStore:
             # round trips, because a Cluster pipeline does not keep order across slots.
             pipe = self._client.pipeline(transaction=False)
             for index, member in indexes:
-                pipe.eval(INDEX, 1, index, member, expires_ms, now_ms)
+                pipe.eval(INDEX, 1, index, member, ttl_ms + INDEX_SLACK_MS)
             await pipe.execute()
         pipe = self._client.pipeline(transaction=False)
-        pipe.eval(PUT, 1, self._keys.entry(entry_id), ttl_ms, *fields)
-        pipe.eval(STATS_ADD, 3, *self._keys.stats, now_ms, "add", entry_id, expires_ms, entry.size)
+        pipe.eval(PUT, 1, self._keys.entry(entry_id), ttl_ms, age_ms, *fields)
+        pipe.eval(STATS_ADD, 3, *self._keys.stats, "add", entry_id, ttl_ms, entry.size)
         try:
             with _unavailable("put"):
-                _, counts = await pipe.execute()
+                expires, counts = await pipe.execute()
         except RedisFull:
             # Redis filled up between the two scripts (or before both): nothing of this put
             # stays, neither an entry no count has nor a count whose entry was refused.
             with _unavailable("put"):
                 await self._drop([entry_id])
-                await self._client.eval(STATS, 3, *self._keys.stats, now_ms, "del", entry_id)
+                await self._client.eval(STATS, 3, *self._keys.stats, "del", entry_id)
             raise
         self._counted(counts)
         if since is None:
@@ -240,7 +256,7 @@ class RedisStore:
             # indexes); one counted after ``since`` was read and before now may have missed it.
             if await self.generation() == since:
                 return True
-            await self._drop([entry_id], "x", fields[fields.index("xm") + 1])
+            await self._drop([entry_id], "x", expires.decode())
         return False
 
     async def forget(self, key: str) -> bool:
@@ -294,9 +310,7 @@ class RedisStore:
     async def refresh_stats(self) -> None:
         """Read ``entries``/``bytes`` from Redis now (reaping what expired)."""
         with _unavailable("stats"):
-            counts = await self._client.eval(
-                STATS, 3, *self._keys.stats, int(time.time() * 1000), "read"
-            )
+            counts = await self._client.eval(STATS, 3, *self._keys.stats, "read")
         self._counted(counts)
 
     async def aclose(self) -> None:
@@ -309,14 +323,14 @@ class RedisStore:
 
     async def _drop_indexed(self, index: str, mode: str, value: str) -> int:
         """Drop the candidates of one index that still match, checked entry by entry."""
-        now_ms = time.time() * 1000
         wanted = value.encode("utf-8", "surrogatepass") if mode == "p" else b""
         seen: set[bytes] = set()
         batch: list[bytes] = []
         dropped = 0
-        async for member, score in self._client.zscan_iter(index, count=BATCH):
+        async for member, _ in self._client.zscan_iter(index, count=BATCH):
             entry_id, _, prompt_prefix = member.partition(b"\n")
-            if score <= now_ms or entry_id in seen or not prompt_prefix.startswith(wanted):
+            # (An expired candidate's ``DROP`` finds it so by Redis's clock: not counted.)
+            if entry_id in seen or not prompt_prefix.startswith(wanted):
                 continue
             seen.add(entry_id)
             batch.append(entry_id)
@@ -329,17 +343,13 @@ class RedisStore:
 
     async def _drop(self, ids: list[str], mode: str = "p", value: str = "") -> int:
         """Drop the entries among ``ids`` that match (mode ``p`` with ``""`` matches all)."""
-        pipe, now_ms = self._client.pipeline(transaction=False), time.time() * 1000
+        pipe = self._client.pipeline(transaction=False)
         for entry_id in ids:
-            pipe.eval(DROP, 1, self._keys.entry(entry_id), mode, value, now_ms)
+            pipe.eval(DROP, 1, self._keys.entry(entry_id), mode, value)
         results = await pipe.execute()
         gone = [entry_id for entry_id, hit in zip(ids, results, strict=True) if hit]
         if gone:
-            self._counted(
-                await self._client.eval(
-                    STATS, 3, *self._keys.stats, int(time.time() * 1000), "del", *gone
-                )
-            )
+            self._counted(await self._client.eval(STATS, 3, *self._keys.stats, "del", *gone))
         return len(gone)
 
     async def _drop_everything(self) -> int:
@@ -375,13 +385,12 @@ class RedisStore:
         log.warning(
             "dropping a value in Redis that is no cache entry, under e:{%s}: %s", entry_id, why
         )
-        now_ms = int(time.time() * 1000)
         with _unavailable("drop a value that is no entry"):
             if not await self._client.eval(
                 UNREADABLE, 1, self._keys.entry(entry_id), header or b""
             ):
                 return
-            counts = await self._client.eval(STATS, 3, *self._keys.stats, now_ms, "del", entry_id)
+            counts = await self._client.eval(STATS, 3, *self._keys.stats, "del", entry_id)
         self._counted(counts)
 
     def _counted(self, counts: list[Any]) -> None:

@@ -4,11 +4,14 @@ an entry's encoding, and the Lua scripts that keep the entries, the indexes and 
 Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Cluster hash tag):
 
     P e:{ID}          HASH, PX = TTL    one entry: m = orjson header (version, kind, complete,
-                                        tokens, created, expires, usage_frame, frame lengths,
-                                        tags, namespace), b = body bytes, f = the frames
-                                        concatenated (absent when the answer did not stream),
-                                        tg = ",D1,D2," tag digests, ns = namespace digest,
-                                        pp = prompt prefix, xm = expiry in ms (for the Lua checks)
+                                        tokens, created, expires: the writer's clock, not
+                                        judged; usage_frame, frame lengths, tags, namespace),
+                                        b = body bytes, f = the frames concatenated (absent
+                                        when the answer did not stream), tg = ",D1,D2," tag
+                                        digests, ns = namespace digest, pp = prompt prefix,
+                                        xm = expiry, cr = when the answer was made (ms, Redis
+                                        time: ``PUT``'s stamps; an older carpool's entry has no
+                                        cr: its header's is read)
     P tag:D           ZSET ID -> expires_ms    candidates for a tag (D = its digest)
     P ns:D            ZSET ID -> expires_ms    candidates for a namespace
     P prefixes        ZSET "ID\\nprompt prefix" -> expires_ms    candidates for prefix invalidation
@@ -39,13 +42,18 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
   ``decode`` cannot read, ``Unreadable``, or another type, ``WRONGTYPE``) is dropped by the
   first get that reads it (``UNREADABLE``, if it is still the value read) or invalidation
   that meets it (``DROP``): a miss, once.
+- Every time here is Redis's (ms, ``TIME``, read by each script: ``_NOW``), never an instance's,
+  whose wall clocks may be minutes apart: scripts are sent TTLs and ages, and ``GET`` returns
+  Redis's now with the entry, so that its reader judges the entry's age and expiry on the same
+  clock. (Scored by each writer's clock, the indexes lost live entries to an instance whose
+  clock was ahead: invalidations missed them.)
 - Every script touches keys of one slot only, and multi-key work is pipelined per key, so the
   layout works on Redis Cluster. The prefix must not contain ``{`` or ``}``.
 """
 
 from __future__ import annotations
 
-import time
+import math
 from typing import Any
 
 import orjson
@@ -60,7 +68,9 @@ __all__ = [
     "COUNT",
     "DROP",
     "FORMAT",
+    "GET",
     "INDEX",
+    "INDEX_SLACK_MS",
     "PUT",
     "STATS",
     "STATS_ADD",
@@ -101,20 +111,39 @@ class StoreKeys:
         return f"{self.prefix}ns:{digest(namespace)}"
 
 
-# Add MEMBER to the index ZSET with score EXPIRES unless it is already there with a higher one,
-# drop the members expired by NOW, and let the key expire with its last member.
+# Redis's own time in ms (``now``), the one clock every instance's scripts read: the instances'
+# wall clocks may be minutes apart (separate machines), Redis's is one. (On a Cluster, the node's
+# that holds the script's keys.)
+_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local at = string.format('%.0f', now)  -- (as an argument: no exponent)
+"""
+
+# Add MEMBER (ARGV[1]) to the index ZSET, scored by its expiry (now + ARGV[2]: the entry's TTL
+# in ms plus ``INDEX_SLACK_MS``), unless it is already there with a higher score; drop the members
+# expired by now, and let the key expire with its last member.
 INDEX = (
     GROWS
+    + _NOW
     + """
-local key, expires, now = KEYS[1], tonumber(ARGV[2]), ARGV[3]
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+local key = KEYS[1]
+local expires = now + tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', at)
 local old = redis.call('ZSCORE', key, ARGV[1])
-if not old or tonumber(old) < expires then redis.call('ZADD', key, ARGV[2], ARGV[1]) end
+if not old or tonumber(old) < expires then
+  redis.call('ZADD', key, string.format('%.0f', expires), ARGV[1])
+end
 local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - tonumber(now)))
+redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - now))
 return 1
 """
 )
+
+# How much longer an index keeps a member than its entry lives: the entry's TTL starts a round
+# trip after the index's (the indexes are written first), and on a Cluster the two scripts read
+# the clocks of two nodes. A member kept past its entry costs a DROP that finds nothing.
+INDEX_SLACK_MS = 1000
 
 # A generation that is no count (written by something else: INCR refused it, and every
 # invalidation failed) is made anew from the random start ARGV[1].
@@ -141,23 +170,41 @@ return 1
 # The generation as a count, made anew (``_RECOUNTED``) if it is none: KEYS, ARGV as ``COUNT``.
 RECOUNT = ALWAYS + _RECOUNTED + "return redis.call('GET', KEYS[1])\n"
 
-# Replace the entry hash: ARGV = PX, then field, value pairs.
+# Replace the entry hash: ARGV = PX (the TTL in ms), the answer's age in ms, then field, value
+# pairs. Stamped in Redis time: ``xm`` = now + PX (its expiry) and ``cr`` = now - age (when the
+# answer was made). Returns ``xm`` as written (``DROP``'s mode x).
 PUT = (
     GROWS
+    + _NOW
     + """
+local expires = string.format('%.0f', now + tonumber(ARGV[1]))
+local created = string.format('%.0f', now - tonumber(ARGV[2]))
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], 'xm', expires, 'cr', created, unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
+return expires
+"""
+)
+
+# Read an entry: {now, m, b, f, pp, cr, xm} (a field it lacks: nil), so that the reader judges
+# its age and expiry in Redis time, in the round trip that reads it. A read: it runs on a full
+# Redis too.
+GET = (
+    ALWAYS
+    + _NOW
+    + """
+local f = redis.call('HMGET', KEYS[1], 'm', 'b', 'f', 'pp', 'cr', 'xm')
+return {now, f[1], f[2], f[3], f[4], f[5], f[6]}
 """
 )
 
 # Drop the entry if it still matches: ARGV = mode (t: tag digest, n: namespace digest,
-# p: prompt prefix, x: this exact expiry, ``xm``: the entry one put wrote), value, now (ms).
-# 1 if a live entry was dropped; an entry already expired by NOW (its PX may run a round trip
+# p: prompt prefix, x: this exact expiry, ``xm``: the entry one put wrote), value.
+# 1 if a live entry was dropped; an entry already expired by now (Redis time; its PX may run
 # later than its own expiry) is dropped but not counted.
 DROP = (
     ALWAYS
+    + _NOW
     + """
 local mode, value = ARGV[1], ARGV[2]
 local kind = redis.call('TYPE', KEYS[1])['ok']
@@ -166,7 +213,7 @@ if kind ~= 'hash' then  -- none, or no entry (something else wrote it: ``UNREADA
   return 0
 end
 local expires = redis.call('HGET', KEYS[1], 'xm')
-if expires and (tonumber(expires) or 0) <= tonumber(ARGV[3]) then  -- (no number: unreadable)
+if expires and (tonumber(expires) or 0) <= now then  -- (no number: unreadable)
   redis.call('UNLINK', KEYS[1])
   return 0
 end
@@ -199,11 +246,14 @@ return 1
 """
 )
 
-# Reap the entries expired by NOW, then 'add' ID EXPIRES SIZE | 'del' ID... | 'read';
-# returns {live entries, bytes}. KEYS = live, size, bytes. ``STATS`` runs on a full Redis (it
-# frees, or only counts); ``STATS_ADD``, the same script for 'add', is refused like the entry.
-_STATS = """
-local live, size, total, now, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
+# Reap the entries expired by now (Redis time), then 'add' ID TTL SIZE (TTL in ms) |
+# 'del' ID... | 'read'; returns {live entries, bytes}. KEYS = live, size, bytes. ``STATS`` runs on
+# a full Redis (it frees, or only counts); ``STATS_ADD``, the same script for 'add', is refused
+# like the entry.
+_STATS = (
+    _NOW
+    + """
+local live, size, total, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local function forget(id)
   local s = redis.call('HGET', size, id)
   if s then
@@ -212,28 +262,31 @@ local function forget(id)
   end
   redis.call('ZREM', live, id)
 end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', live, '-inf', now, 'LIMIT', 0, 1000)) do
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', live, '-inf', at, 'LIMIT', 0, 1000)) do
   forget(id)
 end
 if op == 'add' then
-  forget(ARGV[3])
-  redis.call('ZADD', live, ARGV[4], ARGV[3])
-  redis.call('HSET', size, ARGV[3], ARGV[5])
-  redis.call('INCRBY', total, ARGV[5])
+  forget(ARGV[2])
+  redis.call('ZADD', live, string.format('%.0f', now + tonumber(ARGV[3])), ARGV[2])
+  redis.call('HSET', size, ARGV[2], ARGV[4])
+  redis.call('INCRBY', total, ARGV[4])
 elseif op == 'del' then
-  for i = 3, #ARGV do forget(ARGV[i]) end
+  for i = 2, #ARGV do forget(ARGV[i]) end
 end
 if redis.call('ZCARD', live) == 0 then
   redis.call('DEL', size, total)
   return {0, 0}
 end
-return {redis.call('ZCOUNT', live, '(' .. now, '+inf'), tonumber(redis.call('GET', total) or '0')}
+return {redis.call('ZCOUNT', live, '(' .. at, '+inf'), tonumber(redis.call('GET', total) or '0')}
 """
+)
 STATS, STATS_ADD = ALWAYS + _STATS, GROWS + _STATS
 
 
 def encode(entry: Entry) -> list[Any]:
-    """The field, value pairs of the entry's hash."""
+    """The field, value pairs of the entry's hash that the writer makes. Its header's
+    ``created``/``expires`` are the writer's clock, kept for the format; what is judged is
+    ``cr``/``xm``, stamped by ``PUT`` in Redis time."""
     answer = entry.answer
     header = orjson.dumps(
         {
@@ -260,10 +313,7 @@ def encode(entry: Entry) -> list[Any]:
         digest(entry.namespace),
         "pp",
         entry.prompt_prefix,
-        # The exact expiry (not rounded up), so the drop script and get agree on "expired".
-        "xm",
-        f"{entry.expires * 1000:.3f}",
-    ]
+    ]  # (``xm`` and ``cr``, in Redis time, are ``PUT``'s)
     if answer.frames is not None:
         fields += ["f", b"".join(answer.frames)]
     return fields
@@ -273,14 +323,17 @@ class Unreadable(ValueError):
     """A value under an entry's key that is no entry carpool wrote (``decode``)."""
 
 
-def decode(
-    header: bytes | None, body: bytes | None, frames: bytes | None, prompt_prefix: bytes | None
-) -> Entry | None:
-    """The entry of the hash fields ``m``, ``b``, ``f``, ``pp``; None if it is absent, of
-    another format or expired. ``Unreadable`` if it is none that carpool writes: a header that
-    is no JSON object, a field missing or of another type, frame lengths that are not the
-    frames' (checked here, on every read: read later, such a value failed the request it was
-    served to)."""
+def decode(read: list[Any], now: float) -> Entry | None:
+    """The entry of ``GET``'s reply (Redis's now in ms, then the hash fields ``m``, ``b``,
+    ``f``, ``pp``, ``cr``, ``xm``); None if it is absent, of another format or expired (by
+    Redis's clock). Its answer's ``created`` and its ``expires`` are on the reader's clock,
+    whose reading is ``now``: as long ago and ahead of it as they are of Redis's now, so that
+    the reader's ages (``Age``, ``max-age``, its own TTL) are Redis time, whatever its clock
+    and the writer's. ``Unreadable`` if it is none that carpool writes: a header that is no
+    JSON object, a field missing or of another type, frame lengths that are not the frames'
+    (checked here, on every read: read later, such a value failed the request it was served
+    to)."""
+    redis_now, header, body, frames, prompt_prefix, created_ms, expires_ms = read
     if header is None:
         if body is None and frames is None and prompt_prefix is None:
             return None  # (no such key)
@@ -311,7 +364,12 @@ def decode(
         and isinstance(namespace, str)
     ):
         raise Unreadable("a header field of another type, or no body")
-    if expires <= time.time():
+    expires_at = _float(expires_ms)
+    # (An entry of an older carpool has no ``cr``: its header's, the writer's wall clock.)
+    created_at = created * 1000 if created_ms is None else _float(created_ms)
+    if expires_at is None or created_at is None:
+        raise Unreadable("an expiry or a creation time that is no number")
+    if expires_at <= int(redis_now):
         return None
     split = _split(frames or b"", lengths)
     if usage_frame is not None and not (
@@ -323,8 +381,16 @@ def decode(
     except UnicodeDecodeError:
         raise Unreadable("a prompt prefix that is no UTF-8") from None
     return Entry(
-        Answer(kind, body, complete, tokens, created, split, usage_frame),
-        expires,
+        Answer(
+            kind,
+            body,
+            complete,
+            tokens,
+            now - max(0.0, int(redis_now) - created_at) / 1000,
+            split,
+            usage_frame,
+        ),
+        now + (expires_at - int(redis_now)) / 1000,
         tuple(tags),
         namespace,
         prefix,
@@ -333,6 +399,15 @@ def decode(
 
 def _number(value: Any) -> bool:
     return type(value) in (int, float)
+
+
+def _float(value: bytes | None) -> float | None:
+    """A number field of the hash; None if it is absent or no finite number."""
+    try:
+        number = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return number if number is not None and math.isfinite(number) else None
 
 
 def _split(joined: bytes, lengths: Any) -> list[bytes] | None:
