@@ -77,6 +77,61 @@ TRAPS = {
         PLAN + [{"role": "user", "content": "upgrade it please"}],
         PLAN + [{"role": "user", "content": "downgrade it please"}],
     ),
+    # A second review's traps: one detail of an earlier turn changed (a time of day, what a
+    # looked-up result or an error message says) passed as a close context, under the
+    # near-repeat bar, or was scored the same by the verifier.
+    "time_of_day_swap": (
+        turns(
+            "My flight leaves at 6 am tomorrow.",
+            "Okay, noted.",
+            "What time should I get to the airport?",
+        ),
+        turns(
+            "My flight leaves at 6 pm tomorrow.",
+            "Okay, noted.",
+            "What time should I get to the airport?",
+        ),
+    ),
+    "looked_up_result_flip": (
+        turns(
+            "Is the pharmacy open right now?",
+            "Search result: the pharmacy is closed today.",
+            "Should I go there now?",
+        ),
+        turns(
+            "Is the pharmacy open right now?",
+            "Search result: the pharmacy is open today.",
+            "Should I go there now?",
+        ),
+    ),
+    "answer_flip": (
+        turns(
+            "Is the museum open on Mondays?",
+            "The museum is closed on Mondays.",
+            "Can we visit it this Monday?",
+        ),
+        turns(
+            "Is the museum open on Mondays?",
+            "The museum is open on Mondays.",
+            "Can we visit it this Monday?",
+        ),
+    ),
+    "error_message_swap": (
+        turns(
+            "The server logs say connection refused.",
+            "That's a common one.",
+            "What should I check first?",
+        ),
+        turns(
+            "The server logs say connection timed out.",
+            "That's a common one.",
+            "What should I check first?",
+        ),
+    ),
+    "error_text_swap": (
+        turns("The error says permission denied.", "Let's look.", "What does it mean?"),
+        turns("The error says file not found.", "Let's look.", "What does it mean?"),
+    ),
 }
 
 

@@ -489,3 +489,79 @@ def test_a_turn_cannot_pass_for_two_turns_in_a_context():
         [{"role": "user", "content": "I have a plan."}, {"role": "assistant", "content": "OK."}]
     )
     assert one != two
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            "user: My flight leaves at 6 am tomorrow.\nassistant: Okay, noted.",
+            "user: My flight leaves at 6 pm tomorrow.\nassistant: Okay, noted.",
+        ),
+        (
+            "user: Is the pharmacy open right now?\nassistant: Search result: the pharmacy is"
+            " closed today.",
+            "user: Is the pharmacy open right now?\nassistant: Search result: the pharmacy is"
+            " open today.",
+        ),
+        (
+            "user: I want to return the blue jacket I bought last week.\nassistant: Sure, it"
+            " can be returned within 30 days.",
+            "user: I want to return the red jacket I bought last week.\nassistant: Sure, it"
+            " can be returned within 30 days.",
+        ),
+    ],
+)
+def test_a_context_with_a_content_word_changed_is_never_close(a, b):
+    # A word or two changed passed as "close" and got the near-repeat bar (0.90): the verifier
+    # scored the flight 0.9485 and the pharmacy 0.9342, both served.
+    from carpool.semantic.retyping import close
+
+    assert not close(a, b) and not close(b, a)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            "user: I need help with my electricity bill.",
+            "user: I need some help with my electricity bill.",
+        ),
+        (
+            "user: I want to return the blue jacket that I bought.\nassistant: Sure, the blue"
+            " jacket can be returned within 30 days.",
+            "user: I want to return a blue jacket I bought.\nassistant: Sure, the blue jacket"
+            " can be returned within 30 days.",
+        ),
+        (
+            "user: Can you check the status of my order please?\nassistant: Sure, I will look"
+            " it up for you now.",
+            "user: Can you check the statuses of my orders please?\nassistant: Sure, I will"
+            " look it up for you now.",
+        ),
+    ],
+)
+def test_a_context_retyped_with_function_words_or_word_forms_changed_is_close(a, b):
+    from carpool.semantic.retyping import close
+
+    assert close(a, b) and close(b, a)
+
+
+def test_a_near_repeat_with_a_negator_added_gets_the_full_bar(guard):
+    # A pasted email's last sentence with "do not" added: similarity 0.977, the near-repeat bar
+    # 0.90 served the verifier's 0.97 for the reply drafted to approve.
+    a = (
+        "In my reply, thank him, confirm the dock access, and say that we approve the revised"
+        " invoice."
+    )
+    b = a.replace("we approve", "we do not approve")
+    for new, cached in ((a, b), (b, a)):
+        (v,) = guard.judge_now(Side(new), [Side(cached)], [0.98])
+        assert not v.ok and v.reason == Reason.MEANING, v
+    # (A near repeat with as many negators still gets the near-repeat bar.)
+    retyped = guard.judge_now(
+        Side("Hi! Please say that we approve the revised invoice."),
+        [Side("please say that we approve the revised invoice")],
+        [0.98],
+    )
+    assert retyped[0].ok

@@ -88,6 +88,37 @@ def test_numbers_the_same_number_written_another_way_passes():
         assert passes(numbers.RULE, a, b), (a, b)
 
 
+def test_numbers_am_and_pm_after_a_number_are_read():
+    # "6" was read on both sides and no am / pm: another time of day was served (0.98-0.99).
+    for a, b in (
+        (
+            "I take my medication at 8 am. Can I drink coffee with it?",
+            "I take my medication at 8 pm. Can I drink coffee with it?",
+        ),
+        (
+            "My flight leaves at 6 am tomorrow. What time should I get to the airport?",
+            "My flight leaves at 6 pm tomorrow. What time should I get to the airport?",
+        ),
+        ("Set an alarm for 7 a.m.", "Set an alarm for 7 p.m."),
+        ("Is the shop open at 9am?", "Is the shop open at 9pm?"),
+        ("Remind me at 6am.", "Remind me at 7am."),
+    ):
+        assert refused(a, b) == "number", (a, b)
+
+
+def test_numbers_am_and_pm_written_another_way_or_am_as_a_verb_pass():
+    for a, b in (
+        ("Set an alarm for 7 am.", "Set an alarm for 7 a.m."),
+        ("Set an alarm for 7am.", "set an alarm for 7 AM"),
+        (
+            "I am 30 years old. Is it too late to learn piano?",
+            "I'm 30 years old. Is it too late to learn piano?",
+        ),
+        ("What am I doing wrong with my 2 plants?", "What am I doing wrong with my two plants?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
 # ------------------------------------------------------------------------------ operators
 
 
@@ -208,6 +239,31 @@ def test_quoted_code_with_the_same_punctuation_and_prose_punctuation_pass():
         ("How do I use print() in Python?", "How do I use print() in Python"),
         ("What does x = [1, 2] do?", "What does x = [1, 2] do."),
         ("In Python, what does len(x) return?", "In Python what does len(x) return?"),
+    ):
+        assert passes(quoted.RULE, a, b), (a, b)
+
+
+def test_quoted_the_text_an_error_or_a_log_says_must_be_the_same():
+    # Another error message was served: the verifier scored "connection refused" / "connection
+    # timed out" after "The server logs say" 0.99.
+    for a, b in (
+        ("The server logs say connection refused.", "The server logs say connection timed out."),
+        ("The error says permission denied.", "The error says file not found."),
+        (
+            "I get this error: ModuleNotFoundError. What now?",
+            "I get this error: KeyError. What now?",
+        ),
+        ("The error message said disk full. Help?", "The error message said out of memory. Help?"),
+    ):
+        assert refused(a, b) == "quoted", (a, b)
+
+
+def test_quoted_the_same_error_text_or_one_side_quoting_none_passes():
+    for a, b in (
+        ("The error says permission denied.", "the error says: Permission denied"),
+        ("The server logs say connection refused. Why?", "The logs say connection refused, why?"),
+        ("What does the error say about this?", "What does this error say?"),
+        ("The error says permission denied.", "I get permission denied. What does it mean?"),
     ):
         assert passes(quoted.RULE, a, b), (a, b)
 
@@ -540,6 +596,38 @@ def test_polarity_an_opposite_with_a_negation_is_left_to_the_verifier():
     # "not fast" / "slow" says the same twice over; the verifier reads negations.
     assert polarity.RULE.differs("The train is not fast.", "The train is slow.") is False
     assert polarity.RULE.differs("Is it safe?", "Is it not safe?") is False
+
+
+def test_polarity_closed_against_open_is_refused_when_open_is_said_on_both_sides():
+    # "closed" was not listed, and "open" said on both sides (the question) dropped out of a
+    # set difference: an assistant's looked-up "closed" / "open" was served.
+    for a, b in (
+        (
+            "user: Is the pharmacy open right now?\nassistant: Search result: the pharmacy is "
+            "closed today.\nuser: Should I go there now?",
+            "user: Is the pharmacy open right now?\nassistant: Search result: the pharmacy is "
+            "open today.\nuser: Should I go there now?",
+        ),
+        (
+            "Is the museum open on Mondays? The museum is closed on Mondays.",
+            "Is the museum open on Mondays? The museum is open on Mondays.",
+        ),
+        ("Keep the function signature the same.", "Change the function signature as needed."),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_an_opposite_said_as_often_on_both_sides_passes():
+    for a, b in (
+        ("Is the museum open on Mondays?", "Is the museum open on a Monday?"),
+        (
+            "Open the file, then close it when done.",
+            "Close the file when done after you open it.",
+        ),
+        ("Should I keep my old laptop?", "Is it worth keeping my old laptop?"),
+        ("Is the store open or closed today?", "Is the store closed or open today?"),
+    ):
+        assert passes(polarity.RULE, a, b), (a, b)
 
 
 # ------------------------------------------------------------------------------ substitution

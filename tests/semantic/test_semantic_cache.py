@@ -297,6 +297,36 @@ async def test_a_negation_is_never_served(sgw, fake):
 #: list lacked, "still" / "no longer" (its negator left it to the verifier), an exclusion and an
 #: audience nothing read, and one thing in place of another inside shared filler (the verifier
 #: scored "router" / "modem" low bare, 0.99 with the filler).
+#: Long prompts for the traps below: a pasted text, then what to do with it (the cache compares
+#: the last sentences; the text before them must match exactly).
+SUPPLIER_EMAIL = (
+    "Please read the email below from our supplier and draft a short reply for me.\n\nHi Dana,"
+    "\n\nThanks for your patience while we sorted out the delays at our warehouse last month. We"
+    " have finally received the replacement parts from our manufacturer and the assembly line is"
+    " running again at full speed. We can deliver half of the ergonomic chairs by the end of next"
+    " week, and the remaining units should follow shortly after that. Our driver will need access"
+    " to the loading dock on Thursday morning, so please let me know if that is a problem for your"
+    " building manager. I have attached the revised invoice for your records. Please review it"
+    " carefully and let me know whether you approve it, or if you would prefer to discuss the"
+    " details on a call first.\n\nBest regards,\nMarcus\n\n"
+)
+DISCOUNT_CODE = (
+    "Review this Python function and tell me whether it has any bugs. Be specific.\n\n"
+    "def apply_discount(order, customer):\n"
+    "    total = 0\n"
+    "    for item in order.items:\n"
+    "        price = item.unit_price * item.quantity\n"
+    "        if item.category == 'clearance':\n"
+    "            price = price * 0.5\n"
+    "        total += price\n"
+    "    if customer.years_active > 3 and total > 100:\n"
+    "        total = total - 10\n"
+    "    if total < 0:\n"
+    "        total = 0\n"
+    "    return round(total * 1.08, 2)\n\n"
+    "The function is called once per checkout and the result is shown to the customer as the final"
+    " amount they will pay. Our tests cover clearance items but not the loyalty branch.\n\n"
+)
 SERVED_BY_THE_VERIFIER = {
     "comparative": (
         "Which is bigger, the Sun or the Earth?",
@@ -383,6 +413,31 @@ SERVED_BY_THE_VERIFIER = {
         "Is this valid JavaScript: const a = [1, 2, 3,]",
         "Is this valid JavaScript: const a = [1, 2, 3]",
         "quoted",
+    ),
+    # A second review's traps (long prompts, times of day), served before: am / pm after the
+    # same number, a "not" added to a long prompt's last sentence (a near repeat, 0.977: its
+    # bar 0.90 passed the verifier's 0.96), "keep" / "change" after the same code.
+    "medication_am_pm": (
+        "I take my medication at 8 am. Can I drink coffee with it?",
+        "I take my medication at 8 pm. Can I drink coffee with it?",
+        "number",
+    ),
+    "flight_am_pm": (
+        "My flight leaves at 6 am tomorrow. What time should I get to the airport?",
+        "My flight leaves at 6 pm tomorrow. What time should I get to the airport?",
+        "number",
+    ),
+    "not_in_a_long_prompts_last_sentence": (
+        SUPPLIER_EMAIL + "In my reply, thank him, confirm the dock access, and say that we approve"
+        " the revised invoice.",
+        SUPPLIER_EMAIL + "In my reply, thank him, confirm the dock access, and say that we do not"
+        " approve the revised invoice.",
+        "meaning",
+    ),
+    "keep_or_change_after_the_same_code": (
+        DISCOUNT_CODE + "Keep the function signature the same.",
+        DISCOUNT_CODE + "Change the function signature as needed.",
+        "polarity",
     ),
 }
 

@@ -13,7 +13,8 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
 2. the verifier (:mod:`carpool.semantic.verifier`), a cross-encoder that reads both prompts
    together: the pair is served only when its score is at or above the verifier's threshold
    (:attr:`Reason.MEANING` otherwise), or, for a near repeat (cosine similarity at or above
-   :data:`NEAR_REPEAT_SIMILARITY`: case, punctuation, a greeting), at or above
+   :data:`NEAR_REPEAT_SIMILARITY`: case, punctuation, a greeting; never texts that say a negator
+   a different number of times, "we approve" / "we do not approve"), at or above
    :data:`NEAR_REPEAT_SCORE`. All surviving candidates of one lookup are scored in one model
    call. A pair the verifier would not read whole (``Verifier.unread``: longer than it reads)
    is refused with :attr:`Reason.LENGTH` instead: it cannot vouch for what it did not read;
@@ -26,7 +27,8 @@ Contract
 :class:`Guard` (a protocol, what the cache is given): ``await judge(new, candidates,
 similarities=None) -> list[Verdict]``, one per candidate, in order, for :class:`Side` values
 (``similarities``: each candidate's cosine similarity to ``new``, for the near-repeat bar; a
-context pair gets that bar when its words are :func:`close`). :class:`RulesThenVerifier`
+context pair gets that bar when its words are :func:`close`: only function words, case or a
+word's form changed; a text pair never when its negators differ in number). :class:`RulesThenVerifier`
 (``verifier, rules=RULES, threshold=None``) is the one carpool builds; it also splits a judgement
 into ``scored`` (the rules and the model, once) and ``decide`` (the thresholds), so that an
 evaluation can sweep the threshold without asking the model again. A side is a text (the last user turn, or the
@@ -52,6 +54,7 @@ from typing import Protocol
 
 from .retyping import close, retyped, unseen_difference
 from .rules import RULES
+from .rules.polarity import negators
 from .verdict import Reason, Rule, Verdict
 from .verifier import Verifier
 
@@ -107,6 +110,8 @@ class Scored:
     # ``scores``, -1 where not asked (retyped, identical)
     close_contexts: list[bool]  # per candidate: its context pair is ``close``
     scores: list[float]
+    # per candidate: its texts say a negator ("not", "no"...) a different number of times
+    negation_differs: list[bool]
 
 
 class RulesThenVerifier:
@@ -172,23 +177,33 @@ class RulesThenVerifier:
 
     def _prepared(
         self, new: Side, candidates: Sequence[Side]
-    ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]], list[bool]]:
-        """``_plan``, and per candidate whether its context pair is ``close``."""
+    ) -> tuple[
+        list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]], list[bool], list[bool]
+    ]:
+        """``_plan``, and per candidate whether its context pair is ``close`` and whether its
+        texts say a negator a different number of times (asked texts only: the rules read
+        them)."""
         refused, pairs, slots = self._plan(new, candidates)
-        return refused, pairs, slots, [c >= 0 and close(*pairs[c]) for _, c in slots]
+        close_contexts = [c >= 0 and close(*pairs[c]) for _, c in slots]
+        negation_differs = [
+            t >= 0 and negators(pairs[t][0]) != negators(pairs[t][1]) for t, _ in slots
+        ]
+        return refused, pairs, slots, close_contexts, negation_differs
 
     async def scored(self, new: Side, candidates: Sequence[Side]) -> Scored:
         # The rules are Python on texts up to READ_CHARS: read on a worker thread, so that no
         # lookup holds up the event loop (another tenant's exact hit) while they run.
-        refused, pairs, slots, close_contexts = await asyncio.to_thread(
+        refused, pairs, slots, close_contexts, negation_differs = await asyncio.to_thread(
             self._prepared, new, candidates
         )
-        return Scored(refused, slots, close_contexts, await self.verifier.scores(pairs))
+        scores = await self.verifier.scores(pairs)
+        return Scored(refused, slots, close_contexts, scores, negation_differs)
 
     def scored_now(self, new: Side, candidates: Sequence[Side]) -> Scored:
         """``scored``, synchronously (offline evaluation)."""
-        refused, pairs, slots, close_contexts = self._prepared(new, candidates)
-        return Scored(refused, slots, close_contexts, self.verifier.score(pairs))
+        refused, pairs, slots, close_contexts, negation_differs = self._prepared(new, candidates)
+        scores = self.verifier.score(pairs)
+        return Scored(refused, slots, close_contexts, scores, negation_differs)
 
     def decide(
         self,
@@ -206,7 +221,14 @@ class RulesThenVerifier:
             if verdict is not None:
                 out.append(verdict)
                 continue
-            near_repeat = similarities is not None and similarities[i] >= NEAR_REPEAT_SIMILARITY
+            # A separate "not" is left to the verifier by the rules (polarity): at its full bar.
+            # The near-repeat bar served "we approve" / "we do not approve" (0.977 similar,
+            # scored 0.96-0.97) in a long prompt's last sentence.
+            near_repeat = (
+                similarities is not None
+                and similarities[i] >= NEAR_REPEAT_SIMILARITY
+                and not scored.negation_differs[i]
+            )
             text_bar = near_repeat_bar if near_repeat else bar  # the texts' similarity
             context_bar = near_repeat_bar if scored.close_contexts[i] else bar
             text_score = scored.scores[text] if text >= 0 else 1.0

@@ -8,6 +8,7 @@ An embedding puts "a 2 bedroom flat" next to "a 3 bedroom flat"; the answers dif
   A spelled "one" (or "一") may stand against nothing: "one week" asks what "a week" asks.
 - units and currencies, anywhere in the text ("in miles" / "in km", "$5" / "5 euros", "元"):
   the two sets must be equal, each unit under one name ("kilometres" = "km", "$" = "dollars");
+  a time of day's am / pm too ("6 am" / "6 pm", "a.m." = "am"), after a number only ("I am");
 - relative dates and periods ("today", "tomorrow", "last week" / "last month", "per day",
   "明天", "去年"): the two sets must be equal.
 """
@@ -23,7 +24,7 @@ from .text import lower_words, norm
 
 #: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters).
 _DIGITS = re.compile(
-    r"(?<![a-uw-z0-9_.])(\d+(?:,\d{3})+|\d+(?:\.\d+)?|\.\d+)\s*(k|m|bn|st|nd|rd|th)?"
+    r"(?<![a-uw-z0-9_.])(\d+(?:,\d{3})+|\d+(?:\.\d+)?|\.\d+)\s*(k|m|bn|st|nd|rd|th|am|pm)?"
     r"(?![a-z0-9_])"
 )
 SMALL = {
@@ -113,10 +114,17 @@ UNITS = {
     **dict.fromkeys(["mph"], "mph"),
     **dict.fromkeys(["kph", "km/h"], "km/h"),
     **dict.fromkeys(["calorie", "calories", "kcal", "卡路里"], "kcal"),
+    # A time of day: "6 am" / "6 pm" ask of another time ("6am": :data:`_CLOCK`).
+    **dict.fromkeys(["am", "a.m"], "am"),
+    **dict.fromkeys(["pm", "p.m"], "pm"),
 }
 #: Units that are also common words ("in", "m", "c", "l", "f", "g", "w", "v"): a unit only
 #: right after a number.
-_AFTER_NUMBER_ONLY = frozenset({"in", "m", "c", "l", "f", "g", "w", "v", "米", "克", "升", "元"})
+_AFTER_NUMBER_ONLY = frozenset(
+    {"in", "m", "c", "l", "f", "g", "w", "v", "am", "pm", "米", "克", "升", "元"}
+)
+#: A time of day written on its number ("6am", "6.30pm", "7a.m").
+_CLOCK = re.compile(r"[\d.,]+(am|pm|a\.m|p\.m)")
 DATES = {
     **{
         w: w
@@ -235,6 +243,8 @@ def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str
             w not in _AFTER_NUMBER_ONLY or (i > 0 and re.fullmatch(r"[\d.,]+k?", words[i - 1]))
         ):
             units.add(unit)
+        elif clock := _CLOCK.fullmatch(w):
+            units.add(UNITS[clock.group(1)])
     units.update(UNITS[s] for s in ("$", "€", "£", "¥", "%") if s in flat)
     units.update(
         UNITS[w] for w in UNITS if not w.isascii() and w not in _AFTER_NUMBER_ONLY and w in flat

@@ -11,7 +11,8 @@ which is exactly what a short list can read:
   non-, a-: "safe" / "unsafe", "advantages" / "disadvantages", "legal" / "illegal"; the word
   without its prefix at least three letters long);
 - a pair of :data:`OPPOSITES` (each direction; a word may have several: "old" / "new", "old" /
-  "young"), one word on each side; a :data:`GRADED` word is read in its comparative and
+  "young"), one word said more often on each side (counted: "Is it open?" answered "it is
+  closed" / "it is open" says "open" on both sides, "closed" on one); a :data:`GRADED` word is read in its comparative and
   superlative forms too ("bigger", "biggest", "easier", "wider", "hottest" are "big", "big",
   "easy", "wide", "hot"), so "bigger" / "smaller" and "longest" / "shortest" are opposites;
 - "still" on one side and "no longer" (or "not ... anymore", "not ... any longer") on the other;
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 
 from ..verdict import Reason, Rule
 from .text import lower_words, norm
@@ -69,7 +71,8 @@ fast/slow quickly/slowly fast/slowly good/bad better/worse best/worst benefits/r
 benefits/dangers pros/cons advantages/drawbacks increase/decrease increase/reduce
 increasing/decreasing increased/decreased more/less more/fewer most/least high/low higher/lower
 cheap/expensive cheap/pricey cheaper/pricier cheapest/priciest early/late before/after
-first/last start/stop start/end begin/end beginning/end open/close enable/disable
+first/last start/stop start/end begin/end beginning/end open/close open/closed opens/closes
+enable/disable keep/change
 upgrade/downgrade import/export upload/download add/remove buy/sell win/lose winner/loser
 pass/fail succeed/fail success/failure accept/reject accept/decline allow/block allow/prohibit
 allow/forbid include/exclude including/excluding inside/outside up/down in/out on/off hot/cold
@@ -138,9 +141,11 @@ def _forms(word: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=8192)
-def _read(text: str) -> tuple[int, int, tuple[str, ...], frozenset[str]]:
-    """(negators, exclusions, what each "no longer" is said of, words) of ``text``; CJK text adds
-    its listed one- and two-character words, and "no longer" is one word."""
+def _read(text: str) -> tuple[int, int, tuple[str, ...], Counter[str]]:
+    """(negators, exclusions, what each "no longer" is said of, words and how often each is said)
+    of ``text``; CJK text adds its listed one- and two-character words, and "no longer" is one
+    word. (Counted: "open" asked on both sides and answered "closed" on one is still "closed"
+    against "open"; a set lost it.)"""
     words = lower_words(text)
     flat = norm(text)
     said = " ".join(words)
@@ -152,12 +157,21 @@ def _read(text: str) -> tuple[int, int, tuple[str, ...], frozenset[str]]:
     negators = sum(w in NEGATORS or w.endswith("n't") for w in words) - no_longer
     negators += len(_CN_NEGATORS.findall(flat))
     cjk = {flat[i : i + 2] for i in range(len(flat) - 1)} | set(flat)
-    read = frozenset(words) | frozenset(w for w in cjk if w in OPPOSITES)
+    # (CJK only: "in" inside "win" or "China" is no word; counted, it refused "in" / "out".)
+    read = Counter(words) + Counter(w for w in cjk if w in OPPOSITES and not w.isascii())
+    read["no longer"] = no_longer
     exclusions = len(_EXCLUSION.findall(said))
-    return negators, exclusions, tuple(no_longer_of), read | ({"no longer"} if no_longer else set())
+    return negators, exclusions, tuple(no_longer_of), +read
 
 
-def _prefixed(w: str, other: frozenset[str]) -> bool:
+def negators(text: str) -> int:
+    """How many negators ``text`` says ("not", "no", "n't"..., Chinese 不...; not the "no" of "no
+    longer"): the guard gives no near-repeat bar to a pair that says them a different number of
+    times ("we approve" / "we do not approve" is 0.977 similar)."""
+    return _read(text)[0]
+
+
+def _prefixed(w: str, other: Counter[str]) -> bool:
     """``w`` is another word of ``other`` with a negative prefix, or the other way round."""
     for prefix in _PREFIXES:
         if len(w) > 2 and prefix + w in other:
@@ -168,8 +182,8 @@ def _prefixed(w: str, other: frozenset[str]) -> bool:
     return False
 
 
-def _opposed(x: frozenset[str], y: frozenset[str]) -> bool:
-    only_x, only_y = x - y, y - x
+def _opposed(x: Counter[str], y: Counter[str]) -> bool:
+    only_x, only_y = x - y, y - x  # (counts: what one side says more often)
     # Lookups, not a scan of only_y per word (that was quadratic).
     y_forms = frozenset().union(*map(_forms, only_y))
     for w in only_x:
@@ -185,7 +199,7 @@ def differs(a: str, b: str) -> bool:
     )
 
 
-def _no_longer(of: tuple[str, ...], other_of: tuple[str, ...], other: frozenset[str]) -> bool:
+def _no_longer(of: tuple[str, ...], other_of: tuple[str, ...], other: Counter[str]) -> bool:
     """More "no longer"s on this side, one said of a word the other side says plainly."""
     return len(of) > len(other_of) and any(w in other for w in of)
 

@@ -14,6 +14,10 @@ request; the answer differs in every word. So:
   names a language (:data:`LANGUAGES`): "Put this in Spanish please: she is reading a book" /
   "...: she was reading a book" differ (no task verb starts it). When both sides are such a
   task, the words after the colon must be the same, all of them, in order;
+- what an error, a log or a message says, unquoted ("The error says permission denied", "the
+  server logs say connection refused", "error: KeyError"; to the sentence's end): when both
+  sides say such a text, the texts must be the same words in order. "...logs say connection
+  refused" / "...connection timed out" differ (the verifier scored them 0.99);
 - code outside backticks (a word with a bracket attached, ``f(x)``, ``a[0]``, or a `` = ``)
   keeps its punctuation: when both sides have code and the same words, every chunk between
   spaces that has a bracket, a brace, ``=``, ``;`` or ``:`` must be on both sides (sentence
@@ -149,6 +153,24 @@ def _after_colon(text: str) -> tuple[str, ...] | None:
     return lower_words(tail)
 
 
+#: What an error, a log or a message says, unquoted: "The error says permission denied",
+#: "the server logs say connection refused", "error: KeyError". The text runs to the sentence's
+#: end or a comma (a mark before a space or the end: "file.txt" is inside it; "refused, why?").
+_SAYS = re.compile(
+    r"\b(?:(?:error|exception|message|logs?|output)(?: message)?"
+    r" (?:says|say|said|shows|show|showed|reads|read)\b:?|(?:error|exception|warning):)"
+    r"(.*?)(?:[.!?;,](?=\s|$)|\n|$)",
+    re.I,
+)
+
+
+@functools.lru_cache(maxsize=8192)
+def _says(text: str) -> tuple[tuple[str, ...], ...]:
+    """The words of each text an error or a log says (none said: an empty tuple)."""
+    said = (lower_words(m.group(1)) for m in _SAYS.finditer(norm(text)))
+    return tuple(w for w in said if w)
+
+
 #: Code outside backticks: a bracket or parenthesis attached to a word, or a spaced "=".
 _CODE = re.compile(r"\w[(\[]|\s=\s")
 _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
@@ -176,6 +198,9 @@ def differs(a: str, b: str) -> bool:
     ca, cb = _code_chunks(a), _code_chunks(b)
     if ca is not None and cb is not None and ca != cb and lower_words(a) == lower_words(b):
         return True  # the same words, the code's punctuation changed
+    sa, sb = _says(a), _says(b)
+    if sa and sb and sa != sb:
+        return True  # another error message: the verifier scored "refused" / "timed out" 0.99
     ia, ib = _after_colon(a), _after_colon(b)
     if ia is not None and ib is not None and ia != ib:
         return True  # then the task's input read the older way too ("into French" / "German")
