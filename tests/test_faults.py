@@ -1123,11 +1123,10 @@ _GZIP_STREAM = _GZIP_STREAM.replace(b"application/json", b"text/event-stream")
     ("answered", "named", "stream"),
     [
         (_coded(200, b"\x0b\x02\x80fine\x03", b"br"), "br", False),
-        (_coded(429, b"(\xb5/\xfd\x00\x00", b"zstd", (b"retry-after", b"7")), "zstd", False),
         (_coded(200, b"\x1f\x8b\x08 not gzip", b"gzip"), "gzip", False),
         (_GZIP_STREAM, "gzip", True),
     ],
-    ids=["br", "zstd refusal", "broken gzip", "gzip stream"],
+    ids=["br", "broken gzip", "gzip stream"],
 )
 async def test_an_answer_in_a_coding_the_gateway_cannot_read_is_a_502_naming_it_nothing_stored(
     answered, named, stream
@@ -1154,6 +1153,37 @@ async def test_an_answer_in_a_coding_the_gateway_cannot_read_is_a_502_naming_it_
             assert error["code"] == "upstream_content_coding"
             assert named in error["message"] and "identity" in error["message"]
             assert len(upstream.calls) == attempt
+        assert gw.gateway.store.entries == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "coding", "named"),
+    [
+        (b"", b"gzip", None),
+        (b"", b"deflate", None),
+        (b"(\xb5/\xfd\x00\x00", b"zstd", "zstd"),
+        (b"\x1f\x8b\x08 not gzip", b"gzip", "gzip"),
+    ],
+    ids=["empty gzip", "empty deflate", "zstd", "broken gzip"],
+)
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_coded_refusal_the_gateway_cannot_read_keeps_its_status_and_when_to_retry(
+    body, coding, named, status
+):
+    """A refusal whose body is empty (a proxy's bodiless 429 labelled gzip) or in a coding the
+    gateway cannot read was a 502 with ``x-should-retry: false``: a rate limit the SDKs back off
+    from became one they must not retry. It keeps its status and ``Retry-After``; an unreadable
+    text is replaced by the gateway's own naming the coding."""
+    answered = _coded(status, body, coding, (b"retry-after", b"7"))
+    async with raw_upstream(lambda call: answered) as upstream, run_gateway([upstream.url]) as gw:
+        response = await gw.chat()
+        assert response.status_code == status
+        assert response.headers["retry-after"] == "7"
+        assert "content-encoding" not in response.headers
+        assert response.headers.get("x-should-retry") != "false"
+        if named is not None:
+            error = error_of(response)
+            assert error["code"] == "upstream_content_coding" and named in error["message"]
         assert gw.gateway.store.entries == 0
 
 

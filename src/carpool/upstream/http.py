@@ -113,10 +113,12 @@ Contract (on top of ``upstream.base``):
   read it), so they are judged here (``_decoded``): a whole answer, of any status, in gzip
   (``x-gzip``) or deflate is decoded (bounded: past ``MAX_DECODED`` bytes it is refused) and
   then judged as if it had come as ``identity`` (a refusal relayed readable, with when to
-  retry; a 2xx stored and served decoded, with no ``Content-Encoding``). Any other coding
-  (br, zstd, unknown), one that does not decode, and any coded stream (read as it comes) is
-  ``UpstreamContentCoding`` (502, naming the coding; a streaming client's error event), its
-  connection closed: never relayed nor stored. Pass-through is left as it is: it relays the
+  retry; a 2xx stored and served decoded, with no ``Content-Encoding``); an empty body is
+  none to decode. Any other coding (br, zstd, unknown), one that does not decode, and any
+  coded stream (read as it comes) is ``UpstreamContentCoding`` (502, naming the coding; a
+  streaming client's error event), its connection closed: never relayed nor stored; but a
+  refusal (not 2xx) so coded keeps its status and when to retry, its text the gateway's own
+  error naming the coding (a 429 stays one the SDKs retry). Pass-through is left as it is: it relays the
   bytes with their ``content-encoding`` as they came. Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
   endpoint's call, whose body is the gateway's own serialization, carries none.
@@ -481,8 +483,16 @@ class HttpUpstream:
             data = await answer.read()
         except wire.WireError as exc:
             raise self._mid_answer(exc) from exc
-        if codings:
-            data = self._decoded(data, codings)
+        if codings and data:  # (an empty body is one in no coding: a bodiless 429 is one)
+            try:
+                data = self._decoded(data, codings)
+            except UpstreamContentCoding as error:
+                if 200 <= status < 300:
+                    raise
+                # A refusal keeps its status and when to retry (a 429 stays one the SDKs back
+                # off from, not a 502 they must not retry); its unreadable text is replaced by
+                # the gateway's own, naming the coding.
+                data, content_type = error.body(), "application/json"
         # (None named: none relayed, never an empty one.)
         headers = {"content-type": content_type} if content_type else {}
         if answer.retry:  # (when to retry: ``errors.retry_headers`` reads it off a refusal)
