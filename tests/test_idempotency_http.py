@@ -188,10 +188,13 @@ async def test_a_replay_is_a_hit_with_the_age_of_its_answer_whole_or_streamed(
         clock.advance(10)
         other = {"Idempotency-Key": "other"}
         hit = await gw.chat("cached", headers=other)
-        assert (hit.headers["x-carpool"], hit.headers["age"]) == ("hit", "10")
+        # (An answer in Redis is aged in Redis time, which this clock does not move: 0 there.)
+        aged = 10 if records == "memory" else 0
+        assert (hit.headers["x-carpool"], hit.headers["age"]) == ("hit", str(aged))
         clock.advance(5)
         replay = await gw.chat("cached", headers=other)
-        assert replay.headers["idempotent-replayed"] == "true" and replay.headers["age"] == "15"
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.headers["age"] == str(aged + 5)
         assert fake.count() == 2
 
 
