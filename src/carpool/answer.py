@@ -217,5 +217,7 @@ class Answer:
         """The frames ``sse`` synthesized and keeps, by ``include_usage`` (none yet: empty)."""
         return self._synthesized
 
-    def age(self, now: float | None = None) -> float:
-        return max(0.0, (time.time() if now is None else now) - self.created)
+    def age(self, now: float) -> float:
+        """Seconds since it was made, at ``now`` on the clock that made ``created`` (the
+        gateway's: never the system's, which a test's or a skewed instance's is not)."""
+        return max(0.0, now - self.created)

@@ -197,7 +197,7 @@ def whole(
     include_usage: bool,
     extra: Sequence[tuple[bytes, bytes]] = (),
     *,
-    now: float | None = None,
+    now: float,
 ) -> Reply:
     """A reply carrying a whole answer, as JSON or (for a streaming client, ``stream``) as
     SSE, with the final usage chunk if it asked for it (``include_usage``). ``now``: the

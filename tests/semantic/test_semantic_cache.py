@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
+from carpool.clock import SYSTEM_CLOCK  # noqa: E402
 from carpool.fingerprint import requester  # noqa: E402
 from carpool.store.base import Selector, state_tag  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
@@ -862,7 +863,7 @@ def two_semantic(fake, shared_redis):
     from conftest import redis_settings, run_gateway
 
     @contextlib.asynccontextmanager
-    async def start(distributed=None, **extra):
+    async def start(distributed=None, clock_b=None, **extra):
         # Redis's timeouts generous: a connection that took over 0.25 s on the busy CI machine
         # put an instance in degraded mode for 0.1 s, and the semantic record it was writing
         # then was its alone (by design), never reaching the other one the test waited on.
@@ -873,7 +874,10 @@ def two_semantic(fake, shared_redis):
             **SEMANTIC,
             **extra,
         }
-        async with run_gateway([fake.url], **shared) as a, run_gateway([fake.url], **shared) as b:
+        async with (
+            run_gateway([fake.url], **shared) as a,
+            run_gateway([fake.url], clock_b or SYSTEM_CLOCK, **shared) as b,
+        ):
             for served in (a, b):  # the readers are positioned at the stream's end
                 await asyncio.wait_for(served.gateway.semantic.ready.wait(), 5)
             yield a, b
@@ -905,6 +909,27 @@ async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(tw
         stats = await b.client.get("/stats", headers={"Authorization": "Bearer t"})
         assert stats.json()["redis"]["semantic"]["received"] == 1
         assert a.gateway.semantic.counts["received"] == 0  # its own record is skipped
+
+
+@pytest.mark.parametrize("skew", [-7200, 7200])
+async def test_a_record_from_another_instance_is_aged_in_redis_time_whatever_the_clocks(
+    two_semantic, fake, skew
+):
+    """B's wall clock two hours off A's (separate machines): its records were judged on their
+    writer's clock, so B ignored A's as expired (ahead: the hour's TTL long past), or kept
+    them an age it never had (behind). Counted in Redis time, A's entry reaches B as fresh."""
+    from carpool.clock import ManualClock
+
+    clock = ManualClock(now=time.time() + skew)
+    async with two_semantic(clock_b=clock) as (a, b):
+        await ask(a, "How do I reset my router?")
+        await propagated(b)
+        assert b.gateway.semantic.counts["ignored"] == 0
+        ((_, entry),) = list(b.gateway.semantic._entries.items())
+        assert entry.created == pytest.approx(clock.now(), abs=5)
+        assert entry.expires == pytest.approx(clock.now() + 3600, abs=5)
+        again = await ask(b, "how can i reset my router", headers={"Cache-Control": "max-age=60"})
+        assert again.headers["x-carpool"] == "semantic-hit" and fake.count() == 1
 
 
 async def test_a_report_of_an_entry_from_another_instance_counts_in_its_tenants_budget(

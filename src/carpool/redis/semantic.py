@@ -22,7 +22,12 @@ Contract:
     its answer is fetched with ``resolve(key)`` (``Gateway.store.get``, the exact store shared
     by all instances): a miss there means the answer is gone (expired, invalidated anywhere):
     the entry is dropped and the next candidate is tried. Records already expired, or of another
-    embedding model or dimension, are ignored.
+    embedding model or dimension, are ignored. A record's times are Redis's, not its writer's
+    (the instances' wall clocks may be minutes apart, as the shared store's contract says): it
+    carries its entry's TTL and its answer's age when it was added (``xd``, ``cd``, ms), and
+    the reader counts them from the record's id (the Redis time it was added at) to Redis's
+    now, read with the stream's head in the round trip after each read (``HEAD``), then puts
+    them on its own clock. (A record of an older carpool has its writer's clock only.)
   - ``invalidate``: ``invalidate(tag|namespace|prefix|everything)`` of the local index, so that
     the entries each instance holds *with their answer* go too (remote ones would die at
     resolution anyway, since the exact store is shared and invalidated everywhere). It moves
@@ -71,8 +76,10 @@ Record layout (one stream entry, all values bytes):
       v    the embedding: ``dim`` float32 values, little-endian (4 * dim bytes)
       e    the embedder's name (model); with the dimension, must match the reader's
       k    the exact-cache key of the answer (the fingerprint; resolved by ``store.get``)
-      x    expiry, wall-clock seconds (decimal)
-      c    when the answer was created, wall-clock seconds (decimal; for max_age)
+      xd   its TTL when added, ms (counted in Redis time from the record's id)
+      cd   its answer's age when added, ms (likewise; for max_age)
+      x    expiry, the writer's wall-clock seconds (decimal; read only without xd)
+      c    when the answer was created, the writer's wall-clock seconds (without cd)
       g    the tags, a JSON list of strings
       n    the namespace
       u    the scope's tenant (``Fingerprint.tenant``: a digest, ``*`` in a shared namespace),
@@ -142,7 +149,12 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
 local info, at = redis.call('XINFO', 'STREAM', KEYS[1]), {}
 for i = 1, #info, 2 do at[info[i]] = info[i + 1] end
 local first = at['first-entry']
-return {first and first[1] or '', at['last-generated-id'], at['length'], at['entries-added'] or 0}
+local clock = redis.call('TIME')  -- (Redis's now, ms: what the records' ages count to)
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+return {
+  first and first[1] or '', at['last-generated-id'], at['length'], at['entries-added'] or 0,
+  string.format('%.0f', now)
+}
 """
 )
 
@@ -225,6 +237,7 @@ class SharedSemanticCache(SemanticCache):
             return
         import numpy as np
 
+        now = self._clock.now()
         # In this instance's index already (the caller waits for that: read-your-writes); the
         # others get it from the stream, published off the caller's path. Its view is the
         # focused one (``focus`` is idempotent: the receiver files it under the same scope).
@@ -239,8 +252,12 @@ class SharedSemanticCache(SemanticCache):
                     b"v": np.asarray(vector, dtype="<f4").reshape(-1).tobytes(),
                     b"e": str(getattr(self.embedder, "name", "")).encode(),
                     b"k": key.encode(),
-                    b"x": repr(float(entry.expires)).encode(),
+                    b"x": repr(float(entry.expires)).encode(),  # (for an older reader)
                     b"c": repr(float(entry.created)).encode(),
+                    # Its TTL and age now, ms: the reader counts them in Redis time from the
+                    # record's id (the module's contract), whatever this clock says.
+                    b"xd": b"%d" % int((entry.expires - now) * 1000),
+                    b"cd": b"%d" % max(0, int((now - entry.created) * 1000)),
                     b"g": orjson.dumps(list(entry.tags)),
                     b"n": entry.namespace.encode(),
                     b"u": entry.tenant.encode(),
@@ -365,10 +382,11 @@ class SharedSemanticCache(SemanticCache):
                     everything = Selector(everything=True)
                     self.counts["forgotten"] += await super().invalidate(everything)
                 caught = (read, int(head[3])) if head and head[2] and read == head[1] else None
+                redis_now = int(head[4]) if head else None
                 for ident, fields in entries:
                     last = ident
                     try:
-                        await self._apply(fields)
+                        await self._apply(fields, ident, redis_now)
                     except Exception:  # a malformed record never stops the reader
                         self.counts["ignored"] += 1
                         log.warning("ignoring a malformed semantic record %r", ident, exc_info=True)
@@ -382,7 +400,9 @@ class SharedSemanticCache(SemanticCache):
                 last, missed = None, True  # resume from the end: Redis may be new
                 await backoff.wait()
 
-    async def _apply(self, fields: dict[bytes, bytes]) -> None:
+    async def _apply(
+        self, fields: dict[bytes, bytes], ident: bytes = b"0-0", redis_now: int | None = None
+    ) -> None:
         if fields.get(b"src") == self.instance:
             return
         op = fields.get(b"op")
@@ -401,10 +421,11 @@ class SharedSemanticCache(SemanticCache):
         import numpy as np
 
         vector = np.frombuffer(fields[b"v"], dtype="<f4").astype(np.float32)
-        expires = float(fields[b"x"])
+        now = self._clock.now()
+        expires, created = _times(fields, ident, redis_now, now)
         if (
             vector.shape != (self.embedder.dim,)
-            or expires <= self._clock.now()
+            or expires <= now
             or fields.get(b"e", b"").decode() != str(getattr(self.embedder, "name", ""))
         ):
             self.counts["ignored"] += 1
@@ -422,7 +443,7 @@ class SharedSemanticCache(SemanticCache):
             fields.get(b"n", b"").decode(),
             fields.get(b"p", b"").decode(),
             ref=fields[b"k"].decode(),
-            created=float(fields[b"c"]),
+            created=created,
             # (A record of an instance from before the field: the namespace's shared budget.)
             tenant=fields.get(b"u", b"*").decode(),
         )
@@ -433,6 +454,20 @@ class SharedSemanticCache(SemanticCache):
             self.health.report(error)
         else:
             log.debug("shared semantic cache: %s", error)
+
+
+def _times(
+    fields: dict[bytes, bytes], ident: bytes, redis_now: int | None, now: float
+) -> tuple[float, float]:
+    """A ``put`` record's expiry and its answer's making, on this instance's clock (``now``):
+    its TTL and age when added (``xd``, ``cd``), counted in Redis time from its id to
+    ``redis_now``. A record without them (an older carpool's), or read without Redis's now,
+    gives its writer's clock (``x``, ``c``)."""
+    ttl, age = fields.get(b"xd"), fields.get(b"cd")
+    if ttl is None or age is None or redis_now is None:
+        return float(fields[b"x"]), float(fields[b"c"])
+    since = max(0, redis_now - int(ident.split(b"-")[0])) / 1000  # (s since it was added)
+    return now + int(ttl) / 1000 - since, now - int(age) / 1000 - since
 
 
 def _left_unread(
@@ -449,7 +484,7 @@ def _left_unread(
     may be told so with nothing lost: it forgets its entries for nothing (misses)."""
     if not head:  # (evicted, deleted: whatever it held after ``last``)
         return last != b"0-0"
-    first, newest, length, added = head
+    first, newest, length, added = head[:4]  # (and Redis's now)
     if not length:  # (emptied: any record after ``last`` went)
         return _stream_id(newest) > _stream_id(last)
     if last == b"0-0":  # (read from its start: there was none, or an empty one, when we looked)

@@ -458,7 +458,9 @@ class SemanticCache:
                 candidate.answer = await self._resolved(entry)
                 if candidate.answer is None:
                     continue
-                if max_age is not None and candidate.answer.age() >= max_age:
+                # (On the cache's clock, as ``created`` is: the system's aged an answer read
+                # from another instance by this machine's wall clock, not the gateway's.)
+                if max_age is not None and candidate.answer.age(self._clock.now()) >= max_age:
                     continue
             else:
                 # A copy of its own for the client: frames synthesized for a streaming one
