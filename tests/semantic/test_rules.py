@@ -106,6 +106,106 @@ def test_numbers_am_and_pm_after_a_number_are_read():
         assert refused(a, b) == "number", (a, b)
 
 
+def test_numbers_numbers_written_together_are_read_in_their_order():
+    # The numbers were a multiset: "1/3" and "3/1", a day and a month exchanged, were the same.
+    for a, b in (
+        ("What is 1/3 of 90?", "What is 3/1 of 90?"),
+        ("What day of the week is 03/04/2025?", "What day of the week is 04/03/2025?"),
+        (
+            "What is the zodiac sign for someone born on 05/06?",
+            "What is the zodiac sign for someone born on 06/05?",
+        ),
+        (
+            "How many days are between 1/2/2024 and 3/4/2024?",
+            "How many days are between 2/1/2024 and 4/3/2024?",
+        ),
+        (
+            "My blood pressure is 120/80. Is that normal?",
+            "My blood pressure is 80/120. Is that normal?",
+        ),
+        ("Is 16:9 wider than 4:3?", "Is 9:16 wider than 4:3?"),
+    ):
+        assert refused(a, b) == "number", (a, b)
+
+
+def test_numbers_the_same_fraction_or_date_reworded_passes():
+    for a, b in (
+        ("What day of the week is 03/04/2025?", "What day of the week was 03/04/2025?"),
+        ("What is 1/3 of 90?", "What's 1 / 3 of 90?"),
+        ("My blood pressure is 120/80. Is that normal?", "Is a blood pressure of 120/80 normal?"),
+        (
+            "How many days are between 1/2/2024 and 3/4/2024?",
+            "Count the days from 1/2/2024 to 3/4/2024.",
+        ),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
+def test_numbers_a_unit_or_currency_is_read_with_its_number():
+    # Units and currencies were a set of their own: "2 amp ... 5 volts" / "2 volt ... 5 amps"
+    # and "$100 or €90" / "$90 or €100" held the same numbers and the same units.
+    for a, b in (
+        (
+            "How many watts does a 2 amp charger deliver at 5 volts?",
+            "How many watts does a 2 volt charger deliver at 5 amps?",
+        ),
+        ("What's 500 € in pounds?", "What's 500 £ in euros?"),
+        ("Which is more, $100 or €90?", "Which is more, $90 or €100?"),
+        ("Is ¥5,000 in $ enough for lunch in Tokyo?", "Is $5,000 in ¥ enough for lunch in Tokyo?"),
+    ):
+        assert refused(a, b) == "number", (a, b)
+
+
+def test_numbers_the_same_amounts_in_their_units_reworded_pass():
+    for a, b in (
+        (
+            "How many watts does a 2 amp charger deliver at 5 volts?",
+            "At 5 volts, how many watts does a 2 amp charger deliver?",
+        ),
+        ("What's 500 € in pounds?", "Convert 500 euros to pounds."),
+        ("Which is more, $100 or €90?", "Is €90 more than $100?"),
+        ("Is ¥5,000 enough for lunch in Tokyo?", "Is 5,000 yen enough for lunch in Tokyo?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
+def test_numbers_percentage_points_and_basis_points_are_units_of_their_own():
+    # "percentage" was "%" and "points" no unit: a rate's rise by 0.5 % read as by 0.5 points.
+    for a, b in (
+        (
+            "If the Fed raises rates by 0.5 percent, how does my mortgage payment change?",
+            "If the Fed raises rates by 0.5 percentage points, how does my mortgage payment change?",
+        ),
+        (
+            "Unemployment rose by 2 percentage points. Is that a lot?",
+            "Unemployment rose by 2 percent. Is that a lot?",
+        ),
+        ("The bank cut rates by 25 basis points.", "The bank cut rates by 25%."),
+    ):
+        assert refused(a, b) == "number", (a, b)
+    for a, b in (
+        ("Unemployment rose by 2 percentage points.", "Unemployment went up 2 percentage points."),
+        ("The bank cut rates by 25 basis points.", "The bank cut rates by 25 bps."),
+        ("What percentage of adults vote?", "What percent of adults vote?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
+def test_numbers_a_time_of_day_in_words_is_read():
+    for a, b in (
+        ("What time is noon UTC in Tokyo?", "What time is midnight UTC in Tokyo?"),
+        ("Is it safe to fly at dawn in fog?", "Is it safe to fly at dusk in fog?"),
+        ("Do shops open at midday on Sunday?", "Do shops open at midnight on Sunday?"),
+    ):
+        assert refused(a, b) == "number", (a, b)
+    for a, b in (
+        ("What time is noon UTC in Tokyo?", "What time is midday UTC in Tokyo?"),
+        ("Is it safe to fly at dawn in fog?", "Is flying at dawn in fog safe?"),
+        ("Why is the sky red at dusk?", "Why is the sky red at sunset?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
 def test_numbers_am_and_pm_written_another_way_or_am_as_a_verb_pass():
     for a, b in (
         ("Set an alarm for 7 am.", "Set an alarm for 7 a.m."),
@@ -354,6 +454,27 @@ def test_order_a_reworded_question_that_moves_words_passes():
         assert passes(order.RULE, a, b), (a, b)
 
 
+def test_order_as_is_no_coordinator_between_two_exchanged_roles():
+    # "as" was a coordinator: "the landlord or as the tenant" read as "X or Y", free to change.
+    for a, b in (
+        (
+            "Should I sign the lease as the landlord or as the tenant's guarantor?",
+            "Should I sign the lease as the tenant or as the landlord's guarantor?",
+        ),
+        (
+            "Can I work as a nurse or as a doctor's assistant?",
+            "Can I work as a doctor or as a nurse's assistant?",
+        ),
+    ):
+        assert refused(a, b) == "order", (a, b)
+    for a, b in (
+        ("Should I learn Python as well as Java?", "Should I learn Java as well as Python?"),
+        ("Which is better, cats or dogs?", "Which is better, dogs or cats?"),
+        ("Should I rent or buy a house?", "Should I buy or rent a house?"),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+
+
 def test_order_refuses_a_direction_between_phrases_reversed():
     # Only single words were exchanged: a direction between names of several words was served.
     for a, b in (
@@ -518,6 +639,30 @@ def test_polarity_opposites_the_list_lacked_are_refused():
         ("Explain quantum computing for beginners.", "Explain quantum computing for experts."),
     ):
         assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_opposites_of_everyday_domains_are_refused():
+    # A review found these served: odd / even, keep / discard and under- / over- were no pair.
+    for a, b in (
+        ("Is the sum of two odd numbers even?", "Is the sum of two even numbers even?"),
+        (
+            "How do I undo the last git commit but keep the changes?",
+            "How do I undo the last git commit and discard the changes?",
+        ),
+        ("Should I keep old tax records?", "Should I delete old tax records?"),
+        ("Is Tesla stock undervalued right now?", "Is Tesla stock overvalued right now?"),
+        ("Why do people underestimate risks?", "Why do people overestimate risks?"),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+    for a, b in (
+        ("Is the sum of two odd numbers even?", "Is adding two odd numbers always even?"),
+        (
+            "How do I undo the last git commit but keep the changes?",
+            "How can I undo my last git commit and keep the changes?",
+        ),
+        ("Is Tesla stock overvalued right now?", "Is Tesla stock currently overvalued?"),
+    ):
+        assert passes(polarity.RULE, a, b), (a, b)
 
 
 def test_polarity_a_word_with_two_opposites_is_refused_both_ways():

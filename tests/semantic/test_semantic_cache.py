@@ -440,6 +440,55 @@ SERVED_BY_THE_VERIFIER = {
         DISCOUNT_CODE + "Change the function signature as needed.",
         "polarity",
     ),
+    # A third review's traps (everyday domains), served before: numbers written together in
+    # another order, a unit or a currency on another number, percent / percentage points, a time
+    # of day in words, odd / even, keep / discard, over- / under-, "as" taken for "and".
+    "fraction_order": ("What is 1/3 of 90?", "What is 3/1 of 90?", "number"),
+    "day_and_month_exchanged": (
+        "What day of the week is 03/04/2025?",
+        "What day of the week is 04/03/2025?",
+        "number",
+    ),
+    "units_on_other_numbers": (
+        "How many watts does a 2 amp charger deliver at 5 volts?",
+        "How many watts does a 2 volt charger deliver at 5 amps?",
+        "number",
+    ),
+    "currencies_on_other_amounts": (
+        "Which is more, $100 or €90?",
+        "Which is more, $90 or €100?",
+        "number",
+    ),
+    "percent_or_percentage_points": (
+        "Unemployment rose by 2 percentage points. Is that a lot?",
+        "Unemployment rose by 2 percent. Is that a lot?",
+        "number",
+    ),
+    "noon_or_midnight": (
+        "What time is noon UTC in Tokyo?",
+        "What time is midnight UTC in Tokyo?",
+        "number",
+    ),
+    "odd_or_even": (
+        "Is the sum of two odd numbers even?",
+        "Is the sum of two even numbers even?",
+        "polarity",
+    ),
+    "keep_or_discard": (
+        "How do I undo the last git commit but keep the changes?",
+        "How do I undo the last git commit and discard the changes?",
+        "polarity",
+    ),
+    "undervalued_or_overvalued": (
+        "Is Tesla stock undervalued right now?",
+        "Is Tesla stock overvalued right now?",
+        "polarity",
+    ),
+    "roles_after_as": (
+        "Should I sign the lease as the landlord or as the tenant's guarantor?",
+        "Should I sign the lease as the tenant or as the landlord's guarantor?",
+        "order",
+    ),
 }
 
 

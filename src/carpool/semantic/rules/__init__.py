@@ -13,8 +13,9 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.quoted`: quoted strings, code spans and the input of a task (translate, convert...;
   after a colon, "Put this in Spanish: ..."), code outside backticks to its punctuation, and
   what an error or a log says ("The error says permission denied");
-- :mod:`.numbers`: numbers (digits, spelled out, Chinese), units and currencies, a time of
-  day's am / pm, relative dates;
+- :mod:`.numbers`: numbers (digits, spelled out, Chinese), units and currencies (each with
+  the number it is written on), numbers written together in their order ("1/3", "03/04/2025"),
+  a time of day's am / pm or in words ("noon"), relative dates; its lists are in :mod:`.units`;
 - :mod:`.operators`: comparison and code operators, in symbols or words;
 - :mod:`.identifiers`: codes and identifiers (``S24``, ``snake_case``, URLs, paths, ``ALLCAPS``);
 - :mod:`.entities`: names (capitalised words inside a sentence);
@@ -23,8 +24,9 @@ refuses, ahead of the model, what the model reads badly:
   Photos to iCloud") and roles exchanged through a pronoun ("My landlord is suing me" / "I am
   suing my landlord");
 - :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
-  "unsafe", "bigger" / "smaller", "closed" / "open", "still" / "no longer", "is happening" /
-  "is no longer happening", "except"), the kind the verifier was measured to miss;
+  "unsafe", "bigger" / "smaller", "closed" / "open", "odd" / "even", "overvalued" /
+  "undervalued", "still" / "no longer", "is happening" / "is no longer happening", "except"),
+  the kind the verifier was measured to miss;
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared
   filler hides from the verifier.

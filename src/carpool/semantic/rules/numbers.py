@@ -9,8 +9,17 @@ An embedding puts "a 2 bedroom flat" next to "a 3 bedroom flat"; the answers dif
 - units and currencies, anywhere in the text ("in miles" / "in km", "$5" / "5 euros", "元"):
   the two sets must be equal, each unit under one name ("kilometres" = "km", "$" = "dollars");
   a time of day's am / pm too ("6 am" / "6 pm", "a.m." = "am"), after a number only ("I am");
+  "percentage points" and "basis points" are units of their own, not "%" (:mod:`.units`);
+- a unit or currency with the number it is written on (a symbol just before it, "$100"; a unit
+  just after it, "2 amp", "500 €"): where the same numbers carry units on both sides, each
+  must carry the same one ("2 amp ... 5 volts" / "2 volt ... 5 amps", "$100 or €90" / "$90 or
+  €100"; before, a set of units and a multiset of numbers read them alike);
+- numbers written together, a fraction, a date, a reading or a ratio ("1/3", "03/04/2025",
+  "120/80", "16:9"): the same numbers in another order are refused ("1/3" / "3/1", a day and a
+  month exchanged);
 - relative dates and periods ("today", "tomorrow", "last week" / "last month", "per day",
-  "明天", "去年"): the two sets must be equal.
+  "明天", "去年") and times of day in words ("noon" / "midnight", "dawn" / "dusk"): the two
+  sets must be equal.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from collections import Counter
 
 from ..verdict import Reason, Rule
 from .text import lower_words, norm
+from .units import AFTER_NUMBER_ONLY, CLOCK, CN_DATES, DATES, UNITS, points
 
 #: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters).
 _DIGITS = re.compile(
@@ -75,109 +85,6 @@ _CN_NUMBER = re.compile(f"[{''.join(_CN_DIGITS)}{''.join(_CN_SCALES)}]+")
 #: "一" in these words is no number ("一下" a moment, "一起" together, "一样" the same...).
 _CN_NOT_ONE = re.compile(r"一(?=[下起样些般直定切旦致共点会边])|(?<=[统唯万])一|^一(?=个?[问])")
 
-UNITS = {
-    **dict.fromkeys(
-        ["km", "kms", "kilometer", "kilometers", "kilometre", "kilometres", "公里"], "km"
-    ),
-    **dict.fromkeys(["mi", "mile", "miles", "英里"], "mi"),
-    **dict.fromkeys(["m", "meter", "meters", "metre", "metres", "米"], "m"),
-    **dict.fromkeys(["cm", "centimeter", "centimeters", "centimetre", "centimetres"], "cm"),
-    **dict.fromkeys(["mm", "millimeter", "millimeters"], "mm"),
-    **dict.fromkeys(["ft", "foot", "feet"], "ft"),
-    **dict.fromkeys(["in", "inch", "inches"], "in"),
-    **dict.fromkeys(["kg", "kgs", "kilogram", "kilograms", "kilo", "kilos", "公斤"], "kg"),
-    **dict.fromkeys(["g", "gram", "grams", "克"], "g"),
-    **dict.fromkeys(["lb", "lbs", "pound", "pounds", "£", "gbp", "磅"], "lb/£"),
-    **dict.fromkeys(["oz", "ounce", "ounces"], "oz"),
-    **dict.fromkeys(["l", "liter", "liters", "litre", "litres", "升"], "l"),
-    **dict.fromkeys(["ml", "milliliter", "milliliters", "millilitre", "millilitres"], "ml"),
-    **dict.fromkeys(["gallon", "gallons", "gal"], "gal"),
-    **dict.fromkeys(["c", "celsius", "°c", "摄氏"], "°C"),
-    **dict.fromkeys(["f", "fahrenheit", "°f", "华氏"], "°F"),
-    **dict.fromkeys(["%", "percent", "per cent", "percentage", "百分之"], "%"),
-    **dict.fromkeys(["$", "usd", "dollar", "dollars", "美元"], "$"),
-    **dict.fromkeys(["€", "eur", "euro", "euros", "欧元"], "€"),
-    **dict.fromkeys(["¥", "jpy", "yen", "日元"], "¥"),
-    **dict.fromkeys(["cny", "rmb", "yuan", "元", "人民币"], "CNY"),
-    **dict.fromkeys(["gb", "gigabyte", "gigabytes"], "GB"),
-    **dict.fromkeys(["mb", "megabyte", "megabytes"], "MB"),
-    **dict.fromkeys(["tb", "terabyte", "terabytes"], "TB"),
-    **dict.fromkeys(["kb", "kilobyte", "kilobytes"], "KB"),
-    **dict.fromkeys(["mbps"], "Mbps"),
-    **dict.fromkeys(["gbps"], "Gbps"),
-    **dict.fromkeys(["ghz"], "GHz"),
-    **dict.fromkeys(["mhz"], "MHz"),
-    **dict.fromkeys(["kw", "kilowatt", "kilowatts"], "kW"),
-    **dict.fromkeys(["kwh"], "kWh"),
-    **dict.fromkeys(["w", "watt", "watts"], "W"),
-    **dict.fromkeys(["v", "volt", "volts"], "V"),
-    **dict.fromkeys(["mph"], "mph"),
-    **dict.fromkeys(["kph", "km/h"], "km/h"),
-    **dict.fromkeys(["calorie", "calories", "kcal", "卡路里"], "kcal"),
-    # A time of day: "6 am" / "6 pm" ask of another time ("6am": :data:`_CLOCK`).
-    **dict.fromkeys(["am", "a.m"], "am"),
-    **dict.fromkeys(["pm", "p.m"], "pm"),
-}
-#: Units that are also common words ("in", "m", "c", "l", "f", "g", "w", "v"): a unit only
-#: right after a number.
-_AFTER_NUMBER_ONLY = frozenset(
-    {"in", "m", "c", "l", "f", "g", "w", "v", "am", "pm", "米", "克", "升", "元"}
-)
-#: A time of day written on its number ("6am", "6.30pm", "7a.m").
-_CLOCK = re.compile(r"[\d.,]+(am|pm|a\.m|p\.m)")
-DATES = {
-    **{
-        w: w
-        for w in [
-            "today",
-            "tomorrow",
-            "yesterday",
-            "tonight",
-            "weekend",
-            "weekday",
-            "weekdays",
-            "daily",
-            "weekly",
-            "monthly",
-            "yearly",
-            "annually",
-            "hourly",
-        ]
-    },
-    **dict.fromkeys(["second", "seconds", "sec", "secs"], "second"),
-    **dict.fromkeys(["minute", "minutes", "min", "mins"], "minute"),
-    **dict.fromkeys(["hour", "hours", "hr", "hrs"], "hour"),
-    **dict.fromkeys(["day", "days"], "day"),
-    **dict.fromkeys(["week", "weeks"], "week"),
-    **dict.fromkeys(["month", "months"], "month"),
-    **dict.fromkeys(["year", "years"], "year"),
-    **dict.fromkeys(["decade", "decades"], "decade"),
-    **dict.fromkeys(["century", "centuries"], "century"),
-}
-_CN_DATES = {
-    "今天": "today",
-    "明天": "tomorrow",
-    "昨天": "yesterday",
-    "今晚": "tonight",
-    "周末": "weekend",
-    "上周": "last week",
-    "下周": "next week",
-    "本周": "this week",
-    "这周": "this week",
-    "上个月": "last month",
-    "下个月": "next month",
-    "这个月": "this month",
-    "今年": "this year",
-    "去年": "last year",
-    "明年": "next year",
-    "每天": "daily",
-    "每周": "weekly",
-    "每月": "monthly",
-    "每年": "yearly",
-    "小时": "hour",
-    "分钟": "minute",
-}
-
 
 def _english(words: tuple[str, ...]) -> tuple[list[float], int]:
     """Spelled numbers (and the count of lone "one"s among them) in ``words``."""
@@ -223,44 +130,83 @@ def _chinese(text: str) -> tuple[list[float], int]:
     return values, ones
 
 
+#: A number with the unit written on it, and numbers written together, each counted.
+Amounts = Counter[tuple[float, str]]
+Groups = Counter[tuple[int, ...]]
+#: Numbers written together, in an order that is their meaning: a fraction, a date, a reading
+#: or a ratio ("1/3", "03/04/2025", "120/80", "16:9", "2024-03-04").
+_GROUP = re.compile(r"(?<![\w.])\d+(?:\s*[/:-]\s*\d+)+(?![\w])")
+#: A currency symbol just before a number ("$100", "¥ 5,000"), and what follows a number.
+_SYMBOL_BEFORE = re.compile(r"([$€£¥])\s?$")
+_AFTER = re.compile(r"\s*([%$€£¥]|[a-z°][a-z°/_]*(?:\.[a-z])?)")
+
+
+def _unit_of(flat: str, m: re.Match[str]) -> str | None:
+    """The unit or currency written on the number ``m``: a symbol just before it ("$100"), its
+    am / pm, or a unit just after it ("2 amp", "500 €", "15%")."""
+    if symbol := _SYMBOL_BEFORE.search(flat, max(0, m.start() - 2), m.start()):
+        return UNITS[symbol.group(1)]
+    if m.group(2) in ("am", "pm"):
+        return UNITS[m.group(2)]
+    after = _AFTER.match(flat, m.end())
+    return UNITS.get(after.group(1)) if after else None
+
+
 @functools.lru_cache(maxsize=8192)
-def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str]]:
-    """(numbers, spelled "one"s among them, units, dates) of ``text``."""
-    flat = norm(text).lower()
+def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str], Amounts, Groups]:
+    """(numbers, spelled "one"s among them, units, dates, amounts, groups) of ``text``."""
+    text = points(norm(text))
+    flat = text.lower()
     numbers: Counter[float] = Counter()
+    units = set()
+    amounts: Amounts = Counter()
     for m in _DIGITS.finditer(flat):
         value = float(m.group(1).replace(",", ""))
-        numbers[value * _SUFFIX.get((m.group(2) or "").lower(), 1)] += 1
+        value *= _SUFFIX.get((m.group(2) or "").lower(), 1)
+        numbers[value] += 1
+        if (unit := _unit_of(flat, m)) is not None:
+            units.add(unit)
+            amounts[value, unit] += 1
+    groups = Counter(tuple(map(int, re.findall(r"\d+", g))) for g in _GROUP.findall(flat))
     words = lower_words(text)
     spelled, ones = _english(words)
     chinese, cn_ones = _chinese(flat)
     numbers.update(spelled)
     numbers.update(chinese)
-    units = set()
-    for i, w in enumerate(words):
-        unit = UNITS.get(w)
-        if unit is not None and (
-            w not in _AFTER_NUMBER_ONLY or (i > 0 and re.fullmatch(r"[\d.,]+k?", words[i - 1]))
-        ):
-            units.add(unit)
-        elif clock := _CLOCK.fullmatch(w):
+    for w in words:
+        # A unit that is also a word ("in", "m", "am") only on its number (read above).
+        if w in UNITS and w not in AFTER_NUMBER_ONLY:
+            units.add(UNITS[w])
+        elif clock := CLOCK.fullmatch(w):
             units.add(UNITS[clock.group(1)])
     units.update(UNITS[s] for s in ("$", "€", "£", "¥", "%") if s in flat)
     units.update(
-        UNITS[w] for w in UNITS if not w.isascii() and w not in _AFTER_NUMBER_ONLY and w in flat
+        UNITS[w] for w in UNITS if not w.isascii() and w not in AFTER_NUMBER_ONLY and w in flat
     )
     dates = {DATES[w] for w in words if w in DATES}
-    dates.update(v for k, v in _CN_DATES.items() if k in flat)
-    return numbers, ones + cn_ones, frozenset(units), frozenset(dates)
+    dates.update(v for k, v in CN_DATES.items() if k in flat)
+    return numbers, ones + cn_ones, frozenset(units), frozenset(dates), amounts, groups
+
+
+def _reordered(x: Groups, y: Groups) -> bool:
+    """The same numbers written together on both sides, in another order ("1/3" / "3/1")."""
+    return x != y and Counter(tuple(sorted(g)) for g in x.elements()) == Counter(
+        tuple(sorted(g)) for g in y.elements()
+    )
+
+
+def _moved(x: Amounts, y: Amounts) -> bool:
+    """The same numbers carry units on both sides, another unit each ("500 €" / "500 £")."""
+    return x != y and Counter(v for v, _ in x.elements()) == Counter(v for v, _ in y.elements())
 
 
 def differs(a: str, b: str) -> bool:
-    na, ones_a, units_a, dates_a = _read(a)
-    nb, ones_b, units_b, dates_b = _read(b)
+    na, ones_a, units_a, dates_a, amounts_a, groups_a = _read(a)
+    nb, ones_b, units_b, dates_b, amounts_b, groups_b = _read(b)
     if units_a != units_b or dates_a != dates_b:
         return True
     if na == nb:
-        return False
+        return _reordered(groups_a, groups_b) or _moved(amounts_a, amounts_b)
     # "one week" / "a week": the only difference is spelled ones on the side that has more.
     extra = (na - nb) + (nb - na)
     if set(extra) != {1}:

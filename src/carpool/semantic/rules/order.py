@@ -6,9 +6,11 @@ rule fires when exchanging two words of one side makes it *the other side*, or n
 content words ``x`` and ``y`` found once on each side, in opposite orders, the side with ``x``
 and ``y`` exchanged matches the other word for word but for at most :data:`SLACK` words
 ("How do I convert JSON to YAML?" / "How can I convert YAML to JSON?"), and by two words better
-than before the exchange. Words joined only by a coordinator ("beauty and intelligence",
-"MBA or CA") may change places. A reworded paraphrase that also moves words ("the best way to learn Python" /
-"learn Python the best way") is far from the other side after any one exchange, so it passes.
+than before the exchange. Words joined only by one coordinator ("beauty and intelligence",
+"MBA or CA", "Python as well as Java") may change places; "as the landlord or as the tenant's
+guarantor" joins no two words ("as" is no coordinator). A reworded paraphrase that also moves
+words ("the best way to learn Python" / "learn Python the best way") is far from the other side
+after any one exchange, so it passes.
 Chinese is read character by character, so "猫追老鼠" / "老鼠追猫" is caught too (a name of two
 characters is exchanged as a unit only through its characters, which is enough).
 
@@ -55,8 +57,19 @@ whether if than then so as not no please".split()""".split()
 )
 SLACK = 2
 #: Words between two words whose order does not matter ("beauty and intelligence").
-COORDINATORS = frozenset({"and", "or", "nor", "&", "vs", "versus", "plus", "as", "well"})
-_BETWEEN = COORDINATORS | {"a", "an", "the"}
+#: Not "as": "as the landlord or as the tenant's guarantor" names two roles, not a pair (only
+#: "as well as" joins two words).
+COORDINATORS = frozenset({"and", "or", "nor", "&", "vs", "versus", "plus"})
+
+
+def _joined(between: tuple[str, ...]) -> bool:
+    """``between`` joins two words whose order does not matter: one coordinator, or "as well
+    as", with determiners ("beauty and the beast", "Python as well as Java")."""
+    rest = tuple(w for w in between if w not in ("a", "an", "the"))
+    return (len(rest) == 1 and rest[0] in COORDINATORS) or rest in (
+        ("as", "well", "as"),
+        ("and", "or"),
+    )
 
 
 def _mismatches(x: tuple[str, ...], y: tuple[str, ...], cap: int) -> int:
@@ -105,7 +118,7 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
             if roles and not {x, y} & PERSONS:
                 continue  # two other words: the plain reading's, not a role through a pronoun
             j = place_a[y]
-            if abs(place_b[x] - j) > SLACK or set(a[i + 1 : j]) <= _BETWEEN:
+            if abs(place_b[x] - j) > SLACK or _joined(a[i + 1 : j]):
                 continue  # x lands too far, or "X and Y" / "Y and X": the same pair either way
             exchanged = tuple(y if w == x else x if w == y else w for w in a)
             after = _mismatches(exchanged, b, SLACK)

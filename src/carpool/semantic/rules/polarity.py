@@ -9,7 +9,8 @@ which is exactly what a short list can read:
 
 - a word on one side and its negative prefix form on the other (un-, in-, im-, il-, ir-, dis-,
   non-, a-: "safe" / "unsafe", "advantages" / "disadvantages", "legal" / "illegal"; the word
-  without its prefix at least three letters long);
+  without its prefix at least three letters long), and "over-" against "under-" ("overvalued" /
+  "undervalued", "overestimate" / "underestimate");
 - a pair of :data:`OPPOSITES` (each direction; a word may have several: "old" / "new", "old" /
   "young"), one word said more often on each side (counted: "Is it open?" answered "it is
   closed" / "it is open" says "open" on both sides, "closed" on one); a :data:`GRADED` word is read in its comparative and
@@ -72,7 +73,7 @@ benefits/dangers pros/cons advantages/drawbacks increase/decrease increase/reduc
 increasing/decreasing increased/decreased more/less more/fewer most/least high/low higher/lower
 cheap/expensive cheap/pricey cheaper/pricier cheapest/priciest early/late before/after
 first/last start/stop start/end begin/end beginning/end open/close open/closed opens/closes
-enable/disable keep/change
+enable/disable keep/change keep/discard keep/delete keep/remove odd/even
 upgrade/downgrade import/export upload/download add/remove buy/sell win/lose winner/loser
 pass/fail succeed/fail success/failure accept/reject accept/decline allow/block allow/prohibit
 allow/forbid include/exclude including/excluding inside/outside up/down in/out on/off hot/cold
@@ -182,12 +183,26 @@ def _prefixed(w: str, other: Counter[str]) -> bool:
     return False
 
 
+def _over_under(w: str, other: Counter[str]) -> bool:
+    """``w`` is over-something and ``other`` says under-something, or the other way round
+    ("overvalued" / "undervalued", "overestimate" / "underestimate")."""
+    for this, that in (("over", "under"), ("under", "over")):
+        base = w[len(this) :]
+        if w.startswith(this) and len(base) > 2 and that + base in other:
+            return True
+    return False
+
+
 def _opposed(x: Counter[str], y: Counter[str]) -> bool:
     only_x, only_y = x - y, y - x  # (counts: what one side says more often)
     # Lookups, not a scan of only_y per word (that was quadratic).
     y_forms = frozenset().union(*map(_forms, only_y))
     for w in only_x:
-        if any(OPPOSITES.get(f, frozenset()) & y_forms for f in _forms(w)) or _prefixed(w, only_y):
+        if (
+            any(OPPOSITES.get(f, frozenset()) & y_forms for f in _forms(w))
+            or _prefixed(w, only_y)
+            or _over_under(w, only_y)
+        ):
             return True
     return False
 
