@@ -206,6 +206,43 @@ def test_numbers_a_time_of_day_in_words_is_read():
         assert passes(numbers.RULE, a, b), (a, b)
 
 
+def test_numbers_order_and_units_are_read_whatever_else_differs_and_ratios_of_any_number():
+    # A spelled "one" against "a" skipped the order and unit checks; a ratio with a decimal or
+    # thousands was no group ("1.5:1" none, "1,000:1" read as 0:1): all four were served.
+    for a, b in (
+        ("Book one room from 03/04/2025", "Book a room from 04/03/2025"),
+        ("One ticket costs $100 or €90?", "A ticket costs $90 or €100?"),
+        ("Mix rice and water in a 1:1.5 ratio?", "Mix rice and water in a 1.5:1 ratio?"),
+        ("Are odds of 1:1,000 good?", "Are odds of 1,000:1 good?"),
+    ):
+        assert refused(a, b) == "number", (a, b)
+    for a, b in (
+        ("Book one room from 03/04/2025", "Book a room from 03/04/2025"),
+        ("Mix rice and water in a 1:1.5 ratio?", "Rice to water at 1:1.5, right?"),
+        ("Are odds of 1:1,000 good?", "are 1:1000 odds good"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
+def test_a_time_of_day_or_keep_said_otherwise_on_the_other_side_passes():
+    # Read against no time of day, "sunset" refused "when the sun sets"; "keep" against
+    # "remove" refused "keep only unique rows" / "remove duplicate rows".
+    for a, b in (
+        ("What time is sunset in Paris today?", "When does the sun set in Paris today?"),
+        ("Why is the sky orange at sunset?", "Why is the sky orange when the sun sets?"),
+        ("What are good noon meals?", "What are good lunch meals?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+    for a, b in (
+        ("How do I keep only unique rows in Excel?", "How do I remove duplicate rows in Excel?"),
+        (
+            "How to keep only digits in a Python string",
+            "How to remove everything but digits from a Python string",
+        ),
+    ):
+        assert passes(polarity.RULE, a, b), (a, b)
+
+
 def test_numbers_am_and_pm_written_another_way_or_am_as_a_verb_pass():
     for a, b in (
         ("Set an alarm for 7 am.", "Set an alarm for 7 a.m."),

@@ -30,7 +30,7 @@ from collections import Counter
 
 from ..verdict import Reason, Rule
 from .text import lower_words, norm
-from .units import AFTER_NUMBER_ONLY, CLOCK, CN_DATES, DATES, UNITS, points
+from .units import AFTER_NUMBER_ONLY, CLOCK, CN_DATES, DATES, TIMES_OF_DAY, UNITS, points
 
 #: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters).
 _DIGITS = re.compile(
@@ -132,10 +132,13 @@ def _chinese(text: str) -> tuple[list[float], int]:
 
 #: A number with the unit written on it, and numbers written together, each counted.
 Amounts = Counter[tuple[float, str]]
-Groups = Counter[tuple[int, ...]]
+Groups = Counter[tuple[float, ...]]
 #: Numbers written together, in an order that is their meaning: a fraction, a date, a reading
-#: or a ratio ("1/3", "03/04/2025", "120/80", "16:9", "2024-03-04").
-_GROUP = re.compile(r"(?<![\w.])\d+(?:\s*[/:-]\s*\d+)+(?![\w])")
+#: or a ratio ("1/3", "03/04/2025", "120/80", "16:9", "2024-03-04", "1:1.5", "1,000:1"), each
+#: written as ``_DIGITS`` reads a number (a decimal, thousands).
+_PIECE = r"(?:\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)"
+_GROUP = re.compile(rf"(?<![\w.,]){_PIECE}(?:\s*[/:-]\s*{_PIECE})+(?![\w])")
+_PIECES = re.compile(_PIECE)
 #: A currency symbol just before a number ("$100", "¥ 5,000"), and what follows a number.
 _SYMBOL_BEFORE = re.compile(r"([$€£¥])\s?$")
 _AFTER = re.compile(r"\s*([%$€£¥]|[a-z°][a-z°/_]*(?:\.[a-z])?)")
@@ -153,8 +156,11 @@ def _unit_of(flat: str, m: re.Match[str]) -> str | None:
 
 
 @functools.lru_cache(maxsize=8192)
-def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str], Amounts, Groups]:
-    """(numbers, spelled "one"s among them, units, dates, amounts, groups) of ``text``."""
+def _read(
+    text: str,
+) -> tuple[Counter[float], int, frozenset[str], frozenset[str], Amounts, Groups, frozenset[str]]:
+    """(numbers, spelled "one"s among them, units, dates, amounts, groups, times of day) of
+    ``text``."""
     text = points(norm(text))
     flat = text.lower()
     numbers: Counter[float] = Counter()
@@ -167,7 +173,10 @@ def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str
         if (unit := _unit_of(flat, m)) is not None:
             units.add(unit)
             amounts[value, unit] += 1
-    groups = Counter(tuple(map(int, re.findall(r"\d+", g))) for g in _GROUP.findall(flat))
+    groups = Counter(
+        tuple(float(piece.replace(",", "")) for piece in _PIECES.findall(g.group()))
+        for g in _GROUP.finditer(flat)
+    )
     words = lower_words(text)
     spelled, ones = _english(words)
     chinese, cn_ones = _chinese(flat)
@@ -185,7 +194,8 @@ def _read(text: str) -> tuple[Counter[float], int, frozenset[str], frozenset[str
     )
     dates = {DATES[w] for w in words if w in DATES}
     dates.update(v for k, v in CN_DATES.items() if k in flat)
-    return numbers, ones + cn_ones, frozenset(units), frozenset(dates), amounts, groups
+    times = frozenset(TIMES_OF_DAY[w] for w in words if w in TIMES_OF_DAY)
+    return numbers, ones + cn_ones, frozenset(units), frozenset(dates), amounts, groups, times
 
 
 def _reordered(x: Groups, y: Groups) -> bool:
@@ -201,12 +211,15 @@ def _moved(x: Amounts, y: Amounts) -> bool:
 
 
 def differs(a: str, b: str) -> bool:
-    na, ones_a, units_a, dates_a, amounts_a, groups_a = _read(a)
-    nb, ones_b, units_b, dates_b, amounts_b, groups_b = _read(b)
-    if units_a != units_b or dates_a != dates_b:
+    na, ones_a, units_a, dates_a, amounts_a, groups_a, times_a = _read(a)
+    nb, ones_b, units_b, dates_b, amounts_b, groups_b, times_b = _read(b)
+    if units_a != units_b or dates_a != dates_b or (times_a and times_b and times_a != times_b):
+        return True
+    # (Whatever else differs: "Book one room from 03/04" / "Book a room from 04/03" too.)
+    if _reordered(groups_a, groups_b) or _moved(amounts_a, amounts_b):
         return True
     if na == nb:
-        return _reordered(groups_a, groups_b) or _moved(amounts_a, amounts_b)
+        return False
     # "one week" / "a week": the only difference is spelled ones on the side that has more.
     extra = (na - nb) + (nb - na)
     if set(extra) != {1}:

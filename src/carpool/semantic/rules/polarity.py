@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
+from itertools import pairwise
 
 from ..verdict import Reason, Rule
 from .text import lower_words, norm
@@ -160,6 +161,9 @@ def _read(text: str) -> tuple[int, int, tuple[str, ...], Counter[str]]:
     cjk = {flat[i : i + 2] for i in range(len(flat) - 1)} | set(flat)
     # (CJK only: "in" inside "win" or "China" is no word; counted, it refused "in" / "out".)
     read = Counter(words) + Counter(w for w in cjk if w in OPPOSITES and not w.isascii())
+    # "Keep only X" is "remove what is not X": a filter, not the opposite of removing
+    # ("keep only unique rows" / "remove duplicate rows" ask one thing).
+    read["keep"] -= sum(a == "keep" and b in ("only", "just") for a, b in pairwise(words))
     read["no longer"] = no_longer
     exclusions = len(_EXCLUSION.findall(said))
     return negators, exclusions, tuple(no_longer_of), +read

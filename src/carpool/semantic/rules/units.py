@@ -91,8 +91,12 @@ DATES = {
     **dict.fromkeys(["year", "years"], "year"),
     **dict.fromkeys(["decade", "decades"], "decade"),
     **dict.fromkeys(["century", "centuries"], "century"),
-    # A time of day in words: "noon UTC" / "midnight UTC", "fly at dawn" / "at dusk" ask of
-    # another hour. (Not "morning" / "evening": a greeting says them too; not measured.)
+}
+#: A time of day in words: "noon UTC" / "midnight UTC", "fly at dawn" / "at dusk" ask of
+#: another hour. Read only against another one (a side without one may say it otherwise:
+#: "at sunset" / "when the sun sets", "noon meals" / "lunch meals"). (Not "morning" /
+#: "evening": a greeting says them too; not measured.)
+TIMES_OF_DAY = {
     **dict.fromkeys(["noon", "midday"], "noon"),
     **dict.fromkeys(["midnight"], "midnight"),
     **dict.fromkeys(["dawn", "sunrise", "daybreak"], "dawn"),
