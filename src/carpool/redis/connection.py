@@ -161,6 +161,15 @@ class RedisFull(StoreUnavailable):
 # or run even then (it frees memory, or keeps a generation from running twice).
 GROWS = "#!lua\n"
 ALWAYS = "#!lua flags=allow-oom\n"
+# Redis's own time in ms (``now``; ``at``, the same as an argument's text: no exponent), for a
+# script to read after its flags line: the one clock every instance's scripts read, whose wall
+# clocks may be minutes apart (separate machines). (On a Cluster, the clock of the node that
+# holds the script's keys.) The shared store's scripts and the semantic stream's head read it.
+REDIS_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local at = string.format('%.0f', now)
+"""
 MIN_VERSION = (7, 0)  # the first Redis that reads a script's flags (every Valkey does)
 
 

@@ -111,7 +111,15 @@ from ..fingerprint import SemanticView
 from ..semantic.cache import SemanticCache, SemanticEntry
 from ..semantic.guard import Guard
 from ..store.base import Selector
-from .connection import ALWAYS, Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
+from .connection import (
+    ALWAYS,
+    REDIS_NOW,
+    Backoff,
+    Health,
+    StoreUnavailable,
+    stop_reader,
+    unavailable_in,
+)
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -141,19 +149,19 @@ return 1
 
 # KEYS: the stream. Where it stands, read after each XREAD (``_read``): {} when there is none,
 # else {its first record's id ("": none), the last id it gave, its length, the records ever
-# added}. Read-only (a full Redis runs it too); XINFO's records stay in Redis.
+# added, Redis's now in ms (what the records' ages count to: ``_times``)}. Read-only (a full
+# Redis runs it too); XINFO's records stay in Redis.
 HEAD = (
     ALWAYS
+    + REDIS_NOW
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
-local info, at = redis.call('XINFO', 'STREAM', KEYS[1]), {}
-for i = 1, #info, 2 do at[info[i]] = info[i + 1] end
-local first = at['first-entry']
-local clock = redis.call('TIME')  -- (Redis's now, ms: what the records' ages count to)
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local info, stream = redis.call('XINFO', 'STREAM', KEYS[1]), {}
+for i = 1, #info, 2 do stream[info[i]] = info[i + 1] end
+local first = stream['first-entry']
 return {
-  first and first[1] or '', at['last-generated-id'], at['length'], at['entries-added'] or 0,
-  string.format('%.0f', now)
+  first and first[1] or '', stream['last-generated-id'], stream['length'],
+  stream['entries-added'] or 0, at
 }
 """
 )

@@ -42,7 +42,7 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
   ``decode`` cannot read, ``Unreadable``, or another type, ``WRONGTYPE``) is dropped by the
   first get that reads it (``UNREADABLE``, if it is still the value read) or invalidation
   that meets it (``DROP``): a miss, once.
-- Every time here is Redis's (ms, ``TIME``, read by each script: ``_NOW``), never an instance's,
+- Every time here is Redis's (ms, ``TIME``, read by each script: ``REDIS_NOW``), never an instance's,
   whose wall clocks may be minutes apart: scripts are sent TTLs and ages, and ``GET`` returns
   Redis's now with the entry, so that its reader judges the entry's age and expiry on the same
   clock. (Scored by each writer's clock, the indexes lost live entries to an instance whose
@@ -61,7 +61,7 @@ import orjson
 from ..answer import Answer
 from ..apis import APIS
 from ..store.base import Entry
-from .connection import ALWAYS, GROWS
+from .connection import ALWAYS, GROWS, REDIS_NOW
 from .keys import digest, glob_escape
 
 __all__ = [
@@ -111,21 +111,12 @@ class StoreKeys:
         return f"{self.prefix}ns:{digest(namespace)}"
 
 
-# Redis's own time in ms (``now``), the one clock every instance's scripts read: the instances'
-# wall clocks may be minutes apart (separate machines), Redis's is one. (On a Cluster, the node's
-# that holds the script's keys.)
-_NOW = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local at = string.format('%.0f', now)  -- (as an argument: no exponent)
-"""
-
 # Add MEMBER (ARGV[1]) to the index ZSET, scored by its expiry (now + ARGV[2]: the entry's TTL
 # in ms plus ``INDEX_SLACK_MS``), unless it is already there with a higher score; drop the members
 # expired by now, and let the key expire with its last member.
 INDEX = (
     GROWS
-    + _NOW
+    + REDIS_NOW
     + """
 local key = KEYS[1]
 local expires = now + tonumber(ARGV[2])
@@ -175,7 +166,7 @@ RECOUNT = ALWAYS + _RECOUNTED + "return redis.call('GET', KEYS[1])\n"
 # answer was made). Returns ``xm`` as written (``DROP``'s mode x).
 PUT = (
     GROWS
-    + _NOW
+    + REDIS_NOW
     + """
 local expires = string.format('%.0f', now + tonumber(ARGV[1]))
 local created = string.format('%.0f', now - tonumber(ARGV[2]))
@@ -191,7 +182,7 @@ return expires
 # Redis too.
 GET = (
     ALWAYS
-    + _NOW
+    + REDIS_NOW
     + """
 local f = redis.call('HMGET', KEYS[1], 'm', 'b', 'f', 'pp', 'cr', 'xm')
 return {now, f[1], f[2], f[3], f[4], f[5], f[6]}
@@ -204,7 +195,7 @@ return {now, f[1], f[2], f[3], f[4], f[5], f[6]}
 # later than its own expiry) is dropped but not counted.
 DROP = (
     ALWAYS
-    + _NOW
+    + REDIS_NOW
     + """
 local mode, value = ARGV[1], ARGV[2]
 local kind = redis.call('TYPE', KEYS[1])['ok']
@@ -251,7 +242,7 @@ return 1
 # a full Redis (it frees, or only counts); ``STATS_ADD``, the same script for 'add', is refused
 # like the entry.
 _STATS = (
-    _NOW
+    REDIS_NOW
     + """
 local live, size, total, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local function forget(id)

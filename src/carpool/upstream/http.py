@@ -689,6 +689,8 @@ def wire_payloads(
 def _codings(content_encoding: str) -> list[str]:
     """The content codings an answer's ``Content-Encoding`` lists, lower-case (RFC 9110 8.4.1:
     case-insensitive), ``identity`` (no coding) left out."""
+    if not content_encoding:  # (every answer asks: nearly all say none)
+        return []
     listed = (coding.strip().lower() for coding in content_encoding.split(","))
     return [coding for coding in listed if coding and coding != "identity"]
 

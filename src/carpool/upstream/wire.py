@@ -575,6 +575,12 @@ HEAD, NEWS, END = 0, 1, 2
 DRAIN_S = 1.0
 
 
+def _listed(said: str, line: bytes) -> str:
+    """A field's lines so far (``said``) and one more, joined by ", " as RFC 9110 5.3 allows."""
+    value = line.decode("latin-1")
+    return f"{said}, {value}" if said else value
+
+
 class Connection(asyncio.Protocol):
     """One kept connection, and the answer it is reading (one at a time)."""
 
@@ -878,13 +884,10 @@ class Connection(asyncio.Protocol):
             self.retry += ((name.decode("latin-1"), value.decode("latin-1")),)
         elif name == b"cache-control":
             # Every line: a ``no-store`` on the second line of several binds as on the first.
-            said = value.decode("latin-1")
-            self.cache_control = f"{self.cache_control}, {said}" if self.cache_control else said
+            self.cache_control = _listed(self.cache_control, value)
         elif name == b"content-encoding":
             # Every line too: codings are listed in the order they were applied, over lines.
-            said = value.decode("latin-1")
-            coded = self.content_encoding
-            self.content_encoding = f"{coded}, {said}" if coded else said
+            self.content_encoding = _listed(self.content_encoding, value)
 
     def on_headers_complete(self) -> None:
         if self.unasked:
