@@ -898,6 +898,31 @@ async def test_a_key_kept_here_while_redis_could_not_be_read_stands_once_it_answ
         await store.aclose()
 
 
+async def test_a_key_this_instance_still_runs_is_not_run_again_here_once_its_redis_record_lapsed(
+    redis_server: RedisServer, raw: aredis.Redis
+) -> None:
+    """A Redis pause longer than the lease lets the record of a key this instance still runs
+    lapse there (its renewals failed; its owner is alive). Redis answering again says ``new``
+    for it: a retry reaching this instance must be that run's (``processing``, then its answer
+    replayed), never a second generation here, and the run's answer, refused by Redis (its
+    token no longer the owner's), is kept here for it."""
+    store, records = shared_records(redis_server)
+    try:
+        token = await begin_new(records)
+        await raw.delete(record_key("k"))  # what a pause past the lease leaves in Redis
+        assert (await records.begin("k", FP)).state == "processing"  # was "new": run twice
+        assert (await records.begin("k", OTHER_FP)).state == "mismatch"
+        assert await records.wait("k", FP, timeout=0.01) is None  # (still open here)
+        waiter = asyncio.create_task(records.wait("k", FP, timeout=60))
+        assert await records.finish("k", token, OK) is False  # (Redis: not the owner now)
+        assert await asyncio.wait_for(waiter, 5) == OK
+        assert (await records.begin("k", FP)).response == OK  # replayed here, not run again
+        assert await records.wait("k", FP, timeout=1) == OK
+    finally:
+        await records.aclose()
+        await store.aclose()
+
+
 async def test_a_redis_that_answers_again_takes_the_records_back(redis_server: RedisServer) -> None:
     store, records = shared_records(redis_server, retry_interval=0.001)
     other = RedisIdempotencyRecords(redis_server.url, retention=60)

@@ -60,7 +60,8 @@ class FallbackRecords:
     this instance finished, or tried to finish, in Redis) is answered from it first, whatever
     Redis says: Redis back, it has no record of a key run here meanwhile, and a key whose
     finish there failed is free there should its lease run out before the finish, tried again
-    in the background, lands.
+    in the background, lands. So is a key this instance began in Redis and still runs: a
+    Redis pause past the lease lapses its record there while its owner lives.
 
     While Redis cannot be read, a retry that waits (``wait``) for a record this instance began
     there and has not settled waits for it to be settled here (then finds the copy kept here,
@@ -81,14 +82,17 @@ class FallbackRecords:
         known = self.local.look(key, fingerprint)
         if known is not None:
             return known
+        opened = self._open_in_shared.get(key)
+        if opened is not None:
+            # This instance's own run, whatever Redis says: down, or up again after a pause
+            # that outlasted the lease, its record there lapsed (the owner's renewals failed,
+            # the owner alive), where a ``new`` would run the key a second time here.
+            return Begin("processing" if opened.fingerprint == fingerprint else "mismatch")
         try:
             begin = await self.shared.begin(key, fingerprint)
         except PoolExhausted as exhausted:
             raise IdempotencyUnavailable() from exhausted
         except StoreUnavailable:
-            opened = self._open_in_shared.get(key)
-            if opened is not None:
-                return Begin("processing" if opened.fingerprint == fingerprint else "mismatch")
             begin = await self.local.begin(key, fingerprint)
             if begin.token is not None:
                 self._local_tokens.add(begin.token)
@@ -111,18 +115,18 @@ class FallbackRecords:
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
         owner = self._owner(token)
-        failed = False
         try:
             finished = await owner.finish(key, token, response)
         except StoreUnavailable:
-            finished, failed = False, True
+            finished = False
         opened = self._settled(key, token)
-        if opened is not None and (finished or failed):
+        if opened is not None:
             # Kept here too, and looked up first (``begin``): a retry that reaches this instance
             # is replayed, not run again, while Redis cannot be read and after; also when this
             # finish could not reach it (it is tried again there in the background while the
             # record's lease holds; should the lease run out first, a retry on another instance
-            # runs again then).
+            # runs again then), and when Redis refused it (the record lapsed in a pause past
+            # the lease, or full).
             local = await self.local.begin(key, opened.fingerprint)
             if local.token is not None:
                 await self.local.finish(key, local.token, response)
@@ -153,19 +157,30 @@ class FallbackRecords:
     async def wait(self, key: str, fingerprint: str, timeout: float) -> StoredResponse | None:
         if self.local.look(key, fingerprint) is not None:  # (answered from here: ``begin``)
             return await self.local.wait(key, fingerprint, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        fell = False
         try:
-            return await self.shared.wait(key, fingerprint, timeout)
+            answer = await self.shared.wait(key, fingerprint, timeout)
         except PoolExhausted as exhausted:
             raise IdempotencyUnavailable() from exhausted
         except StoreUnavailable:
-            opened = self._open_in_shared.get(key)
-            if opened is not None and opened.fingerprint == fingerprint:
-                # This instance's own run, begun in Redis: waited for here (the class doc).
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await opened.settled.wait()
-                timeout = 0  # (then only what is kept here: a finished copy, or nothing)
-            return await self.local.wait(key, fingerprint, timeout)
+            answer, fell = None, True
+        if answer is not None:
+            return answer
+        opened = self._open_in_shared.get(key)
+        if opened is not None and opened.fingerprint == fingerprint:
+            # This instance's own run, begun in Redis: waited for here (the class doc), Redis
+            # down or its record there lapsed (``begin`` says ``processing`` for it: a wait
+            # that answered None at once would send a retry round ``begin`` and ``wait``
+            # without a pause); then only what is kept here: its answer, or nothing.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await opened.settled.wait()
+            fell = False
+        # (Also a run of this instance's that settled as Redis's wait ended: its copy here.)
+        left = max(0.0, deadline - loop.time()) if fell else 0.0
+        return await self.local.wait(key, fingerprint, left)
 
     async def aclose(self) -> None:
         await self.shared.aclose()
