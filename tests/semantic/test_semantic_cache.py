@@ -1503,3 +1503,37 @@ async def test_a_closed_semantic_gateway_leaves_no_embedding_thread(gateway_with
         await ask(gw, "How do I reset my router?")
         assert embedding_threads() - before  # the model ran: its thread is there
     assert embedding_threads() - before == set()
+
+
+#: A reviewer's traps in Latin script: all letters read, every word known to WordPiece, so the
+#: English verifier scored them 0.98+ and the English rules saw no negation or antonym.
+NOT_ENGLISH_TRAPS = [
+    (
+        "Soll ich Antibiotika mit Milch einnehmen?",
+        "Soll ich Antibiotika nicht mit Milch einnehmen?",
+    ),
+    (
+        "Escreva um e-mail dizendo que aceito a proposta.",
+        "Escreva um e-mail dizendo que não aceito a proposta.",
+    ),
+    (
+        "Comment activer le Bluetooth sur mon téléphone ?",
+        "Comment désactiver le Bluetooth sur mon téléphone ?",
+    ),
+]
+
+
+@pytest.mark.parametrize("trap", NOT_ENGLISH_TRAPS, ids=["de", "pt", "fr"])
+async def test_a_prompt_that_does_not_read_as_english_is_matched_exactly_its_english_twin_is_not(
+    sgw, fake, trap
+):
+    first, opposite = trap
+    await ask(sgw, first)
+    assert (await ask(sgw, first)).headers["x-carpool"] == "hit"  # exact still works
+    assert (await ask(sgw, opposite)).headers["x-carpool"] == "miss"
+    assert fake.count() == 2 and sgw.gateway.semantic.entries == 0
+    # English is still compared by meaning: a true paraphrase is served.
+    await ask(sgw, "How do I turn on Bluetooth on my phone?")
+    await stored(sgw)
+    again = await ask(sgw, "how can i turn on bluetooth on my phone")
+    assert again.headers["x-carpool"] == "semantic-hit" and fake.count() == 3

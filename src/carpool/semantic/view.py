@@ -11,8 +11,10 @@ are in the scope. Embeddings requests, multimodal last turns, list prompts, requ
 repeats their prompt (``echo``, ``prompt_logprobs``) and conversations with a turn that is not
 plain (a tool call or result, a name, non-string content, a late instruction) have no semantic
 view; nor has a text (or context) with a letter of a script the model does not read
-(``semantic.scripts``) or a character the models drop unread (:func:`invisible`: a format or
-control character): it is matched exactly, never guessed at.
+(``semantic.scripts``), one that does not read as English (:func:`.english.reads_english`, while
+``semantic.english_only``: the rules and the packaged verifier read English only) or a character
+the models drop unread (:func:`invisible`: a format or control character): it is matched
+exactly, never guessed at.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..canonical import canonical_body, collapses, digest, normalize_text
 from ..config import Config
 from ..request import Request
+from .english import reads_english
 from .retyping import UNREAD
 from .verifier import render_context
 
@@ -66,6 +69,10 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         return None
     context, rest = earlier
     if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
+        return None
+    # The rules' word lists and the packaged verifier are English, whatever the embedder: a
+    # German negation scored 0.98+ against its affirmation (its words are all Latin letters).
+    if config.semantic.english_only and not (reads_english(text) and reads_english(context)):
         return None
     if invisible(text) or invisible(context):
         return None

@@ -1,0 +1,182 @@
+"""Whether a text reads as English: the one language the semantic cache's checks read.
+
+Contract: :func:`reads_english` says whether ``text`` reads as English; a text that does not
+gets no semantic view (:mod:`carpool.semantic.view`, ``semantic.english_only``): it is matched
+exactly, never guessed at. The rules' word lists (negation, antonyms, quantities, intents) are
+English, and the packaged verifier, an English model, reads any Latin-script text without an
+unknown token: it scored "Soll ich Antibiotika mit Milch einnehmen?" against "...nicht mit
+Milch..." 0.98+, and a reviewer's 149 traps in 10 languages were served 29.5 % of the time
+(English: ~1.5 %). Whatever embedder is configured, the checks after it stay English.
+
+A text reads as English when, in each of its sentences:
+
+- no word (a run of 2 or more letters) holds a letter outside the Latin script (Chinese,
+  Cyrillic, Greek words: one letter alone, "2π", is a symbol and skipped);
+- at least :data:`KNOWN_SHARE` of its plain words are whole words of the packaged verifier's
+  vocabulary (its ``tokenizer.json``, read once), allowing an English ending ("-ing", "-ed",
+  "-ies"...): German, Turkish, Polish, Vietnamese words mostly are not;
+- a sentence of :data:`MARKED_WORDS` or more plain words holds a word of :data:`MARKERS`,
+  function words that are English only: Spanish, French, Dutch or Portuguese words that the
+  vocabulary holds too ("de", "la", "die", "in", "no", "a") are not in it.
+
+Plain words are lower-case words of 2 or more letters (the first word of a sentence may be
+capitalised): a name ("Berlin", "PostgreSQL"), an acronym, a one-letter word and a number say
+nothing of the language, and an identifier in code ("snake_case") is split into its words. A
+text with fewer plain words than that (a name, "ok", "2+2?") reads as English: the rules still
+read its numbers, names and identifiers exactly. The check errs towards "not English": a
+foreign text served a wrong answer, an English one refused only costs an upstream call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import unicodedata
+
+from .verifier import PACKAGED
+
+__all__ = ["FOREIGN", "KNOWN_SHARE", "MARKED_WORDS", "MARKERS", "reads_english"]
+
+#: The share of a sentence's plain words that must be words of the vocabulary (measured on
+#: the development pairs: English sentences are ~0.9+, German/Turkish/Polish/Vietnamese ~0.2-0.5;
+#: French/Spanish/Italian share many words with it, the markers tell those).
+KNOWN_SHARE = 0.6
+#: A sentence of this many plain words or more must hold a marker: shorter ones ("Reset
+#: password", "Thanks!") say too little either way, and their words are still looked up.
+MARKED_WORDS = 3
+
+#: English function words (and a few frequent words) that are not words of the other common
+#: Latin-script languages: not "a", "i", "in", "no", "me", "die", "de", "la", "un", "se", "so",
+#: "an", "also" (German), "want", "help", "had", "over" (Dutch), "he" (Spanish), "on" (French).
+#: ("will" and "was" are German words too, but German texts fail the vocabulary share.)
+MARKERS = frozenset(
+    """the to of and is are were be been being am do does did done can could should would
+    shall might must you she it we they my your his its our their them him her us this that
+    these those what which who whom whose how why when where if than not for with from at by
+    or but has have there here about any some every each get got make made after before into
+    out up just very too then because while until something anything nothing everything
+    someone anyone everyone nobody wrong right please thanks thank yes yeah like know think
+    tell give show write explain will was he's he'd he'll i'm i've i'd i'll you're you've we're they're it's that's
+    what's there's here's who's how's let's don't doesn't didn't can't couldn't won't
+    wouldn't isn't aren't wasn't weren't shouldn't haven't hasn't""".split()
+)
+
+#: Function words of the other common Latin-script languages that are no English words: a
+#: sentence holding one of them does not read as English, whatever markers it has ("Was ist
+#: die...", "¿Qué significa...?"). Not those English also writes: "pour", "per", "non", "den",
+#: "jest", "um", "ya", "del", "para", "von" and "der" ("van der Waals").
+FOREIGN = frozenset(
+    """und das ist wat sind nicht ein eine auf für wie ich wir het een welke niet zijn voor que
+    qué por una los las cómo está qui sont avec dans sur une ces cette il di che della sono
+    não uma como você ini itu apa berapa bagaimana nasıl mı się nie czy của và có không là
+    những""".split()
+)
+#: Endings an English word may carry past a vocabulary word ("booking", "cancelled", "stories").
+ENDINGS = ("s", "es", "ed", "d", "ing", "ly", "er", "est", "ers", "ies", "ness", "ment", "ful")
+#: Prefixes it may carry before one ("nonfictional", "outcompete", "unipolar").
+PREFIXES = ("un", "non", "out", "re", "dis", "mis", "over", "under", "pre", "anti", "sub")
+
+#: Sentences: the share is read per sentence and clause (";", ":"), the markers per sentence.
+#: A stop ends one only after a word of two letters or more, before no digit ("B. Tech",
+#: "Rs. 500" go on).
+_CLAUSES = re.compile(r"(?<=[^\W\d_]{2}[.;:])\s+(?!\d)|(?<=[!?])\s+|\n\s*")
+_SENTENCES = re.compile(r"(?<=[^\W\d_]{2}\.)\s+(?!\d)|(?<=[!?])\s+|\n\s*")
+#: Code, read by the rules and not a language: fenced blocks and inline spans.
+_CODE = re.compile(r"```.*?(?:```|$)|`[^`\n]*`", re.DOTALL)
+#: A word: letters, with an English contraction's tail ("don't", "something's"), between
+#: white space and sentence marks. A token with other marks in it ("torch.utils", "x_max",
+#: "a/b", "e-mail") is an identifier or a compound and says nothing of the language.
+_WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)?")
+_TOKEN = re.compile(r"[\"'“”‘’¿¡(\[{]*([^\W\d_]+(?:['’][^\W\d_]+)?)[\"'“”‘’)\]},.;:!?]*")
+_CONTRACTION = re.compile(r"n't$|'(?:s|re|ve|ll|d|m)$")
+
+
+@functools.cache
+def vocabulary() -> frozenset[str]:
+    """The whole words (no "##" pieces) of the packaged verifier's WordPiece vocabulary."""
+    with (PACKAGED / "tokenizer.json").open(encoding="utf-8") as file:
+        vocab = json.load(file)["model"]["vocab"]
+    return frozenset(word for word in vocab if word.isalpha())
+
+
+def reads_english(text: str) -> bool:
+    """Whether ``text`` reads as English (see the module's contract)."""
+    # Composed first: "café" decomposed would split into "cafe" and a lone mark.
+    text = unicodedata.normalize("NFC", text)
+    if not text.isascii() and any(_foreign(word) for word in _WORD.findall(text)):
+        return False
+    text = _CODE.sub(" ", text)
+    return all(_known_share(c) for c in _CLAUSES.split(text)) and all(
+        _marked(s) for s in _SENTENCES.split(text)
+    )
+
+
+def _words(text: str) -> list[str]:
+    """The words of ``text``: its tokens that are letters only (see :data:`_TOKEN`)."""
+    tokens = (_TOKEN.fullmatch(token) for token in text.split())
+    return [match.group(1) for match in tokens if match is not None]
+
+
+def _plain(text: str) -> list[str]:
+    """The plain words of ``text``, lower-cased (see the module's contract)."""
+    return [
+        word.lower().replace("’", "'")
+        for i, word in enumerate(_words(text))
+        if len(word) > 1 and (word.islower() or (i == 0 and word[1:].islower()))
+    ]
+
+
+def _known_share(clause: str) -> bool:
+    # Contractions' tails apart ("don't": "don" and "t"): the vocabulary splits them so too.
+    words = [part for word in _plain(clause) for part in word.split("'") if len(part) > 1]
+    if len(words) < MARKED_WORDS:
+        return True
+    return sum(map(_known, words)) >= KNOWN_SHARE * len(words)
+
+
+def _marked(sentence: str) -> bool:
+    # Any word may be the marker ("Japanese: Do westerners smell bad?") or foreign ("Berapa").
+    words = [word.lower().replace("’", "'") for word in _words(sentence)]
+    if any(word in FOREIGN for word in words):
+        return False
+    if len(_plain(sentence)) < MARKED_WORDS:
+        return True
+    return any(w in MARKERS or _CONTRACTION.sub("", w) in MARKERS for w in words)
+
+
+def _known(word: str) -> bool:
+    """Whether ``word`` is a vocabulary word, or one with an English prefix or ending."""
+    if _stem_known(word):
+        return True
+    return any(
+        word.startswith(prefix)
+        and len(word) - len(prefix) >= 4
+        and _stem_known(word[len(prefix) :])
+        for prefix in PREFIXES
+    )
+
+
+def _stem_known(word: str) -> bool:
+    vocab = vocabulary()
+    if word in vocab:
+        return True
+    for ending in ENDINGS:
+        if word.endswith(ending) and len(word) - len(ending) >= 3:
+            stem = word[: -len(ending)]
+            if stem in vocab or stem + "e" in vocab or (ending == "ies" and stem + "y" in vocab):
+                return True
+    return False
+
+
+def _foreign(word: str) -> bool:
+    """Whether a word of 2 or more letters holds a letter outside the Latin script."""
+    if len(word) < 2 or word.isascii():
+        return False
+    return any(ch.isalpha() and not _latin(ch) for ch in word)
+
+
+@functools.lru_cache(maxsize=4096)
+def _latin(ch: str) -> bool:
+    name = unicodedata.name(ch, "")
+    return name.startswith(("LATIN ", "FULLWIDTH LATIN", "MODIFIER LETTER SMALL"))

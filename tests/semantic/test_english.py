@@ -1,0 +1,120 @@
+"""Which texts read as English: the rest gets no semantic view, whatever its script."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+
+from carpool.config import Config
+from carpool.fingerprint import fingerprint, semantic_view
+from carpool.request import ClientRequest, parse
+from carpool.semantic.english import reads_english
+
+#: Traps of a reviewer's (10 languages, Latin script): each pair's two sides differ in meaning
+#: while every letter is Latin and every word is known to the verifier's WordPiece.
+TRAPS = {
+    "de": (
+        "Soll ich Antibiotika mit Milch einnehmen?",
+        "Soll ich Antibiotika nicht mit Milch einnehmen?",
+    ),
+    "pt": (
+        "Escreva um e-mail dizendo que aceito a proposta.",
+        "Escreva um e-mail dizendo que não aceito a proposta.",
+    ),
+    "fr": ("Comment activer le Bluetooth", "Comment désactiver le Bluetooth"),
+    "tr": ("Hisse senedi nasıl alınır?", "Hisse senedi nasıl satılır?"),
+    "es": ("¿Qué significa papá?", "¿Qué significa papa?"),
+    "it": ("Come posso aprire un conto in banca?", "Come posso chiudere un conto in banca?"),
+    "nl": ("Wat is de hoofdstad van Denemarken?", "Wat is de hoofdstad van Noorwegen?"),
+    "pl": ("Jak włączyć tryb samolotowy?", "Jak wyłączyć tryb samolotowy?"),
+    "id": ("Berapa 16 dikali 3?", "Berapa 16 dikali 5?"),
+    "vi": ("Làm thế nào để bật Bluetooth?", "Làm thế nào để tắt Bluetooth?"),
+    # English around a German comment: its other side ("# löschen") may read as English, this
+    # one never does, so the pair is never compared.
+    "mixed": ("Fix my code:\nx = load()  # nicht löschen\nsave(x)",),
+}
+
+#: English that must still be compared by meaning: short, questions, orders, code, names,
+#: numbers, slang.
+ENGLISH = [
+    "How do I reset my password?",
+    "Reset password",
+    "Thanks!",
+    "Yo, dog, something's wrong.",
+    "Write a haiku about autumn in Kyoto.",
+    "Convert 30 degrees Celsius to Fahrenheit.",
+    "Did Bill Gates outcompete and outsmart IBM? Why? How?",
+    "Japanese: Do westerners smell bad?",
+    "How will banning Rs. 500 and Rs. 1000 notes help in overcoming corruption in India?",
+    "Why does `df.groupby('x').agg(np.mean)` raise a KeyError?",
+    "Fix this:\n```python\ndef f(x):\n    return x_max / 0\n```\nIt crashes.",
+    "What's the difference between PostgreSQL and MySQL?",
+    "I'm 24 and I don't know what to do with my life.",
+    "Is ibuprofen safe to take with alcohol?",
+    "Explain van der Waals forces.",
+]
+
+
+def view_of(text: str, **semantic):
+    config = Config.model_validate({"semantic": semantic})
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": text}]}
+    request = parse(ClientRequest("/v1/chat/completions", orjson.dumps(body), {}), 1 << 20)
+    return semantic_view(request, fingerprint(request, config), config)
+
+
+@pytest.mark.parametrize("language", sorted(TRAPS))
+def test_a_trap_that_does_not_read_as_english_has_no_semantic_view(language):
+    for text in TRAPS[language]:
+        assert not reads_english(text), text
+        assert view_of(text) is None, text
+        assert view_of(text, scripts=["*"]) is None, text  # whatever the embedder reads
+
+
+@pytest.mark.parametrize("text", ENGLISH)
+def test_english_reads_as_english_and_keeps_its_semantic_view(text):
+    assert reads_english(text), text
+    assert view_of(text) is not None
+
+
+def test_an_earlier_turn_that_does_not_read_as_english_leaves_no_semantic_view():
+    config = Config()
+    history = [
+        {"role": "user", "content": "Soll ich Antibiotika nicht mit Milch einnehmen?"},
+        {"role": "assistant", "content": "Ja."},
+    ]
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "messages": [*history, {"role": "user", "content": "Why is that?"}],
+    }
+    request = parse(ClientRequest("/v1/chat/completions", orjson.dumps(body), {}), 1 << 20)
+    assert semantic_view(request, fingerprint(request, config), config) is None
+
+
+def test_english_only_off_compares_any_text_of_the_scripts_by_meaning():
+    # The operator's choice, with a guard of their own: the scripts still hold.
+    assert view_of(TRAPS["de"][0], english_only=False) is not None
+    assert view_of("如何删除我的账户", english_only=False) is None
+
+
+def test_other_scripts_never_read_as_english():
+    for text in ("如何删除我的账户", "Привет, как дела?", "What does それでもまだ mean?"):
+        assert not reads_english(text), text
+    assert reads_english("What is the area of a circle of radius 2π?")  # a symbol, no word
+
+
+def test_a_decomposed_text_reads_as_its_composed_form():
+    import unicodedata
+
+    for text in [*ENGLISH, *(t for pair in TRAPS.values() for t in pair)]:
+        assert reads_english(unicodedata.normalize("NFD", text)) == reads_english(text)
+
+
+def test_the_vocabulary_is_the_packaged_verifiers():
+    from carpool.semantic.english import vocabulary
+    from carpool.semantic.verifier import PACKAGED
+
+    vocab = json.loads((PACKAGED / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocabulary() == {w for w in vocab if w.isalpha()} and "password" in vocabulary()
