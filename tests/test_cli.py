@@ -603,3 +603,52 @@ def test_an_empty_config_path_exits_2_never_all_defaults_nor_another_file(tmp_pa
             assert result.returncode == 2, (command, env, result.stdout, result.stderr)
             assert "config file '': an empty path names no file" in result.stderr
             assert "1234" not in result.stdout + result.stderr
+
+
+def test_an_idle_client_connection_outlives_the_sdks_own_keep_alive():
+    # The SDKs close a connection idle for 5 s (httpx's keepalive_expiry); the gateway closed
+    # one idle for 5 s too (uvicorn's default), so a request sent as it closed it was reset.
+    import anthropic._constants
+    import openai._constants
+
+    from carpool.config import Config
+
+    kept = Config().limits.client_keepalive
+    for sdk in (openai._constants, anthropic._constants):
+        assert kept > sdk.DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_idle_client_connection_is_closed_after_limits_client_keepalive(workers):
+    # The setting reaches the server, one process or several: set far below uvicorn's 5 s, an
+    # idle connection is closed well before them (the read waits up to 4 s).
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CARPOOL_LIMITS__CLIENT_KEEPALIVE": "0.2"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--workers", workers],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"nothing answers on port {port}"
+                time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=4) as connection:
+            connection.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+            received = b""
+            while b"\r\n\r\n" not in received or not received.rstrip().endswith(b"}"):
+                chunk = connection.recv(65536)
+                assert chunk, received
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 200")
+            assert connection.recv(65536) == b""  # closed by the gateway, idle (no timeout)
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -252,6 +252,7 @@ def serve(
         # has a body, ``http_protocol``), never a connection handed to a handshake that waits.
         "ws": "none",
         "timeout_graceful_shutdown": config.shutdown.grace_s,
+        "timeout_keep_alive": config.limits.client_keepalive,
     }
     if config.workers == 1:
         from .draining import DrainingServer

@@ -83,7 +83,8 @@ Contract:
   a 408 (the same shape) and the connection closes, lingering, or, nothing of a request having
   come, it closes without a word, as uvicorn closes an idle one. Not while an earlier request
   of the connection is still being answered: the time counts again from then. Between
-  requests, an idle connection is uvicorn's (its ``timeout_keep_alive``).
+  requests, an idle connection is uvicorn's (its ``timeout_keep_alive``:
+  ``limits.client_keepalive``).
 - A request httptools cannot read (RFC 9112: a ``Content-Length`` that is no number, two that
   differ, one beside ``Transfer-Encoding``, a bad chunk size, a space before a header's colon,
   a malformed request line) is ``MalformedHttp``: a 400 ``invalid_http`` naming the parser's

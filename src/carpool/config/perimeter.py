@@ -188,7 +188,16 @@ class LimitsConfig(Section):
         "nothing is sent upstream. Also the time for a request line and its headers, from "
         "the connection (its first request) or the request's first byte: 408 and the "
         "connection closed (closed alone if nothing came). An idle connection between "
-        "requests is closed after uvicorn's keep-alive timeout (5 s).",
+        "requests is closed after `client_keepalive`.",
+    )
+    client_keepalive: float = Field(
+        75,
+        gt=0,
+        description="Seconds an idle client connection is kept open for its next request "
+        "(nginx's `keepalive_timeout`). Longer than clients keep theirs (the OpenAI and "
+        "Anthropic SDKs, httpx: 5 s), so that the client closes an idle connection first: at "
+        "uvicorn's 5 s, a request sent on a connection as the gateway closed it failed "
+        "(connection reset, no answer; the SDKs retry it).",
     )
     send_timeout: float = Field(
         60,
