@@ -44,7 +44,8 @@ sentence-transformers 6.2 on PyTorch 2.13       13.1 ms      19.0 ms      350 te
 
 (the PyTorch rows were measured in a throwaway environment; ONNX Runtime there let idle
 threads spin, which :mod:`.onnx_encoder` turns off so that the event loop keeps its core: ~0.3
-ms.)
+ms. The int8 row is from before each text's inputs were quantised on their own: that costs
+~0.4 ms more a prompt, batches the same; see :func:`.onnx_encoder._onnx_encoder`.)
 NumPy misses the 5 ms target because OpenBLAS is slow on matrices of a few rows. Accuracy
 (fp32; int8 is within 0.04 of fp32 on the similarity of a pair, see
 :func:`.onnx_encoder._onnx_encoder`):

@@ -10,10 +10,21 @@ float32 output ``(n, len, hidden)`` (the model's only output; its name is ``grap
 The weights are initializers: the model holds a copy of them (~43 MB fp32, ~11 MB int8).
 
 ``precision="int8"``: the four weight matrices of each layer are quantised to int8 (one
-symmetric scale per output column) and their inputs quantised at run time (one scale per call:
-ONNX's ``DynamicQuantizeLinear``), what ONNX Runtime's ``quantize_dynamic`` writes. The
-attention products stay fp32. (Where this CPU clips such products, the encoder's session loads
-the graph rewritten by :func:`carpool.semantic.embed.exact_int8.exactly`.)
+symmetric scale per output column) and their inputs to uint8 at run time, with a scale and zero
+point **per batch row** (text), computed as ONNX's ``DynamicQuantizeLinear`` computes them but
+over that row's real tokens only (``key_bias`` 0; a padded position counts as 0). So a row's
+output at its real tokens is the one it gets alone, to float rounding, whatever rows it is
+batched with and however they pad it (``DynamicQuantizeLinear`` itself, one scale per call as
+``quantize_dynamic`` writes it, moved a text's vector by up to 0.04 a component with the texts
+batched beside it: a cache decision depended on other tenants' concurrent lookups). The output
+at padded positions is not the fp32 graph's (they are quantised outside their row's range):
+nothing may read it. The rows are quantised by ``QuantizeLinear`` per axis 0 (a batch costs
+what ``DynamicQuantizeLinear`` did). ONNX Runtime's CPU ``MatMulInteger`` takes one zero point
+for its first input, so the products are taken with none and each row's zero point times the
+weights' column sums is taken off in int32 (the same integers). The attention products stay
+fp32. (Where this CPU clips such products, the encoder's session loads the graph rewritten by
+:func:`carpool.semantic.embed.exact_int8.exactly`, which still applies: the weights are int8
+initializers.)
 
 This module imports ``onnx`` (the ``semantic`` extra) at the top: only
 :func:`carpool.semantic.embed.onnx_encoder._onnx_encoder` imports it, once it has checked that
@@ -78,14 +89,29 @@ def encoder_graph(
             return g.op("Add", g.op("MatMul", x, g.const(weight)), g.const(bias))
         scale = np.maximum(np.abs(weight).max(axis=0), np.float32(1e-12)) / np.float32(127)
         quantized = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
-        x_q, x_scale, x_zero = g.ops("DynamicQuantizeLinear", 3, x)
-        product = g.op(
-            "MatMulInteger", x_q, g.const(quantized), x_zero, g.const(np.array(0, dtype=np.int8))
-        )
+        # The input as DynamicQuantizeLinear quantises it, but a row (text) at a time, over its
+        # real tokens: one scale and zero point per call made a text's vector depend on the
+        # texts batched with it, and on their padding. A padded position counts as 0, which
+        # the range holds anyway. (QuantizeLinear per axis 0: one fused pass, measured as fast
+        # as DynamicQuantizeLinear on a batch; the same arithmetic in elementwise ops cost
+        # ~20 % more.)
+        real_x = g.op("Where", real, x, zero)
+        low = g.op("ReduceMin", real_x, axes=[1, 2], keepdims=0)  # (n,), <= 0
+        high = g.op("ReduceMax", real_x, axes=[1, 2], keepdims=0)  # >= 0
+        x_scale = g.op("Max", g.op("Div", g.op("Sub", high, low), u8_max), tiny)
+        x_zero = g.op("QuantizeLinear", g.op("Neg", low), x_scale, axis=0)  # uint8 (n,)
+        x_q = g.op("QuantizeLinear", x, x_scale, x_zero, axis=0)
+        # ONNX Runtime's CPU MatMulInteger takes one zero point for A, not one a row: the
+        # product is taken with none and the zero point's share taken off in int32 (exact):
+        # (x_q - z) @ w = x_q @ w - z * (the column sums of w).
+        product = g.op("MatMulInteger", x_q, g.const(quantized))
+        column_sums = g.const(quantized.astype(np.int32).sum(axis=0, dtype=np.int32))
+        x_zero = g.op("Reshape", g.op("Cast", x_zero, to=TensorProto.INT32), per_row)
+        product = g.op("Sub", product, g.op("Mul", x_zero, column_sums))
         product = g.op(
             "Mul",
             g.op("Cast", product, to=TensorProto.FLOAT),
-            g.op("Mul", x_scale, g.const(scale.astype(np.float32))),
+            g.op("Mul", g.op("Reshape", x_scale, per_row), g.const(scale.astype(np.float32))),
         )
         return g.op("Add", product, g.const(bias))
 
@@ -97,6 +123,14 @@ def encoder_graph(
     one = g.const(np.array(1.0, dtype=np.float32))
     half = g.const(np.array(0.5, dtype=np.float32))
     sqrt2 = g.const(np.array(math.sqrt(2.0), dtype=np.float32))
+    if precision != "fp32":
+        zero = g.const(np.array(0.0, dtype=np.float32))
+        u8_max = g.const(np.array(255.0, dtype=np.float32))
+        tiny = g.const(np.array(np.finfo(np.float32).tiny, dtype=np.float32))  # (an all-0 row)
+        per_row = g.const(np.array([-1, 1, 1], dtype=np.int64))  # (n,) -> (n, 1, 1)
+        # Which positions are real tokens, (n, len, 1): those key_bias adds 0 to.
+        by_position = g.const(np.array([0, -1, 1], dtype=np.int64))
+        real = g.op("Equal", g.op("Reshape", bias, by_position), zero)
     for layer in layers:
         qkv = linear(x, layer.qkv_w, layer.qkv_b)
         qkv = g.op("Transpose", g.op("Reshape", qkv, split_heads), perm=[2, 0, 3, 1, 4])
