@@ -182,3 +182,35 @@ def test_english_naming_foreign_looking_names_and_acronyms_reads_as_english(text
 )
 def test_short_english_lines_with_a_marker_or_known_words_read_as_english(text):
     assert reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "You are the support assistant of Example Shop. Answer in two short paragraphs, in "
+        "plain English, without links. Escalate legal questions.",
+        "Summarize the following article in three bullet points. Keep technical terms. "
+        "Avoid speculation.",
+        "Translate the text below into French. Preserve formatting. Output only the translation.",
+        "Act as a senior Python reviewer. Point out bugs first. Suggest fixes briefly.",
+        "List five healthy breakfast ideas. Include calories per serving.",
+        "Explain quantum entanglement simply. Use an analogy. Avoid equations.",
+    ],
+)
+def test_an_instructions_terse_sentences_read_as_english(text):
+    # Imperatives without a function word English alone has ("Avoid speculation."): refused
+    # by the markers alone, a system prompt of them was never compared by meaning.
+    assert reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Quelle planète est plus grande, Mars ou Vénus ?",
+        "Qual é a capital de Portugal?",
+        "Quanto fa 7 per 6?",
+        "Quid est veritas?",
+    ],
+)
+def test_a_question_in_another_language_does_not_read_as_english(text):
+    assert not reads_english(text)
