@@ -118,3 +118,99 @@ def test_the_vocabulary_is_the_packaged_verifiers():
 
     vocab = json.loads((PACKAGED / "tokenizer.json").read_text())["model"]["vocab"]
     assert vocabulary() == {w for w in vocab if w.isalpha()} and "password" in vocabulary()
+
+
+#: Non-English a reviewer cut into lines, sentences or comments too short to be read alone; each
+#: was served the other side's answer end to end.
+SHORT_PIECES = {
+    "de": "Antibiotika. Ohne Milch. Einnehmen?",
+    "es": "Tomar ibuprofeno. Sin alcohol. Es seguro?",
+    "de lines": "Betreff: Verlängerung\nKundennummer: 4711\nBitte bestätigen.",
+    "de comment": "Write the function:\ndef sort_users(users):\n    # Alter aufsteigend\n    pass",
+    "de two words": "Ibuprofen ohne Alkohol?",
+}
+
+
+@pytest.mark.parametrize("text", SHORT_PIECES.values(), ids=SHORT_PIECES.keys())
+def test_non_english_cut_into_short_lines_or_sentences_does_not_read_as_english(text):
+    assert not reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["¿PUEDO TOMAR IBUPROFENO SIN ALCOHOL?", "Antibiotika Ohne Milch Einnehmen"]
+)
+def test_a_sentence_in_capitals_is_read_as_plain_words(text):
+    assert not reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Please email likho ki main offer accept nahi karta hoon",
+        "Mujhe to meeting confirm karni hai",
+        "Is order ko cancel kar do",
+    ],
+)
+def test_romanised_hindi_does_not_read_as_english(text):
+    assert not reads_english(text)
+
+
+#: English naming places, people, books and acronyms that spell another language's function
+#: word ("las", "che", "das", "ist", "apa", "ces", "il", "di").
+NAMED = [
+    "What are the best things to do in Los Angeles?",
+    "Cheap hotels in Las Vegas for a weekend?",
+    "Why was Quora unavailable on 27th August 2016, by 12 pm (IST)?",
+    "How do I cite a website in APA format?",
+    "What is new at CES this year?",
+    "Explain DI in Spring Boot.",
+    "Is Lake Como worth visiting in winter?",
+    "Who was Che Guevara?",
+    "What is the sales tax in IL?",
+    "Who do you think is a better author? Ashwin Sanghi or Amish Tripathi?",
+]
+
+
+@pytest.mark.parametrize("text", NAMED)
+def test_english_naming_foreign_looking_names_and_acronyms_reads_as_english(text):
+    assert reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["It's improbable.", "Compare:\n1. Python\n2. Rust\n3. Go", "Which OS? Ubuntu or Mint?"],
+)
+def test_short_english_lines_with_a_marker_or_known_words_read_as_english(text):
+    assert reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "You are the support assistant of Example Shop. Answer in two short paragraphs, in "
+        "plain English, without links. Escalate legal questions.",
+        "Summarize the following article in three bullet points. Keep technical terms. "
+        "Avoid speculation.",
+        "Translate the text below into French. Preserve formatting. Output only the translation.",
+        "Act as a senior Python reviewer. Point out bugs first. Suggest fixes briefly.",
+        "List five healthy breakfast ideas. Include calories per serving.",
+        "Explain quantum entanglement simply. Use an analogy. Avoid equations.",
+    ],
+)
+def test_an_instructions_terse_sentences_read_as_english(text):
+    # Imperatives without a function word English alone has ("Avoid speculation."): refused
+    # by the markers alone, a system prompt of them was never compared by meaning.
+    assert reads_english(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Quelle planète est plus grande, Mars ou Vénus ?",
+        "Qual é a capital de Portugal?",
+        "Quanto fa 7 per 6?",
+        "Quid est veritas?",
+    ],
+)
+def test_a_question_in_another_language_does_not_read_as_english(text):
+    assert not reads_english(text)

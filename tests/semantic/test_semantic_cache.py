@@ -1520,12 +1520,30 @@ NOT_ENGLISH_TRAPS = [
         "Comment activer le Bluetooth sur mon téléphone ?",
         "Comment désactiver le Bluetooth sur mon téléphone ?",
     ),
+    # Cut into lines too short to be read one by one.
+    (
+        "Betreff: Kündigung\nKundennummer: 4711\nBitte bestätigen.",
+        "Betreff: Verlängerung\nKundennummer: 4711\nBitte bestätigen.",
+    ),
+]
+#: English twins still compared by meaning: a paraphrase of each is served, names and all.
+ENGLISH_TWINS = [
+    ("How do I turn on Bluetooth on my phone?", "how can i turn on bluetooth on my phone"),
+    (
+        "What are the best things to do in Los Angeles?",
+        "What are the best things to do in Los Angeles",
+    ),
 ]
 
 
-@pytest.mark.parametrize("trap", NOT_ENGLISH_TRAPS, ids=["de", "pt", "fr"])
+@pytest.mark.parametrize(
+    ("trap", "twin"),
+    [(NOT_ENGLISH_TRAPS[i], ENGLISH_TWINS[0]) for i in range(3)]
+    + [(NOT_ENGLISH_TRAPS[3], ENGLISH_TWINS[1])],
+    ids=["de", "pt", "fr", "de-lines/los-angeles"],
+)
 async def test_a_prompt_that_does_not_read_as_english_is_matched_exactly_its_english_twin_is_not(
-    sgw, fake, trap
+    sgw, fake, trap, twin
 ):
     first, opposite = trap
     await ask(sgw, first)
@@ -1533,7 +1551,7 @@ async def test_a_prompt_that_does_not_read_as_english_is_matched_exactly_its_eng
     assert (await ask(sgw, opposite)).headers["x-carpool"] == "miss"
     assert fake.count() == 2 and sgw.gateway.semantic.entries == 0
     # English is still compared by meaning: a true paraphrase is served.
-    await ask(sgw, "How do I turn on Bluetooth on my phone?")
+    await ask(sgw, twin[0])
     await stored(sgw)
-    again = await ask(sgw, "how can i turn on bluetooth on my phone")
+    again = await ask(sgw, twin[1])
     assert again.headers["x-carpool"] == "semantic-hit" and fake.count() == 3
