@@ -18,7 +18,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from carpool.semantic.embed.exact_int8 import exactly, model_bytes, saturates  # noqa: E402
-from carpool.semantic.verifier import PACKAGED, CrossEncoder, quantized_per_pair  # noqa: E402
+from carpool.semantic.verifier import PACKAGED, CrossEncoder  # noqa: E402
 
 
 def _product_model(weights: np.ndarray, zero: np.ndarray | None) -> onnx.ModelProto:
@@ -135,8 +135,7 @@ def test_the_packaged_verifier_scores_as_exact_integer_arithmetic_on_every_cpu()
     ]
     verifier = CrossEncoder()
     exact = CrossEncoder()
-    # (As the verifier loads it: its activations quantised a pair at a time, then rewritten.)
-    model = exactly(quantized_per_pair(onnx.load(str(PACKAGED / "model.onnx"))))
+    model = exactly(onnx.load(str(PACKAGED / "model.onnx")))
     exact._session = ort.InferenceSession(
         model.SerializeToString(), providers=["CPUExecutionProvider"]
     )

@@ -17,13 +17,17 @@ Contract
   ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
   Its int8 products are computed exactly on every CPU (:mod:`carpool.semantic.embed.exact_int8`:
   where ONNX Runtime would clip them, the threshold calibrated on exact ones would not hold).
-- A pair's score is the one it has alone (to float rounding, ~1e-6), whatever pairs are scored
-  in the same call: the packaged model quantises its activations with ONNX's
-  ``DynamicQuantizeLinear``, one scale for the whole call and its padding, which moved a pair's
-  score by up to 0.085 with the pairs beside it; at load the graph is rewritten to quantise
-  each pair on its own, over its real tokens (:func:`quantized_per_pair`; the file and its
-  digest are unchanged). Each ``scores`` is one session call of its own pairs (a lookup's):
-  calls are never merged across lookups.
+- A pair's score is the one it has alone, whatever pairs it is scored with: ``score`` runs the
+  model once a pair. The packaged model quantises its activations at run time with one scale
+  per run (ONNX's ``DynamicQuantizeLinear``, over every row and its padding), so the pairs of a
+  batch moved each other's scores by up to 0.085 ("...safe to drink tap water in Lisbon?" /
+  "...not safe...": 0.165 alone, 0.250 beside a long pair). Each ``scores`` call is one
+  lookup's pairs, on the one worker thread: calls are never merged across lookups (tenants).
+  Measured on the 2-core machine (Quora pairs, median 26 tokens; interleaved, p50): one pair
+  6.0 ms as before; 4, 8, 16 pairs of mixed lengths 37 -> 30, 75 -> 51, 171 -> 103 ms (none
+  padded now); of about one length 24 -> 27, 41 -> 45, 94 -> 105 ms. Rewriting the graph at
+  load to quantise each batch row on its own instead (tried, same scores) cost more: 16-29 %
+  more for one pair, 14-34 % more for mixed lengths, 7-11 % for one length.
 - The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
   them. ``unread(pairs)`` says which pairs it would have to cut (the longer side first): those
   score 0, as does a pair with a token the model's vocabulary does not have (``[UNK]``: most
@@ -164,7 +168,7 @@ class CrossEncoder:
                 f"tokens ({type(exc).__name__})"
             ) from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
-        self.calls = 0  # model calls (one per ``scores`` with pairs)
+        self.calls = 0  # ``scores`` calls with pairs (one lookup's; a model run a pair)
         self.pairs = 0  # pairs scored
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
@@ -172,23 +176,24 @@ class CrossEncoder:
         if not pairs:
             return []
         np = self._np
-        encoded = self._encoded(pairs)
-        width = max(len(e.ids) for e in encoded)
-        ids = np.zeros((len(encoded), width), dtype=np.int64)
-        types = np.zeros_like(ids)
-        mask = np.zeros_like(ids)
-        for row, e in enumerate(encoded):
-            ids[row, : len(e.ids)] = e.ids
-            types[row, : len(e.ids)] = e.type_ids
-            mask[row, : len(e.ids)] = 1
-        (logits,) = self._session.run(
-            ["logits"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-        )
-        probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
-        if self._unknown is not None:
-            probs[(ids == self._unknown).any(axis=1)] = 0.0
-        probs[[bool(e.overflowing) for e in encoded]] = 0.0  # cut: not read whole
-        return [float(p) for p in probs]
+        out = []
+        # One model run a pair: the int8 model quantises its activations with one scale per run
+        # (DynamicQuantizeLinear), over every pair in it and their padding, so a pair scored
+        # beside others moved by up to 0.085 with them. Alone, its score is its own; and with
+        # no padding, a lookup's candidates of mixed lengths cost less than in one batch
+        # (measured: the module's contract).
+        for e in self._encoded(pairs):
+            ids = np.array([e.ids], dtype=np.int64)
+            feed = {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "token_type_ids": np.array([e.type_ids], dtype=np.int64),
+            }
+            (logits,) = self._session.run(["logits"], feed)
+            unreadable = self._unknown is not None and self._unknown in e.ids
+            cut = bool(e.overflowing)  # not read whole
+            out.append(0.0 if unreadable or cut else float(1.0 / (1.0 + np.exp(-logits[0, 0]))))
+        return out
 
     def unread(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
         """Which pairs the model would cut: their tokens over ``max_length`` (what the tokenizer
@@ -243,156 +248,13 @@ def shared_cross_encoder(directory: str | None = None) -> CrossEncoder:
 
 
 def _loadable(model: bytes) -> bytes:
-    """``model`` with its activations quantised a pair at a time (:func:`quantized_per_pair`)
-    and its int8 products computed exactly on this CPU (``exact_int8``), or as given when
-    ``onnx`` cannot read it (ONNX Runtime then says why it is no model)."""
-    import onnx
+    """``model`` as this CPU computes its int8 products exactly (``exact_int8``), or as given
+    when ``onnx`` cannot read it (ONNX Runtime then says why it is no model)."""
     from google.protobuf.message import DecodeError  # (onnx's, which reads the model)
 
-    from .embed.exact_int8 import exactly, saturates
+    from .embed.exact_int8 import model_bytes
 
     try:
-        graph = onnx.load_from_string(model)
+        return model_bytes(model)
     except DecodeError:  # (a file that is no model: reported by the session's load)
         return model
-    graph = quantized_per_pair(graph)
-    # (After the per-pair rewrite: it leaves the weights int8 initializers, what exactly moves.)
-    return bytes((exactly(graph) if saturates() else graph).SerializeToString())
-
-
-def quantized_per_pair(model: Any) -> Any:
-    """``model`` (an ``onnx.ModelProto``, changed in place and returned) with each
-    ``DynamicQuantizeLinear`` that feeds only ``MatMulInteger`` products with constant weights
-    (and ``Mul`` by their scale) rewritten to quantise each batch row (pair) on its own: a scale
-    and zero point per row, computed as ``DynamicQuantizeLinear`` computes them but over the
-    row's real tokens only (``attention_mask`` 1; a padded position counts as 0, which the
-    range holds anyway). So a pair's logit is the one it has scored alone, to float rounding,
-    whatever pairs share its session call and however they pad it. Rows are quantised by
-    ``QuantizeLinear`` per axis 0; ONNX Runtime's CPU ``MatMulInteger`` takes one zero point
-    for its first input, so the products are taken with none and each row's zero point times
-    the weights' column sums (less their zero point) is taken off in int32: the same integers.
-    A node of another shape is left as it is; a model without an ``attention_mask`` input, or
-    whose inputs' ranks ``onnx`` cannot infer, is returned unchanged."""
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper, shape_inference
-
-    graph = model.graph
-    if "attention_mask" not in {value.name for value in graph.input}:
-        return model
-    constants = {t.name: t for t in graph.initializer}
-    inferred = shape_inference.infer_shapes(model).graph
-    ranks = {
-        value.name: len(value.type.tensor_type.shape.dim)
-        for value in (*inferred.value_info, *inferred.input)
-        if value.type.tensor_type.HasField("shape")
-    }
-    readers: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    prefix = "carpool.per_pair"
-    added: list[Any] = []  # initializers
-    values: dict[str, Any] = {
-        "zero": np.array(0.0, np.float32),
-        "u8_max": np.array(255.0, np.float32),
-        "tiny": np.array(np.finfo(np.float32).tiny, np.float32),  # (an all-0 row)
-        "by_position": np.array([0, -1, 1], np.int64),  # (n, len) -> (n, len, 1)
-        "per_row_3d": np.array([-1, 1, 1], np.int64),  # (n,) -> (n, 1, 1)
-        "per_row_2d": np.array([-1, 1], np.int64),  # (n,) -> (n, 1)
-    }
-    # Which DynamicQuantizeLinear nodes are rewritten (those of the shape described), and the
-    # products they feed.
-    chosen: dict[str, int] = {}  # a chosen node's quantised output -> its input's rank
-    for node in graph.node:
-        if node.op_type != "DynamicQuantizeLinear":
-            continue
-        x_q, x_scale, x_zero = node.output
-        products = readers.get(x_q, [])
-        if (
-            ranks.get(node.input[0]) in (2, 3)
-            and products
-            and all(
-                p.op_type == "MatMulInteger"
-                and list(p.input[:3]) == [x_q, p.input[1], x_zero]
-                and p.input[1] in constants
-                and (len(p.input) < 4 or not p.input[3] or p.input[3] in constants)
-                for p in products
-            )
-            and all(r.op_type == "Mul" for r in readers.get(x_scale, []))
-            and all(any(r is p for p in products) for r in readers.get(x_zero, []))
-        ):
-            chosen[x_q] = ranks[node.input[0]]
-    if not chosen:
-        return model
-    nodes: list[Any] = [
-        helper.make_node("Cast", ["attention_mask"], [f"{prefix}.real"], to=TensorProto.BOOL),
-        helper.make_node(
-            "Reshape", [f"{prefix}.real", f"{prefix}.by_position"], [f"{prefix}.real_3d"]
-        ),
-    ]
-    for node in graph.node:
-        if node.op_type == "DynamicQuantizeLinear" and node.output[0] in chosen:
-            nodes += _per_row_quantization(node, chosen[node.output[0]], prefix)
-        elif node.op_type == "MatMulInteger" and node.input[0] in chosen:
-            # ONNX Runtime's CPU MatMulInteger takes one zero point for A, not one a row: the
-            # product is taken with none and the rows' share taken off in int32 (exact):
-            # (x_q - z) @ (w - wz) = x_q @ (w - wz) - z * (the column sums of w - wz).
-            weights = numpy_helper.to_array(constants[node.input[1]]).astype(np.int32)
-            if len(node.input) > 3 and node.input[3]:
-                weights -= numpy_helper.to_array(constants[node.input[3]]).astype(np.int32)
-            out, x_zero = node.output[0], node.input[2]
-            sums = f"{prefix}.{out}.column_sums"
-            added.append(numpy_helper.from_array(weights.sum(axis=0, dtype=np.int32), sums))
-            node.input[2] = ""
-            node.output[0] = f"{out}.without_zero"
-            nodes += [
-                node,
-                helper.make_node("Mul", [x_zero, sums], [f"{out}.zero_share"]),
-                helper.make_node("Sub", [f"{out}.without_zero", f"{out}.zero_share"], [out]),
-            ]
-        else:
-            nodes.append(node)
-    for name, value in values.items():
-        added.append(numpy_helper.from_array(value, f"{prefix}.{name}"))
-    graph.initializer.extend(added)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return model
-
-
-def _per_row_quantization(node: Any, rank: int, prefix: str) -> list[Any]:
-    """The nodes that compute ``node``'s (a ``DynamicQuantizeLinear``) three outputs a batch row
-    at a time (see :func:`quantized_per_pair`): the quantised input, uint8; the scale, shaped
-    ``(n, 1, 1)`` (``(n, 1)`` for a rank-2 input) for its readers to multiply into the rows'
-    products; the zero point, int32 and shaped alike, for the products to take off."""
-    from onnx import TensorProto, helper
-
-    x, (x_q, x_scale, x_zero) = node.input[0], node.output
-    at = f"{prefix}.{x_q}"
-    per_row = f"{prefix}.per_row_{rank}d"
-    # The row's range as DynamicQuantizeLinear takes it (it always holds 0), over its real
-    # tokens: one range per call made a pair's score depend on the pairs beside it.
-    if rank == 3:
-        real_x = f"{at}.real_x"
-        ops = [helper.make_node("Where", [f"{prefix}.real_3d", x, f"{prefix}.zero"], [real_x])]
-    else:  # ((n, hidden): a token a row, the pooler's, no padding in it)
-        real_x, ops = x, []
-    axes = list(range(1, rank))
-    return [
-        *ops,
-        helper.make_node("ReduceMin", [real_x], [f"{at}.low"], axes=axes, keepdims=0),
-        helper.make_node("ReduceMax", [real_x], [f"{at}.high"], axes=axes, keepdims=0),
-        helper.make_node("Min", [f"{at}.low", f"{prefix}.zero"], [f"{at}.low0"]),
-        helper.make_node("Max", [f"{at}.high", f"{prefix}.zero"], [f"{at}.high0"]),
-        helper.make_node("Sub", [f"{at}.high0", f"{at}.low0"], [f"{at}.span"]),
-        helper.make_node("Div", [f"{at}.span", f"{prefix}.u8_max"], [f"{at}.span_q"]),
-        helper.make_node("Max", [f"{at}.span_q", f"{prefix}.tiny"], [f"{at}.scale"]),
-        helper.make_node("Neg", [f"{at}.low0"], [f"{at}.minus_low"]),
-        helper.make_node(
-            "QuantizeLinear", [f"{at}.minus_low", f"{at}.scale"], [f"{at}.zero"], axis=0
-        ),
-        helper.make_node("QuantizeLinear", [x, f"{at}.scale", f"{at}.zero"], [x_q], axis=0),
-        helper.make_node("Reshape", [f"{at}.scale", per_row], [x_scale]),
-        helper.make_node("Cast", [f"{at}.zero"], [f"{at}.zero_i32"], to=TensorProto.INT32),
-        helper.make_node("Reshape", [f"{at}.zero_i32", per_row], [x_zero]),
-    ]
