@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
+import numpy as np  # noqa: E402
+
 from carpool.semantic.guard import Reason, RulesThenVerifier, Side, Verdict  # noqa: E402
 from carpool.semantic.verifier import CrossEncoder, shared_cross_encoder  # noqa: E402
 
@@ -326,6 +328,73 @@ async def test_one_lookups_candidates_are_scored_in_one_model_call(guard):
     )
     assert verifier.calls == calls + 1 and verifier.pairs == pairs + 2  # rules, identical: free
     assert verdicts[2].reason == Reason.NUMBER and verdicts[3].ok
+
+
+#: Pairs of several lengths (a few tokens to ~110): a batch pads each to its longest.
+MIXED_LENGTHS = [
+    ("How do I reset my router?", "How can I reset my router?"),
+    ("Is it safe to drink tap water in Lisbon?", "Is it not safe to drink tap water in Lisbon?"),
+    ("Why?", "Why not?"),
+    (
+        "Summarise this article about climate policy. It argues that carbon taxes paired with "
+        "dividends returned to households cut emissions without hurting low-income families, "
+        "and reviews evidence from British Columbia, Sweden and Switzerland over two decades.",
+        "Summarize the article on climate policy. It argues that carbon taxes paired with "
+        "dividends returned to households cut emissions without hurting low income families, "
+        "and reviews evidence from British Columbia, Sweden and Switzerland over twenty years.",
+    ),
+    ("What is the capital of Australia?", "Which city is Australia's capital?"),
+    (
+        "user: I have a gym membership.\nassistant: OK.",
+        "user: I have a phone plan.\nassistant: OK.",
+    ),
+]
+
+
+async def test_a_pairs_verifier_score_is_the_same_alone_and_beside_longer_and_shorter_pairs(
+    guard,
+):
+    # The int8 model quantised its activations with one scale per call, over the whole batch
+    # and its padding: "tap water" / "not safe" scored 0.165 alone and 0.250 beside the long
+    # pair (a candidate's score depended on the other candidates of its lookup).
+    verifier = guard.verifier
+    alone = [verifier.score([pair])[0] for pair in MIXED_LENGTHS]
+    mixes = [
+        list(range(len(MIXED_LENGTHS))),  # all, the long one among them
+        [3, 2],  # beside a longer one / a shorter one
+        [1, 3, 0],
+        [2, 5, 4, 0],
+        [0, 0, 3, 3],  # twice over
+    ]
+    for mix in mixes:
+        scored = verifier.score([MIXED_LENGTHS[i] for i in mix])
+        np.testing.assert_allclose(scored, [alone[i] for i in mix], atol=1e-5, err_msg=str(mix))
+        scored = await verifier.scores([MIXED_LENGTHS[i] for i in mix])  # (the lookups' way)
+        np.testing.assert_allclose(scored, [alone[i] for i in mix], atol=1e-5, err_msg=str(mix))
+
+
+async def test_a_candidates_verdict_is_the_one_it_has_alone_among_a_lookups_candidates(guard):
+    # A lookup's candidates (after the most similar) are scored in one model call: each must
+    # be judged as it is alone, whatever else the cache held close to the prompt.
+    new = Side("Is it safe to drink tap water in Lisbon?")
+    candidates = [
+        Side("Is it not safe to drink tap water in Lisbon?"),
+        Side("Is tap water in Lisbon safe to drink?"),
+        Side(
+            "Is it safe to drink tap water in Lisbon? I am travelling there with two small "
+            "children next month, staying in an apartment in Alfama, and I would rather not "
+            "buy bottled water every day if the water from the tap is fine for them."
+        ),
+        Side("Lisbon tap water: safe?"),
+    ]
+    alone = [(await guard.judge(new, [c]))[0] for c in candidates]
+    together = await guard.judge(new, candidates)
+    assert [v.ok for v in together] == [v.ok for v in alone]
+    np.testing.assert_allclose(
+        [v.score if v.score is not None else -1.0 for v in together],
+        [v.score if v.score is not None else -1.0 for v in alone],
+        atol=1e-5,
+    )
 
 
 def test_a_conversation_needs_its_earlier_turns_to_pass_too(guard):

@@ -391,7 +391,7 @@ class SemanticCache:
                 continue  # (still served to prompts without the prefix)
             found.append((entry, similarity))
         # The most similar candidate is asked about alone (the usual hit: one pair, ~3 ms),
-        # the others together only if it fails (a batch of 8 pairs costs ~19 ms).
+        # the others together only if it fails (8 pairs cost ~7-8 times one: a model run each).
         for batch in (found[:1], found[1:]):
             if batch and await self._judge(view, batch, probe, max_age, prefix):
                 break

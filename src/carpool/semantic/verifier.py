@@ -17,6 +17,17 @@ Contract
   ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
   Its int8 products are computed exactly on every CPU (:mod:`carpool.semantic.embed.exact_int8`:
   where ONNX Runtime would clip them, the threshold calibrated on exact ones would not hold).
+- A pair's score is the one it has alone, whatever pairs it is scored with: ``score`` runs the
+  model once a pair. The packaged model quantises its activations at run time with one scale
+  per run (ONNX's ``DynamicQuantizeLinear``, over every row and its padding), so the pairs of a
+  batch moved each other's scores by up to 0.085 ("...safe to drink tap water in Lisbon?" /
+  "...not safe...": 0.165 alone, 0.250 beside a long pair). Each ``scores`` call is one
+  lookup's pairs, on the one worker thread: calls are never merged across lookups (tenants).
+  Measured on the 2-core machine (Quora pairs, median 26 tokens; interleaved, p50): one pair
+  6.0 ms as before; 4, 8, 16 pairs of mixed lengths 37 -> 30, 75 -> 51, 171 -> 103 ms (none
+  padded now); of about one length 24 -> 27, 41 -> 45, 94 -> 105 ms. Rewriting the graph at
+  load to quantise each batch row on its own instead (tried, same scores) cost more: 16-29 %
+  more for one pair, 14-34 % more for mixed lengths, 7-11 % for one length.
 - The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
   them. ``unread(pairs)`` says which pairs it would have to cut (the longer side first): those
   score 0, as does a pair with a token the model's vocabulary does not have (``[UNK]``: most
@@ -157,7 +168,7 @@ class CrossEncoder:
                 f"tokens ({type(exc).__name__})"
             ) from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-verifier")
-        self.calls = 0  # model calls (one per ``scores`` with pairs)
+        self.calls = 0  # ``scores`` calls with pairs (one lookup's; a model run a pair)
         self.pairs = 0  # pairs scored
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
@@ -165,23 +176,24 @@ class CrossEncoder:
         if not pairs:
             return []
         np = self._np
-        encoded = self._encoded(pairs)
-        width = max(len(e.ids) for e in encoded)
-        ids = np.zeros((len(encoded), width), dtype=np.int64)
-        types = np.zeros_like(ids)
-        mask = np.zeros_like(ids)
-        for row, e in enumerate(encoded):
-            ids[row, : len(e.ids)] = e.ids
-            types[row, : len(e.ids)] = e.type_ids
-            mask[row, : len(e.ids)] = 1
-        (logits,) = self._session.run(
-            ["logits"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-        )
-        probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
-        if self._unknown is not None:
-            probs[(ids == self._unknown).any(axis=1)] = 0.0
-        probs[[bool(e.overflowing) for e in encoded]] = 0.0  # cut: not read whole
-        return [float(p) for p in probs]
+        out = []
+        # One model run a pair: the int8 model quantises its activations with one scale per run
+        # (DynamicQuantizeLinear), over every pair in it and their padding, so a pair scored
+        # beside others moved by up to 0.085 with them. Alone, its score is its own; and with
+        # no padding, a lookup's candidates of mixed lengths cost less than in one batch
+        # (measured: the module's contract).
+        for e in self._encoded(pairs):
+            ids = np.array([e.ids], dtype=np.int64)
+            feed = {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "token_type_ids": np.array([e.type_ids], dtype=np.int64),
+            }
+            (logits,) = self._session.run(["logits"], feed)
+            unreadable = self._unknown is not None and self._unknown in e.ids
+            cut = bool(e.overflowing)  # not read whole
+            out.append(0.0 if unreadable or cut else float(1.0 / (1.0 + np.exp(-logits[0, 0]))))
+        return out
 
     def unread(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
         """Which pairs the model would cut: their tokens over ``max_length`` (what the tokenizer
