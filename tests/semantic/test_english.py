@@ -93,6 +93,35 @@ def test_an_earlier_turn_that_does_not_read_as_english_leaves_no_semantic_view()
     assert semantic_view(request, fingerprint(request, config), config) is None
 
 
+#: A sentence of English prose, repeated past ``semantic.max_text_chars`` (16,384 by default).
+PROSE = "The quarterly report shows that revenue grew while the costs stayed flat. "
+
+
+def test_a_text_or_earlier_turns_longer_than_max_text_chars_have_no_semantic_view():
+    # The gate reads every character on the event loop (~1 µs each: 8 MB took 7 s, every other
+    # request of the process waiting): a longer text is matched exactly, unread.
+    within, past = PROSE * (16_384 // len(PROSE)), PROSE * (16_384 // len(PROSE) + 1)
+    assert len(within) <= 16_384 < len(past)
+    assert view_of(within) is not None
+    assert view_of(past) is None
+    assert view_of(PROSE, max_text_chars=len(PROSE)) is not None
+    assert view_of(PROSE + "Why?", max_text_chars=len(PROSE)) is None
+    # An English head is no pass for what follows it: the whole text is bounded, never a prefix.
+    assert view_of(within + "Soll ich Antibiotika nicht mit Milch einnehmen?") is None
+    config = Config()
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "messages": [
+            {"role": "user", "content": past},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Why is that?"},
+        ],
+    }
+    request = parse(ClientRequest("/v1/chat/completions", orjson.dumps(body), {}), 1 << 20)
+    assert semantic_view(request, fingerprint(request, config), config) is None
+
+
 def test_english_only_off_compares_any_text_of_the_scripts_by_meaning():
     # The operator's choice, with a guard of their own: the scripts still hold.
     assert view_of(TRAPS["de"][0], english_only=False) is not None

@@ -267,6 +267,23 @@ async def test_echo_completions_are_never_served_semantically(sgw, fake):
     assert sgw.gateway.semantic.entries == 0  # no semantic view: never stored there either
 
 
+async def test_a_prompt_longer_than_max_text_chars_is_matched_exactly_only(sgw, fake):
+    # Past ``semantic.max_text_chars`` no semantic view is made: its English gate read the
+    # whole text on the event loop (8 MB: ~7 s of every other request's wait) for a text the
+    # guard serves only when identical. Its exact repeat is still an exact hit.
+    long = "The quarterly report shows that revenue grew while the costs stayed flat. " * 300
+    assert len(long) > 16_384
+    await ask(sgw, long)
+    # (Read-your-writes: a compared prompt's entry is in the index before its answer returns.)
+    assert sgw.gateway.semantic.entries == 0
+    repeat = await ask(sgw, long)
+    assert repeat.headers["x-carpool"] == "hit"
+    reworded = await ask(sgw, long.replace("grew", "rose", 1))
+    assert reworded.headers["x-carpool"] == "miss" and fake.count() == 2
+    await ask(sgw, "How do I reset my router?")  # a short prompt is still compared by meaning
+    assert sgw.gateway.semantic.entries == 1
+
+
 async def test_a_changed_ending_of_a_long_run_on_prompt_is_never_served(sgw, fake):
     # No sentence breaks: ``focus`` leaves the text whole, longer than the verifier reads of a
     # pair. Cut to its first ~127 tokens a side, "accepts" / "declines" at the end was served.

@@ -317,6 +317,16 @@ class SemanticConfig(Section):
         "French on/off) were served 29.5 % of the time, against ~1.5 % for English. Turn off "
         "only behind a guard of your own that reads those languages.",
     )
+    max_text_chars: int = Field(
+        16_384,
+        ge=1,
+        description="The longest prompt (and earlier turns, each) compared by meaning, in "
+        "characters; a longer one gets no semantic view: matched exactly, never stored in or "
+        "looked up by the semantic cache. Its checks (`english_only`, the scripts) read every "
+        "character on the event loop, ~1 µs each: an 8 MB prompt held every other request of "
+        "the process ~7 s. The guard serves a text past 4,096 characters only when identical "
+        "anyway; the default keeps earlier turns (few-shot examples) of up to ~4K tokens.",
+    )
     threshold: float | None = Field(
         None,
         ge=0,

@@ -10,10 +10,11 @@ context. The model, every parameter and the system prompt (instructions) must be
 are in the scope. Embeddings requests, multimodal last turns, list prompts, requests whose answer
 repeats their prompt (``echo``, ``prompt_logprobs``) and conversations with a turn that is not
 plain (a tool call or result, a name, non-string content, a late instruction) have no semantic
-view; nor has a text (or context) with a letter of a script the model does not read
-(``semantic.scripts``), one that does not read as English (:func:`.english.reads_english`, while
-``semantic.english_only``: the rules and the packaged verifier read English only) or a character
-the models drop unread (:func:`invisible`: a format or control character): it is matched
+view; nor has a text (or context) longer than ``semantic.max_text_chars`` (the checks below
+read every character on the event loop), one with a letter of a script the model does not read
+(``semantic.scripts``), one that does not read as English (:func:`.english.reads_english`,
+while ``semantic.english_only``: the rules and the packaged verifier read English only) or a
+character the models drop unread (:func:`invisible`: a format or control character): it is matched
 exactly, never guessed at.
 """
 
@@ -64,10 +65,19 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     if split is None:
         return None
     text, rest = split
+    # Bounded before any check reads it: they run on the event loop, ~1 µs a character (an
+    # 8 MB prompt stalled every other request ~7 s), and the guard serves a text past its
+    # READ_CHARS only when identical. Past the bound the whole request is exact: never a
+    # prefix compared, so no tail goes unread.
+    bound = config.semantic.max_text_chars
+    if len(text) > bound:
+        return None
     earlier = conversation(rest)
     if earlier is None:
         return None
     context, rest = earlier
+    if len(context) > bound:
+        return None
     if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
         return None
     # The rules' word lists and the packaged verifier are English, whatever the embedder: a
