@@ -1209,3 +1209,19 @@ async def test_a_bench_request_cancelled_as_its_answer_arrives_stays_cancelled()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         assert not accepted or task.cancelled(), f"a cancel accepted, then lost ({timeout=})"
+
+
+def test_the_bench_gateway_closes_an_idle_client_connection_after_limits_client_keepalive():
+    # As ``carpool serve`` does (the bench's client keeps its connections): uvicorn's 5 s there
+    # while serve kept them 75 s, a bench run's lull raced the close.
+    import socket
+
+    from carpool.bench.embedded import gateway
+
+    with gateway(Config(limits={"client_keepalive": 0.2})) as child:
+        with socket.create_connection(("127.0.0.1", child.port), timeout=4) as connection:
+            connection.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+            received = b""
+            while chunk := connection.recv(65536):  # (closed once idle: not uvicorn's 5 s)
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200")

@@ -377,7 +377,7 @@ async def test_a_keyed_stream_whose_owner_dies_mid_event_ends_with_whole_events_
     try:
         slot, owner = claim(directory, 2), claim(directory, 2)
         assert slot is not None and owner is not None
-        await door.start(dies_mid_event, owner.socket_path(1), 1)
+        await door.start(dies_mid_event, owner.socket_path(1), 1, 75)
         gateway = build_gateway(config, peers=Peers(slot, config))
         key = idempotency_key_owned_by(gateway, 1)
         body = {"model": "m", "input": "Charge my card", "temperature": 0}
@@ -431,7 +431,7 @@ async def test_a_long_temporary_directory_puts_the_meeting_place_in_tmp(monkeypa
         async def app(scope, receive, send):
             pass
 
-        await door.start(app, slot.socket_path(7), 1)  # (the longest of the run's paths)
+        await door.start(app, slot.socket_path(7), 1, 75)  # (the longest of the run's paths)
         assert slot.socket_path(7).exists()
     finally:
         await door.aclose()
@@ -462,7 +462,7 @@ async def test_an_owner_that_dies_before_its_first_frame_costs_no_client_anythin
             await send({"type": "http.response.body", "body": b": hi\n\n", "more_body": True})
             raise RuntimeError("the owner died")
 
-        await door.start(dies, dying.socket_path(1), 1)
+        await door.start(dies, dying.socket_path(1), 1, 75)
         gateway = build_gateway(config, peers=Peers(slot, config))
         async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
             served = Served(url, gateway, c)
@@ -507,7 +507,7 @@ async def test_a_stream_whose_owner_dies_after_its_first_frame_says_its_leading_
             await send({"type": "http.response.body", "body": whole, "more_body": True})
             raise RuntimeError("the owner died")
 
-        await door.start(dies_after_a_frame, owner.socket_path(1), 1)
+        await door.start(dies_after_a_frame, owner.socket_path(1), 1, 75)
         gateway = build_gateway(config, peers=Peers(slot, config))
         async with serve_app(create_app(gateway)) as url, httpx.AsyncClient(base_url=url) as c:
             response, text = await Served(url, gateway, c).stream_chat(owned_by(gateway, 1))
@@ -541,7 +541,7 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
     try:
         slot, owner = claim(directory, 2), claim(directory, 2)
         assert slot is not None and owner is not None
-        await door.start(takes_and_holds, owner.socket_path(1), 1)
+        await door.start(takes_and_holds, owner.socket_path(1), 1, 75)
         gateway = build_gateway(config, peers=Peers(slot, config))
         assert gateway.peers is not None
         key = idempotency_key_owned_by(gateway, 1)
@@ -1284,3 +1284,37 @@ async def test_a_workers_run_labels_at_most_100_namespaces_ranked_over_the_runs_
         assert len(run) == METRIC_NAMESPACES
         assert run["both"] == 4 and run["troubled"] == MIN_AUDITS
         assert all(count == 3 for ns, count in run.items() if ns not in ("both", "troubled"))
+
+
+async def test_a_peers_idle_connection_is_closed_by_its_client_before_its_server():
+    # The peer server kept an idle connection uvicorn's 5 s while its client (aiohttp) kept it
+    # 15 s: a request sent as the server closed it was never read, taken for one sent and not
+    # answered (a keyed request's 503). The server keeps it ``limits.client_keepalive``, the
+    # client half that.
+    directory = peers.prepare(2)
+    door = PeerServer()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    try:
+        slot = claim(directory, 2)
+        assert slot is not None
+        await door.start(app, slot.socket_path(1), 1, 0.2)  # (far below uvicorn's 5 s)
+        reader, writer = await asyncio.open_unix_connection(str(slot.socket_path(1)))
+        writer.write(b"GET / HTTP/1.1\r\nhost: worker\r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        # Closed by the server once idle (read to the end: within 4 s, not uvicorn's 5).
+        await asyncio.wait_for(reader.read(), 4)
+        writer.close()
+        workers = Peers(slot, Config(limits={"client_keepalive": 8}))
+        try:
+            connector = workers._session(1).connector
+            assert connector is not None
+            assert connector._keepalive_timeout == 4  # (aiohttp has no public reader)
+        finally:
+            await workers.aclose()
+    finally:
+        await door.aclose()
+        peers.remove(directory)

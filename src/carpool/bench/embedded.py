@@ -102,7 +102,9 @@ def main() -> None:
     )
     sock = process.listen()
     process.announce(sock)
-    process.serve(create_app(gateway), sock, http=protocol())
+    process.serve(
+        create_app(gateway), sock, http=protocol(), keepalive_s=config.limits.client_keepalive
+    )
 
 
 if __name__ == "__main__":

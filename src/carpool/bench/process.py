@@ -278,8 +278,11 @@ def serve(
     log_level: str = "warning",
     lifespan: str = "on",
     http: Any = "auto",
+    keepalive_s: float = 5.0,
 ) -> None:
-    """``http``: uvicorn's protocol setting (the gateway's: ``http_protocol.protocol()``)."""
+    """``http``: uvicorn's protocol setting (the gateway's: ``http_protocol.protocol()``);
+    ``keepalive_s``: how long an idle client connection is kept (the gateway's:
+    ``limits.client_keepalive``)."""
     import uvicorn
 
     server = uvicorn.Server(
@@ -291,6 +294,7 @@ def serve(
             backlog=BACKLOG,
             http=http,
             ws="none",  # (as ``carpool serve``)
+            timeout_keep_alive=keepalive_s,  # type: ignore[arg-type]  # (call_later: a float)
         )
     )
     exit_with_parent()

@@ -197,7 +197,8 @@ class LimitsConfig(Section):
         "(nginx's `keepalive_timeout`). Longer than clients keep theirs (the OpenAI and "
         "Anthropic SDKs, httpx: 5 s), so that the client closes an idle connection first: at "
         "uvicorn's 5 s, a request sent on a connection as the gateway closed it failed "
-        "(connection reset, no answer; the SDKs retry it).",
+        "(connection reset, no answer; the SDKs retry it). Also the workers' relay (`--workers`, "
+        "its client keeping one half as long) and `carpool bench`'s gateway.",
     )
     send_timeout: float = Field(
         60,

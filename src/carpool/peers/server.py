@@ -80,7 +80,9 @@ class PeerServer:
     def __init__(self) -> None:
         self._server: Any = None
 
-    async def start(self, app: Any, path: Path, grace_s: float) -> None:
+    async def start(self, app: Any, path: Path, grace_s: float, keepalive_s: float) -> None:
+        """``keepalive_s``: how long an idle connection from a peer is kept (its client keeps
+        one for less: ``PeerWorkers``), as the public listener keeps a client's."""
         import uvicorn
 
         config = uvicorn.Config(
@@ -93,6 +95,8 @@ class PeerServer:
             server_header=False,
             date_header=False,
             timeout_graceful_shutdown=math.ceil(grace_s),
+            # (uvicorn's 5 s was under aiohttp's 15 s: a race. A float works: call_later.)
+            timeout_keep_alive=keepalive_s,  # type: ignore[arg-type]
         )
         config.load()
         server = uvicorn.Server(config)

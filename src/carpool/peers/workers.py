@@ -163,6 +163,10 @@ class Peers:
         )
         self._max_connections = limits.upstream_max_connections
         self._grace_s = config.shutdown.grace_s
+        # A peer's idle connection is closed by its client first, never by its server as a
+        # request comes (that request, never read, was taken for one sent and unanswered: a
+        # keyed request's 503): the server keeps it ``client_keepalive``, the client half.
+        self._keepalive_s = limits.client_keepalive
         self.claim_wait_s = 2 * config.shutdown.grace_s + CLAIM_MARGIN_S
         self._sessions: dict[Path, aiohttp.ClientSession] = {}
         self._server = PeerServer()
@@ -426,7 +430,11 @@ class Peers:
         session = self._sessions.get(path)
         if session is None or session.closed:
             session = self._sessions[path] = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=str(path), limit=self._max_connections),
+                connector=aiohttp.UnixConnector(
+                    path=str(path),
+                    limit=self._max_connections,
+                    keepalive_timeout=self._keepalive_s / 2,
+                ),
                 timeout=self._timeout,
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
@@ -446,10 +454,12 @@ class Peers:
 
         door = self._door = PeerApp(app, self._secret_bytes, counted)
         if self.slot is not None:
-            await self._server.start(door, self.slot.socket_path(self.slot.index), self._grace_s)
+            await self._server.start(
+                door, self.slot.socket_path(self.slot.index), self._grace_s, self._keepalive_s
+            )
             return
         spare, path = PeerServer(), spare_path(self.directory)
-        await spare.start(door, path, self._grace_s)
+        await spare.start(door, path, self._grace_s, self._keepalive_s)
         self._spare = (spare, path)
         self._claiming = asyncio.get_running_loop().create_task(self._claim_when_free())
 
@@ -471,7 +481,9 @@ class Peers:
             await asyncio.sleep(CLAIM_POLL_S)
         assert self._door is not None  # (set by ``listen``, which started this)
         try:
-            await self._server.start(self._door, slot.socket_path(slot.index), self._grace_s)
+            await self._server.start(
+                self._door, slot.socket_path(slot.index), self._grace_s, self._keepalive_s
+            )
         except BaseException as error:
             os.close(slot.lock_fd)  # (not served: the slot goes to another worker)
             if not isinstance(error, Exception):
