@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
+from . import upstream as upstream_module
 from .serving import serve_app, serve_app_with_server
-from .upstream import DEFAULT_FAIL_BODY, FakeUpstream
+from .upstream import DEFAULT_FAIL_BODY, FakeUpstream, token_id
 
 CHAT = "/v1/chat/completions"
 
@@ -173,6 +174,33 @@ async def test_completions(fake) -> None:
     batch = (await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})).json()
     assert [c["text"] for c in batch["choices"]] == ["answer 2 to a", "answer 2 to b"]
     assert upstream.count("/v1/completions") == 2
+
+
+async def test_the_prompt_is_tokenized_only_when_its_token_ids_are_asked(
+    fake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tokenizing is a hash per word in Python: done for every prompt, an 8 MB one held the
+    # event loop the fake shares with the gateway in a test for seconds, and that was measured
+    # as the gateway's own stall.
+    upstream, client = fake
+    tokenized: list[str] = []
+    token_ids = upstream_module._token_ids
+
+    def counted(text: str) -> list[int]:
+        tokenized.append(text)
+        return token_ids(text)
+
+    monkeypatch.setattr(upstream_module, "_token_ids", counted)
+    for stream in (False, True):
+        await client.post(CHAT, json=chat_body("a long prompt", stream=stream))
+        await client.post("/v1/completions", json={"model": "m", "prompt": "a long prompt"})
+    assert tokenized == []
+    chat = (await client.post(CHAT, json=chat_body("two words", return_token_ids=True))).json()
+    assert chat["prompt_token_ids"] == [token_id("two"), token_id("words")]
+    completion = await client.post(
+        "/v1/completions", json={"model": "m", "prompt": "two words", "return_token_ids": True}
+    )
+    assert completion.json()["choices"][0]["prompt_token_ids"] == chat["prompt_token_ids"]
 
 
 async def test_embeddings_are_deterministic_and_carry_the_call_in_model(fake) -> None:

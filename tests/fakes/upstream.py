@@ -808,12 +808,18 @@ class FakeUpstream:
                 "messages": messages,
             }
         ids = bool(body.get("return_token_ids"))
-        prompt_ids = [
-            i
-            for m in messages
-            if isinstance(m, dict)
-            for i in _token_ids(_text_of(m.get("content")))
-        ]
+        # Tokenized only when asked: a hash per word in Python, which for a big prompt held the
+        # event loop the fake shares with the gateway in a test (measured as the gateway's).
+        prompt_ids = (
+            [
+                i
+                for m in messages
+                if isinstance(m, dict)
+                for i in _token_ids(_text_of(m.get("content")))
+            ]
+            if ids
+            else []
+        )
         if body.get("stream"):
             await self._stream(
                 call,
@@ -959,8 +965,8 @@ class FakeUpstream:
         )
         cid = self._named(call, "cmpl-") or f"cmpl-fake-{call.number}"
         ids = bool(body.get("return_token_ids"))
-        # (Each choice's prompt: ``n`` per prompt, prompt-major.)
-        prompt_ids = [_token_ids(p) for p in prompts for _ in range(self._n(body))]
+        # (Each choice's prompt: ``n`` per prompt, prompt-major; tokenized only when asked.)
+        prompt_ids = [_token_ids(p) for p in prompts for _ in range(self._n(body))] if ids else []
         if body.get("stream"):
             await self._stream(
                 call,
