@@ -26,6 +26,18 @@ def carpool(*args: str, **kw) -> subprocess.Popen:
     )
 
 
+def answers_on(port: int) -> None:
+    """Returns once a gateway answers ``/healthz`` on ``port`` (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+            return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"nothing answers on port {port}"
+            time.sleep(0.05)
+
+
 def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
     port = free_port()
     process = carpool("serve", "--port", str(port))
@@ -65,14 +77,7 @@ def test_serve_on_port_0_says_the_port_the_system_chose(workers):
             raise AssertionError("carpool serve exited before saying where it listens")
         port = int(line.split("listening on http://127.0.0.1:")[1].split("/")[0])
         assert port != 0, line
-        deadline = time.monotonic() + 30
-        while True:  # (with workers, the socket is bound before they start)
-            try:
-                assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"nothing answers on port {port}"
-                time.sleep(0.05)
+        answers_on(port)  # (with workers, the socket is bound before they start)
     finally:
         process.terminate()
         process.wait(10)
@@ -632,23 +637,13 @@ def test_an_idle_client_connection_is_closed_after_limits_client_keepalive(worke
         env=env,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"nothing answers on port {port}"
-                time.sleep(0.05)
+        answers_on(port)
         with socket.create_connection(("127.0.0.1", port), timeout=4) as connection:
             connection.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
             received = b""
-            while b"\r\n\r\n" not in received or not received.rstrip().endswith(b"}"):
-                chunk = connection.recv(65536)
-                assert chunk, received
+            while chunk := connection.recv(65536):  # (closed once idle: no timeout)
                 received += chunk
-            assert received.startswith(b"HTTP/1.1 200")
-            assert connection.recv(65536) == b""  # closed by the gateway, idle (no timeout)
+        assert received.startswith(b"HTTP/1.1 200")
     finally:
         process.terminate()
         process.wait(10)
