@@ -1572,3 +1572,59 @@ async def test_a_prompt_that_does_not_read_as_english_is_matched_exactly_its_eng
     await stored(sgw)
     again = await ask(sgw, twin[1])
     assert again.headers["x-carpool"] == "semantic-hit" and fake.count() == 3
+
+
+#: (a completion prompt, what the upstream wrote after it, a prompt that ends otherwise)
+CONTINUED = [
+    (
+        "How do I reset my password? Answer: You",
+        " can reset it under Settings > Security.",
+        "How do I reset my password? Answer:",
+    ),
+    (
+        "How do I reset my password? The first step is to",
+        " open Settings.",
+        "How do I reset my password? The first step is",
+    ),
+    (
+        "Q: How do I reset my password?\nA: To",
+        " reset it, open Settings.",
+        "Q: How do I reset my password?\nA:",
+    ),
+    (
+        "Tell me how to reset my password. Sure, the first step is",
+        " to open Settings.",
+        "Tell me how to reset my password. Sure, the first step is to",
+    ),
+]
+
+
+@pytest.mark.parametrize("prompt,written,other", CONTINUED)
+async def test_a_completion_is_never_served_to_a_prompt_that_ends_otherwise(
+    sgw, fake, prompt, written, other
+):
+    # A completion continues its prompt's very words: "...Answer: You" continued with "can
+    # reset it...", served to "...Answer:" as "...Answer: can reset it...".
+    fake.answer_text = lambda n, body: written
+    body = {"model": "m", "temperature": 0, "max_tokens": 32}
+    first = await sgw.client.post("/v1/completions", json={**body, "prompt": prompt})
+    assert first.json()["choices"][0]["text"] == written
+    await stored(sgw)
+    again = await sgw.client.post("/v1/completions", json={**body, "prompt": other})
+    assert again.headers["x-carpool"] == "miss", other + again.json()["choices"][0]["text"]
+    assert fake.count() == 2
+
+
+async def test_a_completion_whose_prompt_ends_the_same_is_compared_by_its_finished_sentences(
+    sgw, fake
+):
+    body = {"model": "m", "temperature": 0, "max_tokens": 32}
+    for prompt in ("How do I reset my password? Answer:", "Why is the sky blue"):
+        await sgw.client.post("/v1/completions", json={**body, "prompt": prompt})
+    await stored(sgw)
+    hit = await sgw.client.post(
+        "/v1/completions", json={**body, "prompt": "how can I reset my password? Answer:"}
+    )
+    assert hit.headers["x-carpool"] == "semantic-hit"
+    # No sentence ends: all of it is continued, matched exactly only.
+    assert sgw.gateway.semantic.entries == 1

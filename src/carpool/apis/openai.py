@@ -17,8 +17,10 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
   for embeddings, ``stream`` a boolean (null is no stream: ``request.parse``),
   ``temperature``/``top_p`` numbers, ``top_k``/``seed``/``n`` integers. Embeddings are always
   deterministic and have no stream.
-- The semantic view: the last user message (chat; plain text only) or a string prompt
-  (completions); embeddings have none, nor has a request whose answer repeats its prompt
+- The semantic view: the last user message (chat; plain text only) or a string prompt's
+  finished sentences (completions: what follows its last sentence end, the unfinished text its
+  answer continues, is in the scope, exact: :func:`unfinished`; a prompt without a sentence end
+  has none); embeddings have none, nor has a request whose answer repeats its prompt
   (``echo``, vLLM's ``prompt_logprobs``: :func:`echoes_prompt`). An answer that carries its
   prompt whatever asked for it (vLLM's ``prompt_token_ids``, ``prompt_logprobs``, its
   Responses ``input_messages``: :func:`answer_repeats_prompt`) gets no semantic entry.
@@ -213,7 +215,16 @@ class CompletionApi(_Classic):
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or echoes_prompt(body):
             return None  # token ids and list prompts: exact only
-        return prompt, {k: v for k, v in body.items() if k != "prompt"}
+        # The answer continues the prompt's very words: "...? Answer: You" was continued with
+        # "can reset it...", served to "...? Answer:". Only its finished sentences are compared
+        # by meaning; what follows them must be the same.
+        cut = unfinished(prompt)
+        if cut == 0:
+            return None  # no sentence ends: all of it is continued
+        return prompt[:cut], {
+            **{k: v for k, v in body.items() if k != "prompt"},
+            "prompt": prompt[cut:],
+        }
 
 
 class EmbeddingApi(Api):
@@ -277,6 +288,17 @@ def echoes_prompt(body: Mapping[str, Any]) -> bool:
 # ``prompt_token_ids`` and ``prompt_logprobs``, top level or per choice; its Responses
 # ``input_messages``, the whole prompt as messages), with a value: an engine may write them as
 # null when not asked.
+#: Where a sentence ends: a stop, question or exclamation mark before white space (or the
+#: end), or a line break ("3.5", "e.g.x" go on).
+_SENTENCE_END = re.compile(r"[.?!…][\"'”’)\]]*(?=\s|$)|\n")
+
+
+def unfinished(prompt: str) -> int:
+    """Where the text after a completion prompt's last sentence end starts (0: none ends)."""
+    ends = [match.end() for match in _SENTENCE_END.finditer(prompt)]
+    return ends[-1] if ends else 0
+
+
 _PROMPT_IN_ANSWER = re.compile(rb'"(?:prompt_(?:token_ids|logprobs)|input_messages)"\s*:\s*[^\sn]')
 
 
