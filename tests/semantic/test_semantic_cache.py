@@ -506,6 +506,23 @@ SERVED_BY_THE_VERIFIER = {
         "Should I sign the lease as the tenant or as the landlord's guarantor?",
         "order",
     ),
+    # A fourth review's traps: a role named again in the question, one-letter names, a name
+    # said twice.
+    "role_named_again_in_the_question": (
+        "If the husband is a US citizen sponsoring the wife, what visa does the wife need?",
+        "If the wife is a US citizen sponsoring the husband, what visa does the wife need?",
+        "order",
+    ),
+    "one_letter_names": (
+        "Team A beat Team B 3-1. Who advances to the final?",
+        "Team B beat Team A 3-1. Who advances to the final?",
+        "order",
+    ),
+    "names_said_twice": (
+        "Mary gave John the book John wanted. Who is grateful?",
+        "John gave Mary the book Mary wanted. Who is grateful?",
+        "order",
+    ),
 }
 
 

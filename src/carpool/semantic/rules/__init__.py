@@ -21,7 +21,7 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.entities`: names (capitalised words inside a sentence);
 - :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
   the cat", "JSON to YAML" / "YAML to JSON"), a direction between phrases reversed ("from Google
-  Photos to iCloud") and roles exchanged through a pronoun ("My landlord is suing me" / "I am
+  Photos to iCloud", read by :mod:`.directions`) and roles exchanged through a pronoun ("My landlord is suing me" / "I am
   suing my landlord");
 - :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
   "unsafe", "bigger" / "smaller", "closed" / "open", "odd" / "even", "overvalued" /

@@ -10,6 +10,14 @@ import unicodedata
 #: a run of CJK ideographs counts character by character (Chinese has no spaces).
 _WORD = re.compile(r"[\u4e00-\u9fff\u3400-\u4dbf]|[^\W_](?:[\w'’.-]*[^\W_])?|_\w*", re.UNICODE)
 
+#: Words that carry no role (word order): their place may change freely, and they end a phrase.
+STOP = frozenset(
+    """a an the to of in on at for by with from and or but is are was were be been
+do does did can could should would will shall may might must i you he she it we they me him her
+us them my your his its our their this that these those what which who whom how why when where
+whether if than then so as not no please".split()""".split()
+)
+
 
 def norm(text: str) -> str:
     """NFKC (full-width digits and letters become ASCII), curly quotes made straight."""
