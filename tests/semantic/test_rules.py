@@ -797,6 +797,39 @@ def test_polarity_every_listed_opposite_is_refused_both_ways():
             assert polarity.RULE.differs(a, b) is polarity.RULE.differs(b, a) is not negated, (a, b)
 
 
+def test_polarity_exceeding_against_falling_short_and_before_against_after_are_refused():
+    # "exceeds" was read (as ">") only before an amount, "prior to" / "subsequent to" and
+    # "predate" / "postdate" were no opposites: each was served the other's answer.
+    for a, b in (
+        (
+            "Does my income exceed the limit if I earn 40k and the cap is 35k?",
+            "Does my income fall short of the limit if I earn 40k and the cap is 35k?",
+        ),
+        (
+            "Was the iPhone released prior to the first Android phone?",
+            "Was the iPhone released subsequent to the first Android phone?",
+        ),
+        ("Does the manuscript predate the war?", "Does the manuscript postdate the war?"),
+        ("Did Rome fall earlier than Carthage?", "Did Rome fall later than Carthage?"),
+    ):
+        assert refused(a, b) in ("polarity", "operator"), (a, b)
+
+
+def test_polarity_exceeding_or_falling_short_said_on_both_sides_passes():
+    for a, b in (
+        (
+            "Does my income exceed the limit?",
+            "Is my income exceeding the limit?",
+        ),
+        (
+            "Why did sales fall short of the forecast?",
+            "Why did sales fall short of what was forecast?",
+        ),
+        ("What happened prior to the war?", "What happened in the years prior to the war?"),
+    ):
+        assert passes(polarity.RULE, a, b), (a, b)
+
+
 def test_polarity_still_against_no_longer_and_an_exclusion_on_one_side_are_refused():
     # "no longer" has a negator that "still" lacks: the counts differed, so it was the
     # verifier's, which served it (0.97); nothing read "except".

@@ -523,6 +523,16 @@ SERVED_BY_THE_VERIFIER = {
         "John gave Mary the book Mary wanted. Who is grateful?",
         "order",
     ),
+    "exceed_or_fall_short": (
+        "Does my income exceed the limit if I earn 40k and the cap is 35k?",
+        "Does my income fall short of the limit if I earn 40k and the cap is 35k?",
+        "polarity",
+    ),
+    "prior_or_subsequent": (
+        "Was the iPhone released prior to the first Android phone?",
+        "Was the iPhone released subsequent to the first Android phone?",
+        "polarity",
+    ),
 }
 
 

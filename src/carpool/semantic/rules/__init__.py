@@ -25,7 +25,7 @@ refuses, ahead of the model, what the model reads badly:
   suing my landlord");
 - :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
   "unsafe", "bigger" / "smaller", "closed" / "open", "odd" / "even", "overvalued" /
-  "undervalued", "still" / "no longer", "is happening" / "is no longer happening", "except"),
+  "undervalued", "exceed" / "fall short of", "still" / "no longer", "is happening" / "is no longer happening", "except"),
   the kind the verifier was measured to miss;
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared

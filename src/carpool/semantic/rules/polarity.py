@@ -16,6 +16,8 @@ which is exactly what a short list can read:
   closed" / "it is open" says "open" on both sides, "closed" on one); a :data:`GRADED` word is read in its comparative and
   superlative forms too ("bigger", "biggest", "easier", "wider", "hottest" are "big", "big",
   "easy", "wide", "hot"), so "bigger" / "smaller" and "longest" / "shortest" are opposites;
+- "exceed" on one side and "fall short (of)" on the other (the phrase read as one word, as
+  "no longer" is); "prior" / "subsequent", "predate" / "postdate";
 - "still" on one side and "no longer" (or "not ... anymore", "not ... any longer") on the other;
 - "no longer" (or "not ... anymore") said on one side more often than on the other, before a
   word the other side says, the other negators as many: "...mention that the meeting is
@@ -90,7 +92,8 @@ tighten/loosen wet/dry dark/light dark/bright clean/dirty happy/sad input/output
 send/receive borrow/lend expand/collapse inflate/deflate attract/repel arrive/depart
 arrival/departure internal/external incoming/outgoing inbound/outbound beginner/expert
 beginners/experts novice/expert novices/experts beginner/advanced basic/advanced asleep/awake
-still/no_longer
+still/no_longer prior/subsequent predate/postdate predates/postdates predated/postdated
+exceed/fall_short exceeds/fall_short exceeded/fall_short exceeding/fall_short
 好处/坏处 优点/缺点 增加/减少 删除/恢复 上/下 开/关 买/卖 快/慢 高/低 大/小
 """
 
@@ -122,6 +125,8 @@ GRADED = frozenset(
 _NO_LONGER = re.compile(
     r"\bno longer\b|\b(?:not|never|\w+n't)\b(?: \S+){0,6}? (?:anymore|any longer)\b"
 )
+#: "fall short (of)" in any tense: the word "fall short", the opposite of "exceed".
+_FALL_SHORT = re.compile(r"\b(?:fall|falls|fell|falling|fallen) short\b")
 #: Words between "no longer" (or "not") and what is no longer so: "no longer *a* planet".
 _FILLER = frozenset({"no", "longer", "not", "never", "a", "an", "the", "be", "been", "being"})
 #: What leaves something out: one side more than the other is another question.
@@ -165,6 +170,7 @@ def _read(text: str) -> tuple[int, int, tuple[str, ...], Counter[str]]:
     # ("keep only unique rows" / "remove duplicate rows" ask one thing).
     read["keep"] -= sum(a == "keep" and b in ("only", "just") for a, b in pairwise(words))
     read["no longer"] = no_longer
+    read["fall short"] = len(_FALL_SHORT.findall(said))
     exclusions = len(_EXCLUSION.findall(said))
     return negators, exclusions, tuple(no_longer_of), +read
 
