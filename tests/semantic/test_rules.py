@@ -275,6 +275,41 @@ def test_operators_a_different_code_operator_is_refused():
     assert refused("Explain a && b in JavaScript", "Explain a || b in JavaScript") == "operator"
 
 
+def test_operators_word_operators_between_names_of_code_and_their_grouping_are_refused():
+    # Outside backticks "and" / "or" / "is not" / "not" were prose, and parentheses nothing:
+    # "a and b" was served "a or b"'s answer, "not (x and y)" that of "not x and y".
+    for a, b in (
+        (
+            "Explain short circuit evaluation of a and b in Python.",
+            "Explain short circuit evaluation of a or b in Python.",
+        ),
+        (
+            "Why use is not None instead of != None in Python?",
+            "Why use != None instead of is not None in Python?",
+        ),
+        (
+            "What does not x and y parse as in Python?",
+            "What does not (x and y) parse as in Python?",
+        ),
+        ("Is k in seen_keys?", "Is k not in seen_keys?"),
+    ):
+        assert refused(a, b) == "operator", (a, b)
+
+
+def test_operators_word_operators_in_prose_or_said_alike_pass():
+    for a, b in (
+        (
+            "Explain short circuit evaluation of a and b in Python.",
+            "In Python, how is a and b evaluated?",
+        ),
+        ("Is it not a problem to use a and b?", "Is using a and b not a problem?"),
+        ("Is cheese good or bad for you (honestly)?", "Is cheese good for you or bad (honestly)?"),
+        ("What does x is not None return?", "What is returned by x is not None?"),
+        ("Should I study and work or only study?", "Should I only study, or study and work?"),
+    ):
+        assert passes(operators.RULE, a, b), (a, b)
+
+
 def test_operators_prose_punctuation_and_synonyms_pass():
     for a, b in (
         ("Is 8 greater than 5?", "Is 8 more than 5?"),

@@ -533,6 +533,16 @@ SERVED_BY_THE_VERIFIER = {
         "Was the iPhone released subsequent to the first Android phone?",
         "polarity",
     ),
+    "and_or_or_between_names_of_code": (
+        "Explain short circuit evaluation of a and b in Python.",
+        "Explain short circuit evaluation of a or b in Python.",
+        "operator",
+    ),
+    "not_before_a_group": (
+        "What does not x and y parse as in Python?",
+        "What does not (x and y) parse as in Python?",
+        "operator",
+    ),
 }
 
 

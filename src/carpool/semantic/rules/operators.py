@@ -13,6 +13,12 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
   the table"); "at least" / "no less than" as ``>=``; "at most" / "no more than" as ``<=``; "equal to"
   as ``==``; Chinese 大于, 小于, 不少于, 不超过, 等于.
 
+Code outside backticks: "and", "or", "is", "is not", "in", "not in" between two names of code
+(one letter, an identifier with a digit or an underscore, None / True / False: "a and b" / "a or
+b"), "not" before one ("not x"), "is not" / "is" before None / True / False ("is not None" /
+"!= None" read in their order), and parentheses around an operator ("not (x and y)" / "not x
+and y").
+
 A hyphen inside a word ("e-mail"), a slash between words ("and/or") and sentence punctuation are
 no operators; arithmetic signs count only between digits or names.
 """
@@ -49,6 +55,18 @@ _WORDS = [
     (r"\bequals?\b|\bequal to\b|等于", "=="),
 ]
 _WORD_OPERATORS = re.compile("|".join(f"(?P<op{i}>{p})" for i, (p, _) in enumerate(_WORDS)), re.I)
+#: Something code names: a one-letter name (not "I"), an identifier with a digit or an
+#: underscore, None / True / False. (Not a number: "between 5 and 10" is prose.)
+_CODE = r"(?:[A-HJ-Za-z]|[A-Za-z_]\w*_\w*|[A-Za-z]+\d\w*|None|True|False)(?![\w'])"
+#: "and", "or", "is", "is not", "in", "not in" between two of them ("a and b", "x is not None"),
+#: and a leading "not" before one ("not x", "not (x"; not "not a": an article).
+_CODE_WORDS = re.compile(
+    rf"(?<![\w']){_CODE}\s+(?P<op>and|or|is not|is|not in|in)\s+(?=(?:not\s+)?{_CODE})"
+    r"|(?P<not>(?<![\w'])not)\s+(?=\(|(?!a\b)[A-HJ-Za-z](?![\w'])|None\b|True\b|False\b)"
+    r"|(?P<none>(?<![\w'])is not|(?<![\w'])is)\s+(?=None\b|True\b|False\b)"
+)
+#: A group in parentheses: its operators grouped ("not (x and y)" is no "not x and y").
+_GROUP = re.compile(r"\([^()]*\)")
 #: Punctuation that looks like an operator in prose: "!" ending a sentence, "-" as a dash.
 _PROSE = re.compile(r"!+(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
 
@@ -62,6 +80,13 @@ def _operators(text: str) -> tuple[str, ...]:
         found.append((m.start(), _WORDS[index][1]))
     for m in _SYMBOL.finditer(_PROSE.sub(" ", text)):
         found.append((m.start(), _CANONICAL.get(m.group(), m.group())))
+    for m in _CODE_WORDS.finditer(text):
+        name = next(k for k in ("op", "not", "none") if m.group(k) is not None)
+        found.append((m.start(name), m.group(name)))
+    # Parentheses only around an operator: "(optional)" in prose groups nothing.
+    for m in _GROUP.finditer(text):
+        if any(m.start() < at < m.end() for at, _ in found):
+            found += [(m.start(), "("), (m.end() - 1, ")")]
     return tuple(op for _, op in sorted(found))
 
 
