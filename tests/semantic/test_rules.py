@@ -567,6 +567,43 @@ def test_order_refuses_a_direction_between_phrases_reversed():
         assert refused(a, b) == "order", (a, b)
 
 
+def test_order_refuses_a_direction_said_with_onto_off_worth_in_or_a_phrase_with_of_reversed():
+    # Only "to" / "into" after "from" or a verb were read: "off X onto Y", "X worth in Y" and a
+    # phrase with "of" inside ("a list of dicts") were served the other way round.
+    for a, b in (
+        ("What's a euro worth in dollars right now?", "What's a dollar worth in euros right now?"),
+        (
+            "How do I go from a pandas DataFrame to a list of dicts?",
+            "How do I go from a list of dicts to a pandas DataFrame?",
+        ),
+        (
+            "How do I move my photos off iCloud onto Google Photos?",
+            "How do I move my photos off Google Photos onto iCloud?",
+        ),
+        (
+            "How do I get data out of Excel into Python?",
+            "How do I get data out of Python into Excel?",
+        ),
+    ):
+        assert order.RULE.differs(a, b), (a, b)
+        assert refused(a, b) == "order", (a, b)
+
+
+def test_order_the_same_direction_with_onto_off_or_worth_in_reworded_passes():
+    for a, b in (
+        ("What's a euro worth in dollars right now?", "How much is a euro worth in dollars today?"),
+        (
+            "How do I go from a pandas DataFrame to a list of dicts?",
+            "Convert a pandas DataFrame to a list of dicts",
+        ),
+        (
+            "How do I move my photos off iCloud onto Google Photos?",
+            "How can I move photos from iCloud to Google Photos?",
+        ),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+
+
 def test_order_the_same_direction_between_phrases_reworded_passes():
     for a, b in (
         (

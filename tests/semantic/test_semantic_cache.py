@@ -543,6 +543,16 @@ SERVED_BY_THE_VERIFIER = {
         "What does not (x and y) parse as in Python?",
         "operator",
     ),
+    "off_and_onto_reversed": (
+        "How do I move my photos off iCloud onto Google Photos?",
+        "How do I move my photos off Google Photos onto iCloud?",
+        "order",
+    ),
+    "worth_in_reversed": (
+        "What's a euro worth in dollars right now?",
+        "What's a dollar worth in euros right now?",
+        "order",
+    ),
 }
 
 
