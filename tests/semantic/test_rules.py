@@ -378,6 +378,35 @@ def test_quoted_the_input_after_a_colon_of_an_instruction_naming_a_language_is_c
         assert refused(a, b) == "quoted", (a, b)
 
 
+def test_quoted_the_input_of_how_do_i_say_or_a_language_translation_of_is_compared():
+    # Without a colon or a task verb first, "how do I say X in Spanish" had no input: another
+    # tense was served the first one's translation.
+    for a, b in (
+        (
+            "How do I say I studied medicine in Spanish?",
+            "How do I say I study medicine in Spanish?",
+        ),
+        (
+            "French translation of you have won, please.",
+            "French translation of you will win, please.",
+        ),
+        ("What's the German for we were late?", "What's the German for we are late?"),
+    ):
+        assert refused(a, b) == "quoted", (a, b)
+
+
+def test_quoted_the_same_input_named_by_its_language_reworded_passes():
+    for a, b in (
+        (
+            "How do I say I studied medicine in Spanish?",
+            "How would you say I studied medicine in Spanish?",
+        ),
+        ("French translation of you have won, please.", "What's the French for you have won?"),
+        ("How do I say thank you in Japanese?", "Translate to Japanese: thank you"),
+    ):
+        assert passes(quoted.RULE, a, b), (a, b)
+
+
 def test_quoted_the_same_input_after_a_colon_in_another_instruction_passes():
     for a, b in (
         (

@@ -553,6 +553,11 @@ SERVED_BY_THE_VERIFIER = {
         "What's a dollar worth in euros right now?",
         "order",
     ),
+    "how_do_i_say_in_another_tense": (
+        "How do I say I studied medicine in Spanish?",
+        "How do I say I study medicine in Spanish?",
+        "quoted",
+    ),
 }
 
 

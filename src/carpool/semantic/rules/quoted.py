@@ -13,7 +13,9 @@ request; the answer differs in every word. So:
 - the text after a colon is a task's input when the instruction before it has a task verb or
   names a language (:data:`LANGUAGES`): "Put this in Spanish please: she is reading a book" /
   "...: she was reading a book" differ (no task verb starts it). When both sides are such a
-  task, the words after the colon must be the same, all of them, in order;
+  task, the words after the colon must be the same, all of them, in order; so must the input
+  of "how do I say X in Spanish", "French translation of X" and "what's the German for X"
+  ("How do I say I studied medicine in Spanish?" / "...I study medicine...");
 - what an error, a log or a message says, unquoted ("The error says permission denied", "the
   server logs say connection refused", "error: KeyError"; to the sentence's end): when both
   sides say such a text, the texts must be the same words in order. "...logs say connection
@@ -153,6 +155,35 @@ def _after_colon(text: str) -> tuple[str, ...] | None:
     return lower_words(tail)
 
 
+_LANGUAGE = "|".join(sorted(w for w in LANGUAGES if w.isascii()))
+#: A task's input named by its language, no colon: "how do I say X in Spanish", "French
+#: translation of X", "what's the German for X" (X to the end, but for a closing "please").
+_NAMED_INPUT = re.compile(
+    rf"\bhow (?:(?:do|would|can|could|should) (?:i|you|we|one) |to )say (?P<a>.+?) in (?:{_LANGUAGE})\b"
+    rf"|\b(?:{_LANGUAGE}) translation (?:of|for) (?P<b>.+)"
+    rf"|\bwhat(?:'s| is) the (?:{_LANGUAGE}) (?:word |phrase )?for (?P<c>.+)",
+    re.I,
+)
+
+
+@functools.lru_cache(maxsize=8192)
+def _named_input(text: str) -> tuple[str, ...] | None:
+    """The words of a task's input that names its language without a colon, or None."""
+    m = _NAMED_INPUT.search(norm(text))
+    if m is None:
+        return None
+    said = lower_words(next(g for g in m.groups() if g is not None))
+    while said and said[-1] == "please":
+        said = said[:-1]
+    return said
+
+
+def _input(text: str) -> tuple[str, ...] | None:
+    """A task's input after a colon, or named by its language ("how do I say X in Spanish")."""
+    after = _after_colon(text)
+    return after if after is not None else _named_input(text)
+
+
 #: What an error, a log or a message says, unquoted: "The error says permission denied",
 #: "the server logs say connection refused", "error: KeyError". The text runs to the sentence's
 #: end or a comma (a mark before a space or the end: "file.txt" is inside it; "refused, why?").
@@ -201,7 +232,7 @@ def differs(a: str, b: str) -> bool:
     sa, sb = _says(a), _says(b)
     if sa and sb and sa != sb:
         return True  # another error message: the verifier scored "refused" / "timed out" 0.99
-    ia, ib = _after_colon(a), _after_colon(b)
+    ia, ib = _input(a), _input(b)
     if ia is not None and ib is not None and ia != ib:
         return True  # then the task's input read the older way too ("into French" / "German")
     ta, tb = _task_input(a), _task_input(b)
