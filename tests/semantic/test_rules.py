@@ -306,6 +306,15 @@ def test_operators_word_operators_in_prose_or_said_alike_pass():
         ("Is cheese good or bad for you (honestly)?", "Is cheese good for you or bad (honestly)?"),
         ("What does x is not None return?", "What is returned by x is not None?"),
         ("Should I study and work or only study?", "Should I only study, or study and work?"),
+        (
+            "Which compiler is best for C++ beginners?",
+            "Which is the best compiler to learn c and c++?",
+        ),
+        ("Should I learn C or C++ first?", "Which first, C or C++?"),
+        (
+            "DEFAULT_NAME is a variable holding the name.",
+            "The variable DEFAULT_NAME holds the name.",
+        ),
     ):
         assert passes(operators.RULE, a, b), (a, b)
 
@@ -756,6 +765,7 @@ def test_order_the_same_roles_in_clauses_or_a_letter_reworded_pass():
             "The tenant appealed after the landlord evicted the tenant. What now?",
         ),
         ("Write A Cover Letter For A Nurse", "write a cover letter for a nurse"),
+        ("How can I earn money fast online?", "How can I earn money online fast?"),
         (
             "Mary gave John the book John wanted. Who is grateful?",
             "Mary gave John the book that John wanted. Who is grateful?",

@@ -14,8 +14,8 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
   as ``==``; Chinese 大于, 小于, 不少于, 不超过, 等于.
 
 Code outside backticks: "and", "or", "is", "is not", "in", "not in" between two names of code
-(one letter, an identifier with a digit or an underscore, None / True / False: "a and b" / "a or
-b"), "not" before one ("not x"), "is not" / "is" before None / True / False ("is not None" /
+(a lower-case letter, an identifier with a digit or an underscore, None / True / False: "a and
+b" / "a or b"; not "C or C++", "K or H"), "not" before one ("not x"), "is not" / "is" before None / True / False ("is not None" /
 "!= None" read in their order), and parentheses around an operator ("not (x and y)" / "not x
 and y").
 
@@ -55,14 +55,18 @@ _WORDS = [
     (r"\bequals?\b|\bequal to\b|等于", "=="),
 ]
 _WORD_OPERATORS = re.compile("|".join(f"(?P<op{i}>{p})" for i, (p, _) in enumerate(_WORDS)), re.I)
-#: Something code names: a one-letter name (not "I"), an identifier with a digit or an
-#: underscore, None / True / False. (Not a number: "between 5 and 10" is prose.)
-_CODE = r"(?:[A-HJ-Za-z]|[A-Za-z_]\w*_\w*|[A-Za-z]+\d\w*|None|True|False)(?![\w'])"
+#: Something code names: a one-letter name in lower case (not "i"; not "C" or "K", languages
+#: and letters; not "c++"), an identifier with a digit or an underscore, None / True / False.
+#: (Not a number: "between 5 and 10" is prose.) After an operator, no "a": an article ("x is a
+#: variable").
+_NAME = r"(?:[A-Za-z_]\w*_\w*|[A-Za-z]+\d\w*|None|True|False)(?![\w'+#])"
+_CODE = rf"(?:[a-hj-z](?![\w'+#])|{_NAME})"
+_CODE_AFTER = rf"(?:[b-hj-z](?![\w'+#])|{_NAME})"
 #: "and", "or", "is", "is not", "in", "not in" between two of them ("a and b", "x is not None"),
 #: and a leading "not" before one ("not x", "not (x"; not "not a": an article).
 _CODE_WORDS = re.compile(
-    rf"(?<![\w']){_CODE}\s+(?P<op>and|or|is not|is|not in|in)\s+(?=(?:not\s+)?{_CODE})"
-    r"|(?P<not>(?<![\w'])not)\s+(?=\(|(?!a\b)[A-HJ-Za-z](?![\w'])|None\b|True\b|False\b)"
+    rf"(?<![\w']){_CODE}\s+(?P<op>and|or|is not|is|not in|in)\s+(?=(?:not\s+)?{_CODE_AFTER})"
+    rf"|(?P<not>(?<![\w'])not)\s+(?=\(|{_CODE_AFTER})"
     r"|(?P<none>(?<![\w'])is not|(?<![\w'])is)\s+(?=None\b|True\b|False\b)"
 )
 #: A group in parentheses: its operators grouped ("not (x and y)" is no "not x and y").

@@ -225,8 +225,8 @@ def _renamed(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     if len(differ) != 2:
         return False
     (x, y), other = sorted(differ)
-    if other != (y, x) or x in STOP or y in STOP:
-        return False
+    if other != (y, x) or x in STOP or y in STOP or _mismatches(a, b, 2) < 2:
+        return False  # (two neighbours exchanged: "earn money fast online" / "online fast")
     places = [i for i, w in enumerate(a) if w in (x, y)]
     return not any(
         a[i] != a[j] and _joined(a[i + 1 : j]) for i, j in zip(places, places[1:], strict=False)
